@@ -1,0 +1,267 @@
+//! Batches and per-task completion state, shared by the engine and every transport.
+//!
+//! A task is one [`crate::TransferRequest`]. A transport may cut it into several pieces; the
+//! task becomes terminal when its last piece finishes. Invariant: a task is terminal only once
+//! no thread of any transport will touch its local memory again, so a caller may reuse the
+//! buffer as soon as it sees COMPLETED, FAILED or TIMEOUT.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Mooncake's task status values (same integers as its C API).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum TaskStatus {
+    Waiting = 0,
+    Pending = 1,
+    Invalid = 2,
+    Canceled = 3,
+    Completed = 4,
+    Timeout = 5,
+    Failed = 6,
+}
+
+impl TaskStatus {
+    fn from_u8(v: u8) -> TaskStatus {
+        match v {
+            0 => TaskStatus::Waiting,
+            1 => TaskStatus::Pending,
+            2 => TaskStatus::Invalid,
+            3 => TaskStatus::Canceled,
+            4 => TaskStatus::Completed,
+            5 => TaskStatus::Timeout,
+            _ => TaskStatus::Failed,
+        }
+    }
+
+    pub fn is_terminal(self) -> bool {
+        matches!(self, TaskStatus::Completed | TaskStatus::Timeout | TaskStatus::Failed | TaskStatus::Canceled)
+    }
+}
+
+/// Status of a task or a whole batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferStatus {
+    pub status: TaskStatus,
+    pub transferred_bytes: u64,
+    /// Why the task failed or timed out.
+    pub reason: Option<String>,
+}
+
+/// How a piece of a task ended badly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailKind {
+    Failed,
+    Timeout,
+}
+
+/// Wakes waiters of a batch when its last task ends or any task fails.
+#[derive(Default)]
+pub(crate) struct Signal {
+    unfinished: AtomicUsize,
+    failed: AtomicUsize,
+    lock: Mutex<()>,
+    cv: Condvar,
+}
+
+impl Signal {
+    fn notify(&self) {
+        let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.cv.notify_all();
+    }
+}
+
+/// Completion state of one task.
+pub struct TaskState {
+    status: AtomicU8,
+    transferred: AtomicU64,
+    /// Pieces not yet finished.
+    pieces: AtomicU32,
+    failure: AtomicU8,
+    reason: OnceLock<String>,
+    pub(crate) deadline: Instant,
+    signal: Arc<Signal>,
+}
+
+const NO_FAILURE: u8 = 0;
+
+impl TaskState {
+    pub(crate) fn new(deadline: Instant, signal: Arc<Signal>) -> TaskState {
+        signal.unfinished.fetch_add(1, Ordering::AcqRel);
+        TaskState {
+            status: AtomicU8::new(TaskStatus::Waiting as u8),
+            transferred: AtomicU64::new(0),
+            pieces: AtomicU32::new(1),
+            failure: AtomicU8::new(NO_FAILURE),
+            reason: OnceLock::new(),
+            deadline,
+            signal,
+        }
+    }
+
+    /// The deadline by which the task must end.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Declares that the task's single piece is being cut into `n` pieces (n >= 1).
+    pub fn split(&self, n: u32) {
+        if n > 1 {
+            self.pieces.fetch_add(n - 1, Ordering::AcqRel);
+        }
+    }
+
+    /// Marks the task as handed to the network.
+    pub fn set_pending(&self) {
+        let _ = self.status.compare_exchange(TaskStatus::Waiting as u8, TaskStatus::Pending as u8, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// One piece finished successfully, having moved `bytes`.
+    pub fn piece_done(&self, bytes: u64) {
+        self.transferred.fetch_add(bytes, Ordering::AcqRel);
+        self.finish_piece();
+    }
+
+    /// One piece failed. The first failure's reason is kept.
+    pub fn piece_failed(&self, kind: FailKind, reason: impl Into<String>) {
+        let code = match kind {
+            FailKind::Failed => TaskStatus::Failed,
+            FailKind::Timeout => TaskStatus::Timeout,
+        } as u8;
+        if self.failure.compare_exchange(NO_FAILURE, code, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            let _ = self.reason.set(reason.into());
+        }
+        self.finish_piece();
+    }
+
+    fn finish_piece(&self) {
+        if self.pieces.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let failure = self.failure.load(Ordering::Acquire);
+        let final_status = if failure == NO_FAILURE { TaskStatus::Completed as u8 } else { failure };
+        self.status.store(final_status, Ordering::Release);
+        if failure != NO_FAILURE {
+            self.signal.failed.fetch_add(1, Ordering::AcqRel);
+        }
+        let left = self.signal.unfinished.fetch_sub(1, Ordering::AcqRel) - 1;
+        if left == 0 || failure != NO_FAILURE {
+            self.signal.notify();
+        }
+    }
+
+    pub fn status(&self) -> TransferStatus {
+        let status = TaskStatus::from_u8(self.status.load(Ordering::Acquire));
+        TransferStatus {
+            status,
+            transferred_bytes: self.transferred.load(Ordering::Acquire),
+            reason: if status.is_terminal() { self.reason.get().cloned() } else { None },
+        }
+    }
+}
+
+/// A batch: a fixed capacity of tasks submitted in one or more calls.
+pub(crate) struct Batch {
+    pub capacity: usize,
+    pub tasks: Mutex<Vec<Arc<TaskState>>>,
+    pub signal: Arc<Signal>,
+}
+
+impl Batch {
+    pub fn new(capacity: usize) -> Batch {
+        Batch { capacity, tasks: Mutex::new(Vec::with_capacity(capacity)), signal: Arc::new(Signal::default()) }
+    }
+
+    pub fn unfinished(&self) -> usize {
+        self.signal.unfinished.load(Ordering::Acquire)
+    }
+
+    /// COMPLETED when every task completed; FAILED (or TIMEOUT) as soon as any task did;
+    /// otherwise WAITING. Bytes are summed over completed tasks.
+    pub fn status(&self) -> TransferStatus {
+        let tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
+        let mut bytes = 0;
+        let mut all_done = true;
+        let mut failure: Option<TransferStatus> = None;
+        for t in tasks.iter() {
+            let s = t.status();
+            match s.status {
+                TaskStatus::Completed => bytes += s.transferred_bytes,
+                TaskStatus::Failed | TaskStatus::Timeout | TaskStatus::Canceled => {
+                    if failure.is_none() {
+                        failure = Some(s);
+                    }
+                }
+                _ => all_done = false,
+            }
+        }
+        if let Some(f) = failure {
+            return f;
+        }
+        TransferStatus {
+            status: if all_done { TaskStatus::Completed } else { TaskStatus::Waiting },
+            transferred_bytes: bytes,
+            reason: None,
+        }
+    }
+
+    /// Blocks (without spinning) until every task is terminal, any task failed, or `timeout`.
+    pub fn wait(&self, timeout: Duration) -> TransferStatus {
+        let until = Instant::now() + timeout;
+        let s = &self.signal;
+        let mut g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+        while s.unfinished.load(Ordering::Acquire) > 0 && s.failed.load(Ordering::Acquire) == 0 {
+            let now = Instant::now();
+            if now >= until {
+                break;
+            }
+            g = s.cv.wait_timeout(g, until - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        drop(g);
+        self.status()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_pieces_complete_and_fail() {
+        let sig = Arc::new(Signal::default());
+        let t = TaskState::new(Instant::now(), Arc::clone(&sig));
+        t.split(3);
+        t.piece_done(30);
+        t.piece_done(30);
+        assert_eq!(t.status().status, TaskStatus::Waiting);
+        t.piece_done(40);
+        assert_eq!(t.status(), TransferStatus { status: TaskStatus::Completed, transferred_bytes: 100, reason: None });
+        assert_eq!(sig.unfinished.load(Ordering::Acquire), 0);
+
+        let t = TaskState::new(Instant::now(), Arc::clone(&sig));
+        t.split(2);
+        t.piece_failed(FailKind::Timeout, "slow");
+        t.piece_failed(FailKind::Failed, "second reason is dropped");
+        let s = t.status();
+        assert_eq!(s.status, TaskStatus::Timeout);
+        assert_eq!(s.reason.as_deref(), Some("slow"));
+    }
+
+    #[test]
+    fn batch_wait_wakes_on_completion() {
+        let b = Arc::new(Batch::new(2));
+        let t = Arc::new(TaskState::new(Instant::now(), Arc::clone(&b.signal)));
+        b.tasks.lock().unwrap().push(Arc::clone(&t));
+        let t2 = Arc::clone(&t);
+        let h = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            t2.piece_done(5);
+        });
+        let s = b.wait(Duration::from_secs(5));
+        h.join().unwrap();
+        assert_eq!(s.status, TaskStatus::Completed);
+        assert_eq!(s.transferred_bytes, 5);
+        assert_eq!(b.wait(Duration::from_millis(1)).status, TaskStatus::Completed);
+    }
+}

@@ -1,0 +1,233 @@
+//! One typed configuration, read once from the environment.
+//!
+//! kvferry's own variables are `KVFERRY_*`. Where Mooncake has a variable with the same
+//! meaning, its `MC_*` name is honoured as an alias (the `KVFERRY_*` name wins when both are
+//! set). [`ENV_VARS`] lists every variable; the README's configuration table is generated
+//! from the same facts, and `kvferry doctor` prints the values in force.
+
+use crate::error::{Error, Result};
+use std::net::IpAddr;
+use std::time::Duration;
+
+/// One environment variable the engine reads.
+#[derive(Debug, Clone, Copy)]
+pub struct EnvVar {
+    pub name: &'static str,
+    /// Mooncake's names with the same meaning.
+    pub aliases: &'static [&'static str],
+    pub default: &'static str,
+    pub doc: &'static str,
+}
+
+/// Every variable [`Config::from_env`] reads.
+pub const ENV_VARS: &[EnvVar] = &[
+    EnvVar { name: "KVFERRY_MIN_PORT", aliases: &["MC_MIN_RPC_PORT", "MC_MIN_PRC_PORT"], default: "15000", doc: "lowest port picked at random for the handshake (RPC) and TCP data listeners" },
+    EnvVar { name: "KVFERRY_MAX_PORT", aliases: &["MC_MAX_RPC_PORT", "MC_MAX_PRC_PORT"], default: "17000", doc: "highest port picked at random for the listeners" },
+    EnvVar { name: "KVFERRY_BIND_ADDRESS", aliases: &[], default: "the advertised address", doc: "address the listeners bind; `0.0.0.0` or `::` exposes registered memory on every interface" },
+    EnvVar { name: "KVFERRY_TRANSFER_TIMEOUT", aliases: &["MC_TRANSFER_TIMEOUT"], default: "30", doc: "seconds before an unfinished request becomes TIMEOUT (sync Python calls add 1 ns per byte)" },
+    EnvVar { name: "KVFERRY_TCP_LANES", aliases: &["MC_TCP_LANES_PER_PEER"], default: "2", doc: "persistent TCP connections per peer (1-16)" },
+    EnvVar { name: "KVFERRY_TCP_SPLIT_BYTES", aliases: &[], default: "4194304", doc: "requests larger than this are split across lanes in pieces of about this size" },
+    EnvVar { name: "KVFERRY_TCP_PROTO", aliases: &["MC_TCP_PROTO"], default: "2", doc: "`1` forces Mooncake's legacy v1 TCP framing towards every peer (writes are then confirmed by a read fence)" },
+    EnvVar { name: "KVFERRY_HANDSHAKE_MAX_LENGTH", aliases: &["MC_HANDSHAKE_MAX_LENGTH"], default: "1048576", doc: "largest handshake frame accepted (bytes, up to 128 MiB)" },
+    EnvVar { name: "KVFERRY_HANDSHAKE_CONNECT_TIMEOUT", aliases: &["MC_HANDSHAKE_CONNECT_TIMEOUT"], default: "5", doc: "seconds to connect to a peer's handshake port" },
+    EnvVar { name: "KVFERRY_LOG", aliases: &["MC_LOG_LEVEL"], default: "warn", doc: "log filter for the `kvferry` binary (`error`, `warn`, `info`, `debug`, `trace`, or tracing directives)" },
+];
+
+/// The engine's configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// `host` or `host:port`; the host part is advertised to peers and must be reachable by them.
+    pub local_hostname: String,
+    /// `P2PHANDSHAKE` (peers exchange descriptors directly).
+    pub metadata_server: String,
+    pub min_port: u16,
+    pub max_port: u16,
+    /// Address the listeners bind; `None` binds the advertised address.
+    pub bind_address: Option<IpAddr>,
+    pub transfer_timeout: Duration,
+    pub tcp_lanes: usize,
+    pub tcp_split_bytes: u64,
+    /// Highest TCP data protocol version to speak (1 or 2).
+    pub tcp_proto: u32,
+    pub handshake_max_len: u64,
+    pub handshake_connect_timeout: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            local_hostname: "127.0.0.1".into(),
+            metadata_server: "P2PHANDSHAKE".into(),
+            min_port: 15000,
+            max_port: 17000,
+            bind_address: None,
+            transfer_timeout: Duration::from_secs(30),
+            tcp_lanes: 2,
+            tcp_split_bytes: 4 << 20,
+            tcp_proto: 2,
+            handshake_max_len: crate::wire::handshake::DEFAULT_MAX_FRAME,
+            handshake_connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+fn lookup(get: &dyn Fn(&str) -> Option<String>, var: &str) -> Option<(String, String)> {
+    let v = ENV_VARS.iter().find(|v| v.name == var).expect("known variable");
+    std::iter::once(v.name)
+        .chain(v.aliases.iter().copied())
+        .find_map(|n| get(n).filter(|s| !s.trim().is_empty()).map(|s| (n.to_string(), s.trim().to_string())))
+}
+
+fn parse<T: std::str::FromStr>(get: &dyn Fn(&str) -> Option<String>, var: &str, what: &str) -> Result<Option<T>> {
+    match lookup(get, var) {
+        None => Ok(None),
+        Some((name, s)) => s
+            .parse::<T>()
+            .map(Some)
+            .map_err(|_| Error::Config(format!("{name}={s:?} is not {what}"))),
+    }
+}
+
+fn seconds(get: &dyn Fn(&str) -> Option<String>, var: &str) -> Result<Option<Duration>> {
+    match parse::<f64>(get, var, "a number of seconds")? {
+        Some(s) if s > 0.0 && s.is_finite() && s < 1e9 => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => Err(Error::Config(format!("{var}={s} must be a positive number of seconds"))),
+        None => Ok(None),
+    }
+}
+
+impl Config {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<Config> {
+        Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// Reads variables through `get` (tests pass a map).
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Config> {
+        let mut c = Config::default();
+        if let Some(p) = parse(get, "KVFERRY_MIN_PORT", "a port number")? {
+            c.min_port = p;
+        }
+        if let Some(p) = parse(get, "KVFERRY_MAX_PORT", "a port number")? {
+            c.max_port = p;
+        }
+        if let Some(a) = parse(get, "KVFERRY_BIND_ADDRESS", "an IP address")? {
+            c.bind_address = Some(a);
+        }
+        if let Some(d) = seconds(get, "KVFERRY_TRANSFER_TIMEOUT")? {
+            c.transfer_timeout = d;
+        }
+        if let Some(n) = parse(get, "KVFERRY_TCP_LANES", "a number of lanes")? {
+            c.tcp_lanes = n;
+        }
+        if let Some(n) = parse(get, "KVFERRY_TCP_SPLIT_BYTES", "a byte count")? {
+            c.tcp_split_bytes = n;
+        }
+        if let Some(n) = parse(get, "KVFERRY_TCP_PROTO", "1 or 2")? {
+            c.tcp_proto = n;
+        }
+        if let Some(n) = parse(get, "KVFERRY_HANDSHAKE_MAX_LENGTH", "a byte count")? {
+            c.handshake_max_len = n;
+        }
+        if let Some(d) = seconds(get, "KVFERRY_HANDSHAKE_CONNECT_TIMEOUT")? {
+            c.handshake_connect_timeout = d;
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks ranges and relations between fields.
+    pub fn validate(&self) -> Result<()> {
+        if self.min_port < 1024 || self.min_port > self.max_port {
+            return Err(Error::Config(format!(
+                "port range {}-{} is invalid: need 1024 <= KVFERRY_MIN_PORT <= KVFERRY_MAX_PORT",
+                self.min_port, self.max_port
+            )));
+        }
+        if !(1..=16).contains(&self.tcp_lanes) {
+            return Err(Error::Config(format!("KVFERRY_TCP_LANES={} must be between 1 and 16", self.tcp_lanes)));
+        }
+        if self.tcp_split_bytes < 4096 {
+            return Err(Error::Config(format!("KVFERRY_TCP_SPLIT_BYTES={} must be at least 4096", self.tcp_split_bytes)));
+        }
+        if !(1..=2).contains(&self.tcp_proto) {
+            return Err(Error::Config(format!("KVFERRY_TCP_PROTO={} must be 1 or 2", self.tcp_proto)));
+        }
+        if !(1..=crate::wire::handshake::MAX_MAX_FRAME).contains(&self.handshake_max_len) {
+            return Err(Error::Config(format!(
+                "KVFERRY_HANDSHAKE_MAX_LENGTH={} must be between 1 and 134217728",
+                self.handshake_max_len
+            )));
+        }
+        if self.metadata_server != "P2PHANDSHAKE" {
+            return Err(Error::Config(format!(
+                "metadata server {:?} is not supported yet: this version supports only P2PHANDSHAKE",
+                self.metadata_server
+            )));
+        }
+        Ok(())
+    }
+
+    /// The host part of `local_hostname` (brackets of an IPv6 literal removed).
+    pub fn advertised_host(&self) -> &str {
+        split_host_port(&self.local_hostname).0
+    }
+}
+
+/// Splits `host[:port]`, `[v6]:port` or a bare IPv6 literal.
+pub fn split_host_port(s: &str) -> (&str, Option<u16>) {
+    let s = s.trim_start_matches('/');
+    if let Some(rest) = s.strip_prefix('[') {
+        if let Some((host, tail)) = rest.split_once(']') {
+            return (host, tail.strip_prefix(':').and_then(|p| p.parse().ok()));
+        }
+    }
+    match s.rsplit_once(':') {
+        Some((h, p)) if !h.contains(':') => match p.parse() {
+            Ok(port) => (h, Some(port)),
+            Err(_) => (s, None),
+        },
+        _ => (s, None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(vars: &[(&str, &str)]) -> Result<Config> {
+        let m: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Config::from_lookup(&move |k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn defaults_aliases_and_precedence() {
+        assert_eq!(cfg(&[]).unwrap(), Config::default());
+        let c = cfg(&[("MC_MIN_RPC_PORT", "20000"), ("MC_MAX_RPC_PORT", "20010"), ("MC_TRANSFER_TIMEOUT", "7"), ("MC_TCP_PROTO", "1")]).unwrap();
+        assert_eq!((c.min_port, c.max_port, c.tcp_proto), (20000, 20010, 1));
+        assert_eq!(c.transfer_timeout, Duration::from_secs(7));
+        let c = cfg(&[("MC_TCP_LANES_PER_PEER", "3"), ("KVFERRY_TCP_LANES", "5")]).unwrap();
+        assert_eq!(c.tcp_lanes, 5, "KVFERRY_* wins over MC_*");
+    }
+
+    #[test]
+    fn errors_name_the_variable() {
+        let e = cfg(&[("MC_MIN_RPC_PORT", "abc")]).unwrap_err().to_string();
+        assert!(e.contains("MC_MIN_RPC_PORT"), "{e}");
+        let e = cfg(&[("KVFERRY_MIN_PORT", "18000")]).unwrap_err().to_string();
+        assert!(e.contains("port range"), "{e}");
+        assert!(cfg(&[("KVFERRY_TCP_LANES", "0")]).is_err());
+        assert!(cfg(&[("KVFERRY_TRANSFER_TIMEOUT", "-1")]).is_err());
+        assert!(cfg(&[("KVFERRY_BIND_ADDRESS", "nowhere")]).is_err());
+    }
+
+    #[test]
+    fn host_port_split() {
+        assert_eq!(split_host_port("10.0.0.1:15000"), ("10.0.0.1", Some(15000)));
+        assert_eq!(split_host_port("node1"), ("node1", None));
+        assert_eq!(split_host_port("[::1]:80"), ("::1", Some(80)));
+        assert_eq!(split_host_port("::1"), ("::1", None));
+        assert_eq!(split_host_port("/10.0.0.1:5"), ("10.0.0.1", Some(5)));
+    }
+}

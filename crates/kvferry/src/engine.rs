@@ -1,0 +1,535 @@
+//! [`TransferEngine`]: memory registration, segments, batches, notifies.
+
+use crate::batch::{Batch, FailKind, TaskState, TransferStatus};
+use crate::config::{split_host_port, Config};
+use crate::error::{Error, Result};
+use crate::handshake::{self, HandshakeServer};
+use crate::memory::{MemoryRegistry, Region};
+use crate::transport::local::LocalTransport;
+use crate::transport::tcp::{TcpOptions, TcpTransport};
+use crate::transport::{Peer, Piece, Transport};
+use crate::wire::descriptor::{BufferDesc, SegmentDesc};
+use crate::wire::handshake::{parse_json, Frame, MsgType, NotifyMsg, ProbeReply};
+use crate::wire::tcp::Opcode;
+use rand::Rng;
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+/// A segment handle returned by [`TransferEngine::open_segment`].
+pub type SegmentId = u64;
+/// The engine's own segment.
+pub const LOCAL_SEGMENT_ID: SegmentId = 0;
+/// A batch handle returned by [`TransferEngine::allocate_batch`].
+pub type BatchId = u64;
+
+/// One request: move `length` bytes between local `source` and remote `target_offset`
+/// (an absolute virtual address inside a buffer the target registered).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferRequest {
+    pub opcode: Opcode,
+    pub source: u64,
+    pub target_id: SegmentId,
+    pub target_offset: u64,
+    pub length: u64,
+}
+
+/// A received notify message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notify {
+    pub name: String,
+    pub msg: String,
+}
+
+struct Segments {
+    by_name: HashMap<String, SegmentId>,
+    by_id: Vec<Arc<Peer>>,
+}
+
+struct Inner {
+    config: Config,
+    name: String,
+    memory: Arc<MemoryRegistry>,
+    tcp: Arc<TcpTransport>,
+    local: LocalTransport,
+    handshake: HandshakeServer,
+    segments: RwLock<Segments>,
+    batches: Mutex<HashMap<BatchId, Arc<Batch>>>,
+    next_batch: AtomicU64,
+    notifies: Mutex<Vec<Notify>>,
+}
+
+/// The transfer engine: one local segment, any number of peers.
+///
+/// Dropping it stops its listeners and lanes; requests still queued fail.
+pub struct TransferEngine {
+    inner: Arc<Inner>,
+}
+
+/// Binds a listener on a random free port of the configured range.
+fn bind_in_range(ip: IpAddr, cfg: &Config, what: &'static str) -> Result<TcpListener> {
+    let mut rng = rand::rng();
+    let span = u32::from(cfg.max_port - cfg.min_port) + 1;
+    let attempts = 500.min(span as usize * 4);
+    let mut last_err = None;
+    for _ in 0..attempts {
+        let port = rng.random_range(cfg.min_port..=cfg.max_port);
+        match TcpListener::bind(SocketAddr::new(ip, port)) {
+            Ok(l) => return Ok(l),
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse => last_err = Some(e),
+            Err(e) => {
+                let hint = if e.kind() == io::ErrorKind::AddrNotAvailable {
+                    format!("{ip} is not an address of this host; pass one of this host's addresses as local_hostname (`kvferry doctor` lists them) or set KVFERRY_BIND_ADDRESS")
+                } else {
+                    "check permissions and KVFERRY_BIND_ADDRESS".to_string()
+                };
+                return Err(Error::Bind { what, addr: format!("{ip}:{port}"), hint, source: e });
+            }
+        }
+    }
+    Err(Error::Bind {
+        what,
+        addr: format!("{ip}:{}-{}", cfg.min_port, cfg.max_port),
+        hint: "every port tried is in use; widen KVFERRY_MIN_PORT/KVFERRY_MAX_PORT".into(),
+        source: last_err.unwrap_or_else(|| io::Error::from(io::ErrorKind::AddrInUse)),
+    })
+}
+
+/// Resolves the advertised host to the address the listeners bind.
+pub fn resolve_advertised(host: &str) -> Result<IpAddr> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Ok(ip);
+    }
+    let addrs: Vec<IpAddr> = (host, 0u16)
+        .to_socket_addrs()
+        .map_err(|e| Error::Config(format!("cannot resolve local hostname {host:?}: {e}; pass an IP address of this host")))?
+        .map(|a| a.ip())
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| Error::Config(format!("local hostname {host:?} resolves to no address")))
+}
+
+impl TransferEngine {
+    /// Starts an engine: binds the handshake and TCP data listeners on the advertised address
+    /// (or `KVFERRY_BIND_ADDRESS`) at random ports of the configured range.
+    pub fn new(config: Config) -> Result<TransferEngine> {
+        config.validate()?;
+        let host = config.advertised_host().to_string();
+        if host.is_empty() {
+            return Err(Error::Config("local_hostname is empty; pass this host's IP address".into()));
+        }
+        let ip = resolve_advertised(&host)?;
+        let bind_ip = config.bind_address.unwrap_or(ip);
+        let hs_listener = bind_in_range(bind_ip, &config, "the handshake listener")?;
+        let data_listener = bind_in_range(bind_ip, &config, "the TCP data listener")?;
+        let port = hs_listener.local_addr().map_err(|e| Error::io("reading the handshake port", e))?.port();
+        let name = if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
+        let memory = Arc::new(MemoryRegistry::new());
+        let tcp = TcpTransport::new(
+            data_listener,
+            Arc::clone(&memory),
+            TcpOptions {
+                lanes: config.tcp_lanes,
+                split_bytes: config.tcp_split_bytes,
+                max_proto: config.tcp_proto,
+                connect_timeout: config.handshake_connect_timeout,
+            },
+            config.transfer_timeout,
+        )
+        .map_err(|e| Error::io("starting the TCP data server", e))?;
+        let inner = Arc::new_cyclic(|weak: &Weak<Inner>| {
+            let w = weak.clone();
+            let handler: handshake::Handler = Arc::new(move |f: &Frame| match w.upgrade() {
+                Some(inner) => inner.on_handshake(f),
+                None => b"{}".to_vec(),
+            });
+            let handshake = HandshakeServer::start(hs_listener, config.handshake_max_len, handler)
+                .expect("spawning the handshake thread");
+            let local_peer = Arc::new(Peer::new(LOCAL_SEGMENT_ID, name.clone(), host, SegmentDesc::new(name.clone())));
+            Inner {
+                name: name.clone(),
+                local: LocalTransport::new(Arc::clone(&memory)),
+                memory,
+                tcp,
+                handshake,
+                segments: RwLock::new(Segments { by_name: HashMap::from([(name, LOCAL_SEGMENT_ID)]), by_id: vec![local_peer] }),
+                batches: Mutex::default(),
+                next_batch: AtomicU64::new(1),
+                notifies: Mutex::default(),
+                config,
+            }
+        });
+        tracing::info!(segment = %inner.name, data_port = inner.tcp.data_port(), "transfer engine started");
+        Ok(TransferEngine { inner })
+    }
+
+    /// This engine's segment name (`host:port` in P2P mode).
+    pub fn segment_name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The handshake (RPC) port.
+    pub fn rpc_port(&self) -> u16 {
+        self.inner.handshake.port()
+    }
+
+    /// The TCP data port.
+    pub fn data_port(&self) -> u16 {
+        self.inner.tcp.data_port()
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// The descriptor this engine publishes.
+    pub fn local_descriptor(&self) -> SegmentDesc {
+        self.inner.local_descriptor()
+    }
+
+    /// Registers `[addr, addr+len)` so peers may read and write it.
+    pub fn register_memory(&self, addr: u64, len: u64, location: &str) -> Result<()> {
+        self.register_memory_batch(&[(addr, len)], location)
+    }
+
+    /// Registers several ranges; all or none.
+    pub fn register_memory_batch(&self, ranges: &[(u64, u64)], location: &str) -> Result<()> {
+        let regions = self.inner.memory.register_batch(ranges, location)?;
+        for r in &regions {
+            if let Err(e) = self.inner.tcp.on_register(r) {
+                let _ = self.inner.memory.unregister_batch(&regions.iter().map(|r| r.addr).collect::<Vec<_>>(), Duration::ZERO);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Withdraws the range that starts at `addr`. Waits for accesses in progress.
+    pub fn unregister_memory(&self, addr: u64) -> Result<()> {
+        self.unregister_memory_batch(&[addr])
+    }
+
+    pub fn unregister_memory_batch(&self, addrs: &[u64]) -> Result<()> {
+        let removed = self.inner.memory.unregister_batch(addrs, self.inner.config.transfer_timeout)?;
+        for r in &removed {
+            self.inner.tcp.on_unregister(r);
+        }
+        Ok(())
+    }
+
+    /// Registered ranges, in address order.
+    pub fn registered(&self) -> Vec<Region> {
+        self.inner.memory.snapshot()
+    }
+
+    /// Opens (or returns the cached handle of) a peer segment, fetching its descriptor over
+    /// the handshake port.
+    pub fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        let name = name.trim_start_matches('/');
+        if let Some(&id) = self.inner.segments.read().unwrap_or_else(|e| e.into_inner()).by_name.get(name) {
+            return Ok(id);
+        }
+        let (host, port) = match split_host_port(name) {
+            (h, Some(p)) if !h.is_empty() => (h.to_string(), p),
+            _ => {
+                return Err(Error::SegmentNotFound {
+                    name: name.into(),
+                    reason: "in P2PHANDSHAKE mode a segment name is \"<host>:<rpc port>\" (the peer's get_rpc_port())".into(),
+                })
+            }
+        };
+        let desc = self.inner.fetch_descriptor(name, &host, port)?;
+        let mut segs = self.inner.segments.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(&id) = segs.by_name.get(name) {
+            return Ok(id);
+        }
+        let id = segs.by_id.len() as SegmentId;
+        segs.by_id.push(Arc::new(Peer::new(id, name.to_string(), host, desc)));
+        segs.by_name.insert(name.to_string(), id);
+        Ok(id)
+    }
+
+    /// The cached descriptor of an open segment.
+    pub fn segment_descriptor(&self, id: SegmentId) -> Result<SegmentDesc> {
+        if id == LOCAL_SEGMENT_ID {
+            return Ok(self.local_descriptor());
+        }
+        Ok((*self.inner.peer(id)?.desc()).clone())
+    }
+
+    /// Allocates a batch that can hold `capacity` requests.
+    pub fn allocate_batch(&self, capacity: usize) -> Result<BatchId> {
+        if capacity == 0 {
+            return Err(Error::InvalidArgument("batch capacity must be at least 1".into()));
+        }
+        let id = self.inner.next_batch.fetch_add(1, Ordering::Relaxed);
+        self.inner.batches.lock().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::new(Batch::new(capacity)));
+        Ok(id)
+    }
+
+    /// Submits requests into a batch. Problems with one request (unregistered range,
+    /// unknown segment) fail that task with a reason; the call itself fails only for an
+    /// unknown batch or exceeded capacity.
+    pub fn submit(&self, batch: BatchId, requests: &[TransferRequest]) -> Result<()> {
+        self.inner.submit(batch, requests)
+    }
+
+    /// Status of one task.
+    pub fn task_status(&self, batch: BatchId, task: usize) -> Result<TransferStatus> {
+        let b = self.inner.batch(batch)?;
+        let tasks = b.tasks.lock().unwrap_or_else(|e| e.into_inner());
+        tasks.get(task).map(|t| t.status()).ok_or(Error::UnknownTask { batch, task, len: tasks.len() })
+    }
+
+    /// Aggregate status: COMPLETED when all tasks completed, FAILED/TIMEOUT as soon as one did.
+    pub fn batch_status(&self, batch: BatchId) -> Result<TransferStatus> {
+        Ok(self.inner.batch(batch)?.status())
+    }
+
+    /// Blocks until the batch is complete, a task failed, or `timeout` passed.
+    pub fn wait_batch(&self, batch: BatchId, timeout: Duration) -> Result<TransferStatus> {
+        Ok(self.inner.batch(batch)?.wait(timeout))
+    }
+
+    /// Frees a batch; refused while any task is still in flight.
+    pub fn free_batch(&self, batch: BatchId) -> Result<()> {
+        let mut batches = self.inner.batches.lock().unwrap_or_else(|e| e.into_inner());
+        let b = batches.get(&batch).ok_or(Error::UnknownBatch(batch))?;
+        let pending = b.unfinished();
+        if pending > 0 {
+            return Err(Error::BatchBusy { batch, pending });
+        }
+        batches.remove(&batch);
+        Ok(())
+    }
+
+    /// Convenience: one batch, submit, wait, free. Returns the batch status.
+    pub fn transfer_sync(&self, requests: &[TransferRequest], timeout: Duration) -> Result<TransferStatus> {
+        let b = self.allocate_batch(requests.len().max(1))?;
+        self.submit(b, requests)?;
+        let mut s = self.wait_batch(b, timeout)?;
+        // A failed task may leave siblings in flight; wait for them before freeing.
+        let until = Instant::now() + self.inner.config.transfer_timeout + Duration::from_secs(1);
+        while self.free_batch(b).is_err() && Instant::now() < until {
+            let _ = self.wait_batch(b, Duration::from_millis(50));
+        }
+        if !s.status.is_terminal() {
+            s.status = crate::batch::TaskStatus::Timeout;
+        }
+        Ok(s)
+    }
+
+    /// Sends a notify message to a segment's handshake port.
+    pub fn send_notify(&self, segment: &str, msg: &str) -> Result<()> {
+        let (host, port) = self.inner.rpc_addr(segment)?;
+        let body = serde_json::to_vec(&NotifyMsg { name: self.inner.name.clone(), notify_msg: msg.to_string() }).expect("serialisable");
+        let reply = self.inner.request(&host, port, MsgType::Notify, &body)?;
+        let r: NotifyMsg = parse_json("notify reply", &reply.body).map_err(|e| Error::Wire { peer: segment.into(), source: e })?;
+        if r.notify_msg != "success" {
+            return Err(Error::Handshake { peer: segment.into(), reason: format!("notify refused: {}", r.notify_msg) });
+        }
+        Ok(())
+    }
+
+    /// Drains the notifies received so far.
+    pub fn get_notifies(&self) -> Vec<Notify> {
+        std::mem::take(&mut *self.inner.notifies.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Checks that a segment's handshake port answers.
+    pub fn probe(&self, segment: &str) -> Result<()> {
+        let (host, port) = self.inner.rpc_addr(segment)?;
+        let reply = self.inner.request(&host, port, MsgType::Probe, b"{}")?;
+        let r: ProbeReply = parse_json("probe reply", &reply.body).map_err(|e| Error::Wire { peer: segment.into(), source: e })?;
+        if r.status != "success" {
+            return Err(Error::Handshake { peer: segment.into(), reason: format!("probe answered {:?}", r.status) });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TransferEngine {
+    fn drop(&mut self) {
+        self.inner.handshake.shutdown();
+        self.inner.tcp.shutdown();
+    }
+}
+
+impl Inner {
+    fn local_descriptor(&self) -> SegmentDesc {
+        let mut d = SegmentDesc::new(self.name.clone());
+        d.timestamp = timestamp();
+        d.buffers = self
+            .memory
+            .snapshot()
+            .into_iter()
+            .map(|r| BufferDesc { name: r.location, addr: r.addr, length: r.len, rkey: vec![], lkey: vec![], extra: Default::default() })
+            .collect();
+        self.tcp.describe(&mut d);
+        d
+    }
+
+    fn on_handshake(&self, f: &Frame) -> Vec<u8> {
+        match f.kind {
+            MsgType::Metadata => self.local_descriptor().encode(),
+            MsgType::Notify => {
+                match parse_json::<NotifyMsg>("notify", &f.body) {
+                    Ok(n) => {
+                        self.notifies.lock().unwrap_or_else(|e| e.into_inner()).push(Notify { name: n.name, msg: n.notify_msg });
+                        br#"{"name":"","notify_msg":"success"}"#.to_vec()
+                    }
+                    Err(e) => serde_json::to_vec(&NotifyMsg { name: String::new(), notify_msg: e.to_string() }).expect("serialisable"),
+                }
+            }
+            MsgType::Probe => br#"{"status":"success"}"#.to_vec(),
+            MsgType::Connection => serde_json::json!({
+                "reply_msg": "kvferry: this engine has no RDMA transport; use TCP (publish protocol \"tcp\")",
+            })
+            .to_string()
+            .into_bytes(),
+        }
+    }
+
+    fn request(&self, host: &str, port: u16, kind: MsgType, body: &[u8]) -> Result<Frame> {
+        handshake::request(
+            host,
+            port,
+            kind,
+            body,
+            self.config.handshake_connect_timeout,
+            Duration::from_secs(10),
+            self.config.handshake_max_len,
+        )
+    }
+
+    fn rpc_addr(&self, segment: &str) -> Result<(String, u16)> {
+        match split_host_port(segment) {
+            (h, Some(p)) if !h.is_empty() => Ok((h.to_string(), p)),
+            _ => Err(Error::SegmentNotFound { name: segment.into(), reason: "expected \"<host>:<rpc port>\"".into() }),
+        }
+    }
+
+    fn fetch_descriptor(&self, name: &str, host: &str, port: u16) -> Result<SegmentDesc> {
+        let not_found = |reason: String| Error::SegmentNotFound { name: name.into(), reason };
+        let reply = self
+            .request(host, port, MsgType::Metadata, &self.local_descriptor().encode())
+            .map_err(|e| not_found(e.to_string()))?;
+        let desc = SegmentDesc::decode(&reply.body).map_err(|e| not_found(format!("its descriptor is invalid: {e}")))?;
+        tracing::debug!(segment = name, buffers = desc.buffers.len(), data_port = desc.tcp_data_port, "fetched descriptor");
+        Ok(desc)
+    }
+
+    fn peer(&self, id: SegmentId) -> Result<Arc<Peer>> {
+        self.segments.read().unwrap_or_else(|e| e.into_inner()).by_id.get(id as usize).cloned().ok_or(Error::UnknownSegmentId(id))
+    }
+
+    fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
+        self.batches.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned().ok_or(Error::UnknownBatch(id))
+    }
+
+    fn submit(&self, batch_id: BatchId, requests: &[TransferRequest]) -> Result<()> {
+        let batch = self.batch(batch_id)?;
+        let now = Instant::now();
+        let deadline = now + self.config.transfer_timeout;
+        let tasks: Vec<Arc<TaskState>> = {
+            let mut tasks = batch.tasks.lock().unwrap_or_else(|e| e.into_inner());
+            if tasks.len() + requests.len() > batch.capacity {
+                return Err(Error::TooManyRequests { batch: batch_id, capacity: batch.capacity, wanted: requests.len() });
+            }
+            let new: Vec<Arc<TaskState>> = requests
+                .iter()
+                .map(|_| Arc::new(TaskState::new(deadline, Arc::clone(&batch.signal))))
+                .collect();
+            tasks.extend(new.iter().cloned());
+            new
+        };
+        // Group pieces per peer so each transport sees one call per peer.
+        let mut groups: Vec<(Arc<Peer>, Vec<Piece>)> = Vec::new();
+        let mut refreshed: Vec<SegmentId> = Vec::new();
+        for (req, task) in requests.iter().zip(tasks) {
+            if req.length == 0 {
+                task.piece_done(0);
+                continue;
+            }
+            let Some(guard) = self.memory.check(req.source, req.length) else {
+                task.piece_failed(FailKind::Failed, Error::LocalNotRegistered { addr: req.source, len: req.length }.to_string());
+                continue;
+            };
+            let peer = match self.peer(req.target_id) {
+                Ok(p) => p,
+                Err(e) => {
+                    task.piece_failed(FailKind::Failed, e.to_string());
+                    continue;
+                }
+            };
+            if peer.id != LOCAL_SEGMENT_ID && peer.desc().find_buffer(req.target_offset, req.length).is_none() {
+                // The cache may be stale (peer re-registered or restarted): refresh once.
+                if !refreshed.contains(&peer.id) {
+                    refreshed.push(peer.id);
+                    if let Ok((h, p)) = self.rpc_addr(&peer.name) {
+                        match self.fetch_descriptor(&peer.name, &h, p) {
+                            Ok(d) => peer.set_desc(d),
+                            Err(e) => tracing::debug!("refreshing {}: {e}", peer.name),
+                        }
+                    }
+                }
+                if peer.desc().find_buffer(req.target_offset, req.length).is_none() {
+                    let e = Error::RemoteNotRegistered { segment: peer.name.clone(), addr: req.target_offset, len: req.length };
+                    task.piece_failed(FailKind::Failed, e.to_string());
+                    continue;
+                }
+            }
+            let piece = Piece { opcode: req.opcode, local: req.source, remote: req.target_offset, len: req.length, task, guard };
+            match groups.iter_mut().find(|(p, _)| p.id == peer.id) {
+                Some((_, v)) => v.push(piece),
+                None => groups.push((peer, vec![piece])),
+            }
+        }
+        for (peer, pieces) in groups {
+            let transport: &dyn Transport = if peer.id == LOCAL_SEGMENT_ID { &self.local } else { &*self.tcp };
+            if let Err(why) = transport.reachable(&peer) {
+                let e = Error::NoTransport { segment: peer.name.clone(), reason: why };
+                for p in pieces {
+                    p.task.piece_failed(FailKind::Failed, e.to_string());
+                }
+                continue;
+            }
+            transport.submit(&peer, pieces);
+        }
+        Ok(())
+    }
+}
+
+fn timestamp() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    // Civil date from days since the epoch (Howard Hinnant's algorithm), UTC.
+    let days = (secs / 86400) as i64;
+    let rem = secs % 86400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn timestamp_shape() {
+        let t = super::timestamp();
+        assert_eq!(t.len(), 19, "{t}");
+        assert!(t.starts_with("20"), "{t}");
+    }
+}

@@ -1,0 +1,69 @@
+//! The engine's error type. Every message says what went wrong and what to do about it.
+
+use crate::wire::WireError;
+
+/// Errors returned by [`crate::TransferEngine`] and its parts.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("cannot register [0x{addr:x}, +{len}): it overlaps the registered range [0x{other_addr:x}, +{other_len}); unregister that range first or register a disjoint one")]
+    Overlap { addr: u64, len: u64, other_addr: u64, other_len: u64 },
+    #[error("address 0x{addr:x} is not the start of a registered range; pass the address given to register_memory")]
+    NotRegistered { addr: u64 },
+    #[error("local range [0x{addr:x}, +{len}) is not inside registered memory; register the buffer with register_memory before transferring from or into it")]
+    LocalNotRegistered { addr: u64, len: u64 },
+    #[error("remote range [0x{addr:x}, +{len}) is not inside any buffer registered by segment {segment}; check the peer's address (it may have unregistered or restarted)")]
+    RemoteNotRegistered { segment: String, addr: u64, len: u64 },
+    #[error("segment {0:?} is not open: call open_segment first")]
+    UnknownSegmentId(u64),
+    #[error("cannot open segment {name:?}: {reason}")]
+    SegmentNotFound { name: String, reason: String },
+    #[error("batch {0} does not exist (already freed, or never allocated)")]
+    UnknownBatch(u64),
+    #[error("batch {batch} holds {capacity} requests; submitting {wanted} more would exceed it (allocate a larger batch)")]
+    TooManyRequests { batch: u64, capacity: usize, wanted: usize },
+    #[error("batch {batch} still has {pending} task(s) in flight; wait until every task is COMPLETED, FAILED or TIMEOUT before freeing it")]
+    BatchBusy { batch: u64, pending: usize },
+    #[error("task {task} of batch {batch} does not exist (the batch has {len} tasks)")]
+    UnknownTask { batch: u64, task: usize, len: usize },
+    #[error("no transport can reach segment {segment}: {reason}")]
+    NoTransport { segment: String, reason: String },
+    #[error("cannot bind {what} on {addr}: {source}; {hint}")]
+    Bind { what: &'static str, addr: String, hint: String, source: std::io::Error },
+    #[error("handshake with {peer} failed: {reason}")]
+    Handshake { peer: String, reason: String },
+    #[error("peer {peer} sent bad data: {source}")]
+    Wire { peer: String, source: WireError },
+    #[error("I/O error {context}: {source}")]
+    Io { context: String, source: std::io::Error },
+    #[error("the engine is shut down")]
+    Shutdown,
+}
+
+impl Error {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Error {
+        Error::Io { context: context.into(), source }
+    }
+
+    /// Mooncake's numeric error code for this error (`mooncake-transfer-engine/include/error.h`).
+    pub fn mooncake_code(&self) -> i32 {
+        match self {
+            Error::InvalidArgument(_) | Error::Config(_) | Error::UnknownBatch(_) | Error::UnknownTask { .. } => -1,
+            Error::TooManyRequests { .. } => -2,
+            Error::NotRegistered { .. } | Error::LocalNotRegistered { .. } | Error::RemoteNotRegistered { .. } => -3,
+            Error::BatchBusy { .. } => -4,
+            Error::Overlap { .. } => -7,
+            Error::Bind { .. } | Error::Io { .. } => -102,
+            Error::Wire { .. } => -103,
+            Error::Handshake { .. } => -104,
+            Error::SegmentNotFound { .. } | Error::UnknownSegmentId(_) => -200,
+            Error::NoTransport { .. } => -201,
+            Error::Shutdown => -202,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

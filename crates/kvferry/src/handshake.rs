@@ -1,0 +1,144 @@
+//! The handshake port: a listener answering Metadata, Notify, Probe (and refusing
+//! Connection, which only RDMA uses), and the client that asks peers.
+//!
+//! One request per connection, as Mooncake does: read one frame (bounded in size and time),
+//! answer one frame of the same type, half-close, close. A malformed or slow request only
+//! costs its own connection.
+
+use crate::error::{Error, Result};
+use crate::wire::handshake::{self, Frame, MsgType, LEN_PREFIX};
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Most handshake connections served at once; more are closed at accept.
+const MAX_CONCURRENT: usize = 256;
+const SERVER_IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Answers one request frame with a reply body.
+pub type Handler = Arc<dyn Fn(&Frame) -> Vec<u8> + Send + Sync>;
+
+pub struct HandshakeServer {
+    port: u16,
+    listener: Arc<TcpListener>,
+    shutdown: Arc<AtomicBool>,
+}
+
+impl HandshakeServer {
+    pub fn start(listener: TcpListener, max_len: u64, handler: Handler) -> std::io::Result<HandshakeServer> {
+        let port = listener.local_addr()?.port();
+        let listener = Arc::new(listener);
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let active = Arc::new(AtomicUsize::new(0));
+        let (l, sd) = (Arc::clone(&listener), Arc::clone(&shutdown));
+        std::thread::Builder::new().name("kvf-handshake".into()).spawn(move || {
+            for conn in l.incoming() {
+                if sd.load(Ordering::Acquire) {
+                    break;
+                }
+                let Ok(stream) = conn else { continue };
+                if active.fetch_add(1, Ordering::AcqRel) >= MAX_CONCURRENT {
+                    active.fetch_sub(1, Ordering::AcqRel);
+                    tracing::warn!("handshake: {MAX_CONCURRENT} requests already in progress; closing a new one");
+                    continue;
+                }
+                let (h, a) = (Arc::clone(&handler), Arc::clone(&active));
+                let spawned = std::thread::Builder::new().name("kvf-handshake-conn".into()).spawn(move || {
+                    if let Err(e) = serve_one(&stream, max_len, &h) {
+                        tracing::debug!("handshake request dropped: {e}");
+                    }
+                    a.fetch_sub(1, Ordering::AcqRel);
+                });
+                if spawned.is_err() {
+                    active.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+        })?;
+        Ok(HandshakeServer { port, listener, shutdown })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn shutdown(&self) {
+        self.shutdown.store(true, Ordering::Release);
+        // SAFETY: shutting down our own listening socket wakes the blocked accept().
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+    }
+}
+
+fn serve_one(s: &TcpStream, max_len: u64, handler: &Handler) -> std::io::Result<()> {
+    s.set_read_timeout(Some(SERVER_IO_TIMEOUT))?;
+    s.set_write_timeout(Some(SERVER_IO_TIMEOUT))?;
+    let frame = match read_frame(s, max_len) {
+        Ok(f) => f,
+        Err(e) => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())),
+    };
+    let reply = handler(&frame);
+    (&*s).write_all(&handshake::encode(frame.kind, &reply))?;
+    s.shutdown(Shutdown::Write)?;
+    // Wait (bounded) for the client to close, as Mooncake does.
+    let mut sink = [0u8; 64];
+    let _ = (&*s).read(&mut sink);
+    Ok(())
+}
+
+fn read_frame(s: &TcpStream, max_len: u64) -> Result<Frame, String> {
+    let mut prefix = [0u8; LEN_PREFIX];
+    (&*s).read_exact(&mut prefix).map_err(|e| format!("reading frame length: {e}"))?;
+    let len = handshake::decode_len(prefix, max_len).map_err(|e| e.to_string())?;
+    let mut payload = Vec::new();
+    // Read incrementally so a lying length cannot make us allocate before the bytes arrive.
+    (&*s).take(len as u64).read_to_end(&mut payload).map_err(|e| format!("reading frame body: {e}"))?;
+    if payload.len() != len {
+        return Err(format!("frame truncated: {} of {len} bytes", payload.len()));
+    }
+    Ok(handshake::decode_payload(&payload))
+}
+
+/// Sends one request to `host:port` and returns the reply frame.
+pub fn request(
+    host: &str,
+    port: u16,
+    kind: MsgType,
+    body: &[u8],
+    connect_timeout: Duration,
+    io_timeout: Duration,
+    max_len: u64,
+) -> Result<Frame> {
+    let peer = format!("{host}:{port}");
+    let fail = |reason: String| Error::Handshake { peer: peer.clone(), reason };
+    let addrs: Vec<_> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| fail(format!("cannot resolve {host}: {e}")))?
+        .collect();
+    let mut last = String::from("no addresses");
+    let mut stream = None;
+    for a in &addrs {
+        match TcpStream::connect_timeout(a, connect_timeout) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = format!("connect to {a}: {e}"),
+        }
+    }
+    let s = stream.ok_or_else(|| fail(format!("{last} (is the peer running, and is {host} its advertised address?)")))?;
+    s.set_read_timeout(Some(io_timeout)).map_err(|e| fail(e.to_string()))?;
+    s.set_write_timeout(Some(io_timeout)).map_err(|e| fail(e.to_string()))?;
+    let _ = s.set_nodelay(true);
+    (&s).write_all(&handshake::encode(kind, body)).map_err(|e| fail(format!("sending request: {e}")))?;
+    let reply = read_frame(&s, max_len).map_err(fail)?;
+    let _ = s.shutdown(Shutdown::Both);
+    if reply.kind != kind {
+        return Err(Error::Wire {
+            peer: peer.clone(),
+            source: crate::wire::WireError::UnexpectedType { got: reply.kind as u8, expected: kind as u8 },
+        });
+    }
+    Ok(reply)
+}

@@ -1,0 +1,47 @@
+//! kvferry: a KV-cache transfer engine, wire-compatible with Mooncake's transfer engine.
+//!
+//! This crate is the engine library. It owns configuration ([`config`]), the sans-IO wire
+//! codecs ([`wire`]), registered memory ([`memory`]), the [`transport::Transport`] trait
+//! and its implementations (TCP; local memcpy), the handshake port ([`handshake`]) and the
+//! [`TransferEngine`] that ties them together: register memory, open peer segments, submit
+//! batches of one-sided READ/WRITE requests, poll or wait for their status.
+//!
+//! It is **not** a store (that is `kvferry-store`, planned), not a command-line tool (that is
+//! `kvferry-cli`) and not the Python binding (`kvferry-python`, planned). It never links a
+//! library a host may lack: RDMA and CUDA, when they come, are loaded at run time.
+//!
+//! Guarantees:
+//! - A request is COMPLETED only once its bytes are in the destination's memory.
+//! - A peer can read or write only ranges this engine registered; anything else is refused
+//!   before a byte is touched.
+//! - Bad input from users or the network yields an [`Error`] or a FAILED task naming the
+//!   cause; it never panics.
+//! - A dead or stalled peer fails its requests by their deadline; nothing hangs.
+//!
+//! ```no_run
+//! use kvferry::{Config, TransferEngine, TransferRequest, Opcode};
+//! use std::time::Duration;
+//! let engine = TransferEngine::new(Config::default())?;
+//! let buf = vec![7u8; 4096];
+//! engine.register_memory(buf.as_ptr() as u64, 4096, "cpu:0")?;
+//! let peer = engine.open_segment("127.0.0.1:15123")?;
+//! let remote_addr = engine.segment_descriptor(peer)?.buffers[0].addr;
+//! let req = TransferRequest { opcode: Opcode::Write, source: buf.as_ptr() as u64, target_id: peer, target_offset: remote_addr, length: 4096 };
+//! let status = engine.transfer_sync(&[req], Duration::from_secs(30))?;
+//! # Ok::<(), kvferry::Error>(())
+//! ```
+
+pub mod batch;
+pub mod config;
+mod engine;
+pub mod error;
+pub mod handshake;
+pub mod memory;
+pub mod transport;
+pub mod wire;
+
+pub use batch::{TaskStatus, TransferStatus};
+pub use config::Config;
+pub use engine::{resolve_advertised, BatchId, Notify, SegmentId, TransferEngine, TransferRequest, LOCAL_SEGMENT_ID};
+pub use error::{Error, Result};
+pub use wire::tcp::Opcode;

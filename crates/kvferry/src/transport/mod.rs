@@ -1,0 +1,83 @@
+//! The one abstraction every data path implements.
+//!
+//! A [`Transport`] moves [`Piece`]s between local registered memory and a peer's registered
+//! memory. It is one-sided by design: the initiator names the remote virtual address, the
+//! target only exposes (and checks) registered ranges. That is the shape of RDMA READ/WRITE
+//! with per-NIC keys and of GPU memory registered or staged; the TCP transport emulates it
+//! with a tiny server on the target. A transport may be absent at run time (no NIC, no
+//! driver): the engine asks [`Transport::reachable`] per peer and reports why not.
+//!
+//! Contract:
+//! - [`Transport::on_register`] sees every registration before it is published, so RDMA can
+//!   register MRs and publish keys through [`Transport::describe`].
+//! - [`Transport::submit`] never blocks on the network. Each piece ends exactly once through
+//!   its [`TaskState`]: done, failed with a reason, or timed out at the task's deadline.
+//! - A piece ends only when the transport will not touch its local memory again.
+
+pub mod local;
+pub mod tcp;
+
+use crate::batch::TaskState;
+use crate::memory::{Region, RegionGuard};
+use crate::wire::descriptor::SegmentDesc;
+use crate::wire::tcp::Opcode;
+use std::sync::{Arc, RwLock};
+
+/// A contiguous part of one request.
+pub struct Piece {
+    pub opcode: Opcode,
+    /// Local virtual address (inside registered memory).
+    pub local: u64,
+    /// Remote virtual address (inside a buffer of the peer's descriptor).
+    pub remote: u64,
+    pub len: u64,
+    pub task: Arc<TaskState>,
+    /// Keeps the local range registered until the piece ends.
+    pub guard: RegionGuard,
+}
+
+/// A peer segment as the engine knows it.
+pub struct Peer {
+    /// The engine's handle for this segment (0 is the engine itself).
+    pub id: u64,
+    /// The segment name (`host:port` in P2P mode).
+    pub name: String,
+    /// Host part of the name: where the peer's listeners are.
+    pub host: String,
+    desc: RwLock<Arc<SegmentDesc>>,
+}
+
+impl Peer {
+    pub fn new(id: u64, name: String, host: String, desc: SegmentDesc) -> Peer {
+        Peer { id, name, host, desc: RwLock::new(Arc::new(desc)) }
+    }
+
+    /// The cached descriptor.
+    pub fn desc(&self) -> Arc<SegmentDesc> {
+        Arc::clone(&self.desc.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    pub fn set_desc(&self, desc: SegmentDesc) {
+        *self.desc.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(desc);
+    }
+}
+
+/// A data path.
+pub trait Transport: Send + Sync {
+    /// The protocol string published in descriptors (`tcp`, `rdma`, …).
+    fn name(&self) -> &'static str;
+    /// Adds what this transport publishes about the local segment.
+    fn describe(&self, desc: &mut SegmentDesc);
+    /// Called before a range is published (RDMA registers an MR here).
+    fn on_register(&self, _region: &Region) -> crate::Result<()> {
+        Ok(())
+    }
+    /// Called after a range is withdrawn.
+    fn on_unregister(&self, _region: &Region) {}
+    /// Whether this transport can move data to `peer`; the error says why not.
+    fn reachable(&self, peer: &Peer) -> Result<(), String>;
+    /// Queues pieces for `peer`. Never blocks on the network.
+    fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>);
+    /// Stops threads and closes connections; queued pieces fail.
+    fn shutdown(&self);
+}

@@ -1,0 +1,772 @@
+//! TCP transport: Mooncake's TCP data protocol (v2 acknowledged framing, v1 for old peers).
+//!
+//! Target side ([`TcpServer`]): one thread per connection reads 24-byte headers, checks
+//! `[addr, addr+size)` against the registry before touching memory, reads WRITE bodies
+//! straight into the destination and answers with a status frame only after the last byte
+//! landed; READ data goes out straight from registered memory. Small pipelined requests are
+//! parsed from one buffered read and their status frames leave in one write.
+//!
+//! Initiator side ([`TcpTransport`]): per peer, `lanes` persistent connections. Each lane has
+//! a writer thread (headers and bodies gathered into `writev`, requests pipelined) and a
+//! reader thread (status frames matched in order, READ data received straight into local
+//! memory). Requests larger than the split size are cut across lanes. Nothing spins: threads
+//! block in the kernel or on condition variables, with a short socket timeout so deadlines
+//! are enforced. A request is COMPLETED only when the target's status frame says its bytes
+//! landed; towards a v1 peer each WRITE is followed by a 1-byte READ fence on the same
+//! connection, whose answer proves the preceding body was consumed into memory.
+
+use super::{Peer, Piece, Transport};
+use crate::batch::FailKind;
+use crate::memory::MemoryRegistry;
+use crate::wire::descriptor::SegmentDesc;
+use crate::wire::tcp::{self, DataHeader, Opcode, Status, HEADER_LEN, STATUS_LEN};
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Socket timeout used to wake blocked threads so they can check deadlines.
+const TICK: Duration = Duration::from_millis(100);
+/// Buffered read size for headers, status frames and small bodies.
+const RX_BUF: usize = 64 << 10;
+/// Requests at most this large are copied out of the receive buffer; larger ones are read
+/// straight into place.
+const MAX_OPS_PER_WRITE: usize = 256;
+const MAX_GATHER_BYTES: u64 = 1 << 20;
+
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+}
+
+/// Fills `buf` from `s`, tolerating socket-timeout wake-ups until `deadline()` says stop.
+fn read_full(s: &TcpStream, buf: &mut [u8], mut expired: impl FnMut() -> bool) -> io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        match (&*s).read(&mut buf[got..]) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by peer")),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => {
+                if expired() {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed while receiving"));
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn write_all_vectored(s: &TcpStream, mut bufs: &mut [IoSlice<'_>], mut expired: impl FnMut() -> bool) -> io::Result<()> {
+    while !bufs.is_empty() {
+        match (&*s).write_vectored(bufs) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed")),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => {
+                if expired() {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed while sending"));
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// A byte buffer with a read cursor, refilled from a socket.
+struct RxBuf {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl RxBuf {
+    fn new() -> Self {
+        RxBuf { buf: vec![0u8; RX_BUF].into_boxed_slice(), start: 0, end: 0 }
+    }
+    fn len(&self) -> usize {
+        self.end - self.start
+    }
+    fn clear(&mut self) {
+        self.start = 0;
+        self.end = 0;
+    }
+    /// Reads once (at least one byte or an error), compacting first.
+    fn fill(&mut self, s: &TcpStream) -> io::Result<usize> {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        match (&*s).read(&mut self.buf[self.end..]) {
+            Ok(0) => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by peer")),
+            Ok(n) => {
+                self.end += n;
+                Ok(n)
+            }
+            Err(e) => Err(e),
+        }
+    }
+    /// Ensures `n` buffered bytes.
+    fn need(&mut self, s: &TcpStream, n: usize, mut expired: impl FnMut() -> bool) -> io::Result<()> {
+        while self.len() < n {
+            match self.fill(s) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if is_timeout(&e) => {
+                    if expired() {
+                        return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed while receiving"));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+    fn take<const N: usize>(&mut self) -> [u8; N] {
+        let mut out = [0u8; N];
+        out.copy_from_slice(&self.buf[self.start..self.start + N]);
+        self.start += N;
+        out
+    }
+    /// Moves buffered bytes into `dst` (up to its length); returns how many.
+    fn drain_into(&mut self, dst: &mut [u8]) -> usize {
+        let n = dst.len().min(self.len());
+        dst[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
+        self.start += n;
+        n
+    }
+}
+
+/// Reads `dst.len()` bytes: first what is buffered, then straight from the socket.
+fn recv_into(rx: &mut RxBuf, s: &TcpStream, dst: &mut [u8], expired: impl FnMut() -> bool) -> io::Result<()> {
+    let n = rx.drain_into(dst);
+    read_full(s, &mut dst[n..], expired)
+}
+
+// ------------------------------------------------------------------------------------------
+// Target side
+// ------------------------------------------------------------------------------------------
+
+/// The data listener of the local segment.
+pub struct TcpServer {
+    port: u16,
+    listener: Arc<TcpListener>,
+    shutdown: Arc<AtomicBool>,
+    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
+}
+
+impl TcpServer {
+    /// Serves `listener` until [`TcpServer::shutdown`]. `stall` bounds how long a request may
+    /// sit half-received before the connection is dropped.
+    pub fn start(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration) -> io::Result<TcpServer> {
+        let port = listener.local_addr()?.port();
+        let listener = Arc::new(listener);
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
+        let (l, sd, cs) = (Arc::clone(&listener), Arc::clone(&shutdown), Arc::clone(&conns));
+        std::thread::Builder::new().name("kvf-tcp-accept".into()).spawn(move || {
+            let mut next_id = 0u64;
+            for conn in l.incoming() {
+                if sd.load(Ordering::Acquire) {
+                    break;
+                }
+                let Ok(stream) = conn else { continue };
+                next_id += 1;
+                let id = next_id;
+                if let Ok(c) = stream.try_clone() {
+                    cs.lock().unwrap_or_else(|e| e.into_inner()).insert(id, c);
+                }
+                let (reg, cs2, sd2) = (Arc::clone(&registry), Arc::clone(&cs), Arc::clone(&sd));
+                let spawned = std::thread::Builder::new().name("kvf-tcp-serve".into()).spawn(move || {
+                    let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                    if let Err(e) = serve_conn(&stream, &reg, stall, &sd2) {
+                        if e.kind() != io::ErrorKind::UnexpectedEof {
+                            tracing::debug!(%peer, "tcp data connection closed: {e}");
+                        }
+                    }
+                    let _ = stream.shutdown(Shutdown::Both);
+                    cs2.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                });
+                if spawned.is_err() {
+                    cs.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                }
+            }
+        })?;
+        Ok(TcpServer { port, listener, shutdown, conns })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn shutdown(&self) {
+        self.shutdown.store(true, Ordering::Release);
+        // SAFETY: shutting down a listening socket we own makes a blocked accept() return.
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        for (_, c) in self.conns.lock().unwrap_or_else(|e| e.into_inner()).drain() {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+fn serve_conn(s: &TcpStream, registry: &MemoryRegistry, stall: Duration, shutdown: &AtomicBool) -> io::Result<()> {
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(Duration::from_secs(1)))?;
+    s.set_write_timeout(Some(Duration::from_secs(1)))?;
+    let mut rx = RxBuf::new();
+    let mut out: Vec<u8> = Vec::with_capacity(4096);
+    loop {
+        // Wait for the next header; flush acknowledgements before blocking.
+        if rx.len() < HEADER_LEN {
+            if !out.is_empty() {
+                let start = Instant::now();
+                write_all_vectored(s, &mut [IoSlice::new(&out)], || start.elapsed() > stall)?;
+                out.clear();
+            }
+            let idle_start = Instant::now();
+            let partial = rx.len() > 0;
+            rx.need(s, HEADER_LEN, || shutdown.load(Ordering::Acquire) || (partial && idle_start.elapsed() > stall))?;
+        }
+        let h = match DataHeader::decode(&rx.take::<HEADER_LEN>()) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::debug!("closing TCP data connection: {e}");
+                return Ok(());
+            }
+        };
+        let guard = if h.size > 0 { registry.check(h.addr, h.size) } else { None };
+        let Some(_guard) = guard else {
+            tracing::debug!(addr = h.addr, size = h.size, "rejecting TCP request outside registered memory");
+            if h.v2 {
+                out.extend_from_slice(&tcp::encode_status(Status::Rejected));
+                let start = Instant::now();
+                write_all_vectored(s, &mut [IoSlice::new(&out)], || start.elapsed() > stall)?;
+            }
+            return Ok(());
+        };
+        let len = h.size as usize;
+        match h.opcode {
+            Opcode::Write => {
+                // SAFETY: the range lies inside registered memory and the guard keeps it
+                // registered until we are done.
+                let dst = unsafe { std::slice::from_raw_parts_mut(h.addr as *mut u8, len) };
+                let start = Instant::now();
+                recv_into(&mut rx, s, dst, || start.elapsed() > stall || shutdown.load(Ordering::Acquire))?;
+                if h.v2 {
+                    out.extend_from_slice(&tcp::encode_status(Status::Ok));
+                }
+            }
+            Opcode::Read => {
+                // SAFETY: as above; reading registered memory.
+                let src = unsafe { std::slice::from_raw_parts(h.addr as *const u8, len) };
+                if h.v2 {
+                    out.extend_from_slice(&tcp::encode_status(Status::Ok));
+                }
+                let start = Instant::now();
+                write_all_vectored(s, &mut [IoSlice::new(&out), IoSlice::new(src)], || {
+                    start.elapsed() > stall || shutdown.load(Ordering::Acquire)
+                })?;
+                out.clear();
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Initiator side
+// ------------------------------------------------------------------------------------------
+
+/// Tuning of the initiator side.
+#[derive(Debug, Clone)]
+pub struct TcpOptions {
+    pub lanes: usize,
+    pub split_bytes: u64,
+    /// Highest protocol version to use (a peer advertising less gets less).
+    pub max_proto: u32,
+    pub connect_timeout: Duration,
+}
+
+/// One request (or part of one) on the wire.
+struct WireOp {
+    piece: Piece,
+    /// Connection failures survived so far.
+    attempts: u8,
+}
+
+#[derive(Default)]
+struct LaneState {
+    pending: VecDeque<WireOp>,
+    inflight: VecDeque<WireOp>,
+    conn: Option<Arc<TcpStream>>,
+    /// Bumped at every new connection; stale failures of older ones are ignored.
+    gen: u64,
+    shutdown: bool,
+}
+
+struct Lane {
+    target: SocketAddr,
+    peer_name: String,
+    v2: bool,
+    connect_timeout: Duration,
+    st: Mutex<LaneState>,
+    wake_writer: Condvar,
+    wake_reader: Condvar,
+    /// Bytes queued or in flight, for lane choice.
+    load: AtomicU64,
+}
+
+enum ConnFailure {
+    /// The connection broke; unacknowledged ops may be retried once.
+    Broken(String),
+    /// A deadline passed.
+    Deadline,
+}
+
+impl Lane {
+    fn lock(&self) -> std::sync::MutexGuard<'_, LaneState> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn end_op(&self, op: WireOp, result: Result<(), (FailKind, String)>) {
+        self.load.fetch_sub(op.piece.len, Ordering::AcqRel);
+        match result {
+            Ok(()) => op.piece.task.piece_done(op.piece.len),
+            Err((kind, reason)) => op.piece.task.piece_failed(kind, reason),
+        }
+    }
+
+    /// Closes connection `gen` and decides the fate of every op that was sent on it.
+    fn fail_conn(&self, gen: u64, why: ConnFailure) {
+        let mut ended = Vec::new();
+        {
+            let mut st = self.lock();
+            if st.gen != gen || st.conn.is_none() {
+                return;
+            }
+            if let Some(c) = st.conn.take() {
+                let _ = c.shutdown(Shutdown::Both);
+            }
+            let now = Instant::now();
+            let reason = match &why {
+                ConnFailure::Broken(r) => r.clone(),
+                ConnFailure::Deadline => "deadline passed".into(),
+            };
+            let inflight: Vec<WireOp> = st.inflight.drain(..).collect();
+            for mut op in inflight.into_iter().rev() {
+                if op.piece.task.deadline() <= now {
+                    ended.push((op, FailKind::Timeout, format!("no answer from {} ({}) before the deadline", self.peer_name, self.target)));
+                } else if matches!(why, ConnFailure::Broken(_)) && op.attempts == 0 {
+                    op.attempts += 1;
+                    st.pending.push_front(op);
+                } else {
+                    ended.push((op, FailKind::Failed, format!("connection to {} ({}) failed: {reason}", self.peer_name, self.target)));
+                }
+            }
+            self.wake_writer.notify_all();
+        }
+        for (op, kind, reason) in ended {
+            self.end_op(op, Err((kind, reason)));
+        }
+    }
+
+    fn writer_loop(self: Arc<Self>) {
+        let mut iov_hdrs: Vec<[u8; HEADER_LEN]> = Vec::with_capacity(MAX_OPS_PER_WRITE * 2);
+        loop {
+            let mut st = self.lock();
+            while st.pending.is_empty() && !st.shutdown {
+                st = self.wake_writer.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+            if st.shutdown {
+                let ops: Vec<WireOp> = {
+                    let s = &mut *st;
+                    s.pending.drain(..).chain(s.inflight.drain(..)).collect()
+                };
+                drop(st);
+                for op in ops {
+                    self.end_op(op, Err((FailKind::Failed, "engine shut down".into())));
+                }
+                return;
+            }
+            // Expire what can no longer make its deadline before sending it.
+            let now = Instant::now();
+            let mut expired = Vec::new();
+            while st.pending.front().is_some_and(|op| op.piece.task.deadline() <= now) {
+                if let Some(op) = st.pending.pop_front() {
+                    expired.push(op);
+                }
+            }
+            if !expired.is_empty() {
+                drop(st);
+                for op in expired {
+                    self.end_op(op, Err((FailKind::Timeout, format!("not sent to {} before the deadline", self.peer_name))));
+                }
+                continue;
+            }
+            if st.conn.is_none() {
+                drop(st);
+                self.connect();
+                continue;
+            }
+            let conn = Arc::clone(st.conn.as_ref().expect("checked"));
+            let gen = st.gen;
+            // Gather a run of ops into one writev.
+            let mut n = 0;
+            let mut bytes = 0u64;
+            let mut earliest = Instant::now() + Duration::from_secs(3600);
+            while let Some(op) = st.pending.pop_front() {
+                bytes += op.piece.len;
+                earliest = earliest.min(op.piece.task.deadline());
+                op.piece.task.set_pending();
+                st.inflight.push_back(op);
+                n += 1;
+                if n >= MAX_OPS_PER_WRITE || bytes >= MAX_GATHER_BYTES {
+                    break;
+                }
+            }
+            let first = st.inflight.len() - n;
+            iov_hdrs.clear();
+            let mut bodies: Vec<(u64, u64)> = Vec::with_capacity(n);
+            for op in st.inflight.range(first..) {
+                let p = &op.piece;
+                iov_hdrs.push(DataHeader { size: p.len, addr: p.remote, opcode: p.opcode, v2: self.v2 }.encode());
+                if p.opcode == Opcode::Write {
+                    bodies.push((p.local, p.len));
+                    if !self.v2 {
+                        // v1 fence: a 1-byte READ of the last byte written answers only after
+                        // the target consumed the body into memory.
+                        iov_hdrs.push(DataHeader { size: 1, addr: p.remote + p.len - 1, opcode: Opcode::Read, v2: false }.encode());
+                    }
+                } else {
+                    bodies.push((0, 0));
+                }
+            }
+            drop(st);
+            // Build the iovec list: header, body (WRITE), [fence header].
+            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(n * 3);
+            let mut h = 0;
+            for &(addr, len) in &bodies {
+                iov.push(IoSlice::new(&iov_hdrs[h]));
+                h += 1;
+                if len > 0 {
+                    // SAFETY: local ranges were checked against the registry at submit and
+                    // the piece's guard keeps them registered.
+                    iov.push(IoSlice::new(unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) }));
+                    if !self.v2 {
+                        iov.push(IoSlice::new(&iov_hdrs[h]));
+                        h += 1;
+                    }
+                }
+            }
+            let mut rest: &mut [IoSlice<'_>] = &mut iov;
+            let result = loop {
+                // writev takes at most IOV_MAX (1024) entries.
+                let take = rest.len().min(1000);
+                let (now_part, later) = std::mem::take(&mut rest).split_at_mut(take);
+                let r = write_all_vectored(&conn, now_part, || Instant::now() >= earliest);
+                if r.is_err() || later.is_empty() {
+                    break r;
+                }
+                rest = later;
+            };
+            if let Err(e) = result {
+                let why = if e.kind() == io::ErrorKind::TimedOut { ConnFailure::Deadline } else { ConnFailure::Broken(e.to_string()) };
+                self.fail_conn(gen, why);
+            }
+        }
+    }
+
+    fn connect(&self) {
+        let deadline = self.lock().pending.front().map(|op| op.piece.task.deadline());
+        let timeout = deadline
+            .map(|d| d.saturating_duration_since(Instant::now()))
+            .unwrap_or(self.connect_timeout)
+            .min(self.connect_timeout)
+            .max(Duration::from_millis(1));
+        let r = TcpStream::connect_timeout(&self.target, timeout).and_then(|s| {
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(TICK))?;
+            s.set_write_timeout(Some(TICK))?;
+            Ok(s)
+        });
+        match r {
+            Ok(s) => {
+                let mut st = self.lock();
+                st.gen += 1;
+                st.conn = Some(Arc::new(s));
+                self.wake_reader.notify_all();
+            }
+            Err(e) => {
+                let ops: Vec<WireOp> = self.lock().pending.drain(..).collect();
+                let reason = format!(
+                    "cannot connect to the TCP data port of {} at {}: {e} (is the peer alive and is its address reachable from here?)",
+                    self.peer_name, self.target
+                );
+                let kind = if e.kind() == io::ErrorKind::TimedOut { FailKind::Timeout } else { FailKind::Failed };
+                for op in ops {
+                    self.end_op(op, Err((kind, reason.clone())));
+                }
+            }
+        }
+    }
+
+    fn reader_loop(self: Arc<Self>) {
+        let mut rx = RxBuf::new();
+        let mut my_gen = 0;
+        let mut fence = [0u8; 1];
+        loop {
+            let (conn, gen, deadline, opcode, local, len) = {
+                let mut st = self.lock();
+                while (st.inflight.is_empty() || st.conn.is_none()) && !st.shutdown {
+                    st = self.wake_reader.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
+                if st.shutdown {
+                    return;
+                }
+                let front = &st.inflight[0].piece;
+                let info = (front.task.deadline(), front.opcode, front.local, front.len);
+                (Arc::clone(st.conn.as_ref().expect("checked")), st.gen, info.0, info.1, info.2, info.3)
+            };
+            if gen != my_gen {
+                rx.clear();
+                my_gen = gen;
+            }
+            let expired = || Instant::now() >= deadline;
+            // 1. Status frame (v2), before anything is taken off the queue.
+            let status = if self.v2 {
+                if let Err(e) = rx.need(&conn, STATUS_LEN, expired) {
+                    self.fail_conn(gen, if e.kind() == io::ErrorKind::TimedOut { ConnFailure::Deadline } else { ConnFailure::Broken(e.to_string()) });
+                    continue;
+                }
+                match tcp::decode_status(rx.take::<STATUS_LEN>()) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        // Not a protocol we can follow: fail the front op, drop the connection.
+                        let op = self.pop_front(gen);
+                        self.fail_conn(gen, ConnFailure::Broken(e.to_string()));
+                        if let Some(op) = op {
+                            self.end_op(op, Err((FailKind::Failed, format!("{}: {e}", self.peer_name))));
+                        }
+                        continue;
+                    }
+                }
+            } else {
+                Status::Ok
+            };
+            // 2. The op is ours now.
+            let Some(op) = self.pop_front(gen) else { continue };
+            if status == Status::Rejected {
+                let reason = format!(
+                    "{} rejected [0x{:x}, +{}): not inside memory it has registered",
+                    self.peer_name, op.piece.remote, op.piece.len
+                );
+                self.end_op(op, Err((FailKind::Failed, reason)));
+                // The target closes after a rejection; the others go again on a new connection.
+                self.fail_conn(gen, ConnFailure::Broken("target closed the connection after rejecting a request".into()));
+                continue;
+            }
+            // 3. Payload: READ data, or the v1 fence byte after a WRITE.
+            let r = match (opcode, self.v2) {
+                (Opcode::Read, _) => {
+                    // SAFETY: the local range is registered (checked at submit, guard held).
+                    let dst = unsafe { std::slice::from_raw_parts_mut(local as *mut u8, len as usize) };
+                    recv_into(&mut rx, &conn, dst, expired)
+                }
+                (Opcode::Write, false) => recv_into(&mut rx, &conn, &mut fence, expired),
+                (Opcode::Write, true) => Ok(()),
+            };
+            match r {
+                Ok(()) => self.end_op(op, Ok(())),
+                Err(e) => {
+                    let timed_out = e.kind() == io::ErrorKind::TimedOut;
+                    // Put the op back at the head so fail_conn retries or ends it with the rest.
+                    {
+                        let mut st = self.lock();
+                        if st.gen == gen && st.conn.is_some() {
+                            st.inflight.push_front(op);
+                        } else {
+                            drop(st);
+                            self.end_op(op, Err((FailKind::Failed, format!("connection to {} lost: {e}", self.peer_name))));
+                            continue;
+                        }
+                    }
+                    self.fail_conn(gen, if timed_out { ConnFailure::Deadline } else { ConnFailure::Broken(e.to_string()) });
+                }
+            }
+        }
+    }
+
+    fn pop_front(&self, gen: u64) -> Option<WireOp> {
+        let mut st = self.lock();
+        if st.gen != gen {
+            return None;
+        }
+        st.inflight.pop_front()
+    }
+
+    fn stop(&self) {
+        let mut st = self.lock();
+        st.shutdown = true;
+        if let Some(c) = st.conn.take() {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        self.wake_writer.notify_all();
+        self.wake_reader.notify_all();
+    }
+}
+
+struct PeerLanes {
+    lanes: Vec<Arc<Lane>>,
+    rr: AtomicUsize,
+}
+
+impl PeerLanes {
+    fn pick(&self) -> usize {
+        let start = self.rr.fetch_add(1, Ordering::Relaxed);
+        let n = self.lanes.len();
+        (0..n)
+            .map(|i| (start + i) % n)
+            .min_by_key(|&i| self.lanes[i].load.load(Ordering::Relaxed))
+            .unwrap_or(0)
+    }
+}
+
+/// The TCP transport of one engine: its data server and its lanes to peers.
+pub struct TcpTransport {
+    opts: TcpOptions,
+    server: TcpServer,
+    peers: Mutex<HashMap<(SocketAddr, bool), Arc<PeerLanes>>>,
+    shut: AtomicBool,
+}
+
+impl TcpTransport {
+    pub fn new(listener: TcpListener, registry: Arc<MemoryRegistry>, opts: TcpOptions, stall: Duration) -> io::Result<Arc<TcpTransport>> {
+        let server = TcpServer::start(listener, registry, stall)?;
+        Ok(Arc::new(TcpTransport { opts, server, peers: Mutex::default(), shut: AtomicBool::new(false) }))
+    }
+
+    pub fn data_port(&self) -> u16 {
+        self.server.port()
+    }
+
+    fn lanes_for(&self, peer: &Peer, desc: &SegmentDesc) -> Result<Arc<PeerLanes>, String> {
+        let addr = (peer.host.as_str(), desc.tcp_data_port)
+            .to_socket_addrs()
+            .map_err(|e| format!("cannot resolve {}: {e}", peer.host))?
+            .next()
+            .ok_or_else(|| format!("{} resolves to no address", peer.host))?;
+        let v2 = desc.tcp_version() >= 2 && self.opts.max_proto >= 2;
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = peers.get(&(addr, v2)) {
+            return Ok(Arc::clone(p));
+        }
+        let mut lanes = Vec::with_capacity(self.opts.lanes);
+        for _ in 0..self.opts.lanes {
+            let lane = Arc::new(Lane {
+                target: addr,
+                peer_name: peer.name.clone(),
+                v2,
+                connect_timeout: self.opts.connect_timeout,
+                st: Mutex::default(),
+                wake_writer: Condvar::new(),
+                wake_reader: Condvar::new(),
+                load: AtomicU64::new(0),
+            });
+            let (w, r) = (Arc::clone(&lane), Arc::clone(&lane));
+            std::thread::Builder::new().name("kvf-lane-tx".into()).spawn(move || w.writer_loop()).map_err(|e| e.to_string())?;
+            std::thread::Builder::new().name("kvf-lane-rx".into()).spawn(move || r.reader_loop()).map_err(|e| e.to_string())?;
+            lanes.push(lane);
+        }
+        let p = Arc::new(PeerLanes { lanes, rr: AtomicUsize::new(0) });
+        peers.insert((addr, v2), Arc::clone(&p));
+        Ok(p)
+    }
+}
+
+impl Transport for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn describe(&self, desc: &mut SegmentDesc) {
+        desc.tcp_data_port = self.server.port();
+        desc.tcp_proto_version = Some(2);
+    }
+
+    fn reachable(&self, peer: &Peer) -> Result<(), String> {
+        let d = peer.desc();
+        if d.tcp_data_port == 0 {
+            return Err(format!("segment {} publishes no TCP data port (protocol {:?})", peer.name, d.protocol));
+        }
+        Ok(())
+    }
+
+    fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>) {
+        let fail_all = |pieces: Vec<Piece>, reason: String| {
+            for p in pieces {
+                p.task.piece_failed(FailKind::Failed, reason.clone());
+            }
+        };
+        if self.shut.load(Ordering::Acquire) {
+            return fail_all(pieces, "engine shut down".into());
+        }
+        let desc = peer.desc();
+        let lanes = match self.lanes_for(peer, &desc) {
+            Ok(l) => l,
+            Err(e) => return fail_all(pieces, e),
+        };
+        let n = lanes.lanes.len();
+        let mut per_lane: Vec<Vec<WireOp>> = (0..n).map(|_| Vec::new()).collect();
+        for p in pieces {
+            let chunks = if p.len > self.opts.split_bytes && n > 1 {
+                p.len.div_ceil(self.opts.split_bytes).min(64)
+            } else {
+                1
+            };
+            if chunks == 1 {
+                let i = lanes.pick();
+                lanes.lanes[i].load.fetch_add(p.len, Ordering::AcqRel);
+                per_lane[i].push(WireOp { piece: p, attempts: 0 });
+                continue;
+            }
+            // Cut into `chunks` pieces of about equal size, 4 KiB aligned.
+            let step = p.len.div_ceil(chunks).next_multiple_of(4096);
+            let count = p.len.div_ceil(step);
+            p.task.split(count as u32);
+            let mut off = 0;
+            while off < p.len {
+                let len = step.min(p.len - off);
+                let i = lanes.pick();
+                lanes.lanes[i].load.fetch_add(len, Ordering::AcqRel);
+                per_lane[i].push(WireOp {
+                    piece: Piece { opcode: p.opcode, local: p.local + off, remote: p.remote + off, len, task: Arc::clone(&p.task), guard: p.guard.clone() },
+                    attempts: 0,
+                });
+                off += len;
+            }
+        }
+        for (i, ops) in per_lane.into_iter().enumerate() {
+            if ops.is_empty() {
+                continue;
+            }
+            let lane = &lanes.lanes[i];
+            let mut st = lane.lock();
+            st.pending.extend(ops);
+            lane.wake_writer.notify_one();
+        }
+    }
+
+    fn shutdown(&self) {
+        self.shut.store(true, Ordering::Release);
+        self.server.shutdown();
+        for (_, p) in self.peers.lock().unwrap_or_else(|e| e.into_inner()).drain() {
+            for l in &p.lanes {
+                l.stop();
+            }
+        }
+    }
+}
