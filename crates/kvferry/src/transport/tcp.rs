@@ -418,6 +418,9 @@ impl Lane {
             let mut n = 0;
             let mut bytes = 0u64;
             let mut earliest = Instant::now() + Duration::from_secs(3600);
+            if st.inflight.is_empty() {
+                self.wake_reader.notify_one();
+            }
             while let Some(op) = st.pending.pop_front() {
                 bytes += op.piece.len;
                 earliest = earliest.min(op.piece.task.deadline());
