@@ -60,6 +60,7 @@ struct Inner {
     batches: Mutex<HashMap<BatchId, Arc<Batch>>>,
     next_batch: AtomicU64,
     notifies: Mutex<Vec<Notify>>,
+    notify_cv: std::sync::Condvar,
 }
 
 /// The transfer engine: one local segment, any number of peers.
@@ -163,6 +164,7 @@ impl TransferEngine {
                 batches: Mutex::default(),
                 next_batch: AtomicU64::new(1),
                 notifies: Mutex::default(),
+                notify_cv: std::sync::Condvar::new(),
                 config,
             }
         });
@@ -343,6 +345,20 @@ impl TransferEngine {
         std::mem::take(&mut *self.inner.notifies.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
+    /// Like [`TransferEngine::get_notifies`], but blocks up to `timeout` until one arrives.
+    pub fn wait_notifies(&self, timeout: Duration) -> Vec<Notify> {
+        let until = Instant::now() + timeout;
+        let mut q = self.inner.notifies.lock().unwrap_or_else(|e| e.into_inner());
+        while q.is_empty() {
+            let now = Instant::now();
+            if now >= until {
+                break;
+            }
+            q = self.inner.notify_cv.wait_timeout(q, until - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        std::mem::take(&mut *q)
+    }
+
     /// Checks that a segment's handshake port answers.
     pub fn probe(&self, segment: &str) -> Result<()> {
         let (host, port) = self.inner.rpc_addr(segment)?;
@@ -383,6 +399,7 @@ impl Inner {
                 match parse_json::<NotifyMsg>("notify", &f.body) {
                     Ok(n) => {
                         self.notifies.lock().unwrap_or_else(|e| e.into_inner()).push(Notify { name: n.name, msg: n.notify_msg });
+                        self.notify_cv.notify_all();
                         br#"{"name":"","notify_msg":"success"}"#.to_vec()
                     }
                     Err(e) => serde_json::to_vec(&NotifyMsg { name: String::new(), notify_msg: e.to_string() }).expect("serialisable"),

@@ -1,0 +1,502 @@
+//! `kvferry bench`: the main job, measured.
+//!
+//! With no `--mode`, starts a target as a child process on 127.0.0.1 and runs the initiator
+//! here. Every point is verified: the target hashes its own memory on request (a Notify
+//! message) and the initiator compares with its side. Ceilings (single-thread memcpy, a
+//! plain loopback socket stream) and, when available, Mooncake's `transfer_engine_bench`
+//! run in the same invocation so the report can give ratios.
+
+use crate::sys::{self, human, parse_size, Buffer};
+use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
+use serde::Serialize;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    Target,
+    Initiator,
+}
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Run one side only (for two hosts); default: both, as two processes on 127.0.0.1.
+    #[arg(long, value_enum)]
+    mode: Option<Mode>,
+    /// The target's segment name (`host:port`, printed by `--mode target`).
+    #[arg(long)]
+    segment: Option<String>,
+    /// Address advertised by this side.
+    #[arg(long, default_value = "127.0.0.1")]
+    local_hostname: String,
+    /// Registered memory on each side.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    buffer_size: u64,
+    /// Block sizes to sweep.
+    #[arg(long, default_value = "4K,64K,1M,16M", value_delimiter = ',', value_parser = parse_size)]
+    blocks: Vec<u64>,
+    /// Requests per batch.
+    #[arg(long, default_value_t = 128)]
+    batch: usize,
+    /// Operations to sweep.
+    #[arg(long, default_value = "write,read", value_delimiter = ',')]
+    ops: Vec<String>,
+    /// Seconds of measurement per point.
+    #[arg(long, default_value_t = 2.0)]
+    duration: f64,
+    /// Initiator threads, each with its own batches in flight.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// Write one JSON record per point to this file (JSON Lines).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Skip the memcpy and socket ceilings.
+    #[arg(long)]
+    no_ceilings: bool,
+    /// Mooncake's transfer_engine_bench to run side by side (default: $KVFERRY_MOONCAKE_BENCH,
+    /// else `transfer_engine_bench` on PATH if present). `none` disables.
+    #[arg(long)]
+    mooncake: Option<String>,
+    /// Write ceilings and Mooncake's points to this file (JSON Lines).
+    #[arg(long)]
+    json_peers: Option<PathBuf>,
+    /// Internal: exit when stdin closes (set when the bench starts its own target).
+    #[arg(long, hide = true)]
+    exit_on_stdin_eof: bool,
+}
+
+/// One measured point, as written by `--json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Point {
+    pub op: String,
+    pub block_bytes: u64,
+    pub batch: usize,
+    pub gbps: f64,
+    pub ops_per_s: f64,
+    pub batch_p50_us: f64,
+    pub batch_p99_us: f64,
+    pub single_p50_us: f64,
+    pub initiator_cpu_s_per_gb: f64,
+    pub target_cpu_s_per_gb: f64,
+    pub verified: bool,
+}
+
+const TAG: &str = "kvferry-bench";
+
+pub fn run(a: BenchArgs) -> Result<(), String> {
+    match a.mode {
+        Some(Mode::Target) => run_target(&a),
+        Some(Mode::Initiator) => {
+            let seg = a.segment.clone().ok_or("--mode initiator needs --segment <host:port> (printed by --mode target)")?;
+            run_initiator(&a, &seg, None)
+        }
+        None => {
+            let (child, seg) = spawn_target(&a)?;
+            let r = run_initiator(&a, &seg, Some(child.id()));
+            stop_child(child);
+            r
+        }
+    }
+}
+
+fn engine_config(a: &BenchArgs) -> Result<Config, String> {
+    let mut c = Config::from_env().map_err(|e| e.to_string())?;
+    c.local_hostname = a.local_hostname.clone();
+    Ok(c)
+}
+
+// ------------------------------------------------------------------------------------------
+// Target
+// ------------------------------------------------------------------------------------------
+
+fn run_target(a: &BenchArgs) -> Result<(), String> {
+    let engine = TransferEngine::new(engine_config(a)?).map_err(|e| e.to_string())?;
+    let buf = Buffer::new(a.buffer_size as usize).map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
+    buf.fill(0, buf.len(), 0x5eed);
+    engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| e.to_string())?;
+    println!("KVFERRY_BENCH_TARGET segment={} addr={} size={}", engine.segment_name(), buf.addr(), buf.len());
+    let _ = std::io::stdout().flush();
+    if a.exit_on_stdin_eof {
+        std::thread::spawn(|| {
+            let mut sink = Vec::new();
+            let _ = std::io::stdin().read_to_end(&mut sink);
+            std::process::exit(0);
+        });
+    } else {
+        eprintln!("target ready: run `kvferry bench --mode initiator --segment {}` on the other host", engine.segment_name());
+    }
+    loop {
+        for n in engine.wait_notifies(Duration::from_secs(1)) {
+            let f: Vec<&str> = n.msg.split_whitespace().collect();
+            if f.first() != Some(&TAG) {
+                continue;
+            }
+            let reply = match f.get(1..) {
+                Some(["checksum", token, off, len]) => {
+                    let (off, len) = (off.parse::<usize>().unwrap_or(usize::MAX), len.parse::<usize>().unwrap_or(usize::MAX));
+                    if off.checked_add(len).is_some_and(|e| e <= buf.len()) {
+                        format!("{TAG} checksum-result {token} {:016x}", xxhash_rust::xxh3::xxh3_64(buf.slice(off, len)))
+                    } else {
+                        format!("{TAG} checksum-result {token} out-of-range")
+                    }
+                }
+                Some(["cpu", token]) => format!("{TAG} cpu-result {token} {}", sys::self_cpu().as_secs_f64()),
+                Some(["quit"]) => return Ok(()),
+                _ => continue,
+            };
+            if let Err(e) = engine.send_notify(&n.name, &reply) {
+                eprintln!("target: cannot answer {}: {e}", n.name);
+            }
+        }
+    }
+}
+
+fn spawn_target(a: &BenchArgs) -> Result<(Child, String), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
+    let mut child = Command::new(exe)
+        .args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", &a.local_hostname, "--buffer-size", &a.buffer_size.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("starting the target process: {e}"))?;
+    let out = child.stdout.take().ok_or("no stdout from target")?;
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line).map_err(|e| format!("reading the target's address: {e}"))?;
+    let seg = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("segment="))
+        .map(str::to_string)
+        .ok_or_else(|| {
+            let _ = child.kill();
+            format!("target did not start (printed {line:?}); run `kvferry doctor`")
+        })?;
+    Ok((child, seg))
+}
+
+fn stop_child(mut child: Child) {
+    drop(child.stdin.take()); // the target exits when its stdin closes
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+// ------------------------------------------------------------------------------------------
+// Initiator
+// ------------------------------------------------------------------------------------------
+
+struct Ctl<'a> {
+    engine: &'a TransferEngine,
+    target: String,
+    token: AtomicU64,
+}
+
+impl Ctl<'_> {
+    /// Asks the target something over Notify and waits for the answer.
+    fn ask(&self, cmd: &str, args: &str) -> Result<String, String> {
+        let token = self.token.fetch_add(1, Ordering::Relaxed).to_string();
+        self.engine.send_notify(&self.target, &format!("{TAG} {cmd} {token} {args}")).map_err(|e| e.to_string())?;
+        let until = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < until {
+            for n in self.engine.wait_notifies(Duration::from_millis(500)) {
+                let f: Vec<&str> = n.msg.split_whitespace().collect();
+                if f.len() == 4 && f[0] == TAG && f[1] == format!("{cmd}-result") && f[2] == token {
+                    return Ok(f[3].to_string());
+                }
+            }
+        }
+        Err(format!("the target did not answer `{cmd}` within 60 s"))
+    }
+
+    fn cpu(&self) -> Result<f64, String> {
+        self.ask("cpu", "")?.parse().map_err(|e| format!("bad cpu answer: {e}"))
+    }
+
+    fn checksum(&self, off: usize, len: usize) -> Result<String, String> {
+        self.ask("checksum", &format!("{off} {len}"))
+    }
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result<(), String> {
+    if a.batch == 0 || a.threads == 0 {
+        return Err("--batch and --threads must be at least 1".into());
+    }
+    for op in &a.ops {
+        if op != "write" && op != "read" {
+            return Err(format!("unknown op {op:?}: use write and/or read"));
+        }
+    }
+    let engine = TransferEngine::new(engine_config(a)?).map_err(|e| e.to_string())?;
+    let buf = Buffer::new(a.buffer_size as usize).map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
+    engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| e.to_string())?;
+    let seg = engine.open_segment(target).map_err(|e| e.to_string())?;
+    let desc = engine.segment_descriptor(seg).map_err(|e| e.to_string())?;
+    let rbuf = desc.buffers.iter().max_by_key(|b| b.length).ok_or_else(|| format!("segment {target} has no registered buffer"))?;
+    let usable = (buf.len() as u64).min(rbuf.length);
+    let ctl = Ctl { engine: &engine, target: target.to_string(), token: AtomicU64::new(1) };
+    let _ = target_pid;
+
+    let ceilings = if a.no_ceilings { None } else { Some(measure_ceilings()) };
+    let total = a.ops.len() * a.blocks.len();
+    let mut points = Vec::new();
+    let mut n = 0;
+    for op in &a.ops {
+        for &block in &a.blocks {
+            n += 1;
+            eprint!("\r\x1b[K[{n}/{total}] {op} {} x {} ...", human(block), a.batch);
+            let _ = std::io::stderr().flush();
+            let p = run_point(a, &engine, &ctl, &buf, seg, rbuf.addr, usable, op, block, n as u64)?;
+            points.push(p);
+        }
+    }
+    eprintln!("\r\x1b[K");
+    let mooncake = crate::mooncake::run_side_by_side(a.mooncake.as_deref(), &a.local_hostname, a.buffer_size, &a.ops, &a.blocks, a.batch, a.threads, a.duration);
+    print_report(a, &points, ceilings.as_ref(), &mooncake);
+    if let Some(path) = &a.json {
+        let mut out = String::new();
+        for p in &points {
+            out.push_str(&serde_json::to_string(p).expect("serialisable"));
+            out.push('\n');
+        }
+        std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    }
+    if let Some(path) = &a.json_peers {
+        let mut out = String::new();
+        if let Some(c) = &ceilings {
+            out.push_str(&serde_json::json!({"engine": "ceiling", "memcpy_gbps": c.memcpy_gbps, "socket_gbps": c.socket_gbps}).to_string());
+            out.push('\n');
+        }
+        for m in mooncake.points() {
+            out.push_str(&serde_json::to_string(m).expect("serialisable"));
+            out.push('\n');
+        }
+        std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    }
+    if points.iter().any(|p| !p.verified) {
+        return Err("some points failed verification (see the table)".into());
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_point(
+    a: &BenchArgs,
+    engine: &TransferEngine,
+    ctl: &Ctl<'_>,
+    buf: &Buffer,
+    seg: u64,
+    remote_base: u64,
+    usable: u64,
+    op: &str,
+    block: u64,
+    seed: u64,
+) -> Result<Point, String> {
+    let opcode = if op == "write" { Opcode::Write } else { Opcode::Read };
+    let region = (usable / a.threads as u64) / block * block;
+    if region == 0 {
+        return Err(format!("buffer {} too small for {} threads of {} blocks", human(usable), a.threads, human(block)));
+    }
+    let span = region.min(a.batch as u64 * block);
+    for t in 0..a.threads as u64 {
+        let off = (t * region) as usize;
+        match opcode {
+            Opcode::Write => buf.fill(off, span as usize, seed.wrapping_mul(0x1234_5678_9abc)),
+            Opcode::Read => buf.slice_mut(off, span as usize).fill(0),
+        }
+    }
+    let make_reqs = |t: u64| -> Vec<TransferRequest> {
+        (0..a.batch as u64)
+            .map(|i| {
+                let off = t * region + (i * block) % region;
+                TransferRequest { opcode, source: buf.addr() + off, target_id: seg, target_offset: remote_base + off, length: block }
+            })
+            .collect()
+    };
+    let tgt_cpu0 = ctl.cpu()?;
+    let cpu0 = sys::self_cpu();
+    let start = Instant::now();
+    let dur = Duration::from_secs_f64(a.duration.max(0.01));
+    let results: Vec<Result<Vec<f64>, String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..a.threads as u64)
+            .map(|t| {
+                let reqs = make_reqs(t);
+                s.spawn(move || -> Result<Vec<f64>, String> {
+                    let mut lats = Vec::new();
+                    while lats.is_empty() || start.elapsed() < dur {
+                        let t0 = Instant::now();
+                        let b = engine.allocate_batch(reqs.len()).map_err(|e| e.to_string())?;
+                        engine.submit(b, &reqs).map_err(|e| e.to_string())?;
+                        let st = engine.wait_batch(b, Duration::from_secs(120)).map_err(|e| e.to_string())?;
+                        lats.push(t0.elapsed().as_secs_f64() * 1e6);
+                        if st.status != TaskStatus::Completed {
+                            return Err(format!("{op} batch ended {:?}: {}", st.status, st.reason.unwrap_or_default()));
+                        }
+                        engine.free_batch(b).map_err(|e| e.to_string())?;
+                    }
+                    Ok(lats)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("bench thread panicked".into()))).collect()
+    });
+    let elapsed = start.elapsed().as_secs_f64();
+    let cpu = (sys::self_cpu() - cpu0).as_secs_f64();
+    let tgt_cpu = ctl.cpu()? - tgt_cpu0;
+    let mut lats = Vec::new();
+    for r in results {
+        lats.extend(r?);
+    }
+    let batches = lats.len() as f64;
+    let bytes = batches * a.batch as f64 * block as f64;
+    let gb = bytes / 1e9;
+    // Verify: the target hashes its memory; compare with ours.
+    let mut verified = true;
+    for t in 0..a.threads as u64 {
+        let off = (t * region) as usize;
+        let mine = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(buf.slice(off, span as usize)));
+        let theirs = ctl.checksum(off, span as usize)?;
+        if mine != theirs {
+            verified = false;
+        }
+    }
+    // Single-request latency.
+    let one = [TransferRequest { opcode, source: buf.addr(), target_id: seg, target_offset: remote_base, length: block }];
+    let mut single = Vec::new();
+    let t_single = Instant::now();
+    while single.len() < 1000 && (single.len() < 5 || t_single.elapsed() < Duration::from_secs(1)) {
+        let t0 = Instant::now();
+        let st = engine.transfer_sync(&one, Duration::from_secs(60)).map_err(|e| e.to_string())?;
+        single.push(t0.elapsed().as_secs_f64() * 1e6);
+        if st.status != TaskStatus::Completed {
+            return Err(format!("single {op} ended {:?}: {}", st.status, st.reason.unwrap_or_default()));
+        }
+    }
+    Ok(Point {
+        op: op.to_string(),
+        block_bytes: block,
+        batch: a.batch,
+        gbps: gb / elapsed,
+        ops_per_s: batches * a.batch as f64 / elapsed,
+        batch_p50_us: pct(&mut lats.clone(), 0.5),
+        batch_p99_us: pct(&mut lats, 0.99),
+        single_p50_us: pct(&mut single, 0.5),
+        initiator_cpu_s_per_gb: cpu / gb,
+        target_cpu_s_per_gb: tgt_cpu / gb,
+        verified,
+    })
+}
+
+// ------------------------------------------------------------------------------------------
+// Ceilings
+// ------------------------------------------------------------------------------------------
+
+pub struct Ceilings {
+    pub memcpy_gbps: f64,
+    pub socket_gbps: f64,
+}
+
+fn measure_ceilings() -> Ceilings {
+    eprint!("\r\x1b[K[ceilings] memcpy and loopback socket ...");
+    let _ = std::io::stderr().flush();
+    Ceilings { memcpy_gbps: memcpy_gbps(), socket_gbps: socket_gbps() }
+}
+
+/// Best of several single-thread copies of 256 MiB.
+fn memcpy_gbps() -> f64 {
+    let n = 256 << 20;
+    let (Ok(a), Ok(b)) = (Buffer::new(n), Buffer::new(n)) else { return 0.0 };
+    a.fill(0, n, 1);
+    let mut best = 0.0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        b.slice_mut(0, n).copy_from_slice(a.slice(0, n));
+        best = best.max(n as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    std::hint::black_box(b.slice(0, 64));
+    best
+}
+
+/// One plain TCP stream over loopback: a sender thread writes 1 MiB chunks, a receiver reads.
+fn socket_gbps() -> f64 {
+    let Ok(l) = std::net::TcpListener::bind("127.0.0.1:0") else { return 0.0 };
+    let Ok(addr) = l.local_addr() else { return 0.0 };
+    let total: usize = 2 << 30;
+    let rx = std::thread::spawn(move || -> f64 {
+        let Ok((mut s, _)) = l.accept() else { return 0.0 };
+        let mut b = vec![0u8; 1 << 20];
+        let mut got = 0;
+        let t = Instant::now();
+        while got < total {
+            match s.read(&mut b) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got += n,
+            }
+        }
+        got as f64 / t.elapsed().as_secs_f64() / 1e9
+    });
+    if let Ok(mut s) = std::net::TcpStream::connect(addr) {
+        let _ = s.set_nodelay(true);
+        let chunk = vec![7u8; 1 << 20];
+        let mut sent = 0;
+        while sent < total {
+            if s.write_all(&chunk).is_err() {
+                break;
+            }
+            sent += chunk.len();
+        }
+    }
+    rx.join().unwrap_or(0.0)
+}
+
+// ------------------------------------------------------------------------------------------
+// Report
+// ------------------------------------------------------------------------------------------
+
+fn print_report(a: &BenchArgs, points: &[Point], c: Option<&Ceilings>, mc: &crate::mooncake::SideBySide) {
+    println!("kvferry bench: TCP on {} , {} registered per side, batch {}, {} initiator thread(s), {:.1} s per point", a.local_hostname, human(a.buffer_size), a.batch, a.threads, a.duration);
+    if let Some(c) = c {
+        println!("ceilings: single-thread memcpy {:.2} GB/s, loopback socket stream {:.2} GB/s", c.memcpy_gbps, c.socket_gbps);
+    }
+    println!();
+    println!(
+        "{:<6} {:>8} {:>8} {:>11} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>9} {:>8}",
+        "op", "block", "GB/s", "ops/s", "batch p50", "batch p99", "1-req p50", "init cpu", "tgt cpu", "verified", "/socket", "/mooncake"
+    );
+    println!("{:<6} {:>8} {:>8} {:>11} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>9} {:>8}", "", "", "", "", "(us)", "(us)", "(us)", "(s/GB)", "(s/GB)", "", "", "");
+    for p in points {
+        let vs_socket = c.map(|c| format!("{:.2}x", p.gbps / c.socket_gbps)).unwrap_or_else(|| "-".into());
+        let vs_mc = mc.gbps(&p.op, p.block_bytes).map(|m| format!("{:.2}x", p.gbps / m)).unwrap_or_else(|| "-".into());
+        println!(
+            "{:<6} {:>8} {:>8.3} {:>11.0} {:>10.0} {:>10.0} {:>10.1} {:>9.3} {:>9.3} {:>8} {:>9} {:>8}",
+            p.op,
+            human(p.block_bytes),
+            p.gbps,
+            p.ops_per_s,
+            p.batch_p50_us,
+            p.batch_p99_us,
+            p.single_p50_us,
+            p.initiator_cpu_s_per_gb,
+            p.target_cpu_s_per_gb,
+            if p.verified { "yes" } else { "NO" },
+            vs_socket,
+            vs_mc
+        );
+    }
+    mc.print();
+}

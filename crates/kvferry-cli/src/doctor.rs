@@ -1,0 +1,213 @@
+//! `kvferry doctor`: what this host can do, and why not.
+
+use kvferry::config::ENV_VARS;
+use kvferry::{Config, TransferEngine};
+use std::ffi::{CStr, CString};
+use std::net::IpAddr;
+
+#[derive(clap::Args)]
+pub struct DoctorArgs {
+    /// The address this host would advertise (default: the first non-loopback interface).
+    #[arg(long)]
+    local_hostname: Option<String>,
+}
+
+struct Report {
+    problems: usize,
+}
+
+impl Report {
+    fn ok(&self, what: &str, detail: impl AsRef<str>) {
+        println!("  ok    {what}: {}", detail.as_ref());
+    }
+    fn warn(&mut self, what: &str, detail: impl AsRef<str>) {
+        println!("  WARN  {what}: {}", detail.as_ref());
+        self.problems += 1;
+    }
+    fn no(&self, what: &str, detail: impl AsRef<str>) {
+        println!("  no    {what}: {}", detail.as_ref());
+    }
+}
+
+/// Interface addresses that are up (name, address).
+pub fn interfaces() -> Vec<(String, IpAddr)> {
+    let mut out = Vec::new();
+    let mut ifa: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs allocates a list we walk read-only and free once.
+    unsafe {
+        if libc::getifaddrs(&mut ifa) != 0 {
+            return out;
+        }
+        let mut p = ifa;
+        while !p.is_null() {
+            let i = &*p;
+            let up = i.ifa_flags & (libc::IFF_UP as u32) != 0;
+            if up && !i.ifa_addr.is_null() {
+                let name = CStr::from_ptr(i.ifa_name).to_string_lossy().into_owned();
+                match i32::from((*i.ifa_addr).sa_family) {
+                    libc::AF_INET => {
+                        let sa = &*(i.ifa_addr as *const libc::sockaddr_in);
+                        out.push((name, IpAddr::from(u32::from_be(sa.sin_addr.s_addr).to_be_bytes())));
+                    }
+                    libc::AF_INET6 => {
+                        let sa = &*(i.ifa_addr as *const libc::sockaddr_in6);
+                        out.push((name, IpAddr::from(sa.sin6_addr.s6_addr)));
+                    }
+                    _ => {}
+                }
+            }
+            p = i.ifa_next;
+        }
+        libc::freeifaddrs(ifa);
+    }
+    out
+}
+
+/// dlopen without keeping the handle; returns why not.
+fn try_dlopen(lib: &str) -> Result<*mut libc::c_void, String> {
+    let c = CString::new(lib).map_err(|e| e.to_string())?;
+    // SAFETY: dlopen with a valid C string; the handle is closed by the caller or leaked on purpose.
+    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if h.is_null() {
+        // SAFETY: dlerror returns a thread-local string or null.
+        let e = unsafe { libc::dlerror() };
+        let msg = if e.is_null() { "unknown error".into() } else { unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned() };
+        return Err(msg);
+    }
+    Ok(h)
+}
+
+fn rdma_devices() -> Result<Vec<String>, String> {
+    let h = try_dlopen("libibverbs.so.1")?;
+    type GetList = unsafe extern "C" fn(*mut libc::c_int) -> *mut *mut libc::c_void;
+    type GetName = unsafe extern "C" fn(*mut libc::c_void) -> *const libc::c_char;
+    type FreeList = unsafe extern "C" fn(*mut *mut libc::c_void);
+    // SAFETY: symbols looked up by name from libibverbs, called with their documented signatures.
+    unsafe {
+        let gl = libc::dlsym(h, c"ibv_get_device_list".as_ptr());
+        let gn = libc::dlsym(h, c"ibv_get_device_name".as_ptr());
+        let fl = libc::dlsym(h, c"ibv_free_device_list".as_ptr());
+        if gl.is_null() || gn.is_null() || fl.is_null() {
+            return Err("libibverbs.so.1 lacks ibv_get_device_list".into());
+        }
+        let (gl, gn, fl): (GetList, GetName, FreeList) = (std::mem::transmute(gl), std::mem::transmute(gn), std::mem::transmute(fl));
+        let mut n: libc::c_int = 0;
+        let list = gl(&mut n);
+        if list.is_null() {
+            return Err(format!("ibv_get_device_list failed: {}", std::io::Error::last_os_error()));
+        }
+        let names = (0..n.max(0) as usize).map(|i| CStr::from_ptr(gn(*list.add(i))).to_string_lossy().into_owned()).collect();
+        fl(list);
+        Ok(names)
+    }
+}
+
+fn cuda_devices() -> Result<i32, String> {
+    let h = try_dlopen("libcuda.so.1")?;
+    type Init = unsafe extern "C" fn(u32) -> i32;
+    type Count = unsafe extern "C" fn(*mut i32) -> i32;
+    // SAFETY: CUDA driver API entry points with their documented signatures.
+    unsafe {
+        let i = libc::dlsym(h, c"cuInit".as_ptr());
+        let c = libc::dlsym(h, c"cuDeviceGetCount".as_ptr());
+        if i.is_null() || c.is_null() {
+            return Err("libcuda.so.1 lacks cuInit".into());
+        }
+        let (i, c): (Init, Count) = (std::mem::transmute(i), std::mem::transmute(c));
+        let r = i(0);
+        if r != 0 {
+            return Err(format!("cuInit failed with CUDA error {r}"));
+        }
+        let mut n = 0;
+        let r = c(&mut n);
+        if r != 0 {
+            return Err(format!("cuDeviceGetCount failed with CUDA error {r}"));
+        }
+        Ok(n)
+    }
+}
+
+fn cap_ipc_lock() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("CapEff:")).and_then(|l| u64::from_str_radix(l[7..].trim(), 16).ok()))
+        .is_some_and(|caps| caps & (1 << 14) != 0)
+}
+
+pub fn run(a: DoctorArgs) -> Result<(), String> {
+    let mut r = Report { problems: 0 };
+    println!("kvferry doctor (kvferry {})", env!("CARGO_PKG_VERSION"));
+
+    println!("\nconfiguration (environment):");
+    let cfg = match Config::from_env() {
+        Ok(c) => {
+            r.ok("environment", "all variables parse");
+            c
+        }
+        Err(e) => {
+            r.warn("environment", e.to_string());
+            Config::default()
+        }
+    };
+    for v in ENV_VARS {
+        let set = std::iter::once(v.name).chain(v.aliases.iter().copied()).find_map(|n| std::env::var(n).ok().map(|val| format!("{n}={val}")));
+        println!("        {:<34} {}", v.name, set.unwrap_or_else(|| format!("(default: {})", v.default)));
+    }
+
+    println!("\naddresses:");
+    let ifs = interfaces();
+    for (name, ip) in &ifs {
+        println!("        {name:<10} {ip}");
+    }
+    let host = a.local_hostname.clone().unwrap_or_else(|| {
+        ifs.iter().find(|(_, ip)| ip.is_ipv4() && !ip.is_loopback()).map(|(_, ip)| ip.to_string()).unwrap_or_else(|| "127.0.0.1".into())
+    });
+    match kvferry::resolve_advertised(kvferry::config::split_host_port(&host).0) {
+        Ok(ip) if ifs.iter().any(|(_, i)| *i == ip) => {
+            if ip.is_loopback() {
+                r.warn("advertised address", format!("{host} is loopback: peers on other hosts cannot reach it"));
+            } else {
+                r.ok("advertised address", format!("{host} ({ip}) is an address of this host"));
+            }
+        }
+        Ok(ip) => r.warn("advertised address", format!("{host} resolves to {ip}, which is not an address of this host; pass one listed above as local_hostname")),
+        Err(e) => r.warn("advertised address", e.to_string()),
+    }
+
+    println!("\nports:");
+    let span = u32::from(cfg.max_port.saturating_sub(cfg.min_port)) + 1;
+    match TransferEngine::new(Config { local_hostname: host.clone(), ..cfg.clone() }) {
+        Ok(e) => r.ok(
+            "listeners",
+            format!("bound handshake port {} and data port {} in {}-{} ({span} ports) on {}", e.rpc_port(), e.data_port(), cfg.min_port, cfg.max_port, cfg.bind_address.map(|a| a.to_string()).unwrap_or(host.clone())),
+        ),
+        Err(e) => r.warn("listeners", e.to_string()),
+    }
+
+    println!("\nmemory:");
+    // SAFETY: getrlimit fills the struct.
+    let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) };
+    let fmt = |v: libc::rlim_t| if v == libc::RLIM_INFINITY { "unlimited".to_string() } else { format!("{} KiB", v / 1024) };
+    let ipc = cap_ipc_lock();
+    if lim.rlim_cur == libc::RLIM_INFINITY || ipc {
+        r.ok("memlock", format!("limit {} (CAP_IPC_LOCK: {})", fmt(lim.rlim_cur), if ipc { "yes" } else { "no" }));
+    } else {
+        r.warn("memlock", format!("limit {} and no CAP_IPC_LOCK: RDMA registration of large buffers will fail; raise `ulimit -l` (e.g. unlimited) or run with CAP_IPC_LOCK. TCP does not need it.", fmt(lim.rlim_cur)));
+    }
+
+    println!("\ntransports:");
+    r.ok("tcp", "available (Mooncake TCP protocol v2, v1 for old peers)");
+    r.ok("local", "transfers to this engine's own segment are a memcpy");
+    match rdma_devices() {
+        Ok(d) if d.is_empty() => r.no("rdma", "libibverbs.so.1 loads but lists no RDMA device (no NIC, or its kernel driver is not loaded)"),
+        Ok(d) => r.no("rdma", format!("devices {} found, but this kvferry version has no RDMA transport yet; TCP is used", d.join(", "))),
+        Err(e) => r.no("rdma", format!("libibverbs.so.1 not loadable ({e}); install rdma-core/libibverbs1 if this host has RDMA NICs")),
+    }
+    match cuda_devices() {
+        Ok(n) => r.no("gpu memory", format!("CUDA driver found with {n} device(s), but this kvferry version moves host memory only")),
+        Err(e) => r.no("gpu memory", format!("CUDA driver libcuda.so.1 not usable ({e})")),
+    }
+    println!("\n{}", if r.problems == 0 { "no problems found".to_string() } else { format!("{} warning(s)", r.problems) });
+    Ok(())
+}
