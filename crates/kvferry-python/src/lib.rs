@@ -1,0 +1,1 @@
+//! Python bindings of kvferry (being written).
