@@ -27,6 +27,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_TRANSFER_TIMEOUT", aliases: &["MC_TRANSFER_TIMEOUT"], default: "30", doc: "seconds before an unfinished request becomes TIMEOUT (sync Python calls add 1 ns per byte)" },
     EnvVar { name: "KVFERRY_TCP_LANES", aliases: &["MC_TCP_LANES_PER_PEER"], default: "2", doc: "persistent TCP connections per peer (1-16)" },
     EnvVar { name: "KVFERRY_TCP_SPLIT_BYTES", aliases: &[], default: "4194304", doc: "requests larger than this are split across lanes in pieces of about this size" },
+    EnvVar { name: "KVFERRY_SPIN_US", aliases: &[], default: "50", doc: "a lone small synchronous request polls for its answer this many microseconds before sleeping (0: never poll); bounded, never a busy loop" },
     EnvVar { name: "KVFERRY_TCP_PROTO", aliases: &["MC_TCP_PROTO"], default: "2", doc: "`1` forces Mooncake's legacy v1 TCP framing towards every peer (writes are then confirmed by a read fence)" },
     EnvVar { name: "KVFERRY_HANDSHAKE_MAX_LENGTH", aliases: &["MC_HANDSHAKE_MAX_LENGTH"], default: "1048576", doc: "largest handshake frame accepted (bytes, up to 128 MiB)" },
     EnvVar { name: "KVFERRY_HANDSHAKE_CONNECT_TIMEOUT", aliases: &["MC_HANDSHAKE_CONNECT_TIMEOUT"], default: "5", doc: "seconds to connect to a peer's handshake port" },
@@ -47,6 +48,8 @@ pub struct Config {
     pub transfer_timeout: Duration,
     pub tcp_lanes: usize,
     pub tcp_split_bytes: u64,
+    /// How long a lone small synchronous request polls for its answer before sleeping.
+    pub spin: Duration,
     /// Highest TCP data protocol version to speak (1 or 2).
     pub tcp_proto: u32,
     pub handshake_max_len: u64,
@@ -64,6 +67,7 @@ impl Default for Config {
             transfer_timeout: Duration::from_secs(30),
             tcp_lanes: 2,
             tcp_split_bytes: 4 << 20,
+            spin: Duration::from_micros(50),
             tcp_proto: 2,
             handshake_max_len: crate::wire::handshake::DEFAULT_MAX_FRAME,
             handshake_connect_timeout: Duration::from_secs(5),
@@ -122,6 +126,12 @@ impl Config {
         }
         if let Some(n) = parse(get, "KVFERRY_TCP_SPLIT_BYTES", "a byte count")? {
             c.tcp_split_bytes = n;
+        }
+        if let Some(n) = parse::<u64>(get, "KVFERRY_SPIN_US", "a number of microseconds")? {
+            if n > 1_000_000 {
+                return Err(Error::Config(format!("KVFERRY_SPIN_US={n} is more than a second; use at most 1000000 (0 disables polling)")));
+            }
+            c.spin = Duration::from_micros(n);
         }
         if let Some(n) = parse(get, "KVFERRY_TCP_PROTO", "1 or 2")? {
             c.tcp_proto = n;

@@ -141,6 +141,9 @@ impl TransferEngine {
                 split_bytes: config.tcp_split_bytes,
                 max_proto: config.tcp_proto,
                 connect_timeout: config.handshake_connect_timeout,
+                advertised_host: host.clone(),
+                inline_max: config.tcp_split_bytes,
+                spin: config.spin,
             },
             config.transfer_timeout,
         )
@@ -280,7 +283,7 @@ impl TransferEngine {
     /// unknown segment) fail that task with a reason; the call itself fails only for an
     /// unknown batch or exceeded capacity.
     pub fn submit(&self, batch: BatchId, requests: &[TransferRequest]) -> Result<()> {
-        self.inner.submit(batch, requests)
+        self.inner.submit(batch, requests, false)
     }
 
     /// Status of one task.
@@ -315,7 +318,8 @@ impl TransferEngine {
     /// Convenience: one batch, submit, wait, free. Returns the batch status.
     pub fn transfer_sync(&self, requests: &[TransferRequest], timeout: Duration) -> Result<TransferStatus> {
         let b = self.allocate_batch(requests.len().max(1))?;
-        self.submit(b, requests)?;
+        // A lone request may run in this thread (one round trip, no hand-off).
+        self.inner.submit(b, requests, requests.len() == 1)?;
         let mut s = self.wait_batch(b, timeout)?;
         // A failed task may leave siblings in flight; wait for them before freeing.
         let until = Instant::now() + self.inner.config.transfer_timeout + Duration::from_secs(1);
@@ -451,7 +455,7 @@ impl Inner {
         self.batches.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned().ok_or(Error::UnknownBatch(id))
     }
 
-    fn submit(&self, batch_id: BatchId, requests: &[TransferRequest]) -> Result<()> {
+    fn submit(&self, batch_id: BatchId, requests: &[TransferRequest], inline: bool) -> Result<()> {
         let batch = self.batch(batch_id)?;
         let now = Instant::now();
         let deadline = now + self.config.transfer_timeout;
@@ -515,6 +519,12 @@ impl Inner {
                 let e = Error::NoTransport { segment: peer.name.clone(), reason: why };
                 for p in pieces {
                     p.task.piece_failed(FailKind::Failed, e.to_string());
+                }
+                continue;
+            }
+            if inline && pieces.len() == 1 && peer.id != LOCAL_SEGMENT_ID {
+                if let Some(p) = pieces.into_iter().next() {
+                    self.tcp.submit_one(&peer, p);
                 }
                 continue;
             }

@@ -32,9 +32,11 @@ use std::time::{Duration, Instant};
 const TICK: Duration = Duration::from_millis(100);
 /// Buffered read size for headers, status frames and small bodies.
 const RX_BUF: usize = 64 << 10;
-/// Requests at most this large are copied out of the receive buffer; larger ones are read
-/// straight into place.
 const MAX_OPS_PER_WRITE: usize = 256;
+/// READ answers up to this size are copied into the outgoing buffer.
+const SMALL_READ: usize = 16 << 10;
+/// Flush the outgoing buffer before it grows past this.
+const MAX_OUT: usize = 512 << 10;
 const MAX_GATHER_BYTES: u64 = 1 << 20;
 
 fn is_timeout(e: &io::Error) -> bool {
@@ -75,6 +77,32 @@ fn write_all_vectored(s: &TcpStream, mut bufs: &mut [IoSlice<'_>], mut expired: 
         }
     }
     Ok(())
+}
+
+/// Only requests up to this size poll for their answer (larger ones take longer anyway).
+const SPIN_MAX_BYTES: u64 = 64 << 10;
+
+/// Polls the socket without blocking for at most `budget`, filling `buf` as far as data is
+/// there. A bounded poll: on a machine whose idle cores wake slowly it halves the round trip
+/// of a lone small request, and it never runs longer than `budget`.
+fn poll_read(s: &TcpStream, buf: &mut [u8], budget: Duration) -> usize {
+    if budget.is_zero() {
+        return 0;
+    }
+    let start = Instant::now();
+    let mut got = 0;
+    while got < buf.len() && start.elapsed() < budget {
+        // SAFETY: recv into the unfilled tail of `buf` on a socket we own.
+        let n = unsafe { libc::recv(s.as_raw_fd(), buf[got..].as_mut_ptr() as *mut libc::c_void, buf.len() - got, libc::MSG_DONTWAIT) };
+        if n > 0 {
+            got += n as usize;
+        } else if n == 0 {
+            break; // EOF: the blocking read reports it
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    got
 }
 
 /// A byte buffer with a read cursor, refilled from a socket.
@@ -267,6 +295,11 @@ fn serve_conn(s: &TcpStream, registry: &MemoryRegistry, stall: Duration, shutdow
                 if h.v2 {
                     out.extend_from_slice(&tcp::encode_status(Status::Ok));
                 }
+                if len <= SMALL_READ && out.len() + len <= MAX_OUT {
+                    // Small answers are gathered and leave together before the next block.
+                    out.extend_from_slice(src);
+                    continue;
+                }
                 let start = Instant::now();
                 write_all_vectored(s, &mut [IoSlice::new(&out), IoSlice::new(src)], || {
                     start.elapsed() > stall || shutdown.load(Ordering::Acquire)
@@ -289,6 +322,12 @@ pub struct TcpOptions {
     /// Highest protocol version to use (a peer advertising less gets less).
     pub max_proto: u32,
     pub connect_timeout: Duration,
+    /// Host published as `tcp_data_host`.
+    pub advertised_host: String,
+    /// Requests up to this size may run in the caller's thread when the lane is idle.
+    pub inline_max: u64,
+    /// How long the caller polls for the answer of a small inline request before sleeping.
+    pub spin: Duration,
 }
 
 /// One request (or part of one) on the wire.
@@ -306,6 +345,10 @@ struct LaneState {
     /// Bumped at every new connection; stale failures of older ones are ignored.
     gen: u64,
     shutdown: bool,
+    /// A caller thread is running a request on the connection itself.
+    inline: bool,
+    /// The reader holds an op it is still receiving.
+    reading: bool,
 }
 
 struct Lane {
@@ -313,6 +356,7 @@ struct Lane {
     peer_name: String,
     v2: bool,
     connect_timeout: Duration,
+    spin: Duration,
     st: Mutex<LaneState>,
     wake_writer: Condvar,
     wake_reader: Condvar,
@@ -378,7 +422,7 @@ impl Lane {
         let mut iov_hdrs: Vec<[u8; HEADER_LEN]> = Vec::with_capacity(MAX_OPS_PER_WRITE * 2);
         loop {
             let mut st = self.lock();
-            while st.pending.is_empty() && !st.shutdown {
+            while (st.pending.is_empty() || st.inline) && !st.shutdown {
                 st = self.wake_writer.wait(st).unwrap_or_else(|e| e.into_inner());
             }
             if st.shutdown {
@@ -524,7 +568,7 @@ impl Lane {
         loop {
             let (conn, gen, deadline, opcode, local, len) = {
                 let mut st = self.lock();
-                while (st.inflight.is_empty() || st.conn.is_none()) && !st.shutdown {
+                while (st.inflight.is_empty() || st.conn.is_none() || st.inline) && !st.shutdown {
                     st = self.wake_reader.wait(st).unwrap_or_else(|e| e.into_inner());
                 }
                 if st.shutdown {
@@ -550,6 +594,7 @@ impl Lane {
                     Err(e) => {
                         // Not a protocol we can follow: fail the front op, drop the connection.
                         let op = self.pop_front(gen);
+                        self.done_reading();
                         self.fail_conn(gen, ConnFailure::Broken(e.to_string()));
                         if let Some(op) = op {
                             self.end_op(op, Err((FailKind::Failed, format!("{}: {e}", self.peer_name))));
@@ -563,6 +608,7 @@ impl Lane {
             // 2. The op is ours now.
             let Some(op) = self.pop_front(gen) else { continue };
             if status == Status::Rejected {
+                self.done_reading();
                 let reason = format!(
                     "{} rejected [0x{:x}, +{}): not inside memory it has registered",
                     self.peer_name, op.piece.remote, op.piece.len
@@ -582,6 +628,7 @@ impl Lane {
                 (Opcode::Write, false) => recv_into(&mut rx, &conn, &mut fence, expired),
                 (Opcode::Write, true) => Ok(()),
             };
+            self.done_reading();
             match r {
                 Ok(()) => self.end_op(op, Ok(())),
                 Err(e) => {
@@ -608,7 +655,107 @@ impl Lane {
         if st.gen != gen {
             return None;
         }
-        st.inflight.pop_front()
+        let op = st.inflight.pop_front();
+        st.reading = op.is_some();
+        op
+    }
+
+    fn done_reading(&self) {
+        let mut st = self.lock();
+        st.reading = false;
+        if !st.pending.is_empty() {
+            self.wake_writer.notify_all();
+        }
+    }
+
+    /// Runs one request in the calling thread if the lane is connected and idle: no thread
+    /// hand-off, so a lone small request costs one round trip. Gives the piece back otherwise.
+    fn run_inline(&self, piece: Piece) -> Result<(), Piece> {
+        let (conn, gen) = {
+            let mut st = self.lock();
+            let idle = !st.inline && !st.reading && st.pending.is_empty() && st.inflight.is_empty() && !st.shutdown;
+            match (&st.conn, idle) {
+                (Some(c), true) => {
+                    let c = Arc::clone(c);
+                    st.inline = true;
+                    (c, st.gen)
+                }
+                _ => return Err(piece),
+            }
+        };
+        self.load.fetch_add(piece.len, Ordering::AcqRel);
+        piece.task.set_pending();
+        let deadline = piece.task.deadline();
+        let expired = || Instant::now() >= deadline;
+        let p = &piece;
+        let result: io::Result<Status> = (|| {
+            let hdr = DataHeader { size: p.len, addr: p.remote, opcode: p.opcode, v2: self.v2 }.encode();
+            let fence = DataHeader { size: 1, addr: p.remote + p.len - 1, opcode: Opcode::Read, v2: false }.encode();
+            // SAFETY: the local range is registered (checked at submit, guard held).
+            let local = unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
+            match (p.opcode, self.v2) {
+                (Opcode::Write, true) => write_all_vectored(&conn, &mut [IoSlice::new(&hdr), IoSlice::new(local)], expired)?,
+                (Opcode::Write, false) => write_all_vectored(&conn, &mut [IoSlice::new(&hdr), IoSlice::new(local), IoSlice::new(&fence)], expired)?,
+                (Opcode::Read, _) => write_all_vectored(&conn, &mut [IoSlice::new(&hdr)], expired)?,
+            }
+            let status = if self.v2 {
+                let mut st = [0u8; STATUS_LEN];
+                let got = if p.len <= SPIN_MAX_BYTES { poll_read(&conn, &mut st, self.spin) } else { 0 };
+                read_full(&conn, &mut st[got..], expired)?;
+                tcp::decode_status(st).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?
+            } else {
+                Status::Ok
+            };
+            if status == Status::Ok {
+                match p.opcode {
+                    Opcode::Read => read_full(&conn, local, expired)?,
+                    Opcode::Write if !self.v2 => read_full(&conn, &mut [0u8; 1], expired)?,
+                    Opcode::Write => {}
+                }
+            }
+            Ok(status)
+        })();
+        let op = WireOp { piece, attempts: 0 };
+        let mut st = self.lock();
+        st.inline = false;
+        let outcome = match result {
+            Ok(Status::Ok) => Ok(()),
+            Ok(Status::Rejected) => {
+                let reason = format!("{} rejected [0x{:x}, +{}): not inside memory it has registered", self.peer_name, op.piece.remote, op.piece.len);
+                Err((FailKind::Failed, reason))
+            }
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => Err((FailKind::Timeout, format!("no answer from {} ({}) before the deadline", self.peer_name, self.target))),
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => Err((FailKind::Failed, format!("{}: {e}", self.peer_name))),
+            Err(e) => {
+                // Broken connection: hand the op to the lane threads for one retry.
+                if st.gen == gen {
+                    if let Some(c) = st.conn.take() {
+                        let _ = c.shutdown(Shutdown::Both);
+                    }
+                }
+                tracing::debug!("inline request to {} failed ({e}); retrying on a new connection", self.peer_name);
+                let mut op = op;
+                op.attempts = 1;
+                st.pending.push_front(op);
+                self.wake_writer.notify_all();
+                self.wake_reader.notify_all();
+                return Ok(());
+            }
+        };
+        if outcome.is_err() && st.gen == gen {
+            // After a rejection or a protocol error the stream is not usable.
+            if let Some(c) = st.conn.take() {
+                let _ = c.shutdown(Shutdown::Both);
+            }
+        }
+        // Wake the lane threads only if work queued up meanwhile: a needless wake-up costs a
+        // context switch on the core the peer needs.
+        if !st.pending.is_empty() {
+            self.wake_writer.notify_all();
+        }
+        drop(st);
+        self.end_op(op, outcome);
+        Ok(())
     }
 
     fn stop(&self) {
@@ -657,11 +804,12 @@ impl TcpTransport {
     }
 
     fn lanes_for(&self, peer: &Peer, desc: &SegmentDesc) -> Result<Arc<PeerLanes>, String> {
-        let addr = (peer.host.as_str(), desc.tcp_data_port)
+        let host = desc.data_host(&peer.host);
+        let addr = (host, desc.tcp_data_port)
             .to_socket_addrs()
-            .map_err(|e| format!("cannot resolve {}: {e}", peer.host))?
+            .map_err(|e| format!("cannot resolve {host}: {e}"))?
             .next()
-            .ok_or_else(|| format!("{} resolves to no address", peer.host))?;
+            .ok_or_else(|| format!("{host} resolves to no address"))?;
         let v2 = desc.tcp_version() >= 2 && self.opts.max_proto >= 2;
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = peers.get(&(addr, v2)) {
@@ -674,6 +822,7 @@ impl TcpTransport {
                 peer_name: peer.name.clone(),
                 v2,
                 connect_timeout: self.opts.connect_timeout,
+                spin: self.opts.spin,
                 st: Mutex::default(),
                 wake_writer: Condvar::new(),
                 wake_reader: Condvar::new(),
@@ -690,6 +839,28 @@ impl TcpTransport {
     }
 }
 
+impl TcpTransport {
+    /// Runs a lone request in the caller's thread when a lane to the peer is connected and
+    /// idle (see [`Lane::run_inline`]); otherwise queues it like [`Transport::submit`].
+    pub fn submit_one(&self, peer: &Arc<Peer>, piece: Piece) {
+        let mut piece = piece;
+        if piece.len <= self.opts.inline_max && !self.shut.load(Ordering::Acquire) {
+            if let Ok(lanes) = self.lanes_for(peer, &peer.desc()) {
+                // Any connected idle lane will do.
+                let start = lanes.rr.fetch_add(1, Ordering::Relaxed);
+                for k in 0..lanes.lanes.len() {
+                    let i = (start + k) % lanes.lanes.len();
+                    match lanes.lanes[i].run_inline(piece) {
+                        Ok(()) => return,
+                        Err(p) => piece = p,
+                    }
+                }
+            }
+        }
+        self.submit(peer, vec![piece])
+    }
+}
+
 impl Transport for TcpTransport {
     fn name(&self) -> &'static str {
         "tcp"
@@ -697,6 +868,7 @@ impl Transport for TcpTransport {
 
     fn describe(&self, desc: &mut SegmentDesc) {
         desc.tcp_data_port = self.server.port();
+        desc.tcp_data_host = Some(self.opts.advertised_host.clone());
         desc.tcp_proto_version = Some(2);
     }
 

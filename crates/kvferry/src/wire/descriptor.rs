@@ -79,6 +79,10 @@ pub struct SegmentDesc {
     /// Port of the peer's TCP data listener (0 or absent: no TCP transport).
     #[serde(default)]
     pub tcp_data_port: u16,
+    /// Host to connect to for TCP data (Mooncake ≥ 0.3.13); absent or empty: the host part
+    /// of the segment name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp_data_host: Option<String>,
     /// TCP data protocol version; absent means 1 (legacy, unacknowledged writes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tcp_proto_version: Option<u32>,
@@ -104,6 +108,7 @@ impl SegmentDesc {
             name: name.into(),
             protocol: Protocols::default(),
             tcp_data_port: 0,
+            tcp_data_host: None,
             tcp_proto_version: None,
             timestamp: String::new(),
             devices: Vec::new(),
@@ -117,6 +122,11 @@ impl SegmentDesc {
     /// The TCP data protocol version the peer speaks.
     pub fn tcp_version(&self) -> u32 {
         self.tcp_proto_version.unwrap_or(1)
+    }
+
+    /// The host serving TCP data: `tcp_data_host` when published, else `fallback`.
+    pub fn data_host<'a>(&'a self, fallback: &'a str) -> &'a str {
+        self.tcp_data_host.as_deref().filter(|h| !h.is_empty()).unwrap_or(fallback)
     }
 
     /// The buffer holding `[addr, addr+len)`, if any.
