@@ -1,6 +1,12 @@
-//! Mooncake's `transfer_engine_bench`, run side by side with kvferry's bench.
+//! Mooncake's `transfer_engine_bench`, run side by side with kvferry's bench on the same
+//! machine, in the same invocation, with the same block size, batch size, thread count and
+//! duration, so the report can state ratios rather than remembered numbers.
 
+use crate::sys;
 use serde::Serialize;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct McPoint {
@@ -24,17 +30,175 @@ impl SideBySide {
     pub fn points(&self) -> &[McPoint] {
         &self.points
     }
+
     pub fn gbps(&self, op: &str, block: u64) -> Option<f64> {
         self.points.iter().find(|p| p.op == op && p.block_bytes == block).map(|p| p.gbps).filter(|g| *g > 0.0)
     }
+
     pub fn print(&self) {
+        if !self.points.is_empty() {
+            println!("\nMooncake transfer_engine_bench (TCP, same machine, same run):");
+            println!("{:<6} {:>8} {:>8} {:>9} {:>9}", "op", "block", "GB/s", "init cpu", "tgt cpu");
+            for p in &self.points {
+                println!("{:<6} {:>8} {:>8.3} {:>9.3} {:>9.3}", p.op, sys::human(p.block_bytes), p.gbps, p.initiator_cpu_s_per_gb, p.target_cpu_s_per_gb);
+            }
+        }
         if let Some(n) = &self.note {
             println!("\nmooncake: {n}");
         }
     }
 }
 
+fn find_binary(arg: Option<&str>) -> Result<String, String> {
+    let choice = arg.map(str::to_string).or_else(|| std::env::var("KVFERRY_MOONCAKE_BENCH").ok());
+    match choice.as_deref() {
+        Some("none") => Err("not run (disabled)".into()),
+        Some(p) => Ok(p.to_string()),
+        None => {
+            let path = std::env::var_os("PATH").unwrap_or_default();
+            std::env::split_paths(&path)
+                .map(|d| d.join("transfer_engine_bench"))
+                .find(|p| p.is_file())
+                .map(|p| p.display().to_string())
+                .ok_or_else(|| "not run: transfer_engine_bench not found; `pip install mooncake-transfer-engine-non-cuda` (needs libibverbs1) and pass --mooncake PATH or set KVFERRY_MOONCAKE_BENCH".into())
+        }
+    }
+}
+
+struct Target {
+    child: Child,
+    segment: String,
+}
+
+impl Target {
+    fn start(bin: &str, host: &str, buffer: u64) -> Result<Target, String> {
+        let mut child = Command::new(bin)
+            .env("MC_FORCE_TCP", "1")
+            .args([
+                "--mode=target",
+                "--protocol=tcp",
+                "--metadata_server=P2PHANDSHAKE",
+                &format!("--local_server_name={host}"),
+                &format!("--buffer_size={buffer}"),
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start {bin}: {e}"))?;
+        let err = child.stderr.take().ok_or("no stderr")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut sent = false;
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                if !sent {
+                    if let Some(i) = line.find("listening on ") {
+                        let seg = line[i + "listening on ".len()..].split_whitespace().next().unwrap_or("").to_string();
+                        let _ = tx.send(seg);
+                        sent = true;
+                    }
+                }
+            }
+        });
+        match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(segment) if !segment.is_empty() => Ok(Target { child, segment }),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err("Mooncake target did not print its address within 30 s".into())
+            }
+        }
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child by pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let until = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < until {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
-pub fn run_side_by_side(_path: Option<&str>, _host: &str, _buffer: u64, _ops: &[String], _blocks: &[u64], _batch: usize, _threads: usize, _duration: f64) -> SideBySide {
-    SideBySide { points: Vec::new(), note: Some("not run".into()) }
+fn run_point(bin: &str, t: &Target, host: &str, buffer: u64, op: &str, block: u64, batch: usize, threads: usize, duration: u64) -> Result<McPoint, String> {
+    let tgt0 = sys::tree_cpu(t.child.id());
+    let kids0 = sys::children_cpu();
+    let out = Command::new(bin)
+        .env("MC_FORCE_TCP", "1")
+        .args([
+            "--mode=initiator",
+            "--protocol=tcp",
+            "--metadata_server=P2PHANDSHAKE",
+            &format!("--local_server_name={host}"),
+            &format!("--segment_id={}", t.segment),
+            &format!("--operation={op}"),
+            &format!("--buffer_size={buffer}"),
+            &format!("--threads={threads}"),
+            &format!("--batch_size={batch}"),
+            &format!("--block_size={block}"),
+            &format!("--duration={duration}"),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| format!("cannot run {bin}: {e}"))?;
+    let init_cpu = (sys::children_cpu() - kids0).as_secs_f64();
+    let tgt_cpu = sys::tree_cpu(t.child.id()).saturating_sub(tgt0).as_secs_f64();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err.lines().find(|l| l.contains("Test completed")).ok_or_else(|| {
+        let tail: Vec<&str> = err.lines().rev().take(3).collect();
+        format!("Mooncake {op} {block} printed no result (exit {:?}): {}", out.status.code(), tail.join(" | "))
+    })?;
+    // "Test completed: duration 3.00, batch count 2194, throughput 0.77 GB/s"
+    let num_after = |key: &str| -> Option<f64> { line.split(key).nth(1)?.trim().split([',', ' ']).next()?.parse().ok() };
+    let secs = num_after("duration").ok_or("no duration in Mooncake's result")?;
+    let batches = num_after("batch count").ok_or("no batch count in Mooncake's result")?;
+    // Recompute from counts rather than trusting the rounded throughput.
+    let gb = batches * batch as f64 * block as f64 / 1e9;
+    Ok(McPoint {
+        engine: "mooncake",
+        op: op.to_string(),
+        block_bytes: block,
+        batch,
+        threads,
+        gbps: gb / secs,
+        initiator_cpu_s_per_gb: init_cpu / gb,
+        target_cpu_s_per_gb: tgt_cpu / gb,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn run_side_by_side(path: Option<&str>, host: &str, buffer: u64, ops: &[String], blocks: &[u64], batch: usize, threads: usize, duration: f64) -> SideBySide {
+    let bin = match find_binary(path) {
+        Ok(b) => b,
+        Err(note) => return SideBySide { points: Vec::new(), note: Some(note) },
+    };
+    // Mooncake's initiator addresses k * block for k < threads * batch: size both sides for that.
+    let need = blocks.iter().map(|b| b * (threads * batch) as u64).max().unwrap_or(0).max(buffer);
+    let t = match Target::start(&bin, host, need) {
+        Ok(t) => t,
+        Err(e) => return SideBySide { points: Vec::new(), note: Some(e) },
+    };
+    let mut out = SideBySide::default();
+    let secs = duration.ceil().max(1.0) as u64;
+    for op in ops {
+        for &block in blocks {
+            eprint!("\r\x1b[K[mooncake] {op} {} x {batch} ...", sys::human(block));
+            match run_point(&bin, &t, host, need, op, block, batch, threads, secs) {
+                Ok(p) => out.points.push(p),
+                Err(e) => out.note = Some(e),
+            }
+        }
+    }
+    eprint!("\r\x1b[K");
+    out
 }

@@ -33,6 +33,34 @@ pub fn proc_cpu(pid: u32) -> Option<Duration> {
     Some(Duration::from_secs_f64(ticks as f64 / hz as f64))
 }
 
+/// CPU time of a process and all its descendants (a wrapper script's real worker included).
+pub fn tree_cpu(root: u32) -> Duration {
+    let mut parent = std::collections::HashMap::new();
+    if let Ok(rd) = std::fs::read_dir("/proc") {
+        for e in rd.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+            let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else { continue };
+            if let Some(ppid) = rest.split_whitespace().nth(1).and_then(|p| p.parse::<u32>().ok()) {
+                parent.insert(pid, ppid);
+            }
+        }
+    }
+    let descends = |mut p: u32| {
+        for _ in 0..64 {
+            if p == root {
+                return true;
+            }
+            match parent.get(&p) {
+                Some(&pp) if pp != p => p = pp,
+                _ => return false,
+            }
+        }
+        false
+    };
+    parent.keys().filter(|&&p| descends(p)).filter_map(|&p| proc_cpu(p)).sum()
+}
+
 /// A page-aligned, pre-faulted anonymous mapping.
 pub struct Buffer {
     ptr: *mut u8,

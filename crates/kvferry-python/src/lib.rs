@@ -1,1 +1,624 @@
-//! Python bindings of kvferry (being written).
+//! Python bindings of kvferry: the extension module `kvferry._kvferry`.
+//!
+//! This module is deliberately small: one class, [`Core`], that owns a
+//! [`kvferry::TransferEngine`] and takes integer addresses only. The Python package builds
+//! the two public APIs on top of it:
+//!
+//! - `kvferry.Engine` (python/kvferry/_engine.py): the native API; accepts buffer-protocol
+//!   objects and raises typed exceptions;
+//! - `kvferry.mooncake.engine.TransferEngine`: Mooncake's API, names and return codes.
+//!
+//! Rules every method follows:
+//! - anything that can block (network, waiting, unregistering) runs with the GIL released
+//!   (`py.detach`), so many Python threads can transfer at once;
+//! - `Core` is a frozen pyclass; its state sits behind Rust locks, so it can be shared freely
+//!   between threads;
+//! - errors become `kvferry._errors` exceptions carrying the reason and Mooncake's numeric
+//!   code (`.code`); nothing on a user-input path panics or unwraps.
+
+mod errors;
+mod memory;
+
+use errors::{raise, Kind};
+use kvferry::config::split_host_port;
+use kvferry::wire::handshake::{parse_json, MsgType, NotifyMsg};
+use kvferry::{BatchId, Config, Error, Opcode, TaskStatus, TransferEngine, TransferRequest, TransferStatus};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+/// (status, transferred_bytes, reason) as handed to Python.
+type StatusTuple = (u8, u64, Option<String>);
+
+fn status_tuple(s: &TransferStatus) -> StatusTuple {
+    (s.status as u8, s.transferred_bytes, s.reason.clone())
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Seconds (from Python) to a Duration, refusing NaN and negatives.
+fn duration(py: Python<'_>, secs: f64) -> PyResult<Duration> {
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(raise(py, Kind::InvalidArgument, format!("timeout must be a finite number of seconds >= 0, not {secs}"), -1));
+    }
+    // ~31 years: "forever" for our purposes, and far from Duration's overflow.
+    Ok(Duration::from_secs_f64(secs.min(1e9)))
+}
+
+fn opcode(py: Python<'_>, v: i64) -> PyResult<Opcode> {
+    match v {
+        0 => Ok(Opcode::Read),
+        1 => Ok(Opcode::Write),
+        _ => Err(raise(py, Kind::InvalidArgument, format!("opcode must be 0 (READ) or 1 (WRITE), not {v}"), -1)),
+    }
+}
+
+fn check_lengths(py: Python<'_>, locals: &[u64], remotes: &[u64], lengths: &[u64]) -> PyResult<()> {
+    if locals.len() != remotes.len() || locals.len() != lengths.len() {
+        return Err(raise(
+            py,
+            Kind::InvalidArgument,
+            format!(
+                "buffers, peer addresses and lengths must have the same number of entries (got {}, {} and {})",
+                locals.len(),
+                remotes.len(),
+                lengths.len()
+            ),
+            -1,
+        ));
+    }
+    Ok(())
+}
+
+fn build_requests(op: Opcode, target: u64, locals: &[u64], remotes: &[u64], lengths: &[u64]) -> Vec<TransferRequest> {
+    locals
+        .iter()
+        .zip(remotes)
+        .zip(lengths)
+        .map(|((&source, &target_offset), &length)| TransferRequest { opcode: op, source, target_id: target, target_offset, length })
+        .collect()
+}
+
+/// Sends a notify whose `name` field is chosen by the caller (Mooncake's
+/// `TransferNotify(name, msg)` travels verbatim; `TransferEngine::send_notify` always sends
+/// the engine's own segment name).
+fn notify_named(engine: &TransferEngine, segment: &str, name: &str, msg: &str) -> Result<(), Error> {
+    let (host, port) = match split_host_port(segment) {
+        (h, Some(p)) if !h.is_empty() => (h.to_string(), p),
+        _ => {
+            return Err(Error::SegmentNotFound { name: segment.into(), reason: "expected \"<host>:<rpc port>\"".into() });
+        }
+    };
+    let body = serde_json::to_vec(&NotifyMsg { name: name.to_string(), notify_msg: msg.to_string() })
+        .map_err(|e| Error::InvalidArgument(format!("cannot encode the notify: {e}")))?;
+    let cfg = engine.config();
+    let reply = kvferry::handshake::request(
+        &host,
+        port,
+        MsgType::Notify,
+        &body,
+        cfg.handshake_connect_timeout,
+        Duration::from_secs(10),
+        cfg.handshake_max_len,
+    )?;
+    let r: NotifyMsg = parse_json("notify reply", &reply.body).map_err(|e| Error::Wire { peer: segment.into(), source: e })?;
+    if r.notify_msg != "success" {
+        return Err(Error::Handshake { peer: segment.into(), reason: format!("notify refused: {}", r.notify_msg) });
+    }
+    Ok(())
+}
+
+/// A kvferry transfer engine, integer addresses only (the low-level core of `kvferry.Engine`
+/// and `kvferry.mooncake.engine.TransferEngine`; use those instead).
+///
+/// Core(local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE")
+///
+/// Configuration comes from the environment (`KVFERRY_*`, and Mooncake's `MC_*` aliases)
+/// plus the two arguments. Raises `kvferry.ConfigError` when the engine cannot start.
+#[pyclass(frozen, module = "kvferry._kvferry", name = "Core")]
+pub struct Core {
+    // Field order matters: the engine is dropped before the managed mappings it may touch.
+    engine: RwLock<Option<Arc<TransferEngine>>>,
+    managed: Mutex<HashMap<u64, memory::Pages>>,
+    /// Batches released while still in flight: freed by a later call once they end.
+    zombies: Mutex<Vec<BatchId>>,
+}
+
+impl Core {
+    fn engine(&self, py: Python<'_>) -> PyResult<Arc<TransferEngine>> {
+        match &*self.engine.read().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Ok(Arc::clone(e)),
+            None => Err(raise(py, Kind::Closed, "the engine is closed", -202)),
+        }
+    }
+
+    /// Frees released batches that have finished since.
+    fn sweep(&self, engine: &TransferEngine) {
+        let mut z = lock(&self.zombies);
+        if !z.is_empty() {
+            z.retain(|&b| matches!(engine.free_batch(b), Err(Error::BatchBusy { .. })));
+        }
+    }
+
+    fn write_fallback(&self, py: Python<'_>, addr: u64, data: &[u8], why: std::io::Error) -> PyResult<()> {
+        let inside = self.engine(py)?.registered().iter().any(|r| addr >= r.addr && addr.saturating_add(data.len() as u64) <= r.end());
+        if !inside {
+            return Err(raise(
+                py,
+                Kind::AddressNotRegistered,
+                format!("cannot check [0x{addr:x}, +{}) ({why}); only registered memory can be written here", data.len()),
+                -3,
+            ));
+        }
+        // SAFETY: the range lies inside memory the user registered as a valid buffer.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
+        Ok(())
+    }
+
+    fn read_fallback(&self, py: Python<'_>, addr: u64, out: &mut [u8], why: std::io::Error) -> PyResult<()> {
+        let len = out.len() as u64;
+        let inside = self.engine(py)?.registered().iter().any(|r| addr >= r.addr && addr.saturating_add(len) <= r.end());
+        if !inside {
+            return Err(raise(
+                py,
+                Kind::AddressNotRegistered,
+                format!("cannot check [0x{addr:x}, +{len}) ({why}); only registered memory can be read here"),
+                -3,
+            ));
+        }
+        // SAFETY: the range lies inside memory the user registered as a valid buffer.
+        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl Core {
+    #[new]
+    #[pyo3(signature = (local_hostname = "127.0.0.1".to_string(), metadata_server = "P2PHANDSHAKE".to_string()))]
+    fn new(py: Python<'_>, local_hostname: String, metadata_server: String) -> PyResult<Self> {
+        let mut config = Config::from_env().map_err(|e| errors::engine(py, &e))?;
+        config.local_hostname = local_hostname;
+        config.metadata_server = metadata_server;
+        let engine = py.detach(move || TransferEngine::new(config)).map_err(|e| errors::engine(py, &e))?;
+        Ok(Core { engine: RwLock::new(Some(Arc::new(engine))), managed: Mutex::default(), zombies: Mutex::default() })
+    }
+
+    /// This engine's segment name, `host:rpc_port`: what peers pass as `target_hostname`.
+    #[getter]
+    fn segment_name(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.engine(py)?.segment_name().to_string())
+    }
+
+    /// The handshake (RPC) port.
+    #[getter]
+    fn rpc_port(&self, py: Python<'_>) -> PyResult<u16> {
+        Ok(self.engine(py)?.rpc_port())
+    }
+
+    /// The TCP data port.
+    #[getter]
+    fn data_port(&self, py: Python<'_>) -> PyResult<u16> {
+        Ok(self.engine(py)?.data_port())
+    }
+
+    /// Seconds after which an unfinished request fails with TIMEOUT (KVFERRY_TRANSFER_TIMEOUT
+    /// or MC_TRANSFER_TIMEOUT).
+    #[getter]
+    fn transfer_timeout(&self, py: Python<'_>) -> PyResult<f64> {
+        Ok(self.engine(py)?.config().transfer_timeout.as_secs_f64())
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.engine.read().unwrap_or_else(|e| e.into_inner()).is_none()
+    }
+
+    /// Registers ranges (all or none) so peers may read and write them.
+    #[pyo3(signature = (addrs, lengths, location = "*".to_string()))]
+    fn register(&self, py: Python<'_>, addrs: Vec<u64>, lengths: Vec<u64>, location: String) -> PyResult<()> {
+        if addrs.len() != lengths.len() {
+            return Err(raise(
+                py,
+                Kind::InvalidArgument,
+                format!("{} addresses but {} lengths", addrs.len(), lengths.len()),
+                -1,
+            ));
+        }
+        let engine = self.engine(py)?;
+        let ranges: Vec<(u64, u64)> = addrs.into_iter().zip(lengths).collect();
+        py.detach(|| engine.register_memory_batch(&ranges, &location)).map_err(|e| errors::engine(py, &e))
+    }
+
+    /// Unregisters the ranges that start at `addrs` (all or none); waits for accesses in
+    /// progress.
+    fn unregister(&self, py: Python<'_>, addrs: Vec<u64>) -> PyResult<()> {
+        let engine = self.engine(py)?;
+        py.detach(|| engine.unregister_memory_batch(&addrs)).map_err(|e| errors::engine(py, &e))
+    }
+
+    /// Registered ranges as (addr, length, location), in address order.
+    fn registered(&self, py: Python<'_>) -> PyResult<Vec<(u64, u64, String)>> {
+        Ok(self.engine(py)?.registered().into_iter().map(|r| (r.addr, r.len, r.location)).collect())
+    }
+
+    /// Maps `length` bytes (rounded up to whole pages) and registers them; returns the address.
+    #[pyo3(signature = (length, location = "cpu:0".to_string()))]
+    fn allocate_managed(&self, py: Python<'_>, length: u64, location: String) -> PyResult<u64> {
+        let engine = self.engine(py)?;
+        let pages = memory::Pages::map(length).map_err(|m| raise(py, Kind::InvalidArgument, m, -1))?;
+        let (addr, len) = (pages.addr, pages.len as u64);
+        py.detach(|| engine.register_memory(addr, len, &location)).map_err(|e| errors::engine(py, &e))?;
+        lock(&self.managed).insert(addr, pages);
+        Ok(addr)
+    }
+
+    /// Unregisters and unmaps a buffer from `allocate_managed`. Returns False when `addr` is
+    /// not one.
+    fn free_managed(&self, py: Python<'_>, addr: u64) -> PyResult<bool> {
+        if !lock(&self.managed).contains_key(&addr) {
+            return Ok(false);
+        }
+        let engine = self.engine(py)?;
+        match py.detach(|| engine.unregister_memory(addr)) {
+            Ok(()) | Err(Error::NotRegistered { .. }) => {}
+            Err(e) => return Err(errors::engine(py, &e)),
+        }
+        let pages = lock(&self.managed).remove(&addr);
+        drop(pages);
+        Ok(true)
+    }
+
+    /// Addresses and sizes of the buffers from `allocate_managed`.
+    fn managed_buffers(&self) -> Vec<(u64, u64)> {
+        let mut v: Vec<(u64, u64)> = lock(&self.managed).values().map(|p| (p.addr, p.len as u64)).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Opens (or looks up) a peer segment; returns its handle.
+    fn open_segment(&self, py: Python<'_>, name: String) -> PyResult<u64> {
+        let engine = self.engine(py)?;
+        py.detach(|| engine.open_segment(&name)).map_err(|e| errors::engine(py, &e))
+    }
+
+    /// The buffers a segment registered, as (addr, length, location).
+    fn segment_buffers(&self, py: Python<'_>, name: String) -> PyResult<Vec<(u64, u64, String)>> {
+        let engine = self.engine(py)?;
+        let desc = py
+            .detach(|| engine.open_segment(&name).and_then(|id| engine.segment_descriptor(id)))
+            .map_err(|e| errors::engine(py, &e))?;
+        Ok(desc.buffers.into_iter().map(|b| (b.addr, b.length, b.name)).collect())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    /// Moves bytes between local `locals[i]` and `remotes[i]` of `segment` and waits up to
+    /// `timeout` seconds. Returns the bytes moved; raises on FAILED or TIMEOUT.
+    fn transfer(
+        &self,
+        py: Python<'_>,
+        segment: String,
+        opcode: i64,
+        locals: Vec<u64>,
+        remotes: Vec<u64>,
+        lengths: Vec<u64>,
+        timeout: f64,
+    ) -> PyResult<u64> {
+        let op = self::opcode(py, opcode)?;
+        check_lengths(py, &locals, &remotes, &lengths)?;
+        let timeout = duration(py, timeout)?;
+        let engine = self.engine(py)?;
+        self.sweep(&engine);
+        let res = py.detach(|| {
+            let id = engine.open_segment(&segment)?;
+            let reqs = build_requests(op, id, &locals, &remotes, &lengths);
+            engine.transfer_sync(&reqs, timeout)
+        });
+        match res {
+            Ok(st) if st.status == TaskStatus::Completed => Ok(st.transferred_bytes),
+            Ok(st) => Err(errors::transfer_failure(py, &segment, &st)),
+            Err(e) => Err(errors::engine(py, &e)),
+        }
+    }
+
+    /// Submits requests in a new batch and returns its id at once.
+    fn submit(
+        &self,
+        py: Python<'_>,
+        segment: String,
+        opcode: i64,
+        locals: Vec<u64>,
+        remotes: Vec<u64>,
+        lengths: Vec<u64>,
+    ) -> PyResult<u64> {
+        let op = self::opcode(py, opcode)?;
+        check_lengths(py, &locals, &remotes, &lengths)?;
+        let engine = self.engine(py)?;
+        self.sweep(&engine);
+        py.detach(|| {
+            let id = engine.open_segment(&segment)?;
+            let reqs = build_requests(op, id, &locals, &remotes, &lengths);
+            let b = engine.allocate_batch(reqs.len().max(1))?;
+            if let Err(e) = engine.submit(b, &reqs) {
+                let _ = engine.free_batch(b);
+                return Err(e);
+            }
+            Ok(b)
+        })
+        .map_err(|e| errors::engine(py, &e))
+    }
+
+    /// (status, transferred_bytes, reason) of a batch: COMPLETED (4) when every task did,
+    /// FAILED (6) / TIMEOUT (5) as soon as one did, else WAITING (0).
+    fn batch_status(&self, py: Python<'_>, batch: u64) -> PyResult<StatusTuple> {
+        let st = self.engine(py)?.batch_status(batch).map_err(|e| errors::engine(py, &e))?;
+        Ok(status_tuple(&st))
+    }
+
+    /// (status, transferred_bytes, reason) of task `task` of a batch.
+    fn task_status(&self, py: Python<'_>, batch: u64, task: usize) -> PyResult<StatusTuple> {
+        let st = self.engine(py)?.task_status(batch, task).map_err(|e| errors::engine(py, &e))?;
+        Ok(status_tuple(&st))
+    }
+
+    /// Blocks up to `timeout` seconds until the batch completed or a task failed.
+    fn wait_batch(&self, py: Python<'_>, batch: u64, timeout: f64) -> PyResult<StatusTuple> {
+        let timeout = duration(py, timeout)?;
+        let engine = self.engine(py)?;
+        let st = py.detach(|| engine.wait_batch(batch, timeout)).map_err(|e| errors::engine(py, &e))?;
+        Ok(status_tuple(&st))
+    }
+
+    /// Frees a finished batch; raises BatchBusy while a task is in flight.
+    fn free_batch(&self, py: Python<'_>, batch: u64) -> PyResult<()> {
+        self.engine(py)?.free_batch(batch).map_err(|e| errors::engine(py, &e))
+    }
+
+    /// Frees a batch now if it has finished, else as soon as it has (returns False then).
+    fn release_batch(&self, py: Python<'_>, batch: u64) -> PyResult<bool> {
+        let engine = self.engine(py)?;
+        match engine.free_batch(batch) {
+            Ok(()) => Ok(true),
+            Err(Error::BatchBusy { .. }) => {
+                lock(&self.zombies).push(batch);
+                Ok(false)
+            }
+            Err(e) => Err(errors::engine(py, &e)),
+        }
+    }
+
+    /// Sends a notify message to a segment's handshake port. `name` defaults to this
+    /// engine's segment name.
+    #[pyo3(signature = (segment, msg, name = None))]
+    fn send_notify(&self, py: Python<'_>, segment: String, msg: String, name: Option<String>) -> PyResult<()> {
+        let engine = self.engine(py)?;
+        py.detach(|| match &name {
+            Some(n) => notify_named(&engine, &segment, n, &msg),
+            None => engine.send_notify(&segment, &msg),
+        })
+        .map_err(|e| raise(py, errors::kind_of(&e), e.to_string(), errors::peer_code(&e)))
+    }
+
+    /// Drains the notifies received so far, as (name, msg).
+    fn get_notifies(&self, py: Python<'_>) -> PyResult<Vec<(String, String)>> {
+        Ok(self.engine(py)?.get_notifies().into_iter().map(|n| (n.name, n.msg)).collect())
+    }
+
+    /// Like get_notifies, but waits up to `timeout` seconds for the first one.
+    fn wait_notifies(&self, py: Python<'_>, timeout: f64) -> PyResult<Vec<(String, String)>> {
+        let timeout = duration(py, timeout)?;
+        let engine = self.engine(py)?;
+        let v = py.detach(|| engine.wait_notifies(timeout));
+        Ok(v.into_iter().map(|n| (n.name, n.msg)).collect())
+    }
+
+    /// Checks that a segment's handshake port answers. Raises PeerUnreachable (code -102)
+    /// or SegmentNotFound (code -101) otherwise.
+    fn probe(&self, py: Python<'_>, segment: String) -> PyResult<()> {
+        let engine = self.engine(py)?;
+        py.detach(|| engine.probe(&segment)).map_err(|e| {
+            let kind = match errors::kind_of(&e) {
+                Kind::SegmentNotFound => Kind::SegmentNotFound,
+                _ => Kind::PeerUnreachable,
+            };
+            raise(py, kind, e.to_string(), errors::peer_code(&e))
+        })
+    }
+
+    /// Copies `data` to `addr`; the kernel checks the range, so a bad address raises
+    /// instead of crashing.
+    fn write_memory(&self, py: Python<'_>, addr: u64, data: &[u8]) -> PyResult<()> {
+        match memory::write_checked(addr, data) {
+            Ok(()) => Ok(()),
+            Err(memory::CopyError::Fault(m)) => Err(raise(py, Kind::InvalidArgument, m, -1)),
+            Err(memory::CopyError::Unsupported(why)) => self.write_fallback(py, addr, data, why),
+        }
+    }
+
+    /// Copies `length` bytes from `addr` into a new bytes object (checked like write_memory).
+    fn read_memory<'py>(&self, py: Python<'py>, addr: u64, length: u64) -> PyResult<Bound<'py, PyBytes>> {
+        let len = usize::try_from(length)
+            .ok()
+            .filter(|&l| l <= isize::MAX as usize)
+            .ok_or_else(|| raise(py, Kind::InvalidArgument, format!("length {length} is too large"), -1))?;
+        let mut failure: Option<PyErr> = None;
+        let bytes = PyBytes::new_with(py, len, |buf| {
+            match memory::read_checked(addr, buf) {
+                Ok(()) => {}
+                Err(memory::CopyError::Fault(m)) => failure = Some(raise(py, Kind::InvalidArgument, m, -1)),
+                Err(memory::CopyError::Unsupported(why)) => {
+                    if let Err(e) = self.read_fallback(py, addr, buf, why) {
+                        failure = Some(e);
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(bytes),
+        }
+    }
+
+    /// Stops the engine: listeners close, requests still queued fail, managed buffers are
+    /// unmapped. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let taken = self.engine.write().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(engine) = taken else { return };
+        let unique = py.detach(move || {
+            // Calls in progress on other threads hold clones; give them a moment to return.
+            let until = Instant::now() + Duration::from_secs(5);
+            while Arc::strong_count(&engine) > 1 && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let unique = Arc::strong_count(&engine) == 1;
+            drop(engine);
+            unique
+        });
+        if unique {
+            lock(&self.managed).clear();
+        } else {
+            tracing::warn!("kvferry: engine still in use by another thread at close(); managed buffers stay mapped");
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        match &*self.engine.read().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => format!("<kvferry._kvferry.Core segment={:?}>", e.segment_name()),
+            None => "<kvferry._kvferry.Core closed>".to_string(),
+        }
+    }
+}
+
+/// Copies `data` to `addr` without an engine (kernel-checked; raises on a bad range).
+#[pyfunction]
+fn write_memory(py: Python<'_>, addr: u64, data: &[u8]) -> PyResult<()> {
+    match memory::write_checked(addr, data) {
+        Ok(()) => Ok(()),
+        Err(memory::CopyError::Fault(m)) => Err(raise(py, Kind::InvalidArgument, m, -1)),
+        Err(memory::CopyError::Unsupported(why)) => Err(raise(
+            py,
+            Kind::InvalidArgument,
+            format!("cannot check [0x{addr:x}, +{}) ({why}); initialize the engine and register the memory", data.len()),
+            -1,
+        )),
+    }
+}
+
+/// Copies `length` bytes from `addr` without an engine (kernel-checked).
+#[pyfunction]
+fn read_memory<'py>(py: Python<'py>, addr: u64, length: u64) -> PyResult<Bound<'py, PyBytes>> {
+    let len = usize::try_from(length)
+        .ok()
+        .filter(|&l| l <= isize::MAX as usize)
+        .ok_or_else(|| raise(py, Kind::InvalidArgument, format!("length {length} is too large"), -1))?;
+    let mut failure: Option<String> = None;
+    let bytes = PyBytes::new_with(py, len, |buf| {
+        match memory::read_checked(addr, buf) {
+            Ok(()) => {}
+            Err(memory::CopyError::Fault(m)) => failure = Some(m),
+            Err(memory::CopyError::Unsupported(why)) => {
+                failure = Some(format!("cannot check [0x{addr:x}, +{len}) ({why}); initialize the engine and register the memory"))
+            }
+        }
+        Ok(())
+    })?;
+    match failure {
+        Some(m) => Err(raise(py, Kind::InvalidArgument, m, -1)),
+        None => Ok(bytes),
+    }
+}
+
+/// The exception (not raised) for a batch or task status that is not COMPLETED:
+/// TransferTimeout, AddressNotRegistered, SegmentNotFound or TransferError.
+#[pyfunction]
+#[pyo3(signature = (segment, status, transferred_bytes = 0, reason = None))]
+fn transfer_error(py: Python<'_>, segment: String, status: u8, transferred_bytes: u64, reason: Option<String>) -> Py<PyAny> {
+    let status = match status {
+        0 => TaskStatus::Waiting,
+        1 => TaskStatus::Pending,
+        2 => TaskStatus::Invalid,
+        3 => TaskStatus::Canceled,
+        4 => TaskStatus::Completed,
+        5 => TaskStatus::Timeout,
+        _ => TaskStatus::Failed,
+    };
+    let st = TransferStatus { status, transferred_bytes, reason };
+    errors::transfer_failure(py, &segment, &st).into_value(py).into_any()
+}
+
+/// What this build can move, decided at run time: {"tcp": True, "rdma": False, "cuda": False, ...}.
+/// This version moves host memory over TCP (or memcpy within one engine) only.
+#[pyfunction]
+fn features(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    for (k, v) in [
+        ("tcp", true),
+        ("rdma", false),
+        ("cuda", false),
+        ("efa", false),
+        ("hip", false),
+        ("musa", false),
+        ("mnnvl", false),
+        ("intra_nvlink", false),
+    ] {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
+}
+
+/// TaskStatus values (Mooncake's integers).
+#[pyfunction]
+fn task_status_names() -> Vec<(&'static str, u8)> {
+    [
+        TaskStatus::Waiting,
+        TaskStatus::Pending,
+        TaskStatus::Invalid,
+        TaskStatus::Canceled,
+        TaskStatus::Completed,
+        TaskStatus::Timeout,
+        TaskStatus::Failed,
+    ]
+    .into_iter()
+    .map(|s| {
+        let name = match s {
+            TaskStatus::Waiting => "WAITING",
+            TaskStatus::Pending => "PENDING",
+            TaskStatus::Invalid => "INVALID",
+            TaskStatus::Canceled => "CANCELED",
+            TaskStatus::Completed => "COMPLETED",
+            TaskStatus::Timeout => "TIMEOUT",
+            TaskStatus::Failed => "FAILED",
+        };
+        (name, s as u8)
+    })
+    .collect()
+}
+
+/// Routes the engine's `tracing` output to stderr when KVFERRY_LOG is set (e.g. `info`,
+/// `kvferry=debug`).
+fn init_logging() {
+    let Ok(filter) = std::env::var("KVFERRY_LOG") else { return };
+    if filter.trim().is_empty() {
+        return;
+    }
+    let filter = tracing_subscriber::EnvFilter::try_new(filter.trim()).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+#[pymodule]
+fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logging();
+    m.add_class::<Core>()?;
+    m.add_function(wrap_pyfunction!(features, m)?)?;
+    m.add_function(wrap_pyfunction!(task_status_names, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_error, m)?)?;
+    m.add_function(wrap_pyfunction!(write_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(read_memory, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -33,6 +33,8 @@ const TICK: Duration = Duration::from_millis(100);
 /// Buffered read size for headers, status frames and small bodies.
 const RX_BUF: usize = 64 << 10;
 const MAX_OPS_PER_WRITE: usize = 256;
+/// Bodies at least this large are received straight into place, not through the buffer.
+const DIRECT_MIN: usize = 32 << 10;
 /// READ answers up to this size are copied into the outgoing buffer.
 const SMALL_READ: usize = 16 << 10;
 /// Flush the outgoing buffer before it grows past this.
@@ -110,11 +112,14 @@ struct RxBuf {
     buf: Box<[u8]>,
     start: usize,
     end: usize,
+    /// Most bytes one fill may read: kept small when a large body is expected next, so the
+    /// body goes straight to its destination instead of through this buffer.
+    max_fill: usize,
 }
 
 impl RxBuf {
     fn new() -> Self {
-        RxBuf { buf: vec![0u8; RX_BUF].into_boxed_slice(), start: 0, end: 0 }
+        RxBuf { buf: vec![0u8; RX_BUF].into_boxed_slice(), start: 0, end: 0, max_fill: RX_BUF }
     }
     fn len(&self) -> usize {
         self.end - self.start
@@ -130,7 +135,8 @@ impl RxBuf {
             self.end -= self.start;
             self.start = 0;
         }
-        match (&*s).read(&mut self.buf[self.end..]) {
+        let stop = (self.end + self.max_fill).min(self.buf.len());
+        match (&*s).read(&mut self.buf[self.end..stop]) {
             Ok(0) => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by peer")),
             Ok(n) => {
                 self.end += n;
@@ -139,6 +145,27 @@ impl RxBuf {
             Err(e) => Err(e),
         }
     }
+    /// Reads what is already waiting in the socket, without blocking. True if bytes came.
+    fn fill_nonblocking(&mut self, s: &TcpStream) -> bool {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let stop = (self.end + self.max_fill).min(self.buf.len());
+        if stop == self.end {
+            return false;
+        }
+        // SAFETY: recv into the free tail of our buffer.
+        let n = unsafe { libc::recv(s.as_raw_fd(), self.buf[self.end..stop].as_mut_ptr() as *mut libc::c_void, stop - self.end, libc::MSG_DONTWAIT) };
+        if n > 0 {
+            self.end += n as usize;
+            true
+        } else {
+            false
+        }
+    }
+
     /// Ensures `n` buffered bytes.
     fn need(&mut self, s: &TcpStream, n: usize, mut expired: impl FnMut() -> bool) -> io::Result<()> {
         while self.len() < n {
@@ -249,7 +276,11 @@ fn serve_conn(s: &TcpStream, registry: &MemoryRegistry, stall: Duration, shutdow
     let mut rx = RxBuf::new();
     let mut out: Vec<u8> = Vec::with_capacity(4096);
     loop {
-        // Wait for the next header; flush acknowledgements before blocking.
+        // Wait for the next header; flush acknowledgements before blocking, unless more
+        // requests are already waiting (their answers then leave together).
+        if rx.len() < HEADER_LEN && out.len() < MAX_OUT && rx.fill_nonblocking(s) && rx.len() >= HEADER_LEN {
+            // Another request is here: keep going, the flush can wait for it.
+        }
         if rx.len() < HEADER_LEN {
             if !out.is_empty() {
                 let start = Instant::now();
@@ -278,6 +309,8 @@ fn serve_conn(s: &TcpStream, registry: &MemoryRegistry, stall: Duration, shutdow
             return Ok(());
         };
         let len = h.size as usize;
+        // A large body is likely followed by another: read the next header on its own.
+        rx.max_fill = if h.opcode == Opcode::Write && len >= DIRECT_MIN { HEADER_LEN } else { RX_BUF };
         match h.opcode {
             Opcode::Write => {
                 // SAFETY: the range lies inside registered memory and the guard keeps it
@@ -583,6 +616,8 @@ impl Lane {
                 my_gen = gen;
             }
             let expired = || Instant::now() >= deadline;
+            // Large READ data goes straight into local memory: read only the status first.
+            rx.max_fill = if opcode == Opcode::Read && len as usize >= DIRECT_MIN { STATUS_LEN } else { RX_BUF };
             // 1. Status frame (v2), before anything is taken off the queue.
             let status = if self.v2 {
                 if let Err(e) = rx.need(&conn, STATUS_LEN, expired) {
