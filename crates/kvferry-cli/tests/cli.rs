@@ -1,0 +1,91 @@
+//! The `kvferry` binary end to end: bench (both sides, and split by --mode), doctor.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+fn kvferry() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvferry"))
+}
+
+fn check_records(path: &std::path::Path, expect: usize) {
+    let text = std::fs::read_to_string(path).unwrap();
+    let recs: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(recs.len(), expect, "{text}");
+    let keys = ["op", "block_bytes", "batch", "gbps", "ops_per_s", "batch_p50_us", "batch_p99_us", "single_p50_us", "initiator_cpu_s_per_gb", "target_cpu_s_per_gb", "verified"];
+    for r in &recs {
+        let obj = r.as_object().unwrap();
+        assert_eq!(obj.len(), keys.len(), "exactly the documented fields: {r}");
+        for k in keys {
+            assert!(obj.contains_key(k), "missing {k} in {r}");
+        }
+        assert_eq!(r["verified"], true, "{r}");
+        assert!(r["gbps"].as_f64().unwrap() > 0.0);
+        assert!(r["single_p50_us"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn bench_runs_both_sides_and_verifies_every_point() {
+    let dir = std::env::temp_dir().join(format!("kvferry-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("points.jsonl");
+    let out = kvferry()
+        .args(["bench", "--buffer-size", "64M", "--blocks", "4K,1M", "--batch", "16", "--duration", "0.2", "--no-ceilings", "--mooncake", "none", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for col in ["GB/s", "ops/s", "batch p50", "1-req p50", "verified"] {
+        assert!(stdout.contains(col), "table has {col}: {stdout}");
+    }
+    check_records(&json, 4);
+}
+
+#[test]
+fn bench_split_across_two_commands() {
+    let mut target = kvferry()
+        .args(["bench", "--mode", "target", "--buffer-size", "32M"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(target.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let seg = line.split_whitespace().find_map(|w| w.strip_prefix("segment=")).expect("segment printed").to_string();
+    let json = std::env::temp_dir().join(format!("kvferry-cli-split-{}.jsonl", std::process::id()));
+    let out = kvferry()
+        .args(["bench", "--mode", "initiator", "--segment", &seg, "--buffer-size", "32M", "--blocks", "64K", "--ops", "read", "--batch", "8", "--duration", "0.2", "--no-ceilings", "--mooncake", "none", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let _ = target.kill();
+    let _ = target.wait();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    check_records(&json, 1);
+}
+
+#[test]
+fn bench_rejects_bad_arguments_clearly() {
+    let out = kvferry().args(["bench", "--mode", "initiator"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--segment"));
+    let out = kvferry().args(["bench", "--buffer-size", "lots"]).output().unwrap();
+    assert!(!out.status.success());
+    let out = kvferry().args(["bench", "--mode", "initiator", "--segment", "127.0.0.1:1", "--buffer-size", "1M"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("127.0.0.1:1"), "names the segment");
+}
+
+#[test]
+fn doctor_reports_transports() {
+    let out = kvferry().args(["doctor", "--local-hostname", "127.0.0.1"]).output().unwrap();
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{s}");
+    for want in ["tcp", "rdma", "gpu memory", "memlock", "listeners", "KVFERRY_TRANSFER_TIMEOUT"] {
+        assert!(s.contains(want), "doctor mentions {want}: {s}");
+    }
+    let out = kvferry().args(["doctor", "--local-hostname", "203.0.113.9"]).env("KVFERRY_LOG", "error").output().unwrap();
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(s.contains("not an address of this host"), "{s}");
+}
