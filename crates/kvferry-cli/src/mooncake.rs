@@ -5,6 +5,7 @@
 use crate::sys;
 use serde::Serialize;
 use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -72,7 +73,10 @@ struct Target {
 
 impl Target {
     fn start(bin: &str, host: &str, buffer: u64) -> Result<Target, String> {
+        // Its own process group: the console script runs the real binary as a child, and
+        // stopping the group stops both.
         let mut child = Command::new(bin)
+            .process_group(0)
             .env("MC_FORCE_TCP", "1")
             .args([
                 "--mode=target",
@@ -113,8 +117,8 @@ impl Target {
 
 impl Drop for Target {
     fn drop(&mut self) {
-        // SAFETY: signalling our own child by pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        // SAFETY: signalling the process group we created for our own child.
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGTERM) };
         let until = Instant::now() + Duration::from_secs(10);
         while Instant::now() < until {
             if let Ok(Some(_)) = self.child.try_wait() {
@@ -122,7 +126,8 @@ impl Drop for Target {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        let _ = self.child.kill();
+        // SAFETY: as above, forcefully.
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
         let _ = self.child.wait();
     }
 }
