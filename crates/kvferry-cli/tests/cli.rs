@@ -89,3 +89,14 @@ fn doctor_reports_transports() {
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(s.contains("not an address of this host"), "{s}");
 }
+
+#[test]
+fn readme_documents_every_variable() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    for v in kvferry::config::ENV_VARS {
+        assert!(readme.contains(&format!("`{}`", v.name)), "README's configuration table lacks {}", v.name);
+        for a in v.aliases.iter().filter(|a| !a.contains("PRC")) {
+            assert!(readme.contains(&format!("`{a}`")), "README lacks the alias {a} of {}", v.name);
+        }
+    }
+}
