@@ -1,0 +1,98 @@
+"""Opt-in aliasing of ``mooncake`` / ``mooncake.engine`` to kvferry's modules.
+
+The wheel does not ship a top-level ``mooncake`` package (it would collide with an
+installed official Mooncake). Instead, a ``sys.meta_path`` finder answers imports of
+``mooncake`` and ``mooncake.engine`` with thin modules re-exporting
+``kvferry.mooncake`` and ``kvferry.mooncake.engine`` (same objects:
+``mooncake.engine.TransferEngine is kvferry.mooncake.engine.TransferEngine``). Other
+``mooncake.*`` submodules (``mooncake.store``, ...) raise ModuleNotFoundError naming kvferry.
+
+Turned on by :func:`install` (``kvferry.install_mooncake_shim()``), or at interpreter start
+by ``KVFERRY_MOONCAKE_SHIM=1`` through the ``kvferry-mooncake-shim.pth`` file the wheel
+installs in site-packages.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from types import ModuleType
+from typing import Any, Optional, Sequence
+
+_ALIASES = {"mooncake": "kvferry.mooncake", "mooncake.engine": "kvferry.mooncake.engine"}
+_lock = threading.Lock()
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
+        return None  # a fresh module; exec_module fills it
+
+    def exec_module(self, module: ModuleType) -> None:
+        real = importlib.import_module(self.target)
+        names = getattr(real, "__all__", None) or [n for n in vars(real) if not n.startswith("_")]
+        for n in names:
+            setattr(module, n, getattr(real, n))
+        module.__all__ = list(names)  # type: ignore[attr-defined]
+        module.__doc__ = real.__doc__
+        module.__kvferry_target__ = self.target  # type: ignore[attr-defined]
+        if hasattr(real, "__getattr__"):
+            module.__getattr__ = real.__getattr__  # type: ignore[attr-defined]
+
+
+class MooncakeShimFinder(importlib.abc.MetaPathFinder):
+    """Resolves ``mooncake`` and ``mooncake.engine`` to kvferry."""
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None, target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname in _ALIASES:
+            spec = importlib.machinery.ModuleSpec(fullname, _AliasLoader(_ALIASES[fullname]), is_package=(fullname == "mooncake"))
+            if fullname == "mooncake":
+                spec.submodule_search_locations = []
+            return spec
+        if fullname.startswith("mooncake."):
+            raise ModuleNotFoundError(
+                "%s is not provided by kvferry: with KVFERRY_MOONCAKE_SHIM / kvferry.install_mooncake_shim(), "
+                "'mooncake' is kvferry's Mooncake-compatible TransferEngine API (mooncake.engine) only" % fullname,
+                name=fullname,
+            )
+        return None
+
+
+def installed() -> bool:
+    """True when the finder is on sys.meta_path."""
+    return any(isinstance(f, MooncakeShimFinder) for f in sys.meta_path)
+
+
+def install() -> None:
+    """Makes ``import mooncake.engine`` resolve to kvferry (idempotent). Modules named
+    ``mooncake`` imported earlier (e.g. an official Mooncake) are dropped from sys.modules so
+    later imports get kvferry's."""
+    with _lock:
+        if not installed():
+            sys.meta_path.insert(0, MooncakeShimFinder())
+        for name in [n for n in sys.modules if n == "mooncake" or n.startswith("mooncake.")]:
+            mod = sys.modules.get(name)
+            if mod is not None and getattr(mod, "__kvferry_target__", None) is None:
+                del sys.modules[name]
+
+
+def uninstall() -> None:
+    """Removes the finder and kvferry's ``mooncake`` aliases from sys.modules."""
+    with _lock:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, MooncakeShimFinder)]
+        for name in [n for n in sys.modules if n == "mooncake" or n.startswith("mooncake.")]:
+            if getattr(sys.modules.get(name), "__kvferry_target__", None) is not None:
+                del sys.modules[name]
+
+
+def _install_from_pth() -> None:
+    """Called by kvferry-mooncake-shim.pth when KVFERRY_MOONCAKE_SHIM is set."""
+    try:
+        install()
+    except Exception as e:  # never break interpreter start-up
+        sys.stderr.write("kvferry: KVFERRY_MOONCAKE_SHIM is set but the shim could not be installed: %s\n" % e)

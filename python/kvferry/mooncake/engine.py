@@ -1,0 +1,708 @@
+"""Mooncake's ``mooncake.engine`` API on kvferry.
+
+Same class and method names, argument names, defaults and return conventions as the
+``mooncake.engine`` module of the ``mooncake-transfer-engine`` wheels (pybind11), so code
+written for Mooncake runs unchanged::
+
+    from kvferry.mooncake.engine import TransferEngine   # or, with the shim on,
+    from mooncake.engine import TransferEngine           # (see kvferry.install_mooncake_shim)
+
+Conventions (as in Mooncake): methods return ``0`` on success and a negative code on
+failure, address/batch-returning methods return ``0`` on failure, and arguments of the
+wrong type (or negative / >= 2**64 integers) raise ``TypeError``. Each failure logs its
+reason once, as a WARNING of the ``logging`` logger ``"kvferry"``.
+
+Where Mooncake would crash the interpreter (any call before ``initialize``, bad addresses
+given to ``read_bytes_from_buffer``/``write_bytes_to_buffer``, unknown batch ids), this
+module logs and returns the failure value instead.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import operator
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .. import _kvferry
+from .._engine import Engine as _Engine
+from .._errors import KvferryError
+
+__all__ = [
+    "TransferEngine",
+    "TransferNotify",
+    "TransferOpcode",
+    "InnerTransferEngine",
+    "Read",
+    "Write",
+    "SUPPORT_CUDA",
+    "SUPPORT_EFA",
+    "SUPPORT_HIP",
+    "SUPPORT_INTRA_NVLINK",
+    "SUPPORT_MNNVL",
+    "SUPPORT_MUSA",
+]
+
+log = logging.getLogger("kvferry")
+
+_U64 = 1 << 64
+_NS = 1e-9
+
+_features = _kvferry.features()
+#: Build-feature flags, computed at run time from what kvferry can really move. This version
+#: moves host memory only, so all are False.
+SUPPORT_CUDA: bool = bool(_features.get("cuda", False))
+SUPPORT_EFA: bool = bool(_features.get("efa", False))
+SUPPORT_HIP: bool = bool(_features.get("hip", False))
+SUPPORT_INTRA_NVLINK: bool = bool(_features.get("intra_nvlink", False))
+SUPPORT_MNNVL: bool = bool(_features.get("mnnvl", False))
+SUPPORT_MUSA: bool = bool(_features.get("musa", False))
+
+
+class TransferOpcode(enum.IntEnum):
+    """Transfer direction: ``Read`` (remote -> local) = 0, ``Write`` (local -> remote) = 1."""
+
+    Read = 0
+    Write = 1
+
+    def __str__(self) -> str:
+        return "TransferOpcode.%s" % self.name
+
+
+Read = TransferOpcode.Read
+Write = TransferOpcode.Write
+
+
+class TransferNotify:
+    """A notify message delivered to the target's ``get_notifies()`` after a transfer:
+    ``TransferNotify(name, msg)``."""
+
+    __slots__ = ("name", "msg")
+
+    def __init__(self, name: str = "", msg: str = "") -> None:
+        self.name = name
+        self.msg = msg
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TransferNotify):
+            return NotImplemented
+        return (self.name, self.msg) == (other.name, other.msg)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.msg))
+
+    def __repr__(self) -> str:
+        return "TransferNotify(name=%r, msg=%r)" % (self.name, self.msg)
+
+
+#: What ``get_engine()`` returns: kvferry's native engine sharing this object's engine.
+InnerTransferEngine = _Engine
+
+
+# -- argument checking, pybind11 style ------------------------------------------------------
+
+class _Bad(Exception):
+    pass
+
+
+def _u(v: Any) -> int:
+    if isinstance(v, float):
+        raise _Bad
+    try:
+        i = operator.index(v)
+    except TypeError:
+        raise _Bad from None
+    if i < 0 or i >= _U64:
+        raise _Bad
+    return i
+
+
+def _ul(v: Any) -> List[int]:
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
+        raise _Bad
+    try:
+        items = list(v)
+    except TypeError:
+        raise _Bad from None
+    if all(type(x) is int and 0 <= x < _U64 for x in items):
+        return items
+    return [_u(x) for x in items]
+
+
+def _s(v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "surrogateescape")
+    raise _Bad
+
+
+def _opt_s(v: Any) -> Optional[str]:
+    return None if v is None else _s(v)
+
+
+def _op(v: Any) -> int:
+    if isinstance(v, TransferOpcode):
+        return int(v)
+    if isinstance(v, int) and not isinstance(v, bool) and v in (0, 1):
+        return v
+    raise _Bad
+
+
+def _notify(v: Any) -> Optional[Tuple[str, str]]:
+    if v is None:
+        return None
+    name, msg = getattr(v, "name", None), getattr(v, "msg", None)
+    if isinstance(name, str) and isinstance(msg, str):
+        return name, msg
+    raise _Bad
+
+
+def _data(v: Any) -> bytes:
+    if isinstance(v, bytes):
+        return v
+    if isinstance(v, str):
+        return v.encode("utf-8", "surrogateescape")
+    if isinstance(v, (bytearray, memoryview)):
+        return bytes(v)
+    raise _Bad
+
+
+def _incompatible(method: str, signature: str, args: Sequence[Any]) -> TypeError:
+    return TypeError(
+        "%s(): incompatible function arguments. The following argument types are supported:\n"
+        "    1. (self: kvferry.mooncake.engine.TransferEngine, %s)\n\nInvoked with: %s"
+        % (method, signature, ", ".join(repr(a) for a in args))
+    )
+
+
+_SIG = {
+    "initialize": "local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int",
+    "initialize_ext": "local_hostname: str, metadata_server: str, protocol: str, device_name: str, metadata_type: str) -> int",
+    "register_memory": "buffer_addr: int, capacity: int, location: str = '*') -> int",
+    "unregister_memory": "buffer_addr: int) -> int",
+    "batch_register_memory": "buffer_addresses: list[int], capacities: list[int], location: str = '*') -> int",
+    "batch_unregister_memory": "buffer_addresses: list[int]) -> int",
+    "allocate_managed_buffer": "length: int) -> int",
+    "free_managed_buffer": "buffer_addr: int, length: int) -> int",
+    "write_bytes_to_buffer": "dest_address: int, src_bytes: bytes, length: int) -> int",
+    "read_bytes_from_buffer": "source_address: int, length: int) -> bytes",
+    "transfer_sync_write": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '') -> int",
+    "transfer_sync_read": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '') -> int",
+    "transfer_sync": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, opcode: TransferOpcode, notify: TransferNotify = None, transport_hint: str = '') -> int",
+    "batch_transfer_sync_write": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '') -> int",
+    "batch_transfer_sync_read": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '') -> int",
+    "batch_transfer_sync": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], opcode: TransferOpcode, notify: TransferNotify = None, transport_hint: str = '') -> int",
+    "batch_transfer_async_write": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '') -> int",
+    "batch_transfer_async_read": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '') -> int",
+    "batch_transfer_async": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], opcode: TransferOpcode, transport_hint: str = '') -> int",
+    "get_batch_transfer_status": "batch_ids: list[int]) -> int",
+    "transfer_submit_write": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '') -> int",
+    "transfer_check_status": "batch_id: int) -> int",
+    "get_first_buffer_address": "segment_name: str) -> int",
+    "get_local_topology": "device_name: str = None) -> str",
+    "send_probe": "peer_server_name: str) -> int",
+    "warmup_efa_segment": "segment_name: str) -> int",
+}
+
+
+def _fail(method: str, reason: str, ret: Any = -1) -> Any:
+    """Logs one failure (once) and returns ``ret``."""
+    log.warning("%s failed: %s", method, reason)
+    return ret
+
+
+_NOT_INITIALIZED = "TransferEngine.initialize() has not been called (or failed)"
+
+
+class TransferEngine:
+    """Mooncake's ``TransferEngine`` on kvferry. Create it, then call :meth:`initialize`.
+
+    Safe to share between threads; every blocking call releases the GIL.
+    """
+
+    TransferOpcode = TransferOpcode
+
+    def __init__(self) -> None:
+        self._core: Any = None
+        self._native: Optional[_Engine] = None
+        self._init_lock = threading.Lock()
+        self._deadlines: Dict[int, float] = {}
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def initialize(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int:
+        """Starts the engine. ``local_hostname`` is ``host`` or ``host:port`` (P2P mode picks
+        the RPC port itself, as Mooncake does); ``metadata_server`` must be
+        ``"P2PHANDSHAKE"`` in this version; ``protocol`` (``"tcp"``, ``"rdma"``, ...) and
+        ``device_name`` are accepted, and data moves over TCP. Returns 0, or -1 (reason
+        logged). Calling it again replaces the engine, as in Mooncake."""
+        args = (local_hostname, metadata_server, protocol, device_name)
+        try:
+            host, meta, proto, dev = _s(local_hostname), _s(metadata_server), _s(protocol), _s(device_name)
+        except _Bad:
+            raise _incompatible("initialize", _SIG["initialize"], args) from None
+        return self._start("initialize", host, meta, proto, dev, None)
+
+    def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str, metadata_type: str) -> int:
+        """Like :meth:`initialize` with Mooncake's explicit ``metadata_type`` (``"etcd"``,
+        ``"redis"``, ``"http"``); only ``metadata_server="P2PHANDSHAKE"`` works here."""
+        args = (local_hostname, metadata_server, protocol, device_name, metadata_type)
+        try:
+            host, meta, proto, dev, mtype = (_s(a) for a in args)
+        except _Bad:
+            raise _incompatible("initialize_ext", _SIG["initialize_ext"], args) from None
+        return self._start("initialize_ext", host, meta, proto, dev, mtype)
+
+    def _start(self, method: str, host: str, meta: str, proto: str, dev: str, mtype: Optional[str]) -> int:
+        if meta != "P2PHANDSHAKE":
+            shown = meta if mtype is None or "://" in meta else "%s://%s" % (mtype, meta)
+            return _fail(
+                method,
+                "metadata server %r is not supported by this kvferry version: only P2PHANDSHAKE "
+                "(peers exchange descriptors directly; segment names are \"<host>:<rpc_port>\")" % shown,
+            )
+        if proto not in ("tcp", ""):
+            log.info("kvferry: protocol %r requested; this version moves data over TCP", proto)
+        if dev:
+            log.debug("kvferry: device_name %r ignored (TCP transport)", dev)
+        try:
+            core = _kvferry.Core(host, meta)
+        except KvferryError as e:
+            return _fail(method, e.reason)
+        with self._init_lock:
+            old, self._core, self._native = self._core, core, None
+            self._deadlines = {}
+        if old is not None:
+            log.warning("%s: called again; the previous engine (%s) is closed", method, old)
+            old.close()
+        return 0
+
+    def _need(self, method: str) -> Any:
+        core = self._core
+        if core is None:
+            log.warning("%s failed: %s", method, _NOT_INITIALIZED)
+        return core
+
+    def get_rpc_port(self) -> int:
+        """The handshake (RPC) port; the P2P segment name is ``"<host>:<rpc_port>"``."""
+        core = self._need("get_rpc_port")
+        if core is None:
+            return -1
+        try:
+            return core.rpc_port
+        except KvferryError as e:
+            return _fail("get_rpc_port", e.reason)
+
+    def get_engine(self) -> Optional[_Engine]:
+        """The native engine (:class:`kvferry.Engine`) sharing this object's engine, or None
+        before initialize."""
+        core = self._need("get_engine")
+        if core is None:
+            return None
+        with self._init_lock:
+            if self._native is None or self._native._core is not core:
+                self._native = _Engine._from_core(core)
+            return self._native
+
+    def get_engine_ptr(self) -> int:
+        """Mooncake returns a C++ pointer for MooncakeDistributedStore; kvferry has none: 0."""
+        return _fail("get_engine_ptr", "kvferry has no C++ engine to share (mooncake.store is not supported)", 0)
+
+    def get_local_topology(self, device_name: Optional[str] = None) -> str:
+        """The NIC topology matrix as JSON. kvferry uses TCP only, so it lists no RDMA
+        devices: ``"{}\\n"``, as Mooncake prints on a host without them."""
+        try:
+            _opt_s(device_name)
+        except _Bad:
+            raise _incompatible("get_local_topology", _SIG["get_local_topology"], (device_name,)) from None
+        return "{}\n"
+
+    # -- memory --------------------------------------------------------------------------
+
+    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
+        """Registers ``[buffer_addr, buffer_addr + capacity)``. Returns 0, -1 (invalid:
+        zero length, null, bad location), -7 (overlaps a registered range)."""
+        try:
+            a, n, loc = _u(buffer_addr), _u(capacity), _s(location)
+        except _Bad:
+            raise _incompatible("register_memory", _SIG["register_memory"], (buffer_addr, capacity, location)) from None
+        core = self._need("register_memory")
+        if core is None:
+            return -1
+        try:
+            core.register([a], [n], loc)
+            return 0
+        except KvferryError as e:
+            return _fail("register_memory", e.reason, e.code or -1)
+
+    def unregister_memory(self, buffer_addr: int) -> int:
+        """Unregisters the range starting at ``buffer_addr``. Returns 0 or -3."""
+        try:
+            a = _u(buffer_addr)
+        except _Bad:
+            raise _incompatible("unregister_memory", _SIG["unregister_memory"], (buffer_addr,)) from None
+        core = self._need("unregister_memory")
+        if core is None:
+            return -1
+        try:
+            core.unregister([a])
+            return 0
+        except KvferryError as e:
+            return _fail("unregister_memory", e.reason, e.code or -1)
+
+    def batch_register_memory(self, buffer_addresses: List[int], capacities: List[int], location: str = "*") -> int:
+        """Registers several ranges (all or none). Extra capacities are ignored and fewer
+        capacities than addresses is -1, as in Mooncake."""
+        try:
+            addrs, caps, loc = _ul(buffer_addresses), _ul(capacities), _s(location)
+        except _Bad:
+            raise _incompatible("batch_register_memory", _SIG["batch_register_memory"], (buffer_addresses, capacities, location)) from None
+        core = self._need("batch_register_memory")
+        if core is None:
+            return -1
+        if len(caps) < len(addrs):
+            return _fail("batch_register_memory", "%d addresses but only %d capacities" % (len(addrs), len(caps)))
+        try:
+            core.register(addrs, caps[: len(addrs)], loc)
+            return 0
+        except KvferryError as e:
+            return _fail("batch_register_memory", e.reason, e.code or -1)
+
+    def batch_unregister_memory(self, buffer_addresses: List[int]) -> int:
+        """Unregisters several ranges (all or none). Returns 0 or -3."""
+        try:
+            addrs = _ul(buffer_addresses)
+        except _Bad:
+            raise _incompatible("batch_unregister_memory", _SIG["batch_unregister_memory"], (buffer_addresses,)) from None
+        core = self._need("batch_unregister_memory")
+        if core is None:
+            return -1
+        try:
+            core.unregister(addrs)
+            return 0
+        except KvferryError as e:
+            return _fail("batch_unregister_memory", e.reason, e.code or -1)
+
+    def allocate_managed_buffer(self, length: int) -> int:
+        """Maps ``length`` bytes (page-aligned, zeroed, at least one page), registers them
+        and returns the address; 0 on failure."""
+        try:
+            n = _u(length)
+        except _Bad:
+            raise _incompatible("allocate_managed_buffer", _SIG["allocate_managed_buffer"], (length,)) from None
+        core = self._need("allocate_managed_buffer")
+        if core is None:
+            return 0
+        try:
+            return core.allocate_managed(n, "cpu:0")
+        except KvferryError as e:
+            return _fail("allocate_managed_buffer", e.reason, 0)
+
+    def free_managed_buffer(self, buffer_addr: int, length: int) -> int:
+        """Unregisters and unmaps a buffer from :meth:`allocate_managed_buffer`. Returns 0
+        (also, as in Mooncake, for an address that is not one: that is logged)."""
+        try:
+            a, _ = _u(buffer_addr), _u(length)
+        except _Bad:
+            raise _incompatible("free_managed_buffer", _SIG["free_managed_buffer"], (buffer_addr, length)) from None
+        core = self._need("free_managed_buffer")
+        if core is None:
+            return -1
+        try:
+            if not core.free_managed(a):
+                _fail("free_managed_buffer", "0x%x is not an address returned by allocate_managed_buffer; nothing freed" % a, 0)
+            return 0
+        except KvferryError as e:
+            return _fail("free_managed_buffer", e.reason, e.code or -1)
+
+    def write_bytes_to_buffer(self, dest_address: int, src_bytes: bytes, length: int) -> int:
+        """Copies ``src_bytes[:length]`` to ``dest_address``. Returns 0, or -1 if the range
+        is not writable memory of this process (Mooncake would crash)."""
+        try:
+            a, data, n = _u(dest_address), _data(src_bytes), _u(length)
+        except _Bad:
+            raise _incompatible("write_bytes_to_buffer", _SIG["write_bytes_to_buffer"], (dest_address, src_bytes, length)) from None
+        if n < len(data):
+            data = data[:n]
+        core = self._core
+        try:
+            if core is not None and not core.closed:
+                core.write_memory(a, data)
+            else:
+                _kvferry.write_memory(a, data)
+            return 0
+        except KvferryError as e:
+            return _fail("write_bytes_to_buffer", e.reason)
+
+    def read_bytes_from_buffer(self, source_address: int, length: int) -> bytes:
+        """Copies ``length`` bytes from ``source_address``. Returns b"" (reason logged) if the
+        range is not readable memory of this process (Mooncake would crash)."""
+        try:
+            a, n = _u(source_address), _u(length)
+        except _Bad:
+            raise _incompatible("read_bytes_from_buffer", _SIG["read_bytes_from_buffer"], (source_address, length)) from None
+        core = self._core
+        try:
+            if core is not None and not core.closed:
+                return core.read_memory(a, n)
+            return _kvferry.read_memory(a, n)
+        except KvferryError as e:
+            return _fail("read_bytes_from_buffer", e.reason, b"")
+
+    # -- synchronous transfers -----------------------------------------------------------
+
+    def _sync(self, method: str, target: str, locals_: List[int], remotes: List[int], lengths: List[int], op: int, notify: Optional[Tuple[str, str]]) -> int:
+        core = self._need(method)
+        if core is None:
+            return -1
+        try:
+            timeout = core.transfer_timeout + sum(lengths) * _NS
+            core.transfer(target, op, locals_, remotes, lengths, timeout)
+        except KvferryError as e:
+            return _fail(method, e.reason)
+        if notify is not None:
+            try:
+                core.send_notify(target, notify[1], notify[0])
+            except KvferryError as e:
+                _fail(method, "the transfer completed but its notify was not delivered: %s" % e.reason, 0)
+        return 0
+
+    def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
+        """Writes ``length`` bytes from local ``buffer`` to ``peer_buffer_address`` of segment
+        ``target_hostname`` (``"host:rpc_port"``); blocks. Returns 0 or -1."""
+        try:
+            t, b, p, n, _ = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint)
+        except _Bad:
+            raise _incompatible("transfer_sync_write", _SIG["transfer_sync_write"], (target_hostname, buffer, peer_buffer_address, length, transport_hint)) from None
+        return self._sync("transfer_sync_write", t, [b], [p], [n], 1, None)
+
+    def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
+        """Reads ``length`` bytes at ``peer_buffer_address`` of ``target_hostname`` into local
+        ``buffer``; blocks. Returns 0 or -1."""
+        try:
+            t, b, p, n, _ = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint)
+        except _Bad:
+            raise _incompatible("transfer_sync_read", _SIG["transfer_sync_read"], (target_hostname, buffer, peer_buffer_address, length, transport_hint)) from None
+        return self._sync("transfer_sync_read", t, [b], [p], [n], 0, None)
+
+    def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, opcode: TransferOpcode, notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
+        """One transfer in direction ``opcode``; after success ``notify`` (if any) is
+        delivered to the target. Returns 0 or -1."""
+        try:
+            t, b, p, n, op, nt, _ = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _op(opcode), _notify(notify), _s(transport_hint)
+        except _Bad:
+            raise _incompatible("transfer_sync", _SIG["transfer_sync"], (target_hostname, buffer, peer_buffer_address, length, opcode, notify, transport_hint)) from None
+        return self._sync("transfer_sync", t, [b], [p], [n], op, nt)
+
+    def _batch_args(self, method: str, args: Tuple[Any, ...]) -> Tuple[str, List[int], List[int], List[int]]:
+        try:
+            return _s(args[0]), _ul(args[1]), _ul(args[2]), _ul(args[3])
+        except _Bad:
+            raise _incompatible(method, _SIG[method], args) from None
+
+    def batch_transfer_sync_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
+        """Writes ``lengths[i]`` bytes from ``buffers[i]`` to ``peer_buffer_addresses[i]``, all
+        in one batch; blocks. Returns 0 or -1."""
+        m = "batch_transfer_sync_write"
+        t, b, p, n = self._batch_args(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
+        if not isinstance(transport_hint, str):
+            raise _incompatible(m, _SIG[m], (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
+        return self._sync(m, t, b, p, n, 1, None)
+
+    def batch_transfer_sync_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
+        """Reads ``lengths[i]`` bytes at ``peer_buffer_addresses[i]`` into ``buffers[i]``, all
+        in one batch; blocks. Returns 0 or -1."""
+        m = "batch_transfer_sync_read"
+        t, b, p, n = self._batch_args(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
+        if not isinstance(transport_hint, str):
+            raise _incompatible(m, _SIG[m], (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
+        return self._sync(m, t, b, p, n, 0, None)
+
+    def batch_transfer_sync(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode: TransferOpcode, notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
+        """One batch in direction ``opcode``, then ``notify`` (if any). Returns 0 or -1."""
+        m = "batch_transfer_sync"
+        allargs = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify, transport_hint)
+        t, b, p, n = self._batch_args(m, allargs[:4] + (transport_hint,))
+        try:
+            op, nt, _ = _op(opcode), _notify(notify), _s(transport_hint)
+        except _Bad:
+            raise _incompatible(m, _SIG[m], allargs) from None
+        return self._sync(m, t, b, p, n, op, nt)
+
+    # -- asynchronous transfers ----------------------------------------------------------
+
+    def _submit(self, method: str, target: str, locals_: List[int], remotes: List[int], lengths: List[int], op: int) -> int:
+        core = self._need(method)
+        if core is None:
+            return 0
+        try:
+            deadline = time.monotonic() + core.transfer_timeout + sum(lengths) * _NS
+            bid = core.submit(target, op, locals_, remotes, lengths)
+        except KvferryError as e:
+            return _fail(method, e.reason, 0)
+        self._deadlines[bid] = deadline
+        return bid
+
+    def batch_transfer_async_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
+        """Submits a WRITE batch and returns its id (0 on failure) at once; complete it with
+        :meth:`get_batch_transfer_status` or :meth:`transfer_check_status`."""
+        m = "batch_transfer_async_write"
+        t, b, p, n = self._batch_args(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
+        if not isinstance(transport_hint, str):
+            raise _incompatible(m, _SIG[m], (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
+        return self._submit(m, t, b, p, n, 1)
+
+    def batch_transfer_async_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
+        """Submits a READ batch and returns its id (0 on failure) at once."""
+        m = "batch_transfer_async_read"
+        t, b, p, n = self._batch_args(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
+        if not isinstance(transport_hint, str):
+            raise _incompatible(m, _SIG[m], (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
+        return self._submit(m, t, b, p, n, 0)
+
+    def batch_transfer_async(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode: TransferOpcode, transport_hint: str = "") -> int:
+        """Submits a batch in direction ``opcode``; returns its id (0 on failure)."""
+        m = "batch_transfer_async"
+        allargs = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint)
+        t, b, p, n = self._batch_args(m, allargs[:4] + (transport_hint,))
+        try:
+            op, _ = _op(opcode), _s(transport_hint)
+        except _Bad:
+            raise _incompatible(m, _SIG[m], allargs) from None
+        return self._submit(m, t, b, p, n, op)
+
+    def transfer_submit_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
+        """Submits one WRITE and returns its batch id (0 on failure); poll it with
+        :meth:`transfer_check_status`."""
+        try:
+            t, b, p, n, _ = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint)
+        except _Bad:
+            raise _incompatible("transfer_submit_write", _SIG["transfer_submit_write"], (target_hostname, buffer, peer_buffer_address, length, transport_hint)) from None
+        return self._submit("transfer_submit_write", t, [b], [p], [n], 1)
+
+    def get_batch_transfer_status(self, batch_ids: List[int]) -> int:
+        """Waits until every listed batch completed (0) or one failed or passed its deadline
+        (-1); every listed batch is freed either way."""
+        try:
+            ids = _ul(batch_ids)
+        except _Bad:
+            raise _incompatible("get_batch_transfer_status", _SIG["get_batch_transfer_status"], (batch_ids,)) from None
+        if not ids:
+            return 0
+        core = self._need("get_batch_transfer_status")
+        if core is None:
+            return -1
+        ret = 0
+        for bid in ids:
+            deadline = self._deadlines.pop(bid, None)
+            try:
+                if ret == 0:
+                    if deadline is None:
+                        deadline = time.monotonic() + core.transfer_timeout
+                    st, _, reason = core.wait_batch(bid, max(0.0, deadline - time.monotonic()))
+                    if st != 4:
+                        what = {5: "timed out", 6: "failed", 3: "was canceled"}.get(st, "did not finish before its deadline")
+                        ret = _fail("get_batch_transfer_status", "batch %d %s%s" % (bid, what, ": %s" % reason if reason else ""))
+                core.release_batch(bid)
+            except KvferryError as e:
+                ret = _fail("get_batch_transfer_status", e.reason)
+        return ret
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        """Non-blocking poll of a batch: 1 completed (freed), 0 in progress, -1 failed
+        (freed), -2 timed out (freed)."""
+        try:
+            bid = _u(batch_id)
+        except _Bad:
+            raise _incompatible("transfer_check_status", _SIG["transfer_check_status"], (batch_id,)) from None
+        core = self._need("transfer_check_status")
+        if core is None:
+            return -1
+        try:
+            st, _, reason = core.batch_status(bid)
+            if st in (0, 1, 2):
+                deadline = self._deadlines.get(bid)
+                if deadline is None or time.monotonic() < deadline:
+                    return 0
+                ret = _fail("transfer_check_status", "batch %d did not finish before its deadline" % bid, -2)
+            elif st == 4:
+                ret = 1
+            elif st == 5:
+                ret = _fail("transfer_check_status", "batch %d timed out: %s" % (bid, reason), -2)
+            else:
+                ret = _fail("transfer_check_status", "batch %d failed: %s" % (bid, reason), -1)
+            self._deadlines.pop(bid, None)
+            core.release_batch(bid)
+            return ret
+        except KvferryError as e:
+            return _fail("transfer_check_status", e.reason)
+
+    # -- segments, notifies, liveness ----------------------------------------------------
+
+    def get_first_buffer_address(self, segment_name: str) -> int:
+        """Opens ``segment_name`` and returns the address of its first registered buffer,
+        or 0 (no buffer, or the segment cannot be opened)."""
+        try:
+            name = _s(segment_name)
+        except _Bad:
+            raise _incompatible("get_first_buffer_address", _SIG["get_first_buffer_address"], (segment_name,)) from None
+        core = self._need("get_first_buffer_address")
+        if core is None:
+            return 0
+        try:
+            bufs = core.segment_buffers(name)
+        except KvferryError as e:
+            return _fail("get_first_buffer_address", e.reason, 0)
+        if not bufs:
+            return _fail("get_first_buffer_address", "segment %r has no registered buffer" % name, 0)
+        return bufs[0][0]
+
+    def get_notifies(self) -> List[TransferNotify]:
+        """Drains the notifies received so far."""
+        core = self._need("get_notifies")
+        if core is None:
+            return []
+        try:
+            return [TransferNotify(n, m) for n, m in core.get_notifies()]
+        except KvferryError as e:
+            return _fail("get_notifies", e.reason, [])
+
+    def send_probe(self, peer_server_name: str) -> int:
+        """Checks that a peer's handshake port answers: 0, else -101 (name cannot be
+        resolved) or -102 (cannot connect), as Mooncake."""
+        try:
+            name = _s(peer_server_name)
+        except _Bad:
+            raise _incompatible("send_probe", _SIG["send_probe"], (peer_server_name,)) from None
+        core = self._need("send_probe")
+        if core is None:
+            return -1
+        try:
+            core.probe(name)
+            return 0
+        except KvferryError as e:
+            return _fail("send_probe", e.reason, e.code or -1)
+
+    def warmup_efa_segment(self, segment_name: str) -> int:
+        """EFA pre-connect in Mooncake; a no-op here (returns 0)."""
+        try:
+            _s(segment_name)
+        except _Bad:
+            raise _incompatible("warmup_efa_segment", _SIG["warmup_efa_segment"], (segment_name,)) from None
+        return 0
+
+    def __repr__(self) -> str:
+        core = self._core
+        return "<kvferry.mooncake.engine.TransferEngine %s>" % ("uninitialized" if core is None else repr(core))
+
+
+_NOT_PROVIDED = ("CoroRPCInterface", "RpcInterface", "ReceivedData", "ReceivedTensor", "SharedSegment", "create_rpc_client", "create_rpc_server")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NOT_PROVIDED:
+        raise AttributeError("mooncake.engine.%s is not provided by kvferry (only the TransferEngine API is)" % name)
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
