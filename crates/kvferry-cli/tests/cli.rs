@@ -100,3 +100,44 @@ fn readme_documents_every_variable() {
         }
     }
 }
+
+#[test]
+fn target_process_killed_mid_transfer_fails_requests_within_the_deadline() {
+    use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
+    use std::time::{Duration, Instant};
+    let mut target = kvferry()
+        .args(["bench", "--mode", "target", "--buffer-size", "256M"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(target.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let seg_name = line.split_whitespace().find_map(|w| w.strip_prefix("segment=")).unwrap().to_string();
+    let addr: u64 = line.split_whitespace().find_map(|w| w.strip_prefix("addr=")).unwrap().parse().unwrap();
+    let e = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(4), ..Config::default() }).unwrap();
+    let src = vec![9u8; 256 << 20];
+    e.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    let seg = e.open_segment(&seg_name).unwrap();
+    let reqs: Vec<_> = (0..64u64)
+        .map(|i| TransferRequest { opcode: Opcode::Write, source: src.as_ptr() as u64 + (i << 22), target_id: seg, target_offset: addr + (i << 22), length: 4 << 20 })
+        .collect();
+    let b = e.allocate_batch(reqs.len()).unwrap();
+    e.submit(b, &reqs).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    target.kill().unwrap(); // SIGKILL, mid-transfer
+    let _ = target.wait();
+    let start = Instant::now();
+    let st = e.wait_batch(b, Duration::from_secs(20)).unwrap();
+    assert!(start.elapsed() < Duration::from_secs(6), "ended within the deadline, took {:?}", start.elapsed());
+    let until = Instant::now() + Duration::from_secs(6);
+    while e.free_batch(b).is_err() {
+        assert!(Instant::now() < until, "tasks still in flight after the deadline");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(matches!(st.status, TaskStatus::Failed | TaskStatus::Timeout | TaskStatus::Completed), "{st:?}");
+    // A new request to the dead peer fails quickly with a reason.
+    let st = e.transfer_sync(&reqs[..1], Duration::from_secs(10)).unwrap();
+    assert_ne!(st.status, TaskStatus::Completed);
+    assert!(st.reason.is_some());
+}

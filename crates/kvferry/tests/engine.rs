@@ -375,3 +375,103 @@ fn raw_data_requests_outside_registered_memory_are_rejected_untouched() {
     assert_eq!(&resp[32..48], &[1u8; 16]);
     assert_eq!(&resp[64..80], &[3u8; 16]);
 }
+
+/// A fake peer whose data port answers every request with `reply` bytes.
+fn lying_peer(remote: u64, reply: [u8; 8]) -> String {
+    let data = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hs = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let data_port = data.local_addr().unwrap().port();
+    let hs_port = hs.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let desc = format!(r#"{{"name":"127.0.0.1:{hs_port}","protocol":"tcp","tcp_data_port":{data_port},"tcp_proto_version":2,"buffers":[{{"name":"cpu:0","addr":{remote},"length":16777216}}]}}"#);
+        for s in hs.incoming().flatten().take(4) {
+            let mut s = s;
+            let mut len = [0u8; 8];
+            if s.read_exact(&mut len).is_err() {
+                continue;
+            }
+            let mut body = vec![0u8; u64::from_le_bytes(len) as usize];
+            let _ = s.read_exact(&mut body);
+            let _ = s.write_all(&handshake::encode(MsgType::Metadata, desc.as_bytes()));
+        }
+    });
+    std::thread::spawn(move || {
+        for conn in data.incoming().flatten().take(8) {
+            let mut conn = conn;
+            std::thread::spawn(move || {
+                let mut hdr = [0u8; 24];
+                while conn.read_exact(&mut hdr).is_ok() {
+                    if conn.write_all(&reply).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    format!("127.0.0.1:{hs_port}")
+}
+
+#[test]
+fn wrong_status_magic_fails_the_task_with_the_reason() {
+    let a = engine();
+    let buf = vec![0u8; 4096];
+    a.register_memory(buf.as_ptr() as u64, 4096, "*").unwrap();
+    let remote = 0x7000_0000u64;
+    let name = lying_peer(remote, *b"garbage!");
+    let seg = a.open_segment(&name).unwrap();
+    for op in [Opcode::Read, Opcode::Write] {
+        let start = Instant::now();
+        let st = a.transfer_sync(&[req(op, &buf, seg, remote, 4096)], Duration::from_secs(10)).unwrap();
+        assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
+        assert!(st.reason.as_deref().unwrap_or("").contains("magic"), "{st:?}");
+        assert!(start.elapsed() < Duration::from_secs(2), "failed at once, not at the deadline");
+        assert!(buf.iter().all(|&b| b == 0), "nothing received into local memory");
+    }
+    // The same engine still works with a real peer.
+    let b = engine();
+    let dst = vec![0u8; 4096];
+    b.register_memory(dst.as_ptr() as u64, 4096, "*").unwrap();
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    let st = a.transfer_sync(&[req(Opcode::Write, &buf, seg, dst.as_ptr() as u64, 4096)], Duration::from_secs(5)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed);
+}
+
+#[test]
+fn truncated_data_header_closes_only_that_connection() {
+    let p = pair(4096);
+    let mut s = TcpStream::connect(("127.0.0.1", p.b.data_port())).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(&[1u8; 10]).unwrap();
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    assert!(rest.is_empty());
+    let st = p.a.transfer_sync(&[req(Opcode::Write, &p.abuf, p.seg, p.bbuf.as_ptr() as u64, 4096)], Duration::from_secs(5)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed);
+    assert_eq!(p.bbuf, p.abuf);
+}
+
+#[test]
+fn many_threads_submit_at_once() {
+    let p = pair(8 << 20);
+    let remote = p.bbuf.as_ptr() as u64;
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let (a, abuf, seg) = (&p.a, &p.abuf, p.seg);
+            s.spawn(move || {
+                for round in 0..20u64 {
+                    let base = t * (1 << 20) + (round % 4) * 65536;
+                    let reqs: Vec<_> = (0..16u64)
+                        .map(|i| TransferRequest { opcode: Opcode::Write, source: abuf.as_ptr() as u64 + base + i * 4096, target_id: seg, target_offset: remote + base + i * 4096, length: 4096 })
+                        .collect();
+                    let st = a.transfer_sync(&reqs, Duration::from_secs(10)).unwrap();
+                    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+                }
+            });
+        }
+    });
+    for t in 0..8usize {
+        let base = t << 20;
+        assert_eq!(&p.bbuf[base..base + 4 * 65536], &p.abuf[base..base + 4 * 65536]);
+    }
+}
