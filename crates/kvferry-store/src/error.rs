@@ -1,0 +1,63 @@
+//! Store errors, with Mooncake Store's numeric codes (`mooncake-store/include/types.h`).
+
+use serde::{Deserialize, Serialize};
+
+/// What went wrong in a store operation. Serialisable: the master sends it to clients.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum StoreError {
+    #[error("object {0:?} not found")]
+    ObjectNotFound(String),
+    #[error("object {0:?} already exists; use upsert to replace it")]
+    ObjectAlreadyExists(String),
+    #[error("object {0:?} is leased by a reader; retry after the lease ends or pass force=true")]
+    ObjectHasLease(String),
+    #[error("the read lease of {0:?} expired before the read finished; the data may be torn, read it again")]
+    LeaseExpired(String),
+    #[error("object {0:?} is still being written (put not finished)")]
+    ReplicaNotReady(String),
+    #[error("no space for {size} bytes with {replicas} replica(s): {detail}")]
+    NoAvailableHandle { size: u64, replicas: u32, detail: String },
+    #[error("invalid key {0:?}: keys are 1 to 4096 bytes")]
+    InvalidKey(String),
+    #[error("invalid parameters: {0}")]
+    InvalidParams(String),
+    #[error("segment {0} not found")]
+    SegmentNotFound(String),
+    #[error("segment {0} is already mounted")]
+    SegmentAlreadyExists(String),
+    #[error("client {0:x} is not known to the master (it restarted, or the client's TTL expired); remount")]
+    UnknownClient(u64),
+    #[error("transfer failed: {0}")]
+    TransferFailed(String),
+    #[error("master RPC failed: {0}")]
+    Rpc(String),
+    #[error("buffer too small: {need} bytes needed, {have} given")]
+    BufferOverflow { need: u64, have: u64 },
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl StoreError {
+    /// Mooncake Store's error number.
+    pub fn code(&self) -> i32 {
+        match self {
+            StoreError::ObjectNotFound(_) => -704,
+            StoreError::ObjectAlreadyExists(_) => -705,
+            StoreError::ObjectHasLease(_) => -706,
+            StoreError::LeaseExpired(_) => -707,
+            StoreError::ReplicaNotReady(_) => -703,
+            StoreError::NoAvailableHandle { .. } => -200,
+            StoreError::InvalidKey(_) => -400,
+            StoreError::InvalidParams(_) => -600,
+            StoreError::SegmentNotFound(_) => -101,
+            StoreError::SegmentAlreadyExists(_) => -102,
+            StoreError::UnknownClient(_) => -1010,
+            StoreError::TransferFailed(_) => -800,
+            StoreError::Rpc(_) => -900,
+            StoreError::BufferOverflow { .. } => -10,
+            StoreError::Internal(_) => -1,
+        }
+    }
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;

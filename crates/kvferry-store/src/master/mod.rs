@@ -1,0 +1,845 @@
+//! The master's state machine: segments, clients, objects, leases, pins, eviction.
+//!
+//! Pure logic: every method takes the current time (`now`, milliseconds on the master's
+//! monotonic clock) and does no I/O, so tests drive time explicitly. [`Master`] wraps it with
+//! a clock and a mutex; `crate::server` puts it on the network.
+//!
+//! Data never passes through here. A writer asks `put_start` for replica locations, writes
+//! them through the transfer engine, then calls `put_end` (readable) or `put_revoke`. A
+//! reader asks `get_replica_list`, which grants a read lease: while leased an object is not
+//! removed, evicted or overwritten in place (an upsert writes new replicas and frees the old
+//! ones only after the lease ends).
+
+pub mod alloc;
+
+use crate::error::{StoreError, StoreResult};
+use crate::proto::{PingStatus, ReplicaDesc, ReplicaList, ReplicateConfig, Segment, SoftPin};
+use alloc::{Block, SegmentSpace};
+use rand::Rng;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Replica placement strategy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// Preferred segments first, then from a random start, walking the list.
+    Random,
+    /// Preferred segments first, then the segments with the most free space (by ratio).
+    FreeRatioFirst,
+}
+
+#[derive(Debug, Clone)]
+pub struct MasterConfig {
+    pub lease_ttl: Duration,
+    pub client_ttl: Duration,
+    pub default_soft_pin_ttl: Duration,
+    pub allow_evict_soft_pinned: bool,
+    pub eviction_high_watermark: f64,
+    pub eviction_ratio: f64,
+    pub put_start_discard_timeout: Duration,
+    pub put_start_release_timeout: Duration,
+    pub strategy: Strategy,
+}
+
+impl Default for MasterConfig {
+    fn default() -> Self {
+        MasterConfig {
+            lease_ttl: Duration::from_secs(10),
+            client_ttl: Duration::from_secs(10),
+            default_soft_pin_ttl: Duration::from_secs(30 * 60),
+            allow_evict_soft_pinned: true,
+            eviction_high_watermark: 0.90,
+            eviction_ratio: 0.05,
+            put_start_discard_timeout: Duration::from_secs(30),
+            put_start_release_timeout: Duration::from_secs(600),
+            strategy: Strategy::Random,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Replica {
+    seg: u64,
+    block: Block,
+}
+
+/// A write in progress.
+struct Pending {
+    replicas: Box<[Replica]>,
+    size: u64,
+    client: u64,
+    started: u64,
+    soft_pin: SoftPin,
+    soft_pin_ttl: u64,
+}
+
+struct Object {
+    size: u64,
+    /// Readable replicas (empty until the first put ends).
+    current: Box<[Replica]>,
+    pending: Option<Box<Pending>>,
+    lease_until: u64,
+    last_access: u64,
+    soft_pin_until: u64,
+    hard_pin: bool,
+    group: Option<Arc<str>>,
+}
+
+impl Object {
+    fn leased(&self, now: u64) -> bool {
+        self.lease_until > now
+    }
+}
+
+struct SegState {
+    seg: Segment,
+    client: u64,
+    space: SegmentSpace,
+}
+
+struct Deferred {
+    release_at: u64,
+    replica: Replica,
+}
+
+/// Counters exported on `/metrics`.
+#[derive(Default)]
+pub struct Stats {
+    pub ops: [AtomicU64; OP_NAMES.len()],
+    pub errors: [AtomicU64; OP_NAMES.len()],
+    pub evicted_objects: AtomicU64,
+    pub evicted_bytes: AtomicU64,
+}
+
+pub const OP_NAMES: [&str; 12] = [
+    "mount", "remount", "unmount", "ping", "put_start", "put_end", "put_revoke", "get_replica_list", "exist_key", "remove", "remove_all", "remove_by_regex",
+];
+
+/// The pool's state.
+#[derive(Default)]
+pub struct State {
+    segments: HashMap<u64, SegState>,
+    seg_order: Vec<u64>,
+    clients: HashMap<u64, u64>, // client -> last ping
+    objects: HashMap<Box<str>, Object>,
+    groups: HashMap<Arc<str>, Vec<Box<str>>>,
+    deferred: Vec<Deferred>,
+}
+
+/// A one-line summary of the pool.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Summary {
+    pub keys: usize,
+    pub bytes_used: u64,
+    pub bytes_total: u64,
+    pub clients: usize,
+    pub segments: usize,
+    pub pending_puts: usize,
+    pub deferred_frees: usize,
+}
+
+/// One segment as reported by `/get_all_segments`.
+#[derive(Debug, Clone, Serialize)]
+pub struct SegmentInfo {
+    pub id: u64,
+    pub name: String,
+    pub te_endpoint: String,
+    pub client: String,
+    pub base: u64,
+    pub size: u64,
+    pub used: u64,
+}
+
+/// One object as reported by `/query_key`.
+#[derive(Debug, Clone, Serialize)]
+pub struct KeyInfo {
+    pub key: String,
+    pub size: u64,
+    pub replicas: Vec<ReplicaDesc>,
+    pub complete: bool,
+    pub leased_ms: u64,
+    pub soft_pinned: bool,
+    pub hard_pinned: bool,
+    pub group: Option<String>,
+}
+
+fn check_key(key: &str) -> StoreResult<()> {
+    if key.is_empty() || key.len() > 4096 {
+        return Err(StoreError::InvalidKey(key.chars().take(64).collect()));
+    }
+    Ok(())
+}
+
+impl State {
+    fn desc(&self, r: &Replica) -> Option<ReplicaDesc> {
+        self.segments.get(&r.seg).map(|s| ReplicaDesc { te_endpoint: s.seg.te_endpoint.clone(), addr: r.block.addr, size: r.block.len })
+    }
+
+    fn free_now(&mut self, r: Replica) {
+        if let Some(s) = self.segments.get_mut(&r.seg) {
+            s.space.free(r.block);
+        }
+    }
+
+    fn free_later(&mut self, r: Replica, at: u64) {
+        self.deferred.push(Deferred { release_at: at, replica: r });
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.segments.values().map(|s| s.space.size()).sum()
+    }
+
+    pub fn used_bytes(&self) -> u64 {
+        self.segments.values().map(|s| s.space.used()).sum()
+    }
+
+    pub fn summary(&self) -> Summary {
+        Summary {
+            keys: self.objects.values().filter(|o| !o.current.is_empty()).count(),
+            bytes_used: self.used_bytes(),
+            bytes_total: self.total_bytes(),
+            clients: self.clients.len(),
+            segments: self.segments.len(),
+            pending_puts: self.objects.values().filter(|o| o.pending.is_some()).count(),
+            deferred_frees: self.deferred.len(),
+        }
+    }
+
+    pub fn segments_info(&self) -> Vec<SegmentInfo> {
+        let mut v: Vec<SegmentInfo> = self
+            .segments
+            .values()
+            .map(|s| SegmentInfo { id: s.seg.id, name: s.seg.name.clone(), te_endpoint: s.seg.te_endpoint.clone(), client: format!("{:x}", s.client), base: s.seg.base, size: s.space.size(), used: s.space.used() })
+            .collect();
+        v.sort_by_key(|s| s.id);
+        v
+    }
+
+    pub fn key_info(&self, key: &str, now: u64) -> Option<KeyInfo> {
+        let o = self.objects.get(key)?;
+        Some(KeyInfo {
+            key: key.to_string(),
+            size: o.size,
+            replicas: o.current.iter().filter_map(|r| self.desc(r)).collect(),
+            complete: !o.current.is_empty(),
+            leased_ms: o.lease_until.saturating_sub(now),
+            soft_pinned: o.soft_pin_until > now,
+            hard_pinned: o.hard_pin,
+            group: o.group.as_deref().map(str::to_string),
+        })
+    }
+
+    // --- segments and clients ---------------------------------------------------------
+
+    pub fn mount(&mut self, client: u64, seg: Segment, now: u64) -> StoreResult<()> {
+        if seg.size == 0 || seg.base.checked_add(seg.size).is_none() {
+            return Err(StoreError::InvalidParams(format!("segment {} has an invalid range (base {:#x}, size {})", seg.name, seg.base, seg.size)));
+        }
+        if let Some(s) = self.segments.get(&seg.id) {
+            if s.client == client && s.seg == seg {
+                self.clients.insert(client, now);
+                return Ok(()); // idempotent remount
+            }
+            return Err(StoreError::SegmentAlreadyExists(format!("{} (id {:x})", seg.name, seg.id)));
+        }
+        self.clients.insert(client, now);
+        self.seg_order.push(seg.id);
+        let space = SegmentSpace::new(seg.base, seg.size);
+        self.segments.insert(seg.id, SegState { seg, client, space });
+        Ok(())
+    }
+
+    /// Removes a segment and every replica in it; objects left without replicas disappear.
+    pub fn unmount(&mut self, client: u64, seg_id: u64) -> StoreResult<()> {
+        match self.segments.get(&seg_id) {
+            None => return Err(StoreError::SegmentNotFound(format!("{seg_id:x}"))),
+            Some(s) if s.client != client => return Err(StoreError::InvalidParams(format!("segment {seg_id:x} belongs to another client"))),
+            Some(_) => {}
+        }
+        self.drop_segment(seg_id);
+        Ok(())
+    }
+
+    fn drop_segment(&mut self, seg_id: u64) {
+        self.segments.remove(&seg_id);
+        self.seg_order.retain(|&s| s != seg_id);
+        self.deferred.retain(|d| d.replica.seg != seg_id);
+        let mut gone = Vec::new();
+        for (k, o) in self.objects.iter_mut() {
+            if o.current.iter().any(|r| r.seg == seg_id) {
+                o.current = o.current.iter().copied().filter(|r| r.seg != seg_id).collect();
+            }
+            if let Some(p) = &mut o.pending {
+                if p.replicas.iter().any(|r| r.seg == seg_id) {
+                    p.replicas = p.replicas.iter().copied().filter(|r| r.seg != seg_id).collect();
+                }
+            }
+            if o.current.is_empty() && o.pending.as_ref().is_none_or(|p| p.replicas.is_empty()) {
+                gone.push(k.clone());
+            }
+        }
+        for k in gone {
+            self.forget(&k);
+        }
+    }
+
+    fn forget(&mut self, key: &str) -> Option<Object> {
+        let o = self.objects.remove(key)?;
+        if let Some(g) = &o.group {
+            if let Some(members) = self.groups.get_mut(g) {
+                members.retain(|m| &**m != key);
+                if members.is_empty() {
+                    self.groups.remove(g);
+                }
+            }
+        }
+        Some(o)
+    }
+
+    pub fn ping(&mut self, client: u64, now: u64) -> PingStatus {
+        match self.clients.get_mut(&client) {
+            Some(t) => {
+                *t = now;
+                PingStatus::Ok
+            }
+            None => PingStatus::NeedRemount,
+        }
+    }
+
+    /// Drops clients that have not pinged within `ttl`, with their segments and replicas.
+    pub fn expire_clients(&mut self, now: u64, ttl: u64) -> Vec<u64> {
+        let dead: Vec<u64> = self.clients.iter().filter(|(_, &t)| now.saturating_sub(t) > ttl).map(|(&c, _)| c).collect();
+        for c in &dead {
+            self.clients.remove(c);
+            let segs: Vec<u64> = self.segments.iter().filter(|(_, s)| s.client == *c).map(|(&id, _)| id).collect();
+            for s in segs {
+                self.drop_segment(s);
+            }
+        }
+        dead
+    }
+
+    // --- allocation and eviction ---------------------------------------------------------
+
+    fn place(&mut self, size: u64, cfg: &ReplicateConfig, strategy: Strategy) -> Vec<Replica> {
+        let want = cfg.replica_num.max(1) as usize;
+        let mut order: Vec<u64> = Vec::with_capacity(self.seg_order.len());
+        for name in &cfg.preferred_segments {
+            for &id in &self.seg_order {
+                let s = &self.segments[&id];
+                if (&s.seg.name == name || &s.seg.te_endpoint == name) && !order.contains(&id) {
+                    order.push(id);
+                }
+            }
+        }
+        let n = self.seg_order.len();
+        if n > 0 {
+            let mut rest: Vec<u64> = match strategy {
+                Strategy::Random => {
+                    let start = rand::rng().random_range(0..n);
+                    (0..n).map(|i| self.seg_order[(start + i) % n]).collect()
+                }
+                Strategy::FreeRatioFirst => {
+                    let mut v = self.seg_order.clone();
+                    v.sort_by(|a, b| self.segments[b].space.free_ratio().total_cmp(&self.segments[a].space.free_ratio()));
+                    v
+                }
+            };
+            rest.retain(|id| !order.contains(id));
+            order.extend(rest);
+        }
+        let mut out = Vec::with_capacity(want);
+        for id in order {
+            if out.len() == want {
+                break;
+            }
+            if let Some(s) = self.segments.get_mut(&id) {
+                if let Some(block) = s.space.allocate(size) {
+                    out.push(Replica { seg: id, block });
+                }
+            }
+        }
+        out
+    }
+
+    /// Evicts unleased, unpinned, complete objects, least recently used first, until at least
+    /// `target` bytes are freed. Soft-pinned objects go only if still short and allowed.
+    pub fn evict(&mut self, target: u64, now: u64, allow_soft: bool, stats: &Stats) -> u64 {
+        let mut freed = 0u64;
+        for pass in 0..2 {
+            if freed >= target || (pass == 1 && !allow_soft) {
+                break;
+            }
+            let mut cands: Vec<(u64, Box<str>)> = self
+                .objects
+                .iter()
+                .filter(|(_, o)| {
+                    !o.current.is_empty() && o.pending.is_none() && !o.leased(now) && !o.hard_pin && (pass == 1 || o.soft_pin_until <= now)
+                })
+                .map(|(k, o)| (o.last_access, k.clone()))
+                .collect();
+            cands.sort_unstable_by_key(|(t, _)| *t);
+            for (_, key) in cands {
+                if freed >= target {
+                    break;
+                }
+                let group = self.objects.get(&key).and_then(|o| o.group.clone());
+                let mut victims = vec![key];
+                if let Some(g) = group {
+                    // Group eviction: eligible members go together.
+                    for m in self.groups.get(&g).cloned().unwrap_or_default() {
+                        if !victims.contains(&m) {
+                            victims.push(m);
+                        }
+                    }
+                }
+                for v in victims {
+                    let eligible = self.objects.get(&v).is_some_and(|o| {
+                        !o.current.is_empty() && o.pending.is_none() && !o.leased(now) && !o.hard_pin && (pass == 1 || o.soft_pin_until <= now)
+                    });
+                    if !eligible {
+                        continue;
+                    }
+                    if let Some(o) = self.forget(&v) {
+                        for r in o.current.iter() {
+                            freed += r.block.len;
+                            self.free_now(*r);
+                        }
+                        stats.evicted_objects.fetch_add(1, Ordering::Relaxed);
+                        stats.evicted_bytes.fetch_add(o.size, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        freed
+    }
+
+    /// Frees deferred replicas whose time has come.
+    pub fn release_deferred(&mut self, now: u64) {
+        let (due, keep): (Vec<Deferred>, Vec<Deferred>) = std::mem::take(&mut self.deferred).into_iter().partition(|d| d.release_at <= now);
+        self.deferred = keep;
+        for d in due {
+            self.free_now(d.replica);
+        }
+    }
+
+    // --- objects ---------------------------------------------------------------------------
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn put_start(&mut self, m: &MasterConfig, stats: &Stats, client: u64, key: &str, size: u64, cfg: &ReplicateConfig, upsert: bool, now: u64) -> StoreResult<Vec<ReplicaDesc>> {
+        check_key(key)?;
+        if size == 0 {
+            return Err(StoreError::InvalidParams(format!("value of {key:?} is empty; values must be at least 1 byte")));
+        }
+        if cfg.replica_num == 0 || cfg.replica_num > 64 {
+            return Err(StoreError::InvalidParams(format!("replica_num {} must be 1..=64", cfg.replica_num)));
+        }
+        if !self.clients.contains_key(&client) {
+            return Err(StoreError::UnknownClient(client));
+        }
+        let discard = m.put_start_discard_timeout.as_millis() as u64;
+        if let Some(o) = self.objects.get(key) {
+            if let Some(p) = &o.pending {
+                if now.saturating_sub(p.started) < discard {
+                    return Err(StoreError::ObjectAlreadyExists(key.to_string()));
+                }
+            } else if !upsert {
+                return Err(StoreError::ObjectAlreadyExists(key.to_string()));
+            }
+        }
+        // A zombie put (started, never ended, older than the discard timeout) loses its
+        // space, but only after the release timeout: its writer may still be writing.
+        let release = now + m.put_start_release_timeout.as_millis() as u64;
+        if let Some(zombie) = self.objects.get_mut(key).and_then(|o| o.pending.take()) {
+            tracing::warn!(key, client = zombie.client, "discarding a put that never finished");
+            for r in zombie.replicas.iter() {
+                self.free_later(*r, release);
+            }
+        }
+        let largest = self.segments.values().map(|s| s.space.size()).max().unwrap_or(0);
+        if size > largest {
+            return Err(StoreError::NoAvailableHandle {
+                size,
+                replicas: cfg.replica_num,
+                detail: if largest == 0 { "no segment is mounted".into() } else { format!("the value is larger than any segment (largest {largest} bytes)") },
+            });
+        }
+        let mut replicas = self.place(size, cfg, m.strategy);
+        if replicas.is_empty() {
+            // Make room: at least this value, at least the configured ratio.
+            let total = self.total_bytes();
+            let target = size.saturating_mul(u64::from(cfg.replica_num)).max((total as f64 * m.eviction_ratio) as u64);
+            self.evict(target, now, m.allow_evict_soft_pinned, stats);
+            replicas = self.place(size, cfg, m.strategy);
+        }
+        if replicas.is_empty() {
+            return Err(StoreError::NoAvailableHandle {
+                size,
+                replicas: cfg.replica_num,
+                detail: "every segment is full of leased, pinned or in-flight objects".into(),
+            });
+        }
+        let descs = replicas.iter().filter_map(|r| self.desc(r)).collect();
+        let soft_pin_ttl = cfg.soft_pin_ttl_ms.unwrap_or(m.default_soft_pin_ttl.as_millis() as u64);
+        let pending = Box::new(Pending { replicas: replicas.into_boxed_slice(), size, client, started: now, soft_pin: cfg.soft_pin, soft_pin_ttl });
+        match self.objects.get_mut(key) {
+            Some(o) => o.pending = Some(pending),
+            None => {
+                let group: Option<Arc<str>> = cfg.group_id.as_deref().filter(|g| !g.is_empty()).map(Arc::from);
+                if let Some(g) = &group {
+                    self.groups.entry(Arc::clone(g)).or_default().push(key.into());
+                }
+                self.objects.insert(
+                    key.into(),
+                    Object { size, current: Box::new([]), pending: Some(pending), lease_until: 0, last_access: now, soft_pin_until: 0, hard_pin: cfg.with_hard_pin, group },
+                );
+            }
+        }
+        Ok(descs)
+    }
+
+    pub fn put_end(&mut self, client: u64, key: &str, now: u64) -> StoreResult<()> {
+        let o = self.objects.get_mut(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        match &o.pending {
+            Some(p) if p.client == client => {}
+            _ => return Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress (it was revoked, discarded as a zombie, or never started)"))),
+        }
+        let p = o.pending.take().expect("checked");
+        if p.replicas.is_empty() {
+            // Every replica's segment went away during the write.
+            if o.current.is_empty() {
+                self.forget(key);
+            }
+            return Err(StoreError::TransferFailed(format!("every replica of {key:?} was lost (its segment was unmounted) during the put")));
+        }
+        let old = std::mem::replace(&mut o.current, p.replicas);
+        let old_lease = o.lease_until;
+        o.size = p.size;
+        o.last_access = now;
+        o.soft_pin_until = match p.soft_pin {
+            SoftPin::Enable => now + p.soft_pin_ttl,
+            SoftPin::Disable => 0,
+            SoftPin::Preserve => o.soft_pin_until,
+        };
+        for r in old.iter() {
+            if old_lease > now {
+                self.free_later(*r, old_lease); // a reader may still be reading it
+            } else {
+                self.free_now(*r);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn put_revoke(&mut self, client: u64, key: &str) -> StoreResult<()> {
+        let o = self.objects.get_mut(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        match &o.pending {
+            Some(p) if p.client == client => {}
+            _ => return Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress"))),
+        }
+        let p = o.pending.take().expect("checked");
+        let empty = o.current.is_empty();
+        for r in p.replicas.iter() {
+            self.free_now(*r);
+        }
+        if empty {
+            self.forget(key);
+        }
+        Ok(())
+    }
+
+    fn touch(&mut self, key: &str, now: u64, lease: u64) -> StoreResult<()> {
+        let o = self.objects.get_mut(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        if o.current.is_empty() {
+            return Err(StoreError::ReplicaNotReady(key.to_string()));
+        }
+        o.lease_until = o.lease_until.max(now + lease);
+        o.last_access = now;
+        if let Some(g) = o.group.clone() {
+            for m in self.groups.get(&g).cloned().unwrap_or_default() {
+                if let Some(mo) = self.objects.get_mut(&m) {
+                    mo.lease_until = mo.lease_until.max(now + lease);
+                    mo.last_access = now;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn get_replica_list(&mut self, key: &str, now: u64, lease: u64) -> StoreResult<ReplicaList> {
+        check_key(key)?;
+        self.touch(key, now, lease)?;
+        let o = &self.objects[key];
+        Ok(ReplicaList { replicas: o.current.iter().filter_map(|r| self.desc(r)).collect(), size: o.size, lease_ttl_ms: lease })
+    }
+
+    pub fn exist_key(&mut self, key: &str, now: u64, lease: u64) -> StoreResult<bool> {
+        check_key(key)?;
+        match self.touch(key, now, lease) {
+            Ok(()) => Ok(true),
+            Err(StoreError::ObjectNotFound(_)) | Err(StoreError::ReplicaNotReady(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub fn remove(&mut self, m: &MasterConfig, key: &str, force: bool, now: u64) -> StoreResult<()> {
+        check_key(key)?;
+        let o = self.objects.get(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        if !force {
+            if o.leased(now) {
+                return Err(StoreError::ObjectHasLease(key.to_string()));
+            }
+            if o.pending.is_some() {
+                return Err(StoreError::ReplicaNotReady(key.to_string()));
+            }
+        }
+        let o = self.forget(key).expect("present");
+        let release = now + m.put_start_release_timeout.as_millis() as u64;
+        for r in o.current.iter() {
+            if o.lease_until > now {
+                self.free_later(*r, o.lease_until);
+            } else {
+                self.free_now(*r);
+            }
+        }
+        if let Some(p) = o.pending {
+            for r in p.replicas.iter() {
+                self.free_later(*r, release);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn remove_matching(&mut self, m: &MasterConfig, pred: impl Fn(&str) -> bool, force: bool, now: u64) -> u64 {
+        let keys: Vec<Box<str>> = self
+            .objects
+            .iter()
+            .filter(|(k, o)| pred(k) && (force || (!o.leased(now) && o.pending.is_none())))
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut n = 0;
+        for k in keys {
+            if self.remove(m, &k, force, now).is_ok() {
+                n += 1;
+            }
+        }
+        n
+    }
+}
+
+/// The master: state behind a mutex, a monotonic clock, counters.
+pub struct Master {
+    pub cfg: MasterConfig,
+    start: Instant,
+    pub state: Mutex<State>,
+    pub stats: Stats,
+}
+
+impl Master {
+    pub fn new(cfg: MasterConfig) -> Master {
+        Master { cfg, start: Instant::now(), state: Mutex::default(), stats: Stats::default() }
+    }
+
+    pub fn now(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Periodic work: expire clients, release deferred space, evict above the watermark.
+    pub fn tick(&self) -> Summary {
+        let now = self.now();
+        let mut st = self.lock();
+        let dead = st.expire_clients(now, self.cfg.client_ttl.as_millis() as u64);
+        for c in dead {
+            tracing::warn!(client = format!("{c:x}"), "client stopped pinging; its segments and replicas are dropped");
+        }
+        st.release_deferred(now);
+        let (used, total) = (st.used_bytes(), st.total_bytes());
+        if total > 0 && used as f64 > total as f64 * self.cfg.eviction_high_watermark {
+            let over = used as f64 - total as f64 * self.cfg.eviction_high_watermark;
+            let target = (over + total as f64 * self.cfg.eviction_ratio) as u64;
+            st.evict(target, now, self.cfg.allow_evict_soft_pinned, &self.stats);
+        }
+        st.summary()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seg(id: u64, size: u64) -> Segment {
+        Segment { id, name: format!("seg{id}"), te_endpoint: format!("127.0.0.1:{}", 15000 + id), base: id << 32, size }
+    }
+
+    fn setup(segs: &[(u64, u64)]) -> (State, MasterConfig, Stats) {
+        let mut st = State::default();
+        for &(id, size) in segs {
+            st.mount(id, seg(id, size), 0).unwrap();
+        }
+        (st, MasterConfig::default(), Stats::default())
+    }
+
+    fn put(st: &mut State, m: &MasterConfig, s: &Stats, key: &str, size: u64, cfg: &ReplicateConfig, now: u64) -> StoreResult<Vec<ReplicaDesc>> {
+        let r = st.put_start(m, s, 1, key, size, cfg, false, now)?;
+        st.put_end(1, key, now)?;
+        Ok(r)
+    }
+
+    #[test]
+    fn put_get_exists_remove() {
+        let (mut st, m, s) = setup(&[(1, 1 << 20)]);
+        let r = put(&mut st, &m, &s, "a", 1000, &ReplicateConfig::default(), 0).unwrap();
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0].te_endpoint, "127.0.0.1:15001");
+        assert!(matches!(put(&mut st, &m, &s, "a", 10, &ReplicateConfig::default(), 1), Err(StoreError::ObjectAlreadyExists(_))));
+        let l = st.get_replica_list("a", 2, 100).unwrap();
+        assert_eq!((l.size, l.replicas.len()), (1000, 1));
+        assert!(matches!(st.remove(&m, "a", false, 50), Err(StoreError::ObjectHasLease(_))));
+        st.remove(&m, "a", false, 200).unwrap();
+        assert!(matches!(st.get_replica_list("a", 201, 100), Err(StoreError::ObjectNotFound(_))));
+        assert!(!st.exist_key("a", 201, 100).unwrap());
+        assert_eq!(st.used_bytes(), 0);
+        assert!(matches!(st.get_replica_list("", 0, 1), Err(StoreError::InvalidKey(_))));
+    }
+
+    #[test]
+    fn replicas_on_distinct_segments_and_preferred() {
+        let (mut st, m, s) = setup(&[(1, 1 << 20), (2, 1 << 20), (3, 1 << 20)]);
+        let cfg = ReplicateConfig { replica_num: 3, ..Default::default() };
+        let r = put(&mut st, &m, &s, "k", 4096, &cfg, 0).unwrap();
+        let mut eps: Vec<_> = r.iter().map(|d| d.te_endpoint.clone()).collect();
+        eps.sort();
+        eps.dedup();
+        assert_eq!(eps.len(), 3, "one replica per segment");
+        let cfg = ReplicateConfig { replica_num: 5, preferred_segments: vec!["seg2".into()], ..Default::default() };
+        let r = put(&mut st, &m, &s, "k2", 4096, &cfg, 0).unwrap();
+        assert_eq!(r.len(), 3, "best effort: only 3 segments");
+        assert_eq!(r[0].te_endpoint, "127.0.0.1:15002", "preferred first");
+        let m2 = MasterConfig { strategy: Strategy::FreeRatioFirst, ..MasterConfig::default() };
+        let r = put(&mut st, &m2, &s, "k3", 4096, &ReplicateConfig::default(), 0).unwrap();
+        assert_eq!(r.len(), 1);
+    }
+
+    #[test]
+    fn too_large_and_full() {
+        let (mut st, m, s) = setup(&[(1, 64 << 10)]);
+        let e = put(&mut st, &m, &s, "big", 1 << 20, &ReplicateConfig::default(), 0).unwrap_err();
+        assert!(e.to_string().contains("larger than any segment"), "{e}");
+        // Fill with leased objects: no eviction possible.
+        for i in 0..16 {
+            put(&mut st, &m, &s, &format!("k{i}"), 4096, &ReplicateConfig::default(), 0).unwrap();
+            st.get_replica_list(&format!("k{i}"), 0, 1_000_000).unwrap();
+        }
+        assert!(matches!(put(&mut st, &m, &s, "x", 4096, &ReplicateConfig::default(), 1), Err(StoreError::NoAvailableHandle { .. })));
+        // After the leases end, the put evicts the least recently used.
+        st.get_replica_list("k0", 1_000_001, 10).unwrap(); // k0 now most recently used (and leased)
+        put(&mut st, &m, &s, "x", 4096, &ReplicateConfig::default(), 1_000_002).unwrap();
+        assert!(st.exist_key("k0", 1_000_003, 1).unwrap(), "leased/recent object kept");
+        let left = (1..16).filter(|i| st.exist_key(&format!("k{i}"), 1_000_003, 1).unwrap()).count();
+        assert_eq!(left, 14, "exactly one of the least recently used objects was evicted");
+        assert!(s.evicted_objects.load(Ordering::Relaxed) >= 1);
+    }
+
+    #[test]
+    fn eviction_skips_pinned_and_in_flight() {
+        let (mut st, m, s) = setup(&[(1, 64 << 10)]);
+        put(&mut st, &m, &s, "hard", 16 << 10, &ReplicateConfig { with_hard_pin: true, ..Default::default() }, 0).unwrap();
+        put(&mut st, &m, &s, "soft", 16 << 10, &ReplicateConfig { soft_pin: SoftPin::Enable, soft_pin_ttl_ms: Some(1_000_000), ..Default::default() }, 0).unwrap();
+        st.put_start(&m, &s, 1, "inflight", 16 << 10, &ReplicateConfig::default(), false, 0).unwrap();
+        put(&mut st, &m, &s, "plain", 16 << 10, &ReplicateConfig::default(), 0).unwrap();
+        // Needs 16 KiB: the plain object goes, not the others.
+        put(&mut st, &m, &s, "new", 16 << 10, &ReplicateConfig::default(), 10).unwrap();
+        assert!(!st.exist_key("plain", 11, 0).unwrap());
+        assert!(st.exist_key("hard", 11, 0).unwrap());
+        assert!(st.exist_key("soft", 11, 0).unwrap());
+        st.put_end(1, "inflight", 12).unwrap();
+        // Now only soft-pinned objects are evictable (second pass).
+        put(&mut st, &m, &s, "new2", 16 << 10, &ReplicateConfig::default(), 20).unwrap_or_default();
+        assert!(st.exist_key("hard", 21, 0).unwrap(), "hard pin never evicted");
+        let no_soft = MasterConfig { allow_evict_soft_pinned: false, ..MasterConfig::default() };
+        let r = put(&mut st, &no_soft, &s, "new3", 16 << 10, &ReplicateConfig::default(), 30);
+        assert!(r.is_ok() || matches!(r, Err(StoreError::NoAvailableHandle { .. })));
+        assert!(st.exist_key("hard", 31, 0).unwrap());
+    }
+
+    #[test]
+    fn upsert_keeps_old_replicas_until_the_lease_ends() {
+        let (mut st, m, s) = setup(&[(1, 1 << 20)]);
+        put(&mut st, &m, &s, "k", 4096, &ReplicateConfig::default(), 0).unwrap();
+        let old = st.get_replica_list("k", 1, 1000).unwrap();
+        let new = st.put_start(&m, &s, 1, "k", 8192, &ReplicateConfig::default(), true, 2).unwrap();
+        assert_ne!(new[0].addr, old.replicas[0].addr, "upsert writes elsewhere");
+        assert_eq!(st.get_replica_list("k", 3, 10).unwrap().replicas, old.replicas, "readers see the old value meanwhile");
+        st.put_end(1, "k", 4).unwrap();
+        assert_eq!(st.get_replica_list("k", 5, 10).unwrap().size, 8192);
+        let used = st.used_bytes();
+        st.release_deferred(500);
+        assert_eq!(st.used_bytes(), used, "old replica still leased");
+        st.release_deferred(1002);
+        assert!(st.used_bytes() < used, "freed after the lease");
+    }
+
+    #[test]
+    fn zombie_put_is_replaced_after_the_discard_timeout() {
+        let (mut st, m, s) = setup(&[(1, 1 << 20)]);
+        st.put_start(&m, &s, 1, "z", 4096, &ReplicateConfig::default(), false, 0).unwrap();
+        assert!(matches!(st.put_start(&m, &s, 1, "z", 4096, &ReplicateConfig::default(), false, 10), Err(StoreError::ObjectAlreadyExists(_))));
+        assert!(matches!(st.get_replica_list("z", 10, 1), Err(StoreError::ReplicaNotReady(_))));
+        let later = m.put_start_discard_timeout.as_millis() as u64 + 1;
+        st.put_start(&m, &s, 1, "z", 4096, &ReplicateConfig::default(), false, later).unwrap();
+        assert_eq!(st.deferred.len(), 1, "zombie space released only later");
+        st.put_end(1, "z", later + 1).unwrap();
+        assert!(st.exist_key("z", later + 2, 1).unwrap());
+    }
+
+    #[test]
+    fn dead_client_drops_its_replicas_others_still_serve() {
+        let (mut st, m, s) = setup(&[(1, 1 << 20), (2, 1 << 20)]);
+        let r = put(&mut st, &m, &s, "both", 4096, &ReplicateConfig { replica_num: 2, ..Default::default() }, 0).unwrap();
+        assert_eq!(r.len(), 2);
+        put(&mut st, &m, &s, "only1", 4096, &ReplicateConfig { preferred_segments: vec!["seg1".into()], ..Default::default() }, 0).unwrap();
+        st.ping(2, 5000);
+        let dead = st.expire_clients(10_001, 10_000);
+        assert_eq!(dead, vec![1]);
+        let l = st.get_replica_list("both", 10_002, 1).unwrap();
+        assert_eq!(l.replicas.len(), 1);
+        assert_eq!(l.replicas[0].te_endpoint, "127.0.0.1:15002");
+        assert!(matches!(st.get_replica_list("only1", 10_002, 1), Err(StoreError::ObjectNotFound(_))));
+        assert_eq!(st.ping(1, 10_003), PingStatus::NeedRemount);
+    }
+
+    #[test]
+    fn groups_share_leases_and_are_evicted_together() {
+        let (mut st, m, s) = setup(&[(1, 64 << 10)]);
+        let g = ReplicateConfig { group_id: Some("req-1".into()), ..Default::default() };
+        put(&mut st, &m, &s, "g1", 16 << 10, &g, 0).unwrap();
+        put(&mut st, &m, &s, "g2", 16 << 10, &g, 0).unwrap();
+        st.get_replica_list("g1", 10, 100).unwrap();
+        assert!(matches!(st.remove(&m, "g2", false, 20), Err(StoreError::ObjectHasLease(_))), "lease shared by the group");
+        put(&mut st, &m, &s, "other", 16 << 10, &ReplicateConfig::default(), 20).unwrap();
+        let freed = st.evict(1, 1000, true, &s);
+        assert_eq!(freed, 32 << 10, "both members of the group go together (they were least recently used)");
+        assert!(st.exist_key("other", 1001, 0).unwrap());
+    }
+
+    #[test]
+    fn remove_all_and_regex_respect_leases() {
+        let (mut st, m, s) = setup(&[(1, 1 << 20)]);
+        for k in ["a1", "a2", "b1"] {
+            put(&mut st, &m, &s, k, 100, &ReplicateConfig::default(), 0).unwrap();
+        }
+        st.get_replica_list("a2", 1, 1000).unwrap();
+        let re = regex::Regex::new("^a").unwrap();
+        assert_eq!(st.remove_matching(&m, |k| re.is_match(k), false, 2), 1);
+        assert_eq!(st.remove_matching(&m, |_| true, false, 3), 1, "b1 only; a2 leased");
+        assert_eq!(st.remove_matching(&m, |_| true, true, 4), 1, "force");
+        assert_eq!(st.summary().keys, 0);
+    }
+}

@@ -1,0 +1,174 @@
+//! The master's RPC protocol: length-prefixed postcard messages over TCP.
+//!
+//! Frame: `u32` little-endian payload length, then a postcard-encoded [`Request`] or
+//! [`Response`]. One request, one response, in order, per connection. [`Request::Batch`]
+//! carries many operations in one round trip. The codec below is pure (sans-IO).
+
+use crate::error::{StoreError, StoreResult};
+use serde::{Deserialize, Serialize};
+
+/// Largest frame accepted (a batch of many keys fits easily).
+pub const MAX_FRAME: usize = 64 << 20;
+
+/// A memory segment a client contributes to the pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Segment {
+    /// Chosen by the client, unique per mount.
+    pub id: u64,
+    /// Logical name (what `preferred_segment` refers to): the transfer engine segment name.
+    pub name: String,
+    /// The transfer-engine segment that holds the memory (`host:port` in P2P mode).
+    pub te_endpoint: String,
+    pub base: u64,
+    pub size: u64,
+}
+
+/// Soft pin behaviour of a write (Mooncake's `SoftPinAction`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum SoftPin {
+    /// Keep an existing object's pin as it is (new objects are not pinned).
+    #[default]
+    Preserve,
+    Enable,
+    Disable,
+}
+
+/// How an object is replicated and kept (Mooncake's `ReplicateConfig`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicateConfig {
+    pub replica_num: u32,
+    pub soft_pin: SoftPin,
+    /// Soft pin duration; `None` uses the master's default.
+    pub soft_pin_ttl_ms: Option<u64>,
+    pub with_hard_pin: bool,
+    /// Segment names tried first, in order.
+    pub preferred_segments: Vec<String>,
+    /// Optional object group: shared lease refresh and eviction.
+    pub group_id: Option<String>,
+}
+
+impl Default for ReplicateConfig {
+    fn default() -> Self {
+        ReplicateConfig { replica_num: 1, soft_pin: SoftPin::Preserve, soft_pin_ttl_ms: None, with_hard_pin: false, preferred_segments: Vec::new(), group_id: None }
+    }
+}
+
+/// Where one replica lives.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaDesc {
+    /// Transfer-engine segment to read or write.
+    pub te_endpoint: String,
+    /// Absolute virtual address inside that segment.
+    pub addr: u64,
+    pub size: u64,
+}
+
+/// Answer to a successful `GetReplicaList`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaList {
+    pub replicas: Vec<ReplicaDesc>,
+    pub size: u64,
+    /// The read lease granted, counted from when the master answered.
+    pub lease_ttl_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PingStatus {
+    Ok,
+    /// The master does not know this client (restarted, or TTL expired): remount.
+    NeedRemount,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    MountSegment { client: u64, segment: Segment },
+    RemountSegments { client: u64, segments: Vec<Segment> },
+    UnmountSegment { client: u64, segment: u64 },
+    Ping { client: u64 },
+    PutStart { client: u64, key: String, size: u64, config: ReplicateConfig, upsert: bool },
+    PutEnd { client: u64, key: String },
+    PutRevoke { client: u64, key: String },
+    GetReplicaList { key: String },
+    ExistKey { key: String },
+    Remove { key: String, force: bool },
+    RemoveAll { force: bool },
+    RemoveByRegex { pattern: String, force: bool },
+    /// Many operations in one round trip; answered by [`Response::Batch`] in the same order.
+    Batch(Vec<Request>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Response {
+    Ok,
+    Ping(PingStatus),
+    Replicas(Vec<ReplicaDesc>),
+    ReplicaList(ReplicaList),
+    Exists(bool),
+    Count(u64),
+    Err(StoreError),
+    Batch(Vec<Response>),
+}
+
+impl Response {
+    pub fn into_result(self) -> StoreResult<Response> {
+        match self {
+            Response::Err(e) => Err(e),
+            other => Ok(other),
+        }
+    }
+}
+
+/// Encodes a message as one frame.
+pub fn encode<T: Serialize>(msg: &T) -> StoreResult<Vec<u8>> {
+    let body = postcard::to_stdvec(msg).map_err(|e| StoreError::Internal(format!("encoding: {e}")))?;
+    if body.len() > MAX_FRAME {
+        return Err(StoreError::InvalidParams(format!("message of {} bytes exceeds the {MAX_FRAME}-byte limit; split the batch", body.len())));
+    }
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// Validates a frame length prefix.
+pub fn decode_len(prefix: [u8; 4]) -> StoreResult<usize> {
+    let n = u32::from_le_bytes(prefix) as usize;
+    if n > MAX_FRAME {
+        return Err(StoreError::Rpc(format!("frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")));
+    }
+    Ok(n)
+}
+
+/// Decodes a frame body.
+pub fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> StoreResult<T> {
+    postcard::from_bytes(body).map_err(|e| StoreError::Rpc(format!("malformed message: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn roundtrip() {
+        let r = Request::Batch(vec![
+            Request::PutStart { client: 7, key: "k".into(), size: 10, config: ReplicateConfig::default(), upsert: false },
+            Request::GetReplicaList { key: "k".into() },
+        ]);
+        let f = encode(&r).unwrap();
+        let n = decode_len(f[..4].try_into().unwrap()).unwrap();
+        assert_eq!(n, f.len() - 4);
+        assert_eq!(decode::<Request>(&f[4..]).unwrap(), r);
+        let e = Response::Err(StoreError::ObjectNotFound("k".into()));
+        assert_eq!(decode::<Response>(&encode(&e).unwrap()[4..]).unwrap(), e);
+        assert!(decode_len(u32::MAX.to_le_bytes()).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn decode_never_panics(b in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode::<Request>(&b);
+            let _ = decode::<Response>(&b);
+        }
+    }
+}
