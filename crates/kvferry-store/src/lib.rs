@@ -10,10 +10,13 @@
 //! auditable codec. Mooncake compatibility is at the client API (`MooncakeDistributedStore` in
 //! the Python package) and at the transfer-engine wire level.
 
+pub mod client;
 pub mod error;
 pub mod master;
 pub mod proto;
+pub mod server;
 
+pub use client::{Client, ClientConfig};
 pub use error::{StoreError, StoreResult};
 pub use master::{Master, MasterConfig, Strategy};
 pub use proto::{ReplicateConfig, SoftPin};

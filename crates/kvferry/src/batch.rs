@@ -223,6 +223,25 @@ impl Batch {
     }
 }
 
+impl Batch {
+    /// Blocks (without spinning) until every task is terminal or `timeout`; returns each
+    /// task's status.
+    pub fn wait_all(&self, timeout: Duration) -> Vec<TransferStatus> {
+        let until = Instant::now() + timeout;
+        let s = &self.signal;
+        let mut g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+        while s.unfinished.load(Ordering::Acquire) > 0 {
+            let now = Instant::now();
+            if now >= until {
+                break;
+            }
+            g = s.cv.wait_timeout(g, until - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        drop(g);
+        self.tasks.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|t| t.status()).collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

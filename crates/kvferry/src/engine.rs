@@ -303,6 +303,13 @@ impl TransferEngine {
         Ok(self.inner.batch(batch)?.wait(timeout))
     }
 
+    /// Blocks until every task of the batch is terminal (or `timeout`) and returns each
+    /// task's status, in submission order. Unlike [`TransferEngine::wait_batch`] it does not
+    /// return at the first failure, so afterwards the batch can be freed.
+    pub fn wait_batch_all(&self, batch: BatchId, timeout: Duration) -> Result<Vec<TransferStatus>> {
+        Ok(self.inner.batch(batch)?.wait_all(timeout))
+    }
+
     /// Frees a batch; refused while any task is still in flight.
     pub fn free_batch(&self, batch: BatchId) -> Result<()> {
         let mut batches = self.inner.batches.lock().unwrap_or_else(|e| e.into_inner());
@@ -321,10 +328,14 @@ impl TransferEngine {
         // A lone request may run in this thread (one round trip, no hand-off).
         self.inner.submit(b, requests, requests.len() == 1)?;
         let mut s = self.wait_batch(b, timeout)?;
-        // A failed task may leave siblings in flight; wait for them before freeing.
-        let until = Instant::now() + self.inner.config.transfer_timeout + Duration::from_secs(1);
-        while self.free_batch(b).is_err() && Instant::now() < until {
-            let _ = self.wait_batch(b, Duration::from_millis(50));
+        // A failed task may leave siblings in flight: wait for them (they end by their own
+        // deadline) before freeing, so the caller may reuse its memory.
+        let batch = self.inner.batch(b)?;
+        if batch.unfinished() > 0 {
+            batch.wait_all(self.inner.config.transfer_timeout + Duration::from_secs(1));
+        }
+        if let Err(e) = self.free_batch(b) {
+            tracing::error!("transfer_sync: {e}");
         }
         if !s.status.is_terminal() {
             s.status = crate::batch::TaskStatus::Timeout;

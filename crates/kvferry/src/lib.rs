@@ -36,7 +36,9 @@ pub mod config;
 mod engine;
 pub mod error;
 pub mod handshake;
+pub mod hostbuf;
 pub mod memory;
+pub mod metadata;
 pub mod transport;
 pub mod wire;
 

@@ -1,0 +1,610 @@
+//! The store client: contributes a segment, moves object bytes with the transfer engine.
+//!
+//! Writes: `PutStart` (the master picks replica locations) → one engine batch writes every
+//! replica (a replica in this client's own segment is a memcpy) → `PutEnd`, or `PutRevoke` if
+//! any write failed. Reads: `GetReplicaList` (grants a read lease) → read the closest replica
+//! → if the lease ran out before the read finished the read fails (`LeaseExpired`), so a get
+//! never returns bytes that might have been overwritten meanwhile.
+
+use crate::error::{StoreError, StoreResult};
+use crate::master::alloc::SegmentSpace;
+use crate::proto::{self, PingStatus, ReplicaDesc, ReplicaList, ReplicateConfig, Request, Response, Segment};
+use kvferry::hostbuf::HostBuffer;
+use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+/// Mooncake's `setup()` arguments.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// This host's address (`host` or `host:port`), advertised to peers.
+    pub local_hostname: String,
+    /// Transfer-engine metadata: `P2PHANDSHAKE` or a metadata server URL.
+    pub metadata_server: String,
+    /// Memory this client contributes to the pool (0: a pure client).
+    pub global_segment_size: u64,
+    /// Staging memory for the bytes API (`put`, `get`); 0 disables it.
+    pub local_buffer_size: u64,
+    /// `tcp` (the transfer engine picks the best transport it has per peer).
+    pub protocol: String,
+    pub device_name: String,
+    /// `host:port` of the master.
+    pub master_server_addr: String,
+    /// How often to ping the master.
+    pub ping_interval: Duration,
+    /// Deadline of each transfer.
+    pub transfer_timeout: Duration,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            local_hostname: "127.0.0.1".into(),
+            metadata_server: "P2PHANDSHAKE".into(),
+            global_segment_size: 16 << 20,
+            local_buffer_size: 16 << 20,
+            protocol: "tcp".into(),
+            device_name: String::new(),
+            master_server_addr: "127.0.0.1:50051".into(),
+            ping_interval: Duration::from_secs(1),
+            transfer_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A small pool of connections to the master; one request in flight per connection.
+struct Rpc {
+    addr: String,
+    pool: Mutex<Vec<TcpStream>>,
+    timeout: Duration,
+}
+
+impl Rpc {
+    fn connect(&self) -> StoreResult<TcpStream> {
+        let fail = |e: String| StoreError::Rpc(format!("cannot reach the master at {}: {e} (is `kvferry master` running there?)", self.addr));
+        let addrs: Vec<_> = self.addr.to_socket_addrs().map_err(|e| fail(e.to_string()))?.collect();
+        let mut last = "no address".to_string();
+        for a in addrs {
+            match TcpStream::connect_timeout(&a, Duration::from_secs(5)) {
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    s.set_read_timeout(Some(self.timeout)).map_err(|e| fail(e.to_string()))?;
+                    s.set_write_timeout(Some(self.timeout)).map_err(|e| fail(e.to_string()))?;
+                    return Ok(s);
+                }
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(fail(last))
+    }
+
+    fn call(&self, req: &Request) -> StoreResult<Response> {
+        let frame = proto::encode(req)?;
+        let pooled = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let mut s = match pooled {
+            Some(s) => s,
+            None => self.connect()?,
+        };
+        let io = |e: std::io::Error| StoreError::Rpc(format!("master at {}: {e}", self.addr));
+        s.write_all(&frame).map_err(io)?;
+        let mut prefix = [0u8; 4];
+        s.read_exact(&mut prefix).map_err(io)?;
+        let n = proto::decode_len(prefix)?;
+        let mut body = vec![0u8; n];
+        s.read_exact(&mut body).map_err(io)?;
+        let resp: Response = proto::decode(&body)?;
+        self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(s);
+        Ok(resp)
+    }
+
+    fn call_ok(&self, req: &Request) -> StoreResult<Response> {
+        self.call(req)?.into_result()
+    }
+}
+
+struct Inner {
+    engine: TransferEngine,
+    rpc: Rpc,
+    id: u64,
+    segment: Option<(HostBuffer, Segment)>,
+    staging: Option<(HostBuffer, Mutex<SegmentSpace>)>,
+    closed: AtomicBool,
+    cfg: ClientConfig,
+}
+
+/// A store client. Cheap to share between threads (`&Client` is enough).
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+/// Staging space borrowed from the local buffer for the bytes API.
+struct Staged<'a> {
+    inner: &'a Inner,
+    block: Option<crate::master::alloc::Block>,
+    addr: u64,
+    len: usize,
+}
+
+impl Drop for Staged<'_> {
+    fn drop(&mut self) {
+        if let (Some(b), Some((_, space))) = (self.block.take(), &self.inner.staging) {
+            space.lock().unwrap_or_else(|e| e.into_inner()).free(b);
+        }
+    }
+}
+
+impl Staged<'_> {
+    fn bytes(&self) -> &mut [u8] {
+        // SAFETY: a block of the registered staging buffer owned by this value.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+    }
+}
+
+impl Client {
+    /// Starts a transfer engine, contributes `global_segment_size` bytes, mounts them at the
+    /// master and starts pinging it.
+    pub fn setup(cfg: ClientConfig) -> StoreResult<Client> {
+        if cfg.protocol != "tcp" && cfg.protocol != "rdma" {
+            return Err(StoreError::InvalidParams(format!("protocol {:?} is not supported; use \"tcp\"", cfg.protocol)));
+        }
+        let mut ecfg = Config::from_env().map_err(|e| StoreError::InvalidParams(e.to_string()))?;
+        ecfg.local_hostname = cfg.local_hostname.clone();
+        ecfg.metadata_server = cfg.metadata_server.clone();
+        ecfg.transfer_timeout = cfg.transfer_timeout;
+        let engine = TransferEngine::new(ecfg).map_err(|e| StoreError::InvalidParams(format!("starting the transfer engine: {e}")))?;
+        let rpc = Rpc { addr: cfg.master_server_addr.clone(), pool: Mutex::default(), timeout: Duration::from_secs(30) };
+        let id: u64 = rand::random::<u64>() | 1;
+        let mut segment = None;
+        if cfg.global_segment_size > 0 {
+            let buf = HostBuffer::new(cfg.global_segment_size as usize, true).map_err(|e| StoreError::InvalidParams(format!("global_segment_size: {e}")))?;
+            engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| StoreError::Internal(e.to_string()))?;
+            let seg = Segment { id: rand::random(), name: engine.segment_name().to_string(), te_endpoint: engine.segment_name().to_string(), base: buf.addr(), size: buf.len() as u64 };
+            segment = Some((buf, seg));
+        }
+        let mut staging = None;
+        if cfg.local_buffer_size > 0 {
+            let buf = HostBuffer::new(cfg.local_buffer_size as usize, true).map_err(|e| StoreError::InvalidParams(format!("local_buffer_size: {e}")))?;
+            engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| StoreError::Internal(e.to_string()))?;
+            let space = SegmentSpace::new(buf.addr(), buf.len() as u64);
+            staging = Some((buf, Mutex::new(space)));
+        }
+        let inner = Arc::new(Inner { engine, rpc, id, segment, staging, closed: AtomicBool::new(false), cfg });
+        // Register with the master even without a segment, so pings are recognised.
+        match &inner.segment {
+            Some((_, seg)) => inner.rpc.call_ok(&Request::MountSegment { client: id, segment: seg.clone() })?,
+            None => inner.rpc.call_ok(&Request::RemountSegments { client: id, segments: Vec::new() })?,
+        };
+        let weak = Arc::downgrade(&inner);
+        let every = inner.cfg.ping_interval;
+        std::thread::Builder::new().name("kvf-store-ping".into()).spawn(move || ping_loop(weak, every)).map_err(|e| StoreError::Internal(e.to_string()))?;
+        Ok(Client { inner })
+    }
+
+    /// The transfer engine this client uses (register buffers for zero-copy calls with it).
+    pub fn engine(&self) -> &TransferEngine {
+        &self.inner.engine
+    }
+
+    pub fn segment_name(&self) -> &str {
+        self.inner.engine.segment_name()
+    }
+
+    /// Registers a buffer for `put_from` / `get_into`.
+    pub fn register_buffer(&self, addr: u64, len: u64) -> StoreResult<()> {
+        self.inner.engine.register_memory(addr, len, "cpu:0").map_err(|e| StoreError::InvalidParams(e.to_string()))
+    }
+
+    pub fn unregister_buffer(&self, addr: u64) -> StoreResult<()> {
+        self.inner.engine.unregister_memory(addr).map_err(|e| StoreError::InvalidParams(e.to_string()))
+    }
+
+    fn check_open(&self) -> StoreResult<()> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(StoreError::InvalidParams("the client is closed".into()));
+        }
+        Ok(())
+    }
+
+    fn segment_id(&self, endpoint: &str) -> StoreResult<u64> {
+        self.inner.engine.open_segment(endpoint).map_err(|e| StoreError::TransferFailed(e.to_string()))
+    }
+
+    /// Writes `[addr, addr+len)` (registered memory) as `key`.
+    pub fn put_from(&self, key: &str, addr: u64, len: u64, cfg: &ReplicateConfig) -> StoreResult<()> {
+        self.batch_put_from_impl(&[(key, addr, len)], cfg, false).pop().unwrap_or_else(|| Err(StoreError::Internal("no result".into())))
+    }
+
+    /// Like [`Client::put_from`], replacing an existing value.
+    pub fn upsert_from(&self, key: &str, addr: u64, len: u64, cfg: &ReplicateConfig) -> StoreResult<()> {
+        self.batch_put_from_impl(&[(key, addr, len)], cfg, true).pop().unwrap_or_else(|| Err(StoreError::Internal("no result".into())))
+    }
+
+    /// Writes many values in one master round trip and one transfer batch.
+    pub fn batch_put_from(&self, items: &[(&str, u64, u64)], cfg: &ReplicateConfig) -> Vec<StoreResult<()>> {
+        self.batch_put_from_impl(items, cfg, false)
+    }
+
+    pub fn batch_upsert_from(&self, items: &[(&str, u64, u64)], cfg: &ReplicateConfig) -> Vec<StoreResult<()>> {
+        self.batch_put_from_impl(items, cfg, true)
+    }
+
+    fn batch_put_from_impl(&self, items: &[(&str, u64, u64)], cfg: &ReplicateConfig, upsert: bool) -> Vec<StoreResult<()>> {
+        if let Err(e) = self.check_open() {
+            return items.iter().map(|_| Err(e.clone())).collect();
+        }
+        let id = self.inner.id;
+        let starts: Vec<Request> = items.iter().map(|&(k, _, len)| Request::PutStart { client: id, key: k.to_string(), size: len, config: cfg.clone(), upsert }).collect();
+        let answers = match self.call_batch(starts) {
+            Ok(a) => a,
+            Err(e) => return items.iter().map(|_| Err(e.clone())).collect(),
+        };
+        let mut results: Vec<StoreResult<()>> = Vec::with_capacity(items.len());
+        let mut reqs = Vec::new();
+        let mut owner = Vec::new(); // request index -> item index
+        for (i, (a, &(_, addr, len))) in answers.into_iter().zip(items).enumerate() {
+            match a {
+                Response::Replicas(reps) => {
+                    let mut ok = Ok(());
+                    for r in reps {
+                        match self.segment_id(&r.te_endpoint) {
+                            Ok(seg) => {
+                                reqs.push(TransferRequest { opcode: Opcode::Write, source: addr, target_id: seg, target_offset: r.addr, length: len });
+                                owner.push(i);
+                            }
+                            Err(e) => ok = Err(e),
+                        }
+                    }
+                    results.push(ok);
+                }
+                Response::Err(e) => results.push(Err(e)),
+                other => results.push(Err(StoreError::Rpc(format!("unexpected answer {other:?}")))),
+            }
+        }
+        let started: Vec<bool> = results.iter().map(|r| r.is_ok()).collect();
+        if !reqs.is_empty() {
+            match self.transfer(&reqs) {
+                Ok(statuses) => {
+                    for (k, st) in statuses.into_iter().enumerate() {
+                        if let Err(e) = st {
+                            results[owner[k]] = Err(e);
+                        }
+                    }
+                }
+                Err(e) => {
+                    for &o in &owner {
+                        results[o] = Err(e.clone());
+                    }
+                }
+            }
+        }
+        // Failed reservations (e.g. a bad replica endpoint) must be revoked too.
+        let ends: Vec<(usize, Request)> = items
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| started[*i] || owner.contains(i))
+            .map(|(i, &(k, _, _))| {
+                let key = k.to_string();
+                (i, if results[i].is_ok() { Request::PutEnd { client: id, key } } else { Request::PutRevoke { client: id, key } })
+            })
+            .collect();
+        let was_ok: Vec<bool> = ends.iter().map(|(i, _)| results[*i].is_ok()).collect();
+        match self.call_batch(ends.iter().map(|(_, r)| r.clone()).collect()) {
+            Ok(answers) => {
+                for ((i, _), (a, ok)) in ends.iter().zip(answers.into_iter().zip(was_ok)) {
+                    if let (Response::Err(e), true) = (a, ok) {
+                        results[*i] = Err(e);
+                    }
+                }
+            }
+            Err(e) => {
+                for (i, _) in &ends {
+                    results[*i] = Err(e.clone());
+                }
+            }
+        }
+        results
+    }
+
+    /// Runs transfer requests as one batch; per-request results.
+    fn transfer(&self, reqs: &[TransferRequest]) -> StoreResult<Vec<StoreResult<()>>> {
+        let e = &self.inner.engine;
+        let te = |x: kvferry::Error| StoreError::TransferFailed(x.to_string());
+        if reqs.len() == 1 {
+            let st = e.transfer_sync(reqs, self.inner.cfg.transfer_timeout).map_err(te)?;
+            return Ok(vec![if st.status == TaskStatus::Completed { Ok(()) } else { Err(StoreError::TransferFailed(st.reason.unwrap_or_else(|| format!("{:?}", st.status)))) }]);
+        }
+        let b = e.allocate_batch(reqs.len()).map_err(te)?;
+        e.submit(b, reqs).map_err(te)?;
+        // Every task must be terminal before the caller's memory is reused.
+        let statuses = e.wait_batch_all(b, self.inner.cfg.transfer_timeout + Duration::from_secs(2)).map_err(te)?;
+        e.free_batch(b).map_err(te)?;
+        Ok(statuses
+            .into_iter()
+            .map(|st| if st.status == TaskStatus::Completed { Ok(()) } else { Err(StoreError::TransferFailed(st.reason.unwrap_or_else(|| format!("{:?}", st.status)))) })
+            .collect())
+    }
+
+    fn call_batch(&self, reqs: Vec<Request>) -> StoreResult<Vec<Response>> {
+        let n = reqs.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        if n == 1 {
+            let r = reqs.into_iter().next().expect("one");
+            return Ok(vec![self.inner.rpc.call(&r)?]);
+        }
+        match self.inner.rpc.call(&Request::Batch(reqs))? {
+            Response::Batch(v) if v.len() == n => Ok(v),
+            Response::Err(e) => Err(e),
+            other => Err(StoreError::Rpc(format!("unexpected answer to a batch: {other:?}"))),
+        }
+    }
+
+    fn pick<'a>(&self, list: &'a ReplicaList) -> Vec<&'a ReplicaDesc> {
+        // The local replica first (a memcpy), then the others in the master's order.
+        let me = self.segment_name();
+        let mut v: Vec<&ReplicaDesc> = list.replicas.iter().filter(|r| r.te_endpoint == me).collect();
+        v.extend(list.replicas.iter().filter(|r| r.te_endpoint != me));
+        v
+    }
+
+    /// Reads `key` into `[addr, addr+cap)` (registered memory); returns its size.
+    pub fn get_into(&self, key: &str, addr: u64, cap: u64) -> StoreResult<u64> {
+        self.batch_get_into(&[(key, addr, cap)]).pop().unwrap_or_else(|| Err(StoreError::Internal("no result".into())))
+    }
+
+    /// Reads many keys with one master round trip and one transfer batch.
+    pub fn batch_get_into(&self, items: &[(&str, u64, u64)]) -> Vec<StoreResult<u64>> {
+        if let Err(e) = self.check_open() {
+            return items.iter().map(|_| Err(e.clone())).collect();
+        }
+        let t0 = Instant::now();
+        let answers = match self.call_batch(items.iter().map(|&(k, _, _)| Request::GetReplicaList { key: k.to_string() }).collect()) {
+            Ok(a) => a,
+            Err(e) => return items.iter().map(|_| Err(e.clone())).collect(),
+        };
+        let mut results: Vec<StoreResult<u64>> = Vec::with_capacity(items.len());
+        let mut lists: Vec<Option<ReplicaList>> = Vec::with_capacity(items.len());
+        let mut reqs = Vec::new();
+        let mut owner = Vec::new();
+        for (i, (a, &(key, addr, cap))) in answers.into_iter().zip(items).enumerate() {
+            match a {
+                Response::ReplicaList(l) if l.size > cap => {
+                    results.push(Err(StoreError::BufferOverflow { need: l.size, have: cap }));
+                    lists.push(None);
+                }
+                Response::ReplicaList(l) => {
+                    let first = self.pick(&l).first().map(|r| (*r).clone());
+                    match first.map(|r| self.segment_id(&r.te_endpoint).map(|seg| (seg, r))) {
+                        Some(Ok((seg, r))) => {
+                            reqs.push(TransferRequest { opcode: Opcode::Read, source: addr, target_id: seg, target_offset: r.addr, length: l.size });
+                            owner.push(i);
+                            results.push(Ok(l.size));
+                        }
+                        Some(Err(e)) => results.push(Err(e)),
+                        None => results.push(Err(StoreError::ObjectNotFound(key.to_string()))),
+                    }
+                    lists.push(Some(l));
+                }
+                Response::Err(e) => {
+                    results.push(Err(e));
+                    lists.push(None);
+                }
+                other => {
+                    results.push(Err(StoreError::Rpc(format!("unexpected answer {other:?}"))));
+                    lists.push(None);
+                }
+            }
+        }
+        if !reqs.is_empty() {
+            let statuses = match self.transfer(&reqs) {
+                Ok(s) => s,
+                Err(e) => reqs.iter().map(|_| Err(e.clone())).collect(),
+            };
+            for (k, st) in statuses.into_iter().enumerate() {
+                let i = owner[k];
+                if st.is_ok() {
+                    continue;
+                }
+                // Try the other replicas one by one.
+                let (key, addr, _) = items[i];
+                let mut last = st.map(|_| 0);
+                if let Some(l) = &lists[i] {
+                    for r in self.pick(l).into_iter().skip(1) {
+                        let one = self.segment_id(&r.te_endpoint).and_then(|seg| {
+                            self.transfer(&[TransferRequest { opcode: Opcode::Read, source: addr, target_id: seg, target_offset: r.addr, length: l.size }])
+                                .and_then(|mut v| v.pop().unwrap_or(Ok(())))
+                        });
+                        last = one.map(|_| l.size);
+                        if last.is_ok() {
+                            break;
+                        }
+                    }
+                }
+                results[i] = last.map_err(|e| StoreError::TransferFailed(format!("{key}: {e}")));
+            }
+        }
+        // A read that outlived its lease may have raced an overwrite: refuse it.
+        let elapsed = t0.elapsed();
+        for (i, l) in lists.iter().enumerate() {
+            if let (Some(l), Ok(_)) = (l, &results[i]) {
+                if elapsed >= Duration::from_millis(l.lease_ttl_ms) {
+                    results[i] = Err(StoreError::LeaseExpired(items[i].0.to_string()));
+                }
+            }
+        }
+        results
+    }
+
+    fn stage(&self, len: usize) -> StoreResult<Staged<'_>> {
+        let Some((buf, space)) = &self.inner.staging else {
+            return Err(StoreError::InvalidParams("this client has no local buffer (local_buffer_size = 0); use put_from/get_into with registered memory".into()));
+        };
+        let block = space.lock().unwrap_or_else(|e| e.into_inner()).allocate(len as u64).ok_or_else(|| StoreError::InvalidParams(format!(
+            "{len} bytes do not fit in the free part of the local buffer ({} bytes); raise local_buffer_size",
+            buf.len()
+        )))?;
+        Ok(Staged { inner: &self.inner, addr: block.addr, len, block: Some(block) })
+    }
+
+    /// Stores `value` as `key` (copied through the local buffer).
+    pub fn put(&self, key: &str, value: &[u8], cfg: &ReplicateConfig) -> StoreResult<()> {
+        self.put_batch(&[(key, value)], cfg, false).pop().unwrap_or_else(|| Err(StoreError::Internal("no result".into())))
+    }
+
+    /// Stores `value` as `key`, replacing an existing value.
+    pub fn upsert(&self, key: &str, value: &[u8], cfg: &ReplicateConfig) -> StoreResult<()> {
+        self.put_batch(&[(key, value)], cfg, true).pop().unwrap_or_else(|| Err(StoreError::Internal("no result".into())))
+    }
+
+    /// Stores several values; per-key results.
+    pub fn put_batch(&self, items: &[(&str, &[u8])], cfg: &ReplicateConfig, upsert: bool) -> Vec<StoreResult<()>> {
+        let mut staged = Vec::with_capacity(items.len());
+        for (_, v) in items {
+            match self.stage(v.len().max(1)) {
+                Ok(s) => {
+                    s.bytes()[..v.len()].copy_from_slice(v);
+                    staged.push(Ok(s));
+                }
+                Err(e) => staged.push(Err(e)),
+            }
+        }
+        let ok: Vec<(usize, (&str, u64, u64))> = items
+            .iter()
+            .zip(&staged)
+            .enumerate()
+            .filter_map(|(i, ((k, v), s))| s.as_ref().ok().map(|s| (i, (*k, s.addr, v.len() as u64))))
+            .collect();
+        let rs = self.batch_put_from_impl(&ok.iter().map(|(_, x)| *x).collect::<Vec<_>>(), cfg, upsert);
+        let mut out: Vec<StoreResult<()>> = staged.into_iter().map(|s| s.map(|_| ())).collect();
+        for ((i, _), r) in ok.iter().zip(rs) {
+            out[*i] = r;
+        }
+        out
+    }
+
+    /// Returns the value of `key` (`ObjectNotFound` if absent).
+    pub fn get(&self, key: &str) -> StoreResult<Vec<u8>> {
+        self.get_batch(&[key]).pop().unwrap_or_else(|| Err(StoreError::Internal("no result".into())))
+    }
+
+    /// Returns several values; per-key results.
+    pub fn get_batch(&self, keys: &[&str]) -> Vec<StoreResult<Vec<u8>>> {
+        // Sizes first (this also grants the leases), then stage and read.
+        let sizes = match self.call_batch(keys.iter().map(|k| Request::GetReplicaList { key: k.to_string() }).collect()) {
+            Ok(a) => a,
+            Err(e) => return keys.iter().map(|_| Err(e.clone())).collect(),
+        };
+        let mut staged: Vec<StoreResult<Staged<'_>>> = Vec::with_capacity(keys.len());
+        for a in sizes {
+            staged.push(match a {
+                Response::ReplicaList(l) => self.stage(l.size as usize),
+                Response::Err(e) => Err(e),
+                other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+            });
+        }
+        let items: Vec<(usize, (&str, u64, u64))> =
+            keys.iter().zip(&staged).enumerate().filter_map(|(i, (k, s))| s.as_ref().ok().map(|s| (i, (*k, s.addr, s.len as u64)))).collect();
+        let rs = self.batch_get_into(&items.iter().map(|(_, x)| *x).collect::<Vec<_>>());
+        let mut out: Vec<StoreResult<Vec<u8>>> = staged.iter().map(|s| s.as_ref().map(|_| Vec::new()).map_err(|e| e.clone())).collect();
+        for ((i, _), r) in items.iter().zip(rs) {
+            out[*i] = r.and_then(|n| match &staged[*i] {
+                Ok(s) => Ok(s.bytes()[..n as usize].to_vec()),
+                Err(e) => Err(e.clone()),
+            });
+        }
+        out
+    }
+
+    pub fn is_exist(&self, key: &str) -> StoreResult<bool> {
+        match self.inner.rpc.call_ok(&Request::ExistKey { key: key.to_string() })? {
+            Response::Exists(b) => Ok(b),
+            other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    pub fn batch_is_exist(&self, keys: &[&str]) -> Vec<StoreResult<bool>> {
+        match self.call_batch(keys.iter().map(|k| Request::ExistKey { key: k.to_string() }).collect()) {
+            Ok(v) => v
+                .into_iter()
+                .map(|a| match a {
+                    Response::Exists(b) => Ok(b),
+                    Response::Err(e) => Err(e),
+                    other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+                })
+                .collect(),
+            Err(e) => keys.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+
+    /// Size of `key`'s value.
+    pub fn get_size(&self, key: &str) -> StoreResult<u64> {
+        match self.inner.rpc.call_ok(&Request::GetReplicaList { key: key.to_string() })? {
+            Response::ReplicaList(l) => Ok(l.size),
+            other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    pub fn remove(&self, key: &str, force: bool) -> StoreResult<()> {
+        self.inner.rpc.call_ok(&Request::Remove { key: key.to_string(), force }).map(|_| ())
+    }
+
+    pub fn remove_by_regex(&self, pattern: &str, force: bool) -> StoreResult<u64> {
+        match self.inner.rpc.call_ok(&Request::RemoveByRegex { pattern: pattern.to_string(), force })? {
+            Response::Count(n) => Ok(n),
+            other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    pub fn remove_all(&self, force: bool) -> StoreResult<u64> {
+        match self.inner.rpc.call_ok(&Request::RemoveAll { force })? {
+            Response::Count(n) => Ok(n),
+            other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// Unmounts this client's segment and stops pinging. Objects whose only replicas lived
+    /// there disappear.
+    pub fn close(&self) -> StoreResult<()> {
+        if self.inner.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        if let Some((_, seg)) = &self.inner.segment {
+            self.inner.rpc.call_ok(&Request::UnmountSegment { client: self.inner.id, segment: seg.id })?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        if let Err(e) = self.close() {
+            tracing::debug!("closing the store client: {e}");
+        }
+    }
+}
+
+fn ping_loop(inner: Weak<Inner>, every: Duration) {
+    loop {
+        std::thread::sleep(every);
+        let Some(inner) = inner.upgrade() else { return };
+        if inner.closed.load(Ordering::Acquire) {
+            return;
+        }
+        match inner.rpc.call(&Request::Ping { client: inner.id }) {
+            Ok(Response::Ping(PingStatus::Ok)) => {}
+            Ok(Response::Ping(PingStatus::NeedRemount)) => {
+                tracing::warn!("the master does not know this client (it restarted?); remounting");
+                let segments = inner.segment.iter().map(|(_, s)| s.clone()).collect();
+                if let Err(e) = inner.rpc.call_ok(&Request::RemountSegments { client: inner.id, segments }) {
+                    tracing::warn!("remount failed: {e}");
+                }
+            }
+            Ok(other) => tracing::warn!("unexpected ping answer {other:?}"),
+            Err(e) => tracing::debug!("ping: {e}"),
+        }
+    }
+}

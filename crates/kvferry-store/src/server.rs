@@ -1,0 +1,170 @@
+//! The master on the network: one thread per RPC connection, one ticker thread.
+
+use crate::error::StoreError;
+use crate::master::{Master, OP_NAMES};
+use crate::proto::{self, PingStatus, Request, Response};
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Applies one request to the master.
+pub fn handle(m: &Master, req: Request) -> Response {
+    if let Request::Batch(reqs) = req {
+        return Response::Batch(reqs.into_iter().map(|r| if matches!(r, Request::Batch(_)) { Response::Err(StoreError::InvalidParams("nested batches are not allowed".into())) } else { handle(m, r) }).collect());
+    }
+    let op = match &req {
+        Request::MountSegment { .. } => 0,
+        Request::RemountSegments { .. } => 1,
+        Request::UnmountSegment { .. } => 2,
+        Request::Ping { .. } => 3,
+        Request::PutStart { .. } => 4,
+        Request::PutEnd { .. } => 5,
+        Request::PutRevoke { .. } => 6,
+        Request::GetReplicaList { .. } => 7,
+        Request::ExistKey { .. } => 8,
+        Request::Remove { .. } => 9,
+        Request::RemoveAll { .. } => 10,
+        Request::RemoveByRegex { .. } => 11,
+        Request::Batch(_) => unreachable!("handled above"),
+    };
+    debug_assert!(op < OP_NAMES.len());
+    m.stats.ops[op].fetch_add(1, Ordering::Relaxed);
+    let now = m.now();
+    let lease = m.cfg.lease_ttl.as_millis() as u64;
+    let r = {
+        let mut st = m.lock();
+        match req {
+            Request::MountSegment { client, segment } => st.mount(client, segment, now).map(|_| Response::Ok),
+            Request::RemountSegments { client, segments } => {
+                let mut r = Ok(Response::Ok);
+                for s in segments {
+                    if let Err(e) = st.mount(client, s, now) {
+                        r = Err(e);
+                    }
+                }
+                r
+            }
+            Request::UnmountSegment { client, segment } => st.unmount(client, segment).map(|_| Response::Ok),
+            Request::Ping { client } => Ok(Response::Ping(st.ping(client, now))),
+            Request::PutStart { client, key, size, config, upsert } => st.put_start(&m.cfg, &m.stats, client, &key, size, &config, upsert, now).map(Response::Replicas),
+            Request::PutEnd { client, key } => st.put_end(client, &key, now).map(|_| Response::Ok),
+            Request::PutRevoke { client, key } => st.put_revoke(client, &key).map(|_| Response::Ok),
+            Request::GetReplicaList { key } => st.get_replica_list(&key, now, lease).map(Response::ReplicaList),
+            Request::ExistKey { key } => st.exist_key(&key, now, lease).map(Response::Exists),
+            Request::Remove { key, force } => st.remove(&m.cfg, &key, force, now).map(|_| Response::Ok),
+            Request::RemoveAll { force } => Ok(Response::Count(st.remove_matching(&m.cfg, |_| true, force, now))),
+            Request::RemoveByRegex { pattern, force } => match regex::Regex::new(&pattern) {
+                Ok(re) => Ok(Response::Count(st.remove_matching(&m.cfg, |k| re.is_match(k), force, now))),
+                Err(e) => Err(StoreError::InvalidParams(format!("bad regex {pattern:?}: {e}"))),
+            },
+            Request::Batch(_) => unreachable!("handled above"),
+        }
+    };
+    match r {
+        Ok(resp) => {
+            if resp == Response::Ping(PingStatus::NeedRemount) {
+                m.stats.errors[op].fetch_add(1, Ordering::Relaxed);
+            }
+            resp
+        }
+        Err(e) => {
+            m.stats.errors[op].fetch_add(1, Ordering::Relaxed);
+            Response::Err(e)
+        }
+    }
+}
+
+fn serve_conn(m: &Master, s: &TcpStream) -> std::io::Result<()> {
+    s.set_nodelay(true)?;
+    let mut prefix = [0u8; 4];
+    let mut body = Vec::new();
+    loop {
+        (&*s).read_exact(&mut prefix)?;
+        let n = match proto::decode_len(prefix) {
+            Ok(n) => n,
+            Err(e) => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())),
+        };
+        body.clear();
+        (&*s).take(n as u64).read_to_end(&mut body)?;
+        if body.len() != n {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        let resp = match proto::decode::<Request>(&body) {
+            Ok(req) => handle(m, req),
+            Err(e) => Response::Err(e),
+        };
+        let frame = proto::encode(&resp).unwrap_or_else(|e| proto::encode(&Response::Err(e)).unwrap_or_default());
+        (&*s).write_all(&frame)?;
+    }
+}
+
+/// A running master: RPC listener and ticker.
+pub struct MasterServer {
+    pub master: Arc<Master>,
+    listener: Arc<TcpListener>,
+    stop: Arc<AtomicBool>,
+    port: u16,
+}
+
+impl MasterServer {
+    /// Serves `listener`; ticks every `tick` (client expiry, deferred frees, eviction) and
+    /// logs a summary line every `summary_every` ticks (0: never).
+    pub fn start(master: Arc<Master>, listener: TcpListener, tick: Duration, summary_every: u32) -> std::io::Result<MasterServer> {
+        let port = listener.local_addr()?.port();
+        let listener = Arc::new(listener);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (l, m, st) = (Arc::clone(&listener), Arc::clone(&master), Arc::clone(&stop));
+        std::thread::Builder::new().name("kvf-master-accept".into()).spawn(move || {
+            for conn in l.incoming() {
+                if st.load(Ordering::Acquire) {
+                    break;
+                }
+                let Ok(conn) = conn else { continue };
+                let m = Arc::clone(&m);
+                let _ = std::thread::Builder::new().name("kvf-master-rpc".into()).spawn(move || {
+                    if let Err(e) = serve_conn(&m, &conn) {
+                        if e.kind() != std::io::ErrorKind::UnexpectedEof {
+                            tracing::debug!("master RPC connection closed: {e}");
+                        }
+                    }
+                    let _ = conn.shutdown(Shutdown::Both);
+                });
+            }
+        })?;
+        let (m, st) = (Arc::clone(&master), Arc::clone(&stop));
+        std::thread::Builder::new().name("kvf-master-tick".into()).spawn(move || {
+            let mut n = 0u32;
+            while !st.load(Ordering::Acquire) {
+                std::thread::sleep(tick);
+                let s = m.tick();
+                n += 1;
+                if summary_every > 0 && n % summary_every == 0 {
+                    tracing::info!(
+                        keys = s.keys, used = s.bytes_used, total = s.bytes_total, clients = s.clients, segments = s.segments,
+                        evicted = m.stats.evicted_objects.load(Ordering::Relaxed), "master summary"
+                    );
+                }
+            }
+        })?;
+        Ok(MasterServer { master, listener, stop, port })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn shutdown(&self) {
+        self.stop.store(true, Ordering::Release);
+        // SAFETY: shutting down our own listening socket wakes the blocked accept().
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+    }
+}
+
+impl Drop for MasterServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
