@@ -185,8 +185,10 @@ class Engine:
     ``KVFERRY_MIN_PORT``..``KVFERRY_MAX_PORT`` (``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``).
     Peers address this engine by :attr:`segment_name` (``host:rpc_port``).
 
-    Only ``metadata_server="P2PHANDSHAKE"`` is supported in this version (ConfigError
-    otherwise). ``protocol`` may be ``"tcp"`` or ``"rdma"``; data always moves over TCP here.
+    ``metadata_server`` is ``"P2PHANDSHAKE"`` (peers exchange descriptors directly; the
+    only mode of kvferry 0.1) or a metadata service the engine supports; an unsupported or
+    unreachable one raises ConfigError/KvferryError naming it. ``protocol`` may be ``"tcp"``
+    or ``"rdma"``; data always moves over TCP here.
 
     Local memory arguments accept an integer address or a writable contiguous buffer;
     remote addresses are integers inside buffers the peer registered

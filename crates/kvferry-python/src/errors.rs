@@ -78,9 +78,16 @@ pub fn kind_of(e: &Error) -> Kind {
         Error::NoTransport { .. } => Kind::Transfer,
         Error::Handshake { .. } | Error::Wire { .. } => Kind::PeerUnreachable,
         Error::Shutdown => Kind::Closed,
-        // The engine's error enum grows; anything new is at least a KvferryError.
+        // The engine's error enum grows (metadata services, ...): classify newer variants by
+        // their Mooncake code; anything else is at least a KvferryError.
         #[allow(unreachable_patterns)]
-        _ => Kind::Base,
+        other => match other.mooncake_code() {
+            -1 => Kind::InvalidArgument,
+            -3 => Kind::AddressNotRegistered,
+            -200 => Kind::SegmentNotFound,
+            -101 | -102 | -104 => Kind::PeerUnreachable,
+            _ => Kind::Base,
+        },
     }
 }
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import logging
 import operator
+import os
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -208,6 +209,22 @@ _SIG = {
 }
 
 
+def _with_default_port(name: str) -> str:
+    """A peer name without a port gets Mooncake's default handshake port (MC_HANDSHAKE_PORT,
+    12001), as Mooncake's probe does."""
+    port = os.environ.get("MC_HANDSHAKE_PORT", "12001")
+    if not name:
+        return name
+    if name.startswith("["):
+        return name if "]:" in name else "%s:%s" % (name, port)
+    colons = name.count(":")
+    if colons == 0:
+        return "%s:%s" % (name, port)
+    if colons == 1:
+        return name
+    return "[%s]:%s" % (name, port)  # a bare IPv6 literal
+
+
 def _fail(method: str, reason: str, ret: Any = -1) -> Any:
     """Logs one failure (once) and returns ``ret``."""
     log.warning("%s failed: %s", method, reason)
@@ -236,7 +253,8 @@ class TransferEngine:
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int:
         """Starts the engine. ``local_hostname`` is ``host`` or ``host:port`` (P2P mode picks
         the RPC port itself, as Mooncake does); ``metadata_server`` must be
-        ``"P2PHANDSHAKE"`` in this version; ``protocol`` (``"tcp"``, ``"rdma"``, ...) and
+        ``"P2PHANDSHAKE"`` (peers exchange descriptors directly) or a metadata service the
+        engine supports (otherwise -1, with the reason logged); ``protocol`` (``"tcp"``, ``"rdma"``, ...) and
         ``device_name`` are accepted, and data moves over TCP. Returns 0, or -1 (reason
         logged). Calling it again replaces the engine, as in Mooncake."""
         args = (local_hostname, metadata_server, protocol, device_name)
@@ -248,7 +266,7 @@ class TransferEngine:
 
     def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str, metadata_type: str) -> int:
         """Like :meth:`initialize` with Mooncake's explicit ``metadata_type`` (``"etcd"``,
-        ``"redis"``, ``"http"``); only ``metadata_server="P2PHANDSHAKE"`` works here."""
+        ``"redis"``, ``"http"``), which prefixes a ``metadata_server`` that has no scheme."""
         args = (local_hostname, metadata_server, protocol, device_name, metadata_type)
         try:
             host, meta, proto, dev, mtype = (_s(a) for a in args)
@@ -257,13 +275,10 @@ class TransferEngine:
         return self._start("initialize_ext", host, meta, proto, dev, mtype)
 
     def _start(self, method: str, host: str, meta: str, proto: str, dev: str, mtype: Optional[str]) -> int:
-        if meta != "P2PHANDSHAKE":
-            shown = meta if mtype is None or "://" in meta else "%s://%s" % (mtype, meta)
-            return _fail(
-                method,
-                "metadata server %r is not supported by this kvferry version: only P2PHANDSHAKE "
-                "(peers exchange descriptors directly; segment names are \"<host>:<rpc_port>\")" % shown,
-            )
+        # Mooncake: P2PHANDSHAKE as is; otherwise "<metadata_type>://<metadata_server>" for
+        # initialize_ext, and the server string itself (bare host:port = etcd) for initialize.
+        if mtype and meta != "P2PHANDSHAKE" and "://" not in meta:
+            meta = "%s://%s" % (mtype, meta)
         if proto not in ("tcp", ""):
             log.info("kvferry: protocol %r requested; this version moves data over TCP", proto)
         if dev:
@@ -680,6 +695,7 @@ class TransferEngine:
         core = self._need("send_probe")
         if core is None:
             return -1
+        name = _with_default_port(name)
         try:
             core.probe(name)
             return 0

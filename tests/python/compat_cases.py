@@ -1,0 +1,721 @@
+#!/usr/bin/env python3
+"""Mooncake-API behaviour cases, run against one implementation per process.
+
+    python compat_cases.py --impl kvferry     # kvferry.mooncake.engine
+    python compat_cases.py --impl mooncake    # the stock mooncake.engine (PyPI wheel)
+
+Prints one JSON object {case: result} on stdout. A result is the call's return value
+(made JSON-able) or {"raises": "<ExceptionType>"}. test_compat_parity.py runs both and
+compares each against CASES' expectations; DIVERGENT lists the few places where kvferry
+deliberately differs (documented in docs/PYTHON.md).
+
+Every case here is safe for stock Mooncake (no call before initialize, no bad raw address
+given to a memcpy helper: those crash Mooncake and are tested for kvferry alone).
+"""
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import sys
+import time
+
+os.environ.setdefault("MC_FORCE_TCP", "1")
+
+HOST = "127.0.0.1"
+SIZE = 1 << 20
+
+
+class Env:
+    """Two engines in this process: `t` (target) and `te` (initiator)."""
+
+    def __init__(self, mod):
+        self.mod = mod
+        self.t = self.new_engine()
+        self.te = self.new_engine()
+        self.seg = "%s:%d" % (HOST, self.t.get_rpc_port())
+        self.own = "%s:%d" % (HOST, self.te.get_rpc_port())
+        self.a, self.amm = self.buffer(SIZE)  # initiator's registered buffer
+        self.b, self.bmm = self.buffer(SIZE)  # target's registered buffer
+        assert self.te.register_memory(self.a, SIZE) == 0
+        assert self.t.register_memory(self.b, SIZE) == 0
+
+    def new_engine(self):
+        te = self.mod.TransferEngine()
+        ret = te.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
+        assert ret == 0, ret
+        return te
+
+    @staticmethod
+    def buffer(size):
+        """An anonymous mapping of `size` bytes, kept alive for the whole run: (addr, mmap)."""
+        mm = mmap.mmap(-1, size)
+        anchor = ctypes.c_char.from_buffer(mm)
+        _KEEP.append((mm, anchor))
+        return ctypes.addressof(anchor), mm
+
+    def fresh(self, size=1 << 16):
+        """An unregistered buffer."""
+        return self.buffer(size)
+
+
+_KEEP = []
+
+
+def poll(fn, until_true, timeout=3.0):
+    end = time.monotonic() + timeout
+    while True:
+        v = fn()
+        if until_true(v) or time.monotonic() > end:
+            return v
+        time.sleep(0.01)
+
+
+def notifies_of(t):
+    got = []
+
+    def step():
+        got.extend((n.name, n.msg) for n in t.get_notifies())
+        return got
+
+    return poll(step, lambda v: len(v) > 0)
+
+
+# Each case: name -> (function(env) -> result, expected result for both implementations).
+CASES = {}
+# name -> (function, expected for kvferry, observed for stock Mooncake)
+DIVERGENT = {}
+
+
+def case(expected):
+    def deco(fn):
+        CASES[fn.__name__] = (fn, expected)
+        return fn
+
+    return deco
+
+
+def divergent(kvferry_expected, mooncake_observed):
+    def deco(fn):
+        DIVERGENT[fn.__name__] = (fn, kvferry_expected, mooncake_observed)
+        return fn
+
+    return deco
+
+
+# -- module surface ----------------------------------------------------------------------
+
+@case([0, 1, True, True, True, "<TransferOpcode.Read: 0>", "TransferOpcode.Write"])
+def opcode_enum(env):
+    m = env.mod
+    return [int(m.TransferOpcode.Read), int(m.Write), m.TransferEngine.TransferOpcode is m.TransferOpcode,
+            m.Read is m.TransferOpcode.Read, m.Write is m.TransferOpcode.Write, repr(m.Read), str(m.Write)]
+
+
+@case(["a", "b", "", ""])
+def transfer_notify(env):
+    n = env.mod.TransferNotify("a", "b")
+    e = env.mod.TransferNotify()
+    return [n.name, n.msg, e.name, e.msg]
+
+
+@case([False, False, False, False, False, False])
+def support_flags(env):
+    m = env.mod
+    return [m.SUPPORT_CUDA, m.SUPPORT_EFA, m.SUPPORT_HIP, m.SUPPORT_INTRA_NVLINK, m.SUPPORT_MNNVL, m.SUPPORT_MUSA]
+
+
+@case(True)
+def engine_names(env):
+    names = ["initialize", "initialize_ext", "get_rpc_port", "register_memory", "unregister_memory",
+             "batch_register_memory", "batch_unregister_memory", "allocate_managed_buffer", "free_managed_buffer",
+             "write_bytes_to_buffer", "read_bytes_from_buffer", "transfer_sync_write", "transfer_sync_read",
+             "transfer_sync", "batch_transfer_sync_write", "batch_transfer_sync_read", "batch_transfer_sync",
+             "batch_transfer_async_write", "batch_transfer_async_read", "batch_transfer_async",
+             "get_batch_transfer_status", "transfer_submit_write", "transfer_check_status",
+             "get_first_buffer_address", "get_local_topology", "get_notifies", "send_probe", "get_engine",
+             "get_engine_ptr", "warmup_efa_segment"]
+    missing = [n for n in names if not callable(getattr(env.mod.TransferEngine, n, None))]
+    return missing or True
+
+
+# -- initialize ----------------------------------------------------------------------------
+
+@case([0, True])
+def initialize_again(env):
+    t = env.new_engine()
+    p = t.get_rpc_port()
+    r = t.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
+    return [r, t.get_rpc_port() > 0 and isinstance(p, int)]
+
+
+@case(0)
+def initialize_host_port(env):
+    return env.mod.TransferEngine().initialize(HOST + ":16999", "P2PHANDSHAKE", "tcp", "")
+
+
+@case(0)
+def initialize_ext_p2p(env):
+    return env.mod.TransferEngine().initialize_ext(HOST, "P2PHANDSHAKE", "tcp", "", "p2p")
+
+
+@case(-1)
+def initialize_etcd(env):
+    return env.mod.TransferEngine().initialize(HOST, "etcd://127.0.0.1:1", "tcp", "")
+
+
+@case({"raises": "TypeError"})
+def initialize_bad_type(env):
+    return env.mod.TransferEngine().initialize(HOST, "P2PHANDSHAKE", 5, "")
+
+
+@case("{}\n")
+def local_topology(env):
+    return env.te.get_local_topology()
+
+
+@case(True)
+def rpc_port(env):
+    p = env.te.get_rpc_port()
+    return isinstance(p, int) and 0 < p < 65536
+
+
+# -- registration --------------------------------------------------------------------------
+
+@case(-1)
+def register_zero_length(env):
+    a, _ = env.fresh()
+    return env.te.register_memory(a, 0)
+
+
+@case({"raises": "TypeError"})
+def register_negative_length(env):
+    return env.te.register_memory(env.fresh()[0], -1)
+
+
+@case({"raises": "TypeError"})
+def register_length_2_64(env):
+    return env.te.register_memory(env.fresh()[0], 2 ** 64)
+
+
+@case({"raises": "TypeError"})
+def register_str_address(env):
+    return env.te.register_memory("x", 4096)
+
+
+@case({"raises": "TypeError"})
+def register_none_location(env):
+    return env.te.register_memory(env.fresh()[0], 4096, None)
+
+
+@case([0, -7])
+def register_twice(env):
+    a, _ = env.fresh()
+    return [env.te.register_memory(a, 4096), env.te.register_memory(a, 4096)]
+
+
+@case([0, -7, 0])
+def register_overlap(env):
+    a, _ = env.fresh()
+    return [env.te.register_memory(a, 8192), env.te.register_memory(a + 4096, 8192), env.te.unregister_memory(a)]
+
+
+@case([0, 0])
+def register_cpu_location(env):
+    a, _ = env.fresh()
+    return [env.te.register_memory(a, 4096, "cpu:0"), env.te.unregister_memory(a)]
+
+
+@case(-3)
+def unregister_unknown(env):
+    return env.te.unregister_memory(env.fresh()[0])
+
+
+@case(-3)
+def unregister_inside(env):
+    a, _ = env.fresh()
+    env.te.register_memory(a, 4096)
+    r = env.te.unregister_memory(a + 8)
+    env.te.unregister_memory(a)
+    return r
+
+
+@case(-1)
+def batch_register_fewer_capacities(env):
+    a, _ = env.fresh()
+    return env.te.batch_register_memory([a, a + 8192], [4096])
+
+
+@case([0, 0])
+def batch_register_more_capacities(env):
+    a, _ = env.fresh()
+    return [env.te.batch_register_memory([a], [4096, 4096]), env.te.batch_unregister_memory([a])]
+
+
+@case([0, 0])
+def batch_register_tuple(env):
+    a, _ = env.fresh()
+    return [env.te.batch_register_memory((a, a + 8192), (4096, 4096)), env.te.batch_unregister_memory([a, a + 8192])]
+
+
+@case(0)
+def batch_register_empty(env):
+    return env.te.batch_register_memory([], [])
+
+
+@case(-1)
+def batch_register_zero_length(env):
+    a, _ = env.fresh()
+    return env.te.batch_register_memory([a, a + 8192], [4096, 0])
+
+
+@case(-3)
+def batch_unregister_unknown(env):
+    a, _ = env.fresh()
+    env.te.register_memory(a, 4096)
+    r = env.te.batch_unregister_memory([a + 8, a])
+    env.te.unregister_memory(a)
+    return r
+
+
+@case({"raises": "TypeError"})
+def batch_register_str_elem(env):
+    return env.te.batch_register_memory(["x"], [4096])
+
+
+# -- managed buffers and byte helpers -----------------------------------------------------------
+
+@case(True)
+def allocate_managed_zero(env):
+    return env.te.allocate_managed_buffer(0) != 0
+
+
+@case({"raises": "TypeError"})
+def allocate_managed_negative(env):
+    return env.te.allocate_managed_buffer(-1)
+
+
+@case([True, 0, b"hello".hex(), 0, 0])
+def managed_roundtrip(env):
+    te = env.te
+    m = te.allocate_managed_buffer(1 << 16)
+    w = te.write_bytes_to_buffer(m, b"hello", 5)
+    r = te.read_bytes_from_buffer(m, 5).hex()
+    x = te.transfer_sync_write(env.seg, m, env.b, 5)
+    return [m != 0, w, r, x, te.free_managed_buffer(m, 1 << 16)]
+
+
+@case(0)
+def free_managed_unknown(env):
+    return env.te.free_managed_buffer(env.fresh()[0], 4096)
+
+
+@case(b"hel\x00\x00".hex())
+def write_bytes_shorter(env):
+    a, _ = env.fresh()
+    env.te.write_bytes_to_buffer(a, b"hello", 3)
+    return env.te.read_bytes_from_buffer(a, 5).hex()
+
+
+@case([0, b"abc".hex()])
+def write_bytes_bytearray(env):
+    a, _ = env.fresh()
+    return [env.te.write_bytes_to_buffer(a, bytearray(b"abc"), 3), env.te.read_bytes_from_buffer(a, 3).hex()]
+
+
+@case([0, b"hey".hex()])
+def write_bytes_str(env):
+    a, _ = env.fresh()
+    return [env.te.write_bytes_to_buffer(a, "hey", 3), env.te.read_bytes_from_buffer(a, 3).hex()]
+
+
+@case("")
+def read_bytes_zero(env):
+    return env.te.read_bytes_from_buffer(env.fresh()[0], 0).hex()
+
+
+@case({"raises": "TypeError"})
+def read_bytes_negative(env):
+    return env.te.read_bytes_from_buffer(env.fresh()[0], -1)
+
+
+# -- synchronous transfers -----------------------------------------------------------------------
+
+def _fill(mm, off, data):
+    mm[off:off + len(data)] = data
+
+
+@case([0, b"hello".hex()])
+def sync_write(env):
+    _fill(env.amm, 0, b"hello")
+    r = env.te.transfer_sync_write(env.seg, env.a, env.b, 5)
+    return [r, env.bmm[0:5].hex()]
+
+
+@case([0, b"world".hex()])
+def sync_read(env):
+    _fill(env.bmm, 100, b"world")
+    r = env.te.transfer_sync_read(env.seg, env.a + 100, env.b + 100, 5)
+    return [r, env.amm[100:105].hex()]
+
+
+@case([0, b"ABCD".hex()])
+def transfer_sync_read_opcode(env):
+    _fill(env.bmm, 200, b"ABCD")
+    r = env.te.transfer_sync(env.seg, env.a + 200, env.b + 200, 4, env.mod.TransferOpcode.Read)
+    return [r, env.amm[200:204].hex()]
+
+
+@case([0, [["x", "y"]]])
+def transfer_sync_notify(env):
+    env.t.get_notifies()
+    r = env.te.transfer_sync(env.seg, env.a, env.b, 16, env.mod.Write, env.mod.TransferNotify("x", "y"))
+    return [r, [list(n) for n in notifies_of(env.t)]]
+
+
+@case([0, [["n", "m"]]])
+def batch_transfer_sync_notify(env):
+    env.t.get_notifies()
+    r = env.te.batch_transfer_sync(env.seg, [env.a], [env.b], [16], env.mod.Write, env.mod.TransferNotify("n", "m"))
+    return [r, [list(n) for n in notifies_of(env.t)]]
+
+
+@case([0, b"0123456789abcdef".hex()])
+def batch_sync_write(env):
+    _fill(env.amm, 1000, b"0123456789abcdef")
+    r = env.te.batch_transfer_sync_write(env.seg, [env.a + 1000, env.a + 1008], [env.b + 1000, env.b + 1008], [8, 8])
+    return [r, env.bmm[1000:1016].hex()]
+
+
+@case([0, b"fedcba9876543210".hex()])
+def batch_sync_read(env):
+    _fill(env.bmm, 2000, b"fedcba9876543210")
+    r = env.te.batch_transfer_sync_read(env.seg, [env.a + 2000, env.a + 2008], [env.b + 2000, env.b + 2008], [8, 8])
+    return [r, env.amm[2000:2016].hex()]
+
+
+@case(0)
+def batch_sync_opcode(env):
+    return env.te.batch_transfer_sync(env.seg, [env.a], [env.b], [16], env.mod.TransferOpcode.Write)
+
+
+@case(0)
+def sync_zero_length(env):
+    return env.te.transfer_sync_write(env.seg, env.a, env.b, 0)
+
+
+@case(-1)
+def sync_remote_outside(env):
+    return env.te.transfer_sync_write(env.seg, env.a, env.b + SIZE, 16)
+
+
+@case(-1)
+def sync_remote_too_long(env):
+    return env.te.transfer_sync_write(env.seg, env.a, env.b, SIZE + 1)
+
+
+@case(-1)
+def sync_local_outside(env):
+    return env.te.transfer_sync_write(env.seg, env.a + SIZE, env.b, 16)
+
+
+@case(-1)
+def sync_length_u64_max(env):
+    return env.te.transfer_sync_write(env.seg, env.a, env.b, 2 ** 64 - 1)
+
+
+@case(-1)
+def sync_dead_segment(env):
+    return env.te.transfer_sync_write("127.0.0.1:1", env.a, env.b, 16)
+
+
+@case(-1)
+def sync_malformed_segment(env):
+    return env.te.transfer_sync_write("nonsense", env.a, env.b, 16)
+
+
+@case(-1)
+def sync_empty_segment(env):
+    return env.te.transfer_sync_write("", env.a, env.b, 16)
+
+
+@case(0)
+def sync_to_self(env):
+    return env.te.transfer_sync_write(env.own, env.a, env.a + 4096, 16)
+
+
+@case({"raises": "TypeError"})
+def sync_float_address(env):
+    return env.te.transfer_sync_write(env.seg, 1.5, env.b, 16)
+
+
+@case({"raises": "TypeError"})
+def sync_negative_length(env):
+    return env.te.transfer_sync_write(env.seg, env.a, env.b, -1)
+
+
+@case({"raises": "TypeError"})
+def sync_bad_hint_type(env):
+    return env.te.transfer_sync_write(env.seg, env.a, env.b, 16, 5)
+
+
+@case(-1)
+def batch_sync_mismatched(env):
+    return env.te.batch_transfer_sync_write(env.seg, [env.a, env.a + 16], [env.b], [16, 16])
+
+
+@case(0)
+def batch_sync_empty(env):
+    return env.te.batch_transfer_sync_write(env.seg, [], [], [])
+
+
+@case(-1)
+def batch_sync_one_bad(env):
+    return env.te.batch_transfer_sync_write(env.seg, [env.a, env.a], [env.b, env.b + 2 * SIZE], [16, 16])
+
+
+@case({"raises": "TypeError"})
+def batch_sync_negative_length(env):
+    return env.te.batch_transfer_sync_write(env.seg, [env.a], [env.b], [-1])
+
+
+@case({"raises": "TypeError"})
+def batch_sync_str_length(env):
+    return env.te.batch_transfer_sync_write(env.seg, [env.a], [env.b], ["x"])
+
+
+# -- asynchronous transfers -------------------------------------------------------------------
+
+@case([True, 0])
+def async_write_then_status(env):
+    x = env.te.batch_transfer_async_write(env.seg, [env.a], [env.b], [16])
+    return [x != 0, env.te.get_batch_transfer_status([x])]
+
+
+@case([True, 0, b"async".hex()])
+def async_read_then_status(env):
+    _fill(env.bmm, 3000, b"async")
+    x = env.te.batch_transfer_async_read(env.seg, [env.a + 3000], [env.b + 3000], [5])
+    return [x != 0, env.te.get_batch_transfer_status([x]), env.amm[3000:3005].hex()]
+
+
+@case([True, 0])
+def async_opcode_then_status(env):
+    x = env.te.batch_transfer_async(env.seg, [env.a], [env.b], [16], env.mod.Read)
+    return [x != 0, env.te.get_batch_transfer_status([x])]
+
+
+@case(True)
+def async_empty(env):
+    return env.te.batch_transfer_async_write(env.seg, [], [], []) != 0
+
+
+@case(0)
+def async_mismatched(env):
+    return env.te.batch_transfer_async_write(env.seg, [env.a, env.a + 16], [env.b], [16, 16])
+
+
+@case(0)
+def async_dead_segment(env):
+    return env.te.batch_transfer_async_write("127.0.0.1:1", [env.a], [env.b], [16])
+
+
+@case([True, -1])
+def async_local_outside(env):
+    x = env.te.batch_transfer_async_write(env.seg, [env.a + SIZE], [env.b], [16])
+    return [x != 0, env.te.get_batch_transfer_status([x])]
+
+
+@case(-1)
+def async_remote_outside(env):
+    x = env.te.batch_transfer_async_write(env.seg, [env.a], [env.b + 2 * SIZE], [16])
+    return env.te.get_batch_transfer_status([x])
+
+
+@case(-1)
+def async_two_batches_one_bad(env):
+    x = env.te.batch_transfer_async_write(env.seg, [env.a], [env.b], [16])
+    y = env.te.batch_transfer_async_write(env.seg, [env.a], [env.b + 2 * SIZE], [16])
+    return env.te.get_batch_transfer_status([x, y])
+
+
+@case(0)
+def batch_status_empty(env):
+    return env.te.get_batch_transfer_status([])
+
+
+@case(1)
+def submit_then_check(env):
+    x = env.te.transfer_submit_write(env.seg, env.a, env.b, 16)
+    return poll(lambda: env.te.transfer_check_status(x), lambda v: v != 0)
+
+
+@case(1)
+def submit_zero_length_then_check(env):
+    x = env.te.transfer_submit_write(env.seg, env.a, env.b, 0)
+    return poll(lambda: env.te.transfer_check_status(x), lambda v: v != 0)
+
+
+@case(-1)
+def submit_remote_outside_then_check(env):
+    x = env.te.transfer_submit_write(env.seg, env.a, env.b + 2 * SIZE, 16)
+    return poll(lambda: env.te.transfer_check_status(x), lambda v: v != 0)
+
+
+@case(0)
+def submit_dead_segment(env):
+    return env.te.transfer_submit_write("127.0.0.1:1", env.a, env.b, 16)
+
+
+@case(1)
+def async_then_check(env):
+    x = env.te.batch_transfer_async_read(env.seg, [env.a], [env.b], [16])
+    return poll(lambda: env.te.transfer_check_status(x), lambda v: v != 0)
+
+
+# -- segments, notifies, probes ------------------------------------------------------------------
+
+@case(True)
+def first_buffer_address(env):
+    return env.te.get_first_buffer_address(env.seg) == env.b
+
+
+@case(0)
+def first_buffer_address_dead(env):
+    return env.te.get_first_buffer_address("127.0.0.1:1")
+
+
+@case(0)
+def first_buffer_address_malformed(env):
+    return env.te.get_first_buffer_address("bogus")
+
+
+@case([])
+def notifies_empty(env):
+    return env.te.get_notifies()
+
+
+@case(0)
+def probe_alive(env):
+    return env.te.send_probe(env.seg)
+
+
+@case(-102)
+def probe_dead(env):
+    return env.te.send_probe("127.0.0.1:1")
+
+
+@case(-102)
+def probe_no_port(env):
+    return env.te.send_probe("127.0.0.1")
+
+
+@case(-101)
+def probe_unresolvable(env):
+    return env.te.send_probe("bogus")
+
+
+@case(-101)
+def probe_empty(env):
+    return env.te.send_probe("")
+
+
+@case(0)
+def warmup_efa(env):
+    return env.te.warmup_efa_segment(env.seg)
+
+
+# -- deliberate differences ----------------------------------------------------------------------
+
+@divergent(-1, 0)
+def transfer_after_unregister(env):
+    """kvferry refuses local ranges that are not registered; Mooncake's TCP path does not check."""
+    a, mm = env.fresh()
+    env.te.register_memory(a, 4096)
+    env.te.unregister_memory(a)
+    return env.te.transfer_sync_write(env.seg, a, env.b, 16)
+
+
+@divergent(-1, 0)
+def register_length_u64_max(env):
+    """A range past the end of the address space is refused."""
+    return env.te.register_memory(env.fresh()[0], 2 ** 64 - 1)
+
+
+@divergent(-1, 0)
+def register_unknown_location(env):
+    """Location strings are validated ("*", "cpu:N", "cuda:N", ...)."""
+    a, _ = env.fresh()
+    r = env.te.register_memory(a, 4096, "bogus")
+    env.te.unregister_memory(a)
+    return r
+
+
+@divergent(-1, 0)
+def register_null(env):
+    """Address 0 is refused."""
+    r = env.te.register_memory(0, 4096)
+    env.te.unregister_memory(0)
+    return r
+
+
+@divergent(0, {"raises": "TypeError"})
+def transfer_sync_int_opcode(env):
+    """kvferry also accepts 0/1 where a TransferOpcode is expected."""
+    return env.te.transfer_sync(env.seg, env.a, env.b, 16, 1)
+
+
+@divergent(0, {"raises": "TypeError"})
+def write_bytes_memoryview(env):
+    """kvferry also accepts a memoryview as src_bytes."""
+    a, _ = env.fresh()
+    return env.te.write_bytes_to_buffer(a, memoryview(b"ab"), 2)
+
+
+def _jsonable(v):
+    if isinstance(v, bytes):
+        return {"bytes": v.hex()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    return repr(v)
+
+
+def run(mod, names):
+    env = Env(mod)
+    out = {}
+    table = dict((k, v[0]) for k, v in CASES.items())
+    table.update((k, v[0]) for k, v in DIVERGENT.items())
+    for name in names:
+        try:
+            out[name] = _jsonable(table[name](env))
+        except Exception as e:  # the result *is* the exception type
+            out[name] = {"raises": type(e).__name__, "message": str(e)[:300]}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--impl", choices=["kvferry", "mooncake"], required=True)
+    ap.add_argument("--cases", nargs="*", help="default: all")
+    args = ap.parse_args(argv)
+    # Keep stdout for the JSON: native code that prints goes to stderr.
+    out_fd = os.dup(1)
+    os.dup2(2, 1)
+    out = os.fdopen(out_fd, "w")
+    if args.impl == "kvferry":
+        import kvferry.mooncake.engine as mod
+    else:
+        import mooncake.engine as mod
+    names = args.cases or list(CASES) + list(DIVERGENT)
+    result = run(mod, names)
+    out.write(json.dumps(result) + "\n")
+    out.flush()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown (Mooncake's threads can make it slow)
+
+
+if __name__ == "__main__":
+    main()

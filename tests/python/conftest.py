@@ -1,0 +1,244 @@
+"""Shared fixtures of kvferry's Python tests.
+
+The tests import the *installed* ``kvferry`` (scripts/python-test builds the wheel and
+installs it into .venv/py-test). Stock Mooncake runs in a separate interpreter: the first of
+``$KVFERRY_MOONCAKE_PYTHON``, ``.venv/mooncake/bin/python``, ``/tmp/mcvenv/bin/python`` that can
+``import mooncake.engine``. Tests needing it are skipped (with a loud summary) when none can,
+and fail instead when ``KVFERRY_REQUIRE_MOONCAKE=1``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import mmap
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+INTEROP = ROOT / "tests" / "interop"
+PEER_SCRIPT = INTEROP / "mooncake_peer.py"
+HOST = "127.0.0.1"
+
+sys.path.insert(0, str(INTEROP))
+sys.path.insert(0, str(HERE))
+
+import mooncake_peer  # noqa: E402  (pattern helpers only; imports no Mooncake)
+
+pattern_bytes = mooncake_peer.pattern_bytes
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# -- stock Mooncake ------------------------------------------------------------------------
+
+_MC: Dict[str, Any] = {}
+
+
+def mooncake_python() -> Optional[str]:
+    """An interpreter that can import the stock Mooncake wheel, or None."""
+    if "python" in _MC:
+        return _MC["python"]
+    candidates = [os.environ.get("KVFERRY_MOONCAKE_PYTHON", ""), str(ROOT / ".venv" / "mooncake" / "bin" / "python"), "/tmp/mcvenv/bin/python"]
+    found, tried = None, []
+    for c in candidates:
+        if not c or not os.path.exists(c):
+            continue
+        env = dict(os.environ, MC_FORCE_TCP="1")
+        env.pop("KVFERRY_MOONCAKE_SHIM", None)
+        r = subprocess.run([c, "-c", "import mooncake.engine as e; print(e.__file__)"], capture_output=True, text=True, env=env, timeout=60)
+        tried.append("%s: %s" % (c, "ok" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["rc=%d" % r.returncode])[-1]))
+        if r.returncode == 0 and "kvferry" not in r.stdout:
+            found = c
+            break
+    _MC["python"] = found
+    _MC["tried"] = tried
+    return found
+
+
+@pytest.fixture(scope="session")
+def mooncake_py() -> str:
+    py = mooncake_python()
+    if py is None:
+        msg = "stock Mooncake wheel (mooncake-transfer-engine-non-cuda) is not available: %s" % (_MC.get("tried") or "no candidate interpreter")
+        if os.environ.get("KVFERRY_REQUIRE_MOONCAKE") == "1":
+            pytest.fail(msg)
+        _MC["skipped"] = _MC.get("skipped", 0) + 1
+        pytest.skip("INTEROP SKIPPED: " + msg)
+    return py
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _MC.get("skipped"):
+        tr = terminalreporter
+        tr.write_sep("!", "INTEROP WITH STOCK MOONCAKE NOT TESTED", red=True, bold=True)
+        tr.write_line("%d test(s) needing the stock Mooncake wheel were SKIPPED." % _MC["skipped"], red=True, bold=True)
+        tr.write_line("Tried: %s" % (_MC.get("tried") or "nothing"), red=True)
+        tr.write_line("Install it with: python3 -m venv .venv/mooncake && .venv/mooncake/bin/pip install mooncake-transfer-engine-non-cuda", red=True)
+
+
+def peer_env(shim: bool) -> Dict[str, str]:
+    env = dict(os.environ, MC_FORCE_TCP="1", PYTHONUNBUFFERED="1")
+    if shim:
+        env["KVFERRY_MOONCAKE_SHIM"] = "1"
+    else:
+        env.pop("KVFERRY_MOONCAKE_SHIM", None)
+    return env
+
+
+class Peer:
+    """tests/interop/mooncake_peer.py in `target` mode, driven over stdin/stdout.
+
+    ``python`` is the interpreter: stock Mooncake's, or ours with ``shim=True`` (then the
+    unmodified script's ``from mooncake.engine import TransferEngine`` runs on kvferry).
+    """
+
+    def __init__(self, python: str, size: int, seed: int = 0, shim: bool = False) -> None:
+        self.errlog = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [python, str(PEER_SCRIPT), "target", "--size", str(size), "--seed", str(seed)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.errlog,
+            text=True,
+            bufsize=1,
+            env=peer_env(shim),
+        )
+        info = self._line(60)
+        self.segment: str = info["segment"]
+        self.addr: int = info["addr"]
+        self.size: int = info["size"]
+
+    def _line(self, timeout: float) -> Dict[str, Any]:
+        assert self.proc.stdout is not None
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if r else ""
+        if not line:
+            raise AssertionError("peer said nothing (rc=%r); stderr:\n%s" % (self.proc.poll(), self.stderr()[-3000:]))
+        return json.loads(line)
+
+    def stderr(self) -> str:
+        self.errlog.seek(0)
+        return self.errlog.read()
+
+    def cmd(self, line: str, timeout: float = 30) -> Dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self._line(timeout)
+
+    def checksum(self, off: int, length: int) -> str:
+        return self.cmd("checksum %d %d" % (off, length))["sha256"]
+
+    def notifies(self) -> List[List[str]]:
+        return self.cmd("notifies")["notifies"]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=15)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self.errlog.close()
+
+
+def run_initiator(python: str, segment: str, remote_addr: int, size: int, op: str, block: int, batch: int = 8, seed: int = 0, shim: bool = False) -> Dict[str, Any]:
+    """tests/interop/mooncake_peer.py in `initiator` mode; returns its JSON result."""
+    r = subprocess.run(
+        [python, str(PEER_SCRIPT), "initiator", "--segment", segment, "--remote-addr", str(remote_addr), "--size", str(size),
+         "--op", op, "--block", str(block), "--batch", str(batch), "--seed", str(seed)],
+        capture_output=True, text=True, timeout=120, env=peer_env(shim),
+    )
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert lines, "initiator printed nothing (rc=%d); stderr:\n%s" % (r.returncode, r.stderr[-3000:])
+    out = json.loads(lines[-1])
+    out["rc"] = r.returncode
+    out["stderr"] = r.stderr
+    return out
+
+
+# -- memory --------------------------------------------------------------------------------
+
+class Buf:
+    """An anonymous mapping with a stable address (like the peer script's)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.mm = mmap.mmap(-1, size)
+        self._anchor = ctypes.c_char.from_buffer(self.mm)
+        self.addr = ctypes.addressof(self._anchor)
+
+    def fill(self, seed: int, off: int = 0, length: Optional[int] = None) -> None:
+        length = self.size - off if length is None else length
+        self.mm[off:off + length] = pattern_bytes(off, length, seed)
+
+    def bytes(self, off: int = 0, length: Optional[int] = None) -> bytes:
+        length = self.size - off if length is None else length
+        return self.mm[off:off + length]
+
+    def sha(self, off: int = 0, length: Optional[int] = None) -> str:
+        return sha256(self.bytes(off, length))
+
+
+def wait_for(fn: Any, timeout: float = 5.0, interval: float = 0.01) -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        v = fn()
+        if v or time.monotonic() > end:
+            return v
+        time.sleep(interval)
+
+
+# -- engines -------------------------------------------------------------------------------
+
+@pytest.fixture
+def kv():
+    import kvferry
+
+    return kvferry
+
+
+@pytest.fixture
+def pair():
+    """Two native engines in this process: (initiator, target)."""
+    import kvferry
+
+    a, b = kvferry.Engine(HOST), kvferry.Engine(HOST)
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture
+def te_pair():
+    """Two Mooncake-API engines in this process: (initiator, target)."""
+    from kvferry.mooncake.engine import TransferEngine
+
+    a, b = TransferEngine(), TransferEngine()
+    assert a.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+    assert b.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+    yield a, b
+    for e in (a, b):
+        if e._core is not None:
+            e._core.close()
