@@ -1,0 +1,275 @@
+"""kvferry.mooncake.engine: Mooncake's API on kvferry.
+
+test_compat_parity runs the shared cases of compat_cases.py against kvferry and, when the
+wheel is available, against stock Mooncake, and checks both give the expected results. The
+other tests here cover what cannot run on stock Mooncake (it crashes: calls before
+initialize, bad raw addresses) and kvferry's own guarantees (logging, get_engine).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import HERE, HOST, Buf, mooncake_python, peer_env, wait_for
+
+import compat_cases
+
+ALL_CASES = list(compat_cases.CASES) + list(compat_cases.DIVERGENT)
+
+_RESULTS = {}
+
+
+def _run_cases(impl: str, python: str):
+    if impl not in _RESULTS:
+        r = subprocess.run(
+            [python, str(HERE / "compat_cases.py"), "--impl", impl],
+            capture_output=True, text=True, timeout=300, env=peer_env(shim=False),
+        )
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        assert lines, "compat_cases.py --impl %s printed nothing (rc=%d):\n%s" % (impl, r.returncode, r.stderr[-4000:])
+        _RESULTS[impl] = json.loads(lines[-1])
+    return _RESULTS[impl]
+
+
+def _norm(v):
+    if isinstance(v, dict) and "raises" in v:
+        return {"raises": v["raises"]}
+    return v
+
+
+@pytest.mark.parametrize("impl", ["kvferry", "mooncake"])
+@pytest.mark.parametrize("name", ALL_CASES)
+def test_compat_parity(impl, name, request):
+    if impl == "mooncake":
+        python = request.getfixturevalue("mooncake_py")
+    else:
+        python = sys.executable
+    got = _norm(_run_cases(impl, python).get(name))
+    if name in compat_cases.CASES:
+        expected = compat_cases.CASES[name][1]
+    else:
+        _, kv_expected, mc_observed = compat_cases.DIVERGENT[name]
+        expected = kv_expected if impl == "kvferry" else mc_observed
+    assert got == expected, "%s on %s: got %r, expected %r" % (name, impl, got, expected)
+
+
+def test_parity_cases_agree_between_implementations(mooncake_py):
+    """Every shared case gives the same result on both (beyond matching the expectation)."""
+    kv = {k: _norm(v) for k, v in _run_cases("kvferry", sys.executable).items()}
+    mc = {k: _norm(v) for k, v in _run_cases("mooncake", mooncake_py).items()}
+    differ = {k: (kv.get(k), mc.get(k)) for k in compat_cases.CASES if kv.get(k) != mc.get(k)}
+    assert not differ
+
+
+# -- kvferry-only behaviour ----------------------------------------------------------------------
+
+@pytest.fixture
+def te():
+    from kvferry.mooncake.engine import TransferEngine
+
+    e = TransferEngine()
+    yield e
+    if e._core is not None:
+        e._core.close()
+
+
+def test_calls_before_initialize_fail_cleanly(te, caplog):
+    """Stock Mooncake segfaults here; kvferry returns the failure value and logs why."""
+    from kvferry.mooncake.engine import TransferNotify, Write
+
+    buf = Buf(4096)
+    calls = [
+        (lambda: te.get_rpc_port(), -1),
+        (lambda: te.register_memory(buf.addr, 4096), -1),
+        (lambda: te.unregister_memory(buf.addr), -1),
+        (lambda: te.batch_register_memory([buf.addr], [4096]), -1),
+        (lambda: te.batch_unregister_memory([buf.addr]), -1),
+        (lambda: te.allocate_managed_buffer(4096), 0),
+        (lambda: te.free_managed_buffer(buf.addr, 4096), -1),
+        (lambda: te.transfer_sync_write("127.0.0.1:1", buf.addr, 0, 1), -1),
+        (lambda: te.transfer_sync_read("127.0.0.1:1", buf.addr, 0, 1), -1),
+        (lambda: te.transfer_sync("127.0.0.1:1", buf.addr, 0, 1, Write, TransferNotify("a", "b")), -1),
+        (lambda: te.batch_transfer_sync_write("127.0.0.1:1", [buf.addr], [0], [1]), -1),
+        (lambda: te.batch_transfer_sync_read("127.0.0.1:1", [buf.addr], [0], [1]), -1),
+        (lambda: te.batch_transfer_sync("127.0.0.1:1", [buf.addr], [0], [1], Write), -1),
+        (lambda: te.batch_transfer_async_write("127.0.0.1:1", [buf.addr], [0], [1]), 0),
+        (lambda: te.batch_transfer_async_read("127.0.0.1:1", [buf.addr], [0], [1]), 0),
+        (lambda: te.batch_transfer_async("127.0.0.1:1", [buf.addr], [0], [1], Write), 0),
+        (lambda: te.get_batch_transfer_status([1]), -1),
+        (lambda: te.transfer_submit_write("127.0.0.1:1", buf.addr, 0, 1), 0),
+        (lambda: te.transfer_check_status(1), -1),
+        (lambda: te.get_first_buffer_address("127.0.0.1:1"), 0),
+        (lambda: te.get_notifies(), []),
+        (lambda: te.send_probe("127.0.0.1:1"), -1),
+        (lambda: te.get_engine(), None),
+    ]
+    for fn, expected in calls:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvferry"):
+            assert fn() == expected
+        msgs = [r.getMessage() for r in caplog.records if r.name == "kvferry"]
+        assert len(msgs) == 1 and "initialize() has not been called" in msgs[0], msgs
+    # The byte helpers need no engine.
+    assert te.write_bytes_to_buffer(buf.addr, b"abc", 3) == 0
+    assert te.read_bytes_from_buffer(buf.addr, 3) == b"abc"
+    assert te.get_local_topology() == "{}\n"
+    assert te.warmup_efa_segment("x") == 0
+
+
+def test_failures_log_their_reason_once(te, caplog):
+    assert te.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+    buf = Buf(4096)
+    cases = [
+        (lambda: te.register_memory(buf.addr, 0), -1, "length 0"),
+        (lambda: te.unregister_memory(buf.addr), -3, "not the start of a registered range"),
+        (lambda: te.transfer_sync_write("127.0.0.1:1", buf.addr, 0, 1), -1, "127.0.0.1:1"),
+        (lambda: te.transfer_sync_write("nonsense", buf.addr, 0, 1), -1, "nonsense"),
+        (lambda: te.batch_transfer_sync_write(te._core.segment_name, [buf.addr], [buf.addr], [8]), -1, "not inside registered memory"),
+        (lambda: te.batch_register_memory([buf.addr, buf.addr + 8], [8]), -1, "capacities"),
+        (lambda: te.send_probe("127.0.0.1:1"), -102, "Connection refused"),
+        (lambda: te.get_first_buffer_address("127.0.0.1:1"), 0, "127.0.0.1:1"),
+        (lambda: te.read_bytes_from_buffer(8, 4), b"", "not mapped"),
+        (lambda: te.write_bytes_to_buffer(8, b"x", 1), -1, "not mapped"),
+        (lambda: te.free_managed_buffer(buf.addr, 1), 0, "not an address returned by allocate_managed_buffer"),
+        (lambda: te.transfer_check_status(987654), -1, "987654"),
+        (lambda: te.get_batch_transfer_status([987654]), -1, "987654"),
+    ]
+    for fn, expected, needle in cases:
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="kvferry"):
+            assert fn() == expected
+        msgs = [r.getMessage() for r in caplog.records if r.name == "kvferry" and r.levelno >= logging.WARNING]
+        assert len(msgs) == 1 and needle in msgs[0], (needle, msgs)
+
+
+def test_initialize_failures(te, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvferry"):
+        assert te.initialize("192.0.2.1", "P2PHANDSHAKE", "tcp", "") == -1
+    assert "not an address of this host" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvferry"):
+        assert te.initialize(HOST, "bogus://x", "tcp", "") == -1  # Mooncake aborts the process here
+    assert "bogus" in caplog.text
+    assert te.get_rpc_port() == -1  # still not initialized
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        te.initialize(HOST, None, "tcp", "")
+    # protocol "rdma" (vLLM's and SGLang's default) is accepted; data moves over TCP.
+    assert te.initialize(HOST, "P2PHANDSHAKE", "rdma", "mlx5_0") == 0
+    assert te.get_rpc_port() > 0
+
+
+def test_reinitialize_replaces_engine(te):
+    assert te.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+    first = te._core
+    assert te.initialize_ext(HOST, "P2PHANDSHAKE", "tcp", "", "p2p") == 0
+    assert te._core is not first and first.closed
+
+
+def test_get_engine_shares_the_engine(te):
+    import kvferry
+
+    assert te.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+    native = te.get_engine()
+    assert isinstance(native, kvferry.Engine)
+    assert native.rpc_port == te.get_rpc_port()
+    assert te.get_engine() is native
+    addr = te.allocate_managed_buffer(4096)
+    assert addr in [r.addr for r in native.registered()]
+    assert te.get_engine_ptr() == 0
+
+
+def test_sync_deadline_honours_mc_transfer_timeout(monkeypatch):
+    """MC_TRANSFER_TIMEOUT bounds sync calls (plus 1 ns per byte); a stalled peer gives -1."""
+    from kvferry.mooncake.engine import TransferEngine
+
+    from test_native import _StalledPeer
+
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "1")
+    monkeypatch.delenv("KVFERRY_TRANSFER_TIMEOUT", raising=False)
+    te = TransferEngine()
+    assert te.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+    try:
+        assert te._core.transfer_timeout == 1.0
+        buf = Buf(4096)
+        assert te.register_memory(buf.addr, 4096) == 0
+        with _StalledPeer(te.get_engine()) as peer:
+            t0 = time.monotonic()
+            assert te.transfer_sync_write(peer.segment, buf.addr, peer.remote_addr, 4096) == -1
+            assert time.monotonic() - t0 < 8
+            x = te.transfer_submit_write(peer.segment, buf.addr, peer.remote_addr, 4096)
+            assert x != 0
+            assert te.transfer_check_status(x) == 0
+            assert wait_for(lambda: te.transfer_check_status(x) == -2, timeout=8)
+            y = te.batch_transfer_async_write(peer.segment, [buf.addr], [peer.remote_addr], [4096])
+            assert te.get_batch_transfer_status([y]) == -1
+    finally:
+        te._core.close()
+
+
+def test_async_batches_polled_to_completion(te_pair):
+    """Many async batches in flight at once, polled with transfer_check_status."""
+    a, b = te_pair
+    n, blk = 16, 65536
+    src, dst = Buf(n * blk), Buf(n * blk)
+    src.fill(11)
+    assert a.register_memory(src.addr, src.size) == 0
+    assert b.register_memory(dst.addr, dst.size) == 0
+    seg = "%s:%d" % (HOST, b.get_rpc_port())
+    ids = [a.batch_transfer_async_write(seg, [src.addr + i * blk], [dst.addr + i * blk], [blk]) for i in range(n)]
+    assert all(ids) and len(set(ids)) == n
+    pending = set(ids)
+    end = time.monotonic() + 20
+    while pending and time.monotonic() < end:
+        for x in list(pending):
+            r = a.transfer_check_status(x)
+            assert r in (0, 1), r
+            if r == 1:
+                pending.discard(x)
+    assert not pending
+    assert dst.sha() == src.sha()
+    # and get_batch_transfer_status over a list of READ batches
+    back = Buf(n * blk)
+    assert a.register_memory(back.addr, back.size) == 0
+    ids = [a.batch_transfer_async_read(seg, [back.addr + i * blk], [dst.addr + i * blk], [blk]) for i in range(n)]
+    assert a.get_batch_transfer_status(ids) == 0
+    assert back.sha() == src.sha()
+
+
+def test_type_errors_look_like_pybind(te):
+    assert te.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+    with pytest.raises(TypeError) as ei:
+        te.register_memory(-1, 4096)
+    msg = str(ei.value)
+    assert msg.startswith("register_memory(): incompatible function arguments.")
+    assert "buffer_addr: int, capacity: int, location: str = '*'" in msg
+    with pytest.raises(TypeError):
+        te.transfer_sync_write("x", 1, 2, 3, None)
+    with pytest.raises(TypeError):
+        te.batch_transfer_sync_write("x", "abc", [1], [1])
+    with pytest.raises(TypeError):
+        te.get_batch_transfer_status(5)
+    with pytest.raises(TypeError):
+        te.transfer_check_status(-1)
+    with pytest.raises(TypeError):
+        te.get_local_topology(5)
+
+
+def test_exact_names():
+    import kvferry.mooncake
+    import kvferry.mooncake.engine as me
+
+    assert set(me.__all__) == {
+        "TransferEngine", "TransferNotify", "TransferOpcode", "InnerTransferEngine", "Read", "Write",
+        "SUPPORT_CUDA", "SUPPORT_EFA", "SUPPORT_HIP", "SUPPORT_INTRA_NVLINK", "SUPPORT_MNNVL", "SUPPORT_MUSA",
+    }
+    assert kvferry.mooncake.BufferPool is None and kvferry.mooncake.RegisteredBufferPool is None
+    with pytest.raises(AttributeError, match="not provided by kvferry"):
+        me.RpcInterface
+    assert repr(me.TransferNotify("a", "b")) == "TransferNotify(name='a', msg='b')"
+    assert me.TransferNotify("a", "b") == me.TransferNotify("a", "b")
