@@ -377,7 +377,9 @@ class _StalledPeer:
         self.hs.listen(16)
         self.segment = "%s:%d" % (HOST, self.hs.getsockname()[1])
         self.remote_addr = 0x10000000
-        desc = json.loads(_fetch_descriptor(engine))
+        # Mooncake's fields only: kvferry's own extensions (e.g. the same-host shared-memory
+        # path) would let the engine bypass the stalled TCP port.
+        desc = {k: v for k, v in json.loads(_fetch_descriptor(engine)).items() if not k.startswith("kvferry")}
         desc["name"] = self.segment
         desc["tcp_data_port"] = self.data.getsockname()[1]
         desc["buffers"] = [{"name": "cpu:0", "addr": self.remote_addr, "length": 1 << 20, "rkey": [], "lkey": []}]

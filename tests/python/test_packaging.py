@@ -106,9 +106,11 @@ def test_wheel_contents_and_tags():
 def test_fresh_venv_install_and_import(tmp_path):
     w = _wheel()
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    # --without-pip: works without ensurepip (Debian's python3-venv) and is faster; this
+    # interpreter's pip installs into it.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = str(venv / "bin" / "python")
-    r = subprocess.run([py, "-m", "pip", "install", "--no-index", "--no-deps", "-q", w], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "--no-index", "--no-deps", "-q", w], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     code = (
         "import kvferry, kvferry.mooncake.engine as me\n"

@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Python-level benchmark: kvferry vs the stock Mooncake wheel, same run, same machine.
+
+    .venv/py-test/bin/python tests/python/bench_python.py [--seconds S] [--mooncake-python PY]
+
+Measures, through Mooncake's Python API (``from mooncake.engine import TransferEngine``; on
+kvferry via KVFERRY_MOONCAKE_SHIM=1, so the measuring code is identical):
+
+- throughput of ``batch_transfer_sync_write`` with 128 blocks of 64 KiB (8 MiB per call);
+- latency of one 4 KiB ``transfer_sync_write`` (p50 / p99 / mean).
+
+Each row is an initiator process writing into a target process (tests/interop/
+mooncake_peer.py in target mode) on 127.0.0.1. Rows: kvferry -> kvferry (default transport,
+which uses cross-memory attach between kvferry processes on one host, and forced TCP),
+Mooncake -> Mooncake (TCP, MC_FORCE_TCP=1), and the two interop directions. Not a test:
+numbers depend on the machine; compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+PEER = ROOT / "tests" / "interop" / "mooncake_peer.py"
+BLOCK, BLOCKS, SMALL = 64 << 10, 128, 4096
+
+
+def measure(segment: str, remote: int, seconds: float) -> dict:
+    """Runs in the initiator process (either implementation)."""
+    sys.path.insert(0, str(PEER.parent))
+    import mooncake_peer  # noqa: E402
+
+    os.environ.setdefault("MC_FORCE_TCP", "1")
+    from mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf = mooncake_peer.Buffer(BLOCK * BLOCKS)
+    mooncake_peer.pattern_fill(buf.mm, 0, buf.size, 5)
+    assert te.register_memory(buf.addr, buf.size) == 0
+    locs = [buf.addr + i * BLOCK for i in range(BLOCKS)]
+    rems = [remote + i * BLOCK for i in range(BLOCKS)]
+    lens = [BLOCK] * BLOCKS
+
+    for _ in range(3):
+        assert te.batch_transfer_sync_write(segment, locs, rems, lens) == 0
+    calls, t0 = 0, time.perf_counter()
+    per_call = []
+    while True:
+        s = time.perf_counter()
+        assert te.batch_transfer_sync_write(segment, locs, rems, lens) == 0
+        per_call.append(time.perf_counter() - s)
+        calls += 1
+        if time.perf_counter() - t0 >= seconds and calls >= 5:
+            break
+    elapsed = time.perf_counter() - t0
+    gbps = calls * BLOCK * BLOCKS / elapsed / 1e9
+
+    for _ in range(200):
+        assert te.transfer_sync_write(segment, buf.addr, remote, SMALL) == 0
+    lat = []
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds or len(lat) < 200:
+        s = time.perf_counter()
+        assert te.transfer_sync_write(segment, buf.addr, remote, SMALL) == 0
+        lat.append(time.perf_counter() - s)
+    lat.sort()
+    te.unregister_memory(buf.addr)
+    return {
+        "gbps": gbps,
+        "batch_ms_p50": statistics.median(per_call) * 1e3,
+        "calls": calls,
+        "lat_us_p50": lat[len(lat) // 2] * 1e6,
+        "lat_us_p99": lat[int(len(lat) * 0.99)] * 1e6,
+        "lat_us_mean": statistics.fmean(lat) * 1e6,
+        "lat_n": len(lat),
+        "sha256": buf.sha256(),
+    }
+
+
+def _env(kvferry: bool, extra: dict) -> dict:
+    env = dict(os.environ, MC_FORCE_TCP="1", PYTHONUNBUFFERED="1")
+    env.pop("KVFERRY_MOONCAKE_SHIM", None)
+    if kvferry:
+        env["KVFERRY_MOONCAKE_SHIM"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_row(target_py: str, target_kv: bool, init_py: str, init_kv: bool, seconds: float, extra: dict) -> dict:
+    target = subprocess.Popen(
+        [target_py, str(PEER), "target", "--size", str(BLOCK * BLOCKS)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
+        env=_env(target_kv, extra),
+    )
+    try:
+        info = json.loads(target.stdout.readline())
+        r = subprocess.run(
+            [init_py, __file__, "measure", "--segment", info["segment"], "--addr", str(info["addr"]), "--seconds", str(seconds)],
+            capture_output=True, text=True, timeout=300, env=_env(init_kv, extra),
+        )
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        if r.returncode != 0 or not lines:
+            return {"error": (r.stderr.strip().splitlines() or ["rc=%d" % r.returncode])[-1]}
+        res = json.loads(lines[-1])
+        target.stdin.write("checksum 0 %d\n" % (BLOCK * BLOCKS))
+        target.stdin.flush()
+        res["verified"] = json.loads(target.stdout.readline())["sha256"] == res["sha256"]
+        return res
+    finally:
+        try:
+            target.stdin.write("quit\n")
+            target.stdin.flush()
+            target.wait(timeout=10)
+        except Exception:
+            target.kill()
+            target.wait()
+
+
+def find_mooncake(explicit: str | None) -> str | None:
+    for c in [explicit, os.environ.get("KVFERRY_MOONCAKE_PYTHON"), str(ROOT / ".venv" / "mooncake" / "bin" / "python"), "/tmp/mcvenv/bin/python"]:
+        if c and os.path.exists(c):
+            r = subprocess.run([c, "-c", "import mooncake.engine"], capture_output=True, env=_env(False, {}))
+            if r.returncode == 0:
+                return c
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd")
+    m = sub.add_parser("measure")
+    m.add_argument("--segment", required=True)
+    m.add_argument("--addr", type=int, required=True)
+    m.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--seconds", type=float, default=2.0, help="per measurement (default 2)")
+    ap.add_argument("--mooncake-python", help="interpreter with the stock Mooncake wheel")
+    args = ap.parse_args()
+    if args.cmd == "measure":
+        out = os.dup(1)
+        os.dup2(2, 1)  # native chatter to stderr
+        res = measure(args.segment, args.addr, args.seconds)
+        os.write(out, (json.dumps(res) + "\n").encode())
+        os._exit(0)
+
+    kv = sys.executable
+    mc = find_mooncake(args.mooncake_python)
+    rows = [
+        ("kvferry -> kvferry (auto: shm on one host)", kv, True, kv, True, {}),
+        ("kvferry -> kvferry (KVFERRY_TRANSPORT=tcp)", kv, True, kv, True, {"KVFERRY_TRANSPORT": "tcp"}),
+    ]
+    if mc:
+        rows += [
+            ("Mooncake -> Mooncake (TCP)", mc, False, mc, False, {}),
+            ("kvferry -> Mooncake (TCP)", mc, False, kv, True, {}),
+            ("Mooncake -> kvferry (TCP)", kv, True, mc, False, {}),
+        ]
+    else:
+        print("!!! stock Mooncake not found: only kvferry rows (pass --mooncake-python)", file=sys.stderr)
+    print("batch_transfer_sync_write: %d x %d KiB per call; transfer_sync_write: %d B; %.1f s each; 127.0.0.1\n"
+          % (BLOCKS, BLOCK >> 10, SMALL, args.seconds))
+    hdr = "%-44s %10s %12s %10s %10s %10s %6s" % ("initiator -> target", "GB/s", "batch p50ms", "4K p50us", "4K p99us", "4K mean", "bytes")
+    print(hdr)
+    print("-" * len(hdr))
+    for name, tpy, tkv, ipy, ikv, extra in rows:
+        r = run_row(tpy, tkv, ipy, ikv, args.seconds, extra)
+        if "error" in r:
+            print("%-44s error: %s" % (name, r["error"]))
+            continue
+        print("%-44s %10.2f %12.2f %10.1f %10.1f %10.1f %6s" % (
+            name, r["gbps"], r["batch_ms_p50"], r["lat_us_p50"], r["lat_us_p99"], r["lat_us_mean"], "ok" if r["verified"] else "BAD"))
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
