@@ -4,15 +4,19 @@
 //!   throughput, latency and CPU cost beside the machine's ceilings (and Mooncake's, when its
 //!   `transfer_engine_bench` is installed).
 //! - `kvferry doctor`: what this host can do, and why not.
+//! - `kvferry master`: the store's metadata master; `kvferry store-bench`: the store measured.
 
 mod bench;
 mod doctor;
+mod master;
+mod master_http;
 mod mooncake;
+mod store_bench;
 mod sys;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Subcommand};
 
-#[derive(Parser)]
+#[derive(clap::Parser)]
 #[command(name = "kvferry", version, about = "KV-cache transfer engine (Mooncake-compatible)")]
 struct Cli {
     #[command(subcommand)]
@@ -25,6 +29,10 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Check what this host can do: addresses, ports, memlock, transports.
     Doctor(doctor::DoctorArgs),
+    /// Run the store's master (metadata only: segments, objects, leases, eviction).
+    Master(master::MasterArgs),
+    /// Measure the store: a master and two clients on 127.0.0.1, every value checked.
+    StoreBench(store_bench::StoreBenchArgs),
 }
 
 fn main() {
@@ -36,10 +44,16 @@ fn main() {
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")))
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
     let r = match cli.cmd {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Doctor(a) => doctor::run(a),
+        Cmd::Master(a) => master::run(a, matches.subcommand_matches("master").unwrap_or(&matches)),
+        Cmd::StoreBench(a) => store_bench::run(a),
     };
     if let Err(e) = r {
         eprintln!("kvferry: error: {e}");

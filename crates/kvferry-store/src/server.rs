@@ -39,6 +39,7 @@ pub fn handle(m: &Master, req: Request) -> Response {
         match req {
             Request::MountSegment { client, segment } => st.mount(client, segment, now).map(|_| Response::Ok),
             Request::RemountSegments { client, segments } => {
+                st.register_client(client, now);
                 let mut r = Ok(Response::Ok);
                 for s in segments {
                     if let Err(e) = st.mount(client, s, now) {

@@ -109,3 +109,28 @@ mod tests {
         assert!(big.shift > 6, "granule grows for a 300 GiB segment");
     }
 }
+
+#[cfg(test)]
+mod frag_tests {
+    use super::*;
+
+    #[test]
+    fn mixed_sizes_then_large_blocks_fit() {
+        let mut s = SegmentSpace::new(1 << 30, 1 << 30);
+        for size in [4u64 << 10, 64 << 10, 1 << 20] {
+            let mut v = Vec::new();
+            while s.used() < (1 << 30) / 4 {
+                v.push(s.allocate(size).expect("room"));
+            }
+            for b in v {
+                s.free(b);
+            }
+        }
+        assert_eq!(s.used(), 0);
+        let mut n = 0;
+        while let Some(_) = s.allocate(16 << 20) {
+            n += 1;
+        }
+        assert!(n >= 56, "after mixed use and frees, 16 MiB blocks still fill the segment (got {n} of 64)");
+    }
+}

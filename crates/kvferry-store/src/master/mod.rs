@@ -299,6 +299,11 @@ impl State {
         Some(o)
     }
 
+    /// Makes a client known (a pure client mounts nothing but must be able to put).
+    pub fn register_client(&mut self, client: u64, now: u64) {
+        self.clients.insert(client, now);
+    }
+
     pub fn ping(&mut self, client: u64, now: u64) -> PingStatus {
         match self.clients.get_mut(&client) {
             Some(t) => {
@@ -472,7 +477,8 @@ impl State {
             // Make room: at least this value, at least the configured ratio.
             let total = self.total_bytes();
             let target = size.saturating_mul(u64::from(cfg.replica_num)).max((total as f64 * m.eviction_ratio) as u64);
-            self.evict(target, now, m.allow_evict_soft_pinned, stats);
+            let freed = self.evict(target, now, m.allow_evict_soft_pinned, stats);
+            tracing::info!(key, size, used = self.used_bytes(), total, freed, deferred = self.deferred.len(), "no free range for a put: evicted");
             replicas = self.place(size, cfg, m.strategy);
         }
         if replicas.is_empty() {

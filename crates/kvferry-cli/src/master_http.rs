@@ -1,0 +1,110 @@
+//! The master's HTTP side: `/metrics` (Prometheus text format 0.0.4), `/health`,
+//! `/query_key?key=`, `/get_all_segments`.
+//!
+//! Values are read from the master at scrape time (under its lock), so the exposition is
+//! written directly rather than mirrored into a metrics registry that would duplicate state.
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{Request, Response, StatusCode};
+use kvferry_store::master::{Master, OP_NAMES};
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::net::TcpListener;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+fn reply(status: StatusCode, ctype: &str, body: String) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    if let Ok(v) = hyper::header::HeaderValue::from_str(ctype) {
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    r
+}
+
+fn query_param(uri: &hyper::Uri, name: &str) -> Option<String> {
+    form_urlencoded::parse(uri.query()?.as_bytes()).find(|(k, _)| k == name).map(|(_, v)| v.into_owned())
+}
+
+pub fn metrics_text(m: &Master) -> String {
+    let s = m.lock().summary();
+    let mut o = String::new();
+    let mut gauge = |name: &str, help: &str, v: f64| {
+        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+    };
+    gauge("kvferry_master_keys", "Objects readable in the pool.", s.keys as f64);
+    gauge("kvferry_master_bytes_used", "Bytes allocated to replicas.", s.bytes_used as f64);
+    gauge("kvferry_master_bytes_total", "Bytes contributed by mounted segments.", s.bytes_total as f64);
+    gauge("kvferry_master_clients", "Clients that pinged within their TTL.", s.clients as f64);
+    gauge("kvferry_master_segments", "Mounted segments.", s.segments as f64);
+    gauge("kvferry_master_pending_puts", "Puts started and not yet ended.", s.pending_puts as f64);
+    let _ = writeln!(o, "# HELP kvferry_master_ops_total Operations handled, by kind.\n# TYPE kvferry_master_ops_total counter");
+    for (i, op) in OP_NAMES.iter().enumerate() {
+        let _ = writeln!(o, "kvferry_master_ops_total{{op=\"{op}\"}} {}", m.stats.ops[i].load(Ordering::Relaxed));
+    }
+    let _ = writeln!(o, "# HELP kvferry_master_errors_total Operations that returned an error, by kind.\n# TYPE kvferry_master_errors_total counter");
+    for (i, op) in OP_NAMES.iter().enumerate() {
+        let _ = writeln!(o, "kvferry_master_errors_total{{op=\"{op}\"}} {}", m.stats.errors[i].load(Ordering::Relaxed));
+    }
+    let _ = writeln!(o, "# HELP kvferry_master_evicted_objects_total Objects evicted.\n# TYPE kvferry_master_evicted_objects_total counter\nkvferry_master_evicted_objects_total {}", m.stats.evicted_objects.load(Ordering::Relaxed));
+    let _ = writeln!(o, "# HELP kvferry_master_evicted_bytes_total Bytes evicted.\n# TYPE kvferry_master_evicted_bytes_total counter\nkvferry_master_evicted_bytes_total {}", m.stats.evicted_bytes.load(Ordering::Relaxed));
+    o
+}
+
+fn route(m: &Master, req: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+    if req.method() != hyper::Method::GET {
+        return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "only GET is served here\n".into());
+    }
+    match req.uri().path() {
+        "/metrics" => reply(StatusCode::OK, "text/plain; version=0.0.4", metrics_text(m)),
+        "/health" => {
+            let s = m.lock().summary();
+            reply(StatusCode::OK, "application/json", serde_json::json!({"status": "ok", "role": "master", "summary": s}).to_string())
+        }
+        "/get_all_segments" => reply(StatusCode::OK, "application/json", serde_json::to_string(&m.lock().segments_info()).unwrap_or_default()),
+        "/query_key" => match query_param(req.uri(), "key") {
+            None => reply(StatusCode::BAD_REQUEST, "text/plain", "missing ?key=\n".into()),
+            Some(k) => match m.lock().key_info(&k, m.now()) {
+                Some(info) => reply(StatusCode::OK, "application/json", serde_json::to_string(&info).unwrap_or_default()),
+                None => reply(StatusCode::NOT_FOUND, "text/plain", format!("key {k:?} not found\n")),
+            },
+        },
+        _ => reply(StatusCode::NOT_FOUND, "text/plain", "routes: /metrics /health /query_key?key= /get_all_segments\n".into()),
+    }
+}
+
+/// Serves the admin HTTP on `listener` until the process ends.
+pub fn serve(listener: TcpListener, m: Arc<Master>) -> std::io::Result<()> {
+    listener.set_nonblocking(true)?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        loop {
+            let (stream, _) = listener.accept().await?;
+            let m = Arc::clone(&m);
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| {
+                    let r = route(&m, &req);
+                    async move { Ok::<_, Infallible>(r) }
+                });
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = tokio::time::timeout(
+                    std::time::Duration::from_secs(30),
+                    hyper::server::conn::http1::Builder::new().serve_connection(io, svc),
+                )
+                .await;
+            });
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn query_decoding() {
+        let u: hyper::Uri = "/query_key?key=a%2Fb+c&x=1".parse().unwrap();
+        assert_eq!(super::query_param(&u, "key").as_deref(), Some("a/b c"));
+        assert_eq!(super::query_param(&u, "nope"), None);
+    }
+}

@@ -1,0 +1,391 @@
+//! `kvferry store-bench`: a master and two clients on 127.0.0.1, every value checked.
+//!
+//! The bench process is a pure client (it contributes no memory); a second client process
+//! contributes the only segment, so every put and get moves bytes client to client through
+//! the transfer engine, as in a real pool. `--master-only` measures the master by itself.
+
+use crate::sys::{human, parse_size};
+use kvferry::hostbuf::HostBuffer;
+use kvferry_store::master::{Master, MasterConfig};
+use kvferry_store::proto::{ReplicateConfig, Request, Segment};
+use kvferry_store::{Client, ClientConfig};
+use serde::Serialize;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args)]
+pub struct StoreBenchArgs {
+    /// Value sizes to sweep.
+    #[arg(long, default_value = "4K,64K,1M,16M", value_delimiter = ',', value_parser = parse_size)]
+    values: Vec<u64>,
+    /// Keys per call for the batched points (1 is always measured too).
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// Seconds per point (at least one call).
+    #[arg(long, default_value_t = 1.0)]
+    duration: f64,
+    /// Memory the serving client contributes.
+    #[arg(long, default_value = "2GiB", value_parser = parse_size)]
+    segment_size: u64,
+    /// Write one JSON record per point (JSON Lines).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Measure the master alone: metadata ops/s and memory per object.
+    #[arg(long)]
+    master_only: bool,
+    /// Objects created for the memory-per-object figure of --master-only.
+    #[arg(long, default_value_t = 1_000_000)]
+    objects: u64,
+    /// Internal: run as the serving client of a bench.
+    #[arg(long, hide = true)]
+    serve_segment: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StorePoint {
+    pub op: String,
+    pub value_bytes: u64,
+    pub batch: usize,
+    pub gbps: f64,
+    pub keys_per_s: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub verified: bool,
+}
+
+pub fn run(a: StoreBenchArgs) -> Result<(), String> {
+    if let Some(master) = &a.serve_segment {
+        return serve_segment(master, a.segment_size);
+    }
+    if a.master_only {
+        return master_only(&a);
+    }
+    if a.batch == 0 {
+        return Err("--batch must be at least 1".into());
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
+    let mut master = Proc::spawn(Command::new(&exe).args(["master", "--port", "0", "--metrics-port", "-1", "--summary-interval", "0", "--default-kv-lease-ttl", "500"]), "KVFERRY_MASTER")?;
+    let master_addr = master.field("rpc=").ok_or("master printed no address")?;
+    let server = Proc::spawn(
+        Command::new(&exe).args(["store-bench", "--serve-segment", &master_addr, "--segment-size", &a.segment_size.to_string()]),
+        "KVFERRY_STORE_SERVER",
+    );
+    let server = match server {
+        Ok(s) => s,
+        Err(e) => {
+            master.stop();
+            return Err(e);
+        }
+    };
+    let r = run_client(&a, &master_addr);
+    drop(server);
+    master.stop();
+    let points = r?;
+    print_table(&a, &points);
+    if let Some(p) = &a.json {
+        let text: String = points.iter().map(|p| serde_json::to_string(p).expect("serialisable") + "\n").collect();
+        std::fs::write(p, text).map_err(|e| format!("writing {}: {e}", p.display()))?;
+    }
+    if points.iter().any(|p| !p.verified) {
+        return Err("some values did not read back exactly (see the table)".into());
+    }
+    Ok(())
+}
+
+/// A child process that prints one `TAG k=v ...` line when ready and exits when its stdin
+/// closes (or is killed on drop).
+struct Proc {
+    child: Child,
+    line: String,
+}
+
+impl Proc {
+    fn spawn(cmd: &mut Command, tag: &str) -> Result<Proc, String> {
+        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().map_err(|e| format!("starting {tag}: {e}"))?;
+        let out = child.stdout.take().ok_or("no stdout")?;
+        let mut line = String::new();
+        let _ = BufReader::new(out).read_line(&mut line);
+        if !line.starts_with(tag) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("{tag} did not start (printed {line:?})"));
+        }
+        Ok(Proc { child, line })
+    }
+
+    fn field(&self, key: &str) -> Option<String> {
+        self.line.split_whitespace().find_map(|w| w.strip_prefix(key)).map(str::to_string)
+    }
+
+    fn stop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn serve_segment(master: &str, size: u64) -> Result<(), String> {
+    let c = Client::setup(ClientConfig { global_segment_size: size, local_buffer_size: 0, master_server_addr: master.to_string(), ..ClientConfig::default() })
+        .map_err(|e| e.to_string())?;
+    println!("KVFERRY_STORE_SERVER segment={}", c.segment_name());
+    let _ = std::io::stdout().flush();
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    Ok(())
+}
+
+/// The bytes of value `key`: a pattern seeded by the key, so any mix-up shows.
+fn fill_value(dst: &mut [u8], key: &str) {
+    let seed = xxhash_rust::xxh3::xxh3_64(key.as_bytes());
+    for (i, c) in dst.chunks_mut(8).enumerate() {
+        let w = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
+        c.copy_from_slice(&w.to_le_bytes()[..c.len()]);
+    }
+}
+
+fn value_ok(got: &[u8], key: &str) -> bool {
+    let mut want = vec![0u8; got.len()];
+    fill_value(&mut want, key);
+    want == got
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+fn run_client(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, String> {
+    let maxv = a.values.iter().copied().max().unwrap_or(0) as usize;
+    let slots = a.batch.max(1);
+    let c = Client::setup(ClientConfig {
+        global_segment_size: 0,
+        local_buffer_size: (maxv * slots + (1 << 20)) as u64,
+        master_server_addr: master.to_string(),
+        ..ClientConfig::default()
+    })
+    .map_err(|e| e.to_string())?;
+    let src = HostBuffer::new(maxv * slots, true).map_err(|e| e.to_string())?;
+    let dst = HostBuffer::new(maxv * slots, true).map_err(|e| e.to_string())?;
+    c.register_buffer(src.addr(), src.len() as u64).map_err(|e| e.to_string())?;
+    c.register_buffer(dst.addr(), dst.len() as u64).map_err(|e| e.to_string())?;
+    let cfg = ReplicateConfig::default();
+    let mut points = Vec::new();
+    let total = a.values.len() * 2;
+    let mut n = 0;
+    for &v in &a.values {
+        for batch in [1usize, a.batch] {
+            n += 1;
+            eprint!("\r\x1b[K[{n}/{total}] values of {} x {batch} ...", human(v));
+            let _ = std::io::stderr().flush();
+            // Removed objects keep their space until their read leases end (no torn reads; the
+            // bench's master grants 500 ms leases), so each phase stays under 1/8 of the
+            // serving segment (at least one call): the pool never nears its eviction mark.
+            let max_keys = ((a.segment_size / 8) / v.max(1)) as usize;
+            let rounds_cap = (max_keys / batch).max(1);
+            let vlen = v as usize;
+            // put_from: zero-copy from registered memory.
+            let mut keys: Vec<Vec<String>> = Vec::new();
+            let mut lat = Vec::new();
+            let start = Instant::now();
+            let mut busy = Duration::ZERO;
+            while keys.len() < rounds_cap && (keys.is_empty() || start.elapsed().as_secs_f64() < a.duration) {
+                let r = keys.len();
+                let ks: Vec<String> = (0..batch).map(|i| format!("kv-{v}-{batch}-{r}-{i}")).collect();
+                for (i, k) in ks.iter().enumerate() {
+                    fill_value(src.slice_mut(i * vlen, vlen), k);
+                }
+                let items: Vec<(&str, u64, u64)> = ks.iter().enumerate().map(|(i, k)| (k.as_str(), src.addr() + (i * vlen) as u64, v)).collect();
+                let t0 = Instant::now();
+                let res = if batch == 1 { vec![c.put_from(items[0].0, items[0].1, v, &cfg)] } else { c.batch_put_from(&items, &cfg) };
+                let dt = t0.elapsed();
+                busy += dt;
+                lat.push(dt.as_secs_f64() * 1e6);
+                for (k, r) in ks.iter().zip(res) {
+                    r.map_err(|e| format!("put_from {k}: {e}"))?;
+                }
+                keys.push(ks);
+            }
+            points.push(point("put_from", v, batch, &keys, busy, &mut lat, true));
+            // get_into: read every key back, check every byte.
+            let mut lat = Vec::new();
+            let mut busy = Duration::ZERO;
+            let mut verified = true;
+            for ks in &keys {
+                let items: Vec<(&str, u64, u64)> = ks.iter().enumerate().map(|(i, k)| (k.as_str(), dst.addr() + (i * vlen) as u64, v)).collect();
+                let t0 = Instant::now();
+                let res = if batch == 1 { vec![c.get_into(items[0].0, items[0].1, v)] } else { c.batch_get_into(&items) };
+                let dt = t0.elapsed();
+                busy += dt;
+                lat.push(dt.as_secs_f64() * 1e6);
+                for (i, (k, r)) in ks.iter().zip(res).enumerate() {
+                    let got = r.map_err(|e| format!("get_into {k}: {e}"))?;
+                    verified &= got == v && value_ok(dst.slice(i * vlen, vlen), k);
+                }
+            }
+            points.push(point("get_into", v, batch, &keys, busy, &mut lat, verified));
+            c.remove_all(true).map_err(|e| e.to_string())?;
+            // put / get: the bytes API (copies through the local buffer).
+            let mut lat = Vec::new();
+            let mut busy = Duration::ZERO;
+            let mut values: Vec<Vec<u8>> = (0..batch).map(|_| vec![0u8; vlen]).collect();
+            for ks in &keys {
+                for (val, k) in values.iter_mut().zip(ks) {
+                    fill_value(val, k);
+                }
+                let items: Vec<(&str, &[u8])> = ks.iter().zip(&values).map(|(k, val)| (k.as_str(), val.as_slice())).collect();
+                let t0 = Instant::now();
+                let res = c.put_batch(&items, &cfg, false);
+                let dt = t0.elapsed();
+                busy += dt;
+                lat.push(dt.as_secs_f64() * 1e6);
+                for (k, r) in ks.iter().zip(res) {
+                    r.map_err(|e| format!("put {k}: {e}"))?;
+                }
+            }
+            points.push(point("put", v, batch, &keys, busy, &mut lat, true));
+            let mut lat = Vec::new();
+            let mut busy = Duration::ZERO;
+            let mut verified = true;
+            for ks in &keys {
+                let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
+                let t0 = Instant::now();
+                let res = c.get_batch(&refs);
+                let dt = t0.elapsed();
+                busy += dt;
+                lat.push(dt.as_secs_f64() * 1e6);
+                for (k, r) in ks.iter().zip(res) {
+                    let val = r.map_err(|e| format!("get {k}: {e}"))?;
+                    verified &= val.len() == vlen && value_ok(&val, k);
+                }
+            }
+            points.push(point("get", v, batch, &keys, busy, &mut lat, verified));
+            c.remove_all(true).map_err(|e| e.to_string())?;
+        }
+    }
+    eprint!("\r\x1b[K");
+    Ok(points)
+}
+
+fn point(op: &str, v: u64, batch: usize, keys: &[Vec<String>], busy: Duration, lat: &mut [f64], verified: bool) -> StorePoint {
+    let nkeys = keys.iter().map(Vec::len).sum::<usize>() as f64;
+    let secs = busy.as_secs_f64().max(1e-9);
+    StorePoint {
+        op: op.into(),
+        value_bytes: v,
+        batch,
+        gbps: nkeys * v as f64 / secs / 1e9,
+        keys_per_s: nkeys / secs,
+        p50_us: pct(lat, 0.5),
+        p99_us: pct(lat, 0.99),
+        verified,
+    }
+}
+
+fn print_table(a: &StoreBenchArgs, points: &[StorePoint]) {
+    println!("kvferry store-bench: master + 2 clients on 127.0.0.1 (values move client to client over TCP), {} serving segment", human(a.segment_size));
+    println!("latency is per call (a batched call moves {} keys)\n", a.batch);
+    println!("{:<9} {:>8} {:>6} {:>8} {:>11} {:>10} {:>10} {:>8}", "op", "value", "batch", "GB/s", "keys/s", "p50 (us)", "p99 (us)", "verified");
+    for p in points {
+        println!(
+            "{:<9} {:>8} {:>6} {:>8.3} {:>11.0} {:>10.1} {:>10.1} {:>8}",
+            p.op,
+            human(p.value_bytes),
+            p.batch,
+            p.gbps,
+            p.keys_per_s,
+            p.p50_us,
+            p.p99_us,
+            if p.verified { "yes" } else { "NO" }
+        );
+    }
+}
+
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|x| x.parse::<u64>().ok()))
+        // SAFETY: sysconf has no preconditions.
+        .map(|pages| pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as u64)
+        .unwrap_or(0)
+}
+
+fn master_only(a: &StoreBenchArgs) -> Result<(), String> {
+    use kvferry_store::server::{handle, MasterServer};
+    use std::sync::Arc;
+    // 1. Memory per object: the master never touches data, so a huge virtual segment costs nothing.
+    let m = Master::new(MasterConfig::default());
+    let seg = Segment { id: 1, name: "seg".into(), te_endpoint: "127.0.0.1:1".into(), base: 1 << 40, size: 1 << 40 };
+    handle(&m, Request::MountSegment { client: 1, segment: seg });
+    let before = rss_bytes();
+    let cfg = ReplicateConfig::default();
+    let t = Instant::now();
+    for i in 0..a.objects {
+        let key = format!("object-{i:012}");
+        handle(&m, Request::PutStart { client: 1, key: key.clone(), size: 4096, config: cfg.clone(), upsert: false });
+        handle(&m, Request::PutEnd { client: 1, key });
+    }
+    let fill = t.elapsed().as_secs_f64();
+    let per_obj = (rss_bytes().saturating_sub(before)) as f64 / a.objects as f64;
+    println!("master memory: {} objects (keys of 19 bytes) take {:.0} bytes each (RSS growth); created at {:.0} puts/s in-process", a.objects, per_obj, a.objects as f64 / fill);
+    // 2. Throughput over RPC: connections from several threads, 32 ops per request.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let m = Arc::new(m);
+    let server = MasterServer::start(Arc::clone(&m), listener, Duration::from_millis(200), 0).map_err(|e| e.to_string())?;
+    let addr = format!("127.0.0.1:{}", server.port());
+    for (threads, per_req) in [(4usize, 1usize), (4, 32)] {
+        let dur = Duration::from_secs_f64(a.duration.max(0.2));
+        let start = Instant::now();
+        let ops: u64 = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..threads)
+                .map(|t| {
+                    let addr = addr.clone();
+                    s.spawn(move || -> u64 {
+                        let Ok(mut conn) = std::net::TcpStream::connect(&addr) else { return 0 };
+                        let _ = conn.set_nodelay(true);
+                        let mut n = 0u64;
+                        let mut i = t as u64;
+                        while start.elapsed() < dur {
+                            let reqs: Vec<Request> = (0..per_req)
+                                .map(|_| {
+                                    i += 1;
+                                    Request::ExistKey { key: format!("object-{:012}", i % a.objects.max(1)) }
+                                })
+                                .collect();
+                            let req = if per_req == 1 { reqs.into_iter().next().expect("one") } else { Request::Batch(reqs) };
+                            let Ok(frame) = kvferry_store::proto::encode(&req) else { return n };
+                            if conn.write_all(&frame).is_err() {
+                                return n;
+                            }
+                            let mut len = [0u8; 4];
+                            if conn.read_exact(&mut len).is_err() {
+                                return n;
+                            }
+                            let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+                            if conn.read_exact(&mut body).is_err() {
+                                return n;
+                            }
+                            n += per_req as u64;
+                        }
+                        n
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or(0)).sum()
+        });
+        let secs = start.elapsed().as_secs_f64();
+        println!("master RPC: {:.0} metadata ops/s ({threads} connections, {per_req} op(s) per request, ExistKey on {} objects)", ops as f64 / secs, a.objects);
+    }
+    drop(server);
+    Ok(())
+}
