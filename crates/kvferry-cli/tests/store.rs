@@ -1,0 +1,309 @@
+//! The store across processes: `kvferry master`, serving clients (`kvferry store-bench
+//! --serve-segment`) and in-test clients, all on 127.0.0.1.
+
+use kvferry_store::{Client, ClientConfig, ReplicateConfig, StoreError};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Proc {
+    child: Child,
+    line: String,
+}
+
+impl Proc {
+    fn start(args: &[&str], tag: &str) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry")).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert!(line.starts_with(tag), "{tag} expected, got {line:?}");
+        Proc { child, line }
+    }
+    fn field(&self, key: &str) -> String {
+        self.line.split_whitespace().find_map(|w| w.strip_prefix(key)).unwrap().to_string()
+    }
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn master(extra: &[&str]) -> Proc {
+    let mut args = vec!["master", "--metrics-port", "0", "--summary-interval", "0"];
+    if !extra.contains(&"--port") {
+        args.extend_from_slice(&["--port", "0"]);
+    }
+    args.extend_from_slice(extra);
+    Proc::start(&args, "KVFERRY_MASTER")
+}
+
+fn server(master_addr: &str, size: &str) -> Proc {
+    Proc::start(&["store-bench", "--serve-segment", master_addr, "--segment-size", size], "KVFERRY_STORE_SERVER")
+}
+
+fn client(master_addr: &str, segment: u64) -> Client {
+    Client::setup(ClientConfig {
+        global_segment_size: segment,
+        local_buffer_size: 64 << 20,
+        master_server_addr: master_addr.to_string(),
+        transfer_timeout: Duration::from_secs(10),
+        ..ClientConfig::default()
+    })
+    .expect("client setup")
+}
+
+fn value(key: &str, version: u64, len: usize) -> Vec<u8> {
+    // [version][checksum of the rest][pattern]: any torn or mixed value fails the checksum.
+    let mut v = vec![0u8; len.max(16)];
+    let seed = xxhash_rust::xxh3::xxh3_64(key.as_bytes()) ^ version.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    for (i, b) in v[16..].iter_mut().enumerate() {
+        *b = (seed.rotate_left((i % 64) as u32) as u8) ^ (i as u8);
+    }
+    let sum = xxhash_rust::xxh3::xxh3_64(&v[16..]);
+    v[..8].copy_from_slice(&version.to_le_bytes());
+    v[8..16].copy_from_slice(&sum.to_le_bytes());
+    v
+}
+
+fn intact(v: &[u8]) -> bool {
+    v.len() >= 16 && u64::from_le_bytes(v[8..16].try_into().unwrap()) == xxhash_rust::xxh3::xxh3_64(&v[16..])
+}
+
+fn http_get(addr: &str, path: &str) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let code = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (code, out)
+}
+
+#[test]
+fn store_api_across_processes() {
+    let m = master(&[]);
+    let addr = m.field("rpc=");
+    let _s = server(&addr, "64M");
+    let a = client(&addr, 0);
+    let c = client(&addr, 32 << 20);
+    let cfg = ReplicateConfig::default();
+
+    // Bytes API, both directions, and errors.
+    let v1 = value("k1", 1, 100_000);
+    a.put("k1", &v1, &cfg).unwrap();
+    assert_eq!(c.get("k1").unwrap(), v1, "another client reads it");
+    assert!(matches!(a.put("k1", &value("k1", 2, 10), &cfg), Err(StoreError::ObjectAlreadyExists(_))));
+    assert!(matches!(a.get("missing"), Err(StoreError::ObjectNotFound(_))));
+    let v2 = value("k1", 2, 5000);
+    a.upsert("k1", &v2, &cfg).unwrap();
+    assert_eq!(c.get("k1").unwrap(), v2, "upsert replaced it");
+    assert_eq!(a.get_size("k1").unwrap(), 5000);
+    assert!(a.is_exist("k1").unwrap());
+    assert!(!a.is_exist("nope").unwrap());
+    assert_eq!(a.batch_is_exist(&["k1", "nope"]).into_iter().map(Result::unwrap).collect::<Vec<_>>(), vec![true, false]);
+    let e = a.put("huge", &vec![0u8; 65 << 20], &cfg);
+    assert!(e.is_err(), "a value larger than any segment fails clearly");
+    let e = a.put_from("huge", 1 << 40, 100 << 20, &cfg).unwrap_err();
+    assert!(e.to_string().contains("larger than any segment") || e.to_string().contains("register"), "{e}");
+    assert!(matches!(a.put("", b"x", &cfg), Err(StoreError::InvalidKey(_))));
+
+    // Zero-copy and batched.
+    let src = vec![0u8; 8 << 20];
+    let dst = vec![0u8; 8 << 20];
+    a.register_buffer(src.as_ptr() as u64, src.len() as u64).unwrap();
+    c.register_buffer(dst.as_ptr() as u64, dst.len() as u64).unwrap();
+    let keys: Vec<String> = (0..8).map(|i| format!("z{i}")).collect();
+    let vals: Vec<Vec<u8>> = keys.iter().map(|k| value(k, 1, 1 << 20)).collect();
+    // SAFETY (test): src is ours and not in flight.
+    let srcm = unsafe { std::slice::from_raw_parts_mut(src.as_ptr() as *mut u8, src.len()) };
+    for (i, v) in vals.iter().enumerate() {
+        srcm[i << 20..(i + 1) << 20].copy_from_slice(v);
+    }
+    let items: Vec<(&str, u64, u64)> = keys.iter().enumerate().map(|(i, k)| (k.as_str(), src.as_ptr() as u64 + ((i as u64) << 20), 1 << 20)).collect();
+    for r in a.batch_put_from(&items, &cfg) {
+        r.unwrap();
+    }
+    let gets: Vec<(&str, u64, u64)> = keys.iter().enumerate().map(|(i, k)| (k.as_str(), dst.as_ptr() as u64 + ((i as u64) << 20), 1 << 20)).collect();
+    for r in c.batch_get_into(&gets) {
+        assert_eq!(r.unwrap(), 1 << 20);
+    }
+    assert_eq!(dst, src, "every byte read back by the other client");
+    assert!(matches!(c.get_into("z0", dst.as_ptr() as u64, 100), Err(StoreError::BufferOverflow { .. })));
+    let gb = a.get_batch(&["z1", "missing", "z2"]);
+    assert_eq!(gb[0].as_ref().unwrap(), &vals[1]);
+    assert!(matches!(gb[1], Err(StoreError::ObjectNotFound(_))));
+    assert_eq!(gb[2].as_ref().unwrap(), &vals[2]);
+
+    // Two replicas land on distinct segments; the local one is read locally.
+    c.put("two", &value("two", 1, 4096), &ReplicateConfig { replica_num: 2, ..Default::default() }).unwrap();
+    let (_, body) = http_get(&m.field("http="), "/query_key?key=two");
+    assert_eq!(body.matches("te_endpoint").count(), 2, "{body}");
+
+    // Leases block removal; force does not wait.
+    assert!(matches!(a.remove("z3", false), Err(StoreError::ObjectHasLease(_))), "just read, so leased");
+    a.remove("z3", true).unwrap();
+    assert!(!a.is_exist("z3").unwrap());
+    assert_eq!(a.remove_by_regex("^z[4-5]$", true).unwrap(), 2);
+    assert!(a.remove_by_regex("(", true).is_err(), "bad regex is an error");
+
+    // HTTP side.
+    let http = m.field("http=");
+    let (code, metrics) = http_get(&http, "/metrics");
+    assert_eq!(code, 200);
+    assert!(metrics.contains("kvferry_master_keys ") && metrics.contains("kvferry_master_ops_total{op=\"put_start\"}"), "{metrics}");
+    let (code, segs) = http_get(&http, "/get_all_segments");
+    assert_eq!(code, 200);
+    assert_eq!(segs.matches("te_endpoint").count(), 2, "two segments mounted: {segs}");
+    assert_eq!(http_get(&http, "/health").0, 200);
+    assert_eq!(http_get(&http, "/query_key?key=nothing").0, 404);
+    assert!(a.remove_all(true).unwrap() >= 1);
+    assert!(!a.is_exist("k1").unwrap());
+}
+
+#[test]
+fn killed_client_loses_only_its_replicas() {
+    let m = master(&["--client-ttl", "1"]);
+    let addr = m.field("rpc=");
+    let mut s1 = server(&addr, "32M");
+    let s2 = server(&addr, "32M");
+    let seg1 = s1.field("segment=");
+    let seg2 = s2.field("segment=");
+    let a = client(&addr, 0);
+    a.put("both", &value("both", 1, 65536), &ReplicateConfig { replica_num: 2, ..Default::default() }).unwrap();
+    a.put("only1", &value("only1", 1, 65536), &ReplicateConfig { preferred_segments: vec![seg1.clone()], ..Default::default() }).unwrap();
+    s1.kill(); // SIGKILL: no unmount, pings stop
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let gone = matches!(a.get("only1"), Err(StoreError::ObjectNotFound(_)));
+        if gone {
+            break;
+        }
+        assert!(Instant::now() < until, "the dead client's replicas were never dropped");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let v = a.get("both").unwrap();
+    assert_eq!(v, value("both", 1, 65536), "the surviving replica on {seg2} serves");
+    // New puts go to the survivor.
+    a.put("after", &value("after", 1, 4096), &ReplicateConfig::default()).unwrap();
+    assert!(intact(&a.get("after").unwrap()));
+}
+
+#[test]
+fn master_restart_clients_remount_and_keep_working() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let mut m = master(&["--port", &port]);
+    let addr = m.field("rpc=");
+    let _s = server(&addr, "32M");
+    let a = client(&addr, 16 << 20);
+    a.put("before", &value("before", 1, 4096), &ReplicateConfig::default()).unwrap();
+    m.kill();
+    let _m2 = master(&["--port", &port]);
+    // Metadata is gone with the old master; clients remount within a few pings.
+    let until = Instant::now() + Duration::from_secs(15);
+    loop {
+        if a.put("after", &value("after", 1, 4096), &ReplicateConfig { replica_num: 2, ..Default::default() }).is_ok() {
+            break;
+        }
+        assert!(Instant::now() < until, "clients never remounted after the master restarted");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(intact(&a.get("after").unwrap()));
+    assert!(matches!(a.get("before"), Err(StoreError::ObjectNotFound(_))), "no stale metadata");
+}
+
+#[test]
+fn expired_lease_fails_the_read_instead_of_returning_it() {
+    let m = master(&["--default-kv-lease-ttl", "1"]);
+    let addr = m.field("rpc=");
+    let _s = server(&addr, "64M");
+    let a = client(&addr, 0);
+    a.put("big", &value("big", 1, 32 << 20), &ReplicateConfig::default()).unwrap();
+    let dst = vec![0u8; 32 << 20];
+    a.register_buffer(dst.as_ptr() as u64, dst.len() as u64).unwrap();
+    match a.get_into("big", dst.as_ptr() as u64, dst.len() as u64) {
+        Err(StoreError::LeaseExpired(k)) => assert_eq!(k, "big"),
+        other => panic!("a 32 MiB read cannot finish within a 1 ms lease; got {other:?}"),
+    }
+}
+
+#[test]
+fn full_pool_refuses_instead_of_overwriting_leased_objects() {
+    let m = master(&[]);
+    let addr = m.field("rpc=");
+    let _s = server(&addr, "16M");
+    let a = client(&addr, 0);
+    let cfg = ReplicateConfig::default();
+    for i in 0..4 {
+        a.put(&format!("f{i}"), &value(&format!("f{i}"), 1, 4 << 20), &cfg).unwrap();
+    }
+    for i in 0..4 {
+        assert!(intact(&a.get(&format!("f{i}")).unwrap())); // leases them for 10 s
+    }
+    match a.put("more", &value("more", 1, 4 << 20), &cfg) {
+        Err(StoreError::NoAvailableHandle { .. }) => {}
+        other => panic!("expected NO_AVAILABLE_HANDLE with every object leased, got {other:?}"),
+    }
+    for i in 0..4 {
+        assert_eq!(a.get(&format!("f{i}")).unwrap(), value(&format!("f{i}"), 1, 4 << 20), "leased objects untouched");
+    }
+}
+
+#[test]
+fn concurrent_upserts_and_gets_never_return_torn_values() {
+    let m = master(&[]);
+    let addr = m.field("rpc=");
+    let _s = server(&addr, "64M");
+    let clients: Vec<Client> = (0..3).map(|i| client(&addr, if i == 0 { 16 << 20 } else { 0 })).collect();
+    let keys: Vec<String> = (0..6).map(|i| format!("hot{i}")).collect();
+    for k in &keys {
+        clients[0].put(k, &value(k, 0, 64 << 10), &ReplicateConfig::default()).unwrap();
+    }
+    let stop = Instant::now() + Duration::from_secs(3);
+    let (ok_gets, bad, upserts) = std::thread::scope(|s| {
+        let mut hs = Vec::new();
+        for (ci, c) in clients.iter().enumerate() {
+            let keys = &keys;
+            // Writers
+            hs.push(s.spawn(move || {
+                let mut n = 0u64;
+                let mut ver = 1 + ci as u64 * 1_000_000;
+                while Instant::now() < stop {
+                    let k = &keys[(ver as usize) % keys.len()];
+                    let len = 4096 + (ver as usize % 16) * 4096;
+                    if c.upsert(k, &value(k, ver, len), &ReplicateConfig::default()).is_ok() {
+                        n += 1;
+                    }
+                    ver += 1;
+                }
+                (0u64, 0u64, n)
+            }));
+            // Readers
+            hs.push(s.spawn(move || {
+                let (mut good, mut torn) = (0u64, 0u64);
+                let mut i = ci;
+                while Instant::now() < stop {
+                    let k = &keys[i % keys.len()];
+                    if let Ok(v) = c.get(k) {
+                        if intact(&v) {
+                            good += 1;
+                        } else {
+                            torn += 1;
+                        }
+                    }
+                    i += 1;
+                }
+                (good, torn, 0u64)
+            }));
+        }
+        hs.into_iter().map(|h| h.join().unwrap()).fold((0, 0, 0), |a, b| (a.0 + b.0, a.1 + b.1, a.2 + b.2))
+    });
+    assert_eq!(bad, 0, "a completed get returned a torn or mixed value");
+    assert!(ok_gets > 50, "readers made progress ({ok_gets} good gets)");
+    assert!(upserts > 50, "writers made progress ({upserts} upserts)");
+}
