@@ -1,49 +1,55 @@
-//! Space inside one mounted segment: Sebastian Aaltonen's O(1) offset allocator
-//! (`offset-allocator` crate) over granules, so segments larger than 4 GiB fit its u32 units.
+//! Space inside one mounted segment: best-fit over free ranges, coalesced on free.
+//!
+//! Why not the `offset-allocator` crate (Mooncake's choice, in C++): it reserves its node
+//! table for a fixed maximum number of live allocations up front (128 Ki by default), so a
+//! segment holding millions of small KV blocks needs hundreds of MiB of master memory before
+//! the first put (Mooncake issue #1167), and the default limit silently refuses the 128 Ki+1st
+//! object. Here memory grows with the number of *free ranges* only; each allocation costs
+//! nothing beyond the replica record that names it. Allocation and free are O(log n).
 
-use offset_allocator::{Allocation, Allocator};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Allocation granularity (and alignment): one cache line.
+const ALIGN: u64 = 64;
 
 /// Allocator over `[base, base + size)` of one segment.
 pub struct SegmentSpace {
-    alloc: Allocator,
     base: u64,
     size: u64,
-    /// log2 of the granule in bytes (64 B for segments up to 128 GiB).
-    shift: u32,
     used: u64,
+    /// Free ranges: offset -> length.
+    by_addr: BTreeMap<u64, u64>,
+    /// Free ranges ordered by (length, offset), for best fit.
+    by_size: BTreeSet<(u64, u64)>,
 }
 
 /// One allocated range.
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Block {
     pub addr: u64,
     pub len: u64,
-    handle: Allocation,
+    /// Bytes actually reserved (`len` rounded up to the granularity).
+    cap: u64,
 }
-
-impl std::fmt::Debug for Block {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Block({:#x}, {})", self.addr, self.len)
-    }
-}
-
-impl PartialEq for Block {
-    fn eq(&self, o: &Block) -> bool {
-        self.addr == o.addr && self.len == o.len
-    }
-}
-
-impl Eq for Block {}
 
 impl SegmentSpace {
     pub fn new(base: u64, size: u64) -> SegmentSpace {
-        // Granules must number below 2^31 for the allocator's u32 arithmetic.
-        let mut shift = 6;
-        while (size >> shift) >= (1u64 << 31) {
-            shift += 1;
+        let usable = size / ALIGN * ALIGN;
+        let mut s = SegmentSpace { base, size, used: 0, by_addr: BTreeMap::new(), by_size: BTreeSet::new() };
+        if usable > 0 {
+            s.insert_free(0, usable);
         }
-        let units = (size >> shift).max(1) as u32;
-        SegmentSpace { alloc: Allocator::new(units), base, size, shift, used: 0 }
+        s
+    }
+
+    fn insert_free(&mut self, off: u64, len: u64) {
+        self.by_addr.insert(off, len);
+        self.by_size.insert((len, off));
+    }
+
+    fn remove_free(&mut self, off: u64, len: u64) {
+        self.by_addr.remove(&off);
+        self.by_size.remove(&(len, off));
     }
 
     pub fn size(&self) -> u64 {
@@ -61,26 +67,40 @@ impl SegmentSpace {
         1.0 - self.used as f64 / self.size as f64
     }
 
-    /// Allocates `len` bytes (rounded up to the granule), or `None` if no free range fits.
+    /// Allocates `len` bytes, or `None` if no free range is large enough.
     pub fn allocate(&mut self, len: u64) -> Option<Block> {
-        let units = len.div_ceil(1 << self.shift).max(1);
-        let units = u32::try_from(units).ok()?;
-        let handle = self.alloc.allocate(units)?;
-        let addr = self.base + (u64::from(handle.offset) << self.shift);
-        let rounded = u64::from(units) << self.shift;
-        if addr + len > self.base + self.size {
-            // The last granule may extend past a size that is not a granule multiple.
-            self.alloc.free(handle);
-            return None;
+        let cap = len.max(1).checked_next_multiple_of(ALIGN)?;
+        let &(flen, off) = self.by_size.range((cap, 0)..).next()?;
+        self.remove_free(off, flen);
+        if flen > cap {
+            self.insert_free(off + cap, flen - cap);
         }
-        self.used += rounded;
-        Some(Block { addr, len, handle })
+        self.used += cap;
+        Some(Block { addr: self.base + off, len, cap })
     }
 
+    /// Returns a block; neighbouring free ranges merge.
     pub fn free(&mut self, b: Block) {
-        let units = b.len.div_ceil(1 << self.shift).max(1);
-        self.used = self.used.saturating_sub(units << self.shift);
-        self.alloc.free(b.handle);
+        let mut off = b.addr - self.base;
+        let mut len = b.cap;
+        self.used = self.used.saturating_sub(b.cap);
+        if let Some((&poff, &plen)) = self.by_addr.range(..off).next_back() {
+            if poff + plen == off {
+                self.remove_free(poff, plen);
+                off = poff;
+                len += plen;
+            }
+        }
+        if let Some(&nlen) = self.by_addr.get(&(off + len)) {
+            self.remove_free(off + len, nlen);
+            len += nlen;
+        }
+        self.insert_free(off, len);
+    }
+
+    /// Number of free ranges (fragmentation).
+    pub fn free_ranges(&self) -> usize {
+        self.by_addr.len()
     }
 }
 
@@ -105,8 +125,12 @@ mod tests {
             blocks.push(b);
         }
         assert_eq!(blocks.len(), 16, "the segment fills exactly");
-        let big = SegmentSpace::new(1 << 40, 300 << 30);
-        assert!(big.shift > 6, "granule grows for a 300 GiB segment");
+        assert_eq!(s.free_ranges(), 0, "full");
+        for b in blocks.drain(..).rev() {
+            s.free(b);
+        }
+        assert_eq!(s.free_ranges(), 1, "frees coalesce back into one range");
+        assert_eq!(s.used(), 0);
     }
 }
 
@@ -131,6 +155,22 @@ mod frag_tests {
         while let Some(_) = s.allocate(16 << 20) {
             n += 1;
         }
-        assert!(n >= 56, "after mixed use and frees, 16 MiB blocks still fill the segment (got {n} of 64)");
+        assert_eq!(n, 64, "after mixed use and frees, 16 MiB blocks fill the segment");
+    }
+
+    #[test]
+    fn millions_of_small_blocks_need_no_reservation() {
+        let mut s = SegmentSpace::new(0, 1 << 40);
+        let blocks: Vec<Block> = (0..1_000_000).map(|_| s.allocate(4096).expect("room")).collect();
+        assert_eq!(s.used(), 4096 * 1_000_000);
+        assert_eq!(s.free_ranges(), 1);
+        for b in blocks.iter().step_by(2) {
+            s.free(*b);
+        }
+        assert_eq!(s.free_ranges(), 500_001);
+        for b in blocks.iter().skip(1).step_by(2) {
+            s.free(*b);
+        }
+        assert_eq!(s.free_ranges(), 1);
     }
 }
