@@ -86,11 +86,15 @@ def notifies_of(t):
 CASES = {}
 # name -> (function, expected for kvferry, observed for stock Mooncake)
 DIVERGENT = {}
+# cases whose requests the target refuses (see order())
+POISONS = set()
 
 
-def case(expected):
+def case(expected, poisons=False):
     def deco(fn):
         CASES[fn.__name__] = (fn, expected)
+        if poisons:
+            POISONS.add(fn.__name__)
         return fn
 
     return deco
@@ -405,22 +409,19 @@ def sync_zero_length(env):
     return env.te.transfer_sync_write(env.seg, env.a, env.b, 0)
 
 
-@case(-1)
+@case(-1, poisons=True)
 def sync_remote_outside(env):
     return env.te.transfer_sync_write(env.seg, env.a, env.b + SIZE, 16)
 
 
-@case(-1)
+@case(-1, poisons=True)
 def sync_remote_too_long(env):
     return env.te.transfer_sync_write(env.seg, env.a, env.b, SIZE + 1)
 
 
-@case(-1)
-def sync_local_outside(env):
-    return env.te.transfer_sync_write(env.seg, env.a + SIZE, env.b, 16)
 
 
-@case(-1)
+@case(-1, poisons=True)
 def sync_length_u64_max(env):
     return env.te.transfer_sync_write(env.seg, env.a, env.b, 2 ** 64 - 1)
 
@@ -470,7 +471,7 @@ def batch_sync_empty(env):
     return env.te.batch_transfer_sync_write(env.seg, [], [], [])
 
 
-@case(-1)
+@case(-1, poisons=True)
 def batch_sync_one_bad(env):
     return env.te.batch_transfer_sync_write(env.seg, [env.a, env.a], [env.b, env.b + 2 * SIZE], [16, 16])
 
@@ -521,19 +522,15 @@ def async_dead_segment(env):
     return env.te.batch_transfer_async_write("127.0.0.1:1", [env.a], [env.b], [16])
 
 
-@case([True, -1])
-def async_local_outside(env):
-    x = env.te.batch_transfer_async_write(env.seg, [env.a + SIZE], [env.b], [16])
-    return [x != 0, env.te.get_batch_transfer_status([x])]
 
 
-@case(-1)
+@case(-1, poisons=True)
 def async_remote_outside(env):
     x = env.te.batch_transfer_async_write(env.seg, [env.a], [env.b + 2 * SIZE], [16])
     return env.te.get_batch_transfer_status([x])
 
 
-@case(-1)
+@case(-1, poisons=True)
 def async_two_batches_one_bad(env):
     x = env.te.batch_transfer_async_write(env.seg, [env.a], [env.b], [16])
     y = env.te.batch_transfer_async_write(env.seg, [env.a], [env.b + 2 * SIZE], [16])
@@ -557,7 +554,7 @@ def submit_zero_length_then_check(env):
     return poll(lambda: env.te.transfer_check_status(x), lambda v: v != 0)
 
 
-@case(-1)
+@case(-1, poisons=True)
 def submit_remote_outside_then_check(env):
     x = env.te.transfer_submit_write(env.seg, env.a, env.b + 2 * SIZE, 16)
     return poll(lambda: env.te.transfer_check_status(x), lambda v: v != 0)
@@ -637,6 +634,14 @@ def transfer_after_unregister(env):
     return env.te.transfer_sync_write(env.seg, a, env.b, 16)
 
 
+@divergent([True, -1], [True, 0])
+def async_from_unregistered(env):
+    """Same for async batches."""
+    a, _ = env.fresh()
+    x = env.te.batch_transfer_async_write(env.seg, [a], [env.b], [16])
+    return [x != 0, env.te.get_batch_transfer_status([x])]
+
+
 @divergent(-1, 0)
 def register_length_u64_max(env):
     """A range past the end of the address space is refused."""
@@ -683,12 +688,19 @@ def _jsonable(v):
     return repr(v)
 
 
+def order(names):
+    """Cases that make the target refuse a request run last: stock Mooncake's TCP transport
+    sometimes fails a later, valid request on the same connection after a refusal (they
+    only expect failures themselves, so they are unaffected)."""
+    return [n for n in names if n not in POISONS] + [n for n in names if n in POISONS]
+
+
 def run(mod, names):
     env = Env(mod)
     out = {}
     table = dict((k, v[0]) for k, v in CASES.items())
     table.update((k, v[0]) for k, v in DIVERGENT.items())
-    for name in names:
+    for name in order(names):
         try:
             out[name] = _jsonable(table[name](env))
         except Exception as e:  # the result *is* the exception type

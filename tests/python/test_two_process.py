@@ -101,3 +101,81 @@ def test_probe_dead_process(te_pair, pair, kv):
     with pytest.raises(kv.PeerUnreachable) as ei:
         eng.probe(seg)
     assert ei.value.code == -102
+
+
+@pytest.fixture(params=["kvferry", "mooncake"])
+def any_target(request):
+    """A target process on kvferry (through the shim) or on stock Mooncake."""
+    if request.param == "kvferry":
+        p = Peer(sys.executable, SIZE, seed=4, shim=True)
+    else:
+        p = Peer(request.getfixturevalue("mooncake_py"), SIZE, seed=4)
+    yield p
+    p.close()
+
+
+def test_every_transfer_method_across_processes(any_target, te_pair):
+    """Each Mooncake-API transfer method of kvferry against another process, bytes verified."""
+    from kvferry.mooncake.engine import Read, TransferNotify, Write
+
+    te, _ = te_pair
+    seg, r = any_target.segment, any_target.addr
+    k = 65536
+    m = te.allocate_managed_buffer(8 * k)
+    assert m != 0
+    pat = pattern_bytes(0, 8 * k, 12)
+    assert te.write_bytes_to_buffer(m, pat, len(pat)) == 0
+
+    def remote_is(off, n, data):
+        return any_target.checksum(off, n) == sha256(data)
+
+    assert te.transfer_sync_write(seg, m, r, k) == 0 and remote_is(0, k, pat[:k])
+    assert te.transfer_sync(seg, m + k, r + k, k, Write) == 0 and remote_is(k, k, pat[k:2 * k])
+    assert te.batch_transfer_sync_write(seg, [m + 2 * k], [r + 2 * k], [k]) == 0 and remote_is(2 * k, k, pat[2 * k:3 * k])
+    assert te.batch_transfer_sync(seg, [m + 3 * k], [r + 3 * k], [k], Write, TransferNotify("b", "sync")) == 0
+    x = te.batch_transfer_async_write(seg, [m + 4 * k], [r + 4 * k], [k])
+    y = te.batch_transfer_async(seg, [m + 5 * k], [r + 5 * k], [k], Write)
+    assert x and y and te.get_batch_transfer_status([x, y]) == 0
+    z = te.transfer_submit_write(seg, m + 6 * k, r + 6 * k, 2 * k)
+    assert wait_for(lambda: te.transfer_check_status(z) == 1, timeout=10)
+    assert remote_is(0, 8 * k, pat)
+    got = []
+    wait_for(lambda: got.extend(any_target.notifies()) or got)
+    assert got == [["b", "sync"]]
+
+    # reads: zero the local buffer, read back from the peer
+    assert te.write_bytes_to_buffer(m, bytes(8 * k), 8 * k) == 0
+    assert te.transfer_sync_read(seg, m, r, k) == 0
+    assert te.transfer_sync(seg, m + k, r + k, k, Read) == 0
+    assert te.batch_transfer_sync_read(seg, [m + 2 * k, m + 3 * k], [r + 2 * k, r + 3 * k], [k, k]) == 0
+    assert te.batch_transfer_sync(seg, [m + 4 * k], [r + 4 * k], [k], Read) == 0
+    x = te.batch_transfer_async_read(seg, [m + 5 * k], [r + 5 * k], [k])
+    y = te.batch_transfer_async(seg, [m + 6 * k], [r + 6 * k], [2 * k], Read)
+    assert wait_for(lambda: te.transfer_check_status(x) == 1, timeout=10)
+    assert te.get_batch_transfer_status([y]) == 0
+    assert te.read_bytes_from_buffer(m, 8 * k) == pat
+    assert te.get_first_buffer_address(seg) == r
+    assert te.send_probe(seg) == 0
+    assert te.free_managed_buffer(m, 8 * k) == 0
+
+
+def test_native_api_across_processes(any_target, pair, kv):
+    np = pytest.importorskip("numpy")
+    eng, _ = pair
+    seg, r = any_target.segment, any_target.addr
+    src = np.frombuffer(pattern_bytes(0, SIZE, 15), dtype=np.uint8).copy()
+    back = np.zeros_like(src)
+    eng.register_memory(src)
+    eng.register_memory(back)
+    blk = SIZE // 16
+    with eng.submit_write(seg, [src[i * blk:(i + 1) * blk] for i in range(16)], [r + i * blk for i in range(16)]) as b:
+        assert b.wait().transferred_bytes == SIZE
+    assert any_target.checksum(0, SIZE) == sha256(src.tobytes())
+    assert eng.batch_read(seg, [back[:blk], back[blk:]], [r, r + blk]) == SIZE
+    assert back.tobytes() == src.tobytes()
+    with pytest.raises(kv.AddressNotRegistered):
+        eng.read(seg, back, r + 1)  # one byte past the peer's buffer
+    eng.send_notify(seg, "native", name="n1")
+    got = []
+    wait_for(lambda: got.extend(any_target.notifies()) or got)
+    assert got == [["n1", "native"]]
