@@ -27,7 +27,7 @@ pub struct StoreBenchArgs {
     #[arg(long, default_value_t = 1.0)]
     duration: f64,
     /// Memory the serving client contributes.
-    #[arg(long, default_value = "2GiB", value_parser = parse_size)]
+    #[arg(long, default_value = "3GiB", value_parser = parse_size)]
     segment_size: u64,
     /// Write one JSON record per point (JSON Lines).
     #[arg(long)]
@@ -38,6 +38,10 @@ pub struct StoreBenchArgs {
     /// Objects created for the memory-per-object figure of --master-only.
     #[arg(long, default_value_t = 1_000_000)]
     objects: u64,
+    /// Python with the stock Mooncake wheel, to run Mooncake Store side by side
+    /// (default: $KVFERRY_MOONCAKE_PYTHON; `none` disables).
+    #[arg(long)]
+    mooncake_python: Option<String>,
     /// Internal: run as the serving client of a bench.
     #[arg(long, hide = true)]
     serve_segment: Option<String>,
@@ -66,7 +70,7 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
         return Err("--batch must be at least 1".into());
     }
     let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
-    let mut master = Proc::spawn(Command::new(&exe).args(["master", "--port", "0", "--metrics-port", "-1", "--summary-interval", "0", "--default-kv-lease-ttl", "500"]), "KVFERRY_MASTER")?;
+    let mut master = Proc::spawn(Command::new(&exe).args(["master", "--port", "0", "--metrics-port", "-1", "--summary-interval", "0", "--default-kv-lease-ttl", "2000"]), "KVFERRY_MASTER")?;
     let master_addr = master.field("rpc=").ok_or("master printed no address")?;
     let server = Proc::spawn(
         Command::new(&exe).args(["store-bench", "--serve-segment", &master_addr, "--segment-size", &a.segment_size.to_string()]),
@@ -83,7 +87,8 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
     drop(server);
     master.stop();
     let points = r?;
-    print_table(&a, &points);
+    let mooncake = run_mooncake(&a);
+    print_table(&a, &points, &mooncake);
     if let Some(p) = &a.json {
         let text: String = points.iter().map(|p| serde_json::to_string(p).expect("serialisable") + "\n").collect();
         std::fs::write(p, text).map_err(|e| format!("writing {}: {e}", p.display()))?;
@@ -189,7 +194,7 @@ fn run_client(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
             eprint!("\r\x1b[K[{n}/{total}] values of {} x {batch} ...", human(v));
             let _ = std::io::stderr().flush();
             // Removed objects keep their space until their read leases end (no torn reads; the
-            // bench's master grants 500 ms leases), so each phase stays under 1/8 of the
+            // bench's masters grant 2 s leases, long enough for a 512 MiB batch), so each phase stays under 1/8 of the
             // serving segment (at least one call): the pool never nears its eviction mark.
             let max_keys = ((a.segment_size / 8) / v.max(1)) as usize;
             let rounds_cap = (max_keys / batch).max(1);
@@ -292,13 +297,61 @@ fn point(op: &str, v: u64, batch: usize, keys: &[Vec<String>], busy: Duration, l
     }
 }
 
-fn print_table(a: &StoreBenchArgs, points: &[StorePoint]) {
+/// Mooncake Store measured by `tests/interop/mooncake_store_bench.py` in the same run.
+struct MooncakeStore {
+    points: Vec<serde_json::Value>,
+    note: Option<String>,
+}
+
+impl MooncakeStore {
+    fn find(&self, p: &StorePoint) -> Option<&serde_json::Value> {
+        self.points.iter().find(|m| m["op"] == p.op.as_str() && m["value_bytes"] == p.value_bytes && m["batch"] == p.batch)
+    }
+}
+
+fn run_mooncake(a: &StoreBenchArgs) -> MooncakeStore {
+    let py = a.mooncake_python.clone().or_else(|| std::env::var("KVFERRY_MOONCAKE_PYTHON").ok());
+    let py = match py.as_deref() {
+        None => return MooncakeStore { points: Vec::new(), note: Some("not run: pass --mooncake-python PY (a Python with mooncake-transfer-engine-non-cuda) or set KVFERRY_MOONCAKE_PYTHON".into()) },
+        Some("none") => return MooncakeStore { points: Vec::new(), note: Some("not run (disabled)".into()) },
+        Some(p) => p.to_string(),
+    };
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/interop/mooncake_store_bench.py");
+    if !script.is_file() {
+        return MooncakeStore { points: Vec::new(), note: Some(format!("not run: {} is missing (run from a source checkout)", script.display())) };
+    }
+    eprint!("\r\x1b[K[mooncake store] running the same sweep ...");
+    let values: Vec<String> = a.values.iter().map(u64::to_string).collect();
+    let out = Command::new(&py)
+        .arg(&script)
+        .args(["--values", &values.join(","), "--batch", &a.batch.to_string(), "--duration", &a.duration.to_string()])
+        .args(["--segment-size", &a.segment_size.to_string(), "--lease-ms", "2000"])
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output();
+    eprint!("\r\x1b[K");
+    match out {
+        Err(e) => MooncakeStore { points: Vec::new(), note: Some(format!("not run: {py}: {e}")) },
+        Ok(o) => {
+            let points: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout).lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+            let note = points.iter().find_map(|p| p["error"].as_str().map(|e| format!("Mooncake failed: {e}")));
+            MooncakeStore { points: points.into_iter().filter(|p| p.get("gbps").is_some()).collect(), note }
+        }
+    }
+}
+
+fn print_table(a: &StoreBenchArgs, points: &[StorePoint], mc: &MooncakeStore) {
     println!("kvferry store-bench: master + 2 clients on 127.0.0.1 (values move client to client over TCP), {} serving segment", human(a.segment_size));
-    println!("latency is per call (a batched call moves {} keys)\n", a.batch);
-    println!("{:<9} {:>8} {:>6} {:>8} {:>11} {:>10} {:>10} {:>8}", "op", "value", "batch", "GB/s", "keys/s", "p50 (us)", "p99 (us)", "verified");
+    println!("latency is per call (a batched call moves {} keys); /mc = kvferry / Mooncake Store in this run\n", a.batch);
+    println!(
+        "{:<9} {:>8} {:>6} {:>8} {:>11} {:>10} {:>10} {:>8} {:>9} {:>9} {:>9}",
+        "op", "value", "batch", "GB/s", "keys/s", "p50 (us)", "p99 (us)", "verified", "mc GB/s", "mc p50", "/mc"
+    );
     for p in points {
+        let m = mc.find(p);
+        let f = |k: &str| m.and_then(|m| m[k].as_f64());
         println!(
-            "{:<9} {:>8} {:>6} {:>8.3} {:>11.0} {:>10.1} {:>10.1} {:>8}",
+            "{:<9} {:>8} {:>6} {:>8.3} {:>11.0} {:>10.1} {:>10.1} {:>8} {:>9} {:>9} {:>9}",
             p.op,
             human(p.value_bytes),
             p.batch,
@@ -306,8 +359,14 @@ fn print_table(a: &StoreBenchArgs, points: &[StorePoint]) {
             p.keys_per_s,
             p.p50_us,
             p.p99_us,
-            if p.verified { "yes" } else { "NO" }
+            if p.verified { "yes" } else { "NO" },
+            f("gbps").map(|g| format!("{g:.3}")).unwrap_or_else(|| "-".into()),
+            f("p50_us").map(|g| format!("{g:.1}")).unwrap_or_else(|| "-".into()),
+            f("gbps").filter(|g| *g > 0.0).map(|g| format!("{:.2}x", p.gbps / g)).unwrap_or_else(|| "-".into()),
         );
+    }
+    if let Some(n) = &mc.note {
+        println!("\nmooncake: {n}");
     }
 }
 
