@@ -4,7 +4,8 @@ The tests import the *installed* ``kvferry`` (scripts/python-test builds the whe
 installs it into .venv/py-test). Stock Mooncake runs in a separate interpreter: the first of
 ``$KVFERRY_MOONCAKE_PYTHON``, ``.venv/mooncake/bin/python``, ``/tmp/mcvenv/bin/python`` that can
 ``import mooncake.engine``. Tests needing it are skipped (with a loud summary) when none can,
-and fail instead when ``KVFERRY_REQUIRE_MOONCAKE=1``.
+and fail instead when ``KVFERRY_REQUIRE_MOONCAKE=1`` (or ``KVFERRY_REQUIRE_INTEROP=1``, which
+scripts/test sets).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def mooncake_py() -> str:
     py = mooncake_python()
     if py is None:
         msg = "stock Mooncake wheel (mooncake-transfer-engine-non-cuda) is not available: %s" % (_MC.get("tried") or "no candidate interpreter")
-        if os.environ.get("KVFERRY_REQUIRE_MOONCAKE") == "1":
+        if os.environ.get("KVFERRY_REQUIRE_MOONCAKE") == "1" or os.environ.get("KVFERRY_REQUIRE_INTEROP") == "1":
             pytest.fail(msg)
         _MC["skipped"] = _MC.get("skipped", 0) + 1
         pytest.skip("INTEROP SKIPPED: " + msg)
