@@ -7,6 +7,7 @@
 //! run in the same invocation so the report can give ratios.
 
 use crate::sys::{self, human, parse_size, Buffer};
+use kvferry::config::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use serde::Serialize;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -63,6 +64,16 @@ pub struct BenchArgs {
     /// Write ceilings and Mooncake's points to this file (JSON Lines).
     #[arg(long)]
     json_peers: Option<PathBuf>,
+    /// Data paths to measure, in order: `auto` (shared memory when the target is on this host,
+    /// else TCP), `tcp`, `shm`; e.g. `--transport shm,tcp` puts both in one report. On a
+    /// target: `tcp` offers no shared memory.
+    #[arg(long, default_value = "auto", value_delimiter = ',', value_parser = parse_transport)]
+    transport: Vec<TransportMode>,
+    /// Back the registered buffers (and the memcpy ceiling's) with transparent huge pages
+    /// (`on`/`off`). Cross-memory copies pin every page: from 4 KiB pages they cost about
+    /// twice the CPU (see docs/BENCHMARKS.md).
+    #[arg(long, default_value = "on", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
+    hugepages: bool,
     /// Internal: exit when stdin closes (set when the bench starts its own target).
     #[arg(long, hide = true)]
     exit_on_stdin_eof: bool,
@@ -85,6 +96,10 @@ pub struct Point {
 }
 
 const TAG: &str = "kvferry-bench";
+
+fn parse_transport(s: &str) -> Result<TransportMode, String> {
+    s.parse()
+}
 
 pub fn run(a: BenchArgs) -> Result<(), String> {
     match a.mode {
@@ -113,8 +128,9 @@ fn engine_config(a: &BenchArgs) -> Result<Config, String> {
 // ------------------------------------------------------------------------------------------
 
 fn run_target(a: &BenchArgs) -> Result<(), String> {
-    let engine = TransferEngine::new(engine_config(a)?).map_err(|e| e.to_string())?;
-    let buf = Buffer::new(a.buffer_size as usize).map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
+    let mode = if a.transport.iter().all(|t| *t == TransportMode::Tcp) { TransportMode::Tcp } else { TransportMode::Auto };
+    let engine = TransferEngine::new(Config { transport: mode, ..engine_config(a)? }).map_err(|e| e.to_string())?;
+    let buf = Buffer::with_huge_pages(a.buffer_size as usize, a.hugepages).map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
     buf.fill(0, buf.len(), 0x5eed);
     engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| e.to_string())?;
     println!("KVFERRY_BENCH_TARGET segment={} addr={} size={}", engine.segment_name(), buf.addr(), buf.len());
@@ -157,7 +173,7 @@ fn run_target(a: &BenchArgs) -> Result<(), String> {
 fn spawn_target(a: &BenchArgs) -> Result<(Child, String), String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
     let mut child = Command::new(exe)
-        .args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", &a.local_hostname, "--buffer-size", &a.buffer_size.to_string()])
+        .args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", &a.local_hostname, "--buffer-size", &a.buffer_size.to_string(), "--transport", "auto", "--hugepages", if a.hugepages { "on" } else { "off" }])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -242,32 +258,40 @@ fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result
             return Err(format!("unknown op {op:?}: use write and/or read"));
         }
     }
-    let engine = TransferEngine::new(engine_config(a)?).map_err(|e| e.to_string())?;
-    let buf = Buffer::new(a.buffer_size as usize).map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
-    engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| e.to_string())?;
-    let seg = engine.open_segment(target).map_err(|e| e.to_string())?;
-    let desc = engine.segment_descriptor(seg).map_err(|e| e.to_string())?;
-    let rbuf = desc.buffers.iter().max_by_key(|b| b.length).ok_or_else(|| format!("segment {target} has no registered buffer"))?;
-    let usable = (buf.len() as u64).min(rbuf.length);
-    let ctl = Ctl { engine: &engine, target: target.to_string(), token: AtomicU64::new(1) };
+    let buf = Buffer::with_huge_pages(a.buffer_size as usize, a.hugepages).map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
     let _ = target_pid;
-
-    let ceilings = if a.no_ceilings { None } else { Some(measure_ceilings()) };
-    let total = a.ops.len() * a.blocks.len();
+    let ceilings = if a.no_ceilings { None } else { Some(measure_ceilings(a.hugepages)) };
+    let total = a.transport.len() * a.ops.len() * a.blocks.len();
     let mut points = Vec::new();
+    let mut used = Vec::new();
     let mut n = 0;
-    for op in &a.ops {
-        for &block in &a.blocks {
-            n += 1;
-            eprint!("\r\x1b[K[{n}/{total}] {op} {} x {} ...", human(block), a.batch);
-            let _ = std::io::stderr().flush();
-            let p = run_point(a, &engine, &ctl, &buf, seg, rbuf.addr, usable, op, block, n as u64)?;
-            points.push(p);
+    for &mode in &a.transport {
+        // One engine per transport choice, so each starts from a clean state.
+        let engine = TransferEngine::new(Config { transport: mode, ..engine_config(a)? }).map_err(|e| e.to_string())?;
+        engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| e.to_string())?;
+        let seg = engine.open_segment(target).map_err(|e| e.to_string())?;
+        let via = engine.segment_transport(seg).map_err(|e| format!("--transport {mode}: {e}"))?;
+        if let (TransportMode::Auto, Some(why)) = (mode, &via.why_not_shm) {
+            eprintln!("\r\x1b[Kauto chose {}: {why}", via.name);
+        }
+        let desc = engine.segment_descriptor(seg).map_err(|e| e.to_string())?;
+        let rbuf = desc.buffers.iter().max_by_key(|b| b.length).ok_or_else(|| format!("segment {target} has no registered buffer"))?;
+        let usable = (buf.len() as u64).min(rbuf.length);
+        let ctl = Ctl { engine: &engine, target: target.to_string(), token: AtomicU64::new(1) };
+        for op in &a.ops {
+            for &block in &a.blocks {
+                n += 1;
+                eprint!("\r\x1b[K[{n}/{total}] {} {op} {} x {} ...", via.name, human(block), a.batch);
+                let _ = std::io::stderr().flush();
+                let p = run_point(a, &engine, &ctl, &buf, seg, rbuf.addr, usable, op, block, n as u64)?;
+                points.push(p);
+                used.push(via.name);
+            }
         }
     }
     eprintln!("\r\x1b[K");
     let mooncake = crate::mooncake::run_side_by_side(a.mooncake.as_deref(), &a.local_hostname, a.buffer_size, &a.ops, &a.blocks, a.batch, a.threads, a.duration);
-    print_report(a, &points, ceilings.as_ref(), &mooncake);
+    print_report(a, &points, &used, ceilings.as_ref(), &mooncake);
     if let Some(path) = &a.json {
         let mut out = String::new();
         for p in &points {
@@ -280,6 +304,10 @@ fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result
         let mut out = String::new();
         if let Some(c) = &ceilings {
             out.push_str(&serde_json::json!({"engine": "ceiling", "memcpy_gbps": c.memcpy_gbps, "socket_gbps": c.socket_gbps}).to_string());
+            out.push('\n');
+        }
+        for (p, t) in points.iter().zip(&used) {
+            out.push_str(&serde_json::json!({"engine": "kvferry", "transport": t, "op": p.op, "block_bytes": p.block_bytes, "gbps": p.gbps}).to_string());
             out.push('\n');
         }
         for m in mooncake.points() {
@@ -411,16 +439,16 @@ pub struct Ceilings {
     pub socket_gbps: f64,
 }
 
-fn measure_ceilings() -> Ceilings {
+fn measure_ceilings(huge: bool) -> Ceilings {
     eprint!("\r\x1b[K[ceilings] memcpy and loopback socket ...");
     let _ = std::io::stderr().flush();
-    Ceilings { memcpy_gbps: memcpy_gbps(), socket_gbps: socket_gbps() }
+    Ceilings { memcpy_gbps: memcpy_gbps(huge), socket_gbps: socket_gbps() }
 }
 
 /// Best of several single-thread copies of 256 MiB.
-fn memcpy_gbps() -> f64 {
+fn memcpy_gbps(huge: bool) -> f64 {
     let n = 256 << 20;
-    let (Ok(a), Ok(b)) = (Buffer::new(n), Buffer::new(n)) else { return 0.0 };
+    let (Ok(a), Ok(b)) = (Buffer::with_huge_pages(n, huge), Buffer::with_huge_pages(n, huge)) else { return 0.0 };
     a.fill(0, n, 1);
     let mut best = 0.0f64;
     for _ in 0..5 {
@@ -468,24 +496,36 @@ fn socket_gbps() -> f64 {
 // Report
 // ------------------------------------------------------------------------------------------
 
-fn print_report(a: &BenchArgs, points: &[Point], c: Option<&Ceilings>, mc: &crate::mooncake::SideBySide) {
-    println!("kvferry bench: TCP on {} , {} registered per side, batch {}, {} initiator thread(s), {:.1} s per point", a.local_hostname, human(a.buffer_size), a.batch, a.threads, a.duration);
+fn print_report(a: &BenchArgs, points: &[Point], used: &[&str], c: Option<&Ceilings>, mc: &crate::mooncake::SideBySide) {
+    let asked: Vec<String> = a.transport.iter().map(|t| t.to_string()).collect();
+    println!(
+        "kvferry bench: --transport {} on {}, {} registered per side ({} pages), batch {}, {} initiator thread(s), {:.1} s per point",
+        asked.join(","),
+        a.local_hostname,
+        human(a.buffer_size),
+        if a.hugepages { "huge" } else { "4 KiB" },
+        a.batch,
+        a.threads,
+        a.duration
+    );
     if let Some(c) = c {
         println!("ceilings: single-thread memcpy {:.2} GB/s, loopback socket stream {:.2} GB/s", c.memcpy_gbps, c.socket_gbps);
     }
     println!();
     println!(
-        "{:<6} {:>8} {:>8} {:>11} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>9} {:>8}",
-        "op", "block", "GB/s", "ops/s", "batch p50", "batch p99", "1-req p50", "init cpu", "tgt cpu", "verified", "/socket", "/mooncake"
+        "{:<6} {:>8} {:>9} {:>8} {:>11} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8}",
+        "op", "block", "transport", "GB/s", "ops/s", "batch p50", "batch p99", "1-req p50", "init cpu", "tgt cpu", "verified", "/memcpy", "/socket", "/mooncake"
     );
-    println!("{:<6} {:>8} {:>8} {:>11} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>9} {:>8}", "", "", "", "", "(us)", "(us)", "(us)", "(s/GB)", "(s/GB)", "", "", "");
-    for p in points {
+    println!("{:<6} {:>8} {:>9} {:>8} {:>11} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8}", "", "", "", "", "", "(us)", "(us)", "(us)", "(s/GB)", "(s/GB)", "", "", "", "");
+    for (p, via) in points.iter().zip(used) {
+        let vs_memcpy = c.map(|c| format!("{:.2}x", p.gbps / c.memcpy_gbps)).unwrap_or_else(|| "-".into());
         let vs_socket = c.map(|c| format!("{:.2}x", p.gbps / c.socket_gbps)).unwrap_or_else(|| "-".into());
         let vs_mc = mc.gbps(&p.op, p.block_bytes).map(|m| format!("{:.2}x", p.gbps / m)).unwrap_or_else(|| "-".into());
         println!(
-            "{:<6} {:>8} {:>8.3} {:>11.0} {:>10.0} {:>10.0} {:>10.1} {:>9.3} {:>9.3} {:>8} {:>9} {:>8}",
+            "{:<6} {:>8} {:>9} {:>8.3} {:>11.0} {:>10.0} {:>10.0} {:>10.1} {:>9.3} {:>9.3} {:>8} {:>8} {:>9} {:>8}",
             p.op,
             human(p.block_bytes),
+            via,
             p.gbps,
             p.ops_per_s,
             p.batch_p50_us,
@@ -494,6 +534,7 @@ fn print_report(a: &BenchArgs, points: &[Point], c: Option<&Ceilings>, mc: &crat
             p.initiator_cpu_s_per_gb,
             p.target_cpu_s_per_gb,
             if p.verified { "yes" } else { "NO" },
+            vs_memcpy,
             vs_socket,
             vs_mc
         );

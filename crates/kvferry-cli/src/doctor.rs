@@ -134,6 +134,93 @@ fn cap_ipc_lock() -> bool {
         .is_some_and(|caps| caps & (1 << 14) != 0)
 }
 
+fn cap_sys_ptrace() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("CapEff:")).and_then(|l| u64::from_str_radix(l[7..].trim(), 16).ok()))
+        .is_some_and(|caps| caps & (1 << 19) != 0)
+}
+
+/// The same-host transport: settings that decide it, and a live probe against a child process.
+fn shm(r: &mut Report, cfg: &Config) {
+    use kvferry::config::TransportMode;
+    use kvferry::transport::shm;
+    if cfg.transport == TransportMode::Tcp {
+        r.no("shm", "disabled by KVFERRY_TRANSPORT=tcp (this engine neither uses nor offers cross-memory attach)");
+        return;
+    }
+    match shm::host_id() {
+        Ok(h) => println!("        same-host identity: {h}"),
+        Err(e) => {
+            r.no("shm", format!("this host's identity is unknown ({e}); peers are reached over TCP"));
+            return;
+        }
+    }
+    let ptrace = cap_sys_ptrace();
+    match shm::ptrace_scope() {
+        None | Some(0) => {}
+        Some(1) if !ptrace => r.warn(
+            "ptrace scope",
+            "kernel.yama.ptrace_scope=1: cross-memory attach works only towards descendant processes; separately started workers fall back to TCP (set sysctl kernel.yama.ptrace_scope=0 or grant CAP_SYS_PTRACE)",
+        ),
+        Some(n) if !ptrace => r.warn("ptrace scope", format!("kernel.yama.ptrace_scope={n}: cross-memory attach needs CAP_SYS_PTRACE{}; peers fall back to TCP", if n >= 3 { " and is disabled at 3" } else { "" })),
+        Some(n) => println!("        kernel.yama.ptrace_scope={n}, CAP_SYS_PTRACE held"),
+    }
+    if let Ok(t) = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled") {
+        let mode = t.split_whitespace().find(|w| w.starts_with('[')).unwrap_or("?").trim_matches(|c| c == '[' || c == ']').to_string();
+        let note = match mode.as_str() {
+            "always" => "registered memory gets huge pages where the kernel can",
+            "madvise" => "huge pages only where the application asks (madvise MADV_HUGEPAGE); copies from 4 KiB pages cost about twice the CPU",
+            _ => "no huge pages; copies from 4 KiB pages cost about twice the CPU",
+        };
+        println!("        transparent huge pages: {mode} ({note})");
+    }
+    match probe_child(cfg) {
+        Ok(t) if t.name == "shm" => r.ok("shm", "cross-memory attach works (probed a child process: verified, one copy per request, no socket)"),
+        Ok(t) => {
+            let why = t.why_not_shm.unwrap_or_default();
+            if cfg.transport == TransportMode::Shm {
+                r.warn("shm", format!("not usable, and KVFERRY_TRANSPORT=shm makes requests fail: {why}"));
+            } else {
+                r.no("shm", format!("not usable here, peers on this host use TCP: {why}"));
+            }
+        }
+        Err(e) if cfg.transport == TransportMode::Shm => r.warn("shm", format!("not usable, and KVFERRY_TRANSPORT=shm makes requests fail: {e}")),
+        Err(e) => r.no("shm", format!("could not be probed: {e}")),
+    }
+}
+
+/// Starts `kvferry bench --mode target` as a child and asks which transport reaches it.
+fn probe_child(cfg: &Config) -> Result<kvferry::SegmentTransport, String> {
+    use std::io::BufRead;
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
+    let mut child = std::process::Command::new(exe)
+        .args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", "127.0.0.1", "--buffer-size", "4M", "--hugepages", "off"])
+        .env("KVFERRY_TRANSPORT", "auto")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| format!("starting a probe target: {e}"))?;
+    let result = (|| {
+        let out = child.stdout.take().ok_or("no output from the probe target")?;
+        let mut line = String::new();
+        std::io::BufReader::new(out).read_line(&mut line).map_err(|e| e.to_string())?;
+        let seg = line.split_whitespace().find_map(|w| w.strip_prefix("segment=")).ok_or("the probe target did not start")?;
+        let e = TransferEngine::new(Config { local_hostname: "127.0.0.1".into(), transport: kvferry::config::TransportMode::Auto, ..cfg.clone() }).map_err(|e| e.to_string())?;
+        let id = e.open_segment(seg).map_err(|e| e.to_string())?;
+        e.segment_transport(id).map_err(|e| e.to_string())
+    })();
+    drop(child.stdin.take()); // it exits when its stdin closes
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    while std::time::Instant::now() < until && matches!(child.try_wait(), Ok(None)) {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    result
+}
+
 pub fn run(a: DoctorArgs) -> Result<(), String> {
     let mut r = Report { problems: 0 };
     println!("kvferry doctor (kvferry {})", env!("CARGO_PKG_VERSION"));
@@ -199,6 +286,7 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
     println!("\ntransports:");
     r.ok("tcp", "available (Mooncake TCP protocol v2, v1 for old peers)");
     r.ok("local", "transfers to this engine's own segment are a memcpy");
+    shm(&mut r, &cfg);
     match rdma_devices() {
         Ok(d) if d.is_empty() => r.no("rdma", "libibverbs.so.1 loads but lists no RDMA device (no NIC, or its kernel driver is not loaded)"),
         Ok(d) => r.no("rdma", format!("devices {} found, but this kvferry version has no RDMA transport yet; TCP is used", d.join(", "))),

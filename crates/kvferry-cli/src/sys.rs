@@ -71,7 +71,42 @@ pub struct Buffer {
 unsafe impl Send for Buffer {}
 unsafe impl Sync for Buffer {}
 
+const HUGE: usize = 2 << 20;
+
 impl Buffer {
+    /// Like [`Buffer::new`]; with `huge`, 2 MiB aligned and advised to use transparent huge
+    /// pages (`MADV_HUGEPAGE`) before the pages are populated.
+    pub fn with_huge_pages(len: usize, huge: bool) -> std::io::Result<Buffer> {
+        if !huge || len < HUGE {
+            return Buffer::new(len);
+        }
+        let span = len + HUGE;
+        // SAFETY: anonymous private mapping, not populated yet; checked for MAP_FAILED.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), span, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let start = (p as usize).next_multiple_of(HUGE);
+        let (head, tail) = (start - p as usize, p as usize + span - (start + len));
+        // SAFETY: trimming our own mapping to the aligned part; then advising and populating it.
+        unsafe {
+            if head > 0 {
+                libc::munmap(p, head);
+            }
+            if tail > 0 {
+                libc::munmap((start + len) as *mut libc::c_void, tail);
+            }
+            libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+            // MADV_POPULATE_WRITE (Linux 5.14); else touch every page.
+            if libc::madvise(start as *mut libc::c_void, len, 23) != 0 {
+                for off in (0..len).step_by(4096) {
+                    std::ptr::write_volatile((start + off) as *mut u8, 0);
+                }
+            }
+        }
+        Ok(Buffer { ptr: start as *mut u8, len })
+    }
+
     pub fn new(len: usize) -> std::io::Result<Buffer> {
         // SAFETY: anonymous private mapping; checked for MAP_FAILED.
         let p = unsafe {

@@ -6,6 +6,7 @@
 //! from the same facts, and `kvferry doctor` prints the values in force.
 
 use crate::error::{Error, Result};
+pub use crate::transport::shm::TransportMode;
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -31,6 +32,8 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_TCP_PROTO", aliases: &["MC_TCP_PROTO"], default: "2", doc: "`1` forces Mooncake's legacy v1 TCP framing towards every peer (writes are then confirmed by a read fence)" },
     EnvVar { name: "KVFERRY_HANDSHAKE_MAX_LENGTH", aliases: &["MC_HANDSHAKE_MAX_LENGTH"], default: "1048576", doc: "largest handshake frame accepted (bytes, up to 128 MiB)" },
     EnvVar { name: "KVFERRY_HANDSHAKE_CONNECT_TIMEOUT", aliases: &["MC_HANDSHAKE_CONNECT_TIMEOUT"], default: "5", doc: "seconds to connect to a peer's handshake port" },
+    EnvVar { name: "KVFERRY_TRANSPORT", aliases: &[], default: "auto", doc: "data path to peers: `auto` (shared memory, i.e. cross-memory attach, to kvferry peers on this host that allow it; TCP otherwise), `tcp` (never shared memory; this engine then also offers none), `shm` (shared memory only; requests to other peers fail with the reason)" },
+    EnvVar { name: "KVFERRY_SHM_THREADS", aliases: &[], default: "CPUs, at most 4", doc: "threads copying queued shared-memory requests (requests over 1 MiB are cut into 1 MiB pieces spread over them; 1-64)" },
     EnvVar { name: "KVFERRY_LOG", aliases: &["MC_LOG_LEVEL"], default: "warn", doc: "log filter for the `kvferry` binary (`error`, `warn`, `info`, `debug`, `trace`, or tracing directives)" },
 ];
 
@@ -54,6 +57,10 @@ pub struct Config {
     pub tcp_proto: u32,
     pub handshake_max_len: u64,
     pub handshake_connect_timeout: Duration,
+    /// Data path to peers (`KVFERRY_TRANSPORT`).
+    pub transport: TransportMode,
+    /// Shared-memory copy threads; 0 means the number of CPUs, at most 4.
+    pub shm_threads: usize,
 }
 
 impl Default for Config {
@@ -71,6 +78,8 @@ impl Default for Config {
             tcp_proto: 2,
             handshake_max_len: crate::wire::handshake::DEFAULT_MAX_FRAME,
             handshake_connect_timeout: Duration::from_secs(5),
+            transport: TransportMode::Auto,
+            shm_threads: 0,
         }
     }
 }
@@ -142,6 +151,12 @@ impl Config {
         if let Some(d) = seconds(get, "KVFERRY_HANDSHAKE_CONNECT_TIMEOUT")? {
             c.handshake_connect_timeout = d;
         }
+        if let Some(t) = parse(get, "KVFERRY_TRANSPORT", "auto, tcp or shm")? {
+            c.transport = t;
+        }
+        if let Some(n) = parse(get, "KVFERRY_SHM_THREADS", "a number of threads")? {
+            c.shm_threads = n;
+        }
         c.validate()?;
         Ok(c)
     }
@@ -159,6 +174,9 @@ impl Config {
         }
         if self.tcp_split_bytes < 4096 {
             return Err(Error::Config(format!("KVFERRY_TCP_SPLIT_BYTES={} must be at least 4096", self.tcp_split_bytes)));
+        }
+        if self.shm_threads > 64 {
+            return Err(Error::Config(format!("KVFERRY_SHM_THREADS={} must be between 1 and 64", self.shm_threads)));
         }
         if !(1..=2).contains(&self.tcp_proto) {
             return Err(Error::Config(format!("KVFERRY_TCP_PROTO={} must be 1 or 2", self.tcp_proto)));
@@ -230,6 +248,16 @@ mod tests {
         assert!(cfg(&[("KVFERRY_TCP_LANES", "0")]).is_err());
         assert!(cfg(&[("KVFERRY_TRANSFER_TIMEOUT", "-1")]).is_err());
         assert!(cfg(&[("KVFERRY_BIND_ADDRESS", "nowhere")]).is_err());
+    }
+
+    #[test]
+    fn transport_choice() {
+        assert_eq!(cfg(&[]).unwrap().transport, TransportMode::Auto);
+        assert_eq!(cfg(&[("KVFERRY_TRANSPORT", "TCP")]).unwrap().transport, TransportMode::Tcp);
+        assert_eq!(cfg(&[("KVFERRY_TRANSPORT", "shm"), ("KVFERRY_SHM_THREADS", "3")]).unwrap().shm_threads, 3);
+        let e = cfg(&[("KVFERRY_TRANSPORT", "rdma")]).unwrap_err().to_string();
+        assert!(e.contains("KVFERRY_TRANSPORT") && e.contains("auto, tcp or shm"), "{e}");
+        assert!(cfg(&[("KVFERRY_SHM_THREADS", "65")]).is_err());
     }
 
     #[test]

@@ -6,6 +6,7 @@ use crate::error::{Error, Result};
 use crate::handshake::{self, HandshakeServer};
 use crate::memory::{MemoryRegistry, Region};
 use crate::transport::local::LocalTransport;
+use crate::transport::shm::{self, ShmOptions, ShmTransport, TransportMode};
 use crate::transport::tcp::{TcpOptions, TcpTransport};
 use crate::transport::{Peer, Piece, Transport};
 use crate::wire::descriptor::{BufferDesc, SegmentDesc};
@@ -54,6 +55,8 @@ struct Inner {
     name: String,
     memory: Arc<MemoryRegistry>,
     tcp: Arc<TcpTransport>,
+    /// Same-host peers: cross-memory attach.
+    shm: ShmTransport,
     local: LocalTransport,
     handshake: HandshakeServer,
     segments: RwLock<Segments>,
@@ -61,6 +64,15 @@ struct Inner {
     next_batch: AtomicU64,
     notifies: Mutex<Vec<Notify>>,
     notify_cv: std::sync::Condvar,
+}
+
+/// The data path requests to a segment take ([`TransferEngine::segment_transport`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentTransport {
+    /// `local` (the engine's own segment), `shm` (same host, cross-memory attach) or `tcp`.
+    pub name: &'static str,
+    /// Why shared memory is not used for this segment, when it is not.
+    pub why_not_shm: Option<String>,
 }
 
 /// The transfer engine: one local segment, any number of peers.
@@ -148,7 +160,13 @@ impl TransferEngine {
             config.transfer_timeout,
         )
         .map_err(|e| Error::io("starting the TCP data server", e))?;
+        let shm = ShmTransport::new(ShmOptions { mode: config.transport, threads: config.shm_threads, drain: config.transfer_timeout });
         let inner = Arc::new_cyclic(|weak: &Weak<Inner>| {
+            let w = weak.clone();
+            shm.set_refresh(Box::new(move |peer: &Arc<Peer>| match w.upgrade() {
+                Some(inner) => inner.refresh_peer(peer),
+                None => Err("the engine shut down".into()),
+            }));
             let w = weak.clone();
             let handler: handshake::Handler = Arc::new(move |f: &Frame| match w.upgrade() {
                 Some(inner) => inner.on_handshake(f),
@@ -160,6 +178,7 @@ impl TransferEngine {
             Inner {
                 name: name.clone(),
                 local: LocalTransport::new(Arc::clone(&memory)),
+                shm,
                 memory,
                 tcp,
                 handshake,
@@ -225,6 +244,8 @@ impl TransferEngine {
         let removed = self.inner.memory.unregister_batch(addrs, self.inner.config.transfer_timeout)?;
         for r in &removed {
             self.inner.tcp.on_unregister(r);
+            // Waits until no peer copies into or out of the range through shared memory.
+            self.inner.shm.on_unregister(r);
         }
         Ok(())
     }
@@ -259,6 +280,26 @@ impl TransferEngine {
         segs.by_id.push(Arc::new(Peer::new(id, name.to_string(), host, desc)));
         segs.by_name.insert(name.to_string(), id);
         Ok(id)
+    }
+
+    /// Which data path carries requests to a segment (chosen on first use and cached per
+    /// peer process), and why not shared memory when it is not used. Fails when no transport
+    /// can reach the segment (e.g. `KVFERRY_TRANSPORT=shm` towards a peer on another host).
+    pub fn segment_transport(&self, id: SegmentId) -> Result<SegmentTransport> {
+        if id == LOCAL_SEGMENT_ID {
+            return Ok(SegmentTransport { name: "local", why_not_shm: None });
+        }
+        let peer = self.inner.peer(id)?;
+        match self.inner.shm.select(&peer) {
+            Ok(_) => Ok(SegmentTransport { name: "shm", why_not_shm: None }),
+            Err(why) if self.inner.config.transport == TransportMode::Shm => {
+                Err(Error::NoTransport { segment: peer.name.clone(), reason: format!("KVFERRY_TRANSPORT=shm, but {why}") })
+            }
+            Err(why) => match self.inner.tcp.reachable(&peer) {
+                Ok(()) => Ok(SegmentTransport { name: "tcp", why_not_shm: Some(why) }),
+                Err(e) => Err(Error::NoTransport { segment: peer.name.clone(), reason: format!("{e}; no shared memory either: {why}") }),
+            },
+        }
     }
 
     /// The cached descriptor of an open segment.
@@ -390,11 +431,14 @@ impl Drop for TransferEngine {
     fn drop(&mut self) {
         self.inner.handshake.shutdown();
         self.inner.tcp.shutdown();
+        self.inner.shm.shutdown();
     }
 }
 
 impl Inner {
     fn local_descriptor(&self) -> SegmentDesc {
+        // Before the buffer snapshot: the published epoch is then never newer than the list.
+        let shm = self.shm.describe_value();
         let mut d = SegmentDesc::new(self.name.clone());
         d.timestamp = timestamp();
         d.buffers = self
@@ -404,7 +448,19 @@ impl Inner {
             .map(|r| BufferDesc { name: r.location, addr: r.addr, length: r.len, rkey: vec![], lkey: vec![], extra: Default::default() })
             .collect();
         self.tcp.describe(&mut d);
+        if let Some(v) = shm {
+            d.extra.insert(shm::FIELD.into(), v);
+        }
         d
+    }
+
+    /// Re-reads a peer's descriptor (asked by the shared-memory transport when the peer's
+    /// unregister epoch moved).
+    fn refresh_peer(&self, peer: &Peer) -> std::result::Result<(), String> {
+        let (h, p) = self.rpc_addr(&peer.name).map_err(|e| e.to_string())?;
+        let d = self.fetch_descriptor(&peer.name, &h, p).map_err(|e| e.to_string())?;
+        peer.set_desc(d);
+        Ok(())
     }
 
     fn on_handshake(&self, f: &Frame) -> Vec<u8> {
@@ -525,6 +581,23 @@ impl Inner {
             }
         }
         for (peer, pieces) in groups {
+            // Same-host peers that allow it: cross-memory attach; the rest: TCP.
+            if peer.id != LOCAL_SEGMENT_ID {
+                match self.shm.select(&peer) {
+                    Ok(sp) => {
+                        self.shm.submit_to(&peer, sp, pieces, inline);
+                        continue;
+                    }
+                    Err(why) if self.config.transport == TransportMode::Shm => {
+                        let e = Error::NoTransport { segment: peer.name.clone(), reason: format!("KVFERRY_TRANSPORT=shm, but {why}") };
+                        for p in pieces {
+                            p.task.piece_failed(FailKind::Failed, e.to_string());
+                        }
+                        continue;
+                    }
+                    Err(_) => {}
+                }
+            }
             let transport: &dyn Transport = if peer.id == LOCAL_SEGMENT_ID { &self.local } else { &*self.tcp };
             if let Err(why) = transport.reachable(&peer) {
                 let e = Error::NoTransport { segment: peer.name.clone(), reason: why };

@@ -43,6 +43,6 @@ pub mod wire;
 
 pub use batch::{TaskStatus, TransferStatus};
 pub use config::Config;
-pub use engine::{resolve_advertised, BatchId, Notify, SegmentId, TransferEngine, TransferRequest, LOCAL_SEGMENT_ID};
+pub use engine::{resolve_advertised, BatchId, Notify, SegmentId, SegmentTransport, TransferEngine, TransferRequest, LOCAL_SEGMENT_ID};
 pub use error::{Error, Result};
 pub use wire::tcp::Opcode;

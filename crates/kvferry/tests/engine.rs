@@ -8,7 +8,8 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 fn engine() -> TransferEngine {
-    TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), ..Config::default() }).expect("engine starts")
+    // TCP on purpose: these tests are about the TCP transport (same-host shared memory has tests/shm.rs).
+    TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), transport: kvferry::config::TransportMode::Tcp, ..Config::default() }).expect("engine starts")
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {

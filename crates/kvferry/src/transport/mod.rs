@@ -15,6 +15,7 @@
 //! - A piece ends only when the transport will not touch its local memory again.
 
 pub mod local;
+pub mod shm;
 pub mod tcp;
 
 use crate::batch::TaskState;

@@ -1,0 +1,91 @@
+//! `kvferry bench --transport` and the shared-memory part of `kvferry doctor`.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+fn kvferry() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvferry"))
+}
+
+const KEYS: [&str; 11] = ["op", "block_bytes", "batch", "gbps", "ops_per_s", "batch_p50_us", "batch_p99_us", "single_p50_us", "initiator_cpu_s_per_gb", "target_cpu_s_per_gb", "verified"];
+
+#[test]
+fn bench_reports_both_transports_in_one_run_with_unchanged_json() {
+    let dir = std::env::temp_dir().join(format!("kvferry-shm-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (json, peers) = (dir.join("points.jsonl"), dir.join("peers.jsonl"));
+    let out = kvferry()
+        .args(["bench", "--transport", "shm,tcp", "--buffer-size", "64M", "--blocks", "4K,1M", "--batch", "16", "--duration", "0.2", "--mooncake", "none", "--json"])
+        .arg(&json)
+        .arg("--json-peers")
+        .arg(&peers)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("transport") && stdout.contains("/memcpy"), "{stdout}");
+    let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("write") || l.starts_with("read")).collect();
+    assert_eq!(rows.len(), 8, "{stdout}");
+    assert_eq!(rows.iter().filter(|l| l.split_whitespace().nth(3) == Some("shm")).count(), 4, "{stdout}");
+    assert_eq!(rows.iter().filter(|l| l.split_whitespace().nth(3) == Some("tcp")).count(), 4, "{stdout}");
+    // --json keeps exactly its keys, one record per row, in table order.
+    let recs: Vec<serde_json::Value> = std::fs::read_to_string(&json).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(recs.len(), 8);
+    for r in &recs {
+        let obj = r.as_object().unwrap();
+        assert_eq!(obj.len(), KEYS.len(), "{r}");
+        assert!(KEYS.iter().all(|k| obj.contains_key(*k)), "{r}");
+        assert_eq!(r["verified"], true);
+    }
+    // The transport of each point is in the separate --json-peers output.
+    let peers = std::fs::read_to_string(&peers).unwrap();
+    let via: Vec<String> = peers
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["engine"] == "kvferry")
+        .map(|v| v["transport"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(via, ["shm", "shm", "shm", "shm", "tcp", "tcp", "tcp", "tcp"]);
+}
+
+#[test]
+fn bench_forcing_shm_against_a_tcp_only_target_says_why() {
+    let mut target = kvferry()
+        .args(["bench", "--mode", "target", "--buffer-size", "16M", "--transport", "tcp"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(target.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let seg = line.split_whitespace().find_map(|w| w.strip_prefix("segment=")).expect("segment printed").to_string();
+    let out = kvferry()
+        .args(["bench", "--mode", "initiator", "--segment", &seg, "--transport", "shm", "--buffer-size", "16M", "--blocks", "64K", "--duration", "0.1", "--no-ceilings", "--mooncake", "none"])
+        .output()
+        .unwrap();
+    let auto = kvferry()
+        .args(["bench", "--mode", "initiator", "--segment", &seg, "--buffer-size", "16M", "--blocks", "64K", "--ops", "write", "--batch", "4", "--duration", "0.1", "--no-ceilings", "--mooncake", "none"])
+        .output()
+        .unwrap();
+    let _ = target.kill(); // by pid: the child we started
+    let _ = target.wait();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("KVFERRY_TRANSPORT=shm") && err.contains("publishes no kvferry_shm"), "{err}");
+    // auto falls back to TCP and says why on stderr.
+    assert!(auto.status.success(), "{}", String::from_utf8_lossy(&auto.stderr));
+    assert!(String::from_utf8_lossy(&auto.stderr).contains("auto chose tcp"));
+    assert!(String::from_utf8_lossy(&auto.stdout).lines().any(|l| l.starts_with("write") && l.split_whitespace().nth(3) == Some("tcp")));
+}
+
+#[test]
+fn doctor_has_a_shared_memory_section() {
+    let out = kvferry().args(["doctor", "--local-hostname", "127.0.0.1"]).output().unwrap();
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{s}");
+    assert!(s.contains("same-host identity") && s.contains("KVFERRY_TRANSPORT"), "{s}");
+    assert!(s.lines().any(|l| l.contains("shm:")), "{s}");
+    let out = kvferry().args(["doctor", "--local-hostname", "127.0.0.1"]).env("KVFERRY_TRANSPORT", "tcp").output().unwrap();
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(s.contains("shm: disabled by KVFERRY_TRANSPORT=tcp"), "{s}");
+}

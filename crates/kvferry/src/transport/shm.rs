@@ -1,0 +1,1061 @@
+//! Same-host transport: cross-memory attach (`process_vm_readv` / `process_vm_writev`).
+//!
+//! When a peer runs on this host, the initiator moves bytes between its registered memory and
+//! the peer's in one kernel copy, in its own thread: no socket, no thread on the target.
+//! kvferry's registered memory is whatever the caller registered (not allocated by kvferry),
+//! so the peer cannot map it; cross-memory attach reaches it anyway. See
+//! `docs/ARCHITECTURE.md` ("Same-host transfers") for the measurements behind the choice.
+//!
+//! **Publishing.** Unless `KVFERRY_TRANSPORT=tcp`, an engine publishes in its descriptor an
+//! extra field (Mooncake peers ignore it; kvferry's decoder keeps it in `extra`):
+//!
+//! ```json
+//! "kvferry_shm": {"version": 1, "host_id": "<boot id>/pid:[<pid namespace inode>]", "pid": 4242,
+//!                 "uid": 1000, "ctl_fd": 7, "ctl_addr": 140..., "ctl_len": 65536,
+//!                 "cookie": "<32 hex digits>", "epoch": 0}
+//! ```
+//!
+//! `ctl_*` name the engine's **control region**: a 64 KiB memfd mapped shared, holding a
+//! magic, the random cookie, the **unregister epoch**, a `closed` flag and one slot per
+//! initiator (owner and in-flight counter).
+//!
+//! **Selection** (per peer, cached per peer cookie). The initiator uses this transport only if
+//! the peer publishes the field, its `host_id` equals ours (boot id *and* PID namespace, so
+//! containers with the same hostname or PID numbers are not confused), `pidfd_open(pid)`
+//! succeeds, `pidfd_getfd` hands over the peer's control memfd and it holds the published
+//! cookie (so the pidfd names the process that published the descriptor), and a
+//! `process_vm_readv` of the region's header and a `process_vm_writev` into its probe word
+//! really work (ptrace rules, seccomp and user namespaces are tested, not guessed). Any
+//! failure is logged at debug level and the peer is served over TCP;
+//! [`ShmTransport::select`] returns the reason (shown by `kvferry doctor` and
+//! `TransferEngine::segment_transport`).
+//!
+//! **Bounds.** The kernel lets a process with ptrace rights read and write *all* of its
+//! peer's memory, so the bounds are enforced here, by the initiator, before every system
+//! call: the remote range must lie inside a buffer of the peer's published descriptor, and
+//! the descriptor must be current (its `epoch` equals the live epoch in the peer's control
+//! region). A peer that publishes no `kvferry_shm` field (`KVFERRY_TRANSPORT=tcp` there, or a
+//! Mooncake engine) is never accessed this way. A process that can `process_vm_writev` into
+//! its peer could already `ptrace` it: this transport adds no privilege, and the bounds guard
+//! against bugs, not against a hostile process of the same user.
+//!
+//! **Unregistering while a peer copies.** Each initiator owns a slot in the target's control
+//! region. Around every system call it increments its slot's in-flight counter, then reads
+//! the epoch (both sequentially consistent); if the epoch is not the one of the descriptor
+//! it checked the range against, it backs off, refreshes the descriptor and re-checks. The
+//! target's `unregister` first removes the range (new descriptors lack it), then increments
+//! the epoch, then waits until every slot's counter is zero. Either the initiator sees the
+//! new epoch and does not copy, or the target sees the counter and waits: once
+//! `unregister_memory` returns, no copy into or out of that range is in flight or will start
+//! (the wait is bounded by `KVFERRY_TRANSFER_TIMEOUT`; a slot whose owner process died is
+//! cleared). A copy is at most [`CHUNK`] bytes, so the wait is short.
+//!
+//! **Peer identity and exit.** The pidfd is polled after each system call, and before it
+//! unless the last "alive" answer is younger than 1 ms (a PID is reused only after its
+//! process exited, was reaped and the PID counter wrapped). A copy is reported COMPLETED only
+//! if the peer was alive after it, i.e. the PID still named the verified process during the
+//! whole call. A peer that exits fails its requests (`FAILED`, "process exited"), never the
+//! survivor.
+
+use super::{Peer, Piece, Transport};
+use crate::batch::FailKind;
+use crate::wire::descriptor::SegmentDesc;
+use crate::wire::tcp::Opcode;
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// The descriptor field this transport publishes.
+pub const FIELD: &str = "kvferry_shm";
+/// Version of the published field and of the control region layout.
+pub const VERSION: u32 = 1;
+/// Size of the control region.
+pub const CTL_LEN: usize = 64 << 10;
+/// Largest copy done by one system call and one in-flight window; larger requests are cut
+/// into pieces of this size and spread over the worker threads.
+pub const CHUNK: u64 = 1 << 20;
+/// Pieces gathered into one system call (one `iovec` pair each).
+const MAX_IOV: usize = 64;
+/// A submission of at most this many bytes is copied in the caller's thread (no hand-off).
+const INLINE_BYTES: u64 = 64 << 10;
+
+const CTL_MAGIC: u64 = u64::from_le_bytes(*b"KVFCTL01");
+const OFF_MAGIC: usize = 0;
+const OFF_COOKIE: usize = 8;
+const OFF_EPOCH: usize = 24;
+const OFF_CLOSED: usize = 32;
+const OFF_PROBE: usize = 40;
+const OFF_HWM: usize = 48;
+const SLOT_BASE: usize = 64;
+const SLOT_SIZE: usize = 64;
+const N_SLOTS: usize = (CTL_LEN - SLOT_BASE) / SLOT_SIZE;
+
+/// Which data path carries requests to peers (`KVFERRY_TRANSPORT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportMode {
+    /// Shared memory to peers on this host that allow it, TCP otherwise.
+    #[default]
+    Auto,
+    /// TCP only; this engine also does not offer shared-memory access to peers.
+    Tcp,
+    /// Shared memory only: requests to peers it cannot reach fail with the reason.
+    Shm,
+}
+
+impl std::str::FromStr for TransportMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(TransportMode::Auto),
+            "tcp" => Ok(TransportMode::Tcp),
+            "shm" => Ok(TransportMode::Shm),
+            other => Err(format!("{other:?} is not a transport; use auto, tcp or shm")),
+        }
+    }
+}
+
+impl std::fmt::Display for TransportMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransportMode::Auto => "auto",
+            TransportMode::Tcp => "tcp",
+            TransportMode::Shm => "shm",
+        })
+    }
+}
+
+/// What a peer publishes under [`FIELD`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmInfo {
+    pub version: u32,
+    pub host_id: String,
+    pub pid: i32,
+    #[serde(default)]
+    pub uid: u32,
+    pub ctl_fd: i32,
+    pub ctl_addr: u64,
+    pub ctl_len: u64,
+    pub cookie: String,
+    pub epoch: u64,
+}
+
+impl ShmInfo {
+    /// The cookie and epoch a descriptor publishes, without decoding the rest (hot path).
+    fn cookie_epoch(desc: &SegmentDesc) -> Option<(&str, u64)> {
+        let v = desc.extra.get(FIELD)?;
+        Some((v.get("cookie")?.as_str()?, v.get("epoch")?.as_u64()?))
+    }
+
+    /// The field of a descriptor: `None` when absent, an error when malformed.
+    pub fn of(desc: &SegmentDesc) -> Option<Result<ShmInfo, String>> {
+        desc.extra
+            .get(FIELD)
+            .map(|v| serde_json::from_value::<ShmInfo>(v.clone()).map_err(|e| format!("its {FIELD} field is malformed ({e})")))
+    }
+}
+
+/// This host's identity as far as cross-memory attach is concerned: the boot id (differs
+/// between hosts and VMs, and across reboots) and the PID namespace (PIDs mean the same
+/// process only inside one).
+pub fn host_id() -> Result<String, String> {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map_err(|e| format!("cannot read /proc/sys/kernel/random/boot_id: {e}"))?;
+    let ns = std::fs::read_link("/proc/self/ns/pid").map_err(|e| format!("cannot read /proc/self/ns/pid: {e}"))?;
+    Ok(format!("{}/{}", boot.trim(), ns.display()))
+}
+
+/// `kernel.yama.ptrace_scope`, if Yama is present.
+pub fn ptrace_scope() -> Option<u32> {
+    std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").ok().and_then(|s| s.trim().parse().ok())
+}
+
+/// Explains a refusal by the kernel's ptrace access rules.
+fn not_permitted(pid: i32, what: &str, e: &io::Error) -> String {
+    let yama = match ptrace_scope() {
+        Some(1) => "; kernel.yama.ptrace_scope=1 allows it only towards descendant processes: set it to 0 (sysctl kernel.yama.ptrace_scope=0) or give the initiator CAP_SYS_PTRACE",
+        Some(2) => "; kernel.yama.ptrace_scope=2 allows it only with CAP_SYS_PTRACE",
+        Some(3) => "; kernel.yama.ptrace_scope=3 forbids it entirely",
+        _ => "",
+    };
+    format!(
+        "{what} process {pid} is not permitted ({e}): cross-memory attach needs the same user and a dumpable peer, or CAP_SYS_PTRACE; a container's seccomp profile may also block it{yama}"
+    )
+}
+
+// ------------------------------------------------------------------------------------------
+// System calls
+// ------------------------------------------------------------------------------------------
+
+fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+    // SAFETY: plain system call; the result is a new file descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor to us.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+fn pidfd_getfd(pidfd: &OwnedFd, fd: i32) -> io::Result<OwnedFd> {
+    // SAFETY: plain system call; the result is a new file descriptor or -1.
+    let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor to us.
+    Ok(unsafe { OwnedFd::from_raw_fd(r as RawFd) })
+}
+
+/// Whether the process behind `pidfd` has exited (the pidfd polls readable then).
+fn exited(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one pollfd, zero timeout.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    r != 0 && (r < 0 || p.revents != 0)
+}
+
+/// One cross-memory copy of matching local and remote iovecs. Returns bytes moved.
+fn cma(pid: i32, op: Opcode, local: &[libc::iovec], remote: &[libc::iovec]) -> io::Result<usize> {
+    if FORCE_DENIED.load(Ordering::Relaxed) {
+        return Err(io::Error::from_raw_os_error(libc::EPERM));
+    }
+    // SAFETY: the local iovecs lie in memory registered with this engine (guards held); the
+    // kernel checks the remote ones against the peer's address space and never faults us.
+    let n = unsafe {
+        match op {
+            Opcode::Write => libc::process_vm_writev(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0),
+            Opcode::Read => libc::process_vm_readv(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0),
+        }
+    };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+static FORCE_DENIED: AtomicBool = AtomicBool::new(false);
+
+/// Test hook: makes every cross-memory call of this process fail with EPERM, as under a
+/// restrictive ptrace policy, so the TCP fallback can be exercised without one.
+#[doc(hidden)]
+pub fn simulate_cma_denied(on: bool) {
+    FORCE_DENIED.store(on, Ordering::Relaxed);
+}
+
+// ------------------------------------------------------------------------------------------
+// The control region
+// ------------------------------------------------------------------------------------------
+
+/// A shared mapping of a control region (ours or a peer's).
+struct CtlMap {
+    ptr: *mut u8,
+}
+
+// SAFETY: the mapping is only accessed through atomics and immutable header bytes.
+unsafe impl Send for CtlMap {}
+unsafe impl Sync for CtlMap {}
+
+impl CtlMap {
+    fn map(fd: &OwnedFd) -> io::Result<CtlMap> {
+        // SAFETY: shared mapping of a memfd at least CTL_LEN long (checked by callers).
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), CTL_LEN, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(CtlMap { ptr: p as *mut u8 })
+    }
+
+    fn word(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off % 8 == 0 && off + 8 <= CTL_LEN);
+        // SAFETY: in bounds, 8-aligned (the mapping is page-aligned), shared memory accessed
+        // only atomically.
+        unsafe { &*(self.ptr.add(off) as *const AtomicU64) }
+    }
+
+    fn header(&self) -> [u8; 24] {
+        let mut h = [0u8; 24];
+        h[..8].copy_from_slice(&self.word(OFF_MAGIC).load(Ordering::Acquire).to_le_bytes());
+        h[8..16].copy_from_slice(&self.word(OFF_COOKIE).load(Ordering::Acquire).to_le_bytes());
+        h[16..].copy_from_slice(&self.word(OFF_COOKIE + 8).load(Ordering::Acquire).to_le_bytes());
+        h
+    }
+
+    fn cookie_hex(&self) -> String {
+        self.header()[8..].iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn epoch(&self) -> &AtomicU64 {
+        self.word(OFF_EPOCH)
+    }
+    fn closed(&self) -> &AtomicU64 {
+        self.word(OFF_CLOSED)
+    }
+    fn owner(&self, slot: usize) -> &AtomicU64 {
+        self.word(SLOT_BASE + slot * SLOT_SIZE)
+    }
+    fn active(&self, slot: usize) -> &AtomicU64 {
+        self.word(SLOT_BASE + slot * SLOT_SIZE + 8)
+    }
+    fn hwm(&self) -> usize {
+        (self.word(OFF_HWM).load(Ordering::Acquire) as usize).min(N_SLOTS)
+    }
+}
+
+impl Drop for CtlMap {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping; nothing refers to it any more.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, CTL_LEN) };
+    }
+}
+
+/// The process id stored in a slot owner word.
+fn owner_pid(owner: u64) -> i32 {
+    (owner >> 32) as i32
+}
+
+/// Whether a process exists and has not exited (a zombie counts as exited).
+fn pid_alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks existence and permission.
+    let r = unsafe { libc::kill(pid, 0) };
+    if r != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return false;
+    }
+    // State is the field after the parenthesised command name.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => !matches!(s.rfind(')').and_then(|i| s[i + 1..].split_whitespace().next()), Some("Z") | Some("X")),
+        Err(_) => true,
+    }
+}
+
+/// This engine's own control region.
+struct LocalCtl {
+    map: CtlMap,
+    fd: OwnedFd,
+}
+
+impl LocalCtl {
+    fn create() -> io::Result<LocalCtl> {
+        // SAFETY: memfd_create with a valid C string; checked below.
+        let fd = unsafe { libc::memfd_create(c"kvferry-shm-ctl".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the kernel just returned this descriptor.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: resizing our own memfd.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), CTL_LEN as libc::off_t) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let map = CtlMap::map(&fd)?;
+        let cookie: [u8; 16] = rand::random();
+        map.word(OFF_COOKIE).store(u64::from_le_bytes(cookie[..8].try_into().unwrap_or_default()), Ordering::Release);
+        map.word(OFF_COOKIE + 8).store(u64::from_le_bytes(cookie[8..].try_into().unwrap_or_default()), Ordering::Release);
+        map.word(OFF_MAGIC).store(CTL_MAGIC, Ordering::Release);
+        Ok(LocalCtl { map, fd })
+    }
+
+    /// Waits until no initiator has a copy in flight, up to `until`. Slots of dead owners
+    /// are cleared. Returns false if copies were still in flight at `until`.
+    fn drain(&self, until: Instant) -> bool {
+        let mut pause = Duration::from_micros(20);
+        loop {
+            let mut busy = false;
+            for s in 0..self.map.hwm() {
+                if self.map.active(s).load(Ordering::SeqCst) == 0 {
+                    continue;
+                }
+                let owner = self.map.owner(s).load(Ordering::SeqCst);
+                if owner == 0 || !pid_alive(owner_pid(owner)) {
+                    // Its owner died mid-copy: the copy cannot continue.
+                    self.map.active(s).store(0, Ordering::SeqCst);
+                    let _ = self.map.owner(s).compare_exchange(owner, 0, Ordering::SeqCst, Ordering::SeqCst);
+                    continue;
+                }
+                busy = true;
+            }
+            if !busy {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// A peer reached through cross-memory attach
+// ------------------------------------------------------------------------------------------
+
+/// Monotonic nanoseconds since the first call.
+fn now_ns() -> u64 {
+    static BASE: OnceLock<Instant> = OnceLock::new();
+    BASE.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+/// How long a "still alive" check stands in for the check before the next copy. A PID can
+/// only be reused after its process exited, was reaped and the PID counter wrapped.
+const ALIVE_FOR_NS: u64 = 1_000_000;
+
+/// A verified same-host peer process.
+pub struct ShmPeer {
+    pid: i32,
+    pidfd: OwnedFd,
+    /// When the pidfd last said "alive" ([`now_ns`]).
+    alive_at: AtomicU64,
+    ctl: CtlMap,
+    slot: usize,
+    owner: u64,
+    cookie: String,
+}
+
+impl ShmPeer {
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    fn exited(&self) -> bool {
+        let gone = exited(&self.pidfd);
+        if !gone {
+            self.alive_at.store(now_ns(), Ordering::Relaxed);
+        }
+        gone
+    }
+
+    /// Like [`ShmPeer::exited`], but trusts an "alive" answer younger than [`ALIVE_FOR_NS`].
+    fn exited_lately(&self) -> bool {
+        if now_ns().saturating_sub(self.alive_at.load(Ordering::Relaxed)) < ALIVE_FOR_NS {
+            return false;
+        }
+        self.exited()
+    }
+
+    /// Verifies a peer and claims a slot in its control region.
+    fn attach(info: &ShmInfo, owner: u64) -> Result<ShmPeer, String> {
+        let pid = info.pid;
+        let pidfd = pidfd_open(pid).map_err(|e| match e.raw_os_error() {
+            Some(libc::ESRCH) => format!("process {pid} does not exist (in this PID namespace)"),
+            Some(libc::ENOSYS) => "the kernel lacks pidfd_open (Linux 5.3 or newer is needed)".to_string(),
+            _ => format!("pidfd_open({pid}) failed: {e}"),
+        })?;
+        let memfd = pidfd_getfd(&pidfd, info.ctl_fd).map_err(|e| match e.raw_os_error() {
+            Some(libc::EPERM) | Some(libc::EACCES) => not_permitted(pid, "taking a file descriptor of", &e),
+            Some(libc::ENOSYS) => "the kernel lacks pidfd_getfd (Linux 5.6 or newer is needed)".to_string(),
+            _ => format!("cannot take the control region (fd {}) of process {pid}: {e}; its descriptor may be stale", info.ctl_fd),
+        })?;
+        // SAFETY: fstat into a zeroed struct.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(memfd.as_raw_fd(), &mut st) } != 0 || (st.st_size as u64) < CTL_LEN as u64 {
+            return Err(format!("fd {} of process {pid} is not a kvferry control region", info.ctl_fd));
+        }
+        let ctl = CtlMap::map(&memfd).map_err(|e| format!("cannot map the control region of process {pid}: {e}"))?;
+        drop(memfd);
+        let header = ctl.header();
+        if u64::from_le_bytes(header[..8].try_into().unwrap_or_default()) != CTL_MAGIC || ctl.cookie_hex() != info.cookie {
+            return Err(format!("process {pid} is not the engine that published this descriptor (cookie differs: the PID was reused or the descriptor is stale)"));
+        }
+        // The copy itself must work, both ways: ptrace rules, seccomp, LSMs.
+        let mut seen = [0u8; 24];
+        let l = [libc::iovec { iov_base: seen.as_mut_ptr() as *mut libc::c_void, iov_len: seen.len() }];
+        let r = [libc::iovec { iov_base: info.ctl_addr as *mut libc::c_void, iov_len: seen.len() }];
+        match cma(pid, Opcode::Read, &l, &r) {
+            Ok(24) if seen == header => {}
+            Ok(_) => return Err(format!("process_vm_readv of process {pid} returned other bytes than its control region holds (stale descriptor?)")),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::EACCES)) => {
+                return Err(not_permitted(pid, "process_vm_readv of", &e))
+            }
+            Err(e) => return Err(format!("process_vm_readv of process {pid} failed: {e}")),
+        }
+        let token: u64 = rand::random::<u64>() | 1;
+        let tb = token.to_le_bytes();
+        let l = [libc::iovec { iov_base: tb.as_ptr() as *mut libc::c_void, iov_len: 8 }];
+        let r = [libc::iovec { iov_base: (info.ctl_addr + OFF_PROBE as u64) as *mut libc::c_void, iov_len: 8 }];
+        match cma(pid, Opcode::Write, &l, &r) {
+            Ok(8) if ctl.word(OFF_PROBE).load(Ordering::SeqCst) == token => {}
+            Ok(_) => return Err(format!("process_vm_writev into process {pid} did not land in its control region")),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::EACCES)) => {
+                return Err(not_permitted(pid, "process_vm_writev into", &e))
+            }
+            Err(e) => return Err(format!("process_vm_writev into process {pid} failed: {e}")),
+        }
+        if exited(&pidfd) {
+            return Err(format!("process {pid} exited"));
+        }
+        let slot = claim_slot(&ctl, owner).ok_or_else(|| format!("all {N_SLOTS} initiator slots of process {pid} are taken"))?;
+        Ok(ShmPeer { pid, pidfd, alive_at: AtomicU64::new(now_ns()), ctl, slot, owner, cookie: info.cookie.clone() })
+    }
+}
+
+fn claim_slot(ctl: &CtlMap, owner: u64) -> Option<usize> {
+    for s in 0..N_SLOTS {
+        let cur = ctl.owner(s).load(Ordering::SeqCst);
+        let free = cur == 0 || (cur != owner && !pid_alive(owner_pid(cur)) && ctl.active(s).load(Ordering::SeqCst) == 0);
+        if free && ctl.owner(s).compare_exchange(cur, owner, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            ctl.active(s).store(0, Ordering::SeqCst);
+            ctl.word(OFF_HWM).fetch_max(s as u64 + 1, Ordering::SeqCst);
+            return Some(s);
+        }
+    }
+    None
+}
+
+impl Drop for ShmPeer {
+    fn drop(&mut self) {
+        let _ = self.ctl.owner(self.slot).compare_exchange(self.owner, 0, Ordering::SeqCst, Ordering::SeqCst);
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// The transport
+// ------------------------------------------------------------------------------------------
+
+/// Re-fetches a peer's descriptor (installed by the engine).
+pub type Refresh = Box<dyn Fn(&Arc<Peer>) -> Result<(), String> + Send + Sync>;
+
+pub struct ShmOptions {
+    pub mode: TransportMode,
+    /// Worker threads for queued copies (0: the number of CPUs, at most 4).
+    pub threads: usize,
+    /// How long `unregister` and shutdown wait for copies in flight.
+    pub drain: Duration,
+}
+
+enum Selection {
+    Yes(Arc<ShmPeer>),
+    No(String),
+}
+
+struct Job {
+    shm: Arc<ShmPeer>,
+    peer: Arc<Peer>,
+    pieces: Vec<Piece>,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    shutdown: bool,
+    workers: usize,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    cv: Condvar,
+    refresh: OnceLock<Refresh>,
+}
+
+/// The same-host transport of one engine.
+pub struct ShmTransport {
+    mode: TransportMode,
+    threads: usize,
+    drain: Duration,
+    local: Option<LocalCtl>,
+    /// Why this engine does not offer shared-memory access (when it does not).
+    local_reason: Option<String>,
+    host_id: Result<String, String>,
+    owner: u64,
+    /// Per peer id: the cookie the selection was made for, and the selection.
+    peers: Mutex<HashMap<u64, (Option<String>, Arc<Selection>)>>,
+    shared: Arc<Shared>,
+    shut: AtomicBool,
+}
+
+impl ShmTransport {
+    pub fn new(opts: ShmOptions) -> ShmTransport {
+        let host_id = host_id();
+        let (local, local_reason) = match (opts.mode, &host_id) {
+            (TransportMode::Tcp, _) => (None, Some("KVFERRY_TRANSPORT=tcp".to_string())),
+            (_, Err(e)) => (None, Some(e.clone())),
+            (_, Ok(_)) => match LocalCtl::create() {
+                Ok(c) => (Some(c), None),
+                Err(e) => (None, Some(format!("cannot create the control region (memfd): {e}"))),
+            },
+        };
+        if let Some(r) = &local_reason {
+            tracing::debug!("not offering shared-memory access to peers: {r}");
+        }
+        let threads = if opts.threads == 0 {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).min(4)
+        } else {
+            opts.threads
+        };
+        // SAFETY: getpid has no preconditions.
+        let pid = unsafe { libc::getpid() } as u64;
+        let owner = (pid << 32) | u64::from(rand::random::<u32>() | 1);
+        ShmTransport {
+            mode: opts.mode,
+            threads,
+            drain: opts.drain,
+            local,
+            local_reason,
+            host_id,
+            owner,
+            peers: Mutex::default(),
+            shared: Arc::new(Shared { queue: Mutex::default(), cv: Condvar::new(), refresh: OnceLock::new() }),
+            shut: AtomicBool::new(false),
+        }
+    }
+
+    /// Installs the descriptor refresh used when a peer's epoch moved.
+    pub fn set_refresh(&self, f: Refresh) {
+        let _ = self.shared.refresh.set(f);
+    }
+
+    pub fn mode(&self) -> TransportMode {
+        self.mode
+    }
+
+    /// Why peers cannot reach this engine through shared memory, if they cannot.
+    pub fn local_unavailable(&self) -> Option<&str> {
+        self.local_reason.as_deref()
+    }
+
+    /// The value published under [`FIELD`]. Read it *before* snapshotting the registered
+    /// ranges: the epoch then never claims a newer state than the buffer list.
+    pub fn describe_value(&self) -> Option<serde_json::Value> {
+        let c = self.local.as_ref()?;
+        let host_id = self.host_id.as_ref().ok()?;
+        let info = ShmInfo {
+            version: VERSION,
+            host_id: host_id.clone(),
+            // SAFETY: getpid/getuid have no preconditions.
+            pid: unsafe { libc::getpid() },
+            uid: unsafe { libc::getuid() },
+            ctl_fd: c.fd.as_raw_fd(),
+            ctl_addr: c.map.ptr as u64,
+            ctl_len: CTL_LEN as u64,
+            cookie: c.map.cookie_hex(),
+            epoch: c.map.epoch().load(Ordering::SeqCst),
+        };
+        serde_json::to_value(info).ok()
+    }
+
+    /// Chooses this transport for `peer`, or says why not. Cached per peer and peer cookie.
+    pub fn select(&self, peer: &Arc<Peer>) -> Result<Arc<ShmPeer>, String> {
+        if self.mode == TransportMode::Tcp {
+            return Err("KVFERRY_TRANSPORT=tcp".into());
+        }
+        if self.shut.load(Ordering::Acquire) {
+            return Err("engine shut down".into());
+        }
+        let mut desc = peer.desc();
+        let cookie_of = |d: &SegmentDesc| ShmInfo::cookie_epoch(d).map(|(c, _)| c.to_string());
+        let cached = self.peers.lock().unwrap_or_else(|e| e.into_inner()).get(&peer.id).cloned();
+        if let Some((c, sel)) = cached {
+            if c == cookie_of(&desc) {
+                match &*sel {
+                    Selection::Yes(p) if !p.exited_lately() => return Ok(Arc::clone(p)),
+                    Selection::No(r) => return Err(r.clone()),
+                    Selection::Yes(p) => {
+                        // The process we verified is gone: a new one may serve the segment now.
+                        if let Some(f) = self.shared.refresh.get() {
+                            let _ = f(peer);
+                        }
+                        desc = peer.desc();
+                        if c == cookie_of(&desc) {
+                            return Err(format!("{}: process {} exited", peer.name, p.pid));
+                        }
+                    }
+                }
+            }
+        }
+        let info = ShmInfo::of(&desc);
+        let cookie = cookie_of(&desc);
+        let sel = match self.choose(info) {
+            Ok(p) => {
+                tracing::debug!(segment = %peer.name, pid = p.pid, "using shared memory (cross-memory attach)");
+                Selection::Yes(Arc::new(p))
+            }
+            Err(r) => {
+                let r = format!("{}: {r}", peer.name);
+                tracing::debug!("shared memory not used for {r}; using TCP");
+                Selection::No(r)
+            }
+        };
+        let sel = Arc::new(sel);
+        self.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.id, (cookie, Arc::clone(&sel)));
+        match &*sel {
+            Selection::Yes(p) => Ok(Arc::clone(p)),
+            Selection::No(r) => Err(r.clone()),
+        }
+    }
+
+    fn choose(&self, info: Option<Result<ShmInfo, String>>) -> Result<ShmPeer, String> {
+        let info = info.ok_or_else(|| format!("it publishes no {FIELD} field (a Mooncake engine, or KVFERRY_TRANSPORT=tcp there)"))??;
+        let ours = self.host_id.as_ref().map_err(|e| format!("this host's identity is unknown ({e})"))?;
+        if info.version != VERSION {
+            return Err(format!("it speaks {FIELD} version {}, this engine {VERSION}", info.version));
+        }
+        if info.host_id != *ours {
+            return Err(format!("it runs on another host or in another PID namespace (host id {} vs ours {ours})", info.host_id));
+        }
+        if info.ctl_len != CTL_LEN as u64 {
+            return Err(format!("its control region is {} bytes, expected {CTL_LEN}", info.ctl_len));
+        }
+        ShmPeer::attach(&info, self.owner)
+    }
+
+    /// Forgets the selection for a peer (its descriptor changed).
+    fn forget(&self, peer_id: u64) {
+        self.peers.lock().unwrap_or_else(|e| e.into_inner()).remove(&peer_id);
+    }
+
+    /// Queues (or, when small, runs here) pieces for a verified peer.
+    pub fn submit_to(&self, peer: &Arc<Peer>, shm: Arc<ShmPeer>, pieces: Vec<Piece>, inline: bool) {
+        if self.shut.load(Ordering::Acquire) {
+            for p in pieces {
+                p.task.piece_failed(FailKind::Failed, "engine shut down");
+            }
+            return;
+        }
+        let total: u64 = pieces.iter().map(|p| p.len).sum();
+        if total <= INLINE_BYTES || (inline && pieces.len() == 1 && total <= CHUNK) {
+            run_job(&self.shared, Job { shm, peer: Arc::clone(peer), pieces });
+            return;
+        }
+        // Cut large pieces, then gather pieces into jobs of about CHUNK bytes.
+        let mut jobs: Vec<Job> = Vec::new();
+        let mut cur: Vec<Piece> = Vec::new();
+        let mut cur_bytes = 0u64;
+        let push = |p: Piece, jobs: &mut Vec<Job>, cur: &mut Vec<Piece>, cur_bytes: &mut u64| {
+            if !cur.is_empty() && (*cur_bytes + p.len > CHUNK || cur.len() >= MAX_IOV) {
+                jobs.push(Job { shm: Arc::clone(&shm), peer: Arc::clone(peer), pieces: std::mem::take(cur) });
+                *cur_bytes = 0;
+            }
+            *cur_bytes += p.len;
+            cur.push(p);
+        };
+        for p in pieces {
+            if p.len <= CHUNK {
+                push(p, &mut jobs, &mut cur, &mut cur_bytes);
+                continue;
+            }
+            let count = p.len.div_ceil(CHUNK);
+            p.task.split(count as u32);
+            let mut off = 0;
+            while off < p.len {
+                let len = CHUNK.min(p.len - off);
+                let part = Piece { opcode: p.opcode, local: p.local + off, remote: p.remote + off, len, task: Arc::clone(&p.task), guard: p.guard.clone() };
+                push(part, &mut jobs, &mut cur, &mut cur_bytes);
+                off += len;
+            }
+        }
+        if !cur.is_empty() {
+            jobs.push(Job { shm: Arc::clone(&shm), peer: Arc::clone(peer), pieces: cur });
+        }
+        let n = jobs.len();
+        let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if q.shutdown {
+            drop(q);
+            for j in jobs {
+                for p in j.pieces {
+                    p.task.piece_failed(FailKind::Failed, "engine shut down");
+                }
+            }
+            return;
+        }
+        q.jobs.extend(jobs);
+        while q.workers < self.threads {
+            let shared = Arc::clone(&self.shared);
+            match std::thread::Builder::new().name("kvf-shm".into()).spawn(move || worker(shared)) {
+                Ok(_) => q.workers += 1,
+                Err(e) => {
+                    tracing::warn!("cannot start a shared-memory worker thread: {e}");
+                    break;
+                }
+            }
+        }
+        if q.workers == 0 {
+            // No thread at all: copy here rather than never.
+            let jobs: Vec<Job> = q.jobs.drain(..).collect();
+            drop(q);
+            for j in jobs {
+                run_job(&self.shared, j);
+            }
+            return;
+        }
+        drop(q);
+        if n == 1 {
+            self.shared.cv.notify_one();
+        } else {
+            self.shared.cv.notify_all();
+        }
+    }
+}
+
+fn worker(shared: Arc<Shared>) {
+    loop {
+        let job = {
+            let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                if let Some(j) = q.jobs.pop_front() {
+                    break j;
+                }
+                if q.shutdown {
+                    q.workers = q.workers.saturating_sub(1);
+                    return;
+                }
+                q = shared.cv.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        run_job(&shared, job);
+    }
+}
+
+fn fail_all(pieces: Vec<Piece>, kind: FailKind, reason: &str) {
+    for p in pieces {
+        p.task.piece_failed(kind, reason.to_string());
+    }
+}
+
+fn errno_reason(peer: &str, pid: i32, p: &Piece, e: &io::Error) -> String {
+    match e.raw_os_error() {
+        Some(libc::ESRCH) => format!("{peer}: process {pid} exited"),
+        Some(libc::EFAULT) => format!(
+            "{peer}: [0x{:x}, +{}) is not mapped in process {pid} (it freed or unmapped memory it still has registered?)",
+            p.remote, p.len
+        ),
+        Some(libc::EPERM) | Some(libc::EACCES) => not_permitted(pid, "access to", e),
+        _ => format!("{peer}: cross-memory copy of [0x{:x}, +{}) failed: {e}", p.remote, p.len),
+    }
+}
+
+/// Copies the pieces of one job: check bounds and epoch, copy, check the peer still lives.
+fn run_job(shared: &Shared, job: Job) {
+    let Job { shm, peer, mut pieces } = job;
+    let now = Instant::now();
+    pieces.retain(|p| {
+        if now >= p.task.deadline() {
+            p.task.piece_failed(FailKind::Timeout, format!("{}: the request waited past its deadline before it could be copied", peer.name));
+            false
+        } else {
+            p.task.set_pending();
+            true
+        }
+    });
+    let mut refreshed = 0;
+    while !pieces.is_empty() {
+        if shm.exited_lately() {
+            return fail_all(pieces, FailKind::Failed, &format!("{}: process {} exited", peer.name, shm.pid));
+        }
+        let desc = peer.desc();
+        let desc_epoch = match ShmInfo::cookie_epoch(&desc) {
+            Some((c, e)) if c == shm.cookie => e,
+            _ => return fail_all(pieces, FailKind::Failed, &format!("{}: the peer restarted or stopped offering shared memory during the transfer", peer.name)),
+        };
+        // Bounds: only ranges inside the peer's published buffers.
+        pieces.retain(|p| {
+            if desc.find_buffer(p.remote, p.len).is_some() {
+                true
+            } else {
+                let e = crate::Error::RemoteNotRegistered { segment: peer.name.clone(), addr: p.remote, len: p.len };
+                p.task.piece_failed(FailKind::Failed, e.to_string());
+                false
+            }
+        });
+        if pieces.is_empty() {
+            return;
+        }
+        let active = shm.ctl.active(shm.slot);
+        active.fetch_add(1, Ordering::SeqCst);
+        let epoch = shm.ctl.epoch().load(Ordering::SeqCst);
+        if epoch != desc_epoch {
+            active.fetch_sub(1, Ordering::SeqCst);
+            if shm.ctl.closed().load(Ordering::SeqCst) != 0 {
+                return fail_all(pieces, FailKind::Failed, &format!("{}: the peer engine shut down", peer.name));
+            }
+            refreshed += 1;
+            let r = match (refreshed, shared.refresh.get()) {
+                (1..=3, Some(f)) => f(&peer),
+                (1..=3, None) => Err("no way to refresh its descriptor".to_string()),
+                _ => Err("it keeps unregistering memory".to_string()),
+            };
+            if let Err(e) = r {
+                return fail_all(pieces, FailKind::Failed, &format!("{}: its registrations changed and its descriptor cannot be re-read: {e}", peer.name));
+            }
+            continue;
+        }
+        let results = copy_all(shm.pid, &pieces);
+        active.fetch_sub(1, Ordering::SeqCst);
+        // The PID named the verified process throughout only if it is still alive now.
+        let gone = shm.exited();
+        for (p, r) in pieces.into_iter().zip(results) {
+            match r {
+                _ if gone => p.task.piece_failed(FailKind::Failed, format!("{}: process {} exited during the transfer", peer.name, shm.pid)),
+                Ok(()) => {
+                    let len = p.len;
+                    p.task.piece_done(len);
+                }
+                Err(e) => {
+                    let reason = errno_reason(&peer.name, shm.pid, &p, &e);
+                    p.task.piece_failed(FailKind::Failed, reason);
+                }
+            }
+        }
+        return;
+    }
+}
+
+/// Copies every piece (runs of the same opcode share one system call). One result per piece.
+fn copy_all(pid: i32, pieces: &[Piece]) -> Vec<io::Result<()>> {
+    let mut out: Vec<io::Result<()>> = Vec::with_capacity(pieces.len());
+    let mut i = 0;
+    while i < pieces.len() {
+        let op = pieces[i].opcode;
+        let mut j = i;
+        while j < pieces.len() && j - i < MAX_IOV && pieces[j].opcode == op {
+            j += 1;
+        }
+        let run = &pieces[i..j];
+        let local: Vec<libc::iovec> = run.iter().map(|p| libc::iovec { iov_base: p.local as *mut libc::c_void, iov_len: p.len as usize }).collect();
+        let remote: Vec<libc::iovec> = run.iter().map(|p| libc::iovec { iov_base: p.remote as *mut libc::c_void, iov_len: p.len as usize }).collect();
+        let total: usize = local.iter().map(|v| v.iov_len).sum();
+        match cma(pid, op, &local, &remote) {
+            Ok(n) if n == total => out.extend(run.iter().map(|_| Ok(()))),
+            first => {
+                // Partial or failed: the kernel stops at an iovec boundary. Keep the complete
+                // prefix and redo the rest one by one to learn each outcome.
+                let mut done = match first {
+                    Ok(n) => n,
+                    Err(_) => 0,
+                };
+                for k in 0..run.len() {
+                    let len = local[k].iov_len;
+                    if done >= len {
+                        done -= len;
+                        out.push(Ok(()));
+                        continue;
+                    }
+                    done = 0;
+                    out.push(match cma(pid, op, &local[k..=k], &remote[k..=k]) {
+                        Ok(n) if n == len => Ok(()),
+                        Ok(n) => Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("copied {n} of {len} bytes"))),
+                        Err(e) => Err(e),
+                    });
+                }
+            }
+        }
+        i = j;
+    }
+    out
+}
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn describe(&self, desc: &mut SegmentDesc) {
+        if let Some(v) = self.describe_value() {
+            desc.extra.insert(FIELD.to_string(), v);
+        }
+    }
+
+    /// Called after a range left the registry: no copy into or out of it may be in flight
+    /// once this returns.
+    fn on_unregister(&self, region: &crate::memory::Region) {
+        let Some(c) = &self.local else { return };
+        c.map.epoch().fetch_add(1, Ordering::SeqCst);
+        if !c.drain(Instant::now() + self.drain) {
+            tracing::warn!(addr = region.addr, "unregister: a peer's shared-memory copy is still in flight after {:?}; range removed anyway", self.drain);
+        }
+    }
+
+    fn reachable(&self, peer: &Peer) -> Result<(), String> {
+        match self.peers.lock().unwrap_or_else(|e| e.into_inner()).get(&peer.id) {
+            Some((_, sel)) => match &**sel {
+                Selection::Yes(_) => Ok(()),
+                Selection::No(r) => Err(r.clone()),
+            },
+            None => Err("not selected yet".into()),
+        }
+    }
+
+    fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>) {
+        match self.select(peer) {
+            Ok(shm) => self.submit_to(peer, shm, pieces, false),
+            Err(r) => fail_all(pieces, FailKind::Failed, &r),
+        }
+    }
+
+    fn shutdown(&self) {
+        if self.shut.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Peers must stop copying into our memory before the caller frees it.
+        if let Some(c) = &self.local {
+            c.map.closed().store(1, Ordering::SeqCst);
+            c.map.epoch().fetch_add(1, Ordering::SeqCst);
+            if !c.drain(Instant::now() + self.drain.min(Duration::from_secs(5))) {
+                tracing::warn!("shutdown: a peer's shared-memory copy is still in flight");
+            }
+        }
+        let jobs: Vec<Job> = {
+            let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            q.shutdown = true;
+            q.jobs.drain(..).collect()
+        };
+        self.shared.cv.notify_all();
+        for j in jobs {
+            fail_all(j.pieces, FailKind::Failed, "engine shut down");
+        }
+        self.peers.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}
+
+impl ShmTransport {
+    /// Drops the cached selection of a peer so the next request chooses again.
+    pub fn reselect(&self, peer_id: u64) {
+        self.forget(peer_id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mode_parses() {
+        assert_eq!("AUTO".parse::<TransportMode>(), Ok(TransportMode::Auto));
+        assert_eq!(" shm ".parse::<TransportMode>(), Ok(TransportMode::Shm));
+        assert!("rdma".parse::<TransportMode>().unwrap_err().contains("auto, tcp or shm"));
+    }
+
+    #[test]
+    fn host_id_names_boot_and_namespace() {
+        let h = host_id().unwrap();
+        assert!(h.contains("pid:["), "{h}");
+        assert_eq!(h, host_id().unwrap());
+    }
+
+    #[test]
+    fn control_region_layout() {
+        assert!(N_SLOTS >= 1000);
+        let c = LocalCtl::create().unwrap();
+        assert_eq!(c.map.header()[..8], CTL_MAGIC.to_le_bytes());
+        assert_eq!(c.map.cookie_hex().len(), 32);
+        // A slot owned by a dead process with a copy "in flight" does not block a drain.
+        c.map.owner(3).store((i32::MAX as u64) << 32 | 1, Ordering::SeqCst);
+        c.map.active(3).store(1, Ordering::SeqCst);
+        c.map.word(OFF_HWM).store(4, Ordering::SeqCst);
+        assert!(c.drain(Instant::now() + Duration::from_secs(2)));
+        assert_eq!(c.map.owner(3).load(Ordering::SeqCst), 0);
+        // A live owner with a copy in flight does, until the deadline.
+        let owner = (u64::from(std::process::id()) << 32) | 7;
+        assert_eq!(claim_slot(&c.map, owner), Some(0));
+        c.map.active(0).store(1, Ordering::SeqCst);
+        let t = Instant::now();
+        assert!(!c.drain(Instant::now() + Duration::from_millis(50)));
+        assert!(t.elapsed() >= Duration::from_millis(50));
+    }
+}

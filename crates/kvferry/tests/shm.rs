@@ -1,0 +1,566 @@
+//! Same-host transport (cross-memory attach): selection, bounds, fallback, faults.
+//!
+//! Some tests run this test binary again as a child process (`child_entry`, selected by the
+//! `KVFERRY_SHM_CHILD` variable) so that the peer is a real separate process that can be
+//! killed. Every child is killed by its pid and waited for.
+
+use kvferry::config::TransportMode;
+use kvferry::handshake::HandshakeServer;
+use kvferry::wire::handshake::{Frame, MsgType};
+use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn engine_with(mode: TransportMode) -> TransferEngine {
+    TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), transport: mode, ..Config::default() }).expect("engine starts")
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add((i >> 12) as u8)).collect()
+}
+
+fn wr(op: Opcode, src: u64, seg: u64, remote: u64, len: u64) -> TransferRequest {
+    TransferRequest { opcode: op, source: src, target_id: seg, target_offset: remote, length: len }
+}
+
+fn sync(e: &TransferEngine, reqs: &[TransferRequest]) -> kvferry::TransferStatus {
+    e.transfer_sync(reqs, Duration::from_secs(20)).expect("batch runs")
+}
+
+#[test]
+fn same_host_peers_use_shm_and_move_bytes() {
+    let a = engine_with(TransportMode::Auto);
+    let b = engine_with(TransportMode::Auto);
+    let size = 40 << 20;
+    let src = pattern(size, 3);
+    let dst = vec![0u8; size + 4096];
+    a.register_memory(src.as_ptr() as u64, size as u64, "cpu:0").unwrap();
+    b.register_memory(dst.as_ptr() as u64, size as u64, "cpu:0").unwrap();
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    let t = a.segment_transport(seg).unwrap();
+    assert_eq!((t.name, t.why_not_shm.as_deref()), ("shm", None));
+    assert_eq!(a.segment_transport(0).unwrap().name, "local");
+    let desc = a.segment_descriptor(seg).unwrap();
+    assert!(desc.extra.contains_key("kvferry_shm"), "published: {:?}", desc.extra);
+
+    // WRITE a mix of sizes in one batch: tiny, page, 64 KiB, 1 MiB, 16 MiB (split), odd.
+    let sizes = [1u64, 4096, 65536, 1 << 20, 16 << 20, 4093, (3 << 20) + 17];
+    let (s0, d0) = (src.as_ptr() as u64, dst.as_ptr() as u64);
+    let mut off = 0;
+    let mut reqs = Vec::new();
+    for &s in &sizes {
+        reqs.push(wr(Opcode::Write, s0 + off, seg, d0 + off, s));
+        off += s;
+    }
+    let st = sync(&a, &reqs);
+    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+    assert_eq!(st.transferred_bytes, off);
+    assert_eq!(&dst[..off as usize], &src[..off as usize]);
+    assert!(dst[off as usize..].iter().all(|&x| x == 0), "nothing written past the requests");
+
+    // READ back into another registered buffer, lone requests (the caller's thread) too.
+    let back = vec![0u8; off as usize];
+    a.register_memory(back.as_ptr() as u64, off, "cpu:0").unwrap();
+    let st = sync(&a, &[wr(Opcode::Read, back.as_ptr() as u64, seg, d0, off)]);
+    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+    assert_eq!(back, src[..off as usize]);
+    for &s in &[1u64, 4096, 1 << 20] {
+        let st = sync(&a, &[wr(Opcode::Read, back.as_ptr() as u64, seg, d0 + 8192, s)]);
+        assert_eq!(st.status, TaskStatus::Completed);
+        assert_eq!(&back[..s as usize], &src[8192..8192 + s as usize]);
+    }
+    // Many small requests, mixed READ and WRITE, in one batch.
+    let reqs: Vec<_> = (0..300u64)
+        .map(|i| if i % 3 == 0 { wr(Opcode::Read, back.as_ptr() as u64 + i * 4096, seg, d0 + i * 4096, 4096) } else { wr(Opcode::Write, s0 + i * 4096, seg, d0 + i * 4096, 4096) })
+        .collect();
+    assert_eq!(sync(&a, &reqs).status, TaskStatus::Completed);
+}
+
+#[test]
+fn out_of_range_and_unregistered_addresses_fail_without_touching_memory() {
+    let a = engine_with(TransportMode::Shm);
+    let b = engine_with(TransportMode::Auto);
+    let src = pattern(1 << 20, 5);
+    // Three regions of one allocation on the target side: registered, gap, registered.
+    let target = vec![0xAAu8; 3 << 20];
+    let t0 = target.as_ptr() as u64;
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    b.register_memory(t0, 1 << 20, "*").unwrap();
+    b.register_memory(t0 + (2 << 20), 1 << 20, "*").unwrap();
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    assert_eq!(a.segment_transport(seg).unwrap().name, "shm");
+    let s0 = src.as_ptr() as u64;
+    let cases = [
+        ("crosses the end of a buffer", wr(Opcode::Write, s0, seg, t0 + (1 << 20) - 100, 4096)),
+        ("in the unregistered gap", wr(Opcode::Write, s0, seg, t0 + (1 << 20) + 4096, 4096)),
+        ("spans two buffers and the gap", wr(Opcode::Write, s0, seg, t0, 3 << 20)),
+        ("overflows the address space", wr(Opcode::Write, s0, seg, u64::MAX - 10, 100)),
+        ("READ outside", wr(Opcode::Read, s0, seg, t0 + (1 << 20), 10)),
+    ];
+    for (what, r) in cases {
+        let st = sync(&a, &[r]);
+        assert_eq!(st.status, TaskStatus::Failed, "{what}: {st:?}");
+        assert!(st.reason.as_deref().unwrap_or("").contains("not inside"), "{what}: {st:?}");
+    }
+    // Memory of this process outside any registered range (e.g. `src` of the initiator,
+    // which the target process can see because both engines live here) is not reachable.
+    let st = sync(&a, &[wr(Opcode::Write, s0, seg, s0 + 4096, 4096)]);
+    assert_eq!(st.status, TaskStatus::Failed);
+    // Local side unregistered.
+    let unreg = vec![0u8; 4096];
+    let st = sync(&a, &[wr(Opcode::Write, unreg.as_ptr() as u64, seg, t0, 4096)]);
+    assert_eq!(st.status, TaskStatus::Failed);
+    assert!(st.reason.unwrap().contains("local range"));
+    assert!(target.iter().all(|&x| x == 0xAA), "no byte of the target changed");
+    assert_eq!(src, pattern(1 << 20, 5), "no byte of the source changed");
+    // A good request next to the bad ones still works.
+    let st = sync(&a, &[wr(Opcode::Write, s0, seg, t0 + (2 << 20), 1 << 20)]);
+    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+}
+
+#[test]
+fn stale_descriptor_after_unregister_is_refreshed_not_trusted() {
+    let a = engine_with(TransportMode::Shm);
+    let b = engine_with(TransportMode::Auto);
+    let src = pattern(1 << 20, 7);
+    let one = vec![0x11u8; 1 << 20];
+    let two = vec![0x22u8; 1 << 20];
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    b.register_memory(one.as_ptr() as u64, one.len() as u64, "*").unwrap();
+    b.register_memory(two.as_ptr() as u64, two.len() as u64, "*").unwrap();
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    assert_eq!(a.segment_transport(seg).unwrap().name, "shm");
+    b.unregister_memory(one.as_ptr() as u64).unwrap();
+    // `a` still has the old descriptor listing `one`.
+    assert!(a.segment_descriptor(seg).unwrap().find_buffer(one.as_ptr() as u64, 4096).is_some());
+    let st = sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, one.as_ptr() as u64, 1 << 20)]);
+    assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
+    assert!(one.iter().all(|&x| x == 0x11), "the withdrawn buffer was not touched");
+    // The still-registered buffer keeps working after the refresh.
+    let st = sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, two.as_ptr() as u64, 1 << 20)]);
+    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+    assert_eq!(two, src);
+}
+
+#[test]
+fn transport_setting_forces_or_forbids_shm() {
+    // Initiator says tcp: TCP even though the peer offers shm.
+    let a = engine_with(TransportMode::Tcp);
+    let b = engine_with(TransportMode::Auto);
+    let src = pattern(1 << 20, 9);
+    let dst = vec![0u8; 1 << 20];
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*").unwrap();
+    assert!(a.local_descriptor().extra.get("kvferry_shm").is_none(), "tcp engines offer no shm");
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    let t = a.segment_transport(seg).unwrap();
+    assert_eq!(t.name, "tcp");
+    assert!(t.why_not_shm.unwrap().contains("KVFERRY_TRANSPORT=tcp"));
+    assert_eq!(sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, dst.as_ptr() as u64, 1 << 20)]).status, TaskStatus::Completed);
+    assert_eq!(dst, src);
+
+    // Target says tcp: it publishes nothing, so an auto initiator uses TCP and says why.
+    let c = engine_with(TransportMode::Auto);
+    c.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    let t_seg = c.open_segment(a.segment_name()).unwrap();
+    let t = c.segment_transport(t_seg).unwrap();
+    assert_eq!(t.name, "tcp");
+    assert!(t.why_not_shm.unwrap().contains("publishes no kvferry_shm"));
+
+    // Initiator says shm, peer offers none: requests fail with the reason, nothing moves.
+    let d = engine_with(TransportMode::Shm);
+    let buf = pattern(4096, 1);
+    d.register_memory(buf.as_ptr() as u64, 4096, "*").unwrap();
+    let d_seg = d.open_segment(a.segment_name()).unwrap();
+    let e = d.segment_transport(d_seg).unwrap_err().to_string();
+    assert!(e.contains("KVFERRY_TRANSPORT=shm"), "{e}");
+    let st = sync(&d, &[wr(Opcode::Write, buf.as_ptr() as u64, d_seg, src.as_ptr() as u64, 4096)]);
+    assert_eq!(st.status, TaskStatus::Failed);
+    assert!(st.reason.unwrap().contains("KVFERRY_TRANSPORT=shm"));
+    assert_eq!(src, pattern(1 << 20, 9));
+}
+
+/// Serves `desc` (a real engine's descriptor, tampered with) on a handshake port of its own.
+fn forged_peer(desc: kvferry::wire::descriptor::SegmentDesc) -> (HandshakeServer, String) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let body = desc.encode();
+    let h = HandshakeServer::start(l, 1 << 20, Arc::new(move |f: &Frame| if f.kind == MsgType::Metadata { body.clone() } else { b"{}".to_vec() })).unwrap();
+    let name = format!("127.0.0.1:{}", h.port());
+    (h, name)
+}
+
+#[test]
+fn forged_or_foreign_peers_fall_back_to_tcp_with_the_reason() {
+    let b = engine_with(TransportMode::Auto);
+    let dst = vec![0u8; 1 << 20];
+    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*").unwrap();
+    let real = b.local_descriptor();
+    let info = real.extra["kvferry_shm"].clone();
+    let other_pid = {
+        // A process that surely is not the engine: a short-lived child, reaped.
+        let mut c = Command::new("true").spawn().unwrap();
+        let pid = c.id();
+        c.wait().unwrap();
+        pid
+    };
+    let tamper: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+        ("other host", Box::new(|v| v["host_id"] = "00000000-0000-0000-0000-000000000000/pid:[1]".into()), "another host"),
+        ("same host, other PID namespace", Box::new(|v| {
+            let h = v["host_id"].as_str().unwrap().split('/').next().unwrap().to_string();
+            v["host_id"] = format!("{h}/pid:[4026530000]").into();
+        }), "PID namespace"),
+        ("cookie of another engine", Box::new(|v| v["cookie"] = "00112233445566778899aabbccddeeff".into()), "cookie differs"),
+        ("pid of an exited process", Box::new(move |v| v["pid"] = other_pid.into()), "does not exist"),
+        ("fd that is not a control region", Box::new(|v| v["ctl_fd"] = 0.into()), "fd 0"),
+        ("malformed", Box::new(|v| v["pid"] = "x".into()), "malformed"),
+        ("newer version", Box::new(|v| v["version"] = 99.into()), "version 99"),
+    ];
+    for (k, (what, f, want)) in tamper.into_iter().enumerate() {
+        let src = pattern(64 << 10, k as u8);
+        let mut d = real.clone();
+        let mut v = info.clone();
+        f(&mut v);
+        d.extra.insert("kvferry_shm".into(), v);
+        let (_server, name) = forged_peer(d);
+        let a = engine_with(TransportMode::Auto);
+        a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+        let seg = a.open_segment(&name).unwrap();
+        let t = a.segment_transport(seg).unwrap();
+        assert_eq!(t.name, "tcp", "{what}");
+        let why = t.why_not_shm.unwrap();
+        assert!(why.contains(want), "{what}: {why}");
+        // The data still moves, over TCP to the real engine.
+        let off = (k as u64) << 16;
+        let st = sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, dst.as_ptr() as u64 + off, src.len() as u64)]);
+        assert_eq!(st.status, TaskStatus::Completed, "{what}: {st:?}");
+        assert_eq!(&dst[off as usize..off as usize + src.len()], &src[..], "{what}");
+    }
+}
+
+/// Rounds of "peer copies continuously, target unregisters, target reuses the memory at
+/// once". Small buffers so the reuse overlaps any copy that would still be running.
+const RACE_ROUNDS: usize = 30;
+const RACE_BUF: usize = 2 << 20;
+
+#[test]
+fn unregister_while_a_peer_reads_never_hands_out_reused_memory() {
+    let a = engine_with(TransportMode::Shm);
+    let b = engine_with(TransportMode::Auto);
+    let mut tgt = vec![0x5Au8; RACE_BUF];
+    let local = vec![0u8; RACE_BUF];
+    a.register_memory(local.as_ptr() as u64, RACE_BUF as u64, "*").unwrap();
+    b.register_memory(tgt.as_ptr() as u64, RACE_BUF as u64, "*").unwrap();
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    assert_eq!(a.segment_transport(seg).unwrap().name, "shm");
+    let (l0, t0, lp) = (local.as_ptr() as u64, tgt.as_ptr() as u64, local.as_ptr() as usize);
+    let stop = AtomicBool::new(false);
+    let (completed, failed, tainted) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Acquire) {
+                let reqs: Vec<_> = (0..2u64).map(|i| wr(Opcode::Read, l0 + (i << 20), seg, t0 + (i << 20), 1 << 20)).collect();
+                match a.transfer_sync(&reqs, Duration::from_secs(20)).unwrap().status {
+                    TaskStatus::Completed => completed.fetch_add(1, Ordering::Relaxed),
+                    TaskStatus::Failed => failed.fetch_add(1, Ordering::Relaxed),
+                    other => panic!("read ended {other:?}"),
+                };
+                // SAFETY: the engine is done with `local` (the batch is terminal).
+                let got = unsafe { std::slice::from_raw_parts_mut(lp as *mut u8, RACE_BUF) };
+                if got.contains(&0xFF) {
+                    tainted.fetch_add(1, Ordering::Relaxed);
+                    got.fill(0);
+                }
+            }
+        });
+        for _ in 0..RACE_ROUNDS {
+            let c0 = completed.load(Ordering::Relaxed);
+            let until = Instant::now() + Duration::from_secs(10);
+            while completed.load(Ordering::Relaxed) < c0 + 2 && Instant::now() < until {
+                std::thread::yield_now();
+            }
+            b.unregister_memory(t0).unwrap();
+            // The range is ours again: reuse it at once. No read may see this.
+            tgt.fill(0xFF);
+            let f0 = failed.load(Ordering::Relaxed);
+            while failed.load(Ordering::Relaxed) == f0 && Instant::now() < until {
+                std::thread::yield_now();
+            }
+            tgt.fill(0x5A);
+            b.register_memory(t0, RACE_BUF as u64, "*").unwrap();
+        }
+        stop.store(true, Ordering::Release);
+    });
+    assert!(failed.load(Ordering::Relaxed) >= RACE_ROUNDS as u64, "reads after unregister fail");
+    assert!(completed.load(Ordering::Relaxed) >= 2 * RACE_ROUNDS as u64, "reads after re-register work");
+    assert_eq!(tainted.load(Ordering::Relaxed), 0, "a read copied memory the target had withdrawn and reused");
+}
+
+#[test]
+fn unregister_while_a_peer_writes_leaves_the_range_alone_afterwards() {
+    let a = engine_with(TransportMode::Shm);
+    let b = engine_with(TransportMode::Auto);
+    let src = vec![0x77u8; RACE_BUF];
+    let mut tgt = vec![0u8; RACE_BUF];
+    a.register_memory(src.as_ptr() as u64, RACE_BUF as u64, "*").unwrap();
+    b.register_memory(tgt.as_ptr() as u64, RACE_BUF as u64, "*").unwrap();
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    let (s0, t0) = (src.as_ptr() as u64, tgt.as_ptr() as u64);
+    let stop = AtomicBool::new(false);
+    let (done, late) = (AtomicU64::new(0), AtomicU64::new(0));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Acquire) {
+                let reqs: Vec<_> = (0..2u64).map(|i| wr(Opcode::Write, s0 + (i << 20), seg, t0 + (i << 20), 1 << 20)).collect();
+                let st = a.transfer_sync(&reqs, Duration::from_secs(20)).unwrap();
+                assert!(matches!(st.status, TaskStatus::Completed | TaskStatus::Failed), "{st:?}");
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        for _ in 0..RACE_ROUNDS {
+            let d0 = done.load(Ordering::Relaxed);
+            let until = Instant::now() + Duration::from_secs(10);
+            while done.load(Ordering::Relaxed) < d0 + 2 && Instant::now() < until {
+                std::thread::yield_now();
+            }
+            b.unregister_memory(t0).unwrap();
+            // Reuse at once, then watch: nothing may land any more.
+            tgt.fill(0x01);
+            let d1 = done.load(Ordering::Relaxed);
+            while done.load(Ordering::Relaxed) < d1 + 2 && Instant::now() < until {
+                std::thread::yield_now();
+            }
+            if tgt.iter().any(|&x| x != 0x01) {
+                late.fetch_add(1, Ordering::Relaxed);
+            }
+            tgt.fill(0);
+            b.register_memory(t0, RACE_BUF as u64, "*").unwrap();
+        }
+        stop.store(true, Ordering::Release);
+    });
+    assert!(done.load(Ordering::Relaxed) >= 4 * RACE_ROUNDS as u64, "the writer kept going");
+    assert_eq!(late.load(Ordering::Relaxed), 0, "a write landed after unregister returned");
+}
+
+#[test]
+fn target_engine_dropped_while_peer_writes_stops_the_writes() {
+    let a = engine_with(TransportMode::Shm);
+    let b = engine_with(TransportMode::Auto);
+    let size = 32usize << 20;
+    let src = vec![0x33u8; size];
+    let tgt = vec![0u8; size];
+    a.register_memory(src.as_ptr() as u64, size as u64, "*").unwrap();
+    b.register_memory(tgt.as_ptr() as u64, size as u64, "*").unwrap();
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    let (s0, t0) = (src.as_ptr() as u64, tgt.as_ptr() as u64);
+    let stop = AtomicBool::new(false);
+    let (ok, bad) = (AtomicU64::new(0), AtomicU64::new(0));
+    let tp = tgt.as_ptr() as usize;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Acquire) {
+                let reqs: Vec<_> = (0..32u64).map(|i| wr(Opcode::Write, s0 + (i << 20), seg, t0 + (i << 20), 1 << 20)).collect();
+                match a.transfer_sync(&reqs, Duration::from_secs(20)).unwrap().status {
+                    TaskStatus::Completed => ok.fetch_add(1, Ordering::Relaxed),
+                    _ => bad.fetch_add(1, Ordering::Relaxed),
+                };
+            }
+        });
+        while ok.load(Ordering::Relaxed) < 2 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(b);
+        // SAFETY: as above: after the engine is gone the memory is the caller's again.
+        let reused = unsafe { std::slice::from_raw_parts_mut(tp as *mut u8, size) };
+        reused.fill(0x02);
+        let until = Instant::now() + Duration::from_secs(10);
+        while bad.load(Ordering::Relaxed) == 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        stop.store(true, Ordering::Release);
+    });
+    assert!(bad.load(Ordering::Relaxed) > 0);
+    assert!(tgt.iter().all(|&x| x == 0x02), "a write landed after the target engine was dropped");
+}
+
+// ------------------------------------------------------------------------------------------
+// Separate processes
+// ------------------------------------------------------------------------------------------
+
+const CHILD_VAR: &str = "KVFERRY_SHM_CHILD";
+
+/// Runs this test binary again as a child in `role`; returns it and its first "KVF_CHILD" line.
+fn spawn_child(role: &str, args: &[String], uid: Option<u32>) -> (Child, String) {
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = Command::new(exe);
+    cmd.args(["child_entry", "--exact", "--nocapture", "--test-threads", "1"])
+        .env(CHILD_VAR, role)
+        .env("KVFERRY_SHM_CHILD_ARGS", args.join(" "))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    if let Some(u) = uid {
+        use std::os::unix::process::CommandExt;
+        cmd.uid(u).gid(u);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let out = child.stdout.take().unwrap();
+    let mut r = BufReader::new(out);
+    let until = Instant::now() + Duration::from_secs(30);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if r.read_line(&mut line).unwrap_or(0) == 0 || Instant::now() > until {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("child {role} printed no KVF_CHILD line");
+        }
+        // libtest prints "test child_entry ... " before the child's own output.
+        if let Some(i) = line.find("KVF_CHILD ") {
+            let rest = line[i + "KVF_CHILD ".len()..].trim().to_string();
+            // Keep draining its output so it never blocks on a full pipe.
+            std::thread::spawn(move || {
+                let mut sink = Vec::new();
+                let _ = r.read_to_end(&mut sink);
+            });
+            return (child, rest);
+        }
+    }
+}
+
+fn field<'a>(line: &'a str, key: &str) -> &'a str {
+    line.split_whitespace().find_map(|w| w.strip_prefix(key).and_then(|v| v.strip_prefix('='))).unwrap_or_else(|| panic!("no {key} in {line:?}"))
+}
+
+fn kill(mut c: Child) {
+    let _ = c.kill(); // SIGKILL to this child's pid
+    let _ = c.wait();
+}
+
+/// The child side of the multi-process tests.
+#[test]
+fn child_entry() {
+    let Ok(role) = std::env::var(CHILD_VAR) else { return };
+    let args: Vec<String> = std::env::var("KVFERRY_SHM_CHILD_ARGS").unwrap_or_default().split_whitespace().map(String::from).collect();
+    match role.as_str() {
+        // A target: registers a 256 MiB pattern buffer, serves until stdin closes.
+        "target" => {
+            let e = engine_with(TransportMode::Auto);
+            let buf = pattern(256 << 20, 42);
+            e.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+            println!("KVF_CHILD segment={} addr={} len={}", e.segment_name(), buf.as_ptr() as u64, buf.len());
+            let mut sink = Vec::new();
+            let _ = std::io::stdin().read_to_end(&mut sink);
+        }
+        // An initiator that writes into args[0] (segment) at args[1] (addr) until killed.
+        "writer" => {
+            let e = engine_with(TransportMode::Shm);
+            let src = vec![0xC3u8; 64 << 20];
+            e.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+            let seg = e.open_segment(&args[0]).unwrap();
+            let addr: u64 = args[1].parse().unwrap();
+            let reqs: Vec<_> = (0..64u64).map(|i| wr(Opcode::Write, src.as_ptr() as u64 + (i << 20), seg, addr + (i << 20), 1 << 20)).collect();
+            assert_eq!(sync(&e, &reqs).status, TaskStatus::Completed);
+            println!("KVF_CHILD writing transport={}", e.segment_transport(seg).unwrap().name);
+            loop {
+                let _ = sync(&e, &reqs);
+            }
+        }
+        // An initiator (run as another user): reports its transport and checks a round trip.
+        "probe" => {
+            let e = engine_with(TransportMode::Auto);
+            let buf = vec![0u8; 1 << 20];
+            e.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+            let seg = e.open_segment(&args[0]).unwrap();
+            let addr: u64 = args[1].parse().unwrap();
+            let t = e.segment_transport(seg).unwrap();
+            let st = sync(&e, &[wr(Opcode::Read, buf.as_ptr() as u64, seg, addr, 1 << 20)]);
+            let ok = st.status == TaskStatus::Completed && buf == pattern(1 << 20, 42);
+            let why = t.why_not_shm.unwrap_or_default().replace(' ', "_");
+            println!("KVF_CHILD transport={} ok={ok} why={why}", t.name);
+            let mut sink = Vec::new();
+            let _ = std::io::stdin().read_to_end(&mut sink);
+        }
+        other => panic!("unknown child role {other}"),
+    }
+}
+
+#[test]
+fn peer_process_killed_mid_transfer_fails_requests_and_the_survivor_carries_on() {
+    let (child, line) = spawn_child("target", &[], None);
+    let (seg_name, addr) = (field(&line, "segment").to_string(), field(&line, "addr").parse::<u64>().unwrap());
+    let a = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(4), transport: TransportMode::Auto, ..Config::default() }).unwrap();
+    let local = vec![0u8; 256 << 20];
+    a.register_memory(local.as_ptr() as u64, local.len() as u64, "*").unwrap();
+    let seg = a.open_segment(&seg_name).unwrap();
+    assert_eq!(a.segment_transport(seg).unwrap().name, "shm");
+    // It works across processes.
+    let st = sync(&a, &[wr(Opcode::Read, local.as_ptr() as u64, seg, addr, 1 << 20)]);
+    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+    assert_eq!(&local[..1 << 20], &pattern(1 << 20, 42)[..]);
+    // Keep big READs and WRITEs going, kill the peer in the middle.
+    let reqs: Vec<_> = (0..64u64)
+        .map(|i| wr(if i % 2 == 0 { Opcode::Read } else { Opcode::Write }, local.as_ptr() as u64 + (i << 22), seg, addr + (i << 22), 4 << 20))
+        .collect();
+    let b = a.allocate_batch(reqs.len()).unwrap();
+    a.submit(b, &reqs).unwrap();
+    let pid = child.id();
+    std::thread::sleep(Duration::from_millis(5));
+    kill(child);
+    let start = Instant::now();
+    let st = a.wait_batch(b, Duration::from_secs(20)).unwrap();
+    let until = Instant::now() + Duration::from_secs(6);
+    while a.free_batch(b).is_err() {
+        assert!(Instant::now() < until, "tasks still in flight");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(start.elapsed() < Duration::from_secs(6));
+    assert!(matches!(st.status, TaskStatus::Completed | TaskStatus::Failed), "{st:?}");
+    // Later requests fail quickly with a reason; the engine lives on.
+    let t = Instant::now();
+    let st = sync(&a, &reqs[..2]);
+    assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
+    assert!(t.elapsed() < Duration::from_secs(6));
+    let why = st.reason.unwrap();
+    assert!(why.contains(&pid.to_string()) || why.contains("connect") || why.contains("refresh"), "{why}");
+    let c = engine_with(TransportMode::Auto);
+    let cb = vec![1u8; 4096];
+    c.register_memory(cb.as_ptr() as u64, 4096, "*").unwrap();
+    let cs = a.open_segment(c.segment_name()).unwrap();
+    assert_eq!(sync(&a, &[wr(Opcode::Write, local.as_ptr() as u64, cs, cb.as_ptr() as u64, 4096)]).status, TaskStatus::Completed);
+}
+
+#[test]
+fn initiator_process_killed_mid_write_does_not_block_unregister() {
+    let e = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(20), ..Config::default() }).unwrap();
+    let tgt = vec![0u8; 64 << 20];
+    e.register_memory(tgt.as_ptr() as u64, tgt.len() as u64, "*").unwrap();
+    let (child, line) = spawn_child("writer", &[e.segment_name().to_string(), (tgt.as_ptr() as u64).to_string()], None);
+    assert_eq!(field(&line, "transport"), "shm");
+    std::thread::sleep(Duration::from_millis(30));
+    kill(child);
+    let t = Instant::now();
+    e.unregister_memory(tgt.as_ptr() as u64).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(5), "unregister waited {:?} for a dead initiator", t.elapsed());
+    assert!(tgt.iter().all(|&x| x == 0 || x == 0xC3));
+}
+
+#[test]
+fn another_user_without_ptrace_rights_falls_back_to_tcp() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to start a child as another user (the simulated denial is tested in shm_denied.rs)");
+        return;
+    }
+    let e = engine_with(TransportMode::Auto);
+    let buf = pattern(1 << 20, 42);
+    e.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+    let (child, line) = spawn_child("probe", &[e.segment_name().to_string(), (buf.as_ptr() as u64).to_string()], Some(65534));
+    kill(child);
+    assert_eq!(field(&line, "transport"), "tcp", "{line}");
+    assert_eq!(field(&line, "ok"), "true", "{line}");
+    assert!(field(&line, "why").contains("not_permitted"), "{line}");
+}
