@@ -30,6 +30,12 @@ Subcommands (all on 127.0.0.1, P2PHANDSHAKE metadata, TCP transport):
 
 Pattern: byte i = (i*131 + seed*7 + (i >> 12)) & 0xff.
 
+Central metadata mode (every subcommand): ``--metadata URL --name NAME`` initializes with
+that metadata server (``http://host:port/metadata``, ``etcd://host:port``, ...) and NAME as
+local_hostname, which is then the segment name (target prints it as "segment");
+MC_TCP_BIND_ADDRESS defaults to 127.0.0.1 so the published address is loopback. Without
+``--metadata`` the peer uses P2PHANDSHAKE as before.
+
 Environment: MC_FORCE_TCP defaults to 1 here (set before Mooncake is imported); every
 other variable (MC_TCP_PROTO, MC_TCP_ENABLE_CONNECTION_POOL, ...) is passed through as is.
 stdout carries only the JSON lines: native code that prints to fd 1 is redirected to stderr,
@@ -110,15 +116,26 @@ def _emit(out, obj):
     out.flush()
 
 
+_META = {"server": "P2PHANDSHAKE", "name": HOST}
+
+
 def _new_engine():
     os.environ.setdefault("MC_FORCE_TCP", "1")
+    if _META["server"] != "P2PHANDSHAKE":
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", HOST)
     from mooncake.engine import TransferEngine  # import after the env is set
 
     te = TransferEngine()
-    ret = te.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
+    ret = te.initialize(_META["name"], _META["server"], "tcp", "")
     if ret != 0:
         raise SystemExit("mooncake_peer: TransferEngine.initialize failed: %r" % (ret,))
     return te
+
+
+def _segment_name(te):
+    if _META["server"] != "P2PHANDSHAKE":
+        return _META["name"]
+    return "%s:%d" % (HOST, te.get_rpc_port())
 
 
 class Buffer:
@@ -166,7 +183,7 @@ def cmd_target(args):
     pattern_fill(buf.mm, 0, buf.size, args.seed)
     te = _new_engine()
     _register(te, buf)
-    _emit(out, {"segment": "%s:%d" % (HOST, te.get_rpc_port()), "addr": buf.addr, "size": buf.size})
+    _emit(out, {"segment": _segment_name(te), "addr": buf.addr, "size": buf.size})
 
     for line in sys.stdin:
         words = line.split()
@@ -270,7 +287,18 @@ def main(argv=None):
     p = sub.add_parser("probe")
     p.add_argument("--segment", required=True)
 
+    for sp in (t, i, p):
+        sp.add_argument("--metadata", default="P2PHANDSHAKE",
+                        help="metadata server (default P2PHANDSHAKE)")
+        sp.add_argument("--name", default=None,
+                        help="local_hostname = segment name in central metadata mode")
+
     args = ap.parse_args(argv)
+    _META["server"] = args.metadata
+    if args.metadata != "P2PHANDSHAKE":
+        if not args.name:
+            ap.error("--metadata needs --name (the segment name in central mode)")
+        _META["name"] = args.name
     try:
         if args.cmd == "target":
             return cmd_target(args)

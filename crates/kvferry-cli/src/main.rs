@@ -5,11 +5,15 @@
 //!   `transfer_engine_bench` is installed).
 //! - `kvferry doctor`: what this host can do, and why not.
 //! - `kvferry master`: the store's metadata master; `kvferry store-bench`: the store measured.
+//! - `kvferry metadata-server`: Mooncake's HTTP metadata service, optionally durable;
+//!   `kvferry metadata-bench`: it beside Mooncake's, and open_segment per backend.
 
 mod bench;
 mod doctor;
 mod master;
 mod master_http;
+mod metadata_bench;
+mod metadata_server;
 mod mooncake;
 mod store_bench;
 mod sys;
@@ -33,6 +37,10 @@ enum Cmd {
     Master(master::MasterArgs),
     /// Measure the store: a master and two clients on 127.0.0.1, every value checked.
     StoreBench(store_bench::StoreBenchArgs),
+    /// Serve Mooncake's HTTP metadata contract (GET/PUT/DELETE /metadata?key=, /health).
+    MetadataServer(metadata_server::ServerArgs),
+    /// Measure the metadata server against Mooncake's, and open_segment for each backend.
+    MetadataBench(metadata_bench::MetadataBenchArgs),
 }
 
 fn main() {
@@ -54,6 +62,8 @@ fn main() {
         Cmd::Doctor(a) => doctor::run(a),
         Cmd::Master(a) => master::run(a, matches.subcommand_matches("master").unwrap_or(&matches)),
         Cmd::StoreBench(a) => store_bench::run(a),
+        Cmd::MetadataServer(a) => metadata_server::run(a),
+        Cmd::MetadataBench(a) => metadata_bench::run(a),
     };
     if let Err(e) = r {
         eprintln!("kvferry: error: {e}");

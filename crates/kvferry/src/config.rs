@@ -32,6 +32,14 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_TCP_PROTO", aliases: &["MC_TCP_PROTO"], default: "2", doc: "`1` forces Mooncake's legacy v1 TCP framing towards every peer (writes are then confirmed by a read fence)" },
     EnvVar { name: "KVFERRY_HANDSHAKE_MAX_LENGTH", aliases: &["MC_HANDSHAKE_MAX_LENGTH"], default: "1048576", doc: "largest handshake frame accepted (bytes, up to 128 MiB)" },
     EnvVar { name: "KVFERRY_HANDSHAKE_CONNECT_TIMEOUT", aliases: &["MC_HANDSHAKE_CONNECT_TIMEOUT"], default: "5", doc: "seconds to connect to a peer's handshake port" },
+    EnvVar { name: "KVFERRY_METADATA_SERVER", aliases: &[], default: "P2PHANDSHAKE", doc: "where segments are found: `P2PHANDSHAKE` (peers exchange descriptors directly), `http://host:port/metadata`, `etcd://h1:2379,h2:2379` (a bare `host:port` means etcd) or `redis://[user:pass@]host:port[/db]`" },
+    EnvVar { name: "KVFERRY_METADATA_CLUSTER_ID", aliases: &["MC_METADATA_CLUSTER_ID"], default: "(none)", doc: "namespace in the metadata service: keys become `mooncake/<id>/...` instead of `mooncake/...`" },
+    EnvVar { name: "KVFERRY_METADATA_TIMEOUT", aliases: &[], default: "3", doc: "seconds one metadata request may take (connect: half of it, at most 1.5 s)" },
+    EnvVar { name: "KVFERRY_METADATA_LEASE_TTL", aliases: &[], default: "10", doc: "seconds an engine's etcd entries outlive it when it stops renewing them (crash); the engine renews and re-checks its entries every third of this" },
+    EnvVar { name: "KVFERRY_ADVERTISE_ADDRESS", aliases: &["MC_TCP_BIND_ADDRESS"], default: "the host part of local_hostname", doc: "central metadata mode: the address of this host published in `rpc_meta` and bound by the listeners, when local_hostname is a logical name (e.g. `prefill-0`)" },
+    EnvVar { name: "KVFERRY_REDIS_USERNAME", aliases: &["MC_REDIS_USERNAME"], default: "(none)", doc: "Redis user for `AUTH` (the `redis://user:pass@` URL form wins)" },
+    EnvVar { name: "KVFERRY_REDIS_PASSWORD", aliases: &["MC_REDIS_PASSWORD"], default: "(none)", doc: "Redis password for `AUTH` (the URL form wins)" },
+    EnvVar { name: "KVFERRY_REDIS_DB_INDEX", aliases: &["MC_REDIS_DB_INDEX"], default: "0", doc: "Redis database (0-255; the `redis://host:port/db` URL form wins)" },
     EnvVar { name: "KVFERRY_TRANSPORT", aliases: &[], default: "auto", doc: "data path to peers: `auto` (shared memory, i.e. cross-memory attach, to kvferry peers on this host that allow it; TCP otherwise), `tcp` (never shared memory; this engine then also offers none), `shm` (shared memory only; requests to other peers fail with the reason)" },
     EnvVar { name: "KVFERRY_SHM_THREADS", aliases: &[], default: "CPUs, at most 4", doc: "threads copying queued shared-memory requests (requests over 1 MiB are cut into 1 MiB pieces spread over them; 1-64)" },
     EnvVar { name: "KVFERRY_LOG", aliases: &["MC_LOG_LEVEL"], default: "warn", doc: "log filter for the `kvferry` binary (`error`, `warn`, `info`, `debug`, `trace`, or tracing directives)" },
@@ -42,8 +50,22 @@ pub const ENV_VARS: &[EnvVar] = &[
 pub struct Config {
     /// `host` or `host:port`; the host part is advertised to peers and must be reachable by them.
     pub local_hostname: String,
-    /// `P2PHANDSHAKE` (peers exchange descriptors directly).
+    /// `P2PHANDSHAKE` (peers exchange descriptors directly) or a metadata service:
+    /// `http://host:port/metadata`, `etcd://h1:2379,h2:2379` (or bare `host:port`),
+    /// `redis://[user:pass@]host:port[/db]` (see [`crate::metadata`]).
     pub metadata_server: String,
+    /// Key namespace in the metadata service (`mooncake/<id>/...`).
+    pub metadata_cluster_id: Option<String>,
+    /// Bound of one metadata request.
+    pub metadata_timeout: Duration,
+    /// TTL of the etcd lease an engine's entries live under.
+    pub metadata_lease_ttl: Duration,
+    /// Central mode: the address published in `rpc_meta` and bound, when `local_hostname`
+    /// is a logical name.
+    pub advertise_address: Option<String>,
+    pub redis_username: Option<String>,
+    pub redis_password: Option<String>,
+    pub redis_db: Option<u32>,
     pub min_port: u16,
     pub max_port: u16,
     /// Address the listeners bind; `None` binds the advertised address.
@@ -68,6 +90,13 @@ impl Default for Config {
         Config {
             local_hostname: "127.0.0.1".into(),
             metadata_server: "P2PHANDSHAKE".into(),
+            metadata_cluster_id: None,
+            metadata_timeout: Duration::from_secs(3),
+            metadata_lease_ttl: Duration::from_secs(10),
+            advertise_address: None,
+            redis_username: None,
+            redis_password: None,
+            redis_db: None,
             min_port: 15000,
             max_port: 17000,
             bind_address: None,
@@ -157,6 +186,22 @@ impl Config {
         if let Some(n) = parse(get, "KVFERRY_SHM_THREADS", "a number of threads")? {
             c.shm_threads = n;
         }
+        if let Some((_, v)) = lookup(get, "KVFERRY_METADATA_SERVER") {
+            c.metadata_server = v;
+        }
+        c.metadata_cluster_id = lookup(get, "KVFERRY_METADATA_CLUSTER_ID").map(|(_, v)| v);
+        if let Some(d) = seconds(get, "KVFERRY_METADATA_TIMEOUT")? {
+            c.metadata_timeout = d;
+        }
+        if let Some(d) = seconds(get, "KVFERRY_METADATA_LEASE_TTL")? {
+            c.metadata_lease_ttl = d;
+        }
+        c.advertise_address = lookup(get, "KVFERRY_ADVERTISE_ADDRESS").map(|(_, v)| v);
+        c.redis_username = lookup(get, "KVFERRY_REDIS_USERNAME").map(|(_, v)| v);
+        c.redis_password = lookup(get, "KVFERRY_REDIS_PASSWORD").map(|(_, v)| v);
+        if let Some(n) = parse::<u32>(get, "KVFERRY_REDIS_DB_INDEX", "a database number")? {
+            c.redis_db = Some(n);
+        }
         c.validate()?;
         Ok(c)
     }
@@ -187,18 +232,28 @@ impl Config {
                 self.handshake_max_len
             )));
         }
-        if self.metadata_server != "P2PHANDSHAKE" {
-            return Err(Error::Config(format!(
-                "metadata server {:?} is not supported yet: this version supports only P2PHANDSHAKE",
-                self.metadata_server
-            )));
+        crate::metadata::ConnString::parse(&self.metadata_server)?;
+        if self.metadata_lease_ttl < Duration::from_secs(2) {
+            return Err(Error::Config(format!("KVFERRY_METADATA_LEASE_TTL={:?} must be at least 2 seconds", self.metadata_lease_ttl)));
+        }
+        if self.redis_db.is_some_and(|d| d > 255) {
+            return Err(Error::Config(format!("KVFERRY_REDIS_DB_INDEX={:?} must be between 0 and 255", self.redis_db)));
         }
         Ok(())
     }
 
-    /// The host part of `local_hostname` (brackets of an IPv6 literal removed).
+    /// Whether a metadata service (not P2PHANDSHAKE) is configured.
+    pub fn central(&self) -> bool {
+        self.metadata_server.trim() != "P2PHANDSHAKE"
+    }
+
+    /// The host part of `local_hostname` (brackets of an IPv6 literal removed); in central
+    /// metadata mode `advertise_address` when set.
     pub fn advertised_host(&self) -> &str {
-        split_host_port(&self.local_hostname).0
+        match &self.advertise_address {
+            Some(a) if self.central() && !a.is_empty() => a.trim_start_matches('[').trim_end_matches(']'),
+            _ => split_host_port(&self.local_hostname).0,
+        }
     }
 }
 
@@ -248,6 +303,21 @@ mod tests {
         assert!(cfg(&[("KVFERRY_TCP_LANES", "0")]).is_err());
         assert!(cfg(&[("KVFERRY_TRANSFER_TIMEOUT", "-1")]).is_err());
         assert!(cfg(&[("KVFERRY_BIND_ADDRESS", "nowhere")]).is_err());
+        let e = cfg(&[("KVFERRY_METADATA_SERVER", "zk://h:1")]).unwrap_err().to_string();
+        assert!(e.contains("unknown scheme") && e.contains("etcd://"), "{e}");
+        assert!(cfg(&[("KVFERRY_METADATA_LEASE_TTL", "1")]).is_err());
+    }
+
+    #[test]
+    fn metadata_settings() {
+        let c = cfg(&[("KVFERRY_METADATA_SERVER", "etcd://127.0.0.1:2379"), ("MC_METADATA_CLUSTER_ID", "c1"), ("MC_TCP_BIND_ADDRESS", "127.0.0.1"), ("MC_REDIS_DB_INDEX", "3")]).unwrap();
+        assert!(c.central());
+        assert_eq!(c.metadata_cluster_id.as_deref(), Some("c1"));
+        assert_eq!(c.redis_db, Some(3));
+        let c = Config { local_hostname: "prefill-0".into(), ..c };
+        assert_eq!(c.advertised_host(), "127.0.0.1");
+        let p2p = Config { advertise_address: Some("10.0.0.1".into()), ..Config::default() };
+        assert_eq!(p2p.advertised_host(), "127.0.0.1", "P2P mode names segments by local_hostname");
     }
 
     #[test]

@@ -5,6 +5,7 @@ use crate::config::{split_host_port, Config};
 use crate::error::{Error, Result};
 use crate::handshake::{self, HandshakeServer};
 use crate::memory::{MemoryRegistry, Region};
+use crate::metadata::{Directory, Keys, RpcMeta, StoreOptions};
 use crate::transport::local::LocalTransport;
 use crate::transport::shm::{self, ShmOptions, ShmTransport, TransportMode};
 use crate::transport::tcp::{TcpOptions, TcpTransport};
@@ -64,6 +65,8 @@ struct Inner {
     next_batch: AtomicU64,
     notifies: Mutex<Vec<Notify>>,
     notify_cv: std::sync::Condvar,
+    /// Central metadata mode: the service segments are published in and looked up from.
+    directory: Option<Arc<Directory>>,
 }
 
 /// The data path requests to a segment take ([`TransferEngine::segment_transport`]).
@@ -134,6 +137,11 @@ impl TransferEngine {
     /// (or `KVFERRY_BIND_ADDRESS`) at random ports of the configured range.
     pub fn new(config: Config) -> Result<TransferEngine> {
         config.validate()?;
+        // Central mode: connect to the metadata service first (an unreachable one fails fast).
+        let directory = match crate::metadata::connect(&config.metadata_server, &StoreOptions::from_config(&config))? {
+            Some(store) => Some(Directory::new(store, Keys::new(config.metadata_cluster_id.as_deref()))),
+            None => None,
+        };
         let host = config.advertised_host().to_string();
         if host.is_empty() {
             return Err(Error::Config("local_hostname is empty; pass this host's IP address".into()));
@@ -143,7 +151,14 @@ impl TransferEngine {
         let hs_listener = bind_in_range(bind_ip, &config, "the handshake listener")?;
         let data_listener = bind_in_range(bind_ip, &config, "the TCP data listener")?;
         let port = hs_listener.local_addr().map_err(|e| Error::io("reading the handshake port", e))?.port();
-        let name = if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
+        let name = if directory.is_some() {
+            // Central mode: the segment name is local_hostname exactly as given.
+            config.local_hostname.trim().to_string()
+        } else if host.contains(':') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        };
         let memory = Arc::new(MemoryRegistry::new());
         let tcp = TcpTransport::new(
             data_listener,
@@ -187,11 +202,18 @@ impl TransferEngine {
                 next_batch: AtomicU64::new(1),
                 notifies: Mutex::default(),
                 notify_cv: std::sync::Condvar::new(),
+                directory,
                 config,
             }
         });
         tracing::info!(segment = %inner.name, data_port = inner.tcp.data_port(), "transfer engine started");
-        Ok(TransferEngine { inner })
+        let engine = TransferEngine { inner };
+        if engine.inner.directory.is_some() {
+            // On error the engine is dropped here, which stops its listeners.
+            let host = engine.inner.config.advertised_host().to_string();
+            engine.inner.register_central(&host, port)?;
+        }
+        Ok(engine)
     }
 
     /// This engine's segment name (`host:port` in P2P mode).
@@ -232,6 +254,11 @@ impl TransferEngine {
                 return Err(e);
             }
         }
+        // Central mode: peers learn of the new buffers from the service; all or none.
+        if let Err(e) = self.inner.publish_descriptor() {
+            let _ = self.unregister_memory_batch(&regions.iter().map(|r| r.addr).collect::<Vec<_>>());
+            return Err(e);
+        }
         Ok(())
     }
 
@@ -246,6 +273,11 @@ impl TransferEngine {
             self.inner.tcp.on_unregister(r);
             // Waits until no peer copies into or out of the range through shared memory.
             self.inner.shm.on_unregister(r);
+        }
+        // The memory is withdrawn whatever the service says; a failed update is retried by
+        // the metadata keeper.
+        if let Err(e) = self.inner.publish_descriptor() {
+            tracing::warn!("unregistered, but updating the published descriptor failed (will retry): {e}");
         }
         Ok(())
     }
@@ -262,16 +294,14 @@ impl TransferEngine {
         if let Some(&id) = self.inner.segments.read().unwrap_or_else(|e| e.into_inner()).by_name.get(name) {
             return Ok(id);
         }
-        let (host, port) = match split_host_port(name) {
-            (h, Some(p)) if !h.is_empty() => (h.to_string(), p),
-            _ => {
-                return Err(Error::SegmentNotFound {
-                    name: name.into(),
-                    reason: "in P2PHANDSHAKE mode a segment name is \"<host>:<rpc port>\" (the peer's get_rpc_port())".into(),
-                })
+        let (host, desc) = match &self.inner.directory {
+            // Central mode: descriptor and handshake address from the metadata service.
+            Some(dir) => {
+                let desc = dir.fetch_segment(name)?;
+                (dir.fetch_rpc_meta(name)?.ip_or_host_name, desc)
             }
+            None => self.inner.fetch_p2p(name)?,
         };
-        let desc = self.inner.fetch_descriptor(name, &host, port)?;
         let mut segs = self.inner.segments.write().unwrap_or_else(|e| e.into_inner());
         if let Some(&id) = segs.by_name.get(name) {
             return Ok(id);
@@ -281,6 +311,31 @@ impl TransferEngine {
         segs.by_name.insert(name.to_string(), id);
         Ok(id)
     }
+
+    /// The metadata service in use (central mode), `None` in P2PHANDSHAKE mode.
+    pub fn metadata(&self) -> Option<&Arc<Directory>> {
+        self.inner.directory.as_ref()
+    }
+}
+
+impl Inner {
+    /// P2P mode: the segment name is `host:rpc_port`; ask that port for the descriptor.
+    fn fetch_p2p(&self, name: &str) -> Result<(String, SegmentDesc)> {
+        let (host, port) = match split_host_port(name) {
+            (h, Some(p)) if !h.is_empty() => (h.to_string(), p),
+            _ => {
+                return Err(Error::SegmentNotFound {
+                    name: name.into(),
+                    reason: "in P2PHANDSHAKE mode a segment name is \"<host>:<rpc port>\" (the peer's get_rpc_port())".into(),
+                })
+            }
+        };
+        let desc = self.fetch_descriptor(name, &host, port)?;
+        Ok((host, desc))
+    }
+}
+
+impl TransferEngine {
 
     /// Which data path carries requests to a segment (chosen on first use and cached per
     /// peer process), and why not shared memory when it is not used. Fails when no transport
@@ -429,6 +484,10 @@ impl TransferEngine {
 
 impl Drop for TransferEngine {
     fn drop(&mut self) {
+        // Clean shutdown: leave the metadata service first, so peers stop finding us.
+        if let Some(d) = &self.inner.directory {
+            d.withdraw_all();
+        }
         self.inner.handshake.shutdown();
         self.inner.tcp.shutdown();
         self.inner.shm.shutdown();
@@ -497,7 +556,80 @@ impl Inner {
         )
     }
 
+    /// Central mode: publishes rpc_meta and the descriptor, installs the refresh-on-refused
+    /// hook and starts the keeper.
+    fn register_central(self: &Arc<Self>, host: &str, port: u16) -> Result<()> {
+        let Some(dir) = &self.directory else { return Ok(()) };
+        let meta = RpcMeta { ip_or_host_name: host.to_string(), rpc_port: port };
+        let (connect, max_len) = (self.config.handshake_connect_timeout.min(Duration::from_secs(1)), self.config.handshake_max_len);
+        let alive = |m: &RpcMeta| handshake::request(&m.ip_or_host_name, m.rpc_port, MsgType::Probe, b"{}", connect, Duration::from_secs(2), max_len).is_ok();
+        dir.publish_rpc_meta(&self.name, &meta, &alive)?;
+        self.publish_descriptor()?;
+        let w = Arc::downgrade(self);
+        self.tcp.set_refused_hook(Arc::new(move |name: &str, refused: SocketAddr, pieces: Vec<Piece>| match w.upgrade() {
+            Some(inner) => inner.on_refused(name, refused, pieces),
+            None => pieces,
+        }));
+        dir.start_keeper((self.config.metadata_lease_ttl / 3).max(Duration::from_millis(500)))?;
+        tracing::info!(segment = %self.name, metadata = %dir.describe(), rpc_port = port, "registered in the metadata service");
+        Ok(())
+    }
+
+    /// Central mode: publishes the current descriptor (after every (un)registration).
+    fn publish_descriptor(&self) -> Result<()> {
+        match &self.directory {
+            Some(dir) => dir.publish_segment(&self.name, || self.local_descriptor()),
+            None => Ok(()),
+        }
+    }
+
+    /// Re-reads a peer's descriptor: from the metadata service in central mode, else over
+    /// its handshake port.
+    fn refresh_descriptor(&self, peer: &Peer) -> Result<SegmentDesc> {
+        match &self.directory {
+            Some(dir) => dir.fetch_segment(&peer.name),
+            None => {
+                let (h, p) = self.rpc_addr(&peer.name)?;
+                self.fetch_descriptor(&peer.name, &h, p)
+            }
+        }
+    }
+
+    /// A peer's data port refused a connection: if the service now lists other ports for it
+    /// (it restarted under the same name), adopt them and submit the pieces again.
+    fn on_refused(&self, name: &str, refused: SocketAddr, pieces: Vec<Piece>) -> Vec<Piece> {
+        let Some(&id) = self.segments.read().unwrap_or_else(|e| e.into_inner()).by_name.get(name) else { return pieces };
+        let Ok(peer) = self.peer(id) else { return pieces };
+        let desc = match self.refresh_descriptor(&peer) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::debug!("{name} refused a connection and its descriptor could not be refreshed: {e}");
+                return pieces;
+            }
+        };
+        match TcpTransport::data_addr(&peer, &desc) {
+            Ok(a) if a != refused => {}
+            _ => return pieces,
+        }
+        tracing::info!(segment = name, "peer moved to new ports (restarted?); retrying on its new descriptor");
+        peer.set_desc(desc);
+        let d = peer.desc();
+        let (ok, gone): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| d.find_buffer(p.remote, p.len).is_some());
+        for p in gone {
+            let e = Error::RemoteNotRegistered { segment: name.to_string(), addr: p.remote, len: p.len };
+            p.task.piece_failed(FailKind::Failed, e.to_string());
+        }
+        if !ok.is_empty() {
+            self.tcp.submit(&peer, ok);
+        }
+        Vec::new()
+    }
+
     fn rpc_addr(&self, segment: &str) -> Result<(String, u16)> {
+        if let Some(dir) = &self.directory {
+            let m = dir.fetch_rpc_meta(segment.trim_start_matches('/'))?;
+            return Ok((m.ip_or_host_name, m.rpc_port));
+        }
         match split_host_port(segment) {
             (h, Some(p)) if !h.is_empty() => Ok((h.to_string(), p)),
             _ => Err(Error::SegmentNotFound { name: segment.into(), reason: "expected \"<host>:<rpc port>\"".into() }),
@@ -561,11 +693,9 @@ impl Inner {
                 // The cache may be stale (peer re-registered or restarted): refresh once.
                 if !refreshed.contains(&peer.id) {
                     refreshed.push(peer.id);
-                    if let Ok((h, p)) = self.rpc_addr(&peer.name) {
-                        match self.fetch_descriptor(&peer.name, &h, p) {
-                            Ok(d) => peer.set_desc(d),
-                            Err(e) => tracing::debug!("refreshing {}: {e}", peer.name),
-                        }
+                    match self.refresh_descriptor(&peer) {
+                        Ok(d) => peer.set_desc(d),
+                        Err(e) => tracing::debug!("refreshing {}: {e}", peer.name),
                     }
                 }
                 if peer.desc().find_buffer(req.target_offset, req.length).is_none() {

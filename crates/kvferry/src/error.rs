@@ -41,6 +41,12 @@ pub enum Error {
     Io { context: String, source: std::io::Error },
     #[error("the engine is shut down")]
     Shutdown,
+    #[error("metadata service {backend} at {location}: {reason}")]
+    Metadata { backend: &'static str, location: String, reason: String },
+    #[error("segment {name} is not registered in {backend} ({location}): key {key} is absent; check the name (in central metadata mode a segment is named by its engine's local_hostname, exactly) and that the peer uses the same metadata server and cluster id")]
+    SegmentNotRegistered { name: String, backend: &'static str, location: String, key: String },
+    #[error("metadata entry {key} is invalid: {reason}; the engine that wrote it is not Mooncake-compatible or the entry is corrupt (restart that engine to re-register it)")]
+    BadMetadata { key: String, reason: String },
 }
 
 impl Error {
@@ -62,6 +68,9 @@ impl Error {
             Error::SegmentNotFound { .. } | Error::UnknownSegmentId(_) => -200,
             Error::NoTransport { .. } => -201,
             Error::Shutdown => -202,
+            Error::Metadata { .. } => -200,
+            Error::SegmentNotRegistered { .. } => -200,
+            Error::BadMetadata { .. } => -103,
         }
     }
 }

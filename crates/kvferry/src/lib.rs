@@ -38,6 +38,7 @@ pub mod error;
 pub mod handshake;
 pub mod hostbuf;
 pub mod memory;
+pub mod metadata;
 pub mod transport;
 pub mod wire;
 

@@ -25,8 +25,14 @@ use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
+
+/// Asked when a peer's data port refuses a connection (peer name, refused address, the
+/// pieces that were to go there): the engine may re-read the peer's descriptor (a peer
+/// restarted under the same name publishes new ports) and submit them again. Returns the
+/// pieces it did not take; those fail with the connect error.
+pub type RefusedHook = Arc<dyn Fn(&str, SocketAddr, Vec<Piece>) -> Vec<Piece> + Send + Sync>;
 
 /// Socket timeout used to wake blocked threads so they can check deadlines.
 const TICK: Duration = Duration::from_millis(100);
@@ -395,6 +401,7 @@ struct Lane {
     wake_reader: Condvar,
     /// Bytes queued or in flight, for lane choice.
     load: AtomicU64,
+    refused: Arc<OnceLock<RefusedHook>>,
 }
 
 enum ConnFailure {
@@ -581,7 +588,20 @@ impl Lane {
                 self.wake_reader.notify_all();
             }
             Err(e) => {
-                let ops: Vec<WireOp> = self.lock().pending.drain(..).collect();
+                let mut ops: Vec<WireOp> = self.lock().pending.drain(..).collect();
+                if let (io::ErrorKind::ConnectionRefused, Some(hook)) = (e.kind(), self.refused.get()) {
+                    // Maybe the peer restarted with new ports: let the engine refresh and retry once.
+                    let (retry, keep): (Vec<WireOp>, Vec<WireOp>) = ops.into_iter().partition(|op| op.attempts < 2);
+                    let pieces: Vec<Piece> = retry.into_iter().map(|op| {
+                        self.load.fetch_sub(op.piece.len, Ordering::AcqRel);
+                        op.piece
+                    }).collect();
+                    ops = keep;
+                    for p in hook(&self.peer_name, self.target, pieces) {
+                        self.load.fetch_add(p.len, Ordering::AcqRel);
+                        ops.push(WireOp { piece: p, attempts: 2 });
+                    }
+                }
                 let reason = format!(
                     "cannot connect to the TCP data port of {} at {}: {e} (is the peer alive and is its address reachable from here?)",
                     self.peer_name, self.target
@@ -826,12 +846,28 @@ pub struct TcpTransport {
     server: TcpServer,
     peers: Mutex<HashMap<(SocketAddr, bool), Arc<PeerLanes>>>,
     shut: AtomicBool,
+    refused: Arc<OnceLock<RefusedHook>>,
 }
 
 impl TcpTransport {
     pub fn new(listener: TcpListener, registry: Arc<MemoryRegistry>, opts: TcpOptions, stall: Duration) -> io::Result<Arc<TcpTransport>> {
         let server = TcpServer::start(listener, registry, stall)?;
-        Ok(Arc::new(TcpTransport { opts, server, peers: Mutex::default(), shut: AtomicBool::new(false) }))
+        Ok(Arc::new(TcpTransport { opts, server, peers: Mutex::default(), shut: AtomicBool::new(false), refused: Arc::default() }))
+    }
+
+    /// Installs the hook asked when a peer's data port refuses connections (once).
+    pub fn set_refused_hook(&self, hook: RefusedHook) {
+        let _ = self.refused.set(hook);
+    }
+
+    /// The data address of `peer` according to `desc` (what lanes connect to).
+    pub fn data_addr(peer: &Peer, desc: &SegmentDesc) -> Result<SocketAddr, String> {
+        let host = desc.data_host(&peer.host);
+        (host, desc.tcp_data_port)
+            .to_socket_addrs()
+            .map_err(|e| format!("cannot resolve {host}: {e}"))?
+            .next()
+            .ok_or_else(|| format!("{host} resolves to no address"))
     }
 
     pub fn data_port(&self) -> u16 {
@@ -862,6 +898,7 @@ impl TcpTransport {
                 wake_writer: Condvar::new(),
                 wake_reader: Condvar::new(),
                 load: AtomicU64::new(0),
+                refused: Arc::clone(&self.refused),
             });
             let (w, r) = (Arc::clone(&lane), Arc::clone(&lane));
             std::thread::Builder::new().name("kvf-lane-tx".into()).spawn(move || w.writer_loop()).map_err(|e| e.to_string())?;

@@ -1,0 +1,403 @@
+//! `kvferry metadata-server`: Mooncake's HTTP metadata contract (reference §2.7), as the C++
+//! server embedded in `mooncake_master` answers it, plus optional durability.
+//!
+//! - `GET /metadata?key=K` → 200 + the stored bytes, 404 `metadata not found`.
+//! - `PUT /metadata?key=K` (body = value) → 200 `metadata updated`; a PUT to an existing key
+//!   containing `rpc_meta` → 200 `metadata unchanged` with an identical body, 400
+//!   `Duplicate rpc_meta key not allowed` with a different one.
+//! - `DELETE /metadata?key=K` → 200 `metadata deleted`, 404 `metadata not found`.
+//! - No or empty key → 400 `metadata key is required`; other methods → 405; `GET /health` → `OK`.
+//!
+//! With `--data-dir` every change is appended to `metadata.log` and fsync'ed before the reply,
+//! so a restarted server answers with what it had (a torn last record is dropped; the log is
+//! compacted at start). Bodies are bounded (`--max-body-bytes`, 413 beyond), slow clients are
+//! cut off (`--request-timeout` for headers and body), malformed requests get 400 from hyper
+//! and only cost their own connection; connections are capped (`--max-connections`).
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServerArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the chosen one is printed).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Keep the metadata in this directory (fsync'ed before each reply) so that a restarted
+    /// server still has it. Without it the server keeps everything in memory, as Mooncake's.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Largest request body accepted (bytes); larger PUTs get 413.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub max_body_bytes: u64,
+    /// Seconds a client may take to send a request's headers, and again its body.
+    #[arg(long, default_value_t = 10.0)]
+    pub request_timeout: f64,
+    /// Most connections served at once; more are closed at accept.
+    #[arg(long, default_value_t = 4096)]
+    pub max_connections: usize,
+    /// Worker threads (0: one per CPU).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+}
+
+const OP_PUT: u8 = 1;
+const OP_DELETE: u8 = 2;
+const LOG_NAME: &str = "metadata.log";
+
+/// The append-only log of a durable server.
+struct Wal {
+    file: File,
+    path: PathBuf,
+}
+
+fn record(op: u8, key: &[u8], value: &[u8]) -> Vec<u8> {
+    let mut r = Vec::with_capacity(9 + key.len() + value.len() + 8);
+    r.push(op);
+    r.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    r.extend_from_slice(&(value.len() as u32).to_le_bytes());
+    r.extend_from_slice(key);
+    r.extend_from_slice(value);
+    let sum = xxhash_rust::xxh3::xxh3_64(&r);
+    r.extend_from_slice(&sum.to_le_bytes());
+    r
+}
+
+/// Replays a log; returns the map and the length of its valid prefix.
+fn replay(bytes: &[u8]) -> (HashMap<String, Bytes>, usize) {
+    let mut map = HashMap::new();
+    let mut off = 0;
+    loop {
+        let rest = &bytes[off..];
+        if rest.len() < 9 {
+            break;
+        }
+        let klen = u32::from_le_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+        let vlen = u32::from_le_bytes([rest[5], rest[6], rest[7], rest[8]]) as usize;
+        let body = 9usize.saturating_add(klen).saturating_add(vlen);
+        if rest.len() < body.saturating_add(8) {
+            break;
+        }
+        let sum = u64::from_le_bytes(rest[body..body + 8].try_into().unwrap_or([0; 8]));
+        if xxhash_rust::xxh3::xxh3_64(&rest[..body]) != sum {
+            break;
+        }
+        let Ok(key) = std::str::from_utf8(&rest[9..9 + klen]) else { break };
+        match rest[0] {
+            OP_PUT => {
+                map.insert(key.to_string(), Bytes::copy_from_slice(&rest[9 + klen..body]));
+            }
+            OP_DELETE => {
+                map.remove(key);
+            }
+            _ => break,
+        }
+        off += body + 8;
+    }
+    (map, off)
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+impl Wal {
+    /// Opens (creating) the log in `dir`, replays it, and compacts it to one record per key.
+    fn open(dir: &Path) -> Result<(Wal, HashMap<String, Bytes>), String> {
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create --data-dir {}: {e}", dir.display()))?;
+        let path = dir.join(LOG_NAME);
+        let mut bytes = Vec::new();
+        match File::open(&path) {
+            Ok(mut f) => {
+                f.read_to_end(&mut bytes).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("cannot open {}: {e}", path.display())),
+        }
+        let (map, valid) = replay(&bytes);
+        if valid < bytes.len() {
+            eprintln!("kvferry metadata-server: {}: dropped {} bytes of a torn or corrupt tail", path.display(), bytes.len() - valid);
+        }
+        // Compact: write the live entries to a new file, fsync, rename over the log.
+        let tmp = dir.join(format!("{LOG_NAME}.tmp"));
+        let io = |e: std::io::Error| format!("cannot write {}: {e} (check --data-dir permissions and free space)", tmp.display());
+        {
+            let mut f = File::create(&tmp).map_err(io)?;
+            let mut buf = Vec::new();
+            for (k, v) in &map {
+                buf.extend_from_slice(&record(OP_PUT, k.as_bytes(), v));
+            }
+            f.write_all(&buf).map_err(io)?;
+            f.sync_all().map_err(io)?;
+        }
+        std::fs::rename(&tmp, &path).map_err(|e| format!("cannot replace {}: {e}", path.display()))?;
+        sync_dir(dir).map_err(|e| format!("cannot sync {}: {e}", dir.display()))?;
+        let file = OpenOptions::new().append(true).open(&path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        Ok((Wal { file, path }, map))
+    }
+
+    fn append(&mut self, rec: &[u8]) -> std::io::Result<()> {
+        self.file.write_all(rec)?;
+        self.file.sync_data()
+    }
+}
+
+struct State {
+    map: RwLock<HashMap<String, Bytes>>,
+    /// Serialises changes; holds the log of a durable server.
+    writer: Mutex<Option<Wal>>,
+    max_body: u64,
+    body_timeout: Duration,
+}
+
+fn reply(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    r
+}
+
+/// Decodes `%XX` and `+` of a query component; `None` for invalid UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' if i + 2 < b.len() => {
+                let hex = |c: u8| (c as char).to_digit(16);
+                match (hex(b[i + 1]), hex(b[i + 2])) {
+                    (Some(h), Some(l)) => {
+                        out.push((h * 16 + l) as u8);
+                        i += 3;
+                        continue;
+                    }
+                    _ => out.push(b'%'),
+                }
+            }
+            b'+' => out.push(b' '),
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8(out).ok()
+}
+
+/// The `key` query parameter, decoded and trimmed (as Mooncake's servers do).
+fn query_key(query: Option<&str>) -> Option<String> {
+    let q = query?;
+    q.split('&')
+        .filter_map(|kv| kv.split_once('=').or(Some((kv, ""))))
+        .find(|(k, _)| *k == "key")
+        .and_then(|(_, v)| percent_decode(v))
+        .map(|k| k.trim().to_string())
+        .filter(|k| !k.is_empty())
+}
+
+impl State {
+    fn get(&self, key: &str) -> Option<Bytes> {
+        self.map.read().unwrap_or_else(|e| e.into_inner()).get(key).cloned()
+    }
+
+    /// A change, serialised and (when durable) logged and fsync'ed before it is applied.
+    fn put(&self, key: &str, value: Bytes) -> Result<Response<Full<Bytes>>, String> {
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        if key.contains("rpc_meta") {
+            if let Some(old) = self.get(key) {
+                return Ok(if old == value {
+                    reply(StatusCode::OK, "metadata unchanged")
+                } else {
+                    reply(StatusCode::BAD_REQUEST, "Duplicate rpc_meta key not allowed")
+                });
+            }
+        }
+        if let Some(wal) = w.as_mut() {
+            wal.append(&record(OP_PUT, key.as_bytes(), &value)).map_err(|e| format!("writing {}: {e}", wal.path.display()))?;
+        }
+        self.map.write().unwrap_or_else(|e| e.into_inner()).insert(key.to_string(), value);
+        Ok(reply(StatusCode::OK, "metadata updated"))
+    }
+
+    fn delete(&self, key: &str) -> Result<Response<Full<Bytes>>, String> {
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        if self.get(key).is_none() {
+            return Ok(reply(StatusCode::NOT_FOUND, "metadata not found"));
+        }
+        if let Some(wal) = w.as_mut() {
+            wal.append(&record(OP_DELETE, key.as_bytes(), b"")).map_err(|e| format!("writing {}: {e}", wal.path.display()))?;
+        }
+        self.map.write().unwrap_or_else(|e| e.into_inner()).remove(key);
+        Ok(reply(StatusCode::OK, "metadata deleted"))
+    }
+}
+
+async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<Bytes>>, Infallible> {
+    let path = req.uri().path();
+    if path == "/health" {
+        return Ok(match *req.method() {
+            Method::GET | Method::HEAD => reply(StatusCode::OK, "OK"),
+            _ => reply(StatusCode::METHOD_NOT_ALLOWED, "Method not allowed"),
+        });
+    }
+    if path != "/metadata" {
+        return Ok(reply(StatusCode::NOT_FOUND, "Not Found"));
+    }
+    let Some(key) = query_key(req.uri().query()) else {
+        return Ok(reply(StatusCode::BAD_REQUEST, "metadata key is required"));
+    };
+    let method = req.method().clone();
+    Ok(match method {
+        Method::GET => match st.get(&key) {
+            Some(v) => reply(StatusCode::OK, v),
+            None => reply(StatusCode::NOT_FOUND, "metadata not found"),
+        },
+        Method::PUT => {
+            let too_big = || reply(StatusCode::PAYLOAD_TOO_LARGE, format!("metadata value too large: the limit is {} bytes (--max-body-bytes)", st.max_body));
+            let declared = req.headers().get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+            if declared.is_some_and(|n| n > st.max_body) {
+                return Ok(too_big());
+            }
+            let limit = usize::try_from(st.max_body).unwrap_or(usize::MAX);
+            let body = match tokio::time::timeout(st.body_timeout, Limited::new(req.into_body(), limit).collect()).await {
+                Err(_) => return Ok(reply(StatusCode::REQUEST_TIMEOUT, "request body not received in time")),
+                Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return Ok(too_big()),
+                Ok(Err(e)) => return Ok(reply(StatusCode::BAD_REQUEST, format!("bad request body: {e}"))),
+                Ok(Ok(b)) => b.to_bytes(),
+            };
+            let st2 = Arc::clone(&st);
+            let r = if st.writer.lock().map(|w| w.is_some()).unwrap_or(true) {
+                // Durable: the fsync blocks, so off the async workers.
+                tokio::task::spawn_blocking(move || st2.put(&key, body)).await.unwrap_or_else(|e| Err(e.to_string()))
+            } else {
+                st2.put(&key, body)
+            };
+            r.unwrap_or_else(|e| reply(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot store the value: {e}")))
+        }
+        Method::DELETE => {
+            let st2 = Arc::clone(&st);
+            let r = tokio::task::spawn_blocking(move || st2.delete(&key)).await.unwrap_or_else(|e| Err(e.to_string()));
+            r.unwrap_or_else(|e| reply(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot delete the value: {e}")))
+        }
+        _ => reply(StatusCode::METHOD_NOT_ALLOWED, "Method not allowed"),
+    })
+}
+
+pub fn run(a: ServerArgs) -> Result<(), String> {
+    if !(a.request_timeout > 0.0 && a.request_timeout < 1e6) {
+        return Err(format!("--request-timeout {} must be a positive number of seconds", a.request_timeout));
+    }
+    let (wal, map) = match &a.data_dir {
+        Some(d) => {
+            let (w, m) = Wal::open(d)?;
+            (Some(w), m)
+        }
+        None => (None, HashMap::new()),
+    };
+    let entries = map.len();
+    let state = Arc::new(State {
+        map: RwLock::new(map),
+        writer: Mutex::new(wal),
+        max_body: a.max_body_bytes,
+        body_timeout: Duration::from_secs_f64(a.request_timeout),
+    });
+    let threads = if a.threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2) } else { a.threads };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .thread_name("kvf-meta-http")
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the server runtime: {e}"))?;
+    rt.block_on(serve(a, state, entries))
+}
+
+async fn serve(a: ServerArgs, state: Arc<State>, entries: usize) -> Result<(), String> {
+    let host = a.host.trim_start_matches('[').trim_end_matches(']');
+    let ip: std::net::IpAddr = host.parse().map_err(|_| format!("--host {:?} is not an IP address", a.host))?;
+    let listener = tokio::net::TcpListener::bind(SocketAddr::new(ip, a.port))
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e} (another server on that port? pick another with --port)", SocketAddr::new(ip, a.port)))?;
+    let local = listener.local_addr().map_err(|e| e.to_string())?;
+    let store = match &a.data_dir {
+        Some(d) => format!("durable in {} ({entries} entries loaded)", d.display()),
+        None => "in memory".to_string(),
+    };
+    println!("kvferry metadata-server listening on http://{local}/metadata port={} ({store})", local.port());
+    let _ = std::io::stdout().flush();
+    let slots = Arc::new(tokio::sync::Semaphore::new(a.max_connections.max(1)));
+    let header_timeout = Duration::from_secs_f64(a.request_timeout);
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!("accept: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
+            tracing::warn!("{} connections open (--max-connections); closing one from {peer}", a.max_connections);
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let st = Arc::clone(&state);
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| handle(req, Arc::clone(&st)));
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .max_buf_size(64 * 1024)
+                .pipeline_flush(true)
+                .serve_connection(TokioIo::new(stream), svc);
+            if let Err(e) = conn.await {
+                tracing::debug!("connection from {peer}: {e}");
+            }
+            drop(permit);
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_decoded_like_mooncake() {
+        assert_eq!(query_key(Some("key=mooncake%2Fram%2Fa")).as_deref(), Some("mooncake/ram/a"));
+        assert_eq!(query_key(Some("x=1&key=a+b%20c")).as_deref(), Some("a b c"));
+        assert_eq!(query_key(Some("key=%20%20")), None);
+        assert_eq!(query_key(Some("key=")), None);
+        assert_eq!(query_key(None), None);
+        assert_eq!(query_key(Some("key=%zz%")).as_deref(), Some("%zz%"));
+        assert_eq!(query_key(Some("key=%ff")), None, "invalid UTF-8");
+    }
+
+    #[test]
+    fn log_replay_drops_a_torn_tail() {
+        let mut log = record(OP_PUT, b"a", b"1");
+        log.extend(record(OP_PUT, b"b", b"2"));
+        log.extend(record(OP_DELETE, b"a", b""));
+        let good = log.len();
+        let torn = record(OP_PUT, b"c", b"3");
+        log.extend_from_slice(&torn[..torn.len() - 3]);
+        let (m, valid) = replay(&log);
+        assert_eq!(valid, good);
+        assert_eq!(m.len(), 1);
+        assert_eq!(m["b"], Bytes::from_static(b"2"));
+        let (_, v) = replay(&[0xff; 40]);
+        assert_eq!(v, 0);
+    }
+}

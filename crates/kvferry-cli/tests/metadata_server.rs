@@ -1,0 +1,235 @@
+//! `kvferry metadata-server` end to end: Mooncake's HTTP contract (status codes and bodies,
+//! compared with Mooncake's Python server when it is installed), durability across a SIGKILL,
+//! and bad clients: garbage, huge bodies, slow clients, many idle connections.
+
+#[path = "../../kvferry/tests/metadata_services/mod.rs"]
+mod metadata_services;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .arg("metadata-server")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start kvferry metadata-server");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let port = line.split_whitespace().find_map(|w| w.strip_prefix("port=")).and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("no port in {line:?}"));
+        Server { child, port }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// One request on a fresh connection: (status, content type, body).
+fn http(port: u16, method: &str, target: &str, body: &[u8]) -> (u16, String, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let head = format!("{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+    s.write_all(&[head.as_bytes(), body].concat()).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let ctype = head.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("content-type:").map(|v| v.trim().to_string())).unwrap_or_default();
+    (status, ctype, body.to_string())
+}
+
+/// The contract steps shared with Mooncake's Python server: (method, target, body, status, reply body).
+fn common_steps() -> Vec<(&'static str, &'static str, &'static str, u16, &'static str)> {
+    vec![
+        ("GET", "/metadata", "", 400, "metadata key is required"),
+        ("GET", "/metadata?key=%20", "", 400, "metadata key is required"),
+        ("GET", "/metadata?key=mooncake%2Fram%2Fa", "", 404, "metadata not found"),
+        ("PUT", "/metadata?key=mooncake%2Fram%2Fa", r#"{"name":"a"}"#, 200, "metadata updated"),
+        ("GET", "/metadata?key=mooncake/ram/a", "", 200, r#"{"name":"a"}"#),
+        ("PUT", "/metadata?key=mooncake%2Fram%2Fa", r#"{"name":"a2"}"#, 200, "metadata updated"),
+        ("GET", "/metadata?key=mooncake%2Fram%2Fa", "", 200, r#"{"name":"a2"}"#),
+        ("PUT", "/metadata?key=mooncake%2Frpc_meta%2Fa", r#"{"ip_or_host_name":"h","rpc_port":1}"#, 200, "metadata updated"),
+        ("PUT", "/metadata?key=mooncake%2Frpc_meta%2Fa", r#"{"ip_or_host_name":"h","rpc_port":2}"#, 400, "Duplicate rpc_meta key not allowed"),
+        ("DELETE", "/metadata?key=mooncake%2Fram%2Fa", "", 200, "metadata deleted"),
+        ("DELETE", "/metadata?key=mooncake%2Fram%2Fa", "", 404, "metadata not found"),
+        ("GET", "/metadata?key=mooncake%2Fram%2Fa", "", 404, "metadata not found"),
+        ("POST", "/metadata?key=x", "", 405, "Method not allowed"),
+    ]
+}
+
+fn check_steps(port: u16, who: &str) {
+    for (m, t, b, status, body) in common_steps() {
+        let (s, ct, got) = http(port, m, t, b.as_bytes());
+        assert_eq!((s, got.as_str()), (status, body), "{who}: {m} {t}");
+        assert!(ct.starts_with("application/json"), "{who}: {m} {t}: content type {ct:?}");
+    }
+}
+
+#[test]
+fn contract_matches_mooncake() {
+    let s = Server::start(&["--port", "0"]);
+    check_steps(s.port, "kvferry");
+    // The C++ master's additions: identical rpc_meta is accepted, /health.
+    let (st, _, b) = http(s.port, "PUT", "/metadata?key=mooncake%2Frpc_meta%2Fa", br#"{"ip_or_host_name":"h","rpc_port":1}"#);
+    assert_eq!((st, b.as_str()), (200, "metadata unchanged"));
+    assert_eq!(http(s.port, "GET", "/health", b"").0, 200);
+    assert_eq!(http(s.port, "GET", "/health", b"").2, "OK");
+    assert_eq!(http(s.port, "GET", "/nowhere", b"").0, 404);
+    // The same steps against Mooncake's own server give the same answers.
+    if let Some(svc) = metadata_services::Service::mooncake_http() {
+        check_steps(svc.port, "mooncake_http_metadata_server");
+    }
+}
+
+fn put(port: u16, key: &str, v: &str) {
+    let (s, _, b) = http(port, "PUT", &format!("/metadata?key={key}"), v.as_bytes());
+    assert_eq!(s, 200, "{b}");
+}
+
+fn get(port: u16, key: &str) -> (u16, String) {
+    let (s, _, b) = http(port, "GET", &format!("/metadata?key={key}"), b"");
+    (s, b)
+}
+
+#[test]
+fn durable_across_sigkill() {
+    let dir = std::env::temp_dir().join(format!("kvferry-meta-durable-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().unwrap();
+    let mut s = Server::start(&["--port", "0", "--data-dir", d]);
+    let port = s.port;
+    for i in 0..50 {
+        put(port, &format!("k{i}"), &format!("value-{i}"));
+    }
+    put(port, "k7", "changed");
+    assert_eq!(http(port, "DELETE", "/metadata?key=k8", b"").0, 200);
+    s.kill(); // SIGKILL right after the replies: they were fsync'ed before being sent
+    // A torn record at the end (a crash mid-write) is dropped, not fatal.
+    std::fs::OpenOptions::new().append(true).open(Path::new(&dir).join("metadata.log")).unwrap().write_all(&[1, 200, 0, 0]).unwrap();
+    let s2 = Server::start(&["--port", &port.to_string(), "--data-dir", d]);
+    assert_eq!(get(s2.port, "k0"), (200, "value-0".into()));
+    assert_eq!(get(s2.port, "k49"), (200, "value-49".into()));
+    assert_eq!(get(s2.port, "k7"), (200, "changed".into()));
+    assert_eq!(get(s2.port, "k8").0, 404, "deletions are durable too");
+    drop(s2);
+    // In-memory mode forgets, as Mooncake's servers do.
+    let mut m = Server::start(&["--port", "0"]);
+    put(m.port, "x", "1");
+    let p = m.port;
+    m.kill();
+    let m2 = Server::start(&["--port", &p.to_string()]);
+    assert_eq!(get(m2.port, "x").0, 404);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn garbage_huge_and_slow_clients_do_not_stop_service() {
+    let s = Server::start(&["--port", "0", "--max-body-bytes", "1048576", "--request-timeout", "1"]);
+    let port = s.port;
+    put(port, "good", "v");
+    // Garbage: an error answer or a closed connection, never a crash.
+    for junk in [&b"\x00\x01\x02garbage\r\n\r\n"[..], b"GET\r\n\r\n", b"PUT /metadata?key=a HTTP/1.1\r\nContent-Length: -5\r\n\r\n", &[0xffu8; 5000][..]] {
+        let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let _ = c.write_all(junk);
+        let mut out = Vec::new();
+        let _ = c.read_to_end(&mut out);
+        let text = String::from_utf8_lossy(&out);
+        assert!(out.is_empty() || text.starts_with("HTTP/1.1 4"), "garbage answered {text:?}");
+    }
+    // Huge declared body: 413 before reading it.
+    let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    c.write_all(b"PUT /metadata?key=big HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n").unwrap();
+    let mut line = String::new();
+    BufReader::new(&c).read_line(&mut line).unwrap();
+    assert!(line.starts_with("HTTP/1.1 413"), "{line}");
+    // Huge chunked body (no length): cut at the limit.
+    let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    c.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    c.write_all(b"PUT /metadata?key=big HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n").unwrap();
+    let chunk = format!("{:x}\r\n{}\r\n", 65536, "a".repeat(65536));
+    for _ in 0..40 {
+        if c.write_all(chunk.as_bytes()).is_err() {
+            break;
+        }
+    }
+    let mut line = String::new();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = BufReader::new(&c).read_line(&mut line);
+    assert!(line.starts_with("HTTP/1.1 413"), "{line:?}");
+    assert_eq!(get(port, "big").0, 404, "nothing stored");
+    // Slow clients: 200 connections that send half a request and stall...
+    let slow: Vec<TcpStream> = (0..200)
+        .map(|_| {
+            let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            c.write_all(b"GET /metadata?key=good HTTP/1.1\r\nHo").unwrap();
+            c
+        })
+        .collect();
+    let mut body_staller = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    body_staller.write_all(b"PUT /metadata?key=slow HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc").unwrap();
+    // ...while others are served promptly.
+    let t = Instant::now();
+    for _ in 0..50 {
+        assert_eq!(get(port, "good"), (200, "v".into()));
+    }
+    assert!(t.elapsed() < Duration::from_secs(5), "served others while slow clients stalled: {:?}", t.elapsed());
+    // The stalled ones are cut off after --request-timeout.
+    std::thread::sleep(Duration::from_millis(2500));
+    let mut c = &slow[0];
+    c.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut buf = [0u8; 256];
+    let n = c.read(&mut buf).unwrap_or(0);
+    let text = String::from_utf8_lossy(&buf[..n]);
+    assert!(n == 0 || text.starts_with("HTTP/1.1 408"), "a stalled client is disconnected: {text:?}");
+    body_staller.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let n = body_staller.read(&mut buf).unwrap_or(0);
+    let text = String::from_utf8_lossy(&buf[..n]);
+    assert!(n == 0 || text.starts_with("HTTP/1.1 408"), "a stalled body is cut off: {text:?}");
+    assert_eq!(get(port, "slow").0, 404);
+    assert_eq!(get(port, "good"), (200, "v".into()));
+}
+
+#[test]
+fn engines_find_each_other_through_it_and_across_its_restart() {
+    use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
+    let dir = std::env::temp_dir().join(format!("kvferry-meta-engines-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut s = Server::start(&["--port", "0", "--data-dir", dir.to_str().unwrap()]);
+    let url = format!("http://127.0.0.1:{}/metadata", s.port);
+    let cfg = |name: &str| Config { local_hostname: name.into(), metadata_server: url.clone(), advertise_address: Some("127.0.0.1".into()), ..Config::default() };
+    let a = TransferEngine::new(cfg("kvf-a")).unwrap();
+    let mem = vec![0u8; 1 << 20];
+    a.register_memory(mem.as_ptr() as u64, mem.len() as u64, "cpu:0").unwrap();
+    s.kill();
+    let _s2 = Server::start(&["--port", &s.port.to_string(), "--data-dir", dir.to_str().unwrap()]);
+    // A newcomer after the server restart still finds kvf-a: the server kept it.
+    let b = TransferEngine::new(cfg("kvf-b")).unwrap();
+    let src: Vec<u8> = (0..mem.len()).map(|i| (i * 7) as u8).collect();
+    b.register_memory(src.as_ptr() as u64, src.len() as u64, "cpu:0").unwrap();
+    let id = b.open_segment("kvf-a").unwrap();
+    let req = TransferRequest { opcode: Opcode::Write, source: src.as_ptr() as u64, target_id: id, target_offset: mem.as_ptr() as u64, length: mem.len() as u64 };
+    assert_eq!(b.transfer_sync(&[req], Duration::from_secs(10)).unwrap().status, TaskStatus::Completed);
+    assert!(mem == src);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,109 @@
+//! Mooncake's HTTP metadata contract (reference §2.7): `GET/PUT/DELETE <url>?key=<key>`,
+//! only 200 is success, 404 on GET means absent. Works against `kvferry metadata-server`,
+//! `mooncake_http_metadata_server` and `mooncake_master`'s embedded server.
+//!
+//! Blocking client (ureq) with keep-alive connections; every request is bounded by the
+//! configured timeout (connect by at most 1.5 s, as Mooncake's libcurl plugin).
+
+use super::{url_encode, Backend, MetadataStore, StoreOptions};
+use crate::error::{Error, Result};
+use std::io::Read;
+
+/// Largest value accepted from the server (a descriptor of ~100k buffers).
+const MAX_VALUE: u64 = 128 << 20;
+
+pub struct HttpStore {
+    url: String,
+    agent: ureq::Agent,
+}
+
+impl HttpStore {
+    pub fn new(url: &str, opts: &StoreOptions) -> Result<HttpStore> {
+        let config = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(opts.timeout))
+            .timeout_connect(Some(opts.connect_timeout()))
+            .max_idle_connections_per_host(16)
+            .user_agent("kvferry")
+            .build();
+        Ok(HttpStore { url: url.to_string(), agent: config.into() })
+    }
+
+    fn err(&self, reason: String) -> Error {
+        Error::Metadata { backend: Backend::Http.name(), location: self.url.clone(), reason }
+    }
+
+    fn target(&self, key: &str) -> String {
+        let sep = if self.url.contains('?') { '&' } else { '?' };
+        format!("{}{sep}key={}", self.url, url_encode(key))
+    }
+
+    fn transport_err(&self, what: &str, key: &str, e: ureq::Error) -> Error {
+        let hint = match &e {
+            ureq::Error::Timeout(_) => " (timed out: is the metadata server up and reachable from here?)",
+            ureq::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => " (connection refused: is the metadata server running at this address?)",
+            _ => " (is the metadata server running at this address?)",
+        };
+        self.err(format!("{what} {key}: {e}{hint}"))
+    }
+
+    /// Reads the body of a response, bounded.
+    fn body(&self, key: &str, resp: ureq::http::Response<ureq::Body>) -> Result<(u16, Vec<u8>)> {
+        let status = resp.status().as_u16();
+        let mut buf = Vec::new();
+        resp.into_body()
+            .into_reader()
+            .take(MAX_VALUE + 1)
+            .read_to_end(&mut buf)
+            .map_err(|e| self.err(format!("reading the answer for {key}: {e}")))?;
+        if buf.len() as u64 > MAX_VALUE {
+            return Err(self.err(format!("the value of {key} is larger than {MAX_VALUE} bytes")));
+        }
+        Ok((status, buf))
+    }
+
+    fn refusal(&self, what: &str, key: &str, status: u16, body: &[u8]) -> Error {
+        let text = String::from_utf8_lossy(&body[..body.len().min(200)]).trim().to_string();
+        self.err(format!("{what} {key} answered HTTP {status} {text:?}"))
+    }
+}
+
+impl MetadataStore for HttpStore {
+    fn backend(&self) -> Backend {
+        Backend::Http
+    }
+
+    fn location(&self) -> &str {
+        &self.url
+    }
+
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        let resp = self.agent.get(&self.target(key)).call().map_err(|e| self.transport_err("GET", key, e))?;
+        match self.body(key, resp)? {
+            (200, b) => Ok(Some(b)),
+            (404, _) => Ok(None),
+            (s, b) => Err(self.refusal("GET", key, s, &b)),
+        }
+    }
+
+    fn put(&self, key: &str, value: &[u8]) -> Result<()> {
+        let resp = self
+            .agent
+            .put(&self.target(key))
+            .header("Content-Type", "application/json")
+            .send(value)
+            .map_err(|e| self.transport_err("PUT", key, e))?;
+        match self.body(key, resp)? {
+            (200, _) => Ok(()),
+            (s, b) => Err(self.refusal("PUT", key, s, &b)),
+        }
+    }
+
+    fn remove(&self, key: &str) -> Result<()> {
+        let resp = self.agent.delete(&self.target(key)).call().map_err(|e| self.transport_err("DELETE", key, e))?;
+        match self.body(key, resp)? {
+            (200 | 404, _) => Ok(()),
+            (s, b) => Err(self.refusal("DELETE", key, s, &b)),
+        }
+    }
+}

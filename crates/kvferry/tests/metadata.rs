@@ -1,0 +1,377 @@
+//! Central metadata mode against real services: Debian's etcd and redis-server started on
+//! free 127.0.0.1 ports (see `metadata_services`), and Mooncake's Python HTTP metadata server
+//! when `KVFERRY_MOONCAKE_PYTHON` is set. Registration, look-up by name, transfers verified
+//! byte for byte, Mooncake's key layout, removal on shutdown, etcd leases (a crashed engine
+//! disappears), services restarted under running engines, peers restarted under the same
+//! name, and the error cases.
+
+mod metadata_services;
+
+use kvferry::metadata::{connect, Keys, MetadataStore, StoreOptions};
+use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
+use metadata_services::Service;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn config(meta: &str, name: &str) -> Config {
+    Config {
+        local_hostname: name.into(),
+        metadata_server: meta.into(),
+        advertise_address: Some("127.0.0.1".into()),
+        transfer_timeout: Duration::from_secs(10),
+        metadata_lease_ttl: Duration::from_secs(3),
+        ..Config::default()
+    }
+}
+
+/// Like [`config`], data over TCP even between engines of one host (`KVFERRY_TRANSPORT=tcp`
+/// where the build has other transports).
+fn tcp_config(meta: &str, name: &str) -> Config {
+    let base = Config::from_lookup(&|k| (k == "KVFERRY_TRANSPORT").then(|| "tcp".to_string())).expect("config");
+    Config { local_hostname: name.into(), metadata_server: meta.into(), ..base.clone() }.with_test_defaults()
+}
+
+trait TestDefaults {
+    fn with_test_defaults(self) -> Self;
+}
+
+impl TestDefaults for Config {
+    fn with_test_defaults(self) -> Config {
+        Config { advertise_address: Some("127.0.0.1".into()), transfer_timeout: Duration::from_secs(10), metadata_lease_ttl: Duration::from_secs(3), ..self }
+    }
+}
+
+fn tcp_engine(meta: &str, name: &str) -> TransferEngine {
+    TransferEngine::new(tcp_config(meta, name)).unwrap_or_else(|e| panic!("engine {name} on {meta}: {e}"))
+}
+
+fn engine(meta: &str, name: &str) -> TransferEngine {
+    TransferEngine::new(config(meta, name)).unwrap_or_else(|e| panic!("engine {name} on {meta}: {e}"))
+}
+
+fn raw_store(url: &str) -> Arc<dyn MetadataStore> {
+    connect(url, &StoreOptions::default()).expect("connect").expect("not P2P")
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+/// `b` writes a pattern into `a`'s buffer and reads it back into another local buffer.
+fn write_then_read(b: &TransferEngine, seg: &str, remote: u64, len: usize, seed: u8) {
+    let src = pattern(len, seed);
+    let mut dst = vec![0u8; len];
+    b.register_memory(src.as_ptr() as u64, len as u64, "cpu:0").unwrap();
+    b.register_memory(dst.as_mut_ptr() as u64, len as u64, "cpu:0").unwrap();
+    let id = b.open_segment(seg).unwrap();
+    let w = TransferRequest { opcode: Opcode::Write, source: src.as_ptr() as u64, target_id: id, target_offset: remote, length: len as u64 };
+    let s = b.transfer_sync(&[w], Duration::from_secs(10)).unwrap();
+    assert_eq!(s.status, TaskStatus::Completed, "write to {seg}: {s:?}");
+    let r = TransferRequest { opcode: Opcode::Read, source: dst.as_mut_ptr() as u64, target_id: id, target_offset: remote, length: len as u64 };
+    let s = b.transfer_sync(&[r], Duration::from_secs(10)).unwrap();
+    assert_eq!(s.status, TaskStatus::Completed, "read from {seg}: {s:?}");
+    assert!(dst == src, "bytes read back from {seg} are the bytes written");
+    b.unregister_memory_batch(&[src.as_ptr() as u64, dst.as_ptr() as u64]).unwrap();
+}
+
+fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let until = Instant::now() + limit;
+    while !f() {
+        assert!(Instant::now() < until, "timed out after {limit:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Registration, look-up, transfer, key layout, update on (un)register, removal on drop.
+fn full_cycle(url: &str, tag: &str) {
+    let store = raw_store(url);
+    let keys = Keys::new(None);
+    let name_a = format!("{tag}-target");
+    let a = engine(url, &name_a);
+    assert_eq!(a.segment_name(), name_a, "central mode: the segment name is local_hostname as given");
+    let meta: serde_json::Value = serde_json::from_slice(&store.get(&keys.rpc_meta(&name_a)).unwrap().expect("rpc_meta published")).unwrap();
+    assert_eq!(meta["ip_or_host_name"], "127.0.0.1");
+    assert_eq!(meta["rpc_port"], a.rpc_port());
+    let len = 1 << 20;
+    let mem = vec![0u8; len];
+    a.register_memory(mem.as_ptr() as u64, len as u64, "cpu:0").unwrap();
+    let desc: serde_json::Value = serde_json::from_slice(&store.get(&keys.ram(&name_a)).unwrap().expect("ram published")).unwrap();
+    assert_eq!(desc["name"], name_a.as_str());
+    assert_eq!(desc["tcp_data_port"], a.data_port());
+    assert_eq!(desc["buffers"][0]["addr"], mem.as_ptr() as u64, "register_memory updates the published descriptor");
+
+    let b = engine(url, &format!("{tag}-initiator"));
+    write_then_read(&b, &name_a, mem.as_ptr() as u64, len, 7);
+    assert!(mem == pattern(len, 7), "the target's memory holds the written bytes");
+    b.probe(&name_a).expect("probe by name through rpc_meta");
+    b.send_notify(&name_a, "hello").expect("notify by name");
+    assert_eq!(a.wait_notifies(Duration::from_secs(5))[0].msg, "hello");
+
+    a.unregister_memory(mem.as_ptr() as u64).unwrap();
+    let desc: serde_json::Value = serde_json::from_slice(&store.get(&keys.ram(&name_a)).unwrap().unwrap()).unwrap();
+    assert!(desc["buffers"].as_array().is_none_or(|b| b.is_empty()), "unregister updates the published descriptor: {desc}");
+    drop(a);
+    assert_eq!(store.get(&keys.rpc_meta(&name_a)).unwrap(), None, "clean shutdown removes rpc_meta");
+    assert_eq!(store.get(&keys.ram(&name_a)).unwrap(), None, "clean shutdown removes the descriptor");
+}
+
+#[test]
+fn redis_full_cycle() {
+    let Some(svc) = Service::redis() else { return };
+    full_cycle(&svc.url(), "redis");
+}
+
+#[test]
+fn etcd_full_cycle() {
+    let Some(svc) = Service::etcd() else { return };
+    full_cycle(&svc.url(), "etcd");
+}
+
+#[test]
+fn mooncake_http_server_full_cycle() {
+    let Some(svc) = Service::mooncake_http() else { return };
+    full_cycle(&svc.url(), "http");
+}
+
+#[test]
+fn cluster_id_namespaces_keys() {
+    let Some(svc) = Service::redis() else { return };
+    let url = svc.url();
+    let store = raw_store(&url);
+    let a = TransferEngine::new(Config { metadata_cluster_id: Some("blue".into()), ..config(&url, "node-a") }).unwrap();
+    assert!(store.get("mooncake/blue/rpc_meta/node-a").unwrap().is_some());
+    assert!(store.get("mooncake/blue/ram/node-a").unwrap().is_some());
+    assert!(store.get("mooncake/rpc_meta/node-a").unwrap().is_none());
+    // Another cluster does not see it; the same cluster does.
+    let other = engine(&url, "node-b");
+    let e = other.open_segment("node-a").unwrap_err().to_string();
+    assert!(e.contains("segment node-a is not registered in redis"), "{e}");
+    let same = TransferEngine::new(Config { metadata_cluster_id: Some("blue".into()), ..config(&url, "node-c") }).unwrap();
+    same.open_segment("node-a").unwrap();
+    drop(a);
+}
+
+/// Set by the parent test: this process becomes an engine that registers, prints READY and
+/// waits to be killed.
+#[test]
+fn child_engine() {
+    let (Ok(url), Ok(name)) = (std::env::var("KVF_TEST_CHILD_META"), std::env::var("KVF_TEST_CHILD_NAME")) else { return };
+    let e = engine(&url, &name);
+    let mem = vec![1u8; 4096];
+    e.register_memory(mem.as_ptr() as u64, 4096, "cpu:0").unwrap();
+    println!("READY {}", e.rpc_port());
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+struct ChildEngine(std::process::Child);
+
+impl ChildEngine {
+    fn start(url: &str, name: &str) -> ChildEngine {
+        use std::io::BufRead;
+        let mut c = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child_engine", "--nocapture", "--test-threads=1"])
+            .env("KVF_TEST_CHILD_META", url)
+            .env("KVF_TEST_CHILD_NAME", name)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let out = c.stdout.take().unwrap();
+        let mut lines = std::io::BufReader::new(out).lines();
+        assert!(lines.any(|l| l.map(|l| l.contains("READY ")).unwrap_or(false)), "child engine started");
+        ChildEngine(c)
+    }
+
+    /// SIGKILL: no clean shutdown, its entries stay behind.
+    fn crash(mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for ChildEngine {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn etcd_lease_removes_a_crashed_engine() {
+    let Some(svc) = Service::etcd() else { return };
+    let url = svc.url();
+    let store = raw_store(&url);
+    let keys = Keys::new(None);
+    let child = ChildEngine::start(&url, "crashy");
+    assert!(store.get(&keys.rpc_meta("crashy")).unwrap().is_some());
+    // Alive for longer than the TTL (3 s): the keeper renews the lease.
+    std::thread::sleep(Duration::from_secs(5));
+    assert!(store.get(&keys.ram("crashy")).unwrap().is_some(), "a live engine's entries outlive the TTL");
+    child.crash();
+    let t = Instant::now();
+    wait_until("the crashed engine's entries to expire", Duration::from_secs(15), || {
+        store.get(&keys.rpc_meta("crashy")).unwrap().is_none() && store.get(&keys.ram("crashy")).unwrap().is_none()
+    });
+    eprintln!("crashed engine gone from etcd after {:?}", t.elapsed());
+}
+
+/// A service restarted under running engines: they publish themselves again.
+fn service_restart(svc: &mut Service, wipe: bool) {
+    let url = svc.url();
+    let a = engine(&url, "survivor");
+    let len = 64 << 10;
+    let mem = vec![0u8; len];
+    a.register_memory(mem.as_ptr() as u64, len as u64, "cpu:0").unwrap();
+    svc.restart(wipe);
+    let store = raw_store(&url);
+    let keys = Keys::new(None);
+    let t = Instant::now();
+    wait_until("the engine to re-register", Duration::from_secs(20), || {
+        store.get(&keys.rpc_meta("survivor")).ok().flatten().is_some() && store.get(&keys.ram("survivor")).ok().flatten().is_some()
+    });
+    eprintln!("{:?} restarted (wiped: {wipe}): engine registered again after {:?}", svc.kind, t.elapsed());
+    let b = engine(&url, "newcomer");
+    write_then_read(&b, "survivor", mem.as_ptr() as u64, len, 3);
+}
+
+#[test]
+fn etcd_restarted_with_data_lost_engines_reregister() {
+    let Some(mut svc) = Service::etcd() else { return };
+    service_restart(&mut svc, true);
+}
+
+#[test]
+fn etcd_restarted_with_data_kept_engines_keep_working() {
+    let Some(mut svc) = Service::etcd() else { return };
+    service_restart(&mut svc, false);
+}
+
+#[test]
+fn redis_restarted_engines_reregister() {
+    let Some(mut svc) = Service::redis() else { return };
+    service_restart(&mut svc, true);
+}
+
+/// A peer restarts under the same name with new ports and the same buffer address: the
+/// initiator's cached descriptor points at a dead data port, the connection is refused, the
+/// engine re-reads the store and retries.
+fn peer_restart_same_name(url: &str) {
+    let len = 256 << 10;
+    let mem = vec![0u8; len];
+    let addr = mem.as_ptr() as u64;
+    let a1 = tcp_engine(url, "phoenix");
+    a1.register_memory(addr, len as u64, "cpu:0").unwrap();
+    let old_port = a1.data_port();
+    let b = tcp_engine(url, "watcher");
+    write_then_read(&b, "phoenix", addr, len, 1);
+    drop(a1);
+    let mut a2 = tcp_engine(url, "phoenix");
+    // Make sure the new incarnation really has another data port.
+    while a2.data_port() == old_port {
+        a2 = tcp_engine(url, "phoenix");
+    }
+    a2.register_memory(addr, len as u64, "cpu:0").unwrap();
+    write_then_read(&b, "phoenix", addr, len, 2);
+    assert!(mem == pattern(len, 2));
+    // And a new buffer at another address: found by the stale-descriptor refresh.
+    let mem2 = vec![0u8; len];
+    a2.register_memory(mem2.as_ptr() as u64, len as u64, "cpu:0").unwrap();
+    write_then_read(&b, "phoenix", mem2.as_ptr() as u64, len, 4);
+}
+
+#[test]
+fn peer_restarted_under_same_name_redis() {
+    let Some(svc) = Service::redis() else { return };
+    peer_restart_same_name(&svc.url());
+}
+
+#[test]
+fn peer_restarted_under_same_name_etcd() {
+    let Some(svc) = Service::etcd() else { return };
+    peer_restart_same_name(&svc.url());
+}
+
+/// A crashed engine left its rpc_meta behind (Redis: no lease; Mooncake's HTTP server refuses
+/// to overwrite rpc_meta): its successor under the same name takes the stale entry over,
+/// while a live engine keeps its name.
+fn stale_takeover(url: &str) {
+    let child = ChildEngine::start(url, "reborn");
+    let e = TransferEngine::new(config(url, "reborn")).err().expect("a live engine keeps its name").to_string();
+    assert!(e.contains("already registered by a live engine"), "{e}");
+    child.crash();
+    let a = engine(url, "reborn");
+    let mem = vec![0u8; 4096];
+    a.register_memory(mem.as_ptr() as u64, 4096, "cpu:0").unwrap();
+    let b = engine(url, "checker");
+    write_then_read(&b, "reborn", mem.as_ptr() as u64, 4096, 9);
+}
+
+#[test]
+fn crashed_engine_name_is_reusable_redis() {
+    let Some(svc) = Service::redis() else { return };
+    stale_takeover(&svc.url());
+}
+
+#[test]
+fn crashed_engine_name_is_reusable_mooncake_http() {
+    let Some(svc) = Service::mooncake_http() else { return };
+    stale_takeover(&svc.url());
+}
+
+#[test]
+fn not_registered_and_malformed_entries() {
+    let Some(svc) = Service::redis() else { return };
+    let url = svc.url();
+    let store = raw_store(&url);
+    let b = engine(&url, "reader");
+    let e = b.open_segment("ghost").unwrap_err();
+    assert!(e.to_string().contains("segment ghost is not registered in redis"), "{e}");
+    assert_eq!(e.mooncake_code(), -200);
+    store.put("mooncake/ram/garbage", b"{not json").unwrap();
+    store.put("mooncake/rpc_meta/garbage", br#"{"ip_or_host_name":"127.0.0.1","rpc_port":1}"#).unwrap();
+    let e = b.open_segment("garbage").unwrap_err().to_string();
+    assert!(e.contains("mooncake/ram/garbage") && e.contains("descriptor"), "{e}");
+    store.put("mooncake/ram/nolen", br#"{"name":"nolen","protocol":"tcp","tcp_data_port":5,"buffers":[{"name":"cpu:0","addr":4096}]}"#).unwrap();
+    let e = b.open_segment("nolen").unwrap_err().to_string();
+    assert!(e.contains("length"), "the missing field is named: {e}");
+    store.put("mooncake/ram/noport", br#"{"name":"noport","protocol":"tcp","buffers":[{"name":"cpu:0","addr":4096,"length":10}]}"#).unwrap();
+    let e = b.open_segment("noport").unwrap_err().to_string();
+    assert!(e.contains("tcp_data_port"), "{e}");
+    store.put("mooncake/ram/nometa", br#"{"name":"nometa","protocol":"tcp","tcp_data_port":5}"#).unwrap();
+    store.put("mooncake/rpc_meta/nometa", br#"{"rpc_port":5}"#).unwrap();
+    let e = b.open_segment("nometa").unwrap_err().to_string();
+    assert!(e.contains("ip_or_host_name"), "{e}");
+}
+
+#[test]
+fn unreachable_services_fail_fast_naming_backend_and_url() {
+    let port = metadata_services::free_port();
+    for (url, backend) in [
+        (format!("http://127.0.0.1:{port}/metadata"), "http"),
+        (format!("etcd://127.0.0.1:{port}"), "etcd"),
+        (format!("redis://127.0.0.1:{port}"), "redis"),
+        // A blackholed address: connect must time out, not hang.
+        ("http://10.255.255.1:9/metadata".to_string(), "http"),
+        ("etcd://10.255.255.1:9".to_string(), "etcd"),
+        ("redis://10.255.255.1:9".to_string(), "redis"),
+    ] {
+        let t = Instant::now();
+        let cfg = Config { metadata_timeout: Duration::from_secs(2), ..config(&url, "lonely") };
+        let e = TransferEngine::new(cfg).err().unwrap_or_else(|| panic!("{url}: an engine without its metadata service must not start")).to_string();
+        let took = t.elapsed();
+        let shown = url.trim_end_matches("/metadata").trim_start_matches("http://").trim_start_matches("etcd://").trim_start_matches("redis://");
+        assert!(e.contains(backend) && e.contains(shown), "{url}: error names backend and address: {e}");
+        assert!(took < Duration::from_secs(8), "{url}: failed within a bounded time, took {took:?}");
+    }
+}
+
+#[test]
+fn unknown_scheme_lists_supported() {
+    let e = TransferEngine::new(config("zookeeper://h:2181", "x")).err().unwrap().to_string();
+    for s in ["P2PHANDSHAKE", "http://", "etcd://", "redis://"] {
+        assert!(e.contains(s), "{e}");
+    }
+}
