@@ -465,7 +465,9 @@ impl Core {
     }
 
     /// Stops the engine: listeners close, requests still queued fail, managed buffers are
-    /// unmapped. Idempotent.
+    /// unmapped. Every registered range is withdrawn first, which waits for accesses in
+    /// progress, so no engine thread touches Python-owned memory after close() returns.
+    /// Idempotent.
     fn close(&self, py: Python<'_>) {
         let taken = self.engine.write().unwrap_or_else(|e| e.into_inner()).take();
         let Some(engine) = taken else { return };
@@ -475,6 +477,7 @@ impl Core {
             while Arc::strong_count(&engine) > 1 && Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(2));
             }
+            retire(&engine);
             let unique = Arc::strong_count(&engine) == 1;
             drop(engine);
             unique
@@ -482,7 +485,7 @@ impl Core {
         if unique {
             lock(&self.managed).clear();
         } else {
-            tracing::warn!("kvferry: engine still in use by another thread at close(); managed buffers stay mapped");
+            tracing::warn!("kvferry: engine still in use by another thread at close(); managed buffers stay mapped until the engine object is freed");
         }
     }
 
@@ -491,6 +494,26 @@ impl Core {
             Some(e) => format!("<kvferry._kvferry.Core segment={:?}>", e.segment_name()),
             None => "<kvferry._kvferry.Core closed>".to_string(),
         }
+    }
+}
+
+/// Withdraws every registered range (waiting for accesses in progress) before an engine is
+/// dropped: the engine's threads stop asynchronously, and the memory may be freed next.
+fn retire(engine: &TransferEngine) {
+    for r in engine.registered() {
+        let _ = engine.unregister_memory(r.addr);
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        let engine = self.engine.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(engine) = engine {
+            retire(&engine);
+            drop(engine);
+        }
+        // The managed mappings go last (field order would drop them after the engine anyway).
+        self.managed.get_mut().unwrap_or_else(|e| e.into_inner()).clear();
     }
 }
 
