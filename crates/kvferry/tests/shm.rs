@@ -206,7 +206,8 @@ fn forged_or_foreign_peers_fall_back_to_tcp_with_the_reason() {
         c.wait().unwrap();
         pid
     };
-    let tamper: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+    type Tamper = Box<dyn Fn(&mut serde_json::Value)>;
+    let tamper: Vec<(&str, Tamper, &str)> = vec![
         ("other host", Box::new(|v| v["host_id"] = "00000000-0000-0000-0000-000000000000/pid:[1]".into()), "another host"),
         ("same host, other PID namespace", Box::new(|v| {
             let h = v["host_id"].as_str().unwrap().split('/').next().unwrap().to_string();
@@ -408,25 +409,24 @@ fn spawn_child(role: &str, args: &[String], uid: Option<u32>) -> (Child, String)
     }
     let mut child = cmd.spawn().unwrap();
     let out = child.stdout.take().unwrap();
-    let mut r = BufReader::new(out);
-    let until = Instant::now() + Duration::from_secs(30);
-    let mut line = String::new();
-    loop {
-        line.clear();
-        if r.read_line(&mut line).unwrap_or(0) == 0 || Instant::now() > until {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("child {role} printed no KVF_CHILD line");
+    // Read in a thread so a silent child cannot hang the test; it keeps draining the pipe.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(out);
+        let mut line = String::new();
+        while r.read_line(&mut line).unwrap_or(0) > 0 {
+            // libtest prints "test child_entry ... " before the child's own output.
+            if let Some(i) = line.find("KVF_CHILD ") {
+                let _ = tx.send(line[i + "KVF_CHILD ".len()..].trim().to_string());
+            }
+            line.clear();
         }
-        // libtest prints "test child_entry ... " before the child's own output.
-        if let Some(i) = line.find("KVF_CHILD ") {
-            let rest = line[i + "KVF_CHILD ".len()..].trim().to_string();
-            // Keep draining its output so it never blocks on a full pipe.
-            std::thread::spawn(move || {
-                let mut sink = Vec::new();
-                let _ = r.read_to_end(&mut sink);
-            });
-            return (child, rest);
+    });
+    match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(l) => (child, l),
+        Err(_) => {
+            kill(child);
+            panic!("child {role} printed no KVF_CHILD line within 30 s");
         }
     }
 }

@@ -535,6 +535,9 @@ enum Selection {
     No(String),
 }
 
+/// A selection and the peer cookie it was made for.
+type Cached = (Option<String>, Arc<Selection>);
+
 struct Job {
     shm: Arc<ShmPeer>,
     peer: Arc<Peer>,
@@ -565,7 +568,7 @@ pub struct ShmTransport {
     host_id: Result<String, String>,
     owner: u64,
     /// Per peer id: the cookie the selection was made for, and the selection.
-    peers: Mutex<HashMap<u64, (Option<String>, Arc<Selection>)>>,
+    peers: Mutex<HashMap<u64, Cached>>,
     shared: Arc<Shared>,
     shut: AtomicBool,
 }
@@ -703,11 +706,6 @@ impl ShmTransport {
             return Err(format!("its control region is {} bytes, expected {CTL_LEN}", info.ctl_len));
         }
         ShmPeer::attach(&info, self.owner)
-    }
-
-    /// Forgets the selection for a peer (its descriptor changed).
-    fn forget(&self, peer_id: u64) {
-        self.peers.lock().unwrap_or_else(|e| e.into_inner()).remove(&peer_id);
     }
 
     /// Queues (or, when small, runs here) pieces for a verified peer.
@@ -925,10 +923,7 @@ fn copy_all(pid: i32, pieces: &[Piece]) -> Vec<io::Result<()>> {
             first => {
                 // Partial or failed: the kernel stops at an iovec boundary. Keep the complete
                 // prefix and redo the rest one by one to learn each outcome.
-                let mut done = match first {
-                    Ok(n) => n,
-                    Err(_) => 0,
-                };
+                let mut done = first.unwrap_or_default();
                 for k in 0..run.len() {
                     let len = local[k].iov_len;
                     if done >= len {
@@ -1013,13 +1008,6 @@ impl Transport for ShmTransport {
     }
 }
 
-impl ShmTransport {
-    /// Drops the cached selection of a peer so the next request chooses again.
-    pub fn reselect(&self, peer_id: u64) {
-        self.forget(peer_id);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1040,7 +1028,7 @@ mod tests {
 
     #[test]
     fn control_region_layout() {
-        assert!(N_SLOTS >= 1000);
+        const { assert!(N_SLOTS >= 1000) };
         let c = LocalCtl::create().unwrap();
         assert_eq!(c.map.header()[..8], CTL_MAGIC.to_le_bytes());
         assert_eq!(c.map.cookie_hex().len(), 32);
