@@ -10,6 +10,9 @@ pub struct DoctorArgs {
     /// The address this host would advertise (default: the first non-loopback interface).
     #[arg(long)]
     local_hostname: Option<String>,
+    /// Metadata service to check (default: KVFERRY_METADATA_SERVER).
+    #[arg(long)]
+    metadata_server: Option<String>,
 }
 
 struct Report {
@@ -283,6 +286,10 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
         r.warn("memlock", format!("limit {} and no CAP_IPC_LOCK: RDMA registration of large buffers will fail; raise `ulimit -l` (e.g. unlimited) or run with CAP_IPC_LOCK. TCP does not need it.", fmt(lim.rlim_cur)));
     }
 
+    println!("\nmetadata service:");
+    let meta = a.metadata_server.clone().unwrap_or_else(|| cfg.metadata_server.clone());
+    check_metadata(&mut r, &meta, &cfg);
+
     println!("\ntransports:");
     r.ok("tcp", "available (Mooncake TCP protocol v2, v1 for old peers)");
     r.ok("local", "transfers to this engine's own segment are a memcpy");
@@ -298,4 +305,32 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
     }
     println!("\n{}", if r.problems == 0 { "no problems found".to_string() } else { format!("{} warning(s)", r.problems) });
     Ok(())
+}
+
+/// Reachable, writable, latency: a GET, a PUT and a DELETE of a probe key.
+fn check_metadata(r: &mut Report, conn: &str, cfg: &Config) {
+    use std::time::Instant;
+    let store = match kvferry::metadata::connect(conn, &kvferry::metadata::StoreOptions::from_config(cfg)) {
+        Ok(None) => return r.ok("mode", "P2PHANDSHAKE: no metadata service; segments are named host:rpc_port"),
+        Ok(Some(s)) => s,
+        Err(e) => return r.warn("metadata service", e.to_string()),
+    };
+    let key = format!("mooncake/kvferry-doctor/{}", std::process::id());
+    let t = Instant::now();
+    match store.get(&key) {
+        Ok(_) => r.ok("reachable", format!("{} at {} answered a GET in {:.2} ms", store.backend(), store.location(), t.elapsed().as_secs_f64() * 1e3)),
+        Err(e) => return r.warn("reachable", e.to_string()),
+    }
+    let t = Instant::now();
+    let put = store.put(&key, b"{}");
+    let put_ms = t.elapsed().as_secs_f64() * 1e3;
+    match put.and_then(|_| store.get(&key)) {
+        Ok(Some(v)) if v == b"{}" => r.ok("writable", format!("PUT in {put_ms:.2} ms, read back")),
+        Ok(other) => r.warn("writable", format!("PUT accepted but GET returned {other:?}")),
+        Err(e) => r.warn("writable", e.to_string()),
+    }
+    if let Err(e) = store.remove(&key) {
+        r.warn("writable", format!("DELETE of the probe key failed: {e}"));
+    }
+    store.close();
 }
