@@ -18,6 +18,7 @@
 
 mod errors;
 mod memory;
+mod store;
 
 use errors::{raise, Kind};
 use kvferry::config::split_host_port;
@@ -637,6 +638,7 @@ fn init_logging() {
 fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     m.add_class::<Core>()?;
+    m.add_class::<store::StoreCore>()?;
     m.add_function(wrap_pyfunction!(features, m)?)?;
     m.add_function(wrap_pyfunction!(task_status_names, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_error, m)?)?;

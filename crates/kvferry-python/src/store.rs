@@ -1,0 +1,266 @@
+//! `StoreCore`: the store client for Python (integer addresses only; the Python package
+//! `kvferry.store` and `kvferry.mooncake.store` build the public APIs on it).
+//!
+//! Every call that talks to the master or moves data releases the GIL. Failures raise the
+//! exception class of `kvferry.store` named after the error (`ObjectNotFound`, …), carrying
+//! Mooncake Store's numeric code as `.code`.
+
+use kvferry_store::{Client, ClientConfig, ReplicateConfig, SoftPin, StoreError};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyModule};
+use std::sync::RwLock;
+use std::time::Duration;
+
+static STORE_MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+
+fn class_of(e: &StoreError) -> &'static str {
+    match e {
+        StoreError::ObjectNotFound(_) => "ObjectNotFound",
+        StoreError::ObjectAlreadyExists(_) => "ObjectAlreadyExists",
+        StoreError::ObjectHasLease(_) => "ObjectHasLease",
+        StoreError::LeaseExpired(_) => "LeaseExpired",
+        StoreError::ReplicaNotReady(_) => "ReplicaNotReady",
+        StoreError::NoAvailableHandle { .. } => "NoAvailableHandle",
+        StoreError::InvalidKey(_) | StoreError::InvalidParams(_) | StoreError::BufferOverflow { .. } => "StoreInvalidArgument",
+        StoreError::SegmentNotFound(_) | StoreError::SegmentAlreadyExists(_) | StoreError::UnknownClient(_) => "StoreError",
+        StoreError::TransferFailed(_) => "StoreTransferError",
+        StoreError::Rpc(_) => "MasterUnreachable",
+        StoreError::Internal(_) => "StoreError",
+    }
+}
+
+fn raise(py: Python<'_>, e: StoreError) -> PyErr {
+    let msg = e.to_string();
+    let module = match STORE_MODULE.get_or_try_init(py, || py.import("kvferry.store").map(Bound::unbind)) {
+        Ok(m) => m.bind(py),
+        Err(err) => return PyRuntimeError::new_err(format!("{msg} (and kvferry.store could not be imported: {err})")),
+    };
+    match module.getattr(class_of(&e)).and_then(|cls| cls.call1((msg, e.code()))) {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(err) => err,
+    }
+}
+
+fn closed() -> StoreError {
+    StoreError::InvalidParams("the store is closed".into())
+}
+
+/// Replication settings as the tuple `ReplicateConfig._native()` builds:
+/// (replica_num, soft_pin action 0/1/2, soft_pin_ttl_ms, with_hard_pin, preferred_segments, group_id).
+#[derive(Clone, Debug, FromPyObject)]
+pub struct PyReplicate(u32, u8, Option<u64>, bool, Vec<String>, Option<String>);
+
+impl PyReplicate {
+    fn into_config(self) -> ReplicateConfig {
+        let PyReplicate(replica_num, soft_pin, soft_pin_ttl_ms, with_hard_pin, preferred_segments, group_id) = self;
+        ReplicateConfig {
+            replica_num,
+            soft_pin: match soft_pin {
+                1 => SoftPin::Enable,
+                2 => SoftPin::Disable,
+                _ => SoftPin::Preserve,
+            },
+            soft_pin_ttl_ms,
+            with_hard_pin,
+            preferred_segments,
+            group_id: group_id.filter(|g| !g.is_empty()),
+        }
+    }
+}
+
+fn config(r: Option<PyReplicate>) -> ReplicateConfig {
+    r.map(PyReplicate::into_config).unwrap_or_default()
+}
+
+/// A store client. Thread-safe; `close()` releases it.
+#[pyclass(frozen, module = "kvferry._kvferry")]
+pub struct StoreCore {
+    client: RwLock<Option<Client>>,
+}
+
+impl StoreCore {
+    fn with<T>(&self, py: Python<'_>, f: impl FnOnce(&Client) -> Result<T, StoreError> + Send) -> PyResult<T>
+    where
+        T: Send,
+    {
+        let r = py.detach(|| {
+            let g = self.client.read().unwrap_or_else(|e| e.into_inner());
+            match g.as_ref() {
+                Some(c) => f(c),
+                None => Err(closed()),
+            }
+        });
+        r.map_err(|e| raise(py, e))
+    }
+
+    /// Like `with`, but hands per-key results back to Python as (value | None, code, message).
+    fn per_key<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&Client) -> Vec<Result<T, StoreError>> + Send) -> PyResult<Vec<(Option<T>, i32, String)>> {
+        let r = py.detach(|| {
+            let g = self.client.read().unwrap_or_else(|e| e.into_inner());
+            g.as_ref().map(f)
+        });
+        match r {
+            None => Err(raise(py, closed())),
+            Some(v) => Ok(v
+                .into_iter()
+                .map(|x| match x {
+                    Ok(t) => (Some(t), 0, String::new()),
+                    Err(e) => (None, e.code(), format!("{}: {}", class_of(&e), e)),
+                })
+                .collect()),
+        }
+    }
+}
+
+#[pymethods]
+impl StoreCore {
+    #[new]
+    #[pyo3(signature = (local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol, device_name, master_server_addr))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        local_hostname: String,
+        metadata_server: String,
+        global_segment_size: u64,
+        local_buffer_size: u64,
+        protocol: String,
+        device_name: String,
+        master_server_addr: String,
+    ) -> PyResult<Self> {
+        let cfg = ClientConfig {
+            local_hostname,
+            metadata_server,
+            global_segment_size,
+            local_buffer_size,
+            protocol,
+            device_name,
+            master_server_addr,
+            ping_interval: Duration::from_secs(1),
+            transfer_timeout: Duration::from_secs(60),
+        };
+        let client = py.detach(|| Client::setup(cfg)).map_err(|e| raise(py, e))?;
+        Ok(StoreCore { client: RwLock::new(Some(client)) })
+    }
+
+    /// This client's transfer-engine segment name.
+    fn segment_name(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, |c| Ok(c.segment_name().to_string()))
+    }
+
+    fn register_buffer(&self, py: Python<'_>, addr: u64, size: u64) -> PyResult<()> {
+        self.with(py, |c| c.register_buffer(addr, size))
+    }
+
+    fn unregister_buffer(&self, py: Python<'_>, addr: u64) -> PyResult<()> {
+        self.with(py, |c| c.unregister_buffer(addr))
+    }
+
+    #[pyo3(signature = (key, value, config=None, upsert=false))]
+    fn put(&self, py: Python<'_>, key: String, value: Vec<u8>, config: Option<PyReplicate>, upsert: bool) -> PyResult<()> {
+        let cfg = self::config(config);
+        self.with(py, move |c| if upsert { c.upsert(&key, &value, &cfg) } else { c.put(&key, &value, &cfg) })
+    }
+
+    #[pyo3(signature = (keys, values, config=None, upsert=false))]
+    fn put_batch(&self, py: Python<'_>, keys: Vec<String>, values: Vec<Vec<u8>>, config: Option<PyReplicate>, upsert: bool) -> PyResult<Vec<(Option<()>, i32, String)>> {
+        if keys.len() != values.len() {
+            return Err(raise(py, StoreError::InvalidParams(format!("{} keys but {} values", keys.len(), values.len()))));
+        }
+        let cfg = self::config(config);
+        self.per_key(py, move |c| {
+            let items: Vec<(&str, &[u8])> = keys.iter().map(String::as_str).zip(values.iter().map(Vec::as_slice)).collect();
+            c.put_batch(&items, &cfg, upsert)
+        })
+    }
+
+    fn get<'py>(&self, py: Python<'py>, key: String) -> PyResult<Bound<'py, PyBytes>> {
+        let v = self.with(py, move |c| c.get(&key))?;
+        Ok(PyBytes::new(py, &v))
+    }
+
+    fn get_batch(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<(Option<Py<PyBytes>>, i32, String)>> {
+        let r = self.per_key(py, move |c| c.get_batch(&keys.iter().map(String::as_str).collect::<Vec<_>>()))?;
+        Ok(r.into_iter().map(|(v, code, msg)| (v.map(|v| PyBytes::new(py, &v).unbind()), code, msg)).collect())
+    }
+
+    #[pyo3(signature = (key, addr, size, config=None, upsert=false))]
+    fn put_from(&self, py: Python<'_>, key: String, addr: u64, size: u64, config: Option<PyReplicate>, upsert: bool) -> PyResult<()> {
+        let cfg = self::config(config);
+        self.with(py, move |c| if upsert { c.upsert_from(&key, addr, size, &cfg) } else { c.put_from(&key, addr, size, &cfg) })
+    }
+
+    fn get_into(&self, py: Python<'_>, key: String, addr: u64, size: u64) -> PyResult<u64> {
+        self.with(py, move |c| c.get_into(&key, addr, size))
+    }
+
+    #[pyo3(signature = (keys, addrs, sizes, config=None, upsert=false))]
+    fn batch_put_from(&self, py: Python<'_>, keys: Vec<String>, addrs: Vec<u64>, sizes: Vec<u64>, config: Option<PyReplicate>, upsert: bool) -> PyResult<Vec<(Option<()>, i32, String)>> {
+        if keys.len() != addrs.len() || keys.len() != sizes.len() {
+            return Err(raise(py, StoreError::InvalidParams("keys, buffers and sizes must have the same length".into())));
+        }
+        let cfg = self::config(config);
+        self.per_key(py, move |c| {
+            let items: Vec<(&str, u64, u64)> = keys.iter().zip(addrs.iter().zip(&sizes)).map(|(k, (a, s))| (k.as_str(), *a, *s)).collect();
+            if upsert {
+                c.batch_upsert_from(&items, &cfg)
+            } else {
+                c.batch_put_from(&items, &cfg)
+            }
+        })
+    }
+
+    fn batch_get_into(&self, py: Python<'_>, keys: Vec<String>, addrs: Vec<u64>, sizes: Vec<u64>) -> PyResult<Vec<(Option<u64>, i32, String)>> {
+        if keys.len() != addrs.len() || keys.len() != sizes.len() {
+            return Err(raise(py, StoreError::InvalidParams("keys, buffers and sizes must have the same length".into())));
+        }
+        self.per_key(py, move |c| {
+            let items: Vec<(&str, u64, u64)> = keys.iter().zip(addrs.iter().zip(&sizes)).map(|(k, (a, s))| (k.as_str(), *a, *s)).collect();
+            c.batch_get_into(&items)
+        })
+    }
+
+    fn is_exist(&self, py: Python<'_>, key: String) -> PyResult<bool> {
+        self.with(py, move |c| c.is_exist(&key))
+    }
+
+    fn batch_is_exist(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<(Option<bool>, i32, String)>> {
+        self.per_key(py, move |c| c.batch_is_exist(&keys.iter().map(String::as_str).collect::<Vec<_>>()))
+    }
+
+    fn get_size(&self, py: Python<'_>, key: String) -> PyResult<u64> {
+        self.with(py, move |c| c.get_size(&key))
+    }
+
+    #[pyo3(signature = (key, force=false))]
+    fn remove(&self, py: Python<'_>, key: String, force: bool) -> PyResult<()> {
+        self.with(py, move |c| c.remove(&key, force))
+    }
+
+    #[pyo3(signature = (pattern, force=false))]
+    fn remove_by_regex(&self, py: Python<'_>, pattern: String, force: bool) -> PyResult<u64> {
+        self.with(py, move |c| c.remove_by_regex(&pattern, force))
+    }
+
+    #[pyo3(signature = (force=false))]
+    fn remove_all(&self, py: Python<'_>, force: bool) -> PyResult<u64> {
+        self.with(py, move |c| c.remove_all(force))
+    }
+
+    /// Unmounts the segment and stops the client; later calls raise.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let taken = py.detach(|| self.client.write().unwrap_or_else(|e| e.into_inner()).take());
+        match taken {
+            Some(c) => {
+                let r = py.detach(move || c.close());
+                r.map_err(|e| raise(py, e))
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn closed(&self) -> bool {
+        self.client.read().unwrap_or_else(|e| e.into_inner()).is_none()
+    }
+}
