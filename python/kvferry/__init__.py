@@ -43,7 +43,8 @@ from ._engine import Batch, Engine, Notify, Opcode, Region, Status, TaskStatus, 
 def install_mooncake_shim() -> None:
     """Makes ``import mooncake`` / ``import mooncake.engine`` resolve to kvferry's
     Mooncake-compatible modules in this process (idempotent). Same as starting Python with
-    ``KVFERRY_MOONCAKE_SHIM=1``. Other ``mooncake.*`` modules (``mooncake.store``) then raise
+    ``KVFERRY_MOONCAKE_SHIM=1``. ``mooncake.store`` resolves to :mod:`kvferry.mooncake.store`;
+    other ``mooncake.*`` modules then raise
     ModuleNotFoundError."""
     from . import _shim
 

@@ -3,9 +3,9 @@
 The wheel does not ship a top-level ``mooncake`` package (it would collide with an
 installed official Mooncake). Instead, a ``sys.meta_path`` finder answers imports of
 ``mooncake`` and ``mooncake.engine`` with thin modules re-exporting
-``kvferry.mooncake`` and ``kvferry.mooncake.engine`` (same objects:
-``mooncake.engine.TransferEngine is kvferry.mooncake.engine.TransferEngine``). Other
-``mooncake.*`` submodules (``mooncake.store``, ...) raise ModuleNotFoundError naming kvferry.
+``kvferry.mooncake``, ``kvferry.mooncake.engine`` and ``kvferry.mooncake.store`` (same
+objects: ``mooncake.engine.TransferEngine is kvferry.mooncake.engine.TransferEngine``). Other
+``mooncake.*`` submodules raise ModuleNotFoundError naming kvferry.
 
 Turned on by :func:`install` (``kvferry.install_mooncake_shim()``), or at interpreter start
 by ``KVFERRY_MOONCAKE_SHIM=1`` through the ``kvferry-mooncake-shim.pth`` file the wheel
@@ -22,7 +22,7 @@ import threading
 from types import ModuleType
 from typing import Any, Optional, Sequence
 
-_ALIASES = {"mooncake": "kvferry.mooncake", "mooncake.engine": "kvferry.mooncake.engine"}
+_ALIASES = {"mooncake": "kvferry.mooncake", "mooncake.engine": "kvferry.mooncake.engine", "mooncake.store": "kvferry.mooncake.store"}
 _lock = threading.Lock()
 
 
@@ -57,7 +57,7 @@ class MooncakeShimFinder(importlib.abc.MetaPathFinder):
         if fullname.startswith("mooncake."):
             raise ModuleNotFoundError(
                 "%s is not provided by kvferry: with KVFERRY_MOONCAKE_SHIM / kvferry.install_mooncake_shim(), "
-                "'mooncake' is kvferry's Mooncake-compatible TransferEngine API (mooncake.engine) only" % fullname,
+                "'mooncake' is kvferry's Mooncake-compatible API (mooncake.engine, mooncake.store) only" % fullname,
                 name=fullname,
             )
         return None

@@ -29,16 +29,21 @@ def test_env_var_aliases_mooncake_engine():
         te = TransferEngine()
         assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         print("ok", TransferEngine.__module__, te.get_rpc_port() > 0)
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        import kvferry.mooncake.store as ks
+        assert MooncakeDistributedStore is ks.MooncakeDistributedStore
+        print("store ok")
         try:
-            import mooncake.store
+            import mooncake.mooncake_store_service
         except ModuleNotFoundError as e:
-            print("store:", e)
+            print("other:", e)
         """,
         shim=True,
     )
     assert r.returncode == 0, r.stderr
     assert "ok kvferry.mooncake.engine True" in r.stdout
-    assert "store: mooncake.store is not provided by kvferry" in r.stdout
+    assert "store ok" in r.stdout
+    assert "other: mooncake.mooncake_store_service is not provided by kvferry" in r.stdout
 
 
 @pytest.mark.parametrize("value", ["", "0", "false"])
