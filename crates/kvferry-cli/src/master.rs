@@ -52,6 +52,19 @@ pub struct MasterArgs {
     /// Seconds between summary lines in the log (0: none).
     #[arg(long, default_value_t = 10)]
     pub summary_interval: u32,
+    /// Also serve the transfer engines' HTTP metadata (`http://host:port/metadata`, the
+    /// contract of `kvferry metadata-server`), so one process is the whole control plane.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_http_metadata_server: bool,
+    /// Address of the embedded metadata server (default: --host).
+    #[arg(long)]
+    pub http_metadata_server_host: Option<IpAddr>,
+    /// Port of the embedded metadata server; 0 picks a free one (printed).
+    #[arg(long, default_value_t = 8080)]
+    pub http_metadata_server_port: u16,
+    /// Keep the embedded metadata durable in this directory (survives a master restart).
+    #[arg(long)]
+    pub http_metadata_server_data_dir: Option<std::path::PathBuf>,
 }
 
 impl MasterArgs {
@@ -116,7 +129,11 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
             }
         )*};
     }
-    keep_cli!(host, port, metrics_port, default_kv_lease_ttl, default_kv_soft_pin_ttl, allow_evict_soft_pinned_objects, eviction_ratio, eviction_high_watermark_ratio, client_ttl, allocation_strategy, put_start_discard_timeout_sec, put_start_release_timeout_sec, summary_interval);
+    keep_cli!(
+        host, port, metrics_port, default_kv_lease_ttl, default_kv_soft_pin_ttl, allow_evict_soft_pinned_objects, eviction_ratio, eviction_high_watermark_ratio, client_ttl,
+        allocation_strategy, put_start_discard_timeout_sec, put_start_release_timeout_sec, summary_interval, enable_http_metadata_server, http_metadata_server_host,
+        http_metadata_server_port, http_metadata_server_data_dir
+    );
     out.config = a.config.clone();
     Ok(out)
 }
@@ -141,7 +158,40 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     } else {
         None
     };
-    println!("KVFERRY_MASTER rpc={}:{} http={}", a.host, server.port(), http_port.map(|p| format!("{}:{p}", a.host)).unwrap_or_else(|| "off".into()));
+    let metadata = if a.enable_http_metadata_server {
+        let host = a.http_metadata_server_host.unwrap_or(a.host);
+        let mut port = a.http_metadata_server_port;
+        if port == 0 {
+            // Find a free port to announce (the server binds it right after).
+            port = TcpListener::bind(SocketAddr::new(host, 0)).and_then(|l| l.local_addr()).map(|x| x.port()).map_err(|e| e.to_string())?;
+        }
+        let args = crate::metadata_server::ServerArgs {
+            host: host.to_string(),
+            port,
+            data_dir: a.http_metadata_server_data_dir.clone(),
+            max_body_bytes: 64 << 20,
+            request_timeout: 10.0,
+            max_connections: 4096,
+            threads: 1,
+        };
+        std::thread::Builder::new().name("kvf-master-metadata".into()).spawn(move || {
+            if let Err(e) = crate::metadata_server::run_quiet(args) {
+                eprintln!("kvferry master: metadata server stopped: {e}");
+                std::process::exit(1);
+            }
+        }).map_err(|e| e.to_string())?;
+        let shown = if host.is_ipv6() { format!("[{host}]") } else { host.to_string() };
+        Some(format!("http://{shown}:{port}/metadata"))
+    } else {
+        None
+    };
+    println!(
+        "KVFERRY_MASTER rpc={}:{} http={} metadata={}",
+        a.host,
+        server.port(),
+        http_port.map(|p| format!("{}:{p}", a.host)).unwrap_or_else(|| "off".into()),
+        metadata.as_deref().unwrap_or("off")
+    );
     let _ = std::io::stdout().flush();
     eprintln!("kvferry master listening on {}:{} (RPC){}", a.host, server.port(), http_port.map(|p| format!(", {}:{p} (HTTP)", a.host)).unwrap_or_default());
     loop {

@@ -296,6 +296,16 @@ async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<
 }
 
 pub fn run(a: ServerArgs) -> Result<(), String> {
+    run_inner(a, true)
+}
+
+/// Like [`run`], without the "listening on" line on stdout (for `kvferry master`, which
+/// announces the URL itself).
+pub fn run_quiet(a: ServerArgs) -> Result<(), String> {
+    run_inner(a, false)
+}
+
+fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
     if !(a.request_timeout > 0.0 && a.request_timeout < 1e6) {
         return Err(format!("--request-timeout {} must be a positive number of seconds", a.request_timeout));
     }
@@ -320,10 +330,10 @@ pub fn run(a: ServerArgs) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the server runtime: {e}"))?;
-    rt.block_on(serve(a, state, entries))
+    rt.block_on(serve(a, state, entries, announce))
 }
 
-async fn serve(a: ServerArgs, state: Arc<State>, entries: usize) -> Result<(), String> {
+async fn serve(a: ServerArgs, state: Arc<State>, entries: usize, announce: bool) -> Result<(), String> {
     let host = a.host.trim_start_matches('[').trim_end_matches(']');
     let ip: std::net::IpAddr = host.parse().map_err(|_| format!("--host {:?} is not an IP address", a.host))?;
     let listener = tokio::net::TcpListener::bind(SocketAddr::new(ip, a.port))
@@ -334,8 +344,12 @@ async fn serve(a: ServerArgs, state: Arc<State>, entries: usize) -> Result<(), S
         Some(d) => format!("durable in {} ({entries} entries loaded)", d.display()),
         None => "in memory".to_string(),
     };
-    println!("kvferry metadata-server listening on http://{local}/metadata port={} ({store})", local.port());
-    let _ = std::io::stdout().flush();
+    if announce {
+        println!("kvferry metadata-server listening on http://{local}/metadata port={} ({store})", local.port());
+        let _ = std::io::stdout().flush();
+    } else {
+        tracing::info!("metadata server listening on http://{local}/metadata ({store})");
+    }
     let slots = Arc::new(tokio::sync::Semaphore::new(a.max_connections.max(1)));
     let header_timeout = Duration::from_secs_f64(a.request_timeout);
     loop {

@@ -234,7 +234,9 @@ fn expired_lease_fails_the_read_instead_of_returning_it() {
 
 #[test]
 fn full_pool_refuses_instead_of_overwriting_leased_objects() {
-    let m = master(&[]);
+    // Watermark 1.0: the background eviction stays out of the way, only the put's own
+    // attempt to make room runs.
+    let m = master(&["--eviction-high-watermark-ratio", "1.0"]);
     let addr = m.field("rpc=");
     let _s = server(&addr, "16M");
     let a = client(&addr, 0);
@@ -306,4 +308,39 @@ fn concurrent_upserts_and_gets_never_return_torn_values() {
     assert_eq!(bad, 0, "a completed get returned a torn or mixed value");
     assert!(ok_gets > 50, "readers made progress ({ok_gets} good gets)");
     assert!(upserts > 50, "writers made progress ({upserts} upserts)");
+}
+
+#[test]
+fn master_with_embedded_metadata_server_is_a_whole_control_plane() {
+    let m = master(&["--enable-http-metadata-server", "--http-metadata-server-port", "0"]);
+    let addr = m.field("rpc=");
+    let url = m.field("metadata=");
+    assert!(url.starts_with("http://127.0.0.1:") && url.ends_with("/metadata"), "{url}");
+    let hp = url.trim_start_matches("http://").trim_end_matches("/metadata").to_string();
+    // The metadata contract answers (wait for the server thread to listen).
+    let until = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(&hp).is_err() {
+        assert!(Instant::now() < until, "embedded metadata server never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(http_get(&hp, "/metadata?key=nothing").0, 404);
+    // Two clients register their engines there (central mode) and move data through it.
+    let mk = |name: &str, seg: u64| {
+        Client::setup(ClientConfig {
+            local_hostname: name.to_string(),
+            metadata_server: url.clone(),
+            global_segment_size: seg,
+            local_buffer_size: 16 << 20,
+            master_server_addr: addr.clone(),
+            ..ClientConfig::default()
+        })
+        .expect("client with central metadata")
+    };
+    let a = mk("127.0.0.1:1001", 0);
+    let b = mk("127.0.0.1:1002", 32 << 20);
+    let (code, body) = http_get(&hp, "/metadata?key=mooncake/rpc_meta/127.0.0.1:1002");
+    assert_eq!(code, 200, "{body}");
+    a.put("via-central", &value("via-central", 1, 200_000), &ReplicateConfig::default()).unwrap();
+    assert_eq!(b.get("via-central").unwrap(), value("via-central", 1, 200_000));
+    assert_eq!(a.get("via-central").unwrap(), value("via-central", 1, 200_000));
 }
