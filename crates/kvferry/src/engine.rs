@@ -441,8 +441,13 @@ impl TransferEngine {
 
     /// Sends a notify message to a segment's handshake port.
     pub fn send_notify(&self, segment: &str, msg: &str) -> Result<()> {
+        self.send_notify_as(segment, &self.inner.name, msg)
+    }
+
+    /// Sends a notify message carrying `name` as the sender (Mooncake's `TransferNotify(name, msg)`).
+    pub fn send_notify_as(&self, segment: &str, name: &str, msg: &str) -> Result<()> {
         let (host, port) = self.inner.rpc_addr(segment)?;
-        let body = serde_json::to_vec(&NotifyMsg { name: self.inner.name.clone(), notify_msg: msg.to_string() }).expect("serialisable");
+        let body = serde_json::to_vec(&NotifyMsg { name: name.to_string(), notify_msg: msg.to_string() }).expect("serialisable");
         let reply = self.inner.request(&host, port, MsgType::Notify, &body)?;
         let r: NotifyMsg = parse_json("notify reply", &reply.body).map_err(|e| Error::Wire { peer: segment.into(), source: e })?;
         if r.notify_msg != "success" {
@@ -657,7 +662,8 @@ impl Inner {
     fn submit(&self, batch_id: BatchId, requests: &[TransferRequest], inline: bool) -> Result<()> {
         let batch = self.batch(batch_id)?;
         let now = Instant::now();
-        let deadline = now + self.config.transfer_timeout;
+        // Mooncake's allowance: the transfer timeout plus 1 ns per byte (~1 GB/s floor).
+        let deadline = |len: u64| now + self.config.transfer_timeout + Duration::from_nanos(len);
         let tasks: Vec<Arc<TaskState>> = {
             let mut tasks = batch.tasks.lock().unwrap_or_else(|e| e.into_inner());
             if tasks.len() + requests.len() > batch.capacity {
@@ -665,7 +671,7 @@ impl Inner {
             }
             let new: Vec<Arc<TaskState>> = requests
                 .iter()
-                .map(|_| Arc::new(TaskState::new(deadline, Arc::clone(&batch.signal))))
+                .map(|r| Arc::new(TaskState::new(deadline(r.length), Arc::clone(&batch.signal))))
                 .collect();
             tasks.extend(new.iter().cloned());
             new
