@@ -6,8 +6,8 @@
 //! [`TransferEngine`] that ties them together: register memory, open peer segments, submit
 //! batches of one-sided READ/WRITE requests, poll or wait for their status.
 //!
-//! It is **not** a store (that is `kvferry-store`, planned), not a command-line tool (that is
-//! `kvferry-cli`) and not the Python binding (`kvferry-python`, planned). It never links a
+//! It is **not** a store (that is `kvferry-store`), not a command-line tool (that is
+//! `kvferry-cli`) and not the Python binding (`kvferry-python`). It never links a
 //! library a host may lack: RDMA and CUDA, when they come, are loaded at run time.
 //!
 //! Guarantees:
