@@ -218,6 +218,9 @@ fn forged_or_foreign_peers_fall_back_to_tcp_with_the_reason() {
         ("fd that is not a control region", Box::new(|v| v["ctl_fd"] = 0.into()), "fd 0"),
         ("malformed", Box::new(|v| v["pid"] = "x".into()), "malformed"),
         ("newer version", Box::new(|v| v["version"] = 99.into()), "version 99"),
+        // Everything genuine, but it is another segment's process: a descriptor served under
+        // one name must not aim our copies at the memory of the engine behind another.
+        ("another engine's process", Box::new(|_| {}), "serves segment"),
     ];
     for (k, (what, f, want)) in tamper.into_iter().enumerate() {
         let src = pattern(64 << 10, k as u8);

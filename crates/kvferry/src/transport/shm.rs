@@ -16,14 +16,15 @@
 //! ```
 //!
 //! `ctl_*` name the engine's **control region**: a 64 KiB memfd mapped shared, holding a
-//! magic, the random cookie, the **unregister epoch**, a `closed` flag and one slot per
-//! initiator (owner and in-flight counter).
+//! magic, the random cookie, the **unregister epoch**, a `closed` flag, the engine's segment
+//! name and one slot per initiator (owner and in-flight counter).
 //!
 //! **Selection** (per peer, cached per peer cookie). The initiator uses this transport only if
 //! the peer publishes the field, its `host_id` equals ours (boot id *and* PID namespace, so
 //! containers with the same hostname or PID numbers are not confused), `pidfd_open(pid)`
 //! succeeds, `pidfd_getfd` hands over the peer's control memfd and it holds the published
-//! cookie (so the pidfd names the process that published the descriptor), and a
+//! cookie and the name of the segment we opened (so the pidfd names the process that serves
+//! that segment: a descriptor cannot aim us at another engine's memory), and a
 //! `process_vm_readv` of the region's header and a `process_vm_writev` into its probe word
 //! really work (ptrace rules, seccomp and user namespaces are tested, not guessed). Any
 //! failure is logged at debug level and the peer is served over TCP;
@@ -90,7 +91,10 @@ const OFF_EPOCH: usize = 24;
 const OFF_CLOSED: usize = 32;
 const OFF_PROBE: usize = 40;
 const OFF_HWM: usize = 48;
-const SLOT_BASE: usize = 64;
+/// The owner's segment name: a length word, then up to [`NAME_MAX`] bytes.
+const OFF_NAME: usize = 64;
+const NAME_MAX: usize = 248;
+const SLOT_BASE: usize = 320;
 const SLOT_SIZE: usize = 64;
 const N_SLOTS: usize = (CTL_LEN - SLOT_BASE) / SLOT_SIZE;
 
@@ -301,6 +305,17 @@ impl CtlMap {
     fn active(&self, slot: usize) -> &AtomicU64 {
         self.word(SLOT_BASE + slot * SLOT_SIZE + 8)
     }
+    /// The segment name its owner wrote (empty if none or malformed).
+    fn name(&self) -> String {
+        let len = (self.word(OFF_NAME).load(Ordering::Acquire) as usize).min(NAME_MAX);
+        let mut bytes = vec![0u8; len];
+        for (i, b) in bytes.iter_mut().enumerate() {
+            // SAFETY: in bounds of the mapping; written once by the owner before publishing.
+            *b = unsafe { std::ptr::read_volatile(self.ptr.add(OFF_NAME + 8 + i)) };
+        }
+        String::from_utf8(bytes).unwrap_or_default()
+    }
+
     fn hwm(&self) -> usize {
         (self.word(OFF_HWM).load(Ordering::Acquire) as usize).min(N_SLOTS)
     }
@@ -342,7 +357,7 @@ struct LocalCtl {
 }
 
 impl LocalCtl {
-    fn create() -> io::Result<LocalCtl> {
+    fn create(name: &str) -> io::Result<LocalCtl> {
         // SAFETY: memfd_create with a valid C string; checked below.
         let fd = unsafe { libc::memfd_create(c"kvferry-shm-ctl".as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
@@ -358,6 +373,10 @@ impl LocalCtl {
         let cookie: [u8; 16] = rand::random();
         map.word(OFF_COOKIE).store(u64::from_le_bytes(cookie[..8].try_into().unwrap_or_default()), Ordering::Release);
         map.word(OFF_COOKIE + 8).store(u64::from_le_bytes(cookie[8..].try_into().unwrap_or_default()), Ordering::Release);
+        let name = &name.as_bytes()[..name.len().min(NAME_MAX)];
+        // SAFETY: in bounds; nobody else has the region yet.
+        unsafe { std::ptr::copy_nonoverlapping(name.as_ptr(), map.ptr.add(OFF_NAME + 8), name.len()) };
+        map.word(OFF_NAME).store(name.len() as u64, Ordering::Release);
         map.word(OFF_MAGIC).store(CTL_MAGIC, Ordering::Release);
         Ok(LocalCtl { map, fd })
     }
@@ -441,7 +460,7 @@ impl ShmPeer {
     }
 
     /// Verifies a peer and claims a slot in its control region.
-    fn attach(info: &ShmInfo, owner: u64) -> Result<ShmPeer, String> {
+    fn attach(info: &ShmInfo, owner: u64, segment: &str) -> Result<ShmPeer, String> {
         let pid = info.pid;
         let pidfd = pidfd_open(pid).map_err(|e| match e.raw_os_error() {
             Some(libc::ESRCH) => format!("process {pid} does not exist (in this PID namespace)"),
@@ -463,6 +482,14 @@ impl ShmPeer {
         let header = ctl.header();
         if u64::from_le_bytes(header[..8].try_into().unwrap_or_default()) != CTL_MAGIC || ctl.cookie_hex() != info.cookie {
             return Err(format!("process {pid} is not the engine that published this descriptor (cookie differs: the PID was reused or the descriptor is stale)"));
+        }
+        // The region is written only by its owner: it names the segment that process serves.
+        // A descriptor that points at another engine's process (to make us write there) fails.
+        let owner_name = ctl.name();
+        if owner_name != segment.trim_start_matches('/') {
+            return Err(format!(
+                "process {pid} serves segment {owner_name:?}, not {segment:?} (open the segment by the exact name the peer reports, or its descriptor points at another engine)"
+            ));
         }
         // The copy itself must work, both ways: ptrace rules, seccomp, LSMs.
         let mut seen = [0u8; 24];
@@ -523,6 +550,8 @@ impl Drop for ShmPeer {
 pub type Refresh = Box<dyn Fn(&Arc<Peer>) -> Result<(), String> + Send + Sync>;
 
 pub struct ShmOptions {
+    /// This engine's segment name, written into its control region.
+    pub name: String,
     pub mode: TransportMode,
     /// Worker threads for queued copies (0: the number of CPUs, at most 4).
     pub threads: usize,
@@ -579,7 +608,7 @@ impl ShmTransport {
         let (local, local_reason) = match (opts.mode, &host_id) {
             (TransportMode::Tcp, _) => (None, Some("KVFERRY_TRANSPORT=tcp".to_string())),
             (_, Err(e)) => (None, Some(e.clone())),
-            (_, Ok(_)) => match LocalCtl::create() {
+            (_, Ok(_)) => match LocalCtl::create(&opts.name) {
                 Ok(c) => (Some(c), None),
                 Err(e) => (None, Some(format!("cannot create the control region (memfd): {e}"))),
             },
@@ -674,7 +703,7 @@ impl ShmTransport {
         }
         let info = ShmInfo::of(&desc);
         let cookie = cookie_of(&desc);
-        let sel = match self.choose(info) {
+        let sel = match self.choose(info, &peer.name) {
             Ok(p) => {
                 tracing::debug!(segment = %peer.name, pid = p.pid, "using shared memory (cross-memory attach)");
                 Selection::Yes(Arc::new(p))
@@ -693,7 +722,7 @@ impl ShmTransport {
         }
     }
 
-    fn choose(&self, info: Option<Result<ShmInfo, String>>) -> Result<ShmPeer, String> {
+    fn choose(&self, info: Option<Result<ShmInfo, String>>, segment: &str) -> Result<ShmPeer, String> {
         let info = info.ok_or_else(|| format!("it publishes no {FIELD} field (a Mooncake engine, or KVFERRY_TRANSPORT=tcp there)"))??;
         let ours = self.host_id.as_ref().map_err(|e| format!("this host's identity is unknown ({e})"))?;
         if info.version != VERSION {
@@ -705,7 +734,7 @@ impl ShmTransport {
         if info.ctl_len != CTL_LEN as u64 {
             return Err(format!("its control region is {} bytes, expected {CTL_LEN}", info.ctl_len));
         }
-        ShmPeer::attach(&info, self.owner)
+        ShmPeer::attach(&info, self.owner, segment)
     }
 
     /// Queues (or, when small, runs here) pieces for a verified peer.
@@ -1029,7 +1058,8 @@ mod tests {
     #[test]
     fn control_region_layout() {
         const { assert!(N_SLOTS >= 1000) };
-        let c = LocalCtl::create().unwrap();
+        let c = LocalCtl::create("127.0.0.1:15000").unwrap();
+        assert_eq!(c.map.name(), "127.0.0.1:15000");
         assert_eq!(c.map.header()[..8], CTL_MAGIC.to_le_bytes());
         assert_eq!(c.map.cookie_hex().len(), 32);
         // A slot owned by a dead process with a copy "in flight" does not block a drain.
