@@ -12,8 +12,10 @@ kvferry via KVFERRY_MOONCAKE_SHIM=1, so the measuring code is identical):
 Each row is an initiator process writing into a target process (tests/interop/
 mooncake_peer.py in target mode) on 127.0.0.1. Rows: kvferry -> kvferry (default transport,
 which uses cross-memory attach between kvferry processes on one host, and forced TCP),
-Mooncake -> Mooncake (TCP, MC_FORCE_TCP=1), and the two interop directions. Not a test:
-numbers depend on the machine; compare rows of one run.
+Mooncake -> Mooncake (TCP, MC_FORCE_TCP=1), and the two interop directions. The same run
+also measures the Rust API underneath (``kvferry bench``, one initiator thread, batch 128 x
+64 KiB writes and single 4 KiB writes, per transport), so the Python overhead is a ratio of
+this run. Not a test: numbers depend on the machine; compare rows of one run.
 """
 
 from __future__ import annotations
@@ -170,15 +172,52 @@ def main() -> int:
     hdr = "%-44s %10s %12s %10s %10s %10s %6s" % ("initiator -> target", "GB/s", "batch p50ms", "4K p50us", "4K p99us", "4K mean", "bytes")
     print(hdr)
     print("-" * len(hdr))
+    results = {}
     for name, tpy, tkv, ipy, ikv, extra in rows:
         r = run_row(tpy, tkv, ipy, ikv, args.seconds, extra)
+        results[name] = r
         if "error" in r:
             print("%-44s error: %s" % (name, r["error"]))
             continue
         print("%-44s %10.2f %12.2f %10.1f %10.1f %10.1f %6s" % (
             name, r["gbps"], r["batch_ms_p50"], r["lat_us_p50"], r["lat_us_p99"], r["lat_us_mean"], "ok" if r["verified"] else "BAD"))
         sys.stdout.flush()
+    # The Rust API underneath, same machine, same run.
+    print("\nRust API (kvferry bench: one initiator thread, 128 x 64 KiB writes; single 4 KiB writes):")
+    for transport, row in (("shm", rows[0][0]), ("tcp", rows[1][0])):
+        rust = rust_bench(transport, args.seconds)
+        py = results.get(row, {})
+        if "error" in rust or "error" in py:
+            print("  %s: %s" % (transport, rust.get("error") or py.get("error")))
+            continue
+        print("  %-4s Rust %6.2f GB/s, 4K p50 %6.1f us | Python %6.2f GB/s (%.0f%% of Rust), 4K p50 %6.1f us (+%.1f us)" % (
+            transport, rust["gbps"], rust["single_p50_us"], py["gbps"], 100.0 * py["gbps"] / rust["gbps"],
+            py["lat_us_p50"], py["lat_us_p50"] - rust["single_p50_us"]))
     return 0
+
+
+def kvferry_binary() -> str:
+    for c in (os.environ.get("KVFERRY_BIN", ""), ROOT / "target" / "release" / "kvferry"):
+        if c and Path(c).is_file():
+            return str(c)
+    subprocess.run(["cargo", "build", "--release", "-p", "kvferry-cli"], cwd=ROOT, check=True)
+    return str(ROOT / "target" / "release" / "kvferry")
+
+
+def rust_bench(transport: str, seconds: float) -> dict:
+    """`kvferry bench` with the Python rows' shape; returns the 64 KiB gbps and 4 KiB single p50."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "points.jsonl"
+        cmd = [kvferry_binary(), "bench", "--buffer-size", "64M", "--blocks", "4K,64K", "--ops", "write", "--batch", str(BLOCKS),
+               "--threads", "1", "--duration", str(seconds), "--no-ceilings", "--mooncake", "none", "--transport", transport, "--json", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            return {"error": "kvferry bench failed: " + (r.stderr.strip().splitlines() or ["?"])[-1]}
+        pts = [json.loads(line) for line in out.read_text().splitlines()]
+    by = {p["block_bytes"]: p for p in pts}
+    return {"gbps": by[BLOCK]["gbps"], "single_p50_us": by[SMALL]["single_p50_us"]}
 
 
 if __name__ == "__main__":
