@@ -388,6 +388,8 @@ fn target_engine_dropped_while_peer_writes_stops_the_writes() {
     });
     assert!(bad.load(Ordering::Relaxed) > 0);
     assert!(tgt.iter().all(|&x| x == 0x02), "a write landed after the target engine was dropped");
+    let e = a.segment_transport(seg).unwrap_err().to_string();
+    assert!(e.contains("is gone"), "{e}");
 }
 
 // ------------------------------------------------------------------------------------------

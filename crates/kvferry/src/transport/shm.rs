@@ -686,16 +686,17 @@ impl ShmTransport {
         if let Some((c, sel)) = cached {
             if c == cookie_of(&desc) {
                 match &*sel {
-                    Selection::Yes(p) if !p.exited_lately() => return Ok(Arc::clone(p)),
+                    Selection::Yes(p) if !p.exited_lately() && p.ctl.closed().load(Ordering::Acquire) == 0 => return Ok(Arc::clone(p)),
                     Selection::No(r) => return Err(r.clone()),
                     Selection::Yes(p) => {
-                        // The process we verified is gone: a new one may serve the segment now.
+                        // The engine we verified is gone (process exited or engine dropped): a
+                        // new one may serve the segment now.
                         if let Some(f) = self.shared.refresh.get() {
                             let _ = f(peer);
                         }
                         desc = peer.desc();
                         if c == cookie_of(&desc) {
-                            return Err(format!("{}: process {} exited", peer.name, p.pid));
+                            return Err(format!("{}: the engine in process {} is gone", peer.name, p.pid));
                         }
                     }
                 }
