@@ -341,7 +341,12 @@ fn run_mooncake(a: &StoreBenchArgs) -> MooncakeStore {
 }
 
 fn print_table(a: &StoreBenchArgs, points: &[StorePoint], mc: &MooncakeStore) {
-    println!("kvferry store-bench: master + 2 clients on 127.0.0.1 (values move client to client over TCP), {} serving segment", human(a.segment_size));
+    let transport = match std::env::var("KVFERRY_TRANSPORT").ok().as_deref() {
+        Some("tcp") => "TCP (KVFERRY_TRANSPORT=tcp)".to_string(),
+        Some("shm") => "shared memory (KVFERRY_TRANSPORT=shm)".to_string(),
+        _ => "the engine's choice: shared memory between processes on one host, else TCP; KVFERRY_TRANSPORT=tcp forces TCP".to_string(),
+    };
+    println!("kvferry store-bench: master + 2 clients on 127.0.0.1, values move client to client over {transport}; {} serving segment", human(a.segment_size));
     println!("latency is per call (a batched call moves {} keys); /mc = kvferry / Mooncake Store in this run\n", a.batch);
     println!(
         "{:<9} {:>8} {:>6} {:>8} {:>11} {:>10} {:>10} {:>8} {:>9} {:>9} {:>9}",

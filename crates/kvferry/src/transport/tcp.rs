@@ -224,7 +224,7 @@ pub struct TcpServer {
 impl TcpServer {
     /// Serves `listener` until [`TcpServer::shutdown`]. `stall` bounds how long a request may
     /// sit half-received before the connection is dropped.
-    pub fn start(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration) -> io::Result<TcpServer> {
+    pub fn start(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration) -> io::Result<TcpServer> {
         let port = listener.local_addr()?.port();
         let listener = Arc::new(listener);
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -245,7 +245,7 @@ impl TcpServer {
                 let (reg, cs2, sd2) = (Arc::clone(&registry), Arc::clone(&cs), Arc::clone(&sd));
                 let spawned = std::thread::Builder::new().name("kvf-tcp-serve".into()).spawn(move || {
                     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                    if let Err(e) = serve_conn(&stream, &reg, stall, &sd2) {
+                    if let Err(e) = serve_conn(&stream, &reg, stall, spin, &sd2) {
                         if e.kind() != io::ErrorKind::UnexpectedEof {
                             tracing::debug!(%peer, "tcp data connection closed: {e}");
                         }
@@ -275,7 +275,7 @@ impl TcpServer {
     }
 }
 
-fn serve_conn(s: &TcpStream, registry: &MemoryRegistry, stall: Duration, shutdown: &AtomicBool) -> io::Result<()> {
+fn serve_conn(s: &TcpStream, registry: &MemoryRegistry, stall: Duration, spin: Duration, shutdown: &AtomicBool) -> io::Result<()> {
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(Duration::from_secs(1)))?;
     s.set_write_timeout(Some(Duration::from_secs(1)))?;
@@ -292,6 +292,14 @@ fn serve_conn(s: &TcpStream, registry: &MemoryRegistry, stall: Duration, shutdow
                 let start = Instant::now();
                 write_all_vectored(s, &mut [IoSlice::new(&out)], || start.elapsed() > stall)?;
                 out.clear();
+            }
+            // A peer that just got its answer often sends the next request at once: poll for
+            // it briefly (bounded by KVFERRY_SPIN_US) before sleeping in the kernel.
+            let poll_start = Instant::now();
+            while rx.len() < HEADER_LEN && poll_start.elapsed() < spin {
+                if !rx.fill_nonblocking(s) {
+                    std::hint::spin_loop();
+                }
             }
             let idle_start = Instant::now();
             let partial = rx.len() > 0;
@@ -851,7 +859,7 @@ pub struct TcpTransport {
 
 impl TcpTransport {
     pub fn new(listener: TcpListener, registry: Arc<MemoryRegistry>, opts: TcpOptions, stall: Duration) -> io::Result<Arc<TcpTransport>> {
-        let server = TcpServer::start(listener, registry, stall)?;
+        let server = TcpServer::start(listener, registry, stall, opts.spin)?;
         Ok(Arc::new(TcpTransport { opts, server, peers: Mutex::default(), shut: AtomicBool::new(false), refused: Arc::default() }))
     }
 
@@ -918,10 +926,9 @@ impl TcpTransport {
         let mut piece = piece;
         if piece.len <= self.opts.inline_max && !self.shut.load(Ordering::Acquire) {
             if let Ok(lanes) = self.lanes_for(peer, &peer.desc()) {
-                // Any connected idle lane will do.
-                let start = lanes.rr.fetch_add(1, Ordering::Relaxed);
-                for k in 0..lanes.lanes.len() {
-                    let i = (start + k) % lanes.lanes.len();
+                // The first connected idle lane: lone requests keep using the same connection,
+                // whose server thread is then still polling for the next one.
+                for i in 0..lanes.lanes.len() {
                     match lanes.lanes[i].run_inline(piece) {
                         Ok(()) => return,
                         Err(p) => piece = p,
