@@ -143,7 +143,8 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     let cfg = a.master_config()?;
     let listener = TcpListener::bind(SocketAddr::new(a.host, a.port)).map_err(|e| format!("cannot bind the master RPC port {}:{}: {e}", a.host, a.port))?;
     let master = Arc::new(Master::new(cfg));
-    let server = MasterServer::start(Arc::clone(&master), listener, Duration::from_millis(200), a.summary_interval.saturating_mul(5))
+    let spin = kvferry::Config::from_env().map_err(|e| e.to_string())?.spin;
+    let server = MasterServer::start_with_spin(Arc::clone(&master), listener, Duration::from_millis(200), a.summary_interval.saturating_mul(5), spin)
         .map_err(|e| format!("starting the master: {e}"))?;
     let http_port = if a.metrics_port >= 0 {
         let l = TcpListener::bind(SocketAddr::new(a.host, a.metrics_port as u16)).map_err(|e| format!("cannot bind the HTTP port {}:{}: {e}", a.host, a.metrics_port))?;

@@ -60,6 +60,28 @@ struct Rpc {
     addr: String,
     pool: Mutex<Vec<TcpStream>>,
     timeout: Duration,
+    /// Bounded poll for the answer before sleeping (`KVFERRY_SPIN_US`): a master round trip
+    /// is a few microseconds of work, and waking a sleeping core costs more on VMs.
+    spin: Duration,
+}
+
+/// Polls `s` without blocking for up to `budget`, filling `buf` as far as data arrives.
+fn poll_read(s: &TcpStream, buf: &mut [u8], budget: Duration) -> usize {
+    use std::os::fd::AsRawFd;
+    let start = Instant::now();
+    let mut got = 0;
+    while got < buf.len() && start.elapsed() < budget {
+        // SAFETY: recv into the unfilled tail of `buf` on a socket we own.
+        let n = unsafe { libc::recv(s.as_raw_fd(), buf[got..].as_mut_ptr() as *mut libc::c_void, buf.len() - got, libc::MSG_DONTWAIT) };
+        if n > 0 {
+            got += n as usize;
+        } else if n == 0 {
+            break;
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    got
 }
 
 impl Rpc {
@@ -91,7 +113,8 @@ impl Rpc {
         let io = |e: std::io::Error| StoreError::Rpc(format!("master at {}: {e}", self.addr));
         s.write_all(&frame).map_err(io)?;
         let mut prefix = [0u8; 4];
-        s.read_exact(&mut prefix).map_err(io)?;
+        let got = poll_read(&s, &mut prefix, self.spin);
+        s.read_exact(&mut prefix[got..]).map_err(io)?;
         let n = proto::decode_len(prefix)?;
         let mut body = vec![0u8; n];
         s.read_exact(&mut body).map_err(io)?;
@@ -155,7 +178,7 @@ impl Client {
         ecfg.metadata_server = cfg.metadata_server.clone();
         ecfg.transfer_timeout = cfg.transfer_timeout;
         let engine = TransferEngine::new(ecfg).map_err(|e| StoreError::InvalidParams(format!("starting the transfer engine: {e}")))?;
-        let rpc = Rpc { addr: cfg.master_server_addr.clone(), pool: Mutex::default(), timeout: Duration::from_secs(30) };
+        let rpc = Rpc { addr: cfg.master_server_addr.clone(), pool: Mutex::default(), timeout: Duration::from_secs(30), spin: engine.config().spin };
         let id: u64 = rand::random::<u64>() | 1;
         let mut segment = None;
         if cfg.global_segment_size > 0 {

@@ -78,12 +78,28 @@ pub fn handle(m: &Master, req: Request) -> Response {
     }
 }
 
-fn serve_conn(m: &Master, s: &TcpStream) -> std::io::Result<()> {
+fn serve_conn(m: &Master, s: &TcpStream, spin: Duration) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
     s.set_nodelay(true)?;
     let mut prefix = [0u8; 4];
     let mut body = Vec::new();
     loop {
-        (&*s).read_exact(&mut prefix)?;
+        // A client that just got an answer often asks again at once: poll briefly (bounded)
+        // before sleeping in the kernel.
+        let mut got = 0usize;
+        let start = std::time::Instant::now();
+        while got < 4 && start.elapsed() < spin {
+            // SAFETY: recv into the unfilled tail of `prefix` on a socket we own.
+            let n = unsafe { libc::recv(s.as_raw_fd(), prefix[got..].as_mut_ptr() as *mut libc::c_void, 4 - got, libc::MSG_DONTWAIT) };
+            if n > 0 {
+                got += n as usize;
+            } else if n == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        (&*s).read_exact(&mut prefix[got..])?;
         let n = match proto::decode_len(prefix) {
             Ok(n) => n,
             Err(e) => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())),
@@ -114,6 +130,12 @@ impl MasterServer {
     /// Serves `listener`; ticks every `tick` (client expiry, deferred frees, eviction) and
     /// logs a summary line every `summary_every` ticks (0: never).
     pub fn start(master: Arc<Master>, listener: TcpListener, tick: Duration, summary_every: u32) -> std::io::Result<MasterServer> {
+        Self::start_with_spin(master, listener, tick, summary_every, Duration::from_micros(50))
+    }
+
+    /// Like [`MasterServer::start`], with the bounded poll for a connection's next request
+    /// (`Duration::ZERO`: always sleep in the kernel).
+    pub fn start_with_spin(master: Arc<Master>, listener: TcpListener, tick: Duration, summary_every: u32, spin: Duration) -> std::io::Result<MasterServer> {
         let port = listener.local_addr()?.port();
         let listener = Arc::new(listener);
         let stop = Arc::new(AtomicBool::new(false));
@@ -126,7 +148,7 @@ impl MasterServer {
                 let Ok(conn) = conn else { continue };
                 let m = Arc::clone(&m);
                 let _ = std::thread::Builder::new().name("kvf-master-rpc".into()).spawn(move || {
-                    if let Err(e) = serve_conn(&m, &conn) {
+                    if let Err(e) = serve_conn(&m, &conn, spin) {
                         if e.kind() != std::io::ErrorKind::UnexpectedEof {
                             tracing::debug!("master RPC connection closed: {e}");
                         }
