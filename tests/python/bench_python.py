@@ -211,7 +211,9 @@ def rust_bench(transport: str, seconds: float) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "points.jsonl"
         cmd = [kvferry_binary(), "bench", "--buffer-size", "64M", "--blocks", "4K,64K", "--ops", "write", "--batch", str(BLOCKS),
-               "--threads", "1", "--duration", str(seconds), "--no-ceilings", "--mooncake", "none", "--transport", transport, "--json", str(out)]
+               "--threads", "1", "--duration", str(seconds), "--no-ceilings", "--mooncake", "none", "--transport", transport,
+               # Python's buffers here are ordinary 4 KiB pages: compare like with like.
+               "--hugepages", "off", "--json", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             return {"error": "kvferry bench failed: " + (r.stderr.strip().splitlines() or ["?"])[-1]}
