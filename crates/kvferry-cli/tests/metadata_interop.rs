@@ -7,85 +7,32 @@
 mod metadata_services;
 
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
+use metadata_services::mooncake_peer::{self, pattern, sha, MooncakeTarget};
 use metadata_services::Service;
 use serde_json::Value;
-use sha2::{Digest, Sha256};
-use std::io::{BufRead, BufReader, Write};
-use std::path::PathBuf;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
-
-fn script() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/interop/mooncake_peer.py")
-}
-
-fn pattern(len: usize, seed: usize) -> Vec<u8> {
-    (0..len).map(|i| ((i * 131 + seed * 7 + (i >> 12)) & 0xff) as u8).collect()
-}
-
-fn sha(b: &[u8]) -> String {
-    Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
-}
 
 fn engine(url: &str, name: &str) -> TransferEngine {
     let cfg = Config { local_hostname: name.into(), metadata_server: url.into(), advertise_address: Some("127.0.0.1".into()), transfer_timeout: Duration::from_secs(15), ..Config::default() };
     TransferEngine::new(cfg).unwrap_or_else(|e| panic!("{name} on {url}: {e}"))
 }
 
-struct McTarget {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    addr: u64,
+/// A Mooncake target registered under `name` in the service at `url`.
+fn mc_target(py: &str, url: &str, name: &str, size: usize, seed: usize) -> MooncakeTarget {
+    let t = MooncakeTarget::start(py, &["--metadata", url, "--name", name], &[], size, seed);
+    assert_eq!(t.segment, name, "Mooncake's central-mode segment name is its local_hostname");
+    t
 }
 
-impl McTarget {
-    fn start(py: &str, url: &str, name: &str, size: usize, seed: usize) -> McTarget {
-        let mut child = Command::new(py)
-            .arg(script())
-            .args(["target", "--size", &size.to_string(), "--seed", &seed.to_string(), "--metadata", url, "--name", name])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start the Mooncake target");
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("Mooncake target said {line:?}: {e}"));
-        assert_eq!(v["segment"], name, "Mooncake's central-mode segment name is its local_hostname");
-        McTarget { addr: v["addr"].as_u64().unwrap(), child, stdin, stdout }
-    }
-
-    fn ask(&mut self, cmd: &str) -> Value {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).unwrap();
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{cmd}: {line:?}: {e}"))
-    }
-}
-
-impl Drop for McTarget {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "quit");
-        std::thread::sleep(Duration::from_millis(200));
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
+#[allow(clippy::too_many_arguments)]
 fn mc_initiator(py: &str, url: &str, name: &str, segment: &str, addr: u64, size: usize, op: &str, seed: usize) -> Value {
-    let out = Command::new(py)
-        .arg(script())
-        .args(["initiator", "--segment", segment, "--remote-addr", &addr.to_string(), "--size", &size.to_string(), "--op", op])
-        .args(["--block", "65536", "--batch", "16", "--seed", &seed.to_string(), "--metadata", url, "--name", name])
-        .stderr(Stdio::piped())
-        .output()
-        .expect("run the Mooncake initiator");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("bad output {line:?} ({e}); stderr: {}", String::from_utf8_lossy(&out.stderr)))
+    let (addr, size, seed) = (addr.to_string(), size.to_string(), seed.to_string());
+    let args = [
+        "initiator", "--segment", segment, "--remote-addr", &addr, "--size", &size, "--op", op, "--block", "65536", "--batch", "16", "--seed", &seed, "--metadata", url, "--name", name,
+    ];
+    mooncake_peer::run(py, &args, &[])
 }
 
 /// Both directions through one metadata service.
@@ -93,7 +40,7 @@ fn mixed_fleet(py: &str, url: &str, tag: &str) {
     let size = 4 << 20;
     // Mooncake target, kvferry initiator: open by name through the service, WRITE, READ.
     let mc_name = format!("mc-target-{tag}");
-    let mut t = McTarget::start(py, url, &mc_name, size, 3);
+    let mut t = mc_target(py, url, &mc_name, size, 3);
     let kvf = engine(url, &format!("kvf-initiator-{tag}"));
     let src = pattern(size, 5);
     let mut dst = vec![0u8; size];
@@ -132,7 +79,7 @@ fn kvferry_server() -> (Child, u16) {
 
 #[test]
 fn mooncake_and_kvferry_through_kvferry_metadata_server() {
-    let Some(py) = metadata_services::mooncake_python() else { return };
+    let Some(py) = mooncake_peer::python() else { return };
     let (mut child, port) = kvferry_server();
     mixed_fleet(&py, &format!("http://127.0.0.1:{port}/metadata"), "kvfhttp");
     let _ = child.kill();
@@ -141,14 +88,14 @@ fn mooncake_and_kvferry_through_kvferry_metadata_server() {
 
 #[test]
 fn mooncake_and_kvferry_through_mooncake_metadata_server() {
-    let Some(py) = metadata_services::mooncake_python() else { return };
+    let Some(py) = mooncake_peer::python() else { return };
     let Some(svc) = Service::mooncake_http() else { return };
     mixed_fleet(&py, &svc.url(), "mchttp");
 }
 
 #[test]
 fn mooncake_and_kvferry_through_etcd() {
-    let Some(py) = metadata_services::mooncake_python() else { return };
+    let Some(py) = mooncake_peer::python() else { return };
     let Some(svc) = Service::etcd() else { return };
     mixed_fleet(&py, &svc.url(), "etcd");
 }

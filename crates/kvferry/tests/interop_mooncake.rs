@@ -5,58 +5,23 @@
 //! creates it). Without that variable these tests report that they did not run; with
 //! `KVFERRY_REQUIRE_INTEROP=1` (set by `scripts/test`) a missing peer is a failure.
 
+mod mooncake_peer;
+
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
+use mooncake_peer::{pattern, python, sha, MooncakeTarget};
 use serde_json::Value;
-use sha2::{Digest, Sha256};
-use std::io::{BufRead, BufReader, Write};
-use std::path::PathBuf;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
-
-fn python() -> Option<String> {
-    match std::env::var("KVFERRY_MOONCAKE_PYTHON") {
-        Ok(p) if !p.is_empty() => Some(p),
-        _ => {
-            assert!(
-                std::env::var("KVFERRY_REQUIRE_INTEROP").is_err(),
-                "KVFERRY_REQUIRE_INTEROP is set but KVFERRY_MOONCAKE_PYTHON is not: the Mooncake peer is missing"
-            );
-            eprintln!("NOT RUN: set KVFERRY_MOONCAKE_PYTHON to a Python with mooncake-transfer-engine-non-cuda (scripts/test does)");
-            None
-        }
-    }
-}
-
-fn script() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/interop/mooncake_peer.py")
-}
-
-/// The peer script's pattern: byte i = (i*131 + seed*7 + (i >> 12)) & 0xff.
-fn pattern(len: usize, seed: usize) -> Vec<u8> {
-    (0..len).map(|i| ((i * 131 + seed * 7 + (i >> 12)) & 0xff) as u8).collect()
-}
-
-fn sha(b: &[u8]) -> String {
-    Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
-}
 
 fn engine() -> TransferEngine {
     TransferEngine::new(Config { transfer_timeout: Duration::from_secs(10), ..Config::default() }).expect("engine")
 }
 
 /// Runs the Mooncake initiator against our segment; returns its JSON result.
+#[allow(clippy::too_many_arguments)]
 fn mooncake_initiator(py: &str, env: &[(&str, &str)], segment: &str, addr: u64, size: usize, op: &str, block: usize, batch: usize, seed: usize) -> Value {
-    let out = Command::new(py)
-        .arg(script())
-        .args(["initiator", "--segment", segment, "--remote-addr", &addr.to_string(), "--size", &size.to_string(), "--op", op])
-        .args(["--block", &block.to_string(), "--batch", &batch.to_string(), "--seed", &seed.to_string()])
-        .envs(env.iter().copied())
-        .stderr(Stdio::piped())
-        .output()
-        .expect("run the Mooncake initiator");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("bad output {line:?} ({e}); stderr: {}", String::from_utf8_lossy(&out.stderr)))
+    let (addr, size, block, batch, seed) = (addr.to_string(), size.to_string(), block.to_string(), batch.to_string(), seed.to_string());
+    let args = ["initiator", "--segment", segment, "--remote-addr", &addr, "--size", &size, "--op", op, "--block", &block, "--batch", &batch, "--seed", &seed];
+    mooncake_peer::run(py, &args, env)
 }
 
 #[test]
@@ -86,51 +51,8 @@ fn mooncake_initiator_to_kvferry_target() {
     let r = mooncake_initiator(&py, &[], e.segment_name(), addr, 4096, "write", 4096, 1, 5);
     assert_eq!(r["ok"], true, "{r}");
     // Probe from Mooncake.
-    let out = Command::new(&py).arg(script()).args(["probe", "--segment", e.segment_name()]).output().unwrap();
-    assert!(out.status.success(), "Mooncake probe of kvferry: {}", String::from_utf8_lossy(&out.stdout));
-}
-
-struct MooncakeTarget {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    segment: String,
-    addr: u64,
-}
-
-impl MooncakeTarget {
-    fn start(py: &str, env: &[(&str, &str)], size: usize, seed: usize) -> MooncakeTarget {
-        let mut child = Command::new(py)
-            .arg(script())
-            .args(["target", "--size", &size.to_string(), "--seed", &seed.to_string()])
-            .envs(env.iter().copied())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start the Mooncake target");
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("target said {line:?}: {e}"));
-        MooncakeTarget { segment: v["segment"].as_str().unwrap().to_string(), addr: v["addr"].as_u64().unwrap(), child, stdin, stdout }
-    }
-
-    fn ask(&mut self, cmd: &str) -> Value {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        self.stdin.flush().unwrap();
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).unwrap();
-        serde_json::from_str(&line).unwrap()
-    }
-}
-
-impl Drop for MooncakeTarget {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "quit");
-        let _ = self.child.wait();
-    }
+    let r = mooncake_peer::run(&py, &["probe", "--segment", e.segment_name()], &[]);
+    assert_eq!(r["ret"], 0, "Mooncake probe of kvferry: {r}");
 }
 
 fn run(e: &TransferEngine, op: Opcode, local: &[u8], seg: u64, remote: u64, block: usize, batch: usize) -> kvferry::TransferStatus {
@@ -153,7 +75,7 @@ fn kvferry_initiator_to_mooncake_target() {
     let Some(py) = python() else { return };
     let size = 16 << 20;
     for (env, proto) in [(vec![], 2u32), (vec![], 1u32)] {
-        let mut t = MooncakeTarget::start(&py, &env, size, 3);
+        let mut t = MooncakeTarget::start(&py, &[], &env, size, 3);
         let e = TransferEngine::new(Config { tcp_proto: proto, ..Config::default() }).unwrap();
         let local = vec![0u8; size];
         e.register_memory(local.as_ptr() as u64, size as u64, "cpu:0").unwrap();

@@ -6,6 +6,11 @@
 //! Shared by `crates/kvferry/tests/metadata*.rs` and `crates/kvferry-cli/tests/metadata*.rs`.
 #![allow(dead_code)]
 
+#[path = "../mooncake_peer/mod.rs"]
+pub mod mooncake_peer;
+
+use mooncake_peer::python as mooncake_python;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
@@ -30,21 +35,6 @@ fn missing(what: &str) -> Option<Service> {
     );
     eprintln!("NOT RUN: {what} is missing (install it, or run scripts/test)");
     None
-}
-
-/// The Python interpreter of a venv with stock Mooncake, as the interop tests use it.
-pub fn mooncake_python() -> Option<String> {
-    match std::env::var("KVFERRY_MOONCAKE_PYTHON") {
-        Ok(p) if !p.is_empty() => Some(p),
-        _ => {
-            assert!(
-                std::env::var("KVFERRY_REQUIRE_INTEROP").is_err(),
-                "KVFERRY_REQUIRE_INTEROP is set but KVFERRY_MOONCAKE_PYTHON is not: the Mooncake peer is missing"
-            );
-            eprintln!("NOT RUN: set KVFERRY_MOONCAKE_PYTHON to a Python with mooncake-transfer-engine-non-cuda (scripts/test does)");
-            None
-        }
-    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
