@@ -80,27 +80,16 @@ os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("GLOG_minloglevel", "1")
 
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mooncake_peer import _claim_stdout, _emit  # noqa: E402  (plumbing only; imports no Mooncake)
+
+
 class BenchError(Exception):
     pass
 
 
 # ---------------------------------------------------------------------------------------
 # plumbing
-
-def _claim_stdout():
-    """Return a text stream on the real stdout; point fd 1 at stderr for native code."""
-    sys.stdout.flush()
-    out_fd = os.dup(1)
-    os.dup2(2, 1)
-    out = os.fdopen(out_fd, "w", buffering=1)
-    sys.stdout = sys.stderr
-    return out
-
-
-def _emit(out, obj):
-    out.write(json.dumps(obj, separators=(",", ":")) + "\n")
-    out.flush()
-
 
 def _log(msg):
     sys.stderr.write("mooncake_store_bench: %s\n" % msg)

@@ -50,6 +50,14 @@ fn duration(py: Python<'_>, secs: f64) -> PyResult<Duration> {
     Ok(Duration::from_secs_f64(secs.min(1e9)))
 }
 
+/// A length that fits a Python bytes object, or InvalidArgument.
+fn byte_len(py: Python<'_>, length: u64) -> PyResult<usize> {
+    usize::try_from(length)
+        .ok()
+        .filter(|&l| l <= isize::MAX as usize)
+        .ok_or_else(|| raise(py, Kind::InvalidArgument, format!("length {length} is too large"), -1))
+}
+
 fn opcode(py: Python<'_>, v: i64) -> PyResult<Opcode> {
     match v {
         0 => Ok(Opcode::Read),
@@ -442,10 +450,7 @@ impl Core {
 
     /// Copies `length` bytes from `addr` into a new bytes object (checked like write_memory).
     fn read_memory<'py>(&self, py: Python<'py>, addr: u64, length: u64) -> PyResult<Bound<'py, PyBytes>> {
-        let len = usize::try_from(length)
-            .ok()
-            .filter(|&l| l <= isize::MAX as usize)
-            .ok_or_else(|| raise(py, Kind::InvalidArgument, format!("length {length} is too large"), -1))?;
+        let len = byte_len(py, length)?;
         let mut failure: Option<PyErr> = None;
         let bytes = PyBytes::new_with(py, len, |buf| {
             match memory::read_checked(addr, buf) {
@@ -536,10 +541,7 @@ fn write_memory(py: Python<'_>, addr: u64, data: &[u8]) -> PyResult<()> {
 /// Copies `length` bytes from `addr` without an engine (kernel-checked).
 #[pyfunction]
 fn read_memory<'py>(py: Python<'py>, addr: u64, length: u64) -> PyResult<Bound<'py, PyBytes>> {
-    let len = usize::try_from(length)
-        .ok()
-        .filter(|&l| l <= isize::MAX as usize)
-        .ok_or_else(|| raise(py, Kind::InvalidArgument, format!("length {length} is too large"), -1))?;
+    let len = byte_len(py, length)?;
     let mut failure: Option<String> = None;
     let bytes = PyBytes::new_with(py, len, |buf| {
         match memory::read_checked(addr, buf) {
