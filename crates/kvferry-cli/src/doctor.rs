@@ -2,7 +2,7 @@
 
 use kvferry::config::ENV_VARS;
 use kvferry::{Config, TransferEngine};
-use std::ffi::{CStr, CString};
+use std::ffi::CStr;
 use std::net::IpAddr;
 
 #[derive(clap::Args)]
@@ -67,33 +67,24 @@ pub fn interfaces() -> Vec<(String, IpAddr)> {
 }
 
 /// dlopen without keeping the handle; returns why not.
-fn try_dlopen(lib: &str) -> Result<*mut libc::c_void, String> {
-    let c = CString::new(lib).map_err(|e| e.to_string())?;
-    // SAFETY: dlopen with a valid C string; the handle is closed by the caller or leaked on purpose.
-    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-    if h.is_null() {
-        // SAFETY: dlerror returns a thread-local string or null.
-        let e = unsafe { libc::dlerror() };
-        let msg = if e.is_null() { "unknown error".into() } else { unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned() };
-        return Err(msg);
-    }
-    Ok(h)
+/// Loads a library at run time (never linked: a host may lack it).
+fn load(lib: &str) -> Result<libloading::Library, String> {
+    // SAFETY: loading a system library runs its initialisers; libibverbs and libcuda are
+    // designed to be dlopen'ed.
+    unsafe { libloading::Library::new(lib) }.map_err(|e| e.to_string())
 }
 
 fn rdma_devices() -> Result<Vec<String>, String> {
-    let h = try_dlopen("libibverbs.so.1")?;
+    let lib = load("libibverbs.so.1")?;
     type GetList = unsafe extern "C" fn(*mut libc::c_int) -> *mut *mut libc::c_void;
     type GetName = unsafe extern "C" fn(*mut libc::c_void) -> *const libc::c_char;
     type FreeList = unsafe extern "C" fn(*mut *mut libc::c_void);
     // SAFETY: symbols looked up by name from libibverbs, called with their documented signatures.
     unsafe {
-        let gl = libc::dlsym(h, c"ibv_get_device_list".as_ptr());
-        let gn = libc::dlsym(h, c"ibv_get_device_name".as_ptr());
-        let fl = libc::dlsym(h, c"ibv_free_device_list".as_ptr());
-        if gl.is_null() || gn.is_null() || fl.is_null() {
-            return Err("libibverbs.so.1 lacks ibv_get_device_list".into());
-        }
-        let (gl, gn, fl): (GetList, GetName, FreeList) = (std::mem::transmute(gl), std::mem::transmute(gn), std::mem::transmute(fl));
+        let missing = |e: libloading::Error| format!("libibverbs.so.1 lacks a symbol: {e}");
+        let gl = lib.get::<GetList>(b"ibv_get_device_list").map_err(missing)?;
+        let gn = lib.get::<GetName>(b"ibv_get_device_name").map_err(missing)?;
+        let fl = lib.get::<FreeList>(b"ibv_free_device_list").map_err(missing)?;
         let mut n: libc::c_int = 0;
         let list = gl(&mut n);
         if list.is_null() {
@@ -106,23 +97,20 @@ fn rdma_devices() -> Result<Vec<String>, String> {
 }
 
 fn cuda_devices() -> Result<i32, String> {
-    let h = try_dlopen("libcuda.so.1")?;
+    let lib = load("libcuda.so.1")?;
     type Init = unsafe extern "C" fn(u32) -> i32;
     type Count = unsafe extern "C" fn(*mut i32) -> i32;
     // SAFETY: CUDA driver API entry points with their documented signatures.
     unsafe {
-        let i = libc::dlsym(h, c"cuInit".as_ptr());
-        let c = libc::dlsym(h, c"cuDeviceGetCount".as_ptr());
-        if i.is_null() || c.is_null() {
-            return Err("libcuda.so.1 lacks cuInit".into());
-        }
-        let (i, c): (Init, Count) = (std::mem::transmute(i), std::mem::transmute(c));
-        let r = i(0);
+        let missing = |e: libloading::Error| format!("libcuda.so.1 lacks a symbol: {e}");
+        let init = lib.get::<Init>(b"cuInit").map_err(missing)?;
+        let count = lib.get::<Count>(b"cuDeviceGetCount").map_err(missing)?;
+        let r = init(0);
         if r != 0 {
             return Err(format!("cuInit failed with CUDA error {r}"));
         }
         let mut n = 0;
-        let r = c(&mut n);
+        let r = count(&mut n);
         if r != 0 {
             return Err(format!("cuDeviceGetCount failed with CUDA error {r}"));
         }

@@ -344,7 +344,7 @@ fn p2p_latency(n: usize) -> Result<(f64, f64), String> {
 }
 
 pub fn run(a: MetadataBenchArgs) -> Result<(), String> {
-    if a.clients == 0 || !(a.duration > 0.0) {
+    if a.clients == 0 || a.duration.is_nan() || a.duration <= 0.0 {
         return Err("--clients and --duration must be positive".into());
     }
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);

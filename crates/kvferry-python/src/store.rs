@@ -13,6 +13,9 @@ use pyo3::types::{PyBytes, PyModule};
 use std::sync::RwLock;
 use std::time::Duration;
 
+/// One key's outcome in a batch: the value (if found), a Mooncake error code and a message.
+type KeyResult = (Option<Py<PyBytes>>, i32, String);
+
 static STORE_MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
 
 fn class_of(e: &StoreError) -> &'static str {
@@ -180,7 +183,7 @@ impl StoreCore {
         Ok(PyBytes::new(py, &v))
     }
 
-    fn get_batch(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<(Option<Py<PyBytes>>, i32, String)>> {
+    fn get_batch(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<KeyResult>> {
         let r = self.per_key(py, move |c| c.get_batch(&keys.iter().map(String::as_str).collect::<Vec<_>>()))?;
         Ok(r.into_iter().map(|(v, code, msg)| (v.map(|v| PyBytes::new(py, &v).unbind()), code, msg)).collect())
     }

@@ -160,6 +160,7 @@ impl Drop for Staged<'_> {
 }
 
 impl Staged<'_> {
+    #[allow(clippy::mut_from_ref)] // the block is this value's alone (see below)
     fn bytes(&self) -> &mut [u8] {
         // SAFETY: a block of the registered staging buffer owned by this value.
         unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }

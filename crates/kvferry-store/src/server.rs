@@ -105,7 +105,7 @@ fn serve_conn(m: &Master, s: &TcpStream, spin: Duration) -> std::io::Result<()> 
             Err(e) => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())),
         };
         body.clear();
-        (&*s).take(n as u64).read_to_end(&mut body)?;
+        s.take(n as u64).read_to_end(&mut body)?;
         if body.len() != n {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }

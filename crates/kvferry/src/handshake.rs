@@ -93,7 +93,7 @@ fn read_frame(s: &TcpStream, max_len: u64) -> Result<Frame, String> {
     let len = handshake::decode_len(prefix, max_len).map_err(|e| e.to_string())?;
     let mut payload = Vec::new();
     // Read incrementally so a lying length cannot make us allocate before the bytes arrive.
-    (&*s).take(len as u64).read_to_end(&mut payload).map_err(|e| format!("reading frame body: {e}"))?;
+    s.take(len as u64).read_to_end(&mut payload).map_err(|e| format!("reading frame body: {e}"))?;
     if payload.len() != len {
         return Err(format!("frame truncated: {} of {len} bytes", payload.len()));
     }

@@ -152,7 +152,7 @@ mod frag_tests {
         }
         assert_eq!(s.used(), 0);
         let mut n = 0;
-        while let Some(_) = s.allocate(16 << 20) {
+        while s.allocate(16 << 20).is_some() {
             n += 1;
         }
         assert_eq!(n, 64, "after mixed use and frees, 16 MiB blocks fill the segment");

@@ -144,9 +144,8 @@ impl RedisStore {
                             args.push(u.as_bytes());
                         }
                         args.push(p.as_bytes());
-                        match Self::roundtrip(&mut c, &args)? {
-                            Reply::Error(e) => return Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("AUTH refused: {e} (check the password in the URL or MC_REDIS_PASSWORD)"))),
-                            _ => {}
+                        if let Reply::Error(e) = Self::roundtrip(&mut c, &args)? {
+                            return Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("AUTH refused: {e} (check the password in the URL or MC_REDIS_PASSWORD)")));
                         }
                     }
                     if let Some(db) = self.db {

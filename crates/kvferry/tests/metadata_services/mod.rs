@@ -30,7 +30,7 @@ pub fn find_binary(name: &str) -> Option<PathBuf> {
 
 fn missing(what: &str) -> Option<Service> {
     assert!(
-        std::env::var("KVFERRY_REQUIRE_SERVICES").map(|v| v == "1").unwrap_or(false) == false,
+        !std::env::var("KVFERRY_REQUIRE_SERVICES").map(|v| v == "1").unwrap_or(false),
         "KVFERRY_REQUIRE_SERVICES=1 but {what} is missing (apt-get install etcd-server etcd-client redis-server; scripts/test does)"
     );
     eprintln!("NOT RUN: {what} is missing (install it, or run scripts/test)");
