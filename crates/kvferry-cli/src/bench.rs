@@ -74,6 +74,12 @@ pub struct BenchArgs {
     /// twice the CPU (see docs/BENCHMARKS.md).
     #[arg(long, default_value = "on", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     hugepages: bool,
+    /// What the registered buffers are (both sides): `kvferry` — allocated by kvferry
+    /// (memfd-backed, as managed buffers and store segments are), which a same-host peer maps
+    /// and copies with `memcpy`; `private` — plain anonymous memory (as a tensor or `malloc`
+    /// gives), which a same-host peer reaches by cross-memory attach.
+    #[arg(long, default_value = "kvferry", value_parser = ["kvferry", "private"])]
+    memory: String,
     /// Internal: exit when stdin closes (set when the bench starts its own target).
     #[arg(long, hide = true)]
     exit_on_stdin_eof: bool,
@@ -130,7 +136,7 @@ fn engine_config(a: &BenchArgs) -> Result<Config, String> {
 fn run_target(a: &BenchArgs) -> Result<(), String> {
     let mode = if a.transport.iter().all(|t| *t == TransportMode::Tcp) { TransportMode::Tcp } else { TransportMode::Auto };
     let engine = TransferEngine::new(Config { transport: mode, ..engine_config(a)? }).map_err(|e| e.to_string())?;
-    let buf = Buffer::with_huge_pages(a.buffer_size as usize, a.hugepages).map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
+    let buf = Buffer::alloc(a.buffer_size as usize, a.hugepages, a.memory == "kvferry").map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
     buf.fill(0, buf.len(), 0x5eed);
     engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| e.to_string())?;
     println!("KVFERRY_BENCH_TARGET segment={} addr={} size={}", engine.segment_name(), buf.addr(), buf.len());
@@ -173,7 +179,7 @@ fn run_target(a: &BenchArgs) -> Result<(), String> {
 fn spawn_target(a: &BenchArgs) -> Result<(Child, String), String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
     let mut child = Command::new(exe)
-        .args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", &a.local_hostname, "--buffer-size", &a.buffer_size.to_string(), "--transport", "auto", "--hugepages", if a.hugepages { "on" } else { "off" }])
+        .args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", &a.local_hostname, "--buffer-size", &a.buffer_size.to_string(), "--transport", "auto", "--hugepages", if a.hugepages { "on" } else { "off" }, "--memory", &a.memory])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -258,7 +264,7 @@ fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result
             return Err(format!("unknown op {op:?}: use write and/or read"));
         }
     }
-    let buf = Buffer::with_huge_pages(a.buffer_size as usize, a.hugepages).map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
+    let buf = Buffer::alloc(a.buffer_size as usize, a.hugepages, a.memory == "kvferry").map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
     let _ = target_pid;
     let ceilings = if a.no_ceilings { None } else { Some(measure_ceilings(a.hugepages)) };
     let total = a.transport.len() * a.ops.len() * a.blocks.len();
@@ -283,9 +289,10 @@ fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result
                 n += 1;
                 eprint!("\r\x1b[K[{n}/{total}] {} {op} {} x {} ...", via.name, human(block), a.batch);
                 let _ = std::io::stderr().flush();
+                let before = kvferry::transport::shm::bytes_moved();
                 let p = run_point(a, &engine, &ctl, &buf, seg, rbuf.addr, usable, op, block, n as u64)?;
                 points.push(p);
-                used.push(via.name);
+                used.push(path_label(via.name, before, kvferry::transport::shm::bytes_moved()));
             }
         }
     }
@@ -322,6 +329,25 @@ fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result
     Ok(())
 }
 
+/// Whether transparent huge pages can back shared memory (memfd) when advised.
+fn shmem_thp() -> bool {
+    let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").unwrap_or_default();
+    ["[always]", "[within_size]", "[advise]", "[force]"].iter().any(|m| s.contains(m))
+}
+
+/// The transport column: for shared memory, which copy path carried the point's bytes
+/// (`shm:map` — the peer's memory mapped here, `shm:cma` — cross-memory attach).
+fn path_label(via: &str, before: (u64, u64), after: (u64, u64)) -> String {
+    if via != "shm" {
+        return via.to_string();
+    }
+    match (after.0 > before.0, after.1 > before.1) {
+        (true, false) => "shm:map".into(),
+        (false, true) => "shm:cma".into(),
+        _ => "shm:mix".into(),
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run_point(
     a: &BenchArgs,
@@ -340,21 +366,23 @@ fn run_point(
     if region == 0 {
         return Err(format!("buffer {} too small for {} threads of {} blocks", human(usable), a.threads, human(block)));
     }
+    // Each thread walks its region batch after batch, so data comes from memory, not from
+    // a cache that a repeated batch would keep warm (the memcpy ceiling is out of cache too).
     let span = region.min(a.batch as u64 * block);
     for t in 0..a.threads as u64 {
         let off = (t * region) as usize;
         match opcode {
-            Opcode::Write => buf.fill(off, span as usize, seed.wrapping_mul(0x1234_5678_9abc)),
-            Opcode::Read => buf.slice_mut(off, span as usize).fill(0),
+            Opcode::Write => buf.fill(off, region as usize, seed.wrapping_mul(0x1234_5678_9abc)),
+            Opcode::Read => buf.slice_mut(off, region as usize).fill(0),
         }
     }
-    let make_reqs = |t: u64| -> Vec<TransferRequest> {
-        (0..a.batch as u64)
-            .map(|i| {
-                let off = t * region + (i * block) % region;
-                TransferRequest { opcode, source: buf.addr() + off, target_id: seg, target_offset: remote_base + off, length: block }
-            })
-            .collect()
+    let make_reqs = |t: u64, k: u64, reqs: &mut Vec<TransferRequest>| {
+        reqs.clear();
+        let base = k.wrapping_mul(span) % region;
+        reqs.extend((0..a.batch as u64).map(|i| {
+            let off = t * region + (base + i * block) % region;
+            TransferRequest { opcode, source: buf.addr() + off, target_id: seg, target_offset: remote_base + off, length: block }
+        }));
     };
     let tgt_cpu0 = ctl.cpu()?;
     let cpu0 = sys::self_cpu();
@@ -363,10 +391,12 @@ fn run_point(
     let results: Vec<Result<Vec<f64>, String>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..a.threads as u64)
             .map(|t| {
-                let reqs = make_reqs(t);
+                let make_reqs = &make_reqs;
                 s.spawn(move || -> Result<Vec<f64>, String> {
                     let mut lats = Vec::new();
+                    let mut reqs = Vec::with_capacity(a.batch);
                     while lats.is_empty() || start.elapsed() < dur {
+                        make_reqs(t, lats.len() as u64, &mut reqs);
                         let t0 = Instant::now();
                         let b = engine.allocate_batch(reqs.len()).map_err(|e| e.to_string())?;
                         engine.submit(b, &reqs).map_err(|e| e.to_string())?;
@@ -387,18 +417,22 @@ fn run_point(
     let cpu = (sys::self_cpu() - cpu0).as_secs_f64();
     let tgt_cpu = ctl.cpu()? - tgt_cpu0;
     let mut lats = Vec::new();
+    // How much of each thread's region its batches covered (what can be verified).
+    let mut covered = Vec::new();
     for r in results {
-        lats.extend(r?);
+        let l = r?;
+        covered.push((l.len() as u64).saturating_mul(span).min(region));
+        lats.extend(l);
     }
     let batches = lats.len() as f64;
     let bytes = batches * a.batch as f64 * block as f64;
     let gb = bytes / 1e9;
     // Verify: the target hashes its memory; compare with ours.
     let mut verified = true;
-    for t in 0..a.threads as u64 {
-        let off = (t * region) as usize;
-        let mine = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(buf.slice(off, span as usize)));
-        let theirs = ctl.checksum(off, span as usize)?;
+    for (t, &len) in covered.iter().enumerate() {
+        let off = (t as u64 * region) as usize;
+        let mine = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(buf.slice(off, len as usize)));
+        let theirs = ctl.checksum(off, len as usize)?;
         if mine != theirs {
             verified = false;
         }
@@ -448,7 +482,7 @@ fn measure_ceilings(huge: bool) -> Ceilings {
 /// Best of several single-thread copies of 256 MiB.
 fn memcpy_gbps(huge: bool) -> f64 {
     let n = 256 << 20;
-    let (Ok(a), Ok(b)) = (Buffer::with_huge_pages(n, huge), Buffer::with_huge_pages(n, huge)) else { return 0.0 };
+    let (Ok(a), Ok(b)) = (Buffer::alloc(n, huge, false), Buffer::alloc(n, huge, false)) else { return 0.0 };
     a.fill(0, n, 1);
     let mut best = 0.0f64;
     for _ in 0..5 {
@@ -496,14 +530,19 @@ fn socket_gbps() -> f64 {
 // Report
 // ------------------------------------------------------------------------------------------
 
-fn print_report(a: &BenchArgs, points: &[Point], used: &[&str], c: Option<&Ceilings>, mc: &crate::mooncake::SideBySide) {
+fn print_report(a: &BenchArgs, points: &[Point], used: &[String], c: Option<&Ceilings>, mc: &crate::mooncake::SideBySide) {
     let asked: Vec<String> = a.transport.iter().map(|t| t.to_string()).collect();
     println!(
-        "kvferry bench: --transport {} on {}, {} registered per side ({} pages), batch {}, {} initiator thread(s), {:.1} s per point",
+        "kvferry bench: --transport {} on {}, {} registered per side ({} memory; pages: {}), batch {}, {} initiator thread(s), {:.1} s per point",
         asked.join(","),
         a.local_hostname,
         human(a.buffer_size),
-        if a.hugepages { "huge" } else { "4 KiB" },
+        a.memory,
+        match (a.hugepages, a.memory.as_str()) {
+            (false, _) => "4 KiB",
+            (true, "kvferry") if !shmem_thp() => "4 KiB: this host gives shared memory no transparent huge pages",
+            _ => "huge",
+        },
         a.batch,
         a.threads,
         a.duration

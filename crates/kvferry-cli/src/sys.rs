@@ -1,5 +1,6 @@
 //! Small OS helpers: CPU time, page-aligned buffers, byte-size parsing.
 
+use kvferry::hostbuf::{HostBuffer, HostOptions};
 use std::time::Duration;
 
 /// CPU time (user + system) of this process.
@@ -61,98 +62,40 @@ pub fn tree_cpu(root: u32) -> Duration {
     parent.keys().filter(|&&p| descends(p)).filter_map(|&p| proc_cpu(p)).sum()
 }
 
-/// A page-aligned, pre-faulted anonymous mapping.
-pub struct Buffer {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the mapping is plain memory owned by this value.
-unsafe impl Send for Buffer {}
-unsafe impl Sync for Buffer {}
-
-const HUGE: usize = 2 << 20;
+/// A pre-faulted, page-aligned buffer (kvferry's [`HostBuffer`]) with the bench's pattern fill.
+pub struct Buffer(HostBuffer);
 
 impl Buffer {
-    /// Like [`Buffer::new`]; with `huge`, 2 MiB aligned and advised to use transparent huge
-    /// pages (`MADV_HUGEPAGE`) before the pages are populated.
-    pub fn with_huge_pages(len: usize, huge: bool) -> std::io::Result<Buffer> {
-        if !huge || len < HUGE {
-            return Buffer::new(len);
-        }
-        let span = len + HUGE;
-        // SAFETY: anonymous private mapping, not populated yet; checked for MAP_FAILED.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), span, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
-        if p == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        let start = (p as usize).next_multiple_of(HUGE);
-        let (head, tail) = (start - p as usize, p as usize + span - (start + len));
-        // SAFETY: trimming our own mapping to the aligned part; then advising and populating it.
-        unsafe {
-            if head > 0 {
-                libc::munmap(p, head);
-            }
-            if tail > 0 {
-                libc::munmap((start + len) as *mut libc::c_void, tail);
-            }
-            libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
-            // MADV_POPULATE_WRITE (Linux 5.14); else touch every page.
-            if libc::madvise(start as *mut libc::c_void, len, 23) != 0 {
-                for off in (0..len).step_by(4096) {
-                    std::ptr::write_volatile((start + off) as *mut u8, 0);
-                }
-            }
-        }
-        Ok(Buffer { ptr: start as *mut u8, len })
-    }
-
-    pub fn new(len: usize) -> std::io::Result<Buffer> {
-        // SAFETY: anonymous private mapping; checked for MAP_FAILED.
-        let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE, -1, 0)
-        };
-        if p == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(Buffer { ptr: p as *mut u8, len })
+    /// `huge`: transparent huge pages where the host allows them; `shareable`: memfd-backed,
+    /// so a same-host peer maps it (kvferry's allocator), else plain anonymous memory (as a
+    /// tensor or `malloc` gives), which peers reach by cross-memory attach.
+    pub fn alloc(len: usize, huge: bool, shareable: bool) -> std::io::Result<Buffer> {
+        HostBuffer::with(len, HostOptions { populate: true, huge_pages: huge, shareable }).map(Buffer)
     }
     pub fn addr(&self) -> u64 {
-        self.ptr as u64
+        self.0.addr()
     }
     pub fn len(&self) -> usize {
-        self.len
+        self.0.len()
     }
     pub fn slice(&self, off: usize, len: usize) -> &[u8] {
-        assert!(off + len <= self.len);
-        // SAFETY: in bounds of our mapping.
-        unsafe { std::slice::from_raw_parts(self.ptr.add(off), len) }
+        self.0.slice(off, len)
     }
     #[allow(clippy::mut_from_ref)]
     pub fn slice_mut(&self, off: usize, len: usize) -> &mut [u8] {
-        assert!(off + len <= self.len);
-        // SAFETY: in bounds; the bench coordinates who writes when.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) }
+        self.0.slice_mut(off, len)
     }
     /// Fills a range with a pattern derived from `seed`.
     pub fn fill(&self, off: usize, len: usize, seed: u64) {
         let s = self.slice_mut(off, len);
         let mut chunks = s.chunks_exact_mut(8);
-        let mut i = (off / 8) as u64;
-        for c in &mut chunks {
+        let first = (off / 8) as u64;
+        for (i, c) in (first..).zip(&mut chunks) {
             c.copy_from_slice(&(i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed).to_le_bytes());
-            i += 1;
         }
         for b in chunks.into_remainder() {
             *b = seed as u8;
         }
-    }
-}
-
-impl Drop for Buffer {
-    fn drop(&mut self) {
-        // SAFETY: we own the mapping.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
     }
 }
 

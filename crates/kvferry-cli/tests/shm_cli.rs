@@ -26,7 +26,8 @@ fn bench_reports_both_transports_in_one_run_with_unchanged_json() {
     assert!(stdout.contains("transport") && stdout.contains("/memcpy"), "{stdout}");
     let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("write") || l.starts_with("read")).collect();
     assert_eq!(rows.len(), 8, "{stdout}");
-    assert_eq!(rows.iter().filter(|l| l.split_whitespace().nth(3) == Some("shm")).count(), 4, "{stdout}");
+    // kvferry-allocated memory (the default): the initiator maps the target's buffer.
+    assert_eq!(rows.iter().filter(|l| l.split_whitespace().nth(3) == Some("shm:map")).count(), 4, "{stdout}");
     assert_eq!(rows.iter().filter(|l| l.split_whitespace().nth(3) == Some("tcp")).count(), 4, "{stdout}");
     // --json keeps exactly its keys, one record per row, in table order.
     let recs: Vec<serde_json::Value> = std::fs::read_to_string(&json).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
@@ -45,7 +46,18 @@ fn bench_reports_both_transports_in_one_run_with_unchanged_json() {
         .filter(|v| v["engine"] == "kvferry")
         .map(|v| v["transport"].as_str().unwrap().to_string())
         .collect();
-    assert_eq!(via, ["shm", "shm", "shm", "shm", "tcp", "tcp", "tcp", "tcp"]);
+    assert_eq!(via, ["shm:map", "shm:map", "shm:map", "shm:map", "tcp", "tcp", "tcp", "tcp"]);
+
+    // Memory kvferry did not allocate: cross-memory attach carries it.
+    let out = kvferry()
+        .args(["bench", "--transport", "shm", "--memory", "private", "--buffer-size", "32M", "--blocks", "64K", "--batch", "8", "--duration", "0.1", "--mooncake", "none", "--no-ceilings"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("write") || l.starts_with("read")).collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    assert!(rows.iter().all(|l| l.split_whitespace().nth(3) == Some("shm:cma") && l.contains(" yes ")), "{stdout}");
 }
 
 #[test]

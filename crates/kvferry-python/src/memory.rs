@@ -6,6 +6,7 @@
 //! answers EFAULT instead of delivering SIGSEGV. Where those calls are unavailable (seccomp
 //! profiles that deny them), the caller falls back to a plain copy inside registered memory.
 
+use kvferry::hostbuf::{HostBuffer, HostOptions};
 use std::io;
 
 /// Why a copy did not happen.
@@ -76,11 +77,18 @@ pub fn read_checked(addr: u64, out: &mut [u8]) -> Result<(), CopyError> {
     Ok(())
 }
 
-/// An anonymous, page-aligned, zero-filled mapping.
-#[derive(Debug)]
+/// A page-aligned, zero-filled buffer from kvferry's allocator: memfd-backed, so a same-host
+/// kvferry peer maps it and copies with `memcpy` (see `kvferry::hostbuf`).
 pub struct Pages {
     pub addr: u64,
     pub len: usize,
+    _buf: HostBuffer,
+}
+
+impl std::fmt::Debug for Pages {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Pages {{ addr: 0x{:x}, len: {} }}", self.addr, self.len)
+    }
 }
 
 impl Pages {
@@ -93,30 +101,9 @@ impl Pages {
             .map(|v| v / page * page)
             .filter(|&v| v <= isize::MAX as u64)
             .ok_or_else(|| format!("cannot allocate {len} bytes: the size is too large"))?;
-        // SAFETY: an anonymous private mapping at a kernel-chosen address.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                rounded as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(format!("cannot allocate {len} bytes: mmap failed: {}", io::Error::last_os_error()));
-        }
-        Ok(Pages { addr: p as u64, len: rounded as usize })
-    }
-}
-
-impl Drop for Pages {
-    fn drop(&mut self) {
-        // SAFETY: the mapping was created by `Pages::map` and is unmapped once.
-        unsafe {
-            libc::munmap(self.addr as *mut libc::c_void, self.len);
-        }
+        let buf = HostBuffer::with(rounded as usize, HostOptions { populate: false, huge_pages: false, shareable: true })
+            .map_err(|e| format!("cannot allocate {len} bytes: {e}"))?;
+        Ok(Pages { addr: buf.addr(), len: buf.len(), _buf: buf })
     }
 }
 
@@ -129,6 +116,7 @@ mod tests {
         let p = Pages::map(10).unwrap();
         assert_eq!(p.len % page_size(), 0);
         assert_eq!(p.addr as usize % page_size(), 0);
+        assert!(kvferry::hostbuf::shareable_region(p.addr, p.len as u64).is_some(), "managed buffers are shareable");
         write_checked(p.addr, b"hello").unwrap();
         let mut out = [0u8; 5];
         read_checked(p.addr, &mut out).unwrap();

@@ -502,7 +502,7 @@ impl Drop for TransferEngine {
 impl Inner {
     fn local_descriptor(&self) -> SegmentDesc {
         // Before the buffer snapshot: the published epoch is then never newer than the list.
-        let shm = self.shm.describe_value();
+        let shm = self.shm.offer();
         let mut d = SegmentDesc::new(self.name.clone());
         d.timestamp = timestamp();
         d.buffers = self
@@ -512,8 +512,11 @@ impl Inner {
             .map(|r| BufferDesc { name: r.location, addr: r.addr, length: r.len, rkey: vec![], lkey: vec![], extra: Default::default() })
             .collect();
         self.tcp.describe(&mut d);
-        if let Some(v) = shm {
-            d.extra.insert(shm::FIELD.into(), v);
+        if let Some(mut info) = shm {
+            shm::add_maps(&mut info, &d.buffers);
+            if let Ok(v) = serde_json::to_value(info) {
+                d.extra.insert(shm::FIELD.into(), v);
+            }
         }
         d
     }

@@ -1,4 +1,7 @@
-//! Same-host transport (cross-memory attach): selection, bounds, fallback, faults.
+//! Same-host transport: selection, bounds, fallback, faults — on both of its copy paths.
+//! Tests that take `mapped` run twice (`<name>::cma`, `<name>::mapped`): with target memory
+//! that is ordinary anonymous memory (reached by cross-memory attach) and with a kvferry
+//! [`HostBuffer`] (a memfd the initiator maps and copies into with `memcpy`).
 //!
 //! Some tests run this test binary again as a child process (`child_entry`, selected by the
 //! `KVFERRY_SHM_CHILD` variable) so that the peer is a real separate process that can be
@@ -6,6 +9,8 @@
 
 use kvferry::config::TransportMode;
 use kvferry::handshake::HandshakeServer;
+use kvferry::hostbuf::{HostBuffer, HostOptions};
+use kvferry::transport::shm;
 use kvferry::wire::handshake::{Frame, MsgType};
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::io::{BufRead, BufReader, Read};
@@ -30,13 +35,56 @@ fn sync(e: &TransferEngine, reqs: &[TransferRequest]) -> kvferry::TransferStatus
     e.transfer_sync(reqs, Duration::from_secs(20)).expect("batch runs")
 }
 
-#[test]
-fn same_host_peers_use_shm_and_move_bytes() {
+/// Target memory of `len` bytes filled with `fill`: shareable (memfd) when `mapped`.
+fn mem(len: usize, fill: u8, mapped: bool) -> HostBuffer {
+    let b = HostBuffer::with(len, HostOptions { populate: true, huge_pages: false, shareable: mapped }).unwrap();
+    assert_eq!(b.is_shareable(), mapped);
+    b.slice_mut(0, len).fill(fill);
+    b
+}
+
+/// The bytes of `b` (tests coordinate with the engine themselves).
+#[allow(clippy::mut_from_ref)]
+fn bytes(b: &HostBuffer) -> &mut [u8] {
+    b.slice_mut(0, b.len())
+}
+
+/// Checks that copies since `before` (from [`shm::bytes_moved`]) took the expected path.
+/// Other tests run concurrently, so only "this path moved bytes" can be asserted.
+fn assert_path(mapped: bool, before: (u64, u64)) {
+    let now = shm::bytes_moved();
+    if mapped {
+        assert!(now.0 > before.0, "no byte was copied through a mapping: {before:?} -> {now:?}");
+    } else {
+        assert!(now.1 > before.1, "no byte was copied by cross-memory attach: {before:?} -> {now:?}");
+    }
+}
+
+/// Runs `$name(false)` and `$name(true)` as the tests `$name::cma` and `$name::mapped`.
+macro_rules! both_paths {
+    ($name:ident) => {
+        mod $name {
+            #[test]
+            fn cma() {
+                super::$name(false)
+            }
+            #[test]
+            fn mapped() {
+                super::$name(true)
+            }
+        }
+    };
+}
+
+both_paths!(same_host_peers_use_shm_and_move_bytes);
+fn same_host_peers_use_shm_and_move_bytes(mapped: bool) {
+    let before = shm::bytes_moved();
     let a = engine_with(TransportMode::Auto);
     let b = engine_with(TransportMode::Auto);
     let size = 40 << 20;
     let src = pattern(size, 3);
-    let dst = vec![0u8; size + 4096];
+    let dst_mem = mem(size + 4096, 0, mapped);
+    let dst = bytes(&dst_mem);
     a.register_memory(src.as_ptr() as u64, size as u64, "cpu:0").unwrap();
     b.register_memory(dst.as_ptr() as u64, size as u64, "cpu:0").unwrap();
     let seg = a.open_segment(b.segment_name()).unwrap();
@@ -45,6 +93,8 @@ fn same_host_peers_use_shm_and_move_bytes() {
     assert_eq!(a.segment_transport(0).unwrap().name, "local");
     let desc = a.segment_descriptor(seg).unwrap();
     assert!(desc.extra.contains_key("kvferry_shm"), "published: {:?}", desc.extra);
+    let maps = desc.extra["kvferry_shm"].get("maps").and_then(|m| m.as_array()).map_or(0, |m| m.len());
+    assert_eq!(maps, usize::from(mapped), "shareable buffers published: {:?}", desc.extra);
 
     // WRITE a mix of sizes in one batch: tiny, page, 64 KiB, 1 MiB, 16 MiB (split), odd.
     let sizes = [1u64, 4096, 65536, 1 << 20, 16 << 20, 4093, (3 << 20) + 17];
@@ -77,15 +127,19 @@ fn same_host_peers_use_shm_and_move_bytes() {
         .map(|i| if i % 3 == 0 { wr(Opcode::Read, back.as_ptr() as u64 + i * 4096, seg, d0 + i * 4096, 4096) } else { wr(Opcode::Write, s0 + i * 4096, seg, d0 + i * 4096, 4096) })
         .collect();
     assert_eq!(sync(&a, &reqs).status, TaskStatus::Completed);
+    assert_path(mapped, before);
 }
 
-#[test]
-fn out_of_range_and_unregistered_addresses_fail_without_touching_memory() {
+both_paths!(out_of_range_and_unregistered_addresses_fail_without_touching_memory);
+fn out_of_range_and_unregistered_addresses_fail_without_touching_memory(mapped: bool) {
     let a = engine_with(TransportMode::Shm);
     let b = engine_with(TransportMode::Auto);
     let src = pattern(1 << 20, 5);
     // Three regions of one allocation on the target side: registered, gap, registered.
-    let target = vec![0xAAu8; 3 << 20];
+    // Mapped, the initiator maps all three (one memfd): the bounds still come from the
+    // registered ranges.
+    let target_mem = mem(3 << 20, 0xAA, mapped);
+    let target = bytes(&target_mem);
     let t0 = target.as_ptr() as u64;
     a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
     b.register_memory(t0, 1 << 20, "*").unwrap();
@@ -119,20 +173,30 @@ fn out_of_range_and_unregistered_addresses_fail_without_touching_memory() {
     // A good request next to the bad ones still works.
     let st = sync(&a, &[wr(Opcode::Write, s0, seg, t0 + (2 << 20), 1 << 20)]);
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+    assert_eq!(&target[2 << 20..], &src[..]);
+    assert!(target[..2 << 20].iter().all(|&x| x == 0xAA), "only the requested range changed");
 }
 
-#[test]
-fn stale_descriptor_after_unregister_is_refreshed_not_trusted() {
+both_paths!(stale_descriptor_after_unregister_is_refreshed_not_trusted);
+fn stale_descriptor_after_unregister_is_refreshed_not_trusted(mapped: bool) {
     let a = engine_with(TransportMode::Shm);
     let b = engine_with(TransportMode::Auto);
-    let src = pattern(1 << 20, 7);
-    let one = vec![0x11u8; 1 << 20];
-    let two = vec![0x22u8; 1 << 20];
+    let mut src = pattern(1 << 20, 7);
+    let (one_mem, two_mem) = (mem(1 << 20, 0x11, mapped), mem(1 << 20, 0x22, mapped));
+    let (one, two) = (bytes(&one_mem), bytes(&two_mem));
     a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
     b.register_memory(one.as_ptr() as u64, one.len() as u64, "*").unwrap();
     b.register_memory(two.as_ptr() as u64, two.len() as u64, "*").unwrap();
     let seg = a.open_segment(b.segment_name()).unwrap();
     assert_eq!(a.segment_transport(seg).unwrap().name, "shm");
+    // Both buffers in use first (a mapped initiator maps both), then restored.
+    let before = shm::bytes_moved();
+    for t in [one.as_ptr() as u64, two.as_ptr() as u64] {
+        assert_eq!(sync(&a, &[wr(Opcode::Read, src.as_ptr() as u64, seg, t, 1 << 20)]).status, TaskStatus::Completed);
+    }
+    assert_path(mapped, before);
+    assert!(src.iter().all(|&x| x == 0x22));
+    src.copy_from_slice(&pattern(1 << 20, 7));
     b.unregister_memory(one.as_ptr() as u64).unwrap();
     // `a` still has the old descriptor listing `one`.
     assert!(a.segment_descriptor(seg).unwrap().find_buffer(one.as_ptr() as u64, 4096).is_some());
@@ -142,7 +206,7 @@ fn stale_descriptor_after_unregister_is_refreshed_not_trusted() {
     // The still-registered buffer keeps working after the refresh.
     let st = sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, two.as_ptr() as u64, 1 << 20)]);
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
-    assert_eq!(two, src);
+    assert_eq!(&two[..], &src[..]);
 }
 
 #[test]
@@ -249,11 +313,13 @@ fn forged_or_foreign_peers_fall_back_to_tcp_with_the_reason() {
 const RACE_ROUNDS: usize = 30;
 const RACE_BUF: usize = 2 << 20;
 
-#[test]
-fn unregister_while_a_peer_reads_never_hands_out_reused_memory() {
+both_paths!(unregister_while_a_peer_reads_never_hands_out_reused_memory);
+fn unregister_while_a_peer_reads_never_hands_out_reused_memory(mapped: bool) {
+    let before = shm::bytes_moved();
     let a = engine_with(TransportMode::Shm);
     let b = engine_with(TransportMode::Auto);
-    let mut tgt = vec![0x5Au8; RACE_BUF];
+    let tgt_mem = mem(RACE_BUF, 0x5A, mapped);
+    let tgt = bytes(&tgt_mem);
     let local = vec![0u8; RACE_BUF];
     a.register_memory(local.as_ptr() as u64, RACE_BUF as u64, "*").unwrap();
     b.register_memory(tgt.as_ptr() as u64, RACE_BUF as u64, "*").unwrap();
@@ -300,14 +366,17 @@ fn unregister_while_a_peer_reads_never_hands_out_reused_memory() {
     assert!(failed.load(Ordering::Relaxed) >= RACE_ROUNDS as u64, "reads after unregister fail");
     assert!(completed.load(Ordering::Relaxed) >= 2 * RACE_ROUNDS as u64, "reads after re-register work");
     assert_eq!(tainted.load(Ordering::Relaxed), 0, "a read copied memory the target had withdrawn and reused");
+    assert_path(mapped, before);
 }
 
-#[test]
-fn unregister_while_a_peer_writes_leaves_the_range_alone_afterwards() {
+both_paths!(unregister_while_a_peer_writes_leaves_the_range_alone_afterwards);
+fn unregister_while_a_peer_writes_leaves_the_range_alone_afterwards(mapped: bool) {
+    let before = shm::bytes_moved();
     let a = engine_with(TransportMode::Shm);
     let b = engine_with(TransportMode::Auto);
     let src = vec![0x77u8; RACE_BUF];
-    let mut tgt = vec![0u8; RACE_BUF];
+    let tgt_mem = mem(RACE_BUF, 0, mapped);
+    let tgt = bytes(&tgt_mem);
     a.register_memory(src.as_ptr() as u64, RACE_BUF as u64, "*").unwrap();
     b.register_memory(tgt.as_ptr() as u64, RACE_BUF as u64, "*").unwrap();
     let seg = a.open_segment(b.segment_name()).unwrap();
@@ -346,15 +415,17 @@ fn unregister_while_a_peer_writes_leaves_the_range_alone_afterwards() {
     });
     assert!(done.load(Ordering::Relaxed) >= 4 * RACE_ROUNDS as u64, "the writer kept going");
     assert_eq!(late.load(Ordering::Relaxed), 0, "a write landed after unregister returned");
+    assert_path(mapped, before);
 }
 
-#[test]
-fn target_engine_dropped_while_peer_writes_stops_the_writes() {
+both_paths!(target_engine_dropped_while_peer_writes_stops_the_writes);
+fn target_engine_dropped_while_peer_writes_stops_the_writes(mapped: bool) {
     let a = engine_with(TransportMode::Shm);
     let b = engine_with(TransportMode::Auto);
     let size = 32usize << 20;
     let src = vec![0x33u8; size];
-    let tgt = vec![0u8; size];
+    let tgt_mem = mem(size, 0, mapped);
+    let tgt = bytes(&tgt_mem);
     a.register_memory(src.as_ptr() as u64, size as u64, "*").unwrap();
     b.register_memory(tgt.as_ptr() as u64, size as u64, "*").unwrap();
     let seg = a.open_segment(b.segment_name()).unwrap();
@@ -451,10 +522,13 @@ fn child_entry() {
     let Ok(role) = std::env::var(CHILD_VAR) else { return };
     let args: Vec<String> = std::env::var("KVFERRY_SHM_CHILD_ARGS").unwrap_or_default().split_whitespace().map(String::from).collect();
     match role.as_str() {
-        // A target: registers a 256 MiB pattern buffer, serves until stdin closes.
+        // A target: registers a 256 MiB pattern buffer (a shareable HostBuffer with
+        // args[0] = "mapped"), serves until stdin closes.
         "target" => {
             let e = engine_with(TransportMode::Auto);
-            let buf = pattern(256 << 20, 42);
+            let buf = mem(256 << 20, 0, args.first().map(String::as_str) == Some("mapped"));
+            let buf = bytes(&buf);
+            buf.copy_from_slice(&pattern(256 << 20, 42));
             e.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
             println!("KVF_CHILD segment={} addr={} len={}", e.segment_name(), buf.as_ptr() as u64, buf.len());
             let mut sink = Vec::new();
@@ -493,9 +567,10 @@ fn child_entry() {
     }
 }
 
-#[test]
-fn peer_process_killed_mid_transfer_fails_requests_and_the_survivor_carries_on() {
-    let (child, line) = spawn_child("target", &[], None);
+both_paths!(peer_process_killed_mid_transfer_fails_requests_and_the_survivor_carries_on);
+fn peer_process_killed_mid_transfer_fails_requests_and_the_survivor_carries_on(mapped: bool) {
+    let before = shm::bytes_moved();
+    let (child, line) = spawn_child("target", &[if mapped { "mapped" } else { "private" }.to_string()], None);
     let (seg_name, addr) = (field(&line, "segment").to_string(), field(&line, "addr").parse::<u64>().unwrap());
     let a = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(4), transport: TransportMode::Auto, ..Config::default() }).unwrap();
     let local = vec![0u8; 256 << 20];
@@ -506,6 +581,7 @@ fn peer_process_killed_mid_transfer_fails_requests_and_the_survivor_carries_on()
     let st = sync(&a, &[wr(Opcode::Read, local.as_ptr() as u64, seg, addr, 1 << 20)]);
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
     assert_eq!(&local[..1 << 20], &pattern(1 << 20, 42)[..]);
+    assert_path(mapped, before);
     // Keep big READs and WRITEs going, kill the peer in the middle.
     let reqs: Vec<_> = (0..64u64)
         .map(|i| wr(if i % 2 == 0 { Opcode::Read } else { Opcode::Write }, local.as_ptr() as u64 + (i << 22), seg, addr + (i << 22), 4 << 20))
@@ -531,6 +607,15 @@ fn peer_process_killed_mid_transfer_fails_requests_and_the_survivor_carries_on()
     assert!(t.elapsed() < Duration::from_secs(6));
     let why = st.reason.unwrap();
     assert!(why.contains(&pid.to_string()) || why.contains("connect") || why.contains("refresh"), "{why}");
+    // The dead peer's memory is not kept alive by a mapping here (no other test maps a
+    // 256 MiB kvferry buffer).
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let held = maps
+        .lines()
+        .filter(|l| l.contains("memfd:kvferry-buffer"))
+        .filter(|l| l.split(['-', ' ']).take(2).map(|x| u64::from_str_radix(x, 16).unwrap_or(0)).collect::<Vec<_>>().windows(2).any(|w| w[1] - w[0] == 256 << 20))
+        .count();
+    assert_eq!(held, 0, "a mapping of the dead peer's buffer is still held:\n{maps}");
     let c = engine_with(TransportMode::Auto);
     let cb = vec![1u8; 4096];
     c.register_memory(cb.as_ptr() as u64, 4096, "*").unwrap();
@@ -538,10 +623,11 @@ fn peer_process_killed_mid_transfer_fails_requests_and_the_survivor_carries_on()
     assert_eq!(sync(&a, &[wr(Opcode::Write, local.as_ptr() as u64, cs, cb.as_ptr() as u64, 4096)]).status, TaskStatus::Completed);
 }
 
-#[test]
-fn initiator_process_killed_mid_write_does_not_block_unregister() {
+both_paths!(initiator_process_killed_mid_write_does_not_block_unregister);
+fn initiator_process_killed_mid_write_does_not_block_unregister(mapped: bool) {
     let e = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(20), ..Config::default() }).unwrap();
-    let tgt = vec![0u8; 64 << 20];
+    let tgt_mem = mem(64 << 20, 0, mapped);
+    let tgt = bytes(&tgt_mem);
     e.register_memory(tgt.as_ptr() as u64, tgt.len() as u64, "*").unwrap();
     let (child, line) = spawn_child("writer", &[e.segment_name().to_string(), (tgt.as_ptr() as u64).to_string()], None);
     assert_eq!(field(&line, "transport"), "shm");

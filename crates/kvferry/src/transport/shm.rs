@@ -145,6 +145,42 @@ pub struct ShmInfo {
     pub ctl_len: u64,
     pub cookie: String,
     pub epoch: u64,
+    /// Registered memory that lies in buffers kvferry allocated (memfd): the peer may map
+    /// these and copy with `memcpy`. Absent in descriptors of engines before this field.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub maps: Vec<MapInfo>,
+}
+
+/// A shareable (memfd-backed) buffer of the publishing process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MapInfo {
+    /// The memfd's number in the publishing process (taken with `pidfd_getfd`).
+    pub fd: i32,
+    /// Where the publisher maps the memfd's byte 0, and its length.
+    pub addr: u64,
+    pub len: u64,
+}
+
+/// Bytes copied by this process through mapped peer memory and by cross-memory attach.
+static MAPPED_BYTES: AtomicU64 = AtomicU64::new(0);
+static CMA_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes this process has moved to or from same-host peers so far: `(mapped, cma)`.
+/// Benchmarks read the difference over a run to report which path carried it.
+pub fn bytes_moved() -> (u64, u64) {
+    (MAPPED_BYTES.load(Ordering::Relaxed), CMA_BYTES.load(Ordering::Relaxed))
+}
+
+/// Adds to `info` the shareable buffers that contain the published `buffers`.
+pub fn add_maps(info: &mut ShmInfo, buffers: &[crate::wire::descriptor::BufferDesc]) {
+    for b in buffers {
+        if let Some(r) = crate::hostbuf::shareable_region(b.addr, b.length) {
+            let m = MapInfo { fd: r.fd, addr: r.addr, len: r.len };
+            if !info.maps.contains(&m) {
+                info.maps.push(m);
+            }
+        }
+    }
 }
 
 impl ShmInfo {
@@ -436,6 +472,71 @@ pub struct ShmPeer {
     slot: usize,
     owner: u64,
     cookie: String,
+    /// The peer's shareable buffers mapped here, for the descriptor they were read from.
+    maps: Mutex<MapCache>,
+}
+
+/// A peer's shareable buffer mapped into this process.
+struct PeerMap {
+    info: MapInfo,
+    ptr: *mut u8,
+}
+
+// SAFETY: a shared mapping owned by this value; bytes are copied in and out only under the
+// same in-flight/epoch protocol as cross-memory copies.
+unsafe impl Send for PeerMap {}
+unsafe impl Sync for PeerMap {}
+
+impl Drop for PeerMap {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping; no job holds this value any more.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.info.len as usize) };
+    }
+}
+
+impl PeerMap {
+    /// Where `[remote, remote+len)` of the peer lies in our mapping, if inside it.
+    fn locate(&self, remote: u64, len: u64) -> Option<*mut u8> {
+        let off = remote.checked_sub(self.info.addr)?;
+        (off.checked_add(len)? <= self.info.len).then(|| self.ptr.wrapping_add(off as usize))
+    }
+}
+
+#[derive(Default)]
+struct MapCache {
+    /// The descriptor `maps` was computed for.
+    desc: Option<Arc<SegmentDesc>>,
+    maps: Arc<Vec<Arc<PeerMap>>>,
+    /// Buffers that could not be mapped (copied by cross-memory attach instead), and why.
+    refused: HashMap<MapInfo, String>,
+}
+
+/// Checks in `/proc/<pid>/maps` that `[addr, addr+len)` of the peer is the file
+/// `(dev, ino)` mapped shared from its byte 0, so the fd we took is the memory it publishes.
+fn verify_mapping(pid: i32, info: &MapInfo, dev: u64, ino: u64) -> Result<(), String> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).map_err(|e| format!("cannot read /proc/{pid}/maps: {e}"))?;
+    let end = info.addr.checked_add(info.len).ok_or("the range overflows")?;
+    let mut cursor = info.addr;
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms), Some(off), Some(dv), Some(inode)) = (f.next(), f.next(), f.next(), f.next(), f.next()) else { continue };
+        let Some((a, b)) = range.split_once('-') else { continue };
+        let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else { continue };
+        if b <= cursor || a > cursor {
+            continue;
+        }
+        let (Ok(off), Ok(inode)) = (u64::from_str_radix(off, 16), inode.parse::<u64>()) else { break };
+        let mm = dv.split_once(':').and_then(|(x, y)| Some((u32::from_str_radix(x, 16).ok()?, u32::from_str_radix(y, 16).ok()?)));
+        let same_dev = mm.is_some_and(|(x, y)| libc::makedev(x, y) == dev);
+        if a < info.addr || !perms.ends_with('s') || inode != ino || !same_dev || off != a - info.addr {
+            return Err(format!("[0x{:x}, +{}) of process {pid} is not the memory of the file descriptor it published (fd {})", info.addr, info.len, info.fd));
+        }
+        cursor = b;
+        if cursor >= end {
+            return Ok(());
+        }
+    }
+    Err(format!("[0x{:x}, +{}) is not (wholly) mapped in process {pid}", info.addr, info.len))
 }
 
 impl ShmPeer {
@@ -519,7 +620,67 @@ impl ShmPeer {
             return Err(format!("process {pid} exited"));
         }
         let slot = claim_slot(&ctl, owner).ok_or_else(|| format!("all {N_SLOTS} initiator slots of process {pid} are taken"))?;
-        Ok(ShmPeer { pid, pidfd, alive_at: AtomicU64::new(now_ns()), ctl, slot, owner, cookie: info.cookie.clone() })
+        Ok(ShmPeer { pid, pidfd, alive_at: AtomicU64::new(now_ns()), ctl, slot, owner, cookie: info.cookie.clone(), maps: Mutex::default() })
+    }
+
+    /// The peer's shareable buffers published in `desc`, mapped here (cached per descriptor;
+    /// maps that left the descriptor are released once no copy uses them).
+    fn maps_for(&self, desc: &Arc<SegmentDesc>) -> Arc<Vec<Arc<PeerMap>>> {
+        let mut c = self.maps.lock().unwrap_or_else(|e| e.into_inner());
+        if c.desc.as_ref().is_some_and(|d| Arc::ptr_eq(d, desc)) {
+            return Arc::clone(&c.maps);
+        }
+        let listed: Vec<MapInfo> =
+            desc.extra.get(FIELD).and_then(|v| v.get("maps")).and_then(|m| serde_json::from_value(m.clone()).ok()).unwrap_or_default();
+        let mut maps = Vec::with_capacity(listed.len());
+        for info in listed {
+            if let Some(m) = c.maps.iter().find(|m| m.info == info) {
+                maps.push(Arc::clone(m));
+                continue;
+            }
+            if c.refused.contains_key(&info) {
+                continue;
+            }
+            match self.map(&info) {
+                Ok(m) => maps.push(Arc::new(m)),
+                Err(r) => {
+                    tracing::debug!(pid = self.pid, "not mapping a peer buffer, copying by cross-memory attach: {r}");
+                    c.refused.insert(info, r);
+                }
+            }
+        }
+        c.desc = Some(Arc::clone(desc));
+        c.maps = Arc::new(maps);
+        Arc::clone(&c.maps)
+    }
+
+    /// Takes a peer's memfd and maps it, after checking that it is the memory the peer maps
+    /// at the published address and that it cannot shrink under us.
+    fn map(&self, info: &MapInfo) -> Result<PeerMap, String> {
+        let pid = self.pid;
+        if info.len == 0 || info.len > isize::MAX as u64 || info.addr % 4096 != 0 {
+            return Err(format!("published buffer [0x{:x}, +{}) is malformed", info.addr, info.len));
+        }
+        let fd = pidfd_getfd(&self.pidfd, info.fd).map_err(|e| format!("cannot take fd {} of process {pid}: {e}", info.fd))?;
+        // SAFETY: fstat into a zeroed struct; F_GET_SEALS on a descriptor we own.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || (st.st_mode & libc::S_IFMT) != libc::S_IFREG || (st.st_size as u64) < info.len {
+            return Err(format!("fd {} of process {pid} is not a memory file of {} bytes", info.fd, info.len));
+        }
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(format!("fd {} of process {pid} is not sealed against shrinking (mapping it could fault)", info.fd));
+        }
+        verify_mapping(pid, info, st.st_dev, st.st_ino)?;
+        if exited(&self.pidfd) {
+            return Err(format!("process {pid} exited"));
+        }
+        // SAFETY: a shared mapping of a sealed memory file at least `len` long.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), info.len as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if p == libc::MAP_FAILED {
+            return Err(format!("cannot map fd {} of process {pid}: {}", info.fd, io::Error::last_os_error()));
+        }
+        Ok(PeerMap { info: *info, ptr: p as *mut u8 })
     }
 }
 
@@ -652,9 +813,10 @@ impl ShmTransport {
         self.local_reason.as_deref()
     }
 
-    /// The value published under [`FIELD`]. Read it *before* snapshotting the registered
-    /// ranges: the epoch then never claims a newer state than the buffer list.
-    pub fn describe_value(&self) -> Option<serde_json::Value> {
+    /// What this engine publishes under [`FIELD`], without `maps` (see [`add_maps`]). Read
+    /// it *before* snapshotting the registered ranges: the epoch then never claims a newer
+    /// state than the buffer list.
+    pub fn offer(&self) -> Option<ShmInfo> {
         let c = self.local.as_ref()?;
         let host_id = self.host_id.as_ref().ok()?;
         let info = ShmInfo {
@@ -668,8 +830,9 @@ impl ShmTransport {
             ctl_len: CTL_LEN as u64,
             cookie: c.map.cookie_hex(),
             epoch: c.map.epoch().load(Ordering::SeqCst),
+            maps: Vec::new(),
         };
-        serde_json::to_value(info).ok()
+        Some(info)
     }
 
     /// Chooses this transport for `peer`, or says why not. Cached per peer and peer cookie.
@@ -696,7 +859,11 @@ impl ShmTransport {
                         }
                         desc = peer.desc();
                         if c == cookie_of(&desc) {
-                            return Err(format!("{}: the engine in process {} is gone", peer.name, p.pid));
+                            // Forget it: its control region and any of its memory mapped here
+                            // are released once no copy uses them.
+                            let r = format!("{}: the engine in process {} is gone", peer.name, p.pid);
+                            self.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.id, (c, Arc::new(Selection::No(r.clone()))));
+                            return Err(r);
                         }
                     }
                 }
@@ -894,6 +1061,8 @@ fn run_job(shared: &Shared, job: Job) {
         if pieces.is_empty() {
             return;
         }
+        let maps = shm.maps_for(&desc);
+        let mapped: Vec<Option<*mut u8>> = pieces.iter().map(|p| maps.iter().find_map(|m| m.locate(p.remote, p.len))).collect();
         let active = shm.ctl.active(shm.slot);
         active.fetch_add(1, Ordering::SeqCst);
         let epoch = shm.ctl.epoch().load(Ordering::SeqCst);
@@ -913,7 +1082,8 @@ fn run_job(shared: &Shared, job: Job) {
             }
             continue;
         }
-        let results = copy_all(shm.pid, &pieces);
+        let results = copy_all(shm.pid, &pieces, &mapped);
+        drop(maps);
         active.fetch_sub(1, Ordering::SeqCst);
         // The PID named the verified process throughout only if it is still alive now.
         let gone = shm.exited();
@@ -934,14 +1104,33 @@ fn run_job(shared: &Shared, job: Job) {
     }
 }
 
-/// Copies every piece (runs of the same opcode share one system call). One result per piece.
-fn copy_all(pid: i32, pieces: &[Piece]) -> Vec<io::Result<()>> {
+/// Copies every piece: into or out of the peer's memory mapped here where `mapped` has the
+/// address, else by cross-memory attach (runs of the same opcode share one system call).
+/// One result per piece.
+fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<*mut u8>]) -> Vec<io::Result<()>> {
     let mut out: Vec<io::Result<()>> = Vec::with_capacity(pieces.len());
     let mut i = 0;
     while i < pieces.len() {
+        if let Some(at) = mapped[i] {
+            let p = &pieces[i];
+            // SAFETY: `p.local` lies in memory registered with this engine (its guard is
+            // held); `at` lies inside a live shared mapping of the peer's sealed memfd
+            // (`PeerMap::locate`), so neither side can fault; the ranges are in different
+            // mappings, so they do not overlap.
+            unsafe {
+                match p.opcode {
+                    Opcode::Write => std::ptr::copy_nonoverlapping(p.local as *const u8, at, p.len as usize),
+                    Opcode::Read => std::ptr::copy_nonoverlapping(at as *const u8, p.local as *mut u8, p.len as usize),
+                }
+            }
+            MAPPED_BYTES.fetch_add(p.len, Ordering::Relaxed);
+            out.push(Ok(()));
+            i += 1;
+            continue;
+        }
         let op = pieces[i].opcode;
         let mut j = i;
-        while j < pieces.len() && j - i < MAX_IOV && pieces[j].opcode == op {
+        while j < pieces.len() && j - i < MAX_IOV && pieces[j].opcode == op && mapped[j].is_none() {
             j += 1;
         }
         let run = &pieces[i..j];
@@ -949,7 +1138,10 @@ fn copy_all(pid: i32, pieces: &[Piece]) -> Vec<io::Result<()>> {
         let remote: Vec<libc::iovec> = run.iter().map(|p| libc::iovec { iov_base: p.remote as *mut libc::c_void, iov_len: p.len as usize }).collect();
         let total: usize = local.iter().map(|v| v.iov_len).sum();
         match cma(pid, op, &local, &remote) {
-            Ok(n) if n == total => out.extend(run.iter().map(|_| Ok(()))),
+            Ok(n) if n == total => {
+                CMA_BYTES.fetch_add(n as u64, Ordering::Relaxed);
+                out.extend(run.iter().map(|_| Ok(())))
+            }
             first => {
                 // Partial or failed: the kernel stops at an iovec boundary. Keep the complete
                 // prefix and redo the rest one by one to learn each outcome.
@@ -981,8 +1173,11 @@ impl Transport for ShmTransport {
     }
 
     fn describe(&self, desc: &mut SegmentDesc) {
-        if let Some(v) = self.describe_value() {
-            desc.extra.insert(FIELD.to_string(), v);
+        if let Some(mut info) = self.offer() {
+            add_maps(&mut info, &desc.buffers);
+            if let Ok(v) = serde_json::to_value(info) {
+                desc.extra.insert(FIELD.to_string(), v);
+            }
         }
     }
 
