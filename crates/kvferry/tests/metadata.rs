@@ -134,6 +134,72 @@ fn mooncake_http_server_full_cycle() {
     full_cycle(&svc.url(), "http");
 }
 
+/// `AUTH` (password alone, and ACL user + password) and `SELECT`, from the URL and from
+/// `MC_REDIS_*` (the URL wins), and errors that say what to fix.
+#[test]
+fn redis_auth_and_database() {
+    let Some(svc) = Service::redis_with(&["--requirepass", "topsecret", "--user", "alice", "on", ">wonder", "~*", "&*", "+@all"]) else { return };
+    let hp = format!("127.0.0.1:{}", svc.port);
+    let open = |url: &str, opts: StoreOptions| connect(url, &opts).expect("connect").expect("not P2P");
+    let e = open(&format!("redis://{hp}"), StoreOptions::default()).get("k").unwrap_err().to_string();
+    assert!(e.contains("redis") && e.contains(&hp) && e.contains("requires a password") && e.contains("MC_REDIS_PASSWORD"), "{e}");
+    let e = open(&format!("redis://:wrong@{hp}"), StoreOptions::default()).get("k").unwrap_err().to_string();
+    assert!(e.contains("AUTH refused") && e.contains(&hp), "{e}");
+    let e = open(&format!("redis://alice:wrong@{hp}"), StoreOptions::default()).get("k").unwrap_err().to_string();
+    assert!(e.contains("AUTH refused"), "{e}");
+
+    open(&format!("redis://:topsecret@{hp}/3"), StoreOptions::default()).put("k", b"in db 3").unwrap();
+    assert_eq!(open(&format!("redis://:topsecret@{hp}"), StoreOptions::default()).get("k").unwrap(), None, "db 0 is another database");
+    assert_eq!(open(&format!("redis://alice:wonder@{hp}/3"), StoreOptions::default()).get("k").unwrap().as_deref(), Some(&b"in db 3"[..]));
+    // MC_REDIS_PASSWORD / MC_REDIS_DB_INDEX (through Config) when the URL has none; the URL wins.
+    let env = StoreOptions { redis_password: Some("topsecret".into()), redis_db: Some(3), ..StoreOptions::default() };
+    assert_eq!(open(&format!("redis://{hp}"), env.clone()).get("k").unwrap().as_deref(), Some(&b"in db 3"[..]));
+    assert_eq!(open(&format!("redis://{hp}/0"), env.clone()).get("k").unwrap(), None, "the URL's database wins");
+    let user = StoreOptions { redis_username: Some("alice".into()), redis_password: Some("wonder".into()), ..env };
+    assert_eq!(open(&format!("redis://{hp}"), user).get("k").unwrap().as_deref(), Some(&b"in db 3"[..]));
+
+    // Engines work through it end to end.
+    full_cycle(&format!("redis://alice:wonder@{hp}/5"), "redis-auth");
+}
+
+/// Something that is not Redis at the address: a prompt error, not a hang or a panic.
+#[test]
+fn redis_url_pointing_at_another_server() {
+    use std::io::{Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for s in l.incoming().take(4) {
+            let Ok(mut s) = s else { continue };
+            let mut b = [0u8; 256];
+            let _ = s.read(&mut b);
+            let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n");
+        }
+    });
+    let t = Instant::now();
+    let e = raw_store(&format!("redis://127.0.0.1:{port}")).get("k").unwrap_err().to_string();
+    assert!(e.contains("redis") && e.contains(&format!("127.0.0.1:{port}")), "{e}");
+    assert!(e.contains("not Redis protocol"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(8), "took {:?}", t.elapsed());
+}
+
+/// A server that accepts and never answers: connect (with AUTH and SELECT) and commands are
+/// bounded by the timeout.
+#[test]
+fn redis_silent_server_times_out() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    // Accepted connections are kept open, unanswered.
+    std::thread::spawn(move || l.incoming().flatten().collect::<Vec<_>>());
+    let opts = StoreOptions { timeout: Duration::from_secs(1), ..StoreOptions::default() };
+    for url in [format!("redis://127.0.0.1:{port}"), format!("redis://:pw@127.0.0.1:{port}/2")] {
+        let t = Instant::now();
+        let e = connect(&url, &opts).unwrap().unwrap().get("k").unwrap_err().to_string();
+        assert!(e.contains("redis") && e.contains(&format!("127.0.0.1:{port}")) && e.contains("timed out"), "{url}: {e}");
+        assert!(t.elapsed() < Duration::from_secs(3), "{url}: took {:?}", t.elapsed());
+    }
+}
+
 #[test]
 fn cluster_id_namespaces_keys() {
     let Some(svc) = Service::redis() else { return };

@@ -51,6 +51,8 @@ pub struct Service {
     peer_port: u16,
     pub dir: PathBuf,
     bin: PathBuf,
+    /// Extra command-line arguments (e.g. redis-server's `--requirepass`).
+    extra: Vec<String>,
     child: Option<Child>,
 }
 
@@ -84,8 +86,14 @@ impl Service {
     }
 
     pub fn redis() -> Option<Service> {
+        Service::redis_with(&[])
+    }
+
+    /// redis-server with extra arguments, e.g. `["--requirepass", "pw"]`. `ready` then
+    /// accepts the NOAUTH answer too.
+    pub fn redis_with(extra: &[&str]) -> Option<Service> {
         let Some(bin) = find_binary("redis-server") else { return missing("redis-server (Debian package redis-server)") };
-        Some(Service::start(Kind::Redis, bin, temp_dir("redis")))
+        Some(Service::start_with(Kind::Redis, bin, temp_dir("redis"), extra))
     }
 
     /// Mooncake's Python HTTP metadata server from the venv of `KVFERRY_MOONCAKE_PYTHON`.
@@ -97,9 +105,14 @@ impl Service {
     }
 
     fn start(kind: Kind, bin: PathBuf, dir: PathBuf) -> Service {
+        Service::start_with(kind, bin, dir, &[])
+    }
+
+    fn start_with(kind: Kind, bin: PathBuf, dir: PathBuf, extra: &[&str]) -> Service {
         let mut last = String::new();
+        let extra: Vec<String> = extra.iter().map(|a| a.to_string()).collect();
         for _ in 0..5 {
-            let mut s = Service { kind, port: free_port(), peer_port: free_port(), dir: dir.clone(), bin: bin.clone(), child: None };
+            let mut s = Service { kind, port: free_port(), peer_port: free_port(), dir: dir.clone(), bin: bin.clone(), extra: extra.clone(), child: None };
             match s.spawn() {
                 Ok(()) => return s,
                 Err(e) => last = e,
@@ -121,6 +134,7 @@ impl Service {
             }
             Kind::Redis => {
                 cmd.args(["--port", &p.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir"]).arg(&self.dir);
+                cmd.args(&self.extra);
             }
             Kind::MooncakeHttp => {
                 cmd.args(["--host", "127.0.0.1", "--port", &p.to_string(), "--log-level", "WARNING"]);
@@ -154,7 +168,7 @@ impl Service {
                 let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else { return false };
                 let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
                 let mut b = [0u8; 16];
-                s.write_all(b"PING\r\n").is_ok() && s.read(&mut b).map(|n| b[..n].starts_with(b"+PONG")).unwrap_or(false)
+                s.write_all(b"PING\r\n").is_ok() && s.read(&mut b).map(|n| b[..n].starts_with(b"+PONG") || b[..n].starts_with(b"-NOAUTH")).unwrap_or(false)
             }
             Kind::MooncakeHttp => http_get(self.port, "/metadata?key=probe").is_some_and(|r| r.starts_with("HTTP/1.1 404")),
         }
