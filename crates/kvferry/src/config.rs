@@ -32,9 +32,10 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_TCP_PROTO", aliases: &["MC_TCP_PROTO"], default: "2", doc: "`1` forces Mooncake's legacy v1 TCP framing towards every peer (writes are then confirmed by a read fence)" },
     EnvVar { name: "KVFERRY_HANDSHAKE_MAX_LENGTH", aliases: &["MC_HANDSHAKE_MAX_LENGTH"], default: "1048576", doc: "largest handshake frame accepted (bytes, up to 128 MiB)" },
     EnvVar { name: "KVFERRY_HANDSHAKE_CONNECT_TIMEOUT", aliases: &["MC_HANDSHAKE_CONNECT_TIMEOUT"], default: "5", doc: "seconds to connect to a peer's handshake port" },
-    EnvVar { name: "KVFERRY_METADATA_SERVER", aliases: &[], default: "P2PHANDSHAKE", doc: "where segments are found: `P2PHANDSHAKE` (peers exchange descriptors directly), `http://host:port/metadata`, `etcd://h1:2379,h2:2379` (a bare `host:port` means etcd) or `redis://[user:pass@]host:port[/db]`" },
+    EnvVar { name: "KVFERRY_METADATA_SERVER", aliases: &[], default: "P2PHANDSHAKE", doc: "where segments are found: `P2PHANDSHAKE` (peers exchange descriptors directly), `http(s)://host:port/metadata`, `etcd://h1:2379,h2:2379` (a bare `host:port` means etcd) or `redis://[user:pass@]host:port[/db]`" },
     EnvVar { name: "KVFERRY_METADATA_CLUSTER_ID", aliases: &["MC_METADATA_CLUSTER_ID"], default: "(none)", doc: "namespace in the metadata service: keys become `mooncake/<id>/...` instead of `mooncake/...`" },
     EnvVar { name: "KVFERRY_METADATA_TIMEOUT", aliases: &[], default: "3", doc: "seconds one metadata request may take (connect: half of it, at most 1.5 s)" },
+    EnvVar { name: "KVFERRY_METADATA_CA_FILE", aliases: &[], default: "(built-in Mozilla roots)", doc: "`https://` metadata server: PEM file of the CA certificate(s) to trust instead of the built-in public roots (a private CA or a self-signed server certificate; `/etc/ssl/certs/ca-certificates.crt` trusts the system store)" },
     EnvVar { name: "KVFERRY_METADATA_LEASE_TTL", aliases: &[], default: "10", doc: "seconds an engine's etcd entries outlive it when it stops renewing them (crash); the engine renews and re-checks its entries every third of this" },
     EnvVar { name: "KVFERRY_ADVERTISE_ADDRESS", aliases: &["MC_TCP_BIND_ADDRESS"], default: "the host part of local_hostname", doc: "central metadata mode: the address of this host published in `rpc_meta` and bound by the listeners, when local_hostname is a logical name (e.g. `prefill-0`)" },
     EnvVar { name: "KVFERRY_REDIS_USERNAME", aliases: &["MC_REDIS_USERNAME"], default: "(none)", doc: "Redis user for `AUTH` (the `redis://user:pass@` URL form wins)" },
@@ -51,7 +52,7 @@ pub struct Config {
     /// `host` or `host:port`; the host part is advertised to peers and must be reachable by them.
     pub local_hostname: String,
     /// `P2PHANDSHAKE` (peers exchange descriptors directly) or a metadata service:
-    /// `http://host:port/metadata`, `etcd://h1:2379,h2:2379` (or bare `host:port`),
+    /// `http(s)://host:port/metadata`, `etcd://h1:2379,h2:2379` (or bare `host:port`),
     /// `redis://[user:pass@]host:port[/db]` (see [`crate::metadata`]).
     pub metadata_server: String,
     /// Key namespace in the metadata service (`mooncake/<id>/...`).
@@ -60,6 +61,8 @@ pub struct Config {
     pub metadata_timeout: Duration,
     /// TTL of the etcd lease an engine's entries live under.
     pub metadata_lease_ttl: Duration,
+    /// `https://` metadata server: PEM file of the CA certificates to trust.
+    pub metadata_ca_file: Option<std::path::PathBuf>,
     /// Central mode: the address published in `rpc_meta` and bound, when `local_hostname`
     /// is a logical name.
     pub advertise_address: Option<String>,
@@ -93,6 +96,7 @@ impl Default for Config {
             metadata_cluster_id: None,
             metadata_timeout: Duration::from_secs(3),
             metadata_lease_ttl: Duration::from_secs(10),
+            metadata_ca_file: None,
             advertise_address: None,
             redis_username: None,
             redis_password: None,
@@ -196,6 +200,7 @@ impl Config {
         if let Some(d) = seconds(get, "KVFERRY_METADATA_LEASE_TTL")? {
             c.metadata_lease_ttl = d;
         }
+        c.metadata_ca_file = lookup(get, "KVFERRY_METADATA_CA_FILE").map(|(_, v)| v.into());
         c.advertise_address = lookup(get, "KVFERRY_ADVERTISE_ADDRESS").map(|(_, v)| v);
         c.redis_username = lookup(get, "KVFERRY_REDIS_USERNAME").map(|(_, v)| v);
         c.redis_password = lookup(get, "KVFERRY_REDIS_PASSWORD").map(|(_, v)| v);

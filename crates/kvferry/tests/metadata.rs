@@ -10,6 +10,7 @@ mod metadata_services;
 use kvferry::metadata::{connect, Keys, MetadataStore, StoreOptions};
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use metadata_services::Service;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -85,7 +86,16 @@ fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
 
 /// Registration, look-up, transfer, key layout, update on (un)register, removal on drop.
 fn full_cycle(url: &str, tag: &str) {
-    let store = raw_store(url);
+    full_cycle_with(url, tag, None)
+}
+
+/// [`full_cycle`] with `KVFERRY_METADATA_CA_FILE` (https) for the store and both engines.
+fn full_cycle_with(url: &str, tag: &str, ca_file: Option<&Path>) {
+    let ca_file = ca_file.map(Path::to_path_buf);
+    let store = connect(url, &StoreOptions { ca_file: ca_file.clone(), ..StoreOptions::default() }).expect("connect").expect("not P2P");
+    let engine = |url: &str, name: &str| {
+        TransferEngine::new(Config { metadata_ca_file: ca_file.clone(), ..config(url, name) }).unwrap_or_else(|e| panic!("engine {name} on {url}: {e}"))
+    };
     let keys = Keys::new(None);
     let name_a = format!("{tag}-target");
     let a = engine(url, &name_a);
@@ -198,6 +208,148 @@ fn redis_silent_server_times_out() {
         assert!(e.contains("redis") && e.contains(&format!("127.0.0.1:{port}")) && e.contains("timed out"), "{url}: {e}");
         assert!(t.elapsed() < Duration::from_secs(3), "{url}: took {:?}", t.elapsed());
     }
+}
+
+/// A minimal HTTPS server with Mooncake's HTTP metadata contract (GET/PUT/DELETE
+/// `?key=`, keep-alive), on rustls with a certificate for `localhost` and `127.0.0.1` issued by
+/// a private CA made here.
+mod tls_server {
+    use std::collections::HashMap;
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::{Arc, Mutex};
+
+    pub struct TlsServer {
+        pub port: u16,
+        /// The CA certificate (PEM) that issued the server's certificate.
+        pub ca_pem: String,
+    }
+
+    type Map = Arc<Mutex<HashMap<String, Vec<u8>>>>;
+
+    pub fn start() -> TlsServer {
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca_params.distinguished_name.push(rcgen::DnType::CommonName, "kvferry test CA");
+        let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap().signed_by(&key, &ca).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![cert.der().clone()], rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()))
+            .unwrap();
+        let config = Arc::new(config);
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let map: Map = Arc::default();
+        std::thread::spawn(move || {
+            for s in l.incoming().flatten() {
+                let (config, map) = (config.clone(), map.clone());
+                std::thread::spawn(move || {
+                    let _ = serve(s, config, map);
+                });
+            }
+        });
+        TlsServer { port, ca_pem: ca.pem() }
+    }
+
+    fn serve(s: TcpStream, config: Arc<rustls::ServerConfig>, map: Map) -> std::io::Result<()> {
+        let tls = rustls::ServerConnection::new(config).map_err(std::io::Error::other)?;
+        let mut r = BufReader::new(rustls::StreamOwned::new(tls, s));
+        loop {
+            let mut line = String::new();
+            if r.read_line(&mut line)? == 0 {
+                return Ok(());
+            }
+            let mut parts = line.split_whitespace();
+            let (method, target) = (parts.next().unwrap_or("").to_string(), parts.next().unwrap_or("").to_string());
+            let mut len = 0usize;
+            loop {
+                let mut h = String::new();
+                r.read_line(&mut h)?;
+                if h.trim().is_empty() {
+                    break;
+                }
+                if let Some((k, v)) = h.split_once(':') {
+                    if k.eq_ignore_ascii_case("content-length") {
+                        len = v.trim().parse().unwrap_or(0);
+                    }
+                }
+            }
+            let mut body = vec![0u8; len];
+            r.read_exact(&mut body)?;
+            let key = target.split_once("?key=").map(|(_, k)| k.to_string()).unwrap_or_default();
+            let mut m = map.lock().unwrap();
+            let (status, out): (&str, Vec<u8>) = match method.as_str() {
+                "GET" => match m.get(&key) {
+                    Some(v) => ("200 OK", v.clone()),
+                    None => ("404 Not Found", b"metadata not found".to_vec()),
+                },
+                "PUT" => {
+                    m.insert(key, body);
+                    ("200 OK", b"metadata updated".to_vec())
+                }
+                "DELETE" => match m.remove(&key) {
+                    Some(_) => ("200 OK", b"metadata deleted".to_vec()),
+                    None => ("404 Not Found", b"metadata not found".to_vec()),
+                },
+                _ => ("405 Method Not Allowed", Vec::new()),
+            };
+            drop(m);
+            let head = format!("HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", out.len());
+            let w = r.get_mut();
+            w.write_all(&[head.as_bytes(), &out].concat())?;
+            w.flush()?;
+        }
+    }
+}
+
+/// `https://` metadata server: verified against `KVFERRY_METADATA_CA_FILE` (by host name and by
+/// IP address), refused without it, and errors naming the file, the URL and the fix.
+#[test]
+fn https_metadata_server_with_a_private_ca() {
+    let srv = tls_server::start();
+    let dir = std::env::temp_dir().join(format!("kvferry-https-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca = dir.join("ca.pem");
+    std::fs::write(&ca, &srv.ca_pem).unwrap();
+    let with_ca = StoreOptions { ca_file: Some(ca.clone()), ..StoreOptions::default() };
+    for host in ["localhost", "127.0.0.1"] {
+        let url = format!("https://{host}:{}/metadata", srv.port);
+        let store = connect(&url, &with_ca).unwrap().unwrap();
+        store.put(&format!("k/{host}"), b"{\"v\":1}").unwrap();
+        assert_eq!(store.get(&format!("k/{host}")).unwrap().as_deref(), Some(&b"{\"v\":1}"[..]), "{url}");
+        store.remove(&format!("k/{host}")).unwrap();
+        assert_eq!(store.get(&format!("k/{host}")).unwrap(), None, "{url}");
+    }
+    let url = format!("https://localhost:{}/metadata", srv.port);
+
+    // Without the CA: the built-in public roots do not know it.
+    let t = Instant::now();
+    let e = raw_store(&url).get("k").unwrap_err().to_string();
+    assert!(e.contains("http") && e.contains(&url) && e.contains("KVFERRY_METADATA_CA_FILE"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    // A CA file that is missing or holds no certificate: named, with what is wrong.
+    let missing = dir.join("nope.pem");
+    let e = connect(&url, &StoreOptions { ca_file: Some(missing.clone()), ..StoreOptions::default() }).err().unwrap().to_string();
+    assert!(e.contains("KVFERRY_METADATA_CA_FILE") && e.contains(&missing.display().to_string()) && e.contains("cannot read"), "{e}");
+    let junk = dir.join("junk.pem");
+    std::fs::write(&junk, "not a certificate\n").unwrap();
+    let e = connect(&url, &StoreOptions { ca_file: Some(junk), ..StoreOptions::default() }).err().unwrap().to_string();
+    assert!(e.contains("no PEM certificate"), "{e}");
+    // Plain http to the TLS port: an error, not a hang.
+    let t = Instant::now();
+    let opts = StoreOptions { timeout: Duration::from_secs(2), ..StoreOptions::default() };
+    assert!(connect(&format!("http://127.0.0.1:{}/metadata", srv.port), &opts).unwrap().unwrap().get("k").is_err());
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+
+    // Engines register, find each other and move data through it.
+    full_cycle_with(&url, "https", Some(&ca));
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

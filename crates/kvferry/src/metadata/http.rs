@@ -4,13 +4,20 @@
 //!
 //! Blocking client (ureq) with keep-alive connections; every request is bounded by the
 //! configured timeout (connect by at most 1.5 s, as Mooncake's libcurl plugin).
+//!
+//! `https://` URLs use rustls (no OpenSSL): the server's certificate is verified against the
+//! built-in Mozilla roots, or against the CA certificates of the PEM file given as
+//! `KVFERRY_METADATA_CA_FILE` (like curl's `--cacert`: those replace the built-in roots).
 
 use super::{url_encode, Backend, MetadataStore, StoreOptions};
 use crate::error::{Error, Result};
 use std::io::Read;
+use std::path::Path;
 
 /// Largest value accepted from the server (a descriptor of ~100k buffers).
 const MAX_VALUE: u64 = 128 << 20;
+
+const TLS_HINT: &str = " (TLS: the server's certificate must be issued for this host name by a CA in KVFERRY_METADATA_CA_FILE, or by a public CA when that is unset; is it an https server?)";
 
 pub struct HttpStore {
     url: String,
@@ -19,7 +26,12 @@ pub struct HttpStore {
 
 impl HttpStore {
     pub fn new(url: &str, opts: &StoreOptions) -> Result<HttpStore> {
+        let mut roots = ureq::tls::RootCerts::WebPki;
+        if let Some(file) = opts.ca_file.as_deref().filter(|_| is_https(url)) {
+            roots = load_roots(file).map_err(|reason| Error::Metadata { backend: Backend::Http.name(), location: url.to_string(), reason })?;
+        }
         let config = ureq::Agent::config_builder()
+            .tls_config(ureq::tls::TlsConfig::builder().root_certs(roots).build())
             .http_status_as_error(false)
             .timeout_global(Some(opts.timeout))
             .timeout_connect(Some(opts.connect_timeout()))
@@ -42,6 +54,8 @@ impl HttpStore {
         let hint = match &e {
             ureq::Error::Timeout(_) => " (timed out: is the metadata server up and reachable from here?)",
             ureq::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => " (connection refused: is the metadata server running at this address?)",
+            ureq::Error::Rustls(_) | ureq::Error::Tls(_) | ureq::Error::Pem(_) => TLS_HINT,
+            ureq::Error::Io(io) if is_https(&self.url) && io.kind() == std::io::ErrorKind::InvalidData => TLS_HINT,
             _ => " (is the metadata server running at this address?)",
         };
         self.err(format!("{what} {key}: {e}{hint}"))
@@ -66,6 +80,28 @@ impl HttpStore {
         let text = String::from_utf8_lossy(&body[..body.len().min(200)]).trim().to_string();
         self.err(format!("{what} {key} answered HTTP {status} {text:?}"))
     }
+}
+
+fn is_https(url: &str) -> bool {
+    url.get(..8).is_some_and(|s| s.eq_ignore_ascii_case("https://"))
+}
+
+/// The CA certificates of a PEM file; an error names the file and what is wrong with it.
+fn load_roots(file: &Path) -> std::result::Result<ureq::tls::RootCerts, String> {
+    let what = format!("KVFERRY_METADATA_CA_FILE={}", file.display());
+    let pem = std::fs::read(file).map_err(|e| format!("{what}: cannot read it: {e}"))?;
+    let mut certs = Vec::new();
+    for item in ureq::tls::parse_pem(&pem) {
+        match item {
+            Ok(ureq::tls::PemItem::Certificate(c)) => certs.push(c),
+            Ok(_) => {}
+            Err(e) => return Err(format!("{what}: not a valid PEM file: {e}")),
+        }
+    }
+    if certs.is_empty() {
+        return Err(format!("{what}: holds no PEM certificate (\"-----BEGIN CERTIFICATE-----\")"));
+    }
+    Ok(ureq::tls::RootCerts::new_with_certs(&certs))
 }
 
 impl MetadataStore for HttpStore {

@@ -6,7 +6,8 @@
 //!   entries under a lease so a crashed engine disappears by itself) and [`redis::RedisStore`].
 //!   Every build has all three.
 //! - [`ConnString`] parses the connection string exactly as Mooncake does: `P2PHANDSHAKE`,
-//!   `http://host:port/metadata`, `etcd://h1:2379,h2:2379` (a bare `host:port` means etcd),
+//!   `http://host:port/metadata` (or `https://`, verified against the built-in public roots or
+//!   `KVFERRY_METADATA_CA_FILE`), `etcd://h1:2379,h2:2379` (a bare `host:port` means etcd),
 //!   `redis://[user:pass@]host:port[/db]`.
 //! - [`Keys`] is Mooncake's key layout: `mooncake/[<cluster id>/]rpc_meta/<name>` =
 //!   [`RpcMeta`], `mooncake/[<cluster id>/]ram/<name>` = the segment descriptor JSON.
@@ -54,14 +55,14 @@ impl std::fmt::Display for Backend {
 }
 
 /// What the connection strings may look like; listed in the error for an unknown one.
-pub const SUPPORTED: &str = "P2PHANDSHAKE, http://host:port/metadata, etcd://host:2379[,host2:2379...] (or a bare host:port, which means etcd), redis://[user:password@]host:port[/db]";
+pub const SUPPORTED: &str = "P2PHANDSHAKE, http://host:port/metadata (or https://), etcd://host:2379[,host2:2379...] (or a bare host:port, which means etcd), redis://[user:password@]host:port[/db]";
 
 /// A parsed metadata connection string.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ConnString {
     /// No service: peers exchange descriptors over the handshake port.
     P2p,
-    /// `http://host:port/path`: the full URL the keys are appended to as `?key=`.
+    /// `http(s)://host:port/path`: the full URL the keys are appended to as `?key=`.
     Http { url: String },
     /// etcd endpoints, each `host:port`.
     Etcd { endpoints: Vec<String> },
@@ -100,12 +101,11 @@ impl ConnString {
             return Self::etcd(s, t);
         };
         match scheme.to_ascii_lowercase().as_str() {
-            "http" => {
-                let (authority, _) = rest.split_once('/').unwrap_or((rest, ""));
-                check_host_port(s, authority, Some(80))?;
+            scheme @ ("http" | "https") => {
+                let (authority, _) = rest.split_once(['/', '?']).unwrap_or((rest, ""));
+                check_host_port(s, authority, Some(if scheme == "https" { 443 } else { 80 }))?;
                 Ok(ConnString::Http { url: t.to_string() })
             }
-            "https" => Err(bad(s, "https is not supported by this build (plain http only); put the metadata server on a trusted network or behind a local TLS terminator")),
             "etcd" => Self::etcd(s, rest),
             "redis" => {
                 let rest = rest.trim_end_matches('/');
@@ -171,11 +171,14 @@ pub struct StoreOptions {
     pub redis_username: Option<String>,
     pub redis_password: Option<String>,
     pub redis_db: Option<u32>,
+    /// `https://`: PEM file of the CA certificates to trust instead of the built-in public
+    /// roots (`KVFERRY_METADATA_CA_FILE`).
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        StoreOptions { timeout: Duration::from_secs(3), lease_ttl: Duration::from_secs(10), redis_username: None, redis_password: None, redis_db: None }
+        StoreOptions { timeout: Duration::from_secs(3), lease_ttl: Duration::from_secs(10), redis_username: None, redis_password: None, redis_db: None, ca_file: None }
     }
 }
 
@@ -187,6 +190,7 @@ impl StoreOptions {
             redis_username: c.redis_username.clone(),
             redis_password: c.redis_password.clone(),
             redis_db: c.redis_db,
+            ca_file: c.metadata_ca_file.clone(),
         }
     }
 
@@ -547,7 +551,9 @@ mod tests {
         assert!(ConnString::parse("redis://h:1/999").unwrap_err().to_string().contains("0-255"));
         assert!(ConnString::parse("nohostport").is_err());
         assert!(ConnString::parse("").is_err());
-        assert!(ConnString::parse("https://h/metadata").unwrap_err().to_string().contains("https"));
+        assert_eq!(ConnString::parse("https://h/metadata").unwrap(), ConnString::Http { url: "https://h/metadata".into() });
+        assert_eq!(ConnString::parse("HTTPS://h:8443/metadata").unwrap().backend(), Some(Backend::Http));
+        assert!(ConnString::parse("https://:8443/metadata").is_err());
     }
 
     #[test]
