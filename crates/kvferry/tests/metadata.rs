@@ -227,14 +227,23 @@ mod tls_server {
 
     type Map = Arc<Mutex<HashMap<String, Vec<u8>>>>;
 
-    pub fn start() -> TlsServer {
-        let ca_key = rcgen::KeyPair::generate().unwrap();
-        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca_params.distinguished_name.push(rcgen::DnType::CommonName, "kvferry test CA");
-        let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).unwrap();
+    /// `self_signed`: the server's certificate is its own issuer (then `ca_pem` is that
+    /// certificate) instead of being issued by a CA.
+    pub fn start(self_signed: bool) -> TlsServer {
+        let names = vec!["localhost".to_string(), "127.0.0.1".to_string()];
         let key = rcgen::KeyPair::generate().unwrap();
-        let cert = rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap().signed_by(&key, &ca).unwrap();
+        let (cert, ca_pem) = if self_signed {
+            let cert = rcgen::CertificateParams::new(names).unwrap().self_signed(&key).unwrap();
+            let pem = cert.pem();
+            (cert, pem)
+        } else {
+            let ca_key = rcgen::KeyPair::generate().unwrap();
+            let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+            ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            ca_params.distinguished_name.push(rcgen::DnType::CommonName, "kvferry test CA");
+            let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).unwrap();
+            (rcgen::CertificateParams::new(names).unwrap().signed_by(&key, &ca).unwrap(), ca.pem())
+        };
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let config = rustls::ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
@@ -254,7 +263,7 @@ mod tls_server {
                 });
             }
         });
-        TlsServer { port, ca_pem: ca.pem() }
+        TlsServer { port, ca_pem }
     }
 
     fn serve(s: TcpStream, config: Arc<rustls::ServerConfig>, map: Map) -> std::io::Result<()> {
@@ -312,7 +321,7 @@ mod tls_server {
 /// IP address), refused without it, and errors naming the file, the URL and the fix.
 #[test]
 fn https_metadata_server_with_a_private_ca() {
-    let srv = tls_server::start();
+    let srv = tls_server::start(false);
     let dir = std::env::temp_dir().join(format!("kvferry-https-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let ca = dir.join("ca.pem");
@@ -349,6 +358,13 @@ fn https_metadata_server_with_a_private_ca() {
 
     // Engines register, find each other and move data through it.
     full_cycle_with(&url, "https", Some(&ca));
+
+    // A self-signed server certificate, trusted as its own CA.
+    let srv = tls_server::start(true);
+    std::fs::write(&ca, &srv.ca_pem).unwrap();
+    let store = connect(&format!("https://localhost:{}/metadata", srv.port), &with_ca).unwrap().unwrap();
+    store.put("k", b"1").unwrap();
+    assert_eq!(store.get("k").unwrap().as_deref(), Some(&b"1"[..]));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
