@@ -6,8 +6,9 @@ Run with the interpreter of a venv that has the PyPI Mooncake wheel installed
 
 Subcommands (all on 127.0.0.1, P2PHANDSHAKE metadata, TCP transport):
 
-  target --size BYTES [--seed N]
-      Register a BYTES-long buffer filled with pattern(seed), print
+  target --size BYTES [--seed N] [--managed]
+      Register a BYTES-long buffer filled with pattern(seed) (with --managed: one from
+      allocate_managed_buffer, i.e. the engine's own allocator), print
       {"segment":"127.0.0.1:<rpc_port>","addr":<addr>,"size":BYTES}
       then answer stdin commands, one JSON line each:
         checksum OFF LEN      -> {"sha256": "<hex of buffer[OFF:OFF+LEN]>"}
@@ -139,15 +140,20 @@ def _segment_name(te):
 
 
 class Buffer:
-    """Page-aligned anonymous mapping with a stable address."""
+    """Page-aligned anonymous mapping with a stable address; or, given ``addr``, a view of
+    memory someone else owns (e.g. from ``allocate_managed_buffer``)."""
 
-    def __init__(self, size):
+    def __init__(self, size, addr=None):
         if size <= 0:
             raise SystemExit("mooncake_peer: --size must be > 0")
         self.size = size
-        self.mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self._anchor = ctypes.c_char.from_buffer(self.mm)
-        self.addr = ctypes.addressof(self._anchor)
+        if addr is None:
+            self.mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._anchor = ctypes.c_char.from_buffer(self.mm)
+            self.addr = ctypes.addressof(self._anchor)
+        else:
+            self.mm = memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+            self.addr = addr
 
     def sha256(self, off=0, length=None):
         if length is None:
@@ -179,10 +185,17 @@ def _register(te, buf):
 
 def cmd_target(args):
     out = _claim_stdout()
-    buf = Buffer(args.size)
-    pattern_fill(buf.mm, 0, buf.size, args.seed)
     te = _new_engine()
-    _register(te, buf)
+    if args.managed:
+        addr = te.allocate_managed_buffer(args.size)
+        if not addr:
+            raise SystemExit("mooncake_peer: allocate_managed_buffer(%d) failed" % args.size)
+        buf = Buffer(args.size, addr)
+    else:
+        buf = Buffer(args.size)
+    pattern_fill(buf.mm, 0, buf.size, args.seed)
+    if not args.managed:
+        _register(te, buf)
     _emit(out, {"segment": _segment_name(te), "addr": buf.addr, "size": buf.size})
 
     for line in sys.stdin:
@@ -208,7 +221,11 @@ def cmd_target(args):
                 _emit(out, {"error": "unknown command %r" % op})
         except (IndexError, ValueError) as e:
             _emit(out, {"error": "bad command %r: %s" % (line.strip(), e)})
-    te.unregister_memory(buf.addr)
+    if args.managed:
+        buf.mm.release()
+        te.free_managed_buffer(buf.addr, buf.size)
+    else:
+        te.unregister_memory(buf.addr)
     return 0
 
 
@@ -273,6 +290,7 @@ def main(argv=None):
     t = sub.add_parser("target")
     t.add_argument("--size", type=int, required=True)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--managed", action="store_true", help="buffer from allocate_managed_buffer")
 
     i = sub.add_parser("initiator")
     i.add_argument("--segment", required=True)

@@ -6,16 +6,19 @@
 Measures, through Mooncake's Python API (``from mooncake.engine import TransferEngine``; on
 kvferry via KVFERRY_MOONCAKE_SHIM=1, so the measuring code is identical):
 
-- throughput of ``batch_transfer_sync_write`` with 128 blocks of 64 KiB (8 MiB per call);
+- throughput of ``batch_transfer_sync_write`` with 128 blocks of 64 KiB (8 MiB per call),
+  each call the next 8 MiB of a 64 MiB buffer (so data comes from memory, not a warm cache);
 - latency of one 4 KiB ``transfer_sync_write`` (p50 / p99 / mean).
 
 Each row is an initiator process writing into a target process (tests/interop/
-mooncake_peer.py in target mode) on 127.0.0.1. Rows: kvferry -> kvferry (default transport,
-which uses cross-memory attach between kvferry processes on one host, and forced TCP),
-Mooncake -> Mooncake (TCP, MC_FORCE_TCP=1), and the two interop directions. The same run
-also measures the Rust API underneath (``kvferry bench``, one initiator thread, batch 128 x
-64 KiB writes and single 4 KiB writes, per transport), so the Python overhead is a ratio of
-this run. Not a test: numbers depend on the machine; compare rows of one run.
+mooncake_peer.py in target mode) on 127.0.0.1. Rows: kvferry -> kvferry on the default
+transport (shared memory between kvferry processes on one host) with ordinary buffers
+(``mmap``: reached by cross-memory attach) and with ``allocate_managed_buffer`` buffers
+(kvferry's allocator: mapped by the peer), forced TCP, Mooncake -> Mooncake (TCP,
+MC_FORCE_TCP=1), and the two interop directions. The same run also measures the Rust API
+underneath (``kvferry bench``, one initiator thread, batch 128 x 64 KiB writes over the same
+64 MiB walk and single 4 KiB writes, per transport and memory kind), so the Python overhead
+is a ratio of this run. Not a test: numbers depend on the machine; compare rows of one run.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PEER = ROOT / "tests" / "interop" / "mooncake_peer.py"
 BLOCK, BLOCKS, SMALL = 64 << 10, 128, 4096
+SLOTS = 8  # calls walk SLOTS x 8 MiB
+SIZE = BLOCK * BLOCKS * SLOTS
 
 
-def measure(segment: str, remote: int, seconds: float) -> dict:
+def measure(segment: str, remote: int, seconds: float, managed: bool) -> dict:
     """Runs in the initiator process (either implementation)."""
     sys.path.insert(0, str(PEER.parent))
     import mooncake_peer  # noqa: E402
@@ -45,18 +50,25 @@ def measure(segment: str, remote: int, seconds: float) -> dict:
 
     te = TransferEngine()
     assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    buf = mooncake_peer.Buffer(BLOCK * BLOCKS)
+    if managed:
+        buf = mooncake_peer.Buffer(SIZE, te.allocate_managed_buffer(SIZE))
+        assert buf.addr
+    else:
+        buf = mooncake_peer.Buffer(SIZE)
+        assert te.register_memory(buf.addr, buf.size) == 0
     mooncake_peer.pattern_fill(buf.mm, 0, buf.size, 5)
-    assert te.register_memory(buf.addr, buf.size) == 0
-    locs = [buf.addr + i * BLOCK for i in range(BLOCKS)]
-    rems = [remote + i * BLOCK for i in range(BLOCKS)]
+    slots = []
+    for k in range(SLOTS):
+        base = k * BLOCK * BLOCKS
+        slots.append(([buf.addr + base + i * BLOCK for i in range(BLOCKS)], [remote + base + i * BLOCK for i in range(BLOCKS)]))
     lens = [BLOCK] * BLOCKS
 
-    for _ in range(3):
-        assert te.batch_transfer_sync_write(segment, locs, rems, lens) == 0
+    for k in range(SLOTS):
+        assert te.batch_transfer_sync_write(segment, slots[k][0], slots[k][1], lens) == 0
     calls, t0 = 0, time.perf_counter()
     per_call = []
     while True:
+        locs, rems = slots[calls % SLOTS]
         s = time.perf_counter()
         assert te.batch_transfer_sync_write(segment, locs, rems, lens) == 0
         per_call.append(time.perf_counter() - s)
@@ -75,7 +87,12 @@ def measure(segment: str, remote: int, seconds: float) -> dict:
         assert te.transfer_sync_write(segment, buf.addr, remote, SMALL) == 0
         lat.append(time.perf_counter() - s)
     lat.sort()
-    te.unregister_memory(buf.addr)
+    digest = buf.sha256()
+    if managed:
+        buf.mm.release()
+        te.free_managed_buffer(buf.addr, buf.size)
+    else:
+        te.unregister_memory(buf.addr)
     return {
         "gbps": gbps,
         "batch_ms_p50": statistics.median(per_call) * 1e3,
@@ -84,7 +101,7 @@ def measure(segment: str, remote: int, seconds: float) -> dict:
         "lat_us_p99": lat[int(len(lat) * 0.99)] * 1e6,
         "lat_us_mean": statistics.fmean(lat) * 1e6,
         "lat_n": len(lat),
-        "sha256": buf.sha256(),
+        "sha256": digest,
     }
 
 
@@ -97,23 +114,24 @@ def _env(kvferry: bool, extra: dict) -> dict:
     return env
 
 
-def run_row(target_py: str, target_kv: bool, init_py: str, init_kv: bool, seconds: float, extra: dict) -> dict:
+def run_row(target_py: str, target_kv: bool, init_py: str, init_kv: bool, seconds: float, extra: dict, managed: bool = False) -> dict:
     target = subprocess.Popen(
-        [target_py, str(PEER), "target", "--size", str(BLOCK * BLOCKS)],
+        [target_py, str(PEER), "target", "--size", str(SIZE)] + (["--managed"] if managed else []),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
         env=_env(target_kv, extra),
     )
     try:
         info = json.loads(target.stdout.readline())
         r = subprocess.run(
-            [init_py, __file__, "measure", "--segment", info["segment"], "--addr", str(info["addr"]), "--seconds", str(seconds)],
+            [init_py, __file__, "measure", "--segment", info["segment"], "--addr", str(info["addr"]), "--seconds", str(seconds)]
+            + (["--managed"] if managed else []),
             capture_output=True, text=True, timeout=300, env=_env(init_kv, extra),
         )
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         if r.returncode != 0 or not lines:
             return {"error": (r.stderr.strip().splitlines() or ["rc=%d" % r.returncode])[-1]}
         res = json.loads(lines[-1])
-        target.stdin.write("checksum 0 %d\n" % (BLOCK * BLOCKS))
+        target.stdin.write("checksum 0 %d\n" % SIZE)
         target.stdin.flush()
         res["verified"] = json.loads(target.stdout.readline())["sha256"] == res["sha256"]
         return res
@@ -143,20 +161,22 @@ def main() -> int:
     m.add_argument("--segment", required=True)
     m.add_argument("--addr", type=int, required=True)
     m.add_argument("--seconds", type=float, default=2.0)
+    m.add_argument("--managed", action="store_true")
     ap.add_argument("--seconds", type=float, default=2.0, help="per measurement (default 2)")
     ap.add_argument("--mooncake-python", help="interpreter with the stock Mooncake wheel")
     args = ap.parse_args()
     if args.cmd == "measure":
         out = os.dup(1)
         os.dup2(2, 1)  # native chatter to stderr
-        res = measure(args.segment, args.addr, args.seconds)
+        res = measure(args.segment, args.addr, args.seconds, args.managed)
         os.write(out, (json.dumps(res) + "\n").encode())
         os._exit(0)
 
     kv = sys.executable
     mc = find_mooncake(args.mooncake_python)
     rows = [
-        ("kvferry -> kvferry (auto: shm on one host)", kv, True, kv, True, {}),
+        ("kvferry -> kvferry (auto: shm, mmap buffers)", kv, True, kv, True, {}),
+        ("kvferry -> kvferry (auto: shm, managed bufs)", kv, True, kv, True, {"managed": True}),
         ("kvferry -> kvferry (KVFERRY_TRANSPORT=tcp)", kv, True, kv, True, {"KVFERRY_TRANSPORT": "tcp"}),
     ]
     if mc:
@@ -174,7 +194,9 @@ def main() -> int:
     print("-" * len(hdr))
     results = {}
     for name, tpy, tkv, ipy, ikv, extra in rows:
-        r = run_row(tpy, tkv, ipy, ikv, args.seconds, extra)
+        extra = dict(extra)
+        managed = bool(extra.pop("managed", False))
+        r = run_row(tpy, tkv, ipy, ikv, args.seconds, extra, managed)
         results[name] = r
         if "error" in r:
             print("%-44s error: %s" % (name, r["error"]))
@@ -184,14 +206,14 @@ def main() -> int:
         sys.stdout.flush()
     # The Rust API underneath, same machine, same run.
     print("\nRust API (kvferry bench: one initiator thread, 128 x 64 KiB writes; single 4 KiB writes):")
-    for transport, row in (("shm", rows[0][0]), ("tcp", rows[1][0])):
-        rust = rust_bench(transport, args.seconds)
+    for transport, memory, row in (("shm", "private", rows[0][0]), ("shm", "kvferry", rows[1][0]), ("tcp", "private", rows[2][0])):
+        rust = rust_bench(transport, memory, args.seconds)
         py = results.get(row, {})
         if "error" in rust or "error" in py:
             print("  %s: %s" % (transport, rust.get("error") or py.get("error")))
             continue
-        print("  %-4s Rust %6.2f GB/s, 4K p50 %6.1f us | Python %6.2f GB/s (%.0f%% of Rust), 4K p50 %6.1f us (+%.1f us)" % (
-            transport, rust["gbps"], rust["single_p50_us"], py["gbps"], 100.0 * py["gbps"] / rust["gbps"],
+        print("  %-4s %-7s Rust %6.2f GB/s, 4K p50 %6.1f us | Python %6.2f GB/s (%.0f%% of Rust), 4K p50 %6.1f us (+%.1f us)" % (
+            transport, memory, rust["gbps"], rust["single_p50_us"], py["gbps"], 100.0 * py["gbps"] / rust["gbps"],
             py["lat_us_p50"], py["lat_us_p50"] - rust["single_p50_us"]))
     return 0
 
@@ -204,7 +226,7 @@ def kvferry_binary() -> str:
     return str(ROOT / "target" / "release" / "kvferry")
 
 
-def rust_bench(transport: str, seconds: float) -> dict:
+def rust_bench(transport: str, memory: str, seconds: float) -> dict:
     """`kvferry bench` with the Python rows' shape; returns the 64 KiB gbps and 4 KiB single p50."""
     import tempfile
 
@@ -213,7 +235,7 @@ def rust_bench(transport: str, seconds: float) -> dict:
         cmd = [kvferry_binary(), "bench", "--buffer-size", "64M", "--blocks", "4K,64K", "--ops", "write", "--batch", str(BLOCKS),
                "--threads", "1", "--duration", str(seconds), "--no-ceilings", "--mooncake", "none", "--transport", transport,
                # Python's buffers here are ordinary 4 KiB pages: compare like with like.
-               "--hugepages", "off", "--json", str(out)]
+               "--hugepages", "off", "--memory", memory, "--json", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             return {"error": "kvferry bench failed: " + (r.stderr.strip().splitlines() or ["?"])[-1]}
