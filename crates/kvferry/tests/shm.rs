@@ -210,6 +210,23 @@ fn stale_descriptor_after_unregister_is_refreshed_not_trusted(mapped: bool) {
 }
 
 #[test]
+fn a_segment_opened_by_an_alias_of_its_name_still_uses_shm() {
+    let a = engine_with(TransportMode::Shm);
+    let b = engine_with(TransportMode::Auto);
+    let src = pattern(1 << 20, 4);
+    let dst = vec![0u8; 1 << 20];
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*").unwrap();
+    let port = b.segment_name().rsplit(':').next().unwrap();
+    let alias = format!("localhost:{port}");
+    let seg = a.open_segment(&alias).unwrap();
+    let t = a.segment_transport(seg).unwrap();
+    assert_eq!((t.name, t.why_not_shm.as_deref()), ("shm", None), "opened as {alias}");
+    assert_eq!(sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, dst.as_ptr() as u64, 1 << 20)]).status, TaskStatus::Completed);
+    assert_eq!(dst, src);
+}
+
+#[test]
 fn transport_setting_forces_or_forbids_shm() {
     // Initiator says tcp: TCP even though the peer offers shm.
     let a = engine_with(TransportMode::Tcp);

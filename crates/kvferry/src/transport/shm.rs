@@ -587,7 +587,7 @@ impl ShmPeer {
         // The region is written only by its owner: it names the segment that process serves.
         // A descriptor that points at another engine's process (to make us write there) fails.
         let owner_name = ctl.name();
-        if owner_name != segment.trim_start_matches('/') {
+        if owner_name != segment.trim_start_matches('/') && !same_endpoint(&owner_name, segment.trim_start_matches('/')) {
             return Err(format!(
                 "process {pid} serves segment {owner_name:?}, not {segment:?} (open the segment by the exact name the peer reports, or its descriptor points at another engine)"
             ));
@@ -682,6 +682,17 @@ impl ShmPeer {
         }
         Ok(PeerMap { info: *info, ptr: p as *mut u8 })
     }
+}
+
+/// Whether two `host:port` segment names reach the same listener: same port, and the hosts
+/// resolve to a common address (`localhost:1500` and `127.0.0.1:1500`). Only one process
+/// listens on an address and port, so a process whose control region names one of them
+/// serves the segment opened by the other.
+fn same_endpoint(a: &str, b: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    let resolve = |n: &str| -> Vec<std::net::SocketAddr> { n.to_socket_addrs().map(|i| i.collect()).unwrap_or_default() };
+    let (ra, rb) = (resolve(a), resolve(b));
+    ra.iter().any(|x| rb.contains(x))
 }
 
 fn claim_slot(ctl: &CtlMap, owner: u64) -> Option<usize> {
@@ -1249,6 +1260,15 @@ mod tests {
         let h = host_id().unwrap();
         assert!(h.contains("pid:["), "{h}");
         assert_eq!(h, host_id().unwrap());
+    }
+
+    #[test]
+    fn endpoint_aliases() {
+        assert!(same_endpoint("localhost:15001", "127.0.0.1:15001"));
+        assert!(!same_endpoint("localhost:15001", "127.0.0.1:15002"));
+        assert!(!same_endpoint("127.0.0.2:15001", "127.0.0.1:15001"));
+        assert!(!same_endpoint("no-such-host.invalid:1", "127.0.0.1:1"));
+        assert!(!same_endpoint("garbage", "127.0.0.1:1"));
     }
 
     #[test]
