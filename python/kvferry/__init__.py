@@ -37,7 +37,7 @@ from ._errors import (
     TransferError,
     TransferTimeout,
 )
-from ._engine import Batch, Engine, Notify, Opcode, Region, Status, TaskStatus, features
+from ._engine import Batch, Engine, FailCause, Notify, Opcode, Region, Status, TaskStatus, features
 
 
 def install_mooncake_shim() -> None:
@@ -64,6 +64,7 @@ __all__ = [
     "Batch",
     "Opcode",
     "TaskStatus",
+    "FailCause",
     "Status",
     "Notify",
     "Region",

@@ -22,7 +22,7 @@ from ._buffers import as_u64 as _u64
 from ._buffers import resolve as _resolve
 from ._errors import InvalidArgument
 
-__all__ = ["Engine", "Batch", "Opcode", "TaskStatus", "Status", "Notify", "Region"]
+__all__ = ["Engine", "Batch", "Opcode", "TaskStatus", "FailCause", "Status", "Notify", "Region"]
 
 log = logging.getLogger("kvferry")
 
@@ -37,6 +37,10 @@ class Opcode(enum.IntEnum):
 
 
 TaskStatus = enum.IntEnum("TaskStatus", dict(_kvferry.task_status_names()))  # type: ignore[misc]
+#: Why a task failed, as a code (``Status.cause``, ``TransferError.cause``): OTHER,
+#: LOCAL_NOT_REGISTERED, REMOTE_NOT_REGISTERED, SEGMENT_NOT_FOUND, PEER_UNREACHABLE, PEER_LOST,
+#: PROTOCOL, TIMEOUT, SHUT_DOWN. The reason text says the same for people.
+FailCause = enum.IntEnum("FailCause", dict(_kvferry.fail_cause_names()))  # type: ignore[misc]
 TaskStatus.__doc__ = """Mooncake's task status values: WAITING=0, PENDING=1, INVALID=2, CANCELED=3,
 COMPLETED=4, TIMEOUT=5, FAILED=6."""
 TaskStatus.__module__ = __name__
@@ -50,6 +54,8 @@ class Status(NamedTuple):
     status: "TaskStatus"
     transferred_bytes: int
     reason: Optional[str]
+    #: Why it failed, as a code (None unless FAILED or TIMEOUT).
+    cause: Optional["FailCause"] = None
 
     @property
     def done(self) -> bool:
@@ -77,8 +83,8 @@ class Region(NamedTuple):
     location: str
 
 
-def _status(t: Tuple[int, int, Optional[str]]) -> Status:
-    return Status(TaskStatus(t[0]), t[1], t[2])
+def _status(t: Tuple[int, int, Optional[str], Optional[int]]) -> Status:
+    return Status(TaskStatus(t[0]), t[1], t[2], None if t[3] is None else FailCause(t[3]))
 
 
 def _as_type_error(e: Exception) -> InvalidArgument:
@@ -143,7 +149,7 @@ class Batch:
         if check and not st.ok:
             if not st.done:
                 st = Status(TaskStatus.TIMEOUT, st.transferred_bytes, "not finished after %.3f s" % timeout)
-            raise _kvferry.transfer_error(self.segment, int(st.status), st.transferred_bytes, st.reason)
+            raise _kvferry.transfer_error(self.segment, int(st.status), st.transferred_bytes, st.reason, None if st.cause is None else int(st.cause))
         return st
 
     @property

@@ -32,7 +32,10 @@ class KvferryError(Exception):
     Attributes:
         reason: what went wrong and what to do about it (also ``str(exc)``).
         code: Mooncake's numeric error code for this failure (negative), or None.
+        cause: for a failed transfer, why, as a ``kvferry.FailCause`` code (an int), else None.
     """
+
+    cause: Optional[int] = None
 
     def __init__(self, message: str = "", code: Optional[int] = None) -> None:
         super().__init__(message)

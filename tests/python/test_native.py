@@ -261,8 +261,10 @@ def test_transfer_errors_are_typed(pair, kv):
     with pytest.raises(kv.AddressNotRegistered, match="local range") as ei:
         a.write(seg, Buf(4096).addr, remote, 16)
     assert ei.value.code == -3
-    with pytest.raises(kv.AddressNotRegistered, match="remote range"):
+    assert ei.value.cause == kv.FailCause.LOCAL_NOT_REGISTERED
+    with pytest.raises(kv.AddressNotRegistered, match="remote range") as ei:
         a.write(seg, src, remote + 4096, 16)
+    assert ei.value.cause == kv.FailCause.REMOTE_NOT_REGISTERED
     with pytest.raises(kv.AddressNotRegistered, match="remote range"):
         a.write(seg, src, remote + 1, 4096)
     with pytest.raises(kv.InvalidArgument, match="exceeds"):
@@ -324,8 +326,10 @@ def test_submit_failed_task(pair, kv):
     batch = a.submit(b.segment_name, [src, src], [remote, remote + (1 << 30)], [16, 16], kv.Opcode.WRITE)
     st = batch.wait(check=False)
     assert st.status == kv.TaskStatus.FAILED and "remote range" in st.reason
-    with pytest.raises(kv.AddressNotRegistered):
+    assert st.cause is kv.FailCause.REMOTE_NOT_REGISTERED
+    with pytest.raises(kv.AddressNotRegistered) as ei:
         batch.wait()
+    assert ei.value.cause == kv.FailCause.REMOTE_NOT_REGISTERED
     assert batch.task_status(1).status == kv.TaskStatus.FAILED
     wait_for(lambda: batch.task_status(0).done)
     batch.free()
@@ -347,6 +351,7 @@ def test_batch_busy(kv, monkeypatch):
         with pytest.raises(kv.TransferTimeout) as ei:
             batch.wait(10)
         assert isinstance(ei.value, TimeoutError)
+        assert ei.value.cause == kv.FailCause.TIMEOUT
         assert time.monotonic() - t0 < 8
         wait_for(lambda: batch.status().done)
         batch.release()

@@ -4,7 +4,7 @@
 //! bases (`TransferTimeout` is both a `kvferry.TransferError` and a builtin `TimeoutError`).
 //! Every exception carries the reason as its message and Mooncake's numeric code as `.code`.
 
-use kvferry::{Error, TaskStatus, TransferStatus};
+use kvferry::{Error, FailCause, TaskStatus, TransferStatus};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -108,10 +108,10 @@ pub fn peer_code(e: &Error) -> i32 {
     }
 }
 
-/// The exception for a task or batch that ended FAILED or TIMEOUT.
-///
-/// The engine reports task failures as text; the class is chosen from the engine's own
-/// message formats (see `kvferry::Error`'s Display), falling back to `TransferError`.
+/// The exception for a task or batch that ended FAILED or TIMEOUT, chosen by the engine's
+/// failure cause: `TransferTimeout`, `AddressNotRegistered`, `SegmentNotFound`, else
+/// `TransferError`. The exception's `cause` attribute is the cause's code (see
+/// `kvferry.FailCause`), `None` when the engine gave none.
 pub fn transfer_failure(py: Python<'_>, segment: &str, st: &TransferStatus) -> PyErr {
     let reason = st.reason.clone().unwrap_or_else(|| match st.status {
         TaskStatus::Timeout => "the transfer did not finish in time".to_string(),
@@ -119,17 +119,15 @@ pub fn transfer_failure(py: Python<'_>, segment: &str, st: &TransferStatus) -> P
         _ => "the transfer failed (no reason recorded)".to_string(),
     });
     let msg = format!("transfer with segment {segment:?} {}: {reason}", status_word(st.status));
-    if st.status == TaskStatus::Timeout {
-        return raise(py, Kind::Timeout, msg, -1);
-    }
-    let (kind, code) = if reason.starts_with("local range") || reason.starts_with("remote range") {
-        (Kind::AddressNotRegistered, -3)
-    } else if reason.starts_with("segment ") && reason.contains("is not open") {
-        (Kind::SegmentNotFound, -200)
-    } else {
-        (Kind::Transfer, -1)
+    let (kind, code) = match (st.status, st.cause) {
+        (TaskStatus::Timeout, _) | (_, Some(FailCause::Timeout)) => (Kind::Timeout, -1),
+        (_, Some(FailCause::LocalNotRegistered | FailCause::RemoteNotRegistered)) => (Kind::AddressNotRegistered, -3),
+        (_, Some(FailCause::SegmentNotFound)) => (Kind::SegmentNotFound, -200),
+        _ => (Kind::Transfer, -1),
     };
-    raise(py, kind, msg, code)
+    let err = raise(py, kind, msg, code);
+    let _ = err.value(py).setattr("cause", st.cause.map(FailCause::code));
+    err
 }
 
 pub fn status_word(s: TaskStatus) -> &'static str {

@@ -23,18 +23,18 @@ mod store;
 use errors::{raise, Kind};
 use kvferry::config::split_host_port;
 use kvferry::wire::handshake::{parse_json, MsgType, NotifyMsg};
-use kvferry::{BatchId, Config, Error, Opcode, TaskStatus, TransferEngine, TransferRequest, TransferStatus};
+use kvferry::{BatchId, Config, Error, FailCause, Opcode, TaskStatus, TransferEngine, TransferRequest, TransferStatus};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-/// (status, transferred_bytes, reason) as handed to Python.
-type StatusTuple = (u8, u64, Option<String>);
+/// (status, transferred_bytes, reason, cause code) as handed to Python.
+type StatusTuple = (u8, u64, Option<String>, Option<u8>);
 
 fn status_tuple(s: &TransferStatus) -> StatusTuple {
-    (s.status as u8, s.transferred_bytes, s.reason.clone())
+    (s.status as u8, s.transferred_bytes, s.reason.clone(), s.cause.map(FailCause::code))
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -562,8 +562,8 @@ fn read_memory<'py>(py: Python<'py>, addr: u64, length: u64) -> PyResult<Bound<'
 /// The exception (not raised) for a batch or task status that is not COMPLETED:
 /// TransferTimeout, AddressNotRegistered, SegmentNotFound or TransferError.
 #[pyfunction]
-#[pyo3(signature = (segment, status, transferred_bytes = 0, reason = None))]
-fn transfer_error(py: Python<'_>, segment: String, status: u8, transferred_bytes: u64, reason: Option<String>) -> Py<PyAny> {
+#[pyo3(signature = (segment, status, transferred_bytes = 0, reason = None, cause = None))]
+fn transfer_error(py: Python<'_>, segment: String, status: u8, transferred_bytes: u64, reason: Option<String>, cause: Option<u8>) -> Py<PyAny> {
     let status = match status {
         0 => TaskStatus::Waiting,
         1 => TaskStatus::Pending,
@@ -573,7 +573,7 @@ fn transfer_error(py: Python<'_>, segment: String, status: u8, transferred_bytes
         5 => TaskStatus::Timeout,
         _ => TaskStatus::Failed,
     };
-    let st = TransferStatus { status, transferred_bytes, reason };
+    let st = TransferStatus { status, transferred_bytes, reason, cause: cause.map(FailCause::from_code) };
     errors::transfer_failure(py, &segment, &st).into_value(py).into_any()
 }
 
@@ -595,6 +595,25 @@ fn features(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         d.set_item(k, v)?;
     }
     Ok(d)
+}
+
+/// FailCause values: why a task failed, as codes (the reason text says it for people).
+#[pyfunction]
+fn fail_cause_names() -> Vec<(&'static str, u8)> {
+    [
+        (FailCause::Other, "OTHER"),
+        (FailCause::LocalNotRegistered, "LOCAL_NOT_REGISTERED"),
+        (FailCause::RemoteNotRegistered, "REMOTE_NOT_REGISTERED"),
+        (FailCause::SegmentNotFound, "SEGMENT_NOT_FOUND"),
+        (FailCause::PeerUnreachable, "PEER_UNREACHABLE"),
+        (FailCause::PeerLost, "PEER_LOST"),
+        (FailCause::Protocol, "PROTOCOL"),
+        (FailCause::Timeout, "TIMEOUT"),
+        (FailCause::ShutDown, "SHUT_DOWN"),
+    ]
+    .into_iter()
+    .map(|(c, n)| (n, c.code()))
+    .collect()
 }
 
 /// TaskStatus values (Mooncake's integers).
@@ -644,6 +663,7 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(features, m)?)?;
     m.add_function(wrap_pyfunction!(task_status_names, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_error, m)?)?;
+    m.add_function(wrap_pyfunction!(fail_cause_names, m)?)?;
     m.add_function(wrap_pyfunction!(write_memory, m)?)?;
     m.add_function(wrap_pyfunction!(read_memory, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

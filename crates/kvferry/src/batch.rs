@@ -47,6 +47,107 @@ pub struct TransferStatus {
     pub transferred_bytes: u64,
     /// Why the task failed or timed out.
     pub reason: Option<String>,
+    /// The same as a code callers can act on (`None` unless FAILED or TIMEOUT).
+    pub cause: Option<FailCause>,
+}
+
+/// Why a task failed, as a code (the reason text says it for people).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[repr(u8)]
+#[non_exhaustive]
+pub enum FailCause {
+    /// Anything not listed below.
+    #[default]
+    Other = 0,
+    /// The local range is not inside memory registered with this engine.
+    LocalNotRegistered = 1,
+    /// The remote range is not inside a buffer the peer published.
+    RemoteNotRegistered = 2,
+    /// The segment is unknown, not open or cannot be looked up.
+    SegmentNotFound = 3,
+    /// The peer cannot be reached (connect, handshake, metadata).
+    PeerUnreachable = 4,
+    /// The peer went away mid-transfer (connection lost, process exited, engine shut down).
+    PeerLost = 5,
+    /// The peer broke the protocol (bad frame, wrong magic, unexpected data).
+    Protocol = 6,
+    /// The request's deadline passed.
+    Timeout = 7,
+    /// This engine is shut down.
+    ShutDown = 8,
+}
+
+impl FailCause {
+    /// The code as stored and as passed to bindings.
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub fn from_code(c: u8) -> FailCause {
+        match c {
+            1 => FailCause::LocalNotRegistered,
+            2 => FailCause::RemoteNotRegistered,
+            3 => FailCause::SegmentNotFound,
+            4 => FailCause::PeerUnreachable,
+            5 => FailCause::PeerLost,
+            6 => FailCause::Protocol,
+            7 => FailCause::Timeout,
+            8 => FailCause::ShutDown,
+            _ => FailCause::Other,
+        }
+    }
+
+    /// This cause with its reason text.
+    pub fn because(self, reason: impl Into<String>) -> Failure {
+        Failure { cause: self, reason: reason.into() }
+    }
+}
+
+/// A cause and its reason, as recorded for the first failed piece of a task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub cause: FailCause,
+    pub reason: String,
+}
+
+impl From<String> for Failure {
+    fn from(reason: String) -> Failure {
+        FailCause::Other.because(reason)
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(reason: &str) -> Failure {
+        FailCause::Other.because(reason)
+    }
+}
+
+impl From<&crate::Error> for FailCause {
+    fn from(e: &crate::Error) -> FailCause {
+        use crate::Error as E;
+        match e {
+            E::LocalNotRegistered { .. } | E::NotRegistered { .. } => FailCause::LocalNotRegistered,
+            E::RemoteNotRegistered { .. } => FailCause::RemoteNotRegistered,
+            E::UnknownSegmentId(_) | E::SegmentNotFound { .. } | E::SegmentNotRegistered { .. } => FailCause::SegmentNotFound,
+            E::NoTransport { .. } | E::Handshake { .. } | E::Metadata { .. } => FailCause::PeerUnreachable,
+            E::Wire { .. } | E::BadMetadata { .. } => FailCause::Protocol,
+            E::Io { .. } => FailCause::PeerLost,
+            E::Shutdown => FailCause::ShutDown,
+            _ => FailCause::Other,
+        }
+    }
+}
+
+impl From<&crate::Error> for Failure {
+    fn from(e: &crate::Error) -> Failure {
+        FailCause::from(e).because(e.to_string())
+    }
+}
+
+impl From<crate::Error> for Failure {
+    fn from(e: crate::Error) -> Failure {
+        Failure::from(&e)
+    }
 }
 
 /// How a piece of a task ended badly.
@@ -79,7 +180,7 @@ pub struct TaskState {
     /// Pieces not yet finished.
     pieces: AtomicU32,
     failure: AtomicU8,
-    reason: OnceLock<String>,
+    reason: OnceLock<Failure>,
     pub(crate) deadline: Instant,
     signal: Arc<Signal>,
 }
@@ -124,13 +225,17 @@ impl TaskState {
     }
 
     /// One piece failed. The first failure's reason is kept.
-    pub fn piece_failed(&self, kind: FailKind, reason: impl Into<String>) {
+    pub fn piece_failed(&self, kind: FailKind, reason: impl Into<Failure>) {
         let code = match kind {
             FailKind::Failed => TaskStatus::Failed,
             FailKind::Timeout => TaskStatus::Timeout,
         } as u8;
         if self.failure.compare_exchange(NO_FAILURE, code, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-            let _ = self.reason.set(reason.into());
+            let mut f = reason.into();
+            if kind == FailKind::Timeout && f.cause == FailCause::Other {
+                f.cause = FailCause::Timeout;
+            }
+            let _ = self.reason.set(f);
         }
         self.finish_piece();
     }
@@ -153,10 +258,12 @@ impl TaskState {
 
     pub fn status(&self) -> TransferStatus {
         let status = TaskStatus::from_u8(self.status.load(Ordering::Acquire));
+        let failure = if status.is_terminal() { self.reason.get() } else { None };
         TransferStatus {
             status,
             transferred_bytes: self.transferred.load(Ordering::Acquire),
-            reason: if status.is_terminal() { self.reason.get().cloned() } else { None },
+            reason: failure.map(|f| f.reason.clone()),
+            cause: failure.map(|f| f.cause),
         }
     }
 }
@@ -203,6 +310,7 @@ impl Batch {
             status: if all_done { TaskStatus::Completed } else { TaskStatus::Waiting },
             transferred_bytes: bytes,
             reason: None,
+            cause: None,
         }
     }
 
@@ -255,7 +363,7 @@ mod tests {
         t.piece_done(30);
         assert_eq!(t.status().status, TaskStatus::Waiting);
         t.piece_done(40);
-        assert_eq!(t.status(), TransferStatus { status: TaskStatus::Completed, transferred_bytes: 100, reason: None });
+        assert_eq!(t.status(), TransferStatus { status: TaskStatus::Completed, transferred_bytes: 100, reason: None, cause: None });
         assert_eq!(sig.unfinished.load(Ordering::Acquire), 0);
 
         let t = TaskState::new(Instant::now(), Arc::clone(&sig));

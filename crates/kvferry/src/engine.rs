@@ -435,6 +435,7 @@ impl TransferEngine {
         }
         if !s.status.is_terminal() {
             s.status = crate::batch::TaskStatus::Timeout;
+            s.cause = Some(crate::batch::FailCause::Timeout);
         }
         Ok(s)
     }
@@ -625,7 +626,7 @@ impl Inner {
         let (ok, gone): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| d.find_buffer(p.remote, p.len).is_some());
         for p in gone {
             let e = Error::RemoteNotRegistered { segment: name.to_string(), addr: p.remote, len: p.len };
-            p.task.piece_failed(FailKind::Failed, e.to_string());
+            p.task.piece_failed(FailKind::Failed, &e);
         }
         if !ok.is_empty() {
             self.tcp.submit(&peer, ok);
@@ -688,13 +689,13 @@ impl Inner {
                 continue;
             }
             let Some(guard) = self.memory.check(req.source, req.length) else {
-                task.piece_failed(FailKind::Failed, Error::LocalNotRegistered { addr: req.source, len: req.length }.to_string());
+                task.piece_failed(FailKind::Failed, Error::LocalNotRegistered { addr: req.source, len: req.length });
                 continue;
             };
             let peer = match self.peer(req.target_id) {
                 Ok(p) => p,
                 Err(e) => {
-                    task.piece_failed(FailKind::Failed, e.to_string());
+                    task.piece_failed(FailKind::Failed, &e);
                     continue;
                 }
             };
@@ -709,7 +710,7 @@ impl Inner {
                 }
                 if peer.desc().find_buffer(req.target_offset, req.length).is_none() {
                     let e = Error::RemoteNotRegistered { segment: peer.name.clone(), addr: req.target_offset, len: req.length };
-                    task.piece_failed(FailKind::Failed, e.to_string());
+                    task.piece_failed(FailKind::Failed, &e);
                     continue;
                 }
             }
@@ -730,7 +731,7 @@ impl Inner {
                     Err(why) if self.config.transport == TransportMode::Shm => {
                         let e = Error::NoTransport { segment: peer.name.clone(), reason: format!("KVFERRY_TRANSPORT=shm, but {why}") };
                         for p in pieces {
-                            p.task.piece_failed(FailKind::Failed, e.to_string());
+                            p.task.piece_failed(FailKind::Failed, &e);
                         }
                         continue;
                     }
@@ -741,7 +742,7 @@ impl Inner {
             if let Err(why) = transport.reachable(&peer) {
                 let e = Error::NoTransport { segment: peer.name.clone(), reason: why };
                 for p in pieces {
-                    p.task.piece_failed(FailKind::Failed, e.to_string());
+                    p.task.piece_failed(FailKind::Failed, &e);
                 }
                 continue;
             }

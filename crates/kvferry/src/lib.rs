@@ -42,7 +42,7 @@ pub mod metadata;
 pub mod transport;
 pub mod wire;
 
-pub use batch::{TaskStatus, TransferStatus};
+pub use batch::{FailCause, TaskStatus, TransferStatus};
 pub use config::Config;
 pub use engine::{resolve_advertised, BatchId, Notify, SegmentId, SegmentTransport, TransferEngine, TransferRequest, LOCAL_SEGMENT_ID};
 pub use error::{Error, Result};

@@ -125,6 +125,7 @@ fn bad_remote_address_fails_only_that_task() {
     let bad = p.a.task_status(b, 0).unwrap();
     assert_eq!(bad.status, TaskStatus::Failed);
     assert!(bad.reason.as_deref().unwrap_or("").contains("not inside any buffer"), "{bad:?}");
+    assert_eq!(bad.cause, Some(kvferry::FailCause::RemoteNotRegistered));
     assert_eq!(p.a.task_status(b, 1).unwrap().status, TaskStatus::Completed);
     assert_eq!(&p.bbuf[..4096], &p.abuf[..4096]);
     assert_eq!(&p.bbuf[8192..12288], &p.abuf[8192..12288]);
@@ -144,6 +145,7 @@ fn local_segment_is_memcpy_and_checked() {
     assert_eq!(src, dst);
     let st = e.transfer_sync(&[req(Opcode::Write, &src, me, dst.as_ptr() as u64 + 4096, 8192)], Duration::from_secs(1)).unwrap();
     assert_eq!(st.status, TaskStatus::Failed);
+    assert_eq!(st.cause, Some(kvferry::FailCause::RemoteNotRegistered));
 }
 
 #[test]
@@ -160,10 +162,12 @@ fn bad_input_is_refused_with_reasons() {
     assert_eq!(st.status, TaskStatus::Completed);
     let st = p.a.transfer_sync(&[req(Opcode::Write, &unreg, p.seg, p.bbuf.as_ptr() as u64, 16)], Duration::from_secs(1)).unwrap();
     assert_eq!(st.status, TaskStatus::Failed);
+    assert_eq!(st.cause, Some(kvferry::FailCause::LocalNotRegistered));
     assert!(st.reason.unwrap().contains("register"));
     // Unknown segment id.
     let st = p.a.transfer_sync(&[req(Opcode::Write, &p.abuf, 99, p.bbuf.as_ptr() as u64, 16)], Duration::from_secs(1)).unwrap();
     assert_eq!(st.status, TaskStatus::Failed);
+    assert_eq!(st.cause, Some(kvferry::FailCause::SegmentNotFound));
     // Capacity, unknown batch.
     let b = p.a.allocate_batch(1).unwrap();
     let two = [req(Opcode::Write, &p.abuf, p.seg, p.bbuf.as_ptr() as u64, 16); 2];
@@ -231,12 +235,14 @@ fn stalled_peer_times_out_and_dead_peer_fails() {
     let st = a.transfer_sync(&[req(Opcode::Read, &buf, seg, remote, 4096)], Duration::from_secs(10)).unwrap();
     let took = start.elapsed();
     assert_eq!(st.status, TaskStatus::Timeout, "{st:?}");
+    assert_eq!(st.cause, Some(kvferry::FailCause::Timeout));
     assert!(took < Duration::from_secs(3), "timed out within the deadline plus a tick, took {took:?}");
     fake.join().unwrap();
     // Now the peer is gone entirely: connection refused → FAILED quickly.
     let start = Instant::now();
     let st = a.transfer_sync(&[req(Opcode::Read, &buf, seg, remote, 4096)], Duration::from_secs(10)).unwrap();
     assert!(matches!(st.status, TaskStatus::Failed | TaskStatus::Timeout), "{st:?}");
+    assert!(matches!(st.cause, Some(kvferry::FailCause::PeerUnreachable | kvferry::FailCause::PeerLost | kvferry::FailCause::Timeout)), "{st:?}");
     assert!(start.elapsed() < Duration::from_secs(3));
 }
 
@@ -425,6 +431,7 @@ fn wrong_status_magic_fails_the_task_with_the_reason() {
         let st = a.transfer_sync(&[req(op, &buf, seg, remote, 4096)], Duration::from_secs(10)).unwrap();
         assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
         assert!(st.reason.as_deref().unwrap_or("").contains("magic"), "{st:?}");
+        assert_eq!(st.cause, Some(kvferry::FailCause::Protocol));
         assert!(start.elapsed() < Duration::from_secs(2), "failed at once, not at the deadline");
         assert!(buf.iter().all(|&b| b == 0), "nothing received into local memory");
     }

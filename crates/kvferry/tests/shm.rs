@@ -158,6 +158,9 @@ fn out_of_range_and_unregistered_addresses_fail_without_touching_memory(mapped: 
         let st = sync(&a, &[r]);
         assert_eq!(st.status, TaskStatus::Failed, "{what}: {st:?}");
         assert!(st.reason.as_deref().unwrap_or("").contains("not inside"), "{what}: {st:?}");
+        // (The 3 MiB case is also outside the initiator's 1 MiB source: that is found first.)
+        let want = if r.length > src.len() as u64 { kvferry::FailCause::LocalNotRegistered } else { kvferry::FailCause::RemoteNotRegistered };
+        assert_eq!(st.cause, Some(want), "{what}");
     }
     // Memory of this process outside any registered range (e.g. `src` of the initiator,
     // which the target process can see because both engines live here) is not reachable.

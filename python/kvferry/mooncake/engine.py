@@ -617,7 +617,7 @@ class TransferEngine:
                 if ret == 0:
                     if deadline is None:
                         deadline = time.monotonic() + core.transfer_timeout
-                    st, _, reason = core.wait_batch(bid, max(0.0, deadline - time.monotonic()))
+                    st, _, reason, _ = core.wait_batch(bid, max(0.0, deadline - time.monotonic()))
                     if st != 4:
                         what = {5: "timed out", 6: "failed", 3: "was canceled"}.get(st, "did not finish before its deadline")
                         ret = _fail("get_batch_transfer_status", "batch %d %s%s" % (bid, what, ": %s" % reason if reason else ""))
@@ -637,7 +637,7 @@ class TransferEngine:
         if core is None:
             return -1
         try:
-            st, _, reason = core.batch_status(bid)
+            st, _, reason, _ = core.batch_status(bid)
             if st in (0, 1, 2):
                 deadline = self._deadlines.get(bid)
                 if deadline is None or time.monotonic() < deadline:

@@ -1,7 +1,7 @@
 //! Transfers to the engine's own segment: a checked memcpy.
 
 use super::{Peer, Piece, Transport};
-use crate::batch::FailKind;
+use crate::batch::{FailCause, FailKind};
 use crate::memory::MemoryRegistry;
 use crate::wire::descriptor::SegmentDesc;
 use crate::wire::tcp::Opcode;
@@ -35,7 +35,7 @@ impl Transport for LocalTransport {
     fn submit(&self, _peer: &Arc<Peer>, pieces: Vec<Piece>) {
         for p in pieces {
             let Some(_remote) = self.registry.check(p.remote, p.len) else {
-                p.task.piece_failed(FailKind::Failed, format!("local segment: [0x{:x}, +{}) is not inside registered memory", p.remote, p.len));
+                p.task.piece_failed(FailKind::Failed, FailCause::RemoteNotRegistered.because(format!("local segment: [0x{:x}, +{}) is not inside registered memory", p.remote, p.len)));
                 continue;
             };
             let (src, dst) = match p.opcode {

@@ -59,7 +59,7 @@
 //! survivor.
 
 use super::{Peer, Piece, Transport};
-use crate::batch::FailKind;
+use crate::batch::{FailCause, FailKind};
 use crate::wire::descriptor::SegmentDesc;
 use crate::wire::tcp::Opcode;
 use serde::{Deserialize, Serialize};
@@ -920,7 +920,7 @@ impl ShmTransport {
     pub fn submit_to(&self, peer: &Arc<Peer>, shm: Arc<ShmPeer>, pieces: Vec<Piece>, inline: bool) {
         if self.shut.load(Ordering::Acquire) {
             for p in pieces {
-                p.task.piece_failed(FailKind::Failed, "engine shut down");
+                p.task.piece_failed(FailKind::Failed, FailCause::ShutDown.because("engine shut down"));
             }
             return;
         }
@@ -965,7 +965,7 @@ impl ShmTransport {
             drop(q);
             for j in jobs {
                 for p in j.pieces {
-                    p.task.piece_failed(FailKind::Failed, "engine shut down");
+                    p.task.piece_failed(FailKind::Failed, FailCause::ShutDown.because("engine shut down"));
                 }
             }
             return;
@@ -1018,9 +1018,9 @@ fn worker(shared: Arc<Shared>) {
     }
 }
 
-fn fail_all(pieces: Vec<Piece>, kind: FailKind, reason: &str) {
+fn fail_all(pieces: Vec<Piece>, kind: FailKind, cause: FailCause, reason: &str) {
     for p in pieces {
-        p.task.piece_failed(kind, reason.to_string());
+        p.task.piece_failed(kind, cause.because(reason));
     }
 }
 
@@ -1052,12 +1052,12 @@ fn run_job(shared: &Shared, job: Job) {
     let mut refreshed = 0;
     while !pieces.is_empty() {
         if shm.exited_lately() {
-            return fail_all(pieces, FailKind::Failed, &format!("{}: process {} exited", peer.name, shm.pid));
+            return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: process {} exited", peer.name, shm.pid));
         }
         let desc = peer.desc();
         let desc_epoch = match ShmInfo::cookie_epoch(&desc) {
             Some((c, e)) if c == shm.cookie => e,
-            _ => return fail_all(pieces, FailKind::Failed, &format!("{}: the peer restarted or stopped offering shared memory during the transfer", peer.name)),
+            _ => return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: the peer restarted or stopped offering shared memory during the transfer", peer.name)),
         };
         // Bounds: only ranges inside the peer's published buffers.
         pieces.retain(|p| {
@@ -1065,7 +1065,7 @@ fn run_job(shared: &Shared, job: Job) {
                 true
             } else {
                 let e = crate::Error::RemoteNotRegistered { segment: peer.name.clone(), addr: p.remote, len: p.len };
-                p.task.piece_failed(FailKind::Failed, e.to_string());
+                p.task.piece_failed(FailKind::Failed, &e);
                 false
             }
         });
@@ -1080,7 +1080,7 @@ fn run_job(shared: &Shared, job: Job) {
         if epoch != desc_epoch {
             active.fetch_sub(1, Ordering::SeqCst);
             if shm.ctl.closed().load(Ordering::SeqCst) != 0 {
-                return fail_all(pieces, FailKind::Failed, &format!("{}: the peer engine shut down", peer.name));
+                return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: the peer engine shut down", peer.name));
             }
             refreshed += 1;
             let r = match (refreshed, shared.refresh.get()) {
@@ -1089,7 +1089,7 @@ fn run_job(shared: &Shared, job: Job) {
                 _ => Err("it keeps unregistering memory".to_string()),
             };
             if let Err(e) = r {
-                return fail_all(pieces, FailKind::Failed, &format!("{}: its registrations changed and its descriptor cannot be re-read: {e}", peer.name));
+                return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: its registrations changed and its descriptor cannot be re-read: {e}", peer.name));
             }
             continue;
         }
@@ -1100,14 +1100,19 @@ fn run_job(shared: &Shared, job: Job) {
         let gone = shm.exited();
         for (p, r) in pieces.into_iter().zip(results) {
             match r {
-                _ if gone => p.task.piece_failed(FailKind::Failed, format!("{}: process {} exited during the transfer", peer.name, shm.pid)),
+                _ if gone => p.task.piece_failed(FailKind::Failed, FailCause::PeerLost.because(format!("{}: process {} exited during the transfer", peer.name, shm.pid))),
                 Ok(()) => {
                     let len = p.len;
                     p.task.piece_done(len);
                 }
                 Err(e) => {
                     let reason = errno_reason(&peer.name, shm.pid, &p, &e);
-                    p.task.piece_failed(FailKind::Failed, reason);
+                    let cause = match e.raw_os_error() {
+                        Some(libc::ESRCH) => FailCause::PeerLost,
+                        Some(libc::EFAULT) => FailCause::RemoteNotRegistered,
+                        _ => FailCause::Other,
+                    };
+                    p.task.piece_failed(FailKind::Failed, cause.because(reason));
                 }
             }
         }
@@ -1215,7 +1220,7 @@ impl Transport for ShmTransport {
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>) {
         match self.select(peer) {
             Ok(shm) => self.submit_to(peer, shm, pieces, false),
-            Err(r) => fail_all(pieces, FailKind::Failed, &r),
+            Err(r) => fail_all(pieces, FailKind::Failed, FailCause::PeerUnreachable, &r),
         }
     }
 
@@ -1238,7 +1243,7 @@ impl Transport for ShmTransport {
         };
         self.shared.cv.notify_all();
         for j in jobs {
-            fail_all(j.pieces, FailKind::Failed, "engine shut down");
+            fail_all(j.pieces, FailKind::Failed, FailCause::ShutDown, "engine shut down");
         }
         self.peers.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }

@@ -16,7 +16,7 @@
 //! connection, whose answer proves the preceding body was consumed into memory.
 
 use super::{Peer, Piece, Transport};
-use crate::batch::FailKind;
+use crate::batch::{FailCause, FailKind, Failure};
 use crate::memory::MemoryRegistry;
 use crate::wire::descriptor::SegmentDesc;
 use crate::wire::tcp::{self, DataHeader, Opcode, Status, HEADER_LEN, STATUS_LEN};
@@ -424,7 +424,7 @@ impl Lane {
         self.st.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn end_op(&self, op: WireOp, result: Result<(), (FailKind, String)>) {
+    fn end_op(&self, op: WireOp, result: Result<(), (FailKind, Failure)>) {
         self.load.fetch_sub(op.piece.len, Ordering::AcqRel);
         match result {
             Ok(()) => op.piece.task.piece_done(op.piece.len),
@@ -451,12 +451,12 @@ impl Lane {
             let inflight: Vec<WireOp> = st.inflight.drain(..).collect();
             for mut op in inflight.into_iter().rev() {
                 if op.piece.task.deadline() <= now {
-                    ended.push((op, FailKind::Timeout, format!("no answer from {} ({}) before the deadline", self.peer_name, self.target)));
+                    ended.push((op, FailKind::Timeout, FailCause::Timeout.because(format!("no answer from {} ({}) before the deadline", self.peer_name, self.target))));
                 } else if matches!(why, ConnFailure::Broken(_)) && op.attempts == 0 {
                     op.attempts += 1;
                     st.pending.push_front(op);
                 } else {
-                    ended.push((op, FailKind::Failed, format!("connection to {} ({}) failed: {reason}", self.peer_name, self.target)));
+                    ended.push((op, FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} ({}) failed: {reason}", self.peer_name, self.target))));
                 }
             }
             self.wake_writer.notify_all();
@@ -480,7 +480,7 @@ impl Lane {
                 };
                 drop(st);
                 for op in ops {
-                    self.end_op(op, Err((FailKind::Failed, "engine shut down".into())));
+                    self.end_op(op, Err((FailKind::Failed, FailCause::ShutDown.because("engine shut down"))));
                 }
                 return;
             }
@@ -495,7 +495,7 @@ impl Lane {
             if !expired.is_empty() {
                 drop(st);
                 for op in expired {
-                    self.end_op(op, Err((FailKind::Timeout, format!("not sent to {} before the deadline", self.peer_name))));
+                    self.end_op(op, Err((FailKind::Timeout, FailCause::Timeout.because(format!("not sent to {} before the deadline", self.peer_name)))));
                 }
                 continue;
             }
@@ -614,9 +614,10 @@ impl Lane {
                     "cannot connect to the TCP data port of {} at {}: {e} (is the peer alive and is its address reachable from here?)",
                     self.peer_name, self.target
                 );
-                let kind = if e.kind() == io::ErrorKind::TimedOut { FailKind::Timeout } else { FailKind::Failed };
+                let (kind, cause) =
+                    if e.kind() == io::ErrorKind::TimedOut { (FailKind::Timeout, FailCause::Timeout) } else { (FailKind::Failed, FailCause::PeerUnreachable) };
                 for op in ops {
-                    self.end_op(op, Err((kind, reason.clone())));
+                    self.end_op(op, Err((kind, cause.because(reason.clone()))));
                 }
             }
         }
@@ -660,7 +661,7 @@ impl Lane {
                         self.done_reading();
                         self.fail_conn(gen, ConnFailure::Broken(e.to_string()));
                         if let Some(op) = op {
-                            self.end_op(op, Err((FailKind::Failed, format!("{}: {e}", self.peer_name))));
+                            self.end_op(op, Err((FailKind::Failed, FailCause::Protocol.because(format!("{}: {e}", self.peer_name)))));
                         }
                         continue;
                     }
@@ -676,7 +677,7 @@ impl Lane {
                     "{} rejected [0x{:x}, +{}): not inside memory it has registered",
                     self.peer_name, op.piece.remote, op.piece.len
                 );
-                self.end_op(op, Err((FailKind::Failed, reason)));
+                self.end_op(op, Err((FailKind::Failed, FailCause::RemoteNotRegistered.because(reason))));
                 // The target closes after a rejection; the others go again on a new connection.
                 self.fail_conn(gen, ConnFailure::Broken("target closed the connection after rejecting a request".into()));
                 continue;
@@ -703,7 +704,7 @@ impl Lane {
                             st.inflight.push_front(op);
                         } else {
                             drop(st);
-                            self.end_op(op, Err((FailKind::Failed, format!("connection to {} lost: {e}", self.peer_name))));
+                            self.end_op(op, Err((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} lost: {e}", self.peer_name)))));
                             continue;
                         }
                     }
@@ -785,10 +786,12 @@ impl Lane {
             Ok(Status::Ok) => Ok(()),
             Ok(Status::Rejected) => {
                 let reason = format!("{} rejected [0x{:x}, +{}): not inside memory it has registered", self.peer_name, op.piece.remote, op.piece.len);
-                Err((FailKind::Failed, reason))
+                Err((FailKind::Failed, FailCause::RemoteNotRegistered.because(reason)))
             }
-            Err(e) if e.kind() == io::ErrorKind::TimedOut => Err((FailKind::Timeout, format!("no answer from {} ({}) before the deadline", self.peer_name, self.target))),
-            Err(e) if e.kind() == io::ErrorKind::InvalidData => Err((FailKind::Failed, format!("{}: {e}", self.peer_name))),
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                Err((FailKind::Timeout, FailCause::Timeout.because(format!("no answer from {} ({}) before the deadline", self.peer_name, self.target))))
+            }
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => Err((FailKind::Failed, FailCause::Protocol.because(format!("{}: {e}", self.peer_name)))),
             Err(e) => {
                 // Broken connection: hand the op to the lane threads for one retry.
                 if st.gen == gen {
@@ -960,18 +963,18 @@ impl Transport for TcpTransport {
     }
 
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>) {
-        let fail_all = |pieces: Vec<Piece>, reason: String| {
+        let fail_all = |pieces: Vec<Piece>, f: Failure| {
             for p in pieces {
-                p.task.piece_failed(FailKind::Failed, reason.clone());
+                p.task.piece_failed(FailKind::Failed, f.clone());
             }
         };
         if self.shut.load(Ordering::Acquire) {
-            return fail_all(pieces, "engine shut down".into());
+            return fail_all(pieces, FailCause::ShutDown.because("engine shut down"));
         }
         let desc = peer.desc();
         let lanes = match self.lanes_for(peer, &desc) {
             Ok(l) => l,
-            Err(e) => return fail_all(pieces, e),
+            Err(e) => return fail_all(pieces, FailCause::PeerUnreachable.because(e)),
         };
         let n = lanes.lanes.len();
         let mut per_lane: Vec<Vec<WireOp>> = (0..n).map(|_| Vec::new()).collect();
