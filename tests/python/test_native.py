@@ -59,6 +59,27 @@ def test_close_and_context_manager(kv):
     e.close()  # idempotent
 
 
+def test_close_releases_the_ports_before_it_returns(kv):
+    """After close() no peer can reach the engine: both listeners are gone at once."""
+    import socket
+
+    e = kv.Engine(HOST)
+    ports = (e.rpc_port, e.data_port)
+    e.close()
+    for p in ports:
+        with socket.socket() as s:
+            s.settimeout(2)
+            with pytest.raises(OSError):
+                s.connect((HOST, p))
+    # The ports are free for a new listener right away (SO_REUSEADDR, as every server sets:
+    # an old connection's TIME_WAIT must not count).
+    for p in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((HOST, p))
+            s.listen()
+
+
 # -- registration -------------------------------------------------------------------------------
 
 def test_register_buffer_objects(pair, kv):
