@@ -12,7 +12,12 @@
 use super::{url_encode, Backend, MetadataStore, StoreOptions};
 use crate::error::{Error, Result};
 use std::io::Read;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+use ureq::unversioned::resolver::{DefaultResolver, ResolvedSocketAddrs, Resolver};
+use ureq::unversioned::transport::{DefaultConnector, NextTimeout};
 
 /// Largest value accepted from the server (a descriptor of ~100k buffers).
 const MAX_VALUE: u64 = 128 << 20;
@@ -38,7 +43,8 @@ impl HttpStore {
             .max_idle_connections_per_host(16)
             .user_agent("kvferry")
             .build();
-        Ok(HttpStore { url: url.to_string(), agent: config.into() })
+        let agent = ureq::Agent::with_parts(config, DefaultConnector::default(), CachingResolver::default());
+        Ok(HttpStore { url: url.to_string(), agent })
     }
 
     fn err(&self, reason: String) -> Error {
@@ -79,6 +85,41 @@ impl HttpStore {
     fn refusal(&self, what: &str, key: &str, status: u16, body: &[u8]) -> Error {
         let text = String::from_utf8_lossy(&body[..body.len().min(200)]).trim().to_string();
         self.err(format!("{what} {key} answered HTTP {status} {text:?}"))
+    }
+}
+
+/// How long a resolved host name is reused (libcurl's default DNS cache timeout).
+const DNS_TTL: Duration = Duration::from_secs(60);
+
+/// ureq resolves the host before every request, even one that then reuses a pooled
+/// connection, and with a timeout configured it does so in a new thread: a thread spawn and a
+/// `getaddrinfo` per GET (a tail of milliseconds on a busy host). This resolver answers an IP
+/// literal at once and keeps a host name's addresses for [`DNS_TTL`]; a lookup still runs in
+/// ureq's bounded resolver.
+#[derive(Debug, Default)]
+struct CachingResolver {
+    inner: DefaultResolver,
+    cache: Mutex<Option<(String, Instant, ResolvedSocketAddrs)>>,
+}
+
+impl Resolver for CachingResolver {
+    fn resolve(&self, uri: &ureq::http::Uri, config: &ureq::config::Config, timeout: NextTimeout) -> std::result::Result<ResolvedSocketAddrs, ureq::Error> {
+        let port = uri.port_u16().unwrap_or(if uri.scheme_str().is_some_and(|s| s.eq_ignore_ascii_case("https")) { 443 } else { 80 });
+        let host = uri.host().unwrap_or_default();
+        if let Ok(ip) = host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
+            let mut addrs = self.empty();
+            addrs.push(SocketAddr::new(ip, port));
+            return Ok(addrs);
+        }
+        let key = format!("{host}:{port}");
+        if let Some((k, at, addrs)) = &*self.cache.lock().unwrap_or_else(|e| e.into_inner()) {
+            if *k == key && at.elapsed() < DNS_TTL {
+                return Ok(addrs.clone());
+            }
+        }
+        let addrs = self.inner.resolve(uri, config, timeout)?;
+        *self.cache.lock().unwrap_or_else(|e| e.into_inner()) = Some((key, Instant::now(), addrs.clone()));
+        Ok(addrs)
     }
 }
 
