@@ -578,6 +578,19 @@ def first_buffer_address(env):
     return env.te.get_first_buffer_address(env.seg) == env.b
 
 
+@case(True)
+def first_buffer_address_is_the_first_registered(env):
+    """Not the lowest address: the buffer registered first (the descriptor lists buffers in
+    registration order)."""
+    t2 = env.new_engine()
+    x, _ = env.buffer(1 << 16)
+    y, _ = env.buffer(1 << 16)
+    lo, hi = sorted((x, y))
+    assert t2.register_memory(hi, 1 << 16) == 0
+    assert t2.register_memory(lo, 1 << 16) == 0
+    return env.te.get_first_buffer_address("%s:%d" % (HOST, t2.get_rpc_port())) == hi
+
+
 @case(0)
 def first_buffer_address_dead(env):
     return env.te.get_first_buffer_address("127.0.0.1:1")

@@ -40,7 +40,9 @@ impl RegionGuard {
 /// The set of registered ranges of one engine.
 #[derive(Default)]
 pub struct MemoryRegistry {
-    regions: RwLock<BTreeMap<u64, Arc<Region>>>,
+    /// By start address: (registration sequence number, range).
+    regions: RwLock<BTreeMap<u64, (u64, Arc<Region>)>>,
+    next_seq: std::sync::atomic::AtomicU64,
 }
 
 /// Checks a location string: `*`, `cpu:N`, `cuda:N` and Mooncake's other device prefixes.
@@ -95,7 +97,8 @@ impl MemoryRegistry {
             .map(|&(addr, len)| Region { addr, len, location: location.to_string() })
             .collect();
         for r in &out {
-            map.insert(r.addr, Arc::new(r.clone()));
+            let seq = self.next_seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            map.insert(r.addr, (seq, Arc::new(r.clone())));
         }
         Ok(out)
     }
@@ -108,7 +111,7 @@ impl MemoryRegistry {
             if let Some(&addr) = addrs.iter().find(|a| !map.contains_key(a)) {
                 return Err(Error::NotRegistered { addr });
             }
-            addrs.iter().filter_map(|a| map.remove(a)).collect()
+            addrs.iter().filter_map(|a| map.remove(a).map(|(_, r)| r)).collect()
         };
         let until = Instant::now() + drain;
         for r in &removed {
@@ -127,19 +130,22 @@ impl MemoryRegistry {
     pub fn check(&self, addr: u64, len: u64) -> Option<RegionGuard> {
         let end = addr.checked_add(len)?;
         let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
-        let (_, r) = map.range(..=addr).next_back()?;
+        let (_, (_, r)) = map.range(..=addr).next_back()?;
         (end <= r.end()).then(|| RegionGuard { region: Arc::clone(r) })
     }
 
-    /// All registered ranges, in address order.
+    /// All registered ranges, in registration order (as Mooncake lists them in a segment
+    /// descriptor: `get_first_buffer_address` is the oldest registered buffer).
     pub fn snapshot(&self) -> Vec<Region> {
         let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
-        map.values().map(|r| (**r).clone()).collect()
+        let mut v: Vec<&(u64, Arc<Region>)> = map.values().collect();
+        v.sort_unstable_by_key(|(seq, _)| *seq);
+        v.into_iter().map(|(_, r)| (**r).clone()).collect()
     }
 }
 
-fn overlapping(map: &BTreeMap<u64, Arc<Region>>, addr: u64, end: u64) -> Option<Arc<Region>> {
-    if let Some((_, r)) = map.range(..end).next_back() {
+fn overlapping(map: &BTreeMap<u64, (u64, Arc<Region>)>, addr: u64, end: u64) -> Option<Arc<Region>> {
+    if let Some((_, (_, r))) = map.range(..end).next_back() {
         if r.end() > addr {
             return Some(Arc::clone(r));
         }
