@@ -161,14 +161,20 @@ fn shm(r: &mut Report, cfg: &Config) {
         let mode = t.split_whitespace().find(|w| w.starts_with('[')).unwrap_or("?").trim_matches(|c| c == '[' || c == ']').to_string();
         let note = match mode.as_str() {
             "always" => "registered memory gets huge pages where the kernel can",
-            "madvise" => "huge pages only where the application asks (madvise MADV_HUGEPAGE); copies from 4 KiB pages cost about twice the CPU",
-            _ => "no huge pages; copies from 4 KiB pages cost about twice the CPU",
+            "madvise" => "huge pages only where the application asks (madvise MADV_HUGEPAGE); cross-memory copies from 4 KiB pages cost about twice the CPU (not copies into memory kvferry allocated, which peers map)",
+            _ => "no huge pages; cross-memory copies from 4 KiB pages cost about twice the CPU (not copies into memory kvferry allocated, which peers map)",
         };
         println!("        transparent huge pages: {mode} ({note})");
     }
     match probe_child(cfg) {
-        Ok(t) if t.name == "shm" => r.ok("shm", "cross-memory attach works (probed a child process: verified, one copy per request, no socket)"),
-        Ok(t) => {
+        Ok((t, mapped)) if t.name == "shm" => {
+            r.ok("shm", "cross-memory attach works (probed a child process: verified, one copy per request, no socket)");
+            match mapped {
+                Ok(()) => r.ok("shm map", "memory kvferry allocates (managed buffers, store segments) is mapped by same-host peers and copied with memcpy"),
+                Err(why) => r.no("shm map", format!("peers' kvferry-allocated memory is not mapped here ({why}); cross-memory attach carries it")),
+            }
+        }
+        Ok((t, _)) => {
             let why = t.why_not_shm.unwrap_or_default();
             if cfg.transport == TransportMode::Shm {
                 r.warn("shm", format!("not usable, and KVFERRY_TRANSPORT=shm makes requests fail: {why}"));
@@ -181,8 +187,10 @@ fn shm(r: &mut Report, cfg: &Config) {
     }
 }
 
-/// Starts `kvferry bench --mode target` as a child and asks which transport reaches it.
-fn probe_child(cfg: &Config) -> Result<kvferry::SegmentTransport, String> {
+/// Starts `kvferry bench --mode target` as a child (its buffer is kvferry-allocated memory),
+/// asks which transport reaches it and, over shared memory, writes 4 KiB into it: `Ok` in
+/// the second place when that copy went through the mapping.
+fn probe_child(cfg: &Config) -> Result<(kvferry::SegmentTransport, Result<(), String>), String> {
     use std::io::BufRead;
     let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
     let mut child = std::process::Command::new(exe)
@@ -200,7 +208,24 @@ fn probe_child(cfg: &Config) -> Result<kvferry::SegmentTransport, String> {
         let seg = line.split_whitespace().find_map(|w| w.strip_prefix("segment=")).ok_or("the probe target did not start")?;
         let e = TransferEngine::new(Config { local_hostname: "127.0.0.1".into(), transport: kvferry::config::TransportMode::Auto, ..cfg.clone() }).map_err(|e| e.to_string())?;
         let id = e.open_segment(seg).map_err(|e| e.to_string())?;
-        e.segment_transport(id).map_err(|e| e.to_string())
+        let t = e.segment_transport(id).map_err(|e| e.to_string())?;
+        if t.name != "shm" {
+            return Ok((t, Err("not on shared memory".into())));
+        }
+        let remote = e.segment_descriptor(id).map_err(|e| e.to_string())?.buffers.first().map(|b| b.addr).ok_or("the probe target has no buffer")?;
+        let local = vec![0x5au8; 4096];
+        e.register_memory(local.as_ptr() as u64, 4096, "cpu:0").map_err(|e| e.to_string())?;
+        let before = kvferry::transport::shm::bytes_moved();
+        let req = kvferry::TransferRequest { opcode: kvferry::Opcode::Write, source: local.as_ptr() as u64, target_id: id, target_offset: remote, length: 4096 };
+        let st = e.transfer_sync(&[req], std::time::Duration::from_secs(5)).map_err(|e| e.to_string())?;
+        let after = kvferry::transport::shm::bytes_moved();
+        let mapped = match st.status {
+            kvferry::TaskStatus::Completed if after.0 > before.0 => Ok(()),
+            kvferry::TaskStatus::Completed => Err("the copy went by cross-memory attach; run with RUST_LOG=kvferry=debug for the reason".into()),
+            _ => Err(format!("a 4 KiB write failed: {}", st.reason.unwrap_or_default())),
+        };
+        let _ = e.unregister_memory(local.as_ptr() as u64);
+        Ok((t, mapped))
     })();
     drop(child.stdin.take()); // it exits when its stdin closes
     let until = std::time::Instant::now() + std::time::Duration::from_secs(3);

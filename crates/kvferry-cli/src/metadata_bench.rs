@@ -91,6 +91,17 @@ fn cpu_seconds(pid: u32) -> f64 {
     if hz > 0.0 { ticks / hz } else { 0.0 }
 }
 
+/// CPU seconds (user + system) this process has used so far (the load client's threads).
+fn own_cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0.0;
+    }
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
 fn start_kvferry(threads: usize) -> Result<Server, String> {
     use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
@@ -227,6 +238,8 @@ struct Load {
     rps: f64,
     /// Server CPU seconds per million GETs.
     cpu_per_m: f64,
+    /// The load client's own CPU seconds per million GETs.
+    client_cpu_per_m: f64,
     p50_us: f64,
     p99_us: f64,
     errors: u64,
@@ -280,9 +293,9 @@ fn load(port: u16, pid: u32, path: &str, clients: usize, depth: usize, secs: f64
         .collect();
     // Server CPU over the measured window only.
     std::thread::sleep((start + warm).saturating_duration_since(Instant::now()));
-    let cpu0 = cpu_seconds(pid);
+    let (cpu0, own0) = (cpu_seconds(pid), own_cpu_seconds());
     std::thread::sleep((start + warm + run).saturating_duration_since(Instant::now()));
-    let cpu = cpu_seconds(pid) - cpu0;
+    let (cpu, own) = (cpu_seconds(pid) - cpu0, own_cpu_seconds() - own0);
     let mut all = Vec::new();
     let mut total = 0;
     let mut errors = 0;
@@ -294,7 +307,8 @@ fn load(port: u16, pid: u32, path: &str, clients: usize, depth: usize, secs: f64
     }
     all.sort_unstable();
     let rps = total as f64 / secs;
-    Ok(Load { rps, cpu_per_m: if total > 0 { cpu / total as f64 * 1e6 } else { 0.0 }, p50_us: percentile(&all, 0.5), p99_us: percentile(&all, 0.99), errors })
+    let per_m = |c: f64| if total > 0 { c / total as f64 * 1e6 } else { 0.0 };
+    Ok(Load { rps, cpu_per_m: per_m(cpu), client_cpu_per_m: per_m(own), p50_us: percentile(&all, 0.5), p99_us: percentile(&all, 0.99), errors })
 }
 
 fn stats(mut v: Vec<u32>) -> (f64, f64) {
@@ -358,7 +372,7 @@ pub fn run(a: MetadataBenchArgs) -> Result<(), String> {
         None => println!("(Mooncake's mooncake_http_metadata_server not found: set KVFERRY_MOONCAKE_PYTHON or --mooncake PATH)"),
     }
     println!("\nGET {key} ({} bytes), keep-alive, closed loop, {} in flight per connection:", value.len(), a.pipeline);
-    println!("  {:<32} {:>10} {:>10} {:>10} {:>14} {:>7}", "server", "GET/s", "p50 us", "p99 us", "CPU s/M GETs", "errors");
+    println!("  {:<32} {:>10} {:>10} {:>10} {:>14} {:>14} {:>7}", "server", "GET/s", "p50 us", "p99 us", "CPU s/M GETs", "client CPU", "errors");
     let mut results = Vec::new();
     for (label, s) in &servers {
         let mut c = Client::connect(s.port).map_err(|e| format!("{label}: {e}"))?;
@@ -367,7 +381,7 @@ pub fn run(a: MetadataBenchArgs) -> Result<(), String> {
             return Err(format!("{label}: PUT answered {st}"));
         }
         let l = load(s.port, s.child.id(), &path, a.clients, a.pipeline.max(1), a.duration).map_err(|e| format!("{label}: {e}"))?;
-        println!("  {label:<32} {:>10.0} {:>10.1} {:>10.1} {:>14.1} {:>7}", l.rps, l.p50_us, l.p99_us, l.cpu_per_m, l.errors);
+        println!("  {label:<32} {:>10.0} {:>10.1} {:>10.1} {:>14.1} {:>14.1} {:>7}", l.rps, l.p50_us, l.p99_us, l.cpu_per_m, l.client_cpu_per_m, l.errors);
         results.push(l);
     }
     if results.len() == 2 {

@@ -324,34 +324,82 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
         body_timeout: Duration::from_secs_f64(a.request_timeout),
     });
     let threads = if a.threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2) } else { a.threads };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads)
-        .thread_name("kvf-meta-http")
-        .enable_all()
-        .build()
-        .map_err(|e| format!("cannot start the server runtime: {e}"))?;
-    rt.block_on(serve(a, state, entries, announce))
-}
-
-async fn serve(a: ServerArgs, state: Arc<State>, entries: usize, announce: bool) -> Result<(), String> {
     let host = a.host.trim_start_matches('[').trim_end_matches(']');
     let ip: std::net::IpAddr = host.parse().map_err(|_| format!("--host {:?} is not an IP address", a.host))?;
-    let listener = tokio::net::TcpListener::bind(SocketAddr::new(ip, a.port))
-        .await
-        .map_err(|e| format!("cannot listen on {}: {e} (another server on that port? pick another with --port)", SocketAddr::new(ip, a.port)))?;
+    let addr = SocketAddr::new(ip, a.port);
+    let listener = std::net::TcpListener::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e} (another server on that port? pick another with --port)"))?;
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     let store = match &a.data_dir {
         Some(d) => format!("durable in {} ({entries} entries loaded)", d.display()),
         None => "in memory".to_string(),
     };
+    let server = Arc::new(Server {
+        state,
+        slots: Arc::new(tokio::sync::Semaphore::new(a.max_connections.max(1))),
+        max_connections: a.max_connections,
+        header_timeout: Duration::from_secs_f64(a.request_timeout),
+    });
+    if std::env::var("KVF_META_RT").as_deref() == Ok("multi") {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name("kvf-meta-http")
+            .enable_all()
+            .build()
+            .map_err(|e| format!("cannot start the server runtime: {e}"))?;
+        announce_line(announce, local, &store);
+        return rt.block_on(async move {
+            let l = tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?;
+            accept_loop(l, server).await;
+            Ok(())
+        });
+    }
+    // One single-threaded runtime per thread, all accepting on the same socket: a connection
+    // lives on the thread that accepted it, so serving a request never wakes another thread.
+    let mut handles = Vec::new();
+    for i in 0..threads {
+        let l = listener.try_clone().map_err(|e| format!("cannot share the listening socket: {e}"))?;
+        let server = Arc::clone(&server);
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| format!("cannot start the server runtime: {e}"))?;
+        let run = move || {
+            rt.block_on(async move {
+                match tokio::net::TcpListener::from_std(l) {
+                    Ok(l) => accept_loop(l, server).await,
+                    Err(e) => eprintln!("kvferry metadata-server: {e}"),
+                }
+            })
+        };
+        if i + 1 == threads {
+            announce_line(announce, local, &store);
+            run();
+        } else {
+            handles.push(std::thread::Builder::new().name("kvf-meta-http".into()).spawn(run).map_err(|e| format!("cannot start a server thread: {e}"))?);
+        }
+    }
+    for h in handles {
+        let _ = h.join();
+    }
+    Ok(())
+}
+
+fn announce_line(announce: bool, local: SocketAddr, store: &str) {
     if announce {
         println!("kvferry metadata-server listening on http://{local}/metadata port={} ({store})", local.port());
         let _ = std::io::stdout().flush();
     } else {
         tracing::info!("metadata server listening on http://{local}/metadata ({store})");
     }
-    let slots = Arc::new(tokio::sync::Semaphore::new(a.max_connections.max(1)));
-    let header_timeout = Duration::from_secs_f64(a.request_timeout);
+}
+
+/// What every accepting thread shares.
+struct Server {
+    state: Arc<State>,
+    slots: Arc<tokio::sync::Semaphore>,
+    max_connections: usize,
+    header_timeout: Duration,
+}
+
+async fn accept_loop(listener: tokio::net::TcpListener, server: Arc<Server>) {
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
@@ -362,12 +410,13 @@ async fn serve(a: ServerArgs, state: Arc<State>, entries: usize, announce: bool)
                 continue;
             }
         };
-        let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
-            tracing::warn!("{} connections open (--max-connections); closing one from {peer}", a.max_connections);
+        let Ok(permit) = Arc::clone(&server.slots).try_acquire_owned() else {
+            tracing::warn!("{} connections open (--max-connections); closing one from {peer}", server.max_connections);
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let st = Arc::clone(&state);
+        let st = Arc::clone(&server.state);
+        let header_timeout = server.header_timeout;
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req| handle(req, Arc::clone(&st)));
             let conn = hyper::server::conn::http1::Builder::new()

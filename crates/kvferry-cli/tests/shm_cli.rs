@@ -97,6 +97,9 @@ fn doctor_has_a_shared_memory_section() {
     assert!(out.status.success(), "{s}");
     assert!(s.contains("same-host identity") && s.contains("KVFERRY_TRANSPORT"), "{s}");
     assert!(s.lines().any(|l| l.contains("shm:")), "{s}");
+    // Same user, no restrictions here: both copy paths are probed and work.
+    assert!(s.lines().any(|l| l.trim_start().starts_with("ok") && l.contains("shm: cross-memory attach works")), "{s}");
+    assert!(s.lines().any(|l| l.trim_start().starts_with("ok") && l.contains("shm map:")), "{s}");
     let out = kvferry().args(["doctor", "--local-hostname", "127.0.0.1"]).env("KVFERRY_TRANSPORT", "tcp").output().unwrap();
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(s.contains("shm: disabled by KVFERRY_TRANSPORT=tcp"), "{s}");
