@@ -41,7 +41,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_REDIS_USERNAME", aliases: &["MC_REDIS_USERNAME"], default: "(none)", doc: "Redis user for `AUTH` (the `redis://user:pass@` URL form wins)" },
     EnvVar { name: "KVFERRY_REDIS_PASSWORD", aliases: &["MC_REDIS_PASSWORD"], default: "(none)", doc: "Redis password for `AUTH` (the URL form wins)" },
     EnvVar { name: "KVFERRY_REDIS_DB_INDEX", aliases: &["MC_REDIS_DB_INDEX"], default: "0", doc: "Redis database (0-255; the `redis://host:port/db` URL form wins)" },
-    EnvVar { name: "KVFERRY_TRANSPORT", aliases: &[], default: "auto", doc: "data path to peers: `auto` (shared memory, i.e. cross-memory attach, to kvferry peers on this host that allow it; TCP otherwise), `tcp` (never shared memory; this engine then also offers none), `shm` (shared memory only; requests to other peers fail with the reason)" },
+    EnvVar { name: "KVFERRY_TRANSPORT", aliases: &[], default: "auto", doc: "data path to peers: `auto` (shared memory to kvferry peers on this host that allow it: their kvferry-allocated memory mapped, other memory by cross-memory attach; TCP otherwise), `tcp` (never shared memory; this engine then also offers none), `shm` (shared memory only; requests to other peers fail with the reason)" },
     EnvVar { name: "KVFERRY_SHM_THREADS", aliases: &[], default: "CPUs, at most 4", doc: "threads copying queued shared-memory requests (requests over 1 MiB are cut into 1 MiB pieces spread over them; 1-64)" },
     EnvVar { name: "KVFERRY_LOG", aliases: &["MC_LOG_LEVEL"], default: "warn", doc: "log filter for the `kvferry` binary (`error`, `warn`, `info`, `debug`, `trace`, or tracing directives)" },
 ];
