@@ -19,9 +19,13 @@ use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug)]
 pub struct MetadataBenchArgs {
-    /// Client threads, one keep-alive connection each.
+    /// Keep-alive connections loading each server.
     #[arg(long, default_value_t = 4)]
     clients: usize,
+    /// Threads driving those connections: each polls its share, a thread with one connection
+    /// blocks on it (the default, as many threads as connections).
+    #[arg(long, default_value_t = 4)]
+    client_threads: usize,
     /// Seconds of load per server.
     #[arg(long, default_value_t = 3.0)]
     duration: f64,
@@ -194,12 +198,6 @@ impl Client {
         self.request("GET", path, b"")
     }
 
-    /// Sends `n` GETs in one write, then reads the `n` answers; the statuses.
-    fn get_pipelined(&mut self, req: &[u8], n: usize) -> std::io::Result<Vec<u16>> {
-        self.s.write_all(req)?;
-        (0..n).map(|_| self.read_answer().map(|(s, _)| s)).collect()
-    }
-
     fn read_answer(&mut self) -> std::io::Result<(u16, Vec<u8>)> {
         let mut line = String::new();
         self.r.read_line(&mut line)?;
@@ -253,42 +251,19 @@ fn percentile(sorted: &[u32], q: f64) -> f64 {
     f64::from(sorted[i.min(sorted.len() - 1)]) / 10.0
 }
 
-/// `clients` threads GET `path` in a closed loop for `secs`, `depth` at a time per
-/// connection; latencies (of each pipelined group) in 0.1 us.
-fn load(port: u16, pid: u32, path: &str, clients: usize, depth: usize, secs: f64) -> Result<Load, String> {
+/// `conns` keep-alive connections GET `path` in a closed loop for `secs`, `depth` at a time
+/// per connection, driven by `threads` client threads (each polls its share of the
+/// connections); latencies (of each pipelined group) in 0.1 us.
+fn load(port: u16, pid: u32, path: &str, conns: usize, threads: usize, depth: usize, secs: f64) -> Result<Load, String> {
     let warm = Duration::from_millis(300);
     let run = Duration::from_secs_f64(secs);
     let start = Instant::now() + Duration::from_millis(100);
-    let handles: Vec<_> = (0..clients)
-        .map(|_| {
-            let path = path.to_string();
-            std::thread::spawn(move || -> Result<(Vec<u32>, u64, u64), String> {
-                let mut c = Client::connect(port).map_err(|e| e.to_string())?;
-                let req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").repeat(depth).into_bytes();
-                let mut lat = Vec::with_capacity(1 << 20);
-                let mut done = 0u64;
-                let mut errors = 0;
-                while Instant::now() < start {
-                    std::thread::yield_now();
-                }
-                let measure_from = start + warm;
-                let end = measure_from + run;
-                loop {
-                    let t = Instant::now();
-                    if t >= end {
-                        break;
-                    }
-                match c.get_pipelined(&req, depth) {
-                        Ok(st) => errors += st.iter().filter(|&&s| s != 200).count() as u64,
-                        Err(e) => return Err(format!("GET failed: {e}")),
-                    }
-                    if t >= measure_from {
-                        lat.push((t.elapsed().as_nanos() / 100).min(u128::from(u32::MAX)) as u32);
-                        done += depth as u64;
-                    }
-                }
-                Ok((lat, done, errors))
-            })
+    let threads = threads.clamp(1, conns);
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let n = conns / threads + usize::from(t < conns % threads);
+            let req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").repeat(depth).into_bytes();
+            std::thread::spawn(move || drive(port, n, &req, depth, start, start + warm, start + warm + run))
         })
         .collect();
     // Server CPU over the measured window only.
@@ -309,6 +284,119 @@ fn load(port: u16, pid: u32, path: &str, clients: usize, depth: usize, secs: f64
     let rps = total as f64 / secs;
     let per_m = |c: f64| if total > 0 { c / total as f64 * 1e6 } else { 0.0 };
     Ok(Load { rps, cpu_per_m: per_m(cpu), client_cpu_per_m: per_m(own), p50_us: percentile(&all, 0.5), p99_us: percentile(&all, 0.99), errors })
+}
+
+/// One connection of [`drive`].
+struct Conn {
+    s: TcpStream,
+    buf: Vec<u8>,
+    /// Answers still expected for the group in flight.
+    pending: usize,
+    sent: Instant,
+}
+
+/// Parses one complete answer at the start of `buf`: (its length, status).
+fn parse_answer(buf: &[u8]) -> Option<Result<(usize, u16), String>> {
+    let head_end = buf.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    let head = std::str::from_utf8(&buf[..head_end]).map_err(|_| "answer head is not UTF-8".to_string());
+    let head = match head {
+        Ok(h) => h,
+        Err(e) => return Some(Err(e)),
+    };
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok());
+    let Some(status) = status else { return Some(Err(format!("bad status line in {:?}", &head[..head.len().min(80)]))) };
+    let len = head
+        .lines()
+        .filter_map(|l| l.split_once(':'))
+        .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
+        .and_then(|(_, v)| v.trim().parse::<usize>().ok())
+        .unwrap_or(0);
+    (buf.len() >= head_end + len).then_some(Ok((head_end + len, status)))
+}
+
+/// A closed loop over `n` connections in this thread: each sends `req` (`depth` GETs), and
+/// sends it again as soon as all `depth` answers are in; `poll(2)` waits for whichever
+/// connection answers (a thread with one connection just blocks in `read`). Returns the
+/// latencies of the groups started in [measure_from, end), how many GETs they held, and how
+/// many answers were not 200.
+fn drive(port: u16, n: usize, req: &[u8], depth: usize, start: Instant, measure_from: Instant, end: Instant) -> Result<(Vec<u32>, u64, u64), String> {
+    use std::os::fd::AsRawFd;
+    let blocking = n == 1;
+    let mut conns = Vec::with_capacity(n);
+    for _ in 0..n {
+        let s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+        s.set_nodelay(true).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+        s.set_nonblocking(!blocking).map_err(|e| e.to_string())?;
+        conns.push(Conn { s, buf: Vec::with_capacity(64 << 10), pending: 0, sent: start });
+    }
+    let mut fds: Vec<libc::pollfd> = conns.iter().map(|c| libc::pollfd { fd: c.s.as_raw_fd(), events: libc::POLLIN, revents: if blocking { libc::POLLIN } else { 0 } }).collect();
+    let send = |c: &mut Conn| -> Result<(), String> {
+        let mut off = 0;
+        while off < req.len() {
+            match c.s.write(&req[off..]) {
+                Ok(k) => off += k,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                Err(e) => return Err(format!("sending GET: {e}")),
+            }
+        }
+        c.pending = depth;
+        c.sent = Instant::now();
+        Ok(())
+    };
+    let (mut lat, mut done, mut errors) = (Vec::with_capacity(1 << 20), 0u64, 0u64);
+    while Instant::now() < start {
+        std::thread::yield_now();
+    }
+    for c in &mut conns {
+        send(c)?;
+    }
+    let mut chunk = vec![0u8; 64 << 10];
+    while Instant::now() < end {
+        if !blocking {
+            // SAFETY: `fds` is a valid array of `fds.len()` pollfd structs.
+            let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 1000) };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(format!("poll: {e}"));
+            }
+        }
+        for (c, fd) in conns.iter_mut().zip(fds.iter_mut()) {
+            if fd.revents == 0 {
+                continue;
+            }
+            if !blocking {
+                fd.revents = 0;
+            }
+            // One read per readiness: poll reports the connection again while data remains.
+            match c.s.read(&mut chunk) {
+                Ok(0) => return Err("the server closed the connection".into()),
+                Ok(k) => c.buf.extend_from_slice(&chunk[..k]),
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) => continue,
+                Err(e) => return Err(format!("reading the answer: {e}")),
+            }
+            while let Some(a) = parse_answer(&c.buf) {
+                let (len, status) = a?;
+                c.buf.drain(..len);
+                errors += u64::from(status != 200);
+                c.pending = c.pending.saturating_sub(1);
+            }
+            if c.pending == 0 {
+                let now = Instant::now();
+                if c.sent >= measure_from {
+                    lat.push(((now - c.sent).as_nanos() / 100).min(u128::from(u32::MAX)) as u32);
+                    done += depth as u64;
+                }
+                if now < end {
+                    send(c)?;
+                }
+            }
+        }
+    }
+    Ok((lat, done, errors))
 }
 
 fn stats(mut v: Vec<u32>) -> (f64, f64) {
@@ -362,7 +450,13 @@ pub fn run(a: MetadataBenchArgs) -> Result<(), String> {
         return Err("--clients and --duration must be positive".into());
     }
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
-    println!("kvferry metadata-bench: {} client threads x {:.1} s of GET per server, descriptor of {} buffers, {cpus} CPUs", a.clients, a.duration, a.buffers);
+    println!(
+        "kvferry metadata-bench: {} connections on {} client threads x {:.1} s of GET per server, descriptor of {} buffers, {cpus} CPUs",
+        a.clients,
+        a.client_threads.clamp(1, a.clients),
+        a.duration,
+        a.buffers
+    );
     let key = "mooncake/ram/bench-seg";
     let path = format!("/metadata?key={}", kvferry::metadata::url_encode(key));
     let value = descriptor("bench-seg", a.buffers);
@@ -380,7 +474,7 @@ pub fn run(a: MetadataBenchArgs) -> Result<(), String> {
         if st != 200 {
             return Err(format!("{label}: PUT answered {st}"));
         }
-        let l = load(s.port, s.child.id(), &path, a.clients, a.pipeline.max(1), a.duration).map_err(|e| format!("{label}: {e}"))?;
+        let l = load(s.port, s.child.id(), &path, a.clients, a.client_threads, a.pipeline.max(1), a.duration).map_err(|e| format!("{label}: {e}"))?;
         println!("  {label:<32} {:>10.0} {:>10.1} {:>10.1} {:>14.1} {:>14.1} {:>7}", l.rps, l.p50_us, l.p99_us, l.cpu_per_m, l.client_cpu_per_m, l.errors);
         results.push(l);
     }

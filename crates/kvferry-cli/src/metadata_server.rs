@@ -49,7 +49,8 @@ pub struct ServerArgs {
     /// Most connections served at once; more are closed at accept.
     #[arg(long, default_value_t = 4096)]
     pub max_connections: usize,
-    /// Worker threads (0: one per CPU).
+    /// Threads serving connections, each with its own single-threaded runtime; connections
+    /// are dealt to them round robin (0: one per CPU).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
 }
@@ -340,47 +341,41 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
         max_connections: a.max_connections,
         header_timeout: Duration::from_secs_f64(a.request_timeout),
     });
-    if std::env::var("KVF_META_RT").as_deref() == Ok("multi") {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(threads)
-            .thread_name("kvf-meta-http")
-            .enable_all()
-            .build()
-            .map_err(|e| format!("cannot start the server runtime: {e}"))?;
-        announce_line(announce, local, &store);
-        return rt.block_on(async move {
-            let l = tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?;
-            accept_loop(l, server).await;
-            Ok(())
-        });
-    }
-    // One single-threaded runtime per thread, all accepting on the same socket: a connection
-    // lives on the thread that accepted it, so serving a request never wakes another thread.
-    let mut handles = Vec::new();
-    for i in 0..threads {
-        let l = listener.try_clone().map_err(|e| format!("cannot share the listening socket: {e}"))?;
+    // One single-threaded runtime per thread; this thread accepts and deals the connections
+    // round robin. A connection stays on its thread, so serving a request never wakes another
+    // thread (a multi-threaded tokio runtime here cost ~25% of the GETs/s with one request in
+    // flight per connection on 2 cores: futex wake-ups between workers, see BENCHMARKS.md P4).
+    let mut workers = Vec::new();
+    for _ in 1..threads {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Handoff>();
         let server = Arc::clone(&server);
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| format!("cannot start the server runtime: {e}"))?;
-        let run = move || {
-            rt.block_on(async move {
-                match tokio::net::TcpListener::from_std(l) {
-                    Ok(l) => accept_loop(l, server).await,
-                    Err(e) => eprintln!("kvferry metadata-server: {e}"),
-                }
+        std::thread::Builder::new()
+            .name("kvf-meta-http".into())
+            .spawn(move || {
+                rt.block_on(async move {
+                    while let Some((stream, peer, permit)) = rx.recv().await {
+                        match tokio::net::TcpStream::from_std(stream) {
+                            Ok(s) => serve_connection(&server, s, peer, permit),
+                            Err(e) => tracing::warn!("connection from {peer}: {e}"),
+                        }
+                    }
+                })
             })
-        };
-        if i + 1 == threads {
-            announce_line(announce, local, &store);
-            run();
-        } else {
-            handles.push(std::thread::Builder::new().name("kvf-meta-http".into()).spawn(run).map_err(|e| format!("cannot start a server thread: {e}"))?);
-        }
+            .map_err(|e| format!("cannot start a server thread: {e}"))?;
+        workers.push(tx);
     }
-    for h in handles {
-        let _ = h.join();
-    }
-    Ok(())
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| format!("cannot start the server runtime: {e}"))?;
+    announce_line(announce, local, &store);
+    rt.block_on(async move {
+        let l = tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?;
+        accept_loop(l, server, workers).await;
+        Ok(())
+    })
 }
+
+/// A connection handed to another thread's runtime.
+type Handoff = (std::net::TcpStream, SocketAddr, tokio::sync::OwnedSemaphorePermit);
 
 fn announce_line(announce: bool, local: SocketAddr, store: &str) {
     if announce {
@@ -391,7 +386,7 @@ fn announce_line(announce: bool, local: SocketAddr, store: &str) {
     }
 }
 
-/// What every accepting thread shares.
+/// What every serving thread shares.
 struct Server {
     state: Arc<State>,
     slots: Arc<tokio::sync::Semaphore>,
@@ -399,7 +394,10 @@ struct Server {
     header_timeout: Duration,
 }
 
-async fn accept_loop(listener: tokio::net::TcpListener, server: Arc<Server>) {
+/// Accepts connections; connection `i` is served here when `i % (workers + 1) == 0`, else
+/// handed to worker `i % (workers + 1) - 1`.
+async fn accept_loop(listener: tokio::net::TcpListener, server: Arc<Server>, workers: Vec<tokio::sync::mpsc::UnboundedSender<Handoff>>) {
+    let mut next = 0usize;
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
@@ -415,22 +413,40 @@ async fn accept_loop(listener: tokio::net::TcpListener, server: Arc<Server>) {
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let st = Arc::clone(&server.state);
-        let header_timeout = server.header_timeout;
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| handle(req, Arc::clone(&st)));
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(header_timeout)
-                .max_buf_size(64 * 1024)
-                .pipeline_flush(true)
-                .serve_connection(TokioIo::new(stream), svc);
-            if let Err(e) = conn.await {
-                tracing::debug!("connection from {peer}: {e}");
+        let i = next % (workers.len() + 1);
+        next = next.wrapping_add(1);
+        if i == 0 {
+            serve_connection(&server, stream, peer, permit);
+            continue;
+        }
+        match stream.into_std() {
+            Ok(s) => {
+                if workers[i - 1].send((s, peer, permit)).is_err() {
+                    tracing::warn!("a server thread is gone; closing the connection from {peer}");
+                }
             }
-            drop(permit);
-        });
+            Err(e) => tracing::warn!("connection from {peer}: {e}"),
+        }
     }
+}
+
+/// Serves one connection on the current runtime.
+fn serve_connection(server: &Server, stream: tokio::net::TcpStream, peer: SocketAddr, permit: tokio::sync::OwnedSemaphorePermit) {
+    let st = Arc::clone(&server.state);
+    let header_timeout = server.header_timeout;
+    tokio::spawn(async move {
+        let svc = hyper::service::service_fn(move |req| handle(req, Arc::clone(&st)));
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(header_timeout)
+            .max_buf_size(64 * 1024)
+            .pipeline_flush(true)
+            .serve_connection(TokioIo::new(stream), svc);
+        if let Err(e) = conn.await {
+            tracing::debug!("connection from {peer}: {e}");
+        }
+        drop(permit);
+    });
 }
 
 #[cfg(test)]

@@ -142,6 +142,82 @@ fn durable_across_sigkill() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Keep-alive requests on one connection: (status, body) of each.
+fn keep_alive(c: &mut BufReader<TcpStream>, method: &str, key: &str, body: &str) -> (u16, String) {
+    let head = format!("{method} /metadata?key={key} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len());
+    c.get_mut().write_all(format!("{head}{body}").as_bytes()).unwrap();
+    let mut line = String::new();
+    c.read_line(&mut line).unwrap();
+    let status = line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let mut len = 0;
+    loop {
+        line.clear();
+        c.read_line(&mut line).unwrap();
+        if line.trim().is_empty() {
+            break;
+        }
+        if let Some((k, v)) = line.split_once(':') {
+            if k.eq_ignore_ascii_case("content-length") {
+                len = v.trim().parse().unwrap();
+            }
+        }
+    }
+    let mut b = vec![0u8; len];
+    c.read_exact(&mut b).unwrap();
+    (status, String::from_utf8(b).unwrap())
+}
+
+/// Connections are dealt over the server's threads (each with its own runtime): all see one
+/// store, durable writes (fsync off the runtime) work on every thread, and --max-connections
+/// counts connections of all threads.
+#[test]
+fn connections_on_every_thread_share_one_store() {
+    let dir = std::env::temp_dir().join(format!("kvferry-meta-threads-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let s = Server::start(&["--port", "0", "--threads", "3", "--max-connections", "9", "--data-dir", dir.to_str().unwrap()]);
+    let port = s.port;
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(9));
+    let clients: Vec<_> = (0..9)
+        .map(|i| {
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                let mut c = BufReader::new(s);
+                for j in 0..20 {
+                    assert_eq!(keep_alive(&mut c, "PUT", &format!("c{i}-{j}"), &format!("v{i}-{j}")).0, 200);
+                }
+                assert_eq!(keep_alive(&mut c, "DELETE", &format!("c{i}-0"), ""), (200, "metadata deleted".into()));
+                barrier.wait();
+                // Every connection reads what the others (on other threads) wrote.
+                for k in 0..9 {
+                    assert_eq!(keep_alive(&mut c, "GET", &format!("c{k}-19"), ""), (200, format!("v{k}-19")), "connection {i} reads c{k}-19");
+                    assert_eq!(keep_alive(&mut c, "GET", &format!("c{k}-0"), "").0, 404);
+                }
+                barrier.wait();
+                c
+            })
+        })
+        .collect();
+    let open: Vec<_> = clients.into_iter().map(|h| h.join().unwrap()).collect();
+    // All 9 slots are taken: a tenth connection is closed at once.
+    let mut extra = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    extra.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = extra.write_all(b"GET /metadata?key=c1-1 HTTP/1.1\r\nHost: x\r\n\r\n");
+    let mut out = Vec::new();
+    let _ = extra.read_to_end(&mut out);
+    assert!(out.is_empty(), "over --max-connections: closed, got {:?}", String::from_utf8_lossy(&out));
+    drop(open);
+    // Slots come back when connections close.
+    let t = Instant::now();
+    while get(port, "c3-5") != (200, "v3-5".into()) {
+        assert!(t.elapsed() < Duration::from_secs(5), "a slot is free again");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn garbage_huge_and_slow_clients_do_not_stop_service() {
     let s = Server::start(&["--port", "0", "--max-body-bytes", "1048576", "--request-timeout", "1"]);
