@@ -2,8 +2,10 @@
 //!
 //! 1. GET throughput and latency of `kvferry metadata-server` and of Mooncake's Python
 //!    `mooncake_http_metadata_server`, both started here on 127.0.0.1 in the same run and
-//!    loaded by the same client: `--clients` threads, each with one keep-alive connection,
-//!    GETting a segment descriptor in a closed loop for `--duration` seconds.
+//!    loaded by the same client: `--clients` keep-alive connections (by default each on a
+//!    thread of its own; `--client-threads` fewer, polled) GETting a segment descriptor in a
+//!    closed loop for `--duration` seconds, `--pipeline` requests in flight per connection.
+//!    Server and client CPU per GET are reported, since both share the machine.
 //! 2. The cost of `open_segment` on a cache miss for each backend: the `rpc_meta` and `ram`
 //!    reads plus descriptor decoding that a central-mode open does, against the two HTTP
 //!    servers and the etcd / Redis given with `--etcd` / `--redis` (`scripts/services`
