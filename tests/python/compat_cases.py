@@ -486,6 +486,21 @@ def batch_sync_str_length(env):
     return env.te.batch_transfer_sync_write(env.seg, [env.a], [env.b], ["x"])
 
 
+@case({"raises": "TypeError"})
+def batch_sync_read_huge_address(env):
+    return env.te.batch_transfer_sync_read(env.seg, [env.a], [1 << 64], [16])
+
+
+@case({"raises": "TypeError"})
+def batch_async_negative_length(env):
+    return env.te.batch_transfer_async_write(env.seg, [env.a], [env.b], [-1])
+
+
+@case({"raises": "TypeError"})
+def batch_async_float_address(env):
+    return env.te.batch_transfer_async_read(env.seg, [1.5], [env.b], [16])
+
+
 # -- asynchronous transfers -------------------------------------------------------------------
 
 @case([True, 0])

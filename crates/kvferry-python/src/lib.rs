@@ -306,7 +306,9 @@ impl Core {
 
     #[allow(clippy::too_many_arguments)]
     /// Moves bytes between local `locals[i]` and `remotes[i]` of `segment` and waits up to
-    /// `timeout` seconds. Returns the bytes moved; raises on FAILED or TIMEOUT.
+    /// `timeout` seconds (None: the engine's transfer timeout plus 1 ns per byte, as
+    /// Mooncake's synchronous calls). Returns the bytes moved; raises on FAILED or TIMEOUT.
+    #[pyo3(signature = (segment, opcode, locals, remotes, lengths, timeout = None))]
     fn transfer(
         &self,
         py: Python<'_>,
@@ -315,12 +317,15 @@ impl Core {
         locals: Vec<u64>,
         remotes: Vec<u64>,
         lengths: Vec<u64>,
-        timeout: f64,
+        timeout: Option<f64>,
     ) -> PyResult<u64> {
         let op = self::opcode(py, opcode)?;
         check_lengths(py, &locals, &remotes, &lengths)?;
-        let timeout = duration(py, timeout)?;
         let engine = self.engine(py)?;
+        let timeout = match timeout {
+            Some(t) => duration(py, t)?,
+            None => engine.config().transfer_timeout + Duration::from_nanos(lengths.iter().fold(0u64, |a, &n| a.saturating_add(n))),
+        };
         self.sweep(&engine);
         let res = py.detach(|| {
             let id = engine.open_segment(&segment)?;

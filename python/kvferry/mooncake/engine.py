@@ -469,15 +469,21 @@ class TransferEngine:
 
     # -- synchronous transfers -----------------------------------------------------------
 
-    def _sync(self, method: str, target: str, locals_: List[int], remotes: List[int], lengths: List[int], op: int, notify: Optional[Tuple[str, str]]) -> int:
+    def _sync(self, method: str, target: str, locals_: List[int], remotes: List[int], lengths: List[int], op: int, notify: Optional[Tuple[str, str]],
+              args: Optional[Tuple[Any, ...]] = None) -> int:
         core = self._need(method)
         if core is None:
             return -1
         try:
-            timeout = core.transfer_timeout + sum(lengths) * _NS
-            core.transfer(target, op, locals_, remotes, lengths, timeout)
+            # Timeout: the engine's, plus 1 ns per byte (computed natively).
+            core.transfer(target, op, locals_, remotes, lengths)
         except KvferryError as e:
             return _fail(method, e.reason)
+        except (TypeError, OverflowError):
+            if args is None:
+                raise
+            self._batch_args(method, args, strict=True)  # raises Mooncake's TypeError
+            raise
         if notify is not None:
             try:
                 core.send_notify(target, notify[1], notify[0])
@@ -512,9 +518,15 @@ class TransferEngine:
             raise _incompatible("transfer_sync", _SIG["transfer_sync"], (target_hostname, buffer, peer_buffer_address, length, opcode, notify, transport_hint)) from None
         return self._sync("transfer_sync", t, [b], [p], [n], op, nt)
 
-    def _batch_args(self, method: str, args: Tuple[Any, ...]) -> Tuple[str, List[int], List[int], List[int]]:
+    def _batch_args(self, method: str, args: Tuple[Any, ...], strict: bool = False) -> Tuple[str, List[int], List[int], List[int]]:
+        """Plain lists go to the native call as they are: it checks every item (a non-int or
+        out-of-range item raises TypeError/OverflowError there, and the caller re-runs this with
+        ``strict`` to raise Mooncake's TypeError); anything else is checked here."""
         try:
-            return _s(args[0]), _ul(args[1]), _ul(args[2]), _ul(args[3])
+            t = _s(args[0])
+            if not strict and type(args[1]) is list and type(args[2]) is list and type(args[3]) is list:
+                return t, args[1], args[2], args[3]
+            return t, _ul(args[1]), _ul(args[2]), _ul(args[3])
         except _Bad:
             raise _incompatible(method, _SIG[method], args) from None
 
@@ -522,25 +534,27 @@ class TransferEngine:
         """Writes ``lengths[i]`` bytes from ``buffers[i]`` to ``peer_buffer_addresses[i]``, all
         in one batch; blocks. Returns 0 or -1."""
         m = "batch_transfer_sync_write"
-        t, b, p, n = self._batch_args(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
+        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+        t, b, p, n = self._batch_args(m, args)
         if not isinstance(transport_hint, str):
-            raise _incompatible(m, _SIG[m], (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
-        return self._sync(m, t, b, p, n, 1, None)
+            raise _incompatible(m, _SIG[m], args)
+        return self._sync(m, t, b, p, n, 1, None, args)
 
     def batch_transfer_sync_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
         """Reads ``lengths[i]`` bytes at ``peer_buffer_addresses[i]`` into ``buffers[i]``, all
         in one batch; blocks. Returns 0 or -1."""
         m = "batch_transfer_sync_read"
-        t, b, p, n = self._batch_args(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
+        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+        t, b, p, n = self._batch_args(m, args)
         if not isinstance(transport_hint, str):
-            raise _incompatible(m, _SIG[m], (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
-        return self._sync(m, t, b, p, n, 0, None)
+            raise _incompatible(m, _SIG[m], args)
+        return self._sync(m, t, b, p, n, 0, None, args)
 
     def batch_transfer_sync(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode: TransferOpcode, notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
         """One batch in direction ``opcode``, then ``notify`` (if any). Returns 0 or -1."""
         m = "batch_transfer_sync"
         allargs = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify, transport_hint)
-        t, b, p, n = self._batch_args(m, allargs[:4] + (transport_hint,))
+        t, b, p, n = self._batch_args(m, allargs[:4] + (transport_hint,), strict=True)
         try:
             op, nt, _ = _op(opcode), _notify(notify), _s(transport_hint)
         except _Bad:
@@ -549,40 +563,48 @@ class TransferEngine:
 
     # -- asynchronous transfers ----------------------------------------------------------
 
-    def _submit(self, method: str, target: str, locals_: List[int], remotes: List[int], lengths: List[int], op: int) -> int:
+    def _submit(self, method: str, target: str, locals_: List[int], remotes: List[int], lengths: List[int], op: int,
+                args: Optional[Tuple[Any, ...]] = None) -> int:
         core = self._need(method)
         if core is None:
             return 0
         try:
-            deadline = time.monotonic() + core.transfer_timeout + sum(lengths) * _NS
+            start = time.monotonic()
             bid = core.submit(target, op, locals_, remotes, lengths)
         except KvferryError as e:
             return _fail(method, e.reason, 0)
-        self._deadlines[bid] = deadline
+        except (TypeError, OverflowError):
+            if args is None:
+                raise
+            self._batch_args(method, args, strict=True)  # raises Mooncake's TypeError
+            raise
+        self._deadlines[bid] = start + core.transfer_timeout + sum(lengths) * _NS
         return bid
 
     def batch_transfer_async_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
         """Submits a WRITE batch and returns its id (0 on failure) at once; complete it with
         :meth:`get_batch_transfer_status` or :meth:`transfer_check_status`."""
         m = "batch_transfer_async_write"
-        t, b, p, n = self._batch_args(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
+        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+        t, b, p, n = self._batch_args(m, args)
         if not isinstance(transport_hint, str):
-            raise _incompatible(m, _SIG[m], (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
-        return self._submit(m, t, b, p, n, 1)
+            raise _incompatible(m, _SIG[m], args)
+        return self._submit(m, t, b, p, n, 1, args)
 
     def batch_transfer_async_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
         """Submits a READ batch and returns its id (0 on failure) at once."""
         m = "batch_transfer_async_read"
-        t, b, p, n = self._batch_args(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
+        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+        t, b, p, n = self._batch_args(m, args)
         if not isinstance(transport_hint, str):
-            raise _incompatible(m, _SIG[m], (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint))
-        return self._submit(m, t, b, p, n, 0)
+            raise _incompatible(m, _SIG[m], args)
+        return self._submit(m, t, b, p, n, 0, args)
 
     def batch_transfer_async(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode: TransferOpcode, transport_hint: str = "") -> int:
         """Submits a batch in direction ``opcode``; returns its id (0 on failure)."""
         m = "batch_transfer_async"
         allargs = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint)
-        t, b, p, n = self._batch_args(m, allargs[:4] + (transport_hint,))
+        t, b, p, n = self._batch_args(m, allargs[:4] + (transport_hint,), strict=True)
         try:
             op, _ = _op(opcode), _s(transport_hint)
         except _Bad:
