@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PEER = ROOT / "tests" / "interop" / "mooncake_peer.py"
-BLOCK, BLOCKS, SMALL = 64 << 10, 128, 4096
+BLOCK, BLOCKS, SMALL, TINY = 64 << 10, 128, 4096, 64
 SLOTS = 8  # calls walk SLOTS x 8 MiB
 SIZE = BLOCK * BLOCKS * SLOTS
 
@@ -87,6 +87,17 @@ def measure(segment: str, remote: int, seconds: float, managed: bool) -> dict:
         assert te.transfer_sync_write(segment, buf.addr, remote, SMALL) == 0
         lat.append(time.perf_counter() - s)
     lat.sort()
+    # Fixed cost of one batch call: 128 requests of 64 bytes (the copy is negligible).
+    tiny_l, tiny_r, tiny_n = [buf.addr + i * TINY for i in range(BLOCKS)], [remote + i * TINY for i in range(BLOCKS)], [TINY] * BLOCKS
+    for _ in range(50):
+        assert te.batch_transfer_sync_write(segment, tiny_l, tiny_r, tiny_n) == 0
+    tiny = []
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds / 2 or len(tiny) < 200:
+        s = time.perf_counter()
+        assert te.batch_transfer_sync_write(segment, tiny_l, tiny_r, tiny_n) == 0
+        tiny.append(time.perf_counter() - s)
+    tiny.sort()
     digest = buf.sha256()
     if managed:
         buf.mm.release()
@@ -101,6 +112,7 @@ def measure(segment: str, remote: int, seconds: float, managed: bool) -> dict:
         "lat_us_p99": lat[int(len(lat) * 0.99)] * 1e6,
         "lat_us_mean": statistics.fmean(lat) * 1e6,
         "lat_n": len(lat),
+        "tiny_batch_us_p50": tiny[len(tiny) // 2] * 1e6,
         "sha256": digest,
     }
 
@@ -226,9 +238,13 @@ def main() -> int:
         med = statistics.median
         py_g, ru_g = med(r["gbps"] for r in pys), med(r["gbps"] for r in rusts)
         py_l, ru_l = med(r["lat_us_p50"] for r in pys), med(r["single_p50_us"] for r in rusts)
+        py_t, ru_t = med(r["tiny_batch_us_p50"] for r in pys), med(r["tiny_batch_us_p50"] for r in rusts)
         ratios = [p["gbps"] / r["gbps"] for p, r in zip(pys, rusts)]
         print("  %-4s %-7s Rust %6.2f GB/s, 4K p50 %6.1f us | Python %6.2f GB/s (%.0f%% of Rust; rounds %.0f-%.0f%%), 4K p50 %6.1f us (%+.1f us)" % (
             transport, memory, ru_g, ru_l, py_g, 100.0 * py_g / ru_g, 100 * min(ratios), 100 * max(ratios), py_l, py_l - ru_l))
+        print("  %-12s batch of %d x %d B, p50: Rust %6.1f us, Python %6.1f us: fixed Python cost %+.1f us per call"
+              " = %.1f%% of a %d x %d KiB call at the Rust rate" % (
+                  "", BLOCKS, TINY, ru_t, py_t, py_t - ru_t, 100.0 * (py_t - ru_t) * 1e-6 * ru_g * 1e9 / (BLOCKS * BLOCK), BLOCKS, BLOCK >> 10))
     return 0
 
 
@@ -246,7 +262,7 @@ def rust_bench(transport: str, memory: str, seconds: float) -> dict:
 
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "points.jsonl"
-        cmd = [kvferry_binary(), "bench", "--buffer-size", "64M", "--blocks", "4K,64K", "--ops", "write", "--batch", str(BLOCKS),
+        cmd = [kvferry_binary(), "bench", "--buffer-size", "64M", "--blocks", "64,4K,64K", "--ops", "write", "--batch", str(BLOCKS),
                "--threads", "1", "--duration", str(seconds), "--no-ceilings", "--mooncake", "none", "--transport", transport,
                # Python's buffers here are ordinary 4 KiB pages: compare like with like.
                "--hugepages", "off", "--memory", memory, "--json", str(out)]
@@ -255,7 +271,7 @@ def rust_bench(transport: str, memory: str, seconds: float) -> dict:
             return {"error": "kvferry bench failed: " + (r.stderr.strip().splitlines() or ["?"])[-1]}
         pts = [json.loads(line) for line in out.read_text().splitlines()]
     by = {p["block_bytes"]: p for p in pts}
-    return {"gbps": by[BLOCK]["gbps"], "single_p50_us": by[SMALL]["single_p50_us"]}
+    return {"gbps": by[BLOCK]["gbps"], "single_p50_us": by[SMALL]["single_p50_us"], "tiny_batch_us_p50": by[TINY]["batch_p50_us"]}
 
 
 if __name__ == "__main__":
