@@ -168,7 +168,9 @@ fn store_api_across_processes() {
 
 #[test]
 fn killed_client_loses_only_its_replicas() {
-    let m = master(&["--client-ttl", "1"]);
+    // Clients ping every second: a TTL of 3 s keeps the survivors alive under CI load (with
+    // 1 s a ping late by a millisecond expired them too), the dead one goes within ~4 s.
+    let m = master(&["--client-ttl", "3"]);
     let addr = m.field("rpc=");
     let mut s1 = server(&addr, "32M");
     let s2 = server(&addr, "32M");
