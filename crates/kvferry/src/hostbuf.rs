@@ -45,6 +45,8 @@ pub struct SharedRegion {
     pub len: u64,
     /// The memfd (owned by the [`HostBuffer`]; valid while the buffer lives).
     pub fd: RawFd,
+    /// Every page was allocated at creation ([`HostOptions::populate`]).
+    pub populated: bool,
 }
 
 static SHARED: RwLock<BTreeMap<u64, SharedRegion>> = RwLock::new(BTreeMap::new());
@@ -154,7 +156,7 @@ impl HostBuffer {
             }
         }
         if let Some(fd) = &buf.fd {
-            let r = SharedRegion { addr: start as u64, len: len as u64, fd: fd.as_raw_fd() };
+            let r = SharedRegion { addr: start as u64, len: len as u64, fd: fd.as_raw_fd(), populated: opts.populate };
             SHARED.write().unwrap_or_else(|e| e.into_inner()).insert(r.addr, r);
         }
         Ok(buf)

@@ -159,6 +159,9 @@ pub struct MapInfo {
     /// Where the publisher maps the memfd's byte 0, and its length.
     pub addr: u64,
     pub len: u64,
+    /// The publisher allocated every page up front, so a peer may map them all at once.
+    #[serde(default)]
+    pub populated: bool,
 }
 
 /// Bytes copied by this process through mapped peer memory and by cross-memory attach.
@@ -175,7 +178,7 @@ pub fn bytes_moved() -> (u64, u64) {
 pub fn add_maps(info: &mut ShmInfo, buffers: &[crate::wire::descriptor::BufferDesc]) {
     for b in buffers {
         if let Some(r) = crate::hostbuf::shareable_region(b.addr, b.length) {
-            let m = MapInfo { fd: r.fd, addr: r.addr, len: r.len };
+            let m = MapInfo { fd: r.fd, addr: r.addr, len: r.len, populated: r.populated };
             if !info.maps.contains(&m) {
                 info.maps.push(m);
             }
@@ -502,6 +505,37 @@ impl PeerMap {
     }
 }
 
+/// Fills the page tables of a new mapping of a peer's buffer from a helper thread, so that
+/// copies do not take a minor fault on the first touch of each 4 KiB page (~0.2 s per GiB,
+/// paid once per peer buffer). Copies run meanwhile; the thread stops when the mapping is
+/// released. Only for buffers whose owner allocated every page up front (`populated`): for
+/// the others this would allocate memory the owner has not touched.
+fn populate_in_background(m: &Arc<PeerMap>) {
+    const STEP: usize = 32 << 20;
+    let weak = Arc::downgrade(m);
+    let spawned = std::thread::Builder::new().name("kvf-shm-populate".into()).spawn(move || {
+        let mut off = 0usize;
+        loop {
+            // Holding the Arc keeps the range mapped while we advise it.
+            let Some(m) = weak.upgrade() else { return };
+            let len = m.info.len as usize;
+            if off >= len {
+                return;
+            }
+            let n = STEP.min(len - off);
+            // SAFETY: a range inside our live mapping; MADV_POPULATE_WRITE (Linux 5.14) only
+            // fills page tables (the shared pages already hold the peer's data).
+            if unsafe { libc::madvise(m.ptr.add(off) as *mut libc::c_void, n, 23) } != 0 {
+                return; // older kernel, or memory pressure: faults happen on demand instead
+            }
+            off += n;
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::debug!("no thread to pre-fault a peer mapping ({e}); pages fault on first use");
+    }
+}
+
 #[derive(Default)]
 struct MapCache {
     /// The descriptor `maps` was computed for.
@@ -642,7 +676,13 @@ impl ShmPeer {
                 continue;
             }
             match self.map(&info) {
-                Ok(m) => maps.push(Arc::new(m)),
+                Ok(m) => {
+                    let m = Arc::new(m);
+                    if info.populated {
+                        populate_in_background(&m);
+                    }
+                    maps.push(m);
+                }
                 Err(r) => {
                     tracing::debug!(pid = self.pid, "not mapping a peer buffer, copying by cross-memory attach: {r}");
                     c.refused.insert(info, r);
