@@ -3,9 +3,9 @@
 The tests import the *installed* ``kvferry`` (scripts/python-test builds the wheel and
 installs it into .venv/py-test). Stock Mooncake runs in a separate interpreter: the first of
 ``$KVFERRY_MOONCAKE_PYTHON``, ``.venv/mooncake/bin/python``, ``/tmp/mcvenv/bin/python`` that can
-``import mooncake.engine``. Tests needing it are skipped (with a loud summary) when none can,
-and fail instead when ``KVFERRY_REQUIRE_MOONCAKE=1`` (or ``KVFERRY_REQUIRE_INTEROP=1``, which
-scripts/test sets).
+``import mooncake.engine``. Tests needing it fail, naming what was tried and how to install
+it, when none can. ``KVFERRY_SKIP_MOONCAKE=1`` opts out explicitly: those tests are then
+deselected (counted in pytest's summary), never reported as passed.
 """
 
 from __future__ import annotations
@@ -69,25 +69,42 @@ def mooncake_python() -> Optional[str]:
     return found
 
 
+_INSTALL = "python3 -m venv .venv/mooncake && .venv/mooncake/bin/pip install mooncake-transfer-engine-non-cuda (scripts/python-test does)"
+
+
+def _opted_out() -> bool:
+    return os.environ.get("KVFERRY_SKIP_MOONCAKE") == "1"
+
+
 @pytest.fixture(scope="session")
 def mooncake_py() -> str:
     py = mooncake_python()
     if py is None:
-        msg = "stock Mooncake wheel (mooncake-transfer-engine-non-cuda) is not available: %s" % (_MC.get("tried") or "no candidate interpreter")
-        if os.environ.get("KVFERRY_REQUIRE_MOONCAKE") == "1" or os.environ.get("KVFERRY_REQUIRE_INTEROP") == "1":
-            pytest.fail(msg)
-        _MC["skipped"] = _MC.get("skipped", 0) + 1
-        pytest.skip("INTEROP SKIPPED: " + msg)
+        pytest.fail("the stock Mooncake wheel (mooncake-transfer-engine-non-cuda) is not available (tried: %s); install it: %s,"
+                    " or set KVFERRY_SKIP_MOONCAKE=1 to leave these tests out" % (_MC.get("tried") or "no candidate interpreter", _INSTALL))
     return py
 
 
+def pytest_collection_modifyitems(config: Any, items: List[Any]) -> None:
+    """With KVFERRY_SKIP_MOONCAKE=1, tests that need stock Mooncake are deselected."""
+    if not _opted_out():
+        return
+    keep, drop = [], []
+    for item in items:
+        # The fixture, or a parametrisation that asks for it at run time (impl="mooncake").
+        needs = "mooncake_py" in getattr(item, "fixturenames", ()) or getattr(getattr(item, "callspec", None), "params", {}).get("impl") == "mooncake"
+        (drop if needs else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+        _MC["deselected"] = len(drop)
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if _MC.get("skipped"):
+    if _MC.get("deselected"):
         tr = terminalreporter
-        tr.write_sep("!", "INTEROP WITH STOCK MOONCAKE NOT TESTED", red=True, bold=True)
-        tr.write_line("%d test(s) needing the stock Mooncake wheel were SKIPPED." % _MC["skipped"], red=True, bold=True)
-        tr.write_line("Tried: %s" % (_MC.get("tried") or "nothing"), red=True)
-        tr.write_line("Install it with: python3 -m venv .venv/mooncake && .venv/mooncake/bin/pip install mooncake-transfer-engine-non-cuda", red=True)
+        tr.write_sep("!", "INTEROP WITH STOCK MOONCAKE NOT TESTED (KVFERRY_SKIP_MOONCAKE=1)", red=True, bold=True)
+        tr.write_line("%d test(s) needing the stock Mooncake wheel were left out. Install it: %s" % (_MC["deselected"], _INSTALL), red=True)
 
 
 def peer_env(shim: bool) -> Dict[str, str]:

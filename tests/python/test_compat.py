@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import HERE, HOST, Buf, mooncake_python, peer_env, wait_for
+from conftest import HERE, HOST, Buf, peer_env, wait_for
 
 import compat_cases
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import HOST, Buf, pattern_bytes, wait_for
 
-np = pytest.importorskip("numpy")
+import numpy as np  # installed by scripts/python-test
 
 
 # -- identity and lifecycle ---------------------------------------------------------------------

@@ -1,9 +1,9 @@
 //! Interop with stock Mooncake (the PyPI wheel), both directions, on 127.0.0.1.
 //!
 //! The Mooncake side is `tests/interop/mooncake_peer.py`, run with the Python named by
-//! `KVFERRY_MOONCAKE_PYTHON` (a venv with `mooncake-transfer-engine-non-cuda`; `scripts/test`
-//! creates it). Without that variable these tests report that they did not run; with
-//! `KVFERRY_REQUIRE_INTEROP=1` (set by `scripts/test`) a missing peer is a failure.
+//! `KVFERRY_MOONCAKE_PYTHON`, else `.venv/mooncake` (a venv with
+//! `mooncake-transfer-engine-non-cuda`; `scripts/test` creates it). A missing peer is a
+//! failure unless `KVFERRY_SKIP_MOONCAKE=1` (see `mooncake_peer::python`).
 
 mod mooncake_peer;
 

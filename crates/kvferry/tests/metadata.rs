@@ -1,6 +1,6 @@
 //! Central metadata mode against real services: Debian's etcd and redis-server started on
 //! free 127.0.0.1 ports (see `metadata_services`), and Mooncake's Python HTTP metadata server
-//! when `KVFERRY_MOONCAKE_PYTHON` is set. Registration, look-up by name, transfers verified
+//! (required, see `metadata_services`). Registration, look-up by name, transfers verified
 //! byte for byte, Mooncake's key layout, removal on shutdown, etcd leases (a crashed engine
 //! disappears), services restarted under running engines, peers restarted under the same
 //! name, and the error cases.

@@ -1,7 +1,8 @@
 //! The stock Mooncake side of interop tests: `tests/interop/mooncake_peer.py` run with the
-//! Python named by `KVFERRY_MOONCAKE_PYTHON` (a venv with `mooncake-transfer-engine-non-cuda`;
-//! `scripts/test` creates it). Without that variable a test prints NOT RUN and returns; with
-//! `KVFERRY_REQUIRE_INTEROP=1` (set by `scripts/test`) a missing peer is a failure.
+//! Python named by `KVFERRY_MOONCAKE_PYTHON`, else the repository's `.venv/mooncake` (a venv
+//! with `mooncake-transfer-engine-non-cuda`; `scripts/test` creates it). A missing peer fails
+//! the test with the install command, unless `KVFERRY_SKIP_MOONCAKE=1` opts out explicitly:
+//! then the test prints NOT RUN and returns.
 //! Shared by `crates/kvferry/tests/interop_mooncake.rs` and
 //! `crates/kvferry-cli/tests/metadata_interop.rs`.
 #![allow(dead_code)]
@@ -13,19 +14,27 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The interpreter with stock Mooncake, or None (after saying NOT RUN).
+/// The interpreter with stock Mooncake; None (after saying NOT RUN) only when the caller opted
+/// out with `KVFERRY_SKIP_MOONCAKE=1`. Panics, saying how to install it, when it is missing.
 pub fn python() -> Option<String> {
-    match std::env::var("KVFERRY_MOONCAKE_PYTHON") {
-        Ok(p) if !p.is_empty() => Some(p),
-        _ => {
-            assert!(
-                std::env::var("KVFERRY_REQUIRE_INTEROP").is_err(),
-                "KVFERRY_REQUIRE_INTEROP is set but KVFERRY_MOONCAKE_PYTHON is not: the Mooncake peer is missing"
-            );
-            eprintln!("NOT RUN: set KVFERRY_MOONCAKE_PYTHON to a Python with mooncake-transfer-engine-non-cuda (scripts/test does)");
-            None
+    if let Ok(p) = std::env::var("KVFERRY_MOONCAKE_PYTHON") {
+        if !p.is_empty() {
+            return Some(p);
         }
     }
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/mooncake/bin/python");
+    if venv.is_file() {
+        return Some(venv.to_string_lossy().into_owned());
+    }
+    if std::env::var("KVFERRY_SKIP_MOONCAKE").as_deref() == Ok("1") {
+        eprintln!("NOT RUN (KVFERRY_SKIP_MOONCAKE=1): this test needs the stock Mooncake wheel");
+        return None;
+    }
+    panic!(
+        "the stock Mooncake peer is missing: set KVFERRY_MOONCAKE_PYTHON to a Python with mooncake-transfer-engine-non-cuda, \
+         or create .venv/mooncake (python3 -m venv .venv/mooncake && .venv/mooncake/bin/pip install mooncake-transfer-engine-non-cuda; \
+         scripts/test does), or set KVFERRY_SKIP_MOONCAKE=1 to leave the interop tests out"
+    )
 }
 
 pub fn script() -> PathBuf {
