@@ -17,26 +17,16 @@ Two APIs over one engine:
   ``KVFERRY_MOONCAKE_SHIM=1`` or :func:`install_mooncake_shim` to make unmodified
   ``from mooncake.engine import TransferEngine`` use kvferry.
 
-This version moves host memory over TCP (memcpy within one engine), with P2PHANDSHAKE
-metadata only. Configuration: ``KVFERRY_*`` environment variables and Mooncake's ``MC_*``
+This version moves host memory: over TCP to any peer (kvferry or stock Mooncake), by shared
+memory between kvferry processes on one host (memory from ``allocate_managed_buffer`` is mapped
+by the peer, other memory reached by cross-memory attach), memcpy within one engine. Segments
+are found by P2PHANDSHAKE or a metadata service (http(s), etcd, redis). Configuration: ``KVFERRY_*`` environment variables and Mooncake's ``MC_*``
 aliases (``MC_TRANSFER_TIMEOUT``, ``MC_MIN_RPC_PORT``, ...). Engine logs: ``KVFERRY_LOG=info``.
 """
 
 from ._kvferry import __version__
-from ._errors import (
-    AddressNotRegistered,
-    AddressOverlap,
-    BatchBusy,
-    ConfigError,
-    EngineClosed,
-    InvalidArgument,
-    KvferryError,
-    PeerUnreachable,
-    SegmentNotFound,
-    TooManyRequests,
-    TransferError,
-    TransferTimeout,
-)
+from ._errors import *  # noqa: F403  (exactly the names of _errors.__all__)
+from ._errors import __all__ as _ERRORS
 from ._engine import Batch, Engine, FailCause, Notify, Opcode, Region, Status, TaskStatus, features
 
 
@@ -71,16 +61,4 @@ __all__ = [
     "features",
     "install_mooncake_shim",
     "uninstall_mooncake_shim",
-    "KvferryError",
-    "InvalidArgument",
-    "ConfigError",
-    "AddressNotRegistered",
-    "AddressOverlap",
-    "SegmentNotFound",
-    "BatchBusy",
-    "TooManyRequests",
-    "TransferError",
-    "TransferTimeout",
-    "PeerUnreachable",
-    "EngineClosed",
-]
+] + list(_ERRORS)

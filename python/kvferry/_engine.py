@@ -191,10 +191,11 @@ class Engine:
     ``KVFERRY_MIN_PORT``..``KVFERRY_MAX_PORT`` (``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``).
     Peers address this engine by :attr:`segment_name` (``host:rpc_port``).
 
-    ``metadata_server`` is ``"P2PHANDSHAKE"`` (peers exchange descriptors directly; the
-    only mode of kvferry 0.1) or a metadata service the engine supports; an unsupported or
-    unreachable one raises ConfigError/KvferryError naming it. ``protocol`` may be ``"tcp"``
-    or ``"rdma"``; data always moves over TCP here.
+    ``metadata_server`` is ``"P2PHANDSHAKE"`` (peers exchange descriptors directly) or a
+    metadata service (``http(s)://host:port/metadata``, ``etcd://...``, ``redis://...``); an
+    unsupported or unreachable one raises ConfigError/KvferryError naming it. ``protocol`` may
+    be ``"tcp"`` or ``"rdma"``; this version has no RDMA transport: data moves over TCP, or
+    shared memory to kvferry peers on this host.
 
     Local memory arguments accept an integer address or a writable contiguous buffer;
     remote addresses are integers inside buffers the peer registered

@@ -1,28 +1,8 @@
 //! The `kvferry` binary end to end: bench (both sides, and split by --mode), doctor.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+mod common;
 
-fn kvferry() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvferry"))
-}
-
-fn check_records(path: &std::path::Path, expect: usize) {
-    let text = std::fs::read_to_string(path).unwrap();
-    let recs: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(recs.len(), expect, "{text}");
-    let keys = ["op", "block_bytes", "batch", "gbps", "ops_per_s", "batch_p50_us", "batch_p99_us", "single_p50_us", "initiator_cpu_s_per_gb", "target_cpu_s_per_gb", "verified"];
-    for r in &recs {
-        let obj = r.as_object().unwrap();
-        assert_eq!(obj.len(), keys.len(), "exactly the documented fields: {r}");
-        for k in keys {
-            assert!(obj.contains_key(k), "missing {k} in {r}");
-        }
-        assert_eq!(r["verified"], true, "{r}");
-        assert!(r["gbps"].as_f64().unwrap() > 0.0);
-        assert!(r["single_p50_us"].as_f64().unwrap() > 0.0);
-    }
-}
+use common::{check_records, kvferry, BenchTarget};
 
 #[test]
 fn bench_runs_both_sides_and_verifies_every_point() {
@@ -44,23 +24,15 @@ fn bench_runs_both_sides_and_verifies_every_point() {
 
 #[test]
 fn bench_split_across_two_commands() {
-    let mut target = kvferry()
-        .args(["bench", "--mode", "target", "--buffer-size", "32M"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(target.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let seg = line.split_whitespace().find_map(|w| w.strip_prefix("segment=")).expect("segment printed").to_string();
+    let mut target = BenchTarget::start(&["--buffer-size", "32M"]);
+    let seg = target.segment.clone();
     let json = std::env::temp_dir().join(format!("kvferry-cli-split-{}.jsonl", std::process::id()));
     let out = kvferry()
         .args(["bench", "--mode", "initiator", "--segment", &seg, "--buffer-size", "32M", "--blocks", "64K", "--ops", "read", "--batch", "8", "--duration", "0.2", "--no-ceilings", "--mooncake", "none", "--json"])
         .arg(&json)
         .output()
         .unwrap();
-    let _ = target.kill();
-    let _ = target.wait();
+    target.kill();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     check_records(&json, 1);
 }
@@ -105,16 +77,8 @@ fn readme_documents_every_variable() {
 fn target_process_killed_mid_transfer_fails_requests_within_the_deadline() {
     use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
     use std::time::{Duration, Instant};
-    let mut target = kvferry()
-        .args(["bench", "--mode", "target", "--buffer-size", "256M"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(target.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let seg_name = line.split_whitespace().find_map(|w| w.strip_prefix("segment=")).unwrap().to_string();
-    let addr: u64 = line.split_whitespace().find_map(|w| w.strip_prefix("addr=")).unwrap().parse().unwrap();
+    let mut target = BenchTarget::start(&["--buffer-size", "256M"]);
+    let (seg_name, addr) = (target.segment.clone(), target.addr);
     let e = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(4), ..Config::default() }).unwrap();
     let src = vec![9u8; 256 << 20];
     e.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
@@ -125,8 +89,7 @@ fn target_process_killed_mid_transfer_fails_requests_within_the_deadline() {
     let b = e.allocate_batch(reqs.len()).unwrap();
     e.submit(b, &reqs).unwrap();
     std::thread::sleep(Duration::from_millis(20));
-    target.kill().unwrap(); // SIGKILL, mid-transfer
-    let _ = target.wait();
+    target.kill(); // SIGKILL, mid-transfer
     let start = Instant::now();
     let st = e.wait_batch(b, Duration::from_secs(20)).unwrap();
     assert!(start.elapsed() < Duration::from_secs(6), "ended within the deadline, took {:?}", start.elapsed());

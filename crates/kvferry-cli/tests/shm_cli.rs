@@ -1,13 +1,8 @@
 //! `kvferry bench --transport` and the shared-memory part of `kvferry doctor`.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+mod common;
 
-fn kvferry() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvferry"))
-}
-
-const KEYS: [&str; 11] = ["op", "block_bytes", "batch", "gbps", "ops_per_s", "batch_p50_us", "batch_p99_us", "single_p50_us", "initiator_cpu_s_per_gb", "target_cpu_s_per_gb", "verified"];
+use common::{check_records, kvferry, BenchTarget};
 
 #[test]
 fn bench_reports_both_transports_in_one_run_with_unchanged_json() {
@@ -30,14 +25,7 @@ fn bench_reports_both_transports_in_one_run_with_unchanged_json() {
     assert_eq!(rows.iter().filter(|l| l.split_whitespace().nth(3) == Some("shm:map")).count(), 4, "{stdout}");
     assert_eq!(rows.iter().filter(|l| l.split_whitespace().nth(3) == Some("tcp")).count(), 4, "{stdout}");
     // --json keeps exactly its keys, one record per row, in table order.
-    let recs: Vec<serde_json::Value> = std::fs::read_to_string(&json).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(recs.len(), 8);
-    for r in &recs {
-        let obj = r.as_object().unwrap();
-        assert_eq!(obj.len(), KEYS.len(), "{r}");
-        assert!(KEYS.iter().all(|k| obj.contains_key(*k)), "{r}");
-        assert_eq!(r["verified"], true);
-    }
+    check_records(&json, 8);
     // The transport of each point is in the separate --json-peers output.
     let peers = std::fs::read_to_string(&peers).unwrap();
     let via: Vec<String> = peers
@@ -62,15 +50,8 @@ fn bench_reports_both_transports_in_one_run_with_unchanged_json() {
 
 #[test]
 fn bench_forcing_shm_against_a_tcp_only_target_says_why() {
-    let mut target = kvferry()
-        .args(["bench", "--mode", "target", "--buffer-size", "16M", "--transport", "tcp"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(target.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let seg = line.split_whitespace().find_map(|w| w.strip_prefix("segment=")).expect("segment printed").to_string();
+    let mut target = BenchTarget::start(&["--buffer-size", "16M", "--transport", "tcp"]);
+    let seg = target.segment.clone();
     let out = kvferry()
         .args(["bench", "--mode", "initiator", "--segment", &seg, "--transport", "shm", "--buffer-size", "16M", "--blocks", "64K", "--duration", "0.1", "--no-ceilings", "--mooncake", "none"])
         .output()
@@ -79,8 +60,7 @@ fn bench_forcing_shm_against_a_tcp_only_target_says_why() {
         .args(["bench", "--mode", "initiator", "--segment", &seg, "--buffer-size", "16M", "--blocks", "64K", "--ops", "write", "--batch", "4", "--duration", "0.1", "--no-ceilings", "--mooncake", "none"])
         .output()
         .unwrap();
-    let _ = target.kill(); // by pid: the child we started
-    let _ = target.wait();
+    target.kill();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("KVFERRY_TRANSPORT=shm") && err.contains("publishes no kvferry_shm"), "{err}");

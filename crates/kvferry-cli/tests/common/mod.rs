@@ -1,0 +1,68 @@
+//! Helpers shared by the `kvferry` binary's tests: the binary, its `--json` record format, and
+//! a `kvferry bench --mode target` child.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+pub fn kvferry() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvferry"))
+}
+
+/// The fields of one `kvferry bench --json` record, exactly.
+pub const KEYS: [&str; 11] =
+    ["op", "block_bytes", "batch", "gbps", "ops_per_s", "batch_p50_us", "batch_p99_us", "single_p50_us", "initiator_cpu_s_per_gb", "target_cpu_s_per_gb", "verified"];
+
+/// Reads a `--json` file: `expect` records, each with exactly [`KEYS`], verified, non-zero.
+pub fn check_records(path: &std::path::Path, expect: usize) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let recs: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(recs.len(), expect, "{text}");
+    for r in &recs {
+        let obj = r.as_object().unwrap();
+        assert_eq!(obj.len(), KEYS.len(), "exactly the documented fields: {r}");
+        for k in KEYS {
+            assert!(obj.contains_key(k), "missing {k} in {r}");
+        }
+        assert_eq!(r["verified"], true, "{r}");
+        assert!(r["gbps"].as_f64().unwrap() > 0.0);
+        assert!(r["single_p50_us"].as_f64().unwrap() > 0.0);
+    }
+    recs
+}
+
+/// A `kvferry bench --mode target` child; killed (by its pid) and reaped on drop.
+pub struct BenchTarget {
+    pub child: Child,
+    pub segment: String,
+    /// Address of its registered buffer.
+    pub addr: u64,
+}
+
+impl BenchTarget {
+    /// Starts a target with `args` after `bench --mode target` and reads its announcement.
+    pub fn start(args: &[&str]) -> BenchTarget {
+        let mut child = kvferry().args(["bench", "--mode", "target"]).args(args).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let field = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).map(str::to_string);
+        let (Some(segment), Some(addr)) = (field("segment="), field("addr=").and_then(|a| a.parse().ok())) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the bench target did not announce itself: {line:?}");
+        };
+        BenchTarget { child, segment, addr }
+    }
+
+    /// SIGKILL now (e.g. mid-transfer) and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for BenchTarget {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
