@@ -221,24 +221,22 @@ fn run_client(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
                 }
                 keys.push(ks);
             }
-            points.push(point("put_from", v, batch, &keys, busy, &mut lat, true));
+            let nkeys = keys.iter().map(Vec::len).sum();
+            points.push(point("put_from", v, batch, nkeys, busy, &mut lat, true));
             // get_into: read every key back, check every byte.
-            let mut lat = Vec::new();
-            let mut busy = Duration::ZERO;
             let mut verified = true;
-            for ks in &keys {
+            let (busy, mut lat, read) = read_rounds(a.duration, &keys, |ks| {
                 let items: Vec<(&str, u64, u64)> = ks.iter().enumerate().map(|(i, k)| (k.as_str(), dst.addr() + (i * vlen) as u64, v)).collect();
                 let t0 = Instant::now();
                 let res = if batch == 1 { vec![c.get_into(items[0].0, items[0].1, v)] } else { c.batch_get_into(&items) };
                 let dt = t0.elapsed();
-                busy += dt;
-                lat.push(dt.as_secs_f64() * 1e6);
                 for (i, (k, r)) in ks.iter().zip(res).enumerate() {
                     let got = r.map_err(|e| format!("get_into {k}: {e}"))?;
                     verified &= got == v && value_ok(dst.slice(i * vlen, vlen), k);
                 }
-            }
-            points.push(point("get_into", v, batch, &keys, busy, &mut lat, verified));
+                Ok(dt)
+            })?;
+            points.push(point("get_into", v, batch, read, busy, &mut lat, verified));
             c.remove_all(true).map_err(|e| e.to_string())?;
             // put / get: the bytes API (copies through the local buffer).
             let mut lat = Vec::new();
@@ -258,23 +256,20 @@ fn run_client(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
                     r.map_err(|e| format!("put {k}: {e}"))?;
                 }
             }
-            points.push(point("put", v, batch, &keys, busy, &mut lat, true));
-            let mut lat = Vec::new();
-            let mut busy = Duration::ZERO;
+            points.push(point("put", v, batch, nkeys, busy, &mut lat, true));
             let mut verified = true;
-            for ks in &keys {
+            let (busy, mut lat, read) = read_rounds(a.duration, &keys, |ks| {
                 let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
                 let t0 = Instant::now();
                 let res = c.get_batch(&refs);
                 let dt = t0.elapsed();
-                busy += dt;
-                lat.push(dt.as_secs_f64() * 1e6);
                 for (k, r) in ks.iter().zip(res) {
                     let val = r.map_err(|e| format!("get {k}: {e}"))?;
                     verified &= val.len() == vlen && value_ok(&val, k);
                 }
-            }
-            points.push(point("get", v, batch, &keys, busy, &mut lat, verified));
+                Ok(dt)
+            })?;
+            points.push(point("get", v, batch, read, busy, &mut lat, verified));
             c.remove_all(true).map_err(|e| e.to_string())?;
         }
     }
@@ -282,8 +277,27 @@ fn run_client(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
     Ok(points)
 }
 
-fn point(op: &str, v: u64, batch: usize, keys: &[Vec<String>], busy: Duration, lat: &mut [f64], verified: bool) -> StorePoint {
-    let nkeys = keys.iter().map(Vec::len).sum::<usize>() as f64;
+/// A read phase, as `tests/interop/mooncake_store_bench.py` runs Mooncake's: every round of
+/// keys at least once, then cycling through them until `duration` seconds of calls (wall time
+/// capped at max(3 x duration, duration + 5 s)). `one` makes one call, checks it and returns
+/// the call's own duration. Returns (time in calls, per-call µs, keys read).
+fn read_rounds(duration: f64, keys: &[Vec<String>], mut one: impl FnMut(&[String]) -> Result<Duration, String>) -> Result<(Duration, Vec<f64>, usize), String> {
+    let (mut busy, mut lat, mut n, mut read) = (Duration::ZERO, Vec::new(), 0usize, 0usize);
+    let start = Instant::now();
+    let cap = (3.0 * duration).max(duration + 5.0);
+    while !keys.is_empty() && (n < keys.len() || (busy.as_secs_f64() < duration && start.elapsed().as_secs_f64() < cap)) {
+        let ks = &keys[n % keys.len()];
+        let dt = one(ks)?;
+        busy += dt;
+        lat.push(dt.as_secs_f64() * 1e6);
+        n += 1;
+        read += ks.len();
+    }
+    Ok((busy, lat, read))
+}
+
+fn point(op: &str, v: u64, batch: usize, nkeys: usize, busy: Duration, lat: &mut [f64], verified: bool) -> StorePoint {
+    let nkeys = nkeys as f64;
     let secs = busy.as_secs_f64().max(1e-9);
     StorePoint {
         op: op.into(),

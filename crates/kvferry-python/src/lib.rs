@@ -145,6 +145,16 @@ impl Core {
         }
     }
 
+    /// What `transfer` and `submit` check first: the opcode, matching list lengths, an open
+    /// engine (whose released batches that finished since are freed here).
+    fn prepare(&self, py: Python<'_>, opcode: i64, locals: &[u64], remotes: &[u64], lengths: &[u64]) -> PyResult<(Opcode, Arc<TransferEngine>)> {
+        let op = self::opcode(py, opcode)?;
+        check_lengths(py, locals, remotes, lengths)?;
+        let engine = self.engine(py)?;
+        self.sweep(&engine);
+        Ok((op, engine))
+    }
+
     /// Frees released batches that have finished since.
     fn sweep(&self, engine: &TransferEngine) {
         let mut z = lock(&self.zombies);
@@ -319,14 +329,11 @@ impl Core {
         lengths: Vec<u64>,
         timeout: Option<f64>,
     ) -> PyResult<u64> {
-        let op = self::opcode(py, opcode)?;
-        check_lengths(py, &locals, &remotes, &lengths)?;
-        let engine = self.engine(py)?;
+        let (op, engine) = self.prepare(py, opcode, &locals, &remotes, &lengths)?;
         let timeout = match timeout {
             Some(t) => duration(py, t)?,
             None => engine.config().transfer_timeout + Duration::from_nanos(lengths.iter().fold(0u64, |a, &n| a.saturating_add(n))),
         };
-        self.sweep(&engine);
         let res = py.detach(|| {
             let id = engine.open_segment(&segment)?;
             let reqs = build_requests(op, id, &locals, &remotes, &lengths);
@@ -349,10 +356,7 @@ impl Core {
         remotes: Vec<u64>,
         lengths: Vec<u64>,
     ) -> PyResult<u64> {
-        let op = self::opcode(py, opcode)?;
-        check_lengths(py, &locals, &remotes, &lengths)?;
-        let engine = self.engine(py)?;
-        self.sweep(&engine);
+        let (op, engine) = self.prepare(py, opcode, &locals, &remotes, &lengths)?;
         py.detach(|| {
             let id = engine.open_segment(&segment)?;
             let reqs = build_requests(op, id, &locals, &remotes, &lengths);
@@ -366,7 +370,7 @@ impl Core {
         .map_err(|e| errors::engine(py, &e))
     }
 
-    /// (status, transferred_bytes, reason) of a batch: COMPLETED (4) when every task did,
+    /// (status, transferred_bytes, reason, cause) of a batch: COMPLETED (4) when every task did,
     /// FAILED (6) / TIMEOUT (5) as soon as one did, else WAITING (0).
     fn batch_status(&self, py: Python<'_>, batch: u64) -> PyResult<StatusTuple> {
         let st = self.engine(py)?.batch_status(batch).map_err(|e| errors::engine(py, &e))?;
