@@ -573,16 +573,7 @@ fn read_memory<'py>(py: Python<'py>, addr: u64, length: u64) -> PyResult<Bound<'
 #[pyfunction]
 #[pyo3(signature = (segment, status, transferred_bytes = 0, reason = None, cause = None))]
 fn transfer_error(py: Python<'_>, segment: String, status: u8, transferred_bytes: u64, reason: Option<String>, cause: Option<u8>) -> Py<PyAny> {
-    let status = match status {
-        0 => TaskStatus::Waiting,
-        1 => TaskStatus::Pending,
-        2 => TaskStatus::Invalid,
-        3 => TaskStatus::Canceled,
-        4 => TaskStatus::Completed,
-        5 => TaskStatus::Timeout,
-        _ => TaskStatus::Failed,
-    };
-    let st = TransferStatus { status, transferred_bytes, reason, cause: cause.map(FailCause::from_code) };
+    let st = TransferStatus { status: TaskStatus::from_u8(status), transferred_bytes, reason, cause: cause.map(FailCause::from_code) };
     errors::transfer_failure(py, &segment, &st).into_value(py).into_any()
 }
 

@@ -23,7 +23,8 @@ pub enum TaskStatus {
 }
 
 impl TaskStatus {
-    fn from_u8(v: u8) -> TaskStatus {
+    /// The status with Mooncake's integer `v` (unknown values read as FAILED).
+    pub fn from_u8(v: u8) -> TaskStatus {
         match v {
             0 => TaskStatus::Waiting,
             1 => TaskStatus::Pending,
