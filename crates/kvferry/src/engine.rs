@@ -513,11 +513,8 @@ impl Inner {
             .map(|r| BufferDesc { name: r.location, addr: r.addr, length: r.len, rkey: vec![], lkey: vec![], extra: Default::default() })
             .collect();
         self.tcp.describe(&mut d);
-        if let Some(mut info) = shm {
-            shm::add_maps(&mut info, &d.buffers);
-            if let Ok(v) = serde_json::to_value(info) {
-                d.extra.insert(shm::FIELD.into(), v);
-            }
+        if let Some(v) = shm.and_then(|info| shm::publish(info, &d.buffers)) {
+            d.extra.insert(shm::FIELD.into(), v);
         }
         d
     }

@@ -174,8 +174,9 @@ pub fn bytes_moved() -> (u64, u64) {
     (MAPPED_BYTES.load(Ordering::Relaxed), CMA_BYTES.load(Ordering::Relaxed))
 }
 
-/// Adds to `info` the shareable buffers that contain the published `buffers`.
-pub fn add_maps(info: &mut ShmInfo, buffers: &[crate::wire::descriptor::BufferDesc]) {
+/// The value published under [`FIELD`]: `info` (from [`ShmTransport::offer`]) plus the
+/// shareable buffers that contain the published `buffers`.
+pub fn publish(mut info: ShmInfo, buffers: &[crate::wire::descriptor::BufferDesc]) -> Option<serde_json::Value> {
     for b in buffers {
         if let Some(r) = crate::hostbuf::shareable_region(b.addr, b.length) {
             let m = MapInfo { fd: r.fd, addr: r.addr, len: r.len, populated: r.populated };
@@ -184,6 +185,7 @@ pub fn add_maps(info: &mut ShmInfo, buffers: &[crate::wire::descriptor::BufferDe
             }
         }
     }
+    serde_json::to_value(info).ok()
 }
 
 impl ShmInfo {
@@ -864,7 +866,7 @@ impl ShmTransport {
         self.local_reason.as_deref()
     }
 
-    /// What this engine publishes under [`FIELD`], without `maps` (see [`add_maps`]). Read
+    /// What this engine publishes under [`FIELD`], without `maps` (see [`publish`]). Read
     /// it *before* snapshotting the registered ranges: the epoch then never claims a newer
     /// state than the buffer list.
     pub fn offer(&self) -> Option<ShmInfo> {
@@ -1229,11 +1231,8 @@ impl Transport for ShmTransport {
     }
 
     fn describe(&self, desc: &mut SegmentDesc) {
-        if let Some(mut info) = self.offer() {
-            add_maps(&mut info, &desc.buffers);
-            if let Ok(v) = serde_json::to_value(info) {
-                desc.extra.insert(FIELD.to_string(), v);
-            }
+        if let Some(v) = self.offer().and_then(|info| publish(info, &desc.buffers)) {
+            desc.extra.insert(FIELD.to_string(), v);
         }
     }
 
