@@ -158,11 +158,10 @@ pub enum FailKind {
     Timeout,
 }
 
-/// Wakes waiters of a batch when its last task ends or any task fails.
+/// Wakes waiters of a batch when its last task ends.
 #[derive(Default)]
 pub(crate) struct Signal {
     unfinished: AtomicUsize,
-    failed: AtomicUsize,
     lock: Mutex<()>,
     cv: Condvar,
 }
@@ -248,11 +247,8 @@ impl TaskState {
         let failure = self.failure.load(Ordering::Acquire);
         let final_status = if failure == NO_FAILURE { TaskStatus::Completed as u8 } else { failure };
         self.status.store(final_status, Ordering::Release);
-        if failure != NO_FAILURE {
-            self.signal.failed.fetch_add(1, Ordering::AcqRel);
-        }
         let left = self.signal.unfinished.fetch_sub(1, Ordering::AcqRel) - 1;
-        if left == 0 || failure != NO_FAILURE {
+        if left == 0 {
             self.signal.notify();
         }
     }
@@ -285,12 +281,15 @@ impl Batch {
         self.signal.unfinished.load(Ordering::Acquire)
     }
 
-    /// COMPLETED when every task completed; FAILED (or TIMEOUT) as soon as any task did;
-    /// otherwise WAITING. Bytes are summed over completed tasks.
+    /// Terminal only once every task is: COMPLETED when all completed, else the first
+    /// failed (or timed-out) task's status in submission order. While any task still runs
+    /// the batch is PENDING (WAITING before any was handed to the network), even if a
+    /// sibling already failed: a caller that sees a terminal batch may reuse every buffer
+    /// of it. Bytes are summed over completed tasks.
     pub fn status(&self) -> TransferStatus {
         let tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
         let mut bytes = 0;
-        let mut all_done = true;
+        let mut running: Option<TaskStatus> = None;
         let mut failure: Option<TransferStatus> = None;
         for t in tasks.iter() {
             let s = t.status();
@@ -301,34 +300,55 @@ impl Batch {
                         failure = Some(s);
                     }
                 }
-                _ => all_done = false,
+                TaskStatus::Pending => running = Some(TaskStatus::Pending),
+                _ => {
+                    running.get_or_insert(TaskStatus::Waiting);
+                }
             }
         }
-        if let Some(f) = failure {
-            return f;
-        }
-        TransferStatus {
-            status: if all_done { TaskStatus::Completed } else { TaskStatus::Waiting },
-            transferred_bytes: bytes,
-            reason: None,
-            cause: None,
+        let status = match (running, failure) {
+            (Some(r), _) => r,
+            (None, Some(f)) => return f,
+            (None, None) => TaskStatus::Completed,
+        };
+        TransferStatus { status, transferred_bytes: bytes, reason: None, cause: None }
+    }
+
+    /// Blocks (without spinning) until every task is terminal or `timeout`.
+    pub fn wait(&self, timeout: Duration) -> TransferStatus {
+        self.wait_until(Instant::now().checked_add(timeout));
+        self.status()
+    }
+
+    /// Blocks until every task is terminal, however long that takes: every transport ends
+    /// each task by its deadline, so this returns by the latest deadline (a warning is logged
+    /// every 5 s past it, which would be a bug).
+    pub fn wait_terminal(&self) {
+        let latest = self.tasks.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|t| t.deadline).max();
+        let mut until = latest.unwrap_or_else(Instant::now) + Duration::from_secs(5);
+        while !self.wait_until(Some(until)) {
+            tracing::warn!("a batch has {} task(s) still running {:?} past their deadline", self.unfinished(), until.elapsed());
+            until = Instant::now() + Duration::from_secs(5);
         }
     }
 
-    /// Blocks (without spinning) until every task is terminal, any task failed, or `timeout`.
-    pub fn wait(&self, timeout: Duration) -> TransferStatus {
-        let until = Instant::now() + timeout;
+    /// Waits until every task is terminal (true) or `until` passed (false; `None`: never).
+    fn wait_until(&self, until: Option<Instant>) -> bool {
         let s = &self.signal;
         let mut g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
-        while s.unfinished.load(Ordering::Acquire) > 0 && s.failed.load(Ordering::Acquire) == 0 {
-            let now = Instant::now();
-            if now >= until {
-                break;
+        while s.unfinished.load(Ordering::Acquire) > 0 {
+            match until {
+                None => g = s.cv.wait(g).unwrap_or_else(|e| e.into_inner()),
+                Some(u) => {
+                    let now = Instant::now();
+                    if now >= u {
+                        return false;
+                    }
+                    g = s.cv.wait_timeout(g, u - now).unwrap_or_else(|e| e.into_inner()).0;
+                }
             }
-            g = s.cv.wait_timeout(g, until - now).unwrap_or_else(|e| e.into_inner()).0;
         }
-        drop(g);
-        self.status()
+        true
     }
 }
 
@@ -336,17 +356,7 @@ impl Batch {
     /// Blocks (without spinning) until every task is terminal or `timeout`; returns each
     /// task's status.
     pub fn wait_all(&self, timeout: Duration) -> Vec<TransferStatus> {
-        let until = Instant::now() + timeout;
-        let s = &self.signal;
-        let mut g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
-        while s.unfinished.load(Ordering::Acquire) > 0 {
-            let now = Instant::now();
-            if now >= until {
-                break;
-            }
-            g = s.cv.wait_timeout(g, until - now).unwrap_or_else(|e| e.into_inner()).0;
-        }
-        drop(g);
+        self.wait_until(Instant::now().checked_add(timeout));
         self.tasks.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|t| t.status()).collect()
     }
 }

@@ -29,6 +29,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_TCP_LANES", aliases: &["MC_TCP_LANES_PER_PEER"], default: "2", doc: "persistent TCP connections per peer (1-16)" },
     EnvVar { name: "KVFERRY_TCP_SPLIT_BYTES", aliases: &[], default: "4194304", doc: "requests larger than this are split across lanes in pieces of about this size" },
     EnvVar { name: "KVFERRY_SPIN_US", aliases: &[], default: "50", doc: "a lone small synchronous request polls for its answer this many microseconds before sleeping (0: never poll); bounded, never a busy loop" },
+    EnvVar { name: "KVFERRY_TCP_IDLE_MS", aliases: &[], default: "5000", doc: "a TCP lane (connection and its two threads) unused this long is closed and its threads end; the next request reconnects. Bounds what a departed peer costs (10-3600000)" },
     EnvVar { name: "KVFERRY_TCP_PROTO", aliases: &["MC_TCP_PROTO"], default: "2", doc: "`1` forces Mooncake's legacy v1 TCP framing towards every peer (writes are then confirmed by a read fence)" },
     EnvVar { name: "KVFERRY_HANDSHAKE_MAX_LENGTH", aliases: &["MC_HANDSHAKE_MAX_LENGTH"], default: "1048576", doc: "largest handshake frame accepted (bytes, up to 128 MiB)" },
     EnvVar { name: "KVFERRY_HANDSHAKE_CONNECT_TIMEOUT", aliases: &["MC_HANDSHAKE_CONNECT_TIMEOUT"], default: "5", doc: "seconds to connect to a peer's handshake port" },
@@ -78,6 +79,8 @@ pub struct Config {
     pub tcp_split_bytes: u64,
     /// How long a lone small synchronous request polls for its answer before sleeping.
     pub spin: Duration,
+    /// An unused TCP lane is closed after this long (KVFERRY_TCP_IDLE_MS).
+    pub tcp_idle: Duration,
     /// Highest TCP data protocol version to speak (1 or 2).
     pub tcp_proto: u32,
     pub handshake_max_len: u64,
@@ -108,6 +111,7 @@ impl Default for Config {
             tcp_lanes: 2,
             tcp_split_bytes: 4 << 20,
             spin: Duration::from_micros(50),
+            tcp_idle: Duration::from_secs(5),
             tcp_proto: 2,
             handshake_max_len: crate::wire::handshake::DEFAULT_MAX_FRAME,
             handshake_connect_timeout: Duration::from_secs(5),
@@ -174,6 +178,12 @@ impl Config {
                 return Err(Error::Config(format!("KVFERRY_SPIN_US={n} is more than a second; use at most 1000000 (0 disables polling)")));
             }
             c.spin = Duration::from_micros(n);
+        }
+        if let Some(n) = parse::<u64>(get, "KVFERRY_TCP_IDLE_MS", "a number of milliseconds")? {
+            if !(10..=3_600_000).contains(&n) {
+                return Err(Error::Config(format!("KVFERRY_TCP_IDLE_MS={n} is out of range; use 10 to 3600000 milliseconds")));
+            }
+            c.tcp_idle = Duration::from_millis(n);
         }
         if let Some(n) = parse(get, "KVFERRY_TCP_PROTO", "1 or 2")? {
             c.tcp_proto = n;

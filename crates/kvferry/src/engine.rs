@@ -67,6 +67,8 @@ struct Inner {
     notify_cv: std::sync::Condvar,
     /// Central metadata mode: the service segments are published in and looked up from.
     directory: Option<Arc<Directory>>,
+    /// The process that started the engine: only it may shut the engine down (see Drop).
+    pid: u32,
 }
 
 /// The data path requests to a segment take ([`TransferEngine::segment_transport`]).
@@ -171,6 +173,7 @@ impl TransferEngine {
                 advertised_host: host.clone(),
                 inline_max: config.tcp_split_bytes,
                 spin: config.spin,
+                idle: config.tcp_idle,
             },
             config.transfer_timeout,
         )
@@ -204,6 +207,7 @@ impl TransferEngine {
                 notify_cv: std::sync::Condvar::new(),
                 directory,
                 config,
+                pid: std::process::id(),
             }
         });
         tracing::info!(segment = %inner.name, data_port = inner.tcp.data_port(), "transfer engine started");
@@ -250,7 +254,7 @@ impl TransferEngine {
         let regions = self.inner.memory.register_batch(ranges, location)?;
         for r in &regions {
             if let Err(e) = self.inner.tcp.on_register(r) {
-                let _ = self.inner.memory.unregister_batch(&regions.iter().map(|r| r.addr).collect::<Vec<_>>(), Duration::ZERO);
+                let _ = self.inner.memory.unregister_batch(&regions.iter().map(|r| r.addr).collect::<Vec<_>>());
                 return Err(e);
             }
         }
@@ -262,13 +266,16 @@ impl TransferEngine {
         Ok(())
     }
 
-    /// Withdraws the range that starts at `addr`. Waits for accesses in progress.
+    /// Withdraws the range that starts at `addr`. A barrier: when it returns, no thread of
+    /// this engine touches the range and no peer can reach it any more (accesses in progress
+    /// are stopped between system calls and waited for).
     pub fn unregister_memory(&self, addr: u64) -> Result<()> {
         self.unregister_memory_batch(&[addr])
     }
 
+    /// Like [`TransferEngine::unregister_memory`] for several ranges; all or none.
     pub fn unregister_memory_batch(&self, addrs: &[u64]) -> Result<()> {
-        let removed = self.inner.memory.unregister_batch(addrs, self.inner.config.transfer_timeout)?;
+        let removed = self.inner.memory.unregister_batch(addrs)?;
         for r in &removed {
             self.inner.tcp.on_unregister(r);
             // Waits until no peer copies into or out of the range through shared memory.
@@ -379,7 +386,7 @@ impl TransferEngine {
     /// unknown segment) fail that task with a reason; the call itself fails only for an
     /// unknown batch or exceeded capacity.
     pub fn submit(&self, batch: BatchId, requests: &[TransferRequest]) -> Result<()> {
-        self.inner.submit(batch, requests, false)
+        self.inner.submit(batch, requests, false, None)
     }
 
     /// Status of one task.
@@ -389,12 +396,14 @@ impl TransferEngine {
         tasks.get(task).map(|t| t.status()).ok_or(Error::UnknownTask { batch, task, len: tasks.len() })
     }
 
-    /// Aggregate status: COMPLETED when all tasks completed, FAILED/TIMEOUT as soon as one did.
+    /// Aggregate status: terminal only once every task is (COMPLETED when all completed, else
+    /// the first failed task's status); PENDING or WAITING while any task runs.
     pub fn batch_status(&self, batch: BatchId) -> Result<TransferStatus> {
         Ok(self.inner.batch(batch)?.status())
     }
 
-    /// Blocks until the batch is complete, a task failed, or `timeout` passed.
+    /// Blocks until every task of the batch is terminal or `timeout` passed; returns the
+    /// batch status (terminal only when every task is, see [`TransferEngine::batch_status`]).
     pub fn wait_batch(&self, batch: BatchId, timeout: Duration) -> Result<TransferStatus> {
         Ok(self.inner.batch(batch)?.wait(timeout))
     }
@@ -419,23 +428,24 @@ impl TransferEngine {
     }
 
     /// Convenience: one batch, submit, wait, free. Returns the batch status.
+    ///
+    /// `timeout` caps every request's deadline (each also has the engine's transfer timeout
+    /// plus 1 ns per byte). The call returns only once every request is terminal, so when it
+    /// returns no transport touches the caller's memory; a request still running at its
+    /// deadline ends as TIMEOUT, one that completed reports COMPLETED.
     pub fn transfer_sync(&self, requests: &[TransferRequest], timeout: Duration) -> Result<TransferStatus> {
         let b = self.allocate_batch(requests.len().max(1))?;
+        let cap = Instant::now().checked_add(timeout);
         // A lone request may run in this thread (one round trip, no hand-off).
-        self.inner.submit(b, requests, requests.len() == 1)?;
-        let mut s = self.wait_batch(b, timeout)?;
-        // A failed task may leave siblings in flight: wait for them (they end by their own
-        // deadline) before freeing, so the caller may reuse its memory.
-        let batch = self.inner.batch(b)?;
-        if batch.unfinished() > 0 {
-            batch.wait_all(self.inner.config.transfer_timeout + Duration::from_secs(1));
+        if let Err(e) = self.inner.submit(b, requests, requests.len() == 1, cap) {
+            let _ = self.free_batch(b);
+            return Err(e);
         }
+        let batch = self.inner.batch(b)?;
+        batch.wait_terminal();
+        let s = batch.status();
         if let Err(e) = self.free_batch(b) {
             tracing::error!("transfer_sync: {e}");
-        }
-        if !s.status.is_terminal() {
-            s.status = crate::batch::TaskStatus::Timeout;
-            s.cause = Some(crate::batch::FailCause::Timeout);
         }
         Ok(s)
     }
@@ -489,7 +499,19 @@ impl TransferEngine {
 }
 
 impl Drop for TransferEngine {
+    /// Shuts the engine down as a barrier: when `drop` returns, no thread of the engine
+    /// touches registered memory any more and no peer can reach it (the caller may free it).
+    ///
+    /// In a process other than the one that started the engine (a `fork()` child dropping
+    /// its copy) nothing is shut down: the listeners, metadata entries, shared control region
+    /// and memory belong to the parent, and the engine's threads do not exist in the child
+    /// (joining them would hang). The child's copy is left alone; its descriptors are closed
+    /// when the child exits or execs (all are close-on-exec).
     fn drop(&mut self) {
+        if std::process::id() != self.inner.pid {
+            std::mem::forget(Arc::clone(&self.inner));
+            return;
+        }
         // Clean shutdown: leave the metadata service first, so peers stop finding us.
         if let Some(d) = &self.inner.directory {
             d.withdraw_all();
@@ -497,6 +519,11 @@ impl Drop for TransferEngine {
         self.inner.handshake.shutdown();
         self.inner.tcp.shutdown();
         self.inner.shm.shutdown();
+        // The barrier: revoke every range and wait for whatever still holds one (a server
+        // thread mid-request, a lane thread mid-receive, a copy job).
+        for r in self.inner.memory.unregister_all() {
+            self.inner.tcp.on_unregister(&r);
+        }
     }
 }
 
@@ -660,11 +687,14 @@ impl Inner {
         self.batches.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned().ok_or(Error::UnknownBatch(id))
     }
 
-    fn submit(&self, batch_id: BatchId, requests: &[TransferRequest], inline: bool) -> Result<()> {
+    fn submit(&self, batch_id: BatchId, requests: &[TransferRequest], inline: bool, cap: Option<Instant>) -> Result<()> {
         let batch = self.batch(batch_id)?;
         let now = Instant::now();
         // Mooncake's allowance: the transfer timeout plus 1 ns per byte (~1 GB/s floor).
-        let deadline = |len: u64| now + self.config.transfer_timeout + Duration::from_nanos(len);
+        let deadline = |len: u64| {
+            let d = now + self.config.transfer_timeout + Duration::from_nanos(len);
+            cap.map_or(d, |c| c.min(d))
+        };
         let tasks: Vec<Arc<TaskState>> = {
             let mut tasks = batch.tasks.lock().unwrap_or_else(|e| e.into_inner());
             if tasks.len() + requests.len() > batch.capacity {

@@ -7,16 +7,19 @@
 
 use crate::error::{Error, Result};
 use crate::wire::handshake::{self, Frame, MsgType, LEN_PREFIX};
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Most handshake connections served at once; more are closed at accept.
 const MAX_CONCURRENT: usize = 256;
+/// A request frame must arrive whole within this (however the bytes trickle in), and so
+/// must the reply be sent: a slow client holds a slot at most this long.
 const SERVER_IO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Socket timeout of each read, so the whole-frame deadline is checked at least this often.
+const TICK: Duration = Duration::from_millis(200);
 
 /// Answers one request frame with a reply body.
 pub type Handler = Arc<dyn Fn(&Frame) -> Vec<u8> + Send + Sync>;
@@ -35,11 +38,25 @@ impl HandshakeServer {
         let active = Arc::new(AtomicUsize::new(0));
         let (l, sd) = (Arc::clone(&listener), Arc::clone(&shutdown));
         std::thread::Builder::new().name("kvf-handshake".into()).spawn(move || {
-            for conn in l.incoming() {
+            loop {
+                let stream = match l.accept() {
+                    Ok((s, _)) => s,
+                    Err(_) if sd.load(Ordering::Acquire) => break,
+                    Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EBADF | libc::ENOTSOCK)) => {
+                        tracing::error!("handshake listener on port {port} stopped accepting ({e}); was it shut down by another process?");
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::debug!("handshake listener: accept failed: {e}");
+                        // Out of descriptors or memory: back off instead of spinning.
+                        let out = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM));
+                        std::thread::sleep(if out { Duration::from_millis(100) } else { Duration::from_millis(1) });
+                        continue;
+                    }
+                };
                 if sd.load(Ordering::Acquire) {
                     break;
                 }
-                let Ok(stream) = conn else { continue };
                 if active.fetch_add(1, Ordering::AcqRel) >= MAX_CONCURRENT {
                     active.fetch_sub(1, Ordering::AcqRel);
                     tracing::warn!("handshake: {MAX_CONCURRENT} requests already in progress; closing a new one");
@@ -66,15 +83,15 @@ impl HandshakeServer {
 
     pub fn shutdown(&self) {
         self.shutdown.store(true, Ordering::Release);
-        // SAFETY: shutting down our own listening socket wakes the blocked accept().
-        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        // Shutting down our own listening socket wakes the blocked accept().
+        let _ = rustix::net::shutdown(&*self.listener, rustix::net::Shutdown::Both);
     }
 }
 
 fn serve_one(s: &TcpStream, max_len: u64, handler: &Handler) -> std::io::Result<()> {
-    s.set_read_timeout(Some(SERVER_IO_TIMEOUT))?;
+    s.set_read_timeout(Some(TICK))?;
     s.set_write_timeout(Some(SERVER_IO_TIMEOUT))?;
-    let frame = match read_frame(s, max_len) {
+    let frame = match read_frame(s, max_len, Instant::now() + SERVER_IO_TIMEOUT) {
         Ok(f) => f,
         Err(e) => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())),
     };
@@ -87,15 +104,35 @@ fn serve_one(s: &TcpStream, max_len: u64, handler: &Handler) -> std::io::Result<
     Ok(())
 }
 
-fn read_frame(s: &TcpStream, max_len: u64) -> Result<Frame, String> {
+/// Reads exactly `buf.len()` bytes unless `deadline` passes first (checked after every
+/// read, so bytes trickling in one at a time cannot stretch it).
+fn read_until(s: &TcpStream, buf: &mut [u8], deadline: Instant, what: &str) -> Result<(), String> {
+    let mut got = 0;
+    while got < buf.len() {
+        match (&*s).read(&mut buf[got..]) {
+            Ok(0) => return Err(format!("{what}: connection closed after {got} of {} bytes", buf.len())),
+            Ok(n) => got += n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
+            Err(e) => return Err(format!("{what}: {e}")),
+        }
+        if got < buf.len() && Instant::now() >= deadline {
+            return Err(format!("{what}: only {got} of {} bytes before the deadline", buf.len()));
+        }
+    }
+    Ok(())
+}
+
+fn read_frame(s: &TcpStream, max_len: u64, deadline: Instant) -> Result<Frame, String> {
     let mut prefix = [0u8; LEN_PREFIX];
-    (&*s).read_exact(&mut prefix).map_err(|e| format!("reading frame length: {e}"))?;
+    read_until(s, &mut prefix, deadline, "reading frame length")?;
     let len = handshake::decode_len(prefix, max_len).map_err(|e| e.to_string())?;
+    // Grow as bytes arrive, so a lying length cannot make us allocate before they do.
     let mut payload = Vec::new();
-    // Read incrementally so a lying length cannot make us allocate before the bytes arrive.
-    s.take(len as u64).read_to_end(&mut payload).map_err(|e| format!("reading frame body: {e}"))?;
-    if payload.len() != len {
-        return Err(format!("frame truncated: {} of {len} bytes", payload.len()));
+    while payload.len() < len {
+        let at = payload.len();
+        let step = (len - at).min(64 << 10);
+        payload.resize(at + step, 0);
+        read_until(s, &mut payload[at..], deadline, "reading frame body")?;
     }
     Ok(handshake::decode_payload(&payload))
 }
@@ -128,11 +165,11 @@ pub fn request(
         }
     }
     let s = stream.ok_or_else(|| fail(format!("{last} (is the peer running, and is {host} its advertised address?)")))?;
-    s.set_read_timeout(Some(io_timeout)).map_err(|e| fail(e.to_string()))?;
+    s.set_read_timeout(Some(io_timeout.min(TICK))).map_err(|e| fail(e.to_string()))?;
     s.set_write_timeout(Some(io_timeout)).map_err(|e| fail(e.to_string()))?;
     let _ = s.set_nodelay(true);
     (&s).write_all(&handshake::encode(kind, body)).map_err(|e| fail(format!("sending request: {e}")))?;
-    let reply = read_frame(&s, max_len).map_err(fail)?;
+    let reply = read_frame(&s, max_len, Instant::now() + io_timeout).map_err(fail)?;
     let _ = s.shutdown(Shutdown::Both);
     if reply.kind != kind {
         return Err(Error::Wire {

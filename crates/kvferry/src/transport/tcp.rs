@@ -51,41 +51,66 @@ fn is_timeout(e: &io::Error) -> bool {
     matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
 }
 
-/// Fills `buf` from `s`, tolerating socket-timeout wake-ups until `deadline()` says stop.
-fn read_full(s: &TcpStream, buf: &mut [u8], mut expired: impl FnMut() -> bool) -> io::Result<()> {
+/// The error of an I/O loop whose `stop` check fired: its deadline passed, the memory it
+/// moves was unregistered, or the engine is shutting down.
+fn stopped(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, format!("stopped while {what}: deadline passed, memory withdrawn or shutting down"))
+}
+
+/// Fills `buf` from `s`. `stop` is asked after every system call (a read that returned
+/// bytes as much as one that timed out), so a peer that trickles bytes cannot hold the
+/// caller past its deadline: the socket timeout bounds each call, `stop` bounds the whole.
+fn read_full(s: &TcpStream, buf: &mut [u8], mut stop: impl FnMut() -> bool) -> io::Result<()> {
     let mut got = 0;
     while got < buf.len() {
         match (&*s).read(&mut buf[got..]) {
             Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by peer")),
             Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if is_timeout(&e) => {
-                if expired() {
-                    return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed while receiving"));
-                }
-            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted || is_timeout(&e) => {}
             Err(e) => return Err(e),
+        }
+        if got < buf.len() && stop() {
+            return Err(stopped("receiving"));
         }
     }
     Ok(())
 }
 
-fn write_all_vectored(s: &TcpStream, mut bufs: &mut [IoSlice<'_>], mut expired: impl FnMut() -> bool) -> io::Result<()> {
+/// Sends every byte of `bufs`, asking `stop` after every system call (see [`read_full`]).
+fn write_all_vectored(s: &TcpStream, mut bufs: &mut [IoSlice<'_>], mut stop: impl FnMut() -> bool) -> io::Result<()> {
     while !bufs.is_empty() {
         match (&*s).write_vectored(bufs) {
             Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed")),
             Ok(n) => IoSlice::advance_slices(&mut bufs, n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if is_timeout(&e) => {
-                if expired() {
-                    return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed while sending"));
-                }
-            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted || is_timeout(&e) => {}
             Err(e) => return Err(e),
+        }
+        if !bufs.is_empty() && stop() {
+            return Err(stopped("sending"));
         }
     }
     Ok(())
 }
+
+/// Keepalive probes and a user timeout on a data connection, so a peer whose host vanished
+/// (no FIN, no RST) is noticed: an idle connection after about
+/// `KEEPALIVE_IDLE + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL`, one with unacknowledged data
+/// after `USER_TIMEOUT`.
+fn keepalive(s: &TcpStream) {
+    let sock = socket2::SockRef::from(s);
+    let ka = socket2::TcpKeepalive::new().with_time(KEEPALIVE_IDLE).with_interval(KEEPALIVE_INTERVAL).with_retries(KEEPALIVE_COUNT);
+    if let Err(e) = sock.set_tcp_keepalive(&ka) {
+        tracing::debug!("TCP keepalive not set: {e}");
+    }
+    if let Err(e) = sock.set_tcp_user_timeout(Some(USER_TIMEOUT)) {
+        tracing::debug!("TCP_USER_TIMEOUT not set: {e}");
+    }
+}
+
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+const KEEPALIVE_COUNT: u32 = 5;
+const USER_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Only requests up to this size poll for their answer (larger ones take longer anyway).
 const SPIN_MAX_BYTES: u64 = 64 << 10;
@@ -172,18 +197,16 @@ impl RxBuf {
         }
     }
 
-    /// Ensures `n` buffered bytes.
-    fn need(&mut self, s: &TcpStream, n: usize, mut expired: impl FnMut() -> bool) -> io::Result<()> {
+    /// Ensures `n` buffered bytes, asking `stop` after every system call (see [`read_full`]).
+    fn need(&mut self, s: &TcpStream, n: usize, mut stop: impl FnMut() -> bool) -> io::Result<()> {
         while self.len() < n {
             match self.fill(s) {
                 Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if is_timeout(&e) => {
-                    if expired() {
-                        return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed while receiving"));
-                    }
-                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted || is_timeout(&e) => {}
                 Err(e) => return Err(e),
+            }
+            if self.len() < n && stop() {
+                return Err(stopped("receiving"));
             }
         }
         Ok(())
@@ -213,39 +236,112 @@ fn recv_into(rx: &mut RxBuf, s: &TcpStream, dst: &mut [u8], expired: impl FnMut(
 // Target side
 // ------------------------------------------------------------------------------------------
 
+/// Most data connections served at once (one thread each); more are closed at accept.
+pub const MAX_DATA_CONNS: usize = 1024;
+
+/// A served connection: a handle to shut it down, and the start of the registered range
+/// its thread holds a guard on (0: none).
+struct ConnSlot {
+    stream: TcpStream,
+    holding: Arc<AtomicU64>,
+}
+
+type Conns = Arc<Mutex<HashMap<u64, ConnSlot>>>;
+
+/// Clears a connection's `holding` mark when the request's guard goes.
+struct Holding<'a>(&'a AtomicU64);
+
+impl Drop for Holding<'_> {
+    fn drop(&mut self) {
+        self.0.store(0, Ordering::Release);
+    }
+}
+
+/// Whether an `accept` error means the listener itself is gone (shut down, closed).
+fn listener_gone(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EBADF | libc::ENOTSOCK))
+}
+
+/// Whether an `accept` error means resources ran out (back off instead of spinning).
+fn out_of_resources(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM))
+}
+
 /// The data listener of the local segment.
 pub struct TcpServer {
     port: u16,
     listener: Arc<TcpListener>,
     shutdown: Arc<AtomicBool>,
-    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
+    conns: Conns,
+    accept_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl TcpServer {
     /// Serves `listener` until [`TcpServer::shutdown`]. `stall` bounds how long a request may
-    /// sit half-received before the connection is dropped.
+    /// take (plus 1 ns per byte, as the initiator's deadline) before the connection is
+    /// dropped. A revoked range (unregister) shuts down the connections holding it.
     pub fn start(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration) -> io::Result<TcpServer> {
         let port = listener.local_addr()?.port();
         let listener = Arc::new(listener);
         let shutdown = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
+        let conns: Conns = Arc::default();
+        let weak = Arc::downgrade(&conns);
+        registry.on_revoke(Box::new(move |r| {
+            let Some(conns) = weak.upgrade() else { return };
+            for slot in conns.lock().unwrap_or_else(|e| e.into_inner()).values() {
+                if slot.holding.load(Ordering::Acquire) == r.addr {
+                    let _ = slot.stream.shutdown(Shutdown::Both);
+                }
+            }
+        }));
         let (l, sd, cs) = (Arc::clone(&listener), Arc::clone(&shutdown), Arc::clone(&conns));
-        std::thread::Builder::new().name("kvf-tcp-accept".into()).spawn(move || {
+        let accept = std::thread::Builder::new().name("kvf-tcp-accept".into()).spawn(move || {
             let mut next_id = 0u64;
-            for conn in l.incoming() {
+            let mut warned = Instant::now() - Duration::from_secs(60);
+            loop {
+                let stream = match l.accept() {
+                    Ok((s, _)) => s,
+                    Err(_) if sd.load(Ordering::Acquire) => break,
+                    Err(e) if listener_gone(&e) => {
+                        tracing::error!("TCP data listener on port {port} stopped accepting ({e}); was it shut down by another process?");
+                        break;
+                    }
+                    Err(e) => {
+                        if warned.elapsed() > Duration::from_secs(10) {
+                            warned = Instant::now();
+                            tracing::warn!("TCP data listener: accept failed: {e}");
+                        }
+                        // Out of descriptors or memory: back off instead of spinning.
+                        std::thread::sleep(if out_of_resources(&e) { Duration::from_millis(100) } else { Duration::from_millis(1) });
+                        continue;
+                    }
+                };
                 if sd.load(Ordering::Acquire) {
                     break;
                 }
-                let Ok(stream) = conn else { continue };
+                if cs.lock().unwrap_or_else(|e| e.into_inner()).len() >= MAX_DATA_CONNS {
+                    if warned.elapsed() > Duration::from_secs(10) {
+                        warned = Instant::now();
+                        tracing::warn!("TCP data listener: {MAX_DATA_CONNS} connections already served; closing a new one");
+                    }
+                    continue;
+                }
                 next_id += 1;
                 let id = next_id;
-                if let Ok(c) = stream.try_clone() {
-                    cs.lock().unwrap_or_else(|e| e.into_inner()).insert(id, c);
+                let holding = Arc::new(AtomicU64::new(0));
+                match stream.try_clone() {
+                    Ok(c) => {
+                        cs.lock().unwrap_or_else(|e| e.into_inner()).insert(id, ConnSlot { stream: c, holding: Arc::clone(&holding) });
+                    }
+                    Err(e) => {
+                        tracing::warn!("TCP data listener: cannot track a new connection ({e}); closing it");
+                        continue;
+                    }
                 }
                 let (reg, cs2, sd2) = (Arc::clone(&registry), Arc::clone(&cs), Arc::clone(&sd));
                 let spawned = std::thread::Builder::new().name("kvf-tcp-serve".into()).spawn(move || {
                     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                    if let Err(e) = serve_conn(&stream, &reg, stall, spin, &sd2) {
+                    if let Err(e) = serve_conn(&stream, &reg, stall, spin, &sd2, &holding) {
                         if e.kind() != io::ErrorKind::UnexpectedEof {
                             tracing::debug!(%peer, "tcp data connection closed: {e}");
                         }
@@ -258,27 +354,45 @@ impl TcpServer {
                 }
             }
         })?;
-        Ok(TcpServer { port, listener, shutdown, conns })
+        Ok(TcpServer { port, listener, shutdown, conns, accept_thread: Mutex::new(Some(accept)) })
     }
 
     pub fn port(&self) -> u16 {
         self.port
     }
 
+    /// Connections being served now.
+    pub fn connections(&self) -> usize {
+        self.conns.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Stops accepting and shuts every connection down (their threads then end; the engine's
+    /// unregister barrier waits for any that still hold a range).
     pub fn shutdown(&self) {
         self.shutdown.store(true, Ordering::Release);
-        // SAFETY: shutting down a listening socket we own makes a blocked accept() return.
-        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        // Shutting down the listening socket makes the blocked accept() return.
+        let _ = rustix::net::shutdown(&*self.listener, rustix::net::Shutdown::Both);
         for (_, c) in self.conns.lock().unwrap_or_else(|e| e.into_inner()).drain() {
-            let _ = c.shutdown(Shutdown::Both);
+            let _ = c.stream.shutdown(Shutdown::Both);
+        }
+        if let Some(t) = self.accept_thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
         }
     }
 }
 
-fn serve_conn(s: &TcpStream, registry: &MemoryRegistry, stall: Duration, spin: Duration, shutdown: &AtomicBool) -> io::Result<()> {
+fn serve_conn(
+    s: &TcpStream,
+    registry: &MemoryRegistry,
+    stall: Duration,
+    spin: Duration,
+    shutdown: &AtomicBool,
+    holding: &AtomicU64,
+) -> io::Result<()> {
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(Duration::from_secs(1)))?;
     s.set_write_timeout(Some(Duration::from_secs(1)))?;
+    keepalive(s);
     let mut rx = RxBuf::new();
     let mut out: Vec<u8> = Vec::with_capacity(4096);
     loop {
@@ -289,8 +403,8 @@ fn serve_conn(s: &TcpStream, registry: &MemoryRegistry, stall: Duration, spin: D
         }
         if rx.len() < HEADER_LEN {
             if !out.is_empty() {
-                let start = Instant::now();
-                write_all_vectored(s, &mut [IoSlice::new(&out)], || start.elapsed() > stall)?;
+                let until = Instant::now() + stall;
+                write_all_vectored(s, &mut [IoSlice::new(&out)], || Instant::now() >= until || shutdown.load(Ordering::Acquire))?;
                 out.clear();
             }
             // A peer that just got its answer often sends the next request at once: poll for
@@ -301,9 +415,22 @@ fn serve_conn(s: &TcpStream, registry: &MemoryRegistry, stall: Duration, spin: D
                     std::hint::spin_loop();
                 }
             }
-            let idle_start = Instant::now();
-            let partial = rx.len() > 0;
-            rx.need(s, HEADER_LEN, || shutdown.load(Ordering::Acquire) || (partial && idle_start.elapsed() > stall))?;
+            // An idle connection may wait for its next header as long as it likes; once a
+            // header has begun, the rest must come within `stall`.
+            let mut started: Option<Instant> = (rx.len() > 0).then(Instant::now);
+            while rx.len() < HEADER_LEN {
+                match rx.fill(s) {
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted || is_timeout(&e) => {}
+                    Err(e) => return Err(e),
+                }
+                if shutdown.load(Ordering::Acquire) {
+                    return Err(stopped("waiting for a request"));
+                }
+                if rx.len() > 0 && rx.len() < HEADER_LEN && started.get_or_insert_with(Instant::now).elapsed() > stall {
+                    return Err(stopped("receiving a request header"));
+                }
+            }
         }
         let h = match DataHeader::decode(&rx.take::<HEADER_LEN>()) {
             Ok(h) => h,
@@ -313,25 +440,31 @@ fn serve_conn(s: &TcpStream, registry: &MemoryRegistry, stall: Duration, spin: D
             }
         };
         let guard = if h.size > 0 { registry.check(h.addr, h.size) } else { None };
-        let Some(_guard) = guard else {
+        let Some(guard) = guard else {
             tracing::debug!(addr = h.addr, size = h.size, "rejecting TCP request outside registered memory");
             if h.v2 {
                 out.extend_from_slice(&tcp::encode_status(Status::Rejected));
-                let start = Instant::now();
-                write_all_vectored(s, &mut [IoSlice::new(&out)], || start.elapsed() > stall)?;
+                let until = Instant::now() + stall;
+                write_all_vectored(s, &mut [IoSlice::new(&out)], || Instant::now() >= until || shutdown.load(Ordering::Acquire))?;
             }
             return Ok(());
         };
+        holding.store(guard.region().addr, Ordering::Release);
+        let _holding = Holding(holding);
         let len = h.size as usize;
+        // The whole request must be done by then; checked after every system call, and
+        // also stopped at once when the range is unregistered or the engine shuts down.
+        let deadline = Instant::now() + stall + Duration::from_nanos(h.size);
+        let stop = || Instant::now() >= deadline || shutdown.load(Ordering::Acquire) || guard.is_revoked();
         // A large body is likely followed by another: read the next header on its own.
         rx.max_fill = if h.opcode == Opcode::Write && len >= DIRECT_MIN { HEADER_LEN } else { RX_BUF };
         match h.opcode {
             Opcode::Write => {
                 // SAFETY: the range lies inside registered memory and the guard keeps it
-                // registered until we are done.
+                // registered until we are done; a revoked guard stops the loop between
+                // system calls, before the unregister barrier lets go.
                 let dst = unsafe { std::slice::from_raw_parts_mut(h.addr as *mut u8, len) };
-                let start = Instant::now();
-                recv_into(&mut rx, s, dst, || start.elapsed() > stall || shutdown.load(Ordering::Acquire))?;
+                recv_into(&mut rx, s, dst, stop)?;
                 if h.v2 {
                     out.extend_from_slice(&tcp::encode_status(Status::Ok));
                 }
@@ -347,10 +480,7 @@ fn serve_conn(s: &TcpStream, registry: &MemoryRegistry, stall: Duration, spin: D
                     out.extend_from_slice(src);
                     continue;
                 }
-                let start = Instant::now();
-                write_all_vectored(s, &mut [IoSlice::new(&out), IoSlice::new(src)], || {
-                    start.elapsed() > stall || shutdown.load(Ordering::Acquire)
-                })?;
+                write_all_vectored(s, &mut [IoSlice::new(&out), IoSlice::new(src)], stop)?;
                 out.clear();
             }
         }
@@ -375,6 +505,8 @@ pub struct TcpOptions {
     pub inline_max: u64,
     /// How long the caller polls for the answer of a small inline request before sleeping.
     pub spin: Duration,
+    /// A lane unused this long closes its connection and its threads end.
+    pub idle: Duration,
 }
 
 /// One request (or part of one) on the wire.
@@ -384,7 +516,6 @@ struct WireOp {
     attempts: u8,
 }
 
-#[derive(Default)]
 struct LaneState {
     pending: VecDeque<WireOp>,
     inflight: VecDeque<WireOp>,
@@ -396,7 +527,34 @@ struct LaneState {
     inline: bool,
     /// The reader holds an op it is still receiving.
     reading: bool,
+    /// Idle too long: the connection is closed, the threads end; new work goes to new lanes.
+    retired: bool,
+    /// When work was last queued (or run inline) on this lane.
+    last_used: Instant,
 }
+
+impl LaneState {
+    fn new() -> LaneState {
+        LaneState {
+            pending: VecDeque::new(),
+            inflight: VecDeque::new(),
+            conn: None,
+            gen: 0,
+            shutdown: false,
+            inline: false,
+            reading: false,
+            retired: false,
+            last_used: Instant::now(),
+        }
+    }
+
+    /// Nothing queued, in flight or running inline.
+    fn idle(&self) -> bool {
+        self.pending.is_empty() && self.inflight.is_empty() && !self.inline && !self.reading
+    }
+}
+
+type PeerMap = Mutex<HashMap<(SocketAddr, bool), Arc<PeerLanes>>>;
 
 struct Lane {
     target: SocketAddr,
@@ -410,6 +568,10 @@ struct Lane {
     /// Bytes queued or in flight, for lane choice.
     load: AtomicU64,
     refused: Arc<OnceLock<RefusedHook>>,
+    idle: Duration,
+    /// The transport's map of peers, to leave it when idle (weak: no cycle).
+    home: std::sync::Weak<PeerMap>,
+    key: (SocketAddr, bool),
 }
 
 enum ConnFailure {
@@ -450,13 +612,12 @@ impl Lane {
             };
             let inflight: Vec<WireOp> = st.inflight.drain(..).collect();
             for mut op in inflight.into_iter().rev() {
-                if op.piece.task.deadline() <= now {
-                    ended.push((op, FailKind::Timeout, FailCause::Timeout.because(format!("no answer from {} ({}) before the deadline", self.peer_name, self.target))));
-                } else if matches!(why, ConnFailure::Broken(_)) && op.attempts == 0 {
-                    op.attempts += 1;
-                    st.pending.push_front(op);
-                } else {
-                    ended.push((op, FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} ({}) failed: {reason}", self.peer_name, self.target))));
+                match self.fate(&op, matches!(why, ConnFailure::Broken(_)), now, &reason) {
+                    None => {
+                        op.attempts += 1;
+                        st.pending.push_front(op);
+                    }
+                    Some((kind, f)) => ended.push((op, kind, f)),
                 }
             }
             self.wake_writer.notify_all();
@@ -466,12 +627,73 @@ impl Lane {
         }
     }
 
+    /// What becomes of an op that was handed to a connection that then failed: `None` to
+    /// retry it on a new connection, else how it ends.
+    ///
+    /// Only READs are retried (once): the old connection is ours alone to receive on, so a
+    /// retry cannot race it. A WRITE that may have left is never sent again: the target's
+    /// thread may still be copying the old connection's bytes into the range, and they
+    /// could land after the retry's.
+    fn fate(&self, op: &WireOp, broken: bool, now: Instant, reason: &str) -> Option<(FailKind, Failure)> {
+        if op.piece.guard.is_revoked() {
+            let why = format!("the local range 0x{:x} was unregistered while the request to {} was in flight", op.piece.local, self.peer_name);
+            return Some((FailKind::Failed, FailCause::LocalNotRegistered.because(why)));
+        }
+        if op.piece.task.deadline() <= now {
+            let why = format!("no answer from {} ({}) before the deadline", self.peer_name, self.target);
+            return Some((FailKind::Timeout, FailCause::Timeout.because(why)));
+        }
+        if broken && op.attempts == 0 && op.piece.opcode == Opcode::Read {
+            return None;
+        }
+        let tail = if op.piece.opcode == Opcode::Write { "; the WRITE may have partly landed and is not retried" } else { "" };
+        Some((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} ({}) failed: {reason}{tail}", self.peer_name, self.target))))
+    }
+
+    /// Closes this lane and every other lane of its peer if all of them have been idle for
+    /// `idle`: their threads end and the peer leaves the transport's map, so a departed
+    /// peer costs nothing after that. Work submitted meanwhile sees `retired` and goes to
+    /// new lanes.
+    fn retire_if_idle(&self) {
+        let Some(home) = self.home.upgrade() else { return };
+        let mut peers = home.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(entry) = peers.get(&self.key).cloned() else { return };
+        if !entry.lanes.iter().any(|l| std::ptr::eq(&**l, self)) {
+            return;
+        }
+        // Lane locks in index order (nothing else holds two at once).
+        let mut guards: Vec<_> = entry.lanes.iter().map(|l| l.lock()).collect();
+        if !guards.iter().all(|g| g.idle() && !g.shutdown && g.last_used.elapsed() >= self.idle) {
+            return;
+        }
+        for (g, l) in guards.iter_mut().zip(&entry.lanes) {
+            g.retired = true;
+            if let Some(c) = g.conn.take() {
+                let _ = c.shutdown(Shutdown::Both);
+            }
+            l.wake_writer.notify_all();
+            l.wake_reader.notify_all();
+        }
+        drop(guards);
+        peers.remove(&self.key);
+        tracing::debug!(peer = %self.peer_name, "TCP lanes idle for {:?}: closed", self.idle);
+    }
+
     fn writer_loop(self: Arc<Self>) {
         let mut iov_hdrs: Vec<[u8; HEADER_LEN]> = Vec::with_capacity(MAX_OPS_PER_WRITE * 2);
         loop {
             let mut st = self.lock();
-            while (st.pending.is_empty() || st.inline) && !st.shutdown {
-                st = self.wake_writer.wait(st).unwrap_or_else(|e| e.into_inner());
+            while (st.pending.is_empty() || st.inline) && !st.shutdown && !st.retired {
+                let (g, to) = self.wake_writer.wait_timeout(st, self.idle).unwrap_or_else(|e| e.into_inner());
+                st = g;
+                if to.timed_out() && st.idle() && st.last_used.elapsed() >= self.idle {
+                    drop(st);
+                    self.retire_if_idle();
+                    st = self.lock();
+                }
+            }
+            if st.retired && st.pending.is_empty() {
+                return;
             }
             if st.shutdown {
                 let ops: Vec<WireOp> = {
@@ -510,6 +732,7 @@ impl Lane {
             let mut n = 0;
             let mut bytes = 0u64;
             let mut earliest = Instant::now() + Duration::from_secs(3600);
+            let mut guards: Vec<crate::memory::RegionGuard> = Vec::new();
             if st.inflight.is_empty() {
                 self.wake_reader.notify_one();
             }
@@ -528,6 +751,9 @@ impl Lane {
             let mut bodies: Vec<(u64, u64)> = Vec::with_capacity(n);
             for op in st.inflight.range(first..) {
                 let p = &op.piece;
+                if !guards.iter().any(|g| std::ptr::eq(g.region(), p.guard.region())) {
+                    guards.push(p.guard.clone());
+                }
                 iov_hdrs.push(DataHeader { size: p.len, addr: p.remote, opcode: p.opcode, v2: self.v2 }.encode());
                 if p.opcode == Opcode::Write {
                     bodies.push((p.local, p.len));
@@ -562,12 +788,13 @@ impl Lane {
                 // writev takes at most IOV_MAX (1024) entries.
                 let take = rest.len().min(1000);
                 let (now_part, later) = std::mem::take(&mut rest).split_at_mut(take);
-                let r = write_all_vectored(&conn, now_part, || Instant::now() >= earliest);
+                let r = write_all_vectored(&conn, now_part, || Instant::now() >= earliest || guards.iter().any(|g| g.is_revoked()));
                 if r.is_err() || later.is_empty() {
                     break r;
                 }
                 rest = later;
             };
+            drop(guards);
             if let Err(e) = result {
                 let why = if e.kind() == io::ErrorKind::TimedOut { ConnFailure::Deadline } else { ConnFailure::Broken(e.to_string()) };
                 self.fail_conn(gen, why);
@@ -586,6 +813,7 @@ impl Lane {
             s.set_nodelay(true)?;
             s.set_read_timeout(Some(TICK))?;
             s.set_write_timeout(Some(TICK))?;
+            keepalive(&s);
             Ok(s)
         });
         match r {
@@ -628,23 +856,23 @@ impl Lane {
         let mut my_gen = 0;
         let mut fence = [0u8; 1];
         loop {
-            let (conn, gen, deadline, opcode, local, len) = {
+            let (conn, gen, deadline, opcode, local, len, guard) = {
                 let mut st = self.lock();
-                while (st.inflight.is_empty() || st.conn.is_none() || st.inline) && !st.shutdown {
+                while (st.inflight.is_empty() || st.conn.is_none() || st.inline) && !st.shutdown && !st.retired {
                     st = self.wake_reader.wait(st).unwrap_or_else(|e| e.into_inner());
                 }
-                if st.shutdown {
+                if st.shutdown || st.retired {
                     return;
                 }
-                let front = &st.inflight[0].piece;
-                let info = (front.task.deadline(), front.opcode, front.local, front.len);
-                (Arc::clone(st.conn.as_ref().expect("checked")), st.gen, info.0, info.1, info.2, info.3)
+                let (Some(front), Some(conn)) = (st.inflight.front(), st.conn.as_ref()) else { continue };
+                let p = &front.piece;
+                (Arc::clone(conn), st.gen, p.task.deadline(), p.opcode, p.local, p.len, p.guard.clone())
             };
             if gen != my_gen {
                 rx.clear();
                 my_gen = gen;
             }
-            let expired = || Instant::now() >= deadline;
+            let expired = || Instant::now() >= deadline || guard.is_revoked();
             // Large READ data goes straight into local memory: read only the status first.
             rx.max_fill = if opcode == Opcode::Read && len as usize >= DIRECT_MIN { STATUS_LEN } else { RX_BUF };
             // 1. Status frame (v2), before anything is taken off the queue.
@@ -737,11 +965,12 @@ impl Lane {
     fn run_inline(&self, piece: Piece) -> Result<(), Piece> {
         let (conn, gen) = {
             let mut st = self.lock();
-            let idle = !st.inline && !st.reading && st.pending.is_empty() && st.inflight.is_empty() && !st.shutdown;
+            let idle = st.idle() && !st.shutdown && !st.retired;
             match (&st.conn, idle) {
                 (Some(c), true) => {
                     let c = Arc::clone(c);
                     st.inline = true;
+                    st.last_used = Instant::now();
                     (c, st.gen)
                 }
                 _ => return Err(piece),
@@ -750,7 +979,7 @@ impl Lane {
         self.load.fetch_add(piece.len, Ordering::AcqRel);
         piece.task.set_pending();
         let deadline = piece.task.deadline();
-        let expired = || Instant::now() >= deadline;
+        let expired = || Instant::now() >= deadline || piece.guard.is_revoked();
         let p = &piece;
         let result: io::Result<Status> = (|| {
             let hdr = DataHeader { size: p.len, addr: p.remote, opcode: p.opcode, v2: self.v2 }.encode();
@@ -788,12 +1017,17 @@ impl Lane {
                 let reason = format!("{} rejected [0x{:x}, +{}): not inside memory it has registered", self.peer_name, op.piece.remote, op.piece.len);
                 Err((FailKind::Failed, FailCause::RemoteNotRegistered.because(reason)))
             }
-            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
-                Err((FailKind::Timeout, FailCause::Timeout.because(format!("no answer from {} ({}) before the deadline", self.peer_name, self.target))))
-            }
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => match self.fate(&op, false, Instant::now(), &e.to_string()) {
+                Some(f) => Err(f),
+                None => Err((FailKind::Timeout, FailCause::Timeout.because(format!("no answer from {} ({}) before the deadline", self.peer_name, self.target)))),
+            },
             Err(e) if e.kind() == io::ErrorKind::InvalidData => Err((FailKind::Failed, FailCause::Protocol.because(format!("{}: {e}", self.peer_name)))),
+            Err(e) if op.piece.opcode == Opcode::Write || op.piece.guard.is_revoked() => match self.fate(&op, true, Instant::now(), &e.to_string()) {
+                Some(f) => Err(f),
+                None => Err((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} lost: {e}", self.peer_name)))),
+            },
             Err(e) => {
-                // Broken connection: hand the op to the lane threads for one retry.
+                // Broken connection: hand the READ to the lane threads for one retry.
                 if st.gen == gen {
                     if let Some(c) = st.conn.take() {
                         let _ = c.shutdown(Shutdown::Both);
@@ -855,7 +1089,7 @@ impl PeerLanes {
 pub struct TcpTransport {
     opts: TcpOptions,
     server: TcpServer,
-    peers: Mutex<HashMap<(SocketAddr, bool), Arc<PeerLanes>>>,
+    peers: Arc<PeerMap>,
     shut: AtomicBool,
     refused: Arc<OnceLock<RefusedHook>>,
 }
@@ -863,7 +1097,7 @@ pub struct TcpTransport {
 impl TcpTransport {
     pub fn new(listener: TcpListener, registry: Arc<MemoryRegistry>, opts: TcpOptions, stall: Duration) -> io::Result<Arc<TcpTransport>> {
         let server = TcpServer::start(listener, registry, stall, opts.spin)?;
-        Ok(Arc::new(TcpTransport { opts, server, peers: Mutex::default(), shut: AtomicBool::new(false), refused: Arc::default() }))
+        Ok(Arc::new(TcpTransport { opts, server, peers: Arc::default(), shut: AtomicBool::new(false), refused: Arc::default() }))
     }
 
     /// Installs the hook asked when a peer's data port refuses connections (once).
@@ -883,6 +1117,12 @@ impl TcpTransport {
 
     pub fn data_port(&self) -> u16 {
         self.server.port()
+    }
+
+    /// Peers with open lanes, and connections the data server is serving (for tests and
+    /// `kvferry doctor`: what departed peers still cost).
+    pub fn usage(&self) -> (usize, usize) {
+        (self.peers.lock().unwrap_or_else(|e| e.into_inner()).len(), self.server.connections())
     }
 
     fn lanes_for(&self, peer: &Peer, desc: &SegmentDesc) -> Result<Arc<PeerLanes>, String> {
@@ -905,11 +1145,14 @@ impl TcpTransport {
                 v2,
                 connect_timeout: self.opts.connect_timeout,
                 spin: self.opts.spin,
-                st: Mutex::default(),
+                st: Mutex::new(LaneState::new()),
                 wake_writer: Condvar::new(),
                 wake_reader: Condvar::new(),
                 load: AtomicU64::new(0),
                 refused: Arc::clone(&self.refused),
+                idle: self.opts.idle,
+                home: Arc::downgrade(&self.peers),
+                key: (addr, v2),
             });
             let (w, r) = (Arc::clone(&lane), Arc::clone(&lane));
             std::thread::Builder::new().name("kvf-lane-tx".into()).spawn(move || w.writer_loop()).map_err(|e| e.to_string())?;
@@ -1006,14 +1249,30 @@ impl Transport for TcpTransport {
                 off += len;
             }
         }
+        let mut retired: Vec<Piece> = Vec::new();
         for (i, ops) in per_lane.into_iter().enumerate() {
             if ops.is_empty() {
                 continue;
             }
             let lane = &lanes.lanes[i];
             let mut st = lane.lock();
+            if st.retired || st.shutdown {
+                // Closed as idle since we picked it (or shutting down): new lanes take these.
+                drop(st);
+                for op in ops {
+                    lane.load.fetch_sub(op.piece.len, Ordering::AcqRel);
+                    retired.push(op.piece);
+                }
+                continue;
+            }
+            st.last_used = Instant::now();
             st.pending.extend(ops);
             lane.wake_writer.notify_one();
+        }
+        if !retired.is_empty() {
+            // A part of a split piece counts as one piece; submitting it again (and maybe
+            // splitting it again) keeps the task's piece count right.
+            self.submit(peer, retired);
         }
     }
 
