@@ -211,6 +211,13 @@ impl TransferEngine {
             }
         });
         tracing::info!(segment = %inner.name, data_port = inner.tcp.data_port(), "transfer engine started");
+        // A peer's data port refusing connections may mean it restarted under the same name
+        // (new ports): re-read its descriptor and retry there (both metadata modes).
+        let w = Arc::downgrade(&inner);
+        inner.tcp.set_refused_hook(Arc::new(move |name: &str, refused: SocketAddr, pieces: Vec<Piece>| match w.upgrade() {
+            Some(inner) => inner.on_refused(name, refused, pieces),
+            None => pieces,
+        }));
         let engine = TransferEngine { inner };
         if engine.inner.directory.is_some() {
             // On error the engine is dropped here, which stops its listeners.
@@ -233,6 +240,12 @@ impl TransferEngine {
     /// The TCP data port.
     pub fn data_port(&self) -> u16 {
         self.inner.tcp.data_port()
+    }
+
+    /// TCP peers this engine holds lanes to, and connections its data server is serving:
+    /// what peers cost now (lanes unused for `KVFERRY_TCP_IDLE_MS` are closed).
+    pub fn tcp_usage(&self) -> (usize, usize) {
+        self.inner.tcp.usage()
     }
 
     pub fn config(&self) -> &Config {
@@ -598,11 +611,6 @@ impl Inner {
         let alive = |m: &RpcMeta| handshake::request(&m.ip_or_host_name, m.rpc_port, MsgType::Probe, b"{}", connect, Duration::from_secs(2), max_len).is_ok();
         dir.publish_rpc_meta(&self.name, &meta, &alive)?;
         self.publish_descriptor()?;
-        let w = Arc::downgrade(self);
-        self.tcp.set_refused_hook(Arc::new(move |name: &str, refused: SocketAddr, pieces: Vec<Piece>| match w.upgrade() {
-            Some(inner) => inner.on_refused(name, refused, pieces),
-            None => pieces,
-        }));
         dir.start_keeper((self.config.metadata_lease_ttl / 3).max(Duration::from_millis(500)))?;
         tracing::info!(segment = %self.name, metadata = %dir.describe(), rpc_port = port, "registered in the metadata service");
         Ok(())
@@ -628,8 +636,9 @@ impl Inner {
         }
     }
 
-    /// A peer's data port refused a connection: if the service now lists other ports for it
-    /// (it restarted under the same name), adopt them and submit the pieces again.
+    /// A peer's data port refused a connection: if its descriptor (from the metadata service,
+    /// or its handshake port) now lists other ports (it restarted under the same name), adopt
+    /// them and submit the pieces again.
     fn on_refused(&self, name: &str, refused: SocketAddr, pieces: Vec<Piece>) -> Vec<Piece> {
         let Some(&id) = self.segments.read().unwrap_or_else(|e| e.into_inner()).by_name.get(name) else { return pieces };
         let Ok(peer) = self.peer(id) else { return pieces };

@@ -531,6 +531,8 @@ struct LaneState {
     retired: bool,
     /// When work was last queued (or run inline) on this lane.
     last_used: Instant,
+    /// When a request last went out on the connection.
+    last_sent: Instant,
 }
 
 impl LaneState {
@@ -545,6 +547,7 @@ impl LaneState {
             reading: false,
             retired: false,
             last_used: Instant::now(),
+            last_sent: Instant::now(),
         }
     }
 
@@ -552,7 +555,33 @@ impl LaneState {
     fn idle(&self) -> bool {
         self.pending.is_empty() && self.inflight.is_empty() && !self.inline && !self.reading
     }
+
+    /// Drops the connection if it has been quiet a while and the peer closed it meanwhile
+    /// (it exited, or a new process took its port): requests then go on a new connection
+    /// instead of failing on a dead one. Only called with nothing in flight, when no byte
+    /// may be waiting on the socket.
+    fn drop_if_closed_by_peer(&mut self) {
+        if !self.inflight.is_empty() || self.last_sent.elapsed() < STALE_CHECK_AFTER {
+            return;
+        }
+        let Some(c) = &self.conn else { return };
+        let mut b = [0u8; 1];
+        let closed = match rustix::net::recv(&**c, &mut b, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT) {
+            Err(rustix::io::Errno::AGAIN) => false,
+            Err(rustix::io::Errno::INTR) => false,
+            // EOF, a reset, or bytes nobody asked for: not a connection to send on.
+            _ => true,
+        };
+        if closed {
+            if let Some(c) = self.conn.take() {
+                let _ = c.shutdown(Shutdown::Both);
+            }
+        }
+    }
 }
+
+/// A connection quiet for this long is checked for a close by the peer before it is used.
+const STALE_CHECK_AFTER: Duration = Duration::from_millis(1);
 
 type PeerMap = Mutex<HashMap<(SocketAddr, bool), Arc<PeerLanes>>>;
 
@@ -721,12 +750,14 @@ impl Lane {
                 }
                 continue;
             }
+            st.drop_if_closed_by_peer();
             if st.conn.is_none() {
                 drop(st);
                 self.connect();
                 continue;
             }
             let conn = Arc::clone(st.conn.as_ref().expect("checked"));
+            st.last_sent = Instant::now();
             let gen = st.gen;
             // Gather a run of ops into one writev.
             let mut n = 0;
@@ -966,11 +997,15 @@ impl Lane {
         let (conn, gen) = {
             let mut st = self.lock();
             let idle = st.idle() && !st.shutdown && !st.retired;
+            if idle {
+                st.drop_if_closed_by_peer();
+            }
             match (&st.conn, idle) {
                 (Some(c), true) => {
                     let c = Arc::clone(c);
                     st.inline = true;
                     st.last_used = Instant::now();
+                    st.last_sent = st.last_used;
                     (c, st.gen)
                 }
                 _ => return Err(piece),
