@@ -1,0 +1,625 @@
+//! Initiator side: lanes (one connection, a writer and a reader thread each) to one peer.
+
+use super::sockio::*;
+use super::RefusedHook;
+use crate::batch::{FailCause, FailKind, Failure};
+use crate::transport::Piece;
+use crate::wire::tcp::{self, DataHeader, Opcode, Status, HEADER_LEN, STATUS_LEN};
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, IoSlice};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// One request (or part of one) on the wire.
+pub(super) struct WireOp {
+    pub(super) piece: Piece,
+    /// Connection failures survived so far.
+    pub(super) attempts: u8,
+}
+
+pub(super) struct LaneState {
+    pub(super) pending: VecDeque<WireOp>,
+    pub(super) inflight: VecDeque<WireOp>,
+    pub(super) conn: Option<Arc<TcpStream>>,
+    /// Bumped at every new connection; stale failures of older ones are ignored.
+    pub(super) gen: u64,
+    pub(super) shutdown: bool,
+    /// A caller thread is running a request on the connection itself.
+    pub(super) inline: bool,
+    /// The reader holds an op it is still receiving.
+    pub(super) reading: bool,
+    /// Idle too long: the connection is closed, the threads end; new work goes to new lanes.
+    pub(super) retired: bool,
+    /// When work was last queued (or run inline) on this lane.
+    pub(super) last_used: Instant,
+    /// When a request last went out on the connection.
+    pub(super) last_sent: Instant,
+}
+
+impl LaneState {
+    pub(super) fn new() -> LaneState {
+        LaneState {
+            pending: VecDeque::new(),
+            inflight: VecDeque::new(),
+            conn: None,
+            gen: 0,
+            shutdown: false,
+            inline: false,
+            reading: false,
+            retired: false,
+            last_used: Instant::now(),
+            last_sent: Instant::now(),
+        }
+    }
+
+    /// Nothing queued, in flight or running inline.
+    pub(super) fn idle(&self) -> bool {
+        self.pending.is_empty() && self.inflight.is_empty() && !self.inline && !self.reading
+    }
+
+    /// Drops the connection if it has been quiet a while and the peer closed it meanwhile
+    /// (it exited, or a new process took its port): requests then go on a new connection
+    /// instead of failing on a dead one. Only called with nothing in flight, when no byte
+    /// may be waiting on the socket.
+    pub(super) fn drop_if_closed_by_peer(&mut self) {
+        if !self.inflight.is_empty() || self.last_sent.elapsed() < STALE_CHECK_AFTER {
+            return;
+        }
+        let Some(c) = &self.conn else { return };
+        let mut b = [0u8; 1];
+        let closed = match rustix::net::recv(&**c, &mut b, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT) {
+            Err(rustix::io::Errno::AGAIN) => false,
+            Err(rustix::io::Errno::INTR) => false,
+            // EOF, a reset, or bytes nobody asked for: not a connection to send on.
+            _ => true,
+        };
+        if closed {
+            if let Some(c) = self.conn.take() {
+                let _ = c.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+/// A connection quiet for this long is checked for a close by the peer before it is used.
+pub(super) const STALE_CHECK_AFTER: Duration = Duration::from_millis(1);
+
+pub(super) type PeerMap = Mutex<HashMap<(SocketAddr, bool), Arc<PeerLanes>>>;
+
+pub(super) struct Lane {
+    pub(super) target: SocketAddr,
+    pub(super) peer_name: String,
+    pub(super) v2: bool,
+    pub(super) connect_timeout: Duration,
+    pub(super) spin: Duration,
+    pub(super) st: Mutex<LaneState>,
+    pub(super) wake_writer: Condvar,
+    pub(super) wake_reader: Condvar,
+    /// Bytes queued or in flight, for lane choice.
+    pub(super) load: AtomicU64,
+    pub(super) refused: Arc<OnceLock<RefusedHook>>,
+    pub(super) idle: Duration,
+    /// The transport's map of peers, to leave it when idle (weak: no cycle).
+    pub(super) home: std::sync::Weak<PeerMap>,
+    pub(super) key: (SocketAddr, bool),
+}
+
+pub(super) enum ConnFailure {
+    /// The connection broke; unacknowledged ops may be retried once.
+    Broken(String),
+    /// A deadline passed.
+    Deadline,
+}
+
+impl Lane {
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, LaneState> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn end_op(&self, op: WireOp, result: Result<(), (FailKind, Failure)>) {
+        self.load.fetch_sub(op.piece.len, Ordering::AcqRel);
+        match result {
+            Ok(()) => op.piece.task.piece_done(op.piece.len),
+            Err((kind, reason)) => op.piece.task.piece_failed(kind, reason),
+        }
+    }
+
+    /// Closes connection `gen` and decides the fate of every op that was sent on it.
+    pub(super) fn fail_conn(&self, gen: u64, why: ConnFailure) {
+        let mut ended = Vec::new();
+        {
+            let mut st = self.lock();
+            if st.gen != gen || st.conn.is_none() {
+                return;
+            }
+            if let Some(c) = st.conn.take() {
+                let _ = c.shutdown(Shutdown::Both);
+            }
+            let now = Instant::now();
+            let reason = match &why {
+                ConnFailure::Broken(r) => r.clone(),
+                ConnFailure::Deadline => "deadline passed".into(),
+            };
+            let inflight: Vec<WireOp> = st.inflight.drain(..).collect();
+            for mut op in inflight.into_iter().rev() {
+                match self.fate(&op, matches!(why, ConnFailure::Broken(_)), now, &reason) {
+                    None => {
+                        op.attempts += 1;
+                        st.pending.push_front(op);
+                    }
+                    Some((kind, f)) => ended.push((op, kind, f)),
+                }
+            }
+            self.wake_writer.notify_all();
+        }
+        for (op, kind, reason) in ended {
+            self.end_op(op, Err((kind, reason)));
+        }
+    }
+
+    /// What becomes of an op that was handed to a connection that then failed: `None` to
+    /// retry it on a new connection, else how it ends.
+    ///
+    /// Only READs are retried (once): the old connection is ours alone to receive on, so a
+    /// retry cannot race it. A WRITE that may have left is never sent again: the target's
+    /// thread may still be copying the old connection's bytes into the range, and they
+    /// could land after the retry's.
+    pub(super) fn fate(&self, op: &WireOp, broken: bool, now: Instant, reason: &str) -> Option<(FailKind, Failure)> {
+        if op.piece.guard.is_revoked() {
+            let why = format!("the local range 0x{:x} was unregistered while the request to {} was in flight", op.piece.local, self.peer_name);
+            return Some((FailKind::Failed, FailCause::LocalNotRegistered.because(why)));
+        }
+        if op.piece.task.deadline() <= now {
+            let why = format!("no answer from {} ({}) before the deadline", self.peer_name, self.target);
+            return Some((FailKind::Timeout, FailCause::Timeout.because(why)));
+        }
+        if broken && op.attempts == 0 && op.piece.opcode == Opcode::Read {
+            return None;
+        }
+        let tail = if op.piece.opcode == Opcode::Write { "; the WRITE may have partly landed and is not retried" } else { "" };
+        Some((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} ({}) failed: {reason}{tail}", self.peer_name, self.target))))
+    }
+
+    /// Closes this lane and every other lane of its peer if all of them have been idle for
+    /// `idle`: their threads end and the peer leaves the transport's map, so a departed
+    /// peer costs nothing after that. Work submitted meanwhile sees `retired` and goes to
+    /// new lanes.
+    pub(super) fn retire_if_idle(&self) {
+        let Some(home) = self.home.upgrade() else { return };
+        let mut peers = home.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(entry) = peers.get(&self.key).cloned() else { return };
+        if !entry.lanes.iter().any(|l| std::ptr::eq(&**l, self)) {
+            return;
+        }
+        // Lane locks in index order (nothing else holds two at once).
+        let mut guards: Vec<_> = entry.lanes.iter().map(|l| l.lock()).collect();
+        if !guards.iter().all(|g| g.idle() && !g.shutdown && g.last_used.elapsed() >= self.idle) {
+            return;
+        }
+        for (g, l) in guards.iter_mut().zip(&entry.lanes) {
+            g.retired = true;
+            if let Some(c) = g.conn.take() {
+                let _ = c.shutdown(Shutdown::Both);
+            }
+            l.wake_writer.notify_all();
+            l.wake_reader.notify_all();
+        }
+        drop(guards);
+        peers.remove(&self.key);
+        tracing::debug!(peer = %self.peer_name, "TCP lanes idle for {:?}: closed", self.idle);
+    }
+
+    pub(super) fn writer_loop(self: Arc<Self>) {
+        let mut iov_hdrs: Vec<[u8; HEADER_LEN]> = Vec::with_capacity(MAX_OPS_PER_WRITE * 2);
+        loop {
+            let mut st = self.lock();
+            while (st.pending.is_empty() || st.inline) && !st.shutdown && !st.retired {
+                let (g, to) = self.wake_writer.wait_timeout(st, self.idle).unwrap_or_else(|e| e.into_inner());
+                st = g;
+                if to.timed_out() && st.idle() && st.last_used.elapsed() >= self.idle {
+                    drop(st);
+                    self.retire_if_idle();
+                    st = self.lock();
+                }
+            }
+            if st.retired && st.pending.is_empty() {
+                return;
+            }
+            if st.shutdown {
+                let ops: Vec<WireOp> = {
+                    let s = &mut *st;
+                    s.pending.drain(..).chain(s.inflight.drain(..)).collect()
+                };
+                drop(st);
+                for op in ops {
+                    self.end_op(op, Err((FailKind::Failed, FailCause::ShutDown.because("engine shut down"))));
+                }
+                return;
+            }
+            // Expire what can no longer make its deadline before sending it.
+            let now = Instant::now();
+            let mut expired = Vec::new();
+            while st.pending.front().is_some_and(|op| op.piece.task.deadline() <= now) {
+                if let Some(op) = st.pending.pop_front() {
+                    expired.push(op);
+                }
+            }
+            if !expired.is_empty() {
+                drop(st);
+                for op in expired {
+                    self.end_op(op, Err((FailKind::Timeout, FailCause::Timeout.because(format!("not sent to {} before the deadline", self.peer_name)))));
+                }
+                continue;
+            }
+            st.drop_if_closed_by_peer();
+            if st.conn.is_none() {
+                drop(st);
+                self.connect();
+                continue;
+            }
+            let conn = Arc::clone(st.conn.as_ref().expect("checked"));
+            st.last_sent = Instant::now();
+            let gen = st.gen;
+            // Gather a run of ops into one writev.
+            let mut n = 0;
+            let mut bytes = 0u64;
+            let mut earliest = Instant::now() + Duration::from_secs(3600);
+            let mut guards: Vec<crate::memory::RegionGuard> = Vec::new();
+            if st.inflight.is_empty() {
+                self.wake_reader.notify_one();
+            }
+            while let Some(op) = st.pending.pop_front() {
+                bytes += op.piece.len;
+                earliest = earliest.min(op.piece.task.deadline());
+                op.piece.task.set_pending();
+                st.inflight.push_back(op);
+                n += 1;
+                if n >= MAX_OPS_PER_WRITE || bytes >= MAX_GATHER_BYTES {
+                    break;
+                }
+            }
+            let first = st.inflight.len() - n;
+            iov_hdrs.clear();
+            let mut bodies: Vec<(u64, u64)> = Vec::with_capacity(n);
+            for op in st.inflight.range(first..) {
+                let p = &op.piece;
+                if !guards.iter().any(|g| std::ptr::eq(g.region(), p.guard.region())) {
+                    guards.push(p.guard.clone());
+                }
+                iov_hdrs.push(DataHeader { size: p.len, addr: p.remote, opcode: p.opcode, v2: self.v2 }.encode());
+                if p.opcode == Opcode::Write {
+                    bodies.push((p.local, p.len));
+                    if !self.v2 {
+                        // v1 fence: a 1-byte READ of the last byte written answers only after
+                        // the target consumed the body into memory.
+                        iov_hdrs.push(DataHeader { size: 1, addr: p.remote + p.len - 1, opcode: Opcode::Read, v2: false }.encode());
+                    }
+                } else {
+                    bodies.push((0, 0));
+                }
+            }
+            drop(st);
+            // Build the iovec list: header, body (WRITE), [fence header].
+            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(n * 3);
+            let mut h = 0;
+            for &(addr, len) in &bodies {
+                iov.push(IoSlice::new(&iov_hdrs[h]));
+                h += 1;
+                if len > 0 {
+                    // SAFETY: local ranges were checked against the registry at submit and
+                    // the piece's guard keeps them registered.
+                    iov.push(IoSlice::new(unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) }));
+                    if !self.v2 {
+                        iov.push(IoSlice::new(&iov_hdrs[h]));
+                        h += 1;
+                    }
+                }
+            }
+            let mut rest: &mut [IoSlice<'_>] = &mut iov;
+            let result = loop {
+                // writev takes at most IOV_MAX (1024) entries.
+                let take = rest.len().min(1000);
+                let (now_part, later) = std::mem::take(&mut rest).split_at_mut(take);
+                let r = write_all_vectored(&conn, now_part, || Instant::now() >= earliest || guards.iter().any(|g| g.is_revoked()));
+                if r.is_err() || later.is_empty() {
+                    break r;
+                }
+                rest = later;
+            };
+            drop(guards);
+            if let Err(e) = result {
+                let why = if e.kind() == io::ErrorKind::TimedOut { ConnFailure::Deadline } else { ConnFailure::Broken(e.to_string()) };
+                self.fail_conn(gen, why);
+            }
+        }
+    }
+
+    pub(super) fn connect(&self) {
+        let deadline = self.lock().pending.front().map(|op| op.piece.task.deadline());
+        let timeout = deadline
+            .map(|d| d.saturating_duration_since(Instant::now()))
+            .unwrap_or(self.connect_timeout)
+            .min(self.connect_timeout)
+            .max(Duration::from_millis(1));
+        let r = TcpStream::connect_timeout(&self.target, timeout).and_then(|s| {
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(TICK))?;
+            s.set_write_timeout(Some(TICK))?;
+            keepalive(&s);
+            Ok(s)
+        });
+        match r {
+            Ok(s) => {
+                let mut st = self.lock();
+                st.gen += 1;
+                st.conn = Some(Arc::new(s));
+                self.wake_reader.notify_all();
+            }
+            Err(e) => {
+                let mut ops: Vec<WireOp> = self.lock().pending.drain(..).collect();
+                if let (io::ErrorKind::ConnectionRefused, Some(hook)) = (e.kind(), self.refused.get()) {
+                    // Maybe the peer restarted with new ports: let the engine refresh and retry once.
+                    let (retry, keep): (Vec<WireOp>, Vec<WireOp>) = ops.into_iter().partition(|op| op.attempts < 2);
+                    let pieces: Vec<Piece> = retry.into_iter().map(|op| {
+                        self.load.fetch_sub(op.piece.len, Ordering::AcqRel);
+                        op.piece
+                    }).collect();
+                    ops = keep;
+                    for p in hook(&self.peer_name, self.target, pieces) {
+                        self.load.fetch_add(p.len, Ordering::AcqRel);
+                        ops.push(WireOp { piece: p, attempts: 2 });
+                    }
+                }
+                let reason = format!(
+                    "cannot connect to the TCP data port of {} at {}: {e} (is the peer alive and is its address reachable from here?)",
+                    self.peer_name, self.target
+                );
+                let (kind, cause) =
+                    if e.kind() == io::ErrorKind::TimedOut { (FailKind::Timeout, FailCause::Timeout) } else { (FailKind::Failed, FailCause::PeerUnreachable) };
+                for op in ops {
+                    self.end_op(op, Err((kind, cause.because(reason.clone()))));
+                }
+            }
+        }
+    }
+
+    pub(super) fn reader_loop(self: Arc<Self>) {
+        let mut rx = RxBuf::new();
+        let mut my_gen = 0;
+        let mut fence = [0u8; 1];
+        loop {
+            let (conn, gen, deadline, opcode, local, len, guard) = {
+                let mut st = self.lock();
+                while (st.inflight.is_empty() || st.conn.is_none() || st.inline) && !st.shutdown && !st.retired {
+                    st = self.wake_reader.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
+                if st.shutdown || st.retired {
+                    return;
+                }
+                let (Some(front), Some(conn)) = (st.inflight.front(), st.conn.as_ref()) else { continue };
+                let p = &front.piece;
+                (Arc::clone(conn), st.gen, p.task.deadline(), p.opcode, p.local, p.len, p.guard.clone())
+            };
+            if gen != my_gen {
+                rx.clear();
+                my_gen = gen;
+            }
+            let expired = || Instant::now() >= deadline || guard.is_revoked();
+            // Large READ data goes straight into local memory: read only the status first.
+            rx.max_fill = if opcode == Opcode::Read && len as usize >= DIRECT_MIN { STATUS_LEN } else { RX_BUF };
+            // 1. Status frame (v2), before anything is taken off the queue.
+            let status = if self.v2 {
+                if let Err(e) = rx.need(&conn, STATUS_LEN, expired) {
+                    self.fail_conn(gen, if e.kind() == io::ErrorKind::TimedOut { ConnFailure::Deadline } else { ConnFailure::Broken(e.to_string()) });
+                    continue;
+                }
+                match tcp::decode_status(rx.take::<STATUS_LEN>()) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        // Not a protocol we can follow: fail the front op, drop the connection.
+                        let op = self.pop_front(gen);
+                        self.done_reading();
+                        self.fail_conn(gen, ConnFailure::Broken(e.to_string()));
+                        if let Some(op) = op {
+                            self.end_op(op, Err((FailKind::Failed, FailCause::Protocol.because(format!("{}: {e}", self.peer_name)))));
+                        }
+                        continue;
+                    }
+                }
+            } else {
+                Status::Ok
+            };
+            // 2. The op is ours now.
+            let Some(op) = self.pop_front(gen) else { continue };
+            if status == Status::Rejected {
+                self.done_reading();
+                let reason = format!(
+                    "{} rejected [0x{:x}, +{}): not inside memory it has registered",
+                    self.peer_name, op.piece.remote, op.piece.len
+                );
+                self.end_op(op, Err((FailKind::Failed, FailCause::RemoteNotRegistered.because(reason))));
+                // The target closes after a rejection; the others go again on a new connection.
+                self.fail_conn(gen, ConnFailure::Broken("target closed the connection after rejecting a request".into()));
+                continue;
+            }
+            // 3. Payload: READ data, or the v1 fence byte after a WRITE.
+            let r = match (opcode, self.v2) {
+                (Opcode::Read, _) => {
+                    // SAFETY: the local range is registered (checked at submit, guard held).
+                    let dst = unsafe { std::slice::from_raw_parts_mut(local as *mut u8, len as usize) };
+                    recv_into(&mut rx, &conn, dst, expired)
+                }
+                (Opcode::Write, false) => recv_into(&mut rx, &conn, &mut fence, expired),
+                (Opcode::Write, true) => Ok(()),
+            };
+            self.done_reading();
+            match r {
+                Ok(()) => self.end_op(op, Ok(())),
+                Err(e) => {
+                    let timed_out = e.kind() == io::ErrorKind::TimedOut;
+                    // Put the op back at the head so fail_conn retries or ends it with the rest.
+                    {
+                        let mut st = self.lock();
+                        if st.gen == gen && st.conn.is_some() {
+                            st.inflight.push_front(op);
+                        } else {
+                            drop(st);
+                            self.end_op(op, Err((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} lost: {e}", self.peer_name)))));
+                            continue;
+                        }
+                    }
+                    self.fail_conn(gen, if timed_out { ConnFailure::Deadline } else { ConnFailure::Broken(e.to_string()) });
+                }
+            }
+        }
+    }
+
+    pub(super) fn pop_front(&self, gen: u64) -> Option<WireOp> {
+        let mut st = self.lock();
+        if st.gen != gen {
+            return None;
+        }
+        let op = st.inflight.pop_front();
+        st.reading = op.is_some();
+        op
+    }
+
+    pub(super) fn done_reading(&self) {
+        let mut st = self.lock();
+        st.reading = false;
+        if !st.pending.is_empty() {
+            self.wake_writer.notify_all();
+        }
+    }
+
+    /// Runs one request in the calling thread if the lane is connected and idle: no thread
+    /// hand-off, so a lone small request costs one round trip. Gives the piece back otherwise.
+    pub(super) fn run_inline(&self, piece: Piece) -> Result<(), Piece> {
+        let (conn, gen) = {
+            let mut st = self.lock();
+            let idle = st.idle() && !st.shutdown && !st.retired;
+            if idle {
+                st.drop_if_closed_by_peer();
+            }
+            match (&st.conn, idle) {
+                (Some(c), true) => {
+                    let c = Arc::clone(c);
+                    st.inline = true;
+                    st.last_used = Instant::now();
+                    st.last_sent = st.last_used;
+                    (c, st.gen)
+                }
+                _ => return Err(piece),
+            }
+        };
+        self.load.fetch_add(piece.len, Ordering::AcqRel);
+        piece.task.set_pending();
+        let deadline = piece.task.deadline();
+        let expired = || Instant::now() >= deadline || piece.guard.is_revoked();
+        let p = &piece;
+        let result: io::Result<Status> = (|| {
+            let hdr = DataHeader { size: p.len, addr: p.remote, opcode: p.opcode, v2: self.v2 }.encode();
+            let fence = DataHeader { size: 1, addr: p.remote + p.len - 1, opcode: Opcode::Read, v2: false }.encode();
+            // SAFETY: the local range is registered (checked at submit, guard held).
+            let local = unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
+            match (p.opcode, self.v2) {
+                (Opcode::Write, true) => write_all_vectored(&conn, &mut [IoSlice::new(&hdr), IoSlice::new(local)], expired)?,
+                (Opcode::Write, false) => write_all_vectored(&conn, &mut [IoSlice::new(&hdr), IoSlice::new(local), IoSlice::new(&fence)], expired)?,
+                (Opcode::Read, _) => write_all_vectored(&conn, &mut [IoSlice::new(&hdr)], expired)?,
+            }
+            let status = if self.v2 {
+                let mut st = [0u8; STATUS_LEN];
+                let got = if p.len <= SPIN_MAX_BYTES { poll_read(&conn, &mut st, self.spin) } else { 0 };
+                read_full(&conn, &mut st[got..], expired)?;
+                tcp::decode_status(st).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?
+            } else {
+                Status::Ok
+            };
+            if status == Status::Ok {
+                match p.opcode {
+                    Opcode::Read => read_full(&conn, local, expired)?,
+                    Opcode::Write if !self.v2 => read_full(&conn, &mut [0u8; 1], expired)?,
+                    Opcode::Write => {}
+                }
+            }
+            Ok(status)
+        })();
+        let op = WireOp { piece, attempts: 0 };
+        let mut st = self.lock();
+        st.inline = false;
+        let outcome = match result {
+            Ok(Status::Ok) => Ok(()),
+            Ok(Status::Rejected) => {
+                let reason = format!("{} rejected [0x{:x}, +{}): not inside memory it has registered", self.peer_name, op.piece.remote, op.piece.len);
+                Err((FailKind::Failed, FailCause::RemoteNotRegistered.because(reason)))
+            }
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => match self.fate(&op, false, Instant::now(), &e.to_string()) {
+                Some(f) => Err(f),
+                None => Err((FailKind::Timeout, FailCause::Timeout.because(format!("no answer from {} ({}) before the deadline", self.peer_name, self.target)))),
+            },
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => Err((FailKind::Failed, FailCause::Protocol.because(format!("{}: {e}", self.peer_name)))),
+            Err(e) if op.piece.opcode == Opcode::Write || op.piece.guard.is_revoked() => match self.fate(&op, true, Instant::now(), &e.to_string()) {
+                Some(f) => Err(f),
+                None => Err((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} lost: {e}", self.peer_name)))),
+            },
+            Err(e) => {
+                // Broken connection: hand the READ to the lane threads for one retry.
+                if st.gen == gen {
+                    if let Some(c) = st.conn.take() {
+                        let _ = c.shutdown(Shutdown::Both);
+                    }
+                }
+                tracing::debug!("inline request to {} failed ({e}); retrying on a new connection", self.peer_name);
+                let mut op = op;
+                op.attempts = 1;
+                st.pending.push_front(op);
+                self.wake_writer.notify_all();
+                self.wake_reader.notify_all();
+                return Ok(());
+            }
+        };
+        if outcome.is_err() && st.gen == gen {
+            // After a rejection or a protocol error the stream is not usable.
+            if let Some(c) = st.conn.take() {
+                let _ = c.shutdown(Shutdown::Both);
+            }
+        }
+        // Wake the lane threads only if work queued up meanwhile: a needless wake-up costs a
+        // context switch on the core the peer needs.
+        if !st.pending.is_empty() {
+            self.wake_writer.notify_all();
+        }
+        drop(st);
+        self.end_op(op, outcome);
+        Ok(())
+    }
+
+    pub(super) fn stop(&self) {
+        let mut st = self.lock();
+        st.shutdown = true;
+        if let Some(c) = st.conn.take() {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        self.wake_writer.notify_all();
+        self.wake_reader.notify_all();
+    }
+}
+
+pub(super) struct PeerLanes {
+    pub(super) lanes: Vec<Arc<Lane>>,
+    pub(super) rr: AtomicUsize,
+}
+
+impl PeerLanes {
+    pub(super) fn pick(&self) -> usize {
+        let start = self.rr.fetch_add(1, Ordering::Relaxed);
+        let n = self.lanes.len();
+        (0..n)
+            .map(|i| (start + i) % n)
+            .min_by_key(|&i| self.lanes[i].load.load(Ordering::Relaxed))
+            .unwrap_or(0)
+    }
+}
+
