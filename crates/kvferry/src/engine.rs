@@ -69,6 +69,17 @@ struct Inner {
     directory: Option<Arc<Directory>>,
     /// The process that started the engine: only it may shut the engine down (see Drop).
     pid: u32,
+    /// Requests whose remote range is not in the cached descriptor wait here for a refresh
+    /// of it, done by a helper thread (started at first use): `submit` itself never waits
+    /// for the network.
+    refresher: Mutex<Option<std::sync::mpsc::Sender<RefreshJob>>>,
+    me: Weak<Inner>,
+}
+
+/// Pieces to a peer whose cached descriptor does not list their remote ranges.
+struct RefreshJob {
+    peer: Arc<Peer>,
+    pieces: Vec<Piece>,
 }
 
 /// The data path requests to a segment take ([`TransferEngine::segment_transport`]).
@@ -208,6 +219,8 @@ impl TransferEngine {
                 directory,
                 config,
                 pid: std::process::id(),
+                refresher: Mutex::new(None),
+                me: weak.clone(),
             }
         });
         tracing::info!(segment = %inner.name, data_port = inner.tcp.data_port(), "transfer engine started");
@@ -219,6 +232,8 @@ impl TransferEngine {
             None => pieces,
         }));
         let engine = TransferEngine { inner };
+        // On error the engine is dropped here, which stops its listeners.
+        engine.inner.start_refresher()?;
         if engine.inner.directory.is_some() {
             // On error the engine is dropped here, which stops its listeners.
             let host = engine.inner.config.advertised_host().to_string();
@@ -718,7 +733,7 @@ impl Inner {
         };
         // Group pieces per peer so each transport sees one call per peer.
         let mut groups: Vec<(Arc<Peer>, Vec<Piece>)> = Vec::new();
-        let mut refreshed: Vec<SegmentId> = Vec::new();
+        let mut stale: Vec<(Arc<Peer>, Vec<Piece>)> = Vec::new();
         for (req, task) in requests.iter().zip(tasks) {
             if req.length == 0 {
                 task.piece_done(0);
@@ -735,62 +750,116 @@ impl Inner {
                     continue;
                 }
             };
-            if peer.id != LOCAL_SEGMENT_ID && peer.desc().find_buffer(req.target_offset, req.length).is_none() {
-                // The cache may be stale (peer re-registered or restarted): refresh once.
-                if !refreshed.contains(&peer.id) {
-                    refreshed.push(peer.id);
-                    match self.refresh_descriptor(&peer) {
-                        Ok(d) => peer.set_desc(d),
-                        Err(e) => tracing::debug!("refreshing {}: {e}", peer.name),
-                    }
-                }
-                if peer.desc().find_buffer(req.target_offset, req.length).is_none() {
-                    let e = Error::RemoteNotRegistered { segment: peer.name.clone(), addr: req.target_offset, len: req.length };
-                    task.piece_failed(FailKind::Failed, &e);
-                    continue;
-                }
-            }
             let piece = Piece { opcode: req.opcode, local: req.source, remote: req.target_offset, len: req.length, task, guard };
-            match groups.iter_mut().find(|(p, _)| p.id == peer.id) {
+            // The cached descriptor may be stale (the peer registered more memory, or
+            // restarted): such pieces wait for a refresh, off this thread.
+            let known = peer.id == LOCAL_SEGMENT_ID || peer.desc().find_buffer(req.target_offset, req.length).is_some();
+            let into = if known { &mut groups } else { &mut stale };
+            match into.iter_mut().find(|(p, _)| p.id == peer.id) {
                 Some((_, v)) => v.push(piece),
-                None => groups.push((peer, vec![piece])),
+                None => into.push((peer, vec![piece])),
             }
+        }
+        for (peer, pieces) in stale {
+            self.refresh_then_dispatch(peer, pieces);
         }
         for (peer, pieces) in groups {
-            // Same-host peers that allow it: cross-memory attach; the rest: TCP.
-            if peer.id != LOCAL_SEGMENT_ID {
-                match self.shm.select(&peer) {
-                    Ok(sp) => {
-                        self.shm.submit_to(&peer, sp, pieces, inline);
-                        continue;
-                    }
-                    Err(why) if self.config.transport == TransportMode::Shm => {
-                        let e = Error::NoTransport { segment: peer.name.clone(), reason: format!("KVFERRY_TRANSPORT=shm, but {why}") };
-                        for p in pieces {
-                            p.task.piece_failed(FailKind::Failed, &e);
-                        }
-                        continue;
-                    }
-                    Err(_) => {}
-                }
-            }
-            let transport: &dyn Transport = if peer.id == LOCAL_SEGMENT_ID { &self.local } else { &*self.tcp };
-            if let Err(why) = transport.reachable(&peer) {
-                let e = Error::NoTransport { segment: peer.name.clone(), reason: why };
-                for p in pieces {
-                    p.task.piece_failed(FailKind::Failed, &e);
-                }
-                continue;
-            }
-            if inline && pieces.len() == 1 && peer.id != LOCAL_SEGMENT_ID {
-                if let Some(p) = pieces.into_iter().next() {
-                    self.tcp.submit_one(&peer, p);
-                }
-                continue;
-            }
-            transport.submit(&peer, pieces);
+            self.dispatch(&peer, pieces, inline);
         }
         Ok(())
+    }
+
+    /// Hands pieces whose remote range the cached descriptor lacks to the refresher thread:
+    /// it re-reads the descriptor once, fails the pieces still outside it, dispatches the rest.
+    fn refresh_then_dispatch(&self, peer: Arc<Peer>, pieces: Vec<Piece>) {
+        if let Err(e) = self.start_refresher() {
+            return fail_pieces(pieces, &e);
+        }
+        let slot = self.refresher.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(tx) = slot.as_ref() {
+            if let Err(std::sync::mpsc::SendError(job)) = tx.send(RefreshJob { peer, pieces }) {
+                fail_pieces(job.pieces, &Error::Shutdown);
+            }
+        }
+    }
+
+    /// Starts the refresher thread (once; the engine starts it with itself).
+    fn start_refresher(&self) -> Result<()> {
+        let mut slot = self.refresher.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            let (tx, rx) = std::sync::mpsc::channel::<RefreshJob>();
+            let me = self.me.clone();
+            let spawned = std::thread::Builder::new().name("kvf-refresh".into()).spawn(move || {
+                // Ends when the engine is gone (its sender dropped with it).
+                while let Ok(job) = rx.recv() {
+                    match me.upgrade() {
+                        Some(inner) => inner.refresh_job(job),
+                        None => fail_pieces(job.pieces, &Error::Shutdown),
+                    }
+                }
+            });
+            spawned.map_err(|e| Error::io("starting the descriptor refresh thread", e))?;
+            *slot = Some(tx);
+        }
+        Ok(())
+    }
+
+    fn refresh_job(&self, job: RefreshJob) {
+        let RefreshJob { peer, pieces } = job;
+        match self.refresh_descriptor(&peer) {
+            Ok(d) => peer.set_desc(d),
+            Err(e) => tracing::debug!("refreshing {}: {e}", peer.name),
+        }
+        let desc = peer.desc();
+        let now = Instant::now();
+        let mut ok = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            if p.task.deadline() <= now {
+                let why = format!("the descriptor of {} was still being refreshed at the deadline", peer.name);
+                p.task.piece_failed(FailKind::Timeout, crate::batch::FailCause::Timeout.because(why));
+            } else if desc.find_buffer(p.remote, p.len).is_none() {
+                let e = Error::RemoteNotRegistered { segment: peer.name.clone(), addr: p.remote, len: p.len };
+                p.task.piece_failed(FailKind::Failed, &e);
+            } else {
+                ok.push(p);
+            }
+        }
+        if !ok.is_empty() {
+            self.dispatch(&peer, ok, false);
+        }
+    }
+
+    /// Hands pieces to the transport that serves `peer`: the local copy for the engine's
+    /// own segment, shared memory for same-host peers that allow it, TCP for the rest.
+    fn dispatch(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) {
+        if peer.id != LOCAL_SEGMENT_ID {
+            match self.shm.select(peer) {
+                Ok(sp) => return self.shm.submit_to(peer, sp, pieces, inline),
+                Err(why) if self.config.transport == TransportMode::Shm => {
+                    let e = Error::NoTransport { segment: peer.name.clone(), reason: format!("KVFERRY_TRANSPORT=shm, but {why}") };
+                    return fail_pieces(pieces, &e);
+                }
+                Err(_) => {}
+            }
+        }
+        let transport: &dyn Transport = if peer.id == LOCAL_SEGMENT_ID { &self.local } else { &*self.tcp };
+        if let Err(why) = transport.reachable(peer) {
+            let e = Error::NoTransport { segment: peer.name.clone(), reason: why };
+            return fail_pieces(pieces, &e);
+        }
+        if inline && pieces.len() == 1 && peer.id != LOCAL_SEGMENT_ID {
+            if let Some(p) = pieces.into_iter().next() {
+                self.tcp.submit_one(peer, p);
+            }
+            return;
+        }
+        transport.submit(peer, pieces);
+    }
+}
+
+fn fail_pieces(pieces: Vec<Piece>, e: &Error) {
+    for p in pieces {
+        p.task.piece_failed(FailKind::Failed, e);
     }
 }
 
