@@ -1,10 +1,11 @@
 //! Initiator side: lanes (one connection, a writer and a reader thread each) to one peer.
 
+use super::proto::{self, Expect, Failed, Fate, Reply};
 use super::sockio::*;
 use super::RefusedHook;
 use crate::batch::{FailCause, FailKind, Failure};
 use crate::transport::Piece;
-use crate::wire::tcp::{self, DataHeader, Opcode, Status, HEADER_LEN, STATUS_LEN};
+use crate::wire::tcp::{Opcode, Status, HEADER_LEN, STATUS_LEN};
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice};
 use std::net::{Shutdown, SocketAddr, TcpStream};
@@ -36,6 +37,9 @@ pub(super) struct LaneState {
     pub(super) last_used: Instant,
     /// When a request last went out on the connection.
     pub(super) last_sent: Instant,
+    /// The connection has answered a request: it leads to a data server of the peer (not
+    /// to whatever took over a departed peer's port).
+    pub(super) answered: bool,
 }
 
 impl LaneState {
@@ -51,6 +55,7 @@ impl LaneState {
             retired: false,
             last_used: Instant::now(),
             last_sent: Instant::now(),
+            answered: false,
         }
     }
 
@@ -129,6 +134,7 @@ impl Lane {
     /// Closes connection `gen` and decides the fate of every op that was sent on it.
     pub(super) fn fail_conn(&self, gen: u64, why: ConnFailure) {
         let mut ended = Vec::new();
+        let unanswered;
         {
             let mut st = self.lock();
             if st.gen != gen || st.conn.is_none() {
@@ -137,6 +143,7 @@ impl Lane {
             if let Some(c) = st.conn.take() {
                 let _ = c.shutdown(Shutdown::Both);
             }
+            unanswered = !st.answered && matches!(why, ConnFailure::Broken(_));
             let now = Instant::now();
             let reason = match &why {
                 ConnFailure::Broken(r) => r.clone(),
@@ -154,32 +161,55 @@ impl Lane {
             }
             self.wake_writer.notify_all();
         }
-        for (op, kind, reason) in ended {
-            self.end_op(op, Err((kind, reason)));
+        if unanswered {
+            self.redirect_or_end(ended);
+        } else {
+            for (op, kind, reason) in ended {
+                self.end_op(op, Err((kind, reason)));
+            }
         }
     }
 
-    /// What becomes of an op that was handed to a connection that then failed: `None` to
-    /// retry it on a new connection, else how it ends.
-    ///
-    /// Only READs are retried (once): the old connection is ours alone to receive on, so a
-    /// retry cannot race it. A WRITE that may have left is never sent again: the target's
-    /// thread may still be copying the old connection's bytes into the range, and they
-    /// could land after the retry's.
+    /// Ops that failed on a connection that never answered anything: the port may now
+    /// belong to something else (the peer restarted on other ports and another process took
+    /// this one). Asks the engine to re-read the peer's descriptor; if it lists another data
+    /// address the ops go there (the bytes sent here reached no peer of ours), else they end
+    /// as decided. Ops that lost the peer are the only candidates.
+    pub(super) fn redirect_or_end(&self, ops: Vec<(WireOp, FailKind, Failure)>) {
+        let hook = self.refused.get();
+        let mut candidates = Vec::new();
+        for (op, kind, f) in ops {
+            let lost = matches!(f.cause, FailCause::PeerLost | FailCause::Protocol) && kind == FailKind::Failed;
+            match hook {
+                Some(_) if lost && op.attempts < 2 => candidates.push((op, f)),
+                _ => self.end_op(op, Err((kind, f))),
+            }
+        }
+        let Some(hook) = hook else { return };
+        if candidates.is_empty() {
+            return;
+        }
+        let first = candidates[0].1.clone();
+        let pieces: Vec<Piece> = candidates
+            .into_iter()
+            .map(|(op, _)| {
+                self.load.fetch_sub(op.piece.len, Ordering::AcqRel);
+                op.piece
+            })
+            .collect();
+        for p in hook(&self.peer_name, self.target, pieces) {
+            p.task.piece_failed(FailKind::Failed, first.clone());
+        }
+    }
+
+    /// What becomes of an op that was handed to a connection that then failed (the rule
+    /// is [`proto::fate`]): `None` to retry it on a new connection, else how it ends.
     pub(super) fn fate(&self, op: &WireOp, broken: bool, now: Instant, reason: &str) -> Option<(FailKind, Failure)> {
-        if op.piece.guard.is_revoked() {
-            let why = format!("the local range 0x{:x} was unregistered while the request to {} was in flight", op.piece.local, self.peer_name);
-            return Some((FailKind::Failed, FailCause::LocalNotRegistered.because(why)));
+        let f = Failed { broken, attempts: op.attempts, revoked: op.piece.guard.is_revoked(), deadline: op.piece.task.deadline() };
+        match proto::fate(op.piece.opcode, f, now, &format!("{} ({})", self.peer_name, self.target), reason) {
+            Fate::Retry => None,
+            Fate::End(kind, failure) => Some((kind, failure)),
         }
-        if op.piece.task.deadline() <= now {
-            let why = format!("no answer from {} ({}) before the deadline", self.peer_name, self.target);
-            return Some((FailKind::Timeout, FailCause::Timeout.because(why)));
-        }
-        if broken && op.attempts == 0 && op.piece.opcode == Opcode::Read {
-            return None;
-        }
-        let tail = if op.piece.opcode == Opcode::Write { "; the WRITE may have partly landed and is not retried" } else { "" };
-        Some((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} ({}) failed: {reason}{tail}", self.peer_name, self.target))))
     }
 
     /// Closes this lane and every other lane of its peer if all of them have been idle for
@@ -288,14 +318,13 @@ impl Lane {
                 if !guards.iter().any(|g| std::ptr::eq(g.region(), p.guard.region())) {
                     guards.push(p.guard.clone());
                 }
-                iov_hdrs.push(DataHeader { size: p.len, addr: p.remote, opcode: p.opcode, v2: self.v2 }.encode());
+                let (hdr, fence) = proto::request_frames(p.opcode, p.remote, p.len, self.v2);
+                iov_hdrs.push(hdr);
                 if p.opcode == Opcode::Write {
                     bodies.push((p.local, p.len));
-                    if !self.v2 {
-                        // v1 fence: a 1-byte READ of the last byte written answers only after
-                        // the target consumed the body into memory.
-                        iov_hdrs.push(DataHeader { size: 1, addr: p.remote + p.len - 1, opcode: Opcode::Read, v2: false }.encode());
-                    }
+                    // v1 fence: a 1-byte READ of the last byte written answers only after
+                    // the target consumed the body into memory.
+                    iov_hdrs.extend(fence);
                 } else {
                     bodies.push((0, 0));
                 }
@@ -354,6 +383,7 @@ impl Lane {
             Ok(s) => {
                 let mut st = self.lock();
                 st.gen += 1;
+                st.answered = false;
                 st.conn = Some(Arc::new(s));
                 self.wake_reader.notify_all();
             }
@@ -406,35 +436,42 @@ impl Lane {
                 rx.clear();
                 my_gen = gen;
             }
-            let expired = || Instant::now() >= deadline || guard.is_revoked();
+            let expired = || proto::must_stop(Instant::now(), deadline, guard.is_revoked());
             // Large READ data goes straight into local memory: read only the status first.
             rx.max_fill = if opcode == Opcode::Read && len as usize >= DIRECT_MIN { STATUS_LEN } else { RX_BUF };
+            let mut reply = Reply::new(opcode, len, self.v2);
             // 1. Status frame (v2), before anything is taken off the queue.
-            let status = if self.v2 {
+            let mut status = Status::Ok;
+            if reply.expect() == Expect::Status {
                 if let Err(e) = rx.need(&conn, STATUS_LEN, expired) {
                     self.fail_conn(gen, if e.kind() == io::ErrorKind::TimedOut { ConnFailure::Deadline } else { ConnFailure::Broken(e.to_string()) });
                     continue;
                 }
-                match tcp::decode_status(rx.take::<STATUS_LEN>()) {
-                    Ok(s) => s,
+                match reply.on_status(rx.take::<STATUS_LEN>()) {
+                    Ok(s) => status = s,
                     Err(e) => {
                         // Not a protocol we can follow: fail the front op, drop the connection.
+                        let unanswered = !self.lock().answered;
                         let op = self.pop_front(gen);
-                        self.done_reading();
+                        self.done_reading(false);
                         self.fail_conn(gen, ConnFailure::Broken(e.to_string()));
                         if let Some(op) = op {
-                            self.end_op(op, Err((FailKind::Failed, FailCause::Protocol.because(format!("{}: {e}", self.peer_name)))));
+                            let f = FailCause::Protocol.because(format!("{}: {e}", self.peer_name));
+                            if unanswered {
+                                self.redirect_or_end(vec![(op, FailKind::Failed, f)]);
+                            } else {
+                                self.end_op(op, Err((FailKind::Failed, f)));
+                            }
                         }
                         continue;
                     }
                 }
-            } else {
-                Status::Ok
-            };
+            }
             // 2. The op is ours now.
+            debug_assert!(reply.claimed());
             let Some(op) = self.pop_front(gen) else { continue };
             if status == Status::Rejected {
-                self.done_reading();
+                self.done_reading(true);
                 let reason = format!(
                     "{} rejected [0x{:x}, +{}): not inside memory it has registered",
                     self.peer_name, op.piece.remote, op.piece.len
@@ -445,16 +482,17 @@ impl Lane {
                 continue;
             }
             // 3. Payload: READ data, or the v1 fence byte after a WRITE.
-            let r = match (opcode, self.v2) {
-                (Opcode::Read, _) => {
-                    // SAFETY: the local range is registered (checked at submit, guard held).
-                    let dst = unsafe { std::slice::from_raw_parts_mut(local as *mut u8, len as usize) };
+            let r = match reply.expect() {
+                Expect::Data(n) => {
+                    // SAFETY: the local range is registered (checked at submit) and the
+                    // guard keeps it so; a revoked guard stops the receive between calls.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(local as *mut u8, n as usize) };
                     recv_into(&mut rx, &conn, dst, expired)
                 }
-                (Opcode::Write, false) => recv_into(&mut rx, &conn, &mut fence, expired),
-                (Opcode::Write, true) => Ok(()),
+                Expect::Fence => recv_into(&mut rx, &conn, &mut fence, expired),
+                Expect::Status | Expect::Done => Ok(()),
             };
-            self.done_reading();
+            self.done_reading(r.is_ok());
             match r {
                 Ok(()) => self.end_op(op, Ok(())),
                 Err(e) => {
@@ -466,7 +504,9 @@ impl Lane {
                             st.inflight.push_front(op);
                         } else {
                             drop(st);
-                            self.end_op(op, Err((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} lost: {e}", self.peer_name)))));
+                            let fate = self.fate(&op, !timed_out, Instant::now(), &e.to_string());
+                            let end = fate.unwrap_or((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} lost: {e}", self.peer_name))));
+                            self.end_op(op, Err(end));
                             continue;
                         }
                     }
@@ -486,9 +526,11 @@ impl Lane {
         op
     }
 
-    pub(super) fn done_reading(&self) {
+    /// The reader is done with its op; `answered`: the target answered it.
+    pub(super) fn done_reading(&self, answered: bool) {
         let mut st = self.lock();
         st.reading = false;
+        st.answered |= answered;
         if !st.pending.is_empty() {
             self.wake_writer.notify_all();
         }
@@ -517,38 +559,47 @@ impl Lane {
         self.load.fetch_add(piece.len, Ordering::AcqRel);
         piece.task.set_pending();
         let deadline = piece.task.deadline();
-        let expired = || Instant::now() >= deadline || piece.guard.is_revoked();
+        let expired = || proto::must_stop(Instant::now(), deadline, piece.guard.is_revoked());
         let p = &piece;
         let result: io::Result<Status> = (|| {
-            let hdr = DataHeader { size: p.len, addr: p.remote, opcode: p.opcode, v2: self.v2 }.encode();
-            let fence = DataHeader { size: 1, addr: p.remote + p.len - 1, opcode: Opcode::Read, v2: false }.encode();
-            // SAFETY: the local range is registered (checked at submit, guard held).
+            let (hdr, fence) = proto::request_frames(p.opcode, p.remote, p.len, self.v2);
+            // SAFETY: the local range is registered (checked at submit) and the guard keeps
+            // it so; a revoked guard stops every loop below between system calls.
             let local = unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
-            match (p.opcode, self.v2) {
-                (Opcode::Write, true) => write_all_vectored(&conn, &mut [IoSlice::new(&hdr), IoSlice::new(local)], expired)?,
-                (Opcode::Write, false) => write_all_vectored(&conn, &mut [IoSlice::new(&hdr), IoSlice::new(local), IoSlice::new(&fence)], expired)?,
-                (Opcode::Read, _) => write_all_vectored(&conn, &mut [IoSlice::new(&hdr)], expired)?,
+            let fence = fence.as_ref().map_or(&[][..], |f| &f[..]);
+            match p.opcode {
+                Opcode::Write => write_all_vectored(&conn, &mut [IoSlice::new(&hdr), IoSlice::new(local), IoSlice::new(fence)], expired)?,
+                Opcode::Read => write_all_vectored(&conn, &mut [IoSlice::new(&hdr)], expired)?,
             }
-            let status = if self.v2 {
-                let mut st = [0u8; STATUS_LEN];
-                let got = if p.len <= SPIN_MAX_BYTES { poll_read(&conn, &mut st, self.spin) } else { 0 };
-                read_full(&conn, &mut st[got..], expired)?;
-                tcp::decode_status(st).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?
-            } else {
-                Status::Ok
-            };
-            if status == Status::Ok {
-                match p.opcode {
-                    Opcode::Read => read_full(&conn, local, expired)?,
-                    Opcode::Write if !self.v2 => read_full(&conn, &mut [0u8; 1], expired)?,
-                    Opcode::Write => {}
+            let mut reply = Reply::new(p.opcode, p.len, self.v2);
+            let mut status = Status::Ok;
+            loop {
+                match reply.expect() {
+                    Expect::Status => {
+                        let mut st = [0u8; STATUS_LEN];
+                        let got = if p.len <= SPIN_MAX_BYTES { poll_read(&conn, &mut st, self.spin) } else { 0 };
+                        read_full(&conn, &mut st[got..], expired)?;
+                        status = reply.on_status(st).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+                    }
+                    Expect::Data(n) => {
+                        read_full(&conn, &mut local[..n as usize], expired)?;
+                        reply.on_payload();
+                    }
+                    Expect::Fence => {
+                        read_full(&conn, &mut [0u8; 1], expired)?;
+                        reply.on_payload();
+                    }
+                    Expect::Done => return Ok(status),
                 }
             }
-            Ok(status)
         })();
         let op = WireOp { piece, attempts: 0 };
         let mut st = self.lock();
         st.inline = false;
+        let unanswered = !st.answered;
+        if result.is_ok() {
+            st.answered = true;
+        }
         let outcome = match result {
             Ok(Status::Ok) => Ok(()),
             Ok(Status::Rejected) => {
@@ -592,7 +643,10 @@ impl Lane {
             self.wake_writer.notify_all();
         }
         drop(st);
-        self.end_op(op, outcome);
+        match outcome {
+            Err((kind, f)) if unanswered && gen_broken(&f) => self.redirect_or_end(vec![(op, kind, f)]),
+            outcome => self.end_op(op, outcome),
+        }
         Ok(())
     }
 
@@ -623,3 +677,7 @@ impl PeerLanes {
     }
 }
 
+/// A failure that may mean the connection led to something other than the peer.
+fn gen_broken(f: &Failure) -> bool {
+    matches!(f.cause, FailCause::PeerLost | FailCause::Protocol)
+}

@@ -41,6 +41,7 @@ pub type RefusedHook = Arc<dyn Fn(&str, SocketAddr, Vec<Piece>) -> Vec<Piece> + 
 
 mod sockio;
 mod lane;
+mod proto;
 mod server;
 
 pub use server::{TcpServer, MAX_DATA_CONNS};

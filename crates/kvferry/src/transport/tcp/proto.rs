@@ -1,0 +1,212 @@
+//! The initiator's side of one request, as sans-IO decisions: what goes out, what comes
+//! back and in which order, when a loop must stop, and what becomes of a request whose
+//! connection failed.
+//!
+//! Nothing here touches a socket or reads the clock: the lane threads and the
+//! in-caller-thread path (`lane.rs`) feed it what the socket did and the time, and act on
+//! the answer. Both paths share it, so they cannot disagree on the protocol, and the rules
+//! (deadlines, retries, the v1 fence) are unit-tested below with synthetic times: a peer that
+//! trickles one byte at a time is a loop of calls, not a test that sleeps.
+
+use crate::batch::{FailCause, FailKind, Failure};
+use crate::wire::tcp::{self, DataHeader, Opcode, Status, HEADER_LEN, STATUS_LEN};
+use crate::wire::WireError;
+use std::time::Instant;
+
+/// The frames of one request: its header, and for a WRITE to a v1 target a 1-byte READ of
+/// the last byte written (the fence: its answer proves the body was consumed into memory).
+/// The WRITE body goes between the two.
+pub(super) fn request_frames(opcode: Opcode, remote: u64, len: u64, v2: bool) -> ([u8; HEADER_LEN], Option<[u8; HEADER_LEN]>) {
+    let hdr = DataHeader { size: len, addr: remote, opcode, v2 }.encode();
+    let fence = (opcode == Opcode::Write && !v2 && len > 0)
+        .then(|| DataHeader { size: 1, addr: remote + len - 1, opcode: Opcode::Read, v2: false }.encode());
+    (hdr, fence)
+}
+
+/// What the initiator receives next for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Expect {
+    /// An 8-byte status frame (v2).
+    Status,
+    /// READ data: `len` bytes into local memory.
+    Data(u64),
+    /// The 1-byte answer to the v1 fence.
+    Fence,
+    /// Nothing more: the request is answered.
+    Done,
+}
+
+/// The answer to one request, received step by step: v2 READ = status then data; v2 WRITE
+/// = status; v1 READ = data; v1 WRITE = the fence byte.
+#[derive(Debug, Clone)]
+pub(super) struct Reply {
+    opcode: Opcode,
+    len: u64,
+    next: Expect,
+}
+
+impl Reply {
+    pub(super) fn new(opcode: Opcode, len: u64, v2: bool) -> Reply {
+        let next = match (v2, opcode) {
+            (true, _) => Expect::Status,
+            (false, Opcode::Read) => Expect::Data(len),
+            (false, Opcode::Write) => Expect::Fence,
+        };
+        Reply { opcode, len, next }
+    }
+
+    /// What to receive next.
+    pub(super) fn expect(&self) -> Expect {
+        self.next
+    }
+
+    /// The status frame arrived. `Ok(Rejected)` ends the request (the target closes the
+    /// connection after it); an unreadable frame is a protocol error.
+    pub(super) fn on_status(&mut self, frame: [u8; STATUS_LEN]) -> Result<Status, WireError> {
+        debug_assert_eq!(self.next, Expect::Status);
+        let s = tcp::decode_status(frame)?;
+        self.next = match (s, self.opcode) {
+            (Status::Ok, Opcode::Read) => Expect::Data(self.len),
+            _ => Expect::Done,
+        };
+        Ok(s)
+    }
+
+    /// The data or the fence byte arrived in full.
+    pub(super) fn on_payload(&mut self) {
+        debug_assert!(matches!(self.next, Expect::Data(_) | Expect::Fence));
+        self.next = Expect::Done;
+    }
+
+    /// Whether the request has been taken off the connection's queue by now: a v2 request
+    /// once its status arrived, a v1 request at once (there is no status).
+    pub(super) fn claimed(&self) -> bool {
+        self.next != Expect::Status
+    }
+}
+
+/// The stop rule every loop applies after every system call: the request's absolute
+/// deadline, or its local memory being unregistered.
+pub(super) fn must_stop(now: Instant, deadline: Instant, revoked: bool) -> bool {
+    revoked || now >= deadline
+}
+
+/// What becomes of a request that was handed to a connection that then failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Fate {
+    /// Send it again on a new connection.
+    Retry,
+    /// It ends so.
+    End(FailKind, Failure),
+}
+
+/// How a connection failed, and what the request had seen of it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Failed {
+    /// The connection broke (closed, reset) rather than a deadline passing.
+    pub broken: bool,
+    /// Connection failures the request already survived.
+    pub attempts: u8,
+    /// Its local memory was unregistered meanwhile.
+    pub revoked: bool,
+    pub deadline: Instant,
+}
+
+/// The retry rule. Only READs are retried (once): the old connection is ours alone to
+/// receive on, so a retry cannot race it. A WRITE that may have left is never sent again:
+/// the target's thread may still be copying the old connection's bytes into the range, and
+/// they could land after the retry's. Unregistered memory and passed deadlines end it.
+pub(super) fn fate(opcode: Opcode, f: Failed, now: Instant, peer: &str, why: &str) -> Fate {
+    if f.revoked {
+        let reason = format!("the local memory was unregistered while the request to {peer} was in flight");
+        return Fate::End(FailKind::Failed, FailCause::LocalNotRegistered.because(reason));
+    }
+    if now >= f.deadline {
+        return Fate::End(FailKind::Timeout, FailCause::Timeout.because(format!("no answer from {peer} before the deadline")));
+    }
+    if f.broken && f.attempts == 0 && opcode == Opcode::Read {
+        return Fate::Retry;
+    }
+    let tail = if opcode == Opcode::Write { "; the WRITE may have partly landed and is not sent again" } else { "" };
+    Fate::End(FailKind::Failed, FailCause::PeerLost.because(format!("connection to {peer} failed: {why}{tail}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn drive(mut r: Reply, status: Option<[u8; 8]>) -> Vec<Expect> {
+        let mut seen = vec![];
+        loop {
+            let e = r.expect();
+            seen.push(e);
+            match e {
+                Expect::Status => {
+                    r.on_status(status.expect("a status is expected")).unwrap();
+                }
+                Expect::Data(_) | Expect::Fence => r.on_payload(),
+                Expect::Done => return seen,
+            }
+        }
+    }
+
+    #[test]
+    fn replies_in_protocol_order() {
+        let ok = tcp::encode_status(Status::Ok);
+        let rej = tcp::encode_status(Status::Rejected);
+        assert_eq!(drive(Reply::new(Opcode::Read, 10, true), Some(ok)), [Expect::Status, Expect::Data(10), Expect::Done]);
+        assert_eq!(drive(Reply::new(Opcode::Write, 10, true), Some(ok)), [Expect::Status, Expect::Done]);
+        assert_eq!(drive(Reply::new(Opcode::Read, 10, true), Some(rej)), [Expect::Status, Expect::Done]);
+        assert_eq!(drive(Reply::new(Opcode::Read, 10, false), None), [Expect::Data(10), Expect::Done]);
+        assert_eq!(drive(Reply::new(Opcode::Write, 10, false), None), [Expect::Fence, Expect::Done]);
+        let mut r = Reply::new(Opcode::Read, 10, true);
+        assert!(!r.claimed());
+        assert!(r.on_status(*b"garbage!").is_err(), "a bad magic is a protocol error");
+        assert!(Reply::new(Opcode::Write, 1, false).claimed(), "v1: nothing to wait for before the payload");
+    }
+
+    #[test]
+    fn frames_carry_a_fence_only_for_v1_writes() {
+        let (h, f) = request_frames(Opcode::Write, 0x1000, 64, false);
+        assert_eq!(DataHeader::decode(&h).unwrap(), DataHeader { size: 64, addr: 0x1000, opcode: Opcode::Write, v2: false });
+        assert_eq!(DataHeader::decode(&f.unwrap()).unwrap(), DataHeader { size: 1, addr: 0x1000 + 63, opcode: Opcode::Read, v2: false });
+        assert!(request_frames(Opcode::Write, 0x1000, 64, true).1.is_none());
+        assert!(request_frames(Opcode::Read, 0x1000, 64, false).1.is_none());
+    }
+
+    /// A peer that delivers one byte every 50 ms keeps every read short of any socket
+    /// timeout; the loop still stops at the deadline because it asks after every call.
+    #[test]
+    fn a_trickle_stops_at_the_deadline_not_at_the_end() {
+        let t0 = Instant::now();
+        let deadline = t0 + Duration::from_millis(700);
+        let (mut got, mut now) = (0u64, t0);
+        let want = 4096;
+        while got < want {
+            now += Duration::from_millis(50); // one read returns one byte
+            got += 1;
+            if got < want && must_stop(now, deadline, false) {
+                break;
+            }
+        }
+        assert_eq!(got, 14, "stopped after the read that crossed the deadline");
+        assert!(must_stop(t0, deadline, true), "a revoked range stops at once");
+    }
+
+    #[test]
+    fn only_reads_are_retried_and_only_once() {
+        let now = Instant::now();
+        let f = Failed { broken: true, attempts: 0, revoked: false, deadline: now + Duration::from_secs(1) };
+        assert_eq!(fate(Opcode::Read, f, now, "p", "reset"), Fate::Retry);
+        let end = |fate: Fate| match fate {
+            Fate::End(k, f) => (k, f.cause),
+            Fate::Retry => panic!("retried"),
+        };
+        assert_eq!(end(fate(Opcode::Write, f, now, "p", "reset")), (FailKind::Failed, FailCause::PeerLost));
+        assert_eq!(end(fate(Opcode::Read, Failed { attempts: 1, ..f }, now, "p", "reset")), (FailKind::Failed, FailCause::PeerLost));
+        assert_eq!(end(fate(Opcode::Read, Failed { broken: false, ..f }, now, "p", "stopped")), (FailKind::Failed, FailCause::PeerLost));
+        assert_eq!(end(fate(Opcode::Read, f, now + Duration::from_secs(2), "p", "reset")), (FailKind::Timeout, FailCause::Timeout));
+        assert_eq!(end(fate(Opcode::Read, Failed { revoked: true, ..f }, now, "p", "reset")), (FailKind::Failed, FailCause::LocalNotRegistered));
+    }
+}
