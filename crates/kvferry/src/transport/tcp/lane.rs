@@ -37,9 +37,6 @@ pub(super) struct LaneState {
     pub(super) last_used: Instant,
     /// When a request last went out on the connection.
     pub(super) last_sent: Instant,
-    /// The connection has answered a request: it leads to a data server of the peer (not
-    /// to whatever took over a departed peer's port).
-    pub(super) answered: bool,
 }
 
 impl LaneState {
@@ -55,7 +52,6 @@ impl LaneState {
             retired: false,
             last_used: Instant::now(),
             last_sent: Instant::now(),
-            answered: false,
         }
     }
 
@@ -69,16 +65,21 @@ impl LaneState {
     /// instead of failing on a dead one. Only called with nothing in flight, when no byte
     /// may be waiting on the socket.
     pub(super) fn drop_if_closed_by_peer(&mut self) {
-        if !self.inflight.is_empty() || self.last_sent.elapsed() < STALE_CHECK_AFTER {
+        // Only a connection with nothing in flight: the reader may be receiving the last
+        // op's payload (then `reading` is set although `inflight` is empty).
+        if !self.inflight.is_empty() || self.reading || self.inline || self.last_sent.elapsed() < STALE_CHECK_AFTER {
             return;
         }
         let Some(c) = &self.conn else { return };
         let mut b = [0u8; 1];
         let closed = match rustix::net::recv(&**c, &mut b, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT) {
-            Err(rustix::io::Errno::AGAIN) => false,
-            Err(rustix::io::Errno::INTR) => false,
-            // EOF, a reset, or bytes nobody asked for: not a connection to send on.
-            _ => true,
+            // EOF: the peer closed it.
+            Ok((0, _)) => true,
+            // Bytes nobody asked for: the reader reports that as a protocol error.
+            Ok(_) => false,
+            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => false,
+            // A reset or another error: not a connection to send on.
+            Err(_) => true,
         };
         if closed {
             if let Some(c) = self.conn.take() {
@@ -134,7 +135,6 @@ impl Lane {
     /// Closes connection `gen` and decides the fate of every op that was sent on it.
     pub(super) fn fail_conn(&self, gen: u64, why: ConnFailure) {
         let mut ended = Vec::new();
-        let unanswered;
         {
             let mut st = self.lock();
             if st.gen != gen || st.conn.is_none() {
@@ -143,7 +143,6 @@ impl Lane {
             if let Some(c) = st.conn.take() {
                 let _ = c.shutdown(Shutdown::Both);
             }
-            unanswered = !st.answered && matches!(why, ConnFailure::Broken(_));
             let now = Instant::now();
             let reason = match &why {
                 ConnFailure::Broken(r) => r.clone(),
@@ -161,20 +160,14 @@ impl Lane {
             }
             self.wake_writer.notify_all();
         }
-        if unanswered {
-            self.redirect_or_end(ended);
-        } else {
-            for (op, kind, reason) in ended {
-                self.end_op(op, Err((kind, reason)));
-            }
-        }
+        self.redirect_or_end(ended);
     }
 
-    /// Ops that failed on a connection that never answered anything: the port may now
-    /// belong to something else (the peer restarted on other ports and another process took
-    /// this one). Asks the engine to re-read the peer's descriptor; if it lists another data
-    /// address the ops go there (the bytes sent here reached no peer of ours), else they end
-    /// as decided. Ops that lost the peer are the only candidates.
+    /// Ends ops whose connection failed, except those that lost the peer: for them the
+    /// engine re-reads the peer's descriptor first. If it now lists another data address (the
+    /// peer restarted on other ports; whatever answered here, or took the old port over, is
+    /// not it) they go there: no byte sent here can land in the new process, so even a WRITE
+    /// is safe to send again. Otherwise they end as decided.
     pub(super) fn redirect_or_end(&self, ops: Vec<(WireOp, FailKind, Failure)>) {
         let hook = self.refused.get();
         let mut candidates = Vec::new();
@@ -383,7 +376,6 @@ impl Lane {
             Ok(s) => {
                 let mut st = self.lock();
                 st.gen += 1;
-                st.answered = false;
                 st.conn = Some(Arc::new(s));
                 self.wake_reader.notify_all();
             }
@@ -451,17 +443,12 @@ impl Lane {
                     Ok(s) => status = s,
                     Err(e) => {
                         // Not a protocol we can follow: fail the front op, drop the connection.
-                        let unanswered = !self.lock().answered;
                         let op = self.pop_front(gen);
-                        self.done_reading(false);
+                        self.done_reading();
                         self.fail_conn(gen, ConnFailure::Broken(e.to_string()));
                         if let Some(op) = op {
                             let f = FailCause::Protocol.because(format!("{}: {e}", self.peer_name));
-                            if unanswered {
-                                self.redirect_or_end(vec![(op, FailKind::Failed, f)]);
-                            } else {
-                                self.end_op(op, Err((FailKind::Failed, f)));
-                            }
+                            self.redirect_or_end(vec![(op, FailKind::Failed, f)]);
                         }
                         continue;
                     }
@@ -471,7 +458,7 @@ impl Lane {
             debug_assert!(reply.claimed());
             let Some(op) = self.pop_front(gen) else { continue };
             if status == Status::Rejected {
-                self.done_reading(true);
+                self.done_reading();
                 let reason = format!(
                     "{} rejected [0x{:x}, +{}): not inside memory it has registered",
                     self.peer_name, op.piece.remote, op.piece.len
@@ -492,7 +479,7 @@ impl Lane {
                 Expect::Fence => recv_into(&mut rx, &conn, &mut fence, expired),
                 Expect::Status | Expect::Done => Ok(()),
             };
-            self.done_reading(r.is_ok());
+            self.done_reading();
             match r {
                 Ok(()) => self.end_op(op, Ok(())),
                 Err(e) => {
@@ -526,11 +513,10 @@ impl Lane {
         op
     }
 
-    /// The reader is done with its op; `answered`: the target answered it.
-    pub(super) fn done_reading(&self, answered: bool) {
+    /// The reader is done with its op.
+    pub(super) fn done_reading(&self) {
         let mut st = self.lock();
         st.reading = false;
-        st.answered |= answered;
         if !st.pending.is_empty() {
             self.wake_writer.notify_all();
         }
@@ -596,10 +582,6 @@ impl Lane {
         let op = WireOp { piece, attempts: 0 };
         let mut st = self.lock();
         st.inline = false;
-        let unanswered = !st.answered;
-        if result.is_ok() {
-            st.answered = true;
-        }
         let outcome = match result {
             Ok(Status::Ok) => Ok(()),
             Ok(Status::Rejected) => {
@@ -644,7 +626,7 @@ impl Lane {
         }
         drop(st);
         match outcome {
-            Err((kind, f)) if unanswered && gen_broken(&f) => self.redirect_or_end(vec![(op, kind, f)]),
+            Err((kind, f)) => self.redirect_or_end(vec![(op, kind, f)]),
             outcome => self.end_op(op, outcome),
         }
         Ok(())
@@ -675,9 +657,4 @@ impl PeerLanes {
             .min_by_key(|&i| self.lanes[i].load.load(Ordering::Relaxed))
             .unwrap_or(0)
     }
-}
-
-/// A failure that may mean the connection led to something other than the peer.
-fn gen_broken(f: &Failure) -> bool {
-    matches!(f.cause, FailCause::PeerLost | FailCause::Protocol)
 }
