@@ -65,7 +65,7 @@ use crate::wire::tcp::Opcode;
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -162,6 +162,14 @@ pub struct MapInfo {
     /// The publisher allocated every page up front, so a peer may map them all at once.
     #[serde(default)]
     pub populated: bool,
+    /// The buffer's identity, which never repeats (an address and an fd number do, once the
+    /// publisher freed the buffer and allocated another): the memfd's inode number and the
+    /// buffer's random generation (in the memfd's name and header page, see
+    /// [`crate::hostbuf`]). Mappings are cached per identity. 0: unknown (not mapped).
+    #[serde(default)]
+    pub ino: u64,
+    #[serde(default)]
+    pub generation: u64,
 }
 
 /// Bytes copied by this process through mapped peer memory and by cross-memory attach.
@@ -179,7 +187,7 @@ pub fn bytes_moved() -> (u64, u64) {
 pub fn publish(mut info: ShmInfo, buffers: &[crate::wire::descriptor::BufferDesc]) -> Option<serde_json::Value> {
     for b in buffers {
         if let Some(r) = crate::hostbuf::shareable_region(b.addr, b.length) {
-            let m = MapInfo { fd: r.fd, addr: r.addr, len: r.len, populated: r.populated };
+            let m = MapInfo { fd: r.fd, addr: r.addr, len: r.len, populated: r.populated, ino: r.ino, generation: r.generation };
             if !info.maps.contains(&m) {
                 info.maps.push(m);
             }
@@ -236,31 +244,39 @@ fn not_permitted(pid: i32, what: &str, e: &io::Error) -> String {
 // ------------------------------------------------------------------------------------------
 
 fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
-    // SAFETY: plain system call; the result is a new file descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just returned this descriptor to us.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+    let pid = rustix::process::Pid::from_raw(pid).ok_or_else(|| io::Error::from_raw_os_error(libc::ESRCH))?;
+    Ok(rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())?)
 }
 
 fn pidfd_getfd(pidfd: &OwnedFd, fd: i32) -> io::Result<OwnedFd> {
-    // SAFETY: plain system call; the result is a new file descriptor or -1.
-    let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just returned this descriptor to us.
-    Ok(unsafe { OwnedFd::from_raw_fd(r as RawFd) })
+    Ok(rustix::process::pidfd_getfd(pidfd, fd, rustix::process::PidfdGetfdFlags::empty())?)
 }
 
 /// Whether the process behind `pidfd` has exited (the pidfd polls readable then).
 fn exited(pidfd: &OwnedFd) -> bool {
-    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    // SAFETY: one pollfd, zero timeout.
-    let r = unsafe { libc::poll(&mut p, 1, 0) };
-    r != 0 && (r < 0 || p.revents != 0)
+    use rustix::event::{PollFd, PollFlags};
+    let mut p = [PollFd::new(pidfd, PollFlags::IN)];
+    match rustix::event::poll(&mut p, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 })) {
+        Ok(0) => false,
+        Ok(_) => !p[0].revents().is_empty(),
+        Err(_) => true,
+    }
+}
+
+/// Whether this process is a child forked from the one that created a value (`home`): it
+/// then holds copies of the creator's descriptors but none of its shared mappings (they
+/// are `MADV_DONTFORK`), and must not act on the creator's behalf (no `closed` mark, no
+/// slot changes, no `munmap` of ranges that in the child are not ours).
+fn foreign(home: u32) -> bool {
+    std::process::id() != home
+}
+
+/// Marks a mapping not to be inherited by child processes.
+fn dontfork(ptr: *mut u8, len: usize) {
+    // SAFETY: advising our own mapping; no memory is touched.
+    if unsafe { libc::madvise(ptr as *mut libc::c_void, len, libc::MADV_DONTFORK) } != 0 {
+        tracing::debug!("madvise(MADV_DONTFORK) failed: {}", io::Error::last_os_error());
+    }
 }
 
 /// One cross-memory copy of matching local and remote iovecs. Returns bytes moved.
@@ -299,6 +315,8 @@ pub fn simulate_cma_denied(on: bool) {
 /// A shared mapping of a control region (ours or a peer's).
 struct CtlMap {
     ptr: *mut u8,
+    /// The process that mapped it.
+    home: u32,
 }
 
 // SAFETY: the mapping is only accessed through atomics and immutable header bytes.
@@ -312,7 +330,8 @@ impl CtlMap {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(CtlMap { ptr: p as *mut u8 })
+        dontfork(p as *mut u8, CTL_LEN);
+        Ok(CtlMap { ptr: p as *mut u8, home: std::process::id() })
     }
 
     fn word(&self, off: usize) -> &AtomicU64 {
@@ -364,6 +383,9 @@ impl CtlMap {
 
 impl Drop for CtlMap {
     fn drop(&mut self) {
+        if foreign(self.home) {
+            return; // a forked child does not have the mapping (MADV_DONTFORK)
+        }
         // SAFETY: unmapping our own mapping; nothing refers to it any more.
         unsafe { libc::munmap(self.ptr as *mut libc::c_void, CTL_LEN) };
     }
@@ -399,17 +421,12 @@ struct LocalCtl {
 
 impl LocalCtl {
     fn create(name: &str) -> io::Result<LocalCtl> {
-        // SAFETY: memfd_create with a valid C string; checked below.
-        let fd = unsafe { libc::memfd_create(c"kvferry-shm-ctl".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: the kernel just returned this descriptor.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: resizing our own memfd.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), CTL_LEN as libc::off_t) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        use rustix::fs::{MemfdFlags, SealFlags};
+        let fd = rustix::fs::memfd_create("kvferry-shm-ctl", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        rustix::fs::ftruncate(&fd, CTL_LEN as u64)?;
+        // Peers map the region and read it without a system call: its size must never
+        // change under them (a truncated mapping raises SIGBUS in the reader).
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
         let map = CtlMap::map(&fd)?;
         let cookie: [u8; 16] = rand::random();
         map.word(OFF_COOKIE).store(u64::from_le_bytes(cookie[..8].try_into().unwrap_or_default()), Ordering::Release);
@@ -479,12 +496,19 @@ pub struct ShmPeer {
     cookie: String,
     /// The peer's shareable buffers mapped here, for the descriptor they were read from.
     maps: Mutex<MapCache>,
+    /// The process that attached (see [`foreign`]).
+    home: u32,
 }
 
-/// A peer's shareable buffer mapped into this process.
+/// A peer's shareable buffer mapped into this process: its data and, after it, its header
+/// page (see [`crate::hostbuf`]).
 struct PeerMap {
     info: MapInfo,
     ptr: *mut u8,
+    /// Length of the whole mapping (data rounded up to pages, plus the header page).
+    map_len: usize,
+    /// The process that mapped it.
+    home: u32,
 }
 
 // SAFETY: a shared mapping owned by this value; bytes are copied in and out only under the
@@ -494,12 +518,29 @@ unsafe impl Sync for PeerMap {}
 
 impl Drop for PeerMap {
     fn drop(&mut self) {
+        if foreign(self.home) {
+            return; // a forked child does not have the mapping (MADV_DONTFORK)
+        }
         // SAFETY: our own mapping; no job holds this value any more.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.info.len as usize) };
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.map_len) };
     }
 }
 
 impl PeerMap {
+    fn header_word(&self, i: usize) -> &AtomicU64 {
+        // SAFETY: the header page lies inside our mapping (checked in `ShmPeer::map`),
+        // page-aligned; shared memory accessed only atomically.
+        unsafe { &*(self.ptr.add(crate::hostbuf::header_offset(self.info.len) as usize) as *const AtomicU64).add(i) }
+    }
+
+    /// Whether the buffer is still the live one its owner published: a freed buffer's
+    /// header says so before its pages are released (and its memory may be reused at the
+    /// same address by a new buffer, which this mapping does not reach).
+    fn alive(&self) -> bool {
+        self.header_word(crate::hostbuf::HDR_ALIVE).load(Ordering::SeqCst) == 1
+            && self.header_word(crate::hostbuf::HDR_GENERATION).load(Ordering::Relaxed) == self.info.generation
+    }
+
     /// Where `[remote, remote+len)` of the peer lies in our mapping, if inside it.
     fn locate(&self, remote: u64, len: u64) -> Option<*mut u8> {
         let off = remote.checked_sub(self.info.addr)?;
@@ -614,6 +655,16 @@ impl ShmPeer {
         if unsafe { libc::fstat(memfd.as_raw_fd(), &mut st) } != 0 || (st.st_size as u64) < CTL_LEN as u64 {
             return Err(format!("fd {} of process {pid} is not a kvferry control region", info.ctl_fd));
         }
+        // Unsealed, its owner could shrink it while we read it: SIGBUS here.
+        match rustix::fs::fcntl_get_seals(&memfd) {
+            Ok(s) if s.contains(rustix::fs::SealFlags::SHRINK) => {}
+            _ => {
+                return Err(format!(
+                    "the control region (fd {}) of process {pid} is not sealed against shrinking (mapping it could crash this process); the peer runs an older kvferry or is not a kvferry engine",
+                    info.ctl_fd
+                ))
+            }
+        }
         let ctl = CtlMap::map(&memfd).map_err(|e| format!("cannot map the control region of process {pid}: {e}"))?;
         drop(memfd);
         let header = ctl.header();
@@ -656,22 +707,62 @@ impl ShmPeer {
             return Err(format!("process {pid} exited"));
         }
         let slot = claim_slot(&ctl, owner).ok_or_else(|| format!("all {N_SLOTS} initiator slots of process {pid} are taken"))?;
-        Ok(ShmPeer { pid, pidfd, alive_at: AtomicU64::new(now_ns()), ctl, slot, owner, cookie: info.cookie.clone(), maps: Mutex::default() })
+        Ok(ShmPeer {
+            pid,
+            pidfd,
+            alive_at: AtomicU64::new(now_ns()),
+            ctl,
+            slot,
+            owner,
+            cookie: info.cookie.clone(),
+            maps: Mutex::default(),
+            home: std::process::id(),
+        })
+    }
+
+    /// Whether the peer is gone: its process exited or its engine shut down.
+    fn departed(&self) -> bool {
+        exited(&self.pidfd) || self.ctl.closed().load(Ordering::Acquire) != 0
+    }
+
+    /// Unmaps the peer's buffers (once no copy uses them): all of them, or those their owner
+    /// freed. Returns how many mappings were dropped from the cache.
+    fn release_maps(&self, all: bool) -> usize {
+        let mut c = self.maps.lock().unwrap_or_else(|e| e.into_inner());
+        let keep: Vec<Arc<PeerMap>> = if all { Vec::new() } else { c.maps.iter().filter(|m| m.alive()).cloned().collect() };
+        let dropped = c.maps.len() - keep.len();
+        if dropped > 0 {
+            let dead: Vec<MapInfo> = c.maps.iter().filter(|m| !m.alive()).map(|m| m.info).collect();
+            for info in dead {
+                c.refused.insert(info, "its owner freed it".into());
+            }
+            c.maps = Arc::new(keep);
+        }
+        if all {
+            c.desc = None;
+        }
+        dropped
     }
 
     /// The peer's shareable buffers published in `desc`, mapped here (cached per descriptor;
     /// maps that left the descriptor are released once no copy uses them).
     fn maps_for(&self, desc: &Arc<SegmentDesc>) -> Arc<Vec<Arc<PeerMap>>> {
         let mut c = self.maps.lock().unwrap_or_else(|e| e.into_inner());
-        if c.desc.as_ref().is_some_and(|d| Arc::ptr_eq(d, desc)) {
+        if c.desc.as_ref().is_some_and(|d| Arc::ptr_eq(d, desc)) && c.maps.iter().all(|m| m.alive()) {
             return Arc::clone(&c.maps);
         }
         let listed: Vec<MapInfo> =
             desc.extra.get(FIELD).and_then(|v| v.get("maps")).and_then(|m| serde_json::from_value(m.clone()).ok()).unwrap_or_default();
         let mut maps = Vec::with_capacity(listed.len());
         for info in listed {
+            // Keyed on the buffer's identity (inode, generation), not on its fd number and
+            // address, which a new buffer of the same size gets again.
             if let Some(m) = c.maps.iter().find(|m| m.info == info) {
-                maps.push(Arc::clone(m));
+                if m.alive() {
+                    maps.push(Arc::clone(m));
+                } else {
+                    c.refused.insert(info, "its owner freed it".into());
+                }
                 continue;
             }
             if c.refused.contains_key(&info) {
@@ -703,26 +794,52 @@ impl ShmPeer {
         if info.len == 0 || info.len > isize::MAX as u64 || info.addr % 4096 != 0 {
             return Err(format!("published buffer [0x{:x}, +{}) is malformed", info.addr, info.len));
         }
-        let fd = pidfd_getfd(&self.pidfd, info.fd).map_err(|e| format!("cannot take fd {} of process {pid}: {e}", info.fd))?;
-        // SAFETY: fstat into a zeroed struct; F_GET_SEALS on a descriptor we own.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || (st.st_mode & libc::S_IFMT) != libc::S_IFREG || (st.st_size as u64) < info.len {
-            return Err(format!("fd {} of process {pid} is not a memory file of {} bytes", info.fd, info.len));
+        if info.generation == 0 || info.ino == 0 {
+            return Err(format!("published buffer [0x{:x}, +{}) has no identity (an older kvferry)", info.addr, info.len));
         }
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-            return Err(format!("fd {} of process {pid} is not sealed against shrinking (mapping it could fault)", info.fd));
+        let fd = pidfd_getfd(&self.pidfd, info.fd).map_err(|e| format!("cannot take fd {} of process {pid}: {e}", info.fd))?;
+        let stale = |what: &str| {
+            format!(
+                "fd {} of process {pid} is not the buffer [0x{:x}, +{}) it published ({what}): it freed that buffer, or the descriptor is stale",
+                info.fd, info.addr, info.len
+            )
+        };
+        let map_len = crate::hostbuf::header_offset(info.len) + crate::hostbuf::HEADER_LEN;
+        let st = rustix::fs::fstat(&fd).map_err(|e| format!("cannot fstat fd {} of process {pid}: {e}", info.fd))?;
+        if (st.st_mode & libc::S_IFMT) != libc::S_IFREG || st.st_size as u64 != map_len {
+            return Err(stale("not a memory file of the published size"));
+        }
+        if st.st_ino != info.ino {
+            return Err(stale("another inode"));
+        }
+        let name = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).map_err(|e| format!("cannot read the name of fd {} of process {pid}: {e}", info.fd))?;
+        let want = format!("/memfd:{}", crate::hostbuf::memfd_name(info.generation));
+        let name = name.to_string_lossy();
+        if name != want && !name.starts_with(&format!("{want} ")) {
+            return Err(stale("another name, so another generation"));
+        }
+        match rustix::fs::fcntl_get_seals(&fd) {
+            Ok(s) if s.contains(rustix::fs::SealFlags::SHRINK) => {}
+            _ => return Err(format!("fd {} of process {pid} is not sealed against shrinking (mapping it could fault)", info.fd)),
         }
         verify_mapping(pid, info, st.st_dev, st.st_ino)?;
         if exited(&self.pidfd) {
             return Err(format!("process {pid} exited"));
         }
-        // SAFETY: a shared mapping of a sealed memory file at least `len` long.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), info.len as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        // SAFETY: a shared mapping of a sealed memory file exactly `map_len` long.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), map_len as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
         if p == libc::MAP_FAILED {
             return Err(format!("cannot map fd {} of process {pid}: {}", info.fd, io::Error::last_os_error()));
         }
-        Ok(PeerMap { info: *info, ptr: p as *mut u8 })
+        dontfork(p as *mut u8, map_len as usize);
+        let m = PeerMap { info: *info, ptr: p as *mut u8, map_len: map_len as usize, home: std::process::id() };
+        if m.header_word(crate::hostbuf::HDR_MAGIC).load(Ordering::Acquire) != crate::hostbuf::HEADER_MAGIC {
+            return Err(stale("no buffer header"));
+        }
+        if !m.alive() {
+            return Err(stale("its owner freed it"));
+        }
+        Ok(m)
     }
 }
 
@@ -752,6 +869,9 @@ fn claim_slot(ctl: &CtlMap, owner: u64) -> Option<usize> {
 
 impl Drop for ShmPeer {
     fn drop(&mut self) {
+        if foreign(self.home) {
+            return; // a forked child: the slot is the parent's, the mapping is not here
+        }
         let _ = self.ctl.owner(self.slot).compare_exchange(self.owner, 0, Ordering::SeqCst, Ordering::SeqCst);
     }
 }
@@ -776,6 +896,9 @@ pub struct ShmOptions {
 enum Selection {
     Yes(Arc<ShmPeer>),
     No(String),
+    /// It was `Yes`, but the peer departed (found by the reaper): its mappings and pidfd
+    /// are released; the next use re-reads the descriptor once (a new engine may serve it).
+    Gone(String),
 }
 
 /// A selection and the peer cookie it was made for.
@@ -798,6 +921,109 @@ struct Shared {
     queue: Mutex<Queue>,
     cv: Condvar,
     refresh: OnceLock<Refresh>,
+    /// Per peer id: the cookie the selection was made for, and the selection.
+    peers: Mutex<HashMap<u64, Cached>>,
+    /// The reaper thread runs (started with the first verified peer).
+    reaper: AtomicBool,
+    /// Wakes the reaper: a new peer to watch, or shutdown.
+    wake: Option<OwnedFd>,
+    shut: AtomicBool,
+}
+
+/// How long after a verified same-host peer departs this engine still holds its resources
+/// (its buffers mapped here, its control region, its pidfd, the selection) at most, plus
+/// the few milliseconds the release takes. A process exit is seen at once (the reaper
+/// sleeps in `poll` on every peer's pidfd); an engine shut down in a living process and
+/// buffers the peer freed are found by a check this often. A peer found gone by a request
+/// earlier is released then.
+pub const REAP_INTERVAL: Duration = Duration::from_millis(500);
+
+impl Shared {
+    fn wake_reaper(&self) {
+        if let Some(w) = &self.wake {
+            let _ = rustix::io::write(w, &1u64.to_ne_bytes());
+        }
+    }
+
+    /// Forgets departed peers (their resources go once no copy holds them) and unmaps
+    /// buffers that living peers freed. Returns the number of peers released.
+    fn reap(&self) -> usize {
+        let live: Vec<(u64, Option<String>, Arc<ShmPeer>)> = self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(|(id, (c, sel))| match &**sel {
+                Selection::Yes(p) => Some((*id, c.clone(), Arc::clone(p))),
+                _ => None,
+            })
+            .collect();
+        let mut released = 0;
+        for (id, cookie, p) in live {
+            if !p.departed() {
+                p.release_maps(false);
+                continue;
+            }
+            p.release_maps(true);
+            let why = format!("the engine in process {} is gone", p.pid);
+            let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+            let current = peers.get(&id).is_some_and(|(c, sel)| match &**sel {
+                Selection::Yes(q) => *c == cookie && Arc::ptr_eq(q, &p),
+                _ => false,
+            });
+            if current {
+                peers.insert(id, (cookie, Arc::new(Selection::Gone(why))));
+                released += 1;
+            }
+        }
+        released
+    }
+}
+
+/// Releases departed peers within [`REAP_INTERVAL`] (see there). Holds the transport only
+/// weakly: it ends when the transport shuts down or is dropped.
+fn reaper(weak: std::sync::Weak<Shared>) {
+    use rustix::event::{PollFd, PollFlags};
+    let mut buf = [0u8; 8];
+    loop {
+        let Some(shared) = weak.upgrade() else { return };
+        if shared.shut.load(Ordering::Acquire) {
+            return;
+        }
+        shared.reap();
+        let watched: Vec<Arc<ShmPeer>> = shared
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .filter_map(|(_, sel)| match &**sel {
+                Selection::Yes(p) => Some(Arc::clone(p)),
+                _ => None,
+            })
+            .collect();
+        let Some(wake) = &shared.wake else { return };
+        let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(watched.len() + 1);
+        fds.push(PollFd::new(wake, PollFlags::IN));
+        fds.extend(watched.iter().map(|p| PollFd::new(&p.pidfd, PollFlags::IN)));
+        let tick = rustix::event::Timespec { tv_sec: REAP_INTERVAL.as_secs() as i64, tv_nsec: i64::from(REAP_INTERVAL.subsec_nanos()) };
+        match rustix::event::poll(&mut fds, Some(&tick)) {
+            Ok(_) => {
+                if !fds[0].revents().is_empty() {
+                    drop(fds);
+                    let _ = rustix::io::read(wake, &mut buf);
+                }
+            }
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => {
+                drop(fds);
+                tracing::debug!("reaper: poll failed ({e}); checking every {REAP_INTERVAL:?}");
+                std::thread::sleep(REAP_INTERVAL);
+            }
+        }
+        // Our references must not keep a departed peer's mappings alive.
+        drop(watched);
+        drop(shared);
+    }
 }
 
 /// The same-host transport of one engine.
@@ -810,10 +1036,10 @@ pub struct ShmTransport {
     local_reason: Option<String>,
     host_id: Result<String, String>,
     owner: u64,
-    /// Per peer id: the cookie the selection was made for, and the selection.
-    peers: Mutex<HashMap<u64, Cached>>,
     shared: Arc<Shared>,
     shut: AtomicBool,
+    /// The process that created the transport (see [`foreign`]).
+    home: u32,
 }
 
 impl ShmTransport {
@@ -846,9 +1072,17 @@ impl ShmTransport {
             local_reason,
             host_id,
             owner,
-            peers: Mutex::default(),
-            shared: Arc::new(Shared { queue: Mutex::default(), cv: Condvar::new(), refresh: OnceLock::new() }),
+            shared: Arc::new(Shared {
+                queue: Mutex::default(),
+                cv: Condvar::new(),
+                refresh: OnceLock::new(),
+                peers: Mutex::default(),
+                reaper: AtomicBool::new(false),
+                wake: rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK).ok(),
+                shut: AtomicBool::new(false),
+            }),
             shut: AtomicBool::new(false),
+            home: std::process::id(),
         }
     }
 
@@ -898,27 +1132,29 @@ impl ShmTransport {
         }
         let mut desc = peer.desc();
         let cookie_of = |d: &SegmentDesc| ShmInfo::cookie_epoch(d).map(|(c, _)| c.to_string());
-        let cached = self.peers.lock().unwrap_or_else(|e| e.into_inner()).get(&peer.id).cloned();
+        let cached = self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).get(&peer.id).cloned();
         if let Some((c, sel)) = cached {
             if c == cookie_of(&desc) {
-                match &*sel {
+                let gone = match &*sel {
                     Selection::Yes(p) if !p.exited_lately() && p.ctl.closed().load(Ordering::Acquire) == 0 => return Ok(Arc::clone(p)),
                     Selection::No(r) => return Err(r.clone()),
                     Selection::Yes(p) => {
-                        // The engine we verified is gone (process exited or engine dropped): a
-                        // new one may serve the segment now.
-                        if let Some(f) = self.shared.refresh.get() {
-                            let _ = f(peer);
-                        }
-                        desc = peer.desc();
-                        if c == cookie_of(&desc) {
-                            // Forget it: its control region and any of its memory mapped here
-                            // are released once no copy uses them.
-                            let r = format!("{}: the engine in process {} is gone", peer.name, p.pid);
-                            self.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.id, (c, Arc::new(Selection::No(r.clone()))));
-                            return Err(r);
-                        }
+                        p.release_maps(true);
+                        format!("{}: the engine in process {} is gone", peer.name, p.pid)
                     }
+                    Selection::Gone(r) => format!("{}: {r}", peer.name),
+                };
+                // The engine we verified is gone (process exited or engine dropped): a new
+                // one may serve the segment now.
+                if let Some(f) = self.shared.refresh.get() {
+                    let _ = f(peer);
+                }
+                desc = peer.desc();
+                if c == cookie_of(&desc) {
+                    // Forget it: its control region and any of its memory mapped here are
+                    // released once no copy uses them.
+                    self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.id, (c, Arc::new(Selection::No(gone.clone()))));
+                    return Err(gone);
                 }
             }
         }
@@ -936,11 +1172,36 @@ impl ShmTransport {
             }
         };
         let sel = Arc::new(sel);
-        self.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.id, (cookie, Arc::clone(&sel)));
+        self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.id, (cookie, Arc::clone(&sel)));
         match &*sel {
-            Selection::Yes(p) => Ok(Arc::clone(p)),
-            Selection::No(r) => Err(r.clone()),
+            Selection::Yes(p) => {
+                self.watch();
+                Ok(Arc::clone(p))
+            }
+            Selection::No(r) | Selection::Gone(r) => Err(r.clone()),
         }
+    }
+
+    /// Makes the reaper watch the peers selected so far (starting it the first time).
+    fn watch(&self) {
+        if self.shared.wake.is_none() {
+            return; // no eventfd: peers are released when a request finds them gone
+        }
+        if self.shared.reaper.swap(true, Ordering::AcqRel) {
+            self.shared.wake_reaper();
+            return;
+        }
+        let weak = Arc::downgrade(&self.shared);
+        if let Err(e) = std::thread::Builder::new().name("kvf-shm-reaper".into()).spawn(move || reaper(weak)) {
+            tracing::warn!("cannot start the thread that releases departed same-host peers ({e}); they are released when a request finds them gone");
+            self.shared.reaper.store(false, Ordering::Release);
+        }
+    }
+
+    /// Releases departed peers now (what the reaper does every [`REAP_INTERVAL`]); returns
+    /// how many were released.
+    pub fn reap(&self) -> usize {
+        self.shared.reap()
     }
 
     fn choose(&self, info: Option<Result<ShmInfo, String>>, segment: &str) -> Result<ShmPeer, String> {
@@ -1115,7 +1376,8 @@ fn run_job(shared: &Shared, job: Job) {
             return;
         }
         let maps = shm.maps_for(&desc);
-        let mapped: Vec<Option<*mut u8>> = pieces.iter().map(|p| maps.iter().find_map(|m| m.locate(p.remote, p.len))).collect();
+        let mapped: Vec<Option<(&PeerMap, *mut u8)>> =
+            pieces.iter().map(|p| maps.iter().find_map(|m| m.locate(p.remote, p.len).map(|at| (&**m, at)))).collect();
         let active = shm.ctl.active(shm.slot);
         active.fetch_add(1, Ordering::SeqCst);
         let epoch = shm.ctl.epoch().load(Ordering::SeqCst);
@@ -1165,11 +1427,16 @@ fn run_job(shared: &Shared, job: Job) {
 /// Copies every piece: into or out of the peer's memory mapped here where `mapped` has the
 /// address, else by cross-memory attach (runs of the same opcode share one system call).
 /// One result per piece.
-fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<*mut u8>]) -> Vec<io::Result<()>> {
+///
+/// A mapped copy counts only if the buffer was alive (not freed by its owner) before and
+/// after it; otherwise it is redone by cross-memory attach, which reaches whatever the
+/// address holds now (a new buffer there) or fails: never "done" into an orphaned memfd.
+fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<(&PeerMap, *mut u8)>]) -> Vec<io::Result<()>> {
     let mut out: Vec<io::Result<()>> = Vec::with_capacity(pieces.len());
+    let mut mapped: Vec<Option<(&PeerMap, *mut u8)>> = mapped.iter().map(|m| m.filter(|(m, _)| m.alive())).collect();
     let mut i = 0;
     while i < pieces.len() {
-        if let Some(at) = mapped[i] {
+        if let Some((m, at)) = mapped[i] {
             let p = &pieces[i];
             // SAFETY: `p.local` lies in memory registered with this engine (its guard is
             // held); `at` lies inside a live shared mapping of the peer's sealed memfd
@@ -1180,6 +1447,13 @@ fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<*mut u8>]) -> Vec<io::R
                     Opcode::Write => std::ptr::copy_nonoverlapping(p.local as *const u8, at, p.len as usize),
                     Opcode::Read => std::ptr::copy_nonoverlapping(at as *const u8, p.local as *mut u8, p.len as usize),
                 }
+            }
+            // The copy's stores come before the check (the owner clears `alive` before it
+            // punches the pages out): alive now means it landed in the live buffer.
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if !m.alive() {
+                mapped[i] = None;
+                continue; // redo by cross-memory attach
             }
             MAPPED_BYTES.fetch_add(p.len, Ordering::Relaxed);
             out.push(Ok(()));
@@ -1247,10 +1521,10 @@ impl Transport for ShmTransport {
     }
 
     fn reachable(&self, peer: &Peer) -> Result<(), String> {
-        match self.peers.lock().unwrap_or_else(|e| e.into_inner()).get(&peer.id) {
+        match self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).get(&peer.id) {
             Some((_, sel)) => match &**sel {
                 Selection::Yes(_) => Ok(()),
-                Selection::No(r) => Err(r.clone()),
+                Selection::No(r) | Selection::Gone(r) => Err(r.clone()),
             },
             None => Err("not selected yet".into()),
         }
@@ -1264,6 +1538,12 @@ impl Transport for ShmTransport {
     }
 
     fn shutdown(&self) {
+        if foreign(self.home) {
+            // A forked child's copy: the control region, the queue and the peers' slots are
+            // the parent's (and its locks may have been held by threads the child lacks).
+            self.shut.store(true, Ordering::Release);
+            return;
+        }
         if self.shut.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -1284,7 +1564,17 @@ impl Transport for ShmTransport {
         for j in jobs {
             fail_all(j.pieces, FailKind::Failed, FailCause::ShutDown, "engine shut down");
         }
-        self.peers.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.shared.shut.store(true, Ordering::Release);
+        self.shared.wake_reaper();
+    }
+}
+
+impl Drop for ShmTransport {
+    /// Shuts down (in the creating process only; a forked child's copy only closes its
+    /// descriptors).
+    fn drop(&mut self) {
+        self.shutdown();
     }
 }
 
@@ -1336,4 +1626,96 @@ mod tests {
         assert!(!c.drain(Instant::now() + Duration::from_millis(50)));
         assert!(t.elapsed() >= Duration::from_millis(50));
     }
+    /// Waits up to 10 s for a forked child; kills it (by pid) and fails if it hangs.
+    fn wait_child(pid: i32) -> i32 {
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            let mut status = 0;
+            // SAFETY: waiting for our own child.
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if r == pid {
+                return status;
+            }
+            if Instant::now() > until {
+                // SAFETY: our own child.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, &mut status, 0);
+                }
+                panic!("forked child {pid} did not exit within 10 s");
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    #[test]
+    fn control_region_is_sealed_and_an_unsealed_one_is_refused() {
+        let name = "127.0.0.1:15077";
+        let c = LocalCtl::create(name).unwrap();
+        // Its owner (or anyone with the fd) cannot shrink or grow it under a peer's mapping.
+        assert!(rustix::fs::ftruncate(&c.fd, 0).is_err());
+        assert!(rustix::fs::ftruncate(&c.fd, 2 * CTL_LEN as u64).is_err());
+        let info_of = |fd: &OwnedFd, map: &CtlMap| ShmInfo {
+            version: VERSION,
+            host_id: host_id().unwrap(),
+            pid: std::process::id() as i32,
+            uid: 0,
+            ctl_fd: fd.as_raw_fd(),
+            ctl_addr: map.ptr as u64,
+            ctl_len: CTL_LEN as u64,
+            cookie: map.cookie_hex(),
+            epoch: 0,
+            maps: Vec::new(),
+        };
+        let owner = (u64::from(std::process::id()) << 32) | 99;
+        ShmPeer::attach(&info_of(&c.fd, &c.map), owner, name).expect("the sealed region is accepted");
+        // A region that is a valid kvferry control region in every other respect, but
+        // unsealed: its owner could truncate it and crash us with SIGBUS. Refused.
+        let fd = rustix::fs::memfd_create("kvferry-shm-ctl", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&fd, CTL_LEN as u64).unwrap();
+        let map = CtlMap::map(&fd).unwrap();
+        for off in [OFF_COOKIE, OFF_COOKIE + 8] {
+            map.word(off).store(rand::random(), Ordering::SeqCst);
+        }
+        // SAFETY: in bounds of the fresh mapping.
+        unsafe { std::ptr::copy_nonoverlapping(name.as_ptr(), map.ptr.add(OFF_NAME + 8), name.len()) };
+        map.word(OFF_NAME).store(name.len() as u64, Ordering::SeqCst);
+        map.word(OFF_MAGIC).store(CTL_MAGIC, Ordering::SeqCst);
+        let e = ShmPeer::attach(&info_of(&fd, &map), owner, name).err().expect("an unsealed control region is refused");
+        assert!(e.contains("not sealed"), "{e}");
+    }
+
+    #[test]
+    fn a_forked_child_dropping_the_transport_leaves_the_parents_region_alone() {
+        let name = "127.0.0.1:15078";
+        let t = ShmTransport::new(ShmOptions { name: name.into(), mode: TransportMode::Auto, threads: 1, drain: Duration::from_secs(1) });
+        let info = t.offer().unwrap();
+        let owner = (u64::from(std::process::id()) << 32) | 5;
+        let peer = ShmPeer::attach(&info, owner, name).unwrap();
+        let slot = peer.slot;
+        let c = t.local.as_ref().unwrap();
+        let epoch = c.map.epoch().load(Ordering::SeqCst);
+        // SAFETY: the child only drops values (closing descriptors) and calls _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            t.shutdown();
+            drop(t);
+            drop(peer);
+            // SAFETY: ends the child without running the parent's exit handlers.
+            unsafe { libc::_exit(0) }
+        }
+        let status = wait_child(pid);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child crashed: status {status:#x}");
+        assert_eq!(c.map.closed().load(Ordering::SeqCst), 0, "the child marked the parent's region closed");
+        assert_eq!(c.map.epoch().load(Ordering::SeqCst), epoch, "the child moved the parent's epoch");
+        assert_eq!(c.map.owner(slot).load(Ordering::SeqCst), owner, "the child released the parent's slot");
+        // The parent's transport still works: a new initiator attaches.
+        ShmPeer::attach(&t.offer().unwrap(), owner + 2, name).expect("the parent still serves");
+        drop(peer);
+        assert_eq!(c.map.owner(slot).load(Ordering::SeqCst), 0, "the parent's own drop releases the slot");
+        t.shutdown();
+        assert_eq!(c.map.closed().load(Ordering::SeqCst), 1);
+    }
 }
+
