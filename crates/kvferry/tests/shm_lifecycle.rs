@@ -72,6 +72,21 @@ fn fds() -> (usize, usize) {
     (all, pidfds)
 }
 
+/// This process's pidfds that refer to one of `pids` (while those live: a dead process's
+/// pidfd shows `Pid: -1`).
+fn pidfds_of(pids: &[u32]) -> usize {
+    let mut n = 0;
+    for e in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        if !std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().contains("pidfd")) {
+            continue;
+        }
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", e.file_name().to_string_lossy())).unwrap_or_default();
+        let pid = info.lines().find_map(|l| l.strip_prefix("Pid:")).and_then(|v| v.trim().parse::<u32>().ok());
+        n += usize::from(pid.is_some_and(|p| pids.contains(&p)));
+    }
+    n
+}
+
 fn threads() -> usize {
     std::fs::read_dir("/proc/self/task").unwrap().count()
 }
@@ -238,6 +253,7 @@ fn child_entry() {
                             e.unregister_memory(addr).unwrap();
                         }
                         let old_gen = buf.as_ref().unwrap().generation();
+                        let old_fd = kvferry::hostbuf::shareable_region(addr, 1).map_or(-1, |r| r.fd);
                         drop(buf.take());
                         let Some(b) = realloc_at(addr, len) else {
                             println!("KVF_CHILD same=false");
@@ -247,7 +263,8 @@ fn child_entry() {
                         if *how == "reregister" {
                             e.register_memory(addr, len as u64, "*").unwrap();
                         }
-                        println!("KVF_CHILD same=true generation={} old={old_gen}", b.generation());
+                        let fd = kvferry::hostbuf::shareable_region(addr, 1).map_or(-1, |r| r.fd);
+                        println!("KVF_CHILD same=true generation={} old={old_gen} fd={fd} old_fd={old_fd}", b.generation());
                         buf = Some(b);
                     }
                     // Whether the buffer holds pattern `seed` in its first `n` bytes.
@@ -297,6 +314,8 @@ fn a_peer_that_frees_and_reallocates_its_buffer_gets_the_write_not_the_orphan() 
     let ans = peer.ask("swap reregister 2");
     assert_eq!(field(&ans, "same"), "true", "the child could not reallocate at the same address: {ans}");
     let gen1: u64 = field(&ans, "generation").parse().unwrap();
+    // The case of the defect: same fd number, address and length; only the identity differs.
+    assert_eq!(field(&ans, "fd"), field(&ans, "old_fd"), "{ans}");
     assert_ne!(gen1, gen0);
     // A READ sees the new buffer, not the orphaned memfd (zeros) of the old one.
     let st = sync(&a, &[wr(Opcode::Read, l0, seg, addr, LEN as u64)]);
@@ -346,9 +365,22 @@ fn in_process_free_and_reallocate_at_the_same_address() {
     let seg = a.open_segment(b.segment_name()).unwrap();
     assert_eq!(sync(&a, &[wr(Opcode::Read, l0, seg, addr, LEN as u64)]).status, TaskStatus::Completed);
     assert_eq!(local, pattern(LEN, 1));
+    let fd0 = kvferry::hostbuf::shareable_region(addr, 1).unwrap().fd;
+    // Occupy the free descriptor numbers below the buffer's, so that the new buffer gets
+    // its number back: the case of the defect (same fd number, address and length).
+    let mut holes = Vec::new();
+    loop {
+        let f = std::fs::File::open("/dev/null").unwrap();
+        if std::os::fd::AsRawFd::as_raw_fd(&f) > fd0 {
+            break;
+        }
+        holes.push(f);
+    }
     b.unregister_memory(addr).unwrap();
     drop(buf);
     let buf = realloc_at(addr, LEN).expect("a buffer at the freed address");
+    assert_eq!(kvferry::hostbuf::shareable_region(addr, 1).unwrap().fd, fd0, "the fd number was not reused");
+    drop(holes);
     buf.slice_mut(0, LEN).copy_from_slice(&pattern(LEN, 2));
     b.register_memory(addr, LEN as u64, "*").unwrap();
     let st = sync(&a, &[wr(Opcode::Read, l0, seg, addr, LEN as u64)]);
@@ -492,16 +524,15 @@ fn a_sigkilled_peers_memory_pidfd_and_descriptors_are_released_within_the_bound(
     assert_eq!(local, pattern(1 << 20, 1));
     // What this test watches is there: the mapping and the pidfd.
     assert_eq!(mapped_here(generation), 1);
-    let (fds1, pidfds1) = fds();
-    assert_eq!(pidfds1, pidfds0 + 1, "one pidfd per peer");
+    let (fds1, _) = fds();
     let pid = peer.pid();
+    assert_eq!(pidfds_of(&[pid]), 1, "one pidfd per peer");
     let t = Instant::now();
     peer.kill();
     let bound = shm::REAP_INTERVAL + Duration::from_millis(500);
-    let took = within(Duration::from_secs(10), || mapped_here(generation) == 0 && fds().1 == pidfds0);
-    let took = took.expect("the SIGKILLed peer's mapping or pidfd is still held after 10 s");
-    let after_kill = t.elapsed();
-    eprintln!("peer {pid} SIGKILLed: its mapping and pidfd released {took:?} after (kill+reap took {:?}); fds {fds0} -> {fds1} -> {}", after_kill - took, fds().0);
+    within(Duration::from_secs(10), || mapped_here(generation) == 0 && fds().1 <= pidfds0).expect("the SIGKILLed peer's mapping or pidfd is still held after 10 s");
+    let took = t.elapsed();
+    eprintln!("peer {pid} SIGKILLed: its mapping and pidfd released {took:?} after the signal; fds {fds0} -> {fds1} -> {}", fds().0);
     assert!(took <= bound, "released after {took:?}, over the documented bound {bound:?}");
     // Nothing was needed from the caller: no request was made since.
     let st = sync(&a, &[wr(Opcode::Read, local.as_ptr() as u64, seg, addr, 1 << 20)]);
@@ -512,8 +543,8 @@ fn a_sigkilled_peers_memory_pidfd_and_descriptors_are_released_within_the_bound(
 fn peers_coming_and_going_keep_threads_fds_and_mappings_bounded() {
     let _g = serial();
     const LEN: usize = 1 << 20;
-    const WAVES: usize = 4;
-    const PER_WAVE: usize = 8;
+    const WAVES: usize = 5;
+    const PER_WAVE: usize = 20;
     let a = engine_with(TransportMode::Shm);
     let local = vec![0u8; LEN];
     a.register_memory(local.as_ptr() as u64, LEN as u64, "*").unwrap();
@@ -536,8 +567,10 @@ fn peers_coming_and_going_keep_threads_fds_and_mappings_bounded() {
             assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
         }
         let (fds1, threads1) = (fds(), threads());
-        assert_eq!(fds1.1 - fds0.1, PER_WAVE, "one pidfd per live peer");
-        per_live = ((fds1.0 as f64 - fds0.0 as f64) / PER_WAVE as f64, (threads1 as f64 - threads0 as f64) / PER_WAVE as f64);
+        let pids: Vec<u32> = peers.iter().map(|(p, _)| p.pid()).collect();
+        assert_eq!(pidfds_of(&pids), PER_WAVE, "one pidfd per live peer");
+        // Net of this test's own: a stdin and a stdout pipe and a reader thread per child.
+        per_live = ((fds1.0 as f64 - fds0.0 as f64) / PER_WAVE as f64 - 2.0, (threads1 as f64 - threads0 as f64) / PER_WAVE as f64 - 1.0);
         // Half are SIGKILLed, half exit after dropping their engine.
         for (i, (p, _)) in peers.into_iter().enumerate() {
             if i % 2 == 0 {
@@ -546,12 +579,12 @@ fn peers_coming_and_going_keep_threads_fds_and_mappings_bounded() {
                 p.close();
             }
         }
-        let gone = within(Duration::from_secs(5), || gens.iter().all(|g| mapped_here(*g) == 0) && fds().1 == fds0.1);
+        let gone = within(Duration::from_secs(5), || gens.iter().all(|g| mapped_here(*g) == 0) && fds().1 <= fds0.1);
         assert!(gone.is_some(), "wave {wave}: departed peers' mappings or pidfds still held after 5 s");
         after_wave.push((fds().0, threads()));
     }
     eprintln!(
-        "{} peers came and went in {:?}; per live peer: {:.1} fds, {:.1} threads; (fds, threads) after each wave: {after_wave:?}",
+        "{} peers came and went in {:?}; the engine's per live peer: {:.1} fds, {:.1} threads; (fds, threads) after each wave: {after_wave:?}",
         WAVES * PER_WAVE,
         t0.elapsed(),
         per_live.0,
