@@ -57,6 +57,32 @@
 //! if the peer was alive after it, i.e. the PID still named the verified process during the
 //! whole call. A peer that exits fails its requests (`FAILED`, "process exited"), never the
 //! survivor.
+//!
+//! **Mapped buffers.** A peer's buffers that kvferry allocated ([`crate::hostbuf`]) are
+//! published in `maps` with their identity: the memfd's inode and the buffer's random
+//! generation (a freed buffer's successor usually has the same fd number and address).
+//! Before mapping one, the initiator checks that the fd it took with `pidfd_getfd` has that
+//! inode, the name `memfd:kvferry-buffer:<generation>`, the exact size, the shrink seal, a
+//! header page with that generation still marked alive, and is what the peer maps at the
+//! published address (`/proc/<pid>/maps`). Mappings are cached per identity. Every mapped
+//! copy checks `alive` before and after it; a buffer freed meanwhile makes the copy be
+//! redone by cross-memory attach (which reaches whatever the address holds now, or fails):
+//! a copy into a freed buffer's orphaned memfd is never reported COMPLETED.
+//!
+//! **Control region.** Its memfd is sealed (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`); an
+//! initiator refuses a region without the shrink seal, so a target cannot truncate the
+//! region under the initiator's mapping (which would raise SIGBUS in the initiator).
+//!
+//! **fork().** Every shared mapping made here (control regions, peer buffers) is
+//! `MADV_DONTFORK`, and every value remembers the process that made it: dropped (or shut
+//! down) in a forked child it only closes its descriptors — no `closed` mark, no epoch bump,
+//! no slot change, no `munmap` of a range that in the child is not ours.
+//!
+//! **Departed peers.** A reaper thread per transport (started with the first verified peer)
+//! sleeps in `poll` on every verified peer's pidfd, waking at once when one exits, and every
+//! [`REAP_INTERVAL`] otherwise; it drops the selection of a peer whose process exited or whose
+//! engine shut down (its mappings, control region and pidfd go once no copy holds them) and
+//! unmaps buffers a living peer freed. Per live verified peer: one pidfd, no thread.
 
 use super::{Peer, Piece, Transport};
 use crate::batch::{FailCause, FailKind};
