@@ -598,3 +598,40 @@ fn peers_coming_and_going_keep_threads_fds_and_mappings_bounded() {
         assert!(t <= t1 + 2, "threads grow with departed peers: {after_wave:?}");
     }
 }
+
+#[test]
+fn a_peer_engine_dropped_or_a_buffer_freed_in_a_living_process_is_unmapped_within_the_bound() {
+    let _g = serial();
+    const LEN: usize = 2 << 20;
+    let a = engine_with(TransportMode::Shm);
+    let local = vec![0u8; LEN];
+    a.register_memory(local.as_ptr() as u64, LEN as u64, "*").unwrap();
+    let bound = shm::REAP_INTERVAL + Duration::from_millis(500);
+    // A buffer the (living) peer unregistered and freed: its mapping here goes, with no
+    // request needed to notice.
+    let b = engine_with(TransportMode::Auto);
+    let (one, two) = (shareable(LEN), shareable(LEN));
+    for buf in [&one, &two] {
+        b.register_memory(buf.addr(), LEN as u64, "*").unwrap();
+    }
+    let (g1, g2) = (one.generation(), two.generation());
+    let owners = mapped_here(g2); // the owner's own mappings (data and header page)
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    for buf in [&one, &two] {
+        assert_eq!(sync(&a, &[wr(Opcode::Read, local.as_ptr() as u64, seg, buf.addr(), LEN as u64)]).status, TaskStatus::Completed);
+    }
+    assert_eq!((mapped_here(g1), mapped_here(g2)), (owners + 1, owners + 1), "the owner's mappings and ours, each");
+    b.unregister_memory(one.addr()).unwrap();
+    drop(one);
+    let took = within(Duration::from_secs(5), || mapped_here(g1) == 0).expect("the freed buffer is still mapped here after 5 s");
+    eprintln!("a freed peer buffer was unmapped here {took:?} after it was freed");
+    assert!(took <= bound, "unmapped after {took:?}, over {bound:?}");
+    assert_eq!(mapped_here(g2), owners + 1, "the live buffer stays mapped");
+    // The peer engine dropped (its process lives on): all of its buffers mapped here go.
+    drop(b);
+    let took = within(Duration::from_secs(5), || mapped_here(g2) == owners).expect("the dropped engine's buffer is still mapped here after 5 s");
+    eprintln!("a dropped peer engine's buffer was unmapped here {took:?} after the drop");
+    assert!(took <= bound, "unmapped after {took:?}, over {bound:?}");
+    drop(two);
+    assert_eq!(mapped_here(g2), 0);
+}
