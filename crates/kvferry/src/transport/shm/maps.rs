@@ -156,6 +156,9 @@ impl ShmPeer {
         let listed: Vec<MapInfo> =
             desc.extra.get(FIELD).and_then(|v| v.get("maps")).and_then(|m| serde_json::from_value(m.clone()).ok()).unwrap_or_default();
         let mut maps = Vec::with_capacity(listed.len());
+        // Refusals of buffers the descriptor no longer lists are forgotten: the table stays
+        // as small as the peer's buffer list.
+        c.refused.retain(|k, _| listed.contains(k));
         for info in listed {
             // Keyed on the buffer's identity (inode, generation), not on its fd number and
             // address, which a new buffer of the same size gets again.
