@@ -208,6 +208,19 @@ fn field<'a>(line: &'a str, key: &str) -> &'a str {
 /// than the hole a freed buffer leaves).
 const REUSE_LEN: usize = (3 << 20) + 5 * 4096;
 
+/// Occupies the free descriptor numbers below `fd` (until dropped), so that the next one
+/// opened after `fd` is closed gets its number.
+fn occupy_fds_below(fd: i32) -> Vec<std::fs::File> {
+    let mut holes = Vec::new();
+    loop {
+        let f = std::fs::File::open("/dev/null").unwrap();
+        if std::os::fd::AsRawFd::as_raw_fd(&f) > fd {
+            return holes;
+        }
+        holes.push(f);
+    }
+}
+
 /// Allocates a shareable buffer of `len` bytes at `addr` (where one was just freed): tries
 /// a few times, keeping the misses alive so that they occupy other holes.
 fn realloc_at(addr: u64, len: usize) -> Option<HostBuffer> {
@@ -254,8 +267,25 @@ fn child_entry() {
                         }
                         let old_gen = buf.as_ref().unwrap().generation();
                         let old_fd = kvferry::hostbuf::shareable_region(addr, 1).map_or(-1, |r| r.fd);
-                        drop(buf.take());
-                        let Some(b) = realloc_at(addr, len) else {
+                        // The engine's threads open and close sockets meanwhile: retry until
+                        // the new buffer has the old one's address and fd number.
+                        let mut cur = buf.take();
+                        let mut got = None;
+                        for _ in 0..10 {
+                            let holes = occupy_fds_below(old_fd);
+                            drop(cur.take());
+                            cur = realloc_at(addr, len);
+                            drop(holes);
+                            match cur.take() {
+                                Some(b) if kvferry::hostbuf::shareable_region(addr, 1).map(|r| r.fd) == Some(old_fd) => {
+                                    got = Some(b);
+                                    break;
+                                }
+                                other => cur = other,
+                            }
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                        let Some(b) = got else {
                             println!("KVF_CHILD same=false");
                             continue;
                         };
@@ -366,16 +396,9 @@ fn in_process_free_and_reallocate_at_the_same_address() {
     assert_eq!(sync(&a, &[wr(Opcode::Read, l0, seg, addr, LEN as u64)]).status, TaskStatus::Completed);
     assert_eq!(local, pattern(LEN, 1));
     let fd0 = kvferry::hostbuf::shareable_region(addr, 1).unwrap().fd;
-    // Occupy the free descriptor numbers below the buffer's, so that the new buffer gets
-    // its number back: the case of the defect (same fd number, address and length).
-    let mut holes = Vec::new();
-    loop {
-        let f = std::fs::File::open("/dev/null").unwrap();
-        if std::os::fd::AsRawFd::as_raw_fd(&f) > fd0 {
-            break;
-        }
-        holes.push(f);
-    }
+    // The new buffer gets the old one's fd number back: the case of the defect (same fd
+    // number, address and length).
+    let holes = occupy_fds_below(fd0);
     b.unregister_memory(addr).unwrap();
     drop(buf);
     let buf = realloc_at(addr, LEN).expect("a buffer at the freed address");
