@@ -8,13 +8,31 @@
 //! unavailable the buffer is an ordinary anonymous mapping and peers reach it by
 //! cross-memory attach instead.
 //!
-//! The memfd is sealed against shrinking (a peer that mapped it can never fault past its
-//! end), and dropping the buffer punches out its pages before closing it, so its memory is
-//! returned at once even while a peer still has it mapped.
+//! The memfd is sealed against shrinking and growing (a peer that mapped it can never fault
+//! past its end), and dropping the buffer punches out its pages before closing it, so its
+//! memory is returned at once even while a peer still has it mapped.
+//!
+//! **Identity.** A process that frees a buffer and allocates one of the same size usually
+//! gets the same address and the same fd number back, so neither names a buffer. Each
+//! shareable buffer has a random, non-zero 64-bit **generation**, written into the memfd's
+//! name (`memfd:kvferry-buffer:<generation as 16 hex digits>`) and into a **header page**
+//! stored in the memfd after the data (at [`header_offset`]): a magic, the generation and an
+//! `alive` word. A peer that maps the buffer checks the inode, the name and the header
+//! against what the owner published; dropping the buffer clears `alive` (before punching
+//! out the pages), so a peer still holding a mapping of a freed buffer sees that it is dead
+//! and never reports a copy into it as done ([`crate::transport::shm`] redoes such a copy by
+//! cross-memory attach, which reaches whatever the address holds now, or fails).
+//!
+//! **fork().** The mappings are marked `MADV_DONTFORK`: a child process does not inherit
+//! them. A buffer remembers the process that created it; dropped in any other process (the
+//! child's copy of the value) it only closes its file descriptor: no hole punched into the
+//! parent's memfd, no `alive` cleared, no `munmap` of a range that in the child is not this
+//! buffer's, no change to the (child's copy of the) table.
 
 use std::collections::BTreeMap;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
 
 /// How to allocate a [`HostBuffer`].
@@ -47,6 +65,13 @@ pub struct SharedRegion {
     pub fd: RawFd,
     /// Every page was allocated at creation ([`HostOptions::populate`]).
     pub populated: bool,
+    /// The memfd's inode number (`fstat`).
+    pub ino: u64,
+    /// The buffer's random generation (never 0; see the module docs).
+    pub generation: u64,
+    /// The process that created the buffer (entries inherited by a forked child are not
+    /// its buffers and are ignored there).
+    pub pid: u32,
 }
 
 static SHARED: RwLock<BTreeMap<u64, SharedRegion>> = RwLock::new(BTreeMap::new());
@@ -56,10 +81,32 @@ pub fn shareable_region(addr: u64, len: u64) -> Option<SharedRegion> {
     let t = SHARED.read().unwrap_or_else(|e| e.into_inner());
     let (_, r) = t.range(..=addr).next_back()?;
     let end = addr.checked_add(len)?;
-    (end <= r.addr + r.len).then_some(*r)
+    (end <= r.addr + r.len && r.pid == std::process::id()).then_some(*r)
 }
 
 const HUGE: usize = 2 << 20;
+const PAGE: u64 = 4096;
+
+/// Size of the header page stored after a shareable buffer's data in its memfd.
+pub const HEADER_LEN: u64 = PAGE;
+/// First word of the header page.
+pub const HEADER_MAGIC: u64 = u64::from_le_bytes(*b"KVFBUF01");
+/// Word indices in the header page: magic, generation, alive (1 while the buffer lives).
+pub const HDR_MAGIC: usize = 0;
+pub const HDR_GENERATION: usize = 1;
+pub const HDR_ALIVE: usize = 2;
+
+/// Where the header page of a shareable buffer of `len` bytes lies in its memfd (the data
+/// rounded up to whole pages); the memfd is `header_offset(len) + HEADER_LEN` bytes long.
+pub fn header_offset(len: u64) -> u64 {
+    len.div_ceil(PAGE) * PAGE
+}
+
+/// The memfd name of a buffer of this generation, as `/proc/<pid>/fd/<n>` shows it after
+/// the `/memfd:` prefix.
+pub fn memfd_name(generation: u64) -> String {
+    format!("kvferry-buffer:{generation:016x}")
+}
 
 /// A page-aligned mapping, zero-filled, unmapped on drop.
 pub struct HostBuffer {
@@ -69,6 +116,13 @@ pub struct HostBuffer {
     map_base: *mut u8,
     map_len: usize,
     fd: Option<OwnedFd>,
+    /// The header page, mapped shared (shareable buffers only).
+    header: Option<*mut AtomicU64>,
+    generation: u64,
+    /// The process that created the buffer: only it may punch, mark or unmap.
+    pid: u32,
+    /// The mappings are `MADV_DONTFORK`: a forked child has none of them.
+    dontfork: bool,
 }
 
 // SAFETY: plain memory owned by this value; callers coordinate concurrent access through
@@ -76,24 +130,19 @@ pub struct HostBuffer {
 unsafe impl Send for HostBuffer {}
 unsafe impl Sync for HostBuffer {}
 
-fn memfd(len: usize) -> io::Result<OwnedFd> {
-    // SAFETY: memfd_create with a valid C string; checked below.
-    let fd = unsafe { libc::memfd_create(c"kvferry-buffer".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just returned this descriptor.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: sizing and sealing our own memfd.
-    unsafe {
-        if libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        if libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
+fn memfd(len: usize, generation: u64) -> io::Result<OwnedFd> {
+    use rustix::fs::{MemfdFlags, SealFlags};
+    let fd = rustix::fs::memfd_create(memfd_name(generation), MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+    let size = header_offset(len as u64).checked_add(HEADER_LEN).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "size too large"))?;
+    rustix::fs::ftruncate(&fd, size)?;
+    rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
     Ok(fd)
+}
+
+/// Marks `[addr, +len)` not to be inherited by child processes; whether that took.
+fn dontfork(addr: *mut u8, len: usize) -> bool {
+    // SAFETY: advising a range of our own mappings; no memory is touched.
+    unsafe { libc::madvise(addr as *mut libc::c_void, len, libc::MADV_DONTFORK) == 0 }
 }
 
 impl HostBuffer {
@@ -107,8 +156,12 @@ impl HostBuffer {
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "a buffer needs at least 1 byte"));
         }
+        if len > isize::MAX as usize - HUGE - PAGE as usize {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{len} bytes is larger than a mapping can be")));
+        }
+        let generation = rand::random::<u64>() | 1;
         let fd = if opts.shareable {
-            match memfd(len) {
+            match memfd(len, generation) {
                 Ok(fd) => Some(fd),
                 Err(e) => {
                     tracing::debug!("memfd unavailable ({e}); allocating anonymous memory, which same-host peers reach by cross-memory attach");
@@ -120,7 +173,7 @@ impl HostBuffer {
         };
         let huge = opts.huge_pages && len >= HUGE;
         // Reserve with slack so that the buffer can start on a 2 MiB boundary.
-        let map_len = if huge { len.checked_add(HUGE).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "size too large"))? } else { len };
+        let map_len = if huge { len + HUGE } else { len };
         let oom = |e: io::Error| io::Error::new(io::ErrorKind::OutOfMemory, format!("cannot map {len} bytes: {e}"));
         // The memfd's pages replace a reservation that is never touched: no commit charge.
         let reserve = if fd.is_some() { libc::MAP_NORESERVE } else { 0 };
@@ -132,7 +185,18 @@ impl HostBuffer {
             return Err(oom(io::Error::last_os_error()));
         }
         let start = if huge { (base as usize).next_multiple_of(HUGE) } else { base as usize };
-        let mut buf = HostBuffer { ptr: start as *mut u8, len, map_base: base as *mut u8, map_len, fd: None };
+        let mut buf = HostBuffer {
+            ptr: start as *mut u8,
+            len,
+            map_base: base as *mut u8,
+            map_len,
+            fd: None,
+            header: None,
+            generation,
+            pid: std::process::id(),
+            dontfork: false,
+        };
+        let mut ino = 0;
         if let Some(fd) = fd {
             // SAFETY: replaces part of our own reservation with the memfd mapping.
             let p = unsafe {
@@ -141,7 +205,32 @@ impl HostBuffer {
             if p == libc::MAP_FAILED {
                 return Err(oom(io::Error::last_os_error()));
             }
+            // SAFETY: a new shared mapping of the header page of our own memfd.
+            let h = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    HEADER_LEN as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd.as_raw_fd(),
+                    header_offset(len as u64) as libc::off_t,
+                )
+            };
+            if h == libc::MAP_FAILED {
+                return Err(oom(io::Error::last_os_error()));
+            }
+            let h = h as *mut AtomicU64;
+            buf.header = Some(h);
+            ino = rustix::fs::fstat(&fd).map_err(io::Error::from)?.st_ino;
+            // SAFETY: the header page is mapped, page-aligned, only accessed atomically.
+            unsafe {
+                (*h.add(HDR_GENERATION)).store(generation, Ordering::Release);
+                (*h.add(HDR_MAGIC)).store(HEADER_MAGIC, Ordering::Release);
+                (*h.add(HDR_ALIVE)).store(1, Ordering::SeqCst);
+            }
             buf.fd = Some(fd);
+            // A forked child must not share (and then punch, or keep alive) these pages.
+            buf.dontfork = dontfork(base as *mut u8, map_len) && dontfork(h as *mut u8, HEADER_LEN as usize);
         }
         // SAFETY: advising and touching our own mapping.
         unsafe {
@@ -156,7 +245,7 @@ impl HostBuffer {
             }
         }
         if let Some(fd) = &buf.fd {
-            let r = SharedRegion { addr: start as u64, len: len as u64, fd: fd.as_raw_fd(), populated: opts.populate };
+            let r = SharedRegion { addr: start as u64, len: len as u64, fd: fd.as_raw_fd(), populated: opts.populate, ino, generation, pid: buf.pid };
             SHARED.write().unwrap_or_else(|e| e.into_inner()).insert(r.addr, r);
         }
         Ok(buf)
@@ -177,6 +266,15 @@ impl HostBuffer {
     /// Whether same-host peers can map this buffer (memfd-backed).
     pub fn is_shareable(&self) -> bool {
         self.fd.is_some()
+    }
+
+    /// The buffer's generation (see the module docs); 0 for a buffer that is not shareable.
+    pub fn generation(&self) -> u64 {
+        if self.fd.is_some() {
+            self.generation
+        } else {
+            0
+        }
     }
 
     /// The bytes at `[off, off+len)`.
@@ -204,8 +302,29 @@ impl HostBuffer {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // The copy of a forked child: only the file descriptor is ours (closed by its
+            // own drop). Without MADV_DONTFORK the child has a mapping of its own to unmap.
+            if !self.dontfork {
+                // SAFETY: the child's own inherited copy of the reservation.
+                unsafe { libc::munmap(self.map_base as *mut libc::c_void, self.map_len) };
+                if let Some(h) = self.header {
+                    // SAFETY: likewise for the header page.
+                    unsafe { libc::munmap(h as *mut libc::c_void, HEADER_LEN as usize) };
+                }
+            }
+            return;
+        }
         if let Some(fd) = &self.fd {
             SHARED.write().unwrap_or_else(|e| e.into_inner()).remove(&(self.ptr as u64));
+            if let Some(h) = self.header {
+                // Peers that still map the memfd see it is dead before its pages go.
+                // SAFETY: our header mapping, accessed atomically; unmapped just after.
+                unsafe {
+                    (*h.add(HDR_ALIVE)).store(0, Ordering::SeqCst);
+                    libc::munmap(h as *mut libc::c_void, HEADER_LEN as usize);
+                }
+            }
             // Return the pages now, even if a peer still maps the memfd.
             // SAFETY: punching a hole in our own memfd (allowed by its seals).
             unsafe { libc::fallocate(fd.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 0, self.len as libc::off_t) };
@@ -235,6 +354,36 @@ mod tests {
         let addr = b.addr();
         drop(b);
         assert!(shareable_region(addr, 1).is_none());
+    }
+
+    #[test]
+    fn a_buffer_names_its_generation_and_marks_itself_dead_when_dropped() {
+        let b = HostBuffer::new(10_000, false).unwrap();
+        let r = shareable_region(b.addr(), 1).unwrap();
+        assert_ne!(r.generation, 0);
+        assert_eq!(r.generation, b.generation());
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", r.fd)).unwrap();
+        assert!(link.to_string_lossy().starts_with(&format!("/memfd:{}", memfd_name(r.generation))), "{link:?}");
+        // A second handle on the same memfd outlives the buffer, as a peer's would.
+        let other = std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/self/fd/{}", r.fd)).unwrap();
+        let st = rustix::fs::fstat(&other).unwrap();
+        assert_eq!((st.st_ino, st.st_size as u64), (r.ino, header_offset(10_000) + HEADER_LEN));
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            rustix::io::pread(&other, &mut w, header_offset(10_000) + 8 * i as u64).unwrap();
+            u64::from_le_bytes(w)
+        };
+        assert_eq!((word(HDR_MAGIC), word(HDR_GENERATION), word(HDR_ALIVE)), (HEADER_MAGIC, r.generation, 1));
+        b.slice_mut(0, 4).copy_from_slice(b"data");
+        let c = HostBuffer::new(10_000, false).unwrap();
+        assert_ne!(c.generation(), b.generation(), "generations do not repeat");
+        drop(b);
+        assert_eq!(word(HDR_ALIVE), 0, "a dropped buffer is marked dead");
+        let mut d = [1u8; 4];
+        rustix::io::pread(&other, &mut d, 0).unwrap();
+        assert_eq!(d, [0; 4], "its pages were punched out");
+        // The seals forbid shrinking the file under a peer's mapping.
+        assert!(rustix::fs::ftruncate(&other, 0).is_err());
     }
 
     #[test]

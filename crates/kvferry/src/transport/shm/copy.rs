@@ -1,0 +1,225 @@
+//! Copying: jobs, worker threads, the bounds/epoch/in-flight protocol around every copy,
+//! and the two copy paths (`memcpy` into a mapped peer buffer, cross-memory attach).
+
+use super::attach::ShmPeer;
+use super::maps::PeerMap;
+use super::sys::*;
+use super::{Shared, ShmInfo, CMA_BYTES, MAPPED_BYTES, MAX_IOV};
+use crate::batch::{FailCause, FailKind};
+use crate::transport::{Peer, Piece};
+use crate::wire::tcp::Opcode;
+use std::collections::VecDeque;
+use std::io;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+pub(super) struct Job {
+    pub(super) shm: Arc<ShmPeer>,
+    pub(super) peer: Arc<Peer>,
+    pub(super) pieces: Vec<Piece>,
+}
+
+#[derive(Default)]
+pub(super) struct Queue {
+    pub(super) jobs: VecDeque<Job>,
+    pub(super) shutdown: bool,
+    pub(super) workers: usize,
+}
+
+pub(super) fn worker(shared: Arc<Shared>) {
+    loop {
+        let job = {
+            let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                if let Some(j) = q.jobs.pop_front() {
+                    break j;
+                }
+                if q.shutdown {
+                    q.workers = q.workers.saturating_sub(1);
+                    return;
+                }
+                q = shared.cv.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        run_job(&shared, job);
+    }
+}
+
+pub(super) fn fail_all(pieces: Vec<Piece>, kind: FailKind, cause: FailCause, reason: &str) {
+    for p in pieces {
+        p.task.piece_failed(kind, cause.because(reason));
+    }
+}
+
+pub(super) fn errno_reason(peer: &str, pid: i32, p: &Piece, e: &io::Error) -> String {
+    match e.raw_os_error() {
+        Some(libc::ESRCH) => format!("{peer}: process {pid} exited"),
+        Some(libc::EFAULT) => format!(
+            "{peer}: [0x{:x}, +{}) is not mapped in process {pid} (it freed or unmapped memory it still has registered?)",
+            p.remote, p.len
+        ),
+        Some(libc::EPERM) | Some(libc::EACCES) => not_permitted(pid, "access to", e),
+        _ => format!("{peer}: cross-memory copy of [0x{:x}, +{}) failed: {e}", p.remote, p.len),
+    }
+}
+
+/// Copies the pieces of one job: check bounds and epoch, copy, check the peer still lives.
+pub(super) fn run_job(shared: &Shared, job: Job) {
+    let Job { shm, peer, mut pieces } = job;
+    let now = Instant::now();
+    pieces.retain(|p| {
+        if now >= p.task.deadline() {
+            p.task.piece_failed(FailKind::Timeout, format!("{}: the request waited past its deadline before it could be copied", peer.name));
+            false
+        } else {
+            p.task.set_pending();
+            true
+        }
+    });
+    let mut refreshed = 0;
+    while !pieces.is_empty() {
+        if shm.exited_lately() {
+            return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: process {} exited", peer.name, shm.pid));
+        }
+        let desc = peer.desc();
+        let desc_epoch = match ShmInfo::cookie_epoch(&desc) {
+            Some((c, e)) if c == shm.cookie => e,
+            _ => return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: the peer restarted or stopped offering shared memory during the transfer", peer.name)),
+        };
+        // Bounds: only ranges inside the peer's published buffers.
+        pieces.retain(|p| {
+            if desc.find_buffer(p.remote, p.len).is_some() {
+                true
+            } else {
+                let e = crate::Error::RemoteNotRegistered { segment: peer.name.clone(), addr: p.remote, len: p.len };
+                p.task.piece_failed(FailKind::Failed, &e);
+                false
+            }
+        });
+        if pieces.is_empty() {
+            return;
+        }
+        let maps = shm.maps_for(&desc);
+        let mapped: Vec<Option<(&PeerMap, *mut u8)>> =
+            pieces.iter().map(|p| maps.iter().find_map(|m| m.locate(p.remote, p.len).map(|at| (&**m, at)))).collect();
+        let active = shm.ctl.active(shm.slot);
+        active.fetch_add(1, Ordering::SeqCst);
+        let epoch = shm.ctl.epoch().load(Ordering::SeqCst);
+        if epoch != desc_epoch {
+            active.fetch_sub(1, Ordering::SeqCst);
+            if shm.ctl.closed().load(Ordering::SeqCst) != 0 {
+                return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: the peer engine shut down", peer.name));
+            }
+            refreshed += 1;
+            let r = match (refreshed, shared.refresh.get()) {
+                (1..=3, Some(f)) => f(&peer),
+                (1..=3, None) => Err("no way to refresh its descriptor".to_string()),
+                _ => Err("it keeps unregistering memory".to_string()),
+            };
+            if let Err(e) = r {
+                return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: its registrations changed and its descriptor cannot be re-read: {e}", peer.name));
+            }
+            continue;
+        }
+        let results = copy_all(shm.pid, &pieces, &mapped);
+        drop(maps);
+        active.fetch_sub(1, Ordering::SeqCst);
+        // The PID named the verified process throughout only if it is still alive now.
+        let gone = shm.exited();
+        for (p, r) in pieces.into_iter().zip(results) {
+            match r {
+                _ if gone => p.task.piece_failed(FailKind::Failed, FailCause::PeerLost.because(format!("{}: process {} exited during the transfer", peer.name, shm.pid))),
+                Ok(()) => {
+                    let len = p.len;
+                    p.task.piece_done(len);
+                }
+                Err(e) => {
+                    let reason = errno_reason(&peer.name, shm.pid, &p, &e);
+                    let cause = match e.raw_os_error() {
+                        Some(libc::ESRCH) => FailCause::PeerLost,
+                        Some(libc::EFAULT) => FailCause::RemoteNotRegistered,
+                        _ => FailCause::Other,
+                    };
+                    p.task.piece_failed(FailKind::Failed, cause.because(reason));
+                }
+            }
+        }
+        return;
+    }
+}
+
+/// Copies every piece: into or out of the peer's memory mapped here where `mapped` has the
+/// address, else by cross-memory attach (runs of the same opcode share one system call).
+/// One result per piece.
+///
+/// A mapped copy counts only if the buffer was alive (not freed by its owner) before and
+/// after it; otherwise it is redone by cross-memory attach, which reaches whatever the
+/// address holds now (a new buffer there) or fails: never "done" into an orphaned memfd.
+pub(super) fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<(&PeerMap, *mut u8)>]) -> Vec<io::Result<()>> {
+    let mut out: Vec<io::Result<()>> = Vec::with_capacity(pieces.len());
+    let mut mapped: Vec<Option<(&PeerMap, *mut u8)>> = mapped.iter().map(|m| m.filter(|(m, _)| m.alive())).collect();
+    let mut i = 0;
+    while i < pieces.len() {
+        if let Some((m, at)) = mapped[i] {
+            let p = &pieces[i];
+            // SAFETY: `p.local` lies in memory registered with this engine (its guard is
+            // held); `at` lies inside a live shared mapping of the peer's sealed memfd
+            // (`PeerMap::locate`), so neither side can fault; the ranges are in different
+            // mappings, so they do not overlap.
+            unsafe {
+                match p.opcode {
+                    Opcode::Write => std::ptr::copy_nonoverlapping(p.local as *const u8, at, p.len as usize),
+                    Opcode::Read => std::ptr::copy_nonoverlapping(at as *const u8, p.local as *mut u8, p.len as usize),
+                }
+            }
+            // The copy's stores come before the check (the owner clears `alive` before it
+            // punches the pages out): alive now means it landed in the live buffer.
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if !m.alive() {
+                mapped[i] = None;
+                continue; // redo by cross-memory attach
+            }
+            MAPPED_BYTES.fetch_add(p.len, Ordering::Relaxed);
+            out.push(Ok(()));
+            i += 1;
+            continue;
+        }
+        let op = pieces[i].opcode;
+        let mut j = i;
+        while j < pieces.len() && j - i < MAX_IOV && pieces[j].opcode == op && mapped[j].is_none() {
+            j += 1;
+        }
+        let run = &pieces[i..j];
+        let local: Vec<libc::iovec> = run.iter().map(|p| libc::iovec { iov_base: p.local as *mut libc::c_void, iov_len: p.len as usize }).collect();
+        let remote: Vec<libc::iovec> = run.iter().map(|p| libc::iovec { iov_base: p.remote as *mut libc::c_void, iov_len: p.len as usize }).collect();
+        let total: usize = local.iter().map(|v| v.iov_len).sum();
+        match cma(pid, op, &local, &remote) {
+            Ok(n) if n == total => {
+                CMA_BYTES.fetch_add(n as u64, Ordering::Relaxed);
+                out.extend(run.iter().map(|_| Ok(())))
+            }
+            first => {
+                // Partial or failed: the kernel stops at an iovec boundary. Keep the complete
+                // prefix and redo the rest one by one to learn each outcome.
+                let mut done = first.unwrap_or_default();
+                for k in 0..run.len() {
+                    let len = local[k].iov_len;
+                    if done >= len {
+                        done -= len;
+                        out.push(Ok(()));
+                        continue;
+                    }
+                    done = 0;
+                    out.push(match cma(pid, op, &local[k..=k], &remote[k..=k]) {
+                        Ok(n) if n == len => Ok(()),
+                        Ok(n) => Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("copied {n} of {len} bytes"))),
+                        Err(e) => Err(e),
+                    });
+                }
+            }
+        }
+        i = j;
+    }
+    out
+}

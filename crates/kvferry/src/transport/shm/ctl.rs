@@ -1,0 +1,195 @@
+//! The control region: a sealed 64 KiB memfd per engine, mapped shared by the engine and by
+//! every initiator attached to it (epoch, closed flag, segment name, initiator slots).
+
+use super::sys::*;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Size of the control region.
+pub const CTL_LEN: usize = 64 << 10;
+pub(super) const CTL_MAGIC: u64 = u64::from_le_bytes(*b"KVFCTL01");
+pub(super) const OFF_MAGIC: usize = 0;
+pub(super) const OFF_COOKIE: usize = 8;
+pub(super) const OFF_EPOCH: usize = 24;
+pub(super) const OFF_CLOSED: usize = 32;
+pub(super) const OFF_PROBE: usize = 40;
+pub(super) const OFF_HWM: usize = 48;
+/// The owner's segment name: a length word, then up to [`NAME_MAX`] bytes.
+pub(super) const OFF_NAME: usize = 64;
+pub(super) const NAME_MAX: usize = 248;
+pub(super) const SLOT_BASE: usize = 320;
+pub(super) const SLOT_SIZE: usize = 64;
+pub(super) const N_SLOTS: usize = (CTL_LEN - SLOT_BASE) / SLOT_SIZE;
+
+/// A shared mapping of a control region (ours or a peer's).
+pub(super) struct CtlMap {
+    pub(super) ptr: *mut u8,
+    /// The process that mapped it.
+    pub(super) home: u32,
+}
+
+// SAFETY: the mapping is only accessed through atomics and immutable header bytes.
+unsafe impl Send for CtlMap {}
+unsafe impl Sync for CtlMap {}
+
+impl CtlMap {
+    pub(super) fn map(fd: &OwnedFd) -> io::Result<CtlMap> {
+        // SAFETY: shared mapping of a memfd at least CTL_LEN long (checked by callers).
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), CTL_LEN, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        dontfork(p as *mut u8, CTL_LEN);
+        Ok(CtlMap { ptr: p as *mut u8, home: std::process::id() })
+    }
+
+    pub(super) fn word(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off % 8 == 0 && off + 8 <= CTL_LEN);
+        // SAFETY: in bounds, 8-aligned (the mapping is page-aligned), shared memory accessed
+        // only atomically.
+        unsafe { &*(self.ptr.add(off) as *const AtomicU64) }
+    }
+
+    pub(super) fn header(&self) -> [u8; 24] {
+        let mut h = [0u8; 24];
+        h[..8].copy_from_slice(&self.word(OFF_MAGIC).load(Ordering::Acquire).to_le_bytes());
+        h[8..16].copy_from_slice(&self.word(OFF_COOKIE).load(Ordering::Acquire).to_le_bytes());
+        h[16..].copy_from_slice(&self.word(OFF_COOKIE + 8).load(Ordering::Acquire).to_le_bytes());
+        h
+    }
+
+    pub(super) fn cookie_hex(&self) -> String {
+        self.header()[8..].iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    pub(super) fn epoch(&self) -> &AtomicU64 {
+        self.word(OFF_EPOCH)
+    }
+    pub(super) fn closed(&self) -> &AtomicU64 {
+        self.word(OFF_CLOSED)
+    }
+    pub(super) fn owner(&self, slot: usize) -> &AtomicU64 {
+        self.word(SLOT_BASE + slot * SLOT_SIZE)
+    }
+    pub(super) fn active(&self, slot: usize) -> &AtomicU64 {
+        self.word(SLOT_BASE + slot * SLOT_SIZE + 8)
+    }
+    /// The segment name its owner wrote (empty if none or malformed).
+    pub(super) fn name(&self) -> String {
+        let len = (self.word(OFF_NAME).load(Ordering::Acquire) as usize).min(NAME_MAX);
+        let mut bytes = vec![0u8; len];
+        for (i, b) in bytes.iter_mut().enumerate() {
+            // SAFETY: in bounds of the mapping; written once by the owner before publishing.
+            *b = unsafe { std::ptr::read_volatile(self.ptr.add(OFF_NAME + 8 + i)) };
+        }
+        String::from_utf8(bytes).unwrap_or_default()
+    }
+
+    pub(super) fn hwm(&self) -> usize {
+        (self.word(OFF_HWM).load(Ordering::Acquire) as usize).min(N_SLOTS)
+    }
+}
+
+impl Drop for CtlMap {
+    fn drop(&mut self) {
+        if foreign(self.home) {
+            return; // a forked child does not have the mapping (MADV_DONTFORK)
+        }
+        // SAFETY: unmapping our own mapping; nothing refers to it any more.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, CTL_LEN) };
+    }
+}
+
+/// The process id stored in a slot owner word.
+pub(super) fn owner_pid(owner: u64) -> i32 {
+    (owner >> 32) as i32
+}
+
+/// Whether a process exists and has not exited (a zombie counts as exited).
+pub(super) fn pid_alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    // Signal 0 only checks existence and permission.
+    let Some(p) = rustix::process::Pid::from_raw(pid) else { return false };
+    if rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH) {
+        return false;
+    }
+    // State is the field after the parenthesised command name.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => !matches!(s.rfind(')').and_then(|i| s[i + 1..].split_whitespace().next()), Some("Z") | Some("X")),
+        Err(_) => true,
+    }
+}
+
+/// This engine's own control region.
+pub(super) struct LocalCtl {
+    pub(super) map: CtlMap,
+    pub(super) fd: OwnedFd,
+}
+
+impl LocalCtl {
+    pub(super) fn create(name: &str) -> io::Result<LocalCtl> {
+        use rustix::fs::{MemfdFlags, SealFlags};
+        let fd = rustix::fs::memfd_create("kvferry-shm-ctl", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        rustix::fs::ftruncate(&fd, CTL_LEN as u64)?;
+        // Peers map the region and read it without a system call: its size must never
+        // change under them (a truncated mapping raises SIGBUS in the reader).
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+        let map = CtlMap::map(&fd)?;
+        let cookie: [u8; 16] = rand::random();
+        map.word(OFF_COOKIE).store(u64::from_le_bytes(cookie[..8].try_into().unwrap_or_default()), Ordering::Release);
+        map.word(OFF_COOKIE + 8).store(u64::from_le_bytes(cookie[8..].try_into().unwrap_or_default()), Ordering::Release);
+        let name = &name.as_bytes()[..name.len().min(NAME_MAX)];
+        // SAFETY: in bounds; nobody else has the region yet.
+        unsafe { std::ptr::copy_nonoverlapping(name.as_ptr(), map.ptr.add(OFF_NAME + 8), name.len()) };
+        map.word(OFF_NAME).store(name.len() as u64, Ordering::Release);
+        map.word(OFF_MAGIC).store(CTL_MAGIC, Ordering::Release);
+        Ok(LocalCtl { map, fd })
+    }
+
+    /// Waits until no initiator has a copy in flight, up to `until`. Slots of dead owners
+    /// are cleared. Returns false if copies were still in flight at `until`.
+    pub(super) fn drain(&self, until: Instant) -> bool {
+        let mut pause = Duration::from_micros(20);
+        loop {
+            let mut busy = false;
+            for s in 0..self.map.hwm() {
+                if self.map.active(s).load(Ordering::SeqCst) == 0 {
+                    continue;
+                }
+                let owner = self.map.owner(s).load(Ordering::SeqCst);
+                if owner == 0 || !pid_alive(owner_pid(owner)) {
+                    // Its owner died mid-copy: the copy cannot continue.
+                    self.map.active(s).store(0, Ordering::SeqCst);
+                    let _ = self.map.owner(s).compare_exchange(owner, 0, Ordering::SeqCst, Ordering::SeqCst);
+                    continue;
+                }
+                busy = true;
+            }
+            if !busy {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+}
+
+pub(super) fn claim_slot(ctl: &CtlMap, owner: u64) -> Option<usize> {
+    for s in 0..N_SLOTS {
+        let cur = ctl.owner(s).load(Ordering::SeqCst);
+        let free = cur == 0 || (cur != owner && !pid_alive(owner_pid(cur)) && ctl.active(s).load(Ordering::SeqCst) == 0);
+        if free && ctl.owner(s).compare_exchange(cur, owner, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            ctl.active(s).store(0, Ordering::SeqCst);
+            ctl.word(OFF_HWM).fetch_max(s as u64 + 1, Ordering::SeqCst);
+            return Some(s);
+        }
+    }
+    None
+}

@@ -1,0 +1,249 @@
+//! A peer's shareable buffers mapped here: identity checks, the per-peer cache, liveness.
+
+use super::attach::ShmPeer;
+use super::sys::*;
+use super::{MapInfo, FIELD};
+use crate::wire::descriptor::SegmentDesc;
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// A peer's shareable buffer mapped into this process: its data and, after it, its header
+/// page (see [`crate::hostbuf`]).
+pub(super) struct PeerMap {
+    pub(super) info: MapInfo,
+    pub(super) ptr: *mut u8,
+    /// Length of the whole mapping (data rounded up to pages, plus the header page).
+    pub(super) map_len: usize,
+    /// The process that mapped it.
+    pub(super) home: u32,
+}
+
+// SAFETY: a shared mapping owned by this value; bytes are copied in and out only under the
+// same in-flight/epoch protocol as cross-memory copies.
+unsafe impl Send for PeerMap {}
+unsafe impl Sync for PeerMap {}
+
+impl Drop for PeerMap {
+    fn drop(&mut self) {
+        if foreign(self.home) {
+            return; // a forked child does not have the mapping (MADV_DONTFORK)
+        }
+        // SAFETY: our own mapping; no job holds this value any more.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.map_len) };
+    }
+}
+
+impl PeerMap {
+    pub(super) fn header_word(&self, i: usize) -> &AtomicU64 {
+        // SAFETY: the header page lies inside our mapping (checked in `ShmPeer::map`),
+        // page-aligned; shared memory accessed only atomically.
+        unsafe { &*(self.ptr.add(crate::hostbuf::header_offset(self.info.len) as usize) as *const AtomicU64).add(i) }
+    }
+
+    /// Whether the buffer is still the live one its owner published: a freed buffer's
+    /// header says so before its pages are released (and its memory may be reused at the
+    /// same address by a new buffer, which this mapping does not reach).
+    pub(super) fn alive(&self) -> bool {
+        self.header_word(crate::hostbuf::HDR_ALIVE).load(Ordering::SeqCst) == 1
+            && self.header_word(crate::hostbuf::HDR_GENERATION).load(Ordering::Relaxed) == self.info.generation
+    }
+
+    /// Where `[remote, remote+len)` of the peer lies in our mapping, if inside it.
+    pub(super) fn locate(&self, remote: u64, len: u64) -> Option<*mut u8> {
+        let off = remote.checked_sub(self.info.addr)?;
+        (off.checked_add(len)? <= self.info.len).then(|| self.ptr.wrapping_add(off as usize))
+    }
+}
+
+/// Fills the page tables of a new mapping of a peer's buffer from a helper thread, so that
+/// copies do not take a minor fault on the first touch of each 4 KiB page (~0.2 s per GiB,
+/// paid once per peer buffer). Copies run meanwhile; the thread stops when the mapping is
+/// released. Only for buffers whose owner allocated every page up front (`populated`): for
+/// the others this would allocate memory the owner has not touched.
+pub(super) fn populate_in_background(m: &Arc<PeerMap>) {
+    pub(super) const STEP: usize = 32 << 20;
+    let weak = Arc::downgrade(m);
+    let spawned = std::thread::Builder::new().name("kvf-shm-populate".into()).spawn(move || {
+        let mut off = 0usize;
+        loop {
+            // Holding the Arc keeps the range mapped while we advise it.
+            let Some(m) = weak.upgrade() else { return };
+            let len = m.info.len as usize;
+            if off >= len {
+                return;
+            }
+            let n = STEP.min(len - off);
+            // SAFETY: a range inside our live mapping; MADV_POPULATE_WRITE (Linux 5.14) only
+            // fills page tables (the shared pages already hold the peer's data).
+            if unsafe { libc::madvise(m.ptr.add(off) as *mut libc::c_void, n, 23) } != 0 {
+                return; // older kernel, or memory pressure: faults happen on demand instead
+            }
+            off += n;
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::debug!("no thread to pre-fault a peer mapping ({e}); pages fault on first use");
+    }
+}
+
+#[derive(Default)]
+pub(super) struct MapCache {
+    /// The descriptor `maps` was computed for.
+    pub(super) desc: Option<Arc<SegmentDesc>>,
+    pub(super) maps: Arc<Vec<Arc<PeerMap>>>,
+    /// Buffers that could not be mapped (copied by cross-memory attach instead), and why.
+    pub(super) refused: HashMap<MapInfo, String>,
+}
+
+/// Checks in `/proc/<pid>/maps` that `[addr, addr+len)` of the peer is the file
+/// `(dev, ino)` mapped shared from its byte 0, so the fd we took is the memory it publishes.
+pub(super) fn verify_mapping(pid: i32, info: &MapInfo, dev: u64, ino: u64) -> Result<(), String> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).map_err(|e| format!("cannot read /proc/{pid}/maps: {e}"))?;
+    let end = info.addr.checked_add(info.len).ok_or("the range overflows")?;
+    let mut cursor = info.addr;
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms), Some(off), Some(dv), Some(inode)) = (f.next(), f.next(), f.next(), f.next(), f.next()) else { continue };
+        let Some((a, b)) = range.split_once('-') else { continue };
+        let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else { continue };
+        if b <= cursor || a > cursor {
+            continue;
+        }
+        let (Ok(off), Ok(inode)) = (u64::from_str_radix(off, 16), inode.parse::<u64>()) else { break };
+        let mm = dv.split_once(':').and_then(|(x, y)| Some((u32::from_str_radix(x, 16).ok()?, u32::from_str_radix(y, 16).ok()?)));
+        let same_dev = mm.is_some_and(|(x, y)| libc::makedev(x, y) == dev);
+        if a < info.addr || !perms.ends_with('s') || inode != ino || !same_dev || off != a - info.addr {
+            return Err(format!("[0x{:x}, +{}) of process {pid} is not the memory of the file descriptor it published (fd {})", info.addr, info.len, info.fd));
+        }
+        cursor = b;
+        if cursor >= end {
+            return Ok(());
+        }
+    }
+    Err(format!("[0x{:x}, +{}) is not (wholly) mapped in process {pid}", info.addr, info.len))
+}
+
+impl ShmPeer {
+    /// Unmaps the peer's buffers (once no copy uses them): all of them, or those their owner
+    /// freed. Returns how many mappings were dropped from the cache.
+    pub(super) fn release_maps(&self, all: bool) -> usize {
+        let mut c = self.maps.lock().unwrap_or_else(|e| e.into_inner());
+        let keep: Vec<Arc<PeerMap>> = if all { Vec::new() } else { c.maps.iter().filter(|m| m.alive()).cloned().collect() };
+        let dropped = c.maps.len() - keep.len();
+        if dropped > 0 {
+            let dead: Vec<MapInfo> = c.maps.iter().filter(|m| !m.alive()).map(|m| m.info).collect();
+            for info in dead {
+                c.refused.insert(info, "its owner freed it".into());
+            }
+            c.maps = Arc::new(keep);
+        }
+        if all {
+            c.desc = None;
+        }
+        dropped
+    }
+
+    /// The peer's shareable buffers published in `desc`, mapped here (cached per descriptor;
+    /// maps that left the descriptor are released once no copy uses them).
+    pub(super) fn maps_for(&self, desc: &Arc<SegmentDesc>) -> Arc<Vec<Arc<PeerMap>>> {
+        let mut c = self.maps.lock().unwrap_or_else(|e| e.into_inner());
+        if c.desc.as_ref().is_some_and(|d| Arc::ptr_eq(d, desc)) && c.maps.iter().all(|m| m.alive()) {
+            return Arc::clone(&c.maps);
+        }
+        let listed: Vec<MapInfo> =
+            desc.extra.get(FIELD).and_then(|v| v.get("maps")).and_then(|m| serde_json::from_value(m.clone()).ok()).unwrap_or_default();
+        let mut maps = Vec::with_capacity(listed.len());
+        // Refusals of buffers the descriptor no longer lists are forgotten: the table stays
+        // as small as the peer's buffer list.
+        c.refused.retain(|k, _| listed.contains(k));
+        for info in listed {
+            // Keyed on the buffer's identity (inode, generation), not on its fd number and
+            // address, which a new buffer of the same size gets again.
+            if let Some(m) = c.maps.iter().find(|m| m.info == info) {
+                if m.alive() {
+                    maps.push(Arc::clone(m));
+                } else {
+                    c.refused.insert(info, "its owner freed it".into());
+                }
+                continue;
+            }
+            if c.refused.contains_key(&info) {
+                continue;
+            }
+            match self.map(&info) {
+                Ok(m) => {
+                    let m = Arc::new(m);
+                    if info.populated {
+                        populate_in_background(&m);
+                    }
+                    maps.push(m);
+                }
+                Err(r) => {
+                    tracing::debug!(pid = self.pid, "not mapping a peer buffer, copying by cross-memory attach: {r}");
+                    c.refused.insert(info, r);
+                }
+            }
+        }
+        c.desc = Some(Arc::clone(desc));
+        c.maps = Arc::new(maps);
+        Arc::clone(&c.maps)
+    }
+
+    /// Takes a peer's memfd and maps it, after checking that it is the memory the peer maps
+    /// at the published address and that it cannot shrink under us.
+    pub(super) fn map(&self, info: &MapInfo) -> Result<PeerMap, String> {
+        let pid = self.pid;
+        if info.len == 0 || info.len > isize::MAX as u64 || info.addr % 4096 != 0 {
+            return Err(format!("published buffer [0x{:x}, +{}) is malformed", info.addr, info.len));
+        }
+        if info.generation == 0 || info.ino == 0 {
+            return Err(format!("published buffer [0x{:x}, +{}) has no identity (an older kvferry)", info.addr, info.len));
+        }
+        let fd = pidfd_getfd(&self.pidfd, info.fd).map_err(|e| format!("cannot take fd {} of process {pid}: {e}", info.fd))?;
+        let stale = |what: &str| {
+            format!(
+                "fd {} of process {pid} is not the buffer [0x{:x}, +{}) it published ({what}): it freed that buffer, or the descriptor is stale",
+                info.fd, info.addr, info.len
+            )
+        };
+        let map_len = crate::hostbuf::header_offset(info.len) + crate::hostbuf::HEADER_LEN;
+        let st = rustix::fs::fstat(&fd).map_err(|e| format!("cannot fstat fd {} of process {pid}: {e}", info.fd))?;
+        if (st.st_mode & libc::S_IFMT) != libc::S_IFREG || st.st_size as u64 != map_len {
+            return Err(stale("not a memory file of the published size"));
+        }
+        if st.st_ino != info.ino {
+            return Err(stale("another inode"));
+        }
+        let name = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).map_err(|e| format!("cannot read the name of fd {} of process {pid}: {e}", info.fd))?;
+        let want = format!("/memfd:{}", crate::hostbuf::memfd_name(info.generation));
+        let name = name.to_string_lossy();
+        if name != want && !name.starts_with(&format!("{want} ")) {
+            return Err(stale("another name, so another generation"));
+        }
+        match rustix::fs::fcntl_get_seals(&fd) {
+            Ok(s) if s.contains(rustix::fs::SealFlags::SHRINK) => {}
+            _ => return Err(format!("fd {} of process {pid} is not sealed against shrinking (mapping it could fault)", info.fd)),
+        }
+        verify_mapping(pid, info, st.st_dev, st.st_ino)?;
+        if exited(&self.pidfd) {
+            return Err(format!("process {pid} exited"));
+        }
+        // SAFETY: a shared mapping of a sealed memory file exactly `map_len` long.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), map_len as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if p == libc::MAP_FAILED {
+            return Err(format!("cannot map fd {} of process {pid}: {}", info.fd, io::Error::last_os_error()));
+        }
+        dontfork(p as *mut u8, map_len as usize);
+        let m = PeerMap { info: *info, ptr: p as *mut u8, map_len: map_len as usize, home: std::process::id() };
+        if m.header_word(crate::hostbuf::HDR_MAGIC).load(Ordering::Acquire) != crate::hostbuf::HEADER_MAGIC {
+            return Err(stale("no buffer header"));
+        }
+        if !m.alive() {
+            return Err(stale("its owner freed it"));
+        }
+        Ok(m)
+    }
+}

@@ -1,0 +1,878 @@
+//! Same-host transport: cross-memory attach (`process_vm_readv` / `process_vm_writev`).
+//!
+//! When a peer runs on this host, the initiator moves bytes between its registered memory and
+//! the peer's in one kernel copy, in its own thread: no socket, no thread on the target.
+//! kvferry's registered memory is whatever the caller registered (not allocated by kvferry),
+//! so the peer cannot map it; cross-memory attach reaches it anyway. See
+//! `docs/ARCHITECTURE.md` ("Same-host transfers") for the measurements behind the choice.
+//!
+//! **Publishing.** Unless `KVFERRY_TRANSPORT=tcp`, an engine publishes in its descriptor an
+//! extra field (Mooncake peers ignore it; kvferry's decoder keeps it in `extra`):
+//!
+//! ```json
+//! "kvferry_shm": {"version": 1, "host_id": "<boot id>/pid:[<pid namespace inode>]", "pid": 4242,
+//!                 "uid": 1000, "ctl_fd": 7, "ctl_addr": 140..., "ctl_len": 65536,
+//!                 "cookie": "<32 hex digits>", "epoch": 0}
+//! ```
+//!
+//! `ctl_*` name the engine's **control region**: a 64 KiB memfd mapped shared, holding a
+//! magic, the random cookie, the **unregister epoch**, a `closed` flag, the engine's segment
+//! name and one slot per initiator (owner and in-flight counter).
+//!
+//! **Selection** (per peer, cached per peer cookie). The initiator uses this transport only if
+//! the peer publishes the field, its `host_id` equals ours (boot id *and* PID namespace, so
+//! containers with the same hostname or PID numbers are not confused), `pidfd_open(pid)`
+//! succeeds, `pidfd_getfd` hands over the peer's control memfd and it holds the published
+//! cookie and the name of the segment we opened (so the pidfd names the process that serves
+//! that segment: a descriptor cannot aim us at another engine's memory), and a
+//! `process_vm_readv` of the region's header and a `process_vm_writev` into its probe word
+//! really work (ptrace rules, seccomp and user namespaces are tested, not guessed). Any
+//! failure is logged at debug level and the peer is served over TCP;
+//! [`ShmTransport::select`] returns the reason (shown by `kvferry doctor` and
+//! `TransferEngine::segment_transport`).
+//!
+//! **Bounds.** The kernel lets a process with ptrace rights read and write *all* of its
+//! peer's memory, so the bounds are enforced here, by the initiator, before every system
+//! call: the remote range must lie inside a buffer of the peer's published descriptor, and
+//! the descriptor must be current (its `epoch` equals the live epoch in the peer's control
+//! region). A peer that publishes no `kvferry_shm` field (`KVFERRY_TRANSPORT=tcp` there, or a
+//! Mooncake engine) is never accessed this way. A process that can `process_vm_writev` into
+//! its peer could already `ptrace` it: this transport adds no privilege, and the bounds guard
+//! against bugs, not against a hostile process of the same user.
+//!
+//! **Unregistering while a peer copies.** Each initiator owns a slot in the target's control
+//! region. Around every system call it increments its slot's in-flight counter, then reads
+//! the epoch (both sequentially consistent); if the epoch is not the one of the descriptor
+//! it checked the range against, it backs off, refreshes the descriptor and re-checks. The
+//! target's `unregister` first removes the range (new descriptors lack it), then increments
+//! the epoch, then waits until every slot's counter is zero. Either the initiator sees the
+//! new epoch and does not copy, or the target sees the counter and waits: once
+//! `unregister_memory` returns, no copy into or out of that range is in flight or will start
+//! (the wait is bounded by `KVFERRY_TRANSFER_TIMEOUT`; a slot whose owner process died is
+//! cleared). A copy is at most [`CHUNK`] bytes, so the wait is short.
+//!
+//! **Peer identity and exit.** The pidfd is polled after each system call, and before it
+//! unless the last "alive" answer is younger than 1 ms (a PID is reused only after its
+//! process exited, was reaped and the PID counter wrapped). A copy is reported COMPLETED only
+//! if the peer was alive after it, i.e. the PID still named the verified process during the
+//! whole call. A peer that exits fails its requests (`FAILED`, "process exited"), never the
+//! survivor.
+//!
+//! **Mapped buffers.** A peer's buffers that kvferry allocated ([`crate::hostbuf`]) are
+//! published in `maps` with their identity: the memfd's inode and the buffer's random
+//! generation (a freed buffer's successor usually has the same fd number and address).
+//! Before mapping one, the initiator checks that the fd it took with `pidfd_getfd` has that
+//! inode, the name `memfd:kvferry-buffer:<generation>`, the exact size, the shrink seal, a
+//! header page with that generation still marked alive, and is what the peer maps at the
+//! published address (`/proc/<pid>/maps`). Mappings are cached per identity. Every mapped
+//! copy checks `alive` before and after it; a buffer freed meanwhile makes the copy be
+//! redone by cross-memory attach (which reaches whatever the address holds now, or fails):
+//! a copy into a freed buffer's orphaned memfd is never reported COMPLETED.
+//!
+//! **Control region.** Its memfd is sealed (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`); an
+//! initiator refuses a region without the shrink seal, so a target cannot truncate the
+//! region under the initiator's mapping (which would raise SIGBUS in the initiator).
+//!
+//! **fork().** Every shared mapping made here (control regions, peer buffers) is
+//! `MADV_DONTFORK`, and every value remembers the process that made it: dropped (or shut
+//! down) in a forked child it only closes its descriptors — no `closed` mark, no epoch bump,
+//! no slot change, no `munmap` of a range that in the child is not ours.
+//!
+//! **Departed peers.** A reaper thread per transport (started with the first verified peer)
+//! sleeps in `poll` on every verified peer's pidfd, waking at once when one exits, and every
+//! [`REAP_INTERVAL`] otherwise; it drops the selection of a peer whose process exited or whose
+//! engine shut down (its mappings, control region and pidfd go once no copy holds them) and
+//! unmaps buffers a living peer freed. Per live verified peer: one pidfd, no thread.
+
+use super::{Peer, Piece, Transport};
+use crate::batch::{FailCause, FailKind};
+use crate::wire::descriptor::SegmentDesc;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+mod attach;
+mod copy;
+mod ctl;
+mod maps;
+mod sys;
+
+pub use attach::ShmPeer;
+pub use ctl::CTL_LEN;
+pub use sys::{ptrace_scope, simulate_cma_denied};
+
+use copy::*;
+use ctl::*;
+use sys::*;
+
+/// The descriptor field this transport publishes.
+pub const FIELD: &str = "kvferry_shm";
+/// Version of the published field and of the control region layout.
+pub const VERSION: u32 = 1;
+/// Largest copy done by one system call and one in-flight window; larger requests are cut
+/// into pieces of this size and spread over the worker threads.
+pub const CHUNK: u64 = 1 << 20;
+/// Pieces gathered into one system call (one `iovec` pair each).
+const MAX_IOV: usize = 64;
+/// A submission of at most this many bytes is copied in the caller's thread (no hand-off).
+const INLINE_BYTES: u64 = 64 << 10;
+
+/// Which data path carries requests to peers (`KVFERRY_TRANSPORT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportMode {
+    /// Shared memory to peers on this host that allow it, TCP otherwise.
+    #[default]
+    Auto,
+    /// TCP only; this engine also does not offer shared-memory access to peers.
+    Tcp,
+    /// Shared memory only: requests to peers it cannot reach fail with the reason.
+    Shm,
+}
+
+impl std::str::FromStr for TransportMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(TransportMode::Auto),
+            "tcp" => Ok(TransportMode::Tcp),
+            "shm" => Ok(TransportMode::Shm),
+            other => Err(format!("{other:?} is not a transport; use auto, tcp or shm")),
+        }
+    }
+}
+
+impl std::fmt::Display for TransportMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransportMode::Auto => "auto",
+            TransportMode::Tcp => "tcp",
+            TransportMode::Shm => "shm",
+        })
+    }
+}
+
+/// What a peer publishes under [`FIELD`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmInfo {
+    pub version: u32,
+    pub host_id: String,
+    pub pid: i32,
+    #[serde(default)]
+    pub uid: u32,
+    pub ctl_fd: i32,
+    pub ctl_addr: u64,
+    pub ctl_len: u64,
+    pub cookie: String,
+    pub epoch: u64,
+    /// Registered memory that lies in buffers kvferry allocated (memfd): the peer may map
+    /// these and copy with `memcpy`. Absent in descriptors of engines before this field.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub maps: Vec<MapInfo>,
+}
+
+/// A shareable (memfd-backed) buffer of the publishing process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MapInfo {
+    /// The memfd's number in the publishing process (taken with `pidfd_getfd`).
+    pub fd: i32,
+    /// Where the publisher maps the memfd's byte 0, and its length.
+    pub addr: u64,
+    pub len: u64,
+    /// The publisher allocated every page up front, so a peer may map them all at once.
+    #[serde(default)]
+    pub populated: bool,
+    /// The buffer's identity, which never repeats (an address and an fd number do, once the
+    /// publisher freed the buffer and allocated another): the memfd's inode number and the
+    /// buffer's random generation (in the memfd's name and header page, see
+    /// [`crate::hostbuf`]). Mappings are cached per identity. 0: unknown (not mapped).
+    #[serde(default)]
+    pub ino: u64,
+    #[serde(default)]
+    pub generation: u64,
+}
+
+/// Bytes copied by this process through mapped peer memory and by cross-memory attach.
+static MAPPED_BYTES: AtomicU64 = AtomicU64::new(0);
+static CMA_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes this process has moved to or from same-host peers so far: `(mapped, cma)`.
+/// Benchmarks read the difference over a run to report which path carried it.
+pub fn bytes_moved() -> (u64, u64) {
+    (MAPPED_BYTES.load(Ordering::Relaxed), CMA_BYTES.load(Ordering::Relaxed))
+}
+
+/// The value published under [`FIELD`]: `info` (from [`ShmTransport::offer`]) plus the
+/// shareable buffers that contain the published `buffers`.
+pub fn publish(mut info: ShmInfo, buffers: &[crate::wire::descriptor::BufferDesc]) -> Option<serde_json::Value> {
+    for b in buffers {
+        if let Some(r) = crate::hostbuf::shareable_region(b.addr, b.length) {
+            let m = MapInfo { fd: r.fd, addr: r.addr, len: r.len, populated: r.populated, ino: r.ino, generation: r.generation };
+            if !info.maps.contains(&m) {
+                info.maps.push(m);
+            }
+        }
+    }
+    serde_json::to_value(info).ok()
+}
+
+impl ShmInfo {
+    /// The cookie and epoch a descriptor publishes, without decoding the rest (hot path).
+    fn cookie_epoch(desc: &SegmentDesc) -> Option<(&str, u64)> {
+        let v = desc.extra.get(FIELD)?;
+        Some((v.get("cookie")?.as_str()?, v.get("epoch")?.as_u64()?))
+    }
+
+    /// The field of a descriptor: `None` when absent, an error when malformed.
+    pub fn of(desc: &SegmentDesc) -> Option<Result<ShmInfo, String>> {
+        desc.extra
+            .get(FIELD)
+            .map(|v| serde_json::from_value::<ShmInfo>(v.clone()).map_err(|e| format!("its {FIELD} field is malformed ({e})")))
+    }
+}
+
+/// This host's identity as far as cross-memory attach is concerned: the boot id (differs
+/// between hosts and VMs, and across reboots) and the PID namespace (PIDs mean the same
+/// process only inside one).
+pub fn host_id() -> Result<String, String> {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map_err(|e| format!("cannot read /proc/sys/kernel/random/boot_id: {e}"))?;
+    let ns = std::fs::read_link("/proc/self/ns/pid").map_err(|e| format!("cannot read /proc/self/ns/pid: {e}"))?;
+    Ok(format!("{}/{}", boot.trim(), ns.display()))
+}
+
+// ------------------------------------------------------------------------------------------
+// The transport
+// ------------------------------------------------------------------------------------------
+
+/// Re-fetches a peer's descriptor (installed by the engine).
+pub type Refresh = Box<dyn Fn(&Arc<Peer>) -> Result<(), String> + Send + Sync>;
+
+pub struct ShmOptions {
+    /// This engine's segment name, written into its control region.
+    pub name: String,
+    pub mode: TransportMode,
+    /// Worker threads for queued copies (0: the number of CPUs, at most 4).
+    pub threads: usize,
+    /// How long `unregister` and shutdown wait for copies in flight.
+    pub drain: Duration,
+}
+
+enum Selection {
+    Yes(Arc<ShmPeer>),
+    No(String),
+    /// It was `Yes`, but the peer departed (found by the reaper): its mappings and pidfd
+    /// are released; the next use re-reads the descriptor once (a new engine may serve it).
+    Gone(String),
+}
+
+/// A selection and the peer cookie it was made for.
+type Cached = (Option<String>, Arc<Selection>);
+
+struct Shared {
+    queue: Mutex<Queue>,
+    cv: Condvar,
+    refresh: OnceLock<Refresh>,
+    /// Per peer id: the cookie the selection was made for, and the selection.
+    peers: Mutex<HashMap<u64, Cached>>,
+    /// The reaper thread runs (started with the first verified peer).
+    reaper: AtomicBool,
+    /// Wakes the reaper: a new peer to watch, or shutdown.
+    wake: Option<OwnedFd>,
+    shut: AtomicBool,
+}
+
+/// How long after a verified same-host peer departs this engine still holds its resources
+/// (its buffers mapped here, its control region, its pidfd, the selection) at most, plus
+/// the few milliseconds the release takes. A process exit is seen at once (the reaper
+/// sleeps in `poll` on every peer's pidfd); an engine shut down in a living process and
+/// buffers the peer freed are found by a check this often. A peer found gone by a request
+/// earlier is released then.
+pub const REAP_INTERVAL: Duration = Duration::from_millis(500);
+
+impl Shared {
+    fn wake_reaper(&self) {
+        if let Some(w) = &self.wake {
+            let _ = rustix::io::write(w, &1u64.to_ne_bytes());
+        }
+    }
+
+    /// Forgets departed peers (their resources go once no copy holds them) and unmaps
+    /// buffers that living peers freed. Returns the number of peers released.
+    fn reap(&self) -> usize {
+        let live: Vec<(u64, Option<String>, Arc<ShmPeer>)> = self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(|(id, (c, sel))| match &**sel {
+                Selection::Yes(p) => Some((*id, c.clone(), Arc::clone(p))),
+                _ => None,
+            })
+            .collect();
+        let mut released = 0;
+        for (id, cookie, p) in live {
+            if !p.departed() {
+                p.release_maps(false);
+                continue;
+            }
+            p.release_maps(true);
+            let why = format!("the engine in process {} is gone", p.pid);
+            let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+            let current = peers.get(&id).is_some_and(|(c, sel)| match &**sel {
+                Selection::Yes(q) => *c == cookie && Arc::ptr_eq(q, &p),
+                _ => false,
+            });
+            if current {
+                peers.insert(id, (cookie, Arc::new(Selection::Gone(why))));
+                released += 1;
+            }
+        }
+        released
+    }
+}
+
+/// Releases departed peers within [`REAP_INTERVAL`] (see there). Holds the transport only
+/// weakly: it ends when the transport shuts down or is dropped.
+fn reaper(weak: std::sync::Weak<Shared>) {
+    use rustix::event::{PollFd, PollFlags};
+    let mut buf = [0u8; 8];
+    loop {
+        let Some(shared) = weak.upgrade() else { return };
+        if shared.shut.load(Ordering::Acquire) {
+            return;
+        }
+        shared.reap();
+        let watched: Vec<Arc<ShmPeer>> = shared
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .filter_map(|(_, sel)| match &**sel {
+                Selection::Yes(p) => Some(Arc::clone(p)),
+                _ => None,
+            })
+            .collect();
+        let Some(wake) = &shared.wake else { return };
+        let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(watched.len() + 1);
+        fds.push(PollFd::new(wake, PollFlags::IN));
+        fds.extend(watched.iter().map(|p| PollFd::new(&p.pidfd, PollFlags::IN)));
+        let tick = rustix::event::Timespec { tv_sec: REAP_INTERVAL.as_secs() as i64, tv_nsec: i64::from(REAP_INTERVAL.subsec_nanos()) };
+        match rustix::event::poll(&mut fds, Some(&tick)) {
+            Ok(_) => {
+                if !fds[0].revents().is_empty() {
+                    drop(fds);
+                    let _ = rustix::io::read(wake, &mut buf);
+                }
+            }
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => {
+                drop(fds);
+                tracing::debug!("reaper: poll failed ({e}); checking every {REAP_INTERVAL:?}");
+                std::thread::sleep(REAP_INTERVAL);
+            }
+        }
+        // Our references must not keep a departed peer's mappings alive.
+        drop(watched);
+        drop(shared);
+    }
+}
+
+/// The same-host transport of one engine.
+pub struct ShmTransport {
+    mode: TransportMode,
+    threads: usize,
+    drain: Duration,
+    local: Option<LocalCtl>,
+    /// Why this engine does not offer shared-memory access (when it does not).
+    local_reason: Option<String>,
+    host_id: Result<String, String>,
+    owner: u64,
+    shared: Arc<Shared>,
+    shut: AtomicBool,
+    /// The process that created the transport (see [`foreign`]).
+    home: u32,
+}
+
+impl ShmTransport {
+    pub fn new(opts: ShmOptions) -> ShmTransport {
+        let host_id = host_id();
+        let (local, local_reason) = match (opts.mode, &host_id) {
+            (TransportMode::Tcp, _) => (None, Some("KVFERRY_TRANSPORT=tcp".to_string())),
+            (_, Err(e)) => (None, Some(e.clone())),
+            (_, Ok(_)) => match LocalCtl::create(&opts.name) {
+                Ok(c) => (Some(c), None),
+                Err(e) => (None, Some(format!("cannot create the control region (memfd): {e}"))),
+            },
+        };
+        if let Some(r) = &local_reason {
+            tracing::debug!("not offering shared-memory access to peers: {r}");
+        }
+        let threads = if opts.threads == 0 {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).min(4)
+        } else {
+            opts.threads
+        };
+        let pid = u64::from(std::process::id());
+        let owner = (pid << 32) | u64::from(rand::random::<u32>() | 1);
+        ShmTransport {
+            mode: opts.mode,
+            threads,
+            drain: opts.drain,
+            local,
+            local_reason,
+            host_id,
+            owner,
+            shared: Arc::new(Shared {
+                queue: Mutex::default(),
+                cv: Condvar::new(),
+                refresh: OnceLock::new(),
+                peers: Mutex::default(),
+                reaper: AtomicBool::new(false),
+                wake: rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK).ok(),
+                shut: AtomicBool::new(false),
+            }),
+            shut: AtomicBool::new(false),
+            home: std::process::id(),
+        }
+    }
+
+    /// Installs the descriptor refresh used when a peer's epoch moved.
+    pub fn set_refresh(&self, f: Refresh) {
+        let _ = self.shared.refresh.set(f);
+    }
+
+    pub fn mode(&self) -> TransportMode {
+        self.mode
+    }
+
+    /// Why peers cannot reach this engine through shared memory, if they cannot.
+    pub fn local_unavailable(&self) -> Option<&str> {
+        self.local_reason.as_deref()
+    }
+
+    /// What this engine publishes under [`FIELD`], without `maps` (see [`publish`]). Read
+    /// it *before* snapshotting the registered ranges: the epoch then never claims a newer
+    /// state than the buffer list.
+    pub fn offer(&self) -> Option<ShmInfo> {
+        let c = self.local.as_ref()?;
+        let host_id = self.host_id.as_ref().ok()?;
+        let info = ShmInfo {
+            version: VERSION,
+            host_id: host_id.clone(),
+            pid: rustix::process::getpid().as_raw_nonzero().get(),
+            uid: rustix::process::getuid().as_raw(),
+            ctl_fd: c.fd.as_raw_fd(),
+            ctl_addr: c.map.ptr as u64,
+            ctl_len: CTL_LEN as u64,
+            cookie: c.map.cookie_hex(),
+            epoch: c.map.epoch().load(Ordering::SeqCst),
+            maps: Vec::new(),
+        };
+        Some(info)
+    }
+
+    /// Chooses this transport for `peer`, or says why not. Cached per peer and peer cookie.
+    pub fn select(&self, peer: &Arc<Peer>) -> Result<Arc<ShmPeer>, String> {
+        if self.mode == TransportMode::Tcp {
+            return Err("KVFERRY_TRANSPORT=tcp".into());
+        }
+        if self.shut.load(Ordering::Acquire) {
+            return Err("engine shut down".into());
+        }
+        let mut desc = peer.desc();
+        let cookie_of = |d: &SegmentDesc| ShmInfo::cookie_epoch(d).map(|(c, _)| c.to_string());
+        let cached = self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).get(&peer.id).cloned();
+        if let Some((c, sel)) = cached {
+            if c == cookie_of(&desc) {
+                let gone = match &*sel {
+                    Selection::Yes(p) if !p.exited_lately() && p.ctl.closed().load(Ordering::Acquire) == 0 => return Ok(Arc::clone(p)),
+                    Selection::No(r) => return Err(r.clone()),
+                    Selection::Yes(p) => {
+                        p.release_maps(true);
+                        format!("{}: the engine in process {} is gone", peer.name, p.pid)
+                    }
+                    Selection::Gone(r) => format!("{}: {r}", peer.name),
+                };
+                // The engine we verified is gone (process exited or engine dropped): a new
+                // one may serve the segment now.
+                if let Some(f) = self.shared.refresh.get() {
+                    let _ = f(peer);
+                }
+                desc = peer.desc();
+                if c == cookie_of(&desc) {
+                    // Forget it: its control region and any of its memory mapped here are
+                    // released once no copy uses them.
+                    self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.id, (c, Arc::new(Selection::No(gone.clone()))));
+                    return Err(gone);
+                }
+            }
+        }
+        let info = ShmInfo::of(&desc);
+        let cookie = cookie_of(&desc);
+        let sel = match self.choose(info, &peer.name) {
+            Ok(p) => {
+                tracing::debug!(segment = %peer.name, pid = p.pid, "using shared memory (cross-memory attach)");
+                Selection::Yes(Arc::new(p))
+            }
+            Err(r) => {
+                let r = format!("{}: {r}", peer.name);
+                tracing::debug!("shared memory not used for {r}; using TCP");
+                Selection::No(r)
+            }
+        };
+        let sel = Arc::new(sel);
+        self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.id, (cookie, Arc::clone(&sel)));
+        match &*sel {
+            Selection::Yes(p) => {
+                self.watch();
+                Ok(Arc::clone(p))
+            }
+            Selection::No(r) | Selection::Gone(r) => Err(r.clone()),
+        }
+    }
+
+    /// Makes the reaper watch the peers selected so far (starting it the first time).
+    fn watch(&self) {
+        if self.shared.wake.is_none() {
+            return; // no eventfd: peers are released when a request finds them gone
+        }
+        if self.shared.reaper.swap(true, Ordering::AcqRel) {
+            self.shared.wake_reaper();
+            return;
+        }
+        let weak = Arc::downgrade(&self.shared);
+        if let Err(e) = std::thread::Builder::new().name("kvf-shm-reaper".into()).spawn(move || reaper(weak)) {
+            tracing::warn!("cannot start the thread that releases departed same-host peers ({e}); they are released when a request finds them gone");
+            self.shared.reaper.store(false, Ordering::Release);
+        }
+    }
+
+    /// Releases departed peers now (what the reaper does every [`REAP_INTERVAL`]); returns
+    /// how many were released.
+    pub fn reap(&self) -> usize {
+        self.shared.reap()
+    }
+
+    fn choose(&self, info: Option<Result<ShmInfo, String>>, segment: &str) -> Result<ShmPeer, String> {
+        let info = info.ok_or_else(|| format!("it publishes no {FIELD} field (a Mooncake engine, or KVFERRY_TRANSPORT=tcp there)"))??;
+        let ours = self.host_id.as_ref().map_err(|e| format!("this host's identity is unknown ({e})"))?;
+        if info.version != VERSION {
+            return Err(format!("it speaks {FIELD} version {}, this engine {VERSION}", info.version));
+        }
+        if info.host_id != *ours {
+            return Err(format!("it runs on another host or in another PID namespace (host id {} vs ours {ours})", info.host_id));
+        }
+        if info.ctl_len != CTL_LEN as u64 {
+            return Err(format!("its control region is {} bytes, expected {CTL_LEN}", info.ctl_len));
+        }
+        ShmPeer::attach(&info, self.owner, segment)
+    }
+
+    /// Queues (or, when small, runs here) pieces for a verified peer.
+    pub fn submit_to(&self, peer: &Arc<Peer>, shm: Arc<ShmPeer>, pieces: Vec<Piece>, inline: bool) {
+        if self.shut.load(Ordering::Acquire) {
+            for p in pieces {
+                p.task.piece_failed(FailKind::Failed, FailCause::ShutDown.because("engine shut down"));
+            }
+            return;
+        }
+        let total: u64 = pieces.iter().map(|p| p.len).sum();
+        if total <= INLINE_BYTES || (inline && pieces.len() == 1 && total <= CHUNK) {
+            run_job(&self.shared, Job { shm, peer: Arc::clone(peer), pieces });
+            return;
+        }
+        // Cut large pieces, then gather pieces into jobs of about CHUNK bytes.
+        let mut jobs: Vec<Job> = Vec::new();
+        let mut cur: Vec<Piece> = Vec::new();
+        let mut cur_bytes = 0u64;
+        let push = |p: Piece, jobs: &mut Vec<Job>, cur: &mut Vec<Piece>, cur_bytes: &mut u64| {
+            if !cur.is_empty() && (*cur_bytes + p.len > CHUNK || cur.len() >= MAX_IOV) {
+                jobs.push(Job { shm: Arc::clone(&shm), peer: Arc::clone(peer), pieces: std::mem::take(cur) });
+                *cur_bytes = 0;
+            }
+            *cur_bytes += p.len;
+            cur.push(p);
+        };
+        for p in pieces {
+            if p.len <= CHUNK {
+                push(p, &mut jobs, &mut cur, &mut cur_bytes);
+                continue;
+            }
+            let count = p.len.div_ceil(CHUNK);
+            p.task.split(count as u32);
+            let mut off = 0;
+            while off < p.len {
+                let len = CHUNK.min(p.len - off);
+                let part = Piece { opcode: p.opcode, local: p.local + off, remote: p.remote + off, len, task: Arc::clone(&p.task), guard: p.guard.clone() };
+                push(part, &mut jobs, &mut cur, &mut cur_bytes);
+                off += len;
+            }
+        }
+        if !cur.is_empty() {
+            jobs.push(Job { shm: Arc::clone(&shm), peer: Arc::clone(peer), pieces: cur });
+        }
+        let n = jobs.len();
+        let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if q.shutdown {
+            drop(q);
+            for j in jobs {
+                for p in j.pieces {
+                    p.task.piece_failed(FailKind::Failed, FailCause::ShutDown.because("engine shut down"));
+                }
+            }
+            return;
+        }
+        q.jobs.extend(jobs);
+        while q.workers < self.threads {
+            let shared = Arc::clone(&self.shared);
+            match std::thread::Builder::new().name("kvf-shm".into()).spawn(move || worker(shared)) {
+                Ok(_) => q.workers += 1,
+                Err(e) => {
+                    tracing::warn!("cannot start a shared-memory worker thread: {e}");
+                    break;
+                }
+            }
+        }
+        if q.workers == 0 {
+            // No thread at all: copy here rather than never.
+            let jobs: Vec<Job> = q.jobs.drain(..).collect();
+            drop(q);
+            for j in jobs {
+                run_job(&self.shared, j);
+            }
+            return;
+        }
+        drop(q);
+        if n == 1 {
+            self.shared.cv.notify_one();
+        } else {
+            self.shared.cv.notify_all();
+        }
+    }
+}
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn describe(&self, desc: &mut SegmentDesc) {
+        if let Some(v) = self.offer().and_then(|info| publish(info, &desc.buffers)) {
+            desc.extra.insert(FIELD.to_string(), v);
+        }
+    }
+
+    /// Called after a range left the registry: no copy into or out of it may be in flight
+    /// once this returns.
+    fn on_unregister(&self, region: &crate::memory::Region) {
+        let Some(c) = &self.local else { return };
+        c.map.epoch().fetch_add(1, Ordering::SeqCst);
+        if !c.drain(Instant::now() + self.drain) {
+            tracing::warn!(addr = region.addr, "unregister: a peer's shared-memory copy is still in flight after {:?}; range removed anyway", self.drain);
+        }
+    }
+
+    fn reachable(&self, peer: &Peer) -> Result<(), String> {
+        match self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).get(&peer.id) {
+            Some((_, sel)) => match &**sel {
+                Selection::Yes(_) => Ok(()),
+                Selection::No(r) | Selection::Gone(r) => Err(r.clone()),
+            },
+            None => Err("not selected yet".into()),
+        }
+    }
+
+    fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>) {
+        match self.select(peer) {
+            Ok(shm) => self.submit_to(peer, shm, pieces, false),
+            Err(r) => fail_all(pieces, FailKind::Failed, FailCause::PeerUnreachable, &r),
+        }
+    }
+
+    fn shutdown(&self) {
+        if foreign(self.home) {
+            // A forked child's copy: the control region, the queue and the peers' slots are
+            // the parent's (and its locks may have been held by threads the child lacks).
+            self.shut.store(true, Ordering::Release);
+            return;
+        }
+        if self.shut.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Peers must stop copying into our memory before the caller frees it.
+        if let Some(c) = &self.local {
+            c.map.closed().store(1, Ordering::SeqCst);
+            c.map.epoch().fetch_add(1, Ordering::SeqCst);
+            if !c.drain(Instant::now() + self.drain.min(Duration::from_secs(5))) {
+                tracing::warn!("shutdown: a peer's shared-memory copy is still in flight");
+            }
+        }
+        let jobs: Vec<Job> = {
+            let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            q.shutdown = true;
+            q.jobs.drain(..).collect()
+        };
+        self.shared.cv.notify_all();
+        for j in jobs {
+            fail_all(j.pieces, FailKind::Failed, FailCause::ShutDown, "engine shut down");
+        }
+        self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.shared.shut.store(true, Ordering::Release);
+        self.shared.wake_reaper();
+    }
+}
+
+impl Drop for ShmTransport {
+    /// Shuts down (in the creating process only; a forked child's copy only closes its
+    /// descriptors).
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attach::*;
+    use super::ctl::*;
+    use super::*;
+
+    #[test]
+    fn mode_parses() {
+        assert_eq!("AUTO".parse::<TransportMode>(), Ok(TransportMode::Auto));
+        assert_eq!(" shm ".parse::<TransportMode>(), Ok(TransportMode::Shm));
+        assert!("rdma".parse::<TransportMode>().unwrap_err().contains("auto, tcp or shm"));
+    }
+
+    #[test]
+    fn host_id_names_boot_and_namespace() {
+        let h = host_id().unwrap();
+        assert!(h.contains("pid:["), "{h}");
+        assert_eq!(h, host_id().unwrap());
+    }
+
+    #[test]
+    fn endpoint_aliases() {
+        assert!(same_endpoint("localhost:15001", "127.0.0.1:15001"));
+        assert!(!same_endpoint("localhost:15001", "127.0.0.1:15002"));
+        assert!(!same_endpoint("127.0.0.2:15001", "127.0.0.1:15001"));
+        assert!(!same_endpoint("no-such-host.invalid:1", "127.0.0.1:1"));
+        assert!(!same_endpoint("garbage", "127.0.0.1:1"));
+    }
+
+    #[test]
+    fn control_region_layout() {
+        const { assert!(N_SLOTS >= 1000) };
+        let c = LocalCtl::create("127.0.0.1:15000").unwrap();
+        assert_eq!(c.map.name(), "127.0.0.1:15000");
+        assert_eq!(c.map.header()[..8], CTL_MAGIC.to_le_bytes());
+        assert_eq!(c.map.cookie_hex().len(), 32);
+        // A slot owned by a dead process with a copy "in flight" does not block a drain.
+        c.map.owner(3).store((i32::MAX as u64) << 32 | 1, Ordering::SeqCst);
+        c.map.active(3).store(1, Ordering::SeqCst);
+        c.map.word(OFF_HWM).store(4, Ordering::SeqCst);
+        assert!(c.drain(Instant::now() + Duration::from_secs(2)));
+        assert_eq!(c.map.owner(3).load(Ordering::SeqCst), 0);
+        // A live owner with a copy in flight does, until the deadline.
+        let owner = (u64::from(std::process::id()) << 32) | 7;
+        assert_eq!(claim_slot(&c.map, owner), Some(0));
+        c.map.active(0).store(1, Ordering::SeqCst);
+        let t = Instant::now();
+        assert!(!c.drain(Instant::now() + Duration::from_millis(50)));
+        assert!(t.elapsed() >= Duration::from_millis(50));
+    }
+    /// Waits up to 10 s for a forked child; kills it (by pid) and fails if it hangs.
+    fn wait_child(pid: i32) -> i32 {
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            let mut status = 0;
+            // SAFETY: waiting for our own child.
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if r == pid {
+                return status;
+            }
+            if Instant::now() > until {
+                // SAFETY: our own child.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, &mut status, 0);
+                }
+                panic!("forked child {pid} did not exit within 10 s");
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    #[test]
+    fn control_region_is_sealed_and_an_unsealed_one_is_refused() {
+        let name = "127.0.0.1:15077";
+        let c = LocalCtl::create(name).unwrap();
+        // Its owner (or anyone with the fd) cannot shrink or grow it under a peer's mapping.
+        assert!(rustix::fs::ftruncate(&c.fd, 0).is_err());
+        assert!(rustix::fs::ftruncate(&c.fd, 2 * CTL_LEN as u64).is_err());
+        let info_of = |fd: &OwnedFd, map: &CtlMap| ShmInfo {
+            version: VERSION,
+            host_id: host_id().unwrap(),
+            pid: std::process::id() as i32,
+            uid: 0,
+            ctl_fd: fd.as_raw_fd(),
+            ctl_addr: map.ptr as u64,
+            ctl_len: CTL_LEN as u64,
+            cookie: map.cookie_hex(),
+            epoch: 0,
+            maps: Vec::new(),
+        };
+        let owner = (u64::from(std::process::id()) << 32) | 99;
+        ShmPeer::attach(&info_of(&c.fd, &c.map), owner, name).expect("the sealed region is accepted");
+        // A region that is a valid kvferry control region in every other respect, but
+        // unsealed: its owner could truncate it and crash us with SIGBUS. Refused.
+        let fd = rustix::fs::memfd_create("kvferry-shm-ctl", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&fd, CTL_LEN as u64).unwrap();
+        let map = CtlMap::map(&fd).unwrap();
+        for off in [OFF_COOKIE, OFF_COOKIE + 8] {
+            map.word(off).store(rand::random(), Ordering::SeqCst);
+        }
+        // SAFETY: in bounds of the fresh mapping.
+        unsafe { std::ptr::copy_nonoverlapping(name.as_ptr(), map.ptr.add(OFF_NAME + 8), name.len()) };
+        map.word(OFF_NAME).store(name.len() as u64, Ordering::SeqCst);
+        map.word(OFF_MAGIC).store(CTL_MAGIC, Ordering::SeqCst);
+        let e = ShmPeer::attach(&info_of(&fd, &map), owner, name).err().expect("an unsealed control region is refused");
+        assert!(e.contains("not sealed"), "{e}");
+    }
+
+    #[test]
+    fn a_forked_child_dropping_the_transport_leaves_the_parents_region_alone() {
+        let name = "127.0.0.1:15078";
+        let t = ShmTransport::new(ShmOptions { name: name.into(), mode: TransportMode::Auto, threads: 1, drain: Duration::from_secs(1) });
+        let info = t.offer().unwrap();
+        let owner = (u64::from(std::process::id()) << 32) | 5;
+        let peer = ShmPeer::attach(&info, owner, name).unwrap();
+        let slot = peer.slot;
+        let c = t.local.as_ref().unwrap();
+        let epoch = c.map.epoch().load(Ordering::SeqCst);
+        // SAFETY: the child only drops values (closing descriptors) and calls _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            t.shutdown();
+            drop(t);
+            drop(peer);
+            // SAFETY: ends the child without running the parent's exit handlers.
+            unsafe { libc::_exit(0) }
+        }
+        let status = wait_child(pid);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child crashed: status {status:#x}");
+        assert_eq!(c.map.closed().load(Ordering::SeqCst), 0, "the child marked the parent's region closed");
+        assert_eq!(c.map.epoch().load(Ordering::SeqCst), epoch, "the child moved the parent's epoch");
+        assert_eq!(c.map.owner(slot).load(Ordering::SeqCst), owner, "the child released the parent's slot");
+        // The parent's transport still works: a new initiator attaches.
+        ShmPeer::attach(&t.offer().unwrap(), owner + 2, name).expect("the parent still serves");
+        drop(peer);
+        assert_eq!(c.map.owner(slot).load(Ordering::SeqCst), 0, "the parent's own drop releases the slot");
+        t.shutdown();
+        assert_eq!(c.map.closed().load(Ordering::SeqCst), 1);
+    }
+}
+
