@@ -189,7 +189,7 @@ impl TransferEngine {
             config.transfer_timeout,
         )
         .map_err(|e| Error::io("starting the TCP data server", e))?;
-        let shm = ShmTransport::new(ShmOptions { name: name.clone(), mode: config.transport, threads: config.shm_threads, drain: config.transfer_timeout });
+        let shm = ShmTransport::new(ShmOptions { name: name.clone(), mode: config.transport, threads: config.shm_threads });
         let inner = Arc::new_cyclic(|weak: &Weak<Inner>| {
             let w = weak.clone();
             shm.set_refresh(Box::new(move |peer: &Arc<Peer>| match w.upgrade() {

@@ -256,8 +256,6 @@ pub struct ShmOptions {
     pub mode: TransportMode,
     /// Worker threads for queued copies (0: the number of CPUs, at most 4).
     pub threads: usize,
-    /// How long `unregister` and shutdown wait for copies in flight.
-    pub drain: Duration,
 }
 
 enum Selection {
@@ -384,7 +382,6 @@ fn reaper(weak: std::sync::Weak<Shared>) {
 pub struct ShmTransport {
     mode: TransportMode,
     threads: usize,
-    drain: Duration,
     local: Option<LocalCtl>,
     /// Why this engine does not offer shared-memory access (when it does not).
     local_reason: Option<String>,
@@ -420,7 +417,6 @@ impl ShmTransport {
         ShmTransport {
             mode: opts.mode,
             threads,
-            drain: opts.drain,
             local,
             local_reason,
             host_id,
@@ -654,6 +650,17 @@ impl ShmTransport {
     }
 }
 
+/// Waits until no peer has a copy into or out of our memory in flight. Never gives up
+/// while the copying process lives: a copy is one bounded `memcpy` or system call after an
+/// epoch check, so only a peer that is stopped (SIGSTOP, a debugger) mid-copy can hold this;
+/// a warning names the wait every 5 s. Slots of dead processes are cleared.
+fn drain_fully(c: &LocalCtl, what: &str) {
+    let start = Instant::now();
+    while !c.drain(Instant::now() + Duration::from_secs(5)) {
+        tracing::warn!("{what}: a same-host peer's copy has been in flight for {:?} (is that process stopped?); waiting for it", start.elapsed());
+    }
+}
+
 impl Transport for ShmTransport {
     fn name(&self) -> &'static str {
         "shm"
@@ -670,9 +677,7 @@ impl Transport for ShmTransport {
     fn on_unregister(&self, region: &crate::memory::Region) {
         let Some(c) = &self.local else { return };
         c.map.epoch().fetch_add(1, Ordering::SeqCst);
-        if !c.drain(Instant::now() + self.drain) {
-            tracing::warn!(addr = region.addr, "unregister: a peer's shared-memory copy is still in flight after {:?}; range removed anyway", self.drain);
-        }
+        drain_fully(c, &format!("unregister of 0x{:x}", region.addr));
     }
 
     fn reachable(&self, peer: &Peer) -> Result<(), String> {
@@ -706,9 +711,7 @@ impl Transport for ShmTransport {
         if let Some(c) = &self.local {
             c.map.closed().store(1, Ordering::SeqCst);
             c.map.epoch().fetch_add(1, Ordering::SeqCst);
-            if !c.drain(Instant::now() + self.drain.min(Duration::from_secs(5))) {
-                tracing::warn!("shutdown: a peer's shared-memory copy is still in flight");
-            }
+            drain_fully(c, "shutdown");
         }
         let jobs: Vec<Job> = {
             let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
@@ -845,7 +848,7 @@ mod tests {
     #[test]
     fn a_forked_child_dropping_the_transport_leaves_the_parents_region_alone() {
         let name = "127.0.0.1:15078";
-        let t = ShmTransport::new(ShmOptions { name: name.into(), mode: TransportMode::Auto, threads: 1, drain: Duration::from_secs(1) });
+        let t = ShmTransport::new(ShmOptions { name: name.into(), mode: TransportMode::Auto, threads: 1 });
         let info = t.offer().unwrap();
         let owner = (u64::from(std::process::id()) << 32) | 5;
         let peer = ShmPeer::attach(&info, owner, name).unwrap();
