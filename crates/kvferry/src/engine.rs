@@ -56,8 +56,11 @@ struct Inner {
     name: String,
     memory: Arc<MemoryRegistry>,
     tcp: Arc<TcpTransport>,
-    /// Same-host peers: cross-memory attach.
-    shm: ShmTransport,
+    /// Same-host peers: mapped shared memory or cross-memory attach.
+    shm: Arc<ShmTransport>,
+    /// The transports to peers, in order of preference (by `KVFERRY_TRANSPORT`): a peer's
+    /// pieces go to the first that can reach it.
+    transports: Vec<Arc<dyn Transport>>,
     local: LocalTransport,
     handshake: HandshakeServer,
     segments: RwLock<Segments>,
@@ -189,7 +192,12 @@ impl TransferEngine {
             config.transfer_timeout,
         )
         .map_err(|e| Error::io("starting the TCP data server", e))?;
-        let shm = ShmTransport::new(ShmOptions { name: name.clone(), mode: config.transport, threads: config.shm_threads });
+        let shm = Arc::new(ShmTransport::new(ShmOptions { name: name.clone(), mode: config.transport, threads: config.shm_threads }));
+        let transports: Vec<Arc<dyn Transport>> = match config.transport {
+            TransportMode::Auto => vec![Arc::clone(&shm) as Arc<dyn Transport>, Arc::clone(&tcp) as Arc<dyn Transport>],
+            TransportMode::Tcp => vec![Arc::clone(&tcp) as Arc<dyn Transport>],
+            TransportMode::Shm => vec![Arc::clone(&shm) as Arc<dyn Transport>],
+        };
         let inner = Arc::new_cyclic(|weak: &Weak<Inner>| {
             let w = weak.clone();
             shm.set_refresh(Box::new(move |peer: &Arc<Peer>| match w.upgrade() {
@@ -208,6 +216,7 @@ impl TransferEngine {
                 name: name.clone(),
                 local: LocalTransport::new(Arc::clone(&memory)),
                 shm,
+                transports,
                 memory,
                 tcp,
                 handshake,
@@ -305,8 +314,8 @@ impl TransferEngine {
     pub fn unregister_memory_batch(&self, addrs: &[u64]) -> Result<()> {
         let removed = self.inner.memory.unregister_batch(addrs)?;
         for r in &removed {
+            // Each waits until no peer can reach the range through it any more.
             self.inner.tcp.on_unregister(r);
-            // Waits until no peer copies into or out of the range through shared memory.
             self.inner.shm.on_unregister(r);
         }
         // The memory is withdrawn whatever the service says; a failed update is retried by
@@ -380,15 +389,10 @@ impl TransferEngine {
             return Ok(SegmentTransport { name: "local", why_not_shm: None });
         }
         let peer = self.inner.peer(id)?;
-        match self.inner.shm.select(&peer) {
-            Ok(_) => Ok(SegmentTransport { name: "shm", why_not_shm: None }),
-            Err(why) if self.inner.config.transport == TransportMode::Shm => {
-                Err(Error::NoTransport { segment: peer.name.clone(), reason: format!("KVFERRY_TRANSPORT=shm, but {why}") })
-            }
-            Err(why) => match self.inner.tcp.reachable(&peer) {
-                Ok(()) => Ok(SegmentTransport { name: "tcp", why_not_shm: Some(why) }),
-                Err(e) => Err(Error::NoTransport { segment: peer.name.clone(), reason: format!("{e}; no shared memory either: {why}") }),
-            },
+        let why_not_shm = self.inner.shm.reachable(&peer).err();
+        match self.inner.pick(&peer) {
+            Ok(t) => Ok(SegmentTransport { name: t.name(), why_not_shm: if t.name() == "shm" { None } else { why_not_shm } }),
+            Err(e) => Err(e),
         }
     }
 
@@ -677,7 +681,7 @@ impl Inner {
             p.task.piece_failed(FailKind::Failed, &e);
         }
         if !ok.is_empty() {
-            self.tcp.submit(&peer, ok);
+            self.tcp.submit(&peer, ok, false);
         }
         Vec::new()
     }
@@ -829,31 +833,35 @@ impl Inner {
         }
     }
 
+    /// The transport that serves `peer`: the first of `transports` that can reach it. The
+    /// error lists why each could not.
+    fn pick(&self, peer: &Arc<Peer>) -> Result<&Arc<dyn Transport>> {
+        let mut why = Vec::with_capacity(self.transports.len());
+        for t in &self.transports {
+            match t.reachable(peer) {
+                Ok(()) => return Ok(t),
+                Err(e) => why.push((t.name(), e)),
+            }
+        }
+        let reason = match (self.config.transport, why.as_slice()) {
+            (TransportMode::Shm, [(_, e)]) => format!("KVFERRY_TRANSPORT=shm, but {e}"),
+            (_, [(_, e)]) => e.clone(),
+            _ => why.iter().map(|(n, e)| format!("{n}: {e}")).collect::<Vec<_>>().join("; "),
+        };
+        Err(Error::NoTransport { segment: peer.name.clone(), reason })
+    }
+
     /// Hands pieces to the transport that serves `peer`: the local copy for the engine's
-    /// own segment, shared memory for same-host peers that allow it, TCP for the rest.
+    /// own segment, else the first transport that can reach it (shared memory for same-host
+    /// peers that allow it, TCP for the rest, as `KVFERRY_TRANSPORT` allows).
     fn dispatch(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) {
-        if peer.id != LOCAL_SEGMENT_ID {
-            match self.shm.select(peer) {
-                Ok(sp) => return self.shm.submit_to(peer, sp, pieces, inline),
-                Err(why) if self.config.transport == TransportMode::Shm => {
-                    let e = Error::NoTransport { segment: peer.name.clone(), reason: format!("KVFERRY_TRANSPORT=shm, but {why}") };
-                    return fail_pieces(pieces, &e);
-                }
-                Err(_) => {}
-            }
+        if peer.id == LOCAL_SEGMENT_ID {
+            return self.local.submit(peer, pieces, inline);
         }
-        let transport: &dyn Transport = if peer.id == LOCAL_SEGMENT_ID { &self.local } else { &*self.tcp };
-        if let Err(why) = transport.reachable(peer) {
-            let e = Error::NoTransport { segment: peer.name.clone(), reason: why };
-            return fail_pieces(pieces, &e);
+        match self.pick(peer) {
+            Ok(t) => t.submit(peer, pieces, inline),
+            Err(e) => fail_pieces(pieces, &e),
         }
-        if inline && pieces.len() == 1 && peer.id != LOCAL_SEGMENT_ID {
-            if let Some(p) = pieces.into_iter().next() {
-                self.tcp.submit_one(peer, p);
-            }
-            return;
-        }
-        transport.submit(peer, pieces);
     }
 }
 

@@ -24,7 +24,7 @@ impl Transport for LocalTransport {
 
     fn describe(&self, _desc: &mut SegmentDesc) {}
 
-    fn reachable(&self, peer: &Peer) -> Result<(), String> {
+    fn reachable(&self, peer: &Arc<Peer>) -> Result<(), String> {
         if peer.id == 0 {
             Ok(())
         } else {
@@ -32,7 +32,7 @@ impl Transport for LocalTransport {
         }
     }
 
-    fn submit(&self, _peer: &Arc<Peer>, pieces: Vec<Piece>) {
+    fn submit(&self, _peer: &Arc<Peer>, pieces: Vec<Piece>, _inline: bool) {
         for p in pieces {
             let Some(_remote) = self.registry.check(p.remote, p.len) else {
                 p.task.piece_failed(FailKind::Failed, FailCause::RemoteNotRegistered.because(format!("local segment: [0x{:x}, +{}) is not inside registered memory", p.remote, p.len)));

@@ -11,8 +11,16 @@
 //! - [`Transport::on_register`] sees every registration before it is published, so RDMA can
 //!   register MRs and publish keys through [`Transport::describe`].
 //! - [`Transport::submit`] never blocks on the network. Each piece ends exactly once through
-//!   its [`TaskState`]: done, failed with a reason, or timed out at the task's deadline.
-//! - A piece ends only when the transport will not touch its local memory again.
+//!   its [`TaskState`]: done, failed with a reason, or timed out at the task's deadline (every
+//!   loop checks the deadline after each system call, so no peer can stretch it).
+//! - A piece ends only when the transport will not touch its local memory again; its
+//!   [`RegionGuard`] goes with it. A revoked guard ([`RegionGuard::is_revoked`]: the range is
+//!   being unregistered) stops the piece between system calls.
+//! - [`Transport::on_unregister`] returns only once no peer can reach the range through this
+//!   transport any more (the target-side half of the unregister barrier).
+//!
+//! The engine keeps its transports in order of preference and hands a peer's pieces to the
+//! first whose [`Transport::reachable`] says yes (`engine.rs`, `dispatch`).
 
 pub mod local;
 pub mod shm;
@@ -75,10 +83,13 @@ pub trait Transport: Send + Sync {
     }
     /// Called after a range is withdrawn.
     fn on_unregister(&self, _region: &Region) {}
-    /// Whether this transport can move data to `peer`; the error says why not.
-    fn reachable(&self, peer: &Peer) -> Result<(), String>;
-    /// Queues pieces for `peer`. Never blocks on the network.
-    fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>);
+    /// Whether this transport can move data to `peer` (deciding once and caching the answer
+    /// where that takes work); the error says why not.
+    fn reachable(&self, peer: &Arc<Peer>) -> Result<(), String>;
+    /// Queues pieces for `peer`. Never blocks on the network. `inline`: the caller waits for
+    /// them anyway (a lone synchronous request), so the transport may run them in the
+    /// caller's thread when that is faster.
+    fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool);
     /// Stops threads and closes connections; queued pieces fail.
     fn shutdown(&self);
 }

@@ -680,19 +680,13 @@ impl Transport for ShmTransport {
         drain_fully(c, &format!("unregister of 0x{:x}", region.addr));
     }
 
-    fn reachable(&self, peer: &Peer) -> Result<(), String> {
-        match self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).get(&peer.id) {
-            Some((_, sel)) => match &**sel {
-                Selection::Yes(_) => Ok(()),
-                Selection::No(r) | Selection::Gone(r) => Err(r.clone()),
-            },
-            None => Err("not selected yet".into()),
-        }
+    fn reachable(&self, peer: &Arc<Peer>) -> Result<(), String> {
+        self.select(peer).map(|_| ())
     }
 
-    fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>) {
+    fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) {
         match self.select(peer) {
-            Ok(shm) => self.submit_to(peer, shm, pieces, false),
+            Ok(shm) => self.submit_to(peer, shm, pieces, inline),
             Err(r) => fail_all(pieces, FailKind::Failed, FailCause::PeerUnreachable, &r),
         }
     }

@@ -169,7 +169,7 @@ impl TcpTransport {
                 }
             }
         }
-        self.submit(peer, vec![piece])
+        self.queue(peer, vec![piece])
     }
 }
 
@@ -184,7 +184,7 @@ impl Transport for TcpTransport {
         desc.tcp_proto_version = Some(2);
     }
 
-    fn reachable(&self, peer: &Peer) -> Result<(), String> {
+    fn reachable(&self, peer: &Arc<Peer>) -> Result<(), String> {
         let d = peer.desc();
         if d.tcp_data_port == 0 {
             return Err(format!("segment {} publishes no TCP data port (protocol {:?})", peer.name, d.protocol));
@@ -192,7 +192,30 @@ impl Transport for TcpTransport {
         Ok(())
     }
 
-    fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>) {
+    fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) {
+        if inline && pieces.len() == 1 {
+            if let Some(p) = pieces.into_iter().next() {
+                self.submit_one(peer, p);
+            }
+            return;
+        }
+        self.queue(peer, pieces)
+    }
+
+    fn shutdown(&self) {
+        self.shut.store(true, Ordering::Release);
+        self.server.shutdown();
+        for (_, p) in self.peers.lock().unwrap_or_else(|e| e.into_inner()).drain() {
+            for l in &p.lanes {
+                l.stop();
+            }
+        }
+    }
+}
+
+impl TcpTransport {
+    /// Queues pieces on the lanes to `peer` (cut across lanes when large).
+    fn queue(&self, peer: &Arc<Peer>, pieces: Vec<Piece>) {
         let fail_all = |pieces: Vec<Piece>, f: Failure| {
             for p in pieces {
                 p.task.piece_failed(FailKind::Failed, f.clone());
@@ -259,18 +282,9 @@ impl Transport for TcpTransport {
         if !retired.is_empty() {
             // A part of a split piece counts as one piece; submitting it again (and maybe
             // splitting it again) keeps the task's piece count right.
-            self.submit(peer, retired);
+            self.queue(peer, retired);
         }
     }
 
-    fn shutdown(&self) {
-        self.shut.store(true, Ordering::Release);
-        self.server.shutdown();
-        for (_, p) in self.peers.lock().unwrap_or_else(|e| e.into_inner()).drain() {
-            for l in &p.lanes {
-                l.stop();
-            }
-        }
-    }
 }
 
