@@ -655,31 +655,33 @@ impl Inner {
         }
     }
 
-    /// A peer's data port refused a connection: if its descriptor (from the metadata service,
-    /// or its handshake port) now lists other ports (it restarted under the same name), adopt
-    /// them and submit the pieces again.
+    /// A peer's data port refused a connection, or a connection to it was lost: re-read its
+    /// descriptor (from the metadata service, or its handshake port). Pieces whose remote
+    /// range it no longer lists fail as not registered (a v1 target answers a request outside
+    /// its memory only by closing the connection: this is how that is told apart from a lost
+    /// peer). If it lists other data ports (it restarted under the same name) the rest are
+    /// submitted there; otherwise they are handed back to fail as they were going to.
     fn on_refused(&self, name: &str, refused: SocketAddr, pieces: Vec<Piece>) -> Vec<Piece> {
         let Some(&id) = self.segments.read().unwrap_or_else(|e| e.into_inner()).by_name.get(name) else { return pieces };
         let Ok(peer) = self.peer(id) else { return pieces };
         let desc = match self.refresh_descriptor(&peer) {
             Ok(d) => d,
             Err(e) => {
-                tracing::debug!("{name} refused a connection and its descriptor could not be refreshed: {e}");
+                tracing::debug!("{name} refused or lost a connection and its descriptor could not be refreshed: {e}");
                 return pieces;
             }
         };
-        match TcpTransport::data_addr(&peer, &desc) {
-            Ok(a) if a != refused => {}
-            _ => return pieces,
-        }
-        tracing::info!(segment = name, "peer moved to new ports (restarted?); retrying on its new descriptor");
+        let moved = matches!(TcpTransport::data_addr(&peer, &desc), Ok(a) if a != refused);
+        let (ok, gone): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| desc.find_buffer(p.remote, p.len).is_some());
         peer.set_desc(desc);
-        let d = peer.desc();
-        let (ok, gone): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| d.find_buffer(p.remote, p.len).is_some());
         for p in gone {
             let e = Error::RemoteNotRegistered { segment: name.to_string(), addr: p.remote, len: p.len };
             p.task.piece_failed(FailKind::Failed, &e);
         }
+        if !moved {
+            return ok;
+        }
+        tracing::info!(segment = name, "peer moved to new ports (restarted?); retrying on its new descriptor");
         if !ok.is_empty() {
             self.tcp.submit(&peer, ok, false);
         }

@@ -86,18 +86,34 @@ fn serve(l: TcpListener, stop: Arc<AtomicBool>, f: impl Fn(TcpStream) + Send + S
     });
 }
 
+/// A descriptor: handshake and data port, TCP protocol version, and the buffers listed.
+fn desc_json(hs_port: u16, data_port: u16, version: u32, buffers: &[u64]) -> String {
+    let bufs: Vec<String> = buffers.iter().map(|a| format!(r#"{{"name":"cpu:0","addr":{a},"length":16777216}}"#)).collect();
+    format!(
+        r#"{{"name":"127.0.0.1:{hs_port}","protocol":"tcp","tcp_data_port":{data_port},"tcp_proto_version":{version},"buffers":[{}]}}"#,
+        bufs.join(",")
+    )
+}
+
+/// What a fake peer's handshake port serves at its `n`th descriptor request (from 0), given
+/// its handshake and data ports.
+type Describe = dyn Fn(usize, u16, u16) -> String + Send + Sync;
+
 /// A peer publishing one 16 MiB buffer at `remote` (v2 TCP protocol) whose data
 /// connections run `script`.
 fn fake_peer(remote: u64, script: Arc<Script>) -> FakePeer {
+    fake_peer_with(Arc::new(move |_, hs, data| desc_json(hs, data, 2, &[remote])), script)
+}
+
+/// A fake peer whose descriptor requests are answered by `describe`.
+fn fake_peer_with(describe: Arc<Describe>, script: Arc<Script>) -> FakePeer {
     let data = TcpListener::bind("127.0.0.1:0").unwrap();
     let hs = TcpListener::bind("127.0.0.1:0").unwrap();
     let data_port = data.local_addr().unwrap().port();
     let hs_port = hs.local_addr().unwrap().port();
     let stop = Arc::new(AtomicBool::new(false));
     let accepted = Arc::new(AtomicUsize::new(0));
-    let desc = format!(
-        r#"{{"name":"127.0.0.1:{hs_port}","protocol":"tcp","tcp_data_port":{data_port},"tcp_proto_version":2,"buffers":[{{"name":"cpu:0","addr":{remote},"length":16777216}}]}}"#
-    );
+    let lookups = Arc::new(AtomicUsize::new(0));
     serve(hs, Arc::clone(&stop), move |mut s| {
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let mut len = [0u8; 8];
@@ -106,6 +122,7 @@ fn fake_peer(remote: u64, script: Arc<Script>) -> FakePeer {
         }
         let mut body = vec![0u8; (u64::from_le_bytes(len) as usize).min(1 << 20)];
         let _ = s.read_exact(&mut body);
+        let desc = describe(lookups.fetch_add(1, Ordering::SeqCst), hs_port, data_port);
         let _ = s.write_all(&handshake::encode(MsgType::Metadata, desc.as_bytes()));
     });
     let (st, acc) = (Arc::clone(&stop), Arc::clone(&accepted));
@@ -455,6 +472,35 @@ fn unregister_of_local_memory_stops_requests_in_flight() {
     assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
     assert_eq!(st.cause, Some(FailCause::LocalNotRegistered), "{st:?}");
     assert!(snapshot(&buf[..4096]).iter().all(|&x| x == 0x66), "bytes landed after unregister returned");
+}
+
+/// A v1 (legacy Mooncake) target rejects a request outside its memory only by closing the
+/// connection. When the peer's descriptor, re-read, no longer lists the range, the request
+/// fails as not registered, not as a lost peer; when it still does, as a lost peer.
+#[test]
+fn a_v1_rejection_is_told_apart_from_a_lost_peer() {
+    let a = engine(Duration::from_secs(5));
+    let buf = vec![0u8; 4096];
+    a.register_memory(buf.as_ptr() as u64, 4096, "*").unwrap();
+    let closes: Arc<Script> = Arc::new(|mut s: TcpStream, stop: &AtomicBool| {
+        let _ = read_header(&mut s, stop);
+        drop(s); // v1: "rejected" = closed, no answer
+    });
+    for (unregistered, cause) in [(true, FailCause::RemoteNotRegistered), (false, FailCause::PeerLost)] {
+        for op in [Opcode::Read, Opcode::Write] {
+            // The first lookup (open_segment) lists the buffer; later ones do not when the
+            // peer "unregistered" it.
+            let describe: Arc<Describe> =
+                Arc::new(move |n, hs, data| desc_json(hs, data, 1, if n == 0 || !unregistered { &[REMOTE] } else { &[] }));
+            let peer = fake_peer_with(describe, Arc::clone(&closes));
+            let seg = a.open_segment(&peer.name).unwrap();
+            let start = Instant::now();
+            let st = a.transfer_sync(&[req(op, &buf, seg, REMOTE, 4096)], Duration::from_secs(5)).unwrap();
+            assert_eq!(st.status, TaskStatus::Failed, "{op:?} unregistered={unregistered}: {st:?}");
+            assert_eq!(st.cause, Some(cause), "{op:?} unregistered={unregistered}: {st:?}");
+            assert!(start.elapsed() < Duration::from_secs(2), "{op:?}: failed after {:?}", start.elapsed());
+        }
+    }
 }
 
 // ------------------------------------------------------------------------------------------
