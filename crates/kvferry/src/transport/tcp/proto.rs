@@ -1,17 +1,22 @@
-//! The initiator's side of one request, as sans-IO decisions: what goes out, what comes
-//! back and in which order, when a loop must stop, and what becomes of a request whose
-//! connection failed.
+//! The decisions of the TCP data protocol, sans-IO.
 //!
-//! Nothing here touches a socket or reads the clock: the lane threads and the
-//! in-caller-thread path (`lane.rs`) feed it what the socket did and the time, and act on
-//! the answer. Both paths share it, so they cannot disagree on the protocol, and the rules
-//! (deadlines, retries, the v1 fence) are unit-tested below with synthetic times: a peer that
-//! trickles one byte at a time is a loop of calls, not a test that sleeps.
+//! Initiator side: what goes out, what comes back and in which order, when a loop must
+//! stop, and what becomes of a request whose connection failed. Target side
+//! ([`Admission`], [`HeaderClock`]): whether a request may touch memory and by when it must
+//! be done, and how long a half-received header may take.
+//!
+//! Nothing here touches a socket or reads the clock: the lane threads, the in-caller-thread
+//! path (`lane.rs`) and the server's connection threads (`server.rs`) feed it what the socket
+//! did and the time, and act on the answer. The paths share it, so they cannot disagree on
+//! the protocol, and the rules (deadlines, retries, the v1 fence, admission) are unit-tested
+//! below with synthetic times: a peer that trickles one byte at a time is a loop of calls, not
+//! a test that sleeps.
 
 use crate::batch::{FailCause, FailKind, Failure};
+use crate::memory::{MemoryRegistry, RegionGuard};
 use crate::wire::tcp::{self, DataHeader, Opcode, Status, HEADER_LEN, STATUS_LEN};
 use crate::wire::WireError;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The frames of one request: its header, and for a WRITE to a v1 target a 1-byte READ of
 /// the last byte written (the fence: its answer proves the body was consumed into memory).
@@ -131,6 +136,48 @@ pub(super) fn fate(opcode: Opcode, f: Failed, now: Instant, peer: &str, why: &st
     Fate::End(FailKind::Failed, FailCause::PeerLost.because(format!("connection to {peer} failed: {why}{tail}")))
 }
 
+/// What the target does with a request header.
+pub(super) enum Admission {
+    /// Outside registered memory (or empty): answer REJECTED (v2) and close, touching nothing.
+    Reject,
+    /// Inside: move the bytes while holding `guard`, all of it by `deadline`.
+    Serve { guard: RegionGuard, deadline: Instant },
+}
+
+/// Admits a request: only a non-empty range inside one registered range, which then stays
+/// registered (the guard) until the request is done. The request must be done within `stall`
+/// plus 1 ns per byte (the initiator's own allowance), however the bytes trickle.
+pub(super) fn admit(h: &DataHeader, registry: &MemoryRegistry, stall: Duration, now: Instant) -> Admission {
+    let guard = if h.size > 0 { registry.check(h.addr, h.size) } else { None };
+    match guard {
+        Some(guard) => Admission::Serve { guard, deadline: now + stall + Duration::from_nanos(h.size) },
+        None => Admission::Reject,
+    }
+}
+
+/// The target's clock for a request header: an idle connection may wait for the next one as
+/// long as it likes; once its first byte came, the rest must come within `stall`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct HeaderClock {
+    stall: Duration,
+    since: Option<Instant>,
+}
+
+impl HeaderClock {
+    pub(super) fn new(stall: Duration) -> HeaderClock {
+        HeaderClock { stall, since: None }
+    }
+
+    /// After a system call: `have` bytes of the header are buffered. True when the header
+    /// is overdue (the connection is to be dropped).
+    pub(super) fn overdue(&mut self, have: usize, now: Instant) -> bool {
+        if have == 0 || have >= HEADER_LEN {
+            return false;
+        }
+        now.duration_since(*self.since.get_or_insert(now)) > self.stall
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,6 +239,49 @@ mod tests {
         }
         assert_eq!(got, 14, "stopped after the read that crossed the deadline");
         assert!(must_stop(t0, deadline, true), "a revoked range stops at once");
+    }
+
+    /// A header trickled one byte per 100 ms is overdue once `stall` passed since its first
+    /// byte; an idle connection (no byte) never is.
+    #[test]
+    fn a_trickled_header_is_overdue_an_idle_connection_never() {
+        let t0 = Instant::now();
+        let mut c = HeaderClock::new(Duration::from_millis(800));
+        for i in 0..1000u64 {
+            assert!(!c.overdue(0, t0 + Duration::from_secs(i)), "idle for {i} s");
+        }
+        let mut have = 0;
+        let mut now = t0 + Duration::from_secs(1000);
+        loop {
+            have += 1;
+            if c.overdue(have, now) {
+                break;
+            }
+            assert!(have < HEADER_LEN, "the whole header trickled in before the clock ran out");
+            now += Duration::from_millis(100);
+        }
+        assert_eq!(have, 10, "overdue at the first byte more than 800 ms after the first");
+        assert!(!c.overdue(HEADER_LEN, now), "a complete header is never overdue");
+    }
+
+    #[test]
+    fn admission_needs_a_registered_nonempty_range_and_sets_the_deadline() {
+        let reg = MemoryRegistry::new();
+        reg.register_batch(&[(0x10000, 0x1000)], "*").unwrap();
+        let now = Instant::now();
+        let stall = Duration::from_secs(1);
+        let hdr = |addr, size| DataHeader { size, addr, opcode: Opcode::Write, v2: true };
+        assert!(matches!(admit(&hdr(0x10000, 0), &reg, stall, now), Admission::Reject), "empty");
+        assert!(matches!(admit(&hdr(0x10800, 0x801), &reg, stall, now), Admission::Reject), "crosses the end");
+        assert!(matches!(admit(&hdr(0x1000, 1), &reg, stall, now), Admission::Reject), "outside");
+        assert!(matches!(admit(&hdr(u64::MAX, 2), &reg, stall, now), Admission::Reject), "wraps");
+        match admit(&hdr(0x10800, 0x800), &reg, stall, now) {
+            Admission::Serve { guard, deadline } => {
+                assert_eq!(guard.region().addr, 0x10000);
+                assert_eq!(deadline, now + stall + Duration::from_nanos(0x800));
+            }
+            Admission::Reject => panic!("inside registered memory"),
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Target side: the data listener and one thread per connection.
 
+use super::proto::{admit, must_stop, Admission, HeaderClock};
 use super::sockio::*;
 use crate::memory::MemoryRegistry;
 use crate::wire::tcp::{self, DataHeader, Opcode, Status, HEADER_LEN};
@@ -195,7 +196,8 @@ fn serve_conn(
             }
             // An idle connection may wait for its next header as long as it likes; once a
             // header has begun, the rest must come within `stall`.
-            let mut started: Option<Instant> = (rx.len() > 0).then(Instant::now);
+            let mut clock = HeaderClock::new(stall);
+            let _ = clock.overdue(rx.len(), Instant::now());
             while rx.len() < HEADER_LEN {
                 match rx.fill(s) {
                     Ok(_) => {}
@@ -205,7 +207,7 @@ fn serve_conn(
                 if shutdown.load(Ordering::Acquire) {
                     return Err(stopped("waiting for a request"));
                 }
-                if rx.len() > 0 && rx.len() < HEADER_LEN && started.get_or_insert_with(Instant::now).elapsed() > stall {
+                if clock.overdue(rx.len(), Instant::now()) {
                     return Err(stopped("receiving a request header"));
                 }
             }
@@ -217,8 +219,7 @@ fn serve_conn(
                 return Ok(());
             }
         };
-        let guard = if h.size > 0 { registry.check(h.addr, h.size) } else { None };
-        let Some(guard) = guard else {
+        let Admission::Serve { guard, deadline } = admit(&h, registry, stall, Instant::now()) else {
             tracing::debug!(addr = h.addr, size = h.size, "rejecting TCP request outside registered memory");
             if h.v2 {
                 out.extend_from_slice(&tcp::encode_status(Status::Rejected));
@@ -230,10 +231,9 @@ fn serve_conn(
         holding.store(guard.region().addr, Ordering::Release);
         let _holding = Holding(holding);
         let len = h.size as usize;
-        // The whole request must be done by then; checked after every system call, and
-        // also stopped at once when the range is unregistered or the engine shuts down.
-        let deadline = Instant::now() + stall + Duration::from_nanos(h.size);
-        let stop = || Instant::now() >= deadline || shutdown.load(Ordering::Acquire) || guard.is_revoked();
+        // The whole request must be done by its deadline; checked after every system call,
+        // and also stopped at once when the range is unregistered or the engine shuts down.
+        let stop = || must_stop(Instant::now(), deadline, guard.is_revoked()) || shutdown.load(Ordering::Acquire);
         // A large body is likely followed by another: read the next header on its own.
         rx.max_fill = if h.opcode == Opcode::Write && len >= DIRECT_MIN { HEADER_LEN } else { RX_BUF };
         match h.opcode {
