@@ -103,6 +103,43 @@ fn a_forked_child_dropping_the_engine_leaves_the_parent_alone() {
     assert!(dst.iter().all(|&x| unsafe { std::ptr::read_volatile(&x) } == 0x3A));
 }
 
+/// When the process runs out of descriptors, the data and handshake listeners back off
+/// instead of spinning on `EMFILE` (connections wait in the backlog), and serve again once
+/// descriptors are back.
+#[test]
+fn accept_loops_back_off_when_descriptors_run_out() {
+    let _alone = alone();
+    let a = engine(Duration::from_secs(5));
+    let b = engine(Duration::from_secs(5));
+    let src = vec![1u8; 4096];
+    let dst = vec![0u8; 4096];
+    a.register_memory(src.as_ptr() as u64, 4096, "*").unwrap();
+    b.register_memory(dst.as_ptr() as u64, 4096, "*").unwrap();
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    // SAFETY: getrlimit/setrlimit on this process's own limit, restored below.
+    let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+    let low = libc::rlimit { rlim_cur: (fds() + 4) as libc::rlim_t, rlim_max: lim.rlim_max };
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) }, 0);
+    let mut conns = Vec::new();
+    for port in [b.data_port(), b.rpc_port()].iter().cycle().take(40) {
+        match std::net::TcpStream::connect(("127.0.0.1", *port)) {
+            Ok(c) => conns.push(c),
+            Err(_) => {}
+        }
+    }
+    // Both accept loops now meet EMFILE with connections waiting.
+    std::thread::sleep(Duration::from_millis(100));
+    let cpu0 = process_cpu();
+    std::thread::sleep(Duration::from_millis(500));
+    let spent = process_cpu() - cpu0;
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+    drop(conns);
+    assert!(spent < Duration::from_millis(200), "{spent:?} of CPU in 500 ms out of descriptors: an accept loop spins");
+    let st = a.transfer_sync(&[req(Opcode::Write, &src, seg, dst.as_ptr() as u64, 4096)], Duration::from_secs(5)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "serves again once descriptors are back: {st:?}");
+}
+
 /// 1000 peers come and go (20 alive at a time), each used once by a survivor: the
 /// survivor's threads and descriptors come back to where they were within the lane idle
 /// bound, and it holds no lane to any of them.
