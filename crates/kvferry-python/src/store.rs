@@ -81,13 +81,31 @@ fn config(r: Option<PyReplicate>) -> ReplicateConfig {
 #[pyclass(frozen, module = "kvferry._kvferry")]
 pub struct StoreCore {
     client: RwLock<Option<Client>>,
+    /// The process that created the client: in a fork() child every method raises and
+    /// dropping only forgets (the segment, its engine and the master session are the parent's).
+    pid: u32,
 }
 
 impl StoreCore {
+    fn owned(&self, py: Python<'_>) -> PyResult<()> {
+        if std::process::id() != self.pid {
+            return Err(raise(
+                py,
+                StoreError::InvalidParams(format!(
+                    "this store client belongs to process {} (it was inherited through fork() by process {}); create a new one in the child",
+                    self.pid,
+                    std::process::id()
+                )),
+            ));
+        }
+        Ok(())
+    }
+
     fn with<T>(&self, py: Python<'_>, f: impl FnOnce(&Client) -> Result<T, StoreError> + Send) -> PyResult<T>
     where
         T: Send,
     {
+        self.owned(py)?;
         let r = py.detach(|| {
             let g = self.client.read().unwrap_or_else(|e| e.into_inner());
             match g.as_ref() {
@@ -100,6 +118,7 @@ impl StoreCore {
 
     /// Like `with`, but hands per-key results back to Python as (value | None, code, message).
     fn per_key<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&Client) -> Vec<Result<T, StoreError>> + Send) -> PyResult<Vec<(Option<T>, i32, String)>> {
+        self.owned(py)?;
         let r = py.detach(|| {
             let g = self.client.read().unwrap_or_else(|e| e.into_inner());
             g.as_ref().map(f)
@@ -144,7 +163,7 @@ impl StoreCore {
             transfer_timeout: Duration::from_secs(60),
         };
         let client = py.detach(|| Client::setup(cfg)).map_err(|e| raise(py, e))?;
-        Ok(StoreCore { client: RwLock::new(Some(client)) })
+        Ok(StoreCore { client: RwLock::new(Some(client)), pid: std::process::id() })
     }
 
     /// This client's transfer-engine segment name.
@@ -253,6 +272,7 @@ impl StoreCore {
 
     /// Unmounts the segment and stops the client; later calls raise.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.owned(py)?;
         let taken = py.detach(|| self.client.write().unwrap_or_else(|e| e.into_inner()).take());
         match taken {
             Some(c) => {
@@ -265,5 +285,21 @@ impl StoreCore {
 
     fn closed(&self) -> bool {
         self.client.read().unwrap_or_else(|e| e.into_inner()).is_none()
+    }
+}
+
+impl Drop for StoreCore {
+    fn drop(&mut self) {
+        let client = self.client.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(client) = client else { return };
+        if std::process::id() != self.pid {
+            // A fork() child's copy: unmounting or stopping would withdraw the parent's segment.
+            // TODO(issue 10): drop it once the engine's Drop only closes descriptors in a
+            // foreign pid.
+            std::mem::forget(client);
+            return;
+        }
+        // Stopping the client talks to the master and joins threads: not with the GIL held.
+        Python::attach(|py| py.detach(move || drop(client)));
     }
 }
