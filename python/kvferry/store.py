@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
 from ._buffers import as_u64, resolve
+from ._engine import _live_engines
 from ._errors import KvferryError
 from ._kvferry import StoreCore
 
@@ -155,6 +156,7 @@ class Store:
         master_server_addr: str = "127.0.0.1:50051",
     ) -> None:
         self._keep: dict = {}
+        self._inherited = False
         self._core = StoreCore(
             str(local_hostname),
             str(metadata_server),
@@ -164,6 +166,7 @@ class Store:
             str(device_name),
             str(master_server_addr),
         )
+        _live_engines.add(self)  # marked inherited in a fork() child (see kvferry._engine)
 
     def __enter__(self) -> "Store":
         return self
