@@ -13,6 +13,7 @@ import warnings
 import pytest
 
 from conftest import HOST, wait_for
+from test_store import cluster  # noqa: F401  (fixture: a master and a serving client)
 
 MiB = 1 << 20
 
@@ -267,3 +268,33 @@ def test_fork_child_cannot_use_or_break_the_parents_engine(kv):
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_fork_child_cannot_use_or_break_the_parents_store(cluster):
+    from kvferry.store import ReplicateConfig, Store, StoreInvalidArgument
+
+    s = Store(master_server_addr=cluster, global_segment_size=16 * MiB, local_buffer_size=16 * MiB)
+    try:
+        value = bytes(range(256)) * 64
+        # Stored in this client's own segment: a child that unmounted it would lose it.
+        s.put("fork-key", value, ReplicateConfig(preferred_segment=s.segment_name))
+
+        def child():
+            nonlocal s
+            try:
+                s.get("fork-key")
+                return False
+            except StoreInvalidArgument as e:
+                ok = "belongs to process %d" % os.getppid() in str(e)
+            del s
+            gc.collect()
+            return ok
+
+        assert _fork(child) == 0, "the child's copy did not raise the expected error"
+        assert s.get("fork-key") == value
+        s.put("after-fork", b"x" * 4096)
+        with Store(master_server_addr=cluster, global_segment_size=16 * MiB, local_buffer_size=16 * MiB) as other:
+            assert other.get("fork-key") == value
+    finally:
+        s.close()
