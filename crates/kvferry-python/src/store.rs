@@ -10,7 +10,8 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyModule};
-use std::sync::RwLock;
+use std::collections::HashMap;
+use std::sync::{Mutex, RwLock};
 use std::time::Duration;
 
 /// One key's outcome in a batch: the value (if found), a Mooncake error code and a message.
@@ -81,6 +82,9 @@ fn config(r: Option<PyReplicate>) -> ReplicateConfig {
 #[pyclass(frozen, module = "kvferry._kvferry")]
 pub struct StoreCore {
     client: RwLock<Option<Client>>,
+    /// What keeps registered buffer objects alive and exported, by address: dropped after
+    /// `unregister_buffer` returned or the client stopped.
+    pins: Mutex<HashMap<u64, Py<PyAny>>>,
     /// The process that created the client: in a fork() child every method raises and
     /// dropping only forgets (the segment, its engine and the master session are the parent's).
     pid: u32,
@@ -163,7 +167,7 @@ impl StoreCore {
             transfer_timeout: Duration::from_secs(60),
         };
         let client = py.detach(|| Client::setup(cfg)).map_err(|e| raise(py, e))?;
-        Ok(StoreCore { client: RwLock::new(Some(client)), pid: std::process::id() })
+        Ok(StoreCore { client: RwLock::new(Some(client)), pins: Mutex::default(), pid: std::process::id() })
     }
 
     /// This client's transfer-engine segment name.
@@ -171,12 +175,25 @@ impl StoreCore {
         self.with(py, |c| Ok(c.segment_name().to_string()))
     }
 
-    fn register_buffer(&self, py: Python<'_>, addr: u64, size: u64) -> PyResult<()> {
-        self.with(py, |c| c.register_buffer(addr, size))
+    /// Registers local memory; `pin` (if any) is held until it is unregistered.
+    #[pyo3(signature = (addr, size, pin = None))]
+    fn register_buffer(&self, py: Python<'_>, addr: u64, size: u64, pin: Option<Py<PyAny>>) -> PyResult<()> {
+        self.with(py, |c| c.register_buffer(addr, size))?;
+        if let Some(p) = pin {
+            if let Some(old) = self.pins.lock().unwrap_or_else(|e| e.into_inner()).insert(addr, p) {
+                old.drop_ref(py);
+            }
+        }
+        Ok(())
     }
 
     fn unregister_buffer(&self, py: Python<'_>, addr: u64) -> PyResult<()> {
-        self.with(py, |c| c.unregister_buffer(addr))
+        self.with(py, |c| c.unregister_buffer(addr))?;
+        let pin = self.pins.lock().unwrap_or_else(|e| e.into_inner()).remove(&addr);
+        if let Some(p) = pin {
+            p.drop_ref(py);
+        }
+        Ok(())
     }
 
     #[pyo3(signature = (key, value, config=None, upsert=false))]
@@ -277,6 +294,11 @@ impl StoreCore {
         match taken {
             Some(c) => {
                 let r = py.detach(move || c.close());
+                // The client has stopped: nothing touches the registered buffers any more.
+                let pins: Vec<Py<PyAny>> = self.pins.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, p)| p).collect();
+                for p in pins {
+                    p.drop_ref(py);
+                }
                 r.map_err(|e| raise(py, e))
             }
             None => Ok(()),
@@ -300,6 +322,7 @@ impl Drop for StoreCore {
             return;
         }
         // Stopping the client talks to the master and joins threads: not with the GIL held.
+        // The pins (a field) are dropped after this, once the client has stopped.
         Python::attach(|py| py.detach(move || drop(client)));
     }
 }
