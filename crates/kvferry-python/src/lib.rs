@@ -15,6 +15,12 @@
 //!   between threads;
 //! - errors become `kvferry._errors` exceptions carrying the reason and Mooncake's numeric
 //!   code (`.code`); nothing on a user-input path panics or unwraps.
+//! - memory the engine may touch is pinned by Python objects the core holds (`pins`):
+//!   registrations until unregister returned, batches until the engine freed them (every
+//!   task terminal), synchronous calls until every task is terminal;
+//! - in a process other than the one that created it (a fork() child) every method raises,
+//!   and dropping it only forgets it (see `Drop for Core`); dropping it in its own process
+//!   releases the GIL.
 
 mod errors;
 mod memory;
