@@ -5,6 +5,19 @@ Accepted: plain integer addresses, and objects exposing writable C-contiguous ho
 (``__array_interface__``), ctypes arrays, and CPU torch tensors (``data_ptr()``).
 Read-only buffers (``bytes``) are refused: a peer may write into registered memory, and
 READ transfers write into the local buffer.
+
+Pinning (what the returned ``keepalive`` guarantees while the engine holds it):
+
+- objects with the buffer protocol (``bytearray``, ``memoryview``, ``mmap``, ``array``, numpy
+  arrays, ctypes arrays): ``keepalive`` holds a buffer export, so the memory stays allocated
+  and the exporter refuses to move it (``bytearray`` resize, ``numpy.ndarray.resize`` and
+  ``mmap.resize``/``close`` raise ``BufferError`` meanwhile);
+- CPU torch tensors (no buffer protocol): ``keepalive`` holds the tensor and its storage, so
+  the memory stays allocated even if the tensor is deleted or ``set_()`` to other storage;
+  torch cannot refuse ``resize_()`` to a larger size, which reallocates the storage: do not
+  resize a tensor while it is registered or in flight;
+- other ``__array_interface__`` objects: only the object itself is held (whatever keeps its
+  memory alive is up to it).
 """
 
 from __future__ import annotations
@@ -66,6 +79,8 @@ def _from_array_interface(obj: Any, ai: dict) -> Tuple[int, int, Any]:
 
 
 def _from_torch(obj: Any) -> Tuple[int, int, Any]:
+    # The storage object owns the memory: holding it keeps the bytes allocated even if the
+    # tensor is deleted or set_() to another storage.
     device = getattr(obj, "device", None)
     if device is not None and getattr(device, "type", "cpu") != "cpu":
         raise InvalidArgument(
@@ -74,7 +89,14 @@ def _from_torch(obj: Any) -> Tuple[int, int, Any]:
         )
     if not obj.is_contiguous():
         raise InvalidArgument("tensor is not contiguous; call .contiguous() first", -1)
-    return int(obj.data_ptr()), int(obj.numel()) * int(obj.element_size()), obj
+    storage = None
+    get_storage = getattr(obj, "untyped_storage", None) or getattr(obj, "storage", None)
+    if callable(get_storage):
+        try:
+            storage = get_storage()
+        except Exception:  # pragma: no cover - exotic tensor subclasses
+            storage = None
+    return int(obj.data_ptr()), int(obj.numel()) * int(obj.element_size()), (obj, storage)
 
 
 def resolve(obj: Any, length: Optional[int] = None, what: str = "buffer") -> Tuple[int, int, Any]:
@@ -90,20 +112,25 @@ def resolve(obj: Any, length: Optional[int] = None, what: str = "buffer") -> Tup
         if length is None:
             raise InvalidArgument("%s is an integer address: pass its length too" % what, -1)
         return addr, as_u64(length, "length"), None
-    ai = getattr(obj, "__array_interface__", None)
+    try:
+        # The buffer protocol first (numpy arrays have it too): its export is a real pin.
+        view: Optional[memoryview] = memoryview(obj)
+        if view is not None and view.nbytes and view.c_contiguous and not view.readonly and (view.format != "B" or view.ndim != 1):
+            view.cast("B")  # formats the struct module does not know cannot be flattened
+    except (TypeError, ValueError, BufferError, NotImplementedError):
+        view = None
+    ai = getattr(obj, "__array_interface__", None) if view is None else None
     if isinstance(ai, dict):
         addr, size, keep = _from_array_interface(obj, ai)
-    elif callable(getattr(obj, "data_ptr", None)) and callable(getattr(obj, "element_size", None)):
+    elif view is None and callable(getattr(obj, "data_ptr", None)) and callable(getattr(obj, "element_size", None)):
         addr, size, keep = _from_torch(obj)
     else:
-        try:
-            view = memoryview(obj)
-        except TypeError:
+        if view is None:
             raise InvalidArgument(
                 "%s must be an integer address or a writable buffer (bytearray, memoryview, numpy array, mmap), not %s"
                 % (what, type(obj).__name__),
                 -1,
-            ) from None
+            )
         if view.readonly:
             raise InvalidArgument("%s (%s) is read-only; pass a writable buffer such as a bytearray" % (what, type(obj).__name__), -1)
         if not view.c_contiguous:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import ctypes
 import enum
 import logging
+import os
 import threading
 import time
+import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import _kvferry
@@ -83,6 +85,56 @@ class Region(NamedTuple):
     location: str
 
 
+# -- fork() ---------------------------------------------------------------------------------
+#
+# vLLM and SGLang fork worker processes. A child inherits copies of the parent's engines (and
+# stores), whose sockets, threads and shared memory belong to the parent: their methods raise
+# in the child (the native core checks the process id) and dropping them there only forgets
+# them. Views of managed memory are released in the child: that memory is not inherited
+# (MADV_DONTFORK), so touching it would crash the child instead of raising.
+
+_live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# Writable memoryviews are unhashable: keyed by id, dropped by the weakref's callback.
+_live_views: Dict[int, "weakref.ref[memoryview]"] = {}
+
+
+def _track_view(view: memoryview) -> None:
+    key = id(view)
+    _live_views[key] = weakref.ref(view, lambda _r, key=key: _live_views.pop(key, None))
+
+
+def _after_fork_in_child() -> None:
+    for r in list(_live_views.values()):
+        v = r()
+        if v is None:
+            continue
+        try:
+            v.release()
+        except (BufferError, ValueError):  # exported further: it stays, and so does the risk
+            pass
+    for e in list(_live_engines):
+        try:
+            e._inherited = True
+        except AttributeError:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _ViewGuard:
+    """Attached to the ctypes array under a view from :meth:`Engine.view`: keeps the engine's
+    core (whose managed mappings live as long as it does) and the registration's pin alive."""
+
+    __slots__ = ("core", "pin", "addr", "__weakref__")
+
+    def __init__(self, core: Any, pin: Any, addr: int) -> None:
+        self.core = core
+        self.pin = pin
+        self.addr = addr
+
+
 def _status(t: Tuple[int, int, Optional[str], Optional[int]]) -> Status:
     return Status(TaskStatus(t[0]), t[1], t[2], None if t[3] is None else FailCause(t[3]))
 
@@ -116,7 +168,9 @@ class Batch:
 
     Poll it with :meth:`status`, block with :meth:`wait`, then :meth:`free` it (or use it as a
     context manager, which releases it on exit: freed at once if finished, else as soon as it
-    finishes). Buffers given to ``submit`` are kept alive until the batch is released.
+    finishes). Buffers given to ``submit`` stay pinned (see :mod:`kvferry._buffers`) until the
+    engine has freed the batch, which happens only once every task is terminal: releasing a
+    batch early never lets a sibling task write into memory that was handed back.
     """
 
     __slots__ = ("_core", "id", "segment", "size", "deadline", "_keep", "_released")
@@ -131,8 +185,8 @@ class Batch:
         self._released = False
 
     def status(self) -> Status:
-        """Aggregate status: COMPLETED when all tasks completed, FAILED/TIMEOUT as soon as one
-        did, else WAITING. Never blocks."""
+        """Aggregate status: WAITING while any task is in flight; once every task is terminal,
+        COMPLETED if all completed, else the first failed task's FAILED/TIMEOUT. Never blocks."""
         return _status(self._core.batch_status(self.id))
 
     def task_status(self, index: int) -> Status:
@@ -140,8 +194,8 @@ class Batch:
         return _status(self._core.task_status(self.id, _u64(index, "index")))
 
     def wait(self, timeout: Optional[float] = None, *, check: bool = True) -> Status:
-        """Blocks until the batch completed, a task failed, or ``timeout`` seconds passed
-        (default: until the batch's deadline). With ``check`` (default), raises
+        """Blocks until every task is terminal (not only until the first failure) or ``timeout``
+        seconds passed (default: until the batch's deadline). With ``check`` (default), raises
         TransferError/TransferTimeout/AddressNotRegistered unless COMPLETED."""
         if timeout is None:
             timeout = max(0.0, self.deadline - time.monotonic())
@@ -159,7 +213,7 @@ class Batch:
     def free(self) -> None:
         """Frees the batch. Raises BatchBusy while a task is in flight."""
         if not self._released:
-            self._core.free_batch(self.id)
+            self._core.free_batch(self.id)  # drops the native pins: every task is terminal
             self._released = True
             self._keep = None
 
@@ -167,10 +221,10 @@ class Batch:
         """Frees the batch now if finished, otherwise as soon as it finishes. Idempotent."""
         if not self._released:
             self._released = True
-            try:
-                self._core.release_batch(self.id)
-            finally:
-                self._keep = None
+            # The native core holds the pins until the engine frees the batch (every task
+            # terminal); this object's reference is only a second one.
+            self._core.release_batch(self.id)
+            self._keep = None
 
     def __enter__(self) -> "Batch":
         return self
@@ -222,7 +276,10 @@ class Engine:
     def _init(self, core: Any) -> None:
         self._core = core
         self._lock = threading.Lock()
-        self._pins: Dict[int, Any] = {}
+        self._inherited = False
+        # Live views of managed buffers, by buffer address (see view()).
+        self._views: Dict[int, "weakref.WeakSet[_ViewGuard]"] = {}
+        _live_engines.add(self)
 
     @classmethod
     def _from_core(cls, core: Any) -> "Engine":
@@ -278,11 +335,8 @@ class Engine:
             raise InvalidArgument("%d buffers but %d lengths" % (len(buffers), len(lengths)), -1)
         resolved = [_resolve(b, n, "buffer") for b, n in zip(buffers, lengths)]
         addrs = [r[0] for r in resolved]
-        with self._lock:
-            self._core.register(addrs, [r[1] for r in resolved], location)
-            for a, _, keep in resolved:
-                if keep is not None:
-                    self._pins[a] = keep
+        # The native core holds each pin until the range is unregistered (after the barrier).
+        self._core.register(addrs, [r[1] for r in resolved], location, [r[2] for r in resolved])
         return addrs
 
     def unregister_memory(self, buffer: Any) -> None:
@@ -293,10 +347,7 @@ class Engine:
     def unregister_memory_batch(self, buffers: Sequence[Any]) -> None:
         """Unregisters several ranges, all or none."""
         addrs = [_address(b, "buffer")[0] for b in buffers]
-        self._core.unregister(addrs)
-        with self._lock:
-            for a in addrs:
-                self._pins.pop(a, None)
+        self._core.unregister(addrs)  # drops the pins once no access is in progress
 
     def registered(self) -> List[Region]:
         """The registered ranges, in address order."""
@@ -308,18 +359,41 @@ class Engine:
         return self._core.allocate_managed(_u64(length, "length"), location)
 
     def free_managed_buffer(self, address: int) -> None:
-        """Unregisters and unmaps a buffer from :meth:`allocate_managed_buffer`."""
-        if not self._core.free_managed(_u64(address, "address")):
+        """Unregisters and unmaps a buffer from :meth:`allocate_managed_buffer`. Raises
+        BufferError while a :meth:`view` of it exists (release the view first)."""
+        a = _u64(address, "address")
+        for start, length in self._core.managed_buffers():
+            if start <= a < start + length and self._views.get(start):
+                raise BufferError("0x%x has %d live view(s) from Engine.view(); release them (memoryview.release() or del) before freeing it" % (start, len(self._views[start])))
+        if not self._core.free_managed(a):
             raise InvalidArgument("0x%x is not an address returned by allocate_managed_buffer" % address, -3)
 
     def view(self, address: int, length: int) -> memoryview:
         """A writable memoryview of ``length`` bytes at ``address``, which must lie inside
-        registered memory (e.g. a managed buffer). Do not use it after unregistering."""
+        registered memory (e.g. a managed buffer).
+
+        The view keeps its memory valid for as long as it exists: a managed buffer cannot be
+        freed meanwhile (:meth:`free_managed_buffer` raises BufferError; :meth:`close` leaves
+        it mapped until the last view is gone), and a buffer object registered with
+        :meth:`register_memory` stays alive and pinned. Memory registered by integer address
+        is the caller's: the view cannot keep it alive. In a fork() child, views made in the
+        parent are released (using them raises ValueError)."""
         a, n = _u64(address, "address"), _u64(length, "length")
         for r in self._core.registered():
             if r[0] <= a and a + n <= r[0] + r[1]:
-                return memoryview((ctypes.c_char * n).from_address(a)).cast("B")
-        raise InvalidArgument("[0x%x, +%d) is not inside registered memory" % (a, n), -3)
+                break
+        else:
+            raise InvalidArgument("[0x%x, +%d) is not inside registered memory" % (a, n), -3)
+        managed = next((m for m in self._core.managed_buffers() if m[0] <= a and a + n <= m[0] + m[1]), None)
+        guard = _ViewGuard(self._core, self._core.pin_of(a, n), a)
+        arr = (ctypes.c_char * n).from_address(a)
+        arr._kvferry_guard = guard  # type: ignore[attr-defined]  # the view holds arr, arr holds the guard
+        if managed is not None:
+            with self._lock:
+                self._views.setdefault(managed[0], weakref.WeakSet()).add(guard)
+        view = memoryview(arr).cast("B")
+        _track_view(view)
+        return view
 
     def write_bytes(self, address: int, data: Union[bytes, bytearray, memoryview]) -> None:
         """Copies ``data`` to ``address`` (the kernel checks the range: a bad address raises
@@ -404,10 +478,11 @@ class Engine:
         addrs, remotes, lens, keep = self._requests(buffers, remote_addresses, lengths)
         t = self._timeout(timeout, sum(lens))
         try:
-            n = self._core.transfer(seg, op, addrs, remotes, lens, t)
+            # The native core holds the pins until every task is terminal.
+            n = self._core.transfer(seg, op, addrs, remotes, lens, t, keep or None)
         except (TypeError, OverflowError) as e:
             raise _as_type_error(e) from None
-        del keep  # the buffers had to stay alive (and pinned) until here
+        del keep
         if notify is not None:
             name, msg = _notify_parts(notify)
             self._core.send_notify(seg, msg, name)
@@ -442,10 +517,10 @@ class Engine:
         addrs, remotes, lens, keep = self._requests(buffers, remote_addresses, lengths)
         deadline = time.monotonic() + self._core.transfer_timeout + sum(lens) * _NS
         try:
-            bid = self._core.submit(seg, op, addrs, remotes, lens)
+            bid = self._core.submit(seg, op, addrs, remotes, lens, keep or None)
         except (TypeError, OverflowError) as e:
             raise _as_type_error(e) from None
-        return Batch(self._core, bid, seg, len(addrs), deadline, keep)
+        return Batch(self._core, bid, seg, len(addrs), deadline, None)
 
     def submit_write(self, segment: str, buffers: Sequence[Any], remote_addresses: Sequence[int], lengths: Optional[Sequence[Optional[int]]] = None) -> Batch:
         """:meth:`submit` with WRITE."""
@@ -483,10 +558,12 @@ class Engine:
 
     def close(self) -> None:
         """Stops the engine (listeners close, queued requests fail, managed buffers are
-        unmapped). Further calls raise EngineClosed. Idempotent."""
-        self._core.close()
+        unmapped, pins dropped). Further calls raise EngineClosed. Idempotent. Managed
+        buffers with live :meth:`view` s stay mapped until the last view is gone. In a fork()
+        child it raises EngineClosed (the engine is the parent's)."""
         with self._lock:
-            self._pins.clear()
+            viewed = any(len(s) for s in self._views.values())
+        self._core.close(not viewed)
 
     def __enter__(self) -> "Engine":
         return self
@@ -495,6 +572,8 @@ class Engine:
         self.close()
 
     def __repr__(self) -> str:
+        if self._inherited:
+            return "<kvferry.Engine inherited from process %d>" % (self._core.owner_pid,)
         if self._core.closed:
             return "<kvferry.Engine closed>"
         return "<kvferry.Engine segment=%r>" % (self._core.segment_name,)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
 from ._buffers import as_u64, resolve
+from ._engine import _live_engines
 from ._errors import KvferryError
 from ._kvferry import StoreCore
 
@@ -154,7 +155,7 @@ class Store:
         device_name: str = "",
         master_server_addr: str = "127.0.0.1:50051",
     ) -> None:
-        self._keep: dict = {}
+        self._inherited = False
         self._core = StoreCore(
             str(local_hostname),
             str(metadata_server),
@@ -164,6 +165,7 @@ class Store:
             str(device_name),
             str(master_server_addr),
         )
+        _live_engines.add(self)  # marked inherited in a fork() child (see kvferry._engine)
 
     def __enter__(self) -> "Store":
         return self
@@ -205,14 +207,14 @@ class Store:
     def register_buffer(self, buffer: Any, size: Optional[int] = None) -> int:
         """Registers local memory for put_from/get_into; returns its address."""
         addr, n, keep = resolve(buffer, size, "buffer")
-        self._core.register_buffer(addr, n)
-        self._keep[addr] = keep
+        # The native core holds the pin until unregister_buffer returned or the store closed
+        # (even if this object goes first).
+        self._core.register_buffer(addr, n, keep)
         return addr
 
     def unregister_buffer(self, buffer: Any) -> None:
         addr = buffer if isinstance(buffer, int) else resolve(buffer, None, "buffer")[0]
         self._core.unregister_buffer(as_u64(addr, "buffer"))
-        self._keep.pop(addr, None)
 
     def put_from(self, key: str, buffer: Any, size: Optional[int] = None, config: Optional[ReplicateConfig] = None) -> None:
         """Stores ``size`` bytes of registered ``buffer`` without copying through Python."""
@@ -266,4 +268,3 @@ class Store:
     def close(self) -> None:
         """Unmounts this client's segment (its objects' only replicas there disappear)."""
         self._core.close()
-        self._keep.clear()

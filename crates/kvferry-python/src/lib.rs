@@ -15,6 +15,12 @@
 //!   between threads;
 //! - errors become `kvferry._errors` exceptions carrying the reason and Mooncake's numeric
 //!   code (`.code`); nothing on a user-input path panics or unwraps.
+//! - memory the engine may touch is pinned by Python objects the core holds (`pins`):
+//!   registrations until unregister returned, batches until the engine freed them (every
+//!   task terminal), synchronous calls until every task is terminal;
+//! - in a process other than the one that created it (a fork() child) every method raises,
+//!   and dropping it only forgets it (see `Drop for Core`); dropping it in its own process
+//!   releases the GIL.
 
 mod errors;
 mod memory;
@@ -135,14 +141,136 @@ pub struct Core {
     managed: Mutex<HashMap<u64, memory::Pages>>,
     /// Batches released while still in flight: freed by a later call once they end.
     zombies: Mutex<Vec<BatchId>>,
+    /// What keeps the memory of a batch's local buffers alive and exported (Python buffer
+    /// exports, tensors): held until the engine has freed the batch, which it does only once
+    /// every task is terminal.
+    batch_pins: Mutex<HashMap<BatchId, Py<PyAny>>>,
+    /// The same for registered ranges (by start address): held until unregister returned.
+    reg_pins: Mutex<HashMap<u64, Py<PyAny>>>,
+    /// The process that created the engine: in another one (a fork() child) every method
+    /// raises and dropping only forgets (see `Drop`).
+    pid: u32,
+}
+
+/// The error every method raises in a process that did not create the engine.
+fn foreign(py: Python<'_>, what: &str, owner: u32) -> PyErr {
+    raise(
+        py,
+        Kind::Closed,
+        format!(
+            "this {what} belongs to process {owner} (it was inherited through fork() by process {}); create a new one in the child",
+            std::process::id()
+        ),
+        -202,
+    )
+}
+
+/// Drops `pins` with the GIL (Python reference counts change right away).
+fn drop_pins<I: IntoIterator<Item = Py<PyAny>>>(py: Python<'_>, pins: I) {
+    for p in pins {
+        p.drop_ref(py);
+    }
 }
 
 impl Core {
-    fn engine(&self, py: Python<'_>) -> PyResult<Arc<TransferEngine>> {
-        match &*self.engine.read().unwrap_or_else(|e| e.into_inner()) {
-            Some(e) => Ok(Arc::clone(e)),
-            None => Err(raise(py, Kind::Closed, "the engine is closed", -202)),
+    /// Raises in a process that did not create the engine (a fork() child).
+    fn owned(&self, py: Python<'_>) -> PyResult<()> {
+        if std::process::id() != self.pid {
+            return Err(foreign(py, "TransferEngine", self.pid));
         }
+        Ok(())
+    }
+
+    fn engine(&self, py: Python<'_>) -> PyResult<Arc<TransferEngine>> {
+        self.owned(py)?;
+        let engine = match &*self.engine.read().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Arc::clone(e),
+            None => return Err(raise(py, Kind::Closed, "the engine is closed", -202)),
+        };
+        // Released batches that have ended since are freed (and their pins dropped) by
+        // whichever call comes next.
+        self.sweep(py, &engine);
+        Ok(engine)
+    }
+
+    /// Forgets (and drops) the pins of batches the engine has freed.
+    fn unpin_batches(&self, py: Python<'_>, freed: &[BatchId]) {
+        if freed.is_empty() {
+            return;
+        }
+        let pins: Vec<Py<PyAny>> = {
+            let mut m = lock(&self.batch_pins);
+            freed.iter().filter_map(|b| m.remove(b)).collect()
+        };
+        drop_pins(py, pins);
+    }
+
+    /// The aggregate status of a batch, terminal only once every task is: the engine may
+    /// report FAILED at the first failed task while siblings still move bytes, and callers
+    /// release their buffers on a terminal status.
+    fn settled_status(&self, engine: &TransferEngine, batch: BatchId) -> Result<TransferStatus, Error> {
+        let st = engine.batch_status(batch)?;
+        if !st.status.is_terminal() || st.status == TaskStatus::Completed {
+            return Ok(st);
+        }
+        let mut bytes = 0u64;
+        for task in 0.. {
+            match engine.task_status(batch, task) {
+                Ok(t) if !t.status.is_terminal() => {
+                    return Ok(TransferStatus { status: TaskStatus::Waiting, transferred_bytes: bytes, reason: None, cause: None });
+                }
+                Ok(t) => bytes = bytes.saturating_add(if t.status == TaskStatus::Completed { t.transferred_bytes } else { 0 }),
+                Err(Error::UnknownTask { .. }) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(st)
+    }
+
+    /// A synchronous transfer of several requests: submit, then wait until every task is
+    /// terminal (not only until the first failure), so the caller's memory is untouched when
+    /// this returns. Past `timeout` it keeps waiting for the tasks' own deadlines (the
+    /// engine's transfer timeout plus 1 ns per byte) and a grace period; a batch still in
+    /// flight after that is left to `sweep` (with `pins`) and reported as TIMEOUT.
+    fn transfer_all(
+        &self,
+        engine: &TransferEngine,
+        reqs: &[TransferRequest],
+        timeout: Duration,
+        pins: &mut Option<Py<PyAny>>,
+    ) -> Result<TransferStatus, Error> {
+        let b = engine.allocate_batch(reqs.len().max(1))?;
+        if let Err(e) = engine.submit(b, reqs) {
+            let _ = engine.free_batch(b);
+            return Err(e);
+        }
+        let total = reqs.iter().fold(0u64, |a, r| a.saturating_add(r.length));
+        let started = Instant::now();
+        let _ = engine.wait_batch_all(b, timeout)?;
+        let cap = engine.config().transfer_timeout + Duration::from_nanos(total) + Duration::from_secs(5);
+        let mut st = self.settled_status(engine, b)?;
+        if !st.status.is_terminal() {
+            let _ = engine.wait_batch_all(b, cap.saturating_sub(started.elapsed()))?;
+            st = self.settled_status(engine, b)?;
+        }
+        if st.status.is_terminal() {
+            if let Err(e) = engine.free_batch(b) {
+                tracing::error!("kvferry: cannot free a finished synchronous batch: {e}");
+            }
+            return Ok(st);
+        }
+        // Still in flight past every deadline: never hand the memory back while a task may
+        // touch it; a later call frees the batch (and drops the pins) once it has ended.
+        if let Some(p) = pins.take() {
+            lock(&self.batch_pins).insert(b, p);
+        }
+        lock(&self.zombies).push(b);
+        Ok(TransferStatus {
+            status: TaskStatus::Timeout,
+            transferred_bytes: st.transferred_bytes,
+            reason: Some(format!("still in flight {:.1} s after submission", started.elapsed().as_secs_f64())),
+            cause: Some(FailCause::Timeout),
+        })
     }
 
     /// What `transfer` and `submit` check first: the opcode, matching list lengths, an open
@@ -151,16 +279,25 @@ impl Core {
         let op = self::opcode(py, opcode)?;
         check_lengths(py, locals, remotes, lengths)?;
         let engine = self.engine(py)?;
-        self.sweep(&engine);
         Ok((op, engine))
     }
 
     /// Frees released batches that have finished since.
-    fn sweep(&self, engine: &TransferEngine) {
-        let mut z = lock(&self.zombies);
-        if !z.is_empty() {
-            z.retain(|&b| matches!(engine.free_batch(b), Err(Error::BatchBusy { .. })));
+    fn sweep(&self, py: Python<'_>, engine: &TransferEngine) {
+        let mut freed = Vec::new();
+        {
+            let mut z = lock(&self.zombies);
+            if !z.is_empty() {
+                z.retain(|&b| match engine.free_batch(b) {
+                    Err(Error::BatchBusy { .. }) => true,
+                    _ => {
+                        freed.push(b);
+                        false
+                    }
+                });
+            }
         }
+        self.unpin_batches(py, &freed);
     }
 
     fn write_fallback(&self, py: Python<'_>, addr: u64, data: &[u8], why: std::io::Error) -> PyResult<()> {
@@ -204,7 +341,14 @@ impl Core {
         config.local_hostname = local_hostname;
         config.metadata_server = metadata_server;
         let engine = py.detach(move || TransferEngine::new(config)).map_err(|e| errors::engine(py, &e))?;
-        Ok(Core { engine: RwLock::new(Some(Arc::new(engine))), managed: Mutex::default(), zombies: Mutex::default() })
+        Ok(Core {
+            engine: RwLock::new(Some(Arc::new(engine))),
+            managed: Mutex::default(),
+            zombies: Mutex::default(),
+            batch_pins: Mutex::default(),
+            reg_pins: Mutex::default(),
+            pid: std::process::id(),
+        })
     }
 
     /// This engine's segment name, `host:rpc_port`: what peers pass as `target_hostname`.
@@ -237,9 +381,17 @@ impl Core {
         self.engine.read().unwrap_or_else(|e| e.into_inner()).is_none()
     }
 
-    /// Registers ranges (all or none) so peers may read and write them.
-    #[pyo3(signature = (addrs, lengths, location = "*".to_string()))]
-    fn register(&self, py: Python<'_>, addrs: Vec<u64>, lengths: Vec<u64>, location: String) -> PyResult<()> {
+    /// The id of the process that created this engine (its methods raise in any other).
+    #[getter]
+    fn owner_pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Registers ranges (all or none) so peers may read and write them. `pins[i]` (if any)
+    /// is held until range `i` is unregistered (or the engine closed): what keeps its memory
+    /// alive and exported.
+    #[pyo3(signature = (addrs, lengths, location = "*".to_string(), pins = None))]
+    fn register(&self, py: Python<'_>, addrs: Vec<u64>, lengths: Vec<u64>, location: String, pins: Option<Vec<Option<Py<PyAny>>>>) -> PyResult<()> {
         if addrs.len() != lengths.len() {
             return Err(raise(
                 py,
@@ -248,16 +400,42 @@ impl Core {
                 -1,
             ));
         }
+        if pins.as_ref().is_some_and(|p| p.len() != addrs.len()) {
+            return Err(raise(py, Kind::InvalidArgument, "pins must have one entry per address", -1));
+        }
         let engine = self.engine(py)?;
-        let ranges: Vec<(u64, u64)> = addrs.into_iter().zip(lengths).collect();
-        py.detach(|| engine.register_memory_batch(&ranges, &location)).map_err(|e| errors::engine(py, &e))
+        let ranges: Vec<(u64, u64)> = addrs.iter().copied().zip(lengths).collect();
+        py.detach(|| engine.register_memory_batch(&ranges, &location)).map_err(|e| errors::engine(py, &e))?;
+        let mut held = lock(&self.reg_pins);
+        for (a, p) in addrs.into_iter().zip(pins.into_iter().flatten()) {
+            if let Some(p) = p {
+                held.insert(a, p);
+            }
+        }
+        Ok(())
     }
 
     /// Unregisters the ranges that start at `addrs` (all or none); waits for accesses in
     /// progress.
     fn unregister(&self, py: Python<'_>, addrs: Vec<u64>) -> PyResult<()> {
         let engine = self.engine(py)?;
-        py.detach(|| engine.unregister_memory_batch(&addrs)).map_err(|e| errors::engine(py, &e))
+        py.detach(|| engine.unregister_memory_batch(&addrs)).map_err(|e| errors::engine(py, &e))?;
+        // Unregistering waited for accesses in progress: the memory may go now.
+        let pins: Vec<Py<PyAny>> = {
+            let mut held = lock(&self.reg_pins);
+            addrs.iter().filter_map(|a| held.remove(a)).collect()
+        };
+        drop_pins(py, pins);
+        Ok(())
+    }
+
+    /// The pin held for the registered range that contains [addr, addr+length), if any.
+    fn pin_of(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<Option<Py<PyAny>>> {
+        let engine = self.engine(py)?;
+        let Some(r) = engine.registered().into_iter().find(|r| addr >= r.addr && addr.saturating_add(length) <= r.end()) else {
+            return Ok(None);
+        };
+        Ok(lock(&self.reg_pins).get(&r.addr).map(|p| p.clone_ref(py)))
     }
 
     /// Registered ranges as (addr, length, location), in address order.
@@ -293,10 +471,11 @@ impl Core {
     }
 
     /// Addresses and sizes of the buffers from `allocate_managed`.
-    fn managed_buffers(&self) -> Vec<(u64, u64)> {
+    fn managed_buffers(&self, py: Python<'_>) -> PyResult<Vec<(u64, u64)>> {
+        self.owned(py)?;
         let mut v: Vec<(u64, u64)> = lock(&self.managed).values().map(|p| (p.addr, p.len as u64)).collect();
         v.sort_unstable();
-        v
+        Ok(v)
     }
 
     /// Opens (or looks up) a peer segment; returns its handle.
@@ -318,7 +497,8 @@ impl Core {
     /// Moves bytes between local `locals[i]` and `remotes[i]` of `segment` and waits up to
     /// `timeout` seconds (None: the engine's transfer timeout plus 1 ns per byte, as
     /// Mooncake's synchronous calls). Returns the bytes moved; raises on FAILED or TIMEOUT.
-    #[pyo3(signature = (segment, opcode, locals, remotes, lengths, timeout = None))]
+    /// `pins` is held until every task is terminal (see `transfer_all`).
+    #[pyo3(signature = (segment, opcode, locals, remotes, lengths, timeout = None, pins = None))]
     fn transfer(
         &self,
         py: Python<'_>,
@@ -328,17 +508,25 @@ impl Core {
         remotes: Vec<u64>,
         lengths: Vec<u64>,
         timeout: Option<f64>,
+        pins: Option<Py<PyAny>>,
     ) -> PyResult<u64> {
         let (op, engine) = self.prepare(py, opcode, &locals, &remotes, &lengths)?;
         let timeout = match timeout {
             Some(t) => duration(py, t)?,
             None => engine.config().transfer_timeout + Duration::from_nanos(lengths.iter().fold(0u64, |a, &n| a.saturating_add(n))),
         };
+        let mut pins = pins;
         let res = py.detach(|| {
             let id = engine.open_segment(&segment)?;
             let reqs = build_requests(op, id, &locals, &remotes, &lengths);
-            engine.transfer_sync(&reqs, timeout)
+            if reqs.len() == 1 {
+                // A lone request has no siblings; the engine may run it in this thread.
+                engine.transfer_sync(&reqs, timeout)
+            } else {
+                self.transfer_all(&engine, &reqs, timeout, &mut pins)
+            }
         });
+        drop_pins(py, pins);
         match res {
             Ok(st) if st.status == TaskStatus::Completed => Ok(st.transferred_bytes),
             Ok(st) => Err(errors::transfer_failure(py, &segment, &st)),
@@ -346,7 +534,10 @@ impl Core {
         }
     }
 
-    /// Submits requests in a new batch and returns its id at once.
+    /// Submits requests in a new batch and returns its id at once. `pins` is held until the
+    /// batch is freed, which the engine allows only once every task is terminal.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (segment, opcode, locals, remotes, lengths, pins = None))]
     fn submit(
         &self,
         py: Python<'_>,
@@ -355,9 +546,10 @@ impl Core {
         locals: Vec<u64>,
         remotes: Vec<u64>,
         lengths: Vec<u64>,
+        pins: Option<Py<PyAny>>,
     ) -> PyResult<u64> {
         let (op, engine) = self.prepare(py, opcode, &locals, &remotes, &lengths)?;
-        py.detach(|| {
+        let b = py.detach(|| {
             let id = engine.open_segment(&segment)?;
             let reqs = build_requests(op, id, &locals, &remotes, &lengths);
             let b = engine.allocate_batch(reqs.len().max(1))?;
@@ -367,13 +559,19 @@ impl Core {
             }
             Ok(b)
         })
-        .map_err(|e| errors::engine(py, &e))
+        .map_err(|e| errors::engine(py, &e))?;
+        if let Some(p) = pins {
+            lock(&self.batch_pins).insert(b, p);
+        }
+        Ok(b)
     }
 
-    /// (status, transferred_bytes, reason, cause) of a batch: COMPLETED (4) when every task did,
-    /// FAILED (6) / TIMEOUT (5) as soon as one did, else WAITING (0).
+    /// (status, transferred_bytes, reason, cause code) of a batch: WAITING (0) while any task
+    /// is in flight; once every task is terminal, COMPLETED (4) when every task did, else the
+    /// first failed task's FAILED (6) / TIMEOUT (5).
     fn batch_status(&self, py: Python<'_>, batch: u64) -> PyResult<StatusTuple> {
-        let st = self.engine(py)?.batch_status(batch).map_err(|e| errors::engine(py, &e))?;
+        let engine = self.engine(py)?;
+        let st = self.settled_status(&engine, batch).map_err(|e| errors::engine(py, &e))?;
         Ok(status_tuple(&st))
     }
 
@@ -383,24 +581,33 @@ impl Core {
         Ok(status_tuple(&st))
     }
 
-    /// Blocks up to `timeout` seconds until the batch completed or a task failed.
+    /// Blocks up to `timeout` seconds until every task of the batch is terminal (not only
+    /// until the first failure); returns the batch status as `batch_status`.
     fn wait_batch(&self, py: Python<'_>, batch: u64, timeout: f64) -> PyResult<StatusTuple> {
         let timeout = duration(py, timeout)?;
         let engine = self.engine(py)?;
-        let st = py.detach(|| engine.wait_batch(batch, timeout)).map_err(|e| errors::engine(py, &e))?;
+        let st = py
+            .detach(|| engine.wait_batch_all(batch, timeout).and_then(|_| self.settled_status(&engine, batch)))
+            .map_err(|e| errors::engine(py, &e))?;
         Ok(status_tuple(&st))
     }
 
-    /// Frees a finished batch; raises BatchBusy while a task is in flight.
+    /// Frees a finished batch (and drops its pins); raises BatchBusy while a task is in flight.
     fn free_batch(&self, py: Python<'_>, batch: u64) -> PyResult<()> {
-        self.engine(py)?.free_batch(batch).map_err(|e| errors::engine(py, &e))
+        self.engine(py)?.free_batch(batch).map_err(|e| errors::engine(py, &e))?;
+        self.unpin_batches(py, &[batch]);
+        Ok(())
     }
 
-    /// Frees a batch now if it has finished, else as soon as it has (returns False then).
+    /// Frees a batch now if it has finished, else as soon as it has (returns False then);
+    /// its pins are dropped when it is freed.
     fn release_batch(&self, py: Python<'_>, batch: u64) -> PyResult<bool> {
         let engine = self.engine(py)?;
         match engine.free_batch(batch) {
-            Ok(()) => Ok(true),
+            Ok(()) => {
+                self.unpin_batches(py, &[batch]);
+                Ok(true)
+            }
             Err(Error::BatchBusy { .. }) => {
                 lock(&self.zombies).push(batch);
                 Ok(false)
@@ -450,6 +657,7 @@ impl Core {
     /// Copies `data` to `addr`; the kernel checks the range, so a bad address raises
     /// instead of crashing.
     fn write_memory(&self, py: Python<'_>, addr: u64, data: &[u8]) -> PyResult<()> {
+        self.owned(py)?;
         match memory::write_checked(addr, data) {
             Ok(()) => Ok(()),
             Err(memory::CopyError::Fault(m)) => Err(raise(py, Kind::InvalidArgument, m, -1)),
@@ -459,6 +667,7 @@ impl Core {
 
     /// Copies `length` bytes from `addr` into a new bytes object (checked like write_memory).
     fn read_memory<'py>(&self, py: Python<'py>, addr: u64, length: u64) -> PyResult<Bound<'py, PyBytes>> {
+        self.owned(py)?;
         let len = byte_len(py, length)?;
         let mut failure: Option<PyErr> = None;
         let bytes = PyBytes::new_with(py, len, |buf| {
@@ -482,10 +691,13 @@ impl Core {
     /// Stops the engine: listeners close, requests still queued fail, managed buffers are
     /// unmapped. Every registered range is withdrawn first, which waits for accesses in
     /// progress, so no engine thread touches Python-owned memory after close() returns.
-    /// Idempotent.
-    fn close(&self, py: Python<'_>) {
+    /// Idempotent. With `unmap=False` managed buffers stay mapped until this object is freed
+    /// (`kvferry.Engine` does that while views of them exist).
+    #[pyo3(signature = (unmap = true))]
+    fn close(&self, py: Python<'_>, unmap: bool) -> PyResult<()> {
+        self.owned(py)?;
         let taken = self.engine.write().unwrap_or_else(|e| e.into_inner()).take();
-        let Some(engine) = taken else { return };
+        let Some(engine) = taken else { return Ok(()) };
         let unique = py.detach(move || {
             // Calls in progress on other threads hold clones; give them a moment to return.
             let until = Instant::now() + Duration::from_secs(5);
@@ -498,10 +710,17 @@ impl Core {
             unique
         });
         if unique {
-            lock(&self.managed).clear();
+            // No engine thread is left: nothing touches pinned memory any more.
+            lock(&self.zombies).clear();
+            let pins: Vec<Py<PyAny>> = lock(&self.batch_pins).drain().map(|(_, p)| p).chain(lock(&self.reg_pins).drain().map(|(_, p)| p)).collect();
+            drop_pins(py, pins);
+            if unmap {
+                lock(&self.managed).clear();
+            }
         } else {
-            tracing::warn!("kvferry: engine still in use by another thread at close(); managed buffers stay mapped until the engine object is freed");
+            tracing::warn!("kvferry: engine still in use by another thread at close(); managed buffers and pinned memory stay until the engine object is freed");
         }
+        Ok(())
     }
 
     fn __repr__(&self) -> String {
@@ -523,12 +742,37 @@ fn retire(engine: &TransferEngine) {
 impl Drop for Core {
     fn drop(&mut self) {
         let engine = self.engine.get_mut().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(engine) = engine {
-            retire(&engine);
-            drop(engine);
+        let managed: Vec<memory::Pages> = self.managed.get_mut().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, p)| p).collect();
+        if std::process::id() != self.pid {
+            // A fork() child's copy: the listeners, memfds, control region and metadata entries
+            // are the parent's. Unregistering, shutting sockets down or punching holes here
+            // would break the parent, and the engine's threads do not exist in this process.
+            // Forget it all (the child keeps copies of the descriptors until it exits).
+            // TODO(issue 10): once TransferEngine's and HostBuffer's Drop only close
+            // descriptors in a foreign pid (engine and shm branches), drop them instead.
+            std::mem::forget(engine);
+            std::mem::forget(managed);
+            return;
         }
-        // The managed mappings go last (field order would drop them after the engine anyway).
-        self.managed.get_mut().unwrap_or_else(|e| e.into_inner()).clear();
+        // Stopping the engine waits for accesses in progress and joins threads: never with
+        // the GIL held (other Python threads would stall, and anything the engine's threads
+        // wait on that needs the GIL would deadlock).
+        let slow_ms = std::env::var("KVFERRY_TEST_SLOW_DROP_MS").ok().and_then(|v| v.parse::<u64>().ok());
+        Python::attach(|py| {
+            py.detach(move || {
+                if let Some(engine) = engine {
+                    retire(&engine);
+                    if let Some(ms) = slow_ms {
+                        // Test hook (tests/python/test_hardening.py): a drop that takes a while.
+                        std::thread::sleep(Duration::from_millis(ms.min(10_000)));
+                    }
+                    drop(engine);
+                }
+                // The managed mappings go last: no engine thread is left to touch them.
+                drop(managed);
+            })
+        });
+        // Pins (Python objects) go after the engine: its threads no longer touch their memory.
     }
 }
 

@@ -10,7 +10,8 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyModule};
-use std::sync::RwLock;
+use std::collections::HashMap;
+use std::sync::{Mutex, RwLock};
 use std::time::Duration;
 
 /// One key's outcome in a batch: the value (if found), a Mooncake error code and a message.
@@ -81,13 +82,34 @@ fn config(r: Option<PyReplicate>) -> ReplicateConfig {
 #[pyclass(frozen, module = "kvferry._kvferry")]
 pub struct StoreCore {
     client: RwLock<Option<Client>>,
+    /// What keeps registered buffer objects alive and exported, by address: dropped after
+    /// `unregister_buffer` returned or the client stopped.
+    pins: Mutex<HashMap<u64, Py<PyAny>>>,
+    /// The process that created the client: in a fork() child every method raises and
+    /// dropping only forgets (the segment, its engine and the master session are the parent's).
+    pid: u32,
 }
 
 impl StoreCore {
+    fn owned(&self, py: Python<'_>) -> PyResult<()> {
+        if std::process::id() != self.pid {
+            return Err(raise(
+                py,
+                StoreError::InvalidParams(format!(
+                    "this store client belongs to process {} (it was inherited through fork() by process {}); create a new one in the child",
+                    self.pid,
+                    std::process::id()
+                )),
+            ));
+        }
+        Ok(())
+    }
+
     fn with<T>(&self, py: Python<'_>, f: impl FnOnce(&Client) -> Result<T, StoreError> + Send) -> PyResult<T>
     where
         T: Send,
     {
+        self.owned(py)?;
         let r = py.detach(|| {
             let g = self.client.read().unwrap_or_else(|e| e.into_inner());
             match g.as_ref() {
@@ -100,6 +122,7 @@ impl StoreCore {
 
     /// Like `with`, but hands per-key results back to Python as (value | None, code, message).
     fn per_key<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&Client) -> Vec<Result<T, StoreError>> + Send) -> PyResult<Vec<(Option<T>, i32, String)>> {
+        self.owned(py)?;
         let r = py.detach(|| {
             let g = self.client.read().unwrap_or_else(|e| e.into_inner());
             g.as_ref().map(f)
@@ -144,7 +167,7 @@ impl StoreCore {
             transfer_timeout: Duration::from_secs(60),
         };
         let client = py.detach(|| Client::setup(cfg)).map_err(|e| raise(py, e))?;
-        Ok(StoreCore { client: RwLock::new(Some(client)) })
+        Ok(StoreCore { client: RwLock::new(Some(client)), pins: Mutex::default(), pid: std::process::id() })
     }
 
     /// This client's transfer-engine segment name.
@@ -152,12 +175,25 @@ impl StoreCore {
         self.with(py, |c| Ok(c.segment_name().to_string()))
     }
 
-    fn register_buffer(&self, py: Python<'_>, addr: u64, size: u64) -> PyResult<()> {
-        self.with(py, |c| c.register_buffer(addr, size))
+    /// Registers local memory; `pin` (if any) is held until it is unregistered.
+    #[pyo3(signature = (addr, size, pin = None))]
+    fn register_buffer(&self, py: Python<'_>, addr: u64, size: u64, pin: Option<Py<PyAny>>) -> PyResult<()> {
+        self.with(py, |c| c.register_buffer(addr, size))?;
+        if let Some(p) = pin {
+            if let Some(old) = self.pins.lock().unwrap_or_else(|e| e.into_inner()).insert(addr, p) {
+                old.drop_ref(py);
+            }
+        }
+        Ok(())
     }
 
     fn unregister_buffer(&self, py: Python<'_>, addr: u64) -> PyResult<()> {
-        self.with(py, |c| c.unregister_buffer(addr))
+        self.with(py, |c| c.unregister_buffer(addr))?;
+        let pin = self.pins.lock().unwrap_or_else(|e| e.into_inner()).remove(&addr);
+        if let Some(p) = pin {
+            p.drop_ref(py);
+        }
+        Ok(())
     }
 
     #[pyo3(signature = (key, value, config=None, upsert=false))]
@@ -253,10 +289,16 @@ impl StoreCore {
 
     /// Unmounts the segment and stops the client; later calls raise.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.owned(py)?;
         let taken = py.detach(|| self.client.write().unwrap_or_else(|e| e.into_inner()).take());
         match taken {
             Some(c) => {
                 let r = py.detach(move || c.close());
+                // The client has stopped: nothing touches the registered buffers any more.
+                let pins: Vec<Py<PyAny>> = self.pins.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, p)| p).collect();
+                for p in pins {
+                    p.drop_ref(py);
+                }
                 r.map_err(|e| raise(py, e))
             }
             None => Ok(()),
@@ -265,5 +307,22 @@ impl StoreCore {
 
     fn closed(&self) -> bool {
         self.client.read().unwrap_or_else(|e| e.into_inner()).is_none()
+    }
+}
+
+impl Drop for StoreCore {
+    fn drop(&mut self) {
+        let client = self.client.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(client) = client else { return };
+        if std::process::id() != self.pid {
+            // A fork() child's copy: unmounting or stopping would withdraw the parent's segment.
+            // TODO(issue 10): drop it once the engine's Drop only closes descriptors in a
+            // foreign pid.
+            std::mem::forget(client);
+            return;
+        }
+        // Stopping the client talks to the master and joins threads: not with the GIL held.
+        // The pins (a field) are dropped after this, once the client has stopped.
+        Python::attach(|py| py.detach(move || drop(client)));
     }
 }
