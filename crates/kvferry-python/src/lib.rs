@@ -27,8 +27,6 @@ mod memory;
 mod store;
 
 use errors::{raise, Kind};
-use kvferry::config::split_host_port;
-use kvferry::wire::handshake::{parse_json, MsgType, NotifyMsg};
 use kvferry::{BatchId, Config, Error, FailCause, Opcode, TaskStatus, TransferEngine, TransferRequest, TransferStatus};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -98,34 +96,6 @@ fn build_requests(op: Opcode, target: u64, locals: &[u64], remotes: &[u64], leng
         .collect()
 }
 
-/// Sends a notify whose `name` field is chosen by the caller (Mooncake's
-/// `TransferNotify(name, msg)` travels verbatim; `TransferEngine::send_notify` always sends
-/// the engine's own segment name).
-fn notify_named(engine: &TransferEngine, segment: &str, name: &str, msg: &str) -> Result<(), Error> {
-    let (host, port) = match split_host_port(segment) {
-        (h, Some(p)) if !h.is_empty() => (h.to_string(), p),
-        _ => {
-            return Err(Error::SegmentNotFound { name: segment.into(), reason: "expected \"<host>:<rpc port>\"".into() });
-        }
-    };
-    let body = serde_json::to_vec(&NotifyMsg { name: name.to_string(), notify_msg: msg.to_string() })
-        .map_err(|e| Error::InvalidArgument(format!("cannot encode the notify: {e}")))?;
-    let cfg = engine.config();
-    let reply = kvferry::handshake::request(
-        &host,
-        port,
-        MsgType::Notify,
-        &body,
-        cfg.handshake_connect_timeout,
-        Duration::from_secs(10),
-        cfg.handshake_max_len,
-    )?;
-    let r: NotifyMsg = parse_json("notify reply", &reply.body).map_err(|e| Error::Wire { peer: segment.into(), source: e })?;
-    if r.notify_msg != "success" {
-        return Err(Error::Handshake { peer: segment.into(), reason: format!("notify refused: {}", r.notify_msg) });
-    }
-    Ok(())
-}
 
 /// A kvferry transfer engine, integer addresses only (the low-level core of `kvferry.Engine`
 /// and `kvferry.mooncake.engine.TransferEngine`; use those instead).
@@ -622,7 +592,7 @@ impl Core {
     fn send_notify(&self, py: Python<'_>, segment: String, msg: String, name: Option<String>) -> PyResult<()> {
         let engine = self.engine(py)?;
         py.detach(|| match &name {
-            Some(n) => notify_named(&engine, &segment, n, &msg),
+            Some(n) => engine.send_notify_as(&segment, n, &msg),
             None => engine.send_notify(&segment, &msg),
         })
         .map_err(|e| raise(py, errors::kind_of(&e), e.to_string(), errors::peer_code(&e)))
@@ -747,11 +717,10 @@ impl Drop for Core {
             // A fork() child's copy: the listeners, memfds, control region and metadata entries
             // are the parent's. Unregistering, shutting sockets down or punching holes here
             // would break the parent, and the engine's threads do not exist in this process.
-            // Forget it all (the child keeps copies of the descriptors until it exits).
-            // TODO(issue 10): once TransferEngine's and HostBuffer's Drop only close
-            // descriptors in a foreign pid (engine and shm branches), drop them instead.
-            std::mem::forget(engine);
-            std::mem::forget(managed);
+            // Dropped there, the engine shuts nothing down and the managed buffers only close
+            // their descriptors (both check the process that created them).
+            drop(engine);
+            drop(managed);
             return;
         }
         // Stopping the engine waits for accesses in progress and joins threads: never with

@@ -315,10 +315,9 @@ impl Drop for StoreCore {
         let client = self.client.get_mut().unwrap_or_else(|e| e.into_inner()).take();
         let Some(client) = client else { return };
         if std::process::id() != self.pid {
-            // A fork() child's copy: unmounting or stopping would withdraw the parent's segment.
-            // TODO(issue 10): drop it once the engine's Drop only closes descriptors in a
-            // foreign pid.
-            std::mem::forget(client);
+            // A fork() child's copy: the client's Drop unmounts nothing there (the segment is
+            // the parent's) and its engine and buffers only close their descriptors.
+            drop(client);
             return;
         }
         // Stopping the client talks to the master and joins threads: not with the GIL held.

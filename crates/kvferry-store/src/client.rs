@@ -136,6 +136,8 @@ struct Inner {
     staging: Option<(HostBuffer, Mutex<SegmentSpace>)>,
     closed: AtomicBool,
     cfg: ClientConfig,
+    /// The process that set the client up (see Drop).
+    pid: u32,
 }
 
 /// A store client. Cheap to share between threads (`&Client` is enough).
@@ -195,7 +197,7 @@ impl Client {
             let space = SegmentSpace::new(buf.addr(), buf.len() as u64);
             staging = Some((buf, Mutex::new(space)));
         }
-        let inner = Arc::new(Inner { engine, rpc, id, segment, staging, closed: AtomicBool::new(false), cfg });
+        let inner = Arc::new(Inner { engine, rpc, id, segment, staging, closed: AtomicBool::new(false), cfg, pid: std::process::id() });
         // Register with the master even without a segment, so pings are recognised.
         match &inner.segment {
             Some((_, seg)) => inner.rpc.call_ok(&Request::MountSegment { client: id, segment: seg.clone() })?,
@@ -604,7 +606,14 @@ impl Client {
 }
 
 impl Drop for Client {
+    /// Unmounts the segment (the engine, dropped after, is the barrier for its memory). In a
+    /// process other than the one that set the client up (a `fork()` child dropping its copy)
+    /// nothing is unmounted or stopped: the segment and the master's view of it are the
+    /// parent's; the engine and the buffers then only let go of their descriptors.
     fn drop(&mut self) {
+        if std::process::id() != self.inner.pid {
+            return;
+        }
         if let Err(e) = self.close() {
             tracing::debug!("closing the store client: {e}");
         }

@@ -123,9 +123,8 @@ fn accept_loops_back_off_when_descriptors_run_out() {
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) }, 0);
     let mut conns = Vec::new();
     for port in [b.data_port(), b.rpc_port()].iter().cycle().take(40) {
-        match std::net::TcpStream::connect(("127.0.0.1", *port)) {
-            Ok(c) => conns.push(c),
-            Err(_) => {}
+        if let Ok(c) = std::net::TcpStream::connect(("127.0.0.1", *port)) {
+            conns.push(c);
         }
     }
     // Both accept loops now meet EMFILE with connections waiting.
