@@ -838,19 +838,24 @@ impl Inner {
     /// The transport that serves `peer`: the first of `transports` that can reach it. The
     /// error lists why each could not.
     fn pick(&self, peer: &Arc<Peer>) -> Result<&Arc<dyn Transport>> {
-        let mut why = Vec::with_capacity(self.transports.len());
+        let mut why = Vec::new();
         for t in &self.transports {
             match t.reachable(peer) {
                 Ok(()) => return Ok(t),
                 Err(e) => why.push((t.name(), e)),
             }
         }
+        Err(self.no_transport(peer, why))
+    }
+
+    /// The error for a peer no transport reaches, with each one's reason.
+    fn no_transport(&self, peer: &Peer, why: Vec<(&'static str, String)>) -> Error {
         let reason = match (self.config.transport, why.as_slice()) {
             (TransportMode::Shm, [(_, e)]) => format!("KVFERRY_TRANSPORT=shm, but {e}"),
             (_, [(_, e)]) => e.clone(),
             _ => why.iter().map(|(n, e)| format!("{n}: {e}")).collect::<Vec<_>>().join("; "),
         };
-        Err(Error::NoTransport { segment: peer.name.clone(), reason })
+        Error::NoTransport { segment: peer.name.clone(), reason }
     }
 
     /// Hands pieces to the transport that serves `peer`: the local copy for the engine's
@@ -860,10 +865,19 @@ impl Inner {
         if peer.id == LOCAL_SEGMENT_ID {
             return self.local.submit(peer, pieces, inline);
         }
-        match self.pick(peer) {
-            Ok(t) => t.submit(peer, pieces, inline),
-            Err(e) => fail_pieces(pieces, &e),
+        // One decision per transport (try_submit), and no allocation unless one says no.
+        let mut pieces = pieces;
+        let mut why = Vec::new();
+        for t in &self.transports {
+            match t.try_submit(peer, pieces, inline) {
+                Ok(()) => return,
+                Err((p, e)) => {
+                    pieces = p;
+                    why.push((t.name(), e));
+                }
+            }
         }
+        fail_pieces(pieces, &self.no_transport(peer, why));
     }
 }
 

@@ -90,6 +90,18 @@ pub trait Transport: Send + Sync {
     /// them anyway (a lone synchronous request), so the transport may run them in the
     /// caller's thread when that is faster.
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool);
+    /// [`Transport::submit`] if `peer` is reachable, else the pieces back with the reason.
+    /// One decision per call: a transport whose `reachable` takes work overrides this so the
+    /// hot path decides once, not twice.
+    fn try_submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) -> Result<(), (Vec<Piece>, String)> {
+        match self.reachable(peer) {
+            Ok(()) => {
+                self.submit(peer, pieces, inline);
+                Ok(())
+            }
+            Err(e) => Err((pieces, e)),
+        }
+    }
     /// Stops threads and closes connections; queued pieces fail.
     fn shutdown(&self);
 }

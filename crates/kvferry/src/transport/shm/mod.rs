@@ -480,9 +480,11 @@ impl ShmTransport {
         }
         let mut desc = peer.desc();
         let cookie_of = |d: &SegmentDesc| ShmInfo::cookie_epoch(d).map(|(c, _)| c.to_string());
+        // Compared without allocating: this runs for every submission.
+        let same_cookie = |c: &Option<String>, d: &SegmentDesc| c.as_deref() == ShmInfo::cookie_epoch(d).map(|(c, _)| c);
         let cached = self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).get(&peer.id).cloned();
         if let Some((c, sel)) = cached {
-            if c == cookie_of(&desc) {
+            if same_cookie(&c, &desc) {
                 let gone = match &*sel {
                     Selection::Yes(p) if !p.exited_lately() && p.ctl.closed().load(Ordering::Acquire) == 0 => return Ok(Arc::clone(p)),
                     Selection::No(r) => return Err(r.clone()),
@@ -498,7 +500,7 @@ impl ShmTransport {
                     let _ = f(peer);
                 }
                 desc = peer.desc();
-                if c == cookie_of(&desc) {
+                if same_cookie(&c, &desc) {
                     // Forget it: its control region and any of its memory mapped here are
                     // released once no copy uses them.
                     self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.id, (c, Arc::new(Selection::No(gone.clone()))));
@@ -682,6 +684,16 @@ impl Transport for ShmTransport {
 
     fn reachable(&self, peer: &Arc<Peer>) -> Result<(), String> {
         self.select(peer).map(|_| ())
+    }
+
+    fn try_submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) -> Result<(), (Vec<Piece>, String)> {
+        match self.select(peer) {
+            Ok(shm) => {
+                self.submit_to(peer, shm, pieces, inline);
+                Ok(())
+            }
+            Err(e) => Err((pieces, e)),
+        }
     }
 
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) {
