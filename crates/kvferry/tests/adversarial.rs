@@ -503,24 +503,59 @@ fn a_v1_rejection_is_told_apart_from_a_lost_peer() {
     }
 }
 
+/// `submit` never waits for the network: a request whose remote range the cached
+/// descriptor lacks is handed to the refresher, even when the peer answers descriptor
+/// requests slowly; the request then goes through once the fresh descriptor lists it.
+#[test]
+fn submit_does_not_wait_for_a_slow_descriptor_refresh() {
+    let a = engine(Duration::from_secs(5));
+    let buf = vec![0u8; 4096];
+    a.register_memory(buf.as_ptr() as u64, 4096, "*").unwrap();
+    const LATER: u64 = 0x9000_0000;
+    // The first lookup lists one buffer; later ones, after 1.5 s, a second one.
+    let describe: Arc<Describe> = Arc::new(|n, hs, data| {
+        if n > 0 {
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        desc_json(hs, data, 2, if n == 0 { &[REMOTE] } else { &[REMOTE, LATER] })
+    });
+    let peer = fake_peer_with(describe, prompt_script());
+    let seg = a.open_segment(&peer.name).unwrap();
+    let b = a.allocate_batch(1).unwrap();
+    let start = Instant::now();
+    a.submit(b, &[req(Opcode::Read, &buf, seg, LATER, 4096)]).unwrap();
+    let took = start.elapsed();
+    assert!(took < Duration::from_millis(300), "submit took {took:?}: it waited for the descriptor");
+    let st = a.wait_batch(b, Duration::from_secs(10)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+    assert!(start.elapsed() >= Duration::from_millis(1400), "completed before the refresh could have answered");
+    assert!(snapshot(&buf).iter().all(|&x| x == 0x77));
+}
+
 // ------------------------------------------------------------------------------------------
 // Terminal means terminal
 // ------------------------------------------------------------------------------------------
 
+/// Answers every request correctly (READ data: 0x77), each after `delay`.
+fn answering_script(delay: Duration) -> Arc<Script> {
+    Arc::new(move |mut s: TcpStream, stop: &AtomicBool| {
+        while let Some(h) = read_header(&mut s, stop) {
+            std::thread::sleep(delay);
+            let _ = s.write_all(&wire::encode_status(Status::Ok));
+            if h.opcode == Opcode::Read && s.write_all(&vec![0x77u8; h.size as usize]).is_err() {
+                return;
+            }
+        }
+    })
+}
+
+fn prompt_script() -> Arc<Script> {
+    answering_script(Duration::ZERO)
+}
+
 /// A peer that answers a READ correctly, but only after `delay`.
 fn late_peer(delay: Duration) -> FakePeer {
-    fake_peer(
-        REMOTE,
-        Arc::new(move |mut s: TcpStream, stop: &AtomicBool| {
-            while let Some(h) = read_header(&mut s, stop) {
-                std::thread::sleep(delay);
-                let _ = s.write_all(&wire::encode_status(Status::Ok));
-                if h.opcode == Opcode::Read && s.write_all(&vec![0x77u8; h.size as usize]).is_err() {
-                    return;
-                }
-            }
-        }),
-    )
+    fake_peer(REMOTE, answering_script(delay))
 }
 
 /// `transfer_sync`'s timeout is the request's deadline: a late answer ends as TIMEOUT and
