@@ -28,7 +28,11 @@ SIZE = 1 << 20
 
 
 class Env:
-    """Two engines in this process: `t` (target) and `te` (initiator)."""
+    """Two engines in this process: `t` (target) and `te` (initiator); `store` is the
+    implementation's store module and `impl` its name (set by main())."""
+
+    impl = "kvferry"
+    store = None
 
     def __init__(self, mod):
         self.mod = mod
@@ -651,6 +655,92 @@ def warmup_efa(env):
     return env.te.warmup_efa_segment(env.seg)
 
 
+# -- mooncake.store (no master needed: these run on stock Mooncake without RDMA) ------------------
+
+def _dict_setup(env, **over):
+    d = {"local_hostname": HOST, "metadata_server": "P2PHANDSHAKE", "master_server_addr": "127.0.0.1:1",
+         "global_segment_size": "16MB", "local_buffer_size": "16MB"}
+    d.update(over)
+    return env.store.MooncakeDistributedStore().setup(d)
+
+
+@case(None)
+def shim_find_spec_unprovided(env):
+    """A meta-path finder answers None for modules it does not serve (kvferry under its shim)."""
+    import importlib.util
+
+    if env.impl == "kvferry":
+        import kvferry
+
+        kvferry.install_mooncake_shim()
+    try:
+        return importlib.util.find_spec("mooncake.kvferry_parity_absent")
+    finally:
+        if env.impl == "kvferry":
+            kvferry.uninstall_mooncake_shim()
+
+
+@case(["PRESERVE", None, 1, "", [], None, False])
+def store_replicate_config_defaults(env):
+    c = env.store.ReplicateConfig()
+    return [c.soft_pin_action.name, c.soft_pin_ttl_ms, c.replica_num, c.preferred_segment, list(c.preferred_segments), c.group_ids, c.with_hard_pin]
+
+
+@case([0, 1, 2])
+def store_soft_pin_action_values(env):
+    a = env.store.SoftPinAction
+    return [int(a.PRESERVE), int(a.ENABLE), int(a.DISABLE)]
+
+
+@case({"raises": "TypeError"})
+def store_ttl_negative(env):
+    env.store.ReplicateConfig().soft_pin_ttl_ms = -1
+
+
+@case({"raises": "TypeError"})
+def store_ttl_2_64(env):
+    env.store.ReplicateConfig().soft_pin_ttl_ms = 2 ** 64
+
+
+@case([5, None])
+def store_ttl_set_and_cleared(env):
+    c = env.store.ReplicateConfig()
+    c.soft_pin_ttl_ms = 5
+    got = c.soft_pin_ttl_ms
+    c.soft_pin_ttl_ms = None
+    return [got, c.soft_pin_ttl_ms]
+
+
+@case(-600)
+def store_setup_dict_percent_size(env):
+    return _dict_setup(env, global_segment_size="50%")
+
+
+@case(-600)
+def store_setup_dict_size_below_minimum(env):
+    return _dict_setup(env, global_segment_size="512")
+
+
+@case(-600)
+def store_setup_dict_no_hostname(env):
+    return _dict_setup(env, local_hostname="")
+
+
+@case({"raises": "TypeError"})
+def store_setup_unknown_keyword(env):
+    return env.store.MooncakeDistributedStore().setup(HOST, "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", "127.0.0.1:1", bogus_option=1)
+
+
+@case(1)
+def store_health_check_before_setup(env):
+    return env.store.MooncakeDistributedStore().health_check()
+
+
+@case(None)
+def store_bind_to_numa_node(env):
+    return env.store.bind_to_numa_node(0)
+
+
 # -- deliberate differences ----------------------------------------------------------------------
 
 @divergent(-1, 0)
@@ -747,8 +837,12 @@ def main(argv=None):
     out = os.fdopen(out_fd, "w")
     if args.impl == "kvferry":
         import kvferry.mooncake.engine as mod
+        import kvferry.mooncake.store as store
     else:
         import mooncake.engine as mod
+        import mooncake.store as store
+    Env.impl = args.impl
+    Env.store = store
     names = args.cases or list(CASES) + list(DIVERGENT)
     result = run(mod, names)
     out.write(json.dumps(result) + "\n")
