@@ -891,12 +891,17 @@ def store_health_check_lifecycle(env):
     return [s.health_check(), s.close(), s.health_check()]
 
 
-@divergent(-705, 0)
+@case([0, 0, "one", [0, 0], 0, "one"])
 def store_put_existing_key(env):
-    """kvferry refuses a put of an existing key (-705, use upsert); Mooncake returns 0 and keeps the old value."""
+    """A put of an existing key succeeds and keeps the stored value (Mooncake's Put semantics)."""
     with _Store(env) as s:
-        s.put("pe", b"one")
-        r = s.put("pe", b"two")
+        src, _ = _cbuf(64)
+        assert s.register_buffer(src, 64) == 0
+        r = [s.put("pe", b"one"), s.put("pe", b"two")]
+        r.append(s.get("pe").decode())
+        r.append(s.batch_put_from(["pe", "pe2"], [src, src], [8, 8]))
+        r.append(s.put_batch(["pe", "pe3"], [b"x", b"y"]))
+        r.append(s.get("pe").decode())
         s.remove_all(True)
         return r
 

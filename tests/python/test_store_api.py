@@ -160,6 +160,7 @@ def test_sglang_hicache_sequence(cluster):
         ptrs = [[k_pool.ctypes.data + i * layers * page, v_pool.ctypes.data + i * layers * page] for i in range(8)]
         sizes = [[layers * page, layers * page] for _ in range(8)]
         assert s.batch_put_from_multi_buffers(keys, ptrs, sizes) == [0] * 8
+        assert s.batch_put_from_multi_buffers(keys[:1], [[v_pool.ctypes.data, k_pool.ctypes.data]], sizes[:1]) == [0], "exists: kept"
         assert s.batch_is_exist(keys + ["absent"]) == [1] * 8 + [0]
         k_out, v_out = np.zeros_like(k_pool), np.zeros_like(v_pool)
         assert s.register_buffer(k_out.ctypes.data, k_out.nbytes) == 0
@@ -271,6 +272,7 @@ def test_lmcache_sequence(cluster):
         assert s.put_parts("obj", meta, memoryview(body), b"tail", config=cfg) == 0
         expect = meta.tobytes() + body.tobytes() + b"tail"
         assert s.get("obj") == expect
+        assert s.put_parts("obj", b"other") == 0 and s.get("obj") == expect, "an existing key is kept (Mooncake's put)"
         assert s.upsert_parts("obj", b"new", b"value") == 0 and s.get("obj") == b"newvalue"
         assert s.put_parts("obj2", np.arange(4, dtype=np.uint32)) == 0
         assert s.get("obj2") == np.arange(4, dtype=np.uint32).tobytes()

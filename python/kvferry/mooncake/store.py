@@ -37,6 +37,7 @@ SoftPinAction = _native.SoftPinAction
 INVALID_PARAMS = -600
 INTERNAL_ERROR = -1
 BUFFER_OVERFLOW = -10
+OBJECT_ALREADY_EXISTS = -705
 
 # health_check() answers (Mooncake's HC_*).
 HC_HEALTHY = 0
@@ -202,6 +203,17 @@ def _fail(e: BaseException) -> int:
     return _code(e)
 
 
+def _put_fail(e: BaseException) -> int:
+    """A put of a key that exists succeeds and keeps the stored value (Mooncake's Put and
+    BatchPut treat OBJECT_ALREADY_EXISTS as success); use upsert to replace."""
+    return 0 if isinstance(e, _native.ObjectAlreadyExists) else _fail(e)
+
+
+def _put_code(code: int) -> int:
+    """A per-key put result: -705 (the key exists) counts as success, as in Mooncake."""
+    return 0 if code == OBJECT_ALREADY_EXISTS else code
+
+
 def _ptr(p: Any) -> int:
     if isinstance(p, bool) or not isinstance(p, int):
         raise _native.StoreInvalidArgument("buffer pointers are ints", INVALID_PARAMS)
@@ -325,11 +337,12 @@ class MooncakeDistributedStore:
 
     # bytes API
     def put(self, key: str, value: Any, config: Optional[ReplicateConfig] = None) -> int:
+        """0 on success, also when the key exists (the stored value is kept, as in Mooncake)."""
         try:
             self._store().put(key, value, config)
             return 0
         except Exception as e:  # noqa: BLE001
-            return _fail(e)
+            return _put_fail(e)
 
     def upsert(self, key: str, value: Any, config: Optional[ReplicateConfig] = None) -> int:
         try:
@@ -347,11 +360,16 @@ class MooncakeDistributedStore:
             return b""
 
     def put_batch(self, keys: Sequence[str], values: Sequence[Any], config: Optional[ReplicateConfig] = None) -> int:
+        """0 when every key is stored (or already existed), else the first error number."""
         try:
-            self._store().put_batch(keys, values, config)
-            return 0
+            res = self._store()._core.put_batch([_native._key(k) for k in keys], [bytes(v) for v in values], _native._cfg(config), False)
         except Exception as e:  # noqa: BLE001
             return _fail(e)
+        for _, code, _ in res:
+            c = _put_code(code)
+            if c:
+                return c
+        return 0
 
     def get_batch(self, keys: Sequence[str]) -> List[bytes]:
         """Values in order; ``b""`` for a missing or failed key."""
@@ -382,7 +400,7 @@ class MooncakeDistributedStore:
             self._store()._core.put_from(str(key), _ptr(buffer_ptr), int(size), _native._cfg(config), False)
             return 0
         except Exception as e:  # noqa: BLE001
-            return _fail(e)
+            return _put_fail(e)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int, config: Optional[ReplicateConfig] = None) -> int:
         try:
@@ -403,7 +421,7 @@ class MooncakeDistributedStore:
             res = self._store()._core.batch_put_from([str(k) for k in keys], [_ptr(p) for p in buffer_ptrs], [int(s) for s in sizes], _native._cfg(config), False)
         except Exception as e:  # noqa: BLE001
             return [_fail(e)] * len(keys)
-        return [0 if code == 0 else code for _, code, _ in res]
+        return [_put_code(code) for _, code, msg in res]
 
     def batch_get_into(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]) -> List[int]:
         try:
@@ -501,7 +519,7 @@ class MooncakeDistributedStore:
             self._store()._core.put(str(key), value, _native._cfg(config), upsert)
             return 0
         except Exception as e:  # noqa: BLE001
-            return _fail(e)
+            return _put_fail(e)
 
     def get_buffer(self, key: str) -> Optional[BufferHandle]:
         """The value as a BufferHandle (buffer protocol), or None if missing or failed."""
@@ -551,7 +569,7 @@ class MooncakeDistributedStore:
             try:
                 res = core.batch_put_from([str(keys[i]) for i in direct], [ranges[i][0] for i in direct], [ranges[i][1] for i in direct], cfg, False)
                 for i, (_, code, _) in zip(direct, res):
-                    out[i] = code
+                    out[i] = _put_code(code)
             except Exception as e:  # noqa: BLE001
                 code = _fail(e)
                 for i in direct:
@@ -560,10 +578,8 @@ class MooncakeDistributedStore:
             try:
                 values = [b"".join(ctypes.string_at(p, n) for p, n in zip(all_buffer_ptrs[i], all_sizes[i])) for i in chunk]
                 res = core.put_batch([str(keys[i]) for i in chunk], values, cfg, False)
-                for i, (_, code, msg) in zip(chunk, res):
-                    out[i] = code
-                    if code:
-                        _fail(_native.StoreError(msg, code))
+                for i, (_, code, _) in zip(chunk, res):
+                    out[i] = _put_code(code)
             except Exception as e:  # noqa: BLE001
                 code = _fail(e)
                 for i in chunk:
