@@ -115,6 +115,8 @@ def test_replicate_config_defaults_and_checks():
             c.soft_pin_ttl_ms = bad
     c.soft_pin_ttl_ms = 2 ** 64 - 1
     assert c.soft_pin_ttl_ms == 2 ** 64 - 1
+    c.soft_pin_ttl_ms = np.uint64(7)
+    assert c.soft_pin_ttl_ms == 7 and type(c.soft_pin_ttl_ms) is int
     with pytest.raises(TypeError, match="soft_pin_action"):
         c.soft_pin_action = 7
     with pytest.raises(TypeError, match="soft_pin_ttl_ms"):

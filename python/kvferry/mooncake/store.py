@@ -12,6 +12,7 @@ import ctypes
 import dataclasses
 import enum
 import logging
+import operator
 import os
 import re
 import warnings
@@ -82,9 +83,13 @@ __all__ += [m.name for m in ObjectDataType] + [m.name for m in ReplicaStatus]
 def _u64_or_none(name: str, v: Any) -> Optional[int]:
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _U64:
+    try:
+        n = None if isinstance(v, bool) else operator.index(v)  # ints, numpy integers
+    except TypeError:
+        n = None
+    if n is None or not 0 <= n < _U64:
         raise TypeError("ReplicateConfig.%s must be None or an integer in [0, 2**64), not %r" % (name, v))
-    return int(v)
+    return n
 
 
 @dataclasses.dataclass
