@@ -6,6 +6,7 @@ checked."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import threading
 import warnings
 
@@ -24,6 +25,14 @@ def client(addr, segment=16 << 20, local=16 << 20, **kw):
     s = MooncakeDistributedStore()
     assert s.setup(HOST, "P2PHANDSHAKE", segment, local, "tcp", "", addr, **kw) == 0
     return s
+
+
+def _cpus(text):
+    out = []
+    for part in text.strip().split(","):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b or a) + 1)) if part else []
+    return out
 
 
 def arr(key, n):
@@ -302,8 +311,17 @@ def test_lmcache_sequence(cluster):
         assert s.batch_remove(["z", "missing", "z1"], force=True) == [0, -704, 0]
         assert s.is_exist("z") == 0
         assert s.health_check() == 0
-        assert mcs.bind_to_numa_node(0) is None
-        assert mcs.bind_to_numa_node(4096) is None, "an absent node is a warning, as in Mooncake"
+        before = os.sched_getaffinity(0)
+        try:
+            assert mcs.bind_to_numa_node(0) is None
+            node0 = "/sys/devices/system/node/node0/cpulist"
+            if os.path.exists(node0):
+                with open(node0) as f:
+                    now = os.sched_getaffinity(0)
+                    assert now and now <= set(_cpus(f.read())), "the thread runs on node 0's CPUs only"
+            assert mcs.bind_to_numa_node(4096) is None, "an absent node is a warning, as in Mooncake"
+        finally:
+            os.sched_setaffinity(0, before)
     finally:
         assert s.close() == 0
     assert s.health_check() == 1
