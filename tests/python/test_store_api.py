@@ -217,6 +217,41 @@ def test_multi_buffer_gather_larger_than_half_the_local_buffer(cluster):
         a2, b2 = np.zeros_like(a), np.zeros_like(b)
         assert s.batch_get_into_multi_buffers(keys, [[a2.ctypes.data + i * 300_000, b2.ctypes.data + i * 100_000] for i in range(6)], sizes) == [400_000] * 6
         assert np.array_equal(a, a2) and np.array_equal(b, b2)
+        # a key larger than half the local buffer goes through the scratch buffer
+        big = [[a.ctypes.data, b.ctypes.data + 7]]
+        assert s.batch_put_from_multi_buffers(["big"], big, [[a.nbytes, 300_000]]) == [0]
+        a3, b3 = np.zeros_like(a), np.zeros_like(b)
+        assert s.batch_get_into_multi_buffers(["big", "absent"], [[a3.ctypes.data, b3.ctypes.data], [a3.ctypes.data, b3.ctypes.data]], [[a.nbytes, 300_000]] * 2) == [a.nbytes + 300_000, -704]
+        assert np.array_equal(a3, a) and np.array_equal(b3[:300_000], b[7:300_007])
+        assert s.batch_get_into_multi_buffers(["big"], [[a3.ctypes.data, b3.ctypes.data]], [[a.nbytes, 1000]]) == [-600]
+    finally:
+        s.close()
+
+
+def test_multi_buffers_without_a_local_buffer(cluster):
+    """local_buffer_size=0 (nothing to stage through): scattered keys still work, from threads."""
+    s = client(cluster, 0, 0)
+    try:
+        errors = []
+
+        def work(t):
+            try:
+                x = arr("x%d" % t, 5000)
+                y = arr("y%d" % t, 3000)
+                assert s.batch_put_from_multi_buffers(["n%d" % t], [[x.ctypes.data, y.ctypes.data]], [[5000, 3000]]) == [0]
+                x2, y2 = np.zeros_like(x), np.zeros_like(y)
+                assert s.batch_get_into_multi_buffers(["n%d" % t], [[x2.ctypes.data, y2.ctypes.data]], [[5000, 3000]]) == [8000]
+                assert np.array_equal(x, x2) and np.array_equal(y, y2)
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e))
+
+        ts = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert not errors, errors
+        assert s.remove_all(force=True) == 4
     finally:
         s.close()
 

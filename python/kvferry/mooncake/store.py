@@ -15,6 +15,7 @@ import logging
 import operator
 import os
 import re
+import threading
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -231,6 +232,10 @@ class MooncakeDistributedStore:
     def __init__(self) -> None:
         self._s: Optional[_native.Store] = None
         self._local_buffer_size = 0
+        # A registered buffer for gathered keys the local buffer cannot stage (see _scratch).
+        self._scratch_lock = threading.Lock()
+        self._scratch_buf: Optional[bytearray] = None
+        self._scratch_addr = 0
 
     def setup(
         self,
@@ -271,6 +276,7 @@ class MooncakeDistributedStore:
         try:
             self._s = _native.Store(str(local_hostname), metadata_server, global_segment_size, local_buffer_size, protocol, rdma_devices or "", master_server_addr)
             self._local_buffer_size = int(local_buffer_size)
+            self._scratch_buf = None
             return 0
         except Exception as e:  # noqa: BLE001 - the compatible API reports codes
             return _fail(e)
@@ -557,8 +563,9 @@ class MooncakeDistributedStore:
     ) -> List[int]:
         """Stores, per key, the concatenation of its buffers. Per key: 0 or a negative error
         number (-200: no space). A key whose buffers are one contiguous range is written
-        without a copy; otherwise its parts are gathered through the local buffer
-        (``local_buffer_size`` bounds one call's gathered bytes)."""
+        without a copy; otherwise its parts are gathered through the local buffer, in groups of
+        at most half of it, and a key larger than that (or every key when
+        ``local_buffer_size`` is 0) through a registered scratch buffer, one key at a time."""
         if self._s is None:
             return []
         try:
@@ -579,6 +586,20 @@ class MooncakeDistributedStore:
                 code = _fail(e)
                 for i in direct:
                     out[i] = code
+        cap = self._local_buffer_size // 2
+        for i in [i for i in gather if ranges[i][1] > cap]:
+            try:
+                with self._scratch_lock:
+                    addr = self._scratch(ranges[i][1])
+                    off = 0
+                    for p, n in zip(all_buffer_ptrs[i], all_sizes[i]):
+                        ctypes.memmove(addr + off, p, int(n))
+                        off += int(n)
+                    core.put_from(str(keys[i]), addr, off, cfg, False)
+                out[i] = 0
+            except Exception as e:  # noqa: BLE001
+                out[i] = _put_fail(e)
+        gather = [i for i in gather if ranges[i][1] <= cap]
         for chunk in self._chunks(gather, [ranges[i][1] for i in gather]):
             try:
                 values = [b"".join(ctypes.string_at(p, n) for p, n in zip(all_buffer_ptrs[i], all_sizes[i])) for i in chunk]
@@ -617,6 +638,24 @@ class MooncakeDistributedStore:
                 code = _fail(e)
                 for i in direct:
                     out[i] = code
+        cap = self._local_buffer_size // 2
+        for i in [i for i in gather if ranges[i][1] > cap]:
+            try:
+                with self._scratch_lock:
+                    addr = self._scratch(ranges[i][1])
+                    got = core.get_into(str(keys[i]), addr, ranges[i][1])
+                    off = 0
+                    for p, n in zip(all_buffer_ptrs[i], all_sizes[i]):
+                        take = min(int(n), got - off)
+                        if take <= 0:
+                            break
+                        ctypes.memmove(p, addr + off, take)
+                        off += take
+                out[i] = got
+            except Exception as e:  # noqa: BLE001
+                code = _code(e) if isinstance(e, _native.ObjectNotFound) else _fail(e)
+                out[i] = INVALID_PARAMS if code == BUFFER_OVERFLOW else code
+        gather = [i for i in gather if ranges[i][1] <= cap]
         for chunk in self._chunks(gather, [ranges[i][1] for i in gather]):
             try:
                 res = core.get_batch([str(keys[i]) for i in chunk])
@@ -659,6 +698,21 @@ class MooncakeDistributedStore:
             contiguous = all(ps[j] + ns[j] == ps[j + 1] for j in range(len(ps) - 1))
             out.append((ps[0] if contiguous else None, sum(ns)))
         return out
+
+    def _scratch(self, n: int) -> int:
+        """The address of a registered buffer of at least ``n`` bytes, for keys larger than
+        half the local buffer (or every gathered key when there is none). Call with
+        ``_scratch_lock`` held: one such key moves at a time."""
+        if self._scratch_buf is None or len(self._scratch_buf) < n:
+            core = self._store()._core
+            if self._scratch_buf is not None:
+                core.unregister_buffer(self._scratch_addr)
+                self._scratch_buf = None
+            buf = bytearray(max(n, 1))
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+            core.register_buffer(addr, len(buf), buf)  # the core holds buf until unregistered
+            self._scratch_buf, self._scratch_addr = buf, addr
+        return self._scratch_addr
 
     def _chunks(self, idx: List[int], totals: List[int]) -> List[List[int]]:
         """Groups keys so that one group's gathered bytes fit in half the local buffer
@@ -706,6 +760,7 @@ class MooncakeDistributedStore:
             return _fail(e)
         finally:
             self._s = None
+            self._scratch_buf = None
 
 
 def bind_to_numa_node(node: int) -> None:
