@@ -49,6 +49,10 @@ def test_find_spec_of_a_module_the_shim_does_not_serve_is_none():
         assert importlib.util.find_spec("mooncake.kvferry_no_such_module") is None
         with pytest.raises(ModuleNotFoundError):
             import mooncake.kvferry_no_such_module  # noqa: F401
+        import mooncake.store as ms
+
+        assert ms.MooncakeDistributedStore is MooncakeDistributedStore and ms.bind_to_numa_node is mcs.bind_to_numa_node
+        assert ms.ObjectDataType is mcs.ObjectDataType and ms.KVCACHE == 1 and ms.COMPLETE == 3 and ms.BufferHandle is mcs.BufferHandle
     finally:
         kvferry.uninstall_mooncake_shim()
 
