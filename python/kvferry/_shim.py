@@ -5,7 +5,10 @@ installed official Mooncake). Instead, a ``sys.meta_path`` finder answers import
 ``mooncake`` and ``mooncake.engine`` with thin modules re-exporting
 ``kvferry.mooncake``, ``kvferry.mooncake.engine`` and ``kvferry.mooncake.store`` (same
 objects: ``mooncake.engine.TransferEngine is kvferry.mooncake.engine.TransferEngine``). Other
-``mooncake.*`` submodules raise ModuleNotFoundError naming kvferry.
+``mooncake.*`` submodules are not served: the finder returns None for them (as a finder must,
+so ``importlib.util.find_spec("mooncake.x")`` is None) and ``import mooncake.x`` then fails
+with Python's own ModuleNotFoundError (the ``mooncake`` alias package's ``__path__`` is empty,
+so no other finder supplies half of a real Mooncake). docs/PYTHON.md lists what is provided.
 
 Turned on by :func:`install` (``kvferry.install_mooncake_shim()``), or at interpreter start
 by ``KVFERRY_MOONCAKE_SHIM=1`` through the ``kvferry-mooncake-shim.pth`` file the wheel
@@ -54,12 +57,9 @@ class MooncakeShimFinder(importlib.abc.MetaPathFinder):
             if fullname == "mooncake":
                 spec.submodule_search_locations = []
             return spec
-        if fullname.startswith("mooncake."):
-            raise ModuleNotFoundError(
-                "%s is not provided by kvferry: with KVFERRY_MOONCAKE_SHIM / kvferry.install_mooncake_shim(), "
-                "'mooncake' is kvferry's Mooncake-compatible API (mooncake.engine, mooncake.store) only" % fullname,
-                name=fullname,
-            )
+        # Anything else (mooncake.http_metadata_server, ...) is not ours: a finder answers None
+        # for names it does not serve, never raises (code probing optional modules with
+        # importlib.util.find_spec must get None); `import` then raises ModuleNotFoundError.
         return None
 
 

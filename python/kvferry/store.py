@@ -18,6 +18,7 @@ Mooncake's ``MooncakeDistributedStore`` (return codes, empty bytes for a missing
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
@@ -87,8 +88,8 @@ class MasterUnreachable(StoreError):
     """The master did not answer (-900)."""
 
 
-class SoftPinAction:
-    """Soft-pin behaviour of a write (Mooncake's ``SoftPinAction``)."""
+class SoftPinAction(enum.IntEnum):
+    """Soft-pin behaviour of a write (Mooncake's ``SoftPinAction``; members are ints)."""
 
     PRESERVE = 0
     ENABLE = 1

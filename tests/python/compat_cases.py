@@ -28,7 +28,11 @@ SIZE = 1 << 20
 
 
 class Env:
-    """Two engines in this process: `t` (target) and `te` (initiator)."""
+    """Two engines in this process: `t` (target) and `te` (initiator); `store` is the
+    implementation's store module and `impl` its name (set by main())."""
+
+    impl = "kvferry"
+    store = None
 
     def __init__(self, mod):
         self.mod = mod
@@ -651,6 +655,257 @@ def warmup_efa(env):
     return env.te.warmup_efa_segment(env.seg)
 
 
+# -- mooncake.store (no master needed: these run on stock Mooncake without RDMA) ------------------
+
+def _dict_setup(env, **over):
+    d = {"local_hostname": HOST, "metadata_server": "P2PHANDSHAKE", "master_server_addr": "127.0.0.1:1",
+         "global_segment_size": "16MB", "local_buffer_size": "16MB"}
+    d.update(over)
+    return env.store.MooncakeDistributedStore().setup(d)
+
+
+@case(None)
+def shim_find_spec_unprovided(env):
+    """A meta-path finder answers None for modules it does not serve (kvferry under its shim)."""
+    import importlib.util
+
+    if env.impl == "kvferry":
+        import kvferry
+
+        kvferry.install_mooncake_shim()
+    try:
+        return importlib.util.find_spec("mooncake.kvferry_parity_absent")
+    finally:
+        if env.impl == "kvferry":
+            kvferry.uninstall_mooncake_shim()
+
+
+@case(["PRESERVE", None, 1, "", [], None, False])
+def store_replicate_config_defaults(env):
+    c = env.store.ReplicateConfig()
+    return [c.soft_pin_action.name, c.soft_pin_ttl_ms, c.replica_num, c.preferred_segment, list(c.preferred_segments), c.group_ids, c.with_hard_pin]
+
+
+@case([0, 1, 2])
+def store_soft_pin_action_values(env):
+    a = env.store.SoftPinAction
+    return [int(a.PRESERVE), int(a.ENABLE), int(a.DISABLE)]
+
+
+@case({"raises": "TypeError"})
+def store_ttl_negative(env):
+    env.store.ReplicateConfig().soft_pin_ttl_ms = -1
+
+
+@case({"raises": "TypeError"})
+def store_ttl_2_64(env):
+    env.store.ReplicateConfig().soft_pin_ttl_ms = 2 ** 64
+
+
+@case([5, None])
+def store_ttl_set_and_cleared(env):
+    c = env.store.ReplicateConfig()
+    c.soft_pin_ttl_ms = 5
+    got = c.soft_pin_ttl_ms
+    c.soft_pin_ttl_ms = None
+    return [got, c.soft_pin_ttl_ms]
+
+
+@case(-600)
+def store_setup_dict_percent_size(env):
+    return _dict_setup(env, global_segment_size="50%")
+
+
+@case(-600)
+def store_setup_dict_size_below_minimum(env):
+    return _dict_setup(env, global_segment_size="512")
+
+
+@case(-600)
+def store_setup_dict_no_hostname(env):
+    return _dict_setup(env, local_hostname="")
+
+
+@case({"raises": "TypeError"})
+def store_setup_unknown_keyword(env):
+    return env.store.MooncakeDistributedStore().setup(HOST, "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", "127.0.0.1:1", bogus_option=1)
+
+
+@case(1)
+def store_health_check_before_setup(env):
+    return env.store.MooncakeDistributedStore().health_check()
+
+
+@case(None)
+def store_bind_to_numa_node(env):
+    return env.store.bind_to_numa_node(0)
+
+
+# -- mooncake.store against a master (kvferry master / the wheel's mooncake_master) -------------
+
+_MASTER = {}
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as so:
+        so.bind((HOST, 0))
+        return so.getsockname()[1]
+
+
+def _master(env):
+    """Starts this implementation's master once per run; its address."""
+    import socket
+    import subprocess
+
+    if "addr" in _MASTER:
+        return _MASTER["addr"]
+    if env.impl == "kvferry":
+        here = os.path.dirname(os.path.abspath(__file__))
+        root = os.path.dirname(os.path.dirname(here))
+        cands = [os.environ.get("KVFERRY_BIN", "")] + [os.path.join(root, "target", p, "kvferry") for p in ("ci", "release", "debug")]
+        exe = next(c for c in cands if c and os.path.isfile(c))
+        p = subprocess.Popen([exe, "master", "--port", "0", "--metrics-port", "-1", "--summary-interval", "0"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = p.stdout.readline()
+        addr = next(w[4:] for w in line.split() if w.startswith("rpc="))
+    else:
+        exe = os.path.join(os.path.dirname(env.store.__file__), "mooncake_master")
+        port = _free_port()
+        p = subprocess.Popen([exe, "--rpc_port=%d" % port, "--rpc_address=%s" % HOST, "--enable_http_metadata_server=false"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        addr = "%s:%d" % (HOST, port)
+        end = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection((HOST, port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > end or p.poll() is not None:
+                    raise RuntimeError("mooncake_master did not start")
+                time.sleep(0.05)
+    _MASTER.update(addr=addr, proc=p)
+    return addr
+
+
+def stop_master():
+    p = _MASTER.pop("proc", None)
+    if p is not None:
+        p.kill()
+        p.wait(timeout=10)
+
+
+class _Store:
+    """A set-up MooncakeDistributedStore for one case, closed on exit."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def __enter__(self):
+        self.s = self.env.store.MooncakeDistributedStore()
+        rc = self.s.setup(HOST, "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", _master(self.env))
+        assert rc == 0, rc
+        return self.s
+
+    def __exit__(self, *exc):
+        self.s.close()
+
+
+def _cbuf(n, seed=0):
+    b = (ctypes.c_ubyte * n)(*[(i * 7 + seed) % 251 for i in range(n)])
+    _KEEP.append(b)
+    return ctypes.addressof(b), b
+
+
+@case([0, "abcd", "abcd", None, ["abcd", None], [1, 0]])
+def store_put_parts_get_buffer(env):
+    with _Store(env) as s:
+        r = [s.put_parts("pp", b"ab", bytearray(b"cd")), s.get("pp").decode()]
+        h = s.get_buffer("pp")
+        r += [bytes(memoryview(h)).decode(), s.get_buffer("pp-missing")]
+        r.append([None if x is None else bytes(memoryview(x)).decode() for x in s.batch_get_buffer(["pp", "pp-missing"])])
+        r.append(s.batch_is_exist(["pp", "pp-missing"]))
+        s.remove_all(True)
+        return r
+
+
+@case([[-706, -704], [0], 0])
+def store_batch_remove(env):
+    with _Store(env) as s:
+        s.put("br", b"v")
+        s.get("br")  # leased now
+        r = [s.batch_remove(["br", "br-missing"]), s.batch_remove(["br"], True), s.is_exist("br")]
+        return r
+
+
+@case([[0, 0], [300, 50, -704], True, [-600], [-600, -600], [-600], []])
+def store_multi_buffers(env):
+    with _Store(env) as s:
+        src, sb = _cbuf(8192, 3)
+        dst, db = _cbuf(8192, 0)
+        assert s.register_buffer(src, 8192) == 0 and s.register_buffer(dst, 8192) == 0
+        r = [s.batch_put_from_multi_buffers(["m1", "m2"], [[src, src + 4096], [src + 100]], [[100, 200], [50]])]
+        r.append(s.batch_get_into_multi_buffers(["m1", "m2", "m-missing"], [[dst, dst + 1000], [dst + 3000], [dst + 5000]], [[150, 150], [50], [10]]))
+        r.append(bytes(db[:100]) == bytes(sb[:100]) and bytes(db[100:150]) == bytes(sb[4096:4146])
+                 and bytes(db[1000:1150]) == bytes(sb[4146:4296]) and bytes(db[3000:3050]) == bytes(sb[100:150]))
+        r.append(s.batch_get_into_multi_buffers(["m1"], [[dst]], [[10]]))
+        r.append(s.batch_put_from_multi_buffers(["mx", "my"], [[src]], [[10]]))
+        r.append(s.batch_put_from_multi_buffers(["mx"], [[src]], [[10, 20]]))
+        r.append(s.batch_put_from_multi_buffers([], [], []))
+        s.remove_all(True)
+        return r
+
+
+@case([0, "z", [0], 7])
+def store_upsert_batch_and_from(env):
+    with _Store(env) as s:
+        src, _ = _cbuf(64)
+        assert s.register_buffer(src, 64) == 0
+        r = [s.upsert_batch(["ub1"], [b"z"]), s.get("ub1").decode()]
+        s.put_from("ub2", src, 20)
+        r += [s.batch_upsert_from(["ub2"], [src], [7]), s.get_size("ub2")]
+        s.remove_all(True)
+        return r
+
+
+@case([-600, -600, 0, 0])
+def store_soft_pin_ttl_needs_enable(env):
+    with _Store(env) as s:
+        cfg = env.store.ReplicateConfig()
+        cfg.soft_pin_ttl_ms = 1000
+        r = [s.put("ttl1", b"x", cfg)]
+        cfg.soft_pin_action = env.store.SoftPinAction.DISABLE
+        r.append(s.put("ttl2", b"x", cfg))
+        cfg.soft_pin_action = env.store.SoftPinAction.ENABLE
+        r.append(s.put("ttl3", b"x", cfg))
+        r.append(s.is_exist("ttl1"))
+        s.remove_all(True)
+        return r
+
+
+@case([0, 0, 1])
+def store_health_check_lifecycle(env):
+    s = env.store.MooncakeDistributedStore()
+    assert s.setup(HOST, "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", _master(env)) == 0
+    return [s.health_check(), s.close(), s.health_check()]
+
+
+@case([0, 0, "one", [0, 0], 0, "one"])
+def store_put_existing_key(env):
+    """A put of an existing key succeeds and keeps the stored value (Mooncake's Put semantics)."""
+    with _Store(env) as s:
+        src, _ = _cbuf(64)
+        assert s.register_buffer(src, 64) == 0
+        r = [s.put("pe", b"one"), s.put("pe", b"two")]
+        r.append(s.get("pe").decode())
+        r.append(s.batch_put_from(["pe", "pe2"], [src, src], [8, 8]))
+        r.append(s.put_batch(["pe", "pe3"], [b"x", b"y"]))
+        r.append(s.get("pe").decode())
+        s.remove_all(True)
+        return r
+
+
 # -- deliberate differences ----------------------------------------------------------------------
 
 @divergent(-1, 0)
@@ -747,10 +1002,17 @@ def main(argv=None):
     out = os.fdopen(out_fd, "w")
     if args.impl == "kvferry":
         import kvferry.mooncake.engine as mod
+        import kvferry.mooncake.store as store
     else:
         import mooncake.engine as mod
+        import mooncake.store as store
+    Env.impl = args.impl
+    Env.store = store
     names = args.cases or list(CASES) + list(DIVERGENT)
-    result = run(mod, names)
+    try:
+        result = run(mod, names)
+    finally:
+        stop_master()
     out.write(json.dumps(result) + "\n")
     out.flush()
     sys.stdout.flush()

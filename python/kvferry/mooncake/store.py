@@ -2,16 +2,34 @@
 ``ReplicateConfig``, ``SoftPinAction``, with Mooncake's return conventions (0 or a negative
 error number; ``get`` of a missing key returns ``b""``; ``is_exist`` 1/0/-1).
 
-The master is ``kvferry master`` (its own protocol, not ``mooncake_master``'s)."""
+The master is ``kvferry master`` (its own protocol, not ``mooncake_master``'s). Mooncake
+0.3.13 names that kvferry does not provide raise AttributeError / NotImplementedError naming
+kvferry; docs/PYTHON.md has the name-by-name table."""
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import enum
 import logging
-from typing import Any, Dict, List, Optional, Sequence
+import operator
+import os
+import re
+import threading
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import store as _native
 
-__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction"]
+__all__ = [
+    "MooncakeDistributedStore",
+    "ReplicateConfig",
+    "SoftPinAction",
+    "ObjectDataType",
+    "ReplicaStatus",
+    "BufferHandle",
+    "bind_to_numa_node",
+]
 
 _log = logging.getLogger("kvferry")
 _logged: set = set()
@@ -20,10 +38,162 @@ SoftPinAction = _native.SoftPinAction
 
 INVALID_PARAMS = -600
 INTERNAL_ERROR = -1
+BUFFER_OVERFLOW = -10
+OBJECT_ALREADY_EXISTS = -705
+
+# health_check() answers (Mooncake's HC_*).
+HC_HEALTHY = 0
+HC_NOT_INITIALIZED = 1
+HC_MASTER_UNREACHABLE = 2
+
+_U64 = 1 << 64
 
 
+class ObjectDataType(enum.IntEnum):
+    """Mooncake's ``ObjectDataType`` (``ReplicateConfig.data_type``; kvferry stores it nowhere)."""
+
+    UNKNOWN = 0
+    KVCACHE = 1
+    TENSOR = 2
+    WEIGHT = 3
+    SAMPLE = 4
+    ACTIVATION = 5
+    GRADIENT = 6
+    OPTIMIZER_STATE = 7
+    METADATA = 8
+    GENERAL = 9
+
+
+class ReplicaStatus(enum.IntEnum):
+    """Mooncake's ``ReplicaStatus``."""
+
+    UNDEFINED = 0
+    INITIALIZED = 1
+    PROCESSING = 2
+    COMPLETE = 3
+    REMOVED = 4
+    FAILED = 5
+
+
+# Mooncake exports these enums' values at module level too (export_values()).
+globals().update({m.name: m for m in ObjectDataType})
+globals().update({m.name: m for m in ReplicaStatus})
+__all__ += [m.name for m in ObjectDataType] + [m.name for m in ReplicaStatus]
+
+
+def _u64_or_none(name: str, v: Any) -> Optional[int]:
+    if v is None:
+        return None
+    try:
+        n = None if isinstance(v, bool) else operator.index(v)  # ints, numpy integers
+    except TypeError:
+        n = None
+    if n is None or not 0 <= n < _U64:
+        raise TypeError("ReplicateConfig.%s must be None or an integer in [0, 2**64), not %r" % (name, v))
+    return n
+
+
+@dataclasses.dataclass
 class ReplicateConfig(_native.ReplicateConfig):
-    """Mooncake's ReplicateConfig (same fields)."""
+    """Mooncake's ReplicateConfig: same fields and defaults (``soft_pin_action`` is
+    ``SoftPinAction.PRESERVE``, ``group_ids`` None), and the same checks: ``soft_pin_ttl_ms``
+    outside [0, 2**64) or a ``soft_pin_action`` that is not a SoftPinAction raises TypeError
+    when set; a TTL with an action other than ENABLE makes the write return -600.
+
+    ``nof_replica_num``, ``dfs_replica_num``, ``preferred_nof_segments``,
+    ``prefer_alloc_in_same_node`` and ``data_type`` are accepted and have no effect (kvferry
+    has no NVMe-oF/DFS tiers). ``with_soft_pin=True`` (older Mooncake) means ENABLE."""
+
+    soft_pin_action: Any = SoftPinAction.PRESERVE
+    nof_replica_num: int = 0
+    dfs_replica_num: int = 0
+    preferred_nof_segments: List[str] = dataclasses.field(default_factory=list)
+    prefer_alloc_in_same_node: bool = False
+    data_type: Any = ObjectDataType.UNKNOWN
+    group_ids: Optional[List[str]] = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "soft_pin_ttl_ms":
+            value = _u64_or_none(name, value)
+        elif name in ("replica_num", "nof_replica_num", "dfs_replica_num"):
+            if _u64_or_none(name, value) is None:
+                raise TypeError("ReplicateConfig.%s must be an integer in [0, 2**64), not None" % name)
+        elif name == "soft_pin_action":
+            if isinstance(value, bool) or not isinstance(value, int) or value not in tuple(SoftPinAction):
+                raise TypeError("ReplicateConfig.soft_pin_action must be a SoftPinAction (PRESERVE, ENABLE, DISABLE), not %r" % (value,))
+            value = SoftPinAction(value)
+        super().__setattr__(name, value)
+
+    def _native(self) -> tuple:
+        action = SoftPinAction(self.soft_pin_action)
+        if action == SoftPinAction.PRESERVE and self.with_soft_pin:
+            action = SoftPinAction.ENABLE
+        if self.soft_pin_ttl_ms is not None and action != SoftPinAction.ENABLE:
+            raise _native.StoreInvalidArgument(
+                "soft_pin_ttl_ms=%d needs soft_pin_action=SoftPinAction.ENABLE (a TTL with %s is refused, as Mooncake does)" % (self.soft_pin_ttl_ms, action.name),
+                INVALID_PARAMS,
+            )
+        group = self.group_id
+        if self.group_ids:
+            groups = set(str(g) for g in self.group_ids)
+            if len(groups) > 1:
+                raise _native.StoreInvalidArgument(
+                    "ReplicateConfig.group_ids with different groups per key is not supported by kvferry yet: give every key the same group (or one call per group)",
+                    INVALID_PARAMS,
+                )
+            group = groups.pop() or None
+        prefs = ([self.preferred_segment] if self.preferred_segment else []) + list(self.preferred_segments)
+        n = _native.as_u64(self.replica_num, "replica_num")
+        return (n, int(action), self.soft_pin_ttl_ms, bool(self.with_hard_pin), prefs, group)
+
+
+class BufferHandle(bytearray):
+    """A value read by ``get_buffer``/``batch_get_buffer``: supports the buffer protocol
+    (``memoryview(h)``, ``numpy.frombuffer(h, ...)``), ``len(h)``, ``h.size()`` and ``h.ptr()``
+    (its address) like Mooncake's BufferHandle. The bytes are this object's own copy."""
+
+    def ptr(self) -> int:
+        if not len(self):
+            return 0
+        return ctypes.addressof(ctypes.c_char.from_buffer(self))
+
+    def size(self) -> int:
+        return len(self)
+
+
+def _parse_size(v: Any) -> Optional[int]:
+    """Mooncake's try_string_to_byte_size: "16777216", "16MB", "16 mb", "1.5 GB", "infinite";
+    None for what it cannot parse ("50%", "-1", "")."""
+    s = str(v).strip()
+    if not s:
+        return None
+    if s == "infinite":
+        return _U64 - 1
+    m = re.match(r"[+-]?(\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)", s)
+    if not m:
+        return None
+    value = float(m.group(0))
+    if value < 0:
+        return None
+    unit = s[m.end():].strip().upper()
+    mult = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "T": 1 << 40, "TB": 1 << 40}.get(unit)
+    if mult is None:
+        return None
+    return min(int(value * mult), _U64 - 1)
+
+
+def _parse_bool(v: Any, default: bool) -> bool:
+    t = str(v).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    _log.warning("kvferry store: invalid boolean %r, using %s", v, default)
+    return default
+
+
+_MIN_SEGMENT = 1024
+_MAX_SEGMENT = 1 << 40
 
 
 def _code(e: BaseException) -> int:
@@ -39,6 +209,17 @@ def _fail(e: BaseException) -> int:
     return _code(e)
 
 
+def _put_fail(e: BaseException) -> int:
+    """A put of a key that exists succeeds and keeps the stored value (Mooncake's Put and
+    BatchPut treat OBJECT_ALREADY_EXISTS as success); use upsert to replace."""
+    return 0 if isinstance(e, _native.ObjectAlreadyExists) else _fail(e)
+
+
+def _put_code(code: int) -> int:
+    """A per-key put result: -705 (the key exists) counts as success, as in Mooncake."""
+    return 0 if code == OBJECT_ALREADY_EXISTS else code
+
+
 def _ptr(p: Any) -> int:
     if isinstance(p, bool) or not isinstance(p, int):
         raise _native.StoreInvalidArgument("buffer pointers are ints", INVALID_PARAMS)
@@ -50,6 +231,11 @@ class MooncakeDistributedStore:
 
     def __init__(self) -> None:
         self._s: Optional[_native.Store] = None
+        self._local_buffer_size = 0
+        # A registered buffer for gathered keys the local buffer cannot stage (see _scratch).
+        self._scratch_lock = threading.Lock()
+        self._scratch_buf: Optional[bytearray] = None
+        self._scratch_addr = 0
 
     def setup(
         self,
@@ -61,29 +247,99 @@ class MooncakeDistributedStore:
         rdma_devices: str = "",
         master_server_addr: str = "127.0.0.1:50051",
         engine: Any = None,
-        **_ignored: Any,
+        enable_ssd_offload: bool = False,
+        ssd_offload_path: str = "",
+        tenant_id: str = "default",
+        enable_client_http_server: bool = False,
+        client_http_port: int = 9300,
     ) -> int:
-        """0 on success. Also accepts one dict with the same keys (Mooncake's dict form)."""
+        """0 on success, a negative error number otherwise (as Mooncake: it does not raise).
+        Also accepts one dict with the same keys (Mooncake's dict form; sizes may be
+        human-readable: "16MB", "1.5 GB").
+
+        Keyword arguments kvferry cannot honour raise TypeError naming the argument:
+        ``enable_ssd_offload=True``, ``tenant_id`` other than "default",
+        ``enable_client_http_server=True``. ``engine`` (a TransferEngine to share) is accepted
+        but not shared yet: the store starts its own engine and warns (docs/PYTHON.md)."""
         if isinstance(local_hostname, dict):
-            d: Dict[str, Any] = dict(local_hostname)
-            if "local_hostname" not in d or "metadata_server" not in d:
-                return _fail(_native.StoreInvalidArgument("setup(dict) needs local_hostname and metadata_server", INVALID_PARAMS))
-            return self.setup(
-                d["local_hostname"],
-                d["metadata_server"],
-                d.get("global_segment_size", 16 << 20),
-                d.get("local_buffer_size", 16 << 20),
-                d.get("protocol", "tcp"),
-                d.get("device_name", d.get("rdma_devices", "")),
-                d.get("master_server_address", d.get("master_server_addr", "127.0.0.1:50051")),
-            )
+            return self._setup_dict(local_hostname)
+        if enable_ssd_offload:
+            raise TypeError("setup(enable_ssd_offload=True): kvferry's store has no SSD offload tier; pass False (ssd_offload_path is then unused)")
+        if str(tenant_id) != "default":
+            raise TypeError("setup(tenant_id=%r): kvferry's store has no tenants (one key space per master); pass 'default' or run one master per tenant" % (tenant_id,))
+        if enable_client_http_server:
+            raise TypeError("setup(enable_client_http_server=True): kvferry's store client has no HTTP server; pass False (client_http_port is then unused)")
+        if engine is not None:
+            self._note_engine(engine)
         if local_hostname is None:
             return _fail(_native.StoreInvalidArgument("local_hostname is required", INVALID_PARAMS))
         try:
             self._s = _native.Store(str(local_hostname), metadata_server, global_segment_size, local_buffer_size, protocol, rdma_devices or "", master_server_addr)
+            self._local_buffer_size = int(local_buffer_size)
+            self._scratch_buf = None
             return 0
         except Exception as e:  # noqa: BLE001 - the compatible API reports codes
             return _fail(e)
+
+    @staticmethod
+    def _note_engine(engine: Any) -> None:
+        from .._engine import Engine
+        from .engine import TransferEngine
+
+        if not isinstance(engine, (TransferEngine, Engine)):
+            raise TypeError("setup(engine=...) takes a TransferEngine (kvferry.mooncake.engine.TransferEngine or its get_engine()), not %s" % type(engine).__name__)
+        msg = (
+            "setup(engine=...): kvferry's store does not share a caller's TransferEngine yet; it starts its own "
+            "engine (a second segment on this host). Transfers work, but the store's segment is not the shared "
+            "engine's segment (docs/PYTHON.md, 'setup')."
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        _log.warning("kvferry store: %s", msg)
+
+    def _setup_dict(self, config: Dict[Any, Any]) -> int:
+        # Mooncake converts every value with str() and parses it (setup_internal(ConfigDict)).
+        d = {str(k): v for k, v in config.items()}
+        host = str(d.get("local_hostname", "") or "")
+        meta = str(d.get("metadata_server", "") or "")
+        if not host or not meta:
+            return _fail(_native.StoreInvalidArgument("setup(dict) needs local_hostname and metadata_server", INVALID_PARAMS))
+        sizes = {}
+        for key in ("global_segment_size", "local_buffer_size"):
+            if key not in d:
+                sizes[key] = 16 << 20
+                continue
+            n = _parse_size(d[key])
+            if n is None:
+                return _fail(_native.StoreInvalidArgument("setup(dict): %s=%r is not a size (bytes, or a number with B/KB/MB/GB/TB)" % (key, d[key]), INVALID_PARAMS))
+            sizes[key] = n
+        if 0 < sizes["global_segment_size"] < _MIN_SEGMENT:
+            return _fail(_native.StoreInvalidArgument("setup(dict): global_segment_size must be 0 or at least %d bytes" % _MIN_SEGMENT, INVALID_PARAMS))
+        if 0 < sizes["local_buffer_size"] < _MIN_SEGMENT or sizes["local_buffer_size"] > _MAX_SEGMENT:
+            return _fail(_native.StoreInvalidArgument("setup(dict): local_buffer_size must be 0 or between %d and %d bytes" % (_MIN_SEGMENT, _MAX_SEGMENT), INVALID_PARAMS))
+        if _parse_bool(d.get("enable_ssd_offload", False), False):
+            return _fail(_native.StoreInvalidArgument("setup(dict): enable_ssd_offload: kvferry's store has no SSD offload tier", INVALID_PARAMS))
+        if str(d.get("tenant_id", "default")) != "default":
+            return _fail(_native.StoreInvalidArgument("setup(dict): tenant_id: kvferry's store has no tenants (one key space per master)", INVALID_PARAMS))
+        if _parse_bool(d.get("enable_client_http_server", False), False):
+            return _fail(_native.StoreInvalidArgument("setup(dict): enable_client_http_server: kvferry's store client has no HTTP server", INVALID_PARAMS))
+        return self.setup(
+            host,
+            meta,
+            sizes["global_segment_size"],
+            sizes["local_buffer_size"],
+            str(d.get("protocol", "tcp")),
+            str(d.get("rdma_devices", d.get("device_name", ""))),
+            str(d.get("master_server_addr", d.get("master_server_address", "127.0.0.1:50051"))),
+        )
+
+    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
+        """Standalone mode (a dummy client of a store-client process on this host) is not
+        available yet: it needs ``kvferry store-client`` (Mooncake's ``mooncake_client``)."""
+        raise NotImplementedError(
+            "setup_dummy(%r, %r, %r): kvferry has no store-client process yet (the future `kvferry store-client`, "
+            "Mooncake's mooncake_client); use setup(...) with global_segment_size=0 against `kvferry master` instead"
+            % (mem_pool_size, local_buffer_size, server_address)
+        )
 
     def _store(self) -> _native.Store:
         if self._s is None:
@@ -92,11 +348,12 @@ class MooncakeDistributedStore:
 
     # bytes API
     def put(self, key: str, value: Any, config: Optional[ReplicateConfig] = None) -> int:
+        """0 on success, also when the key exists (the stored value is kept, as in Mooncake)."""
         try:
             self._store().put(key, value, config)
             return 0
         except Exception as e:  # noqa: BLE001
-            return _fail(e)
+            return _put_fail(e)
 
     def upsert(self, key: str, value: Any, config: Optional[ReplicateConfig] = None) -> int:
         try:
@@ -114,11 +371,16 @@ class MooncakeDistributedStore:
             return b""
 
     def put_batch(self, keys: Sequence[str], values: Sequence[Any], config: Optional[ReplicateConfig] = None) -> int:
+        """0 when every key is stored (or already existed), else the first error number."""
         try:
-            self._store().put_batch(keys, values, config)
-            return 0
+            res = self._store()._core.put_batch([_native._key(k) for k in keys], [bytes(v) for v in values], _native._cfg(config), False)
         except Exception as e:  # noqa: BLE001
             return _fail(e)
+        for _, code, _ in res:
+            c = _put_code(code)
+            if c:
+                return c
+        return 0
 
     def get_batch(self, keys: Sequence[str]) -> List[bytes]:
         """Values in order; ``b""`` for a missing or failed key."""
@@ -149,7 +411,7 @@ class MooncakeDistributedStore:
             self._store()._core.put_from(str(key), _ptr(buffer_ptr), int(size), _native._cfg(config), False)
             return 0
         except Exception as e:  # noqa: BLE001
-            return _fail(e)
+            return _put_fail(e)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int, config: Optional[ReplicateConfig] = None) -> int:
         try:
@@ -170,7 +432,7 @@ class MooncakeDistributedStore:
             res = self._store()._core.batch_put_from([str(k) for k in keys], [_ptr(p) for p in buffer_ptrs], [int(s) for s in sizes], _native._cfg(config), False)
         except Exception as e:  # noqa: BLE001
             return [_fail(e)] * len(keys)
-        return [0 if code == 0 else code for _, code, _ in res]
+        return [_put_code(code) for _, code, msg in res]
 
     def batch_get_into(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]) -> List[int]:
         try:
@@ -220,6 +482,271 @@ class MooncakeDistributedStore:
         except Exception as e:  # noqa: BLE001
             return _fail(e)
 
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> List[int]:
+        """Per key: 0, or a negative error number (-704 missing, -706 leased)."""
+        out = []
+        for k in keys:
+            try:
+                self._store().remove(str(k), force)
+                out.append(0)
+            except Exception as e:  # noqa: BLE001
+                out.append(_code(e) if isinstance(e, (_native.ObjectNotFound, _native.ObjectHasLease)) else _fail(e))
+        return out
+
+    def health_check(self) -> int:
+        """0 healthy, 1 not set up or closed, 2 master unreachable (Mooncake's codes)."""
+        if self._s is None or self._s._core.closed():
+            return HC_NOT_INITIALIZED
+        try:
+            self._s._core.is_exist("kvferry-health-check")
+            return HC_HEALTHY
+        except _native.MasterUnreachable:
+            return HC_MASTER_UNREACHABLE
+        except Exception as e:  # noqa: BLE001
+            _fail(e)
+            return HC_MASTER_UNREACHABLE
+
+    # more of the bytes API
+    def upsert_batch(self, keys: Sequence[str], values: Sequence[Any], config: Optional[ReplicateConfig] = None) -> int:
+        try:
+            _native._raise_first(self._store()._core.put_batch([str(k) for k in keys], [bytes(v) for v in values], _native._cfg(config), True))
+            return 0
+        except Exception as e:  # noqa: BLE001
+            return _fail(e)
+
+    def put_parts(self, key: str, *parts: Any, config: Optional[ReplicateConfig] = None) -> int:
+        """Stores the concatenation of ``parts`` (bytes-like objects) as one value."""
+        return self._parts(key, parts, config, False)
+
+    def upsert_parts(self, key: str, *parts: Any, config: Optional[ReplicateConfig] = None) -> int:
+        return self._parts(key, parts, config, True)
+
+    def _parts(self, key: str, parts: Sequence[Any], config: Optional[ReplicateConfig], upsert: bool) -> int:
+        try:
+            value = b"".join(memoryview(p).tobytes() for p in parts)
+        except TypeError as e:
+            raise TypeError("put_parts(key, *parts): every part must support the buffer protocol (bytes, bytearray, memoryview, numpy): %s" % e) from None
+        try:
+            self._store()._core.put(str(key), value, _native._cfg(config), upsert)
+            return 0
+        except Exception as e:  # noqa: BLE001
+            return _put_fail(e)
+
+    def get_buffer(self, key: str) -> Optional[BufferHandle]:
+        """The value as a BufferHandle (buffer protocol), or None if missing or failed."""
+        try:
+            return BufferHandle(self._store()._core.get(str(key)))
+        except Exception as e:  # noqa: BLE001
+            if not isinstance(e, _native.ObjectNotFound):
+                _fail(e)
+            return None
+
+    def batch_get_buffer(self, keys: Sequence[str]) -> List[Optional[BufferHandle]]:
+        """Per key: a BufferHandle, or None if missing or failed."""
+        try:
+            res = self._store()._core.get_batch([str(k) for k in keys])
+        except Exception as e:  # noqa: BLE001
+            _fail(e)
+            return [None for _ in keys]
+        return [BufferHandle(v) if code == 0 and v is not None else None for v, code, _ in res]
+
+    def batch_upsert_from(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int], config: Optional[ReplicateConfig] = None) -> List[int]:
+        try:
+            res = self._store()._core.batch_put_from([str(k) for k in keys], [_ptr(p) for p in buffer_ptrs], [int(s) for s in sizes], _native._cfg(config), True)
+        except Exception as e:  # noqa: BLE001
+            return [_fail(e)] * len(keys)
+        return [0 if code == 0 else code for _, code, _ in res]
+
+    # several buffers per key (MLA, hybrid and draft models: one region per layer group)
+    def batch_put_from_multi_buffers(
+        self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]], config: Optional[ReplicateConfig] = None
+    ) -> List[int]:
+        """Stores, per key, the concatenation of its buffers. Per key: 0 or a negative error
+        number (-200: no space). A key whose buffers are one contiguous range is written
+        without a copy; otherwise its parts are gathered through the local buffer, in groups of
+        at most half of it, and a key larger than that (or every key when
+        ``local_buffer_size`` is 0) through a registered scratch buffer, one key at a time."""
+        if self._s is None:
+            return []
+        try:
+            ranges = self._ranges(keys, all_buffer_ptrs, all_sizes)
+            cfg = _native._cfg(config)
+        except Exception as e:  # noqa: BLE001
+            return [_fail(e)] * len(keys)
+        out = [0] * len(keys)
+        direct = [i for i, r in enumerate(ranges) if r[0] is not None]
+        gather = [i for i, r in enumerate(ranges) if r[0] is None]
+        core = self._store()._core
+        if direct:
+            try:
+                res = core.batch_put_from([str(keys[i]) for i in direct], [ranges[i][0] for i in direct], [ranges[i][1] for i in direct], cfg, False)
+                for i, (_, code, _) in zip(direct, res):
+                    out[i] = _put_code(code)
+            except Exception as e:  # noqa: BLE001
+                code = _fail(e)
+                for i in direct:
+                    out[i] = code
+        cap = self._local_buffer_size // 2
+        for i in [i for i in gather if ranges[i][1] > cap]:
+            try:
+                with self._scratch_lock:
+                    addr = self._scratch(ranges[i][1])
+                    off = 0
+                    for p, n in zip(all_buffer_ptrs[i], all_sizes[i]):
+                        ctypes.memmove(addr + off, p, int(n))
+                        off += int(n)
+                    core.put_from(str(keys[i]), addr, off, cfg, False)
+                out[i] = 0
+            except Exception as e:  # noqa: BLE001
+                out[i] = _put_fail(e)
+        gather = [i for i in gather if ranges[i][1] <= cap]
+        for chunk in self._chunks(gather, [ranges[i][1] for i in gather]):
+            try:
+                values = [b"".join(ctypes.string_at(p, n) for p, n in zip(all_buffer_ptrs[i], all_sizes[i])) for i in chunk]
+                res = core.put_batch([str(keys[i]) for i in chunk], values, cfg, False)
+                for i, (_, code, _) in zip(chunk, res):
+                    out[i] = _put_code(code)
+            except Exception as e:  # noqa: BLE001
+                code = _fail(e)
+                for i in chunk:
+                    out[i] = code
+        return out
+
+    def batch_get_into_multi_buffers(
+        self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]], prefer_alloc_in_same_node: bool = False
+    ) -> List[int]:
+        """Reads each key's value across its buffers, in order. Per key: the value's size, or
+        a negative error number (-704 missing; -600 when the buffers are smaller than the
+        value). ``prefer_alloc_in_same_node`` has no effect."""
+        try:
+            ranges = self._ranges(keys, all_buffer_ptrs, all_sizes)
+        except Exception as e:  # noqa: BLE001
+            return [_fail(e)] * len(keys)
+        out = [0] * len(keys)
+        direct = [i for i, r in enumerate(ranges) if r[0] is not None]
+        gather = [i for i, r in enumerate(ranges) if r[0] is None]
+        try:
+            core = self._store()._core
+        except Exception as e:  # noqa: BLE001
+            return [_fail(e)] * len(keys)
+        if direct:
+            try:
+                res = core.batch_get_into([str(keys[i]) for i in direct], [ranges[i][0] for i in direct], [ranges[i][1] for i in direct])
+                for i, (v, code, _) in zip(direct, res):
+                    out[i] = int(v) if code == 0 and v is not None else (INVALID_PARAMS if code == BUFFER_OVERFLOW else code)
+            except Exception as e:  # noqa: BLE001
+                code = _fail(e)
+                for i in direct:
+                    out[i] = code
+        cap = self._local_buffer_size // 2
+        for i in [i for i in gather if ranges[i][1] > cap]:
+            try:
+                with self._scratch_lock:
+                    addr = self._scratch(ranges[i][1])
+                    got = core.get_into(str(keys[i]), addr, ranges[i][1])
+                    off = 0
+                    for p, n in zip(all_buffer_ptrs[i], all_sizes[i]):
+                        take = min(int(n), got - off)
+                        if take <= 0:
+                            break
+                        ctypes.memmove(p, addr + off, take)
+                        off += take
+                out[i] = got
+            except Exception as e:  # noqa: BLE001
+                code = _code(e) if isinstance(e, _native.ObjectNotFound) else _fail(e)
+                out[i] = INVALID_PARAMS if code == BUFFER_OVERFLOW else code
+        gather = [i for i in gather if ranges[i][1] <= cap]
+        for chunk in self._chunks(gather, [ranges[i][1] for i in gather]):
+            try:
+                res = core.get_batch([str(keys[i]) for i in chunk])
+            except Exception as e:  # noqa: BLE001
+                code = _fail(e)
+                for i in chunk:
+                    out[i] = code
+                continue
+            for i, (v, code, _) in zip(chunk, res):
+                if code != 0 or v is None:
+                    out[i] = code or INTERNAL_ERROR
+                    continue
+                if len(v) > ranges[i][1]:
+                    _fail(_native.StoreInvalidArgument("%s: the value has %d bytes, its buffers %d" % (keys[i], len(v), ranges[i][1]), INVALID_PARAMS))
+                    out[i] = INVALID_PARAMS
+                    continue
+                off = 0
+                for p, n in zip(all_buffer_ptrs[i], all_sizes[i]):
+                    take = min(int(n), len(v) - off)
+                    if take <= 0:
+                        break
+                    ctypes.memmove(p, v[off:off + take], take)
+                    off += take
+                out[i] = len(v)
+        return out
+
+    @staticmethod
+    def _ranges(keys: Sequence[str], all_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]]) -> List[Tuple[Optional[int], int]]:
+        """Per key (start address if its buffers are one contiguous range else None, total)."""
+        if len(all_ptrs) != len(keys) or len(all_sizes) != len(keys):
+            raise _native.StoreInvalidArgument("%d keys, %d buffer lists, %d size lists: one list of each per key" % (len(keys), len(all_ptrs), len(all_sizes)), INVALID_PARAMS)
+        out: List[Tuple[Optional[int], int]] = []
+        for k, ptrs, sizes in zip(keys, all_ptrs, all_sizes):
+            if len(ptrs) != len(sizes) or not ptrs:
+                raise _native.StoreInvalidArgument("%s: %d buffers but %d sizes (at least one of each)" % (k, len(ptrs), len(sizes)), INVALID_PARAMS)
+            ps = [_ptr(p) for p in ptrs]
+            ns = [int(n) for n in sizes]
+            if any(n < 0 for n in ns):
+                raise _native.StoreInvalidArgument("%s: negative size" % k, INVALID_PARAMS)
+            contiguous = all(ps[j] + ns[j] == ps[j + 1] for j in range(len(ps) - 1))
+            out.append((ps[0] if contiguous else None, sum(ns)))
+        return out
+
+    def _scratch(self, n: int) -> int:
+        """The address of a registered buffer of at least ``n`` bytes, for keys larger than
+        half the local buffer (or every gathered key when there is none). Call with
+        ``_scratch_lock`` held: one such key moves at a time."""
+        if self._scratch_buf is None or len(self._scratch_buf) < n:
+            core = self._store()._core
+            if self._scratch_buf is not None:
+                core.unregister_buffer(self._scratch_addr)
+                self._scratch_buf = None
+            buf = bytearray(max(n, 1))
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+            core.register_buffer(addr, len(buf), buf)  # the core holds buf until unregistered
+            self._scratch_buf, self._scratch_addr = buf, addr
+        return self._scratch_addr
+
+    def _chunks(self, idx: List[int], totals: List[int]) -> List[List[int]]:
+        """Groups keys so that one group's gathered bytes fit in half the local buffer
+        (other threads stage through it too); a key larger than that goes alone."""
+        cap = max(self._local_buffer_size // 2, 1)
+        out: List[List[int]] = []
+        cur: List[int] = []
+        used = 0
+        for i, n in zip(idx, totals):
+            if cur and used + n > cap:
+                out.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += n
+        if cur:
+            out.append(cur)
+        return out
+
+    # replica placement: the store client has no call that reads replica descriptors
+    # without taking a read lease yet
+    def get_replica_desc(self, key: str) -> Any:
+        raise NotImplementedError("get_replica_desc: kvferry's store client cannot list an object's replicas yet (needs a lease-free replica query in kvferry-store)")
+
+    def batch_get_replica_desc(self, keys: Sequence[str]) -> Any:
+        raise NotImplementedError("batch_get_replica_desc: kvferry's store client cannot list objects' replicas yet (needs a lease-free replica query in kvferry-store)")
+
+    def batch_replica_clear(self, keys: Sequence[str], segment_name: str = "") -> Any:
+        raise NotImplementedError("batch_replica_clear: kvferry's master has no replica-clear request yet")
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _NOT_PROVIDED:
+            raise AttributeError("MooncakeDistributedStore.%s is not provided by kvferry (%s; docs/PYTHON.md lists every Mooncake name)" % (name, _NOT_PROVIDED[name]))
+        raise AttributeError("'MooncakeDistributedStore' object has no attribute %r" % name)
+
     def get_hostname(self) -> str:
         return self._store().segment_name if self._s is not None else ""
 
@@ -233,3 +760,51 @@ class MooncakeDistributedStore:
             return _fail(e)
         finally:
             self._s = None
+            self._scratch_buf = None
+
+
+def bind_to_numa_node(node: int) -> None:
+    """Runs the calling thread on the CPUs of NUMA node ``node`` (as Mooncake's: logs a
+    warning and returns None when there is no such node or NUMA is unavailable). Memory
+    placement follows first touch (kvferry does not set a preferred node)."""
+    try:
+        with open("/sys/devices/system/node/node%d/cpulist" % int(node)) as f:
+            text = f.read().strip()
+        cpus = set()
+        for part in text.split(","):
+            if "-" in part:
+                a, b = part.split("-")
+                cpus.update(range(int(a), int(b) + 1))
+            elif part:
+                cpus.add(int(part))
+        if not cpus:
+            raise OSError("node %d has no CPUs" % node)
+        os.sched_setaffinity(0, cpus)
+    except (OSError, ValueError) as e:
+        _log.warning("kvferry: bind_to_numa_node(%r) skipped: %s", node, e)
+
+
+_TENSOR = "tensor helpers are used by no consumer found; store torch tensors with put_from/get_into on their data_ptr()"
+_NOT_PROVIDED: Dict[str, str] = {
+    **{n: _TENSOR for n in (
+        "put_tensor", "get_tensor", "batch_put_tensor", "batch_get_tensor", "put_tensor_with_tp", "get_tensor_with_tp",
+        "batch_put_tensor_with_tp", "batch_get_tensor_with_tp", "pub_tensor", "batch_pub_tensor", "pub_tensor_with_tp",
+        "batch_pub_tensor_with_tp", "get_tensor_into", "batch_get_tensor_into", "get_tensor_into_cuda", "batch_get_tensor_into_cuda",
+        "put_tensor_from", "batch_put_tensor_from", "put_tensor_with_tp_from", "batch_put_tensor_with_tp_from", "upsert_tensor",
+        "upsert_tensor_from", "batch_upsert_tensor_from", "batch_upsert_tensor", "upsert_pub_tensor", "batch_upsert_pub_tensor",
+        "get_tensor_with_parallelism", "batch_get_tensor_with_parallelism", "get_tensor_with_parallelism_into",
+        "batch_get_tensor_with_parallelism_into", "put_tensor_with_parallelism", "batch_put_tensor_with_parallelism",
+        "put_tensor_with_parallelism_from", "batch_put_tensor_with_parallelism_from", "upsert_tensor_with_parallelism",
+        "upsert_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism",
+        "get_tensor_with_tp_into", "batch_get_tensor_with_tp_into", "save_tensor_to_safetensor", "load_tensor_from_safetensor",
+    )},
+    **{n: "no storage tiers besides memory (segments are mounted by setup())" for n in (
+        "init_all", "mount_segment", "unmount_segment", "allocate_and_mount_segment", "unmount_and_free_segment",
+        "unmount_local_disk_segment", "alloc_from_mem_pool", "get_offload_rpc_read_count",
+    )},
+    **{n: "no two-phase put/get sessions in kvferry's master protocol" for n in (
+        "batch_get_session_start", "batch_get_session_end", "batch_put_session_start", "batch_put_session_end", "batch_put_session_revoke",
+        "batch_put_from_multi_buffer_ranges", "batch_get_into_multi_buffer_ranges", "get_into_ranges", "put_from_with_metadata",
+    )},
+    **{n: "no replica copy/move tasks in kvferry's master" for n in ("create_copy_task", "create_move_task", "query_task")},
+}
