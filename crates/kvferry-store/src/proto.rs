@@ -70,6 +70,9 @@ pub struct ReplicaList {
     pub size: u64,
     /// The read lease granted, counted from when the master answered.
     pub lease_ttl_ms: u64,
+    /// Names this read for [`Request::ReleaseReads`]: until the reader releases it (or the
+    /// lease runs out) the replicas listed are neither freed nor reused.
+    pub read_id: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -95,6 +98,10 @@ pub enum Request {
     RemoveByRegex { pattern: String, force: bool },
     /// Many operations in one round trip; answered by [`Response::Batch`] in the same order.
     Batch(Vec<Request>),
+    /// The reads named (`ReplicaList::read_id`) finished: their replicas may be reclaimed.
+    /// Clients send it piggybacked on their next request (or with their next ping). Last, so
+    /// the other variants keep their wire numbers.
+    ReleaseReads { ids: Vec<u64> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
