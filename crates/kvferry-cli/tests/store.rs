@@ -284,22 +284,20 @@ fn full_pool_refuses_instead_of_overwriting_objects_being_read() {
     assert_eq!(a.get("more").unwrap(), value("more", 1, 4 << 20));
 }
 
-#[test]
-fn two_clients_with_one_bare_hostname_get_distinct_segments() {
-    // Mooncake's deployment: the master serves the metadata; every rank passes the host's IP.
-    let m = master(&["--enable-http-metadata-server", "--http-metadata-server-port", "0"]);
+/// Two clients passing the same bare `local_hostname` against central metadata at `url`
+/// both set up, get distinct `host:port` segment names and move data both ways.
+fn two_clients_with_one_bare_hostname(m: &Proc, url: &str) {
     let addr = m.field("rpc=");
-    let url = m.field("metadata=");
     let hp = url.trim_start_matches("http://").trim_end_matches("/metadata").to_string();
     let until = Instant::now() + Duration::from_secs(10);
     while std::net::TcpStream::connect(&hp).is_err() {
-        assert!(Instant::now() < until, "embedded metadata server never listened");
+        assert!(Instant::now() < until, "metadata server never listened");
         std::thread::sleep(Duration::from_millis(50));
     }
     let mk = |seg: u64| {
         Client::setup(ClientConfig {
             local_hostname: "127.0.0.1".into(),
-            metadata_server: url.clone(),
+            metadata_server: url.to_string(),
             global_segment_size: seg,
             local_buffer_size: 16 << 20,
             master_server_addr: addr.clone(),
@@ -330,6 +328,20 @@ fn two_clients_with_one_bare_hostname_get_distinct_segments() {
         assert_eq!(c.get("from-a").unwrap(), value("from-a", 1, 300_000));
         assert_eq!(c.get("from-b").unwrap(), value("from-b", 1, 300_000));
     }
+}
+
+#[test]
+fn two_clients_with_one_bare_hostname_get_distinct_segments() {
+    // Mooncake's deployment: the master serves the metadata; every rank passes the host's IP.
+    let m = master(&["--enable-http-metadata-server", "--http-metadata-server-port", "0"]);
+    two_clients_with_one_bare_hostname(&m, &m.field("metadata="));
+}
+
+#[test]
+fn two_clients_with_one_bare_hostname_and_a_standalone_metadata_server() {
+    let md = Proc::start(&["metadata-server", "--port", "0"], "kvferry metadata-server");
+    let m = master(&[]);
+    two_clients_with_one_bare_hostname(&m, &format!("http://127.0.0.1:{}/metadata", md.field("port=")));
 }
 
 #[test]
