@@ -162,6 +162,11 @@ fn store_api_across_processes() {
     assert_eq!(segs.matches("te_endpoint").count(), 2, "two segments mounted: {segs}");
     assert_eq!(http_get(&http, "/health").0, 200);
     assert_eq!(http_get(&http, "/query_key?key=nothing").0, 404);
+    // Mooncake's batch_replica_clear: only the writer's own, unleased objects.
+    a.put("rc1", &value("rc1", 1, 4096), &cfg).unwrap();
+    assert!(c.batch_replica_clear(&["rc1"], "").unwrap().is_empty(), "c did not write rc1");
+    assert_eq!(a.batch_replica_clear(&["rc1", "missing"], "").unwrap(), vec!["rc1".to_string()]);
+    assert!(!a.is_exist("rc1").unwrap());
     assert!(a.remove_all(true).unwrap() >= 1);
     assert!(!a.is_exist("k1").unwrap());
 }

@@ -691,6 +691,17 @@ impl Client {
         }
     }
 
+    /// Mooncake's `batch_replica_clear`: drops the replicas of `keys` that this client wrote
+    /// and nobody holds a lease on, on the segment named `segment` (everywhere if empty);
+    /// returns the keys cleared (the others are skipped, as Mooncake does).
+    pub fn batch_replica_clear(&self, keys: &[&str], segment: &str) -> StoreResult<Vec<String>> {
+        let req = Request::BatchReplicaClear { client: self.inner.id, keys: keys.iter().map(|k| k.to_string()).collect(), segment: segment.to_string() };
+        match self.inner.call_one(req)? {
+            Response::Keys(k) => Ok(k),
+            other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+        }
+    }
+
     pub fn remove_all(&self, force: bool) -> StoreResult<u64> {
         match self.inner.call_one(Request::RemoveAll { force })? {
             Response::Count(n) => Ok(n),

@@ -102,6 +102,10 @@ pub enum Request {
     /// Clients send it piggybacked on their next request (or with their next ping). Last, so
     /// the other variants keep their wire numbers.
     ReleaseReads { ids: Vec<u64> },
+    /// Mooncake's `BatchReplicaClear`: drops the replicas of `keys` this client wrote whose
+    /// lease ended, on `segment` (a segment name) or everywhere (empty); answered by
+    /// [`Response::Keys`] with the keys cleared.
+    BatchReplicaClear { client: u64, keys: Vec<String>, segment: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -114,6 +118,7 @@ pub enum Response {
     Count(u64),
     Err(StoreError),
     Batch(Vec<Response>),
+    Keys(Vec<String>),
 }
 
 impl Response {

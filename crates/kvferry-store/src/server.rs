@@ -55,6 +55,7 @@ fn handle_one(m: &Master, req: Request, deadline: Instant) -> Response {
         Request::RemoveAll { .. } => 10,
         Request::RemoveByRegex { .. } => 11,
         Request::ReleaseReads { .. } => 12,
+        Request::BatchReplicaClear { .. } => 13,
         Request::Batch(_) => return Response::Err(StoreError::InvalidParams("nested batches are not allowed".into())),
     };
     debug_assert!(op < OP_NAMES.len());
@@ -84,6 +85,7 @@ fn handle_one(m: &Master, req: Request, deadline: Instant) -> Response {
                 st.release_reads(&ids, now);
                 Ok(Response::Ok)
             }
+            Request::BatchReplicaClear { client, keys, segment } => Ok(Response::Keys(st.batch_replica_clear(client, &keys, &segment, now))),
             Request::PutEnd { client, key } => st.put_end(client, &key, now).map(|_| Response::Ok),
             Request::PutRevoke { client, key } => st.put_revoke(client, &key).map(|_| Response::Ok),
             Request::GetReplicaList { key } => st.get_replica_list(&key, now, lease).map(Response::ReplicaList),

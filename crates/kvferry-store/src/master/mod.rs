@@ -95,6 +95,8 @@ struct Object {
     reads: Vec<u64>,
     /// When the current value was written (its put ended).
     written: u64,
+    /// The client that wrote the current value.
+    owner: u64,
     last_access: u64,
     soft_pin_until: u64,
     hard_pin: bool,
@@ -139,8 +141,9 @@ pub struct Stats {
     pub evicted_bytes: AtomicU64,
 }
 
-pub const OP_NAMES: [&str; 13] = [
+pub const OP_NAMES: [&str; 14] = [
     "mount", "remount", "unmount", "ping", "put_start", "put_end", "put_revoke", "get_replica_list", "exist_key", "remove", "remove_all", "remove_by_regex", "release_reads",
+    "batch_replica_clear",
 ];
 
 /// The pool's state.
@@ -604,6 +607,7 @@ impl State {
                         lease_until: 0,
                         reads: Vec::new(),
                         written: now,
+                        owner: client,
                         last_access: now,
                         soft_pin_until: 0,
                         hard_pin: cfg.with_hard_pin,
@@ -633,6 +637,7 @@ impl State {
         let old_reads = std::mem::take(&mut o.reads);
         o.size = p.size;
         o.written = now;
+        o.owner = client;
         o.last_access = now;
         o.soft_pin_until = match p.soft_pin {
             SoftPin::Enable => now + p.soft_pin_ttl,
@@ -730,6 +735,45 @@ impl State {
             }
         }
         Ok(())
+    }
+
+    /// Mooncake's `BatchReplicaClear`: for each key this client wrote whose lease ended,
+    /// drops its replicas on the segment named `segment` (all of them if empty; the object
+    /// goes when none is left). Keys that are absent, another client's, leased, still being
+    /// written (for an empty `segment`) or without a replica there are skipped. Returns the
+    /// keys cleared.
+    pub fn batch_replica_clear(&mut self, client: u64, keys: &[String], segment: &str, now: u64) -> Vec<String> {
+        let mut cleared = Vec::new();
+        for key in keys {
+            let Some(o) = self.objects.get(key.as_str()) else { continue };
+            if o.owner != client || o.leased(now) || o.current.is_empty() {
+                continue;
+            }
+            let on_seg = |r: &Replica| self.segments.get(&r.seg).is_some_and(|s| s.seg.name == segment || s.seg.te_endpoint == segment);
+            let (dropped, keep): (Vec<Replica>, Vec<Replica>) = if segment.is_empty() {
+                if o.pending.is_some() {
+                    continue;
+                }
+                (o.current.to_vec(), Vec::new())
+            } else {
+                o.current.iter().partition(|r| on_seg(r))
+            };
+            if dropped.is_empty() {
+                continue;
+            }
+            let reads = o.reads.clone();
+            let gone = keep.is_empty() && o.pending.is_none();
+            if gone {
+                self.forget(key);
+            } else if let Some(o) = self.objects.get_mut(key.as_str()) {
+                o.current = keep.into_boxed_slice();
+            }
+            for r in dropped {
+                self.free_after_reads(r, &reads, now);
+            }
+            cleared.push(key.clone());
+        }
+        cleared
     }
 
     pub fn remove_matching(&mut self, m: &MasterConfig, pred: impl Fn(&str) -> bool, force: bool, now: u64) -> u64 {
@@ -1006,6 +1050,25 @@ mod tests {
         assert!(st.reads_in_flight(50));
         st.expire_reads(200);
         assert!(!st.reads_in_flight(200) && l.read_id > 0);
+    }
+
+    #[test]
+    fn batch_replica_clear_as_mooncake() {
+        let (mut st, m, s) = setup(&[(1, 1 << 20), (2, 1 << 20)]);
+        put(&mut st, &m, &s, "k", 4096, &ReplicateConfig { replica_num: 2, ..Default::default() }, 0).unwrap();
+        let keys = |v: &[&str]| v.iter().map(|k| k.to_string()).collect::<Vec<_>>();
+        assert!(st.batch_replica_clear(2, &keys(&["k"]), "", 1).is_empty(), "another client's object is skipped");
+        st.get_replica_list("k", 1, 100).unwrap();
+        assert!(st.batch_replica_clear(1, &keys(&["k"]), "seg1", 50).is_empty(), "a leased object is skipped");
+        assert_eq!(st.batch_replica_clear(1, &keys(&["k", "missing", ""]), "seg1", 200), keys(&["k"]));
+        let l = st.get_replica_list("k", 201, 10).unwrap();
+        assert_eq!(l.replicas.len(), 1);
+        assert_eq!(l.replicas[0].te_endpoint, "127.0.0.1:15002", "only seg1's replica went");
+        assert_eq!(st.used_bytes(), 4096, "its space came back");
+        assert!(st.batch_replica_clear(1, &keys(&["k"]), "seg1", 300).is_empty(), "no replica left there");
+        assert_eq!(st.batch_replica_clear(1, &keys(&["k"]), "", 300), keys(&["k"]));
+        assert!(!st.exist_key("k", 301, 0).unwrap());
+        assert_eq!(st.used_bytes(), 0);
     }
 
     #[test]
