@@ -162,6 +162,18 @@ fn store_api_across_processes() {
     assert_eq!(segs.matches("te_endpoint").count(), 2, "two segments mounted: {segs}");
     assert_eq!(http_get(&http, "/health").0, 200);
     assert_eq!(http_get(&http, "/query_key?key=nothing").0, 404);
+    // Batch remove and replica descriptors.
+    a.put("br1", &value("br1", 1, 4096), &cfg).unwrap();
+    a.put("br2", &value("br2", 1, 4096), &ReplicateConfig { replica_num: 2, ..Default::default() }).unwrap();
+    let d = a.batch_get_replica_desc(&["br1", "br2", "missing"]);
+    assert_eq!(d[0].as_ref().unwrap().len(), 1);
+    assert_eq!(d[1].as_ref().unwrap().len(), 2);
+    assert!(d[1].as_ref().unwrap().iter().all(|r| r.size == 4096));
+    assert!(matches!(d[2], Err(StoreError::ObjectNotFound(_))));
+    let r = a.batch_remove(&["br1", "missing", "br2"], true);
+    assert!(r[0].is_ok() && r[2].is_ok(), "{r:?}");
+    assert!(matches!(r[1], Err(StoreError::ObjectNotFound(_))));
+    assert_eq!(a.batch_is_exist(&["br1", "br2"]).into_iter().map(Result::unwrap).collect::<Vec<_>>(), vec![false, false]);
     // Mooncake's batch_replica_clear: only the writer's own, unleased objects.
     a.put("rc1", &value("rc1", 1, 4096), &cfg).unwrap();
     assert!(c.batch_replica_clear(&["rc1"], "").unwrap().is_empty(), "c did not write rc1");

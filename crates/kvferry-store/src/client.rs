@@ -691,6 +691,33 @@ impl Client {
         }
     }
 
+    /// Removes several keys in one round trip; per-key results (Mooncake's `batch_remove`).
+    pub fn batch_remove(&self, keys: &[&str], force: bool) -> Vec<StoreResult<()>> {
+        match self.call_batch(keys.iter().map(|k| Request::Remove { key: k.to_string(), force }).collect()) {
+            Ok(v) => v.into_iter().map(|a| a.into_result().map(|_| ())).collect(),
+            Err(e) => keys.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+
+    /// Where the replicas of each key live (Mooncake's `batch_get_replica_desc`); nothing is
+    /// read, so the read granted with the answer is released at once.
+    pub fn batch_get_replica_desc(&self, keys: &[&str]) -> Vec<StoreResult<Vec<ReplicaDesc>>> {
+        match self.call_batch(keys.iter().map(|k| Request::GetReplicaList { key: k.to_string() }).collect()) {
+            Ok(v) => v
+                .into_iter()
+                .map(|a| match a {
+                    Response::ReplicaList(l) => {
+                        self.inner.queue_releases([l.read_id]);
+                        Ok(l.replicas)
+                    }
+                    Response::Err(e) => Err(e),
+                    other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+                })
+                .collect(),
+            Err(e) => keys.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+
     /// Mooncake's `batch_replica_clear`: drops the replicas of `keys` that this client wrote
     /// and nobody holds a lease on, on the segment named `segment` (everywhere if empty);
     /// returns the keys cleared (the others are skipped, as Mooncake does).
