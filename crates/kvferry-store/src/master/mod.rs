@@ -500,6 +500,9 @@ impl State {
 
     /// Frees deferred replicas whose time has come or whose reads all ended.
     pub fn release_deferred(&mut self, now: u64) {
+        if self.deferred.is_empty() {
+            return;
+        }
         let reads = &self.reads;
         let (due, keep): (Vec<Deferred>, Vec<Deferred>) = std::mem::take(&mut self.deferred)
             .into_iter()
