@@ -536,3 +536,28 @@ fn get_all_segments_is_empty_until_a_segment_is_mounted() {
     c.close().unwrap();
     assert_eq!(body(http_get(&http, "/get_all_segments")).1, "", "empty again once unmounted");
 }
+
+#[test]
+fn an_idle_readers_finished_read_frees_space_within_milliseconds() {
+    // The reader goes idle after its get (no next request to carry the release, pings 10 s
+    // apart): its client still releases the read, so a put waiting for that space (up to
+    // 5 s here) goes through at once.
+    let m = master(&["--eviction-high-watermark-ratio", "1.0", "--put-wait-for-reads-ms", "5000"]);
+    let addr = m.field("rpc=");
+    let p = client(&addr, 8 << 20);
+    let u = Client::setup(ClientConfig {
+        global_segment_size: 0,
+        local_buffer_size: 16 << 20,
+        master_server_addr: addr.clone(),
+        ping_interval: Duration::from_secs(10),
+        ..ClientConfig::default()
+    })
+    .unwrap();
+    p.put("a", &value("a", 1, 6 << 20), &ReplicateConfig::default()).unwrap();
+    assert_eq!(u.get("a").unwrap(), value("a", 1, 6 << 20));
+    p.remove("a", true).unwrap();
+    let t = Instant::now();
+    p.put("b", &value("b", 1, 6 << 20), &ReplicateConfig::default()).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(2), "the put waited {:?} for a read that had finished", t.elapsed());
+    assert_eq!(u.get("b").unwrap(), value("b", 1, 6 << 20));
+}

@@ -5,7 +5,8 @@
 //! any write failed. Reads: `GetReplicaList` (grants a read lease) → read the closest replica
 //! → if the lease ran out before the read finished the read fails (`LeaseExpired`), so a get
 //! never returns bytes that might have been overwritten meanwhile. Once the transfer ended
-//! the read is released (`ReleaseReads`, piggybacked on the client's next request or ping), so
+//! the read is released (`ReleaseReads`, piggybacked on the client's next request, or sent
+//! within 5 ms by a background thread when no request goes out), so
 //! the master may reclaim the replicas at once if they were removed or replaced meanwhile.
 //!
 //! In central metadata mode a `local_hostname` without a port gets one, as Mooncake's client
@@ -314,6 +315,8 @@ impl Client {
         let weak = Arc::downgrade(&inner);
         let every = inner.cfg.ping_interval;
         std::thread::Builder::new().name("kvf-store-ping".into()).spawn(move || ping_loop(weak, every)).map_err(|e| StoreError::Internal(e.to_string()))?;
+        let weak = Arc::downgrade(&inner);
+        std::thread::Builder::new().name("kvf-store-release".into()).spawn(move || release_loop(weak)).map_err(|e| StoreError::Internal(e.to_string()))?;
         Ok(Client { inner })
     }
 
@@ -765,6 +768,28 @@ impl Drop for Client {
         }
         if let Err(e) = self.close() {
             tracing::debug!("closing the store client: {e}");
+        }
+    }
+}
+
+/// Sends the releases of finished reads that no request carried within a few milliseconds
+/// (a client that went idle), so a put waiting for space elsewhere is not held up until the
+/// next ping. At most one small RPC per tick.
+fn release_loop(inner: Weak<Inner>) {
+    const TICK: Duration = Duration::from_millis(5);
+    loop {
+        std::thread::sleep(TICK);
+        let Some(inner) = inner.upgrade() else { return };
+        if inner.closed.load(Ordering::Acquire) {
+            return;
+        }
+        let ids = std::mem::take(&mut *inner.releases.lock().unwrap_or_else(|e| e.into_inner()));
+        if ids.is_empty() {
+            continue;
+        }
+        // Not delivered: the reads end with their lease anyway.
+        if let Err(e) = inner.rpc.call(&Request::ReleaseReads { ids }) {
+            tracing::debug!("releasing finished reads: {e}");
         }
     }
 }
