@@ -45,6 +45,11 @@ pub struct MasterArgs {
     /// Seconds after which the space of a replaced unfinished put is reused.
     #[arg(long, default_value_t = 600)]
     pub put_start_release_timeout_sec: u64,
+    /// Milliseconds a put that finds space held only by reads in flight waits for them to end
+    /// (meanwhile objects written within this window are not evicted) before failing with
+    /// NO_AVAILABLE_HANDLE.
+    #[arg(long, default_value_t = 1000)]
+    pub put_wait_for_reads_ms: u64,
     /// Read these settings from a JSON file (keys as the flags, with underscores); flags given
     /// on the command line win.
     #[arg(long)]
@@ -90,6 +95,7 @@ impl MasterArgs {
             put_start_discard_timeout: Duration::from_secs(self.put_start_discard_timeout_sec),
             put_start_release_timeout: Duration::from_secs(self.put_start_release_timeout_sec),
             strategy,
+            put_wait_for_reads: Duration::from_millis(self.put_wait_for_reads_ms),
         })
     }
 }
@@ -131,7 +137,7 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
     }
     keep_cli!(
         host, port, metrics_port, default_kv_lease_ttl, default_kv_soft_pin_ttl, allow_evict_soft_pinned_objects, eviction_ratio, eviction_high_watermark_ratio, client_ttl,
-        allocation_strategy, put_start_discard_timeout_sec, put_start_release_timeout_sec, summary_interval, enable_http_metadata_server, http_metadata_server_host,
+        allocation_strategy, put_start_discard_timeout_sec, put_start_release_timeout_sec, put_wait_for_reads_ms, summary_interval, enable_http_metadata_server, http_metadata_server_host,
         http_metadata_server_port, http_metadata_server_data_dir
     );
     out.config = a.config.clone();

@@ -62,7 +62,13 @@ fn route(m: &Master, req: &Request<hyper::body::Incoming>) -> Response<Full<Byte
             let s = m.lock().summary();
             reply(StatusCode::OK, "application/json", serde_json::json!({"status": "ok", "role": "master", "summary": s}).to_string())
         }
-        "/get_all_segments" => reply(StatusCode::OK, "application/json", serde_json::to_string(&m.lock().segments_info()).unwrap_or_default()),
+        "/get_all_segments" => {
+            // Nothing mounted: an empty body, as Mooncake's master (SGLang's `check_server`
+            // waits while the body is empty).
+            let segs = m.lock().segments_info();
+            let body = if segs.is_empty() { String::new() } else { serde_json::to_string(&segs).unwrap_or_default() };
+            reply(StatusCode::OK, "application/json", body)
+        }
         "/query_key" => match query_param(req.uri(), "key") {
             None => reply(StatusCode::BAD_REQUEST, "text/plain", "missing ?key=\n".into()),
             Some(k) => match m.lock().key_info(&k, m.now()) {

@@ -1,7 +1,7 @@
 //! The store across processes: `kvferry master`, serving clients (`kvferry store-bench
 //! --serve-segment`) and in-test clients, all on 127.0.0.1.
 
-use kvferry_store::{Client, ClientConfig, ReplicateConfig, StoreError};
+use kvferry_store::{proto, Client, ClientConfig, ReplicateConfig, StoreError};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -162,6 +162,23 @@ fn store_api_across_processes() {
     assert_eq!(segs.matches("te_endpoint").count(), 2, "two segments mounted: {segs}");
     assert_eq!(http_get(&http, "/health").0, 200);
     assert_eq!(http_get(&http, "/query_key?key=nothing").0, 404);
+    // Batch remove and replica descriptors.
+    a.put("br1", &value("br1", 1, 4096), &cfg).unwrap();
+    a.put("br2", &value("br2", 1, 4096), &ReplicateConfig { replica_num: 2, ..Default::default() }).unwrap();
+    let d = a.batch_get_replica_desc(&["br1", "br2", "missing"]);
+    assert_eq!(d[0].as_ref().unwrap().len(), 1);
+    assert_eq!(d[1].as_ref().unwrap().len(), 2);
+    assert!(d[1].as_ref().unwrap().iter().all(|r| r.size == 4096));
+    assert!(matches!(d[2], Err(StoreError::ObjectNotFound(_))));
+    let r = a.batch_remove(&["br1", "missing", "br2"], true);
+    assert!(r[0].is_ok() && r[2].is_ok(), "{r:?}");
+    assert!(matches!(r[1], Err(StoreError::ObjectNotFound(_))));
+    assert_eq!(a.batch_is_exist(&["br1", "br2"]).into_iter().map(Result::unwrap).collect::<Vec<_>>(), vec![false, false]);
+    // Mooncake's batch_replica_clear: only the writer's own, unleased objects.
+    a.put("rc1", &value("rc1", 1, 4096), &cfg).unwrap();
+    assert!(c.batch_replica_clear(&["rc1"], "").unwrap().is_empty(), "c did not write rc1");
+    assert_eq!(a.batch_replica_clear(&["rc1", "missing"], "").unwrap(), vec!["rc1".to_string()]);
+    assert!(!a.is_exist("rc1").unwrap());
     assert!(a.remove_all(true).unwrap() >= 1);
     assert!(!a.is_exist("k1").unwrap());
 }
@@ -234,11 +251,31 @@ fn expired_lease_fails_the_read_instead_of_returning_it() {
     }
 }
 
+/// A reader that asks for replica lists over the master's RPC and never finishes its reads.
+struct RawReader(std::net::TcpStream);
+
+impl RawReader {
+    fn call(&mut self, req: &proto::Request) -> proto::Response {
+        self.0.write_all(&proto::encode(req).unwrap()).unwrap();
+        let mut prefix = [0u8; 4];
+        self.0.read_exact(&mut prefix).unwrap();
+        let mut body = vec![0u8; proto::decode_len(prefix).unwrap()];
+        self.0.read_exact(&mut body).unwrap();
+        proto::decode(&body).unwrap()
+    }
+    fn start_read(&mut self, key: &str) -> u64 {
+        match self.call(&proto::Request::GetReplicaList { key: key.into() }) {
+            proto::Response::ReplicaList(l) => l.read_id,
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
 #[test]
-fn full_pool_refuses_instead_of_overwriting_leased_objects() {
+fn full_pool_refuses_instead_of_overwriting_objects_being_read() {
     // Watermark 1.0: the background eviction stays out of the way, only the put's own
     // attempt to make room runs.
-    let m = master(&["--eviction-high-watermark-ratio", "1.0"]);
+    let m = master(&["--eviction-high-watermark-ratio", "1.0", "--put-wait-for-reads-ms", "800"]);
     let addr = m.field("rpc=");
     let _s = server(&addr, "16M");
     let a = client(&addr, 0);
@@ -246,15 +283,154 @@ fn full_pool_refuses_instead_of_overwriting_leased_objects() {
     for i in 0..4 {
         a.put(&format!("f{i}"), &value(&format!("f{i}"), 1, 4 << 20), &cfg).unwrap();
     }
-    for i in 0..4 {
-        assert!(intact(&a.get(&format!("f{i}")).unwrap())); // leases them for 10 s
-    }
+    let mut r = RawReader(std::net::TcpStream::connect(&addr).unwrap());
+    let ids: Vec<u64> = (0..4).map(|i| r.start_read(&format!("f{i}"))).collect(); // reads in flight
+    let t = Instant::now();
     match a.put("more", &value("more", 1, 4 << 20), &cfg) {
         Err(StoreError::NoAvailableHandle { .. }) => {}
-        other => panic!("expected NO_AVAILABLE_HANDLE with every object leased, got {other:?}"),
+        other => panic!("expected NO_AVAILABLE_HANDLE with every object being read, got {other:?}"),
     }
+    let waited = t.elapsed();
+    assert!(waited >= Duration::from_millis(700) && waited < Duration::from_secs(5), "the put waited a bounded time for the reads: {waited:?}");
     for i in 0..4 {
-        assert_eq!(a.get(&format!("f{i}")).unwrap(), value(&format!("f{i}"), 1, 4 << 20), "leased objects untouched");
+        assert_eq!(a.get(&format!("f{i}")).unwrap(), value(&format!("f{i}"), 1, 4 << 20), "objects being read untouched");
+    }
+    // Reads finished (and a's own gets, released with its next request): room is made.
+    assert_eq!(r.call(&proto::Request::ReleaseReads { ids }), proto::Response::Ok);
+    a.put("more", &value("more", 1, 4 << 20), &cfg).unwrap();
+    assert_eq!(a.get("more").unwrap(), value("more", 1, 4 << 20));
+}
+
+/// Two clients passing the same bare `local_hostname` against central metadata at `url`
+/// both set up, get distinct `host:port` segment names and move data both ways.
+fn two_clients_with_one_bare_hostname(m: &Proc, url: &str) {
+    let addr = m.field("rpc=");
+    let hp = url.trim_start_matches("http://").trim_end_matches("/metadata").to_string();
+    let until = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(&hp).is_err() {
+        assert!(Instant::now() < until, "metadata server never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mk = |seg: u64| {
+        Client::setup(ClientConfig {
+            local_hostname: "127.0.0.1".into(),
+            metadata_server: url.to_string(),
+            global_segment_size: seg,
+            local_buffer_size: 16 << 20,
+            master_server_addr: addr.clone(),
+            ..ClientConfig::default()
+        })
+        .expect("a second client with the same hostname sets up")
+    };
+    let a = mk(16 << 20);
+    let b = mk(16 << 20);
+    let (na, nb) = (a.segment_name().to_string(), b.segment_name().to_string());
+    assert_ne!(na, nb, "one segment name each");
+    for n in [&na, &nb] {
+        let port: u16 = n.strip_prefix("127.0.0.1:").and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("host:port expected, got {n:?}"));
+        assert!((12300..=14300).contains(&port), "Mooncake's auto-port range: {n}");
+        let (code, body) = http_get(&hp, &format!("/metadata?key=mooncake/rpc_meta/{n}"));
+        assert_eq!(code, 200, "{n} registered: {body}");
+    }
+    let (_, segs) = http_get(&m.field("http="), "/get_all_segments");
+    assert!(segs.contains(&na) && segs.contains(&nb), "{segs}");
+    // Data moves both ways, each value placed on the other client's segment.
+    let to_b = ReplicateConfig { preferred_segments: vec![nb.clone()], ..Default::default() };
+    let to_a = ReplicateConfig { preferred_segments: vec![na.clone()], ..Default::default() };
+    a.put("from-a", &value("from-a", 1, 300_000), &to_b).unwrap();
+    b.put("from-b", &value("from-b", 1, 300_000), &to_a).unwrap();
+    let (_, q) = http_get(&m.field("http="), "/query_key?key=from-a");
+    assert!(q.contains(&nb), "placed on b: {q}");
+    for c in [&a, &b] {
+        assert_eq!(c.get("from-a").unwrap(), value("from-a", 1, 300_000));
+        assert_eq!(c.get("from-b").unwrap(), value("from-b", 1, 300_000));
+    }
+}
+
+#[test]
+fn two_clients_with_one_bare_hostname_get_distinct_segments() {
+    // Mooncake's deployment: the master serves the metadata; every rank passes the host's IP.
+    let m = master(&["--enable-http-metadata-server", "--http-metadata-server-port", "0"]);
+    two_clients_with_one_bare_hostname(&m, &m.field("metadata="));
+}
+
+#[test]
+fn two_clients_with_one_bare_hostname_and_a_standalone_metadata_server() {
+    let md = Proc::start(&["metadata-server", "--port", "0"], "kvferry metadata-server");
+    let m = master(&[]);
+    two_clients_with_one_bare_hostname(&m, &format!("http://127.0.0.1:{}/metadata", md.field("port=")));
+}
+
+#[test]
+fn put_get_remove_cycles_reuse_a_small_segment() {
+    // The loop: put_from -> get_into -> remove(force) over a segment far smaller than
+    // what goes through it. Removed space must come back as soon as the reads end (not after
+    // the 10 s lease), and no get right after its put may find the object evicted.
+    let secs: u64 = std::env::var("KVFERRY_TEST_CYCLE_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
+    let m = master(&[]);
+    let addr = m.field("rpc=");
+    const SEG: u64 = 4 << 20;
+    let p = client(&addr, SEG); // the only segment
+    let u = client(&addr, 0);
+    let clients = [&p, &u];
+    let stop = Instant::now() + Duration::from_secs(secs);
+    let results: Vec<(u64, u64, Vec<String>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4usize)
+            .map(|t| {
+                s.spawn(move || {
+                    let (w, r) = (clients[t % 2], clients[(t + 1) % 2]); // written by one, read by the other
+                    let src = vec![0u8; 256 << 10];
+                    let dst = vec![0u8; 256 << 10];
+                    w.register_buffer(src.as_ptr() as u64, src.len() as u64).unwrap();
+                    r.register_buffer(dst.as_ptr() as u64, dst.len() as u64).unwrap();
+                    // SAFETY (test): the buffers are this thread's and no transfer is in flight
+                    // while they are written or read here.
+                    let (srcm, dstm) = unsafe {
+                        (std::slice::from_raw_parts_mut(src.as_ptr() as *mut u8, src.len()), std::slice::from_raw_parts(dst.as_ptr(), dst.len()))
+                    };
+                    let (mut rounds, mut bytes, mut failures) = (0u64, 0u64, Vec::new());
+                    let mut i = 0u64;
+                    while Instant::now() < stop && failures.len() < 5 {
+                        let len = if i % 2 == 0 { 64 << 10 } else { 256 << 10 };
+                        let key = format!("t{t}-{}", i % 64);
+                        let v = value(&key, i, len);
+                        srcm[..len].copy_from_slice(&v);
+                        i += 1;
+                        if let Err(e) = w.put_from(&key, src.as_ptr() as u64, len as u64, &ReplicateConfig::default()) {
+                            failures.push(format!("put_from {key}: {e} ({})", e.code()));
+                            continue;
+                        }
+                        match r.get_into(&key, dst.as_ptr() as u64, dst.len() as u64) {
+                            Ok(n) if n == len as u64 && dstm[..len] == v[..] => {}
+                            Ok(n) => failures.push(format!("get_into {key}: {n} bytes, content {}", if dstm[..len] == v[..] { "equal" } else { "WRONG" })),
+                            Err(e) => failures.push(format!("get_into {key} right after its put: {e} ({})", e.code())),
+                        }
+                        if let Err(e) = w.remove(&key, true) {
+                            failures.push(format!("remove {key}: {e} ({})", e.code()));
+                        }
+                        rounds += 1;
+                        bytes += len as u64;
+                    }
+                    (rounds, bytes, failures)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let rounds: u64 = results.iter().map(|r| r.0).sum();
+    let bytes: u64 = results.iter().map(|r| r.1).sum();
+    let failures: Vec<&String> = results.iter().flat_map(|r| &r.2).collect();
+    assert!(failures.is_empty(), "{} failures in {rounds} cycles, first: {:?}", failures.len(), &failures[..failures.len().min(5)]);
+    assert!(bytes >= 8 * SEG, "the cycles moved {bytes} bytes through a {SEG}-byte segment ({rounds} cycles): too few to prove reuse");
+    // The last reads are released with the clients' next ping at the latest.
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, segs) = http_get(&m.field("http="), "/get_all_segments");
+        if segs.contains("\"used\":0") {
+            break;
+        }
+        assert!(Instant::now() < until, "everything was removed, yet space is still held: {segs}");
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
@@ -345,4 +521,43 @@ fn master_with_embedded_metadata_server_is_a_whole_control_plane() {
     a.put("via-central", &value("via-central", 1, 200_000), &ReplicateConfig::default()).unwrap();
     assert_eq!(b.get("via-central").unwrap(), value("via-central", 1, 200_000));
     assert_eq!(a.get("via-central").unwrap(), value("via-central", 1, 200_000));
+}
+
+#[test]
+fn get_all_segments_is_empty_until_a_segment_is_mounted() {
+    let m = master(&[]);
+    let http = m.field("http=");
+    let body = |r: (u16, String)| -> (u16, String) { (r.0, r.1.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default()) };
+    assert_eq!(body(http_get(&http, "/get_all_segments")), (200, String::new()), "Mooncake answers an empty body while nothing is mounted");
+    let c = client(&m.field("rpc="), 4 << 20);
+    let (code, segs) = body(http_get(&http, "/get_all_segments"));
+    assert_eq!(code, 200);
+    assert!(segs.contains(c.segment_name()), "{segs}");
+    c.close().unwrap();
+    assert_eq!(body(http_get(&http, "/get_all_segments")).1, "", "empty again once unmounted");
+}
+
+#[test]
+fn an_idle_readers_finished_read_frees_space_within_milliseconds() {
+    // The reader goes idle after its get (no next request to carry the release, pings 10 s
+    // apart): its client still releases the read, so a put waiting for that space (up to
+    // 5 s here) goes through at once.
+    let m = master(&["--eviction-high-watermark-ratio", "1.0", "--put-wait-for-reads-ms", "5000"]);
+    let addr = m.field("rpc=");
+    let p = client(&addr, 8 << 20);
+    let u = Client::setup(ClientConfig {
+        global_segment_size: 0,
+        local_buffer_size: 16 << 20,
+        master_server_addr: addr.clone(),
+        ping_interval: Duration::from_secs(10),
+        ..ClientConfig::default()
+    })
+    .unwrap();
+    p.put("a", &value("a", 1, 6 << 20), &ReplicateConfig::default()).unwrap();
+    assert_eq!(u.get("a").unwrap(), value("a", 1, 6 << 20));
+    p.remove("a", true).unwrap();
+    let t = Instant::now();
+    p.put("b", &value("b", 1, 6 << 20), &ReplicateConfig::default()).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(2), "the put waited {:?} for a read that had finished", t.elapsed());
+    assert_eq!(u.get("b").unwrap(), value("b", 1, 6 << 20));
 }

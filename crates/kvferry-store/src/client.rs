@@ -4,7 +4,15 @@
 //! replica (a replica in this client's own segment is a memcpy) → `PutEnd`, or `PutRevoke` if
 //! any write failed. Reads: `GetReplicaList` (grants a read lease) → read the closest replica
 //! → if the lease ran out before the read finished the read fails (`LeaseExpired`), so a get
-//! never returns bytes that might have been overwritten meanwhile.
+//! never returns bytes that might have been overwritten meanwhile. Once the transfer ended
+//! the read is released (`ReleaseReads`, piggybacked on the client's next request, or sent
+//! within 5 ms by a background thread when no request goes out), so
+//! the master may reclaim the replicas at once if they were removed or replaced meanwhile.
+//!
+//! In central metadata mode a `local_hostname` without a port gets one, as Mooncake's client
+//! does: a port bound (and held) in `MC_STORE_CLIENT_MIN_PORT..=MC_STORE_CLIENT_MAX_PORT`
+//! (12300..=14300) is appended, and `host:port` is the segment name; a name another live
+//! engine registered is retried with another port (`MC_STORE_CLIENT_SETUP_RETRIES`, 20).
 
 use crate::error::{StoreError, StoreResult};
 use crate::master::alloc::SegmentSpace;
@@ -12,7 +20,7 @@ use crate::proto::{self, PingStatus, ReplicaDesc, ReplicaList, ReplicateConfig, 
 use kvferry::hostbuf::HostBuffer;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -138,6 +146,107 @@ struct Inner {
     cfg: ClientConfig,
     /// The process that set the client up (see Drop).
     pid: u32,
+    /// Reads finished and not yet released at the master.
+    releases: Mutex<Vec<u64>>,
+    /// Holds the port appended to a bare `local_hostname` (central mode), as Mooncake does.
+    _port: Option<TcpListener>,
+}
+
+impl Inner {
+    fn queue_releases(&self, ids: impl IntoIterator<Item = u64>) {
+        self.releases.lock().unwrap_or_else(|e| e.into_inner()).extend(ids);
+    }
+
+    /// Sends `reqs` in one round trip, led by the releases of finished reads; the answers to
+    /// `reqs`, in order.
+    fn call_batch(&self, reqs: Vec<Request>) -> StoreResult<Vec<Response>> {
+        let n = reqs.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let ids = std::mem::take(&mut *self.releases.lock().unwrap_or_else(|e| e.into_inner()));
+        let pre = usize::from(!ids.is_empty());
+        let mut all = Vec::with_capacity(n + pre);
+        if pre == 1 {
+            all.push(Request::ReleaseReads { ids: ids.clone() });
+        }
+        all.extend(reqs);
+        let answer = if all.len() == 1 {
+            let r = all.pop().ok_or_else(|| StoreError::Internal("empty request list".into()))?;
+            self.rpc.call(&r).map(|a| vec![a])
+        } else {
+            match self.rpc.call(&Request::Batch(all)) {
+                Ok(Response::Batch(v)) if v.len() == n + pre => Ok(v.into_iter().skip(pre).collect()),
+                Ok(Response::Err(e)) => Err(e),
+                Ok(other) => Err(StoreError::Rpc(format!("unexpected answer to a batch: {other:?}"))),
+                Err(e) => Err(e),
+            }
+        };
+        if answer.is_err() && pre == 1 {
+            self.queue_releases(ids); // not delivered: with the next request
+        }
+        answer
+    }
+
+    fn call_one(&self, req: Request) -> StoreResult<Response> {
+        self.call_batch(vec![req])?.pop().ok_or_else(|| StoreError::Rpc("the master sent no answer".into()))?.into_result()
+    }
+}
+
+/// Whether an engine failed to start because its segment name is taken (retry another port).
+fn name_taken(e: &kvferry::Error) -> bool {
+    match e {
+        kvferry::Error::Metadata { reason, .. } => reason.contains("already registered") || reason.contains("Duplicate"),
+        _ => false,
+    }
+}
+
+fn env_u32(name: &str, default: u32) -> StoreResult<u32> {
+    match std::env::var(name) {
+        Ok(v) => v.trim().parse().map_err(|_| StoreError::InvalidParams(format!("{name}={v:?} is not a number"))),
+        Err(_) => Ok(default),
+    }
+}
+
+/// Starts the engine. In central mode a `local_hostname` without a port gets a bound port
+/// appended (retrying another one when the name is taken), as Mooncake's client does.
+fn start_engine(cfg: &ClientConfig, mut ecfg: Config) -> StoreResult<(TransferEngine, Option<TcpListener>)> {
+    let start = |ecfg: Config| TransferEngine::new(ecfg);
+    let failed = |e: kvferry::Error| StoreError::InvalidParams(format!("starting the transfer engine: {e}"));
+    let host = cfg.local_hostname.trim();
+    if !ecfg.central() || host.is_empty() || kvferry::config::split_host_port(host).1.is_some() {
+        return start(ecfg).map(|e| (e, None)).map_err(failed);
+    }
+    let retries = env_u32("MC_STORE_CLIENT_SETUP_RETRIES", 20)?.max(1);
+    let (lo, hi) = (env_u32("MC_STORE_CLIENT_MIN_PORT", 12300)?, env_u32("MC_STORE_CLIENT_MAX_PORT", 14300)?);
+    let (lo, hi) = if lo >= 1 && lo <= hi && hi <= 65535 { (lo as u16, hi as u16) } else { (12300, 14300) };
+    let bare = kvferry::config::split_host_port(host).0;
+    let mut last = String::from("no free port in the range");
+    for _ in 0..retries {
+        // Hold a free port of the range (Mooncake's AutoPortBinder: any address, random port).
+        let mut held = None;
+        for _ in 0..20 {
+            let port = rand::random_range(lo..=hi);
+            if let Ok(l) = TcpListener::bind(("0.0.0.0", port)) {
+                held = Some((l, port));
+                break;
+            }
+        }
+        let Some((listener, port)) = held else { continue };
+        let name = if bare.contains(':') { format!("[{bare}]:{port}") } else { format!("{bare}:{port}") };
+        ecfg.local_hostname = name;
+        match start(ecfg.clone()) {
+            Ok(e) => return Ok((e, Some(listener))),
+            Err(e) if name_taken(&e) => {
+                tracing::info!("segment name {} is taken; retrying with another port: {e}", ecfg.local_hostname);
+                last = e.to_string();
+            }
+            Err(e) => return Err(failed(e)),
+        }
+    }
+    Err(StoreError::InvalidParams(format!(
+        "local_hostname {host:?}: no free segment name {host}:<port> with a port in {lo}..={hi} after {retries} attempts (last: {last}); widen MC_STORE_CLIENT_MIN_PORT/MC_STORE_CLIENT_MAX_PORT or pass host:port"
+    )))
 }
 
 /// A store client. Cheap to share between threads (`&Client` is enough).
@@ -180,7 +289,7 @@ impl Client {
         ecfg.local_hostname = cfg.local_hostname.clone();
         ecfg.metadata_server = cfg.metadata_server.clone();
         ecfg.transfer_timeout = cfg.transfer_timeout;
-        let engine = TransferEngine::new(ecfg).map_err(|e| StoreError::InvalidParams(format!("starting the transfer engine: {e}")))?;
+        let (engine, port) = start_engine(&cfg, ecfg)?;
         let rpc = Rpc { addr: cfg.master_server_addr.clone(), pool: Mutex::default(), timeout: Duration::from_secs(30), spin: engine.config().spin };
         let id: u64 = rand::random::<u64>() | 1;
         let mut segment = None;
@@ -197,7 +306,7 @@ impl Client {
             let space = SegmentSpace::new(buf.addr(), buf.len() as u64);
             staging = Some((buf, Mutex::new(space)));
         }
-        let inner = Arc::new(Inner { engine, rpc, id, segment, staging, closed: AtomicBool::new(false), cfg, pid: std::process::id() });
+        let inner = Arc::new(Inner { engine, rpc, id, segment, staging, closed: AtomicBool::new(false), cfg, pid: std::process::id(), releases: Mutex::default(), _port: port });
         // Register with the master even without a segment, so pings are recognised.
         match &inner.segment {
             Some((_, seg)) => inner.rpc.call_ok(&Request::MountSegment { client: id, segment: seg.clone() })?,
@@ -206,6 +315,8 @@ impl Client {
         let weak = Arc::downgrade(&inner);
         let every = inner.cfg.ping_interval;
         std::thread::Builder::new().name("kvf-store-ping".into()).spawn(move || ping_loop(weak, every)).map_err(|e| StoreError::Internal(e.to_string()))?;
+        let weak = Arc::downgrade(&inner);
+        std::thread::Builder::new().name("kvf-store-release".into()).spawn(move || release_loop(weak)).map_err(|e| StoreError::Internal(e.to_string()))?;
         Ok(Client { inner })
     }
 
@@ -214,6 +325,8 @@ impl Client {
         &self.inner.engine
     }
 
+    /// This client's segment name: `host:port` (in central mode, the port appended to a bare
+    /// `local_hostname`); what Mooncake's `get_hostname()` returns.
     pub fn segment_name(&self) -> &str {
         self.inner.engine.segment_name()
     }
@@ -354,19 +467,7 @@ impl Client {
     }
 
     fn call_batch(&self, reqs: Vec<Request>) -> StoreResult<Vec<Response>> {
-        let n = reqs.len();
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        if n == 1 {
-            let r = reqs.into_iter().next().expect("one");
-            return Ok(vec![self.inner.rpc.call(&r)?]);
-        }
-        match self.inner.rpc.call(&Request::Batch(reqs))? {
-            Response::Batch(v) if v.len() == n => Ok(v),
-            Response::Err(e) => Err(e),
-            other => Err(StoreError::Rpc(format!("unexpected answer to a batch: {other:?}"))),
-        }
+        self.inner.call_batch(reqs)
     }
 
     fn pick<'a>(&self, list: &'a ReplicaList) -> Vec<&'a ReplicaDesc> {
@@ -462,6 +563,8 @@ impl Client {
                 }
             }
         }
+        // Every transfer is terminal: the replicas read may be reclaimed.
+        self.inner.queue_releases(lists.iter().flatten().map(|l| l.read_id));
         results
     }
 
@@ -527,7 +630,10 @@ impl Client {
         let mut staged: Vec<StoreResult<Staged<'_>>> = Vec::with_capacity(keys.len());
         for a in sizes {
             staged.push(match a {
-                Response::ReplicaList(l) => self.stage(l.size as usize),
+                Response::ReplicaList(l) => {
+                    self.inner.queue_releases([l.read_id]); // only the size was needed
+                    self.stage(l.size as usize)
+                }
                 Response::Err(e) => Err(e),
                 other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
             });
@@ -546,7 +652,7 @@ impl Client {
     }
 
     pub fn is_exist(&self, key: &str) -> StoreResult<bool> {
-        match self.inner.rpc.call_ok(&Request::ExistKey { key: key.to_string() })? {
+        match self.inner.call_one(Request::ExistKey { key: key.to_string() })? {
             Response::Exists(b) => Ok(b),
             other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
         }
@@ -568,25 +674,66 @@ impl Client {
 
     /// Size of `key`'s value.
     pub fn get_size(&self, key: &str) -> StoreResult<u64> {
-        match self.inner.rpc.call_ok(&Request::GetReplicaList { key: key.to_string() })? {
-            Response::ReplicaList(l) => Ok(l.size),
+        match self.inner.call_one(Request::GetReplicaList { key: key.to_string() })? {
+            Response::ReplicaList(l) => {
+                self.inner.queue_releases([l.read_id]);
+                Ok(l.size)
+            }
             other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
         }
     }
 
     pub fn remove(&self, key: &str, force: bool) -> StoreResult<()> {
-        self.inner.rpc.call_ok(&Request::Remove { key: key.to_string(), force }).map(|_| ())
+        self.inner.call_one(Request::Remove { key: key.to_string(), force }).map(|_| ())
     }
 
     pub fn remove_by_regex(&self, pattern: &str, force: bool) -> StoreResult<u64> {
-        match self.inner.rpc.call_ok(&Request::RemoveByRegex { pattern: pattern.to_string(), force })? {
+        match self.inner.call_one(Request::RemoveByRegex { pattern: pattern.to_string(), force })? {
             Response::Count(n) => Ok(n),
             other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
         }
     }
 
+    /// Removes several keys in one round trip; per-key results (Mooncake's `batch_remove`).
+    pub fn batch_remove(&self, keys: &[&str], force: bool) -> Vec<StoreResult<()>> {
+        match self.call_batch(keys.iter().map(|k| Request::Remove { key: k.to_string(), force }).collect()) {
+            Ok(v) => v.into_iter().map(|a| a.into_result().map(|_| ())).collect(),
+            Err(e) => keys.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+
+    /// Where the replicas of each key live (Mooncake's `batch_get_replica_desc`); nothing is
+    /// read, so the read granted with the answer is released at once.
+    pub fn batch_get_replica_desc(&self, keys: &[&str]) -> Vec<StoreResult<Vec<ReplicaDesc>>> {
+        match self.call_batch(keys.iter().map(|k| Request::GetReplicaList { key: k.to_string() }).collect()) {
+            Ok(v) => v
+                .into_iter()
+                .map(|a| match a {
+                    Response::ReplicaList(l) => {
+                        self.inner.queue_releases([l.read_id]);
+                        Ok(l.replicas)
+                    }
+                    Response::Err(e) => Err(e),
+                    other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+                })
+                .collect(),
+            Err(e) => keys.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+
+    /// Mooncake's `batch_replica_clear`: drops the replicas of `keys` that this client wrote
+    /// and nobody holds a lease on, on the segment named `segment` (everywhere if empty);
+    /// returns the keys cleared (the others are skipped, as Mooncake does).
+    pub fn batch_replica_clear(&self, keys: &[&str], segment: &str) -> StoreResult<Vec<String>> {
+        let req = Request::BatchReplicaClear { client: self.inner.id, keys: keys.iter().map(|k| k.to_string()).collect(), segment: segment.to_string() };
+        match self.inner.call_one(req)? {
+            Response::Keys(k) => Ok(k),
+            other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+        }
+    }
+
     pub fn remove_all(&self, force: bool) -> StoreResult<u64> {
-        match self.inner.rpc.call_ok(&Request::RemoveAll { force })? {
+        match self.inner.call_one(Request::RemoveAll { force })? {
             Response::Count(n) => Ok(n),
             other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
         }
@@ -597,6 +744,11 @@ impl Client {
     pub fn close(&self) -> StoreResult<()> {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
+        }
+        let ids = std::mem::take(&mut *self.inner.releases.lock().unwrap_or_else(|e| e.into_inner()));
+        if !ids.is_empty() {
+            // Best effort: unreleased reads end with their lease anyway.
+            let _ = self.inner.rpc.call(&Request::ReleaseReads { ids });
         }
         if let Some((_, seg)) = &self.inner.segment {
             self.inner.rpc.call_ok(&Request::UnmountSegment { client: self.inner.id, segment: seg.id })?;
@@ -620,6 +772,28 @@ impl Drop for Client {
     }
 }
 
+/// Sends the releases of finished reads that no request carried within a few milliseconds
+/// (a client that went idle), so a put waiting for space elsewhere is not held up until the
+/// next ping. At most one small RPC per tick.
+fn release_loop(inner: Weak<Inner>) {
+    const TICK: Duration = Duration::from_millis(5);
+    loop {
+        std::thread::sleep(TICK);
+        let Some(inner) = inner.upgrade() else { return };
+        if inner.closed.load(Ordering::Acquire) {
+            return;
+        }
+        let ids = std::mem::take(&mut *inner.releases.lock().unwrap_or_else(|e| e.into_inner()));
+        if ids.is_empty() {
+            continue;
+        }
+        // Not delivered: the reads end with their lease anyway.
+        if let Err(e) = inner.rpc.call(&Request::ReleaseReads { ids }) {
+            tracing::debug!("releasing finished reads: {e}");
+        }
+    }
+}
+
 fn ping_loop(inner: Weak<Inner>, every: Duration) {
     loop {
         std::thread::sleep(every);
@@ -627,7 +801,8 @@ fn ping_loop(inner: Weak<Inner>, every: Duration) {
         if inner.closed.load(Ordering::Acquire) {
             return;
         }
-        match inner.rpc.call(&Request::Ping { client: inner.id }) {
+        // Also delivers the releases of reads that finished since the last request.
+        match inner.call_batch(vec![Request::Ping { client: inner.id }]).and_then(|mut v| v.pop().ok_or_else(|| StoreError::Rpc("no answer".into()))) {
             Ok(Response::Ping(PingStatus::Ok)) => {}
             Ok(Response::Ping(PingStatus::NeedRemount)) => {
                 tracing::warn!("the master does not know this client (it restarted?); remounting");

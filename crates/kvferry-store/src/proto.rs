@@ -70,6 +70,9 @@ pub struct ReplicaList {
     pub size: u64,
     /// The read lease granted, counted from when the master answered.
     pub lease_ttl_ms: u64,
+    /// Names this read for [`Request::ReleaseReads`]: until the reader releases it (or the
+    /// lease runs out) the replicas listed are neither freed nor reused.
+    pub read_id: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -95,6 +98,14 @@ pub enum Request {
     RemoveByRegex { pattern: String, force: bool },
     /// Many operations in one round trip; answered by [`Response::Batch`] in the same order.
     Batch(Vec<Request>),
+    /// The reads named (`ReplicaList::read_id`) finished: their replicas may be reclaimed.
+    /// Clients send it piggybacked on their next request (or with their next ping). Last, so
+    /// the other variants keep their wire numbers.
+    ReleaseReads { ids: Vec<u64> },
+    /// Mooncake's `BatchReplicaClear`: drops the replicas of `keys` this client wrote whose
+    /// lease ended, on `segment` (a segment name) or everywhere (empty); answered by
+    /// [`Response::Keys`] with the keys cleared.
+    BatchReplicaClear { client: u64, keys: Vec<String>, segment: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,6 +118,7 @@ pub enum Response {
     Count(u64),
     Err(StoreError),
     Batch(Vec<Response>),
+    Keys(Vec<String>),
 }
 
 impl Response {

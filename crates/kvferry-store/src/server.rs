@@ -2,19 +2,45 @@
 
 use crate::error::StoreError;
 use crate::master::{Master, OP_NAMES};
-use crate::proto::{self, PingStatus, Request, Response};
+use crate::proto::{self, PingStatus, ReplicateConfig, Request, Response};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-/// Applies one request to the master.
+/// Applies one request to the master. A put that finds space held only by reads in flight
+/// waits for them (one `put_wait_for_reads` per request, a batch included) on this
+/// connection's thread, without holding the master's lock.
 pub fn handle(m: &Master, req: Request) -> Response {
+    let deadline = Instant::now() + m.cfg.put_wait_for_reads;
     if let Request::Batch(reqs) = req {
-        return Response::Batch(reqs.into_iter().map(|r| if matches!(r, Request::Batch(_)) { Response::Err(StoreError::InvalidParams("nested batches are not allowed".into())) } else { handle(m, r) }).collect());
+        return Response::Batch(
+            reqs.into_iter()
+                .map(|r| if matches!(r, Request::Batch(_)) { Response::Err(StoreError::InvalidParams("nested batches are not allowed".into())) } else { handle_one(m, r, deadline) })
+                .collect(),
+        );
     }
+    handle_one(m, req, deadline)
+}
+
+fn put_start(m: &Master, client: u64, key: &str, size: u64, config: &ReplicateConfig, upsert: bool, deadline: Instant) -> Result<Response, StoreError> {
+    loop {
+        let last = Instant::now() >= deadline;
+        let now = m.now();
+        let mut st = m.lock();
+        let r = st.put_start_ex(&m.cfg, &m.stats, client, key, size, config, upsert, now, last);
+        let retry = !last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(now);
+        drop(st);
+        if !retry {
+            return r.map(Response::Replicas);
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    }
+}
+
+fn handle_one(m: &Master, req: Request, deadline: Instant) -> Response {
     let op = match &req {
         Request::MountSegment { .. } => 0,
         Request::RemountSegments { .. } => 1,
@@ -28,13 +54,17 @@ pub fn handle(m: &Master, req: Request) -> Response {
         Request::Remove { .. } => 9,
         Request::RemoveAll { .. } => 10,
         Request::RemoveByRegex { .. } => 11,
-        Request::Batch(_) => unreachable!("handled above"),
+        Request::ReleaseReads { .. } => 12,
+        Request::BatchReplicaClear { .. } => 13,
+        Request::Batch(_) => return Response::Err(StoreError::InvalidParams("nested batches are not allowed".into())),
     };
     debug_assert!(op < OP_NAMES.len());
     m.stats.ops[op].fetch_add(1, Ordering::Relaxed);
     let now = m.now();
     let lease = m.cfg.lease_ttl.as_millis() as u64;
-    let r = {
+    let r = if let Request::PutStart { client, key, size, config, upsert } = &req {
+        put_start(m, *client, key, *size, config, *upsert, deadline)
+    } else {
         let mut st = m.lock();
         match req {
             Request::MountSegment { client, segment } => st.mount(client, segment, now).map(|_| Response::Ok),
@@ -51,6 +81,11 @@ pub fn handle(m: &Master, req: Request) -> Response {
             Request::UnmountSegment { client, segment } => st.unmount(client, segment).map(|_| Response::Ok),
             Request::Ping { client } => Ok(Response::Ping(st.ping(client, now))),
             Request::PutStart { client, key, size, config, upsert } => st.put_start(&m.cfg, &m.stats, client, &key, size, &config, upsert, now).map(Response::Replicas),
+            Request::ReleaseReads { ids } => {
+                st.release_reads(&ids, now);
+                Ok(Response::Ok)
+            }
+            Request::BatchReplicaClear { client, keys, segment } => Ok(Response::Keys(st.batch_replica_clear(client, &keys, &segment, now))),
             Request::PutEnd { client, key } => st.put_end(client, &key, now).map(|_| Response::Ok),
             Request::PutRevoke { client, key } => st.put_revoke(client, &key).map(|_| Response::Ok),
             Request::GetReplicaList { key } => st.get_replica_list(&key, now, lease).map(Response::ReplicaList),
@@ -61,7 +96,7 @@ pub fn handle(m: &Master, req: Request) -> Response {
                 Ok(re) => Ok(Response::Count(st.remove_matching(&m.cfg, |k| re.is_match(k), force, now))),
                 Err(e) => Err(StoreError::InvalidParams(format!("bad regex {pattern:?}: {e}"))),
             },
-            Request::Batch(_) => unreachable!("handled above"),
+            Request::Batch(_) => Err(StoreError::InvalidParams("nested batches are not allowed".into())),
         }
     };
     match r {

@@ -6,9 +6,14 @@
 //!
 //! Data never passes through here. A writer asks `put_start` for replica locations, writes
 //! them through the transfer engine, then calls `put_end` (readable) or `put_revoke`. A
-//! reader asks `get_replica_list`, which grants a read lease: while leased an object is not
-//! removed, evicted or overwritten in place (an upsert writes new replicas and frees the old
-//! ones only after the lease ends).
+//! reader asks `get_replica_list`, which grants a read lease and names the read (`read_id`).
+//! Two things follow from it:
+//! - the lease (Mooncake's): until it ends a remove without `force` is refused;
+//! - the read in flight: until the reader releases it (`release_reads`, sent by the client
+//!   once its transfer finished, piggybacked on its next request) or the lease runs out, the
+//!   replicas it was given are neither evicted nor freed (a forced remove or an upsert frees
+//!   them only then). So no reader ever sees reused bytes, and space held by finished reads
+//!   comes back at once.
 
 pub mod alloc;
 
@@ -42,6 +47,9 @@ pub struct MasterConfig {
     pub put_start_discard_timeout: Duration,
     pub put_start_release_timeout: Duration,
     pub strategy: Strategy,
+    /// How long a put that finds space held only by reads in flight waits for them to end
+    /// before evicting objects written within this window or failing with NO_AVAILABLE_HANDLE.
+    pub put_wait_for_reads: Duration,
 }
 
 impl Default for MasterConfig {
@@ -56,6 +64,7 @@ impl Default for MasterConfig {
             put_start_discard_timeout: Duration::from_secs(30),
             put_start_release_timeout: Duration::from_secs(600),
             strategy: Strategy::Random,
+            put_wait_for_reads: Duration::from_secs(1),
         }
     }
 }
@@ -82,6 +91,12 @@ struct Object {
     current: Box<[Replica]>,
     pending: Option<Box<Pending>>,
     lease_until: u64,
+    /// Reads given this object's current replicas and not known to have finished.
+    reads: Vec<u64>,
+    /// When the current value was written (its put ended).
+    written: u64,
+    /// The client that wrote the current value.
+    owner: u64,
     last_access: u64,
     soft_pin_until: u64,
     hard_pin: bool,
@@ -92,6 +107,15 @@ impl Object {
     fn leased(&self, now: u64) -> bool {
         self.lease_until > now
     }
+
+    /// Whether a read of the current replicas may still be in flight.
+    fn being_read(&self, reads: &HashMap<u64, u64>, now: u64) -> bool {
+        self.reads.iter().any(|id| read_live(reads, *id, now))
+    }
+}
+
+fn read_live(reads: &HashMap<u64, u64>, id: u64, now: u64) -> bool {
+    reads.get(&id).is_some_and(|&until| until > now)
 }
 
 struct SegState {
@@ -101,8 +125,11 @@ struct SegState {
 }
 
 struct Deferred {
+    /// Freed at this time at the latest.
     release_at: u64,
     replica: Replica,
+    /// Freed as soon as every one of these reads has ended (empty: only by time).
+    reads: Vec<u64>,
 }
 
 /// Counters exported on `/metrics`.
@@ -114,8 +141,9 @@ pub struct Stats {
     pub evicted_bytes: AtomicU64,
 }
 
-pub const OP_NAMES: [&str; 12] = [
-    "mount", "remount", "unmount", "ping", "put_start", "put_end", "put_revoke", "get_replica_list", "exist_key", "remove", "remove_all", "remove_by_regex",
+pub const OP_NAMES: [&str; 14] = [
+    "mount", "remount", "unmount", "ping", "put_start", "put_end", "put_revoke", "get_replica_list", "exist_key", "remove", "remove_all", "remove_by_regex", "release_reads",
+    "batch_replica_clear",
 ];
 
 /// The pool's state.
@@ -127,6 +155,9 @@ pub struct State {
     objects: HashMap<Box<str>, Object>,
     groups: HashMap<Arc<str>, Vec<Box<str>>>,
     deferred: Vec<Deferred>,
+    /// Reads in flight: id -> end of their lease.
+    reads: HashMap<u64, u64>,
+    next_read: u64,
 }
 
 /// A one-line summary of the pool.
@@ -161,6 +192,7 @@ pub struct KeyInfo {
     pub replicas: Vec<ReplicaDesc>,
     pub complete: bool,
     pub leased_ms: u64,
+    pub reads_in_flight: usize,
     pub soft_pinned: bool,
     pub hard_pinned: bool,
     pub group: Option<String>,
@@ -185,7 +217,34 @@ impl State {
     }
 
     fn free_later(&mut self, r: Replica, at: u64) {
-        self.deferred.push(Deferred { release_at: at, replica: r });
+        self.deferred.push(Deferred { release_at: at, replica: r, reads: Vec::new() });
+    }
+
+    /// Frees `r` now if none of `reads` is in flight, else once they all ended.
+    fn free_after_reads(&mut self, r: Replica, reads: &[u64], now: u64) {
+        let live: Vec<u64> = reads.iter().copied().filter(|id| read_live(&self.reads, *id, now)).collect();
+        if live.is_empty() {
+            self.free_now(r);
+            return;
+        }
+        let release_at = live.iter().filter_map(|id| self.reads.get(id)).copied().max().unwrap_or(now);
+        self.deferred.push(Deferred { release_at, replica: r, reads: live });
+    }
+
+    /// Whether any read is in flight (waiting for it may free space).
+    pub fn reads_in_flight(&self, now: u64) -> bool {
+        self.reads.values().any(|&until| until > now)
+    }
+
+    /// The reads named finished: their replicas may be reclaimed.
+    pub fn release_reads(&mut self, ids: &[u64], now: u64) {
+        let mut any = false;
+        for id in ids {
+            any |= self.reads.remove(id).is_some();
+        }
+        if any {
+            self.release_deferred(now);
+        }
     }
 
     pub fn total_bytes(&self) -> u64 {
@@ -226,6 +285,7 @@ impl State {
             replicas: o.current.iter().filter_map(|r| self.desc(r)).collect(),
             complete: !o.current.is_empty(),
             leased_ms: o.lease_until.saturating_sub(now),
+            reads_in_flight: o.reads.iter().filter(|id| read_live(&self.reads, **id, now)).count(),
             soft_pinned: o.soft_pin_until > now,
             hard_pinned: o.hard_pin,
             group: o.group.as_deref().map(str::to_string),
@@ -370,9 +430,15 @@ impl State {
         out
     }
 
-    /// Evicts unleased, unpinned, complete objects, least recently used first, until at least
-    /// `target` bytes are freed. Soft-pinned objects go only if still short and allowed.
+    /// Evicts unpinned, complete objects that no read in flight uses, least recently used
+    /// first, until at least `target` bytes are freed. Soft-pinned objects go only if still
+    /// short and allowed.
     pub fn evict(&mut self, target: u64, now: u64, allow_soft: bool, stats: &Stats) -> u64 {
+        self.evict_aged(target, now, allow_soft, stats, 0)
+    }
+
+    /// Like [`State::evict`], sparing objects written less than `min_age` ms ago.
+    pub fn evict_aged(&mut self, target: u64, now: u64, allow_soft: bool, stats: &Stats, min_age: u64) -> u64 {
         let mut freed = 0u64;
         for pass in 0..2 {
             if freed >= target || (pass == 1 && !allow_soft) {
@@ -382,7 +448,12 @@ impl State {
                 .objects
                 .iter()
                 .filter(|(_, o)| {
-                    !o.current.is_empty() && o.pending.is_none() && !o.leased(now) && !o.hard_pin && (pass == 1 || o.soft_pin_until <= now)
+                    !o.current.is_empty()
+                        && o.pending.is_none()
+                        && !o.being_read(&self.reads, now)
+                        && now.saturating_sub(o.written) >= min_age
+                        && !o.hard_pin
+                        && (pass == 1 || o.soft_pin_until <= now)
                 })
                 .map(|(k, o)| (o.last_access, k.clone()))
                 .collect();
@@ -403,7 +474,12 @@ impl State {
                 }
                 for v in victims {
                     let eligible = self.objects.get(&v).is_some_and(|o| {
-                        !o.current.is_empty() && o.pending.is_none() && !o.leased(now) && !o.hard_pin && (pass == 1 || o.soft_pin_until <= now)
+                        !o.current.is_empty()
+                            && o.pending.is_none()
+                            && !o.being_read(&self.reads, now)
+                            && now.saturating_sub(o.written) >= min_age
+                            && !o.hard_pin
+                            && (pass == 1 || o.soft_pin_until <= now)
                     });
                     if !eligible {
                         continue;
@@ -422,9 +498,15 @@ impl State {
         freed
     }
 
-    /// Frees deferred replicas whose time has come.
+    /// Frees deferred replicas whose time has come or whose reads all ended.
     pub fn release_deferred(&mut self, now: u64) {
-        let (due, keep): (Vec<Deferred>, Vec<Deferred>) = std::mem::take(&mut self.deferred).into_iter().partition(|d| d.release_at <= now);
+        if self.deferred.is_empty() {
+            return;
+        }
+        let reads = &self.reads;
+        let (due, keep): (Vec<Deferred>, Vec<Deferred>) = std::mem::take(&mut self.deferred)
+            .into_iter()
+            .partition(|d| d.release_at <= now || (!d.reads.is_empty() && d.reads.iter().all(|id| !read_live(reads, *id, now))));
         self.deferred = keep;
         for d in due {
             self.free_now(d.replica);
@@ -433,8 +515,17 @@ impl State {
 
     // --- objects ---------------------------------------------------------------------------
 
+    /// Starts a put, making room if needed by any eviction allowed (the last attempt).
     #[allow(clippy::too_many_arguments)]
     pub fn put_start(&mut self, m: &MasterConfig, stats: &Stats, client: u64, key: &str, size: u64, cfg: &ReplicateConfig, upsert: bool, now: u64) -> StoreResult<Vec<ReplicaDesc>> {
+        self.put_start_ex(m, stats, client, key, size, cfg, upsert, now, true)
+    }
+
+    /// Starts a put. Unless `last_try`, while reads are in flight (whose end may free space)
+    /// objects written within `put_wait_for_reads` are not evicted: the caller retries
+    /// (`NoAvailableHandle`) until the reads end or the wait is over.
+    #[allow(clippy::too_many_arguments)]
+    pub fn put_start_ex(&mut self, m: &MasterConfig, stats: &Stats, client: u64, key: &str, size: u64, cfg: &ReplicateConfig, upsert: bool, now: u64, last_try: bool) -> StoreResult<Vec<ReplicaDesc>> {
         check_key(key)?;
         if size == 0 {
             return Err(StoreError::InvalidParams(format!("value of {key:?} is empty; values must be at least 1 byte")));
@@ -473,19 +564,31 @@ impl State {
             });
         }
         let mut replicas = self.place(size, cfg, m.strategy);
+        if replicas.is_empty() && !self.deferred.is_empty() {
+            // Space held by reads that ended (released or expired) comes back first.
+            self.release_deferred(now);
+            replicas = self.place(size, cfg, m.strategy);
+        }
         if replicas.is_empty() {
-            // Make room: at least this value, at least the configured ratio.
+            // Make room: at least this value, at least the configured ratio. While reads in
+            // flight may still free space, objects just written are spared.
+            let waiting = !last_try && self.reads_in_flight(now);
+            let min_age = if waiting { m.put_wait_for_reads.as_millis() as u64 } else { 0 };
             let total = self.total_bytes();
             let target = size.saturating_mul(u64::from(cfg.replica_num)).max((total as f64 * m.eviction_ratio) as u64);
-            let freed = self.evict(target, now, m.allow_evict_soft_pinned, stats);
-            tracing::info!(key, size, used = self.used_bytes(), total, freed, deferred = self.deferred.len(), "no free range for a put: evicted");
+            let freed = self.evict_aged(target, now, m.allow_evict_soft_pinned, stats, min_age);
+            tracing::debug!(key, size, used = self.used_bytes(), total, freed, deferred = self.deferred.len(), "no free range for a put: evicted");
             replicas = self.place(size, cfg, m.strategy);
         }
         if replicas.is_empty() {
             return Err(StoreError::NoAvailableHandle {
                 size,
                 replicas: cfg.replica_num,
-                detail: "every segment is full of leased, pinned or in-flight objects".into(),
+                detail: if self.reads_in_flight(now) {
+                    "every segment is full of objects being read, pinned or being written (reads in flight did not end in time; retry, or raise the pool size)".into()
+                } else {
+                    "every segment is full of pinned objects or objects being written; retry later, remove objects or raise the pool size".into()
+                },
             });
         }
         let descs = replicas.iter().filter_map(|r| self.desc(r)).collect();
@@ -500,7 +603,19 @@ impl State {
                 }
                 self.objects.insert(
                     key.into(),
-                    Object { size, current: Box::new([]), pending: Some(pending), lease_until: 0, last_access: now, soft_pin_until: 0, hard_pin: cfg.with_hard_pin, group },
+                    Object {
+                        size,
+                        current: Box::new([]),
+                        pending: Some(pending),
+                        lease_until: 0,
+                        reads: Vec::new(),
+                        written: now,
+                        owner: client,
+                        last_access: now,
+                        soft_pin_until: 0,
+                        hard_pin: cfg.with_hard_pin,
+                        group,
+                    },
                 );
             }
         }
@@ -522,8 +637,10 @@ impl State {
             return Err(StoreError::TransferFailed(format!("every replica of {key:?} was lost (its segment was unmounted) during the put")));
         }
         let old = std::mem::replace(&mut o.current, p.replicas);
-        let old_lease = o.lease_until;
+        let old_reads = std::mem::take(&mut o.reads);
         o.size = p.size;
+        o.written = now;
+        o.owner = client;
         o.last_access = now;
         o.soft_pin_until = match p.soft_pin {
             SoftPin::Enable => now + p.soft_pin_ttl,
@@ -531,11 +648,7 @@ impl State {
             SoftPin::Preserve => o.soft_pin_until,
         };
         for r in old.iter() {
-            if old_lease > now {
-                self.free_later(*r, old_lease); // a reader may still be reading it
-            } else {
-                self.free_now(*r);
-            }
+            self.free_after_reads(*r, &old_reads, now); // a reader may still be reading it
         }
         Ok(())
     }
@@ -578,8 +691,20 @@ impl State {
     pub fn get_replica_list(&mut self, key: &str, now: u64, lease: u64) -> StoreResult<ReplicaList> {
         check_key(key)?;
         self.touch(key, now, lease)?;
+        self.next_read += 1;
+        let read_id = self.next_read;
+        self.reads.insert(read_id, now + lease);
+        let reads = &self.reads;
+        let Some(o) = self.objects.get_mut(key) else { return Err(StoreError::ObjectNotFound(key.to_string())) };
+        o.reads.retain(|id| read_live(reads, *id, now));
+        o.reads.push(read_id);
         let o = &self.objects[key];
-        Ok(ReplicaList { replicas: o.current.iter().filter_map(|r| self.desc(r)).collect(), size: o.size, lease_ttl_ms: lease })
+        Ok(ReplicaList { replicas: o.current.iter().filter_map(|r| self.desc(r)).collect(), size: o.size, lease_ttl_ms: lease, read_id })
+    }
+
+    /// Forgets reads whose lease ran out (their readers fail the read themselves).
+    pub fn expire_reads(&mut self, now: u64) {
+        self.reads.retain(|_, until| *until > now);
     }
 
     pub fn exist_key(&mut self, key: &str, now: u64, lease: u64) -> StoreResult<bool> {
@@ -602,14 +727,10 @@ impl State {
                 return Err(StoreError::ReplicaNotReady(key.to_string()));
             }
         }
-        let o = self.forget(key).expect("present");
+        let Some(o) = self.forget(key) else { return Err(StoreError::ObjectNotFound(key.to_string())) };
         let release = now + m.put_start_release_timeout.as_millis() as u64;
         for r in o.current.iter() {
-            if o.lease_until > now {
-                self.free_later(*r, o.lease_until);
-            } else {
-                self.free_now(*r);
-            }
+            self.free_after_reads(*r, &o.reads, now);
         }
         if let Some(p) = o.pending {
             for r in p.replicas.iter() {
@@ -617,6 +738,45 @@ impl State {
             }
         }
         Ok(())
+    }
+
+    /// Mooncake's `BatchReplicaClear`: for each key this client wrote whose lease ended,
+    /// drops its replicas on the segment named `segment` (all of them if empty; the object
+    /// goes when none is left). Keys that are absent, another client's, leased, still being
+    /// written (for an empty `segment`) or without a replica there are skipped. Returns the
+    /// keys cleared.
+    pub fn batch_replica_clear(&mut self, client: u64, keys: &[String], segment: &str, now: u64) -> Vec<String> {
+        let mut cleared = Vec::new();
+        for key in keys {
+            let Some(o) = self.objects.get(key.as_str()) else { continue };
+            if o.owner != client || o.leased(now) || o.current.is_empty() {
+                continue;
+            }
+            let on_seg = |r: &Replica| self.segments.get(&r.seg).is_some_and(|s| s.seg.name == segment || s.seg.te_endpoint == segment);
+            let (dropped, keep): (Vec<Replica>, Vec<Replica>) = if segment.is_empty() {
+                if o.pending.is_some() {
+                    continue;
+                }
+                (o.current.to_vec(), Vec::new())
+            } else {
+                o.current.iter().partition(|r| on_seg(r))
+            };
+            if dropped.is_empty() {
+                continue;
+            }
+            let reads = o.reads.clone();
+            let gone = keep.is_empty() && o.pending.is_none();
+            if gone {
+                self.forget(key);
+            } else if let Some(o) = self.objects.get_mut(key.as_str()) {
+                o.current = keep.into_boxed_slice();
+            }
+            for r in dropped {
+                self.free_after_reads(r, &reads, now);
+            }
+            cleared.push(key.clone());
+        }
+        cleared
     }
 
     pub fn remove_matching(&mut self, m: &MasterConfig, pred: impl Fn(&str) -> bool, force: bool, now: u64) -> u64 {
@@ -665,12 +825,14 @@ impl Master {
         for c in dead {
             tracing::warn!(client = format!("{c:x}"), "client stopped pinging; its segments and replicas are dropped");
         }
+        st.expire_reads(now);
         st.release_deferred(now);
         let (used, total) = (st.used_bytes(), st.total_bytes());
         if total > 0 && used as f64 > total as f64 * self.cfg.eviction_high_watermark {
             let over = used as f64 - total as f64 * self.cfg.eviction_high_watermark;
             let target = (over + total as f64 * self.cfg.eviction_ratio) as u64;
-            st.evict(target, now, self.cfg.allow_evict_soft_pinned, &self.stats);
+            // Background eviction is never urgent: objects just written are spared.
+            st.evict_aged(target, now, self.cfg.allow_evict_soft_pinned, &self.stats, self.cfg.put_wait_for_reads.as_millis() as u64);
         }
         st.summary()
     }
@@ -833,6 +995,83 @@ mod tests {
         let freed = st.evict(1, 1000, true, &s);
         assert_eq!(freed, 32 << 10, "both members of the group go together (they were least recently used)");
         assert!(st.exist_key("other", 1001, 0).unwrap());
+    }
+
+    #[test]
+    fn released_reads_give_space_back_at_once() {
+        let (mut st, m, s) = setup(&[(1, 64 << 10)]);
+        let cfg = ReplicateConfig::default();
+        put(&mut st, &m, &s, "a", 32 << 10, &cfg, 0).unwrap();
+        let l = st.get_replica_list("a", 1, 10_000).unwrap();
+        assert!(matches!(st.remove(&m, "a", false, 2), Err(StoreError::ObjectHasLease(_))), "Mooncake's lease still refuses a plain remove");
+        st.remove(&m, "a", true, 2).unwrap();
+        assert_eq!(st.used_bytes(), 32 << 10, "the read in flight keeps the bytes");
+        // The same space cannot be handed out while the read is in flight...
+        st.put_start(&m, &s, 1, "b", 32 << 10, &cfg, false, 3).unwrap();
+        assert!(matches!(st.put_start(&m, &s, 1, "c", 32 << 10, &cfg, false, 3), Err(StoreError::NoAvailableHandle { .. })));
+        assert!(st.reads_in_flight(3), "a caller may wait for it");
+        // ...and comes back as soon as the reader says it finished, long before the lease ends.
+        st.release_reads(&[l.read_id], 4);
+        assert!(!st.reads_in_flight(4));
+        assert_eq!(st.used_bytes(), 32 << 10, "only b's space is in use");
+        st.put_start(&m, &s, 1, "c", 32 << 10, &cfg, false, 5).unwrap();
+        // An upsert's old replica follows the same rule.
+        st.put_end(1, "b", 6).unwrap();
+        let l = st.get_replica_list("b", 7, 10_000).unwrap();
+        st.put_revoke(1, "c").unwrap();
+        st.put_start(&m, &s, 1, "b", 16 << 10, &cfg, true, 8).unwrap();
+        st.put_end(1, "b", 9).unwrap();
+        assert_eq!(st.used_bytes(), 48 << 10, "old value kept for its reader");
+        st.release_reads(&[l.read_id, 12345], 10);
+        assert_eq!(st.used_bytes(), 16 << 10, "freed on release; unknown ids are ignored");
+    }
+
+    #[test]
+    fn eviction_spares_reads_in_flight_not_finished_ones() {
+        let (mut st, m, s) = setup(&[(1, 64 << 10)]);
+        let cfg = ReplicateConfig::default();
+        put(&mut st, &m, &s, "r1", 32 << 10, &cfg, 0).unwrap();
+        put(&mut st, &m, &s, "r2", 32 << 10, &cfg, 0).unwrap();
+        let l1 = st.get_replica_list("r1", 1, 10_000).unwrap();
+        let l2 = st.get_replica_list("r2", 2, 10_000).unwrap();
+        assert_eq!(st.evict(1, 3, true, &s), 0, "both are being read");
+        st.release_reads(&[l1.read_id], 4);
+        assert_eq!(st.evict(1, 5, true, &s), 32 << 10, "a finished read does not protect its object");
+        assert!(!st.exist_key("r1", 6, 0).unwrap() && st.exist_key("r2", 6, 0).unwrap());
+        // While a read is in flight, a put that is not on its last try spares objects just
+        // written (their writers are about to read them back) and asks the caller to wait.
+        put(&mut st, &m, &s, "young", 32 << 10, &cfg, 7).unwrap();
+        let e = st.put_start_ex(&m, &s, 1, "next", 32 << 10, &cfg, false, 8, false);
+        assert!(matches!(e, Err(StoreError::NoAvailableHandle { .. })), "{e:?}");
+        assert!(st.exist_key("young", 9, 0).unwrap(), "the object just written was not evicted");
+        // Once the read ended, the older object goes, not the young one.
+        st.release_reads(&[l2.read_id], 10);
+        st.put_start_ex(&m, &s, 1, "next", 32 << 10, &cfg, false, 11, false).unwrap();
+        assert!(st.exist_key("young", 12, 0).unwrap() && !st.exist_key("r2", 12, 0).unwrap());
+        // An abandoned read stops counting when its lease runs out.
+        let l = st.get_replica_list("young", 13, 100).unwrap();
+        assert!(st.reads_in_flight(50));
+        st.expire_reads(200);
+        assert!(!st.reads_in_flight(200) && l.read_id > 0);
+    }
+
+    #[test]
+    fn batch_replica_clear_as_mooncake() {
+        let (mut st, m, s) = setup(&[(1, 1 << 20), (2, 1 << 20)]);
+        put(&mut st, &m, &s, "k", 4096, &ReplicateConfig { replica_num: 2, ..Default::default() }, 0).unwrap();
+        let keys = |v: &[&str]| v.iter().map(|k| k.to_string()).collect::<Vec<_>>();
+        assert!(st.batch_replica_clear(2, &keys(&["k"]), "", 1).is_empty(), "another client's object is skipped");
+        st.get_replica_list("k", 1, 100).unwrap();
+        assert!(st.batch_replica_clear(1, &keys(&["k"]), "seg1", 50).is_empty(), "a leased object is skipped");
+        assert_eq!(st.batch_replica_clear(1, &keys(&["k", "missing", ""]), "seg1", 200), keys(&["k"]));
+        let l = st.get_replica_list("k", 201, 10).unwrap();
+        assert_eq!(l.replicas.len(), 1);
+        assert_eq!(l.replicas[0].te_endpoint, "127.0.0.1:15002", "only seg1's replica went");
+        assert_eq!(st.used_bytes(), 4096, "its space came back");
+        assert!(st.batch_replica_clear(1, &keys(&["k"]), "seg1", 300).is_empty(), "no replica left there");
+        assert_eq!(st.batch_replica_clear(1, &keys(&["k"]), "", 300), keys(&["k"]));
+        assert!(!st.exist_key("k", 301, 0).unwrap());
+        assert_eq!(st.used_bytes(), 0);
     }
 
     #[test]
