@@ -10,9 +10,9 @@
 //! the master may reclaim the replicas at once if they were removed or replaced meanwhile.
 //!
 //! In central metadata mode a `local_hostname` without a port gets one, as Mooncake's client
-//! does: a port bound (and held) in `MC_STORE_CLIENT_MIN_PORT..=MC_STORE_CLIENT_MAX_PORT`
+//! does: a port bound (and held) in `KVFERRY_STORE_CLIENT_MIN_PORT..=KVFERRY_STORE_CLIENT_MAX_PORT`
 //! (12300..=14300) is appended, and `host:port` is the segment name; a name another live
-//! engine registered is retried with another port (`MC_STORE_CLIENT_SETUP_RETRIES`, 20).
+//! engine registered is retried with another port (`KVFERRY_STORE_CLIENT_SETUP_RETRIES`, 20; the `MC_STORE_CLIENT_*` names are aliases).
 
 use crate::error::{StoreError, StoreResult};
 use crate::master::alloc::SegmentSpace;
@@ -201,13 +201,6 @@ fn name_taken(e: &kvferry::Error) -> bool {
     }
 }
 
-fn env_u32(name: &str, default: u32) -> StoreResult<u32> {
-    match std::env::var(name) {
-        Ok(v) => v.trim().parse().map_err(|_| StoreError::InvalidParams(format!("{name}={v:?} is not a number"))),
-        Err(_) => Ok(default),
-    }
-}
-
 /// Starts the engine. In central mode a `local_hostname` without a port gets a bound port
 /// appended (retrying another one when the name is taken), as Mooncake's client does.
 fn start_engine(cfg: &ClientConfig, mut ecfg: Config) -> StoreResult<(TransferEngine, Option<TcpListener>)> {
@@ -217,9 +210,9 @@ fn start_engine(cfg: &ClientConfig, mut ecfg: Config) -> StoreResult<(TransferEn
     if !ecfg.central() || host.is_empty() || kvferry::config::split_host_port(host).1.is_some() {
         return start(ecfg).map(|e| (e, None)).map_err(failed);
     }
-    let retries = env_u32("MC_STORE_CLIENT_SETUP_RETRIES", 20)?.max(1);
-    let (lo, hi) = (env_u32("MC_STORE_CLIENT_MIN_PORT", 12300)?, env_u32("MC_STORE_CLIENT_MAX_PORT", 14300)?);
-    let (lo, hi) = if lo >= 1 && lo <= hi && hi <= 65535 { (lo as u16, hi as u16) } else { (12300, 14300) };
+    ecfg.validate().map_err(failed)?;
+    let retries = ecfg.store_client_setup_retries;
+    let (lo, hi) = ecfg.store_client_ports;
     let bare = kvferry::config::split_host_port(host).0;
     let mut last = String::from("no free port in the range");
     for _ in 0..retries {
@@ -245,7 +238,7 @@ fn start_engine(cfg: &ClientConfig, mut ecfg: Config) -> StoreResult<(TransferEn
         }
     }
     Err(StoreError::InvalidParams(format!(
-        "local_hostname {host:?}: no free segment name {host}:<port> with a port in {lo}..={hi} after {retries} attempts (last: {last}); widen MC_STORE_CLIENT_MIN_PORT/MC_STORE_CLIENT_MAX_PORT or pass host:port"
+        "local_hostname {host:?}: no free segment name {host}:<port> with a port in {lo}..={hi} after {retries} attempts (last: {last}); widen KVFERRY_STORE_CLIENT_MIN_PORT/KVFERRY_STORE_CLIENT_MAX_PORT (MC_STORE_CLIENT_*) or pass host:port"
     )))
 }
 

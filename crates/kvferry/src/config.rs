@@ -44,6 +44,9 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_REDIS_DB_INDEX", aliases: &["MC_REDIS_DB_INDEX"], default: "0", doc: "Redis database (0-255; the `redis://host:port/db` URL form wins)" },
     EnvVar { name: "KVFERRY_TRANSPORT", aliases: &[], default: "auto", doc: "data path to peers: `auto` (shared memory to kvferry peers on this host that allow it: their kvferry-allocated memory mapped, other memory by cross-memory attach; TCP otherwise), `tcp` (never shared memory; this engine then also offers none), `shm` (shared memory only; requests to other peers fail with the reason)" },
     EnvVar { name: "KVFERRY_SHM_THREADS", aliases: &[], default: "CPUs, at most 4", doc: "threads copying queued shared-memory requests (requests over 1 MiB are cut into 1 MiB pieces spread over them; 1-64)" },
+    EnvVar { name: "KVFERRY_STORE_CLIENT_MIN_PORT", aliases: &["MC_STORE_CLIENT_MIN_PORT"], default: "12300", doc: "store client with central metadata and a local_hostname without a port: lowest port bound and appended to the hostname (`host:port` is then its segment name)" },
+    EnvVar { name: "KVFERRY_STORE_CLIENT_MAX_PORT", aliases: &["MC_STORE_CLIENT_MAX_PORT"], default: "14300", doc: "highest such port" },
+    EnvVar { name: "KVFERRY_STORE_CLIENT_SETUP_RETRIES", aliases: &["MC_STORE_CLIENT_SETUP_RETRIES"], default: "20", doc: "ports tried when the segment name `host:port` is already taken by a live engine (1-1000)" },
     EnvVar { name: "KVFERRY_LOG", aliases: &["MC_LOG_LEVEL"], default: "warn", doc: "log filter for the `kvferry` binary (`error`, `warn`, `info`, `debug`, `trace`, or tracing directives)" },
 ];
 
@@ -81,6 +84,10 @@ pub struct Config {
     pub spin: Duration,
     /// An unused TCP lane is closed after this long (KVFERRY_TCP_IDLE_MS).
     pub tcp_idle: Duration,
+    /// Store clients: ports appended to a bare local_hostname in central mode, and how many
+    /// are tried when the name is taken.
+    pub store_client_ports: (u16, u16),
+    pub store_client_setup_retries: u32,
     /// Highest TCP data protocol version to speak (1 or 2).
     pub tcp_proto: u32,
     pub handshake_max_len: u64,
@@ -112,6 +119,8 @@ impl Default for Config {
             tcp_split_bytes: 4 << 20,
             spin: Duration::from_micros(50),
             tcp_idle: Duration::from_secs(5),
+            store_client_ports: (12300, 14300),
+            store_client_setup_retries: 20,
             tcp_proto: 2,
             handshake_max_len: crate::wire::handshake::DEFAULT_MAX_FRAME,
             handshake_connect_timeout: Duration::from_secs(5),
@@ -160,6 +169,15 @@ impl Config {
         }
         if let Some(p) = parse(get, "KVFERRY_MAX_PORT", "a port number")? {
             c.max_port = p;
+        }
+        if let Some(p) = parse(get, "KVFERRY_STORE_CLIENT_MIN_PORT", "a port number")? {
+            c.store_client_ports.0 = p;
+        }
+        if let Some(p) = parse(get, "KVFERRY_STORE_CLIENT_MAX_PORT", "a port number")? {
+            c.store_client_ports.1 = p;
+        }
+        if let Some(n) = parse(get, "KVFERRY_STORE_CLIENT_SETUP_RETRIES", "a number of attempts")? {
+            c.store_client_setup_retries = n;
         }
         if let Some(a) = parse(get, "KVFERRY_BIND_ADDRESS", "an IP address")? {
             c.bind_address = Some(a);
@@ -227,6 +245,18 @@ impl Config {
             return Err(Error::Config(format!(
                 "port range {}-{} is invalid: need 1024 <= KVFERRY_MIN_PORT <= KVFERRY_MAX_PORT",
                 self.min_port, self.max_port
+            )));
+        }
+        let (lo, hi) = self.store_client_ports;
+        if lo == 0 || lo > hi {
+            return Err(Error::Config(format!(
+                "store client port range {lo}-{hi} is invalid: need 1 <= KVFERRY_STORE_CLIENT_MIN_PORT <= KVFERRY_STORE_CLIENT_MAX_PORT"
+            )));
+        }
+        if !(1..=1000).contains(&self.store_client_setup_retries) {
+            return Err(Error::Config(format!(
+                "KVFERRY_STORE_CLIENT_SETUP_RETRIES={} must be between 1 and 1000",
+                self.store_client_setup_retries
             )));
         }
         if !(1..=16).contains(&self.tcp_lanes) {
