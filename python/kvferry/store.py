@@ -266,6 +266,12 @@ class Store:
     def remove_all(self, force: bool = False) -> int:
         return self._core.remove_all(bool(force))
 
+    def batch_replica_clear(self, keys: Sequence[str], segment: str = "") -> List[str]:
+        """Clears this client's replicas of `keys`: those on `segment`, or all of them when
+        `segment` is empty (Mooncake's rules: only objects this client wrote and nobody
+        holds a lease on). Returns the keys cleared."""
+        return list(self._core.batch_replica_clear([str(k) for k in keys], str(segment)))
+
     def close(self) -> None:
         """Unmounts this client's segment (its objects' only replicas there disappear)."""
         self._core.close()

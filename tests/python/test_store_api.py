@@ -366,6 +366,22 @@ def test_lmcache_sequence(cluster):
     assert s.health_check() == 1
 
 
+def test_batch_replica_clear_clears_this_clients_unleased_objects(cluster):
+    s = client(cluster)
+    try:
+        for k in ("c1", "c2", "c3"):
+            assert s.put(k, k.encode() * 100) == 0
+        # The writer's own objects nobody holds a lease on: cleared, then gone.
+        assert sorted(s.batch_replica_clear(["c1", "c2", "missing"])) == ["c1", "c2"]
+        assert s.batch_is_exist(["c1", "c2", "c3"]) == [0, 0, 1]
+        assert s.get("c3") == b"c3" * 100
+        # Another segment name clears nothing here.
+        assert s.batch_replica_clear(["c3"], segment_name="no-such-segment:1") == []
+        assert s.is_exist("c3") == 1
+    finally:
+        s.close()
+
+
 def test_not_provided_names_say_so():
     s = MooncakeDistributedStore()
     with pytest.raises(NotImplementedError, match="replica"):

@@ -287,6 +287,16 @@ impl StoreCore {
         self.with(py, move |c| c.remove_all(force))
     }
 
+    /// Clears replicas of `keys` written by this client (Mooncake's rules: one segment's
+    /// replicas, or every replica when `segment` is empty); returns the keys cleared.
+    #[pyo3(signature = (keys, segment=String::new()))]
+    fn batch_replica_clear(&self, py: Python<'_>, keys: Vec<String>, segment: String) -> PyResult<Vec<String>> {
+        self.with(py, move |c| {
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            c.batch_replica_clear(&refs, &segment)
+        })
+    }
+
     /// Unmounts the segment and stops the client; later calls raise.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         self.owned(py)?;

@@ -739,8 +739,12 @@ class MooncakeDistributedStore:
     def batch_get_replica_desc(self, keys: Sequence[str]) -> Any:
         raise NotImplementedError("batch_get_replica_desc: kvferry's store client cannot list objects' replicas yet (needs a lease-free replica query in kvferry-store)")
 
-    def batch_replica_clear(self, keys: Sequence[str], segment_name: str = "") -> Any:
-        raise NotImplementedError("batch_replica_clear: kvferry's master has no replica-clear request yet")
+    def batch_replica_clear(self, keys: Sequence[str], segment_name: str = "") -> List[str]:
+        """The keys whose replicas were cleared (Mooncake: [] when nothing was, or on error)."""
+        try:
+            return self._store().batch_replica_clear([str(k) for k in keys], str(segment_name))
+        except Exception:  # noqa: BLE001 - Mooncake answers an empty list on any error
+            return []
 
     def __getattr__(self, name: str) -> Any:
         if name in _NOT_PROVIDED:
