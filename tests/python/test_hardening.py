@@ -68,23 +68,115 @@ def _register_unpinned(engine, buf: bytearray) -> None:
     engine.register_memory(addr, len(buf))
 
 
-def _slow_batch(kv, a, b, size):
-    """A batch whose task 1 fails at once (unregistered remote range) while task 0 (a large
-    WRITE over TCP) is still moving bytes. Returns (batch, buf) or None if task 0 was done
-    before it could be observed in flight."""
-    buf = bytearray(bytes(range(256)) * (size // 256))
+class _HeldPeer:
+    """A fake peer (the handshake of `test_native._StalledPeer`) whose data port receives each
+    WRITE whole and answers OK only once `release` is set: a task to it stays in flight, for
+    as long as the test wants, however fast the machine is."""
+
+    def __init__(self, engine):
+        from test_native import _StalledPeer
+
+        self.release = threading.Event()
+        self.received = []
+        peer = _StalledPeer.__new__(_StalledPeer)
+        peer._serve_data = self._serve_data  # the data side is ours
+        self.peer = peer  # before __init__ starts the serving threads
+        _StalledPeer.__init__(peer, engine)
+        self.segment, self.remote_addr = peer.segment, peer.remote_addr
+
+    def _serve_data(self):
+        import struct
+
+        from test_native import _recv_exact
+
+        ok = struct.pack("<Q", 0x4D435456 << 32)  # v2 status frame: magic, status 0 (OK)
+        while not self.peer._stop:
+            try:
+                c, _ = self.peer.data.accept()
+            except OSError:
+                return
+            self.peer._conns.append(c)
+
+            def serve(c=c):
+                try:
+                    while True:
+                        size, _addr, _op = struct.unpack("<QQB7x", _recv_exact(c, 24))
+                        self.received.append(_recv_exact(c, size))
+                        if not self.release.wait(60):
+                            return
+                        c.sendall(ok)
+                except OSError:
+                    return
+
+            threading.Thread(target=serve, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.peer.__exit__(*exc)
+
+
+def _held_batch(kv, a, peer):
+    """A batch whose task 1 fails at once (a remote range the peer does not publish) while
+    task 0 (a 1 MiB WRITE) is held in flight by `peer` until `peer.release` is set."""
+    buf = bytearray(bytes(range(256)) * (MiB // 256))
     small = bytearray(16)
     _register_unpinned(a, buf)
     _register_unpinned(a, small)
-    remote = b.allocate_managed_buffer(size)
-    bad = remote + size + (1 << 30)  # not registered by b
-    batch = a.submit(b.segment_name, [buf, small], [remote, bad], [size, 16])
+    bad = peer.remote_addr + (64 * MiB)  # outside the peer's 1 MiB buffer
+    batch = a.submit(peer.segment, [buf, small], [peer.remote_addr, bad], [MiB, 16])
     assert wait_for(lambda: batch.task_status(1).done, 10)
     assert batch.task_status(1).status == kv.TaskStatus.FAILED
-    if batch.task_status(0).done:
-        batch.release()
-        return None
-    return batch, buf, remote
+    assert not batch.task_status(0).done, "task 0 ended while its peer held it"
+    return batch, buf
+
+
+@pytest.fixture
+def tcp_engine(kv, monkeypatch):
+    monkeypatch.setenv("KVFERRY_TRANSPORT", "tcp")
+    a = kv.Engine(HOST)
+    yield a
+    a.close()
+
+
+def test_batch_pins_held_until_every_task_is_terminal(kv, tcp_engine):
+    a = tcp_engine
+    with _HeldPeer(a) as peer:
+        batch, buf = _held_batch(kv, a, peer)
+        sent = bytes(buf)
+        # The failed sibling does not make the batch terminal while task 0 still runs.
+        st = batch.status()
+        assert not st.done, "batch reported %s while task 0 is in flight" % (st,)
+        # Releasing it early (as `with a.submit(...)` does on an exception) must not release
+        # the pin of task 0's buffer: the engine refuses to free a busy batch.
+        assert not a._core.release_batch(batch.id), "a batch with a task in flight was freed"
+        batch._released = True
+        with pytest.raises(BufferError):
+            buf.extend(b"x")
+        time.sleep(0.2)
+        with pytest.raises(BufferError):
+            buf.extend(b"x")
+        # Once task 0 is terminal the pin goes.
+        peer.release.set()
+        assert wait_for(lambda: _resizable(a, buf), 30, 0.05), "pin never released"
+        assert peer.received == [sent]
+
+
+def test_batch_wait_waits_for_every_task(kv, tcp_engine):
+    a = tcp_engine
+    with _HeldPeer(a) as peer:
+        batch, buf = _held_batch(kv, a, peer)
+        threading.Timer(0.5, peer.release.set).start()
+        t0 = time.monotonic()
+        st = batch.wait(60, check=False)
+        assert time.monotonic() - t0 >= 0.4, "wait() returned before task 0 was released"
+        assert st.status == kv.TaskStatus.FAILED
+        assert batch.task_status(0).done, "wait() returned while task 0 was in flight"
+        assert batch.task_status(0).status == kv.TaskStatus.COMPLETED
+        batch.free()  # every task terminal: no BatchBusy
+        assert _resizable(a, buf)
 
 
 @pytest.fixture
@@ -96,49 +188,6 @@ def tcp_pair(kv, monkeypatch):
     yield a, b
     a.close()
     b.close()
-
-
-def test_batch_pins_held_until_every_task_is_terminal(kv, tcp_pair):
-    a, b = tcp_pair
-    for size in (128 * MiB, 512 * MiB):
-        got = _slow_batch(kv, a, b, size)
-        if got is not None:
-            break
-    else:
-        pytest.skip("the large task finished before the failed one could be observed")
-    batch, buf, remote = got
-    # The failed sibling does not make the batch terminal while task 0 still runs.
-    st = batch.status()
-    if not batch.task_status(0).done:
-        assert not st.done, "batch reported %s while task 0 is in flight" % (st,)
-    # Releasing it early (as `with a.submit(...)` does on an exception) must not release
-    # the pin of task 0's buffer. release_batch answers False when the batch is still busy;
-    # no engine call happens between it and the resize attempt.
-    busy = not a._core.release_batch(batch.id)
-    batch._released = True
-    if busy:
-        with pytest.raises(BufferError):
-            buf.extend(b"x")
-    # Once task 0 is terminal the pin goes.
-    assert wait_for(lambda: _resizable(a, buf), 120, 0.05), "pin never released"
-    assert b.read_bytes(remote, 4096) == bytes(buf[:4096])
-
-
-def test_batch_wait_waits_for_every_task(kv, tcp_pair):
-    a, b = tcp_pair
-    for size in (128 * MiB, 512 * MiB):
-        got = _slow_batch(kv, a, b, size)
-        if got is not None:
-            break
-    else:
-        pytest.skip("the large task finished before the failed one could be observed")
-    batch, buf, remote = got
-    st = batch.wait(120, check=False)
-    assert st.status == kv.TaskStatus.FAILED
-    assert batch.task_status(0).done, "wait() returned while task 0 was in flight"
-    assert batch.task_status(0).status == kv.TaskStatus.COMPLETED
-    batch.free()  # every task terminal: no BatchBusy
-    assert _resizable(a, buf)
 
 
 def test_sync_transfer_returns_after_every_task(kv, tcp_pair):
