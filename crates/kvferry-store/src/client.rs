@@ -14,6 +14,7 @@
 //! (12300..=14300) is appended, and `host:port` is the segment name; a name another live
 //! engine registered is retried with another port (`KVFERRY_STORE_CLIENT_SETUP_RETRIES`, 20; the `MC_STORE_CLIENT_*` names are aliases).
 
+use kvferry::transport::tcp::poll_read;
 use crate::error::{StoreError, StoreResult};
 use crate::master::alloc::SegmentSpace;
 use crate::proto::{self, PingStatus, ReplicaDesc, ReplicaList, ReplicateConfig, Request, Response, Segment};
@@ -71,25 +72,6 @@ struct Rpc {
     /// Bounded poll for the answer before sleeping (`KVFERRY_SPIN_US`): a master round trip
     /// is a few microseconds of work, and waking a sleeping core costs more on VMs.
     spin: Duration,
-}
-
-/// Polls `s` without blocking for up to `budget`, filling `buf` as far as data arrives.
-fn poll_read(s: &TcpStream, buf: &mut [u8], budget: Duration) -> usize {
-    use std::os::fd::AsRawFd;
-    let start = Instant::now();
-    let mut got = 0;
-    while got < buf.len() && start.elapsed() < budget {
-        // SAFETY: recv into the unfilled tail of `buf` on a socket we own.
-        let n = unsafe { libc::recv(s.as_raw_fd(), buf[got..].as_mut_ptr() as *mut libc::c_void, buf.len() - got, libc::MSG_DONTWAIT) };
-        if n > 0 {
-            got += n as usize;
-        } else if n == 0 {
-            break;
-        } else {
-            std::hint::spin_loop();
-        }
-    }
-    got
 }
 
 impl Rpc {

@@ -45,6 +45,7 @@ mod proto;
 mod server;
 
 pub use server::{TcpServer, MAX_DATA_CONNS};
+pub use sockio::poll_read;
 
 use lane::{Lane, LaneState, PeerLanes, PeerMap, WireOp};
 

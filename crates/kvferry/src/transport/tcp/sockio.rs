@@ -3,7 +3,6 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 /// Socket timeout used to wake blocked threads so they can check deadlines.
@@ -90,21 +89,17 @@ pub(super) const SPIN_MAX_BYTES: u64 = 64 << 10;
 /// Polls the socket without blocking for at most `budget`, filling `buf` as far as data is
 /// there. A bounded poll: on a machine whose idle cores wake slowly it halves the round trip
 /// of a lone small request, and it never runs longer than `budget`.
-pub(super) fn poll_read(s: &TcpStream, buf: &mut [u8], budget: Duration) -> usize {
+pub fn poll_read(s: &TcpStream, buf: &mut [u8], budget: Duration) -> usize {
     if budget.is_zero() {
         return 0;
     }
     let start = Instant::now();
     let mut got = 0;
     while got < buf.len() && start.elapsed() < budget {
-        // SAFETY: recv into the unfilled tail of `buf` on a socket we own.
-        let n = unsafe { libc::recv(s.as_raw_fd(), buf[got..].as_mut_ptr() as *mut libc::c_void, buf.len() - got, libc::MSG_DONTWAIT) };
-        if n > 0 {
-            got += n as usize;
-        } else if n == 0 {
-            break; // EOF: the blocking read reports it
-        } else {
-            std::hint::spin_loop();
+        match rustix::net::recv(s, &mut buf[got..], rustix::net::RecvFlags::DONTWAIT) {
+            Ok((0, _)) => break, // EOF: the blocking read reports it
+            Ok((n, _)) => got += n,
+            Err(_) => std::hint::spin_loop(),
         }
     }
     got
@@ -159,13 +154,12 @@ impl RxBuf {
         if stop == self.end {
             return false;
         }
-        // SAFETY: recv into the free tail of our buffer.
-        let n = unsafe { libc::recv(s.as_raw_fd(), self.buf[self.end..stop].as_mut_ptr() as *mut libc::c_void, stop - self.end, libc::MSG_DONTWAIT) };
-        if n > 0 {
-            self.end += n as usize;
-            true
-        } else {
-            false
+        match rustix::net::recv(s, &mut self.buf[self.end..stop], rustix::net::RecvFlags::DONTWAIT) {
+            Ok((n, _)) if n > 0 => {
+                self.end += n;
+                true
+            }
+            _ => false,
         }
     }
 
