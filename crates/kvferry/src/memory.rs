@@ -53,7 +53,7 @@ impl RegionGuard {
 
     /// The range is being unregistered: stop touching it and drop the guard.
     pub fn is_revoked(&self) -> bool {
-        self.entry.revoked.load(Ordering::Acquire)
+        self.entry.revoked.load(Ordering::SeqCst)
     }
 }
 
@@ -165,7 +165,7 @@ impl MemoryRegistry {
     /// Marks `entries` revoked, wakes their holders and waits until none is left.
     fn revoke(&self, entries: &[Arc<Entry>]) {
         for e in entries {
-            e.revoked.store(true, Ordering::Release);
+            e.revoked.store(true, Ordering::SeqCst);
         }
         {
             let hooks = self.hooks.lock().unwrap_or_else(|e| e.into_inner());

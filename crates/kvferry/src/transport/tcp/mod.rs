@@ -42,6 +42,7 @@ pub type RefusedHook = Arc<dyn Fn(&str, SocketAddr, Vec<Piece>) -> Vec<Piece> + 
 mod sockio;
 mod lane;
 mod proto;
+mod serve;
 mod server;
 
 pub use server::{TcpServer, MAX_DATA_CONNS};

@@ -176,6 +176,11 @@ impl HeaderClock {
         }
         now.duration_since(*self.since.get_or_insert(now)) > self.stall
     }
+
+    /// When a begun header becomes overdue; `None` while none has begun.
+    pub(super) fn due(&self) -> Option<Instant> {
+        self.since.map(|t| t + self.stall)
+    }
 }
 
 #[cfg(test)]

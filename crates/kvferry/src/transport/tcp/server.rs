@@ -1,11 +1,10 @@
 //! Target side: the data listener and one thread per connection.
 
-use super::proto::{admit, must_stop, Admission, HeaderClock};
+use super::serve::{End, ServeConn};
 use super::sockio::*;
 use crate::memory::MemoryRegistry;
-use crate::wire::tcp::{self, DataHeader, Opcode, Status, HEADER_LEN};
 use std::collections::HashMap;
-use std::io::{self, IoSlice};
+use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -68,7 +67,7 @@ impl TcpServer {
         registry.on_revoke(Box::new(move |r| {
             let Some(conns) = weak.upgrade() else { return };
             for slot in conns.lock().unwrap_or_else(|e| e.into_inner()).values() {
-                if slot.holding.load(Ordering::Acquire) == r.addr {
+                if slot.holding.load(Ordering::SeqCst) == r.addr {
                     let _ = slot.stream.shutdown(Shutdown::Both);
                 }
             }
@@ -160,6 +159,12 @@ impl TcpServer {
     }
 }
 
+/// Moves the bytes of one connection for its [`ServeConn`]: what the machine says to send
+/// leaves, what arrives is fed to it (a WRITE body straight into place), and after every
+/// system call it is told the time, so its deadlines and revocation checks run however the
+/// peer trickles. Blocking reads and writes time out after a second, which bounds how late a
+/// passed deadline is seen when the peer sends nothing at all; an unregister shuts the
+/// socket down (the revocation hook), which wakes a blocked call at once.
 fn serve_conn(
     s: &TcpStream,
     registry: &MemoryRegistry,
@@ -173,95 +178,96 @@ fn serve_conn(
     s.set_write_timeout(Some(Duration::from_secs(1)))?;
     keepalive(s);
     let mut rx = RxBuf::new();
-    let mut out: Vec<u8> = Vec::with_capacity(4096);
+    let mut c = ServeConn::new(stall);
+    let _holding = Holding(holding);
     loop {
-        // Wait for the next header; flush acknowledgements before blocking, unless more
-        // requests are already waiting (their answers then leave together).
-        if rx.len() < HEADER_LEN && out.len() < MAX_OUT && rx.fill_nonblocking(s) && rx.len() >= HEADER_LEN {
-            // Another request is here: keep going, the flush can wait for it.
+        let now = Instant::now();
+        if rx.len() > 0 {
+            let n = c.handle_bytes(registry, rx.data(), now);
+            rx.consume(n);
         }
-        if rx.len() < HEADER_LEN {
-            if !out.is_empty() {
-                let until = Instant::now() + stall;
-                write_all_vectored(s, &mut [IoSlice::new(&out)], || Instant::now() >= until || shutdown.load(Ordering::Acquire))?;
-                out.clear();
+        // Publish the range held before checking for its revocation: an unregister either
+        // sees it (and shuts the socket down) or set the flag before this check.
+        holding.store(c.holding(), Ordering::SeqCst);
+        c.handle_timeout(now);
+        if let Some(end) = c.closed() {
+            return match end {
+                End::Rejected | End::BadHeader(_) => {
+                    tracing::debug!("closing TCP data connection: {end:?}");
+                    Ok(())
+                }
+                End::Overdue => Err(stopped("serving a request (deadline passed)")),
+                End::Revoked => Err(stopped("serving a request (memory unregistered)")),
+            };
+        }
+        if shutdown.load(Ordering::Acquire) {
+            return Err(stopped("serving"));
+        }
+        if c.must_send() {
+            send(s, &mut c, stall)?;
+            continue;
+        }
+        // A WRITE body whose buffered part was taken: the rest straight into place.
+        if let Some(dst) = c.body() {
+            match (&*s).read(dst) {
+                Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by peer mid-body")),
+                Ok(n) => c.on_body(n, Instant::now()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted || is_timeout(&e) => {}
+                Err(e) => return Err(e),
             }
-            // A peer that just got its answer often sends the next request at once: poll for
-            // it briefly (bounded by KVFERRY_SPIN_US) before sleeping in the kernel.
-            let poll_start = Instant::now();
-            while rx.len() < HEADER_LEN && poll_start.elapsed() < spin {
-                if !rx.fill_nonblocking(s) {
-                    std::hint::spin_loop();
-                }
-            }
-            // An idle connection may wait for its next header as long as it likes; once a
-            // header has begun, the rest must come within `stall`.
-            let mut clock = HeaderClock::new(stall);
-            let _ = clock.overdue(rx.len(), Instant::now());
-            while rx.len() < HEADER_LEN {
-                match rx.fill(s) {
-                    Ok(_) => {}
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted || is_timeout(&e) => {}
-                    Err(e) => return Err(e),
-                }
-                if shutdown.load(Ordering::Acquire) {
-                    return Err(stopped("waiting for a request"));
-                }
-                if clock.overdue(rx.len(), Instant::now()) {
-                    return Err(stopped("receiving a request header"));
-                }
+            continue;
+        }
+        // Between requests (or mid-header): more bytes are needed. Take what is already
+        // waiting; if nothing is, the gathered answers leave before this thread blocks.
+        rx.max_fill = c.read_hint(RX_BUF);
+        if rx.fill_nonblocking(s) {
+            continue;
+        }
+        if !c.transmit().out.is_empty() {
+            send(s, &mut c, stall)?;
+        }
+        // A peer that just got its answer often sends the next request at once: poll for it
+        // briefly (bounded by KVFERRY_SPIN_US) before sleeping in the kernel.
+        let poll_start = Instant::now();
+        while rx.len() == 0 && poll_start.elapsed() < spin {
+            if !rx.fill_nonblocking(s) {
+                std::hint::spin_loop();
             }
         }
-        let h = match DataHeader::decode(&rx.take::<HEADER_LEN>()) {
-            Ok(h) => h,
-            Err(e) => {
-                tracing::debug!("closing TCP data connection: {e}");
-                return Ok(());
-            }
-        };
-        let Admission::Serve { guard, deadline } = admit(&h, registry, stall, Instant::now()) else {
-            tracing::debug!(addr = h.addr, size = h.size, "rejecting TCP request outside registered memory");
-            if h.v2 {
-                out.extend_from_slice(&tcp::encode_status(Status::Rejected));
-                let until = Instant::now() + stall;
-                write_all_vectored(s, &mut [IoSlice::new(&out)], || Instant::now() >= until || shutdown.load(Ordering::Acquire))?;
-            }
-            return Ok(());
-        };
-        holding.store(guard.region().addr, Ordering::Release);
-        let _holding = Holding(holding);
-        let len = h.size as usize;
-        // The whole request must be done by its deadline; checked after every system call,
-        // and also stopped at once when the range is unregistered or the engine shuts down.
-        let stop = || must_stop(Instant::now(), deadline, guard.is_revoked()) || shutdown.load(Ordering::Acquire);
-        // A large body is likely followed by another: read the next header on its own.
-        rx.max_fill = if h.opcode == Opcode::Write && len >= DIRECT_MIN { HEADER_LEN } else { RX_BUF };
-        match h.opcode {
-            Opcode::Write => {
-                // SAFETY: the range lies inside registered memory and the guard keeps it
-                // registered until we are done; a revoked guard stops the loop between
-                // system calls, before the unregister barrier lets go.
-                let dst = unsafe { std::slice::from_raw_parts_mut(h.addr as *mut u8, len) };
-                recv_into(&mut rx, s, dst, stop)?;
-                if h.v2 {
-                    out.extend_from_slice(&tcp::encode_status(Status::Ok));
-                }
-            }
-            Opcode::Read => {
-                // SAFETY: as above; reading registered memory.
-                let src = unsafe { std::slice::from_raw_parts(h.addr as *const u8, len) };
-                if h.v2 {
-                    out.extend_from_slice(&tcp::encode_status(Status::Ok));
-                }
-                if len <= SMALL_READ && out.len() + len <= MAX_OUT {
-                    // Small answers are gathered and leave together before the next block.
-                    out.extend_from_slice(src);
-                    continue;
-                }
-                write_all_vectored(s, &mut [IoSlice::new(&out), IoSlice::new(src)], stop)?;
-                out.clear();
+        if rx.len() == 0 {
+            match rx.fill(s) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted || is_timeout(&e) => {}
+                Err(e) => return Err(e),
             }
         }
     }
 }
 
+/// Sends what `c` has to send, telling it after every system call what left and the time.
+/// Answers gathered between requests must leave within `stall`; a READ answer by its
+/// request's deadline (the machine ends the connection then).
+fn send(s: &TcpStream, c: &mut ServeConn, stall: Duration) -> io::Result<()> {
+    let until = Instant::now() + stall;
+    loop {
+        let t = c.transmit();
+        if t.out.is_empty() && t.body.is_empty() {
+            return Ok(());
+        }
+        let n = match (&*s).write_vectored(&[IoSlice::new(t.out), IoSlice::new(t.body)]) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed")),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted || is_timeout(&e) => 0,
+            Err(e) => return Err(e),
+        };
+        let now = Instant::now();
+        c.on_sent(n, now);
+        c.handle_timeout(now);
+        if c.closed().is_some() {
+            return Ok(()); // the caller reports why
+        }
+        if c.poll_timeout().is_none() && now >= until {
+            return Err(stopped("sending answers the peer does not read"));
+        }
+    }
+}

@@ -122,6 +122,14 @@ impl RxBuf {
     pub(super) fn len(&self) -> usize {
         self.end - self.start
     }
+    /// The buffered bytes.
+    pub(super) fn data(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+    /// Drops the first `n` buffered bytes (taken by the caller).
+    pub(super) fn consume(&mut self, n: usize) {
+        self.start = (self.start + n).min(self.end);
+    }
     pub(super) fn clear(&mut self) {
         self.start = 0;
         self.end = 0;

@@ -1,0 +1,492 @@
+//! The target side of one data connection as a sans-IO state machine.
+//!
+//! [`ServeConn`] is fed what the socket delivered ([`ServeConn::handle_bytes`], or
+//! [`ServeConn::body`] + [`ServeConn::on_body`] for a body received straight into place), is
+//! told what the socket sent ([`ServeConn::on_sent`]) and what time it is
+//! ([`ServeConn::handle_timeout`]), and says what to send next ([`ServeConn::transmit`]), by
+//! when it must be woken ([`ServeConn::poll_timeout`]) and whether the connection is over
+//! ([`ServeConn::closed`]). It never touches a socket and never reads the clock: the
+//! connection thread in `server.rs` only moves bytes, so the protocol's rules — admission
+//! before any byte lands, the answer only after the last byte landed, a deadline per request
+//! however the bytes trickle, a revoked range never touched again, a half-received header
+//! dropped after `stall` — are unit-tested below as sequences of calls with synthetic times.
+//!
+//! Memory: the machine holds the [`RegionGuard`] of the request it serves, and it alone turns
+//! the admitted range into slices; it checks the guard's revocation before every copy and on
+//! every [`ServeConn::handle_timeout`], and drops the guard when the request ends or the
+//! connection closes (which is what lets `unregister` return).
+
+use super::proto::{admit, Admission, HeaderClock};
+use super::sockio::{MAX_OUT, SMALL_READ};
+use crate::memory::{MemoryRegistry, RegionGuard};
+use crate::wire::tcp::{self, DataHeader, Opcode, Status, HEADER_LEN};
+use std::time::{Duration, Instant};
+
+/// Why a served connection ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum End {
+    /// A request's deadline passed (a trickling or stalled peer), or a header began and did
+    /// not complete within `stall`.
+    Overdue,
+    /// The range a request moves was unregistered while it was being served.
+    Revoked,
+    /// A request outside registered memory was answered REJECTED (v2) or dropped (v1).
+    Rejected,
+    /// The header could not be decoded.
+    BadHeader(String),
+}
+
+enum State {
+    /// Receiving a header (`have` bytes of it so far).
+    Header,
+    /// A WRITE body: `got` of `len` bytes landed at `addr`.
+    Body {
+        guard: RegionGuard,
+        addr: u64,
+        len: u64,
+        got: u64,
+        deadline: Instant,
+        v2: bool,
+    },
+    /// A READ answer sent straight from memory once `out` is gone: `sent` of `len` bytes.
+    Answer {
+        guard: RegionGuard,
+        addr: u64,
+        len: u64,
+        sent: u64,
+        deadline: Instant,
+    },
+    /// Sending what `out` holds, then closing with `End`.
+    Closing(End),
+    Closed(End),
+}
+
+/// One served data connection. See the module documentation.
+pub(super) struct ServeConn {
+    stall: Duration,
+    hdr: [u8; HEADER_LEN],
+    have: usize,
+    clock: HeaderClock,
+    state: State,
+    /// Status frames and gathered small READ answers, in request order, not yet sent.
+    out: Vec<u8>,
+    /// The last request was a large WRITE: the next is likely one too.
+    large_write: bool,
+}
+
+/// What to send: `out` first, then `body` (a READ answer straight from registered memory).
+pub(super) struct Transmit<'a> {
+    pub out: &'a [u8],
+    pub body: &'a [u8],
+}
+
+impl ServeConn {
+    pub(super) fn new(stall: Duration) -> ServeConn {
+        ServeConn {
+            stall,
+            hdr: [0; HEADER_LEN],
+            have: 0,
+            clock: HeaderClock::new(stall),
+            state: State::Header,
+            out: Vec::with_capacity(4096),
+            large_write: false,
+        }
+    }
+
+    /// Consumes bytes the socket delivered; returns how many it took. It stops taking bytes
+    /// while a READ answer or a closing status waits to be sent ([`ServeConn::transmit`]) and
+    /// once the connection is over; the caller keeps the rest for later.
+    pub(super) fn handle_bytes(&mut self, registry: &MemoryRegistry, mut data: &[u8], now: Instant) -> usize {
+        let total = data.len();
+        while !data.is_empty() {
+            match &mut self.state {
+                State::Header => {
+                    let n = (HEADER_LEN - self.have).min(data.len());
+                    self.hdr[self.have..self.have + n].copy_from_slice(&data[..n]);
+                    self.have += n;
+                    data = &data[n..];
+                    if self.clock.overdue(self.have, now) {
+                        self.close(End::Overdue);
+                    } else if self.have == HEADER_LEN {
+                        self.have = 0;
+                        self.clock = HeaderClock::new(self.stall);
+                        self.on_header(registry, now);
+                    }
+                }
+                State::Body { .. } => {
+                    let Some(dst) = self.body() else { break };
+                    let n = dst.len().min(data.len());
+                    dst[..n].copy_from_slice(&data[..n]);
+                    data = &data[n..];
+                    self.on_body(n, now);
+                }
+                State::Answer { .. } | State::Closing(_) | State::Closed(_) => break,
+            }
+        }
+        total - data.len()
+    }
+
+    fn on_header(&mut self, registry: &MemoryRegistry, now: Instant) {
+        let h = match DataHeader::decode(&self.hdr) {
+            Ok(h) => h,
+            Err(e) => return self.close(End::BadHeader(e.to_string())),
+        };
+        let Admission::Serve { guard, deadline } = admit(&h, registry, self.stall, now) else {
+            tracing::debug!(addr = h.addr, size = h.size, "rejecting TCP request outside registered memory");
+            if h.v2 {
+                self.out.extend_from_slice(&tcp::encode_status(Status::Rejected));
+                self.state = State::Closing(End::Rejected);
+            } else {
+                self.close(End::Rejected);
+            }
+            return;
+        };
+        match h.opcode {
+            Opcode::Write => {
+                self.large_write = h.size >= super::sockio::DIRECT_MIN as u64;
+                self.state = State::Body { guard, addr: h.addr, len: h.size, got: 0, deadline, v2: h.v2 };
+            }
+            Opcode::Read => {
+                self.large_write = false;
+                if h.v2 {
+                    self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
+                }
+                if h.size as usize <= SMALL_READ && self.out.len() + h.size as usize <= MAX_OUT {
+                    // Small answers are gathered and leave together.
+                    // SAFETY: admitted: inside registered memory, kept registered by `guard`
+                    // (not revoked: checked just below before the copy).
+                    if guard.is_revoked() {
+                        return self.close(End::Revoked);
+                    }
+                    let src = unsafe { std::slice::from_raw_parts(h.addr as *const u8, h.size as usize) };
+                    self.out.extend_from_slice(src);
+                } else {
+                    self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline };
+                }
+            }
+        }
+    }
+
+    /// Where the rest of the current WRITE body goes, to receive it straight into place;
+    /// `None` when no body is expected (or its range was revoked: the connection then closes).
+    pub(super) fn body(&mut self) -> Option<&mut [u8]> {
+        let State::Body { guard, addr, len, got, .. } = &self.state else {
+            return None;
+        };
+        if guard.is_revoked() {
+            self.close(End::Revoked);
+            return None;
+        }
+        // SAFETY: the range was admitted (inside registered memory) and `guard` keeps it
+        // registered while this state lives; it is not revoked (checked above), and the
+        // unregister barrier waits for the guard, which goes only with this state.
+        Some(unsafe { std::slice::from_raw_parts_mut((*addr + *got) as *mut u8, (*len - *got) as usize) })
+    }
+
+    /// `n` bytes of the current WRITE body landed (through [`ServeConn::body`]).
+    pub(super) fn on_body(&mut self, n: usize, now: Instant) {
+        let State::Body { len, got, v2, .. } = &mut self.state else {
+            return;
+        };
+        *got += n as u64;
+        if *got >= *len {
+            if *v2 {
+                self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
+            }
+            self.state = State::Header;
+        } else {
+            self.handle_timeout(now);
+        }
+    }
+
+    /// What to send now. Empty when nothing is waiting.
+    pub(super) fn transmit(&self) -> Transmit<'_> {
+        let body = match &self.state {
+            // SAFETY: admitted and guarded as in `body`; a revoked guard closes the
+            // connection at the next `handle_timeout`, which the sender calls after every
+            // system call, so at most the bytes of one call leave after revocation began
+            // and none after the barrier (which waits for this state to go).
+            State::Answer { addr, len, sent, .. } => unsafe { std::slice::from_raw_parts((*addr + *sent) as *const u8, (*len - *sent) as usize) },
+            _ => &[],
+        };
+        Transmit { out: &self.out, body }
+    }
+
+    /// Whether sending must happen before more bytes are taken: a READ answer or a closing
+    /// status waits, or the gathered answers grew large.
+    pub(super) fn must_send(&self) -> bool {
+        matches!(self.state, State::Answer { .. } | State::Closing(_)) || self.out.len() >= MAX_OUT
+    }
+
+    /// `n` bytes of [`ServeConn::transmit`] left.
+    pub(super) fn on_sent(&mut self, n: usize, now: Instant) {
+        let from_out = n.min(self.out.len());
+        self.out.drain(..from_out);
+        let rest = (n - from_out) as u64;
+        match &mut self.state {
+            State::Answer { len, sent, .. } => {
+                *sent += rest;
+                if *sent >= *len {
+                    self.state = State::Header;
+                } else {
+                    self.handle_timeout(now);
+                }
+            }
+            State::Closing(_) if self.out.is_empty() => {
+                let State::Closing(why) = std::mem::replace(&mut self.state, State::Header) else { unreachable!() };
+                self.state = State::Closed(why);
+            }
+            _ => {}
+        }
+    }
+
+    /// The time passed (and any system call returned): ends the connection if the request
+    /// it serves is overdue or its range was revoked, or a header began more than `stall` ago.
+    pub(super) fn handle_timeout(&mut self, now: Instant) {
+        match &self.state {
+            State::Body { guard, deadline, .. } | State::Answer { guard, deadline, .. } => {
+                if guard.is_revoked() {
+                    self.close(End::Revoked);
+                } else if now >= *deadline {
+                    self.close(End::Overdue);
+                }
+            }
+            State::Header => {
+                if self.clock.overdue(self.have, now) {
+                    self.close(End::Overdue);
+                }
+            }
+            State::Closing(_) | State::Closed(_) => {}
+        }
+    }
+
+    /// When [`ServeConn::handle_timeout`] must be called at the latest; `None` when the
+    /// connection is idle (it may wait for its next request as long as it likes).
+    pub(super) fn poll_timeout(&self) -> Option<Instant> {
+        match &self.state {
+            State::Body { deadline, .. } | State::Answer { deadline, .. } => Some(*deadline),
+            State::Header => self.clock.due(),
+            _ => None,
+        }
+    }
+
+    /// Why the connection is over, once it is (the caller closes the socket).
+    pub(super) fn closed(&self) -> Option<&End> {
+        match &self.state {
+            State::Closed(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The start of the registered range the current request holds (0: none), for the
+    /// revocation hook that shuts down connections holding a range.
+    pub(super) fn holding(&self) -> u64 {
+        match &self.state {
+            State::Body { guard, .. } | State::Answer { guard, .. } => guard.region().addr,
+            _ => 0,
+        }
+    }
+
+    /// Between requests, with nothing of the next header received yet.
+    #[cfg(test)]
+    pub(super) fn idle(&self) -> bool {
+        matches!(self.state, State::Header) && self.have == 0
+    }
+
+    /// How many bytes the next buffered read should take at most: after a large WRITE only
+    /// the next header, so a large body that follows goes straight to its destination.
+    pub(super) fn read_hint(&self, buffer: usize) -> usize {
+        match &self.state {
+            State::Header if self.large_write => HEADER_LEN - self.have,
+            _ => buffer,
+        }
+    }
+
+    fn close(&mut self, why: End) {
+        // Drops the guard of the request being served (if any) with the old state.
+        self.state = State::Closed(why);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::tcp::{encode_status, STATUS_LEN};
+
+    const STALL: Duration = Duration::from_secs(1);
+
+    struct Mem {
+        buf: Vec<u8>,
+        reg: MemoryRegistry,
+    }
+
+    fn mem(len: usize) -> Mem {
+        let buf: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let reg = MemoryRegistry::new();
+        reg.register_batch(&[(buf.as_ptr() as u64, len as u64)], "*").unwrap();
+        Mem { buf, reg }
+    }
+
+    impl Mem {
+        fn addr(&self, off: usize) -> u64 {
+            self.buf.as_ptr() as u64 + off as u64
+        }
+    }
+
+    fn hdr(op: Opcode, addr: u64, size: u64, v2: bool) -> Vec<u8> {
+        DataHeader { size, addr, opcode: op, v2 }.encode().to_vec()
+    }
+
+    /// Sends everything the machine has to send; returns it.
+    fn drain(c: &mut ServeConn, now: Instant) -> Vec<u8> {
+        let t = c.transmit();
+        let mut all = t.out.to_vec();
+        all.extend_from_slice(t.body);
+        c.on_sent(all.len(), now);
+        all
+    }
+
+    #[test]
+    fn a_write_trickled_byte_by_byte_lands_and_is_answered_after_its_last_byte() {
+        let m = mem(4096);
+        let mut c = ServeConn::new(STALL);
+        let mut stream = hdr(Opcode::Write, m.addr(100), 10, true);
+        stream.extend_from_slice(b"0123456789");
+        let now = Instant::now();
+        for (i, b) in stream.iter().enumerate() {
+            assert_eq!(c.handle_bytes(&m.reg, std::slice::from_ref(b), now), 1);
+            if i + 1 < stream.len() {
+                assert!(c.transmit().out.is_empty(), "no answer before the last byte landed (byte {i})");
+            }
+        }
+        assert_eq!(&m.buf[100..110], b"0123456789");
+        assert_eq!(drain(&mut c, now), encode_status(Status::Ok));
+        assert!(c.idle() && c.closed().is_none());
+    }
+
+    #[test]
+    fn pipelined_requests_in_one_read_are_served_in_order() {
+        let m = mem(4096);
+        let mut c = ServeConn::new(STALL);
+        let mut stream = hdr(Opcode::Write, m.addr(0), 4, true);
+        stream.extend_from_slice(b"abcd");
+        stream.extend(hdr(Opcode::Read, m.addr(0), 4, true));
+        stream.extend(hdr(Opcode::Read, m.addr(2), 2, false));
+        let now = Instant::now();
+        assert_eq!(c.handle_bytes(&m.reg, &stream, now), stream.len());
+        let mut want = encode_status(Status::Ok).to_vec();
+        want.extend_from_slice(&encode_status(Status::Ok));
+        want.extend_from_slice(b"abcd");
+        want.extend_from_slice(b"cd");
+        assert!(!c.must_send(), "small answers wait to be gathered");
+        assert_eq!(drain(&mut c, now), want);
+    }
+
+    #[test]
+    fn a_large_read_is_sent_from_memory_and_blocks_input_until_sent() {
+        let m = mem(1 << 20);
+        let mut c = ServeConn::new(STALL);
+        let now = Instant::now();
+        let mut stream = hdr(Opcode::Read, m.addr(0), 1 << 20, true);
+        stream.extend(hdr(Opcode::Read, m.addr(0), 1, true));
+        assert_eq!(c.handle_bytes(&m.reg, &stream, now), HEADER_LEN, "the next header waits");
+        assert!(c.must_send());
+        assert_eq!(c.holding(), m.addr(0));
+        let t = c.transmit();
+        assert_eq!(t.out, encode_status(Status::Ok));
+        assert_eq!(t.body, &m.buf[..]);
+        c.on_sent(STATUS_LEN + 1000, now);
+        assert_eq!(c.transmit().body, &m.buf[1000..], "resumes where the socket stopped");
+        c.on_sent((1 << 20) - 1000, now);
+        assert!(c.idle() && c.holding() == 0);
+        assert_eq!(c.handle_bytes(&m.reg, &stream[HEADER_LEN..], now), HEADER_LEN);
+    }
+
+    #[test]
+    fn outside_registered_memory_is_rejected_and_nothing_is_touched() {
+        let m = mem(4096);
+        let now = Instant::now();
+        // v2: REJECTED, then closed; the body that follows is not taken.
+        let mut c = ServeConn::new(STALL);
+        let mut stream = hdr(Opcode::Write, m.addr(4000), 200, true);
+        stream.extend(vec![0xEE; 200]);
+        assert_eq!(c.handle_bytes(&m.reg, &stream, now), HEADER_LEN);
+        assert_eq!(drain(&mut c, now), encode_status(Status::Rejected));
+        assert_eq!(c.closed(), Some(&End::Rejected));
+        assert!(m.buf[4000..].iter().enumerate().all(|(i, b)| *b == ((4000 + i) % 251) as u8));
+        // v1: nothing to answer with; closed at once.
+        let mut c = ServeConn::new(STALL);
+        c.handle_bytes(&m.reg, &hdr(Opcode::Read, 0x10, 8, false), now);
+        assert_eq!(c.closed(), Some(&End::Rejected));
+        assert!(c.transmit().out.is_empty());
+        // Garbage.
+        let mut c = ServeConn::new(STALL);
+        c.handle_bytes(&m.reg, &[0xFF; HEADER_LEN], now);
+        assert!(matches!(c.closed(), Some(End::BadHeader(_))));
+    }
+
+    /// One byte every 50 ms never lets a socket timeout fire; the request still ends at its
+    /// deadline (stall + 1 ns per byte), and nothing after that lands.
+    #[test]
+    fn a_trickled_body_is_dropped_at_its_deadline() {
+        let m = mem(4096);
+        let mut c = ServeConn::new(STALL);
+        let t0 = Instant::now();
+        c.handle_bytes(&m.reg, &hdr(Opcode::Write, m.addr(0), 4096, true), t0);
+        assert_eq!(c.poll_timeout(), Some(t0 + STALL + Duration::from_nanos(4096)));
+        let mut now = t0;
+        let mut fed = 0;
+        while c.closed().is_none() {
+            now += Duration::from_millis(50);
+            fed += c.handle_bytes(&m.reg, &[0xAB], now);
+            c.handle_timeout(now);
+            assert!(fed < 4096);
+        }
+        assert_eq!(c.closed(), Some(&End::Overdue));
+        assert_eq!(fed, 21, "the byte at 1.05 s was the last taken");
+        assert_eq!(c.handle_bytes(&m.reg, &[0xAB; 10], now), 0, "nothing lands after");
+        assert_eq!(m.buf[fed], (fed % 251) as u8);
+        assert_eq!(c.holding(), 0, "the guard went with the request");
+    }
+
+    #[test]
+    fn a_trickled_header_is_dropped_an_idle_connection_is_not() {
+        let m = mem(64);
+        let mut c = ServeConn::new(STALL);
+        let t0 = Instant::now();
+        c.handle_timeout(t0 + Duration::from_secs(3600));
+        assert!(c.closed().is_none() && c.poll_timeout().is_none(), "idle for an hour is fine");
+        let h = hdr(Opcode::Write, m.addr(0), 8, true);
+        let start = t0 + Duration::from_secs(3600);
+        for (i, b) in h[..3].iter().enumerate() {
+            c.handle_bytes(&m.reg, std::slice::from_ref(b), start + Duration::from_millis(300 * i as u64));
+        }
+        assert!(c.closed().is_none());
+        assert_eq!(c.poll_timeout(), Some(start + STALL), "a begun header has a deadline");
+        c.handle_timeout(start + Duration::from_millis(1100));
+        assert_eq!(c.closed(), Some(&End::Overdue), "3 bytes, then nothing for 0.5 s: overdue 1 s after the first");
+    }
+
+    #[test]
+    fn a_revoked_range_is_never_touched_again() {
+        let m = mem(8192);
+        let now = Instant::now();
+        // Mid WRITE body: unregister (another thread) revokes, then waits for the guard.
+        let mut c = ServeConn::new(STALL);
+        c.handle_bytes(&m.reg, &hdr(Opcode::Write, m.addr(0), 100, true), now);
+        c.handle_bytes(&m.reg, &[1; 10], now);
+        std::thread::scope(|s| {
+            let unregister = s.spawn(|| m.reg.unregister_batch(&[m.addr(0)]).map(drop));
+            let t = Instant::now();
+            while c.body().is_some() {
+                assert!(t.elapsed() < Duration::from_secs(10), "revocation never seen");
+                std::thread::yield_now();
+            }
+            unregister.join().expect("unregister thread").expect("unregister");
+        });
+        assert_eq!(c.closed(), Some(&End::Revoked));
+        assert_eq!(c.handle_bytes(&m.reg, &[2; 90], now), 0);
+        assert_eq!(&m.buf[..10], &[1; 10]);
+        assert_eq!(m.buf[10], 10, "byte 10 untouched");
+    }
+}
