@@ -1,11 +1,12 @@
 //! Initiator side: lanes (one connection, a writer and a reader thread each) to one peer.
 
-use super::proto::{self, Expect, Failed, Fate, Reply};
+use super::proto::{self, Answer, Failed, Fate};
 use super::sockio::*;
 use super::RefusedHook;
 use crate::batch::{FailCause, FailKind, Failure};
 use crate::transport::Piece;
 use crate::wire::tcp::{Opcode, Status, HEADER_LEN, STATUS_LEN};
+use crate::wire::WireError;
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice};
 use std::net::{Shutdown, SocketAddr, TcpStream};
@@ -410,7 +411,6 @@ impl Lane {
     pub(super) fn reader_loop(self: Arc<Self>) {
         let mut rx = RxBuf::new();
         let mut my_gen = 0;
-        let mut fence = [0u8; 1];
         loop {
             let (conn, gen, deadline, opcode, local, len, guard) = {
                 let mut st = self.lock();
@@ -431,33 +431,36 @@ impl Lane {
             let expired = || proto::must_stop(Instant::now(), deadline, guard.is_revoked());
             // Large READ data goes straight into local memory: read only the status first.
             rx.max_fill = if opcode == Opcode::Read && len as usize >= DIRECT_MIN { STATUS_LEN } else { RX_BUF };
-            let mut reply = Reply::new(opcode, len, self.v2);
+            let mut ans = Answer::new(opcode, len, self.v2);
             // 1. Status frame (v2), before anything is taken off the queue.
-            let mut status = Status::Ok;
-            if reply.expect() == Expect::Status {
-                if let Err(e) = rx.need(&conn, STATUS_LEN, expired) {
+            let mut bad = None;
+            while ans.awaiting_status() && bad.is_none() {
+                if let Err(e) = rx.need(&conn, 1, expired) {
                     self.fail_conn(gen, if e.kind() == io::ErrorKind::TimedOut { ConnFailure::Deadline } else { ConnFailure::Broken(e.to_string()) });
-                    continue;
+                    break;
                 }
-                match reply.on_status(rx.take::<STATUS_LEN>()) {
-                    Ok(s) => status = s,
-                    Err(e) => {
-                        // Not a protocol we can follow: fail the front op, drop the connection.
-                        let op = self.pop_front(gen);
-                        self.done_reading();
-                        self.fail_conn(gen, ConnFailure::Broken(e.to_string()));
-                        if let Some(op) = op {
-                            let f = FailCause::Protocol.because(format!("{}: {e}", self.peer_name));
-                            self.redirect_or_end(vec![(op, FailKind::Failed, f)]);
-                        }
-                        continue;
-                    }
+                match ans.handle_bytes(rx.data(), &mut []) {
+                    Ok(n) => rx.consume(n),
+                    Err(e) => bad = Some(e),
                 }
             }
+            if let Some(e) = bad {
+                // Not a protocol we can follow: fail the front op, drop the connection.
+                let op = self.pop_front(gen);
+                self.done_reading();
+                self.fail_conn(gen, ConnFailure::Broken(e.to_string()));
+                if let Some(op) = op {
+                    let f = FailCause::Protocol.because(format!("{}: {e}", self.peer_name));
+                    self.redirect_or_end(vec![(op, FailKind::Failed, f)]);
+                }
+                continue;
+            }
+            if ans.awaiting_status() {
+                continue; // the connection failed (handled above)
+            }
             // 2. The op is ours now.
-            debug_assert!(reply.claimed());
             let Some(op) = self.pop_front(gen) else { continue };
-            if status == Status::Rejected {
+            if ans.status() == Some(Status::Rejected) {
                 self.done_reading();
                 let reason = format!(
                     "{} rejected [0x{:x}, +{}): not inside memory it has registered",
@@ -468,17 +471,30 @@ impl Lane {
                 self.fail_conn(gen, ConnFailure::Broken("target closed the connection after rejecting a request".into()));
                 continue;
             }
-            // 3. Payload: READ data, or the v1 fence byte after a WRITE.
-            let r = match reply.expect() {
-                Expect::Data(n) => {
+            // 3. Payload: READ data (buffered part, then straight into local memory), or the
+            // v1 fence byte after a WRITE.
+            let r = (|| -> io::Result<()> {
+                let dst: &mut [u8] = if opcode == Opcode::Read {
                     // SAFETY: the local range is registered (checked at submit) and the
                     // guard keeps it so; a revoked guard stops the receive between calls.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(local as *mut u8, n as usize) };
-                    recv_into(&mut rx, &conn, dst, expired)
+                    unsafe { std::slice::from_raw_parts_mut(local as *mut u8, len as usize) }
+                } else {
+                    &mut []
+                };
+                while !ans.done() {
+                    if rx.len() > 0 {
+                        let n = ans.handle_bytes(rx.data(), dst).map_err(invalid_data)?;
+                        rx.consume(n);
+                        continue;
+                    }
+                    let n = read_some(&conn, ans.target(dst).unwrap_or_default())?;
+                    ans.on_received(n).map_err(invalid_data)?;
+                    if !ans.done() && expired() {
+                        return Err(stopped("receiving"));
+                    }
                 }
-                Expect::Fence => recv_into(&mut rx, &conn, &mut fence, expired),
-                Expect::Status | Expect::Done => Ok(()),
-            };
+                Ok(())
+            })();
             self.done_reading();
             match r {
                 Ok(()) => self.end_op(op, Ok(())),
@@ -557,27 +573,20 @@ impl Lane {
                 Opcode::Write => write_all_vectored(&conn, &mut [IoSlice::new(&hdr), IoSlice::new(local), IoSlice::new(fence)], expired)?,
                 Opcode::Read => write_all_vectored(&conn, &mut [IoSlice::new(&hdr)], expired)?,
             }
-            let mut reply = Reply::new(p.opcode, p.len, self.v2);
-            let mut status = Status::Ok;
-            loop {
-                match reply.expect() {
-                    Expect::Status => {
-                        let mut st = [0u8; STATUS_LEN];
-                        let got = if p.len <= SPIN_MAX_BYTES { poll_read(&conn, &mut st, self.spin) } else { 0 };
-                        read_full(&conn, &mut st[got..], expired)?;
-                        status = reply.on_status(st).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
-                    }
-                    Expect::Data(n) => {
-                        read_full(&conn, &mut local[..n as usize], expired)?;
-                        reply.on_payload();
-                    }
-                    Expect::Fence => {
-                        read_full(&conn, &mut [0u8; 1], expired)?;
-                        reply.on_payload();
-                    }
-                    Expect::Done => return Ok(status),
+            let mut ans = Answer::new(p.opcode, p.len, self.v2);
+            let dst: &mut [u8] = if p.opcode == Opcode::Read { local } else { &mut [] };
+            if ans.awaiting_status() && p.len <= SPIN_MAX_BYTES {
+                let got = ans.target(dst).map_or(0, |t| poll_read(&conn, t, self.spin));
+                ans.on_received(got).map_err(invalid_data)?;
+            }
+            while !ans.done() {
+                let n = read_some(&conn, ans.target(dst).unwrap_or_default())?;
+                ans.on_received(n).map_err(invalid_data)?;
+                if !ans.done() && expired() {
+                    return Err(stopped("receiving"));
                 }
             }
+            Ok(ans.status().unwrap_or(Status::Ok))
         })();
         let op = WireOp { piece, attempts: 0 };
         let mut st = self.lock();
@@ -641,6 +650,11 @@ impl Lane {
         self.wake_writer.notify_all();
         self.wake_reader.notify_all();
     }
+}
+
+/// An answer the protocol cannot follow, as an I/O error of the connection.
+fn invalid_data(e: WireError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e.to_string())
 }
 
 pub(super) struct PeerLanes {

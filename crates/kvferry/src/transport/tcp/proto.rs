@@ -85,8 +85,95 @@ impl Reply {
 
     /// Whether the request has been taken off the connection's queue by now: a v2 request
     /// once its status arrived, a v1 request at once (there is no status).
+    #[cfg(test)]
     pub(super) fn claimed(&self) -> bool {
         self.next != Expect::Status
+    }
+}
+
+/// Receiving the answer to one request, sans-IO: fed the bytes as they come (buffered ones
+/// with [`Answer::handle_bytes`], or straight into [`Answer::target`] then
+/// [`Answer::on_received`]), it puts the status frame together, lands READ data in the
+/// request's local memory and swallows the v1 fence byte, and says when the answer is whole.
+/// The lane reader and the in-caller-thread path both drive it, so they cannot disagree on
+/// what an answer is.
+#[derive(Debug, Clone)]
+pub(super) struct Answer {
+    reply: Reply,
+    frame: [u8; STATUS_LEN],
+    fence: [u8; 1],
+    /// Bytes of the current part (status frame, data or fence) received so far.
+    have: usize,
+    status: Option<Status>,
+}
+
+impl Answer {
+    pub(super) fn new(opcode: Opcode, len: u64, v2: bool) -> Answer {
+        Answer { reply: Reply::new(opcode, len, v2), frame: [0; STATUS_LEN], fence: [0], have: 0, status: None }
+    }
+
+    /// Still waiting for the (v2) status frame: the request is not yet off the connection's
+    /// queue (a v2 request is claimed only once its status arrived).
+    pub(super) fn awaiting_status(&self) -> bool {
+        self.reply.expect() == Expect::Status
+    }
+
+    /// The answer is whole.
+    pub(super) fn done(&self) -> bool {
+        self.reply.expect() == Expect::Done
+    }
+
+    /// The target's verdict: `Ok` when the answer is whole without a status frame (v1).
+    pub(super) fn status(&self) -> Option<Status> {
+        match self.status {
+            Some(s) => Some(s),
+            None if self.done() => Some(Status::Ok),
+            None => None,
+        }
+    }
+
+    /// Where the next bytes of the answer go: the rest of the status frame, of the READ data
+    /// (in `local`, the request's local memory) or the fence byte. `None` once done.
+    pub(super) fn target<'a>(&'a mut self, local: &'a mut [u8]) -> Option<&'a mut [u8]> {
+        let have = self.have;
+        match self.reply.expect() {
+            Expect::Status => Some(&mut self.frame[have..]),
+            Expect::Data(n) => local.get_mut(have..n as usize),
+            Expect::Fence => Some(&mut self.fence[have..]),
+            Expect::Done => None,
+        }
+    }
+
+    /// `n` bytes landed in [`Answer::target`]. An unreadable status frame is a protocol
+    /// error (the connection cannot be followed any further).
+    pub(super) fn on_received(&mut self, n: usize) -> Result<(), WireError> {
+        self.have += n;
+        match self.reply.expect() {
+            Expect::Status if self.have >= STATUS_LEN => {
+                self.have = 0;
+                self.status = Some(self.reply.on_status(self.frame)?);
+            }
+            Expect::Data(len) if self.have as u64 >= len => {
+                self.have = 0;
+                self.reply.on_payload();
+            }
+            Expect::Fence if self.have >= 1 => {
+                self.have = 0;
+                self.reply.on_payload();
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Takes buffered bytes: at most the rest of the current part, so that the caller can
+    /// claim the request between the status frame and the data. Returns how many it took.
+    pub(super) fn handle_bytes(&mut self, data: &[u8], local: &mut [u8]) -> Result<usize, WireError> {
+        let Some(dst) = self.target(local) else { return Ok(0) };
+        let n = dst.len().min(data.len());
+        dst[..n].copy_from_slice(&data[..n]);
+        self.on_received(n)?;
+        Ok(n)
     }
 }
 
@@ -216,6 +303,67 @@ mod tests {
         assert!(!r.claimed());
         assert!(r.on_status(*b"garbage!").is_err(), "a bad magic is a protocol error");
         assert!(Reply::new(Opcode::Write, 1, false).claimed(), "v1: nothing to wait for before the payload");
+    }
+
+    /// Feeds `stream` to an answer in chunks of `chunk` bytes, as the reader does; returns
+    /// the status and how many bytes were left over (the next answer's).
+    fn feed(mut a: Answer, stream: &[u8], chunk: usize, local: &mut [u8]) -> (Option<Status>, usize, bool) {
+        let mut pos = 0;
+        let mut claimed_before_data = true;
+        while !a.done() && pos < stream.len() {
+            let end = (pos + chunk).min(stream.len());
+            let was_status = a.awaiting_status();
+            pos += a.handle_bytes(&stream[pos..end], local).unwrap();
+            if was_status && !a.awaiting_status() && !a.done() && local.iter().any(|&b| b != 0) {
+                claimed_before_data = false; // data landed in the same call as the status
+            }
+        }
+        (a.status(), stream.len() - pos, claimed_before_data)
+    }
+
+    #[test]
+    fn answers_are_taken_part_by_part_however_the_bytes_are_cut() {
+        let ok = tcp::encode_status(Status::Ok);
+        for chunk in [1, 3, 8, 9, 64] {
+            // v2 READ: status, data, then the next answer's bytes stay.
+            let mut stream = ok.to_vec();
+            stream.extend_from_slice(b"hello");
+            stream.extend_from_slice(&ok);
+            let mut local = [0u8; 5];
+            let (st, left, claimed) = feed(Answer::new(Opcode::Read, 5, true), &stream, chunk, &mut local);
+            assert_eq!((st, left, &local), (Some(Status::Ok), STATUS_LEN, b"hello"), "chunk {chunk}");
+            assert!(claimed, "the status is taken on its own, before any data (chunk {chunk})");
+            // v1 WRITE: the fence byte only.
+            let (st, left, _) = feed(Answer::new(Opcode::Write, 5, false), b"xy", chunk, &mut []);
+            assert_eq!((st, left), (Some(Status::Ok), 1));
+            // v2 REJECTED READ: nothing after the status is data.
+            let mut stream = tcp::encode_status(Status::Rejected).to_vec();
+            stream.extend_from_slice(b"zz");
+            let mut local = [0u8; 5];
+            let (st, left, _) = feed(Answer::new(Opcode::Read, 5, true), &stream, chunk, &mut local);
+            assert_eq!((st, left, local), (Some(Status::Rejected), 2, [0; 5]));
+        }
+        let mut a = Answer::new(Opcode::Read, 5, true);
+        assert!(a.handle_bytes(b"garbage!", &mut [0; 5]).is_err(), "a bad status frame is a protocol error");
+    }
+
+    #[test]
+    fn an_answer_received_straight_into_place() {
+        let mut local = [0u8; 6];
+        let mut a = Answer::new(Opcode::Read, 6, true);
+        let frame = tcp::encode_status(Status::Ok);
+        a.target(&mut local).unwrap()[..5].copy_from_slice(&frame[..5]);
+        a.on_received(5).unwrap();
+        assert_eq!(a.target(&mut local).map(|t| t.len()), Some(3), "the rest of the status frame");
+        a.target(&mut local).unwrap().copy_from_slice(&frame[5..]);
+        a.on_received(3).unwrap();
+        assert_eq!(a.status(), Some(Status::Ok));
+        a.target(&mut local).unwrap()[..2].copy_from_slice(b"ab");
+        a.on_received(2).unwrap();
+        a.target(&mut local).unwrap().copy_from_slice(b"cdef");
+        a.on_received(4).unwrap();
+        assert!(a.done() && a.target(&mut local).is_none());
+        assert_eq!(&local, b"abcdef");
     }
 
     #[test]

@@ -28,26 +28,19 @@ pub(super) fn stopped(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, format!("stopped while {what}: deadline passed, memory withdrawn or shutting down"))
 }
 
-/// Fills `buf` from `s`. `stop` is asked after every system call (a read that returned
-/// bytes as much as one that timed out), so a peer that trickles bytes cannot hold the
-/// caller past its deadline: the socket timeout bounds each call, `stop` bounds the whole.
-pub(super) fn read_full(s: &TcpStream, buf: &mut [u8], mut stop: impl FnMut() -> bool) -> io::Result<()> {
-    let mut got = 0;
-    while got < buf.len() {
-        match (&*s).read(&mut buf[got..]) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by peer")),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted || is_timeout(&e) => {}
-            Err(e) => return Err(e),
-        }
-        if got < buf.len() && stop() {
-            return Err(stopped("receiving"));
-        }
+/// One read into `buf`: how many bytes came, 0 when the socket's timeout passed or the call
+/// was interrupted (the caller then asks its `stop` check). The end of the stream is an error.
+pub(super) fn read_some(s: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+    match (&*s).read(buf) {
+        Ok(0) if !buf.is_empty() => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by peer")),
+        Ok(n) => Ok(n),
+        Err(e) if e.kind() == io::ErrorKind::Interrupted || is_timeout(&e) => Ok(0),
+        Err(e) => Err(e),
     }
-    Ok(())
 }
 
-/// Sends every byte of `bufs`, asking `stop` after every system call (see [`read_full`]).
+/// Sends every byte of `bufs`, asking `stop` after every system call, so a peer that reads
+/// slowly cannot hold the caller past its deadline.
 pub(super) fn write_all_vectored(s: &TcpStream, mut bufs: &mut [IoSlice<'_>], mut stop: impl FnMut() -> bool) -> io::Result<()> {
     while !bufs.is_empty() {
         match (&*s).write_vectored(bufs) {
@@ -171,7 +164,8 @@ impl RxBuf {
         }
     }
 
-    /// Ensures `n` buffered bytes, asking `stop` after every system call (see [`read_full`]).
+    /// Ensures `n` buffered bytes, asking `stop` after every system call, so a peer that
+    /// trickles bytes cannot hold the caller past its deadline.
     pub(super) fn need(&mut self, s: &TcpStream, n: usize, mut stop: impl FnMut() -> bool) -> io::Result<()> {
         while self.len() < n {
             match self.fill(s) {
@@ -185,23 +179,4 @@ impl RxBuf {
         }
         Ok(())
     }
-    pub(super) fn take<const N: usize>(&mut self) -> [u8; N] {
-        let mut out = [0u8; N];
-        out.copy_from_slice(&self.buf[self.start..self.start + N]);
-        self.start += N;
-        out
-    }
-    /// Moves buffered bytes into `dst` (up to its length); returns how many.
-    pub(super) fn drain_into(&mut self, dst: &mut [u8]) -> usize {
-        let n = dst.len().min(self.len());
-        dst[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
-        self.start += n;
-        n
-    }
-}
-
-/// Reads `dst.len()` bytes: first what is buffered, then straight from the socket.
-pub(super) fn recv_into(rx: &mut RxBuf, s: &TcpStream, dst: &mut [u8], expired: impl FnMut() -> bool) -> io::Result<()> {
-    let n = rx.drain_into(dst);
-    read_full(s, &mut dst[n..], expired)
 }
