@@ -59,6 +59,11 @@ impl TcpServer {
     /// take (plus 1 ns per byte, as the initiator's deadline) before the connection is
     /// dropped. A revoked range (unregister) shuts down the connections holding it.
     pub fn start(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration) -> io::Result<TcpServer> {
+        Self::start_capped(listener, registry, stall, spin, MAX_DATA_CONNS)
+    }
+
+    /// [`TcpServer::start`] serving at most `max_conns` connections at once.
+    fn start_capped(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration, max_conns: usize) -> io::Result<TcpServer> {
         let port = listener.local_addr()?.port();
         let listener = Arc::new(listener);
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -97,10 +102,10 @@ impl TcpServer {
                 if sd.load(Ordering::Acquire) {
                     break;
                 }
-                if cs.lock().unwrap_or_else(|e| e.into_inner()).len() >= MAX_DATA_CONNS {
+                if cs.lock().unwrap_or_else(|e| e.into_inner()).len() >= max_conns {
                     if warned.elapsed() > Duration::from_secs(10) {
                         warned = Instant::now();
-                        tracing::warn!("TCP data listener: {MAX_DATA_CONNS} connections already served; closing a new one");
+                        tracing::warn!("TCP data listener: {max_conns} connections already served; closing a new one");
                     }
                     continue;
                 }
@@ -269,5 +274,83 @@ fn send(s: &TcpStream, c: &mut ServeConn, stall: Duration) -> io::Result<()> {
         if c.poll_timeout().is_none() && now >= until {
             return Err(stopped("sending answers the peer does not read"));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::tcp::{encode_status, DataHeader, Opcode, Status};
+
+    fn server(cap: usize) -> (TcpServer, Arc<MemoryRegistry>, Vec<u8>) {
+        let buf = vec![7u8; 4096];
+        let reg = Arc::new(MemoryRegistry::new());
+        reg.register_batch(&[(buf.as_ptr() as u64, 4096)], "*").unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpServer::start_capped(l, Arc::clone(&reg), Duration::from_secs(5), Duration::ZERO, cap).unwrap();
+        (s, reg, buf)
+    }
+
+    /// A v2 READ of 8 bytes on `c`; true if it was answered.
+    fn served(c: &mut TcpStream, addr: u64) -> bool {
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let h = DataHeader { size: 8, addr, opcode: Opcode::Read, v2: true }.encode();
+        if c.write_all(&h).is_err() {
+            return false;
+        }
+        let mut a = [0u8; 16];
+        c.read_exact(&mut a).is_ok() && a[..8] == encode_status(Status::Ok) && a[8..] == [7; 8]
+    }
+
+    fn wait_for(mut f: impl FnMut() -> bool) {
+        let t = Instant::now();
+        while !f() {
+            assert!(t.elapsed() < Duration::from_secs(10), "condition not reached in 10 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Past the cap a new connection is closed at accept (its request unanswered), the ones
+    /// served are not disturbed, and a slot freed by a departed peer is taken again.
+    #[test]
+    fn connections_past_the_cap_are_closed_and_freed_slots_are_reused() {
+        let (srv, _reg, buf) = server(4);
+        let addr = buf.as_ptr() as u64;
+        let target = ("127.0.0.1", srv.port());
+        let mut held: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(target).unwrap()).collect();
+        for c in &mut held {
+            assert!(served(c, addr));
+        }
+        assert_eq!(srv.connections(), 4);
+        let mut extra = TcpStream::connect(target).unwrap();
+        assert!(!served(&mut extra, addr), "the fifth connection is closed, not served");
+        assert_eq!(srv.connections(), 4);
+        for c in &mut held {
+            assert!(served(c, addr), "the served ones go on");
+        }
+        drop(held.pop());
+        wait_for(|| srv.connections() == 3);
+        let mut again = TcpStream::connect(target).unwrap();
+        assert!(served(&mut again, addr), "a freed slot is taken again");
+        srv.shutdown();
+        assert_eq!(srv.connections(), 0);
+    }
+
+    /// Served connections get keepalive probes and a user timeout (a vanished host is
+    /// noticed); the lanes call the same `keepalive`.
+    #[test]
+    fn data_connections_carry_keepalive_and_a_user_timeout() {
+        let (srv, _reg, buf) = server(4);
+        let mut c = TcpStream::connect(("127.0.0.1", srv.port())).unwrap();
+        assert!(served(&mut c, buf.as_ptr() as u64));
+        let conns = srv.conns.lock().unwrap();
+        let served_side = socket2::SockRef::from(&conns.values().next().expect("one connection").stream);
+        assert!(served_side.keepalive().unwrap());
+        assert_eq!(served_side.tcp_keepalive_time().unwrap(), KEEPALIVE_IDLE);
+        assert_eq!(served_side.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
+        assert_eq!(served_side.tcp_keepalive_retries().unwrap(), KEEPALIVE_COUNT);
+        assert_eq!(served_side.tcp_user_timeout().unwrap(), Some(USER_TIMEOUT));
+        drop(conns);
+        srv.shutdown();
     }
 }
