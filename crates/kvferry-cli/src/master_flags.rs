@@ -174,7 +174,7 @@ pub fn normalize(args: &[OsString], known: &[String]) -> Result<Normalized, Stri
         }
         // A flag: one or two dashes, then a letter (so "-1" stays a value); "-h" stays clap's.
         let body = tok.strip_prefix("--").or_else(|| tok.strip_prefix('-'));
-        let Some(body) = body.filter(|b| b.starts_with(|c: char| c.is_ascii_alphabetic()) && !(tok.len() == 2 && !tok.starts_with("--"))) else {
+        let Some(body) = body.filter(|b| (tok.starts_with("--") || tok.len() != 2) && b.starts_with(|c: char| c.is_ascii_alphabetic())) else {
             out.push(raw.clone());
             continue;
         };
