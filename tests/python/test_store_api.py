@@ -45,7 +45,7 @@ def test_find_spec_of_a_module_the_shim_does_not_serve_is_none():
     kvferry.install_mooncake_shim()
     try:
         assert importlib.util.find_spec("mooncake.store") is not None
-        assert importlib.util.find_spec("mooncake.http_metadata_server") is None
+        assert importlib.util.find_spec("mooncake.structured_object_store") is None
         assert importlib.util.find_spec("mooncake.kvferry_no_such_module") is None
         with pytest.raises(ModuleNotFoundError):
             import mooncake.kvferry_no_such_module  # noqa: F401
@@ -384,11 +384,59 @@ def test_batch_replica_clear_clears_this_clients_unleased_objects(cluster):
 
 def test_not_provided_names_say_so():
     s = MooncakeDistributedStore()
-    with pytest.raises(NotImplementedError, match="replica"):
-        s.get_replica_desc("k")
-    with pytest.raises(NotImplementedError, match="replica"):
-        s.batch_get_replica_desc(["k"])
+    assert s.get_replica_desc("k") == [] and s.batch_get_replica_desc(["k"]) == {}, "not set up: empty, as Mooncake's failures"
     with pytest.raises(AttributeError, match="not provided by kvferry"):
         s.put_tensor  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute"):
         s.no_such_method  # noqa: B018
+
+
+# -- replica descriptors -----------------------------------------------------------------------
+
+def test_replica_desc_says_where_the_bytes_are(cluster):
+    s = client(cluster)
+    v = value("rd", 100_000)
+    assert s.put("rd", v, ReplicateConfig(replica_num=2)) == 0
+    assert s.put("rd2", b"second") == 0
+    descs = s.get_replica_desc("rd")
+    assert len(descs) == 2, "two segments, two replicas: %r" % descs
+    eps = set()
+    with kvferry.Engine(HOST) as eng:
+        for d in descs:
+            assert isinstance(d, mcs.ReplicaDescriptor) and d.status == mcs.ReplicaStatus.COMPLETE and d.status == mcs.COMPLETE
+            assert d.is_memory_replica() and not d.is_disk_replica() and not d.is_local_disk_replica()
+            with pytest.raises(RuntimeError, match="memory replica"):
+                d.get_disk_descriptor()
+            md = d.get_memory_descriptor()
+            assert isinstance(md, mcs.MemoryDescriptor)
+            bd = md.buffer_descriptor
+            assert isinstance(bd, mcs.Descriptor) and bd.size == len(v) and bd.buffer_address > 0
+            assert "size=%d" % len(v) in repr(bd)
+            eps.add(bd.transport_endpoint)
+            # The descriptor is right: a transfer engine reads the value from there.
+            buf = bytearray(bd.size)
+            eng.register_memory(buf)
+            eng.read(bd.transport_endpoint, buf, bd.buffer_address)
+            assert bytes(buf) == v, "replica on %s" % bd.transport_endpoint
+            eng.unregister_memory(buf)
+    assert len(eps) == 2 and s.get_hostname() in eps, "one replica in this client's segment, one in the server's"
+
+    m = s.batch_get_replica_desc(["rd", "missing", "rd2"])
+    assert isinstance(m, dict) and sorted(m) == ["rd", "rd2"], "missing keys are left out, as in Mooncake"
+    assert len(m["rd"]) == 2 and [d.get_memory_descriptor().buffer_descriptor.size for d in m["rd2"]] == [6]
+    assert s.get_replica_desc("missing") == []
+    assert s.batch_get_replica_desc([]) == {}
+    # Listing replicas grants a read lease, as Mooncake's Query does: remove waits for it, or forces.
+    assert s.remove("rd") == -706
+    assert s.remove("rd", force=True) == 0 and s.get_replica_desc("rd") == []
+    assert s.close() == 0
+    assert s.get_replica_desc("rd2") == [] and s.batch_get_replica_desc(["rd2"]) == {}, "closed: empty, as Mooncake's failures"
+
+
+def test_replica_descriptor_names_are_exported():
+    for n in ("ReplicaDescriptor", "MemoryDescriptor", "DiskDescriptor", "Descriptor"):
+        assert n in mcs.__all__
+    d = mcs.Descriptor()
+    assert (d.size, d.buffer_address, d.transport_endpoint) == (0, 0, "")
+    dd = mcs.DiskDescriptor()
+    assert (dd.file_path, dd.object_size) == ("", 0)

@@ -287,6 +287,15 @@ impl StoreCore {
         self.with(py, move |c| c.remove_all(force))
     }
 
+    /// Where each key's replicas live (Mooncake's `batch_get_replica_desc`): per key a list of
+    /// (transfer-engine segment, address, size), one entry per complete replica.
+    fn batch_get_replica_desc(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<(Option<Vec<(String, u64, u64)>>, i32, String)>> {
+        self.per_key(py, move |c| {
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            c.batch_get_replica_desc(&refs).into_iter().map(|r| r.map(|v| v.into_iter().map(|d| (d.te_endpoint, d.addr, d.size)).collect())).collect()
+        })
+    }
+
     /// Clears replicas of `keys` written by this client (Mooncake's rules: one segment's
     /// replicas, or every replica when `segment` is empty); returns the keys cleared.
     #[pyo3(signature = (keys, segment=String::new()))]

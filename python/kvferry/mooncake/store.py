@@ -27,6 +27,10 @@ __all__ = [
     "SoftPinAction",
     "ObjectDataType",
     "ReplicaStatus",
+    "ReplicaDescriptor",
+    "MemoryDescriptor",
+    "DiskDescriptor",
+    "Descriptor",
     "BufferHandle",
     "bind_to_numa_node",
 ]
@@ -40,6 +44,7 @@ INVALID_PARAMS = -600
 INTERNAL_ERROR = -1
 BUFFER_OVERFLOW = -10
 OBJECT_ALREADY_EXISTS = -705
+OBJECT_NOT_FOUND = -704
 
 # health_check() answers (Mooncake's HC_*).
 HC_HEALTHY = 0
@@ -79,6 +84,83 @@ class ReplicaStatus(enum.IntEnum):
 globals().update({m.name: m for m in ObjectDataType})
 globals().update({m.name: m for m in ReplicaStatus})
 __all__ += [m.name for m in ObjectDataType] + [m.name for m in ReplicaStatus]
+
+
+class Descriptor:
+    """Mooncake's ``Descriptor`` (``AllocatedBuffer::Descriptor``): one replica's bytes,
+    ``size`` bytes at ``buffer_address`` in the transfer-engine segment
+    ``transport_endpoint``."""
+
+    __slots__ = ("size", "buffer_address", "transport_endpoint")
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.buffer_address = 0
+        self.transport_endpoint = ""
+
+    def __repr__(self) -> str:
+        return "<Descriptor size=%d buffer_address=%d transport_endpoint=%s>" % (self.size, self.buffer_address, self.transport_endpoint)
+
+
+class MemoryDescriptor:
+    """Mooncake's ``MemoryDescriptor``: a memory replica's ``buffer_descriptor``."""
+
+    __slots__ = ("buffer_descriptor",)
+
+    def __init__(self, buffer_descriptor: Optional[Descriptor] = None) -> None:
+        self.buffer_descriptor = buffer_descriptor if buffer_descriptor is not None else Descriptor()
+
+    def __repr__(self) -> str:
+        return "<MemoryDescriptor %r>" % (self.buffer_descriptor,)
+
+
+class DiskDescriptor:
+    """Mooncake's ``DiskDescriptor`` (``file_path``, ``object_size``). kvferry has no disk
+    tier, so no replica it returns has one."""
+
+    __slots__ = ("file_path", "object_size")
+
+    def __init__(self) -> None:
+        self.file_path = ""
+        self.object_size = 0
+
+
+class ReplicaDescriptor:
+    """Mooncake's ``ReplicaDescriptor``, as ``get_replica_desc`` returns it: ``status`` (a
+    ``ReplicaStatus``; kvferry lists complete replicas only), ``is_memory_replica()`` (always
+    True on kvferry), ``is_disk_replica()``/``is_local_disk_replica()`` (False),
+    ``get_memory_descriptor()``; ``get_disk_descriptor()`` raises RuntimeError, as Mooncake's
+    does for a memory replica."""
+
+    __slots__ = ("_status", "_memory")
+
+    def __init__(self, transport_endpoint: str, buffer_address: int, size: int, status: "ReplicaStatus" = None) -> None:  # type: ignore[assignment]
+        d = Descriptor()
+        d.transport_endpoint, d.buffer_address, d.size = str(transport_endpoint), int(buffer_address), int(size)
+        self._memory = MemoryDescriptor(d)
+        self._status = ReplicaStatus.COMPLETE if status is None else ReplicaStatus(status)
+
+    @property
+    def status(self) -> "ReplicaStatus":
+        return self._status
+
+    def is_memory_replica(self) -> bool:
+        return True
+
+    def is_disk_replica(self) -> bool:
+        return False
+
+    def is_local_disk_replica(self) -> bool:
+        return False
+
+    def get_memory_descriptor(self) -> MemoryDescriptor:
+        return self._memory
+
+    def get_disk_descriptor(self) -> DiskDescriptor:
+        raise RuntimeError("get_disk_descriptor: this is a memory replica (kvferry has no disk tier); check is_disk_replica() first")
+
+    def __repr__(self) -> str:
+        return "<ReplicaDescriptor status=%s %r>" % (self._status.name, self._memory.buffer_descriptor)
 
 
 def _u64_or_none(name: str, v: Any) -> Optional[int]:
@@ -731,13 +813,34 @@ class MooncakeDistributedStore:
             out.append(cur)
         return out
 
-    # replica placement: the store client has no call that reads replica descriptors
-    # without taking a read lease yet
-    def get_replica_desc(self, key: str) -> Any:
-        raise NotImplementedError("get_replica_desc: kvferry's store client cannot list an object's replicas yet (needs a lease-free replica query in kvferry-store)")
+    # replica placement
+    def get_replica_desc(self, key: str) -> List[ReplicaDescriptor]:
+        """Where ``key``'s replicas live: one ``ReplicaDescriptor`` per complete replica; ``[]``
+        when the key is missing or on error (logged), as Mooncake."""
+        return self._replica_desc([key]).get(str(key), [])
 
-    def batch_get_replica_desc(self, keys: Sequence[str]) -> Any:
-        raise NotImplementedError("batch_get_replica_desc: kvferry's store client cannot list objects' replicas yet (needs a lease-free replica query in kvferry-store)")
+    def batch_get_replica_desc(self, keys: Sequence[str]) -> Dict[str, List[ReplicaDescriptor]]:
+        """``{key: [ReplicaDescriptor, ...]}`` for the keys found; missing keys and failures
+        are left out (and logged), as Mooncake."""
+        return self._replica_desc(keys)
+
+    def _replica_desc(self, keys: Sequence[str]) -> Dict[str, List[ReplicaDescriptor]]:
+        names = [str(k) for k in keys]
+        try:
+            res = self._store()._core.batch_get_replica_desc(names)
+        except Exception as e:  # noqa: BLE001
+            _fail(e)
+            return {}
+        out: Dict[str, List[ReplicaDescriptor]] = {}
+        for k, (reps, code, msg) in zip(names, res):
+            if code != 0 or reps is None:
+                if code != OBJECT_NOT_FOUND:
+                    _fail(_native.StoreError("batch_get_replica_desc %s: %s" % (k, msg), code))
+                else:
+                    _log.debug("kvferry store: batch_get_replica_desc: %s not found", k)
+                continue
+            out[k] = [ReplicaDescriptor(ep, addr, size) for ep, addr, size in reps]
+        return out
 
     def batch_replica_clear(self, keys: Sequence[str], segment_name: str = "") -> List[str]:
         """The keys whose replicas were cleared (Mooncake: [] when nothing was, or on error)."""
