@@ -2,9 +2,9 @@
 
 The wheel does not ship a top-level ``mooncake`` package (it would collide with an
 installed official Mooncake). Instead, a ``sys.meta_path`` finder answers imports of
-``mooncake``, ``mooncake.engine``, ``mooncake.store`` and ``mooncake.http_metadata_server``
-with thin modules re-exporting ``kvferry.mooncake``, ``kvferry.mooncake.engine``,
-``kvferry.mooncake.store`` and ``kvferry.mooncake.http_metadata_server`` (same objects:
+``mooncake``, ``mooncake.engine``, ``mooncake.store``, ``mooncake.http_metadata_server`` and
+``mooncake.buffer_pool`` with thin modules re-exporting the ``kvferry.mooncake`` modules of the
+same names (same objects:
 ``mooncake.engine.TransferEngine is kvferry.mooncake.engine.TransferEngine``);
 ``python -m mooncake.http_metadata_server`` runs kvferry's module as ``__main__``. Other
 ``mooncake.*`` submodules are not served: the finder returns None for them (as a finder must,
@@ -32,6 +32,7 @@ _ALIASES = {
     "mooncake.engine": "kvferry.mooncake.engine",
     "mooncake.store": "kvferry.mooncake.store",
     "mooncake.http_metadata_server": "kvferry.mooncake.http_metadata_server",
+    "mooncake.buffer_pool": "kvferry.mooncake.buffer_pool",
 }
 _lock = threading.Lock()
 
@@ -73,7 +74,7 @@ class MooncakeShimFinder(importlib.abc.MetaPathFinder):
             if fullname == "mooncake":
                 spec.submodule_search_locations = []
             return spec
-        # Anything else (mooncake.buffer_pool, ...) is not ours: a finder answers None
+        # Anything else (mooncake.structured_object_store, ...) is not ours: a finder answers None
         # for names it does not serve, never raises (code probing optional modules with
         # importlib.util.find_spec must get None); `import` then raises ModuleNotFoundError.
         return None

@@ -440,3 +440,85 @@ def test_replica_descriptor_names_are_exported():
     assert (d.size, d.buffer_address, d.transport_endpoint) == (0, 0, "")
     dd = mcs.DiskDescriptor()
     assert (dd.file_path, dd.object_size) == ("", 0)
+
+
+# -- BufferPool --------------------------------------------------------------------------------
+
+def test_buffer_pool_leases_move_values_zero_copy(cluster):
+    from kvferry.mooncake.buffer_pool import BufferPool, RegisteredBufferPool
+
+    s = client(cluster, local=16 << 20)
+    pool = BufferPool(s)
+    assert RegisteredBufferPool is BufferPool and mcs.BufferPool is BufferPool
+    a = pool.acquire(1 << 20)
+    assert a.size == 1 << 20 and a.ptr % (8 << 20) == 0, "Mooncake's default alignment"
+    data = value("bp", 1 << 20)
+    mv = a.buffer
+    assert len(mv) == 1 << 20 and not mv.readonly
+    mv[:] = data
+    with pytest.raises(RuntimeError, match="exported views"):
+        a.release()
+    del mv
+    assert s.put_from("bp", a.ptr, a.size) == 0, "the lease is registered with the store"
+    with pool.buffer(1 << 20) as b:
+        assert s.get_into("bp", b.ptr, b.size) == 1 << 20
+        assert bytes(b.buffer) == data
+    with pytest.raises(RuntimeError, match="closed"):
+        b.ptr  # noqa: B018
+    assert s.get("bp") == data
+    with pytest.raises(RuntimeError, match="active leases"):
+        pool.close()
+    a.release()
+    a.release()  # twice is fine
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.acquire(10)
+    assert s.close() == 0
+
+
+def test_buffer_pool_budget_blocks_fails_or_times_out(cluster):
+    from kvferry.mooncake.buffer_pool import BufferPool
+
+    s = client(cluster, local=4 << 20)
+    pool = BufferPool(s, max_bytes=1 << 20, alignment=4096)  # raised to the local buffer, 4 MiB
+    with pytest.raises(RuntimeError, match="exceeds pool capacity"):
+        pool.acquire(5 << 20)
+    big = pool.acquire(3 << 20)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.acquire(2 << 20, block=False)
+    with pytest.raises(RuntimeError, match="timed out"):
+        pool.acquire(2 << 20, timeout=0.05)
+    small = pool.acquire(1 << 20, block=False)  # what is left fits
+    small.release()
+    t = threading.Timer(0.2, big.release)
+    t.start()
+    got = pool.acquire(2 << 20, timeout=10)  # waits for the release
+    t.join()
+    assert got.size == 2 << 20
+    got.release()
+    counted = BufferPool(s, max_regions=1, block_on_exhaustion=False)
+    one = counted.acquire(100)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        counted.acquire(100)
+    del one  # dropping a lease gives it back
+    counted.acquire(100).release()
+    pool.close()
+    counted.close()
+    assert s.close() == 0
+
+
+def test_buffer_pool_needs_a_store_with_a_local_buffer(cluster):
+    from kvferry.mooncake.buffer_pool import BufferPool
+
+    with pytest.raises(RuntimeError, match="not initialized"):
+        BufferPool(MooncakeDistributedStore())
+    s = client(cluster, local=0)
+    with pytest.raises(RuntimeError, match="local buffer"):
+        BufferPool(s)
+    s.close()
+    s = client(cluster)
+    with pytest.raises(RuntimeError, match="power of two"):
+        BufferPool(s, alignment=3000)
+    with pytest.raises(TypeError):
+        BufferPool(s, max_bytes=-1)
+    assert s.close() == 0

@@ -20,6 +20,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import store as _native
+from .buffer_pool import BufferLease, BufferPool, RegisteredBufferLease, RegisteredBufferPool
 
 __all__ = [
     "MooncakeDistributedStore",
@@ -32,6 +33,10 @@ __all__ = [
     "DiskDescriptor",
     "Descriptor",
     "BufferHandle",
+    "BufferPool",
+    "RegisteredBufferPool",
+    "BufferLease",
+    "RegisteredBufferLease",
     "bind_to_numa_node",
 ]
 
