@@ -522,3 +522,29 @@ def test_buffer_pool_needs_a_store_with_a_local_buffer(cluster):
     with pytest.raises(TypeError):
         BufferPool(s, max_bytes=-1)
     assert s.close() == 0
+
+
+def test_get_into_ranges_copies_each_range(cluster):
+    s = client(cluster)
+    v1, v2 = value("gr1", 10000), value("gr2", 5000)
+    assert s.put("gr1", v1) == 0 and s.put("gr2", v2) == 0
+    a = np.zeros(8192, dtype=np.uint8)
+    b = np.zeros(16384, dtype=np.uint8)
+    for buf in (a, b):
+        assert s.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+    res = s.get_into_ranges(
+        [a.ctypes.data, b.ctypes.data],
+        [["gr1", "gr2"], ["gr1", "missing"]],
+        [[[0, 100], [2000]], [[0, 10000], [0]]],
+        [[[100, 9000], [0]], [[0, 9990], [0]]],
+        [[[50, 1000], [5000]], [[10000, 20], [10]]],
+    )
+    assert res == [[[50, 1000], [5000]], [[10000, -600], [-704]]]
+    assert a[:50].tobytes() == v1[100:150] and a[100:1100].tobytes() == v1[9000:10000] and a[2000:7000].tobytes() == v2
+    assert a[50:100].tobytes() == bytes(50), "nothing else written"
+    assert b[:10000].tobytes() == v1 and b[10000:].tobytes() == bytes(6384), "the failed range wrote nothing"
+    assert s.get_into_ranges([a.ctypes.data], [["gr1"]], [[[0]]], [[[0]]], []) == [[[-600]]], "mismatched lists"
+    assert s.get_into_ranges([], [], [], [], []) == []
+    for buf in (a, b):
+        assert s.unregister_buffer(buf.ctypes.data) == 0
+    assert s.close() == 0

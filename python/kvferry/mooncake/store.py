@@ -699,6 +699,86 @@ class MooncakeDistributedStore:
                     out[i] = code
         return out
 
+    def get_into_ranges(
+        self,
+        buffer_ptrs: Sequence[int],
+        all_keys: Sequence[Sequence[str]],
+        all_dst_offsets: Sequence[Sequence[Sequence[int]]],
+        all_src_offsets: Sequence[Sequence[Sequence[int]]],
+        all_sizes: Sequence[Sequence[Sequence[int]]],
+    ) -> List[List[List[int]]]:
+        """Copies byte ranges of objects into buffers: for buffer ``i``, key ``j`` and range
+        ``r``, ``all_sizes[i][j][r]`` bytes from offset ``all_src_offsets[i][j][r]`` of the
+        value of ``all_keys[i][j]`` to ``buffer_ptrs[i] + all_dst_offsets[i][j][r]``. Per range
+        (same nesting): the bytes copied, -704 for a missing key, -600 for a range past the
+        value's end, a null buffer or lists that do not match. kvferry reads each distinct
+        key's whole value once (one batched get) and copies the ranges out of it; the
+        destination ranges are not checked against registered memory."""
+        n = len(buffer_ptrs)
+
+        def filled(code: int) -> List[List[List[int]]]:
+            out = []
+            for i in range(n):
+                keys_i = all_keys[i] if i < len(all_keys) else []
+                dst_i = all_dst_offsets[i] if i < len(all_dst_offsets) else []
+                out.append([[code] * (len(dst_i[j]) if j < len(dst_i) else 0) for j in range(len(keys_i))])
+            return out
+
+        if not n == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes):
+            _fail(_native.StoreInvalidArgument(
+                "get_into_ranges: %d buffers, %d key lists, %d/%d/%d offset and size lists: one of each per buffer"
+                % (n, len(all_keys), len(all_dst_offsets), len(all_src_offsets), len(all_sizes)), INVALID_PARAMS))
+            return filled(INVALID_PARAMS)
+        try:
+            core = self._store()._core
+        except Exception as e:  # noqa: BLE001
+            return filled(_fail(e))
+        out = filled(INVALID_PARAMS)
+        wanted: Dict[str, Any] = {}
+        for i in range(n):
+            keys_i, dst_i, src_i, len_i = all_keys[i], all_dst_offsets[i], all_src_offsets[i], all_sizes[i]
+            if not len(keys_i) == len(dst_i) == len(src_i) == len(len_i):
+                _fail(_native.StoreInvalidArgument("get_into_ranges: buffer %d has %d keys but %d/%d/%d range lists" % (i, len(keys_i), len(dst_i), len(src_i), len(len_i)), INVALID_PARAMS))
+                continue
+            for j, k in enumerate(keys_i):
+                if len(dst_i[j]) == len(src_i[j]) == len(len_i[j]):
+                    wanted[str(k)] = None
+        if wanted:
+            try:
+                names = list(wanted)
+                for k, (v, code, _) in zip(names, core.get_batch(names)):
+                    wanted[k] = v if code == 0 and v is not None else (code or INTERNAL_ERROR)
+            except Exception as e:  # noqa: BLE001
+                code = _fail(e)
+                for k in wanted:
+                    wanted[k] = code
+        for i in range(n):
+            try:
+                ptr = _ptr(buffer_ptrs[i])
+            except Exception as e:  # noqa: BLE001
+                _fail(e)
+                continue
+            if ptr == 0 or len(all_keys[i]) != len(out[i]):
+                continue
+            for j, k in enumerate(all_keys[i]):
+                v = wanted.get(str(k))
+                dst, src, sizes = all_dst_offsets[i][j], all_src_offsets[i][j], all_sizes[i][j]
+                if v is None or not len(dst) == len(src) == len(sizes):
+                    continue
+                for r, (d, o, m) in enumerate(zip(dst, src, sizes)):
+                    if isinstance(v, int):
+                        out[i][j][r] = v
+                        continue
+                    d, o, m = int(d), int(o), int(m)
+                    if d < 0 or o < 0 or m < 0 or o + m > len(v):
+                        _fail(_native.StoreInvalidArgument("get_into_ranges: %s: range [%d, %d) is past the value's %d bytes" % (k, o, o + m, len(v)), INVALID_PARAMS))
+                        out[i][j][r] = INVALID_PARAMS
+                        continue
+                    if m:
+                        ctypes.memmove(ptr + d, v[o:o + m], m)
+                    out[i][j][r] = m
+        return out
+
     def batch_get_into_multi_buffers(
         self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]], prefer_alloc_in_same_node: bool = False
     ) -> List[int]:
@@ -916,7 +996,7 @@ _NOT_PROVIDED: Dict[str, str] = {
     )},
     **{n: "no two-phase put/get sessions in kvferry's master protocol" for n in (
         "batch_get_session_start", "batch_get_session_end", "batch_put_session_start", "batch_put_session_end", "batch_put_session_revoke",
-        "batch_put_from_multi_buffer_ranges", "batch_get_into_multi_buffer_ranges", "get_into_ranges", "put_from_with_metadata",
+        "batch_put_from_multi_buffer_ranges", "batch_get_into_multi_buffer_ranges", "put_from_with_metadata",
     )},
     **{n: "no replica copy/move tasks in kvferry's master" for n in ("create_copy_task", "create_move_task", "query_task")},
 }
