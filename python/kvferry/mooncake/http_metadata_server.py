@@ -23,14 +23,15 @@ Mooncake's C++ server; its Python server answers 400 to any such PUT).
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
 import threading
+import weakref
 from enum import Enum
 from typing import List, Optional
 
@@ -85,14 +86,17 @@ def find_kvferry_binary() -> str:
     )
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    try:
-        import ctypes
+# Servers started here, stopped at interpreter exit if their owner did not close them.
+_live: "weakref.WeakSet[KVBootstrapServer]" = weakref.WeakSet()
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the server goes when its owner does
-    except Exception:  # noqa: BLE001 - best effort; close() and __del__ stop it too
-        pass
+
+@atexit.register
+def _stop_all() -> None:
+    for srv in list(_live):
+        try:
+            srv.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
 
 
 class KVBootstrapServer:
@@ -129,7 +133,7 @@ class KVBootstrapServer:
                 return self.thread  # type: ignore[return-value]
             exe = find_kvferry_binary()
             cmd = [exe, "metadata-server", "--host", self.host, "--port", str(self.port)]
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             line = self._first_line(proc)
             if line is None:
                 err = self._stop(proc)
@@ -138,6 +142,7 @@ class KVBootstrapServer:
                 if word.startswith("port="):
                     self.port = int(word[5:])
             self._proc = proc
+            _live.add(self)
             # Drains the server's stderr into the log, and ends when the server does.
             self.thread = threading.Thread(target=self._watch, args=(proc,), name="kvferry-metadata-server", daemon=True)
             self.thread.start()
