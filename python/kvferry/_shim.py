@@ -2,9 +2,11 @@
 
 The wheel does not ship a top-level ``mooncake`` package (it would collide with an
 installed official Mooncake). Instead, a ``sys.meta_path`` finder answers imports of
-``mooncake`` and ``mooncake.engine`` with thin modules re-exporting
-``kvferry.mooncake``, ``kvferry.mooncake.engine`` and ``kvferry.mooncake.store`` (same
-objects: ``mooncake.engine.TransferEngine is kvferry.mooncake.engine.TransferEngine``). Other
+``mooncake``, ``mooncake.engine``, ``mooncake.store``, ``mooncake.http_metadata_server`` and
+``mooncake.buffer_pool`` with thin modules re-exporting the ``kvferry.mooncake`` modules of the
+same names (same objects:
+``mooncake.engine.TransferEngine is kvferry.mooncake.engine.TransferEngine``);
+``python -m mooncake.http_metadata_server`` runs kvferry's module as ``__main__``. Other
 ``mooncake.*`` submodules are not served: the finder returns None for them (as a finder must,
 so ``importlib.util.find_spec("mooncake.x")`` is None) and ``import mooncake.x`` then fails
 with Python's own ModuleNotFoundError (the ``mooncake`` alias package's ``__path__`` is empty,
@@ -25,7 +27,13 @@ import threading
 from types import ModuleType
 from typing import Any, Optional, Sequence
 
-_ALIASES = {"mooncake": "kvferry.mooncake", "mooncake.engine": "kvferry.mooncake.engine", "mooncake.store": "kvferry.mooncake.store"}
+_ALIASES = {
+    "mooncake": "kvferry.mooncake",
+    "mooncake.engine": "kvferry.mooncake.engine",
+    "mooncake.store": "kvferry.mooncake.store",
+    "mooncake.http_metadata_server": "kvferry.mooncake.http_metadata_server",
+    "mooncake.buffer_pool": "kvferry.mooncake.buffer_pool",
+}
 _lock = threading.Lock()
 
 
@@ -35,6 +43,15 @@ class _AliasLoader(importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
         return None  # a fresh module; exec_module fills it
+
+    def get_code(self, fullname: str) -> Any:
+        """For ``python -m mooncake.X``: runpy executes this code as ``__main__``; it runs the
+        kvferry module as ``__main__`` in turn (same argv)."""
+        src = "import runpy\nrunpy.run_module(%r, run_name='__main__', alter_sys=True)\n" % self.target
+        return compile(src, "<kvferry shim for %s>" % fullname, "exec")
+
+    def is_package(self, fullname: str) -> bool:
+        return fullname == "mooncake"
 
     def exec_module(self, module: ModuleType) -> None:
         real = importlib.import_module(self.target)
@@ -49,7 +66,7 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class MooncakeShimFinder(importlib.abc.MetaPathFinder):
-    """Resolves ``mooncake`` and ``mooncake.engine`` to kvferry."""
+    """Resolves ``mooncake`` and the ``mooncake.*`` modules kvferry provides to kvferry."""
 
     def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None, target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
         if fullname in _ALIASES:
@@ -57,7 +74,7 @@ class MooncakeShimFinder(importlib.abc.MetaPathFinder):
             if fullname == "mooncake":
                 spec.submodule_search_locations = []
             return spec
-        # Anything else (mooncake.http_metadata_server, ...) is not ours: a finder answers None
+        # Anything else (mooncake.structured_object_store, ...) is not ours: a finder answers None
         # for names it does not serve, never raises (code probing optional modules with
         # importlib.util.find_spec must get None); `import` then raises ModuleNotFoundError.
         return None

@@ -268,7 +268,9 @@ def test_exact_names():
         "TransferEngine", "TransferNotify", "TransferOpcode", "InnerTransferEngine", "Read", "Write",
         "SUPPORT_CUDA", "SUPPORT_EFA", "SUPPORT_HIP", "SUPPORT_INTRA_NVLINK", "SUPPORT_MNNVL", "SUPPORT_MUSA",
     }
-    assert kvferry.mooncake.BufferPool is None and kvferry.mooncake.RegisteredBufferPool is None
+    from kvferry.mooncake.buffer_pool import BufferPool
+
+    assert kvferry.mooncake.BufferPool is BufferPool and kvferry.mooncake.RegisteredBufferPool is BufferPool
     with pytest.raises(AttributeError, match="not provided by kvferry"):
         me.RpcInterface
     assert repr(me.TransferNotify("a", "b")) == "TransferNotify(name='a', msg='b')"

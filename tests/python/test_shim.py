@@ -25,7 +25,8 @@ def test_env_var_aliases_mooncake_engine():
         import mooncake, mooncake.engine, kvferry.mooncake.engine as k
         assert TransferEngine is k.TransferEngine and TransferOpcode is k.TransferOpcode
         assert mooncake.engine.TransferEngine is k.TransferEngine
-        assert mooncake.BufferPool is None
+        import kvferry.mooncake.buffer_pool as bp
+        assert mooncake.BufferPool is bp.BufferPool
         te = TransferEngine()
         assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         print("ok", TransferEngine.__module__, te.get_rpc_port() > 0)

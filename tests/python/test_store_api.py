@@ -45,7 +45,7 @@ def test_find_spec_of_a_module_the_shim_does_not_serve_is_none():
     kvferry.install_mooncake_shim()
     try:
         assert importlib.util.find_spec("mooncake.store") is not None
-        assert importlib.util.find_spec("mooncake.http_metadata_server") is None
+        assert importlib.util.find_spec("mooncake.structured_object_store") is None
         assert importlib.util.find_spec("mooncake.kvferry_no_such_module") is None
         with pytest.raises(ModuleNotFoundError):
             import mooncake.kvferry_no_such_module  # noqa: F401
@@ -384,11 +384,167 @@ def test_batch_replica_clear_clears_this_clients_unleased_objects(cluster):
 
 def test_not_provided_names_say_so():
     s = MooncakeDistributedStore()
-    with pytest.raises(NotImplementedError, match="replica"):
-        s.get_replica_desc("k")
-    with pytest.raises(NotImplementedError, match="replica"):
-        s.batch_get_replica_desc(["k"])
+    assert s.get_replica_desc("k") == [] and s.batch_get_replica_desc(["k"]) == {}, "not set up: empty, as Mooncake's failures"
     with pytest.raises(AttributeError, match="not provided by kvferry"):
         s.put_tensor  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute"):
         s.no_such_method  # noqa: B018
+
+
+# -- replica descriptors -----------------------------------------------------------------------
+
+def test_replica_desc_says_where_the_bytes_are(cluster):
+    s = client(cluster)
+    v = value("rd", 100_000)
+    assert s.put("rd", v, ReplicateConfig(replica_num=2)) == 0
+    assert s.put("rd2", b"second") == 0
+    descs = s.get_replica_desc("rd")
+    assert len(descs) == 2, "two segments, two replicas: %r" % descs
+    eps = set()
+    with kvferry.Engine(HOST) as eng:
+        for d in descs:
+            assert isinstance(d, mcs.ReplicaDescriptor) and d.status == mcs.ReplicaStatus.COMPLETE and d.status == mcs.COMPLETE
+            assert d.is_memory_replica() and not d.is_disk_replica() and not d.is_local_disk_replica()
+            with pytest.raises(RuntimeError, match="memory replica"):
+                d.get_disk_descriptor()
+            md = d.get_memory_descriptor()
+            assert isinstance(md, mcs.MemoryDescriptor)
+            bd = md.buffer_descriptor
+            assert isinstance(bd, mcs.Descriptor) and bd.size == len(v) and bd.buffer_address > 0
+            assert "size=%d" % len(v) in repr(bd)
+            eps.add(bd.transport_endpoint)
+            # The descriptor is right: a transfer engine reads the value from there.
+            buf = bytearray(bd.size)
+            eng.register_memory(buf)
+            eng.read(bd.transport_endpoint, buf, bd.buffer_address)
+            assert bytes(buf) == v, "replica on %s" % bd.transport_endpoint
+            eng.unregister_memory(buf)
+    assert len(eps) == 2 and s.get_hostname() in eps, "one replica in this client's segment, one in the server's"
+
+    m = s.batch_get_replica_desc(["rd", "missing", "rd2"])
+    assert isinstance(m, dict) and sorted(m) == ["rd", "rd2"], "missing keys are left out, as in Mooncake"
+    assert len(m["rd"]) == 2 and [d.get_memory_descriptor().buffer_descriptor.size for d in m["rd2"]] == [6]
+    assert s.get_replica_desc("missing") == []
+    assert s.batch_get_replica_desc([]) == {}
+    # Listing replicas grants a read lease, as Mooncake's Query does: remove waits for it, or forces.
+    assert s.remove("rd") == -706
+    assert s.remove("rd", force=True) == 0 and s.get_replica_desc("rd") == []
+    assert s.close() == 0
+    assert s.get_replica_desc("rd2") == [] and s.batch_get_replica_desc(["rd2"]) == {}, "closed: empty, as Mooncake's failures"
+
+
+def test_replica_descriptor_names_are_exported():
+    for n in ("ReplicaDescriptor", "MemoryDescriptor", "DiskDescriptor", "Descriptor"):
+        assert n in mcs.__all__
+    d = mcs.Descriptor()
+    assert (d.size, d.buffer_address, d.transport_endpoint) == (0, 0, "")
+    dd = mcs.DiskDescriptor()
+    assert (dd.file_path, dd.object_size) == ("", 0)
+
+
+# -- BufferPool --------------------------------------------------------------------------------
+
+def test_buffer_pool_leases_move_values_zero_copy(cluster):
+    from kvferry.mooncake.buffer_pool import BufferPool, RegisteredBufferPool
+
+    s = client(cluster, local=16 << 20)
+    pool = BufferPool(s)
+    assert RegisteredBufferPool is BufferPool and mcs.BufferPool is BufferPool
+    a = pool.acquire(1 << 20)
+    assert a.size == 1 << 20 and a.ptr % (8 << 20) == 0, "Mooncake's default alignment"
+    data = value("bp", 1 << 20)
+    mv = a.buffer
+    assert len(mv) == 1 << 20 and not mv.readonly
+    mv[:] = data
+    with pytest.raises(RuntimeError, match="exported views"):
+        a.release()
+    del mv
+    assert s.put_from("bp", a.ptr, a.size) == 0, "the lease is registered with the store"
+    with pool.buffer(1 << 20) as b:
+        assert s.get_into("bp", b.ptr, b.size) == 1 << 20
+        assert bytes(b.buffer) == data
+    with pytest.raises(RuntimeError, match="closed"):
+        b.ptr  # noqa: B018
+    assert s.get("bp") == data
+    with pytest.raises(RuntimeError, match="active leases"):
+        pool.close()
+    a.release()
+    a.release()  # twice is fine
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.acquire(10)
+    assert s.close() == 0
+
+
+def test_buffer_pool_budget_blocks_fails_or_times_out(cluster):
+    from kvferry.mooncake.buffer_pool import BufferPool
+
+    s = client(cluster, local=4 << 20)
+    pool = BufferPool(s, max_bytes=1 << 20, alignment=4096)  # raised to the local buffer, 4 MiB
+    with pytest.raises(RuntimeError, match="exceeds pool capacity"):
+        pool.acquire(5 << 20)
+    big = pool.acquire(3 << 20)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.acquire(2 << 20, block=False)
+    with pytest.raises(RuntimeError, match="timed out"):
+        pool.acquire(2 << 20, timeout=0.05)
+    small = pool.acquire(1 << 20, block=False)  # what is left fits
+    small.release()
+    t = threading.Timer(0.2, big.release)
+    t.start()
+    got = pool.acquire(2 << 20, timeout=10)  # waits for the release
+    t.join()
+    assert got.size == 2 << 20
+    got.release()
+    counted = BufferPool(s, max_regions=1, block_on_exhaustion=False)
+    one = counted.acquire(100)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        counted.acquire(100)
+    del one  # dropping a lease gives it back
+    counted.acquire(100).release()
+    pool.close()
+    counted.close()
+    assert s.close() == 0
+
+
+def test_buffer_pool_needs_a_store_with_a_local_buffer(cluster):
+    from kvferry.mooncake.buffer_pool import BufferPool
+
+    with pytest.raises(RuntimeError, match="not initialized"):
+        BufferPool(MooncakeDistributedStore())
+    s = client(cluster, local=0)
+    with pytest.raises(RuntimeError, match="local buffer"):
+        BufferPool(s)
+    s.close()
+    s = client(cluster)
+    with pytest.raises(RuntimeError, match="power of two"):
+        BufferPool(s, alignment=3000)
+    with pytest.raises(TypeError):
+        BufferPool(s, max_bytes=-1)
+    assert s.close() == 0
+
+
+def test_get_into_ranges_copies_each_range(cluster):
+    s = client(cluster)
+    v1, v2 = value("gr1", 10000), value("gr2", 5000)
+    assert s.put("gr1", v1) == 0 and s.put("gr2", v2) == 0
+    a = np.zeros(8192, dtype=np.uint8)
+    b = np.zeros(16384, dtype=np.uint8)
+    for buf in (a, b):
+        assert s.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+    res = s.get_into_ranges(
+        [a.ctypes.data, b.ctypes.data],
+        [["gr1", "gr2"], ["gr1", "missing"]],
+        [[[0, 100], [2000]], [[0, 10000], [0]]],
+        [[[100, 9000], [0]], [[0, 9990], [0]]],
+        [[[50, 1000], [5000]], [[10000, 20], [10]]],
+    )
+    assert res == [[[50, 1000], [5000]], [[10000, -600], [-704]]]
+    assert a[:50].tobytes() == v1[100:150] and a[100:1100].tobytes() == v1[9000:10000] and a[2000:7000].tobytes() == v2
+    assert a[50:100].tobytes() == bytes(50), "nothing else written"
+    assert b[:10000].tobytes() == v1 and b[10000:].tobytes() == bytes(6384), "the failed range wrote nothing"
+    assert s.get_into_ranges([a.ctypes.data], [["gr1"]], [[[0]]], [[[0]]], []) == [[[-600]]], "mismatched lists"
+    assert s.get_into_ranges([], [], [], [], []) == []
+    for buf in (a, b):
+        assert s.unregister_buffer(buf.ctypes.data) == 0
+    assert s.close() == 0

@@ -11,6 +11,7 @@
 mod bench;
 mod doctor;
 mod master;
+mod master_flags;
 mod master_http;
 mod metadata_bench;
 mod metadata_server;
@@ -34,6 +35,8 @@ enum Cmd {
     /// Check what this host can do: addresses, ports, memlock, transports.
     Doctor(doctor::DoctorArgs),
     /// Run the store's master (metadata only: segments, objects, leases, eviction).
+    #[command(after_help = "mooncake_master's spellings are accepted too: --rpc_port=50051, -rpc_port 50051, --rpc_address, \
+--enable_http_metadata_server, every flag with underscores; Mooncake flags kvferry lacks are warned about or refused by name.")]
     Master(master::MasterArgs),
     /// Measure the store: a master and two clients on 127.0.0.1, every value checked.
     StoreBench(store_bench::StoreBenchArgs),
@@ -52,7 +55,24 @@ fn main() {
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")))
         .with_writer(std::io::stderr)
         .init();
-    let matches = Cli::command().get_matches();
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if argv.get(1).is_some_and(|a| a == "master") {
+        // Mooncake's mooncake_master spellings (gflags) next to kvferry's own.
+        match master_flags::normalize(&argv[2..], &master::known_flags()) {
+            Ok(n) => {
+                for w in &n.warnings {
+                    eprintln!("{w}");
+                }
+                argv.truncate(2);
+                argv.extend(n.args);
+            }
+            Err(e) => {
+                eprintln!("kvferry master: error: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
+    let matches = Cli::command().get_matches_from(argv);
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(c) => c,
         Err(e) => e.exit(),

@@ -18,11 +18,16 @@ pub struct MasterArgs {
     /// HTTP port for /metrics, /health, /query_key, /get_all_segments (Mooncake: --metrics_port); 0 picks one, -1 disables.
     #[arg(long, default_value_t = 9003, allow_negative_numbers = true)]
     pub metrics_port: i32,
-    /// Read lease granted by get/exist, in milliseconds (Mooncake: --default_kv_lease_ttl).
-    #[arg(long, default_value_t = 10_000)]
+    /// Address of the HTTP listener (Mooncake: --metrics_host; default: --host).
+    #[arg(long)]
+    pub metrics_host: Option<IpAddr>,
+    /// Read lease granted by get/exist, in milliseconds, or with a unit: 10s, 1m, 500ms
+    /// (Mooncake: --default_kv_lease_ttl).
+    #[arg(long, default_value_t = 10_000, value_parser = crate::master_flags::parse_duration_ms)]
     pub default_kv_lease_ttl: u64,
-    /// Default soft-pin duration in milliseconds (Mooncake: --default_kv_soft_pin_ttl).
-    #[arg(long, default_value_t = 30 * 60 * 1000)]
+    /// Default soft-pin duration in milliseconds, or with a unit: 30m, 1h
+    /// (Mooncake: --default_kv_soft_pin_ttl).
+    #[arg(long, default_value_t = 30 * 60 * 1000, value_parser = crate::master_flags::parse_duration_ms)]
     pub default_kv_soft_pin_ttl: u64,
     /// Whether eviction may take soft-pinned objects when nothing else is left.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -36,7 +41,7 @@ pub struct MasterArgs {
     /// Seconds without a ping after which a client's segments are dropped.
     #[arg(long, default_value_t = 10)]
     pub client_ttl: u64,
-    /// `random` or `free_ratio_first`.
+    /// `random` or `free_ratio_first` (Mooncake: --allocation_strategy).
     #[arg(long, default_value = "random")]
     pub allocation_strategy: String,
     /// Seconds after which an unfinished put may be replaced by a new one.
@@ -106,19 +111,22 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
     let text = std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))?;
     let obj = v.as_object().ok_or_else(|| format!("{} must hold a JSON object", path.display()))?;
-    let mut args: Vec<String> = vec!["master".into()];
+    // Keys as flags (kvferry's or Mooncake's master.json names), through the same
+    // translation as the command line.
+    let mut raw: Vec<std::ffi::OsString> = Vec::new();
     for (k, val) in obj {
-        let flag = k.replace('_', "-");
-        let from_cli = matches.value_source(&k.replace('-', "_")).is_some_and(|s| s == clap::parser::ValueSource::CommandLine);
-        if from_cli {
-            continue;
-        }
         let s = match val {
             serde_json::Value::String(s) => s.clone(),
             other => other.to_string(),
         };
-        args.push(format!("--{flag}={s}"));
+        raw.push(format!("--{k}={s}").into());
     }
+    let n = crate::master_flags::normalize(&raw, &known_flags()).map_err(|e| format!("{}: {e}", path.display()))?;
+    for w in &n.warnings {
+        eprintln!("{w} [{}]", path.display());
+    }
+    let mut args: Vec<std::ffi::OsString> = vec!["master".into()];
+    args.extend(n.args);
     #[derive(clap::Parser)]
     struct Wrap {
         #[command(flatten)]
@@ -136,12 +144,23 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
         )*};
     }
     keep_cli!(
-        host, port, metrics_port, default_kv_lease_ttl, default_kv_soft_pin_ttl, allow_evict_soft_pinned_objects, eviction_ratio, eviction_high_watermark_ratio, client_ttl,
+        host, port, metrics_port, metrics_host, default_kv_lease_ttl, default_kv_soft_pin_ttl, allow_evict_soft_pinned_objects, eviction_ratio, eviction_high_watermark_ratio, client_ttl,
         allocation_strategy, put_start_discard_timeout_sec, put_start_release_timeout_sec, put_wait_for_reads_ms, summary_interval, enable_http_metadata_server, http_metadata_server_host,
         http_metadata_server_port, http_metadata_server_data_dir
     );
     out.config = a.config.clone();
     Ok(out)
+}
+
+/// kvferry's long flag names for `kvferry master` (kebab-case, no dashes).
+pub fn known_flags() -> Vec<String> {
+    #[derive(clap::Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        m: MasterArgs,
+    }
+    use clap::CommandFactory;
+    Wrap::command().get_arguments().filter_map(|a| a.get_long().map(str::to_string)).collect()
 }
 
 pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
@@ -153,7 +172,8 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     let server = MasterServer::start_with_spin(Arc::clone(&master), listener, Duration::from_millis(200), a.summary_interval.saturating_mul(5), spin)
         .map_err(|e| format!("starting the master: {e}"))?;
     let http_port = if a.metrics_port >= 0 {
-        let l = TcpListener::bind(SocketAddr::new(a.host, a.metrics_port as u16)).map_err(|e| format!("cannot bind the HTTP port {}:{}: {e}", a.host, a.metrics_port))?;
+        let http_host = a.metrics_host.unwrap_or(a.host);
+        let l = TcpListener::bind(SocketAddr::new(http_host, a.metrics_port as u16)).map_err(|e| format!("cannot bind the HTTP port {http_host}:{}: {e}", a.metrics_port))?;
         let port = l.local_addr().map(|x| x.port()).unwrap_or(0);
         let m = Arc::clone(&master);
         std::thread::Builder::new().name("kvf-master-http".into()).spawn(move || {
@@ -196,12 +216,109 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
         "KVFERRY_MASTER rpc={}:{} http={} metadata={}",
         a.host,
         server.port(),
-        http_port.map(|p| format!("{}:{p}", a.host)).unwrap_or_else(|| "off".into()),
+        http_port.map(|p| format!("{}:{p}", a.metrics_host.unwrap_or(a.host))).unwrap_or_else(|| "off".into()),
         metadata.as_deref().unwrap_or("off")
     );
     let _ = std::io::stdout().flush();
-    eprintln!("kvferry master listening on {}:{} (RPC){}", a.host, server.port(), http_port.map(|p| format!(", {}:{p} (HTTP)", a.host)).unwrap_or_default());
+    eprintln!("kvferry master listening on {}:{} (RPC){}", a.host, server.port(), http_port.map(|p| format!(", {}:{p} (HTTP)", a.metrics_host.unwrap_or(a.host))).unwrap_or_default());
     loop {
         std::thread::park();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsString;
+
+    fn parse(argv: &[&str]) -> MasterArgs {
+        #[derive(clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            m: MasterArgs,
+        }
+        use clap::Parser;
+        let raw: Vec<OsString> = argv.iter().map(OsString::from).collect();
+        let n = crate::master_flags::normalize(&raw, &known_flags()).expect("normalize");
+        let mut args: Vec<OsString> = vec!["master".into()];
+        args.extend(n.args);
+        match Wrap::try_parse_from(&args) {
+            Ok(w) => w.m,
+            Err(e) => panic!("{argv:?} -> {args:?}: {e}"),
+        }
+    }
+
+    #[test]
+    fn mooncake_spellings_set_every_field() {
+        let a = parse(&[
+            "--rpc_port=0",
+            "-rpc_address=127.0.0.2",
+            "--metrics_port",
+            "-1",
+            "--metrics_host=127.0.0.3",
+            "--default_kv_lease_ttl=5s",
+            "--default_kv_soft_pin_ttl",
+            "2m",
+            "--eviction_ratio=0.2",
+            "--eviction_high_watermark_ratio=0.8",
+            "--client_ttl=3",
+            "--noallow_evict_soft_pinned_objects",
+            "--enable_http_metadata_server",
+            "--http_metadata_server_port=0",
+            "--http_metadata_server_host=127.0.0.4",
+            "--http_metadata_server_data_dir=/tmp/kvf-md",
+            "--allocation_strategy=free_ratio_first",
+            "--put_start_discard_timeout_sec=5",
+            "--put_start_release_timeout_sec=6",
+            "--put_wait_for_reads_ms=7",
+            "--enable_metric_reporting=false",
+        ]);
+        assert_eq!((a.port, a.host.to_string(), a.metrics_port, a.metrics_host.map(|h| h.to_string())), (0, "127.0.0.2".into(), -1, Some("127.0.0.3".into())));
+        assert_eq!((a.default_kv_lease_ttl, a.default_kv_soft_pin_ttl, a.client_ttl), (5000, 120_000, 3));
+        assert_eq!((a.eviction_ratio, a.eviction_high_watermark_ratio, a.allow_evict_soft_pinned_objects), (0.2, 0.8, false));
+        assert!(a.enable_http_metadata_server);
+        assert_eq!((a.http_metadata_server_port, a.http_metadata_server_host.map(|h| h.to_string())), (0, Some("127.0.0.4".into())));
+        assert_eq!(a.http_metadata_server_data_dir.as_deref(), Some(std::path::Path::new("/tmp/kvf-md")));
+        assert_eq!((a.allocation_strategy.as_str(), a.put_start_discard_timeout_sec, a.put_start_release_timeout_sec, a.put_wait_for_reads_ms), ("free_ratio_first", 5, 6, 7));
+        assert_eq!(a.summary_interval, 0, "--enable_metric_reporting=false turns the summary line off");
+        assert!(a.master_config().is_ok());
+        // kvferry's own spellings still work, including the space-separated boolean.
+        let b = parse(&["--port", "7", "--allow-evict-soft-pinned-objects", "false", "--enable-http-metadata-server", "--default-kv-lease-ttl", "250"]);
+        assert_eq!((b.port, b.allow_evict_soft_pinned_objects, b.enable_http_metadata_server, b.default_kv_lease_ttl), (7, false, true, 250));
+    }
+
+    #[test]
+    fn every_flag_has_an_underscore_spelling() {
+        for k in known_flags() {
+            let raw = vec![OsString::from(format!("--{}=1", k.replace('-', "_")))];
+            let n = crate::master_flags::normalize(&raw, &known_flags()).expect("normalize");
+            let got = n.args.first().and_then(|s| s.to_str()).unwrap_or_default().to_string();
+            assert!(got.starts_with(&format!("--{k}=")), "--{} -> {got}", k.replace('-', "_"));
+        }
+    }
+
+    #[test]
+    fn config_file_takes_mooncake_master_json_keys() {
+        let dir = std::env::temp_dir().join(format!("kvf-master-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp dir");
+        let path = dir.join("master.json");
+        std::fs::write(&path, r#"{"rpc_port": 50123, "rpc_address": "127.0.0.1", "rpc_thread_num": 16, "default_kv_lease_ttl": "2s", "client_live_ttl_sec": 9, "enable_ha": false, "eviction_ratio": 0.1}"#).expect("write");
+        #[derive(clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            m: MasterArgs,
+        }
+        use clap::{CommandFactory, FromArgMatches};
+        let p = path.to_string_lossy().to_string();
+        let matches = Wrap::command().try_get_matches_from(["master", "--config", p.as_str(), "--eviction-ratio", "0.3"]).expect("matches");
+        let a = Wrap::from_arg_matches(&matches).expect("args").m;
+        let m = merge_config_file(a, &matches).expect("merge");
+        assert_eq!((m.port, m.default_kv_lease_ttl, m.client_ttl, m.eviction_ratio), (50123, 2000, 9, 0.3));
+        std::fs::write(&path, r#"{"enable_ha": true}"#).expect("write");
+        let matches = Wrap::command().try_get_matches_from(["master", "--config", p.as_str()]).expect("matches");
+        let a = Wrap::from_arg_matches(&matches).expect("args").m;
+        let e = merge_config_file(a, &matches).err().unwrap_or_default();
+        assert!(e.contains("--enable_ha") && e.contains("master.json"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -16,6 +16,8 @@ use std::time::Duration;
 
 /// One key's outcome in a batch: the value (if found), a Mooncake error code and a message.
 type KeyResult = (Option<Py<PyBytes>>, i32, String);
+/// Per key: its replicas as (segment, address, size), or None with the error code and message.
+type ReplicaDescResult = (Option<Vec<(String, u64, u64)>>, i32, String);
 
 static STORE_MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
 
@@ -285,6 +287,15 @@ impl StoreCore {
     #[pyo3(signature = (force=false))]
     fn remove_all(&self, py: Python<'_>, force: bool) -> PyResult<u64> {
         self.with(py, move |c| c.remove_all(force))
+    }
+
+    /// Where each key's replicas live (Mooncake's `batch_get_replica_desc`): per key a list of
+    /// (transfer-engine segment, address, size), one entry per complete replica.
+    fn batch_get_replica_desc(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<ReplicaDescResult>> {
+        self.per_key(py, move |c| {
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            c.batch_get_replica_desc(&refs).into_iter().map(|r| r.map(|v| v.into_iter().map(|d| (d.te_endpoint, d.addr, d.size)).collect())).collect()
+        })
     }
 
     /// Clears replicas of `keys` written by this client (Mooncake's rules: one segment's

@@ -20,6 +20,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import store as _native
+from .buffer_pool import BufferLease, BufferPool, RegisteredBufferLease, RegisteredBufferPool
 
 __all__ = [
     "MooncakeDistributedStore",
@@ -27,7 +28,15 @@ __all__ = [
     "SoftPinAction",
     "ObjectDataType",
     "ReplicaStatus",
+    "ReplicaDescriptor",
+    "MemoryDescriptor",
+    "DiskDescriptor",
+    "Descriptor",
     "BufferHandle",
+    "BufferPool",
+    "RegisteredBufferPool",
+    "BufferLease",
+    "RegisteredBufferLease",
     "bind_to_numa_node",
 ]
 
@@ -40,6 +49,7 @@ INVALID_PARAMS = -600
 INTERNAL_ERROR = -1
 BUFFER_OVERFLOW = -10
 OBJECT_ALREADY_EXISTS = -705
+OBJECT_NOT_FOUND = -704
 
 # health_check() answers (Mooncake's HC_*).
 HC_HEALTHY = 0
@@ -79,6 +89,83 @@ class ReplicaStatus(enum.IntEnum):
 globals().update({m.name: m for m in ObjectDataType})
 globals().update({m.name: m for m in ReplicaStatus})
 __all__ += [m.name for m in ObjectDataType] + [m.name for m in ReplicaStatus]
+
+
+class Descriptor:
+    """Mooncake's ``Descriptor`` (``AllocatedBuffer::Descriptor``): one replica's bytes,
+    ``size`` bytes at ``buffer_address`` in the transfer-engine segment
+    ``transport_endpoint``."""
+
+    __slots__ = ("size", "buffer_address", "transport_endpoint")
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.buffer_address = 0
+        self.transport_endpoint = ""
+
+    def __repr__(self) -> str:
+        return "<Descriptor size=%d buffer_address=%d transport_endpoint=%s>" % (self.size, self.buffer_address, self.transport_endpoint)
+
+
+class MemoryDescriptor:
+    """Mooncake's ``MemoryDescriptor``: a memory replica's ``buffer_descriptor``."""
+
+    __slots__ = ("buffer_descriptor",)
+
+    def __init__(self, buffer_descriptor: Optional[Descriptor] = None) -> None:
+        self.buffer_descriptor = buffer_descriptor if buffer_descriptor is not None else Descriptor()
+
+    def __repr__(self) -> str:
+        return "<MemoryDescriptor %r>" % (self.buffer_descriptor,)
+
+
+class DiskDescriptor:
+    """Mooncake's ``DiskDescriptor`` (``file_path``, ``object_size``). kvferry has no disk
+    tier, so no replica it returns has one."""
+
+    __slots__ = ("file_path", "object_size")
+
+    def __init__(self) -> None:
+        self.file_path = ""
+        self.object_size = 0
+
+
+class ReplicaDescriptor:
+    """Mooncake's ``ReplicaDescriptor``, as ``get_replica_desc`` returns it: ``status`` (a
+    ``ReplicaStatus``; kvferry lists complete replicas only), ``is_memory_replica()`` (always
+    True on kvferry), ``is_disk_replica()``/``is_local_disk_replica()`` (False),
+    ``get_memory_descriptor()``; ``get_disk_descriptor()`` raises RuntimeError, as Mooncake's
+    does for a memory replica."""
+
+    __slots__ = ("_status", "_memory")
+
+    def __init__(self, transport_endpoint: str, buffer_address: int, size: int, status: "ReplicaStatus" = None) -> None:  # type: ignore[assignment]
+        d = Descriptor()
+        d.transport_endpoint, d.buffer_address, d.size = str(transport_endpoint), int(buffer_address), int(size)
+        self._memory = MemoryDescriptor(d)
+        self._status = ReplicaStatus.COMPLETE if status is None else ReplicaStatus(status)
+
+    @property
+    def status(self) -> "ReplicaStatus":
+        return self._status
+
+    def is_memory_replica(self) -> bool:
+        return True
+
+    def is_disk_replica(self) -> bool:
+        return False
+
+    def is_local_disk_replica(self) -> bool:
+        return False
+
+    def get_memory_descriptor(self) -> MemoryDescriptor:
+        return self._memory
+
+    def get_disk_descriptor(self) -> DiskDescriptor:
+        raise RuntimeError("get_disk_descriptor: this is a memory replica (kvferry has no disk tier); check is_disk_replica() first")
+
+    def __repr__(self) -> str:
+        return "<ReplicaDescriptor status=%s %r>" % (self._status.name, self._memory.buffer_descriptor)
 
 
 def _u64_or_none(name: str, v: Any) -> Optional[int]:
@@ -612,6 +699,86 @@ class MooncakeDistributedStore:
                     out[i] = code
         return out
 
+    def get_into_ranges(
+        self,
+        buffer_ptrs: Sequence[int],
+        all_keys: Sequence[Sequence[str]],
+        all_dst_offsets: Sequence[Sequence[Sequence[int]]],
+        all_src_offsets: Sequence[Sequence[Sequence[int]]],
+        all_sizes: Sequence[Sequence[Sequence[int]]],
+    ) -> List[List[List[int]]]:
+        """Copies byte ranges of objects into buffers: for buffer ``i``, key ``j`` and range
+        ``r``, ``all_sizes[i][j][r]`` bytes from offset ``all_src_offsets[i][j][r]`` of the
+        value of ``all_keys[i][j]`` to ``buffer_ptrs[i] + all_dst_offsets[i][j][r]``. Per range
+        (same nesting): the bytes copied, -704 for a missing key, -600 for a range past the
+        value's end, a null buffer or lists that do not match. kvferry reads each distinct
+        key's whole value once (one batched get) and copies the ranges out of it; the
+        destination ranges are not checked against registered memory."""
+        n = len(buffer_ptrs)
+
+        def filled(code: int) -> List[List[List[int]]]:
+            out = []
+            for i in range(n):
+                keys_i = all_keys[i] if i < len(all_keys) else []
+                dst_i = all_dst_offsets[i] if i < len(all_dst_offsets) else []
+                out.append([[code] * (len(dst_i[j]) if j < len(dst_i) else 0) for j in range(len(keys_i))])
+            return out
+
+        if not n == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes):
+            _fail(_native.StoreInvalidArgument(
+                "get_into_ranges: %d buffers, %d key lists, %d/%d/%d offset and size lists: one of each per buffer"
+                % (n, len(all_keys), len(all_dst_offsets), len(all_src_offsets), len(all_sizes)), INVALID_PARAMS))
+            return filled(INVALID_PARAMS)
+        try:
+            core = self._store()._core
+        except Exception as e:  # noqa: BLE001
+            return filled(_fail(e))
+        out = filled(INVALID_PARAMS)
+        wanted: Dict[str, Any] = {}
+        for i in range(n):
+            keys_i, dst_i, src_i, len_i = all_keys[i], all_dst_offsets[i], all_src_offsets[i], all_sizes[i]
+            if not len(keys_i) == len(dst_i) == len(src_i) == len(len_i):
+                _fail(_native.StoreInvalidArgument("get_into_ranges: buffer %d has %d keys but %d/%d/%d range lists" % (i, len(keys_i), len(dst_i), len(src_i), len(len_i)), INVALID_PARAMS))
+                continue
+            for j, k in enumerate(keys_i):
+                if len(dst_i[j]) == len(src_i[j]) == len(len_i[j]):
+                    wanted[str(k)] = None
+        if wanted:
+            try:
+                names = list(wanted)
+                for k, (v, code, _) in zip(names, core.get_batch(names)):
+                    wanted[k] = v if code == 0 and v is not None else (code or INTERNAL_ERROR)
+            except Exception as e:  # noqa: BLE001
+                code = _fail(e)
+                for k in wanted:
+                    wanted[k] = code
+        for i in range(n):
+            try:
+                ptr = _ptr(buffer_ptrs[i])
+            except Exception as e:  # noqa: BLE001
+                _fail(e)
+                continue
+            if ptr == 0 or len(all_keys[i]) != len(out[i]):
+                continue
+            for j, k in enumerate(all_keys[i]):
+                v = wanted.get(str(k))
+                dst, src, sizes = all_dst_offsets[i][j], all_src_offsets[i][j], all_sizes[i][j]
+                if v is None or not len(dst) == len(src) == len(sizes):
+                    continue
+                for r, (d, o, m) in enumerate(zip(dst, src, sizes)):
+                    if isinstance(v, int):
+                        out[i][j][r] = v
+                        continue
+                    d, o, m = int(d), int(o), int(m)
+                    if d < 0 or o < 0 or m < 0 or o + m > len(v):
+                        _fail(_native.StoreInvalidArgument("get_into_ranges: %s: range [%d, %d) is past the value's %d bytes" % (k, o, o + m, len(v)), INVALID_PARAMS))
+                        out[i][j][r] = INVALID_PARAMS
+                        continue
+                    if m:
+                        ctypes.memmove(ptr + d, v[o:o + m], m)
+                    out[i][j][r] = m
+        return out
+
     def batch_get_into_multi_buffers(
         self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]], prefer_alloc_in_same_node: bool = False
     ) -> List[int]:
@@ -731,13 +898,34 @@ class MooncakeDistributedStore:
             out.append(cur)
         return out
 
-    # replica placement: the store client has no call that reads replica descriptors
-    # without taking a read lease yet
-    def get_replica_desc(self, key: str) -> Any:
-        raise NotImplementedError("get_replica_desc: kvferry's store client cannot list an object's replicas yet (needs a lease-free replica query in kvferry-store)")
+    # replica placement
+    def get_replica_desc(self, key: str) -> List[ReplicaDescriptor]:
+        """Where ``key``'s replicas live: one ``ReplicaDescriptor`` per complete replica; ``[]``
+        when the key is missing or on error (logged), as Mooncake."""
+        return self._replica_desc([key]).get(str(key), [])
 
-    def batch_get_replica_desc(self, keys: Sequence[str]) -> Any:
-        raise NotImplementedError("batch_get_replica_desc: kvferry's store client cannot list objects' replicas yet (needs a lease-free replica query in kvferry-store)")
+    def batch_get_replica_desc(self, keys: Sequence[str]) -> Dict[str, List[ReplicaDescriptor]]:
+        """``{key: [ReplicaDescriptor, ...]}`` for the keys found; missing keys and failures
+        are left out (and logged), as Mooncake."""
+        return self._replica_desc(keys)
+
+    def _replica_desc(self, keys: Sequence[str]) -> Dict[str, List[ReplicaDescriptor]]:
+        names = [str(k) for k in keys]
+        try:
+            res = self._store()._core.batch_get_replica_desc(names)
+        except Exception as e:  # noqa: BLE001
+            _fail(e)
+            return {}
+        out: Dict[str, List[ReplicaDescriptor]] = {}
+        for k, (reps, code, msg) in zip(names, res):
+            if code != 0 or reps is None:
+                if code != OBJECT_NOT_FOUND:
+                    _fail(_native.StoreError("batch_get_replica_desc %s: %s" % (k, msg), code))
+                else:
+                    _log.debug("kvferry store: batch_get_replica_desc: %s not found", k)
+                continue
+            out[k] = [ReplicaDescriptor(ep, addr, size) for ep, addr, size in reps]
+        return out
 
     def batch_replica_clear(self, keys: Sequence[str], segment_name: str = "") -> List[str]:
         """The keys whose replicas were cleared (Mooncake: [] when nothing was, or on error)."""
@@ -808,7 +996,7 @@ _NOT_PROVIDED: Dict[str, str] = {
     )},
     **{n: "no two-phase put/get sessions in kvferry's master protocol" for n in (
         "batch_get_session_start", "batch_get_session_end", "batch_put_session_start", "batch_put_session_end", "batch_put_session_revoke",
-        "batch_put_from_multi_buffer_ranges", "batch_get_into_multi_buffer_ranges", "get_into_ranges", "put_from_with_metadata",
+        "batch_put_from_multi_buffer_ranges", "batch_get_into_multi_buffer_ranges", "put_from_with_metadata",
     )},
     **{n: "no replica copy/move tasks in kvferry's master" for n in ("create_copy_task", "create_move_task", "query_task")},
 }

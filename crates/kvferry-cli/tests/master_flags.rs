@@ -1,0 +1,115 @@
+//! `kvferry master` started with mooncake_master's gflags spellings serves clients; flags
+//! kvferry does not implement are warned about or refused by name.
+
+use kvferry_store::{Client, ClientConfig, ReplicateConfig};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to the metadata server");
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len()).expect("write");
+    s.write_all(body).expect("write body");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let code = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (code, out)
+}
+
+#[test]
+fn master_started_with_mooncake_flags_serves() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args([
+            "master",
+            "--rpc_port=0",
+            "-rpc_address",
+            "127.0.0.1",
+            "--metrics_port=0",
+            "--default_kv_lease_ttl=2s",
+            "--default_kv_soft_pin_ttl",
+            "30m",
+            "--eviction_ratio=0.1",
+            "--eviction_high_watermark_ratio",
+            "0.9",
+            "--client_ttl=5",
+            "--allow_evict_soft_pinned_objects",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            "--http_metadata_server_port=0",
+            "--rpc_thread_num=4",
+            "-memory_allocator=offset",
+            "--enable_ha=false",
+            "--enable_metric_reporting=false",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvferry master");
+    let mut line = String::new();
+    let stdout = child.stdout.take().expect("stdout");
+    BufReader::new(stdout).read_line(&mut line).expect("read the master's line");
+    let result = std::panic::catch_unwind(|| {
+        assert!(line.starts_with("KVFERRY_MASTER"), "{line:?}");
+        let field = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap_or_default().to_string();
+        let rpc = field("rpc=");
+        assert!(rpc.starts_with("127.0.0.1:") && !rpc.ends_with(":0"), "--rpc_port=0 picked a port: {line}");
+        let meta = field("metadata=");
+        let meta_addr = meta.trim_start_matches("http://").trim_end_matches("/metadata").to_string();
+        assert!(meta.starts_with("http://127.0.0.1:"), "the embedded metadata server is on: {line}");
+
+        let c = Client::setup(ClientConfig {
+            global_segment_size: 16 << 20,
+            local_buffer_size: 16 << 20,
+            master_server_addr: rpc.clone(),
+            transfer_timeout: Duration::from_secs(10),
+            ..ClientConfig::default()
+        })
+        .expect("a client mounts on the master");
+        c.put("mooncake-flags", b"served", &ReplicateConfig::default()).expect("put");
+        assert_eq!(c.get("mooncake-flags").expect("get"), b"served");
+        let _ = c.close();
+
+        assert_eq!(http(&meta_addr, "PUT", "/metadata?key=k", b"v").0, 200);
+        let (code, body) = http(&meta_addr, "GET", "/metadata?key=k", b"");
+        assert!(code == 200 && body.ends_with("\r\n\r\nv"), "{body}");
+        let metrics = field("http=");
+        assert_eq!(http(&metrics, "GET", "/health", b"").0, 200, "the metrics port serves");
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut err);
+    }
+    if let Err(p) = result {
+        eprintln!("master stderr:\n{err}");
+        std::panic::resume_unwind(p);
+    }
+    for name in ["--rpc_thread_num=4", "--memory_allocator=offset", "--enable_ha=false"] {
+        assert_eq!(err.lines().filter(|l| l.contains("warning") && l.contains(name)).count(), 1, "one warning line for {name}: {err}");
+    }
+}
+
+#[test]
+fn master_refuses_mooncake_features_it_lacks_by_name() {
+    for (args, name) in [
+        (&["--enable_ha=true"][..], "--enable_ha"),
+        (&["-enable_offload"], "--enable_offload"),
+        (&["--rpc_interface", "eth0"], "--rpc_interface"),
+        (&["--dynamic_replication_mode=enforce"], "--dynamic_replication_mode"),
+        (&["--no_such_mooncake_flag=1"], "--no_such_mooncake_flag"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["master", "--rpc_port=0", "--metrics_port=-1"])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run kvferry master");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} must be refused");
+        assert!(err.contains(name), "{args:?}: the error names {name}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?}: nothing served");
+    }
+}
