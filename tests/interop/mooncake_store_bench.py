@@ -6,7 +6,8 @@ Run with the interpreter of a venv that has the PyPI Mooncake wheel installed
 
   /tmp/mcvenv/bin/python tests/interop/mooncake_store_bench.py \
       [--values 4096,65536,1048576,16777216] [--batch 32] [--duration 1.0] \
-      [--segment-size 2147483648] [--lease-ms 500]
+      [--segment-size 2147483648] [--lease-ms 500] \
+      [--cycle-values 65536,1048576] [--cycle-segment-size 67108864]
 
 Topology (everything on 127.0.0.1, TCP transport, P2PHANDSHAKE metadata):
 
@@ -36,6 +37,11 @@ resident data under segment/8; gets read every written key at least once and go 
 over them until --duration seconds of calls.  ``remove_all(force=True)`` empties the store
 between the put_from/get_into pair and the put/get pair and after each point (a plain
 ``remove_all()`` skips objects whose read lease is still running).
+
+With --cycle-values, a second master and serving client (segment of --cycle-segment-size
+bytes) then run the put/get/remove cycle of ``kvferry store-bench``: per value size, one key
+at a time put_from + get_into (checked) + remove(key, force=True), at least 4x the segment's
+size put, until --duration seconds of cycles; op "cycle" points (gbps: bytes put).
 
 stdout: exactly one JSON line per point
   {"engine":"mooncake","op":...,"value_bytes":N,"batch":B,"gbps":X,"keys_per_s":Y,
@@ -275,7 +281,7 @@ def serve(master, segment_size):
 # ---------------------------------------------------------------------------------------
 # the bench
 
-def start_master(args, tmpdir):
+def start_master(args, tmpdir, tag="master"):
     exe = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
     if not os.path.exists(exe):
         raise BenchError("mooncake_master not found next to %s" % sys.executable)
@@ -289,7 +295,7 @@ def start_master(args, tmpdir):
                 "--enable_http_metadata_server=false", "--enable_ha=false",
                 "--default_kv_lease_ttl=%d" % args.lease_ms,
                 ]
-        m = Child("master", argv, os.path.join(tmpdir, "master.%d.log" % attempt))
+        m = Child(tag, argv, os.path.join(tmpdir, "%s.%d.log" % (tag, attempt)))
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and m.alive():
             try:
@@ -303,10 +309,10 @@ def start_master(args, tmpdir):
     raise BenchError("mooncake_master did not start: %s" % last[-800:])
 
 
-def start_server(args, master_addr, tmpdir):
+def start_server(args, master_addr, tmpdir, segment_size=None, tag="server"):
     argv = [sys.executable, os.path.abspath(__file__), "--serve", master_addr,
-            "--segment-size", str(args.segment_size)]
-    srv = Child("server", argv, os.path.join(tmpdir, "server.log"), stdin=subprocess.PIPE,
+            "--segment-size", str(segment_size or args.segment_size)]
+    srv = Child(tag, argv, os.path.join(tmpdir, "%s.log" % tag), stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, death_sig=signal.SIGTERM)
     line = srv.p.stdout.readline().decode("utf-8", "replace").strip()
     try:
@@ -573,6 +579,78 @@ class Bench:
                                                     for p in bad)))
 
 
+class Cycler:
+    """The put/get/remove cycle of ``kvferry store-bench``: one key at a time, put_from,
+    get_into (every byte checked) and remove(key, force=True), on a pool of its own whose
+    serving segment is --cycle-segment-size bytes, for at least one round of 4x that size and
+    until --duration seconds of cycles. Emits op "cycle" points (gbps: bytes put; p50/p99 per
+    cycle)."""
+
+    def __init__(self, args, out, master_addr):
+        from mooncake.store import MooncakeDistributedStore
+
+        self.a, self.out = args, out
+        maxv = max(args.cycle_values)
+        self.pat = Pattern(maxv)
+        self.store = MooncakeDistributedStore()
+        ret = self.store.setup(HOST, "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master_addr)
+        if ret != 0:
+            raise BenchError("cycle client setup returned %r" % (ret,))
+        self.src, self.dst = Buffer(maxv), Buffer(maxv)
+        self.registered = []
+        for b in (self.src, self.dst):
+            r = self.store.register_buffer(b.addr, b.size)
+            if r != 0:
+                raise BenchError("register_buffer(%d bytes) returned %r" % (b.size, r))
+            self.registered.append(b.addr)
+
+    def close(self):
+        for addr in self.registered:
+            try:
+                self.store.unregister_buffer(addr)
+            except Exception:
+                pass
+        self.registered = []
+        self.store.close()
+
+    def run(self):
+        a, st = self.a, self.store
+        for v in a.cycle_values:
+            _log("[cycle] values of %d bytes over a %d-byte segment" % (v, a.cycle_segment_size))
+            rnd = 4 * a.cycle_segment_size // v
+            lat, busy, n, verified, t0w = [], 0.0, 0, True, time.monotonic()
+            cap = max(3 * a.duration, a.duration + 5)
+            while n < rnd or (busy < a.duration and time.monotonic() - t0w < cap):
+                k = "mc-cycle-%d-%d" % (v, n)
+                self.pat.fill(self.src.mm, 0, v, k)
+                t = time.perf_counter()
+                r = st.put_from(k, self.src.addr, v)
+                if r != 0:
+                    raise BenchError("cycle %d (%d bytes put so far): put_from %s returned %r" % (n, n * v, k, r))
+                g = st.get_into(k, self.dst.addr, v)
+                if g != v:
+                    raise BenchError("cycle %d: get_into %s returned %r" % (n, k, g))
+                r = st.remove(k, True)
+                if r != 0:
+                    raise BenchError("cycle %d: remove %s returned %r" % (n, k, r))
+                dt = time.perf_counter() - t
+                busy += dt
+                lat.append(dt * 1e6)
+                verified = verified and self.pat.check(self.dst.view[:v], k, v)
+                n += 1
+            secs = max(busy, 1e-9)
+            p = {"engine": ENGINE, "op": "cycle", "value_bytes": v, "batch": 1,
+                 "gbps": round(n * v / secs / 1e9, 6), "keys_per_s": round(n / secs, 3),
+                 "p50_us": round(pct(lat, 0.5), 3), "p99_us": round(pct(lat, 0.99), 3),
+                 "verified": bool(verified)}
+            _emit(self.out, p)
+            _log("  cycle    %9d       %11.0f cycles/s p50 %9.1f us p99 %9.1f us cycles %d %s"
+                 % (v, p["keys_per_s"], p["p50_us"], p["p99_us"], n,
+                    "verified" if verified else "NOT VERIFIED"))
+            if not verified:
+                raise BenchError("cycle %d: values did not read back exactly" % v)
+
+
 def _on_sigterm(signum, frame):
     raise KeyboardInterrupt("signal %d" % signum)
 
@@ -585,6 +663,9 @@ def parse_args(argv):
     p.add_argument("--duration", type=float, default=1.0)
     p.add_argument("--segment-size", type=int, default=2147483648)
     p.add_argument("--lease-ms", type=int, default=500)
+    p.add_argument("--cycle-values", default="",
+                   help="comma-separated value sizes of the put/get/remove cycle points (none by default)")
+    p.add_argument("--cycle-segment-size", type=int, default=64 << 20)
     p.add_argument("--serve", metavar="MASTER", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.serve is None:
@@ -598,6 +679,12 @@ def parse_args(argv):
             p.error("--batch must be at least 1")
         if a.duration < 0:
             p.error("--duration must be >= 0")
+        try:
+            a.cycle_values = [int(x) for x in a.cycle_values.split(",") if x.strip()]
+        except ValueError:
+            p.error("--cycle-values: comma-separated integers expected")
+        if any(v <= 0 or 4 * v > a.cycle_segment_size for v in a.cycle_values):
+            p.error("--cycle-values must be positive and fit 4 times in --cycle-segment-size")
         if a.segment_size <= 0 or a.lease_ms <= 0:
             p.error("--segment-size and --lease-ms must be positive")
     return a
@@ -626,6 +713,16 @@ def main(argv=None):
         children.append(srv)
         bench = Bench(a, out, master_addr, info.get("endpoint"))
         bench.run()
+        if a.cycle_values:
+            m2, m2_addr = start_master(a, tmp.name, tag="cycle-master")
+            children.append(m2)
+            s2, _ = start_server(a, m2_addr, tmp.name, segment_size=a.cycle_segment_size, tag="cycle-server")
+            children.append(s2)
+            cycler = Cycler(a, out, m2_addr)
+            try:
+                cycler.run()
+            finally:
+                cycler.close()
         _log("done in %.1f s" % (time.monotonic() - t_all))
     except KeyboardInterrupt as e:
         _emit(out, {"engine": ENGINE, "error": "interrupted (%s)" % (str(e) or "Ctrl-C")})

@@ -42,6 +42,17 @@ pub struct StoreBenchArgs {
     /// (default: $KVFERRY_MOONCAKE_PYTHON; `none` disables).
     #[arg(long)]
     mooncake_python: Option<String>,
+    /// Value sizes of the put/get/remove cycle points: each cycle is put_from, get_into
+    /// (checked) and a forced remove of one key, against a serving segment of
+    /// --cycle-segment-size, for at least one round of 4x the segment's size.
+    #[arg(long, default_value = "64K,1M", value_delimiter = ',', value_parser = parse_size)]
+    cycle_values: Vec<u64>,
+    /// Segment of the cycle points (a pool of its own, 4x smaller than a round's bytes).
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    cycle_segment_size: u64,
+    /// Leave the cycle points out.
+    #[arg(long)]
+    no_cycle: bool,
     /// Internal: run as the serving client of a bench.
     #[arg(long, hide = true)]
     serve_segment: Option<String>,
@@ -69,24 +80,20 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
     if a.batch == 0 {
         return Err("--batch must be at least 1".into());
     }
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
-    let mut master = Proc::spawn(Command::new(&exe).args(["master", "--port", "0", "--metrics-port", "-1", "--summary-interval", "0", "--default-kv-lease-ttl", "2000"]), "KVFERRY_MASTER")?;
-    let master_addr = master.field("rpc=").ok_or("master printed no address")?;
-    let server = Proc::spawn(
-        Command::new(&exe).args(["store-bench", "--serve-segment", &master_addr, "--segment-size", &a.segment_size.to_string()]),
-        "KVFERRY_STORE_SERVER",
-    );
-    let server = match server {
-        Ok(s) => s,
-        Err(e) => {
-            master.stop();
-            return Err(e);
+    if !a.no_cycle {
+        if let Some(v) = a.cycle_values.iter().find(|&&v| v == 0 || v > a.cycle_segment_size / 4) {
+            return Err(format!("--cycle-values: {} must be non-zero and fit 4 times in --cycle-segment-size ({})", human(*v), human(a.cycle_segment_size)));
         }
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
+    let mut points = {
+        let pool = Pool::start(&exe, a.segment_size)?;
+        run_client(&a, &pool.addr)?
     };
-    let r = run_client(&a, &master_addr);
-    drop(server);
-    master.stop();
-    let points = r?;
+    if !a.no_cycle && !a.cycle_values.is_empty() {
+        let pool = Pool::start(&exe, a.cycle_segment_size)?;
+        points.extend(run_cycles(&a, &pool.addr)?);
+    }
     let mooncake = run_mooncake(&a);
     print_table(&a, &points, &mooncake);
     if let Some(p) = &a.json {
@@ -97,6 +104,65 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
         return Err("some values did not read back exactly (see the table)".into());
     }
     Ok(())
+}
+
+/// A master and a serving client contributing `segment_size` bytes (stopped on drop, the
+/// serving client first).
+struct Pool {
+    _server: Proc,
+    _master: Proc,
+    addr: String,
+}
+
+impl Pool {
+    fn start(exe: &std::path::Path, segment_size: u64) -> Result<Pool, String> {
+        let master = Proc::spawn(Command::new(exe).args(["master", "--port", "0", "--metrics-port", "-1", "--summary-interval", "0", "--default-kv-lease-ttl", "2000"]), "KVFERRY_MASTER")?;
+        let addr = master.field("rpc=").ok_or("master printed no address")?;
+        let server = Proc::spawn(Command::new(exe).args(["store-bench", "--serve-segment", &addr, "--segment-size", &segment_size.to_string()]), "KVFERRY_STORE_SERVER")?;
+        Ok(Pool { _server: server, _master: master, addr })
+    }
+}
+
+/// The put/get/remove cycle: one key at a time, put_from, get_into (every byte checked) and
+/// `remove(force)`, for at least one round of 4x the serving segment's size and until
+/// `duration` seconds of calls. Space must be reused all the time: a removed object's space is
+/// reclaimed as soon as no read of it is in flight. GB/s counts the bytes put; keys/s the
+/// cycles; latency is per cycle.
+fn run_cycles(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, String> {
+    let maxv = a.cycle_values.iter().copied().max().unwrap_or(0) as usize;
+    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 0, master_server_addr: master.to_string(), ..ClientConfig::default() })
+        .map_err(|e| e.to_string())?;
+    let src = HostBuffer::new(maxv, true).map_err(|e| e.to_string())?;
+    let dst = HostBuffer::new(maxv, true).map_err(|e| e.to_string())?;
+    c.register_buffer(src.addr(), src.len() as u64).map_err(|e| e.to_string())?;
+    c.register_buffer(dst.addr(), dst.len() as u64).map_err(|e| e.to_string())?;
+    let cfg = ReplicateConfig::default();
+    let mut points = Vec::new();
+    for &v in &a.cycle_values {
+        eprint!("\r\x1b[K[cycle] values of {} over a {} segment ...", human(v), human(a.cycle_segment_size));
+        let _ = std::io::stderr().flush();
+        let vlen = v as usize;
+        let round = (4 * a.cycle_segment_size / v) as usize;
+        let (mut lat, mut busy, mut n, mut verified) = (Vec::with_capacity(round), Duration::ZERO, 0usize, true);
+        let start = Instant::now();
+        let cap = (3.0 * a.duration).max(a.duration + 5.0);
+        while n < round || (busy.as_secs_f64() < a.duration && start.elapsed().as_secs_f64() < cap) {
+            let k = format!("cycle-{v}-{n}");
+            fill_value(src.slice_mut(0, vlen), &k);
+            let t0 = Instant::now();
+            c.put_from(&k, src.addr(), v, &cfg).map_err(|e| format!("cycle {n} ({} put so far): put_from {k}: {e}", human(n as u64 * v)))?;
+            let got = c.get_into(&k, dst.addr(), v).map_err(|e| format!("cycle {n}: get_into {k}: {e}"))?;
+            c.remove(&k, true).map_err(|e| format!("cycle {n}: remove {k}: {e}"))?;
+            let dt = t0.elapsed();
+            busy += dt;
+            lat.push(dt.as_secs_f64() * 1e6);
+            verified &= got == v && value_ok(dst.slice(0, vlen), &k);
+            n += 1;
+        }
+        points.push(point("cycle", v, 1, n, busy, &mut lat, verified));
+    }
+    eprint!("\r\x1b[K");
+    Ok(points)
 }
 
 /// A child process that prints one `TAG k=v ...` line when ready and exits when its stdin
@@ -336,9 +402,11 @@ fn run_mooncake(a: &StoreBenchArgs) -> MooncakeStore {
     }
     eprint!("\r\x1b[K[mooncake store] running the same sweep ...");
     let values: Vec<String> = a.values.iter().map(u64::to_string).collect();
+    let cycle: Vec<String> = if a.no_cycle { Vec::new() } else { a.cycle_values.iter().map(u64::to_string).collect() };
     let out = Command::new(&py)
         .arg(&script)
         .args(["--values", &values.join(","), "--batch", &a.batch.to_string(), "--duration", &a.duration.to_string()])
+        .args(["--cycle-values", &cycle.join(","), "--cycle-segment-size", &a.cycle_segment_size.to_string()])
         .args(["--segment-size", &a.segment_size.to_string(), "--lease-ms", "2000"])
         .stdin(Stdio::null())
         .stderr(Stdio::null())
@@ -361,7 +429,15 @@ fn print_table(a: &StoreBenchArgs, points: &[StorePoint], mc: &MooncakeStore) {
         _ => "the engine's choice: shared memory between processes on one host, else TCP; KVFERRY_TRANSPORT=tcp forces TCP".to_string(),
     };
     println!("kvferry store-bench: master + 2 clients on 127.0.0.1, values move client to client over {transport}; {} serving segment", human(a.segment_size));
-    println!("latency is per call (a batched call moves {} keys); /mc = kvferry / Mooncake Store in this run\n", a.batch);
+    println!("latency is per call (a batched call moves {} keys); /mc = kvferry / Mooncake Store in this run", a.batch);
+    if !a.no_cycle {
+        println!(
+            "cycle = put_from + get_into (checked) + remove(force) of one key, on a pool of its own with a {} segment, at least {}x its size put per point (GB/s: bytes put; latency per cycle)",
+            human(a.cycle_segment_size),
+            4
+        );
+    }
+    println!();
     println!(
         "{:<9} {:>8} {:>6} {:>8} {:>11} {:>10} {:>10} {:>8} {:>9} {:>9} {:>9}",
         "op", "value", "batch", "GB/s", "keys/s", "p50 (us)", "p99 (us)", "verified", "mc GB/s", "mc p50", "/mc"
