@@ -548,3 +548,42 @@ def test_get_into_ranges_copies_each_range(cluster):
     for buf in (a, b):
         assert s.unregister_buffer(buf.ctypes.data) == 0
     assert s.close() == 0
+
+
+def test_registered_scattered_buffers_move_without_a_copy(cluster):
+    """vLLM's shape: one value per block made of per-layer regions of a registered KV cache.
+    They go straight into the replica and back (no staging: the scratch buffer is never made,
+    even with no local buffer), and come back exactly, split differently."""
+    s = client(cluster, 0, 0)
+    try:
+        layers, part = 8, 16 << 10
+        kv = np.zeros(layers * 4 * part, dtype=np.uint8)
+        assert s.register_buffer(kv.ctypes.data, kv.nbytes) == 0
+        want = {}
+        ptrs = []
+        for b in range(4):
+            v = arr("blk%d" % b, layers * part)
+            want["blk%d" % b] = v
+            for l in range(layers):
+                at = (l * 4 + b) * part  # interleaved: block b's layers are never adjacent
+                kv[at:at + part] = v[l * part:(l + 1) * part]
+            ptrs.append([kv.ctypes.data + (l * 4 + b) * part for l in range(layers)])
+        keys = list(want)
+        assert s.batch_put_from_multi_buffers(keys, ptrs, [[part] * layers] * 4) == [0] * 4
+        assert s._scratch_buf is None, "no staging for registered buffers"
+        out = np.zeros_like(kv)
+        assert s.register_buffer(out.ctypes.data, out.nbytes) == 0
+        # Read back in two halves per block, into the other buffer.
+        half = layers * part // 2
+        optrs = [[out.ctypes.data + b * 2 * half + half, out.ctypes.data + b * 2 * half] for b in range(4)]
+        assert s.batch_get_into_multi_buffers(keys, optrs, [[half, half]] * 4) == [layers * part] * 4
+        assert s._scratch_buf is None
+        for b, k in enumerate(keys):
+            got = np.concatenate([out[b * 2 * half + half:(b + 1) * 2 * half], out[b * 2 * half:b * 2 * half + half]])
+            assert np.array_equal(got, want[k]), k
+        # Too small: refused per key, nothing written.
+        out[:] = 0
+        assert s.batch_get_into_multi_buffers(keys[:1], [[out.ctypes.data, out.ctypes.data + half]], [[half, 100]]) == [-600]
+        assert not out.any()
+    finally:
+        s.close()

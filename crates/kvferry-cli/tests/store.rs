@@ -561,3 +561,81 @@ fn an_idle_readers_finished_read_frees_space_within_milliseconds() {
     assert!(t.elapsed() < Duration::from_secs(2), "the put waited {:?} for a read that had finished", t.elapsed());
     assert_eq!(u.get("b").unwrap(), value("b", 1, 6 << 20));
 }
+
+#[test]
+fn scattered_parts_are_put_and_read_in_place_across_processes() {
+    // vLLM's MooncakeStoreConnector shape: one value per block, made of one region per layer,
+    // each in the registered KV cache. Parts go straight into the replica and back out.
+    let m = master(&[]);
+    let addr = m.field("rpc=");
+    let _srv = server(&addr, "64MiB");
+    let c = client(&addr, 0);
+    const LAYERS: usize = 6;
+    const PART: usize = 48 << 10;
+    let kv = vec![0u8; 2 * LAYERS * PART * 4];
+    let base = kv.as_ptr() as u64;
+    c.register_buffer(base, kv.len() as u64).unwrap();
+    // SAFETY (test): no transfer is in flight while the test writes or reads the buffer.
+    let kvm = unsafe { std::slice::from_raw_parts_mut(kv.as_ptr() as *mut u8, kv.len()) };
+    // Key k's layer l lives at (l * 4 + k) * 2 * PART: interleaved, never adjacent.
+    let part = |k: usize, l: usize| ((l * 4 + k) * 2 * PART) as u64;
+    let keys: Vec<String> = (0..3).map(|k| format!("block-{k}")).collect();
+    let mut want = Vec::new();
+    for (k, key) in keys.iter().enumerate() {
+        let v = value(key, 1, LAYERS * PART);
+        for l in 0..LAYERS {
+            let at = part(k, l) as usize;
+            kvm[at..at + PART].copy_from_slice(&v[l * PART..(l + 1) * PART]);
+        }
+        want.push(v);
+    }
+    let lists: Vec<Vec<(u64, u64)>> = (0..3).map(|k| (0..LAYERS).map(|l| (base + part(k, l), PART as u64)).collect()).collect();
+    let items: Vec<(&str, &[(u64, u64)])> = keys.iter().zip(&lists).map(|(k, p)| (k.as_str(), &p[..])).collect();
+    for r in c.batch_put_from_parts(&items, &ReplicateConfig::default(), false) {
+        r.unwrap();
+    }
+    // Stored as the concatenation, whatever reads it.
+    for (key, v) in keys.iter().zip(&want) {
+        assert_eq!(&c.get(key).unwrap(), v, "{key}");
+    }
+    // Read back into other places, split differently (uneven parts, the last one larger
+    // than what is left of the value).
+    kvm.fill(0);
+    let split = [PART as u64 / 3, PART as u64 * 2, 7, PART as u64 * 4];
+    let mut dst_lists = Vec::new();
+    let mut at = 0u64;
+    for _ in 0..3 {
+        let mut l = Vec::new();
+        for n in split {
+            l.push((base + at, n));
+            at += n + 4096;
+        }
+        dst_lists.push(l);
+    }
+    let items: Vec<(&str, &[(u64, u64)])> = keys.iter().zip(&dst_lists).map(|(k, p)| (k.as_str(), &p[..])).collect();
+    let got = c.batch_get_into_parts(&items);
+    for ((key, v), (r, parts)) in keys.iter().zip(&want).zip(got.into_iter().zip(&dst_lists)) {
+        assert_eq!(r.unwrap(), v.len() as u64, "{key}: the value's size");
+        let mut back = Vec::new();
+        for &(a, n) in parts {
+            let off = (a - base) as usize;
+            let take = (n as usize).min(v.len() - back.len());
+            back.extend_from_slice(&kvm[off..off + take]);
+            if take < n as usize {
+                assert!(kvm[off + take..off + n as usize].iter().all(|&b| b == 0), "{key}: nothing past the value's end");
+            }
+        }
+        assert_eq!(&back, v, "{key}");
+    }
+    // Parts smaller than the value: refused, nothing written.
+    kvm.fill(0);
+    let small = [(base, PART as u64), (base + 2 * PART as u64, PART as u64)];
+    let r = c.batch_get_into_parts(&[(keys[0].as_str(), &small[..])]).pop().unwrap();
+    assert!(matches!(r, Err(kvferry_store::StoreError::BufferOverflow { .. })), "{r:?}");
+    assert!(kvm.iter().all(|&b| b == 0), "a refused read touches nothing");
+    // Unregistered parts fail the key, not the process.
+    let loose = vec![0u8; PART];
+    let bad = [(loose.as_ptr() as u64, PART as u64)];
+    assert!(c.batch_put_from_parts(&[("loose", &bad[..])], &ReplicateConfig::default(), false).pop().unwrap().is_err());
+    assert!(!c.is_exist("loose").unwrap(), "a failed put leaves nothing behind");
+}

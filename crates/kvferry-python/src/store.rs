@@ -262,6 +262,44 @@ impl StoreCore {
         })
     }
 
+    /// Per key, its parts (`ptrs[i][j]`, `sizes[i][j]`) put as one value, each written
+    /// straight from registered memory into the replica.
+    #[pyo3(signature = (keys, ptrs, sizes, config=None, upsert=false))]
+    fn batch_put_from_parts(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<Vec<u64>>,
+        sizes: Vec<Vec<u64>>,
+        config: Option<PyReplicate>,
+        upsert: bool,
+    ) -> PyResult<Vec<(Option<()>, i32, String)>> {
+        let parts = zip_parts(py, keys.len(), ptrs, sizes)?;
+        let cfg = self::config(config);
+        self.per_key(py, move |c| {
+            let items: Vec<(&str, &[(u64, u64)])> = keys.iter().zip(&parts).map(|(k, p)| (k.as_str(), &p[..])).collect();
+            c.batch_put_from_parts(&items, &cfg, upsert)
+        })
+    }
+
+    /// Per key, its value read across its parts in order, each straight from the replica;
+    /// the value's size.
+    fn batch_get_into_parts(&self, py: Python<'_>, keys: Vec<String>, ptrs: Vec<Vec<u64>>, sizes: Vec<Vec<u64>>) -> PyResult<Vec<(Option<u64>, i32, String)>> {
+        let parts = zip_parts(py, keys.len(), ptrs, sizes)?;
+        self.per_key(py, move |c| {
+            let items: Vec<(&str, &[(u64, u64)])> = keys.iter().zip(&parts).map(|(k, p)| (k.as_str(), &p[..])).collect();
+            c.batch_get_into_parts(&items)
+        })
+    }
+
+    /// Per list of parts: whether every part lies in memory registered with this store's
+    /// engine (then it can move without a copy).
+    fn parts_registered(&self, py: Python<'_>, ptrs: Vec<Vec<u64>>, sizes: Vec<Vec<u64>>) -> PyResult<Vec<bool>> {
+        let n = ptrs.len();
+        let parts = zip_parts(py, n, ptrs, sizes)?;
+        self.with(py, move |c| Ok(parts.iter().map(|p| p.iter().all(|&(a, l)| l == 0 || c.engine().is_registered(a, l))).collect()))
+    }
+
     fn is_exist(&self, py: Python<'_>, key: String) -> PyResult<bool> {
         self.with(py, move |c| c.is_exist(&key))
     }
@@ -345,4 +383,24 @@ impl Drop for StoreCore {
         // The pins (a field) are dropped after this, once the client has stopped.
         Python::attach(|py| py.detach(move || drop(client)));
     }
+}
+
+/// Pairs per-key pointer and size lists into `(addr, len)` parts, checking the shapes.
+fn zip_parts(py: Python<'_>, n: usize, ptrs: Vec<Vec<u64>>, sizes: Vec<Vec<u64>>) -> PyResult<Vec<Vec<(u64, u64)>>> {
+    if ptrs.len() != n || sizes.len() != n {
+        return Err(raise(py, StoreError::InvalidParams(format!("{n} keys but {} pointer lists and {} size lists: one of each per key", ptrs.len(), sizes.len()))));
+    }
+    ptrs.into_iter()
+        .zip(sizes)
+        .enumerate()
+        .map(|(i, (p, s))| {
+            if p.len() != s.len() {
+                return Err(raise(py, StoreError::InvalidParams(format!("key {i}: {} buffers but {} sizes", p.len(), s.len()))));
+            }
+            if p.iter().zip(&s).any(|(&a, &l)| a == 0 && l > 0) {
+                return Err(raise(py, StoreError::InvalidParams(format!("key {i}: a null buffer pointer"))));
+            }
+            Ok(p.into_iter().zip(s).collect())
+        })
+        .collect()
 }

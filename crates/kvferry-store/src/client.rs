@@ -346,11 +346,25 @@ impl Client {
     }
 
     fn batch_put_from_impl(&self, items: &[(&str, u64, u64)], cfg: &ReplicateConfig, upsert: bool) -> Vec<StoreResult<()>> {
+        let parts: Vec<[(u64, u64); 1]> = items.iter().map(|&(_, a, l)| [(a, l)]).collect();
+        let items: Vec<(&str, &[(u64, u64)])> = items.iter().zip(&parts).map(|(&(k, _, _), p)| (k, &p[..])).collect();
+        self.batch_put_parts_impl(&items, cfg, upsert)
+    }
+
+    /// Stores, per key, the concatenation of its parts (`(addr, len)` ranges of registered
+    /// memory, in order), each written straight into place in every replica: no copy however
+    /// scattered the parts are (a KV cache's per-layer blocks).
+    pub fn batch_put_from_parts(&self, items: &[(&str, &[(u64, u64)])], cfg: &ReplicateConfig, upsert: bool) -> Vec<StoreResult<()>> {
+        self.batch_put_parts_impl(items, cfg, upsert)
+    }
+
+    fn batch_put_parts_impl(&self, items: &[(&str, &[(u64, u64)])], cfg: &ReplicateConfig, upsert: bool) -> Vec<StoreResult<()>> {
         if let Err(e) = self.check_open() {
             return items.iter().map(|_| Err(e.clone())).collect();
         }
         let id = self.inner.id;
-        let starts: Vec<Request> = items.iter().map(|&(k, _, len)| Request::PutStart { client: id, key: k.to_string(), size: len, config: cfg.clone(), upsert }).collect();
+        let total = |parts: &[(u64, u64)]| parts.iter().map(|p| p.1).sum::<u64>();
+        let starts: Vec<Request> = items.iter().map(|&(k, parts)| Request::PutStart { client: id, key: k.to_string(), size: total(parts), config: cfg.clone(), upsert }).collect();
         let answers = match self.call_batch(starts) {
             Ok(a) => a,
             Err(e) => return items.iter().map(|_| Err(e.clone())).collect(),
@@ -358,15 +372,19 @@ impl Client {
         let mut results: Vec<StoreResult<()>> = Vec::with_capacity(items.len());
         let mut reqs = Vec::new();
         let mut owner = Vec::new(); // request index -> item index
-        for (i, (a, &(_, addr, len))) in answers.into_iter().zip(items).enumerate() {
+        for (i, (a, &(_, parts))) in answers.into_iter().zip(items).enumerate() {
             match a {
                 Response::Replicas(reps) => {
                     let mut ok = Ok(());
                     for r in reps {
                         match self.segment_id(&r.te_endpoint) {
                             Ok(seg) => {
-                                reqs.push(TransferRequest { opcode: Opcode::Write, source: addr, target_id: seg, target_offset: r.addr, length: len });
-                                owner.push(i);
+                                let mut off = 0;
+                                for &(addr, len) in parts.iter().filter(|p| p.1 > 0) {
+                                    reqs.push(TransferRequest { opcode: Opcode::Write, source: addr, target_id: seg, target_offset: r.addr + off, length: len });
+                                    owner.push(i);
+                                    off += len;
+                                }
                             }
                             Err(e) => ok = Err(e),
                         }
@@ -399,7 +417,7 @@ impl Client {
             .iter()
             .enumerate()
             .filter(|(i, _)| started[*i] || owner.contains(i))
-            .map(|(i, &(k, _, _))| {
+            .map(|(i, &(k, _))| {
                 let key = k.to_string();
                 (i, if results[i].is_ok() { Request::PutEnd { client: id, key } } else { Request::PutRevoke { client: id, key } })
             })
@@ -460,11 +478,20 @@ impl Client {
 
     /// Reads many keys with one master round trip and one transfer batch.
     pub fn batch_get_into(&self, items: &[(&str, u64, u64)]) -> Vec<StoreResult<u64>> {
+        let parts: Vec<[(u64, u64); 1]> = items.iter().map(|&(_, a, l)| [(a, l)]).collect();
+        let items: Vec<(&str, &[(u64, u64)])> = items.iter().zip(&parts).map(|(&(k, _, _), p)| (k, &p[..])).collect();
+        self.batch_get_into_parts(&items)
+    }
+
+    /// Reads, per key, its value across its parts (`(addr, len)` ranges of registered memory,
+    /// filled in order, each straight from the replica); returns the value's size. A value
+    /// larger than the parts together fails with `BufferOverflow`, touching nothing.
+    pub fn batch_get_into_parts(&self, items: &[(&str, &[(u64, u64)])]) -> Vec<StoreResult<u64>> {
         if let Err(e) = self.check_open() {
             return items.iter().map(|_| Err(e.clone())).collect();
         }
         let t0 = Instant::now();
-        let answers = match self.call_batch(items.iter().map(|&(k, _, _)| Request::GetReplicaList { key: k.to_string() }).collect()) {
+        let answers = match self.call_batch(items.iter().map(|&(k, _)| Request::GetReplicaList { key: k.to_string() }).collect()) {
             Ok(a) => a,
             Err(e) => return items.iter().map(|_| Err(e.clone())).collect(),
         };
@@ -472,7 +499,8 @@ impl Client {
         let mut lists: Vec<Option<ReplicaList>> = Vec::with_capacity(items.len());
         let mut reqs = Vec::new();
         let mut owner = Vec::new();
-        for (i, (a, &(key, addr, cap))) in answers.into_iter().zip(items).enumerate() {
+        for (i, (a, &(key, parts))) in answers.into_iter().zip(items).enumerate() {
+            let cap: u64 = parts.iter().map(|p| p.1).sum();
             match a {
                 Response::ReplicaList(l) if l.size > cap => {
                     results.push(Err(StoreError::BufferOverflow { need: l.size, have: cap }));
@@ -482,8 +510,10 @@ impl Client {
                     let first = self.pick(&l).first().map(|r| (*r).clone());
                     match first.map(|r| self.segment_id(&r.te_endpoint).map(|seg| (seg, r))) {
                         Some(Ok((seg, r))) => {
-                            reqs.push(TransferRequest { opcode: Opcode::Read, source: addr, target_id: seg, target_offset: r.addr, length: l.size });
-                            owner.push(i);
+                            for req in read_parts(parts, seg, r.addr, l.size) {
+                                reqs.push(req);
+                                owner.push(i);
+                            }
                             results.push(Ok(l.size));
                         }
                         Some(Err(e)) => results.push(Err(e)),
@@ -506,19 +536,23 @@ impl Client {
                 Ok(s) => s,
                 Err(e) => reqs.iter().map(|_| Err(e.clone())).collect(),
             };
+            // The first failure of each key; its other replicas are tried, all parts again.
+            let mut failed: Vec<(usize, StoreError)> = Vec::new();
             for (k, st) in statuses.into_iter().enumerate() {
-                let i = owner[k];
-                if st.is_ok() {
-                    continue;
+                if let Err(e) = st {
+                    if failed.last().is_none_or(|(i, _)| *i != owner[k]) {
+                        failed.push((owner[k], e));
+                    }
                 }
-                // Try the other replicas one by one.
-                let (key, addr, _) = items[i];
-                let mut last = st.map(|_| 0);
+            }
+            for (i, first_err) in failed {
+                let (key, parts) = items[i];
+                let mut last: StoreResult<u64> = Err(first_err);
                 if let Some(l) = &lists[i] {
                     for r in self.pick(l).into_iter().skip(1) {
                         let one = self.segment_id(&r.te_endpoint).and_then(|seg| {
-                            self.transfer(&[TransferRequest { opcode: Opcode::Read, source: addr, target_id: seg, target_offset: r.addr, length: l.size }])
-                                .and_then(|mut v| v.pop().unwrap_or(Ok(())))
+                            let again = read_parts(parts, seg, r.addr, l.size);
+                            self.transfer(&again).and_then(|v| v.into_iter().collect::<StoreResult<Vec<()>>>())
                         });
                         last = one.map(|_| l.size);
                         if last.is_ok() {
@@ -745,6 +779,22 @@ impl Drop for Client {
             tracing::debug!("closing the store client: {e}");
         }
     }
+}
+
+/// The READs that fill `parts` in order with the first `size` bytes of the replica at
+/// `remote` in segment `seg` (parts past the value's end get nothing).
+fn read_parts(parts: &[(u64, u64)], seg: u64, remote: u64, size: u64) -> Vec<TransferRequest> {
+    let mut off = 0;
+    let mut out = Vec::with_capacity(parts.len());
+    for &(addr, len) in parts {
+        let take = len.min(size - off);
+        if take == 0 {
+            continue;
+        }
+        out.push(TransferRequest { opcode: Opcode::Read, source: addr, target_id: seg, target_offset: remote + off, length: take });
+        off += take;
+    }
+    out
 }
 
 /// Sends the releases of finished reads that no request carried within a few milliseconds

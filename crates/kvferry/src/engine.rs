@@ -326,6 +326,11 @@ impl TransferEngine {
         Ok(())
     }
 
+    /// Whether `[addr, addr+len)` lies inside one registered range.
+    pub fn is_registered(&self, addr: u64, len: u64) -> bool {
+        self.inner.memory.check(addr, len).is_some()
+    }
+
     /// Registered ranges, in address order.
     pub fn registered(&self) -> Vec<Region> {
         self.inner.memory.snapshot()

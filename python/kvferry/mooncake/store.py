@@ -649,10 +649,12 @@ class MooncakeDistributedStore:
         self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]], config: Optional[ReplicateConfig] = None
     ) -> List[int]:
         """Stores, per key, the concatenation of its buffers. Per key: 0 or a negative error
-        number (-200: no space). A key whose buffers are one contiguous range is written
-        without a copy; otherwise its parts are gathered through the local buffer, in groups of
-        at most half of it, and a key larger than that (or every key when
-        ``local_buffer_size`` is 0) through a registered scratch buffer, one key at a time."""
+        number (-200: no space). A key whose buffers lie in registered memory (the usual case:
+        a registered KV cache) is written without a copy, each buffer straight into its place
+        in the replica; a key with a buffer outside registered memory is gathered through the
+        local buffer, in groups of at most half of it, and a key larger than that (or every
+        such key when ``local_buffer_size`` is 0) through a registered scratch buffer, one key
+        at a time."""
         if self._s is None:
             return []
         try:
@@ -661,9 +663,17 @@ class MooncakeDistributedStore:
         except Exception as e:  # noqa: BLE001
             return [_fail(e)] * len(keys)
         out = [0] * len(keys)
-        direct = [i for i, r in enumerate(ranges) if r[0] is not None]
-        gather = [i for i, r in enumerate(ranges) if r[0] is None]
         core = self._store()._core
+        direct, parts, gather = self._split_by_placement(core, ranges, all_buffer_ptrs, all_sizes)
+        if parts:
+            try:
+                res = core.batch_put_from_parts([str(keys[i]) for i in parts], [[_ptr(p) for p in all_buffer_ptrs[i]] for i in parts], [[int(n) for n in all_sizes[i]] for i in parts], cfg, False)
+                for i, (_, code, _) in zip(parts, res):
+                    out[i] = _put_code(code)
+            except Exception as e:  # noqa: BLE001
+                code = _fail(e)
+                for i in parts:
+                    out[i] = code
         if direct:
             try:
                 res = core.batch_put_from([str(keys[i]) for i in direct], [ranges[i][0] for i in direct], [ranges[i][1] for i in direct], cfg, False)
@@ -784,18 +794,28 @@ class MooncakeDistributedStore:
     ) -> List[int]:
         """Reads each key's value across its buffers, in order. Per key: the value's size, or
         a negative error number (-704 missing; -600 when the buffers are smaller than the
-        value). ``prefer_alloc_in_same_node`` has no effect."""
+        value). Buffers in registered memory are filled straight from the replica, without a
+        copy; others through the local buffer or a scratch buffer (see
+        ``batch_put_from_multi_buffers``). ``prefer_alloc_in_same_node`` has no effect."""
         try:
             ranges = self._ranges(keys, all_buffer_ptrs, all_sizes)
         except Exception as e:  # noqa: BLE001
             return [_fail(e)] * len(keys)
         out = [0] * len(keys)
-        direct = [i for i, r in enumerate(ranges) if r[0] is not None]
-        gather = [i for i, r in enumerate(ranges) if r[0] is None]
         try:
             core = self._store()._core
+            direct, parts, gather = self._split_by_placement(core, ranges, all_buffer_ptrs, all_sizes)
         except Exception as e:  # noqa: BLE001
             return [_fail(e)] * len(keys)
+        if parts:
+            try:
+                res = core.batch_get_into_parts([str(keys[i]) for i in parts], [[_ptr(p) for p in all_buffer_ptrs[i]] for i in parts], [[int(n) for n in all_sizes[i]] for i in parts])
+                for i, (v, code, _) in zip(parts, res):
+                    out[i] = int(v) if code == 0 and v is not None else (INVALID_PARAMS if code == BUFFER_OVERFLOW else code)
+            except Exception as e:  # noqa: BLE001
+                code = _fail(e)
+                for i in parts:
+                    out[i] = code
         if direct:
             try:
                 res = core.batch_get_into([str(keys[i]) for i in direct], [ranges[i][0] for i in direct], [ranges[i][1] for i in direct])
@@ -865,6 +885,19 @@ class MooncakeDistributedStore:
             contiguous = all(ps[j] + ns[j] == ps[j + 1] for j in range(len(ps) - 1))
             out.append((ps[0] if contiguous else None, sum(ns)))
         return out
+
+    @staticmethod
+    def _split_by_placement(core: Any, ranges: List[Tuple[Optional[int], int]], all_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]]) -> Tuple[List[int], List[int], List[int]]:
+        """Key indices: (one contiguous range, moved as one piece), (scattered buffers all in
+        registered memory, moved part by part without a copy), (the rest: gathered)."""
+        direct = [i for i, r in enumerate(ranges) if r[0] is not None]
+        scattered = [i for i, r in enumerate(ranges) if r[0] is None]
+        if not scattered:
+            return direct, [], []
+        ok = core.parts_registered([[_ptr(p) for p in all_ptrs[i]] for i in scattered], [[int(n) for n in all_sizes[i]] for i in scattered])
+        parts = [i for i, r in zip(scattered, ok) if r]
+        gather = [i for i, r in zip(scattered, ok) if not r]
+        return direct, parts, gather
 
     def _scratch(self, n: int) -> int:
         """The address of a registered buffer of at least ``n`` bytes, for keys larger than
