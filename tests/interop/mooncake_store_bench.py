@@ -7,7 +7,8 @@ Run with the interpreter of a venv that has the PyPI Mooncake wheel installed
   /tmp/mcvenv/bin/python tests/interop/mooncake_store_bench.py \
       [--values 4096,65536,1048576,16777216] [--batch 32] [--duration 1.0] \
       [--segment-size 2147483648] [--lease-ms 500] \
-      [--cycle-values 65536,1048576] [--cycle-segment-size 67108864]
+      [--cycle-values 65536,1048576] [--cycle-segment-size 67108864] \
+      [--multi-layers 8] [--multi-part 65536]
 
 Topology (everything on 127.0.0.1, TCP transport, P2PHANDSHAKE metadata):
 
@@ -553,6 +554,69 @@ class Bench:
         self.clear(len(keys))
         return lat
 
+    def run_multi(self):
+        """put_multi / get_multi: --batch keys per call, each --multi-layers regions of
+        --multi-part bytes interleaved in one registered KV cache (block b's layer l at
+        (l * batch + b) * part), with batch_put_from_multi_buffers and
+        batch_get_into_multi_buffers, every byte checked (as kvferry store-bench)."""
+        a, st = self.a, self.store
+        layers, part, batch = a.multi_layers, a.multi_part, max(a.batch, 1)
+        v = layers * part
+        _log("[multi] %d keys x %d layers x %d bytes" % (batch, layers, part))
+        pat = Pattern(v)
+        src, dst, tmp = Buffer(batch * v), Buffer(batch * v), Buffer(v)
+        for b in (src, dst):
+            r = st.register_buffer(b.addr, b.size)
+            if r != 0:
+                raise BenchError("register_buffer(%d bytes) returned %r" % (b.size, r))
+            self.registered.append(b.addr)
+
+        def at(b, l):
+            return (l * batch + b) * part
+
+        src_ptrs = [[src.addr + at(b, l) for l in range(layers)] for b in range(batch)]
+        dst_ptrs = [[dst.addr + at(b, l) for l in range(layers)] for b in range(batch)]
+        sizes = [[part] * layers for _ in range(batch)]
+        rounds_cap = max((a.segment_size // 8) // v // batch, 1)
+        rounds, lat, busy, t0w = [], [], 0.0, time.monotonic()
+        while len(rounds) < rounds_cap and not self._stop(len(rounds), busy, t0w):
+            r = len(rounds)
+            ks = ["mc-multi-%d-%d" % (r, b) for b in range(batch)]
+            for b, k in enumerate(ks):
+                pat.fill(tmp.mm, 0, v, k)
+                for l in range(layers):
+                    o = at(b, l)
+                    src.view[o:o + part] = tmp.view[l * part:(l + 1) * part]
+            t = time.perf_counter()
+            res = st.batch_put_from_multi_buffers(ks, src_ptrs, sizes)
+            dt = time.perf_counter() - t
+            busy += dt
+            lat.append(dt * 1e6)
+            if list(res) != [0] * batch:
+                raise BenchError("batch_put_from_multi_buffers returned %r" % (res,))
+            rounds.append(ks)
+        nkeys = sum(len(r) for r in rounds)
+        self.emit_point("put_multi", v, batch, nkeys, busy, lat, True)
+        lat, busy, n, read, verified, t0w = [], 0.0, 0, 0, True, time.monotonic()
+        while not self._stop(n, busy, t0w, n >= len(rounds)):
+            ks = rounds[n % len(rounds)]
+            t = time.perf_counter()
+            res = st.batch_get_into_multi_buffers(ks, dst_ptrs, sizes)
+            dt = time.perf_counter() - t
+            busy += dt
+            lat.append(dt * 1e6)
+            if list(res) != [v] * batch:
+                raise BenchError("batch_get_into_multi_buffers returned %r" % (res,))
+            for b, k in enumerate(ks):
+                for l in range(layers):
+                    o = at(b, l)
+                    tmp.view[l * part:(l + 1) * part] = dst.view[o:o + part]
+                verified = verified and pat.check(tmp.view[:v], k, v)
+            n += 1
+            read += len(ks)
+        self.emit_point("get_multi", v, batch, read, busy, lat, verified)
+        self.clear(nkeys)
+
     def run(self):
         a = self.a
         batches = [1] if a.batch == 1 else [1, a.batch]
@@ -566,6 +630,8 @@ class Bench:
                 l4 = self.run_point(v, b)
                 if l4 is not None:
                     lat4k = l4
+        if a.multi_layers > 0 and a.multi_part > 0:
+            self.run_multi()
         if lat4k is None:
             lat4k = self.single_4k()
         _emit(self.out, {"engine": ENGINE, "op": "get_into_single_4k_p50_us",
@@ -666,6 +732,9 @@ def parse_args(argv):
     p.add_argument("--cycle-values", default="",
                    help="comma-separated value sizes of the put/get/remove cycle points (none by default)")
     p.add_argument("--cycle-segment-size", type=int, default=64 << 20)
+    p.add_argument("--multi-layers", type=int, default=0,
+                   help="layers of the put_multi/get_multi points (0: none, the default)")
+    p.add_argument("--multi-part", type=int, default=65536)
     p.add_argument("--serve", metavar="MASTER", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.serve is None:

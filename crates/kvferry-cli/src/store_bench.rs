@@ -53,6 +53,13 @@ pub struct StoreBenchArgs {
     /// Leave the cycle points out.
     #[arg(long)]
     no_cycle: bool,
+    /// Layers of the multi-buffer points (vLLM/SGLang's shape: one value per block made of
+    /// one region per layer, scattered in a registered KV cache); 0 leaves them out.
+    #[arg(long, default_value_t = 8)]
+    multi_layers: usize,
+    /// Bytes of each layer's region in the multi-buffer points.
+    #[arg(long, default_value = "64K", value_parser = parse_size)]
+    multi_part: u64,
     /// Internal: run as the serving client of a bench.
     #[arg(long, hide = true)]
     serve_segment: Option<String>,
@@ -88,7 +95,11 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
     let mut points = {
         let pool = Pool::start(&exe, a.segment_size)?;
-        run_client(&a, &pool.addr)?
+        let mut p = run_client(&a, &pool.addr)?;
+        if a.multi_layers > 0 && a.multi_part > 0 {
+            p.extend(run_multi(&a, &pool.addr)?);
+        }
+        p
     };
     if !a.no_cycle && !a.cycle_values.is_empty() {
         let pool = Pool::start(&exe, a.cycle_segment_size)?;
@@ -161,6 +172,75 @@ fn run_cycles(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
         }
         points.push(point("cycle", v, 1, n, busy, &mut lat, verified));
     }
+    eprint!("\r\x1b[K");
+    Ok(points)
+}
+
+/// Multi-buffer points: `batch` keys per call, each the concatenation of `multi_layers`
+/// regions of `multi_part` bytes interleaved in one registered KV cache (block b's layer l at
+/// `(l * batch + b) * part`: no two parts of a key adjacent), put with
+/// `batch_put_from_parts` and read back, split the same way, into a second cache with
+/// `batch_get_into_parts`, every byte checked. Rows `put_multi`/`get_multi`; the value size
+/// shown is a whole key's (layers x part).
+fn run_multi(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, String> {
+    let (layers, part, batch) = (a.multi_layers, a.multi_part as usize, a.batch.max(1));
+    let v = (layers * part) as u64;
+    eprint!("\r\x1b[K[multi] {batch} keys x {layers} layers x {} ...", human(part as u64));
+    let _ = std::io::stderr().flush();
+    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 0, master_server_addr: master.to_string(), ..ClientConfig::default() })
+        .map_err(|e| e.to_string())?;
+    let src = HostBuffer::new(batch * layers * part, true).map_err(|e| e.to_string())?;
+    let dst = HostBuffer::new(batch * layers * part, true).map_err(|e| e.to_string())?;
+    c.register_buffer(src.addr(), src.len() as u64).map_err(|e| e.to_string())?;
+    c.register_buffer(dst.addr(), dst.len() as u64).map_err(|e| e.to_string())?;
+    let at = |b: usize, l: usize| (l * batch + b) * part;
+    let parts_of = |buf: &HostBuffer, b: usize| -> Vec<(u64, u64)> { (0..layers).map(|l| (buf.addr() + at(b, l) as u64, part as u64)).collect() };
+    let src_parts: Vec<Vec<(u64, u64)>> = (0..batch).map(|b| parts_of(&src, b)).collect();
+    let dst_parts: Vec<Vec<(u64, u64)>> = (0..batch).map(|b| parts_of(&dst, b)).collect();
+    let cfg = ReplicateConfig::default();
+    let rounds_cap = (((a.segment_size / 8) / v.max(1)) as usize / batch).max(1);
+    let mut whole = vec![0u8; layers * part];
+    let (mut keys, mut lat, mut busy): (Vec<Vec<String>>, Vec<f64>, Duration) = (Vec::new(), Vec::new(), Duration::ZERO);
+    let start = Instant::now();
+    while keys.len() < rounds_cap && (keys.is_empty() || start.elapsed().as_secs_f64() < a.duration) {
+        let r = keys.len();
+        let ks: Vec<String> = (0..batch).map(|b| format!("multi-{r}-{b}")).collect();
+        for (b, k) in ks.iter().enumerate() {
+            fill_value(&mut whole, k);
+            for l in 0..layers {
+                src.slice_mut(at(b, l), part).copy_from_slice(&whole[l * part..(l + 1) * part]);
+            }
+        }
+        let items: Vec<(&str, &[(u64, u64)])> = ks.iter().zip(&src_parts).map(|(k, p)| (k.as_str(), &p[..])).collect();
+        let t0 = Instant::now();
+        let res = c.batch_put_from_parts(&items, &cfg, false);
+        let dt = t0.elapsed();
+        busy += dt;
+        lat.push(dt.as_secs_f64() * 1e6);
+        for (k, r) in ks.iter().zip(res) {
+            r.map_err(|e| format!("put_multi {k}: {e}"))?;
+        }
+        keys.push(ks);
+    }
+    let nkeys = keys.iter().map(Vec::len).sum();
+    let mut points = vec![point("put_multi", v, batch, nkeys, busy, &mut lat, true)];
+    let mut verified = true;
+    let (busy, mut lat, read) = read_rounds(a.duration, &keys, |ks| {
+        let items: Vec<(&str, &[(u64, u64)])> = ks.iter().zip(&dst_parts).map(|(k, p)| (k.as_str(), &p[..])).collect();
+        let t0 = Instant::now();
+        let res = c.batch_get_into_parts(&items);
+        let dt = t0.elapsed();
+        for (b, (k, r)) in ks.iter().zip(res).enumerate() {
+            let got = r.map_err(|e| format!("get_multi {k}: {e}"))?;
+            for l in 0..layers {
+                whole[l * part..(l + 1) * part].copy_from_slice(dst.slice(at(b, l), part));
+            }
+            verified &= got == v && value_ok(&whole, k);
+        }
+        Ok(dt)
+    })?;
+    points.push(point("get_multi", v, batch, read, busy, &mut lat, verified));
+    c.remove_all(true).map_err(|e| e.to_string())?;
     eprint!("\r\x1b[K");
     Ok(points)
 }
@@ -407,6 +487,7 @@ fn run_mooncake(a: &StoreBenchArgs) -> MooncakeStore {
         .arg(&script)
         .args(["--values", &values.join(","), "--batch", &a.batch.to_string(), "--duration", &a.duration.to_string()])
         .args(["--cycle-values", &cycle.join(","), "--cycle-segment-size", &a.cycle_segment_size.to_string()])
+        .args(["--multi-layers", &a.multi_layers.to_string(), "--multi-part", &a.multi_part.to_string()])
         .args(["--segment-size", &a.segment_size.to_string(), "--lease-ms", "2000"])
         .stdin(Stdio::null())
         .stderr(Stdio::null())
@@ -435,6 +516,14 @@ fn print_table(a: &StoreBenchArgs, points: &[StorePoint], mc: &MooncakeStore) {
             "cycle = put_from + get_into (checked) + remove(force) of one key, on a pool of its own with a {} segment, at least {}x its size put per point (GB/s: bytes put; latency per cycle)",
             human(a.cycle_segment_size),
             4
+        );
+    }
+    if a.multi_layers > 0 {
+        println!(
+            "put_multi/get_multi = {} keys per call, each {} regions of {} scattered in a registered KV cache (value = the whole key)",
+            a.batch,
+            a.multi_layers,
+            human(a.multi_part)
         );
     }
     println!();
