@@ -82,3 +82,16 @@ fn closing_the_shared_engine_first_fails_calls_clearly() {
     }
     c.close().expect("the store still unmounts");
 }
+
+#[test]
+fn failed_setup_on_a_shared_engine_leaves_nothing_registered() {
+    let e = engine();
+    let before = e.registered().len();
+    // No master at 127.0.0.1:1: the mount fails after the buffers were registered.
+    match Client::with_engine(cfg("127.0.0.1:1", ""), Arc::clone(&e), None) {
+        Err(StoreError::Rpc(msg)) => assert!(msg.contains("cannot reach the master at 127.0.0.1:1"), "{msg}"),
+        Err(other) => panic!("unexpected error {other}"),
+        Ok(_) => panic!("setup without a master succeeded"),
+    }
+    assert_eq!(e.registered().len(), before, "the segment and staging buffers were withdrawn from the engine");
+}

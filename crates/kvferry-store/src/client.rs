@@ -312,8 +312,19 @@ impl Client {
         }
         let mut staging = None;
         if cfg.local_buffer_size > 0 {
-            let buf = HostBuffer::new(cfg.local_buffer_size as usize, true).map_err(|e| StoreError::InvalidParams(format!("local_buffer_size: {e}")))?;
-            engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| StoreError::Internal(e.to_string()))?;
+            let registered = HostBuffer::new(cfg.local_buffer_size as usize, true)
+                .map_err(|e| StoreError::InvalidParams(format!("local_buffer_size: {e}")))
+                .and_then(|buf| engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map(|_| buf).map_err(|e| StoreError::Internal(e.to_string())));
+            let buf = match registered {
+                Ok(b) => b,
+                Err(e) => {
+                    // A shared engine outlives this call: withdraw the segment before it is freed.
+                    if let (Some(_), Some((b, _))) = (&shared, &segment) {
+                        let _ = engine.unregister_memory(b.addr());
+                    }
+                    return Err(e);
+                }
+            };
             let space = SegmentSpace::new(buf.addr(), buf.len() as u64);
             staging = Some((buf, Mutex::new(space)));
         }
@@ -792,6 +803,21 @@ fn check_protocol(cfg: &ClientConfig) -> StoreResult<()> {
 /// The error of every call on a shared engine that its owner closed.
 fn engine_closed() -> StoreError {
     StoreError::InvalidParams("the transfer engine this store shares was closed (engine closed before the store); close the store and set it up again on a running engine".into())
+}
+
+impl Drop for Inner {
+    /// On a shared engine (which outlives this client) the client's buffers are withdrawn from
+    /// it before they are freed, whichever way the client ends (a failed setup included).
+    fn drop(&mut self) {
+        if self.shared.is_none() || std::process::id() != self.pid {
+            return;
+        }
+        let addrs: Vec<u64> = self.segment.iter().map(|(b, _)| b.addr()).chain(self.staging.iter().map(|(b, _)| b.addr())).collect();
+        for a in addrs {
+            // Already withdrawn by close(), or by the engine's owner closing it: ignored.
+            let _ = self.engine.unregister_memory(a);
+        }
+    }
 }
 
 impl Drop for Client {
