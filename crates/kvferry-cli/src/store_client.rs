@@ -7,7 +7,7 @@
 //! sharing memory with this process) is not provided; local processes call `setup()` with
 //! `global_segment_size=0` against the same master instead.
 
-use crate::sys::{human, parse_size};
+use crate::sys::human;
 use kvferry_store::{Client, ClientConfig};
 use std::io::Write;
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -26,10 +26,12 @@ pub struct StoreClientArgs {
     /// The master, `host:port` (Mooncake: --master_server_address).
     #[arg(long, default_value = "127.0.0.1:50051")]
     pub master_server_address: String,
-    /// Memory contributed to the pool: bytes, or with a unit (4GB, 512 MB, 1GiB).
+    /// Memory contributed to the pool: bytes, or with a unit as Mooncake reads it (4GB,
+    /// "512 MB", 1.5G, 2TB; binary multiples).
     #[arg(long, default_value = "4 GB")]
     pub global_segment_size: String,
-    /// Staging memory for this process's own bytes API; 0 (the default) is enough to serve.
+    /// Staging memory for this process's own bytes API (a size like --global-segment-size); 0,
+    /// the default, is enough to serve.
     #[arg(long, default_value = "0")]
     pub local_buffer_size: String,
     /// `tcp` (`rdma` is accepted; data moves over TCP).
@@ -74,8 +76,29 @@ fn install_handlers() -> Result<(), String> {
     Ok(())
 }
 
+/// A size as Mooncake's `string_to_byte_size` reads it: a decimal number, optionally followed
+/// by B, K/KB, M/MB, G/GB or T/TB (binary multiples, any case; KiB, MiB, GiB, TiB too).
+fn parse_mooncake_size(v: &str) -> Result<u64, String> {
+    let t = v.trim();
+    let end = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let num: f64 = t[..end].parse().map_err(|_| format!("{v:?} is not a size (examples: 4GB, \"512 MB\", 1.5G, 1048576)"))?;
+    let mult: f64 = match t[end..].trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1.0,
+        "K" | "KB" | "KIB" => 1024.0,
+        "M" | "MB" | "MIB" => 1024.0 * 1024.0,
+        "G" | "GB" | "GIB" => 1024.0 * 1024.0 * 1024.0,
+        "T" | "TB" | "TIB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        u => return Err(format!("{v:?}: unknown unit {u:?} (use B, KB, MB, GB or TB)")),
+    };
+    let bytes = num * mult;
+    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(format!("{v:?} is too large"));
+    }
+    Ok(bytes as u64)
+}
+
 fn size(flag: &str, v: &str) -> Result<u64, String> {
-    parse_size(v).map_err(|e| format!("--{flag}: {e}"))
+    parse_mooncake_size(v).map_err(|e| format!("--{flag}: {e}"))
 }
 
 pub fn run(a: StoreClientArgs) -> Result<(), String> {
@@ -116,4 +139,24 @@ pub fn run(a: StoreClientArgs) -> Result<(), String> {
     let _ = std::io::stdout().flush();
     eprintln!("kvferry store-client: signal {sig}: unmounted segment {name}; exiting");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_mooncake_size as p;
+
+    #[test]
+    fn sizes_as_mooncake_reads_them() {
+        assert_eq!(p("4 GB"), Ok(4 << 30));
+        assert_eq!(p("1.5 GB"), Ok(3 << 29));
+        assert_eq!(p("16mb"), Ok(16 << 20));
+        assert_eq!(p("512M"), Ok(512 << 20));
+        assert_eq!(p("2T"), Ok(2 << 40));
+        assert_eq!(p("1GiB"), Ok(1 << 30));
+        assert_eq!(p("1048576"), Ok(1 << 20));
+        assert_eq!(p(" 0 "), Ok(0));
+        for bad in ["", "GB", "-1", "4 XB", "1e3", "99999999999T"] {
+            assert!(p(bad).is_err(), "{bad:?}");
+        }
+    }
 }
