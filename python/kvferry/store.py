@@ -142,9 +142,35 @@ def _raise_first(results: Sequence[tuple]) -> None:
             raise cls(text or msg, code)
 
 
+def _engine_core(engine: Any) -> Any:
+    """The native engine (``_kvferry.Core``) of ``engine``: a kvferry.Engine, a
+    kvferry.mooncake.engine.TransferEngine (initialized), or a Core; None for None."""
+    if engine is None:
+        return None
+    from ._engine import Engine
+    from ._kvferry import Core
+
+    if isinstance(engine, Core):
+        return engine
+    from .mooncake.engine import TransferEngine
+
+    if isinstance(engine, (Engine, TransferEngine)):
+        core = engine._core
+        if core is None:
+            raise StoreInvalidArgument("engine=: the TransferEngine is not initialized; call initialize() first", -600)
+        return core
+    raise TypeError("engine= takes a kvferry.Engine or kvferry.mooncake.engine.TransferEngine, not %s" % type(engine).__name__)
+
+
 class Store:
     """A store client: contributes ``global_segment_size`` bytes to the pool and reads and
-    writes values with the transfer engine. Thread-safe; blocking calls release the GIL."""
+    writes values with the transfer engine. Thread-safe; blocking calls release the GIL.
+
+    With ``engine`` (a kvferry.Engine or kvferry.mooncake.engine.TransferEngine) no second
+    engine starts: the segment is the engine's own (its name, its listeners), and memory
+    registered on either serves both. ``local_hostname`` must then be "", the engine's
+    segment name or its host. Closing the store leaves the engine running; closing the
+    engine first makes every store call raise until the store is closed."""
 
     def __init__(
         self,
@@ -155,8 +181,10 @@ class Store:
         protocol: str = "tcp",
         device_name: str = "",
         master_server_addr: str = "127.0.0.1:50051",
+        engine: Any = None,
     ) -> None:
         self._inherited = False
+        self._engine = engine
         self._core = StoreCore(
             str(local_hostname),
             str(metadata_server),
@@ -165,6 +193,7 @@ class Store:
             str(protocol),
             str(device_name),
             str(master_server_addr),
+            _engine_core(engine),
         )
         _live_engines.add(self)  # marked inherited in a fork() child (see kvferry._engine)
 

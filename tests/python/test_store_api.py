@@ -75,7 +75,7 @@ def test_setup_keyword_arguments_work_or_raise_type_error_naming_them():
     assert s.health_check() == 1, "nothing was set up"
 
 
-def test_setup_with_sglang_arguments_and_a_shared_engine_warns(cluster):
+def test_setup_with_sglang_arguments_and_a_shared_engine(cluster):
     from kvferry.mooncake.engine import TransferEngine
 
     te = TransferEngine()
@@ -86,7 +86,8 @@ def test_setup_with_sglang_arguments_and_a_shared_engine_warns(cluster):
         rc = s.setup(HOST, "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", cluster, te.get_engine(),
                      enable_ssd_offload=False, ssd_offload_path="", tenant_id="default", enable_client_http_server=False, client_http_port=9300)
     assert rc == 0
-    assert any(issubclass(x.category, RuntimeWarning) and "does not share" in str(x.message) for x in w)
+    assert not [x for x in w if issubclass(x.category, RuntimeWarning)], "the engine is shared: nothing to warn about"
+    assert s.get_hostname() == te.get_engine().segment_name, "the store's segment is the shared engine's (test_store_shared_engine.py)"
     assert s.put("e", b"engine") == 0 and s.get("e") == b"engine"
     assert s.close() == 0
 

@@ -5,6 +5,7 @@
 //!   `transfer_engine_bench` is installed).
 //! - `kvferry doctor`: what this host can do, and why not.
 //! - `kvferry master`: the store's metadata master; `kvferry store-bench`: the store measured.
+//! - `kvferry store-client`: Mooncake's `mooncake_client`, a process contributing a segment.
 //! - `kvferry metadata-server`: Mooncake's HTTP metadata service, optionally durable;
 //!   `kvferry metadata-bench`: it beside Mooncake's, and open_segment per backend.
 
@@ -17,6 +18,7 @@ mod metadata_bench;
 mod metadata_server;
 mod mooncake;
 mod store_bench;
+mod store_client;
 mod sys;
 
 use clap::{CommandFactory, FromArgMatches, Subcommand};
@@ -40,6 +42,12 @@ enum Cmd {
     Master(master::MasterArgs),
     /// Measure the store: a master and two clients on 127.0.0.1, every value checked.
     StoreBench(store_bench::StoreBenchArgs),
+    /// Contribute memory to the store (Mooncake's mooncake_client): mount a segment at the
+    /// master and serve it until SIGTERM/SIGINT, then unmount.
+    #[command(after_help = "mooncake_client's spellings are accepted too: --master_server_address=127.0.0.1:50051, \
+--global_segment_size=\"4 GB\", --metadata_server, --host, --protocol, every flag with underscores; Mooncake flags kvferry lacks \
+(--port, --threads: the dummy-client service) are warned about or refused by name.")]
+    StoreClient(store_client::StoreClientArgs),
     /// Serve Mooncake's HTTP metadata contract (GET/PUT/DELETE /metadata?key=, /health).
     MetadataServer(metadata_server::ServerArgs),
     /// Measure the metadata server against Mooncake's, and open_segment for each backend.
@@ -56,9 +64,14 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    if argv.get(1).is_some_and(|a| a == "master") {
-        // Mooncake's mooncake_master spellings (gflags) next to kvferry's own.
-        match master_flags::normalize(&argv[2..], &master::known_flags()) {
+    let gflags = match argv.get(1).and_then(|a| a.to_str()) {
+        Some("master") => Some((&master_flags::MASTER, master::known_flags())),
+        Some("store-client") => Some((&master_flags::STORE_CLIENT, store_client::known_flags())),
+        _ => None,
+    };
+    if let Some((spec, known)) = gflags {
+        // Mooncake's mooncake_master / mooncake_client spellings (gflags) next to kvferry's own.
+        match master_flags::normalize_for(spec, &argv[2..], &known) {
             Ok(n) => {
                 for w in &n.warnings {
                     eprintln!("{w}");
@@ -67,7 +80,7 @@ fn main() {
                 argv.extend(n.args);
             }
             Err(e) => {
-                eprintln!("kvferry master: error: {e}");
+                eprintln!("kvferry {}: error: {e}", argv[1].to_string_lossy());
                 std::process::exit(2);
             }
         }
@@ -82,6 +95,7 @@ fn main() {
         Cmd::Doctor(a) => doctor::run(a),
         Cmd::Master(a) => master::run(a, matches.subcommand_matches("master").unwrap_or(&matches)),
         Cmd::StoreBench(a) => store_bench::run(a),
+        Cmd::StoreClient(a) => store_client::run(a),
         Cmd::MetadataServer(a) => metadata_server::run(a),
         Cmd::MetadataBench(a) => metadata_bench::run(a),
     };

@@ -1,7 +1,7 @@
 //! Mooncake's `mooncake_master` spellings for `kvferry master` (gflags: `--rpc_port=50051`,
 //! `--rpc_port 50051`, `-rpc_port=50051`, bare `--enable_http_metadata_server`,
 //! `--noallow_evict_soft_pinned_objects`), rewritten to kvferry's own flags before clap sees
-//! them.
+//! them; the same for `kvferry store-client` and `mooncake_client`'s flags ([`STORE_CLIENT`]).
 //!
 //! Every flag of Mooncake's `master.cpp` is either translated to a kvferry flag, accepted and
 //! ignored with one warning line naming it (tuning or optional features whose absence does not
@@ -135,6 +135,50 @@ const MOONCAKE_ONLY: &[(&str, Kind, Action)] = &[
     ("max_retry_attempts", Kind::Value, Action::Ignore(NO_TASKS)),
 ];
 
+/// Which Mooncake program's flags a kvferry command takes, and what becomes of each.
+pub struct Spec {
+    /// The kvferry command (`kvferry master`), for messages.
+    tool: &'static str,
+    /// The Mooncake program whose flags these are (`mooncake_master`), for messages.
+    mooncake: &'static str,
+    /// kvferry's boolean flags (kebab-case).
+    bools: &'static [&'static str],
+    /// Mooncake names that are not kvferry's kebab-case spelling of the same name.
+    renames: &'static [(&'static str, &'static str)],
+    /// Mooncake's flags kvferry does not implement.
+    only: &'static [(&'static str, Kind, Action)],
+    /// `--enable_metric_reporting[=false]` becomes `--summary-interval=0` (the master's).
+    metric_reporting: bool,
+}
+
+/// `kvferry master` / `mooncake_master`.
+pub const MASTER: Spec = Spec { tool: "kvferry master", mooncake: "mooncake_master", bools: KV_BOOLS, renames: RENAMES, only: MOONCAKE_ONLY, metric_reporting: true };
+
+fn not_default(v: &str) -> bool {
+    v != "default"
+}
+
+const NO_DUMMY: &str = "kvferry's store-client serves no dummy clients (setup_dummy); local processes call setup() with global_segment_size=0";
+
+/// `kvferry store-client` / `mooncake_client` (mooncake-store/src/real_client_main.cpp).
+pub const STORE_CLIENT: Spec = Spec {
+    tool: "kvferry store-client",
+    mooncake: "mooncake_client",
+    bools: &[],
+    renames: &[],
+    only: &[
+        ("port", Kind::Value, Action::Ignore(NO_DUMMY)),
+        ("threads", Kind::Value, Action::Ignore(NO_DUMMY)),
+        ("tenant_id", Kind::Value, Action::RejectIf(not_default, "kvferry's store has one tenant (pass default)")),
+        ("enable_offload", Kind::Bool, Action::RejectIf(truthy, NO_TIERS)),
+        ("start_offload_rpc_server", Kind::Bool, Action::Ignore(NO_TIERS)),
+        ("enable_http_server", Kind::Bool, Action::RejectIf(truthy, "kvferry's store client has no HTTP server")),
+        ("http_port", Kind::Value, Action::Ignore("kvferry's store client has no HTTP server")),
+        ("log_dir", Kind::Value, Action::Ignore("kvferry logs to stderr (KVFERRY_LOG sets the level)")),
+    ],
+    metric_reporting: false,
+};
+
 /// What `normalize` made of the arguments.
 pub struct Normalized {
     pub args: Vec<OsString>,
@@ -157,6 +201,11 @@ fn bool_value(flag: &str, v: &str) -> Result<&'static str, String> {
 /// Rewrites the arguments that follow `kvferry master` (not including it). `known` holds
 /// kvferry's long flag names (kebab-case, without dashes).
 pub fn normalize(args: &[OsString], known: &[String]) -> Result<Normalized, String> {
+    normalize_for(&MASTER, args, known)
+}
+
+/// Like [`normalize`] for the command `spec` describes.
+pub fn normalize_for(spec: &Spec, args: &[OsString], known: &[String]) -> Result<Normalized, String> {
     let is_known = |n: &str| known.iter().any(|k| k == n);
     let mut out = Vec::with_capacity(args.len());
     let mut warnings = Vec::new();
@@ -184,29 +233,33 @@ pub fn normalize(args: &[OsString], known: &[String]) -> Result<Normalized, Stri
         };
         let underscored = name.replace('-', "_");
         // The kvferry flag this is, if any.
-        let target = RENAMES
+        let target = spec
+            .renames
             .iter()
             .find(|(m, _)| *m == underscored)
             .map(|(_, k)| k.to_string())
             .or_else(|| Some(underscored.replace('_', "-")).filter(|k| is_known(k)));
         // gflags' --noflag for booleans.
-        let negated = underscored.strip_prefix("no").map(str::to_string).filter(|n| KV_BOOLS.contains(&n.replace('_', "-").as_str()) || bool_mooncake(n) || n == "enable_metric_reporting");
+        let negated = underscored
+            .strip_prefix("no")
+            .map(str::to_string)
+            .filter(|n| spec.bools.contains(&n.replace('_', "-").as_str()) || bool_mooncake(spec, n) || (spec.metric_reporting && n == "enable_metric_reporting"));
         if let (None, Some(n)) = (&target, &negated) {
             if value.is_some() {
                 return Err(format!("{tok}: --no{n} takes no value"));
             }
             let flag = format!("--{n}");
-            if let Some(k) = Some(n.replace('_', "-")).filter(|k| KV_BOOLS.contains(&k.as_str())) {
+            if let Some(k) = Some(n.replace('_', "-")).filter(|k| spec.bools.contains(&k.as_str())) {
                 out.push(format!("--{k}=false").into());
-            } else if n == "enable_metric_reporting" {
+            } else if spec.metric_reporting && n == "enable_metric_reporting" {
                 out.push("--summary-interval=0".into());
             } else {
-                mooncake_only(n, "false", &flag, &mut warnings)?;
+                mooncake_only(spec, n, "false", &flag, &mut warnings)?;
             }
             continue;
         }
         if let Some(k) = target {
-            if KV_BOOLS.contains(&k.as_str()) {
+            if spec.bools.contains(&k.as_str()) {
                 // gflags: a bare boolean is true and takes no separate value; kvferry's own
                 // `--flag false` form keeps working.
                 let v = match value {
@@ -235,7 +288,7 @@ pub fn normalize(args: &[OsString], known: &[String]) -> Result<Normalized, Stri
             }
             continue;
         }
-        if underscored == "enable_metric_reporting" {
+        if spec.metric_reporting && underscored == "enable_metric_reporting" {
             // kvferry's equivalent: the periodic summary line (--summary-interval, default on).
             let v = match value {
                 Some(v) => bool_value("--enable_metric_reporting", &v)?,
@@ -246,7 +299,7 @@ pub fn normalize(args: &[OsString], known: &[String]) -> Result<Normalized, Stri
             }
             continue;
         }
-        if let Some(&(_, kind, _)) = MOONCAKE_ONLY.iter().find(|(m, _, _)| *m == underscored) {
+        if let Some(&(_, kind, _)) = spec.only.iter().find(|(m, _, _)| *m == underscored) {
             let v = match (value, kind) {
                 (Some(v), _) => v,
                 (None, Kind::Bool) => "true".to_string(),
@@ -258,7 +311,7 @@ pub fn normalize(args: &[OsString], known: &[String]) -> Result<Normalized, Stri
                     None => return Err(format!("--{underscored} needs a value")),
                 },
             };
-            mooncake_only(&underscored, &v, &format!("--{underscored}"), &mut warnings)?;
+            mooncake_only(spec, &underscored, &v, &format!("--{underscored}"), &mut warnings)?;
             continue;
         }
         // Unknown to both: clap rejects it by the name given (with two dashes, so that a
@@ -268,18 +321,19 @@ pub fn normalize(args: &[OsString], known: &[String]) -> Result<Normalized, Stri
     Ok(Normalized { args: out, warnings })
 }
 
-fn bool_mooncake(n: &str) -> bool {
-    MOONCAKE_ONLY.iter().any(|(m, k, _)| *m == n && *k == Kind::Bool)
+fn bool_mooncake(spec: &Spec, n: &str) -> bool {
+    spec.only.iter().any(|(m, k, _)| *m == n && *k == Kind::Bool)
 }
 
-fn mooncake_only(name: &str, value: &str, flag: &str, warnings: &mut Vec<String>) -> Result<(), String> {
-    let Some(&(_, _, action)) = MOONCAKE_ONLY.iter().find(|(m, _, _)| *m == name) else {
+fn mooncake_only(spec: &Spec, name: &str, value: &str, flag: &str, warnings: &mut Vec<String>) -> Result<(), String> {
+    let Some(&(_, _, action)) = spec.only.iter().find(|(m, _, _)| *m == name) else {
         return Err(format!("{flag}: unknown flag"));
     };
+    let (tool, mooncake) = (spec.tool, spec.mooncake);
     match action {
-        Action::RejectIf(pred, why) if pred(value) => Err(format!("{flag}={value} (a mooncake_master flag) is not supported: {why}; remove it")),
+        Action::RejectIf(pred, why) if pred(value) => Err(format!("{flag}={value} (a {mooncake} flag) is not supported: {why}; remove it")),
         Action::RejectIf(_, why) | Action::Ignore(why) => {
-            warnings.push(format!("kvferry master: warning: ignoring the mooncake_master flag {flag}={value} ({why})"));
+            warnings.push(format!("{tool}: warning: ignoring the {mooncake} flag {flag}={value} ({why})"));
             Ok(())
         }
     }
@@ -358,6 +412,26 @@ mod tests {
         assert_eq!(norm(&["--dynamic_replication_mode=off"]).unwrap().1.len(), 1);
         // Unknown everywhere: left for clap, with two dashes.
         assert_eq!(norm(&["-bogus_flag=1"]).unwrap().0, ["--bogus_flag=1"]);
+    }
+
+    #[test]
+    fn store_client_takes_mooncake_clients_flags() {
+        let known: Vec<String> = ["host", "local-hostname", "metadata-server", "master-server-address", "global-segment-size", "local-buffer-size", "protocol", "device-names"].iter().map(|s| s.to_string()).collect();
+        let n = |a: &[&str]| {
+            let args: Vec<OsString> = a.iter().map(OsString::from).collect();
+            normalize_for(&STORE_CLIENT, &args, &known).map(|n| (n.args.into_iter().map(|s| s.into_string().unwrap_or_default()).collect::<Vec<_>>(), n.warnings))
+        };
+        let (a, w) = n(&["--master_server_address=127.0.0.1:50051", "-global_segment_size", "4 GB", "--local_hostname=10.0.0.1", "--port=50052", "--threads", "4", "--tenant_id=default"]).unwrap();
+        assert_eq!(a, ["--master-server-address=127.0.0.1:50051", "--global-segment-size", "4 GB", "--local-hostname=10.0.0.1"]);
+        assert_eq!(w.len(), 3);
+        assert!(w.iter().all(|l| l.starts_with("kvferry store-client: warning:") && l.contains("mooncake_client flag")), "{w:?}");
+        // The master's renames and flags do not apply here.
+        assert_eq!(n(&["--rpc_port=1"]).unwrap().0, ["--rpc_port=1"]);
+        assert_eq!(n(&["--enable_metric_reporting=false"]).unwrap().0, ["--enable_metric_reporting=false"]);
+        for bad in [&["--enable_offload"][..], &["--enable_http_server=true"], &["--tenant_id", "team-a"]] {
+            let e = n(bad).unwrap_err();
+            assert!(e.contains("mooncake_client flag") && e.contains("not supported"), "{bad:?}: {e}");
+        }
     }
 
     #[test]

@@ -31,6 +31,7 @@ use kvferry::{BatchId, Config, Error, FailCause, Opcode, TaskStatus, TransferEng
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -120,6 +121,10 @@ pub struct Core {
     /// The process that created the engine: in another one (a fork() child) every method
     /// raises and dropping only forgets (see `Drop`).
     pid: u32,
+    /// Set by `close()` before the engine is taken down; shared with the store clients set
+    /// up on this engine (`StoreCore(..., engine=core)`), which then refuse every call. Its
+    /// reference count, less this one, is the number of such clients still holding it.
+    closed_flag: Arc<AtomicBool>,
 }
 
 /// The error every method raises in a process that did not create the engine.
@@ -149,6 +154,12 @@ impl Core {
             return Err(foreign(py, "TransferEngine", self.pid));
         }
         Ok(())
+    }
+
+    /// The engine and this object's "closed" flag, for a store client that shares the engine.
+    pub(crate) fn share(&self, py: Python<'_>) -> PyResult<(Arc<TransferEngine>, Arc<AtomicBool>)> {
+        let e = self.engine(py)?;
+        Ok((e, Arc::clone(&self.closed_flag)))
     }
 
     fn engine(&self, py: Python<'_>) -> PyResult<Arc<TransferEngine>> {
@@ -317,6 +328,7 @@ impl Core {
             zombies: Mutex::default(),
             batch_pins: Mutex::default(),
             reg_pins: Mutex::default(),
+            closed_flag: Arc::default(),
             pid: std::process::id(),
         })
     }
@@ -668,16 +680,26 @@ impl Core {
         self.owned(py)?;
         let taken = self.engine.write().unwrap_or_else(|e| e.into_inner()).take();
         let Some(engine) = taken else { return Ok(()) };
-        let unique = py.detach(move || {
+        // Store clients sharing the engine refuse calls from now on (they hold a clone of the
+        // engine until they are closed; their registered buffers are withdrawn below).
+        self.closed_flag.store(true, Ordering::Release);
+        let flag = Arc::clone(&self.closed_flag);
+        let (unique, sharing) = py.detach(move || {
             // Calls in progress on other threads hold clones; give them a moment to return.
+            // Each store client sharing the engine holds one clone for as long as it lives.
+            let stores = || Arc::strong_count(&flag).saturating_sub(2);
             let until = Instant::now() + Duration::from_secs(5);
-            while Arc::strong_count(&engine) > 1 && Instant::now() < until {
+            while Arc::strong_count(&engine) > 1 + stores() && Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(2));
             }
             retire(&engine);
+            let sharing = stores();
             let unique = Arc::strong_count(&engine) == 1;
             drop(engine);
-            unique
+            if sharing > 0 {
+                tracing::info!("kvferry: engine closed while {sharing} store client(s) share it; they now refuse calls, and its listeners stop when they are closed");
+            }
+            (unique, sharing)
         });
         if unique {
             // No engine thread is left: nothing touches pinned memory any more.
@@ -687,7 +709,7 @@ impl Core {
             if unmap {
                 lock(&self.managed).clear();
             }
-        } else {
+        } else if sharing == 0 {
             tracing::warn!("kvferry: engine still in use by another thread at close(); managed buffers and pinned memory stay until the engine object is freed");
         }
         Ok(())

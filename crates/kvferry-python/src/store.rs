@@ -84,6 +84,8 @@ fn config(r: Option<PyReplicate>) -> ReplicateConfig {
 #[pyclass(frozen, module = "kvferry._kvferry")]
 pub struct StoreCore {
     client: RwLock<Option<Client>>,
+    /// The engine object this client shares (`engine=`), kept alive as long as the client.
+    _engine: Option<Py<crate::Core>>,
     /// What keeps registered buffer objects alive and exported, by address: dropped after
     /// `unregister_buffer` returned or the client stopped.
     pins: Mutex<HashMap<u64, Py<PyAny>>>,
@@ -145,7 +147,7 @@ impl StoreCore {
 #[pymethods]
 impl StoreCore {
     #[new]
-    #[pyo3(signature = (local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol, device_name, master_server_addr))]
+    #[pyo3(signature = (local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol, device_name, master_server_addr, engine = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -156,6 +158,7 @@ impl StoreCore {
         protocol: String,
         device_name: String,
         master_server_addr: String,
+        engine: Option<Py<crate::Core>>,
     ) -> PyResult<Self> {
         let cfg = ClientConfig {
             local_hostname,
@@ -168,8 +171,16 @@ impl StoreCore {
             ping_interval: Duration::from_secs(1),
             transfer_timeout: Duration::from_secs(60),
         };
-        let client = py.detach(|| Client::setup(cfg)).map_err(|e| raise(py, e))?;
-        Ok(StoreCore { client: RwLock::new(Some(client)), pins: Mutex::default(), pid: std::process::id() })
+        let client = match &engine {
+            // Mooncake's setup(..., engine): the store mounts the engine's own segment.
+            Some(core) => {
+                let (shared, flag) = core.get().share(py)?;
+                py.detach(|| Client::with_engine(cfg, shared, Some(flag)))
+            }
+            None => py.detach(|| Client::setup(cfg)),
+        }
+        .map_err(|e| raise(py, e))?;
+        Ok(StoreCore { client: RwLock::new(Some(client)), _engine: engine, pins: Mutex::default(), pid: std::process::id() })
     }
 
     /// This client's transfer-engine segment name.

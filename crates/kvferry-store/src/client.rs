@@ -119,7 +119,10 @@ impl Rpc {
 }
 
 struct Inner {
-    engine: TransferEngine,
+    engine: Arc<TransferEngine>,
+    /// Set when the engine is shared ([`Client::with_engine`]): its owner's "closed" flag.
+    /// Once set, every call fails with [`engine_closed`] instead of touching the engine.
+    shared: Option<Arc<AtomicBool>>,
     rpc: Rpc,
     id: u64,
     segment: Option<(HostBuffer, Segment)>,
@@ -257,14 +260,47 @@ impl Client {
     /// Starts a transfer engine, contributes `global_segment_size` bytes, mounts them at the
     /// master and starts pinging it.
     pub fn setup(cfg: ClientConfig) -> StoreResult<Client> {
-        if cfg.protocol != "tcp" && cfg.protocol != "rdma" {
-            return Err(StoreError::InvalidParams(format!("protocol {:?} is not supported; use \"tcp\"", cfg.protocol)));
-        }
+        check_protocol(&cfg)?;
         let mut ecfg = Config::from_env().map_err(|e| StoreError::InvalidParams(e.to_string()))?;
         ecfg.local_hostname = cfg.local_hostname.clone();
         ecfg.metadata_server = cfg.metadata_server.clone();
         ecfg.transfer_timeout = cfg.transfer_timeout;
         let (engine, port) = start_engine(&cfg, ecfg)?;
+        Client::build(cfg, Arc::new(engine), None, port)
+    }
+
+    /// Like [`Client::setup`] on an engine that is already running (Mooncake's
+    /// `setup(..., engine)`): no second engine is started; the segment is mounted as the
+    /// engine's own segment (its name, its listeners), and memory registered on the engine
+    /// serves the store and the other way round. `cfg.local_hostname` must be empty, the
+    /// engine's segment name, or its host part (anything else is refused: the segment can
+    /// only carry the engine's name). `cfg.metadata_server` is ignored (the engine's is used).
+    ///
+    /// `engine_closed` is the owner's flag for "the engine was closed": once set, calls fail
+    /// with a clear error instead of using it. Closing the client unmounts the segment and
+    /// unregisters the client's own buffers from the engine; the engine keeps running.
+    pub fn with_engine(mut cfg: ClientConfig, engine: Arc<TransferEngine>, engine_closed: Option<Arc<AtomicBool>>) -> StoreResult<Client> {
+        check_protocol(&cfg)?;
+        let name = engine.segment_name().to_string();
+        let asked = cfg.local_hostname.trim();
+        let (asked_host, asked_port) = kvferry::config::split_host_port(asked);
+        let engine_host = kvferry::config::split_host_port(&name).0;
+        let matches = asked.is_empty() || asked == name || (asked_port.is_none() && asked_host == engine_host);
+        if !matches {
+            return Err(StoreError::InvalidParams(format!(
+                "local_hostname {asked:?} differs from the shared engine's segment name {name:?}; a store on a shared engine mounts the engine's own segment, so pass the engine's name (or its host, or \"\"), or set the store up without engine= to get a segment of its own"
+            )));
+        }
+        cfg.local_hostname = name;
+        cfg.metadata_server = engine.config().metadata_server.clone();
+        let flag = engine_closed.unwrap_or_default();
+        Client::build(cfg, engine, Some(flag), None)
+    }
+
+    fn build(cfg: ClientConfig, engine: Arc<TransferEngine>, shared: Option<Arc<AtomicBool>>, port: Option<TcpListener>) -> StoreResult<Client> {
+        if shared.as_ref().is_some_and(|f| f.load(Ordering::Acquire)) {
+            return Err(engine_closed());
+        }
         let rpc = Rpc { addr: cfg.master_server_addr.clone(), pool: Mutex::default(), timeout: Duration::from_secs(30), spin: engine.config().spin };
         let id: u64 = rand::random::<u64>() | 1;
         let mut segment = None;
@@ -276,12 +312,23 @@ impl Client {
         }
         let mut staging = None;
         if cfg.local_buffer_size > 0 {
-            let buf = HostBuffer::new(cfg.local_buffer_size as usize, true).map_err(|e| StoreError::InvalidParams(format!("local_buffer_size: {e}")))?;
-            engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| StoreError::Internal(e.to_string()))?;
+            let registered = HostBuffer::new(cfg.local_buffer_size as usize, true)
+                .map_err(|e| StoreError::InvalidParams(format!("local_buffer_size: {e}")))
+                .and_then(|buf| engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map(|_| buf).map_err(|e| StoreError::Internal(e.to_string())));
+            let buf = match registered {
+                Ok(b) => b,
+                Err(e) => {
+                    // A shared engine outlives this call: withdraw the segment before it is freed.
+                    if let (Some(_), Some((b, _))) = (&shared, &segment) {
+                        let _ = engine.unregister_memory(b.addr());
+                    }
+                    return Err(e);
+                }
+            };
             let space = SegmentSpace::new(buf.addr(), buf.len() as u64);
             staging = Some((buf, Mutex::new(space)));
         }
-        let inner = Arc::new(Inner { engine, rpc, id, segment, staging, closed: AtomicBool::new(false), cfg, pid: std::process::id(), releases: Mutex::default(), _port: port });
+        let inner = Arc::new(Inner { engine, shared, rpc, id, segment, staging, closed: AtomicBool::new(false), cfg, pid: std::process::id(), releases: Mutex::default(), _port: port });
         // Register with the master even without a segment, so pings are recognised.
         match &inner.segment {
             Some((_, seg)) => inner.rpc.call_ok(&Request::MountSegment { client: id, segment: seg.clone() })?,
@@ -318,6 +365,9 @@ impl Client {
     fn check_open(&self) -> StoreResult<()> {
         if self.inner.closed.load(Ordering::Acquire) {
             return Err(StoreError::InvalidParams("the client is closed".into()));
+        }
+        if self.inner.shared.as_ref().is_some_and(|f| f.load(Ordering::Acquire)) {
+            return Err(engine_closed());
         }
         Ok(())
     }
@@ -759,10 +809,48 @@ impl Client {
             // Best effort: unreleased reads end with their lease anyway.
             let _ = self.inner.rpc.call(&Request::ReleaseReads { ids });
         }
-        if let Some((_, seg)) = &self.inner.segment {
-            self.inner.rpc.call_ok(&Request::UnmountSegment { client: self.inner.id, segment: seg.id })?;
+        let unmounted = match &self.inner.segment {
+            Some((_, seg)) => self.inner.rpc.call_ok(&Request::UnmountSegment { client: self.inner.id, segment: seg.id }).map(|_| ()),
+            None => Ok(()),
+        };
+        if self.inner.shared.is_some() {
+            // The engine outlives this client: withdraw the client's buffers from it (a
+            // barrier) before they are freed. Already gone if the engine was closed first.
+            let addrs: Vec<u64> = self.inner.segment.iter().map(|(b, _)| b.addr()).chain(self.inner.staging.iter().map(|(b, _)| b.addr())).collect();
+            for a in addrs {
+                if let Err(e) = self.inner.engine.unregister_memory(a) {
+                    tracing::debug!("unregistering the store's buffer at {a:#x} from the shared engine: {e}");
+                }
+            }
         }
-        Ok(())
+        unmounted
+    }
+}
+
+fn check_protocol(cfg: &ClientConfig) -> StoreResult<()> {
+    if cfg.protocol != "tcp" && cfg.protocol != "rdma" {
+        return Err(StoreError::InvalidParams(format!("protocol {:?} is not supported; use \"tcp\"", cfg.protocol)));
+    }
+    Ok(())
+}
+
+/// The error of every call on a shared engine that its owner closed.
+fn engine_closed() -> StoreError {
+    StoreError::InvalidParams("the transfer engine this store shares was closed (engine closed before the store); close the store and set it up again on a running engine".into())
+}
+
+impl Drop for Inner {
+    /// On a shared engine (which outlives this client) the client's buffers are withdrawn from
+    /// it before they are freed, whichever way the client ends (a failed setup included).
+    fn drop(&mut self) {
+        if self.shared.is_none() || std::process::id() != self.pid {
+            return;
+        }
+        let addrs: Vec<u64> = self.segment.iter().map(|(b, _)| b.addr()).chain(self.staging.iter().map(|(b, _)| b.addr())).collect();
+        for a in addrs {
+            // Already withdrawn by close(), or by the engine's owner closing it: ignored.
+            let _ = self.engine.unregister_memory(a);
+        }
     }
 }
 

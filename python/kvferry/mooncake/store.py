@@ -16,7 +16,6 @@ import operator
 import os
 import re
 import threading
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import store as _native
@@ -346,8 +345,16 @@ class MooncakeDistributedStore:
 
         Keyword arguments kvferry cannot honour raise TypeError naming the argument:
         ``enable_ssd_offload=True``, ``tenant_id`` other than "default",
-        ``enable_client_http_server=True``. ``engine`` (a TransferEngine to share) is accepted
-        but not shared yet: the store starts its own engine and warns (docs/PYTHON.md)."""
+        ``enable_client_http_server=True``.
+
+        ``engine`` (an initialized kvferry.mooncake.engine.TransferEngine, or kvferry.Engine)
+        is shared as in Mooncake: no second engine starts, the store's segment is the
+        engine's own (``get_hostname()`` is the engine's segment name), and memory registered
+        on the engine serves the store and the other way round. ``local_hostname`` must be
+        the engine's segment name or its host (otherwise -600: the segment can only carry the
+        engine's name). close() leaves the engine running; closing the engine first makes
+        every store call fail (-600, "the transfer engine this store shares was closed")
+        until the store is closed."""
         if isinstance(local_hostname, dict):
             return self._setup_dict(local_hostname)
         if enable_ssd_offload:
@@ -357,11 +364,11 @@ class MooncakeDistributedStore:
         if enable_client_http_server:
             raise TypeError("setup(enable_client_http_server=True): kvferry's store client has no HTTP server; pass False (client_http_port is then unused)")
         if engine is not None:
-            self._note_engine(engine)
+            self._check_engine(engine)
         if local_hostname is None:
             return _fail(_native.StoreInvalidArgument("local_hostname is required", INVALID_PARAMS))
         try:
-            self._s = _native.Store(str(local_hostname), metadata_server, global_segment_size, local_buffer_size, protocol, rdma_devices or "", master_server_addr)
+            self._s = _native.Store(str(local_hostname), metadata_server, global_segment_size, local_buffer_size, protocol, rdma_devices or "", master_server_addr, engine)
             self._local_buffer_size = int(local_buffer_size)
             self._scratch_buf = None
             return 0
@@ -369,19 +376,12 @@ class MooncakeDistributedStore:
             return _fail(e)
 
     @staticmethod
-    def _note_engine(engine: Any) -> None:
+    def _check_engine(engine: Any) -> None:
         from .._engine import Engine
         from .engine import TransferEngine
 
         if not isinstance(engine, (TransferEngine, Engine)):
             raise TypeError("setup(engine=...) takes a TransferEngine (kvferry.mooncake.engine.TransferEngine or its get_engine()), not %s" % type(engine).__name__)
-        msg = (
-            "setup(engine=...): kvferry's store does not share a caller's TransferEngine yet; it starts its own "
-            "engine (a second segment on this host). Transfers work, but the store's segment is not the shared "
-            "engine's segment (docs/PYTHON.md, 'setup')."
-        )
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        _log.warning("kvferry store: %s", msg)
 
     def _setup_dict(self, config: Dict[Any, Any]) -> int:
         # Mooncake converts every value with str() and parses it (setup_internal(ConfigDict)).
@@ -420,11 +420,14 @@ class MooncakeDistributedStore:
         )
 
     def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
-        """Standalone mode (a dummy client of a store-client process on this host) is not
-        available yet: it needs ``kvferry store-client`` (Mooncake's ``mooncake_client``)."""
+        """Mooncake's dummy-client mode (a local client served over shared memory by a
+        ``mooncake_client`` process) is not provided: raises NotImplementedError. Run
+        ``kvferry store-client`` (Mooncake's ``mooncake_client``) to contribute the memory,
+        and ``setup(...)`` with ``global_segment_size=0`` here (docs/PYTHON.md)."""
         raise NotImplementedError(
-            "setup_dummy(%r, %r, %r): kvferry has no store-client process yet (the future `kvferry store-client`, "
-            "Mooncake's mooncake_client); use setup(...) with global_segment_size=0 against `kvferry master` instead"
+            "setup_dummy(%r, %r, %r): kvferry has no dummy-client (shared-memory) mode; run `kvferry store-client "
+            "--master_server_address=<master> --global_segment_size=<bytes>` to contribute the memory, and here "
+            "setup(local_hostname, metadata_server, global_segment_size=0, local_buffer_size, 'tcp', '', master_server_addr)"
             % (mem_pool_size, local_buffer_size, server_address)
         )
 
