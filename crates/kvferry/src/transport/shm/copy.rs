@@ -163,6 +163,7 @@ pub(super) fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<(&PeerMap, *
     while i < pieces.len() {
         if let Some((m, at)) = mapped[i] {
             let p = &pieces[i];
+            m.prefault(at, p.len);
             // SAFETY: `p.local` lies in memory registered with this engine (its guard is
             // held); `at` lies inside a live shared mapping of the peer's sealed memfd
             // (`PeerMap::locate`), so neither side can fault; the ranges are in different

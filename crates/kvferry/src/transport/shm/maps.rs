@@ -19,6 +19,22 @@ pub(super) struct PeerMap {
     pub(super) map_len: usize,
     /// The process that mapped it.
     pub(super) home: u32,
+    /// One bit per [`CHUNK`] of the data: its page tables were filled here
+    /// ([`PeerMap::prefault`]).
+    pub(super) faulted: Box<[AtomicU64]>,
+}
+
+/// Page tables of a peer's buffer mapped here are filled a chunk at a time, the first time a
+/// copy of at least [`PREFAULT_MIN`] bytes touches the chunk; smaller copies take the page
+/// faults of the pages they touch. Either way the cost (time and page tables: 8 bytes per
+/// 4 KiB page) is proportional to what this process touches, never to the peer's whole
+/// buffer, however large its segment.
+pub(super) const CHUNK: usize = 2 << 20;
+pub(super) const PREFAULT_MIN: u64 = 256 << 10;
+
+/// The chunk bitmap of a buffer of `len` bytes.
+pub(super) fn chunk_bits(len: u64) -> Box<[AtomicU64]> {
+    (0..(len as usize).div_ceil(CHUNK).div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
 }
 
 // SAFETY: a shared mapping owned by this value; bytes are copied in and out only under the
@@ -51,41 +67,33 @@ impl PeerMap {
             && self.header_word(crate::hostbuf::HDR_GENERATION).load(Ordering::Relaxed) == self.info.generation
     }
 
+    /// Before a copy of `len` bytes at `at` (inside our mapping): fills the page tables of
+    /// the chunks it touches that no earlier copy filled, in one call per chunk
+    /// (`MADV_POPULATE_WRITE`, Linux 5.14; on older kernels pages fault one by one), so a
+    /// large copy does not take a fault per 4 KiB page. Small copies skip it.
+    pub(super) fn prefault(&self, at: *mut u8, len: u64) {
+        if len < PREFAULT_MIN {
+            return;
+        }
+        let off = at as usize - self.ptr as usize;
+        let data = self.info.len as usize;
+        for c in off / CHUNK..=(off + len as usize - 1) / CHUNK {
+            let bit = 1u64 << (c % 64);
+            let Some(word) = self.faulted.get(c / 64) else { return };
+            if word.fetch_or(bit, Ordering::Relaxed) & bit != 0 {
+                continue;
+            }
+            let start = c * CHUNK;
+            // SAFETY: a range inside our live mapping of the peer's data (the caller holds
+            // the map); populating only fills page tables of the shared pages.
+            unsafe { libc::madvise(self.ptr.add(start) as *mut libc::c_void, CHUNK.min(data - start), 23) };
+        }
+    }
+
     /// Where `[remote, remote+len)` of the peer lies in our mapping, if inside it.
     pub(super) fn locate(&self, remote: u64, len: u64) -> Option<*mut u8> {
         let off = remote.checked_sub(self.info.addr)?;
         (off.checked_add(len)? <= self.info.len).then(|| self.ptr.wrapping_add(off as usize))
-    }
-}
-
-/// Fills the page tables of a new mapping of a peer's buffer from a helper thread, so that
-/// copies do not take a minor fault on the first touch of each 4 KiB page (~0.2 s per GiB,
-/// paid once per peer buffer). Copies run meanwhile; the thread stops when the mapping is
-/// released. Only for buffers whose owner allocated every page up front (`populated`): for
-/// the others this would allocate memory the owner has not touched.
-pub(super) fn populate_in_background(m: &Arc<PeerMap>) {
-    pub(super) const STEP: usize = 32 << 20;
-    let weak = Arc::downgrade(m);
-    let spawned = std::thread::Builder::new().name("kvf-shm-populate".into()).spawn(move || {
-        let mut off = 0usize;
-        loop {
-            // Holding the Arc keeps the range mapped while we advise it.
-            let Some(m) = weak.upgrade() else { return };
-            let len = m.info.len as usize;
-            if off >= len {
-                return;
-            }
-            let n = STEP.min(len - off);
-            // SAFETY: a range inside our live mapping; MADV_POPULATE_WRITE (Linux 5.14) only
-            // fills page tables (the shared pages already hold the peer's data).
-            if unsafe { libc::madvise(m.ptr.add(off) as *mut libc::c_void, n, 23) } != 0 {
-                return; // older kernel, or memory pressure: faults happen on demand instead
-            }
-            off += n;
-        }
-    });
-    if let Err(e) = spawned {
-        tracing::debug!("no thread to pre-fault a peer mapping ({e}); pages fault on first use");
     }
 }
 
@@ -174,13 +182,7 @@ impl ShmPeer {
                 continue;
             }
             match self.map(&info) {
-                Ok(m) => {
-                    let m = Arc::new(m);
-                    if info.populated {
-                        populate_in_background(&m);
-                    }
-                    maps.push(m);
-                }
+                Ok(m) => maps.push(Arc::new(m)),
                 Err(r) => {
                     tracing::debug!(pid = self.pid, "not mapping a peer buffer, copying by cross-memory attach: {r}");
                     c.refused.insert(info, r);
@@ -237,7 +239,7 @@ impl ShmPeer {
             return Err(format!("cannot map fd {} of process {pid}: {}", info.fd, io::Error::last_os_error()));
         }
         dontfork(p as *mut u8, map_len as usize);
-        let m = PeerMap { info: *info, ptr: p as *mut u8, map_len: map_len as usize, home: std::process::id() };
+        let m = PeerMap { info: *info, ptr: p as *mut u8, map_len: map_len as usize, home: std::process::id(), faulted: chunk_bits(info.len) };
         if m.header_word(crate::hostbuf::HDR_MAGIC).load(Ordering::Acquire) != crate::hostbuf::HEADER_MAGIC {
             return Err(stale("no buffer header"));
         }
