@@ -332,6 +332,9 @@ fn run_client(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
     c.register_buffer(dst.addr(), dst.len() as u64).map_err(|e| e.to_string())?;
     let cfg = ReplicateConfig::default();
     let mut points = Vec::new();
+    // The first second after setup (the serving segment fresh, nothing mapped yet), to be
+    // compared with the same loop once everything ran ("steady", measured last).
+    points.push(first_or_steady(&c, &src, &dst, "first_1s", &cfg)?);
     let total = a.values.len() * 2;
     let mut n = 0;
     for &v in &a.values {
@@ -419,8 +422,35 @@ fn run_client(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
             c.remove_all(true).map_err(|e| e.to_string())?;
         }
     }
+    points.push(first_or_steady(&c, &src, &dst, "steady_1s", &cfg)?);
     eprint!("\r\x1b[K");
     Ok(points)
+}
+
+/// One second of 1 MiB put_from + get_into (checked) + forced remove, one key at a time,
+/// over fresh keys: run right after setup (`first_1s`) and after the sweep (`steady_1s`),
+/// the two rows show whether the first second after setup runs at the steady rate.
+fn first_or_steady(c: &Client, src: &HostBuffer, dst: &HostBuffer, op: &str, cfg: &ReplicateConfig) -> Result<StorePoint, String> {
+    const V: usize = 1 << 20;
+    if src.len() < V {
+        return Ok(point(op, V as u64, 1, 0, Duration::ZERO, &mut [], true));
+    }
+    let (mut lat, mut busy, mut n, mut verified) = (Vec::new(), Duration::ZERO, 0usize, true);
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(1) {
+        let k = format!("{op}-{n}");
+        fill_value(src.slice_mut(0, V), &k);
+        let t0 = Instant::now();
+        c.put_from(&k, src.addr(), V as u64, cfg).map_err(|e| format!("{op}: put_from {k}: {e}"))?;
+        let got = c.get_into(&k, dst.addr(), V as u64).map_err(|e| format!("{op}: get_into {k}: {e}"))?;
+        c.remove(&k, true).map_err(|e| format!("{op}: remove {k}: {e}"))?;
+        let dt = t0.elapsed();
+        busy += dt;
+        lat.push(dt.as_secs_f64() * 1e6);
+        verified &= got == V as u64 && value_ok(dst.slice(0, V), &k);
+        n += 1;
+    }
+    Ok(point(op, V as u64, 1, n, busy, &mut lat, verified))
 }
 
 /// A read phase, as `tests/interop/mooncake_store_bench.py` runs Mooncake's: every round of
