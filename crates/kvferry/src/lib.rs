@@ -39,6 +39,7 @@ pub mod handshake;
 pub mod hostbuf;
 pub mod memory;
 pub mod metadata;
+pub mod rdma;
 pub mod transport;
 pub mod wire;
 
