@@ -15,9 +15,21 @@ use serde::Serialize;
 #[derive(Debug, Clone, Serialize)]
 pub struct Probe {
     /// `libibverbs.so.1` loaded and the devices it lists; or why not.
+    #[serde(serialize_with = "verbs_json")]
     pub verbs: Result<Vec<String>, String>,
     /// The NICs sysfs shows (`/sys/class/infiniband`).
     pub nics: Vec<sysfs::Nic>,
+}
+
+/// `{"devices": [...]}` or `{"error": "..."}`.
+fn verbs_json<S: serde::Serializer>(v: &Result<Vec<String>, String>, s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut m = s.serialize_map(Some(1))?;
+    match v {
+        Ok(d) => m.serialize_entry("devices", d)?,
+        Err(e) => m.serialize_entry("error", e)?,
+    }
+    m.end()
 }
 
 impl Probe {
