@@ -65,7 +65,7 @@ mod tests {
 
     fn nic(active: bool) -> sysfs::Nic {
         let state = if active { "4: ACTIVE" } else { "1: DOWN" };
-        sysfs::Nic { name: "rxe0".into(), numa_node: None, ports: vec![sysfs::Port { num: 1, state: state.into(), active, mtu: Some(1024), link_layer: "Ethernet".into(), gids: vec![] }] }
+        sysfs::Nic { name: "rxe0".into(), numa_node: None, ports: vec![sysfs::Port { num: 1, state: state.into(), active, rate: String::new(), link_layer: "Ethernet".into(), gids: vec![] }] }
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! RDMA NICs as sysfs shows them (`/sys/class/infiniband/<dev>/...`): ports, their state, MTU,
+//! RDMA NICs as sysfs shows them (`/sys/class/infiniband/<dev>/...`): ports, their state, rate,
 //! link layer and GID table, and the NUMA node of the device. Pure reads of text files, no
 //! library: the topology is known even where verbs cannot be loaded.
 
@@ -23,8 +23,9 @@ pub struct Port {
     /// As sysfs says it, e.g. `4: ACTIVE`.
     pub state: String,
     pub active: bool,
-    /// Active MTU in bytes (256..4096).
-    pub mtu: Option<u32>,
+    /// Link rate as sysfs says it, e.g. `100 Gb/sec (4X EDR)`. (The active MTU is not in
+    /// sysfs: it comes from `ibv_query_port` with the transport.)
+    pub rate: String,
     /// `InfiniBand` or `Ethernet` (RoCE).
     pub link_layer: String,
     /// Non-empty GID table entries.
@@ -77,10 +78,9 @@ fn ports(dir: &Path) -> Vec<Port> {
             let p = dir.join(e.file_name());
             let state = read(&p.join("state")).unwrap_or_default();
             let active = state.ends_with("ACTIVE");
-            // "1024 (3)" on most drivers, "1024" on some.
-            let mtu = read(&p.join("active_mtu")).and_then(|s| s.split_whitespace().next().and_then(|m| m.parse().ok()));
+            let rate = read(&p.join("rate")).unwrap_or_default();
             let link_layer = read(&p.join("link_layer")).unwrap_or_default();
-            Some(Port { num, state, active, mtu, link_layer, gids: gids(&p) })
+            Some(Port { num, state, active, rate, link_layer, gids: gids(&p) })
         })
         .collect();
     out.sort_by_key(|p| p.num);
@@ -139,7 +139,7 @@ mod tests {
         let p = root.join("mlx5_1/ports/1");
         write(&root.join("mlx5_1/device/numa_node"), "1");
         write(&p.join("state"), "4: ACTIVE");
-        write(&p.join("active_mtu"), "4096 (5)");
+        write(&p.join("rate"), "100 Gb/sec (4X EDR)");
         write(&p.join("link_layer"), "Ethernet");
         let zero = "0000:0000:0000:0000:0000:0000:0000:0000";
         let ll = "fe80:0000:0000:0000:0250:56ff:fe8a:0001";
@@ -151,7 +151,7 @@ mod tests {
         let q = root.join("rxe0/ports/1");
         write(&root.join("rxe0/device/numa_node"), "-1");
         write(&q.join("state"), "1: DOWN");
-        write(&q.join("active_mtu"), "1024");
+        write(&q.join("rate"), "10 Gb/sec (1X QDR)");
         write(&q.join("link_layer"), "Ethernet");
         write(&q.join("gids/0"), ll);
     }
@@ -166,7 +166,7 @@ mod tests {
         let (mlx, rxe) = (&nics[0], &nics[1]);
         assert_eq!((mlx.numa_node, rxe.numa_node), (Some(1), None));
         let p = &mlx.ports[0];
-        assert_eq!((p.num, p.active, p.mtu, p.link_layer.as_str()), (1, true, Some(4096), "Ethernet"));
+        assert_eq!((p.num, p.active, p.rate.as_str(), p.link_layer.as_str()), (1, true, "100 Gb/sec (4X EDR)", "Ethernet"));
         assert_eq!(p.gids.len(), 4, "the empty slot is left out");
         assert_eq!(p.gids[3].ipv4, Some(Ipv4Addr::new(10, 99, 2, 1)));
         assert_eq!(p.gids[0].ipv4, None);
@@ -174,7 +174,7 @@ mod tests {
         assert_eq!(select_gid(p, Some(1)), Some(1), "MC_GID_INDEX wins when the entry exists");
         assert_eq!(select_gid(p, Some(9)), None, "a forced index that does not exist is not replaced silently");
         let q = &rxe.ports[0];
-        assert_eq!((q.active, q.mtu), (false, Some(1024)));
+        assert!(!q.active);
         assert_eq!(select_gid(q, None), Some(0), "no type information: index 0");
         assert!(nics_in(&root.join("absent")).is_empty());
         let _ = std::fs::remove_dir_all(&root);
