@@ -3,7 +3,7 @@
 //! This module is the groundwork of the RDMA transport (issue 12), not the transport: it
 //! loads `libibverbs.so.1` with `dlopen` when asked ([`verbs::Verbs`]), so a host without
 //! rdma-core runs every other transport and is told why RDMA is absent, and it reads the
-//! NICs, their ports, MTUs and GIDs from sysfs ([`sysfs`]), which needs no library at all.
+//! NICs, their ports, rates and GIDs from sysfs ([`sysfs`]), which needs no library at all.
 //! It never opens a device, registers memory or creates a queue pair.
 
 pub mod sysfs;
