@@ -8,9 +8,11 @@
 //! - [`handshake`]: Mooncake's handshake framing (u64 length, type byte, JSON).
 //! - [`descriptor`]: the segment descriptor JSON that peers exchange.
 //! - [`tcp`]: the 24-byte TCP data header and the v2 status frame.
+//! - [`rdma`]: the RDMA `Connection` handshake message (NIC paths, LID, GID, QP numbers).
 
 pub mod descriptor;
 pub mod handshake;
+pub mod rdma;
 pub mod tcp;
 
 /// A decoding or validation failure of bytes received from a peer.
