@@ -16,7 +16,7 @@
 //!   service lost (an etcd, Redis or HTTP server restarted without its data).
 //!
 //! Everything here is synchronous from the caller's side: blocking sockets (HTTP, Redis) or a
-//! small private tokio runtime inside the etcd backend.
+//! HTTP request to etcd's JSON gateway in the etcd backend (no async runtime).
 
 pub mod etcd;
 pub mod http;
