@@ -192,8 +192,7 @@ fn shm(r: &mut Report, cfg: &Config) {
 /// the second place when that copy went through the mapping.
 fn probe_child(cfg: &Config) -> Result<(kvferry::SegmentTransport, Result<(), String>), String> {
     use std::io::BufRead;
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
-    let mut child = std::process::Command::new(exe)
+    let mut child = crate::self_command()?
         .args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", "127.0.0.1", "--buffer-size", "4M", "--hugepages", "off"])
         .env("KVFERRY_TRANSPORT", "auto")
         .stdin(std::process::Stdio::piped())
