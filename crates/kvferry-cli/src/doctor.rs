@@ -637,3 +637,17 @@ fn check_metadata(r: &mut Report, conn: &str, cfg: &Config) -> serde_json::Value
     store.close();
     serde_json::json!({"configured": conn, "mode": "service", "backend": backend, "location": location, "reachable": true, "get_ms": get_ms, "writable": writable, "put_ms": put_ms, "error": error})
 }
+
+#[cfg(test)]
+mod tests {
+    use super::cpulist_len;
+
+    #[test]
+    fn cpu_lists() {
+        assert_eq!(cpulist_len("0-3,8-11"), 8);
+        assert_eq!(cpulist_len("0"), 1);
+        assert_eq!(cpulist_len("0-1\n"), 2);
+        assert_eq!(cpulist_len(""), 0);
+        assert_eq!(cpulist_len("3-1,x"), 0, "malformed ranges count nothing");
+    }
+}
