@@ -764,7 +764,9 @@ def _master(env):
     if env.impl == "kvferry":
         here = os.path.dirname(os.path.abspath(__file__))
         root = os.path.dirname(os.path.dirname(here))
-        cands = [os.environ.get("KVFERRY_BIN", "")] + [os.path.join(root, "target", p, "kvferry") for p in ("ci", "release", "debug")]
+        # $KVFERRY_BIN, else the installed wheel's `kvferry` command, else a source build.
+        wheel_cli = os.path.join(os.path.dirname(sys.executable), "kvferry")
+        cands = [os.environ.get("KVFERRY_BIN", ""), wheel_cli] + [os.path.join(root, "target", p, "kvferry") for p in ("ci", "release", "debug")]
         exe = next(c for c in cands if c and os.path.isfile(c))
         p = subprocess.Popen([exe, "master", "--port", "0", "--metrics-port", "-1", "--summary-interval", "0"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

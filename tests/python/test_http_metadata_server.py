@@ -99,6 +99,21 @@ def test_kvbootstrapserver_as_context_manager_and_port_taken(kv_bin):
     assert refused(a.port)
 
 
+def test_without_kvferry_bin_the_wheels_own_command_serves(monkeypatch):
+    monkeypatch.delenv("KVFERRY_BIN", raising=False)
+    # Whatever is on PATH or next to the package is not needed: the extension carries the CLI.
+    monkeypatch.setattr(hms, "_candidates", lambda: [])
+    assert hms.kvferry_command() == [sys.executable, "-m", "kvferry"]
+    with KVBootstrapServer(0, HOST) as srv:
+        assert srv.poll() == KVPoll.Success
+        check_contract(srv.port)
+        pid = srv.pid
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            argv = f.read().split(b"\0")
+        assert argv[1:4] == [b"-m", b"kvferry", b"metadata-server"], argv
+    assert gone(pid) and refused(srv.port)
+
+
 def test_missing_binary_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("KVFERRY_BIN", str(tmp_path / "no-kvferry"))
     with pytest.raises(FileNotFoundError, match="KVFERRY_BIN"):

@@ -1,11 +1,16 @@
 """Packaging: abi3 manylinux wheel, no RDMA/CUDA link-time dependencies, installs into a
-fresh venv, ships the shim .pth and type information but no top-level `mooncake`."""
+fresh venv, ships the shim .pth and type information but no top-level `mooncake`, and the
+`kvferry` command (console script and `python -m kvferry`, inside the one extension module)."""
 
 from __future__ import annotations
 
 import ast
 import glob
+import json
 import os
+import select
+import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -94,11 +99,14 @@ def test_wheel_contents_and_tags():
         names = z.namelist()
         wheel_meta = z.read([n for n in names if n.endswith(".dist-info/WHEEL")][0]).decode()
         so = [n for n in names if n.endswith(".so")]
-        assert so == ["kvferry/_kvferry.abi3.so"], so
+        assert so == ["kvferry/_kvferry.abi3.so"], "one native library, the CLI inside it: %s" % so
+        entry_points = z.read([n for n in names if n.endswith(".dist-info/entry_points.txt")][0]).decode()
         _check_needed(elf_needed(z.read(so[0])))
     assert "Tag: cp39-abi3-manylinux" in wheel_meta
     assert not [n for n in names if n.startswith("mooncake/") or n == "mooncake.py"], "the wheel must not ship a top-level mooncake"
-    for required in ("kvferry/__init__.py", "kvferry/py.typed", "kvferry/_kvferry.pyi", "kvferry/mooncake/engine.py", "kvferry/_shim.py"):
+    scripts = entry_points.split("[console_scripts]", 1)[-1].split("[")[0]
+    assert "[console_scripts]" in entry_points and "kvferry=kvferry.__main__:main" in scripts.replace(" ", ""), entry_points
+    for required in ("kvferry/__init__.py", "kvferry/__main__.py", "kvferry/py.typed", "kvferry/_kvferry.pyi", "kvferry/mooncake/engine.py", "kvferry/_shim.py"):
         assert required in names, required
     pth = [n for n in names if n.endswith(".pth")]
     assert len(pth) == 1 and "/purelib/" in pth[0], pth
@@ -126,6 +134,93 @@ def test_fresh_venv_install_and_import(tmp_path):
     env.pop("KVFERRY_MOONCAKE_SHIM")
     r = subprocess.run([py, "-c", "import mooncake"], capture_output=True, text=True, timeout=60, env=env, cwd=str(tmp_path))
     assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def cli_venv(tmp_path_factory):
+    """A fresh venv with only the wheel installed (no numpy, no network): its bin/ directory."""
+    w = _wheel()
+    venv = tmp_path_factory.mktemp("cli") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--no-index", "--no-deps", "-q", w], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return venv / "bin"
+
+
+def _cli_env() -> dict:
+    env = dict(os.environ, KVFERRY_LOG="error")
+    for k in ("KVFERRY_BIN", "KVFERRY_TRANSPORT", "KVFERRY_MOONCAKE_SHIM", "PYTHONPATH"):
+        env.pop(k, None)
+    return env
+
+
+def test_fresh_venv_kvferry_command(cli_venv, tmp_path):
+    import kvferry
+
+    exe = str(cli_venv / "kvferry")
+    assert os.access(exe, os.X_OK), "pip put no kvferry script in the venv's bin/"
+    run = lambda args, **kw: subprocess.run(args, capture_output=True, text=True, timeout=120, env=_cli_env(), cwd=str(tmp_path), **kw)
+    r = run([exe, "--version"])
+    assert r.returncode == 0 and r.stdout.strip() == "kvferry %s" % kvferry.__version__, (r.stdout, r.stderr)
+    r = run([str(cli_venv / "python"), "-m", "kvferry", "--version"])
+    assert r.returncode == 0 and r.stdout.strip() == "kvferry %s" % kvferry.__version__, (r.stdout, r.stderr)
+    r = run([exe, "--help"])
+    assert r.returncode == 0
+    for sub in ("bench", "doctor", "master", "store-bench", "store-client", "metadata-server", "metadata-bench"):
+        assert sub in r.stdout, r.stdout
+    r = run([exe, "no-such-command"])
+    assert r.returncode == 2 and "no-such-command" in r.stderr, r.stderr
+
+    # doctor --json: parses, has the stable keys; its shm probe starts a child copy of the
+    # command (`python -m kvferry bench --mode target`), which must work from the wheel too.
+    r = run([exe, "doctor", "--json", "--local-hostname", "127.0.0.1", "--expect", "tcp"])
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    for k in ("version", "host", "network", "memory", "metadata", "transports", "problems", "expect"):
+        assert k in d, (k, d)
+    assert d["version"] == kvferry.__version__
+    t = d["transports"]
+    assert set(t) >= {"tcp", "shm", "rdma", "gpu"} and t["tcp"]["available"] is True, t
+    assert "could not be probed" not in (t["shm"]["reason"] or ""), t["shm"]
+    assert all(p["fix"] for p in d["problems"]), d["problems"]
+    # A transport that cannot work here: exit status 1, named on stderr and in the JSON.
+    assert t["gpu"]["available"] is False, t["gpu"]
+    r = run([exe, "doctor", "--json", "--local-hostname", "127.0.0.1", "--expect", "gpu"])
+    assert r.returncode == 1 and "gpu" in r.stderr, (r.returncode, r.stderr)
+    assert [u.split(" ")[0] for u in json.loads(r.stdout)["expect"]["unmet"]] == ["gpu"]
+
+
+def _start_master(exe: str, cwd: str) -> "tuple[subprocess.Popen, int]":
+    # SIGINT as an interactive shell leaves it (a background job of a script ignores it, and
+    # an ignored SIGINT stays ignored, as for the binary).
+    p = subprocess.Popen([exe, "master", "--port", "0", "--metrics-port", "-1", "--summary-interval", "0"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=_cli_env(), cwd=cwd, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    ready, _, _ = select.select([p.stdout], [], [], 60)
+    line = p.stdout.readline().decode() if ready else ""
+    if "KVFERRY_MASTER" not in line:
+        p.kill()
+        p.wait(10)
+        raise AssertionError("no ready line from kvferry master: %r / %s" % (line, p.stderr.read().decode()))
+    rpc = next(w[4:] for w in line.split() if w.startswith("rpc="))
+    return p, int(rpc.rsplit(":", 1)[1])
+
+
+def test_fresh_venv_kvferry_master_starts_and_stops_on_signals(cli_venv, tmp_path):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        p, port = _start_master(str(cli_venv / "kvferry"), str(tmp_path))
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass  # it listens
+            # SIGINT too: the console script restores its default action (Ctrl-C ends it).
+            os.kill(p.pid, sig)
+            rc = p.wait(15)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        assert rc == -sig, (sig, rc, p.stderr.read().decode())
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
 def test_pyproject_maturin_settings():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def kvferry_bin() -> str:
-    for c in (os.environ.get("KVFERRY_BIN", ""), ROOT / "target" / "release" / "kvferry", ROOT / "target" / "debug" / "kvferry"):
+    # $KVFERRY_BIN, else the installed wheel's own `kvferry` command (the build under test),
+    # else a binary built from source.
+    wheel_cli = Path(sys.executable).parent / "kvferry"
+    for c in (os.environ.get("KVFERRY_BIN", ""), wheel_cli, ROOT / "target" / "release" / "kvferry", ROOT / "target" / "debug" / "kvferry"):
         if c and Path(c).is_file():
             return str(c)
     subprocess.run(["cargo", "build", "--release", "-p", "kvferry-cli"], cwd=ROOT, check=True)

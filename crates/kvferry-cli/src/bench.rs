@@ -12,7 +12,7 @@ use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use serde::Serialize;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -177,8 +177,7 @@ fn run_target(a: &BenchArgs) -> Result<(), String> {
 }
 
 fn spawn_target(a: &BenchArgs) -> Result<(Child, String), String> {
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
-    let mut child = Command::new(exe)
+    let mut child = crate::self_command()?
         .args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", &a.local_hostname, "--buffer-size", &a.buffer_size.to_string(), "--transport", "auto", "--hugepages", if a.hugepages { "on" } else { "off" }, "--memory", &a.memory])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

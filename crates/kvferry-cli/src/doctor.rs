@@ -13,22 +13,70 @@ pub struct DoctorArgs {
     /// Metadata service to check (default: KVFERRY_METADATA_SERVER).
     #[arg(long)]
     metadata_server: Option<String>,
+    /// Print one JSON object (the same checks, stable keys: version, host, memory, network,
+    /// metadata, transports, problems, expect) instead of the screen.
+    #[arg(long)]
+    json: bool,
+    /// Transports that must work here (comma-separated: tcp, shm, rdma, gpu): the exit
+    /// status is 1, naming each one and why, when any of them cannot.
+    #[arg(long, value_delimiter = ',', value_parser = ["tcp", "shm", "rdma", "gpu"])]
+    expect: Vec<String>,
 }
 
+/// The checks as they run: lines for the screen (unless --json) and the problems found.
 struct Report {
-    problems: usize,
+    human: bool,
+    problems: Vec<Problem>,
+}
+
+#[derive(serde::Serialize, Clone)]
+struct Problem {
+    check: String,
+    message: String,
+    fix: String,
 }
 
 impl Report {
-    fn ok(&self, what: &str, detail: impl AsRef<str>) {
-        println!("  ok    {what}: {}", detail.as_ref());
+    fn say(&self, line: impl AsRef<str>) {
+        if self.human {
+            println!("{}", line.as_ref());
+        }
     }
-    fn warn(&mut self, what: &str, detail: impl AsRef<str>) {
-        println!("  WARN  {what}: {}", detail.as_ref());
-        self.problems += 1;
+    fn ok(&self, what: &str, detail: impl AsRef<str>) {
+        self.say(format!("  ok    {what}: {}", detail.as_ref()));
+    }
+    fn warn(&mut self, what: &str, detail: impl AsRef<str>, fix: impl AsRef<str>) {
+        self.say(format!("  WARN  {what}: {}", detail.as_ref()));
+        self.say(format!("        fix: {}", fix.as_ref()));
+        self.problems.push(Problem { check: what.into(), message: detail.as_ref().into(), fix: fix.as_ref().into() });
     }
     fn no(&self, what: &str, detail: impl AsRef<str>) {
-        println!("  no    {what}: {}", detail.as_ref());
+        self.say(format!("  no    {what}: {}", detail.as_ref()));
+    }
+}
+
+/// Whether one transport can carry transfers here, and why not.
+#[derive(serde::Serialize, Clone, Default)]
+struct Transport {
+    available: bool,
+    /// Why it is not available (null when it is).
+    reason: Option<String>,
+    /// What would make it available (null when it is, or when nothing can here).
+    fix: Option<String>,
+    #[serde(flatten)]
+    extra: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Transport {
+    fn yes() -> Transport {
+        Transport { available: true, ..Default::default() }
+    }
+    fn no(reason: impl Into<String>, fix: Option<&str>) -> Transport {
+        Transport { available: false, reason: Some(reason.into()), fix: fix.map(str::to_string), ..Default::default() }
+    }
+    fn with(mut self, k: &str, v: serde_json::Value) -> Transport {
+        self.extra.insert(k.into(), v);
+        self
     }
 }
 
@@ -133,57 +181,71 @@ fn cap_sys_ptrace() -> bool {
 }
 
 /// The same-host transport: settings that decide it, and a live probe against a child process.
-fn shm(r: &mut Report, cfg: &Config) {
+fn shm(r: &mut Report, cfg: &Config) -> Transport {
     use kvferry::config::TransportMode;
     use kvferry::transport::shm;
     if cfg.transport == TransportMode::Tcp {
-        r.no("shm", "disabled by KVFERRY_TRANSPORT=tcp (this engine neither uses nor offers cross-memory attach)");
-        return;
+        let why = "disabled by KVFERRY_TRANSPORT=tcp (this engine neither uses nor offers cross-memory attach)";
+        r.no("shm", why);
+        return Transport::no(why, Some("unset KVFERRY_TRANSPORT (or set it to auto)"));
     }
-    match shm::host_id() {
-        Ok(h) => println!("        same-host identity: {h}"),
-        Err(e) => {
-            r.no("shm", format!("this host's identity is unknown ({e}); peers are reached over TCP"));
-            return;
+    let host_id = match shm::host_id() {
+        Ok(h) => {
+            r.say(format!("        same-host identity: {h}"));
+            h.to_string()
         }
-    }
+        Err(e) => {
+            let why = format!("this host's identity is unknown ({e}); peers are reached over TCP");
+            r.no("shm", &why);
+            return Transport::no(why, Some("make /proc/sys/kernel/random/boot_id readable (or mount /proc) in this container"));
+        }
+    };
     let ptrace = cap_sys_ptrace();
-    match shm::ptrace_scope() {
+    let scope = shm::ptrace_scope();
+    match scope {
         None | Some(0) => {}
         Some(1) if !ptrace => r.warn(
             "ptrace scope",
-            "kernel.yama.ptrace_scope=1: cross-memory attach works only towards descendant processes; separately started workers fall back to TCP (set sysctl kernel.yama.ptrace_scope=0 or grant CAP_SYS_PTRACE)",
+            "kernel.yama.ptrace_scope=1: cross-memory attach works only towards descendant processes; separately started workers fall back to TCP",
+            "sysctl -w kernel.yama.ptrace_scope=0, or grant CAP_SYS_PTRACE (docker run --cap-add SYS_PTRACE)",
         ),
-        Some(n) if !ptrace => r.warn("ptrace scope", format!("kernel.yama.ptrace_scope={n}: cross-memory attach needs CAP_SYS_PTRACE{}; peers fall back to TCP", if n >= 3 { " and is disabled at 3" } else { "" })),
-        Some(n) => println!("        kernel.yama.ptrace_scope={n}, CAP_SYS_PTRACE held"),
+        Some(n) if !ptrace => r.warn(
+            "ptrace scope",
+            format!("kernel.yama.ptrace_scope={n}: cross-memory attach needs CAP_SYS_PTRACE{}; peers fall back to TCP", if n >= 3 { " and is disabled at 3" } else { "" }),
+            if n >= 3 { "kernel.yama.ptrace_scope=3 can only be lowered by a reboot; boot with it at 0 or 1 and grant CAP_SYS_PTRACE" } else { "sysctl -w kernel.yama.ptrace_scope=0, or grant CAP_SYS_PTRACE (docker run --cap-add SYS_PTRACE)" },
+        ),
+        Some(n) => r.say(format!("        kernel.yama.ptrace_scope={n}, CAP_SYS_PTRACE held")),
     }
-    if let Ok(t) = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled") {
-        let mode = t.split_whitespace().find(|w| w.starts_with('[')).unwrap_or("?").trim_matches(|c| c == '[' || c == ']').to_string();
-        let note = match mode.as_str() {
-            "always" => "registered memory gets huge pages where the kernel can",
-            "madvise" => "huge pages only where the application asks (madvise MADV_HUGEPAGE); cross-memory copies from 4 KiB pages cost about twice the CPU (not copies into memory kvferry allocated, which peers map)",
-            _ => "no huge pages; cross-memory copies from 4 KiB pages cost about twice the CPU (not copies into memory kvferry allocated, which peers map)",
-        };
-        println!("        transparent huge pages: {mode} ({note})");
-    }
+    let info = |t: Transport| {
+        t.with("host_id", host_id.clone().into()).with("ptrace_scope", scope.map(serde_json::Value::from).unwrap_or(serde_json::Value::Null)).with("cap_sys_ptrace", ptrace.into())
+    };
     match probe_child(cfg) {
         Ok((t, mapped)) if t.name == "shm" => {
             r.ok("shm", "cross-memory attach works (probed a child process: verified, one copy per request, no socket)");
+            let mapped_ok = mapped.is_ok();
             match mapped {
                 Ok(()) => r.ok("shm map", "memory kvferry allocates (managed buffers, store segments) is mapped by same-host peers and copied with memcpy"),
                 Err(why) => r.no("shm map", format!("peers' kvferry-allocated memory is not mapped here ({why}); cross-memory attach carries it")),
             }
+            info(Transport::yes()).with("mapped", mapped_ok.into())
         }
         Ok((t, _)) => {
             let why = t.why_not_shm.unwrap_or_default();
             if cfg.transport == TransportMode::Shm {
-                r.warn("shm", format!("not usable, and KVFERRY_TRANSPORT=shm makes requests fail: {why}"));
+                r.warn("shm", format!("not usable, and KVFERRY_TRANSPORT=shm makes requests fail: {why}"), "fix the cause above, or set KVFERRY_TRANSPORT=auto to fall back to TCP");
             } else {
                 r.no("shm", format!("not usable here, peers on this host use TCP: {why}"));
             }
+            info(Transport::no(why, Some("see the ptrace scope check; in containers, share the PID namespace and grant CAP_SYS_PTRACE")))
         }
-        Err(e) if cfg.transport == TransportMode::Shm => r.warn("shm", format!("not usable, and KVFERRY_TRANSPORT=shm makes requests fail: {e}")),
-        Err(e) => r.no("shm", format!("could not be probed: {e}")),
+        Err(e) => {
+            if cfg.transport == TransportMode::Shm {
+                r.warn("shm", format!("not usable, and KVFERRY_TRANSPORT=shm makes requests fail: {e}"), "fix the cause above, or set KVFERRY_TRANSPORT=auto to fall back to TCP");
+            } else {
+                r.no("shm", format!("could not be probed: {e}"));
+            }
+            info(Transport::no(format!("could not be probed: {e}"), Some("run `kvferry doctor` with KVFERRY_LOG=debug for the probe's own error")))
+        }
     }
 }
 
@@ -192,8 +254,7 @@ fn shm(r: &mut Report, cfg: &Config) {
 /// the second place when that copy went through the mapping.
 fn probe_child(cfg: &Config) -> Result<(kvferry::SegmentTransport, Result<(), String>), String> {
     use std::io::BufRead;
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
-    let mut child = std::process::Command::new(exe)
+    let mut child = crate::self_command()?
         .args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", "127.0.0.1", "--buffer-size", "4M", "--hugepages", "off"])
         .env("KVFERRY_TRANSPORT", "auto")
         .stdin(std::process::Stdio::piped())
@@ -237,113 +298,356 @@ fn probe_child(cfg: &Config) -> Result<(kvferry::SegmentTransport, Result<(), St
     result
 }
 
-pub fn run(a: DoctorArgs) -> Result<(), String> {
-    let mut r = Report { problems: 0 };
-    println!("kvferry doctor (kvferry {})", env!("CARGO_PKG_VERSION"));
+fn read(path: &str) -> Option<String> {
+    std::fs::read_to_string(path).ok().map(|s| s.trim().to_string())
+}
 
-    println!("\nconfiguration (environment):");
+/// Counts the CPUs of a sysfs list such as `0-3,8-11`.
+fn cpulist_len(list: &str) -> usize {
+    list.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| match p.trim().split_once('-') {
+            Some((a, b)) => match (a.parse::<usize>(), b.parse::<usize>()) {
+                (Ok(a), Ok(b)) if b >= a => b - a + 1,
+                _ => 0,
+            },
+            None => usize::from(p.trim().parse::<usize>().is_ok()),
+        })
+        .sum()
+}
+
+/// Host, CPU and NUMA facts.
+fn host_info(r: &Report) -> serde_json::Value {
+    let hostname = read("/proc/sys/kernel/hostname");
+    let kernel = read("/proc/sys/kernel/osrelease");
+    let model = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| c.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_string()));
+    let online = read("/sys/devices/system/cpu/online").map(|l| cpulist_len(&l));
+    let usable = std::thread::available_parallelism().map(|n| n.get()).ok();
+    let mut nodes = Vec::new();
+    if let Ok(rd) = std::fs::read_dir("/sys/devices/system/node") {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(id) = name.strip_prefix("node").and_then(|n| n.parse::<u32>().ok()) else { continue };
+            let cpus = read(&format!("/sys/devices/system/node/{name}/cpulist")).unwrap_or_default();
+            nodes.push(serde_json::json!({"node": id, "cpus": cpus, "cpu_count": cpulist_len(&cpus)}));
+        }
+    }
+    nodes.sort_by_key(|n| n["node"].as_u64());
+    r.say(format!("        host {} (Linux {}), {}", hostname.as_deref().unwrap_or("?"), kernel.as_deref().unwrap_or("?"), model.as_deref().unwrap_or("CPU model unknown")));
+    r.say(format!(
+        "        CPUs: {} online, {} usable by this process; NUMA nodes: {}",
+        online.map(|n| n.to_string()).unwrap_or("?".into()),
+        usable.map(|n| n.to_string()).unwrap_or("?".into()),
+        if nodes.is_empty() { "none listed (no /sys/devices/system/node)".to_string() } else { nodes.iter().map(|n| format!("{} (CPUs {})", n["node"], n["cpus"].as_str().unwrap_or(""))).collect::<Vec<_>>().join(", ") }
+    ));
+    serde_json::json!({
+        "hostname": hostname, "kernel": kernel, "cpu_model": model,
+        "cpus_online": online, "cpus_usable": usable, "numa_nodes": nodes,
+    })
+}
+
+/// memlock, huge pages.
+fn memory_info(r: &mut Report) -> serde_json::Value {
+    // SAFETY: getrlimit fills the struct we pass.
+    let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
+    let got = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } == 0;
+    let bytes = |v: libc::rlim_t| if v == libc::RLIM_INFINITY { serde_json::Value::Null } else { serde_json::Value::from(v) };
+    let fmt = |v: libc::rlim_t| if v == libc::RLIM_INFINITY { "unlimited".to_string() } else { format!("{} KiB", v / 1024) };
+    let ipc = cap_ipc_lock();
+    let unlimited = got && lim.rlim_cur == libc::RLIM_INFINITY;
+    if !got {
+        r.warn("memlock", format!("getrlimit(RLIMIT_MEMLOCK) failed: {}", std::io::Error::last_os_error()), "run `ulimit -l` to see the limit; RDMA registration needs it unlimited or CAP_IPC_LOCK");
+    } else if unlimited || ipc {
+        r.ok("memlock", format!("limit {} (CAP_IPC_LOCK: {})", fmt(lim.rlim_cur), if ipc { "yes" } else { "no" }));
+    } else {
+        r.warn(
+            "memlock",
+            format!("limit {} and no CAP_IPC_LOCK: RDMA registration of large buffers will fail (TCP and shm do not need it)", fmt(lim.rlim_cur)),
+            "raise it: `ulimit -l unlimited`, docker run --ulimit memlock=-1, or LimitMEMLOCK=infinity in a systemd unit; or grant CAP_IPC_LOCK",
+        );
+    }
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |k: &str| meminfo.lines().find(|l| l.starts_with(k)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok());
+    let (total, free, size_kib) = (field("HugePages_Total:"), field("HugePages_Free:"), field("Hugepagesize:"));
+    let thp = read("/sys/kernel/mm/transparent_hugepage/enabled").map(|t| t.split_whitespace().find(|w| w.starts_with('[')).unwrap_or("?").trim_matches(|c| c == '[' || c == ']').to_string());
+    r.say(format!(
+        "        huge pages: {} reserved, {} free, {} KiB each",
+        total.map(|v| v.to_string()).unwrap_or("?".into()),
+        free.map(|v| v.to_string()).unwrap_or("?".into()),
+        size_kib.map(|v| v.to_string()).unwrap_or("?".into())
+    ));
+    if let Some(mode) = &thp {
+        let note = match mode.as_str() {
+            "always" => "registered memory gets huge pages where the kernel can",
+            "madvise" => "huge pages only where the application asks (madvise MADV_HUGEPAGE); cross-memory copies from 4 KiB pages cost about twice the CPU (not copies into memory kvferry allocated, which peers map)",
+            _ => "no huge pages; cross-memory copies from 4 KiB pages cost about twice the CPU (not copies into memory kvferry allocated, which peers map)",
+        };
+        r.say(format!("        transparent huge pages: {mode} ({note})"));
+    }
+    serde_json::json!({
+        "memlock": {
+            "soft_bytes": if got { bytes(lim.rlim_cur) } else { serde_json::Value::Null },
+            "hard_bytes": if got { bytes(lim.rlim_max) } else { serde_json::Value::Null },
+            "unlimited": unlimited,
+            "cap_ipc_lock": ipc,
+        },
+        "huge_pages": {"total": total, "free": free, "size_kib": size_kib, "transparent": thp},
+    })
+}
+
+/// RDMA: libibverbs loaded at run time, its devices; this version has no RDMA transport.
+fn rdma(r: &Report) -> Transport {
+    match rdma_devices() {
+        Ok(d) if d.is_empty() => {
+            let why = "libibverbs.so.1 loads but lists no RDMA device (no NIC, or its kernel driver is not loaded)";
+            r.no("rdma", why);
+            Transport::no(why, Some("load the NIC's kernel driver (e.g. mlx5_ib); in a container, pass /dev/infiniband through")).with("libibverbs", true.into()).with("devices", serde_json::json!([]))
+        }
+        Ok(d) => {
+            let why = format!("devices {} found, but this kvferry version has no RDMA transport yet; TCP is used", d.join(", "));
+            r.no("rdma", &why);
+            Transport::no(why, None).with("libibverbs", true.into()).with("devices", d.into())
+        }
+        Err(e) if load("libibverbs.so.1").is_ok() => {
+            // Loads, but cannot list devices (ENOSYS: no RDMA driver/device in this kernel or container).
+            let why = format!("libibverbs.so.1 loads but cannot list RDMA devices ({e})");
+            r.no("rdma", &why);
+            Transport::no(why, Some("load the NIC's kernel driver (e.g. mlx5_ib); in a container, pass /dev/infiniband through")).with("libibverbs", true.into()).with("devices", serde_json::json!([]))
+        }
+        Err(e) => {
+            let why = format!("libibverbs.so.1 not loadable ({e})");
+            r.no("rdma", format!("{why}; install rdma-core/libibverbs1 if this host has RDMA NICs"));
+            Transport::no(why, Some("install rdma-core (Debian/Ubuntu: apt-get install libibverbs1 ibverbs-providers)")).with("libibverbs", false.into()).with("devices", serde_json::json!([]))
+        }
+    }
+}
+
+/// GPU memory: libcuda.so.1 loaded at run time; this version moves host memory only.
+fn gpu(r: &Report) -> Transport {
+    match cuda_devices() {
+        Ok(n) => {
+            let why = format!("CUDA driver found with {n} device(s), but this kvferry version moves host memory only");
+            r.no("gpu memory", &why);
+            Transport::no(why, None).with("libcuda", true.into()).with("devices", n.into())
+        }
+        Err(e) => {
+            let why = format!("CUDA driver libcuda.so.1 not usable ({e})");
+            r.no("gpu memory", &why);
+            Transport::no(why, Some("install the NVIDIA driver; in a container, run with the NVIDIA container toolkit (--gpus all) so libcuda.so.1 is mounted")).with("libcuda", false.into()).with("devices", 0.into())
+        }
+    }
+}
+
+pub fn run(a: DoctorArgs) -> Result<(), String> {
+    let mut r = Report { human: !a.json, problems: Vec::new() };
+    r.say(format!("kvferry doctor (kvferry {})", env!("CARGO_PKG_VERSION")));
+
+    r.say("\nconfiguration (environment):");
     let cfg = match Config::from_env() {
         Ok(c) => {
             r.ok("environment", "all variables parse");
             c
         }
         Err(e) => {
-            r.warn("environment", e.to_string());
+            r.warn("environment", e.to_string(), "correct or unset the variable named (see the table below and README's configuration section)");
             Config::default()
         }
     };
+    let mut env = serde_json::Map::new();
     for v in ENV_VARS {
-        let set = std::iter::once(v.name).chain(v.aliases.iter().copied()).find_map(|n| std::env::var(n).ok().map(|val| format!("{n}={val}")));
-        println!("        {:<34} {}", v.name, set.unwrap_or_else(|| format!("(default: {})", v.default)));
+        let set = std::iter::once(v.name).chain(v.aliases.iter().copied()).find_map(|n| std::env::var(n).ok().map(|val| (n, val)));
+        if let Some((n, val)) = &set {
+            env.insert((*n).to_string(), val.clone().into());
+        }
+        r.say(format!("        {:<34} {}", v.name, set.map(|(n, val)| format!("{n}={val}")).unwrap_or_else(|| format!("(default: {})", v.default))));
     }
 
-    println!("\naddresses:");
+    r.say("\nhost:");
+    let host_json = host_info(&r);
+
+    r.say("\naddresses:");
     let ifs = interfaces();
     for (name, ip) in &ifs {
-        println!("        {name:<10} {ip}");
+        r.say(format!("        {name:<10} {ip}"));
     }
     let host = a.local_hostname.clone().unwrap_or_else(|| {
         ifs.iter().find(|(_, ip)| ip.is_ipv4() && !ip.is_loopback()).map(|(_, ip)| ip.to_string()).unwrap_or_else(|| "127.0.0.1".into())
     });
-    match kvferry::resolve_advertised(kvferry::config::split_host_port(&host).0) {
-        Ok(ip) if ifs.iter().any(|(_, i)| *i == ip) => {
+    let pick = "pass an address listed above as --local-hostname (KVFERRY_LOCAL_HOSTNAME / the engine's local_hostname)";
+    let resolved = kvferry::resolve_advertised(kvferry::config::split_host_port(&host).0);
+    let mut advertised_ok = false;
+    match &resolved {
+        Ok(ip) if ifs.iter().any(|(_, i)| i == ip) => {
             if ip.is_loopback() {
-                r.warn("advertised address", format!("{host} is loopback: peers on other hosts cannot reach it"));
+                r.warn("advertised address", format!("{host} is loopback: peers on other hosts cannot reach it"), pick);
             } else {
+                advertised_ok = true;
                 r.ok("advertised address", format!("{host} ({ip}) is an address of this host"));
             }
         }
-        Ok(ip) => r.warn("advertised address", format!("{host} resolves to {ip}, which is not an address of this host; pass one listed above as local_hostname")),
-        Err(e) => r.warn("advertised address", e.to_string()),
+        Ok(ip) => r.warn("advertised address", format!("{host} resolves to {ip}, which is not an address of this host"), pick),
+        Err(e) => r.warn("advertised address", e.to_string(), pick),
     }
 
-    println!("\nports:");
+    r.say("\nports:");
     let span = u32::from(cfg.max_port.saturating_sub(cfg.min_port)) + 1;
-    match TransferEngine::new(Config { local_hostname: host.clone(), ..cfg.clone() }) {
-        Ok(e) => r.ok(
-            "listeners",
-            format!("bound handshake port {} and data port {} in {}-{} ({span} ports) on {}", e.rpc_port(), e.data_port(), cfg.min_port, cfg.max_port, cfg.bind_address.map(|a| a.to_string()).unwrap_or(host.clone())),
-        ),
-        Err(e) => r.warn("listeners", e.to_string()),
-    }
+    let listeners = match TransferEngine::new(Config { local_hostname: host.clone(), ..cfg.clone() }) {
+        Ok(e) => {
+            r.ok(
+                "listeners",
+                format!("bound handshake port {} and data port {} in {}-{} ({span} ports) on {}", e.rpc_port(), e.data_port(), cfg.min_port, cfg.max_port, cfg.bind_address.map(|a| a.to_string()).unwrap_or(host.clone())),
+            );
+            Ok((e.rpc_port(), e.data_port()))
+        }
+        Err(e) => {
+            r.warn("listeners", e.to_string(), "free ports in the range, widen it (KVFERRY_MIN_PORT / KVFERRY_MAX_PORT, Mooncake's MC_MIN_RPC_PORT / MC_MAX_RPC_PORT) or correct KVFERRY_BIND_ADDRESS");
+            Err(e.to_string())
+        }
+    };
+    let network = serde_json::json!({
+        "advertised": host,
+        "advertised_ip": resolved.as_ref().ok().map(|ip| ip.to_string()),
+        "advertised_is_local": advertised_ok,
+        "interfaces": ifs.iter().map(|(n, ip)| serde_json::json!({"name": n, "address": ip.to_string()})).collect::<Vec<_>>(),
+        "port_range": [cfg.min_port, cfg.max_port],
+        "bind_address": cfg.bind_address.map(|a| a.to_string()),
+        "listeners": match &listeners {
+            Ok((rpc, data)) => serde_json::json!({"ok": true, "rpc_port": rpc, "data_port": data}),
+            Err(e) => serde_json::json!({"ok": false, "error": e}),
+        },
+    });
 
-    println!("\nmemory:");
-    // SAFETY: getrlimit fills the struct.
-    let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) };
-    let fmt = |v: libc::rlim_t| if v == libc::RLIM_INFINITY { "unlimited".to_string() } else { format!("{} KiB", v / 1024) };
-    let ipc = cap_ipc_lock();
-    if lim.rlim_cur == libc::RLIM_INFINITY || ipc {
-        r.ok("memlock", format!("limit {} (CAP_IPC_LOCK: {})", fmt(lim.rlim_cur), if ipc { "yes" } else { "no" }));
-    } else {
-        r.warn("memlock", format!("limit {} and no CAP_IPC_LOCK: RDMA registration of large buffers will fail; raise `ulimit -l` (e.g. unlimited) or run with CAP_IPC_LOCK. TCP does not need it.", fmt(lim.rlim_cur)));
-    }
+    r.say("\nmemory:");
+    let memory = memory_info(&mut r);
 
-    println!("\nmetadata service:");
+    r.say("\nmetadata service:");
     let meta = a.metadata_server.clone().unwrap_or_else(|| cfg.metadata_server.clone());
-    check_metadata(&mut r, &meta, &cfg);
+    let metadata = check_metadata(&mut r, &meta, &cfg);
 
-    println!("\ntransports:");
-    r.ok("tcp", "available (Mooncake TCP protocol v2, v1 for old peers)");
+    r.say("\ntransports:");
+    let tcp = match &listeners {
+        Ok(_) => {
+            r.ok("tcp", "available (Mooncake TCP protocol v2, v1 for old peers)");
+            Transport::yes()
+        }
+        Err(e) => {
+            r.no("tcp", format!("the engine cannot listen: {e}"));
+            Transport::no(format!("the engine cannot listen: {e}"), Some("see the listeners check"))
+        }
+    };
     r.ok("local", "transfers to this engine's own segment are a memcpy");
-    shm(&mut r, &cfg);
-    match rdma_devices() {
-        Ok(d) if d.is_empty() => r.no("rdma", "libibverbs.so.1 loads but lists no RDMA device (no NIC, or its kernel driver is not loaded)"),
-        Ok(d) => r.no("rdma", format!("devices {} found, but this kvferry version has no RDMA transport yet; TCP is used", d.join(", "))),
-        Err(e) => r.no("rdma", format!("libibverbs.so.1 not loadable ({e}); install rdma-core/libibverbs1 if this host has RDMA NICs")),
+    let shm = shm(&mut r, &cfg);
+    let rdma = rdma(&r);
+    let gpu = gpu(&r);
+    let transports = [("tcp", tcp), ("shm", shm), ("rdma", rdma), ("gpu", gpu)];
+
+    let mut unmet = Vec::new();
+    for want in &a.expect {
+        if let Some((name, t)) = transports.iter().find(|(n, _)| n == want) {
+            if !t.available {
+                let why = t.reason.clone().unwrap_or_default();
+                unmet.push(format!("{name} ({why})"));
+                let fix = t.fix.clone().unwrap_or_else(|| format!("no setting makes {name} work with this kvferry version; drop it from --expect"));
+                r.warn(&format!("expected transport {name}"), format!("--expect {name}, but it cannot work here: {why}"), fix);
+            }
+        }
     }
-    match cuda_devices() {
-        Ok(n) => r.no("gpu memory", format!("CUDA driver found with {n} device(s), but this kvferry version moves host memory only")),
-        Err(e) => r.no("gpu memory", format!("CUDA driver libcuda.so.1 not usable ({e})")),
+
+    if a.json {
+        let doc = serde_json::json!({
+            "version": env!("CARGO_PKG_VERSION"),
+            "environment": env,
+            "host": host_json,
+            "network": network,
+            "memory": memory,
+            "metadata": metadata,
+            "transports": transports.iter().map(|(n, t)| (n.to_string(), serde_json::to_value(t).unwrap_or(serde_json::Value::Null))).collect::<serde_json::Map<_, _>>(),
+            "problems": r.problems,
+            "expect": {"requested": a.expect, "unmet": unmet},
+            "ok": unmet.is_empty(),
+        });
+        let text = serde_json::to_string_pretty(&doc).map_err(|e| format!("encoding the report as JSON: {e}"))?;
+        println!("{text}");
+    } else {
+        r.say(format!("\n{}", if r.problems.is_empty() { "no problems found".to_string() } else { format!("{} problem(s), each with its fix above", r.problems.len()) }));
     }
-    println!("\n{}", if r.problems == 0 { "no problems found".to_string() } else { format!("{} warning(s)", r.problems) });
-    Ok(())
+    if unmet.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("doctor: expected transport(s) cannot work here: {}", unmet.join("; ")))
+    }
 }
 
 /// Reachable, writable, latency: a GET, a PUT and a DELETE of a probe key.
-fn check_metadata(r: &mut Report, conn: &str, cfg: &Config) {
+fn check_metadata(r: &mut Report, conn: &str, cfg: &Config) -> serde_json::Value {
     use std::time::Instant;
+    let fix = "start the metadata service or correct its address (--metadata-server / KVFERRY_METADATA_SERVER / the engine's metadata_server); P2PHANDSHAKE needs none";
     let store = match kvferry::metadata::connect(conn, &kvferry::metadata::StoreOptions::from_config(cfg)) {
-        Ok(None) => return r.ok("mode", "P2PHANDSHAKE: no metadata service; segments are named host:rpc_port"),
+        Ok(None) => {
+            r.ok("mode", "P2PHANDSHAKE: no metadata service; segments are named host:rpc_port");
+            return serde_json::json!({"configured": conn, "mode": "P2PHANDSHAKE", "reachable": null, "writable": null, "error": null});
+        }
         Ok(Some(s)) => s,
-        Err(e) => return r.warn("metadata service", e.to_string()),
+        Err(e) => {
+            r.warn("metadata service", e.to_string(), fix);
+            return serde_json::json!({"configured": conn, "mode": "service", "reachable": false, "writable": null, "error": e.to_string()});
+        }
     };
+    let backend = store.backend().to_string();
+    let location = store.location().to_string();
     let key = format!("mooncake/kvferry-doctor/{}", std::process::id());
     let t = Instant::now();
-    match store.get(&key) {
-        Ok(_) => r.ok("reachable", format!("{} at {} answered a GET in {:.2} ms", store.backend(), store.location(), t.elapsed().as_secs_f64() * 1e3)),
-        Err(e) => return r.warn("reachable", e.to_string()),
-    }
+    let get_ms = match store.get(&key) {
+        Ok(_) => {
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            r.ok("reachable", format!("{backend} at {location} answered a GET in {ms:.2} ms"));
+            ms
+        }
+        Err(e) => {
+            r.warn("reachable", e.to_string(), fix);
+            store.close();
+            return serde_json::json!({"configured": conn, "mode": "service", "backend": backend, "location": location, "reachable": false, "writable": null, "error": e.to_string()});
+        }
+    };
     let t = Instant::now();
     let put = store.put(&key, b"{}");
     let put_ms = t.elapsed().as_secs_f64() * 1e3;
-    match put.and_then(|_| store.get(&key)) {
-        Ok(Some(v)) if v == b"{}" => r.ok("writable", format!("PUT in {put_ms:.2} ms, read back")),
-        Ok(other) => r.warn("writable", format!("PUT accepted but GET returned {other:?}")),
-        Err(e) => r.warn("writable", e.to_string()),
-    }
+    let wfix = "the service answers but does not keep what is written: check its permissions/ACLs and free space";
+    let mut error = None;
+    let writable = match put.and_then(|_| store.get(&key)) {
+        Ok(Some(v)) if v == b"{}" => {
+            r.ok("writable", format!("PUT in {put_ms:.2} ms, read back"));
+            true
+        }
+        Ok(other) => {
+            let m = format!("PUT accepted but GET returned {other:?}");
+            r.warn("writable", &m, wfix);
+            error = Some(m);
+            false
+        }
+        Err(e) => {
+            r.warn("writable", e.to_string(), wfix);
+            error = Some(e.to_string());
+            false
+        }
+    };
     if let Err(e) = store.remove(&key) {
-        r.warn("writable", format!("DELETE of the probe key failed: {e}"));
+        r.warn("writable", format!("DELETE of the probe key failed: {e}"), wfix);
     }
     store.close();
+    serde_json::json!({"configured": conn, "mode": "service", "backend": backend, "location": location, "reachable": true, "get_ms": get_ms, "writable": writable, "put_ms": put_ms, "error": error})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpulist_len;
+
+    #[test]
+    fn cpu_lists() {
+        assert_eq!(cpulist_len("0-3,8-11"), 8);
+        assert_eq!(cpulist_len("0"), 1);
+        assert_eq!(cpulist_len("0-1\n"), 2);
+        assert_eq!(cpulist_len(""), 0);
+        assert_eq!(cpulist_len("3-1,x"), 0, "malformed ranges count nothing");
+    }
 }

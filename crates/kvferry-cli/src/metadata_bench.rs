@@ -110,8 +110,7 @@ fn own_cpu_seconds() -> f64 {
 
 fn start_kvferry(threads: usize) -> Result<Server, String> {
     use std::os::unix::process::CommandExt;
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut child = Command::new(exe)
+    let mut child = crate::self_command()?
         .args(["metadata-server", "--port", "0", "--threads", &threads.to_string()])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

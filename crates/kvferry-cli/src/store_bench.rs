@@ -92,9 +92,8 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
             return Err(format!("--cycle-values: {} must be non-zero and fit 4 times in --cycle-segment-size ({})", human(*v), human(a.cycle_segment_size)));
         }
     }
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
     let mut points = {
-        let pool = Pool::start(&exe, a.segment_size)?;
+        let pool = Pool::start(a.segment_size)?;
         let mut p = run_client(&a, &pool.addr)?;
         if a.multi_layers > 0 && a.multi_part > 0 {
             p.extend(run_multi(&a, &pool.addr)?);
@@ -102,7 +101,7 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
         p
     };
     if !a.no_cycle && !a.cycle_values.is_empty() {
-        let pool = Pool::start(&exe, a.cycle_segment_size)?;
+        let pool = Pool::start(a.cycle_segment_size)?;
         points.extend(run_cycles(&a, &pool.addr)?);
     }
     let mooncake = run_mooncake(&a);
@@ -126,10 +125,10 @@ struct Pool {
 }
 
 impl Pool {
-    fn start(exe: &std::path::Path, segment_size: u64) -> Result<Pool, String> {
-        let master = Proc::spawn(Command::new(exe).args(["master", "--port", "0", "--metrics-port", "-1", "--summary-interval", "0", "--default-kv-lease-ttl", "2000"]), "KVFERRY_MASTER")?;
+    fn start(segment_size: u64) -> Result<Pool, String> {
+        let master = Proc::spawn(crate::self_command()?.args(["master", "--port", "0", "--metrics-port", "-1", "--summary-interval", "0", "--default-kv-lease-ttl", "2000"]), "KVFERRY_MASTER")?;
         let addr = master.field("rpc=").ok_or("master printed no address")?;
-        let server = Proc::spawn(Command::new(exe).args(["store-bench", "--serve-segment", &addr, "--segment-size", &segment_size.to_string()]), "KVFERRY_STORE_SERVER")?;
+        let server = Proc::spawn(crate::self_command()?.args(["store-bench", "--serve-segment", &addr, "--segment-size", &segment_size.to_string()]), "KVFERRY_STORE_SERVER")?;
         Ok(Pool { _server: server, _master: master, addr })
     }
 }

@@ -60,6 +60,110 @@ fn doctor_reports_transports() {
     let out = kvferry().args(["doctor", "--local-hostname", "203.0.113.9"]).env("KVFERRY_LOG", "error").output().unwrap();
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(s.contains("not an address of this host"), "{s}");
+    assert!(s.contains("fix: pass an address listed above"), "each problem comes with its fix: {s}");
+}
+
+/// `kvferry doctor --json [--expect ...]`: the JSON document, its exit status.
+fn doctor_json(expect: Option<&str>) -> (std::process::ExitStatus, serde_json::Value, String) {
+    let mut cmd = kvferry();
+    cmd.args(["doctor", "--json", "--local-hostname", "127.0.0.1"]).env("KVFERRY_LOG", "error").env_remove("KVFERRY_TRANSPORT");
+    if let Some(e) = expect {
+        cmd.args(["--expect", e]);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("doctor --json printed no JSON ({e}): {stdout}\n{stderr}"));
+    (out.status, doc, stderr)
+}
+
+#[test]
+fn doctor_json_has_the_stable_keys() {
+    let (status, d, stderr) = doctor_json(None);
+    assert!(status.success(), "{stderr}");
+    assert_eq!(d["version"], env!("CARGO_PKG_VERSION"));
+    for k in ["version", "environment", "host", "network", "memory", "metadata", "transports", "problems", "expect", "ok"] {
+        assert!(d.get(k).is_some(), "key {k} missing: {d}");
+    }
+    assert!(d["host"]["cpus_online"].as_u64().is_some_and(|n| n >= 1), "{d}");
+    assert!(d["host"]["numa_nodes"].is_array());
+    assert!(d["memory"]["memlock"]["unlimited"].is_boolean() && d["memory"]["memlock"]["cap_ipc_lock"].is_boolean(), "{d}");
+    assert!(d["memory"]["huge_pages"].get("total").is_some());
+    assert_eq!(d["network"]["advertised"], "127.0.0.1");
+    assert_eq!(d["network"]["listeners"]["ok"], true, "{d}");
+    assert_eq!(d["metadata"]["mode"], "P2PHANDSHAKE");
+    // 127.0.0.1 is loopback: a problem, with its fix.
+    let problems = d["problems"].as_array().unwrap();
+    let p = problems.iter().find(|p| p["check"] == "advertised address").unwrap_or_else(|| panic!("{d}"));
+    assert!(p["message"].as_str().unwrap().contains("loopback") && !p["fix"].as_str().unwrap().is_empty(), "{p}");
+    for p in problems {
+        assert!(p["fix"].as_str().is_some_and(|f| !f.is_empty()), "every problem has a fix: {p}");
+    }
+    let t = &d["transports"];
+    assert_eq!(t["tcp"]["available"], true, "{t}");
+    for name in ["tcp", "shm", "rdma", "gpu"] {
+        let available = t[name]["available"].as_bool().unwrap_or_else(|| panic!("{name}: {t}"));
+        // Each missing transport says why; an available one has no reason.
+        assert_eq!(t[name]["reason"].is_string(), !available, "{name}: {t}");
+    }
+    // The libraries are looked for at run time: the report says whether they loaded.
+    assert!(t["rdma"]["libibverbs"].is_boolean() && t["gpu"]["libcuda"].is_boolean(), "{t}");
+    let cuda = std::path::Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so.1").exists() || std::path::Path::new("/usr/lib64/libcuda.so.1").exists();
+    if !cuda {
+        assert_eq!(t["gpu"]["libcuda"], false, "{t}");
+        assert!(t["gpu"]["reason"].as_str().unwrap().contains("libcuda.so.1"), "{t}");
+    }
+}
+
+#[test]
+fn doctor_expect_fails_naming_what_cannot_work() {
+    let (status, d, stderr) = doctor_json(Some("tcp"));
+    assert!(status.success(), "--expect tcp on a host that listens: {stderr}");
+    assert_eq!(d["ok"], true);
+    assert_eq!(d["expect"]["unmet"], serde_json::json!([]));
+
+    // gpu: this kvferry moves host memory only (and this host has no libcuda), so it never works.
+    let (_, plain, _) = doctor_json(None);
+    assert_eq!(plain["transports"]["gpu"]["available"], false);
+    let (status, d, stderr) = doctor_json(Some("tcp,gpu"));
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert_eq!(d["ok"], false);
+    let unmet = d["expect"]["unmet"].as_array().unwrap();
+    assert_eq!(unmet.len(), 1, "{d}");
+    assert!(unmet[0].as_str().unwrap().starts_with("gpu ("), "{d}");
+    assert!(stderr.contains("gpu") && stderr.contains("cannot work here"), "{stderr}");
+    let p = d["problems"].as_array().unwrap().iter().find(|p| p["check"] == "expected transport gpu").unwrap_or_else(|| panic!("{d}"));
+    assert!(!p["fix"].as_str().unwrap().is_empty());
+
+    // The same on the human screen, and an unknown transport is a usage error.
+    let out = kvferry().args(["doctor", "--local-hostname", "127.0.0.1", "--expect", "gpu"]).env("KVFERRY_LOG", "error").output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let screen = String::from_utf8_lossy(&out.stdout);
+    assert!(screen.contains("WARN  expected transport gpu") && screen.contains("fix: "), "{screen}");
+    let out = kvferry().args(["doctor", "--expect", "carrier-pigeon"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tcp, shm, rdma, gpu"));
+
+    // KVFERRY_TRANSPORT=tcp switches shm off: --expect shm then fails, saying so.
+    let out = kvferry().args(["doctor", "--json", "--local-hostname", "127.0.0.1", "--expect", "shm"]).env("KVFERRY_TRANSPORT", "tcp").output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let d: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(d["transports"]["shm"]["reason"].as_str().unwrap().contains("KVFERRY_TRANSPORT=tcp"), "{d}");
+}
+
+#[test]
+fn version_and_help_exit_zero() {
+    let out = kvferry().arg("--version").output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), format!("kvferry {}", env!("CARGO_PKG_VERSION")));
+    let out = kvferry().arg("--help").output().unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    for sub in ["bench", "doctor", "master", "store-bench", "store-client", "metadata-server", "metadata-bench"] {
+        assert!(help.contains(sub), "{help}");
+    }
+    let out = kvferry().arg("no-such-command").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
 }
 
 #[test]

@@ -890,6 +890,23 @@ fn init_logging() {
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 
+/// The `kvferry` command in this process: `argv` as `sys.argv` (argv[0] is the program
+/// name), `self_command` how to start another copy of it (`[sys.executable, "-m", "kvferry"]`;
+/// the subcommands that start children need it, since this process's executable is Python).
+/// Returns the exit status. Runs with the GIL released, so other Python threads go on; the
+/// subcommand owns the process's stdout/stderr file descriptors while it runs.
+///
+/// Signals: Python's SIGINT handler only sets a flag that nothing checks while this runs, so
+/// Ctrl-C would not stop `kvferry master`; `kvferry.__main__.main` (the console script and
+/// `python -m kvferry`) restores SIGINT's default first, so the command behaves as the binary
+/// does (Ctrl-C and SIGTERM end it at once). Other callers should do the same or run it in a
+/// subprocess.
+#[pyfunction]
+#[pyo3(signature = (argv, self_command = None))]
+fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>, self_command: Option<Vec<std::ffi::OsString>>) -> i32 {
+    py.detach(move || kvferry_cli::main_with_args_as(argv, self_command))
+}
+
 #[pymodule]
 fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
@@ -901,6 +918,7 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fail_cause_names, m)?)?;
     m.add_function(wrap_pyfunction!(write_memory, m)?)?;
     m.add_function(wrap_pyfunction!(read_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -2,9 +2,11 @@
 metadata service (``GET/PUT/DELETE /metadata?key=K``, ``GET /health``).
 
 The server is kvferry's own (``kvferry metadata-server``, the contract of the metadata server
-embedded in ``mooncake_master``), run as a child process of the ``kvferry`` binary. The binary
-is looked up in ``$KVFERRY_BIN``, then next to this package and in this environment's scripts
-directory, then on ``PATH``; when none is found, starting the server raises
+embedded in ``mooncake_master``), run as a child process: ``$KVFERRY_BIN`` when set (a
+``kvferry`` binary built from source), else this installation's own ``kvferry`` command
+(``python -m kvferry``: the wheel carries the whole CLI in its extension module). Only an
+extension without the CLI falls back to a binary next to this package, in this environment's
+scripts directory or on ``PATH``; when none is found, starting the server raises
 ``FileNotFoundError`` saying where it looked and how to get one.
 
 Command line, as Mooncake's ``mooncake_http_metadata_server``::
@@ -35,7 +37,7 @@ import weakref
 from enum import Enum
 from typing import List, Optional
 
-__all__ = ["KVPoll", "KVBootstrapServer", "main", "parse_args", "find_kvferry_binary"]
+__all__ = ["KVPoll", "KVBootstrapServer", "main", "parse_args", "find_kvferry_binary", "kvferry_command"]
 
 _log = logging.getLogger("kvferry")
 
@@ -86,6 +88,22 @@ def find_kvferry_binary() -> str:
     )
 
 
+def kvferry_command() -> List[str]:
+    """The command line that runs ``kvferry`` (see the module doc): ``[$KVFERRY_BIN]`` when
+    set, else ``[sys.executable, "-m", "kvferry"]`` (this wheel's own entry point), else the
+    binary :func:`find_kvferry_binary` finds."""
+    if os.environ.get("KVFERRY_BIN", ""):
+        return [find_kvferry_binary()]
+    try:
+        from kvferry import _kvferry
+
+        if hasattr(_kvferry, "cli_main"):
+            return [sys.executable, "-m", "kvferry"]
+    except ImportError:
+        pass
+    return [find_kvferry_binary()]
+
+
 # Servers started here, stopped at interpreter exit if their owner did not close them.
 _live: "weakref.WeakSet[KVBootstrapServer]" = weakref.WeakSet()
 
@@ -131,8 +149,7 @@ class KVBootstrapServer:
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 return self.thread  # type: ignore[return-value]
-            exe = find_kvferry_binary()
-            cmd = [exe, "metadata-server", "--host", self.host, "--port", str(self.port)]
+            cmd = kvferry_command() + ["metadata-server", "--host", self.host, "--port", str(self.port)]
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             line = self._first_line(proc)
             if line is None:
@@ -247,17 +264,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the server in the foreground: this process becomes ``kvferry metadata-server``
-    (exec), so signals and the exit status are the server's."""
+    (exec; with the wheel's own command, a fresh ``python -m kvferry``), so signals and the
+    exit status are the server's."""
     args = parse_args(argv)
     try:
-        exe = find_kvferry_binary()
+        cmd = kvferry_command()
     except FileNotFoundError as e:
         print("mooncake_http_metadata_server (kvferry): %s" % e, file=sys.stderr)
         return 1
     os.environ.setdefault("KVFERRY_LOG", _LEVELS[args.log_level])
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(exe, [exe, "metadata-server", "--host", args.host, "--port", str(args.port)])
+    os.execv(cmd[0], cmd + ["metadata-server", "--host", args.host, "--port", str(args.port)])
     return 1  # not reached
 
 
