@@ -114,58 +114,6 @@ pub fn interfaces() -> Vec<(String, IpAddr)> {
     out
 }
 
-/// dlopen without keeping the handle; returns why not.
-/// Loads a library at run time (never linked: a host may lack it).
-fn load(lib: &str) -> Result<libloading::Library, String> {
-    // SAFETY: loading a system library runs its initialisers; libibverbs and libcuda are
-    // designed to be dlopen'ed.
-    unsafe { libloading::Library::new(lib) }.map_err(|e| e.to_string())
-}
-
-fn rdma_devices() -> Result<Vec<String>, String> {
-    let lib = load("libibverbs.so.1")?;
-    type GetList = unsafe extern "C" fn(*mut libc::c_int) -> *mut *mut libc::c_void;
-    type GetName = unsafe extern "C" fn(*mut libc::c_void) -> *const libc::c_char;
-    type FreeList = unsafe extern "C" fn(*mut *mut libc::c_void);
-    // SAFETY: symbols looked up by name from libibverbs, called with their documented signatures.
-    unsafe {
-        let missing = |e: libloading::Error| format!("libibverbs.so.1 lacks a symbol: {e}");
-        let gl = lib.get::<GetList>(b"ibv_get_device_list").map_err(missing)?;
-        let gn = lib.get::<GetName>(b"ibv_get_device_name").map_err(missing)?;
-        let fl = lib.get::<FreeList>(b"ibv_free_device_list").map_err(missing)?;
-        let mut n: libc::c_int = 0;
-        let list = gl(&mut n);
-        if list.is_null() {
-            return Err(format!("ibv_get_device_list failed: {}", std::io::Error::last_os_error()));
-        }
-        let names = (0..n.max(0) as usize).map(|i| CStr::from_ptr(gn(*list.add(i))).to_string_lossy().into_owned()).collect();
-        fl(list);
-        Ok(names)
-    }
-}
-
-fn cuda_devices() -> Result<i32, String> {
-    let lib = load("libcuda.so.1")?;
-    type Init = unsafe extern "C" fn(u32) -> i32;
-    type Count = unsafe extern "C" fn(*mut i32) -> i32;
-    // SAFETY: CUDA driver API entry points with their documented signatures.
-    unsafe {
-        let missing = |e: libloading::Error| format!("libcuda.so.1 lacks a symbol: {e}");
-        let init = lib.get::<Init>(b"cuInit").map_err(missing)?;
-        let count = lib.get::<Count>(b"cuDeviceGetCount").map_err(missing)?;
-        let r = init(0);
-        if r != 0 {
-            return Err(format!("cuInit failed with CUDA error {r}"));
-        }
-        let mut n = 0;
-        let r = count(&mut n);
-        if r != 0 {
-            return Err(format!("cuDeviceGetCount failed with CUDA error {r}"));
-        }
-        Ok(n)
-    }
-}
-
 fn cap_ipc_lock() -> bool {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -395,47 +343,52 @@ fn memory_info(r: &mut Report) -> serde_json::Value {
     })
 }
 
-/// RDMA: libibverbs loaded at run time, its devices; this version has no RDMA transport.
+/// RDMA: `kvferry::rdma::probe` (libibverbs loaded at run time, NICs and GIDs from sysfs);
+/// this version has no RDMA transport yet.
 fn rdma(r: &Report) -> Transport {
-    match rdma_devices() {
-        Ok(d) if d.is_empty() => {
-            let why = "libibverbs.so.1 loads but lists no RDMA device (no NIC, or its kernel driver is not loaded)";
-            r.no("rdma", why);
-            Transport::no(why, Some("load the NIC's kernel driver (e.g. mlx5_ib); in a container, pass /dev/infiniband through")).with("libibverbs", true.into()).with("devices", serde_json::json!([]))
-        }
-        Ok(d) => {
-            let why = format!("devices {} found, but this kvferry version has no RDMA transport yet; TCP is used", d.join(", "));
+    let p = kvferry::rdma::probe();
+    let nics = serde_json::to_value(&p.nics).unwrap_or_default();
+    let devices = match &p.verbs {
+        Ok(d) => serde_json::json!(d),
+        Err(_) => serde_json::json!([]),
+    };
+    let t = match p.why_not() {
+        Some(why) => {
             r.no("rdma", &why);
-            Transport::no(why, None).with("libibverbs", true.into()).with("devices", d.into())
+            let fix = if p.verbs.is_err() { "install rdma-core (Debian/Ubuntu: apt-get install libibverbs1 ibverbs-providers); load the NIC's RDMA driver; in a container, pass /dev/infiniband through" } else { "bring a port up (ibv_devinfo, rdma link show)" };
+            Transport::no(why, Some(fix))
         }
-        Err(e) if load("libibverbs.so.1").is_ok() => {
-            // Loads, but cannot list devices (ENOSYS: no RDMA driver/device in this kernel or container).
-            let why = format!("libibverbs.so.1 loads but cannot list RDMA devices ({e})");
+        None => {
+            let gids: Vec<String> = p
+                .nics
+                .iter()
+                .flat_map(|n| n.ports.iter().filter(|pt| pt.active).map(move |pt| format!("{}:{} gid {:?}", n.name, pt.num, kvferry::rdma::sysfs::select_gid(pt, None))))
+                .collect();
+            let why = format!("RDMA usable ({}), but this kvferry version has no RDMA transport yet; TCP is used", gids.join(", "));
             r.no("rdma", &why);
-            Transport::no(why, Some("load the NIC's kernel driver (e.g. mlx5_ib); in a container, pass /dev/infiniband through")).with("libibverbs", true.into()).with("devices", serde_json::json!([]))
+            Transport::no(why, None)
         }
-        Err(e) => {
-            let why = format!("libibverbs.so.1 not loadable ({e})");
-            r.no("rdma", format!("{why}; install rdma-core/libibverbs1 if this host has RDMA NICs"));
-            Transport::no(why, Some("install rdma-core (Debian/Ubuntu: apt-get install libibverbs1 ibverbs-providers)")).with("libibverbs", false.into()).with("devices", serde_json::json!([]))
-        }
-    }
+    };
+    t.with("libibverbs", p.verbs.is_ok().into()).with("devices", devices).with("nics", nics)
 }
 
-/// GPU memory: libcuda.so.1 loaded at run time; this version moves host memory only.
+/// GPU memory: `kvferry::gpu::probe` (libcuda.so.1 loaded at run time); this version moves
+/// host memory only.
 fn gpu(r: &Report) -> Transport {
-    match cuda_devices() {
-        Ok(n) => {
-            let why = format!("CUDA driver found with {n} device(s), but this kvferry version moves host memory only");
-            r.no("gpu memory", &why);
-            Transport::no(why, None).with("libcuda", true.into()).with("devices", n.into())
+    let p = kvferry::gpu::probe();
+    let gpus = serde_json::to_value(&p.gpus).unwrap_or_default();
+    let t = match &p.unavailable {
+        Some(why) => {
+            r.no("gpu memory", why);
+            Transport::no(why.clone(), Some("install the NVIDIA driver; in a container, run with the NVIDIA container toolkit (--gpus all) so libcuda.so.1 is mounted"))
         }
-        Err(e) => {
-            let why = format!("CUDA driver libcuda.so.1 not usable ({e})");
+        None => {
+            let why = format!("CUDA driver {:?} with {} GPU(s), but this kvferry version moves host memory only", p.driver_version, p.gpus.len());
             r.no("gpu memory", &why);
-            Transport::no(why, Some("install the NVIDIA driver; in a container, run with the NVIDIA container toolkit (--gpus all) so libcuda.so.1 is mounted")).with("libcuda", false.into()).with("devices", 0.into())
+            Transport::no(why, None)
         }
-    }
+    };
+    t.with("libcuda", p.driver_version.is_some().into()).with("driver_version", p.driver_version.into()).with("devices", gpus)
 }
 
 pub fn run(a: DoctorArgs) -> Result<(), String> {
