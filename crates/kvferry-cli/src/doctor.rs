@@ -355,7 +355,13 @@ fn rdma(r: &Report) -> Transport {
     let t = match p.why_not() {
         Some(why) => {
             r.no("rdma", &why);
-            let fix = if p.verbs.is_err() { "install rdma-core (Debian/Ubuntu: apt-get install libibverbs1 ibverbs-providers); load the NIC's RDMA driver; in a container, pass /dev/infiniband through" } else { "bring a port up (ibv_devinfo, rdma link show)" };
+            let fix = if !p.library {
+                "install rdma-core (Debian/Ubuntu: apt-get install libibverbs1 ibverbs-providers)"
+            } else if p.verbs.as_ref().map_or(true, |d| d.is_empty()) {
+                "load the NIC's RDMA driver (e.g. mlx5_ib) and ib_uverbs; in a container, pass /dev/infiniband through; to test without RDMA hardware, Soft-RoCE (modprobe rdma_rxe; rdma link add rxe0 type rxe netdev eth0)"
+            } else {
+                "bring a port up (ibv_devinfo, rdma link show)"
+            };
             Transport::no(why, Some(fix))
         }
         None => {
@@ -369,7 +375,7 @@ fn rdma(r: &Report) -> Transport {
             Transport::no(why, None)
         }
     };
-    t.with("libibverbs", p.verbs.is_ok().into()).with("devices", devices).with("nics", nics)
+    t.with("libibverbs", p.library.into()).with("devices", devices).with("nics", nics)
 }
 
 /// GPU memory: `kvferry::gpu::probe` (libcuda.so.1 loaded at run time); this version moves

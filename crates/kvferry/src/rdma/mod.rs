@@ -14,6 +14,8 @@ use serde::Serialize;
 /// What RDMA can do on this host, for `kvferry doctor` and the engine's transport choice.
 #[derive(Debug, Clone, Serialize)]
 pub struct Probe {
+    /// `libibverbs.so.1` could be loaded (even if listing devices then failed).
+    pub library: bool,
     /// `libibverbs.so.1` loaded and the devices it lists; or why not.
     #[serde(serialize_with = "verbs_json")]
     pub verbs: Result<Vec<String>, String>,
@@ -55,8 +57,10 @@ impl Probe {
 
 /// Probes this host: loads the verbs library (once per call) and reads sysfs.
 pub fn probe() -> Probe {
-    let verbs = verbs::Verbs::load().map_err(|e| e.to_string()).and_then(|v| v.device_names().map_err(|e| format!("ibv_get_device_list failed: {e}")));
-    Probe { verbs, nics: sysfs::nics() }
+    let lib = verbs::Verbs::load();
+    let library = lib.is_ok();
+    let verbs = lib.map_err(|e| e.to_string()).and_then(|v| v.device_names().map_err(|e| format!("ibv_get_device_list failed: {e}")));
+    Probe { library, verbs, nics: sysfs::nics() }
 }
 
 #[cfg(test)]
@@ -70,13 +74,13 @@ mod tests {
 
     #[test]
     fn each_missing_piece_is_named_with_its_fix() {
-        let no_lib = Probe { verbs: Err("libibverbs.so.1 cannot be loaded (...): ... apt install libibverbs1 ...".into()), nics: vec![] };
+        let no_lib = Probe { library: false, verbs: Err("libibverbs.so.1 cannot be loaded (...): ... apt install libibverbs1 ...".into()), nics: vec![] };
         assert!(!no_lib.usable() && no_lib.why_not().unwrap().contains("apt install"));
-        let no_dev = Probe { verbs: Ok(vec![]), nics: vec![] };
+        let no_dev = Probe { library: true, verbs: Ok(vec![]), nics: vec![] };
         assert!(!no_dev.usable() && no_dev.why_not().unwrap().contains("no RDMA device"));
-        let down = Probe { verbs: Ok(vec!["rxe0".into()]), nics: vec![nic(false)] };
+        let down = Probe { library: true, verbs: Ok(vec!["rxe0".into()]), nics: vec![nic(false)] };
         assert!(!down.usable() && down.why_not().unwrap().contains("ACTIVE"));
-        let up = Probe { verbs: Ok(vec!["rxe0".into()]), nics: vec![nic(true)] };
+        let up = Probe { library: true, verbs: Ok(vec!["rxe0".into()]), nics: vec![nic(true)] };
         assert!(up.usable() && up.why_not().is_none());
         // This host: whatever it has, the probe answers and explains an absence.
         let here = probe();
