@@ -33,7 +33,7 @@ use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::RwLock;
 
 /// How to allocate a [`HostBuffer`].
 #[derive(Debug, Clone, Copy)]
@@ -123,9 +123,6 @@ pub struct HostBuffer {
     pid: u32,
     /// The mappings are `MADV_DONTFORK`: a forked child has none of them.
     dontfork: bool,
-    /// True while the buffer lives; a background pre-fault holds it across each step, and
-    /// the drop clears it (under the lock) before the pages go.
-    alive: Arc<Mutex<bool>>,
 }
 
 // SAFETY: plain memory owned by this value; callers coordinate concurrent access through
@@ -198,7 +195,6 @@ impl HostBuffer {
             generation,
             pid: std::process::id(),
             dontfork: false,
-            alive: Arc::new(Mutex::new(true)),
         };
         let mut ino = 0;
         if let Some(fd) = fd {
@@ -281,39 +277,6 @@ impl HostBuffer {
         }
     }
 
-    /// Allocates every page from a background thread, 32 MiB at a time, so that creating a
-    /// large buffer (a store segment) returns at once and the pages are ready soon after,
-    /// without a first pass of page faults on the data path. Bounded: one thread at most a
-    /// quarter busy (it rests three times as long as each step took, ~1 s per GiB here), which
-    /// ends when the buffer is populated or dropped (the drop waits for the step in progress).
-    pub fn populate_in_background(&self) {
-        const STEP: usize = 32 << 20;
-        let (start, len, alive) = (self.ptr as usize, self.len, Arc::clone(&self.alive));
-        let spawned = std::thread::Builder::new().name("kvf-populate".into()).spawn(move || {
-            let mut off = 0;
-            while off < len {
-                let live = alive.lock().unwrap_or_else(|e| e.into_inner());
-                if !*live {
-                    return;
-                }
-                let n = STEP.min(len - off);
-                let t0 = std::time::Instant::now();
-                // SAFETY: inside our mapping, which stays mapped while `live` says so (the
-                // drop takes this lock before unmapping). MADV_POPULATE_WRITE (Linux 5.14)
-                // allocates the pages; on older kernels nothing happens (pages fault on use).
-                if unsafe { libc::madvise((start + off) as *mut libc::c_void, n, 23) } != 0 {
-                    return;
-                }
-                drop(live);
-                off += n;
-                std::thread::sleep(t0.elapsed() * 3);
-            }
-        });
-        if let Err(e) = spawned {
-            tracing::debug!("no thread to pre-fault a buffer ({e}); its pages fault on first use");
-        }
-    }
-
     /// The bytes at `[off, off+len)`.
     ///
     /// # Panics
@@ -352,9 +315,6 @@ impl Drop for HostBuffer {
             }
             return;
         }
-        // A background pre-fault stops before the pages go (after the foreign-pid return: a
-        // forked child has no such thread, and the lock may have been held at the fork).
-        *self.alive.lock().unwrap_or_else(|e| e.into_inner()) = false;
         if let Some(fd) = &self.fd {
             SHARED.write().unwrap_or_else(|e| e.into_inner()).remove(&(self.ptr as u64));
             if let Some(h) = self.header {
@@ -377,43 +337,6 @@ impl Drop for HostBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Resident kB of the mapping that starts at `addr` (from /proc/self/smaps).
-    fn rss_kb(addr: u64) -> u64 {
-        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-        let mut ours = false;
-        for line in smaps.lines() {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            if f.len() >= 5 && f[0].contains('-') && f[1].len() == 4 {
-                ours = u64::from_str_radix(f[0].split('-').next().unwrap(), 16).unwrap() == addr;
-            } else if ours && f.first() == Some(&"Rss:") {
-                return f[1].parse().unwrap();
-            }
-        }
-        0
-    }
-
-    /// A large buffer is created at once and populated from the background; dropping one
-    /// mid-population is safe (the thread stops before the pages go).
-    #[test]
-    fn background_population_fills_the_buffer_and_stops_at_drop() {
-        const LEN: usize = 256 << 20;
-        let b = HostBuffer::with(LEN, HostOptions { populate: false, huge_pages: false, shareable: true }).unwrap();
-        assert!(rss_kb(b.addr()) < 16 << 10, "not populated at creation");
-        b.populate_in_background();
-        let t = std::time::Instant::now();
-        while rss_kb(b.addr()) < (LEN as u64 >> 10) {
-            assert!(t.elapsed() < std::time::Duration::from_secs(30), "populated {} kB in 30 s", rss_kb(b.addr()));
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        b.slice_mut(LEN - 3, 3).copy_from_slice(b"end");
-        assert_eq!(b.slice(LEN - 3, 3), b"end");
-        for _ in 0..5 {
-            let c = HostBuffer::with(LEN, HostOptions { populate: false, huge_pages: false, shareable: true }).unwrap();
-            c.populate_in_background();
-            drop(c);
-        }
-    }
 
     #[test]
     fn shareable_buffers_are_listed_while_alive() {
