@@ -296,21 +296,18 @@ fn host_info(r: &Report) -> serde_json::Value {
 
 /// memlock, huge pages.
 fn memory_info(r: &mut Report) -> serde_json::Value {
-    // SAFETY: getrlimit fills the struct we pass.
-    let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
-    let got = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } == 0;
-    let bytes = |v: libc::rlim_t| if v == libc::RLIM_INFINITY { serde_json::Value::Null } else { serde_json::Value::from(v) };
-    let fmt = |v: libc::rlim_t| if v == libc::RLIM_INFINITY { "unlimited".to_string() } else { format!("{} KiB", v / 1024) };
+    // `None` in a limit is RLIM_INFINITY; getrlimit(2) cannot fail for a valid resource.
+    let lim = rustix::process::getrlimit(rustix::process::Resource::Memlock);
+    let bytes = |v: Option<u64>| v.map_or(serde_json::Value::Null, serde_json::Value::from);
+    let fmt = |v: Option<u64>| v.map_or_else(|| "unlimited".to_string(), |v| format!("{} KiB", v / 1024));
     let ipc = cap_ipc_lock();
-    let unlimited = got && lim.rlim_cur == libc::RLIM_INFINITY;
-    if !got {
-        r.warn("memlock", format!("getrlimit(RLIMIT_MEMLOCK) failed: {}", std::io::Error::last_os_error()), "run `ulimit -l` to see the limit; RDMA registration needs it unlimited or CAP_IPC_LOCK");
-    } else if unlimited || ipc {
-        r.ok("memlock", format!("limit {} (CAP_IPC_LOCK: {})", fmt(lim.rlim_cur), if ipc { "yes" } else { "no" }));
+    let unlimited = lim.current.is_none();
+    if unlimited || ipc {
+        r.ok("memlock", format!("limit {} (CAP_IPC_LOCK: {})", fmt(lim.current), if ipc { "yes" } else { "no" }));
     } else {
         r.warn(
             "memlock",
-            format!("limit {} and no CAP_IPC_LOCK: RDMA registration of large buffers will fail (TCP and shm do not need it)", fmt(lim.rlim_cur)),
+            format!("limit {} and no CAP_IPC_LOCK: RDMA registration of large buffers will fail (TCP and shm do not need it)", fmt(lim.current)),
             "raise it: `ulimit -l unlimited`, docker run --ulimit memlock=-1, or LimitMEMLOCK=infinity in a systemd unit; or grant CAP_IPC_LOCK",
         );
     }
@@ -334,8 +331,8 @@ fn memory_info(r: &mut Report) -> serde_json::Value {
     }
     serde_json::json!({
         "memlock": {
-            "soft_bytes": if got { bytes(lim.rlim_cur) } else { serde_json::Value::Null },
-            "hard_bytes": if got { bytes(lim.rlim_max) } else { serde_json::Value::Null },
+            "soft_bytes": bytes(lim.current),
+            "hard_bytes": bytes(lim.maximum),
             "unlimited": unlimited,
             "cap_ipc_lock": ipc,
         },

@@ -10,7 +10,8 @@
 use crate::sys::human;
 use kvferry_store::{Client, ClientConfig};
 use std::io::Write;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(clap::Args, Clone)]
@@ -58,22 +59,15 @@ pub fn known_flags() -> Vec<String> {
     out
 }
 
-/// The signal that asked this process to stop (0: none yet).
-static STOP: AtomicI32 = AtomicI32::new(0);
-
-extern "C" fn on_signal(sig: libc::c_int) {
-    STOP.store(sig, Ordering::SeqCst);
-}
-
-fn install_handlers() -> Result<(), String> {
-    for sig in [libc::SIGTERM, libc::SIGINT] {
-        // SAFETY: the handler only stores to an atomic (async-signal-safe).
-        let prev = unsafe { libc::signal(sig, on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t) };
-        if prev == libc::SIG_ERR {
-            return Err(format!("cannot install the handler of signal {sig}: {}", std::io::Error::last_os_error()));
-        }
+/// Sets the returned value to the number of the signal (SIGTERM or SIGINT) that asks this
+/// process to stop (0: none yet).
+fn install_handlers() -> Result<Arc<AtomicUsize>, String> {
+    let stop = Arc::new(AtomicUsize::new(0));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register_usize(sig, Arc::clone(&stop), sig as usize)
+            .map_err(|e| format!("cannot install the handler of signal {sig}: {e}"))?;
     }
-    Ok(())
+    Ok(stop)
 }
 
 /// A size as Mooncake's `string_to_byte_size` reads it: a decimal number, optionally followed
@@ -108,7 +102,7 @@ pub fn run(a: StoreClientArgs) -> Result<(), String> {
         return Err("--global_segment_size is 0: a store-client contributes memory; pass a size (e.g. 4GB). A process that only reads and writes calls setup() with global_segment_size=0 itself".into());
     }
     // Before setup: a signal that arrives while mounting is acted on once mounted.
-    install_handlers()?;
+    let stop = install_handlers()?;
     let cfg = ClientConfig {
         local_hostname: a.host.clone(),
         metadata_server: a.metadata_server.clone(),
@@ -128,10 +122,10 @@ pub fn run(a: StoreClientArgs) -> Result<(), String> {
         human(global),
         a.master_server_address
     );
-    while STOP.load(Ordering::SeqCst) == 0 {
+    while stop.load(Ordering::SeqCst) == 0 {
         std::thread::sleep(Duration::from_millis(50));
     }
-    let sig = STOP.load(Ordering::SeqCst);
+    let sig = stop.load(Ordering::SeqCst);
     let name = c.segment_name().to_string();
     c.close().map_err(|e| format!("unmounting segment {name} at master {} (signal {sig}): {e}", a.master_server_address))?;
     drop(c);

@@ -25,15 +25,15 @@ impl Proc {
         self.line.split_whitespace().find_map(|w| w.strip_prefix(key)).expect("field").to_string()
     }
     /// Sends `sig` to this process (only the one this test started) and waits up to 10 s.
-    fn signal_and_wait(&mut self, sig: libc::c_int) -> std::process::ExitStatus {
-        // SAFETY: kill(2) on the pid of our own child.
-        assert_eq!(unsafe { libc::kill(self.child.id() as libc::pid_t, sig) }, 0);
+    fn signal_and_wait(&mut self, sig: rustix::process::Signal) -> std::process::ExitStatus {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("a child pid is positive");
+        rustix::process::kill_process(pid, sig).expect("signalling our own child");
         let until = Instant::now() + Duration::from_secs(10);
         loop {
             if let Some(st) = self.child.try_wait().expect("try_wait") {
                 return st;
             }
-            assert!(Instant::now() < until, "the store-client did not exit within 10 s of signal {sig}");
+            assert!(Instant::now() < until, "the store-client did not exit within 10 s of signal {sig:?}");
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -65,7 +65,7 @@ fn value(key: &str, len: usize) -> Vec<u8> {
     (0..len).map(|i| (seed.rotate_left((i % 64) as u32) as u8) ^ (i as u8)).collect()
 }
 
-fn run_store_client(sig: libc::c_int) {
+fn run_store_client(sig: rustix::process::Signal) {
     let m = master();
     let rpc = m.field("rpc=");
     let http = m.field("http=");
@@ -97,7 +97,7 @@ fn run_store_client(sig: libc::c_int) {
     }
 
     let st = sc.signal_and_wait(sig);
-    assert!(st.success(), "clean exit after signal {sig}: {st:?}");
+    assert!(st.success(), "clean exit after signal {sig:?}: {st:?}");
     let mut rest = String::new();
     let _ = sc.out.read_to_string(&mut rest);
     assert!(rest.contains(&format!("KVFERRY_STORE_CLIENT unmounted segment={seg}")), "{rest:?}");
@@ -109,12 +109,12 @@ fn run_store_client(sig: libc::c_int) {
 
 #[test]
 fn store_client_serves_its_segment_until_sigterm() {
-    run_store_client(libc::SIGTERM);
+    run_store_client(rustix::process::Signal::TERM);
 }
 
 #[test]
 fn store_client_unmounts_on_sigint() {
-    run_store_client(libc::SIGINT);
+    run_store_client(rustix::process::Signal::INT);
 }
 
 #[test]
