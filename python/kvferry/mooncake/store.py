@@ -668,24 +668,11 @@ class MooncakeDistributedStore:
         out = [0] * len(keys)
         core = self._store()._core
         direct, parts, gather = self._split_by_placement(core, ranges, all_buffer_ptrs, all_sizes)
-        if parts:
-            try:
-                res = core.batch_put_from_parts([str(keys[i]) for i in parts], [[_ptr(p) for p in all_buffer_ptrs[i]] for i in parts], [[int(n) for n in all_sizes[i]] for i in parts], cfg, False)
-                for i, (_, code, _) in zip(parts, res):
-                    out[i] = _put_code(code)
-            except Exception as e:  # noqa: BLE001
-                code = _fail(e)
-                for i in parts:
-                    out[i] = code
-        if direct:
-            try:
-                res = core.batch_put_from([str(keys[i]) for i in direct], [ranges[i][0] for i in direct], [ranges[i][1] for i in direct], cfg, False)
-                for i, (_, code, _) in zip(direct, res):
-                    out[i] = _put_code(code)
-            except Exception as e:  # noqa: BLE001
-                code = _fail(e)
-                for i in direct:
-                    out[i] = code
+        put_code = lambda _v, code: _put_code(code)  # noqa: E731
+        self._per_key(out, parts, put_code, lambda: core.batch_put_from_parts(
+            [str(keys[i]) for i in parts], [[_ptr(p) for p in all_buffer_ptrs[i]] for i in parts], [[int(n) for n in all_sizes[i]] for i in parts], cfg, False))
+        self._per_key(out, direct, put_code, lambda: core.batch_put_from(
+            [str(keys[i]) for i in direct], [ranges[i][0] for i in direct], [ranges[i][1] for i in direct], cfg, False))
         cap = self._local_buffer_size // 2
         for i in [i for i in gather if ranges[i][1] > cap]:
             try:
@@ -810,24 +797,11 @@ class MooncakeDistributedStore:
             direct, parts, gather = self._split_by_placement(core, ranges, all_buffer_ptrs, all_sizes)
         except Exception as e:  # noqa: BLE001
             return [_fail(e)] * len(keys)
-        if parts:
-            try:
-                res = core.batch_get_into_parts([str(keys[i]) for i in parts], [[_ptr(p) for p in all_buffer_ptrs[i]] for i in parts], [[int(n) for n in all_sizes[i]] for i in parts])
-                for i, (v, code, _) in zip(parts, res):
-                    out[i] = int(v) if code == 0 and v is not None else (INVALID_PARAMS if code == BUFFER_OVERFLOW else code)
-            except Exception as e:  # noqa: BLE001
-                code = _fail(e)
-                for i in parts:
-                    out[i] = code
-        if direct:
-            try:
-                res = core.batch_get_into([str(keys[i]) for i in direct], [ranges[i][0] for i in direct], [ranges[i][1] for i in direct])
-                for i, (v, code, _) in zip(direct, res):
-                    out[i] = int(v) if code == 0 and v is not None else (INVALID_PARAMS if code == BUFFER_OVERFLOW else code)
-            except Exception as e:  # noqa: BLE001
-                code = _fail(e)
-                for i in direct:
-                    out[i] = code
+        got = lambda v, code: int(v) if code == 0 and v is not None else (INVALID_PARAMS if code == BUFFER_OVERFLOW else code)  # noqa: E731
+        self._per_key(out, parts, got, lambda: core.batch_get_into_parts(
+            [str(keys[i]) for i in parts], [[_ptr(p) for p in all_buffer_ptrs[i]] for i in parts], [[int(n) for n in all_sizes[i]] for i in parts]))
+        self._per_key(out, direct, got, lambda: core.batch_get_into(
+            [str(keys[i]) for i in direct], [ranges[i][0] for i in direct], [ranges[i][1] for i in direct]))
         cap = self._local_buffer_size // 2
         for i in [i for i in gather if ranges[i][1] > cap]:
             try:
@@ -888,6 +862,21 @@ class MooncakeDistributedStore:
             contiguous = all(ps[j] + ns[j] == ps[j + 1] for j in range(len(ps) - 1))
             out.append((ps[0] if contiguous else None, sum(ns)))
         return out
+
+    @staticmethod
+    def _per_key(out: List[int], idx: List[int], code_of: Any, call: Any) -> None:
+        """Runs the native batch ``call()`` for the keys at ``idx`` and stores
+        ``code_of(value, code)`` of each answer in ``out``; if the call itself raises, every
+        one of those keys gets its error code."""
+        if not idx:
+            return
+        try:
+            for i, (v, code, _) in zip(idx, call()):
+                out[i] = code_of(v, code)
+        except Exception as e:  # noqa: BLE001
+            code = _fail(e)
+            for i in idx:
+                out[i] = code
 
     @staticmethod
     def _split_by_placement(core: Any, ranges: List[Tuple[Optional[int], int]], all_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]]) -> Tuple[List[int], List[int], List[int]]:
