@@ -181,7 +181,8 @@ class KVBootstrapServer:
         return box[0]
 
     @staticmethod
-    def _stop(proc: subprocess.Popen) -> str:
+    def _terminate(proc: subprocess.Popen) -> None:
+        """SIGTERM, then SIGKILL after 5 s; waits for the process."""
         if proc.poll() is None:
             proc.terminate()
             try:
@@ -189,6 +190,10 @@ class KVBootstrapServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen) -> str:
+        KVBootstrapServer._terminate(proc)
         err = proc.stderr.read().decode("utf-8", "replace").strip() if proc.stderr is not None else ""
         for f in (proc.stdout, proc.stderr):
             if f is not None:
@@ -212,13 +217,7 @@ class KVBootstrapServer:
             proc, self._proc = self._proc, None
             if proc is None:
                 return
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+            self._terminate(proc)
             if self.thread is not None:
                 self.thread.join(timeout=2)
             for f in (proc.stdout, proc.stderr):
