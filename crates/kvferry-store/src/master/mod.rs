@@ -112,6 +112,17 @@ impl Object {
     fn being_read(&self, reads: &HashMap<u64, u64>, now: u64) -> bool {
         self.reads.iter().any(|id| read_live(reads, *id, now))
     }
+
+    /// Whether eviction may take this object now: stored, not being written or read, older
+    /// than `min_age`, not hard-pinned, and (before the last pass) not soft-pinned.
+    fn evictable(&self, reads: &HashMap<u64, u64>, now: u64, min_age: u64, last_pass: bool) -> bool {
+        !self.current.is_empty()
+            && self.pending.is_none()
+            && !self.being_read(reads, now)
+            && now.saturating_sub(self.written) >= min_age
+            && !self.hard_pin
+            && (last_pass || self.soft_pin_until <= now)
+    }
 }
 
 fn read_live(reads: &HashMap<u64, u64>, id: u64, now: u64) -> bool {
@@ -447,14 +458,7 @@ impl State {
             let mut cands: Vec<(u64, Box<str>)> = self
                 .objects
                 .iter()
-                .filter(|(_, o)| {
-                    !o.current.is_empty()
-                        && o.pending.is_none()
-                        && !o.being_read(&self.reads, now)
-                        && now.saturating_sub(o.written) >= min_age
-                        && !o.hard_pin
-                        && (pass == 1 || o.soft_pin_until <= now)
-                })
+                .filter(|(_, o)| o.evictable(&self.reads, now, min_age, pass == 1))
                 .map(|(k, o)| (o.last_access, k.clone()))
                 .collect();
             cands.sort_unstable_by_key(|(t, _)| *t);
@@ -473,14 +477,7 @@ impl State {
                     }
                 }
                 for v in victims {
-                    let eligible = self.objects.get(&v).is_some_and(|o| {
-                        !o.current.is_empty()
-                            && o.pending.is_none()
-                            && !o.being_read(&self.reads, now)
-                            && now.saturating_sub(o.written) >= min_age
-                            && !o.hard_pin
-                            && (pass == 1 || o.soft_pin_until <= now)
-                    });
+                    let eligible = self.objects.get(&v).is_some_and(|o| o.evictable(&self.reads, now, min_age, pass == 1));
                     if !eligible {
                         continue;
                     }
