@@ -5,29 +5,14 @@ segment much smaller than what goes through it."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from kvferry.mooncake.store import MooncakeDistributedStore
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def kvferry_bin() -> str:
-    # $KVFERRY_BIN, else the installed wheel's own `kvferry` command (the build under test),
-    # else a binary built from source.
-    wheel_cli = Path(sys.executable).parent / "kvferry"
-    for c in (os.environ.get("KVFERRY_BIN", ""), wheel_cli, ROOT / "target" / "release" / "kvferry", ROOT / "target" / "debug" / "kvferry"):
-        if c and Path(c).is_file():
-            return str(c)
-    subprocess.run(["cargo", "build", "--release", "-p", "kvferry-cli"], cwd=ROOT, check=True)
-    return str(ROOT / "target" / "release" / "kvferry")
+from test_store import kvferry_bin
 
 
 class Master:
