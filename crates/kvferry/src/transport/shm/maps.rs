@@ -85,8 +85,10 @@ impl PeerMap {
             }
             let start = c * CHUNK;
             // SAFETY: a range inside our live mapping of the peer's data (the caller holds
-            // the map); populating only fills page tables of the shared pages.
-            unsafe { libc::madvise(self.ptr.add(start) as *mut libc::c_void, CHUNK.min(data - start), 23) };
+            // the map); populating only fills page tables of the shared pages. (rustix's
+            // madvise is unsafe too: it cannot know the range is ours.) A failure (older
+            // kernel, memory pressure) only means the pages fault one by one.
+            let _ = unsafe { rustix::mm::madvise(self.ptr.add(start).cast(), CHUNK.min(data - start), rustix::mm::Advice::LinuxPopulateWrite) };
         }
     }
 
