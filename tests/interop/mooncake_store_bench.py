@@ -235,6 +235,17 @@ class Buffer:
         self.view = memoryview(self.mm)
 
 
+def register(store, buffers):
+    """Registers each Buffer with the store; their addresses (raises on a refusal)."""
+    out = []
+    for b in buffers:
+        r = store.register_buffer(b.addr, b.size)
+        if r != 0:
+            raise BenchError("register_buffer(%d bytes) returned %r" % (b.size, r))
+        out.append(b.addr)
+    return out
+
+
 def pct(v, p):
     if not v:
         return 0.0
@@ -348,12 +359,7 @@ class Bench:
         self.closed = False
         self.src = Buffer(self.maxv * self.slots)
         self.dst = Buffer(self.maxv * self.slots)
-        self.registered = []
-        for b in (self.src, self.dst):
-            r = self.store.register_buffer(b.addr, b.size)
-            if r != 0:
-                raise BenchError("register_buffer(%d bytes) returned %r" % (b.size, r))
-            self.registered.append(b.addr)
+        self.registered = register(self.store, (self.src, self.dst))
         self.placement_checked = 0
         self.points = []
 
@@ -565,11 +571,7 @@ class Bench:
         _log("[multi] %d keys x %d layers x %d bytes" % (batch, layers, part))
         pat = Pattern(v)
         src, dst, tmp = Buffer(batch * v), Buffer(batch * v), Buffer(v)
-        for b in (src, dst):
-            r = st.register_buffer(b.addr, b.size)
-            if r != 0:
-                raise BenchError("register_buffer(%d bytes) returned %r" % (b.size, r))
-            self.registered.append(b.addr)
+        self.registered += register(st, (src, dst))
 
         def at(b, l):
             return (l * batch + b) * part
@@ -663,12 +665,7 @@ class Cycler:
         if ret != 0:
             raise BenchError("cycle client setup returned %r" % (ret,))
         self.src, self.dst = Buffer(maxv), Buffer(maxv)
-        self.registered = []
-        for b in (self.src, self.dst):
-            r = self.store.register_buffer(b.addr, b.size)
-            if r != 0:
-                raise BenchError("register_buffer(%d bytes) returned %r" % (b.size, r))
-            self.registered.append(b.addr)
+        self.registered = register(self.store, (self.src, self.dst))
 
     def close(self):
         for addr in self.registered:
