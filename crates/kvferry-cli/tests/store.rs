@@ -572,11 +572,11 @@ fn scattered_parts_are_put_and_read_in_place_across_processes() {
     let c = client(&addr, 0);
     const LAYERS: usize = 6;
     const PART: usize = 48 << 10;
-    let kv = vec![0u8; 2 * LAYERS * PART * 4];
-    let base = kv.as_ptr() as u64;
+    let kv = kvferry::hostbuf::HostBuffer::new(2 * LAYERS * PART * 4, true).unwrap();
+    let base = kv.addr();
     c.register_buffer(base, kv.len() as u64).unwrap();
-    // SAFETY (test): no transfer is in flight while the test writes or reads the buffer.
-    let kvm = unsafe { std::slice::from_raw_parts_mut(kv.as_ptr() as *mut u8, kv.len()) };
+    // No transfer is in flight while the test writes or reads the buffer.
+    let kvm = kv.slice_mut(0, kv.len());
     // Key k's layer l lives at (l * 4 + k) * 2 * PART: interleaved, never adjacent.
     let part = |k: usize, l: usize| ((l * 4 + k) * 2 * PART) as u64;
     let keys: Vec<String> = (0..3).map(|k| format!("block-{k}")).collect();
