@@ -1,13 +1,14 @@
 //! Initiator side: lanes (one connection, a writer and a reader thread each) to one peer.
 
 use super::proto::{self, Answer, Failed, Fate};
+use super::queue::{LaneQueue, QueuedOp};
 use super::sockio::*;
 use super::RefusedHook;
 use crate::batch::{FailCause, FailKind, Failure};
 use crate::transport::Piece;
 use crate::wire::tcp::{Opcode, Status, HEADER_LEN, STATUS_LEN};
 use crate::wire::WireError;
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::io::{self, IoSlice};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -21,77 +22,43 @@ pub(super) struct WireOp {
     pub(super) attempts: u8,
 }
 
-pub(super) struct LaneState {
-    pub(super) pending: VecDeque<WireOp>,
-    pub(super) inflight: VecDeque<WireOp>,
-    pub(super) conn: Option<Arc<TcpStream>>,
-    /// Bumped at every new connection; stale failures of older ones are ignored.
-    pub(super) gen: u64,
-    pub(super) shutdown: bool,
-    /// A caller thread is running a request on the connection itself.
-    pub(super) inline: bool,
-    /// The reader holds an op it is still receiving.
-    pub(super) reading: bool,
-    /// Idle too long: the connection is closed, the threads end; new work goes to new lanes.
-    pub(super) retired: bool,
-    /// When work was last queued (or run inline) on this lane.
-    pub(super) last_used: Instant,
-    /// When a request last went out on the connection.
-    pub(super) last_sent: Instant,
-}
+/// The lane's queue (sans-IO, `queue.rs`) with its connection.
+pub(super) type LaneState = LaneQueue<WireOp, Arc<TcpStream>>;
 
-impl LaneState {
-    pub(super) fn new() -> LaneState {
-        LaneState {
-            pending: VecDeque::new(),
-            inflight: VecDeque::new(),
-            conn: None,
-            gen: 0,
-            shutdown: false,
-            inline: false,
-            reading: false,
-            retired: false,
-            last_used: Instant::now(),
-            last_sent: Instant::now(),
-        }
+impl QueuedOp for WireOp {
+    fn len(&self) -> u64 {
+        self.piece.len
     }
-
-    /// Nothing queued, in flight or running inline.
-    pub(super) fn idle(&self) -> bool {
-        self.pending.is_empty() && self.inflight.is_empty() && !self.inline && !self.reading
+    fn deadline(&self) -> Instant {
+        self.piece.task.deadline()
     }
-
-    /// Drops the connection if it has been quiet a while and the peer closed it meanwhile
-    /// (it exited, or a new process took its port): requests then go on a new connection
-    /// instead of failing on a dead one. Only called with nothing in flight, when no byte
-    /// may be waiting on the socket.
-    pub(super) fn drop_if_closed_by_peer(&mut self) {
-        // Only a connection with nothing in flight: the reader may be receiving the last
-        // op's payload (then `reading` is set although `inflight` is empty).
-        if !self.inflight.is_empty() || self.reading || self.inline || self.last_sent.elapsed() < STALE_CHECK_AFTER {
-            return;
-        }
-        let Some(c) = &self.conn else { return };
-        let mut b = [0u8; 1];
-        let closed = match rustix::net::recv(&**c, &mut b, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT) {
-            // EOF: the peer closed it.
-            Ok((0, _)) => true,
-            // Bytes nobody asked for: the reader reports that as a protocol error.
-            Ok(_) => false,
-            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => false,
-            // A reset or another error: not a connection to send on.
-            Err(_) => true,
-        };
-        if closed {
-            if let Some(c) = self.conn.take() {
-                let _ = c.shutdown(Shutdown::Both);
-            }
-        }
+    fn retried(&mut self) {
+        self.attempts += 1;
     }
 }
 
-/// A connection quiet for this long is checked for a close by the peer before it is used.
-pub(super) const STALE_CHECK_AFTER: Duration = Duration::from_millis(1);
+/// Drops the connection if it has been quiet a while and the peer closed it meanwhile
+/// (it exited, or a new process took its port): requests then go on a new connection
+/// instead of failing on a dead one. The queue says when no byte may be waiting on the
+/// socket ([`LaneQueue::check_closed_by_peer`]); this only peeks.
+fn drop_if_closed_by_peer(st: &mut LaneState, now: Instant) {
+    let Some(c) = st.check_closed_by_peer(now) else { return };
+    let mut b = [0u8; 1];
+    let closed = match rustix::net::recv(&*c, &mut b, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT) {
+        // EOF: the peer closed it.
+        Ok((0, _)) => true,
+        // Bytes nobody asked for: the reader reports that as a protocol error.
+        Ok(_) => false,
+        Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => false,
+        // A reset or another error: not a connection to send on.
+        Err(_) => true,
+    };
+    if closed {
+        if let Some(c) = st.drop_conn() {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+}
 
 pub(super) type PeerMap = Mutex<HashMap<(SocketAddr, bool), Arc<PeerLanes>>>;
 
@@ -135,33 +102,20 @@ impl Lane {
 
     /// Closes connection `gen` and decides the fate of every op that was sent on it.
     pub(super) fn fail_conn(&self, gen: u64, why: ConnFailure) {
-        let mut ended = Vec::new();
-        {
+        let ended = {
             let mut st = self.lock();
-            if st.gen != gen || st.conn.is_none() {
-                return;
-            }
-            if let Some(c) = st.conn.take() {
-                let _ = c.shutdown(Shutdown::Both);
-            }
             let now = Instant::now();
             let reason = match &why {
                 ConnFailure::Broken(r) => r.clone(),
                 ConnFailure::Deadline => "deadline passed".into(),
             };
-            let inflight: Vec<WireOp> = st.inflight.drain(..).collect();
-            for mut op in inflight.into_iter().rev() {
-                match self.fate(&op, matches!(why, ConnFailure::Broken(_)), now, &reason) {
-                    None => {
-                        op.attempts += 1;
-                        st.pending.push_front(op);
-                    }
-                    Some((kind, f)) => ended.push((op, kind, f)),
-                }
-            }
+            let broken = matches!(why, ConnFailure::Broken(_));
+            let Some((conn, ended)) = st.on_conn_failed(gen, |op| self.fate(op, broken, now, &reason)) else { return };
+            let _ = conn.shutdown(Shutdown::Both);
             self.wake_writer.notify_all();
-        }
-        self.redirect_or_end(ended);
+            ended
+        };
+        self.redirect_or_end(ended.into_iter().map(|(op, (kind, f))| (op, kind, f)).collect());
     }
 
     /// Ends ops whose connection failed, except those that lost the peer: for them the
@@ -219,12 +173,12 @@ impl Lane {
         }
         // Lane locks in index order (nothing else holds two at once).
         let mut guards: Vec<_> = entry.lanes.iter().map(|l| l.lock()).collect();
-        if !guards.iter().all(|g| g.idle() && !g.shutdown && g.last_used.elapsed() >= self.idle) {
+        let now = Instant::now();
+        if !guards.iter().all(|g| g.may_retire(now, self.idle)) {
             return;
         }
         for (g, l) in guards.iter_mut().zip(&entry.lanes) {
-            g.retired = true;
-            if let Some(c) = g.conn.take() {
+            if let Some(c) = g.retire() {
                 let _ = c.shutdown(Shutdown::Both);
             }
             l.wake_writer.notify_all();
@@ -239,23 +193,20 @@ impl Lane {
         let mut iov_hdrs: Vec<[u8; HEADER_LEN]> = Vec::with_capacity(MAX_OPS_PER_WRITE * 2);
         loop {
             let mut st = self.lock();
-            while (st.pending.is_empty() || st.inline) && !st.shutdown && !st.retired {
+            while st.writer_waits() {
                 let (g, to) = self.wake_writer.wait_timeout(st, self.idle).unwrap_or_else(|e| e.into_inner());
                 st = g;
-                if to.timed_out() && st.idle() && st.last_used.elapsed() >= self.idle {
+                if to.timed_out() && st.may_retire(Instant::now(), self.idle) {
                     drop(st);
                     self.retire_if_idle();
                     st = self.lock();
                 }
             }
-            if st.retired && st.pending.is_empty() {
+            if st.writer_done() {
                 return;
             }
-            if st.shutdown {
-                let ops: Vec<WireOp> = {
-                    let s = &mut *st;
-                    s.pending.drain(..).chain(s.inflight.drain(..)).collect()
-                };
+            if st.is_shutdown() {
+                let ops = st.drain_all();
                 drop(st);
                 for op in ops {
                     self.end_op(op, Err((FailKind::Failed, FailCause::ShutDown.because("engine shut down"))));
@@ -264,12 +215,7 @@ impl Lane {
             }
             // Expire what can no longer make its deadline before sending it.
             let now = Instant::now();
-            let mut expired = Vec::new();
-            while st.pending.front().is_some_and(|op| op.piece.task.deadline() <= now) {
-                if let Some(op) = st.pending.pop_front() {
-                    expired.push(op);
-                }
-            }
+            let expired = st.take_expired(now);
             if !expired.is_empty() {
                 drop(st);
                 for op in expired {
@@ -277,38 +223,24 @@ impl Lane {
                 }
                 continue;
             }
-            st.drop_if_closed_by_peer();
-            if st.conn.is_none() {
+            drop_if_closed_by_peer(&mut st, now);
+            if !st.connected() {
                 drop(st);
                 self.connect();
                 continue;
             }
-            let conn = Arc::clone(st.conn.as_ref().expect("checked"));
-            st.last_sent = Instant::now();
-            let gen = st.gen;
             // Gather a run of ops into one writev.
-            let mut n = 0;
-            let mut bytes = 0u64;
-            let mut earliest = Instant::now() + Duration::from_secs(3600);
-            let mut guards: Vec<crate::memory::RegionGuard> = Vec::new();
-            if st.inflight.is_empty() {
+            let Some(send) = st.next_send(now, MAX_OPS_PER_WRITE, MAX_GATHER_BYTES) else { continue };
+            let (conn, gen, earliest, n) = (send.conn, send.gen, send.earliest, send.n);
+            if send.wake_reader {
                 self.wake_reader.notify_one();
             }
-            while let Some(op) = st.pending.pop_front() {
-                bytes += op.piece.len;
-                earliest = earliest.min(op.piece.task.deadline());
-                op.piece.task.set_pending();
-                st.inflight.push_back(op);
-                n += 1;
-                if n >= MAX_OPS_PER_WRITE || bytes >= MAX_GATHER_BYTES {
-                    break;
-                }
-            }
-            let first = st.inflight.len() - n;
+            let mut guards: Vec<crate::memory::RegionGuard> = Vec::new();
             iov_hdrs.clear();
             let mut bodies: Vec<(u64, u64)> = Vec::with_capacity(n);
-            for op in st.inflight.range(first..) {
+            for op in st.inflight.range(send.first..send.first + n) {
                 let p = &op.piece;
+                p.task.set_pending();
                 if !guards.iter().any(|g| std::ptr::eq(g.region(), p.guard.region())) {
                     guards.push(p.guard.clone());
                 }
@@ -375,9 +307,7 @@ impl Lane {
         });
         match r {
             Ok(s) => {
-                let mut st = self.lock();
-                st.gen += 1;
-                st.conn = Some(Arc::new(s));
+                self.lock().on_connected(Arc::new(s));
                 self.wake_reader.notify_all();
             }
             Err(e) => {
@@ -414,15 +344,15 @@ impl Lane {
         loop {
             let (conn, gen, deadline, opcode, local, len, guard) = {
                 let mut st = self.lock();
-                while (st.inflight.is_empty() || st.conn.is_none() || st.inline) && !st.shutdown && !st.retired {
+                while st.reader_waits() {
                     st = self.wake_reader.wait(st).unwrap_or_else(|e| e.into_inner());
                 }
-                if st.shutdown || st.retired {
+                if st.reader_done() {
                     return;
                 }
-                let (Some(front), Some(conn)) = (st.inflight.front(), st.conn.as_ref()) else { continue };
+                let Some((conn, gen, front)) = st.reader_front() else { continue };
                 let p = &front.piece;
-                (Arc::clone(conn), st.gen, p.task.deadline(), p.opcode, p.local, p.len, p.guard.clone())
+                (conn, gen, p.task.deadline(), p.opcode, p.local, p.len, p.guard.clone())
             };
             if gen != my_gen {
                 rx.clear();
@@ -500,18 +430,14 @@ impl Lane {
                 Ok(()) => self.end_op(op, Ok(())),
                 Err(e) => {
                     let timed_out = e.kind() == io::ErrorKind::TimedOut;
-                    // Put the op back at the head so fail_conn retries or ends it with the rest.
-                    {
-                        let mut st = self.lock();
-                        if st.gen == gen && st.conn.is_some() {
-                            st.inflight.push_front(op);
-                        } else {
-                            drop(st);
-                            let fate = self.fate(&op, !timed_out, Instant::now(), &e.to_string());
-                            let end = fate.unwrap_or((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} lost: {e}", self.peer_name))));
-                            self.end_op(op, Err(end));
-                            continue;
-                        }
+                    // Back at the head so fail_conn retries or ends it with the rest; if
+                    // its connection was already handled, it ends alone.
+                    let back = self.lock().put_back(gen, op);
+                    if let Err(op) = back {
+                        let fate = self.fate(&op, !timed_out, Instant::now(), &e.to_string());
+                        let end = fate.unwrap_or((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} lost: {e}", self.peer_name))));
+                        self.end_op(op, Err(end));
+                        continue;
                     }
                     self.fail_conn(gen, if timed_out { ConnFailure::Deadline } else { ConnFailure::Broken(e.to_string()) });
                 }
@@ -520,20 +446,12 @@ impl Lane {
     }
 
     pub(super) fn pop_front(&self, gen: u64) -> Option<WireOp> {
-        let mut st = self.lock();
-        if st.gen != gen {
-            return None;
-        }
-        let op = st.inflight.pop_front();
-        st.reading = op.is_some();
-        op
+        self.lock().take_front(gen)
     }
 
     /// The reader is done with its op.
     pub(super) fn done_reading(&self) {
-        let mut st = self.lock();
-        st.reading = false;
-        if !st.pending.is_empty() {
+        if self.lock().done_reading() {
             self.wake_writer.notify_all();
         }
     }
@@ -543,19 +461,13 @@ impl Lane {
     pub(super) fn run_inline(&self, piece: Piece) -> Result<(), Piece> {
         let (conn, gen) = {
             let mut st = self.lock();
-            let idle = st.idle() && !st.shutdown && !st.retired;
-            if idle {
-                st.drop_if_closed_by_peer();
+            let now = Instant::now();
+            if st.idle() && !st.is_shutdown() && !st.is_retired() {
+                drop_if_closed_by_peer(&mut st, now);
             }
-            match (&st.conn, idle) {
-                (Some(c), true) => {
-                    let c = Arc::clone(c);
-                    st.inline = true;
-                    st.last_used = Instant::now();
-                    st.last_sent = st.last_used;
-                    (c, st.gen)
-                }
-                _ => return Err(piece),
+            match st.begin_inline(now) {
+                Some(c) => c,
+                None => return Err(piece),
             }
         };
         self.load.fetch_add(piece.len, Ordering::AcqRel);
@@ -590,7 +502,6 @@ impl Lane {
         })();
         let op = WireOp { piece, attempts: 0 };
         let mut st = self.lock();
-        st.inline = false;
         let outcome = match result {
             Ok(Status::Ok) => Ok(()),
             Ok(Status::Rejected) => {
@@ -608,25 +519,19 @@ impl Lane {
             },
             Err(e) => {
                 // Broken connection: hand the READ to the lane threads for one retry.
-                if st.gen == gen {
-                    if let Some(c) = st.conn.take() {
-                        let _ = c.shutdown(Shutdown::Both);
-                    }
+                if let Some(c) = st.end_inline(gen, true) {
+                    let _ = c.shutdown(Shutdown::Both);
                 }
                 tracing::debug!("inline request to {} failed ({e}); retrying on a new connection", self.peer_name);
-                let mut op = op;
-                op.attempts = 1;
-                st.pending.push_front(op);
+                st.retry_from_inline(op);
                 self.wake_writer.notify_all();
                 self.wake_reader.notify_all();
                 return Ok(());
             }
         };
-        if outcome.is_err() && st.gen == gen {
-            // After a rejection or a protocol error the stream is not usable.
-            if let Some(c) = st.conn.take() {
-                let _ = c.shutdown(Shutdown::Both);
-            }
+        // After a rejection or a protocol error the stream is not usable.
+        if let Some(c) = st.end_inline(gen, outcome.is_err()) {
+            let _ = c.shutdown(Shutdown::Both);
         }
         // Wake the lane threads only if work queued up meanwhile: a needless wake-up costs a
         // context switch on the core the peer needs.
@@ -642,9 +547,7 @@ impl Lane {
     }
 
     pub(super) fn stop(&self) {
-        let mut st = self.lock();
-        st.shutdown = true;
-        if let Some(c) = st.conn.take() {
+        if let Some(c) = self.lock().stop() {
             let _ = c.shutdown(Shutdown::Both);
         }
         self.wake_writer.notify_all();

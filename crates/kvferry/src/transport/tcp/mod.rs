@@ -42,6 +42,7 @@ pub type RefusedHook = Arc<dyn Fn(&str, SocketAddr, Vec<Piece>) -> Vec<Piece> + 
 mod sockio;
 mod lane;
 mod proto;
+mod queue;
 mod serve;
 mod server;
 
@@ -134,7 +135,7 @@ impl TcpTransport {
                 v2,
                 connect_timeout: self.opts.connect_timeout,
                 spin: self.opts.spin,
-                st: Mutex::new(LaneState::new()),
+                st: Mutex::new(LaneState::new(Instant::now())),
                 wake_writer: Condvar::new(),
                 wake_reader: Condvar::new(),
                 load: AtomicU64::new(0),
@@ -267,19 +268,17 @@ impl TcpTransport {
                 continue;
             }
             let lane = &lanes.lanes[i];
-            let mut st = lane.lock();
-            if st.retired || st.shutdown {
-                // Closed as idle since we picked it (or shutting down): new lanes take these.
-                drop(st);
-                for op in ops {
-                    lane.load.fetch_sub(op.piece.len, Ordering::AcqRel);
-                    retired.push(op.piece);
+            let queued = lane.lock().enqueue(ops, Instant::now());
+            match queued {
+                Ok(()) => lane.wake_writer.notify_one(),
+                Err(ops) => {
+                    // Closed as idle since we picked it (or shutting down): new lanes take these.
+                    for op in ops {
+                        lane.load.fetch_sub(op.piece.len, Ordering::AcqRel);
+                        retired.push(op.piece);
+                    }
                 }
-                continue;
             }
-            st.last_used = Instant::now();
-            st.pending.extend(ops);
-            lane.wake_writer.notify_one();
         }
         if !retired.is_empty() {
             // A part of a split piece counts as one piece; submitting it again (and maybe
