@@ -51,8 +51,8 @@ enum Cmd {
     /// Contribute memory to the store (Mooncake's mooncake_client): mount a segment at the
     /// master and serve it until SIGTERM/SIGINT, then unmount.
     #[command(after_help = "mooncake_client's spellings are accepted too: --master_server_address=127.0.0.1:50051, \
---global_segment_size=\"4 GB\", --metadata_server, --host, --protocol, every flag with underscores; Mooncake flags kvferry lacks \
-(--port, --threads: the dummy-client service) are warned about or refused by name.")]
+--global_segment_size=\"4 GB\", --metadata_server, --host, --protocol, --port (the dummy-client service), every flag with \
+underscores; Mooncake flags kvferry lacks are warned about or refused by name.")]
     StoreClient(store_client::StoreClientArgs),
     /// Serve Mooncake's HTTP metadata contract (GET/PUT/DELETE /metadata?key=, /health).
     MetadataServer(metadata_server::ServerArgs),

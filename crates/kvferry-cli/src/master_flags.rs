@@ -158,7 +158,7 @@ fn not_default(v: &str) -> bool {
     v != "default"
 }
 
-const NO_DUMMY: &str = "kvferry's store-client serves no dummy clients (setup_dummy); local processes call setup() with global_segment_size=0";
+const DUMMY_THREADS: &str = "kvferry's store-client answers dummy clients' set-up from one thread; their requests go through their own transfer engine";
 
 /// `kvferry store-client` / `mooncake_client` (mooncake-store/src/real_client_main.cpp).
 pub const STORE_CLIENT: Spec = Spec {
@@ -167,8 +167,7 @@ pub const STORE_CLIENT: Spec = Spec {
     bools: &[],
     renames: &[],
     only: &[
-        ("port", Kind::Value, Action::Ignore(NO_DUMMY)),
-        ("threads", Kind::Value, Action::Ignore(NO_DUMMY)),
+        ("threads", Kind::Value, Action::Ignore(DUMMY_THREADS)),
         ("tenant_id", Kind::Value, Action::RejectIf(not_default, "kvferry's store has one tenant (pass default)")),
         ("enable_offload", Kind::Bool, Action::RejectIf(truthy, NO_TIERS)),
         ("start_offload_rpc_server", Kind::Bool, Action::Ignore(NO_TIERS)),
@@ -416,14 +415,14 @@ mod tests {
 
     #[test]
     fn store_client_takes_mooncake_clients_flags() {
-        let known: Vec<String> = ["host", "local-hostname", "metadata-server", "master-server-address", "global-segment-size", "local-buffer-size", "protocol", "device-names"].iter().map(|s| s.to_string()).collect();
+        let known: Vec<String> = ["host", "local-hostname", "metadata-server", "master-server-address", "global-segment-size", "local-buffer-size", "protocol", "device-names", "port"].iter().map(|s| s.to_string()).collect();
         let n = |a: &[&str]| {
             let args: Vec<OsString> = a.iter().map(OsString::from).collect();
             normalize_for(&STORE_CLIENT, &args, &known).map(|n| (n.args.into_iter().map(|s| s.into_string().unwrap_or_default()).collect::<Vec<_>>(), n.warnings))
         };
         let (a, w) = n(&["--master_server_address=127.0.0.1:50051", "-global_segment_size", "4 GB", "--local_hostname=10.0.0.1", "--port=50052", "--threads", "4", "--tenant_id=default"]).unwrap();
-        assert_eq!(a, ["--master-server-address=127.0.0.1:50051", "--global-segment-size", "4 GB", "--local-hostname=10.0.0.1"]);
-        assert_eq!(w.len(), 3);
+        assert_eq!(a, ["--master-server-address=127.0.0.1:50051", "--global-segment-size", "4 GB", "--local-hostname=10.0.0.1", "--port=50052"]);
+        assert_eq!(w.len(), 2);
         assert!(w.iter().all(|l| l.starts_with("kvferry store-client: warning:") && l.contains("mooncake_client flag")), "{w:?}");
         // The master's renames and flags do not apply here.
         assert_eq!(n(&["--rpc_port=1"]).unwrap().0, ["--rpc_port=1"]);

@@ -3,9 +3,19 @@
 //! the master; peers write and read it through this process's transfer engine), prints what
 //! it mounted, and stays up until SIGTERM or SIGINT, then unmounts and exits 0.
 //!
-//! Mooncake's dummy-client service (`--port`: local processes calling `setup_dummy` and
-//! sharing memory with this process) is not provided; local processes call `setup()` with
-//! `global_segment_size=0` against the same master instead.
+//! `--port` (Mooncake's, default 50052) is the dummy-client service: a process on this host
+//! that calls `setup_dummy(mem_pool_size, local_buffer_size, "127.0.0.1:50052")` learns here
+//! which master, metadata service and protocol this process uses, and joins the same pool as
+//! a client that contributes no memory (its values land in this process's segment and the
+//! pool's others). Unlike Mooncake's dummy clients it then moves bytes with its own transfer
+//! engine (same-host shared memory or TCP) rather than through this process, so a dummy
+//! client costs this process nothing per request. The service's protocol (kvferry's own: a
+//! stock Mooncake dummy client cannot use it, nor a kvferry one a `mooncake_client`): the
+//! client sends the line `KVFERRY-DUMMY 1`, the answer is one JSON line
+//! ([`DummyInfo`]) and the connection closes; anything else is answered
+//! `{"error": ...}`. It listens on 127.0.0.1 (and on `--host` when that is another IP
+//! address), answers each connection from a short-lived thread (at most
+//! [`MAX_DUMMY_CONNS`] at once) and gives a silent client [`DUMMY_IO_TIMEOUT`].
 
 use crate::sys::human;
 use kvferry_store::{Client, ClientConfig};
@@ -41,6 +51,102 @@ pub struct StoreClientArgs {
     /// Device names (Mooncake: --device_names); unused by the TCP transport.
     #[arg(long, default_value = "")]
     pub device_names: String,
+    /// Port of the dummy-client service on 127.0.0.1 (Mooncake's real-client port;
+    /// `setup_dummy(..., server_address="127.0.0.1:<port>")` connects here); 0 turns it off.
+    #[arg(long, default_value_t = 50052)]
+    pub port: u16,
+}
+
+/// What a dummy client learns from the service: the pool to join and how.
+#[derive(serde::Serialize, serde::Deserialize, Debug, Clone, PartialEq)]
+pub struct DummyInfo {
+    pub version: u32,
+    pub master_server_address: String,
+    pub metadata_server: String,
+    pub protocol: String,
+    /// The host dummy clients use as their `local_hostname` (this process's `--host`
+    /// without a port: they are on the same host).
+    pub host: String,
+    /// This process's segment (for `ReplicateConfig.preferred_segment`).
+    pub segment: String,
+}
+
+/// The request line of the dummy-client service.
+pub const DUMMY_HELLO: &str = "KVFERRY-DUMMY 1";
+/// Connections the dummy-client service answers at once; more are closed unanswered.
+pub const MAX_DUMMY_CONNS: usize = 32;
+/// How long the service waits for a client's request line (and to send the answer).
+pub const DUMMY_IO_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The answer to one request line (sans-IO: the service only moves these bytes).
+pub fn dummy_answer(request: &[u8], info: &DummyInfo) -> String {
+    let line = String::from_utf8_lossy(request);
+    let line = line.trim_end_matches(['\r', '\n']);
+    let body = if line == DUMMY_HELLO {
+        serde_json::to_string(info).unwrap_or_else(|e| serde_json::json!({ "error": format!("cannot encode the answer: {e}") }).to_string())
+    } else {
+        let shown: String = line.chars().take(40).collect();
+        serde_json::json!({ "error": format!("not a kvferry dummy-client request ({shown:?}); send {DUMMY_HELLO:?} (kvferry's setup_dummy does)") }).to_string()
+    };
+    body + "\n"
+}
+
+/// Reads one request line (at most 256 bytes, within [`DUMMY_IO_TIMEOUT`]) and answers it.
+fn serve_dummy_conn(mut s: std::net::TcpStream, info: &DummyInfo) {
+    use std::io::Read;
+    let _ = s.set_read_timeout(Some(DUMMY_IO_TIMEOUT));
+    let _ = s.set_write_timeout(Some(DUMMY_IO_TIMEOUT));
+    let deadline = std::time::Instant::now() + DUMMY_IO_TIMEOUT;
+    let mut buf = Vec::with_capacity(64);
+    let mut chunk = [0u8; 256];
+    // Until a newline, EOF, 256 bytes or the deadline (checked after every read: a client
+    // trickling bytes cannot hold the thread longer).
+    while !buf.contains(&b'\n') && buf.len() < 256 && std::time::Instant::now() < deadline {
+        match s.read(&mut chunk[..256 - buf.len()]) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let end = buf.iter().position(|&b| b == b'\n').unwrap_or(buf.len());
+    let _ = s.write_all(dummy_answer(&buf[..end], info).as_bytes());
+}
+
+/// Starts the dummy-client service on `addrs` (`port` each); the listeners live as long as
+/// the process. Errors name the port and the flag.
+fn start_dummy_service(addrs: &[std::net::IpAddr], port: u16, info: DummyInfo) -> Result<(), String> {
+    let info = Arc::new(info);
+    for ip in addrs {
+        let l = std::net::TcpListener::bind((*ip, port)).map_err(|e| {
+            format!("cannot listen on {ip}:{port} for dummy clients: {e} (another store-client on this host? pass another --port, or --port 0 to serve none)")
+        })?;
+        let info = Arc::clone(&info);
+        let live = Arc::new(AtomicUsize::new(0));
+        std::thread::Builder::new()
+            .name("kvf-dummy-svc".into())
+            .spawn(move || {
+                for conn in l.incoming() {
+                    let Ok(conn) = conn else {
+                        // EMFILE and the like: back off instead of spinning.
+                        std::thread::sleep(Duration::from_millis(50));
+                        continue;
+                    };
+                    if live.fetch_add(1, Ordering::AcqRel) >= MAX_DUMMY_CONNS {
+                        live.fetch_sub(1, Ordering::AcqRel);
+                        continue; // dropped: closed unanswered
+                    }
+                    let (info, live) = (Arc::clone(&info), Arc::clone(&live));
+                    let spawned = std::thread::Builder::new().name("kvf-dummy-conn".into()).spawn(move || {
+                        serve_dummy_conn(conn, &info);
+                        live.fetch_sub(1, Ordering::AcqRel);
+                    });
+                    if spawned.is_err() {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
+            })
+            .map_err(|e| format!("cannot start the dummy-client service thread: {e}"))?;
+    }
+    Ok(())
 }
 
 /// kvferry's long flag names (and their aliases) for the gflags rewriting.
@@ -91,6 +197,17 @@ fn parse_mooncake_size(v: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// `host` of `host`, `host:port` or `[v6]:port`.
+fn host_part(h: &str) -> &str {
+    if let Some(rest) = h.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    match h.rsplit_once(':') {
+        Some((host, port)) if !host.contains(':') && port.parse::<u16>().is_ok() => host,
+        _ => h,
+    }
+}
+
 fn size(flag: &str, v: &str) -> Result<u64, String> {
     parse_mooncake_size(v).map_err(|e| format!("--{flag}: {e}"))
 }
@@ -114,7 +231,31 @@ pub fn run(a: StoreClientArgs) -> Result<(), String> {
         ..ClientConfig::default()
     };
     let c = Client::setup(cfg).map_err(|e| format!("setting up the store client (master {}): {e}", a.master_server_address))?;
-    println!("KVFERRY_STORE_CLIENT segment={} size={} master={} metadata={}", c.segment_name(), global, a.master_server_address, a.metadata_server);
+    if a.port != 0 {
+        // Dummy clients are on this host: 127.0.0.1, and --host's address when it is another IP.
+        let host = host_part(&a.host);
+        let mut ips = vec![std::net::IpAddr::from([127, 0, 0, 1])];
+        if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+            if !ip.is_loopback() && !ip.is_unspecified() {
+                ips.push(ip);
+            }
+        }
+        let info = DummyInfo {
+            version: 1,
+            master_server_address: a.master_server_address.clone(),
+            metadata_server: a.metadata_server.clone(),
+            protocol: a.protocol.clone(),
+            host: if host.is_empty() || host == "0.0.0.0" { "127.0.0.1".into() } else { host.to_string() },
+            segment: c.segment_name().to_string(),
+        };
+        if let Err(e) = start_dummy_service(&ips, a.port, info) {
+            let _ = c.close();
+            return Err(e);
+        }
+        eprintln!("kvferry store-client: dummy clients: setup_dummy(..., server_address=\"127.0.0.1:{}\")", a.port);
+    }
+    let dummy = if a.port == 0 { "off".to_string() } else { format!("127.0.0.1:{}", a.port) };
+    println!("KVFERRY_STORE_CLIENT segment={} size={} master={} metadata={} dummy={dummy}", c.segment_name(), global, a.master_server_address, a.metadata_server);
     let _ = std::io::stdout().flush();
     eprintln!(
         "kvferry store-client: mounted segment {} ({}) at master {}; serving until SIGTERM or SIGINT",
@@ -138,6 +279,41 @@ pub fn run(a: StoreClientArgs) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::parse_mooncake_size as p;
+    use super::*;
+
+    fn info() -> DummyInfo {
+        DummyInfo {
+            version: 1,
+            master_server_address: "127.0.0.1:50051".into(),
+            metadata_server: "P2PHANDSHAKE".into(),
+            protocol: "tcp".into(),
+            host: "127.0.0.1".into(),
+            segment: "127.0.0.1:4242".into(),
+        }
+    }
+
+    #[test]
+    fn the_dummy_service_answers_its_request_line_and_nothing_else() {
+        let ok = dummy_answer(DUMMY_HELLO.as_bytes(), &info());
+        assert!(ok.ends_with('\n'));
+        let back: DummyInfo = serde_json::from_str(ok.trim_end()).unwrap();
+        assert_eq!(back, info());
+        assert_eq!(dummy_answer(b"KVFERRY-DUMMY 1\r", &info()), ok);
+        for bad in [&b""[..], b"KVFERRY-DUMMY 2", b"\x00\x01coro_rpc", &[0xff; 300]] {
+            let a = dummy_answer(bad, &info());
+            let v: serde_json::Value = serde_json::from_str(a.trim_end()).unwrap();
+            assert!(v["error"].as_str().unwrap().contains("KVFERRY-DUMMY 1"), "{a}");
+        }
+    }
+
+    #[test]
+    fn host_part_strips_a_port() {
+        assert_eq!(host_part("10.0.0.1:1234"), "10.0.0.1");
+        assert_eq!(host_part("10.0.0.1"), "10.0.0.1");
+        assert_eq!(host_part("[::1]:80"), "::1");
+        assert_eq!(host_part("::1"), "::1");
+        assert_eq!(host_part("node-3"), "node-3");
+    }
 
     #[test]
     fn sizes_as_mooncake_reads_them() {

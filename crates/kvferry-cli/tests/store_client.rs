@@ -72,11 +72,12 @@ fn run_store_client(sig: rustix::process::Signal) {
     // Mooncake's mooncake_client spellings (gflags), as its deployment scripts pass them.
     let master_flag = format!("--master_server_address={rpc}");
     let mut sc = Proc::start(
-        &["store-client", &master_flag, "--global_segment_size=32MB", "--metadata_server", "P2PHANDSHAKE", "-host=127.0.0.1", "--protocol=tcp", "--port=50052"],
+        &["store-client", &master_flag, "--global_segment_size=32MB", "--metadata_server", "P2PHANDSHAKE", "-host=127.0.0.1", "--protocol=tcp", "--port=0"],
         "KVFERRY_STORE_CLIENT",
     );
     let seg = sc.field("segment=");
     assert_eq!(sc.field("size="), (32u64 << 20).to_string());
+    assert_eq!(sc.field("dummy="), "off");
     assert!(seg.starts_with("127.0.0.1:"), "{seg}");
     assert!(segments(&http).contains(&format!("\"{seg}\"")), "the master lists the store-client's segment");
 
@@ -132,4 +133,80 @@ fn store_client_refuses_what_it_cannot_do() {
     let (code, err) = run(&["store-client", "--global_segment_size=1MB", "--master_server_address=127.0.0.1:1"]);
     assert_eq!(code, Some(1));
     assert!(err.contains("cannot reach the master at 127.0.0.1:1"), "{err}");
+}
+
+/// A port nothing listens on right now (bound and released: good enough on 127.0.0.1).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// Asks the dummy-client service at `addr` with `request`; the answer line as JSON.
+fn ask(addr: &str, request: &[u8]) -> serde_json::Value {
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to the dummy-client service");
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    s.write_all(request).expect("request");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("answer, then EOF");
+    serde_json::from_str(out.trim_end()).unwrap_or_else(|e| panic!("{out:?}: {e}"))
+}
+
+#[test]
+fn dummy_clients_learn_the_pool_from_the_service_and_join_it() {
+    let m = master();
+    let rpc = m.field("rpc=");
+    let port = free_port();
+    let sc = Proc::start(
+        &["store-client", &format!("--master_server_address={rpc}"), "--global_segment_size=32MB", "--host=127.0.0.1", &format!("--port={port}")],
+        "KVFERRY_STORE_CLIENT",
+    );
+    let seg = sc.field("segment=");
+    let addr = format!("127.0.0.1:{port}");
+    assert_eq!(sc.field("dummy="), addr);
+    // A client that connects and says nothing does not hold the service up...
+    let silent = std::net::TcpStream::connect(&addr).expect("connect");
+    let t0 = Instant::now();
+    let info = ask(&addr, b"KVFERRY-DUMMY 1\n");
+    assert!(t0.elapsed() < Duration::from_secs(1), "answered while another client stalls: {:?}", t0.elapsed());
+    assert_eq!(info["master_server_address"], rpc.as_str());
+    assert_eq!(info["metadata_server"], "P2PHANDSHAKE");
+    assert_eq!(info["protocol"], "tcp");
+    assert_eq!(info["host"], "127.0.0.1");
+    assert_eq!(info["segment"], seg.as_str());
+    // ...and is closed after the I/O timeout.
+    let mut silent = silent;
+    silent.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let mut junk = String::new();
+    let t1 = Instant::now();
+    let _ = silent.read_to_string(&mut junk);
+    assert!(t1.elapsed() < Duration::from_secs(4), "a silent client is dropped after 2 s, not {:?}", t1.elapsed());
+    assert!(junk.contains("error"), "{junk:?}");
+    // Anything else (a stock Mooncake dummy client's RPC bytes, say) gets an error, not the pool.
+    let bad = ask(&addr, b"\x00\x01\x02 not the hello\n");
+    assert!(bad["error"].as_str().unwrap_or_default().contains("KVFERRY-DUMMY 1"), "{bad}");
+    // What setup_dummy does with the answer: a client with no segment of its own, same pool.
+    let c = Client::setup(ClientConfig {
+        local_hostname: info["host"].as_str().unwrap_or_default().to_string(),
+        metadata_server: info["metadata_server"].as_str().unwrap_or_default().to_string(),
+        protocol: info["protocol"].as_str().unwrap_or_default().to_string(),
+        master_server_addr: info["master_server_address"].as_str().unwrap_or_default().to_string(),
+        global_segment_size: 0,
+        local_buffer_size: 8 << 20,
+        transfer_timeout: Duration::from_secs(10),
+        ..ClientConfig::default()
+    })
+    .expect("dummy client setup");
+    c.put("dummy-k", &value("dummy-k", 300_000), &ReplicateConfig::default()).expect("put");
+    assert_eq!(c.get("dummy-k").expect("get"), value("dummy-k", 300_000));
+    let d = c.batch_get_replica_desc(&["dummy-k"]).pop().expect("one").expect("replicas");
+    assert!(d.iter().all(|r| r.te_endpoint == seg), "the value lives in the store-client's segment: {d:?}");
+    c.close().expect("close");
+    // Another store-client cannot take the same service port: it says which flag to change.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["store-client", &format!("--master_server_address={rpc}"), "--global_segment_size=1MB", &format!("--port={port}")])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kvferry");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("127.0.0.1:{port}")) && err.contains("--port"), "{err}");
 }
