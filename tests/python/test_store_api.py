@@ -113,10 +113,6 @@ def test_setup_dict_accepts_human_readable_sizes(cluster):
     assert bad.health_check() == 1
 
 
-def test_setup_dummy_names_the_missing_store_client():
-    with pytest.raises(NotImplementedError, match="kvferry store-client"):
-        MooncakeDistributedStore().setup_dummy(1 << 30, 16 << 20, "127.0.0.1:50052")
-
 
 # -- ReplicateConfig ---------------------------------------------------------------------------
 

@@ -171,8 +171,3 @@ def test_local_hostname_must_name_the_engines_segment(cluster):
         assert s.health_check() == 1
     uninit = TransferEngine()
     assert MooncakeDistributedStore().setup(HOST, "P2PHANDSHAKE", SEG, 16 << 20, "tcp", "", cluster, uninit) == -600
-
-
-def test_setup_dummy_points_at_store_client():
-    with pytest.raises(NotImplementedError, match="kvferry store-client.*global_segment_size=0"):
-        MooncakeDistributedStore().setup_dummy(1 << 30, 16 << 20, "127.0.0.1:50052")

@@ -89,6 +89,9 @@ pub struct StoreCore {
     /// What keeps registered buffer objects alive and exported, by address: dropped after
     /// `unregister_buffer` returned or the client stopped.
     pins: Mutex<HashMap<u64, Py<PyAny>>>,
+    /// Buffers handed out by `alloc_from_mem_pool`: kept until this object goes (not at
+    /// `close()`: the caller may still hold their addresses).
+    pool: Mutex<Vec<crate::memory::Pages>>,
     /// The process that created the client: in a fork() child every method raises and
     /// dropping only forgets (the segment, its engine and the master session are the parent's).
     pid: u32,
@@ -180,7 +183,18 @@ impl StoreCore {
             None => py.detach(|| Client::setup(cfg)),
         }
         .map_err(|e| raise(py, e))?;
-        Ok(StoreCore { client: RwLock::new(Some(client)), _engine: engine, pins: Mutex::default(), pid: std::process::id() })
+        Ok(StoreCore { client: RwLock::new(Some(client)), _engine: engine, pins: Mutex::default(), pool: Mutex::default(), pid: std::process::id() })
+    }
+
+    /// Mooncake's `alloc_from_mem_pool`: `size` bytes of zero-filled, page-aligned memory
+    /// from kvferry's allocator (memfd-backed, so same-host peers map it), not registered;
+    /// its address, valid until this object is garbage-collected.
+    fn alloc_from_mem_pool(&self, py: Python<'_>, size: u64) -> PyResult<u64> {
+        self.owned(py)?;
+        let pages = crate::memory::Pages::map(size).map_err(|m| raise(py, StoreError::InvalidParams(m)))?;
+        let addr = pages.addr;
+        self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(pages);
+        Ok(addr)
     }
 
     /// This client's transfer-engine segment name.

@@ -420,16 +420,64 @@ class MooncakeDistributedStore:
         )
 
     def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
-        """Mooncake's dummy-client mode (a local client served over shared memory by a
-        ``mooncake_client`` process) is not provided: raises NotImplementedError. Run
-        ``kvferry store-client`` (Mooncake's ``mooncake_client``) to contribute the memory,
-        and ``setup(...)`` with ``global_segment_size=0`` here (docs/PYTHON.md)."""
-        raise NotImplementedError(
-            "setup_dummy(%r, %r, %r): kvferry has no dummy-client (shared-memory) mode; run `kvferry store-client "
-            "--master_server_address=<master> --global_segment_size=<bytes>` to contribute the memory, and here "
-            "setup(local_hostname, metadata_server, global_segment_size=0, local_buffer_size, 'tcp', '', master_server_addr)"
-            % (mem_pool_size, local_buffer_size, server_address)
+        """Mooncake's dummy-client mode: join the pool served by the ``kvferry store-client``
+        (Mooncake's ``mooncake_client``) whose dummy-client service is at ``server_address``
+        (``host:port``, its ``--port``, 50052 by default). 0 on success; -1 when the service
+        cannot be reached or answers something else (logged, as Mooncake does).
+
+        The store-client tells which master, metadata service and protocol it uses; this
+        client then sets up against them with no segment of its own (its values land in the
+        store-client's segment and the pool's others) and ``local_buffer_size`` bytes for the
+        bytes API. Unlike Mooncake's dummy clients, requests do not go through the
+        store-client: this process moves the bytes with its own transfer engine (same-host
+        shared memory or TCP). ``mem_pool_size`` is accepted and unused (Mooncake's current
+        dummy client ignores it too); ``alloc_from_mem_pool`` hands out memory that same-host
+        peers map."""
+        import json
+        import socket
+
+        try:
+            host, _, port = str(server_address).rpartition(":")
+            host = host.strip("[]") or "127.0.0.1"
+            with socket.create_connection((host, int(port)), timeout=5.0) as sock:
+                sock.settimeout(5.0)
+                sock.sendall(b"KVFERRY-DUMMY 1\n")
+                data = b""
+                while not data.endswith(b"\n") and len(data) < 65536:
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+            info = json.loads(data.decode("utf-8", "replace"))
+        except (OSError, ValueError) as e:
+            _log.error("kvferry: setup_dummy: cannot reach the dummy-client service at %r (%s): is `kvferry store-client --port=<port>` running on this host?", server_address, e)
+            return -1
+        if not isinstance(info, dict) or "error" in info or "master_server_address" not in info:
+            _log.error("kvferry: setup_dummy: %r is not a kvferry store-client's dummy-client service (it answered %.200r)", server_address, info)
+            return -1
+        return self.setup(
+            str(info.get("host") or "127.0.0.1"),
+            str(info.get("metadata_server") or "P2PHANDSHAKE"),
+            0,
+            int(local_buffer_size),
+            str(info.get("protocol") or "tcp"),
+            "",
+            str(info["master_server_address"]),
         )
+
+    def alloc_from_mem_pool(self, size: int) -> int:
+        """``size`` bytes of zero-filled memory from kvferry's allocator (shareable: same-host
+        peers map it), to ``register_buffer`` and use with put_from/get_into; its address, or 0
+        (logged) before setup or when the memory cannot be had. Valid while this store
+        object lives."""
+        if self._s is None:
+            _log.error("kvferry: alloc_from_mem_pool(%r) before setup() or setup_dummy()", size)
+            return 0
+        try:
+            return int(self._store()._core.alloc_from_mem_pool(int(size)))
+        except Exception as e:  # noqa: BLE001
+            _log.error("kvferry: alloc_from_mem_pool(%r) failed: %s", size, e)
+            return 0
 
     def _store(self) -> _native.Store:
         if self._s is None:
@@ -1017,7 +1065,7 @@ _NOT_PROVIDED: Dict[str, str] = {
     )},
     **{n: "no storage tiers besides memory (segments are mounted by setup())" for n in (
         "init_all", "mount_segment", "unmount_segment", "allocate_and_mount_segment", "unmount_and_free_segment",
-        "unmount_local_disk_segment", "alloc_from_mem_pool", "get_offload_rpc_read_count",
+        "unmount_local_disk_segment", "get_offload_rpc_read_count",
     )},
     **{n: "no two-phase put/get sessions in kvferry's master protocol" for n in (
         "batch_get_session_start", "batch_get_session_end", "batch_put_session_start", "batch_put_session_end", "batch_put_session_revoke",
