@@ -639,3 +639,37 @@ fn scattered_parts_are_put_and_read_in_place_across_processes() {
     assert!(c.batch_put_from_parts(&[("loose", &bad[..])], &ReplicateConfig::default(), false).pop().unwrap().is_err());
     assert!(!c.is_exist("loose").unwrap(), "a failed put leaves nothing behind");
 }
+
+#[test]
+fn values_read_into_the_local_buffer_are_used_in_place_and_give_their_space_back() {
+    let m = master(&[]);
+    let rpc = m.field("rpc=");
+    let _s = server(&rpc, "64MiB");
+    let writer = client(&rpc, 0);
+    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 4 << 20, master_server_addr: rpc.clone(), transfer_timeout: Duration::from_secs(10), ..ClientConfig::default() })
+        .expect("client setup");
+    let keys: Vec<String> = (0..3).map(|i| format!("gb-{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        writer.put(k, &value(k, 1, (1 << 20) + i * 1000), &ReplicateConfig::default()).expect("put");
+    }
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let mut got: Vec<_> = c.get_buffers(&refs).into_iter().map(|r| r.expect("value")).collect();
+    for (i, (g, k)) in got.iter().zip(&keys).enumerate() {
+        assert_eq!(g.len(), (1 << 20) + i * 1000);
+        assert_eq!(g.as_slice(), value(k, 1, g.len()).as_slice(), "{k}");
+        assert_eq!(g.to_vec(), g.as_slice(), "the copy is the value");
+    }
+    // The values hold 3 MiB of the 4 MiB local buffer: a fourth does not fit, and says why.
+    let e = c.get_buffers(&[refs[0]]).pop().expect("one").expect_err("no space left");
+    assert!(e.to_string().contains("local_buffer_size"), "{e}");
+    // Each is the caller's to change in place, and its space returns when it goes.
+    got[0].as_mut_slice()[0] ^= 0xff;
+    got.truncate(1);
+    let again = c.get_buffers(&refs[1..]);
+    assert!(again.iter().all(|r| r.is_ok()), "space given back by the dropped values");
+    drop(again);
+    // A value outlives the client that read it.
+    c.close().expect("close");
+    assert_eq!(&got[0].as_slice()[1..], &value(&keys[0], 1, 1 << 20)[1..]);
+    writer.close().expect("close");
+}

@@ -16,7 +16,7 @@ pub mod master;
 pub mod proto;
 pub mod server;
 
-pub use client::{Client, ClientConfig};
+pub use client::{Client, ClientConfig, Staged};
 pub use error::{StoreError, StoreResult};
 pub use master::{Master, MasterConfig, Strategy};
 pub use proto::{ReplicateConfig, SoftPin};

@@ -236,7 +236,9 @@ class ReplicateConfig(_native.ReplicateConfig):
 class BufferHandle(bytearray):
     """A value read by ``get_buffer``/``batch_get_buffer``: supports the buffer protocol
     (``memoryview(h)``, ``numpy.frombuffer(h, ...)``), ``len(h)``, ``h.size()`` and ``h.ptr()``
-    (its address) like Mooncake's BufferHandle. The bytes are this object's own copy."""
+    (its address) like Mooncake's BufferHandle. The bytes are this object's own copy, made
+    once from where the value landed in the client's local buffer (Mooncake hands out the
+    local buffer's block itself; a copy here lets a handle outlive the client)."""
 
     def ptr(self) -> int:
         if not len(self):
@@ -672,21 +674,16 @@ class MooncakeDistributedStore:
 
     def get_buffer(self, key: str) -> Optional[BufferHandle]:
         """The value as a BufferHandle (buffer protocol), or None if missing or failed."""
-        try:
-            return BufferHandle(self._store()._core.get(str(key)))
-        except Exception as e:  # noqa: BLE001
-            if not isinstance(e, _native.ObjectNotFound):
-                _fail(e)
-            return None
+        return self.batch_get_buffer([key])[0]
 
     def batch_get_buffer(self, keys: Sequence[str]) -> List[Optional[BufferHandle]]:
         """Per key: a BufferHandle, or None if missing or failed."""
         try:
-            res = self._store()._core.get_batch([str(k) for k in keys])
+            res = self._store()._core.get_buffers([str(k) for k in keys], BufferHandle)
         except Exception as e:  # noqa: BLE001
             _fail(e)
             return [None for _ in keys]
-        return [BufferHandle(v) if code == 0 and v is not None else None for v, code, _ in res]
+        return [v if code == 0 else None for v, code, _ in res]
 
     def batch_upsert_from(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int], config: Optional[ReplicateConfig] = None) -> List[int]:
         try:
