@@ -269,7 +269,7 @@ impl StoreCore {
             ba.resize(v.len())?;
             // SAFETY: `ba` was created just above and no Python code has run since (we hold
             // the GIL): nothing else can see or resize its storage while we copy into it.
-            unsafe { ba.as_bytes_mut() }.copy_from_slice(v.as_slice());
+            v.copy_into_fresh(unsafe { ba.as_bytes_mut() });
             out.push((Some(obj.unbind()), 0, String::new()));
         }
         Ok(out)

@@ -289,25 +289,55 @@ impl Staged {
         self.len == 0
     }
 
-    /// A copy in a new `Vec`. Fresh memory costs a page fault per 4 KiB page on first touch,
-    /// which on a VM costs more than the copy: a large copy's pages are faulted in with one
-    /// `MADV_POPULATE_WRITE` first (2.2x faster for 1 MiB values here).
+    /// A copy in a new `Vec`, its fresh memory faulted in first (`prefault_fresh`).
     pub fn to_vec(&self) -> Vec<u8> {
         let src = self.as_slice();
         let mut v: Vec<u8> = Vec::with_capacity(src.len());
-        if src.len() >= 256 << 10 {
-            let start = v.as_mut_ptr() as usize;
-            let page = 4096;
-            let a = (start + page - 1) & !(page - 1);
-            let end = (start + src.len()) & !(page - 1);
-            if end > a {
-                // SAFETY: [a, end) lies inside the Vec's own allocation (not yet initialized);
-                // populating it only faults in zero pages, as the first write would.
-                let _ = unsafe { rustix::mm::madvise(a as *mut std::ffi::c_void, end - a, rustix::mm::Advice::LinuxPopulateWrite) };
-            }
-        }
+        // SAFETY: the Vec's spare capacity is its own allocation, not yet initialized.
+        unsafe { prefault_fresh(v.as_mut_ptr(), src.len()) };
         v.extend_from_slice(src);
         v
+    }
+
+    /// Copies the value into `dst` (its length), faulting `dst`'s pages in first when it is
+    /// fresh memory the caller just allocated (`prefault_fresh`).
+    pub fn copy_into_fresh(&self, dst: &mut [u8]) {
+        let n = dst.len().min(self.len);
+        // SAFETY: `dst` is borrowed mutably: its pages are ours to fault in.
+        unsafe { prefault_fresh(dst.as_mut_ptr(), dst.len()) };
+        dst[..n].copy_from_slice(&self.as_slice()[..n]);
+    }
+}
+
+/// Faults in `[ptr, ptr + len)`, memory just allocated for a large copy, in one system call
+/// instead of a page fault per 4 KiB page on first write (on a VM each costs more than
+/// copying the page): `MADV_POPULATE_WRITE` for 256 KiB and more, after `MADV_HUGEPAGE` on
+/// its 2 MiB-aligned interior for 4 MiB and more (where the host's transparent huge pages
+/// allow it). Measured here: 32 x 1 MiB into fresh `Vec`s 28 -> 13 ms; 8 x 16 MiB 106 -> 27 ms
+/// (the first huge-page allocation after boot can be slower: the kernel compacts memory).
+/// Failures are ignored: the copy then faults the pages as before.
+///
+/// # Safety
+/// The range must be memory the caller owns and may write (its contents may be changed only
+/// as a first write of zeros would: pages not yet present become zero pages).
+unsafe fn prefault_fresh(ptr: *mut u8, len: usize) {
+    const PAGE: usize = 4096;
+    const HUGE: usize = 2 << 20;
+    if len < 256 << 10 {
+        return;
+    }
+    let start = ptr as usize;
+    if len >= 4 << 20 {
+        let (a, e) = ((start + HUGE - 1) & !(HUGE - 1), (start + len) & !(HUGE - 1));
+        if e > a {
+            // SAFETY: inside the caller's range (see above); advice only.
+            let _ = unsafe { rustix::mm::madvise(a as *mut std::ffi::c_void, e - a, rustix::mm::Advice::LinuxHugepage) };
+        }
+    }
+    let (a, e) = ((start + PAGE - 1) & !(PAGE - 1), (start + len) & !(PAGE - 1));
+    if e > a {
+        // SAFETY: inside the caller's range; populating only faults pages in.
+        let _ = unsafe { rustix::mm::madvise(a as *mut std::ffi::c_void, e - a, rustix::mm::Advice::LinuxPopulateWrite) };
     }
 }
 
