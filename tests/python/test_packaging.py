@@ -21,6 +21,7 @@ from typing import List
 
 import pytest
 
+import wheel_audit
 from conftest import ROOT
 
 FORBIDDEN = ("libibverbs", "librdmacm", "libmlx5", "libcuda", "libcudart", "libnvidia", "libpython")
@@ -110,6 +111,93 @@ def test_wheel_contents_and_tags():
         assert required in names, required
     pth = [n for n in names if n.endswith(".pth")]
     assert len(pth) == 1 and "/purelib/" in pth[0], pth
+
+
+def test_wheel_elf_dependencies():
+    """Every file of the built wheel, every ELF among them (by magic, whatever its name) and
+    its DT_NEEDED as binutils' readelf reads them: no CUDA, no verbs, only manylinux
+    libraries, and auditwheel agrees with the platform tag in the file name."""
+    w = _wheel()
+    report, problems = wheel_audit.audit(w)
+    print(json.dumps(report, indent=1))
+    assert not problems, "\n".join(problems)
+    assert list(report["elf_needed"]) == ["kvferry/_kvferry.abi3.so"], report["elf_needed"]
+    needed = report["elf_needed"]["kvferry/_kvferry.abi3.so"]
+    assert "libc.so.6" in needed, needed
+    # readelf and this file's own parser (used on the installed extension) agree.
+    with zipfile.ZipFile(w) as z:
+        assert elf_needed(z.read("kvferry/_kvferry.abi3.so")) == needed
+    assert report["auditwheel"]["external_libs"] == {}, report["auditwheel"]
+
+
+def _cc(tmp: Path, name: str, code: str, libs=(), soname=None) -> Path:
+    """A shared object built from `code` with cc, linked (not as-needed) to `libs` in tmp."""
+    src = tmp / (name + ".c")
+    src.write_text(code)
+    out = tmp / name
+    cmd = [os.environ.get("CC", "cc"), "-shared", "-fPIC", "-o", str(out), str(src), "-L" + str(tmp), "-Wl,--no-as-needed"]
+    if soname:
+        cmd.append("-Wl,-soname," + soname)
+    cmd += ["-l" + l for l in libs]
+    subprocess.run(cmd, check=True, timeout=120)
+    return out
+
+
+def _fake_lib(tmp: Path, soname: str, symbol: str) -> None:
+    """lib<x>.so.N with `symbol`, and the lib<x>.so link the linker looks for."""
+    _cc(tmp, soname, "int %s(void) { return 0; }\n" % symbol, soname=soname)
+    os.symlink(soname, str(tmp / (soname.split(".so")[0] + ".so")))
+
+
+def _make_wheel(path: Path, files: dict) -> str:
+    """A minimal wheel at `path` (its name carries the tags) with `files` {member: local path}."""
+    dist = "kvferry-0.1.0.dist-info/"
+    tag = path.name[: -len(".whl")].split("-", 2)[2]
+    meta = {dist + "WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: %s\n" % tag,
+            dist + "METADATA": "Metadata-Version: 2.1\nName: kvferry\nVersion: 0.1.0\n"}
+    with zipfile.ZipFile(str(path), "w") as z:
+        for member, local in files.items():
+            z.write(str(local), member)
+        for member, text in meta.items():
+            z.writestr(member, text)
+        # auditwheel walks the files RECORD lists
+        z.writestr(dist + "RECORD", "".join("%s,,\n" % m for m in list(files) + list(meta) + [dist + "RECORD"]))
+    return str(path)
+
+
+def test_wheel_audit_fails_on_cuda_verbs_and_non_manylinux_libraries(tmp_path):
+    """The check above can fail: a wheel whose extension links libcudart and libssl, with a
+    helper ELF (named like data) that links libibverbs, is refused, naming each."""
+    for soname, sym in (("libcudart.so.12", "cudaMalloc"), ("libibverbs.so.1", "ibv_get_device_list"), ("libssl.so.3", "SSL_new")):
+        _fake_lib(tmp_path, soname, sym)
+    ext = _cc(tmp_path, "ext.so", "int cudaMalloc(void); int SSL_new(void); int f(void) { return cudaMalloc() + SSL_new(); }\n", libs=("cudart", "ssl"))
+    helper = _cc(tmp_path, "helper", "int ibv_get_device_list(void); int g(void) { return ibv_get_device_list(); }\n", libs=("ibverbs",))
+    w = _make_wheel(tmp_path / "kvferry-0.1.0-cp39-abi3-manylinux_2_34_x86_64.whl",
+                    {"kvferry/_kvferry.abi3.so": ext, "kvferry/data/helper.bin": helper})
+    report, problems = wheel_audit.audit(w)
+    text = "\n".join(problems)
+    assert "libibverbs.so.1" in report["elf_needed"]["kvferry/data/helper.bin"], report
+    assert "kvferry/_kvferry.abi3.so needs libcudart.so.12: a CUDA library" in text, text
+    assert "kvferry/data/helper.bin needs libibverbs.so.1: a verbs/RDMA library" in text, text
+    assert "needs libssl.so.3, which is not on the manylinux_2_34_x86_64 allow-list" in text, text
+    assert "consistent with no manylinux tag" in text, text
+    # The command-line form exits 1 and names them too.
+    r = subprocess.run([sys.executable, str(Path(wheel_audit.__file__)), w], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "libcudart.so.12" in r.stderr and "libibverbs.so.1" in r.stderr, r.stderr
+
+
+def test_wheel_audit_passes_a_clean_wheel_and_checks_its_glibc_claim(tmp_path):
+    """A libc-only extension passes under an honest tag; the same file under a tag claiming an
+    older glibc than its symbol versions (memfd_create is GLIBC_2.27) is refused."""
+    ext = _cc(tmp_path, "ext.so", "#define _GNU_SOURCE\n#include <sys/mman.h>\nint f(void) { return memfd_create(\"x\", 0); }\n")
+    ok = _make_wheel(tmp_path / "kvferry-0.1.0-cp39-abi3-manylinux_2_34_x86_64.whl", {"kvferry/_kvferry.abi3.so": ext})
+    report, problems = wheel_audit.audit(ok)
+    assert not problems, problems
+    assert report["elf_needed"] == {"kvferry/_kvferry.abi3.so": ["libc.so.6"]}, report
+    old = _make_wheel(tmp_path / "kvferry-0.1.0-cp39-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl", {"kvferry/_kvferry.abi3.so": ext})
+    _, problems = wheel_audit.audit(old)
+    assert any("manylinux_2_17_x86_64 claims glibc 2.17" in p for p in problems), problems
+    assert any("manylinux2014_x86_64 claims glibc 2.17" in p for p in problems), problems
 
 
 def test_fresh_venv_install_and_import(tmp_path):
