@@ -278,6 +278,76 @@ def test_fresh_venv_kvferry_command(cli_venv, tmp_path):
     assert [u.split(" ")[0] for u in json.loads(r.stdout)["expect"]["unmet"]] == ["gpu"]
 
 
+CHECK_IMAGE = ROOT / "scripts" / "check-image"
+
+
+def test_check_image_script_passes_in_the_fresh_venv(cli_venv, tmp_path):
+    """scripts/check-image, the image's content check (docker/Dockerfile's last step), against
+    the venv that holds only the wheel: so the script is run by CI and cannot rot."""
+    import kvferry
+
+    venv = str(cli_venv.parent)
+    r = subprocess.run(["bash", str(CHECK_IMAGE), "--venv", venv, "--expect", "tcp,shm", "--version", kvferry.__version__],
+                       capture_output=True, text=True, timeout=300, env=_cli_env(), cwd=str(tmp_path))
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    out = r.stdout
+    assert "ok    kvferry --version: kvferry %s" % kvferry.__version__ in out, out
+    assert "ok    kvferry doctor --json --expect tcp,shm" in out, out
+    assert "ok    KVFERRY_MOONCAKE_SHIM=1 import mooncake.engine, mooncake.store" in out, out
+    assert "ok    _kvferry.abi3.so links only: " in out and "libc.so.6" in out, out
+    assert out.rstrip().endswith("check-image: all checks passed"), out
+    # On PATH, as in the image (no --venv).
+    env = dict(_cli_env(), PATH="%s:%s" % (cli_venv, os.environ.get("PATH", "")))
+    env.pop("PYTHON", None)
+    r = subprocess.run(["bash", str(CHECK_IMAGE)], capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0 and "all checks passed" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_check_image_script_fails_naming_each_problem(cli_venv, tmp_path):
+    """It can fail: an unmet transport, a wrong version, a linked verbs library, a missing
+    command; each named, every check still run, exit status 1."""
+    _fake_lib(tmp_path, "libibverbs.so.1", "ibv_get_device_list")
+    bad = _cc(tmp_path, "bad.so", "int ibv_get_device_list(void); int g(void) { return ibv_get_device_list(); }\n", libs=("ibverbs",))
+    env = dict(_cli_env(), KVFERRY_CHECK_EXTRA_ELF=str(bad))
+    r = subprocess.run(["bash", str(CHECK_IMAGE), "--venv", str(cli_venv.parent), "--expect", "tcp,gpu", "--version", "0.0.0-not-this"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    err = r.stderr
+    assert "FAIL: kvferry --version printed 'kvferry " in err and "expected kvferry 0.0.0-not-this" in err, err
+    assert "FAIL: kvferry doctor --json --expect tcp,gpu (exit 1): gpu: libcuda.so.1 cannot be loaded" in err, err
+    assert "FAIL: %s links libibverbs.so.1" % bad in err, err
+    assert "check-image: 3 check(s) failed" in err, err
+    assert "ok    KVFERRY_MOONCAKE_SHIM=1" in r.stdout and "ok    _kvferry.abi3.so links only" in r.stdout, r.stdout
+    # A venv whose console script is gone (the package imports, the command does not exist).
+    fake = tmp_path / "no-script"
+    (fake / "bin").mkdir(parents=True)
+    os.symlink(str(cli_venv / "python"), str(fake / "bin" / "python"))
+    os.symlink(str(cli_venv.parent / "lib"), str(fake / "lib"))
+    (fake / "pyvenv.cfg").write_text((cli_venv.parent / "pyvenv.cfg").read_text())
+    r = subprocess.run(["bash", str(CHECK_IMAGE), "--venv", str(fake)], capture_output=True, text=True, timeout=300, env=_cli_env(), cwd=str(tmp_path))
+    assert r.returncode == 1 and "FAIL: no kvferry command" in r.stderr, (r.stdout, r.stderr)
+
+
+def test_dockerfile_is_strict_and_has_no_cuda_variant_switch():
+    """docker/Dockerfile: bash -euxo pipefail for every RUN, the wheel installed from the
+    build context only, no CUDA_VERSION branch, and the content check as its last step.
+    (scripts/lint-shell runs shellcheck on its RUN bodies.)"""
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    instrs = [l for l in text.split("\n") if l.strip() and not l.lstrip().startswith("#") and l[:1] not in (" ", "\t")]
+    keywords = [l.split()[0] for l in instrs]
+    assert 'SHELL ["/bin/bash", "-euxo", "pipefail", "-c"]' in instrs, instrs
+    assert keywords.index("SHELL") < keywords.index("RUN"), keywords
+    runs = [l for l in instrs if l.startswith("RUN ")]
+    assert "--no-index --find-links /tmp/kvferry-wheels kvferry" in runs[0], runs
+    assert instrs[-1] == "RUN kvferry-check-image --expect tcp,shm", instrs[-1]
+    assert "COPY scripts/check-image /usr/local/bin/kvferry-check-image" in instrs
+    code = "\n".join(instrs)
+    for variant in ("CUDA_VERSION", "cuda13", "mooncake-transfer-engine"):
+        assert variant not in code, variant
+    ignore = (ROOT / "docker" / "Dockerfile.dockerignore").read_text().split("\n")
+    assert ignore[[i for i, l in enumerate(ignore) if l and not l.startswith("#")][0]] == "*", "the build context must exclude target/"
+
+
 def _start_master(exe: str, cwd: str) -> "tuple[subprocess.Popen, int]":
     # SIGINT as an interactive shell leaves it (a background job of a script ignores it, and
     # an ignored SIGINT stays ignored, as for the binary).
