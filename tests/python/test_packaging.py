@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -346,6 +347,71 @@ def test_dockerfile_is_strict_and_has_no_cuda_variant_switch():
         assert variant not in code, variant
     ignore = (ROOT / "docker" / "Dockerfile.dockerignore").read_text().split("\n")
     assert ignore[[i for i, l in enumerate(ignore) if l and not l.startswith("#")][0]] == "*", "the build context must exclude target/"
+
+
+def _dockerfile_steps(text: str) -> "tuple[list, list]":
+    """(COPY [src, dst] pairs, RUN bodies) of a Dockerfile, continuation lines joined."""
+    copies, runs, cur = [], [], None
+    for line in text.split("\n"):
+        if cur is None:
+            if line.startswith("COPY "):
+                copies.append(line.split()[1:3])
+            if not line.startswith("RUN "):
+                continue
+            cur = [line[4:]]
+        else:
+            cur.append(line)
+        if cur[-1].rstrip().endswith("\\"):
+            continue
+        runs.append("\n".join(cur))
+        cur = None
+    return copies, runs
+
+
+def test_dockerfile_steps_run_in_a_fresh_venv(tmp_path):
+    """No docker here: docker/Dockerfile's COPY and RUN steps are replayed against a fresh
+    venv (its python first on PATH, the COPY destinations under a scratch root), each RUN
+    body under the Dockerfile's SHELL (bash -euxo pipefail). So its pip line and its content
+    check are run by CI, as the image build would run them."""
+    w = _wheel()
+    copies, runs = _dockerfile_steps((ROOT / "docker" / "Dockerfile").read_text())
+    root = tmp_path / "root"
+    build_args = {"${WHEELS}": str(Path(w).parent)}
+    rewrite = []
+    for src, dst in copies:
+        src = build_args.get(src.rstrip("/"), str(ROOT / src.rstrip("/")))
+        target = root / dst.lstrip("/")
+        if dst.endswith("/"):
+            target.mkdir(parents=True)
+            shutil.copy(w, str(target))  # the one wheel under test, as `COPY target/wheels/`
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, str(target))
+        rewrite.append((dst.rstrip("/"), str(target)))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    # `python -m pip` in the venv: this interpreter's pip package alone (not its site-packages,
+    # which hold an installed kvferry), through a .pth; pip installs into the venv running it.
+    import pip
+
+    pipdir = tmp_path / "pip-only"
+    pipdir.mkdir()
+    os.symlink(os.path.dirname(pip.__file__), str(pipdir / "pip"))
+    site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "pip-only.pth").write_text(str(pipdir) + "\n")
+    env = dict(_cli_env(), PATH="%s:%s:%s" % (venv / "bin", root / "usr" / "local" / "bin", os.environ.get("PATH", "")))
+    for k in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PYTHON", "VIRTUAL_ENV"):
+        env.pop(k, None)
+    env["PIP_CONFIG_FILE"] = os.devnull
+    assert len(runs) == 2, runs
+    for body in runs:
+        for dst, target in rewrite:
+            body = body.replace(dst, target)
+        r = subprocess.run(["/bin/bash", "-euxo", "pipefail", "-c", body], capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+        assert r.returncode == 0, (body, r.stdout, r.stderr)
+    assert "check-image: all checks passed" in r.stdout, r.stdout
+    assert not (root / "tmp" / "kvferry-wheels").exists(), "the RUN removes the copied wheels"
+    assert os.path.exists(str(venv / "bin" / "kvferry"))
 
 
 def _start_master(exe: str, cwd: str) -> "tuple[subprocess.Popen, int]":
