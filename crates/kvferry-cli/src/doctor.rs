@@ -380,13 +380,21 @@ fn rdma(r: &Report) -> Transport {
 fn gpu(r: &Report) -> Transport {
     let p = kvferry::gpu::probe();
     let gpus = serde_json::to_value(&p.gpus).unwrap_or_default();
+    // The driver API's version number: 12040 is CUDA 12.4.
+    let version = p.driver_version.map(|v| format!("{}.{}", v / 1000, v % 1000 / 10));
+    if let Some(v) = &version {
+        r.say(format!("        CUDA driver {v} (libcuda.so.1, loaded at run time)"));
+    }
+    for g in &p.gpus {
+        r.say(format!("        gpu {}: {}, {} GiB, compute capability {}.{}, PCI {}", g.index, g.name, g.memory >> 30, g.compute_capability.0, g.compute_capability.1, g.pci_bus_id));
+    }
     let t = match &p.unavailable {
         Some(why) => {
             r.no("gpu memory", why);
             Transport::no(why.clone(), Some("install the NVIDIA driver; in a container, run with the NVIDIA container toolkit (--gpus all) so libcuda.so.1 is mounted"))
         }
         None => {
-            let why = format!("CUDA driver {:?} with {} GPU(s), but this kvferry version moves host memory only", p.driver_version, p.gpus.len());
+            let why = format!("CUDA driver {} with {} GPU(s), but this kvferry version moves host memory only", version.as_deref().unwrap_or("?"), p.gpus.len());
             r.no("gpu memory", &why);
             Transport::no(why, None)
         }

@@ -5,21 +5,8 @@ use kvferry::gpu::{self, driver::Driver};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const MOCK: &str = r#"
-#include <stdio.h>
-#include <string.h>
-#include <stddef.h>
-int cuInit(unsigned flags) { (void)flags; return INIT_RESULT; }
-int cuDriverGetVersion(int *v) { *v = 12040; return 0; }
-int cuDeviceGetCount(int *n) { *n = COUNT; return 0; }
-int cuDeviceGet(int *d, int i) { if (i < 0 || i >= COUNT) return 101; *d = i; return 0; }
-int cuDeviceGetName(char *name, int len, int d) { snprintf(name, len, "Mock H200 #%d", d); return 0; }
-int cuDeviceTotalMem_v2(size_t *b, int d) { (void)d; *b = (size_t)141 << 30; return 0; }
-int cuDeviceGetAttribute(int *v, int attr, int d) { (void)d; *v = attr == 75 ? 9 : 0; return 0; }
-#ifndef NO_BUS_ID
-int cuDeviceGetPCIBusId(char *b, int len, int d) { snprintf(b, len, "0000:%02x:00.0", 0x17 + d); return 0; }
-#endif
-"#;
+/// The mock driver's source (shared with the CLI's doctor tests).
+const MOCK: &str = include_str!("mock_libcuda.c");
 
 /// Builds a mock driver library with `defines`; its path.
 fn mock(name: &str, defines: &[&str]) -> PathBuf {
