@@ -126,6 +126,9 @@ struct Inner {
     rpc: Rpc,
     id: u64,
     segment: Option<(HostBuffer, Segment)>,
+    /// The segment was unmounted at the master (by `close`, or by the pinger once the
+    /// shared engine serving it was closed): never twice.
+    unmounted: AtomicBool,
     staging: Option<(HostBuffer, Mutex<SegmentSpace>)>,
     closed: AtomicBool,
     cfg: ClientConfig,
@@ -138,6 +141,14 @@ struct Inner {
 }
 
 impl Inner {
+    /// Unmounts this client's segment at the master, once.
+    fn unmount_segment(&self) -> StoreResult<()> {
+        match &self.segment {
+            Some((_, seg)) if !self.unmounted.swap(true, Ordering::AcqRel) => self.rpc.call_ok(&Request::UnmountSegment { client: self.id, segment: seg.id }).map(|_| ()),
+            _ => Ok(()),
+        }
+    }
+
     fn queue_releases(&self, ids: impl IntoIterator<Item = u64>) {
         self.releases.lock().unwrap_or_else(|e| e.into_inner()).extend(ids);
     }
@@ -418,7 +429,7 @@ impl Client {
             let space = SegmentSpace::new(buf.addr(), buf.len() as u64);
             staging = Some((buf, Mutex::new(space)));
         }
-        let inner = Arc::new(Inner { engine, shared, rpc, id, segment, staging, closed: AtomicBool::new(false), cfg, pid: std::process::id(), releases: Mutex::default(), _port: port });
+        let inner = Arc::new(Inner { engine, shared, rpc, id, segment, unmounted: AtomicBool::new(false), staging, closed: AtomicBool::new(false), cfg, pid: std::process::id(), releases: Mutex::default(), _port: port });
         // Register with the master even without a segment, so pings are recognised.
         match &inner.segment {
             Some((_, seg)) => inner.rpc.call_ok(&Request::MountSegment { client: id, segment: seg.clone() })?,
@@ -915,10 +926,7 @@ impl Client {
             // Best effort: unreleased reads end with their lease anyway.
             let _ = self.inner.rpc.call(&Request::ReleaseReads { ids });
         }
-        let unmounted = match &self.inner.segment {
-            Some((_, seg)) => self.inner.rpc.call_ok(&Request::UnmountSegment { client: self.inner.id, segment: seg.id }).map(|_| ()),
-            None => Ok(()),
-        };
+        let unmounted = self.inner.unmount_segment();
         if self.inner.shared.is_some() {
             // The engine outlives this client: withdraw the client's buffers from it (a
             // barrier) before they are freed. Already gone if the engine was closed first.
@@ -1018,6 +1026,16 @@ fn ping_loop(inner: Weak<Inner>, every: Duration) {
         std::thread::sleep(every);
         let Some(inner) = inner.upgrade() else { return };
         if inner.closed.load(Ordering::Acquire) {
+            return;
+        }
+        if inner.shared.as_ref().is_some_and(|f| f.load(Ordering::Acquire)) {
+            // The engine serving the segment was closed by its owner: nothing can read or
+            // write the segment any more, so the master stops listing it (and placing
+            // values there) now rather than when the store is closed.
+            match inner.unmount_segment() {
+                Ok(()) => tracing::info!("the shared transfer engine was closed: segment {} unmounted", inner.engine.segment_name()),
+                Err(e) => tracing::warn!("the shared transfer engine was closed; unmounting its segment failed: {e}"),
+            }
             return;
         }
         // Also delivers the releases of reads that finished since the last request.
