@@ -13,7 +13,25 @@ use std::time::{Duration, Instant};
 /// Applies one request to the master. A put that finds space held only by reads in flight
 /// waits for them (one `put_wait_for_reads` per request, a batch included) on this
 /// connection's thread, without holding the master's lock.
+///
+/// With HA, the request passes the master's [`crate::ha::Gate`] first (a standby or a fenced
+/// leader applies nothing and answers `NotLeader`, naming the leader), and its answer passes
+/// it again: an answer computed by a leader that lost its lease meanwhile is not sent (that
+/// master's state is reset when it steps down). The term admitted is known here, for what
+/// replication will need.
 pub fn handle(m: &Master, req: Request) -> Response {
+    let term = match m.gate.admit() {
+        Ok(t) => t,
+        Err(e) => return Response::Err(e),
+    };
+    let resp = handle_admitted(m, req);
+    match m.gate.confirm(term) {
+        Ok(()) => resp,
+        Err(e) => Response::Err(e),
+    }
+}
+
+fn handle_admitted(m: &Master, req: Request) -> Response {
     let deadline = Instant::now() + m.cfg.put_wait_for_reads;
     if let Request::Batch(reqs) = req {
         return Response::Batch(

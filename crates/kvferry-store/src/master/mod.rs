@@ -799,11 +799,13 @@ pub struct Master {
     start: Instant,
     pub state: Mutex<State>,
     pub stats: Stats,
+    /// Whether this master may answer (HA: only while it leads with a lease it can prove).
+    pub gate: crate::ha::Gate,
 }
 
 impl Master {
     pub fn new(cfg: MasterConfig) -> Master {
-        Master { cfg, start: Instant::now(), state: Mutex::default(), stats: Stats::default() }
+        Master { cfg, start: Instant::now(), state: Mutex::default(), stats: Stats::default(), gate: crate::ha::Gate::default() }
     }
 
     pub fn now(&self) -> u64 {
@@ -812,6 +814,11 @@ impl Master {
 
     pub fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Forgets every client, segment and object (HA: a master that starts or stops leading).
+    pub fn reset(&self) {
+        *self.lock() = State::default();
     }
 
     /// Periodic work: expire clients, release deferred space, evict above the watermark.
