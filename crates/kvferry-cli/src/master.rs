@@ -180,7 +180,7 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
 /// The HA settings, `None` without `--enable-ha` (Mooncake's rules: HA needs a connection
 /// string, `--etcd_endpoints` stands in for `--ha_backend_connstring`, either without HA is
 /// only warned about).
-fn ha_config(a: &MasterArgs, rpc_port: u16) -> Result<Option<kvferry_store::ha::HaConfig>, String> {
+fn ha_config(a: &MasterArgs, rpc_port: u16, env_cluster_id: Option<&str>) -> Result<Option<kvferry_store::ha::HaConfig>, String> {
     let conn = a.ha_backend_connstring.as_deref().filter(|s| !s.trim().is_empty()).or(a.etcd_endpoints.as_deref().filter(|s| !s.trim().is_empty()));
     if !a.enable_ha {
         if conn.is_some() {
@@ -211,7 +211,7 @@ fn ha_config(a: &MasterArgs, rpc_port: u16) -> Result<Option<kvferry_store::ha::
         None if a.host.is_unspecified() => return Err(format!("--enable-ha with --host {}: pass --advertise-address, the address clients reach this master at", a.host)),
         None => SocketAddr::new(a.host, rpc_port).to_string(),
     };
-    Ok(Some(kvferry_store::ha::HaConfig { endpoints, cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref()), address, lease_ttl: ttl }))
+    Ok(Some(kvferry_store::ha::HaConfig { endpoints, cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env_cluster_id), address, lease_ttl: ttl }))
 }
 
 /// kvferry's long flag names for `kvferry master` (kebab-case, no dashes).
@@ -231,12 +231,13 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     let listener = TcpListener::bind(SocketAddr::new(a.host, a.port)).map_err(|e| format!("cannot bind the master RPC port {}:{}: {e}", a.host, a.port))?;
     let rpc_port = listener.local_addr().map(|x| x.port()).map_err(|e| e.to_string())?;
     let master = Arc::new(Master::new(cfg));
-    let ha = ha_config(&a, rpc_port)?;
+    let env = kvferry::Config::from_env().map_err(|e| e.to_string())?;
+    let ha = ha_config(&a, rpc_port, env.store_cluster_id.as_deref())?;
     if let Some(h) = &ha {
         // Before the RPC port is served: the master refuses every request until it leads.
         kvferry_store::ha::start(h.clone(), Arc::clone(&master))?;
     }
-    let spin = kvferry::Config::from_env().map_err(|e| e.to_string())?.spin;
+    let spin = env.spin;
     let server = MasterServer::start_with_spin(Arc::clone(&master), listener, Duration::from_millis(200), a.summary_interval.saturating_mul(5), spin)
         .map_err(|e| format!("starting the master: {e}"))?;
     let http_port = if a.metrics_port >= 0 {
@@ -395,8 +396,18 @@ mod tests {
         let m = merge_config_file(a, &matches).expect("merge");
         assert!(m.enable_ha);
         assert_eq!((m.ha_backend_connstring.as_deref(), m.cluster_id.as_deref()), (Some("etcd://127.0.0.1:2379;127.0.0.1:2380"), Some("c9")));
-        let h = ha_config(&m, 50051).expect("ha config").expect("ha on");
+        let h = ha_config(&m, 50051, Some("from-env")).expect("ha config").expect("ha on");
         assert_eq!((h.endpoints.as_slice(), h.address.as_str(), h.cluster_id.as_str()), (&["127.0.0.1:2379".to_string(), "127.0.0.1:2380".to_string()][..], "127.0.0.1:50051", "c9"));
+        let mut n = m.clone();
+        n.cluster_id = None;
+        assert_eq!(ha_config(&n, 1, Some("from-env")).expect("ok").expect("on").cluster_id, "from-env", "MC_STORE_CLUSTER_ID when --cluster-id is not given");
+        assert_eq!(ha_config(&n, 1, None).expect("ok").expect("on").cluster_id, "mooncake_cluster", "Mooncake's default");
+        n.ha_backend_connstring = None;
+        assert!(ha_config(&n, 1, None).unwrap_err().contains("--ha-backend-connstring"));
+        n.etcd_endpoints = Some("10.0.0.1:2379;10.0.0.2:2379".into());
+        assert_eq!(ha_config(&n, 1, None).expect("ok").expect("on").endpoints.len(), 2, "--etcd_endpoints stands in");
+        n.ha_backend_connstring = Some("redis://x:1".into());
+        assert!(ha_config(&n, 1, None).unwrap_err().contains("only etcd"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

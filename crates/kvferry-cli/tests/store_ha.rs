@@ -255,3 +255,72 @@ fn a_paused_leader_refuses_requests_on_waking_and_stands_by() {
     let mut c = raw(&ms[s].rpc);
     assert_eq!(rpc(&mut c, &mount_request()), Response::Ok);
 }
+
+#[test]
+fn a_put_in_flight_across_a_failover_fails_with_a_retryable_error() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let ms = [Master::start(etcd_svc.port, None, true), Master::start(etcd_svc.port, None, false)];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let s = 1 - l;
+    let etcd_addr = format!("etcd://127.0.0.1:{}", etcd_svc.port);
+    // The pool's only memory, served by another process over TCP (it offers no shared
+    // memory), so that pausing it holds a put between PutStart and PutEnd.
+    let mut server = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["store-bench", "--serve-segment", &etcd_addr, "--segment-size", "32M"])
+        .env("KVFERRY_TRANSPORT", "tcp")
+        .env_remove("MC_STORE_CLUSTER_ID")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn the segment server");
+    struct Kill(Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut line = String::new();
+    BufReader::new(server.stdout.take().expect("stdout")).read_line(&mut line).expect("the server's line");
+    assert!(line.starts_with("KVFERRY_STORE_SERVER"), "{line:?}");
+    let server = Kill(server);
+    let signal = |sig: i32| {
+        // SAFETY: a signal to the child this test started, by pid.
+        assert_eq!(unsafe { libc::kill(server.0.id() as libc::pid_t, sig) }, 0);
+    };
+    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 16 << 20, master_server_addr: etcd_addr.clone(), transfer_timeout: Duration::from_secs(20), ..ClientConfig::default() })
+        .expect("client setup");
+    c.put("warm", &value("warm", 4096), &ReplicateConfig::default()).expect("a put to the served segment");
+
+    signal(libc::SIGSTOP);
+    let (c, ms) = (&c, &ms);
+    let result = std::thread::scope(|sc| {
+        let put = sc.spawn(move || c.put("in-flight", &value("in-flight", 1 << 20), &ReplicateConfig::default()));
+        std::thread::sleep(Duration::from_millis(300)); // PutStart answered, the write held
+        ms_kill_handle(ms, l);
+        let until = Instant::now() + 2 * TTL + Duration::from_secs(1);
+        while ms[s].role() != "leader" {
+            assert!(Instant::now() < until, "no failover");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        signal(libc::SIGCONT);
+        put.join().expect("the put thread")
+    });
+    match result {
+        Err(StoreError::MasterFailover(k)) => assert_eq!(k, "in-flight"),
+        other => panic!("a put whose PutStart and PutEnd were answered by different leaders must fail with MasterFailover; got {other:?}"),
+    }
+    // Retryable: it succeeds on the new leader once the segment's owner remounted.
+    let until = Instant::now() + Duration::from_secs(15);
+    while let Err(e) = c.put("in-flight", &value("in-flight", 1 << 20), &ReplicateConfig::default()) {
+        assert!(Instant::now() < until, "the retried put never succeeded: {e}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(c.get("in-flight").expect("get"), value("in-flight", 1 << 20));
+}
+
+/// SIGKILLs master `i` of `ms` (by pid; the `Master` reaps it when dropped).
+fn ms_kill_handle(ms: &[Master], i: usize) {
+    ms[i].signal(libc::SIGKILL);
+}

@@ -133,7 +133,8 @@ enum Failure {
 }
 
 impl Rpc {
-    fn new(addr: &str, timeout: Duration, spin: Duration) -> StoreResult<Rpc> {
+    fn new(addr: &str, timeout: Duration, ecfg: &Config) -> StoreResult<Rpc> {
+        let spin = ecfg.spin;
         let (target, timeout, first) = match addr.trim().split_once("://") {
             None => (Target::Fixed, timeout, addr.to_string()),
             Some(("etcd", rest)) => {
@@ -141,7 +142,7 @@ impl Rpc {
                 if endpoints.is_empty() {
                     return Err(StoreError::InvalidParams(format!("master_server_addr {addr:?}: no etcd endpoint after etcd://")));
                 }
-                let key = crate::ha::master_view_key(&crate::ha::resolve_cluster_id(None));
+                let key = crate::ha::master_view_key(&crate::ha::resolve_cluster_id(None, ecfg.store_cluster_id.as_deref()));
                 (Target::Etcd { etcd: kvferry::metadata::etcd::EtcdClient::new(&endpoints, Duration::from_secs(2)), key }, HA_RPC_TIMEOUT, String::new())
             }
             Some((scheme, _)) => {
@@ -575,7 +576,7 @@ impl Client {
         if shared.as_ref().is_some_and(|f| f.load(Ordering::Acquire)) {
             return Err(engine_closed());
         }
-        let rpc = Rpc::new(&cfg.master_server_addr, Duration::from_secs(30), engine.config().spin)?;
+        let rpc = Rpc::new(&cfg.master_server_addr, Duration::from_secs(30), engine.config())?;
         let id: u64 = rand::random::<u64>() | 1;
         let mut segment = None;
         if cfg.global_segment_size > 0 {

@@ -40,12 +40,15 @@ pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(5);
 /// How often a standby reads the key (and how soon after it vanished a standby campaigns).
 pub const STANDBY_POLL: Duration = Duration::from_millis(200);
 
-/// The cluster id: the one given (`--cluster_id`), else `MC_STORE_CLUSTER_ID`, else
-/// [`DEFAULT_CLUSTER_ID`]. Clients (which have no flag) resolve it the same way.
-pub fn resolve_cluster_id(given: Option<&str>) -> String {
-    let given = given.map(str::trim).filter(|s| !s.is_empty());
-    let env = std::env::var("MC_STORE_CLUSTER_ID").ok().filter(|s| !s.trim().is_empty());
-    given.map(str::to_string).or(env).unwrap_or_else(|| DEFAULT_CLUSTER_ID.to_string())
+/// The cluster id: the one given (`--cluster_id`), else the environment's
+/// (`KVFERRY_STORE_CLUSTER_ID` / `MC_STORE_CLUSTER_ID`, read into [`kvferry::Config`]), else
+/// [`DEFAULT_CLUSTER_ID`]. Clients (which have no flag) resolve it the same way. (Mooncake's
+/// master reads the variable only when `--cluster_id` is empty, since the flag defaults to
+/// `mooncake_cluster`; its clients read it always. Here an unset flag defers to the variable,
+/// so a master and its clients started with the same environment agree.)
+pub fn resolve_cluster_id(given: Option<&str>, env: Option<&str>) -> String {
+    let pick = |s: Option<&str>| s.map(str::trim).filter(|s| !s.is_empty()).map(str::to_string);
+    pick(given).or_else(|| pick(env)).unwrap_or_else(|| DEFAULT_CLUSTER_ID.to_string())
 }
 
 /// `mooncake-store/<cluster_id>/master_view` (a trailing `/` of the id dropped, as Mooncake).
@@ -312,14 +315,14 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
         match etcd.create(key, cfg.address.as_bytes(), lease) {
             Ok(Created::Won(term)) => {
                 // Whatever this master held (a former term) is not this term's.
-                master.reset();
+                master.reset(term);
                 gate.set_leader(term, &cfg.address, lease, sent, cfg.fence_bound());
                 tracing::info!(term, "HA: leader at {} (key {key}, lease {lease:x})", cfg.address);
                 logged_leader = cfg.address.clone();
                 lead(cfg, etcd, key, master, term, lease);
                 // Stepping down: refuse, forget, let the others take over at once.
                 gate.set_standby(None);
-                master.reset();
+                master.reset(-1);
                 if let Err(e) = etcd.delete_if_created_at(key, term) {
                     tracing::debug!("HA: deleting the key after stepping down: {e}");
                 }

@@ -169,6 +169,9 @@ pub struct State {
     /// Reads in flight: id -> end of their lease.
     reads: HashMap<u64, u64>,
     next_read: u64,
+    /// The HA term this state belongs to (0 without HA): a request admitted under another
+    /// term is not applied to it.
+    pub term: i64,
 }
 
 /// A one-line summary of the pool.
@@ -816,9 +819,10 @@ impl Master {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Forgets every client, segment and object (HA: a master that starts or stops leading).
-    pub fn reset(&self) {
-        *self.lock() = State::default();
+    /// Forgets every client, segment and object; the state then belongs to `term` (HA: a
+    /// master that starts leading, or steps down: -1, no term).
+    pub fn reset(&self, term: i64) {
+        *self.lock() = State { term, ..State::default() };
     }
 
     /// Periodic work: expire clients, release deferred space, evict above the watermark.
