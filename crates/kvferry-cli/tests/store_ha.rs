@@ -141,6 +141,10 @@ fn one_leader_and_a_client_that_follows_it_through_a_sigkill() {
     let s = 1 - l;
     let (leader_addr, term) = etcd_view(&etcd, "mooncake_cluster").expect("the key exists");
     assert_eq!(leader_addr, ms[l].rpc, "the key holds the leader's RPC address");
+    // Renewals keep it: the same leader and term after twice the TTL.
+    std::thread::sleep(2 * TTL + Duration::from_millis(500));
+    assert_eq!((ms[l].role(), ms[s].role()), ("leader".to_string(), "standby".to_string()), "the leader keeps its lease");
+    assert_eq!(etcd_view(&etcd, "mooncake_cluster"), Some((leader_addr.clone(), term)), "same key, same term");
 
     // The standby applies nothing and names the leader.
     let mut standby = raw(&ms[s].rpc);
@@ -323,4 +327,31 @@ fn a_put_in_flight_across_a_failover_fails_with_a_retryable_error() {
 /// SIGKILLs master `i` of `ms` (by pid; the `Master` reaps it when dropped).
 fn ms_kill_handle(ms: &[Master], i: usize) {
     ms[i].signal(libc::SIGKILL);
+}
+
+#[test]
+fn a_leader_cut_off_from_etcd_refuses_within_the_bound_and_the_cluster_recovers() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, true)];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let mut conn = raw(&ms[l].rpc);
+    assert_eq!(rpc(&mut conn, &Request::Ping { client: 5 }), Response::Ping(PingStatus::NeedRemount));
+    // etcd stops answering (SIGSTOP, by its pid): no renewal succeeds any more.
+    let pid = etcd_svc.pid().expect("etcd's pid") as libc::pid_t;
+    // SAFETY: signals to the etcd this test started, by pid.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let stopped = Instant::now();
+    // The last renewal was sent before the stop: 2/3 TTL after it, at the latest, every request
+    // is refused.
+    std::thread::sleep((TTL * 2 / 3).saturating_sub(stopped.elapsed()) + Duration::from_millis(100));
+    let refused = rpc(&mut conn, &mount_request());
+    // SAFETY: as above.
+    let resumed = unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert_eq!(resumed, 0);
+    assert!(matches!(refused, Response::Err(StoreError::NotLeader { .. })), "a leader that cannot renew its lease must refuse; got {refused:?}");
+    assert_eq!(ms[l].role(), "standby");
+    // etcd back: one leader again, and it serves.
+    let l2 = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(15));
+    let mut c = raw(&ms[l2].rpc);
+    assert_eq!(rpc(&mut c, &mount_request()), Response::Ok);
 }
