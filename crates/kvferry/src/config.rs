@@ -364,8 +364,8 @@ mod tests {
         let c = cfg(&[("KVFERRY_METADATA_SERVER", "etcd://127.0.0.1:2379"), ("MC_METADATA_CLUSTER_ID", "c1"), ("MC_TCP_BIND_ADDRESS", "127.0.0.1"), ("MC_REDIS_DB_INDEX", "3")]).unwrap();
         assert!(c.central());
         assert_eq!(c.metadata_cluster_id.as_deref(), Some("c1"));
-        let c = Config::from_lookup(&|k| (k == "MC_STORE_CLUSTER_ID").then(|| "store-c".to_string())).unwrap();
-        assert_eq!(c.store_cluster_id.as_deref(), Some("store-c"));
+        let s = Config::from_lookup(&|k| (k == "MC_STORE_CLUSTER_ID").then(|| "store-c".to_string())).unwrap();
+        assert_eq!((s.store_cluster_id.as_deref(), c.store_cluster_id.as_deref()), (Some("store-c"), None));
         assert_eq!(c.redis_db, Some(3));
         let c = Config { local_hostname: "prefill-0".into(), ..c };
         assert_eq!(c.advertised_host(), "127.0.0.1");
