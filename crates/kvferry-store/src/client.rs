@@ -210,13 +210,18 @@ impl Rpc {
     }
 
     fn call(&self, req: &Request) -> StoreResult<Response> {
+        self.call_within(req, FAILOVER_WAIT)
+    }
+
+    /// Like [`Rpc::call`], looking for a leader for at most `wait`.
+    fn call_within(&self, req: &Request, wait: Duration) -> StoreResult<Response> {
         let Target::Etcd { .. } = &self.target else {
             return self.call_once(req).map_err(|(Failure::NotSent(e) | Failure::Lost(e))| e);
         };
+        let deadline = Instant::now() + wait;
         if self.addr().is_empty() {
-            self.find_leader(Instant::now() + FAILOVER_WAIT)?;
+            self.find_leader(deadline)?;
         }
-        let deadline = Instant::now() + FAILOVER_WAIT;
         loop {
             let err = match self.call_once(req) {
                 Ok(Response::Err(StoreError::NotLeader { leader })) => StoreError::NotLeader { leader },
@@ -230,7 +235,7 @@ impl Rpc {
                 }
             };
             if Instant::now() >= deadline {
-                return Err(StoreError::Rpc(format!("no leader answered within {FAILOVER_WAIT:?}: {err}")));
+                return Err(StoreError::Rpc(format!("no leader answered within {wait:?}: {err}")));
             }
             tracing::debug!("master: {err}; looking for the leader");
             self.forget_leader();
@@ -280,7 +285,7 @@ impl Rpc {
                 Err(e) => last = e.to_string(),
             }
             if Instant::now() >= deadline {
-                return Err(StoreError::Rpc(format!("no store master leader found through {} within {FAILOVER_WAIT:?}: {last}", etcd.location())));
+                return Err(StoreError::Rpc(format!("no store master leader found through {} in time: {last}", etcd.location())));
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -1109,12 +1114,15 @@ impl Client {
             return Ok(());
         }
         let ids = std::mem::take(&mut *self.inner.releases.lock().unwrap_or_else(|e| e.into_inner()));
+        // Closing does not wait for a failover (a master that lost the client drops its
+        // segment when its TTL ends).
+        let wait = Duration::from_secs(2);
         if !ids.is_empty() {
             // Best effort: unreleased reads end with their lease anyway.
-            let _ = self.inner.rpc.call(&Request::ReleaseReads { ids });
+            let _ = self.inner.rpc.call_within(&Request::ReleaseReads { ids }, wait);
         }
         let unmounted = match &self.inner.segment {
-            Some((_, seg)) => self.inner.rpc.call_ok(&Request::UnmountSegment { client: self.inner.id, segment: seg.id }).map(|_| ()),
+            Some((_, seg)) => self.inner.rpc.call_within(&Request::UnmountSegment { client: self.inner.id, segment: seg.id }, wait).and_then(Response::into_result).map(|_| ()),
             None => Ok(()),
         };
         if self.inner.shared.is_some() {
@@ -1230,6 +1238,36 @@ fn ping_loop(inner: Weak<Inner>, every: Duration) {
             }
             Ok(other) => tracing::warn!("unexpected ping answer {other:?}"),
             Err(e) => tracing::debug!("ping: {e}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_requests_that_may_be_repeated_are_sent_again_after_a_lost_connection() {
+        assert!(idempotent(&Request::Batch(vec![Request::ReleaseReads { ids: vec![1] }, Request::GetReplicaList { key: "k".into() }, Request::Ping { client: 1 }])));
+        assert!(!idempotent(&Request::Batch(vec![Request::ExistKey { key: "k".into() }, Request::PutEnd { client: 1, key: "k".into() }])));
+        for r in [Request::PutStart { client: 1, key: "k".into(), size: 1, config: ReplicateConfig::default(), upsert: false }, Request::Remove { key: "k".into(), force: false }, Request::UnmountSegment { client: 1, segment: 2 }] {
+            assert!(!idempotent(&r), "{r:?}");
+        }
+    }
+
+    #[test]
+    fn master_addresses_are_host_port_or_etcd() {
+        let cfg = Config::default();
+        assert!(matches!(Rpc::new("127.0.0.1:50051", Duration::from_secs(1), &cfg).map(|r| r.target), Ok(Target::Fixed)));
+        let r = Rpc::new("etcd://127.0.0.1:2379;127.0.0.1:2380", Duration::from_secs(1), &cfg).expect("etcd form");
+        match &r.target {
+            Target::Etcd { key, etcd } => assert_eq!((key.as_str(), etcd.location()), ("mooncake-store/mooncake_cluster/master_view", "etcd://127.0.0.1:2379,127.0.0.1:2380")),
+            Target::Fixed => panic!("etcd:// is followed"),
+        }
+        let c = Config { store_cluster_id: Some("c7".into()), ..Config::default() };
+        assert!(matches!(Rpc::new("etcd://h:1", Duration::from_secs(1), &c).map(|r| r.target), Ok(Target::Etcd { key, .. }) if key == "mooncake-store/c7/master_view"));
+        for bad in ["etcd://", "redis://h:6379", "k8s://ns/lease"] {
+            assert!(matches!(Rpc::new(bad, Duration::from_secs(1), &cfg), Err(StoreError::InvalidParams(_))), "{bad}");
         }
     }
 }

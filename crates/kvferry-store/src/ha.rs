@@ -375,3 +375,49 @@ fn lead(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, term: i64
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gate_admits_only_a_leader_within_its_bound() {
+        let g = Gate::default();
+        assert_eq!(g.admit(), Ok(0), "without HA every request is admitted, term 0");
+        g.enabled.store(true, Ordering::Release);
+        g.set_standby(None);
+        assert_eq!(g.admit(), Err(StoreError::NotLeader { leader: String::new() }));
+        let kv = KeyValue { value: b"10.0.0.1:50051".to_vec(), create_revision: 7, mod_revision: 7, lease: 3 };
+        g.set_standby(Some(&kv));
+        assert_eq!(g.admit(), Err(StoreError::NotLeader { leader: "10.0.0.1:50051".into() }));
+        assert_eq!((g.term(), g.role(), g.leader()), (7, Role::Standby, "10.0.0.1:50051".to_string()));
+
+        let bound = Duration::from_millis(80);
+        g.set_leader(9, "10.0.0.2:50051", 5, Instant::now(), bound);
+        assert_eq!(g.admit(), Ok(9));
+        assert_eq!(g.confirm(9), Ok(()));
+        assert!(g.confirm(8).is_err(), "an answer computed under another term is not sent");
+        g.renewed(9, Instant::now(), bound);
+        assert_eq!(g.status().role, Role::Leader);
+        assert!(g.status().fenced_in_ms.is_some_and(|ms| ms <= 80));
+        // No renewal within the bound: refused at once, and it reads as a standby.
+        std::thread::sleep(bound + Duration::from_millis(20));
+        assert!(matches!(g.admit(), Err(StoreError::NotLeader { .. })));
+        assert_eq!(g.role(), Role::Standby);
+        // A renewal that comes back late does not revive a fenced leader.
+        g.renewed(9, Instant::now(), bound);
+        assert!(g.admit().is_err());
+        assert!(!g.still_leader(9));
+    }
+
+    #[test]
+    fn mooncakes_key_and_cluster_id() {
+        assert_eq!(master_view_key("mooncake_cluster"), "mooncake-store/mooncake_cluster/master_view");
+        assert_eq!(master_view_key("c1/"), "mooncake-store/c1/master_view");
+        assert_eq!(resolve_cluster_id(Some("flag"), Some("env")), "flag");
+        assert_eq!(resolve_cluster_id(None, Some("env")), "env");
+        assert_eq!(resolve_cluster_id(Some(" "), None), DEFAULT_CLUSTER_ID);
+        let c = HaConfig { endpoints: vec![], cluster_id: "c".into(), address: "a:1".into(), lease_ttl: Duration::from_secs(5) };
+        assert!(c.fence_bound() < c.lease_ttl && c.keepalive_every() < c.fence_bound() / 2, "at least two renewals fit in the bound");
+    }
+}

@@ -313,3 +313,14 @@ impl MetadataStore for EtcdStore {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn endpoints_in_mooncakes_forms() {
+        let want = vec!["h1:2379".to_string(), "h2:2380".to_string()];
+        assert_eq!(super::parse_endpoints("etcd://h1:2379;h2:2380"), want);
+        assert_eq!(super::parse_endpoints(" h1:2379, http://h2:2380/ ;"), want);
+        assert!(super::parse_endpoints("etcd://").is_empty());
+    }
+}
