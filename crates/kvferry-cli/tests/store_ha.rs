@@ -355,3 +355,44 @@ fn a_leader_cut_off_from_etcd_refuses_within_the_bound_and_the_cluster_recovers(
     let mut c = raw(&ms[l2].rpc);
     assert_eq!(rpc(&mut c, &mount_request()), Response::Ok);
 }
+
+#[test]
+fn etcd_restarted_with_or_without_its_data_masters_and_clients_recover() {
+    let Some(mut etcd_svc) = Service::etcd() else { return };
+    let ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, true)];
+    one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let c = Client::setup(ClientConfig {
+        global_segment_size: 16 << 20,
+        local_buffer_size: 16 << 20,
+        master_server_addr: format!("etcd://127.0.0.1:{}", etcd_svc.port),
+        transfer_timeout: Duration::from_secs(10),
+        ..ClientConfig::default()
+    })
+    .expect("client setup");
+    c.put("k0", &value("k0", 4096), &ReplicateConfig::default()).expect("put");
+    for (round, wipe) in [(1, false), (2, true)] {
+        let before = etcd_view(&EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd"), "mooncake_cluster");
+        etcd_svc.restart(wipe);
+        let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd back");
+        // One leader again (the same one if its lease survived), the key naming it.
+        let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(20));
+        let until = Instant::now() + Duration::from_secs(10);
+        let view = loop {
+            match etcd_view(&etcd, "mooncake_cluster") {
+                Some(v) if v.0 == ms[l].rpc => break v,
+                other => assert!(Instant::now() < until, "round {round}: the key does not name the leader {}: {other:?}", ms[l].rpc),
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(wipe || before.is_some(), "round {round}");
+        let key = format!("k{round}");
+        let until = Instant::now() + Duration::from_secs(20);
+        while let Err(e) = c.put(&key, &value(&key, 4096), &ReplicateConfig::default()) {
+            assert!(Instant::now() < until, "round {round} (wipe {wipe}): the client never worked again: {e}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert_eq!(c.get(&key).expect("get"), value(&key, 4096));
+        eprintln!("round {round} (etcd data wiped: {wipe}): leader {} term {} (before: {before:?})", ms[l].rpc, view.1);
+    }
+    let _ = c.close();
+}

@@ -91,8 +91,9 @@ struct Registration {
 /// A small pool of connections to the master; one request in flight per connection.
 struct Rpc {
     target: Target,
-    /// The master's (the leader's) address, and its term (0 when not known).
-    addr: Mutex<(String, i64)>,
+    /// The master's (the leader's) address ("" when it must be looked up), and the last
+    /// leader found: its address and term (0 when not known).
+    addr: Mutex<(String, (String, i64))>,
     /// Counts leader changes seen by this client: a put whose `PutStart` and `PutEnd` were
     /// answered under different leaders was not stored.
     epoch: std::sync::atomic::AtomicU64,
@@ -149,7 +150,7 @@ impl Rpc {
                 return Err(StoreError::InvalidParams(format!("master_server_addr {addr:?}: {scheme}:// is not supported; use host:port or etcd://host:2379[;host:2379...]")))
             }
         };
-        Ok(Rpc { target, addr: Mutex::new((first, 0)), epoch: Default::default(), registration: Mutex::default(), pool: Mutex::default(), timeout, spin })
+        Ok(Rpc { target, addr: Mutex::new((first, (String::new(), 0))), epoch: Default::default(), registration: Mutex::default(), pool: Mutex::default(), timeout, spin })
     }
 
     fn addr(&self) -> String {
@@ -265,10 +266,13 @@ impl Rpc {
                     match self.connect(&addr) {
                         Ok(s) => {
                             let changed = {
+                                // A new term, or a new address (an etcd that lost its data counts
+                                // revisions from 1 again).
                                 let mut cur = self.addr.lock().unwrap_or_else(|e| e.into_inner());
-                                let known = cur.1;
-                                *cur = (addr.clone(), kv.create_revision);
-                                known != kv.create_revision
+                                let found = (addr.clone(), kv.create_revision);
+                                cur.0 = addr.clone();
+                                let known = std::mem::replace(&mut cur.1, found.clone());
+                                known != found
                             };
                             self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(s);
                             if changed {
