@@ -396,3 +396,87 @@ fn etcd_restarted_with_or_without_its_data_masters_and_clients_recover() {
     }
     let _ = c.close();
 }
+
+/// Kills the leader again and again under a put/get load (`KVFERRY_TEST_HA_KILLS` rounds, 5 by
+/// default; the 20 with `KVFERRY_TEST_HA_KILLS=20`): each time a standby leads within
+/// 2 TTL, never two leaders at once, the client works again, and no get ever returns wrong
+/// bytes. (Objects put before a kill are gone: no replication yet.)
+#[test]
+fn repeated_leader_kills_under_load_never_two_leaders_never_wrong_bytes() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let rounds: usize = std::env::var("KVFERRY_TEST_HA_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
+    let mut ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, true)];
+    let mut l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let c = Client::setup(ClientConfig {
+        global_segment_size: 32 << 20,
+        local_buffer_size: 16 << 20,
+        master_server_addr: format!("etcd://127.0.0.1:{}", etcd_svc.port),
+        transfer_timeout: Duration::from_secs(10),
+        ..ClientConfig::default()
+    })
+    .expect("client setup");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (oks, errs, gets) = (std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0));
+    let mut worst = Duration::ZERO;
+    std::thread::scope(|sc| {
+        std::thread::Builder::new().name("load".into()).spawn_scoped(sc, || {
+            use std::sync::atomic::Ordering::Relaxed;
+            let mut n = 0u64;
+            while !stop.load(Relaxed) {
+                let key = format!("load-{n}");
+                match c.put(&key, &value(&key, 16 << 10), &ReplicateConfig::default()) {
+                    Ok(()) => oks.fetch_add(1, Relaxed),
+                    Err(_) => errs.fetch_add(1, Relaxed),
+                };
+                // Any earlier key: its bytes, or not found; never other bytes.
+                let k = format!("load-{}", n / 2);
+                if let Ok(v) = c.get(&k) {
+                    assert_eq!(v, value(&k, 16 << 10), "a get returned wrong bytes for {k}");
+                    gets.fetch_add(1, Relaxed);
+                }
+                n += 1;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }).expect("load thread");
+        for round in 0..rounds {
+            let s = 1 - l;
+            let killed = Instant::now();
+            ms[l].kill();
+            loop {
+                let (a, b) = (ms[s].role(), ms[l].child.try_wait().ok().flatten().is_some());
+                assert!(b, "the killed master is gone");
+                if a == "leader" {
+                    break;
+                }
+                assert!(killed.elapsed() < 2 * TTL, "round {round}: no leader within 2 TTL");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            worst = worst.max(killed.elapsed());
+            // A fresh standby in place of the killed one.
+            ms[l] = Master::start(etcd_svc.port, None, round % 2 == 0);
+            let now = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(5));
+            assert_eq!(now, s, "round {round}: the new leader keeps leading");
+            // The client works with it.
+            let key = format!("probe-{round}");
+            let until = Instant::now() + Duration::from_secs(15);
+            while c.put(&key, &value(&key, 4096), &ReplicateConfig::default()).is_err() {
+                assert!(Instant::now() < until, "round {round}: the client never worked with the new leader");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            assert_eq!(c.get(&key).expect("get"), value(&key, 4096));
+            // Each leader serves the load a while before it is killed.
+            let served = oks.load(std::sync::atomic::Ordering::Relaxed);
+            let until = Instant::now() + Duration::from_secs(5);
+            while oks.load(std::sync::atomic::Ordering::Relaxed) < served + 20 {
+                assert!(Instant::now() < until, "round {round}: the load made no progress with the new leader");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            l = s;
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    use std::sync::atomic::Ordering::Relaxed;
+    eprintln!("{rounds} kills: worst failover {worst:?}; load: {} puts ok, {} failed, {} gets verified", oks.load(Relaxed), errs.load(Relaxed), gets.load(Relaxed));
+    assert!(oks.load(Relaxed) > 0 && gets.load(Relaxed) > 0);
+    let _ = c.close();
+}
