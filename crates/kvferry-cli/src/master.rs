@@ -75,6 +75,31 @@ pub struct MasterArgs {
     /// Keep the embedded metadata durable in this directory (survives a master restart).
     #[arg(long)]
     pub http_metadata_server_data_dir: Option<std::path::PathBuf>,
+    /// High availability: campaign for leadership through etcd (needs --ha-backend-connstring);
+    /// standbys refuse requests and take over when the leader's lease ends. A new leader starts
+    /// with empty metadata (no replication yet): clients remount, earlier objects are gone.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_ha: bool,
+    /// etcd endpoints for HA: `etcd://h1:2379;h2:2379` (the scheme optional, `;` or `,`
+    /// between endpoints).
+    #[arg(long)]
+    pub ha_backend_connstring: Option<String>,
+    /// Mooncake's older spelling of --ha-backend-connstring (used when that is not given).
+    #[arg(long)]
+    pub etcd_endpoints: Option<String>,
+    /// HA namespace: the leader key is `mooncake-store/<cluster_id>/master_view` (default:
+    /// $MC_STORE_CLUSTER_ID, else mooncake_cluster).
+    #[arg(long)]
+    pub cluster_id: Option<String>,
+    /// TTL of the leader's etcd lease (whole seconds, at least 1 s): a standby takes over
+    /// within about this long after the leader died; the leader refuses requests once 2/3 of
+    /// it passed without a renewal. Mooncake's is 5 s, fixed.
+    #[arg(long, default_value_t = 5000, value_parser = crate::master_flags::parse_duration_ms)]
+    pub ha_lease_ttl: u64,
+    /// The RPC address clients should use, written into the leader key (`ip` or `ip:port`;
+    /// default: --host and the RPC port). Needed when --host is 0.0.0.0 or ::.
+    #[arg(long)]
+    pub advertise_address: Option<String>,
 }
 
 impl MasterArgs {
@@ -146,10 +171,47 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
     keep_cli!(
         host, port, metrics_port, metrics_host, default_kv_lease_ttl, default_kv_soft_pin_ttl, allow_evict_soft_pinned_objects, eviction_ratio, eviction_high_watermark_ratio, client_ttl,
         allocation_strategy, put_start_discard_timeout_sec, put_start_release_timeout_sec, put_wait_for_reads_ms, summary_interval, enable_http_metadata_server, http_metadata_server_host,
-        http_metadata_server_port, http_metadata_server_data_dir
+        http_metadata_server_port, http_metadata_server_data_dir, enable_ha, ha_backend_connstring, etcd_endpoints, cluster_id, ha_lease_ttl, advertise_address
     );
     out.config = a.config.clone();
     Ok(out)
+}
+
+/// The HA settings, `None` without `--enable-ha` (Mooncake's rules: HA needs a connection
+/// string, `--etcd_endpoints` stands in for `--ha_backend_connstring`, either without HA is
+/// only warned about).
+fn ha_config(a: &MasterArgs, rpc_port: u16, env_cluster_id: Option<&str>) -> Result<Option<kvferry_store::ha::HaConfig>, String> {
+    let conn = a.ha_backend_connstring.as_deref().filter(|s| !s.trim().is_empty()).or(a.etcd_endpoints.as_deref().filter(|s| !s.trim().is_empty()));
+    if !a.enable_ha {
+        if conn.is_some() {
+            eprintln!("kvferry master: warning: --ha-backend-connstring/--etcd-endpoints is set but --enable-ha is not; it is not used");
+        }
+        return Ok(None);
+    }
+    let Some(conn) = conn else {
+        return Err("--enable-ha needs --ha-backend-connstring etcd://host:2379[;host:2379...] (or --etcd-endpoints)".into());
+    };
+    if let Some((scheme, _)) = conn.split_once("://").filter(|(s, _)| *s != "etcd") {
+        return Err(format!("--ha-backend-connstring {conn:?}: only etcd is supported (etcd://host:port;...), not {scheme}://"));
+    }
+    let endpoints = kvferry::metadata::etcd::parse_endpoints(conn);
+    if endpoints.is_empty() {
+        return Err(format!("--ha-backend-connstring {conn:?}: no etcd endpoint in it"));
+    }
+    let ttl = Duration::from_millis(a.ha_lease_ttl);
+    if ttl < Duration::from_secs(1) {
+        return Err(format!("--ha-lease-ttl {} ms: at least 1 s", a.ha_lease_ttl));
+    }
+    let address = match a.advertise_address.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+        Some(s) => {
+            let (h, p) = kvferry::config::split_host_port(s);
+            let p = p.unwrap_or(rpc_port);
+            if h.contains(':') { format!("[{h}]:{p}") } else { format!("{h}:{p}") }
+        }
+        None if a.host.is_unspecified() => return Err(format!("--enable-ha with --host {}: pass --advertise-address, the address clients reach this master at", a.host)),
+        None => SocketAddr::new(a.host, rpc_port).to_string(),
+    };
+    Ok(Some(kvferry_store::ha::HaConfig { endpoints, cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env_cluster_id), address, lease_ttl: ttl }))
 }
 
 /// kvferry's long flag names for `kvferry master` (kebab-case, no dashes).
@@ -167,8 +229,15 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     let a = merge_config_file(a, matches)?;
     let cfg = a.master_config()?;
     let listener = TcpListener::bind(SocketAddr::new(a.host, a.port)).map_err(|e| format!("cannot bind the master RPC port {}:{}: {e}", a.host, a.port))?;
+    let rpc_port = listener.local_addr().map(|x| x.port()).map_err(|e| e.to_string())?;
     let master = Arc::new(Master::new(cfg));
-    let spin = kvferry::Config::from_env().map_err(|e| e.to_string())?.spin;
+    let env = kvferry::Config::from_env().map_err(|e| e.to_string())?;
+    let ha = ha_config(&a, rpc_port, env.store_cluster_id.as_deref())?;
+    if let Some(h) = &ha {
+        // Before the RPC port is served: the master refuses every request until it leads.
+        kvferry_store::ha::start(h.clone(), Arc::clone(&master))?;
+    }
+    let spin = env.spin;
     let server = MasterServer::start_with_spin(Arc::clone(&master), listener, Duration::from_millis(200), a.summary_interval.saturating_mul(5), spin)
         .map_err(|e| format!("starting the master: {e}"))?;
     let http_port = if a.metrics_port >= 0 {
@@ -213,11 +282,12 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
         None
     };
     println!(
-        "KVFERRY_MASTER rpc={}:{} http={} metadata={}",
+        "KVFERRY_MASTER rpc={}:{} http={} metadata={} ha={}",
         a.host,
         server.port(),
         http_port.map(|p| format!("{}:{p}", a.metrics_host.unwrap_or(a.host))).unwrap_or_else(|| "off".into()),
-        metadata.as_deref().unwrap_or("off")
+        metadata.as_deref().unwrap_or("off"),
+        ha.as_ref().map(|h| kvferry_store::ha::master_view_key(&h.cluster_id)).unwrap_or_else(|| "off".into())
     );
     let _ = std::io::stdout().flush();
     eprintln!("kvferry master listening on {}:{} (RPC){}", a.host, server.port(), http_port.map(|p| format!(", {}:{p} (HTTP)", a.metrics_host.unwrap_or(a.host))).unwrap_or_default());
@@ -314,11 +384,30 @@ mod tests {
         let a = Wrap::from_arg_matches(&matches).expect("args").m;
         let m = merge_config_file(a, &matches).expect("merge");
         assert_eq!((m.port, m.default_kv_lease_ttl, m.client_ttl, m.eviction_ratio), (50123, 2000, 9, 0.3));
-        std::fs::write(&path, r#"{"enable_ha": true}"#).expect("write");
+        std::fs::write(&path, r#"{"enable_oplog": true}"#).expect("write");
         let matches = Wrap::command().try_get_matches_from(["master", "--config", p.as_str()]).expect("matches");
         let a = Wrap::from_arg_matches(&matches).expect("args").m;
         let e = merge_config_file(a, &matches).err().unwrap_or_default();
-        assert!(e.contains("--enable_ha") && e.contains("master.json"), "{e}");
+        assert!(e.contains("--enable_oplog") && e.contains("master.json"), "{e}");
+        // Mooncake's HA keys of master.json are kvferry's settings.
+        std::fs::write(&path, r#"{"enable_ha": true, "ha_backend_connstring": "etcd://127.0.0.1:2379;127.0.0.1:2380", "cluster_id": "c9"}"#).expect("write");
+        let matches = Wrap::command().try_get_matches_from(["master", "--config", p.as_str()]).expect("matches");
+        let a = Wrap::from_arg_matches(&matches).expect("args").m;
+        let m = merge_config_file(a, &matches).expect("merge");
+        assert!(m.enable_ha);
+        assert_eq!((m.ha_backend_connstring.as_deref(), m.cluster_id.as_deref()), (Some("etcd://127.0.0.1:2379;127.0.0.1:2380"), Some("c9")));
+        let h = ha_config(&m, 50051, Some("from-env")).expect("ha config").expect("ha on");
+        assert_eq!((h.endpoints.as_slice(), h.address.as_str(), h.cluster_id.as_str()), (&["127.0.0.1:2379".to_string(), "127.0.0.1:2380".to_string()][..], "127.0.0.1:50051", "c9"));
+        let mut n = m.clone();
+        n.cluster_id = None;
+        assert_eq!(ha_config(&n, 1, Some("from-env")).expect("ok").expect("on").cluster_id, "from-env", "MC_STORE_CLUSTER_ID when --cluster-id is not given");
+        assert_eq!(ha_config(&n, 1, None).expect("ok").expect("on").cluster_id, "mooncake_cluster", "Mooncake's default");
+        n.ha_backend_connstring = None;
+        assert!(ha_config(&n, 1, None).unwrap_err().contains("--ha-backend-connstring"));
+        n.etcd_endpoints = Some("10.0.0.1:2379;10.0.0.2:2379".into());
+        assert_eq!(ha_config(&n, 1, None).expect("ok").expect("on").endpoints.len(), 2, "--etcd_endpoints stands in");
+        n.ha_backend_connstring = Some("redis://x:1".into());
+        assert!(ha_config(&n, 1, None).unwrap_err().contains("only etcd"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -6,13 +6,15 @@
 //! Every flag of Mooncake's `master.cpp` is either translated to a kvferry flag, accepted and
 //! ignored with one warning line naming it (tuning or optional features whose absence does not
 //! change what a client sees), or rejected with an error naming it (it asks for a feature
-//! kvferry does not have: `--enable_ha=true`, `--enable_offload=true`, ...). Flags neither side
+//! kvferry does not have: `--enable_oplog=true`, `--enable_offload=true`, ...). The HA flags
+//! (`--enable_ha`, `--ha_backend_connstring`, `--etcd_endpoints`, `--cluster_id`) are kvferry
+//! flags of the same names; `--ha_backend_type` must be `etcd`. Flags neither side
 //! knows are left for clap, which rejects them by name.
 
 use std::ffi::OsString;
 
 /// kvferry's boolean flags (gflags lets a bare `--flag` mean true and `--noflag` false).
-const KV_BOOLS: &[&str] = &["allow-evict-soft-pinned-objects", "enable-http-metadata-server"];
+const KV_BOOLS: &[&str] = &["allow-evict-soft-pinned-objects", "enable-http-metadata-server", "enable-ha"];
 
 /// Mooncake names that are not kvferry's kebab-case spelling of the same name.
 const RENAMES: &[(&str, &str)] = &[
@@ -47,7 +49,10 @@ fn non_empty(v: &str) -> bool {
     !v.trim().is_empty()
 }
 
-const NO_HA: &str = "kvferry's master has no high availability, persistence or cluster id";
+const NO_HA: &str = "kvferry's master does not replicate or persist its metadata yet (with --enable_ha a new leader starts empty)";
+fn not_etcd(v: &str) -> bool {
+    !v.trim().eq_ignore_ascii_case("etcd")
+}
 const NO_TIERS: &str = "kvferry has no disk, NVMe-oF or CXL tier";
 const NO_TASKS: &str = "kvferry's master has no replica copy/move tasks";
 const NO_EVENTS: &str = "kvferry's master publishes no KV events";
@@ -65,12 +70,8 @@ const MOONCAKE_ONLY: &[(&str, Kind, Action)] = &[
     ("enable_metadata_cleanup_on_timeout", Kind::Bool, Action::Ignore("kvferry does not delete the HTTP metadata of clients that time out")),
     ("pod_name", Kind::Value, Action::Ignore("no Kubernetes label routing")),
     ("pod_namespace", Kind::Value, Action::Ignore("no Kubernetes label routing")),
-    ("enable_ha", Kind::Bool, Action::RejectIf(truthy, NO_HA)),
-    ("ha_backend_type", Kind::Value, Action::Ignore(NO_HA)),
-    ("ha_backend_connstring", Kind::Value, Action::Ignore(NO_HA)),
-    ("etcd_endpoints", Kind::Value, Action::Ignore(NO_HA)),
+    ("ha_backend_type", Kind::Value, Action::RejectIf(not_etcd, "kvferry's master elects its leader through etcd only (--ha_backend_type=etcd)")),
     ("root_fs_dir", Kind::Value, Action::Ignore(NO_HA)),
-    ("cluster_id", Kind::Value, Action::Ignore(NO_HA)),
     ("global_file_segment_size", Kind::Value, Action::Ignore(NO_TIERS)),
     ("enable_oplog", Kind::Bool, Action::RejectIf(truthy, NO_HA)),
     ("oplog_poll_interval_ms", Kind::Value, Action::Ignore(NO_HA)),
@@ -361,7 +362,7 @@ mod tests {
     use super::*;
 
     fn known() -> Vec<String> {
-        ["host", "port", "metrics-port", "metrics-host", "default-kv-lease-ttl", "eviction-ratio", "config", "client-ttl", "summary-interval", "allow-evict-soft-pinned-objects", "enable-http-metadata-server", "http-metadata-server-port"]
+        ["host", "port", "metrics-port", "metrics-host", "default-kv-lease-ttl", "eviction-ratio", "config", "client-ttl", "summary-interval", "allow-evict-soft-pinned-objects", "enable-http-metadata-server", "http-metadata-server-port", "enable-ha", "ha-backend-connstring", "etcd-endpoints", "cluster-id"]
             .iter()
             .map(|s| s.to_string())
             .collect()
@@ -398,12 +399,22 @@ mod tests {
     }
 
     #[test]
+    fn mooncake_ha_flags_are_kvferry_flags() {
+        let (a, w) = norm(&["--enable_ha", "--ha_backend_connstring", "etcd://127.0.0.1:2379;127.0.0.1:2380", "--cluster_id=c1", "--etcd_endpoints=127.0.0.1:2379"]).unwrap();
+        assert_eq!(a, ["--enable-ha=true", "--ha-backend-connstring", "etcd://127.0.0.1:2379;127.0.0.1:2380", "--cluster-id=c1", "--etcd-endpoints=127.0.0.1:2379"]);
+        assert!(w.is_empty());
+        assert_eq!(norm(&["--enable_ha=false"]).unwrap().0, ["--enable-ha=false"]);
+        assert_eq!(norm(&["--noenable_ha"]).unwrap().0, ["--enable-ha=false"]);
+        assert_eq!(norm(&["--enable-ha", "true"]).unwrap().0, ["--enable-ha=true"]);
+    }
+
+    #[test]
     fn mooncake_only_flags_warn_or_fail_by_name() {
-        let (a, w) = norm(&["--rpc_thread_num", "8", "--memory_allocator=offset", "--enable_ha=false", "--noenable_ha", "--port", "1"]).unwrap();
+        let (a, w) = norm(&["--rpc_thread_num", "8", "--memory_allocator=offset", "--enable_oplog=false", "--noenable_oplog", "--ha_backend_type=etcd", "--port", "1"]).unwrap();
         assert_eq!(a, ["--port", "1"]);
-        assert_eq!(w.len(), 4);
-        assert!(w[0].contains("--rpc_thread_num=8") && w[1].contains("--memory_allocator=offset") && w[2].contains("--enable_ha=false"));
-        for bad in [&["--enable_ha"][..], &["--enable_ha=true"], &["-enable_offload=1"], &["--dynamic_replication_mode", "enforce"], &["--rpc_interface=eth0"]] {
+        assert_eq!(w.len(), 5);
+        assert!(w[0].contains("--rpc_thread_num=8") && w[1].contains("--memory_allocator=offset") && w[2].contains("--enable_oplog=false"));
+        for bad in [&["--enable_oplog"][..], &["--enable_snapshot=true"], &["-enable_offload=1"], &["--dynamic_replication_mode", "enforce"], &["--rpc_interface=eth0"], &["--ha_backend_type=redis"]] {
             let e = norm(bad).unwrap_err();
             let name = bad[0].trim_start_matches('-').split('=').next().unwrap_or_default();
             assert!(e.contains(name) && e.contains("not supported"), "{bad:?}: {e}");

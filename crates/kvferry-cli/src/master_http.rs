@@ -1,5 +1,9 @@
 //! The master's HTTP side: `/metrics` (Prometheus text format 0.0.4), `/health`,
-//! `/query_key?key=`, `/get_all_segments`.
+//! `/query_key?key=`, `/get_all_segments`, and HA's `/role` (`leader` or `standby`, plain
+//! text, as Mooncake), `/leader` (Mooncake's JSON: `present`, `leader_address`,
+//! `view_version` = the term) and `/ha_status` (JSON: role, term, cluster id, key, leader,
+//! lease TTL, age of the last renewal, time left before fencing). Without HA the master is
+//! the leader of term 0.
 //!
 //! Values are read from the master at scrape time (under its lock), so the exposition is
 //! written directly rather than mirrored into a metrics registry that would duplicate state.
@@ -7,6 +11,7 @@
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::{Request, Response, StatusCode};
+use kvferry_store::ha::Role;
 use kvferry_store::master::{Master, OP_NAMES};
 use std::convert::Infallible;
 use std::fmt::Write as _;
@@ -48,6 +53,13 @@ pub fn metrics_text(m: &Master) -> String {
         let _ = writeln!(o, "kvferry_master_errors_total{{op=\"{op}\"}} {}", m.stats.errors[i].load(Ordering::Relaxed));
     }
     let _ = writeln!(o, "# HELP kvferry_master_evicted_objects_total Objects evicted.\n# TYPE kvferry_master_evicted_objects_total counter\nkvferry_master_evicted_objects_total {}", m.stats.evicted_objects.load(Ordering::Relaxed));
+    let ha = m.gate.status();
+    let _ = writeln!(o, "# HELP kvferry_master_ha_enabled Whether this master campaigns for leadership (--enable-ha).\n# TYPE kvferry_master_ha_enabled gauge\nkvferry_master_ha_enabled {}", u8::from(ha.enabled));
+    let _ = writeln!(o, "# HELP kvferry_master_ha_is_leader 1 while this master leads (answers requests), 0 while it stands by.\n# TYPE kvferry_master_ha_is_leader gauge\nkvferry_master_ha_is_leader {}", u8::from(ha.role == Role::Leader));
+    let _ = writeln!(o, "# HELP kvferry_master_ha_term The current leader's term (the etcd create revision of its key; 0 without HA or while unknown).\n# TYPE kvferry_master_ha_term gauge\nkvferry_master_ha_term {}", ha.term);
+    if let Some(age) = ha.last_keepalive_age_ms {
+        let _ = writeln!(o, "# HELP kvferry_master_ha_keepalive_age_seconds Time since the last successful lease renewal was sent (leader).\n# TYPE kvferry_master_ha_keepalive_age_seconds gauge\nkvferry_master_ha_keepalive_age_seconds {}", age as f64 / 1000.0);
+    }
     let _ = writeln!(o, "# HELP kvferry_master_evicted_bytes_total Bytes evicted.\n# TYPE kvferry_master_evicted_bytes_total counter\nkvferry_master_evicted_bytes_total {}", m.stats.evicted_bytes.load(Ordering::Relaxed));
     o
 }
@@ -60,8 +72,24 @@ fn route(m: &Master, req: &Request<hyper::body::Incoming>) -> Response<Full<Byte
         "/metrics" => reply(StatusCode::OK, "text/plain; version=0.0.4", metrics_text(m)),
         "/health" => {
             let s = m.lock().summary();
-            reply(StatusCode::OK, "application/json", serde_json::json!({"status": "ok", "role": "master", "summary": s}).to_string())
+            let ha = m.gate.status();
+            let leader = (!ha.leader.is_empty()).then_some(&ha.leader);
+            let body = serde_json::json!({"status": "ok", "role": ha.role, "service_ready": ha.role == Role::Leader, "ha": ha.enabled, "leader_address": leader, "view_version": ha.term, "summary": s});
+            reply(StatusCode::OK, "application/json", body.to_string())
         }
+        "/role" => reply(StatusCode::OK, "text/plain; charset=utf-8", if m.gate.role() == Role::Leader { "leader".into() } else { "standby".into() }),
+        "/leader" => {
+            let ha = m.gate.status();
+            let body = if ha.enabled && ha.leader.is_empty() {
+                serde_json::json!({"present": false})
+            } else if ha.enabled {
+                serde_json::json!({"present": true, "leader_address": ha.leader, "view_version": ha.term})
+            } else {
+                serde_json::json!({"present": true, "leader_address": null, "view_version": 0})
+            };
+            reply(StatusCode::OK, "application/json", body.to_string())
+        }
+        "/ha_status" => reply(StatusCode::OK, "application/json", serde_json::to_string(&m.gate.status()).unwrap_or_default()),
         "/get_all_segments" => {
             // Nothing mounted: an empty body, as Mooncake's master (SGLang's `check_server`
             // waits while the body is empty).
@@ -76,7 +104,7 @@ fn route(m: &Master, req: &Request<hyper::body::Incoming>) -> Response<Full<Byte
                 None => reply(StatusCode::NOT_FOUND, "text/plain", format!("key {k:?} not found\n")),
             },
         },
-        _ => reply(StatusCode::NOT_FOUND, "text/plain", "routes: /metrics /health /query_key?key= /get_all_segments\n".into()),
+        _ => reply(StatusCode::NOT_FOUND, "text/plain", "routes: /metrics /health /role /leader /ha_status /query_key?key= /get_all_segments\n".into()),
     }
 }
 

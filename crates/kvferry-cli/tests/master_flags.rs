@@ -39,6 +39,7 @@ fn master_started_with_mooncake_flags_serves() {
             "--http_metadata_server_port=0",
             "--rpc_thread_num=4",
             "-memory_allocator=offset",
+            "--enable_oplog=false",
             "--enable_ha=false",
             "--enable_metric_reporting=false",
         ])
@@ -87,7 +88,7 @@ fn master_started_with_mooncake_flags_serves() {
         eprintln!("master stderr:\n{err}");
         std::panic::resume_unwind(p);
     }
-    for name in ["--rpc_thread_num=4", "--memory_allocator=offset", "--enable_ha=false"] {
+    for name in ["--rpc_thread_num=4", "--memory_allocator=offset", "--enable_oplog=false"] {
         assert_eq!(err.lines().filter(|l| l.contains("warning") && l.contains(name)).count(), 1, "one warning line for {name}: {err}");
     }
 }
@@ -95,7 +96,9 @@ fn master_started_with_mooncake_flags_serves() {
 #[test]
 fn master_refuses_mooncake_features_it_lacks_by_name() {
     for (args, name) in [
-        (&["--enable_ha=true"][..], "--enable_ha"),
+        (&["--enable_oplog=true"][..], "--enable_oplog"),
+        (&["--enable_ha=true"], "--ha-backend-connstring"),
+        (&["--ha_backend_type=redis"], "--ha_backend_type"),
         (&["-enable_offload"], "--enable_offload"),
         (&["--rpc_interface", "eth0"], "--rpc_interface"),
         (&["--dynamic_replication_mode=enforce"], "--dynamic_replication_mode"),

@@ -64,9 +64,40 @@ impl Default for ClientConfig {
     }
 }
 
+/// How long a client following the leader (`etcd://` master address) looks for one before a
+/// call fails: long enough for Mooncake's 5 s lease to expire and a standby to take over.
+const FAILOVER_WAIT: Duration = Duration::from_secs(20);
+/// The bound of one RPC to a master found through etcd: a paused leader is given up on after
+/// this long (a request that may have been applied is then not sent again; see `idempotent`).
+const HA_RPC_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Where the master is: one address, or the leader of an HA cluster found in etcd.
+enum Target {
+    Fixed,
+    /// Mooncake's `etcd://h1:2379;h2:2379`: the leader's address is the value of
+    /// `mooncake-store/<cluster_id>/master_view`.
+    Etcd { etcd: kvferry::metadata::etcd::EtcdClient, key: String },
+}
+
+/// What a client re-registers when it finds a new leader that does not know it.
+#[derive(Default)]
+struct Registration {
+    client: u64,
+    segments: Vec<Segment>,
+    /// Set once the first mount succeeded (before that, the mount itself is what is retried).
+    mounted: bool,
+}
+
 /// A small pool of connections to the master; one request in flight per connection.
 struct Rpc {
-    addr: String,
+    target: Target,
+    /// The master's (the leader's) address ("" when it must be looked up), and the last
+    /// leader found: its address and term (0 when not known).
+    addr: Mutex<(String, (String, i64))>,
+    /// Counts leader changes seen by this client: a put whose `PutStart` and `PutEnd` were
+    /// answered under different leaders was not stored.
+    epoch: std::sync::atomic::AtomicU64,
+    registration: Mutex<Registration>,
     pool: Mutex<Vec<TcpStream>>,
     timeout: Duration,
     /// Bounded poll for the answer before sleeping (`KVFERRY_SPIN_US`): a master round trip
@@ -74,10 +105,65 @@ struct Rpc {
     spin: Duration,
 }
 
+/// Whether sending `req` twice is harmless (it may have been applied by a master that then
+/// stopped answering).
+fn idempotent(req: &Request) -> bool {
+    match req {
+        Request::Ping { .. } | Request::GetReplicaList { .. } | Request::ExistKey { .. } | Request::ReleaseReads { .. } => true,
+        Request::Batch(v) => v.iter().all(idempotent),
+        _ => false,
+    }
+}
+
+/// Whether an idle pooled connection was closed (or reset) by the master: between requests
+/// it has nothing to send, so anything readable is the end.
+fn closed_by_peer(s: &TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    match rustix::net::recv(s, &mut b, rustix::net::RecvFlags::DONTWAIT | rustix::net::RecvFlags::PEEK) {
+        Ok(_) => true,
+        Err(e) => e != rustix::io::Errno::AGAIN,
+    }
+}
+
+/// A call's failure: whether the request can have reached the master.
+enum Failure {
+    /// Nothing was sent (no connection): safe to send elsewhere.
+    NotSent(StoreError),
+    /// The connection failed after (part of) the request was sent.
+    Lost(StoreError),
+}
+
 impl Rpc {
-    fn connect(&self) -> StoreResult<TcpStream> {
-        let fail = |e: String| StoreError::Rpc(format!("cannot reach the master at {}: {e} (is `kvferry master` running there?)", self.addr));
-        let addrs: Vec<_> = self.addr.to_socket_addrs().map_err(|e| fail(e.to_string()))?.collect();
+    fn new(addr: &str, timeout: Duration, ecfg: &Config) -> StoreResult<Rpc> {
+        let spin = ecfg.spin;
+        let (target, timeout, first) = match addr.trim().split_once("://") {
+            None => (Target::Fixed, timeout, addr.to_string()),
+            Some(("etcd", rest)) => {
+                let endpoints = kvferry::metadata::etcd::parse_endpoints(rest);
+                if endpoints.is_empty() {
+                    return Err(StoreError::InvalidParams(format!("master_server_addr {addr:?}: no etcd endpoint after etcd://")));
+                }
+                let key = crate::ha::master_view_key(&crate::ha::resolve_cluster_id(None, ecfg.store_cluster_id.as_deref()));
+                (Target::Etcd { etcd: kvferry::metadata::etcd::EtcdClient::new(&endpoints, Duration::from_secs(2)), key }, HA_RPC_TIMEOUT, String::new())
+            }
+            Some((scheme, _)) => {
+                return Err(StoreError::InvalidParams(format!("master_server_addr {addr:?}: {scheme}:// is not supported; use host:port or etcd://host:2379[;host:2379...]")))
+            }
+        };
+        Ok(Rpc { target, addr: Mutex::new((first, (String::new(), 0))), epoch: Default::default(), registration: Mutex::default(), pool: Mutex::default(), timeout, spin })
+    }
+
+    fn addr(&self) -> String {
+        self.addr.lock().unwrap_or_else(|e| e.into_inner()).0.clone()
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    fn connect(&self, addr: &str) -> StoreResult<TcpStream> {
+        let fail = |e: String| StoreError::Rpc(format!("cannot reach the master at {addr}: {e} (is `kvferry master` running there?)"));
+        let addrs: Vec<_> = addr.to_socket_addrs().map_err(|e| fail(e.to_string()))?.collect();
         let mut last = "no address".to_string();
         for a in addrs {
             match TcpStream::connect_timeout(&a, Duration::from_secs(5)) {
@@ -93,28 +179,141 @@ impl Rpc {
         Err(fail(last))
     }
 
-    fn call(&self, req: &Request) -> StoreResult<Response> {
-        let frame = proto::encode(req)?;
-        let pooled = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        let mut s = match pooled {
+    /// One attempt at the current address.
+    fn call_once(&self, req: &Request) -> Result<Response, Failure> {
+        let frame = proto::encode(req).map_err(Failure::NotSent)?;
+        let addr = self.addr();
+        if addr.is_empty() {
+            return Err(Failure::NotSent(StoreError::Rpc("no master leads the cluster (the etcd key is absent)".into())));
+        }
+        let mut pooled = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        if matches!(self.target, Target::Etcd { .. }) && pooled.as_ref().is_some_and(closed_by_peer) {
+            // The master went away (killed, stepped down): nothing sent, so any request may go
+            // to the next one.
+            self.pool.lock().unwrap_or_else(|e| e.into_inner()).clear();
+            return Err(Failure::NotSent(StoreError::Rpc(format!("the connection to the master at {addr} was closed by it"))));
+        }
+        let mut s = match pooled.take() {
             Some(s) => s,
-            None => self.connect()?,
+            None => self.connect(&addr).map_err(Failure::NotSent)?,
         };
-        let io = |e: std::io::Error| StoreError::Rpc(format!("master at {}: {e}", self.addr));
+        let io = |e: std::io::Error| Failure::Lost(StoreError::Rpc(format!("master at {addr}: {e}")));
         s.write_all(&frame).map_err(io)?;
         let mut prefix = [0u8; 4];
         let got = poll_read(&s, &mut prefix, self.spin);
         s.read_exact(&mut prefix[got..]).map_err(io)?;
-        let n = proto::decode_len(prefix)?;
+        let n = proto::decode_len(prefix).map_err(Failure::Lost)?;
         let mut body = vec![0u8; n];
         s.read_exact(&mut body).map_err(io)?;
-        let resp: Response = proto::decode(&body)?;
+        let resp: Response = proto::decode(&body).map_err(Failure::Lost)?;
         self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(s);
         Ok(resp)
     }
 
+    fn call(&self, req: &Request) -> StoreResult<Response> {
+        self.call_within(req, FAILOVER_WAIT)
+    }
+
+    /// Like [`Rpc::call`], looking for a leader for at most `wait`.
+    fn call_within(&self, req: &Request, wait: Duration) -> StoreResult<Response> {
+        let Target::Etcd { .. } = &self.target else {
+            return self.call_once(req).map_err(|(Failure::NotSent(e) | Failure::Lost(e))| e);
+        };
+        let deadline = Instant::now() + wait;
+        if self.addr().is_empty() {
+            self.find_leader(deadline)?;
+        }
+        loop {
+            let err = match self.call_once(req) {
+                Ok(Response::Err(StoreError::NotLeader { leader })) => StoreError::NotLeader { leader },
+                Ok(r) => return Ok(r),
+                Err(Failure::NotSent(e)) => e,
+                Err(Failure::Lost(e)) if idempotent(req) => e,
+                Err(Failure::Lost(e)) => {
+                    // It may have been applied: not sent again. The next call finds the leader.
+                    self.forget_leader();
+                    return Err(e);
+                }
+            };
+            if Instant::now() >= deadline {
+                return Err(StoreError::Rpc(format!("no leader answered within {wait:?}: {err}")));
+            }
+            tracing::debug!("master: {err}; looking for the leader");
+            self.forget_leader();
+            self.find_leader(deadline)?;
+        }
+    }
+
     fn call_ok(&self, req: &Request) -> StoreResult<Response> {
         self.call(req)?.into_result()
+    }
+
+    /// Drops the connections to the current master so that the next call reads the key.
+    fn forget_leader(&self) {
+        self.pool.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.addr.lock().unwrap_or_else(|e| e.into_inner()).0.clear();
+    }
+
+    /// Reads the leader key until it names a master that answers (or `deadline`); on a new
+    /// leader, re-registers this client there if it does not know it.
+    fn find_leader(&self, deadline: Instant) -> StoreResult<()> {
+        let Target::Etcd { etcd, key } = &self.target else { return Ok(()) };
+        let mut last;
+        loop {
+            match etcd.get_kv(key) {
+                Ok(Some(kv)) => {
+                    let addr = String::from_utf8_lossy(&kv.value).into_owned();
+                    match self.connect(&addr) {
+                        Ok(s) => {
+                            let changed = {
+                                // A new term, or a new address (an etcd that lost its data counts
+                                // revisions from 1 again).
+                                let mut cur = self.addr.lock().unwrap_or_else(|e| e.into_inner());
+                                let found = (addr.clone(), kv.create_revision);
+                                cur.0 = addr.clone();
+                                let known = std::mem::replace(&mut cur.1, found.clone());
+                                known != found
+                            };
+                            self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(s);
+                            if changed {
+                                let e = self.epoch.fetch_add(1, Ordering::AcqRel) + 1;
+                                tracing::info!(term = kv.create_revision, epoch = e, "the store master leader is {addr}");
+                                self.reregister();
+                            }
+                            return Ok(());
+                        }
+                        Err(e) => last = e.to_string(),
+                    }
+                }
+                Ok(None) => last = format!("no master leads (the key {key} is absent)"),
+                Err(e) => last = e.to_string(),
+            }
+            if Instant::now() >= deadline {
+                return Err(StoreError::Rpc(format!("no store master leader found through {} in time: {last}", etcd.location())));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// On a new leader: a ping; remount when it does not know this client (without metadata
+    /// replication a new leader never does). Best effort: the ping thread remounts too.
+    fn reregister(&self) {
+        let (client, segments) = {
+            let r = self.registration.lock().unwrap_or_else(|e| e.into_inner());
+            if !r.mounted {
+                return;
+            }
+            (r.client, r.segments.clone())
+        };
+        match self.call_once(&Request::Ping { client }) {
+            Ok(Response::Ping(PingStatus::NeedRemount)) => match self.call_once(&Request::RemountSegments { client, segments }) {
+                Ok(Response::Ok) => tracing::info!("remounted at the new leader {}", self.addr()),
+                Ok(other) => tracing::warn!("remount at the new leader: {other:?}"),
+                Err(Failure::NotSent(e) | Failure::Lost(e)) => tracing::warn!("remount at the new leader: {e}"),
+            },
+            Ok(_) => {}
+            Err(Failure::NotSent(e) | Failure::Lost(e)) => tracing::debug!("ping of the new leader: {e}"),
+        }
     }
 }
 
@@ -141,10 +340,13 @@ struct Inner {
 }
 
 impl Inner {
-    /// Unmounts this client's segment at the master, once.
-    fn unmount_segment(&self) -> StoreResult<()> {
+    /// Unmounts this client's segment at the master, once, waiting at most `within` for a
+    /// master to answer (across a failover: see `Rpc::call_within`).
+    fn unmount_segment(&self, within: Duration) -> StoreResult<()> {
         match &self.segment {
-            Some((_, seg)) if !self.unmounted.swap(true, Ordering::AcqRel) => self.rpc.call_ok(&Request::UnmountSegment { client: self.id, segment: seg.id }).map(|_| ()),
+            Some((_, seg)) if !self.unmounted.swap(true, Ordering::AcqRel) => {
+                self.rpc.call_within(&Request::UnmountSegment { client: self.id, segment: seg.id }, within).and_then(Response::into_result).map(|_| ())
+            }
             _ => Ok(()),
         }
     }
@@ -397,7 +599,7 @@ impl Client {
         if shared.as_ref().is_some_and(|f| f.load(Ordering::Acquire)) {
             return Err(engine_closed());
         }
-        let rpc = Rpc { addr: cfg.master_server_addr.clone(), pool: Mutex::default(), timeout: Duration::from_secs(30), spin: engine.config().spin };
+        let rpc = Rpc::new(&cfg.master_server_addr, Duration::from_secs(30), engine.config())?;
         let id: u64 = rand::random::<u64>() | 1;
         let mut segment = None;
         if cfg.global_segment_size > 0 {
@@ -435,6 +637,7 @@ impl Client {
             Some((_, seg)) => inner.rpc.call_ok(&Request::MountSegment { client: id, segment: seg.clone() })?,
             None => inner.rpc.call_ok(&Request::RemountSegments { client: id, segments: Vec::new() })?,
         };
+        *inner.rpc.registration.lock().unwrap_or_else(|e| e.into_inner()) = Registration { client: id, segments: inner.segment.iter().map(|(_, s)| s.clone()).collect(), mounted: true };
         let weak = Arc::downgrade(&inner);
         let every = inner.cfg.ping_interval;
         std::thread::Builder::new().name("kvf-store-ping".into()).spawn(move || ping_loop(weak, every)).map_err(|e| StoreError::Internal(e.to_string()))?;
@@ -520,6 +723,8 @@ impl Client {
             Ok(a) => a,
             Err(e) => return items.iter().map(|_| Err(e.clone())).collect(),
         };
+        // The leader that reserved the space; a put ended under another one was not stored.
+        let epoch = self.inner.rpc.epoch();
         let mut results: Vec<StoreResult<()>> = Vec::with_capacity(items.len());
         let mut reqs = Vec::new();
         let mut owner = Vec::new(); // request index -> item index
@@ -574,17 +779,22 @@ impl Client {
             })
             .collect();
         let was_ok: Vec<bool> = ends.iter().map(|(i, _)| results[*i].is_ok()).collect();
-        match self.call_batch(ends.iter().map(|(_, r)| r.clone()).collect()) {
+        let ended = self.call_batch(ends.iter().map(|(_, r)| r.clone()).collect());
+        // A failover between PutStart and PutEnd: the new leader does not know the write (no
+        // metadata replication yet), so the put failed; say so, it is worth retrying.
+        let failed_over = self.inner.rpc.epoch() != epoch;
+        let fail = |i: usize, e: StoreError| if failed_over { StoreError::MasterFailover(items[i].0.to_string()) } else { e };
+        match ended {
             Ok(answers) => {
                 for ((i, _), (a, ok)) in ends.iter().zip(answers.into_iter().zip(was_ok)) {
                     if let (Response::Err(e), true) = (a, ok) {
-                        results[*i] = Err(e);
+                        results[*i] = Err(fail(*i, e));
                     }
                 }
             }
             Err(e) => {
                 for (i, _) in &ends {
-                    results[*i] = Err(e.clone());
+                    results[*i] = Err(fail(*i, e.clone()));
                 }
             }
         }
@@ -922,11 +1132,14 @@ impl Client {
             return Ok(());
         }
         let ids = std::mem::take(&mut *self.inner.releases.lock().unwrap_or_else(|e| e.into_inner()));
+        // Closing does not wait for a failover (a master that lost the client drops its
+        // segment when its TTL ends).
+        let wait = Duration::from_secs(2);
         if !ids.is_empty() {
             // Best effort: unreleased reads end with their lease anyway.
-            let _ = self.inner.rpc.call(&Request::ReleaseReads { ids });
+            let _ = self.inner.rpc.call_within(&Request::ReleaseReads { ids }, wait);
         }
-        let unmounted = self.inner.unmount_segment();
+        let unmounted = self.inner.unmount_segment(wait);
         if self.inner.shared.is_some() {
             // The engine outlives this client: withdraw the client's buffers from it (a
             // barrier) before they are freed. Already gone if the engine was closed first.
@@ -1032,7 +1245,7 @@ fn ping_loop(inner: Weak<Inner>, every: Duration) {
             // The engine serving the segment was closed by its owner: nothing can read or
             // write the segment any more, so the master stops listing it (and placing
             // values there) now rather than when the store is closed.
-            match inner.unmount_segment() {
+            match inner.unmount_segment(Duration::from_secs(2)) {
                 Ok(()) => tracing::info!("the shared transfer engine was closed: segment {} unmounted", inner.engine.segment_name()),
                 Err(e) => tracing::warn!("the shared transfer engine was closed; unmounting its segment failed: {e}"),
             }
@@ -1050,6 +1263,36 @@ fn ping_loop(inner: Weak<Inner>, every: Duration) {
             }
             Ok(other) => tracing::warn!("unexpected ping answer {other:?}"),
             Err(e) => tracing::debug!("ping: {e}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_requests_that_may_be_repeated_are_sent_again_after_a_lost_connection() {
+        assert!(idempotent(&Request::Batch(vec![Request::ReleaseReads { ids: vec![1] }, Request::GetReplicaList { key: "k".into() }, Request::Ping { client: 1 }])));
+        assert!(!idempotent(&Request::Batch(vec![Request::ExistKey { key: "k".into() }, Request::PutEnd { client: 1, key: "k".into() }])));
+        for r in [Request::PutStart { client: 1, key: "k".into(), size: 1, config: ReplicateConfig::default(), upsert: false }, Request::Remove { key: "k".into(), force: false }, Request::UnmountSegment { client: 1, segment: 2 }] {
+            assert!(!idempotent(&r), "{r:?}");
+        }
+    }
+
+    #[test]
+    fn master_addresses_are_host_port_or_etcd() {
+        let cfg = Config::default();
+        assert!(matches!(Rpc::new("127.0.0.1:50051", Duration::from_secs(1), &cfg).map(|r| r.target), Ok(Target::Fixed)));
+        let r = Rpc::new("etcd://127.0.0.1:2379;127.0.0.1:2380", Duration::from_secs(1), &cfg).expect("etcd form");
+        match &r.target {
+            Target::Etcd { key, etcd } => assert_eq!((key.as_str(), etcd.location()), ("mooncake-store/mooncake_cluster/master_view", "etcd://127.0.0.1:2379,127.0.0.1:2380")),
+            Target::Fixed => panic!("etcd:// is followed"),
+        }
+        let c = Config { store_cluster_id: Some("c7".into()), ..Config::default() };
+        assert!(matches!(Rpc::new("etcd://h:1", Duration::from_secs(1), &c).map(|r| r.target), Ok(Target::Etcd { key, .. }) if key == "mooncake-store/c7/master_view"));
+        for bad in ["etcd://", "redis://h:6379", "k8s://ns/lease"] {
+            assert!(matches!(Rpc::new(bad, Duration::from_secs(1), &cfg), Err(StoreError::InvalidParams(_))), "{bad}");
         }
     }
 }

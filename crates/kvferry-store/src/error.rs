@@ -35,6 +35,16 @@ pub enum StoreError {
     BufferOverflow { need: u64, have: u64 },
     #[error("internal error: {0}")]
     Internal(String),
+    /// Answered by a master that is not (or no longer) the leader of its HA cluster: nothing
+    /// of the request was applied. Clients that follow the leader (`etcd://` master address)
+    /// find the new one and send the request again. Last, so the other variants keep their
+    /// wire numbers.
+    #[error("this master is not the leader{}; nothing was applied, send the request to the leader", if .leader.is_empty() { String::new() } else { format!(" (the leader is {})", .leader) })]
+    NotLeader { leader: String },
+    /// The master failed over while this put was in flight: the object was not stored (the new
+    /// leader does not know the write). Retryable: put it again.
+    #[error("the master failed over while the put of {0:?} was in flight; the object was not stored, put it again")]
+    MasterFailover(String),
 }
 
 impl StoreError {
@@ -56,6 +66,8 @@ impl StoreError {
             StoreError::Rpc(_) => -900,
             StoreError::BufferOverflow { .. } => -10,
             StoreError::Internal(_) => -1,
+            StoreError::NotLeader { .. } => -1011,
+            StoreError::MasterFailover(_) => -900,
         }
     }
 }

@@ -12,6 +12,7 @@
 
 pub mod client;
 pub mod error;
+pub mod ha;
 pub mod master;
 pub mod proto;
 pub mod server;

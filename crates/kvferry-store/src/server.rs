@@ -13,23 +13,54 @@ use std::time::{Duration, Instant};
 /// Applies one request to the master. A put that finds space held only by reads in flight
 /// waits for them (one `put_wait_for_reads` per request, a batch included) on this
 /// connection's thread, without holding the master's lock.
+///
+/// With HA, the request passes the master's [`crate::ha::Gate`] first (a standby or a fenced
+/// leader applies nothing and answers `NotLeader`, naming the leader), and its answer passes
+/// it again: an answer computed by a leader that lost its lease meanwhile is not sent (that
+/// master's state is reset when it steps down). The term admitted is known here, for what
+/// replication will need.
 pub fn handle(m: &Master, req: Request) -> Response {
+    let term = match m.gate.admit() {
+        Ok(t) => t,
+        Err(e) => return Response::Err(e),
+    };
+    let resp = handle_admitted(m, req, term);
+    match m.gate.confirm(term) {
+        Ok(()) => resp,
+        Err(e) => Response::Err(e),
+    }
+}
+
+fn handle_admitted(m: &Master, req: Request, term: i64) -> Response {
     let deadline = Instant::now() + m.cfg.put_wait_for_reads;
     if let Request::Batch(reqs) = req {
         return Response::Batch(
             reqs.into_iter()
-                .map(|r| if matches!(r, Request::Batch(_)) { Response::Err(StoreError::InvalidParams("nested batches are not allowed".into())) } else { handle_one(m, r, deadline) })
+                .map(|r| if matches!(r, Request::Batch(_)) { Response::Err(StoreError::InvalidParams("nested batches are not allowed".into())) } else { handle_one(m, r, deadline, term) })
                 .collect(),
         );
     }
-    handle_one(m, req, deadline)
+    handle_one(m, req, deadline, term)
 }
 
-fn put_start(m: &Master, client: u64, key: &str, size: u64, config: &ReplicateConfig, upsert: bool, deadline: Instant) -> Result<Response, StoreError> {
+/// A request admitted under `term` is applied only to that term's state: one held up (the
+/// thread descheduled) across a step-down and a new term is refused, not applied to state
+/// that is not its own.
+fn stale(st: &crate::master::State, term: i64) -> Result<(), StoreError> {
+    if st.term == term {
+        Ok(())
+    } else {
+        Err(StoreError::NotLeader { leader: String::new() })
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn put_start(m: &Master, client: u64, key: &str, size: u64, config: &ReplicateConfig, upsert: bool, deadline: Instant, term: i64) -> Result<Response, StoreError> {
     loop {
         let last = Instant::now() >= deadline;
         let now = m.now();
         let mut st = m.lock();
+        stale(&st, term)?;
         let r = st.put_start_ex(&m.cfg, &m.stats, client, key, size, config, upsert, now, last);
         let retry = !last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(now);
         drop(st);
@@ -40,7 +71,7 @@ fn put_start(m: &Master, client: u64, key: &str, size: u64, config: &ReplicateCo
     }
 }
 
-fn handle_one(m: &Master, req: Request, deadline: Instant) -> Response {
+fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64) -> Response {
     let op = match &req {
         Request::MountSegment { .. } => 0,
         Request::RemountSegments { .. } => 1,
@@ -63,9 +94,12 @@ fn handle_one(m: &Master, req: Request, deadline: Instant) -> Response {
     let now = m.now();
     let lease = m.cfg.lease_ttl.as_millis() as u64;
     let r = if let Request::PutStart { client, key, size, config, upsert } = &req {
-        put_start(m, *client, key, *size, config, *upsert, deadline)
+        put_start(m, *client, key, *size, config, *upsert, deadline, term)
     } else {
         let mut st = m.lock();
+        if let Err(e) = stale(&st, term) {
+            return Response::Err(e);
+        }
         match req {
             Request::MountSegment { client, segment } => st.mount(client, segment, now).map(|_| Response::Ok),
             Request::RemountSegments { client, segments } => {

@@ -47,6 +47,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_STORE_CLIENT_MIN_PORT", aliases: &["MC_STORE_CLIENT_MIN_PORT"], default: "12300", doc: "store client with central metadata and a local_hostname without a port: lowest port bound and appended to the hostname (`host:port` is then its segment name)" },
     EnvVar { name: "KVFERRY_STORE_CLIENT_MAX_PORT", aliases: &["MC_STORE_CLIENT_MAX_PORT"], default: "14300", doc: "highest such port" },
     EnvVar { name: "KVFERRY_STORE_CLIENT_SETUP_RETRIES", aliases: &["MC_STORE_CLIENT_SETUP_RETRIES"], default: "20", doc: "ports tried when the segment name `host:port` is already taken by a live engine (1-1000)" },
+    EnvVar { name: "KVFERRY_STORE_CLUSTER_ID", aliases: &["MC_STORE_CLUSTER_ID"], default: "mooncake_cluster", doc: "store high availability: the cluster whose leader key `mooncake-store/<id>/master_view` a client with `master_server_addr = \"etcd://...\"` reads, and a master started with `--enable-ha` and no `--cluster-id` campaigns for" },
     EnvVar { name: "KVFERRY_LOG", aliases: &["MC_LOG_LEVEL"], default: "warn", doc: "log filter for the `kvferry` binary (`error`, `warn`, `info`, `debug`, `trace`, or tracing directives)" },
 ];
 
@@ -88,6 +89,9 @@ pub struct Config {
     /// are tried when the name is taken.
     pub store_client_ports: (u16, u16),
     pub store_client_setup_retries: u32,
+    /// Store HA: the cluster id (`KVFERRY_STORE_CLUSTER_ID` / `MC_STORE_CLUSTER_ID`); `None`
+    /// means Mooncake's `mooncake_cluster`.
+    pub store_cluster_id: Option<String>,
     /// Highest TCP data protocol version to speak (1 or 2).
     pub tcp_proto: u32,
     pub handshake_max_len: u64,
@@ -121,6 +125,7 @@ impl Default for Config {
             tcp_idle: Duration::from_secs(5),
             store_client_ports: (12300, 14300),
             store_client_setup_retries: 20,
+            store_cluster_id: None,
             tcp_proto: 2,
             handshake_max_len: crate::wire::handshake::DEFAULT_MAX_FRAME,
             handshake_connect_timeout: Duration::from_secs(5),
@@ -222,6 +227,7 @@ impl Config {
             c.metadata_server = v;
         }
         c.metadata_cluster_id = lookup(get, "KVFERRY_METADATA_CLUSTER_ID").map(|(_, v)| v);
+        c.store_cluster_id = lookup(get, "KVFERRY_STORE_CLUSTER_ID").map(|(_, v)| v);
         if let Some(d) = seconds(get, "KVFERRY_METADATA_TIMEOUT")? {
             c.metadata_timeout = d;
         }
@@ -358,6 +364,8 @@ mod tests {
         let c = cfg(&[("KVFERRY_METADATA_SERVER", "etcd://127.0.0.1:2379"), ("MC_METADATA_CLUSTER_ID", "c1"), ("MC_TCP_BIND_ADDRESS", "127.0.0.1"), ("MC_REDIS_DB_INDEX", "3")]).unwrap();
         assert!(c.central());
         assert_eq!(c.metadata_cluster_id.as_deref(), Some("c1"));
+        let s = Config::from_lookup(&|k| (k == "MC_STORE_CLUSTER_ID").then(|| "store-c".to_string())).unwrap();
+        assert_eq!((s.store_cluster_id.as_deref(), c.store_cluster_id.as_deref()), (Some("store-c"), None));
         assert_eq!(c.redis_db, Some(3));
         let c = Config { local_hostname: "prefill-0".into(), ..c };
         assert_eq!(c.advertised_host(), "127.0.0.1");

@@ -169,6 +169,9 @@ pub struct State {
     /// Reads in flight: id -> end of their lease.
     reads: HashMap<u64, u64>,
     next_read: u64,
+    /// The HA term this state belongs to (0 without HA): a request admitted under another
+    /// term is not applied to it.
+    pub term: i64,
 }
 
 /// A one-line summary of the pool.
@@ -799,11 +802,13 @@ pub struct Master {
     start: Instant,
     pub state: Mutex<State>,
     pub stats: Stats,
+    /// Whether this master may answer (HA: only while it leads with a lease it can prove).
+    pub gate: crate::ha::Gate,
 }
 
 impl Master {
     pub fn new(cfg: MasterConfig) -> Master {
-        Master { cfg, start: Instant::now(), state: Mutex::default(), stats: Stats::default() }
+        Master { cfg, start: Instant::now(), state: Mutex::default(), stats: Stats::default(), gate: crate::ha::Gate::default() }
     }
 
     pub fn now(&self) -> u64 {
@@ -812,6 +817,12 @@ impl Master {
 
     pub fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Forgets every client, segment and object; the state then belongs to `term` (HA: a
+    /// master that starts leading, or steps down: -1, no term).
+    pub fn reset(&self, term: i64) {
+        *self.lock() = State { term, ..State::default() };
     }
 
     /// Periodic work: expire clients, release deferred space, evict above the watermark.

@@ -18,18 +18,56 @@ use serde_json::{json, Value};
 use std::io::Read;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
 
 /// Largest answer accepted (a descriptor of ~100k buffers, base64-encoded).
 const MAX_ANSWER: u64 = 192 << 20;
 
 pub struct EtcdStore {
+    client: EtcdClient,
+    ttl: i64,
+    lease: Mutex<Option<i64>>,
+}
+
+/// A blocking etcd v3 client over the JSON gateway: the calls the metadata backend and the
+/// store's leader election (`kvferry_store::ha`) need. Every call is one HTTP request bounded
+/// by the timeout given at construction, tried on each endpoint in turn while one cannot be
+/// reached.
+pub struct EtcdClient {
     location: String,
     endpoints: Vec<String>,
     agent: ureq::Agent,
     /// The endpoint that answered last (tried first).
     current: AtomicUsize,
-    ttl: i64,
-    lease: Mutex<Option<i64>>,
+}
+
+/// One key as etcd holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyValue {
+    pub value: Vec<u8>,
+    /// Revision of the transaction that created the key (monotonic across the cluster: a key
+    /// deleted and created again gets a larger one).
+    pub create_revision: i64,
+    pub mod_revision: i64,
+    /// The lease the key lives under (0: none).
+    pub lease: i64,
+}
+
+/// The outcome of [`EtcdClient::create`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Created {
+    /// The key did not exist and now holds the value; its create revision.
+    Won(i64),
+    /// The key existed (what it holds, if it was still there when read back).
+    Lost(Option<KeyValue>),
+}
+
+/// Endpoints of an etcd connection string as Mooncake writes them: `etcd://h1:2379;h2:2379`,
+/// `h1:2379,h2:2379`, with or without the scheme, `;` or `,` between endpoints.
+pub fn parse_endpoints(s: &str) -> Vec<String> {
+    let s = s.trim();
+    let s = s.strip_prefix("etcd://").unwrap_or(s);
+    s.split([';', ',']).map(|e| e.trim().trim_start_matches("http://").trim_end_matches('/').to_string()).filter(|e| !e.is_empty()).collect()
 }
 
 /// An int64 of the gateway's JSON (proto3 maps int64 to a string; accept a number too).
@@ -37,26 +75,31 @@ fn int(v: &Value) -> Option<i64> {
     v.as_str().and_then(|s| s.parse().ok()).or_else(|| v.as_i64())
 }
 
-impl EtcdStore {
-    pub fn connect(endpoints: &[String], opts: &StoreOptions) -> Result<EtcdStore> {
+impl EtcdClient {
+    /// A client of `endpoints` (`host:port`), each call bounded by `timeout` (connecting by
+    /// half of it, at most 1.5 s). Nothing is sent yet.
+    pub fn new(endpoints: &[String], timeout: Duration) -> EtcdClient {
+        let connect = (timeout / 2).min(Duration::from_millis(1500)).max(Duration::from_millis(10));
         let config = ureq::Agent::config_builder()
             .http_status_as_error(false)
-            .timeout_global(Some(opts.timeout))
-            .timeout_connect(Some(opts.connect_timeout()))
+            .timeout_global(Some(timeout))
+            .timeout_connect(Some(connect))
             .max_idle_connections_per_host(4)
             .user_agent("kvferry")
             .build();
-        let store = EtcdStore {
-            location: format!("etcd://{}", endpoints.join(",")),
-            endpoints: endpoints.to_vec(),
-            agent: ureq::Agent::new_with_config(config),
-            current: AtomicUsize::new(0),
-            ttl: opts.lease_ttl.as_secs().max(2) as i64,
-            lease: Mutex::new(None),
-        };
-        // Fail now, with the reason, if no endpoint answers.
-        store.call("connecting", "/v3/maintenance/status", json!({}))?;
-        Ok(store)
+        EtcdClient { location: format!("etcd://{}", endpoints.join(",")), endpoints: endpoints.to_vec(), agent: ureq::Agent::new_with_config(config), current: AtomicUsize::new(0) }
+    }
+
+    /// Like [`EtcdClient::new`], failing now, with the reason, if no endpoint answers.
+    pub fn connect(endpoints: &[String], timeout: Duration) -> Result<EtcdClient> {
+        let c = EtcdClient::new(endpoints, timeout);
+        c.call("connecting", "/v3/maintenance/status", json!({}))?;
+        Ok(c)
+    }
+
+    /// `etcd://h1,h2`: the endpoints, for messages.
+    pub fn location(&self) -> &str {
+        &self.location
     }
 
     fn err(&self, reason: String) -> Error {
@@ -98,9 +141,109 @@ impl EtcdStore {
         Err(self.err(format!("{what}: no endpoint answered ({last}); is etcd running and reachable at this address?")))
     }
 
+    /// Grants a lease of `ttl_secs`; its id and the TTL etcd granted (etcd may raise a TTL
+    /// below its minimum).
+    pub fn lease_grant(&self, ttl_secs: i64) -> Result<(i64, i64)> {
+        let v = self.call("granting a lease", "/v3/lease/grant", json!({ "TTL": ttl_secs }))?;
+        let id = v.get("ID").and_then(int).ok_or_else(|| self.err(format!("granting a lease: no ID in the answer {v}")))?;
+        Ok((id, v.get("TTL").and_then(int).unwrap_or(ttl_secs)))
+    }
+
+    /// Renews a lease; its remaining TTL, `None` when etcd no longer knows it (expired or
+    /// revoked).
+    pub fn lease_keepalive(&self, id: i64) -> Result<Option<i64>> {
+        match self.call("renewing the lease", "/v3/lease/keepalive", json!({ "ID": id.to_string() })) {
+            // {"result": {"ID": ..., "TTL": ...}}; an expired lease comes back without a TTL.
+            Ok(v) => Ok(Some(v.get("result").unwrap_or(&v).get("TTL").and_then(int).unwrap_or(0)).filter(|t| *t > 0)),
+            Err(e) if lease_gone(&e) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Revokes a lease (its keys go with it); an unknown lease is not an error.
+    pub fn lease_revoke(&self, id: i64) -> Result<()> {
+        match self.call("revoking the lease", "/v3/lease/revoke", json!({ "ID": id.to_string() })) {
+            Err(e) if !lease_gone(&e) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    fn decode_kv(&self, key: &str, kv: &Value) -> Result<KeyValue> {
+        // Zero values and empty strings are omitted from the JSON.
+        let value = kv.get("value").and_then(Value::as_str).unwrap_or("");
+        let value = B64.decode(value).map_err(|e| self.err(format!("GET {key}: the value is not base64 ({e})")))?;
+        let f = |n: &str| kv.get(n).and_then(int).unwrap_or(0);
+        Ok(KeyValue { value, create_revision: f("create_revision"), mod_revision: f("mod_revision"), lease: f("lease") })
+    }
+
+    /// `key` with its revisions and lease, `None` when absent.
+    pub fn get_kv(&self, key: &str) -> Result<Option<KeyValue>> {
+        let v = self.call(&format!("GET {key}"), "/v3/kv/range", json!({ "key": B64.encode(key) }))?;
+        match v.get("kvs").and_then(Value::as_array).and_then(|a| a.first()) {
+            Some(kv) => self.decode_kv(key, kv).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Sets `key` under `lease` (0: none).
+    pub fn put(&self, key: &str, value: &[u8], lease: i64) -> Result<()> {
+        let mut body = json!({ "key": B64.encode(key), "value": B64.encode(value) });
+        if lease != 0 {
+            body["lease"] = json!(lease.to_string());
+        }
+        self.call(&format!("PUT {key}"), "/v3/kv/put", body).map(drop)
+    }
+
+    /// Creates `key` = `value` under `lease` in one transaction, only if it does not exist
+    /// (compare `create_revision == 0`).
+    pub fn create(&self, key: &str, value: &[u8], lease: i64) -> Result<Created> {
+        let k = B64.encode(key);
+        let mut put = json!({ "key": k, "value": B64.encode(value) });
+        if lease != 0 {
+            put["lease"] = json!(lease.to_string());
+        }
+        let body = json!({
+            "compare": [{ "key": k, "result": "EQUAL", "target": "CREATE", "create_revision": "0" }],
+            "success": [{ "request_put": put }],
+            "failure": [{ "request_range": { "key": k } }],
+        });
+        let v = self.call(&format!("CREATE {key}"), "/v3/kv/txn", body)?;
+        if v.get("succeeded").and_then(Value::as_bool).unwrap_or(false) {
+            let rev = v.get("header").and_then(|h| h.get("revision")).and_then(int).ok_or_else(|| self.err(format!("CREATE {key}: no revision in the answer {v}")))?;
+            return Ok(Created::Won(rev));
+        }
+        let kv = v.get("responses").and_then(Value::as_array).and_then(|r| r.first()).and_then(|r| r.get("response_range")).and_then(|r| r.get("kvs")).and_then(Value::as_array).and_then(|a| a.first());
+        match kv {
+            Some(kv) => self.decode_kv(key, kv).map(|kv| Created::Lost(Some(kv))),
+            None => Ok(Created::Lost(None)),
+        }
+    }
+
+    /// Deletes `key` only if it is still the one created at `create_revision`; whether it was.
+    pub fn delete_if_created_at(&self, key: &str, create_revision: i64) -> Result<bool> {
+        let k = B64.encode(key);
+        let body = json!({
+            "compare": [{ "key": k, "result": "EQUAL", "target": "CREATE", "create_revision": create_revision.to_string() }],
+            "success": [{ "request_delete_range": { "key": k } }],
+        });
+        let v = self.call(&format!("DELETE {key}"), "/v3/kv/txn", body)?;
+        Ok(v.get("succeeded").and_then(Value::as_bool).unwrap_or(false))
+    }
+
+    /// Removes `key`; absent is not an error.
+    pub fn delete(&self, key: &str) -> Result<()> {
+        self.call(&format!("DELETE {key}"), "/v3/kv/deleterange", json!({ "key": B64.encode(key) })).map(drop)
+    }
+}
+
+impl EtcdStore {
+    pub fn connect(endpoints: &[String], opts: &StoreOptions) -> Result<EtcdStore> {
+        let client = EtcdClient::connect(endpoints, opts.timeout)?;
+        Ok(EtcdStore { client, ttl: opts.lease_ttl.as_secs().max(2) as i64, lease: Mutex::new(None) })
+    }
+
     fn grant(&self) -> Result<i64> {
-        let v = self.call("granting a lease", "/v3/lease/grant", json!({ "TTL": self.ttl }))?;
-        v.get("ID").and_then(int).ok_or_else(|| self.err(format!("granting a lease: no ID in the answer {v}")))
+        self.client.lease_grant(self.ttl).map(|(id, _)| id)
     }
 
     /// The current lease, granted on first use.
@@ -115,11 +258,6 @@ impl EtcdStore {
             }
         }
     }
-
-    fn put_under(&self, key: &str, value: &[u8], lease: i64) -> Result<()> {
-        let body = json!({ "key": B64.encode(key), "value": B64.encode(value), "lease": lease.to_string() });
-        self.call(&format!("PUT {key}"), "/v3/kv/put", body).map(drop)
-    }
 }
 
 fn lease_gone(e: &Error) -> bool {
@@ -132,46 +270,36 @@ impl MetadataStore for EtcdStore {
     }
 
     fn location(&self) -> &str {
-        &self.location
+        self.client.location()
     }
 
     fn get(&self, key: &str) -> Result<Option<Vec<u8>>> {
-        let v = self.call(&format!("GET {key}"), "/v3/kv/range", json!({ "key": B64.encode(key) }))?;
-        let Some(kv) = v.get("kvs").and_then(Value::as_array).and_then(|a| a.first()) else { return Ok(None) };
-        // An empty value is omitted from the JSON.
-        let value = kv.get("value").and_then(Value::as_str).unwrap_or("");
-        B64.decode(value).map(Some).map_err(|e| self.err(format!("GET {key}: the value is not base64 ({e})")))
+        self.client.get_kv(key).map(|kv| kv.map(|kv| kv.value))
     }
 
     fn put(&self, key: &str, value: &[u8]) -> Result<()> {
         let lease = self.lease()?;
-        match self.put_under(key, value, lease) {
+        match self.client.put(key, value, lease) {
             Err(e) if lease_gone(&e) => {
                 // The lease vanished (etcd lost its data, or it expired): take a new one.
                 let id = self.grant()?;
                 *self.lease.lock().unwrap_or_else(|e| e.into_inner()) = Some(id);
-                self.put_under(key, value, id)
+                self.client.put(key, value, id)
             }
             r => r,
         }
     }
 
     fn remove(&self, key: &str) -> Result<()> {
-        self.call(&format!("DELETE {key}"), "/v3/kv/deleterange", json!({ "key": B64.encode(key) })).map(drop)
+        self.client.delete(key)
     }
 
     fn keepalive(&self) -> Result<bool> {
         let Some(id) = *self.lease.lock().unwrap_or_else(|e| e.into_inner()) else { return Ok(false) };
-        let ttl = match self.call("renewing the lease", "/v3/lease/keepalive", json!({ "ID": id.to_string() })) {
-            // {"result": {"ID": ..., "TTL": ...}}; an expired lease comes back without a TTL.
-            Ok(v) => v.get("result").unwrap_or(&v).get("TTL").and_then(int).unwrap_or(0),
-            Err(e) if lease_gone(&e) => 0,
-            Err(e) => return Err(e),
-        };
-        if ttl > 0 {
+        if self.client.lease_keepalive(id)?.is_some() {
             return Ok(false);
         }
-        tracing::info!("etcd lease {id:x} is gone ({}); granting a new one", self.location);
+        tracing::info!("etcd lease {id:x} is gone ({}); granting a new one", self.client.location());
         let new = self.grant()?;
         *self.lease.lock().unwrap_or_else(|e| e.into_inner()) = Some(new);
         Ok(true)
@@ -179,9 +307,20 @@ impl MetadataStore for EtcdStore {
 
     fn close(&self) {
         if let Some(id) = self.lease.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            if let Err(e) = self.call("revoking the lease", "/v3/lease/revoke", json!({ "ID": id.to_string() })) {
+            if let Err(e) = self.client.lease_revoke(id) {
                 tracing::debug!("{e}");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn endpoints_in_mooncakes_forms() {
+        let want = vec!["h1:2379".to_string(), "h2:2380".to_string()];
+        assert_eq!(super::parse_endpoints("etcd://h1:2379;h2:2380"), want);
+        assert_eq!(super::parse_endpoints(" h1:2379, http://h2:2380/ ;"), want);
+        assert!(super::parse_endpoints("etcd://").is_empty());
     }
 }

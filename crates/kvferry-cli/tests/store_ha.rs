@@ -1,0 +1,482 @@
+//! Store master high availability against a real etcd (Debian's `etcd`, started by the test on
+//! free 127.0.0.1 ports with a temporary data directory, killed by pid): two `kvferry master
+//! --enable_ha` processes, one leader; a client with an `etcd://` master address follows it
+//! through a SIGKILL; a leader paused (SIGSTOP) past its lease refuses requests as soon as it
+//! runs again and stands by. Lease TTL 2 s. Without metadata replication (not built yet) a
+//! new leader starts empty: objects put before the failover are gone, clients remount.
+
+#[path = "../../kvferry/tests/metadata_services/mod.rs"]
+mod metadata_services;
+
+use kvferry::metadata::etcd::EtcdClient;
+use kvferry_store::proto::{self, PingStatus, Request, Response};
+use kvferry_store::{Client, ClientConfig, ReplicateConfig, StoreError};
+use metadata_services::Service;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const TTL: Duration = Duration::from_secs(2);
+
+struct Master {
+    child: Child,
+    rpc: String,
+    http: String,
+}
+
+impl Master {
+    /// `mooncake`: Mooncake's gflags spellings, else kvferry's.
+    fn start(etcd_port: u16, cluster: Option<&str>, mooncake: bool) -> Master {
+        let conn = format!("etcd://127.0.0.1:{etcd_port};127.0.0.1:1"); // a dead second endpoint, tried after the live one
+        let mut args: Vec<String> = ["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0", "--ha-lease-ttl", "2s"].iter().map(|s| s.to_string()).collect();
+        if mooncake {
+            args.extend(["--enable_ha".to_string(), "--ha_backend_connstring".into(), conn]);
+            if let Some(c) = cluster {
+                args.push(format!("--cluster_id={c}"));
+            }
+        } else {
+            args.extend(["--enable-ha".to_string(), "--ha-backend-connstring".into(), conn]);
+            if let Some(c) = cluster {
+                args.extend(["--cluster-id".to_string(), c.to_string()]);
+            }
+        }
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry")).args(&args).env_remove("MC_STORE_CLUSTER_ID").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn kvferry master");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("the master's line");
+        assert!(line.starts_with("KVFERRY_MASTER"), "{line:?}");
+        let field = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap_or_default().to_string();
+        let key = kvferry_store::ha::master_view_key(cluster.unwrap_or(kvferry_store::ha::DEFAULT_CLUSTER_ID));
+        assert_eq!(field("ha="), key, "{line}");
+        Master { child, rpc: field("rpc="), http: field("http=") }
+    }
+
+    fn role(&self) -> String {
+        http_get(&self.http, "/role").1
+    }
+
+    fn signal(&self, sig: i32) {
+        // SAFETY: a signal to the child this test started (its pid, not a name).
+        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
+        assert_eq!(rc, 0, "kill({}, {sig})", self.child.id());
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Master {
+    fn drop(&mut self) {
+        self.kill(); // SIGKILL ends a stopped process too
+    }
+}
+
+fn http_get(addr: &str, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect to the master's HTTP port");
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").expect("send");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("answer");
+    let code = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (code, out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+}
+
+/// One request over a raw RPC connection.
+fn rpc(s: &mut TcpStream, req: &Request) -> Response {
+    s.write_all(&proto::encode(req).expect("encode")).expect("send");
+    let mut prefix = [0u8; 4];
+    s.read_exact(&mut prefix).expect("answer");
+    let mut body = vec![0u8; proto::decode_len(prefix).expect("len")];
+    s.read_exact(&mut body).expect("body");
+    proto::decode(&body).expect("decode")
+}
+
+fn raw(addr: &str) -> TcpStream {
+    let s = TcpStream::connect(addr).expect("connect to the master's RPC port");
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    s
+}
+
+fn mount_request() -> Request {
+    let segment = proto::Segment { id: 7, name: "127.0.0.1:1".into(), te_endpoint: "127.0.0.1:1".into(), base: 1 << 30, size: 1 << 20 };
+    Request::MountSegment { client: 99, segment }
+}
+
+/// Waits until exactly one of `ms` says it leads; its index.
+fn one_leader(ms: &[&Master], within: Duration) -> usize {
+    let until = Instant::now() + within;
+    loop {
+        let roles: Vec<String> = ms.iter().map(|m| m.role()).collect();
+        let leaders: Vec<usize> = (0..ms.len()).filter(|&i| roles[i] == "leader").collect();
+        assert!(leaders.len() <= 1, "two leaders at once: {roles:?}");
+        if leaders.len() == 1 && roles.iter().filter(|r| *r == "standby").count() == ms.len() - 1 {
+            return leaders[0];
+        }
+        assert!(Instant::now() < until, "no single leader within {within:?}: {roles:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn etcd_view(etcd: &EtcdClient, cluster: &str) -> Option<(String, i64)> {
+    etcd.get_kv(&kvferry_store::ha::master_view_key(cluster)).expect("etcd get").map(|kv| (String::from_utf8_lossy(&kv.value).into_owned(), kv.create_revision))
+}
+
+fn value(key: &str, len: usize) -> Vec<u8> {
+    let seed = xxhash_rust::xxh3::xxh3_64(key.as_bytes());
+    (0..len).map(|i| (seed.rotate_left((i % 64) as u32) as u8) ^ (i as u8)).collect()
+}
+
+#[test]
+fn one_leader_and_a_client_that_follows_it_through_a_sigkill() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
+    // One in Mooncake's spellings with the default cluster id said out loud, one in kvferry's
+    // with none: the same key.
+    let m1 = Master::start(etcd_svc.port, Some("mooncake_cluster"), true);
+    let m2 = Master::start(etcd_svc.port, None, false);
+    let mut ms = [m1, m2];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let s = 1 - l;
+    let (leader_addr, term) = etcd_view(&etcd, "mooncake_cluster").expect("the key exists");
+    assert_eq!(leader_addr, ms[l].rpc, "the key holds the leader's RPC address");
+    // Renewals keep it: the same leader and term after twice the TTL.
+    std::thread::sleep(2 * TTL + Duration::from_millis(500));
+    assert_eq!((ms[l].role(), ms[s].role()), ("leader".to_string(), "standby".to_string()), "the leader keeps its lease");
+    assert_eq!(etcd_view(&etcd, "mooncake_cluster"), Some((leader_addr.clone(), term)), "same key, same term");
+
+    // The standby applies nothing and names the leader.
+    let mut standby = raw(&ms[s].rpc);
+    assert_eq!(rpc(&mut standby, &mount_request()), Response::Err(StoreError::NotLeader { leader: ms[l].rpc.clone() }));
+    assert_eq!(rpc(&mut standby, &Request::GetReplicaList { key: "k".into() }), Response::Err(StoreError::NotLeader { leader: ms[l].rpc.clone() }));
+    // Observability.
+    let st: serde_json::Value = serde_json::from_str(&http_get(&ms[l].http, "/ha_status").1).expect("/ha_status is JSON");
+    assert_eq!((st["role"].as_str(), st["term"].as_i64(), st["cluster_id"].as_str(), st["lease_ttl_ms"].as_u64()), (Some("leader"), Some(term), Some("mooncake_cluster"), Some(2000)), "{st}");
+    assert!(st["last_keepalive_age_ms"].as_u64().is_some_and(|a| a < 2000), "{st}");
+    let sb: serde_json::Value = serde_json::from_str(&http_get(&ms[s].http, "/ha_status").1).expect("JSON");
+    assert_eq!((sb["role"].as_str(), sb["leader"].as_str(), sb["term"].as_i64()), (Some("standby"), Some(ms[l].rpc.as_str()), Some(term)), "{sb}");
+    let leader: serde_json::Value = serde_json::from_str(&http_get(&ms[s].http, "/leader").1).expect("JSON");
+    assert_eq!((leader["present"].as_bool(), leader["leader_address"].as_str()), (Some(true), Some(ms[l].rpc.as_str())), "{leader}");
+    let metrics = http_get(&ms[l].http, "/metrics").1;
+    assert!(metrics.contains("kvferry_master_ha_is_leader 1") && metrics.contains(&format!("kvferry_master_ha_term {term}")), "{metrics}");
+    assert!(http_get(&ms[s].http, "/metrics").1.contains("kvferry_master_ha_is_leader 0"));
+    assert!(http_get(&ms[s].http, "/health").1.contains("\"role\":\"standby\""));
+
+    // A client that finds the master through etcd (Mooncake's form of the address).
+    let c = Client::setup(ClientConfig {
+        global_segment_size: 16 << 20,
+        local_buffer_size: 16 << 20,
+        master_server_addr: format!("etcd://127.0.0.1:{};127.0.0.1:1", etcd_svc.port),
+        transfer_timeout: Duration::from_secs(10),
+        ..ClientConfig::default()
+    })
+    .expect("a client with an etcd:// master address sets up");
+    c.put("before", &value("before", 8192), &ReplicateConfig::default()).expect("put through the leader");
+    assert_eq!(c.get("before").expect("get"), value("before", 8192));
+
+    // SIGKILL the leader: the standby leads within 2 TTL.
+    let killed = Instant::now();
+    ms[l].kill();
+    let until = killed + 2 * TTL;
+    while ms[s].role() != "leader" {
+        assert!(Instant::now() < until, "the standby did not lead within 2 x TTL ({:?})", 2 * TTL);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let took = killed.elapsed();
+    let (addr, term2) = etcd_view(&etcd, "mooncake_cluster").expect("the key exists");
+    assert_eq!(addr, ms[s].rpc, "the key holds the new leader's address");
+    assert!(term2 > term, "terms grow: {term} then {term2}");
+
+    // The client keeps working: it finds the new leader and remounts there. Its first call
+    // after the kill may fail (a put in flight gets an error, never a silent success).
+    let until = Instant::now() + Duration::from_secs(15);
+    let mut first_err = None;
+    loop {
+        match c.put("after", &value("after", 8192), &ReplicateConfig::default()) {
+            Ok(()) => break,
+            Err(e) => first_err = first_err.or(Some(e)),
+        }
+        assert!(Instant::now() < until, "the client never worked with the new leader: {first_err:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(c.get("after").expect("get from the new leader"), value("after", 8192));
+    // No replication yet: the new leader started empty (Mooncake's default too).
+    assert!(matches!(c.get("before"), Err(StoreError::ObjectNotFound(_))), "objects put before the failover are gone (no metadata replication yet)");
+    eprintln!("failover: the standby led {took:?} after the SIGKILL (TTL {TTL:?}); client's first error: {first_err:?}");
+    let _ = c.close();
+}
+
+#[test]
+fn a_paused_leader_refuses_requests_on_waking_and_stands_by() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
+    let cluster = "c-pause";
+    let ms = [Master::start(etcd_svc.port, Some(cluster), false), Master::start(etcd_svc.port, Some(cluster), true)];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let s = 1 - l;
+    let (_, term) = etcd_view(&etcd, cluster).expect("the key");
+    assert!(etcd_view(&etcd, "mooncake_cluster").is_none(), "--cluster_id namespaces the key");
+
+    // A connection to the leader, answered before the pause.
+    let mut conn = raw(&ms[l].rpc);
+    assert_eq!(rpc(&mut conn, &Request::Ping { client: 5 }), Response::Ping(PingStatus::NeedRemount));
+
+    ms[l].signal(libc::SIGSTOP);
+    let stopped = Instant::now();
+    let until = stopped + 2 * TTL + Duration::from_secs(1);
+    while ms[s].role() != "leader" {
+        assert!(Instant::now() < until, "the standby did not take over from the paused leader");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (addr, term2) = etcd_view(&etcd, cluster).expect("the key");
+    assert_eq!(addr, ms[s].rpc);
+    assert!(term2 > term);
+
+    // Wakes: the very first request is refused (its lease could not be proven), whatever its
+    // elector thread has done yet.
+    ms[l].signal(libc::SIGCONT);
+    match rpc(&mut conn, &mount_request()) {
+        Response::Err(StoreError::NotLeader { .. }) => {}
+        other => panic!("a leader woken after its lease expired must refuse at once; got {other:?}"),
+    }
+    // ... and stands by, naming the new leader.
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let old = ms[l].role();
+        let new = ms[s].role();
+        assert_eq!(new, "leader", "the new leader keeps leading");
+        if old == "standby" && rpc(&mut conn, &mount_request()) == Response::Err(StoreError::NotLeader { leader: ms[s].rpc.clone() }) {
+            break;
+        }
+        assert!(Instant::now() < until, "the woken leader did not stand by: /role {old}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let st: serde_json::Value = serde_json::from_str(&http_get(&ms[l].http, "/ha_status").1).expect("JSON");
+    assert_eq!((st["role"].as_str(), st["leader"].as_str(), st["term"].as_i64()), (Some("standby"), Some(ms[s].rpc.as_str()), Some(term2)), "{st}");
+    assert_eq!(etcd_view(&etcd, cluster).map(|v| v.0), Some(ms[s].rpc.clone()), "the key holds the new leader's address");
+    // The new leader serves.
+    let mut c = raw(&ms[s].rpc);
+    assert_eq!(rpc(&mut c, &mount_request()), Response::Ok);
+}
+
+#[test]
+fn a_put_in_flight_across_a_failover_fails_with_a_retryable_error() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let ms = [Master::start(etcd_svc.port, None, true), Master::start(etcd_svc.port, None, false)];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let s = 1 - l;
+    let etcd_addr = format!("etcd://127.0.0.1:{}", etcd_svc.port);
+    // The pool's only memory, served by another process over TCP (it offers no shared
+    // memory), so that pausing it holds a put between PutStart and PutEnd.
+    let mut server = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["store-bench", "--serve-segment", &etcd_addr, "--segment-size", "32M"])
+        .env("KVFERRY_TRANSPORT", "tcp")
+        .env_remove("MC_STORE_CLUSTER_ID")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn the segment server");
+    struct Kill(Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut line = String::new();
+    BufReader::new(server.stdout.take().expect("stdout")).read_line(&mut line).expect("the server's line");
+    assert!(line.starts_with("KVFERRY_STORE_SERVER"), "{line:?}");
+    let server = Kill(server);
+    let signal = |sig: i32| {
+        // SAFETY: a signal to the child this test started, by pid.
+        assert_eq!(unsafe { libc::kill(server.0.id() as libc::pid_t, sig) }, 0);
+    };
+    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 16 << 20, master_server_addr: etcd_addr.clone(), transfer_timeout: Duration::from_secs(20), ..ClientConfig::default() })
+        .expect("client setup");
+    c.put("warm", &value("warm", 4096), &ReplicateConfig::default()).expect("a put to the served segment");
+
+    signal(libc::SIGSTOP);
+    let (c, ms) = (&c, &ms);
+    let result = std::thread::scope(|sc| {
+        let put = sc.spawn(move || c.put("in-flight", &value("in-flight", 1 << 20), &ReplicateConfig::default()));
+        std::thread::sleep(Duration::from_millis(300)); // PutStart answered, the write held
+        ms_kill_handle(ms, l);
+        let until = Instant::now() + 2 * TTL + Duration::from_secs(1);
+        while ms[s].role() != "leader" {
+            assert!(Instant::now() < until, "no failover");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        signal(libc::SIGCONT);
+        put.join().expect("the put thread")
+    });
+    match result {
+        Err(StoreError::MasterFailover(k)) => assert_eq!(k, "in-flight"),
+        other => panic!("a put whose PutStart and PutEnd were answered by different leaders must fail with MasterFailover; got {other:?}"),
+    }
+    // Retryable: it succeeds on the new leader once the segment's owner remounted.
+    let until = Instant::now() + Duration::from_secs(15);
+    while let Err(e) = c.put("in-flight", &value("in-flight", 1 << 20), &ReplicateConfig::default()) {
+        assert!(Instant::now() < until, "the retried put never succeeded: {e}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(c.get("in-flight").expect("get"), value("in-flight", 1 << 20));
+}
+
+/// SIGKILLs master `i` of `ms` (by pid; the `Master` reaps it when dropped).
+fn ms_kill_handle(ms: &[Master], i: usize) {
+    ms[i].signal(libc::SIGKILL);
+}
+
+#[test]
+fn a_leader_cut_off_from_etcd_refuses_within_the_bound_and_the_cluster_recovers() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, true)];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let mut conn = raw(&ms[l].rpc);
+    assert_eq!(rpc(&mut conn, &Request::Ping { client: 5 }), Response::Ping(PingStatus::NeedRemount));
+    // etcd stops answering (SIGSTOP, by its pid): no renewal succeeds any more.
+    let pid = etcd_svc.pid().expect("etcd's pid") as libc::pid_t;
+    // SAFETY: signals to the etcd this test started, by pid.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let stopped = Instant::now();
+    // The last renewal was sent before the stop: 2/3 TTL after it, at the latest, every request
+    // is refused.
+    std::thread::sleep((TTL * 2 / 3).saturating_sub(stopped.elapsed()) + Duration::from_millis(100));
+    let refused = rpc(&mut conn, &mount_request());
+    // SAFETY: as above.
+    let resumed = unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert_eq!(resumed, 0);
+    assert!(matches!(refused, Response::Err(StoreError::NotLeader { .. })), "a leader that cannot renew its lease must refuse; got {refused:?}");
+    assert_eq!(ms[l].role(), "standby");
+    // etcd back: one leader again, and it serves.
+    let l2 = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(15));
+    let mut c = raw(&ms[l2].rpc);
+    assert_eq!(rpc(&mut c, &mount_request()), Response::Ok);
+}
+
+#[test]
+fn etcd_restarted_with_or_without_its_data_masters_and_clients_recover() {
+    let Some(mut etcd_svc) = Service::etcd() else { return };
+    let ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, true)];
+    one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let c = Client::setup(ClientConfig {
+        global_segment_size: 16 << 20,
+        local_buffer_size: 16 << 20,
+        master_server_addr: format!("etcd://127.0.0.1:{}", etcd_svc.port),
+        transfer_timeout: Duration::from_secs(10),
+        ..ClientConfig::default()
+    })
+    .expect("client setup");
+    c.put("k0", &value("k0", 4096), &ReplicateConfig::default()).expect("put");
+    for (round, wipe) in [(1, false), (2, true)] {
+        let before = etcd_view(&EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd"), "mooncake_cluster");
+        etcd_svc.restart(wipe);
+        let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd back");
+        // One leader again (the same one if its lease survived), the key naming it.
+        let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(20));
+        let until = Instant::now() + Duration::from_secs(10);
+        let view = loop {
+            match etcd_view(&etcd, "mooncake_cluster") {
+                Some(v) if v.0 == ms[l].rpc => break v,
+                other => assert!(Instant::now() < until, "round {round}: the key does not name the leader {}: {other:?}", ms[l].rpc),
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(wipe || before.is_some(), "round {round}");
+        let key = format!("k{round}");
+        let until = Instant::now() + Duration::from_secs(20);
+        while let Err(e) = c.put(&key, &value(&key, 4096), &ReplicateConfig::default()) {
+            assert!(Instant::now() < until, "round {round} (wipe {wipe}): the client never worked again: {e}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert_eq!(c.get(&key).expect("get"), value(&key, 4096));
+        eprintln!("round {round} (etcd data wiped: {wipe}): leader {} term {} (before: {before:?})", ms[l].rpc, view.1);
+    }
+    let _ = c.close();
+}
+
+/// Kills the leader again and again under a put/get load (`KVFERRY_TEST_HA_KILLS` rounds, 5 by
+/// default; the 20 with `KVFERRY_TEST_HA_KILLS=20`): each time a standby leads within
+/// 2 TTL, never two leaders at once, the client works again, and no get ever returns wrong
+/// bytes. (Objects put before a kill are gone: no replication yet.)
+#[test]
+fn repeated_leader_kills_under_load_never_two_leaders_never_wrong_bytes() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let rounds: usize = std::env::var("KVFERRY_TEST_HA_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
+    let mut ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, true)];
+    let mut l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let c = Client::setup(ClientConfig {
+        global_segment_size: 32 << 20,
+        local_buffer_size: 16 << 20,
+        master_server_addr: format!("etcd://127.0.0.1:{}", etcd_svc.port),
+        transfer_timeout: Duration::from_secs(10),
+        ..ClientConfig::default()
+    })
+    .expect("client setup");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (oks, errs, gets) = (std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0));
+    let mut worst = Duration::ZERO;
+    std::thread::scope(|sc| {
+        std::thread::Builder::new().name("load".into()).spawn_scoped(sc, || {
+            use std::sync::atomic::Ordering::Relaxed;
+            let mut n = 0u64;
+            while !stop.load(Relaxed) {
+                let key = format!("load-{n}");
+                match c.put(&key, &value(&key, 16 << 10), &ReplicateConfig::default()) {
+                    Ok(()) => oks.fetch_add(1, Relaxed),
+                    Err(_) => errs.fetch_add(1, Relaxed),
+                };
+                // Any earlier key: its bytes, or not found; never other bytes.
+                let k = format!("load-{}", n / 2);
+                if let Ok(v) = c.get(&k) {
+                    assert_eq!(v, value(&k, 16 << 10), "a get returned wrong bytes for {k}");
+                    gets.fetch_add(1, Relaxed);
+                }
+                n += 1;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }).expect("load thread");
+        for round in 0..rounds {
+            let s = 1 - l;
+            let killed = Instant::now();
+            ms[l].kill();
+            loop {
+                let (a, b) = (ms[s].role(), ms[l].child.try_wait().ok().flatten().is_some());
+                assert!(b, "the killed master is gone");
+                if a == "leader" {
+                    break;
+                }
+                assert!(killed.elapsed() < 2 * TTL, "round {round}: no leader within 2 TTL");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            worst = worst.max(killed.elapsed());
+            // A fresh standby in place of the killed one.
+            ms[l] = Master::start(etcd_svc.port, None, round % 2 == 0);
+            let now = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(5));
+            assert_eq!(now, s, "round {round}: the new leader keeps leading");
+            // The client works with it.
+            let key = format!("probe-{round}");
+            let until = Instant::now() + Duration::from_secs(15);
+            while c.put(&key, &value(&key, 4096), &ReplicateConfig::default()).is_err() {
+                assert!(Instant::now() < until, "round {round}: the client never worked with the new leader");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            assert_eq!(c.get(&key).expect("get"), value(&key, 4096));
+            // Each leader serves the load a while before it is killed.
+            let served = oks.load(std::sync::atomic::Ordering::Relaxed);
+            let until = Instant::now() + Duration::from_secs(5);
+            while oks.load(std::sync::atomic::Ordering::Relaxed) < served + 20 {
+                assert!(Instant::now() < until, "round {round}: the load made no progress with the new leader");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            l = s;
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    use std::sync::atomic::Ordering::Relaxed;
+    eprintln!("{rounds} kills: worst failover {worst:?}; load: {} puts ok, {} failed, {} gets verified", oks.load(Relaxed), errs.load(Relaxed), gets.load(Relaxed));
+    assert!(oks.load(Relaxed) > 0 && gets.load(Relaxed) > 0);
+    let _ = c.close();
+}

@@ -1,0 +1,423 @@
+//! Master high availability on etcd: leader election with fencing (Mooncake's contract).
+//!
+//! Masters started with `--enable_ha` campaign for the key
+//! `mooncake-store/<cluster_id>/master_view`: each grants itself a lease and creates the key,
+//! holding its advertised RPC address `"<ip>:<port>"`, in one transaction that succeeds only if
+//! the key does not exist (`create_revision == 0`). The winner leads; its **term** is the key's
+//! create revision (etcd revisions only grow, so a later leader always has a larger term). The
+//! others stand by and poll the key (every [`STANDBY_POLL`]); when it disappears (the leader's
+//! lease expired, or it stepped down) they campaign again.
+//!
+//! **Fencing.** The leader renews its lease every quarter of the TTL. etcd counts a lease's TTL
+//! from when it handles the renewal, which is after the leader sent it: so the lease is alive
+//! at least until `sent + TTL`. The leader answers RPCs only while `now < sent + 2/3 TTL` for
+//! the last renewal that succeeded (and after which the key was read back with its own term):
+//! a third of the TTL is left as margin. Every RPC asks the [`Gate`] before it is applied and
+//! again before its answer is sent, so a leader that was paused (SIGSTOP) or cut off from etcd
+//! refuses everything as soon as it runs again, whatever its threads were doing, before it
+//! learns that it lost. Its elector thread then steps down: the master's state is reset, the
+//! key deleted if it is still its own, the lease revoked, and it stands by again. A standby
+//! answers every RPC with [`StoreError::NotLeader`] naming the leader. So two masters never
+//! both accept requests: the new leader can only create the key after the old lease expired,
+//! by which time the old leader has refused for a third of a TTL.
+//!
+//! **Not yet: metadata replication.** A new leader starts with empty metadata, as Mooncake's
+//! default (no oplog): clients remount their segments, and objects put before the failover
+//! are gone. The term reaches every request's handler ([`Gate::admit`]), where replication
+//! will tag what it ships.
+
+use crate::error::StoreError;
+use crate::master::Master;
+use kvferry::metadata::etcd::{Created, EtcdClient, KeyValue};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Mooncake's default cluster id (`DEFAULT_CLUSTER_ID` in mooncake-store/include/types.h).
+pub const DEFAULT_CLUSTER_ID: &str = "mooncake_cluster";
+/// Mooncake's lease TTL of the master view (`DEFAULT_MASTER_VIEW_LEASE_TTL_SEC`).
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(5);
+/// How often a standby reads the key (and how soon after it vanished a standby campaigns).
+pub const STANDBY_POLL: Duration = Duration::from_millis(200);
+
+/// The cluster id: the one given (`--cluster_id`), else the environment's
+/// (`KVFERRY_STORE_CLUSTER_ID` / `MC_STORE_CLUSTER_ID`, read into [`kvferry::Config`]), else
+/// [`DEFAULT_CLUSTER_ID`]. Clients (which have no flag) resolve it the same way. (Mooncake's
+/// master reads the variable only when `--cluster_id` is empty, since the flag defaults to
+/// `mooncake_cluster`; its clients read it always. Here an unset flag defers to the variable,
+/// so a master and its clients started with the same environment agree.)
+pub fn resolve_cluster_id(given: Option<&str>, env: Option<&str>) -> String {
+    let pick = |s: Option<&str>| s.map(str::trim).filter(|s| !s.is_empty()).map(str::to_string);
+    pick(given).or_else(|| pick(env)).unwrap_or_else(|| DEFAULT_CLUSTER_ID.to_string())
+}
+
+/// `mooncake-store/<cluster_id>/master_view` (a trailing `/` of the id dropped, as Mooncake).
+pub fn master_view_key(cluster_id: &str) -> String {
+    format!("mooncake-store/{}/master_view", cluster_id.strip_suffix('/').unwrap_or(cluster_id))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Leader,
+    Standby,
+}
+
+#[derive(Debug, Clone)]
+struct GateState {
+    role: Role,
+    /// The leader's term (the key's create revision); 0 when unknown.
+    term: i64,
+    /// The leader's address as the key says (ours when leading), "" when unknown.
+    leader: String,
+    /// Requests are answered only before this instant (leaders only).
+    valid_until: Option<Instant>,
+    /// When the last successful renewal was sent.
+    last_keepalive: Option<Instant>,
+    lease_id: i64,
+}
+
+/// What `/ha_status` shows.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct HaStatus {
+    pub enabled: bool,
+    pub role: Role,
+    pub term: i64,
+    pub cluster_id: String,
+    pub key: String,
+    pub leader: String,
+    /// This master's advertised RPC address.
+    pub address: String,
+    pub lease_ttl_ms: u64,
+    /// Milliseconds since the last successful lease renewal was sent (leaders), else null.
+    pub last_keepalive_age_ms: Option<u64>,
+    /// Milliseconds this leader may still answer without another renewal, else null.
+    pub fenced_in_ms: Option<u64>,
+    pub lease_id: String,
+}
+
+/// The gate every RPC passes. Without HA it always admits (term 0).
+pub struct Gate {
+    enabled: AtomicBool,
+    state: Mutex<GateState>,
+    info: Mutex<(String, String, String, Duration)>, // cluster id, key, address, lease TTL
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Gate {
+            enabled: AtomicBool::new(false),
+            state: Mutex::new(GateState { role: Role::Leader, term: 0, leader: String::new(), valid_until: None, last_keepalive: None, lease_id: 0 }),
+            info: Mutex::new((String::new(), String::new(), String::new(), Duration::ZERO)),
+        }
+    }
+}
+
+impl Gate {
+    fn st(&self) -> std::sync::MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled.load(Ordering::Acquire)
+    }
+
+    fn not_leader(st: &GateState) -> StoreError {
+        StoreError::NotLeader { leader: st.leader.clone() }
+    }
+
+    /// Whether a request may be applied now; the leader's term if so. A leader whose lease it
+    /// can no longer prove alive turns standby here, at once (its elector steps down after).
+    pub fn admit(&self) -> Result<i64, StoreError> {
+        if !self.enabled() {
+            return Ok(0);
+        }
+        let mut st = self.st();
+        match (st.role, st.valid_until) {
+            (Role::Leader, Some(t)) if Instant::now() < t => Ok(st.term),
+            (Role::Leader, _) => {
+                st.role = Role::Standby;
+                st.valid_until = None;
+                st.leader.clear();
+                tracing::warn!(term = st.term, "HA: the lease could not be renewed in time; refusing requests (fenced) and stepping down");
+                Err(Gate::not_leader(&st))
+            }
+            (Role::Standby, _) => Err(Gate::not_leader(&st)),
+        }
+    }
+
+    /// Whether the answer of a request admitted under `term` may be sent: still the leader of
+    /// that term, lease still proven.
+    pub fn confirm(&self, term: i64) -> Result<(), StoreError> {
+        match self.admit() {
+            Ok(t) if t == term => Ok(()),
+            Ok(_) => Err(StoreError::NotLeader { leader: self.st().leader.clone() }),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub fn role(&self) -> Role {
+        let _ = self.admit(); // a leader past its bound reads as standby
+        self.st().role
+    }
+
+    pub fn leader(&self) -> String {
+        let _ = self.admit();
+        self.st().leader.clone()
+    }
+
+    pub fn term(&self) -> i64 {
+        self.st().term
+    }
+
+    pub fn status(&self) -> HaStatus {
+        let enabled = self.enabled();
+        let role = self.role();
+        let st = self.st().clone();
+        let (cluster_id, key, address, ttl) = self.info.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let now = Instant::now();
+        HaStatus {
+            enabled,
+            role,
+            term: st.term,
+            cluster_id,
+            key,
+            leader: st.leader,
+            address,
+            lease_ttl_ms: ttl.as_millis() as u64,
+            last_keepalive_age_ms: st.last_keepalive.filter(|_| role == Role::Leader).map(|t| now.saturating_duration_since(t).as_millis() as u64),
+            fenced_in_ms: st.valid_until.filter(|_| role == Role::Leader).map(|t| t.saturating_duration_since(now).as_millis() as u64),
+            lease_id: format!("{:x}", st.lease_id),
+        }
+    }
+
+    fn set_standby(&self, view: Option<&KeyValue>) {
+        let mut st = self.st();
+        st.role = Role::Standby;
+        st.valid_until = None;
+        st.last_keepalive = None;
+        st.lease_id = 0;
+        match view {
+            Some(kv) => {
+                st.leader = String::from_utf8_lossy(&kv.value).into_owned();
+                st.term = kv.create_revision;
+            }
+            None => st.leader.clear(),
+        }
+    }
+
+    fn set_leader(&self, term: i64, address: &str, lease_id: i64, sent: Instant, bound: Duration) {
+        let mut st = self.st();
+        *st = GateState { role: Role::Leader, term, leader: address.to_string(), valid_until: Some(sent + bound), last_keepalive: Some(sent), lease_id };
+    }
+
+    /// A renewal sent at `sent` succeeded (and the key is still ours).
+    fn renewed(&self, term: i64, sent: Instant, bound: Duration) {
+        let mut st = self.st();
+        if st.role == Role::Leader && st.term == term {
+            st.valid_until = Some(sent + bound);
+            st.last_keepalive = Some(sent);
+        }
+    }
+
+    fn still_leader(&self, term: i64) -> bool {
+        self.admit().is_ok_and(|t| t == term)
+    }
+}
+
+/// What a master needs to campaign.
+#[derive(Debug, Clone)]
+pub struct HaConfig {
+    /// etcd endpoints (`host:port`).
+    pub endpoints: Vec<String>,
+    pub cluster_id: String,
+    /// The RPC address clients should use (`ip:port`), written into the key.
+    pub address: String,
+    pub lease_ttl: Duration,
+}
+
+impl HaConfig {
+    /// How long after a renewal was sent the leader keeps answering: 2/3 of the TTL.
+    pub fn fence_bound(&self) -> Duration {
+        self.lease_ttl * 2 / 3
+    }
+
+    fn keepalive_every(&self) -> Duration {
+        self.lease_ttl / 4
+    }
+
+    /// The bound of one etcd request: a quarter of the TTL (100 ms to 2 s).
+    fn request_timeout(&self) -> Duration {
+        (self.lease_ttl / 4).clamp(Duration::from_millis(100), Duration::from_secs(2))
+    }
+}
+
+/// Starts campaigning for `master` on a thread of its own (runs until the process ends). The
+/// master refuses every request until it leads. Fails at once if etcd cannot be reached.
+pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
+    if cfg.lease_ttl < Duration::from_secs(1) {
+        return Err(format!("the HA lease TTL must be at least 1 s (etcd counts leases in seconds); got {:?}", cfg.lease_ttl));
+    }
+    let etcd = EtcdClient::connect(&cfg.endpoints, cfg.request_timeout()).map_err(|e| format!("HA: {e}"))?;
+    let key = master_view_key(&cfg.cluster_id);
+    {
+        let mut st = master.gate.st();
+        st.role = Role::Standby;
+        st.term = 0;
+        *master.gate.info.lock().unwrap_or_else(|e| e.into_inner()) = (cfg.cluster_id.clone(), key.clone(), cfg.address.clone(), cfg.lease_ttl);
+    }
+    master.gate.enabled.store(true, Ordering::Release);
+    std::thread::Builder::new().name("kvf-master-ha".into()).spawn(move || campaign(&cfg, &etcd, &key, &master)).map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
+    let gate = &master.gate;
+    let ttl_secs = cfg.lease_ttl.as_secs_f64().ceil() as i64;
+    let mut last_err = String::new();
+    let mut logged_leader = String::new();
+    let mut report = |e: String| {
+        if e != last_err {
+            tracing::warn!("HA: {e}");
+            last_err = e;
+        }
+    };
+    loop {
+        match etcd.get_kv(key) {
+            Ok(Some(kv)) => {
+                gate.set_standby(Some(&kv));
+                let leader = String::from_utf8_lossy(&kv.value).into_owned();
+                if leader != logged_leader {
+                    tracing::info!(term = kv.create_revision, "HA: standby; the leader is {leader}");
+                    logged_leader = leader;
+                }
+                std::thread::sleep(STANDBY_POLL);
+                continue;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                gate.set_standby(None);
+                report(e.to_string());
+                std::thread::sleep(STANDBY_POLL);
+                continue;
+            }
+        }
+        // The key is absent: campaign.
+        let sent = Instant::now();
+        let lease = match etcd.lease_grant(ttl_secs) {
+            Ok((id, _)) => id,
+            Err(e) => {
+                report(e.to_string());
+                std::thread::sleep(STANDBY_POLL);
+                continue;
+            }
+        };
+        match etcd.create(key, cfg.address.as_bytes(), lease) {
+            Ok(Created::Won(term)) => {
+                // Whatever this master held (a former term) is not this term's.
+                master.reset(term);
+                gate.set_leader(term, &cfg.address, lease, sent, cfg.fence_bound());
+                tracing::info!(term, "HA: leader at {} (key {key}, lease {lease:x})", cfg.address);
+                logged_leader = cfg.address.clone();
+                lead(cfg, etcd, key, master, term, lease);
+                // Stepping down: refuse, forget, let the others take over at once.
+                gate.set_standby(None);
+                master.reset(-1);
+                if let Err(e) = etcd.delete_if_created_at(key, term) {
+                    tracing::debug!("HA: deleting the key after stepping down: {e}");
+                }
+                if let Err(e) = etcd.lease_revoke(lease) {
+                    tracing::debug!("HA: revoking the lease after stepping down: {e}");
+                }
+                tracing::warn!(term, "HA: stepped down; metadata reset; standing by");
+            }
+            Ok(Created::Lost(kv)) => {
+                let _ = etcd.lease_revoke(lease);
+                gate.set_standby(kv.as_ref());
+            }
+            Err(e) => {
+                let _ = etcd.lease_revoke(lease);
+                report(e.to_string());
+                std::thread::sleep(STANDBY_POLL);
+            }
+        }
+    }
+}
+
+/// Keeps the lease alive while the key is ours; returns when leadership cannot be proven.
+fn lead(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, term: i64, lease: i64) {
+    let gate = &master.gate;
+    let mut next = Instant::now() + cfg.keepalive_every();
+    loop {
+        let now = Instant::now();
+        if next > now {
+            std::thread::sleep(next - now);
+        }
+        next = Instant::now() + cfg.keepalive_every();
+        if !gate.still_leader(term) {
+            return; // past the bound (paused, or renewals failed): fenced already
+        }
+        let sent = Instant::now();
+        match etcd.lease_keepalive(lease) {
+            Ok(Some(_)) => match etcd.get_kv(key) {
+                Ok(Some(kv)) if kv.create_revision == term && kv.lease == lease => gate.renewed(term, sent, cfg.fence_bound()),
+                Ok(other) => {
+                    tracing::warn!(term, "HA: the key {key} is no longer this master's ({other:?}); stepping down");
+                    return;
+                }
+                Err(e) => tracing::warn!(term, "HA: reading the key back: {e}"),
+            },
+            Ok(None) => {
+                tracing::warn!(term, "HA: etcd no longer knows this master's lease (expired); stepping down");
+                return;
+            }
+            Err(e) => tracing::warn!(term, "HA: renewing the lease: {e}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gate_admits_only_a_leader_within_its_bound() {
+        let g = Gate::default();
+        assert_eq!(g.admit(), Ok(0), "without HA every request is admitted, term 0");
+        g.enabled.store(true, Ordering::Release);
+        g.set_standby(None);
+        assert_eq!(g.admit(), Err(StoreError::NotLeader { leader: String::new() }));
+        let kv = KeyValue { value: b"10.0.0.1:50051".to_vec(), create_revision: 7, mod_revision: 7, lease: 3 };
+        g.set_standby(Some(&kv));
+        assert_eq!(g.admit(), Err(StoreError::NotLeader { leader: "10.0.0.1:50051".into() }));
+        assert_eq!((g.term(), g.role(), g.leader()), (7, Role::Standby, "10.0.0.1:50051".to_string()));
+
+        let bound = Duration::from_millis(80);
+        g.set_leader(9, "10.0.0.2:50051", 5, Instant::now(), bound);
+        assert_eq!(g.admit(), Ok(9));
+        assert_eq!(g.confirm(9), Ok(()));
+        assert!(g.confirm(8).is_err(), "an answer computed under another term is not sent");
+        g.renewed(9, Instant::now(), bound);
+        assert_eq!(g.status().role, Role::Leader);
+        assert!(g.status().fenced_in_ms.is_some_and(|ms| ms <= 80));
+        // No renewal within the bound: refused at once, and it reads as a standby.
+        std::thread::sleep(bound + Duration::from_millis(20));
+        assert!(matches!(g.admit(), Err(StoreError::NotLeader { .. })));
+        assert_eq!(g.role(), Role::Standby);
+        // A renewal that comes back late does not revive a fenced leader.
+        g.renewed(9, Instant::now(), bound);
+        assert!(g.admit().is_err());
+        assert!(!g.still_leader(9));
+    }
+
+    #[test]
+    fn mooncakes_key_and_cluster_id() {
+        assert_eq!(master_view_key("mooncake_cluster"), "mooncake-store/mooncake_cluster/master_view");
+        assert_eq!(master_view_key("c1/"), "mooncake-store/c1/master_view");
+        assert_eq!(resolve_cluster_id(Some("flag"), Some("env")), "flag");
+        assert_eq!(resolve_cluster_id(None, Some("env")), "env");
+        assert_eq!(resolve_cluster_id(Some(" "), None), DEFAULT_CLUSTER_ID);
+        let c = HaConfig { endpoints: vec![], cluster_id: "c".into(), address: "a:1".into(), lease_ttl: Duration::from_secs(5) };
+        assert!(c.fence_bound() < c.lease_ttl && c.keepalive_every() < c.fence_bound() / 2, "at least two renewals fit in the bound");
+    }
+}
