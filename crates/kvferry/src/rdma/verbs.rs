@@ -469,7 +469,7 @@ impl Pd {
         }
         // SAFETY: a valid ibv_qp; its number never changes.
         let qp_num = unsafe { (*qp).qp_num };
-        Ok(Qp { pd: Arc::clone(&self.inner), cq: Arc::clone(&cq.inner), qp, qp_num, max_send_wr })
+        Ok(Qp { pd: Arc::clone(&self.inner), _cq: Arc::clone(&cq.inner), qp, qp_num, max_send_wr })
     }
 }
 
@@ -760,7 +760,8 @@ pub struct Wr<'a> {
 /// An RC queue pair.
 pub struct Qp {
     pd: Arc<PdInner>,
-    cq: Arc<CqInner>,
+    /// Keeps the CQ alive while the QP lives (destroyed after it).
+    _cq: Arc<CqInner>,
     qp: *mut ibv_qp,
     qp_num: u32,
     max_send_wr: u32,
