@@ -857,6 +857,13 @@ impl Qp {
         )
     }
 
+    /// Moves the QP to the error state: every outstanding work request completes at once with
+    /// `IBV_WC_WR_FLUSH_ERR` (how a deadline ends requests a silent peer would hold).
+    pub fn set_error(&self) -> Result<(), VerbsError> {
+        let mut a = ibv_qp_attr { qp_state: IBV_QPS_ERR, ..Default::default() };
+        self.modify("ibv_modify_qp(ERR)", &mut a, IBV_QP_STATE, &format!("QP {}", self.qp_num))
+    }
+
     /// Posts `wrs` as one chain (one doorbell). Each local range is checked against its MR.
     /// On failure, the error says how many were posted (those will complete; the rest not).
     pub fn post(&self, wrs: &[Wr<'_>]) -> Result<(), VerbsError> {
