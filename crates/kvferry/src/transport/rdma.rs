@@ -170,6 +170,9 @@ struct Shared {
     next_wr: AtomicU64,
     next_nic: AtomicUsize,
     shut: AtomicBool,
+    /// The posting thread has ended: nothing new can be posted (pollers wait for this before
+    /// they end, so a slice posted during shutdown still gets its completion).
+    worker_done: AtomicBool,
 }
 
 /// The RDMA transport.
@@ -240,6 +243,7 @@ impl RdmaTransport {
             next_wr: AtomicU64::new(1),
             next_nic: AtomicUsize::new(0),
             shut: AtomicBool::new(false),
+            worker_done: AtomicBool::new(false),
         });
         for i in 0..shared.nics.len() {
             let w = Arc::downgrade(&shared);
@@ -559,7 +563,7 @@ fn poller(w: Weak<Shared>, nic: usize) {
         if shut {
             let since = *shut_since.get_or_insert_with(Instant::now);
             let mut inflight = s.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
-            if inflight.is_empty() {
+            if inflight.is_empty() && s.worker_done.load(Ordering::Acquire) {
                 return;
             }
             // Flushed QPs complete at once; a device that never answers is given 10 s.
@@ -584,6 +588,10 @@ fn worker(w: Weak<Shared>, rx: mpsc::Receiver<Job>) {
                 }
             }
         }
+    }
+    // The sender went with shutdown (or the transport).
+    if let Some(s) = w.upgrade() {
+        s.worker_done.store(true, Ordering::Release);
     }
 }
 
