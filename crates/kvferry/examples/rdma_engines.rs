@@ -89,7 +89,7 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
         ..Config::default()
     };
     let a = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
-    let b = TransferEngine::new(cfg).map_err(|e| e.to_string())?;
+    let b = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
     let (mut ba, mut bb) = (Buf::new(SIZE)?, Buf::new(SIZE)?);
     a.register_memory(ba.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
     b.register_memory(bb.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
@@ -172,6 +172,35 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
         st.cause,
         st.reason.unwrap_or_default()
     );
+
+    // A peer that goes away after its QPs were connected: a request to it ends (FAILED, or
+    // TIMEOUT when the NIC never reports the loss: its QP is flushed at the deadline) within
+    // the deadline, and the engine does not hang.
+    let bc = Buf::new(1 << 20)?;
+    let c = TransferEngine::new(cfg).map_err(|e| e.to_string())?;
+    c.register_memory(bc.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+    let pc = a.open_segment(c.segment_name()).map_err(|e| e.to_string())?;
+    let to_c = TransferRequest { opcode: Opcode::Write, source: la, target_id: pc, target_offset: bc.addr(), length: 1 << 20 };
+    let st = a.transfer_sync(&[to_c.clone()], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+    if st.status != TaskStatus::Completed {
+        return Err(format!("WRITE to a third engine: {st:?}"));
+    }
+    drop(c);
+    let t = Instant::now();
+    let st = a.transfer_sync(&[to_c], Duration::from_secs(3)).map_err(|e| e.to_string())?;
+    let took = t.elapsed();
+    if st.status == TaskStatus::Completed || took > Duration::from_secs(6) {
+        return Err(format!("a WRITE to an engine that went away: {st:?} after {took:?}"));
+    }
+    println!(
+        "rdma_engines: a WRITE to an engine that went away ended {:?} in {:.1} s, deadline 3 s ({:?}: {})",
+        st.status,
+        took.as_secs_f64(),
+        st.cause,
+        st.reason.unwrap_or_default()
+    );
+    drop(bc);
+
     a.unregister_memory(ba.addr()).map_err(|e| e.to_string())?;
     drop(a);
     drop(b);

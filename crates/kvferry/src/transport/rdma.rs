@@ -374,18 +374,6 @@ impl Shared {
         }
     }
 
-    /// The peer NIC to use from local NIC `nic` for remote buffer `buf` (by name, never by
-    /// guessed index) and its position in the peer's `devices`.
-    fn remote_device<'d>(&self, desc: &'d SegmentDesc, nic: usize, location: &str) -> Option<(usize, &'d DeviceDesc)> {
-        let by_name = |name: &str| desc.devices.iter().enumerate().find(|(_, d)| d.name == name);
-        if let Some(hit) = by_name(&self.nics[nic].name) {
-            return Some(hit);
-        }
-        let prefs = desc.priority_matrix.get(location).or_else(|| desc.priority_matrix.get("*"));
-        let first_pref = prefs.and_then(|v| v.get(0)).and_then(Value::as_array).and_then(|a| a.iter().filter_map(Value::as_str).find_map(by_name));
-        first_pref.or_else(|| desc.devices.iter().enumerate().next())
-    }
-
     fn run(&self, job: Job) {
         let Job { peer, pieces } = job;
         for p in pieces {
@@ -417,7 +405,7 @@ impl Shared {
         // Each local NIC with its peer NIC and the rkey there.
         let mut routes = Vec::with_capacity(n_nics);
         for nic in 0..n_nics {
-            let Some((i, dev)) = self.remote_device(&desc, nic, &buf.name) else {
+            let Some((i, dev)) = remote_device(&desc, &self.nics[nic].name, &buf.name) else {
                 return fail_piece(p, FailKind::Failed, FailCause::Protocol, format!("{} publishes no RDMA devices", peer.name));
             };
             let Some(&rkey) = buf.rkey.get(i) else {
@@ -537,6 +525,20 @@ impl Shared {
             }
         }
     }
+}
+
+/// The peer NIC to use from the local NIC `local` for a remote buffer at `location`, and its
+/// position in the peer's `devices` (where its keys are): the peer's NIC of the same name (rail
+/// affinity), else the first of the location's (or `*`'s) preferred NICs in its
+/// `priority_matrix` that it lists, else its first device. By name, never by guessed index.
+fn remote_device<'d>(desc: &'d SegmentDesc, local: &str, location: &str) -> Option<(usize, &'d DeviceDesc)> {
+    let by_name = |name: &str| desc.devices.iter().enumerate().find(|(_, d)| d.name == name);
+    if let Some(hit) = by_name(local) {
+        return Some(hit);
+    }
+    let prefs = desc.priority_matrix.get(location).or_else(|| desc.priority_matrix.get("*"));
+    let first_pref = prefs.and_then(|v| v.get(0)).and_then(Value::as_array).and_then(|a| a.iter().filter_map(Value::as_str).find_map(by_name));
+    first_pref.or_else(|| desc.devices.iter().enumerate().next())
 }
 
 /// The completion thread of NIC `nic`: ends when the transport is shut down and nothing is in
@@ -700,6 +702,27 @@ mod tests {
         assert_eq!(path_mtu(&small, &m), 2);
         m.extra.insert(MTU_FIELD.into(), json!(1500));
         assert_eq!(path_mtu(&attr, &m), 5, "not an MTU: ignored");
+    }
+
+    #[test]
+    fn the_peer_nic_is_chosen_by_name() {
+        let mut d = SegmentDesc::new("peer:1");
+        let dev = |n: &str| DeviceDesc { name: n.into(), lid: 0, gid: String::new(), extra: Map::new() };
+        d.devices = vec![dev("mlx5_0"), dev("mlx5_1"), dev("mlx5_2")];
+        d.priority_matrix.insert("cuda:0".into(), json!([["mlx5_2", "mlx5_1"], ["mlx5_0"]]));
+        d.priority_matrix.insert("*".into(), json!([["mlx5_1"], []]));
+        fn pick(d: &SegmentDesc, local: &str, loc: &str) -> Option<(usize, String)> {
+            remote_device(d, local, loc).map(|(i, dv)| (i, dv.name.clone()))
+        }
+        assert_eq!(pick(&d, "mlx5_1", "cuda:0"), Some((1, "mlx5_1".into())), "same name first (rail affinity)");
+        assert_eq!(pick(&d, "rxe0", "cuda:0"), Some((2, "mlx5_2".into())), "then the location's first preferred, at its index in devices");
+        assert_eq!(pick(&d, "rxe0", "cpu:3"), Some((1, "mlx5_1".into())), "an unknown location falls back to *");
+        d.priority_matrix.clear();
+        assert_eq!(pick(&d, "rxe0", "cpu:0"), Some((0, "mlx5_0".into())), "no matrix: the first device");
+        d.priority_matrix.insert("cpu:0".into(), json!([["mlx5_9"], []]));
+        assert_eq!(pick(&d, "rxe0", "cpu:0"), Some((0, "mlx5_0".into())), "a preferred NIC it does not list is not guessed");
+        d.devices.clear();
+        assert_eq!(pick(&d, "rxe0", "cpu:0"), None);
     }
 
     #[test]
