@@ -353,7 +353,14 @@ impl Shared {
         let peer_path = format!("{server}@{}", dev.name);
         let qp = n.pd.create_qp(&n.cq, MAX_WR).map_err(|e| e.to_string())?;
         let reply = connector(peer, &hello(&self.segment, n, &peer_path, &qp)).map_err(|e| format!("RDMA handshake with {peer_path} from {} failed: {e}", n.name))?;
-        let r = ConnectionMsg::decode(&reply).map_err(|e| format!("RDMA handshake with {peer_path}: bad answer: {e}"))?;
+        let r = ConnectionMsg::decode(&reply).map_err(|e| {
+            // A refusal need not carry NIC paths (a peer without RDMA answers only `reply_msg`).
+            let refused = serde_json::from_slice::<Value>(&reply).ok().and_then(|v| v.get("reply_msg").and_then(Value::as_str).filter(|r| !r.is_empty()).map(str::to_string));
+            match refused {
+                Some(why) => format!("{peer_path} refused the RDMA connection from {}: {why}", n.name),
+                None => format!("RDMA handshake with {peer_path}: bad answer: {e}"),
+            }
+        })?;
         if let Some(why) = r.refused() {
             return Err(format!("{peer_path} refused the RDMA connection from {}: {why}", n.name));
         }
