@@ -157,6 +157,20 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
     }
     println!("rdma_engines: a WRITE outside the peer's memory failed as it must ({:?}: {})", st.cause, st.reason.unwrap_or_default());
 
+    // Unregistering local memory is a barrier: with a 16 MiB READ into it in flight, it returns
+    // only once no work request touches the range any more; the task is terminal by then.
+    let batch = a.allocate_batch(1).map_err(|e| e.to_string())?;
+    a.submit(batch, &[one(Opcode::Read, SIZE, 0)]).map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    a.unregister_memory(la).map_err(|e| e.to_string())?;
+    let st = a.batch_status(batch).map_err(|e| e.to_string())?;
+    if !st.status.is_terminal() {
+        return Err(format!("unregister_memory returned with a READ into the range still {:?}", st.status));
+    }
+    println!("rdma_engines: unregister during a 16 MiB READ returned after {:.1} ms with the task {:?}", t.elapsed().as_secs_f64() * 1e3, st.status);
+    a.free_batch(batch).map_err(|e| e.to_string())?;
+    a.register_memory(la, SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
+
     // The peer unregisters its buffer: a WRITE to it fails (its descriptor re-read, or its MR
     // gone: a remote access error), within the deadline.
     b.unregister_memory(bb.addr()).map_err(|e| e.to_string())?;
@@ -172,6 +186,20 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
         st.cause,
         st.reason.unwrap_or_default()
     );
+
+    // The failed QP was dropped; the next request builds a new one (a new Connection
+    // exchange) to memory the peer registered since (found by re-reading its descriptor).
+    let mut bb2 = Buf::new(1 << 20)?;
+    b.register_memory(bb2.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+    fill(&mut ba.bytes()[..1 << 20], 99);
+    let req = TransferRequest { opcode: Opcode::Write, source: la, target_id: peer, target_offset: bb2.addr(), length: 1 << 20 };
+    let st = a.transfer_sync(&[req], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+    if st.status != TaskStatus::Completed {
+        return Err(format!("a WRITE after a failed one: {st:?}"));
+    }
+    compare("a WRITE after a failed one", bb2.bytes(), &ba.bytes()[..1 << 20])?;
+    println!("rdma_engines: after the failure the endpoint was rebuilt: a 1 MiB WRITE to newly registered memory verified");
+    b.unregister_memory(bb2.addr()).map_err(|e| e.to_string())?;
 
     // A peer that goes away after its QPs were connected: a request to it ends (FAILED, or
     // TIMEOUT when the NIC never reports the loss: its QP is flushed at the deadline) within
