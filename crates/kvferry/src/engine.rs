@@ -217,6 +217,11 @@ impl TransferEngine {
             }));
             if let Some(r) = &rdma {
                 let w = weak.clone();
+                r.set_refresh(Box::new(move |peer: &Arc<Peer>| match w.upgrade() {
+                    Some(inner) => inner.refresh_peer(peer),
+                    None => Err("the engine shut down".into()),
+                }));
+                let w = weak.clone();
                 r.set_connector(Box::new(move |peer: &Peer, body: &[u8]| {
                     let inner = w.upgrade().ok_or("the engine shut down")?;
                     let (h, p) = inner.rpc_addr(&peer.name).map_err(|e| e.to_string())?;

@@ -167,6 +167,11 @@ struct Shared {
     /// QPs made for peers that connected to us, by (their NIC path, our NIC index).
     passive: Mutex<HashMap<(String, usize), Qp>>,
     connector: Mutex<Option<Arc<Connector>>>,
+    /// Re-reads a peer's descriptor (set by the engine).
+    refresh: Mutex<Option<Arc<crate::transport::shm::Refresh>>>,
+    /// Peers whose keys were refused (`IBV_WC_REM_ACCESS_ERR`): their descriptor is re-read
+    /// before their next request is posted (they may have registered again, with new keys).
+    stale: Mutex<std::collections::HashSet<String>>,
     next_wr: AtomicU64,
     next_nic: AtomicUsize,
     shut: AtomicBool,
@@ -240,6 +245,8 @@ impl RdmaTransport {
             endpoints: Mutex::default(),
             passive: Mutex::default(),
             connector: Mutex::new(None),
+            refresh: Mutex::new(None),
+            stale: Mutex::default(),
             next_wr: AtomicU64::new(1),
             next_nic: AtomicUsize::new(0),
             shut: AtomicBool::new(false),
@@ -261,6 +268,11 @@ impl RdmaTransport {
     /// How the transport reaches a peer's handshake port (set by the engine).
     pub fn set_connector(&self, c: Connector) {
         *self.shared.connector.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(c));
+    }
+
+    /// How the transport re-reads a peer's descriptor (set by the engine).
+    pub fn set_refresh(&self, f: crate::transport::shm::Refresh) {
+        *self.shared.refresh.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(f));
     }
 
     /// The NICs in use, in device order.
@@ -383,6 +395,13 @@ impl Shared {
 
     fn run(&self, job: Job) {
         let Job { peer, pieces } = job;
+        let stale = self.stale.lock().unwrap_or_else(|e| e.into_inner()).remove(&peer.name);
+        if stale {
+            let refresh = self.refresh.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if let Some(Err(e)) = refresh.map(|f| f(&peer)) {
+                tracing::debug!("RDMA: re-reading the descriptor of {} after a refused key: {e}", peer.name);
+            }
+        }
         for p in pieces {
             if self.shut.load(Ordering::Acquire) {
                 fail_piece(p, FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into());
@@ -503,7 +522,13 @@ impl Shared {
                 let r = if s.ep.expired.load(Ordering::Acquire) {
                     (FailKind::Timeout, FailCause::Timeout, format!("the deadline passed with the request in flight on {}; its queue pair was flushed ({})", self.nics[nic].name, e.name))
                 } else {
-                    let cause = if e.status == 10 { FailCause::RemoteNotRegistered } else { FailCause::PeerLost };
+                    let cause = if e.status == 10 {
+                        // Its keys may be stale (the peer registered again): re-read before the next request.
+                        self.stale.lock().unwrap_or_else(|e| e.into_inner()).insert(s.ep.key.0.clone());
+                        FailCause::RemoteNotRegistered
+                    } else {
+                        FailCause::PeerLost
+                    };
                     (FailKind::Failed, cause, e.to_string())
                 };
                 s.piece.slice_end(Err(r));
