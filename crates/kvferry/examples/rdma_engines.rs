@@ -80,6 +80,45 @@ fn compare(what: &str, got: &[u8], want: &[u8]) -> Res<()> {
     }
 }
 
+/// The passive side as a stock Mooncake engine drives it: its `Connection` message announces
+/// `ready_ack` support and 2 QPs (here 3, to show the count is followed), the answer must carry
+/// as many QPs and no `ready_ack` (so Mooncake skips the extra round), a `ready_ack: true`
+/// round is answered, and one for an unknown connection refused.
+fn handshake_as_mooncake_does(b: &TransferEngine, gid: &str) -> Res<()> {
+    use kvferry::wire::handshake::MsgType;
+    use kvferry::wire::rdma::ConnectionMsg;
+    let ask = |m: &ConnectionMsg| -> Res<ConnectionMsg> {
+        let host = b.segment_name().rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+        let f = kvferry::handshake::request(host, b.rpc_port(), MsgType::Connection, &m.encode(), Duration::from_secs(5), Duration::from_secs(10), 1 << 20)
+            .map_err(|e| e.to_string())?;
+        ConnectionMsg::decode(&f.body).map_err(|e| format!("answer {}: {e}", String::from_utf8_lossy(&f.body)))
+    };
+    let req = ConnectionMsg {
+        local_nic_path: "10.99.2.1:1@rxe0".into(),
+        local_gid: gid.into(),
+        peer_nic_path: format!("{}@rxe0", b.segment_name()),
+        qp_num: vec![0x123, 0x124, 0x125],
+        ready_ack: Some(false),
+        ..Default::default()
+    };
+    let r = ask(&req)?;
+    if r.refused().is_some() || r.qp_num.len() != 3 || r.ready_ack.is_some() || r.local_nic_path != req.peer_nic_path || r.peer_nic_path != req.local_nic_path {
+        return Err(format!("a Mooncake-style Connection was answered {r:?}"));
+    }
+    let ack = ask(&ConnectionMsg { ready_ack: Some(true), ..req.clone() })?;
+    if let Some(why) = ack.refused() {
+        return Err(format!("the ready ACK was refused: {why}"));
+    }
+    let stray = ask(&ConnectionMsg { ready_ack: Some(true), local_nic_path: "10.99.2.1:2@rxe0".into(), ..req.clone() })?;
+    if stray.refused().is_none() {
+        return Err("a ready ACK for an unknown connection was accepted".into());
+    }
+    let no_nic = ask(&ConnectionMsg { peer_nic_path: format!("{}@mlx5_7", b.segment_name()), ..req })?;
+    let why = no_nic.refused().ok_or("a Connection to a NIC it lacks was accepted")?.to_string();
+    println!("rdma_engines: Mooncake-style handshake: 3 QPs answered with 3, ready ACK answered, a stray ACK and a missing NIC refused ({why})");
+    Ok(())
+}
+
 fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
     let cfg = Config {
         local_hostname: host.into(),
@@ -107,6 +146,7 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
         buf.rkey,
         serde_json::Value::Object(desc.priority_matrix.clone())
     );
+    handshake_as_mooncake_does(&b, &desc.devices[0].gid)?;
     let via = a.segment_transport(peer).map_err(|e| e.to_string())?;
     if via.name != "rdma" {
         return Err(format!("requests to the peer go by {}, not rdma", via.name));

@@ -27,9 +27,12 @@
 //!   flushes its work requests at once: the piece ends TIMEOUT, and nothing touches its memory
 //!   after. Connecting is bounded by the handshake timeouts.
 //!
-//! Not yet: per-slice retry on another NIC pair, Mooncake's `ready_ack` round and several QPs
-//! per endpoint (interop with a stock Mooncake RDMA engine is untested), endpoint eviction,
-//! GPU memory.
+//! Mooncake compatibility of the handshake: 2 QPs per endpoint (Mooncake refuses a QP count
+//! that differs from its own), as many as the peer sent when it connects to us, no `ready_ack`
+//! field in our messages (a Mooncake peer then skips that round) and an answer to one it sends.
+//!
+//! Not yet: per-slice retry on another NIC pair, endpoint eviction, GPU memory; interop with a
+//! stock Mooncake engine over RDMA has not been run.
 
 use crate::batch::{FailCause, FailKind, TaskState};
 use crate::memory::{Region, RegionGuard};
@@ -57,6 +60,11 @@ const CHAIN: usize = 16;
 pub const TICK: Duration = Duration::from_millis(100);
 /// The port used on every NIC (Mooncake's `MC_IB_PORT` default).
 const PORT: u8 = 1;
+/// RC QPs per endpoint: Mooncake's `MC_NUM_QP_PER_EP` default. Mooncake refuses a peer whose
+/// QP count differs from its own, so the active side sends this many; the passive side makes as
+/// many as the peer sent (at most [`MAX_QPS_PER_EP`]).
+pub const QPS_PER_EP: usize = 2;
+const MAX_QPS_PER_EP: usize = 16;
 /// Our extra field in `Connection` messages: the sender's active MTU in bytes, so both sides
 /// use the smaller of both ports' (a peer without it: our own).
 const MTU_FIELD: &str = "kvferry_mtu";
@@ -119,7 +127,9 @@ impl PieceState {
 
 /// A connected RC QP to one NIC of a peer.
 struct Endpoint {
-    qp: Qp,
+    /// Connected to the peer's QPs of the same index; chains are posted to them in turn.
+    qps: Vec<Qp>,
+    next_qp: AtomicUsize,
     key: EpKey,
     outstanding: Mutex<u32>,
     freed: Condvar,
@@ -165,7 +175,7 @@ struct Shared {
     mrs: Mutex<BTreeMap<u64, Arc<Vec<Mr>>>>,
     endpoints: Mutex<HashMap<EpKey, Arc<Endpoint>>>,
     /// QPs made for peers that connected to us, by (their NIC path, our NIC index).
-    passive: Mutex<HashMap<(String, usize), Qp>>,
+    passive: Mutex<HashMap<(String, usize), Vec<Qp>>>,
     connector: Mutex<Option<Arc<Connector>>>,
     /// Re-reads a peer's descriptor (set by the engine).
     refresh: Mutex<Option<Arc<crate::transport::shm::Refresh>>>,
@@ -295,22 +305,40 @@ impl RdmaTransport {
             return refusal(&me, &m.local_nic_path, format!("kvferry: no RDMA NIC named {nic_name:?} here (have: {})", have.join(", ")));
         };
         let nic = &s.nics[idx];
+        if m.ready_ack == Some(true) {
+            // Mooncake's "ready" round (we never ask for it, but answer it): our QPs for that
+            // peer reached RTS before we answered its request.
+            let ours: Option<Vec<u32>> = s.passive.lock().unwrap_or_else(|e| e.into_inner()).get(&(m.local_nic_path.clone(), idx)).map(|q| q.iter().map(Qp::qp_num).collect());
+            let Some(qp_num) = ours else {
+                return refusal(&me, &m.local_nic_path, "kvferry: ready ACK for an unknown connection".into());
+            };
+            let ok = ConnectionMsg { local_nic_path: me, local_lid: nic.attr.lid, local_gid: format_gid(&nic.gid), peer_nic_path: m.local_nic_path, qp_num, ..Default::default() };
+            return ok.encode();
+        }
         let Some(gid) = parse_gid(&m.local_gid) else {
             return refusal(&me, &m.local_nic_path, "kvferry: the Connection message has no GID".into());
         };
-        let made = (|| -> Result<Qp, VerbsError> {
-            let qp = nic.pd.create_qp(&nic.cq, MAX_WR)?;
-            qp.connect(Path { port: PORT, sgid_index: nic.gid_index, mtu: path_mtu(&nic.attr, &m) }, &RemoteQp { qp_num: m.qp_num[0], lid: m.local_lid, gid })?;
-            Ok(qp)
-        })();
-        let qp = match made {
-            Ok(qp) => qp,
+        if m.qp_num.len() > MAX_QPS_PER_EP {
+            return refusal(&me, &m.local_nic_path, format!("kvferry: {} QPs per endpoint asked, at most {MAX_QPS_PER_EP}", m.qp_num.len()));
+        }
+        let mtu = path_mtu(&nic.attr, &m);
+        let made = m
+            .qp_num
+            .iter()
+            .map(|&remote| -> Result<Qp, VerbsError> {
+                let qp = nic.pd.create_qp(&nic.cq, MAX_WR)?;
+                qp.connect(Path { port: PORT, sgid_index: nic.gid_index, mtu }, &RemoteQp { qp_num: remote, lid: m.local_lid, gid })?;
+                Ok(qp)
+            })
+            .collect::<Result<Vec<Qp>, VerbsError>>();
+        let qps = match made {
+            Ok(qps) => qps,
             Err(e) => return refusal(&me, &m.local_nic_path, format!("kvferry: {e}")),
         };
-        let reply = hello(&s.segment, nic, &m.local_nic_path, &qp);
-        tracing::debug!(peer = %m.local_nic_path, local = %nic.name, qp = qp.qp_num(), "RDMA: accepted a connection");
-        // A peer reconnecting the same NIC pair replaces its old QP (it dropped its own).
-        s.passive.lock().unwrap_or_else(|e| e.into_inner()).insert((m.local_nic_path, idx), qp);
+        let reply = hello(&s.segment, nic, &m.local_nic_path, &qps);
+        tracing::debug!(peer = %m.local_nic_path, local = %nic.name, qps = qps.len(), "RDMA: accepted a connection");
+        // A peer reconnecting the same NIC pair replaces its old QPs (it dropped its own).
+        s.passive.lock().unwrap_or_else(|e| e.into_inner()).insert((m.local_nic_path, idx), qps);
         reply
     }
 }
@@ -322,8 +350,9 @@ fn refusal(me: &str, peer: &str, why: String) -> Vec<u8> {
     ConnectionMsg { local_nic_path: path(me), peer_nic_path: path(peer), reply_msg: why, ..Default::default() }.encode()
 }
 
-/// Our `Connection` message for `qp` on `nic`, to `peer_nic_path`.
-fn hello(segment: &str, nic: &Nic, peer_nic_path: &str, qp: &Qp) -> Vec<u8> {
+/// Our `Connection` message for `qps` on `nic`, to `peer_nic_path`. No `ready_ack` field:
+/// a Mooncake peer then considers the connection ready without the extra round.
+fn hello(segment: &str, nic: &Nic, peer_nic_path: &str, qps: &[Qp]) -> Vec<u8> {
     let mut extra = Map::new();
     extra.insert(MTU_FIELD.into(), json!(nic.attr.mtu_bytes()));
     ConnectionMsg {
@@ -331,7 +360,7 @@ fn hello(segment: &str, nic: &Nic, peer_nic_path: &str, qp: &Qp) -> Vec<u8> {
         local_lid: nic.attr.lid,
         local_gid: format_gid(&nic.gid),
         peer_nic_path: peer_nic_path.into(),
-        qp_num: vec![qp.qp_num()],
+        qp_num: qps.iter().map(Qp::qp_num).collect(),
         extra,
         ..Default::default()
     }
@@ -363,8 +392,8 @@ impl Shared {
         let n = &self.nics[nic];
         let server = desc.rdma_server_name.clone().filter(|s| !s.is_empty()).unwrap_or_else(|| desc.name.clone());
         let peer_path = format!("{server}@{}", dev.name);
-        let qp = n.pd.create_qp(&n.cq, MAX_WR).map_err(|e| e.to_string())?;
-        let reply = connector(peer, &hello(&self.segment, n, &peer_path, &qp)).map_err(|e| format!("RDMA handshake with {peer_path} from {} failed: {e}", n.name))?;
+        let qps = (0..QPS_PER_EP).map(|_| n.pd.create_qp(&n.cq, MAX_WR)).collect::<Result<Vec<Qp>, VerbsError>>().map_err(|e| e.to_string())?;
+        let reply = connector(peer, &hello(&self.segment, n, &peer_path, &qps)).map_err(|e| format!("RDMA handshake with {peer_path} from {} failed: {e}", n.name))?;
         let r = ConnectionMsg::decode(&reply).map_err(|e| {
             // A refusal need not carry NIC paths (a peer without RDMA answers only `reply_msg`).
             let refused = serde_json::from_slice::<Value>(&reply).ok().and_then(|v| v.get("reply_msg").and_then(Value::as_str).filter(|r| !r.is_empty()).map(str::to_string));
@@ -378,9 +407,14 @@ impl Shared {
         }
         let gid = parse_gid(&r.local_gid).or_else(|| parse_gid(&dev.gid)).ok_or_else(|| format!("{peer_path} published no GID"))?;
         let path = Path { port: PORT, sgid_index: n.gid_index, mtu: path_mtu(&n.attr, &r) };
-        qp.connect(path, &RemoteQp { qp_num: r.qp_num[0], lid: r.local_lid, gid }).map_err(|e| e.to_string())?;
-        tracing::debug!(peer = %peer_path, local = %n.name, qp = qp.qp_num(), remote_qp = r.qp_num[0], "RDMA: connected");
-        let ep = Arc::new(Endpoint { qp, key: key.clone(), outstanding: Mutex::new(0), freed: Condvar::new(), expired: AtomicBool::new(false) });
+        if r.qp_num.len() != qps.len() {
+            return Err(format!("{peer_path} answered with {} QPs for our {}", r.qp_num.len(), qps.len()));
+        }
+        for (qp, &remote) in qps.iter().zip(&r.qp_num) {
+            qp.connect(path, &RemoteQp { qp_num: remote, lid: r.local_lid, gid }).map_err(|e| e.to_string())?;
+        }
+        tracing::debug!(peer = %peer_path, local = %n.name, remote_qps = ?r.qp_num, "RDMA: connected");
+        let ep = Arc::new(Endpoint { qps, next_qp: AtomicUsize::new(0), key: key.clone(), outstanding: Mutex::new(0), freed: Condvar::new(), expired: AtomicBool::new(false) });
         self.endpoints.lock().unwrap_or_else(|e| e.into_inner()).insert(key, Arc::clone(&ep));
         Ok(ep)
     }
@@ -488,7 +522,8 @@ impl Shared {
                         inflight.insert(id, Slice { piece: Arc::clone(&piece), ep: Arc::clone(&ep) });
                     }
                 }
-                if let Err(e) = ep.qp.post(&wrs) {
+                let qp = &ep.qps[ep.next_qp.fetch_add(1, Ordering::Relaxed) % ep.qps.len()];
+                if let Err(e) = qp.post(&wrs) {
                     let posted = match &e {
                         VerbsError::Post { posted, .. } => *posted,
                         _ => 0,
@@ -552,8 +587,10 @@ impl Shared {
         for ep in late {
             ep.expired.store(true, Ordering::Release);
             self.forget(&ep);
-            if let Err(e) = ep.qp.set_error() {
-                tracing::warn!("RDMA: flushing a QP past its deadline failed: {e}");
+            for qp in &ep.qps {
+                if let Err(e) = qp.set_error() {
+                    tracing::warn!("RDMA: flushing a QP past its deadline failed: {e}");
+                }
             }
         }
     }
