@@ -31,8 +31,10 @@
 //! that differs from its own), as many as the peer sent when it connects to us, no `ready_ack`
 //! field in our messages (a Mooncake peer then skips that round) and an answer to one it sends.
 //!
-//! Not yet: per-slice retry on another NIC pair, endpoint eviction, GPU memory; interop with a
-//! stock Mooncake engine over RDMA has not been run.
+//! Checked against a stock Mooncake engine in the Soft-RoCE VM, both directions
+//! (`examples/rdma_mooncake`).
+//!
+//! Not yet: per-slice retry on another NIC pair, endpoint eviction, GPU memory.
 
 use crate::batch::{FailCause, FailKind, TaskState};
 use crate::memory::{Region, RegionGuard};
