@@ -34,7 +34,11 @@
 //! Checked against a stock Mooncake engine in the Soft-RoCE VM, both directions
 //! (`examples/rdma_mooncake`).
 //!
-//! Not yet: per-slice retry on another NIC pair, endpoint eviction, GPU memory.
+//! A NIC pair that cannot be connected is paused for [`PAUSE`] (tried again only when no other
+//! pair works); its slices go over the pairs that connect.
+//!
+//! Not yet: retrying a slice whose completion failed on another NIC pair, endpoint eviction,
+//! GPU memory.
 
 use crate::batch::{FailCause, FailKind, TaskState};
 use crate::memory::{Region, RegionGuard};
@@ -60,6 +64,8 @@ pub const MAX_OUTSTANDING: u32 = 128;
 const CHAIN: usize = 16;
 /// How often pollers look at deadlines and at shutdown.
 pub const TICK: Duration = Duration::from_millis(100);
+/// How long a NIC pair that could not be connected is left alone (while others work).
+const PAUSE: Duration = Duration::from_secs(30);
 /// The port used on every NIC (Mooncake's `MC_IB_PORT` default).
 const PORT: u8 = 1;
 /// RC QPs per endpoint: Mooncake's `MC_NUM_QP_PER_EP` default. Mooncake refuses a peer whose
@@ -176,6 +182,8 @@ struct Shared {
     /// MRs of each registered range (by start address), one per NIC in `nics` order.
     mrs: Mutex<BTreeMap<u64, Arc<Vec<Mr>>>>,
     endpoints: Mutex<HashMap<EpKey, Arc<Endpoint>>>,
+    /// NIC pairs that could not be connected, and until when they are left alone.
+    paused: Mutex<HashMap<EpKey, Instant>>,
     /// QPs made for peers that connected to us, by (their NIC path, our NIC index).
     passive: Mutex<HashMap<(String, usize), Vec<Qp>>>,
     connector: Mutex<Option<Arc<Connector>>>,
@@ -255,6 +263,7 @@ impl RdmaTransport {
             nics,
             mrs: Mutex::default(),
             endpoints: Mutex::default(),
+            paused: Mutex::default(),
             passive: Mutex::default(),
             connector: Mutex::new(None),
             refresh: Mutex::new(None),
@@ -487,20 +496,51 @@ impl Shared {
             Opcode::Write => Op::Write,
             Opcode::Read => Op::Read,
         };
-        // Slice i goes over local NIC (first_nic + i) % n; each NIC's slices are posted in chains.
-        for k in 0..n_nics.min(slices) {
-            let nic = (first_nic + k) % n_nics;
-            let mine: Vec<usize> = (k..slices).step_by(n_nics).collect();
-            let (dev, rkey) = &routes[nic];
-            let ep = match self.endpoint(peer, &desc, nic, dev) {
-                Ok(ep) => ep,
-                Err(why) => {
-                    for _ in &mine {
-                        piece.slice_end(Err((FailKind::Failed, FailCause::PeerUnreachable, why.clone())));
-                    }
+        // The NIC pairs to use, starting at a rotating NIC: as many as there are slices, each
+        // connected; a pair that cannot be connected is paused and its slices go to the others
+        // (a paused pair is tried again only when no other works).
+        let mut usable: Vec<(usize, Arc<Endpoint>, u32)> = Vec::new();
+        let mut why_not: Vec<String> = Vec::new();
+        for pass in 0..2 {
+            for k in 0..n_nics {
+                if usable.len() >= slices {
+                    break;
+                }
+                let nic = (first_nic + k) % n_nics;
+                let (dev, rkey) = &routes[nic];
+                let key: EpKey = (peer.name.clone(), nic, dev.name.clone());
+                let paused = self.paused.lock().unwrap_or_else(|e| e.into_inner()).get(&key).is_some_and(|&until| Instant::now() < until);
+                if paused != (pass == 1) || usable.iter().any(|(n, _, _)| *n == nic) {
                     continue;
                 }
-            };
+                match self.endpoint(peer, &desc, nic, dev) {
+                    Ok(ep) => {
+                        self.paused.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+                        usable.push((nic, ep, *rkey));
+                    }
+                    Err(e) => {
+                        tracing::warn!("RDMA: not using {} -> {}@{} for {PAUSE:?}: {e}", self.nics[nic].name, peer.name, dev.name);
+                        self.paused.lock().unwrap_or_else(|e| e.into_inner()).insert(key, Instant::now() + PAUSE);
+                        why_not.push(e);
+                    }
+                }
+            }
+            if !usable.is_empty() {
+                break;
+            }
+        }
+        if usable.is_empty() {
+            let why = why_not.join("; ");
+            for _ in 0..slices {
+                piece.slice_end(Err((FailKind::Failed, FailCause::PeerUnreachable, why.clone())));
+            }
+            return;
+        }
+        // Slice i goes over usable pair i % n; each pair's slices are posted in chains.
+        let n_use = usable.len();
+        for (k, (nic, ep, rkey)) in usable.iter().enumerate() {
+            let (nic, rkey) = (*nic, rkey);
+            let mine: Vec<usize> = (k..slices).step_by(n_use).collect();
             for chain in mine.chunks(CHAIN) {
                 if !ep.acquire(chain.len() as u32, deadline) {
                     for _ in chain {
