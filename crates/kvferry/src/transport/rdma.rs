@@ -34,7 +34,7 @@
 //! Checked against a stock Mooncake engine in the Soft-RoCE VM, both directions
 //! (`examples/rdma_mooncake`).
 //!
-//! A NIC pair that cannot be connected is paused for [`PAUSE`] (tried again only when no other
+//! A NIC pair that cannot be connected is paused for 30 s (tried again only when no other
 //! pair works); its slices go over the pairs that connect.
 //!
 //! Not yet: retrying a slice whose completion failed on another NIC pair, endpoint eviction,
@@ -60,6 +60,8 @@ pub const SLICE: u64 = 64 << 10;
 const MAX_WR: u32 = 256;
 /// Work requests in flight per QP (below [`MAX_WR`]).
 pub const MAX_OUTSTANDING: u32 = 128;
+/// Completion queue entries per NIC (Mooncake's `MC_MAX_CQE_PER_CTX` default).
+const CQ_DEPTH: u32 = 4096;
 /// Work requests posted with one doorbell.
 const CHAIN: usize = 16;
 /// How often pollers look at deadlines and at shutdown.
@@ -99,6 +101,8 @@ struct Nic {
     gid: [u8; 16],
     /// Work requests posted on this NIC's QPs whose completion has not arrived, by `wr_id`.
     inflight: Mutex<HashMap<u64, Slice>>,
+    /// At most [`CQ_DEPTH`] of them: the shared CQ never overruns, however many endpoints.
+    credits: Credits,
     _ctx: Context,
 }
 
@@ -139,8 +143,8 @@ struct Endpoint {
     qps: Vec<Qp>,
     next_qp: AtomicUsize,
     key: EpKey,
-    outstanding: Mutex<u32>,
-    freed: Condvar,
+    /// At most [`MAX_OUTSTANDING`] work requests in flight.
+    credits: Credits,
     /// Moved to the error state because a slice passed its deadline: its flushed slices end
     /// TIMEOUT.
     expired: AtomicBool,
@@ -149,17 +153,28 @@ struct Endpoint {
 /// (peer segment, local NIC index, peer NIC name).
 type EpKey = (String, usize, String);
 
-impl Endpoint {
+/// A bound on work requests in flight (an endpoint's, or a NIC's: its CQ must never overrun).
+struct Credits {
+    used: Mutex<u32>,
+    freed: Condvar,
+    max: u32,
+}
+
+impl Credits {
+    fn new(max: u32) -> Credits {
+        Credits { used: Mutex::new(0), freed: Condvar::new(), max }
+    }
+
     fn release(&self, n: u32) {
-        let mut o = self.outstanding.lock().unwrap_or_else(|e| e.into_inner());
+        let mut o = self.used.lock().unwrap_or_else(|e| e.into_inner());
         *o = o.saturating_sub(n);
         self.freed.notify_all();
     }
 
     /// Waits until `n` more work requests may be posted; false at `deadline`.
     fn acquire(&self, n: u32, deadline: Instant) -> bool {
-        let mut o = self.outstanding.lock().unwrap_or_else(|e| e.into_inner());
-        while *o + n > MAX_OUTSTANDING {
+        let mut o = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        while *o + n > self.max {
             let now = Instant::now();
             if now >= deadline {
                 return false;
@@ -240,8 +255,8 @@ impl RdmaTransport {
                 let attr = ctx.query_port(PORT)?;
                 let gid = ctx.query_gid(PORT, gid_index)?;
                 let pd = ctx.alloc_pd()?;
-                let cq = ctx.create_cq(4096)?;
-                Ok(Nic { name: n.name.clone(), pd, cq, attr, gid_index, gid, inflight: Mutex::default(), _ctx: ctx })
+                let cq = ctx.create_cq(CQ_DEPTH)?;
+                Ok(Nic { name: n.name.clone(), pd, cq, attr, gid_index, gid, inflight: Mutex::default(), credits: Credits::new(CQ_DEPTH), _ctx: ctx })
             })();
             match opened {
                 Ok(nic) => nics.push(nic),
@@ -425,7 +440,7 @@ impl Shared {
             qp.connect(path, &RemoteQp { qp_num: remote, lid: r.local_lid, gid }).map_err(|e| e.to_string())?;
         }
         tracing::debug!(peer = %peer_path, local = %n.name, remote_qps = ?r.qp_num, "RDMA: connected");
-        let ep = Arc::new(Endpoint { qps, next_qp: AtomicUsize::new(0), key: key.clone(), outstanding: Mutex::new(0), freed: Condvar::new(), expired: AtomicBool::new(false) });
+        let ep = Arc::new(Endpoint { qps, next_qp: AtomicUsize::new(0), key: key.clone(), credits: Credits::new(MAX_OUTSTANDING), expired: AtomicBool::new(false) });
         self.endpoints.lock().unwrap_or_else(|e| e.into_inner()).insert(key, Arc::clone(&ep));
         Ok(ep)
     }
@@ -542,9 +557,18 @@ impl Shared {
             let (nic, rkey) = (*nic, rkey);
             let mine: Vec<usize> = (k..slices).step_by(n_use).collect();
             for chain in mine.chunks(CHAIN) {
-                if !ep.acquire(chain.len() as u32, deadline) {
+                let n = chain.len() as u32;
+                let nic_credits = &self.nics[nic].credits;
+                if !ep.credits.acquire(n, deadline) {
                     for _ in chain {
-                        piece.slice_end(Err((FailKind::Timeout, FailCause::Timeout, format!("{} work requests already in flight on {} at the deadline", MAX_OUTSTANDING, self.nics[nic].name))));
+                        piece.slice_end(Err((FailKind::Timeout, FailCause::Timeout, format!("{MAX_OUTSTANDING} work requests already in flight to the peer on {} at the deadline", self.nics[nic].name))));
+                    }
+                    continue;
+                }
+                if !nic_credits.acquire(n, deadline) {
+                    ep.credits.release(n);
+                    for _ in chain {
+                        piece.slice_end(Err((FailKind::Timeout, FailCause::Timeout, format!("{CQ_DEPTH} work requests already in flight on {} at the deadline", self.nics[nic].name))));
                     }
                     continue;
                 }
@@ -578,7 +602,8 @@ impl Shared {
                         }
                     }
                     drop(inflight);
-                    ep.release((ids.len() - posted) as u32);
+                    ep.credits.release((ids.len() - posted) as u32);
+                    nic_credits.release((ids.len() - posted) as u32);
                     self.forget(&ep);
                 }
             }
@@ -591,7 +616,8 @@ impl Shared {
             tracing::debug!("RDMA: completion for unknown work request {}", wc.wr_id);
             return;
         };
-        s.ep.release(1);
+        s.ep.credits.release(1);
+        self.nics[nic].credits.release(1);
         match wc.result(&self.nics[nic].name) {
             Ok(()) => s.piece.slice_end(Ok(())),
             Err(e) => {
@@ -834,6 +860,24 @@ mod tests {
         assert_eq!(pick(&d, "rxe0", "cpu:0"), Some((0, "mlx5_0".into())), "a preferred NIC it does not list is not guessed");
         d.devices.clear();
         assert_eq!(pick(&d, "rxe0", "cpu:0"), None);
+    }
+
+    #[test]
+    fn credits_bound_what_is_in_flight_and_waits_end_at_the_deadline() {
+        let c = Arc::new(Credits::new(4));
+        let soon = Instant::now() + Duration::from_millis(50);
+        assert!(c.acquire(3, soon) && c.acquire(1, soon));
+        let t = Instant::now();
+        assert!(!c.acquire(1, soon), "full: waits for the deadline, then says no");
+        assert!(t.elapsed() >= Duration::from_millis(40) && t.elapsed() < Duration::from_secs(2));
+        let c2 = Arc::clone(&c);
+        let freer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            c2.release(2);
+        });
+        assert!(c.acquire(2, Instant::now() + Duration::from_secs(5)), "a release wakes the waiter");
+        freer.join().unwrap();
+        assert!(!c.acquire(5, Instant::now()), "more than the bound: never");
     }
 
     #[test]
