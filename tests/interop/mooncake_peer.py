@@ -37,8 +37,10 @@ local_hostname, which is then the segment name (target prints it as "segment");
 MC_TCP_BIND_ADDRESS defaults to 127.0.0.1 so the published address is loopback. Without
 ``--metadata`` the peer uses P2PHANDSHAKE as before.
 
-Environment: MC_FORCE_TCP defaults to 1 here (set before Mooncake is imported); every
-other variable (MC_TCP_PROTO, MC_TCP_ENABLE_CONNECTION_POOL, ...) is passed through as is.
+Environment: MC_FORCE_TCP defaults to 1 here (set before Mooncake is imported), unless
+KVFERRY_PEER_PROTOCOL=rdma, which initializes Mooncake with protocol "rdma" (its RDMA transport,
+every NIC it finds) for the RDMA interop check; KVFERRY_PEER_HOST replaces 127.0.0.1 as the
+address it advertises. Every other variable (MC_TCP_PROTO, MC_TCP_ENABLE_CONNECTION_POOL, ...) is passed through as is.
 stdout carries only the JSON lines: native code that prints to fd 1 is redirected to stderr,
 where Mooncake's glog output also goes.
 """
@@ -52,7 +54,8 @@ import os
 import sys
 import time
 
-HOST = "127.0.0.1"
+HOST = os.environ.get("KVFERRY_PEER_HOST", "127.0.0.1")
+PROTOCOL = os.environ.get("KVFERRY_PEER_PROTOCOL", "tcp")
 _BLOCK = 4096  # the pattern's (i >> 12) term changes every 4096 bytes; 4096 % 256 == 0
 
 # ---------------------------------------------------------------------------------------
@@ -121,13 +124,14 @@ _META = {"server": "P2PHANDSHAKE", "name": HOST}
 
 
 def _new_engine():
-    os.environ.setdefault("MC_FORCE_TCP", "1")
+    if PROTOCOL == "tcp":
+        os.environ.setdefault("MC_FORCE_TCP", "1")
     if _META["server"] != "P2PHANDSHAKE":
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", HOST)
     from mooncake.engine import TransferEngine  # import after the env is set
 
     te = TransferEngine()
-    ret = te.initialize(_META["name"], _META["server"], "tcp", "")
+    ret = te.initialize(_META["name"], _META["server"], PROTOCOL, "")
     if ret != 0:
         raise SystemExit("mooncake_peer: TransferEngine.initialize failed: %r" % (ret,))
     return te

@@ -65,8 +65,9 @@ pub struct BenchArgs {
     #[arg(long)]
     json_peers: Option<PathBuf>,
     /// Data paths to measure, in order: `auto` (shared memory when the target is on this host,
-    /// else TCP), `tcp`, `shm`; e.g. `--transport shm,tcp` puts both in one report. On a
-    /// target: `tcp` offers no shared memory.
+    /// else TCP), `tcp`, `shm`, `rdma` (one-sided verbs; both sides need a usable NIC); e.g.
+    /// `--transport shm,tcp` puts both in one report. On a target: `tcp` offers no shared
+    /// memory, `rdma` registers its buffer on every RDMA NIC (and fails without one).
     #[arg(long, default_value = "auto", value_delimiter = ',', value_parser = parse_transport)]
     transport: Vec<TransportMode>,
     /// Back the registered buffers (and the memcpy ceiling's) with transparent huge pages
@@ -133,8 +134,20 @@ fn engine_config(a: &BenchArgs) -> Result<Config, String> {
 // Target
 // ------------------------------------------------------------------------------------------
 
+/// The target's transport: `rdma` when RDMA is among those measured (its descriptor then
+/// carries RDMA keys; TCP still reaches it), else `tcp` when only TCP is, else `auto`.
+fn target_mode(asked: &[TransportMode]) -> TransportMode {
+    if asked.contains(&TransportMode::Rdma) {
+        TransportMode::Rdma
+    } else if asked.iter().all(|t| *t == TransportMode::Tcp) {
+        TransportMode::Tcp
+    } else {
+        TransportMode::Auto
+    }
+}
+
 fn run_target(a: &BenchArgs) -> Result<(), String> {
-    let mode = if a.transport.iter().all(|t| *t == TransportMode::Tcp) { TransportMode::Tcp } else { TransportMode::Auto };
+    let mode = target_mode(&a.transport);
     let engine = TransferEngine::new(Config { transport: mode, ..engine_config(a)? }).map_err(|e| e.to_string())?;
     let buf = Buffer::alloc(a.buffer_size as usize, a.hugepages, a.memory == "kvferry").map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
     buf.fill(0, buf.len(), 0x5eed);
@@ -177,8 +190,12 @@ fn run_target(a: &BenchArgs) -> Result<(), String> {
 }
 
 fn spawn_target(a: &BenchArgs) -> Result<(Child, String), String> {
+    let mode = match target_mode(&a.transport) {
+        TransportMode::Rdma => "rdma",
+        _ => "auto",
+    };
     let mut child = crate::self_command()?
-        .args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", &a.local_hostname, "--buffer-size", &a.buffer_size.to_string(), "--transport", "auto", "--hugepages", if a.hugepages { "on" } else { "off" }, "--memory", &a.memory])
+        .args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", &a.local_hostname, "--buffer-size", &a.buffer_size.to_string(), "--transport", mode, "--hugepages", if a.hugepages { "on" } else { "off" }, "--memory", &a.memory])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()

@@ -42,7 +42,9 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_REDIS_USERNAME", aliases: &["MC_REDIS_USERNAME"], default: "(none)", doc: "Redis user for `AUTH` (the `redis://user:pass@` URL form wins)" },
     EnvVar { name: "KVFERRY_REDIS_PASSWORD", aliases: &["MC_REDIS_PASSWORD"], default: "(none)", doc: "Redis password for `AUTH` (the URL form wins)" },
     EnvVar { name: "KVFERRY_REDIS_DB_INDEX", aliases: &["MC_REDIS_DB_INDEX"], default: "0", doc: "Redis database (0-255; the `redis://host:port/db` URL form wins)" },
-    EnvVar { name: "KVFERRY_TRANSPORT", aliases: &[], default: "auto", doc: "data path to peers: `auto` (shared memory to kvferry peers on this host that allow it: their kvferry-allocated memory mapped, other memory by cross-memory attach; TCP otherwise), `tcp` (never shared memory; this engine then also offers none), `shm` (shared memory only; requests to other peers fail with the reason)" },
+    EnvVar { name: "KVFERRY_TRANSPORT", aliases: &[], default: "auto", doc: "data path to peers: `auto` (shared memory to kvferry peers on this host that allow it: their kvferry-allocated memory mapped, other memory by cross-memory attach; TCP otherwise), `tcp` (never shared memory; this engine then also offers none), `shm` (shared memory only; requests to other peers fail with the reason), `rdma` (one-sided RDMA verbs only: the engine does not start without a usable NIC, requests to peers without RDMA fail with the reason)" },
+    EnvVar { name: "KVFERRY_RDMA_DEVICES", aliases: &["MC_TE_FILTERS"], default: "every device with an active port", doc: "RDMA: comma-separated device names to use (e.g. `mlx5_0,mlx5_1`)" },
+    EnvVar { name: "KVFERRY_GID_INDEX", aliases: &["MC_GID_INDEX"], default: "automatic (RoCE v2, IPv4-mapped first)", doc: "RDMA: GID index to use on every NIC; an index that does not exist is an error, never silently replaced" },
     EnvVar { name: "KVFERRY_SHM_THREADS", aliases: &[], default: "CPUs, at most 4", doc: "threads copying queued shared-memory requests (requests over 1 MiB are cut into 1 MiB pieces spread over them; 1-64)" },
     EnvVar { name: "KVFERRY_STORE_CLIENT_MIN_PORT", aliases: &["MC_STORE_CLIENT_MIN_PORT"], default: "12300", doc: "store client with central metadata and a local_hostname without a port: lowest port bound and appended to the hostname (`host:port` is then its segment name)" },
     EnvVar { name: "KVFERRY_STORE_CLIENT_MAX_PORT", aliases: &["MC_STORE_CLIENT_MAX_PORT"], default: "14300", doc: "highest such port" },
@@ -100,6 +102,10 @@ pub struct Config {
     pub transport: TransportMode,
     /// Shared-memory copy threads; 0 means the number of CPUs, at most 4.
     pub shm_threads: usize,
+    /// RDMA devices to use (`KVFERRY_RDMA_DEVICES`); `None`: every device with an active port.
+    pub rdma_devices: Option<Vec<String>>,
+    /// RDMA GID index (`MC_GID_INDEX`); `None`: chosen per NIC.
+    pub gid_index: Option<u32>,
 }
 
 impl Default for Config {
@@ -131,6 +137,8 @@ impl Default for Config {
             handshake_connect_timeout: Duration::from_secs(5),
             transport: TransportMode::Auto,
             shm_threads: 0,
+            rdma_devices: None,
+            gid_index: None,
         }
     }
 }
@@ -217,7 +225,13 @@ impl Config {
         if let Some(d) = seconds(get, "KVFERRY_HANDSHAKE_CONNECT_TIMEOUT")? {
             c.handshake_connect_timeout = d;
         }
-        if let Some(t) = parse(get, "KVFERRY_TRANSPORT", "auto, tcp or shm")? {
+        if let Some((_, v)) = lookup(get, "KVFERRY_RDMA_DEVICES") {
+            c.rdma_devices = Some(v.split(',').map(|d| d.trim().to_string()).filter(|d| !d.is_empty()).collect());
+        }
+        if let Some(n) = parse(get, "KVFERRY_GID_INDEX", "a GID index (0-255)")? {
+            c.gid_index = Some(n);
+        }
+        if let Some(t) = parse(get, "KVFERRY_TRANSPORT", "auto, tcp, shm or rdma")? {
             c.transport = t;
         }
         if let Some(n) = parse(get, "KVFERRY_SHM_THREADS", "a number of threads")? {
@@ -378,8 +392,12 @@ mod tests {
         assert_eq!(cfg(&[]).unwrap().transport, TransportMode::Auto);
         assert_eq!(cfg(&[("KVFERRY_TRANSPORT", "TCP")]).unwrap().transport, TransportMode::Tcp);
         assert_eq!(cfg(&[("KVFERRY_TRANSPORT", "shm"), ("KVFERRY_SHM_THREADS", "3")]).unwrap().shm_threads, 3);
-        let e = cfg(&[("KVFERRY_TRANSPORT", "rdma")]).unwrap_err().to_string();
-        assert!(e.contains("KVFERRY_TRANSPORT") && e.contains("auto, tcp or shm"), "{e}");
+        assert_eq!(cfg(&[("KVFERRY_TRANSPORT", "rdma")]).unwrap().transport, TransportMode::Rdma);
+        let e = cfg(&[("KVFERRY_TRANSPORT", "verbs")]).unwrap_err().to_string();
+        assert!(e.contains("KVFERRY_TRANSPORT") && e.contains("auto, tcp, shm or rdma"), "{e}");
+        let c = cfg(&[("MC_GID_INDEX", "3"), ("KVFERRY_RDMA_DEVICES", "mlx5_0, mlx5_1")]).unwrap();
+        assert_eq!((c.gid_index, c.rdma_devices), (Some(3), Some(vec!["mlx5_0".to_string(), "mlx5_1".to_string()])));
+        assert!(cfg(&[("MC_GID_INDEX", "x")]).is_err());
         assert!(cfg(&[("KVFERRY_SHM_THREADS", "65")]).is_err());
     }
 

@@ -7,6 +7,7 @@ use crate::handshake::{self, HandshakeServer};
 use crate::memory::{MemoryRegistry, Region};
 use crate::metadata::{Directory, Keys, RpcMeta, StoreOptions};
 use crate::transport::local::LocalTransport;
+use crate::transport::rdma::{RdmaOptions, RdmaTransport};
 use crate::transport::shm::{self, ShmOptions, ShmTransport, TransportMode};
 use crate::transport::tcp::{TcpOptions, TcpTransport};
 use crate::transport::{Peer, Piece, Transport};
@@ -58,6 +59,8 @@ struct Inner {
     tcp: Arc<TcpTransport>,
     /// Same-host peers: mapped shared memory or cross-memory attach.
     shm: Arc<ShmTransport>,
+    /// One-sided RDMA (`KVFERRY_TRANSPORT=rdma`).
+    rdma: Option<Arc<RdmaTransport>>,
     /// The transports to peers, in order of preference (by `KVFERRY_TRANSPORT`): a peer's
     /// pieces go to the first that can reach it.
     transports: Vec<Arc<dyn Transport>>,
@@ -193,10 +196,18 @@ impl TransferEngine {
         )
         .map_err(|e| Error::io("starting the TCP data server", e))?;
         let shm = Arc::new(ShmTransport::new(ShmOptions { name: name.clone(), mode: config.transport, threads: config.shm_threads }));
+        let rdma = match config.transport {
+            TransportMode::Rdma => Some(Arc::new(
+                RdmaTransport::new(RdmaOptions { segment: name.clone(), devices: config.rdma_devices.clone(), gid_index: config.gid_index })
+                    .map_err(|why| Error::Config(format!("KVFERRY_TRANSPORT=rdma, but {why}")))?,
+            )),
+            _ => None,
+        };
         let transports: Vec<Arc<dyn Transport>> = match config.transport {
             TransportMode::Auto => vec![Arc::clone(&shm) as Arc<dyn Transport>, Arc::clone(&tcp) as Arc<dyn Transport>],
             TransportMode::Tcp => vec![Arc::clone(&tcp) as Arc<dyn Transport>],
             TransportMode::Shm => vec![Arc::clone(&shm) as Arc<dyn Transport>],
+            TransportMode::Rdma => rdma.iter().map(|r| Arc::clone(r) as Arc<dyn Transport>).collect(),
         };
         let inner = Arc::new_cyclic(|weak: &Weak<Inner>| {
             let w = weak.clone();
@@ -204,6 +215,19 @@ impl TransferEngine {
                 Some(inner) => inner.refresh_peer(peer),
                 None => Err("the engine shut down".into()),
             }));
+            if let Some(r) = &rdma {
+                let w = weak.clone();
+                r.set_refresh(Box::new(move |peer: &Arc<Peer>| match w.upgrade() {
+                    Some(inner) => inner.refresh_peer(peer),
+                    None => Err("the engine shut down".into()),
+                }));
+                let w = weak.clone();
+                r.set_connector(Box::new(move |peer: &Peer, body: &[u8]| {
+                    let inner = w.upgrade().ok_or("the engine shut down")?;
+                    let (h, p) = inner.rpc_addr(&peer.name).map_err(|e| e.to_string())?;
+                    inner.request(&h, p, MsgType::Connection, body).map(|f| f.body).map_err(|e| e.to_string())
+                }));
+            }
             let w = weak.clone();
             let handler: handshake::Handler = Arc::new(move |f: &Frame| match w.upgrade() {
                 Some(inner) => inner.on_handshake(f),
@@ -216,6 +240,7 @@ impl TransferEngine {
                 name: name.clone(),
                 local: LocalTransport::new(Arc::clone(&memory)),
                 shm,
+                rdma,
                 transports,
                 memory,
                 tcp,
@@ -290,7 +315,8 @@ impl TransferEngine {
     pub fn register_memory_batch(&self, ranges: &[(u64, u64)], location: &str) -> Result<()> {
         let regions = self.inner.memory.register_batch(ranges, location)?;
         for r in &regions {
-            if let Err(e) = self.inner.tcp.on_register(r) {
+            let registered = self.inner.tcp.on_register(r).and_then(|()| self.inner.rdma.as_ref().map_or(Ok(()), |t| t.on_register(r)));
+            if let Err(e) = registered {
                 let _ = self.inner.memory.unregister_batch(&regions.iter().map(|r| r.addr).collect::<Vec<_>>());
                 return Err(e);
             }
@@ -317,6 +343,10 @@ impl TransferEngine {
             // Each waits until no peer can reach the range through it any more.
             self.inner.tcp.on_unregister(r);
             self.inner.shm.on_unregister(r);
+            // After the registry waited for our posted work requests: deregister the MRs.
+            if let Some(t) = &self.inner.rdma {
+                t.on_unregister(r);
+            }
         }
         // The memory is withdrawn whatever the service says; a failed update is retried by
         // the metadata keeper.
@@ -556,10 +586,16 @@ impl Drop for TransferEngine {
         self.inner.handshake.shutdown();
         self.inner.tcp.shutdown();
         self.inner.shm.shutdown();
+        if let Some(t) = &self.inner.rdma {
+            t.shutdown();
+        }
         // The barrier: revoke every range and wait for whatever still holds one (a server
         // thread mid-request, a lane thread mid-receive, a copy job).
         for r in self.inner.memory.unregister_all() {
             self.inner.tcp.on_unregister(&r);
+            if let Some(t) = &self.inner.rdma {
+                t.on_unregister(&r);
+            }
         }
     }
 }
@@ -577,6 +613,9 @@ impl Inner {
             .map(|r| BufferDesc { name: r.location, addr: r.addr, length: r.len, rkey: vec![], lkey: vec![], extra: Default::default() })
             .collect();
         self.tcp.describe(&mut d);
+        if let Some(t) = &self.rdma {
+            t.describe(&mut d);
+        }
         if let Some(v) = shm.and_then(|info| shm::publish(info, &d.buffers)) {
             d.extra.insert(shm::FIELD.into(), v);
         }
@@ -606,6 +645,7 @@ impl Inner {
                 }
             }
             MsgType::Probe => br#"{"status":"success"}"#.to_vec(),
+            MsgType::Connection if self.rdma.is_some() => self.rdma.as_ref().map(|t| t.on_connection(&f.body)).unwrap_or_default(),
             MsgType::Connection => serde_json::json!({
                 "reply_msg": "kvferry: this engine has no RDMA transport; use TCP (publish protocol \"tcp\")",
             })

@@ -41,6 +41,8 @@ pub enum Error {
     Io { context: String, source: std::io::Error },
     #[error("the engine is shut down")]
     Shutdown,
+    #[error("RDMA: {0}")]
+    Rdma(String),
     #[error("metadata service {backend} at {location}: {reason}")]
     Metadata { backend: &'static str, location: String, reason: String },
     #[error("segment {name} is not registered in {backend} ({location}): key {key} is absent; check the name (in central metadata mode a segment is named by its engine's local_hostname, exactly) and that the peer uses the same metadata server and cluster id")]
@@ -62,7 +64,7 @@ impl Error {
             Error::NotRegistered { .. } | Error::LocalNotRegistered { .. } | Error::RemoteNotRegistered { .. } => -3,
             Error::BatchBusy { .. } => -4,
             Error::Overlap { .. } => -7,
-            Error::Bind { .. } | Error::Io { .. } => -102,
+            Error::Bind { .. } | Error::Io { .. } | Error::Rdma(_) => -102,
             Error::Wire { .. } => -103,
             Error::Handshake { .. } => -104,
             Error::SegmentNotFound { .. } | Error::UnknownSegmentId(_) => -200,

@@ -8,7 +8,7 @@
 //!
 //! It is **not** a store (that is `kvferry-store`), not a command-line tool (that is
 //! `kvferry-cli`) and not the Python binding (`kvferry-python`). It never links a
-//! library a host may lack: RDMA and CUDA, when they come, are loaded at run time.
+//! library a host may lack: RDMA verbs ([`rdma`]) and CUDA ([`gpu`]) are loaded at run time.
 //!
 //! Guarantees:
 //! - A request is COMPLETED only once its bytes are in the destination's memory.

@@ -483,3 +483,39 @@ fn many_threads_submit_at_once() {
         assert_eq!(&p.bbuf[base..base + 4 * 65536], &p.abuf[base..base + 4 * 65536]);
     }
 }
+
+/// `KVFERRY_TRANSPORT=rdma` never falls back silently: without a usable NIC the engine does not
+/// start and says why (this host, CI); with one, it publishes an RDMA descriptor. The transfers
+/// themselves are proved on Soft-RoCE in the VM (`scripts/test`: examples/rdma_engines).
+#[test]
+fn rdma_mode_starts_only_with_a_usable_nic_and_says_why_not() {
+    let cfg = Config { transport: kvferry::config::TransportMode::Rdma, ..Config::default() };
+    let probe = kvferry::rdma::probe();
+    match (TransferEngine::new(cfg), probe.why_not()) {
+        (Err(e), Some(why)) => {
+            let e = e.to_string();
+            assert!(e.contains("KVFERRY_TRANSPORT=rdma, but") && e.contains(&why), "{e}");
+        }
+        (Ok(engine), None) => {
+            let buf = vec![0u8; 1 << 20];
+            engine.register_memory(buf.as_ptr() as u64, buf.len() as u64, "cpu:0").unwrap();
+            let d = engine.local_descriptor();
+            assert!(d.protocol.contains("rdma") && !d.devices.is_empty());
+            assert_eq!(d.buffers[0].rkey.len(), d.devices.len());
+            engine.unregister_memory(buf.as_ptr() as u64).unwrap();
+        }
+        // A NIC that probes usable but cannot be opened (permissions): the error says so.
+        (Err(e), None) => assert!(e.to_string().contains("KVFERRY_TRANSPORT=rdma, but"), "{e}"),
+        (Ok(_), Some(why)) => panic!("started in rdma mode although {why}"),
+    }
+}
+
+/// An engine without RDMA refuses a `Connection` message with a reason, as Mooncake expects.
+#[test]
+fn a_connection_message_to_an_engine_without_rdma_is_refused_with_a_reason() {
+    let e = engine();
+    let body = br#"{"local_nic_path":"10.0.0.1:1@mlx5_0","local_lid":0,"local_gid":"00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:01","peer_nic_path":"x:1@mlx5_0","qp_num":[5]}"#;
+    let reply = kvferry::handshake::request("127.0.0.1", e.rpc_port(), MsgType::Connection, body, Duration::from_secs(2), Duration::from_secs(5), 1 << 20).unwrap();
+    let m: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
+    assert!(m["reply_msg"].as_str().is_some_and(|r| r.contains("no RDMA transport")), "{m}");
+}

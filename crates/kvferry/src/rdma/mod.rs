@@ -1,11 +1,13 @@
-//! RDMA on this host: what is there, found at run time (no build-time verbs dependency).
+//! RDMA on this host, found and driven at run time (no build-time verbs dependency).
 //!
-//! This module is the groundwork of the RDMA transport (issue 12), not the transport: it
-//! loads `libibverbs.so.1` with `dlopen` when asked ([`verbs::Verbs`]), so a host without
-//! rdma-core runs every other transport and is told why RDMA is absent, and it reads the
-//! NICs, their ports, rates and GIDs from sysfs ([`sysfs`]), which needs no library at all.
-//! It never opens a device, registers memory or creates a queue pair.
+//! This module loads `libibverbs.so.1` with `dlopen` when asked ([`verbs::Verbs`]), so a host
+//! without rdma-core runs every other transport and is told why RDMA is absent; it reads the
+//! NICs, their ports, rates and GIDs from sysfs ([`sysfs`]), which needs no library at all; and
+//! it owns the verbs objects the RDMA transport is built on ([`verbs::Context`], [`verbs::Pd`],
+//! [`verbs::Mr`], [`verbs::Cq`], [`verbs::Qp`]; their C layouts in [`ffi`]). [`probe`] never
+//! opens a device, registers memory or creates a queue pair.
 
+pub mod ffi;
 pub mod sysfs;
 pub mod verbs;
 

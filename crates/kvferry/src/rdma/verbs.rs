@@ -1,34 +1,172 @@
 //! `libibverbs.so.1`, loaded at run time with `dlopen` (through `libloading`): a table of the
-//! few entry points used so far, each resolved once. Nothing links verbs at build time, so a
-//! wheel or binary carries no `DT_NEEDED` on it and starts on any host.
+//! entry points used, each resolved once, and safe owners of the verbs objects built on them.
+//! Nothing links verbs at build time, so a wheel or binary carries no `DT_NEEDED` on it and
+//! starts on any host.
+//!
+//! Objects: [`Context`] (an opened device) → [`Pd`] → [`Mr`] (registered memory); [`Cq`] (a
+//! completion queue with its completion channel) and [`Qp`] (an RC queue pair). Each holds a
+//! reference to what it was made from, so destruction always runs child first (QP, CQ, channel,
+//! MR, PD, device) whatever order the caller drops them in. Every failure is a [`VerbsError`]
+//! that names the call, the device, the cause and the fix; completions with an error status
+//! become [`WcError`], named (`IBV_WC_RETRY_EXC_ERR`, ...) and explained.
+//!
+//! The data path (`post_send`, `poll_cq`, `req_notify_cq`) is `static inline` in verbs.h and
+//! goes through the context's ops table ([`super::ffi::ibv_context_ops`]), as the header does.
 
+use super::ffi::*;
 use libloading::Library;
-use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::io;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// The soname loaded by default (rdma-core's stable ABI).
 pub const LIBRARY: &str = "libibverbs.so.1";
 
-/// Why the verbs library cannot be used.
+/// Why a verbs operation failed, with what to do about it.
 #[derive(Debug, thiserror::Error)]
 pub enum VerbsError {
     #[error("{path} cannot be loaded ({why}): RDMA is unavailable on this host; install rdma-core's user-space library and providers (Debian/Ubuntu: apt install libibverbs1 ibverbs-providers; RHEL: dnf install libibverbs) or use the tcp transport")]
     Missing { path: String, why: String },
     #[error("{path} has no symbol {symbol} ({why}): this rdma-core is too old or not libibverbs; install rdma-core >= 28")]
     Symbol { path: String, symbol: &'static str, why: String },
+    #[error("no RDMA device named {name:?} (found: {found}): check the name with `ibv_devices` or `rdma link show`, and the device filter")]
+    NoDevice { name: String, found: String },
+    #[error("{call} on {device} failed: {source}; {fix}")]
+    Call { call: &'static str, device: String, source: io::Error, fix: String },
+    #[error("ibv_post_send on {device} failed after posting {posted} of {total} work requests: {source}; {fix}")]
+    Post { device: String, posted: usize, total: usize, source: io::Error, fix: String },
+    #[error("invalid work request on {device}: {what}")]
+    Invalid { device: String, what: String },
+    #[error("no completion on {device} within {waited:?}: the peer's NIC does not answer (peer gone, or a path that drops packets: check the GID index and MTU on both sides, and that the peer is alive)")]
+    Timeout { device: String, waited: Duration },
+    #[error(transparent)]
+    Completion(#[from] WcError),
 }
 
-type GetDeviceList = unsafe extern "C" fn(*mut c_int) -> *mut *mut c_void;
-type FreeDeviceList = unsafe extern "C" fn(*mut *mut c_void);
-type GetDeviceName = unsafe extern "C" fn(*mut c_void) -> *const c_char;
+/// A work completion whose status is not success.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("work request {wr_id} on {device} QP {qp_num} failed: {name} ({meaning}; vendor error {vendor_err:#x})")]
+pub struct WcError {
+    pub device: String,
+    pub wr_id: u64,
+    pub qp_num: u32,
+    /// The `ibv_wc_status` value.
+    pub status: u32,
+    /// Its name in verbs.h, e.g. `IBV_WC_RETRY_EXC_ERR`.
+    pub name: &'static str,
+    /// What it means and what to check.
+    pub meaning: &'static str,
+    pub vendor_err: u32,
+}
+
+/// `enum ibv_wc_status`: each status's name and what it means for the caller.
+pub fn wc_status(status: u32) -> (&'static str, &'static str) {
+    match status {
+        0 => ("IBV_WC_SUCCESS", "success"),
+        1 => ("IBV_WC_LOC_LEN_ERR", "local length error: a scatter/gather entry is longer than the message allows"),
+        2 => ("IBV_WC_LOC_QP_OP_ERR", "local QP operation error: the work request is malformed or exceeds the QP's limits"),
+        3 => ("IBV_WC_LOC_EEC_OP_ERR", "local EE context operation error"),
+        4 => ("IBV_WC_LOC_PROT_ERR", "local protection error: the local buffer is not inside a live memory region with this lkey (deregistered, or the wrong PD)"),
+        5 => ("IBV_WC_WR_FLUSH_ERR", "flushed: the QP went to the error state because of an earlier failure; this request was not executed"),
+        6 => ("IBV_WC_MW_BIND_ERR", "memory window bind error"),
+        7 => ("IBV_WC_BAD_RESP_ERR", "bad response from the peer's NIC"),
+        8 => ("IBV_WC_LOC_ACCESS_ERR", "local access error: the local memory region does not allow this access (LOCAL_WRITE missing for a READ)"),
+        9 => ("IBV_WC_REM_INV_REQ_ERR", "remote invalid request: the peer refused the request (length over its limit, or an operation its QP does not allow)"),
+        10 => ("IBV_WC_REM_ACCESS_ERR", "remote access error: the rkey is wrong or the remote range is outside the peer's registered memory (or it was deregistered); re-read the peer's segment descriptor"),
+        11 => ("IBV_WC_REM_OP_ERR", "remote operation error: the peer's NIC could not complete the operation"),
+        12 => ("IBV_WC_RETRY_EXC_ERR", "transport retry counter exceeded: the peer's QP is gone or the path is wrong; check GID index / MTU, and that the peer process is alive"),
+        13 => ("IBV_WC_RNR_RETRY_EXC_ERR", "receiver-not-ready retry counter exceeded: the peer posted no receive buffer"),
+        14 => ("IBV_WC_LOC_RDD_VIOL_ERR", "local RDD violation"),
+        15 => ("IBV_WC_REM_INV_RD_REQ_ERR", "remote invalid RD request"),
+        16 => ("IBV_WC_REM_ABORT_ERR", "remote aborted the operation"),
+        17 => ("IBV_WC_INV_EECN_ERR", "invalid EE context number"),
+        18 => ("IBV_WC_INV_EEC_STATE_ERR", "invalid EE context state"),
+        19 => ("IBV_WC_FATAL_ERR", "fatal error of the NIC: check `dmesg` and the device's health"),
+        20 => ("IBV_WC_RESP_TIMEOUT_ERR", "response timeout: the peer did not answer"),
+        21 => ("IBV_WC_GENERAL_ERR", "general error of the NIC"),
+        22 => ("IBV_WC_TM_ERR", "tag matching error"),
+        23 => ("IBV_WC_TM_RNDV_INCOMPLETE", "tag matching rendezvous incomplete"),
+        _ => ("IBV_WC_UNKNOWN", "a status this build does not know"),
+    }
+}
+
+/// What to do when `call` failed with `e` (the errno the library reported).
+fn fix(call: &str, e: &io::Error, detail: &str) -> String {
+    let errno = e.raw_os_error().unwrap_or(0);
+    match (call, errno) {
+        ("ibv_open_device", libc::EACCES | libc::EPERM) => {
+            "the device file (/dev/infiniband/uverbs*) is not accessible: run as root or as a member of the group that owns it (often `rdma`)".into()
+        }
+        ("ibv_reg_mr", libc::ENOMEM | libc::EAGAIN) => {
+            let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock);
+            let lim = |v: Option<u64>| v.map_or("unlimited".to_string(), |v| format!("{v} bytes"));
+            format!(
+                "{detail}: pinning it exceeds the locked-memory limit (ulimit -l: soft {}, hard {}); raise it (limits.conf `* - memlock unlimited`, systemd LimitMEMLOCK=infinity, docker --ulimit memlock=-1) or run with CAP_IPC_LOCK",
+                lim(limit.current),
+                lim(limit.maximum)
+            )
+        }
+        ("ibv_reg_mr", libc::EFAULT) => format!("{detail}: the range is not mapped memory of this process"),
+        ("ibv_reg_mr", libc::EINVAL) => format!("{detail}: the device refused the range or the access flags"),
+        ("ibv_reg_mr", _) => format!("{detail}: the device could not register this memory"),
+        ("ibv_create_qp", libc::EINVAL | libc::ENOMEM) => format!("{detail}: the device refused the queue sizes; lower them (see `ibv_devinfo -v`: max_qp_wr, max_sge)"),
+        ("ibv_create_cq", libc::EINVAL | libc::ENOMEM) => format!("{detail}: the device refused the completion queue size; lower it (see `ibv_devinfo -v`: max_cqe)"),
+        ("ibv_modify_qp(INIT)", _) => format!("{detail}: the port or its pkey index 0 is not usable (is the port ACTIVE? `ibv_devinfo`)"),
+        ("ibv_modify_qp(RTR)", _) => format!(
+            "{detail}: the QP could not be connected to the peer; check the GID index (MC_GID_INDEX; a RoCE v2 IPv4-mapped GID is usually right: `show_gids` or /sys/class/infiniband/<dev>/ports/<n>/gids), the path MTU (at most both ports' active MTU) and that the peer's QP number and GID are current"
+        ),
+        ("ibv_modify_qp(RTS)", _) => format!("{detail}: the device refused the send attributes (timeout, retry counts, outstanding reads)"),
+        ("ibv_query_port", _) | ("ibv_query_gid", _) => format!("{detail}: the port or GID index does not exist on this device"),
+        _ if !detail.is_empty() => detail.to_string(),
+        _ => "see `ibv_devinfo` and `dmesg`".into(),
+    }
+}
+
+macro_rules! fns {
+    ($($field:ident : $sym:literal => fn($($arg:ty),*) $(-> $ret:ty)?;)*) => {
+        /// The entry points of `libibverbs.so.1` used (exported functions; prototypes from verbs.h).
+        struct Fns { $($field: unsafe extern "C" fn($($arg),*) $(-> $ret)?,)* }
+        impl Fns {
+            fn load(lib: &Library, path: &str) -> Result<Fns, VerbsError> {
+                // SAFETY: each type is the prototype of <infiniband/verbs.h> for that symbol.
+                unsafe {
+                    Ok(Fns { $($field: *lib.get::<unsafe extern "C" fn($($arg),*) $(-> $ret)?>(concat!($sym, "\0").as_bytes())
+                        .map_err(|e| VerbsError::Symbol { path: path.into(), symbol: $sym, why: e.to_string() })?,)* })
+                }
+            }
+        }
+    };
+}
+
+fns! {
+    get_device_list: "ibv_get_device_list" => fn(*mut c_int) -> *mut *mut c_void;
+    free_device_list: "ibv_free_device_list" => fn(*mut *mut c_void);
+    get_device_name: "ibv_get_device_name" => fn(*mut c_void) -> *const c_char;
+    open_device: "ibv_open_device" => fn(*mut c_void) -> *mut ibv_context;
+    close_device: "ibv_close_device" => fn(*mut ibv_context) -> c_int;
+    query_port: "ibv_query_port" => fn(*mut ibv_context, u8, *mut ibv_port_attr) -> c_int;
+    query_gid: "ibv_query_gid" => fn(*mut ibv_context, u8, c_int, *mut ibv_gid) -> c_int;
+    alloc_pd: "ibv_alloc_pd" => fn(*mut ibv_context) -> *mut c_void;
+    dealloc_pd: "ibv_dealloc_pd" => fn(*mut c_void) -> c_int;
+    reg_mr: "ibv_reg_mr" => fn(*mut c_void, *mut c_void, usize, c_int) -> *mut ibv_mr;
+    dereg_mr: "ibv_dereg_mr" => fn(*mut ibv_mr) -> c_int;
+    create_comp_channel: "ibv_create_comp_channel" => fn(*mut ibv_context) -> *mut ibv_comp_channel;
+    destroy_comp_channel: "ibv_destroy_comp_channel" => fn(*mut ibv_comp_channel) -> c_int;
+    create_cq: "ibv_create_cq" => fn(*mut ibv_context, c_int, *mut c_void, *mut ibv_comp_channel, c_int) -> *mut ibv_cq;
+    destroy_cq: "ibv_destroy_cq" => fn(*mut ibv_cq) -> c_int;
+    get_cq_event: "ibv_get_cq_event" => fn(*mut ibv_comp_channel, *mut *mut ibv_cq, *mut *mut c_void) -> c_int;
+    ack_cq_events: "ibv_ack_cq_events" => fn(*mut ibv_cq, c_uint);
+    create_qp: "ibv_create_qp" => fn(*mut c_void, *mut ibv_qp_init_attr) -> *mut ibv_qp;
+    modify_qp: "ibv_modify_qp" => fn(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int;
+    destroy_qp: "ibv_destroy_qp" => fn(*mut ibv_qp) -> c_int;
+}
 
 /// The loaded library and its entry points (valid while `_lib` lives, i.e. as long as this
-/// value).
+/// value; every verbs object holds an `Arc` of it).
 pub struct Verbs {
     _lib: Library,
-    get_device_list: GetDeviceList,
-    free_device_list: FreeDeviceList,
-    get_device_name: GetDeviceName,
+    f: Fns,
 }
 
 impl Verbs {
@@ -42,23 +180,17 @@ impl Verbs {
         // SAFETY: loading rdma-core's libibverbs runs its constructors, which only set up
         // its provider table; it is the library this module is written against.
         let lib = unsafe { Library::new(path) }.map_err(|e| VerbsError::Missing { path: path.into(), why: e.to_string() })?;
-        let sym = |symbol: &'static str, e: libloading::Error| VerbsError::Symbol { path: path.into(), symbol, why: e.to_string() };
-        // SAFETY: the types are the prototypes of <infiniband/verbs.h> for these symbols.
-        unsafe {
-            let get_device_list = *lib.get::<GetDeviceList>(b"ibv_get_device_list\0").map_err(|e| sym("ibv_get_device_list", e))?;
-            let free_device_list = *lib.get::<FreeDeviceList>(b"ibv_free_device_list\0").map_err(|e| sym("ibv_free_device_list", e))?;
-            let get_device_name = *lib.get::<GetDeviceName>(b"ibv_get_device_name\0").map_err(|e| sym("ibv_get_device_name", e))?;
-            Ok(Verbs { _lib: lib, get_device_list, free_device_list, get_device_name })
-        }
+        let f = Fns::load(&lib, path)?;
+        Ok(Verbs { _lib: lib, f })
     }
 
-    /// The names of the RDMA devices the library lists (e.g. `mlx5_0`, `rxe0`); empty when
-    /// there are none.
-    pub fn device_names(&self) -> io::Result<Vec<String>> {
+    /// Calls `each(name, device)` for every device the library lists; the device pointers are
+    /// valid only inside `each` (the list is freed after).
+    fn with_devices<T>(&self, mut each: impl FnMut(&str, *mut c_void) -> Option<T>) -> io::Result<Option<T>> {
         let mut n: c_int = 0;
         // SAFETY: `n` is a valid out-pointer; the list is freed below and its entries are
-        // only read before that.
-        let list = unsafe { (self.get_device_list)(&mut n) };
+        // only used before that.
+        let list = unsafe { (self.f.get_device_list)(&mut n) };
         if list.is_null() {
             let e = io::Error::last_os_error();
             if e.raw_os_error() == Some(libc::ENOSYS) {
@@ -69,24 +201,739 @@ impl Verbs {
             }
             return Err(e);
         }
-        let mut names = Vec::with_capacity(n.max(0) as usize);
+        let mut found = None;
         for i in 0..n.max(0) as usize {
             // SAFETY: `list` holds `n` device pointers; a device name is a NUL-terminated
             // string owned by the device.
-            unsafe {
+            let (dev, name) = unsafe {
                 let dev = *list.add(i);
-                let name = (self.get_device_name)(dev);
-                if !name.is_null() {
-                    names.push(CStr::from_ptr(name).to_string_lossy().into_owned());
+                let name = (self.f.get_device_name)(dev);
+                if name.is_null() {
+                    continue;
                 }
+                (dev, CStr::from_ptr(name).to_string_lossy().into_owned())
+            };
+            if let Some(v) = each(&name, dev) {
+                found = Some(v);
+                break;
             }
         }
-        // SAFETY: the list returned above, freed once.
-        unsafe { (self.free_device_list)(list) };
+        // SAFETY: the list returned above, freed once. Devices opened from it stay valid
+        // (libibverbs reference-counts them).
+        unsafe { (self.f.free_device_list)(list) };
+        Ok(found)
+    }
+
+    /// The names of the RDMA devices the library lists (e.g. `mlx5_0`, `rxe0`); empty when
+    /// there are none.
+    pub fn device_names(&self) -> io::Result<Vec<String>> {
+        let mut names = Vec::new();
+        self.with_devices(|name, _| {
+            names.push(name.to_string());
+            None::<()>
+        })?;
         Ok(names)
     }
 }
 
+fn last_error() -> io::Error {
+    let e = io::Error::last_os_error();
+    // Some providers return NULL without setting errno.
+    if e.raw_os_error() == Some(0) {
+        io::Error::other("the library gave no reason")
+    } else {
+        e
+    }
+}
+
+fn errno(rc: c_int) -> io::Error {
+    // Verbs calls return a positive errno, some a negative one, some -1 with errno set.
+    if rc == -1 {
+        last_error()
+    } else {
+        io::Error::from_raw_os_error(rc.abs())
+    }
+}
+
+struct CtxInner {
+    verbs: Arc<Verbs>,
+    ctx: *mut ibv_context,
+    name: String,
+}
+
+// SAFETY: libibverbs objects may be used from any thread (rdma-core's verbs are thread-safe;
+// providers lock their queues); the pointers are owned here and freed once in Drop.
+unsafe impl Send for CtxInner {}
+unsafe impl Sync for CtxInner {}
+
+impl Drop for CtxInner {
+    fn drop(&mut self) {
+        // SAFETY: opened in `Context::open`; every child holds an Arc of this, so none is left.
+        let rc = unsafe { (self.verbs.f.close_device)(self.ctx) };
+        if rc != 0 {
+            tracing::warn!("ibv_close_device({}) failed: {}", self.name, errno(rc));
+        }
+    }
+}
+
+impl CtxInner {
+    fn err(&self, call: &'static str, source: io::Error, detail: &str) -> VerbsError {
+        let fix = fix(call, &source, detail);
+        VerbsError::Call { call, device: self.name.clone(), source, fix }
+    }
+}
+
+/// The attributes of a port that connecting a QP needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortAttr {
+    /// `enum ibv_port_state` (4: ACTIVE).
+    pub state: u32,
+    /// `enum ibv_mtu` (1: 256 B .. 5: 4096 B).
+    pub active_mtu: u32,
+    pub lid: u16,
+    /// 1: InfiniBand, 2: Ethernet (RoCE).
+    pub link_layer: u8,
+}
+
+impl PortAttr {
+    pub fn active(&self) -> bool {
+        self.state == IBV_PORT_ACTIVE
+    }
+    /// The active MTU in bytes.
+    pub fn mtu_bytes(&self) -> u32 {
+        mtu_bytes(self.active_mtu)
+    }
+}
+
+/// Bytes of an `enum ibv_mtu` value (0 for an unknown one).
+pub fn mtu_bytes(mtu: u32) -> u32 {
+    if (1..=5).contains(&mtu) {
+        128 << mtu
+    } else {
+        0
+    }
+}
+
+/// The `enum ibv_mtu` value of a size in bytes (256..4096, a power of two).
+pub fn mtu_enum(bytes: u32) -> Option<u32> {
+    (1..=5).find(|&m| mtu_bytes(m) == bytes)
+}
+
+/// An opened RDMA device.
+#[derive(Clone)]
+pub struct Context {
+    inner: Arc<CtxInner>,
+}
+
+impl Context {
+    /// Opens the device called `name` (e.g. `mlx5_0`, `rxe0`).
+    pub fn open(verbs: Arc<Verbs>, name: &str) -> Result<Context, VerbsError> {
+        let mut names = Vec::new();
+        let opened = verbs
+            .with_devices(|n, dev| {
+                names.push(n.to_string());
+                // SAFETY: `dev` is a device of the list, valid inside this closure.
+                (n == name).then(|| unsafe { (verbs.f.open_device)(dev) }).map(|ctx| (ctx, (!ctx.is_null()).then_some(()).ok_or_else(last_error)))
+            })
+            .map_err(|source| VerbsError::Call { call: "ibv_get_device_list", device: name.into(), fix: fix("ibv_get_device_list", &source, ""), source })?;
+        match opened {
+            None => Err(VerbsError::NoDevice { name: name.into(), found: if names.is_empty() { "none".into() } else { names.join(", ") } }),
+            Some((_, Err(source))) => Err(VerbsError::Call { call: "ibv_open_device", device: name.into(), fix: fix("ibv_open_device", &source, ""), source }),
+            Some((ctx, Ok(()))) => Ok(Context { inner: Arc::new(CtxInner { verbs, ctx, name: name.into() }) }),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// `ibv_query_port` on port `port` (1-based).
+    pub fn query_port(&self, port: u8) -> Result<PortAttr, VerbsError> {
+        let mut a = ibv_port_attr::default();
+        // SAFETY: a live context; `a` is a zeroed ibv_port_attr, at least as large as the
+        // compat layout the exported symbol writes.
+        let rc = unsafe { (self.inner.verbs.f.query_port)(self.inner.ctx, port, &mut a) };
+        if rc != 0 {
+            return Err(self.inner.err("ibv_query_port", errno(rc), &format!("port {port}")));
+        }
+        Ok(PortAttr { state: a.state, active_mtu: a.active_mtu, lid: a.lid, link_layer: a.link_layer })
+    }
+
+    /// `ibv_query_gid`: the GID at `index` of port `port`, as 16 bytes.
+    pub fn query_gid(&self, port: u8, index: u8) -> Result<[u8; 16], VerbsError> {
+        let mut g = ibv_gid::default();
+        // SAFETY: a live context; `g` is a valid out-pointer.
+        let rc = unsafe { (self.inner.verbs.f.query_gid)(self.inner.ctx, port, c_int::from(index), &mut g) };
+        if rc != 0 {
+            return Err(self.inner.err("ibv_query_gid", errno(rc), &format!("port {port} GID index {index}")));
+        }
+        Ok(g.raw)
+    }
+
+    /// A protection domain.
+    pub fn alloc_pd(&self) -> Result<Pd, VerbsError> {
+        // SAFETY: a live context.
+        let pd = unsafe { (self.inner.verbs.f.alloc_pd)(self.inner.ctx) };
+        if pd.is_null() {
+            return Err(self.inner.err("ibv_alloc_pd", last_error(), ""));
+        }
+        Ok(Pd { inner: Arc::new(PdInner { ctx: Arc::clone(&self.inner), pd }) })
+    }
+
+    /// A completion queue of `cqe` entries with its own completion channel, so that
+    /// [`Cq::wait`] can sleep in the kernel instead of spinning.
+    pub fn create_cq(&self, cqe: u32) -> Result<Cq, VerbsError> {
+        let f = &self.inner.verbs.f;
+        // SAFETY: a live context.
+        let ch = unsafe { (f.create_comp_channel)(self.inner.ctx) };
+        if ch.is_null() {
+            return Err(self.inner.err("ibv_create_comp_channel", last_error(), ""));
+        }
+        let chan = ChanInner { ctx: Arc::clone(&self.inner), ch };
+        let n = c_int::try_from(cqe).unwrap_or(c_int::MAX);
+        // SAFETY: a live context and channel; no cq_context; completion vector 0.
+        let cq = unsafe { (f.create_cq)(self.inner.ctx, n, std::ptr::null_mut(), ch, 0) };
+        if cq.is_null() {
+            return Err(self.inner.err("ibv_create_cq", last_error(), &format!("{cqe} entries")));
+        }
+        Ok(Cq { inner: Arc::new(CqInner { ctx: Arc::clone(&self.inner), cq, chan, armed: Mutex::new(()) }) })
+    }
+}
+
+struct PdInner {
+    ctx: Arc<CtxInner>,
+    pd: *mut c_void,
+}
+
+// SAFETY: see CtxInner.
+unsafe impl Send for PdInner {}
+unsafe impl Sync for PdInner {}
+
+impl Drop for PdInner {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `alloc_pd`; MRs and QPs hold an Arc of this, so none is left.
+        let rc = unsafe { (self.ctx.verbs.f.dealloc_pd)(self.pd) };
+        if rc != 0 {
+            tracing::warn!("ibv_dealloc_pd on {} failed: {}", self.ctx.name, errno(rc));
+        }
+    }
+}
+
+/// A protection domain.
+#[derive(Clone)]
+pub struct Pd {
+    inner: Arc<PdInner>,
+}
+
+/// `IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ`: what memory
+/// registered for transfers allows (as Mooncake registers it).
+pub const ACCESS_ALL: c_int = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+
+impl Pd {
+    /// Registers `[addr, addr+len)` with local write, remote write and remote read access.
+    ///
+    /// # Safety
+    /// The range must be memory of this process that stays mapped until the returned [`Mr`]
+    /// is dropped, and the caller must accept that this NIC (and any peer holding the rkey)
+    /// reads and writes it meanwhile: no Rust reference to it may assume it unchanging.
+    pub unsafe fn reg_mr(&self, addr: *mut u8, len: usize) -> Result<Mr, VerbsError> {
+        let ctx = &self.inner.ctx;
+        // SAFETY: a live PD; the range is the caller's promise.
+        let mr = unsafe { (ctx.verbs.f.reg_mr)(self.inner.pd, addr.cast(), len, ACCESS_ALL) };
+        if mr.is_null() {
+            return Err(ctx.err("ibv_reg_mr", last_error(), &format!("registering {len} bytes at {addr:p}")));
+        }
+        // SAFETY: a valid ibv_mr returned by the library; its keys never change.
+        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        Ok(Mr { pd: Arc::clone(&self.inner), mr, addr: addr as usize, len, lkey, rkey })
+    }
+
+    /// An RC queue pair whose sends and receives complete on `cq`, with room for `max_send_wr`
+    /// outstanding send work requests (at least 2: Soft-RoCE misbehaves with a send queue of 1).
+    pub fn create_qp(&self, cq: &Cq, max_send_wr: u32) -> Result<Qp, VerbsError> {
+        let ctx = &self.inner.ctx;
+        let max_send_wr = max_send_wr.max(2);
+        let mut init = ibv_qp_init_attr {
+            qp_context: std::ptr::null_mut(),
+            send_cq: cq.inner.cq,
+            recv_cq: cq.inner.cq,
+            srq: std::ptr::null_mut(),
+            cap: ibv_qp_cap { max_send_wr, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 },
+            qp_type: IBV_QPT_RC,
+            sq_sig_all: 0,
+        };
+        // SAFETY: a live PD and CQ (the QP keeps both alive); `init` is a valid attribute block.
+        let qp = unsafe { (ctx.verbs.f.create_qp)(self.inner.pd, &mut init) };
+        if qp.is_null() {
+            return Err(ctx.err("ibv_create_qp", last_error(), &format!("RC QP with {max_send_wr} send WRs")));
+        }
+        // SAFETY: a valid ibv_qp; its number never changes.
+        let qp_num = unsafe { (*qp).qp_num };
+        Ok(Qp { pd: Arc::clone(&self.inner), _cq: Arc::clone(&cq.inner), qp, qp_num, max_send_wr })
+    }
+}
+
+/// Registered memory. Dropping it deregisters (errors logged); [`Mr::dereg`] reports them.
+pub struct Mr {
+    pd: Arc<PdInner>,
+    mr: *mut ibv_mr,
+    addr: usize,
+    len: usize,
+    lkey: u32,
+    rkey: u32,
+}
+
+// SAFETY: see CtxInner; the MR's fields are read-only after registration.
+unsafe impl Send for Mr {}
+unsafe impl Sync for Mr {}
+
+impl Mr {
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn lkey(&self) -> u32 {
+        self.lkey
+    }
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+
+    /// Deregisters, reporting a failure. The caller must have waited for every work request
+    /// that touches the range (a request still in flight would fail with a protection error).
+    pub fn dereg(mut self) -> Result<(), VerbsError> {
+        let mr = std::mem::replace(&mut self.mr, std::ptr::null_mut());
+        // SAFETY: registered in `reg_mr`, deregistered once (Drop sees null).
+        let rc = unsafe { (self.pd.ctx.verbs.f.dereg_mr)(mr) };
+        if rc != 0 {
+            return Err(self.pd.ctx.err("ibv_dereg_mr", errno(rc), "the memory region could not be deregistered"));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        if self.mr.is_null() {
+            return;
+        }
+        // SAFETY: registered in `reg_mr`, deregistered once.
+        let rc = unsafe { (self.pd.ctx.verbs.f.dereg_mr)(self.mr) };
+        if rc != 0 {
+            tracing::warn!("ibv_dereg_mr on {} failed: {}", self.pd.ctx.name, errno(rc));
+        }
+    }
+}
+
+struct ChanInner {
+    ctx: Arc<CtxInner>,
+    ch: *mut ibv_comp_channel,
+}
+
+impl Drop for ChanInner {
+    fn drop(&mut self) {
+        // SAFETY: created in `create_cq`; its CQ is destroyed before (CqInner's fields drop
+        // after CqInner::drop).
+        let rc = unsafe { (self.ctx.verbs.f.destroy_comp_channel)(self.ch) };
+        if rc != 0 {
+            tracing::warn!("ibv_destroy_comp_channel on {} failed: {}", self.ctx.name, errno(rc));
+        }
+    }
+}
+
+struct CqInner {
+    ctx: Arc<CtxInner>,
+    cq: *mut ibv_cq,
+    chan: ChanInner,
+    /// Held by the one thread that arms the CQ and waits on its channel.
+    armed: Mutex<()>,
+}
+
+// SAFETY: see CtxInner.
+unsafe impl Send for CqInner {}
+unsafe impl Sync for CqInner {}
+
+impl Drop for CqInner {
+    fn drop(&mut self) {
+        // SAFETY: created in `create_cq`; QPs hold an Arc of this, so none is left; every
+        // event taken from the channel was acknowledged at once (`wait`).
+        let rc = unsafe { (self.ctx.verbs.f.destroy_cq)(self.cq) };
+        if rc != 0 {
+            tracing::warn!("ibv_destroy_cq on {} failed: {}", self.ctx.name, errno(rc));
+        }
+    }
+}
+
+/// One work completion.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Wc {
+    pub wr_id: u64,
+    pub qp_num: u32,
+    pub byte_len: u32,
+    /// `enum ibv_wc_status` (0: success); see [`Wc::result`].
+    status: u32,
+    opcode: u32,
+    vendor_err: u32,
+}
+
+impl Wc {
+    pub fn ok(&self) -> bool {
+        self.status == 0
+    }
+    /// `IBV_WC_RDMA_WRITE` (1) or `IBV_WC_RDMA_READ` (2) for the operations posted here.
+    pub fn opcode(&self) -> u32 {
+        self.opcode
+    }
+    /// The completion as a result: `Err` names the status and what it means.
+    pub fn result(&self, device: &str) -> Result<(), WcError> {
+        if self.ok() {
+            return Ok(());
+        }
+        let (name, meaning) = wc_status(self.status);
+        Err(WcError { device: device.into(), wr_id: self.wr_id, qp_num: self.qp_num, status: self.status, name, meaning, vendor_err: self.vendor_err })
+    }
+}
+
+/// A completion queue with its completion channel.
+#[derive(Clone)]
+pub struct Cq {
+    inner: Arc<CqInner>,
+}
+
+/// How long [`Cq::wait`] polls before arming the channel and sleeping.
+pub const SPIN: Duration = Duration::from_micros(50);
+
+impl Cq {
+    pub fn device(&self) -> &str {
+        &self.inner.ctx.name
+    }
+
+    /// Takes up to `out.len()` completions without waiting; returns how many.
+    pub fn poll(&self, out: &mut [Wc]) -> Result<usize, VerbsError> {
+        let mut raw = [ibv_wc::default(); 32];
+        let n = out.len().min(raw.len());
+        if n == 0 {
+            return Ok(0);
+        }
+        let cq = self.inner.cq;
+        // SAFETY: a live CQ whose context's ops table is the provider's; `raw` has room for `n`.
+        let rc = unsafe {
+            let Some(poll) = (*(*cq).context).ops.poll_cq else {
+                return Err(self.inner.ctx.err("ibv_poll_cq", io::Error::from(io::ErrorKind::Unsupported), "the provider has no poll_cq"));
+            };
+            poll(cq, n as c_int, raw.as_mut_ptr())
+        };
+        if rc < 0 {
+            return Err(self.inner.ctx.err("ibv_poll_cq", errno(rc), "the completion queue is broken (overrun?)"));
+        }
+        let got = rc as usize;
+        for (o, w) in out.iter_mut().zip(&raw[..got]) {
+            *o = Wc { wr_id: w.wr_id, qp_num: w.qp_num, byte_len: w.byte_len, status: w.status, opcode: w.opcode, vendor_err: w.vendor_err };
+        }
+        Ok(got)
+    }
+
+    /// Waits until at least one completion is there and takes up to `out.len()`; polls for
+    /// [`SPIN`], then sleeps on the completion channel. `Err(Timeout)` at `deadline`.
+    pub fn wait(&self, out: &mut [Wc], deadline: Instant) -> Result<usize, VerbsError> {
+        let start = Instant::now();
+        let spin_end = start + SPIN;
+        loop {
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(VerbsError::Timeout { device: self.inner.ctx.name.clone(), waited: now - start });
+            }
+            if now < spin_end {
+                std::hint::spin_loop();
+                continue;
+            }
+            let _one = self.inner.armed.lock().unwrap_or_else(|e| e.into_inner());
+            self.arm()?;
+            // A completion that arrived before arming raises no event: look once more.
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            if self.sleep(deadline)? {
+                self.take_event()?;
+            }
+        }
+    }
+
+    fn arm(&self) -> Result<(), VerbsError> {
+        let cq = self.inner.cq;
+        // SAFETY: a live CQ; ops table as in `poll`.
+        let rc = unsafe {
+            let Some(notify) = (*(*cq).context).ops.req_notify_cq else {
+                return Err(self.inner.ctx.err("ibv_req_notify_cq", io::Error::from(io::ErrorKind::Unsupported), "the provider has no req_notify_cq"));
+            };
+            notify(cq, 0)
+        };
+        if rc != 0 {
+            return Err(self.inner.ctx.err("ibv_req_notify_cq", errno(rc), ""));
+        }
+        Ok(())
+    }
+
+    /// Sleeps until the channel has an event (true) or `deadline` passes (false).
+    fn sleep(&self, deadline: Instant) -> Result<bool, VerbsError> {
+        use rustix::event::{PollFd, PollFlags, Timespec};
+        // SAFETY: the channel's fd lives as long as the channel, which outlives this call.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw((*self.inner.chan.ch).fd) };
+        let left = deadline.saturating_duration_since(Instant::now());
+        let ts = Timespec { tv_sec: left.as_secs() as i64, tv_nsec: i64::from(left.subsec_nanos()) };
+        let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+        match rustix::event::poll(&mut fds, Some(&ts)) {
+            Ok(n) => Ok(n > 0),
+            Err(rustix::io::Errno::INTR) => Ok(false),
+            Err(e) => Err(self.inner.ctx.err("poll(completion channel)", e.into(), "")),
+        }
+    }
+
+    /// Takes the channel's event (there is one: `sleep` said so) and acknowledges it at once,
+    /// so that destroying the CQ never waits for unacknowledged events.
+    fn take_event(&self) -> Result<(), VerbsError> {
+        let f = &self.inner.ctx.verbs.f;
+        let mut cq: *mut ibv_cq = std::ptr::null_mut();
+        let mut ctx: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a live channel with a pending event (read does not block); out-pointers valid.
+        let rc = unsafe { (f.get_cq_event)(self.inner.chan.ch, &mut cq, &mut ctx) };
+        if rc != 0 {
+            return Err(self.inner.ctx.err("ibv_get_cq_event", last_error(), ""));
+        }
+        // SAFETY: the event's CQ is ours (one CQ per channel); one event acknowledged.
+        unsafe { (f.ack_cq_events)(cq, 1) };
+        Ok(())
+    }
+}
+
+/// What a peer's QP is, for connecting to it (from its `Connection` message).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteQp {
+    pub qp_num: u32,
+    pub lid: u16,
+    /// All zero: no GRH (InfiniBand within a subnet).
+    pub gid: [u8; 16],
+}
+
+/// How to connect: the local port and GID index, and the path MTU (`enum ibv_mtu`, the
+/// smaller of both ports' active MTU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Path {
+    pub port: u8,
+    pub sgid_index: u8,
+    pub mtu: u32,
+}
+
+/// RDMA WRITE or READ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Write,
+    Read,
+}
+
+/// One one-sided work request: `len` bytes at `offset` of `local` to/from `remote_addr` under
+/// `rkey` on the peer.
+#[derive(Clone, Copy)]
+pub struct Wr<'a> {
+    pub wr_id: u64,
+    pub op: Op,
+    pub local: &'a Mr,
+    pub offset: usize,
+    pub len: u32,
+    pub remote_addr: u64,
+    pub rkey: u32,
+    /// Ask for a completion (unsignaled requests complete silently when a later signaled one
+    /// on the same QP does).
+    pub signaled: bool,
+}
+
+/// An RC queue pair.
+pub struct Qp {
+    pd: Arc<PdInner>,
+    /// Keeps the CQ alive while the QP lives (destroyed after it).
+    _cq: Arc<CqInner>,
+    qp: *mut ibv_qp,
+    qp_num: u32,
+    max_send_wr: u32,
+}
+
+// SAFETY: see CtxInner; posting is thread-safe in every provider.
+unsafe impl Send for Qp {}
+unsafe impl Sync for Qp {}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        // SAFETY: created in `create_qp`, destroyed once; its PD and CQ outlive it (Arcs).
+        let rc = unsafe { (self.pd.ctx.verbs.f.destroy_qp)(self.qp) };
+        if rc != 0 {
+            tracing::warn!("ibv_destroy_qp on {} failed: {}", self.pd.ctx.name, errno(rc));
+        }
+    }
+}
+
+/// RC attributes as Mooncake sets them: responder and initiator depth 16, minimum RNR timer
+/// 12 (0.64 ms), local ACK timeout 14 (4.096 µs × 2^14 ≈ 67 ms), 7 retries.
+const MAX_RD_ATOMIC: u8 = 16;
+const MIN_RNR_TIMER: u8 = 12;
+const TIMEOUT: u8 = 14;
+const RETRY_CNT: u8 = 7;
+const RNR_RETRY: u8 = 7;
+
+impl Qp {
+    pub fn qp_num(&self) -> u32 {
+        self.qp_num
+    }
+    pub fn max_send_wr(&self) -> u32 {
+        self.max_send_wr
+    }
+    pub fn device(&self) -> &str {
+        &self.pd.ctx.name
+    }
+
+    fn modify(&self, call: &'static str, attr: &mut ibv_qp_attr, mask: c_int, detail: &str) -> Result<(), VerbsError> {
+        // SAFETY: a live QP; `attr` a valid attribute block for `mask`.
+        let rc = unsafe { (self.pd.ctx.verbs.f.modify_qp)(self.qp, attr, mask) };
+        if rc != 0 {
+            return Err(self.pd.ctx.err(call, errno(rc), detail));
+        }
+        Ok(())
+    }
+
+    /// RESET → INIT → RTR → RTS towards `remote` over `path`.
+    pub fn connect(&self, path: Path, remote: &RemoteQp) -> Result<(), VerbsError> {
+        let mut a = ibv_qp_attr { qp_state: IBV_QPS_INIT, port_num: path.port, pkey_index: 0, qp_access_flags: ACCESS_ALL as c_uint, ..Default::default() };
+        self.modify("ibv_modify_qp(INIT)", &mut a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS, &format!("QP {} port {}", self.qp_num, path.port))?;
+
+        let mut a = ibv_qp_attr {
+            qp_state: IBV_QPS_RTR,
+            path_mtu: path.mtu,
+            dest_qp_num: remote.qp_num,
+            rq_psn: 0,
+            max_dest_rd_atomic: MAX_RD_ATOMIC,
+            min_rnr_timer: MIN_RNR_TIMER,
+            ..Default::default()
+        };
+        a.ah_attr.dlid = remote.lid;
+        a.ah_attr.port_num = path.port;
+        if remote.gid != [0; 16] {
+            a.ah_attr.is_global = 1;
+            a.ah_attr.grh.dgid = ibv_gid { raw: remote.gid };
+            a.ah_attr.grh.sgid_index = path.sgid_index;
+            a.ah_attr.grh.hop_limit = 0xff;
+        }
+        let detail = format!(
+            "QP {} -> remote QP {} (GID {}, LID {}) via port {} GID index {} MTU {}",
+            self.qp_num,
+            remote.qp_num,
+            crate::wire::rdma::format_gid(&remote.gid),
+            remote.lid,
+            path.port,
+            path.sgid_index,
+            mtu_bytes(path.mtu)
+        );
+        self.modify(
+            "ibv_modify_qp(RTR)",
+            &mut a,
+            IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER,
+            &detail,
+        )?;
+
+        let mut a = ibv_qp_attr { qp_state: IBV_QPS_RTS, timeout: TIMEOUT, retry_cnt: RETRY_CNT, rnr_retry: RNR_RETRY, sq_psn: 0, max_rd_atomic: MAX_RD_ATOMIC, ..Default::default() };
+        self.modify(
+            "ibv_modify_qp(RTS)",
+            &mut a,
+            IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC,
+            &detail,
+        )
+    }
+
+    /// Moves the QP to the error state: every outstanding work request completes at once with
+    /// `IBV_WC_WR_FLUSH_ERR` (how a deadline ends requests a silent peer would hold).
+    pub fn set_error(&self) -> Result<(), VerbsError> {
+        let mut a = ibv_qp_attr { qp_state: IBV_QPS_ERR, ..Default::default() };
+        self.modify("ibv_modify_qp(ERR)", &mut a, IBV_QP_STATE, &format!("QP {}", self.qp_num))
+    }
+
+    /// Posts `wrs` as one chain (one doorbell). Each local range is checked against its MR.
+    /// On failure, the error says how many were posted (those will complete; the rest not).
+    pub fn post(&self, wrs: &[Wr<'_>]) -> Result<(), VerbsError> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let device = &self.pd.ctx.name;
+        let mut sges = Vec::with_capacity(wrs.len());
+        for w in wrs {
+            let end = w.offset.checked_add(w.len as usize);
+            if w.len == 0 || end.is_none_or(|e| e > w.local.len) {
+                return Err(VerbsError::Invalid {
+                    device: device.clone(),
+                    what: format!("local range [{}, +{}) outside its memory region of {} bytes (or empty)", w.offset, w.len, w.local.len),
+                });
+            }
+            if !Arc::ptr_eq(&w.local.pd, &self.pd) {
+                return Err(VerbsError::Invalid { device: device.clone(), what: "the memory region belongs to another protection domain".into() });
+            }
+            sges.push(ibv_sge { addr: (w.local.addr + w.offset) as u64, length: w.len, lkey: w.local.lkey });
+        }
+        let mut chain: Vec<ibv_send_wr> = wrs
+            .iter()
+            .zip(sges.iter_mut())
+            .map(|(w, sge)| ibv_send_wr {
+                wr_id: w.wr_id,
+                next: std::ptr::null_mut(),
+                sg_list: sge,
+                num_sge: 1,
+                opcode: match w.op {
+                    Op::Write => IBV_WR_RDMA_WRITE,
+                    Op::Read => IBV_WR_RDMA_READ,
+                },
+                send_flags: if w.signaled { IBV_SEND_SIGNALED } else { 0 },
+                imm_data: 0,
+                remote_addr: w.remote_addr,
+                rkey: w.rkey,
+                _wr_rest: [0; 5],
+                qp_type: 0,
+                _pad: 0,
+                _bind_mw_tso: [0; 6],
+            })
+            .collect();
+        let base = chain.as_mut_ptr();
+        for i in 1..chain.len() {
+            // SAFETY: `i` and `i - 1` index `chain`, which is not moved while posting.
+            unsafe { (*base.add(i - 1)).next = base.add(i) };
+        }
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: a live QP whose context's ops table is the provider's; the chain and its
+        // SGEs live until the call returns (the provider copies them into the send queue).
+        let rc = unsafe {
+            let Some(post) = (*(*self.qp).context).ops.post_send else {
+                return Err(self.pd.ctx.err("ibv_post_send", io::Error::from(io::ErrorKind::Unsupported), "the provider has no post_send"));
+            };
+            post(self.qp, base, &mut bad)
+        };
+        if rc != 0 {
+            let posted = if bad.is_null() { 0 } else { (bad as usize - base as usize) / std::mem::size_of::<ibv_send_wr>() };
+            let source = errno(rc);
+            let fix = match source.raw_os_error() {
+                Some(libc::ENOMEM) => format!("the send queue is full: keep at most {} work requests outstanding on this QP", self.max_send_wr),
+                Some(libc::EINVAL) => "the QP is not in RTS (not connected, or in the error state after a failed request: rebuild it)".into(),
+                _ => "see `dmesg`".into(),
+            };
+            return Err(VerbsError::Post { device: device.clone(), posted, total: wrs.len(), source, fix });
+        }
+        Ok(())
+    }
+}
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -121,6 +968,49 @@ mod tests {
             assert!(e.to_string().contains("ibv_get_device_list"), "{e}");
         } else {
             panic!("libc is not libibverbs");
+        }
+    }
+}
+
+#[cfg(test)]
+mod named_tests {
+    use super::*;
+
+    #[test]
+    fn completion_errors_are_named_and_explained() {
+        let wc = Wc { wr_id: 7, qp_num: 17, byte_len: 0, status: 12, opcode: 0, vendor_err: 0x81 };
+        let e = wc.result("rxe0").unwrap_err().to_string();
+        assert!(e.contains("IBV_WC_RETRY_EXC_ERR") && e.contains("check GID index / MTU") && e.contains("rxe0") && e.contains("QP 17"), "{e}");
+        let e = Wc { status: 10, ..wc }.result("mlx5_0").unwrap_err().to_string();
+        assert!(e.contains("IBV_WC_REM_ACCESS_ERR") && e.contains("rkey"), "{e}");
+        assert!(Wc { status: 0, ..wc }.result("rxe0").is_ok());
+        assert_eq!(wc_status(99).0, "IBV_WC_UNKNOWN");
+        for s in 1..=23 {
+            assert!(wc_status(s).0.starts_with("IBV_WC_") && wc_status(s).0 != "IBV_WC_UNKNOWN");
+        }
+    }
+
+    #[test]
+    fn mtus_convert_both_ways() {
+        assert_eq!((1..=5).map(mtu_bytes).collect::<Vec<_>>(), [256, 512, 1024, 2048, 4096]);
+        assert_eq!((mtu_bytes(0), mtu_bytes(6)), (0, 0));
+        assert_eq!((mtu_enum(1024), mtu_enum(4096), mtu_enum(1500)), (Some(3), Some(5), None));
+    }
+
+    #[test]
+    fn failures_name_their_fix() {
+        let memlock = fix("ibv_reg_mr", &io::Error::from_raw_os_error(libc::ENOMEM), "registering 1 bytes");
+        assert!(memlock.contains("ulimit -l") && memlock.contains("CAP_IPC_LOCK"), "{memlock}");
+        let rtr = fix("ibv_modify_qp(RTR)", &io::Error::from_raw_os_error(libc::EINVAL), "QP 1");
+        assert!(rtr.contains("GID index") && rtr.contains("MTU"), "{rtr}");
+        // Opening a device that is not there names what is (on a host without RDMA: why not).
+        if let Ok(v) = Verbs::load() {
+            match Context::open(Arc::new(v), "no_such_dev0") {
+                Err(VerbsError::NoDevice { name, .. }) => assert_eq!(name, "no_such_dev0"),
+                Err(VerbsError::Call { call, source, .. }) => assert_eq!((call, source.kind()), ("ibv_get_device_list", io::ErrorKind::Unsupported)),
+                Err(e) => panic!("unexpected: {e}"),
+                Ok(_) => panic!("opened a device that does not exist"),
+            }
         }
     }
 }

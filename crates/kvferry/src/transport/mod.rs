@@ -23,6 +23,7 @@
 //! first whose [`Transport::reachable`] says yes (`engine.rs`, `dispatch`).
 
 pub mod local;
+pub mod rdma;
 pub mod shm;
 pub mod tcp;
 

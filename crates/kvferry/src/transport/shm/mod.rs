@@ -130,6 +130,9 @@ pub enum TransportMode {
     Tcp,
     /// Shared memory only: requests to peers it cannot reach fail with the reason.
     Shm,
+    /// RDMA only (one-sided verbs): the engine fails to start when no NIC is usable, and
+    /// requests to peers without RDMA fail with the reason; never a silent fallback.
+    Rdma,
 }
 
 impl std::str::FromStr for TransportMode {
@@ -139,7 +142,8 @@ impl std::str::FromStr for TransportMode {
             "auto" => Ok(TransportMode::Auto),
             "tcp" => Ok(TransportMode::Tcp),
             "shm" => Ok(TransportMode::Shm),
-            other => Err(format!("{other:?} is not a transport; use auto, tcp or shm")),
+            "rdma" => Ok(TransportMode::Rdma),
+            other => Err(format!("{other:?} is not a transport; use auto, tcp, shm or rdma")),
         }
     }
 }
@@ -150,6 +154,7 @@ impl std::fmt::Display for TransportMode {
             TransportMode::Auto => "auto",
             TransportMode::Tcp => "tcp",
             TransportMode::Shm => "shm",
+            TransportMode::Rdma => "rdma",
         })
     }
 }
@@ -398,6 +403,7 @@ impl ShmTransport {
         let host_id = host_id();
         let (local, local_reason) = match (opts.mode, &host_id) {
             (TransportMode::Tcp, _) => (None, Some("KVFERRY_TRANSPORT=tcp".to_string())),
+            (TransportMode::Rdma, _) => (None, Some("KVFERRY_TRANSPORT=rdma".to_string())),
             (_, Err(e)) => (None, Some(e.clone())),
             (_, Ok(_)) => match LocalCtl::create(&opts.name) {
                 Ok(c) => (Some(c), None),
@@ -752,7 +758,8 @@ mod tests {
     fn mode_parses() {
         assert_eq!("AUTO".parse::<TransportMode>(), Ok(TransportMode::Auto));
         assert_eq!(" shm ".parse::<TransportMode>(), Ok(TransportMode::Shm));
-        assert!("rdma".parse::<TransportMode>().unwrap_err().contains("auto, tcp or shm"));
+        assert_eq!("RDMA".parse::<TransportMode>(), Ok(TransportMode::Rdma));
+        assert!("verbs".parse::<TransportMode>().unwrap_err().contains("auto, tcp, shm or rdma"));
     }
 
     #[test]

@@ -1,0 +1,303 @@
+//! Two transfer engines with `KVFERRY_TRANSPORT=rdma` in one process, moving data through
+//! the engine API over real verbs (in the Soft-RoCE VM: `rdma_engines 10.99.2.1 [devices]`):
+//! descriptors with devices and per-NIC keys, QPs connected through the engines' handshake
+//! ports (`Connection` messages), WRITE and READ of 4 KiB-16 MiB and a batch of 64 requests,
+//! every byte verified; then a remote range outside the peer's memory and a WRITE to memory
+//! the peer unregistered, which must both fail. Exits non-zero on any failure.
+
+use kvferry::config::TransportMode;
+use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+type Res<T> = Result<T, String>;
+
+const SIZE: usize = 16 << 20;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let host = args.get(1).cloned().unwrap_or_else(|| "10.99.2.1".into());
+    let devices = args.get(2).map(|d| d.split(',').map(str::to_string).collect());
+    match run(&host, devices) {
+        Ok(()) => {
+            println!("rdma_engines: all checks passed");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("rdma_engines: FAILED: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+struct Buf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Buf {
+    fn new(len: usize) -> Res<Buf> {
+        let layout = Layout::from_size_align(len, 4096).map_err(|e| e.to_string())?;
+        // SAFETY: a non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(format!("cannot allocate {len} bytes"));
+        }
+        Ok(Buf { ptr, len })
+    }
+    fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+    /// Only between transfers (no request in flight touches the buffer then).
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: allocated with `len` bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { dealloc(self.ptr, Layout::from_size_align_unchecked(self.len, 4096)) };
+    }
+}
+
+fn fill(b: &mut [u8], seed: u64) {
+    let mut x = seed | 1;
+    for c in b.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+    }
+}
+
+fn compare(what: &str, got: &[u8], want: &[u8]) -> Res<()> {
+    match got.iter().zip(want).position(|(a, b)| a != b) {
+        None => Ok(()),
+        Some(at) => Err(format!("{what}: byte {at} differs (got {:#04x}, want {:#04x})", got[at], want[at])),
+    }
+}
+
+/// The passive side as a stock Mooncake engine drives it: its `Connection` message announces
+/// `ready_ack` support and 2 QPs (here 3, to show the count is followed), the answer must carry
+/// as many QPs and no `ready_ack` (so Mooncake skips the extra round), a `ready_ack: true`
+/// round is answered, and one for an unknown connection refused.
+fn handshake_as_mooncake_does(b: &TransferEngine, gid: &str) -> Res<()> {
+    use kvferry::wire::handshake::MsgType;
+    use kvferry::wire::rdma::ConnectionMsg;
+    let ask = |m: &ConnectionMsg| -> Res<ConnectionMsg> {
+        let host = b.segment_name().rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+        let f = kvferry::handshake::request(host, b.rpc_port(), MsgType::Connection, &m.encode(), Duration::from_secs(5), Duration::from_secs(10), 1 << 20)
+            .map_err(|e| e.to_string())?;
+        ConnectionMsg::decode(&f.body).map_err(|e| format!("answer {}: {e}", String::from_utf8_lossy(&f.body)))
+    };
+    let req = ConnectionMsg {
+        local_nic_path: "10.99.2.1:1@rxe0".into(),
+        local_gid: gid.into(),
+        peer_nic_path: format!("{}@rxe0", b.segment_name()),
+        qp_num: vec![0x123, 0x124, 0x125],
+        ready_ack: Some(false),
+        ..Default::default()
+    };
+    let r = ask(&req)?;
+    if r.refused().is_some() || r.qp_num.len() != 3 || r.ready_ack.is_some() || r.local_nic_path != req.peer_nic_path || r.peer_nic_path != req.local_nic_path {
+        return Err(format!("a Mooncake-style Connection was answered {r:?}"));
+    }
+    let ack = ask(&ConnectionMsg { ready_ack: Some(true), ..req.clone() })?;
+    if let Some(why) = ack.refused() {
+        return Err(format!("the ready ACK was refused: {why}"));
+    }
+    let stray = ask(&ConnectionMsg { ready_ack: Some(true), local_nic_path: "10.99.2.1:2@rxe0".into(), ..req.clone() })?;
+    if stray.refused().is_none() {
+        return Err("a ready ACK for an unknown connection was accepted".into());
+    }
+    let no_nic = ask(&ConnectionMsg { peer_nic_path: format!("{}@mlx5_7", b.segment_name()), ..req })?;
+    let why = no_nic.refused().ok_or("a Connection to a NIC it lacks was accepted")?.to_string();
+    println!("rdma_engines: Mooncake-style handshake: 3 QPs answered with 3, ready ACK answered, a stray ACK and a missing NIC refused ({why})");
+    Ok(())
+}
+
+fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
+    let cfg = Config {
+        local_hostname: host.into(),
+        transport: TransportMode::Rdma,
+        transfer_timeout: Duration::from_secs(10),
+        rdma_devices: devices,
+        ..Config::default()
+    };
+    let a = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
+    let b = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
+    let (mut ba, mut bb) = (Buf::new(SIZE)?, Buf::new(SIZE)?);
+    a.register_memory(ba.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
+    b.register_memory(bb.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
+    let peer = a.open_segment(b.segment_name()).map_err(|e| e.to_string())?;
+    let desc = a.segment_descriptor(peer).map_err(|e| e.to_string())?;
+    let devs: Vec<&str> = desc.devices.iter().map(|d| d.name.as_str()).collect();
+    let buf = desc.buffers.first().ok_or("the peer's descriptor lists no buffer")?;
+    if !desc.protocol.contains("rdma") || devs.is_empty() || buf.rkey.len() != devs.len() || buf.lkey.len() != devs.len() {
+        return Err(format!("the peer's descriptor is not an RDMA one: {}", String::from_utf8_lossy(&desc.encode())));
+    }
+    println!(
+        "rdma_engines: {} -> {}: protocol rdma, devices {devs:?}, rkeys {:?}, priority_matrix {}",
+        a.segment_name(),
+        b.segment_name(),
+        buf.rkey,
+        serde_json::Value::Object(desc.priority_matrix.clone())
+    );
+    handshake_as_mooncake_does(&b, &desc.devices[0].gid)?;
+    let via = a.segment_transport(peer).map_err(|e| e.to_string())?;
+    if via.name != "rdma" {
+        return Err(format!("requests to the peer go by {}, not rdma", via.name));
+    }
+
+    let (la, lb) = (ba.addr(), bb.addr());
+    let one = |op: Opcode, len: usize, off: u64| TransferRequest { opcode: op, source: la + off, target_id: peer, target_offset: lb + off, length: len as u64 };
+    for size in [4usize << 10, 64 << 10, 1 << 20, 16 << 20] {
+        fill(&mut ba.bytes()[..size], size as u64);
+        bb.bytes()[..size].fill(0);
+        let t = Instant::now();
+        let st = a.transfer_sync(&[one(Opcode::Write, size, 0)], Duration::from_secs(60)).map_err(|e| e.to_string())?;
+        let took = t.elapsed();
+        if st.status != TaskStatus::Completed || st.transferred_bytes != size as u64 {
+            return Err(format!("WRITE {size} B: {st:?}"));
+        }
+        compare(&format!("WRITE {size} B"), &bb.bytes()[..size], &ba.bytes()[..size])?;
+        println!("rdma_engines: WRITE {size} B verified ({:.1} ms)", took.as_secs_f64() * 1e3);
+
+        fill(&mut bb.bytes()[..size], !(size as u64));
+        ba.bytes()[..size].fill(0);
+        let t = Instant::now();
+        let st = a.transfer_sync(&[one(Opcode::Read, size, 0)], Duration::from_secs(60)).map_err(|e| e.to_string())?;
+        let took = t.elapsed();
+        if st.status != TaskStatus::Completed || st.transferred_bytes != size as u64 {
+            return Err(format!("READ {size} B: {st:?}"));
+        }
+        compare(&format!("READ {size} B"), &ba.bytes()[..size], &bb.bytes()[..size])?;
+        println!("rdma_engines: READ {size} B verified ({:.1} ms)", took.as_secs_f64() * 1e3);
+    }
+
+    // One batch of 64 requests of 64 KiB at different offsets.
+    fill(&mut ba.bytes()[..4 << 20], 77);
+    bb.bytes()[..4 << 20].fill(0);
+    let reqs: Vec<TransferRequest> = (0..64u64).map(|i| one(Opcode::Write, 64 << 10, i * (64 << 10))).collect();
+    let st = a.transfer_sync(&reqs, Duration::from_secs(60)).map_err(|e| e.to_string())?;
+    if st.status != TaskStatus::Completed {
+        return Err(format!("batch of 64 WRITEs: {st:?}"));
+    }
+    compare("batch of 64 WRITEs", &bb.bytes()[..4 << 20], &ba.bytes()[..4 << 20])?;
+    println!("rdma_engines: a batch of 64 WRITEs of 64 KiB verified");
+
+    // A peer with rxe0 only: the pair from our rxe_lo to it cannot be connected (its RTR
+    // towards a 127.0.0.1 GID fails), so that pair is paused and all slices go over rxe0.
+    {
+        let mut bd = Buf::new(1 << 20)?;
+        let d = TransferEngine::new(Config { rdma_devices: Some(vec!["rxe0".into()]), ..cfg.clone() }).map_err(|e| e.to_string())?;
+        d.register_memory(bd.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+        let pd = a.open_segment(d.segment_name()).map_err(|e| e.to_string())?;
+        let mut took = Vec::new();
+        for seed in [55, 56] {
+            fill(&mut ba.bytes()[..1 << 20], seed);
+            let t = Instant::now();
+            let req = TransferRequest { opcode: Opcode::Write, source: la, target_id: pd, target_offset: bd.addr(), length: 1 << 20 };
+            let st = a.transfer_sync(&[req], Duration::from_secs(30)).map_err(|e| e.to_string())?;
+            took.push(t.elapsed().as_secs_f64() * 1e3);
+            if st.status != TaskStatus::Completed {
+                return Err(format!("a WRITE to a peer with rxe0 only: {st:?}"));
+            }
+            compare("a WRITE to a peer with rxe0 only", bd.bytes(), &ba.bytes()[..1 << 20])?;
+        }
+        println!("rdma_engines: a peer with rxe0 only: 1 MiB WRITEs verified over the pairs that connect ({:.1} ms, then {:.1} ms)", took[0], took[1]);
+        d.unregister_memory(bd.addr()).map_err(|e| e.to_string())?;
+    }
+
+    // Outside the peer's registered memory: FAILED, nothing sent.
+    let bad = TransferRequest { opcode: Opcode::Write, source: ba.addr(), target_id: peer, target_offset: bb.addr() + SIZE as u64, length: 4096 };
+    let st = a.transfer_sync(&[bad], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+    if st.status != TaskStatus::Failed {
+        return Err(format!("a WRITE outside the peer's memory: {st:?}"));
+    }
+    println!("rdma_engines: a WRITE outside the peer's memory failed as it must ({:?}: {})", st.cause, st.reason.unwrap_or_default());
+
+    // Unregistering local memory is a barrier: with a 16 MiB READ into it in flight, it returns
+    // only once no work request touches the range any more; the task is terminal by then.
+    let batch = a.allocate_batch(1).map_err(|e| e.to_string())?;
+    a.submit(batch, &[one(Opcode::Read, SIZE, 0)]).map_err(|e| e.to_string())?;
+    // Long enough for the posting thread to have posted (a 16 MiB READ takes ~0.5 s here).
+    std::thread::sleep(Duration::from_millis(100));
+    let pending = a.batch_status(batch).map_err(|e| e.to_string())?.status;
+    let t = Instant::now();
+    a.unregister_memory(la).map_err(|e| e.to_string())?;
+    let st = a.batch_status(batch).map_err(|e| e.to_string())?;
+    if !st.status.is_terminal() {
+        return Err(format!("unregister_memory returned with a READ into the range still {:?}", st.status));
+    }
+    println!("rdma_engines: unregister during a 16 MiB READ ({pending:?} when called) returned after {:.1} ms with the task {:?}", t.elapsed().as_secs_f64() * 1e3, st.status);
+    a.free_batch(batch).map_err(|e| e.to_string())?;
+    a.register_memory(la, SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
+
+    // The peer unregisters its buffer: a WRITE to it fails (its descriptor re-read, or its MR
+    // gone: a remote access error), within the deadline.
+    b.unregister_memory(bb.addr()).map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    let st = a.transfer_sync(&[one(Opcode::Write, 4096, 0)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+    if st.status == TaskStatus::Completed {
+        return Err("a WRITE to memory the peer unregistered completed".into());
+    }
+    println!(
+        "rdma_engines: a WRITE to memory the peer unregistered ended {:?} in {:.1} ms ({:?}: {})",
+        st.status,
+        t.elapsed().as_secs_f64() * 1e3,
+        st.cause,
+        st.reason.unwrap_or_default()
+    );
+
+    // The failed QP was dropped and the refused keys marked stale: the peer registers the
+    // same range again (new keys), and the next request re-reads its descriptor, builds a new
+    // QP (a new Connection exchange) and lands.
+    b.register_memory(lb, SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
+    fill(&mut ba.bytes()[..1 << 20], 99);
+    bb.bytes()[..1 << 20].fill(0);
+    let st = a.transfer_sync(&[one(Opcode::Write, 1 << 20, 0)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+    if st.status != TaskStatus::Completed {
+        return Err(format!("a WRITE after the peer registered the range again: {st:?}"));
+    }
+    compare("a WRITE after the peer registered the range again", &bb.bytes()[..1 << 20], &ba.bytes()[..1 << 20])?;
+    println!("rdma_engines: after the failure the endpoint was rebuilt and the new keys read: a 1 MiB WRITE to the range the peer registered again verified");
+    b.unregister_memory(lb).map_err(|e| e.to_string())?;
+
+    // A peer that goes away after its QPs were connected: a request to it ends (FAILED, or
+    // TIMEOUT when the NIC never reports the loss: its QP is flushed at the deadline) within
+    // the deadline, and the engine does not hang.
+    let bc = Buf::new(1 << 20)?;
+    let c = TransferEngine::new(cfg).map_err(|e| e.to_string())?;
+    c.register_memory(bc.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+    let pc = a.open_segment(c.segment_name()).map_err(|e| e.to_string())?;
+    let to_c = TransferRequest { opcode: Opcode::Write, source: la, target_id: pc, target_offset: bc.addr(), length: 1 << 20 };
+    let st = a.transfer_sync(&[to_c.clone()], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+    if st.status != TaskStatus::Completed {
+        return Err(format!("WRITE to a third engine: {st:?}"));
+    }
+    drop(c);
+    let t = Instant::now();
+    let st = a.transfer_sync(&[to_c], Duration::from_secs(3)).map_err(|e| e.to_string())?;
+    let took = t.elapsed();
+    if st.status == TaskStatus::Completed || took > Duration::from_secs(6) {
+        return Err(format!("a WRITE to an engine that went away: {st:?} after {took:?}"));
+    }
+    println!(
+        "rdma_engines: a WRITE to an engine that went away ended {:?} in {:.1} s, deadline 3 s ({:?}: {})",
+        st.status,
+        took.as_secs_f64(),
+        st.cause,
+        st.reason.unwrap_or_default()
+    );
+    drop(bc);
+
+    a.unregister_memory(ba.addr()).map_err(|e| e.to_string())?;
+    drop(a);
+    drop(b);
+    println!("rdma_engines: both engines dropped");
+    Ok(())
+}

@@ -1,0 +1,128 @@
+//! RDMA interop with a stock Mooncake engine (the PyPI wheel, driven by
+//! `tests/interop/mooncake_peer.py` with `KVFERRY_PEER_PROTOCOL=rdma`), both directions, every
+//! byte checked: `rdma_mooncake <python> <mooncake_peer.py> <host>` (in the Soft-RoCE VM).
+//!
+//! 1. Mooncake target, kvferry initiator (`KVFERRY_TRANSPORT=rdma`): READ its buffer (pattern
+//!    checked), WRITE ours (its sha256 checked).
+//! 2. kvferry target, Mooncake initiator: it WRITEs (our buffer checked), then READs (its
+//!    sha256 checked).
+
+use kvferry::config::TransportMode;
+use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
+use sha2::{Digest, Sha256};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::Duration;
+
+type Res<T> = Result<T, String>;
+const SIZE: usize = 4 << 20;
+
+fn main() -> ExitCode {
+    let a: Vec<String> = std::env::args().collect();
+    if a.len() != 4 {
+        eprintln!("usage: rdma_mooncake <python> <mooncake_peer.py> <host>");
+        return ExitCode::from(2);
+    }
+    match run(&a[1], &a[2], &a[3]) {
+        Ok(()) => {
+            println!("rdma_mooncake: all checks passed");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("rdma_mooncake: FAILED: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    (0..len).map(|i| ((i as u64 * 131 + seed * 7 + (i as u64 >> 12)) & 0xff) as u8).collect()
+}
+
+fn sha(b: &[u8]) -> String {
+    Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+}
+
+struct Peer {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+fn peer(python: &str, script: &str, host: &str, args: &[&str]) -> Res<Peer> {
+    let mut child = Command::new(python)
+        .arg(script)
+        .args(args)
+        .env("KVFERRY_PEER_PROTOCOL", "rdma")
+        .env("KVFERRY_PEER_HOST", host)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("starting {python} {script}: {e}"))?;
+    let out = BufReader::new(child.stdout.take().ok_or("no stdout")?);
+    Ok(Peer { child, out })
+}
+
+fn line(p: &mut Peer) -> Res<serde_json::Value> {
+    let mut l = String::new();
+    p.out.read_line(&mut l).map_err(|e| e.to_string())?;
+    serde_json::from_str(&l).map_err(|e| format!("the Mooncake peer printed {l:?}: {e}"))
+}
+
+fn run(python: &str, script: &str, host: &str) -> Res<()> {
+    let cfg = Config { local_hostname: host.into(), transport: TransportMode::Rdma, transfer_timeout: Duration::from_secs(20), ..Config::default() };
+    let e = TransferEngine::new(cfg).map_err(|e| e.to_string())?;
+    let mut buf = vec![0u8; SIZE];
+    let la = buf.as_mut_ptr() as u64;
+    e.register_memory(la, SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
+
+    // 1. Mooncake target.
+    let mut t = peer(python, script, host, &["target", "--size", &SIZE.to_string(), "--seed", "11"])?;
+    let hello = line(&mut t)?;
+    let seg = hello["segment"].as_str().ok_or("no segment")?.to_string();
+    let raddr = hello["addr"].as_u64().ok_or("no addr")?;
+    let id = e.open_segment(&seg).map_err(|e| e.to_string())?;
+    let d = e.segment_descriptor(id).map_err(|e| e.to_string())?;
+    println!("rdma_mooncake: Mooncake target {seg}: protocol {:?}, devices {:?}", d.protocol, d.devices.iter().map(|x| x.name.as_str()).collect::<Vec<_>>());
+    let req = |op| TransferRequest { opcode: op, source: la, target_id: id, target_offset: raddr, length: SIZE as u64 };
+    let st = e.transfer_sync(&[req(Opcode::Read)], Duration::from_secs(60)).map_err(|e| e.to_string())?;
+    if st.status != TaskStatus::Completed || buf != pattern(SIZE, 11) {
+        return Err(format!("kvferry READ from Mooncake: {st:?}, bytes match: {}", buf == pattern(SIZE, 11)));
+    }
+    println!("rdma_mooncake: kvferry READ 4 MiB from a Mooncake target over RDMA verified");
+    buf.copy_from_slice(&pattern(SIZE, 12));
+    let st = e.transfer_sync(&[req(Opcode::Write)], Duration::from_secs(60)).map_err(|e| e.to_string())?;
+    if st.status != TaskStatus::Completed {
+        return Err(format!("kvferry WRITE to Mooncake: {st:?}"));
+    }
+    writeln!(t.child.stdin.as_mut().ok_or("no stdin")?, "checksum 0 {SIZE}").map_err(|e| e.to_string())?;
+    let sum = line(&mut t)?;
+    if sum["sha256"].as_str() != Some(sha(&buf).as_str()) {
+        return Err(format!("kvferry WRITE to Mooncake: its buffer's sha256 is {sum}, ours {}", sha(&buf)));
+    }
+    println!("rdma_mooncake: kvferry WRITE 4 MiB to a Mooncake target over RDMA verified");
+    if let Some(stdin) = t.child.stdin.as_mut() {
+        let _ = writeln!(stdin, "quit");
+    }
+    let _ = t.child.wait();
+
+    // 2. Mooncake initiator.
+    buf.fill(0);
+    let me = e.segment_name().to_string();
+    let addr = la.to_string();
+    let mut w = peer(python, script, host, &["initiator", "--segment", &me, "--remote-addr", &addr, "--size", &SIZE.to_string(), "--op", "write", "--block", "65536", "--batch", "16", "--seed", "13"])?;
+    let res = line(&mut w)?;
+    let _ = w.child.wait();
+    if res["ok"] != serde_json::Value::Bool(true) || buf != pattern(SIZE, 13) {
+        return Err(format!("Mooncake WRITE to kvferry: {res}, bytes match: {}", buf == pattern(SIZE, 13)));
+    }
+    println!("rdma_mooncake: Mooncake WRITE 4 MiB to a kvferry target over RDMA verified");
+    let mut r = peer(python, script, host, &["initiator", "--segment", &me, "--remote-addr", &addr, "--size", &SIZE.to_string(), "--op", "read", "--block", "65536", "--batch", "16"])?;
+    let res = line(&mut r)?;
+    let _ = r.child.wait();
+    if res["ok"] != serde_json::Value::Bool(true) || res["sha256"].as_str() != Some(sha(&buf).as_str()) {
+        return Err(format!("Mooncake READ from kvferry: {res}, want sha256 {}", sha(&buf)));
+    }
+    println!("rdma_mooncake: Mooncake READ 4 MiB from a kvferry target over RDMA verified");
+    e.unregister_memory(la).map_err(|e| e.to_string())?;
+    Ok(())
+}

@@ -1,0 +1,899 @@
+//! The RDMA transport: one-sided RDMA WRITE/READ over RC queue pairs, on the verbs layer of
+//! [`crate::rdma::verbs`] (libibverbs loaded at run time).
+//!
+//! - **NICs**: every RDMA device with an active port 1 (or those `KVFERRY_RDMA_DEVICES`
+//!   names), in name order; each has a PD, a CQ with its completion channel, and a poller
+//!   thread. The GID index is chosen per NIC from sysfs (`MC_GID_INDEX` honoured).
+//! - **Memory**: every registered range gets one MR per NIC ([`Transport::on_register`]); the
+//!   descriptor publishes `protocol: "rdma"`, `devices` (name, LID, GID) and per-buffer
+//!   `rkey`/`lkey` arrays in device order, plus a `priority_matrix` with every NIC preferred for
+//!   each location, as Mooncake does (reference §1.5, §2.3). Buffers whose MRs are not yet made
+//!   are left out of the descriptor (never published without keys).
+//! - **Endpoints**: one RC QP per (peer, local NIC, peer NIC), made on first use by the worker
+//!   thread through the `Connection` handshake message (§2.6) sent to the peer's handshake
+//!   port; the peer ([`RdmaTransport::on_connection`]) makes its QP, brings it to RTS, answers
+//!   with its QP number, GID and LID. A peer's NIC is chosen by name: the one with the local
+//!   NIC's name if it has one (rail affinity), else the first preferred for the remote buffer's
+//!   location in its `priority_matrix`, else its first device; its rkey is looked up at that
+//!   name's position in its `devices`.
+//! - **Data path**: a piece is cut into 64 KiB slices, striped over the local NICs, posted as
+//!   chains of signaled work requests (one doorbell per chain) with at most [`MAX_OUTSTANDING`]
+//!   per QP. A piece ends only when the completion of each of its slices arrived (its
+//!   [`RegionGuard`] is held until then, so unregistering waits for posted work requests, and
+//!   MRs are deregistered only after). A failed completion fails the piece, naming the status,
+//!   and drops the endpoint (rebuilt on next use).
+//! - **Deadlines**: the poller looks at the deadlines of what is in flight every
+//!   [`TICK`]; a QP holding a slice past its task's deadline is moved to the error state, which
+//!   flushes its work requests at once: the piece ends TIMEOUT, and nothing touches its memory
+//!   after. Connecting is bounded by the handshake timeouts.
+//!
+//! Mooncake compatibility of the handshake: 2 QPs per endpoint (Mooncake refuses a QP count
+//! that differs from its own), as many as the peer sent when it connects to us, no `ready_ack`
+//! field in our messages (a Mooncake peer then skips that round) and an answer to one it sends.
+//!
+//! Checked against a stock Mooncake engine in the Soft-RoCE VM, both directions
+//! (`examples/rdma_mooncake`).
+//!
+//! A NIC pair that cannot be connected is paused for 30 s (tried again only when no other
+//! pair works); its slices go over the pairs that connect.
+//!
+//! Not yet: retrying a slice whose completion failed on another NIC pair, endpoint eviction,
+//! GPU memory.
+
+use crate::batch::{FailCause, FailKind, TaskState};
+use crate::memory::{Region, RegionGuard};
+use crate::rdma::sysfs;
+use crate::rdma::verbs::{self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr};
+use crate::transport::{Peer, Piece, Transport};
+use crate::wire::descriptor::{DeviceDesc, Protocols, SegmentDesc};
+use crate::wire::rdma::{format_gid, parse_gid, split_nic_path, ConnectionMsg};
+use crate::wire::tcp::Opcode;
+use serde_json::{json, Map, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+/// Size of one work request (Mooncake's `MC_SLICE_SIZE` default).
+pub const SLICE: u64 = 64 << 10;
+/// Send queue depth of a QP.
+const MAX_WR: u32 = 256;
+/// Work requests in flight per QP (below [`MAX_WR`]).
+pub const MAX_OUTSTANDING: u32 = 128;
+/// Completion queue entries per NIC (Mooncake's `MC_MAX_CQE_PER_CTX` default).
+const CQ_DEPTH: u32 = 4096;
+/// Work requests posted with one doorbell.
+const CHAIN: usize = 16;
+/// How often pollers look at deadlines and at shutdown.
+pub const TICK: Duration = Duration::from_millis(100);
+/// How long a NIC pair that could not be connected is left alone (while others work).
+const PAUSE: Duration = Duration::from_secs(30);
+/// The port used on every NIC (Mooncake's `MC_IB_PORT` default).
+const PORT: u8 = 1;
+/// RC QPs per endpoint: Mooncake's `MC_NUM_QP_PER_EP` default. Mooncake refuses a peer whose
+/// QP count differs from its own, so the active side sends this many; the passive side makes as
+/// many as the peer sent (at most [`MAX_QPS_PER_EP`]).
+pub const QPS_PER_EP: usize = 2;
+const MAX_QPS_PER_EP: usize = 16;
+/// Our extra field in `Connection` messages: the sender's active MTU in bytes, so both sides
+/// use the smaller of both ports' (a peer without it: our own).
+const MTU_FIELD: &str = "kvferry_mtu";
+
+/// What the engine tells the transport.
+pub struct RdmaOptions {
+    /// This engine's segment name (the `<segment>` of its NIC paths).
+    pub segment: String,
+    /// Use only these devices (`KVFERRY_RDMA_DEVICES`); `None`: every device with an active port.
+    pub devices: Option<Vec<String>>,
+    /// `MC_GID_INDEX`: the GID index on every NIC, instead of the automatic choice.
+    pub gid_index: Option<u32>,
+}
+
+/// Sends a `Connection` message to a peer's handshake port and returns its answer's body.
+pub type Connector = Box<dyn Fn(&Peer, &[u8]) -> Result<Vec<u8>, String> + Send + Sync>;
+
+struct Nic {
+    name: String,
+    pd: verbs::Pd,
+    cq: Cq,
+    attr: PortAttr,
+    gid_index: u8,
+    gid: [u8; 16],
+    /// Work requests posted on this NIC's QPs whose completion has not arrived, by `wr_id`.
+    inflight: Mutex<HashMap<u64, Slice>>,
+    /// At most [`CQ_DEPTH`] of them: the shared CQ never overruns, however many endpoints.
+    credits: Credits,
+    _ctx: Context,
+}
+
+/// One posted work request.
+struct Slice {
+    piece: Arc<PieceState>,
+    ep: Arc<Endpoint>,
+}
+
+/// A piece in flight: ends when its last slice does.
+struct PieceState {
+    task: Arc<TaskState>,
+    /// Held until the last completion: unregistering the range waits for it.
+    _guard: RegionGuard,
+    len: u64,
+    left: AtomicUsize,
+    failure: Mutex<Option<(FailKind, FailCause, String)>>,
+}
+
+impl PieceState {
+    fn slice_end(&self, result: Result<(), (FailKind, FailCause, String)>) {
+        if let Err(f) = result {
+            self.failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(f);
+        }
+        if self.left.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        match self.failure.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            None => self.task.piece_done(self.len),
+            Some((kind, cause, why)) => self.task.piece_failed(kind, cause.because(why)),
+        }
+    }
+}
+
+/// A connected RC QP to one NIC of a peer.
+struct Endpoint {
+    /// Connected to the peer's QPs of the same index; chains are posted to them in turn.
+    qps: Vec<Qp>,
+    next_qp: AtomicUsize,
+    key: EpKey,
+    /// At most [`MAX_OUTSTANDING`] work requests in flight.
+    credits: Credits,
+    /// Moved to the error state because a slice passed its deadline: its flushed slices end
+    /// TIMEOUT.
+    expired: AtomicBool,
+}
+
+/// (peer segment, local NIC index, peer NIC name).
+type EpKey = (String, usize, String);
+
+/// A bound on work requests in flight (an endpoint's, or a NIC's: its CQ must never overrun).
+struct Credits {
+    used: Mutex<u32>,
+    freed: Condvar,
+    max: u32,
+}
+
+impl Credits {
+    fn new(max: u32) -> Credits {
+        Credits { used: Mutex::new(0), freed: Condvar::new(), max }
+    }
+
+    fn release(&self, n: u32) {
+        let mut o = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        *o = o.saturating_sub(n);
+        self.freed.notify_all();
+    }
+
+    /// Waits until `n` more work requests may be posted; false at `deadline`.
+    fn acquire(&self, n: u32, deadline: Instant) -> bool {
+        let mut o = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        while *o + n > self.max {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            o = self.freed.wait_timeout(o, (deadline - now).min(TICK)).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        *o += n;
+        true
+    }
+}
+
+struct Job {
+    peer: Arc<Peer>,
+    pieces: Vec<Piece>,
+}
+
+struct Shared {
+    segment: String,
+    nics: Vec<Nic>,
+    /// MRs of each registered range (by start address), one per NIC in `nics` order.
+    mrs: Mutex<BTreeMap<u64, Arc<Vec<Mr>>>>,
+    endpoints: Mutex<HashMap<EpKey, Arc<Endpoint>>>,
+    /// NIC pairs that could not be connected, and until when they are left alone.
+    paused: Mutex<HashMap<EpKey, Instant>>,
+    /// QPs made for peers that connected to us, by (their NIC path, our NIC index).
+    passive: Mutex<HashMap<(String, usize), Vec<Qp>>>,
+    connector: Mutex<Option<Arc<Connector>>>,
+    /// Re-reads a peer's descriptor (set by the engine).
+    refresh: Mutex<Option<Arc<crate::transport::shm::Refresh>>>,
+    /// Peers whose keys were refused (`IBV_WC_REM_ACCESS_ERR`): their descriptor is re-read
+    /// before their next request is posted (they may have registered again, with new keys).
+    stale: Mutex<std::collections::HashSet<String>>,
+    next_wr: AtomicU64,
+    next_nic: AtomicUsize,
+    shut: AtomicBool,
+    /// The posting thread has ended: nothing new can be posted (pollers wait for this before
+    /// they end, so a slice posted during shutdown still gets its completion).
+    worker_done: AtomicBool,
+}
+
+/// The RDMA transport.
+pub struct RdmaTransport {
+    shared: Arc<Shared>,
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+}
+
+fn fail_piece(p: Piece, kind: FailKind, cause: FailCause, why: String) {
+    p.task.piece_failed(kind, cause.because(why));
+}
+
+impl RdmaTransport {
+    /// Opens the NICs; an error says why RDMA cannot be used here (for `KVFERRY_TRANSPORT=rdma`
+    /// to report, never a silent fallback).
+    pub fn new(opts: RdmaOptions) -> Result<RdmaTransport, String> {
+        let probe = crate::rdma::probe();
+        if let Some(why) = probe.why_not() {
+            return Err(why);
+        }
+        let verbs = Arc::new(Verbs::load().map_err(|e| e.to_string())?);
+        let mut nics = Vec::new();
+        let mut skipped = Vec::new();
+        for n in &probe.nics {
+            if let Some(only) = &opts.devices {
+                if !only.iter().any(|d| d == &n.name) {
+                    continue;
+                }
+            }
+            let Some(port) = n.ports.iter().find(|p| p.num == u32::from(PORT) && p.active) else {
+                skipped.push(format!("{}: port {PORT} not active", n.name));
+                continue;
+            };
+            let Some(gid_index) = sysfs::select_gid(port, opts.gid_index).and_then(|i| u8::try_from(i).ok()) else {
+                skipped.push(format!("{}: no usable GID (MC_GID_INDEX={:?})", n.name, opts.gid_index));
+                continue;
+            };
+            let opened = (|| -> Result<Nic, VerbsError> {
+                let ctx = Context::open(Arc::clone(&verbs), &n.name)?;
+                let attr = ctx.query_port(PORT)?;
+                let gid = ctx.query_gid(PORT, gid_index)?;
+                let pd = ctx.alloc_pd()?;
+                let cq = ctx.create_cq(CQ_DEPTH)?;
+                Ok(Nic { name: n.name.clone(), pd, cq, attr, gid_index, gid, inflight: Mutex::default(), credits: Credits::new(CQ_DEPTH), _ctx: ctx })
+            })();
+            match opened {
+                Ok(nic) => nics.push(nic),
+                Err(e) => skipped.push(format!("{}: {e}", n.name)),
+            }
+        }
+        if nics.is_empty() {
+            let found: Vec<&str> = probe.nics.iter().map(|n| n.name.as_str()).collect();
+            return Err(match &opts.devices {
+                Some(only) => format!("no usable RDMA device among KVFERRY_RDMA_DEVICES={} (found: {}; {})", only.join(","), found.join(", "), skipped.join("; ")),
+                None => format!("no usable RDMA device (found: {}; {})", found.join(", "), skipped.join("; ")),
+            });
+        }
+        for s in &skipped {
+            tracing::warn!("RDMA: not using {s}");
+        }
+        let shared = Arc::new(Shared {
+            segment: opts.segment,
+            nics,
+            mrs: Mutex::default(),
+            endpoints: Mutex::default(),
+            paused: Mutex::default(),
+            passive: Mutex::default(),
+            connector: Mutex::new(None),
+            refresh: Mutex::new(None),
+            stale: Mutex::default(),
+            next_wr: AtomicU64::new(1),
+            next_nic: AtomicUsize::new(0),
+            shut: AtomicBool::new(false),
+            worker_done: AtomicBool::new(false),
+        });
+        for i in 0..shared.nics.len() {
+            let w = Arc::downgrade(&shared);
+            std::thread::Builder::new()
+                .name(format!("kvf-rdma-cq{i}"))
+                .spawn(move || poller(w, i))
+                .map_err(|e| format!("starting the RDMA completion thread: {e}"))?;
+        }
+        let (tx, rx) = mpsc::channel::<Job>();
+        let w = Arc::downgrade(&shared);
+        std::thread::Builder::new().name("kvf-rdma-post".into()).spawn(move || worker(w, rx)).map_err(|e| format!("starting the RDMA posting thread: {e}"))?;
+        Ok(RdmaTransport { shared, jobs: Mutex::new(Some(tx)) })
+    }
+
+    /// How the transport reaches a peer's handshake port (set by the engine).
+    pub fn set_connector(&self, c: Connector) {
+        *self.shared.connector.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(c));
+    }
+
+    /// How the transport re-reads a peer's descriptor (set by the engine).
+    pub fn set_refresh(&self, f: crate::transport::shm::Refresh) {
+        *self.shared.refresh.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(f));
+    }
+
+    /// The NICs in use, in device order.
+    pub fn devices(&self) -> Vec<String> {
+        self.shared.nics.iter().map(|n| n.name.clone()).collect()
+    }
+
+    /// Answers a peer's `Connection` message: makes a QP on the NIC it names, connects it to
+    /// the peer's QP and replies with ours; or a refusal saying why.
+    pub fn on_connection(&self, body: &[u8]) -> Vec<u8> {
+        let s = &self.shared;
+        let m = match ConnectionMsg::decode(body) {
+            Ok(m) => m,
+            Err(e) => return refusal("x@x", &format!("{}@x", s.segment), format!("kvferry: bad Connection message: {e}")),
+        };
+        let me = m.peer_nic_path.clone();
+        let nic_name = split_nic_path(&m.peer_nic_path).map(|(_, n)| n).unwrap_or_default();
+        let Some(idx) = s.nics.iter().position(|n| n.name == nic_name) else {
+            let have: Vec<&str> = s.nics.iter().map(|n| n.name.as_str()).collect();
+            return refusal(&me, &m.local_nic_path, format!("kvferry: no RDMA NIC named {nic_name:?} here (have: {})", have.join(", ")));
+        };
+        let nic = &s.nics[idx];
+        if m.ready_ack == Some(true) {
+            // Mooncake's "ready" round (we never ask for it, but answer it): our QPs for that
+            // peer reached RTS before we answered its request.
+            let ours: Option<Vec<u32>> = s.passive.lock().unwrap_or_else(|e| e.into_inner()).get(&(m.local_nic_path.clone(), idx)).map(|q| q.iter().map(Qp::qp_num).collect());
+            let Some(qp_num) = ours else {
+                return refusal(&me, &m.local_nic_path, "kvferry: ready ACK for an unknown connection".into());
+            };
+            let ok = ConnectionMsg { local_nic_path: me, local_lid: nic.attr.lid, local_gid: format_gid(&nic.gid), peer_nic_path: m.local_nic_path, qp_num, ..Default::default() };
+            return ok.encode();
+        }
+        let Some(gid) = parse_gid(&m.local_gid) else {
+            return refusal(&me, &m.local_nic_path, "kvferry: the Connection message has no GID".into());
+        };
+        if m.qp_num.len() > MAX_QPS_PER_EP {
+            return refusal(&me, &m.local_nic_path, format!("kvferry: {} QPs per endpoint asked, at most {MAX_QPS_PER_EP}", m.qp_num.len()));
+        }
+        let mtu = path_mtu(&nic.attr, &m);
+        let made = m
+            .qp_num
+            .iter()
+            .map(|&remote| -> Result<Qp, VerbsError> {
+                let qp = nic.pd.create_qp(&nic.cq, MAX_WR)?;
+                qp.connect(Path { port: PORT, sgid_index: nic.gid_index, mtu }, &RemoteQp { qp_num: remote, lid: m.local_lid, gid })?;
+                Ok(qp)
+            })
+            .collect::<Result<Vec<Qp>, VerbsError>>();
+        let qps = match made {
+            Ok(qps) => qps,
+            Err(e) => return refusal(&me, &m.local_nic_path, format!("kvferry: {e}")),
+        };
+        let reply = hello(&s.segment, nic, &m.local_nic_path, &qps);
+        tracing::debug!(peer = %m.local_nic_path, local = %nic.name, qps = qps.len(), "RDMA: accepted a connection");
+        // A peer reconnecting the same NIC pair replaces its old QPs (it dropped its own).
+        s.passive.lock().unwrap_or_else(|e| e.into_inner()).insert((m.local_nic_path, idx), qps);
+        reply
+    }
+}
+
+/// A refusal (`reply_msg` set) in the form the message codec accepts.
+fn refusal(me: &str, peer: &str, why: String) -> Vec<u8> {
+    tracing::warn!("RDMA: refused a connection from {peer}: {why}");
+    let path = |p: &str| if split_nic_path(p).is_some() { p.to_string() } else { "unknown@unknown".to_string() };
+    ConnectionMsg { local_nic_path: path(me), peer_nic_path: path(peer), reply_msg: why, ..Default::default() }.encode()
+}
+
+/// Our `Connection` message for `qps` on `nic`, to `peer_nic_path`. No `ready_ack` field:
+/// a Mooncake peer then considers the connection ready without the extra round.
+fn hello(segment: &str, nic: &Nic, peer_nic_path: &str, qps: &[Qp]) -> Vec<u8> {
+    let mut extra = Map::new();
+    extra.insert(MTU_FIELD.into(), json!(nic.attr.mtu_bytes()));
+    ConnectionMsg {
+        local_nic_path: format!("{segment}@{}", nic.name),
+        local_lid: nic.attr.lid,
+        local_gid: format_gid(&nic.gid),
+        peer_nic_path: peer_nic_path.into(),
+        qp_num: qps.iter().map(Qp::qp_num).collect(),
+        extra,
+        ..Default::default()
+    }
+    .encode()
+}
+
+/// The path MTU: the smaller of our port's active MTU and the peer's (when it says it).
+fn path_mtu(attr: &PortAttr, m: &ConnectionMsg) -> u32 {
+    let theirs = m.extra.get(MTU_FIELD).and_then(Value::as_u64).and_then(|b| u32::try_from(b).ok()).and_then(verbs::mtu_enum);
+    theirs.map_or(attr.active_mtu, |t| t.min(attr.active_mtu))
+}
+
+impl Shared {
+    fn mrs_for(&self, addr: u64, len: u64) -> Option<(Arc<Vec<Mr>>, usize)> {
+        let mrs = self.mrs.lock().unwrap_or_else(|e| e.into_inner());
+        let (&start, v) = mrs.range(..=addr).next_back()?;
+        let first = v.first()?;
+        let end = addr.checked_add(len)?;
+        (end <= start + first.len() as u64).then(|| (Arc::clone(v), (addr - start) as usize))
+    }
+
+    /// The endpoint to `peer`'s NIC `dev` from local NIC `nic`, connecting it if needed.
+    fn endpoint(&self, peer: &Peer, desc: &SegmentDesc, nic: usize, dev: &DeviceDesc) -> Result<Arc<Endpoint>, String> {
+        let key: EpKey = (peer.name.clone(), nic, dev.name.clone());
+        if let Some(ep) = self.endpoints.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return Ok(Arc::clone(ep));
+        }
+        let connector = self.connector.lock().unwrap_or_else(|e| e.into_inner()).clone().ok_or("the engine gave the RDMA transport no handshake client")?;
+        let n = &self.nics[nic];
+        let server = desc.rdma_server_name.clone().filter(|s| !s.is_empty()).unwrap_or_else(|| desc.name.clone());
+        let peer_path = format!("{server}@{}", dev.name);
+        let qps = (0..QPS_PER_EP).map(|_| n.pd.create_qp(&n.cq, MAX_WR)).collect::<Result<Vec<Qp>, VerbsError>>().map_err(|e| e.to_string())?;
+        let reply = connector(peer, &hello(&self.segment, n, &peer_path, &qps)).map_err(|e| format!("RDMA handshake with {peer_path} from {} failed: {e}", n.name))?;
+        let r = ConnectionMsg::decode(&reply).map_err(|e| {
+            // A refusal need not carry NIC paths (a peer without RDMA answers only `reply_msg`).
+            let refused = serde_json::from_slice::<Value>(&reply).ok().and_then(|v| v.get("reply_msg").and_then(Value::as_str).filter(|r| !r.is_empty()).map(str::to_string));
+            match refused {
+                Some(why) => format!("{peer_path} refused the RDMA connection from {}: {why}", n.name),
+                None => format!("RDMA handshake with {peer_path}: bad answer: {e}"),
+            }
+        })?;
+        if let Some(why) = r.refused() {
+            return Err(format!("{peer_path} refused the RDMA connection from {}: {why}", n.name));
+        }
+        let gid = parse_gid(&r.local_gid).or_else(|| parse_gid(&dev.gid)).ok_or_else(|| format!("{peer_path} published no GID"))?;
+        let path = Path { port: PORT, sgid_index: n.gid_index, mtu: path_mtu(&n.attr, &r) };
+        if r.qp_num.len() != qps.len() {
+            return Err(format!("{peer_path} answered with {} QPs for our {}", r.qp_num.len(), qps.len()));
+        }
+        for (qp, &remote) in qps.iter().zip(&r.qp_num) {
+            qp.connect(path, &RemoteQp { qp_num: remote, lid: r.local_lid, gid }).map_err(|e| e.to_string())?;
+        }
+        tracing::debug!(peer = %peer_path, local = %n.name, remote_qps = ?r.qp_num, "RDMA: connected");
+        let ep = Arc::new(Endpoint { qps, next_qp: AtomicUsize::new(0), key: key.clone(), credits: Credits::new(MAX_OUTSTANDING), expired: AtomicBool::new(false) });
+        self.endpoints.lock().unwrap_or_else(|e| e.into_inner()).insert(key, Arc::clone(&ep));
+        Ok(ep)
+    }
+
+    /// Drops `ep` from the cache (a failed QP is rebuilt on next use).
+    fn forget(&self, ep: &Arc<Endpoint>) {
+        let mut eps = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
+        if eps.get(&ep.key).is_some_and(|e| Arc::ptr_eq(e, ep)) {
+            eps.remove(&ep.key);
+        }
+    }
+
+    fn run(&self, job: Job) {
+        let Job { peer, pieces } = job;
+        let stale = self.stale.lock().unwrap_or_else(|e| e.into_inner()).remove(&peer.name);
+        if stale {
+            let refresh = self.refresh.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if let Some(Err(e)) = refresh.map(|f| f(&peer)) {
+                tracing::debug!("RDMA: re-reading the descriptor of {} after a refused key: {e}", peer.name);
+            }
+        }
+        for p in pieces {
+            if self.shut.load(Ordering::Acquire) {
+                fail_piece(p, FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into());
+                continue;
+            }
+            self.run_piece(&peer, p);
+        }
+    }
+
+    fn run_piece(&self, peer: &Peer, p: Piece) {
+        let deadline = p.task.deadline();
+        if Instant::now() >= deadline {
+            return fail_piece(p, FailKind::Timeout, FailCause::Timeout, "the deadline passed before the request was posted".into());
+        }
+        if p.guard.is_revoked() {
+            return fail_piece(p, FailKind::Failed, FailCause::LocalNotRegistered, "the local range is being unregistered".into());
+        }
+        let desc = peer.desc();
+        let Some(buf) = desc.find_buffer(p.remote, p.len) else {
+            let why = format!("{}: [0x{:x}, +{}) is not inside a buffer it published", peer.name, p.remote, p.len);
+            return fail_piece(p, FailKind::Failed, FailCause::RemoteNotRegistered, why);
+        };
+        let Some((mrs, base)) = self.mrs_for(p.local, p.len) else {
+            return fail_piece(p, FailKind::Failed, FailCause::LocalNotRegistered, "the local range has no RDMA memory region".into());
+        };
+        let n_nics = self.nics.len();
+        // Each local NIC with its peer NIC and the rkey there.
+        let mut routes = Vec::with_capacity(n_nics);
+        for nic in 0..n_nics {
+            let Some((i, dev)) = remote_device(&desc, &self.nics[nic].name, &buf.name) else {
+                return fail_piece(p, FailKind::Failed, FailCause::Protocol, format!("{} publishes no RDMA devices", peer.name));
+            };
+            let Some(&rkey) = buf.rkey.get(i) else {
+                return fail_piece(p, FailKind::Failed, FailCause::Protocol, format!("{} publishes no rkey for device {} of buffer 0x{:x}", peer.name, dev.name, buf.addr));
+            };
+            let Ok(rkey) = u32::try_from(rkey) else {
+                return fail_piece(p, FailKind::Failed, FailCause::Protocol, format!("{}: rkey {rkey} is not 32-bit", peer.name));
+            };
+            routes.push((dev.clone(), rkey));
+        }
+        let slices = p.len.div_ceil(SLICE) as usize;
+        let first_nic = self.next_nic.fetch_add(1, Ordering::Relaxed);
+        let (opcode, len, remote) = (p.opcode, p.len, p.remote);
+        p.task.set_pending();
+        let piece = Arc::new(PieceState { task: Arc::clone(&p.task), _guard: p.guard, len, left: AtomicUsize::new(slices), failure: Mutex::new(None) });
+        let op = match opcode {
+            Opcode::Write => Op::Write,
+            Opcode::Read => Op::Read,
+        };
+        // The NIC pairs to use, starting at a rotating NIC: as many as there are slices, each
+        // connected; a pair that cannot be connected is paused and its slices go to the others
+        // (a paused pair is tried again only when no other works).
+        let mut usable: Vec<(usize, Arc<Endpoint>, u32)> = Vec::new();
+        let mut why_not: Vec<String> = Vec::new();
+        for pass in 0..2 {
+            for k in 0..n_nics {
+                if usable.len() >= slices {
+                    break;
+                }
+                let nic = (first_nic + k) % n_nics;
+                let (dev, rkey) = &routes[nic];
+                let key: EpKey = (peer.name.clone(), nic, dev.name.clone());
+                let paused = self.paused.lock().unwrap_or_else(|e| e.into_inner()).get(&key).is_some_and(|&until| Instant::now() < until);
+                if paused != (pass == 1) || usable.iter().any(|(n, _, _)| *n == nic) {
+                    continue;
+                }
+                match self.endpoint(peer, &desc, nic, dev) {
+                    Ok(ep) => {
+                        self.paused.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+                        usable.push((nic, ep, *rkey));
+                    }
+                    Err(e) => {
+                        tracing::warn!("RDMA: not using {} -> {}@{} for {PAUSE:?}: {e}", self.nics[nic].name, peer.name, dev.name);
+                        self.paused.lock().unwrap_or_else(|e| e.into_inner()).insert(key, Instant::now() + PAUSE);
+                        why_not.push(e);
+                    }
+                }
+            }
+            if !usable.is_empty() {
+                break;
+            }
+        }
+        if usable.is_empty() {
+            let why = why_not.join("; ");
+            for _ in 0..slices {
+                piece.slice_end(Err((FailKind::Failed, FailCause::PeerUnreachable, why.clone())));
+            }
+            return;
+        }
+        // Slice i goes over usable pair i % n; each pair's slices are posted in chains.
+        let n_use = usable.len();
+        for (k, (nic, ep, rkey)) in usable.iter().enumerate() {
+            let (nic, rkey) = (*nic, rkey);
+            let mine: Vec<usize> = (k..slices).step_by(n_use).collect();
+            for chain in mine.chunks(CHAIN) {
+                let n = chain.len() as u32;
+                let nic_credits = &self.nics[nic].credits;
+                if !ep.credits.acquire(n, deadline) {
+                    for _ in chain {
+                        piece.slice_end(Err((FailKind::Timeout, FailCause::Timeout, format!("{MAX_OUTSTANDING} work requests already in flight to the peer on {} at the deadline", self.nics[nic].name))));
+                    }
+                    continue;
+                }
+                if !nic_credits.acquire(n, deadline) {
+                    ep.credits.release(n);
+                    for _ in chain {
+                        piece.slice_end(Err((FailKind::Timeout, FailCause::Timeout, format!("{CQ_DEPTH} work requests already in flight on {} at the deadline", self.nics[nic].name))));
+                    }
+                    continue;
+                }
+                let ids: Vec<u64> = chain.iter().map(|_| self.next_wr.fetch_add(1, Ordering::Relaxed)).collect();
+                let wrs: Vec<Wr<'_>> = chain
+                    .iter()
+                    .zip(&ids)
+                    .map(|(&i, &wr_id)| {
+                        let off = i as u64 * SLICE;
+                        Wr { wr_id, op, local: &mrs[nic], offset: base + off as usize, len: (len - off).min(SLICE) as u32, remote_addr: remote + off, rkey: *rkey, signaled: true }
+                    })
+                    .collect();
+                // Registered before posting: a completion may arrive before post returns.
+                {
+                    let mut inflight = self.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
+                    for &id in &ids {
+                        inflight.insert(id, Slice { piece: Arc::clone(&piece), ep: Arc::clone(&ep) });
+                    }
+                }
+                let qp = &ep.qps[ep.next_qp.fetch_add(1, Ordering::Relaxed) % ep.qps.len()];
+                if let Err(e) = qp.post(&wrs) {
+                    let posted = match &e {
+                        VerbsError::Post { posted, .. } => *posted,
+                        _ => 0,
+                    };
+                    let why = e.to_string();
+                    let mut inflight = self.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
+                    for id in &ids[posted..] {
+                        if let Some(s) = inflight.remove(id) {
+                            s.piece.slice_end(Err((FailKind::Failed, FailCause::PeerLost, why.clone())));
+                        }
+                    }
+                    drop(inflight);
+                    ep.credits.release((ids.len() - posted) as u32);
+                    nic_credits.release((ids.len() - posted) as u32);
+                    self.forget(&ep);
+                }
+            }
+        }
+    }
+
+    /// One completion of NIC `nic`.
+    fn complete(&self, nic: usize, wc: &Wc) {
+        let Some(s) = self.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner()).remove(&wc.wr_id) else {
+            tracing::debug!("RDMA: completion for unknown work request {}", wc.wr_id);
+            return;
+        };
+        s.ep.credits.release(1);
+        self.nics[nic].credits.release(1);
+        match wc.result(&self.nics[nic].name) {
+            Ok(()) => s.piece.slice_end(Ok(())),
+            Err(e) => {
+                self.forget(&s.ep);
+                let r = if s.ep.expired.load(Ordering::Acquire) {
+                    (FailKind::Timeout, FailCause::Timeout, format!("the deadline passed with the request in flight on {}; its queue pair was flushed ({})", self.nics[nic].name, e.name))
+                } else {
+                    let cause = if e.status == 10 {
+                        // Its keys may be stale (the peer registered again): re-read before the next request.
+                        self.stale.lock().unwrap_or_else(|e| e.into_inner()).insert(s.ep.key.0.clone());
+                        FailCause::RemoteNotRegistered
+                    } else {
+                        FailCause::PeerLost
+                    };
+                    (FailKind::Failed, cause, e.to_string())
+                };
+                s.piece.slice_end(Err(r));
+            }
+        }
+    }
+
+    /// Flushes the QPs holding slices past their deadline (or everything, at shutdown).
+    fn expire(&self, nic: usize, all: bool) {
+        let now = Instant::now();
+        let late: Vec<Arc<Endpoint>> = {
+            let inflight = self.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
+            let mut v: Vec<Arc<Endpoint>> = Vec::new();
+            for s in inflight.values() {
+                if (all || s.piece.task.deadline() <= now) && !s.ep.expired.load(Ordering::Acquire) && !v.iter().any(|e| Arc::ptr_eq(e, &s.ep)) {
+                    v.push(Arc::clone(&s.ep));
+                }
+            }
+            v
+        };
+        for ep in late {
+            ep.expired.store(true, Ordering::Release);
+            self.forget(&ep);
+            for qp in &ep.qps {
+                if let Err(e) = qp.set_error() {
+                    tracing::warn!("RDMA: flushing a QP past its deadline failed: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// The peer NIC to use from the local NIC `local` for a remote buffer at `location`, and its
+/// position in the peer's `devices` (where its keys are): the peer's NIC of the same name (rail
+/// affinity), else the first of the location's (or `*`'s) preferred NICs in its
+/// `priority_matrix` that it lists, else its first device. By name, never by guessed index.
+fn remote_device<'d>(desc: &'d SegmentDesc, local: &str, location: &str) -> Option<(usize, &'d DeviceDesc)> {
+    let by_name = |name: &str| desc.devices.iter().enumerate().find(|(_, d)| d.name == name);
+    if let Some(hit) = by_name(local) {
+        return Some(hit);
+    }
+    let prefs = desc.priority_matrix.get(location).or_else(|| desc.priority_matrix.get("*"));
+    let first_pref = prefs.and_then(|v| v.get(0)).and_then(Value::as_array).and_then(|a| a.iter().filter_map(Value::as_str).find_map(by_name));
+    first_pref.or_else(|| desc.devices.iter().enumerate().next())
+}
+
+/// The completion thread of NIC `nic`: ends when the transport is shut down and nothing is in
+/// flight on the NIC any more.
+fn poller(w: Weak<Shared>, nic: usize) {
+    let mut wcs = [Wc::default(); 32];
+    let mut shut_since: Option<Instant> = None;
+    loop {
+        let Some(s) = w.upgrade() else { return };
+        match s.nics[nic].cq.wait(&mut wcs, Instant::now() + TICK) {
+            Ok(n) => {
+                for wc in &wcs[..n] {
+                    s.complete(nic, wc);
+                }
+            }
+            Err(VerbsError::Timeout { .. }) => {}
+            Err(e) => {
+                tracing::warn!("RDMA: completion queue of {}: {e}", s.nics[nic].name);
+                std::thread::sleep(TICK);
+            }
+        }
+        let shut = s.shut.load(Ordering::Acquire);
+        s.expire(nic, shut);
+        if shut {
+            let since = *shut_since.get_or_insert_with(Instant::now);
+            let mut inflight = s.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
+            if inflight.is_empty() && s.worker_done.load(Ordering::Acquire) {
+                return;
+            }
+            // Flushed QPs complete at once; a device that never answers is given 10 s.
+            if since.elapsed() > Duration::from_secs(10) {
+                for (_, sl) in inflight.drain() {
+                    sl.piece.slice_end(Err((FailKind::Failed, FailCause::ShutDown, "the engine shut down; the NIC never completed this request".into())));
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// The posting thread: connects endpoints and posts pieces, in order of submission.
+fn worker(w: Weak<Shared>, rx: mpsc::Receiver<Job>) {
+    while let Ok(job) = rx.recv() {
+        match w.upgrade() {
+            Some(s) => s.run(job),
+            None => {
+                for p in job.pieces {
+                    fail_piece(p, FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into());
+                }
+            }
+        }
+    }
+    // The sender went with shutdown (or the transport).
+    if let Some(s) = w.upgrade() {
+        s.worker_done.store(true, Ordering::Release);
+    }
+}
+
+impl Transport for RdmaTransport {
+    fn name(&self) -> &'static str {
+        "rdma"
+    }
+
+    fn describe(&self, desc: &mut SegmentDesc) {
+        let s = &self.shared;
+        desc.protocol = Protocols::One("rdma".into());
+        desc.devices = s.nics.iter().map(|n| DeviceDesc { name: n.name.clone(), lid: n.attr.lid, gid: format_gid(&n.gid), extra: Map::new() }).collect();
+        let mrs = s.mrs.lock().unwrap_or_else(|e| e.into_inner());
+        // A buffer whose MRs are still being made is not reachable over RDMA yet.
+        desc.buffers.retain(|b| mrs.contains_key(&b.addr));
+        for b in &mut desc.buffers {
+            if let Some(v) = mrs.get(&b.addr) {
+                b.rkey = v.iter().map(|m| u64::from(m.rkey())).collect();
+                b.lkey = v.iter().map(|m| u64::from(m.lkey())).collect();
+            }
+        }
+        let names: Vec<Value> = s.nics.iter().map(|n| json!(n.name)).collect();
+        let mut locations: Vec<&str> = desc.buffers.iter().map(|b| b.name.as_str()).collect();
+        locations.push("*");
+        for l in locations {
+            desc.priority_matrix.insert(l.to_string(), json!([names.clone(), []]));
+        }
+    }
+
+    fn on_register(&self, region: &Region) -> crate::Result<()> {
+        let mut v = Vec::with_capacity(self.shared.nics.len());
+        for n in &self.shared.nics {
+            // SAFETY: the engine's contract with the caller of register_memory: the range is
+            // memory of this process, valid until unregister_memory returns, and peers may
+            // read and write it meanwhile. on_unregister drops these MRs before that returns.
+            match unsafe { n.pd.reg_mr(region.addr as *mut u8, region.len as usize) } {
+                Ok(mr) => v.push(mr),
+                Err(e) => return Err(crate::Error::Rdma(format!("registering [0x{:x}, +{}) on {}: {e}", region.addr, region.len, n.name))),
+            }
+        }
+        self.shared.mrs.lock().unwrap_or_else(|e| e.into_inner()).insert(region.addr, Arc::new(v));
+        Ok(())
+    }
+
+    fn on_unregister(&self, region: &Region) {
+        // The registry waited for every guard, so no work request of ours touches the range;
+        // deregistering cuts peers off (their requests fail with a remote access error).
+        let removed = self.shared.mrs.lock().unwrap_or_else(|e| e.into_inner()).remove(&region.addr);
+        if let Some(v) = removed {
+            match Arc::try_unwrap(v) {
+                Ok(mrs) => {
+                    for m in mrs {
+                        if let Err(e) = m.dereg() {
+                            tracing::warn!("RDMA: {e}");
+                        }
+                    }
+                }
+                // A posting thread still holds it (it cannot post: the range is revoked); the
+                // MRs go with its reference.
+                Err(v) => drop(v),
+            }
+        }
+    }
+
+    fn reachable(&self, peer: &Arc<Peer>) -> Result<(), String> {
+        let d = peer.desc();
+        if !d.protocol.contains("rdma") || d.devices.is_empty() {
+            return Err(format!("segment {} publishes no RDMA devices (protocol {:?}): it has no RDMA transport, or no usable NIC", peer.name, d.protocol));
+        }
+        Ok(())
+    }
+
+    fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, _inline: bool) {
+        let tx = self.jobs.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let job = Job { peer: Arc::clone(peer), pieces };
+        let refused = match tx {
+            Some(tx) => tx.send(job).err().map(|e| e.0),
+            None => Some(job),
+        };
+        if let Some(job) = refused {
+            for p in job.pieces {
+                fail_piece(p, FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into());
+            }
+        }
+    }
+
+    fn shutdown(&self) {
+        self.shared.shut.store(true, Ordering::Release);
+        // The posting thread fails what is still queued, then ends.
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_path_mtu_is_the_smaller_of_both_ports() {
+        let attr = PortAttr { state: 4, active_mtu: 5, lid: 0, link_layer: 2 };
+        let mut m = ConnectionMsg::default();
+        assert_eq!(path_mtu(&attr, &m), 5, "a peer that does not say: ours");
+        m.extra.insert(MTU_FIELD.into(), json!(1024));
+        assert_eq!(path_mtu(&attr, &m), 3);
+        let small = PortAttr { active_mtu: 2, ..attr };
+        assert_eq!(path_mtu(&small, &m), 2);
+        m.extra.insert(MTU_FIELD.into(), json!(1500));
+        assert_eq!(path_mtu(&attr, &m), 5, "not an MTU: ignored");
+    }
+
+    #[test]
+    fn the_peer_nic_is_chosen_by_name() {
+        let mut d = SegmentDesc::new("peer:1");
+        let dev = |n: &str| DeviceDesc { name: n.into(), lid: 0, gid: String::new(), extra: Map::new() };
+        d.devices = vec![dev("mlx5_0"), dev("mlx5_1"), dev("mlx5_2")];
+        d.priority_matrix.insert("cuda:0".into(), json!([["mlx5_2", "mlx5_1"], ["mlx5_0"]]));
+        d.priority_matrix.insert("*".into(), json!([["mlx5_1"], []]));
+        fn pick(d: &SegmentDesc, local: &str, loc: &str) -> Option<(usize, String)> {
+            remote_device(d, local, loc).map(|(i, dv)| (i, dv.name.clone()))
+        }
+        assert_eq!(pick(&d, "mlx5_1", "cuda:0"), Some((1, "mlx5_1".into())), "same name first (rail affinity)");
+        assert_eq!(pick(&d, "rxe0", "cuda:0"), Some((2, "mlx5_2".into())), "then the location's first preferred, at its index in devices");
+        assert_eq!(pick(&d, "rxe0", "cpu:3"), Some((1, "mlx5_1".into())), "an unknown location falls back to *");
+        d.priority_matrix.clear();
+        assert_eq!(pick(&d, "rxe0", "cpu:0"), Some((0, "mlx5_0".into())), "no matrix: the first device");
+        d.priority_matrix.insert("cpu:0".into(), json!([["mlx5_9"], []]));
+        assert_eq!(pick(&d, "rxe0", "cpu:0"), Some((0, "mlx5_0".into())), "a preferred NIC it does not list is not guessed");
+        d.devices.clear();
+        assert_eq!(pick(&d, "rxe0", "cpu:0"), None);
+    }
+
+    #[test]
+    fn credits_bound_what_is_in_flight_and_waits_end_at_the_deadline() {
+        let c = Arc::new(Credits::new(4));
+        let soon = Instant::now() + Duration::from_millis(50);
+        assert!(c.acquire(3, soon) && c.acquire(1, soon));
+        let t = Instant::now();
+        assert!(!c.acquire(1, soon), "full: waits for the deadline, then says no");
+        assert!(t.elapsed() >= Duration::from_millis(40) && t.elapsed() < Duration::from_secs(2));
+        let c2 = Arc::clone(&c);
+        let freer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            c2.release(2);
+        });
+        assert!(c.acquire(2, Instant::now() + Duration::from_secs(5)), "a release wakes the waiter");
+        freer.join().unwrap();
+        assert!(!c.acquire(5, Instant::now()), "more than the bound: never");
+    }
+
+    #[test]
+    fn refusals_decode_as_refusals() {
+        let r = refusal("a:1@rxe0", "b:2@mlx5_0", "no NIC".into());
+        assert_eq!(ConnectionMsg::decode(&r).unwrap().refused(), Some("no NIC"));
+        let r = refusal("garbage", "", "bad".into());
+        assert_eq!(ConnectionMsg::decode(&r).unwrap().refused(), Some("bad"));
+    }
+
+    #[test]
+    fn without_rdma_the_transport_says_why() {
+        if crate::rdma::probe().usable() {
+            return;
+        }
+        let e = RdmaTransport::new(RdmaOptions { segment: "s:1".into(), devices: None, gid_index: None }).err().expect("no RDMA here");
+        assert!(!e.is_empty());
+    }
+}
