@@ -34,7 +34,13 @@ pub(super) enum End {
     Rejected,
     /// The header could not be decoded.
     BadHeader(String),
+    /// A copy to or from GPU memory failed (the request is not answered as done).
+    Device(String),
 }
+
+/// Bytes of GPU memory staged at once per connection (a pinned buffer, allocated at the
+/// connection's first GPU request).
+const GPU_CHUNK: usize = 1 << 20;
 
 enum State {
     /// Receiving a header (`have` bytes of it so far).
@@ -47,6 +53,10 @@ enum State {
         got: u64,
         deadline: Instant,
         v2: bool,
+        /// GPU memory: the body lands in the bounce buffer, `fill` bytes of it so far, and
+        /// goes host→device per chunk; the status leaves after the last copy returned.
+        gpu: Option<u32>,
+        fill: usize,
     },
     /// A READ answer sent straight from memory once `out` is gone: `sent` of `len` bytes.
     Answer {
@@ -55,6 +65,10 @@ enum State {
         len: u64,
         sent: u64,
         deadline: Instant,
+        /// GPU memory: the bounce buffer holds `[chunk_at, chunk_at + chunk_len)` of it.
+        gpu: Option<u32>,
+        chunk_at: u64,
+        chunk_len: usize,
     },
     /// Sending what `out` holds, then closing with `End`.
     Closing(End),
@@ -72,6 +86,24 @@ pub(super) struct ServeConn {
     out: Vec<u8>,
     /// The last request was a large WRITE: the next is likely one too.
     large_write: bool,
+    /// Host memory GPU bytes are staged in (pinned; allocated at the first GPU request).
+    bounce: Option<crate::gpu::Bounce>,
+}
+
+/// The bounce buffer of a connection, allocated at first use; or why GPU memory cannot be
+/// copied.
+fn bounce(slot: &mut Option<crate::gpu::Bounce>) -> Result<&mut crate::gpu::Bounce, String> {
+    if slot.is_none() {
+        let cuda = crate::gpu::cuda().map_err(|e| e.to_string())?;
+        *slot = Some(crate::gpu::Bounce::new(cuda, GPU_CHUNK));
+    }
+    Ok(slot.as_mut().expect("just set"))
+}
+
+/// Copies `dst.len()` bytes of GPU `gpu`'s memory at `src` into `dst`.
+fn gpu_dtoh(gpu: u32, dst: &mut [u8], src: u64) -> Result<(), String> {
+    let cuda = crate::gpu::cuda().map_err(|e| e.to_string())?;
+    cuda.dtoh(gpu, dst, src).map_err(|e| format!("copying GPU {gpu} memory at 0x{src:x}: {e}"))
 }
 
 /// What to send: `out` first, then `body` (a READ answer straight from registered memory).
@@ -90,6 +122,7 @@ impl ServeConn {
             state: State::Header,
             out: Vec::with_capacity(4096),
             large_write: false,
+            bounce: None,
         }
     }
 
@@ -144,10 +177,14 @@ impl ServeConn {
         match h.opcode {
             Opcode::Write => {
                 self.large_write = h.size >= super::sockio::DIRECT_MIN as u64;
-                self.state = State::Body { guard, addr: h.addr, len: h.size, got: 0, deadline, v2: h.v2 };
+                let gpu = guard.region().gpu;
+                self.state = State::Body { guard, addr: h.addr, len: h.size, got: 0, deadline, v2: h.v2, gpu, fill: 0 };
             }
             Opcode::Read => {
                 self.large_write = false;
+                if let Some(gpu) = guard.region().gpu {
+                    return self.on_gpu_read(guard, gpu, &h, deadline);
+                }
                 if h.v2 {
                     self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
                 }
@@ -161,7 +198,7 @@ impl ServeConn {
                     let src = unsafe { std::slice::from_raw_parts(h.addr as *const u8, h.size as usize) };
                     self.out.extend_from_slice(src);
                 } else {
-                    self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline };
+                    self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline, gpu: None, chunk_at: 0, chunk_len: 0 };
                 }
             }
         }
@@ -170,12 +207,22 @@ impl ServeConn {
     /// Where the rest of the current WRITE body goes, to receive it straight into place;
     /// `None` when no body is expected (or its range was revoked: the connection then closes).
     pub(super) fn body(&mut self) -> Option<&mut [u8]> {
-        let State::Body { guard, addr, len, got, .. } = &self.state else {
+        let State::Body { guard, addr, len, got, gpu, fill, .. } = &self.state else {
             return None;
         };
         if guard.is_revoked() {
             self.close(End::Revoked);
             return None;
+        }
+        if gpu.is_some() {
+            // GPU memory: into the bounce buffer, at most to the end of this chunk.
+            let want = (GPU_CHUNK - *fill).min((*len - *got) as usize);
+            let fill = *fill;
+            if let Err(e) = bounce(&mut self.bounce) {
+                self.close(End::Device(e));
+                return None;
+            }
+            return self.bounce.as_mut().map(|b| &mut b.as_mut_slice()[fill..fill + want]);
         }
         // SAFETY: the range was admitted (inside registered memory) and `guard` keeps it
         // registered while this state lives; it is not revoked (checked above), and the
@@ -185,10 +232,34 @@ impl ServeConn {
 
     /// `n` bytes of the current WRITE body landed (through [`ServeConn::body`]).
     pub(super) fn on_body(&mut self, n: usize, now: Instant) {
-        let State::Body { len, got, v2, .. } = &mut self.state else {
+        let State::Body { guard, addr, len, got, gpu, fill, .. } = &mut self.state else {
             return;
         };
         *got += n as u64;
+        if let Some(gpu) = *gpu {
+            *fill += n;
+            if *fill == GPU_CHUNK || *got >= *len {
+                // A chunk (or the body's end) is in the bounce buffer: to the GPU, unless the
+                // range was revoked meanwhile.
+                if guard.is_revoked() {
+                    return self.close(End::Revoked);
+                }
+                let at = *addr + *got - *fill as u64;
+                let chunk = *fill;
+                *fill = 0;
+                let r = match (crate::gpu::cuda(), self.bounce.as_ref()) {
+                    (Ok(c), Some(b)) => c.htod(gpu, at, &b.as_slice()[..chunk]).map_err(|e| format!("copying into GPU {gpu} memory at 0x{at:x}: {e}")),
+                    (Err(e), _) => Err(e.to_string()),
+                    (_, None) => Err("no bounce buffer".into()),
+                };
+                if let Err(e) = r {
+                    return self.close(End::Device(e));
+                }
+            }
+        }
+        let State::Body { len, got, v2, .. } = &mut self.state else {
+            return;
+        };
         if *got >= *len {
             if *v2 {
                 self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
@@ -206,6 +277,10 @@ impl ServeConn {
             // connection at the next `handle_timeout`, which the sender calls after every
             // system call, so at most the bytes of one call leave after revocation began
             // and none after the barrier (which waits for this state to go).
+            State::Answer { gpu: Some(_), sent, chunk_at, chunk_len, .. } => match &self.bounce {
+                Some(b) => &b.as_slice()[(*sent - *chunk_at) as usize..*chunk_len],
+                None => &[],
+            },
             State::Answer { addr, len, sent, .. } => unsafe { std::slice::from_raw_parts((*addr + *sent) as *const u8, (*len - *sent) as usize) },
             _ => &[],
         };
@@ -224,10 +299,14 @@ impl ServeConn {
         self.out.drain(..from_out);
         let rest = (n - from_out) as u64;
         match &mut self.state {
-            State::Answer { len, sent, .. } => {
+            State::Answer { len, sent, gpu, chunk_at, chunk_len, .. } => {
                 *sent += rest;
                 if *sent >= *len {
                     self.state = State::Header;
+                } else if gpu.is_some() && *sent >= *chunk_at + *chunk_len as u64 {
+                    // The staged chunk left: stage the next one (revocation checked first).
+                    self.handle_timeout(now);
+                    self.stage_answer();
                 } else {
                     self.handle_timeout(now);
                 }
@@ -299,6 +378,49 @@ impl ServeConn {
         match &self.state {
             State::Header if self.large_write => HEADER_LEN - self.have,
             _ => buffer,
+        }
+    }
+
+    /// A READ of GPU memory: its answer leaves from the bounce buffer, a chunk at a time,
+    /// each copied device→host just before it is sent (the first before the status frame,
+    /// so a failed copy is never answered OK).
+    fn on_gpu_read(&mut self, guard: RegionGuard, gpu: u32, h: &DataHeader, deadline: Instant) {
+        if guard.is_revoked() {
+            return self.close(End::Revoked);
+        }
+        if h.size as usize <= SMALL_READ && self.out.len() + h.size as usize <= MAX_OUT {
+            let mut data = vec![0u8; h.size as usize];
+            if let Err(e) = gpu_dtoh(gpu, &mut data, h.addr) {
+                return self.close(End::Device(e));
+            }
+            if h.v2 {
+                self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
+            }
+            self.out.extend_from_slice(&data);
+            return;
+        }
+        self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline, gpu: Some(gpu), chunk_at: 0, chunk_len: 0 };
+        self.stage_answer();
+        if h.v2 && !matches!(self.state, State::Closed(_)) {
+            self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
+        }
+    }
+
+    /// Copies the next chunk of a GPU READ answer (from `sent`) into the bounce buffer.
+    fn stage_answer(&mut self) {
+        let State::Answer { guard, addr, len, sent, gpu: Some(gpu), chunk_at, chunk_len, .. } = &mut self.state else {
+            return;
+        };
+        if guard.is_revoked() {
+            return self.close(End::Revoked);
+        }
+        let n = GPU_CHUNK.min((*len - *sent) as usize);
+        let (gpu, src) = (*gpu, *addr + *sent);
+        *chunk_at = *sent;
+        *chunk_len = n;
+        let r = bounce(&mut self.bounce).and_then(|b| gpu_dtoh(gpu, &mut b.as_mut_slice()[..n], src));
+        if let Err(e) = r {
+            self.close(End::Device(e));
         }
     }
 
