@@ -152,6 +152,11 @@ fn child_transfers() {
         let a = engine(mode);
         let b = engine(mode);
         let seg = a.open_segment(b.segment_name()).unwrap();
+        if mode == TransportMode::Auto {
+            // Host memory of this same-host peer goes over shared memory (staged GPU chunks
+            // too); its GPU memory over TCP.
+            assert_eq!(a.segment_transport(seg).unwrap().name, "shm", "{:?}", a.segment_transport(seg));
+        }
         // (initiator side, target side): GPU→host, host→GPU, GPU→GPU on another device,
         // and the engine's own segment (local copy) GPU↔host.
         for (la, lb, own) in [(Some(0), None, false), (None, Some(1), false), (Some(0), Some(1), false), (Some(1), None, true), (None, Some(0), true)] {
