@@ -122,7 +122,7 @@ fn doctor_expect_fails_naming_what_cannot_work() {
     assert_eq!(d["ok"], true);
     assert_eq!(d["expect"]["unmet"], serde_json::json!([]));
 
-    // gpu: this kvferry moves host memory only (and this host has no libcuda), so it never works.
+    // gpu: needs a usable libcuda, which this (CI) host lacks, so it never works here.
     let (_, plain, _) = doctor_json(None);
     assert_eq!(plain["transports"]["gpu"]["available"], false);
     let (status, d, stderr) = doctor_json(Some("tcp,gpu"));
