@@ -289,3 +289,45 @@ fn child_no_driver() {
     assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
     assert!(target.iter().all(|&x| x == 0), "the unregistered buffer was touched");
 }
+
+#[test]
+fn unregister_of_gpu_memory_is_a_barrier_on_both_sides() {
+    in_child("child_unregister_barrier", Some(&mock_dir()));
+}
+
+#[test]
+#[ignore = "run by unregister_of_gpu_memory_is_a_barrier_on_both_sides in a child process"]
+fn child_unregister_barrier() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    // SAFETY: the mock's knobs (see mock_cuda.c); the library is the one the engine loaded.
+    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.unwrap();
+    let delay: libloading::Symbol<unsafe extern "C" fn(u32)> = unsafe { lib.get(b"mock_cuda_copy_delay_us\0") }.unwrap();
+    let copies: libloading::Symbol<unsafe extern "C" fn(i32) -> i64> = unsafe { lib.get(b"mock_cuda_copies\0") }.unwrap();
+    let len = 64 << 20;
+    // The initiator's GPU memory (GPU 0) unregistered mid-WRITE, then the target's (GPU 1).
+    for target_side in [false, true] {
+        let a = engine(TransportMode::Tcp);
+        let b = engine(TransportMode::Tcp);
+        let seg = a.open_segment(b.segment_name()).unwrap();
+        let ga = gpu_alloc(c, 0, &pattern(len, 1));
+        let gb = gpu_alloc(c, 1, &vec![0u8; len]);
+        a.register_memory(ga, len as u64, "*").unwrap();
+        b.register_memory(gb, len as u64, "*").unwrap();
+        unsafe { delay(3000) };
+        let batch = a.allocate_batch(1).unwrap();
+        a.submit(batch, &[TransferRequest { opcode: Opcode::Write, source: ga, target_id: seg, target_offset: gb, length: len as u64 }]).unwrap();
+        std::thread::sleep(Duration::from_millis(30));
+        let (dev, e, p) = if target_side { (1, &b, gb) } else { (0, &a, ga) };
+        assert!(unsafe { copies(dev) } > 0, "the transfer touched GPU {dev} before the unregister");
+        e.unregister_memory(p).unwrap();
+        let after = unsafe { copies(dev) };
+        let st = a.wait_batch(batch, Duration::from_secs(20)).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        unsafe { delay(0) };
+        assert_eq!(unsafe { copies(dev) }, after, "GPU {dev} memory was copied after unregister returned (target side {target_side})");
+        assert_eq!(st.status, TaskStatus::Failed, "target side {target_side}: {st:?}");
+        let _ = a.unregister_memory(ga);
+        let _ = b.unregister_memory(gb);
+    }
+}

@@ -9,8 +9,10 @@
  * host pointers.
  *
  * Build-time knobs (-D): INIT_RESULT, COUNT (GPUs), VERSION, NO_BUS_ID, NO_MEM (a driver
- * without the memory entry points). Run-time knob: mock_cuda_fail_copies(code) makes every
- * copy return `code` (0: copies work again), e.g. 709 (context destroyed). */
+ * without the memory entry points). Run-time knobs: mock_cuda_fail_copies(code) makes every
+ * copy return `code` (0: copies work again), e.g. 709 (context destroyed);
+ * mock_cuda_copy_delay_us(us) makes every synchronous copy take that long; mock_cuda_copies(dev)
+ * counts the copies that touched device `dev`'s memory so far. */
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -18,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #ifndef INIT_RESULT
 #define INIT_RESULT 0
@@ -55,8 +58,12 @@ static char *dev_store; /* the bytes: never handed out */
 static size_t dev_top;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static volatile int fail_copies;
+static volatile unsigned copy_delay_us;
+static long copies[64];
 
 void mock_cuda_fail_copies(int code) { __atomic_store_n(&fail_copies, code, __ATOMIC_SEQ_CST); }
+void mock_cuda_copy_delay_us(unsigned us) { __atomic_store_n(&copy_delay_us, us, __ATOMIC_SEQ_CST); }
+long mock_cuda_copies(int dev) { return dev >= 0 && dev < 64 ? __atomic_load_n(&copies[dev], __ATOMIC_SEQ_CST) : -1; }
 
 /* Contexts: the primary context of device d is &ctx_tokens[d]; a per-thread stack. */
 static char ctx_tokens[64];
@@ -187,12 +194,20 @@ int cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
     }
 }
 
-/* The bytes behind device range [p, p+n), or NULL. */
+/* The bytes behind device range [p, p+n), or NULL; counts a copy touching its device. */
 static char *store(CUdeviceptr p, size_t n) {
     pthread_mutex_lock(&mu);
     struct alloc *a = n ? find((uintptr_t)p, n, 0) : NULL;
+    int dev = a ? a->dev : -1;
     pthread_mutex_unlock(&mu);
-    return a ? dev_store + ((uintptr_t)p - (uintptr_t)dev_va) : NULL;
+    if (!a) return NULL;
+    __atomic_add_fetch(&copies[dev], 1, __ATOMIC_SEQ_CST);
+    return dev_store + ((uintptr_t)p - (uintptr_t)dev_va);
+}
+
+static void delay(void) {
+    unsigned us = __atomic_load_n(&copy_delay_us, __ATOMIC_SEQ_CST);
+    if (us) usleep(us);
 }
 
 static int copy_check(void) {
@@ -206,6 +221,7 @@ int cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
     if (e) return e;
     char *s = store(src, n);
     if (!s) return INVALID_VALUE;
+    delay();
     memcpy(dst, s, n);
     return 0;
 }
@@ -215,6 +231,7 @@ int cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
     if (e) return e;
     char *d = store(dst, n);
     if (!d) return INVALID_VALUE;
+    delay();
     memcpy(d, src, n);
     return 0;
 }
