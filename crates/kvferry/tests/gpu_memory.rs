@@ -97,7 +97,7 @@ fn child_classification() {
         assert_eq!((r.location.as_str(), r.gpu), ("*", None));
     }
     // cpu:N is taken as given, without asking the driver.
-    let h2 = vec![0u8; 64];
+    let h2 = [0u8; 64];
     e.register_memory(h2.as_ptr() as u64, 64, "cpu:0").unwrap();
     assert_eq!(e.registered().into_iter().find(|r| r.addr == h2.as_ptr() as u64).unwrap().gpu, None);
     e.unregister_memory(d0 + 4096).unwrap();

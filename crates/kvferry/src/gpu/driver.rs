@@ -214,7 +214,7 @@ unsafe impl Sync for Context {}
 impl Driver {
     fn mem(&self) -> Result<&MemApi, CudaError> {
         self.mem.as_ref().map_err(|e| match e {
-            CudaError::Symbol { path, symbol, why } => CudaError::Symbol { path: path.clone(), symbol: *symbol, why: why.clone() },
+            CudaError::Symbol { path, symbol, why } => CudaError::Symbol { path: path.clone(), symbol, why: why.clone() },
             other => CudaError::Missing { path: LIBRARY.into(), why: other.to_string() },
         })
     }

@@ -47,10 +47,13 @@ pub(crate) fn split(pieces: Vec<Piece>) -> (Vec<Piece>, Vec<Piece>) {
     pieces.into_iter().partition(|p| !is_staged(p))
 }
 
+/// Pieces for one peer, queued for the worker.
+type Job = (Arc<Peer>, Vec<Piece>);
+
 /// The staging worker of one engine.
 #[derive(Default)]
 pub(crate) struct Stager {
-    tx: Mutex<Option<Sender<(Arc<Peer>, Vec<Piece>)>>>,
+    tx: Mutex<Option<Sender<Job>>>,
 }
 
 impl Stager {
@@ -65,7 +68,7 @@ impl Stager {
         }
         let mut slot = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         if slot.is_none() {
-            let (tx, rx) = channel::<(Arc<Peer>, Vec<Piece>)>();
+            let (tx, rx) = channel::<Job>();
             let dispatch = make();
             let spawned = std::thread::Builder::new().name("kvf-gpu-stage".into()).spawn(move || {
                 let mut w = Worker { cuda, dispatch, spare: Vec::new() };
