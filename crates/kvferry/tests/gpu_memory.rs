@@ -109,7 +109,9 @@ fn child_classification() {
 
 #[test]
 fn gpu_memory_moves_over_tcp_and_same_host_paths_every_byte_verified() {
+    // A CUDA 12.4 and a CUDA 13.0 driver: the same soname and entry points.
     in_child("child_transfers", Some(&mock_dir()));
+    in_child("child_transfers", Some(&cuda_mock::build("cuda13", &["COUNT=2", "VERSION=13000"])));
 }
 
 /// One side's buffer: host memory, or device memory of a GPU.
@@ -144,6 +146,8 @@ impl Buf {
 fn child_transfers() {
     assert!(child());
     let c = gpu::cuda().expect("the mock driver loads");
+    let version = c.driver().version().unwrap();
+    assert!(version == 12040 || version == 13000, "{version}");
     // Sizes around every chunk boundary: the target's 1 MiB staging chunk, the initiator's
     // 4 MiB chunk and its window of 4 chunks in flight.
     let sizes = [1usize, 4093, 65536, (1 << 20) + 3, (9 << 20) + 5, 17 << 20];
@@ -196,6 +200,35 @@ fn child_transfers() {
             a.unregister_memory(ab.addr()).unwrap();
             a.unregister_memory(back.addr()).unwrap();
             tgt_engine.unregister_memory(bb.addr()).unwrap();
+        }
+        // Several threads at once, each its own GPU→GPU WRITE and READ back (the staging
+        // workers and the target's connections serve them side by side).
+        let part = (6 << 20) + 17;
+        let threads = 4;
+        let src = pattern(part * threads, 11);
+        let ga = gpu_alloc(c, 0, &src);
+        let gb = gpu_alloc(c, 1, &vec![0u8; part * threads]);
+        let gback = gpu_alloc(c, 0, &vec![0u8; part * threads]);
+        a.register_memory(ga, (part * threads) as u64, "*").unwrap();
+        a.register_memory(gback, (part * threads) as u64, "cuda:0").unwrap();
+        b.register_memory(gb, (part * threads) as u64, "cuda:1").unwrap();
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                let a = &a;
+                s.spawn(move || {
+                    let off = (t * part) as u64;
+                    for (op, local) in [(Opcode::Write, ga), (Opcode::Read, gback)] {
+                        let r = TransferRequest { opcode: op, source: local + off, target_id: seg, target_offset: gb + off, length: part as u64 };
+                        let st = a.transfer_sync(&[r], Duration::from_secs(20)).unwrap();
+                        assert_eq!(st.status, TaskStatus::Completed, "{mode:?} thread {t} {op:?}: {st:?}");
+                    }
+                });
+            }
+        });
+        assert!(gpu_read(c, 1, gb, part * threads) == src, "{mode:?}: concurrent writes differ");
+        assert!(gpu_read(c, 0, gback, part * threads) == src, "{mode:?}: concurrent reads differ");
+        for (e, p) in [(&a, ga), (&a, gback), (&b, gb)] {
+            e.unregister_memory(p).unwrap();
         }
     }
 }

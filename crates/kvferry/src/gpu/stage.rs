@@ -12,8 +12,9 @@
 //! first chunk's failure. The bounce buffers live until their sub-piece is terminal
 //! (terminal means untouched), then are reused.
 //!
-//! One worker thread per engine, started at first use; it blocks only on sub-pieces, each
-//! of which ends by the original's deadline.
+//! [`WORKERS`] worker threads per engine, started at first use, take jobs (one submission's
+//! pieces for one peer) from one queue; a worker blocks only on sub-pieces, each of which ends
+//! by the original's deadline.
 
 use super::{cuda, Bounce, Cuda};
 use crate::batch::{Batch, FailCause, FailKind, Failure, TaskState, TaskStatus};
@@ -28,9 +29,11 @@ use std::time::{Duration, Instant};
 pub const CHUNK: usize = 4 << 20;
 /// Chunks in flight at once per worker.
 pub const WINDOW: usize = 4;
+/// Worker threads per engine (so one peer's large job does not hold up another's).
+pub const WORKERS: usize = 2;
 
 /// How sub-pieces are handed to the transports (the engine's dispatch).
-pub(crate) type Dispatch = Box<dyn Fn(&Arc<Peer>, Vec<Piece>) + Send>;
+pub(crate) type Dispatch = Box<dyn Fn(&Arc<Peer>, Vec<Piece>) + Send + Sync>;
 
 /// Whether `p`'s local range is GPU memory to stage: inside a device-memory region (a
 /// sub-piece, whose local address is a bounce buffer, is not).
@@ -69,18 +72,29 @@ impl Stager {
         let mut slot = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         if slot.is_none() {
             let (tx, rx) = channel::<Job>();
-            let dispatch = make();
-            let spawned = std::thread::Builder::new().name("kvf-gpu-stage".into()).spawn(move || {
-                let mut w = Worker { cuda, dispatch, spare: Vec::new() };
-                // Ends when the engine (and its sender) is gone.
-                while let Ok((peer, pieces)) = rx.recv() {
-                    w.run(&peer, pieces);
+            let rx = Arc::new(Mutex::new(rx));
+            let dispatch: Arc<Dispatch> = Arc::new(make());
+            for _ in 0..WORKERS {
+                let (rx, dispatch) = (Arc::clone(&rx), Arc::clone(&dispatch));
+                let spawned = std::thread::Builder::new().name("kvf-gpu-stage".into()).spawn(move || {
+                    let mut w = Worker { cuda, dispatch, spare: Vec::new() };
+                    // Ends when the engine (and its sender) is gone.
+                    loop {
+                        let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                        let Ok((peer, pieces)) = job else { break };
+                        w.run(&peer, pieces);
+                    }
+                });
+                if let Err(e) = spawned {
+                    if slot.is_some() {
+                        break; // one worker is enough to go on
+                    }
+                    return fail_all(pieces, FailKind::Failed, format!("cannot start the GPU staging thread: {e}").into());
                 }
-            });
-            if let Err(e) = spawned {
-                return fail_all(pieces, FailKind::Failed, format!("cannot start the GPU staging thread: {e}").into());
+                if slot.is_none() {
+                    *slot = Some(tx.clone());
+                }
             }
-            *slot = Some(tx);
         }
         if let Some(tx) = slot.as_ref() {
             if let Err(std::sync::mpsc::SendError((_, pieces))) = tx.send((Arc::clone(peer), pieces)) {
@@ -136,7 +150,7 @@ struct Flight {
 
 struct Worker {
     cuda: &'static Cuda,
-    dispatch: Dispatch,
+    dispatch: Arc<Dispatch>,
     spare: Vec<Bounce>,
 }
 
