@@ -36,8 +36,9 @@ fn engine(mode: TransportMode) -> TransferEngine {
     TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), transport: mode, ..Config::default() }).expect("engine starts")
 }
 
+/// Bytes that differ between any two 1 MiB chunks (so a chunk landing in another's place shows).
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add((i >> 12) as u8)).collect()
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add((i >> 12) as u8).wrapping_add(((i >> 20) as u8).wrapping_mul(101))).collect()
 }
 
 /// `len` bytes of device memory on GPU `dev`, filled with `fill` through the driver.

@@ -38,6 +38,12 @@ type CuMemcpyDtoH = unsafe extern "C" fn(*mut c_void, u64, usize) -> c_int;
 type CuMemcpyHtoD = unsafe extern "C" fn(u64, *const c_void, usize) -> c_int;
 type CuMemHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> c_int;
 type CuMemFreeHost = unsafe extern "C" fn(*mut c_void) -> c_int;
+type CuStreamCreate = unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int;
+type CuHandle = unsafe extern "C" fn(*mut c_void) -> c_int;
+type CuMemcpyDtoHAsync = unsafe extern "C" fn(*mut c_void, u64, usize, *mut c_void) -> c_int;
+type CuMemcpyHtoDAsync = unsafe extern "C" fn(u64, *const c_void, usize, *mut c_void) -> c_int;
+type CuEventCreate = unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int;
+type CuEventRecord = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
 
 const ATTR_CC_MAJOR: c_int = 75;
 const ATTR_CC_MINOR: c_int = 76;
@@ -97,6 +103,15 @@ struct MemApi {
     htod: CuMemcpyHtoD,
     host_alloc: CuMemHostAlloc,
     free_host: CuMemFreeHost,
+    stream_create: CuStreamCreate,
+    stream_destroy: CuHandle,
+    stream_sync: CuHandle,
+    dtoh_async: CuMemcpyDtoHAsync,
+    htod_async: CuMemcpyHtoDAsync,
+    event_create: CuEventCreate,
+    event_record: CuEventRecord,
+    event_sync: CuHandle,
+    event_destroy: CuHandle,
 }
 
 /// What the driver says about an address ([`Driver::classify`]).
@@ -148,6 +163,15 @@ impl Driver {
                     htod: *lib.get(b"cuMemcpyHtoD_v2\0").map_err(|e| sym("cuMemcpyHtoD_v2", e))?,
                     host_alloc: *lib.get(b"cuMemHostAlloc\0").map_err(|e| sym("cuMemHostAlloc", e))?,
                     free_host: *lib.get(b"cuMemFreeHost\0").map_err(|e| sym("cuMemFreeHost", e))?,
+                    stream_create: *lib.get(b"cuStreamCreate\0").map_err(|e| sym("cuStreamCreate", e))?,
+                    stream_destroy: *lib.get(b"cuStreamDestroy_v2\0").map_err(|e| sym("cuStreamDestroy_v2", e))?,
+                    stream_sync: *lib.get(b"cuStreamSynchronize\0").map_err(|e| sym("cuStreamSynchronize", e))?,
+                    dtoh_async: *lib.get(b"cuMemcpyDtoHAsync_v2\0").map_err(|e| sym("cuMemcpyDtoHAsync_v2", e))?,
+                    htod_async: *lib.get(b"cuMemcpyHtoDAsync_v2\0").map_err(|e| sym("cuMemcpyHtoDAsync_v2", e))?,
+                    event_create: *lib.get(b"cuEventCreate\0").map_err(|e| sym("cuEventCreate", e))?,
+                    event_record: *lib.get(b"cuEventRecord\0").map_err(|e| sym("cuEventRecord", e))?,
+                    event_sync: *lib.get(b"cuEventSynchronize\0").map_err(|e| sym("cuEventSynchronize", e))?,
+                    event_destroy: *lib.get(b"cuEventDestroy_v2\0").map_err(|e| sym("cuEventDestroy_v2", e))?,
                 })
             })();
             Ok(Driver {
@@ -322,5 +346,81 @@ impl Driver {
     /// `p` came from [`Driver::host_alloc`] and is not used after.
     pub unsafe fn free_host(&self, p: *mut u8) -> Result<(), CudaError> {
         check("cuMemFreeHost", (self.mem()?.free_host)(p.cast()))
+    }
+}
+
+/// A CUDA stream or event handle (valid in the context it was created in).
+#[derive(Clone, Copy, Debug)]
+pub struct Handle(*mut c_void);
+// SAFETY: stream and event handles may be used from any thread with their context current.
+unsafe impl Send for Handle {}
+unsafe impl Sync for Handle {}
+
+/// `CU_STREAM_NON_BLOCKING`: no implicit synchronisation with the legacy default stream.
+const STREAM_NON_BLOCKING: c_uint = 1;
+/// `CU_EVENT_DISABLE_TIMING`: the cheapest event.
+const EVENT_DISABLE_TIMING: c_uint = 2;
+
+impl Driver {
+    /// A stream of the current context.
+    pub fn stream_create(&self) -> Result<Handle, CudaError> {
+        let mut h = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        check("cuStreamCreate", unsafe { (self.mem()?.stream_create)(&mut h, STREAM_NON_BLOCKING) })?;
+        Ok(Handle(h))
+    }
+
+    /// Destroys a stream (its work completes first).
+    pub fn stream_destroy(&self, s: Handle) -> Result<(), CudaError> {
+        // SAFETY: a stream from `stream_create`, not used after.
+        check("cuStreamDestroy", unsafe { (self.mem()?.stream_destroy)(s.0) })
+    }
+
+    /// Waits until everything queued on `s` is done.
+    pub fn stream_sync(&self, s: Handle) -> Result<(), CudaError> {
+        // SAFETY: a live stream.
+        check("cuStreamSynchronize", unsafe { (self.mem()?.stream_sync)(s.0) })
+    }
+
+    /// Queues a device→host copy on `s`.
+    ///
+    /// # Safety
+    /// `dst` must stay valid and untouched by anyone else until the copy is waited for.
+    pub unsafe fn dtoh_async(&self, dst: *mut u8, src: u64, len: usize, s: Handle) -> Result<(), CudaError> {
+        check("cuMemcpyDtoHAsync", (self.mem()?.dtoh_async)(dst.cast(), src, len, s.0))
+    }
+
+    /// Queues a host→device copy on `s`.
+    ///
+    /// # Safety
+    /// `src` must stay valid and unchanged until the copy is waited for.
+    pub unsafe fn htod_async(&self, dst: u64, src: *const u8, len: usize, s: Handle) -> Result<(), CudaError> {
+        check("cuMemcpyHtoDAsync", (self.mem()?.htod_async)(dst, src.cast(), len, s.0))
+    }
+
+    /// An event of the current context.
+    pub fn event_create(&self) -> Result<Handle, CudaError> {
+        let mut h = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        check("cuEventCreate", unsafe { (self.mem()?.event_create)(&mut h, EVENT_DISABLE_TIMING) })?;
+        Ok(Handle(h))
+    }
+
+    /// Marks `e` done once everything queued on `s` so far is.
+    pub fn event_record(&self, e: Handle, s: Handle) -> Result<(), CudaError> {
+        // SAFETY: live handles of the current context.
+        check("cuEventRecord", unsafe { (self.mem()?.event_record)(e.0, s.0) })
+    }
+
+    /// Waits for `e`.
+    pub fn event_sync(&self, e: Handle) -> Result<(), CudaError> {
+        // SAFETY: a live event.
+        check("cuEventSynchronize", unsafe { (self.mem()?.event_sync)(e.0) })
+    }
+
+    /// Destroys an event.
+    pub fn event_destroy(&self, e: Handle) -> Result<(), CudaError> {
+        // SAFETY: an event from `event_create`, not used after.
+        check("cuEventDestroy", unsafe { (self.mem()?.event_destroy)(e.0) })
     }
 }

@@ -213,3 +213,114 @@ pub fn classify(addr: u64, len: u64, location: &str) -> Result<(String, Option<u
         }
     }
 }
+
+/// Double-buffered staging on one GPU (the TCP server's, one per connection): a pinned buffer
+/// of two halves, a stream, and one event per half recording the last copy into or out of it.
+/// While one half is copied to or from the GPU, the other is received into or sent from.
+pub struct Pipe {
+    cuda: &'static Cuda,
+    dev: u32,
+    half: usize,
+    bounce: Bounce,
+    stream: driver::Handle,
+    events: [driver::Handle; 2],
+    /// A copy into or out of this half is queued and not yet waited for.
+    pending: [bool; 2],
+}
+
+// SAFETY: the handles are usable from any thread with their context current (every call
+// below makes it so); the buffer is owned.
+unsafe impl Send for Pipe {}
+
+impl Pipe {
+    /// A pipe of two halves of `half` bytes on GPU `dev`.
+    pub fn new(dev: u32, half: usize) -> std::result::Result<Pipe, String> {
+        let cuda = cuda().map_err(str::to_string)?;
+        let (stream, events) = cuda
+            .on_device(dev, |d| {
+                let s = d.stream_create()?;
+                let e0 = d.event_create()?;
+                let e1 = d.event_create()?;
+                Ok((s, [e0, e1]))
+            })
+            .map_err(|e| format!("creating a CUDA stream on GPU {dev}: {e}"))?;
+        Ok(Pipe { cuda, dev, half, bounce: Bounce::new(cuda, 2 * half), stream, events, pending: [false; 2] })
+    }
+
+    pub fn dev(&self) -> u32 {
+        self.dev
+    }
+
+    /// Bytes per half.
+    pub fn half_len(&self) -> usize {
+        self.half
+    }
+
+    /// Waits until no copy into or out of half `h` is pending.
+    pub fn wait(&mut self, h: usize) -> std::result::Result<(), CudaError> {
+        if self.pending[h] {
+            let e = self.events[h];
+            self.cuda.on_device(self.dev, |d| d.event_sync(e))?;
+            self.pending[h] = false;
+        }
+        Ok(())
+    }
+
+    /// Half `h` (to be touched only after [`Pipe::wait`] for it).
+    pub fn half(&self, h: usize) -> &[u8] {
+        &self.bounce.as_slice()[h * self.half..(h + 1) * self.half]
+    }
+
+    /// Half `h`, to receive into (only after [`Pipe::wait`] for it).
+    pub fn half_mut(&mut self, h: usize) -> &mut [u8] {
+        let n = self.half;
+        &mut self.bounce.as_mut_slice()[h * n..(h + 1) * n]
+    }
+
+    /// Queues the copy of the first `n` bytes of half `h` to device address `dst`.
+    pub fn htod(&mut self, h: usize, dst: u64, n: usize) -> std::result::Result<(), CudaError> {
+        let n = n.min(self.half);
+        let src = self.half(h).as_ptr();
+        let (s, e) = (self.stream, self.events[h]);
+        // SAFETY: half `h` is not touched again before `wait(h)` (or `sync`), which every
+        // user of the pipe calls before reusing it; the buffer lives as long as the pipe, and
+        // the pipe's drop waits for the stream.
+        self.cuda.on_device(self.dev, |d| unsafe { d.htod_async(dst, src, n, s) }.and_then(|()| d.event_record(e, s)))?;
+        self.pending[h] = true;
+        Ok(())
+    }
+
+    /// Queues the copy of `n` bytes at device address `src` into half `h`.
+    pub fn dtoh(&mut self, h: usize, src: u64, n: usize) -> std::result::Result<(), CudaError> {
+        let n = n.min(self.half);
+        let dst = self.half_mut(h).as_mut_ptr();
+        let (s, e) = (self.stream, self.events[h]);
+        // SAFETY: as in `htod`: half `h` is read only after `wait(h)`.
+        self.cuda.on_device(self.dev, |d| unsafe { d.dtoh_async(dst, src, n, s) }.and_then(|()| d.event_record(e, s)))?;
+        self.pending[h] = true;
+        Ok(())
+    }
+
+    /// Waits until every queued copy is done.
+    pub fn sync(&mut self) -> std::result::Result<(), CudaError> {
+        if self.pending != [false; 2] {
+            let s = self.stream;
+            let r = self.cuda.on_device(self.dev, |d| d.stream_sync(s));
+            self.pending = [false; 2];
+            r?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Pipe {
+    fn drop(&mut self) {
+        let _ = self.sync();
+        let (s, e) = (self.stream, self.events);
+        let _ = self.cuda.on_device(self.dev, |d| {
+            let _ = d.event_destroy(e[0]);
+            let _ = d.event_destroy(e[1]);
+            d.stream_destroy(s)
+        });
+    }
+}

@@ -194,20 +194,21 @@ int cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
     }
 }
 
-/* The bytes behind device range [p, p+n), or NULL; counts a copy touching its device. */
-static char *store(CUdeviceptr p, size_t n) {
+/* The bytes behind device range [p, p+n) and its device, or NULL. */
+static char *store(CUdeviceptr p, size_t n, int *dev) {
     pthread_mutex_lock(&mu);
     struct alloc *a = n ? find((uintptr_t)p, n, 0) : NULL;
-    int dev = a ? a->dev : -1;
+    *dev = a ? a->dev : -1;
     pthread_mutex_unlock(&mu);
-    if (!a) return NULL;
-    __atomic_add_fetch(&copies[dev], 1, __ATOMIC_SEQ_CST);
-    return dev_store + ((uintptr_t)p - (uintptr_t)dev_va);
+    return a ? dev_store + ((uintptr_t)p - (uintptr_t)dev_va) : NULL;
 }
 
-static void delay(void) {
+/* A copy touching device `dev`'s memory happens now: counted, delayed, done. */
+static void do_copy(int dev, char *dst, const char *src, size_t n) {
+    __atomic_add_fetch(&copies[dev], 1, __ATOMIC_SEQ_CST);
     unsigned us = __atomic_load_n(&copy_delay_us, __ATOMIC_SEQ_CST);
     if (us) usleep(us);
+    memmove(dst, src, n);
 }
 
 static int copy_check(void) {
@@ -219,50 +220,65 @@ static int copy_check(void) {
 int cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
     int e = copy_check();
     if (e) return e;
-    char *s = store(src, n);
+    int dev;
+    char *s = store(src, n, &dev);
     if (!s) return INVALID_VALUE;
-    delay();
-    memcpy(dst, s, n);
+    do_copy(dev, dst, s, n);
     return 0;
 }
 
 int cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
     int e = copy_check();
     if (e) return e;
-    char *d = store(dst, n);
+    int dev;
+    char *d = store(dst, n, &dev);
     if (!d) return INVALID_VALUE;
-    delay();
-    memcpy(d, src, n);
+    do_copy(dev, d, src, n);
     return 0;
 }
 
 int cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     int e = copy_check();
     if (e) return e;
-    char *d = store(dst, n), *s = store(src, n);
+    int dd, ds;
+    char *d = store(dst, n, &dd), *s = store(src, n, &ds);
     if (!d || !s) return INVALID_VALUE;
-    memmove(d, s, n);
+    do_copy(dd, d, s, n);
     return 0;
 }
 
-/* Streams: asynchronous copies are queued and happen at cuStreamSynchronize. */
-struct op { char *dst; const char *src; size_t n; };
-struct stream { struct op *ops; int n, cap; };
+/* Streams: asynchronous copies are queued and happen only when something waits for them
+   (cuStreamSynchronize, or cuEventSynchronize of an event recorded after them), in order: a
+   caller that reads a bounce buffer before waiting sees stale bytes, one that reuses it too
+   early sends the wrong ones. */
+struct op { int dev; char *dst; const char *src; size_t n; };
+struct stream { struct op *ops; long issued, done; int cap; pthread_mutex_t mu; };
+struct event { struct stream *s; long seq; };
 
 int cuStreamCreate(void **ps, unsigned flags) {
     (void)flags;
     if (!current()) return INVALID_CONTEXT;
     struct stream *s = calloc(1, sizeof *s);
     if (!s) return OUT_OF_MEMORY;
+    pthread_mutex_init(&s->mu, NULL);
     *ps = s;
     return 0;
 }
 
+/* Runs the queued copies of `s` up to sequence number `upto`. */
+static void run_until(struct stream *s, long upto) {
+    pthread_mutex_lock(&s->mu);
+    while (s->done < upto && s->done < s->issued) {
+        struct op o = s->ops[s->done % s->cap];
+        do_copy(o.dev, o.dst, o.src, o.n);
+        s->done++;
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
 int cuStreamSynchronize(void *h) {
     struct stream *s = h;
-    if (!s) return 0;
-    for (int i = 0; i < s->n; i++) memcpy(s->ops[i].dst, s->ops[i].src, s->ops[i].n);
-    s->n = 0;
+    if (s) run_until(s, s->issued);
     return 0;
 }
 
@@ -275,36 +291,58 @@ int cuStreamDestroy_v2(void *h) {
     return 0;
 }
 
-static int enqueue(struct stream *s, char *dst, const char *src, size_t n) {
-    if (!s) { memcpy(dst, src, n); return 0; }
-    if (s->n == s->cap) {
+static int enqueue(struct stream *s, int dev, char *dst, const char *src, size_t n) {
+    if (!s) { do_copy(dev, dst, src, n); return 0; }
+    pthread_mutex_lock(&s->mu);
+    if (s->issued - s->done == s->cap) {
         int cap = s->cap ? s->cap * 2 : 16;
-        struct op *o = realloc(s->ops, cap * sizeof *o);
-        if (!o) return OUT_OF_MEMORY;
+        struct op *o = malloc(cap * sizeof *o);
+        if (!o) { pthread_mutex_unlock(&s->mu); return OUT_OF_MEMORY; }
+        for (long i = s->done; i < s->issued; i++) o[i % cap] = s->ops[i % s->cap];
+        free(s->ops);
         s->ops = o;
         s->cap = cap;
     }
-    s->ops[s->n++] = (struct op){ dst, src, n };
+    s->ops[s->issued % s->cap] = (struct op){ dev, dst, src, n };
+    s->issued++;
+    pthread_mutex_unlock(&s->mu);
     return 0;
 }
 
 int cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *stream) {
-    int e = copy_check();
+    int e = copy_check(), dev;
     if (e) return e;
-    char *s = store(src, n);
-    return s ? enqueue(stream, dst, s, n) : INVALID_VALUE;
+    char *s = store(src, n, &dev);
+    return s ? enqueue(stream, dev, dst, s, n) : INVALID_VALUE;
 }
 
 int cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *stream) {
-    int e = copy_check();
+    int e = copy_check(), dev;
     if (e) return e;
-    char *d = store(dst, n);
-    return d ? enqueue(stream, d, src, n) : INVALID_VALUE;
+    char *d = store(dst, n, &dev);
+    return d ? enqueue(stream, dev, d, src, n) : INVALID_VALUE;
 }
 
-/* Events: recorded and synchronised trivially (copies happen at stream synchronisation). */
-int cuEventCreate(void **pe, unsigned flags) { (void)flags; *pe = malloc(1); return *pe ? 0 : OUT_OF_MEMORY; }
-int cuEventRecord(void *e, void *stream) { (void)e; return cuStreamSynchronize(stream); }
-int cuEventSynchronize(void *e) { (void)e; return 0; }
+int cuEventCreate(void **pe, unsigned flags) {
+    (void)flags;
+    if (!current()) return INVALID_CONTEXT;
+    struct event *e = calloc(1, sizeof *e);
+    if (!e) return OUT_OF_MEMORY;
+    *pe = e;
+    return 0;
+}
+int cuEventRecord(void *h, void *stream) {
+    struct event *e = h;
+    if (!e) return INVALID_HANDLE;
+    e->s = stream;
+    e->seq = stream ? ((struct stream *)stream)->issued : 0;
+    return 0;
+}
+int cuEventSynchronize(void *h) {
+    struct event *e = h;
+    if (!e) return INVALID_HANDLE;
+    if (e->s) run_until(e->s, e->seq);
+    return 0;
+}
 int cuEventDestroy_v2(void *e) { free(e); return 0; }
 #endif

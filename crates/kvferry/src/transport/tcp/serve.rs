@@ -38,8 +38,8 @@ pub(super) enum End {
     Device(String),
 }
 
-/// Bytes of GPU memory staged at once per connection (a pinned buffer, allocated at the
-/// connection's first GPU request).
+/// Bytes of GPU memory staged per chunk: a connection's pinned buffer holds two (allocated at
+/// its first GPU request), one copied to or from the GPU while the other is received or sent.
 const GPU_CHUNK: usize = 1 << 20;
 
 enum State {
@@ -53,10 +53,12 @@ enum State {
         got: u64,
         deadline: Instant,
         v2: bool,
-        /// GPU memory: the body lands in the bounce buffer, `fill` bytes of it so far, and
-        /// goes host→device per chunk; the status leaves after the last copy returned.
+        /// GPU memory: the body lands in half `half` of the pipe, `fill` bytes of it so
+        /// far, and goes host→device per chunk (asynchronously, while the next chunk is
+        /// received into the other half); the status leaves after every copy is done.
         gpu: Option<u32>,
         fill: usize,
+        half: usize,
     },
     /// A READ answer sent straight from memory once `out` is gone: `sent` of `len` bytes.
     Answer {
@@ -65,10 +67,13 @@ enum State {
         len: u64,
         sent: u64,
         deadline: Instant,
-        /// GPU memory: the bounce buffer holds `[chunk_at, chunk_at + chunk_len)` of it.
+        /// GPU memory: half `half` of the pipe holds `[chunk_at, chunk_at + chunk_len)` of
+        /// it, being sent; the other half is being filled with the `next` bytes after it.
         gpu: Option<u32>,
         chunk_at: u64,
         chunk_len: usize,
+        half: usize,
+        next: usize,
     },
     /// Sending what `out` holds, then closing with `End`.
     Closing(End),
@@ -86,16 +91,29 @@ pub(super) struct ServeConn {
     out: Vec<u8>,
     /// The last request was a large WRITE: the next is likely one too.
     large_write: bool,
-    /// Host memory GPU bytes are staged in (pinned; allocated at the first GPU request).
-    bounce: Option<crate::gpu::Bounce>,
+    /// Where GPU bytes are staged (pinned host memory, a stream; made at the first GPU
+    /// request, for that request's GPU).
+    pipe: Option<crate::gpu::Pipe>,
 }
 
-/// The bounce buffer of a connection, allocated at first use; or why GPU memory cannot be
-/// copied.
-fn bounce(slot: &mut Option<crate::gpu::Bounce>) -> Result<&mut crate::gpu::Bounce, String> {
+impl Drop for ServeConn {
+    fn drop(&mut self) {
+        // Copies still queued may touch the range of the request being served: they end
+        // before its guard goes (with `state`, after this).
+        if let Some(p) = &mut self.pipe {
+            let _ = p.sync();
+        }
+    }
+}
+
+/// The pipe of a connection for GPU `dev`, made at first use (a pipe for another GPU is
+/// drained and replaced); or why GPU memory cannot be copied.
+fn pipe(slot: &mut Option<crate::gpu::Pipe>, dev: u32) -> Result<&mut crate::gpu::Pipe, String> {
+    if slot.as_ref().is_some_and(|p| p.dev() != dev) {
+        *slot = None;
+    }
     if slot.is_none() {
-        let cuda = crate::gpu::cuda().map_err(|e| e.to_string())?;
-        *slot = Some(crate::gpu::Bounce::new(cuda, GPU_CHUNK));
+        *slot = Some(crate::gpu::Pipe::new(dev, GPU_CHUNK)?);
     }
     Ok(slot.as_mut().expect("just set"))
 }
@@ -122,7 +140,7 @@ impl ServeConn {
             state: State::Header,
             out: Vec::with_capacity(4096),
             large_write: false,
-            bounce: None,
+            pipe: None,
         }
     }
 
@@ -178,7 +196,7 @@ impl ServeConn {
             Opcode::Write => {
                 self.large_write = h.size >= super::sockio::DIRECT_MIN as u64;
                 let gpu = guard.region().gpu;
-                self.state = State::Body { guard, addr: h.addr, len: h.size, got: 0, deadline, v2: h.v2, gpu, fill: 0 };
+                self.state = State::Body { guard, addr: h.addr, len: h.size, got: 0, deadline, v2: h.v2, gpu, fill: 0, half: 0 };
             }
             Opcode::Read => {
                 self.large_write = false;
@@ -198,7 +216,7 @@ impl ServeConn {
                     let src = unsafe { std::slice::from_raw_parts(h.addr as *const u8, h.size as usize) };
                     self.out.extend_from_slice(src);
                 } else {
-                    self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline, gpu: None, chunk_at: 0, chunk_len: 0 };
+                    self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline, gpu: None, chunk_at: 0, chunk_len: 0, half: 0, next: 0 };
                 }
             }
         }
@@ -207,22 +225,24 @@ impl ServeConn {
     /// Where the rest of the current WRITE body goes, to receive it straight into place;
     /// `None` when no body is expected (or its range was revoked: the connection then closes).
     pub(super) fn body(&mut self) -> Option<&mut [u8]> {
-        let State::Body { guard, addr, len, got, gpu, fill, .. } = &self.state else {
+        let State::Body { guard, addr, len, got, gpu, fill, half, .. } = &self.state else {
             return None;
         };
         if guard.is_revoked() {
             self.close(End::Revoked);
             return None;
         }
-        if gpu.is_some() {
-            // GPU memory: into the bounce buffer, at most to the end of this chunk.
+        if let Some(dev) = *gpu {
+            // GPU memory: into the current half of the pipe (once the copy out of it that
+            // was queued two chunks ago is done), at most to the end of this chunk.
             let want = (GPU_CHUNK - *fill).min((*len - *got) as usize);
-            let fill = *fill;
-            if let Err(e) = bounce(&mut self.bounce) {
+            let (fill, half) = (*fill, *half);
+            let ready = pipe(&mut self.pipe, dev).and_then(|p| p.wait(half).map_err(|e| format!("copying into GPU {dev} memory: {e}")));
+            if let Err(e) = ready {
                 self.close(End::Device(e));
                 return None;
             }
-            return self.bounce.as_mut().map(|b| &mut b.as_mut_slice()[fill..fill + want]);
+            return self.pipe.as_mut().map(|p| &mut p.half_mut(half)[fill..fill + want]);
         }
         // SAFETY: the range was admitted (inside registered memory) and `guard` keeps it
         // registered while this state lives; it is not revoked (checked above), and the
@@ -232,7 +252,7 @@ impl ServeConn {
 
     /// `n` bytes of the current WRITE body landed (through [`ServeConn::body`]).
     pub(super) fn on_body(&mut self, n: usize, now: Instant) {
-        let State::Body { guard, addr, len, got, gpu, fill, .. } = &mut self.state else {
+        let State::Body { guard, addr, len, got, gpu, fill, half, .. } = &mut self.state else {
             return;
         };
         *got += n as u64;
@@ -245,15 +265,17 @@ impl ServeConn {
                     return self.close(End::Revoked);
                 }
                 let at = *addr + *got - *fill as u64;
-                let chunk = *fill;
+                let (chunk, h, last) = (*fill, *half, *got >= *len);
                 *fill = 0;
-                let r = match (crate::gpu::cuda(), self.bounce.as_ref()) {
-                    (Ok(c), Some(b)) => c.htod(gpu, at, &b.as_slice()[..chunk]).map_err(|e| format!("copying into GPU {gpu} memory at 0x{at:x}: {e}")),
-                    (Err(e), _) => Err(e.to_string()),
-                    (_, None) => Err("no bounce buffer".into()),
+                *half ^= 1;
+                // Queued; the next chunk is received into the other half meanwhile, and the
+                // last one waits for every copy before the status is queued.
+                let r = match self.pipe.as_mut() {
+                    Some(p) => p.htod(h, at, chunk).and_then(|()| if last { p.sync() } else { Ok(()) }),
+                    None => return self.close(End::Device("no staging buffer".into())),
                 };
                 if let Err(e) = r {
-                    return self.close(End::Device(e));
+                    return self.close(End::Device(format!("copying into GPU {gpu} memory at 0x{at:x}: {e}")));
                 }
             }
         }
@@ -277,8 +299,9 @@ impl ServeConn {
             // connection at the next `handle_timeout`, which the sender calls after every
             // system call, so at most the bytes of one call leave after revocation began
             // and none after the barrier (which waits for this state to go).
-            State::Answer { gpu: Some(_), sent, chunk_at, chunk_len, .. } => match &self.bounce {
-                Some(b) => &b.as_slice()[(*sent - *chunk_at) as usize..*chunk_len],
+            State::Answer { gpu: Some(_), sent, chunk_at, chunk_len, half, .. } => match &self.pipe {
+                // Waited for when it became the current half (`stage_answer`).
+                Some(p) => &p.half(*half)[(*sent - *chunk_at) as usize..*chunk_len],
                 None => &[],
             },
             State::Answer { addr, len, sent, .. } => unsafe { std::slice::from_raw_parts((*addr + *sent) as *const u8, (*len - *sent) as usize) },
@@ -399,32 +422,56 @@ impl ServeConn {
             self.out.extend_from_slice(&data);
             return;
         }
-        self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline, gpu: Some(gpu), chunk_at: 0, chunk_len: 0 };
+        self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline, gpu: Some(gpu), chunk_at: 0, chunk_len: 0, half: 1, next: 0 };
         self.stage_answer();
         if h.v2 && !matches!(self.state, State::Closed(_)) {
             self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
         }
     }
 
-    /// Copies the next chunk of a GPU READ answer (from `sent`) into the bounce buffer.
+    /// Makes the chunk at `sent` of a GPU READ answer the current one: the first time its
+    /// copy is queued here, later it was queued while the previous chunk was sent; it is
+    /// waited for, then the chunk after it is queued into the other half (just sent).
     fn stage_answer(&mut self) {
-        let State::Answer { guard, addr, len, sent, gpu: Some(gpu), chunk_at, chunk_len, .. } = &mut self.state else {
+        let State::Answer { guard, addr, len, sent, gpu: Some(gpu), chunk_at, chunk_len, half, next, .. } = &mut self.state else {
             return;
         };
         if guard.is_revoked() {
             return self.close(End::Revoked);
         }
-        let n = GPU_CHUNK.min((*len - *sent) as usize);
-        let (gpu, src) = (*gpu, *addr + *sent);
-        *chunk_at = *sent;
-        *chunk_len = n;
-        let r = bounce(&mut self.bounce).and_then(|b| gpu_dtoh(gpu, &mut b.as_mut_slice()[..n], src));
+        let dev = *gpu;
+        let p = match pipe(&mut self.pipe, dev) {
+            Ok(p) => p,
+            Err(e) => return self.close(End::Device(e)),
+        };
+        let cur = *half ^ 1;
+        let r = (|| {
+            if *next == 0 {
+                // Nothing prefetched (the first chunk): queue it now.
+                *next = GPU_CHUNK.min((*len - *sent) as usize);
+                p.dtoh(cur, *addr + *sent, *next)?;
+            }
+            p.wait(cur)?;
+            *half = cur;
+            *chunk_at = *sent;
+            *chunk_len = *next;
+            let after = *sent + *next as u64;
+            *next = GPU_CHUNK.min((*len - after) as usize);
+            if *next > 0 {
+                p.dtoh(cur ^ 1, *addr + after, *next)?;
+            }
+            Ok::<(), crate::gpu::driver::CudaError>(())
+        })();
         if let Err(e) = r {
-            self.close(End::Device(e));
+            self.close(End::Device(format!("copying GPU {dev} memory: {e}")));
         }
     }
 
     fn close(&mut self, why: End) {
+        // Copies still queued may touch the request's range: they end before its guard.
+        if let Some(p) = &mut self.pipe {
+            let _ = p.sync();
+        }
         // Drops the guard of the request being served (if any) with the old state.
         self.state = State::Closed(why);
     }
