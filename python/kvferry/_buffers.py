@@ -82,11 +82,17 @@ def _from_torch(obj: Any) -> Tuple[int, int, Any]:
     # The storage object owns the memory: holding it keeps the bytes allocated even if the
     # tensor is deleted or set_() to another storage.
     device = getattr(obj, "device", None)
-    if device is not None and getattr(device, "type", "cpu") != "cpu":
-        raise InvalidArgument(
-            "tensor is on %s; this kvferry version moves host memory only (kvferry.features()['cuda'] is False)" % (device,),
-            -1,
-        )
+    kind = getattr(device, "type", "cpu") if device is not None else "cpu"
+    if kind == "cuda":
+        from . import _kvferry
+
+        if not _kvferry.features()["cuda"]:
+            raise InvalidArgument(
+                "tensor is on %s, but the CUDA driver is not usable by kvferry here (kvferry.features()['cuda'] is False; `kvferry doctor` says why)" % (device,),
+                -1,
+            )
+    elif kind != "cpu":
+        raise InvalidArgument("tensor is on %s; kvferry moves host and CUDA memory only" % (device,), -1)
     if not obj.is_contiguous():
         raise InvalidArgument("tensor is not contiguous; call .contiguous() first", -1)
     storage = None

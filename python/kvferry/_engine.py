@@ -586,6 +586,6 @@ def _str(v: Any, what: str) -> str:
 
 
 def features() -> Dict[str, bool]:
-    """What this build can move, decided at run time (``{"tcp": True, "cuda": False, ...}``).
-    This version moves host memory only."""
+    """What this build can move, decided at run time (``{"tcp": True, "cuda": ..., ...}``).
+    ``cuda`` is True when the CUDA driver (libcuda.so.1, loaded at run time) can stage GPU memory."""
     return dict(_kvferry.features())

@@ -375,8 +375,8 @@ fn rdma(r: &Report) -> Transport {
     t.with("libibverbs", p.library.into()).with("devices", devices).with("nics", nics)
 }
 
-/// GPU memory: `kvferry::gpu::probe` (libcuda.so.1 loaded at run time); this version moves
-/// host memory only.
+/// GPU memory: `kvferry::gpu::probe` (libcuda.so.1 loaded at run time) and whether the driver
+/// has what staging GPU memory needs (`kvferry::gpu::cuda`).
 fn gpu(r: &Report) -> Transport {
     let p = kvferry::gpu::probe();
     let gpus = serde_json::to_value(&p.gpus).unwrap_or_default();
@@ -393,11 +393,16 @@ fn gpu(r: &Report) -> Transport {
             r.no("gpu memory", why);
             Transport::no(why.clone(), Some("install the NVIDIA driver; in a container, run with the NVIDIA container toolkit (--gpus all) so libcuda.so.1 is mounted"))
         }
-        None => {
-            let why = format!("CUDA driver {} with {} GPU(s), but this kvferry version moves host memory only", version.as_deref().unwrap_or("?"), p.gpus.len());
-            r.no("gpu memory", &why);
-            Transport::no(why, None)
-        }
+        None => match kvferry::gpu::cuda() {
+            Ok(_) => {
+                r.ok("gpu memory", format!("CUDA driver {:?} with {} GPU(s): GPU buffers register with \"*\" or \"cuda:N\" and move over TCP and same-host paths, staged through pinned host buffers", p.driver_version, p.gpus.len()));
+                Transport::yes()
+            }
+            Err(why) => {
+                r.no("gpu memory", why);
+                Transport::no(why, Some("update the NVIDIA driver (CUDA 11.4 or newer)"))
+            }
+        },
     };
     t.with("libcuda", p.driver_version.is_some().into()).with("driver_version", p.driver_version.into()).with("devices", gpus)
 }

@@ -122,7 +122,7 @@ fn doctor_expect_fails_naming_what_cannot_work() {
     assert_eq!(d["ok"], true);
     assert_eq!(d["expect"]["unmet"], serde_json::json!([]));
 
-    // gpu: this kvferry moves host memory only (and this host has no libcuda), so it never works.
+    // gpu: needs a usable libcuda, which this (CI) host lacks, so it never works here.
     let (_, plain, _) = doctor_json(None);
     assert_eq!(plain["transports"]["gpu"]["available"], false);
     let (status, d, stderr) = doctor_json(Some("tcp,gpu"));
@@ -207,4 +207,43 @@ fn target_process_killed_mid_transfer_fails_requests_within_the_deadline() {
     let st = e.transfer_sync(&reqs[..1], Duration::from_secs(10)).unwrap();
     assert_ne!(st.status, TaskStatus::Completed);
     assert!(st.reason.is_some());
+}
+
+/// With the tests' mock CUDA driver first in the library path (`kvferry/tests/cuda_mock`),
+/// doctor reports GPU memory available, the driver version and the devices; with one that
+/// lacks the memory entry points, unavailable and why.
+#[test]
+fn doctor_reports_gpu_memory_with_a_driver_and_why_not_without() {
+    const MOCK: &str = include_str!("../../kvferry/tests/cuda_mock/mock_cuda.c");
+    let run = |name: &str, defines: &[&str]| -> (std::process::ExitStatus, serde_json::Value) {
+        let dir = std::env::temp_dir().join(format!("kvf-cli-cuda-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("mock_cuda.c"), MOCK).unwrap();
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        let st = std::process::Command::new(&cc)
+            .args(["-shared", "-fPIC", "-pthread", "-o"])
+            .arg(dir.join("libcuda.so.1"))
+            .arg(dir.join("mock_cuda.c"))
+            .args(defines.iter().map(|d| format!("-D{d}")))
+            .status();
+        assert!(st.is_ok_and(|s| s.success()), "building the mock libcuda needs a C compiler ({cc})");
+        let out = kvferry()
+            .args(["doctor", "--json", "--local-hostname", "127.0.0.1", "--expect", "tcp,gpu"])
+            .env("KVFERRY_LOG", "error")
+            .env("LD_LIBRARY_PATH", &dir)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        (out.status, serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("no JSON ({e}): {stdout}")))
+    };
+    let (status, d) = run("ok", &["COUNT=2"]);
+    let g = &d["transports"]["gpu"];
+    assert!(status.success(), "{d}");
+    assert_eq!((g["available"].as_bool(), g["driver_version"].as_i64()), (Some(true), Some(12040)), "{d}");
+    assert_eq!(g["devices"].as_array().map(Vec::len), Some(2), "{d}");
+    let (status, d) = run("nomem", &["NO_MEM"]);
+    let g = &d["transports"]["gpu"];
+    assert_eq!(status.code(), Some(1), "{d}");
+    assert_eq!(g["available"], false, "{d}");
+    assert!(g["reason"].as_str().is_some_and(|r| r.contains("too old")), "{d}");
 }

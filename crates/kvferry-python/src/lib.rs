@@ -812,15 +812,17 @@ fn transfer_error(py: Python<'_>, segment: String, status: u8, transferred_bytes
     errors::transfer_failure(py, &segment, &st).into_value(py).into_any()
 }
 
-/// What this build can move, decided at run time: {"tcp": True, "rdma": False, "cuda": False, ...}.
-/// This version moves host memory over TCP (or memcpy within one engine) only.
+/// What this build can move, decided at run time: {"tcp": True, "rdma": False, "cuda": ..., ...}.
+/// "cuda": the CUDA driver (libcuda.so.1, loaded at run time) is usable for GPU memory, which
+/// then registers like host memory and moves staged through pinned host buffers.
 #[pyfunction]
 fn features(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
+    let cuda = py.detach(|| kvferry::gpu::cuda().is_ok());
     for (k, v) in [
         ("tcp", true),
         ("rdma", false),
-        ("cuda", false),
+        ("cuda", cuda),
         ("efa", false),
         ("hip", false),
         ("musa", false),

@@ -79,6 +79,8 @@ struct Inner {
     /// of it, done by a helper thread (started at first use): `submit` itself never waits
     /// for the network.
     refresher: Mutex<Option<std::sync::mpsc::Sender<RefreshJob>>>,
+    /// Stages pieces whose local range is GPU memory (its thread starts at first use).
+    stager: crate::gpu::stage::Stager,
     me: Weak<Inner>,
 }
 
@@ -254,6 +256,7 @@ impl TransferEngine {
                 config,
                 pid: std::process::id(),
                 refresher: Mutex::new(None),
+                stager: Default::default(),
                 me: weak.clone(),
             }
         });
@@ -312,8 +315,11 @@ impl TransferEngine {
     }
 
     /// Registers several ranges; all or none.
+    /// `*` and `cuda:N` ask the CUDA driver (when one is loaded) whether each range is GPU
+    /// memory; such ranges are published as `cuda:N` and reached only through the driver.
     pub fn register_memory_batch(&self, ranges: &[(u64, u64)], location: &str) -> Result<()> {
-        let regions = self.inner.memory.register_batch(ranges, location)?;
+        let kinds = ranges.iter().map(|&(a, l)| crate::gpu::classify(a, l, location)).collect::<Result<Vec<_>>>()?;
+        let regions = self.inner.memory.register_classified(ranges, location, &kinds)?;
         for r in &regions {
             let registered = self.inner.tcp.on_register(r).and_then(|()| self.inner.rdma.as_ref().map_or(Ok(()), |t| t.on_register(r)));
             if let Err(e) = registered {
@@ -907,11 +913,39 @@ impl Inner {
     /// own segment, else the first transport that can reach it (shared memory for same-host
     /// peers that allow it, TCP for the rest, as `KVFERRY_TRANSPORT` allows).
     fn dispatch(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) {
+        // GPU memory on this side: staged through host bounce buffers (gpu/stage.rs), whose
+        // sub-pieces come back here as host memory.
+        let (pieces, staged) = crate::gpu::stage::split(pieces);
+        if !staged.is_empty() {
+            let me = self.me.clone();
+            self.stager.submit(peer, staged, move || {
+                Box::new(move |peer: &Arc<Peer>, sub: Vec<Piece>| match me.upgrade() {
+                    Some(inner) => inner.dispatch(peer, sub, false),
+                    None => fail_pieces(sub, &Error::Shutdown),
+                })
+            });
+            if pieces.is_empty() {
+                return;
+            }
+        }
         if peer.id == LOCAL_SEGMENT_ID {
             return self.local.submit(peer, pieces, inline);
         }
+        // GPU memory on the peer's side: only its TCP server stages it (shared memory would
+        // touch the peer's device memory from the CPU).
+        let (mut pieces, gpu_remote) = split_gpu_remote(peer, pieces);
+        if !gpu_remote.is_empty() {
+            if self.config.transport != TransportMode::Shm {
+                self.tcp.submit(peer, gpu_remote, inline);
+            } else {
+                let e = Error::NoTransport { segment: peer.name.clone(), reason: "its buffer is GPU memory, which only the TCP transport reaches, and KVFERRY_TRANSPORT=shm excludes TCP".into() };
+                fail_pieces(gpu_remote, &e);
+            }
+            if pieces.is_empty() {
+                return;
+            }
+        }
         // One decision per transport (try_submit), and no allocation unless one says no.
-        let mut pieces = pieces;
         let mut why = Vec::new();
         for t in &self.transports {
             match t.try_submit(peer, pieces, inline) {
@@ -924,6 +958,17 @@ impl Inner {
         }
         fail_pieces(pieces, &self.no_transport(peer, why));
     }
+}
+
+/// Splits off the pieces whose remote range lies in a buffer the peer published as GPU memory
+/// (`cuda:N`); costs nothing when it publishes none.
+fn split_gpu_remote(peer: &Peer, pieces: Vec<Piece>) -> (Vec<Piece>, Vec<Piece>) {
+    let desc = peer.desc();
+    let gpu = |b: &BufferDesc| b.name.starts_with("cuda:");
+    if !desc.buffers.iter().any(gpu) {
+        return (pieces, Vec::new());
+    }
+    pieces.into_iter().partition(|p| !desc.find_buffer(p.remote, p.len).is_some_and(gpu))
 }
 
 fn fail_pieces(pieces: Vec<Piece>, e: &Error) {

@@ -25,6 +25,10 @@ pub struct Region {
     pub len: u64,
     /// `cpu:N`, `cuda:N` or `*`.
     pub location: String,
+    /// The GPU whose device memory this is (the CUDA driver said so at registration); `None`
+    /// for host memory, which the CPU may touch directly. Device memory never is: every
+    /// access goes through the driver's copies (`gpu/`).
+    pub gpu: Option<u32>,
 }
 
 impl Region {
@@ -93,7 +97,17 @@ impl MemoryRegistry {
 
     /// Registers several ranges atomically: either all are added or none.
     pub fn register_batch(&self, ranges: &[(u64, u64)], location: &str) -> Result<Vec<Region>> {
+        let kinds: Vec<(String, Option<u32>)> = ranges.iter().map(|_| (location.to_string(), None)).collect();
+        self.register_classified(ranges, location, &kinds)
+    }
+
+    /// [`MemoryRegistry::register_batch`] with each range's published location and GPU as
+    /// classified by the driver (`gpu::classify`), in the order of `ranges`.
+    pub fn register_classified(&self, ranges: &[(u64, u64)], location: &str, kinds: &[(String, Option<u32>)]) -> Result<Vec<Region>> {
         validate_location(location)?;
+        if kinds.len() != ranges.len() {
+            return Err(Error::InvalidArgument("one classification per range is needed".into()));
+        }
         let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
         // Validate against the map and against each other before inserting anything.
         let mut sorted: Vec<(u64, u64)> = ranges.to_vec();
@@ -124,7 +138,8 @@ impl MemoryRegistry {
         }
         let out: Vec<Region> = ranges
             .iter()
-            .map(|&(addr, len)| Region { addr, len, location: location.to_string() })
+            .zip(kinds)
+            .map(|(&(addr, len), (loc, gpu))| Region { addr, len, location: loc.clone(), gpu: *gpu })
             .collect();
         for r in &out {
             let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);

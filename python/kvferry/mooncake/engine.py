@@ -52,8 +52,9 @@ _U64 = 1 << 64
 _NS = 1e-9
 
 _features = _kvferry.features()
-#: Build-feature flags, computed at run time from what kvferry can really move. This version
-#: moves host memory only, so all are False.
+#: Build-feature flags, computed at run time from what kvferry can really move: SUPPORT_CUDA is
+#: True where the CUDA driver is usable (GPU memory staged through pinned host buffers); the
+#: others are False in this version.
 SUPPORT_CUDA: bool = bool(_features.get("cuda", False))
 SUPPORT_EFA: bool = bool(_features.get("efa", False))
 SUPPORT_HIP: bool = bool(_features.get("hip", False))

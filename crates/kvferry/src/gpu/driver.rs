@@ -4,7 +4,7 @@
 //! and hosts without a GPU.
 
 use libloading::Library;
-use std::ffi::{c_char, c_int, c_uint, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 
 /// The driver's soname (stable across CUDA 12 and 13 drivers).
 pub const LIBRARY: &str = "libcuda.so.1";
@@ -28,6 +28,22 @@ type CuDeviceGetName = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
 type CuDeviceTotalMem = unsafe extern "C" fn(*mut usize, c_int) -> c_int;
 type CuDeviceGetAttribute = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int;
 type CuDeviceGetPciBusId = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
+type CuDevicePrimaryCtxRetain = unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int;
+type CuCtxPushCurrent = unsafe extern "C" fn(*mut c_void) -> c_int;
+type CuCtxPopCurrent = unsafe extern "C" fn(*mut *mut c_void) -> c_int;
+type CuPointerGetAttribute = unsafe extern "C" fn(*mut c_void, c_int, u64) -> c_int;
+type CuMemAlloc = unsafe extern "C" fn(*mut u64, usize) -> c_int;
+type CuMemFree = unsafe extern "C" fn(u64) -> c_int;
+type CuMemcpyDtoH = unsafe extern "C" fn(*mut c_void, u64, usize) -> c_int;
+type CuMemcpyHtoD = unsafe extern "C" fn(u64, *const c_void, usize) -> c_int;
+type CuMemHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> c_int;
+type CuMemFreeHost = unsafe extern "C" fn(*mut c_void) -> c_int;
+type CuStreamCreate = unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int;
+type CuHandle = unsafe extern "C" fn(*mut c_void) -> c_int;
+type CuMemcpyDtoHAsync = unsafe extern "C" fn(*mut c_void, u64, usize, *mut c_void) -> c_int;
+type CuMemcpyHtoDAsync = unsafe extern "C" fn(u64, *const c_void, usize, *mut c_void) -> c_int;
+type CuEventCreate = unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int;
+type CuEventRecord = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
 
 const ATTR_CC_MAJOR: c_int = 75;
 const ATTR_CC_MINOR: c_int = 76;
@@ -35,11 +51,17 @@ const ATTR_CC_MINOR: c_int = 76;
 /// The name and the fix of the CUDA errors the calls here can return.
 fn explain(code: i32) -> (&'static str, &'static str) {
     match code {
+        1 => ("CUDA_ERROR_INVALID_VALUE", "an address or size the driver does not know (not GPU memory, or outside its allocation; freed?)"),
+        2 => ("CUDA_ERROR_OUT_OF_MEMORY", "the GPU or pinned host memory is exhausted"),
         3 => ("CUDA_ERROR_NOT_INITIALIZED", "cuInit was not called or failed"),
         34 => ("CUDA_ERROR_STUB_LIBRARY", "a CUDA stub libcuda.so is found before the driver's: remove the stubs directory from LD_LIBRARY_PATH"),
         35 => ("CUDA_ERROR_INSUFFICIENT_DRIVER", "the driver is older than this CUDA runtime expects: update the NVIDIA driver"),
         100 => ("CUDA_ERROR_NO_DEVICE", "no GPU is visible: check CUDA_VISIBLE_DEVICES and that the container has the GPUs (--gpus all)"),
         101 => ("CUDA_ERROR_INVALID_DEVICE", "a device index is out of range"),
+        201 => ("CUDA_ERROR_INVALID_CONTEXT", "no CUDA context is current on this thread (a bug in kvferry: report it)"),
+        400 => ("CUDA_ERROR_INVALID_HANDLE", "a handle the driver does not know (a destroyed context or stream)"),
+        700 => ("CUDA_ERROR_ILLEGAL_ADDRESS", "the GPU hit an illegal address; the CUDA context is unusable: restart the process"),
+        709 => ("CUDA_ERROR_CONTEXT_IS_DESTROYED", "the CUDA context was destroyed under the transfer"),
         304 => ("CUDA_ERROR_OPERATING_SYSTEM", "the driver cannot talk to the kernel module: is nvidia.ko loaded (nvidia-smi)?"),
         999 => ("CUDA_ERROR_UNKNOWN", "the driver is in a bad state (nvidia-smi shows it); a reboot or driver reload may be needed"),
         _ => ("CUDA error", "see the CUDA driver API documentation for this code"),
@@ -64,7 +86,54 @@ pub struct Driver {
     device_total_mem: CuDeviceTotalMem,
     device_get_attribute: CuDeviceGetAttribute,
     device_get_pci_bus_id: CuDeviceGetPciBusId,
+    /// The memory entry points: all present, or why not (the first missing symbol).
+    mem: Result<MemApi, CudaError>,
 }
+
+/// The entry points that classify, allocate and copy memory (driver API since CUDA 11.x).
+#[derive(Clone, Copy)]
+struct MemApi {
+    primary_ctx_retain: CuDevicePrimaryCtxRetain,
+    ctx_push: CuCtxPushCurrent,
+    ctx_pop: CuCtxPopCurrent,
+    pointer_get_attribute: CuPointerGetAttribute,
+    mem_alloc: CuMemAlloc,
+    mem_free: CuMemFree,
+    dtoh: CuMemcpyDtoH,
+    htod: CuMemcpyHtoD,
+    host_alloc: CuMemHostAlloc,
+    free_host: CuMemFreeHost,
+    stream_create: CuStreamCreate,
+    stream_destroy: CuHandle,
+    stream_sync: CuHandle,
+    dtoh_async: CuMemcpyDtoHAsync,
+    htod_async: CuMemcpyHtoDAsync,
+    event_create: CuEventCreate,
+    event_record: CuEventRecord,
+    event_sync: CuHandle,
+    event_destroy: CuHandle,
+}
+
+/// What the driver says about an address ([`Driver::classify`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pointer {
+    /// Host memory: unknown to the driver (plain `malloc`/`mmap`), pinned, or managed
+    /// (CPU-accessible): the CPU may touch it directly.
+    Host,
+    /// Device memory of GPU `ordinal`, inside the allocation `[base, base+size)`.
+    Device { ordinal: u32, base: u64, size: u64 },
+}
+
+// cuda.h: CUpointer_attribute and CUmemorytype values.
+const PA_MEMORY_TYPE: c_int = 2;
+const PA_IS_MANAGED: c_int = 8;
+const PA_DEVICE_ORDINAL: c_int = 9;
+const PA_RANGE_START_ADDR: c_int = 11;
+const PA_RANGE_SIZE: c_int = 12;
+const MEMORYTYPE_DEVICE: u32 = 2;
+const CUDA_ERROR_INVALID_VALUE: c_int = 1;
+/// `CU_MEMHOSTALLOC_PORTABLE`: pinned for every context.
+const MEMHOSTALLOC_PORTABLE: c_uint = 1;
 
 impl Driver {
     /// Loads [`LIBRARY`] and initialises it (`cuInit(0)`).
@@ -82,6 +151,29 @@ impl Driver {
         unsafe {
             let init = *lib.get::<CuInit>(b"cuInit\0").map_err(|e| sym("cuInit", e))?;
             check("cuInit", init(0))?;
+            let mem = (|| -> Result<MemApi, CudaError> {
+                Ok(MemApi {
+                    primary_ctx_retain: *lib.get(b"cuDevicePrimaryCtxRetain\0").map_err(|e| sym("cuDevicePrimaryCtxRetain", e))?,
+                    ctx_push: *lib.get(b"cuCtxPushCurrent_v2\0").map_err(|e| sym("cuCtxPushCurrent_v2", e))?,
+                    ctx_pop: *lib.get(b"cuCtxPopCurrent_v2\0").map_err(|e| sym("cuCtxPopCurrent_v2", e))?,
+                    pointer_get_attribute: *lib.get(b"cuPointerGetAttribute\0").map_err(|e| sym("cuPointerGetAttribute", e))?,
+                    mem_alloc: *lib.get(b"cuMemAlloc_v2\0").map_err(|e| sym("cuMemAlloc_v2", e))?,
+                    mem_free: *lib.get(b"cuMemFree_v2\0").map_err(|e| sym("cuMemFree_v2", e))?,
+                    dtoh: *lib.get(b"cuMemcpyDtoH_v2\0").map_err(|e| sym("cuMemcpyDtoH_v2", e))?,
+                    htod: *lib.get(b"cuMemcpyHtoD_v2\0").map_err(|e| sym("cuMemcpyHtoD_v2", e))?,
+                    host_alloc: *lib.get(b"cuMemHostAlloc\0").map_err(|e| sym("cuMemHostAlloc", e))?,
+                    free_host: *lib.get(b"cuMemFreeHost\0").map_err(|e| sym("cuMemFreeHost", e))?,
+                    stream_create: *lib.get(b"cuStreamCreate\0").map_err(|e| sym("cuStreamCreate", e))?,
+                    stream_destroy: *lib.get(b"cuStreamDestroy_v2\0").map_err(|e| sym("cuStreamDestroy_v2", e))?,
+                    stream_sync: *lib.get(b"cuStreamSynchronize\0").map_err(|e| sym("cuStreamSynchronize", e))?,
+                    dtoh_async: *lib.get(b"cuMemcpyDtoHAsync_v2\0").map_err(|e| sym("cuMemcpyDtoHAsync_v2", e))?,
+                    htod_async: *lib.get(b"cuMemcpyHtoDAsync_v2\0").map_err(|e| sym("cuMemcpyHtoDAsync_v2", e))?,
+                    event_create: *lib.get(b"cuEventCreate\0").map_err(|e| sym("cuEventCreate", e))?,
+                    event_record: *lib.get(b"cuEventRecord\0").map_err(|e| sym("cuEventRecord", e))?,
+                    event_sync: *lib.get(b"cuEventSynchronize\0").map_err(|e| sym("cuEventSynchronize", e))?,
+                    event_destroy: *lib.get(b"cuEventDestroy_v2\0").map_err(|e| sym("cuEventDestroy_v2", e))?,
+                })
+            })();
             Ok(Driver {
                 driver_get_version: *lib.get(b"cuDriverGetVersion\0").map_err(|e| sym("cuDriverGetVersion", e))?,
                 device_get_count: *lib.get(b"cuDeviceGetCount\0").map_err(|e| sym("cuDeviceGetCount", e))?,
@@ -90,6 +182,7 @@ impl Driver {
                 device_total_mem: *lib.get(b"cuDeviceTotalMem_v2\0").map_err(|e| sym("cuDeviceTotalMem_v2", e))?,
                 device_get_attribute: *lib.get(b"cuDeviceGetAttribute\0").map_err(|e| sym("cuDeviceGetAttribute", e))?,
                 device_get_pci_bus_id: *lib.get(b"cuDeviceGetPCIBusId\0").map_err(|e| sym("cuDeviceGetPCIBusId", e))?,
+                mem,
                 _lib: lib,
             })
         }
@@ -132,5 +225,202 @@ impl Driver {
             }
             Ok(out)
         }
+    }
+}
+
+/// A device's primary context (retained for the life of the process, as PyTorch does).
+#[derive(Clone, Copy)]
+pub struct Context(*mut c_void);
+// SAFETY: a CUcontext is a handle the driver lets any thread make current.
+unsafe impl Send for Context {}
+unsafe impl Sync for Context {}
+
+impl Driver {
+    fn mem(&self) -> Result<&MemApi, CudaError> {
+        self.mem.as_ref().map_err(|e| match e {
+            CudaError::Symbol { path, symbol, why } => CudaError::Symbol { path: path.clone(), symbol, why: why.clone() },
+            other => CudaError::Missing { path: LIBRARY.into(), why: other.to_string() },
+        })
+    }
+
+    /// Why GPU memory cannot be classified or copied with this driver (a missing entry point),
+    /// or `None` when it can.
+    pub fn memory_unavailable(&self) -> Option<String> {
+        self.mem.as_ref().err().map(|e| e.to_string())
+    }
+
+    /// Retains the primary context of GPU `ordinal` (the one PyTorch and the CUDA runtime use).
+    pub fn primary_context(&self, ordinal: u32) -> Result<Context, CudaError> {
+        let m = self.mem()?;
+        let mut dev = 0;
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: valid out-pointers.
+        unsafe {
+            check("cuDeviceGet", (self.device_get)(&mut dev, ordinal as c_int))?;
+            check("cuDevicePrimaryCtxRetain", (m.primary_ctx_retain)(&mut ctx, dev))?;
+        }
+        Ok(Context(ctx))
+    }
+
+    /// Runs `f` with `ctx` current on this thread, then restores what was current (the
+    /// caller's thread may be PyTorch's: its context is left as it was).
+    pub fn with_context<T>(&self, ctx: Context, f: impl FnOnce(&Self) -> Result<T, CudaError>) -> Result<T, CudaError> {
+        let m = self.mem()?;
+        // SAFETY: a context retained by `primary_context`; push/pop are balanced.
+        check("cuCtxPushCurrent", unsafe { (m.ctx_push)(ctx.0) })?;
+        let r = f(self);
+        let mut popped = std::ptr::null_mut();
+        // SAFETY: pops what was pushed above.
+        let p = check("cuCtxPopCurrent", unsafe { (m.ctx_pop)(&mut popped) });
+        let out = r?;
+        p?;
+        Ok(out)
+    }
+
+    /// Whether `addr` is device memory and, if so, of which GPU and which allocation (its base
+    /// and size: interior pointers, as PyTorch's caching allocator hands out, are answered
+    /// with the whole allocation). Memory the driver does not know is host memory (the
+    /// driver answers CUDA_ERROR_INVALID_VALUE for it).
+    pub fn classify(&self, addr: u64) -> Result<Pointer, CudaError> {
+        let m = self.mem()?;
+        let get = |attr: c_int| -> Result<Option<u64>, CudaError> {
+            let mut v = 0u64;
+            // SAFETY: every attribute asked here is at most 8 bytes; `v` is 8 bytes, zeroed.
+            match unsafe { (m.pointer_get_attribute)((&mut v as *mut u64).cast(), attr, addr) } {
+                CUDA_ERROR_INVALID_VALUE => Ok(None),
+                code => check("cuPointerGetAttribute", code).map(|()| Some(v)),
+            }
+        };
+        // MEMORY_TYPE is a 4-byte enum: only the low half of `v` was written (little endian).
+        match get(PA_MEMORY_TYPE)? {
+            Some(t) if t as u32 == MEMORYTYPE_DEVICE => {}
+            _ => return Ok(Pointer::Host),
+        }
+        if get(PA_IS_MANAGED)?.is_some_and(|v| v as u32 != 0) {
+            return Ok(Pointer::Host);
+        }
+        let missing = |what| CudaError::Call { call: "cuPointerGetAttribute", code: 1, name: "CUDA_ERROR_INVALID_VALUE", fix: what };
+        let ordinal = get(PA_DEVICE_ORDINAL)?.ok_or(missing("the driver gave no device ordinal for device memory"))? as u32;
+        let base = get(PA_RANGE_START_ADDR)?.ok_or(missing("the driver gave no allocation start for device memory"))?;
+        let size = get(PA_RANGE_SIZE)?.ok_or(missing("the driver gave no allocation size for device memory"))?;
+        Ok(Pointer::Device { ordinal, base, size })
+    }
+
+    /// Allocates `len` bytes of device memory in the current context (`cuMemAlloc`).
+    pub fn mem_alloc(&self, len: usize) -> Result<u64, CudaError> {
+        let mut p = 0u64;
+        // SAFETY: a valid out-pointer.
+        check("cuMemAlloc", unsafe { (self.mem()?.mem_alloc)(&mut p, len) })?;
+        Ok(p)
+    }
+
+    /// Frees device memory from [`Driver::mem_alloc`].
+    pub fn mem_free(&self, p: u64) -> Result<(), CudaError> {
+        // SAFETY: the driver checks the pointer.
+        check("cuMemFree", unsafe { (self.mem()?.mem_free)(p) })
+    }
+
+    /// Copies `dst.len()` bytes from device address `src` (synchronous; a context current).
+    pub fn dtoh(&self, dst: &mut [u8], src: u64) -> Result<(), CudaError> {
+        // SAFETY: `dst` is writable host memory of that length; the driver checks `src`.
+        check("cuMemcpyDtoH", unsafe { (self.mem()?.dtoh)(dst.as_mut_ptr().cast(), src, dst.len()) })
+    }
+
+    /// Copies `src` to device address `dst` (synchronous; a context current).
+    pub fn htod(&self, dst: u64, src: &[u8]) -> Result<(), CudaError> {
+        // SAFETY: `src` is readable host memory of that length; the driver checks `dst`.
+        check("cuMemcpyHtoD", unsafe { (self.mem()?.htod)(dst, src.as_ptr().cast(), src.len()) })
+    }
+
+    /// Pinned host memory (`cuMemHostAlloc`, portable), for bounce buffers.
+    pub fn host_alloc(&self, len: usize) -> Result<*mut u8, CudaError> {
+        let mut p = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        check("cuMemHostAlloc", unsafe { (self.mem()?.host_alloc)(&mut p, len, MEMHOSTALLOC_PORTABLE) })?;
+        Ok(p.cast())
+    }
+
+    /// Frees memory from [`Driver::host_alloc`].
+    ///
+    /// # Safety
+    /// `p` came from [`Driver::host_alloc`] and is not used after.
+    pub unsafe fn free_host(&self, p: *mut u8) -> Result<(), CudaError> {
+        check("cuMemFreeHost", (self.mem()?.free_host)(p.cast()))
+    }
+}
+
+/// A CUDA stream or event handle (valid in the context it was created in).
+#[derive(Clone, Copy, Debug)]
+pub struct Handle(*mut c_void);
+// SAFETY: stream and event handles may be used from any thread with their context current.
+unsafe impl Send for Handle {}
+unsafe impl Sync for Handle {}
+
+/// `CU_STREAM_NON_BLOCKING`: no implicit synchronisation with the legacy default stream.
+const STREAM_NON_BLOCKING: c_uint = 1;
+/// `CU_EVENT_DISABLE_TIMING`: the cheapest event.
+const EVENT_DISABLE_TIMING: c_uint = 2;
+
+impl Driver {
+    /// A stream of the current context.
+    pub fn stream_create(&self) -> Result<Handle, CudaError> {
+        let mut h = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        check("cuStreamCreate", unsafe { (self.mem()?.stream_create)(&mut h, STREAM_NON_BLOCKING) })?;
+        Ok(Handle(h))
+    }
+
+    /// Destroys a stream (its work completes first).
+    pub fn stream_destroy(&self, s: Handle) -> Result<(), CudaError> {
+        // SAFETY: a stream from `stream_create`, not used after.
+        check("cuStreamDestroy", unsafe { (self.mem()?.stream_destroy)(s.0) })
+    }
+
+    /// Waits until everything queued on `s` is done.
+    pub fn stream_sync(&self, s: Handle) -> Result<(), CudaError> {
+        // SAFETY: a live stream.
+        check("cuStreamSynchronize", unsafe { (self.mem()?.stream_sync)(s.0) })
+    }
+
+    /// Queues a device→host copy on `s`.
+    ///
+    /// # Safety
+    /// `dst` must stay valid and untouched by anyone else until the copy is waited for.
+    pub unsafe fn dtoh_async(&self, dst: *mut u8, src: u64, len: usize, s: Handle) -> Result<(), CudaError> {
+        check("cuMemcpyDtoHAsync", (self.mem()?.dtoh_async)(dst.cast(), src, len, s.0))
+    }
+
+    /// Queues a host→device copy on `s`.
+    ///
+    /// # Safety
+    /// `src` must stay valid and unchanged until the copy is waited for.
+    pub unsafe fn htod_async(&self, dst: u64, src: *const u8, len: usize, s: Handle) -> Result<(), CudaError> {
+        check("cuMemcpyHtoDAsync", (self.mem()?.htod_async)(dst, src.cast(), len, s.0))
+    }
+
+    /// An event of the current context.
+    pub fn event_create(&self) -> Result<Handle, CudaError> {
+        let mut h = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        check("cuEventCreate", unsafe { (self.mem()?.event_create)(&mut h, EVENT_DISABLE_TIMING) })?;
+        Ok(Handle(h))
+    }
+
+    /// Marks `e` done once everything queued on `s` so far is.
+    pub fn event_record(&self, e: Handle, s: Handle) -> Result<(), CudaError> {
+        // SAFETY: live handles of the current context.
+        check("cuEventRecord", unsafe { (self.mem()?.event_record)(e.0, s.0) })
+    }
+
+    /// Waits for `e`.
+    pub fn event_sync(&self, e: Handle) -> Result<(), CudaError> {
+        // SAFETY: a live event.
+        check("cuEventSynchronize", unsafe { (self.mem()?.event_sync)(e.0) })
+    }
+
+    /// Destroys an event.
+    pub fn event_destroy(&self, e: Handle) -> Result<(), CudaError> {
+        // SAFETY: an event from `event_create`, not used after.
+        check("cuEventDestroy", unsafe { (self.mem()?.event_destroy)(e.0) })
     }
 }

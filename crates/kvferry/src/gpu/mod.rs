@@ -50,3 +50,277 @@ pub fn probe_with(d: Result<driver::Driver, driver::CudaError>) -> Probe {
         Err(e) => Probe { driver_version: version, gpus: Vec::new(), unavailable: Some(e.to_string()) },
     }
 }
+
+pub mod stage;
+
+use crate::error::{Error, Result};
+use driver::{Context, CudaError, Driver, Pointer};
+use std::sync::{Mutex, OnceLock};
+
+/// The process's CUDA driver, loaded once at first use (a host without one pays one failed
+/// `dlopen`, once; every later question is a cached answer).
+pub struct Cuda {
+    driver: Driver,
+    /// Primary contexts retained so far, by device ordinal.
+    contexts: Mutex<Vec<Option<Context>>>,
+}
+
+static CUDA: OnceLock<std::result::Result<Cuda, String>> = OnceLock::new();
+
+/// The CUDA driver of this process, or why there is none usable for GPU memory (the reason
+/// names the cause and the fix).
+pub fn cuda() -> std::result::Result<&'static Cuda, &'static str> {
+    let r = CUDA.get_or_init(|| {
+        let d = Driver::load().map_err(|e| e.to_string())?;
+        if let Some(why) = d.memory_unavailable() {
+            return Err(why);
+        }
+        Ok(Cuda { driver: d, contexts: Mutex::new(Vec::new()) })
+    });
+    r.as_ref().map_err(|e| e.as_str())
+}
+
+impl Cuda {
+    pub fn driver(&self) -> &Driver {
+        &self.driver
+    }
+
+    fn context(&self, ordinal: u32) -> std::result::Result<Context, CudaError> {
+        let mut c = self.contexts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(Some(ctx)) = c.get(ordinal as usize) {
+            return Ok(*ctx);
+        }
+        let ctx = self.driver.primary_context(ordinal)?;
+        if c.len() <= ordinal as usize {
+            c.resize(ordinal as usize + 1, None);
+        }
+        c[ordinal as usize] = Some(ctx);
+        Ok(ctx)
+    }
+
+    /// Runs `f` with GPU `ordinal`'s primary context current (the caller's context restored).
+    pub fn on_device<T>(&self, ordinal: u32, f: impl FnOnce(&Driver) -> std::result::Result<T, CudaError>) -> std::result::Result<T, CudaError> {
+        let ctx = self.context(ordinal)?;
+        self.driver.with_context(ctx, f)
+    }
+
+    /// Copies `dst.len()` bytes from device address `src` of GPU `ordinal`.
+    pub fn dtoh(&self, ordinal: u32, dst: &mut [u8], src: u64) -> std::result::Result<(), CudaError> {
+        self.on_device(ordinal, |d| d.dtoh(dst, src))
+    }
+
+    /// Copies `src` to device address `dst` of GPU `ordinal`.
+    pub fn htod(&self, ordinal: u32, dst: u64, src: &[u8]) -> std::result::Result<(), CudaError> {
+        self.on_device(ordinal, |d| d.htod(dst, src))
+    }
+}
+
+/// Host memory to stage GPU bytes in: pinned by the driver when it can, else plain heap.
+pub struct Bounce {
+    ptr: *mut u8,
+    len: usize,
+    pinned: bool,
+    heap: Vec<u8>,
+}
+
+// SAFETY: the buffer is owned memory; moving it between threads moves the ownership.
+unsafe impl Send for Bounce {}
+
+impl Bounce {
+    /// `len` bytes, pinned if the driver allows it.
+    pub fn new(cuda: &Cuda, len: usize) -> Bounce {
+        match cuda.driver.host_alloc(len) {
+            Ok(ptr) if !ptr.is_null() => Bounce { ptr, len, pinned: true, heap: Vec::new() },
+            _ => {
+                let mut heap = vec![0u8; len];
+                Bounce { ptr: heap.as_mut_ptr(), len, pinned: false, heap }
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len` bytes owned by this value.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `len` bytes owned by this value, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Bounce {
+    fn drop(&mut self) {
+        if self.pinned {
+            if let Ok(c) = cuda() {
+                // SAFETY: allocated by `host_alloc` in `new`, not used after.
+                let _ = unsafe { c.driver.free_host(self.ptr) };
+            }
+        }
+        let _ = &self.heap;
+    }
+}
+
+/// What registering `[addr, addr+len)` with `location` publishes: the location (`cuda:N` for
+/// device memory found by the driver) and the GPU, if any.
+///
+/// `cpu:N` and Mooncake's other device prefixes are taken as given, without asking anything.
+/// `*` asks the driver only when one loaded (a host without one: host memory, at the cost of
+/// a cached check). `cuda:N` needs the driver: without one it fails, naming the cause and the
+/// fix. Device memory must lie inside one allocation (its base and size come from the driver,
+/// so interior pointers are fine) and, for `cuda:N`, on GPU N.
+pub fn classify(addr: u64, len: u64, location: &str) -> Result<(String, Option<u32>)> {
+    let wanted = match location.strip_prefix("cuda:") {
+        Some(n) => Some(n.parse::<u32>().map_err(|_| Error::InvalidArgument(format!("location {location:?}: the GPU index must be a number, e.g. \"cuda:0\"")))?),
+        None if location == "*" => None,
+        None => return Ok((location.to_string(), None)),
+    };
+    let cuda = match (cuda(), wanted) {
+        (Ok(c), _) => c,
+        (Err(_), None) => return Ok((location.to_string(), None)),
+        (Err(why), Some(_)) => {
+            return Err(Error::InvalidArgument(format!("cannot register [0x{addr:x}, +{len}) as GPU memory ({location}): the CUDA driver is not usable here: {why}")))
+        }
+    };
+    let bad = |e: CudaError| Error::InvalidArgument(format!("cannot register [0x{addr:x}, +{len}) ({location}): asking the CUDA driver what memory it is failed: {e}"));
+    match cuda.driver.classify(addr).map_err(bad)? {
+        // The driver says host memory: the CPU may touch it, whatever the label says.
+        Pointer::Host => Ok((location.to_string(), None)),
+        Pointer::Device { ordinal, base, size } => {
+            if let Some(n) = wanted {
+                if n != ordinal {
+                    return Err(Error::InvalidArgument(format!("cannot register [0x{addr:x}, +{len}) as {location}: it is memory of GPU {ordinal}; pass \"cuda:{ordinal}\" or \"*\"")));
+                }
+            }
+            if addr.checked_add(len).is_none_or(|end| end > base.saturating_add(size)) {
+                return Err(Error::InvalidArgument(format!(
+                    "cannot register [0x{addr:x}, +{len}): it runs past the end of its GPU allocation [0x{base:x}, +{size}); pass the tensor's size"
+                )));
+            }
+            Ok((format!("cuda:{ordinal}"), Some(ordinal)))
+        }
+    }
+}
+
+/// Double-buffered staging on one GPU (the TCP server's, one per connection): a pinned buffer
+/// of two halves, a stream, and one event per half recording the last copy into or out of it.
+/// While one half is copied to or from the GPU, the other is received into or sent from.
+pub struct Pipe {
+    cuda: &'static Cuda,
+    dev: u32,
+    half: usize,
+    bounce: Bounce,
+    stream: driver::Handle,
+    events: [driver::Handle; 2],
+    /// A copy into or out of this half is queued and not yet waited for.
+    pending: [bool; 2],
+}
+
+// SAFETY: the handles are usable from any thread with their context current (every call
+// below makes it so); the buffer is owned.
+unsafe impl Send for Pipe {}
+
+impl Pipe {
+    /// A pipe of two halves of `half` bytes on GPU `dev`.
+    pub fn new(dev: u32, half: usize) -> std::result::Result<Pipe, String> {
+        let cuda = cuda().map_err(str::to_string)?;
+        let (stream, events) = cuda
+            .on_device(dev, |d| {
+                let s = d.stream_create()?;
+                let e0 = d.event_create()?;
+                let e1 = d.event_create()?;
+                Ok((s, [e0, e1]))
+            })
+            .map_err(|e| format!("creating a CUDA stream on GPU {dev}: {e}"))?;
+        Ok(Pipe { cuda, dev, half, bounce: Bounce::new(cuda, 2 * half), stream, events, pending: [false; 2] })
+    }
+
+    pub fn dev(&self) -> u32 {
+        self.dev
+    }
+
+    /// Bytes per half.
+    pub fn half_len(&self) -> usize {
+        self.half
+    }
+
+    /// Waits until no copy into or out of half `h` is pending.
+    pub fn wait(&mut self, h: usize) -> std::result::Result<(), CudaError> {
+        if self.pending[h] {
+            let e = self.events[h];
+            self.cuda.on_device(self.dev, |d| d.event_sync(e))?;
+            self.pending[h] = false;
+        }
+        Ok(())
+    }
+
+    /// Half `h` (to be touched only after [`Pipe::wait`] for it).
+    pub fn half(&self, h: usize) -> &[u8] {
+        &self.bounce.as_slice()[h * self.half..(h + 1) * self.half]
+    }
+
+    /// Half `h`, to receive into (only after [`Pipe::wait`] for it).
+    pub fn half_mut(&mut self, h: usize) -> &mut [u8] {
+        let n = self.half;
+        &mut self.bounce.as_mut_slice()[h * n..(h + 1) * n]
+    }
+
+    /// Queues the copy of the first `n` bytes of half `h` to device address `dst`.
+    pub fn htod(&mut self, h: usize, dst: u64, n: usize) -> std::result::Result<(), CudaError> {
+        let n = n.min(self.half);
+        let src = self.half(h).as_ptr();
+        let (s, e) = (self.stream, self.events[h]);
+        // SAFETY: half `h` is not touched again before `wait(h)` (or `sync`), which every
+        // user of the pipe calls before reusing it; the buffer lives as long as the pipe, and
+        // the pipe's drop waits for the stream.
+        self.cuda.on_device(self.dev, |d| unsafe { d.htod_async(dst, src, n, s) }.and_then(|()| d.event_record(e, s)))?;
+        self.pending[h] = true;
+        Ok(())
+    }
+
+    /// Queues the copy of `n` bytes at device address `src` into half `h`.
+    pub fn dtoh(&mut self, h: usize, src: u64, n: usize) -> std::result::Result<(), CudaError> {
+        let n = n.min(self.half);
+        let dst = self.half_mut(h).as_mut_ptr();
+        let (s, e) = (self.stream, self.events[h]);
+        // SAFETY: as in `htod`: half `h` is read only after `wait(h)`.
+        self.cuda.on_device(self.dev, |d| unsafe { d.dtoh_async(dst, src, n, s) }.and_then(|()| d.event_record(e, s)))?;
+        self.pending[h] = true;
+        Ok(())
+    }
+
+    /// Waits until every queued copy is done.
+    pub fn sync(&mut self) -> std::result::Result<(), CudaError> {
+        if self.pending != [false; 2] {
+            let s = self.stream;
+            let r = self.cuda.on_device(self.dev, |d| d.stream_sync(s));
+            self.pending = [false; 2];
+            r?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Pipe {
+    fn drop(&mut self) {
+        let _ = self.sync();
+        let (s, e) = (self.stream, self.events);
+        let _ = self.cuda.on_device(self.dev, |d| {
+            let _ = d.event_destroy(e[0]);
+            let _ = d.event_destroy(e[1]);
+            d.stream_destroy(s)
+        });
+    }
+}

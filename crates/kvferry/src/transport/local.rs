@@ -34,10 +34,30 @@ impl Transport for LocalTransport {
 
     fn submit(&self, _peer: &Arc<Peer>, pieces: Vec<Piece>, _inline: bool) {
         for p in pieces {
-            let Some(_remote) = self.registry.check(p.remote, p.len) else {
+            let Some(remote) = self.registry.check(p.remote, p.len) else {
                 p.task.piece_failed(FailKind::Failed, FailCause::RemoteNotRegistered.because(format!("local segment: [0x{:x}, +{}) is not inside registered memory", p.remote, p.len)));
                 continue;
             };
+            if let Some(gpu) = remote.region().gpu {
+                // GPU memory on the target side: the driver copies (the local side is host
+                // memory: GPU-local pieces reach here as staged host buffers).
+                let r = match crate::gpu::cuda() {
+                    Err(why) => Err(why.to_string()),
+                    // SAFETY: the local range is registered host memory (guard held).
+                    Ok(c) => unsafe {
+                        match p.opcode {
+                            Opcode::Write => c.htod(gpu, p.remote, std::slice::from_raw_parts(p.local as *const u8, p.len as usize)),
+                            Opcode::Read => c.dtoh(gpu, std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize), p.remote),
+                        }
+                        .map_err(|e| e.to_string())
+                    },
+                };
+                match r {
+                    Ok(()) => p.task.piece_done(p.len),
+                    Err(e) => p.task.piece_failed(FailKind::Failed, format!("local segment, GPU {gpu} memory: {e}")),
+                }
+                continue;
+            }
             let (src, dst) = match p.opcode {
                 Opcode::Write => (p.local, p.remote),
                 Opcode::Read => (p.remote, p.local),

@@ -34,7 +34,13 @@ pub(super) enum End {
     Rejected,
     /// The header could not be decoded.
     BadHeader(String),
+    /// A copy to or from GPU memory failed (the request is not answered as done).
+    Device(String),
 }
+
+/// Bytes of GPU memory staged per chunk: a connection's pinned buffer holds two (allocated at
+/// its first GPU request), one copied to or from the GPU while the other is received or sent.
+const GPU_CHUNK: usize = 1 << 20;
 
 enum State {
     /// Receiving a header (`have` bytes of it so far).
@@ -47,6 +53,12 @@ enum State {
         got: u64,
         deadline: Instant,
         v2: bool,
+        /// GPU memory: the body lands in half `half` of the pipe, `fill` bytes of it so
+        /// far, and goes host→device per chunk (asynchronously, while the next chunk is
+        /// received into the other half); the status leaves after every copy is done.
+        gpu: Option<u32>,
+        fill: usize,
+        half: usize,
     },
     /// A READ answer sent straight from memory once `out` is gone: `sent` of `len` bytes.
     Answer {
@@ -55,6 +67,13 @@ enum State {
         len: u64,
         sent: u64,
         deadline: Instant,
+        /// GPU memory: half `half` of the pipe holds `[chunk_at, chunk_at + chunk_len)` of
+        /// it, being sent; the other half is being filled with the `next` bytes after it.
+        gpu: Option<u32>,
+        chunk_at: u64,
+        chunk_len: usize,
+        half: usize,
+        next: usize,
     },
     /// Sending what `out` holds, then closing with `End`.
     Closing(End),
@@ -72,6 +91,37 @@ pub(super) struct ServeConn {
     out: Vec<u8>,
     /// The last request was a large WRITE: the next is likely one too.
     large_write: bool,
+    /// Where GPU bytes are staged (pinned host memory, a stream; made at the first GPU
+    /// request, for that request's GPU).
+    pipe: Option<crate::gpu::Pipe>,
+}
+
+impl Drop for ServeConn {
+    fn drop(&mut self) {
+        // Copies still queued may touch the range of the request being served: they end
+        // before its guard goes (with `state`, after this).
+        if let Some(p) = &mut self.pipe {
+            let _ = p.sync();
+        }
+    }
+}
+
+/// The pipe of a connection for GPU `dev`, made at first use (a pipe for another GPU is
+/// drained and replaced); or why GPU memory cannot be copied.
+fn pipe(slot: &mut Option<crate::gpu::Pipe>, dev: u32) -> Result<&mut crate::gpu::Pipe, String> {
+    if slot.as_ref().is_some_and(|p| p.dev() != dev) {
+        *slot = None;
+    }
+    if slot.is_none() {
+        *slot = Some(crate::gpu::Pipe::new(dev, GPU_CHUNK)?);
+    }
+    Ok(slot.as_mut().expect("just set"))
+}
+
+/// Copies `dst.len()` bytes of GPU `gpu`'s memory at `src` into `dst`.
+fn gpu_dtoh(gpu: u32, dst: &mut [u8], src: u64) -> Result<(), String> {
+    let cuda = crate::gpu::cuda().map_err(|e| e.to_string())?;
+    cuda.dtoh(gpu, dst, src).map_err(|e| format!("copying GPU {gpu} memory at 0x{src:x}: {e}"))
 }
 
 /// What to send: `out` first, then `body` (a READ answer straight from registered memory).
@@ -90,6 +140,7 @@ impl ServeConn {
             state: State::Header,
             out: Vec::with_capacity(4096),
             large_write: false,
+            pipe: None,
         }
     }
 
@@ -144,10 +195,14 @@ impl ServeConn {
         match h.opcode {
             Opcode::Write => {
                 self.large_write = h.size >= super::sockio::DIRECT_MIN as u64;
-                self.state = State::Body { guard, addr: h.addr, len: h.size, got: 0, deadline, v2: h.v2 };
+                let gpu = guard.region().gpu;
+                self.state = State::Body { guard, addr: h.addr, len: h.size, got: 0, deadline, v2: h.v2, gpu, fill: 0, half: 0 };
             }
             Opcode::Read => {
                 self.large_write = false;
+                if let Some(gpu) = guard.region().gpu {
+                    return self.on_gpu_read(guard, gpu, &h, deadline);
+                }
                 if h.v2 {
                     self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
                 }
@@ -161,7 +216,7 @@ impl ServeConn {
                     let src = unsafe { std::slice::from_raw_parts(h.addr as *const u8, h.size as usize) };
                     self.out.extend_from_slice(src);
                 } else {
-                    self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline };
+                    self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline, gpu: None, chunk_at: 0, chunk_len: 0, half: 0, next: 0 };
                 }
             }
         }
@@ -170,12 +225,24 @@ impl ServeConn {
     /// Where the rest of the current WRITE body goes, to receive it straight into place;
     /// `None` when no body is expected (or its range was revoked: the connection then closes).
     pub(super) fn body(&mut self) -> Option<&mut [u8]> {
-        let State::Body { guard, addr, len, got, .. } = &self.state else {
+        let State::Body { guard, addr, len, got, gpu, fill, half, .. } = &self.state else {
             return None;
         };
         if guard.is_revoked() {
             self.close(End::Revoked);
             return None;
+        }
+        if let Some(dev) = *gpu {
+            // GPU memory: into the current half of the pipe (once the copy out of it that
+            // was queued two chunks ago is done), at most to the end of this chunk.
+            let want = (GPU_CHUNK - *fill).min((*len - *got) as usize);
+            let (fill, half) = (*fill, *half);
+            let ready = pipe(&mut self.pipe, dev).and_then(|p| p.wait(half).map_err(|e| format!("copying into GPU {dev} memory: {e}")));
+            if let Err(e) = ready {
+                self.close(End::Device(e));
+                return None;
+            }
+            return self.pipe.as_mut().map(|p| &mut p.half_mut(half)[fill..fill + want]);
         }
         // SAFETY: the range was admitted (inside registered memory) and `guard` keeps it
         // registered while this state lives; it is not revoked (checked above), and the
@@ -185,10 +252,36 @@ impl ServeConn {
 
     /// `n` bytes of the current WRITE body landed (through [`ServeConn::body`]).
     pub(super) fn on_body(&mut self, n: usize, now: Instant) {
-        let State::Body { len, got, v2, .. } = &mut self.state else {
+        let State::Body { guard, addr, len, got, gpu, fill, half, .. } = &mut self.state else {
             return;
         };
         *got += n as u64;
+        if let Some(gpu) = *gpu {
+            *fill += n;
+            if *fill == GPU_CHUNK || *got >= *len {
+                // A chunk (or the body's end) is in the bounce buffer: to the GPU, unless the
+                // range was revoked meanwhile.
+                if guard.is_revoked() {
+                    return self.close(End::Revoked);
+                }
+                let at = *addr + *got - *fill as u64;
+                let (chunk, h, last) = (*fill, *half, *got >= *len);
+                *fill = 0;
+                *half ^= 1;
+                // Queued; the next chunk is received into the other half meanwhile, and the
+                // last one waits for every copy before the status is queued.
+                let r = match self.pipe.as_mut() {
+                    Some(p) => p.htod(h, at, chunk).and_then(|()| if last { p.sync() } else { Ok(()) }),
+                    None => return self.close(End::Device("no staging buffer".into())),
+                };
+                if let Err(e) = r {
+                    return self.close(End::Device(format!("copying into GPU {gpu} memory at 0x{at:x}: {e}")));
+                }
+            }
+        }
+        let State::Body { len, got, v2, .. } = &mut self.state else {
+            return;
+        };
         if *got >= *len {
             if *v2 {
                 self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
@@ -206,6 +299,11 @@ impl ServeConn {
             // connection at the next `handle_timeout`, which the sender calls after every
             // system call, so at most the bytes of one call leave after revocation began
             // and none after the barrier (which waits for this state to go).
+            State::Answer { gpu: Some(_), sent, chunk_at, chunk_len, half, .. } => match &self.pipe {
+                // Waited for when it became the current half (`stage_answer`).
+                Some(p) => &p.half(*half)[(*sent - *chunk_at) as usize..*chunk_len],
+                None => &[],
+            },
             State::Answer { addr, len, sent, .. } => unsafe { std::slice::from_raw_parts((*addr + *sent) as *const u8, (*len - *sent) as usize) },
             _ => &[],
         };
@@ -224,10 +322,14 @@ impl ServeConn {
         self.out.drain(..from_out);
         let rest = (n - from_out) as u64;
         match &mut self.state {
-            State::Answer { len, sent, .. } => {
+            State::Answer { len, sent, gpu, chunk_at, chunk_len, .. } => {
                 *sent += rest;
                 if *sent >= *len {
                     self.state = State::Header;
+                } else if gpu.is_some() && *sent >= *chunk_at + *chunk_len as u64 {
+                    // The staged chunk left: stage the next one (revocation checked first).
+                    self.handle_timeout(now);
+                    self.stage_answer();
                 } else {
                     self.handle_timeout(now);
                 }
@@ -302,7 +404,74 @@ impl ServeConn {
         }
     }
 
+    /// A READ of GPU memory: its answer leaves from the bounce buffer, a chunk at a time,
+    /// each copied device→host just before it is sent (the first before the status frame,
+    /// so a failed copy is never answered OK).
+    fn on_gpu_read(&mut self, guard: RegionGuard, gpu: u32, h: &DataHeader, deadline: Instant) {
+        if guard.is_revoked() {
+            return self.close(End::Revoked);
+        }
+        if h.size as usize <= SMALL_READ && self.out.len() + h.size as usize <= MAX_OUT {
+            let mut data = vec![0u8; h.size as usize];
+            if let Err(e) = gpu_dtoh(gpu, &mut data, h.addr) {
+                return self.close(End::Device(e));
+            }
+            if h.v2 {
+                self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
+            }
+            self.out.extend_from_slice(&data);
+            return;
+        }
+        self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline, gpu: Some(gpu), chunk_at: 0, chunk_len: 0, half: 1, next: 0 };
+        self.stage_answer();
+        if h.v2 && !matches!(self.state, State::Closed(_)) {
+            self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
+        }
+    }
+
+    /// Makes the chunk at `sent` of a GPU READ answer the current one: the first time its
+    /// copy is queued here, later it was queued while the previous chunk was sent; it is
+    /// waited for, then the chunk after it is queued into the other half (just sent).
+    fn stage_answer(&mut self) {
+        let State::Answer { guard, addr, len, sent, gpu: Some(gpu), chunk_at, chunk_len, half, next, .. } = &mut self.state else {
+            return;
+        };
+        if guard.is_revoked() {
+            return self.close(End::Revoked);
+        }
+        let dev = *gpu;
+        let p = match pipe(&mut self.pipe, dev) {
+            Ok(p) => p,
+            Err(e) => return self.close(End::Device(e)),
+        };
+        let cur = *half ^ 1;
+        let r = (|| {
+            if *next == 0 {
+                // Nothing prefetched (the first chunk): queue it now.
+                *next = GPU_CHUNK.min((*len - *sent) as usize);
+                p.dtoh(cur, *addr + *sent, *next)?;
+            }
+            p.wait(cur)?;
+            *half = cur;
+            *chunk_at = *sent;
+            *chunk_len = *next;
+            let after = *sent + *next as u64;
+            *next = GPU_CHUNK.min((*len - after) as usize);
+            if *next > 0 {
+                p.dtoh(cur ^ 1, *addr + after, *next)?;
+            }
+            Ok::<(), crate::gpu::driver::CudaError>(())
+        })();
+        if let Err(e) = r {
+            self.close(End::Device(format!("copying GPU {dev} memory: {e}")));
+        }
+    }
+
     fn close(&mut self, why: End) {
+        // Copies still queued may touch the request's range: they end before its guard.
+        if let Some(p) = &mut self.pipe {
+            let _ = p.sync();
+        }
         // Drops the guard of the request being served (if any) with the old state.
         self.state = State::Closed(why);
     }

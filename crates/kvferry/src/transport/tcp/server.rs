@@ -203,6 +203,7 @@ fn serve_conn(
                 }
                 End::Overdue => Err(stopped("serving a request (deadline passed)")),
                 End::Revoked => Err(stopped("serving a request (memory unregistered)")),
+                End::Device(why) => Err(io::Error::other(format!("serving a request in GPU memory: {why}"))),
             };
         }
         if shutdown.load(Ordering::Acquire) {

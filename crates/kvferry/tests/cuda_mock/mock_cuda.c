@@ -1,0 +1,348 @@
+/* A mock libcuda.so.1 for tests on machines without a GPU (built by the tests with cc).
+ *
+ * Device memory is honest about where it lives: device pointers point into a reserved
+ * PROT_NONE range, so any direct access by the CPU faults (as a real device pointer's does);
+ * the bytes live in a separate mapping that only the copy functions below reach. Copies need
+ * a current context, device ranges must lie inside one live allocation, and asynchronous
+ * copies happen only when their stream is synchronised. cuPointerGetAttribute answers
+ * CUDA_ERROR_INVALID_VALUE for memory it does not know, as the real driver does for plain
+ * host pointers.
+ *
+ * Build-time knobs (-D): INIT_RESULT, COUNT (GPUs), VERSION, NO_BUS_ID, NO_MEM (a driver
+ * without the memory entry points). Run-time knobs: mock_cuda_fail_copies(code) makes every
+ * copy return `code` (0: copies work again), e.g. 709 (context destroyed);
+ * mock_cuda_copy_delay_us(us) makes every synchronous copy take that long; mock_cuda_copies(dev)
+ * counts the copies that touched device `dev`'s memory so far. */
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#ifndef INIT_RESULT
+#define INIT_RESULT 0
+#endif
+#ifndef COUNT
+#define COUNT 2
+#endif
+#ifndef VERSION
+#define VERSION 12040
+#endif
+
+typedef unsigned long long CUdeviceptr;
+enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, INVALID_DEVICE = 101, INVALID_CONTEXT = 201, INVALID_HANDLE = 400 };
+
+static int inited;
+int cuInit(unsigned flags) { (void)flags; if (INIT_RESULT == 0) inited = 1; return INIT_RESULT; }
+int cuDriverGetVersion(int *v) { *v = VERSION; return 0; }
+int cuDeviceGetCount(int *n) { *n = COUNT; return 0; }
+int cuDeviceGet(int *d, int i) { if (i < 0 || i >= COUNT) return INVALID_DEVICE; *d = i; return 0; }
+int cuDeviceGetName(char *name, int len, int d) { snprintf(name, len, "Mock H200 #%d", d); return 0; }
+int cuDeviceTotalMem_v2(size_t *b, int d) { (void)d; *b = (size_t)141 << 30; return 0; }
+int cuDeviceGetAttribute(int *v, int attr, int d) { (void)d; *v = attr == 75 ? 9 : 0; return 0; }
+#ifndef NO_BUS_ID
+int cuDeviceGetPCIBusId(char *b, int len, int d) { snprintf(b, len, "0000:%02x:00.0", 0x17 + d); return 0; }
+#endif
+
+#ifndef NO_MEM
+#define ARENA ((size_t)1 << 30)
+#define MAX_ALLOCS 65536
+struct alloc { uintptr_t base; size_t size; int dev; int live; int host; };
+static struct alloc allocs[MAX_ALLOCS];
+static int nallocs;
+static char *dev_va;    /* reserved PROT_NONE: what device pointers point into */
+static char *dev_store; /* the bytes: never handed out */
+static size_t dev_top;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static volatile int fail_copies;
+static volatile unsigned copy_delay_us;
+static long copies[64];
+
+void mock_cuda_fail_copies(int code) { __atomic_store_n(&fail_copies, code, __ATOMIC_SEQ_CST); }
+void mock_cuda_copy_delay_us(unsigned us) { __atomic_store_n(&copy_delay_us, us, __ATOMIC_SEQ_CST); }
+long mock_cuda_copies(int dev) { return dev >= 0 && dev < 64 ? __atomic_load_n(&copies[dev], __ATOMIC_SEQ_CST) : -1; }
+
+/* Contexts: the primary context of device d is &ctx_tokens[d]; a per-thread stack. */
+static char ctx_tokens[64];
+static __thread void *ctx_stack[32];
+static __thread int ctx_depth;
+static int ctx_device(void *c) { return (int)((char *)c - ctx_tokens); }
+static int valid_ctx(void *c) { return c && (char *)c >= ctx_tokens && (char *)c < ctx_tokens + COUNT; }
+
+int cuDevicePrimaryCtxRetain(void **pctx, int dev) {
+    if (!inited) return NOT_INITIALIZED;
+    if (dev < 0 || dev >= COUNT) return INVALID_DEVICE;
+    *pctx = &ctx_tokens[dev];
+    return 0;
+}
+int cuDevicePrimaryCtxRelease_v2(int dev) { return dev >= 0 && dev < COUNT ? 0 : INVALID_DEVICE; }
+int cuCtxPushCurrent_v2(void *ctx) {
+    if (!valid_ctx(ctx)) return INVALID_CONTEXT;
+    if (ctx_depth >= 32) return INVALID_VALUE;
+    ctx_stack[ctx_depth++] = ctx;
+    return 0;
+}
+int cuCtxPopCurrent_v2(void **pctx) {
+    if (ctx_depth == 0) return INVALID_CONTEXT;
+    void *c = ctx_stack[--ctx_depth];
+    if (pctx) *pctx = c;
+    return 0;
+}
+int cuCtxSetCurrent(void *ctx) {
+    if (ctx == NULL) { if (ctx_depth) ctx_depth--; return 0; }
+    if (!valid_ctx(ctx)) return INVALID_CONTEXT;
+    if (ctx_depth == 0) ctx_stack[ctx_depth++] = ctx; else ctx_stack[ctx_depth - 1] = ctx;
+    return 0;
+}
+int cuCtxGetCurrent(void **pctx) { *pctx = ctx_depth ? ctx_stack[ctx_depth - 1] : NULL; return 0; }
+static void *current(void) { return ctx_depth ? ctx_stack[ctx_depth - 1] : NULL; }
+
+static void arena(void) {
+    if (dev_va) return;
+    dev_va = mmap(NULL, ARENA, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    dev_store = mmap(NULL, ARENA, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (dev_va == MAP_FAILED || dev_store == MAP_FAILED) abort();
+}
+
+/* The live allocation holding [p, p+n) (n >= 1), or NULL. Called with mu held. */
+static struct alloc *find(uintptr_t p, size_t n, int host) {
+    for (int i = 0; i < nallocs; i++) {
+        struct alloc *a = &allocs[i];
+        if (a->live && a->host == host && p >= a->base && p - a->base < a->size && n <= a->size - (p - a->base)) return a;
+    }
+    return NULL;
+}
+
+int cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
+    if (!inited) return NOT_INITIALIZED;
+    void *c = current();
+    if (!c) return INVALID_CONTEXT;
+    if (bytes == 0) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    arena();
+    size_t size = (bytes + 511) & ~(size_t)511;
+    if (dev_top + size > ARENA || nallocs == MAX_ALLOCS) { pthread_mutex_unlock(&mu); return OUT_OF_MEMORY; }
+    allocs[nallocs++] = (struct alloc){ (uintptr_t)(dev_va + dev_top), bytes, ctx_device(c), 1, 0 };
+    *dptr = (CUdeviceptr)(uintptr_t)(dev_va + dev_top);
+    dev_top += size; /* addresses are never reused */
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+
+int cuMemFree_v2(CUdeviceptr p) {
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < nallocs; i++) {
+        if (allocs[i].live && !allocs[i].host && allocs[i].base == p) {
+            allocs[i].live = 0;
+            memset(dev_store + (p - (uintptr_t)dev_va), 0xdd, allocs[i].size);
+            pthread_mutex_unlock(&mu);
+            return 0;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return INVALID_VALUE;
+}
+
+int cuMemHostAlloc(void **pp, size_t bytes, unsigned flags) {
+    (void)flags;
+    if (!inited) return NOT_INITIALIZED;
+    if (bytes == 0) return INVALID_VALUE;
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return OUT_OF_MEMORY;
+    pthread_mutex_lock(&mu);
+    if (nallocs == MAX_ALLOCS) { pthread_mutex_unlock(&mu); munmap(p, bytes); return OUT_OF_MEMORY; }
+    allocs[nallocs++] = (struct alloc){ (uintptr_t)p, bytes, 0, 1, 1 };
+    pthread_mutex_unlock(&mu);
+    *pp = p;
+    return 0;
+}
+
+int cuMemFreeHost(void *p) {
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < nallocs; i++) {
+        if (allocs[i].live && allocs[i].host && allocs[i].base == (uintptr_t)p) {
+            allocs[i].live = 0;
+            pthread_mutex_unlock(&mu);
+            munmap(p, allocs[i].size);
+            return 0;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return INVALID_VALUE;
+}
+
+/* CUpointer_attribute: 1 CONTEXT, 2 MEMORY_TYPE, 8 IS_MANAGED, 9 DEVICE_ORDINAL,
+   11 RANGE_START_ADDR, 12 RANGE_SIZE. CUmemorytype: 1 HOST, 2 DEVICE. */
+int cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+    pthread_mutex_lock(&mu);
+    struct alloc *a = find((uintptr_t)p, 1, 0);
+    if (!a) a = find((uintptr_t)p, 1, 1);
+    struct alloc c = a ? *a : (struct alloc){ 0 };
+    pthread_mutex_unlock(&mu);
+    if (!a) return INVALID_VALUE;
+    switch (attr) {
+    case 1: *(void **)data = &ctx_tokens[c.dev]; return 0;
+    case 2: *(unsigned *)data = c.host ? 1 : 2; return 0;
+    case 8: *(unsigned *)data = 0; return 0;
+    case 9: *(int *)data = c.dev; return 0;
+    case 11: *(CUdeviceptr *)data = c.base; return 0;
+    case 12: *(size_t *)data = c.size; return 0;
+    default: return INVALID_VALUE;
+    }
+}
+
+/* The bytes behind device range [p, p+n) and its device, or NULL. */
+static char *store(CUdeviceptr p, size_t n, int *dev) {
+    pthread_mutex_lock(&mu);
+    struct alloc *a = n ? find((uintptr_t)p, n, 0) : NULL;
+    *dev = a ? a->dev : -1;
+    pthread_mutex_unlock(&mu);
+    return a ? dev_store + ((uintptr_t)p - (uintptr_t)dev_va) : NULL;
+}
+
+/* A copy touching device `dev`'s memory happens now: counted, delayed, done. */
+static void do_copy(int dev, char *dst, const char *src, size_t n) {
+    __atomic_add_fetch(&copies[dev], 1, __ATOMIC_SEQ_CST);
+    unsigned us = __atomic_load_n(&copy_delay_us, __ATOMIC_SEQ_CST);
+    if (us) usleep(us);
+    memmove(dst, src, n);
+}
+
+static int copy_check(void) {
+    int f = __atomic_load_n(&fail_copies, __ATOMIC_SEQ_CST);
+    if (f) return f;
+    return current() ? 0 : INVALID_CONTEXT;
+}
+
+int cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+    int e = copy_check();
+    if (e) return e;
+    int dev;
+    char *s = store(src, n, &dev);
+    if (!s) return INVALID_VALUE;
+    do_copy(dev, dst, s, n);
+    return 0;
+}
+
+int cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+    int e = copy_check();
+    if (e) return e;
+    int dev;
+    char *d = store(dst, n, &dev);
+    if (!d) return INVALID_VALUE;
+    do_copy(dev, d, src, n);
+    return 0;
+}
+
+int cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    int e = copy_check();
+    if (e) return e;
+    int dd, ds;
+    char *d = store(dst, n, &dd), *s = store(src, n, &ds);
+    if (!d || !s) return INVALID_VALUE;
+    do_copy(dd, d, s, n);
+    return 0;
+}
+
+/* Streams: asynchronous copies are queued and happen only when something waits for them
+   (cuStreamSynchronize, or cuEventSynchronize of an event recorded after them), in order: a
+   caller that reads a bounce buffer before waiting sees stale bytes, one that reuses it too
+   early sends the wrong ones. */
+struct op { int dev; char *dst; const char *src; size_t n; };
+struct stream { struct op *ops; long issued, done; int cap; pthread_mutex_t mu; };
+struct event { struct stream *s; long seq; };
+
+int cuStreamCreate(void **ps, unsigned flags) {
+    (void)flags;
+    if (!current()) return INVALID_CONTEXT;
+    struct stream *s = calloc(1, sizeof *s);
+    if (!s) return OUT_OF_MEMORY;
+    pthread_mutex_init(&s->mu, NULL);
+    *ps = s;
+    return 0;
+}
+
+/* Runs the queued copies of `s` up to sequence number `upto`. */
+static void run_until(struct stream *s, long upto) {
+    pthread_mutex_lock(&s->mu);
+    while (s->done < upto && s->done < s->issued) {
+        struct op o = s->ops[s->done % s->cap];
+        do_copy(o.dev, o.dst, o.src, o.n);
+        s->done++;
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+int cuStreamSynchronize(void *h) {
+    struct stream *s = h;
+    if (s) run_until(s, s->issued);
+    return 0;
+}
+
+int cuStreamDestroy_v2(void *h) {
+    struct stream *s = h;
+    if (!s) return INVALID_HANDLE;
+    cuStreamSynchronize(s);
+    free(s->ops);
+    free(s);
+    return 0;
+}
+
+static int enqueue(struct stream *s, int dev, char *dst, const char *src, size_t n) {
+    if (!s) { do_copy(dev, dst, src, n); return 0; }
+    pthread_mutex_lock(&s->mu);
+    if (s->issued - s->done == s->cap) {
+        int cap = s->cap ? s->cap * 2 : 16;
+        struct op *o = malloc(cap * sizeof *o);
+        if (!o) { pthread_mutex_unlock(&s->mu); return OUT_OF_MEMORY; }
+        for (long i = s->done; i < s->issued; i++) o[i % cap] = s->ops[i % s->cap];
+        free(s->ops);
+        s->ops = o;
+        s->cap = cap;
+    }
+    s->ops[s->issued % s->cap] = (struct op){ dev, dst, src, n };
+    s->issued++;
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+int cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *stream) {
+    int e = copy_check(), dev;
+    if (e) return e;
+    char *s = store(src, n, &dev);
+    return s ? enqueue(stream, dev, dst, s, n) : INVALID_VALUE;
+}
+
+int cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *stream) {
+    int e = copy_check(), dev;
+    if (e) return e;
+    char *d = store(dst, n, &dev);
+    return d ? enqueue(stream, dev, d, src, n) : INVALID_VALUE;
+}
+
+int cuEventCreate(void **pe, unsigned flags) {
+    (void)flags;
+    if (!current()) return INVALID_CONTEXT;
+    struct event *e = calloc(1, sizeof *e);
+    if (!e) return OUT_OF_MEMORY;
+    *pe = e;
+    return 0;
+}
+int cuEventRecord(void *h, void *stream) {
+    struct event *e = h;
+    if (!e) return INVALID_HANDLE;
+    e->s = stream;
+    e->seq = stream ? ((struct stream *)stream)->issued : 0;
+    return 0;
+}
+int cuEventSynchronize(void *h) {
+    struct event *e = h;
+    if (!e) return INVALID_HANDLE;
+    if (e->s) run_until(e->s, e->seq);
+    return 0;
+}
+int cuEventDestroy_v2(void *e) { free(e); return 0; }
+#endif

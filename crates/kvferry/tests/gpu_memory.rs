@@ -1,0 +1,367 @@
+//! GPU memory with the CUDA driver loaded at run time, against the mock `libcuda.so.1`
+//! (`cuda_mock/mock_cuda.c`: device memory the CPU cannot touch, reached only through the
+//! driver's copies). Each test runs its body in a child process whose `LD_LIBRARY_PATH`
+//! holds the mock, so the engine loads it by soname as it loads the real driver; the child
+//! bodies are `#[ignore]`d so that only their parent runs them.
+
+mod cuda_mock;
+
+use kvferry::config::TransportMode;
+use kvferry::gpu::{self, Cuda};
+use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest, LOCAL_SEGMENT_ID};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+/// Runs the ignored test `name` of this binary in a child with `lib` (a directory holding a
+/// `libcuda.so.1`) first in `LD_LIBRARY_PATH`, or with no `LD_LIBRARY_PATH` at all.
+fn in_child(name: &str, lib: Option<&Path>) {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"]).env("KVF_GPU_CHILD", "1");
+    match lib {
+        Some(d) => c.env("LD_LIBRARY_PATH", d),
+        None => c.env_remove("LD_LIBRARY_PATH"),
+    };
+    let out = c.output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "child {name} failed:\n{text}");
+    assert!(text.contains("1 passed"), "child {name} did not run:\n{text}");
+}
+
+fn child() -> bool {
+    std::env::var_os("KVF_GPU_CHILD").is_some()
+}
+
+fn engine(mode: TransportMode) -> TransferEngine {
+    TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), transport: mode, ..Config::default() }).expect("engine starts")
+}
+
+/// Bytes that differ between any two 1 MiB chunks (so a chunk landing in another's place shows).
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add((i >> 12) as u8).wrapping_add(((i >> 20) as u8).wrapping_mul(101))).collect()
+}
+
+/// `len` bytes of device memory on GPU `dev`, filled with `fill` through the driver.
+fn gpu_alloc(c: &Cuda, dev: u32, fill: &[u8]) -> u64 {
+    let p = c.on_device(dev, |d| d.mem_alloc(fill.len())).unwrap();
+    c.htod(dev, p, fill).unwrap();
+    p
+}
+
+/// The device bytes at `p`, read through the driver (the only way to see them).
+fn gpu_read(c: &Cuda, dev: u32, p: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    c.dtoh(dev, &mut v, p).unwrap();
+    v
+}
+
+fn mock_dir() -> std::path::PathBuf {
+    cuda_mock::build("mem", &["COUNT=2"])
+}
+
+#[test]
+fn gpu_pointers_are_classified_with_their_allocation() {
+    in_child("child_classification", Some(&mock_dir()));
+}
+
+#[test]
+#[ignore = "run by gpu_pointers_are_classified_with_their_allocation in a child process"]
+fn child_classification() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    let e = engine(TransportMode::Auto);
+    let d0 = gpu_alloc(c, 0, &vec![0u8; 1 << 20]);
+    let d1 = gpu_alloc(c, 1, &vec![0u8; 1 << 20]);
+    // Interior pointers (as PyTorch's caching allocator hands out): the allocation's base and
+    // size decide, and the published location is the GPU's.
+    e.register_memory(d0 + 4096, 8192, "*").unwrap();
+    e.register_memory(d1 + 512, 4096, "cuda:1").unwrap();
+    let regs = e.registered();
+    let r0 = regs.iter().find(|r| r.addr == d0 + 4096).unwrap();
+    assert_eq!((r0.location.as_str(), r0.gpu), ("cuda:0", Some(0)));
+    let r1 = regs.iter().find(|r| r.addr == d1 + 512).unwrap();
+    assert_eq!((r1.location.as_str(), r1.gpu), ("cuda:1", Some(1)));
+    let desc = e.local_descriptor();
+    assert!(desc.buffers.iter().any(|b| b.addr == d0 + 4096 && b.name == "cuda:0"), "{:?}", desc.buffers);
+    // Past the end of the allocation, or on another GPU than the location says: refused.
+    let err = e.register_memory(d0 + (1 << 20) - 100, 4096, "*").unwrap_err().to_string();
+    assert!(err.contains("past the end of its GPU allocation"), "{err}");
+    let err = e.register_memory(d0 + 65536, 4096, "cuda:1").unwrap_err().to_string();
+    assert!(err.contains("memory of GPU 0") && err.contains("cuda:0"), "{err}");
+    // Host memory stays host memory: plain (unknown to the driver), and pinned.
+    let host = vec![0u8; 8192];
+    e.register_memory(host.as_ptr() as u64, 8192, "*").unwrap();
+    let pinned = c.driver().host_alloc(8192).unwrap();
+    e.register_memory(pinned as u64, 8192, "*").unwrap();
+    for a in [host.as_ptr() as u64, pinned as u64] {
+        let r = e.registered().into_iter().find(|r| r.addr == a).unwrap();
+        assert_eq!((r.location.as_str(), r.gpu), ("*", None));
+    }
+    // cpu:N is taken as given, without asking the driver.
+    let h2 = [0u8; 64];
+    e.register_memory(h2.as_ptr() as u64, 64, "cpu:0").unwrap();
+    assert_eq!(e.registered().into_iter().find(|r| r.addr == h2.as_ptr() as u64).unwrap().gpu, None);
+    e.unregister_memory(d0 + 4096).unwrap();
+    e.unregister_memory(d1 + 512).unwrap();
+    e.unregister_memory(pinned as u64).unwrap();
+    // SAFETY: from host_alloc, unregistered above.
+    unsafe { c.driver().free_host(pinned).unwrap() };
+}
+
+#[test]
+fn gpu_memory_moves_over_tcp_and_same_host_paths_every_byte_verified() {
+    // A CUDA 12.4 and a CUDA 13.0 driver: the same soname and entry points.
+    in_child("child_transfers", Some(&mock_dir()));
+    in_child("child_transfers", Some(&cuda_mock::build("cuda13", &["COUNT=2", "VERSION=13000"])));
+}
+
+/// One side's buffer: host memory, or device memory of a GPU.
+enum Buf {
+    Host(Vec<u8>),
+    Gpu(u32, u64),
+}
+
+impl Buf {
+    fn new(c: &Cuda, gpu: Option<u32>, init: &[u8]) -> Buf {
+        match gpu {
+            None => Buf::Host(init.to_vec()),
+            Some(d) => Buf::Gpu(d, gpu_alloc(c, d, init)),
+        }
+    }
+    fn addr(&self) -> u64 {
+        match self {
+            Buf::Host(v) => v.as_ptr() as u64,
+            Buf::Gpu(_, p) => *p,
+        }
+    }
+    fn bytes(&self, c: &Cuda, len: usize) -> Vec<u8> {
+        match self {
+            Buf::Host(v) => v[..len].to_vec(),
+            Buf::Gpu(d, p) => gpu_read(c, *d, *p, len),
+        }
+    }
+}
+
+#[test]
+#[ignore = "run by gpu_memory_moves_over_tcp_and_same_host_paths_every_byte_verified in a child process"]
+fn child_transfers() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    let version = c.driver().version().unwrap();
+    assert!(version == 12040 || version == 13000, "{version}");
+    // Sizes around every chunk boundary: the target's 1 MiB staging chunk, the initiator's
+    // 4 MiB chunk and its window of 4 chunks in flight.
+    let sizes = [1usize, 4093, 65536, (1 << 20) + 3, (9 << 20) + 5, 17 << 20];
+    let total: usize = sizes.iter().sum();
+    for mode in [TransportMode::Tcp, TransportMode::Auto] {
+        let a = engine(mode);
+        let b = engine(mode);
+        let seg = a.open_segment(b.segment_name()).unwrap();
+        if mode == TransportMode::Auto {
+            // Host memory of this same-host peer goes over shared memory (staged GPU chunks
+            // too); its GPU memory over TCP.
+            assert_eq!(a.segment_transport(seg).unwrap().name, "shm", "{:?}", a.segment_transport(seg));
+        }
+        // (initiator side, target side): GPU→host, host→GPU, GPU→GPU on another device,
+        // and the engine's own segment (local copy) GPU↔host.
+        for (la, lb, own) in [(Some(0), None, false), (None, Some(1), false), (Some(0), Some(1), false), (Some(1), None, true), (None, Some(0), true)] {
+            let src = pattern(total, 7);
+            let ab = Buf::new(c, la, &src);
+            let bb = Buf::new(c, lb, &vec![0u8; total]);
+            let back = Buf::new(c, la, &vec![0u8; total]);
+            let (tgt_engine, tgt) = if own { (&a, LOCAL_SEGMENT_ID) } else { (&b, seg) };
+            a.register_memory(ab.addr(), total as u64, "*").unwrap();
+            a.register_memory(back.addr(), total as u64, "*").unwrap();
+            tgt_engine.register_memory(bb.addr(), total as u64, "*").unwrap();
+            let what = format!("{mode:?} initiator {la:?} target {lb:?} own segment {own}");
+            let reqs = |op: Opcode, local: u64| -> Vec<TransferRequest> {
+                let mut off = 0u64;
+                sizes
+                    .iter()
+                    .map(|&s| {
+                        let r = TransferRequest { opcode: op, source: local + off, target_id: tgt, target_offset: bb.addr() + off, length: s as u64 };
+                        off += s as u64;
+                        r
+                    })
+                    .collect()
+            };
+            let st = a.transfer_sync(&reqs(Opcode::Write, ab.addr()), Duration::from_secs(20)).unwrap();
+            assert_eq!(st.status, TaskStatus::Completed, "{what}: WRITE {st:?}");
+            assert_eq!(st.transferred_bytes, total as u64);
+            assert!(bb.bytes(c, total) == src, "{what}: written bytes differ");
+            let st = a.transfer_sync(&reqs(Opcode::Read, back.addr()), Duration::from_secs(20)).unwrap();
+            assert_eq!(st.status, TaskStatus::Completed, "{what}: READ {st:?}");
+            assert!(back.bytes(c, total) == src, "{what}: read bytes differ");
+            // Many small requests in one batch, pipelined.
+            let n = 256u64;
+            let small: Vec<TransferRequest> =
+                (0..n).map(|i| TransferRequest { opcode: Opcode::Read, source: back.addr() + i * 4096, target_id: tgt, target_offset: bb.addr() + i * 4096, length: 4096 }).collect();
+            let st = a.transfer_sync(&small, Duration::from_secs(20)).unwrap();
+            assert_eq!(st.status, TaskStatus::Completed, "{what}: small READs {st:?}");
+            a.unregister_memory(ab.addr()).unwrap();
+            a.unregister_memory(back.addr()).unwrap();
+            tgt_engine.unregister_memory(bb.addr()).unwrap();
+        }
+        // Several threads at once, each its own GPU→GPU WRITE and READ back (the staging
+        // workers and the target's connections serve them side by side).
+        let part = (6 << 20) + 17;
+        let threads = 4;
+        let src = pattern(part * threads, 11);
+        let ga = gpu_alloc(c, 0, &src);
+        let gb = gpu_alloc(c, 1, &vec![0u8; part * threads]);
+        let gback = gpu_alloc(c, 0, &vec![0u8; part * threads]);
+        a.register_memory(ga, (part * threads) as u64, "*").unwrap();
+        a.register_memory(gback, (part * threads) as u64, "cuda:0").unwrap();
+        b.register_memory(gb, (part * threads) as u64, "cuda:1").unwrap();
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                let a = &a;
+                s.spawn(move || {
+                    let off = (t * part) as u64;
+                    for (op, local) in [(Opcode::Write, ga), (Opcode::Read, gback)] {
+                        let r = TransferRequest { opcode: op, source: local + off, target_id: seg, target_offset: gb + off, length: part as u64 };
+                        let st = a.transfer_sync(&[r], Duration::from_secs(20)).unwrap();
+                        assert_eq!(st.status, TaskStatus::Completed, "{mode:?} thread {t} {op:?}: {st:?}");
+                    }
+                });
+            }
+        });
+        assert!(gpu_read(c, 1, gb, part * threads) == src, "{mode:?}: concurrent writes differ");
+        assert!(gpu_read(c, 0, gback, part * threads) == src, "{mode:?}: concurrent reads differ");
+        for (e, p) in [(&a, ga), (&a, gback), (&b, gb)] {
+            e.unregister_memory(p).unwrap();
+        }
+    }
+}
+
+#[test]
+fn failed_gpu_copies_and_freed_gpu_buffers_fail_cleanly() {
+    in_child("child_failures", Some(&mock_dir()));
+}
+
+#[test]
+#[ignore = "run by failed_gpu_copies_and_freed_gpu_buffers_fail_cleanly in a child process"]
+fn child_failures() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    // SAFETY: the mock's knob, `void mock_cuda_fail_copies(int)`; the library is the one the
+    // engine loaded (same soname, already loaded).
+    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.unwrap();
+    let fail: libloading::Symbol<unsafe extern "C" fn(i32)> = unsafe { lib.get(b"mock_cuda_fail_copies\0") }.unwrap();
+    let a = engine(TransportMode::Tcp);
+    let b = engine(TransportMode::Tcp);
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    let len = (3 << 20) + 1;
+    let src = pattern(len, 3);
+    let ga = gpu_alloc(c, 0, &src);
+    let gb = gpu_alloc(c, 1, &vec![0u8; len]);
+    let host = vec![0u8; len];
+    a.register_memory(ga, len as u64, "*").unwrap();
+    a.register_memory(host.as_ptr() as u64, len as u64, "*").unwrap();
+    b.register_memory(gb, len as u64, "*").unwrap();
+    let w = |source: u64| vec![TransferRequest { opcode: Opcode::Write, source, target_id: seg, target_offset: gb, length: len as u64 }];
+    // The context destroyed under the transfer: every copy fails, the task FAILS, naming it.
+    unsafe { fail(709) };
+    for source in [ga, host.as_ptr() as u64] {
+        let st = a.transfer_sync(&w(source), Duration::from_secs(10)).unwrap();
+        assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
+        if source == ga {
+            assert!(st.reason.as_deref().is_some_and(|r| r.contains("CUDA_ERROR_CONTEXT_IS_DESTROYED")), "{st:?}");
+        }
+    }
+    unsafe { fail(0) };
+    let st = a.transfer_sync(&w(ga), Duration::from_secs(10)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "copies work again: {st:?}");
+    assert!(gpu_read(c, 1, gb, len) == src);
+    // A GPU buffer freed while still registered: transfers fail, unregister works.
+    c.on_device(1, |d| d.mem_free(gb)).unwrap();
+    let st = a.transfer_sync(&w(ga), Duration::from_secs(10)).unwrap();
+    assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
+    c.on_device(0, |d| d.mem_free(ga)).unwrap();
+    let st = a.transfer_sync(&w(ga), Duration::from_secs(10)).unwrap();
+    assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
+    assert!(st.reason.as_deref().is_some_and(|r| r.contains("CUDA_ERROR_INVALID_VALUE")), "{st:?}");
+    b.unregister_memory(gb).unwrap();
+    a.unregister_memory(ga).unwrap();
+    a.unregister_memory(host.as_ptr() as u64).unwrap();
+}
+
+#[test]
+fn without_a_usable_driver_gpu_locations_fail_clearly_and_nothing_is_touched() {
+    // A driver that finds no GPU (first in the library path, so this holds on GPU hosts too).
+    in_child("child_no_driver", Some(&cuda_mock::build("nodev", &["INIT_RESULT=100", "COUNT=0"])));
+    // A driver too old for the memory calls: reported, not a crash.
+    in_child("child_no_driver", Some(&cuda_mock::build("nomem", &["NO_MEM"])));
+    // No libcuda at all (only where the host has none).
+    if matches!(kvferry::gpu::driver::Driver::load(), Err(kvferry::gpu::driver::CudaError::Missing { .. })) {
+        in_child("child_no_driver", None);
+    }
+}
+
+#[test]
+#[ignore = "run by without_a_usable_driver_gpu_locations_fail_clearly_and_nothing_is_touched in a child process"]
+fn child_no_driver() {
+    assert!(child());
+    let why = gpu::cuda().err().expect("no usable driver here");
+    eprintln!("no usable driver: {why}");
+    let a = engine(TransportMode::Tcp);
+    let b = engine(TransportMode::Tcp);
+    // Host memory registers as before (location "*": no driver asked).
+    let src = pattern(65536, 9);
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    assert_eq!(a.registered()[0].gpu, None);
+    // The target meant this buffer to be GPU memory: refused, with the cause and the fix.
+    let target = vec![0u8; 65536];
+    let err = b.register_memory(target.as_ptr() as u64, 65536, "cuda:0").unwrap_err().to_string();
+    assert!(err.contains("the CUDA driver is not usable here"), "{err}");
+    assert!(err.contains("install the NVIDIA driver") || err.contains("CUDA_VISIBLE_DEVICES") || err.contains("too old"), "{err}");
+    // A transfer into it fails as not registered and touches nothing.
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    let st = a
+        .transfer_sync(&[TransferRequest { opcode: Opcode::Write, source: src.as_ptr() as u64, target_id: seg, target_offset: target.as_ptr() as u64, length: 65536 }], Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
+    assert!(target.iter().all(|&x| x == 0), "the unregistered buffer was touched");
+}
+
+#[test]
+fn unregister_of_gpu_memory_is_a_barrier_on_both_sides() {
+    in_child("child_unregister_barrier", Some(&mock_dir()));
+}
+
+#[test]
+#[ignore = "run by unregister_of_gpu_memory_is_a_barrier_on_both_sides in a child process"]
+fn child_unregister_barrier() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    // SAFETY: the mock's knobs (see mock_cuda.c); the library is the one the engine loaded.
+    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.unwrap();
+    let delay: libloading::Symbol<unsafe extern "C" fn(u32)> = unsafe { lib.get(b"mock_cuda_copy_delay_us\0") }.unwrap();
+    let copies: libloading::Symbol<unsafe extern "C" fn(i32) -> i64> = unsafe { lib.get(b"mock_cuda_copies\0") }.unwrap();
+    let len = 64 << 20;
+    // The initiator's GPU memory (GPU 0) unregistered mid-WRITE, then the target's (GPU 1).
+    for target_side in [false, true] {
+        let a = engine(TransportMode::Tcp);
+        let b = engine(TransportMode::Tcp);
+        let seg = a.open_segment(b.segment_name()).unwrap();
+        let ga = gpu_alloc(c, 0, &pattern(len, 1));
+        let gb = gpu_alloc(c, 1, &vec![0u8; len]);
+        a.register_memory(ga, len as u64, "*").unwrap();
+        b.register_memory(gb, len as u64, "*").unwrap();
+        unsafe { delay(3000) };
+        let batch = a.allocate_batch(1).unwrap();
+        a.submit(batch, &[TransferRequest { opcode: Opcode::Write, source: ga, target_id: seg, target_offset: gb, length: len as u64 }]).unwrap();
+        std::thread::sleep(Duration::from_millis(30));
+        let (dev, e, p) = if target_side { (1, &b, gb) } else { (0, &a, ga) };
+        assert!(unsafe { copies(dev) } > 0, "the transfer touched GPU {dev} before the unregister");
+        e.unregister_memory(p).unwrap();
+        let after = unsafe { copies(dev) };
+        let st = a.wait_batch(batch, Duration::from_secs(20)).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        unsafe { delay(0) };
+        assert_eq!(unsafe { copies(dev) }, after, "GPU {dev} memory was copied after unregister returned (target side {target_side})");
+        assert_eq!(st.status, TaskStatus::Failed, "target side {target_side}: {st:?}");
+        let _ = a.unregister_memory(ga);
+        let _ = b.unregister_memory(gb);
+    }
+}
