@@ -55,17 +55,20 @@ fn doctor_reports_the_driver_and_its_gpus() {
     assert_eq!(devices[1]["pci_bus_id"], "0000:18:00.0");
     assert_eq!(devices[0]["memory"], 141u64 << 30);
     assert_eq!(devices[0]["compute_capability"], serde_json::json!([9, 0]));
-    // A driver and GPUs, but this version moves host memory only: not available, and says so.
+    // A driver and GPUs, but this mock only answers the probe (no context or memory entry
+    // points, as a driver older than CUDA 11.4): GPU memory is not available, and it says
+    // which entry point is missing and what to do. (tests/cli.rs checks a mock with them.)
     assert_eq!(g["available"], false, "{g}");
     let reason = g["reason"].as_str().unwrap();
-    assert!(reason.contains("CUDA driver 12.4 with 2 GPU(s)") && reason.contains("host memory only"), "{reason}");
+    assert!(reason.contains("cuDevicePrimaryCtxRetain") && reason.contains("driver is too old"), "{reason}");
+    assert!(g["fix"].as_str().unwrap().contains("update the NVIDIA driver"), "{g}");
 
-    // --expect gpu: exit status 1, naming gpu and why; the fix says no setting helps.
+    // --expect gpu: exit status 1, naming gpu and why, with the fix.
     let (code, d, stderr) = doctor(&dir, Some("gpu"));
     assert_eq!(code, Some(1), "{stderr}");
-    assert!(stderr.contains("gpu (CUDA driver 12.4 with 2 GPU(s)"), "{stderr}");
+    assert!(stderr.contains("gpu (libcuda.so.1 has no symbol cuDevicePrimaryCtxRetain"), "{stderr}");
     let p = d["problems"].as_array().unwrap().iter().find(|p| p["check"] == "expected transport gpu").unwrap_or_else(|| panic!("{d}"));
-    assert!(p["fix"].as_str().unwrap().contains("drop it from --expect"), "{p}");
+    assert!(p["fix"].as_str().unwrap().contains("update the NVIDIA driver"), "{p}");
 
     // The screen a person reads lists the driver and each GPU.
     let out = kvferry().args(["doctor", "--local-hostname", "127.0.0.1"]).env("KVFERRY_LOG", "error").env("LD_LIBRARY_PATH", &dir).output().unwrap();
