@@ -1,6 +1,8 @@
 //! `kvferry store-client` (Mooncake's `mooncake_client`): a process that contributes a segment
 //! to a `kvferry master` and serves it until SIGTERM, all on 127.0.0.1.
 
+mod common;
+use common::master_segments;
 use kvferry_store::{Client, ClientConfig, ReplicateConfig, StoreError};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdout, Command, Stdio};
@@ -50,16 +52,6 @@ fn master() -> Proc {
     Proc::start(&["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0"], "KVFERRY_MASTER")
 }
 
-fn segments(http: &str) -> String {
-    let mut s = std::net::TcpStream::connect(http).expect("connect to the master's HTTP port");
-    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    write!(s, "GET /get_all_segments HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").expect("request");
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
-    out.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default()
-}
-
 fn value(key: &str, len: usize) -> Vec<u8> {
     let seed = xxhash_rust::xxh3::xxh3_64(key.as_bytes());
     (0..len).map(|i| (seed.rotate_left((i % 64) as u32) as u8) ^ (i as u8)).collect()
@@ -79,7 +71,7 @@ fn run_store_client(sig: rustix::process::Signal) {
     assert_eq!(sc.field("size="), (32u64 << 20).to_string());
     assert_eq!(sc.field("dummy="), "off");
     assert!(seg.starts_with("127.0.0.1:"), "{seg}");
-    assert!(segments(&http).contains(&format!("\"{seg}\"")), "the master lists the store-client's segment");
+    assert!(master_segments(&http).contains(&format!("\"{seg}\"")), "the master lists the store-client's segment");
 
     // A client with no segment of its own: every value lands in the store-client's segment.
     let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 16 << 20, master_server_addr: rpc.clone(), transfer_timeout: Duration::from_secs(10), ..ClientConfig::default() })
@@ -102,7 +94,7 @@ fn run_store_client(sig: rustix::process::Signal) {
     let mut rest = String::new();
     let _ = sc.out.read_to_string(&mut rest);
     assert!(rest.contains(&format!("KVFERRY_STORE_CLIENT unmounted segment={seg}")), "{rest:?}");
-    assert!(!segments(&http).contains(&format!("\"{seg}\"")), "unmounted: the master no longer lists it");
+    assert!(!master_segments(&http).contains(&format!("\"{seg}\"")), "unmounted: the master no longer lists it");
     // Its objects went with it.
     assert!(matches!(c.get(&keys[0]), Err(StoreError::ObjectNotFound(_))));
     c.close().expect("close");

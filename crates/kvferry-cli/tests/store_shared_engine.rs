@@ -1,6 +1,8 @@
 //! `Client::with_engine`: a store client on a transfer engine that is already running (Mooncake's
 //! `setup(..., engine)`), against a `kvferry master` process on 127.0.0.1.
 
+mod common;
+use common::master_segments;
 use kvferry::{Config, TransferEngine};
 use kvferry_store::{Client, ClientConfig, ReplicateConfig, StoreError};
 use std::io::{BufRead, BufReader};
@@ -31,17 +33,6 @@ fn master() -> Master {
     let rpc = line.split_whitespace().find_map(|w| w.strip_prefix("rpc=")).expect("rpc=").to_string();
     let http = line.split_whitespace().find_map(|w| w.strip_prefix("http=")).expect("http=").to_string();
     Master(child, rpc, http)
-}
-
-/// The master's `/get_all_segments` body.
-fn segments(http: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(http).expect("connect to the master's HTTP port");
-    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    write!(s, "GET /get_all_segments HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").expect("request");
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    out.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default()
 }
 
 fn cfg(master: &str, host: &str) -> ClientConfig {
@@ -86,7 +77,7 @@ fn closing_the_shared_engine_first_fails_calls_clearly() {
     let c = Client::with_engine(cfg(&m.1, ""), Arc::clone(&e), Some(Arc::clone(&closed))).expect("with_engine");
     c.put("a", b"before", &ReplicateConfig::default()).expect("put");
     let seg = format!("\"{}\"", c.segment_name());
-    assert!(segments(&m.2).contains(&seg), "mounted");
+    assert!(master_segments(&m.2).contains(&seg), "mounted");
     closed.store(true, Ordering::Release);
     for r in [c.put("b", b"after", &ReplicateConfig::default()).map(|_| Vec::new()), c.get("a")] {
         match r {
@@ -96,7 +87,7 @@ fn closing_the_shared_engine_first_fails_calls_clearly() {
     }
     // The master stops listing the segment within a ping interval or two, not at close().
     let until = std::time::Instant::now() + Duration::from_secs(5);
-    while segments(&m.2).contains(&seg) {
+    while master_segments(&m.2).contains(&seg) {
         assert!(std::time::Instant::now() < until, "the closed engine's segment is still listed after 5 s");
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -66,3 +66,15 @@ impl Drop for BenchTarget {
         self.kill();
     }
 }
+
+/// The body of the master's `GET /get_all_segments` at `http` (`host:port`).
+pub fn master_segments(http: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(http).expect("connect to the master's HTTP port");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5))).expect("timeout");
+    write!(s, "GET /get_all_segments HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").expect("request");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    out.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default()
+}
