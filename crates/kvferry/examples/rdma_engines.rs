@@ -7,7 +7,6 @@
 
 use kvferry::config::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -31,35 +30,21 @@ fn main() -> ExitCode {
     }
 }
 
-struct Buf {
-    ptr: *mut u8,
-    len: usize,
-}
+/// Page-aligned, zero-filled memory from kvferry's allocator (`HostBuffer`), which verbs
+/// may touch while registered: it is only read or written when no work request touching it
+/// is outstanding.
+struct Buf(kvferry::hostbuf::HostBuffer);
 
 impl Buf {
     fn new(len: usize) -> Res<Buf> {
-        let layout = Layout::from_size_align(len, 4096).map_err(|e| e.to_string())?;
-        // SAFETY: a non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return Err(format!("cannot allocate {len} bytes"));
-        }
-        Ok(Buf { ptr, len })
+        kvferry::hostbuf::HostBuffer::new(len, false).map(Buf).map_err(|e| format!("cannot allocate {len} bytes: {e}"))
     }
     fn addr(&self) -> u64 {
-        self.ptr as u64
+        self.0.addr()
     }
     /// Only between transfers (no request in flight touches the buffer then).
     fn bytes(&mut self) -> &mut [u8] {
-        // SAFETY: allocated with `len` bytes.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl Drop for Buf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { dealloc(self.ptr, Layout::from_size_align_unchecked(self.len, 4096)) };
+        self.0.slice_mut(0, self.0.len())
     }
 }
 

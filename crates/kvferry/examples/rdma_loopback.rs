@@ -11,7 +11,6 @@
 use kvferry::rdma::sysfs;
 use kvferry::rdma::verbs::{self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr};
 use kvferry::wire::rdma::{format_gid, parse_gid, ConnectionMsg};
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,34 +45,24 @@ fn main() -> ExitCode {
     }
 }
 
-/// Page-aligned memory that verbs may touch while registered: it is only read or written
-/// through slices made when no work request is outstanding.
-struct Buf {
-    ptr: *mut u8,
-    len: usize,
-}
+/// Page-aligned, zero-filled memory from kvferry's allocator (`HostBuffer`), which verbs
+/// may touch while registered: it is only read or written when no work request touching it
+/// is outstanding.
+struct Buf(kvferry::hostbuf::HostBuffer);
 
 impl Buf {
     fn new(len: usize) -> Res<Buf> {
-        let layout = Layout::from_size_align(len, 4096).map_err(|e| e.to_string())?;
-        // SAFETY: a non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return Err(format!("cannot allocate {len} bytes"));
-        }
-        Ok(Buf { ptr, len })
+        kvferry::hostbuf::HostBuffer::new(len, false).map(Buf).map_err(|e| format!("cannot allocate {len} bytes: {e}"))
     }
-    /// SAFETY (for callers): no work request touching this buffer is outstanding.
+    fn addr(&self) -> u64 {
+        self.0.addr()
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    /// Only between transfers (no request in flight touches the buffer then).
     fn bytes(&mut self) -> &mut [u8] {
-        // SAFETY: allocated with `len` bytes; see above.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl Drop for Buf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout (valid then, so valid now).
-        unsafe { dealloc(self.ptr, Layout::from_size_align_unchecked(self.len, 4096)) };
+        self.0.slice_mut(0, self.0.len())
     }
 }
 
@@ -228,8 +217,8 @@ fn run(dev: &str, max: usize) -> Res<()> {
     // SAFETY: `a` and `b` outlive their MRs (dropped at the end of this function after them,
     // or deregistered explicitly below) and are only touched through `bytes()` between
     // transfers, when no work request is outstanding.
-    let (mra, mrb) = unsafe { (pd.reg_mr(a.ptr, a.len).map_err(|e| e.to_string())?, pd.reg_mr(b.ptr, b.len).map_err(|e| e.to_string())?) };
-    println!("rdma_loopback: registered {} + {} bytes (lkey/rkey {:#x}/{:#x}, {:#x}/{:#x})", a.len, b.len, mra.lkey(), mra.rkey(), mrb.lkey(), mrb.rkey());
+    let (mra, mrb) = unsafe { (pd.reg_mr(a.addr() as *mut u8, a.len()).map_err(|e| e.to_string())?, pd.reg_mr(b.addr() as *mut u8, b.len()).map_err(|e| e.to_string())?) };
+    println!("rdma_loopback: registered {} + {} bytes (lkey/rkey {:#x}/{:#x}, {:#x}/{:#x})", a.len(), b.len(), mra.lkey(), mra.rkey(), mrb.lkey(), mrb.rkey());
 
     for size in [4usize << 10, 64 << 10, 1 << 20, 16 << 20].into_iter().filter(|&s| s <= max) {
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -264,7 +253,7 @@ fn run(dev: &str, max: usize) -> Res<()> {
     // Deregistering with nothing posted works, and reports success.
     let mut c = Buf::new(1 << 20)?;
     // SAFETY: `c` outlives the MR, deregistered at once.
-    let mrc = unsafe { pd.reg_mr(c.ptr, c.len) }.map_err(|e| e.to_string())?;
+    let mrc = unsafe { pd.reg_mr(c.addr() as *mut u8, c.len()) }.map_err(|e| e.to_string())?;
     mrc.dereg().map_err(|e| format!("dereg of an idle MR: {e}"))?;
     c.bytes()[0] = 1;
     println!("rdma_loopback: dereg of an MR with nothing posted ok");
