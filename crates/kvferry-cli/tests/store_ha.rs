@@ -374,12 +374,15 @@ fn etcd_restarted_with_or_without_its_data_masters_and_clients_recover() {
         let before = etcd_view(&EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd"), "mooncake_cluster");
         etcd_svc.restart(wipe);
         let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd back");
-        // One leader again (the same one if its lease survived), the key naming it.
-        let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(20));
-        let until = Instant::now() + Duration::from_secs(10);
-        let view = loop {
+        // One leader again (the same one if its lease survived), the key naming it. Right after
+        // the restart the old leader may still answer for the rest of its fence bound while the
+        // other wins the new key (etcd wiped): the settled state is what counts, so both are read
+        // again until they agree (one_leader still fails on two leaders at once).
+        let until = Instant::now() + Duration::from_secs(20);
+        let (l, view) = loop {
+            let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(20));
             match etcd_view(&etcd, "mooncake_cluster") {
-                Some(v) if v.0 == ms[l].rpc => break v,
+                Some(v) if v.0 == ms[l].rpc => break (l, v),
                 other => assert!(Instant::now() < until, "round {round}: the key does not name the leader {}: {other:?}", ms[l].rpc),
             }
             std::thread::sleep(Duration::from_millis(50));
