@@ -57,6 +57,10 @@ pub fn metrics_text(m: &Master) -> String {
     let _ = writeln!(o, "# HELP kvferry_master_ha_enabled Whether this master campaigns for leadership (--enable-ha).\n# TYPE kvferry_master_ha_enabled gauge\nkvferry_master_ha_enabled {}", u8::from(ha.enabled));
     let _ = writeln!(o, "# HELP kvferry_master_ha_is_leader 1 while this master leads (answers requests), 0 while it stands by.\n# TYPE kvferry_master_ha_is_leader gauge\nkvferry_master_ha_is_leader {}", u8::from(ha.role == Role::Leader));
     let _ = writeln!(o, "# HELP kvferry_master_ha_term The current leader's term (the etcd create revision of its key; 0 without HA or while unknown).\n# TYPE kvferry_master_ha_term gauge\nkvferry_master_ha_term {}", ha.term);
+    let j = m.journal.stats();
+    let _ = writeln!(o, "# HELP kvferry_master_ha_journal_lag Collected state changes not yet written to the etcd journal (leader; replication lag).\n# TYPE kvferry_master_ha_journal_lag gauge\nkvferry_master_ha_journal_lag {}", j.lag);
+    let _ = writeln!(o, "# HELP kvferry_master_ha_journal_entries_total Journal entries written to etcd in this term.\n# TYPE kvferry_master_ha_journal_entries_total counter\nkvferry_master_ha_journal_entries_total {}", j.entries);
+    let _ = writeln!(o, "# HELP kvferry_master_ha_journal_bytes Bytes of the journal in etcd: the current snapshot plus the log after it.\n# TYPE kvferry_master_ha_journal_bytes gauge\nkvferry_master_ha_journal_bytes {}", j.snapshot_bytes + j.log_bytes);
     if let Some(age) = ha.last_keepalive_age_ms {
         let _ = writeln!(o, "# HELP kvferry_master_ha_keepalive_age_seconds Time since the last successful lease renewal was sent (leader).\n# TYPE kvferry_master_ha_keepalive_age_seconds gauge\nkvferry_master_ha_keepalive_age_seconds {}", age as f64 / 1000.0);
     }
@@ -89,7 +93,7 @@ fn route(m: &Master, req: &Request<hyper::body::Incoming>) -> Response<Full<Byte
             };
             reply(StatusCode::OK, "application/json", body.to_string())
         }
-        "/ha_status" => reply(StatusCode::OK, "application/json", serde_json::to_string(&m.gate.status()).unwrap_or_default()),
+        "/ha_status" => reply(StatusCode::OK, "application/json", serde_json::to_string(&m.ha_status()).unwrap_or_default()),
         "/get_all_segments" => {
             // Nothing mounted: an empty body, as Mooncake's master (SGLang's `check_server`
             // waits while the body is empty).

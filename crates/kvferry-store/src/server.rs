@@ -17,17 +17,40 @@ use std::time::{Duration, Instant};
 /// With HA, the request passes the master's [`crate::ha::Gate`] first (a standby or a fenced
 /// leader applies nothing and answers `NotLeader`, naming the leader), and its answer passes
 /// it again: an answer computed by a leader that lost its lease meanwhile is not sent (that
-/// master's state is reset when it steps down). The term admitted is known here, for what
-/// replication will need.
+/// master's state is reset when it steps down). Between the two, a request that may change
+/// durable state waits until the leader's journal holds the change (`crate::ha::journal`), so
+/// whatever was answered survives a failover.
 pub fn handle(m: &Master, req: Request) -> Response {
     let term = match m.gate.admit() {
         Ok(t) => t,
         Err(e) => return Response::Err(e),
     };
+    let journaled = mutates(&req);
     let resp = handle_admitted(m, req, term);
+    if journaled {
+        if let Some(ticket) = m.journal.collect(m) {
+            if let Err(e) = m.journal.wait(ticket, JOURNAL_WAIT) {
+                return Response::Err(e);
+            }
+        }
+    }
     match m.gate.confirm(term) {
         Ok(()) => resp,
         Err(e) => Response::Err(e),
+    }
+}
+
+/// How long a request waits for its changes to reach the journal (the writer gives up, and
+/// fences the leader, well before: when the lease can no longer be proven).
+const JOURNAL_WAIT: Duration = Duration::from_secs(30);
+
+/// Whether a request may change what the journal keeps (reads, pings and read releases only
+/// touch leases and reads in flight, which are not replicated).
+fn mutates(req: &Request) -> bool {
+    match req {
+        Request::GetReplicaList { .. } | Request::ExistKey { .. } | Request::Ping { .. } | Request::ReleaseReads { .. } => false,
+        Request::Batch(reqs) => reqs.iter().any(mutates),
+        _ => true,
     }
 }
 
@@ -232,6 +255,8 @@ impl MasterServer {
             while !st.load(Ordering::Acquire) {
                 std::thread::sleep(tick);
                 let s = m.tick();
+                // Expiries and evictions are journaled too (nobody waits for them).
+                let _ = m.journal.collect(&m);
                 n += 1;
                 if summary_every > 0 && n % summary_every == 0 {
                     tracing::info!(

@@ -16,6 +16,7 @@
 //!   comes back at once.
 
 pub mod alloc;
+pub mod journal;
 
 use crate::error::{StoreError, StoreResult};
 use crate::proto::{PingStatus, ReplicaDesc, ReplicaList, ReplicateConfig, Segment, SoftPin};
@@ -172,6 +173,8 @@ pub struct State {
     /// The HA term this state belongs to (0 without HA): a request admitted under another
     /// term is not applied to it.
     pub term: i64,
+    /// What changed since the journal last took it (an HA leader only; `None`: not marked).
+    dirty: Option<Box<journal::Dirty>>,
 }
 
 /// A one-line summary of the pool.
@@ -231,6 +234,7 @@ impl State {
     }
 
     fn free_later(&mut self, r: Replica, at: u64) {
+        self.mark_held_back(&r);
         self.deferred.push(Deferred { release_at: at, replica: r, reads: Vec::new() });
     }
 
@@ -242,6 +246,7 @@ impl State {
             return;
         }
         let release_at = live.iter().filter_map(|id| self.reads.get(id)).copied().max().unwrap_or(now);
+        self.mark_held_back(&r);
         self.deferred.push(Deferred { release_at, replica: r, reads: live });
     }
 
@@ -314,12 +319,17 @@ impl State {
         }
         if let Some(s) = self.segments.get(&seg.id) {
             if s.client == client && s.seg == seg {
-                self.clients.insert(client, now);
+                if self.clients.insert(client, now).is_none() {
+                    self.mark_client(client);
+                }
                 return Ok(()); // idempotent remount
             }
             return Err(StoreError::SegmentAlreadyExists(format!("{} (id {:x})", seg.name, seg.id)));
         }
-        self.clients.insert(client, now);
+        if self.clients.insert(client, now).is_none() {
+            self.mark_client(client);
+        }
+        self.mark_segment(seg.id);
         self.seg_order.push(seg.id);
         let space = SegmentSpace::new(seg.base, seg.size);
         self.segments.insert(seg.id, SegState { seg, client, space });
@@ -338,22 +348,32 @@ impl State {
     }
 
     fn drop_segment(&mut self, seg_id: u64) {
+        self.mark_segment(seg_id);
         self.segments.remove(&seg_id);
         self.seg_order.retain(|&s| s != seg_id);
         self.deferred.retain(|d| d.replica.seg != seg_id);
         let mut gone = Vec::new();
+        let mut changed = Vec::new();
         for (k, o) in self.objects.iter_mut() {
+            let mut hit = false;
             if o.current.iter().any(|r| r.seg == seg_id) {
                 o.current = o.current.iter().copied().filter(|r| r.seg != seg_id).collect();
+                hit = true;
             }
             if let Some(p) = &mut o.pending {
                 if p.replicas.iter().any(|r| r.seg == seg_id) {
                     p.replicas = p.replicas.iter().copied().filter(|r| r.seg != seg_id).collect();
+                    hit = true;
                 }
             }
             if o.current.is_empty() && o.pending.as_ref().is_none_or(|p| p.replicas.is_empty()) {
                 gone.push(k.clone());
+            } else if hit && self.dirty.is_some() {
+                changed.push(k.clone());
             }
+        }
+        for k in changed {
+            self.mark_key(&k);
         }
         for k in gone {
             self.forget(&k);
@@ -362,6 +382,7 @@ impl State {
 
     fn forget(&mut self, key: &str) -> Option<Object> {
         let o = self.objects.remove(key)?;
+        self.mark_key(key);
         if let Some(g) = &o.group {
             if let Some(members) = self.groups.get_mut(g) {
                 members.retain(|m| &**m != key);
@@ -375,7 +396,9 @@ impl State {
 
     /// Makes a client known (a pure client mounts nothing but must be able to put).
     pub fn register_client(&mut self, client: u64, now: u64) {
-        self.clients.insert(client, now);
+        if self.clients.insert(client, now).is_none() {
+            self.mark_client(client);
+        }
     }
 
     pub fn ping(&mut self, client: u64, now: u64) -> PingStatus {
@@ -393,6 +416,7 @@ impl State {
         let dead: Vec<u64> = self.clients.iter().filter(|(_, &t)| now.saturating_sub(t) > ttl).map(|(&c, _)| c).collect();
         for c in &dead {
             self.clients.remove(c);
+            self.mark_client(*c);
             let segs: Vec<u64> = self.segments.iter().filter(|(_, s)| s.client == *c).map(|(&id, _)| id).collect();
             for s in segs {
                 self.drop_segment(s);
@@ -550,6 +574,7 @@ impl State {
         // space, but only after the release timeout: its writer may still be writing.
         let release = now + m.put_start_release_timeout.as_millis() as u64;
         if let Some(zombie) = self.objects.get_mut(key).and_then(|o| o.pending.take()) {
+            self.mark_key(key);
             tracing::warn!(key, client = zombie.client, "discarding a put that never finished");
             for r in zombie.replicas.iter() {
                 self.free_later(*r, release);
@@ -594,6 +619,7 @@ impl State {
         let descs = replicas.iter().filter_map(|r| self.desc(r)).collect();
         let soft_pin_ttl = cfg.soft_pin_ttl_ms.unwrap_or(m.default_soft_pin_ttl.as_millis() as u64);
         let pending = Box::new(Pending { replicas: replicas.into_boxed_slice(), size, client, started: now, soft_pin: cfg.soft_pin, soft_pin_ttl });
+        self.mark_key(key);
         match self.objects.get_mut(key) {
             Some(o) => o.pending = Some(pending),
             None => {
@@ -623,11 +649,13 @@ impl State {
     }
 
     pub fn put_end(&mut self, client: u64, key: &str, now: u64) -> StoreResult<()> {
-        let o = self.objects.get_mut(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        let o = self.objects.get(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         match &o.pending {
             Some(p) if p.client == client => {}
             _ => return Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress (it was revoked, discarded as a zombie, or never started)"))),
         }
+        self.mark_key(key);
+        let o = self.objects.get_mut(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         let p = o.pending.take().expect("checked");
         if p.replicas.is_empty() {
             // Every replica's segment went away during the write.
@@ -654,11 +682,13 @@ impl State {
     }
 
     pub fn put_revoke(&mut self, client: u64, key: &str) -> StoreResult<()> {
-        let o = self.objects.get_mut(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        let o = self.objects.get(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         match &o.pending {
             Some(p) if p.client == client => {}
             _ => return Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress"))),
         }
+        self.mark_key(key);
+        let o = self.objects.get_mut(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         let p = o.pending.take().expect("checked");
         let empty = o.current.is_empty();
         for r in p.replicas.iter() {
@@ -770,6 +800,7 @@ impl State {
                 self.forget(key);
             } else if let Some(o) = self.objects.get_mut(key.as_str()) {
                 o.current = keep.into_boxed_slice();
+                self.mark_key(key);
             }
             for r in dropped {
                 self.free_after_reads(r, &reads, now);
@@ -804,11 +835,13 @@ pub struct Master {
     pub stats: Stats,
     /// Whether this master may answer (HA: only while it leads with a lease it can prove).
     pub gate: crate::ha::Gate,
+    /// The HA leader's journal queue (inactive otherwise).
+    pub journal: crate::ha::journal::Journal,
 }
 
 impl Master {
     pub fn new(cfg: MasterConfig) -> Master {
-        Master { cfg, start: Instant::now(), state: Mutex::default(), stats: Stats::default(), gate: crate::ha::Gate::default() }
+        Master { cfg, start: Instant::now(), state: Mutex::default(), stats: Stats::default(), gate: crate::ha::Gate::default(), journal: Default::default() }
     }
 
     pub fn now(&self) -> u64 {
@@ -817,6 +850,13 @@ impl Master {
 
     pub fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The gate's HA status with this term's journal counters.
+    pub fn ha_status(&self) -> crate::ha::HaStatus {
+        let mut s = self.gate.status();
+        s.journal = self.journal.stats();
+        s
     }
 
     /// Forgets every client, segment and object; the state then belongs to `term` (HA: a

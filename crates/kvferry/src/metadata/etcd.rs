@@ -230,6 +230,63 @@ impl EtcdClient {
         Ok(v.get("succeeded").and_then(Value::as_bool).unwrap_or(false))
     }
 
+    /// One transaction guarded by `guard` still being the key created at `create_revision`
+    /// (an HA leader's view key): `puts` set, then the keys in `[delete.0, delete.1)` removed.
+    /// `Some(revision)` when it was applied, `None` when the guard failed (nothing changed).
+    pub fn txn_if_created_at(&self, guard: &str, create_revision: i64, puts: &[(String, Vec<u8>)], delete: Option<(&str, &str)>) -> Result<Option<i64>> {
+        let g = B64.encode(guard);
+        let mut ops: Vec<Value> = puts.iter().map(|(k, v)| json!({ "request_put": { "key": B64.encode(k), "value": B64.encode(v) } })).collect();
+        if let Some((from, to)) = delete {
+            ops.push(json!({ "request_delete_range": { "key": B64.encode(from), "range_end": B64.encode(to) } }));
+        }
+        let body = json!({
+            "compare": [{ "key": g, "result": "EQUAL", "target": "CREATE", "create_revision": create_revision.to_string() }],
+            "success": ops,
+        });
+        let what = format!("TXN guarded by {guard}");
+        let v = self.call(&what, "/v3/kv/txn", body)?;
+        if !v.get("succeeded").and_then(Value::as_bool).unwrap_or(false) {
+            return Ok(None);
+        }
+        let rev = v.get("header").and_then(|h| h.get("revision")).and_then(int).ok_or_else(|| self.err(format!("{what}: no revision in the answer {v}")))?;
+        Ok(Some(rev))
+    }
+
+    /// Every key in `[from, to)` in key order with its value, read `page` keys per request.
+    pub fn range(&self, from: &str, to: &str, page: usize) -> Result<Vec<(String, KeyValue)>> {
+        let mut out = Vec::new();
+        let mut start = from.as_bytes().to_vec();
+        loop {
+            let what = format!("RANGE {from}..{to}");
+            let v = self.call(&what, "/v3/kv/range", json!({ "key": B64.encode(&start), "range_end": B64.encode(to), "limit": page.max(1).to_string() }))?;
+            let kvs = v.get("kvs").and_then(Value::as_array).cloned().unwrap_or_default();
+            for kv in &kvs {
+                let key = kv.get("key").and_then(Value::as_str).map(|k| B64.decode(k)).transpose().map_err(|e| self.err(format!("{what}: a key is not base64 ({e})")))?.unwrap_or_default();
+                let key = String::from_utf8(key).map_err(|e| self.err(format!("{what}: a key is not UTF-8 ({e})")))?;
+                let decoded = self.decode_kv(&key, kv)?;
+                out.push((key, decoded));
+            }
+            let more = v.get("more").and_then(Value::as_bool).unwrap_or(false);
+            match out.last() {
+                Some((last, _)) if more && !kvs.is_empty() => {
+                    start = last.as_bytes().to_vec();
+                    start.push(0);
+                }
+                _ => return Ok(out),
+            }
+        }
+    }
+
+    /// Compacts etcd's history up to `revision` (old versions of every key are dropped, so
+    /// the database does not grow with every rewrite of the same keys).
+    pub fn compact(&self, revision: i64) -> Result<()> {
+        match self.call("compacting", "/v3/kv/compaction", json!({ "revision": revision.to_string() })) {
+            // Compacted already (by etcd's auto-compaction or another caller): fine.
+            Err(e) if e.to_string().contains("compacted") => Ok(()),
+            r => r.map(drop),
+        }
+    }
+
     /// Removes `key`; absent is not an error.
     pub fn delete(&self, key: &str) -> Result<()> {
         self.call(&format!("DELETE {key}"), "/v3/kv/deleterange", json!({ "key": B64.encode(key) })).map(drop)

@@ -21,10 +21,21 @@
 //! both accept requests: the new leader can only create the key after the old lease expired,
 //! by which time the old leader has refused for a third of a TTL.
 //!
-//! **Not yet: metadata replication.** A new leader starts with empty metadata, as Mooncake's
-//! default (no oplog): clients remount their segments, and objects put before the failover
-//! are gone. The term reaches every request's handler ([`Gate::admit`]), where replication
-//! will tag what it ships.
+//! **Replication.** The leader journals every durable change in etcd before it answers the
+//! request that made it ([`journal`]); a master that wins the key loads the journal (snapshot
+//! plus log) and starts from the state its predecessor acknowledged, conservatively: every
+//! object counts as being read for one lease TTL, writes in progress stay in progress, every
+//! client as just pinged (`crate::master::journal`). Journal writes are transactions guarded
+//! by the leader's key, so a deposed leader cannot append; a leader that cannot write its
+//! journal while it can prove its lease fences itself.
+//!
+//! **An etcd that lost its data.** The key then vanishes without the old leader's lease having
+//! expired, so another master can win it while the old one still answers for the rest of its
+//! fence bound. A new leader therefore serves at once only when the journal's `term` marker
+//! names the leader it saw while standing by (etcd kept its history); otherwise (a wiped etcd,
+//! a first start) it waits out one fence bound first.
+
+pub mod journal;
 
 use crate::error::StoreError;
 use crate::master::Master;
@@ -94,6 +105,8 @@ pub struct HaStatus {
     /// Milliseconds this leader may still answer without another renewal, else null.
     pub fenced_in_ms: Option<u64>,
     pub lease_id: String,
+    /// The journal of this term (leaders): entries, bytes, snapshots, changes not yet durable.
+    pub journal: journal::JournalStats,
 }
 
 /// The gate every RPC passes. Without HA it always admits (term 0).
@@ -188,6 +201,7 @@ impl Gate {
             last_keepalive_age_ms: st.last_keepalive.filter(|_| role == Role::Leader).map(|t| now.saturating_duration_since(t).as_millis() as u64),
             fenced_in_ms: st.valid_until.filter(|_| role == Role::Leader).map(|t| t.saturating_duration_since(now).as_millis() as u64),
             lease_id: format!("{:x}", st.lease_id),
+            journal: Default::default(),
         }
     }
 
@@ -220,8 +234,17 @@ impl Gate {
         }
     }
 
-    fn still_leader(&self, term: i64) -> bool {
+    pub(crate) fn still_leader(&self, term: i64) -> bool {
         self.admit().is_ok_and(|t| t == term)
+    }
+
+    /// Refuses everything from now on in `term` (the journal cannot be written): the leader
+    /// reads as fenced at once and its elector steps down.
+    pub(crate) fn fence(&self, term: i64) {
+        let mut st = self.st();
+        if st.role == Role::Leader && st.term == term {
+            st.valid_until = Some(Instant::now());
+        }
     }
 }
 
@@ -276,6 +299,8 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
     let ttl_secs = cfg.lease_ttl.as_secs_f64().ceil() as i64;
     let mut last_err = String::new();
     let mut logged_leader = String::new();
+    // The term of the last leader seen while standing by (see "An etcd that lost its data").
+    let mut seen_term = 0i64;
     let mut report = |e: String| {
         if e != last_err {
             tracing::warn!("HA: {e}");
@@ -285,6 +310,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
     loop {
         match etcd.get_kv(key) {
             Ok(Some(kv)) => {
+                seen_term = kv.create_revision;
                 gate.set_standby(Some(&kv));
                 let leader = String::from_utf8_lossy(&kv.value).into_owned();
                 if leader != logged_leader {
@@ -314,14 +340,26 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
         };
         match etcd.create(key, cfg.address.as_bytes(), lease) {
             Ok(Created::Won(term)) => {
-                // Whatever this master held (a former term) is not this term's.
-                master.reset(term);
-                gate.set_leader(term, &cfg.address, lease, sent, cfg.fence_bound());
-                tracing::info!(term, "HA: leader at {} (key {key}, lease {lease:x})", cfg.address);
-                logged_leader = cfg.address.clone();
-                lead(cfg, etcd, key, master, term, lease);
+                match take_over(cfg, etcd, key, master, term, lease, sent, seen_term) {
+                    Ok(head) => {
+                        logged_leader = cfg.address.clone();
+                        std::thread::scope(|sc| {
+                            let writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), term, seq: head.0, head: head.1 };
+                            let w = std::thread::Builder::new().name("kvf-master-journal".into()).spawn_scoped(sc, move || writer.run());
+                            if let Err(e) = w {
+                                tracing::error!(term, "HA: cannot start the journal writer: {e}; stepping down");
+                                gate.fence(term);
+                            }
+                            lead(cfg, etcd, key, master, term, lease);
+                            gate.set_standby(None);
+                            master.journal.deactivate();
+                        });
+                    }
+                    Err(e) => tracing::warn!(term, "HA: won the key but cannot take over: {e}; stepping down"),
+                }
                 // Stepping down: refuse, forget, let the others take over at once.
                 gate.set_standby(None);
+                master.journal.deactivate();
                 master.reset(-1);
                 if let Err(e) = etcd.delete_if_created_at(key, term) {
                     tracing::debug!("HA: deleting the key after stepping down: {e}");
@@ -342,6 +380,46 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
             }
         }
     }
+}
+
+/// Loads the journal into `master`'s state for `term` and starts serving: the last journal
+/// entry's number and the snapshot head, for the writer.
+#[allow(clippy::too_many_arguments)]
+fn take_over(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, term: i64, lease: i64, won_at: Instant, seen_term: i64) -> Result<(u64, Option<journal::Head>), String> {
+    let loaded = journal::load(etcd, &cfg.cluster_id)?;
+    let (mut st, rebuilt) = loaded.image.into_state(term, master.now(), master.cfg.lease_ttl.as_millis() as u64);
+    st.journal_on();
+    *master.lock() = st;
+    master.journal.activate(term);
+    if !journal::mark_term(etcd, key, &cfg.cluster_id, term)? {
+        return Err("the key is no longer this master's".into());
+    }
+    // etcd kept its history only if the journal names the leader this master saw; otherwise
+    // an old leader may still answer until its fence bound ends.
+    if loaded.last_term == 0 || loaded.last_term != seen_term {
+        let wait = (won_at + cfg.fence_bound()).saturating_duration_since(Instant::now());
+        tracing::info!(term, journal_term = loaded.last_term, seen_term, "HA: etcd's history does not show the previous leader; waiting {wait:?} (one fence bound) before serving");
+        std::thread::sleep(wait);
+    }
+    let sent = Instant::now();
+    match etcd.lease_keepalive(lease) {
+        Ok(Some(_)) => {}
+        Ok(None) => return Err("the lease expired while loading the journal".into()),
+        Err(e) => return Err(format!("renewing the lease after loading the journal: {e}")),
+    }
+    master.gate.set_leader(term, &cfg.address, lease, sent, cfg.fence_bound());
+    tracing::info!(
+        term,
+        objects = rebuilt.objects,
+        segments = rebuilt.segments,
+        dropped_replicas = rebuilt.dropped_replicas,
+        dropped_objects = rebuilt.dropped_objects,
+        journal_entries = loaded.log_entries,
+        journal_bytes = loaded.bytes,
+        "HA: leader at {} (key {key}, lease {lease:x}); state loaded from the journal",
+        cfg.address
+    );
+    Ok((loaded.seq, loaded.head))
 }
 
 /// Keeps the lease alive while the key is ours; returns when leadership cannot be proven.
