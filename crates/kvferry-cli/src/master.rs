@@ -96,6 +96,10 @@ pub struct MasterArgs {
     /// it passed without a renewal. Mooncake's is 5 s, fixed.
     #[arg(long, default_value_t = 5000, value_parser = crate::master_flags::parse_duration_ms)]
     pub ha_lease_ttl: u64,
+    /// HA journal: write a snapshot (and drop the log it covers) once the log since the last
+    /// snapshot is larger than this and than that snapshot (e.g. 8M, 64M).
+    #[arg(long, default_value = "8M", value_parser = crate::sys::parse_size)]
+    pub ha_snapshot_bytes: u64,
     /// The RPC address clients should use, written into the leader key (`ip` or `ip:port`;
     /// default: --host and the RPC port). Needed when --host is 0.0.0.0 or ::.
     #[arg(long)]
@@ -171,7 +175,7 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
     keep_cli!(
         host, port, metrics_port, metrics_host, default_kv_lease_ttl, default_kv_soft_pin_ttl, allow_evict_soft_pinned_objects, eviction_ratio, eviction_high_watermark_ratio, client_ttl,
         allocation_strategy, put_start_discard_timeout_sec, put_start_release_timeout_sec, put_wait_for_reads_ms, summary_interval, enable_http_metadata_server, http_metadata_server_host,
-        http_metadata_server_port, http_metadata_server_data_dir, enable_ha, ha_backend_connstring, etcd_endpoints, cluster_id, ha_lease_ttl, advertise_address
+        http_metadata_server_port, http_metadata_server_data_dir, enable_ha, ha_backend_connstring, etcd_endpoints, cluster_id, ha_lease_ttl, ha_snapshot_bytes, advertise_address
     );
     out.config = a.config.clone();
     Ok(out)
@@ -211,7 +215,7 @@ fn ha_config(a: &MasterArgs, rpc_port: u16, env_cluster_id: Option<&str>) -> Res
         None if a.host.is_unspecified() => return Err(format!("--enable-ha with --host {}: pass --advertise-address, the address clients reach this master at", a.host)),
         None => SocketAddr::new(a.host, rpc_port).to_string(),
     };
-    Ok(Some(kvferry_store::ha::HaConfig { endpoints, cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env_cluster_id), address, lease_ttl: ttl }))
+    Ok(Some(kvferry_store::ha::HaConfig { endpoints, cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env_cluster_id), address, lease_ttl: ttl, snapshot_bytes: a.ha_snapshot_bytes }))
 }
 
 /// kvferry's long flag names for `kvferry master` (kebab-case, no dashes).

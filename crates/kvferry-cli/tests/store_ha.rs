@@ -28,6 +28,10 @@ struct Master {
 impl Master {
     /// `mooncake`: Mooncake's gflags spellings, else kvferry's.
     fn start(etcd_port: u16, cluster: Option<&str>, mooncake: bool) -> Master {
+        Master::start_with(etcd_port, cluster, mooncake, &[])
+    }
+
+    fn start_with(etcd_port: u16, cluster: Option<&str>, mooncake: bool, extra: &[&str]) -> Master {
         let conn = format!("etcd://127.0.0.1:{etcd_port};127.0.0.1:1"); // a dead second endpoint, tried after the live one
         let mut args: Vec<String> = ["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0", "--ha-lease-ttl", "2s"].iter().map(|s| s.to_string()).collect();
         if mooncake {
@@ -41,6 +45,7 @@ impl Master {
                 args.extend(["--cluster-id".to_string(), c.to_string()]);
             }
         }
+        args.extend(extra.iter().map(|s| s.to_string()));
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry")).args(&args).env_remove("MC_STORE_CLUSTER_ID").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn kvferry master");
         let mut line = String::new();
         BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("the master's line");
@@ -486,5 +491,73 @@ fn repeated_leader_kills_under_load_never_two_leaders_never_wrong_bytes() {
     eprintln!("{rounds} kills: worst failover {worst:?}; load: {} puts ok, {} failed, {} gets verified; {} objects lost of {}", oks.load(Relaxed), errs.load(Relaxed), gets.load(Relaxed), lost.len(), stored.len());
     assert!(lost.is_empty(), "objects lost across {rounds} failovers: {} of {} (first: {:?})", lost.len(), stored.len(), lost.first());
     assert!(oks.load(Relaxed) > 0 && gets.load(Relaxed) > 0);
+    let _ = c.close();
+}
+
+/// The journal stays bounded: with a tiny snapshot threshold the leader snapshots again and
+/// again, deleting the log each snapshot covers; a new leader loads snapshot + log and has
+/// every object, removed ones stay removed, across two failovers.
+#[test]
+fn snapshots_bound_the_journal_and_a_new_leader_loads_them() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
+    let extra = ["--ha-snapshot-bytes", "4096"];
+    let mut ms = [Master::start_with(etcd_svc.port, None, false, &extra), Master::start_with(etcd_svc.port, None, true, &extra)];
+    let mut l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let c = Client::setup(ClientConfig {
+        global_segment_size: 32 << 20,
+        local_buffer_size: 16 << 20,
+        master_server_addr: format!("etcd://127.0.0.1:{}", etcd_svc.port),
+        transfer_timeout: Duration::from_secs(10),
+        ..ClientConfig::default()
+    })
+    .expect("client setup");
+    let journal = kvferry_store::ha::journal::prefix("mooncake_cluster");
+    let etcd_bytes = || -> (usize, usize, u64) {
+        let kvs = etcd.range(&journal, &format!("{}~", journal.trim_end_matches('/')), 100).expect("etcd range");
+        let logs = kvs.iter().filter(|(k, _)| k.contains("/log/")).count();
+        let snaps = kvs.iter().filter(|(k, _)| k.contains("/snap/")).count();
+        (logs, snaps, kvs.iter().map(|(_, kv)| kv.value.len() as u64).sum())
+    };
+    let mut live: Vec<String> = Vec::new();
+    for round in 0..2 {
+        for i in 0..300 {
+            let key = format!("r{round}-{i}");
+            c.put(&key, &value(&key, 1024), &ReplicateConfig::default()).expect("put");
+            live.push(key);
+        }
+        // Every third object of this round removed: it must stay removed after the failover.
+        let removed: Vec<String> = live.iter().filter(|k| k.starts_with(&format!("r{round}-"))).step_by(3).cloned().collect();
+        for k in &removed {
+            c.remove(k, true).expect("remove");
+        }
+        live.retain(|k| !removed.contains(k));
+        let st: serde_json::Value = serde_json::from_str(&http_get(&ms[l].http, "/ha_status").1).expect("JSON");
+        let snapshots = st["journal"]["snapshots"].as_u64().unwrap_or(0);
+        assert!(snapshots >= 3, "round {round}: a 4 KiB threshold snapshots again and again: {st}");
+        let (logs, snaps, bytes) = etcd_bytes();
+        let snap_bytes = st["journal"]["snapshot_bytes"].as_u64().unwrap_or(0);
+        // The log a snapshot covers is deleted: what is left is one snapshot (two while the
+        // next one is being written) and a log of at most the threshold or the snapshot's
+        // size, whichever is larger (plus the entry that crossed it).
+        assert!(bytes <= 2 * snap_bytes + snap_bytes.max(4096) + 4096, "round {round}: the journal is bounded: {logs} log keys, {snaps} snapshot chunks, {bytes} bytes (snapshot {snap_bytes})");
+        // Failover: the standby loads the snapshot and the log after it.
+        let s = 1 - l;
+        ms[l].kill();
+        let until = Instant::now() + 2 * TTL + Duration::from_secs(1);
+        while ms[s].role() != "leader" {
+            assert!(Instant::now() < until, "round {round}: no failover");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        ms[l] = Master::start_with(etcd_svc.port, None, round % 2 == 0, &extra);
+        l = s;
+        for k in &live {
+            assert_eq!(c.get(k).unwrap_or_else(|e| panic!("round {round}: {k} lost in the failover: {e}")), value(k, 1024));
+        }
+        for k in &removed {
+            assert!(matches!(c.get(k), Err(StoreError::ObjectNotFound(_))), "round {round}: {k} was removed before the failover");
+        }
+        eprintln!("round {round}: {} objects after the failover; journal before it: {logs} log keys, {snaps} snapshot chunks, {bytes} bytes, {snapshots} snapshots", live.len());
+    }
     let _ = c.close();
 }

@@ -300,6 +300,8 @@ pub struct Writer<'a> {
     pub term: i64,
     pub seq: u64,
     pub head: Option<Head>,
+    /// Snapshot once the log since the last snapshot is larger than this and than it.
+    pub snapshot_bytes: u64,
 }
 
 impl Writer<'_> {
@@ -412,7 +414,7 @@ impl Writer<'_> {
                 j.done(upto);
             }
             let st = j.stats();
-            if st.log_bytes > SNAPSHOT_MIN.max(st.snapshot_bytes) && self.snapshot().is_none() {
+            if st.log_bytes > self.snapshot_bytes.max(st.snapshot_bytes) && self.snapshot().is_none() {
                 break;
             }
         }

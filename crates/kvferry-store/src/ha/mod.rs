@@ -257,6 +257,9 @@ pub struct HaConfig {
     /// The RPC address clients should use (`ip:port`), written into the key.
     pub address: String,
     pub lease_ttl: Duration,
+    /// The journal is snapshotted once its log outgrows this and the last snapshot
+    /// ([`journal::SNAPSHOT_MIN`] by default).
+    pub snapshot_bytes: u64,
 }
 
 impl HaConfig {
@@ -344,7 +347,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
                     Ok(head) => {
                         logged_leader = cfg.address.clone();
                         std::thread::scope(|sc| {
-                            let writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), term, seq: head.0, head: head.1 };
+                            let writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), term, seq: head.0, head: head.1, snapshot_bytes: cfg.snapshot_bytes };
                             let w = std::thread::Builder::new().name("kvf-master-journal".into()).spawn_scoped(sc, move || writer.run());
                             if let Err(e) = w {
                                 tracing::error!(term, "HA: cannot start the journal writer: {e}; stepping down");
@@ -495,7 +498,7 @@ mod tests {
         assert_eq!(resolve_cluster_id(Some("flag"), Some("env")), "flag");
         assert_eq!(resolve_cluster_id(None, Some("env")), "env");
         assert_eq!(resolve_cluster_id(Some(" "), None), DEFAULT_CLUSTER_ID);
-        let c = HaConfig { endpoints: vec![], cluster_id: "c".into(), address: "a:1".into(), lease_ttl: Duration::from_secs(5) };
+        let c = HaConfig { endpoints: vec![], cluster_id: "c".into(), address: "a:1".into(), lease_ttl: Duration::from_secs(5), snapshot_bytes: journal::SNAPSHOT_MIN };
         assert!(c.fence_bound() < c.lease_ttl && c.keepalive_every() < c.fence_bound() / 2, "at least two renewals fit in the bound");
     }
 }

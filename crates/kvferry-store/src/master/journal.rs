@@ -315,7 +315,9 @@ mod tests {
     }
 
     /// Durable content of a state, comparable: objects with replicas, segments, clients.
-    fn durable(st: &State) -> (Vec<(String, ObjectRec)>, Vec<(u64, u64)>, Vec<u64>) {
+    type Durable = (Vec<(String, ObjectRec)>, Vec<(u64, u64)>, Vec<u64>);
+
+    fn durable(st: &State) -> Durable {
         let mut objs: Vec<(String, ObjectRec)> = st.objects.iter().map(|(k, o)| (k.to_string(), State::object_rec(o, 0))).collect();
         for (_, r) in objs.iter_mut() {
             r.soft_pin_left = 0;
