@@ -15,6 +15,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod ha;
+
 #[derive(clap::Args)]
 pub struct StoreBenchArgs {
     /// Value sizes to sweep.
@@ -60,6 +62,10 @@ pub struct StoreBenchArgs {
     /// Bytes of each layer's region in the multi-buffer points.
     #[arg(long, default_value = "64K", value_parser = parse_size)]
     multi_part: u64,
+    /// Measure master high availability against this etcd (`host:port`): throughput with the
+    /// journal on vs off, etcd bytes per million objects, failover time and objects lost.
+    #[arg(long, value_name = "ETCD")]
+    ha: Option<String>,
     /// Internal: run as the serving client of a bench.
     #[arg(long, hide = true)]
     serve_segment: Option<String>,
@@ -83,6 +89,9 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
     }
     if a.master_only {
         return master_only(&a);
+    }
+    if let Some(etcd) = &a.ha {
+        return ha::run(&a, etcd);
     }
     if a.batch == 0 {
         return Err("--batch must be at least 1".into());

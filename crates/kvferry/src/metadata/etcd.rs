@@ -287,6 +287,11 @@ impl EtcdClient {
         }
     }
 
+    /// Removes every key in `[from, to)`.
+    pub fn delete_range(&self, from: &str, to: &str) -> Result<()> {
+        self.call(&format!("DELETE {from}..{to}"), "/v3/kv/deleterange", json!({ "key": B64.encode(from), "range_end": B64.encode(to) })).map(drop)
+    }
+
     /// Removes `key`; absent is not an error.
     pub fn delete(&self, key: &str) -> Result<()> {
         self.call(&format!("DELETE {key}"), "/v3/kv/deleterange", json!({ "key": B64.encode(key) })).map(drop)

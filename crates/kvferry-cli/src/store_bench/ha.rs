@@ -1,0 +1,205 @@
+//! `kvferry store-bench --ha ETCD`: the figures of master high availability, in one run
+//! against the etcd given (`host:port`): metadata throughput with the journal on vs a master
+//! without HA, the journal's etcd bytes per million objects, and failover time and objects lost
+//! when the leader is SIGKILLed (two `kvferry master --enable-ha` processes and a serving
+//! client, all on 127.0.0.1, in a cluster id of their own).
+
+use super::{fill_value, value_ok, Proc, StoreBenchArgs};
+use kvferry::metadata::etcd::EtcdClient;
+use kvferry::hostbuf::HostBuffer;
+use kvferry_store::client::{Client, ClientConfig};
+use kvferry_store::ha::{self, HaConfig, Role};
+use kvferry_store::master::{Master, MasterConfig};
+use kvferry_store::proto::{ReplicateConfig, Request, Response, Segment};
+use kvferry_store::server::MasterServer;
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// (connections, keys per request) of the throughput points.
+const POINTS: [(usize, usize); 5] = [(1, 1), (4, 1), (4, 32), (16, 32), (64, 32)];
+
+/// PutStart + PutEnd pairs over RPC from `threads` connections, `per_req` keys per request:
+/// objects created per second.
+fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str) -> f64 {
+    let start = Instant::now();
+    let created: u64 = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|t| {
+                s.spawn(move || -> u64 {
+                    let Ok(mut conn) = std::net::TcpStream::connect(addr) else { return 0 };
+                    let _ = conn.set_nodelay(true);
+                    let mut call = |req: &Request| -> Option<Response> {
+                        let frame = kvferry_store::proto::encode(req).ok()?;
+                        conn.write_all(&frame).ok()?;
+                        let mut len = [0u8; 4];
+                        conn.read_exact(&mut len).ok()?;
+                        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+                        conn.read_exact(&mut body).ok()?;
+                        kvferry_store::proto::decode(&body).ok()
+                    };
+                    let client = 1000 + t as u64;
+                    let seg = Segment { id: client, name: format!("bench-{client}"), te_endpoint: format!("127.0.0.1:{client}"), base: client << 44, size: 1 << 42 };
+                    if !matches!(call(&Request::MountSegment { client, segment: seg }), Some(Response::Ok)) {
+                        return 0;
+                    }
+                    let mut n = 0u64;
+                    let cfg = ReplicateConfig::default();
+                    while start.elapsed() < dur {
+                        let keys: Vec<String> = (0..per_req).map(|i| format!("{tag}-{t}-{}", n + i as u64)).collect();
+                        let starts = Request::Batch(keys.iter().map(|k| Request::PutStart { client, key: k.clone(), size: 4096, config: cfg.clone(), upsert: false }).collect());
+                        let ends = Request::Batch(keys.iter().map(|k| Request::PutEnd { client, key: k.clone() }).collect());
+                        match (call(&starts), call(&ends)) {
+                            (Some(Response::Batch(a)), Some(Response::Batch(b))) if a.iter().all(|r| matches!(r, Response::Replicas(_))) && b.iter().all(|r| *r == Response::Ok) => n += per_req as u64,
+                            _ => return n,
+                        }
+                    }
+                    n
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or(0)).sum()
+    });
+    created as f64 / start.elapsed().as_secs_f64()
+}
+
+fn journal_bytes(etcd: &EtcdClient, cluster: &str) -> Result<(u64, usize), String> {
+    let p = ha::journal::prefix(cluster);
+    let kvs = etcd.range(&p, &format!("{}~", p.trim_end_matches('/')), 256).map_err(|e| e.to_string())?;
+    Ok((kvs.iter().map(|(k, kv)| (k.len() + kv.value.len()) as u64).sum(), kvs.len()))
+}
+
+pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
+    let endpoints = kvferry::metadata::etcd::parse_endpoints(etcd_addr);
+    let etcd = EtcdClient::connect(&endpoints, Duration::from_secs(2)).map_err(|e| format!("--ha {etcd_addr}: {e}"))?;
+    let dur = Duration::from_secs_f64(a.duration.max(0.5));
+    let rate_cluster = format!("kvferry-bench-{}-rate", std::process::id());
+    let cluster = format!("kvferry-bench-{}-failover", std::process::id());
+    println!("store-bench --ha: etcd {etcd_addr}, cluster ids {rate_cluster} and {cluster}, {:.1} s per point", dur.as_secs_f64());
+    // The failover part's client finds its cluster through the environment, as every client
+    // does; set before any thread of this run exists.
+    std::env::set_var("MC_STORE_CLUSTER_ID", &cluster);
+
+    // 1. Throughput: the same put load against a master without HA and a journaling leader.
+    let mut rates = Vec::new();
+    for journaled in [false, true] {
+        let m = Arc::new(Master::new(MasterConfig::default()));
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+        let port = listener.local_addr().map_err(|e| e.to_string())?.port();
+        let server = MasterServer::start(Arc::clone(&m), listener, Duration::from_millis(200), 0).map_err(|e| e.to_string())?;
+        let addr = format!("127.0.0.1:{port}");
+        if journaled {
+            let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: rate_cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN };
+            ha::start(cfg, Arc::clone(&m))?;
+            let until = Instant::now() + Duration::from_secs(15);
+            while m.gate.role() != Role::Leader {
+                if Instant::now() > until {
+                    return Err("the in-process HA master did not lead within 15 s".into());
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let mut row = Vec::new();
+        for (threads, per_req) in POINTS {
+            row.push(put_rate(&addr, threads, per_req, dur, &format!("j{journaled}-{threads}-{per_req}")));
+        }
+        if journaled {
+            let keys = m.lock().summary().keys as u64;
+            let (bytes, n) = journal_bytes(&etcd, &rate_cluster)?;
+            let st = m.journal.stats();
+            println!(
+                "journal in etcd after {keys} objects: {bytes} bytes in {n} keys ({} snapshots, lag {}) = {:.1} MB per million objects",
+                st.snapshots,
+                st.lag,
+                bytes as f64 * 1e6 / keys.max(1) as f64 / 1e6
+            );
+        }
+        rates.push(row);
+        drop(server);
+    }
+    println!("{:<34} {:>14} {:>14} {:>7}", "objects created/s (PutStart+PutEnd)", "no HA", "HA journal", "ratio");
+    for (i, (threads, per_req)) in POINTS.iter().enumerate() {
+        let (off, on) = (rates[0][i], rates[1][i]);
+        println!("{:<34} {:>14.0} {:>14.0} {:>7.2}", format!("{threads} connection(s), {per_req} key(s)/request"), off, on, on / off.max(1e-9));
+    }
+
+    // 2. Failover: two master processes, a serving client, objects put, the leader killed.
+    let etcd_url = format!("etcd://{}", endpoints.join(";"));
+    let start_master = || {
+        Proc::spawn(
+            crate::self_command()?
+                .args(["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0", "--enable-ha", "--ha-backend-connstring", &etcd_url, "--cluster-id", &cluster, "--ha-lease-ttl", "2s"])
+                .env_remove("MC_STORE_CLUSTER_ID"),
+            "KVFERRY_MASTER",
+        )
+    };
+    let role = |p: &Proc| -> String {
+        let http = p.field("http=").unwrap_or_default();
+        let Ok(mut s) = std::net::TcpStream::connect(&http) else { return String::new() };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+        let _ = write!(s, "GET /role HTTP/1.0\r\nHost: x\r\n\r\n");
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        out.rsplit("\r\n\r\n").next().unwrap_or("").trim().to_string()
+    };
+    let mut ms = [start_master()?, start_master()?];
+    let server = Proc::spawn(crate::self_command()?.args(["store-bench", "--serve-segment", &etcd_url, "--segment-size", "256M"]), "KVFERRY_STORE_SERVER")?;
+    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 64 << 20, master_server_addr: etcd_url.clone(), ..ClientConfig::default() }).map_err(|e| e.to_string())?;
+    let value = 16u64 << 10;
+    let buf = HostBuffer::new(value as usize, true).map_err(|e| e.to_string())?;
+    c.register_buffer(buf.addr(), value).map_err(|e| e.to_string())?;
+    let mut stored: Vec<String> = Vec::new();
+    let mut times = Vec::new();
+    let rounds = 3;
+    for round in 0..rounds {
+        for i in 0..500 {
+            let key = format!("fo-{round}-{i}");
+            fill_value(buf.slice_mut(0, value as usize), &key);
+            if c.put_from(&key, buf.addr(), value, &ReplicateConfig::default()).is_ok() {
+                stored.push(key);
+            }
+        }
+        let l = (0..2).find(|&i| role(&ms[i]) == "leader").ok_or("no leader among the two masters")?;
+        let killed = Instant::now();
+        ms[l].stop();
+        let probe = format!("probe-{round}");
+        fill_value(buf.slice_mut(0, value as usize), &probe);
+        loop {
+            if c.put_from(&probe, buf.addr(), value, &ReplicateConfig::default()).is_ok() {
+                break;
+            }
+            if killed.elapsed() > Duration::from_secs(30) {
+                return Err(format!("round {round}: no put succeeded within 30 s of the kill"));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        times.push(killed.elapsed());
+        ms[l] = start_master()?;
+    }
+    let mut lost = 0;
+    for k in &stored {
+        let ok = c.get_into(k, buf.addr(), value).is_ok_and(|n| n == value) && value_ok(buf.slice(0, value as usize), k);
+        lost += usize::from(!ok);
+    }
+    times.sort();
+    println!(
+        "failover (SIGKILL of the leader -> first successful put, lease TTL 2 s): {} over {rounds} kills (median {:.2} s, worst {:.2} s); objects lost: {lost} of {}",
+        times.iter().map(|t| format!("{:.2} s", t.as_secs_f64())).collect::<Vec<_>>().join(", "),
+        times[times.len() / 2].as_secs_f64(),
+        times.last().map_or(0.0, Duration::as_secs_f64),
+        stored.len()
+    );
+    let _ = c.close();
+    drop(server);
+    drop(ms);
+    // Leave nothing of this run in etcd (the in-process leader of the rate part still renews
+    // its lease until the process exits; its key goes with the lease).
+    for c in [&rate_cluster, &cluster] {
+        let p = ha::journal::prefix(c);
+        let _ = etcd.delete_range(&p, &format!("{}~", p.trim_end_matches('/')));
+    }
+    if lost > 0 {
+        return Err(format!("{lost} objects were lost across the failovers"));
+    }
+    Ok(())
+}
