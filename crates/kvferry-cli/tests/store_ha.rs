@@ -32,7 +32,14 @@ impl Master {
     }
 
     fn start_with(etcd_port: u16, cluster: Option<&str>, mooncake: bool, extra: &[&str]) -> Master {
-        let conn = format!("etcd://127.0.0.1:{etcd_port};127.0.0.1:1"); // a dead second endpoint, tried after the live one
+        // A dead second endpoint, tried after the live one.
+        Master::start_in(None, &format!("etcd://127.0.0.1:{etcd_port};127.0.0.1:1"), cluster, mooncake, extra)
+    }
+
+    /// A master in network namespace `netns` (`ip netns exec`, which execs the binary: the pid
+    /// is the master's), using the etcd connection string `conn`.
+    fn start_in(netns: Option<&str>, conn: &str, cluster: Option<&str>, mooncake: bool, extra: &[&str]) -> Master {
+        let conn = conn.to_string();
         let mut args: Vec<String> = ["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0", "--ha-lease-ttl", "2s"].iter().map(|s| s.to_string()).collect();
         if mooncake {
             args.extend(["--enable_ha".to_string(), "--ha_backend_connstring".into(), conn]);
@@ -46,7 +53,15 @@ impl Master {
             }
         }
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry")).args(&args).env_remove("MC_STORE_CLUSTER_ID").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn kvferry master");
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_kvferry")]);
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_kvferry")),
+        };
+        let mut child = cmd.args(&args).env_remove("MC_STORE_CLUSTER_ID").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn kvferry master");
         let mut line = String::new();
         BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("the master's line");
         assert!(line.starts_with("KVFERRY_MASTER"), "{line:?}");
@@ -560,4 +575,152 @@ fn snapshots_bound_the_journal_and_a_new_leader_loads_them() {
         eprintln!("round {round}: {} objects after the failover; journal before it: {logs} log keys, {snaps} snapshot chunks, {bytes} bytes, {snapshots} snapshots", live.len());
     }
     let _ = c.close();
+}
+
+/// A network namespace with a veth pair to the test's namespace: `host_ip` and `etcd_ip` on
+/// this side, `ns_ip` inside. Deleted (with the pair) when dropped.
+struct NetNs {
+    name: String,
+    dev: String,
+    host_ip: String,
+    /// A second address on this side, for the way to etcd alone (it can be cut by itself).
+    etcd_ip: String,
+    ns_ip: String,
+}
+
+fn sh(args: &[&str]) -> Result<(), String> {
+    let out = Command::new(args[0]).args(&args[1..]).output().map_err(|e| format!("{}: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("{}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+impl NetNs {
+    fn create() -> Result<NetNs, String> {
+        let id = std::process::id() % 10_000;
+        let k = std::process::id() % 250 + 1;
+        let ns = NetNs { name: format!("kvfha{id}"), dev: format!("kvfha{id}b"), host_ip: format!("10.213.{k}.1"), etcd_ip: format!("10.213.{k}.3"), ns_ip: format!("10.213.{k}.2") };
+        let host_dev = format!("kvfha{id}a");
+        sh(&["ip", "netns", "add", &ns.name])?;
+        // From here on, Drop cleans up whatever was made.
+        sh(&["ip", "link", "add", &host_dev, "type", "veth", "peer", "name", &ns.dev])?;
+        sh(&["ip", "link", "set", &ns.dev, "netns", &ns.name])?;
+        sh(&["ip", "addr", "add", &format!("{}/29", ns.host_ip), "dev", &host_dev])?;
+        sh(&["ip", "addr", "add", &format!("{}/29", ns.etcd_ip), "dev", &host_dev])?;
+        sh(&["ip", "link", "set", &host_dev, "up"])?;
+        sh(&["ip", "netns", "exec", &ns.name, "ip", "addr", "add", &format!("{}/29", ns.ns_ip), "dev", &ns.dev])?;
+        sh(&["ip", "netns", "exec", &ns.name, "ip", "link", "set", &ns.dev, "up"])?;
+        sh(&["ip", "netns", "exec", &ns.name, "ip", "link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    /// Blackholes every packet from inside the namespace to `etcd_ip` (no reset, no error:
+    /// as a cut link or a partition looks), or lets them through again. Done with a neighbour
+    /// entry pointing at a MAC address nobody has (the peer drops the frames): no packet
+    /// filter needed, which this VM's kernel lacks.
+    fn cut(&self, cut: bool) -> Result<(), String> {
+        let exec = ["ip", "netns", "exec", &self.name];
+        if cut {
+            sh(&[&exec[..], &["ip", "neigh", "replace", &self.etcd_ip, "lladdr", "02:00:00:00:00:01", "dev", &self.dev, "nud", "permanent"]].concat())
+        } else {
+            sh(&[&exec[..], &["ip", "neigh", "del", &self.etcd_ip, "dev", &self.dev]].concat())
+        }
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        let _ = sh(&["ip", "netns", "del", &self.name]);
+    }
+}
+
+/// Forwards connections to `listen` (on the veth's host side) to etcd on 127.0.0.1: how a
+/// master inside the namespace reaches the test's etcd. Runs until the test process ends.
+fn forward(listen: &str, etcd_port: u16) -> u16 {
+    let l = std::net::TcpListener::bind(format!("{listen}:0")).expect("bind the forwarder");
+    let port = l.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for c in l.incoming().flatten() {
+            let Ok(up) = TcpStream::connect(("127.0.0.1", etcd_port)) else { continue };
+            let (Ok(c2), Ok(up2)) = (c.try_clone(), up.try_clone()) else { continue };
+            let pipe = |mut a: TcpStream, mut b: TcpStream| {
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut a, &mut b);
+                    let _ = b.shutdown(std::net::Shutdown::Write);
+                });
+            };
+            pipe(c, up);
+            pipe(up2, c2);
+        }
+    });
+    port
+}
+
+/// A leader in a network namespace of its own, cut off from etcd by blackholing its packets to
+/// etcd (its clients still reach it): it refuses every request within 2/3 TTL of the cut, the
+/// other master leads within 2 TTL, and once the cut heals the old leader stands by naming the
+/// new one. Needs root (`ip netns`); `KVFERRY_SKIP_NETNS=1` skips it, loudly, where the
+/// machine forbids namespaces.
+#[test]
+fn a_leader_cut_off_from_etcd_by_a_network_namespace_stops_accepting_writes() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let ns = match NetNs::create() {
+        Ok(ns) => ns,
+        Err(e) if std::env::var("KVFERRY_SKIP_NETNS").is_ok_and(|v| v == "1") => {
+            eprintln!("NOT RUN (KVFERRY_SKIP_NETNS=1): cannot create a network namespace: {e}");
+            return;
+        }
+        Err(e) => panic!("this test creates a network namespace (root and iproute2 needed; KVFERRY_SKIP_NETNS=1 to skip): {e}"),
+    };
+    let fwd = forward(&ns.etcd_ip, etcd_svc.port);
+    let conn = format!("etcd://{}:{fwd}", ns.etcd_ip);
+    let a = Master::start_in(Some(&ns.name), &conn, None, false, &["--host", &ns.ns_ip]);
+    assert!(a.rpc.starts_with(&ns.ns_ip), "the namespaced master advertises its namespace's address: {}", a.rpc);
+    let until = Instant::now() + Duration::from_secs(10);
+    while a.role() != "leader" {
+        assert!(Instant::now() < until, "the namespaced master never led");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let b = Master::start(etcd_svc.port, None, true);
+    assert_eq!(one_leader(&[&a, &b], Duration::from_secs(5)), 0, "the first master keeps leading");
+    let mut to_a = raw(&a.rpc);
+    assert_eq!(rpc(&mut to_a, &mount_request()), Response::Ok, "the leader serves before the cut");
+
+    ns.cut(true).expect("cut the namespace off from etcd");
+    let cut = Instant::now();
+    let refused = loop {
+        match rpc(&mut to_a, &Request::Ping { client: 99 }) {
+            Response::Err(StoreError::NotLeader { .. }) => break cut.elapsed(),
+            other => assert!(cut.elapsed() < TTL, "the cut-off leader still answers {other:?} after {:?}", cut.elapsed()),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // Its last renewal was sent before the cut: 2/3 TTL after it at the latest, refused.
+    assert!(refused <= TTL * 2 / 3 + Duration::from_millis(400), "refused only {refused:?} after the cut (bound 2/3 TTL)");
+    assert!(matches!(rpc(&mut to_a, &mount_request()), Response::Err(StoreError::NotLeader { .. })), "writes are refused too");
+    let until = cut + 2 * TTL + Duration::from_secs(1);
+    while b.role() != "leader" {
+        assert!(Instant::now() < until, "the other master did not lead within 2 TTL of the cut");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let took = cut.elapsed();
+    // The new leader has the segment the old one acknowledged (its journal reached etcd).
+    let segs = http_get(&b.http, "/get_all_segments").1;
+    assert!(segs.contains("127.0.0.1:1"), "the mount acknowledged before the cut is known to the new leader: {segs}");
+    let mut to_b = raw(&b.rpc);
+    assert_eq!(rpc(&mut to_b, &mount_request()), Response::Ok, "the new leader serves (the same mount again is idempotent)");
+
+    ns.cut(false).expect("heal the cut");
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        if a.role() == "standby" && rpc(&mut to_a, &mount_request()) == Response::Err(StoreError::NotLeader { leader: b.rpc.clone() }) {
+            break;
+        }
+        assert!(Instant::now() < until, "the old leader did not stand by naming the new one after the cut healed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(one_leader(&[&a, &b], Duration::from_secs(2)), 1);
+    eprintln!("netns cut: refused after {refused:?}, the other master led after {took:?}");
 }
