@@ -403,9 +403,29 @@ impl Writer<'_> {
         Some(())
     }
 
+    /// Deletes snapshot chunks that the head does not name (a leader that died between
+    /// writing a new head and deleting the old snapshot leaves it behind).
+    fn collect_garbage(&self) -> Option<()> {
+        let all = format!("{}snap/", self.prefix);
+        match self.head {
+            Some(h) => {
+                let keep = snap_dir(&self.prefix, h.seq);
+                self.txn(&[], Some((&all, &keep)))?;
+                self.txn(&[], Some((&prefix_end(&keep), &prefix_end(&all))))?;
+            }
+            None => {
+                self.txn(&[], Some((&all, &prefix_end(&all))))?;
+            }
+        }
+        Some(())
+    }
+
     /// Runs until the term ends or writing fails (then the leader is fenced at once).
     pub fn run(mut self) {
         let j = &self.master.journal;
+        if self.collect_garbage().is_none() {
+            tracing::warn!(term = self.term, "HA journal: could not delete stale snapshot chunks");
+        }
         while let Some((changes, upto)) = j.next(self.term, Duration::from_millis(200)) {
             if !changes.is_empty() {
                 if self.append(&changes).is_none() {
