@@ -143,6 +143,19 @@ fn etcd_view(etcd: &EtcdClient, cluster: &str) -> Option<(String, i64)> {
     etcd.get_kv(&kvferry_store::ha::master_view_key(cluster)).expect("etcd get").map(|kv| (String::from_utf8_lossy(&kv.value).into_owned(), kv.create_revision))
 }
 
+/// A store client that finds the leader through the test's etcd (`etcd://`), contributing
+/// `segment` bytes.
+fn ha_client(etcd_port: u16, segment: u64) -> Client {
+    Client::setup(ClientConfig {
+        global_segment_size: segment,
+        local_buffer_size: 16 << 20,
+        master_server_addr: format!("etcd://127.0.0.1:{etcd_port}"),
+        transfer_timeout: Duration::from_secs(10),
+        ..ClientConfig::default()
+    })
+    .expect("client setup")
+}
+
 fn value(key: &str, len: usize) -> Vec<u8> {
     let seed = xxhash_rust::xxh3::xxh3_64(key.as_bytes());
     (0..len).map(|i| (seed.rotate_left((i % 64) as u32) as u8) ^ (i as u8)).collect()
@@ -377,14 +390,7 @@ fn etcd_restarted_with_or_without_its_data_masters_and_clients_recover() {
     let Some(mut etcd_svc) = Service::etcd() else { return };
     let ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, true)];
     one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
-    let c = Client::setup(ClientConfig {
-        global_segment_size: 16 << 20,
-        local_buffer_size: 16 << 20,
-        master_server_addr: format!("etcd://127.0.0.1:{}", etcd_svc.port),
-        transfer_timeout: Duration::from_secs(10),
-        ..ClientConfig::default()
-    })
-    .expect("client setup");
+    let c = ha_client(etcd_svc.port, 16 << 20);
     c.put("k0", &value("k0", 4096), &ReplicateConfig::default()).expect("put");
     for (round, wipe) in [(1, false), (2, true)] {
         let before = etcd_view(&EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd"), "mooncake_cluster");
@@ -426,14 +432,7 @@ fn repeated_leader_kills_under_load_never_two_leaders_never_wrong_bytes() {
     let rounds: usize = std::env::var("KVFERRY_TEST_HA_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
     let mut ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, true)];
     let mut l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
-    let c = Client::setup(ClientConfig {
-        global_segment_size: 32 << 20,
-        local_buffer_size: 16 << 20,
-        master_server_addr: format!("etcd://127.0.0.1:{}", etcd_svc.port),
-        transfer_timeout: Duration::from_secs(10),
-        ..ClientConfig::default()
-    })
-    .expect("client setup");
+    let c = ha_client(etcd_svc.port, 32 << 20);
     let stop = std::sync::atomic::AtomicBool::new(false);
     let (oks, errs, gets) = (std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0));
     let mut worst = Duration::ZERO;
@@ -519,14 +518,7 @@ fn snapshots_bound_the_journal_and_a_new_leader_loads_them() {
     let extra = ["--ha-snapshot-bytes", "4096"];
     let mut ms = [Master::start_with(etcd_svc.port, None, false, &extra), Master::start_with(etcd_svc.port, None, true, &extra)];
     let mut l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
-    let c = Client::setup(ClientConfig {
-        global_segment_size: 32 << 20,
-        local_buffer_size: 16 << 20,
-        master_server_addr: format!("etcd://127.0.0.1:{}", etcd_svc.port),
-        transfer_timeout: Duration::from_secs(10),
-        ..ClientConfig::default()
-    })
-    .expect("client setup");
+    let c = ha_client(etcd_svc.port, 32 << 20);
     let journal = kvferry_store::ha::journal::prefix("mooncake_cluster");
     let etcd_bytes = || -> (usize, usize, u64) {
         let kvs = etcd.range(&journal, &format!("{}~", journal.trim_end_matches('/')), 100).expect("etcd range");
