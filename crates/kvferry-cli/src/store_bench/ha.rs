@@ -113,6 +113,20 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
                 st.lag,
                 bytes as f64 * 1e6 / keys.max(1) as f64 / 1e6
             );
+            // What a new leader of this cluster would do before serving: read and rebuild.
+            let t = Instant::now();
+            let loaded = ha::journal::load(&etcd, &rate_cluster)?;
+            let read = t.elapsed();
+            let (rebuilt, report) = loaded.image.into_state(1, 0, 10_000);
+            println!(
+                "a new leader loads it in {:.2} s (etcd read and decode {:.2} s, rebuild {:.2} s): {} objects, {} dropped",
+                t.elapsed().as_secs_f64(),
+                read.as_secs_f64(),
+                (t.elapsed() - read).as_secs_f64(),
+                report.objects,
+                report.dropped_replicas + report.dropped_objects
+            );
+            drop(rebuilt);
         }
         rates.push(row);
         drop(server);
