@@ -1,18 +1,34 @@
-/* A mock libcuda.so.1 for tests on machines without a GPU (built by the tests with cc).
+/* The mock libcuda.so.1 of every test that needs a CUDA driver on a machine without a GPU,
+ * built by the tests with cc (tests/cuda_mock/mod.rs `build`; tests/python/test_gpu_mock.py;
+ * `scripts/gpu-check` runs the Rust ones). One source, three behaviours chosen at build time:
+ *
+ *   (default)  full memory: the probe, primary contexts, pointer classification, device and
+ *              pinned allocations, synchronous and stream-ordered copies, streams and events
+ *              (tests/gpu_memory.rs, kvferry-cli tests/cli.rs, test_gpu_mock.py);
+ *   -DNO_MEM   probe only: cuInit, the version and the device queries, nothing else, as a
+ *              driver older than CUDA 11.4 shows itself: kvferry reports GPU memory "too old"
+ *              naming cuDevicePrimaryCtxRetain (kvferry-cli tests/doctor_gpu.rs,
+ *              tests/gpu_driver.rs, tests/gpu_memory.rs);
+ *   -DNO_BUS_ID  also without cuDeviceGetPCIBusId: too old even for the probe
+ *              (tests/gpu_driver.rs).
+ *
+ * Other build-time knobs: INIT_RESULT (cuInit's result: 100 no device, 34 stub library),
+ * COUNT (GPUs), VERSION (cuDriverGetVersion, 12040 by default).
  *
  * Device memory is honest about where it lives: device pointers point into a reserved
  * PROT_NONE range, so any direct access by the CPU faults (as a real device pointer's does);
  * the bytes live in a separate mapping that only the copy functions below reach. Copies need
  * a current context, device ranges must lie inside one live allocation, and asynchronous
- * copies happen only when their stream is synchronised. cuPointerGetAttribute answers
- * CUDA_ERROR_INVALID_VALUE for memory it does not know, as the real driver does for plain
- * host pointers.
+ * copies happen only when their stream is synchronised (or an event recorded after them is):
+ * a missing wait shows as wrong bytes. cuPointerGetAttribute answers CUDA_ERROR_INVALID_VALUE
+ * for memory it does not know, as the real driver does for plain host pointers.
  *
- * Build-time knobs (-D): INIT_RESULT, COUNT (GPUs), VERSION, NO_BUS_ID, NO_MEM (a driver
- * without the memory entry points). Run-time knobs: mock_cuda_fail_copies(code) makes every
- * copy return `code` (0: copies work again), e.g. 709 (context destroyed);
- * mock_cuda_copy_delay_us(us) makes every synchronous copy take that long; mock_cuda_copies(dev)
- * counts the copies that touched device `dev`'s memory so far. */
+ * Run-time knobs (full memory only): mock_cuda_fail_copies(code) makes every copy return
+ * `code` (0: copies work again), e.g. 709 (context destroyed); mock_cuda_copy_delay_us(us)
+ * makes every copy take that long when it runs; mock_cuda_copies(dev) counts the copies that
+ * touched device `dev`'s memory so far; mock_cuda_queued() is the number of asynchronous
+ * copies queued and not yet run, on every stream; mock_cuda_max_queued() the most that were
+ * ever queued on one stream at once (reset by mock_cuda_reset_max_queued()). */
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -60,10 +76,14 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static volatile int fail_copies;
 static volatile unsigned copy_delay_us;
 static long copies[64];
+static long queued, max_queued;
 
 void mock_cuda_fail_copies(int code) { __atomic_store_n(&fail_copies, code, __ATOMIC_SEQ_CST); }
 void mock_cuda_copy_delay_us(unsigned us) { __atomic_store_n(&copy_delay_us, us, __ATOMIC_SEQ_CST); }
 long mock_cuda_copies(int dev) { return dev >= 0 && dev < 64 ? __atomic_load_n(&copies[dev], __ATOMIC_SEQ_CST) : -1; }
+long mock_cuda_queued(void) { return __atomic_load_n(&queued, __ATOMIC_SEQ_CST); }
+long mock_cuda_max_queued(void) { return __atomic_load_n(&max_queued, __ATOMIC_SEQ_CST); }
+void mock_cuda_reset_max_queued(void) { __atomic_store_n(&max_queued, 0, __ATOMIC_SEQ_CST); }
 
 /* Contexts: the primary context of device d is &ctx_tokens[d]; a per-thread stack. */
 static char ctx_tokens[64];
@@ -272,6 +292,7 @@ static void run_until(struct stream *s, long upto) {
         struct op o = s->ops[s->done % s->cap];
         do_copy(o.dev, o.dst, o.src, o.n);
         s->done++;
+        __atomic_sub_fetch(&queued, 1, __ATOMIC_SEQ_CST);
     }
     pthread_mutex_unlock(&s->mu);
 }
@@ -305,6 +326,9 @@ static int enqueue(struct stream *s, int dev, char *dst, const char *src, size_t
     }
     s->ops[s->issued % s->cap] = (struct op){ dev, dst, src, n };
     s->issued++;
+    long depth = s->issued - s->done, m = __atomic_load_n(&max_queued, __ATOMIC_SEQ_CST);
+    while (depth > m && !__atomic_compare_exchange_n(&max_queued, &m, depth, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
+    __atomic_add_fetch(&queued, 1, __ATOMIC_SEQ_CST);
     pthread_mutex_unlock(&s->mu);
     return 0;
 }
