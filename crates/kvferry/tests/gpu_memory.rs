@@ -441,3 +441,136 @@ fn child_staging_pipeline() {
         }
     }
 }
+
+#[test]
+fn vmm_mapped_gpu_memory_is_classified_across_its_mappings_and_moves() {
+    in_child("child_vmm", Some(&mock_dir()));
+}
+
+/// CUDA virtual memory as PyTorch's expandable segments make it (`cuMemAddressReserve`, then
+/// physical allocations `cuMemCreate`d and `cuMemMap`ped back to back, `cuMemSetAccess`): the
+/// driver reports each mapping as its own range, so a tensor may span several.
+struct Vmm {
+    reserve: unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> i32,
+    create: unsafe extern "C" fn(*mut u64, usize, *const [i32; 8], u64) -> i32,
+    map: unsafe extern "C" fn(u64, usize, usize, u64, u64) -> i32,
+    set_access: unsafe extern "C" fn(u64, usize, *const [i32; 3], usize) -> i32,
+    unmap: unsafe extern "C" fn(u64, usize) -> i32,
+    release: unsafe extern "C" fn(u64) -> i32,
+    free: unsafe extern "C" fn(u64, usize) -> i32,
+}
+
+impl Vmm {
+    fn load(lib: &libloading::Library) -> Vmm {
+        // SAFETY: the driver API's prototypes (cuda.h) for these symbols; the library stays
+        // loaded for the whole child.
+        unsafe {
+            Vmm {
+                reserve: *lib.get(b"cuMemAddressReserve\0").unwrap(),
+                create: *lib.get(b"cuMemCreate\0").unwrap(),
+                map: *lib.get(b"cuMemMap\0").unwrap(),
+                set_access: *lib.get(b"cuMemSetAccess\0").unwrap(),
+                unmap: *lib.get(b"cuMemUnmap\0").unwrap(),
+                release: *lib.get(b"cuMemRelease\0").unwrap(),
+                free: *lib.get(b"cuMemAddressFree\0").unwrap(),
+            }
+        }
+    }
+
+    /// Reserves `reserve` bytes and maps one `seg`-byte physical allocation per entry of
+    /// `devs` (its GPU) back to back from the start; the base and the handles.
+    fn segments(&self, reserve: usize, seg: usize, devs: &[i32]) -> (u64, Vec<u64>) {
+        let mut base = 0u64;
+        // SAFETY (each call): valid out-pointers and descriptors of cuda.h's layout
+        // (CUmemAllocationProp: type, handle types, location {type, id}, ...;
+        // CUmemAccessDesc: location {type, id}, flags).
+        assert_eq!(unsafe { (self.reserve)(&mut base, reserve, 0, 0, 0) }, 0);
+        let mut hs = Vec::new();
+        for (i, &dev) in devs.iter().enumerate() {
+            let prop = [1, 0, 1, dev, 0, 0, 0, 0];
+            let mut h = 0u64;
+            assert_eq!(unsafe { (self.create)(&mut h, seg, &prop, 0) }, 0);
+            let at = base + (i * seg) as u64;
+            assert_eq!(unsafe { (self.map)(at, seg, 0, h, 0) }, 0);
+            assert_eq!(unsafe { (self.set_access)(at, seg, &[1, dev, 3], 1) }, 0);
+            hs.push(h);
+        }
+        (base, hs)
+    }
+
+    fn drop_segments(&self, base: u64, reserve: usize, seg: usize, hs: &[u64]) {
+        for (i, &h) in hs.iter().enumerate() {
+            // SAFETY: mappings and handles made by `segments`, unregistered from every engine.
+            assert_eq!(unsafe { (self.unmap)(base + (i * seg) as u64, seg) }, 0);
+            assert_eq!(unsafe { (self.release)(h) }, 0);
+        }
+        assert_eq!(unsafe { (self.free)(base, reserve) }, 0);
+    }
+}
+
+#[test]
+#[ignore = "run by vmm_mapped_gpu_memory_is_classified_across_its_mappings_and_moves in a child process"]
+fn child_vmm() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    // SAFETY: the library the engine loaded (same soname), kept loaded while used.
+    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.unwrap();
+    let vmm = Vmm::load(&lib);
+    let seg = 2 << 20;
+    // Three 2 MiB mappings of GPU 0, one of GPU 1, then 2 MiB reserved but not mapped.
+    let reserve = 5 * seg;
+    let (base, hs) = vmm.segments(reserve, seg, &[0, 0, 0, 1]);
+    let src = pattern(3 * seg, 31);
+    c.htod(0, base, &src).unwrap();
+    // An interior range across all three GPU-0 mappings (odd offsets: every staging chunk of
+    // both sides straddles a mapping boundary somewhere).
+    let (off, len) = (4096 + 5, 3 * seg - 8192 - 11);
+    let a = engine(TransportMode::Tcp);
+    let b = engine(TransportMode::Tcp);
+    a.register_memory(base + off as u64, len as u64, "*").unwrap();
+    let r = a.registered().into_iter().find(|r| r.addr == base + off as u64).unwrap();
+    assert_eq!((r.location.as_str(), r.gpu), ("cuda:0", Some(0)));
+    // Refused: a range running from GPU 0's mappings into GPU 1's, and one running from a
+    // mapping into reserved but unmapped addresses.
+    let err = a.register_memory(base + (5 * seg / 2) as u64, seg as u64, "*").unwrap_err().to_string();
+    assert!(err.contains("spans memory of GPU 0 and GPU 1"), "{err}");
+    let err = a.register_memory(base + (3 * seg + 4096) as u64, seg as u64, "cuda:1").unwrap_err().to_string();
+    assert!(err.contains("runs past the end of its GPU allocation") && err.contains("pass the tensor's size"), "{err}");
+
+    // Initiator side: WRITE out of the VMM range, READ back into it.
+    let seg_b = a.open_segment(b.segment_name()).unwrap();
+    let host = vec![0u8; len];
+    b.register_memory(host.as_ptr() as u64, len as u64, "*").unwrap();
+    let one = |opcode, source, target_offset| [TransferRequest { opcode, source, target_id: seg_b, target_offset, length: len as u64 }];
+    let st = a.transfer_sync(&one(Opcode::Write, base + off as u64, host.as_ptr() as u64), Duration::from_secs(20)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "WRITE from VMM memory {st:?}");
+    assert!(host[..] == src[off..off + len], "WRITE from VMM memory: bytes differ");
+    c.htod(0, base, &vec![0u8; 3 * seg]).unwrap();
+    let st = a.transfer_sync(&one(Opcode::Read, base + off as u64, host.as_ptr() as u64), Duration::from_secs(20)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "READ into VMM memory {st:?}");
+    assert!(gpu_read(c, 0, base + off as u64, len) == src[off..off + len], "READ into VMM memory: bytes differ");
+
+    // Target side: another VMM range of GPU 0 registered by the peer, written and read.
+    let (tbase, ths) = vmm.segments(3 * seg, seg, &[0, 0, 0]);
+    c.htod(0, tbase, &vec![0u8; 3 * seg]).unwrap();
+    b.register_memory(tbase + off as u64, len as u64, "*").unwrap();
+    let src2 = pattern(len, 32);
+    a.register_memory(src2.as_ptr() as u64, len as u64, "*").unwrap();
+    let st = a.transfer_sync(&one(Opcode::Write, src2.as_ptr() as u64, tbase + off as u64), Duration::from_secs(20)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "WRITE into the peer's VMM memory {st:?}");
+    assert!(gpu_read(c, 0, tbase + off as u64, len) == src2, "WRITE into the peer's VMM memory: bytes differ");
+    let back = vec![0u8; len];
+    a.register_memory(back.as_ptr() as u64, len as u64, "*").unwrap();
+    let st = a.transfer_sync(&one(Opcode::Read, back.as_ptr() as u64, tbase + off as u64), Duration::from_secs(20)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "READ of the peer's VMM memory {st:?}");
+    assert!(back == src2, "READ of the peer's VMM memory: bytes differ");
+
+    for p in [base + off as u64, src2.as_ptr() as u64, back.as_ptr() as u64] {
+        a.unregister_memory(p).unwrap();
+    }
+    for p in [host.as_ptr() as u64, tbase + off as u64] {
+        b.unregister_memory(p).unwrap();
+    }
+    vmm.drop_segments(base, reserve, seg, &hs);
+    vmm.drop_segments(tbase, 3 * seg, seg, &ths);
+}

@@ -44,6 +44,8 @@ type CuMemcpyDtoHAsync = unsafe extern "C" fn(*mut c_void, u64, usize, *mut c_vo
 type CuMemcpyHtoDAsync = unsafe extern "C" fn(u64, *const c_void, usize, *mut c_void) -> c_int;
 type CuEventCreate = unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int;
 type CuEventRecord = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
+type CuMemRetainAllocationHandle = unsafe extern "C" fn(*mut u64, *mut c_void) -> c_int;
+type CuMemRelease = unsafe extern "C" fn(u64) -> c_int;
 
 const ATTR_CC_MAJOR: c_int = 75;
 const ATTR_CC_MINOR: c_int = 76;
@@ -88,6 +90,9 @@ pub struct Driver {
     device_get_pci_bus_id: CuDeviceGetPciBusId,
     /// The memory entry points: all present, or why not (the first missing symbol).
     mem: Result<MemApi, CudaError>,
+    /// `cuMemRetainAllocationHandle` and `cuMemRelease` (virtual memory management, CUDA
+    /// 10.2+), which tell memory mapped with `cuMemMap` apart; `None` if the driver lacks them.
+    vmm: Option<(CuMemRetainAllocationHandle, CuMemRelease)>,
 }
 
 /// The entry points that classify, allocate and copy memory (driver API since CUDA 11.x).
@@ -174,7 +179,12 @@ impl Driver {
                     event_destroy: *lib.get(b"cuEventDestroy_v2\0").map_err(|e| sym("cuEventDestroy_v2", e))?,
                 })
             })();
+            let vmm = match (lib.get::<CuMemRetainAllocationHandle>(b"cuMemRetainAllocationHandle\0"), lib.get::<CuMemRelease>(b"cuMemRelease\0")) {
+                (Ok(retain), Ok(release)) => Some((*retain, *release)),
+                _ => None,
+            };
             Ok(Driver {
+                vmm,
                 driver_get_version: *lib.get(b"cuDriverGetVersion\0").map_err(|e| sym("cuDriverGetVersion", e))?,
                 device_get_count: *lib.get(b"cuDeviceGetCount\0").map_err(|e| sym("cuDeviceGetCount", e))?,
                 device_get: *lib.get(b"cuDeviceGet\0").map_err(|e| sym("cuDeviceGet", e))?,
@@ -304,6 +314,25 @@ impl Driver {
         let base = get(PA_RANGE_START_ADDR)?.ok_or(missing("the driver gave no allocation start for device memory"))?;
         let size = get(PA_RANGE_SIZE)?.ok_or(missing("the driver gave no allocation size for device memory"))?;
         Ok(Pointer::Device { ordinal, base, size })
+    }
+
+    /// Whether `addr` lies in memory mapped with CUDA's virtual memory management
+    /// (`cuMemCreate` + `cuMemMap`, as PyTorch's expandable segments allocate): the driver
+    /// reports each physical allocation mapped into a reserved range as its own range, so a
+    /// tensor may span several. `false` for `cuMemAlloc` memory, unknown memory, or a driver
+    /// without the entry points.
+    pub fn is_vmm(&self, addr: u64) -> bool {
+        let Some((retain, release)) = self.vmm else { return false };
+        let mut h = 0u64;
+        // SAFETY: a valid out-pointer; the driver only looks the address up (it fails for
+        // memory that is not VMM-mapped). A retained handle is released at once.
+        unsafe {
+            if retain(&mut h, addr as *mut c_void) != 0 {
+                return false;
+            }
+            let _ = release(h);
+        }
+        true
     }
 
     /// Allocates `len` bytes of device memory in the current context (`cuMemAlloc`).

@@ -21,7 +21,10 @@
  * a current context, device ranges must lie inside one live allocation, and asynchronous
  * copies happen only when their stream is synchronised (or an event recorded after them is):
  * a missing wait shows as wrong bytes. cuPointerGetAttribute answers CUDA_ERROR_INVALID_VALUE
- * for memory it does not know, as the real driver does for plain host pointers.
+ * for memory it does not know, as the real driver does for plain host pointers. Virtual
+ * memory management (cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemSetAccess, ...) maps
+ * physical allocations back to back; each is reported as its own range, as the real driver
+ * does, and a copy may run across mappings of one GPU made accessible.
  *
  * Run-time knobs (full memory only): mock_cuda_fail_copies(code) makes every copy return
  * `code` (0: copies work again), e.g. 709 (context destroyed); mock_cuda_copy_delay_us(us)
@@ -66,7 +69,9 @@ int cuDeviceGetPCIBusId(char *b, int len, int d) { snprintf(b, len, "0000:%02x:0
 #ifndef NO_MEM
 #define ARENA ((size_t)1 << 30)
 #define MAX_ALLOCS 65536
-struct alloc { uintptr_t base; size_t size; int dev; int live; int host; };
+/* vmm: a cuMemMap mapping (of physical allocation `handle`), usable once cuMemSetAccess
+   made it `access`ible. */
+struct alloc { uintptr_t base; size_t size; int dev; int live; int host; int vmm; int access; unsigned long long handle; };
 static struct alloc allocs[MAX_ALLOCS];
 static int nallocs;
 static char *dev_va;    /* reserved PROT_NONE: what device pointers point into */
@@ -155,7 +160,7 @@ int cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
 int cuMemFree_v2(CUdeviceptr p) {
     pthread_mutex_lock(&mu);
     for (int i = 0; i < nallocs; i++) {
-        if (allocs[i].live && !allocs[i].host && allocs[i].base == p) {
+        if (allocs[i].live && !allocs[i].host && !allocs[i].vmm && allocs[i].base == p) {
             allocs[i].live = 0;
             memset(dev_store + (p - (uintptr_t)dev_va), 0xdd, allocs[i].size);
             pthread_mutex_unlock(&mu);
@@ -214,13 +219,31 @@ int cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
     }
 }
 
+/* Whether [p, p+n) is covered by accessible VMM mappings of one device, back to back (as the
+   real driver allows a copy across them: one virtual range); its device in *dev. mu held. */
+static int vmm_span(uintptr_t p, size_t n, int *dev) {
+    uintptr_t end = p + n;
+    struct alloc *a = find(p, 1, 0);
+    if (!a || !a->vmm) return 0;
+    *dev = a->dev;
+    for (;;) {
+        if (!a->vmm || !a->access || a->dev != *dev) return 0;
+        uintptr_t e = a->base + a->size;
+        if (e >= end) return 1;
+        a = find(e, 1, 0);
+        if (!a || a->base != e) return 0;
+    }
+}
+
 /* The bytes behind device range [p, p+n) and its device, or NULL. */
 static char *store(CUdeviceptr p, size_t n, int *dev) {
     pthread_mutex_lock(&mu);
     struct alloc *a = n ? find((uintptr_t)p, n, 0) : NULL;
-    *dev = a ? a->dev : -1;
+    int ok = a && (!a->vmm || a->access);
+    *dev = ok ? a->dev : -1;
+    if (!a && n) ok = vmm_span((uintptr_t)p, n, dev);
     pthread_mutex_unlock(&mu);
-    return a ? dev_store + ((uintptr_t)p - (uintptr_t)dev_va) : NULL;
+    return ok ? dev_store + ((uintptr_t)p - (uintptr_t)dev_va) : NULL;
 }
 
 /* A copy touching device `dev`'s memory happens now: counted, delayed, done. */
@@ -265,6 +288,130 @@ int cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     if (!d || !s) return INVALID_VALUE;
     do_copy(dd, d, s, n);
     return 0;
+}
+
+/* Virtual memory management (CUDA 10.2+), as PyTorch's expandable segments use it: a range of
+   addresses reserved (cuMemAddressReserve), physical allocations made (cuMemCreate) and mapped
+   into it back to back (cuMemMap), made accessible (cuMemSetAccess). cuPointerGetAttribute
+   reports each mapping as its own range (RANGE_START_ADDR/RANGE_SIZE), as the real driver
+   does; cuMemRetainAllocationHandle succeeds only inside a mapping. Mock limits: a physical
+   allocation is mapped once, whole, at offset 0; reserved ranges are never handed out
+   again. */
+#define MAX_HANDLES 4096
+/* live: references (cuMemCreate and each cuMemRetainAllocationHandle; cuMemRelease drops one). */
+struct phys { size_t size; int dev; int live; int mapped; };
+static struct phys handles[MAX_HANDLES]; /* handle h is handles[h - 1] */
+static int nhandles;
+struct reservation { uintptr_t base; size_t size; int live; };
+static struct reservation reservations[1024];
+static int nreservations;
+
+int cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
+    (void)align; (void)addr; (void)flags;
+    if (!inited) return NOT_INITIALIZED;
+    if (size == 0 || size % 512) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    arena();
+    if (dev_top + size > ARENA || nreservations == 1024) { pthread_mutex_unlock(&mu); return OUT_OF_MEMORY; }
+    reservations[nreservations++] = (struct reservation){ (uintptr_t)(dev_va + dev_top), size, 1 };
+    *ptr = (CUdeviceptr)(uintptr_t)(dev_va + dev_top);
+    dev_top += size;
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+
+int cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < nreservations; i++) {
+        if (reservations[i].live && reservations[i].base == ptr && reservations[i].size == size) {
+            reservations[i].live = 0;
+            pthread_mutex_unlock(&mu);
+            return 0;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return INVALID_VALUE;
+}
+
+/* prop: CUmemAllocationProp, whose location.id (the device) is its fourth int. */
+int cuMemCreate(unsigned long long *handle, size_t size, const void *prop, unsigned long long flags) {
+    (void)flags;
+    if (!inited) return NOT_INITIALIZED;
+    int dev = ((const int *)prop)[3];
+    if (dev < 0 || dev >= COUNT) return INVALID_DEVICE;
+    if (size == 0 || size % 512) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    if (nhandles == MAX_HANDLES) { pthread_mutex_unlock(&mu); return OUT_OF_MEMORY; }
+    handles[nhandles++] = (struct phys){ size, dev, 1, 0 };
+    *handle = (unsigned long long)nhandles;
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+
+int cuMemRelease(unsigned long long h) {
+    pthread_mutex_lock(&mu);
+    int ok = h >= 1 && h <= (unsigned long long)nhandles && handles[h - 1].live > 0;
+    if (ok) handles[h - 1].live--; /* (a mapped one stays usable until unmapped, as real) */
+    pthread_mutex_unlock(&mu);
+    return ok ? 0 : INVALID_HANDLE;
+}
+
+int cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, unsigned long long h, unsigned long long flags) {
+    (void)flags;
+    pthread_mutex_lock(&mu);
+    int in_reservation = 0;
+    for (int i = 0; i < nreservations; i++) {
+        struct reservation *r = &reservations[i];
+        if (r->live && ptr >= r->base && ptr - r->base < r->size && size <= r->size - (ptr - r->base)) in_reservation = 1;
+    }
+    int e = 0;
+    if (!in_reservation || offset != 0 || h < 1 || h > (unsigned long long)nhandles || !handles[h - 1].live || handles[h - 1].size != size) e = INVALID_VALUE;
+    else if (handles[h - 1].mapped || find(ptr, 1, 0) || find(ptr + size - 1, 1, 0) || nallocs == MAX_ALLOCS) e = INVALID_VALUE;
+    if (!e) {
+        handles[h - 1].mapped = 1;
+        allocs[nallocs++] = (struct alloc){ ptr, size, handles[h - 1].dev, 1, 0, 1, 0, h };
+    }
+    pthread_mutex_unlock(&mu);
+    return e;
+}
+
+/* desc: CUmemAccessDesc[count] (location, flags): any access granted makes the range usable. */
+int cuMemSetAccess(CUdeviceptr ptr, size_t size, const void *desc, size_t count) {
+    (void)desc;
+    if (count == 0) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    int found = 0;
+    for (int i = 0; i < nallocs; i++) {
+        struct alloc *a = &allocs[i];
+        if (a->live && a->vmm && a->base >= ptr && a->base + a->size <= ptr + size) { a->access = 1; found = 1; }
+    }
+    pthread_mutex_unlock(&mu);
+    return found ? 0 : INVALID_VALUE;
+}
+
+int cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    pthread_mutex_lock(&mu);
+    int found = 0;
+    for (int i = 0; i < nallocs; i++) {
+        struct alloc *a = &allocs[i];
+        if (a->live && a->vmm && a->base >= ptr && a->base + a->size <= ptr + size) {
+            a->live = 0;
+            handles[a->handle - 1].mapped = 0;
+            memset(dev_store + (a->base - (uintptr_t)dev_va), 0xdd, a->size);
+            found = 1;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return found ? 0 : INVALID_VALUE;
+}
+
+int cuMemRetainAllocationHandle(unsigned long long *h, void *addr) {
+    pthread_mutex_lock(&mu);
+    struct alloc *a = find((uintptr_t)addr, 1, 0);
+    int ok = a && a->vmm;
+    if (ok) { *h = a->handle; handles[a->handle - 1].live++; }
+    pthread_mutex_unlock(&mu);
+    return ok ? 0 : INVALID_VALUE;
 }
 
 /* Streams: asynchronous copies are queued and happen only when something waits for them
