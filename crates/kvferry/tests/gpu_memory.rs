@@ -16,8 +16,13 @@ use std::time::Duration;
 /// Runs the ignored test `name` of this binary in a child with `lib` (a directory holding a
 /// `libcuda.so.1`) first in `LD_LIBRARY_PATH`, or with no `LD_LIBRARY_PATH` at all.
 fn in_child(name: &str, lib: Option<&Path>) {
+    in_child_with(name, lib, &[]);
+}
+
+/// [`in_child`] with more environment variables.
+fn in_child_with(name: &str, lib: Option<&Path>, env: &[(&str, &str)]) {
     let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"]).env("KVF_GPU_CHILD", "1");
+    c.args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"]).env("KVF_GPU_CHILD", "1").envs(env.iter().copied());
     match lib {
         Some(d) => c.env("LD_LIBRARY_PATH", d),
         None => c.env_remove("LD_LIBRARY_PATH"),
@@ -536,6 +541,9 @@ fn child_vmm() {
     assert!(err.contains("spans memory of GPU 0 and GPU 1"), "{err}");
     let err = a.register_memory(base + (3 * seg + 4096) as u64, seg as u64, "cuda:1").unwrap_err().to_string();
     assert!(err.contains("runs past the end of its GPU allocation") && err.contains("pass the tensor's size"), "{err}");
+    // VMM memory has no legacy CUDA IPC handle: exporting it says so.
+    let err = gpu::ipc::export(base + off as u64, len as u64).unwrap_err();
+    assert!(err.contains("CUDA virtual memory") && err.contains("expandable_segments"), "{err}");
 
     // Initiator side: WRITE out of the VMM range, READ back into it.
     let seg_b = a.open_segment(b.segment_name()).unwrap();
@@ -573,4 +581,62 @@ fn child_vmm() {
     }
     vmm.drop_segments(base, reserve, seg, &hs);
     vmm.drop_segments(tbase, 3 * seg, seg, &ths);
+}
+
+#[test]
+fn ipc_handles_share_gpu_memory_with_another_process() {
+    in_child("child_ipc_export", Some(&mock_dir()));
+}
+
+/// Size of the range a child exports, and where in its allocation it starts.
+const IPC_LEN: usize = (1 << 20) + 77;
+const IPC_OFF: usize = 4096 + 3;
+
+/// The exporting process: GPU 0 memory exported, opened and rewritten by another process (its
+/// own child), every byte checked through the driver on both sides.
+#[test]
+#[ignore = "run by ipc_handles_share_gpu_memory_with_another_process in a child process"]
+fn child_ipc_export() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    let total = IPC_OFF + IPC_LEN + 8192;
+    let before = pattern(total, 41);
+    let g = gpu_alloc(c, 0, &before);
+    // Refused, saying why: host memory, past the allocation's end, and opening one's own.
+    let host = vec![0u8; 4096];
+    let err = gpu::ipc::export(host.as_ptr() as u64, 4096).unwrap_err();
+    assert!(err.contains("not GPU memory"), "{err}");
+    let err = gpu::ipc::export(g + total as u64 - 10, 100).unwrap_err();
+    assert!(err.contains("runs past the end of its GPU allocation"), "{err}");
+    let e = gpu::ipc::export(g + IPC_OFF as u64, IPC_LEN as u64).unwrap();
+    assert_eq!((e.ordinal, e.offset, e.len), (0, IPC_OFF as u64, IPC_LEN as u64));
+    assert_eq!(gpu::ipc::Export::decode(&e.encode()).unwrap(), e);
+    let err = gpu::ipc::open(&e, 0).err().expect("a process cannot open its own handle");
+    assert!(err.contains("another process"), "{err}");
+
+    let lib = std::env::var_os("LD_LIBRARY_PATH").expect("the mock's directory");
+    in_child_with("child_ipc_import", Some(Path::new(&lib)), &[("KVF_IPC_EXPORT", &e.encode())]);
+    let mut want = before.clone();
+    want[IPC_OFF..IPC_OFF + IPC_LEN].copy_from_slice(&pattern(IPC_LEN, 42));
+    assert!(gpu_read(c, 0, g, total) == want, "the other process's writes did not land exactly in the exported range");
+    c.on_device(0, |d| d.mem_free(g)).unwrap();
+}
+
+/// The importing process: opens the export on GPU 1, copies it device to device into its own
+/// memory and checks it, then writes new bytes back into it.
+#[test]
+#[ignore = "run by child_ipc_export in a grandchild process"]
+fn child_ipc_import() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    let e = gpu::ipc::Export::decode(&std::env::var("KVF_IPC_EXPORT").unwrap()).unwrap();
+    let opened = gpu::ipc::open(&e, 1).unwrap();
+    assert_eq!((opened.len(), opened.on()), (IPC_LEN as u64, 1));
+    let mine = gpu_alloc(c, 1, &vec![0u8; IPC_LEN]);
+    c.dtod(1, mine, opened.addr(), IPC_LEN).unwrap();
+    assert!(gpu_read(c, 1, mine, IPC_LEN) == pattern(IPC_OFF + IPC_LEN + 8192, 41)[IPC_OFF..IPC_OFF + IPC_LEN], "bytes read through the handle differ");
+    c.htod(1, mine, &pattern(IPC_LEN, 42)).unwrap();
+    c.dtod(1, opened.addr(), mine, IPC_LEN).unwrap();
+    drop(opened);
+    c.on_device(1, |d| d.mem_free(mine)).unwrap();
 }

@@ -51,6 +51,7 @@ pub fn probe_with(d: Result<driver::Driver, driver::CudaError>) -> Probe {
     }
 }
 
+pub mod ipc;
 pub mod stage;
 
 use crate::error::{Error, Result};
@@ -112,6 +113,13 @@ impl Cuda {
     /// Copies `src` to device address `dst` of GPU `ordinal`.
     pub fn htod(&self, ordinal: u32, dst: u64, src: &[u8]) -> std::result::Result<(), CudaError> {
         self.on_device(ordinal, |d| d.htod(dst, src))
+    }
+
+    /// Copies `len` bytes from device address `src` to device address `dst` with GPU
+    /// `ordinal`'s context current (either may be another GPU's memory, e.g. opened with
+    /// [`ipc::open`]).
+    pub fn dtod(&self, ordinal: u32, dst: u64, src: u64, len: usize) -> std::result::Result<(), CudaError> {
+        self.on_device(ordinal, |d| d.dtod(dst, src, len))
     }
 }
 

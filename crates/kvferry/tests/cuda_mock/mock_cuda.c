@@ -24,7 +24,8 @@
  * for memory it does not know, as the real driver does for plain host pointers. Virtual
  * memory management (cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemSetAccess, ...) maps
  * physical allocations back to back; each is reported as its own range, as the real driver
- * does, and a copy may run across mappings of one GPU made accessible.
+ * does, and a copy may run across mappings of one GPU made accessible. CUDA IPC handles work
+ * across processes: device memory is a memfd that another process maps through /proc.
  *
  * Run-time knobs (full memory only): mock_cuda_fail_copies(code) makes every copy return
  * `code` (0: copies work again), e.g. 709 (context destroyed); mock_cuda_copy_delay_us(us)
@@ -32,6 +33,8 @@
  * touched device `dev`'s memory so far; mock_cuda_queued() is the number of asynchronous
  * copies queued and not yet run, on every stream; mock_cuda_max_queued() the most that were
  * ever queued on one stream at once (reset by mock_cuda_reset_max_queued()). */
+#define _GNU_SOURCE /* memfd_create */
+#include <fcntl.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -71,11 +74,15 @@ int cuDeviceGetPCIBusId(char *b, int len, int d) { snprintf(b, len, "0000:%02x:0
 #define MAX_ALLOCS 65536
 /* vmm: a cuMemMap mapping (of physical allocation `handle`), usable once cuMemSetAccess
    made it `access`ible. */
-struct alloc { uintptr_t base; size_t size; int dev; int live; int host; int vmm; int access; unsigned long long handle; };
+/* ipc: memory of another process opened with cuIpcOpenMemHandle, its bytes at `bytes` (a
+   mapping of `maplen` bytes at `map`); every other device allocation's bytes sit in dev_store
+   at the offset its address has in dev_va. */
+struct alloc { uintptr_t base; size_t size; int dev; int live; int host; int vmm; int access; unsigned long long handle; int ipc; char *bytes; void *map; size_t maplen; };
 static struct alloc allocs[MAX_ALLOCS];
 static int nallocs;
 static char *dev_va;    /* reserved PROT_NONE: what device pointers point into */
 static char *dev_store; /* the bytes: never handed out */
+static int store_fd;    /* dev_store's memfd */
 static size_t dev_top;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static volatile int fail_copies;
@@ -128,7 +135,10 @@ static void *current(void) { return ctx_depth ? ctx_stack[ctx_depth - 1] : NULL;
 static void arena(void) {
     if (dev_va) return;
     dev_va = mmap(NULL, ARENA, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    dev_store = mmap(NULL, ARENA, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    /* A memfd, so that another process can map it (CUDA IPC). */
+    store_fd = memfd_create("kvf-mock-cuda-device-memory", MFD_CLOEXEC);
+    if (store_fd < 0 || ftruncate(store_fd, ARENA) != 0) abort();
+    dev_store = mmap(NULL, ARENA, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, store_fd, 0);
     if (dev_va == MAP_FAILED || dev_store == MAP_FAILED) abort();
 }
 
@@ -160,7 +170,7 @@ int cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
 int cuMemFree_v2(CUdeviceptr p) {
     pthread_mutex_lock(&mu);
     for (int i = 0; i < nallocs; i++) {
-        if (allocs[i].live && !allocs[i].host && !allocs[i].vmm && allocs[i].base == p) {
+        if (allocs[i].live && !allocs[i].host && !allocs[i].vmm && !allocs[i].ipc && allocs[i].base == p) {
             allocs[i].live = 0;
             memset(dev_store + (p - (uintptr_t)dev_va), 0xdd, allocs[i].size);
             pthread_mutex_unlock(&mu);
@@ -241,8 +251,10 @@ static char *store(CUdeviceptr p, size_t n, int *dev) {
     struct alloc *a = n ? find((uintptr_t)p, n, 0) : NULL;
     int ok = a && (!a->vmm || a->access);
     *dev = ok ? a->dev : -1;
+    char *bytes = ok && a->bytes ? a->bytes + ((uintptr_t)p - a->base) : NULL;
     if (!a && n) ok = vmm_span((uintptr_t)p, n, dev);
     pthread_mutex_unlock(&mu);
+    if (bytes) return bytes;
     return ok ? dev_store + ((uintptr_t)p - (uintptr_t)dev_va) : NULL;
 }
 
@@ -412,6 +424,74 @@ int cuMemRetainAllocationHandle(unsigned long long *h, void *addr) {
     if (ok) { *h = a->handle; handles[a->handle - 1].live++; }
     pthread_mutex_unlock(&mu);
     return ok ? 0 : INVALID_VALUE;
+}
+
+/* CUDA IPC (legacy handles, cuIpcGetMemHandle): a handle names a cuMemAlloc allocation (the
+   whole of it, whatever interior pointer was given); cuIpcOpenMemHandle in another process
+   maps the same bytes at a device address of its own (the allocation's base), reached only
+   through copies as every device address here; cuIpcCloseMemHandle unmaps it. As the real
+   driver: a handle opened in its own process is refused, VMM memory has no IPC handle,
+   cuMemFree does not free opened memory. The mock's handle: magic, pid, the exporter's memfd,
+   the allocation's offset in it, its size and device. */
+struct ipc_handle { char magic[8]; int pid; int fd; unsigned long long off, size; int dev; char pad[28]; };
+typedef struct { char reserved[64]; } CUipcMemHandle;
+_Static_assert(sizeof(struct ipc_handle) == 64, "CUipcMemHandle is 64 bytes");
+
+int cuIpcGetMemHandle(CUipcMemHandle *out, CUdeviceptr p) {
+    if (!inited) return NOT_INITIALIZED;
+    pthread_mutex_lock(&mu);
+    struct alloc *a = find((uintptr_t)p, 1, 0);
+    int ok = a && !a->vmm && !a->ipc;
+    struct ipc_handle h = { "KVFMOCK", getpid(), store_fd, 0, 0, 0, { 0 } };
+    if (ok) { h.off = a->base - (uintptr_t)dev_va; h.size = a->size; h.dev = a->dev; }
+    pthread_mutex_unlock(&mu);
+    if (!ok) return INVALID_VALUE;
+    memcpy(out, &h, sizeof h);
+    return 0;
+}
+
+int cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned flags) {
+    (void)flags;
+    struct ipc_handle h;
+    memcpy(&h, &handle, sizeof h);
+    if (!current()) return INVALID_CONTEXT;
+    if (memcmp(h.magic, "KVFMOCK", 8) != 0 || h.size == 0 || h.dev < 0 || h.dev >= COUNT) return INVALID_VALUE;
+    if (h.pid == getpid()) return INVALID_CONTEXT; /* a process cannot open its own handle */
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", h.pid, h.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return INVALID_VALUE; /* the exporter is gone */
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), delta = h.off % page, maplen = h.size + delta;
+    void *m = mmap(NULL, maplen, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)(h.off - delta));
+    close(fd);
+    if (m == MAP_FAILED) return OUT_OF_MEMORY;
+    pthread_mutex_lock(&mu);
+    arena();
+    size_t size = (h.size + 511) & ~(size_t)511;
+    if (dev_top + size > ARENA || nallocs == MAX_ALLOCS) { pthread_mutex_unlock(&mu); munmap(m, maplen); return OUT_OF_MEMORY; }
+    uintptr_t base = (uintptr_t)(dev_va + dev_top);
+    dev_top += size;
+    allocs[nallocs++] = (struct alloc){ base, h.size, h.dev, 1, 0, 0, 0, 0, 1, (char *)m + delta, m, maplen };
+    pthread_mutex_unlock(&mu);
+    *pdptr = base;
+    return 0;
+}
+
+int cuIpcCloseMemHandle(CUdeviceptr p) {
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < nallocs; i++) {
+        struct alloc *a = &allocs[i];
+        if (a->live && a->ipc && a->base == p) {
+            a->live = 0;
+            void *m = a->map;
+            size_t len = a->maplen;
+            pthread_mutex_unlock(&mu);
+            munmap(m, len);
+            return 0;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return INVALID_VALUE;
 }
 
 /* Streams: asynchronous copies are queued and happen only when something waits for them
