@@ -1,9 +1,11 @@
-//! GPUs on this host, through the CUDA driver loaded at run time (groundwork of issue 13).
+//! GPUs on this host, through the CUDA driver loaded at run time (issue 13).
 //!
 //! Only `libcuda.so.1` — the driver API, whose soname and ABI are the same under CUDA 12 and
 //! CUDA 13 drivers — is ever loaded, with `dlopen` when asked; never `libcudart`. A host
 //! without a driver runs every CPU path and is told why GPU memory cannot be used. This module
-//! reports the driver and the devices; it does not allocate, register or copy GPU memory yet.
+//! reports the driver and the devices ([`probe`]), classifies registered memory
+//! ([`classify`]), and stages GPU memory through host buffers ([`Bounce`], [`Pipe`],
+//! [`stage`]); [`ipc`] shares it with other processes of the host.
 
 pub mod driver;
 
