@@ -345,7 +345,9 @@ fn child_unregister_barrier() {
     let copies: libloading::Symbol<unsafe extern "C" fn(i32) -> i64> = unsafe { lib.get(b"mock_cuda_copies\0") }.unwrap();
     let len = 64 << 20;
     // The initiator's GPU memory (GPU 0) unregistered mid-WRITE, then the target's (GPU 1).
-    for target_side in [false, true] {
+    // A READ into the initiator's GPU memory too: its host→device copies are queued on a
+    // stream and waited for later, and none may run after the unregister returned.
+    for (op, target_side) in [(Opcode::Write, false), (Opcode::Write, true), (Opcode::Read, false)] {
         let a = engine(TransportMode::Tcp);
         let b = engine(TransportMode::Tcp);
         let seg = a.open_segment(b.segment_name()).unwrap();
@@ -353,19 +355,24 @@ fn child_unregister_barrier() {
         let gb = gpu_alloc(c, 1, &vec![0u8; len]);
         a.register_memory(ga, len as u64, "*").unwrap();
         b.register_memory(gb, len as u64, "*").unwrap();
+        let (dev, e, p) = if target_side { (1, &b, gb) } else { (0, &a, ga) };
+        let before = unsafe { copies(dev) };
         unsafe { delay(3000) };
         let batch = a.allocate_batch(1).unwrap();
-        a.submit(batch, &[TransferRequest { opcode: Opcode::Write, source: ga, target_id: seg, target_offset: gb, length: len as u64 }]).unwrap();
+        a.submit(batch, &[TransferRequest { opcode: op, source: ga, target_id: seg, target_offset: gb, length: len as u64 }]).unwrap();
         std::thread::sleep(Duration::from_millis(30));
-        let (dev, e, p) = if target_side { (1, &b, gb) } else { (0, &a, ga) };
-        assert!(unsafe { copies(dev) } > 0, "the transfer touched GPU {dev} before the unregister");
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while unsafe { copies(dev) } == before && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(unsafe { copies(dev) } > before, "the transfer touched GPU {dev} before the unregister ({op:?})");
         e.unregister_memory(p).unwrap();
         let after = unsafe { copies(dev) };
         let st = a.wait_batch(batch, Duration::from_secs(20)).unwrap();
         std::thread::sleep(Duration::from_millis(200));
         unsafe { delay(0) };
-        assert_eq!(unsafe { copies(dev) }, after, "GPU {dev} memory was copied after unregister returned (target side {target_side})");
-        assert_eq!(st.status, TaskStatus::Failed, "target side {target_side}: {st:?}");
+        assert_eq!(unsafe { copies(dev) }, after, "GPU {dev} memory was copied after unregister returned ({op:?}, target side {target_side})");
+        assert_eq!(st.status, TaskStatus::Failed, "{op:?} target side {target_side}: {st:?}");
         let _ = a.unregister_memory(ga);
         let _ = b.unregister_memory(gb);
     }
