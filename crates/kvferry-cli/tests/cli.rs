@@ -1,6 +1,8 @@
 //! The `kvferry` binary end to end: bench (both sides, and split by --mode), doctor.
 
 mod common;
+#[path = "../../kvferry/tests/cuda_mock/mod.rs"]
+mod cuda_mock;
 
 use common::{check_records, kvferry, BenchTarget};
 
@@ -214,19 +216,8 @@ fn target_process_killed_mid_transfer_fails_requests_within_the_deadline() {
 /// lacks the memory entry points, unavailable and why.
 #[test]
 fn doctor_reports_gpu_memory_with_a_driver_and_why_not_without() {
-    const MOCK: &str = include_str!("../../kvferry/tests/cuda_mock/mock_cuda.c");
     let run = |name: &str, defines: &[&str]| -> (std::process::ExitStatus, serde_json::Value) {
-        let dir = std::env::temp_dir().join(format!("kvf-cli-cuda-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("mock_cuda.c"), MOCK).unwrap();
-        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-        let st = std::process::Command::new(&cc)
-            .args(["-shared", "-fPIC", "-pthread", "-o"])
-            .arg(dir.join("libcuda.so.1"))
-            .arg(dir.join("mock_cuda.c"))
-            .args(defines.iter().map(|d| format!("-D{d}")))
-            .status();
-        assert!(st.is_ok_and(|s| s.success()), "building the mock libcuda needs a C compiler ({cc})");
+        let dir = cuda_mock::build(&format!("cli-{name}"), defines);
         let out = kvferry()
             .args(["doctor", "--json", "--local-hostname", "127.0.0.1", "--expect", "tcp,gpu"])
             .env("KVFERRY_LOG", "error")

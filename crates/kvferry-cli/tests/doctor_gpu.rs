@@ -1,30 +1,17 @@
 //! `kvferry doctor` and the CUDA driver, through the command: a mock `libcuda.so.1` (built
-//! here with `cc` from the mock of crates/kvferry/tests) found on `LD_LIBRARY_PATH` the way the
+//! here with `cc` from crates/kvferry/tests/cuda_mock/mock_cuda.c) found on `LD_LIBRARY_PATH` the way the
 //! real one is (`dlopen("libcuda.so.1")`), and a host without a driver.
 
 mod common;
+#[path = "../../kvferry/tests/cuda_mock/mod.rs"]
+mod cuda_mock;
 
 use common::kvferry;
 use std::path::PathBuf;
-use std::process::Command;
-
-const MOCK: &str = include_str!("../../kvferry/tests/mock_libcuda.c");
 
 /// A directory holding a mock `libcuda.so.1` built with `defines`.
 fn mock_driver(name: &str, defines: &[&str]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvf-doctor-cuda-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join("mock.c");
-    std::fs::write(&src, MOCK).unwrap();
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let st = Command::new(&cc)
-        .args(["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o"])
-        .arg(dir.join("libcuda.so.1"))
-        .arg(&src)
-        .args(defines.iter().map(|d| format!("-D{d}")))
-        .status();
-    assert!(st.is_ok_and(|s| s.success()), "building a mock libcuda needs a C compiler ({cc})");
-    dir
+    cuda_mock::build(&format!("doctor-{name}"), defines)
 }
 
 /// `kvferry doctor --json [--expect E]` with `LD_LIBRARY_PATH=lib_dir`: (exit code, JSON, stderr).
@@ -43,7 +30,7 @@ fn doctor(lib_dir: &std::path::Path, expect: Option<&str>) -> (Option<i32>, serd
 
 #[test]
 fn doctor_reports_the_driver_and_its_gpus() {
-    let dir = mock_driver("ok", &["INIT_RESULT=0", "COUNT=2"]);
+    let dir = mock_driver("ok", &["INIT_RESULT=0", "COUNT=2", "NO_MEM"]);
     let (code, d, stderr) = doctor(&dir, None);
     assert_eq!(code, Some(0), "{stderr}");
     let g = &d["transports"]["gpu"];

@@ -1,24 +1,15 @@
 //! The CUDA driver loaded at run time, against mock `libcuda` libraries built here with `cc`
 //! (a real driver only on GPU hosts): what is reported, and what each failure says.
 
+mod cuda_mock;
+
 use kvferry::gpu::{self, driver::Driver};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-/// The mock driver's source (shared with the CLI's doctor tests).
-const MOCK: &str = include_str!("mock_libcuda.c");
-
-/// Builds a mock driver library with `defines`; its path.
+/// A mock driver library built with `defines` (`cuda_mock/mock_cuda.c`, probe only: the
+/// probe needs no memory entry points); its path.
 fn mock(name: &str, defines: &[&str]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvf-cuda-mock-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join(format!("{name}.c"));
-    std::fs::write(&src, MOCK).unwrap();
-    let out = dir.join(format!("lib{name}.so"));
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let st = Command::new(&cc).args(["-shared", "-fPIC", "-o"]).arg(&out).arg(&src).args(defines.iter().map(|d| format!("-D{d}"))).status();
-    assert!(st.is_ok_and(|s| s.success()), "building a mock libcuda needs a C compiler ({cc})");
-    out
+    cuda_mock::build_lib(&format!("drv-{name}"), &[defines, &["NO_MEM"]].concat())
 }
 
 fn path(p: &Path) -> &str {

@@ -16,8 +16,13 @@ use std::time::Duration;
 /// Runs the ignored test `name` of this binary in a child with `lib` (a directory holding a
 /// `libcuda.so.1`) first in `LD_LIBRARY_PATH`, or with no `LD_LIBRARY_PATH` at all.
 fn in_child(name: &str, lib: Option<&Path>) {
+    in_child_with(name, lib, &[]);
+}
+
+/// [`in_child`] with more environment variables.
+fn in_child_with(name: &str, lib: Option<&Path>, env: &[(&str, &str)]) {
     let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"]).env("KVF_GPU_CHILD", "1");
+    c.args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"]).env("KVF_GPU_CHILD", "1").envs(env.iter().copied());
     match lib {
         Some(d) => c.env("LD_LIBRARY_PATH", d),
         None => c.env_remove("LD_LIBRARY_PATH"),
@@ -340,7 +345,9 @@ fn child_unregister_barrier() {
     let copies: libloading::Symbol<unsafe extern "C" fn(i32) -> i64> = unsafe { lib.get(b"mock_cuda_copies\0") }.unwrap();
     let len = 64 << 20;
     // The initiator's GPU memory (GPU 0) unregistered mid-WRITE, then the target's (GPU 1).
-    for target_side in [false, true] {
+    // A READ into the initiator's GPU memory too: its host→device copies are queued on a
+    // stream and waited for later, and none may run after the unregister returned.
+    for (op, target_side) in [(Opcode::Write, false), (Opcode::Write, true), (Opcode::Read, false)] {
         let a = engine(TransportMode::Tcp);
         let b = engine(TransportMode::Tcp);
         let seg = a.open_segment(b.segment_name()).unwrap();
@@ -348,20 +355,295 @@ fn child_unregister_barrier() {
         let gb = gpu_alloc(c, 1, &vec![0u8; len]);
         a.register_memory(ga, len as u64, "*").unwrap();
         b.register_memory(gb, len as u64, "*").unwrap();
+        let (dev, e, p) = if target_side { (1, &b, gb) } else { (0, &a, ga) };
+        let before = unsafe { copies(dev) };
         unsafe { delay(3000) };
         let batch = a.allocate_batch(1).unwrap();
-        a.submit(batch, &[TransferRequest { opcode: Opcode::Write, source: ga, target_id: seg, target_offset: gb, length: len as u64 }]).unwrap();
+        a.submit(batch, &[TransferRequest { opcode: op, source: ga, target_id: seg, target_offset: gb, length: len as u64 }]).unwrap();
         std::thread::sleep(Duration::from_millis(30));
-        let (dev, e, p) = if target_side { (1, &b, gb) } else { (0, &a, ga) };
-        assert!(unsafe { copies(dev) } > 0, "the transfer touched GPU {dev} before the unregister");
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while unsafe { copies(dev) } == before && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(unsafe { copies(dev) } > before, "the transfer touched GPU {dev} before the unregister ({op:?})");
         e.unregister_memory(p).unwrap();
         let after = unsafe { copies(dev) };
         let st = a.wait_batch(batch, Duration::from_secs(20)).unwrap();
         std::thread::sleep(Duration::from_millis(200));
         unsafe { delay(0) };
-        assert_eq!(unsafe { copies(dev) }, after, "GPU {dev} memory was copied after unregister returned (target side {target_side})");
-        assert_eq!(st.status, TaskStatus::Failed, "target side {target_side}: {st:?}");
+        assert_eq!(unsafe { copies(dev) }, after, "GPU {dev} memory was copied after unregister returned ({op:?}, target side {target_side})");
+        assert_eq!(st.status, TaskStatus::Failed, "{op:?} target side {target_side}: {st:?}");
         let _ = a.unregister_memory(ga);
         let _ = b.unregister_memory(gb);
     }
+}
+
+#[test]
+fn initiator_staging_overlaps_its_copies_and_waits_for_each() {
+    in_child("child_staging_pipeline", Some(&mock_dir()));
+}
+
+/// The initiator's staging pipeline (gpu/stage.rs) queues its copies on streams without
+/// waiting, several at once. The mock runs a queued copy only when something waits for it, so
+/// a chunk sent before its device→host copy was waited for carries stale bytes, a bounce
+/// buffer reused too early lands the wrong chunk, and a READ reported COMPLETED before its
+/// last host→device copy was waited for leaves that copy queued and its bytes missing: each
+/// shows here (bytes compared, nothing left queued when the task ends).
+#[test]
+#[ignore = "run by initiator_staging_overlaps_its_copies_and_waits_for_each in a child process"]
+fn child_staging_pipeline() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    // SAFETY: the mock's knobs (see mock_cuda.c); the library is the one the engine loaded.
+    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.unwrap();
+    let queued: libloading::Symbol<unsafe extern "C" fn() -> i64> = unsafe { lib.get(b"mock_cuda_queued\0") }.unwrap();
+    let max_queued: libloading::Symbol<unsafe extern "C" fn() -> i64> = unsafe { lib.get(b"mock_cuda_max_queued\0") }.unwrap();
+    let reset_max: libloading::Symbol<unsafe extern "C" fn()> = unsafe { lib.get(b"mock_cuda_reset_max_queued\0") }.unwrap();
+    let chunk = gpu::stage::CHUNK;
+    // More chunks than the window (every bounce buffer reused), and a short last one.
+    let len = (gpu::stage::WINDOW + 2) * chunk + 12345;
+    for mode in [TransportMode::Tcp, TransportMode::Auto] {
+        let a = engine(mode);
+        let b = engine(mode);
+        let seg = a.open_segment(b.segment_name()).unwrap();
+        let src0 = pattern(len, 21);
+        let src1 = pattern(len, 22);
+        let g0 = gpu_alloc(c, 0, &src0);
+        let g1 = gpu_alloc(c, 1, &vec![0u8; len]);
+        let host_a = vec![0u8; len];
+        let host_b = src1.clone();
+        a.register_memory(g0, len as u64, "*").unwrap();
+        a.register_memory(g1, len as u64, "*").unwrap();
+        b.register_memory(host_a.as_ptr() as u64, len as u64, "*").unwrap();
+        b.register_memory(host_b.as_ptr() as u64, len as u64, "*").unwrap();
+        let req = |opcode, source, target_offset| TransferRequest { opcode, source, target_id: seg, target_offset, length: len as u64 };
+
+        // GPU 0 → host: every chunk sent only after its device→host copy was waited for.
+        unsafe { reset_max() };
+        let st = a.transfer_sync(&[req(Opcode::Write, g0, host_a.as_ptr() as u64)], Duration::from_secs(20)).unwrap();
+        assert_eq!(st.status, TaskStatus::Completed, "{mode:?} WRITE {st:?}");
+        assert_eq!(unsafe { queued() }, 0, "{mode:?}: a copy is still queued after the WRITE ended");
+        assert!(host_a == src0, "{mode:?}: a chunk was sent before its device→host copy was waited for");
+        // The copies overlap: the next one is queued before the previous one is waited for.
+        assert!(unsafe { max_queued() } >= 2, "{mode:?}: copies ran one at a time (at most {} queued)", unsafe { max_queued() });
+
+        // Host → GPU 1: COMPLETED only once the last host→device copy was waited for.
+        let st = a.transfer_sync(&[req(Opcode::Read, g1, host_b.as_ptr() as u64)], Duration::from_secs(20)).unwrap();
+        assert_eq!(st.status, TaskStatus::Completed, "{mode:?} READ {st:?}");
+        assert_eq!(unsafe { queued() }, 0, "{mode:?}: COMPLETED while a host→device copy was still queued");
+        assert!(gpu_read(c, 1, g1, len) == src1, "{mode:?}: read bytes differ (a bounce buffer reused before its copy ran?)");
+
+        // Both directions and both GPUs in one batch: both streams of each GPU busy at once.
+        c.htod(1, g1, &vec![0u8; len]).unwrap();
+        let g0b = gpu_alloc(c, 0, &vec![0u8; len]);
+        a.register_memory(g0b, len as u64, "cuda:0").unwrap();
+        let host_c = vec![0u8; len];
+        b.register_memory(host_c.as_ptr() as u64, len as u64, "*").unwrap();
+        let reqs = [req(Opcode::Read, g1, host_b.as_ptr() as u64), req(Opcode::Write, g0, host_c.as_ptr() as u64), req(Opcode::Read, g0b, host_b.as_ptr() as u64)];
+        let st = a.transfer_sync(&reqs, Duration::from_secs(20)).unwrap();
+        assert_eq!(st.status, TaskStatus::Completed, "{mode:?} mixed {st:?}");
+        assert_eq!(unsafe { queued() }, 0, "{mode:?}: a copy is still queued after the mixed batch ended");
+        assert!(gpu_read(c, 1, g1, len) == src1 && gpu_read(c, 0, g0b, len) == src1, "{mode:?}: mixed batch: read bytes differ");
+        assert!(host_c == src0, "{mode:?}: mixed batch: written bytes differ");
+        for p in [g0, g1, g0b] {
+            a.unregister_memory(p).unwrap();
+        }
+        for h in [&host_a, &host_b, &host_c] {
+            b.unregister_memory(h.as_ptr() as u64).unwrap();
+        }
+    }
+}
+
+#[test]
+fn vmm_mapped_gpu_memory_is_classified_across_its_mappings_and_moves() {
+    in_child("child_vmm", Some(&mock_dir()));
+}
+
+/// CUDA virtual memory as PyTorch's expandable segments make it (`cuMemAddressReserve`, then
+/// physical allocations `cuMemCreate`d and `cuMemMap`ped back to back, `cuMemSetAccess`): the
+/// driver reports each mapping as its own range, so a tensor may span several.
+struct Vmm {
+    reserve: unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> i32,
+    create: unsafe extern "C" fn(*mut u64, usize, *const [i32; 8], u64) -> i32,
+    map: unsafe extern "C" fn(u64, usize, usize, u64, u64) -> i32,
+    set_access: unsafe extern "C" fn(u64, usize, *const [i32; 3], usize) -> i32,
+    unmap: unsafe extern "C" fn(u64, usize) -> i32,
+    release: unsafe extern "C" fn(u64) -> i32,
+    free: unsafe extern "C" fn(u64, usize) -> i32,
+}
+
+impl Vmm {
+    fn load(lib: &libloading::Library) -> Vmm {
+        // SAFETY: the driver API's prototypes (cuda.h) for these symbols; the library stays
+        // loaded for the whole child.
+        unsafe {
+            Vmm {
+                reserve: *lib.get(b"cuMemAddressReserve\0").unwrap(),
+                create: *lib.get(b"cuMemCreate\0").unwrap(),
+                map: *lib.get(b"cuMemMap\0").unwrap(),
+                set_access: *lib.get(b"cuMemSetAccess\0").unwrap(),
+                unmap: *lib.get(b"cuMemUnmap\0").unwrap(),
+                release: *lib.get(b"cuMemRelease\0").unwrap(),
+                free: *lib.get(b"cuMemAddressFree\0").unwrap(),
+            }
+        }
+    }
+
+    /// Reserves `reserve` bytes and maps one `seg`-byte physical allocation per entry of
+    /// `devs` (its GPU) back to back from the start; the base and the handles.
+    fn segments(&self, reserve: usize, seg: usize, devs: &[i32]) -> (u64, Vec<u64>) {
+        let mut base = 0u64;
+        // SAFETY (each call): valid out-pointers and descriptors of cuda.h's layout
+        // (CUmemAllocationProp: type, handle types, location {type, id}, ...;
+        // CUmemAccessDesc: location {type, id}, flags).
+        assert_eq!(unsafe { (self.reserve)(&mut base, reserve, 0, 0, 0) }, 0);
+        let mut hs = Vec::new();
+        for (i, &dev) in devs.iter().enumerate() {
+            let prop = [1, 0, 1, dev, 0, 0, 0, 0];
+            let mut h = 0u64;
+            assert_eq!(unsafe { (self.create)(&mut h, seg, &prop, 0) }, 0);
+            let at = base + (i * seg) as u64;
+            assert_eq!(unsafe { (self.map)(at, seg, 0, h, 0) }, 0);
+            assert_eq!(unsafe { (self.set_access)(at, seg, &[1, dev, 3], 1) }, 0);
+            hs.push(h);
+        }
+        (base, hs)
+    }
+
+    fn drop_segments(&self, base: u64, reserve: usize, seg: usize, hs: &[u64]) {
+        for (i, &h) in hs.iter().enumerate() {
+            // SAFETY: mappings and handles made by `segments`, unregistered from every engine.
+            assert_eq!(unsafe { (self.unmap)(base + (i * seg) as u64, seg) }, 0);
+            assert_eq!(unsafe { (self.release)(h) }, 0);
+        }
+        assert_eq!(unsafe { (self.free)(base, reserve) }, 0);
+    }
+}
+
+#[test]
+#[ignore = "run by vmm_mapped_gpu_memory_is_classified_across_its_mappings_and_moves in a child process"]
+fn child_vmm() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    // SAFETY: the library the engine loaded (same soname), kept loaded while used.
+    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.unwrap();
+    let vmm = Vmm::load(&lib);
+    let seg = 2 << 20;
+    // Three 2 MiB mappings of GPU 0, one of GPU 1, then 2 MiB reserved but not mapped.
+    let reserve = 5 * seg;
+    let (base, hs) = vmm.segments(reserve, seg, &[0, 0, 0, 1]);
+    let src = pattern(3 * seg, 31);
+    c.htod(0, base, &src).unwrap();
+    // An interior range across all three GPU-0 mappings (odd offsets: every staging chunk of
+    // both sides straddles a mapping boundary somewhere).
+    let (off, len) = (4096 + 5, 3 * seg - 8192 - 11);
+    let a = engine(TransportMode::Tcp);
+    let b = engine(TransportMode::Tcp);
+    a.register_memory(base + off as u64, len as u64, "*").unwrap();
+    let r = a.registered().into_iter().find(|r| r.addr == base + off as u64).unwrap();
+    assert_eq!((r.location.as_str(), r.gpu), ("cuda:0", Some(0)));
+    // Refused: a range running from GPU 0's mappings into GPU 1's, and one running from a
+    // mapping into reserved but unmapped addresses.
+    let err = a.register_memory(base + (5 * seg / 2) as u64, seg as u64, "*").unwrap_err().to_string();
+    assert!(err.contains("spans memory of GPU 0 and GPU 1"), "{err}");
+    let err = a.register_memory(base + (3 * seg + 4096) as u64, seg as u64, "cuda:1").unwrap_err().to_string();
+    assert!(err.contains("runs past the end of its GPU allocation") && err.contains("pass the tensor's size"), "{err}");
+    // VMM memory has no legacy CUDA IPC handle: exporting it says so.
+    let err = gpu::ipc::export(base + off as u64, len as u64).unwrap_err();
+    assert!(err.contains("CUDA virtual memory") && err.contains("expandable_segments"), "{err}");
+
+    // Initiator side: WRITE out of the VMM range, READ back into it.
+    let seg_b = a.open_segment(b.segment_name()).unwrap();
+    let host = vec![0u8; len];
+    b.register_memory(host.as_ptr() as u64, len as u64, "*").unwrap();
+    let one = |opcode, source, target_offset| [TransferRequest { opcode, source, target_id: seg_b, target_offset, length: len as u64 }];
+    let st = a.transfer_sync(&one(Opcode::Write, base + off as u64, host.as_ptr() as u64), Duration::from_secs(20)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "WRITE from VMM memory {st:?}");
+    assert!(host[..] == src[off..off + len], "WRITE from VMM memory: bytes differ");
+    c.htod(0, base, &vec![0u8; 3 * seg]).unwrap();
+    let st = a.transfer_sync(&one(Opcode::Read, base + off as u64, host.as_ptr() as u64), Duration::from_secs(20)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "READ into VMM memory {st:?}");
+    assert!(gpu_read(c, 0, base + off as u64, len) == src[off..off + len], "READ into VMM memory: bytes differ");
+
+    // Target side: another VMM range of GPU 0 registered by the peer, written and read.
+    let (tbase, ths) = vmm.segments(3 * seg, seg, &[0, 0, 0]);
+    c.htod(0, tbase, &vec![0u8; 3 * seg]).unwrap();
+    b.register_memory(tbase + off as u64, len as u64, "*").unwrap();
+    let src2 = pattern(len, 32);
+    a.register_memory(src2.as_ptr() as u64, len as u64, "*").unwrap();
+    let st = a.transfer_sync(&one(Opcode::Write, src2.as_ptr() as u64, tbase + off as u64), Duration::from_secs(20)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "WRITE into the peer's VMM memory {st:?}");
+    assert!(gpu_read(c, 0, tbase + off as u64, len) == src2, "WRITE into the peer's VMM memory: bytes differ");
+    let back = vec![0u8; len];
+    a.register_memory(back.as_ptr() as u64, len as u64, "*").unwrap();
+    let st = a.transfer_sync(&one(Opcode::Read, back.as_ptr() as u64, tbase + off as u64), Duration::from_secs(20)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "READ of the peer's VMM memory {st:?}");
+    assert!(back == src2, "READ of the peer's VMM memory: bytes differ");
+
+    for p in [base + off as u64, src2.as_ptr() as u64, back.as_ptr() as u64] {
+        a.unregister_memory(p).unwrap();
+    }
+    for p in [host.as_ptr() as u64, tbase + off as u64] {
+        b.unregister_memory(p).unwrap();
+    }
+    vmm.drop_segments(base, reserve, seg, &hs);
+    vmm.drop_segments(tbase, 3 * seg, seg, &ths);
+}
+
+#[test]
+fn ipc_handles_share_gpu_memory_with_another_process() {
+    in_child("child_ipc_export", Some(&mock_dir()));
+}
+
+/// Size of the range a child exports, and where in its allocation it starts.
+const IPC_LEN: usize = (1 << 20) + 77;
+const IPC_OFF: usize = 4096 + 3;
+
+/// The exporting process: GPU 0 memory exported, opened and rewritten by another process (its
+/// own child), every byte checked through the driver on both sides.
+#[test]
+#[ignore = "run by ipc_handles_share_gpu_memory_with_another_process in a child process"]
+fn child_ipc_export() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    let total = IPC_OFF + IPC_LEN + 8192;
+    let before = pattern(total, 41);
+    let g = gpu_alloc(c, 0, &before);
+    // Refused, saying why: host memory, past the allocation's end, and opening one's own.
+    let host = vec![0u8; 4096];
+    let err = gpu::ipc::export(host.as_ptr() as u64, 4096).unwrap_err();
+    assert!(err.contains("not GPU memory"), "{err}");
+    let err = gpu::ipc::export(g + total as u64 - 10, 100).unwrap_err();
+    assert!(err.contains("runs past the end of its GPU allocation"), "{err}");
+    let e = gpu::ipc::export(g + IPC_OFF as u64, IPC_LEN as u64).unwrap();
+    assert_eq!((e.ordinal, e.offset, e.len), (0, IPC_OFF as u64, IPC_LEN as u64));
+    assert_eq!(gpu::ipc::Export::decode(&e.encode()).unwrap(), e);
+    let err = gpu::ipc::open(&e, 0).err().expect("a process cannot open its own handle");
+    assert!(err.contains("another process"), "{err}");
+
+    let lib = std::env::var_os("LD_LIBRARY_PATH").expect("the mock's directory");
+    in_child_with("child_ipc_import", Some(Path::new(&lib)), &[("KVF_IPC_EXPORT", &e.encode())]);
+    let mut want = before.clone();
+    want[IPC_OFF..IPC_OFF + IPC_LEN].copy_from_slice(&pattern(IPC_LEN, 42));
+    assert!(gpu_read(c, 0, g, total) == want, "the other process's writes did not land exactly in the exported range");
+    c.on_device(0, |d| d.mem_free(g)).unwrap();
+}
+
+/// The importing process: opens the export on GPU 1, copies it device to device into its own
+/// memory and checks it, then writes new bytes back into it.
+#[test]
+#[ignore = "run by child_ipc_export in a grandchild process"]
+fn child_ipc_import() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    let e = gpu::ipc::Export::decode(&std::env::var("KVF_IPC_EXPORT").unwrap()).unwrap();
+    let opened = gpu::ipc::open(&e, 1).unwrap();
+    assert_eq!((opened.len(), opened.on()), (IPC_LEN as u64, 1));
+    let mine = gpu_alloc(c, 1, &vec![0u8; IPC_LEN]);
+    c.dtod(1, mine, opened.addr(), IPC_LEN).unwrap();
+    assert!(gpu_read(c, 1, mine, IPC_LEN) == pattern(IPC_OFF + IPC_LEN + 8192, 41)[IPC_OFF..IPC_OFF + IPC_LEN], "bytes read through the handle differ");
+    c.htod(1, mine, &pattern(IPC_LEN, 42)).unwrap();
+    c.dtod(1, opened.addr(), mine, IPC_LEN).unwrap();
+    drop(opened);
+    c.on_device(1, |d| d.mem_free(mine)).unwrap();
 }

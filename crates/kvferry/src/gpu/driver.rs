@@ -44,6 +44,30 @@ type CuMemcpyDtoHAsync = unsafe extern "C" fn(*mut c_void, u64, usize, *mut c_vo
 type CuMemcpyHtoDAsync = unsafe extern "C" fn(u64, *const c_void, usize, *mut c_void) -> c_int;
 type CuEventCreate = unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int;
 type CuEventRecord = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
+type CuMemRetainAllocationHandle = unsafe extern "C" fn(*mut u64, *mut c_void) -> c_int;
+type CuMemRelease = unsafe extern "C" fn(u64) -> c_int;
+type CuIpcGetMemHandle = unsafe extern "C" fn(*mut IpcMemHandle, u64) -> c_int;
+type CuIpcOpenMemHandle = unsafe extern "C" fn(*mut u64, IpcMemHandle, c_uint) -> c_int;
+type CuIpcCloseMemHandle = unsafe extern "C" fn(u64) -> c_int;
+type CuMemcpyDtoD = unsafe extern "C" fn(u64, u64, usize) -> c_int;
+
+/// `CUipcMemHandle`: an opaque 64-byte name for a `cuMemAlloc` allocation that another
+/// process on the same host can open.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpcMemHandle(pub [u8; 64]);
+
+/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`: open memory of another GPU with peer access enabled.
+const IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
+
+/// The CUDA IPC entry points and the device-to-device copy (same-host GPU→GPU).
+#[derive(Clone, Copy)]
+struct IpcApi {
+    get: CuIpcGetMemHandle,
+    open: CuIpcOpenMemHandle,
+    close: CuIpcCloseMemHandle,
+    dtod: CuMemcpyDtoD,
+}
 
 const ATTR_CC_MAJOR: c_int = 75;
 const ATTR_CC_MINOR: c_int = 76;
@@ -88,6 +112,12 @@ pub struct Driver {
     device_get_pci_bus_id: CuDeviceGetPciBusId,
     /// The memory entry points: all present, or why not (the first missing symbol).
     mem: Result<MemApi, CudaError>,
+    /// `cuMemRetainAllocationHandle` and `cuMemRelease` (virtual memory management, CUDA
+    /// 10.2+), which tell memory mapped with `cuMemMap` apart; `None` if the driver lacks them.
+    vmm: Option<(CuMemRetainAllocationHandle, CuMemRelease)>,
+    /// CUDA IPC (`cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2`, `cuIpcCloseMemHandle`) and
+    /// `cuMemcpyDtoD_v2`, or the first missing symbol.
+    ipc: Result<IpcApi, CudaError>,
 }
 
 /// The entry points that classify, allocate and copy memory (driver API since CUDA 11.x).
@@ -174,7 +204,21 @@ impl Driver {
                     event_destroy: *lib.get(b"cuEventDestroy_v2\0").map_err(|e| sym("cuEventDestroy_v2", e))?,
                 })
             })();
+            let vmm = match (lib.get::<CuMemRetainAllocationHandle>(b"cuMemRetainAllocationHandle\0"), lib.get::<CuMemRelease>(b"cuMemRelease\0")) {
+                (Ok(retain), Ok(release)) => Some((*retain, *release)),
+                _ => None,
+            };
+            let ipc = (|| -> Result<IpcApi, CudaError> {
+                Ok(IpcApi {
+                    get: *lib.get(b"cuIpcGetMemHandle\0").map_err(|e| sym("cuIpcGetMemHandle", e))?,
+                    open: *lib.get(b"cuIpcOpenMemHandle_v2\0").map_err(|e| sym("cuIpcOpenMemHandle_v2", e))?,
+                    close: *lib.get(b"cuIpcCloseMemHandle\0").map_err(|e| sym("cuIpcCloseMemHandle", e))?,
+                    dtod: *lib.get(b"cuMemcpyDtoD_v2\0").map_err(|e| sym("cuMemcpyDtoD_v2", e))?,
+                })
+            })();
             Ok(Driver {
+                vmm,
+                ipc,
                 driver_get_version: *lib.get(b"cuDriverGetVersion\0").map_err(|e| sym("cuDriverGetVersion", e))?,
                 device_get_count: *lib.get(b"cuDeviceGetCount\0").map_err(|e| sym("cuDeviceGetCount", e))?,
                 device_get: *lib.get(b"cuDeviceGet\0").map_err(|e| sym("cuDeviceGet", e))?,
@@ -304,6 +348,66 @@ impl Driver {
         let base = get(PA_RANGE_START_ADDR)?.ok_or(missing("the driver gave no allocation start for device memory"))?;
         let size = get(PA_RANGE_SIZE)?.ok_or(missing("the driver gave no allocation size for device memory"))?;
         Ok(Pointer::Device { ordinal, base, size })
+    }
+
+    /// Whether `addr` lies in memory mapped with CUDA's virtual memory management
+    /// (`cuMemCreate` + `cuMemMap`, as PyTorch's expandable segments allocate): the driver
+    /// reports each physical allocation mapped into a reserved range as its own range, so a
+    /// tensor may span several. `false` for `cuMemAlloc` memory, unknown memory, or a driver
+    /// without the entry points.
+    pub fn is_vmm(&self, addr: u64) -> bool {
+        let Some((retain, release)) = self.vmm else { return false };
+        let mut h = 0u64;
+        // SAFETY: a valid out-pointer; the driver only looks the address up (it fails for
+        // memory that is not VMM-mapped). A retained handle is released at once.
+        unsafe {
+            if retain(&mut h, addr as *mut c_void) != 0 {
+                return false;
+            }
+            let _ = release(h);
+        }
+        true
+    }
+
+    fn ipc(&self) -> Result<&IpcApi, CudaError> {
+        self.ipc.as_ref().map_err(|e| match e {
+            CudaError::Symbol { path, symbol, why } => CudaError::Symbol { path: path.clone(), symbol, why: why.clone() },
+            other => CudaError::Missing { path: LIBRARY.into(), why: other.to_string() },
+        })
+    }
+
+    /// The IPC handle of the `cuMemAlloc` allocation holding device address `p` (the whole
+    /// allocation: its opener gets the allocation's base).
+    pub fn ipc_get(&self, p: u64) -> Result<IpcMemHandle, CudaError> {
+        let mut h = IpcMemHandle([0; 64]);
+        // SAFETY: a valid out-pointer of the handle's size; the driver checks `p`.
+        check("cuIpcGetMemHandle", unsafe { (self.ipc()?.get)(&mut h, p) })?;
+        Ok(h)
+    }
+
+    /// Opens another process's allocation in the current context; its base address here.
+    pub fn ipc_open(&self, h: IpcMemHandle) -> Result<u64, CudaError> {
+        let mut p = 0u64;
+        // SAFETY: a valid out-pointer; the handle is passed by value as cuda.h declares.
+        check("cuIpcOpenMemHandle", unsafe { (self.ipc()?.open)(&mut p, h, IPC_MEM_LAZY_ENABLE_PEER_ACCESS) })?;
+        Ok(p)
+    }
+
+    /// Closes memory opened with [`Driver::ipc_open`].
+    ///
+    /// # Safety
+    /// `p` came from [`Driver::ipc_open`], no copy into or out of it is queued, and it is not
+    /// used after.
+    pub unsafe fn ipc_close(&self, p: u64) -> Result<(), CudaError> {
+        check("cuIpcCloseMemHandle", (self.ipc()?.close)(p))
+    }
+
+    /// Copies `len` bytes between device addresses (synchronous; a context current; the two
+    /// may be memory of different GPUs: unified addressing routes the copy, over NVLink where
+    /// there is one).
+    pub fn dtod(&self, dst: u64, src: u64, len: usize) -> Result<(), CudaError> {
+        // SAFETY: device addresses only; the driver checks both ranges.
+        check("cuMemcpyDtoD", unsafe { (self.ipc()?.dtod)(dst, src, len) })
     }
 
     /// Allocates `len` bytes of device memory in the current context (`cuMemAlloc`).

@@ -1,9 +1,11 @@
-//! GPUs on this host, through the CUDA driver loaded at run time (groundwork of issue 13).
+//! GPUs on this host, through the CUDA driver loaded at run time (issue 13).
 //!
 //! Only `libcuda.so.1` — the driver API, whose soname and ABI are the same under CUDA 12 and
 //! CUDA 13 drivers — is ever loaded, with `dlopen` when asked; never `libcudart`. A host
 //! without a driver runs every CPU path and is told why GPU memory cannot be used. This module
-//! reports the driver and the devices; it does not allocate, register or copy GPU memory yet.
+//! reports the driver and the devices ([`probe`]), classifies registered memory
+//! ([`classify`]), and stages GPU memory through host buffers ([`Bounce`], [`Pipe`],
+//! [`stage`]); [`ipc`] shares it with other processes of the host.
 
 pub mod driver;
 
@@ -51,6 +53,7 @@ pub fn probe_with(d: Result<driver::Driver, driver::CudaError>) -> Probe {
     }
 }
 
+pub mod ipc;
 pub mod stage;
 
 use crate::error::{Error, Result};
@@ -112,6 +115,13 @@ impl Cuda {
     /// Copies `src` to device address `dst` of GPU `ordinal`.
     pub fn htod(&self, ordinal: u32, dst: u64, src: &[u8]) -> std::result::Result<(), CudaError> {
         self.on_device(ordinal, |d| d.htod(dst, src))
+    }
+
+    /// Copies `len` bytes from device address `src` to device address `dst` with GPU
+    /// `ordinal`'s context current (either may be another GPU's memory, e.g. opened with
+    /// [`ipc::open`]).
+    pub fn dtod(&self, ordinal: u32, dst: u64, src: u64, len: usize) -> std::result::Result<(), CudaError> {
+        self.on_device(ordinal, |d| d.dtod(dst, src, len))
     }
 }
 
@@ -180,7 +190,8 @@ impl Drop for Bounce {
 /// `*` asks the driver only when one loaded (a host without one: host memory, at the cost of
 /// a cached check). `cuda:N` needs the driver: without one it fails, naming the cause and the
 /// fix. Device memory must lie inside one allocation (its base and size come from the driver,
-/// so interior pointers are fine) and, for `cuda:N`, on GPU N.
+/// so interior pointers are fine) or, for CUDA virtual memory (`cuMemMap`), inside physical
+/// allocations mapped back to back on the same GPU; and, for `cuda:N`, on GPU N.
 pub fn classify(addr: u64, len: u64, location: &str) -> Result<(String, Option<u32>)> {
     let wanted = match location.strip_prefix("cuda:") {
         Some(n) => Some(n.parse::<u32>().map_err(|_| Error::InvalidArgument(format!("location {location:?}: the GPU index must be a number, e.g. \"cuda:0\"")))?),
@@ -204,10 +215,31 @@ pub fn classify(addr: u64, len: u64, location: &str) -> Result<(String, Option<u
                     return Err(Error::InvalidArgument(format!("cannot register [0x{addr:x}, +{len}) as {location}: it is memory of GPU {ordinal}; pass \"cuda:{ordinal}\" or \"*\"")));
                 }
             }
-            if addr.checked_add(len).is_none_or(|end| end > base.saturating_add(size)) {
-                return Err(Error::InvalidArgument(format!(
-                    "cannot register [0x{addr:x}, +{len}): it runs past the end of its GPU allocation [0x{base:x}, +{size}); pass the tensor's size"
-                )));
+            let end = addr.checked_add(len).ok_or_else(|| Error::InvalidArgument(format!("cannot register [0x{addr:x}, +{len}): the range wraps around the address space")))?;
+            let past = |at: u64| {
+                Error::InvalidArgument(format!(
+                    "cannot register [0x{addr:x}, +{len}): it runs past the end of its GPU allocation [0x{base:x}, +{size}) (its GPU {ordinal} memory ends at 0x{at:x}); pass the tensor's size"
+                ))
+            };
+            // CUDA virtual memory (cuMemCreate + cuMemMap, PyTorch's expandable segments):
+            // physical allocations mapped side by side in one reserved range, each reported
+            // as its own range; a registration may span several. Walk them: each must be
+            // VMM-mapped memory of the same GPU starting exactly where the previous ended.
+            let mut covered = base.saturating_add(size);
+            let vmm = covered < end && cuda.driver.is_vmm(addr);
+            while covered < end {
+                if !vmm || !cuda.driver.is_vmm(covered) {
+                    return Err(past(covered));
+                }
+                match cuda.driver.classify(covered).map_err(bad)? {
+                    Pointer::Device { ordinal: o, base: b, size: s } if o == ordinal && b == covered && s > 0 => covered = b.saturating_add(s),
+                    Pointer::Device { ordinal: o, .. } if o != ordinal => {
+                        return Err(Error::InvalidArgument(format!(
+                            "cannot register [0x{addr:x}, +{len}): it spans memory of GPU {ordinal} and GPU {o} (at 0x{covered:x}); register each GPU's part on its own"
+                        )))
+                    }
+                    _ => return Err(past(covered)),
+                }
             }
             Ok((format!("cuda:{ordinal}"), Some(ordinal)))
         }

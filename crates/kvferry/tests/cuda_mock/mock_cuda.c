@@ -1,18 +1,40 @@
-/* A mock libcuda.so.1 for tests on machines without a GPU (built by the tests with cc).
+/* The mock libcuda.so.1 of every test that needs a CUDA driver on a machine without a GPU,
+ * built by the tests with cc (tests/cuda_mock/mod.rs `build`; tests/python/test_gpu_mock.py;
+ * `scripts/gpu-check` runs the Rust ones). One source, three behaviours chosen at build time:
+ *
+ *   (default)  full memory: the probe, primary contexts, pointer classification, device and
+ *              pinned allocations, synchronous and stream-ordered copies, streams and events
+ *              (tests/gpu_memory.rs, kvferry-cli tests/cli.rs, test_gpu_mock.py);
+ *   -DNO_MEM   probe only: cuInit, the version and the device queries, nothing else, as a
+ *              driver older than CUDA 11.4 shows itself: kvferry reports GPU memory "too old"
+ *              naming cuDevicePrimaryCtxRetain (kvferry-cli tests/doctor_gpu.rs,
+ *              tests/gpu_driver.rs, tests/gpu_memory.rs);
+ *   -DNO_BUS_ID  also without cuDeviceGetPCIBusId: too old even for the probe
+ *              (tests/gpu_driver.rs).
+ *
+ * Other build-time knobs: INIT_RESULT (cuInit's result: 100 no device, 34 stub library),
+ * COUNT (GPUs), VERSION (cuDriverGetVersion, 12040 by default).
  *
  * Device memory is honest about where it lives: device pointers point into a reserved
  * PROT_NONE range, so any direct access by the CPU faults (as a real device pointer's does);
  * the bytes live in a separate mapping that only the copy functions below reach. Copies need
  * a current context, device ranges must lie inside one live allocation, and asynchronous
- * copies happen only when their stream is synchronised. cuPointerGetAttribute answers
- * CUDA_ERROR_INVALID_VALUE for memory it does not know, as the real driver does for plain
- * host pointers.
+ * copies happen only when their stream is synchronised (or an event recorded after them is):
+ * a missing wait shows as wrong bytes. cuPointerGetAttribute answers CUDA_ERROR_INVALID_VALUE
+ * for memory it does not know, as the real driver does for plain host pointers. Virtual
+ * memory management (cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemSetAccess, ...) maps
+ * physical allocations back to back; each is reported as its own range, as the real driver
+ * does, and a copy may run across mappings of one GPU made accessible. CUDA IPC handles work
+ * across processes: device memory is a memfd that another process maps through /proc.
  *
- * Build-time knobs (-D): INIT_RESULT, COUNT (GPUs), VERSION, NO_BUS_ID, NO_MEM (a driver
- * without the memory entry points). Run-time knobs: mock_cuda_fail_copies(code) makes every
- * copy return `code` (0: copies work again), e.g. 709 (context destroyed);
- * mock_cuda_copy_delay_us(us) makes every synchronous copy take that long; mock_cuda_copies(dev)
- * counts the copies that touched device `dev`'s memory so far. */
+ * Run-time knobs (full memory only): mock_cuda_fail_copies(code) makes every copy return
+ * `code` (0: copies work again), e.g. 709 (context destroyed); mock_cuda_copy_delay_us(us)
+ * makes every copy take that long when it runs; mock_cuda_copies(dev) counts the copies that
+ * touched device `dev`'s memory so far; mock_cuda_queued() is the number of asynchronous
+ * copies queued and not yet run, on every stream; mock_cuda_max_queued() the most that were
+ * ever queued on one stream at once (reset by mock_cuda_reset_max_queued()). */
+#define _GNU_SOURCE /* memfd_create */
+#include <fcntl.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -50,20 +72,30 @@ int cuDeviceGetPCIBusId(char *b, int len, int d) { snprintf(b, len, "0000:%02x:0
 #ifndef NO_MEM
 #define ARENA ((size_t)1 << 30)
 #define MAX_ALLOCS 65536
-struct alloc { uintptr_t base; size_t size; int dev; int live; int host; };
+/* vmm: a cuMemMap mapping (of physical allocation `handle`), usable once cuMemSetAccess
+   made it `access`ible. */
+/* ipc: memory of another process opened with cuIpcOpenMemHandle, its bytes at `bytes` (a
+   mapping of `maplen` bytes at `map`); every other device allocation's bytes sit in dev_store
+   at the offset its address has in dev_va. */
+struct alloc { uintptr_t base; size_t size; int dev; int live; int host; int vmm; int access; unsigned long long handle; int ipc; char *bytes; void *map; size_t maplen; };
 static struct alloc allocs[MAX_ALLOCS];
 static int nallocs;
 static char *dev_va;    /* reserved PROT_NONE: what device pointers point into */
 static char *dev_store; /* the bytes: never handed out */
+static int store_fd;    /* dev_store's memfd */
 static size_t dev_top;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static volatile int fail_copies;
 static volatile unsigned copy_delay_us;
 static long copies[64];
+static long queued, max_queued;
 
 void mock_cuda_fail_copies(int code) { __atomic_store_n(&fail_copies, code, __ATOMIC_SEQ_CST); }
 void mock_cuda_copy_delay_us(unsigned us) { __atomic_store_n(&copy_delay_us, us, __ATOMIC_SEQ_CST); }
 long mock_cuda_copies(int dev) { return dev >= 0 && dev < 64 ? __atomic_load_n(&copies[dev], __ATOMIC_SEQ_CST) : -1; }
+long mock_cuda_queued(void) { return __atomic_load_n(&queued, __ATOMIC_SEQ_CST); }
+long mock_cuda_max_queued(void) { return __atomic_load_n(&max_queued, __ATOMIC_SEQ_CST); }
+void mock_cuda_reset_max_queued(void) { __atomic_store_n(&max_queued, 0, __ATOMIC_SEQ_CST); }
 
 /* Contexts: the primary context of device d is &ctx_tokens[d]; a per-thread stack. */
 static char ctx_tokens[64];
@@ -103,7 +135,10 @@ static void *current(void) { return ctx_depth ? ctx_stack[ctx_depth - 1] : NULL;
 static void arena(void) {
     if (dev_va) return;
     dev_va = mmap(NULL, ARENA, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    dev_store = mmap(NULL, ARENA, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    /* A memfd, so that another process can map it (CUDA IPC). */
+    store_fd = memfd_create("kvf-mock-cuda-device-memory", MFD_CLOEXEC);
+    if (store_fd < 0 || ftruncate(store_fd, ARENA) != 0) abort();
+    dev_store = mmap(NULL, ARENA, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, store_fd, 0);
     if (dev_va == MAP_FAILED || dev_store == MAP_FAILED) abort();
 }
 
@@ -135,7 +170,7 @@ int cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
 int cuMemFree_v2(CUdeviceptr p) {
     pthread_mutex_lock(&mu);
     for (int i = 0; i < nallocs; i++) {
-        if (allocs[i].live && !allocs[i].host && allocs[i].base == p) {
+        if (allocs[i].live && !allocs[i].host && !allocs[i].vmm && !allocs[i].ipc && allocs[i].base == p) {
             allocs[i].live = 0;
             memset(dev_store + (p - (uintptr_t)dev_va), 0xdd, allocs[i].size);
             pthread_mutex_unlock(&mu);
@@ -194,13 +229,33 @@ int cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
     }
 }
 
+/* Whether [p, p+n) is covered by accessible VMM mappings of one device, back to back (as the
+   real driver allows a copy across them: one virtual range); its device in *dev. mu held. */
+static int vmm_span(uintptr_t p, size_t n, int *dev) {
+    uintptr_t end = p + n;
+    struct alloc *a = find(p, 1, 0);
+    if (!a || !a->vmm) return 0;
+    *dev = a->dev;
+    for (;;) {
+        if (!a->vmm || !a->access || a->dev != *dev) return 0;
+        uintptr_t e = a->base + a->size;
+        if (e >= end) return 1;
+        a = find(e, 1, 0);
+        if (!a || a->base != e) return 0;
+    }
+}
+
 /* The bytes behind device range [p, p+n) and its device, or NULL. */
 static char *store(CUdeviceptr p, size_t n, int *dev) {
     pthread_mutex_lock(&mu);
     struct alloc *a = n ? find((uintptr_t)p, n, 0) : NULL;
-    *dev = a ? a->dev : -1;
+    int ok = a && (!a->vmm || a->access);
+    *dev = ok ? a->dev : -1;
+    char *bytes = ok && a->bytes ? a->bytes + ((uintptr_t)p - a->base) : NULL;
+    if (!a && n) ok = vmm_span((uintptr_t)p, n, dev);
     pthread_mutex_unlock(&mu);
-    return a ? dev_store + ((uintptr_t)p - (uintptr_t)dev_va) : NULL;
+    if (bytes) return bytes;
+    return ok ? dev_store + ((uintptr_t)p - (uintptr_t)dev_va) : NULL;
 }
 
 /* A copy touching device `dev`'s memory happens now: counted, delayed, done. */
@@ -247,6 +302,204 @@ int cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     return 0;
 }
 
+/* Virtual memory management (CUDA 10.2+), as PyTorch's expandable segments use it: a range of
+   addresses reserved (cuMemAddressReserve), physical allocations made (cuMemCreate) and mapped
+   into it back to back (cuMemMap), made accessible (cuMemSetAccess). cuPointerGetAttribute
+   reports each mapping as its own range (RANGE_START_ADDR/RANGE_SIZE), as the real driver
+   does; cuMemRetainAllocationHandle succeeds only inside a mapping. Mock limits: a physical
+   allocation is mapped once, whole, at offset 0; reserved ranges are never handed out
+   again. */
+#define MAX_HANDLES 4096
+/* live: references (cuMemCreate and each cuMemRetainAllocationHandle; cuMemRelease drops one). */
+struct phys { size_t size; int dev; int live; int mapped; };
+static struct phys handles[MAX_HANDLES]; /* handle h is handles[h - 1] */
+static int nhandles;
+struct reservation { uintptr_t base; size_t size; int live; };
+static struct reservation reservations[1024];
+static int nreservations;
+
+int cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
+    (void)align; (void)addr; (void)flags;
+    if (!inited) return NOT_INITIALIZED;
+    if (size == 0 || size % 512) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    arena();
+    if (dev_top + size > ARENA || nreservations == 1024) { pthread_mutex_unlock(&mu); return OUT_OF_MEMORY; }
+    reservations[nreservations++] = (struct reservation){ (uintptr_t)(dev_va + dev_top), size, 1 };
+    *ptr = (CUdeviceptr)(uintptr_t)(dev_va + dev_top);
+    dev_top += size;
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+
+int cuMemGetAllocationGranularity(size_t *g, const void *prop, int option) {
+    (void)prop; (void)option;
+    *g = (size_t)2 << 20;
+    return 0;
+}
+
+int cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < nreservations; i++) {
+        if (reservations[i].live && reservations[i].base == ptr && reservations[i].size == size) {
+            reservations[i].live = 0;
+            pthread_mutex_unlock(&mu);
+            return 0;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return INVALID_VALUE;
+}
+
+/* prop: CUmemAllocationProp, whose location.id (the device) is its fourth int. */
+int cuMemCreate(unsigned long long *handle, size_t size, const void *prop, unsigned long long flags) {
+    (void)flags;
+    if (!inited) return NOT_INITIALIZED;
+    int dev = ((const int *)prop)[3];
+    if (dev < 0 || dev >= COUNT) return INVALID_DEVICE;
+    if (size == 0 || size % 512) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    if (nhandles == MAX_HANDLES) { pthread_mutex_unlock(&mu); return OUT_OF_MEMORY; }
+    handles[nhandles++] = (struct phys){ size, dev, 1, 0 };
+    *handle = (unsigned long long)nhandles;
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+
+int cuMemRelease(unsigned long long h) {
+    pthread_mutex_lock(&mu);
+    int ok = h >= 1 && h <= (unsigned long long)nhandles && handles[h - 1].live > 0;
+    if (ok) handles[h - 1].live--; /* (a mapped one stays usable until unmapped, as real) */
+    pthread_mutex_unlock(&mu);
+    return ok ? 0 : INVALID_HANDLE;
+}
+
+int cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, unsigned long long h, unsigned long long flags) {
+    (void)flags;
+    pthread_mutex_lock(&mu);
+    int in_reservation = 0;
+    for (int i = 0; i < nreservations; i++) {
+        struct reservation *r = &reservations[i];
+        if (r->live && ptr >= r->base && ptr - r->base < r->size && size <= r->size - (ptr - r->base)) in_reservation = 1;
+    }
+    int e = 0;
+    if (!in_reservation || offset != 0 || h < 1 || h > (unsigned long long)nhandles || !handles[h - 1].live || handles[h - 1].size != size) e = INVALID_VALUE;
+    else if (handles[h - 1].mapped || find(ptr, 1, 0) || find(ptr + size - 1, 1, 0) || nallocs == MAX_ALLOCS) e = INVALID_VALUE;
+    if (!e) {
+        handles[h - 1].mapped = 1;
+        allocs[nallocs++] = (struct alloc){ ptr, size, handles[h - 1].dev, 1, 0, 1, 0, h };
+    }
+    pthread_mutex_unlock(&mu);
+    return e;
+}
+
+/* desc: CUmemAccessDesc[count] (location, flags): any access granted makes the range usable. */
+int cuMemSetAccess(CUdeviceptr ptr, size_t size, const void *desc, size_t count) {
+    (void)desc;
+    if (count == 0) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    int found = 0;
+    for (int i = 0; i < nallocs; i++) {
+        struct alloc *a = &allocs[i];
+        if (a->live && a->vmm && a->base >= ptr && a->base + a->size <= ptr + size) { a->access = 1; found = 1; }
+    }
+    pthread_mutex_unlock(&mu);
+    return found ? 0 : INVALID_VALUE;
+}
+
+int cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    pthread_mutex_lock(&mu);
+    int found = 0;
+    for (int i = 0; i < nallocs; i++) {
+        struct alloc *a = &allocs[i];
+        if (a->live && a->vmm && a->base >= ptr && a->base + a->size <= ptr + size) {
+            a->live = 0;
+            handles[a->handle - 1].mapped = 0;
+            memset(dev_store + (a->base - (uintptr_t)dev_va), 0xdd, a->size);
+            found = 1;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return found ? 0 : INVALID_VALUE;
+}
+
+int cuMemRetainAllocationHandle(unsigned long long *h, void *addr) {
+    pthread_mutex_lock(&mu);
+    struct alloc *a = find((uintptr_t)addr, 1, 0);
+    int ok = a && a->vmm;
+    if (ok) { *h = a->handle; handles[a->handle - 1].live++; }
+    pthread_mutex_unlock(&mu);
+    return ok ? 0 : INVALID_VALUE;
+}
+
+/* CUDA IPC (legacy handles, cuIpcGetMemHandle): a handle names a cuMemAlloc allocation (the
+   whole of it, whatever interior pointer was given); cuIpcOpenMemHandle in another process
+   maps the same bytes at a device address of its own (the allocation's base), reached only
+   through copies as every device address here; cuIpcCloseMemHandle unmaps it. As the real
+   driver: a handle opened in its own process is refused, VMM memory has no IPC handle,
+   cuMemFree does not free opened memory. The mock's handle: magic, pid, the exporter's memfd,
+   the allocation's offset in it, its size and device. */
+struct ipc_handle { char magic[8]; int pid; int fd; unsigned long long off, size; int dev; char pad[28]; };
+typedef struct { char reserved[64]; } CUipcMemHandle;
+_Static_assert(sizeof(struct ipc_handle) == 64, "CUipcMemHandle is 64 bytes");
+
+int cuIpcGetMemHandle(CUipcMemHandle *out, CUdeviceptr p) {
+    if (!inited) return NOT_INITIALIZED;
+    pthread_mutex_lock(&mu);
+    struct alloc *a = find((uintptr_t)p, 1, 0);
+    int ok = a && !a->vmm && !a->ipc;
+    struct ipc_handle h = { "KVFMOCK", getpid(), store_fd, 0, 0, 0, { 0 } };
+    if (ok) { h.off = a->base - (uintptr_t)dev_va; h.size = a->size; h.dev = a->dev; }
+    pthread_mutex_unlock(&mu);
+    if (!ok) return INVALID_VALUE;
+    memcpy(out, &h, sizeof h);
+    return 0;
+}
+
+int cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned flags) {
+    (void)flags;
+    struct ipc_handle h;
+    memcpy(&h, &handle, sizeof h);
+    if (!current()) return INVALID_CONTEXT;
+    if (memcmp(h.magic, "KVFMOCK", 8) != 0 || h.size == 0 || h.dev < 0 || h.dev >= COUNT) return INVALID_VALUE;
+    if (h.pid == getpid()) return INVALID_CONTEXT; /* a process cannot open its own handle */
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", h.pid, h.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return INVALID_VALUE; /* the exporter is gone */
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), delta = h.off % page, maplen = h.size + delta;
+    void *m = mmap(NULL, maplen, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)(h.off - delta));
+    close(fd);
+    if (m == MAP_FAILED) return OUT_OF_MEMORY;
+    pthread_mutex_lock(&mu);
+    arena();
+    size_t size = (h.size + 511) & ~(size_t)511;
+    if (dev_top + size > ARENA || nallocs == MAX_ALLOCS) { pthread_mutex_unlock(&mu); munmap(m, maplen); return OUT_OF_MEMORY; }
+    uintptr_t base = (uintptr_t)(dev_va + dev_top);
+    dev_top += size;
+    allocs[nallocs++] = (struct alloc){ base, h.size, h.dev, 1, 0, 0, 0, 0, 1, (char *)m + delta, m, maplen };
+    pthread_mutex_unlock(&mu);
+    *pdptr = base;
+    return 0;
+}
+
+int cuIpcCloseMemHandle(CUdeviceptr p) {
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < nallocs; i++) {
+        struct alloc *a = &allocs[i];
+        if (a->live && a->ipc && a->base == p) {
+            a->live = 0;
+            void *m = a->map;
+            size_t len = a->maplen;
+            pthread_mutex_unlock(&mu);
+            munmap(m, len);
+            return 0;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return INVALID_VALUE;
+}
+
 /* Streams: asynchronous copies are queued and happen only when something waits for them
    (cuStreamSynchronize, or cuEventSynchronize of an event recorded after them), in order: a
    caller that reads a bounce buffer before waiting sees stale bytes, one that reuses it too
@@ -272,6 +525,7 @@ static void run_until(struct stream *s, long upto) {
         struct op o = s->ops[s->done % s->cap];
         do_copy(o.dev, o.dst, o.src, o.n);
         s->done++;
+        __atomic_sub_fetch(&queued, 1, __ATOMIC_SEQ_CST);
     }
     pthread_mutex_unlock(&s->mu);
 }
@@ -305,6 +559,9 @@ static int enqueue(struct stream *s, int dev, char *dst, const char *src, size_t
     }
     s->ops[s->issued % s->cap] = (struct op){ dev, dst, src, n };
     s->issued++;
+    long depth = s->issued - s->done, m = __atomic_load_n(&max_queued, __ATOMIC_SEQ_CST);
+    while (depth > m && !__atomic_compare_exchange_n(&max_queued, &m, depth, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
+    __atomic_add_fetch(&queued, 1, __ATOMIC_SEQ_CST);
     pthread_mutex_unlock(&s->mu);
     return 0;
 }

@@ -1,19 +1,24 @@
-//! The mock `libcuda.so.1` (`mock_cuda.c`), built with `cc` into a directory of its own, so a
-//! test process started with that directory in `LD_LIBRARY_PATH` loads it by soname, as it
-//! would load the real driver.
+//! The mock `libcuda.so.1` (`mock_cuda.c`, the one mock CUDA driver of every test), built with
+//! `cc` into a directory of its own, so a process started with that directory in
+//! `LD_LIBRARY_PATH` loads it by soname, as it would load the real driver (or a test loads the
+//! file by path). Used by this crate's `gpu_memory.rs` and `gpu_driver.rs`, and by
+//! kvferry-cli's `doctor_gpu.rs` and `cli.rs` (through `#[path]`). The behaviours
+//! (`NO_MEM`: probe only; `NO_BUS_ID`: too old for the probe; default: full memory) and the
+//! other knobs are listed at the top of `mock_cuda.c`.
+#![allow(dead_code)]
 
 use std::path::PathBuf;
 use std::process::Command;
 
-pub const SOURCE: &str = include_str!("mock_cuda.c");
+const SOURCE: &str = include_str!("mock_cuda.c");
 
-/// Builds the mock with `defines` into `<tmp>/kvf-cuda-<name>-<pid>/libcuda.so.1`; that
-/// directory.
+/// Builds the mock with `defines` (e.g. `"COUNT=2"`, `"NO_MEM"`) into
+/// `<tmp>/kvf-cuda-<name>-<pid>/libcuda.so.1`; that directory.
 pub fn build(name: &str, defines: &[&str]) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kvf-cuda-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
     let src = dir.join("mock_cuda.c");
-    std::fs::write(&src, SOURCE).unwrap();
+    std::fs::write(&src, SOURCE).unwrap_or_else(|e| panic!("writing {}: {e}", src.display()));
     let out = dir.join("libcuda.so.1");
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let st = Command::new(&cc)
@@ -24,4 +29,9 @@ pub fn build(name: &str, defines: &[&str]) -> PathBuf {
         .status();
     assert!(st.is_ok_and(|s| s.success()), "building the mock libcuda needs a C compiler ({cc})");
     dir
+}
+
+/// [`build`], then the library file itself (for `Driver::load_from`).
+pub fn build_lib(name: &str, defines: &[&str]) -> PathBuf {
+    build(name, defines).join("libcuda.so.1")
 }
