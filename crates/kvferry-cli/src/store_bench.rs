@@ -130,7 +130,7 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
 struct Pool {
     _server: Proc,
     _master: Proc,
-    addr: String,
+    pub(crate) addr: String,
 }
 
 impl Pool {

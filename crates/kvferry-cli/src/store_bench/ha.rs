@@ -63,6 +63,40 @@ fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str
     created as f64 / start.elapsed().as_secs_f64()
 }
 
+/// Values stored per second by one client with `batch_upsert_from` of `batch` keys of `value`
+/// bytes (the same keys again and again: space is reused), through the master at `master`
+/// (`host:port` or `etcd://...`); the last batch is read back and checked.
+fn store_rate(master: &str, value: u64, batch: usize, dur: Duration) -> Result<f64, String> {
+    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 0, master_server_addr: master.to_string(), ..ClientConfig::default() }).map_err(|e| e.to_string())?;
+    let len = value as usize * batch;
+    let src = HostBuffer::new(len, true).map_err(|e| e.to_string())?;
+    let dst = HostBuffer::new(value as usize, true).map_err(|e| e.to_string())?;
+    c.register_buffer(src.addr(), len as u64).map_err(|e| e.to_string())?;
+    c.register_buffer(dst.addr(), value).map_err(|e| e.to_string())?;
+    let keys: Vec<String> = (0..batch).map(|i| format!("rate-{value}-{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        fill_value(src.slice_mut(i * value as usize, value as usize), k);
+    }
+    let items: Vec<(&str, u64, u64)> = keys.iter().enumerate().map(|(i, k)| (k.as_str(), src.addr() + i as u64 * value, value)).collect();
+    let cfg = ReplicateConfig::default();
+    let start = Instant::now();
+    let mut n = 0u64;
+    while start.elapsed() < dur || n == 0 {
+        if let Some(Err(e)) = c.batch_upsert_from(&items, &cfg).into_iter().find(|r| r.is_err()) {
+            return Err(format!("batch_upsert_from: {e}"));
+        }
+        n += batch as u64;
+    }
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let last = &keys[batch - 1];
+    let got = c.get_into(last, dst.addr(), value).map_err(|e| e.to_string())?;
+    if got != value || !value_ok(dst.slice(0, value as usize), last) {
+        return Err(format!("{last} did not read back exactly"));
+    }
+    let _ = c.close();
+    Ok(rate)
+}
+
 fn journal_bytes(etcd: &EtcdClient, cluster: &str) -> Result<(u64, usize), String> {
     let p = ha::journal::prefix(cluster);
     let kvs = etcd.range(&p, &format!("{}~", p.trim_end_matches('/')), 256).map_err(|e| e.to_string())?;
@@ -137,7 +171,18 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         println!("{:<34} {:>14.0} {:>14.0} {:>7.2}", format!("{threads} connection(s), {per_req} key(s)/request"), off, on, on / off.max(1e-9));
     }
 
-    // 2. Failover: two master processes, a serving client, objects put, the leader killed.
+    // 2. Stored values per second through a whole store (client, master, serving client in
+    //    three processes, data moving): a master without HA, then the HA pair below.
+    let store_points = [(64u64 << 10, 32usize), (1 << 20, 32)];
+    let mut plain = Vec::new();
+    {
+        let pool = super::Pool::start(256 << 20)?;
+        for &(v, b) in &store_points {
+            plain.push(store_rate(&pool.addr, v, b, dur)?);
+        }
+    }
+
+    // 3. Failover: two master processes, a serving client, objects put, the leader killed.
     let etcd_url = format!("etcd://{}", endpoints.join(";"));
     let start_master = || {
         Proc::spawn(
@@ -158,6 +203,11 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     };
     let mut ms = [start_master()?, start_master()?];
     let server = Proc::spawn(crate::self_command()?.args(["store-bench", "--serve-segment", &etcd_url, "--segment-size", "256M"]), "KVFERRY_STORE_SERVER")?;
+    println!("{:<34} {:>14} {:>14} {:>7}", "values stored/s (batch_upsert_from)", "no HA", "HA journal", "ratio");
+    for (&(v, b), off) in store_points.iter().zip(&plain) {
+        let on = store_rate(&etcd_url, v, b, dur)?;
+        println!("{:<34} {:>14.0} {:>14.0} {:>7.2}", format!("{} KiB values, {b} per call", v >> 10), off, on, on / off.max(1e-9));
+    }
     let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 64 << 20, master_server_addr: etcd_url.clone(), ..ClientConfig::default() }).map_err(|e| e.to_string())?;
     let value = 16u64 << 10;
     let buf = HostBuffer::new(value as usize, true).map_err(|e| e.to_string())?;
