@@ -206,9 +206,9 @@ impl Journal {
     }
 
     /// Takes what the state marked as changed into the queue. Returns the ticket to wait for
-    /// (covering changes another thread collected first, which may include this caller's),
-    /// `None` when not journaling or nothing is outstanding.
-    pub fn collect(&self, m: &Master) -> Option<u64> {
+    /// (covering changes another thread collected first, which may include this caller's)
+    /// with its term, `None` when not journaling or nothing is outstanding.
+    pub fn collect(&self, m: &Master) -> Option<(i64, u64)> {
         let now = m.now();
         let mut st = m.lock();
         if !st.journaling() {
@@ -224,16 +224,20 @@ impl Journal {
             q.enqueued += 1;
             self.work.notify_one();
         }
-        (q.enqueued > q.written).then_some(q.enqueued)
+        (q.enqueued > q.written).then_some((q.term, q.enqueued))
     }
 
-    /// Waits until the changes of `ticket` are in etcd, at most `bound`.
-    pub fn wait(&self, ticket: u64, bound: Duration) -> Result<(), StoreError> {
+    /// Waits until the changes of `ticket` (from [`Journal::collect`]) are in etcd, at most
+    /// `bound`; refused if the term ended first.
+    pub fn wait(&self, (term, ticket): (i64, u64), bound: Duration) -> Result<(), StoreError> {
         let until = Instant::now() + bound;
         let mut q = self.q();
-        while q.written < ticket {
-            if q.failed || q.term == 0 {
+        loop {
+            if q.term != term || q.failed {
                 return Err(StoreError::NotLeader { leader: String::new() });
+            }
+            if q.written >= ticket {
+                return Ok(());
             }
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -241,7 +245,6 @@ impl Journal {
             }
             q = self.durable.wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
         }
-        Ok(())
     }
 
     /// Starts journaling `term` (the state must already journal).
@@ -471,6 +474,50 @@ mod tests {
         assert_eq!(back, changes);
         assert!(encode_chunks(&[]).expect("empty").is_empty());
         assert!(decode_chunk(b"\xff\xff garbage").is_err());
+    }
+
+    /// The queue without etcd: what a request waits for, what ends the wait.
+    #[test]
+    fn a_request_is_answered_only_once_its_changes_are_written_and_never_across_terms() {
+        use crate::master::MasterConfig;
+        use crate::proto::Segment;
+        let m = Master::new(MasterConfig::default());
+        let j = &m.journal;
+        assert_eq!(j.collect(&m), None, "not journaling: nothing to wait for");
+        {
+            let mut st = m.lock();
+            st.term = 5;
+            st.journal_on();
+        }
+        j.activate(5);
+        let seg = |id| Segment { id, name: format!("s{id}"), te_endpoint: format!("127.0.0.1:{id}"), base: id << 32, size: 1 << 20 };
+        m.lock().mount(1, seg(1), 0).expect("mount");
+        let t1 = j.collect(&m).expect("a change to wait for");
+        assert_eq!(t1, (5, 1));
+        // A second request's change while the first is unwritten: one batch covers both.
+        m.lock().mount(2, seg(2), 0).expect("mount");
+        let t2 = j.collect(&m).expect("ticket");
+        assert_eq!(t2, (5, 2));
+        assert!(matches!(j.wait(t1, Duration::from_millis(30)), Err(StoreError::Rpc(_))), "not written: the wait is bounded");
+        let (batch, upto) = j.next(5, Duration::ZERO).expect("the writer's batch");
+        assert_eq!((batch.len(), upto), (4, 2), "two clients and two segments, both requests' changes");
+        j.done(upto);
+        assert_eq!(j.wait(t1, Duration::ZERO), Ok(()));
+        assert_eq!(j.wait(t2, Duration::ZERO), Ok(()));
+        assert_eq!(j.collect(&m), None, "nothing outstanding");
+        // A ticket of a term that ended is refused, even if a new term started since.
+        m.lock().mount(3, seg(3), 0).expect("mount");
+        let t3 = j.collect(&m).expect("ticket");
+        j.deactivate();
+        j.activate(6);
+        assert!(matches!(j.wait(t3, Duration::from_secs(5)), Err(StoreError::NotLeader { .. })), "refused at once, not after the bound");
+        // A writer that gave up refuses every waiter.
+        j.activate(5);
+        m.lock().mount(4, seg(4), 0).expect("mount");
+        let t4 = j.collect(&m).expect("ticket");
+        j.fail();
+        assert!(matches!(j.wait(t4, Duration::from_secs(5)), Err(StoreError::NotLeader { .. })));
+        assert!(j.next(5, Duration::ZERO).is_none(), "the writer stops");
     }
 
     #[test]
