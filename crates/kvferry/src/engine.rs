@@ -200,7 +200,7 @@ impl TransferEngine {
         let shm = Arc::new(ShmTransport::new(ShmOptions { name: name.clone(), mode: config.transport, threads: config.shm_threads }));
         let rdma = match config.transport {
             TransportMode::Rdma => Some(Arc::new(
-                RdmaTransport::new(RdmaOptions { segment: name.clone(), devices: config.rdma_devices.clone(), gid_index: config.gid_index })
+                RdmaTransport::new(RdmaOptions { segment: name.clone(), devices: config.rdma_devices.clone(), gid_index: config.gid_index, max_endpoints: config.rdma_max_endpoints })
                     .map_err(|why| Error::Config(format!("KVFERRY_TRANSPORT=rdma, but {why}")))?,
             )),
             _ => None,

@@ -1,0 +1,194 @@
+//! Faults on one RDMA queue pair must not spill over to other tasks (in the Soft-RoCE VM:
+//! `rdma_faults 10.99.2.1`, devices `rxe0` and `rxe_lo`):
+//!
+//! 1. **A deadline fails only its own task.** The peer's QPs serving our `rxe_lo` pair are
+//!    destroyed (a `Connection` message for the same NIC pair makes the peer replace them), so
+//!    what is posted there stalls. A 1 MiB WRITE with a 300 ms deadline, then one with 30 s,
+//!    go on the same QPs; at the first's deadline its QPs are flushed: it ends TIMEOUT, and the
+//!    second's flushed work requests must be posted again (on `rxe0` or a rebuilt `rxe_lo`
+//!    endpoint) and complete, every byte verified.
+//! 2. **Endpoint eviction.** With `KVFERRY_RDMA_MAX_ENDPOINTS=1`, requests to two peers over
+//!    two NICs still complete (endpoints closed and reconnected), bytes verified.
+//!
+//! (Soft-RoCE does not end work requests towards a destroyed QP with
+//! `IBV_WC_RETRY_EXC_ERR`: they stall until their deadline, so the retry of a failed work
+//! completion on another pair is proved by the unit tests of `transport::rdma` only.)
+//!
+//! Exits non-zero on any failure.
+
+use kvferry::config::TransportMode;
+use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+type Res<T> = Result<T, String>;
+
+const SIZE: usize = 16 << 20;
+
+fn main() -> ExitCode {
+    let host = std::env::args().nth(1).unwrap_or_else(|| "10.99.2.1".into());
+    match run(&host) {
+        Ok(()) => {
+            println!("rdma_faults: all checks passed");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("rdma_faults: FAILED: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Page-aligned memory from kvferry's allocator; only read or written between transfers.
+struct Buf(kvferry::hostbuf::HostBuffer);
+
+impl Buf {
+    fn new(len: usize) -> Res<Buf> {
+        kvferry::hostbuf::HostBuffer::new(len, false).map(Buf).map_err(|e| format!("cannot allocate {len} bytes: {e}"))
+    }
+    fn addr(&self) -> u64 {
+        self.0.addr()
+    }
+    fn bytes(&mut self) -> &mut [u8] {
+        self.0.slice_mut(0, self.0.len())
+    }
+}
+
+fn fill(b: &mut [u8], seed: u64) {
+    let mut x = seed | 1;
+    for c in b.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+    }
+}
+
+fn compare(what: &str, got: &[u8], want: &[u8]) -> Res<()> {
+    match got.iter().zip(want).position(|(a, b)| a != b) {
+        None => Ok(()),
+        Some(at) => Err(format!("{what}: byte {at} differs (got {:#04x}, want {:#04x})", got[at], want[at])),
+    }
+}
+
+/// Two engines with registered 16 MiB buffers, `a` having opened `b`.
+struct Pair {
+    a: TransferEngine,
+    b: TransferEngine,
+    ba: Buf,
+    bb: Buf,
+    peer: u64,
+}
+
+fn pair(cfg: &Config) -> Res<Pair> {
+    let a = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
+    let b = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
+    let (ba, bb) = (Buf::new(SIZE)?, Buf::new(SIZE)?);
+    a.register_memory(ba.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
+    b.register_memory(bb.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
+    let peer = a.open_segment(b.segment_name()).map_err(|e| e.to_string())?;
+    Ok(Pair { a, b, ba, bb, peer })
+}
+
+impl Pair {
+    fn req(&self, op: Opcode, off: u64, len: usize) -> TransferRequest {
+        TransferRequest { opcode: op, source: self.ba.addr() + off, target_id: self.peer, target_offset: self.bb.addr() + off, length: len as u64 }
+    }
+}
+
+fn deadline_fails_only_its_task(cfg: &Config, op: Opcode) -> Res<()> {
+    let mut p = pair(cfg)?;
+    let desc = p.a.segment_descriptor(p.peer).map_err(|e| e.to_string())?;
+    let lo = desc.devices.iter().find(|d| d.name == "rxe_lo").ok_or("the peer has no rxe_lo")?.gid.clone();
+    // Both pairs connected, so both requests go on the same QPs.
+    let st = p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+    if st.status != TaskStatus::Completed {
+        return Err(format!("the first WRITE: {st:?}"));
+    }
+    // The peer's QPs of the rxe_lo pair go: what is posted there stalls (the NIC retries).
+    kill_peer_qps(&p.a, &p.b, "rxe_lo", &lo)?;
+    fill(p.ba.bytes(), 1000);
+    fill(p.bb.bytes(), 2000);
+    let (short, long) = (p.req(Opcode::Write, 0, 1 << 20), p.req(op, 1 << 20, 1 << 20));
+    let t0 = Instant::now();
+    let (t1, t2) = std::thread::scope(|s| {
+        let a = &p.a;
+        let h1 = s.spawn(move || a.transfer_sync(&[short], Duration::from_millis(300)).map(|r| (r, t0.elapsed())));
+        std::thread::sleep(Duration::from_millis(30));
+        let h2 = s.spawn(move || a.transfer_sync(&[long], Duration::from_secs(30)).map(|r| (r, t0.elapsed())));
+        (h1.join(), h2.join())
+    });
+    let ((t1, e1), (t2, e2)) = match (t1, t2) {
+        (Ok(Ok(x)), Ok(Ok(y))) => (x, y),
+        _ => return Err("a transfer failed to start, or its thread panicked".into()),
+    };
+    println!("rdma_faults: (300 ms WRITE ended {:?} after {e1:?}: {}; 30 s {op:?} {:?} after {e2:?})", t1.status, t1.reason.clone().unwrap_or_default(), t2.status);
+    if t2.status != TaskStatus::Completed {
+        return Err(format!("a 30 s {op:?} queued on the same QPs as a 300 ms WRITE that expired ended {:?} ({:?}: {})", t2.status, t2.cause, t2.reason.unwrap_or_default()));
+    }
+    let (ba, bb) = (p.ba.bytes()[..2 << 20].to_vec(), p.bb.bytes()[..2 << 20].to_vec());
+    compare(&format!("the 30 s {op:?}"), &bb[1 << 20..], &ba[1 << 20..])?;
+    if t1.status != TaskStatus::Timeout {
+        println!("rdma_faults: inconclusive: the 300 ms WRITE ended {:?}, not TIMEOUT", t1.status);
+        return Ok(());
+    }
+    println!("rdma_faults: a 300 ms WRITE ended TIMEOUT and a 30 s {op:?} queued behind it on the same QPs completed, 1 MiB verified");
+    Ok(())
+}
+
+/// Makes `b` replace its QPs for `a`'s endpoint `a@nic -> b@nic` (as when `a` reconnects that
+/// pair), so the QPs `a` holds point to QPs that are gone.
+fn kill_peer_qps(a: &TransferEngine, b: &TransferEngine, nic: &str, gid: &str) -> Res<()> {
+    use kvferry::wire::handshake::MsgType;
+    use kvferry::wire::rdma::ConnectionMsg;
+    let host = b.segment_name().rsplit_once(':').map_or("127.0.0.1", |(h, _)| h).to_string();
+    let m = ConnectionMsg {
+        local_nic_path: format!("{}@{nic}", a.segment_name()),
+        local_gid: gid.into(),
+        peer_nic_path: format!("{}@{nic}", b.segment_name()),
+        qp_num: vec![0x7ff0, 0x7ff1],
+        ..Default::default()
+    };
+    let f = kvferry::handshake::request(&host, b.rpc_port(), MsgType::Connection, &m.encode(), Duration::from_secs(5), Duration::from_secs(10), 1 << 20)
+        .map_err(|e| e.to_string())?;
+    let r = ConnectionMsg::decode(&f.body).map_err(|e| format!("answer {}: {e}", String::from_utf8_lossy(&f.body)))?;
+    match r.refused() {
+        Some(why) => Err(format!("the peer refused the replacing Connection: {why}")),
+        None => Ok(()),
+    }
+}
+
+fn eviction(cfg: &Config) -> Res<()> {
+    let cfg = Config { rdma_max_endpoints: 1, ..cfg.clone() };
+    let mut p = pair(&cfg)?;
+    let mut bc = Buf::new(1 << 20)?;
+    let c = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
+    c.register_memory(bc.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+    let pc = p.a.open_segment(c.segment_name()).map_err(|e| e.to_string())?;
+    for round in 0..4u64 {
+        fill(&mut p.ba.bytes()[..1 << 20], 20 + round);
+        let st = p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        if st.status != TaskStatus::Completed {
+            return Err(format!("round {round}, WRITE to b with 1 cached endpoint: {st:?}"));
+        }
+        let (ba, bb) = (p.ba.bytes()[..1 << 20].to_vec(), p.bb.bytes()[..1 << 20].to_vec());
+        compare("WRITE to b", &bb, &ba)?;
+        let req = TransferRequest { opcode: Opcode::Write, source: p.ba.addr(), target_id: pc, target_offset: bc.addr(), length: 1 << 20 };
+        let st = p.a.transfer_sync(&[req], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        if st.status != TaskStatus::Completed {
+            return Err(format!("round {round}, WRITE to c with 1 cached endpoint: {st:?}"));
+        }
+        compare("WRITE to c", bc.bytes(), &ba)?;
+    }
+    println!("rdma_faults: with KVFERRY_RDMA_MAX_ENDPOINTS=1, 4 rounds of 1 MiB WRITEs to two peers over two NICs verified");
+    c.unregister_memory(bc.addr()).map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+fn run(host: &str) -> Res<()> {
+    let cfg = Config { local_hostname: host.into(), transport: TransportMode::Rdma, transfer_timeout: Duration::from_secs(10), ..Config::default() };
+    deadline_fails_only_its_task(&cfg, Opcode::Write)?;
+    deadline_fails_only_its_task(&cfg, Opcode::Read)?;
+    eviction(&cfg)?;
+    Ok(())
+}
