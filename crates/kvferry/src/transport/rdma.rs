@@ -20,12 +20,19 @@
 //!   chains of signaled work requests (one doorbell per chain) with at most [`MAX_OUTSTANDING`]
 //!   per QP. A piece ends only when the completion of each of its slices arrived (its
 //!   [`RegionGuard`] is held until then, so unregistering waits for posted work requests, and
-//!   MRs are deregistered only after). A failed completion fails the piece, naming the status,
-//!   and drops the endpoint (rebuilt on next use).
+//!   MRs are deregistered only after). A failed completion drops the endpoint (rebuilt on next
+//!   use) and its slice is posted again on another NIC pair, at most [`MAX_RETRIES`] times
+//!   (a path failure also pauses the pair); a status another pair would repeat (remote or
+//!   local access, invalid request) fails the piece at once, naming it (`slice_fate`).
 //! - **Deadlines**: the poller looks at the deadlines of what is in flight every
 //!   [`TICK`]; a QP holding a slice past its task's deadline is moved to the error state, which
-//!   flushes its work requests at once: the piece ends TIMEOUT, and nothing touches its memory
-//!   after. Connecting is bounded by the handshake timeouts.
+//!   flushes its work requests at once (an RC QP cannot cancel one): the late piece ends
+//!   TIMEOUT, and nothing touches its memory after; the other tasks' flushed slices are posted
+//!   again (uncounted), so a deadline fails only its own task. Nothing is posted again past
+//!   its deadline, at shutdown or into a range being unregistered. Connecting is bounded by
+//!   the handshake timeouts.
+//! - **Endpoint cache**: at most `KVFERRY_RDMA_MAX_ENDPOINTS`; beyond it the least recently
+//!   used idle endpoint (no work request in flight) is closed (`lru_victims`).
 //!
 //! Mooncake compatibility of the handshake: 2 QPs per endpoint (Mooncake refuses a QP count
 //! that differs from its own), as many as the peer sent when it connects to us, no `ready_ack`
@@ -37,8 +44,8 @@
 //! A NIC pair that cannot be connected is paused for 30 s (tried again only when no other
 //! pair works); its slices go over the pairs that connect.
 //!
-//! Not yet: retrying a slice whose completion failed on another NIC pair, endpoint eviction,
-//! GPU memory.
+//! Not yet: bounding the QPs made for peers that connect to us (kept until the peer reconnects
+//! that pair), GPU memory.
 
 use crate::batch::{FailCause, FailKind, TaskState};
 use crate::memory::{Region, RegionGuard};
@@ -66,7 +73,8 @@ const CQ_DEPTH: u32 = 4096;
 const CHAIN: usize = 16;
 /// How often pollers look at deadlines and at shutdown.
 pub const TICK: Duration = Duration::from_millis(100);
-/// How long a NIC pair that could not be connected is left alone (while others work).
+/// How long a NIC pair that could not be connected, or whose work request failed on the path
+/// (`path_failure`), is left alone (while others work).
 const PAUSE: Duration = Duration::from_secs(30);
 /// The port used on every NIC (Mooncake's `MC_IB_PORT` default).
 const PORT: u8 = 1;
