@@ -9,6 +9,8 @@
 //!    endpoint) and complete, every byte verified.
 //! 2. **Endpoint eviction.** With `KVFERRY_RDMA_MAX_ENDPOINTS=1`, requests to two peers over
 //!    two NICs still complete (endpoints closed and reconnected), bytes verified.
+//! 3. **`auto` picks RDMA** to and from a peer that publishes RDMA devices, TCP to one that
+//!    does not, bytes verified.
 //!
 //! (Soft-RoCE does not end work requests towards a destroyed QP with
 //! `IBV_WC_RETRY_EXC_ERR`: they stall until their deadline, so the retry of a failed work
@@ -185,10 +187,44 @@ fn eviction(cfg: &Config) -> Res<()> {
     Ok(())
 }
 
+/// `KVFERRY_TRANSPORT=auto` on a host with active NICs: RDMA to a peer that publishes RDMA
+/// devices (and that peer reaches us over RDMA: we publish ours), TCP to one that does not.
+fn auto_picks_rdma_when_both_sides_have_it(cfg: &Config) -> Res<()> {
+    let auto = TransferEngine::new(Config { transport: TransportMode::Auto, ..cfg.clone() }).map_err(|e| e.to_string())?;
+    let rdma = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
+    let tcp = TransferEngine::new(Config { transport: TransportMode::Tcp, ..cfg.clone() }).map_err(|e| e.to_string())?;
+    let (mut ba, mut bb, mut bc) = (Buf::new(1 << 20)?, Buf::new(1 << 20)?, Buf::new(1 << 20)?);
+    auto.register_memory(ba.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+    rdma.register_memory(bb.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+    tcp.register_memory(bc.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+    let check = |from: &TransferEngine, to: &TransferEngine, src: &mut Buf, dst: &mut Buf, want: &str, seed: u64| -> Res<()> {
+        let id = from.open_segment(to.segment_name()).map_err(|e| e.to_string())?;
+        let via = from.segment_transport(id).map_err(|e| e.to_string())?;
+        if via.name != want {
+            return Err(format!("auto: requests from {} to {} go by {}, not {want} ({via:?})", from.segment_name(), to.segment_name(), via.name));
+        }
+        fill(src.bytes(), seed);
+        dst.bytes().fill(0);
+        let req = TransferRequest { opcode: Opcode::Write, source: src.addr(), target_id: id, target_offset: dst.addr(), length: 1 << 20 };
+        let st = from.transfer_sync(&[req], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        if st.status != TaskStatus::Completed {
+            return Err(format!("auto: a WRITE by {want}: {st:?}"));
+        }
+        let (s, d) = (src.bytes().to_vec(), dst.bytes().to_vec());
+        compare(&format!("auto: a WRITE by {want}"), &d, &s)
+    };
+    check(&auto, &rdma, &mut ba, &mut bb, "rdma", 31)?;
+    check(&rdma, &auto, &mut bb, &mut ba, "rdma", 32)?;
+    check(&auto, &tcp, &mut ba, &mut bc, "tcp", 33)?;
+    println!("rdma_faults: KVFERRY_TRANSPORT=auto: RDMA to and from a peer with RDMA, TCP to a peer without, 1 MiB WRITEs verified");
+    Ok(())
+}
+
 fn run(host: &str) -> Res<()> {
     let cfg = Config { local_hostname: host.into(), transport: TransportMode::Rdma, transfer_timeout: Duration::from_secs(10), ..Config::default() };
     deadline_fails_only_its_task(&cfg, Opcode::Write)?;
     deadline_fails_only_its_task(&cfg, Opcode::Read)?;
     eviction(&cfg)?;
+    auto_picks_rdma_when_both_sides_have_it(&cfg)?;
     Ok(())
 }

@@ -38,6 +38,9 @@
 //! that differs from its own), as many as the peer sent when it connects to us, no `ready_ack`
 //! field in our messages (a Mooncake peer then skips that round) and an answer to one it sends.
 //!
+//! `auto` (not `KVFERRY_TRANSPORT=rdma`): RDMA per piece where both sides can key it ([`auto_route`]),
+//! the rest to TCP; a range the NICs cannot register makes the engine publish no RDMA.
+//!
 //! Checked against a stock Mooncake engine in the Soft-RoCE VM, both directions
 //! (`examples/rdma_mooncake`).
 //!
@@ -103,6 +106,28 @@ pub struct RdmaOptions {
     /// Connected endpoints kept (`KVFERRY_RDMA_MAX_ENDPOINTS`): beyond it the least recently
     /// used idle one is closed.
     pub max_endpoints: usize,
+    /// `KVFERRY_TRANSPORT=rdma`: RDMA or nothing (a range that cannot be registered on the NICs
+    /// is an error). `false` (`auto`): RDMA where it works, TCP for the rest (see
+    /// [`auto_route`]).
+    pub required: bool,
+}
+
+/// Whether `auto` sends a piece to a peer over RDMA (sans-IO): the peer must publish RDMA
+/// devices, the local range must have memory regions on our NICs and the remote buffer keys
+/// for each of the peer's devices. `Err` says why not (the piece then goes over TCP).
+pub fn auto_route(peer: &SegmentDesc, local_has_mrs: bool, remote: u64, len: u64) -> Result<(), String> {
+    if !peer.protocol.contains("rdma") || peer.devices.is_empty() {
+        return Err(format!("the peer publishes no RDMA devices (protocol {:?})", peer.protocol));
+    }
+    if !local_has_mrs {
+        return Err("the local range has no RDMA memory region (GPU memory, or its registration on the NICs failed)".into());
+    }
+    match peer.find_buffer(remote, len) {
+        Some(b) if b.rkey.len() == peer.devices.len() => Ok(()),
+        Some(b) => Err(format!("the peer publishes {} rkeys for its {} devices on buffer 0x{:x}", b.rkey.len(), peer.devices.len(), b.addr)),
+        // The engine re-reads the descriptor before a piece outside it is dispatched.
+        None => Err("the remote range is not inside a buffer the peer published".into()),
+    }
 }
 
 /// Sends a `Connection` message to a peer's handshake port and returns its answer's body.
@@ -331,6 +356,14 @@ struct Shared {
     /// Counts endpoint uses (the clock of `Endpoint::last_use`).
     clock: AtomicU64,
     max_endpoints: usize,
+    /// `KVFERRY_TRANSPORT=rdma` (else `auto`).
+    required: bool,
+    /// `auto`: registered ranges without MRs (GPU memory, or registration failed), by address,
+    /// with why. While there is one, this engine publishes no RDMA (an RDMA descriptor must
+    /// give keys for every buffer: Mooncake rejects one that does not), so peers use TCP.
+    unkeyed: Mutex<BTreeMap<u64, String>>,
+    /// `auto`: peers already told (in the log) why they are not reached over RDMA.
+    told: Mutex<std::collections::HashSet<String>>,
     /// To the posting thread: new pieces and slices to post again. Taken at shutdown.
     jobs: Mutex<Option<mpsc::Sender<Work>>>,
     shut: AtomicBool,
@@ -410,6 +443,9 @@ impl RdmaTransport {
             next_nic: AtomicUsize::new(0),
             clock: AtomicU64::new(0),
             max_endpoints: opts.max_endpoints.max(1),
+            required: opts.required,
+            unkeyed: Mutex::default(),
+            told: Mutex::default(),
             jobs: Mutex::new(None),
             shut: AtomicBool::new(false),
             worker_done: AtomicBool::new(false),
@@ -1024,6 +1060,10 @@ impl Transport for RdmaTransport {
 
     fn describe(&self, desc: &mut SegmentDesc) {
         let s = &self.shared;
+        if !s.required && !s.unkeyed.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+            // `auto` with a buffer the NICs cannot reach: a TCP descriptor (said at registration).
+            return;
+        }
         desc.protocol = Protocols::One("rdma".into());
         desc.devices = s.nics.iter().map(|n| DeviceDesc { name: n.name.clone(), lid: n.attr.lid, gid: format_gid(&n.gid), extra: Map::new() }).collect();
         let mrs = s.mrs.lock().unwrap_or_else(|e| e.into_inner());
@@ -1044,13 +1084,27 @@ impl Transport for RdmaTransport {
     }
 
     fn on_register(&self, region: &Region) -> crate::Result<()> {
-        let mut v = Vec::with_capacity(self.shared.nics.len());
-        for n in &self.shared.nics {
+        let s = &self.shared;
+        let unkeyed = |why: String| {
+            tracing::warn!("RDMA: [0x{:x}, +{}) is not registered on the NICs ({why}); while it is registered this engine publishes no RDMA and peers reach it over TCP", region.addr, region.len);
+            s.unkeyed.lock().unwrap_or_else(|e| e.into_inner()).insert(region.addr, why);
+        };
+        if !s.required && region.gpu.is_some() {
+            unkeyed("GPU memory: the RDMA transport does not register device memory yet".into());
+            return Ok(());
+        }
+        let mut v = Vec::with_capacity(s.nics.len());
+        for n in &s.nics {
             // SAFETY: the engine's contract with the caller of register_memory: the range is
             // memory of this process, valid until unregister_memory returns, and peers may
             // read and write it meanwhile. on_unregister drops these MRs before that returns.
             match unsafe { n.pd.reg_mr(region.addr as *mut u8, region.len as usize) } {
                 Ok(mr) => v.push(mr),
+                Err(e) if !s.required => {
+                    // The MRs made so far go with `v`.
+                    unkeyed(format!("on {}: {e}", n.name));
+                    return Ok(());
+                }
                 Err(e) => return Err(crate::Error::Rdma(format!("registering [0x{:x}, +{}) on {}: {e}", region.addr, region.len, n.name))),
             }
         }
@@ -1061,6 +1115,7 @@ impl Transport for RdmaTransport {
     fn on_unregister(&self, region: &Region) {
         // The registry waited for every guard, so no work request of ours touches the range;
         // deregistering cuts peers off (their requests fail with a remote access error).
+        self.shared.unkeyed.lock().unwrap_or_else(|e| e.into_inner()).remove(&region.addr);
         let removed = self.shared.mrs.lock().unwrap_or_else(|e| e.into_inner()).remove(&region.addr);
         if let Some(v) = removed {
             match Arc::try_unwrap(v) {
@@ -1084,6 +1139,42 @@ impl Transport for RdmaTransport {
             return Err(format!("segment {} publishes no RDMA devices (protocol {:?}): it has no RDMA transport, or no usable NIC", peer.name, d.protocol));
         }
         Ok(())
+    }
+
+    fn try_submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) -> Result<(), (Vec<Piece>, String)> {
+        if self.shared.required {
+            return match self.reachable(peer) {
+                Ok(()) => {
+                    self.submit(peer, pieces, inline);
+                    Ok(())
+                }
+                Err(e) => Err((pieces, e)),
+            };
+        }
+        // `auto`: each piece over RDMA when it can go, the rest to the next transport (TCP);
+        // why, logged once per peer.
+        let desc = peer.desc();
+        let mut why = None;
+        let (rdma, rest): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| {
+            let r = auto_route(&desc, self.shared.mrs_for(p.local, p.len).is_some(), p.remote, p.len);
+            if let Err(e) = r {
+                why.get_or_insert(e);
+                return false;
+            }
+            true
+        });
+        if let Some(why) = &why {
+            if self.shared.told.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.name.clone()) {
+                tracing::info!("KVFERRY_TRANSPORT=auto: requests to {} do not go over RDMA ({why}); TCP or shared memory carries them", peer.name);
+            }
+        }
+        if !rdma.is_empty() {
+            self.submit(peer, rdma, inline);
+        }
+        match why {
+            Some(why) if !rest.is_empty() => Err((rest, why)),
+            _ => Ok(()),
+        }
     }
 
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, _inline: bool) {
@@ -1219,6 +1310,24 @@ mod tests {
     }
 
     #[test]
+    fn auto_sends_over_rdma_only_what_both_sides_can_key() {
+        let dev = |n: &str| DeviceDesc { name: n.into(), lid: 0, gid: "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:05".into(), extra: Map::new() };
+        let mut d = SegmentDesc::new("peer:1");
+        let buf = |rkeys: Vec<u64>| crate::wire::descriptor::BufferDesc { name: "cpu:0".into(), addr: 0x1000, length: 0x1000, lkey: rkeys.clone(), rkey: rkeys, extra: Default::default() };
+        d.buffers = vec![buf(vec![])];
+        let e = auto_route(&d, true, 0x1000, 16).unwrap_err();
+        assert!(e.contains("no RDMA devices"), "a TCP peer: {e}");
+        d.protocol = Protocols::One("rdma".into());
+        d.devices = vec![dev("mlx5_0"), dev("mlx5_1")];
+        d.buffers = vec![buf(vec![7, 8])];
+        assert_eq!(auto_route(&d, true, 0x1000, 16), Ok(()), "both sides keyed: RDMA");
+        assert!(auto_route(&d, false, 0x1000, 16).unwrap_err().contains("local range has no RDMA memory region"));
+        d.buffers = vec![buf(vec![7])];
+        assert!(auto_route(&d, true, 0x1000, 16).unwrap_err().contains("1 rkeys for its 2 devices"));
+        assert!(auto_route(&d, true, 0x9000, 16).is_err(), "outside its buffers");
+    }
+
+    #[test]
     fn refusals_decode_as_refusals() {
         let r = refusal("a:1@rxe0", "b:2@mlx5_0", "no NIC".into());
         assert_eq!(ConnectionMsg::decode(&r).unwrap().refused(), Some("no NIC"));
@@ -1231,7 +1340,7 @@ mod tests {
         if crate::rdma::probe().usable() {
             return;
         }
-        let e = RdmaTransport::new(RdmaOptions { segment: "s:1".into(), devices: None, gid_index: None, max_endpoints: 4 }).err().expect("no RDMA here");
+        let e = RdmaTransport::new(RdmaOptions { segment: "s:1".into(), devices: None, gid_index: None, max_endpoints: 4, required: true }).err().expect("no RDMA here");
         assert!(!e.is_empty());
     }
 }
