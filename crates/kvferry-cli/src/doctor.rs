@@ -373,7 +373,7 @@ fn rdma(r: &Report, cfg: &Config) -> Transport {
                 Transport::no(why, Some("see each port's problem below"))
             }
             usable => {
-                r.ok("rdma", format!("{usable} usable port(s); used with KVFERRY_TRANSPORT=rdma, and by auto towards peers that publish RDMA devices"));
+                r.ok("rdma", format!("{usable} usable port(s); used with KVFERRY_TRANSPORT=rdma, and by auto for requests to peers that publish RDMA devices"));
                 Transport::yes()
             }
         },

@@ -9,8 +9,8 @@
 //!    endpoint) and complete, every byte verified.
 //! 2. **Endpoint eviction.** With `KVFERRY_RDMA_MAX_ENDPOINTS=1`, requests to two peers over
 //!    two NICs still complete (endpoints closed and reconnected), bytes verified.
-//! 3. **`auto` picks RDMA** to and from a peer that publishes RDMA devices, TCP to one that
-//!    does not, bytes verified.
+//! 3. **`auto` picks RDMA** to a peer that publishes RDMA devices, TCP to one that does not
+//!    (and that peer reaches it over TCP: it publishes a TCP descriptor), bytes verified.
 //!
 //! (Soft-RoCE does not end work requests towards a destroyed QP with
 //! `IBV_WC_RETRY_EXC_ERR`: they stall until their deadline, so the retry of a failed work
@@ -188,7 +188,7 @@ fn eviction(cfg: &Config) -> Res<()> {
 }
 
 /// `KVFERRY_TRANSPORT=auto` on a host with active NICs: RDMA to a peer that publishes RDMA
-/// devices (and that peer reaches us over RDMA: we publish ours), TCP to one that does not.
+/// devices, TCP to one that does not; it publishes a TCP descriptor.
 fn auto_picks_rdma_when_both_sides_have_it(cfg: &Config) -> Res<()> {
     let auto = TransferEngine::new(Config { transport: TransportMode::Auto, ..cfg.clone() }).map_err(|e| e.to_string())?;
     let rdma = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
@@ -214,9 +214,15 @@ fn auto_picks_rdma_when_both_sides_have_it(cfg: &Config) -> Res<()> {
         compare(&format!("auto: a WRITE by {want}"), &d, &s)
     };
     check(&auto, &rdma, &mut ba, &mut bb, "rdma", 31)?;
-    check(&rdma, &auto, &mut bb, &mut ba, "rdma", 32)?;
     check(&auto, &tcp, &mut ba, &mut bc, "tcp", 33)?;
-    println!("rdma_faults: KVFERRY_TRANSPORT=auto: RDMA to and from a peer with RDMA, TCP to a peer without, 1 MiB WRITEs verified");
+    check(&tcp, &auto, &mut bc, &mut ba, "tcp", 34)?;
+    // It publishes a TCP descriptor (Mooncake TCP peers select their transport by it).
+    let id = tcp.open_segment(auto.segment_name()).map_err(|e| e.to_string())?;
+    let d = tcp.segment_descriptor(id).map_err(|e| e.to_string())?;
+    if d.protocol.contains("rdma") || !d.devices.is_empty() {
+        return Err(format!("auto: the engine publishes {:?} with devices {:?}, not a TCP descriptor", d.protocol, d.devices));
+    }
+    println!("rdma_faults: KVFERRY_TRANSPORT=auto: RDMA to a peer with RDMA, TCP to and from a peer without, 1 MiB WRITEs verified; it publishes a TCP descriptor");
     Ok(())
 }
 

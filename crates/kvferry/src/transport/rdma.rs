@@ -38,8 +38,11 @@
 //! that differs from its own), as many as the peer sent when it connects to us, no `ready_ack`
 //! field in our messages (a Mooncake peer then skips that round) and an answer to one it sends.
 //!
-//! `auto` (not `KVFERRY_TRANSPORT=rdma`): RDMA per piece where both sides can key it ([`auto_route`]),
-//! the rest to TCP; a range the NICs cannot register makes the engine publish no RDMA.
+//! `auto` (not `KVFERRY_TRANSPORT=rdma`): this engine initiates RDMA per piece where both
+//! sides can key it ([`auto_route`]), the rest goes to TCP; it publishes a TCP descriptor (a
+//! stock Mooncake TCP peer selects its transport by the target's `protocol` and could not
+//! reach an `rdma` one), so peers reach it over TCP. A range the NICs cannot register is
+//! still registered (TCP).
 //!
 //! Checked against a stock Mooncake engine in the Soft-RoCE VM, both directions
 //! (`examples/rdma_mooncake`).
@@ -107,8 +110,8 @@ pub struct RdmaOptions {
     /// used idle one is closed.
     pub max_endpoints: usize,
     /// `KVFERRY_TRANSPORT=rdma`: RDMA or nothing (a range that cannot be registered on the NICs
-    /// is an error). `false` (`auto`): RDMA where it works, TCP for the rest (see
-    /// [`auto_route`]).
+    /// is an error). `false` (`auto`): initiates RDMA where it works, TCP for the rest (see
+    /// [`auto_route`]), and publishes a TCP descriptor.
     pub required: bool,
 }
 
@@ -359,8 +362,7 @@ struct Shared {
     /// `KVFERRY_TRANSPORT=rdma` (else `auto`).
     required: bool,
     /// `auto`: registered ranges without MRs (GPU memory, or registration failed), by address,
-    /// with why. While there is one, this engine publishes no RDMA (an RDMA descriptor must
-    /// give keys for every buffer: Mooncake rejects one that does not), so peers use TCP.
+    /// with why: requests from them go over TCP.
     unkeyed: Mutex<BTreeMap<u64, String>>,
     /// `auto`: peers already told (in the log) why they are not reached over RDMA.
     told: Mutex<std::collections::HashSet<String>>,
@@ -1060,8 +1062,10 @@ impl Transport for RdmaTransport {
 
     fn describe(&self, desc: &mut SegmentDesc) {
         let s = &self.shared;
-        if !s.required && !s.unkeyed.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
-            // `auto` with a buffer the NICs cannot reach: a TCP descriptor (said at registration).
+        if !s.required {
+            // `auto` initiates RDMA but publishes a TCP descriptor: a stock Mooncake engine picks
+            // its transport by the target's `protocol`, so a Mooncake TCP peer could not reach
+            // an engine that says `rdma` (checked in the VM by `examples/rdma_mooncake`).
             return;
         }
         desc.protocol = Protocols::One("rdma".into());
@@ -1086,7 +1090,7 @@ impl Transport for RdmaTransport {
     fn on_register(&self, region: &Region) -> crate::Result<()> {
         let s = &self.shared;
         let unkeyed = |why: String| {
-            tracing::warn!("RDMA: [0x{:x}, +{}) is not registered on the NICs ({why}); while it is registered this engine publishes no RDMA and peers reach it over TCP", region.addr, region.len);
+            tracing::warn!("RDMA: [0x{:x}, +{}) is not registered on the NICs ({why}); requests from it go over TCP", region.addr, region.len);
             s.unkeyed.lock().unwrap_or_else(|e| e.into_inner()).insert(region.addr, why);
         };
         if !s.required && region.gpu.is_some() {
