@@ -7,14 +7,14 @@
 //!    go on the same QPs; at the first's deadline its QPs are flushed: it ends TIMEOUT, and the
 //!    second's flushed work requests must be posted again (on `rxe0` or a rebuilt `rxe_lo`
 //!    endpoint) and complete, every byte verified.
-//! 2. **Endpoint eviction.** With `KVFERRY_RDMA_MAX_ENDPOINTS=1`, requests to two peers over
+//! 2. **A failed work completion is retried on another NIC pair.** With
+//!    `KVFERRY_RDMA_RETRY_CNT=6` (Soft-RoCE retries forever at Mooncake's 7), the slices posted
+//!    on the `rxe_lo` pair whose peer QPs are gone end `IBV_WC_RETRY_EXC_ERR`; they must be
+//!    posted again on `rxe0` and the 4 MiB WRITE / READ complete, bytes verified.
+//! 3. **Endpoint eviction.** With `KVFERRY_RDMA_MAX_ENDPOINTS=1`, requests to two peers over
 //!    two NICs still complete (endpoints closed and reconnected), bytes verified.
-//! 3. **`auto` picks RDMA** to a peer that publishes RDMA devices, TCP to one that does not
+//! 4. **`auto` picks RDMA** to a peer that publishes RDMA devices, TCP to one that does not
 //!    (and that peer reaches it over TCP: it publishes a TCP descriptor), bytes verified.
-//!
-//! (Soft-RoCE does not end work requests towards a destroyed QP with
-//! `IBV_WC_RETRY_EXC_ERR`: they stall until their deadline, so the retry of a failed work
-//! completion on another pair is proved by the unit tests of `transport::rdma` only.)
 //!
 //! Exits non-zero on any failure.
 
@@ -160,6 +160,34 @@ fn kill_peer_qps(a: &TransferEngine, b: &TransferEngine, nic: &str, gid: &str) -
     }
 }
 
+/// The peer's QPs of our `rxe_lo` pair go: with a finite QP retry count, the slices posted
+/// there end `IBV_WC_RETRY_EXC_ERR`; they must be posted again on `rxe0`, and the request
+/// complete, bytes verified (WRITE and READ).
+fn failed_completion_retried_on_another_pair(cfg: &Config) -> Res<()> {
+    for op in [Opcode::Write, Opcode::Read] {
+        let mut p = pair(cfg)?;
+        let desc = p.a.segment_descriptor(p.peer).map_err(|e| e.to_string())?;
+        let lo = desc.devices.iter().find(|d| d.name == "rxe_lo").ok_or("the peer has no rxe_lo")?.gid.clone();
+        let st = p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        if st.status != TaskStatus::Completed {
+            return Err(format!("the first WRITE: {st:?}"));
+        }
+        kill_peer_qps(&p.a, &p.b, "rxe_lo", &lo)?;
+        fill(p.ba.bytes(), 7);
+        fill(p.bb.bytes(), 8);
+        let t = Instant::now();
+        let st = p.a.transfer_sync(&[p.req(op, 0, 4 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        println!("rdma_faults: ({op:?} with a dead pair ended {:?} after {:?}: {})", st.status, t.elapsed(), st.reason.clone().unwrap_or_default());
+        if st.status != TaskStatus::Completed {
+            return Err(format!("a 4 MiB {op:?} with the rxe_lo pair's peer QPs gone ended {:?} ({:?}: {})", st.status, st.cause, st.reason.unwrap_or_default()));
+        }
+        let (ba, bb) = (p.ba.bytes()[..4 << 20].to_vec(), p.bb.bytes()[..4 << 20].to_vec());
+        compare(&format!("the retried {op:?}"), &bb, &ba)?;
+        println!("rdma_faults: a 4 MiB {op:?} whose rxe_lo slices failed (peer QPs gone) was retried on rxe0 and completed, verified ({:.0} ms)", t.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(())
+}
+
 fn eviction(cfg: &Config) -> Res<()> {
     let cfg = Config { rdma_max_endpoints: 1, ..cfg.clone() };
     let mut p = pair(&cfg)?;
@@ -230,6 +258,7 @@ fn run(host: &str) -> Res<()> {
     let cfg = Config { local_hostname: host.into(), transport: TransportMode::Rdma, transfer_timeout: Duration::from_secs(10), ..Config::default() };
     deadline_fails_only_its_task(&cfg, Opcode::Write)?;
     deadline_fails_only_its_task(&cfg, Opcode::Read)?;
+    failed_completion_retried_on_another_pair(&Config { rdma_retry_cnt: 6, ..cfg.clone() })?;
     eviction(&cfg)?;
     auto_picks_rdma_when_both_sides_have_it(&cfg)?;
     Ok(())

@@ -113,6 +113,8 @@ pub struct RdmaOptions {
     /// is an error). `false` (`auto`): initiates RDMA where it works, TCP for the rest (see
     /// [`auto_route`]), and publishes a TCP descriptor.
     pub required: bool,
+    /// QP transport retries before a work request fails (`KVFERRY_RDMA_RETRY_CNT`, 0-7).
+    pub retry_cnt: u8,
 }
 
 /// Whether `auto` sends a piece to a peer over RDMA (sans-IO): the peer must publish RDMA
@@ -361,6 +363,7 @@ struct Shared {
     max_endpoints: usize,
     /// `KVFERRY_TRANSPORT=rdma` (else `auto`).
     required: bool,
+    retry_cnt: u8,
     /// `auto`: registered ranges without MRs (GPU memory, or registration failed), by address,
     /// with why: requests from them go over TCP.
     unkeyed: Mutex<BTreeMap<u64, String>>,
@@ -446,6 +449,7 @@ impl RdmaTransport {
             clock: AtomicU64::new(0),
             max_endpoints: opts.max_endpoints.max(1),
             required: opts.required,
+            retry_cnt: opts.retry_cnt.min(7),
             unkeyed: Mutex::default(),
             told: Mutex::default(),
             jobs: Mutex::new(None),
@@ -518,7 +522,7 @@ impl RdmaTransport {
             .iter()
             .map(|&remote| -> Result<Qp, VerbsError> {
                 let qp = nic.pd.create_qp(&nic.cq, MAX_WR)?;
-                qp.connect(Path { port: PORT, sgid_index: nic.gid_index, mtu }, &RemoteQp { qp_num: remote, lid: m.local_lid, gid })?;
+                qp.connect(Path { port: PORT, sgid_index: nic.gid_index, mtu, retry_cnt: s.retry_cnt }, &RemoteQp { qp_num: remote, lid: m.local_lid, gid })?;
                 Ok(qp)
             })
             .collect::<Result<Vec<Qp>, VerbsError>>();
@@ -598,7 +602,7 @@ impl Shared {
             return Err(format!("{peer_path} refused the RDMA connection from {}: {why}", n.name));
         }
         let gid = parse_gid(&r.local_gid).or_else(|| parse_gid(&dev.gid)).ok_or_else(|| format!("{peer_path} published no GID"))?;
-        let path = Path { port: PORT, sgid_index: n.gid_index, mtu: path_mtu(&n.attr, &r) };
+        let path = Path { port: PORT, sgid_index: n.gid_index, mtu: path_mtu(&n.attr, &r), retry_cnt: self.retry_cnt };
         if r.qp_num.len() != qps.len() {
             return Err(format!("{peer_path} answered with {} QPs for our {}", r.qp_num.len(), qps.len()));
         }
@@ -1344,7 +1348,7 @@ mod tests {
         if crate::rdma::probe().usable() {
             return;
         }
-        let e = RdmaTransport::new(RdmaOptions { segment: "s:1".into(), devices: None, gid_index: None, max_endpoints: 4, required: true }).err().expect("no RDMA here");
+        let e = RdmaTransport::new(RdmaOptions { segment: "s:1".into(), devices: None, gid_index: None, max_endpoints: 4, required: true, retry_cnt: 7 }).err().expect("no RDMA here");
         assert!(!e.is_empty());
     }
 }
