@@ -340,15 +340,20 @@ fn memory_info(r: &mut Report) -> serde_json::Value {
     })
 }
 
-/// RDMA: `kvferry::rdma::probe` (libibverbs loaded at run time, NICs and GIDs from sysfs);
-/// this version has no RDMA transport yet.
-fn rdma(r: &Report) -> Transport {
+/// RDMA: `kvferry::rdma::probe` (libibverbs loaded at run time, NICs and GIDs from sysfs),
+/// then each port: its state, the GID the transport would choose (`MC_GID_INDEX` honoured)
+/// and the active MTU (`ibv_query_port`; no memory registered, no queue pair made).
+fn rdma(r: &Report, cfg: &Config) -> Transport {
     let p = kvferry::rdma::probe();
     let nics = serde_json::to_value(&p.nics).unwrap_or_default();
     let devices = match &p.verbs {
         Ok(d) => serde_json::json!(d),
         Err(_) => serde_json::json!([]),
     };
+    let mut ports = kvferry::rdma::port_reports(&p.nics, cfg.gid_index);
+    if p.library {
+        kvferry::rdma::query_mtus(&mut ports);
+    }
     let t = match p.why_not() {
         Some(why) => {
             r.no("rdma", &why);
@@ -361,18 +366,22 @@ fn rdma(r: &Report) -> Transport {
             };
             Transport::no(why, Some(fix))
         }
-        None => {
-            let gids: Vec<String> = p
-                .nics
-                .iter()
-                .flat_map(|n| n.ports.iter().filter(|pt| pt.active).map(move |pt| format!("{}:{} gid {:?}", n.name, pt.num, kvferry::rdma::sysfs::select_gid(pt, None))))
-                .collect();
-            let why = format!("RDMA usable ({}), but this kvferry version has no RDMA transport yet; TCP is used", gids.join(", "));
-            r.no("rdma", &why);
-            Transport::no(why, None)
-        }
+        None => match ports.iter().filter(|pt| pt.problem.is_none()).count() {
+            0 => {
+                let why = format!("no port the RDMA transport would use ({})", ports.iter().map(|pt| pt.line()).collect::<Vec<_>>().join("; "));
+                r.no("rdma", &why);
+                Transport::no(why, Some("see each port's problem below"))
+            }
+            usable => {
+                r.ok("rdma", format!("{usable} usable port(s); used with KVFERRY_TRANSPORT=rdma, and by auto for requests to peers that publish RDMA devices"));
+                Transport::yes()
+            }
+        },
     };
-    t.with("libibverbs", p.library.into()).with("devices", devices).with("nics", nics)
+    for pt in &ports {
+        r.say(format!("          {}", pt.line()));
+    }
+    t.with("libibverbs", p.library.into()).with("devices", devices).with("nics", nics).with("ports", serde_json::to_value(&ports).unwrap_or_default())
 }
 
 /// GPU memory: `kvferry::gpu::probe` (libcuda.so.1 loaded at run time) and whether the driver
@@ -506,7 +515,7 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
     };
     r.ok("local", "transfers to this engine's own segment are a memcpy");
     let shm = shm(&mut r, &cfg);
-    let rdma = rdma(&r);
+    let rdma = rdma(&r, &cfg);
     let gpu = gpu(&r);
     let transports = [("tcp", tcp), ("shm", shm), ("rdma", rdma), ("gpu", gpu)];
 

@@ -127,7 +127,7 @@ fn accept(l: &Local, qp: &Qp, wire: &[u8], peer_mtu: u32) -> Res<()> {
     let m = ConnectionMsg::decode(wire).map_err(|e| e.to_string())?;
     let gid = parse_gid(&m.local_gid).ok_or("no GID in the peer's message")?;
     let remote = RemoteQp { qp_num: m.qp_num[0], lid: m.local_lid, gid };
-    let path = Path { port: PORT, sgid_index: l.gid_index, mtu: l.port.active_mtu.min(peer_mtu) };
+    let path = Path { port: PORT, sgid_index: l.gid_index, mtu: l.port.active_mtu.min(peer_mtu), retry_cnt: kvferry::rdma::verbs::RETRY_CNT };
     qp.connect(path, &remote).map_err(|e| e.to_string())
 }
 

@@ -42,8 +42,10 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_REDIS_USERNAME", aliases: &["MC_REDIS_USERNAME"], default: "(none)", doc: "Redis user for `AUTH` (the `redis://user:pass@` URL form wins)" },
     EnvVar { name: "KVFERRY_REDIS_PASSWORD", aliases: &["MC_REDIS_PASSWORD"], default: "(none)", doc: "Redis password for `AUTH` (the URL form wins)" },
     EnvVar { name: "KVFERRY_REDIS_DB_INDEX", aliases: &["MC_REDIS_DB_INDEX"], default: "0", doc: "Redis database (0-255; the `redis://host:port/db` URL form wins)" },
-    EnvVar { name: "KVFERRY_TRANSPORT", aliases: &[], default: "auto", doc: "data path to peers: `auto` (shared memory to kvferry peers on this host that allow it: their kvferry-allocated memory mapped, other memory by cross-memory attach; TCP otherwise), `tcp` (never shared memory; this engine then also offers none), `shm` (shared memory only; requests to other peers fail with the reason), `rdma` (one-sided RDMA verbs only: the engine does not start without a usable NIC, requests to peers without RDMA fail with the reason)" },
+    EnvVar { name: "KVFERRY_TRANSPORT", aliases: &[], default: "auto", doc: "data path to peers: `auto` (shared memory to kvferry peers on this host that allow it: their kvferry-allocated memory mapped, other memory by cross-memory attach; TCP otherwise), `tcp` (never shared memory; this engine then also offers none), `shm` (shared memory only; requests to other peers fail with the reason), `rdma` (one-sided RDMA verbs only: the engine does not start without a usable NIC, requests to peers without RDMA fail with the reason). With `auto`, a host with an active RDMA NIC also sends over RDMA to peers that publish RDMA devices (why not, logged once per peer); it still publishes a TCP descriptor, so peers reach it over TCP (a stock Mooncake TCP engine cannot reach one that publishes `rdma`)" },
     EnvVar { name: "KVFERRY_RDMA_DEVICES", aliases: &["MC_TE_FILTERS"], default: "every device with an active port", doc: "RDMA: comma-separated device names to use (e.g. `mlx5_0,mlx5_1`)" },
+    EnvVar { name: "KVFERRY_RDMA_MAX_ENDPOINTS", aliases: &[], default: "256", doc: "RDMA: connected endpoints (queue pairs to one peer NIC from one local NIC) this engine keeps; beyond it the least recently used idle one is closed (never one with work requests in flight) and reconnected on next use (1-65536)" },
+    EnvVar { name: "KVFERRY_RDMA_RETRY_CNT", aliases: &[], default: "7", doc: "RDMA: transport retries of a queue pair (each after the 67 ms ACK timeout) before a work request fails with IBV_WC_RETRY_EXC_ERR and its slice is retried on another NIC pair (0-7; Soft-RoCE treats 7 as retrying forever, so a vanished peer QP then stalls until the deadline)" },
     EnvVar { name: "KVFERRY_GID_INDEX", aliases: &["MC_GID_INDEX"], default: "automatic (RoCE v2, IPv4-mapped first)", doc: "RDMA: GID index to use on every NIC; an index that does not exist is an error, never silently replaced" },
     EnvVar { name: "KVFERRY_SHM_THREADS", aliases: &[], default: "CPUs, at most 4", doc: "threads copying queued shared-memory requests (requests over 1 MiB are cut into 1 MiB pieces spread over them; 1-64)" },
     EnvVar { name: "KVFERRY_STORE_CLIENT_MIN_PORT", aliases: &["MC_STORE_CLIENT_MIN_PORT"], default: "12300", doc: "store client with central metadata and a local_hostname without a port: lowest port bound and appended to the hostname (`host:port` is then its segment name)" },
@@ -106,6 +108,11 @@ pub struct Config {
     pub rdma_devices: Option<Vec<String>>,
     /// RDMA GID index (`MC_GID_INDEX`); `None`: chosen per NIC.
     pub gid_index: Option<u32>,
+    /// Connected RDMA endpoints kept (`KVFERRY_RDMA_MAX_ENDPOINTS`); the least recently used
+    /// idle one beyond it is closed.
+    pub rdma_max_endpoints: usize,
+    /// QP transport retries (`KVFERRY_RDMA_RETRY_CNT`, 0-7).
+    pub rdma_retry_cnt: u8,
 }
 
 impl Default for Config {
@@ -139,6 +146,8 @@ impl Default for Config {
             shm_threads: 0,
             rdma_devices: None,
             gid_index: None,
+            rdma_max_endpoints: 256,
+            rdma_retry_cnt: 7,
         }
     }
 }
@@ -227,6 +236,18 @@ impl Config {
         }
         if let Some((_, v)) = lookup(get, "KVFERRY_RDMA_DEVICES") {
             c.rdma_devices = Some(v.split(',').map(|d| d.trim().to_string()).filter(|d| !d.is_empty()).collect());
+        }
+        if let Some(n) = parse::<usize>(get, "KVFERRY_RDMA_MAX_ENDPOINTS", "a number of endpoints")? {
+            if !(1..=65536).contains(&n) {
+                return Err(Error::Config(format!("KVFERRY_RDMA_MAX_ENDPOINTS={n} is out of range; use 1 to 65536 endpoints")));
+            }
+            c.rdma_max_endpoints = n;
+        }
+        if let Some(n) = parse::<u8>(get, "KVFERRY_RDMA_RETRY_CNT", "a retry count (0-7)")? {
+            if n > 7 {
+                return Err(Error::Config(format!("KVFERRY_RDMA_RETRY_CNT={n} is out of range; use 0 to 7")));
+            }
+            c.rdma_retry_cnt = n;
         }
         if let Some(n) = parse(get, "KVFERRY_GID_INDEX", "a GID index (0-255)")? {
             c.gid_index = Some(n);
@@ -397,6 +418,12 @@ mod tests {
         assert!(e.contains("KVFERRY_TRANSPORT") && e.contains("auto, tcp, shm or rdma"), "{e}");
         let c = cfg(&[("MC_GID_INDEX", "3"), ("KVFERRY_RDMA_DEVICES", "mlx5_0, mlx5_1")]).unwrap();
         assert_eq!((c.gid_index, c.rdma_devices), (Some(3), Some(vec!["mlx5_0".to_string(), "mlx5_1".to_string()])));
+        assert_eq!(Config::default().rdma_max_endpoints, 256);
+        assert_eq!((Config::default().rdma_retry_cnt, cfg(&[("KVFERRY_RDMA_RETRY_CNT", "6")]).unwrap().rdma_retry_cnt), (7, 6));
+        assert!(cfg(&[("KVFERRY_RDMA_RETRY_CNT", "8")]).unwrap_err().to_string().contains("0 to 7"));
+        assert_eq!(cfg(&[("KVFERRY_RDMA_MAX_ENDPOINTS", "4")]).unwrap().rdma_max_endpoints, 4);
+        let e = cfg(&[("KVFERRY_RDMA_MAX_ENDPOINTS", "0")]).unwrap_err().to_string();
+        assert!(e.contains("KVFERRY_RDMA_MAX_ENDPOINTS=0") && e.contains("1 to 65536"), "{e}");
         assert!(cfg(&[("MC_GID_INDEX", "x")]).is_err());
         assert!(cfg(&[("KVFERRY_SHM_THREADS", "65")]).is_err());
     }

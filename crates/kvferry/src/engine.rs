@@ -59,7 +59,7 @@ struct Inner {
     tcp: Arc<TcpTransport>,
     /// Same-host peers: mapped shared memory or cross-memory attach.
     shm: Arc<ShmTransport>,
-    /// One-sided RDMA (`KVFERRY_TRANSPORT=rdma`).
+    /// One-sided RDMA (`KVFERRY_TRANSPORT=rdma`, or `auto` on a host with an active NIC).
     rdma: Option<Arc<RdmaTransport>>,
     /// The transports to peers, in order of preference (by `KVFERRY_TRANSPORT`): a peer's
     /// pieces go to the first that can reach it.
@@ -198,15 +198,31 @@ impl TransferEngine {
         )
         .map_err(|e| Error::io("starting the TCP data server", e))?;
         let shm = Arc::new(ShmTransport::new(ShmOptions { name: name.clone(), mode: config.transport, threads: config.shm_threads }));
+        let rdma_opts = |required: bool| RdmaOptions { segment: name.clone(), devices: config.rdma_devices.clone(), gid_index: config.gid_index, max_endpoints: config.rdma_max_endpoints, required, retry_cnt: config.rdma_retry_cnt };
         let rdma = match config.transport {
-            TransportMode::Rdma => Some(Arc::new(
-                RdmaTransport::new(RdmaOptions { segment: name.clone(), devices: config.rdma_devices.clone(), gid_index: config.gid_index })
-                    .map_err(|why| Error::Config(format!("KVFERRY_TRANSPORT=rdma, but {why}")))?,
-            )),
+            TransportMode::Rdma => Some(Arc::new(RdmaTransport::new(rdma_opts(true)).map_err(|why| Error::Config(format!("KVFERRY_TRANSPORT=rdma, but {why}")))?)),
+            // RDMA when this host has an active NIC (peers without RDMA get TCP); said once.
+            TransportMode::Auto => match crate::rdma::probe().why_not() {
+                Some(why) => {
+                    tracing::info!("KVFERRY_TRANSPORT=auto: no RDMA ({why}); TCP and shared memory carry transfers");
+                    None
+                }
+                None => match RdmaTransport::new(rdma_opts(false)) {
+                    Ok(t) => Some(Arc::new(t)),
+                    Err(why) => {
+                        tracing::warn!("KVFERRY_TRANSPORT=auto: RDMA NICs are present but not usable ({why}); TCP and shared memory carry transfers");
+                        None
+                    }
+                },
+            },
             _ => None,
         };
         let transports: Vec<Arc<dyn Transport>> = match config.transport {
-            TransportMode::Auto => vec![Arc::clone(&shm) as Arc<dyn Transport>, Arc::clone(&tcp) as Arc<dyn Transport>],
+            // Same host first (shared memory), then RDMA to peers that publish it, then TCP.
+            TransportMode::Auto => std::iter::once(Arc::clone(&shm) as Arc<dyn Transport>)
+                .chain(rdma.iter().map(|r| Arc::clone(r) as Arc<dyn Transport>))
+                .chain(std::iter::once(Arc::clone(&tcp) as Arc<dyn Transport>))
+                .collect(),
             TransportMode::Tcp => vec![Arc::clone(&tcp) as Arc<dyn Transport>],
             TransportMode::Shm => vec![Arc::clone(&shm) as Arc<dyn Transport>],
             TransportMode::Rdma => rdma.iter().map(|r| Arc::clone(r) as Arc<dyn Transport>).collect(),

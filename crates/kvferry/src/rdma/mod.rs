@@ -57,6 +57,125 @@ impl Probe {
     }
 }
 
+/// One port of a NIC as `kvferry doctor` reports it: its state, and what the RDMA transport
+/// would use there (the GID chosen as the transport chooses it, the active MTU).
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct PortReport {
+    pub device: String,
+    pub port: u32,
+    /// As sysfs says it, e.g. `4: ACTIVE`.
+    pub state: String,
+    pub active: bool,
+    pub link_layer: String,
+    pub rate: String,
+    pub numa_node: Option<u32>,
+    /// The GID index the transport would use (`MC_GID_INDEX` honoured), with the GID, its type
+    /// and its IPv4 address when IPv4-mapped.
+    pub gid_index: Option<u32>,
+    pub gid: Option<String>,
+    pub gid_type: Option<String>,
+    pub gid_ipv4: Option<std::net::Ipv4Addr>,
+    /// Active MTU in bytes (`ibv_query_port`; `None` until [`query_mtus`] read it).
+    pub active_mtu: Option<u32>,
+    /// Why the transport would not use this port, and what to do.
+    pub problem: Option<String>,
+}
+
+impl PortReport {
+    /// One line for people: `rxe0 port 1: 4: ACTIVE, Ethernet, 10 Gb/sec, GID 1 ... (RoCE v2,
+    /// 10.99.2.1), active MTU 1024`, and the problem if there is one.
+    pub fn line(&self) -> String {
+        let mut l = format!("{} port {}: {}, {}", self.device, self.port, self.state, if self.link_layer.is_empty() { "link layer unknown" } else { &self.link_layer });
+        if !self.rate.is_empty() {
+            l += &format!(", {}", self.rate);
+        }
+        if let Some(n) = self.numa_node {
+            l += &format!(", NUMA node {n}");
+        }
+        if let (Some(i), Some(g)) = (self.gid_index, &self.gid) {
+            let kind = self.gid_type.as_deref().filter(|k| !k.is_empty()).unwrap_or("type unknown");
+            match self.gid_ipv4 {
+                Some(ip) => l += &format!(", GID {i} {g} ({kind}, {ip})"),
+                None => l += &format!(", GID {i} {g} ({kind})"),
+            }
+        }
+        if let Some(m) = self.active_mtu {
+            l += &format!(", active MTU {m}");
+        }
+        if let Some(p) = &self.problem {
+            l += &format!(" -- {p}");
+        }
+        l
+    }
+}
+
+/// Each port of `nics`, with the GID the transport would choose (`forced_gid`:
+/// `MC_GID_INDEX`) and why a port would not be used. Pure: the MTU is read by [`query_mtus`].
+pub fn port_reports(nics: &[sysfs::Nic], forced_gid: Option<u32>) -> Vec<PortReport> {
+    let mut out = Vec::new();
+    for n in nics {
+        for p in &n.ports {
+            let chosen = sysfs::select_gid(p, forced_gid).and_then(|i| p.gids.iter().find(|g| g.index == i));
+            let problem = if !p.active {
+                Some("not ACTIVE: check the cable/link (ibv_devinfo, rdma link show)".to_string())
+            } else if chosen.is_none() {
+                Some(match forced_gid {
+                    Some(i) => format!("MC_GID_INDEX={i} does not exist on this port (its GIDs: {:?}); unset it or pick one of them", p.gids.iter().map(|g| g.index).collect::<Vec<_>>()),
+                    None => "no usable GID (no RoCE v2 GID and no index 0): give the netdev an IP address, or set MC_GID_INDEX".to_string(),
+                })
+            } else if p.num != 1 {
+                Some("the transport uses port 1 of each device (Mooncake's MC_IB_PORT default)".to_string())
+            } else {
+                None
+            };
+            out.push(PortReport {
+                device: n.name.clone(),
+                port: p.num,
+                state: p.state.clone(),
+                active: p.active,
+                link_layer: p.link_layer.clone(),
+                rate: p.rate.clone(),
+                numa_node: n.numa_node,
+                gid_index: chosen.map(|g| g.index),
+                gid: chosen.map(|g| g.gid.clone()),
+                gid_type: chosen.map(|g| g.kind.clone()),
+                gid_ipv4: chosen.and_then(|g| g.ipv4),
+                active_mtu: None,
+                problem,
+            });
+        }
+    }
+    out
+}
+
+/// Reads the active MTU of each active port with `ibv_query_port` (opens each device once;
+/// registers nothing, creates no queue pair). A failure becomes the port's problem.
+pub fn query_mtus(reports: &mut [PortReport]) {
+    let v = match verbs::Verbs::load() {
+        Ok(v) => std::sync::Arc::new(v),
+        Err(e) => {
+            for r in reports.iter_mut().filter(|r| r.active) {
+                r.problem.get_or_insert_with(|| e.to_string());
+            }
+            return;
+        }
+    };
+    let mut opened: Vec<(String, Result<verbs::Context, String>)> = Vec::new();
+    for r in reports.iter_mut().filter(|r| r.active) {
+        if !opened.iter().any(|(n, _)| *n == r.device) {
+            opened.push((r.device.clone(), verbs::Context::open(std::sync::Arc::clone(&v), &r.device).map_err(|e| e.to_string())));
+        }
+        let Some((_, ctx)) = opened.iter().find(|(n, _)| *n == r.device) else { continue };
+        let attr = ctx.as_ref().map_err(String::clone).and_then(|c| u8::try_from(r.port).map_err(|_| format!("port {} out of range", r.port)).and_then(|p| c.query_port(p).map_err(|e| e.to_string())));
+        match attr {
+            Ok(a) => r.active_mtu = Some(a.mtu_bytes()),
+            Err(e) => {
+                r.problem.get_or_insert(e);
+            }
+        }
+    }
+}
+
 /// Probes this host: loads the verbs library (once per call) and reads sysfs.
 pub fn probe() -> Probe {
     let lib = verbs::Verbs::load();
@@ -72,6 +191,31 @@ mod tests {
     fn nic(active: bool) -> sysfs::Nic {
         let state = if active { "4: ACTIVE" } else { "1: DOWN" };
         sysfs::Nic { name: "rxe0".into(), numa_node: None, ports: vec![sysfs::Port { num: 1, state: state.into(), active, rate: String::new(), link_layer: "Ethernet".into(), gids: vec![] }] }
+    }
+
+    #[test]
+    fn port_reports_say_state_gid_chosen_and_why_a_port_is_not_used() {
+        use std::net::Ipv4Addr;
+        let gid = |index: u32, kind: &str, ipv4: Option<Ipv4Addr>| sysfs::Gid { index, gid: format!("fe80:0000:0000:0000:0000:0000:0000:000{index}"), kind: kind.into(), ipv4 };
+        let mut up = nic(true);
+        up.ports[0].gids = vec![gid(0, "IB/RoCE v1", None), gid(1, "RoCE v2", Some(Ipv4Addr::new(10, 99, 2, 1)))];
+        up.ports[0].rate = "10 Gb/sec (1X QDR)".into();
+        let r = port_reports(std::slice::from_ref(&up), None);
+        assert_eq!((r[0].gid_index, r[0].gid_type.as_deref(), r[0].problem.as_deref()), (Some(1), Some("RoCE v2"), None));
+        let mut with_mtu = r[0].clone();
+        with_mtu.active_mtu = Some(1024);
+        assert_eq!(
+            with_mtu.line(),
+            "rxe0 port 1: 4: ACTIVE, Ethernet, 10 Gb/sec (1X QDR), GID 1 fe80:0000:0000:0000:0000:0000:0000:0001 (RoCE v2, 10.99.2.1), active MTU 1024"
+        );
+        let forced = port_reports(std::slice::from_ref(&up), Some(0));
+        assert_eq!(forced[0].gid_index, Some(0), "MC_GID_INDEX honoured");
+        let missing = port_reports(std::slice::from_ref(&up), Some(7));
+        assert!(missing[0].gid_index.is_none() && missing[0].problem.as_deref().is_some_and(|p| p.contains("MC_GID_INDEX=7") && p.contains("[0, 1]")), "{missing:?}");
+        let down = port_reports(&[nic(false)], None);
+        assert!(down[0].problem.as_deref().is_some_and(|p| p.contains("ACTIVE")) && down[0].line().contains("1: DOWN"));
+        let bare = port_reports(&[nic(true)], None);
+        assert!(bare[0].problem.as_deref().is_some_and(|p| p.contains("no usable GID")), "{bare:?}");
     }
 
     #[test]

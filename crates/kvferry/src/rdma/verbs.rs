@@ -732,6 +732,10 @@ pub struct Path {
     pub port: u8,
     pub sgid_index: u8,
     pub mtu: u32,
+    /// Transport retries before `IBV_WC_RETRY_EXC_ERR` (0-7; [`RETRY_CNT`] as Mooncake). Soft-RoCE
+    /// treats 7 as "retry forever", so a request towards a vanished QP stalls there until its
+    /// deadline instead of failing.
+    pub retry_cnt: u8,
 }
 
 /// RDMA WRITE or READ.
@@ -782,11 +786,12 @@ impl Drop for Qp {
 }
 
 /// RC attributes as Mooncake sets them: responder and initiator depth 16, minimum RNR timer
-/// 12 (0.64 ms), local ACK timeout 14 (4.096 µs × 2^14 ≈ 67 ms), 7 retries.
+/// 12 (0.64 ms), local ACK timeout 14 (4.096 µs × 2^14 ≈ 67 ms), 7 retries (the default of
+/// [`Path::retry_cnt`]).
 const MAX_RD_ATOMIC: u8 = 16;
 const MIN_RNR_TIMER: u8 = 12;
 const TIMEOUT: u8 = 14;
-const RETRY_CNT: u8 = 7;
+pub const RETRY_CNT: u8 = 7;
 const RNR_RETRY: u8 = 7;
 
 impl Qp {
@@ -848,7 +853,7 @@ impl Qp {
             &detail,
         )?;
 
-        let mut a = ibv_qp_attr { qp_state: IBV_QPS_RTS, timeout: TIMEOUT, retry_cnt: RETRY_CNT, rnr_retry: RNR_RETRY, sq_psn: 0, max_rd_atomic: MAX_RD_ATOMIC, ..Default::default() };
+        let mut a = ibv_qp_attr { qp_state: IBV_QPS_RTS, timeout: TIMEOUT, retry_cnt: path.retry_cnt.min(7), rnr_retry: RNR_RETRY, sq_psn: 0, max_rd_atomic: MAX_RD_ATOMIC, ..Default::default() };
         self.modify(
             "ibv_modify_qp(RTS)",
             &mut a,

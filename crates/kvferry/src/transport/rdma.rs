@@ -20,16 +20,29 @@
 //!   chains of signaled work requests (one doorbell per chain) with at most [`MAX_OUTSTANDING`]
 //!   per QP. A piece ends only when the completion of each of its slices arrived (its
 //!   [`RegionGuard`] is held until then, so unregistering waits for posted work requests, and
-//!   MRs are deregistered only after). A failed completion fails the piece, naming the status,
-//!   and drops the endpoint (rebuilt on next use).
+//!   MRs are deregistered only after). A failed completion drops the endpoint (rebuilt on next
+//!   use) and its slice is posted again on another NIC pair, at most [`MAX_RETRIES`] times
+//!   (a path failure also pauses the pair); a status another pair would repeat (remote or
+//!   local access, invalid request) fails the piece at once, naming it (`slice_fate`).
 //! - **Deadlines**: the poller looks at the deadlines of what is in flight every
 //!   [`TICK`]; a QP holding a slice past its task's deadline is moved to the error state, which
-//!   flushes its work requests at once: the piece ends TIMEOUT, and nothing touches its memory
-//!   after. Connecting is bounded by the handshake timeouts.
+//!   flushes its work requests at once (an RC QP cannot cancel one): the late piece ends
+//!   TIMEOUT, and nothing touches its memory after; the other tasks' flushed slices are posted
+//!   again (uncounted), so a deadline fails only its own task. Nothing is posted again past
+//!   its deadline, at shutdown or into a range being unregistered. Connecting is bounded by
+//!   the handshake timeouts.
+//! - **Endpoint cache**: at most `KVFERRY_RDMA_MAX_ENDPOINTS`; beyond it the least recently
+//!   used idle endpoint (no work request in flight) is closed (`lru_victims`).
 //!
 //! Mooncake compatibility of the handshake: 2 QPs per endpoint (Mooncake refuses a QP count
 //! that differs from its own), as many as the peer sent when it connects to us, no `ready_ack`
 //! field in our messages (a Mooncake peer then skips that round) and an answer to one it sends.
+//!
+//! `auto` (not `KVFERRY_TRANSPORT=rdma`): this engine initiates RDMA per piece where both
+//! sides can key it ([`auto_route`]), the rest goes to TCP; it publishes a TCP descriptor (a
+//! stock Mooncake TCP peer selects its transport by the target's `protocol` and could not
+//! reach an `rdma` one), so peers reach it over TCP. A range the NICs cannot register is
+//! still registered (TCP).
 //!
 //! Checked against a stock Mooncake engine in the Soft-RoCE VM, both directions
 //! (`examples/rdma_mooncake`).
@@ -37,8 +50,8 @@
 //! A NIC pair that cannot be connected is paused for 30 s (tried again only when no other
 //! pair works); its slices go over the pairs that connect.
 //!
-//! Not yet: retrying a slice whose completion failed on another NIC pair, endpoint eviction,
-//! GPU memory.
+//! Not yet: bounding the QPs made for peers that connect to us (kept until the peer reconnects
+//! that pair), GPU memory.
 
 use crate::batch::{FailCause, FailKind, TaskState};
 use crate::memory::{Region, RegionGuard};
@@ -66,7 +79,8 @@ const CQ_DEPTH: u32 = 4096;
 const CHAIN: usize = 16;
 /// How often pollers look at deadlines and at shutdown.
 pub const TICK: Duration = Duration::from_millis(100);
-/// How long a NIC pair that could not be connected is left alone (while others work).
+/// How long a NIC pair that could not be connected, or whose work request failed on the path
+/// (`path_failure`), is left alone (while others work).
 const PAUSE: Duration = Duration::from_secs(30);
 /// The port used on every NIC (Mooncake's `MC_IB_PORT` default).
 const PORT: u8 = 1;
@@ -75,6 +89,11 @@ const PORT: u8 = 1;
 /// many as the peer sent (at most [`MAX_QPS_PER_EP`]).
 pub const QPS_PER_EP: usize = 2;
 const MAX_QPS_PER_EP: usize = 16;
+/// Times one slice is posted again on another NIC pair after its work request failed (a flush
+/// because another task's deadline passed does not count: its own deadline bounds those).
+pub const MAX_RETRIES: u8 = 3;
+/// Not a completion status: posting the work request failed (the QP is broken).
+const POST_FAILED: u32 = u32::MAX;
 /// Our extra field in `Connection` messages: the sender's active MTU in bytes, so both sides
 /// use the smaller of both ports' (a peer without it: our own).
 const MTU_FIELD: &str = "kvferry_mtu";
@@ -87,6 +106,33 @@ pub struct RdmaOptions {
     pub devices: Option<Vec<String>>,
     /// `MC_GID_INDEX`: the GID index on every NIC, instead of the automatic choice.
     pub gid_index: Option<u32>,
+    /// Connected endpoints kept (`KVFERRY_RDMA_MAX_ENDPOINTS`): beyond it the least recently
+    /// used idle one is closed.
+    pub max_endpoints: usize,
+    /// `KVFERRY_TRANSPORT=rdma`: RDMA or nothing (a range that cannot be registered on the NICs
+    /// is an error). `false` (`auto`): initiates RDMA where it works, TCP for the rest (see
+    /// [`auto_route`]), and publishes a TCP descriptor.
+    pub required: bool,
+    /// QP transport retries before a work request fails (`KVFERRY_RDMA_RETRY_CNT`, 0-7).
+    pub retry_cnt: u8,
+}
+
+/// Whether `auto` sends a piece to a peer over RDMA (sans-IO): the peer must publish RDMA
+/// devices, the local range must have memory regions on our NICs and the remote buffer keys
+/// for each of the peer's devices. `Err` says why not (the piece then goes over TCP).
+pub fn auto_route(peer: &SegmentDesc, local_has_mrs: bool, remote: u64, len: u64) -> Result<(), String> {
+    if !peer.protocol.contains("rdma") || peer.devices.is_empty() {
+        return Err(format!("the peer publishes no RDMA devices (protocol {:?})", peer.protocol));
+    }
+    if !local_has_mrs {
+        return Err("the local range has no RDMA memory region (GPU memory, or its registration on the NICs failed)".into());
+    }
+    match peer.find_buffer(remote, len) {
+        Some(b) if b.rkey.len() == peer.devices.len() => Ok(()),
+        Some(b) => Err(format!("the peer publishes {} rkeys for its {} devices on buffer 0x{:x}", b.rkey.len(), peer.devices.len(), b.addr)),
+        // The engine re-reads the descriptor before a piece outside it is dispatched.
+        None => Err("the remote range is not inside a buffer the peer published".into()),
+    }
 }
 
 /// Sends a `Connection` message to a peer's handshake port and returns its answer's body.
@@ -106,20 +152,121 @@ struct Nic {
     _ctx: Context,
 }
 
-/// One posted work request.
+/// One posted work request: slice `idx` of `piece`, on `ep` from local NIC `nic`.
 struct Slice {
     piece: Arc<PieceState>,
     ep: Arc<Endpoint>,
+    idx: u32,
+    nic: usize,
+    /// Times this slice was posted again after a failed work request.
+    retries: u8,
 }
 
-/// A piece in flight: ends when its last slice does.
+/// A slice to post again (after a flush or a failed work request), for the posting thread.
+struct Retry {
+    piece: Arc<PieceState>,
+    idx: u32,
+    retries: u8,
+    /// The local NIC whose pair failed: another is preferred.
+    avoid: Option<usize>,
+}
+
+/// Slices (index, retries) of one piece to post again, avoiding one local NIC.
+type RetryGroup = (Arc<PieceState>, Option<usize>, Vec<(u32, u8)>);
+
+/// What the posting thread is given.
+enum Work {
+    Job(Job),
+    Retry(Retry),
+}
+
+/// A piece in flight: ends when its last slice does. Holds what it takes to post any of its
+/// slices again.
 struct PieceState {
     task: Arc<TaskState>,
-    /// Held until the last completion: unregistering the range waits for it.
-    _guard: RegionGuard,
+    peer: Arc<Peer>,
+    op: Op,
+    /// The local range's MRs (one per NIC) and the range's offset in them. Declared before
+    /// the guard, so dropped before it: unregister finds them unshared.
+    mrs: Arc<Vec<Mr>>,
+    base: usize,
+    remote: u64,
+    /// For each local NIC: the peer's NIC used from it and the rkey there.
+    routes: Vec<(DeviceDesc, u32)>,
     len: u64,
     left: AtomicUsize,
     failure: Mutex<Option<(FailKind, FailCause, String)>>,
+    /// Held until the last completion: unregistering the range waits for it.
+    guard: RegionGuard,
+}
+
+/// What becomes of a slice whose work request did not succeed (sans-IO: the caller gives the
+/// facts and acts on the answer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    /// Failed for good: the status says another pair would fail the same way (keys, bounds,
+    /// local memory), or the retries are spent.
+    Fail,
+    /// Its own task's deadline passed.
+    Timeout,
+    /// The engine is shutting down.
+    ShutDown,
+    /// The local range is being unregistered: nothing may be posted on it any more.
+    Revoked,
+    /// Posted again. `counted`: it uses one of the slice's [`MAX_RETRIES`]; `avoid`: on
+    /// another NIC pair if there is one.
+    Again { counted: bool, avoid: bool },
+}
+
+/// The fate of a slice whose work request ended with `status` (or [`POST_FAILED`]).
+/// `flushed_for_deadline`: its QP was moved to the error state because another slice on it
+/// passed its deadline. A slice flushed that way whose own task still has time is posted
+/// again, uncounted (only the late task ends TIMEOUT); any other failure is retried on
+/// another pair at most [`MAX_RETRIES`] times, unless retrying cannot help.
+fn slice_fate(status: u32, flushed_for_deadline: bool, past_deadline: bool, shut: bool, revoked: bool, retries: u8) -> Fate {
+    const FLUSH: u32 = 5;
+    if shut {
+        Fate::ShutDown
+    } else if revoked {
+        Fate::Revoked
+    } else if past_deadline {
+        Fate::Timeout
+    } else if status == FLUSH && flushed_for_deadline {
+        Fate::Again { counted: false, avoid: false }
+    } else if matches!(status, 1 | 4 | 8 | 9 | 10) || retries >= MAX_RETRIES {
+        // Local length/protection/access, remote invalid request or access: the request
+        // itself is wrong (or the keys stale), on any pair.
+        Fate::Fail
+    } else {
+        Fate::Again { counted: true, avoid: true }
+    }
+}
+
+/// A failure that says the path (this NIC pair) is broken, rather than the request: the pair
+/// is paused.
+fn path_failure(status: u32) -> bool {
+    matches!(status, 7 | 12 | 13 | 19 | 20 | 21 | POST_FAILED)
+}
+
+/// The local NICs to try for a piece, in two tiers (the second only when none of the first
+/// connects): from `first` in rotation, those neither paused nor `avoid`ed, then `avoid`
+/// (when not paused), then the paused ones.
+fn pair_order(n: usize, first: usize, avoid: Option<usize>, paused: &[bool]) -> [Vec<usize>; 2] {
+    let rot: Vec<usize> = (0..n).map(|k| (first + k) % n.max(1)).collect();
+    let preferred = rot.iter().copied().filter(|&i| !paused[i] && Some(i) != avoid).collect();
+    let mut fallback: Vec<usize> = avoid.filter(|&a| a < n && !paused[a]).into_iter().collect();
+    fallback.extend(rot.iter().copied().filter(|&i| paused[i]));
+    [preferred, fallback]
+}
+
+/// The endpoints to close so that at most `max` stay: the least recently used idle ones
+/// (`(key, last use, busy)`; a busy one, with work requests in flight or about to be posted,
+/// is never closed, so the cache may exceed `max` while they are busy).
+fn lru_victims<K>(entries: Vec<(K, u64, bool)>, max: usize) -> Vec<K> {
+    let excess = entries.len().saturating_sub(max);
+    let mut idle: Vec<(K, u64)> = entries.into_iter().filter(|e| !e.2).map(|(k, t, _)| (k, t)).collect();
+    idle.sort_by_key(|e| e.1);
+    idle.into_iter().take(excess).map(|e| e.0).collect()
 }
 
 impl PieceState {
@@ -146,8 +293,10 @@ struct Endpoint {
     /// At most [`MAX_OUTSTANDING`] work requests in flight.
     credits: Credits,
     /// Moved to the error state because a slice passed its deadline: its flushed slices end
-    /// TIMEOUT.
+    /// TIMEOUT if their own deadline passed, else are posted again.
     expired: AtomicBool,
+    /// When it was last used (the transport's use counter), for eviction.
+    last_use: AtomicU64,
 }
 
 /// (peer segment, local NIC index, peer NIC name).
@@ -209,6 +358,19 @@ struct Shared {
     stale: Mutex<std::collections::HashSet<String>>,
     next_wr: AtomicU64,
     next_nic: AtomicUsize,
+    /// Counts endpoint uses (the clock of `Endpoint::last_use`).
+    clock: AtomicU64,
+    max_endpoints: usize,
+    /// `KVFERRY_TRANSPORT=rdma` (else `auto`).
+    required: bool,
+    retry_cnt: u8,
+    /// `auto`: registered ranges without MRs (GPU memory, or registration failed), by address,
+    /// with why: requests from them go over TCP.
+    unkeyed: Mutex<BTreeMap<u64, String>>,
+    /// `auto`: peers already told (in the log) why they are not reached over RDMA.
+    told: Mutex<std::collections::HashSet<String>>,
+    /// To the posting thread: new pieces and slices to post again. Taken at shutdown.
+    jobs: Mutex<Option<mpsc::Sender<Work>>>,
     shut: AtomicBool,
     /// The posting thread has ended: nothing new can be posted (pollers wait for this before
     /// they end, so a slice posted during shutdown still gets its completion).
@@ -218,7 +380,6 @@ struct Shared {
 /// The RDMA transport.
 pub struct RdmaTransport {
     shared: Arc<Shared>,
-    jobs: Mutex<Option<mpsc::Sender<Job>>>,
 }
 
 fn fail_piece(p: Piece, kind: FailKind, cause: FailCause, why: String) {
@@ -285,6 +446,13 @@ impl RdmaTransport {
             stale: Mutex::default(),
             next_wr: AtomicU64::new(1),
             next_nic: AtomicUsize::new(0),
+            clock: AtomicU64::new(0),
+            max_endpoints: opts.max_endpoints.max(1),
+            required: opts.required,
+            retry_cnt: opts.retry_cnt.min(7),
+            unkeyed: Mutex::default(),
+            told: Mutex::default(),
+            jobs: Mutex::new(None),
             shut: AtomicBool::new(false),
             worker_done: AtomicBool::new(false),
         });
@@ -295,10 +463,11 @@ impl RdmaTransport {
                 .spawn(move || poller(w, i))
                 .map_err(|e| format!("starting the RDMA completion thread: {e}"))?;
         }
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<Work>();
+        *shared.jobs.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
         let w = Arc::downgrade(&shared);
         std::thread::Builder::new().name("kvf-rdma-post".into()).spawn(move || worker(w, rx)).map_err(|e| format!("starting the RDMA posting thread: {e}"))?;
-        Ok(RdmaTransport { shared, jobs: Mutex::new(Some(tx)) })
+        Ok(RdmaTransport { shared })
     }
 
     /// How the transport reaches a peer's handshake port (set by the engine).
@@ -353,7 +522,7 @@ impl RdmaTransport {
             .iter()
             .map(|&remote| -> Result<Qp, VerbsError> {
                 let qp = nic.pd.create_qp(&nic.cq, MAX_WR)?;
-                qp.connect(Path { port: PORT, sgid_index: nic.gid_index, mtu }, &RemoteQp { qp_num: remote, lid: m.local_lid, gid })?;
+                qp.connect(Path { port: PORT, sgid_index: nic.gid_index, mtu, retry_cnt: s.retry_cnt }, &RemoteQp { qp_num: remote, lid: m.local_lid, gid })?;
                 Ok(qp)
             })
             .collect::<Result<Vec<Qp>, VerbsError>>();
@@ -412,6 +581,7 @@ impl Shared {
     fn endpoint(&self, peer: &Peer, desc: &SegmentDesc, nic: usize, dev: &DeviceDesc) -> Result<Arc<Endpoint>, String> {
         let key: EpKey = (peer.name.clone(), nic, dev.name.clone());
         if let Some(ep) = self.endpoints.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            ep.last_use.store(self.clock.fetch_add(1, Ordering::Relaxed), Ordering::Relaxed);
             return Ok(Arc::clone(ep));
         }
         let connector = self.connector.lock().unwrap_or_else(|e| e.into_inner()).clone().ok_or("the engine gave the RDMA transport no handshake client")?;
@@ -432,7 +602,7 @@ impl Shared {
             return Err(format!("{peer_path} refused the RDMA connection from {}: {why}", n.name));
         }
         let gid = parse_gid(&r.local_gid).or_else(|| parse_gid(&dev.gid)).ok_or_else(|| format!("{peer_path} published no GID"))?;
-        let path = Path { port: PORT, sgid_index: n.gid_index, mtu: path_mtu(&n.attr, &r) };
+        let path = Path { port: PORT, sgid_index: n.gid_index, mtu: path_mtu(&n.attr, &r), retry_cnt: self.retry_cnt };
         if r.qp_num.len() != qps.len() {
             return Err(format!("{peer_path} answered with {} QPs for our {}", r.qp_num.len(), qps.len()));
         }
@@ -440,8 +610,23 @@ impl Shared {
             qp.connect(path, &RemoteQp { qp_num: remote, lid: r.local_lid, gid }).map_err(|e| e.to_string())?;
         }
         tracing::debug!(peer = %peer_path, local = %n.name, remote_qps = ?r.qp_num, "RDMA: connected");
-        let ep = Arc::new(Endpoint { qps, next_qp: AtomicUsize::new(0), key: key.clone(), credits: Credits::new(MAX_OUTSTANDING), expired: AtomicBool::new(false) });
-        self.endpoints.lock().unwrap_or_else(|e| e.into_inner()).insert(key, Arc::clone(&ep));
+        let last_use = AtomicU64::new(self.clock.fetch_add(1, Ordering::Relaxed));
+        let ep = Arc::new(Endpoint { qps, next_qp: AtomicUsize::new(0), key: key.clone(), credits: Credits::new(MAX_OUTSTANDING), expired: AtomicBool::new(false), last_use });
+        let evicted: Vec<Arc<Endpoint>> = {
+            let mut eps = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
+            eps.insert(key, Arc::clone(&ep));
+            if eps.len() > self.max_endpoints {
+                // Idle: only the cache holds it (slices in flight and the posting thread hold
+                // clones; only this thread takes new ones, so none can appear meanwhile).
+                let view = eps.iter().map(|(k, e)| (k.clone(), e.last_use.load(Ordering::Relaxed), Arc::strong_count(e) > 1)).collect();
+                lru_victims(view, self.max_endpoints).into_iter().filter_map(|k| eps.remove(&k)).collect()
+            } else {
+                Vec::new()
+            }
+        };
+        for e in evicted {
+            tracing::debug!(peer = %e.key.0, local = %self.nics[e.key.1].name, remote = %e.key.2, max = self.max_endpoints, "RDMA: closed the least recently used idle endpoint");
+        }
         Ok(ep)
     }
 
@@ -471,7 +656,7 @@ impl Shared {
         }
     }
 
-    fn run_piece(&self, peer: &Peer, p: Piece) {
+    fn run_piece(&self, peer: &Arc<Peer>, p: Piece) {
         let deadline = p.task.deadline();
         if Instant::now() >= deadline {
             return fail_piece(p, FailKind::Timeout, FailCause::Timeout, "the deadline passed before the request was posted".into());
@@ -504,46 +689,28 @@ impl Shared {
         }
         let slices = p.len.div_ceil(SLICE) as usize;
         let first_nic = self.next_nic.fetch_add(1, Ordering::Relaxed);
-        let (opcode, len, remote) = (p.opcode, p.len, p.remote);
-        p.task.set_pending();
-        let piece = Arc::new(PieceState { task: Arc::clone(&p.task), _guard: p.guard, len, left: AtomicUsize::new(slices), failure: Mutex::new(None) });
-        let op = match opcode {
+        let op = match p.opcode {
             Opcode::Write => Op::Write,
             Opcode::Read => Op::Read,
         };
+        p.task.set_pending();
+        let piece = Arc::new(PieceState {
+            task: Arc::clone(&p.task),
+            peer: Arc::clone(peer),
+            op,
+            mrs,
+            base,
+            remote: p.remote,
+            routes,
+            len: p.len,
+            left: AtomicUsize::new(slices),
+            failure: Mutex::new(None),
+            guard: p.guard,
+        });
         // The NIC pairs to use, starting at a rotating NIC: as many as there are slices, each
         // connected; a pair that cannot be connected is paused and its slices go to the others
         // (a paused pair is tried again only when no other works).
-        let mut usable: Vec<(usize, Arc<Endpoint>, u32)> = Vec::new();
-        let mut why_not: Vec<String> = Vec::new();
-        for pass in 0..2 {
-            for k in 0..n_nics {
-                if usable.len() >= slices {
-                    break;
-                }
-                let nic = (first_nic + k) % n_nics;
-                let (dev, rkey) = &routes[nic];
-                let key: EpKey = (peer.name.clone(), nic, dev.name.clone());
-                let paused = self.paused.lock().unwrap_or_else(|e| e.into_inner()).get(&key).is_some_and(|&until| Instant::now() < until);
-                if paused != (pass == 1) || usable.iter().any(|(n, _, _)| *n == nic) {
-                    continue;
-                }
-                match self.endpoint(peer, &desc, nic, dev) {
-                    Ok(ep) => {
-                        self.paused.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
-                        usable.push((nic, ep, *rkey));
-                    }
-                    Err(e) => {
-                        tracing::warn!("RDMA: not using {} -> {}@{} for {PAUSE:?}: {e}", self.nics[nic].name, peer.name, dev.name);
-                        self.paused.lock().unwrap_or_else(|e| e.into_inner()).insert(key, Instant::now() + PAUSE);
-                        why_not.push(e);
-                    }
-                }
-            }
-            if !usable.is_empty() {
-                break;
-            }
-        }
+        let (usable, why_not) = self.connect_pairs(&piece, &desc, first_nic, slices, None);
         if usable.is_empty() {
             let why = why_not.join("; ");
             for _ in 0..slices {
@@ -553,58 +720,190 @@ impl Shared {
         }
         // Slice i goes over usable pair i % n; each pair's slices are posted in chains.
         let n_use = usable.len();
-        for (k, (nic, ep, rkey)) in usable.iter().enumerate() {
-            let (nic, rkey) = (*nic, rkey);
-            let mine: Vec<usize> = (k..slices).step_by(n_use).collect();
-            for chain in mine.chunks(CHAIN) {
-                let n = chain.len() as u32;
-                let nic_credits = &self.nics[nic].credits;
-                if !ep.credits.acquire(n, deadline) {
-                    for _ in chain {
-                        piece.slice_end(Err((FailKind::Timeout, FailCause::Timeout, format!("{MAX_OUTSTANDING} work requests already in flight to the peer on {} at the deadline", self.nics[nic].name))));
-                    }
-                    continue;
+        for (k, (nic, ep)) in usable.iter().enumerate() {
+            let mine: Vec<(u32, u8)> = (k..slices).step_by(n_use).map(|i| (i as u32, 0)).collect();
+            self.post_slices(&piece, *nic, ep, &mine, deadline);
+        }
+    }
+
+    /// Up to `want` connected NIC pairs for `piece` (local NIC index and endpoint), in the
+    /// order of [`pair_order`]; a pair that cannot be connected is paused. Also says why the
+    /// others could not be used.
+    fn connect_pairs(&self, piece: &PieceState, desc: &SegmentDesc, first: usize, want: usize, avoid: Option<usize>) -> (Vec<(usize, Arc<Endpoint>)>, Vec<String>) {
+        let n = self.nics.len();
+        let key = |nic: usize| -> EpKey { (piece.peer.name.clone(), nic, piece.routes[nic].0.name.clone()) };
+        let paused: Vec<bool> = {
+            let p = self.paused.lock().unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            (0..n).map(|nic| p.get(&key(nic)).is_some_and(|&until| now < until)).collect()
+        };
+        let mut usable: Vec<(usize, Arc<Endpoint>)> = Vec::new();
+        let mut why_not: Vec<String> = Vec::new();
+        for tier in pair_order(n, first, avoid, &paused) {
+            for nic in tier {
+                if usable.len() >= want {
+                    break;
                 }
-                if !nic_credits.acquire(n, deadline) {
-                    ep.credits.release(n);
-                    for _ in chain {
-                        piece.slice_end(Err((FailKind::Timeout, FailCause::Timeout, format!("{CQ_DEPTH} work requests already in flight on {} at the deadline", self.nics[nic].name))));
+                let dev = &piece.routes[nic].0;
+                match self.endpoint(&piece.peer, desc, nic, dev) {
+                    Ok(ep) => {
+                        self.paused.lock().unwrap_or_else(|e| e.into_inner()).remove(&key(nic));
+                        usable.push((nic, ep));
                     }
-                    continue;
+                    Err(e) => {
+                        tracing::warn!("RDMA: not using {} -> {}@{} for {PAUSE:?}: {e}", self.nics[nic].name, piece.peer.name, dev.name);
+                        self.paused.lock().unwrap_or_else(|e| e.into_inner()).insert(key(nic), Instant::now() + PAUSE);
+                        why_not.push(e);
+                    }
                 }
-                let ids: Vec<u64> = chain.iter().map(|_| self.next_wr.fetch_add(1, Ordering::Relaxed)).collect();
-                let wrs: Vec<Wr<'_>> = chain
-                    .iter()
-                    .zip(&ids)
-                    .map(|(&i, &wr_id)| {
-                        let off = i as u64 * SLICE;
-                        Wr { wr_id, op, local: &mrs[nic], offset: base + off as usize, len: (len - off).min(SLICE) as u32, remote_addr: remote + off, rkey: *rkey, signaled: true }
-                    })
-                    .collect();
-                // Registered before posting: a completion may arrive before post returns.
-                {
+            }
+            if !usable.is_empty() {
+                break;
+            }
+        }
+        (usable, why_not)
+    }
+
+    /// Posts `slices` (index, retries so far) of `piece` on `ep` from local NIC `nic`, in
+    /// chains, within the bounds on work requests in flight.
+    fn post_slices(&self, piece: &Arc<PieceState>, nic: usize, ep: &Arc<Endpoint>, slices: &[(u32, u8)], deadline: Instant) {
+        let rkey = piece.routes[nic].1;
+        let nic_credits = &self.nics[nic].credits;
+        for chain in slices.chunks(CHAIN) {
+            let n = chain.len() as u32;
+            if !ep.credits.acquire(n, deadline) {
+                for _ in chain {
+                    piece.slice_end(Err((FailKind::Timeout, FailCause::Timeout, format!("{MAX_OUTSTANDING} work requests already in flight to the peer on {} at the deadline", self.nics[nic].name))));
+                }
+                continue;
+            }
+            if !nic_credits.acquire(n, deadline) {
+                ep.credits.release(n);
+                for _ in chain {
+                    piece.slice_end(Err((FailKind::Timeout, FailCause::Timeout, format!("{CQ_DEPTH} work requests already in flight on {} at the deadline", self.nics[nic].name))));
+                }
+                continue;
+            }
+            let ids: Vec<u64> = chain.iter().map(|_| self.next_wr.fetch_add(1, Ordering::Relaxed)).collect();
+            let wrs: Vec<Wr<'_>> = chain
+                .iter()
+                .zip(&ids)
+                .map(|(&(i, _), &wr_id)| {
+                    let off = u64::from(i) * SLICE;
+                    let len = (piece.len - off).min(SLICE) as u32;
+                    Wr { wr_id, op: piece.op, local: &piece.mrs[nic], offset: piece.base + off as usize, len, remote_addr: piece.remote + off, rkey, signaled: true }
+                })
+                .collect();
+            // Registered before posting: a completion may arrive before post returns.
+            {
+                let mut inflight = self.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
+                for (&(idx, retries), &id) in chain.iter().zip(&ids) {
+                    inflight.insert(id, Slice { piece: Arc::clone(piece), ep: Arc::clone(ep), idx, nic, retries });
+                }
+            }
+            let qp = &ep.qps[ep.next_qp.fetch_add(1, Ordering::Relaxed) % ep.qps.len()];
+            if let Err(e) = qp.post(&wrs) {
+                let posted = match &e {
+                    VerbsError::Post { posted, .. } => *posted,
+                    _ => 0,
+                };
+                let why = e.to_string();
+                let unposted: Vec<Slice> = {
                     let mut inflight = self.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
-                    for &id in &ids {
-                        inflight.insert(id, Slice { piece: Arc::clone(&piece), ep: Arc::clone(&ep) });
-                    }
+                    ids[posted..].iter().filter_map(|id| inflight.remove(id)).collect()
+                };
+                ep.credits.release((ids.len() - posted) as u32);
+                nic_credits.release((ids.len() - posted) as u32);
+                self.forget(ep);
+                self.pause(&ep.key);
+                for sl in unposted {
+                    self.failed(sl, POST_FAILED, &why);
                 }
-                let qp = &ep.qps[ep.next_qp.fetch_add(1, Ordering::Relaxed) % ep.qps.len()];
-                if let Err(e) = qp.post(&wrs) {
-                    let posted = match &e {
-                        VerbsError::Post { posted, .. } => *posted,
-                        _ => 0,
-                    };
-                    let why = e.to_string();
-                    let mut inflight = self.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
-                    for id in &ids[posted..] {
-                        if let Some(s) = inflight.remove(id) {
-                            s.piece.slice_end(Err((FailKind::Failed, FailCause::PeerLost, why.clone())));
-                        }
+            }
+        }
+    }
+
+    /// Leaves the NIC pair of `key` alone for [`PAUSE`] (tried only when no other works).
+    fn pause(&self, key: &EpKey) {
+        self.paused.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), Instant::now() + PAUSE);
+    }
+
+    /// A slice whose work request failed with `status` (`why`): ends it, or hands it to the
+    /// posting thread to be posted again ([`slice_fate`]).
+    fn failed(&self, sl: Slice, status: u32, why: &str) {
+        let Slice { piece, ep, idx, nic, retries } = sl;
+        let expired = ep.expired.load(Ordering::Acquire);
+        let past = piece.task.deadline() <= Instant::now();
+        let fate = slice_fate(status, expired, past, self.shut.load(Ordering::Acquire), piece.guard.is_revoked(), retries);
+        let name = &self.nics[nic].name;
+        let tried = if retries > 0 { format!(" (after {retries} retries on other NIC pairs)") } else { String::new() };
+        let end = match fate {
+            Fate::Again { counted, avoid } => {
+                let r = Retry { piece, idx, retries: retries + u8::from(counted), avoid: avoid.then_some(nic) };
+                let tx = self.jobs.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let back = match tx {
+                    Some(tx) => match tx.send(Work::Retry(r)) {
+                        Ok(()) => return,
+                        Err(mpsc::SendError(w)) => w,
+                    },
+                    None => Work::Retry(r),
+                };
+                // The posting thread is gone or going: the transport is shutting down.
+                if let Work::Retry(r) = back {
+                    r.piece.slice_end(Err((FailKind::Failed, FailCause::ShutDown, "the engine shut down before a failed request could be posted again".into())));
+                }
+                return;
+            }
+            Fate::Timeout if expired => (FailKind::Timeout, FailCause::Timeout, format!("the deadline passed with the request in flight on {name}; its queue pair was flushed ({why})")),
+            Fate::Timeout => (FailKind::Timeout, FailCause::Timeout, format!("the deadline passed; the request's last attempt on {name} failed: {why}")),
+            Fate::ShutDown => (FailKind::Failed, FailCause::ShutDown, format!("the engine shut down with the request in flight on {name} ({why})")),
+            Fate::Revoked => (FailKind::Failed, FailCause::LocalNotRegistered, format!("the local range is being unregistered; the request on {name} failed and is not posted again ({why})")),
+            Fate::Fail if status == 10 => (FailKind::Failed, FailCause::RemoteNotRegistered, format!("{why}{tried}")),
+            Fate::Fail => (FailKind::Failed, FailCause::PeerLost, format!("{why}{tried}")),
+        };
+        piece.slice_end(Err(end));
+    }
+
+    /// Posts again slices that were flushed or failed, each on a pair chosen anew (another
+    /// than the failed one when there is one; the failed endpoint is rebuilt when it is the
+    /// only one left).
+    fn repost(&self, retries: Vec<Retry>) {
+        // Grouped by piece and avoided NIC: each group goes as chains on one pair.
+        let mut groups: Vec<RetryGroup> = Vec::new();
+        let now = Instant::now();
+        for r in retries {
+            let end = if self.shut.load(Ordering::Acquire) {
+                Some((FailKind::Failed, FailCause::ShutDown, "the engine shut down before a failed request could be posted again".to_string()))
+            } else if r.piece.guard.is_revoked() {
+                Some((FailKind::Failed, FailCause::LocalNotRegistered, "the local range is being unregistered; a failed request is not posted again".to_string()))
+            } else if r.piece.task.deadline() <= now {
+                Some((FailKind::Timeout, FailCause::Timeout, "the deadline passed before a flushed or failed request could be posted again".to_string()))
+            } else {
+                None
+            };
+            if let Some(end) = end {
+                r.piece.slice_end(Err(end));
+                continue;
+            }
+            match groups.iter_mut().find(|g| Arc::ptr_eq(&g.0, &r.piece) && g.1 == r.avoid) {
+                Some(g) => g.2.push((r.idx, r.retries)),
+                None => groups.push((r.piece, r.avoid, vec![(r.idx, r.retries)])),
+            }
+        }
+        for (piece, avoid, slices) in groups {
+            let desc = piece.peer.desc();
+            let first = avoid.map_or_else(|| self.next_nic.fetch_add(1, Ordering::Relaxed), |a| a + 1);
+            let (usable, why_not) = self.connect_pairs(&piece, &desc, first, 1, avoid);
+            match usable.first() {
+                Some((nic, ep)) => {
+                    tracing::debug!(peer = %piece.peer.name, slices = slices.len(), local = %self.nics[*nic].name, "RDMA: posting flushed or failed slices again");
+                    self.post_slices(&piece, *nic, ep, &slices, piece.task.deadline());
+                }
+                None => {
+                    let why = why_not.join("; ");
+                    for _ in &slices {
+                        piece.slice_end(Err((FailKind::Failed, FailCause::PeerUnreachable, format!("no NIC pair to post a failed request again: {why}"))));
                     }
-                    drop(inflight);
-                    ep.credits.release((ids.len() - posted) as u32);
-                    nic_credits.release((ids.len() - posted) as u32);
-                    self.forget(&ep);
                 }
             }
         }
@@ -621,25 +920,25 @@ impl Shared {
         match wc.result(&self.nics[nic].name) {
             Ok(()) => s.piece.slice_end(Ok(())),
             Err(e) => {
+                // The QP is in the error state now: rebuilt on next use.
                 self.forget(&s.ep);
-                let r = if s.ep.expired.load(Ordering::Acquire) {
-                    (FailKind::Timeout, FailCause::Timeout, format!("the deadline passed with the request in flight on {}; its queue pair was flushed ({})", self.nics[nic].name, e.name))
-                } else {
-                    let cause = if e.status == 10 {
-                        // Its keys may be stale (the peer registered again): re-read before the next request.
-                        self.stale.lock().unwrap_or_else(|e| e.into_inner()).insert(s.ep.key.0.clone());
-                        FailCause::RemoteNotRegistered
-                    } else {
-                        FailCause::PeerLost
-                    };
-                    (FailKind::Failed, cause, e.to_string())
-                };
-                s.piece.slice_end(Err(r));
+                if !s.ep.expired.load(Ordering::Acquire) && path_failure(e.status) {
+                    tracing::warn!("RDMA: pausing {} -> {}@{} for {PAUSE:?}: {e}", self.nics[nic].name, s.ep.key.0, s.ep.key.2);
+                    self.pause(&s.ep.key);
+                }
+                if e.status == 10 {
+                    // Its keys may be stale (the peer registered again): re-read before the next request.
+                    self.stale.lock().unwrap_or_else(|e| e.into_inner()).insert(s.ep.key.0.clone());
+                }
+                let why = if s.ep.expired.load(Ordering::Acquire) { e.name.to_string() } else { e.to_string() };
+                self.failed(s, e.status, &why);
             }
         }
     }
 
-    /// Flushes the QPs holding slices past their deadline (or everything, at shutdown).
+    /// Flushes the QPs holding slices past their deadline (or everything, at shutdown): an RC
+    /// QP cannot cancel one work request, so every slice on them is flushed; the late ones end
+    /// TIMEOUT and the others, whose tasks still have time, are posted again ([`Shared::failed`]).
     fn expire(&self, nic: usize, all: bool) {
         let now = Instant::now();
         let late: Vec<Arc<Endpoint>> = {
@@ -716,14 +1015,40 @@ fn poller(w: Weak<Shared>, nic: usize) {
     }
 }
 
-/// The posting thread: connects endpoints and posts pieces, in order of submission.
-fn worker(w: Weak<Shared>, rx: mpsc::Receiver<Job>) {
-    while let Ok(job) = rx.recv() {
-        match w.upgrade() {
-            Some(s) => s.run(job),
-            None => {
-                for p in job.pieces {
-                    fail_piece(p, FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into());
+/// The posting thread: connects endpoints and posts pieces, in order of submission, and
+/// posts again the slices the completion threads hand back.
+fn worker(w: Weak<Shared>, rx: mpsc::Receiver<Work>) {
+    let gone = |work: Work| match work {
+        Work::Job(job) => {
+            for p in job.pieces {
+                fail_piece(p, FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into());
+            }
+        }
+        Work::Retry(r) => r.piece.slice_end(Err((FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into()))),
+    };
+    while let Ok(work) = rx.recv() {
+        let Some(s) = w.upgrade() else {
+            gone(work);
+            continue;
+        };
+        match work {
+            Work::Job(job) => s.run(job),
+            Work::Retry(r) => {
+                // Flushes come in bursts: take every retry queued, then the job behind them.
+                let mut retries = vec![r];
+                let mut next = None;
+                while let Ok(more) = rx.try_recv() {
+                    match more {
+                        Work::Retry(r) => retries.push(r),
+                        Work::Job(j) => {
+                            next = Some(j);
+                            break;
+                        }
+                    }
+                }
+                s.repost(retries);
+                if let Some(j) = next {
+                    s.run(j);
                 }
             }
         }
@@ -741,6 +1066,12 @@ impl Transport for RdmaTransport {
 
     fn describe(&self, desc: &mut SegmentDesc) {
         let s = &self.shared;
+        if !s.required {
+            // `auto` initiates RDMA but publishes a TCP descriptor: a stock Mooncake engine picks
+            // its transport by the target's `protocol`, so a Mooncake TCP peer could not reach
+            // an engine that says `rdma` (checked in the VM by `examples/rdma_mooncake`).
+            return;
+        }
         desc.protocol = Protocols::One("rdma".into());
         desc.devices = s.nics.iter().map(|n| DeviceDesc { name: n.name.clone(), lid: n.attr.lid, gid: format_gid(&n.gid), extra: Map::new() }).collect();
         let mrs = s.mrs.lock().unwrap_or_else(|e| e.into_inner());
@@ -761,13 +1092,27 @@ impl Transport for RdmaTransport {
     }
 
     fn on_register(&self, region: &Region) -> crate::Result<()> {
-        let mut v = Vec::with_capacity(self.shared.nics.len());
-        for n in &self.shared.nics {
+        let s = &self.shared;
+        let unkeyed = |why: String| {
+            tracing::warn!("RDMA: [0x{:x}, +{}) is not registered on the NICs ({why}); requests from it go over TCP", region.addr, region.len);
+            s.unkeyed.lock().unwrap_or_else(|e| e.into_inner()).insert(region.addr, why);
+        };
+        if !s.required && region.gpu.is_some() {
+            unkeyed("GPU memory: the RDMA transport does not register device memory yet".into());
+            return Ok(());
+        }
+        let mut v = Vec::with_capacity(s.nics.len());
+        for n in &s.nics {
             // SAFETY: the engine's contract with the caller of register_memory: the range is
             // memory of this process, valid until unregister_memory returns, and peers may
             // read and write it meanwhile. on_unregister drops these MRs before that returns.
             match unsafe { n.pd.reg_mr(region.addr as *mut u8, region.len as usize) } {
                 Ok(mr) => v.push(mr),
+                Err(e) if !s.required => {
+                    // The MRs made so far go with `v`.
+                    unkeyed(format!("on {}: {e}", n.name));
+                    return Ok(());
+                }
                 Err(e) => return Err(crate::Error::Rdma(format!("registering [0x{:x}, +{}) on {}: {e}", region.addr, region.len, n.name))),
             }
         }
@@ -778,6 +1123,7 @@ impl Transport for RdmaTransport {
     fn on_unregister(&self, region: &Region) {
         // The registry waited for every guard, so no work request of ours touches the range;
         // deregistering cuts peers off (their requests fail with a remote access error).
+        self.shared.unkeyed.lock().unwrap_or_else(|e| e.into_inner()).remove(&region.addr);
         let removed = self.shared.mrs.lock().unwrap_or_else(|e| e.into_inner()).remove(&region.addr);
         if let Some(v) = removed {
             match Arc::try_unwrap(v) {
@@ -803,11 +1149,51 @@ impl Transport for RdmaTransport {
         Ok(())
     }
 
+    fn try_submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) -> Result<(), (Vec<Piece>, String)> {
+        if self.shared.required {
+            return match self.reachable(peer) {
+                Ok(()) => {
+                    self.submit(peer, pieces, inline);
+                    Ok(())
+                }
+                Err(e) => Err((pieces, e)),
+            };
+        }
+        // `auto`: each piece over RDMA when it can go, the rest to the next transport (TCP);
+        // why, logged once per peer.
+        let desc = peer.desc();
+        let mut why = None;
+        let (rdma, rest): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| {
+            let r = auto_route(&desc, self.shared.mrs_for(p.local, p.len).is_some(), p.remote, p.len);
+            if let Err(e) = r {
+                why.get_or_insert(e);
+                return false;
+            }
+            true
+        });
+        if let Some(why) = &why {
+            if self.shared.told.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.name.clone()) {
+                tracing::info!("KVFERRY_TRANSPORT=auto: requests to {} do not go over RDMA ({why}); TCP or shared memory carries them", peer.name);
+            }
+        }
+        if !rdma.is_empty() {
+            self.submit(peer, rdma, inline);
+        }
+        match why {
+            Some(why) if !rest.is_empty() => Err((rest, why)),
+            _ => Ok(()),
+        }
+    }
+
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, _inline: bool) {
-        let tx = self.jobs.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let tx = self.shared.jobs.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let job = Job { peer: Arc::clone(peer), pieces };
         let refused = match tx {
-            Some(tx) => tx.send(job).err().map(|e| e.0),
+            Some(tx) => match tx.send(Work::Job(job)) {
+                Ok(()) => None,
+                Err(mpsc::SendError(Work::Job(job))) => Some(job),
+                Err(mpsc::SendError(Work::Retry(_))) => None,
+            },
             None => Some(job),
         };
         if let Some(job) = refused {
@@ -820,7 +1206,7 @@ impl Transport for RdmaTransport {
     fn shutdown(&self) {
         self.shared.shut.store(true, Ordering::Release);
         // The posting thread fails what is still queued, then ends.
-        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.shared.jobs.lock().unwrap_or_else(|e| e.into_inner()).take();
     }
 }
 
@@ -881,6 +1267,75 @@ mod tests {
     }
 
     #[test]
+    fn a_deadline_fails_only_the_late_task_and_flushed_slices_of_others_go_again() {
+        const FLUSH: u32 = 5;
+        // (status, flushed for a deadline, own deadline passed, shut, revoked, retries)
+        assert_eq!(slice_fate(FLUSH, true, true, false, false, 0), Fate::Timeout, "the late task itself");
+        assert_eq!(slice_fate(FLUSH, true, false, false, false, 0), Fate::Again { counted: false, avoid: false }, "another task's slice on the flushed QP: posted again");
+        assert_eq!(slice_fate(FLUSH, true, false, false, false, MAX_RETRIES), Fate::Again { counted: false, avoid: false }, "flushes by others' deadlines use no retry");
+        assert_eq!(slice_fate(FLUSH, true, false, false, true, 0), Fate::Revoked, "never posted again into a range being unregistered");
+        assert_eq!(slice_fate(FLUSH, true, false, true, false, 0), Fate::ShutDown, "nor during shutdown");
+    }
+
+    #[test]
+    fn a_failed_completion_is_retried_on_another_pair_a_bounded_number_of_times() {
+        const FLUSH: u32 = 5;
+        for status in [12, 13, 20, 21, POST_FAILED] {
+            assert_eq!(slice_fate(status, false, false, false, false, 0), Fate::Again { counted: true, avoid: true }, "status {status}");
+            assert_eq!(slice_fate(status, false, false, false, false, MAX_RETRIES - 1), Fate::Again { counted: true, avoid: true });
+            assert_eq!(slice_fate(status, false, false, false, false, MAX_RETRIES), Fate::Fail, "retries spent");
+            assert!(path_failure(status), "the pair is paused after {status}");
+        }
+        // Flushed because an earlier request on its QP failed: retried too, counted.
+        assert_eq!(slice_fate(FLUSH, false, false, false, false, 0), Fate::Again { counted: true, avoid: true });
+        assert!(!path_failure(FLUSH));
+        // The request itself is wrong: another pair would fail it the same way.
+        for status in [1, 4, 8, 9, 10] {
+            assert_eq!(slice_fate(status, false, false, false, false, 0), Fate::Fail, "status {status}");
+            assert!(!path_failure(status));
+        }
+        assert_eq!(slice_fate(12, false, true, false, false, 0), Fate::Timeout, "no retry past the deadline");
+        assert_eq!(slice_fate(12, false, false, false, true, 0), Fate::Revoked);
+    }
+
+    #[test]
+    fn pairs_are_tried_healthy_first_then_the_failed_one_then_paused_ones() {
+        let none = [false; 3];
+        assert_eq!(pair_order(3, 1, None, &none), [vec![1, 2, 0], vec![]]);
+        assert_eq!(pair_order(3, 2, Some(1), &none), [vec![2, 0], vec![1]], "the failed pair only when no other connects");
+        assert_eq!(pair_order(3, 0, Some(1), &[true, false, false]), [vec![2], vec![1, 0]]);
+        assert_eq!(pair_order(1, 5, Some(0), &[false]), [vec![], vec![0]], "one NIC: its endpoint is rebuilt");
+        assert_eq!(pair_order(2, 0, Some(0), &[true, false]), [vec![1], vec![0]], "a paused failed pair is listed once");
+    }
+
+    #[test]
+    fn eviction_closes_the_least_recently_used_idle_endpoints_only() {
+        let e = |k: &'static str, t: u64, busy: bool| (k, t, busy);
+        assert!(lru_victims(vec![e("a", 1, false), e("b", 2, false)], 2).is_empty(), "within the bound");
+        assert_eq!(lru_victims(vec![e("a", 5, false), e("b", 2, false), e("c", 9, false)], 2), vec!["b"]);
+        assert_eq!(lru_victims(vec![e("a", 5, false), e("b", 2, true), e("c", 9, false), e("d", 1, false)], 2), vec!["d", "a"], "busy ones are skipped");
+        assert!(lru_victims(vec![e("a", 1, true), e("b", 2, true)], 1).is_empty(), "all busy: over the bound until they are idle");
+    }
+
+    #[test]
+    fn auto_sends_over_rdma_only_what_both_sides_can_key() {
+        let dev = |n: &str| DeviceDesc { name: n.into(), lid: 0, gid: "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:05".into(), extra: Map::new() };
+        let mut d = SegmentDesc::new("peer:1");
+        let buf = |rkeys: Vec<u64>| crate::wire::descriptor::BufferDesc { name: "cpu:0".into(), addr: 0x1000, length: 0x1000, lkey: rkeys.clone(), rkey: rkeys, extra: Default::default() };
+        d.buffers = vec![buf(vec![])];
+        let e = auto_route(&d, true, 0x1000, 16).unwrap_err();
+        assert!(e.contains("no RDMA devices"), "a TCP peer: {e}");
+        d.protocol = Protocols::One("rdma".into());
+        d.devices = vec![dev("mlx5_0"), dev("mlx5_1")];
+        d.buffers = vec![buf(vec![7, 8])];
+        assert_eq!(auto_route(&d, true, 0x1000, 16), Ok(()), "both sides keyed: RDMA");
+        assert!(auto_route(&d, false, 0x1000, 16).unwrap_err().contains("local range has no RDMA memory region"));
+        d.buffers = vec![buf(vec![7])];
+        assert!(auto_route(&d, true, 0x1000, 16).unwrap_err().contains("1 rkeys for its 2 devices"));
+        assert!(auto_route(&d, true, 0x9000, 16).is_err(), "outside its buffers");
+    }
+
+    #[test]
     fn refusals_decode_as_refusals() {
         let r = refusal("a:1@rxe0", "b:2@mlx5_0", "no NIC".into());
         assert_eq!(ConnectionMsg::decode(&r).unwrap().refused(), Some("no NIC"));
@@ -893,7 +1348,7 @@ mod tests {
         if crate::rdma::probe().usable() {
             return;
         }
-        let e = RdmaTransport::new(RdmaOptions { segment: "s:1".into(), devices: None, gid_index: None }).err().expect("no RDMA here");
+        let e = RdmaTransport::new(RdmaOptions { segment: "s:1".into(), devices: None, gid_index: None, max_endpoints: 4, required: true, retry_cnt: 7 }).err().expect("no RDMA here");
         assert!(!e.is_empty());
     }
 }

@@ -1,0 +1,265 @@
+//! Faults on one RDMA queue pair must not spill over to other tasks (in the Soft-RoCE VM:
+//! `rdma_faults 10.99.2.1`, devices `rxe0` and `rxe_lo`):
+//!
+//! 1. **A deadline fails only its own task.** The peer's QPs serving our `rxe_lo` pair are
+//!    destroyed (a `Connection` message for the same NIC pair makes the peer replace them), so
+//!    what is posted there stalls. A 1 MiB WRITE with a 300 ms deadline, then one with 30 s,
+//!    go on the same QPs; at the first's deadline its QPs are flushed: it ends TIMEOUT, and the
+//!    second's flushed work requests must be posted again (on `rxe0` or a rebuilt `rxe_lo`
+//!    endpoint) and complete, every byte verified.
+//! 2. **A failed work completion is retried on another NIC pair.** With
+//!    `KVFERRY_RDMA_RETRY_CNT=6` (Soft-RoCE retries forever at Mooncake's 7), the slices posted
+//!    on the `rxe_lo` pair whose peer QPs are gone end `IBV_WC_RETRY_EXC_ERR`; they must be
+//!    posted again on `rxe0` and the 4 MiB WRITE / READ complete, bytes verified.
+//! 3. **Endpoint eviction.** With `KVFERRY_RDMA_MAX_ENDPOINTS=1`, requests to two peers over
+//!    two NICs still complete (endpoints closed and reconnected), bytes verified.
+//! 4. **`auto` picks RDMA** to a peer that publishes RDMA devices, TCP to one that does not
+//!    (and that peer reaches it over TCP: it publishes a TCP descriptor), bytes verified.
+//!
+//! Exits non-zero on any failure.
+
+use kvferry::config::TransportMode;
+use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+type Res<T> = Result<T, String>;
+
+const SIZE: usize = 16 << 20;
+
+fn main() -> ExitCode {
+    let host = std::env::args().nth(1).unwrap_or_else(|| "10.99.2.1".into());
+    match run(&host) {
+        Ok(()) => {
+            println!("rdma_faults: all checks passed");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("rdma_faults: FAILED: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Page-aligned memory from kvferry's allocator; only read or written between transfers.
+struct Buf(kvferry::hostbuf::HostBuffer);
+
+impl Buf {
+    fn new(len: usize) -> Res<Buf> {
+        kvferry::hostbuf::HostBuffer::new(len, false).map(Buf).map_err(|e| format!("cannot allocate {len} bytes: {e}"))
+    }
+    fn addr(&self) -> u64 {
+        self.0.addr()
+    }
+    fn bytes(&mut self) -> &mut [u8] {
+        self.0.slice_mut(0, self.0.len())
+    }
+}
+
+fn fill(b: &mut [u8], seed: u64) {
+    let mut x = seed | 1;
+    for c in b.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+    }
+}
+
+fn compare(what: &str, got: &[u8], want: &[u8]) -> Res<()> {
+    match got.iter().zip(want).position(|(a, b)| a != b) {
+        None => Ok(()),
+        Some(at) => Err(format!("{what}: byte {at} differs (got {:#04x}, want {:#04x})", got[at], want[at])),
+    }
+}
+
+/// Two engines with registered 16 MiB buffers, `a` having opened `b`.
+struct Pair {
+    a: TransferEngine,
+    b: TransferEngine,
+    ba: Buf,
+    bb: Buf,
+    peer: u64,
+}
+
+fn pair(cfg: &Config) -> Res<Pair> {
+    let a = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
+    let b = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
+    let (ba, bb) = (Buf::new(SIZE)?, Buf::new(SIZE)?);
+    a.register_memory(ba.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
+    b.register_memory(bb.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
+    let peer = a.open_segment(b.segment_name()).map_err(|e| e.to_string())?;
+    Ok(Pair { a, b, ba, bb, peer })
+}
+
+impl Pair {
+    fn req(&self, op: Opcode, off: u64, len: usize) -> TransferRequest {
+        TransferRequest { opcode: op, source: self.ba.addr() + off, target_id: self.peer, target_offset: self.bb.addr() + off, length: len as u64 }
+    }
+}
+
+fn deadline_fails_only_its_task(cfg: &Config, op: Opcode) -> Res<()> {
+    let mut p = pair(cfg)?;
+    let desc = p.a.segment_descriptor(p.peer).map_err(|e| e.to_string())?;
+    let lo = desc.devices.iter().find(|d| d.name == "rxe_lo").ok_or("the peer has no rxe_lo")?.gid.clone();
+    // Both pairs connected, so both requests go on the same QPs.
+    let st = p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+    if st.status != TaskStatus::Completed {
+        return Err(format!("the first WRITE: {st:?}"));
+    }
+    // The peer's QPs of the rxe_lo pair go: what is posted there stalls (the NIC retries).
+    kill_peer_qps(&p.a, &p.b, "rxe_lo", &lo)?;
+    fill(p.ba.bytes(), 1000);
+    fill(p.bb.bytes(), 2000);
+    let (short, long) = (p.req(Opcode::Write, 0, 1 << 20), p.req(op, 1 << 20, 1 << 20));
+    let t0 = Instant::now();
+    let (t1, t2) = std::thread::scope(|s| {
+        let a = &p.a;
+        let h1 = s.spawn(move || a.transfer_sync(&[short], Duration::from_millis(300)).map(|r| (r, t0.elapsed())));
+        std::thread::sleep(Duration::from_millis(30));
+        let h2 = s.spawn(move || a.transfer_sync(&[long], Duration::from_secs(30)).map(|r| (r, t0.elapsed())));
+        (h1.join(), h2.join())
+    });
+    let ((t1, e1), (t2, e2)) = match (t1, t2) {
+        (Ok(Ok(x)), Ok(Ok(y))) => (x, y),
+        _ => return Err("a transfer failed to start, or its thread panicked".into()),
+    };
+    println!("rdma_faults: (300 ms WRITE ended {:?} after {e1:?}: {}; 30 s {op:?} {:?} after {e2:?})", t1.status, t1.reason.clone().unwrap_or_default(), t2.status);
+    if t2.status != TaskStatus::Completed {
+        return Err(format!("a 30 s {op:?} queued on the same QPs as a 300 ms WRITE that expired ended {:?} ({:?}: {})", t2.status, t2.cause, t2.reason.unwrap_or_default()));
+    }
+    let (ba, bb) = (p.ba.bytes()[..2 << 20].to_vec(), p.bb.bytes()[..2 << 20].to_vec());
+    compare(&format!("the 30 s {op:?}"), &bb[1 << 20..], &ba[1 << 20..])?;
+    if t1.status != TaskStatus::Timeout {
+        println!("rdma_faults: inconclusive: the 300 ms WRITE ended {:?}, not TIMEOUT", t1.status);
+        return Ok(());
+    }
+    println!("rdma_faults: a 300 ms WRITE ended TIMEOUT and a 30 s {op:?} queued behind it on the same QPs completed, 1 MiB verified");
+    Ok(())
+}
+
+/// Makes `b` replace its QPs for `a`'s endpoint `a@nic -> b@nic` (as when `a` reconnects that
+/// pair), so the QPs `a` holds point to QPs that are gone.
+fn kill_peer_qps(a: &TransferEngine, b: &TransferEngine, nic: &str, gid: &str) -> Res<()> {
+    use kvferry::wire::handshake::MsgType;
+    use kvferry::wire::rdma::ConnectionMsg;
+    let host = b.segment_name().rsplit_once(':').map_or("127.0.0.1", |(h, _)| h).to_string();
+    let m = ConnectionMsg {
+        local_nic_path: format!("{}@{nic}", a.segment_name()),
+        local_gid: gid.into(),
+        peer_nic_path: format!("{}@{nic}", b.segment_name()),
+        qp_num: vec![0x7ff0, 0x7ff1],
+        ..Default::default()
+    };
+    let f = kvferry::handshake::request(&host, b.rpc_port(), MsgType::Connection, &m.encode(), Duration::from_secs(5), Duration::from_secs(10), 1 << 20)
+        .map_err(|e| e.to_string())?;
+    let r = ConnectionMsg::decode(&f.body).map_err(|e| format!("answer {}: {e}", String::from_utf8_lossy(&f.body)))?;
+    match r.refused() {
+        Some(why) => Err(format!("the peer refused the replacing Connection: {why}")),
+        None => Ok(()),
+    }
+}
+
+/// The peer's QPs of our `rxe_lo` pair go: with a finite QP retry count, the slices posted
+/// there end `IBV_WC_RETRY_EXC_ERR`; they must be posted again on `rxe0`, and the request
+/// complete, bytes verified (WRITE and READ).
+fn failed_completion_retried_on_another_pair(cfg: &Config) -> Res<()> {
+    for op in [Opcode::Write, Opcode::Read] {
+        let mut p = pair(cfg)?;
+        let desc = p.a.segment_descriptor(p.peer).map_err(|e| e.to_string())?;
+        let lo = desc.devices.iter().find(|d| d.name == "rxe_lo").ok_or("the peer has no rxe_lo")?.gid.clone();
+        let st = p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        if st.status != TaskStatus::Completed {
+            return Err(format!("the first WRITE: {st:?}"));
+        }
+        kill_peer_qps(&p.a, &p.b, "rxe_lo", &lo)?;
+        fill(p.ba.bytes(), 7);
+        fill(p.bb.bytes(), 8);
+        let t = Instant::now();
+        let st = p.a.transfer_sync(&[p.req(op, 0, 4 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        println!("rdma_faults: ({op:?} with a dead pair ended {:?} after {:?}: {})", st.status, t.elapsed(), st.reason.clone().unwrap_or_default());
+        if st.status != TaskStatus::Completed {
+            return Err(format!("a 4 MiB {op:?} with the rxe_lo pair's peer QPs gone ended {:?} ({:?}: {})", st.status, st.cause, st.reason.unwrap_or_default()));
+        }
+        let (ba, bb) = (p.ba.bytes()[..4 << 20].to_vec(), p.bb.bytes()[..4 << 20].to_vec());
+        compare(&format!("the retried {op:?}"), &bb, &ba)?;
+        println!("rdma_faults: a 4 MiB {op:?} whose rxe_lo slices failed (peer QPs gone) was retried on rxe0 and completed, verified ({:.0} ms)", t.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(())
+}
+
+fn eviction(cfg: &Config) -> Res<()> {
+    let cfg = Config { rdma_max_endpoints: 1, ..cfg.clone() };
+    let mut p = pair(&cfg)?;
+    let mut bc = Buf::new(1 << 20)?;
+    let c = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
+    c.register_memory(bc.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+    let pc = p.a.open_segment(c.segment_name()).map_err(|e| e.to_string())?;
+    for round in 0..4u64 {
+        fill(&mut p.ba.bytes()[..1 << 20], 20 + round);
+        let st = p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        if st.status != TaskStatus::Completed {
+            return Err(format!("round {round}, WRITE to b with 1 cached endpoint: {st:?}"));
+        }
+        let (ba, bb) = (p.ba.bytes()[..1 << 20].to_vec(), p.bb.bytes()[..1 << 20].to_vec());
+        compare("WRITE to b", &bb, &ba)?;
+        let req = TransferRequest { opcode: Opcode::Write, source: p.ba.addr(), target_id: pc, target_offset: bc.addr(), length: 1 << 20 };
+        let st = p.a.transfer_sync(&[req], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        if st.status != TaskStatus::Completed {
+            return Err(format!("round {round}, WRITE to c with 1 cached endpoint: {st:?}"));
+        }
+        compare("WRITE to c", bc.bytes(), &ba)?;
+    }
+    println!("rdma_faults: with KVFERRY_RDMA_MAX_ENDPOINTS=1, 4 rounds of 1 MiB WRITEs to two peers over two NICs verified");
+    c.unregister_memory(bc.addr()).map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// `KVFERRY_TRANSPORT=auto` on a host with active NICs: RDMA to a peer that publishes RDMA
+/// devices, TCP to one that does not; it publishes a TCP descriptor.
+fn auto_picks_rdma_when_both_sides_have_it(cfg: &Config) -> Res<()> {
+    let auto = TransferEngine::new(Config { transport: TransportMode::Auto, ..cfg.clone() }).map_err(|e| e.to_string())?;
+    let rdma = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
+    let tcp = TransferEngine::new(Config { transport: TransportMode::Tcp, ..cfg.clone() }).map_err(|e| e.to_string())?;
+    let (mut ba, mut bb, mut bc) = (Buf::new(1 << 20)?, Buf::new(1 << 20)?, Buf::new(1 << 20)?);
+    auto.register_memory(ba.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+    rdma.register_memory(bb.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+    tcp.register_memory(bc.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+    let check = |from: &TransferEngine, to: &TransferEngine, src: &mut Buf, dst: &mut Buf, want: &str, seed: u64| -> Res<()> {
+        let id = from.open_segment(to.segment_name()).map_err(|e| e.to_string())?;
+        let via = from.segment_transport(id).map_err(|e| e.to_string())?;
+        if via.name != want {
+            return Err(format!("auto: requests from {} to {} go by {}, not {want} ({via:?})", from.segment_name(), to.segment_name(), via.name));
+        }
+        fill(src.bytes(), seed);
+        dst.bytes().fill(0);
+        let req = TransferRequest { opcode: Opcode::Write, source: src.addr(), target_id: id, target_offset: dst.addr(), length: 1 << 20 };
+        let st = from.transfer_sync(&[req], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        if st.status != TaskStatus::Completed {
+            return Err(format!("auto: a WRITE by {want}: {st:?}"));
+        }
+        let (s, d) = (src.bytes().to_vec(), dst.bytes().to_vec());
+        compare(&format!("auto: a WRITE by {want}"), &d, &s)
+    };
+    check(&auto, &rdma, &mut ba, &mut bb, "rdma", 31)?;
+    check(&auto, &tcp, &mut ba, &mut bc, "tcp", 33)?;
+    check(&tcp, &auto, &mut bc, &mut ba, "tcp", 34)?;
+    // It publishes a TCP descriptor (Mooncake TCP peers select their transport by it).
+    let id = tcp.open_segment(auto.segment_name()).map_err(|e| e.to_string())?;
+    let d = tcp.segment_descriptor(id).map_err(|e| e.to_string())?;
+    if d.protocol.contains("rdma") || !d.devices.is_empty() {
+        return Err(format!("auto: the engine publishes {:?} with devices {:?}, not a TCP descriptor", d.protocol, d.devices));
+    }
+    println!("rdma_faults: KVFERRY_TRANSPORT=auto: RDMA to a peer with RDMA, TCP to and from a peer without, 1 MiB WRITEs verified; it publishes a TCP descriptor");
+    Ok(())
+}
+
+fn run(host: &str) -> Res<()> {
+    let cfg = Config { local_hostname: host.into(), transport: TransportMode::Rdma, transfer_timeout: Duration::from_secs(10), ..Config::default() };
+    deadline_fails_only_its_task(&cfg, Opcode::Write)?;
+    deadline_fails_only_its_task(&cfg, Opcode::Read)?;
+    failed_completion_retried_on_another_pair(&Config { rdma_retry_cnt: 6, ..cfg.clone() })?;
+    eviction(&cfg)?;
+    auto_picks_rdma_when_both_sides_have_it(&cfg)?;
+    Ok(())
+}
