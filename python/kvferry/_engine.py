@@ -248,8 +248,10 @@ class Engine:
     ``metadata_server`` is ``"P2PHANDSHAKE"`` (peers exchange descriptors directly) or a
     metadata service (``http(s)://host:port/metadata``, ``etcd://...``, ``redis://...``); an
     unsupported or unreachable one raises ConfigError/KvferryError naming it. ``protocol`` may
-    be ``"tcp"`` or ``"rdma"``; this version has no RDMA transport: data moves over TCP, or
-    shared memory to kvferry peers on this host.
+    be ``"tcp"`` or ``"rdma"``; the path is chosen per peer whatever it says
+    (``KVFERRY_TRANSPORT``, default ``auto``): shared memory to kvferry peers on this host, RDMA
+    to peers that publish RDMA devices when this host has a usable RDMA port
+    (``kvferry.features()["rdma"]``), TCP otherwise. ``KVFERRY_TRANSPORT=rdma`` forces RDMA.
 
     Local memory arguments accept an integer address or a writable contiguous buffer;
     remote addresses are integers inside buffers the peer registered
@@ -270,7 +272,7 @@ class Engine:
         if protocol not in ("tcp", "rdma", ""):
             raise InvalidArgument("protocol %r is not supported: this version moves data over TCP (use \"tcp\")" % protocol, -1)
         if protocol == "rdma":
-            log.info("kvferry: protocol 'rdma' requested; this version moves data over TCP")
+            log.info("kvferry: protocol 'rdma' requested; the path is chosen per peer (KVFERRY_TRANSPORT, default auto: RDMA to RDMA peers when this host has a usable port, else TCP or shared memory)")
         self._init(_kvferry.Core(local_hostname, metadata_server))
 
     def _init(self, core: Any) -> None:

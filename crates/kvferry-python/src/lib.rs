@@ -812,16 +812,19 @@ fn transfer_error(py: Python<'_>, segment: String, status: u8, transferred_bytes
     errors::transfer_failure(py, &segment, &st).into_value(py).into_any()
 }
 
-/// What this build can move, decided at run time: {"tcp": True, "rdma": False, "cuda": ..., ...}.
-/// "cuda": the CUDA driver (libcuda.so.1, loaded at run time) is usable for GPU memory, which
-/// then registers like host memory and moves staged through pinned host buffers.
+/// What this host can move, decided at run time: {"tcp": True, "rdma": ..., "cuda": ..., ...}.
+/// "rdma": libibverbs.so.1 loads and an RDMA port is usable (active, with a usable GID), so
+/// engines send over RDMA to peers that publish RDMA devices (`KVFERRY_TRANSPORT` auto or
+/// rdma). "cuda": the CUDA driver (libcuda.so.1, loaded at run time) is usable for GPU memory,
+/// which then registers like host memory and moves staged through pinned host buffers.
 #[pyfunction]
 fn features(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     let cuda = py.detach(|| kvferry::gpu::cuda().is_ok());
+    let rdma = py.detach(|| kvferry::rdma::probe().usable());
     for (k, v) in [
         ("tcp", true),
-        ("rdma", false),
+        ("rdma", rdma),
         ("cuda", cuda),
         ("efa", false),
         ("hip", false),

@@ -45,6 +45,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_TRANSPORT", aliases: &[], default: "auto", doc: "data path to peers: `auto` (shared memory to kvferry peers on this host that allow it: their kvferry-allocated memory mapped, other memory by cross-memory attach; TCP otherwise), `tcp` (never shared memory; this engine then also offers none), `shm` (shared memory only; requests to other peers fail with the reason), `rdma` (one-sided RDMA verbs only: the engine does not start without a usable NIC, requests to peers without RDMA fail with the reason). With `auto`, a host with an active RDMA NIC also sends over RDMA to peers that publish RDMA devices (why not, logged once per peer); it still publishes a TCP descriptor, so peers reach it over TCP (a stock Mooncake TCP engine cannot reach one that publishes `rdma`)" },
     EnvVar { name: "KVFERRY_RDMA_DEVICES", aliases: &["MC_TE_FILTERS"], default: "every device with an active port", doc: "RDMA: comma-separated device names to use (e.g. `mlx5_0,mlx5_1`)" },
     EnvVar { name: "KVFERRY_RDMA_MAX_ENDPOINTS", aliases: &[], default: "256", doc: "RDMA: connected endpoints (queue pairs to one peer NIC from one local NIC) this engine keeps; beyond it the least recently used idle one is closed (never one with work requests in flight) and reconnected on next use (1-65536)" },
+    EnvVar { name: "KVFERRY_AUTO_RDMA", aliases: &[], default: "1", doc: "with KVFERRY_TRANSPORT=auto: whether RDMA is used at all on a host with a usable port (0/false: never, shared memory and TCP only). Mooncake's MC_FORCE_TCP=1 (or true/yes) means 0 when this variable is not set" },
     EnvVar { name: "KVFERRY_RDMA_RETRY_CNT", aliases: &[], default: "7", doc: "RDMA: transport retries of a queue pair (each after the 67 ms ACK timeout) before a work request fails with IBV_WC_RETRY_EXC_ERR and its slice is retried on another NIC pair (0-7; Soft-RoCE treats 7 as retrying forever, so a vanished peer QP then stalls until the deadline)" },
     EnvVar { name: "KVFERRY_GID_INDEX", aliases: &["MC_GID_INDEX"], default: "automatic (RoCE v2, IPv4-mapped first)", doc: "RDMA: GID index to use on every NIC; an index that does not exist is an error, never silently replaced" },
     EnvVar { name: "KVFERRY_SHM_THREADS", aliases: &[], default: "CPUs, at most 4", doc: "threads copying queued shared-memory requests (requests over 1 MiB are cut into 1 MiB pieces spread over them; 1-64)" },
@@ -113,6 +114,9 @@ pub struct Config {
     pub rdma_max_endpoints: usize,
     /// QP transport retries (`KVFERRY_RDMA_RETRY_CNT`, 0-7).
     pub rdma_retry_cnt: u8,
+    /// Whether `auto` uses RDMA where a port is usable (`KVFERRY_AUTO_RDMA`; Mooncake's
+    /// `MC_FORCE_TCP=1` turns it off).
+    pub auto_rdma: bool,
 }
 
 impl Default for Config {
@@ -148,6 +152,7 @@ impl Default for Config {
             gid_index: None,
             rdma_max_endpoints: 256,
             rdma_retry_cnt: 7,
+            auto_rdma: true,
         }
     }
 }
@@ -248,6 +253,16 @@ impl Config {
                 return Err(Error::Config(format!("KVFERRY_RDMA_RETRY_CNT={n} is out of range; use 0 to 7")));
             }
             c.rdma_retry_cnt = n;
+        }
+        let truth = |name: &str, v: &str| match v.to_ascii_lowercase().as_str() {
+            "1" | "true" | "yes" | "on" => Ok(true),
+            "0" | "false" | "no" | "off" => Ok(false),
+            _ => Err(Error::Config(format!("{name}={v:?} is not a boolean; use 1 or 0"))),
+        };
+        if let Some((name, v)) = lookup(get, "KVFERRY_AUTO_RDMA") {
+            c.auto_rdma = truth(&name, &v)?;
+        } else if let Some(v) = get("MC_FORCE_TCP").filter(|v| !v.trim().is_empty()) {
+            c.auto_rdma = !truth("MC_FORCE_TCP", v.trim())?;
         }
         if let Some(n) = parse(get, "KVFERRY_GID_INDEX", "a GID index (0-255)")? {
             c.gid_index = Some(n);
@@ -414,6 +429,12 @@ mod tests {
         assert_eq!(cfg(&[("KVFERRY_TRANSPORT", "TCP")]).unwrap().transport, TransportMode::Tcp);
         assert_eq!(cfg(&[("KVFERRY_TRANSPORT", "shm"), ("KVFERRY_SHM_THREADS", "3")]).unwrap().shm_threads, 3);
         assert_eq!(cfg(&[("KVFERRY_TRANSPORT", "rdma")]).unwrap().transport, TransportMode::Rdma);
+        assert!(cfg(&[]).unwrap().auto_rdma, "auto uses RDMA where it can by default");
+        assert!(!cfg(&[("MC_FORCE_TCP", "1")]).unwrap().auto_rdma, "Mooncake's MC_FORCE_TCP=1 keeps auto off RDMA");
+        assert!(cfg(&[("MC_FORCE_TCP", "false")]).unwrap().auto_rdma);
+        assert!(cfg(&[("MC_FORCE_TCP", "1"), ("KVFERRY_AUTO_RDMA", "1")]).unwrap().auto_rdma, "kvferry's own variable wins");
+        assert!(!cfg(&[("KVFERRY_AUTO_RDMA", "off")]).unwrap().auto_rdma);
+        assert!(cfg(&[("KVFERRY_AUTO_RDMA", "maybe")]).unwrap_err().to_string().contains("KVFERRY_AUTO_RDMA"));
         let e = cfg(&[("KVFERRY_TRANSPORT", "verbs")]).unwrap_err().to_string();
         assert!(e.contains("KVFERRY_TRANSPORT") && e.contains("auto, tcp, shm or rdma"), "{e}");
         let c = cfg(&[("MC_GID_INDEX", "3"), ("KVFERRY_RDMA_DEVICES", "mlx5_0, mlx5_1")]).unwrap();

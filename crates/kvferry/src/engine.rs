@@ -202,6 +202,10 @@ impl TransferEngine {
         let rdma = match config.transport {
             TransportMode::Rdma => Some(Arc::new(RdmaTransport::new(rdma_opts(true)).map_err(|why| Error::Config(format!("KVFERRY_TRANSPORT=rdma, but {why}")))?)),
             // RDMA when this host has an active NIC (peers without RDMA get TCP); said once.
+            TransportMode::Auto if !config.auto_rdma => {
+                tracing::info!("KVFERRY_TRANSPORT=auto without RDMA (KVFERRY_AUTO_RDMA=0 or MC_FORCE_TCP=1): TCP and shared memory carry transfers");
+                None
+            }
             TransportMode::Auto => match crate::rdma::probe().why_not() {
                 Some(why) => {
                     tracing::info!("KVFERRY_TRANSPORT=auto: no RDMA ({why}); TCP and shared memory carry transfers");

@@ -256,7 +256,8 @@ class TransferEngine:
         the RPC port itself, as Mooncake does); ``metadata_server`` must be
         ``"P2PHANDSHAKE"`` (peers exchange descriptors directly) or a metadata service the
         engine supports (otherwise -1, with the reason logged); ``protocol`` (``"tcp"``, ``"rdma"``, ...) and
-        ``device_name`` are accepted, and data moves over TCP. Returns 0, or -1 (reason
+        ``device_name`` are accepted; the path is chosen per peer (shared memory on this host,
+        RDMA to RDMA peers when this host has a usable port unless ``MC_FORCE_TCP=1``, else TCP). Returns 0, or -1 (reason
         logged). Calling it again replaces the engine, as in Mooncake."""
         args = (local_hostname, metadata_server, protocol, device_name)
         try:
@@ -280,10 +281,10 @@ class TransferEngine:
         # initialize_ext, and the server string itself (bare host:port = etcd) for initialize.
         if mtype and meta != "P2PHANDSHAKE" and "://" not in meta:
             meta = "%s://%s" % (mtype, meta)
-        if proto not in ("tcp", ""):
-            log.info("kvferry: protocol %r requested; this version moves data over TCP", proto)
+        if proto not in ("tcp", "rdma", ""):
+            log.info("kvferry: protocol %r requested; the path is chosen per peer (shared memory, RDMA or TCP)", proto)
         if dev:
-            log.debug("kvferry: device_name %r ignored (TCP transport)", dev)
+            log.debug("kvferry: device_name %r ignored (KVFERRY_RDMA_DEVICES / MC_TE_FILTERS choose the RDMA NICs)", dev)
         try:
             core = _kvferry.Core(host, meta)
         except KvferryError as e:
