@@ -384,9 +384,11 @@ fn rdma(r: &Report, cfg: &Config) -> Transport {
     t.with("libibverbs", p.library.into()).with("devices", devices).with("nics", nics).with("ports", serde_json::to_value(&ports).unwrap_or_default())
 }
 
-/// GPU memory: `kvferry::gpu::probe` (libcuda.so.1 loaded at run time) and whether the driver
-/// has what staging GPU memory needs (`kvferry::gpu::cuda`).
-fn gpu(r: &Report) -> Transport {
+/// GPU memory: `kvferry::gpu::probe` (libcuda.so.1 loaded at run time), whether the driver
+/// has what staging GPU memory needs (`kvferry::gpu::cuda`), and, where RDMA is usable, how
+/// GPU memory would be registered on the NICs (`kvferry::gpu::direct`: DMA-BUF or
+/// nvidia-peermem, and why not).
+fn gpu(r: &mut Report, cfg: &Config, rdma_usable: bool) -> Transport {
     let p = kvferry::gpu::probe();
     let gpus = serde_json::to_value(&p.gpus).unwrap_or_default();
     // The driver API's version number: 12040 is CUDA 12.4.
@@ -404,7 +406,7 @@ fn gpu(r: &Report) -> Transport {
         }
         None => match kvferry::gpu::cuda() {
             Ok(_) => {
-                r.ok("gpu memory", format!("CUDA driver {:?} with {} GPU(s): GPU buffers register with \"*\" or \"cuda:N\" and move over TCP and same-host paths, staged through pinned host buffers", p.driver_version, p.gpus.len()));
+                r.ok("gpu memory", format!("CUDA driver {} with {} GPU(s): GPU buffers register with \"*\" or \"cuda:N\" and move over RDMA where the NICs register them (below), else over TCP and same-host paths, staged through pinned host buffers", version.as_deref().unwrap_or("(version unknown)"), p.gpus.len()));
                 Transport::yes()
             }
             Err(why) => {
@@ -413,7 +415,54 @@ fn gpu(r: &Report) -> Transport {
             }
         },
     };
-    t.with("libcuda", p.driver_version.is_some().into()).with("driver_version", p.driver_version.into()).with("devices", gpus)
+    let direct = match (&p.unavailable, kvferry::gpu::cuda(), rdma_usable) {
+        (None, Ok(_), true) => {
+            let verbs_dmabuf = kvferry::rdma::verbs::Verbs::load().is_ok_and(|v| v.has_dmabuf());
+            let rep = kvferry::gpu::direct::report(cfg.gpu_rdma, 0, verbs_dmabuf);
+            let fix = "load nvidia-peermem (modprobe nvidia_peermem), or use the NVIDIA open kernel modules with rdma-core 34+ and a NIC driver that imports dma-bufs (DMA-BUF)";
+            // Whether each method really registers GPU memory here: 2 MiB of GPU 0 on the
+            // first NIC, registered and deregistered.
+            let tried = kvferry::transport::rdma::try_gpu_registration(0, cfg.gpu_rdma);
+            let mut works = Vec::new();
+            let mut results = serde_json::Map::new();
+            match &tried {
+                Ok(list) => {
+                    for (m, res) in list {
+                        match res {
+                            Ok(what) => {
+                                works.push(*m);
+                                r.say(format!("        {m}: works ({what})"));
+                            }
+                            Err(e) => r.say(format!("        {m}: refused: {e}")),
+                        }
+                        results.insert(serde_json::to_value(m).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(), match res {
+                            Ok(_) => serde_json::json!({"works": true}),
+                            Err(e) => serde_json::json!({"works": false, "error": e}),
+                        });
+                    }
+                }
+                Err(e) => r.say(format!("        registering GPU memory on a NIC could not be tried: {e}")),
+            }
+            if cfg.gpu_rdma == kvferry::gpu::direct::GpuRdma::Auto {
+                for why in [&rep.dmabuf_unavailable, &rep.peermem_unavailable].into_iter().flatten() {
+                    r.say(format!("        not available: {why}"));
+                }
+            }
+            match (&rep.unavailable, works.first()) {
+                (None, Some(m)) => r.ok("gpu over rdma", format!("GPU memory registers on the NICs with {m} (KVFERRY_GPU_RDMA={}), so RDMA moves it without staging", rep.setting)),
+                (Some(why), _) => r.warn("gpu over rdma", format!("{why}; GPU memory then goes over TCP, staged through host memory"), fix),
+                (None, None) => r.warn("gpu over rdma", "no registration method worked on this host's NIC (see above); GPU memory then goes over TCP, staged through host memory", fix),
+            }
+            let mut v = serde_json::to_value(&rep).unwrap_or_default();
+            if let Some(o) = v.as_object_mut() {
+                o.insert("tried".into(), serde_json::Value::Object(results));
+                o.insert("works".into(), serde_json::to_value(&works).unwrap_or_default());
+            }
+            v
+        }
+        _ => serde_json::json!({"unavailable": if rdma_usable { "GPU memory is not usable here" } else { "RDMA is not usable here" }}),
+    };
+    t.with("libcuda", p.driver_version.is_some().into()).with("driver_version", p.driver_version.into()).with("devices", gpus).with("rdma", direct)
 }
 
 pub fn run(a: DoctorArgs) -> Result<(), String> {
@@ -516,7 +565,7 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
     r.ok("local", "transfers to this engine's own segment are a memcpy");
     let shm = shm(&mut r, &cfg);
     let rdma = rdma(&r, &cfg);
-    let gpu = gpu(&r);
+    let gpu = gpu(&mut r, &cfg, rdma.available);
     let transports = [("tcp", tcp), ("shm", shm), ("rdma", rdma), ("gpu", gpu)];
 
     let mut unmet = Vec::new();

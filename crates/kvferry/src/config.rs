@@ -47,6 +47,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_RDMA_MAX_ENDPOINTS", aliases: &[], default: "256", doc: "RDMA: connected endpoints (queue pairs to one peer NIC from one local NIC) this engine keeps; beyond it the least recently used idle one is closed (never one with work requests in flight) and reconnected on next use (1-65536)" },
     EnvVar { name: "KVFERRY_AUTO_RDMA", aliases: &[], default: "1", doc: "with KVFERRY_TRANSPORT=auto: whether RDMA is used at all on a host with a usable port (0/false: never, shared memory and TCP only). Mooncake's MC_FORCE_TCP=1 (or true/yes) means 0 when this variable is not set" },
     EnvVar { name: "KVFERRY_RDMA_RETRY_CNT", aliases: &[], default: "7", doc: "RDMA: transport retries of a queue pair (each after the 67 ms ACK timeout) before a work request fails with IBV_WC_RETRY_EXC_ERR and its slice is retried on another NIC pair (0-7; Soft-RoCE treats 7 as retrying forever, so a vanished peer QP then stalls until the deadline)" },
+    EnvVar { name: "KVFERRY_GPU_RDMA", aliases: &[], default: "auto", doc: "RDMA: how GPU memory is registered with the NICs (GPUDirect RDMA): `auto` (DMA-BUF where the driver, GPU, rdma-core and NIC support it, else nvidia-peermem where its kernel module is loaded, else GPU memory is staged through host memory over TCP, saying why), `dmabuf` or `peermem` (only that one; a failure is an error naming the cause). Mooncake's WITH_NVIDIA_PEERMEM=1 (on/true) means `peermem`, any other value `dmabuf`, when this variable is not set" },
     EnvVar { name: "KVFERRY_GID_INDEX", aliases: &["MC_GID_INDEX"], default: "automatic (RoCE v2, IPv4-mapped first)", doc: "RDMA: GID index to use on every NIC; an index that does not exist is an error, never silently replaced" },
     EnvVar { name: "KVFERRY_SHM_THREADS", aliases: &[], default: "CPUs, at most 4", doc: "threads copying queued shared-memory requests (requests over 1 MiB are cut into 1 MiB pieces spread over them; 1-64)" },
     EnvVar { name: "KVFERRY_STORE_CLIENT_MIN_PORT", aliases: &["MC_STORE_CLIENT_MIN_PORT"], default: "12300", doc: "store client with central metadata and a local_hostname without a port: lowest port bound and appended to the hostname (`host:port` is then its segment name)" },
@@ -117,6 +118,9 @@ pub struct Config {
     /// Whether `auto` uses RDMA where a port is usable (`KVFERRY_AUTO_RDMA`; Mooncake's
     /// `MC_FORCE_TCP=1` turns it off).
     pub auto_rdma: bool,
+    /// How GPU memory is registered with RDMA NICs (`KVFERRY_GPU_RDMA`; Mooncake's
+    /// `WITH_NVIDIA_PEERMEM`).
+    pub gpu_rdma: crate::gpu::direct::GpuRdma,
 }
 
 impl Default for Config {
@@ -153,6 +157,7 @@ impl Default for Config {
             rdma_max_endpoints: 256,
             rdma_retry_cnt: 7,
             auto_rdma: true,
+            gpu_rdma: crate::gpu::direct::GpuRdma::Auto,
         }
     }
 }
@@ -263,6 +268,11 @@ impl Config {
             c.auto_rdma = truth(&name, &v)?;
         } else if let Some(v) = get("MC_FORCE_TCP").filter(|v| !v.trim().is_empty()) {
             c.auto_rdma = !truth("MC_FORCE_TCP", v.trim())?;
+        }
+        if let Some((name, v)) = lookup(get, "KVFERRY_GPU_RDMA") {
+            c.gpu_rdma = crate::gpu::direct::GpuRdma::parse(&v).ok_or_else(|| Error::Config(format!("{name}={v:?} is not auto, dmabuf or peermem")))?;
+        } else if let Some(v) = get("WITH_NVIDIA_PEERMEM").filter(|v| !v.trim().is_empty()) {
+            c.gpu_rdma = crate::gpu::direct::GpuRdma::from_with_nvidia_peermem(&v);
         }
         if let Some(n) = parse(get, "KVFERRY_GID_INDEX", "a GID index (0-255)")? {
             c.gid_index = Some(n);
@@ -442,6 +452,12 @@ mod tests {
         assert_eq!(Config::default().rdma_max_endpoints, 256);
         assert_eq!((Config::default().rdma_retry_cnt, cfg(&[("KVFERRY_RDMA_RETRY_CNT", "6")]).unwrap().rdma_retry_cnt), (7, 6));
         assert!(cfg(&[("KVFERRY_RDMA_RETRY_CNT", "8")]).unwrap_err().to_string().contains("0 to 7"));
+        use crate::gpu::direct::GpuRdma;
+        assert_eq!(Config::default().gpu_rdma, GpuRdma::Auto);
+        assert_eq!(cfg(&[("WITH_NVIDIA_PEERMEM", "1")]).unwrap().gpu_rdma, GpuRdma::PeerMem, "Mooncake's switch to plain ibv_reg_mr");
+        assert_eq!(cfg(&[("WITH_NVIDIA_PEERMEM", "0")]).unwrap().gpu_rdma, GpuRdma::DmaBuf);
+        assert_eq!(cfg(&[("WITH_NVIDIA_PEERMEM", "1"), ("KVFERRY_GPU_RDMA", "auto")]).unwrap().gpu_rdma, GpuRdma::Auto, "ours wins");
+        assert!(cfg(&[("KVFERRY_GPU_RDMA", "gdr")]).unwrap_err().to_string().contains("auto, dmabuf or peermem"));
         assert_eq!(cfg(&[("KVFERRY_RDMA_MAX_ENDPOINTS", "4")]).unwrap().rdma_max_endpoints, 4);
         let e = cfg(&[("KVFERRY_RDMA_MAX_ENDPOINTS", "0")]).unwrap_err().to_string();
         assert!(e.contains("KVFERRY_RDMA_MAX_ENDPOINTS=0") && e.contains("1 to 65536"), "{e}");

@@ -198,7 +198,7 @@ impl TransferEngine {
         )
         .map_err(|e| Error::io("starting the TCP data server", e))?;
         let shm = Arc::new(ShmTransport::new(ShmOptions { name: name.clone(), mode: config.transport, threads: config.shm_threads }));
-        let rdma_opts = |required: bool| RdmaOptions { segment: name.clone(), devices: config.rdma_devices.clone(), gid_index: config.gid_index, max_endpoints: config.rdma_max_endpoints, required, retry_cnt: config.rdma_retry_cnt };
+        let rdma_opts = |required: bool| RdmaOptions { segment: name.clone(), devices: config.rdma_devices.clone(), gid_index: config.gid_index, max_endpoints: config.rdma_max_endpoints, required, retry_cnt: config.rdma_retry_cnt, gpu_rdma: config.gpu_rdma };
         let rdma = match config.transport {
             TransportMode::Rdma => Some(Arc::new(RdmaTransport::new(rdma_opts(true)).map_err(|why| Error::Config(format!("KVFERRY_TRANSPORT=rdma, but {why}")))?)),
             // RDMA when this host has an active NIC (peers without RDMA get TCP); said once.
@@ -933,8 +933,17 @@ impl Inner {
     /// own segment, else the first transport that can reach it (shared memory for same-host
     /// peers that allow it, TCP for the rest, as `KVFERRY_TRANSPORT` allows).
     fn dispatch(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) {
-        // GPU memory on this side: staged through host bounce buffers (gpu/stage.rs), whose
-        // sub-pieces come back here as host memory.
+        // GPU memory that RDMA reaches as it is (registered on the NICs, the peer's keys
+        // published) goes there directly: the NICs read and write it (GPUDirect RDMA).
+        let pieces = match &self.rdma {
+            Some(t) if peer.id != LOCAL_SEGMENT_ID => t.take_gpu_direct(peer, pieces),
+            _ => pieces,
+        };
+        if pieces.is_empty() {
+            return;
+        }
+        // The rest of GPU memory on this side: staged through host bounce buffers
+        // (gpu/stage.rs), whose sub-pieces come back here as host memory.
         let (pieces, staged) = crate::gpu::stage::split(pieces);
         if !staged.is_empty() {
             let me = self.me.clone();

@@ -50,6 +50,7 @@ type CuIpcGetMemHandle = unsafe extern "C" fn(*mut IpcMemHandle, u64) -> c_int;
 type CuIpcOpenMemHandle = unsafe extern "C" fn(*mut u64, IpcMemHandle, c_uint) -> c_int;
 type CuIpcCloseMemHandle = unsafe extern "C" fn(u64) -> c_int;
 type CuMemcpyDtoD = unsafe extern "C" fn(u64, u64, usize) -> c_int;
+type CuMemGetHandleForAddressRange = unsafe extern "C" fn(*mut c_void, u64, usize, c_int, u64) -> c_int;
 
 /// `CUipcMemHandle`: an opaque 64-byte name for a `cuMemAlloc` allocation that another
 /// process on the same host can open.
@@ -71,6 +72,10 @@ struct IpcApi {
 
 const ATTR_CC_MAJOR: c_int = 75;
 const ATTR_CC_MINOR: c_int = 76;
+/// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`: the device can export its memory as a dma-buf.
+const ATTR_DMA_BUF_SUPPORTED: c_int = 124;
+/// `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`.
+const RANGE_HANDLE_DMA_BUF_FD: c_int = 1;
 
 /// The name and the fix of the CUDA errors the calls here can return.
 fn explain(code: i32) -> (&'static str, &'static str) {
@@ -118,6 +123,9 @@ pub struct Driver {
     /// CUDA IPC (`cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2`, `cuIpcCloseMemHandle`) and
     /// `cuMemcpyDtoD_v2`, or the first missing symbol.
     ipc: Result<IpcApi, CudaError>,
+    /// `cuMemGetHandleForAddressRange` (CUDA 11.7+ drivers): GPU memory as a dma-buf file
+    /// descriptor, which RDMA NICs register without nvidia-peermem; `None` if absent.
+    dmabuf: Option<CuMemGetHandleForAddressRange>,
 }
 
 /// The entry points that classify, allocate and copy memory (driver API since CUDA 11.x).
@@ -216,9 +224,11 @@ impl Driver {
                     dtod: *lib.get(b"cuMemcpyDtoD_v2\0").map_err(|e| sym("cuMemcpyDtoD_v2", e))?,
                 })
             })();
+            let dmabuf = lib.get::<CuMemGetHandleForAddressRange>(b"cuMemGetHandleForAddressRange\0").ok().map(|f| *f);
             Ok(Driver {
                 vmm,
                 ipc,
+                dmabuf,
                 driver_get_version: *lib.get(b"cuDriverGetVersion\0").map_err(|e| sym("cuDriverGetVersion", e))?,
                 device_get_count: *lib.get(b"cuDeviceGetCount\0").map_err(|e| sym("cuDeviceGetCount", e))?,
                 device_get: *lib.get(b"cuDeviceGet\0").map_err(|e| sym("cuDeviceGet", e))?,
@@ -408,6 +418,38 @@ impl Driver {
     pub fn dtod(&self, dst: u64, src: u64, len: usize) -> Result<(), CudaError> {
         // SAFETY: device addresses only; the driver checks both ranges.
         check("cuMemcpyDtoD", unsafe { (self.ipc()?.dtod)(dst, src, len) })
+    }
+
+    /// Whether GPU `ordinal` can export its memory as a dma-buf: the driver has
+    /// `cuMemGetHandleForAddressRange` and the device reports `DMA_BUF_SUPPORTED` (the open
+    /// kernel module flavour, a recent enough driver); else why not.
+    pub fn dmabuf_support(&self, ordinal: u32) -> Result<(), String> {
+        if self.dmabuf.is_none() {
+            return Err("the CUDA driver has no cuMemGetHandleForAddressRange (a driver for CUDA 11.7 or newer has it)".into());
+        }
+        let mut v = 0;
+        // SAFETY: a valid out-pointer; the driver checks the ordinal.
+        match check("cuDeviceGetAttribute", unsafe { (self.device_get_attribute)(&mut v, ATTR_DMA_BUF_SUPPORTED, ordinal as c_int) }) {
+            Ok(()) if v != 0 => Ok(()),
+            Ok(()) => Err(format!("GPU {ordinal} reports DMA_BUF_SUPPORTED = 0 (the NVIDIA open kernel modules, driver 515 or newer, and a kernel with dma-buf support are needed)")),
+            Err(e) => Err(format!("GPU {ordinal}: DMA_BUF_SUPPORTED cannot be read: {e}")),
+        }
+    }
+
+    /// The allocation `[base, base+size)` of device memory as a dma-buf file descriptor
+    /// (`cuMemGetHandleForAddressRange`; a context of its GPU current). `base` and `size`
+    /// must cover the allocation (as [`Driver::classify`] reports it), rounded out to whole pages.
+    pub fn dmabuf_fd(&self, base: u64, size: u64) -> Result<std::os::fd::OwnedFd, CudaError> {
+        let f = self.dmabuf.ok_or_else(|| CudaError::Symbol { path: LIBRARY.into(), symbol: "cuMemGetHandleForAddressRange", why: "not exported: DMA-BUF needs a driver for CUDA 11.7 or newer".into() })?;
+        let mut fd: c_int = -1;
+        // SAFETY: the handle of type DMA_BUF_FD is an int written through the out-pointer; the
+        // driver checks the range.
+        check("cuMemGetHandleForAddressRange", unsafe { f((&mut fd as *mut c_int).cast(), base, size as usize, RANGE_HANDLE_DMA_BUF_FD, 0) })?;
+        if fd < 0 {
+            return Err(CudaError::Call { call: "cuMemGetHandleForAddressRange", code: 1, name: "CUDA_ERROR_INVALID_VALUE", fix: "the driver returned no file descriptor" });
+        }
+        // SAFETY: a new descriptor the driver just opened for us; we own it from here.
+        Ok(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
     }
 
     /// Allocates `len` bytes of device memory in the current context (`cuMemAlloc`).

@@ -5,7 +5,8 @@
 //! without a driver runs every CPU path and is told why GPU memory cannot be used. This module
 //! reports the driver and the devices ([`probe`]), classifies registered memory
 //! ([`classify`]), and stages GPU memory through host buffers ([`Bounce`], [`Pipe`],
-//! [`stage`]); [`ipc`] shares it with other processes of the host.
+//! [`stage`]); [`ipc`] shares it with other processes of the host; [`direct`] decides how RDMA
+//! NICs register it (GPUDirect RDMA: DMA-BUF or nvidia-peermem).
 
 pub mod driver;
 
@@ -53,6 +54,7 @@ pub fn probe_with(d: Result<driver::Driver, driver::CudaError>) -> Probe {
     }
 }
 
+pub mod direct;
 pub mod ipc;
 pub mod stage;
 

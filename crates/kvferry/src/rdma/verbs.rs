@@ -110,6 +110,10 @@ fn fix(call: &str, e: &io::Error, detail: &str) -> String {
         ("ibv_reg_mr", libc::EFAULT) => format!("{detail}: the range is not mapped memory of this process"),
         ("ibv_reg_mr", libc::EINVAL) => format!("{detail}: the device refused the range or the access flags"),
         ("ibv_reg_mr", _) => format!("{detail}: the device could not register this memory"),
+        ("ibv_reg_dmabuf_mr", libc::EOPNOTSUPP | libc::ENOSYS | libc::EPROTONOSUPPORT) => format!(
+            "{detail}: this NIC's driver (or kernel) cannot register dma-bufs; load nvidia-peermem (modprobe nvidia_peermem) and set KVFERRY_GPU_RDMA=peermem, or use a NIC and kernel with dma-buf support (mlx5 on Linux 5.12+)"
+        ),
+        ("ibv_reg_dmabuf_mr", _) => format!("{detail}: the NIC refused the GPU memory's dma-buf (a CUDA VMM allocation, or a range outside the exported allocation?)"),
         ("ibv_create_qp", libc::EINVAL | libc::ENOMEM) => format!("{detail}: the device refused the queue sizes; lower them (see `ibv_devinfo -v`: max_qp_wr, max_sge)"),
         ("ibv_create_cq", libc::EINVAL | libc::ENOMEM) => format!("{detail}: the device refused the completion queue size; lower it (see `ibv_devinfo -v`: max_cqe)"),
         ("ibv_modify_qp(INIT)", _) => format!("{detail}: the port or its pkey index 0 is not usable (is the port ACTIVE? `ibv_devinfo`)"),
@@ -167,9 +171,19 @@ fns! {
 pub struct Verbs {
     _lib: Library,
     f: Fns,
+    /// `ibv_reg_dmabuf_mr` (rdma-core 34 and newer): registers a dma-buf (GPU memory without
+    /// nvidia-peermem); `None` with an older library.
+    reg_dmabuf_mr: Option<RegDmabufMr>,
 }
 
+type RegDmabufMr = unsafe extern "C" fn(*mut c_void, u64, usize, u64, c_int, c_int) -> *mut ibv_mr;
+
 impl Verbs {
+    /// Whether the library can register dma-bufs (`ibv_reg_dmabuf_mr`, rdma-core 34+).
+    pub fn has_dmabuf(&self) -> bool {
+        self.reg_dmabuf_mr.is_some()
+    }
+
     /// Loads [`LIBRARY`] from the system's search path.
     pub fn load() -> Result<Verbs, VerbsError> {
         Verbs::load_from(LIBRARY)
@@ -181,7 +195,9 @@ impl Verbs {
         // its provider table; it is the library this module is written against.
         let lib = unsafe { Library::new(path) }.map_err(|e| VerbsError::Missing { path: path.into(), why: e.to_string() })?;
         let f = Fns::load(&lib, path)?;
-        Ok(Verbs { _lib: lib, f })
+        // SAFETY: the prototype of <infiniband/verbs.h> for ibv_reg_dmabuf_mr.
+        let reg_dmabuf_mr = unsafe { lib.get::<RegDmabufMr>(b"ibv_reg_dmabuf_mr\0") }.ok().map(|f| *f);
+        Ok(Verbs { _lib: lib, f, reg_dmabuf_mr })
     }
 
     /// Calls `each(name, device)` for every device the library lists; the device pointers are
@@ -446,6 +462,27 @@ impl Pd {
         // SAFETY: a valid ibv_mr returned by the library; its keys never change.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
         Ok(Mr { pd: Arc::clone(&self.inner), mr, addr: addr as usize, len, lkey, rkey })
+    }
+
+    /// Registers `[offset, offset+len)` of the dma-buf `fd` (GPU memory exported by the CUDA
+    /// driver), reachable at `iova` (the address work requests use: the GPU memory's own
+    /// virtual address), with [`ACCESS_ALL`]. The NIC keeps its own reference to the
+    /// dma-buf: `fd` may be closed once this returns.
+    pub fn reg_dmabuf_mr(&self, fd: std::os::fd::BorrowedFd<'_>, offset: u64, len: usize, iova: u64) -> Result<Mr, VerbsError> {
+        let ctx = &self.inner.ctx;
+        let Some(f) = ctx.verbs.reg_dmabuf_mr else {
+            return Err(ctx.err("ibv_reg_dmabuf_mr", io::Error::from_raw_os_error(libc::ENOSYS), "libibverbs has no ibv_reg_dmabuf_mr (rdma-core 34 or newer has it)"));
+        };
+        use std::os::fd::AsRawFd;
+        // SAFETY: a live PD and an open dma-buf descriptor; the kernel checks the range
+        // against the dma-buf and pins it through the exporter (no CPU mapping is made).
+        let mr = unsafe { f(self.inner.pd, offset, len, iova, fd.as_raw_fd(), ACCESS_ALL) };
+        if mr.is_null() {
+            return Err(ctx.err("ibv_reg_dmabuf_mr", last_error(), &format!("registering {len} bytes of GPU memory (dma-buf offset {offset}) at 0x{iova:x}")));
+        }
+        // SAFETY: a valid ibv_mr returned by the library; its keys never change.
+        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        Ok(Mr { pd: Arc::clone(&self.inner), mr, addr: iova as usize, len, lkey, rkey })
     }
 
     /// An RC queue pair whose sends and receives complete on `cq`, with room for `max_send_wr`

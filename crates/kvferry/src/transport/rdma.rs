@@ -50,8 +50,12 @@
 //! A NIC pair that cannot be connected is paused for 30 s (tried again only when no other
 //! pair works); its slices go over the pairs that connect.
 //!
+//! GPU memory is registered on the NICs as [`crate::gpu::direct`] allows (DMA-BUF or
+//! nvidia-peermem, the one that worked kept) and then moved by the NICs unstaged
+//! ([`RdmaTransport::take_gpu_direct`]).
+//!
 //! Not yet: bounding the QPs made for peers that connect to us (kept until the peer reconnects
-//! that pair), GPU memory.
+//! that pair).
 
 use crate::batch::{FailCause, FailKind, TaskState};
 use crate::memory::{Region, RegionGuard};
@@ -115,6 +119,8 @@ pub struct RdmaOptions {
     pub required: bool,
     /// QP transport retries before a work request fails (`KVFERRY_RDMA_RETRY_CNT`, 0-7).
     pub retry_cnt: u8,
+    /// How GPU memory is registered on the NICs (`KVFERRY_GPU_RDMA`).
+    pub gpu_rdma: crate::gpu::direct::GpuRdma,
 }
 
 /// Whether `auto` sends a piece to a peer over RDMA (sans-IO): the peer must publish RDMA
@@ -125,7 +131,7 @@ pub fn auto_route(peer: &SegmentDesc, local_has_mrs: bool, remote: u64, len: u64
         return Err(format!("the peer publishes no RDMA devices (protocol {:?})", peer.protocol));
     }
     if !local_has_mrs {
-        return Err("the local range has no RDMA memory region (GPU memory, or its registration on the NICs failed)".into());
+        return Err("the local range has no RDMA memory region (its registration on the NICs failed: GPU memory without DMA-BUF or nvidia-peermem, or host memory over the memlock limit)".into());
     }
     match peer.find_buffer(remote, len) {
         Some(b) if b.rkey.len() == peer.devices.len() => Ok(()),
@@ -364,7 +370,13 @@ struct Shared {
     /// `KVFERRY_TRANSPORT=rdma` (else `auto`).
     required: bool,
     retry_cnt: u8,
-    /// `auto`: registered ranges without MRs (GPU memory, or registration failed), by address,
+    gpu_rdma: crate::gpu::direct::GpuRdma,
+    /// libibverbs has `ibv_reg_dmabuf_mr`.
+    verbs_dmabuf: bool,
+    /// The GPU registration method that worked last (tried first next time): 0 none yet,
+    /// 1 DMA-BUF, 2 peermem.
+    gpu_method: std::sync::atomic::AtomicU8,
+    /// `auto`: registered ranges without MRs (their registration failed), by address,
     /// with why: requests from them go over TCP.
     unkeyed: Mutex<BTreeMap<u64, String>>,
     /// `auto`: peers already told (in the log) why they are not reached over RDMA.
@@ -384,6 +396,150 @@ pub struct RdmaTransport {
 
 fn fail_piece(p: Piece, kind: FailKind, cause: FailCause, why: String) {
     p.task.piece_failed(kind, cause.because(why));
+}
+
+impl Shared {
+    /// Host memory on every NIC (plain `ibv_reg_mr`).
+    fn register_host(&self, region: &Region) -> Result<Vec<Mr>, String> {
+        reg_plain(&self.nic_pds(), region.addr, region.len)
+    }
+
+    fn nic_pds(&self) -> Vec<(&str, &verbs::Pd)> {
+        self.nics.iter().map(|n| (n.name.as_str(), &n.pd)).collect()
+    }
+
+    /// GPU memory of GPU `ordinal` on every NIC (GPUDirect RDMA): the methods
+    /// [`crate::gpu::direct::plan`] allows, the one that worked last first; the first that
+    /// registers on every NIC wins and is remembered. The error names each method tried and
+    /// why it failed.
+    fn register_gpu(&self, region: &Region, ordinal: u32) -> Result<Vec<Mr>, String> {
+        use crate::gpu::direct::{self, Method};
+        let what = format!("GPU {ordinal} memory [0x{:x}, +{}) cannot be registered on the RDMA NICs", region.addr, region.len);
+        let facts = direct::facts(ordinal, self.verbs_dmabuf);
+        let mut plan = direct::plan(self.gpu_rdma, &facts).map_err(|why| format!("{what}: {why}"))?;
+        if self.gpu_method.load(Ordering::Relaxed) == 2 && plan.first() == Some(&Method::DmaBuf) {
+            plan.reverse();
+        }
+        let mut tried = Vec::new();
+        for m in plan {
+            match reg_gpu(m, &facts, &self.nic_pds(), region.addr, region.len, ordinal) {
+                Ok(v) => {
+                    self.gpu_method.store(if m == Method::DmaBuf { 1 } else { 2 }, Ordering::Relaxed);
+                    return Ok(v);
+                }
+                Err(e) => tried.push(format!("{m}: {e}")),
+            }
+        }
+        Err(format!("{what}; tried {}", tried.join("; ")))
+    }
+}
+
+/// `[addr, addr+len)` on each NIC's PD with plain `ibv_reg_mr` (host memory; GPU memory where
+/// nvidia-peermem is loaded). The MRs made so far are dropped on failure.
+fn reg_plain(pds: &[(&str, &verbs::Pd)], addr: u64, len: u64) -> Result<Vec<Mr>, String> {
+    let mut v = Vec::with_capacity(pds.len());
+    for (name, pd) in pds {
+        // SAFETY: the engine's contract with the caller of register_memory: the range is
+        // memory of this process, valid until unregister_memory returns, and peers may read
+        // and write it meanwhile. on_unregister drops these MRs before that returns.
+        let mr = unsafe { pd.reg_mr(addr as *mut u8, len as usize) }.map_err(|e| format!("registering [0x{addr:x}, +{len}) on {name}: {e}"))?;
+        v.push(mr);
+    }
+    Ok(v)
+}
+
+/// GPU memory `[addr, addr+len)` of GPU `ordinal` on each NIC's PD with `method`: DMA-BUF
+/// (the allocation exported once, as whole pages, and registered at the range's offset on
+/// every NIC) or peermem (plain `ibv_reg_mr`; its error then says whether the module is
+/// loaded).
+fn reg_gpu(method: crate::gpu::direct::Method, facts: &crate::gpu::direct::Facts, pds: &[(&str, &verbs::Pd)], addr: u64, len: u64, ordinal: u32) -> Result<Vec<Mr>, String> {
+    use crate::gpu::direct::Method;
+    if method == Method::PeerMem {
+        return reg_plain(pds, addr, len).map_err(|e| match &facts.peermem {
+            Ok(_) => e,
+            Err(why) => format!("{e} ({why})"),
+        });
+    }
+    let cuda = crate::gpu::cuda().map_err(str::to_string)?;
+    let (base, size) = match cuda.driver().classify(addr).map_err(|e| e.to_string())? {
+        crate::gpu::driver::Pointer::Device { base, size, .. } => (base, size),
+        crate::gpu::driver::Pointer::Host => return Err("the driver does not report this range as GPU memory".into()),
+    };
+    if addr.saturating_add(len) > base.saturating_add(size) {
+        return Err(format!("the range spans several CUDA allocations (VMM mappings) after [0x{base:x}, +{size}); one dma-buf covers one allocation: register each mapping on its own"));
+    }
+    // The export must be page-aligned: the allocation's pages (as NCCL exports them).
+    let page = 4096u64;
+    let start = base & !(page - 1);
+    let end = base.saturating_add(size).div_ceil(page) * page;
+    let fd = cuda.on_device(ordinal, |d| d.dmabuf_fd(start, end - start)).map_err(|e| e.to_string())?;
+    let mut v = Vec::with_capacity(pds.len());
+    for (name, pd) in pds {
+        use std::os::fd::AsFd;
+        v.push(pd.reg_dmabuf_mr(fd.as_fd(), addr - start, len as usize, addr).map_err(|e| format!("on {name}: {e}"))?);
+    }
+    Ok(v)
+}
+
+/// One registration method and what trying it gave ([`try_gpu_registration`]).
+pub type GpuRegTry = (crate::gpu::direct::Method, Result<String, String>);
+
+/// For `kvferry doctor`: registers 2 MiB of GPU `ordinal`'s memory on the first usable RDMA
+/// NIC with each method `setting` allows, and deregisters it: whether each really works on
+/// this host (the facts alone cannot tell whether the NIC's driver imports dma-bufs). `Err`:
+/// why nothing could be tried.
+pub fn try_gpu_registration(ordinal: u32, setting: crate::gpu::direct::GpuRdma) -> Result<Vec<GpuRegTry>, String> {
+    use crate::gpu::direct;
+    let probe = crate::rdma::probe();
+    if let Some(why) = probe.why_not() {
+        return Err(why);
+    }
+    let verbs = Arc::new(Verbs::load().map_err(|e| e.to_string())?);
+    let facts = direct::facts(ordinal, verbs.has_dmabuf());
+    let methods = direct::plan(setting, &facts)?;
+    let nic = probe.nics.iter().find(|n| n.ports.iter().any(|p| p.active)).ok_or("no NIC with an active port")?;
+    let ctx = Context::open(Arc::clone(&verbs), &nic.name).map_err(|e| e.to_string())?;
+    let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
+    let cuda = crate::gpu::cuda().map_err(str::to_string)?;
+    let len = 2usize << 20;
+    let mem = cuda.on_device(ordinal, |d| d.mem_alloc(len)).map_err(|e| format!("allocating 2 MiB on GPU {ordinal}: {e}"))?;
+    let out = methods
+        .into_iter()
+        .map(|m| {
+            let r = reg_gpu(m, &facts, &[(nic.name.as_str(), &pd)], mem, len as u64, ordinal).map(|mrs| {
+                drop(mrs);
+                format!("2 MiB of GPU {ordinal} memory registered on {} and deregistered", nic.name)
+            });
+            (m, r)
+        })
+        .collect();
+    if let Err(e) = cuda.on_device(ordinal, |d| d.mem_free(mem)) {
+        tracing::warn!("freeing the 2 MiB doctor registered on GPU {ordinal}: {e}");
+    }
+    Ok(out)
+}
+
+impl RdmaTransport {
+    /// GPUDirect RDMA: submits the pieces that touch GPU memory (a local range registered as
+    /// GPU memory, or a remote buffer published as `cuda:N`) and that RDMA carries as they
+    /// are — the local range has memory regions on the NICs, the peer publishes RDMA devices
+    /// and keys for the remote buffer — so they are never staged through host memory.
+    /// Returns the others (host memory, or GPU memory RDMA cannot reach), untouched.
+    pub fn take_gpu_direct(&self, peer: &Arc<Peer>, pieces: Vec<Piece>) -> Vec<Piece> {
+        let desc = peer.desc();
+        let remote_gpu = |p: &Piece| desc.find_buffer(p.remote, p.len).is_some_and(|b| b.name.starts_with("cuda:"));
+        let touches_gpu = |p: &Piece| p.guard.region().gpu.is_some() || remote_gpu(p);
+        if !pieces.iter().any(touches_gpu) || self.reachable(peer).is_err() {
+            return pieces;
+        }
+        let (direct, rest): (Vec<Piece>, Vec<Piece>) = pieces
+            .into_iter()
+            .partition(|p| touches_gpu(p) && auto_route(&desc, self.shared.mrs_for(p.local, p.len).is_some(), p.remote, p.len).is_ok());
+        if !direct.is_empty() {
+            self.submit(peer, direct, false);
+        }
+        rest
+    }
 }
 
 impl RdmaTransport {
@@ -450,6 +606,9 @@ impl RdmaTransport {
             max_endpoints: opts.max_endpoints.max(1),
             required: opts.required,
             retry_cnt: opts.retry_cnt.min(7),
+            gpu_rdma: opts.gpu_rdma,
+            verbs_dmabuf: verbs.has_dmabuf(),
+            gpu_method: std::sync::atomic::AtomicU8::new(0),
             unkeyed: Mutex::default(),
             told: Mutex::default(),
             jobs: Mutex::new(None),
@@ -1097,27 +1256,21 @@ impl Transport for RdmaTransport {
             tracing::warn!("RDMA: [0x{:x}, +{}) is not registered on the NICs ({why}); requests from it go over TCP", region.addr, region.len);
             s.unkeyed.lock().unwrap_or_else(|e| e.into_inner()).insert(region.addr, why);
         };
-        if !s.required && region.gpu.is_some() {
-            unkeyed("GPU memory: the RDMA transport does not register device memory yet".into());
-            return Ok(());
-        }
-        let mut v = Vec::with_capacity(s.nics.len());
-        for n in &s.nics {
-            // SAFETY: the engine's contract with the caller of register_memory: the range is
-            // memory of this process, valid until unregister_memory returns, and peers may
-            // read and write it meanwhile. on_unregister drops these MRs before that returns.
-            match unsafe { n.pd.reg_mr(region.addr as *mut u8, region.len as usize) } {
-                Ok(mr) => v.push(mr),
-                Err(e) if !s.required => {
-                    // The MRs made so far go with `v`.
-                    unkeyed(format!("on {}: {e}", n.name));
-                    return Ok(());
-                }
-                Err(e) => return Err(crate::Error::Rdma(format!("registering [0x{:x}, +{}) on {}: {e}", region.addr, region.len, n.name))),
+        let registered = match region.gpu {
+            Some(ordinal) => s.register_gpu(region, ordinal),
+            None => s.register_host(region),
+        };
+        match registered {
+            Ok(v) => {
+                s.mrs.lock().unwrap_or_else(|e| e.into_inner()).insert(region.addr, Arc::new(v));
+                Ok(())
             }
+            Err(why) if !s.required => {
+                unkeyed(why);
+                Ok(())
+            }
+            Err(why) => Err(crate::Error::Rdma(why)),
         }
-        self.shared.mrs.lock().unwrap_or_else(|e| e.into_inner()).insert(region.addr, Arc::new(v));
-        Ok(())
     }
 
     fn on_unregister(&self, region: &Region) {
@@ -1348,7 +1501,7 @@ mod tests {
         if crate::rdma::probe().usable() {
             return;
         }
-        let e = RdmaTransport::new(RdmaOptions { segment: "s:1".into(), devices: None, gid_index: None, max_endpoints: 4, required: true, retry_cnt: 7 }).err().expect("no RDMA here");
+        let e = RdmaTransport::new(RdmaOptions { segment: "s:1".into(), devices: None, gid_index: None, max_endpoints: 4, required: true, retry_cnt: 7, gpu_rdma: Default::default() }).err().expect("no RDMA here");
         assert!(!e.is_empty());
     }
 }

@@ -13,7 +13,10 @@
  *              (tests/gpu_driver.rs).
  *
  * Other build-time knobs: INIT_RESULT (cuInit's result: 100 no device, 34 stub library),
- * COUNT (GPUs), VERSION (cuDriverGetVersion, 12040 by default).
+ * COUNT (GPUs), VERSION (cuDriverGetVersion, 12040 by default), NO_DMABUF (GPUs report
+ * DMA_BUF_SUPPORTED = 0 and cuMemGetHandleForAddressRange is absent), HOST_VISIBLE (device
+ * pointers point at the bytes themselves, so a NIC can register them as nvidia-peermem lets
+ * it: for the GPUDirect RDMA run in the Soft-RoCE VM only; the CPU could then touch them).
  *
  * Device memory is honest about where it lives: device pointers point into a reserved
  * PROT_NONE range, so any direct access by the CPU faults (as a real device pointer's does);
@@ -64,7 +67,12 @@ int cuDeviceGetCount(int *n) { *n = COUNT; return 0; }
 int cuDeviceGet(int *d, int i) { if (i < 0 || i >= COUNT) return INVALID_DEVICE; *d = i; return 0; }
 int cuDeviceGetName(char *name, int len, int d) { snprintf(name, len, "Mock H200 #%d", d); return 0; }
 int cuDeviceTotalMem_v2(size_t *b, int d) { (void)d; *b = (size_t)141 << 30; return 0; }
-int cuDeviceGetAttribute(int *v, int attr, int d) { (void)d; *v = attr == 75 ? 9 : 0; return 0; }
+#ifdef NO_DMABUF
+#define DMABUF_SUPPORTED 0
+#else
+#define DMABUF_SUPPORTED 1
+#endif
+int cuDeviceGetAttribute(int *v, int attr, int d) { (void)d; *v = attr == 75 ? 9 : attr == 124 ? DMABUF_SUPPORTED : 0; return 0; }
 #ifndef NO_BUS_ID
 int cuDeviceGetPCIBusId(char *b, int len, int d) { snprintf(b, len, "0000:%02x:00.0", 0x17 + d); return 0; }
 #endif
@@ -140,6 +148,10 @@ static void arena(void) {
     if (store_fd < 0 || ftruncate(store_fd, ARENA) != 0) abort();
     dev_store = mmap(NULL, ARENA, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, store_fd, 0);
     if (dev_va == MAP_FAILED || dev_store == MAP_FAILED) abort();
+#ifdef HOST_VISIBLE
+    munmap(dev_va, ARENA);
+    dev_va = dev_store;
+#endif
 }
 
 /* The live allocation holding [p, p+n) (n >= 1), or NULL. Called with mu held. */
@@ -301,6 +313,29 @@ int cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     do_copy(dd, d, s, n);
     return 0;
 }
+
+#ifndef NO_DMABUF
+/* DMA-BUF export of device memory (CUDA 11.7+): [p, p+n) must be page-aligned (address and
+   size), type 1 (DMA_BUF_FD), and overlap a live device allocation. The mock's "dma-buf" is a
+   plain memfd: no NIC driver imports it as a dma-buf (Soft-RoCE refuses dma-bufs anyway),
+   which is what the tests of the refusal need. */
+int cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t n, int type, unsigned long long flags) {
+    if (!inited) return NOT_INITIALIZED;
+    if (type != 1 || flags != 0 || n == 0 || (p & 4095) != 0 || (n & 4095) != 0) return INVALID_VALUE;
+    int ok = 0;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < nallocs; i++) {
+        struct alloc *a = &allocs[i];
+        if (a->live && !a->host && !a->ipc && a->base < p + n && a->base + a->size > p) ok = 1;
+    }
+    pthread_mutex_unlock(&mu);
+    if (!ok) return INVALID_VALUE;
+    int fd = memfd_create("kvf-mock-dmabuf", MFD_CLOEXEC);
+    if (fd < 0) return OUT_OF_MEMORY;
+    *(int *)handle = fd;
+    return 0;
+}
+#endif
 
 /* Virtual memory management (CUDA 10.2+), as PyTorch's expandable segments use it: a range of
    addresses reserved (cuMemAddressReserve), physical allocations made (cuMemCreate) and mapped
