@@ -30,6 +30,9 @@ def test_identity(pair, kv):
     assert kv.__version__
     # cuda: True only where the CUDA driver is usable (never on the CI host).
     assert kv.features()["cuda"] in (True, False) and kv.features()["tcp"] is True
+    # GPUDirect RDMA needs both GPU memory and RDMA.
+    f = kv.features()
+    assert f["gpu_rdma"] in (True, False) and (not f["gpu_rdma"] or (f["cuda"] and f["rdma"])), f
 
 
 def test_host_port_and_config_errors(kv):

@@ -817,15 +817,26 @@ fn transfer_error(py: Python<'_>, segment: String, status: u8, transferred_bytes
 /// engines send over RDMA to peers that publish RDMA devices (`KVFERRY_TRANSPORT` auto or
 /// rdma). "cuda": the CUDA driver (libcuda.so.1, loaded at run time) is usable for GPU memory,
 /// which then registers like host memory and moves staged through pinned host buffers.
+/// "gpu_rdma": both, and a way for the NICs to register GPU memory (DMA-BUF or nvidia-peermem,
+/// as `KVFERRY_GPU_RDMA` allows) is present, so RDMA moves it unstaged (`kvferry doctor`
+/// tries each for real and says why not).
 #[pyfunction]
 fn features(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     let cuda = py.detach(|| kvferry::gpu::cuda().is_ok());
     let rdma = py.detach(|| kvferry::rdma::probe().usable());
+    let gpu_rdma = cuda
+        && rdma
+        && py.detach(|| {
+            let setting = kvferry::Config::from_env().map(|c| c.gpu_rdma).unwrap_or_default();
+            let verbs_dmabuf = kvferry::rdma::verbs::Verbs::load().is_ok_and(|v| v.has_dmabuf());
+            kvferry::gpu::direct::plan(setting, &kvferry::gpu::direct::facts(0, verbs_dmabuf)).is_ok()
+        });
     for (k, v) in [
         ("tcp", true),
         ("rdma", rdma),
         ("cuda", cuda),
+        ("gpu_rdma", gpu_rdma),
         ("efa", false),
         ("hip", false),
         ("musa", false),
