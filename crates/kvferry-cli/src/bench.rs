@@ -313,7 +313,19 @@ fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result
         }
     }
     eprintln!("\r\x1b[K");
-    let mooncake = crate::mooncake::run_side_by_side(a.mooncake.as_deref(), &a.local_hostname, a.buffer_size, &a.ops, &a.blocks, a.batch, a.threads, a.duration);
+    // Mooncake over the same kind of path: RDMA on the same NICs for kvferry's RDMA points,
+    // TCP for the others (Mooncake has no shared-memory path between processes).
+    let mut protos = Vec::new();
+    if a.transport.iter().any(|m| *m != TransportMode::Rdma) {
+        protos.push(crate::mooncake::Proto::Tcp);
+    }
+    if a.transport.contains(&TransportMode::Rdma) {
+        let devices = engine_config(a)?.rdma_devices.unwrap_or_else(|| {
+            kvferry::rdma::probe().nics.iter().filter(|n| n.ports.iter().any(|p| p.active)).map(|n| n.name.clone()).collect()
+        });
+        protos.push(crate::mooncake::Proto::Rdma(devices));
+    }
+    let mooncake = crate::mooncake::run_side_by_side(a.mooncake.as_deref(), &protos, &a.local_hostname, a.buffer_size, &a.ops, &a.blocks, a.batch, a.threads, a.duration);
     print_report(a, &points, &used, ceilings.as_ref(), &mooncake);
     if let Some(path) = &a.json {
         let mut out = String::new();
@@ -575,7 +587,8 @@ fn print_report(a: &BenchArgs, points: &[Point], used: &[String], c: Option<&Cei
     for (p, via) in points.iter().zip(used) {
         let vs_memcpy = c.map(|c| format!("{:.2}x", p.gbps / c.memcpy_gbps)).unwrap_or_else(|| "-".into());
         let vs_socket = c.map(|c| format!("{:.2}x", p.gbps / c.socket_gbps)).unwrap_or_else(|| "-".into());
-        let vs_mc = mc.gbps(&p.op, p.block_bytes).map(|m| format!("{:.2}x", p.gbps / m)).unwrap_or_else(|| "-".into());
+        let proto = if via == "rdma" { "rdma" } else { "tcp" };
+        let vs_mc = mc.gbps(proto, &p.op, p.block_bytes).map(|m| format!("{:.2}x", p.gbps / m)).unwrap_or_else(|| "-".into());
         println!(
             "{:<6} {:>8} {:>9} {:>8.3} {:>11.0} {:>10.0} {:>10.0} {:>10.1} {:>9.3} {:>9.3} {:>8} {:>8} {:>9} {:>8}",
             p.op,

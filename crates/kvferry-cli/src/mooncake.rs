@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Clone, Serialize)]
 pub struct McPoint {
     pub engine: &'static str,
+    /// `tcp` or `rdma`.
+    pub protocol: &'static str,
     pub op: String,
     pub block_bytes: u64,
     pub batch: usize,
@@ -32,16 +34,17 @@ impl SideBySide {
         &self.points
     }
 
-    pub fn gbps(&self, op: &str, block: u64) -> Option<f64> {
-        self.points.iter().find(|p| p.op == op && p.block_bytes == block).map(|p| p.gbps).filter(|g| *g > 0.0)
+    /// Mooncake's throughput at a point, over `protocol` (`tcp` or `rdma`).
+    pub fn gbps(&self, protocol: &str, op: &str, block: u64) -> Option<f64> {
+        self.points.iter().find(|p| p.protocol == protocol && p.op == op && p.block_bytes == block).map(|p| p.gbps).filter(|g| *g > 0.0)
     }
 
     pub fn print(&self) {
         if !self.points.is_empty() {
-            println!("\nMooncake transfer_engine_bench (TCP, same machine, same run):");
-            println!("{:<6} {:>8} {:>8} {:>9} {:>9}", "op", "block", "GB/s", "init cpu", "tgt cpu");
+            println!("\nMooncake transfer_engine_bench (same machine, same run):");
+            println!("{:<6} {:>8} {:>9} {:>8} {:>9} {:>9}", "op", "block", "transport", "GB/s", "init cpu", "tgt cpu");
             for p in &self.points {
-                println!("{:<6} {:>8} {:>8.3} {:>9.3} {:>9.3}", p.op, sys::human(p.block_bytes), p.gbps, p.initiator_cpu_s_per_gb, p.target_cpu_s_per_gb);
+                println!("{:<6} {:>8} {:>9} {:>8.3} {:>9.3} {:>9.3}", p.op, sys::human(p.block_bytes), p.protocol, p.gbps, p.initiator_cpu_s_per_gb, p.target_cpu_s_per_gb);
             }
         }
         if let Some(n) = &self.note {
@@ -72,19 +75,14 @@ struct Target {
 }
 
 impl Target {
-    fn start(bin: &str, host: &str, buffer: u64) -> Result<Target, String> {
+    fn start(bin: &str, proto: &Proto, host: &str, buffer: u64) -> Result<Target, String> {
         // Its own process group: the console script runs the real binary as a child, and
         // stopping the group stops both.
         let mut child = Command::new(bin)
             .process_group(0)
-            .env("MC_FORCE_TCP", "1")
-            .args([
-                "--mode=target",
-                "--protocol=tcp",
-                "--metadata_server=P2PHANDSHAKE",
-                &format!("--local_server_name={host}"),
-                &format!("--buffer_size={buffer}"),
-            ])
+            .envs(proto.env())
+            .args(["--mode=target", "--metadata_server=P2PHANDSHAKE", &format!("--local_server_name={host}"), &format!("--buffer_size={buffer}")])
+            .args(proto.args())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -133,14 +131,14 @@ impl Drop for Target {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_point(bin: &str, t: &Target, host: &str, buffer: u64, op: &str, block: u64, batch: usize, threads: usize, duration: u64) -> Result<McPoint, String> {
+fn run_point(bin: &str, proto: &Proto, t: &Target, host: &str, buffer: u64, op: &str, block: u64, batch: usize, threads: usize, duration: u64) -> Result<McPoint, String> {
     let tgt0 = sys::tree_cpu(t.child.id());
     let kids0 = sys::children_cpu();
     let out = Command::new(bin)
-        .env("MC_FORCE_TCP", "1")
+        .envs(proto.env())
+        .args(proto.args())
         .args([
             "--mode=initiator",
-            "--protocol=tcp",
             "--metadata_server=P2PHANDSHAKE",
             &format!("--local_server_name={host}"),
             &format!("--segment_id={}", t.segment),
@@ -171,6 +169,7 @@ fn run_point(bin: &str, t: &Target, host: &str, buffer: u64, op: &str, block: u6
     let gb = batches * batch as f64 * block as f64 / 1e9;
     Ok(McPoint {
         engine: "mooncake",
+        protocol: proto.name(),
         op: op.to_string(),
         block_bytes: block,
         batch,
@@ -181,26 +180,62 @@ fn run_point(bin: &str, t: &Target, host: &str, buffer: u64, op: &str, block: u6
     })
 }
 
+/// Which of Mooncake's transports a side-by-side run uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Proto {
+    /// `--protocol=tcp` (and `MC_FORCE_TCP=1`).
+    Tcp,
+    /// `--protocol=rdma --device_name=<these, comma-separated>`.
+    Rdma(Vec<String>),
+}
+
+impl Proto {
+    fn name(&self) -> &'static str {
+        match self {
+            Proto::Tcp => "tcp",
+            Proto::Rdma(_) => "rdma",
+        }
+    }
+    fn env(&self) -> Vec<(&'static str, &'static str)> {
+        match self {
+            Proto::Tcp => vec![("MC_FORCE_TCP", "1")],
+            Proto::Rdma(_) => vec![],
+        }
+    }
+    fn args(&self) -> Vec<String> {
+        match self {
+            Proto::Tcp => vec!["--protocol=tcp".into()],
+            Proto::Rdma(devices) => vec!["--protocol=rdma".into(), format!("--device_name={}", devices.join(","))],
+        }
+    }
+}
+
+/// Runs Mooncake's bench over each of `protos` (a target, then one initiator run per point).
 #[allow(clippy::too_many_arguments)]
-pub fn run_side_by_side(path: Option<&str>, host: &str, buffer: u64, ops: &[String], blocks: &[u64], batch: usize, threads: usize, duration: f64) -> SideBySide {
+pub fn run_side_by_side(path: Option<&str>, protos: &[Proto], host: &str, buffer: u64, ops: &[String], blocks: &[u64], batch: usize, threads: usize, duration: f64) -> SideBySide {
     let bin = match find_binary(path) {
         Ok(b) => b,
         Err(note) => return SideBySide { points: Vec::new(), note: Some(note) },
     };
     // Mooncake's initiator addresses k * block for k < threads * batch: size both sides for that.
     let need = blocks.iter().map(|b| b * (threads * batch) as u64).max().unwrap_or(0).max(buffer);
-    let t = match Target::start(&bin, host, need) {
-        Ok(t) => t,
-        Err(e) => return SideBySide { points: Vec::new(), note: Some(e) },
-    };
     let mut out = SideBySide::default();
-    let secs = duration.ceil().max(1.0) as u64;
-    for op in ops {
-        for &block in blocks {
-            eprint!("\r\x1b[K[mooncake] {op} {} x {batch} ...", sys::human(block));
-            match run_point(&bin, &t, host, need, op, block, batch, threads, secs) {
-                Ok(p) => out.points.push(p),
-                Err(e) => out.note = Some(e),
+    for proto in protos {
+        let t = match Target::start(&bin, proto, host, need) {
+            Ok(t) => t,
+            Err(e) => {
+                out.note = Some(format!("{} ({}): {e}", proto.name(), proto.args().join(" ")));
+                continue;
+            }
+        };
+        let secs = duration.ceil().max(1.0) as u64;
+        for op in ops {
+            for &block in blocks {
+                eprint!("\r\x1b[K[mooncake {}] {op} {} x {batch} ...", proto.name(), sys::human(block));
+                match run_point(&bin, proto, &t, host, need, op, block, batch, threads, secs) {
+                    Ok(p) => out.points.push(p),
+                    Err(e) => out.note = Some(e),
+                }
             }
         }
     }
