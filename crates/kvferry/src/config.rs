@@ -45,7 +45,8 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_TRANSPORT", aliases: &[], default: "auto", doc: "data path to peers: `auto` (shared memory to kvferry peers on this host that allow it: their kvferry-allocated memory mapped, other memory by cross-memory attach; TCP otherwise), `tcp` (never shared memory; this engine then also offers none), `shm` (shared memory only; requests to other peers fail with the reason), `rdma` (one-sided RDMA verbs only: the engine does not start without a usable NIC, requests to peers without RDMA fail with the reason). With `auto`, a host with an active RDMA NIC also sends over RDMA to peers that publish RDMA devices (why not, logged once per peer); it still publishes a TCP descriptor, so peers reach it over TCP (a stock Mooncake TCP engine cannot reach one that publishes `rdma`)" },
     EnvVar { name: "KVFERRY_RDMA_DEVICES", aliases: &["MC_TE_FILTERS"], default: "every device with an active port", doc: "RDMA: comma-separated device names to use (e.g. `mlx5_0,mlx5_1`)" },
     EnvVar { name: "KVFERRY_RDMA_MAX_ENDPOINTS", aliases: &[], default: "256", doc: "RDMA: connected endpoints (queue pairs to one peer NIC from one local NIC) this engine keeps; beyond it the least recently used idle one is closed (never one with work requests in flight) and reconnected on next use (1-65536)" },
-    EnvVar { name: "KVFERRY_AUTO_RDMA", aliases: &[], default: "1", doc: "with KVFERRY_TRANSPORT=auto: whether RDMA is used at all on a host with a usable port (0/false: never, shared memory and TCP only). Mooncake's MC_FORCE_TCP=1 (or true/yes) means 0 when this variable is not set" },
+    EnvVar { name: "KVFERRY_AUTO_RDMA", aliases: &[], default: "1", doc: "with KVFERRY_TRANSPORT=auto: whether RDMA is used at all on a host with a usable port (0/false: never, shared memory and TCP only; `force`: the engine does not start when RDMA cannot be opened, and says why, instead of going on without it). Mooncake's MC_FORCE_TCP=1 (or true/yes) means 0, and its MC_FORCE_HCA=1 means `force`, when this variable is not set (MC_FORCE_TCP wins)" },
+    EnvVar { name: "KVFERRY_RDMA_TOPO", aliases: &["MC_CUSTOM_TOPO_JSON"], default: "discovered from sysfs", doc: "RDMA: a JSON file with the NIC priority matrix to use instead of discovery: `{\"cpu:0\": [[\"mlx5_0\"], [\"mlx5_1\"]], \"cuda:0\": [[\"mlx5_1\"], []]}` (location -> [preferred NICs, available NICs]); a piece is striped over its local memory's preferred NICs (else the available ones, else all). Discovery: NICs on a location's NUMA node, and for a GPU the nearest on PCIe" },
     EnvVar { name: "KVFERRY_RDMA_RETRY_CNT", aliases: &[], default: "7", doc: "RDMA: transport retries of a queue pair (each after the 67 ms ACK timeout) before a work request fails with IBV_WC_RETRY_EXC_ERR and its slice is retried on another NIC pair (0-7; Soft-RoCE treats 7 as retrying forever, so a vanished peer QP then stalls until the deadline)" },
     EnvVar { name: "KVFERRY_GPU_RDMA", aliases: &[], default: "auto", doc: "RDMA: how GPU memory is registered with the NICs (GPUDirect RDMA): `auto` (DMA-BUF where the driver, GPU, rdma-core and NIC support it, else nvidia-peermem where its kernel module is loaded, else GPU memory is staged through host memory over TCP, saying why), `dmabuf` or `peermem` (only that one; a failure is an error naming the cause). Mooncake's WITH_NVIDIA_PEERMEM=1 (on/true) means `peermem`, any other value `dmabuf`, when this variable is not set" },
     EnvVar { name: "KVFERRY_GID_INDEX", aliases: &["MC_GID_INDEX"], default: "automatic (RoCE v2, IPv4-mapped first)", doc: "RDMA: GID index to use on every NIC; an index that does not exist is an error, never silently replaced" },
@@ -118,6 +119,12 @@ pub struct Config {
     /// Whether `auto` uses RDMA where a port is usable (`KVFERRY_AUTO_RDMA`; Mooncake's
     /// `MC_FORCE_TCP=1` turns it off).
     pub auto_rdma: bool,
+    /// `auto` must open RDMA or fail to start (`KVFERRY_AUTO_RDMA=force`, Mooncake's
+    /// `MC_FORCE_HCA=1`).
+    pub rdma_forced: bool,
+    /// The NIC priority matrix file (`KVFERRY_RDMA_TOPO`, Mooncake's `MC_CUSTOM_TOPO_JSON`);
+    /// `None`: discovered.
+    pub rdma_topo: Option<std::path::PathBuf>,
     /// How GPU memory is registered with RDMA NICs (`KVFERRY_GPU_RDMA`; Mooncake's
     /// `WITH_NVIDIA_PEERMEM`).
     pub gpu_rdma: crate::gpu::direct::GpuRdma,
@@ -157,6 +164,8 @@ impl Default for Config {
             rdma_max_endpoints: 256,
             rdma_retry_cnt: 7,
             auto_rdma: true,
+            rdma_forced: false,
+            rdma_topo: None,
             gpu_rdma: crate::gpu::direct::GpuRdma::Auto,
         }
     }
@@ -264,10 +273,23 @@ impl Config {
             "0" | "false" | "no" | "off" => Ok(false),
             _ => Err(Error::Config(format!("{name}={v:?} is not a boolean; use 1 or 0"))),
         };
+        let mc_force_tcp = match get("MC_FORCE_TCP").filter(|v| !v.trim().is_empty()) {
+            Some(v) => truth("MC_FORCE_TCP", v.trim())?,
+            None => false,
+        };
         if let Some((name, v)) = lookup(get, "KVFERRY_AUTO_RDMA") {
-            c.auto_rdma = truth(&name, &v)?;
-        } else if let Some(v) = get("MC_FORCE_TCP").filter(|v| !v.trim().is_empty()) {
-            c.auto_rdma = !truth("MC_FORCE_TCP", v.trim())?;
+            if v.eq_ignore_ascii_case("force") {
+                c.rdma_forced = true;
+            } else {
+                c.auto_rdma = truth(&name, &v).map_err(|_| Error::Config(format!("{name}={v:?} is not 1, 0 or force")))?;
+            }
+        } else if mc_force_tcp {
+            c.auto_rdma = false;
+        } else if let Some(v) = get("MC_FORCE_HCA").filter(|v| !v.trim().is_empty()) {
+            c.rdma_forced = truth("MC_FORCE_HCA", v.trim())?;
+        }
+        if let Some((_, v)) = lookup(get, "KVFERRY_RDMA_TOPO") {
+            c.rdma_topo = Some(v.into());
         }
         if let Some((name, v)) = lookup(get, "KVFERRY_GPU_RDMA") {
             c.gpu_rdma = crate::gpu::direct::GpuRdma::parse(&v).ok_or_else(|| Error::Config(format!("{name}={v:?} is not auto, dmabuf or peermem")))?;
@@ -442,6 +464,11 @@ mod tests {
         assert!(cfg(&[]).unwrap().auto_rdma, "auto uses RDMA where it can by default");
         assert!(!cfg(&[("MC_FORCE_TCP", "1")]).unwrap().auto_rdma, "Mooncake's MC_FORCE_TCP=1 keeps auto off RDMA");
         assert!(cfg(&[("MC_FORCE_TCP", "false")]).unwrap().auto_rdma);
+        assert!(cfg(&[("MC_FORCE_HCA", "1")]).unwrap().rdma_forced, "Mooncake's MC_FORCE_HCA: RDMA or an error");
+        assert!(!cfg(&[("MC_FORCE_HCA", "1"), ("MC_FORCE_TCP", "1")]).unwrap().rdma_forced, "MC_FORCE_TCP wins, as in Mooncake");
+        assert!(cfg(&[("KVFERRY_AUTO_RDMA", "force")]).unwrap().rdma_forced);
+        assert!(cfg(&[("KVFERRY_AUTO_RDMA", "maybe")]).unwrap_err().to_string().contains("1, 0 or force"));
+        assert_eq!(cfg(&[("MC_CUSTOM_TOPO_JSON", "/etc/topo.json")]).unwrap().rdma_topo, Some("/etc/topo.json".into()));
         assert!(cfg(&[("MC_FORCE_TCP", "1"), ("KVFERRY_AUTO_RDMA", "1")]).unwrap().auto_rdma, "kvferry's own variable wins");
         assert!(!cfg(&[("KVFERRY_AUTO_RDMA", "off")]).unwrap().auto_rdma);
         assert!(cfg(&[("KVFERRY_AUTO_RDMA", "maybe")]).unwrap_err().to_string().contains("KVFERRY_AUTO_RDMA"));

@@ -198,7 +198,7 @@ impl TransferEngine {
         )
         .map_err(|e| Error::io("starting the TCP data server", e))?;
         let shm = Arc::new(ShmTransport::new(ShmOptions { name: name.clone(), mode: config.transport, threads: config.shm_threads }));
-        let rdma_opts = |required: bool| RdmaOptions { segment: name.clone(), devices: config.rdma_devices.clone(), gid_index: config.gid_index, max_endpoints: config.rdma_max_endpoints, required, retry_cnt: config.rdma_retry_cnt, gpu_rdma: config.gpu_rdma };
+        let rdma_opts = |required: bool| RdmaOptions { segment: name.clone(), devices: config.rdma_devices.clone(), gid_index: config.gid_index, max_endpoints: config.rdma_max_endpoints, required, retry_cnt: config.rdma_retry_cnt, gpu_rdma: config.gpu_rdma, topo: config.rdma_topo.clone() };
         let rdma = match config.transport {
             TransportMode::Rdma => Some(Arc::new(RdmaTransport::new(rdma_opts(true)).map_err(|why| Error::Config(format!("KVFERRY_TRANSPORT=rdma, but {why}")))?)),
             // RDMA when this host has an active NIC (peers without RDMA get TCP); said once.
@@ -206,6 +206,10 @@ impl TransferEngine {
                 tracing::info!("KVFERRY_TRANSPORT=auto without RDMA (KVFERRY_AUTO_RDMA=0 or MC_FORCE_TCP=1): TCP and shared memory carry transfers");
                 None
             }
+            TransportMode::Auto if config.rdma_forced => match RdmaTransport::new(rdma_opts(false)) {
+                Ok(t) => Some(Arc::new(t)),
+                Err(why) => return Err(Error::Config(format!("KVFERRY_AUTO_RDMA=force (or Mooncake's MC_FORCE_HCA=1) asks for RDMA, but {why}"))),
+            },
             TransportMode::Auto => match crate::rdma::probe().why_not() {
                 Some(why) => {
                     tracing::info!("KVFERRY_TRANSPORT=auto: no RDMA ({why}); TCP and shared memory carry transfers");

@@ -510,6 +510,25 @@ fn rdma_mode_starts_only_with_a_usable_nic_and_says_why_not() {
     }
 }
 
+/// `KVFERRY_AUTO_RDMA=force` (Mooncake's `MC_FORCE_HCA=1`): `auto` that must open RDMA. Without
+/// a usable NIC (this host, CI) the engine does not start and says why; with one it starts and
+/// still publishes a TCP descriptor (auto).
+#[test]
+fn forced_rdma_in_auto_mode_starts_only_with_a_usable_nic_and_says_why_not() {
+    let cfg = Config { rdma_forced: true, ..Config::default() };
+    match (TransferEngine::new(cfg), kvferry::rdma::probe().why_not()) {
+        (Err(e), Some(why)) => {
+            let e = e.to_string();
+            assert!(e.contains("KVFERRY_AUTO_RDMA=force (or Mooncake's MC_FORCE_HCA=1) asks for RDMA, but") && e.contains(&why), "{e}");
+        }
+        (Ok(engine), None) => assert!(!engine.local_descriptor().protocol.contains("rdma")),
+        (Err(e), None) => assert!(e.to_string().contains("asks for RDMA, but"), "{e}"),
+        (Ok(_), Some(why)) => panic!("started with RDMA forced although {why}"),
+    }
+    // Unforced, the same host starts (RDMA or not).
+    assert!(TransferEngine::new(Config::default()).is_ok());
+}
+
 /// An engine without RDMA refuses a `Connection` message with a reason, as Mooncake expects.
 #[test]
 fn a_connection_message_to_an_engine_without_rdma_is_refused_with_a_reason() {

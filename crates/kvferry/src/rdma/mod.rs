@@ -9,6 +9,7 @@
 
 pub mod ffi;
 pub mod sysfs;
+pub mod topo;
 pub mod verbs;
 
 use serde::Serialize;

@@ -6,9 +6,10 @@
 //!   thread. The GID index is chosen per NIC from sysfs (`MC_GID_INDEX` honoured).
 //! - **Memory**: every registered range gets one MR per NIC ([`Transport::on_register`]); the
 //!   descriptor publishes `protocol: "rdma"`, `devices` (name, LID, GID) and per-buffer
-//!   `rkey`/`lkey` arrays in device order, plus a `priority_matrix` with every NIC preferred for
-//!   each location, as Mooncake does (reference §1.5, §2.3). Buffers whose MRs are not yet made
-//!   are left out of the descriptor (never published without keys).
+//!   `rkey`/`lkey` arrays in device order, plus a `priority_matrix` ([`crate::rdma::topo`]:
+//!   discovered from NUMA nodes and PCIe paths, or `KVFERRY_RDMA_TOPO`'s file), as Mooncake
+//!   does (reference §1.5, §2.3). Buffers whose MRs are not yet made are left out of the
+//!   descriptor (never published without keys).
 //! - **Endpoints**: one RC QP per (peer, local NIC, peer NIC), made on first use by the worker
 //!   thread through the `Connection` handshake message (§2.6) sent to the peer's handshake
 //!   port; the peer ([`RdmaTransport::on_connection`]) makes its QP, brings it to RTS, answers
@@ -16,7 +17,8 @@
 //!   NIC's name if it has one (rail affinity), else the first preferred for the remote buffer's
 //!   location in its `priority_matrix`, else its first device; its rkey is looked up at that
 //!   name's position in its `devices`.
-//! - **Data path**: a piece is cut into 64 KiB slices, striped over the local NICs, posted as
+//! - **Data path**: a piece is cut into 64 KiB slices, striped over the local NICs the matrix
+//!   prefers for its local memory's location (the others only when none connects), posted as
 //!   chains of signaled work requests (one doorbell per chain) with at most [`MAX_OUTSTANDING`]
 //!   per QP. A piece ends only when the completion of each of its slices arrived (its
 //!   [`RegionGuard`] is held until then, so unregistering waits for posted work requests, and
@@ -59,7 +61,7 @@
 
 use crate::batch::{FailCause, FailKind, TaskState};
 use crate::memory::{Region, RegionGuard};
-use crate::rdma::sysfs;
+use crate::rdma::{sysfs, topo};
 use crate::rdma::verbs::{self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr};
 use crate::transport::{Peer, Piece, Transport};
 use crate::wire::descriptor::{DeviceDesc, Protocols, SegmentDesc};
@@ -121,6 +123,9 @@ pub struct RdmaOptions {
     pub retry_cnt: u8,
     /// How GPU memory is registered on the NICs (`KVFERRY_GPU_RDMA`).
     pub gpu_rdma: crate::gpu::direct::GpuRdma,
+    /// The NIC priority matrix file (`KVFERRY_RDMA_TOPO`, `MC_CUSTOM_TOPO_JSON`); `None`:
+    /// discovered from sysfs.
+    pub topo: Option<std::path::PathBuf>,
 }
 
 /// Whether `auto` sends a piece to a peer over RDMA (sans-IO): the peer must publish RDMA
@@ -199,6 +204,9 @@ struct PieceState {
     remote: u64,
     /// For each local NIC: the peer's NIC used from it and the rkey there.
     routes: Vec<(DeviceDesc, u32)>,
+    /// For each local NIC: whether the topology prefers it for the local range's location
+    /// (slices go over these while any connects).
+    near: Vec<bool>,
     len: u64,
     left: AtomicUsize,
     failure: Mutex<Option<(FailKind, FailCause, String)>>,
@@ -254,15 +262,18 @@ fn path_failure(status: u32) -> bool {
     matches!(status, 7 | 12 | 13 | 19 | 20 | 21 | POST_FAILED)
 }
 
-/// The local NICs to try for a piece, in two tiers (the second only when none of the first
-/// connects): from `first` in rotation, those neither paused nor `avoid`ed, then `avoid`
-/// (when not paused), then the paused ones.
-fn pair_order(n: usize, first: usize, avoid: Option<usize>, paused: &[bool]) -> [Vec<usize>; 2] {
+/// The local NICs to try for a piece, in tiers (a later one only when none of the earlier
+/// connects): from `first` in rotation, those neither paused nor `avoid`ed that the topology
+/// prefers (`near`), then the other such ones, then `avoid` (when not paused), then the paused
+/// ones.
+fn pair_order(n: usize, first: usize, avoid: Option<usize>, paused: &[bool], near: &[bool]) -> [Vec<usize>; 3] {
     let rot: Vec<usize> = (0..n).map(|k| (first + k) % n.max(1)).collect();
-    let preferred = rot.iter().copied().filter(|&i| !paused[i] && Some(i) != avoid).collect();
+    let healthy = |i: &usize| !paused[*i] && Some(*i) != avoid;
+    let preferred = rot.iter().copied().filter(|i| healthy(i) && near.get(*i).copied().unwrap_or(true)).collect();
+    let others = rot.iter().copied().filter(|i| healthy(i) && !near.get(*i).copied().unwrap_or(true)).collect();
     let mut fallback: Vec<usize> = avoid.filter(|&a| a < n && !paused[a]).into_iter().collect();
     fallback.extend(rot.iter().copied().filter(|&i| paused[i]));
-    [preferred, fallback]
+    [preferred, others, fallback]
 }
 
 /// The endpoints to close so that at most `max` stay: the least recently used idle ones
@@ -371,6 +382,12 @@ struct Shared {
     required: bool,
     retry_cnt: u8,
     gpu_rdma: crate::gpu::direct::GpuRdma,
+    /// The NIC priority matrix (published; picks the NICs near a piece's local memory) and
+    /// whether it came from a file (else GPU entries are added as GPU memory registers).
+    topo: Mutex<topo::Matrix>,
+    topo_from_file: bool,
+    /// Where each NIC sits (for GPU entries), in `nics` order.
+    places: Vec<topo::Place>,
     /// libibverbs has `ibv_reg_dmabuf_mr`.
     verbs_dmabuf: bool,
     /// The GPU registration method that worked last (tried first next time): 0 none yet,
@@ -402,6 +419,21 @@ impl Shared {
     /// Host memory on every NIC (plain `ibv_reg_mr`).
     fn register_host(&self, region: &Region) -> Result<Vec<Mr>, String> {
         reg_plain(&self.nic_pds(), region.addr, region.len)
+    }
+
+    /// Adds `cuda:<ordinal>` to a discovered matrix (once): the NICs nearest the GPU on PCIe
+    /// (the driver, already loaded for this GPU memory, gives its PCI bus id).
+    fn add_gpu_to_topology(&self, ordinal: u32) {
+        let key = format!("cuda:{ordinal}");
+        if self.topo_from_file || self.topo.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&key) {
+            return;
+        }
+        let bus = crate::gpu::cuda().ok().and_then(|c| c.driver().devices().ok()).and_then(|g| g.into_iter().find(|g| g.index == ordinal)).map(|g| g.pci_bus_id);
+        let Some(bus) = bus else { return };
+        let gpu = topo::gpu_place(std::path::Path::new("/sys/bus/pci/devices"), ordinal, &bus);
+        let entry = topo::gpu_entry(&self.places, &gpu);
+        tracing::debug!("RDMA: {key} (PCI {bus}) prefers {:?}", entry[0]);
+        self.topo.lock().unwrap_or_else(|e| e.into_inner()).insert(key, entry);
     }
 
     fn nic_pds(&self) -> Vec<(&str, &verbs::Pd)> {
@@ -590,6 +622,19 @@ impl RdmaTransport {
         for s in &skipped {
             tracing::warn!("RDMA: not using {s}");
         }
+        let names: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
+        let places: Vec<topo::Place> = names.iter().map(|n| topo::nic_place(std::path::Path::new(sysfs::ROOT), n)).collect();
+        let matrix = match &opts.topo {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| format!("KVFERRY_RDMA_TOPO (MC_CUSTOM_TOPO_JSON) {}: {e}", path.display()))?;
+                let (m, unknown) = topo::parse(&text, &names).map_err(|e| format!("KVFERRY_RDMA_TOPO (MC_CUSTOM_TOPO_JSON) {}: {e}", path.display()))?;
+                if !unknown.is_empty() {
+                    tracing::warn!("RDMA: the NIC priority matrix {} names NICs this engine does not use ({}); they are left out", path.display(), unknown.join(", "));
+                }
+                m
+            }
+            None => topo::cpu_entries(&places, &topo::numa_nodes(std::path::Path::new("/sys/devices/system/node"))),
+        };
         let shared = Arc::new(Shared {
             segment: opts.segment,
             nics,
@@ -607,6 +652,9 @@ impl RdmaTransport {
             required: opts.required,
             retry_cnt: opts.retry_cnt.min(7),
             gpu_rdma: opts.gpu_rdma,
+            topo: Mutex::new(matrix),
+            topo_from_file: opts.topo.is_some(),
+            places,
             verbs_dmabuf: verbs.has_dmabuf(),
             gpu_method: std::sync::atomic::AtomicU8::new(0),
             unkeyed: Mutex::default(),
@@ -846,6 +894,10 @@ impl Shared {
             };
             routes.push((dev.clone(), rkey));
         }
+        let near = {
+            let names: Vec<String> = self.nics.iter().map(|n| n.name.clone()).collect();
+            topo::mask(&self.topo.lock().unwrap_or_else(|e| e.into_inner()), &p.guard.region().location, &names)
+        };
         let slices = p.len.div_ceil(SLICE) as usize;
         let first_nic = self.next_nic.fetch_add(1, Ordering::Relaxed);
         let op = match p.opcode {
@@ -861,6 +913,7 @@ impl Shared {
             base,
             remote: p.remote,
             routes,
+            near,
             len: p.len,
             left: AtomicUsize::new(slices),
             failure: Mutex::new(None),
@@ -898,7 +951,7 @@ impl Shared {
         };
         let mut usable: Vec<(usize, Arc<Endpoint>)> = Vec::new();
         let mut why_not: Vec<String> = Vec::new();
-        for tier in pair_order(n, first, avoid, &paused) {
+        for tier in pair_order(n, first, avoid, &paused, &piece.near) {
             for nic in tier {
                 if usable.len() >= want {
                     break;
@@ -1242,11 +1295,14 @@ impl Transport for RdmaTransport {
                 b.lkey = v.iter().map(|m| u64::from(m.lkey())).collect();
             }
         }
+        // The topology's entries, and every NIC preferred for any other location of a
+        // published buffer and for `*`.
         let names: Vec<Value> = s.nics.iter().map(|n| json!(n.name)).collect();
-        let mut locations: Vec<&str> = desc.buffers.iter().map(|b| b.name.as_str()).collect();
-        locations.push("*");
+        desc.priority_matrix.extend(topo::to_json(&s.topo.lock().unwrap_or_else(|e| e.into_inner())));
+        let mut locations: Vec<String> = desc.buffers.iter().map(|b| b.name.clone()).collect();
+        locations.push("*".into());
         for l in locations {
-            desc.priority_matrix.insert(l.to_string(), json!([names.clone(), []]));
+            desc.priority_matrix.entry(l).or_insert_with(|| json!([names.clone(), []]));
         }
     }
 
@@ -1256,6 +1312,9 @@ impl Transport for RdmaTransport {
             tracing::warn!("RDMA: [0x{:x}, +{}) is not registered on the NICs ({why}); requests from it go over TCP", region.addr, region.len);
             s.unkeyed.lock().unwrap_or_else(|e| e.into_inner()).insert(region.addr, why);
         };
+        if let Some(ordinal) = region.gpu {
+            s.add_gpu_to_topology(ordinal);
+        }
         let registered = match region.gpu {
             Some(ordinal) => s.register_gpu(region, ordinal),
             None => s.register_host(region),
@@ -1454,11 +1513,21 @@ mod tests {
     #[test]
     fn pairs_are_tried_healthy_first_then_the_failed_one_then_paused_ones() {
         let none = [false; 3];
-        assert_eq!(pair_order(3, 1, None, &none), [vec![1, 2, 0], vec![]]);
-        assert_eq!(pair_order(3, 2, Some(1), &none), [vec![2, 0], vec![1]], "the failed pair only when no other connects");
-        assert_eq!(pair_order(3, 0, Some(1), &[true, false, false]), [vec![2], vec![1, 0]]);
-        assert_eq!(pair_order(1, 5, Some(0), &[false]), [vec![], vec![0]], "one NIC: its endpoint is rebuilt");
-        assert_eq!(pair_order(2, 0, Some(0), &[true, false]), [vec![1], vec![0]], "a paused failed pair is listed once");
+        let all = [true; 3];
+        assert_eq!(pair_order(3, 1, None, &none, &all), [vec![1, 2, 0], vec![], vec![]]);
+        assert_eq!(pair_order(3, 2, Some(1), &none, &all), [vec![2, 0], vec![], vec![1]], "the failed pair only when no other connects");
+        assert_eq!(pair_order(3, 0, Some(1), &[true, false, false], &all), [vec![2], vec![], vec![1, 0]]);
+        assert_eq!(pair_order(1, 5, Some(0), &[false], &[true]), [vec![], vec![], vec![0]], "one NIC: its endpoint is rebuilt");
+        assert_eq!(pair_order(2, 0, Some(0), &[true, false], &[true; 2]), [vec![1], vec![], vec![0]], "a paused failed pair is listed once");
+    }
+
+    #[test]
+    fn the_nics_near_the_memory_come_first_and_the_far_ones_only_when_none_connects() {
+        let none = [false; 4];
+        let near = [false, true, false, true];
+        assert_eq!(pair_order(4, 0, None, &none, &near), [vec![1, 3], vec![0, 2], vec![]]);
+        assert_eq!(pair_order(4, 2, Some(3), &none, &near), [vec![1], vec![2, 0], vec![3]], "a retry avoids the failed near NIC");
+        assert_eq!(pair_order(4, 0, None, &[false, true, false, true], &near), [vec![], vec![0, 2], vec![1, 3]], "near NICs paused: the far ones");
     }
 
     #[test]
@@ -1501,7 +1570,7 @@ mod tests {
         if crate::rdma::probe().usable() {
             return;
         }
-        let e = RdmaTransport::new(RdmaOptions { segment: "s:1".into(), devices: None, gid_index: None, max_endpoints: 4, required: true, retry_cnt: 7, gpu_rdma: Default::default() }).err().expect("no RDMA here");
+        let e = RdmaTransport::new(RdmaOptions { segment: "s:1".into(), devices: None, gid_index: None, max_endpoints: 4, required: true, retry_cnt: 7, gpu_rdma: Default::default(), topo: None }).err().expect("no RDMA here");
         assert!(!e.is_empty());
     }
 }
