@@ -268,10 +268,11 @@ fn child_entry() {
                         let old_gen = buf.as_ref().unwrap().generation();
                         let old_fd = kvferry::hostbuf::shareable_region(addr, 1).map_or(-1, |r| r.fd);
                         // The engine's threads open and close sockets meanwhile: retry until
-                        // the new buffer has the old one's address and fd number.
+                        // the new buffer has the old one's address and fd number (bounded:
+                        // 200 tries, about 2 s; a loaded CI machine needed more than 10).
                         let mut cur = buf.take();
                         let mut got = None;
-                        for _ in 0..10 {
+                        for _ in 0..200 {
                             let holes = occupy_fds_below(old_fd);
                             drop(cur.take());
                             cur = realloc_at(addr, len);
@@ -283,7 +284,7 @@ fn child_entry() {
                                 }
                                 other => cur = other,
                             }
-                            std::thread::sleep(Duration::from_millis(5));
+                            std::thread::sleep(Duration::from_millis(10));
                         }
                         let Some(b) = got else {
                             println!("KVF_CHILD same=false");
