@@ -345,7 +345,12 @@ impl TransferEngine {
         let kinds = ranges.iter().map(|&(a, l)| crate::gpu::classify(a, l, location)).collect::<Result<Vec<_>>>()?;
         let regions = self.inner.memory.register_classified(ranges, location, &kinds)?;
         for r in &regions {
-            let registered = self.inner.tcp.on_register(r).and_then(|()| self.inner.rdma.as_ref().map_or(Ok(()), |t| t.on_register(r)));
+            let registered = self
+                .inner
+                .tcp
+                .on_register(r)
+                .and_then(|()| self.inner.shm.on_register(r))
+                .and_then(|()| self.inner.rdma.as_ref().map_or(Ok(()), |t| t.on_register(r)));
             if let Err(e) = registered {
                 let _ = self.inner.memory.unregister_batch(&regions.iter().map(|r| r.addr).collect::<Vec<_>>());
                 return Err(e);
@@ -943,6 +948,9 @@ impl Inner {
             Some(t) if peer.id != LOCAL_SEGMENT_ID => t.take_gpu_direct(peer, pieces),
             _ => pieces,
         };
+        // GPU memory of a same-host peer that it exports through CUDA IPC: opened here and
+        // copied by the driver (device to device where both are GPU memory).
+        let pieces = if peer.id != LOCAL_SEGMENT_ID { self.shm.take_gpu_ipc(peer, pieces, inline) } else { pieces };
         if pieces.is_empty() {
             return;
         }

@@ -647,3 +647,170 @@ fn child_ipc_import() {
     drop(opened);
     c.on_device(1, |d| d.mem_free(mine)).unwrap();
 }
+
+#[test]
+fn same_host_gpu_memory_moves_through_cuda_ipc() {
+    in_child("child_ipc_target", Some(&mock_dir()));
+}
+
+const XFER: usize = (4 << 20) + 123;
+
+/// The target process: GPU 0 memory registered (exported through CUDA IPC in its descriptor);
+/// another process (its child) reads it and writes it, through the engine, while this engine
+/// serves; then every byte is checked here.
+#[test]
+#[ignore = "run by same_host_gpu_memory_moves_through_cuda_ipc in a child process"]
+fn child_ipc_target() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    let e = engine(TransportMode::Auto);
+    let g = gpu_alloc(c, 0, &pattern(XFER, 51));
+    e.register_memory(g, XFER as u64, "cuda:0").unwrap();
+    let d = e.local_descriptor();
+    let gpus = d.extra.get("kvferry_shm").and_then(|v| v.get("gpus")).and_then(|v| v.as_array()).cloned().unwrap_or_default();
+    assert_eq!(gpus.len(), 1, "the GPU range is exported in the descriptor: {:?}", d.extra);
+    let lib = std::env::var_os("LD_LIBRARY_PATH").expect("the mock's directory");
+    in_child_with("child_ipc_initiator", Some(Path::new(&lib)), &[("KVF_TARGET", e.segment_name()), ("KVF_TARGET_GPU", &g.to_string())]);
+    let mut want = pattern(XFER, 51);
+    want[..XFER - 4096].copy_from_slice(&pattern(XFER - 4096, 52));
+    want[XFER - 4096..].copy_from_slice(&pattern(4096, 53));
+    assert!(gpu_read(c, 0, g, XFER) == want, "the other process's WRITEs did not land exactly in this GPU memory");
+    // Unregistered, the range leaves the exports.
+    e.unregister_memory(g).unwrap();
+    assert!(e.local_descriptor().extra.get("kvferry_shm").and_then(|v| v.get("gpus")).is_none());
+    c.on_device(0, |d| d.mem_free(g)).unwrap();
+}
+
+/// The initiator process: GPU 1 and host memory of its own; READs and WRITEs against the
+/// target's GPU 0 memory, all through CUDA IPC (the byte counter shows nothing went over TCP).
+#[test]
+#[ignore = "run by child_ipc_target in a grandchild process"]
+fn child_ipc_initiator() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    let target = std::env::var("KVF_TARGET").unwrap();
+    let tg: u64 = std::env::var("KVF_TARGET_GPU").unwrap().parse().unwrap();
+    let e = engine(TransportMode::Auto);
+    let mine = gpu_alloc(c, 1, &vec![0u8; XFER]);
+    e.register_memory(mine, XFER as u64, "*").unwrap();
+    let host = vec![0u8; 8192];
+    e.register_memory(host.as_ptr() as u64, host.len() as u64, "cpu:0").unwrap();
+    let seg = e.open_segment(&target).unwrap();
+    assert_eq!(e.segment_transport(seg).unwrap().name, "shm", "a same-host peer");
+    let before = kvferry::transport::shm::gpu_ipc_bytes();
+    let req = |op: Opcode, local: u64, remote_off: u64, len: usize| TransferRequest { opcode: op, source: local, target_id: seg, target_offset: tg + remote_off, length: len as u64 };
+    // GPU <- peer GPU, the whole range.
+    let st = e.transfer_sync(&[req(Opcode::Read, mine, 0, XFER)], Duration::from_secs(10)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+    assert!(gpu_read(c, 1, mine, XFER) == pattern(XFER, 51), "GPU<-GPU READ through CUDA IPC: bytes differ");
+    // Host <- peer GPU, an interior range.
+    let st = e.transfer_sync(&[req(Opcode::Read, host.as_ptr() as u64, 1000, 8192)], Duration::from_secs(10)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+    assert!(host[..] == pattern(XFER, 51)[1000..1000 + 8192], "host<-GPU READ through CUDA IPC: bytes differ");
+    // GPU -> peer GPU, and host -> peer GPU (its last page), in one batch.
+    c.htod(1, mine, &pattern(XFER - 4096, 52)).unwrap();
+    let tail = pattern(4096, 53);
+    let h = host.as_ptr() as *mut u8;
+    // SAFETY: our own registered Vec, not in any transfer now.
+    unsafe { std::ptr::copy_nonoverlapping(tail.as_ptr(), h, 4096) };
+    let st = e.transfer_sync(&[req(Opcode::Write, mine, 0, XFER - 4096), req(Opcode::Write, host.as_ptr() as u64, (XFER - 4096) as u64, 4096)], Duration::from_secs(10)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+    let moved = kvferry::transport::shm::gpu_ipc_bytes() - before;
+    assert_eq!(moved, (XFER + 8192 + XFER) as u64, "every byte through CUDA IPC, none over TCP");
+    // Outside the exported range: refused, nothing touched.
+    let st = e.transfer_sync(&[req(Opcode::Write, mine, XFER as u64 - 100, 4096)], Duration::from_secs(10)).unwrap();
+    assert_ne!(st.status, TaskStatus::Completed, "a WRITE past the peer's GPU range must fail");
+    e.unregister_memory(mine).unwrap();
+    e.unregister_memory(host.as_ptr() as u64).unwrap();
+    c.on_device(1, |d| d.mem_free(mine)).unwrap();
+}
+
+#[test]
+fn unregister_is_a_barrier_for_a_same_host_peer_copying_through_cuda_ipc() {
+    in_child("child_ipc_barrier_target", Some(&mock_dir()));
+}
+
+/// The target: its GPU memory unregistered while another process's WRITE copies into it
+/// through CUDA IPC (each copy made slow by the mock there). `unregister_memory` must wait for
+/// the copy in flight; once it returned, the memory never changes again; a WRITE reported
+/// COMPLETED landed.
+#[test]
+#[ignore = "run by unregister_is_a_barrier_for_a_same_host_peer_copying_through_cuda_ipc in a child process"]
+fn child_ipc_barrier_target() {
+    use std::io::BufRead;
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    let e = engine(TransportMode::Auto);
+    let len = 1 << 20;
+    let g = gpu_alloc(c, 0, &pattern(len, 61));
+    e.register_memory(g, len as u64, "cuda:0").unwrap();
+    let lib = std::env::var_os("LD_LIBRARY_PATH").expect("the mock's directory");
+    let mut kid = Command::new(std::env::current_exe().unwrap())
+        .args(["child_ipc_barrier_initiator", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("KVF_GPU_CHILD", "1")
+        .env("LD_LIBRARY_PATH", &lib)
+        .env("KVF_TARGET", e.segment_name())
+        .env("KVF_TARGET_GPU", g.to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = kid.stderr.take().unwrap();
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut err, &mut s);
+        s
+    });
+    let mut lines = std::io::BufReader::new(kid.stdout.take().unwrap()).lines();
+    let mut said = Vec::new();
+    loop {
+        match lines.next() {
+            // (The test harness prints the test's name first, on the same line.)
+            Some(Ok(l)) if l.contains("KVF_COPYING") => break,
+            Some(Ok(l)) => said.push(l),
+            _ => panic!("the initiator ended before copying: {said:?}\n{}", err.join().unwrap_or_default()),
+        }
+    }
+    // The initiator's copy (800 ms in the mock) is in flight now.
+    std::thread::sleep(Duration::from_millis(200));
+    let t = std::time::Instant::now();
+    e.unregister_memory(g).unwrap();
+    let waited = t.elapsed();
+    let frozen = gpu_read(c, 0, g, len);
+    std::thread::sleep(Duration::from_millis(1000));
+    assert!(gpu_read(c, 0, g, len) == frozen, "GPU memory changed after unregister_memory returned");
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert!(kid.wait().unwrap().success(), "the initiator failed: {rest:?}\n{}", err.join().unwrap_or_default());
+    let status = rest.iter().find_map(|l| l.split("KVF_STATUS ").nth(1)).expect("the initiator's WRITE status").trim().to_string();
+    if status == "Completed" {
+        assert!(frozen == pattern(len, 62), "a WRITE reported COMPLETED did not land before unregister returned");
+    }
+    assert!(waited >= Duration::from_millis(300), "unregister returned after {waited:?}, while a copy of 800 ms was in flight ({status})");
+    c.on_device(0, |d| d.mem_free(g)).unwrap();
+}
+
+/// The initiator: one WRITE into the target's GPU memory through CUDA IPC, its copy slowed
+/// to 800 ms by the mock; says when it starts and how it ended.
+#[test]
+#[ignore = "run by child_ipc_barrier_target in a grandchild process"]
+fn child_ipc_barrier_initiator() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    // SAFETY: the mock's knobs (see mock_cuda.c); the library is the one the engine loaded.
+    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.unwrap();
+    let delay: libloading::Symbol<unsafe extern "C" fn(u32)> = unsafe { lib.get(b"mock_cuda_copy_delay_us\0") }.unwrap();
+    let e = engine(TransportMode::Auto);
+    let len = 1 << 20;
+    let mine = gpu_alloc(c, 1, &pattern(len, 62));
+    e.register_memory(mine, len as u64, "*").unwrap();
+    let seg = e.open_segment(&std::env::var("KVF_TARGET").unwrap()).unwrap();
+    let tg: u64 = std::env::var("KVF_TARGET_GPU").unwrap().parse().unwrap();
+    let before = kvferry::transport::shm::gpu_ipc_bytes();
+    unsafe { delay(800_000) };
+    println!("KVF_COPYING");
+    let st = e.transfer_sync(&[TransferRequest { opcode: Opcode::Write, source: mine, target_id: seg, target_offset: tg, length: len as u64 }], Duration::from_secs(10)).unwrap();
+    unsafe { delay(0) };
+    println!("KVF_STATUS {:?}", st.status);
+    assert!(st.status != TaskStatus::Completed || kvferry::transport::shm::gpu_ipc_bytes() - before == len as u64, "a COMPLETED WRITE went through CUDA IPC");
+    e.unregister_memory(mine).unwrap();
+}

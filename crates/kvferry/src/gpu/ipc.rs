@@ -1,13 +1,13 @@
-//! GPU memory shared between processes of one host with CUDA IPC handles: the groundwork of
-//! same-host GPU→GPU transfers (issue 13, item 4). A process [`export`]s a registered range of
+//! GPU memory shared between processes of one host with CUDA IPC handles, for same-host
+//! GPU→GPU transfers. A process [`export`]s a registered range of
 //! its GPU memory (a `cuMemAlloc` allocation's handle, the range's offset in it and length);
 //! another process [`open`]s it on one of its GPUs and copies device to device
 //! ([`Cuda::dtod`](super::Cuda::dtod)), over NVLink where the GPUs have it.
 //!
-//! Not yet: publishing exports in the segment descriptor, and the engine choosing this path
-//! for same-host GPU↔GPU pieces (as it chooses shared memory for host memory). CUDA virtual
-//! memory (`cuMemCreate`, PyTorch's expandable segments) has no legacy IPC handle: exporting
-//! it is refused, saying so.
+//! The shared-memory transport publishes the exports in its descriptor field and copies
+//! same-host peers' GPU memory through them (`transport/shm/gpu.rs`). CUDA virtual memory
+//! (`cuMemCreate`, PyTorch's expandable segments) has no legacy IPC handle: exporting it is
+//! refused, saying so (such memory then moves over TCP).
 
 use super::driver::{IpcMemHandle, Pointer};
 use super::{cuda, Cuda};

@@ -26,6 +26,8 @@ pub struct ShmPeer {
     pub(super) cookie: String,
     /// The peer's shareable buffers mapped here, for the descriptor they were read from.
     pub(super) maps: Mutex<MapCache>,
+    /// The peer's GPU memory opened here through CUDA IPC.
+    pub(super) gpu: super::gpu::Opens,
     /// The process that attached (see [`foreign`]).
     pub(super) home: u32,
 }
@@ -128,6 +130,7 @@ impl ShmPeer {
             owner,
             cookie: info.cookie.clone(),
             maps: Mutex::default(),
+            gpu: Default::default(),
             home: std::process::id(),
         })
     }

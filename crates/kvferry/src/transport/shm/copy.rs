@@ -18,6 +18,8 @@ pub(super) struct Job {
     pub(super) shm: Arc<ShmPeer>,
     pub(super) peer: Arc<Peer>,
     pub(super) pieces: Vec<Piece>,
+    /// The pieces' remote ranges are the peer's GPU memory, opened through CUDA IPC.
+    pub(super) gpu: bool,
 }
 
 #[derive(Default)]
@@ -66,7 +68,10 @@ pub(super) fn errno_reason(peer: &str, pid: i32, p: &Piece, e: &io::Error) -> St
 
 /// Copies the pieces of one job: check bounds and epoch, copy, check the peer still lives.
 pub(super) fn run_job(shared: &Shared, job: Job) {
-    let Job { shm, peer, mut pieces } = job;
+    let Job { shm, peer, mut pieces, gpu } = job;
+    if gpu {
+        return super::gpu::run(shared, &shm, &peer, pieces);
+    }
     let now = Instant::now();
     pieces.retain(|p| {
         if now >= p.task.deadline() {

@@ -152,6 +152,8 @@ impl ShmPeer {
         }
         if all {
             c.desc = None;
+            // Its GPU memory opened here is closed too (once no copy holds it).
+            self.gpu.clear();
         }
         dropped
     }

@@ -97,11 +97,13 @@ use std::time::{Duration, Instant};
 mod attach;
 mod copy;
 mod ctl;
+mod gpu;
 mod maps;
 mod sys;
 
 pub use attach::ShmPeer;
 pub use ctl::CTL_LEN;
+pub use gpu::{gpu_ipc_bytes, GpuExport};
 pub use sys::{ptrace_scope, simulate_cma_denied};
 
 use copy::*;
@@ -176,6 +178,10 @@ pub struct ShmInfo {
     /// these and copy with `memcpy`. Absent in descriptors of engines before this field.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub maps: Vec<MapInfo>,
+    /// Registered GPU memory exported through CUDA IPC: a peer opens it and copies with the
+    /// CUDA driver (see `gpu.rs`). Absent when there is none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<GpuExport>,
 }
 
 /// A shareable (memfd-backed) buffer of the publishing process.
@@ -396,6 +402,8 @@ pub struct ShmTransport {
     shut: AtomicBool,
     /// The process that created the transport (see [`foreign`]).
     home: u32,
+    /// CUDA IPC exports of the registered GPU ranges (offered to peers).
+    exports: gpu::Exports,
 }
 
 impl ShmTransport {
@@ -438,6 +446,7 @@ impl ShmTransport {
             }),
             shut: AtomicBool::new(false),
             home: std::process::id(),
+            exports: gpu::Exports::default(),
         }
     }
 
@@ -472,6 +481,7 @@ impl ShmTransport {
             cookie: c.map.cookie_hex(),
             epoch: c.map.epoch().load(Ordering::SeqCst),
             maps: Vec::new(),
+            gpus: self.exports.list(),
         };
         Some(info)
     }
@@ -575,6 +585,51 @@ impl ShmTransport {
         ShmPeer::attach(&info, self.owner, segment)
     }
 
+    /// Same-host GPU memory: takes the pieces whose remote range lies in GPU memory a
+    /// verified peer exports through CUDA IPC (and that opens here), and copies them with the
+    /// driver; returns the others untouched (then staged over TCP). Costs one field lookup
+    /// when the peer exports no GPU memory.
+    pub fn take_gpu_ipc(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) -> Vec<Piece> {
+        if self.mode == TransportMode::Tcp || self.mode == TransportMode::Rdma {
+            return pieces;
+        }
+        let desc = peer.desc();
+        if desc.extra.get(FIELD).and_then(|v| v.get("gpus")).is_none() {
+            return pieces;
+        }
+        let Ok(shm) = self.select(peer) else { return pieces };
+        let (taken, rest) = gpu::split(&shm, &desc, pieces);
+        if taken.is_empty() {
+            return rest;
+        }
+        let job = Job { shm, peer: Arc::clone(peer), pieces: taken, gpu: true };
+        let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if inline || q.shutdown || q.workers == 0 && self.threads == 0 {
+            drop(q);
+            run_job(&self.shared, job);
+            return rest;
+        }
+        q.jobs.push_back(job);
+        if q.workers < self.threads {
+            let shared = Arc::clone(&self.shared);
+            match std::thread::Builder::new().name("kvf-shm".into()).spawn(move || worker(shared)) {
+                Ok(_) => q.workers += 1,
+                Err(e) => tracing::warn!("cannot start a shared-memory worker thread: {e}"),
+            }
+        }
+        if q.workers == 0 {
+            let jobs: Vec<Job> = q.jobs.drain(..).collect();
+            drop(q);
+            for j in jobs {
+                run_job(&self.shared, j);
+            }
+            return rest;
+        }
+        drop(q);
+        self.shared.cv.notify_one();
+        rest
+    }
+
     /// Queues (or, when small, runs here) pieces for a verified peer.
     pub fn submit_to(&self, peer: &Arc<Peer>, shm: Arc<ShmPeer>, pieces: Vec<Piece>, inline: bool) {
         if self.shut.load(Ordering::Acquire) {
@@ -585,7 +640,7 @@ impl ShmTransport {
         }
         let total: u64 = pieces.iter().map(|p| p.len).sum();
         if total <= INLINE_BYTES || (inline && pieces.len() == 1 && total <= CHUNK) {
-            run_job(&self.shared, Job { shm, peer: Arc::clone(peer), pieces });
+            run_job(&self.shared, Job { shm, peer: Arc::clone(peer), pieces, gpu: false });
             return;
         }
         // Cut large pieces, then gather pieces into jobs of about CHUNK bytes.
@@ -594,7 +649,7 @@ impl ShmTransport {
         let mut cur_bytes = 0u64;
         let push = |p: Piece, jobs: &mut Vec<Job>, cur: &mut Vec<Piece>, cur_bytes: &mut u64| {
             if !cur.is_empty() && (*cur_bytes + p.len > CHUNK || cur.len() >= MAX_IOV) {
-                jobs.push(Job { shm: Arc::clone(&shm), peer: Arc::clone(peer), pieces: std::mem::take(cur) });
+                jobs.push(Job { shm: Arc::clone(&shm), peer: Arc::clone(peer), pieces: std::mem::take(cur), gpu: false });
                 *cur_bytes = 0;
             }
             *cur_bytes += p.len;
@@ -616,7 +671,7 @@ impl ShmTransport {
             }
         }
         if !cur.is_empty() {
-            jobs.push(Job { shm: Arc::clone(&shm), peer: Arc::clone(peer), pieces: cur });
+            jobs.push(Job { shm: Arc::clone(&shm), peer: Arc::clone(peer), pieces: cur, gpu: false });
         }
         let n = jobs.len();
         let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
@@ -680,9 +735,19 @@ impl Transport for ShmTransport {
         }
     }
 
+    /// GPU memory is exported through CUDA IPC for same-host peers (when this engine offers
+    /// shared memory at all).
+    fn on_register(&self, region: &crate::memory::Region) -> crate::Result<()> {
+        if self.local.is_some() {
+            self.exports.on_register(region);
+        }
+        Ok(())
+    }
+
     /// Called after a range left the registry: no copy into or out of it may be in flight
     /// once this returns.
     fn on_unregister(&self, region: &crate::memory::Region) {
+        self.exports.on_unregister(region);
         let Some(c) = &self.local else { return };
         c.map.epoch().fetch_add(1, Ordering::SeqCst);
         drain_fully(c, &format!("unregister of 0x{:x}", region.addr));

@@ -1,0 +1,229 @@
+//! Same-host GPU memory: a verified peer's GPU buffers, opened here through CUDA IPC and copied
+//! with the driver (device to device, over NVLink where the GPUs have it; or to and from host
+//! memory), as Mooncake's `nvlink_intra` does — under the same bounds, epoch and in-flight
+//! protocol as every other same-host copy, so the peer's `unregister` stays a barrier.
+//!
+//! The publisher exports each registered GPU range when it registers it ([`Exports`]) and
+//! lists the exports in its `kvferry_shm` field (`gpus`). An initiator that selected the peer
+//! opens an export once (cached per export in the [`ShmPeer`]) and then copies
+//! `[remote, +len)` at the opened address plus the remote range's offset in the export. A
+//! range not covered by an export (CUDA virtual memory, an export that failed) is left to TCP.
+
+use super::attach::ShmPeer;
+use super::{Shared, ShmInfo, FIELD};
+use crate::batch::{FailCause, FailKind};
+use crate::gpu::ipc::{self, Export, Opened};
+use crate::memory::Region;
+use crate::transport::{Peer, Piece};
+use crate::wire::descriptor::SegmentDesc;
+use crate::wire::tcp::Opcode;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Bytes this process moved to or from same-host peers' GPU memory through CUDA IPC.
+static GPU_IPC_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes this process has copied to or from same-host peers' GPU memory through CUDA IPC.
+pub fn gpu_ipc_bytes() -> u64 {
+    GPU_IPC_BYTES.load(Ordering::Relaxed)
+}
+
+/// A registered GPU range of the publisher and its CUDA IPC export.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuExport {
+    /// The range in the publisher's address space.
+    pub addr: u64,
+    pub len: u64,
+    /// [`Export::encode`]'s form.
+    pub export: String,
+}
+
+/// This engine's exports of its registered GPU ranges (by range start).
+#[derive(Default)]
+pub(super) struct Exports(Mutex<BTreeMap<u64, GpuExport>>);
+
+impl Exports {
+    pub(super) fn on_register(&self, r: &Region) {
+        if r.gpu.is_none() {
+            return;
+        }
+        match ipc::export(r.addr, r.len) {
+            Ok(e) => {
+                self.0.lock().unwrap_or_else(|e| e.into_inner()).insert(r.addr, GpuExport { addr: r.addr, len: r.len, export: e.encode() });
+            }
+            Err(why) => tracing::debug!("GPU memory [0x{:x}, +{}) is not offered to same-host peers through CUDA IPC ({why}); they reach it over TCP", r.addr, r.len),
+        }
+    }
+
+    pub(super) fn on_unregister(&self, r: &Region) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(&r.addr);
+    }
+
+    pub(super) fn list(&self) -> Vec<GpuExport> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect()
+    }
+}
+
+/// The exports a descriptor publishes (none when it publishes no field or no GPU memory).
+fn exports_of(desc: &SegmentDesc) -> Vec<GpuExport> {
+    desc.extra.get(FIELD).and_then(|v| v.get("gpus")).and_then(|g| serde_json::from_value(g.clone()).ok()).unwrap_or_default()
+}
+
+/// The export covering `[remote, +len)` in `list`.
+fn covering(list: &[GpuExport], remote: u64, len: u64) -> Option<&GpuExport> {
+    list.iter().find(|e| remote >= e.addr && remote.checked_add(len).is_some_and(|end| end <= e.addr + e.len))
+}
+
+/// What an initiator opened of one peer: per export string, the mapping here (or why it
+/// could not be opened, so it is not tried again for that export).
+#[derive(Default)]
+pub(crate) struct Opens(Mutex<HashMap<String, Result<Arc<Opened>, String>>>);
+
+impl Opens {
+    /// `e` opened here (on the local GPU `near`, else the exporter's GPU, else GPU 0).
+    fn open(&self, e: &GpuExport, near: Option<u32>) -> Result<Arc<Opened>, String> {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(r) = m.get(&e.export) {
+            return r.clone();
+        }
+        let r = Export::decode(&e.export).and_then(|x| {
+            let gpus = crate::gpu::cuda().ok().and_then(|c| c.driver().devices().ok()).map_or(0, |d| d.len() as u32);
+            let on = near.unwrap_or(if x.ordinal < gpus { x.ordinal } else { 0 });
+            ipc::open(&x, on).map(Arc::new)
+        });
+        if let Err(why) = &r {
+            tracing::debug!("a same-host peer's GPU memory cannot be opened here ({why}); it is reached over TCP");
+        }
+        m.insert(e.export.clone(), r.clone());
+        r
+    }
+
+    /// Closes what the peer no longer exports (once no copy uses it).
+    fn retain(&self, list: &[GpuExport]) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).retain(|k, _| list.iter().any(|e| &e.export == k));
+    }
+
+    pub(super) fn clear(&self) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}
+
+/// Splits off the pieces whose remote range lies in GPU memory `peer` exports and that this
+/// process can open: `(taken, rest)`.
+pub(super) fn split(shm: &ShmPeer, desc: &SegmentDesc, pieces: Vec<Piece>) -> (Vec<Piece>, Vec<Piece>) {
+    let list = exports_of(desc);
+    if list.is_empty() {
+        return (Vec::new(), pieces);
+    }
+    shm.gpu.retain(&list);
+    pieces.into_iter().partition(|p| covering(&list, p.remote, p.len).is_some_and(|e| shm.gpu.open(e, p.guard.region().gpu).is_ok()))
+}
+
+/// Copies pieces into or out of the peer's GPU memory: bounds against the current descriptor,
+/// the in-flight counter raised and the epoch checked around the copies (as every same-host
+/// copy), then the driver's copy for each; done only if the peer process lived throughout.
+pub(super) fn run(shared: &Shared, shm: &ShmPeer, peer: &Arc<Peer>, mut pieces: Vec<Piece>) {
+    let cuda = match crate::gpu::cuda() {
+        Ok(c) => c,
+        Err(why) => return super::copy::fail_all(pieces, FailKind::Failed, FailCause::Other, &format!("GPU memory cannot be copied: {why}")),
+    };
+    let now = Instant::now();
+    pieces.retain(|p| {
+        if now >= p.task.deadline() {
+            p.task.piece_failed(FailKind::Timeout, format!("{}: the request waited past its deadline before it could be copied", peer.name));
+            false
+        } else {
+            p.task.set_pending();
+            true
+        }
+    });
+    let mut refreshed = 0;
+    while !pieces.is_empty() {
+        if shm.exited_lately() {
+            return super::copy::fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: process {} exited", peer.name, shm.pid));
+        }
+        let desc = peer.desc();
+        let desc_epoch = match ShmInfo::cookie_epoch(&desc) {
+            Some((c, e)) if c == shm.cookie => e,
+            _ => return super::copy::fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: the peer restarted or stopped offering shared memory during the transfer", peer.name)),
+        };
+        let list = exports_of(&desc);
+        // Bounds: only ranges inside exports of the current descriptor.
+        let mut targets = Vec::with_capacity(pieces.len());
+        pieces.retain(|p| match covering(&list, p.remote, p.len).filter(|_| desc.find_buffer(p.remote, p.len).is_some()) {
+            Some(e) => match shm.gpu.open(e, p.guard.region().gpu) {
+                Ok(o) => {
+                    targets.push((o, p.remote - e.addr));
+                    true
+                }
+                Err(why) => {
+                    p.task.piece_failed(FailKind::Failed, FailCause::Other.because(format!("{}: its GPU memory cannot be opened here: {why}", peer.name)));
+                    false
+                }
+            },
+            None => {
+                let e = crate::Error::RemoteNotRegistered { segment: peer.name.clone(), addr: p.remote, len: p.len };
+                p.task.piece_failed(FailKind::Failed, &e);
+                false
+            }
+        });
+        if pieces.is_empty() {
+            return;
+        }
+        let active = shm.ctl.active(shm.slot);
+        active.fetch_add(1, Ordering::SeqCst);
+        let epoch = shm.ctl.epoch().load(Ordering::SeqCst);
+        if epoch != desc_epoch {
+            active.fetch_sub(1, Ordering::SeqCst);
+            if shm.ctl.closed().load(Ordering::SeqCst) != 0 {
+                return super::copy::fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: the peer engine shut down", peer.name));
+            }
+            refreshed += 1;
+            let r = match (refreshed, shared.refresh.get()) {
+                (1..=3, Some(f)) => f(peer),
+                (1..=3, None) => Err("no way to refresh its descriptor".to_string()),
+                _ => Err("it keeps unregistering memory".to_string()),
+            };
+            if let Err(e) = r {
+                return super::copy::fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: its registrations changed and its descriptor cannot be re-read: {e}", peer.name));
+            }
+            continue;
+        }
+        let results: Vec<Result<(), String>> = pieces
+            .iter()
+            .zip(&targets)
+            .map(|(p, (o, off))| {
+                let remote = o.addr() + off;
+                let len = p.len as usize;
+                let on = o.on();
+                let r = match (p.opcode, p.guard.region().gpu) {
+                    // Device to device (unified addressing routes it between GPUs).
+                    (Opcode::Write, Some(_)) => cuda.dtod(on, remote, p.local, len),
+                    (Opcode::Read, Some(_)) => cuda.dtod(on, p.local, remote, len),
+                    // SAFETY (both): `p.local` lies in host memory registered with this engine
+                    // (its guard is held), `len` bytes of it.
+                    (Opcode::Write, None) => cuda.htod(on, remote, unsafe { std::slice::from_raw_parts(p.local as *const u8, len) }),
+                    (Opcode::Read, None) => cuda.dtoh(on, unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, len) }, remote),
+                };
+                r.map_err(|e| e.to_string())
+            })
+            .collect();
+        active.fetch_sub(1, Ordering::SeqCst);
+        let gone = shm.exited();
+        for (p, r) in pieces.into_iter().zip(results) {
+            match r {
+                _ if gone => p.task.piece_failed(FailKind::Failed, FailCause::PeerLost.because(format!("{}: process {} exited during the transfer", peer.name, shm.pid))),
+                Ok(()) => {
+                    GPU_IPC_BYTES.fetch_add(p.len, Ordering::Relaxed);
+                    let len = p.len;
+                    p.task.piece_done(len);
+                }
+                Err(e) => p.task.piece_failed(FailKind::Failed, FailCause::Other.because(format!("{}: GPU copy through CUDA IPC failed: {e}", peer.name))),
+            }
+        }
+        return;
+    }
+}
