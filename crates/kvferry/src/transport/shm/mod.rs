@@ -69,6 +69,10 @@
 //! redone by cross-memory attach (which reaches whatever the address holds now, or fails):
 //! a copy into a freed buffer's orphaned memfd is never reported COMPLETED.
 //!
+//! **GPU memory.** Registered GPU ranges are exported through CUDA IPC and listed under
+//! `gpus`; an initiator opens them and copies with the CUDA driver under the same bounds,
+//! epoch and in-flight protocol (`gpu.rs`), so `unregister` stays a barrier for them too.
+//!
 //! **Control region.** Its memfd is sealed (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`); an
 //! initiator refuses a region without the shrink seal, so a target cannot truncate the
 //! region under the initiator's mapping (which would raise SIGBUS in the initiator).
