@@ -598,7 +598,7 @@ impl ShmTransport {
             return pieces;
         }
         let desc = peer.desc();
-        if desc.extra.get(FIELD).and_then(|v| v.get("gpus")).is_none() {
+        if !desc.buffers.iter().any(|b| b.name.starts_with("cuda:")) || desc.extra.get(FIELD).and_then(|v| v.get("gpus")).is_none() {
             return pieces;
         }
         let Ok(shm) = self.select(peer) else { return pieces };
