@@ -6,6 +6,10 @@
 //!  2. CUDA IPC: GPU 0 memory exported (`kvferry::gpu::ipc`), opened by a second process (this
 //!     program again) on the last GPU, copied device to device both ways, bytes compared;
 //!     GB/s beside a plain device-to-device copy between the same GPUs in one process.
+//!  3. The engine's same-host GPU path: GPU 0 memory registered with an engine here, READ into
+//!     the last GPU by an engine in a second process (the shared-memory transport opens the
+//!     peer's CUDA IPC export and copies device to device), timed, bytes compared, and the
+//!     bytes counted on the IPC path (none over TCP); GB/s beside the plain copy.
 //! Prints one JSON object (and writes `$OUT/gpu-same-host.json` when `OUT` is set); exits 1
 //! when a check fails. Arguments: [MiB, default 256] [passes, default 3].
 
@@ -39,6 +43,9 @@ fn main() {
     if args.get(1).map(String::as_str) == Some("--import") {
         return import(cuda, &args[2..]);
     }
+    if args.get(1).map(String::as_str) == Some("--engine-read") {
+        return engine_read(cuda, &args[2..]);
+    }
     let mib: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(256);
     let passes: u32 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(3);
     let last = gpu::probe().gpus.len().max(1) as u32 - 1;
@@ -64,12 +71,27 @@ fn main() {
     let mut got = vec![0u8; len];
     cuda.dtoh(0, &mut got, src).unwrap_or_else(|e| fail(format!("read back: {e}")));
     let ipc_ok = got == pattern(len, 2);
+    // The engine's path: src (now pattern 2) registered here, read by another process's engine.
+    let engine = TransferEngine::new(Config { transport: TransportMode::Auto, ..Config::default() }).unwrap_or_else(|e| fail(format!("engine: {e}")));
+    engine.register_memory(src, len as u64, "cuda:0").unwrap_or_else(|e| fail(format!("registering GPU 0 memory: {e}")));
+    let exe = std::env::current_exe().unwrap_or_else(|e| fail(format!("this program's path: {e}")));
+    let out = std::process::Command::new(exe)
+        .args(["--engine-read", engine.segment_name(), &src.to_string(), &len.to_string(), &last.to_string(), &passes.to_string()])
+        .output()
+        .unwrap_or_else(|e| fail(format!("starting the reading process: {e}")));
+    let child = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        fail(format!("the reading process failed: {child}{}", String::from_utf8_lossy(&out.stderr)));
+    }
+    let engine_gbps: f64 = child.trim().parse().unwrap_or_else(|_| fail(format!("the reading process printed {child:?}")));
+    drop(engine);
     let _ = cuda.on_device(0, |d| d.mem_free(src));
     let _ = cuda.on_device(last, |d| d.mem_free(dst));
 
     let out = serde_json::json!({
         "vmm_registration_and_tcp": vmm_ok, "ipc_verified": ipc_ok, "bytes": len, "passes": passes, "gpus": [0, last],
         "ipc_dtod_gbps": ipc_gbps, "local_dtod_gbps": local_gbps, "ipc_vs_local": ipc_gbps / local_gbps,
+        "engine_ipc_read_gbps": engine_gbps, "engine_ipc_vs_local": engine_gbps / local_gbps,
     });
     let text = serde_json::to_string_pretty(&out).unwrap_or_default();
     println!("{text}");
@@ -99,6 +121,43 @@ fn import(cuda: &'static Cuda, args: &[String]) {
     cuda.htod(on, mine, &pattern(len, 2)).unwrap_or_else(|e| fail(format!("fill: {e}")));
     cuda.dtod(on, opened.addr(), mine, len).unwrap_or_else(|e| fail(format!("cuMemcpyDtoD into the opened memory: {e}")));
     drop(opened);
+    let _ = cuda.on_device(on, |d| d.mem_free(mine));
+    println!("{gbps}");
+}
+
+/// The second process of check 3: an engine that READs `len` bytes of the peer segment's GPU
+/// memory at `addr` into its own memory on GPU `on`, `passes` times; checks the bytes and that
+/// they came through CUDA IPC; prints the best GB/s.
+fn engine_read(cuda: &'static Cuda, args: &[String]) {
+    let arg = |i: usize| args.get(i).cloned().unwrap_or_default();
+    let (segment, addr, len, on, passes): (String, u64, usize, u32, u32) =
+        (arg(0), arg(1).parse().unwrap_or(0), arg(2).parse().unwrap_or(0), arg(3).parse().unwrap_or(0), arg(4).parse().unwrap_or(3));
+    let e = TransferEngine::new(Config { transport: TransportMode::Auto, ..Config::default() }).unwrap_or_else(|e| fail(format!("engine: {e}")));
+    let mine = cuda.on_device(on, |d| d.mem_alloc(len)).unwrap_or_else(|e| fail(format!("cuMemAlloc: {e}")));
+    e.register_memory(mine, len as u64, "*").unwrap_or_else(|e| fail(format!("registering GPU {on} memory: {e}")));
+    let seg = e.open_segment(&segment).unwrap_or_else(|e| fail(format!("open_segment {segment}: {e}")));
+    let via = e.segment_transport(seg).map(|t| t.name).unwrap_or("?");
+    if via != "shm" {
+        fail(format!("the same-host peer is reached by {via}, not shared memory"));
+    }
+    let before = kvferry::transport::shm::gpu_ipc_bytes();
+    let req = TransferRequest { opcode: Opcode::Read, source: mine, target_id: seg, target_offset: addr, length: len as u64 };
+    let gbps = best_gbps(len, passes, || {
+        let st = e.transfer_sync(std::slice::from_ref(&req), Duration::from_secs(60)).unwrap_or_else(|e| fail(format!("READ: {e}")));
+        if st.status != TaskStatus::Completed {
+            fail(format!("READ of the peer's GPU memory ended {:?}: {:?}", st.status, st.reason));
+        }
+    });
+    let moved = kvferry::transport::shm::gpu_ipc_bytes() - before;
+    if moved != len as u64 * u64::from(passes.max(1)) {
+        fail(format!("{moved} bytes went through CUDA IPC, not {} (the rest took another path)", len as u64 * u64::from(passes.max(1))));
+    }
+    let mut got = vec![0u8; len];
+    cuda.dtoh(on, &mut got, mine).unwrap_or_else(|e| fail(format!("read back: {e}")));
+    if got != pattern(len, 2) {
+        fail("bytes read through the engine's same-host GPU path differ".into());
+    }
+    let _ = e.unregister_memory(mine);
     let _ = cuda.on_device(on, |d| d.mem_free(mine));
     println!("{gbps}");
 }

@@ -944,13 +944,15 @@ impl Inner {
     fn dispatch(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) {
         // GPU memory that RDMA reaches as it is (registered on the NICs, the peer's keys
         // published) goes there directly: the NICs read and write it (GPUDirect RDMA).
+        // (Host memory to a peer without GPU memory, the common case, skips all of it.)
+        let local_gpu = pieces.iter().any(|p| p.guard.region().gpu.is_some());
         let pieces = match &self.rdma {
-            Some(t) if peer.id != LOCAL_SEGMENT_ID => t.take_gpu_direct(peer, pieces),
+            Some(t) if peer.id != LOCAL_SEGMENT_ID && (local_gpu || peer.has_gpu()) => t.take_gpu_direct(peer, pieces),
             _ => pieces,
         };
         // GPU memory of a same-host peer that it exports through CUDA IPC: opened here and
         // copied by the driver (device to device where both are GPU memory).
-        let pieces = if peer.id != LOCAL_SEGMENT_ID { self.shm.take_gpu_ipc(peer, pieces, inline) } else { pieces };
+        let pieces = if peer.id != LOCAL_SEGMENT_ID && peer.has_gpu() { self.shm.take_gpu_ipc(peer, pieces, inline) } else { pieces };
         if pieces.is_empty() {
             return;
         }
@@ -1004,6 +1006,9 @@ impl Inner {
 /// Splits off the pieces whose remote range lies in a buffer the peer published as GPU memory
 /// (`cuda:N`); costs nothing when it publishes none.
 fn split_gpu_remote(peer: &Peer, pieces: Vec<Piece>) -> (Vec<Piece>, Vec<Piece>) {
+    if !peer.has_gpu() {
+        return (pieces, Vec::new());
+    }
     let desc = peer.desc();
     let gpu = |b: &BufferDesc| b.name.starts_with("cuda:");
     if !desc.buffers.iter().any(gpu) {

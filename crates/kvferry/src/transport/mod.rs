@@ -55,11 +55,24 @@ pub struct Peer {
     /// Host part of the name: where the peer's listeners are.
     pub host: String,
     desc: RwLock<Arc<SegmentDesc>>,
+    /// The descriptor publishes GPU memory (a `cuda:N` buffer): read on every dispatch, so a
+    /// peer without GPU memory costs one atomic load there, not a descriptor look.
+    gpu: std::sync::atomic::AtomicBool,
+}
+
+fn publishes_gpu(d: &SegmentDesc) -> bool {
+    d.buffers.iter().any(|b| b.name.starts_with("cuda:"))
 }
 
 impl Peer {
     pub fn new(id: u64, name: String, host: String, desc: SegmentDesc) -> Peer {
-        Peer { id, name, host, desc: RwLock::new(Arc::new(desc)) }
+        let gpu = std::sync::atomic::AtomicBool::new(publishes_gpu(&desc));
+        Peer { id, name, host, desc: RwLock::new(Arc::new(desc)), gpu }
+    }
+
+    /// Whether the cached descriptor publishes GPU memory.
+    pub fn has_gpu(&self) -> bool {
+        self.gpu.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// The cached descriptor.
@@ -68,7 +81,9 @@ impl Peer {
     }
 
     pub fn set_desc(&self, desc: SegmentDesc) {
-        *self.desc.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(desc);
+        let mut d = self.desc.write().unwrap_or_else(|e| e.into_inner());
+        self.gpu.store(publishes_gpu(&desc), std::sync::atomic::Ordering::Release);
+        *d = Arc::new(desc);
     }
 }
 
