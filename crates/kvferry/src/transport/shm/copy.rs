@@ -127,11 +127,15 @@ pub(super) fn run_job(shared: &Shared, job: Job) {
             }
             continue;
         }
-        let results = copy_all(shm.pid, &pieces, &mapped);
+        let (results, by_pid) = copy_all(shm.pid, &pieces, &mapped);
         drop(maps);
         active.fetch_sub(1, Ordering::SeqCst);
-        // The PID named the verified process throughout only if it is still alive now.
-        let gone = shm.exited();
+        // A cross-memory copy reached the verified process only if its PID still names it
+        // now: checked after every such copy. A copy into a mapped buffer reached the buffer
+        // itself (its memfd, verified by identity, alive before and after the copy): no PID
+        // was involved, so the 1 ms-fresh answer suffices there (one system call less per
+        // small request).
+        let gone = if by_pid { shm.exited() } else { shm.exited_lately() };
         for (p, r) in pieces.into_iter().zip(results) {
             match r {
                 _ if gone => p.task.piece_failed(FailKind::Failed, FailCause::PeerLost.because(format!("{}: process {} exited during the transfer", peer.name, shm.pid))),
@@ -156,13 +160,14 @@ pub(super) fn run_job(shared: &Shared, job: Job) {
 
 /// Copies every piece: into or out of the peer's memory mapped here where `mapped` has the
 /// address, else by cross-memory attach (runs of the same opcode share one system call).
-/// One result per piece.
+/// One result per piece, and whether any cross-memory (PID-addressed) copy was made.
 ///
 /// A mapped copy counts only if the buffer was alive (not freed by its owner) before and
 /// after it; otherwise it is redone by cross-memory attach, which reaches whatever the
 /// address holds now (a new buffer there) or fails: never "done" into an orphaned memfd.
-pub(super) fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<(&PeerMap, *mut u8)>]) -> Vec<io::Result<()>> {
+pub(super) fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<(&PeerMap, *mut u8)>]) -> (Vec<io::Result<()>>, bool) {
     let mut out: Vec<io::Result<()>> = Vec::with_capacity(pieces.len());
+    let mut by_pid = false;
     let mut mapped: Vec<Option<(&PeerMap, *mut u8)>> = mapped.iter().map(|m| m.filter(|(m, _)| m.alive())).collect();
     let mut i = 0;
     while i < pieces.len() {
@@ -197,6 +202,7 @@ pub(super) fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<(&PeerMap, *
             j += 1;
         }
         let run = &pieces[i..j];
+        by_pid = true;
         let local: Vec<libc::iovec> = run.iter().map(|p| libc::iovec { iov_base: p.local as *mut libc::c_void, iov_len: p.len as usize }).collect();
         let remote: Vec<libc::iovec> = run.iter().map(|p| libc::iovec { iov_base: p.remote as *mut libc::c_void, iov_len: p.len as usize }).collect();
         let total: usize = local.iter().map(|v| v.iov_len).sum();
@@ -227,5 +233,5 @@ pub(super) fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<(&PeerMap, *
         }
         i = j;
     }
-    out
+    (out, by_pid)
 }

@@ -51,12 +51,14 @@
 //! (the wait is bounded by `KVFERRY_TRANSFER_TIMEOUT`; a slot whose owner process died is
 //! cleared). A copy is at most [`CHUNK`] bytes, so the wait is short.
 //!
-//! **Peer identity and exit.** The pidfd is polled after each system call, and before it
-//! unless the last "alive" answer is younger than 1 ms (a PID is reused only after its
-//! process exited, was reaped and the PID counter wrapped). A copy is reported COMPLETED only
-//! if the peer was alive after it, i.e. the PID still named the verified process during the
-//! whole call. A peer that exits fails its requests (`FAILED`, "process exited"), never the
-//! survivor.
+//! **Peer identity and exit.** The pidfd is polled after each cross-memory (PID-addressed)
+//! system call, and before it unless the last "alive" answer is younger than 1 ms (a PID is
+//! reused only after its process exited, was reaped and the PID counter wrapped). Such a copy
+//! is reported COMPLETED only if the peer was alive after it, i.e. the PID still named the
+//! verified process during the whole call. A copy into a mapped buffer addresses no PID (it
+//! reaches the memfd itself, verified by identity, alive before and after): a 1 ms-fresh
+//! answer stands there, which saves a system call per small request. A peer that exits fails
+//! its requests (`FAILED`, "process exited"), never the survivor.
 //!
 //! **Mapped buffers.** A peer's buffers that kvferry allocated ([`crate::hostbuf`]) are
 //! published in `maps` with their identity: the memfd's inode and the buffer's random
