@@ -58,32 +58,14 @@ fn main() {
     cuda.htod(0, src, &pattern(len, 1)).unwrap_or_else(|e| fail(format!("fill: {e}")));
     let local_gbps = best_gbps(len, passes, || cuda.dtod(last, dst, src, len).unwrap_or_else(|e| fail(format!("cuMemcpyDtoD: {e}"))));
     let e = ipc::export(src, len as u64).unwrap_or_else(|e| fail(e));
-    let exe = std::env::current_exe().unwrap_or_else(|e| fail(format!("this program's path: {e}")));
-    let out = std::process::Command::new(exe)
-        .args(["--import", &e.encode(), &last.to_string(), &passes.to_string()])
-        .output()
-        .unwrap_or_else(|e| fail(format!("starting the importing process: {e}")));
-    let child = String::from_utf8_lossy(&out.stdout).into_owned();
-    if !out.status.success() {
-        fail(format!("the importing process failed: {child}{}", String::from_utf8_lossy(&out.stderr)));
-    }
-    let ipc_gbps: f64 = child.trim().parse().unwrap_or_else(|_| fail(format!("the importing process printed {child:?}")));
+    let ipc_gbps = second_process("importing", &["--import", &e.encode(), &last.to_string(), &passes.to_string()]);
     let mut got = vec![0u8; len];
     cuda.dtoh(0, &mut got, src).unwrap_or_else(|e| fail(format!("read back: {e}")));
     let ipc_ok = got == pattern(len, 2);
     // The engine's path: src (now pattern 2) registered here, read by another process's engine.
     let engine = TransferEngine::new(Config { transport: TransportMode::Auto, ..Config::default() }).unwrap_or_else(|e| fail(format!("engine: {e}")));
     engine.register_memory(src, len as u64, "cuda:0").unwrap_or_else(|e| fail(format!("registering GPU 0 memory: {e}")));
-    let exe = std::env::current_exe().unwrap_or_else(|e| fail(format!("this program's path: {e}")));
-    let out = std::process::Command::new(exe)
-        .args(["--engine-read", engine.segment_name(), &src.to_string(), &len.to_string(), &last.to_string(), &passes.to_string()])
-        .output()
-        .unwrap_or_else(|e| fail(format!("starting the reading process: {e}")));
-    let child = String::from_utf8_lossy(&out.stdout).into_owned();
-    if !out.status.success() {
-        fail(format!("the reading process failed: {child}{}", String::from_utf8_lossy(&out.stderr)));
-    }
-    let engine_gbps: f64 = child.trim().parse().unwrap_or_else(|_| fail(format!("the reading process printed {child:?}")));
+    let engine_gbps = second_process("reading", &["--engine-read", engine.segment_name(), &src.to_string(), &len.to_string(), &last.to_string(), &passes.to_string()]);
     drop(engine);
     let _ = cuda.on_device(0, |d| d.mem_free(src));
     let _ = cuda.on_device(last, |d| d.mem_free(dst));
@@ -101,6 +83,18 @@ fn main() {
     if !(vmm_ok && ipc_ok) {
         fail(format!("VMM check {vmm_ok}, IPC bytes {ipc_ok}"));
     }
+}
+
+/// Runs this program again with `args` and returns the GB/s it prints (`what` names it in
+/// errors).
+fn second_process(what: &str, args: &[&str]) -> f64 {
+    let exe = std::env::current_exe().unwrap_or_else(|e| fail(format!("this program's path: {e}")));
+    let out = std::process::Command::new(exe).args(args).output().unwrap_or_else(|e| fail(format!("starting the {what} process: {e}")));
+    let child = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        fail(format!("the {what} process failed: {child}{}", String::from_utf8_lossy(&out.stderr)));
+    }
+    child.trim().parse().unwrap_or_else(|_| fail(format!("the {what} process printed {child:?}")))
 }
 
 /// The second process: opens the export on GPU `args[1]`, times device-to-device copies out

@@ -66,12 +66,9 @@ pub(super) fn errno_reason(peer: &str, pid: i32, p: &Piece, e: &io::Error) -> St
     }
 }
 
-/// Copies the pieces of one job: check bounds and epoch, copy, check the peer still lives.
-pub(super) fn run_job(shared: &Shared, job: Job) {
-    let Job { shm, peer, mut pieces, gpu } = job;
-    if gpu {
-        return super::gpu::run(shared, &shm, &peer, pieces);
-    }
+/// Fails the pieces whose deadline passed before they could be copied; marks the others
+/// pending (every same-host copy path starts so).
+pub(super) fn admit(peer: &Peer, pieces: &mut Vec<Piece>) {
     let now = Instant::now();
     pieces.retain(|p| {
         if now >= p.task.deadline() {
@@ -82,15 +79,75 @@ pub(super) fn run_job(shared: &Shared, job: Job) {
             true
         }
     });
+}
+
+/// The peer's current descriptor and the epoch it was published at, or why the copies must
+/// fail (the peer exited, restarted or stopped offering shared memory).
+pub(super) fn current(shm: &ShmPeer, peer: &Peer) -> Result<(Arc<crate::wire::descriptor::SegmentDesc>, u64), String> {
+    if shm.exited_lately() {
+        return Err(format!("{}: process {} exited", peer.name, shm.pid));
+    }
+    let desc = peer.desc();
+    match ShmInfo::cookie_epoch(&desc) {
+        Some((c, e)) if c == shm.cookie => Ok((Arc::clone(&desc), e)),
+        _ => Err(format!("{}: the peer restarted or stopped offering shared memory during the transfer", peer.name)),
+    }
+}
+
+/// What entering the copy window gave ([`enter`]).
+pub(super) enum Entered {
+    /// The in-flight counter is raised and the epoch is the descriptor's: copy, then
+    /// lower the counter.
+    Copy,
+    /// The peer unregistered memory meanwhile: its descriptor was re-read; check again.
+    Again,
+    /// Give up, failing the pieces for this reason.
+    Fail(String),
+}
+
+/// Raises our in-flight counter in the peer's control region and checks that its epoch is
+/// still `desc_epoch` (both sequentially consistent: either the peer's `unregister` sees the
+/// counter and waits, or we see its new epoch and do not copy); on a moved epoch, lowers the
+/// counter and re-reads the descriptor (at most three times per job).
+pub(super) fn enter(shared: &Shared, shm: &ShmPeer, peer: &Arc<Peer>, desc_epoch: u64, refreshed: &mut u32) -> Entered {
+    let active = shm.ctl.active(shm.slot);
+    active.fetch_add(1, Ordering::SeqCst);
+    if shm.ctl.epoch().load(Ordering::SeqCst) == desc_epoch {
+        return Entered::Copy;
+    }
+    active.fetch_sub(1, Ordering::SeqCst);
+    if shm.ctl.closed().load(Ordering::SeqCst) != 0 {
+        return Entered::Fail(format!("{}: the peer engine shut down", peer.name));
+    }
+    *refreshed += 1;
+    let r = match (*refreshed, shared.refresh.get()) {
+        (1..=3, Some(f)) => f(peer),
+        (1..=3, None) => Err("no way to refresh its descriptor".to_string()),
+        _ => Err("it keeps unregistering memory".to_string()),
+    };
+    match r {
+        Ok(()) => Entered::Again,
+        Err(e) => Entered::Fail(format!("{}: its registrations changed and its descriptor cannot be re-read: {e}", peer.name)),
+    }
+}
+
+/// Lowers the in-flight counter raised by [`enter`].
+pub(super) fn leave(shm: &ShmPeer) {
+    shm.ctl.active(shm.slot).fetch_sub(1, Ordering::SeqCst);
+}
+
+/// Copies the pieces of one job: check bounds and epoch, copy, check the peer still lives.
+pub(super) fn run_job(shared: &Shared, job: Job) {
+    let Job { shm, peer, mut pieces, gpu } = job;
+    if gpu {
+        return super::gpu::run(shared, &shm, &peer, pieces);
+    }
+    admit(&peer, &mut pieces);
     let mut refreshed = 0;
     while !pieces.is_empty() {
-        if shm.exited_lately() {
-            return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: process {} exited", peer.name, shm.pid));
-        }
-        let desc = peer.desc();
-        let desc_epoch = match ShmInfo::cookie_epoch(&desc) {
-            Some((c, e)) if c == shm.cookie => e,
-            _ => return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: the peer restarted or stopped offering shared memory during the transfer", peer.name)),
+        let (desc, desc_epoch) = match current(&shm, &peer) {
+            Ok(d) => d,
+            Err(why) => return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &why),
         };
         // Bounds: only ranges inside the peer's published buffers.
         pieces.retain(|p| {
@@ -108,28 +165,14 @@ pub(super) fn run_job(shared: &Shared, job: Job) {
         let maps = shm.maps_for(&desc);
         let mapped: Vec<Option<(&PeerMap, *mut u8)>> =
             pieces.iter().map(|p| maps.iter().find_map(|m| m.locate(p.remote, p.len).map(|at| (&**m, at)))).collect();
-        let active = shm.ctl.active(shm.slot);
-        active.fetch_add(1, Ordering::SeqCst);
-        let epoch = shm.ctl.epoch().load(Ordering::SeqCst);
-        if epoch != desc_epoch {
-            active.fetch_sub(1, Ordering::SeqCst);
-            if shm.ctl.closed().load(Ordering::SeqCst) != 0 {
-                return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: the peer engine shut down", peer.name));
-            }
-            refreshed += 1;
-            let r = match (refreshed, shared.refresh.get()) {
-                (1..=3, Some(f)) => f(&peer),
-                (1..=3, None) => Err("no way to refresh its descriptor".to_string()),
-                _ => Err("it keeps unregistering memory".to_string()),
-            };
-            if let Err(e) = r {
-                return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: its registrations changed and its descriptor cannot be re-read: {e}", peer.name));
-            }
-            continue;
+        match enter(shared, &shm, &peer, desc_epoch, &mut refreshed) {
+            Entered::Copy => {}
+            Entered::Again => continue,
+            Entered::Fail(why) => return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &why),
         }
         let (results, by_pid) = copy_all(shm.pid, &pieces, &mapped);
         drop(maps);
-        active.fetch_sub(1, Ordering::SeqCst);
+        leave(&shm);
         // A cross-memory copy reached the verified process only if its PID still names it
         // now: checked after every such copy. A copy into a mapped buffer reached the buffer
         // itself (its memfd, verified by identity, alive before and after the copy): no PID

@@ -10,7 +10,7 @@
 //! range not covered by an export (CUDA virtual memory, an export that failed) is left to TCP.
 
 use super::attach::ShmPeer;
-use super::{Shared, ShmInfo, FIELD};
+use super::{Shared, FIELD};
 use crate::batch::{FailCause, FailKind};
 use crate::gpu::ipc::{self, Export, Opened};
 use crate::memory::Region;
@@ -21,7 +21,6 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 /// Bytes this process moved to or from same-host peers' GPU memory through CUDA IPC.
 static GPU_IPC_BYTES: AtomicU64 = AtomicU64::new(0);
@@ -130,25 +129,12 @@ pub(super) fn run(shared: &Shared, shm: &ShmPeer, peer: &Arc<Peer>, mut pieces: 
         Ok(c) => c,
         Err(why) => return super::copy::fail_all(pieces, FailKind::Failed, FailCause::Other, &format!("GPU memory cannot be copied: {why}")),
     };
-    let now = Instant::now();
-    pieces.retain(|p| {
-        if now >= p.task.deadline() {
-            p.task.piece_failed(FailKind::Timeout, format!("{}: the request waited past its deadline before it could be copied", peer.name));
-            false
-        } else {
-            p.task.set_pending();
-            true
-        }
-    });
+    super::copy::admit(peer, &mut pieces);
     let mut refreshed = 0;
     while !pieces.is_empty() {
-        if shm.exited_lately() {
-            return super::copy::fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: process {} exited", peer.name, shm.pid));
-        }
-        let desc = peer.desc();
-        let desc_epoch = match ShmInfo::cookie_epoch(&desc) {
-            Some((c, e)) if c == shm.cookie => e,
-            _ => return super::copy::fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: the peer restarted or stopped offering shared memory during the transfer", peer.name)),
+        let (desc, desc_epoch) = match super::copy::current(shm, peer) {
+            Ok(d) => d,
+            Err(why) => return super::copy::fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &why),
         };
         let list = exports_of(&desc);
         // Bounds: only ranges inside exports of the current descriptor.
@@ -173,24 +159,10 @@ pub(super) fn run(shared: &Shared, shm: &ShmPeer, peer: &Arc<Peer>, mut pieces: 
         if pieces.is_empty() {
             return;
         }
-        let active = shm.ctl.active(shm.slot);
-        active.fetch_add(1, Ordering::SeqCst);
-        let epoch = shm.ctl.epoch().load(Ordering::SeqCst);
-        if epoch != desc_epoch {
-            active.fetch_sub(1, Ordering::SeqCst);
-            if shm.ctl.closed().load(Ordering::SeqCst) != 0 {
-                return super::copy::fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: the peer engine shut down", peer.name));
-            }
-            refreshed += 1;
-            let r = match (refreshed, shared.refresh.get()) {
-                (1..=3, Some(f)) => f(peer),
-                (1..=3, None) => Err("no way to refresh its descriptor".to_string()),
-                _ => Err("it keeps unregistering memory".to_string()),
-            };
-            if let Err(e) = r {
-                return super::copy::fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &format!("{}: its registrations changed and its descriptor cannot be re-read: {e}", peer.name));
-            }
-            continue;
+        match super::copy::enter(shared, shm, peer, desc_epoch, &mut refreshed) {
+            super::copy::Entered::Copy => {}
+            super::copy::Entered::Again => continue,
+            super::copy::Entered::Fail(why) => return super::copy::fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &why),
         }
         let results: Vec<Result<(), String>> = pieces
             .iter()
@@ -211,7 +183,7 @@ pub(super) fn run(shared: &Shared, shm: &ShmPeer, peer: &Arc<Peer>, mut pieces: 
                 r.map_err(|e| e.to_string())
             })
             .collect();
-        active.fetch_sub(1, Ordering::SeqCst);
+        super::copy::leave(shm);
         let gone = shm.exited();
         for (p, r) in pieces.into_iter().zip(results) {
             match r {
