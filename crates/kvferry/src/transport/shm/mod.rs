@@ -910,6 +910,7 @@ mod tests {
             cookie: map.cookie_hex(),
             epoch: 0,
             maps: Vec::new(),
+            gpus: Vec::new(),
         };
         let owner = (u64::from(std::process::id()) << 32) | 99;
         ShmPeer::attach(&info_of(&c.fd, &c.map), owner, name).expect("the sealed region is accepted");
