@@ -17,17 +17,25 @@ const SOURCE: &str = include_str!("mock_cuda.c");
 pub fn build(name: &str, defines: &[&str]) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kvf-cuda-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
-    let src = dir.join("mock_cuda.c");
+    // Tests of one binary run in parallel and may build the same mock at once: each writes
+    // its own files and renames the library into place (atomic), so a child process never
+    // loads a half-written one.
+    static UNIQUE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = UNIQUE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let src = dir.join(format!("mock_cuda-{n}.c"));
     std::fs::write(&src, SOURCE).unwrap_or_else(|e| panic!("writing {}: {e}", src.display()));
+    let tmp = dir.join(format!("libcuda.so.1.{n}.tmp"));
     let out = dir.join("libcuda.so.1");
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let st = Command::new(&cc)
         .args(["-shared", "-fPIC", "-O1", "-pthread", "-o"])
-        .arg(&out)
+        .arg(&tmp)
         .arg(&src)
         .args(defines.iter().map(|d| format!("-D{d}")))
         .status();
     assert!(st.is_ok_and(|s| s.success()), "building the mock libcuda needs a C compiler ({cc})");
+    std::fs::rename(&tmp, &out).unwrap_or_else(|e| panic!("moving {} into place: {e}", tmp.display()));
+    let _ = std::fs::remove_file(&src);
     dir
 }
 
