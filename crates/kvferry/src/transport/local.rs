@@ -41,15 +41,15 @@ impl Transport for LocalTransport {
             if let Some(gpu) = remote.region().gpu {
                 // GPU memory on the target side: the driver copies (the local side is host
                 // memory: GPU-local pieces reach here as staged host buffers).
-                let r = match crate::gpu::cuda() {
-                    Err(why) => Err(why.to_string()),
-                    // SAFETY: the local range is registered host memory (guard held).
-                    Ok(c) => unsafe {
-                        match p.opcode {
-                            Opcode::Write => c.htod(gpu, p.remote, std::slice::from_raw_parts(p.local as *const u8, p.len as usize)),
-                            Opcode::Read => c.dtoh(gpu, std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize), p.remote),
-                        }
-                        .map_err(|e| e.to_string())
+                let r = match (crate::gpu::cuda(), p.opcode) {
+                    (Err(why), _) => Err(why.to_string()),
+                    (Ok(c), Opcode::Write) => match p.host_bytes() {
+                        Some(src) => c.htod(gpu, p.remote, src).map_err(|e| e.to_string()),
+                        None => Err("the local range is not registered host memory".into()),
+                    },
+                    (Ok(c), Opcode::Read) => match p.host_bytes_mut() {
+                        Some(dst) => c.dtoh(gpu, dst, p.remote).map_err(|e| e.to_string()),
+                        None => Err("the local range is not registered host memory".into()),
                     },
                 };
                 match r {

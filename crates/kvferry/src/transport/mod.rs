@@ -46,6 +46,31 @@ pub struct Piece {
     pub guard: RegionGuard,
 }
 
+impl Piece {
+    /// The local range as bytes, when it lies in registered *host* memory (`None` for GPU
+    /// memory, which only the driver may touch, or a range outside its guard's region).
+    /// The one place that turns a piece's address into a slice: the guard keeps the range
+    /// registered until the piece ends, and registration is the caller's promise that the
+    /// memory stays valid meanwhile (the engine's contract: memory is registered by
+    /// address, and peers may read and write it while it is).
+    pub fn host_bytes(&self) -> Option<&[u8]> {
+        let r = self.guard.region();
+        let inside = self.local >= r.addr && self.local.checked_add(self.len).is_some_and(|e| e <= r.end());
+        // SAFETY: see above; the bounds were checked against the guard's region.
+        (r.gpu.is_none() && inside).then(|| unsafe { std::slice::from_raw_parts(self.local as *const u8, self.len as usize) })
+    }
+
+    /// [`Piece::host_bytes`] to write into (a READ's destination).
+    #[allow(clippy::mut_from_ref)]
+    pub fn host_bytes_mut(&self) -> Option<&mut [u8]> {
+        let r = self.guard.region();
+        let inside = self.local >= r.addr && self.local.checked_add(self.len).is_some_and(|e| e <= r.end());
+        // SAFETY: as `host_bytes`; the piece is the one writer of its range for its life
+        // (concurrent transfers over one range are the caller's to order, as in Mooncake).
+        (r.gpu.is_none() && inside).then(|| unsafe { std::slice::from_raw_parts_mut(self.local as *mut u8, self.len as usize) })
+    }
+}
+
 /// A peer segment as the engine knows it.
 pub struct Peer {
     /// The engine's handle for this segment (0 is the engine itself).

@@ -171,16 +171,14 @@ pub(super) fn run(shared: &Shared, shm: &ShmPeer, peer: &Arc<Peer>, mut pieces: 
                 let remote = o.addr() + off;
                 let len = p.len as usize;
                 let on = o.on();
-                let r = match (p.opcode, p.guard.region().gpu) {
+                let host = "the local range is neither GPU memory nor registered host memory".to_string();
+                match (p.opcode, p.guard.region().gpu) {
                     // Device to device (unified addressing routes it between GPUs).
-                    (Opcode::Write, Some(_)) => cuda.dtod(on, remote, p.local, len),
-                    (Opcode::Read, Some(_)) => cuda.dtod(on, p.local, remote, len),
-                    // SAFETY (both): `p.local` lies in host memory registered with this engine
-                    // (its guard is held), `len` bytes of it.
-                    (Opcode::Write, None) => cuda.htod(on, remote, unsafe { std::slice::from_raw_parts(p.local as *const u8, len) }),
-                    (Opcode::Read, None) => cuda.dtoh(on, unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, len) }, remote),
-                };
-                r.map_err(|e| e.to_string())
+                    (Opcode::Write, Some(_)) => cuda.dtod(on, remote, p.local, len).map_err(|e| e.to_string()),
+                    (Opcode::Read, Some(_)) => cuda.dtod(on, p.local, remote, len).map_err(|e| e.to_string()),
+                    (Opcode::Write, None) => p.host_bytes().ok_or(host).and_then(|src| cuda.htod(on, remote, src).map_err(|e| e.to_string())),
+                    (Opcode::Read, None) => p.host_bytes_mut().ok_or(host).and_then(|dst| cuda.dtoh(on, dst, remote).map_err(|e| e.to_string())),
+                }
             })
             .collect();
         super::copy::leave(shm);
