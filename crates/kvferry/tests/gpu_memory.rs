@@ -60,6 +60,59 @@ fn gpu_read(c: &Cuda, dev: u32, p: u64, len: usize) -> Vec<u8> {
     v
 }
 
+/// The mock driver's run-time knobs (see mock_cuda.c), from the `libcuda.so.1` this process
+/// (a child with the mock on `LD_LIBRARY_PATH`) loaded: one place holds the `unsafe`.
+struct Knobs {
+    _lib: libloading::Library,
+    fail_copies: unsafe extern "C" fn(i32),
+    copy_delay_us: unsafe extern "C" fn(u32),
+    copies: unsafe extern "C" fn(i32) -> i64,
+    queued: unsafe extern "C" fn() -> i64,
+    max_queued: unsafe extern "C" fn() -> i64,
+    reset_max_queued: unsafe extern "C" fn(),
+}
+
+impl Knobs {
+    fn load() -> Knobs {
+        // SAFETY: the mock's exported knobs, with their C prototypes; dlopen of the already
+        // loaded library returns it again, and it stays loaded while `_lib` lives.
+        unsafe {
+            let lib = libloading::Library::new("libcuda.so.1").expect("the mock driver");
+            Knobs {
+                fail_copies: *lib.get(b"mock_cuda_fail_copies\0").expect("knob"),
+                copy_delay_us: *lib.get(b"mock_cuda_copy_delay_us\0").expect("knob"),
+                copies: *lib.get(b"mock_cuda_copies\0").expect("knob"),
+                queued: *lib.get(b"mock_cuda_queued\0").expect("knob"),
+                max_queued: *lib.get(b"mock_cuda_max_queued\0").expect("knob"),
+                reset_max_queued: *lib.get(b"mock_cuda_reset_max_queued\0").expect("knob"),
+                _lib: lib,
+            }
+        }
+    }
+    /// Every copy returns `code` (0: copies work again).
+    fn fail_copies(&self, code: i32) {
+        // SAFETY (every method): a knob of the mock, plain values in and out.
+        unsafe { (self.fail_copies)(code) }
+    }
+    /// Every copy takes `us` when it runs.
+    fn copy_delay_us(&self, us: u32) {
+        unsafe { (self.copy_delay_us)(us) }
+    }
+    /// Copies that touched GPU `dev`'s memory so far.
+    fn copies(&self, dev: i32) -> i64 {
+        unsafe { (self.copies)(dev) }
+    }
+    fn queued(&self) -> i64 {
+        unsafe { (self.queued)() }
+    }
+    fn max_queued(&self) -> i64 {
+        unsafe { (self.max_queued)() }
+    }
+    fn reset_max_queued(&self) {
+        unsafe { (self.reset_max_queued)() }
+    }
+}
+
 fn mock_dir() -> std::path::PathBuf {
     cuda_mock::build("mem", &["COUNT=2"])
 }
@@ -249,10 +302,7 @@ fn failed_gpu_copies_and_freed_gpu_buffers_fail_cleanly() {
 fn child_failures() {
     assert!(child());
     let c = gpu::cuda().expect("the mock driver loads");
-    // SAFETY: the mock's knob, `void mock_cuda_fail_copies(int)`; the library is the one the
-    // engine loaded (same soname, already loaded).
-    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.unwrap();
-    let fail: libloading::Symbol<unsafe extern "C" fn(i32)> = unsafe { lib.get(b"mock_cuda_fail_copies\0") }.unwrap();
+    let knobs = Knobs::load();
     let a = engine(TransportMode::Tcp);
     let b = engine(TransportMode::Tcp);
     let seg = a.open_segment(b.segment_name()).unwrap();
@@ -266,7 +316,7 @@ fn child_failures() {
     b.register_memory(gb, len as u64, "*").unwrap();
     let w = |source: u64| vec![TransferRequest { opcode: Opcode::Write, source, target_id: seg, target_offset: gb, length: len as u64 }];
     // The context destroyed under the transfer: every copy fails, the task FAILS, naming it.
-    unsafe { fail(709) };
+    knobs.fail_copies(709);
     for source in [ga, host.as_ptr() as u64] {
         let st = a.transfer_sync(&w(source), Duration::from_secs(10)).unwrap();
         assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
@@ -274,7 +324,7 @@ fn child_failures() {
             assert!(st.reason.as_deref().is_some_and(|r| r.contains("CUDA_ERROR_CONTEXT_IS_DESTROYED")), "{st:?}");
         }
     }
-    unsafe { fail(0) };
+    knobs.fail_copies(0);
     let st = a.transfer_sync(&w(ga), Duration::from_secs(10)).unwrap();
     assert_eq!(st.status, TaskStatus::Completed, "copies work again: {st:?}");
     assert!(gpu_read(c, 1, gb, len) == src);
@@ -339,10 +389,7 @@ fn unregister_of_gpu_memory_is_a_barrier_on_both_sides() {
 fn child_unregister_barrier() {
     assert!(child());
     let c = gpu::cuda().expect("the mock driver loads");
-    // SAFETY: the mock's knobs (see mock_cuda.c); the library is the one the engine loaded.
-    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.unwrap();
-    let delay: libloading::Symbol<unsafe extern "C" fn(u32)> = unsafe { lib.get(b"mock_cuda_copy_delay_us\0") }.unwrap();
-    let copies: libloading::Symbol<unsafe extern "C" fn(i32) -> i64> = unsafe { lib.get(b"mock_cuda_copies\0") }.unwrap();
+    let knobs = Knobs::load();
     let len = 64 << 20;
     // The initiator's GPU memory (GPU 0) unregistered mid-WRITE, then the target's (GPU 1).
     // A READ into the initiator's GPU memory too: its host→device copies are queued on a
@@ -356,22 +403,22 @@ fn child_unregister_barrier() {
         a.register_memory(ga, len as u64, "*").unwrap();
         b.register_memory(gb, len as u64, "*").unwrap();
         let (dev, e, p) = if target_side { (1, &b, gb) } else { (0, &a, ga) };
-        let before = unsafe { copies(dev) };
-        unsafe { delay(3000) };
+        let before = knobs.copies(dev);
+        knobs.copy_delay_us(3000);
         let batch = a.allocate_batch(1).unwrap();
         a.submit(batch, &[TransferRequest { opcode: op, source: ga, target_id: seg, target_offset: gb, length: len as u64 }]).unwrap();
         std::thread::sleep(Duration::from_millis(30));
         let until = std::time::Instant::now() + Duration::from_secs(5);
-        while unsafe { copies(dev) } == before && std::time::Instant::now() < until {
+        while knobs.copies(dev) == before && std::time::Instant::now() < until {
             std::thread::sleep(Duration::from_millis(5));
         }
-        assert!(unsafe { copies(dev) } > before, "the transfer touched GPU {dev} before the unregister ({op:?})");
+        assert!(knobs.copies(dev) > before, "the transfer touched GPU {dev} before the unregister ({op:?})");
         e.unregister_memory(p).unwrap();
-        let after = unsafe { copies(dev) };
+        let after = knobs.copies(dev);
         let st = a.wait_batch(batch, Duration::from_secs(20)).unwrap();
         std::thread::sleep(Duration::from_millis(200));
-        unsafe { delay(0) };
-        assert_eq!(unsafe { copies(dev) }, after, "GPU {dev} memory was copied after unregister returned ({op:?}, target side {target_side})");
+        knobs.copy_delay_us(0);
+        assert_eq!(knobs.copies(dev), after, "GPU {dev} memory was copied after unregister returned ({op:?}, target side {target_side})");
         assert_eq!(st.status, TaskStatus::Failed, "{op:?} target side {target_side}: {st:?}");
         let _ = a.unregister_memory(ga);
         let _ = b.unregister_memory(gb);
@@ -394,11 +441,7 @@ fn initiator_staging_overlaps_its_copies_and_waits_for_each() {
 fn child_staging_pipeline() {
     assert!(child());
     let c = gpu::cuda().expect("the mock driver loads");
-    // SAFETY: the mock's knobs (see mock_cuda.c); the library is the one the engine loaded.
-    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.unwrap();
-    let queued: libloading::Symbol<unsafe extern "C" fn() -> i64> = unsafe { lib.get(b"mock_cuda_queued\0") }.unwrap();
-    let max_queued: libloading::Symbol<unsafe extern "C" fn() -> i64> = unsafe { lib.get(b"mock_cuda_max_queued\0") }.unwrap();
-    let reset_max: libloading::Symbol<unsafe extern "C" fn()> = unsafe { lib.get(b"mock_cuda_reset_max_queued\0") }.unwrap();
+    let knobs = Knobs::load();
     let chunk = gpu::stage::CHUNK;
     // More chunks than the window (every bounce buffer reused), and a short last one.
     let len = (gpu::stage::WINDOW + 2) * chunk + 12345;
@@ -419,18 +462,18 @@ fn child_staging_pipeline() {
         let req = |opcode, source, target_offset| TransferRequest { opcode, source, target_id: seg, target_offset, length: len as u64 };
 
         // GPU 0 → host: every chunk sent only after its device→host copy was waited for.
-        unsafe { reset_max() };
+        knobs.reset_max_queued();
         let st = a.transfer_sync(&[req(Opcode::Write, g0, host_a.as_ptr() as u64)], Duration::from_secs(20)).unwrap();
         assert_eq!(st.status, TaskStatus::Completed, "{mode:?} WRITE {st:?}");
-        assert_eq!(unsafe { queued() }, 0, "{mode:?}: a copy is still queued after the WRITE ended");
+        assert_eq!(knobs.queued(), 0, "{mode:?}: a copy is still queued after the WRITE ended");
         assert!(host_a == src0, "{mode:?}: a chunk was sent before its device→host copy was waited for");
         // The copies overlap: the next one is queued before the previous one is waited for.
-        assert!(unsafe { max_queued() } >= 2, "{mode:?}: copies ran one at a time (at most {} queued)", unsafe { max_queued() });
+        assert!(knobs.max_queued() >= 2, "{mode:?}: copies ran one at a time (at most {} queued)", knobs.max_queued());
 
         // Host → GPU 1: COMPLETED only once the last host→device copy was waited for.
         let st = a.transfer_sync(&[req(Opcode::Read, g1, host_b.as_ptr() as u64)], Duration::from_secs(20)).unwrap();
         assert_eq!(st.status, TaskStatus::Completed, "{mode:?} READ {st:?}");
-        assert_eq!(unsafe { queued() }, 0, "{mode:?}: COMPLETED while a host→device copy was still queued");
+        assert_eq!(knobs.queued(), 0, "{mode:?}: COMPLETED while a host→device copy was still queued");
         assert!(gpu_read(c, 1, g1, len) == src1, "{mode:?}: read bytes differ (a bounce buffer reused before its copy ran?)");
 
         // Both directions and both GPUs in one batch: both streams of each GPU busy at once.
@@ -442,7 +485,7 @@ fn child_staging_pipeline() {
         let reqs = [req(Opcode::Read, g1, host_b.as_ptr() as u64), req(Opcode::Write, g0, host_c.as_ptr() as u64), req(Opcode::Read, g0b, host_b.as_ptr() as u64)];
         let st = a.transfer_sync(&reqs, Duration::from_secs(20)).unwrap();
         assert_eq!(st.status, TaskStatus::Completed, "{mode:?} mixed {st:?}");
-        assert_eq!(unsafe { queued() }, 0, "{mode:?}: a copy is still queued after the mixed batch ended");
+        assert_eq!(knobs.queued(), 0, "{mode:?}: a copy is still queued after the mixed batch ended");
         assert!(gpu_read(c, 1, g1, len) == src1 && gpu_read(c, 0, g0b, len) == src1, "{mode:?}: mixed batch: read bytes differ");
         assert!(host_c == src0, "{mode:?}: mixed batch: written bytes differ");
         for p in [g0, g1, g0b] {
@@ -693,7 +736,7 @@ fn child_ipc_initiator() {
     let e = engine(TransportMode::Auto);
     let mine = gpu_alloc(c, 1, &vec![0u8; XFER]);
     e.register_memory(mine, XFER as u64, "*").unwrap();
-    let host = vec![0u8; 8192];
+    let mut host = vec![0u8; 8192];
     e.register_memory(host.as_ptr() as u64, host.len() as u64, "cpu:0").unwrap();
     let seg = e.open_segment(&target).unwrap();
     assert_eq!(e.segment_transport(seg).unwrap().name, "shm", "a same-host peer");
@@ -709,10 +752,8 @@ fn child_ipc_initiator() {
     assert!(host[..] == pattern(XFER, 51)[1000..1000 + 8192], "host<-GPU READ through CUDA IPC: bytes differ");
     // GPU -> peer GPU, and host -> peer GPU (its last page), in one batch.
     c.htod(1, mine, &pattern(XFER - 4096, 52)).unwrap();
-    let tail = pattern(4096, 53);
-    let h = host.as_ptr() as *mut u8;
-    // SAFETY: our own registered Vec, not in any transfer now.
-    unsafe { std::ptr::copy_nonoverlapping(tail.as_ptr(), h, 4096) };
+    // Our own registered Vec, not in any transfer now.
+    host[..4096].copy_from_slice(&pattern(4096, 53));
     let st = e.transfer_sync(&[req(Opcode::Write, mine, 0, XFER - 4096), req(Opcode::Write, host.as_ptr() as u64, (XFER - 4096) as u64, 4096)], Duration::from_secs(10)).unwrap();
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
     let moved = kvferry::transport::shm::gpu_ipc_bytes() - before;
@@ -796,9 +837,7 @@ fn child_ipc_barrier_target() {
 fn child_ipc_barrier_initiator() {
     assert!(child());
     let c = gpu::cuda().expect("the mock driver loads");
-    // SAFETY: the mock's knobs (see mock_cuda.c); the library is the one the engine loaded.
-    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.unwrap();
-    let delay: libloading::Symbol<unsafe extern "C" fn(u32)> = unsafe { lib.get(b"mock_cuda_copy_delay_us\0") }.unwrap();
+    let knobs = Knobs::load();
     let e = engine(TransportMode::Auto);
     let len = 1 << 20;
     let mine = gpu_alloc(c, 1, &pattern(len, 62));
@@ -806,10 +845,10 @@ fn child_ipc_barrier_initiator() {
     let seg = e.open_segment(&std::env::var("KVF_TARGET").unwrap()).unwrap();
     let tg: u64 = std::env::var("KVF_TARGET_GPU").unwrap().parse().unwrap();
     let before = kvferry::transport::shm::gpu_ipc_bytes();
-    unsafe { delay(800_000) };
+    knobs.copy_delay_us(800_000);
     println!("KVF_COPYING");
     let st = e.transfer_sync(&[TransferRequest { opcode: Opcode::Write, source: mine, target_id: seg, target_offset: tg, length: len as u64 }], Duration::from_secs(10)).unwrap();
-    unsafe { delay(0) };
+    knobs.copy_delay_us(0);
     println!("KVF_STATUS {:?}", st.status);
     assert!(st.status != TaskStatus::Completed || kvferry::transport::shm::gpu_ipc_bytes() - before == len as u64, "a COMPLETED WRITE went through CUDA IPC");
     e.unregister_memory(mine).unwrap();
