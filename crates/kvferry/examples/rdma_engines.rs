@@ -10,7 +10,8 @@ use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-type Res<T> = Result<T, String>;
+mod common;
+use common::*;
 
 const SIZE: usize = 16 << 20;
 
@@ -18,51 +19,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let host = args.get(1).cloned().unwrap_or_else(|| "10.99.2.1".into());
     let devices = args.get(2).map(|d| d.split(',').map(str::to_string).collect());
-    match run(&host, devices) {
-        Ok(()) => {
-            println!("rdma_engines: all checks passed");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            println!("rdma_engines: FAILED: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// Page-aligned, zero-filled memory from kvferry's allocator (`HostBuffer`), which verbs
-/// may touch while registered: it is only read or written when no work request touching it
-/// is outstanding.
-struct Buf(kvferry::hostbuf::HostBuffer);
-
-impl Buf {
-    fn new(len: usize) -> Res<Buf> {
-        kvferry::hostbuf::HostBuffer::new(len, false).map(Buf).map_err(|e| format!("cannot allocate {len} bytes: {e}"))
-    }
-    fn addr(&self) -> u64 {
-        self.0.addr()
-    }
-    /// Only between transfers (no request in flight touches the buffer then).
-    fn bytes(&mut self) -> &mut [u8] {
-        self.0.slice_mut(0, self.0.len())
-    }
-}
-
-fn fill(b: &mut [u8], seed: u64) {
-    let mut x = seed | 1;
-    for c in b.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
-    }
-}
-
-fn compare(what: &str, got: &[u8], want: &[u8]) -> Res<()> {
-    match got.iter().zip(want).position(|(a, b)| a != b) {
-        None => Ok(()),
-        Some(at) => Err(format!("{what}: byte {at} differs (got {:#04x}, want {:#04x})", got[at], want[at])),
-    }
+    finish("rdma_engines", "all checks passed", run(&host, devices))
 }
 
 /// The passive side as a stock Mooncake engine drives it: its `Connection` message announces

@@ -20,7 +20,8 @@ const DEPTH: usize = 32;
 const CHAIN: usize = 8;
 const PORT: u8 = 1;
 
-type Res<T> = Result<T, String>;
+mod common;
+use common::*;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
@@ -33,55 +34,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match run(&dev, max) {
-        Ok(()) => {
-            println!("rdma_loopback: all checks passed on {dev}");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            println!("rdma_loopback: FAILED: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// Page-aligned, zero-filled memory from kvferry's allocator (`HostBuffer`), which verbs
-/// may touch while registered: it is only read or written when no work request touching it
-/// is outstanding.
-struct Buf(kvferry::hostbuf::HostBuffer);
-
-impl Buf {
-    fn new(len: usize) -> Res<Buf> {
-        kvferry::hostbuf::HostBuffer::new(len, false).map(Buf).map_err(|e| format!("cannot allocate {len} bytes: {e}"))
-    }
-    fn addr(&self) -> u64 {
-        self.0.addr()
-    }
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    /// Only between transfers (no request in flight touches the buffer then).
-    fn bytes(&mut self) -> &mut [u8] {
-        self.0.slice_mut(0, self.0.len())
-    }
-}
-
-fn fill(b: &mut [u8], seed: u64) {
-    let mut x = seed | 1;
-    for c in b.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
-    }
-}
-
-fn compare(what: &str, got: &[u8], want: &[u8]) -> Res<()> {
-    if got == want {
-        return Ok(());
-    }
-    let at = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
-    Err(format!("{what}: byte {at} differs (got {:#04x}, want {:#04x})", got[at], want[at]))
+    finish("rdma_loopback", &format!("all checks passed on {dev}"), run(&dev, max))
 }
 
 /// What a side of the connection knows about its own NIC.

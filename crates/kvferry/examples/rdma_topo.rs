@@ -10,26 +10,14 @@ use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::process::ExitCode;
 use std::time::Duration;
 
-type Res<T> = Result<T, String>;
+mod common;
+use common::*;
 
 const SIZE: usize = 16 << 20;
 
-fn sent(dev: &str) -> u64 {
-    std::fs::read_to_string(format!("/sys/class/infiniband/{dev}/ports/1/hw_counters/sent_pkts")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
-}
-
 fn main() -> ExitCode {
     let host = std::env::args().nth(1).unwrap_or_else(|| "10.99.2.1".into());
-    match run(&host) {
-        Ok(()) => {
-            println!("rdma_topo: all checks passed");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            println!("rdma_topo: FAILED: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    finish("rdma_topo", "all checks passed", run(&host))
 }
 
 fn write_and_count(a: &TransferEngine, peer: u64, src: &kvferry::hostbuf::HostBuffer, dst: &kvferry::hostbuf::HostBuffer) -> Res<(u64, u64)> {
