@@ -59,16 +59,9 @@ impl Pair {
 }
 
 fn deadline_fails_only_its_task(cfg: &Config, op: Opcode) -> Res<()> {
-    let mut p = pair(cfg)?;
-    let desc = p.a.segment_descriptor(p.peer).map_err(|e| e.to_string())?;
-    let lo = desc.devices.iter().find(|d| d.name == "rxe_lo").ok_or("the peer has no rxe_lo")?.gid.clone();
-    // Both pairs connected, so both requests go on the same QPs.
-    let st = p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
-    if st.status != TaskStatus::Completed {
-        return Err(format!("the first WRITE: {st:?}"));
-    }
-    // The peer's QPs of the rxe_lo pair go: what is posted there stalls (the NIC retries).
-    kill_peer_qps(&p.a, &p.b, "rxe_lo", &lo)?;
+    // Both pairs connected, so both requests go on the same QPs; what is posted on the
+    // rxe_lo pair stalls (the NIC retries).
+    let mut p = pair_with_dead_rxe_lo(cfg)?;
     fill(p.ba.bytes(), 1000);
     fill(p.bb.bytes(), 2000);
     let (short, long) = (p.req(Opcode::Write, 0, 1 << 20), p.req(op, 1 << 20, 1 << 20));
@@ -98,6 +91,20 @@ fn deadline_fails_only_its_task(cfg: &Config, op: Opcode) -> Res<()> {
     Ok(())
 }
 
+/// A [`pair`] whose endpoints on both NIC pairs are connected by a first 1 MiB WRITE, then
+/// the peer's QPs of the `rxe_lo` pair destroyed ([`kill_peer_qps`]).
+fn pair_with_dead_rxe_lo(cfg: &Config) -> Res<Pair> {
+    let p = pair(cfg)?;
+    let desc = p.a.segment_descriptor(p.peer).map_err(|e| e.to_string())?;
+    let lo = desc.devices.iter().find(|d| d.name == "rxe_lo").ok_or("the peer has no rxe_lo")?.gid.clone();
+    let st = p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+    if st.status != TaskStatus::Completed {
+        return Err(format!("the first WRITE: {st:?}"));
+    }
+    kill_peer_qps(&p.a, &p.b, "rxe_lo", &lo)?;
+    Ok(p)
+}
+
 /// Makes `b` replace its QPs for `a`'s endpoint `a@nic -> b@nic` (as when `a` reconnects that
 /// pair), so the QPs `a` holds point to QPs that are gone.
 fn kill_peer_qps(a: &TransferEngine, b: &TransferEngine, nic: &str, gid: &str) -> Res<()> {
@@ -125,14 +132,7 @@ fn kill_peer_qps(a: &TransferEngine, b: &TransferEngine, nic: &str, gid: &str) -
 /// complete, bytes verified (WRITE and READ).
 fn failed_completion_retried_on_another_pair(cfg: &Config) -> Res<()> {
     for op in [Opcode::Write, Opcode::Read] {
-        let mut p = pair(cfg)?;
-        let desc = p.a.segment_descriptor(p.peer).map_err(|e| e.to_string())?;
-        let lo = desc.devices.iter().find(|d| d.name == "rxe_lo").ok_or("the peer has no rxe_lo")?.gid.clone();
-        let st = p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
-        if st.status != TaskStatus::Completed {
-            return Err(format!("the first WRITE: {st:?}"));
-        }
-        kill_peer_qps(&p.a, &p.b, "rxe_lo", &lo)?;
+        let mut p = pair_with_dead_rxe_lo(cfg)?;
         fill(p.ba.bytes(), 7);
         fill(p.bb.bytes(), 8);
         let t = Instant::now();
