@@ -727,3 +727,80 @@ fn a_peers_large_buffer_costs_only_what_is_touched() {
     // 1 MiB across one or two 2 MiB chunks (at most 4 MiB) + 100 pages (400 KiB).
     assert!(kb <= 5 << 10, "the peer mapping holds {kb} kB resident");
 }
+
+/// Copies that move forward through a peer's buffer (a store filling fresh space) have the
+/// page tables of the next chunks filled ahead of them by a helper thread (so the stream does
+/// not take those faults itself), and only so far: 8 sequential 1 MiB writes from the start
+/// of a 1 GiB buffer leave the 8 MiB they wrote plus at most 8 chunks (16 MiB) ahead resident
+/// in this process, never the whole buffer.
+#[test]
+fn a_forward_stream_of_copies_has_the_chunks_ahead_filled_and_no_more() {
+    let a = engine_with(TransportMode::Auto);
+    let b = engine_with(TransportMode::Auto);
+    const LEN: usize = 1 << 30;
+    const MIB: u64 = 1 << 20;
+    let dst = mem(LEN, 0, true);
+    b.register_memory(dst.addr(), LEN as u64, "cpu:0").unwrap();
+    let ino = kvferry::hostbuf::shareable_region(dst.addr(), LEN as u64).expect("shareable").ino;
+    let src = pattern(MIB as usize, 3);
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "cpu:0").unwrap();
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    let before = shm::bytes_moved();
+    for i in 0..8u64 {
+        let st = sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, dst.addr() + i * MIB, MIB)]);
+        assert_eq!(st.status, TaskStatus::Completed);
+    }
+    assert_path(true, before);
+    assert!(bytes(&dst)[7 * MIB as usize..8 * MIB as usize] == src[..], "the last write landed");
+    // Written: chunks 0-3 (8 MiB). Filled ahead: up to 8 chunks past the last one written.
+    let t0 = Instant::now();
+    let mut kb = 0;
+    while t0.elapsed() < Duration::from_secs(10) {
+        kb = rss_of_other_mappings(ino, dst.addr()).1;
+        if kb >= 20 << 10 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(kb >= 20 << 10, "the chunks ahead of the stream were filled: {kb} kB resident");
+    std::thread::sleep(Duration::from_millis(300));
+    let kb = rss_of_other_mappings(ino, dst.addr()).1;
+    assert!(kb <= (8 + 2 * 9 + 1) << 10, "no more than 8 chunks past the stream: {kb} kB resident");
+}
+
+/// `transfer_sync_all` (a batch the caller waits for; same-host copies of up to 1 MiB run in
+/// the caller's thread) reports each request's own outcome, in order: a request outside the
+/// peer's registered memory fails alone, touching nothing, and its neighbours land.
+#[test]
+fn transfer_sync_all_reports_each_request_and_returns_with_every_byte_landed() {
+    let a = engine_with(TransportMode::Auto);
+    let b = engine_with(TransportMode::Auto);
+    const LEN: usize = 1 << 20;
+    let dst = mem(LEN, 0, true);
+    b.register_memory(dst.addr(), LEN as u64, "cpu:0").unwrap();
+    let src = pattern(LEN, 5);
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "cpu:0").unwrap();
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    let before = shm::bytes_moved();
+    // 32 x 4 KiB (128 KiB: more than is copied inline for an asynchronous submission), the
+    // 17th aimed past the end of the peer's buffer.
+    let mut reqs: Vec<TransferRequest> = (0..32u64).map(|i| wr(Opcode::Write, src.as_ptr() as u64 + i * 4096, seg, dst.addr() + i * 8192, 4096)).collect();
+    reqs[16].target_offset = dst.addr() + LEN as u64 - 100;
+    let st = a.transfer_sync_all(&reqs, Duration::from_secs(10)).expect("batch runs");
+    assert_eq!(st.len(), 32);
+    for (i, s) in st.iter().enumerate() {
+        let want = if i == 16 { TaskStatus::Failed } else { TaskStatus::Completed };
+        assert_eq!(s.status, want, "request {i}: {s:?}");
+    }
+    assert_path(true, before);
+    for i in (0..32usize).filter(|&i| i != 16) {
+        assert!(bytes(&dst)[i * 8192..i * 8192 + 4096] == src[i * 4096..(i + 1) * 4096], "request {i} landed");
+    }
+    assert!(bytes(&dst)[LEN - 100..].iter().all(|&x| x == 0), "the refused request touched nothing");
+    // Reads back the same way, 1 MiB in one request (the largest copied in the caller's thread).
+    let back = vec![0u8; LEN];
+    a.register_memory(back.as_ptr() as u64, LEN as u64, "cpu:0").unwrap();
+    let st = a.transfer_sync_all(&[wr(Opcode::Read, back.as_ptr() as u64, seg, dst.addr(), LEN as u64)], Duration::from_secs(10)).unwrap();
+    assert_eq!(st[0].status, TaskStatus::Completed);
+    assert!(back[..] == bytes(&dst)[..]);
+}

@@ -163,8 +163,7 @@ pub(super) fn run_job(shared: &Shared, job: Job) {
             return;
         }
         let maps = shm.maps_for(&desc);
-        let mapped: Vec<Option<(&PeerMap, *mut u8)>> =
-            pieces.iter().map(|p| maps.iter().find_map(|m| m.locate(p.remote, p.len).map(|at| (&**m, at)))).collect();
+        let mapped: Vec<Option<(&Arc<PeerMap>, *mut u8)>> = pieces.iter().map(|p| maps.iter().find_map(|m| m.locate(p.remote, p.len).map(|at| (m, at)))).collect();
         match enter(shared, &shm, &peer, desc_epoch, &mut refreshed) {
             Entered::Copy => {}
             Entered::Again => continue,
@@ -208,10 +207,10 @@ pub(super) fn run_job(shared: &Shared, job: Job) {
 /// A mapped copy counts only if the buffer was alive (not freed by its owner) before and
 /// after it; otherwise it is redone by cross-memory attach, which reaches whatever the
 /// address holds now (a new buffer there) or fails: never "done" into an orphaned memfd.
-pub(super) fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<(&PeerMap, *mut u8)>]) -> (Vec<io::Result<()>>, bool) {
+pub(super) fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<(&Arc<PeerMap>, *mut u8)>]) -> (Vec<io::Result<()>>, bool) {
     let mut out: Vec<io::Result<()>> = Vec::with_capacity(pieces.len());
     let mut by_pid = false;
-    let mut mapped: Vec<Option<(&PeerMap, *mut u8)>> = mapped.iter().map(|m| m.filter(|(m, _)| m.alive())).collect();
+    let mut mapped: Vec<Option<(&Arc<PeerMap>, *mut u8)>> = mapped.iter().map(|m| m.filter(|(m, _)| m.alive())).collect();
     let mut i = 0;
     while i < pieces.len() {
         if let Some((m, at)) = mapped[i] {

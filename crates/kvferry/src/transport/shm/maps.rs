@@ -19,18 +19,80 @@ pub(super) struct PeerMap {
     pub(super) map_len: usize,
     /// The process that mapped it.
     pub(super) home: u32,
-    /// One bit per [`CHUNK`] of the data: its page tables were filled here
-    /// ([`PeerMap::prefault`]).
+    /// One bit per [`CHUNK`] of the data: its page tables were filled here, or are being
+    /// filled ahead ([`PeerMap::prefault`]).
     pub(super) faulted: Box<[AtomicU64]>,
+    /// One bit per [`CHUNK`]: a copy touched it.
+    pub(super) touched: Box<[AtomicU64]>,
 }
 
 /// Page tables of a peer's buffer mapped here are filled a chunk at a time, the first time a
 /// copy of at least [`PREFAULT_MIN`] bytes touches the chunk; smaller copies take the page
-/// faults of the pages they touch. Either way the cost (time and page tables: 8 bytes per
-/// 4 KiB page) is proportional to what this process touches, never to the peer's whole
-/// buffer, however large its segment.
+/// faults of the pages they touch. Copies that move forward through the buffer (a copy whose
+/// first chunk follows one an earlier copy touched: a store filling fresh space, a stream of
+/// KV blocks) have the next [`AHEAD`] chunks filled ahead of them by a helper thread, so the
+/// stream does not pay the faults itself (where a core is free). Either way the cost (time
+/// and page tables: 8 bytes per 4 KiB page) is proportional to what this process touches
+/// (plus at most [`AHEAD`] chunks per stream), never to the peer's whole buffer, however
+/// large its segment.
 pub(super) const CHUNK: usize = 2 << 20;
 pub(super) const PREFAULT_MIN: u64 = 256 << 10;
+/// Chunks filled ahead of a forward-moving stream of copies (16 MiB).
+pub(super) const AHEAD: usize = 8;
+
+/// Reads chunk `c`'s bit in `map` (and sets it when `set`); false past the end.
+fn bit(map: &[AtomicU64], c: usize, set: bool) -> bool {
+    let b = 1u64 << (c % 64);
+    match map.get(c / 64) {
+        Some(w) if set => w.fetch_or(b, Ordering::Relaxed) & b != 0,
+        Some(w) => w.load(Ordering::Relaxed) & b != 0,
+        None => false,
+    }
+}
+
+/// The helper thread that fills chunks ahead of forward-moving copies: one per process,
+/// started on first use, fed through a bounded queue (a full queue refuses the request: the
+/// copies then fill those chunks themselves). It holds a mapping only while advising one
+/// chunk of it (upgrading a `Weak`), so it never keeps a departed peer's memory mapped, and
+/// skips buffers their owner freed.
+mod fill_ahead {
+    use super::PeerMap;
+    use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+    use std::sync::{Mutex, Weak};
+
+    type Job = (Weak<PeerMap>, Vec<usize>);
+
+    /// The queue, and the process that started its thread (a forked child starts its own).
+    static QUEUE: Mutex<Option<(u32, SyncSender<Job>)>> = Mutex::new(None);
+
+    pub(super) fn request(m: Weak<PeerMap>, chunks: Vec<usize>) -> Result<(), Vec<usize>> {
+        let mut q = QUEUE.lock().unwrap_or_else(|e| e.into_inner());
+        let me = std::process::id();
+        if q.as_ref().is_none_or(|(pid, _)| *pid != me) {
+            let (tx, rx) = sync_channel::<Job>(256);
+            let spawned = std::thread::Builder::new().name("kvf-shm-ahead".into()).spawn(move || {
+                while let Ok((weak, chunks)) = rx.recv() {
+                    for c in chunks {
+                        let Some(m) = weak.upgrade() else { break };
+                        if !m.alive() {
+                            break;
+                        }
+                        m.fill(c);
+                    }
+                }
+            });
+            if let Err(e) = spawned {
+                tracing::debug!("no thread to fill peer mappings ahead of copies ({e})");
+                return Err(chunks);
+            }
+            *q = Some((me, tx));
+        }
+        let Some((_, tx)) = q.as_ref() else { return Err(chunks) };
+        tx.try_send((m, chunks)).map_err(|e| match e {
+            TrySendError::Full((_, c)) | TrySendError::Disconnected((_, c)) => c,
+        })
+    }
+}
 
 /// The chunk bitmap of a buffer of `len` bytes.
 pub(super) fn chunk_bits(len: u64) -> Box<[AtomicU64]> {
@@ -70,26 +132,54 @@ impl PeerMap {
     /// Before a copy of `len` bytes at `at` (inside our mapping): fills the page tables of
     /// the chunks it touches that no earlier copy filled, in one call per chunk
     /// (`MADV_POPULATE_WRITE`, Linux 5.14; on older kernels pages fault one by one), so a
-    /// large copy does not take a fault per 4 KiB page. Small copies skip it.
-    pub(super) fn prefault(&self, at: *mut u8, len: u64) {
-        if len < PREFAULT_MIN {
+    /// large copy does not take a fault per 4 KiB page (small copies skip it); and when the
+    /// copy continues a forward stream, asks the helper thread to fill the next [`AHEAD`]
+    /// chunks (only in buffers whose owner allocated every page: elsewhere that would
+    /// allocate memory the owner never touched).
+    pub(super) fn prefault(self: &Arc<Self>, at: *mut u8, len: u64) {
+        if len == 0 {
             return;
         }
         let off = at as usize - self.ptr as usize;
-        let data = self.info.len as usize;
-        for c in off / CHUNK..=(off + len as usize - 1) / CHUNK {
-            let bit = 1u64 << (c % 64);
-            let Some(word) = self.faulted.get(c / 64) else { return };
-            if word.fetch_or(bit, Ordering::Relaxed) & bit != 0 {
-                continue;
-            }
-            let start = c * CHUNK;
-            // SAFETY: a range inside our live mapping of the peer's data (the caller holds
-            // the map); populating only fills page tables of the shared pages. (rustix's
-            // madvise is unsafe too: it cannot know the range is ours.) A failure (older
-            // kernel, memory pressure) only means the pages fault one by one.
-            let _ = unsafe { rustix::mm::madvise(self.ptr.add(start).cast(), CHUNK.min(data - start), rustix::mm::Advice::LinuxPopulateWrite) };
+        let (first, last) = (off / CHUNK, (off + len as usize - 1) / CHUNK);
+        // Sequential: the chunk before this copy's first one was touched by an earlier copy.
+        let stream = first > 0 && bit(&self.touched, first - 1, false);
+        for c in first..=last {
+            bit(&self.touched, c, true);
         }
+        if len >= PREFAULT_MIN {
+            for c in first..=last {
+                if !bit(&self.faulted, c, true) {
+                    self.fill(c);
+                }
+            }
+        }
+        if stream && self.info.populated {
+            let chunks = (self.info.len as usize).div_ceil(CHUNK);
+            let ahead: Vec<usize> = (first..=(last + AHEAD).min(chunks - 1)).filter(|&c| !bit(&self.faulted, c, true)).collect();
+            if !ahead.is_empty() {
+                if let Err(back) = fill_ahead::request(Arc::downgrade(self), ahead) {
+                    // No helper: those chunks are filled by the copies that reach them.
+                    for c in back {
+                        self.faulted[c / 64].fetch_and(!(1u64 << (c % 64)), Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Fills the page tables of chunk `c`.
+    fn fill(&self, c: usize) {
+        let data = self.info.len as usize;
+        let start = c * CHUNK;
+        if start >= data {
+            return;
+        }
+        // SAFETY: a range inside our live mapping of the peer's data (the caller holds
+        // the map); populating only fills page tables of the shared pages. (rustix's
+        // madvise is unsafe too: it cannot know the range is ours.) A failure (older
+        // kernel, memory pressure) only means the pages fault one by one.
+        let _ = unsafe { rustix::mm::madvise(self.ptr.add(start).cast(), CHUNK.min(data - start), rustix::mm::Advice::LinuxPopulateWrite) };
     }
 
     /// Where `[remote, remote+len)` of the peer lies in our mapping, if inside it.
@@ -243,7 +333,7 @@ impl ShmPeer {
             return Err(format!("cannot map fd {} of process {pid}: {}", info.fd, io::Error::last_os_error()));
         }
         dontfork(p as *mut u8, map_len as usize);
-        let m = PeerMap { info: *info, ptr: p as *mut u8, map_len: map_len as usize, home: std::process::id(), faulted: chunk_bits(info.len) };
+        let m = PeerMap { info: *info, ptr: p as *mut u8, map_len: map_len as usize, home: std::process::id(), faulted: chunk_bits(info.len), touched: chunk_bits(info.len) };
         if m.header_word(crate::hostbuf::HDR_MAGIC).load(Ordering::Acquire) != crate::hostbuf::HEADER_MAGIC {
             return Err(stale("no buffer header"));
         }

@@ -645,7 +645,9 @@ impl ShmTransport {
             return;
         }
         let total: u64 = pieces.iter().map(|p| p.len).sum();
-        if total <= INLINE_BYTES || (inline && pieces.len() == 1 && total <= CHUNK) {
+        // Small, or one job's worth that the caller waits for anyway: copied here (a hand-off
+        // to a worker and back costs two wake-ups).
+        if total <= INLINE_BYTES || (inline && total <= CHUNK && pieces.len() <= MAX_IOV) {
             run_job(&self.shared, Job { shm, peer: Arc::clone(peer), pieces, gpu: false });
             return;
         }
