@@ -99,10 +99,22 @@ struct Rpc {
     epoch: std::sync::atomic::AtomicU64,
     registration: Mutex<Registration>,
     pool: Mutex<Vec<TcpStream>>,
+    /// The connection of the background threads (pings, read releases): apart from the
+    /// pool, so that the caller's requests keep to one connection (the master spins on the
+    /// connection that just answered; a second one in turns spins a second core).
+    aside: Mutex<Option<TcpStream>>,
     timeout: Duration,
     /// Bounded poll for the answer before sleeping (`KVFERRY_SPIN_US`): a master round trip
     /// is a few microseconds of work, and waking a sleeping core costs more on VMs.
     spin: Duration,
+}
+
+/// Which connection a call uses: one of the pool (callers' requests) or the background
+/// threads' own ([`Rpc::aside`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Conn {
+    Pool,
+    Aside,
 }
 
 /// Whether sending `req` twice is harmless (it may have been applied by a master that then
@@ -150,7 +162,7 @@ impl Rpc {
                 return Err(StoreError::InvalidParams(format!("master_server_addr {addr:?}: {scheme}:// is not supported; use host:port or etcd://host:2379[;host:2379...]")))
             }
         };
-        Ok(Rpc { target, addr: Mutex::new((first, (String::new(), 0))), epoch: Default::default(), registration: Mutex::default(), pool: Mutex::default(), timeout, spin })
+        Ok(Rpc { target, addr: Mutex::new((first, (String::new(), 0))), epoch: Default::default(), registration: Mutex::default(), pool: Mutex::default(), aside: Mutex::default(), timeout, spin })
     }
 
     fn addr(&self) -> String {
@@ -180,17 +192,20 @@ impl Rpc {
     }
 
     /// One attempt at the current address.
-    fn call_once(&self, req: &Request) -> Result<Response, Failure> {
+    fn call_once(&self, req: &Request, conn: Conn) -> Result<Response, Failure> {
         let frame = proto::encode(req).map_err(Failure::NotSent)?;
         let addr = self.addr();
         if addr.is_empty() {
             return Err(Failure::NotSent(StoreError::Rpc("no master leads the cluster (the etcd key is absent)".into())));
         }
-        let mut pooled = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let mut pooled = match conn {
+            Conn::Pool => self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop(),
+            Conn::Aside => self.aside.lock().unwrap_or_else(|e| e.into_inner()).take(),
+        };
         if matches!(self.target, Target::Etcd { .. }) && pooled.as_ref().is_some_and(closed_by_peer) {
             // The master went away (killed, stepped down): nothing sent, so any request may go
             // to the next one.
-            self.pool.lock().unwrap_or_else(|e| e.into_inner()).clear();
+            self.drop_connections();
             return Err(Failure::NotSent(StoreError::Rpc(format!("the connection to the master at {addr} was closed by it"))));
         }
         let mut s = match pooled.take() {
@@ -206,25 +221,34 @@ impl Rpc {
         let mut body = vec![0u8; n];
         s.read_exact(&mut body).map_err(io)?;
         let resp: Response = proto::decode(&body).map_err(Failure::Lost)?;
-        self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(s);
+        match conn {
+            Conn::Pool => self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(s),
+            Conn::Aside => *self.aside.lock().unwrap_or_else(|e| e.into_inner()) = Some(s),
+        }
         Ok(resp)
     }
 
+    /// Closes every idle connection (the pool's and the background threads').
+    fn drop_connections(&self) {
+        self.pool.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        *self.aside.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
     fn call(&self, req: &Request) -> StoreResult<Response> {
-        self.call_within(req, FAILOVER_WAIT)
+        self.call_within(req, FAILOVER_WAIT, Conn::Pool)
     }
 
     /// Like [`Rpc::call`], looking for a leader for at most `wait`.
-    fn call_within(&self, req: &Request, wait: Duration) -> StoreResult<Response> {
+    fn call_within(&self, req: &Request, wait: Duration, conn: Conn) -> StoreResult<Response> {
         let Target::Etcd { .. } = &self.target else {
-            return self.call_once(req).map_err(|(Failure::NotSent(e) | Failure::Lost(e))| e);
+            return self.call_once(req, conn).map_err(|(Failure::NotSent(e) | Failure::Lost(e))| e);
         };
         let deadline = Instant::now() + wait;
         if self.addr().is_empty() {
             self.find_leader(deadline)?;
         }
         loop {
-            let err = match self.call_once(req) {
+            let err = match self.call_once(req, conn) {
                 Ok(Response::Err(StoreError::NotLeader { leader })) => StoreError::NotLeader { leader },
                 Ok(r) => return Ok(r),
                 Err(Failure::NotSent(e)) => e,
@@ -250,7 +274,7 @@ impl Rpc {
 
     /// Drops the connections to the current master so that the next call reads the key.
     fn forget_leader(&self) {
-        self.pool.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.drop_connections();
         self.addr.lock().unwrap_or_else(|e| e.into_inner()).0.clear();
     }
 
@@ -305,8 +329,8 @@ impl Rpc {
             }
             (r.client, r.segments.clone())
         };
-        match self.call_once(&Request::Ping { client }) {
-            Ok(Response::Ping(PingStatus::NeedRemount)) => match self.call_once(&Request::RemountSegments { client, segments }) {
+        match self.call_once(&Request::Ping { client }, Conn::Pool) {
+            Ok(Response::Ping(PingStatus::NeedRemount)) => match self.call_once(&Request::RemountSegments { client, segments }, Conn::Pool) {
                 Ok(Response::Ok) => tracing::info!("remounted at the new leader {}", self.addr()),
                 Ok(other) => tracing::warn!("remount at the new leader: {other:?}"),
                 Err(Failure::NotSent(e) | Failure::Lost(e)) => tracing::warn!("remount at the new leader: {e}"),
@@ -334,9 +358,46 @@ struct Inner {
     /// The process that set the client up (see Drop).
     pid: u32,
     /// Reads finished and not yet released at the master.
-    releases: Mutex<Vec<u64>>,
+    releases: Mutex<Releases>,
     /// Holds the port appended to a bare `local_hostname` (central mode), as Mooncake does.
     _port: Option<TcpListener>,
+}
+
+/// Reads finished and not yet released at the master: carried by the next request, or sent
+/// by the release thread once they waited [`RELEASE_AFTER`].
+#[derive(Default)]
+struct Releases {
+    ids: Vec<u64>,
+    /// When the oldest of `ids` was queued.
+    since: Option<Instant>,
+}
+
+/// How long finished reads wait for a request to carry their release before the release
+/// thread sends it on its own (a client that went idle).
+const RELEASE_AFTER: Duration = Duration::from_millis(5);
+
+impl Releases {
+    fn queue(&mut self, ids: impl IntoIterator<Item = u64>, now: Instant) {
+        let before = self.ids.len();
+        self.ids.extend(ids);
+        if before == 0 && !self.ids.is_empty() {
+            self.since = Some(now);
+        }
+    }
+
+    /// All of them (a request carries them).
+    fn take(&mut self) -> Vec<u64> {
+        self.since = None;
+        std::mem::take(&mut self.ids)
+    }
+
+    /// All of them if the oldest waited [`RELEASE_AFTER`], else none.
+    fn overdue(&mut self, now: Instant) -> Vec<u64> {
+        match self.since {
+            Some(t) if now.saturating_duration_since(t) >= RELEASE_AFTER => self.take(),
+            _ => Vec::new(),
+        }
+    }
 }
 
 impl Inner {
@@ -345,24 +406,28 @@ impl Inner {
     fn unmount_segment(&self, within: Duration) -> StoreResult<()> {
         match &self.segment {
             Some((_, seg)) if !self.unmounted.swap(true, Ordering::AcqRel) => {
-                self.rpc.call_within(&Request::UnmountSegment { client: self.id, segment: seg.id }, within).and_then(Response::into_result).map(|_| ())
+                self.rpc.call_within(&Request::UnmountSegment { client: self.id, segment: seg.id }, within, Conn::Pool).and_then(Response::into_result).map(|_| ())
             }
             _ => Ok(()),
         }
     }
 
     fn queue_releases(&self, ids: impl IntoIterator<Item = u64>) {
-        self.releases.lock().unwrap_or_else(|e| e.into_inner()).extend(ids);
+        self.releases.lock().unwrap_or_else(|e| e.into_inner()).queue(ids, Instant::now());
     }
 
     /// Sends `reqs` in one round trip, led by the releases of finished reads; the answers to
     /// `reqs`, in order.
     fn call_batch(&self, reqs: Vec<Request>) -> StoreResult<Vec<Response>> {
+        self.call_batch_on(reqs, Conn::Pool)
+    }
+
+    fn call_batch_on(&self, reqs: Vec<Request>, conn: Conn) -> StoreResult<Vec<Response>> {
         let n = reqs.len();
         if n == 0 {
             return Ok(Vec::new());
         }
-        let ids = std::mem::take(&mut *self.releases.lock().unwrap_or_else(|e| e.into_inner()));
+        let ids = self.releases.lock().unwrap_or_else(|e| e.into_inner()).take();
         let pre = usize::from(!ids.is_empty());
         let mut all = Vec::with_capacity(n + pre);
         if pre == 1 {
@@ -371,9 +436,9 @@ impl Inner {
         all.extend(reqs);
         let answer = if all.len() == 1 {
             let r = all.pop().ok_or_else(|| StoreError::Internal("empty request list".into()))?;
-            self.rpc.call(&r).map(|a| vec![a])
+            self.rpc.call_within(&r, FAILOVER_WAIT, conn).map(|a| vec![a])
         } else {
-            match self.rpc.call(&Request::Batch(all)) {
+            match self.rpc.call_within(&Request::Batch(all), FAILOVER_WAIT, conn) {
                 Ok(Response::Batch(v)) if v.len() == n + pre => Ok(v.into_iter().skip(pre).collect()),
                 Ok(Response::Err(e)) => Err(e),
                 Ok(other) => Err(StoreError::Rpc(format!("unexpected answer to a batch: {other:?}"))),
@@ -803,17 +868,8 @@ impl Client {
 
     /// Runs transfer requests as one batch; per-request results.
     fn transfer(&self, reqs: &[TransferRequest]) -> StoreResult<Vec<StoreResult<()>>> {
-        let e = &self.inner.engine;
-        let te = |x: kvferry::Error| StoreError::TransferFailed(x.to_string());
-        if reqs.len() == 1 {
-            let st = e.transfer_sync(reqs, self.inner.cfg.transfer_timeout).map_err(te)?;
-            return Ok(vec![if st.status == TaskStatus::Completed { Ok(()) } else { Err(StoreError::TransferFailed(st.reason.unwrap_or_else(|| format!("{:?}", st.status)))) }]);
-        }
-        let b = e.allocate_batch(reqs.len()).map_err(te)?;
-        e.submit(b, reqs).map_err(te)?;
-        // Every task must be terminal before the caller's memory is reused.
-        let statuses = e.wait_batch_all(b, self.inner.cfg.transfer_timeout + Duration::from_secs(2)).map_err(te)?;
-        e.free_batch(b).map_err(te)?;
+        // Returns once every request is terminal: the caller's memory may then be reused.
+        let statuses = self.inner.engine.transfer_sync_all(reqs, self.inner.cfg.transfer_timeout).map_err(|x| StoreError::TransferFailed(x.to_string()))?;
         Ok(statuses
             .into_iter()
             .map(|st| if st.status == TaskStatus::Completed { Ok(()) } else { Err(StoreError::TransferFailed(st.reason.unwrap_or_else(|| format!("{:?}", st.status)))) })
@@ -856,6 +912,12 @@ impl Client {
             Ok(a) => a,
             Err(e) => return items.iter().map(|_| Err(e.clone())).collect(),
         };
+        self.read_listed(items, answers, t0)
+    }
+
+    /// Reads each item's value from the replicas its answer (to `GetReplicaList`, asked at
+    /// `t0`) lists; then queues the releases of those reads.
+    fn read_listed(&self, items: &[(&str, &[(u64, u64)])], answers: Vec<Response>, t0: Instant) -> Vec<StoreResult<u64>> {
         let mut results: Vec<StoreResult<u64>> = Vec::with_capacity(items.len());
         let mut lists: Vec<Option<ReplicaList>> = Vec::with_capacity(items.len());
         let mut reqs = Vec::new();
@@ -1000,28 +1062,41 @@ impl Client {
     /// local buffer until dropped: a key whose value does not fit in what is free fails
     /// (`InvalidParams`, naming `local_buffer_size`).
     pub fn get_buffers(&self, keys: &[&str]) -> Vec<StoreResult<Staged>> {
-        // Sizes first (this also grants the leases), then stage and read.
-        let sizes = match self.call_batch(keys.iter().map(|k| Request::GetReplicaList { key: k.to_string() }).collect()) {
+        if let Err(e) = self.check_open() {
+            return keys.iter().map(|_| Err(e.clone())).collect();
+        }
+        // One round trip: the replica lists give the sizes (space is staged for each) and
+        // are what is read.
+        let t0 = Instant::now();
+        let answers = match self.call_batch(keys.iter().map(|k| Request::GetReplicaList { key: k.to_string() }).collect()) {
             Ok(a) => a,
             Err(e) => return keys.iter().map(|_| Err(e.clone())).collect(),
         };
         let mut staged: Vec<StoreResult<Staged>> = Vec::with_capacity(keys.len());
-        for a in sizes {
+        let mut listed: Vec<(usize, Response)> = Vec::with_capacity(keys.len());
+        for (i, a) in answers.into_iter().enumerate() {
             staged.push(match a {
-                Response::ReplicaList(l) => {
-                    self.inner.queue_releases([l.read_id]); // only the size was needed
-                    self.stage(l.size as usize)
-                }
+                Response::ReplicaList(l) => match self.stage(l.size as usize) {
+                    Ok(s) => {
+                        listed.push((i, Response::ReplicaList(l)));
+                        Ok(s)
+                    }
+                    Err(e) => {
+                        self.inner.queue_releases([l.read_id]); // nothing will be read
+                        Err(e)
+                    }
+                },
                 Response::Err(e) => Err(e),
                 other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
             });
         }
-        let items: Vec<(usize, (&str, u64, u64))> =
-            keys.iter().zip(&staged).enumerate().filter_map(|(i, (k, s))| s.as_ref().ok().map(|s| (i, (*k, s.addr, s.len as u64)))).collect();
-        let rs = self.batch_get_into(&items.iter().map(|(_, x)| *x).collect::<Vec<_>>());
+        let parts: Vec<[(u64, u64); 1]> = listed.iter().map(|(i, _)| staged[*i].as_ref().map_or([(0, 0)], |s| [(s.addr, s.len as u64)])).collect();
+        let items: Vec<(&str, &[(u64, u64)])> = listed.iter().zip(&parts).map(|((i, _), p)| (keys[*i], &p[..])).collect();
+        let idx: Vec<usize> = listed.iter().map(|(i, _)| *i).collect();
+        let rs = self.read_listed(&items, listed.into_iter().map(|(_, a)| a).collect(), t0);
         let mut results: Vec<Option<StoreResult<u64>>> = (0..keys.len()).map(|_| None).collect();
-        for ((i, _), r) in items.iter().zip(rs) {
-            results[*i] = Some(r);
+        for (i, r) in idx.into_iter().zip(rs) {
+            results[i] = Some(r);
         }
         staged
             .into_iter()
@@ -1131,13 +1206,13 @@ impl Client {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        let ids = std::mem::take(&mut *self.inner.releases.lock().unwrap_or_else(|e| e.into_inner()));
+        let ids = self.inner.releases.lock().unwrap_or_else(|e| e.into_inner()).take();
         // Closing does not wait for a failover (a master that lost the client drops its
         // segment when its TTL ends).
         let wait = Duration::from_secs(2);
         if !ids.is_empty() {
             // Best effort: unreleased reads end with their lease anyway.
-            let _ = self.inner.rpc.call_within(&Request::ReleaseReads { ids }, wait);
+            let _ = self.inner.rpc.call_within(&Request::ReleaseReads { ids }, wait, Conn::Pool);
         }
         let unmounted = self.inner.unmount_segment(wait);
         if self.inner.shared.is_some() {
@@ -1216,19 +1291,20 @@ fn read_parts(parts: &[(u64, u64)], seg: u64, remote: u64, size: u64) -> Vec<Tra
 /// (a client that went idle), so a put waiting for space elsewhere is not held up until the
 /// next ping. At most one small RPC per tick.
 fn release_loop(inner: Weak<Inner>) {
-    const TICK: Duration = Duration::from_millis(5);
     loop {
-        std::thread::sleep(TICK);
+        std::thread::sleep(RELEASE_AFTER);
         let Some(inner) = inner.upgrade() else { return };
         if inner.closed.load(Ordering::Acquire) {
             return;
         }
-        let ids = std::mem::take(&mut *inner.releases.lock().unwrap_or_else(|e| e.into_inner()));
+        // Releases a request will carry in a moment are left to it (a busy client sends none
+        // of its own).
+        let ids = inner.releases.lock().unwrap_or_else(|e| e.into_inner()).overdue(Instant::now());
         if ids.is_empty() {
             continue;
         }
         // Not delivered: the reads end with their lease anyway.
-        if let Err(e) = inner.rpc.call(&Request::ReleaseReads { ids }) {
+        if let Err(e) = inner.rpc.call_within(&Request::ReleaseReads { ids }, FAILOVER_WAIT, Conn::Aside) {
             tracing::debug!("releasing finished reads: {e}");
         }
     }
@@ -1252,7 +1328,7 @@ fn ping_loop(inner: Weak<Inner>, every: Duration) {
             return;
         }
         // Also delivers the releases of reads that finished since the last request.
-        match inner.call_batch(vec![Request::Ping { client: inner.id }]).and_then(|mut v| v.pop().ok_or_else(|| StoreError::Rpc("no answer".into()))) {
+        match inner.call_batch_on(vec![Request::Ping { client: inner.id }], Conn::Aside).and_then(|mut v| v.pop().ok_or_else(|| StoreError::Rpc("no answer".into()))) {
             Ok(Response::Ping(PingStatus::Ok)) => {}
             Ok(Response::Ping(PingStatus::NeedRemount)) => {
                 tracing::warn!("the master does not know this client (it restarted?); remounting");
@@ -1270,6 +1346,23 @@ fn ping_loop(inner: Weak<Inner>, every: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn finished_reads_wait_a_tick_for_a_request_to_carry_their_release() {
+        let t0 = Instant::now();
+        let mut r = Releases::default();
+        assert!(r.overdue(t0 + RELEASE_AFTER).is_empty(), "nothing queued");
+        r.queue([1, 2], t0);
+        r.queue([3], t0 + RELEASE_AFTER / 2);
+        assert!(r.overdue(t0 + RELEASE_AFTER / 2).is_empty(), "a busy client's next request carries them");
+        assert_eq!(r.overdue(t0 + RELEASE_AFTER), vec![1, 2, 3], "the oldest waited a tick: all go");
+        assert!(r.overdue(t0 + RELEASE_AFTER * 10).is_empty());
+        r.queue([4], t0 + RELEASE_AFTER * 10);
+        assert_eq!(r.take(), vec![4], "a request carries them at once");
+        assert!(r.overdue(t0 + RELEASE_AFTER * 100).is_empty(), "and the clock restarts with the next one");
+        r.queue([5], t0 + RELEASE_AFTER * 100);
+        assert!(r.overdue(t0 + RELEASE_AFTER * 100 + RELEASE_AFTER / 2).is_empty());
+    }
 
     #[test]
     fn only_requests_that_may_be_repeated_are_sent_again_after_a_lost_connection() {
@@ -1296,3 +1389,4 @@ mod tests {
         }
     }
 }
+
