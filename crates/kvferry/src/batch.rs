@@ -357,6 +357,11 @@ impl Batch {
     /// task's status.
     pub fn wait_all(&self, timeout: Duration) -> Vec<TransferStatus> {
         self.wait_until(Instant::now().checked_add(timeout));
+        self.statuses()
+    }
+
+    /// Each task's status, in submission order.
+    pub fn statuses(&self) -> Vec<TransferStatus> {
         self.tasks.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|t| t.status()).collect()
     }
 }

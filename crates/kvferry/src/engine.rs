@@ -536,28 +536,19 @@ impl TransferEngine {
     /// returns no transport touches the caller's memory; a request still running at its
     /// deadline ends as TIMEOUT, one that completed reports COMPLETED.
     pub fn transfer_sync(&self, requests: &[TransferRequest], timeout: Duration) -> Result<TransferStatus> {
-        let b = self.allocate_batch(requests.len().max(1))?;
-        let cap = Instant::now().checked_add(timeout);
-        // A lone request may run in this thread (one round trip, no hand-off).
-        if let Err(e) = self.inner.submit(b, requests, requests.len() == 1, cap) {
-            let _ = self.free_batch(b);
-            return Err(e);
-        }
-        let batch = self.inner.batch(b)?;
-        batch.wait_terminal();
-        let s = batch.status();
-        if let Err(e) = self.free_batch(b) {
-            tracing::error!("transfer_sync: {e}");
-        }
-        Ok(s)
+        self.run_sync(requests, timeout, Batch::status)
     }
 
-    /// Like [`TransferEngine::transfer_sync`] for many requests, returning each one's status
-    /// (in order). The caller waits anyway, so a transport may run small work in the calling
-    /// thread instead of handing it to one of its own (same-host copies of up to 1 MiB in all
-    /// per peer: no thread hand-off, which on a small VM costs more than the copy). Returns
-    /// only once every request is terminal.
+    /// Like [`TransferEngine::transfer_sync`], returning each request's status (in order)
+    /// instead of the batch's.
     pub fn transfer_sync_all(&self, requests: &[TransferRequest], timeout: Duration) -> Result<Vec<TransferStatus>> {
+        self.run_sync(requests, timeout, Batch::statuses)
+    }
+
+    /// One batch, submitted as work the caller waits for (a transport may run it in this
+    /// thread: see [`crate::transport::Transport::submit`]), waited for until every request
+    /// is terminal, read by `outcome`, freed.
+    fn run_sync<T>(&self, requests: &[TransferRequest], timeout: Duration, outcome: impl FnOnce(&Batch) -> T) -> Result<T> {
         let b = self.allocate_batch(requests.len().max(1))?;
         let cap = Instant::now().checked_add(timeout);
         if let Err(e) = self.inner.submit(b, requests, true, cap) {
@@ -566,11 +557,11 @@ impl TransferEngine {
         }
         let batch = self.inner.batch(b)?;
         batch.wait_terminal();
-        let statuses = batch.tasks.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|t| t.status()).collect();
+        let out = outcome(&batch);
         if let Err(e) = self.free_batch(b) {
-            tracing::error!("transfer_sync_all: {e}");
+            tracing::error!("a synchronous transfer's batch: {e}");
         }
-        Ok(statuses)
+        Ok(out)
     }
 
     /// Sends a notify message to a segment's handshake port.
@@ -870,6 +861,9 @@ impl Inner {
         for (peer, pieces) in stale {
             self.refresh_then_dispatch(peer, pieces);
         }
+        // Work runs in the caller's thread only when it reaches one peer: pieces for several
+        // peers go to the transports' threads and move in parallel.
+        let inline = inline && groups.len() == 1;
         for (peer, pieces) in groups {
             self.dispatch(&peer, pieces, inline);
         }

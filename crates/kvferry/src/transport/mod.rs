@@ -128,8 +128,9 @@ pub trait Transport: Send + Sync {
     /// where that takes work); the error says why not.
     fn reachable(&self, peer: &Arc<Peer>) -> Result<(), String>;
     /// Queues pieces for `peer`. Never blocks on the network. `inline`: the caller waits for
-    /// them anyway (a lone synchronous request), so the transport may run them in the
-    /// caller's thread when that is faster.
+    /// them anyway (a synchronous call whose requests all go to this peer), so the transport
+    /// may run them in the caller's thread when that is faster (TCP: a lone small request;
+    /// shared memory: up to 1 MiB and 64 pieces; CUDA IPC: any).
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool);
     /// [`Transport::submit`] if `peer` is reachable, else the pieces back with the reason.
     /// One decision per call: a transport whose `reachable` takes work overrides this so the
