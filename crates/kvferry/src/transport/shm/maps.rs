@@ -40,13 +40,23 @@ pub(super) const PREFAULT_MIN: u64 = 256 << 10;
 /// Chunks filled ahead of a forward-moving stream of copies (16 MiB).
 pub(super) const AHEAD: usize = 8;
 
-/// Reads chunk `c`'s bit in `map` (and sets it when `set`); false past the end.
-fn bit(map: &[AtomicU64], c: usize, set: bool) -> bool {
+/// Chunk `c`'s bit in a chunk bitmap: whether it is set (false past the end).
+fn is_set(map: &[AtomicU64], c: usize) -> bool {
+    map.get(c / 64).is_some_and(|w| w.load(Ordering::Relaxed) & (1u64 << (c % 64)) != 0)
+}
+
+/// Sets chunk `c`'s bit; whether this call set it (false if it was set, or past the end).
+/// Reads first: on the copy path the bit is nearly always set already, and a plain load
+/// leaves the cache line shared between the copying threads.
+fn claim(map: &[AtomicU64], c: usize) -> bool {
     let b = 1u64 << (c % 64);
-    match map.get(c / 64) {
-        Some(w) if set => w.fetch_or(b, Ordering::Relaxed) & b != 0,
-        Some(w) => w.load(Ordering::Relaxed) & b != 0,
-        None => false,
+    map.get(c / 64).is_some_and(|w| w.load(Ordering::Relaxed) & b == 0 && w.fetch_or(b, Ordering::Relaxed) & b == 0)
+}
+
+/// Clears chunk `c`'s bit.
+fn unclaim(map: &[AtomicU64], c: usize) {
+    if let Some(w) = map.get(c / 64) {
+        w.fetch_and(!(1u64 << (c % 64)), Ordering::Relaxed);
     }
 }
 
@@ -143,25 +153,24 @@ impl PeerMap {
         let off = at as usize - self.ptr as usize;
         let (first, last) = (off / CHUNK, (off + len as usize - 1) / CHUNK);
         // Sequential: the chunk before this copy's first one was touched by an earlier copy.
-        let stream = first > 0 && bit(&self.touched, first - 1, false);
+        let stream = first > 0 && is_set(&self.touched, first - 1);
         for c in first..=last {
-            bit(&self.touched, c, true);
+            claim(&self.touched, c);
         }
         if len >= PREFAULT_MIN {
-            for c in first..=last {
-                if !bit(&self.faulted, c, true) {
-                    self.fill(c);
-                }
+            for c in (first..=last).filter(|&c| claim(&self.faulted, c)) {
+                self.fill(c);
             }
         }
         if stream && self.info.populated {
             let chunks = (self.info.len as usize).div_ceil(CHUNK);
-            let ahead: Vec<usize> = (first..=(last + AHEAD).min(chunks - 1)).filter(|&c| !bit(&self.faulted, c, true)).collect();
+            // Empty (no allocation) once the stream's chunks are all claimed.
+            let ahead: Vec<usize> = (first..=(last + AHEAD).min(chunks - 1)).filter(|&c| claim(&self.faulted, c)).collect();
             if !ahead.is_empty() {
                 if let Err(back) = fill_ahead::request(Arc::downgrade(self), ahead) {
                     // No helper: those chunks are filled by the copies that reach them.
                     for c in back {
-                        self.faulted[c / 64].fetch_and(!(1u64 << (c % 64)), Ordering::Relaxed);
+                        unclaim(&self.faulted, c);
                     }
                 }
             }
@@ -182,10 +191,9 @@ impl PeerMap {
         //
         // A read fault of a shared mapping maps up to 16 neighbouring pages at once (fault
         // around) and, shared memory keeping no dirty accounting, maps them writable: filling
-        // 512 MiB this way took 35 ms on the 2-vCPU VM against 97 ms with POPULATE_WRITE (a
-        // fault per page) and 155 ms of faults in the copy itself; the copy after it runs at
-        // full speed either way (store bench, batch-32 `put_from` of 16 MiB into fresh segment
-        // memory: 12.5 -> 16-21 GB/s).
+        // 512 MiB this way takes 36 ms on the 2-vCPU VM against 99 ms with POPULATE_WRITE (a
+        // fault per page) and ~160 ms of faults in the copy itself, and the copy after it runs
+        // at full speed either way (`examples/shm_populate.rs`).
         let _ = unsafe { rustix::mm::madvise(self.ptr.add(start).cast(), CHUNK.min(data - start), rustix::mm::Advice::LinuxPopulateRead) };
     }
 
