@@ -904,15 +904,19 @@ impl Client {
     /// filled in order, each straight from the replica); returns the value's size. A value
     /// larger than the parts together fails with `BufferOverflow`, touching nothing.
     pub fn batch_get_into_parts(&self, items: &[(&str, &[(u64, u64)])]) -> Vec<StoreResult<u64>> {
-        if let Err(e) = self.check_open() {
-            return items.iter().map(|_| Err(e.clone())).collect();
+        match self.replica_lists(items.iter().map(|&(k, _)| k)) {
+            Ok((answers, t0)) => self.read_listed(items, answers, t0),
+            Err(e) => items.iter().map(|_| Err(e.clone())).collect(),
         }
+    }
+
+    /// Asks the master for the replica lists of `keys` (each grants a lease and a read to
+    /// release) in one round trip; the answers, and when they were asked for (the leases
+    /// run from then).
+    fn replica_lists<'k>(&self, keys: impl Iterator<Item = &'k str>) -> StoreResult<(Vec<Response>, Instant)> {
+        self.check_open()?;
         let t0 = Instant::now();
-        let answers = match self.call_batch(items.iter().map(|&(k, _)| Request::GetReplicaList { key: k.to_string() }).collect()) {
-            Ok(a) => a,
-            Err(e) => return items.iter().map(|_| Err(e.clone())).collect(),
-        };
-        self.read_listed(items, answers, t0)
+        Ok((self.call_batch(keys.map(|k| Request::GetReplicaList { key: k.to_string() }).collect())?, t0))
     }
 
     /// Reads each item's value from the replicas its answer (to `GetReplicaList`, asked at
@@ -1062,23 +1066,24 @@ impl Client {
     /// local buffer until dropped: a key whose value does not fit in what is free fails
     /// (`InvalidParams`, naming `local_buffer_size`).
     pub fn get_buffers(&self, keys: &[&str]) -> Vec<StoreResult<Staged>> {
-        if let Err(e) = self.check_open() {
-            return keys.iter().map(|_| Err(e.clone())).collect();
-        }
         // One round trip: the replica lists give the sizes (space is staged for each) and
         // are what is read.
-        let t0 = Instant::now();
-        let answers = match self.call_batch(keys.iter().map(|k| Request::GetReplicaList { key: k.to_string() }).collect()) {
-            Ok(a) => a,
+        let (answers, t0) = match self.replica_lists(keys.iter().copied()) {
+            Ok(x) => x,
             Err(e) => return keys.iter().map(|_| Err(e.clone())).collect(),
         };
         let mut staged: Vec<StoreResult<Staged>> = Vec::with_capacity(keys.len());
-        let mut listed: Vec<(usize, Response)> = Vec::with_capacity(keys.len());
+        // Per key staged: its index, where it lands, and its answer.
+        let mut idx: Vec<usize> = Vec::with_capacity(keys.len());
+        let mut parts: Vec<[(u64, u64); 1]> = Vec::with_capacity(keys.len());
+        let mut listed: Vec<Response> = Vec::with_capacity(keys.len());
         for (i, a) in answers.into_iter().enumerate() {
             staged.push(match a {
                 Response::ReplicaList(l) => match self.stage(l.size as usize) {
                     Ok(s) => {
-                        listed.push((i, Response::ReplicaList(l)));
+                        idx.push(i);
+                        parts.push([(s.addr, s.len as u64)]);
+                        listed.push(Response::ReplicaList(l));
                         Ok(s)
                     }
                     Err(e) => {
@@ -1090,10 +1095,8 @@ impl Client {
                 other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
             });
         }
-        let parts: Vec<[(u64, u64); 1]> = listed.iter().map(|(i, _)| staged[*i].as_ref().map_or([(0, 0)], |s| [(s.addr, s.len as u64)])).collect();
-        let items: Vec<(&str, &[(u64, u64)])> = listed.iter().zip(&parts).map(|((i, _), p)| (keys[*i], &p[..])).collect();
-        let idx: Vec<usize> = listed.iter().map(|(i, _)| *i).collect();
-        let rs = self.read_listed(&items, listed.into_iter().map(|(_, a)| a).collect(), t0);
+        let items: Vec<(&str, &[(u64, u64)])> = idx.iter().zip(&parts).map(|(&i, p)| (keys[i], &p[..])).collect();
+        let rs = self.read_listed(&items, listed, t0);
         let mut results: Vec<Option<StoreResult<u64>>> = (0..keys.len()).map(|_| None).collect();
         for (i, r) in idx.into_iter().zip(rs) {
             results[i] = Some(r);
@@ -1166,8 +1169,8 @@ impl Client {
     /// Where the replicas of each key live (Mooncake's `batch_get_replica_desc`); nothing is
     /// read, so the read granted with the answer is released at once.
     pub fn batch_get_replica_desc(&self, keys: &[&str]) -> Vec<StoreResult<Vec<ReplicaDesc>>> {
-        match self.call_batch(keys.iter().map(|k| Request::GetReplicaList { key: k.to_string() }).collect()) {
-            Ok(v) => v
+        match self.replica_lists(keys.iter().copied()) {
+            Ok((v, _)) => v
                 .into_iter()
                 .map(|a| match a {
                     Response::ReplicaList(l) => {
