@@ -699,28 +699,45 @@ fn rss_of_other_mappings(ino: u64, skip: u64) -> (usize, u64) {
     (n, kb)
 }
 
+/// Two engines on this host: `b` owns `dst` (`len` zero bytes, shareable, every page
+/// allocated), `a` registered `src` (a pattern of `src_len` bytes) and opened `b`'s segment
+/// `seg`. The engines drop before the buffers (field order).
+struct MappedPair {
+    a: TransferEngine,
+    _b: TransferEngine,
+    dst: HostBuffer,
+    src: Vec<u8>,
+    seg: u64,
+}
+
+fn mapped_pair(len: usize, src_len: usize, seed: u8) -> MappedPair {
+    let a = engine_with(TransportMode::Auto);
+    let b = engine_with(TransportMode::Auto);
+    let dst = mem(len, 0, true);
+    b.register_memory(dst.addr(), len as u64, "cpu:0").unwrap();
+    let src = pattern(src_len, seed);
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "cpu:0").unwrap();
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    MappedPair { a, _b: b, dst, src, seg }
+}
+
 /// A peer's large buffer costs this process page tables and resident pages only for what it
 /// touches: a 1 GiB buffer mapped here after 1 MiB and 100 scattered 4 KiB copies is a few
 /// MiB resident, not 1 GiB (as it was when the whole mapping was pre-faulted in the
 /// background), and it stays so.
 #[test]
 fn a_peers_large_buffer_costs_only_what_is_touched() {
-    let a = engine_with(TransportMode::Auto);
-    let b = engine_with(TransportMode::Auto);
     const LEN: usize = 1 << 30;
-    let dst = mem(LEN, 0, true);
-    b.register_memory(dst.addr(), LEN as u64, "cpu:0").unwrap();
+    let MappedPair { a, dst, src, seg, .. } = &mapped_pair(LEN, 1 << 20, 9);
+    let (seg, dst) = (*seg, dst);
     let ino = kvferry::hostbuf::shareable_region(dst.addr(), LEN as u64).expect("shareable").ino;
-    let src = pattern(1 << 20, 9);
-    a.register_memory(src.as_ptr() as u64, src.len() as u64, "cpu:0").unwrap();
-    let seg = a.open_segment(b.segment_name()).unwrap();
     let before = shm::bytes_moved();
     let mut reqs = vec![wr(Opcode::Write, src.as_ptr() as u64, seg, dst.addr() + (302 << 20) + 4096, 1 << 20)];
     reqs.extend((0..100u64).map(|i| wr(Opcode::Write, src.as_ptr() as u64 + i * 4096, seg, dst.addr() + i * (7 << 20), 4096)));
-    assert_eq!(sync(&a, &reqs).status, TaskStatus::Completed);
+    assert_eq!(sync(a, &reqs).status, TaskStatus::Completed);
     assert_path(true, before);
-    assert!(bytes(&dst)[(302 << 20) + 4096..(303 << 20) + 4096] == src[..], "the 1 MiB write landed");
-    assert!(bytes(&dst)[99 * (7 << 20)..99 * (7 << 20) + 4096] == src[99 * 4096..100 * 4096], "the last 4 KiB write landed");
+    assert!(bytes(dst)[(302 << 20) + 4096..(303 << 20) + 4096] == src[..], "the 1 MiB write landed");
+    assert!(bytes(dst)[99 * (7 << 20)..99 * (7 << 20) + 4096] == src[99 * 4096..100 * 4096], "the last 4 KiB write landed");
     std::thread::sleep(Duration::from_millis(500)); // a background pre-fault would show now
     let (n, kb) = rss_of_other_mappings(ino, dst.addr());
     assert!(n >= 1, "the peer's buffer is mapped here (plus its owner's header page)");
@@ -735,23 +752,18 @@ fn a_peers_large_buffer_costs_only_what_is_touched() {
 /// in this process, never the whole buffer.
 #[test]
 fn a_forward_stream_of_copies_has_the_chunks_ahead_filled_and_no_more() {
-    let a = engine_with(TransportMode::Auto);
-    let b = engine_with(TransportMode::Auto);
     const LEN: usize = 1 << 30;
     const MIB: u64 = 1 << 20;
-    let dst = mem(LEN, 0, true);
-    b.register_memory(dst.addr(), LEN as u64, "cpu:0").unwrap();
+    let MappedPair { a, dst, src, seg, .. } = &mapped_pair(LEN, MIB as usize, 3);
+    let seg = *seg;
     let ino = kvferry::hostbuf::shareable_region(dst.addr(), LEN as u64).expect("shareable").ino;
-    let src = pattern(MIB as usize, 3);
-    a.register_memory(src.as_ptr() as u64, src.len() as u64, "cpu:0").unwrap();
-    let seg = a.open_segment(b.segment_name()).unwrap();
     let before = shm::bytes_moved();
     for i in 0..8u64 {
-        let st = sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, dst.addr() + i * MIB, MIB)]);
+        let st = sync(a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, dst.addr() + i * MIB, MIB)]);
         assert_eq!(st.status, TaskStatus::Completed);
     }
     assert_path(true, before);
-    assert!(bytes(&dst)[7 * MIB as usize..8 * MIB as usize] == src[..], "the last write landed");
+    assert!(bytes(dst)[7 * MIB as usize..8 * MIB as usize] == src[..], "the last write landed");
     // Written: chunks 0-3 (8 MiB). Filled ahead: up to 8 chunks past the last one written.
     let t0 = Instant::now();
     let mut kb = 0;
@@ -773,14 +785,9 @@ fn a_forward_stream_of_copies_has_the_chunks_ahead_filled_and_no_more() {
 /// peer's registered memory fails alone, touching nothing, and its neighbours land.
 #[test]
 fn transfer_sync_all_reports_each_request_and_returns_with_every_byte_landed() {
-    let a = engine_with(TransportMode::Auto);
-    let b = engine_with(TransportMode::Auto);
     const LEN: usize = 1 << 20;
-    let dst = mem(LEN, 0, true);
-    b.register_memory(dst.addr(), LEN as u64, "cpu:0").unwrap();
-    let src = pattern(LEN, 5);
-    a.register_memory(src.as_ptr() as u64, src.len() as u64, "cpu:0").unwrap();
-    let seg = a.open_segment(b.segment_name()).unwrap();
+    let MappedPair { a, dst, src, seg, .. } = &mapped_pair(LEN, LEN, 5);
+    let seg = *seg;
     let before = shm::bytes_moved();
     // 32 x 4 KiB (128 KiB: more than is copied inline for an asynchronous submission), the
     // 17th aimed past the end of the peer's buffer.
@@ -794,13 +801,13 @@ fn transfer_sync_all_reports_each_request_and_returns_with_every_byte_landed() {
     }
     assert_path(true, before);
     for i in (0..32usize).filter(|&i| i != 16) {
-        assert!(bytes(&dst)[i * 8192..i * 8192 + 4096] == src[i * 4096..(i + 1) * 4096], "request {i} landed");
+        assert!(bytes(dst)[i * 8192..i * 8192 + 4096] == src[i * 4096..(i + 1) * 4096], "request {i} landed");
     }
-    assert!(bytes(&dst)[LEN - 100..].iter().all(|&x| x == 0), "the refused request touched nothing");
+    assert!(bytes(dst)[LEN - 100..].iter().all(|&x| x == 0), "the refused request touched nothing");
     // Reads back the same way, 1 MiB in one request (the largest copied in the caller's thread).
     let back = vec![0u8; LEN];
     a.register_memory(back.as_ptr() as u64, LEN as u64, "cpu:0").unwrap();
     let st = a.transfer_sync_all(&[wr(Opcode::Read, back.as_ptr() as u64, seg, dst.addr(), LEN as u64)], Duration::from_secs(10)).unwrap();
     assert_eq!(st[0].status, TaskStatus::Completed);
-    assert!(back[..] == bytes(&dst)[..]);
+    assert!(back[..] == bytes(dst)[..]);
 }
