@@ -483,6 +483,42 @@ fn etcd_restarted_with_data_kept_engines_keep_working() {
     service_restart(&mut svc, false);
 }
 
+/// An etcd that lost its data counts revisions from 1 again, so a key created after the wipe
+/// carries the revision of the key created before it. The guards the store's leader election
+/// uses (`Owner`: revision and lease) still tell the two creations apart: the old holder can
+/// neither delete the new key nor write under its guard; the new holder can.
+#[test]
+fn etcd_guards_name_one_creation_across_a_wipe() {
+    use kvferry::metadata::etcd::{Created, EtcdClient, Owner};
+    let Some(mut svc) = Service::etcd() else { return };
+    let connect = |port: u16| EtcdClient::connect(&[format!("127.0.0.1:{port}")], Duration::from_secs(5)).expect("etcd");
+    let create = |etcd: &EtcdClient, value: &[u8]| {
+        let (lease, _) = etcd.lease_grant(60).expect("lease");
+        match etcd.create("view", value, lease).expect("create") {
+            Created::Won(rev) => Owner { create_revision: rev, lease },
+            Created::Lost(kv) => panic!("the key exists: {kv:?}"),
+        }
+    };
+    let old = create(&connect(svc.port), b"old");
+    svc.restart(true);
+    let etcd = connect(svc.port);
+    let new = create(&etcd, b"new");
+    assert_eq!(new.create_revision, old.create_revision, "a wiped etcd gives the new key the old key's revision (the hazard this guards)");
+    assert_ne!(new.lease, old.lease);
+    let kv = etcd.get_kv("view").expect("get").expect("the new key");
+    assert!(new.holds(&kv) && !old.holds(&kv));
+
+    assert_eq!(etcd.txn_if_owned("view", old, &[("journal".into(), b"stale".to_vec())], None).expect("txn"), None, "the old holder's write is refused");
+    assert_eq!(etcd.get_kv("journal").expect("get"), None, "and nothing was written");
+    assert!(!etcd.delete_if_owned("view", old).expect("delete"), "the old holder cannot delete the new key");
+    assert_eq!(etcd.get_kv("view").expect("get").expect("still there").value, b"new");
+
+    assert!(etcd.txn_if_owned("view", new, &[("journal".into(), b"fresh".to_vec())], None).expect("txn").is_some());
+    assert_eq!(etcd.get_kv("journal").expect("get").expect("written").value, b"fresh");
+    assert!(etcd.delete_if_owned("view", new).expect("delete"), "the holder deletes its own key");
+    assert_eq!(etcd.get_kv("view").expect("get"), None);
+}
+
 #[test]
 fn redis_restarted_engines_reregister() {
     let Some(mut svc) = Service::redis() else { return };

@@ -24,7 +24,7 @@
 use crate::error::StoreError;
 use crate::master::journal::{Change, Image};
 use crate::master::Master;
-use kvferry::metadata::etcd::EtcdClient;
+use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::{Deserialize, Serialize};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -98,8 +98,8 @@ pub struct Loaded {
     pub image: Image,
     /// The last log entry's sequence number (the next entry gets the one after).
     pub seq: u64,
-    /// The term of the leader that last loaded the journal (0: none).
-    pub last_term: i64,
+    /// The leader that last loaded the journal (its view key's creation), if any.
+    pub last_leader: Option<Owner>,
     pub head: Option<Head>,
     pub log_entries: usize,
     pub bytes: u64,
@@ -142,11 +142,11 @@ pub fn load(etcd: &EtcdClient, cluster_id: &str) -> Result<Loaded, String> {
             image.apply(c);
         }
     }
-    let last_term = match etcd.get_kv(&format!("{p}term")).map_err(|e| e.to_string())? {
-        Some(kv) => String::from_utf8_lossy(&kv.value).parse().unwrap_or(0),
-        None => 0,
+    let last_leader = match etcd.get_kv(&format!("{p}term")).map_err(|e| e.to_string())? {
+        Some(kv) => parse_term_marker(&String::from_utf8_lossy(&kv.value)),
+        None => None,
     };
-    Ok(Loaded { image, seq, last_term, head, log_entries, bytes })
+    Ok(Loaded { image, seq, last_leader, head, log_entries, bytes })
 }
 
 #[derive(Default)]
@@ -301,6 +301,8 @@ pub struct Writer<'a> {
     pub view_key: String,
     pub prefix: String,
     pub term: i64,
+    /// The view key's creation this writer's transactions are guarded by (`term` and lease).
+    pub owner: Owner,
     pub seq: u64,
     pub head: Option<Head>,
     /// Snapshot once the log since the last snapshot is larger than this and than it.
@@ -312,7 +314,7 @@ impl Writer<'_> {
     /// prove its lease; `None` when it must give up.
     fn txn(&self, puts: &[(String, Vec<u8>)], delete: Option<(&str, &str)>) -> Option<i64> {
         loop {
-            match self.etcd.txn_if_created_at(&self.view_key, self.term, puts, delete) {
+            match self.etcd.txn_if_owned(&self.view_key, self.owner, puts, delete) {
                 Ok(Some(rev)) => return Some(rev),
                 Ok(None) => {
                     tracing::warn!(term = self.term, "HA journal: the view key is no longer this leader's; nothing more is written");
@@ -450,9 +452,18 @@ impl Writer<'_> {
     }
 }
 
-/// Writes the `term` marker: this leader loaded the journal.
-pub fn mark_term(etcd: &EtcdClient, view_key: &str, cluster_id: &str, term: i64) -> Result<bool, String> {
-    etcd.txn_if_created_at(view_key, term, &[(format!("{}term", prefix(cluster_id)), term.to_string().into_bytes())], None).map(|r| r.is_some()).map_err(|e| e.to_string())
+/// Writes the `term` marker, `"<term> <lease>"`: this leader (`owner`, its view key's
+/// creation) loaded the journal. Whether the key was still `owner`'s.
+pub fn mark_term(etcd: &EtcdClient, view_key: &str, cluster_id: &str, owner: Owner) -> Result<bool, String> {
+    let marker = format!("{} {}", owner.create_revision, owner.lease);
+    etcd.txn_if_owned(view_key, owner, &[(format!("{}term", prefix(cluster_id)), marker.into_bytes())], None).map(|r| r.is_some()).map_err(|e| e.to_string())
+}
+
+/// The leader a `term` marker names; `None` for anything else (an older build wrote the term
+/// alone, which no longer names one leader: the new leader then waits out a fence bound).
+fn parse_term_marker(s: &str) -> Option<Owner> {
+    let (term, lease) = s.trim().split_once(' ')?;
+    Some(Owner { create_revision: term.parse().ok()?, lease: lease.parse().ok()? })
 }
 
 #[cfg(test)]

@@ -4,7 +4,10 @@
 //! `mooncake-store/<cluster_id>/master_view`: each grants itself a lease and creates the key,
 //! holding its advertised RPC address `"<ip>:<port>"`, in one transaction that succeeds only if
 //! the key does not exist (`create_revision == 0`). The winner leads; its **term** is the key's
-//! create revision (etcd revisions only grow, so a later leader always has a larger term). The
+//! create revision (etcd revisions only grow while etcd keeps its data, so a later leader has
+//! a larger term). What the leader checks and guards by is its key's **creation**, revision
+//! and lease together ([`Owner`]): an etcd that lost its data counts revisions from 1 again,
+//! and a new leader's key can carry the old leader's revision but never its lease. The
 //! others stand by and poll the key (every [`STANDBY_POLL`]); when it disappears (the leader's
 //! lease expired, or it stepped down) they campaign again.
 //!
@@ -32,14 +35,19 @@
 //! **An etcd that lost its data.** The key then vanishes without the old leader's lease having
 //! expired, so another master can win it while the old one still answers for the rest of its
 //! fence bound. A new leader therefore serves at once only when the journal's `term` marker
-//! names the leader it saw while standing by (etcd kept its history); otherwise (a wiped etcd,
-//! a first start) it waits out one fence bound first.
+//! names the leader it saw while standing by, revision and lease (etcd kept its history);
+//! otherwise (a wiped etcd, a first start) it waits out one fence bound first, then reads its
+//! key back before it serves. A deposed leader's step-down deletes the key, and its journal
+//! appends land, only while the key is still its creation: with revisions alone, a leader of
+//! the wiped etcd's first term could delete its successor's key (same revision) and two
+//! masters answered as leaders at once (CI, store_ha
+//! `etcd_restarted_with_or_without_its_data_masters_and_clients_recover`).
 
 pub mod journal;
 
 use crate::error::StoreError;
 use crate::master::Master;
-use kvferry::metadata::etcd::{Created, EtcdClient, KeyValue};
+use kvferry::metadata::etcd::{Created, EtcdClient, KeyValue, Owner};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -302,8 +310,9 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
     let ttl_secs = cfg.lease_ttl.as_secs_f64().ceil() as i64;
     let mut last_err = String::new();
     let mut logged_leader = String::new();
-    // The term of the last leader seen while standing by (see "An etcd that lost its data").
-    let mut seen_term = 0i64;
+    // The last leader seen while standing by: its key's creation (see "An etcd that lost its
+    // data").
+    let mut seen: Option<Owner> = None;
     let mut report = |e: String| {
         if e != last_err {
             tracing::warn!("HA: {e}");
@@ -313,7 +322,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
     loop {
         match etcd.get_kv(key) {
             Ok(Some(kv)) => {
-                seen_term = kv.create_revision;
+                seen = Some(Owner { create_revision: kv.create_revision, lease: kv.lease });
                 gate.set_standby(Some(&kv));
                 let leader = String::from_utf8_lossy(&kv.value).into_owned();
                 if leader != logged_leader {
@@ -343,28 +352,31 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
         };
         match etcd.create(key, cfg.address.as_bytes(), lease) {
             Ok(Created::Won(term)) => {
-                match take_over(cfg, etcd, key, master, term, lease, sent, seen_term) {
+                let owner = Owner { create_revision: term, lease };
+                match take_over(cfg, etcd, key, master, owner, sent, seen) {
                     Ok(head) => {
                         logged_leader = cfg.address.clone();
                         std::thread::scope(|sc| {
-                            let writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), term, seq: head.0, head: head.1, snapshot_bytes: cfg.snapshot_bytes };
+                            let writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), term, owner, seq: head.0, head: head.1, snapshot_bytes: cfg.snapshot_bytes };
                             let w = std::thread::Builder::new().name("kvf-master-journal".into()).spawn_scoped(sc, move || writer.run());
                             if let Err(e) = w {
                                 tracing::error!(term, "HA: cannot start the journal writer: {e}; stepping down");
                                 gate.fence(term);
                             }
-                            lead(cfg, etcd, key, master, term, lease);
+                            lead(cfg, etcd, key, master, owner);
                             gate.set_standby(None);
                             master.journal.deactivate();
                         });
                     }
                     Err(e) => tracing::warn!(term, "HA: won the key but cannot take over: {e}; stepping down"),
                 }
-                // Stepping down: refuse, forget, let the others take over at once.
+                // Stepping down: refuse, forget, let the others take over at once. The key is
+                // deleted only if it is still this creation: after etcd lost its data another
+                // master's key may carry the same revision (but never this lease).
                 gate.set_standby(None);
                 master.journal.deactivate();
                 master.reset(-1);
-                if let Err(e) = etcd.delete_if_created_at(key, term) {
+                if let Err(e) = etcd.delete_if_owned(key, owner) {
                     tracing::debug!("HA: deleting the key after stepping down: {e}");
                 }
                 if let Err(e) = etcd.lease_revoke(lease) {
@@ -387,28 +399,35 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
 
 /// Loads the journal into `master`'s state for `term` and starts serving: the last journal
 /// entry's number and the snapshot head, for the writer.
-#[allow(clippy::too_many_arguments)]
-fn take_over(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, term: i64, lease: i64, won_at: Instant, seen_term: i64) -> Result<(u64, Option<journal::Head>), String> {
+fn take_over(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, owner: Owner, won_at: Instant, seen: Option<Owner>) -> Result<(u64, Option<journal::Head>), String> {
+    let (term, lease) = (owner.create_revision, owner.lease);
     let loaded = journal::load(etcd, &cfg.cluster_id)?;
     let (mut st, rebuilt) = loaded.image.into_state(term, master.now(), master.cfg.lease_ttl.as_millis() as u64);
     st.journal_on();
     *master.lock() = st;
     master.journal.activate(term);
-    if !journal::mark_term(etcd, key, &cfg.cluster_id, term)? {
+    if !journal::mark_term(etcd, key, &cfg.cluster_id, owner)? {
         return Err("the key is no longer this master's".into());
     }
-    // etcd kept its history only if the journal names the leader this master saw; otherwise
-    // an old leader may still answer until its fence bound ends.
-    if loaded.last_term == 0 || loaded.last_term != seen_term {
+    // etcd kept its history only if the journal names the leader this master saw (its key's
+    // revision and lease); otherwise an old leader may still answer until its fence bound ends.
+    if loaded.last_leader.is_none() || loaded.last_leader != seen {
         let wait = (won_at + cfg.fence_bound()).saturating_duration_since(Instant::now());
-        tracing::info!(term, journal_term = loaded.last_term, seen_term, "HA: etcd's history does not show the previous leader; waiting {wait:?} (one fence bound) before serving");
+        tracing::info!(term, journal_leader = ?loaded.last_leader, ?seen, "HA: etcd's history does not show the previous leader; waiting {wait:?} (one fence bound) before serving");
         std::thread::sleep(wait);
     }
+    // Renewed, and the key read back as this creation: a wait or a slow load may have let the
+    // lease lapse, or another master remove the key.
     let sent = Instant::now();
     match etcd.lease_keepalive(lease) {
         Ok(Some(_)) => {}
         Ok(None) => return Err("the lease expired while loading the journal".into()),
         Err(e) => return Err(format!("renewing the lease after loading the journal: {e}")),
+    }
+    match etcd.get_kv(key) {
+        Ok(Some(kv)) if owner.holds(&kv) => {}
+        Ok(other) => return Err(format!("the key {key} is no longer this master's ({other:?})")),
+        Err(e) => return Err(format!("reading the key back after loading the journal: {e}")),
     }
     master.gate.set_leader(term, &cfg.address, lease, sent, cfg.fence_bound());
     tracing::info!(
@@ -426,7 +445,8 @@ fn take_over(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, term
 }
 
 /// Keeps the lease alive while the key is ours; returns when leadership cannot be proven.
-fn lead(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, term: i64, lease: i64) {
+fn lead(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, owner: Owner) {
+    let (term, lease) = (owner.create_revision, owner.lease);
     let gate = &master.gate;
     let mut next = Instant::now() + cfg.keepalive_every();
     loop {
@@ -441,7 +461,7 @@ fn lead(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, term: i64
         let sent = Instant::now();
         match etcd.lease_keepalive(lease) {
             Ok(Some(_)) => match etcd.get_kv(key) {
-                Ok(Some(kv)) if kv.create_revision == term && kv.lease == lease => gate.renewed(term, sent, cfg.fence_bound()),
+                Ok(Some(kv)) if owner.holds(&kv) => gate.renewed(term, sent, cfg.fence_bound()),
                 Ok(other) => {
                     tracing::warn!(term, "HA: the key {key} is no longer this master's ({other:?}); stepping down");
                     return;

@@ -45,12 +45,39 @@ pub struct EtcdClient {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyValue {
     pub value: Vec<u8>,
-    /// Revision of the transaction that created the key (monotonic across the cluster: a key
-    /// deleted and created again gets a larger one).
+    /// Revision of the transaction that created the key (monotonic while etcd keeps its data:
+    /// a key deleted and created again gets a larger one; an etcd that lost its data counts
+    /// from 1 again, so a revision alone does not name one creation: see [`Owner`]).
     pub create_revision: i64,
     pub mod_revision: i64,
     /// The lease the key lives under (0: none).
     pub lease: i64,
+}
+
+/// One creation of a key by one holder: its create revision and the lease it lives under.
+/// Revisions repeat after etcd lost its data (a fresh etcd counts from 1 again) and a lease
+/// is granted to one holder only, so the pair still names this creation after a wipe, where
+/// the revision alone may name a newer holder's key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner {
+    pub create_revision: i64,
+    pub lease: i64,
+}
+
+impl Owner {
+    /// Whether `kv` is this creation.
+    pub fn holds(&self, kv: &KeyValue) -> bool {
+        kv.create_revision == self.create_revision && kv.lease == self.lease
+    }
+
+    /// The transaction compares that hold only while `key` is this creation.
+    fn compares(&self, key: &str) -> Value {
+        let k = B64.encode(key);
+        json!([
+            { "key": k, "result": "EQUAL", "target": "CREATE", "create_revision": self.create_revision.to_string() },
+            { "key": k, "result": "EQUAL", "target": "LEASE", "lease": self.lease.to_string() },
+        ])
+    }
 }
 
 /// The outcome of [`EtcdClient::create`].
@@ -219,28 +246,26 @@ impl EtcdClient {
         }
     }
 
-    /// Deletes `key` only if it is still the one created at `create_revision`; whether it was.
-    pub fn delete_if_created_at(&self, key: &str, create_revision: i64) -> Result<bool> {
-        let k = B64.encode(key);
+    /// Deletes `key` only if it is still `owner`'s creation; whether it was.
+    pub fn delete_if_owned(&self, key: &str, owner: Owner) -> Result<bool> {
         let body = json!({
-            "compare": [{ "key": k, "result": "EQUAL", "target": "CREATE", "create_revision": create_revision.to_string() }],
-            "success": [{ "request_delete_range": { "key": k } }],
+            "compare": owner.compares(key),
+            "success": [{ "request_delete_range": { "key": B64.encode(key) } }],
         });
         let v = self.call(&format!("DELETE {key}"), "/v3/kv/txn", body)?;
         Ok(v.get("succeeded").and_then(Value::as_bool).unwrap_or(false))
     }
 
-    /// One transaction guarded by `guard` still being the key created at `create_revision`
-    /// (an HA leader's view key): `puts` set, then the keys in `[delete.0, delete.1)` removed.
-    /// `Some(revision)` when it was applied, `None` when the guard failed (nothing changed).
-    pub fn txn_if_created_at(&self, guard: &str, create_revision: i64, puts: &[(String, Vec<u8>)], delete: Option<(&str, &str)>) -> Result<Option<i64>> {
-        let g = B64.encode(guard);
+    /// One transaction guarded by `guard` still being `owner`'s creation (an HA leader's view
+    /// key): `puts` set, then the keys in `[delete.0, delete.1)` removed. `Some(revision)` when
+    /// it was applied, `None` when the guard failed (nothing changed).
+    pub fn txn_if_owned(&self, guard: &str, owner: Owner, puts: &[(String, Vec<u8>)], delete: Option<(&str, &str)>) -> Result<Option<i64>> {
         let mut ops: Vec<Value> = puts.iter().map(|(k, v)| json!({ "request_put": { "key": B64.encode(k), "value": B64.encode(v) } })).collect();
         if let Some((from, to)) = delete {
             ops.push(json!({ "request_delete_range": { "key": B64.encode(from), "range_end": B64.encode(to) } }));
         }
         let body = json!({
-            "compare": [{ "key": g, "result": "EQUAL", "target": "CREATE", "create_revision": create_revision.to_string() }],
+            "compare": owner.compares(guard),
             "success": ops,
         });
         let what = format!("TXN guarded by {guard}");
