@@ -115,6 +115,9 @@ def _after_fork_in_child() -> None:
     for e in list(_live_engines):
         try:
             e._inherited = True
+            # The parent's sockets and control region: released here, so that the parent's
+            # ports close when it does, whatever this process goes on doing.
+            e._core.release_inherited()
         except AttributeError:
             pass
 

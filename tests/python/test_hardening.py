@@ -319,6 +319,55 @@ def test_fork_child_cannot_use_or_break_the_parents_engine(kv):
         b.close()
 
 
+def _socket_inodes(ports):
+    """Inodes of the TCP sockets whose local port is in `ports` (/proc/net/tcp, tcp6)."""
+    out = set()
+    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(f) as fh:
+            for line in fh.readlines()[1:]:
+                w = line.split()
+                if len(w) >= 10 and int(w[1].rsplit(":", 1)[1], 16) in ports and w[9] != "0":
+                    out.add(w[9])
+    return out
+
+
+def _fds_on(inodes):
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink("/proc/self/fd/" + fd)
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            n += 1
+    return n
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_fork_child_lets_go_of_the_parents_sockets_at_once(kv):
+    """Right after fork() (the package's at-fork handler), with the engine object still
+    referenced, the child holds none of the parent engine's listening sockets: once the parent
+    is gone its ports refuse connections, whatever the child goes on doing."""
+    a = kv.Engine(HOST)
+    try:
+        inodes = _socket_inodes({a.rpc_port, a.data_port})
+        held = _fds_on(inodes)
+        assert held >= 2, "the parent holds its two listeners: %d descriptors on %s" % (held, inodes)
+
+        def child():
+            return _fds_on(inodes) == 0 and "inherited" in repr(a)
+
+        assert _fork(child) == 0, "the child still held the parent's listening sockets after fork()"
+        assert _fds_on(inodes) == held
+        b = kv.Engine(HOST)
+        try:
+            b.probe(a.segment_name)  # the parent's handshake port still answers
+        finally:
+            b.close()
+    finally:
+        a.close()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_fork_child_cannot_use_or_break_the_parents_store(cluster):
     from kvferry.store import ReplicateConfig, Store, StoreInvalidArgument

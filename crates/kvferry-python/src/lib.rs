@@ -333,6 +333,19 @@ impl Core {
         })
     }
 
+    /// In a `fork()` child: lets go of the parent engine's sockets and control region that
+    /// this inherited copy holds (`TransferEngine::release_inherited`); nothing in the
+    /// engine's own process. Called by the package's at-fork handler.
+    fn release_inherited(&self) {
+        if std::process::id() == self.pid {
+            return;
+        }
+        // try_read: a thread of the parent may have held the lock at the fork.
+        if let Ok(Some(e)) = self.engine.try_read().as_deref() {
+            e.release_inherited();
+        }
+    }
+
     /// This engine's segment name, `host:rpc_port`: what peers pass as `target_hostname`.
     #[getter]
     fn segment_name(&self, py: Python<'_>) -> PyResult<String> {

@@ -1263,9 +1263,11 @@ impl Drop for Client {
     /// Unmounts the segment (the engine, dropped after, is the barrier for its memory). In a
     /// process other than the one that set the client up (a `fork()` child dropping its copy)
     /// nothing is unmounted or stopped: the segment and the master's view of it are the
-    /// parent's; the engine and the buffers then only let go of their descriptors.
+    /// parent's; the engine lets go of the parent's sockets
+    /// ([`TransferEngine::release_inherited`]) and the buffers of their descriptors.
     fn drop(&mut self) {
         if std::process::id() != self.inner.pid {
+            self.inner.engine.release_inherited();
             return;
         }
         if let Err(e) = self.close() {

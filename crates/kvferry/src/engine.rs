@@ -304,6 +304,24 @@ impl TransferEngine {
     }
 
     /// This engine's segment name (`host:port` in P2P mode).
+    /// In a `fork()` child holding a copy of its parent's engine: lets go of the parent's
+    /// listening sockets, its connections to peers and its shared-memory control region, so
+    /// that they close when the parent closes them or dies (its ports refuse connections even
+    /// while the child lives), and shuts nothing down for the parent. The copy is unusable
+    /// in the child anyway (the engine's threads do not exist there). Dropping the copy does
+    /// this too; Python calls it right after a fork. Does nothing in the engine's own
+    /// process. Left held until the child exits or execs: peers' mapped buffers and pidfds,
+    /// connections whose table a thread of the parent had locked at the fork, the metadata
+    /// client's connections, RDMA devices.
+    pub fn release_inherited(&self) {
+        if std::process::id() == self.inner.pid {
+            return;
+        }
+        self.inner.handshake.release_inherited();
+        self.inner.tcp.release_inherited();
+        self.inner.shm.release_inherited();
+    }
+
     pub fn segment_name(&self) -> &str {
         &self.inner.name
     }
@@ -619,10 +637,12 @@ impl Drop for TransferEngine {
     /// In a process other than the one that started the engine (a `fork()` child dropping
     /// its copy) nothing is shut down: the listeners, metadata entries, shared control region
     /// and memory belong to the parent, and the engine's threads do not exist in the child
-    /// (joining them would hang). The child's copy is left alone; its descriptors are closed
-    /// when the child exits or execs (all are close-on-exec).
+    /// (joining them would hang). The child lets go of the parent's sockets and control
+    /// region ([`TransferEngine::release_inherited`]) and forgets the rest; what remains is
+    /// closed when the child exits or execs (all descriptors are close-on-exec).
     fn drop(&mut self) {
         if std::process::id() != self.inner.pid {
+            self.release_inherited();
             std::mem::forget(Arc::clone(&self.inner));
             return;
         }

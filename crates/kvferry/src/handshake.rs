@@ -86,6 +86,12 @@ impl HandshakeServer {
         // Shutting down our own listening socket wakes the blocked accept().
         let _ = rustix::net::shutdown(&*self.listener, rustix::net::Shutdown::Both);
     }
+
+    /// In a `fork()` child's copy: lets go of the parent's listening socket (see
+    /// `crate::forked`), without shutting it down for the parent.
+    pub(crate) fn release_inherited(&self) {
+        crate::forked::detach(std::os::fd::AsFd::as_fd(&*self.listener));
+    }
 }
 
 fn serve_one(s: &TcpStream, max_len: u64, handler: &Handler) -> std::io::Result<()> {

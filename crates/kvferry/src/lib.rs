@@ -35,6 +35,7 @@ pub mod batch;
 pub mod config;
 mod engine;
 pub mod error;
+mod forked;
 pub mod gpu;
 pub mod handshake;
 pub mod hostbuf;

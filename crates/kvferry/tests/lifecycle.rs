@@ -103,6 +103,87 @@ fn a_forked_child_dropping_the_engine_leaves_the_parent_alone() {
     assert!(dst.iter().all(|&x| unsafe { std::ptr::read_volatile(&x) } == 0x3A));
 }
 
+/// Inodes of the TCP sockets (IPv4 and IPv6) with local port in `local` or remote port in
+/// `remote`, from /proc/net/tcp*.
+fn tcp_inodes(local: &[u16], remote: &[u16]) -> Vec<u64> {
+    let port = |a: &str| a.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
+    let mut out = Vec::new();
+    for f in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        for line in std::fs::read_to_string(f).unwrap_or_default().lines().skip(1) {
+            let w: Vec<&str> = line.split_whitespace().collect();
+            if w.len() < 10 {
+                continue;
+            }
+            let (l, r) = (port(w[1]), port(w[2]));
+            if l.is_some_and(|l| local.contains(&l)) || r.is_some_and(|r| remote.contains(&r)) {
+                out.extend(w[9].parse::<u64>().ok().filter(|&i| i != 0));
+            }
+        }
+    }
+    out
+}
+
+/// How many of this process's descriptors refer to a socket in `inodes`.
+fn fds_on(inodes: &[u64]) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .filter(|l| l.to_str().and_then(|s| s.strip_prefix("socket:[")?.strip_suffix(']')?.parse::<u64>().ok()).is_some_and(|i| inodes.contains(&i)))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// A fork() child's copies of two engines let go of the parent's sockets when dropped: its
+/// listening sockets (so the parent's ports would refuse connections once the parent died,
+/// even while the child lives on), the connection its data server serves and the lane's
+/// connection to the peer. The parent's engines keep working.
+#[test]
+fn a_forked_childs_copy_lets_go_of_the_parents_sockets() {
+    let _alone = alone();
+    let b = engine(Duration::from_secs(5));
+    let a = engine(Duration::from_secs(5));
+    let dst = vec![0u8; 1 << 16];
+    let src = vec![0x6Bu8; 1 << 16];
+    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*").unwrap();
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    let st = a.transfer_sync(&[req(Opcode::Write, &src, seg, dst.as_ptr() as u64, src.len())], Duration::from_secs(5)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+    // b's listeners and the connection it serves (local ports), a's lane (remote port).
+    let ports = [b.data_port(), b.rpc_port(), a.data_port(), a.rpc_port()];
+    let inodes = tcp_inodes(&ports, &[b.data_port()]);
+    let held = fds_on(&inodes);
+    assert!(held >= 5, "4 listeners and a connection's two ends are this process's: {held} descriptors on {inodes:?}");
+    // SAFETY: the child only reads /proc, drops its copies of the engines and _exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let before = fds_on(&inodes);
+        drop(a);
+        drop(b);
+        let after = fds_on(&inodes);
+        eprintln!("forked child: {before} descriptors on the parent's sockets before dropping its engine copies, {after} after");
+        unsafe { libc::_exit(if before == held && after == 0 { 0 } else { 1 }) };
+    }
+    let mut status = 0;
+    let exited = settles(Duration::from_secs(10), || unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid);
+    if exited.is_none() {
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        panic!("the child hung dropping its copies of the engines");
+    }
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child still held the parent's sockets after dropping its copies (its line above says how many)");
+    // The parent's engines are untouched: the same connection serves another write.
+    let src2 = vec![0x2Eu8; 1 << 16];
+    a.register_memory(src2.as_ptr() as u64, src2.len() as u64, "*").unwrap();
+    let st = a.transfer_sync(&[req(Opcode::Write, &src2, seg, dst.as_ptr() as u64, src2.len())], Duration::from_secs(5)).unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+    // SAFETY: plain reads of a buffer the transfer finished with.
+    assert!(dst.iter().all(|&x| unsafe { std::ptr::read_volatile(&x) } == 0x2E));
+    assert_eq!(fds_on(&inodes), held, "the parent's descriptors are all still its own");
+}
+
 /// When the process runs out of descriptors, the data and handshake listeners back off
 /// instead of spinning on `EMFILE` (connections wait in the backlog), and serve again once
 /// descriptors are back.

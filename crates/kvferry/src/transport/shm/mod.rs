@@ -413,6 +413,20 @@ pub struct ShmTransport {
 }
 
 impl ShmTransport {
+    /// In a `fork()` child's copy: lets go of the parent's control region and the reaper's
+    /// wake-up descriptor, touching neither for the parent (see `crate::forked`). Peers'
+    /// buffers and pidfds stay held until the child exits: freeing them would need the
+    /// peer table's lock, which a thread of the parent may have held at the fork.
+    pub(crate) fn release_inherited(&self) {
+        use std::os::fd::AsFd;
+        if let Some(c) = &self.local {
+            crate::forked::detach(c.fd.as_fd());
+        }
+        if let Some(w) = &self.shared.wake {
+            crate::forked::detach(w.as_fd());
+        }
+    }
+
     pub fn new(opts: ShmOptions) -> ShmTransport {
         let host_id = host_id();
         let (local, local_reason) = match (opts.mode, &host_id) {

@@ -217,6 +217,25 @@ impl Transport for TcpTransport {
 }
 
 impl TcpTransport {
+    /// In a `fork()` child's copy: lets go of the parent's data listener, the connections it
+    /// serves and its lanes' connections to peers (each whose lock is free), shutting
+    /// nothing down for the parent (see `crate::forked`).
+    pub(crate) fn release_inherited(&self) {
+        use std::os::fd::AsFd;
+        self.server.release_inherited();
+        if let Some(peers) = crate::forked::try_lock(&self.peers) {
+            for p in peers.values() {
+                for l in &p.lanes {
+                    if let Some(st) = crate::forked::try_lock(&l.st) {
+                        if let Some(c) = st.conn_ref() {
+                            crate::forked::detach(c.as_fd());
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Queues pieces on the lanes to `peer` (cut across lanes when large).
     fn queue(&self, peer: &Arc<Peer>, pieces: Vec<Piece>) {
         let fail_all = |pieces: Vec<Piece>, f: Failure| {

@@ -150,6 +150,11 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
         self.conn.is_some()
     }
 
+    /// The current connection, if any.
+    pub(super) fn conn_ref(&self) -> Option<&C> {
+        self.conn.as_ref()
+    }
+
     /// A new connection is up: requests go out on it as generation [`LaneQueue::gen`].
     pub(super) fn on_connected(&mut self, conn: C) -> u64 {
         self.gen += 1;

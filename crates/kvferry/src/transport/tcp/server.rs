@@ -20,7 +20,9 @@ pub const MAX_DATA_CONNS: usize = 1024;
 /// A served connection: a handle to shut it down, and the start of the registered range
 /// its thread holds a guard on (0: none).
 struct ConnSlot {
-    stream: TcpStream,
+    /// The serving thread's own stream (one descriptor per connection, which a revocation
+    /// shuts down and a fork child's copy lets go of).
+    stream: Arc<TcpStream>,
     holding: Arc<AtomicU64>,
 }
 
@@ -112,15 +114,8 @@ impl TcpServer {
                 next_id += 1;
                 let id = next_id;
                 let holding = Arc::new(AtomicU64::new(0));
-                match stream.try_clone() {
-                    Ok(c) => {
-                        cs.lock().unwrap_or_else(|e| e.into_inner()).insert(id, ConnSlot { stream: c, holding: Arc::clone(&holding) });
-                    }
-                    Err(e) => {
-                        tracing::warn!("TCP data listener: cannot track a new connection ({e}); closing it");
-                        continue;
-                    }
-                }
+                let stream = Arc::new(stream);
+                cs.lock().unwrap_or_else(|e| e.into_inner()).insert(id, ConnSlot { stream: Arc::clone(&stream), holding: Arc::clone(&holding) });
                 let (reg, cs2, sd2) = (Arc::clone(&registry), Arc::clone(&cs), Arc::clone(&sd));
                 let spawned = std::thread::Builder::new().name("kvf-tcp-serve".into()).spawn(move || {
                     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
@@ -160,6 +155,19 @@ impl TcpServer {
         }
         if let Some(t) = self.accept_thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = t.join();
+        }
+    }
+
+    /// In a `fork()` child's copy: lets go of the parent's listening socket and of the
+    /// connections it serves (those whose table is not locked), without shutting anything
+    /// down for the parent (see `crate::forked`).
+    pub(crate) fn release_inherited(&self) {
+        use std::os::fd::AsFd;
+        crate::forked::detach(self.listener.as_fd());
+        if let Some(conns) = crate::forked::try_lock(&self.conns) {
+            for c in conns.values() {
+                crate::forked::detach(c.stream.as_fd());
+            }
         }
     }
 }
