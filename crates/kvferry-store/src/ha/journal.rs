@@ -165,8 +165,13 @@ struct Queue {
 /// Counters shown on `/ha_status` and `/metrics`.
 #[derive(Debug, Default, Clone, Copy, Serialize)]
 pub struct JournalStats {
-    /// Log entries written in this term.
+    /// Log entries written in this term (one etcd transaction each).
     pub entries: u64,
+    /// Changes those entries carried (group commit: every change queued while the previous
+    /// transaction was in flight goes in the next).
+    pub changes: u64,
+    /// Microseconds spent in those transactions (request sent to answer read).
+    pub write_us: u64,
     /// Bytes of log written since the last snapshot.
     pub log_bytes: u64,
     /// Size of the current snapshot.
@@ -340,13 +345,18 @@ impl Writer<'_> {
                 return None;
             }
         };
+        let mut left = changes.len() as u64;
         for c in chunks {
             let n = c.len() as u64;
             let key = log_key(&self.prefix, self.seq + 1);
+            let t = Instant::now();
             self.txn(&[(key, c)], None)?;
+            let us = t.elapsed().as_micros() as u64;
             self.seq += 1;
             self.master.journal.set_stats(|s| {
                 s.entries += 1;
+                s.changes += std::mem::take(&mut left); // counted with the first chunk
+                s.write_us += us;
                 s.log_bytes += n;
                 s.seq = self.seq;
             });
