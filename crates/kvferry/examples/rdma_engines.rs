@@ -257,6 +257,7 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
     // TIMEOUT when the NIC never reports the loss: its QP is flushed at the deadline) within
     // the deadline, and the engine does not hang.
     let bc = Buf::new(1 << 20)?;
+    let cfg2 = cfg.clone();
     let c = TransferEngine::new(cfg).map_err(|e| e.to_string())?;
     c.register_memory(bc.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
     let pc = a.open_segment(c.segment_name()).map_err(|e| e.to_string())?;
@@ -280,6 +281,65 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
         st.reason.unwrap_or_default()
     );
     drop(bc);
+
+    // Peers that come and go, each writing into `b`: the QPs `b` made for them are released
+    // once they are gone (their handshake address refuses connections), never a live peer's.
+    // `b` registers its buffer again; `a` writes into it first (its first WRITE may meet the
+    // old keys, as above), so that `a`'s pairs in `b` exist before any look.
+    b.register_memory(lb, SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
+    let mut warmed = None;
+    for _ in 0..2 {
+        let st = a.transfer_sync(&[one(Opcode::Write, 4096, 0)], Duration::from_secs(10)).map_err(|e| e.to_string())?;
+        if st.status == TaskStatus::Completed {
+            warmed = Some(st);
+            break;
+        }
+    }
+    warmed.ok_or("a could not write into b's buffer registered again")?;
+    let (_, b_before) = b.rdma_usage().ok_or("b has no RDMA transport")?;
+    let mut peak = b_before;
+    let bp = Buf::new(4096)?;
+    let visit = |peak: &mut usize| -> Res<TransferEngine> {
+        let p = TransferEngine::new(cfg2.clone()).map_err(|e| e.to_string())?;
+        p.register_memory(bp.addr(), 4096, "cpu:0").map_err(|e| e.to_string())?;
+        let to_b = p.open_segment(b.segment_name()).map_err(|e| e.to_string())?;
+        let w = TransferRequest { opcode: Opcode::Write, source: bp.addr(), target_id: to_b, target_offset: lb, length: 4096 };
+        let st = p.transfer_sync(&[w], Duration::from_secs(10)).map_err(|e| e.to_string())?;
+        if st.status != TaskStatus::Completed {
+            return Err(format!("a passing peer's WRITE: {st:?}"));
+        }
+        *peak = (*peak).max(b.rdma_usage().map_or(0, |u| u.1));
+        Ok(p)
+    };
+    const PEERS: usize = 40;
+    for _ in 0..PEERS - 1 {
+        drop(visit(&mut peak)?);
+    }
+    let last = visit(&mut peak)?;
+    // Departed peers' pairs are released whenever 16 are held (a look at most every 2 s): what
+    // stays is under that mark plus the live peers' pairs (`last`: at most 2 of its NICs x 2
+    // of ours). Without the looks `b` would hold at least b_before + 40.
+    let limit = kvferry::transport::rdma::PASSIVE_SWEEP_AT + 4;
+    let t = Instant::now();
+    let mut held = b.rdma_usage().map_or(0, |u| u.1);
+    while held > limit && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(100));
+        held = b.rdma_usage().map_or(0, |u| u.1);
+    }
+    if held > limit {
+        return Err(format!("passive pairs of departed peers: {b_before} before, peak {peak}, {held} held 10 s after the last look (at most {limit} expected)"));
+    }
+    // `a` kept its pairs (made before the looks, its address answers): its WRITE into `b`
+    // goes through at the first try.
+    fill(&mut ba.bytes()[..1 << 20], 77);
+    let st = a.transfer_sync(&[one(Opcode::Write, 1 << 20, 0)], Duration::from_secs(10)).map_err(|e| e.to_string())?;
+    if st.status != TaskStatus::Completed {
+        return Err(format!("the live peer's WRITE after the sweep: {st:?}"));
+    }
+    compare("the live peer's WRITE after the sweep", &bb.bytes()[..1 << 20], &ba.bytes()[..1 << 20])?;
+    drop(last);
+    b.unregister_memory(lb).map_err(|e| e.to_string())?;
+    println!("rdma_engines: {PEERS} peers came and went: b held up to {peak} passive pairs, {held} once the departed were found gone ({b_before} before); the live peer's WRITE verified");
 
     a.unregister_memory(ba.addr()).map_err(|e| e.to_string())?;
     drop(a);

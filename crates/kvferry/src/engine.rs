@@ -322,6 +322,12 @@ impl TransferEngine {
         self.inner.shm.release_inherited();
     }
 
+    /// With RDMA: (NIC pairs this engine connected to peers, NIC pairs peers connected to it
+    /// whose QPs it holds); `None` without RDMA.
+    pub fn rdma_usage(&self) -> Option<(usize, usize)> {
+        self.inner.rdma.as_ref().map(|t| t.usage())
+    }
+
     pub fn segment_name(&self) -> &str {
         &self.inner.name
     }

@@ -56,8 +56,14 @@
 //! nvidia-peermem, the one that worked kept) and then moved by the NICs unstaged
 //! ([`RdmaTransport::take_gpu_direct`]).
 //!
-//! Not yet: bounding the QPs made for peers that connect to us (kept until the peer reconnects
-//! that pair).
+//! QPs made for peers that connect to us (passive) are kept until the peer reconnects that
+//! pair, or until it is found gone: once [`PASSIVE_SWEEP_AT`] pairs are held, a connection
+//! starts a look (at most every [`PASSIVE_SWEEP_EVERY`], on a thread of its own) at each
+//! peer's handshake address (its segment name when that is `ip:port`); a peer whose address
+//! refuses connections has no engine there any more, and the QPs made for it before the look
+//! began are destroyed. A live peer is never cut off this way (its port answers), so nothing
+//! is evicted by count: one-sided traffic gives the passive side no way to tell an idle pair
+//! from a busy one. Peers named otherwise (no `ip:port`) are kept until they reconnect.
 
 use crate::batch::{FailCause, FailKind, TaskState};
 use crate::memory::{Region, RegionGuard};
@@ -103,6 +109,12 @@ const POST_FAILED: u32 = u32::MAX;
 /// Our extra field in `Connection` messages: the sender's active MTU in bytes, so both sides
 /// use the smaller of both ports' (a peer without it: our own).
 const MTU_FIELD: &str = "kvferry_mtu";
+/// Passive pairs (a peer NIC, one of ours) held before departed peers are looked for.
+pub const PASSIVE_SWEEP_AT: usize = 16;
+/// At most one look for departed peers per this long.
+pub const PASSIVE_SWEEP_EVERY: Duration = Duration::from_secs(2);
+/// How long a peer's handshake address may take to answer a look (no answer: kept).
+const PASSIVE_PROBE_TIMEOUT: Duration = Duration::from_millis(300);
 
 /// What the engine tells the transport.
 pub struct RdmaOptions {
@@ -365,8 +377,11 @@ struct Shared {
     endpoints: Mutex<HashMap<EpKey, Arc<Endpoint>>>,
     /// NIC pairs that could not be connected, and until when they are left alone.
     paused: Mutex<HashMap<EpKey, Instant>>,
-    /// QPs made for peers that connected to us, by (their NIC path, our NIC index).
-    passive: Mutex<HashMap<(String, usize), Vec<Qp>>>,
+    /// QPs made for peers that connected to us, by (their NIC path, our NIC index), with when
+    /// they were made.
+    passive: Mutex<HashMap<(String, usize), (Instant, Vec<Qp>)>>,
+    /// A look for departed peers runs; when the last one started.
+    sweep: Mutex<(bool, Option<Instant>)>,
     connector: Mutex<Option<Arc<Connector>>>,
     /// Re-reads a peer's descriptor (set by the engine).
     refresh: Mutex<Option<Arc<crate::transport::shm::Refresh>>>,
@@ -642,6 +657,7 @@ impl RdmaTransport {
             endpoints: Mutex::default(),
             paused: Mutex::default(),
             passive: Mutex::default(),
+            sweep: Mutex::default(),
             connector: Mutex::new(None),
             refresh: Mutex::new(None),
             stale: Mutex::default(),
@@ -710,7 +726,7 @@ impl RdmaTransport {
         if m.ready_ack == Some(true) {
             // Mooncake's "ready" round (we never ask for it, but answer it): our QPs for that
             // peer reached RTS before we answered its request.
-            let ours: Option<Vec<u32>> = s.passive.lock().unwrap_or_else(|e| e.into_inner()).get(&(m.local_nic_path.clone(), idx)).map(|q| q.iter().map(Qp::qp_num).collect());
+            let ours: Option<Vec<u32>> = s.passive.lock().unwrap_or_else(|e| e.into_inner()).get(&(m.local_nic_path.clone(), idx)).map(|(_, q)| q.iter().map(Qp::qp_num).collect());
             let Some(qp_num) = ours else {
                 return refusal(&me, &m.local_nic_path, "kvferry: ready ACK for an unknown connection".into());
             };
@@ -740,9 +756,69 @@ impl RdmaTransport {
         let reply = hello(&s.segment, nic, &m.local_nic_path, &qps);
         tracing::debug!(peer = %m.local_nic_path, local = %nic.name, qps = qps.len(), "RDMA: accepted a connection");
         // A peer reconnecting the same NIC pair replaces its old QPs (it dropped its own).
-        s.passive.lock().unwrap_or_else(|e| e.into_inner()).insert((m.local_nic_path, idx), qps);
+        let held = {
+            let mut p = s.passive.lock().unwrap_or_else(|e| e.into_inner());
+            p.insert((m.local_nic_path, idx), (Instant::now(), qps));
+            p.len()
+        };
+        if held >= PASSIVE_SWEEP_AT {
+            self.sweep_passive();
+        }
         reply
     }
+
+    /// (Pairs of our active endpoints, passive pairs held for peers that connected to us.)
+    pub fn usage(&self) -> (usize, usize) {
+        let s = &self.shared;
+        (s.endpoints.lock().unwrap_or_else(|e| e.into_inner()).len(), s.passive.lock().unwrap_or_else(|e| e.into_inner()).len())
+    }
+
+    /// Starts a look for departed peers (see the module's doc) unless one runs or ran within
+    /// [`PASSIVE_SWEEP_EVERY`]. The thread holds the transport only while it reads or edits
+    /// the table, never while it waits on a peer.
+    fn sweep_passive(&self) {
+        {
+            let mut g = self.shared.sweep.lock().unwrap_or_else(|e| e.into_inner());
+            if g.0 || g.1.is_some_and(|t| t.elapsed() < PASSIVE_SWEEP_EVERY) {
+                return;
+            }
+            *g = (true, Some(Instant::now()));
+        }
+        let weak = Arc::downgrade(&self.shared);
+        let spawned = std::thread::Builder::new().name("kvf-rdma-sweep".into()).spawn(move || {
+            let begun = Instant::now();
+            let paths: Vec<String> = match weak.upgrade() {
+                Some(s) => s.passive.lock().unwrap_or_else(|e| e.into_inner()).keys().map(|(p, _)| p.clone()).collect(),
+                None => return,
+            };
+            let gone = departed_peers(paths.iter().map(String::as_str), |a| {
+                std::net::TcpStream::connect_timeout(&a, PASSIVE_PROBE_TIMEOUT).is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+            });
+            let Some(s) = weak.upgrade() else { return };
+            if !gone.is_empty() {
+                let dropped: Vec<(Instant, Vec<Qp>)> = {
+                    let mut p = s.passive.lock().unwrap_or_else(|e| e.into_inner());
+                    let keys: Vec<(String, usize)> =
+                        p.iter().filter(|((path, _), (made, _))| *made < begun && split_nic_path(path).is_some_and(|(seg, _)| gone.contains(seg))).map(|(k, _)| k.clone()).collect();
+                    keys.iter().filter_map(|k| p.remove(k)).collect()
+                };
+                tracing::info!(peers = gone.len(), pairs = dropped.len(), "RDMA: released the QPs made for peers whose handshake address refuses connections (gone)");
+                drop(dropped); // destroyed outside the lock
+            }
+            s.sweep.lock().unwrap_or_else(|e| e.into_inner()).0 = false;
+        });
+        if spawned.is_err() {
+            self.shared.sweep.lock().unwrap_or_else(|e| e.into_inner()).0 = false;
+        }
+    }
+}
+
+/// The peers (segment names) among the NIC paths `paths` (`segment@device`) whose segment name
+/// is an `ip:port` that `refused` says refuses connections: their engine is gone. Names that
+/// are not a socket address are never looked up (no name resolution in a sweep).
+fn departed_peers<'a>(paths: impl Iterator<Item = &'a str>, refused: impl Fn(std::net::SocketAddr) -> bool) -> std::collections::HashSet<String> {
+    let segs: std::collections::BTreeSet<&str> = paths.filter_map(|p| split_nic_path(p).map(|(seg, _)| seg)).collect();
+    segs.into_iter().filter(|seg| seg.parse::<std::net::SocketAddr>().is_ok_and(&refused)).map(str::to_string).collect()
 }
 
 /// A refusal (`reply_msg` set) in the form the message codec accepts.
@@ -1425,6 +1501,25 @@ impl Transport for RdmaTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peers_whose_handshake_address_refuses_are_the_departed_ones() {
+        let live = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let (live_addr, dead_addr) = (live.local_addr().unwrap(), dead.local_addr().unwrap());
+        drop(dead);
+        let paths = [format!("{live_addr}@mlx5_0"), format!("{dead_addr}@mlx5_0"), format!("{dead_addr}@mlx5_1"), "node-7@mlx5_0".to_string(), "garbage".to_string()];
+        let refused = |a: std::net::SocketAddr| std::net::TcpStream::connect_timeout(&a, PASSIVE_PROBE_TIMEOUT).is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused);
+        let gone = departed_peers(paths.iter().map(String::as_str), refused);
+        assert_eq!(gone, [dead_addr.to_string()].into_iter().collect(), "only the address that refuses; a name is never looked up");
+        // A name that is not an address is not even asked about.
+        let asked = std::sync::Mutex::new(Vec::new());
+        departed_peers(["node-7@mlx5_0", "10.0.0.1:15000@mlx5_0"].into_iter(), |a| {
+            asked.lock().unwrap().push(a);
+            false
+        });
+        assert_eq!(*asked.lock().unwrap(), vec!["10.0.0.1:15000".parse::<std::net::SocketAddr>().unwrap()]);
+    }
 
     #[test]
     fn the_path_mtu_is_the_smaller_of_both_ports() {
