@@ -369,6 +369,9 @@ struct Job {
     pieces: Vec<Piece>,
 }
 
+/// A passive pair: the peer's NIC path (`segment@device`) and our NIC's index.
+type PassiveKey = (String, usize);
+
 struct Shared {
     segment: String,
     nics: Vec<Nic>,
@@ -379,7 +382,7 @@ struct Shared {
     paused: Mutex<HashMap<EpKey, Instant>>,
     /// QPs made for peers that connected to us, by (their NIC path, our NIC index), with when
     /// they were made.
-    passive: Mutex<HashMap<(String, usize), (Instant, Vec<Qp>)>>,
+    passive: Mutex<HashMap<PassiveKey, (Instant, Vec<Qp>)>>,
     /// A look for departed peers runs; when the last one started.
     sweep: Mutex<(bool, Option<Instant>)>,
     connector: Mutex<Option<Arc<Connector>>>,
@@ -798,7 +801,7 @@ impl RdmaTransport {
             if !gone.is_empty() {
                 let dropped: Vec<(Instant, Vec<Qp>)> = {
                     let mut p = s.passive.lock().unwrap_or_else(|e| e.into_inner());
-                    let keys: Vec<(String, usize)> =
+                    let keys: Vec<PassiveKey> =
                         p.iter().filter(|((path, _), (made, _))| *made < begun && split_nic_path(path).is_some_and(|(seg, _)| gone.contains(seg))).map(|(k, _)| k.clone()).collect();
                     keys.iter().filter_map(|k| p.remove(k)).collect()
                 };
