@@ -296,7 +296,7 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
         }
     }
     warmed.ok_or("a could not write into b's buffer registered again")?;
-    let (_, b_before) = b.rdma_usage().ok_or("b has no RDMA transport")?;
+    let b_before = b.rdma_usage().ok_or("b has no RDMA transport")?.passive;
     let mut peak = b_before;
     let bp = Buf::new(4096)?;
     let visit = |peak: &mut usize| -> Res<TransferEngine> {
@@ -308,7 +308,7 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
         if st.status != TaskStatus::Completed {
             return Err(format!("a passing peer's WRITE: {st:?}"));
         }
-        *peak = (*peak).max(b.rdma_usage().map_or(0, |u| u.1));
+        *peak = (*peak).max(b.rdma_usage().map_or(0, |u| u.passive));
         Ok(p)
     };
     const PEERS: usize = 40;
@@ -321,10 +321,10 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
     // of ours). Without the looks `b` would hold at least b_before + 40.
     let limit = kvferry::transport::rdma::PASSIVE_SWEEP_AT + 4;
     let t = Instant::now();
-    let mut held = b.rdma_usage().map_or(0, |u| u.1);
+    let mut held = b.rdma_usage().map_or(0, |u| u.passive);
     while held > limit && t.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(100));
-        held = b.rdma_usage().map_or(0, |u| u.1);
+        held = b.rdma_usage().map_or(0, |u| u.passive);
     }
     if held > limit {
         return Err(format!("passive pairs of departed peers: {b_before} before, peak {peak}, {held} held 10 s after the last look (at most {limit} expected)"));

@@ -322,9 +322,9 @@ impl TransferEngine {
         self.inner.shm.release_inherited();
     }
 
-    /// With RDMA: (NIC pairs this engine connected to peers, NIC pairs peers connected to it
-    /// whose QPs it holds); `None` without RDMA.
-    pub fn rdma_usage(&self) -> Option<(usize, usize)> {
+    /// With RDMA: the endpoints (NIC pairs it connected to peers) and passive pairs (peers
+    /// connected to it) it holds; `None` without RDMA.
+    pub fn rdma_usage(&self) -> Option<crate::transport::rdma::RdmaUsage> {
         self.inner.rdma.as_ref().map(|t| t.usage())
     }
 

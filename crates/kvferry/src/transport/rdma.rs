@@ -369,6 +369,15 @@ struct Job {
     pieces: Vec<Piece>,
 }
 
+/// What an RDMA transport holds ([`RdmaTransport::usage`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RdmaUsage {
+    /// NIC pairs this engine connected to peers (cached endpoints).
+    pub endpoints: usize,
+    /// NIC pairs peers connected to this engine whose QPs it holds.
+    pub passive: usize,
+}
+
 /// A passive pair: the peer's NIC path (`segment@device`) and our NIC's index.
 type PassiveKey = (String, usize);
 
@@ -770,10 +779,13 @@ impl RdmaTransport {
         reply
     }
 
-    /// (Pairs of our active endpoints, passive pairs held for peers that connected to us.)
-    pub fn usage(&self) -> (usize, usize) {
+    /// What the transport holds.
+    pub fn usage(&self) -> RdmaUsage {
         let s = &self.shared;
-        (s.endpoints.lock().unwrap_or_else(|e| e.into_inner()).len(), s.passive.lock().unwrap_or_else(|e| e.into_inner()).len())
+        RdmaUsage {
+            endpoints: s.endpoints.lock().unwrap_or_else(|e| e.into_inner()).len(),
+            passive: s.passive.lock().unwrap_or_else(|e| e.into_inner()).len(),
+        }
     }
 
     /// Starts a look for departed peers (see the module's doc) unless one runs or ran within
