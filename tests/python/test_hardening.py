@@ -389,6 +389,12 @@ def test_fork_child_cannot_use_or_break_the_parents_store(cluster):
             gc.collect()
             return ok
 
+        # Right after the fork (at-fork handler), with `s` still referenced, the child holds
+        # none of the store's engine's listening sockets.
+        seg_port = int(s.segment_name.rsplit(":", 1)[1])
+        inodes = _socket_inodes({seg_port})
+        assert _fds_on(inodes) >= 1, inodes
+        assert _fork(lambda: _fds_on(inodes) == 0) == 0, "the child still held the store engine's listener after fork()"
         assert _fork(child) == 0, "the child's copy did not raise the expected error"
         assert s.get("fork-key") == value
         s.put("after-fork", b"x" * 4096)

@@ -197,6 +197,19 @@ impl StoreCore {
         Ok(addr)
     }
 
+    /// In a `fork()` child: the inherited client's engine lets go of the parent's sockets
+    /// (`Client::release_inherited`); nothing in the creating process. Called by the
+    /// package's at-fork handler.
+    fn release_inherited(&self) {
+        if std::process::id() == self.pid {
+            return;
+        }
+        // try_read: a thread of the parent may have held the lock at the fork.
+        if let Ok(Some(c)) = self.client.try_read().as_deref() {
+            c.release_inherited();
+        }
+    }
+
     /// This client's transfer-engine segment name.
     fn segment_name(&self, py: Python<'_>) -> PyResult<String> {
         self.with(py, |c| Ok(c.segment_name().to_string()))

@@ -1259,6 +1259,17 @@ impl Drop for Inner {
     }
 }
 
+impl Client {
+    /// In a `fork()` child holding a copy of the parent's client: its engine lets go of the
+    /// parent's sockets ([`TransferEngine::release_inherited`]); nothing in the creating
+    /// process. Dropping the copy does this too.
+    pub fn release_inherited(&self) {
+        if std::process::id() != self.inner.pid {
+            self.inner.engine.release_inherited();
+        }
+    }
+}
+
 impl Drop for Client {
     /// Unmounts the segment (the engine, dropped after, is the barrier for its memory). In a
     /// process other than the one that set the client up (a `fork()` child dropping its copy)
@@ -1267,7 +1278,7 @@ impl Drop for Client {
     /// ([`TransferEngine::release_inherited`]) and the buffers of their descriptors.
     fn drop(&mut self) {
         if std::process::id() != self.inner.pid {
-            self.inner.engine.release_inherited();
+            self.release_inherited();
             return;
         }
         if let Err(e) = self.close() {
