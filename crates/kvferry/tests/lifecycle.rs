@@ -66,6 +66,20 @@ fn process_cpu() -> Duration {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
+/// Waits up to 10 s for the forked child `pid` to exit; its wait status. A child still running
+/// then is killed (by its pid) and the test fails, naming what it was doing.
+fn wait_child(pid: libc::pid_t, doing: &str) -> i32 {
+    let mut status = 0;
+    // SAFETY: waitpid/kill on the child this test forked (its pid).
+    let exited = settles(Duration::from_secs(10), || unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid);
+    if exited.is_none() {
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        panic!("the child hung {doing}");
+    }
+    status
+}
+
 /// A fork() child that drops its copy of an engine and exits leaves the parent's engine
 /// working: listeners open (no accept loop spinning), memory and data path intact.
 #[test]
@@ -84,13 +98,7 @@ fn a_forked_child_dropping_the_engine_leaves_the_parent_alone() {
         drop(b);
         unsafe { libc::_exit(0) };
     }
-    let mut status = 0;
-    let exited = settles(Duration::from_secs(10), || unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid);
-    if exited.is_none() {
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        unsafe { libc::waitpid(pid, &mut status, 0) };
-        panic!("the child hung dropping its copy of the engine");
-    }
+    wait_child(pid, "dropping its copy of the engine");
     assert!(dst.iter().all(|&x| x == 0x5C), "the child touched the parent's memory");
     let cpu0 = process_cpu();
     std::thread::sleep(Duration::from_millis(500));
@@ -166,13 +174,7 @@ fn a_forked_childs_copy_lets_go_of_the_parents_sockets() {
         eprintln!("forked child: {before} descriptors on the parent's sockets before dropping its engine copies, {after} after");
         unsafe { libc::_exit(if before == held && after == 0 { 0 } else { 1 }) };
     }
-    let mut status = 0;
-    let exited = settles(Duration::from_secs(10), || unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid);
-    if exited.is_none() {
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        unsafe { libc::waitpid(pid, &mut status, 0) };
-        panic!("the child hung dropping its copies of the engines");
-    }
+    let status = wait_child(pid, "dropping its copies of the engines");
     assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child still held the parent's sockets after dropping its copies (its line above says how many)");
     // The parent's engines are untouched: the same connection serves another write.
     let src2 = vec![0x2Eu8; 1 << 16];
