@@ -59,7 +59,8 @@
 //! QPs made for peers that connect to us (passive) are kept until the peer reconnects that
 //! pair, or until it is found gone: once [`PASSIVE_SWEEP_AT`] pairs are held, a connection
 //! starts a look (at most every [`PASSIVE_SWEEP_EVERY`], on a thread of its own) at each
-//! peer's handshake address (its segment name when that is `ip:port`); a peer whose address
+//! peer's handshake address (its segment name, `ip:port`, in P2P mode; with a metadata service
+//! a name need not be an address, and no look is made); a peer whose address
 //! refuses connections has no engine there any more, and the QPs made for it before the look
 //! began are destroyed. A live peer is never cut off this way (its port answers), so nothing
 //! is evicted by count: one-sided traffic gives the passive side no way to tell an idle pair
@@ -138,6 +139,11 @@ pub struct RdmaOptions {
     /// The NIC priority matrix file (`KVFERRY_RDMA_TOPO`, `MC_CUSTOM_TOPO_JSON`); `None`:
     /// discovered from sysfs.
     pub topo: Option<std::path::PathBuf>,
+    /// Segment names are handshake addresses (`ip:port`), as in P2P mode: peers that connect
+    /// to us can then be looked for when they may have gone (see the module's doc). With a
+    /// metadata service a name is whatever the peer was given (`ip:port` of no listener of
+    /// its, possibly), so no look is made.
+    pub names_are_addresses: bool,
 }
 
 /// Whether `auto` sends a piece to a peer over RDMA (sans-IO): the peer must publish RDMA
@@ -394,6 +400,8 @@ struct Shared {
     passive: Mutex<HashMap<PassiveKey, (Instant, Vec<Qp>)>>,
     /// A look for departed peers runs; when the last one started.
     sweep: Mutex<(bool, Option<Instant>)>,
+    /// [`RdmaOptions::names_are_addresses`].
+    names_are_addresses: bool,
     connector: Mutex<Option<Arc<Connector>>>,
     /// Re-reads a peer's descriptor (set by the engine).
     refresh: Mutex<Option<Arc<crate::transport::shm::Refresh>>>,
@@ -670,6 +678,7 @@ impl RdmaTransport {
             paused: Mutex::default(),
             passive: Mutex::default(),
             sweep: Mutex::default(),
+            names_are_addresses: opts.names_are_addresses,
             connector: Mutex::new(None),
             refresh: Mutex::new(None),
             stale: Mutex::default(),
@@ -789,9 +798,12 @@ impl RdmaTransport {
     }
 
     /// Starts a look for departed peers (see the module's doc) unless one runs or ran within
-    /// [`PASSIVE_SWEEP_EVERY`]. The thread holds the transport only while it reads or edits
-    /// the table, never while it waits on a peer.
+    /// [`PASSIVE_SWEEP_EVERY`], or segment names are not handshake addresses. The thread holds
+    /// the transport only while it reads or edits the table, never while it waits on a peer.
     fn sweep_passive(&self) {
+        if !self.shared.names_are_addresses {
+            return;
+        }
         {
             let mut g = self.shared.sweep.lock().unwrap_or_else(|e| e.into_inner());
             if g.0 || g.1.is_some_and(|t| t.elapsed() < PASSIVE_SWEEP_EVERY) {
@@ -1680,7 +1692,7 @@ mod tests {
         if crate::rdma::probe().usable() {
             return;
         }
-        let e = RdmaTransport::new(RdmaOptions { segment: "s:1".into(), devices: None, gid_index: None, max_endpoints: 4, required: true, retry_cnt: 7, gpu_rdma: Default::default(), topo: None }).err().expect("no RDMA here");
+        let e = RdmaTransport::new(RdmaOptions { segment: "s:1".into(), devices: None, gid_index: None, max_endpoints: 4, required: true, retry_cnt: 7, gpu_rdma: Default::default(), topo: None, names_are_addresses: true }).err().expect("no RDMA here");
         assert!(!e.is_empty());
     }
 }
