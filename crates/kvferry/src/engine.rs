@@ -303,7 +303,6 @@ impl TransferEngine {
         Ok(engine)
     }
 
-    /// This engine's segment name (`host:port` in P2P mode).
     /// In a `fork()` child holding a copy of its parent's engine: lets go of the parent's
     /// listening sockets, its connections to peers and its shared-memory control region, so
     /// that they close when the parent closes them or dies (its ports refuse connections even
@@ -328,6 +327,7 @@ impl TransferEngine {
         self.inner.rdma.as_ref().map(|t| t.usage())
     }
 
+    /// This engine's segment name (`host:port` in P2P mode).
     pub fn segment_name(&self) -> &str {
         &self.inner.name
     }
