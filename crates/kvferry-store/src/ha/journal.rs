@@ -305,8 +305,8 @@ pub struct Writer<'a> {
     pub master: &'a Master,
     pub view_key: String,
     pub prefix: String,
-    pub term: i64,
-    /// The view key's creation this writer's transactions are guarded by (`term` and lease).
+    /// The leader's view key's creation: its revision is the term, and this writer's
+    /// transactions are guarded by it.
     pub owner: Owner,
     pub seq: u64,
     pub head: Option<Head>,
@@ -315,6 +315,10 @@ pub struct Writer<'a> {
 }
 
 impl Writer<'_> {
+    fn term(&self) -> i64 {
+        self.owner.create_revision
+    }
+
     /// One guarded transaction, retried while etcd cannot be reached and this master can still
     /// prove its lease; `None` when it must give up.
     fn txn(&self, puts: &[(String, Vec<u8>)], delete: Option<(&str, &str)>) -> Option<i64> {
@@ -322,15 +326,15 @@ impl Writer<'_> {
             match self.etcd.txn_if_owned(&self.view_key, self.owner, puts, delete) {
                 Ok(Some(rev)) => return Some(rev),
                 Ok(None) => {
-                    tracing::warn!(term = self.term, "HA journal: the view key is no longer this leader's; nothing more is written");
+                    tracing::warn!(term = self.term(), "HA journal: the view key is no longer this leader's; nothing more is written");
                     return None;
                 }
                 Err(e) => {
-                    if !self.master.gate.still_leader(self.term) {
-                        tracing::warn!(term = self.term, "HA journal: {e}; the lease can no longer be proven, giving up");
+                    if !self.master.gate.still_leader(self.term()) {
+                        tracing::warn!(term = self.term(), "HA journal: {e}; the lease can no longer be proven, giving up");
                         return None;
                     }
-                    tracing::warn!(term = self.term, "HA journal: {e}; retrying");
+                    tracing::warn!(term = self.term(), "HA journal: {e}; retrying");
                     std::thread::sleep(Duration::from_millis(20));
                 }
             }
@@ -375,7 +379,7 @@ impl Writer<'_> {
             let mut st = self.master.lock();
             let changes = st.take_changes(now);
             let mut q = j.q();
-            if q.term != self.term || q.failed {
+            if q.term != self.term() || q.failed {
                 return None;
             }
             if !changes.is_empty() {
@@ -414,7 +418,7 @@ impl Writer<'_> {
             s.snapshot_bytes = bytes;
             s.log_bytes = 0;
         });
-        tracing::info!(term = self.term, seq = self.seq, bytes, chunks = n, "HA journal: snapshot written, log compacted");
+        tracing::info!(term = self.term(), seq = self.seq, bytes, chunks = n, "HA journal: snapshot written, log compacted");
         Some(())
     }
 
@@ -439,9 +443,9 @@ impl Writer<'_> {
     pub fn run(mut self) {
         let j = &self.master.journal;
         if self.collect_garbage().is_none() {
-            tracing::warn!(term = self.term, "HA journal: could not delete stale snapshot chunks");
+            tracing::warn!(term = self.term(), "HA journal: could not delete stale snapshot chunks");
         }
-        while let Some((changes, upto)) = j.next(self.term, Duration::from_millis(200)) {
+        while let Some((changes, upto)) = j.next(self.term(), Duration::from_millis(200)) {
             if !changes.is_empty() {
                 if self.append(&changes).is_none() {
                     break;
@@ -453,11 +457,11 @@ impl Writer<'_> {
                 break;
             }
         }
-        let ended = j.q().term != self.term;
+        let ended = j.q().term != self.term();
         if !ended {
             // Nothing more can be made durable: refuse everything from now on.
             j.fail();
-            self.master.gate.fence(self.term);
+            self.master.gate.fence(self.term());
         }
     }
 }

@@ -322,7 +322,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
     loop {
         match etcd.get_kv(key) {
             Ok(Some(kv)) => {
-                seen = Some(Owner { create_revision: kv.create_revision, lease: kv.lease });
+                seen = Some(Owner::of(&kv));
                 gate.set_standby(Some(&kv));
                 let leader = String::from_utf8_lossy(&kv.value).into_owned();
                 if leader != logged_leader {
@@ -357,7 +357,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
                     Ok(head) => {
                         logged_leader = cfg.address.clone();
                         std::thread::scope(|sc| {
-                            let writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), term, owner, seq: head.0, head: head.1, snapshot_bytes: cfg.snapshot_bytes };
+                            let writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), owner, seq: head.0, head: head.1, snapshot_bytes: cfg.snapshot_bytes };
                             let w = std::thread::Builder::new().name("kvf-master-journal".into()).spawn_scoped(sc, move || writer.run());
                             if let Err(e) = w {
                                 tracing::error!(term, "HA: cannot start the journal writer: {e}; stepping down");

@@ -65,9 +65,14 @@ pub struct Owner {
 }
 
 impl Owner {
+    /// The creation `kv` is.
+    pub fn of(kv: &KeyValue) -> Owner {
+        Owner { create_revision: kv.create_revision, lease: kv.lease }
+    }
+
     /// Whether `kv` is this creation.
     pub fn holds(&self, kv: &KeyValue) -> bool {
-        kv.create_revision == self.create_revision && kv.lease == self.lease
+        Owner::of(kv) == *self
     }
 
     /// The transaction compares that hold only while `key` is this creation.
