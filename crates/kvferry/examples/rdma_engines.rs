@@ -287,15 +287,16 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
     // `b` registers its buffer again; `a` writes into it first (its first WRITE may meet the
     // old keys, as above), so that `a`'s pairs in `b` exist before any look.
     b.register_memory(lb, SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
-    let mut warmed = None;
+    let mut warmed = false;
     for _ in 0..2 {
-        let st = a.transfer_sync(&[one(Opcode::Write, 4096, 0)], Duration::from_secs(10)).map_err(|e| e.to_string())?;
-        if st.status == TaskStatus::Completed {
-            warmed = Some(st);
+        warmed = a.transfer_sync(&[one(Opcode::Write, 4096, 0)], Duration::from_secs(10)).map_err(|e| e.to_string())?.status == TaskStatus::Completed;
+        if warmed {
             break;
         }
     }
-    warmed.ok_or("a could not write into b's buffer registered again")?;
+    if !warmed {
+        return Err("a could not write into b's buffer registered again".into());
+    }
     let b_before = b.rdma_usage().ok_or("b has no RDMA transport")?.passive;
     let mut peak = b_before;
     let bp = Buf::new(4096)?;

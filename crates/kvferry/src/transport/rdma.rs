@@ -818,9 +818,7 @@ impl RdmaTransport {
                 Some(s) => s.passive.lock().unwrap_or_else(|e| e.into_inner()).keys().map(|(p, _)| p.clone()).collect(),
                 None => return,
             };
-            let gone = departed_peers(paths.iter().map(String::as_str), |a| {
-                std::net::TcpStream::connect_timeout(&a, PASSIVE_PROBE_TIMEOUT).is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
-            });
+            let gone = departed_peers(paths.iter().map(String::as_str), refuses);
             let Some(s) = weak.upgrade() else { return };
             if !gone.is_empty() {
                 let dropped: Vec<(Instant, Vec<Qp>)> = {
@@ -838,6 +836,12 @@ impl RdmaTransport {
             self.shared.sweep.lock().unwrap_or_else(|e| e.into_inner()).0 = false;
         }
     }
+}
+
+/// Whether nothing listens at `addr` (a connection is refused). No answer within
+/// [`PASSIVE_PROBE_TIMEOUT`], or any other error, is not a refusal: the peer may be alive.
+fn refuses(addr: std::net::SocketAddr) -> bool {
+    std::net::TcpStream::connect_timeout(&addr, PASSIVE_PROBE_TIMEOUT).is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
 }
 
 /// The peers (segment names) among the NIC paths `paths` (`segment@device`) whose segment name
@@ -1536,8 +1540,7 @@ mod tests {
         let (live_addr, dead_addr) = (live.local_addr().unwrap(), dead.local_addr().unwrap());
         drop(dead);
         let paths = [format!("{live_addr}@mlx5_0"), format!("{dead_addr}@mlx5_0"), format!("{dead_addr}@mlx5_1"), "node-7@mlx5_0".to_string(), "garbage".to_string()];
-        let refused = |a: std::net::SocketAddr| std::net::TcpStream::connect_timeout(&a, PASSIVE_PROBE_TIMEOUT).is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused);
-        let gone = departed_peers(paths.iter().map(String::as_str), refused);
+        let gone = departed_peers(paths.iter().map(String::as_str), refuses);
         assert_eq!(gone, [dead_addr.to_string()].into_iter().collect(), "only the address that refuses; a name is never looked up");
         // A name that is not an address is not even asked about.
         let asked = std::sync::Mutex::new(Vec::new());
