@@ -66,18 +66,35 @@ fn process_cpu() -> Duration {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
-/// Waits up to 10 s for the forked child `pid` to exit; its wait status. A child still running
-/// then is killed (by its pid) and the test fails, naming what it was doing.
-fn wait_child(pid: libc::pid_t, doing: &str) -> i32 {
-    let mut status = 0;
-    // SAFETY: waitpid/kill on the child this test forked (its pid).
-    let exited = settles(Duration::from_secs(10), || unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid);
+/// Waits up to 10 s for the forked child `pid` to exit; its exit code (`None`: killed by a
+/// signal). A child still running then is killed (by its pid) and the test fails, naming what
+/// it was doing.
+fn wait_child(pid: libc::pid_t, doing: &str) -> Option<i32> {
+    use rustix::process::{kill_process, waitpid, Pid, Signal, WaitOptions};
+    let pid = Pid::from_raw(pid).expect("a child's pid");
+    let mut status = None;
+    let exited = settles(Duration::from_secs(10), || {
+        status = waitpid(Some(pid), WaitOptions::NOHANG).expect("waitpid").map(|(_, s)| s);
+        status.is_some()
+    });
     if exited.is_none() {
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        unsafe { libc::waitpid(pid, &mut status, 0) };
+        let _ = kill_process(pid, Signal::KILL);
+        let _ = waitpid(Some(pid), WaitOptions::empty());
         panic!("the child hung {doing}");
     }
-    status
+    status.and_then(|s| s.exit_status())
+}
+
+/// Two engines (`b` the target, `a` the initiator) and a 64 KiB buffer registered on each:
+/// `b`'s filled with `dst_byte`, `a`'s with `src_byte`.
+fn registered_pair(dst_byte: u8, src_byte: u8) -> (TransferEngine, TransferEngine, Vec<u8>, Vec<u8>) {
+    let b = engine(Duration::from_secs(5));
+    let a = engine(Duration::from_secs(5));
+    let dst = vec![dst_byte; 1 << 16];
+    let src = vec![src_byte; 1 << 16];
+    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*").unwrap();
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    (b, a, dst, src)
 }
 
 /// A fork() child that drops its copy of an engine and exits leaves the parent's engine
@@ -85,12 +102,7 @@ fn wait_child(pid: libc::pid_t, doing: &str) -> i32 {
 #[test]
 fn a_forked_child_dropping_the_engine_leaves_the_parent_alone() {
     let _alone = alone();
-    let b = engine(Duration::from_secs(5));
-    let a = engine(Duration::from_secs(5));
-    let dst = vec![0x5Cu8; 1 << 16];
-    let src = vec![0x3Au8; 1 << 16];
-    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*").unwrap();
-    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    let (b, a, dst, src) = registered_pair(0x5C, 0x3A);
     // SAFETY: the child only drops its copy of the engine and _exits.
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork failed");
@@ -98,7 +110,7 @@ fn a_forked_child_dropping_the_engine_leaves_the_parent_alone() {
         drop(b);
         unsafe { libc::_exit(0) };
     }
-    wait_child(pid, "dropping its copy of the engine");
+    assert_eq!(wait_child(pid, "dropping its copy of the engine"), Some(0), "the child's drop of its copy did not end cleanly");
     assert!(dst.iter().all(|&x| x == 0x5C), "the child touched the parent's memory");
     let cpu0 = process_cpu();
     std::thread::sleep(Duration::from_millis(500));
@@ -149,12 +161,7 @@ fn fds_on(inodes: &[u64]) -> usize {
 #[test]
 fn a_forked_childs_copy_lets_go_of_the_parents_sockets() {
     let _alone = alone();
-    let b = engine(Duration::from_secs(5));
-    let a = engine(Duration::from_secs(5));
-    let dst = vec![0u8; 1 << 16];
-    let src = vec![0x6Bu8; 1 << 16];
-    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*").unwrap();
-    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    let (b, a, dst, src) = registered_pair(0, 0x6B);
     let seg = a.open_segment(b.segment_name()).unwrap();
     let st = a.transfer_sync(&[req(Opcode::Write, &src, seg, dst.as_ptr() as u64, src.len())], Duration::from_secs(5)).unwrap();
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
@@ -174,8 +181,8 @@ fn a_forked_childs_copy_lets_go_of_the_parents_sockets() {
         eprintln!("forked child: {before} descriptors on the parent's sockets before dropping its engine copies, {after} after");
         unsafe { libc::_exit(if before == held && after == 0 { 0 } else { 1 }) };
     }
-    let status = wait_child(pid, "dropping its copies of the engines");
-    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child still held the parent's sockets after dropping its copies (its line above says how many)");
+    let code = wait_child(pid, "dropping its copies of the engines");
+    assert_eq!(code, Some(0), "the child still held the parent's sockets after dropping its copies (its line above says how many)");
     // The parent's engines are untouched: the same connection serves another write.
     let src2 = vec![0x2Eu8; 1 << 16];
     a.register_memory(src2.as_ptr() as u64, src2.len() as u64, "*").unwrap();
