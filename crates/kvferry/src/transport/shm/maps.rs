@@ -191,8 +191,8 @@ impl PeerMap {
         //
         // A read fault of a shared mapping maps up to 16 neighbouring pages at once (fault
         // around) and, shared memory keeping no dirty accounting, maps them writable: filling
-        // 512 MiB this way takes 36 ms on the 2-vCPU VM against 99 ms with POPULATE_WRITE (a
-        // fault per page) and ~160 ms of faults in the copy itself, and the copy after it runs
+        // 512 MiB this way takes 36-43 ms on the 2-vCPU VM against 99-127 ms with
+        // POPULATE_WRITE (a fault per page) and 157-187 ms of faults in the copy itself, and the copy after it runs
         // at full speed either way (`examples/shm_populate.rs`).
         let _ = unsafe { rustix::mm::madvise(self.ptr.add(start).cast(), CHUNK.min(data - start), rustix::mm::Advice::LinuxPopulateRead) };
     }
