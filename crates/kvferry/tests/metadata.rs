@@ -538,11 +538,13 @@ fn peer_restart_same_name(url: &str) {
     let b = tcp_engine(url, "watcher");
     write_then_read(&b, "phoenix", addr, len, 1);
     drop(a1);
-    let mut a2 = tcp_engine(url, "phoenix");
-    // Make sure the new incarnation really has another data port.
-    while a2.data_port() == old_port {
-        a2 = tcp_engine(url, "phoenix");
-    }
+    // The new incarnation must really have another data port: hold the old one while it
+    // binds (ports are drawn at random from the range, so it could draw the same one; making
+    // another engine while the first still lived would be a second live "phoenix").
+    let hold = std::net::TcpListener::bind(("127.0.0.1", old_port)).expect("the old incarnation's data port is free once it is dropped");
+    let a2 = tcp_engine(url, "phoenix");
+    assert_ne!(a2.data_port(), old_port);
+    drop(hold);
     a2.register_memory(addr, len as u64, "cpu:0").unwrap();
     write_then_read(&b, "phoenix", addr, len, 2);
     assert!(mem == pattern(len, 2));
