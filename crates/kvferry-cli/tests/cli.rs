@@ -8,9 +8,8 @@ use common::{check_records, kvferry, BenchTarget};
 
 #[test]
 fn bench_runs_both_sides_and_verifies_every_point() {
-    let dir = std::env::temp_dir().join(format!("kvferry-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("points.jsonl");
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("points.jsonl");
     let out = kvferry()
         .args(["bench", "--buffer-size", "64M", "--blocks", "4K,1M", "--batch", "16", "--duration", "0.2", "--no-ceilings", "--mooncake", "none", "--json"])
         .arg(&json)
@@ -28,7 +27,8 @@ fn bench_runs_both_sides_and_verifies_every_point() {
 fn bench_split_across_two_commands() {
     let mut target = BenchTarget::start(&["--buffer-size", "32M"]);
     let seg = target.segment.clone();
-    let json = std::env::temp_dir().join(format!("kvferry-cli-split-{}.jsonl", std::process::id()));
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("points.jsonl");
     let out = kvferry()
         .args(["bench", "--mode", "initiator", "--segment", &seg, "--buffer-size", "32M", "--blocks", "64K", "--ops", "read", "--batch", "8", "--duration", "0.2", "--no-ceilings", "--mooncake", "none", "--json"])
         .arg(&json)

@@ -90,8 +90,8 @@ fn doctor_says_why_a_driver_cannot_be_used_and_the_fix() {
 
 #[test]
 fn doctor_without_a_driver_says_absent_why_and_the_fix() {
-    let empty = std::env::temp_dir().join(format!("kvf-doctor-nocuda-{}", std::process::id()));
-    std::fs::create_dir_all(&empty).unwrap();
+    let empty_dir = tempfile::tempdir().unwrap();
+    let empty = empty_dir.path().to_path_buf();
     if kvferry::gpu::driver::Driver::load().is_ok() {
         // A GPU host: its driver is found whatever LD_LIBRARY_PATH says; it is reported.
         let (_, d, _) = doctor(&empty, None);

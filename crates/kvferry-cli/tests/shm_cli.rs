@@ -6,9 +6,8 @@ use common::{check_records, kvferry, BenchTarget};
 
 #[test]
 fn bench_reports_both_transports_in_one_run_with_unchanged_json() {
-    let dir = std::env::temp_dir().join(format!("kvferry-shm-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (json, peers) = (dir.join("points.jsonl"), dir.join("peers.jsonl"));
+    let dir = tempfile::tempdir().unwrap();
+    let (json, peers) = (dir.path().join("points.jsonl"), dir.path().join("peers.jsonl"));
     let out = kvferry()
         .args(["bench", "--transport", "shm,tcp", "--buffer-size", "64M", "--blocks", "4K,1M", "--batch", "16", "--duration", "0.2", "--mooncake", "none", "--json"])
         .arg(&json)

@@ -197,7 +197,7 @@ impl TransferEngine {
             config.transfer_timeout,
         )
         .map_err(|e| Error::io("starting the TCP data server", e))?;
-        let shm = Arc::new(ShmTransport::new(ShmOptions { name: name.clone(), mode: config.transport, threads: config.shm_threads }));
+        let shm = Arc::new(ShmTransport::new(ShmOptions { name: name.clone(), mode: config.transport, threads: config.shm_threads, background_fill: config.shm_background_fill }));
         let rdma_opts = |required: bool| RdmaOptions { segment: name.clone(), devices: config.rdma_devices.clone(), gid_index: config.gid_index, max_endpoints: config.rdma_max_endpoints, required, retry_cnt: config.rdma_retry_cnt, gpu_rdma: config.gpu_rdma, topo: config.rdma_topo.clone(), names_are_addresses: directory.is_none() };
         let rdma = match config.transport {
             TransportMode::Rdma => Some(Arc::new(RdmaTransport::new(rdma_opts(true)).map_err(|why| Error::Config(format!("KVFERRY_TRANSPORT=rdma, but {why}")))?)),

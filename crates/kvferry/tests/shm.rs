@@ -701,7 +701,8 @@ fn rss_of_other_mappings(ino: u64, skip: u64) -> (usize, u64) {
 
 /// Two engines on this host: `b` owns `dst` (`len` zero bytes, shareable, every page
 /// allocated), `a` registered `src` (a pattern of `src_len` bytes) and opened `b`'s segment
-/// `seg`. The engines drop before the buffers (field order).
+/// `seg`. `a` fills nothing in the background (`shm_background_fill` 0), so what is resident
+/// in its mapping is what its copies touched. The engines drop before the buffers (field order).
 struct MappedPair {
     a: TransferEngine,
     _b: TransferEngine,
@@ -711,7 +712,7 @@ struct MappedPair {
 }
 
 fn mapped_pair(len: usize, src_len: usize, seed: u8) -> MappedPair {
-    let a = engine_with(TransportMode::Auto);
+    let a = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), shm_background_fill: 0, ..Config::default() }).expect("engine starts");
     let b = engine_with(TransportMode::Auto);
     let dst = mem(len, 0, true);
     b.register_memory(dst.addr(), len as u64, "cpu:0").unwrap();
@@ -743,6 +744,68 @@ fn a_peers_large_buffer_costs_only_what_is_touched() {
     assert!(n >= 1, "the peer's buffer is mapped here (plus its owner's header page)");
     // 1 MiB across one or two 2 MiB chunks (at most 4 MiB) + 100 pages (400 KiB).
     assert!(kb <= 5 << 10, "the peer mapping holds {kb} kB resident");
+}
+
+/// A peer's buffer its owner allocated whole (a store segment) has its page tables filled
+/// here by the helper thread in the background, from 2 s after it was mapped, up to the
+/// engine's budget (`KVFERRY_SHM_BACKGROUND_FILL_MB`): with a 32 MiB budget a 256 MiB buffer
+/// ends with 32 MiB (plus what the copy touched) resident in that mapping, not 256 MiB. A buffer
+/// whose owner did not allocate its pages is never filled (that would allocate memory the
+/// owner never touched), and the budget comes back when the filled buffer goes.
+#[test]
+fn a_peers_allocated_buffer_is_filled_in_the_background_within_the_budget() {
+    const LEN: usize = 256 << 20;
+    const BUDGET: u64 = 32 << 20;
+    let a = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), shm_background_fill: BUDGET, ..Config::default() }).expect("engine starts");
+    let b = engine_with(TransportMode::Auto);
+    let whole = mem(LEN, 0, true);
+    let lazy = HostBuffer::with(LEN, HostOptions { populate: false, huge_pages: false, shareable: true }).unwrap();
+    let second = mem(LEN, 0, true);
+    for m in [&whole, &lazy] {
+        b.register_memory(m.addr(), LEN as u64, "cpu:0").unwrap();
+    }
+    let src = pattern(4096, 7);
+    a.register_memory(src.as_ptr() as u64, 4096, "cpu:0").unwrap();
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    let before = shm::bytes_moved();
+    let writes: Vec<TransferRequest> = [&whole, &lazy].iter().map(|m| wr(Opcode::Write, src.as_ptr() as u64, seg, m.addr() + (5 << 20), 4096)).collect();
+    let mapped = Instant::now();
+    assert_eq!(sync(&a, &writes).status, TaskStatus::Completed);
+    assert_path(true, before);
+    let ino = |m: &HostBuffer| kvferry::hostbuf::shareable_region(m.addr(), LEN as u64).expect("shareable").ino;
+    let (kb, took) = loop {
+        let kb = rss_of_other_mappings(ino(&whole), whole.addr()).1;
+        if kb >= BUDGET >> 10 || mapped.elapsed() > Duration::from_secs(20) {
+            break (kb, mapped.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(kb >= BUDGET >> 10, "the budget was filled in the background: {kb} kB resident after {took:?}");
+    assert!(took >= Duration::from_millis(1900), "not before 2 s after the mapping was made: {took:?}");
+    std::thread::sleep(Duration::from_millis(500));
+    let kb = rss_of_other_mappings(ino(&whole), whole.addr()).1;
+    assert!(kb <= (BUDGET >> 10) + (4 << 10), "no more than the budget (plus the chunk written): {kb} kB resident");
+    let kb = rss_of_other_mappings(ino(&lazy), lazy.addr()).1;
+    assert!(kb <= 2 << 10, "the buffer its owner did not allocate is not filled: {kb} kB resident");
+    let fd = kvferry::hostbuf::shareable_region(lazy.addr(), LEN as u64).expect("shareable").fd;
+    let allocated = std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap()) * 512;
+    assert!(allocated <= 64 << 10, "and no page of it was allocated for it: {allocated} bytes of its memory file are");
+    // The filled buffer goes (its owner unregisters and frees it); the budget comes back and
+    // goes to the next buffer of the peer's.
+    b.unregister_memory(whole.addr()).unwrap();
+    drop(whole);
+    b.register_memory(second.addr(), LEN as u64, "cpu:0").unwrap();
+    let w = wr(Opcode::Write, src.as_ptr() as u64, seg, second.addr(), 4096);
+    let t0 = Instant::now();
+    let kb = loop {
+        assert_eq!(sync(&a, &[w]).status, TaskStatus::Completed, "a write maps the new buffer (and lets the freed one go)");
+        let kb = rss_of_other_mappings(ino(&second), second.addr()).1;
+        if kb >= BUDGET >> 10 || t0.elapsed() > Duration::from_secs(20) {
+            break kb;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(kb >= BUDGET >> 10, "the budget, returned by the freed buffer, fills the new one: {kb} kB resident");
 }
 
 /// Copies that move forward through a peer's buffer (a store filling fresh space) have the

@@ -13,9 +13,10 @@ use std::process::Command;
 const SOURCE: &str = include_str!("mock_cuda.c");
 
 /// Builds the mock with `defines` (e.g. `"COUNT=2"`, `"NO_MEM"`) into
-/// `<tmp>/kvf-cuda-<name>-<pid>/libcuda.so.1`; that directory.
+/// `<target>/tmp/kvf-cuda-<name>-<pid>/libcuda.so.1` (Cargo's directory for integration
+/// tests' files: removed with the build, not left in the system's /tmp); that directory.
 pub fn build(name: &str, defines: &[&str]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvf-cuda-{name}-{}", std::process::id()));
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("kvf-cuda-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
     // Tests of one binary run in parallel and may build the same mock at once: each writes
     // its own files and renames the library into place (atomic), so a child process never

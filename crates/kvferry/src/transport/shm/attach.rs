@@ -8,7 +8,7 @@ use super::ShmInfo;
 use crate::wire::tcp::Opcode;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// How long a "still alive" check stands in for the check before the next copy. A PID can
 /// only be reused after its process exited, was reaped and the PID counter wrapped.
@@ -30,6 +30,9 @@ pub struct ShmPeer {
     pub(super) gpu: super::gpu::Opens,
     /// The process that attached (see [`foreign`]).
     pub(super) home: u32,
+    /// The engine's budget for filling peers' fully allocated buffers in the background
+    /// (`Config::shm_background_fill`; see `maps.rs` `filler`); `None`: none.
+    pub(super) background_fill: Option<Arc<super::maps::filler::Budget>>,
 }
 
 impl ShmPeer {
@@ -132,6 +135,7 @@ impl ShmPeer {
             maps: Mutex::default(),
             gpu: Default::default(),
             home: std::process::id(),
+            background_fill: None,
         })
     }
 

@@ -33,8 +33,9 @@ pub(super) struct PeerMap {
 /// KV blocks) have the next [`AHEAD`] chunks filled ahead of them by a helper thread, so the
 /// stream does not pay the faults itself (where a core is free). Either way the cost (time
 /// and page tables: 8 bytes per 4 KiB page) is proportional to what this process touches
-/// (plus at most [`AHEAD`] chunks per stream), never to the peer's whole buffer, however
-/// large its segment.
+/// (plus at most [`AHEAD`] chunks per stream), plus what the helper fills in the background
+/// (buffers their owner allocated whole, within the engine's budget: see [`filler`]), never
+/// to the peer's whole buffer, however large its segment.
 pub(super) const CHUNK: usize = 2 << 20;
 pub(super) const PREFAULT_MIN: u64 = 256 << 10;
 /// Chunks filled ahead of a forward-moving stream of copies (16 MiB).
@@ -60,28 +61,135 @@ fn unclaim(map: &[AtomicU64], c: usize) {
     }
 }
 
-/// The helper thread that fills chunks ahead of forward-moving copies: one per process,
-/// started on first use, fed through a bounded queue (a full queue refuses the request: the
-/// copies then fill those chunks themselves). It holds a mapping only while advising one
-/// chunk of it (upgrading a `Weak`), so it never keeps a departed peer's memory mapped, and
-/// skips buffers their owner freed.
-mod fill_ahead {
-    use super::PeerMap;
-    use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
-    use std::sync::{Mutex, Weak};
+/// The helper thread that fills page tables off the copies' path, one per process, started
+/// on first use and fed through a bounded queue:
+/// - **ahead** of forward-moving copies: the chunks asked for, at once (a full queue refuses
+///   the request: the copies then fill those chunks themselves);
+/// - in the **background**, when it has nothing else to do: buffers mapped here whose owner
+///   allocated every page (store segments), from [`BACKGROUND_AFTER`] after they were mapped
+///   (the first seconds of traffic run undisturbed), [`SLICE`] chunks at a time, then idle
+///   [`IDLE_FACTOR`] times as long as the slice took (at most 1/32 of a core: on the 2-vCPU VM
+///   a 3 GiB segment takes ~0.33 s of CPU over ~10 s, and a quarter of a core cost the store
+///   phases it overlapped 8-20%, BENCHMARKS "Background fill"), up to a budget of
+///   bytes per engine ([`Budget`], `Config::shm_background_fill`; a departed buffer's bytes
+///   return to it). Chunks a copy already filled are skipped. So a first copy into a range of a peer's
+///   segment does not fault page by page, while the page tables stay bounded by the budget
+///   (8 bytes per 4 KiB page) whatever the peers' segments add up to.
+///
+/// It holds a mapping only while advising it (upgrading a `Weak`), so it never keeps a
+/// departed peer's memory mapped, and skips buffers their owner freed.
+pub(super) mod filler {
+    use super::{claim, PeerMap, CHUNK};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+    use std::sync::{Arc, Mutex, Weak};
+    use std::time::{Duration, Instant};
 
-    type Job = (Weak<PeerMap>, Vec<usize>);
+    /// A buffer is filled in the background from this long after it was mapped.
+    pub(super) const BACKGROUND_AFTER: Duration = Duration::from_secs(2);
+    /// After each slice the helper idles this many times as long as the slice took.
+    pub(super) const IDLE_FACTOR: u32 = 31;
+    /// Chunks filled in one background slice (16 MiB: ~1.3 ms on the 2-vCPU VM).
+    pub(super) const SLICE: usize = 8;
+    /// How often buffers waiting for budget, or filled, are checked for departure.
+    const RECHECK: Duration = Duration::from_secs(1);
+
+    /// An engine's bytes of peers' buffers to fill in the background, and how many are.
+    #[derive(Debug)]
+    pub(in crate::transport::shm) struct Budget {
+        limit: u64,
+        used: AtomicU64,
+    }
+
+    impl Budget {
+        /// `None` for a limit of 0 (no background filling).
+        pub(in crate::transport::shm) fn new(limit: u64) -> Option<Arc<Budget>> {
+            (limit > 0).then(|| Arc::new(Budget { limit, used: AtomicU64::new(0) }))
+        }
+
+        /// Takes a chunk's bytes if they fit.
+        fn take(&self) -> bool {
+            self.used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| (u + CHUNK as u64 <= self.limit).then_some(u + CHUNK as u64)).is_ok()
+        }
+
+        fn fits(&self) -> bool {
+            self.used.load(Ordering::Relaxed) + CHUNK as u64 <= self.limit
+        }
+
+        fn give_back(&self, bytes: u64) {
+            self.used.fetch_sub(bytes, Ordering::Relaxed);
+        }
+    }
+
+    enum Job {
+        Ahead(Weak<PeerMap>, Vec<usize>),
+        Background(Weak<PeerMap>, Arc<Budget>),
+    }
 
     /// The queue, and the process that started its thread (a forked child starts its own).
     static QUEUE: Mutex<Option<(u32, SyncSender<Job>)>> = Mutex::new(None);
 
-    pub(super) fn request(m: Weak<PeerMap>, chunks: Vec<usize>) -> Result<(), Vec<usize>> {
+    fn send(job: Job) -> Result<(), Job> {
         let mut q = QUEUE.lock().unwrap_or_else(|e| e.into_inner());
         let me = std::process::id();
         if q.as_ref().is_none_or(|(pid, _)| *pid != me) {
             let (tx, rx) = sync_channel::<Job>(256);
-            let spawned = std::thread::Builder::new().name("kvf-shm-ahead".into()).spawn(move || {
-                while let Ok((weak, chunks)) = rx.recv() {
+            if let Err(e) = std::thread::Builder::new().name("kvf-shm-ahead".into()).spawn(move || run(rx)) {
+                tracing::debug!("no thread to fill peer mappings off the copies' path ({e})");
+                return Err(job);
+            }
+            *q = Some((me, tx));
+        }
+        let Some((_, tx)) = q.as_ref() else { return Err(job) };
+        tx.try_send(job).map_err(|e| match e {
+            TrySendError::Full(j) | TrySendError::Disconnected(j) => j,
+        })
+    }
+
+    /// Asks for `chunks` of `m` to be filled now; gives them back when that cannot be queued.
+    pub(super) fn ahead(m: Weak<PeerMap>, chunks: Vec<usize>) -> Result<(), Vec<usize>> {
+        send(Job::Ahead(m, chunks)).map_err(|j| match j {
+            Job::Ahead(_, c) => c,
+            Job::Background(..) => Vec::new(),
+        })
+    }
+
+    /// Has `m` (a buffer its owner allocated whole) filled in the background, within
+    /// `budget`. Not queued (the queue is full): it is filled by the copies.
+    pub(super) fn background(m: Weak<PeerMap>, budget: &Arc<Budget>) {
+        let _ = send(Job::Background(m, Arc::clone(budget)));
+    }
+
+    struct Candidate {
+        map: Weak<PeerMap>,
+        budget: Arc<Budget>,
+        from: Instant,
+        /// The next chunk to look at.
+        next: usize,
+        /// Bytes this thread filled in it (returned to the budget when it goes).
+        filled: u64,
+        /// Time spent filling it.
+        busy: Duration,
+    }
+
+    fn run(rx: Receiver<Job>) {
+        let mut list: Vec<Candidate> = Vec::new();
+        let mut due = Instant::now();
+        loop {
+            let job = if list.is_empty() {
+                match rx.recv() {
+                    Ok(j) => Some(j),
+                    Err(_) => return,
+                }
+            } else {
+                match rx.recv_timeout(due.saturating_duration_since(Instant::now())) {
+                    Ok(j) => Some(j),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            };
+            match job {
+                Some(Job::Ahead(weak, chunks)) => {
                     for c in chunks {
                         let Some(m) = weak.upgrade() else { break };
                         if !m.alive() {
@@ -90,17 +198,51 @@ mod fill_ahead {
                         m.fill(c);
                     }
                 }
-            });
-            if let Err(e) = spawned {
-                tracing::debug!("no thread to fill peer mappings ahead of copies ({e})");
-                return Err(chunks);
+                Some(Job::Background(map, budget)) => {
+                    list.push(Candidate { map, budget, from: Instant::now() + BACKGROUND_AFTER, next: 0, filled: 0, busy: Duration::ZERO });
+                }
+                None => due = slice(&mut list),
             }
-            *q = Some((me, tx));
         }
-        let Some((_, tx)) = q.as_ref() else { return Err(chunks) };
-        tx.try_send((m, chunks)).map_err(|e| match e {
-            TrySendError::Full((_, c)) | TrySendError::Disconnected((_, c)) => c,
-        })
+    }
+
+    /// One background slice; returns when the next is due.
+    fn slice(list: &mut Vec<Candidate>) -> Instant {
+        // Buffers unmapped or freed meanwhile leave, and their bytes return to the budget.
+        list.retain(|c| {
+            let keep = c.map.upgrade().is_some_and(|m| m.alive());
+            if !keep {
+                c.budget.give_back(c.filled);
+            }
+            keep
+        });
+        let now = Instant::now();
+        let done = |c: &Candidate| c.map.upgrade().is_none_or(|m| c.next >= (m.info.len as usize).div_ceil(CHUNK));
+        let Some(c) = list.iter_mut().find(|c| c.from <= now && !done(c) && c.budget.fits()) else {
+            let first = list.iter().filter(|c| !done(c)).map(|c| c.from).min();
+            return first.filter(|&f| f > now).unwrap_or(now + RECHECK).min(now + RECHECK);
+        };
+        let Some(m) = c.map.upgrade() else { return now };
+        let chunks = (m.info.len as usize).div_ceil(CHUNK);
+        let mut n = 0;
+        while n < SLICE && c.next < chunks && c.budget.fits() {
+            if claim(&m.faulted, c.next) {
+                if !c.budget.take() {
+                    super::unclaim(&m.faulted, c.next);
+                    break;
+                }
+                m.fill(c.next);
+                c.filled += CHUNK as u64;
+                n += 1;
+            }
+            c.next += 1;
+        }
+        let took = now.elapsed();
+        c.busy += took;
+        if c.next >= chunks {
+            tracing::debug!(bytes = c.filled, busy_ms = c.busy.as_millis() as u64, "filled a peer's buffer in the background");
+        }
+        Instant::now() + took * IDLE_FACTOR
     }
 }
 
@@ -167,7 +309,7 @@ impl PeerMap {
             // Empty (no allocation) once the stream's chunks are all claimed.
             let ahead: Vec<usize> = (first..=(last + AHEAD).min(chunks - 1)).filter(|&c| claim(&self.faulted, c)).collect();
             if !ahead.is_empty() {
-                if let Err(back) = fill_ahead::request(Arc::downgrade(self), ahead) {
+                if let Err(back) = filler::ahead(Arc::downgrade(self), ahead) {
                     // No helper: those chunks are filled by the copies that reach them.
                     for c in back {
                         unclaim(&self.faulted, c);
@@ -291,7 +433,13 @@ impl ShmPeer {
                 continue;
             }
             match self.map(&info) {
-                Ok(m) => maps.push(Arc::new(m)),
+                Ok(m) => {
+                    let m = Arc::new(m);
+                    if let Some(b) = self.background_fill.as_ref().filter(|_| m.info.populated) {
+                        filler::background(Arc::downgrade(&m), b);
+                    }
+                    maps.push(m);
+                }
                 Err(r) => {
                     tracing::debug!(pid = self.pid, "not mapping a peer buffer, copying by cross-memory attach: {r}");
                     c.refused.insert(info, r);

@@ -273,6 +273,9 @@ pub struct ShmOptions {
     pub mode: TransportMode,
     /// Worker threads for queued copies (0: the number of CPUs, at most 4).
     pub threads: usize,
+    /// Bytes of peers' fully allocated buffers (store segments) whose page tables are filled
+    /// in the background, per engine (0: none; `maps.rs` `filler`).
+    pub background_fill: u64,
 }
 
 enum Selection {
@@ -410,6 +413,8 @@ pub struct ShmTransport {
     home: u32,
     /// CUDA IPC exports of the registered GPU ranges (offered to peers).
     exports: gpu::Exports,
+    /// [`ShmOptions::background_fill`], shared by this engine's peers.
+    background_fill: Option<Arc<maps::filler::Budget>>,
 }
 
 impl ShmTransport {
@@ -451,6 +456,7 @@ impl ShmTransport {
         ShmTransport {
             mode: opts.mode,
             threads,
+            background_fill: maps::filler::Budget::new(opts.background_fill),
             local,
             local_reason,
             host_id,
@@ -602,7 +608,9 @@ impl ShmTransport {
         if info.ctl_len != CTL_LEN as u64 {
             return Err(format!("its control region is {} bytes, expected {CTL_LEN}", info.ctl_len));
         }
-        ShmPeer::attach(&info, self.owner, segment)
+        let mut peer = ShmPeer::attach(&info, self.owner, segment)?;
+        peer.background_fill = self.background_fill.clone();
+        Ok(peer)
     }
 
     /// Same-host GPU memory: takes the pieces whose remote range lies in GPU memory a
@@ -949,7 +957,7 @@ mod tests {
     #[test]
     fn a_forked_child_dropping_the_transport_leaves_the_parents_region_alone() {
         let name = "127.0.0.1:15078";
-        let t = ShmTransport::new(ShmOptions { name: name.into(), mode: TransportMode::Auto, threads: 1 });
+        let t = ShmTransport::new(ShmOptions { name: name.into(), mode: TransportMode::Auto, threads: 1, background_fill: 0 });
         let info = t.offer().unwrap();
         let owner = (u64::from(std::process::id()) << 32) | 5;
         let peer = ShmPeer::attach(&info, owner, name).unwrap();
