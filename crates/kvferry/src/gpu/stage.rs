@@ -1,7 +1,7 @@
 //! The initiator's side of a transfer whose local range is GPU memory: staged through host
 //! bounce buffers with the driver's copies, so every transport moves host memory only.
 //!
-//! A piece whose local address lies in device memory ([`is_staged`]) is cut into chunks of
+//! A piece whose local address lies in device memory (`is_staged`) is cut into chunks of
 //! [`CHUNK`] bytes. For a WRITE each chunk is copied device→host into a bounce buffer, then
 //! sent as a sub-piece (local = the bounce buffer, the same remote range, the original's
 //! guard and deadline) through the engine's ordinary dispatch; for a READ the sub-piece lands
