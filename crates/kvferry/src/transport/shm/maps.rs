@@ -134,7 +134,7 @@ pub(super) mod filler {
         let me = std::process::id();
         if q.as_ref().is_none_or(|(pid, _)| *pid != me) {
             let (tx, rx) = sync_channel::<Job>(256);
-            if let Err(e) = std::thread::Builder::new().name("kvf-shm-ahead".into()).spawn(move || run(rx)) {
+            if let Err(e) = std::thread::Builder::new().name("kvf-shm-fill".into()).spawn(move || run(rx)) {
                 tracing::debug!("no thread to fill peer mappings off the copies' path ({e})");
                 return Err(job);
             }
