@@ -1046,7 +1046,7 @@ def bind_to_numa_node(node: int) -> None:
         _log.warning("kvferry: bind_to_numa_node(%r) skipped: %s", node, e)
 
 
-_TENSOR = "tensor helpers are used by no consumer found; store torch tensors with put_from/get_into on their data_ptr()"
+_TENSOR = "Mooncake's tensor object format (a versioned header with the dtype, shapes and parallel layout) can only be checked against stock Mooncake with torch installed, which this project's CI cannot install; store torch tensors with put_from/get_into on their data_ptr(), or as bytes with put_batch/get_batch"
 _NOT_PROVIDED: Dict[str, str] = {
     **{n: _TENSOR for n in (
         "put_tensor", "get_tensor", "batch_put_tensor", "batch_get_tensor", "put_tensor_with_tp", "get_tensor_with_tp",
