@@ -61,23 +61,24 @@ fn unclaim(map: &[AtomicU64], c: usize) {
     }
 }
 
-/// The helper thread that fills page tables off the copies' path, one per process, started
-/// on first use and fed through a bounded queue:
-/// - **ahead** of forward-moving copies: the chunks asked for, at once (a full queue refuses
-///   the request: the copies then fill those chunks themselves);
-/// - in the **background**, when it has nothing else to do: buffers mapped here whose owner
-///   allocated every page (store segments), from [`BACKGROUND_AFTER`] after they were mapped
-///   (the first seconds of traffic run undisturbed), [`SLICE`] chunks at a time, then idle
-///   [`IDLE_FACTOR`] times as long as the slice took (at most 1/32 of a core: on the 2-vCPU VM
-///   a 3 GiB segment takes ~0.33 s of CPU over ~10 s, and a quarter of a core cost the store
-///   phases it overlapped 8-20%, BENCHMARKS "Background fill"), up to a budget of
-///   bytes per engine ([`Budget`], `Config::shm_background_fill`; a departed buffer's bytes
-///   return to it). Chunks a copy already filled are skipped. So a first copy into a range of a peer's
-///   segment does not fault page by page, while the page tables stay bounded by the budget
-///   (8 bytes per 4 KiB page) whatever the peers' segments add up to.
+/// Two helper threads per process fill page tables off the copies' path, each started on
+/// first use and fed through a bounded queue:
+/// - `kvf-shm-ahead` fills **ahead** of forward-moving copies: the chunks asked for, at once
+///   (a full queue refuses the request: the copies then fill those chunks themselves);
+/// - `kvf-shm-fill` fills, in the **background**, buffers mapped here whose owner allocated
+///   every page (store segments): from [`BACKGROUND_AFTER`] after they were mapped, [`SLICE`]
+///   chunks at a time, then idle [`IDLE_FACTOR`] times as long as the slice took (at most a
+///   quarter of a core), up to a budget of bytes per engine ([`Budget`],
+///   `Config::shm_background_fill`; a departed buffer's bytes return to it), skipping chunks
+///   a copy already filled. It runs as `SCHED_IDLE`: the kernel gives it only CPU nothing
+///   else wants, so it never slows the copies or the application (at normal priority, even
+///   1/32 of a core cost the 2-vCPU VM's engine bench 13% on the point it overlapped,
+///   BENCHMARKS "Background fill"). So a first copy into a range of a peer's segment does
+///   not fault page by page, while the page tables stay bounded by the budget (8 bytes per
+///   4 KiB page) whatever the peers' segments add up to.
 ///
-/// It holds a mapping only while advising it (upgrading a `Weak`), so it never keeps a
-/// departed peer's memory mapped, and skips buffers their owner freed.
+/// Both hold a mapping only while advising it (upgrading a `Weak`), so they never keep a
+/// departed peer's memory mapped, and skip buffers their owner freed.
 pub(super) mod filler {
     use super::{claim, PeerMap, CHUNK};
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -88,7 +89,7 @@ pub(super) mod filler {
     /// A buffer is filled in the background from this long after it was mapped.
     pub(super) const BACKGROUND_AFTER: Duration = Duration::from_secs(2);
     /// After each slice the helper idles this many times as long as the slice took.
-    pub(super) const IDLE_FACTOR: u32 = 31;
+    pub(super) const IDLE_FACTOR: u32 = 3;
     /// Chunks filled in one background slice (16 MiB: ~1.3 ms on the 2-vCPU VM).
     pub(super) const SLICE: usize = 8;
     /// How often buffers waiting for budget, or filled, are checked for departure.
@@ -121,20 +122,22 @@ pub(super) mod filler {
         }
     }
 
-    enum Job {
-        Ahead(Weak<PeerMap>, Vec<usize>),
-        Background(Weak<PeerMap>, Arc<Budget>),
-    }
+    type AheadJob = (Weak<PeerMap>, Vec<usize>);
+    type BackgroundJob = (Weak<PeerMap>, Arc<Budget>);
+    type Queue<J> = Mutex<Option<(u32, SyncSender<J>)>>;
 
-    /// The queue, and the process that started its thread (a forked child starts its own).
-    static QUEUE: Mutex<Option<(u32, SyncSender<Job>)>> = Mutex::new(None);
+    /// The two threads' queues, each with the process that started its thread (a forked
+    /// child starts its own).
+    static AHEAD: Queue<AheadJob> = Mutex::new(None);
+    static BACKGROUND: Queue<BackgroundJob> = Mutex::new(None);
 
-    fn send(job: Job) -> Result<(), Job> {
-        let mut q = QUEUE.lock().unwrap_or_else(|e| e.into_inner());
+    /// Queues `job` for the thread behind `q`, started (as `name`, running `run`) on first use.
+    fn send<J: Send + 'static>(q: &Queue<J>, name: &str, run: fn(Receiver<J>), job: J) -> Result<(), J> {
+        let mut q = q.lock().unwrap_or_else(|e| e.into_inner());
         let me = std::process::id();
         if q.as_ref().is_none_or(|(pid, _)| *pid != me) {
-            let (tx, rx) = sync_channel::<Job>(256);
-            if let Err(e) = std::thread::Builder::new().name("kvf-shm-fill".into()).spawn(move || run(rx)) {
+            let (tx, rx) = sync_channel::<J>(256);
+            if let Err(e) = std::thread::Builder::new().name(name.into()).spawn(move || run(rx)) {
                 tracing::debug!("no thread to fill peer mappings off the copies' path ({e})");
                 return Err(job);
             }
@@ -148,16 +151,13 @@ pub(super) mod filler {
 
     /// Asks for `chunks` of `m` to be filled now; gives them back when that cannot be queued.
     pub(super) fn ahead(m: Weak<PeerMap>, chunks: Vec<usize>) -> Result<(), Vec<usize>> {
-        send(Job::Ahead(m, chunks)).map_err(|j| match j {
-            Job::Ahead(_, c) => c,
-            Job::Background(..) => Vec::new(),
-        })
+        send(&AHEAD, "kvf-shm-ahead", run_ahead, (m, chunks)).map_err(|(_, c)| c)
     }
 
     /// Has `m` (a buffer its owner allocated whole) filled in the background, within
     /// `budget`. Not queued (the queue is full): it is filled by the copies.
     pub(super) fn background(m: Weak<PeerMap>, budget: &Arc<Budget>) {
-        let _ = send(Job::Background(m, Arc::clone(budget)));
+        let _ = send(&BACKGROUND, "kvf-shm-fill", run_background, (m, Arc::clone(budget)));
     }
 
     struct Candidate {
@@ -172,7 +172,27 @@ pub(super) mod filler {
         busy: Duration,
     }
 
-    fn run(rx: Receiver<Job>) {
+    fn run_ahead(rx: Receiver<AheadJob>) {
+        while let Ok((weak, chunks)) = rx.recv() {
+            for c in chunks {
+                let Some(m) = weak.upgrade() else { break };
+                if !m.alive() {
+                    break;
+                }
+                m.fill(c);
+            }
+        }
+    }
+
+    fn run_background(rx: Receiver<BackgroundJob>) {
+        // The kernel runs this thread only on a core nothing else wants (SCHED_IDLE): the
+        // fill never takes CPU from the copies, the application or its peers. Lowering one's
+        // own policy needs no privilege.
+        let idle = libc::sched_param { sched_priority: 0 };
+        // SAFETY: sets the calling thread's policy (pid 0); `idle` outlives the call.
+        if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &idle) } != 0 {
+            tracing::debug!("the background fill runs at normal priority: sched_setscheduler(SCHED_IDLE): {}", std::io::Error::last_os_error());
+        }
         let mut list: Vec<Candidate> = Vec::new();
         let mut due = Instant::now();
         loop {
@@ -189,16 +209,7 @@ pub(super) mod filler {
                 }
             };
             match job {
-                Some(Job::Ahead(weak, chunks)) => {
-                    for c in chunks {
-                        let Some(m) = weak.upgrade() else { break };
-                        if !m.alive() {
-                            break;
-                        }
-                        m.fill(c);
-                    }
-                }
-                Some(Job::Background(map, budget)) => {
+                Some((map, budget)) => {
                     list.push(Candidate { map, budget, from: Instant::now() + BACKGROUND_AFTER, next: 0, filled: 0, busy: Duration::ZERO });
                 }
                 None => due = slice(&mut list),
