@@ -132,8 +132,15 @@ pub(super) mod filler {
     static BACKGROUND: Queue<BackgroundJob> = Mutex::new(None);
 
     /// Queues `job` for the thread behind `q`, started (as `name`, running `run`) on first use.
+    /// Never waits for the queue's lock: a `fork()` child whose parent held it at the fork
+    /// would wait forever, and anywhere else the job is only help (refused, the copies fill
+    /// the chunks themselves).
     fn send<J: Send + 'static>(q: &Queue<J>, name: &str, run: fn(Receiver<J>), job: J) -> Result<(), J> {
-        let mut q = q.lock().unwrap_or_else(|e| e.into_inner());
+        let mut q = match q.try_lock() {
+            Ok(q) => q,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Err(job),
+        };
         let me = std::process::id();
         if q.as_ref().is_none_or(|(pid, _)| *pid != me) {
             let (tx, rx) = sync_channel::<J>(256);
