@@ -4,6 +4,7 @@
 use super::ctl::*;
 use super::maps::MapCache;
 use super::sys::*;
+use super::maps::filler::Budget;
 use super::ShmInfo;
 use crate::wire::tcp::Opcode;
 use std::os::fd::OwnedFd;
@@ -32,7 +33,7 @@ pub struct ShmPeer {
     pub(super) home: u32,
     /// The engine's budget for filling peers' fully allocated buffers in the background
     /// (`Config::shm_background_fill`; see `maps.rs` `filler`); `None`: none.
-    pub(super) background_fill: Option<Arc<super::maps::filler::Budget>>,
+    pub(super) background_fill: Option<Arc<Budget>>,
 }
 
 impl ShmPeer {
@@ -57,7 +58,9 @@ impl ShmPeer {
     }
 
     /// Verifies a peer and claims a slot in its control region.
-    pub(super) fn attach(info: &ShmInfo, owner: u64, segment: &str) -> Result<ShmPeer, String> {
+    /// `background_fill`: the attaching engine's budget for filling this peer's fully
+    /// allocated buffers in the background (`None`: no background fill).
+    pub(super) fn attach(info: &ShmInfo, owner: u64, segment: &str, background_fill: Option<Arc<Budget>>) -> Result<ShmPeer, String> {
         let pid = info.pid;
         let pidfd = pidfd_open(pid).map_err(|e| match e.raw_os_error() {
             Some(libc::ESRCH) => format!("process {pid} does not exist (in this PID namespace)"),
@@ -135,7 +138,7 @@ impl ShmPeer {
             maps: Mutex::default(),
             gpu: Default::default(),
             home: std::process::id(),
-            background_fill: None,
+            background_fill,
         })
     }
 

@@ -87,11 +87,11 @@ pub(super) mod filler {
     use std::time::{Duration, Instant};
 
     /// A buffer is filled in the background from this long after it was mapped.
-    pub(super) const BACKGROUND_AFTER: Duration = Duration::from_secs(2);
+    const BACKGROUND_AFTER: Duration = Duration::from_secs(2);
     /// After each slice the helper idles this many times as long as the slice took.
-    pub(super) const IDLE_FACTOR: u32 = 3;
+    const IDLE_FACTOR: u32 = 3;
     /// Chunks filled in one background slice (16 MiB: ~1.3 ms on the 2-vCPU VM).
-    pub(super) const SLICE: usize = 8;
+    const SLICE: usize = 8;
     /// How often buffers waiting for budget, or filled, are checked for departure.
     const RECHECK: Duration = Duration::from_secs(1);
 
@@ -108,7 +108,8 @@ pub(super) mod filler {
             (limit > 0).then(|| Arc::new(Budget { limit, used: AtomicU64::new(0) }))
         }
 
-        /// Takes a chunk's bytes if they fit.
+        /// Takes a chunk's bytes if they fit (the engine's other buffers may take them
+        /// between [`Budget::fits`] and this).
         fn take(&self) -> bool {
             self.used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| (u + CHUNK as u64 <= self.limit).then_some(u + CHUNK as u64)).is_ok()
         }
@@ -123,7 +124,8 @@ pub(super) mod filler {
     }
 
     type AheadJob = (Weak<PeerMap>, Vec<usize>);
-    type BackgroundJob = (Weak<PeerMap>, Arc<Budget>);
+    /// A buffer to fill, its length in chunks, and the budget of the engine that mapped it.
+    type BackgroundJob = (Weak<PeerMap>, usize, Arc<Budget>);
     type Queue<J> = Mutex<Option<(u32, SyncSender<J>)>>;
 
     /// The two threads' queues, each with the process that started its thread (a forked
@@ -163,15 +165,18 @@ pub(super) mod filler {
 
     /// Has `m` (a buffer its owner allocated whole) filled in the background, within
     /// `budget`. Not queued (the queue is full): it is filled by the copies.
-    pub(super) fn background(m: Weak<PeerMap>, budget: &Arc<Budget>) {
-        let _ = send(&BACKGROUND, "kvf-shm-fill", run_background, (m, Arc::clone(budget)));
+    pub(super) fn background(m: &Arc<PeerMap>, budget: &Arc<Budget>) {
+        let chunks = (m.info.len as usize).div_ceil(CHUNK);
+        let _ = send(&BACKGROUND, "kvf-shm-fill", run_background, (Arc::downgrade(m), chunks, Arc::clone(budget)));
     }
 
     struct Candidate {
         map: Weak<PeerMap>,
+        /// Its length in chunks.
+        chunks: usize,
         budget: Arc<Budget>,
         from: Instant,
-        /// The next chunk to look at.
+        /// The next chunk to look at (`chunks`: all done).
         next: usize,
         /// Bytes this thread filled in it (returned to the budget when it goes).
         filled: u64,
@@ -216,8 +221,8 @@ pub(super) mod filler {
                 }
             };
             match job {
-                Some((map, budget)) => {
-                    list.push(Candidate { map, budget, from: Instant::now() + BACKGROUND_AFTER, next: 0, filled: 0, busy: Duration::ZERO });
+                Some((map, chunks, budget)) => {
+                    list.push(Candidate { map, chunks, budget, from: Instant::now() + BACKGROUND_AFTER, next: 0, filled: 0, busy: Duration::ZERO });
                 }
                 None => due = slice(&mut list),
             }
@@ -235,15 +240,13 @@ pub(super) mod filler {
             keep
         });
         let now = Instant::now();
-        let done = |c: &Candidate| c.map.upgrade().is_none_or(|m| c.next >= (m.info.len as usize).div_ceil(CHUNK));
-        let Some(c) = list.iter_mut().find(|c| c.from <= now && !done(c) && c.budget.fits()) else {
-            let first = list.iter().filter(|c| !done(c)).map(|c| c.from).min();
+        let Some(c) = list.iter_mut().find(|c| c.from <= now && c.next < c.chunks && c.budget.fits()) else {
+            let first = list.iter().filter(|c| c.next < c.chunks).map(|c| c.from).min();
             return first.filter(|&f| f > now).unwrap_or(now + RECHECK).min(now + RECHECK);
         };
         let Some(m) = c.map.upgrade() else { return now };
-        let chunks = (m.info.len as usize).div_ceil(CHUNK);
         let mut n = 0;
-        while n < SLICE && c.next < chunks && c.budget.fits() {
+        while n < SLICE && c.next < c.chunks {
             if claim(&m.faulted, c.next) {
                 if !c.budget.take() {
                     super::unclaim(&m.faulted, c.next);
@@ -257,7 +260,7 @@ pub(super) mod filler {
         }
         let took = now.elapsed();
         c.busy += took;
-        if c.next >= chunks {
+        if c.next >= c.chunks {
             tracing::debug!(bytes = c.filled, busy_ms = c.busy.as_millis() as u64, "filled a peer's buffer in the background");
         }
         Instant::now() + took * IDLE_FACTOR
@@ -454,7 +457,7 @@ impl ShmPeer {
                 Ok(m) => {
                     let m = Arc::new(m);
                     if let Some(b) = self.background_fill.as_ref().filter(|_| m.info.populated) {
-                        filler::background(Arc::downgrade(&m), b);
+                        filler::background(&m, b);
                     }
                     maps.push(m);
                 }

@@ -608,9 +608,7 @@ impl ShmTransport {
         if info.ctl_len != CTL_LEN as u64 {
             return Err(format!("its control region is {} bytes, expected {CTL_LEN}", info.ctl_len));
         }
-        let mut peer = ShmPeer::attach(&info, self.owner, segment)?;
-        peer.background_fill = self.background_fill.clone();
-        Ok(peer)
+        ShmPeer::attach(&info, self.owner, segment, self.background_fill.clone())
     }
 
     /// Same-host GPU memory: takes the pieces whose remote range lies in GPU memory a
@@ -937,7 +935,7 @@ mod tests {
             gpus: Vec::new(),
         };
         let owner = (u64::from(std::process::id()) << 32) | 99;
-        ShmPeer::attach(&info_of(&c.fd, &c.map), owner, name).expect("the sealed region is accepted");
+        ShmPeer::attach(&info_of(&c.fd, &c.map), owner, name, None).expect("the sealed region is accepted");
         // A region that is a valid kvferry control region in every other respect, but
         // unsealed: its owner could truncate it and crash us with SIGBUS. Refused.
         let fd = rustix::fs::memfd_create("kvferry-shm-ctl", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
@@ -950,7 +948,7 @@ mod tests {
         unsafe { std::ptr::copy_nonoverlapping(name.as_ptr(), map.ptr.add(OFF_NAME + 8), name.len()) };
         map.word(OFF_NAME).store(name.len() as u64, Ordering::SeqCst);
         map.word(OFF_MAGIC).store(CTL_MAGIC, Ordering::SeqCst);
-        let e = ShmPeer::attach(&info_of(&fd, &map), owner, name).err().expect("an unsealed control region is refused");
+        let e = ShmPeer::attach(&info_of(&fd, &map), owner, name, None).err().expect("an unsealed control region is refused");
         assert!(e.contains("not sealed"), "{e}");
     }
 
@@ -960,7 +958,7 @@ mod tests {
         let t = ShmTransport::new(ShmOptions { name: name.into(), mode: TransportMode::Auto, threads: 1, background_fill: 0 });
         let info = t.offer().unwrap();
         let owner = (u64::from(std::process::id()) << 32) | 5;
-        let peer = ShmPeer::attach(&info, owner, name).unwrap();
+        let peer = ShmPeer::attach(&info, owner, name, None).unwrap();
         let slot = peer.slot;
         let c = t.local.as_ref().unwrap();
         let epoch = c.map.epoch().load(Ordering::SeqCst);
@@ -980,7 +978,7 @@ mod tests {
         assert_eq!(c.map.epoch().load(Ordering::SeqCst), epoch, "the child moved the parent's epoch");
         assert_eq!(c.map.owner(slot).load(Ordering::SeqCst), owner, "the child released the parent's slot");
         // The parent's transport still works: a new initiator attaches.
-        ShmPeer::attach(&t.offer().unwrap(), owner + 2, name).expect("the parent still serves");
+        ShmPeer::attach(&t.offer().unwrap(), owner + 2, name, None).expect("the parent still serves");
         drop(peer);
         assert_eq!(c.map.owner(slot).load(Ordering::SeqCst), 0, "the parent's own drop releases the slot");
         t.shutdown();
