@@ -749,11 +749,9 @@ fn a_peers_large_buffer_costs_only_what_is_touched() {
 /// A peer's buffer its owner allocated whole (a store segment) has its page tables filled
 /// here by the helper thread in the background, from 2 s after it was mapped (it runs at
 /// `SCHED_IDLE`: while this binary's other tests keep both cores busy it may wait, hence the
-/// generous bound), up to the
-/// engine's budget (`KVFERRY_SHM_BACKGROUND_FILL_MB`): with a 32 MiB budget a 256 MiB buffer
-/// ends with 32 MiB (plus what the copy touched) resident in that mapping, not 256 MiB. A buffer
-/// whose owner did not allocate its pages is never filled (that would allocate memory the
-/// owner never touched), and the budget comes back when the filled buffer goes.
+/// generous bound), up to the engine's budget (`KVFERRY_SHM_BACKGROUND_FILL_MB`): with a
+/// 32 MiB budget a 256 MiB buffer ends with 32 MiB (plus what the copy touched) resident in
+/// that mapping, not 256 MiB; and the budget comes back when the filled buffer goes.
 #[test]
 fn a_peers_allocated_buffer_is_filled_in_the_background_within_the_budget() {
     const LEN: usize = 256 << 20;
@@ -761,53 +759,82 @@ fn a_peers_allocated_buffer_is_filled_in_the_background_within_the_budget() {
     let a = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), shm_background_fill: BUDGET, ..Config::default() }).expect("engine starts");
     let b = engine_with(TransportMode::Auto);
     let whole = mem(LEN, 0, true);
-    let lazy = HostBuffer::with(LEN, HostOptions { populate: false, huge_pages: false, shareable: true }).unwrap();
     let second = mem(LEN, 0, true);
-    for m in [&whole, &lazy] {
-        b.register_memory(m.addr(), LEN as u64, "cpu:0").unwrap();
-    }
+    b.register_memory(whole.addr(), LEN as u64, "cpu:0").unwrap();
     let src = pattern(4096, 7);
     a.register_memory(src.as_ptr() as u64, 4096, "cpu:0").unwrap();
     let seg = a.open_segment(b.segment_name()).unwrap();
     let before = shm::bytes_moved();
-    let writes: Vec<TransferRequest> = [&whole, &lazy].iter().map(|m| wr(Opcode::Write, src.as_ptr() as u64, seg, m.addr() + (5 << 20), 4096)).collect();
     let mapped = Instant::now();
-    assert_eq!(sync(&a, &writes).status, TaskStatus::Completed);
+    assert_eq!(sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, whole.addr() + (5 << 20), 4096)]).status, TaskStatus::Completed);
     assert_path(true, before);
-    let ino = |m: &HostBuffer| kvferry::hostbuf::shareable_region(m.addr(), LEN as u64).expect("shareable").ino;
-    let (kb, took) = loop {
-        let kb = rss_of_other_mappings(ino(&whole), whole.addr()).1;
-        if kb >= BUDGET >> 10 || mapped.elapsed() > Duration::from_secs(60) {
-            break (kb, mapped.elapsed());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let (kb, took) = resident_when(&whole, BUDGET, mapped, || ());
     assert!(kb >= BUDGET >> 10, "the budget was filled in the background: {kb} kB resident after {took:?}");
     assert!(took >= Duration::from_millis(1900), "not before 2 s after the mapping was made: {took:?}");
     std::thread::sleep(Duration::from_millis(500));
     let kb = rss_of_other_mappings(ino(&whole), whole.addr()).1;
     assert!(kb <= (BUDGET >> 10) + (4 << 10), "no more than the budget (plus the chunk written): {kb} kB resident");
-    let kb = rss_of_other_mappings(ino(&lazy), lazy.addr()).1;
-    assert!(kb <= 2 << 10, "the buffer its owner did not allocate is not filled: {kb} kB resident");
-    let fd = kvferry::hostbuf::shareable_region(lazy.addr(), LEN as u64).expect("shareable").fd;
-    let allocated = std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap()) * 512;
-    assert!(allocated <= 64 << 10, "and no page of it was allocated for it: {allocated} bytes of its memory file are");
     // The filled buffer goes (its owner unregisters and frees it); the budget comes back and
     // goes to the next buffer of the peer's.
     b.unregister_memory(whole.addr()).unwrap();
     drop(whole);
     b.register_memory(second.addr(), LEN as u64, "cpu:0").unwrap();
     let w = wr(Opcode::Write, src.as_ptr() as u64, seg, second.addr(), 4096);
-    let t0 = Instant::now();
-    let kb = loop {
+    let (kb, _) = resident_when(&second, BUDGET, Instant::now(), || {
         assert_eq!(sync(&a, &[w]).status, TaskStatus::Completed, "a write maps the new buffer (and lets the freed one go)");
-        let kb = rss_of_other_mappings(ino(&second), second.addr()).1;
-        if kb >= BUDGET >> 10 || t0.elapsed() > Duration::from_secs(60) {
-            break kb;
+    });
+    assert!(kb >= BUDGET >> 10, "the budget, returned by the freed buffer, fills the new one: {kb} kB resident");
+}
+
+/// A peer's buffer whose owner did not allocate its pages is never filled in the background:
+/// that would allocate memory the owner never touched. Deterministic without timing: the
+/// helper fills buffers in the order they were mapped, so by the time a buffer mapped after
+/// the lazy one is filled, the lazy one would have been filled first; its memory file must
+/// still hold only the page the copy wrote (and the owner's header).
+#[test]
+fn a_peers_buffer_its_owner_did_not_allocate_is_never_filled_in_the_background() {
+    const LEN: usize = 64 << 20;
+    let c = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), shm_background_fill: 1 << 30, ..Config::default() }).expect("engine starts");
+    let d = engine_with(TransportMode::Auto);
+    let lazy = HostBuffer::with(LEN, HostOptions { populate: false, huge_pages: false, shareable: true }).unwrap();
+    let marker = mem(LEN, 0, true);
+    d.register_memory(lazy.addr(), LEN as u64, "cpu:0").unwrap();
+    let src = pattern(4096, 9);
+    c.register_memory(src.as_ptr() as u64, 4096, "cpu:0").unwrap();
+    let seg = c.open_segment(d.segment_name()).unwrap();
+    let before = shm::bytes_moved();
+    assert_eq!(sync(&c, &[wr(Opcode::Write, src.as_ptr() as u64, seg, lazy.addr() + (5 << 20), 4096)]).status, TaskStatus::Completed);
+    assert_path(true, before);
+    // Mapped after the lazy buffer: filled after it, were it filled at all.
+    d.register_memory(marker.addr(), LEN as u64, "cpu:0").unwrap();
+    let w = wr(Opcode::Write, src.as_ptr() as u64, seg, marker.addr(), 4096);
+    let (kb, took) = resident_when(&marker, LEN as u64, Instant::now(), || {
+        assert_eq!(sync(&c, &[w]).status, TaskStatus::Completed);
+    });
+    assert!(kb >= (LEN >> 10) as u64, "the buffer mapped after it was filled whole: {kb} kB resident after {took:?}");
+    let kb = rss_of_other_mappings(ino(&lazy), lazy.addr()).1;
+    assert!(kb <= 2 << 10, "the buffer its owner did not allocate is not filled here: {kb} kB resident");
+    let fd = kvferry::hostbuf::shareable_region(lazy.addr(), LEN as u64).expect("shareable").fd;
+    let allocated = std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap()) * 512;
+    assert!(allocated <= 64 << 10, "and no page of it was allocated for it: {allocated} bytes of its memory file are");
+}
+
+/// The inode of `m`'s memory file.
+fn ino(m: &HostBuffer) -> u64 {
+    kvferry::hostbuf::shareable_region(m.addr(), m.len() as u64).expect("shareable").ino
+}
+
+/// Waits (up to 60 s from `since`, calling `each` every 50 ms) until `want` bytes of `m` are
+/// resident in this process's other mappings of it; what was resident and when.
+fn resident_when(m: &HostBuffer, want: u64, since: Instant, mut each: impl FnMut()) -> (u64, Duration) {
+    loop {
+        each();
+        let kb = rss_of_other_mappings(ino(m), m.addr()).1;
+        if kb >= want >> 10 || since.elapsed() > Duration::from_secs(60) {
+            return (kb, since.elapsed());
         }
         std::thread::sleep(Duration::from_millis(50));
-    };
-    assert!(kb >= BUDGET >> 10, "the budget, returned by the freed buffer, fills the new one: {kb} kB resident");
+    }
 }
 
 /// Copies that move forward through a peer's buffer (a store filling fresh space) have the
