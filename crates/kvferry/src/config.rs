@@ -51,7 +51,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_GPU_RDMA", aliases: &[], default: "auto", doc: "RDMA: how GPU memory is registered with the NICs (GPUDirect RDMA): `auto` (DMA-BUF where the driver, GPU, rdma-core and NIC support it, else nvidia-peermem where its kernel module is loaded, else GPU memory is staged through host memory over TCP, saying why), `dmabuf` or `peermem` (only that one; a failure is an error naming the cause). Mooncake's WITH_NVIDIA_PEERMEM=1 (on/true) means `peermem`, any other value `dmabuf`, when this variable is not set" },
     EnvVar { name: "KVFERRY_GID_INDEX", aliases: &["MC_GID_INDEX"], default: "automatic (RoCE v2, IPv4-mapped first)", doc: "RDMA: GID index to use on every NIC; an index that does not exist is an error, never silently replaced" },
     EnvVar { name: "KVFERRY_SHM_THREADS", aliases: &[], default: "CPUs, at most 4", doc: "threads copying queued shared-memory requests (requests over 1 MiB are cut into 1 MiB pieces spread over them; 1-64)" },
-    EnvVar { name: "KVFERRY_SHM_BACKGROUND_FILL_MB", aliases: &[], default: "4096", doc: "same-host peers' buffers whose owner allocated every page (store segments): MiB of them per process whose page tables a helper thread fills in the background, from 2 s after the buffer is mapped, on a `SCHED_IDLE` thread (only CPU nothing else wants) and at most a quarter of a core, so a first copy into a range does not fault page by page (8 bytes of page table per 4 KiB: 4096 MiB cost 8 MiB; 0 turns it off: each 2 MiB chunk is then filled on first touch)" },
+    EnvVar { name: "KVFERRY_SHM_BACKGROUND_FILL_MB", aliases: &[], default: "4096", doc: "same-host peers' buffers whose owner allocated every page (store segments): MiB of them per engine whose page tables a helper thread fills in the background, from 2 s after the buffer is mapped, on a `SCHED_IDLE` thread (only CPU nothing else wants) and at most a quarter of a core, so a first copy into a range does not fault page by page (8 bytes of page table per 4 KiB: 4096 MiB cost 8 MiB; 0 turns it off: each 2 MiB chunk is then filled on first touch)" },
     EnvVar { name: "KVFERRY_STORE_CLIENT_MIN_PORT", aliases: &["MC_STORE_CLIENT_MIN_PORT"], default: "12300", doc: "store client with central metadata and a local_hostname without a port: lowest port bound and appended to the hostname (`host:port` is then its segment name)" },
     EnvVar { name: "KVFERRY_STORE_CLIENT_MAX_PORT", aliases: &["MC_STORE_CLIENT_MAX_PORT"], default: "14300", doc: "highest such port" },
     EnvVar { name: "KVFERRY_STORE_CLIENT_SETUP_RETRIES", aliases: &["MC_STORE_CLIENT_SETUP_RETRIES"], default: "20", doc: "ports tried when the segment name `host:port` is already taken by a live engine (1-1000)" },
@@ -109,7 +109,7 @@ pub struct Config {
     /// Shared-memory copy threads; 0 means the number of CPUs, at most 4.
     pub shm_threads: usize,
     /// Bytes of same-host peers' fully allocated buffers whose page tables are filled in
-    /// the background, per process (`KVFERRY_SHM_BACKGROUND_FILL_MB`; 0: none).
+    /// the background, per engine (`KVFERRY_SHM_BACKGROUND_FILL_MB`; 0: none).
     pub shm_background_fill: u64,
     /// RDMA devices to use (`KVFERRY_RDMA_DEVICES`); `None`: every device with an active port.
     pub rdma_devices: Option<Vec<String>>,
