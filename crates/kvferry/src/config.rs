@@ -311,7 +311,7 @@ impl Config {
             c.shm_threads = n;
         }
         if let Some(n) = parse::<u64>(get, "KVFERRY_SHM_BACKGROUND_FILL_MB", "a number of MiB (0: off)")? {
-            c.shm_background_fill = n.checked_mul(1 << 20).ok_or_else(|| Error::Config(format!("KVFERRY_SHM_BACKGROUND_FILL_MB={n} is too large")))?;
+            c.shm_background_fill = n.checked_mul(1 << 20).ok_or_else(|| Error::Config(format!("KVFERRY_SHM_BACKGROUND_FILL_MB={n} is too large: give at most {} MiB (0 turns the fill off)", u64::MAX >> 20)))?;
         }
         if let Some((_, v)) = lookup(get, "KVFERRY_METADATA_SERVER") {
             c.metadata_server = v;
@@ -461,6 +461,17 @@ mod tests {
         assert_eq!(c.advertised_host(), "127.0.0.1");
         let p2p = Config { advertise_address: Some("10.0.0.1".into()), ..Config::default() };
         assert_eq!(p2p.advertised_host(), "127.0.0.1", "P2P mode names segments by local_hostname");
+    }
+
+    #[test]
+    fn background_fill_budget() {
+        assert_eq!(cfg(&[]).unwrap().shm_background_fill, 4096 << 20);
+        assert_eq!(cfg(&[("KVFERRY_SHM_BACKGROUND_FILL_MB", "16")]).unwrap().shm_background_fill, 16 << 20);
+        assert_eq!(cfg(&[("KVFERRY_SHM_BACKGROUND_FILL_MB", "0")]).unwrap().shm_background_fill, 0, "0 turns it off");
+        let e = cfg(&[("KVFERRY_SHM_BACKGROUND_FILL_MB", "lots")]).unwrap_err().to_string();
+        assert!(e.contains("KVFERRY_SHM_BACKGROUND_FILL_MB") && e.contains("MiB"), "{e}");
+        let e = cfg(&[("KVFERRY_SHM_BACKGROUND_FILL_MB", &u64::MAX.to_string())]).unwrap_err().to_string();
+        assert!(e.contains("too large") && e.contains("at most"), "{e}");
     }
 
     #[test]

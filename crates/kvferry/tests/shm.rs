@@ -731,7 +731,7 @@ fn a_peers_large_buffer_costs_only_what_is_touched() {
     const LEN: usize = 1 << 30;
     let MappedPair { a, dst, src, seg, .. } = &mapped_pair(LEN, 1 << 20, 9);
     let (seg, dst) = (*seg, dst);
-    let ino = kvferry::hostbuf::shareable_region(dst.addr(), LEN as u64).expect("shareable").ino;
+    let ino = ino(dst);
     let before = shm::bytes_moved();
     let mut reqs = vec![wr(Opcode::Write, src.as_ptr() as u64, seg, dst.addr() + (302 << 20) + 4096, 1 << 20)];
     reqs.extend((0..100u64).map(|i| wr(Opcode::Write, src.as_ptr() as u64 + i * 4096, seg, dst.addr() + i * (7 << 20), 4096)));
@@ -848,7 +848,7 @@ fn a_forward_stream_of_copies_has_the_chunks_ahead_filled_and_no_more() {
     const MIB: u64 = 1 << 20;
     let MappedPair { a, dst, src, seg, .. } = &mapped_pair(LEN, MIB as usize, 3);
     let seg = *seg;
-    let ino = kvferry::hostbuf::shareable_region(dst.addr(), LEN as u64).expect("shareable").ino;
+    let ino = ino(dst);
     let before = shm::bytes_moved();
     for i in 0..8u64 {
         let st = sync(a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, dst.addr() + i * MIB, MIB)]);
