@@ -61,6 +61,10 @@ pub struct BenchArgs {
     /// else `transfer_engine_bench` on PATH if present). `none` disables.
     #[arg(long)]
     mooncake: Option<String>,
+    /// Seconds a Mooncake run may take beyond its measurement (setup, connection) before it
+    /// is killed with its process group and reported as not finished.
+    #[arg(long, default_value_t = 60.0)]
+    peer_timeout: f64,
     /// Write ceilings and Mooncake's points to this file (JSON Lines).
     #[arg(long)]
     json_peers: Option<PathBuf>,
@@ -325,7 +329,7 @@ fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result
         });
         protos.push(crate::mooncake::Proto::Rdma(devices));
     }
-    let mooncake = crate::mooncake::run_side_by_side(a.mooncake.as_deref(), &protos, &a.local_hostname, a.buffer_size, &a.ops, &a.blocks, a.batch, a.threads, a.duration);
+    let mooncake = crate::mooncake::run_side_by_side(a.mooncake.as_deref(), &protos, &a.local_hostname, a.buffer_size, &a.ops, &a.blocks, a.batch, a.threads, a.duration, Duration::from_secs_f64(a.peer_timeout.max(0.0)));
     print_report(a, &points, &used, ceilings.as_ref(), &mooncake);
     if let Some(path) = &a.json {
         let mut out = String::new();

@@ -24,6 +24,7 @@ mod metadata_server;
 mod mooncake;
 mod store_bench;
 mod store_client;
+mod peers;
 mod sys;
 
 use clap::{CommandFactory, FromArgMatches, Subcommand};

@@ -16,7 +16,8 @@ use kvferry::{Config, TransferEngine};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use crate::peers::Peer;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug)]
@@ -56,17 +57,16 @@ pub struct MetadataBenchArgs {
     opens: usize,
 }
 
+/// A server process in a process group of its own (killed with it when dropped, or when this
+/// bench is stopped: `crate::peers`).
 struct Server {
-    child: Child,
+    peer: Peer,
     port: u16,
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
-        // SAFETY: signalling the process group created for this child (its pid).
-        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.peer.stop(Duration::ZERO);
     }
 }
 
@@ -109,25 +109,16 @@ fn own_cpu_seconds() -> f64 {
 }
 
 fn start_kvferry(threads: usize) -> Result<Server, String> {
-    use std::os::unix::process::CommandExt;
-    let mut child = crate::self_command()?
-        .args(["metadata-server", "--port", "0", "--threads", &threads.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .process_group(0)
-        .spawn()
+    let mut peer = Peer::spawn(crate::self_command()?.args(["metadata-server", "--port", "0", "--threads", &threads.to_string()]).stdout(Stdio::piped()).stderr(Stdio::inherit()))
         .map_err(|e| format!("starting kvferry metadata-server: {e}"))?;
     let mut line = String::new();
-    if let Some(out) = child.stdout.take() {
+    if let Some(out) = peer.child.stdout.take() {
         let _ = BufReader::new(out).read_line(&mut line);
     }
     let port = line.split_whitespace().find_map(|w| w.strip_prefix("port=")).and_then(|p| p.parse().ok());
     match port {
-        Some(port) => Ok(Server { child, port }),
-        None => {
-            let _ = child.kill();
-            Err(format!("kvferry metadata-server did not report its port: {line:?}"))
-        }
+        Some(port) => Ok(Server { peer, port }),
+        None => Err(format!("kvferry metadata-server did not report its port: {line:?}")), // (killed on drop)
     }
 }
 
@@ -149,16 +140,10 @@ fn find_mooncake(arg: &Option<String>) -> Option<PathBuf> {
 }
 
 fn start_mooncake(bin: &PathBuf) -> Result<Server, String> {
-    use std::os::unix::process::CommandExt;
     let port = free_port()?;
-    let child = Command::new(bin)
-        .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--log-level", "WARNING"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .process_group(0)
-        .spawn()
+    let peer = Peer::spawn(Command::new(bin).args(["--host", "127.0.0.1", "--port", &port.to_string(), "--log-level", "WARNING"]).stdout(Stdio::null()).stderr(Stdio::null()))
         .map_err(|e| format!("starting {}: {e}", bin.display()))?;
-    let s = Server { child, port };
+    let s = Server { peer, port };
     if !wait_http(port) {
         return Err(format!("{} did not listen on {port}", bin.display()));
     }
@@ -475,7 +460,7 @@ pub fn run(a: MetadataBenchArgs) -> Result<(), String> {
         if st != 200 {
             return Err(format!("{label}: PUT answered {st}"));
         }
-        let l = load(s.port, s.child.id(), &path, a.clients, a.client_threads, a.pipeline.max(1), a.duration).map_err(|e| format!("{label}: {e}"))?;
+        let l = load(s.port, s.peer.id(), &path, a.clients, a.client_threads, a.pipeline.max(1), a.duration).map_err(|e| format!("{label}: {e}"))?;
         println!("  {label:<32} {:>10.0} {:>10.1} {:>10.1} {:>14.1} {:>14.1} {:>7}", l.rps, l.p50_us, l.p99_us, l.cpu_per_m, l.client_cpu_per_m, l.errors);
         results.push(l);
     }

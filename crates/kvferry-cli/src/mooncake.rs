@@ -2,12 +2,12 @@
 //! machine, in the same invocation, with the same block size, batch size, thread count and
 //! duration, so the report can state ratios rather than remembered numbers.
 
+use crate::peers::{self, Peer};
 use crate::sys;
 use serde::Serialize;
 use std::io::{BufRead, BufReader};
-use std::os::unix::process::CommandExt;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct McPoint {
@@ -26,7 +26,8 @@ pub struct McPoint {
 #[derive(Default)]
 pub struct SideBySide {
     points: Vec<McPoint>,
-    note: Option<String>,
+    /// Why points are missing (not run, failed, killed), one line each.
+    notes: Vec<String>,
 }
 
 impl SideBySide {
@@ -47,7 +48,7 @@ impl SideBySide {
                 println!("{:<6} {:>8} {:>9} {:>8.3} {:>9.3} {:>9.3}", p.op, sys::human(p.block_bytes), p.protocol, p.gbps, p.initiator_cpu_s_per_gb, p.target_cpu_s_per_gb);
             }
         }
-        if let Some(n) = &self.note {
+        for n in &self.notes {
             println!("\nmooncake: {n}");
         }
     }
@@ -70,7 +71,7 @@ fn find_binary(arg: Option<&str>) -> Result<String, String> {
 }
 
 struct Target {
-    child: Child,
+    peer: Peer,
     segment: String,
 }
 
@@ -78,17 +79,17 @@ impl Target {
     fn start(bin: &str, proto: &Proto, host: &str, buffer: u64) -> Result<Target, String> {
         // Its own process group: the console script runs the real binary as a child, and
         // stopping the group stops both.
-        let mut child = Command::new(bin)
-            .process_group(0)
-            .envs(proto.env())
-            .args(["--mode=target", "--metadata_server=P2PHANDSHAKE", &format!("--local_server_name={host}"), &format!("--buffer_size={buffer}")])
-            .args(proto.args())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot start {bin}: {e}"))?;
-        let err = child.stderr.take().ok_or("no stderr")?;
+        let mut peer = Peer::spawn(
+            Command::new(bin)
+                .envs(proto.env())
+                .args(["--mode=target", "--metadata_server=P2PHANDSHAKE", &format!("--local_server_name={host}"), &format!("--buffer_size={buffer}")])
+                .args(proto.args())
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped()),
+        )
+        .map_err(|e| format!("cannot start {bin}: {e}"))?;
+        let err = peer.child.stderr.take().ok_or("no stderr")?;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut sent = false;
@@ -103,38 +104,18 @@ impl Target {
             }
         });
         match rx.recv_timeout(Duration::from_secs(30)) {
-            Ok(segment) if !segment.is_empty() => Ok(Target { child, segment }),
-            _ => {
-                let _ = child.kill();
-                let _ = child.wait();
-                Err("Mooncake target did not print its address within 30 s".into())
-            }
+            Ok(segment) if !segment.is_empty() => Ok(Target { peer, segment }),
+            _ => Err("Mooncake target did not print its address within 30 s".into()), // (its group is killed on drop)
         }
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        // SAFETY: signalling the process group we created for our own child.
-        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGTERM) };
-        let until = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < until {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        // SAFETY: as above, forcefully.
-        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
-        let _ = self.child.wait();
     }
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_point(bin: &str, proto: &Proto, t: &Target, host: &str, buffer: u64, op: &str, block: u64, batch: usize, threads: usize, duration: u64) -> Result<McPoint, String> {
-    let tgt0 = sys::tree_cpu(t.child.id());
+fn run_point(bin: &str, proto: &Proto, t: &Target, host: &str, buffer: u64, op: &str, block: u64, batch: usize, threads: usize, duration: u64, bound: Duration) -> Result<McPoint, String> {
+    let tgt0 = sys::tree_cpu(t.peer.id());
     let kids0 = sys::children_cpu();
-    let out = Command::new(bin)
+    let mut cmd = Command::new(bin);
+    cmd
         .envs(proto.env())
         .args(proto.args())
         .args([
@@ -148,18 +129,18 @@ fn run_point(bin: &str, proto: &Proto, t: &Target, host: &str, buffer: u64, op: 
             &format!("--batch_size={batch}"),
             &format!("--block_size={block}"),
             &format!("--duration={duration}"),
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .output()
-        .map_err(|e| format!("cannot run {bin}: {e}"))?;
+        ]);
+    let bound = Duration::from_secs(duration) + bound;
+    let out = peers::output_within(&mut cmd, bound).map_err(|e| format!("cannot run {bin}: {e}"))?;
     let init_cpu = (sys::children_cpu() - kids0).as_secs_f64();
-    let tgt_cpu = sys::tree_cpu(t.child.id()).saturating_sub(tgt0).as_secs_f64();
+    let tgt_cpu = sys::tree_cpu(t.peer.id()).saturating_sub(tgt0).as_secs_f64();
     let err = String::from_utf8_lossy(&out.stderr);
     let line = err.lines().find(|l| l.contains("Test completed")).ok_or_else(|| {
         let tail: Vec<&str> = err.lines().rev().take(3).collect();
-        format!("Mooncake {op} {block} printed no result (exit {:?}): {}", out.status.code(), tail.join(" | "))
+        match out.status {
+            None => format!("Mooncake {op} {} x {batch} did not finish within {bound:?} (killed; --peer-timeout sets the bound): {}", sys::human(block), tail.join(" | ")),
+            Some(s) => format!("Mooncake {op} {} x {batch} printed no result (exit {:?}): {}", sys::human(block), s.code(), tail.join(" | ")),
+        }
     })?;
     // "Test completed: duration 3.00, batch count 2194, throughput 0.77 GB/s"
     let num_after = |key: &str| -> Option<f64> { line.split(key).nth(1)?.trim().split([',', ' ']).next()?.parse().ok() };
@@ -212,10 +193,10 @@ impl Proto {
 
 /// Runs Mooncake's bench over each of `protos` (a target, then one initiator run per point).
 #[allow(clippy::too_many_arguments)]
-pub fn run_side_by_side(path: Option<&str>, protos: &[Proto], host: &str, buffer: u64, ops: &[String], blocks: &[u64], batch: usize, threads: usize, duration: f64) -> SideBySide {
+pub fn run_side_by_side(path: Option<&str>, protos: &[Proto], host: &str, buffer: u64, ops: &[String], blocks: &[u64], batch: usize, threads: usize, duration: f64, bound: Duration) -> SideBySide {
     let bin = match find_binary(path) {
         Ok(b) => b,
-        Err(note) => return SideBySide { points: Vec::new(), note: Some(note) },
+        Err(note) => return SideBySide { points: Vec::new(), notes: vec![note] },
     };
     // Mooncake's initiator addresses k * block for k < threads * batch: size both sides for that.
     let need = blocks.iter().map(|b| b * (threads * batch) as u64).max().unwrap_or(0).max(buffer);
@@ -224,7 +205,7 @@ pub fn run_side_by_side(path: Option<&str>, protos: &[Proto], host: &str, buffer
         let t = match Target::start(&bin, proto, host, need) {
             Ok(t) => t,
             Err(e) => {
-                out.note = Some(format!("{} ({}): {e}", proto.name(), proto.args().join(" ")));
+                out.notes.push(format!("{} ({}): {e}", proto.name(), proto.args().join(" ")));
                 continue;
             }
         };
@@ -232,9 +213,9 @@ pub fn run_side_by_side(path: Option<&str>, protos: &[Proto], host: &str, buffer
         for op in ops {
             for &block in blocks {
                 eprint!("\r\x1b[K[mooncake {}] {op} {} x {batch} ...", proto.name(), sys::human(block));
-                match run_point(&bin, proto, &t, host, need, op, block, batch, threads, secs) {
+                match run_point(&bin, proto, &t, host, need, op, block, batch, threads, secs, bound) {
                     Ok(p) => out.points.push(p),
-                    Err(e) => out.note = Some(e),
+                    Err(e) => out.notes.push(e),
                 }
             }
         }

@@ -44,6 +44,10 @@ pub struct StoreBenchArgs {
     /// (default: $KVFERRY_MOONCAKE_PYTHON; `none` disables).
     #[arg(long)]
     mooncake_python: Option<String>,
+    /// Seconds Mooncake's whole sweep may take before it is killed with its process group
+    /// (the points it finished are kept, the rest reported as not finished).
+    #[arg(long, default_value_t = 900.0)]
+    peer_timeout: f64,
     /// Value sizes of the put/get/remove cycle points: each cycle is put_from, get_into
     /// (checked) and a forced remove of one key, against a serving segment of
     /// --cycle-segment-size, for at least one round of 4x the segment's size.
@@ -521,21 +525,25 @@ fn run_mooncake(a: &StoreBenchArgs) -> MooncakeStore {
     eprint!("\r\x1b[K[mooncake store] running the same sweep ...");
     let values: Vec<String> = a.values.iter().map(u64::to_string).collect();
     let cycle: Vec<String> = if a.no_cycle { Vec::new() } else { a.cycle_values.iter().map(u64::to_string).collect() };
-    let out = Command::new(&py)
-        .arg(&script)
-        .args(["--values", &values.join(","), "--batch", &a.batch.to_string(), "--duration", &a.duration.to_string()])
-        .args(["--cycle-values", &cycle.join(","), "--cycle-segment-size", &a.cycle_segment_size.to_string()])
-        .args(["--multi-layers", &a.multi_layers.to_string(), "--multi-part", &a.multi_part.to_string()])
-        .args(["--segment-size", &a.segment_size.to_string(), "--lease-ms", "2000"])
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output();
+    let bound = Duration::from_secs_f64(a.peer_timeout.max(0.0));
+    let out = crate::peers::output_within(
+        Command::new(&py)
+            .arg(&script)
+            .args(["--values", &values.join(","), "--batch", &a.batch.to_string(), "--duration", &a.duration.to_string()])
+            .args(["--cycle-values", &cycle.join(","), "--cycle-segment-size", &a.cycle_segment_size.to_string()])
+            .args(["--multi-layers", &a.multi_layers.to_string(), "--multi-part", &a.multi_part.to_string()])
+            .args(["--segment-size", &a.segment_size.to_string(), "--lease-ms", "2000"]),
+        bound,
+    );
     eprint!("\r\x1b[K");
     match out {
         Err(e) => MooncakeStore { points: Vec::new(), note: Some(format!("not run: {py}: {e}")) },
         Ok(o) => {
             let points: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout).lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
-            let note = points.iter().find_map(|p| p["error"].as_str().map(|e| format!("Mooncake failed: {e}")));
+            let mut note = points.iter().find_map(|p| p["error"].as_str().map(|e| format!("Mooncake failed: {e}")));
+            if o.timed_out() {
+                note = Some(format!("Mooncake's sweep did not finish within {bound:?} and was killed (--peer-timeout sets the bound); the points it finished are shown"));
+            }
             MooncakeStore { points: points.into_iter().filter(|p| p.get("gbps").is_some()).collect(), note }
         }
     }

@@ -238,3 +238,113 @@ fn doctor_reports_gpu_memory_with_a_driver_and_why_not_without() {
     assert_eq!(g["available"], false, "{d}");
     assert!(g["reason"].as_str().is_some_and(|r| r.contains("too old")), "{d}");
 }
+
+/// A stand-in for Mooncake's `transfer_engine_bench` whose target starts (and prints its
+/// address, as Mooncake's does) and whose initiator never finishes; each process appends its
+/// pid to `pids` and leaves a child of its own running (as the console script runs the binary).
+fn hanging_mooncake(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    let pids = dir.join("pids");
+    let bin = dir.join("transfer_engine_bench");
+    let script = format!(
+        "#!/bin/sh\nsleep 600 &\necho $! >> {p}\necho $$ >> {p}\ncase \"$*\" in *--mode=target*) echo \"I1201 transfer_engine_bench.cpp:1] listening on 127.0.0.1:12345\" >&2;; esac\nwait\n",
+        p = pids.display()
+    );
+    std::fs::write(&bin, script).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    (bin, pids)
+}
+
+/// Whether `pid` runs (a zombie waiting to be reaped does not).
+fn running(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|st| st.rsplit(") ").next().is_some_and(|f| !f.starts_with('Z')))
+}
+
+fn all_gone(pids: &std::path::Path) -> Result<(), Vec<i32>> {
+    let ps: Vec<i32> = std::fs::read_to_string(pids).unwrap_or_default().lines().filter_map(|l| l.trim().parse().ok()).collect();
+    assert!(ps.len() >= 2, "the stand-in started (pids {ps:?})");
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let left: Vec<i32> = ps.iter().copied().filter(|&p| running(p)).collect();
+        if left.is_empty() {
+            return Ok(());
+        }
+        if std::time::Instant::now() > until {
+            // Ours, by pid: do not leave them to the next test.
+            for &p in &left {
+                unsafe { libc::kill(p, libc::SIGKILL) };
+            }
+            return Err(left);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// A Mooncake run that never ends does not hang the bench: it is killed with everything it
+/// started after `--peer-timeout`, and the report says so.
+#[test]
+fn bench_bounds_a_mooncake_run_that_never_finishes() {
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let (bin, pids) = hanging_mooncake(dir.path());
+    let start = Instant::now();
+    let out_file = dir.path().join("out");
+    let mut child = kvferry()
+        .args(["bench", "--buffer-size", "16M", "--blocks", "64K", "--ops", "write", "--batch", "4", "--duration", "0.2", "--no-ceilings", "--transport", "tcp", "--peer-timeout", "1", "--mooncake"])
+        .arg(&bin)
+        .stdout(std::fs::File::create(&out_file).unwrap())
+        .spawn()
+        .unwrap();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            let _ = all_gone(&pids);
+            panic!("the bench still ran after 60 s (its Mooncake run is bounded by 1 s beyond 1 s of measurement)");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stdout = std::fs::read_to_string(&out_file).unwrap();
+    assert!(status.success(), "{stdout}");
+    assert!(stdout.contains("did not finish within"), "the report names the killed run: {stdout}");
+    assert_eq!(all_gone(&pids), Ok(()), "every process of the stand-in is gone");
+}
+
+/// A bench stopped by SIGTERM while a Mooncake run is in progress kills the Mooncake processes
+/// (in process groups of their own, the signal does not reach them) and exits with 128 + 15.
+#[test]
+fn a_stopped_bench_leaves_no_mooncake_process_behind() {
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let (bin, pids) = hanging_mooncake(dir.path());
+    let mut child = kvferry()
+        .args(["bench", "--buffer-size", "16M", "--blocks", "64K", "--ops", "write", "--batch", "4", "--duration", "0.2", "--no-ceilings", "--transport", "tcp", "--peer-timeout", "600", "--mooncake"])
+        .arg(&bin)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Both the stand-in's target and its initiator run (two lines each).
+    let until = Instant::now() + Duration::from_secs(60);
+    while std::fs::read_to_string(&pids).unwrap_or_default().lines().count() < 4 {
+        assert!(Instant::now() < until, "the bench did not start the stand-in's initiator within 60 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let until = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            panic!("the bench did not exit within 10 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(143), "{status:?}");
+    assert_eq!(all_gone(&pids), Ok(()), "every process of the stand-in is gone");
+}
