@@ -235,7 +235,18 @@ impl TransferEngine {
             TransportMode::Shm => vec![Arc::clone(&shm) as Arc<dyn Transport>],
             TransportMode::Rdma => rdma.iter().map(|r| Arc::clone(r) as Arc<dyn Transport>).collect(),
         };
+        // The handshake server starts before the engine exists (starting its thread can fail,
+        // and `new_cyclic` cannot return the error); until the engine is built, and after it
+        // is gone, it answers `{}`.
+        let engine_slot: Arc<std::sync::OnceLock<Weak<Inner>>> = Arc::default();
+        let slot = Arc::clone(&engine_slot);
+        let handler: handshake::Handler = Arc::new(move |f: &Frame| match slot.get().and_then(Weak::upgrade) {
+            Some(inner) => inner.on_handshake(f),
+            None => b"{}".to_vec(),
+        });
+        let handshake = HandshakeServer::start(hs_listener, config.handshake_max_len, handler).map_err(|e| Error::io("starting the handshake server's thread", e))?;
         let inner = Arc::new_cyclic(|weak: &Weak<Inner>| {
+            let _ = engine_slot.set(weak.clone());
             let w = weak.clone();
             shm.set_refresh(Box::new(move |peer: &Arc<Peer>| match w.upgrade() {
                 Some(inner) => inner.refresh_peer(peer),
@@ -254,13 +265,6 @@ impl TransferEngine {
                     inner.request(&h, p, MsgType::Connection, body).map(|f| f.body).map_err(|e| e.to_string())
                 }));
             }
-            let w = weak.clone();
-            let handler: handshake::Handler = Arc::new(move |f: &Frame| match w.upgrade() {
-                Some(inner) => inner.on_handshake(f),
-                None => b"{}".to_vec(),
-            });
-            let handshake = HandshakeServer::start(hs_listener, config.handshake_max_len, handler)
-                .expect("spawning the handshake thread");
             let local_peer = Arc::new(Peer::new(LOCAL_SEGMENT_ID, name.clone(), host, SegmentDesc::new(name.clone())));
             Inner {
                 name: name.clone(),
