@@ -1,6 +1,8 @@
 //! `kvferry store-bench --ha ETCD`: the figures of master high availability, in one run
 //! against the etcd given (`host:port`): metadata throughput with the journal on vs a master
-//! without HA, the journal's etcd bytes per million objects, and failover time and objects lost
+//! without HA, values stored per second through a whole store (64 KiB to 16 MiB values, one
+//! client and four at once) with and without HA, the journal's etcd bytes per million objects,
+//! and failover time and objects lost
 //! when the leader is SIGKILLed (two `kvferry master --enable-ha` processes and a serving
 //! client, all on 127.0.0.1, in a cluster id of their own).
 
@@ -63,38 +65,69 @@ fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str
     created as f64 / start.elapsed().as_secs_f64()
 }
 
-/// Values stored per second by one client with `batch_upsert_from` of `batch` keys of `value`
-/// bytes (the same keys again and again: space is reused), through the master at `master`
-/// (`host:port` or `etcd://...`); the last batch is read back and checked.
-fn store_rate(master: &str, value: u64, batch: usize, dur: Duration) -> Result<f64, String> {
-    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 0, master_server_addr: master.to_string(), ..ClientConfig::default() }).map_err(|e| e.to_string())?;
-    let len = value as usize * batch;
-    let src = HostBuffer::new(len, true).map_err(|e| e.to_string())?;
-    let dst = HostBuffer::new(value as usize, true).map_err(|e| e.to_string())?;
-    c.register_buffer(src.addr(), len as u64).map_err(|e| e.to_string())?;
-    c.register_buffer(dst.addr(), value).map_err(|e| e.to_string())?;
-    let keys: Vec<String> = (0..batch).map(|i| format!("rate-{value}-{i}")).collect();
-    for (i, k) in keys.iter().enumerate() {
-        fill_value(src.slice_mut(i * value as usize, value as usize), k);
-    }
-    let items: Vec<(&str, u64, u64)> = keys.iter().enumerate().map(|(i, k)| (k.as_str(), src.addr() + i as u64 * value, value)).collect();
-    let cfg = ReplicateConfig::default();
-    let start = Instant::now();
-    let mut n = 0u64;
-    while start.elapsed() < dur || n == 0 {
-        if let Some(Err(e)) = c.batch_upsert_from(&items, &cfg).into_iter().find(|r| r.is_err()) {
-            return Err(format!("batch_upsert_from: {e}"));
+/// Values stored per second by `clients` clients at once (each its own `Client`, as the TP
+/// ranks of one server are), each calling `batch_upsert_from` with `batch` keys of `value`
+/// bytes (its own keys again and again: space is reused), through the master at `master`
+/// (`host:port` or `etcd://...`); each client's last batch is read back and checked.
+fn store_rate(master: &str, value: u64, batch: usize, clients: usize, dur: Duration) -> Result<f64, String> {
+    // Every client is set up before the clock starts (a barrier every thread reaches, set up or
+    // not), so setup is not measured.
+    let ready = std::sync::Barrier::new(clients + 1);
+    let start = std::sync::OnceLock::new();
+    let one = |id: usize| -> Result<u64, String> {
+        let setup = || -> Result<_, String> {
+            let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 0, master_server_addr: master.to_string(), ..ClientConfig::default() }).map_err(|e| e.to_string())?;
+            let len = value as usize * batch;
+            let src = HostBuffer::new(len, true).map_err(|e| e.to_string())?;
+            let dst = HostBuffer::new(value as usize, true).map_err(|e| e.to_string())?;
+            c.register_buffer(src.addr(), len as u64).map_err(|e| e.to_string())?;
+            c.register_buffer(dst.addr(), value).map_err(|e| e.to_string())?;
+            let keys: Vec<String> = (0..batch).map(|i| format!("rate-{value}-{id}-{i}")).collect();
+            for (i, k) in keys.iter().enumerate() {
+                fill_value(src.slice_mut(i * value as usize, value as usize), k);
+            }
+            Ok((c, src, dst, keys))
+        };
+        let prepared = setup();
+        ready.wait();
+        let (c, src, dst, keys) = prepared?;
+        let t: Instant = *start.get_or_init(Instant::now);
+        let items: Vec<(&str, u64, u64)> = keys.iter().enumerate().map(|(i, k)| (k.as_str(), src.addr() + i as u64 * value, value)).collect();
+        let cfg = ReplicateConfig::default();
+        let mut n = 0u64;
+        while t.elapsed() < dur || n == 0 {
+            if let Some(Err(e)) = c.batch_upsert_from(&items, &cfg).into_iter().find(|r| r.is_err()) {
+                return Err(format!("batch_upsert_from: {e}"));
+            }
+            n += batch as u64;
         }
-        n += batch as u64;
-    }
-    let rate = n as f64 / start.elapsed().as_secs_f64();
-    let last = &keys[batch - 1];
-    let got = c.get_into(last, dst.addr(), value).map_err(|e| e.to_string())?;
-    if got != value || !value_ok(dst.slice(0, value as usize), last) {
-        return Err(format!("{last} did not read back exactly"));
-    }
-    let _ = c.close();
-    Ok(rate)
+        let last = &keys[batch - 1];
+        let got = c.get_into(last, dst.addr(), value).map_err(|e| e.to_string())?;
+        if got != value || !value_ok(dst.slice(0, value as usize), last) {
+            return Err(format!("{last} did not read back exactly"));
+        }
+        let _ = c.close();
+        Ok(n)
+    };
+    let (total, secs) = std::thread::scope(|s| -> Result<(u64, f64), String> {
+        let hs: Vec<_> = (0..clients).map(|id| { let one = &one; s.spawn(move || one(id)) }).collect();
+        ready.wait();
+        let t0 = *start.get_or_init(Instant::now);
+        let mut total = 0;
+        let mut first_err = None;
+        for h in hs {
+            match h.join() {
+                Ok(Ok(n)) => total += n,
+                Ok(Err(e)) => first_err = first_err.or(Some(e)),
+                Err(_) => first_err = first_err.or(Some("a client thread panicked".to_string())),
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok((total, t0.elapsed().as_secs_f64())),
+        }
+    })?;
+    Ok(total as f64 / secs)
 }
 
 fn journal_bytes(etcd: &EtcdClient, cluster: &str) -> Result<(u64, usize), String> {
@@ -186,12 +219,16 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
 
     // 2. Stored values per second through a whole store (client, master, serving client in
     //    three processes, data moving): a master without HA, then the HA pair below.
-    let store_points = [(64u64 << 10, 32usize), (1 << 20, 32)];
+    //    Up to KV-cache page sizes (a 64-token page of a 70B model's KV is ~20 MiB): the
+    //    journal's cost per call is fixed, so it weighs less as the values grow.
+    //    With several clients at once (the TP ranks of one server each run one), commits are
+    //    shared by their calls (group commit).
+    let store_points = [(64u64 << 10, 32usize, 1usize), (1 << 20, 32, 1), (4 << 20, 32, 1), (16 << 20, 8, 1), (1 << 20, 32, 4), (4 << 20, 8, 4)];
     let mut plain = Vec::new();
     {
-        let pool = super::Pool::start(256 << 20)?;
-        for &(v, b) in &store_points {
-            plain.push(store_rate(&pool.addr, v, b, dur)?);
+        let pool = super::Pool::start(512 << 20)?;
+        for &(v, b, n) in &store_points {
+            plain.push(store_rate(&pool.addr, v, b, n, dur)?);
         }
     }
 
@@ -215,11 +252,11 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         out.rsplit("\r\n\r\n").next().unwrap_or("").trim().to_string()
     };
     let mut ms = [start_master()?, start_master()?];
-    let server = Proc::spawn(crate::self_command()?.args(["store-bench", "--serve-segment", &etcd_url, "--segment-size", "256M"]), "KVFERRY_STORE_SERVER")?;
+    let server = Proc::spawn(crate::self_command()?.args(["store-bench", "--serve-segment", &etcd_url, "--segment-size", "512M"]), "KVFERRY_STORE_SERVER")?;
     println!("{:<34} {:>14} {:>14} {:>7}", "values stored/s (batch_upsert_from)", "no HA", "HA journal", "ratio");
-    for (&(v, b), off) in store_points.iter().zip(&plain) {
-        let on = store_rate(&etcd_url, v, b, dur)?;
-        println!("{:<34} {:>14.0} {:>14.0} {:>7.2}", format!("{} KiB values, {b} per call", v >> 10), off, on, on / off.max(1e-9));
+    for (&(v, b, n), off) in store_points.iter().zip(&plain) {
+        let on = store_rate(&etcd_url, v, b, n, dur)?;
+        println!("{:<34} {:>14.0} {:>14.0} {:>7.2}", format!("{n} client(s), {} x {b} per call", crate::sys::human(v)), off, on, on / off.max(1e-9));
     }
     let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 64 << 20, master_server_addr: etcd_url.clone(), ..ClientConfig::default() }).map_err(|e| e.to_string())?;
     let value = 16u64 << 10;
