@@ -3,7 +3,8 @@
 //! its predecessor acknowledged.
 //!
 //! Keys under `mooncake-store/<cluster_id>/journal/`:
-//! - `log/<seq, 16 hex digits>`: postcard-encoded `Vec<Change>` (at most [`CHUNK`] bytes),
+//! - `log/<seq, 16 hex digits>`: postcard-encoded `Vec<Change>` (at most [`CHUNK`] bytes,
+//!   LZ4-compressed behind a magic when that makes it smaller: see [`encode_chunks`]),
 //!   written in order by one writer thread, each in a transaction guarded by the leader's view
 //!   key still being the one it created (its term): a deposed leader cannot append.
 //! - `snap/<seq>/<i>`: a snapshot, the whole state after `log/<seq>` in chunks; `head` names
@@ -67,8 +68,49 @@ fn prefix_end(p: &str) -> String {
     String::from_utf8_lossy(&b).into_owned()
 }
 
+/// A stored value that starts with this is an LZ4 block of the postcard encoding (its size,
+/// u32 little-endian, after the magic); any other value is the bare postcard encoding (what
+/// builds before compression wrote, and what is kept when compressing does not pay). A bare
+/// `Vec<Change>` cannot start with it: its second byte would be a `Change` variant number
+/// beyond the few there are.
+const LZ4_MAGIC: &[u8; 4] = b"KVFz";
+/// The largest decoded size a compressed value may claim (a raw chunk is at most [`CHUNK`],
+/// one change larger than that gets a value of its own): a corrupt size is refused, never
+/// allocated.
+const MAX_DECODED: usize = 64 << 20;
+
+/// A value as stored: compressed when that makes it smaller. etcd spends ~50 ns of CPU per
+/// byte of a transaction on this project's VM (`docs/BENCHMARKS.md`), so every byte saved here
+/// is etcd CPU saved, in the log as in snapshots.
+fn pack(raw: Vec<u8>) -> Vec<u8> {
+    let compressed = lz4_flex::block::compress(&raw);
+    if compressed.len() + LZ4_MAGIC.len() + 4 >= raw.len() {
+        return raw;
+    }
+    let mut v = Vec::with_capacity(LZ4_MAGIC.len() + 4 + compressed.len());
+    v.extend_from_slice(LZ4_MAGIC);
+    v.extend_from_slice(&(raw.len() as u32).to_le_bytes());
+    v.extend_from_slice(&compressed);
+    v
+}
+
+/// The postcard bytes of a stored value.
+fn unpack(v: &[u8]) -> Result<std::borrow::Cow<'_, [u8]>, String> {
+    let Some(rest) = v.strip_prefix(LZ4_MAGIC) else { return Ok(std::borrow::Cow::Borrowed(v)) };
+    let (size, block) = rest.split_first_chunk::<4>().ok_or("a compressed journal entry is cut short")?;
+    let size = u32::from_le_bytes(*size) as usize;
+    if size > MAX_DECODED {
+        return Err(format!("a compressed journal entry claims {size} bytes (at most {MAX_DECODED}): it is corrupt"));
+    }
+    let raw = lz4_flex::block::decompress(block, size).map_err(|e| format!("a compressed journal entry does not decompress ({e}): it is corrupt"))?;
+    if raw.len() != size {
+        return Err(format!("a compressed journal entry decompresses to {} bytes, not the {size} it claims: it is corrupt", raw.len()));
+    }
+    Ok(std::borrow::Cow::Owned(raw))
+}
+
 /// Encodes `changes` into values of at most [`CHUNK`] bytes (one change larger than that gets
-/// a value of its own).
+/// a value of its own), each compressed when that pays.
 pub fn encode_chunks(changes: &[Change]) -> Result<Vec<Vec<u8>>, StoreError> {
     let mut out = Vec::new();
     let mut start = 0;
@@ -77,20 +119,21 @@ pub fn encode_chunks(changes: &[Change]) -> Result<Vec<Vec<u8>>, StoreError> {
         let n = postcard::experimental::serialized_size(c).map_err(|e| StoreError::Internal(format!("journal: encoding a change: {e}")))?;
         // (`CHUNK - 16`: room for the vector's length prefix.)
         if i > start && size + n > CHUNK - 16 {
-            out.push(postcard::to_stdvec(&changes[start..i]).map_err(|e| StoreError::Internal(format!("journal: encoding: {e}")))?);
+            out.push(pack(postcard::to_stdvec(&changes[start..i]).map_err(|e| StoreError::Internal(format!("journal: encoding: {e}")))?));
             start = i;
             size = 0;
         }
         size += n;
     }
     if start < changes.len() {
-        out.push(postcard::to_stdvec(&changes[start..]).map_err(|e| StoreError::Internal(format!("journal: encoding: {e}")))?);
+        out.push(pack(postcard::to_stdvec(&changes[start..]).map_err(|e| StoreError::Internal(format!("journal: encoding: {e}")))?));
     }
     Ok(out)
 }
 
+/// The changes of one stored value (compressed or bare).
 pub fn decode_chunk(v: &[u8]) -> Result<Vec<Change>, String> {
-    postcard::from_bytes(v).map_err(|e| format!("a journal entry is not readable ({e}); was it written by another kvferry version?"))
+    postcard::from_bytes(&unpack(v)?).map_err(|e| format!("a journal entry is not readable ({e}); was it written by another kvferry version?"))
 }
 
 /// What [`load`] found.
@@ -495,10 +538,58 @@ mod tests {
         let chunks = encode_chunks(&changes).expect("encode");
         assert!(chunks.len() > 1, "40k changes do not fit one value");
         assert!(chunks.iter().all(|c| c.len() <= CHUNK));
+        assert!(chunks.iter().all(|c| c.starts_with(LZ4_MAGIC)), "similar changes compress");
         let back: Vec<Change> = chunks.iter().flat_map(|c| decode_chunk(c).expect("decode")).collect();
         assert_eq!(back, changes);
         assert!(encode_chunks(&[]).expect("empty").is_empty());
         assert!(decode_chunk(b"\xff\xff garbage").is_err());
+    }
+
+    /// Values written before compression (bare postcard) still load; a value compression does
+    /// not shrink is kept bare; a bare `Vec<Change>` never looks compressed.
+    #[test]
+    fn bare_values_still_decode_and_incompressible_ones_stay_bare() {
+        let changes: Vec<Change> = (0..500).map(obj).collect();
+        let bare = postcard::to_stdvec(&changes).expect("encode");
+        assert_eq!(decode_chunk(&bare).expect("an older build's entry"), changes);
+        let packed = encode_chunks(&changes).expect("encode");
+        assert_eq!(packed.len(), 1);
+        assert!(packed[0].len() * 3 < bare.len(), "{} bytes compressed from {}", packed[0].len(), bare.len());
+        let one = vec![Change::Forget { key: "k".into() }];
+        assert_eq!(encode_chunks(&one).expect("encode"), vec![postcard::to_stdvec(&one).expect("encode")], "too small to pay: kept bare");
+        // A bare encoding's first bytes: its length, then the first change's variant (< 6).
+        let many: Vec<Change> = (0..(LZ4_MAGIC[0] as usize)).map(obj).collect();
+        let b = postcard::to_stdvec(&many).expect("encode");
+        assert_eq!(b[0], LZ4_MAGIC[0]);
+        assert_ne!(b[1], LZ4_MAGIC[1]);
+        assert_eq!(decode_chunk(&b).expect("decode"), many);
+    }
+
+    /// A corrupt compressed value is an error naming the corruption, never a panic or a huge
+    /// allocation.
+    #[test]
+    fn corrupt_compressed_values_are_refused() {
+        let good = encode_chunks(&(0..500).map(obj).collect::<Vec<_>>()).expect("encode").remove(0);
+        let mut huge = good.clone();
+        huge[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode_chunk(&huge).is_err_and(|e| e.contains("claims")));
+        assert!(decode_chunk(&good[..6]).is_err_and(|e| e.contains("cut short")));
+        let mut flipped = good.clone();
+        let n = flipped.len();
+        flipped[n / 2] ^= 0x55;
+        flipped.truncate(n - 3);
+        assert!(decode_chunk(&flipped).is_err());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn decoding_any_value_never_panics(tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512), claimed in 0u32..(1 << 20)) {
+            let _ = decode_chunk(&tail);
+            let mut v = LZ4_MAGIC.to_vec();
+            v.extend_from_slice(&claimed.to_le_bytes());
+            v.extend_from_slice(&tail);
+            let _ = decode_chunk(&v);
+        }
     }
 
     /// The queue without etcd: what a request waits for, what ends the wait.
