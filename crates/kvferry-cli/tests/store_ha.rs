@@ -2,8 +2,10 @@
 //! free 127.0.0.1 ports with a temporary data directory, killed by pid): two `kvferry master
 //! --enable_ha` processes, one leader; a client with an `etcd://` master address follows it
 //! through a SIGKILL; a leader paused (SIGSTOP) past its lease refuses requests as soon as it
-//! runs again and stands by. Lease TTL 2 s. Without metadata replication (not built yet) a
-//! new leader starts empty: objects put before the failover are gone, clients remount.
+//! runs again and stands by. Lease TTL 2 s. The leader journals every durable change in etcd
+//! and a new leader starts from the journal: objects put before a failover stay readable with
+//! their bytes (`repeated_leader_kills_under_load_never_two_leaders_never_wrong_bytes`).
+//! `kvferry store-bench --ha`, the figures, runs here too, briefly.
 
 #[path = "../../kvferry/tests/metadata_services/mod.rs"]
 mod metadata_services;
@@ -715,4 +717,46 @@ fn a_leader_cut_off_from_etcd_by_a_network_namespace_stops_accepting_writes() {
     }
     assert_eq!(one_leader(&[&a, &b], Duration::from_secs(2)), 1);
     eprintln!("netns cut: refused after {refused:?}, the other master led after {took:?}");
+}
+
+/// `kvferry store-bench --ha` (the figures in docs/BENCHMARKS.md) runs to the end against a
+/// real etcd and reports each of them; its failovers lose nothing (it fails if one does).
+#[test]
+fn store_bench_ha_reports_every_figure() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let out_path = dir.path().join("store-bench-ha.out");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["store-bench", "--ha", &format!("127.0.0.1:{}", etcd_svc.port), "--duration", "0.3"])
+        .env_remove("MC_STORE_CLUSTER_ID")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).expect("output file"))
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn store-bench");
+    let until = Instant::now() + Duration::from_secs(240);
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("store-bench --ha did not finish within 240 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let out = std::fs::read_to_string(&out_path).unwrap_or_default();
+    assert!(status.success(), "{status:?}: {out}");
+    for figure in [
+        "MB per million objects",
+        "a new leader loads it in",
+        "64 connection(s), 32 key(s)/request",
+        "HA journal's etcd transactions",
+        "4 client(s), 4 MiB x 8 per call",
+        "1 client(s), 16 MiB x 8 per call",
+        "objects lost: 0 of 1500",
+    ] {
+        assert!(out.contains(figure), "the report has {figure:?}: {out}");
+    }
 }
