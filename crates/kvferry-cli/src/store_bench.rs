@@ -48,6 +48,13 @@ pub struct StoreBenchArgs {
     /// (the points it finished are kept, the rest reported as not finished).
     #[arg(long, default_value_t = 900.0)]
     peer_timeout: f64,
+    /// `off` (the default): both sides' processes keep the memory they free (glibc's
+    /// M_TRIM_THRESHOLD 1 GiB, M_MMAP_THRESHOLD 64 MiB, set with mallopt here and through
+    /// MALLOC_*_ variables for Mooncake's Python), so the bytes API's fresh values measure the
+    /// store rather than how dear the host makes fresh pages (this project's VM hands freed
+    /// pages back to its host and faults them in again at ~11 µs each). `on`: glibc's defaults.
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    malloc_trim: String,
     /// Value sizes of the put/get/remove cycle points: each cycle is put_from, get_into
     /// (checked) and a forced remove of one key, against a serving segment of
     /// --cycle-segment-size, for at least one round of 4x the segment's size.
@@ -99,6 +106,13 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
     }
     if a.batch == 0 {
         return Err("--batch must be at least 1".into());
+    }
+    if a.malloc_trim == "off" {
+        // SAFETY: mallopt only changes this process's allocator thresholds.
+        let ok = unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, KEEP_TRIM as libc::c_int) == 1 && libc::mallopt(libc::M_MMAP_THRESHOLD, KEEP_MMAP as libc::c_int) == 1 };
+        if !ok {
+            return Err("--malloc-trim off: glibc refused the thresholds (mallopt); pass --malloc-trim on".into());
+        }
     }
     if !a.no_cycle {
         if let Some(v) = a.cycle_values.iter().find(|&&v| v == 0 || v > a.cycle_segment_size / 4) {
@@ -256,6 +270,10 @@ fn run_multi(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, String
     eprint!("\r\x1b[K");
     Ok(points)
 }
+
+/// `--malloc-trim off`: glibc's trim and mmap thresholds, in this process and Mooncake's.
+const KEEP_TRIM: u64 = 1 << 30;
+const KEEP_MMAP: u64 = 64 << 20;
 
 /// A child process that prints one `TAG k=v ...` line when ready and exits when its stdin
 /// closes (or is killed on drop).
@@ -418,6 +436,9 @@ fn run_client(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
                 }
             }
             points.push(point("put", v, batch, nkeys, busy, &mut lat, true));
+            // Freed before the reads, as the Mooncake side (`del vals`) does: the values `get`
+            // returns may then reuse that memory instead of faulting fresh pages in.
+            drop(values);
             let mut verified = true;
             let (busy, mut lat, read) = read_rounds(a.duration, &keys, |ks| {
                 let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
@@ -528,6 +549,7 @@ fn run_mooncake(a: &StoreBenchArgs) -> MooncakeStore {
     let bound = Duration::from_secs_f64(a.peer_timeout.max(0.0));
     let out = crate::peers::output_within(
         Command::new(&py)
+            .envs(if a.malloc_trim == "off" { vec![("MALLOC_TRIM_THRESHOLD_", KEEP_TRIM.to_string()), ("MALLOC_MMAP_THRESHOLD_", KEEP_MMAP.to_string())] } else { vec![] })
             .arg(&script)
             .args(["--values", &values.join(","), "--batch", &a.batch.to_string(), "--duration", &a.duration.to_string()])
             .args(["--cycle-values", &cycle.join(","), "--cycle-segment-size", &a.cycle_segment_size.to_string()])
@@ -557,6 +579,14 @@ fn print_table(a: &StoreBenchArgs, points: &[StorePoint], mc: &MooncakeStore) {
     };
     println!("kvferry store-bench: master + 2 clients on 127.0.0.1, values move client to client over {transport}; {} serving segment", human(a.segment_size));
     println!("latency is per call (a batched call moves {} keys); /mc = kvferry / Mooncake Store in this run", a.batch);
+    println!(
+        "malloc: {}",
+        if a.malloc_trim == "off" {
+            "freed memory kept in both sides' processes (glibc M_TRIM_THRESHOLD 1 GiB, M_MMAP_THRESHOLD 64 MiB; --malloc-trim on: glibc's defaults)"
+        } else {
+            "glibc's defaults in both sides' processes (freed memory may go back to the kernel: fresh values then fault pages in)"
+        }
+    );
     if !a.no_cycle {
         println!(
             "cycle = put_from + get_into (checked) + remove(force) of one key, on a pool of its own with a {} segment, at least {}x its size put per point (GB/s: bytes put; latency per cycle)",
