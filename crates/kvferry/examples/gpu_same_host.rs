@@ -10,6 +10,7 @@
 //!     the last GPU by an engine in a second process (the shared-memory transport opens the
 //!     peer's CUDA IPC export and copies device to device), timed, bytes compared, and the
 //!     bytes counted on the IPC path (none over TCP); GB/s beside the plain copy.
+//!
 //! Prints one JSON object (and writes `$OUT/gpu-same-host.json` when `OUT` is set); exits 1
 //! when a check fails. Arguments: [MiB, default 256] [passes, default 3].
 

@@ -262,7 +262,7 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
     c.register_memory(bc.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
     let pc = a.open_segment(c.segment_name()).map_err(|e| e.to_string())?;
     let to_c = TransferRequest { opcode: Opcode::Write, source: la, target_id: pc, target_offset: bc.addr(), length: 1 << 20 };
-    let st = a.transfer_sync(&[to_c.clone()], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+    let st = a.transfer_sync(&[to_c], Duration::from_secs(20)).map_err(|e| e.to_string())?;
     if st.status != TaskStatus::Completed {
         return Err(format!("WRITE to a third engine: {st:?}"));
     }

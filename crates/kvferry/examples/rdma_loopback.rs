@@ -96,6 +96,7 @@ fn pair(l: &Local, pd: &verbs::Pd, cq: &Cq) -> Res<(Qp, Qp)> {
 
 /// Moves `size` bytes between `local` (from offset 0) and the peer's `[raddr, raddr+size)` in
 /// 64 KiB slices, up to [`DEPTH`] outstanding; returns when every slice's completion arrived.
+#[allow(clippy::too_many_arguments)]
 fn transfer(qp: &Qp, cq: &Cq, op: Op, local: &Mr, raddr: u64, rkey: u32, size: usize, deadline: Instant) -> Result<(), VerbsError> {
     let slices = size.div_ceil(SLICE);
     let (mut next, mut done, mut outstanding) = (0usize, 0usize, 0usize);
