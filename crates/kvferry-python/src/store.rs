@@ -16,6 +16,8 @@ use std::time::Duration;
 
 /// One key's outcome in a batch: the value (if found), a Mooncake error code and a message.
 type KeyResult = (Option<Py<PyBytes>>, i32, String);
+/// Per key: an object holding the value (or None), the error code and message.
+type KeyObject = (Option<Py<PyAny>>, i32, String);
 /// Per key: its replicas as (segment, address, size), or None with the error code and message.
 type ReplicaDescResult = (Option<Vec<(String, u64, u64)>>, i32, String);
 
@@ -269,7 +271,7 @@ impl StoreCore {
     /// holding the value, or None with the error code and message. The value is copied once,
     /// from where it landed in the local buffer straight into the new object's storage
     /// (Mooncake's `batch_get_buffer`; before, it went through a `Vec` and `bytes` too).
-    fn get_buffers(&self, py: Python<'_>, keys: Vec<String>, cls: Bound<'_, PyAny>) -> PyResult<Vec<(Option<Py<PyAny>>, i32, String)>> {
+    fn get_buffers(&self, py: Python<'_>, keys: Vec<String>, cls: Bound<'_, PyAny>) -> PyResult<Vec<KeyObject>> {
         let r = self.per_key(py, move |c| c.get_buffers(&keys.iter().map(String::as_str).collect::<Vec<_>>()))?;
         let mut out = Vec::with_capacity(r.len());
         for (v, code, msg) in r {
