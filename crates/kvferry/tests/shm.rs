@@ -733,11 +733,17 @@ fn a_peers_large_buffer_costs_only_what_is_touched() {
     let (seg, dst) = (*seg, dst);
     let ino = ino(dst);
     let before = shm::bytes_moved();
-    let mut reqs = vec![wr(Opcode::Write, src.as_ptr() as u64, seg, dst.addr() + (302 << 20) + 4096, 1 << 20)];
+    // The 4 KiB writes land in 2 MiB chunks floor(7i/2) (0, 3, 7, 10, ... 150, 154, ...), never
+    // two adjacent ones; the 1 MiB write goes into chunk 152, whose neighbours 151 and 153 no
+    // other write touches. So no copy follows one in the chunk before it, whatever order the
+    // copies run in, and nothing is filled ahead of a "stream" (with the 1 MiB write in chunk
+    // 151, after the write into chunk 150 ran first, its next 8 chunks were: 18 956 kB, CI).
+    let big = (304 << 20) + 4096;
+    let mut reqs = vec![wr(Opcode::Write, src.as_ptr() as u64, seg, dst.addr() + big, 1 << 20)];
     reqs.extend((0..100u64).map(|i| wr(Opcode::Write, src.as_ptr() as u64 + i * 4096, seg, dst.addr() + i * (7 << 20), 4096)));
     assert_eq!(sync(a, &reqs).status, TaskStatus::Completed);
     assert_path(true, before);
-    assert!(bytes(dst)[(302 << 20) + 4096..(303 << 20) + 4096] == src[..], "the 1 MiB write landed");
+    assert!(bytes(dst)[big as usize..big as usize + (1 << 20)] == src[..], "the 1 MiB write landed");
     assert!(bytes(dst)[99 * (7 << 20)..99 * (7 << 20) + 4096] == src[99 * 4096..100 * 4096], "the last 4 KiB write landed");
     std::thread::sleep(Duration::from_millis(500)); // a background pre-fault would show now
     let (n, kb) = rss_of_other_mappings(ino, dst.addr());
