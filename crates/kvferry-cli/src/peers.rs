@@ -10,6 +10,7 @@
 //! else would reap them. (kvferry's own children need none of this: they exit when their stdin,
 //! a pipe from the bench, closes.)
 
+use rustix::process::{Pid, Signal};
 use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -30,11 +31,11 @@ fn groups() -> std::sync::MutexGuard<'static, Groups> {
     GROUPS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Sends `sig` to the process group led by `pid`.
-fn signal_group(pid: i32, sig: i32) {
-    if pid > 0 {
-        // SAFETY: kill(2) on a process group this process created for its own child.
-        unsafe { libc::kill(-pid, sig) };
+/// Sends `sig` to the process group led by `pid` (one this process created for its child; an
+/// error means the group is gone already).
+fn signal_group(pid: i32, sig: Signal) {
+    if let Some(pid) = Pid::from_raw(pid) {
+        let _ = rustix::process::kill_process_group(pid, sig);
     }
 }
 
@@ -56,7 +57,7 @@ fn install_handler() {
                 let mut g = groups();
                 g.stopping = true;
                 for &p in &g.pids {
-                    signal_group(p, libc::SIGKILL);
+                    signal_group(p, Signal::KILL);
                 }
                 std::process::exit(128 + sig);
             }
@@ -70,6 +71,8 @@ fn install_handler() {
 /// A peer process in a group of its own, killed with its group when dropped.
 pub struct Peer {
     pub child: Child,
+    /// [`Peer::stop`] ran: the group is gone and its id no longer ours to signal.
+    stopped: bool,
 }
 
 impl Peer {
@@ -82,18 +85,22 @@ impl Peer {
         }
         let child = cmd.process_group(0).spawn()?;
         g.pids.push(child.id() as i32);
-        Ok(Peer { child })
+        Ok(Peer { child, stopped: false })
     }
 
     pub fn id(&self) -> u32 {
         self.child.id()
     }
 
-    /// Asks the group to stop (SIGTERM), waits up to `grace`, then kills it.
+    /// Asks the group to stop (SIGTERM), waits up to `grace`, then kills it. Once: later
+    /// calls (a drop after an explicit stop) do nothing.
     pub fn stop(&mut self, grace: Duration) {
+        if std::mem::replace(&mut self.stopped, true) {
+            return;
+        }
         let pid = self.child.id() as i32;
         if let Ok(None) = self.child.try_wait() {
-            signal_group(pid, libc::SIGTERM);
+            signal_group(pid, Signal::TERM);
             let until = Instant::now() + grace;
             while Instant::now() < until {
                 if let Ok(Some(_)) = self.child.try_wait() {
@@ -102,8 +109,9 @@ impl Peer {
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
-        // The leader may be gone while a process it started is not: kill the group anyway.
-        signal_group(pid, libc::SIGKILL);
+        // The leader may be gone while a process it started is not: kill the group anyway (a
+        // group id is not reused while any member lives).
+        signal_group(pid, Signal::KILL);
         let _ = self.child.wait();
         groups().pids.retain(|&p| p != pid);
     }

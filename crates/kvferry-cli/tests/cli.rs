@@ -271,8 +271,8 @@ fn all_gone(pids: &std::path::Path) -> Result<(), Vec<i32>> {
         }
         if std::time::Instant::now() > until {
             // Ours, by pid: do not leave them to the next test.
-            for &p in &left {
-                unsafe { libc::kill(p, libc::SIGKILL) };
+            for p in left.iter().filter_map(|&p| rustix::process::Pid::from_raw(p)) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
             }
             return Err(left);
         }
@@ -333,7 +333,7 @@ fn a_stopped_bench_leaves_no_mooncake_process_behind() {
         assert!(Instant::now() < until, "the bench did not start the stand-in's initiator within 60 s");
         std::thread::sleep(Duration::from_millis(50));
     }
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    rustix::process::kill_process(rustix::process::Pid::from_child(&child), rustix::process::Signal::TERM).expect("SIGTERM to the bench this test started");
     let until = Instant::now() + Duration::from_secs(10);
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
