@@ -53,8 +53,8 @@ pub struct StoreBenchArgs {
     /// MALLOC_*_ variables for Mooncake's Python), so the bytes API's fresh values measure the
     /// store rather than how dear the host makes fresh pages (this project's VM hands freed
     /// pages back to its host and faults them in again at ~11 µs each). `on`: glibc's defaults.
-    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
-    malloc_trim: String,
+    #[arg(long, value_enum, default_value_t = MallocTrim::Off)]
+    malloc_trim: MallocTrim,
     /// Value sizes of the put/get/remove cycle points: each cycle is put_from, get_into
     /// (checked) and a forced remove of one key, against a serving segment of
     /// --cycle-segment-size, for at least one round of 4x the segment's size.
@@ -107,7 +107,7 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
     if a.batch == 0 {
         return Err("--batch must be at least 1".into());
     }
-    if a.malloc_trim == "off" {
+    if a.malloc_trim == MallocTrim::Off {
         // SAFETY: mallopt only changes this process's allocator thresholds.
         let ok = unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, KEEP_TRIM as libc::c_int) == 1 && libc::mallopt(libc::M_MMAP_THRESHOLD, KEEP_MMAP as libc::c_int) == 1 };
         if !ok {
@@ -269,6 +269,15 @@ fn run_multi(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, String
     c.remove_all(true).map_err(|e| e.to_string())?;
     eprint!("\r\x1b[K");
     Ok(points)
+}
+
+/// `--malloc-trim`: whether the bench's processes give freed memory back to the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MallocTrim {
+    /// glibc's defaults.
+    On,
+    /// Freed memory kept ([`KEEP_TRIM`], [`KEEP_MMAP`]).
+    Off,
 }
 
 /// `--malloc-trim off`: glibc's trim and mmap thresholds, in this process and Mooncake's.
@@ -549,7 +558,7 @@ fn run_mooncake(a: &StoreBenchArgs) -> MooncakeStore {
     let bound = Duration::from_secs_f64(a.peer_timeout.max(0.0));
     let out = crate::peers::output_within(
         Command::new(&py)
-            .envs(if a.malloc_trim == "off" { vec![("MALLOC_TRIM_THRESHOLD_", KEEP_TRIM.to_string()), ("MALLOC_MMAP_THRESHOLD_", KEEP_MMAP.to_string())] } else { vec![] })
+            .envs(if a.malloc_trim == MallocTrim::Off { vec![("MALLOC_TRIM_THRESHOLD_", KEEP_TRIM.to_string()), ("MALLOC_MMAP_THRESHOLD_", KEEP_MMAP.to_string())] } else { vec![] })
             .arg(&script)
             .args(["--values", &values.join(","), "--batch", &a.batch.to_string(), "--duration", &a.duration.to_string()])
             .args(["--cycle-values", &cycle.join(","), "--cycle-segment-size", &a.cycle_segment_size.to_string()])
@@ -581,7 +590,7 @@ fn print_table(a: &StoreBenchArgs, points: &[StorePoint], mc: &MooncakeStore) {
     println!("latency is per call (a batched call moves {} keys); /mc = kvferry / Mooncake Store in this run", a.batch);
     println!(
         "malloc: {}",
-        if a.malloc_trim == "off" {
+        if a.malloc_trim == MallocTrim::Off {
             "freed memory kept in both sides' processes (glibc M_TRIM_THRESHOLD 1 GiB, M_MMAP_THRESHOLD 64 MiB; --malloc-trim on: glibc's defaults)"
         } else {
             "glibc's defaults in both sides' processes (freed memory may go back to the kernel: fresh values then fault pages in)"

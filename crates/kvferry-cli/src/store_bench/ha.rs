@@ -74,7 +74,9 @@ fn store_rate(master: &str, value: u64, batch: usize, clients: usize, dur: Durat
     // not), so setup is not measured.
     let ready = std::sync::Barrier::new(clients + 1);
     let start = std::sync::OnceLock::new();
-    let one = |id: usize| -> Result<u64, String> {
+    // Per client: values stored, and when its last call ended (its read-back and close are
+    // not measured).
+    let one = |id: usize| -> Result<(u64, Duration), String> {
         let setup = || -> Result<_, String> {
             let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 0, master_server_addr: master.to_string(), ..ClientConfig::default() }).map_err(|e| e.to_string())?;
             let len = value as usize * batch;
@@ -101,33 +103,30 @@ fn store_rate(master: &str, value: u64, batch: usize, clients: usize, dur: Durat
             }
             n += batch as u64;
         }
+        let took = t.elapsed();
         let last = &keys[batch - 1];
         let got = c.get_into(last, dst.addr(), value).map_err(|e| e.to_string())?;
         if got != value || !value_ok(dst.slice(0, value as usize), last) {
             return Err(format!("{last} did not read back exactly"));
         }
         let _ = c.close();
-        Ok(n)
+        Ok((n, took))
     };
-    let (total, secs) = std::thread::scope(|s| -> Result<(u64, f64), String> {
+    let (total, took) = std::thread::scope(|s| -> Result<(u64, Duration), String> {
         let hs: Vec<_> = (0..clients).map(|id| { let one = &one; s.spawn(move || one(id)) }).collect();
         ready.wait();
-        let t0 = *start.get_or_init(Instant::now);
-        let mut total = 0;
-        let mut first_err = None;
+        start.get_or_init(Instant::now);
+        let (mut total, mut took, mut first_err) = (0, Duration::ZERO, None);
         for h in hs {
             match h.join() {
-                Ok(Ok(n)) => total += n,
+                Ok(Ok((n, t))) => (total, took) = (total + n, took.max(t)),
                 Ok(Err(e)) => first_err = first_err.or(Some(e)),
                 Err(_) => first_err = first_err.or(Some("a client thread panicked".to_string())),
             }
         }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok((total, t0.elapsed().as_secs_f64())),
-        }
+        first_err.map_or(Ok((total, took)), Err)
     })?;
-    Ok(total as f64 / secs)
+    Ok(total as f64 / took.as_secs_f64().max(1e-9))
 }
 
 fn journal_bytes(etcd: &EtcdClient, cluster: &str) -> Result<(u64, usize), String> {
