@@ -752,6 +752,19 @@ fn a_peers_large_buffer_costs_only_what_is_touched() {
     assert!(kb <= 5 << 10, "the peer mapping holds {kb} kB resident");
 }
 
+/// Two engines for the background-fill tests: the first (a fill budget of `budget` bytes)
+/// registered a 4 KiB pattern (returned) and opened the second's segment (returned), in which
+/// the second registered `first`.
+fn filling_pair(budget: u64, first: &HostBuffer) -> (TransferEngine, TransferEngine, Vec<u8>, u64) {
+    let a = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), shm_background_fill: budget, ..Config::default() }).expect("engine starts");
+    let b = engine_with(TransportMode::Auto);
+    b.register_memory(first.addr(), first.len() as u64, "cpu:0").unwrap();
+    let src = pattern(4096, 7);
+    a.register_memory(src.as_ptr() as u64, 4096, "cpu:0").unwrap();
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    (a, b, src, seg)
+}
+
 /// A peer's buffer its owner allocated whole (a store segment) has its page tables filled
 /// here by the helper thread in the background, from 2 s after it was mapped (it runs at
 /// `SCHED_IDLE`: while this binary's other tests keep both cores busy it may wait, hence the
@@ -762,14 +775,9 @@ fn a_peers_large_buffer_costs_only_what_is_touched() {
 fn a_peers_allocated_buffer_is_filled_in_the_background_within_the_budget() {
     const LEN: usize = 256 << 20;
     const BUDGET: u64 = 32 << 20;
-    let a = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), shm_background_fill: BUDGET, ..Config::default() }).expect("engine starts");
-    let b = engine_with(TransportMode::Auto);
     let whole = mem(LEN, 0, true);
     let second = mem(LEN, 0, true);
-    b.register_memory(whole.addr(), LEN as u64, "cpu:0").unwrap();
-    let src = pattern(4096, 7);
-    a.register_memory(src.as_ptr() as u64, 4096, "cpu:0").unwrap();
-    let seg = a.open_segment(b.segment_name()).unwrap();
+    let (a, b, src, seg) = filling_pair(BUDGET, &whole);
     let before = shm::bytes_moved();
     let mapped = Instant::now();
     assert_eq!(sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, whole.addr() + (5 << 20), 4096)]).status, TaskStatus::Completed);
@@ -800,14 +808,9 @@ fn a_peers_allocated_buffer_is_filled_in_the_background_within_the_budget() {
 #[test]
 fn a_peers_buffer_its_owner_did_not_allocate_is_never_filled_in_the_background() {
     const LEN: usize = 64 << 20;
-    let c = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), shm_background_fill: 1 << 30, ..Config::default() }).expect("engine starts");
-    let d = engine_with(TransportMode::Auto);
     let lazy = HostBuffer::with(LEN, HostOptions { populate: false, huge_pages: false, shareable: true }).unwrap();
     let marker = mem(LEN, 0, true);
-    d.register_memory(lazy.addr(), LEN as u64, "cpu:0").unwrap();
-    let src = pattern(4096, 9);
-    c.register_memory(src.as_ptr() as u64, 4096, "cpu:0").unwrap();
-    let seg = c.open_segment(d.segment_name()).unwrap();
+    let (c, d, src, seg) = filling_pair(1 << 30, &lazy);
     let before = shm::bytes_moved();
     assert_eq!(sync(&c, &[wr(Opcode::Write, src.as_ptr() as u64, seg, lazy.addr() + (5 << 20), 4096)]).status, TaskStatus::Completed);
     assert_path(true, before);
