@@ -151,10 +151,12 @@ pub struct Loaded {
 /// Reads the journal: the snapshot `head` names, then every log entry after it, in order.
 pub fn load(etcd: &EtcdClient, cluster_id: &str) -> Result<Loaded, String> {
     let p = prefix(cluster_id);
+    // What is stored cannot be read (no leader can start from it): what the operator can do.
+    let corrupt = |e: String| format!("{e}; no master can lead from this journal: restore etcd's data from a backup, or delete the keys under {p} to start this cluster empty (every object it held is then lost)");
     let mut image = Image::default();
     let mut bytes = 0u64;
     let head = match etcd.get_kv(&format!("{p}head")).map_err(|e| e.to_string())? {
-        Some(kv) => Some(postcard::from_bytes::<Head>(&kv.value).map_err(|e| format!("the journal head is not readable ({e})"))?),
+        Some(kv) => Some(postcard::from_bytes::<Head>(&kv.value).map_err(|e| corrupt(format!("the journal head is not readable ({e})")))?),
         None => None,
     };
     let after = head.map_or(0, |h| h.seq);
@@ -162,11 +164,11 @@ pub fn load(etcd: &EtcdClient, cluster_id: &str) -> Result<Loaded, String> {
         let dir = snap_dir(&p, h.seq);
         let chunks = etcd.range(&dir, &prefix_end(&dir), 64).map_err(|e| e.to_string())?;
         if chunks.len() != h.chunks as usize {
-            return Err(format!("the journal snapshot {dir} has {} of its {} chunks: etcd lost part of it", chunks.len(), h.chunks));
+            return Err(corrupt(format!("the journal snapshot {dir} has {} of its {} chunks: etcd lost part of it", chunks.len(), h.chunks)));
         }
         for (_, kv) in chunks {
             bytes += kv.value.len() as u64;
-            for c in decode_chunk(&kv.value)? {
+            for c in decode_chunk(&kv.value).map_err(corrupt)? {
                 image.apply(c);
             }
         }
@@ -175,13 +177,13 @@ pub fn load(etcd: &EtcdClient, cluster_id: &str) -> Result<Loaded, String> {
     let mut seq = after;
     let log_entries = logs.len();
     for (key, kv) in logs {
-        let n = key.rsplit('/').next().and_then(|h| u64::from_str_radix(h, 16).ok()).ok_or_else(|| format!("unexpected journal key {key}"))?;
+        let n = key.rsplit('/').next().and_then(|h| u64::from_str_radix(h, 16).ok()).ok_or_else(|| corrupt(format!("unexpected journal key {key}")))?;
         if n != seq + 1 {
-            return Err(format!("the journal skips from entry {seq} to {n}: etcd lost part of it"));
+            return Err(corrupt(format!("the journal skips from entry {seq} to {n}: etcd lost part of it")));
         }
         seq = n;
         bytes += kv.value.len() as u64;
-        for c in decode_chunk(&kv.value)? {
+        for c in decode_chunk(&kv.value).map_err(corrupt)? {
             image.apply(c);
         }
     }
