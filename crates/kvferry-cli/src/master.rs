@@ -100,10 +100,33 @@ pub struct MasterArgs {
     /// snapshot is larger than this and than that snapshot (e.g. 8M, 64M).
     #[arg(long, default_value = "8M", value_parser = crate::sys::parse_size)]
     pub ha_snapshot_bytes: u64,
+    /// HA: how the leader makes a change durable before it answers. `standbys`: the
+    /// standbys that are in sync acknowledge it in memory (microseconds; the in-sync set is
+    /// kept in etcd, and only one of its members may lead next), and the etcd journal is
+    /// written only while no standby is in sync. `etcd`: every change is a transaction in the
+    /// etcd journal (about a millisecond; any master can lead next).
+    #[arg(long, value_enum, default_value_t = HaReplication::Standbys)]
+    pub ha_replication: HaReplication,
     /// The RPC address clients should use, written into the leader key (`ip` or `ip:port`;
     /// default: --host and the RPC port). Needed when --host is 0.0.0.0 or ::.
     #[arg(long)]
     pub advertise_address: Option<String>,
+}
+
+/// `--ha-replication`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum HaReplication {
+    Etcd,
+    Standbys,
+}
+
+impl From<HaReplication> for kvferry_store::ha::Replication {
+    fn from(r: HaReplication) -> Self {
+        match r {
+            HaReplication::Etcd => kvferry_store::ha::Replication::Etcd,
+            HaReplication::Standbys => kvferry_store::ha::Replication::Standbys,
+        }
+    }
 }
 
 impl MasterArgs {
@@ -175,7 +198,7 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
     keep_cli!(
         host, port, metrics_port, metrics_host, default_kv_lease_ttl, default_kv_soft_pin_ttl, allow_evict_soft_pinned_objects, eviction_ratio, eviction_high_watermark_ratio, client_ttl,
         allocation_strategy, put_start_discard_timeout_sec, put_start_release_timeout_sec, put_wait_for_reads_ms, summary_interval, enable_http_metadata_server, http_metadata_server_host,
-        http_metadata_server_port, http_metadata_server_data_dir, enable_ha, ha_backend_connstring, etcd_endpoints, cluster_id, ha_lease_ttl, ha_snapshot_bytes, advertise_address
+        http_metadata_server_port, http_metadata_server_data_dir, enable_ha, ha_backend_connstring, etcd_endpoints, cluster_id, ha_lease_ttl, ha_snapshot_bytes, ha_replication, advertise_address
     );
     out.config = a.config.clone();
     Ok(out)
@@ -215,7 +238,7 @@ fn ha_config(a: &MasterArgs, rpc_port: u16, env_cluster_id: Option<&str>) -> Res
         None if a.host.is_unspecified() => return Err(format!("--enable-ha with --host {}: pass --advertise-address, the address clients reach this master at", a.host)),
         None => SocketAddr::new(a.host, rpc_port).to_string(),
     };
-    Ok(Some(kvferry_store::ha::HaConfig { endpoints, cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env_cluster_id), address, lease_ttl: ttl, snapshot_bytes: a.ha_snapshot_bytes }))
+    Ok(Some(kvferry_store::ha::HaConfig { endpoints, cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env_cluster_id), address, lease_ttl: ttl, snapshot_bytes: a.ha_snapshot_bytes, replication: a.ha_replication.into() }))
 }
 
 /// kvferry's long flag names for `kvferry master` (kebab-case, no dashes).

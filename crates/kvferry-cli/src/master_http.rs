@@ -61,6 +61,8 @@ pub fn metrics_text(m: &Master) -> String {
     let _ = writeln!(o, "# HELP kvferry_master_ha_journal_lag Collected state changes not yet written to the etcd journal (leader; replication lag).\n# TYPE kvferry_master_ha_journal_lag gauge\nkvferry_master_ha_journal_lag {}", j.lag);
     let _ = writeln!(o, "# HELP kvferry_master_ha_journal_entries_total Journal entries written to etcd in this term.\n# TYPE kvferry_master_ha_journal_entries_total counter\nkvferry_master_ha_journal_entries_total {}", j.entries);
     let _ = writeln!(o, "# HELP kvferry_master_ha_journal_bytes Bytes of the journal in etcd: the current snapshot plus the log after it.\n# TYPE kvferry_master_ha_journal_bytes gauge\nkvferry_master_ha_journal_bytes {}", j.snapshot_bytes + j.log_bytes);
+    let _ = writeln!(o, "# HELP kvferry_master_ha_insync_standbys Standbys that acknowledge the leader's changes in memory (its in-sync set); 0: the etcd journal acknowledges them.\n# TYPE kvferry_master_ha_insync_standbys gauge\nkvferry_master_ha_insync_standbys {}", j.insync);
+    let _ = writeln!(o, "# HELP kvferry_master_ha_streamed_entries_total Entries acknowledged by the in-sync standbys in this term.\n# TYPE kvferry_master_ha_streamed_entries_total counter\nkvferry_master_ha_streamed_entries_total {}", j.streamed);
     if let Some(age) = ha.last_keepalive_age_ms {
         let _ = writeln!(o, "# HELP kvferry_master_ha_keepalive_age_seconds Time since the last successful lease renewal was sent (leader).\n# TYPE kvferry_master_ha_keepalive_age_seconds gauge\nkvferry_master_ha_keepalive_age_seconds {}", age as f64 / 1000.0);
     }

@@ -510,6 +510,171 @@ fn repeated_leader_kills_under_load_never_two_leaders_never_wrong_bytes() {
     let _ = c.close();
 }
 
+fn ha_status(m: &Master) -> serde_json::Value {
+    serde_json::from_str(&http_get(&m.http, "/ha_status").1).expect("/ha_status is JSON")
+}
+
+/// Waits until the leader `m` names `members` as its in-sync set.
+fn wait_insync(m: &Master, members: &[&str], within: Duration) -> serde_json::Value {
+    let until = Instant::now() + within;
+    loop {
+        let st = ha_status(m);
+        let now: Vec<&str> = st["insync"].as_array().map(|a| a.iter().filter_map(|v| v.as_str()).collect()).unwrap_or_default();
+        if now == members {
+            return st;
+        }
+        assert!(Instant::now() < until, "the in-sync set did not become {members:?} within {within:?}: {st}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `--ha-replication standbys` (the default): once the standby is in sync, the leader's
+/// requests are acknowledged by it in memory and the etcd journal is not written; killed, the
+/// leader is succeeded by that standby from its mirror, with every object. A fresh master
+/// joins the set; when it dies in turn the leader writes its state to etcd (a snapshot,
+/// the set emptied) before it acknowledges anything more, and a master that then starts
+/// alone loads everything from etcd.
+#[test]
+fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
+    let journal = kvferry_store::ha::journal::prefix("mooncake_cluster");
+    let etcd_keys = |part: &str| etcd.range(&journal, &format!("{}~", journal.trim_end_matches('/')), 100).expect("etcd range").iter().filter(|(k, _)| k.contains(part)).count();
+    let mut ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, true)];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let s = 1 - l;
+    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    let insync: serde_json::Value = serde_json::from_slice(&etcd.get_kv(&kvferry_store::ha::sync::insync_key("mooncake_cluster")).expect("get").expect("the in-sync record is in etcd").value).expect("JSON");
+    assert_eq!(insync["members"], serde_json::json!([ms[s].rpc]), "{insync}");
+    let c = ha_client(etcd_svc.port, 32 << 20);
+    let before = ha_status(&ms[l]);
+    let logs_before = etcd_keys("/log/");
+    let keys: Vec<String> = (0..200).map(|i| format!("m{i}")).collect();
+    for k in &keys {
+        c.put(k, &value(k, 4096), &ReplicateConfig::default()).expect("put");
+    }
+    let after = ha_status(&ms[l]);
+    let streamed = after["journal"]["streamed"].as_u64().unwrap_or(0) - before["journal"]["streamed"].as_u64().unwrap_or(0);
+    assert!(streamed >= 200, "each put's PutStart and PutEnd were acknowledged by the standby: {streamed} entries streamed ({after})");
+    assert_eq!(after["journal"]["entries"], before["journal"]["entries"], "no etcd journal entry was written while the standby was in sync: {after}");
+    assert_eq!(etcd_keys("/log/"), logs_before, "etcd holds no log entry of these puts");
+
+    // The leader dies: the in-sync standby leads from its mirror, with every object.
+    let killed = Instant::now();
+    ms[l].kill();
+    while ms[s].role() != "leader" {
+        assert!(killed.elapsed() < 2 * TTL, "the in-sync standby did not lead within 2 TTL");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("failover from the mirror: {:?}", killed.elapsed());
+    for k in &keys {
+        assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{k} lost in the failover: {e}")), value(k, 4096));
+    }
+    // It wrote its state to etcd before serving (a snapshot, the set emptied).
+    let st = ha_status(&ms[s]);
+    assert!(st["journal"]["snapshots"].as_u64().is_some_and(|n| n >= 1), "{st}");
+    assert!(etcd_keys("/snap/") >= 1);
+
+    // A fresh master joins the new leader's set.
+    ms[l] = Master::start(etcd_svc.port, None, false);
+    wait_insync(&ms[s], &[ms[l].rpc.as_str()], Duration::from_secs(5));
+    c.put("joined", &value("joined", 4096), &ReplicateConfig::default()).expect("put");
+    // It dies: the leader leaves it out and goes on (after etcd holds its whole state).
+    ms[l].kill();
+    let t = Instant::now();
+    c.put("alone", &value("alone", 4096), &ReplicateConfig::default()).expect("a put right after the in-sync standby died succeeds");
+    eprintln!("first put after the in-sync standby died: {:?}", t.elapsed());
+    wait_insync(&ms[s], &[], Duration::from_secs(1));
+    assert_eq!(insync_members(&etcd), Vec::<String>::new(), "the set is empty in etcd");
+    // The leader dies too; a master started alone loads everything from the etcd journal.
+    ms[s].kill();
+    ms[l] = Master::start(etcd_svc.port, None, true);
+    let until = Instant::now() + 3 * TTL;
+    while ms[l].role() != "leader" {
+        assert!(Instant::now() < until, "a lone master did not lead");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for k in keys.iter().map(String::as_str).chain(["joined", "alone"]) {
+        assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{k} lost: {e}")), value(k, 4096));
+    }
+    let _ = c.close();
+}
+
+fn insync_members(etcd: &EtcdClient) -> Vec<String> {
+    let kv = etcd.get_kv(&kvferry_store::ha::sync::insync_key("mooncake_cluster")).expect("get");
+    kv.map(|kv| kvferry_store::ha::sync::InSync::parse(&kv.value).expect("record").members).unwrap_or_default()
+}
+
+/// While a standby is in sync the etcd journal is stale, so only that standby may lead next:
+/// a master that journals to etcd only (`--ha-replication etcd`), standing by beside it, never
+/// wins; and when the leader and its in-sync standby die together, a new master waits until
+/// the standby's registration is gone and then starts empty: objects are lost, never served
+/// from the stale journal.
+#[test]
+fn only_an_in_sync_standby_leads_next_and_losing_it_too_starts_empty_never_stale() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
+    let etcd_only = ["--ha-replication", "etcd"];
+    let mut a = Master::start(etcd_svc.port, None, false);
+    let until = Instant::now() + Duration::from_secs(10);
+    while a.role() != "leader" {
+        assert!(Instant::now() < until, "no leader");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let c = ha_client(etcd_svc.port, 32 << 20);
+    // Objects journaled in etcd (no standby yet), then a standby joins and more are put.
+    c.put("early", &value("early", 4096), &ReplicateConfig::default()).expect("put");
+    let mut b = Master::start(etcd_svc.port, None, true);
+    let other = Master::start_with(etcd_svc.port, None, false, &etcd_only);
+    wait_insync(&a, &[b.rpc.as_str()], Duration::from_secs(5));
+    for round in 0..3 {
+        let k = format!("late{round}");
+        c.put(&k, &value(&k, 4096), &ReplicateConfig::default()).expect("put");
+        // The leader dies: the in-sync standby leads, never the etcd-only master.
+        a.kill();
+        let until = Instant::now() + 2 * TTL + Duration::from_secs(1);
+        while b.role() != "leader" {
+            assert_ne!(other.role(), "leader", "round {round}: a master that is not in sync took over from a stale journal");
+            assert!(Instant::now() < until, "round {round}: the in-sync standby did not lead");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(other.role(), "standby");
+        for k in (0..=round).map(|r| format!("late{r}")).chain(["early".to_string()]) {
+            assert_eq!(c.get(&k).unwrap_or_else(|e| panic!("round {round}: {k}: {e}")), value(&k, 4096));
+        }
+        a = Master::start(etcd_svc.port, None, round % 2 == 0);
+        wait_insync(&b, &[a.rpc.as_str()], Duration::from_secs(5));
+        std::mem::swap(&mut a, &mut b);
+    }
+    c.put("last", &value("last", 4096), &ReplicateConfig::default()).expect("put");
+    // The leader and its in-sync standby die together.
+    let killed = Instant::now();
+    a.kill();
+    b.kill();
+    let until = killed + 3 * TTL + Duration::from_secs(2);
+    while other.role() != "leader" {
+        assert!(Instant::now() < until, "the etcd-only master never led after the in-sync set died");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(killed.elapsed() >= TTL / 2, "it waited for the standby's registration to expire: {:?}", killed.elapsed());
+    // Started empty: nothing the lost masters held is served, not even what the stale journal
+    // still names ("early").
+    for k in ["early", "late0", "late2", "last"] {
+        match c.get(k) {
+            Err(StoreError::ObjectNotFound(_)) => {}
+            other => panic!("{k}: after losing the leader and its in-sync standby an object must be gone, not served: {other:?}"),
+        }
+    }
+    assert_eq!(insync_members(&etcd), Vec::<String>::new());
+    let until = Instant::now() + Duration::from_secs(15);
+    while c.put("fresh", &value("fresh", 4096), &ReplicateConfig::default()).is_err() {
+        assert!(Instant::now() < until, "the client never worked with the empty leader");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(c.get("fresh").expect("get"), value("fresh", 4096));
+    let _ = c.close();
+}
+
 /// The journal stays bounded: with a tiny snapshot threshold the leader snapshots again and
 /// again, deleting the log each snapshot covers; a new leader loads snapshot + log and has
 /// every object, removed ones stay removed, across two failovers.
@@ -517,7 +682,9 @@ fn repeated_leader_kills_under_load_never_two_leaders_never_wrong_bytes() {
 fn snapshots_bound_the_journal_and_a_new_leader_loads_them() {
     let Some(etcd_svc) = Service::etcd() else { return };
     let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
-    let extra = ["--ha-snapshot-bytes", "4096"];
+    // The etcd journal alone (the default lets an in-sync standby acknowledge instead, and the
+    // journal is then written only while no standby is in sync).
+    let extra = ["--ha-snapshot-bytes", "4096", "--ha-replication", "etcd"];
     let mut ms = [Master::start_with(etcd_svc.port, None, false, &extra), Master::start_with(etcd_svc.port, None, true, &extra)];
     let mut l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
     let c = ha_client(etcd_svc.port, 32 << 20);
@@ -752,7 +919,10 @@ fn store_bench_ha_reports_every_figure() {
         "MB per million objects",
         "a new leader loads it in",
         "64 connection(s), 32 key(s)/request",
-        "HA journal's etcd transactions",
+        "HA etcd transactions",
+        "HA standby acknowledgements",
+        "HA standby",
+        "the other master in sync",
         "4 client(s), 4 MiB x 8 per call",
         "1 client(s), 16 MiB x 8 per call",
         "objects lost: 0 of 1500",

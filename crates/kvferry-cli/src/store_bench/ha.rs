@@ -146,40 +146,64 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     // does; set before any thread of this run exists.
     std::env::set_var("MC_STORE_CLUSTER_ID", &cluster);
 
-    // 1. Throughput: the same put load against a master without HA and a journaling leader.
+    // 1. Throughput: the same put load against a master without HA, a leader that journals
+    //    to etcd, and a leader with an in-sync standby (both masters in this process).
     let mut rates = Vec::new();
-    // Per HA point: etcd transactions per second, changes per transaction, ms per transaction.
-    let mut commits: Vec<(f64, f64, f64)> = Vec::new();
-    for journaled in [false, true] {
+    // Per HA point: etcd transactions (or standby acknowledgements) per second, changes each,
+    // ms each.
+    let mut commits: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(), Vec::new()];
+    let serve = || -> Result<(Arc<Master>, MasterServer, String), String> {
         let m = Arc::new(Master::new(MasterConfig::default()));
         let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
         let port = listener.local_addr().map_err(|e| e.to_string())?.port();
         let server = MasterServer::start(Arc::clone(&m), listener, Duration::from_millis(200), 0).map_err(|e| e.to_string())?;
-        let addr = format!("127.0.0.1:{port}");
-        if journaled {
-            let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: rate_cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN };
-            ha::start(cfg, Arc::clone(&m))?;
-            let until = Instant::now() + Duration::from_secs(15);
-            while m.gate.role() != Role::Leader {
-                if Instant::now() > until {
-                    return Err("the in-process HA master did not lead within 15 s".into());
-                }
-                std::thread::sleep(Duration::from_millis(20));
+        Ok((m, server, format!("127.0.0.1:{port}")))
+    };
+    let wait_for = |what: &str, ok: &dyn Fn() -> bool| -> Result<(), String> {
+        let until = Instant::now() + Duration::from_secs(15);
+        while !ok() {
+            if Instant::now() > until {
+                return Err(format!("{what} within 15 s"));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    };
+    for mode in [None, Some(ha::Replication::Etcd), Some(ha::Replication::Standbys)] {
+        let (m, server, addr) = serve()?;
+        let mut standby = None;
+        if let Some(replication) = mode {
+            let cluster = format!("{rate_cluster}-{replication:?}").to_lowercase();
+            let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication };
+            ha::start(cfg(&addr), Arc::clone(&m))?;
+            wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
+            if replication == ha::Replication::Standbys {
+                let (sm, sserver, saddr) = serve()?;
+                ha::start(cfg(&saddr), Arc::clone(&sm))?;
+                wait_for("the in-process standby did not get in sync", &|| m.journal.insync() == [saddr.clone()])?;
+                standby = Some((sm, sserver));
             }
         }
         let mut row = Vec::new();
         for (threads, per_req) in POINTS {
             let (s0, t0) = (m.journal.stats(), Instant::now());
-            row.push(put_rate(&addr, threads, per_req, dur, &format!("j{journaled}-{threads}-{per_req}")));
-            if journaled {
-                let (s1, secs) = (m.journal.stats(), t0.elapsed().as_secs_f64());
-                let n = (s1.entries - s0.entries).max(1) as f64;
-                commits.push(((s1.entries - s0.entries) as f64 / secs, (s1.changes - s0.changes) as f64 / n, (s1.write_us - s0.write_us) as f64 / n / 1e3));
-            }
+            row.push(put_rate(&addr, threads, per_req, dur, &format!("{mode:?}-{threads}-{per_req}")));
+            let (s1, secs) = (m.journal.stats(), t0.elapsed().as_secs_f64());
+            let (n, us) = match mode {
+                Some(ha::Replication::Etcd) => (s1.entries - s0.entries, s1.write_us - s0.write_us),
+                Some(ha::Replication::Standbys) => (s1.streamed - s0.streamed, s1.stream_wait_us - s0.stream_wait_us),
+                None => continue,
+            };
+            let idx = usize::from(mode == Some(ha::Replication::Standbys));
+            commits[idx].push((n as f64 / secs, (s1.changes - s0.changes) as f64 / n.max(1) as f64, us as f64 / n.max(1) as f64 / 1e3));
         }
-        if journaled {
+        if mode == Some(ha::Replication::Standbys) && m.journal.insync().is_empty() {
+            return Err("the standby left the in-sync set during the measurement".into());
+        }
+        if mode == Some(ha::Replication::Etcd) {
             let keys = m.lock().summary().keys as u64;
-            let (bytes, n) = journal_bytes(&etcd, &rate_cluster)?;
+            let cluster = format!("{rate_cluster}-etcd");
+            let (bytes, n) = journal_bytes(&etcd, &cluster)?;
             let st = m.journal.stats();
             println!(
                 "journal in etcd after {keys} objects: {bytes} bytes in {n} keys ({} snapshots, lag {}) = {:.1} MB per million objects",
@@ -189,7 +213,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             );
             // What a new leader of this cluster would do before serving: read and rebuild.
             let t = Instant::now();
-            let loaded = ha::journal::load(&etcd, &rate_cluster)?;
+            let loaded = ha::journal::load(&etcd, &cluster)?;
             let read = t.elapsed();
             let (rebuilt, report) = loaded.image.into_state(1, 0, 10_000);
             println!(
@@ -204,16 +228,28 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         }
         rates.push(row);
         drop(server);
+        drop(standby);
     }
-    println!("{:<34} {:>14} {:>14} {:>7}", "objects created/s (PutStart+PutEnd)", "no HA", "HA journal", "ratio");
+    println!("{:<34} {:>10} {:>11} {:>7} {:>11} {:>7}", "objects created/s (PutStart+PutEnd)", "no HA", "HA etcd", "ratio", "HA standby", "ratio");
     for (i, (threads, per_req)) in POINTS.iter().enumerate() {
-        let (off, on) = (rates[0][i], rates[1][i]);
-        println!("{:<34} {:>14.0} {:>14.0} {:>7.2}", format!("{threads} connection(s), {per_req} key(s)/request"), off, on, on / off.max(1e-9));
+        let (off, journal, standby) = (rates[0][i], rates[1][i], rates[2][i]);
+        println!(
+            "{:<34} {:>10.0} {:>11.0} {:>7.2} {:>11.0} {:>7.2}",
+            format!("{threads} connection(s), {per_req} key(s)/request"),
+            off,
+            journal,
+            journal / off.max(1e-9),
+            standby,
+            standby / off.max(1e-9)
+        );
     }
-    // Why: each request that changes state waits for an etcd transaction (group commit).
-    println!("{:<34} {:>14} {:>14} {:>7}", "HA journal's etcd transactions", "per second", "changes each", "ms each");
-    for ((threads, per_req), (rate, changes, ms)) in POINTS.iter().zip(&commits) {
-        println!("{:<34} {:>14.0} {:>14.1} {:>7.2}", format!("{threads} connection(s), {per_req} key(s)/request"), rate, changes, ms);
+    // Why: each request that changes state waits for an etcd transaction, or for the in-sync
+    // standby's acknowledgement (group commit either way).
+    for (idx, what) in [(0, "etcd transactions"), (1, "standby acknowledgements")] {
+        println!("{:<34} {:>14} {:>14} {:>7}", format!("HA {what}"), "per second", "changes each", "ms each");
+        for ((threads, per_req), (rate, changes, ms)) in POINTS.iter().zip(&commits[idx]) {
+            println!("{:<34} {:>14.0} {:>14.1} {:>7.3}", format!("{threads} connection(s), {per_req} key(s)/request"), rate, changes, ms);
+        }
     }
 
     // 2. Stored values per second through a whole store (client, master, serving client in
@@ -233,29 +269,60 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
 
     // 3. Failover: two master processes, a serving client, objects put, the leader killed.
     let etcd_url = format!("etcd://{}", endpoints.join(";"));
-    let start_master = || {
+    let start_master = |replication: &str| {
         Proc::spawn(
             crate::self_command()?
-                .args(["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0", "--enable-ha", "--ha-backend-connstring", &etcd_url, "--cluster-id", &cluster, "--ha-lease-ttl", "2s"])
+                .args(["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0", "--enable-ha", "--ha-backend-connstring", &etcd_url, "--cluster-id", &cluster, "--ha-lease-ttl", "2s", "--ha-replication", replication, "--default-kv-lease-ttl", "2s"])
                 .env_remove("MC_STORE_CLUSTER_ID"),
             "KVFERRY_MASTER",
         )
     };
-    let role = |p: &Proc| -> String {
+    let http = |p: &Proc, path: &str| -> String {
         let http = p.field("http=").unwrap_or_default();
         let Ok(mut s) = std::net::TcpStream::connect(&http) else { return String::new() };
         let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-        let _ = write!(s, "GET /role HTTP/1.0\r\nHost: x\r\n\r\n");
+        let _ = write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n");
         let mut out = String::new();
         let _ = s.read_to_string(&mut out);
         out.rsplit("\r\n\r\n").next().unwrap_or("").trim().to_string()
     };
-    let mut ms = [start_master()?, start_master()?];
+    let role = |p: &Proc| http(p, "/role");
+    // The whole store with the etcd journal, then (both masters replaced; the new leader loads
+    // the journal, the serving client keeps its segment) with an in-sync standby.
+    let mut ms = [start_master("etcd")?, start_master("etcd")?];
     let server = Proc::spawn(crate::self_command()?.args(["store-bench", "--serve-segment", &etcd_url, "--segment-size", "512M"]), "KVFERRY_STORE_SERVER")?;
-    println!("{:<34} {:>14} {:>14} {:>7}", "values stored/s (batch_upsert_from)", "no HA", "HA journal", "ratio");
-    for (&(v, b, n), off) in store_points.iter().zip(&plain) {
+    let mut journal_rates = Vec::new();
+    for &(v, b, n) in &store_points {
+        journal_rates.push(store_rate(&etcd_url, v, b, n, dur)?);
+    }
+    // Each column starts from an empty pool, as the one without HA did.
+    {
+        let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 0, master_server_addr: etcd_url.clone(), ..ClientConfig::default() }).map_err(|e| e.to_string())?;
+        c.remove_all(true).map_err(|e| format!("emptying the pool between the two HA columns: {e}"))?;
+        let _ = c.close();
+    }
+    for m in &mut ms {
+        m.stop();
+    }
+    ms = [start_master("standbys")?, start_master("standbys")?];
+    wait_for("no leader with an in-sync standby among the two masters", &|| {
+        ms.iter().any(|m| role(m) == "leader" && serde_json::from_str::<serde_json::Value>(&http(m, "/ha_status")).ok().and_then(|v| v["insync"].as_array().map(|a| !a.is_empty())).unwrap_or(false))
+    })?;
+    // A new leader holds back for one read lease (2 s here) what a reader of the old leader
+    // may still read.
+    std::thread::sleep(Duration::from_millis(2500));
+    println!("{:<34} {:>10} {:>11} {:>7} {:>11} {:>7}", "values stored/s (batch_upsert_from)", "no HA", "HA etcd", "ratio", "HA standby", "ratio");
+    for ((&(v, b, n), off), journal) in store_points.iter().zip(&plain).zip(&journal_rates) {
         let on = store_rate(&etcd_url, v, b, n, dur)?;
-        println!("{:<34} {:>14.0} {:>14.0} {:>7.2}", format!("{n} client(s), {} x {b} per call", crate::sys::human(v)), off, on, on / off.max(1e-9));
+        println!(
+            "{:<34} {:>10.0} {:>11.0} {:>7.2} {:>11.0} {:>7.2}",
+            format!("{n} client(s), {} x {b} per call", crate::sys::human(v)),
+            off,
+            journal,
+            journal / off.max(1e-9),
+            on,
+            on / off.max(1e-9)
+        );
     }
     let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 64 << 20, master_server_addr: etcd_url.clone(), ..ClientConfig::default() }).map_err(|e| e.to_string())?;
     let value = 16u64 << 10;
@@ -273,6 +340,10 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             }
         }
         let l = (0..2).find(|&i| role(&ms[i]) == "leader").ok_or("no leader among the two masters")?;
+        // Killed once the other master is in sync: the failover is from its mirror.
+        wait_for("the restarted master did not get in sync", &|| {
+            serde_json::from_str::<serde_json::Value>(&http(&ms[l], "/ha_status")).ok().and_then(|v| v["insync"].as_array().map(|a| !a.is_empty())).unwrap_or(false)
+        })?;
         let killed = Instant::now();
         ms[l].stop();
         let probe = format!("probe-{round}");
@@ -287,7 +358,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             std::thread::sleep(Duration::from_millis(10));
         }
         times.push(killed.elapsed());
-        ms[l] = start_master()?;
+        ms[l] = start_master("standbys")?;
     }
     let mut lost = 0;
     for k in &stored {
@@ -296,7 +367,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     }
     times.sort();
     println!(
-        "failover (SIGKILL of the leader -> first successful put, lease TTL 2 s): {} over {rounds} kills (median {:.2} s, worst {:.2} s); objects lost: {lost} of {}",
+        "failover (SIGKILL of the leader -> first successful put, lease TTL 2 s, the other master in sync): {} over {rounds} kills (median {:.2} s, worst {:.2} s); objects lost: {lost} of {}",
         times.iter().map(|t| format!("{:.2} s", t.as_secs_f64())).collect::<Vec<_>>().join(", "),
         times[times.len() / 2].as_secs_f64(),
         times.last().map_or(0.0, Duration::as_secs_f64),

@@ -27,7 +27,9 @@ use crate::master::journal::{Change, Image};
 use crate::master::Master;
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::{Deserialize, Serialize};
-use std::sync::{Condvar, Mutex};
+use super::sync::{image_frames, AckSignal, InSync, Link, ToStandby};
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Largest encoded value written to one key (etcd refuses requests over 1.5 MiB by default;
@@ -187,11 +189,35 @@ pub fn load(etcd: &EtcdClient, cluster_id: &str) -> Result<Loaded, String> {
             image.apply(c);
         }
     }
-    let last_leader = match etcd.get_kv(&format!("{p}term")).map_err(|e| e.to_string())? {
+    let last_leader = last_leader(etcd, cluster_id)?;
+    Ok(Loaded { image, seq, last_leader, head, log_entries, bytes })
+}
+
+/// The leader that last loaded the journal (its `term` marker), if any.
+pub fn last_leader(etcd: &EtcdClient, cluster_id: &str) -> Result<Option<Owner>, String> {
+    Ok(match etcd.get_kv(&format!("{}term", prefix(cluster_id))).map_err(|e| e.to_string())? {
         Some(kv) => parse_term_marker(&String::from_utf8_lossy(&kv.value)),
         None => None,
+    })
+}
+
+/// The journal's head and the largest entry number stored (head or log), without decoding
+/// the entries: where a leader that does not load the journal (it starts from a standby's
+/// mirror, or empty) continues the numbering.
+pub fn stored_seq(etcd: &EtcdClient, cluster_id: &str) -> Result<(u64, Option<Head>), String> {
+    let p = prefix(cluster_id);
+    let head = match etcd.get_kv(&format!("{p}head")).map_err(|e| e.to_string())? {
+        Some(kv) => postcard::from_bytes::<Head>(&kv.value).ok(),
+        None => None,
     };
-    Ok(Loaded { image, seq, last_leader, head, log_entries, bytes })
+    let mut seq = head.map_or(0, |h| h.seq);
+    let log = format!("{p}log/");
+    for (key, _) in etcd.range(&log, &prefix_end(&log), 256).map_err(|e| e.to_string())? {
+        if let Some(n) = key.rsplit('/').next().and_then(|h| u64::from_str_radix(h, 16).ok()) {
+            seq = seq.max(n);
+        }
+    }
+    Ok((seq, head))
 }
 
 #[derive(Default)]
@@ -226,6 +252,12 @@ pub struct JournalStats {
     pub lag: u64,
     /// The last sequence number written.
     pub seq: u64,
+    /// Entries acknowledged by the in-sync standbys instead of etcd (`--ha-replication
+    /// standbys`), and the microseconds spent waiting for them.
+    pub streamed: u64,
+    pub stream_wait_us: u64,
+    /// Standbys in the in-sync set now.
+    pub insync: u64,
 }
 
 /// The leader's journal queue (inactive, costing nothing, without HA or while standing by).
@@ -237,6 +269,8 @@ pub struct Journal {
     /// Wakes the requests waiting for their changes to be durable.
     durable: Condvar,
     stats: Mutex<JournalStats>,
+    /// The in-sync standbys (member ids) while this master leads.
+    insync: Mutex<Vec<String>>,
 }
 
 impl Journal {
@@ -249,6 +283,16 @@ impl Journal {
         let q = self.q();
         s.lag = q.enqueued - q.written;
         s
+    }
+
+    /// The in-sync standbys (`--ha-replication standbys`, leaders).
+    pub fn insync(&self) -> Vec<String> {
+        self.insync.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn set_insync(&self, members: &[String]) {
+        *self.insync.lock().unwrap_or_else(|e| e.into_inner()) = members.to_vec();
+        self.set_stats(|s| s.insync = members.len() as u64);
     }
 
     fn set_stats(&self, f: impl FnOnce(&mut JournalStats)) {
@@ -305,6 +349,7 @@ impl Journal {
 
     /// Stops journaling: the writer ends, waiters are refused.
     pub fn deactivate(&self) {
+        self.set_insync(&[]);
         let mut q = self.q();
         q.term = 0;
         q.changes.clear();
@@ -357,6 +402,51 @@ pub struct Writer<'a> {
     pub head: Option<Head>,
     /// Snapshot once the log since the last snapshot is larger than this and than it.
     pub snapshot_bytes: u64,
+    /// Replication to standbys (`--ha-replication standbys`), `None`: etcd only.
+    pub sync: Option<Replicas>,
+    /// The in-sync record's key ([`super::sync::insync_key`]): emptied with the head of a
+    /// rebase, in either mode.
+    pub insync_key: String,
+}
+
+/// The leader's side of replication to standbys ([`super::sync`]).
+pub struct Replicas {
+    pub cluster_id: String,
+    /// This leader's member id (its RPC address): its own registration is not a standby.
+    pub me: String,
+    pub hello: ToStandby,
+    pub links: Vec<Link>,
+    /// The in-sync set as etcd holds it now.
+    pub insync: Vec<String>,
+    pub signal: Arc<AckSignal>,
+    /// How long an in-sync standby may take to acknowledge before it leaves the set.
+    pub ack_timeout: Duration,
+    last_poll: Option<Instant>,
+    /// Standbys that could not be reached, and when (retried after [`RETRY_LINK`]).
+    failed: HashMap<String, Instant>,
+}
+
+/// How long after a failed connection a standby is tried again.
+const RETRY_LINK: Duration = Duration::from_secs(1);
+
+impl Replicas {
+    pub fn new(cluster_id: &str, me: &str, owner: Owner, ack_timeout: Duration) -> Replicas {
+        Replicas {
+            cluster_id: cluster_id.to_string(),
+            me: me.to_string(),
+            hello: ToStandby::Hello { cluster_id: cluster_id.to_string(), term: owner.create_revision, lease: owner.lease, leader: me.to_string() },
+            links: Vec::new(),
+            insync: Vec::new(),
+            signal: Arc::new(AckSignal::default()),
+            ack_timeout,
+            last_poll: None,
+            failed: HashMap::new(),
+        }
+    }
+
+    fn link(&self, member: &str) -> Option<&Link> {
+        self.links.iter().find(|l| l.member == member)
+    }
 }
 
 impl Writer<'_> {
@@ -413,33 +503,154 @@ impl Writer<'_> {
         Some(())
     }
 
+    /// Under the state's lock: what is marked goes to the queue, and the image is the state
+    /// after exactly everything queued. The queued changes (to be committed before the image
+    /// counts), the ticket they complete, and the image; `None` when the term ended.
+    fn freeze(&self) -> Option<(Vec<Change>, u64, Vec<Change>)> {
+        let j = &self.master.journal;
+        let now = self.master.now();
+        let mut st = self.master.lock();
+        let changes = st.take_changes(now);
+        let mut q = j.q();
+        if q.term != self.term() || q.failed {
+            return None;
+        }
+        if !changes.is_empty() {
+            q.changes.extend(changes);
+            q.enqueued += 1;
+        }
+        let upto = q.enqueued;
+        Some((std::mem::take(&mut q.changes), upto, st.image(now)))
+    }
+
+    fn streaming(&self) -> bool {
+        self.sync.as_ref().is_some_and(|s| !s.insync.is_empty())
+    }
+
+    /// Makes `changes` durable, then acknowledges `upto`: appended to etcd while no standby is
+    /// in sync, otherwise acknowledged by every in-sync standby; streamed to every linked
+    /// standby either way.
+    fn commit(&mut self, changes: Vec<Change>, upto: u64) -> Option<()> {
+        let streaming = self.streaming();
+        if streaming {
+            self.seq += 1;
+        } else {
+            self.append(&changes)?;
+        }
+        let n = changes.len() as u64;
+        if let Some(s) = self.sync.as_ref().filter(|s| !s.links.is_empty()) {
+            match super::sync::encode_frame(&ToStandby::Entry { seq: self.seq, changes }) {
+                Ok(f) => {
+                    let f = Arc::new(f);
+                    for l in &s.links {
+                        l.send(&f);
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("HA replication: {e}");
+                    return None;
+                }
+            }
+        }
+        if streaming {
+            let t = Instant::now();
+            self.await_insync(self.seq)?;
+            let us = t.elapsed().as_micros() as u64;
+            let seq = self.seq;
+            self.master.journal.set_stats(|s| {
+                s.streamed += 1;
+                s.changes += n;
+                s.stream_wait_us += us;
+                s.seq = seq;
+            });
+        }
+        self.master.journal.done(upto);
+        Some(())
+    }
+
+    /// Waits until every in-sync standby acknowledged `seq`; those that do not within the
+    /// bound (or whose link broke) leave the set first.
+    fn await_insync(&mut self, seq: u64) -> Option<()> {
+        let Some(s) = self.sync.as_ref() else { return Some(()) };
+        let until = Instant::now() + s.ack_timeout;
+        let settled = |s: &Replicas| s.insync.iter().all(|m| s.link(m).is_none_or(|l| l.dead() || l.acked() >= seq));
+        s.signal.wait_until(until, || settled(s));
+        let failed: Vec<String> = s.insync.iter().filter(|m| s.link(m).is_none_or(|l| l.dead() || l.acked() < seq)).cloned().collect();
+        if failed.is_empty() {
+            return Some(());
+        }
+        tracing::warn!(term = self.term(), seq, "HA replication: the standby(s) {failed:?} did not acknowledge within {:?} (or their connection broke); they leave the in-sync set", s.ack_timeout);
+        self.drop_members(&failed)
+    }
+
+    /// Removes `gone` from the links and the in-sync set (in etcd first). When the set becomes
+    /// empty the etcd journal is made whole again first ([`Writer::rebase`]).
+    fn drop_members(&mut self, gone: &[String]) -> Option<()> {
+        let term = self.term();
+        let Some(s) = self.sync.as_mut() else { return Some(()) };
+        s.links.retain(|l| !gone.contains(&l.member));
+        if !s.insync.iter().any(|m| gone.contains(m)) {
+            return Some(());
+        }
+        let rest: Vec<String> = s.insync.iter().filter(|m| !gone.contains(m)).cloned().collect();
+        if rest.is_empty() {
+            return self.rebase();
+        }
+        let key = super::sync::insync_key(&s.cluster_id);
+        let rec = InSync { term, members: rest.clone() };
+        self.txn(&[(key, rec.to_bytes())], None)?;
+        if let Some(s) = self.sync.as_mut() {
+            s.insync = rest;
+            self.master.journal.set_insync(&s.insync);
+        }
+        Some(())
+    }
+
+    /// The in-sync set became empty: writes the whole state to the etcd journal as a
+    /// snapshot, and empties the set in the same transaction as the journal's new head; from
+    /// then on changes are appended to etcd again.
+    fn rebase(&mut self) -> Option<()> {
+        let (queued, upto, image) = self.freeze()?;
+        self.seq += 1;
+        if let Some(s) = self.sync.as_ref().filter(|s| !s.links.is_empty() && !queued.is_empty()) {
+            if let Ok(f) = super::sync::encode_frame(&ToStandby::Entry { seq: self.seq, changes: queued }) {
+                let f = Arc::new(f);
+                for l in &s.links {
+                    l.send(&f);
+                }
+            }
+        }
+        let cleared = Some((self.insync_key.clone(), InSync { term: self.term(), members: Vec::new() }.to_bytes()));
+        self.write_snapshot(image, cleared)?;
+        if let Some(s) = self.sync.as_mut() {
+            s.insync.clear();
+        }
+        self.master.journal.set_insync(&[]);
+        self.master.journal.done(upto);
+        tracing::warn!(term = self.term(), seq = self.seq, "HA replication: no standby is in sync; the state is in the etcd journal again (snapshot) and changes are written there");
+        Some(())
+    }
+
     /// Writes a snapshot of the state after everything queued, then deletes the log it covers
     /// and the previous snapshot.
     fn snapshot(&mut self) -> Option<()> {
-        let j = &self.master.journal;
-        // Under the state's lock: what is marked goes to the queue, and the image is the state
-        // after exactly everything queued.
-        let (queued, upto, image) = {
-            let now = self.master.now();
-            let mut st = self.master.lock();
-            let changes = st.take_changes(now);
-            let mut q = j.q();
-            if q.term != self.term() || q.failed {
-                return None;
-            }
-            if !changes.is_empty() {
-                q.changes.extend(changes);
-                q.enqueued += 1;
-            }
-            let upto = q.enqueued;
-            (std::mem::take(&mut q.changes), upto, st.image(now))
-        };
-        if !queued.is_empty() {
-            self.append(&queued)?;
+        let (queued, upto, image) = self.freeze()?;
+        if queued.is_empty() {
+            self.master.journal.done(upto);
+        } else {
+            self.commit(queued, upto)?;
         }
-        j.done(upto);
+        self.write_snapshot(image, None)
+    }
+
+    /// Writes `image` as the snapshot after entry `self.seq`: its chunks, then the head (with
+    /// `also` in the same transaction) deleting the log it covers, then the previous snapshot.
+    fn write_snapshot(&mut self, image: Vec<Change>, also: Option<(String, Vec<u8>)>) -> Option<()> {
+        let j = &self.master.journal;
         let chunks = encode_chunks(&image).ok()?;
         let dir = snap_dir(&self.prefix, self.seq);
+        // (Chunks a leader that died mid-snapshot left under this number.)
+        self.txn(&[], Some((&dir, &prefix_end(&dir))))?;
         let bytes: u64 = chunks.iter().map(|c| c.len() as u64).sum();
         let n = chunks.len() as u32;
         for (i, c) in chunks.into_iter().enumerate() {
@@ -449,7 +660,9 @@ impl Writer<'_> {
         let head_bytes = postcard::to_stdvec(&head).ok()?;
         let log_from = format!("{}log/", self.prefix);
         let log_to = log_key(&self.prefix, self.seq + 1);
-        let rev = self.txn(&[(format!("{}head", self.prefix), head_bytes)], Some((&log_from, &log_to)))?;
+        let mut puts = vec![(format!("{}head", self.prefix), head_bytes)];
+        puts.extend(also);
+        let rev = self.txn(&puts, Some((&log_from, &log_to)))?;
         if let Some(old) = self.head.filter(|h| h.seq != head.seq) {
             let d = snap_dir(&self.prefix, old.seq);
             self.txn(&[], Some((&d, &prefix_end(&d))))?;
@@ -464,6 +677,103 @@ impl Writer<'_> {
             s.log_bytes = 0;
         });
         tracing::info!(term = self.term(), seq = self.seq, bytes, chunks = n, "HA journal: snapshot written, log compacted");
+        Some(())
+    }
+
+    /// Standbys that joined or left (their registrations in etcd, read every
+    /// [`super::STANDBY_POLL`]): links opened (each starting with an image) or closed.
+    fn poll_standbys(&mut self) -> Option<()> {
+        let Some(s) = self.sync.as_mut() else { return Some(()) };
+        if s.last_poll.is_some_and(|t| t.elapsed() < super::STANDBY_POLL) {
+            return Some(());
+        }
+        s.last_poll = Some(Instant::now());
+        let p = super::sync::standby_prefix(&s.cluster_id);
+        let regs: HashMap<String, String> = match self.etcd.range(&p, &prefix_end(&p), 64) {
+            Ok(kvs) => kvs.into_iter().filter_map(|(k, kv)| Some((k.strip_prefix(&p)?.to_string(), String::from_utf8(kv.value).ok()?))).collect(),
+            Err(e) => {
+                tracing::debug!("HA replication: reading the standbys' registrations: {e}");
+                return Some(());
+            }
+        };
+        let gone: Vec<String> = s
+            .links
+            .iter()
+            .filter(|l| l.dead() || regs.get(&l.member) != Some(&l.addr))
+            .map(|l| l.member.clone())
+            .chain(s.insync.iter().filter(|m| s.link(m).is_none()).cloned())
+            .collect();
+        // A standby whose link died is tried again only after a while (it may be unreachable).
+        let now = Instant::now();
+        for l in s.links.iter().filter(|l| l.dead()) {
+            s.failed.insert(l.member.clone(), now);
+        }
+        if !gone.is_empty() {
+            self.drop_members(&gone)?;
+        }
+        let Some(s) = self.sync.as_ref() else { return Some(()) };
+        let new: Vec<(String, String)> = regs
+            .into_iter()
+            .filter(|(m, _)| *m != s.me && s.link(m).is_none() && s.failed.get(m).is_none_or(|t| t.elapsed() > RETRY_LINK))
+            .collect();
+        for (member, addr) in new {
+            self.open_link(&member, &addr)?;
+        }
+        Some(())
+    }
+
+    /// Links a standby: hello, an image of the state after the last entry written (what was
+    /// queued is committed first), then every entry after it.
+    fn open_link(&mut self, member: &str, addr: &str) -> Option<()> {
+        let Some(s) = self.sync.as_mut() else { return Some(()) };
+        let mut link = match Link::open(member, addr, &s.hello, &s.signal) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!("HA replication: {e}; retried in {RETRY_LINK:?}");
+                s.failed.insert(member.to_string(), Instant::now());
+                return Some(());
+            }
+        };
+        s.failed.remove(member);
+        let (queued, upto, image) = self.freeze()?;
+        if queued.is_empty() {
+            self.master.journal.done(upto);
+        } else {
+            self.commit(queued, upto)?;
+        }
+        let objects = image.len();
+        match image_frames(self.seq, image) {
+            Ok(frames) => link.send_image(self.seq, &frames),
+            Err(e) => {
+                tracing::error!("HA replication: {e}");
+                return Some(());
+            }
+        }
+        tracing::info!(term = self.term(), seq = self.seq, changes = objects, "HA replication: the standby {member} ({addr}) linked; sending it the state");
+        if let Some(s) = self.sync.as_mut() {
+            s.links.push(link);
+        }
+        Some(())
+    }
+
+    /// Standbys that acknowledged everything written join the in-sync set (in etcd first).
+    fn promote(&mut self) -> Option<()> {
+        let term = self.term();
+        let seq = self.seq;
+        let Some(s) = self.sync.as_ref() else { return Some(()) };
+        let ready: Vec<String> = s.links.iter().filter(|l| !l.dead() && !s.insync.contains(&l.member) && l.acked() >= seq.max(l.image_seq)).map(|l| l.member.clone()).collect();
+        if ready.is_empty() {
+            return Some(());
+        }
+        let mut members = s.insync.clone();
+        members.extend(ready.iter().cloned());
+        let key = super::sync::insync_key(&s.cluster_id);
+        self.txn(&[(key, InSync { term, members: members.clone() }.to_bytes())], None)?;
+        tracing::info!(term, seq, "HA replication: {ready:?} in sync; requests are now acknowledged by the in-sync set {members:?} instead of etcd");
+        if let Some(s) = self.sync.as_mut() {
+            s.insync = members;
+            self.master.journal.set_insync(&s.insync);
+        }
         Some(())
     }
 
@@ -484,6 +794,14 @@ impl Writer<'_> {
         Some(())
     }
 
+    /// Writes the state this leader starts from (taken over from a mirror, or empty) to the
+    /// etcd journal as a snapshot after entry `seq`, emptying the in-sync set in the same
+    /// transaction: from then on the journal in etcd is whole again.
+    pub fn rebase_at_takeover(&mut self, seq: u64) -> Option<()> {
+        self.seq = seq;
+        self.rebase()
+    }
+
     /// Runs until the term ends or writing fails (then the leader is fenced at once).
     pub fn run(mut self) {
         let j = &self.master.journal;
@@ -491,17 +809,18 @@ impl Writer<'_> {
             tracing::warn!(term = self.term(), "HA journal: could not delete stale snapshot chunks");
         }
         while let Some((changes, upto)) = j.next(self.term(), Duration::from_millis(200)) {
-            if !changes.is_empty() {
-                if self.append(&changes).is_none() {
-                    break;
-                }
-                j.done(upto);
+            if !changes.is_empty() && self.commit(changes, upto).is_none() {
+                break;
+            }
+            if self.poll_standbys().is_none() || self.promote().is_none() {
+                break;
             }
             let st = j.stats();
-            if st.log_bytes > self.snapshot_bytes.max(st.snapshot_bytes) && self.snapshot().is_none() {
+            if !self.streaming() && st.log_bytes > self.snapshot_bytes.max(st.snapshot_bytes) && self.snapshot().is_none() {
                 break;
             }
         }
+        self.sync = None; // links closed
         let ended = j.q().term != self.term();
         if !ended {
             // Nothing more can be made durable: refuse everything from now on.

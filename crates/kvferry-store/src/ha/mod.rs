@@ -44,10 +44,11 @@
 //! `etcd_restarted_with_or_without_its_data_masters_and_clients_recover`).
 
 pub mod journal;
+pub mod sync;
 
 use crate::error::StoreError;
 use crate::master::Master;
-use kvferry::metadata::etcd::{Created, EtcdClient, KeyValue, Owner};
+use kvferry::metadata::etcd::{Cond, Created, EtcdClient, KeyValue, Owner};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -115,6 +116,9 @@ pub struct HaStatus {
     pub lease_id: String,
     /// The journal of this term (leaders): entries, bytes, snapshots, changes not yet durable.
     pub journal: journal::JournalStats,
+    /// The standbys that acknowledge this leader's changes in memory (its in-sync set;
+    /// `--ha-replication standbys`); empty: changes are acknowledged by the etcd journal.
+    pub insync: Vec<String>,
 }
 
 /// The gate every RPC passes. Without HA it always admits (term 0).
@@ -210,6 +214,7 @@ impl Gate {
             fenced_in_ms: st.valid_until.filter(|_| role == Role::Leader).map(|t| t.saturating_duration_since(now).as_millis() as u64),
             lease_id: format!("{:x}", st.lease_id),
             journal: Default::default(),
+            insync: Vec::new(),
         }
     }
 
@@ -256,6 +261,17 @@ impl Gate {
     }
 }
 
+/// How the leader makes a change durable before it answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Replication {
+    /// Every change is a transaction in etcd's journal ([`journal`]).
+    #[default]
+    Etcd,
+    /// Changes are acknowledged in memory by the in-sync standbys ([`sync`]), and by etcd's
+    /// journal only while no standby is in sync.
+    Standbys,
+}
+
 /// What a master needs to campaign.
 #[derive(Debug, Clone)]
 pub struct HaConfig {
@@ -268,6 +284,7 @@ pub struct HaConfig {
     /// The journal is snapshotted once its log outgrows this and the last snapshot
     /// ([`journal::SNAPSHOT_MIN`] by default).
     pub snapshot_bytes: u64,
+    pub replication: Replication,
 }
 
 impl HaConfig {
@@ -284,6 +301,60 @@ impl HaConfig {
     fn request_timeout(&self) -> Duration {
         (self.lease_ttl / 4).clamp(Duration::from_millis(100), Duration::from_secs(2))
     }
+
+    /// How long an in-sync standby may take to acknowledge an entry before it leaves the set:
+    /// a quarter of the fence bound (requests wait at most that long for a failed standby).
+    pub fn ack_timeout(&self) -> Duration {
+        self.fence_bound() / 4
+    }
+}
+
+/// A standby's side of replication: its mirror, the address it serves it on, and its
+/// registration in etcd.
+struct Standby {
+    mirror: Arc<sync::Mirror>,
+    /// Where leaders connect (`ip:port`).
+    addr: String,
+    /// The registration's lease and when it was last renewed.
+    reg: Option<(i64, Instant)>,
+}
+
+impl Standby {
+    /// Keeps this standby's registration alive (granted again when etcd lost it).
+    fn register(&mut self, cfg: &HaConfig, etcd: &EtcdClient) -> Result<(), String> {
+        let key = sync::standby_key(&cfg.cluster_id, &cfg.address);
+        if let Some((lease, at)) = self.reg {
+            if at.elapsed() < cfg.keepalive_every() {
+                return Ok(());
+            }
+            match etcd.lease_keepalive(lease) {
+                Ok(Some(_)) => {
+                    self.reg = Some((lease, Instant::now()));
+                    return Ok(());
+                }
+                Ok(None) => self.reg = None,
+                Err(e) => return Err(format!("renewing this standby's registration: {e}")),
+            }
+        }
+        let ttl = cfg.lease_ttl.as_secs_f64().ceil() as i64;
+        let (lease, _) = etcd.lease_grant(ttl).map_err(|e| format!("registering this standby: {e}"))?;
+        etcd.put(&key, self.addr.as_bytes(), lease).map_err(|e| format!("registering this standby: {e}"))?;
+        self.reg = Some((lease, Instant::now()));
+        Ok(())
+    }
+
+    fn deregister(&mut self, etcd: &EtcdClient) {
+        if let Some((lease, _)) = self.reg.take() {
+            let _ = etcd.lease_revoke(lease);
+        }
+    }
+}
+
+/// Where a new leader's state comes from.
+enum Source {
+    Journal,
+    Mirror(crate::master::journal::Image, u64),
+    Empty,
 }
 
 /// Starts campaigning for `master` on a thread of its own (runs until the process ends). The
@@ -294,6 +365,21 @@ pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
     }
     let etcd = EtcdClient::connect(&cfg.endpoints, cfg.request_timeout()).map_err(|e| format!("HA: {e}"))?;
     let key = master_view_key(&cfg.cluster_id);
+    let standby = match cfg.replication {
+        Replication::Etcd => None,
+        Replication::Standbys => {
+            // Leaders reach this master's mirror at its advertised host.
+            let host = cfg.address.rsplit_once(':').map_or(cfg.address.as_str(), |(h, _)| h).trim_start_matches('[').trim_end_matches(']');
+            let ip: std::net::IpAddr = host.parse().map_err(|_| format!("HA replication to standbys needs an IP address to advertise, not {:?} (--advertise-address)", cfg.address))?;
+            let l = std::net::TcpListener::bind((ip, 0)).map_err(|e| format!("HA replication: cannot bind a port on {ip}: {e}"))?;
+            let addr = l.local_addr().map_err(|e| e.to_string())?.to_string();
+            let mirror = Arc::new(sync::Mirror::new(&cfg.cluster_id, master.cfg.lease_ttl));
+            let m = Arc::clone(&mirror);
+            std::thread::Builder::new().name("kvf-ha-mirror".into()).spawn(move || sync::serve(l, m)).map_err(|e| e.to_string())?;
+            tracing::info!("HA: replication to standbys; this master's mirror is served at {addr}");
+            Some(Standby { mirror, addr, reg: None })
+        }
+    };
     {
         let mut st = master.gate.st();
         st.role = Role::Standby;
@@ -301,15 +387,41 @@ pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
         *master.gate.info.lock().unwrap_or_else(|e| e.into_inner()) = (cfg.cluster_id.clone(), key.clone(), cfg.address.clone(), cfg.lease_ttl);
     }
     master.gate.enabled.store(true, Ordering::Release);
-    std::thread::Builder::new().name("kvf-master-ha".into()).spawn(move || campaign(&cfg, &etcd, &key, &master)).map_err(|e| e.to_string())?;
+    std::thread::Builder::new().name("kvf-master-ha".into()).spawn(move || campaign(&cfg, &etcd, &key, &master, standby)).map_err(|e| e.to_string())?;
     Ok(())
 }
 
-fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
+/// Whether this master may campaign now and from what, by the in-sync record
+/// ([`sync::eligibility`]); the conditions the campaign's transaction must hold under.
+fn eligible(cfg: &HaConfig, etcd: &EtcdClient, mirror: Option<&sync::Mirror>) -> Result<Option<(Source, Vec<Cond>)>, String> {
+    let ikey = sync::insync_key(&cfg.cluster_id);
+    let kv = etcd.get_kv(&ikey).map_err(|e| e.to_string())?;
+    let rec = sync::InSync::parse(kv.as_ref().map_or(&[][..], |kv| &kv.value))?;
+    let mut conds = vec![Cond::ModRevision(ikey, kv.as_ref().map_or(0, |kv| kv.mod_revision))];
+    let p = sync::standby_prefix(&cfg.cluster_id);
+    let registered: Vec<String> = if rec.members.is_empty() {
+        Vec::new()
+    } else {
+        etcd.range(&p, &format!("{}~", p.trim_end_matches('/')), 64).map_err(|e| e.to_string())?.into_iter().filter_map(|(k, _)| k.strip_prefix(&p).map(str::to_string)).collect()
+    };
+    let rule = sync::eligibility(&rec, &cfg.address, mirror.and_then(sync::Mirror::complete_term), |m| registered.iter().any(|r| r == m));
+    Ok(match rule {
+        sync::Eligibility::Journal => Some((Source::Journal, conds)),
+        sync::Eligibility::Wait => None,
+        sync::Eligibility::Mirror => mirror.and_then(|m| m.take(rec.term)).map(|(image, seq)| (Source::Mirror(image, seq), conds)),
+        sync::Eligibility::Empty => {
+            conds.extend(rec.members.iter().filter(|m| **m != cfg.address).map(|m| Cond::Absent(sync::standby_key(&cfg.cluster_id, m))));
+            Some((Source::Empty, conds))
+        }
+    })
+}
+
+fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut standby: Option<Standby>) {
     let gate = &master.gate;
     let ttl_secs = cfg.lease_ttl.as_secs_f64().ceil() as i64;
     let mut last_err = String::new();
     let mut logged_leader = String::new();
+    let mut waiting_logged = false;
     // The last leader seen while standing by: its key's creation (see "An etcd that lost its
     // data").
     let mut seen: Option<Owner> = None;
@@ -320,6 +432,11 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
         }
     };
     loop {
+        if let Some(sb) = standby.as_mut() {
+            if let Err(e) = sb.register(cfg, etcd) {
+                report(e);
+            }
+        }
         match etcd.get_kv(key) {
             Ok(Some(kv)) => {
                 seen = Some(Owner::of(&kv));
@@ -340,24 +457,54 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
                 continue;
             }
         }
-        // The key is absent: campaign.
+        // The key is absent: campaign, if the in-sync set lets this master lead (in either
+        // mode: a master that journals to etcd only must not load a journal that stopped
+        // when standbys took over acknowledging).
+        let (source, conds) = match eligible(cfg, etcd, standby.as_ref().map(|sb| &*sb.mirror)) {
+            Ok(Some(x)) => {
+                waiting_logged = false;
+                x
+            }
+            Ok(None) => {
+                if !waiting_logged {
+                    tracing::info!("HA: no leader, and an in-sync standby other than this master is alive: only it may lead; waiting");
+                    waiting_logged = true;
+                }
+                std::thread::sleep(STANDBY_POLL);
+                continue;
+            }
+            Err(e) => {
+                report(e);
+                std::thread::sleep(STANDBY_POLL);
+                continue;
+            }
+        };
+        let reopen = |sb: &Option<Standby>| {
+            if let Some(sb) = sb {
+                sb.mirror.reopen(0);
+            }
+        };
         let sent = Instant::now();
         let lease = match etcd.lease_grant(ttl_secs) {
             Ok((id, _)) => id,
             Err(e) => {
+                reopen(&standby);
                 report(e.to_string());
                 std::thread::sleep(STANDBY_POLL);
                 continue;
             }
         };
-        match etcd.create(key, cfg.address.as_bytes(), lease) {
+        match etcd.create_when(key, cfg.address.as_bytes(), lease, &conds) {
             Ok(Created::Won(term)) => {
                 let owner = Owner { create_revision: term, lease };
-                match take_over(cfg, etcd, key, master, owner, sent, seen) {
-                    Ok(head) => {
+                if let Some(sb) = standby.as_mut() {
+                    sb.deregister(etcd); // a leader is not a standby
+                    sb.mirror.close();
+                }
+                match take_over(cfg, etcd, key, master, owner, sent, seen, source) {
+                    Ok(writer) => {
                         logged_leader = cfg.address.clone();
                         std::thread::scope(|sc| {
-                            let writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), owner, seq: head.0, head: head.1, snapshot_bytes: cfg.snapshot_bytes };
                             let w = std::thread::Builder::new().name("kvf-master-journal".into()).spawn_scoped(sc, move || writer.run());
                             if let Err(e) = w {
                                 tracing::error!(term, "HA: cannot start the journal writer: {e}; stepping down");
@@ -376,6 +523,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
                 gate.set_standby(None);
                 master.journal.deactivate();
                 master.reset(-1);
+                reopen(&standby);
                 if let Err(e) = etcd.delete_if_owned(key, owner) {
                     tracing::debug!("HA: deleting the key after stepping down: {e}");
                 }
@@ -385,10 +533,12 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
                 tracing::warn!(term, "HA: stepped down; metadata reset; standing by");
             }
             Ok(Created::Lost(kv)) => {
+                reopen(&standby);
                 let _ = etcd.lease_revoke(lease);
                 gate.set_standby(kv.as_ref());
             }
             Err(e) => {
+                reopen(&standby);
                 let _ = etcd.lease_revoke(lease);
                 report(e.to_string());
                 std::thread::sleep(STANDBY_POLL);
@@ -397,23 +547,50 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master) {
     }
 }
 
-/// Loads the journal into `master`'s state for `term` and starts serving: the last journal
-/// entry's number and the snapshot head, for the writer.
-fn take_over(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, owner: Owner, won_at: Instant, seen: Option<Owner>) -> Result<(u64, Option<journal::Head>), String> {
+/// Loads the state `source` names into `master` for `term` and starts serving: the writer
+/// of the term, to run. A leader that starts from a mirror or empty first writes its state to
+/// the etcd journal (and empties the in-sync set) before it serves.
+#[allow(clippy::too_many_arguments)]
+fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Master, owner: Owner, won_at: Instant, seen: Option<Owner>, source: Source) -> Result<journal::Writer<'a>, String> {
     let (term, lease) = (owner.create_revision, owner.lease);
-    let loaded = journal::load(etcd, &cfg.cluster_id)?;
-    let (mut st, rebuilt) = loaded.image.into_state(term, master.now(), master.cfg.lease_ttl.as_millis() as u64);
+    let lease_ms = master.cfg.lease_ttl.as_millis() as u64;
+    let (image, from, seq, head, last_leader) = match source {
+        Source::Journal => {
+            let loaded = journal::load(etcd, &cfg.cluster_id)?;
+            let from = format!("the journal ({} log entries, {} bytes)", loaded.log_entries, loaded.bytes);
+            (loaded.image, from, loaded.seq, loaded.head, loaded.last_leader)
+        }
+        Source::Mirror(image, mirror_seq) => {
+            let (stored, head) = journal::stored_seq(etcd, &cfg.cluster_id)?;
+            (image, format!("this standby's mirror (entry {mirror_seq})"), mirror_seq.max(stored), head, journal::last_leader(etcd, &cfg.cluster_id)?)
+        }
+        Source::Empty => {
+            let (stored, head) = journal::stored_seq(etcd, &cfg.cluster_id)?;
+            tracing::error!(term, "HA: the leader and every in-sync standby are gone; what only they held is lost: this leader starts EMPTY (the etcd journal is stale, and is never served)");
+            (Default::default(), "nothing (every in-sync standby was lost)".to_string(), stored, head, journal::last_leader(etcd, &cfg.cluster_id)?)
+        }
+    };
+    let rebase = !from.starts_with("the journal");
+    let (mut st, rebuilt) = image.into_state(term, master.now(), lease_ms);
     st.journal_on();
     *master.lock() = st;
     master.journal.activate(term);
     if !journal::mark_term(etcd, key, &cfg.cluster_id, owner)? {
         return Err("the key is no longer this master's".into());
     }
+    let sync = match cfg.replication {
+        Replication::Etcd => None,
+        Replication::Standbys => Some(journal::Replicas::new(&cfg.cluster_id, &cfg.address, owner, cfg.ack_timeout())),
+    };
+    let mut writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), owner, seq, head, snapshot_bytes: cfg.snapshot_bytes, sync, insync_key: sync::insync_key(&cfg.cluster_id) };
+    if rebase && writer.rebase_at_takeover(seq).is_none() {
+        return Err("could not write the state to the etcd journal".into());
+    }
     // etcd kept its history only if the journal names the leader this master saw (its key's
     // revision and lease); otherwise an old leader may still answer until its fence bound ends.
-    if loaded.last_leader.is_none() || loaded.last_leader != seen {
+    if last_leader.is_none() || last_leader != seen {
         let wait = (won_at + cfg.fence_bound()).saturating_duration_since(Instant::now());
-        tracing::info!(term, journal_leader = ?loaded.last_leader, ?seen, "HA: etcd's history does not show the previous leader; waiting {wait:?} (one fence bound) before serving");
+        tracing::info!(term, journal_leader = ?last_leader, ?seen, "HA: etcd's history does not show the previous leader; waiting {wait:?} (one fence bound) before serving");
         std::thread::sleep(wait);
     }
     // Renewed, and the key read back as this creation: a wait or a slow load may have let the
@@ -436,12 +613,10 @@ fn take_over(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, owne
         segments = rebuilt.segments,
         dropped_replicas = rebuilt.dropped_replicas,
         dropped_objects = rebuilt.dropped_objects,
-        journal_entries = loaded.log_entries,
-        journal_bytes = loaded.bytes,
-        "HA: leader at {} (key {key}, lease {lease:x}); state loaded from the journal",
+        "HA: leader at {} (key {key}, lease {lease:x}); state from {from}",
         cfg.address
     );
-    Ok((loaded.seq, loaded.head))
+    Ok(writer)
 }
 
 /// Keeps the lease alive while the key is ours; returns when leadership cannot be proven.
@@ -518,7 +693,7 @@ mod tests {
         assert_eq!(resolve_cluster_id(Some("flag"), Some("env")), "flag");
         assert_eq!(resolve_cluster_id(None, Some("env")), "env");
         assert_eq!(resolve_cluster_id(Some(" "), None), DEFAULT_CLUSTER_ID);
-        let c = HaConfig { endpoints: vec![], cluster_id: "c".into(), address: "a:1".into(), lease_ttl: Duration::from_secs(5), snapshot_bytes: journal::SNAPSHOT_MIN };
+        let c = HaConfig { endpoints: vec![], cluster_id: "c".into(), address: "a:1".into(), lease_ttl: Duration::from_secs(5), snapshot_bytes: journal::SNAPSHOT_MIN, replication: Replication::Etcd };
         assert!(c.fence_bound() < c.lease_ttl && c.keepalive_every() < c.fence_bound() / 2, "at least two renewals fit in the bound");
     }
 }

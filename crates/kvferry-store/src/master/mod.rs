@@ -856,6 +856,7 @@ impl Master {
     pub fn ha_status(&self) -> crate::ha::HaStatus {
         let mut s = self.gate.status();
         s.journal = self.journal.stats();
+        s.insync = self.journal.insync();
         s
     }
 

@@ -85,6 +85,24 @@ impl Owner {
     }
 }
 
+/// A condition of a transaction ([`EtcdClient::create_when`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cond {
+    /// The key's last modification is this revision (0: the key does not exist).
+    ModRevision(String, i64),
+    /// The key does not exist.
+    Absent(String),
+}
+
+impl Cond {
+    fn compare(&self) -> Value {
+        match self {
+            Cond::ModRevision(key, rev) => json!({ "key": B64.encode(key), "result": "EQUAL", "target": "MOD", "mod_revision": rev.to_string() }),
+            Cond::Absent(key) => json!({ "key": B64.encode(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0" }),
+        }
+    }
+}
+
 /// The outcome of [`EtcdClient::create`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Created {
@@ -229,13 +247,22 @@ impl EtcdClient {
     /// Creates `key` = `value` under `lease` in one transaction, only if it does not exist
     /// (compare `create_revision == 0`).
     pub fn create(&self, key: &str, value: &[u8], lease: i64) -> Result<Created> {
+        self.create_when(key, value, lease, &[])
+    }
+
+    /// [`EtcdClient::create`], and only while every one of `conds` holds too (in the same
+    /// transaction). When a condition fails but the key is absent, the answer is
+    /// `Created::Lost(None)`.
+    pub fn create_when(&self, key: &str, value: &[u8], lease: i64, conds: &[Cond]) -> Result<Created> {
         let k = B64.encode(key);
         let mut put = json!({ "key": k, "value": B64.encode(value) });
         if lease != 0 {
             put["lease"] = json!(lease.to_string());
         }
+        let mut compare = vec![json!({ "key": k, "result": "EQUAL", "target": "CREATE", "create_revision": "0" })];
+        compare.extend(conds.iter().map(Cond::compare));
         let body = json!({
-            "compare": [{ "key": k, "result": "EQUAL", "target": "CREATE", "create_revision": "0" }],
+            "compare": compare,
             "success": [{ "request_put": put }],
             "failure": [{ "request_range": { "key": k } }],
         });

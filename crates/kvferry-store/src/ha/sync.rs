@@ -1,0 +1,643 @@
+//! Replication to standbys that acknowledge in memory (`--ha-replication standbys`).
+//!
+//! What this is: the leader streams every journal entry (the same [`Change`]s the etcd journal
+//! holds) over TCP to the standbys, which apply them to an in-memory [`Image`] (their
+//! *mirror*) and acknowledge; while at least one standby is **in sync**, a request is answered
+//! once every in-sync standby acknowledged its changes (tens of microseconds on one host),
+//! instead of after an etcd transaction (about a millisecond, and etcd's CPU). What it is not:
+//! a consensus protocol. etcd stays the one arbiter of who leads and of who may:
+//!
+//! - **The in-sync set lives in etcd** (`mooncake-store/<id>/replication/insync`, a JSON
+//!   [`InSync`] record naming the term that wrote it), changed only by the leader in
+//!   transactions guarded by its view key. A standby joins it only after it acknowledged an
+//!   image of the state and every entry after it up to the last one written; it leaves it
+//!   (before anything more is acknowledged) when it fails to acknowledge within the bound or
+//!   its connection breaks.
+//! - **While the set is not empty the etcd journal is not written** (its entries stop at the
+//!   moment the first standby joined), so only a member of the set may lead next: the
+//!   campaign's transaction compares the record's revision, and a master that is not a member
+//!   campaigns only when no member is registered any more (every member dead: it then starts
+//!   *empty*: objects are lost, never served from a stale journal: see [`Eligibility`]).
+//! - **When the set becomes empty** (its last member failed) the leader first writes a whole
+//!   snapshot of its state to the etcd journal and clears the set in the same guarded
+//!   transaction as the journal's new head; only then does it acknowledge again, now after etcd.
+//! - **A member that wins** starts from its mirror, writes it to the etcd journal as a snapshot
+//!   and clears the set before it serves, so the cluster is never without a complete copy
+//!   outside a single process for longer than one failure.
+//!
+//! Wire format (sans-IO, [`encode_frame`] / [`decode_frame`]): a frame is a u32 little-endian
+//! length (at most [`MAX_FRAME`]) and the postcard encoding of a [`ToStandby`] or
+//! [`ToLeader`]. A connection starts with `Hello`; then `Image` frames (the state after entry
+//! `seq`, the last one marked), then `Entry` frames in order; the standby answers `Ack` with
+//! the last entry it applied.
+
+use crate::master::journal::{Change, Image};
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// The largest frame either side accepts (an image is sent in frames of [`IMAGE_PIECE`]
+/// changes; one entry is at most what one group commit collected).
+pub const MAX_FRAME: usize = 256 << 20;
+/// Changes per `Image` frame.
+pub const IMAGE_PIECE: usize = 4096;
+
+/// Leader → standby.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ToStandby {
+    /// The first frame: the cluster, and the leader's term (its view key's create revision)
+    /// and lease.
+    Hello { cluster_id: String, term: i64, lease: i64, leader: String },
+    /// Part of the state after entry `seq`; the one with `last` ends the image.
+    Image { seq: u64, changes: Vec<Change>, last: bool },
+    /// The changes of entry `seq`, applied after every earlier one.
+    Entry { seq: u64, changes: Vec<Change> },
+}
+
+/// Standby → leader.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ToLeader {
+    /// Everything up to entry `seq` is applied.
+    Ack { seq: u64 },
+    /// The connection is refused (another cluster, an older term, out of order).
+    Refused { why: String },
+}
+
+/// One frame: length, then postcard.
+pub fn encode_frame<T: Serialize>(m: &T) -> Result<Vec<u8>, String> {
+    let mut v = postcard::to_extend(m, vec![0u8; 4]).map_err(|e| format!("encoding a replication frame: {e}"))?;
+    let n = v.len() - 4;
+    if n > MAX_FRAME {
+        return Err(format!("a replication frame of {n} bytes is over the limit of {MAX_FRAME}"));
+    }
+    v[..4].copy_from_slice(&(n as u32).to_le_bytes());
+    Ok(v)
+}
+
+/// The first frame in `buf` and the bytes it took; `None` while `buf` holds only part of it.
+/// A length over [`MAX_FRAME`] or a body that does not decode is an error, never a panic.
+pub fn decode_frame<T: for<'de> Deserialize<'de>>(buf: &[u8]) -> Result<Option<(T, usize)>, String> {
+    let Some(len) = buf.first_chunk::<4>() else { return Ok(None) };
+    let n = u32::from_le_bytes(*len) as usize;
+    if n > MAX_FRAME {
+        return Err(format!("a replication frame claims {n} bytes (at most {MAX_FRAME}): the peer is not a kvferry master of this version"));
+    }
+    let Some(body) = buf.get(4..4 + n) else { return Ok(None) };
+    let m = postcard::from_bytes(body).map_err(|e| format!("a replication frame does not decode ({e}): the peer is not a kvferry master of this version"))?;
+    Ok(Some((m, 4 + n)))
+}
+
+/// Reads one frame from a blocking stream.
+pub fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> Result<T, String> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len).map_err(|e| e.to_string())?;
+    let n = u32::from_le_bytes(len) as usize;
+    if n > MAX_FRAME {
+        return Err(format!("a replication frame claims {n} bytes (at most {MAX_FRAME})"));
+    }
+    let mut body = vec![0u8; 4 + n];
+    body[..4].copy_from_slice(&len);
+    r.read_exact(&mut body[4..]).map_err(|e| e.to_string())?;
+    match decode_frame(&body)? {
+        Some((m, _)) => Ok(m),
+        None => Err("a replication frame is cut short".into()),
+    }
+}
+
+/// `mooncake-store/<id>/replication/`.
+pub fn prefix(cluster_id: &str) -> String {
+    let id = cluster_id.strip_suffix('/').unwrap_or(cluster_id);
+    format!("mooncake-store/{id}/replication/")
+}
+
+pub fn insync_key(cluster_id: &str) -> String {
+    format!("{}insync", prefix(cluster_id))
+}
+
+/// Where a standby announces its replication address (under its own lease): the key ends
+/// with its RPC address, its member id.
+pub fn standby_key(cluster_id: &str, member: &str) -> String {
+    format!("{}standby/{member}", prefix(cluster_id))
+}
+
+pub fn standby_prefix(cluster_id: &str) -> String {
+    format!("{}standby/", prefix(cluster_id))
+}
+
+/// The in-sync set as etcd holds it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InSync {
+    /// The term of the leader that wrote it (its members' mirrors come from that leader).
+    pub term: i64,
+    /// Member ids (standbys' RPC addresses).
+    pub members: Vec<String>,
+}
+
+impl InSync {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// An absent or empty value is the empty set; anything unreadable is an error (a master
+    /// must not guess who may lead).
+    pub fn parse(v: &[u8]) -> Result<InSync, String> {
+        if v.is_empty() {
+            return Ok(InSync::default());
+        }
+        serde_json::from_slice(v).map_err(|e| format!("the in-sync record is not readable ({e}); delete it only if every master is stopped"))
+    }
+}
+
+/// What a master that finds no leader may do, given the in-sync record and its mirror.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Eligibility {
+    /// The set is empty: the etcd journal holds everything acknowledged; load it.
+    Journal,
+    /// This master is a member with a complete mirror of the record's term: lead from it.
+    Mirror,
+    /// Members are named but none of them is registered any more (all dead): lead, starting
+    /// empty (what only they held is lost; a stale journal is never served).
+    Empty,
+    /// A member is alive: only a member may lead; wait.
+    Wait,
+}
+
+/// The rule, pure: `me` this master's id, `mirror` the term of its complete mirror (if any),
+/// `alive` whether a member's registration exists.
+pub fn eligibility(rec: &InSync, me: &str, mirror: Option<i64>, alive: impl Fn(&str) -> bool) -> Eligibility {
+    if rec.members.is_empty() {
+        return Eligibility::Journal;
+    }
+    if rec.members.iter().any(|m| m == me) && mirror == Some(rec.term) {
+        return Eligibility::Mirror;
+    }
+    if rec.members.iter().any(|m| m != me && alive(m)) {
+        return Eligibility::Wait;
+    }
+    // Members are all gone, or this master is the only one left and its mirror does not
+    // match (restarted since it was named): start empty.
+    Eligibility::Empty
+}
+
+// ---------------------------------------------------------------- standby side
+
+#[derive(Default)]
+struct MirrorState {
+    /// The term of the leader it mirrors; connections of older terms are refused.
+    term: i64,
+    /// The connection that feeds it (others are ignored).
+    conn: u64,
+    next_conn: u64,
+    image: Image,
+    /// Held-back replicas with when they were applied (they matter for one read lease after
+    /// the leader held them back; older ones are pruned, so the mirror does not grow).
+    held: VecDeque<(Instant, Change)>,
+    seq: u64,
+    /// An image was received whole (and every entry since, in order).
+    complete: bool,
+    /// Taken over (this master leads from it): nothing more is applied.
+    closed: bool,
+}
+
+/// A standby's copy of the leader's state, fed by [`serve`].
+pub struct Mirror {
+    st: Mutex<MirrorState>,
+    cluster_id: String,
+    /// How long a held-back replica is kept (two read lease TTLs).
+    keep_held: Duration,
+}
+
+impl Mirror {
+    pub fn new(cluster_id: &str, read_lease: Duration) -> Mirror {
+        Mirror { st: Mutex::new(MirrorState::default()), cluster_id: cluster_id.to_string(), keep_held: read_lease * 2 }
+    }
+
+    fn st(&self) -> std::sync::MutexGuard<'_, MirrorState> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The term of a complete mirror.
+    pub fn complete_term(&self) -> Option<i64> {
+        let st = self.st();
+        (st.complete && !st.closed).then_some(st.term)
+    }
+
+    /// The mirror of `term` for a takeover (the image and the last entry applied); nothing
+    /// more is applied until [`Mirror::reopen`]. `None` if it is not a complete mirror of
+    /// `term`.
+    pub fn take(&self, term: i64) -> Option<(Image, u64)> {
+        let mut st = self.st();
+        if !st.complete || st.closed || st.term != term {
+            return None;
+        }
+        st.closed = true;
+        st.complete = false;
+        let mut image = std::mem::take(&mut st.image);
+        for (_, c) in st.held.drain(..) {
+            image.apply(c);
+        }
+        Some((image, st.seq))
+    }
+
+    /// This master leads: nothing is mirrored (what was is dropped) until [`Mirror::reopen`].
+    pub fn close(&self) {
+        let mut st = self.st();
+        *st = MirrorState { term: st.term, next_conn: st.next_conn, closed: true, ..MirrorState::default() };
+    }
+
+    /// Accepts feeds again (after a campaign lost, or stepping down), of terms from `min_term`.
+    pub fn reopen(&self, min_term: i64) {
+        let mut st = self.st();
+        if !st.closed {
+            return;
+        }
+        *st = MirrorState { term: st.term.max(min_term), next_conn: st.next_conn, ..MirrorState::default() };
+    }
+
+    /// A connection said hello: it feeds the mirror from now on (an image follows), unless it
+    /// is of another cluster or an older term. Its connection id.
+    fn hello(&self, cluster_id: &str, term: i64) -> Result<u64, String> {
+        if cluster_id != self.cluster_id {
+            return Err(format!("this standby serves cluster {:?}, not {cluster_id:?}", self.cluster_id));
+        }
+        let mut st = self.st();
+        if st.closed {
+            return Err("this master is taking over or leads".into());
+        }
+        if term < st.term {
+            return Err(format!("term {term} is older than the term {} this standby follows", st.term));
+        }
+        st.next_conn += 1;
+        let conn = st.next_conn;
+        *st = MirrorState { term, conn, next_conn: conn, ..MirrorState::default() };
+        Ok(conn)
+    }
+
+    /// Applies one frame of connection `conn`: the entry to acknowledge, if any.
+    fn apply(&self, conn: u64, frame: ToStandby) -> Result<Option<u64>, String> {
+        let mut st = self.st();
+        if st.conn != conn || st.closed {
+            return Err("another leader's connection replaced this one".into());
+        }
+        let now = Instant::now();
+        let keep = self.keep_held;
+        let put = |st: &mut MirrorState, c: Change| match c {
+            Change::HeldBack { .. } => st.held.push_back((now, c)),
+            c => st.image.apply(c),
+        };
+        let ack = match frame {
+            ToStandby::Hello { .. } => return Err("a second hello on one connection".into()),
+            ToStandby::Image { seq, changes, last } => {
+                if st.complete {
+                    return Err("an image after the image".into());
+                }
+                for c in changes {
+                    put(&mut st, c);
+                }
+                if !last {
+                    return Ok(None);
+                }
+                st.seq = seq;
+                st.complete = true;
+                seq
+            }
+            ToStandby::Entry { seq, changes } => {
+                if !st.complete || seq <= st.seq {
+                    return Err(format!("entry {seq} out of order (mirror at {}, complete: {})", st.seq, st.complete));
+                }
+                for c in changes {
+                    put(&mut st, c);
+                }
+                st.seq = seq;
+                seq
+            }
+        };
+        while st.held.front().is_some_and(|(t, _)| now.duration_since(*t) > keep) {
+            st.held.pop_front();
+        }
+        Ok(Some(ack))
+    }
+}
+
+/// Serves the replication port of a standby: each connection (a leader) feeds `mirror`.
+/// Runs until the process ends.
+pub fn serve(listener: TcpListener, mirror: Arc<Mirror>) {
+    for conn in listener.incoming() {
+        let Ok(s) = conn else { continue };
+        let m = Arc::clone(&mirror);
+        let _ = std::thread::Builder::new().name("kvf-ha-standby".into()).spawn(move || {
+            if let Err(e) = follow(s, &m) {
+                tracing::debug!("HA replication: a leader's connection ended: {e}");
+            }
+        });
+    }
+}
+
+fn follow(mut s: TcpStream, m: &Mirror) -> Result<(), String> {
+    let _ = s.set_nodelay(true);
+    // A leader says hello at once; a silent peer is not a leader.
+    s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
+    let hello: ToStandby = read_frame(&mut s)?;
+    let ToStandby::Hello { cluster_id, term, leader, .. } = hello else { return Err("the first frame is not a hello".into()) };
+    let conn = match m.hello(&cluster_id, term) {
+        Ok(c) => c,
+        Err(why) => {
+            let _ = s.write_all(&encode_frame(&ToLeader::Refused { why: why.clone() })?);
+            return Err(why);
+        }
+    };
+    tracing::info!(term, "HA replication: following the leader at {leader}");
+    // Entries come as the leader writes them; an idle leader sends nothing for a while.
+    s.set_read_timeout(None).map_err(|e| e.to_string())?;
+    let mut r = std::io::BufReader::with_capacity(1 << 20, s.try_clone().map_err(|e| e.to_string())?);
+    loop {
+        let f: ToStandby = read_frame(&mut r)?;
+        match m.apply(conn, f) {
+            Ok(Some(seq)) => s.write_all(&encode_frame(&ToLeader::Ack { seq })?).map_err(|e| e.to_string())?,
+            Ok(None) => {}
+            Err(why) => {
+                let _ = s.write_all(&encode_frame(&ToLeader::Refused { why: why.clone() })?);
+                return Err(why);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- leader side
+
+/// Wakes the writer when an acknowledgement arrives or a link breaks.
+#[derive(Default)]
+pub struct AckSignal {
+    m: Mutex<u64>,
+    cv: Condvar,
+}
+
+impl AckSignal {
+    fn notify(&self) {
+        *self.m.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.cv.notify_all();
+    }
+
+    /// Waits until `done()` or `until`; whether `done()`.
+    pub fn wait_until(&self, until: Instant, done: impl Fn() -> bool) -> bool {
+        let mut g = self.m.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if done() {
+                return true;
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            g = self.cv.wait_timeout(g, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+}
+
+/// The leader's connection to one standby: frames go out through a channel to its sender
+/// thread (which connects first, so the leader's writer never waits on a slow or unreachable
+/// standby); a reader thread records acknowledgements.
+pub struct Link {
+    pub member: String,
+    pub addr: String,
+    tx: Option<std::sync::mpsc::Sender<Arc<Vec<u8>>>>,
+    acked: Arc<AtomicU64>,
+    dead: Arc<AtomicBool>,
+    /// Bytes queued and not yet written: a standby that does not read (paused, overloaded)
+    /// is cut off past [`Link::backlog_limit`] instead of growing the leader's memory.
+    queued: Arc<AtomicU64>,
+    /// The entry its image ends at (it is in sync once it acknowledged the last entry
+    /// written, which is at least this).
+    pub image_seq: u64,
+    image_bytes: u64,
+    sock: Arc<Mutex<Option<TcpStream>>>,
+}
+
+/// How long connecting to a standby may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// A write to a standby that takes longer than this ends its link.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl Link {
+    /// Starts linking to `addr`: its sender thread connects, says `hello`, then sends what is
+    /// queued; its reader thread records acknowledgements. Never blocks the caller on the
+    /// network.
+    pub fn open(member: &str, addr: &str, hello: &ToStandby, signal: &Arc<AckSignal>) -> Result<Link, String> {
+        let sa: std::net::SocketAddr = addr.parse().map_err(|e| format!("the standby {member} announced {addr:?}, not an address: {e}"))?;
+        let hello = encode_frame(hello)?;
+        let (tx, rx) = std::sync::mpsc::channel::<Arc<Vec<u8>>>();
+        let acked = Arc::new(AtomicU64::new(0));
+        let dead = Arc::new(AtomicBool::new(false));
+        let queued = Arc::new(AtomicU64::new(0));
+        let sock: Arc<Mutex<Option<TcpStream>>> = Arc::default();
+        let (dead2, signal2, acked2, queued2, sock2) = (Arc::clone(&dead), Arc::clone(signal), Arc::clone(&acked), Arc::clone(&queued), Arc::clone(&sock));
+        let m = member.to_string();
+        std::thread::Builder::new()
+            .name("kvf-ha-send".into())
+            .spawn(move || {
+                let end = |why: String| {
+                    tracing::warn!("HA replication: the standby {m}: {why}");
+                    dead2.store(true, Ordering::Release);
+                    signal2.notify();
+                };
+                let mut w = match TcpStream::connect_timeout(&sa, CONNECT_TIMEOUT) {
+                    Ok(s) => s,
+                    Err(e) => return end(format!("connecting to {sa}: {e}")),
+                };
+                let _ = w.set_nodelay(true);
+                let _ = w.set_write_timeout(Some(WRITE_TIMEOUT));
+                let r = match w.try_clone() {
+                    Ok(r) => r,
+                    Err(e) => return end(e.to_string()),
+                };
+                match (w.try_clone(), sock2.lock()) {
+                    (Ok(s), Ok(mut g)) => *g = Some(s),
+                    _ => return end("cannot keep the connection".into()),
+                }
+                let (dead3, signal3, m3) = (Arc::clone(&dead2), Arc::clone(&signal2), m.clone());
+                let reader = std::thread::Builder::new().name("kvf-ha-acks".into()).spawn(move || {
+                    let mut r = std::io::BufReader::new(r);
+                    loop {
+                        match read_frame::<ToLeader>(&mut r) {
+                            Ok(ToLeader::Ack { seq }) => {
+                                acked2.fetch_max(seq, Ordering::AcqRel);
+                                signal3.notify();
+                            }
+                            Ok(ToLeader::Refused { why }) => {
+                                tracing::warn!("HA replication: the standby {m3} refused: {why}");
+                                break;
+                            }
+                            Err(e) => {
+                                tracing::debug!("HA replication: the standby {m3}'s connection ended: {e}");
+                                break;
+                            }
+                        }
+                    }
+                    dead3.store(true, Ordering::Release);
+                    signal3.notify();
+                });
+                if let Err(e) = reader {
+                    return end(e.to_string());
+                }
+                if let Err(e) = w.write_all(&hello) {
+                    return end(format!("greeting: {e}"));
+                }
+                while let Ok(f) = rx.recv() {
+                    if let Err(e) = w.write_all(&f) {
+                        return end(format!("sending: {e}"));
+                    }
+                    queued2.fetch_sub(f.len() as u64, Ordering::AcqRel);
+                }
+                let _ = w.shutdown(std::net::Shutdown::Both);
+                dead2.store(true, Ordering::Release);
+                signal2.notify();
+            })
+            .map_err(|e| e.to_string())?;
+        Ok(Link { member: member.to_string(), addr: addr.to_string(), tx: Some(tx), acked, dead, queued, image_seq: 0, image_bytes: 0, sock })
+    }
+
+    /// The most a link may have queued: its image and 256 MiB more, or twice its image.
+    fn backlog_limit(&self) -> u64 {
+        (self.image_bytes + (256 << 20)).max(2 * self.image_bytes)
+    }
+
+    /// Queues a frame; false when the link is gone (or cut off: too much queued).
+    pub fn send(&self, frame: &Arc<Vec<u8>>) -> bool {
+        if self.dead() {
+            return false;
+        }
+        let q = self.queued.fetch_add(frame.len() as u64, Ordering::AcqRel) + frame.len() as u64;
+        if q > self.backlog_limit() {
+            tracing::warn!("HA replication: the standby {} does not keep up ({q} bytes queued); its link is cut", self.member);
+            self.cut();
+            return false;
+        }
+        self.tx.as_ref().is_some_and(|tx| tx.send(Arc::clone(frame)).is_ok())
+    }
+
+    /// Queues an image's frames.
+    pub fn send_image(&mut self, seq: u64, frames: &[Arc<Vec<u8>>]) {
+        self.image_seq = seq;
+        self.image_bytes = frames.iter().map(|f| f.len() as u64).sum();
+        for f in frames {
+            self.send(f);
+        }
+    }
+
+    pub fn acked(&self) -> u64 {
+        self.acked.load(Ordering::Acquire)
+    }
+
+    pub fn dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
+    fn cut(&self) {
+        self.dead.store(true, Ordering::Release);
+        if let Some(s) = self.sock.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.tx = None; // the sender thread ends once it drained the channel
+        self.cut(); // or at once, if it is stuck writing; the reader ends too
+    }
+}
+
+/// The image frames of `changes` (the state after entry `seq`).
+pub fn image_frames(seq: u64, changes: Vec<Change>) -> Result<Vec<Arc<Vec<u8>>>, String> {
+    let mut out = Vec::new();
+    let mut it = changes.into_iter().peekable();
+    loop {
+        let piece: Vec<Change> = it.by_ref().take(IMAGE_PIECE).collect();
+        let last = it.peek().is_none();
+        out.push(Arc::new(encode_frame(&ToStandby::Image { seq, changes: piece, last })?));
+        if last {
+            return Ok(out);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::master::journal::ObjectRec;
+    use proptest::prelude::*;
+
+    fn obj(key: &str, size: u64) -> Change {
+        Change::Object { key: key.into(), rec: ObjectRec { size, current: vec![(1, 4096, size)], pending: None, owner: 7, hard_pin: false, soft_pin_left: 0, group: None } }
+    }
+
+    #[test]
+    fn frames_round_trip_and_partial_input_waits() {
+        let f = ToStandby::Entry { seq: 9, changes: vec![obj("a", 10), Change::Forget { key: "b".into() }] };
+        let bytes = encode_frame(&f).unwrap();
+        for cut in 0..bytes.len() {
+            assert_eq!(decode_frame::<ToStandby>(&bytes[..cut]).unwrap(), None, "{cut} bytes are not a frame yet");
+        }
+        let mut two = bytes.clone();
+        two.extend(encode_frame(&ToLeader::Ack { seq: 3 }).unwrap());
+        assert_eq!(decode_frame::<ToStandby>(&two).unwrap(), Some((f.clone(), bytes.len())));
+        assert_eq!(decode_frame::<ToLeader>(&two[bytes.len()..]).unwrap().map(|x| x.0), Some(ToLeader::Ack { seq: 3 }));
+        assert_eq!(read_frame::<ToStandby>(&mut &bytes[..]).unwrap(), f);
+        assert!(read_frame::<ToStandby>(&mut &bytes[..bytes.len() - 1]).is_err(), "a frame cut short is an error");
+        let huge = ((MAX_FRAME + 1) as u32).to_le_bytes();
+        assert!(decode_frame::<ToStandby>(&huge).unwrap_err().contains("claims"), "an oversized length is refused before any allocation");
+    }
+
+    proptest! {
+        #[test]
+        fn decoding_any_bytes_never_panics(b in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = decode_frame::<ToStandby>(&b);
+            let _ = decode_frame::<ToLeader>(&b);
+            let _ = read_frame::<ToStandby>(&mut &b[..]);
+        }
+    }
+
+    #[test]
+    fn a_mirror_applies_an_image_then_entries_in_order_from_its_newest_leader_only() {
+        let m = Mirror::new("c", Duration::from_secs(5));
+        assert!(m.hello("other", 5).is_err(), "another cluster's leader is refused");
+        let c1 = m.hello("c", 5).unwrap();
+        assert!(m.apply(c1, ToStandby::Entry { seq: 1, changes: vec![] }).is_err(), "an entry before the image is refused");
+        let c1 = m.hello("c", 5).unwrap();
+        assert_eq!(m.apply(c1, ToStandby::Image { seq: 4, changes: vec![obj("a", 1)], last: false }).unwrap(), None);
+        assert_eq!(m.complete_term(), None, "an image in progress is not a mirror to lead from");
+        assert_eq!(m.apply(c1, ToStandby::Image { seq: 4, changes: vec![obj("b", 2)], last: true }).unwrap(), Some(4));
+        assert_eq!(m.complete_term(), Some(5));
+        assert_eq!(m.apply(c1, ToStandby::Entry { seq: 6, changes: vec![Change::Forget { key: "a".into() }, obj("c", 3)] }).unwrap(), Some(6));
+        assert!(m.apply(c1, ToStandby::Entry { seq: 6, changes: vec![] }).is_err(), "an entry again is out of order");
+        assert!(m.hello("c", 4).is_err(), "an older term's leader (a deposed one) is refused");
+        let (image, seq) = m.take(5).expect("a complete mirror of term 5");
+        assert_eq!((image.objects(), seq), (2, 6), "b and c: the image and the entry applied");
+        assert!(m.take(5).is_none(), "taken once");
+        assert!(m.hello("c", 9).is_err(), "a mirror taken over accepts nothing");
+        m.reopen(5);
+        assert!(m.hello("c", 4).is_err());
+        let c9 = m.hello("c", 9).unwrap();
+        assert!(m.apply(c1, ToStandby::Entry { seq: 7, changes: vec![] }).is_err(), "the replaced connection feeds nothing");
+        assert_eq!(m.apply(c9, ToStandby::Image { seq: 7, changes: vec![], last: true }).unwrap(), Some(7));
+        assert!(m.take(5).is_none(), "a mirror of term 9 is not one of term 5");
+    }
+
+    #[test]
+    fn only_a_member_with_its_terms_mirror_leads_and_a_dead_set_means_starting_empty() {
+        let rec = InSync { term: 7, members: vec!["a:1".into(), "b:1".into()] };
+        assert_eq!(eligibility(&InSync::default(), "c:1", None, |_| true), Eligibility::Journal);
+        assert_eq!(eligibility(&rec, "a:1", Some(7), |_| true), Eligibility::Mirror);
+        assert_eq!(eligibility(&rec, "a:1", Some(6), |_| true), Eligibility::Wait, "a mirror of another term is not the one acknowledged");
+        assert_eq!(eligibility(&rec, "a:1", None, |_| false), Eligibility::Empty, "the only member left lost its mirror");
+        assert_eq!(eligibility(&rec, "c:1", None, |m| m == "b:1"), Eligibility::Wait, "a member is alive: only it may lead");
+        assert_eq!(eligibility(&rec, "c:1", None, |_| false), Eligibility::Empty);
+        assert_eq!(InSync::parse(&rec.to_bytes()).unwrap(), rec);
+        assert_eq!(InSync::parse(b"").unwrap(), InSync::default());
+        assert!(InSync::parse(b"{").is_err());
+    }
+}
