@@ -318,6 +318,21 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     );
     let _ = std::io::stdout().flush();
     eprintln!("kvferry master listening on {}:{} (RPC){}", a.host, server.port(), http_port.map(|p| format!(", {}:{p} (HTTP)", a.metrics_host.unwrap_or(a.host))).unwrap_or_default());
+    if ha.is_some() {
+        // Stopped by SIGTERM/SIGINT, an HA leader first leaves its whole state in etcd and
+        // steps down, so stopping every master at once loses nothing.
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).map_err(|e| format!("cannot handle SIGTERM/SIGINT: {e}"))?;
+        if let Some(sig) = signals.forever().next() {
+            let bound = Duration::from_secs(10);
+            if kvferry_store::ha::hand_off(&master, bound) {
+                eprintln!("kvferry master: stopping (signal {sig}); the state is in etcd and the leadership handed off");
+            } else {
+                eprintln!("kvferry master: stopping (signal {sig}); the state could not be handed to etcd within {bound:?}");
+            }
+            std::process::exit(0);
+        }
+    }
     loop {
         std::thread::park();
     }
@@ -411,11 +426,11 @@ mod tests {
         let a = Wrap::from_arg_matches(&matches).expect("args").m;
         let m = merge_config_file(a, &matches).expect("merge");
         assert_eq!((m.port, m.default_kv_lease_ttl, m.client_ttl, m.eviction_ratio), (50123, 2000, 9, 0.3));
-        std::fs::write(&path, r#"{"enable_oplog": true}"#).expect("write");
+        std::fs::write(&path, r#"{"enable_snapshot": true}"#).expect("write");
         let matches = Wrap::command().try_get_matches_from(["master", "--config", p.as_str()]).expect("matches");
         let a = Wrap::from_arg_matches(&matches).expect("args").m;
         let e = merge_config_file(a, &matches).err().unwrap_or_default();
-        assert!(e.contains("--enable_oplog") && e.contains("master.json"), "{e}");
+        assert!(e.contains("--enable_snapshot") && e.contains("master.json"), "{e}");
         // Mooncake's HA keys of master.json are kvferry's settings.
         std::fs::write(&path, r#"{"enable_ha": true, "ha_backend_connstring": "etcd://127.0.0.1:2379;127.0.0.1:2380", "cluster_id": "c9"}"#).expect("write");
         let matches = Wrap::command().try_get_matches_from(["master", "--config", p.as_str()]).expect("matches");

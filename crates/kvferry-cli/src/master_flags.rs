@@ -6,7 +6,7 @@
 //! Every flag of Mooncake's `master.cpp` is either translated to a kvferry flag, accepted and
 //! ignored with one warning line naming it (tuning or optional features whose absence does not
 //! change what a client sees), or rejected with an error naming it (it asks for a feature
-//! kvferry does not have: `--enable_oplog=true`, `--enable_offload=true`, ...). The HA flags
+//! kvferry does not have: `--enable_snapshot=true`, `--enable_offload=true`, ...). The HA flags
 //! (`--enable_ha`, `--ha_backend_connstring`, `--etcd_endpoints`, `--cluster_id`) are kvferry
 //! flags of the same names; `--ha_backend_type` must be `etcd`. Flags neither side
 //! knows are left for clap, which rejects them by name.
@@ -49,7 +49,8 @@ fn non_empty(v: &str) -> bool {
     !v.trim().is_empty()
 }
 
-const NO_HA: &str = "kvferry's master does not replicate or persist its metadata yet (with --enable_ha a new leader starts empty)";
+const NO_HA: &str = "kvferry's master does not write its metadata to files or object stores; with --enable_ha it replicates every change itself (to in-sync standbys, or to its etcd journal with --ha-replication etcd, which also survives a restart of every master)";
+const OPLOG: &str = "with --enable_ha kvferry's master replicates every change itself (--ha-replication standbys|etcd), so Mooncake's oplog settings do not apply";
 fn not_etcd(v: &str) -> bool {
     !v.trim().eq_ignore_ascii_case("etcd")
 }
@@ -73,10 +74,10 @@ const MOONCAKE_ONLY: &[(&str, Kind, Action)] = &[
     ("ha_backend_type", Kind::Value, Action::RejectIf(not_etcd, "kvferry's master elects its leader through etcd only (--ha_backend_type=etcd)")),
     ("root_fs_dir", Kind::Value, Action::Ignore(NO_HA)),
     ("global_file_segment_size", Kind::Value, Action::Ignore(NO_TIERS)),
-    ("enable_oplog", Kind::Bool, Action::RejectIf(truthy, NO_HA)),
-    ("oplog_poll_interval_ms", Kind::Value, Action::Ignore(NO_HA)),
-    ("oplog_batch_max_entries", Kind::Value, Action::Ignore(NO_HA)),
-    ("batch_oplog_retry_timeout_sec", Kind::Value, Action::Ignore(NO_HA)),
+    ("enable_oplog", Kind::Bool, Action::Ignore(OPLOG)),
+    ("oplog_poll_interval_ms", Kind::Value, Action::Ignore(OPLOG)),
+    ("oplog_batch_max_entries", Kind::Value, Action::Ignore(OPLOG)),
+    ("batch_oplog_retry_timeout_sec", Kind::Value, Action::Ignore(OPLOG)),
     ("enable_snapshot", Kind::Bool, Action::RejectIf(truthy, NO_HA)),
     ("enable_snapshot_restore", Kind::Bool, Action::RejectIf(truthy, NO_HA)),
     ("snapshot_backup_dir", Kind::Value, Action::Ignore(NO_HA)),
@@ -414,7 +415,11 @@ mod tests {
         assert_eq!(a, ["--port", "1"]);
         assert_eq!(w.len(), 5);
         assert!(w[0].contains("--rpc_thread_num=8") && w[1].contains("--memory_allocator=offset") && w[2].contains("--enable_oplog=false"));
-        for bad in [&["--enable_oplog"][..], &["--enable_snapshot=true"], &["-enable_offload=1"], &["--dynamic_replication_mode", "enforce"], &["--rpc_interface=eth0"], &["--ha_backend_type=redis"]] {
+        // Mooncake's oplog replication is what --enable_ha does anyway: a warning, not an error.
+        let (a, w) = norm(&["--enable_oplog", "--enable_ha"]).unwrap();
+        assert_eq!((a, w.len()), (vec!["--enable-ha=true".to_string()], 1));
+        assert!(w[0].contains("--enable_oplog") && w[0].contains("replicates every change"), "{w:?}");
+        for bad in [&["--enable_snapshot"][..], &["--enable_snapshot=true"], &["-enable_offload=1"], &["--dynamic_replication_mode", "enforce"], &["--rpc_interface=eth0"], &["--ha_backend_type=redis"]] {
             let e = norm(bad).unwrap_err();
             let name = bad[0].trim_start_matches('-').split('=').next().unwrap_or_default();
             assert!(e.contains(name) && e.contains("not supported"), "{bad:?}: {e}");

@@ -675,6 +675,55 @@ fn only_an_in_sync_standby_leads_next_and_losing_it_too_starts_empty_never_stale
     let _ = c.close();
 }
 
+/// A leader stopped with SIGTERM while a standby is in sync first leaves its whole state in the
+/// etcd journal and steps down (its key deleted: the standby leads at once, not a lease TTL
+/// later), so a cluster whose masters are all stopped loses nothing.
+#[test]
+fn a_leader_stopped_with_sigterm_leaves_its_state_in_etcd_and_hands_off_at_once() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let mut ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, true)];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let s = 1 - l;
+    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    let c = ha_client(etcd_svc.port, 32 << 20);
+    let keys: Vec<String> = (0..50).map(|i| format!("t{i}")).collect();
+    for k in &keys {
+        c.put(k, &value(k, 4096), &ReplicateConfig::default()).expect("put");
+    }
+    assert!(ha_status(&ms[l])["journal"]["streamed"].as_u64().is_some_and(|n| n >= 50), "acknowledged by the standby");
+    ms[l].signal(libc::SIGTERM);
+    let t = Instant::now();
+    let status = loop {
+        if let Some(st) = ms[l].child.try_wait().expect("wait") {
+            break st;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "the leader did not stop within 10 s of SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+    // Its state went to etcd before it exited: the in-sync set is empty (killed instead, it
+    // would name the standby until that one took over, a lease TTL later).
+    let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
+    assert_eq!(insync_members(&etcd), Vec::<String>::new(), "the stopping leader emptied the in-sync set");
+    while ms[s].role() != "leader" {
+        assert!(t.elapsed() < TTL / 2 + Duration::from_millis(600), "the standby did not lead at once: the stopped leader did not step down");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("SIGTERM -> the standby leads: {:?}", t.elapsed());
+    // Every master gone at once now: a new one starts from etcd, with everything.
+    ms[s].kill();
+    ms[l] = Master::start(etcd_svc.port, None, false);
+    let until = Instant::now() + 3 * TTL;
+    while ms[l].role() != "leader" {
+        assert!(Instant::now() < until, "a lone master did not lead");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for k in &keys {
+        assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{k} lost: {e}")), value(k, 4096));
+    }
+    let _ = c.close();
+}
+
 /// The journal stays bounded: with a tiny snapshot threshold the leader snapshots again and
 /// again, deleting the log each snapshot covers; a new leader loads snapshot + log and has
 /// every object, removed ones stay removed, across two failovers.

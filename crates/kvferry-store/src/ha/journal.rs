@@ -231,6 +231,10 @@ struct Queue {
     /// The writer gave up (etcd unreachable past the fence bound, or the key is not ours):
     /// nothing more is acknowledged in this term.
     failed: bool,
+    /// The master is stopping: the writer puts the whole state in etcd (if standbys
+    /// acknowledged it) and fences the leader; `handed_off` once done.
+    handoff: bool,
+    handed_off: bool,
 }
 
 /// Counters shown on `/ha_status` and `/metrics`.
@@ -355,6 +359,27 @@ impl Journal {
         q.changes.clear();
         self.work.notify_all();
         self.durable.notify_all();
+    }
+
+    /// Asks this term's writer to leave the state whole in the etcd journal and the leader
+    /// fenced (the master is stopping); whether that was done within `bound` (true at once
+    /// when not leading).
+    pub fn hand_off(&self, bound: Duration) -> bool {
+        let until = Instant::now() + bound;
+        let mut q = self.q();
+        if q.term == 0 || q.failed {
+            return true;
+        }
+        q.handoff = true;
+        self.work.notify_all();
+        while !q.handed_off && q.term != 0 && !q.failed {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            q = self.durable.wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        q.handed_off
     }
 
     fn fail(&self) {
@@ -811,6 +836,19 @@ impl Writer<'_> {
         while let Some((changes, upto)) = j.next(self.term(), Duration::from_millis(200)) {
             if !changes.is_empty() && self.commit(changes, upto).is_none() {
                 break;
+            }
+            if j.q().handoff {
+                // Stopping: the state goes to etcd whole (the in-sync set emptied), nothing
+                // more is acknowledged by standbys, and the leader refuses from now on.
+                if self.streaming() && self.rebase().is_none() {
+                    break;
+                }
+                self.sync = None;
+                self.master.gate.fence(self.term());
+                let mut q = j.q();
+                q.handed_off = true;
+                j.durable.notify_all();
+                continue;
             }
             if self.poll_standbys().is_none() || self.promote().is_none() {
                 break;

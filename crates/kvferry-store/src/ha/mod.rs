@@ -124,6 +124,8 @@ pub struct HaStatus {
 /// The gate every RPC passes. Without HA it always admits (term 0).
 pub struct Gate {
     enabled: AtomicBool,
+    /// Step-downs completed (key deleted, lease revoked): what [`hand_off`] waits for.
+    stepped_down: std::sync::atomic::AtomicU64,
     state: Mutex<GateState>,
     info: Mutex<(String, String, String, Duration)>, // cluster id, key, address, lease TTL
 }
@@ -132,6 +134,7 @@ impl Default for Gate {
     fn default() -> Self {
         Gate {
             enabled: AtomicBool::new(false),
+            stepped_down: Default::default(),
             state: Mutex::new(GateState { role: Role::Leader, term: 0, leader: String::new(), valid_until: None, last_keepalive: None, lease_id: 0 }),
             info: Mutex::new((String::new(), String::new(), String::new(), Duration::ZERO)),
         }
@@ -530,6 +533,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 if let Err(e) = etcd.lease_revoke(lease) {
                     tracing::debug!("HA: revoking the lease after stepping down: {e}");
                 }
+                gate.stepped_down.fetch_add(1, Ordering::AcqRel);
                 tracing::warn!(term, "HA: stepped down; metadata reset; standing by");
             }
             Ok(Created::Lost(kv)) => {
@@ -617,6 +621,28 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
         cfg.address
     );
     Ok(writer)
+}
+
+/// The master is stopping (SIGTERM): a leader leaves its whole state in the etcd journal (its
+/// in-sync standbys' acknowledgements would die with the cluster otherwise), refuses from then
+/// on, and steps down (its key deleted: a standby takes over at once, from the journal).
+/// Whether that finished within `bound`; true at once for a standby or without HA.
+pub fn hand_off(master: &Master, bound: Duration) -> bool {
+    if !master.gate.enabled() || master.gate.role() != Role::Leader {
+        return true;
+    }
+    let until = Instant::now() + bound;
+    let before = master.gate.stepped_down.load(Ordering::Acquire);
+    if !master.journal.hand_off(bound) {
+        return false;
+    }
+    while master.gate.stepped_down.load(Ordering::Acquire) == before {
+        if Instant::now() > until {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
 }
 
 /// Keeps the lease alive while the key is ours; returns when leadership cannot be proven.
