@@ -2,9 +2,11 @@
 //! free 127.0.0.1 ports with a temporary data directory, killed by pid): two `kvferry master
 //! --enable_ha` processes, one leader; a client with an `etcd://` master address follows it
 //! through a SIGKILL; a leader paused (SIGSTOP) past its lease refuses requests as soon as it
-//! runs again and stands by. Lease TTL 2 s. The leader journals every durable change in etcd
-//! and a new leader starts from the journal: objects put before a failover stay readable with
-//! their bytes (`repeated_leader_kills_under_load_never_two_leaders_never_wrong_bytes`).
+//! runs again and stands by. Lease TTL 2 s. The leader has every durable change acknowledged
+//! by its in-sync standbys (the default) or journaled in etcd (while none is in sync, or with
+//! `--ha-replication etcd`), and a new leader starts from its mirror or the journal: objects
+//! put before a failover stay readable with their bytes
+//! (`repeated_leader_kills_under_load_never_two_leaders_never_wrong_bytes`).
 //! `kvferry store-bench --ha`, the figures, runs here too, briefly.
 
 #[path = "../../kvferry/tests/metadata_services/mod.rs"]

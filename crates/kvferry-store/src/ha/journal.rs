@@ -16,11 +16,11 @@
 //!
 //! Group commit: request threads apply their change to the state, collect the marked changes
 //! into the queue ([`Journal::collect`]) and wait for the writer ([`Journal::wait`]); the writer
-//! takes everything queued in one etcd request. Why etcd rather than streaming to standbys:
-//! a standby that takes over needs no catch-up protocol and no in-sync set (any master that
-//! wins the key reads the same journal), a small change costs one etcd round trip (about 1 ms
-//! with fsync on this project's VM) shared by every request queued meanwhile, and etcd is
-//! already the one dependency HA needs.
+//! takes everything queued in one etcd request (about 1 ms with fsync on this project's VM,
+//! shared by every request queued meanwhile). With `--ha-replication standbys` the same writer
+//! streams each batch to the standbys ([`Replicas`], [`super::sync`]) and, while the in-sync
+//! set is not empty, waits for their acknowledgements instead of writing etcd; when the set
+//! empties it writes the whole state as a snapshot first ([`Writer`]'s `rebase`).
 
 use crate::error::StoreError;
 use crate::master::journal::{Change, Image};

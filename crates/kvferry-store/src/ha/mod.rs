@@ -24,9 +24,12 @@
 //! both accept requests: the new leader can only create the key after the old lease expired,
 //! by which time the old leader has refused for a third of a TTL.
 //!
-//! **Replication.** The leader journals every durable change in etcd before it answers the
-//! request that made it ([`journal`]); a master that wins the key loads the journal (snapshot
-//! plus log) and starts from the state its predecessor acknowledged, conservatively: every
+//! **Replication.** Before it answers the request that made a durable change, the leader has
+//! it acknowledged by every standby of its in-sync set ([`sync`], `--ha-replication
+//! standbys`, the default) or, while that set is empty (or with `--ha-replication etcd`),
+//! journaled in etcd ([`journal`]). A master that wins the key starts from its mirror (a
+//! member of the set), from the journal (snapshot plus log: the set is empty), or empty (every
+//! member is gone: the journal is stale and never served), conservatively: every
 //! object counts as being read for one lease TTL, writes in progress stay in progress, every
 //! client as just pinged (`crate::master::journal`). Journal writes are transactions guarded
 //! by the leader's key, so a deposed leader cannot append; a leader that cannot write its
