@@ -454,10 +454,6 @@ impl Link {
                     Ok(r) => r,
                     Err(e) => return end(e.to_string()),
                 };
-                match (w.try_clone(), sock2.lock()) {
-                    (Ok(s), Ok(mut g)) => *g = Some(s),
-                    _ => return end("cannot keep the connection".into()),
-                }
                 let (dead3, signal3, m3) = (Arc::clone(&dead2), Arc::clone(&signal2), m.clone());
                 let reader = std::thread::Builder::new().name("kvf-ha-acks".into()).spawn(move || {
                     let mut r = std::io::BufReader::new(r);
@@ -486,6 +482,11 @@ impl Link {
                 if let Err(e) = w.write_all(&hello) {
                     return end(format!("greeting: {e}"));
                 }
+                // From now on the writer may write entries itself while nothing is queued.
+                match (w.try_clone(), sock2.lock()) {
+                    (Ok(s), Ok(mut g)) => *g = Some(s),
+                    _ => return end("cannot keep the connection".into()),
+                }
                 while let Ok(f) = rx.recv() {
                     if let Err(e) = w.write_all(&f) {
                         return end(format!("sending: {e}"));
@@ -505,11 +506,38 @@ impl Link {
         (self.image_bytes + (256 << 20)).max(2 * self.image_bytes)
     }
 
-    /// Queues a frame; false when the link is gone (or cut off: too much queued).
+    /// Sends a frame: written at once when nothing is queued and the socket takes it whole
+    /// without blocking (the common case: no hop through the sender thread), else queued
+    /// (what was not written of it, in order). False when the link is gone (or cut off: too
+    /// much queued). Frames come from one thread only (the leader's writer), so with nothing
+    /// queued the sender thread is idle and writing here keeps the order.
     pub fn send(&self, frame: &Arc<Vec<u8>>) -> bool {
         if self.dead() {
             return false;
         }
+        if self.queued.load(Ordering::Acquire) == 0 {
+            let g = self.sock.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(sock) = g.as_ref() {
+                match rustix::net::send(sock, frame, rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL) {
+                    Ok(n) if n == frame.len() => return true,
+                    Ok(n) => {
+                        drop(g);
+                        return self.enqueue(&Arc::new(frame[n..].to_vec()));
+                    }
+                    Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => {}
+                    Err(e) => {
+                        drop(g);
+                        tracing::warn!("HA replication: sending to the standby {}: {e}", self.member);
+                        self.cut();
+                        return false;
+                    }
+                }
+            }
+        }
+        self.enqueue(frame)
+    }
+
+    fn enqueue(&self, frame: &Arc<Vec<u8>>) -> bool {
         let q = self.queued.fetch_add(frame.len() as u64, Ordering::AcqRel) + frame.len() as u64;
         if q > self.backlog_limit() {
             tracing::warn!("HA replication: the standby {} does not keep up ({q} bytes queued); its link is cut", self.member);
