@@ -446,6 +446,9 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
         match etcd.get_kv(key) {
             Ok(Some(kv)) => {
                 seen = Some(Owner::of(&kv));
+                if let Some(sb) = standby.as_ref() {
+                    sb.mirror.set_leader(Some((kv.create_revision, kv.lease)));
+                }
                 gate.set_standby(Some(&kv));
                 let leader = String::from_utf8_lossy(&kv.value).into_owned();
                 if leader != logged_leader {
@@ -455,7 +458,11 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 std::thread::sleep(STANDBY_POLL);
                 continue;
             }
-            Ok(None) => {}
+            Ok(None) => {
+                if let Some(sb) = standby.as_ref() {
+                    sb.mirror.set_leader(None);
+                }
+            }
             Err(e) => {
                 gate.set_standby(None);
                 report(e.to_string());

@@ -206,6 +206,9 @@ struct MirrorState {
 /// A standby's copy of the leader's state, fed by [`serve`].
 pub struct Mirror {
     st: Mutex<MirrorState>,
+    /// The leader etcd names, as this standby last read it (its key's create revision and
+    /// lease): only that leader may feed the mirror.
+    leader: Mutex<Option<(i64, i64)>>,
     cluster_id: String,
     /// How long a held-back replica is kept (two read lease TTLs).
     keep_held: Duration,
@@ -213,7 +216,7 @@ pub struct Mirror {
 
 impl Mirror {
     pub fn new(cluster_id: &str, read_lease: Duration) -> Mirror {
-        Mirror { st: Mutex::new(MirrorState::default()), cluster_id: cluster_id.to_string(), keep_held: read_lease * 2 }
+        Mirror { st: Mutex::new(MirrorState::default()), leader: Mutex::new(None), cluster_id: cluster_id.to_string(), keep_held: read_lease * 2 }
     }
 
     fn st(&self) -> std::sync::MutexGuard<'_, MirrorState> {
@@ -260,9 +263,18 @@ impl Mirror {
 
     /// A connection said hello: it feeds the mirror from now on (an image follows), unless it
     /// is of another cluster or an older term. Its connection id.
-    fn hello(&self, cluster_id: &str, term: i64) -> Result<u64, String> {
+    /// The leader key this standby read (its create revision and lease), `None` when absent.
+    pub fn set_leader(&self, owner: Option<(i64, i64)>) {
+        *self.leader.lock().unwrap_or_else(|e| e.into_inner()) = owner;
+    }
+
+    fn hello(&self, cluster_id: &str, term: i64, lease: i64) -> Result<u64, String> {
         if cluster_id != self.cluster_id {
             return Err(format!("this standby serves cluster {:?}, not {cluster_id:?}", self.cluster_id));
+        }
+        let named = *self.leader.lock().unwrap_or_else(|e| e.into_inner());
+        if named != Some((term, lease)) {
+            return Err(format!("term {term} (lease {lease:x}) is not the leader etcd names to this standby ({named:?}); a new leader is retried once this standby has read its key"));
         }
         let mut st = self.st();
         if st.closed {
@@ -342,8 +354,8 @@ fn follow(mut s: TcpStream, m: &Mirror) -> Result<(), String> {
     // A leader says hello at once; a silent peer is not a leader.
     s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
     let hello: ToStandby = read_frame(&mut s)?;
-    let ToStandby::Hello { cluster_id, term, leader, .. } = hello else { return Err("the first frame is not a hello".into()) };
-    let conn = match m.hello(&cluster_id, term) {
+    let ToStandby::Hello { cluster_id, term, lease, leader } = hello else { return Err("the first frame is not a hello".into()) };
+    let conn = match m.hello(&cluster_id, term, lease) {
         Ok(c) => c,
         Err(why) => {
             let _ = s.write_all(&encode_frame(&ToLeader::Refused { why: why.clone() })?);
@@ -632,24 +644,31 @@ mod tests {
     #[test]
     fn a_mirror_applies_an_image_then_entries_in_order_from_its_newest_leader_only() {
         let m = Mirror::new("c", Duration::from_secs(5));
-        assert!(m.hello("other", 5).is_err(), "another cluster's leader is refused");
-        let c1 = m.hello("c", 5).unwrap();
+        m.set_leader(Some((5, 50)));
+        assert!(m.hello("other", 5, 50).is_err(), "another cluster's leader is refused");
+        assert!(m.hello("c", 5, 51).is_err(), "a master etcd does not name (another lease) is refused");
+        assert!(m.hello("c", 6, 50).is_err(), "a master etcd does not name (another term) is refused");
+        let c1 = m.hello("c", 5, 50).unwrap();
         assert!(m.apply(c1, ToStandby::Entry { seq: 1, changes: vec![] }).is_err(), "an entry before the image is refused");
-        let c1 = m.hello("c", 5).unwrap();
+        let c1 = m.hello("c", 5, 50).unwrap();
         assert_eq!(m.apply(c1, ToStandby::Image { seq: 4, changes: vec![obj("a", 1)], last: false }).unwrap(), None);
         assert_eq!(m.complete_term(), None, "an image in progress is not a mirror to lead from");
         assert_eq!(m.apply(c1, ToStandby::Image { seq: 4, changes: vec![obj("b", 2)], last: true }).unwrap(), Some(4));
         assert_eq!(m.complete_term(), Some(5));
+        assert!(m.hello("c", 5, 99).is_err(), "a stranger's hello is refused ...");
+        assert_eq!(m.complete_term(), Some(5), "... and leaves the mirror and its feed as they were");
         assert_eq!(m.apply(c1, ToStandby::Entry { seq: 6, changes: vec![Change::Forget { key: "a".into() }, obj("c", 3)] }).unwrap(), Some(6));
         assert!(m.apply(c1, ToStandby::Entry { seq: 6, changes: vec![] }).is_err(), "an entry again is out of order");
-        assert!(m.hello("c", 4).is_err(), "an older term's leader (a deposed one) is refused");
+        m.set_leader(Some((4, 40)));
+        assert!(m.hello("c", 4, 40).is_err(), "an older term's leader (a deposed one) is refused");
         let (image, seq) = m.take(5).expect("a complete mirror of term 5");
         assert_eq!((image.objects(), seq), (2, 6), "b and c: the image and the entry applied");
         assert!(m.take(5).is_none(), "taken once");
-        assert!(m.hello("c", 9).is_err(), "a mirror taken over accepts nothing");
+        m.set_leader(Some((9, 90)));
+        assert!(m.hello("c", 9, 90).is_err(), "a mirror taken over accepts nothing");
         m.reopen(5);
-        assert!(m.hello("c", 4).is_err());
-        let c9 = m.hello("c", 9).unwrap();
+        assert!(m.hello("c", 4, 40).is_err());
+        let c9 = m.hello("c", 9, 90).unwrap();
         assert!(m.apply(c1, ToStandby::Entry { seq: 7, changes: vec![] }).is_err(), "the replaced connection feeds nothing");
         assert_eq!(m.apply(c9, ToStandby::Image { seq: 7, changes: vec![], last: true }).unwrap(), Some(7));
         assert!(m.take(5).is_none(), "a mirror of term 9 is not one of term 5");
