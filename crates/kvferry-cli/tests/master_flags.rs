@@ -39,7 +39,7 @@ fn master_started_with_mooncake_flags_serves() {
             "--http_metadata_server_port=0",
             "--rpc_thread_num=4",
             "-memory_allocator=offset",
-            "--enable_oplog=false",
+            "--enable_oplog=true",
             "--enable_ha=false",
             "--enable_metric_reporting=false",
         ])
@@ -88,7 +88,8 @@ fn master_started_with_mooncake_flags_serves() {
         eprintln!("master stderr:\n{err}");
         std::panic::resume_unwind(p);
     }
-    for name in ["--rpc_thread_num=4", "--memory_allocator=offset", "--enable_oplog=false"] {
+    // (Mooncake's oplog replication is what kvferry's HA does anyway: a warning, not an error.)
+    for name in ["--rpc_thread_num=4", "--memory_allocator=offset", "--enable_oplog=true"] {
         assert_eq!(err.lines().filter(|l| l.contains("warning") && l.contains(name)).count(), 1, "one warning line for {name}: {err}");
     }
 }
@@ -96,7 +97,7 @@ fn master_started_with_mooncake_flags_serves() {
 #[test]
 fn master_refuses_mooncake_features_it_lacks_by_name() {
     for (args, name) in [
-        (&["--enable_oplog=true"][..], "--enable_oplog"),
+        (&["--enable_snapshot=true"][..], "--enable_snapshot"),
         (&["--enable_ha=true"], "--ha-backend-connstring"),
         (&["--ha_backend_type=redis"], "--ha_backend_type"),
         (&["-enable_offload"], "--enable_offload"),
@@ -104,12 +105,28 @@ fn master_refuses_mooncake_features_it_lacks_by_name() {
         (&["--dynamic_replication_mode=enforce"], "--dynamic_replication_mode"),
         (&["--no_such_mooncake_flag=1"], "--no_such_mooncake_flag"),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        let child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
             .args(["master", "--rpc_port=0", "--metrics_port=-1"])
             .args(args)
             .stdin(Stdio::null())
-            .output()
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
             .expect("run kvferry master");
+        // Bounded: a master that accepted the flag would serve forever.
+        let pid = child.id();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(child.wait_with_output());
+        });
+        let out = match rx.recv_timeout(std::time::Duration::from_secs(20)) {
+            Ok(out) => out.expect("wait for kvferry master"),
+            Err(_) => {
+                // SAFETY: a signal to the child this test started, by pid.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+                panic!("{args:?} must be refused, but the master started and kept running");
+            }
+        };
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?} must be refused");
         assert!(err.contains(name), "{args:?}: the error names {name}: {err}");

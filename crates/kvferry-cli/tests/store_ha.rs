@@ -708,12 +708,15 @@ fn a_leader_stopped_with_sigterm_leaves_its_state_in_etcd_and_hands_off_at_once(
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "{status:?}");
+    let exited = Instant::now();
     // Its state went to etcd before it exited: the in-sync set is empty (killed instead, it
     // would name the standby until that one took over, a lease TTL later).
     let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
     assert_eq!(insync_members(&etcd), Vec::<String>::new(), "the stopping leader emptied the in-sync set");
     while ms[s].role() != "leader" {
-        assert!(t.elapsed() < TTL / 2 + Duration::from_millis(600), "the standby did not lead at once: the stopped leader did not step down");
+        // Had it not deleted its key, its lease would end at least 3/4 TTL after it exited (it
+        // renews every TTL/4).
+        assert!(exited.elapsed() < TTL * 3 / 4 - Duration::from_millis(100), "the standby did not lead at once: the stopped leader did not step down");
         std::thread::sleep(Duration::from_millis(20));
     }
     eprintln!("SIGTERM -> the standby leads: {:?}", t.elapsed());

@@ -359,7 +359,8 @@ impl Standby {
 /// Where a new leader's state comes from.
 enum Source {
     Journal,
-    Mirror(crate::master::journal::Image, u64),
+    /// The mirror, its last entry, and the in-sync record's term it is of.
+    Mirror(crate::master::journal::Image, u64, i64),
     Empty,
 }
 
@@ -414,7 +415,7 @@ fn eligible(cfg: &HaConfig, etcd: &EtcdClient, mirror: Option<&sync::Mirror>) ->
     Ok(match rule {
         sync::Eligibility::Journal => Some((Source::Journal, conds)),
         sync::Eligibility::Wait => None,
-        sync::Eligibility::Mirror => mirror.and_then(|m| m.take(rec.term)).map(|(image, seq)| (Source::Mirror(image, seq), conds)),
+        sync::Eligibility::Mirror => mirror.and_then(|m| m.take(rec.term)).map(|(image, seq)| (Source::Mirror(image, seq, rec.term), conds)),
         sync::Eligibility::Empty => {
             conds.extend(rec.members.iter().filter(|m| **m != cfg.address).map(|m| Cond::Absent(sync::standby_key(&cfg.cluster_id, m))));
             Some((Source::Empty, conds))
@@ -514,6 +515,12 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                     sb.deregister(etcd); // a leader is not a standby
                     sb.mirror.close();
                 }
+                // A mirror handed to a takeover that fails is put back (this member may
+                // campaign from it again: etcd may still name it in sync).
+                let mirrored = match &source {
+                    Source::Mirror(_, seq, rec_term) => Some((*seq, *rec_term)),
+                    _ => None,
+                };
                 match take_over(cfg, etcd, key, master, owner, sent, seen, source) {
                     Ok(writer) => {
                         logged_leader = cfg.address.clone();
@@ -528,7 +535,21 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                             master.journal.deactivate();
                         });
                     }
-                    Err(e) => tracing::warn!(term, "HA: won the key but cannot take over: {e}; stepping down"),
+                    Err(e) => {
+                        tracing::warn!(term, "HA: won the key but cannot take over: {e}; stepping down");
+                        if let (Some(sb), Some((seq, rec_term))) = (standby.as_ref(), mirrored) {
+                            // Nothing was served: the state installed is the mirror.
+                            let now = master.now();
+                            let st = master.lock();
+                            if st.term == term {
+                                let mut image = crate::master::journal::Image::default();
+                                for c in st.image(now) {
+                                    image.apply(c);
+                                }
+                                sb.mirror.restore(rec_term, image, seq);
+                            }
+                        }
+                    }
                 }
                 // Stepping down: refuse, forget, let the others take over at once. The key is
                 // deleted only if it is still this creation: after etcd lost its data another
@@ -568,27 +589,32 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
 fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Master, owner: Owner, won_at: Instant, seen: Option<Owner>, source: Source) -> Result<journal::Writer<'a>, String> {
     let (term, lease) = (owner.create_revision, owner.lease);
     let lease_ms = master.cfg.lease_ttl.as_millis() as u64;
-    let (image, from, seq, head, last_leader) = match source {
+    // The state is installed before anything else is read from etcd: if the takeover of a
+    // mirror fails after this, the master's state is that mirror and is put back (`campaign`).
+    let (image, from, loaded, mirror_seq) = match source {
         Source::Journal => {
             let loaded = journal::load(etcd, &cfg.cluster_id)?;
             let from = format!("the journal ({} log entries, {} bytes)", loaded.log_entries, loaded.bytes);
-            (loaded.image, from, loaded.seq, loaded.head, loaded.last_leader)
+            (loaded.image, from, Some((loaded.seq, loaded.head, loaded.last_leader)), 0)
         }
-        Source::Mirror(image, mirror_seq) => {
-            let (stored, head) = journal::stored_seq(etcd, &cfg.cluster_id)?;
-            (image, format!("this standby's mirror (entry {mirror_seq})"), mirror_seq.max(stored), head, journal::last_leader(etcd, &cfg.cluster_id)?)
-        }
+        Source::Mirror(image, mirror_seq, _) => (image, format!("this standby's mirror (entry {mirror_seq})"), None, mirror_seq),
         Source::Empty => {
-            let (stored, head) = journal::stored_seq(etcd, &cfg.cluster_id)?;
             tracing::error!(term, "HA: the leader and every in-sync standby are gone; what only they held is lost: this leader starts EMPTY (the etcd journal is stale, and is never served)");
-            (Default::default(), "nothing (every in-sync standby was lost)".to_string(), stored, head, journal::last_leader(etcd, &cfg.cluster_id)?)
+            (Default::default(), "nothing (every in-sync standby was lost)".to_string(), None, 0)
         }
     };
-    let rebase = !from.starts_with("the journal");
+    let rebase = loaded.is_none();
     let (mut st, rebuilt) = image.into_state(term, master.now(), lease_ms);
     st.journal_on();
     *master.lock() = st;
     master.journal.activate(term);
+    let (seq, head, last_leader) = match loaded {
+        Some(x) => x,
+        None => {
+            let (stored, head) = journal::stored_seq(etcd, &cfg.cluster_id)?;
+            (mirror_seq.max(stored), head, journal::last_leader(etcd, &cfg.cluster_id)?)
+        }
+    };
     if !journal::mark_term(etcd, key, &cfg.cluster_id, owner)? {
         return Err("the key is no longer this master's".into());
     }
@@ -661,9 +687,13 @@ fn lead(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, owner: Ow
     let gate = &master.gate;
     let mut next = Instant::now() + cfg.keepalive_every();
     loop {
-        let now = Instant::now();
-        if next > now {
-            std::thread::sleep(next - now);
+        // Until the next renewal, looking every 50 ms whether the leader was fenced (a journal
+        // that cannot be written, a hand-off on SIGTERM): it then steps down at once.
+        while Instant::now() < next {
+            if !gate.still_leader(term) {
+                return;
+            }
+            std::thread::sleep((next - Instant::now().min(next)).min(Duration::from_millis(50)));
         }
         next = Instant::now() + cfg.keepalive_every();
         if !gate.still_leader(term) {

@@ -246,6 +246,14 @@ impl Mirror {
         Some((image, st.seq))
     }
 
+    /// Puts back a mirror of `term` that [`Mirror::take`] handed to a takeover that failed (so
+    /// this member can campaign from it again); no connection feeds it until a leader says
+    /// hello.
+    pub fn restore(&self, term: i64, image: Image, seq: u64) {
+        let mut st = self.st();
+        *st = MirrorState { term, next_conn: st.next_conn, image, seq, complete: true, ..MirrorState::default() };
+    }
+
     /// This master leads: nothing is mirrored (what was is dropped) until [`Mirror::reopen`].
     pub fn close(&self) {
         let mut st = self.st();
@@ -672,6 +680,13 @@ mod tests {
         assert!(m.apply(c1, ToStandby::Entry { seq: 7, changes: vec![] }).is_err(), "the replaced connection feeds nothing");
         assert_eq!(m.apply(c9, ToStandby::Image { seq: 7, changes: vec![], last: true }).unwrap(), Some(7));
         assert!(m.take(5).is_none(), "a mirror of term 9 is not one of term 5");
+        // A takeover that failed puts its mirror back: complete, of the record's term, fed by
+        // nobody until a leader says hello.
+        let (image, seq) = m.take(9).expect("complete");
+        m.restore(9, image, seq);
+        assert_eq!(m.complete_term(), Some(9));
+        assert!(m.apply(c9, ToStandby::Entry { seq: 8, changes: vec![] }).is_err(), "the old connection no longer feeds it");
+        assert_eq!(m.take(9).map(|(i, s)| (i.objects(), s)), Some((0, 7)));
     }
 
     #[test]
