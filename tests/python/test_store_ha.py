@@ -2,8 +2,9 @@
 `MooncakeDistributedStore.setup` and kvferry's `Store`, against a real etcd (Debian's `etcd`,
 started here on free ports, killed by pid) and two `kvferry master --enable_ha` processes
 launched with Mooncake's flags. The leader is SIGKILLed; the clients keep working with the
-new one. The new leader loads the old one's journal from etcd, so what was put before the kill
-is still there."""
+new one. The new leader starts from what the old one had acknowledged (its in-sync mirror, or
+the etcd journal while it was not in sync yet), so what was put before the kill is still
+there."""
 
 from __future__ import annotations
 
