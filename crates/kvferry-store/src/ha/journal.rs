@@ -264,14 +264,19 @@ pub struct JournalStats {
     pub insync: u64,
 }
 
+/// Condition variables the waiting requests are spread over, by ticket.
+const WAKE_SLOTS: usize = 16;
+
 /// The leader's journal queue (inactive, costing nothing, without HA or while standing by).
 #[derive(Default)]
 pub struct Journal {
     q: Mutex<Queue>,
     /// Wakes the writer.
     work: Condvar,
-    /// Wakes the requests waiting for their changes to be durable.
-    durable: Condvar,
+    /// Wakes the requests waiting for their changes to be durable: a request waits on the
+    /// slot of its ticket, so a commit wakes only the requests it completes (those that
+    /// collected after the batch was taken sleep on until theirs).
+    durable: [Condvar; WAKE_SLOTS],
     stats: Mutex<JournalStats>,
     /// The in-sync standbys (member ids) while this master leads.
     insync: Mutex<Vec<String>>,
@@ -341,7 +346,14 @@ impl Journal {
             if left.is_zero() {
                 return Err(StoreError::Rpc(format!("the master could not write its journal to etcd within {bound:?}; the request may not survive a failover, retry it")));
             }
-            q = self.durable.wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
+            q = self.durable[ticket as usize % WAKE_SLOTS].wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// Wakes every waiter (the term ended, the writer failed, a hand-off finished).
+    fn wake_all(&self) {
+        for cv in &self.durable {
+            cv.notify_all();
         }
     }
 
@@ -358,7 +370,12 @@ impl Journal {
         q.term = 0;
         q.changes.clear();
         self.work.notify_all();
-        self.durable.notify_all();
+        self.wake_all();
+    }
+
+    /// Whether a term is being journaled (this master leads, or has not stepped down yet).
+    pub fn active(&self) -> bool {
+        self.q().term != 0
     }
 
     /// Asks this term's writer to leave the state whole in the etcd journal and the leader
@@ -377,7 +394,7 @@ impl Journal {
             if left.is_zero() {
                 return false;
             }
-            q = self.durable.wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
+            q = self.durable[0].wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
         }
         q.handed_off
     }
@@ -386,7 +403,7 @@ impl Journal {
         let mut q = self.q();
         q.failed = true;
         q.changes.clear();
-        self.durable.notify_all();
+        self.wake_all();
     }
 
     /// The next batch: everything queued, and the ticket it completes; `None` when the term
@@ -408,8 +425,18 @@ impl Journal {
 
     fn done(&self, upto: u64) {
         let mut q = self.q();
-        q.written = q.written.max(upto);
-        self.durable.notify_all();
+        let before = q.written;
+        if upto <= before {
+            return;
+        }
+        q.written = upto;
+        if upto - before >= WAKE_SLOTS as u64 {
+            self.wake_all();
+        } else {
+            for t in before + 1..=upto {
+                self.durable[t as usize % WAKE_SLOTS].notify_all();
+            }
+        }
     }
 }
 
@@ -847,7 +874,7 @@ impl Writer<'_> {
                 self.master.gate.fence(self.term());
                 let mut q = j.q();
                 q.handed_off = true;
-                j.durable.notify_all();
+                j.wake_all();
                 continue;
             }
             if self.poll_standbys().is_none() || self.promote().is_none() {

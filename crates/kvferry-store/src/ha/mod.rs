@@ -129,6 +129,8 @@ pub struct Gate {
     enabled: AtomicBool,
     /// Step-downs completed (key deleted, lease revoked): what [`hand_off`] waits for.
     stepped_down: std::sync::atomic::AtomicU64,
+    /// The master is stopping ([`hand_off`]): it campaigns no more.
+    stopping: AtomicBool,
     state: Mutex<GateState>,
     info: Mutex<(String, String, String, Duration)>, // cluster id, key, address, lease TTL
 }
@@ -138,6 +140,7 @@ impl Default for Gate {
         Gate {
             enabled: AtomicBool::new(false),
             stepped_down: Default::default(),
+            stopping: AtomicBool::new(false),
             state: Mutex::new(GateState { role: Role::Leader, term: 0, leader: String::new(), valid_until: None, last_keepalive: None, lease_id: 0 }),
             info: Mutex::new((String::new(), String::new(), String::new(), Duration::ZERO)),
         }
@@ -439,6 +442,14 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
         }
     };
     loop {
+        if gate.stopping.load(Ordering::Acquire) {
+            // Stopping (SIGTERM): never campaign again, even if the key is free now.
+            if let Some(sb) = standby.as_mut() {
+                sb.deregister(etcd);
+            }
+            gate.set_standby(None);
+            return;
+        }
         if let Some(sb) = standby.as_mut() {
             if let Err(e) = sb.register(cfg, etcd) {
                 report(e);
@@ -664,9 +675,16 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
 /// on, and steps down (its key deleted: a standby takes over at once, from the journal).
 /// Whether that finished within `bound`; true at once for a standby or without HA.
 pub fn hand_off(master: &Master, bound: Duration) -> bool {
-    if !master.gate.enabled() || master.gate.role() != Role::Leader {
+    if !master.gate.enabled() {
         return true;
     }
+    // A leader whose gate lapsed just now (overloaded) still has its writer and its key until
+    // its elector steps down: it hands off as well. A standby stops campaigning.
+    if master.gate.role() != Role::Leader && !master.journal.active() {
+        master.gate.stopping.store(true, Ordering::Release);
+        return true;
+    }
+    master.gate.stopping.store(true, Ordering::Release);
     let until = Instant::now() + bound;
     let before = master.gate.stepped_down.load(Ordering::Acquire);
     if !master.journal.hand_off(bound) {
