@@ -379,8 +379,7 @@ pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
         Replication::Etcd => None,
         Replication::Standbys => {
             // Leaders reach this master's mirror at its advertised host.
-            let host = cfg.address.rsplit_once(':').map_or(cfg.address.as_str(), |(h, _)| h).trim_start_matches('[').trim_end_matches(']');
-            let ip: std::net::IpAddr = host.parse().map_err(|_| format!("HA replication to standbys needs an IP address to advertise, not {:?} (--advertise-address)", cfg.address))?;
+            let ip = replication_ip(&cfg.address)?;
             let l = std::net::TcpListener::bind((ip, 0)).map_err(|e| format!("HA replication: cannot bind a port on {ip}: {e}"))?;
             let addr = l.local_addr().map_err(|e| e.to_string())?.to_string();
             let mirror = Arc::new(sync::Mirror::new(&cfg.cluster_id, master.cfg.lease_ttl));
@@ -399,6 +398,21 @@ pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
     master.gate.enabled.store(true, Ordering::Release);
     std::thread::Builder::new().name("kvf-master-ha".into()).spawn(move || campaign(&cfg, &etcd, &key, &master, standby)).map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// The IP a standby serves its mirror on: its advertised address's host (a name is resolved).
+fn replication_ip(address: &str) -> Result<std::net::IpAddr, String> {
+    let host = address.rsplit_once(':').map_or(address, |(h, _)| h).trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = host.parse() {
+        return Ok(ip);
+    }
+    use std::net::ToSocketAddrs;
+    (host, 0)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .map(|a| a.ip())
+        .ok_or_else(|| format!("HA replication to standbys: the advertised address {address:?} does not resolve to an IP address to serve the mirror on (--advertise-address)"))
 }
 
 /// Whether this master may campaign now and from what, by the in-sync record
@@ -768,6 +782,14 @@ mod tests {
         g.renewed(9, Instant::now(), bound);
         assert!(g.admit().is_err());
         assert!(!g.still_leader(9));
+    }
+
+    #[test]
+    fn a_standby_serves_its_mirror_on_its_advertised_host() {
+        assert_eq!(replication_ip("10.1.2.3:50051"), Ok("10.1.2.3".parse().unwrap()));
+        assert_eq!(replication_ip("[::1]:50051"), Ok("::1".parse().unwrap()));
+        assert!(replication_ip("localhost:50051").is_ok_and(|ip| ip.is_loopback()), "a name is resolved");
+        assert!(replication_ip("no-such-host.invalid:1").unwrap_err().contains("--advertise-address"));
     }
 
     #[test]
