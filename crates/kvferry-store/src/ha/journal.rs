@@ -344,7 +344,7 @@ impl Journal {
             }
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(StoreError::Rpc(format!("the master could not write its journal to etcd within {bound:?}; the request may not survive a failover, retry it")));
+                return Err(StoreError::Rpc(format!("the master could not make the change durable (in its etcd journal or on its in-sync standbys) within {bound:?}; the request may not survive a failover, retry it")));
             }
             q = self.durable[ticket as usize % WAKE_SLOTS].wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
         }
@@ -463,7 +463,8 @@ pub struct Writer<'a> {
 
 /// The leader's side of replication to standbys ([`super::sync`]).
 pub struct Replicas {
-    pub cluster_id: String,
+    /// Where standbys register ([`super::sync::standby_prefix`]).
+    pub standby_prefix: String,
     /// This leader's member id (its RPC address): its own registration is not a standby.
     pub me: String,
     pub hello: ToStandby,
@@ -484,7 +485,7 @@ const RETRY_LINK: Duration = Duration::from_secs(1);
 impl Replicas {
     pub fn new(cluster_id: &str, me: &str, owner: Owner, ack_timeout: Duration) -> Replicas {
         Replicas {
-            cluster_id: cluster_id.to_string(),
+            standby_prefix: super::sync::standby_prefix(cluster_id),
             me: me.to_string(),
             hello: ToStandby::Hello { cluster_id: cluster_id.to_string(), term: owner.create_revision, lease: owner.lease, leader: me.to_string() },
             links: Vec::new(),
@@ -590,20 +591,7 @@ impl Writer<'_> {
             self.append(&changes)?;
         }
         let n = changes.len() as u64;
-        if let Some(s) = self.sync.as_ref().filter(|s| !s.links.is_empty()) {
-            match super::sync::encode_frame(&ToStandby::Entry { seq: self.seq, changes }) {
-                Ok(f) => {
-                    let f = Arc::new(f);
-                    for l in &s.links {
-                        l.send(&f);
-                    }
-                }
-                Err(e) => {
-                    tracing::error!("HA replication: {e}");
-                    return None;
-                }
-            }
-        }
+        self.broadcast(changes)?;
         if streaming {
             let t = Instant::now();
             self.await_insync(self.seq)?;
@@ -618,6 +606,25 @@ impl Writer<'_> {
         }
         self.master.journal.done(upto);
         Some(())
+    }
+
+    /// Sends `changes` as entry `self.seq` to every linked standby (none: nothing to do). An
+    /// entry that cannot be encoded ends the term: a standby missing it must never be in sync.
+    fn broadcast(&self, changes: Vec<Change>) -> Option<()> {
+        let Some(s) = self.sync.as_ref().filter(|s| !s.links.is_empty()) else { return Some(()) };
+        match super::sync::encode_frame(&ToStandby::Entry { seq: self.seq, changes }) {
+            Ok(f) => {
+                let f = Arc::new(f);
+                for l in &s.links {
+                    l.send(&f);
+                }
+                Some(())
+            }
+            Err(e) => {
+                tracing::error!("HA replication: {e}");
+                None
+            }
+        }
     }
 
     /// Waits until every in-sync standby acknowledged `seq`; those that do not within the
@@ -648,9 +655,8 @@ impl Writer<'_> {
         if rest.is_empty() {
             return self.rebase();
         }
-        let key = super::sync::insync_key(&s.cluster_id);
         let rec = InSync { term, members: rest.clone() };
-        self.txn(&[(key, rec.to_bytes())], None)?;
+        self.txn(&[(self.insync_key.clone(), rec.to_bytes())], None)?;
         if let Some(s) = self.sync.as_mut() {
             s.insync = rest;
             self.master.journal.set_insync(&s.insync);
@@ -664,13 +670,8 @@ impl Writer<'_> {
     fn rebase(&mut self) -> Option<()> {
         let (queued, upto, image) = self.freeze()?;
         self.seq += 1;
-        if let Some(s) = self.sync.as_ref().filter(|s| !s.links.is_empty() && !queued.is_empty()) {
-            if let Ok(f) = super::sync::encode_frame(&ToStandby::Entry { seq: self.seq, changes: queued }) {
-                let f = Arc::new(f);
-                for l in &s.links {
-                    l.send(&f);
-                }
-            }
+        if !queued.is_empty() {
+            self.broadcast(queued)?;
         }
         let cleared = Some((self.insync_key.clone(), InSync { term: self.term(), members: Vec::new() }.to_bytes()));
         self.write_snapshot(image, cleared)?;
@@ -740,7 +741,7 @@ impl Writer<'_> {
             return Some(());
         }
         s.last_poll = Some(Instant::now());
-        let p = super::sync::standby_prefix(&s.cluster_id);
+        let p = s.standby_prefix.clone();
         let regs: HashMap<String, String> = match self.etcd.range(&p, &prefix_end(&p), 64) {
             Ok(kvs) => kvs.into_iter().filter_map(|(k, kv)| Some((k.strip_prefix(&p)?.to_string(), String::from_utf8(kv.value).ok()?))).collect(),
             Err(e) => {
@@ -819,8 +820,7 @@ impl Writer<'_> {
         }
         let mut members = s.insync.clone();
         members.extend(ready.iter().cloned());
-        let key = super::sync::insync_key(&s.cluster_id);
-        self.txn(&[(key, InSync { term, members: members.clone() }.to_bytes())], None)?;
+        self.txn(&[(self.insync_key.clone(), InSync { term, members: members.clone() }.to_bytes())], None)?;
         tracing::info!(term, seq, "HA replication: {ready:?} in sync; requests are now acknowledged by the in-sync set {members:?} instead of etcd");
         if let Some(s) = self.sync.as_mut() {
             s.insync = members;

@@ -520,7 +520,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
         };
         let reopen = |sb: &Option<Standby>| {
             if let Some(sb) = sb {
-                sb.mirror.reopen(0);
+                sb.mirror.reopen();
             }
         };
         let sent = Instant::now();

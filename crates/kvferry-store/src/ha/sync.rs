@@ -260,13 +260,14 @@ impl Mirror {
         *st = MirrorState { term: st.term, next_conn: st.next_conn, closed: true, ..MirrorState::default() };
     }
 
-    /// Accepts feeds again (after a campaign lost, or stepping down), of terms from `min_term`.
-    pub fn reopen(&self, min_term: i64) {
+    /// Accepts feeds again (after a campaign lost, or stepping down), of terms from the one it
+    /// last mirrored.
+    pub fn reopen(&self) {
         let mut st = self.st();
         if !st.closed {
             return;
         }
-        *st = MirrorState { term: st.term.max(min_term), next_conn: st.next_conn, ..MirrorState::default() };
+        *st = MirrorState { term: st.term, next_conn: st.next_conn, ..MirrorState::default() };
     }
 
     /// A connection said hello: it feeds the mirror from now on (an image follows), unless it
@@ -674,7 +675,7 @@ mod tests {
         assert!(m.take(5).is_none(), "taken once");
         m.set_leader(Some((9, 90)));
         assert!(m.hello("c", 9, 90).is_err(), "a mirror taken over accepts nothing");
-        m.reopen(5);
+        m.reopen();
         assert!(m.hello("c", 4, 40).is_err());
         let c9 = m.hello("c", 9, 90).unwrap();
         assert!(m.apply(c1, ToStandby::Entry { seq: 7, changes: vec![] }).is_err(), "the replaced connection feeds nothing");

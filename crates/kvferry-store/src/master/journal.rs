@@ -170,7 +170,7 @@ impl State {
 }
 
 /// The durable state as the journal describes it: changes applied in order.
-#[derive(Debug, Default, Clone, PartialEq)]
+#[derive(Debug, Default, PartialEq)]
 pub struct Image {
     clients: BTreeSet<u64>,
     segments: HashMap<u64, (u64, Segment)>,
