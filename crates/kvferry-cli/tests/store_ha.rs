@@ -517,6 +517,15 @@ fn repeated_leader_kills_under_load_never_two_leaders_never_wrong_bytes() {
     let _ = c.close();
 }
 
+/// Waits until `m` leads, at most `within`; fails with `what` otherwise.
+fn wait_leader(m: &Master, within: Duration, what: &str) {
+    let until = Instant::now() + within;
+    while m.role() != "leader" {
+        assert!(Instant::now() < until, "{what} within {within:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn ha_status(m: &Master) -> serde_json::Value {
     serde_json::from_str(&http_get(&m.http, "/ha_status").1).expect("/ha_status is JSON")
 }
@@ -596,11 +605,7 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
     // The leader dies too; a master started alone loads everything from the etcd journal.
     ms[s].kill();
     ms[l] = Master::start(etcd_svc.port, None, true);
-    let until = Instant::now() + 3 * TTL;
-    while ms[l].role() != "leader" {
-        assert!(Instant::now() < until, "a lone master did not lead");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_leader(&ms[l], 3 * TTL, "a lone master did not lead");
     for k in keys.iter().map(String::as_str).chain(["joined", "alone"]) {
         assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{k} lost: {e}")), value(k, 4096));
     }
@@ -623,11 +628,7 @@ fn only_an_in_sync_standby_leads_next_and_losing_it_too_starts_empty_never_stale
     let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
     let etcd_only = ["--ha-replication", "etcd"];
     let mut a = Master::start(etcd_svc.port, None, false);
-    let until = Instant::now() + Duration::from_secs(10);
-    while a.role() != "leader" {
-        assert!(Instant::now() < until, "no leader");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_leader(&a, Duration::from_secs(10), "no leader");
     let c = ha_client(etcd_svc.port, 32 << 20);
     // Objects journaled in etcd (no standby yet), then a standby joins and more are put.
     c.put("early", &value("early", 4096), &ReplicateConfig::default()).expect("put");
@@ -725,11 +726,7 @@ fn a_leader_stopped_with_sigterm_leaves_its_state_in_etcd_and_hands_off_at_once(
     // Every master gone at once now: a new one starts from etcd, with everything.
     ms[s].kill();
     ms[l] = Master::start(etcd_svc.port, None, false);
-    let until = Instant::now() + 3 * TTL;
-    while ms[l].role() != "leader" {
-        assert!(Instant::now() < until, "a lone master did not lead");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_leader(&ms[l], 3 * TTL, "a lone master did not lead");
     for k in &keys {
         assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{k} lost: {e}")), value(k, 4096));
     }

@@ -347,9 +347,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         }
         let l = (0..2).find(|&i| role(&ms[i]) == "leader").ok_or("no leader among the two masters")?;
         // Killed once the other master is in sync: the failover is from its mirror.
-        wait_for("the restarted master did not get in sync", &|| {
-            serde_json::from_str::<serde_json::Value>(&http(&ms[l], "/ha_status")).ok().and_then(|v| v["insync"].as_array().map(|a| !a.is_empty())).unwrap_or(false)
-        })?;
+        wait_for("the restarted master did not get in sync", &|| insync(&ms[l]))?;
         let killed = Instant::now();
         ms[l].stop();
         let probe = format!("probe-{round}");
