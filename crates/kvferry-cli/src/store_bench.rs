@@ -77,6 +77,10 @@ pub struct StoreBenchArgs {
     /// journal on vs off, etcd bytes per million objects, failover time and objects lost.
     #[arg(long, value_name = "ETCD")]
     ha: Option<String>,
+    /// With `--ha`: which parts to run (`rate`: metadata throughput, `store`: values stored
+    /// through a whole store, `failover`: failover time and objects lost).
+    #[arg(long, default_value = "rate,store,failover", value_delimiter = ',')]
+    ha_parts: Vec<String>,
     /// Internal: run as the serving client of a bench.
     #[arg(long, hide = true)]
     serve_segment: Option<String>,

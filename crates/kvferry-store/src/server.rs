@@ -254,11 +254,12 @@ impl MasterServer {
             let mut n = 0u32;
             while !st.load(Ordering::Acquire) {
                 std::thread::sleep(tick);
-                let s = m.tick();
+                m.tick();
                 // Expiries and evictions are journaled too (nobody waits for them).
                 let _ = m.journal.collect(&m);
                 n += 1;
                 if summary_every > 0 && n % summary_every == 0 {
+                    let s = m.lock().summary();
                     tracing::info!(
                         keys = s.keys, used = s.bytes_used, total = s.bytes_total, clients = s.clients, segments = s.segments,
                         evicted = m.stats.evicted_objects.load(Ordering::Relaxed), "master summary"

@@ -145,6 +145,10 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     // The failover part's client finds its cluster through the environment, as every client
     // does; set before any thread of this run exists.
     std::env::set_var("MC_STORE_CLUSTER_ID", &cluster);
+    let part = |p: &str| a.ha_parts.iter().any(|x| x == p);
+    if let Some(x) = a.ha_parts.iter().find(|x| !["rate", "store", "failover"].contains(&x.as_str())) {
+        return Err(format!("--ha-parts: no part {x:?}; the parts are rate, store and failover"));
+    }
 
     // 1. Throughput: the same put load against a master without HA, a leader that journals
     //    to etcd, and a leader with an in-sync standby (both masters in this process).
@@ -169,86 +173,88 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         }
         Ok(())
     };
-    for mode in [None, Some(ha::Replication::Etcd), Some(ha::Replication::Standbys)] {
-        let (m, server, addr) = serve()?;
-        let mut standby = None;
-        if let Some(replication) = mode {
-            let cluster = format!("{rate_cluster}-{replication:?}").to_lowercase();
-            let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication };
-            ha::start(cfg(&addr), Arc::clone(&m))?;
-            wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
-            if replication == ha::Replication::Standbys {
-                let (sm, sserver, saddr) = serve()?;
-                ha::start(cfg(&saddr), Arc::clone(&sm))?;
-                wait_for("the in-process standby did not get in sync", &|| m.journal.insync() == [saddr.clone()])?;
-                standby = Some((sm, sserver));
+    if part("rate") {
+        for mode in [None, Some(ha::Replication::Etcd), Some(ha::Replication::Standbys)] {
+            let (m, server, addr) = serve()?;
+            let mut standby = None;
+            if let Some(replication) = mode {
+                let cluster = format!("{rate_cluster}-{replication:?}").to_lowercase();
+                let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication };
+                ha::start(cfg(&addr), Arc::clone(&m))?;
+                wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
+                if replication == ha::Replication::Standbys {
+                    let (sm, sserver, saddr) = serve()?;
+                    ha::start(cfg(&saddr), Arc::clone(&sm))?;
+                    wait_for("the in-process standby did not get in sync", &|| m.journal.insync() == [saddr.clone()])?;
+                    standby = Some((sm, sserver));
+                }
             }
+            let mut row = Vec::new();
+            for (threads, per_req) in POINTS {
+                let (s0, t0) = (m.journal.stats(), Instant::now());
+                row.push(put_rate(&addr, threads, per_req, dur, &format!("{mode:?}-{threads}-{per_req}")));
+                let (s1, secs) = (m.journal.stats(), t0.elapsed().as_secs_f64());
+                let (n, us) = match mode {
+                    Some(ha::Replication::Etcd) => (s1.entries - s0.entries, s1.write_us - s0.write_us),
+                    Some(ha::Replication::Standbys) => (s1.streamed - s0.streamed, s1.stream_wait_us - s0.stream_wait_us),
+                    None => continue,
+                };
+                let idx = usize::from(mode == Some(ha::Replication::Standbys));
+                commits[idx].push((n as f64 / secs, (s1.changes - s0.changes) as f64 / n.max(1) as f64, us as f64 / n.max(1) as f64 / 1e3));
+            }
+            if mode == Some(ha::Replication::Standbys) && m.journal.insync().is_empty() {
+                return Err("the standby left the in-sync set during the measurement".into());
+            }
+            if mode == Some(ha::Replication::Etcd) {
+                let keys = m.lock().summary().keys as u64;
+                let cluster = format!("{rate_cluster}-etcd");
+                let (bytes, n) = journal_bytes(&etcd, &cluster)?;
+                let st = m.journal.stats();
+                println!(
+                    "journal in etcd after {keys} objects: {bytes} bytes in {n} keys ({} snapshots, lag {}) = {:.1} MB per million objects",
+                    st.snapshots,
+                    st.lag,
+                    bytes as f64 * 1e6 / keys.max(1) as f64 / 1e6
+                );
+                // What a new leader of this cluster would do before serving: read and rebuild.
+                let t = Instant::now();
+                let loaded = ha::journal::load(&etcd, &cluster)?;
+                let read = t.elapsed();
+                let (rebuilt, report) = loaded.image.into_state(1, 0, 10_000);
+                println!(
+                    "a new leader loads it in {:.2} s (etcd read and decode {:.2} s, rebuild {:.2} s): {} objects, {} dropped",
+                    t.elapsed().as_secs_f64(),
+                    read.as_secs_f64(),
+                    (t.elapsed() - read).as_secs_f64(),
+                    report.objects,
+                    report.dropped_replicas + report.dropped_objects
+                );
+                drop(rebuilt);
+            }
+            rates.push(row);
+            drop(server);
+            drop(standby);
         }
-        let mut row = Vec::new();
-        for (threads, per_req) in POINTS {
-            let (s0, t0) = (m.journal.stats(), Instant::now());
-            row.push(put_rate(&addr, threads, per_req, dur, &format!("{mode:?}-{threads}-{per_req}")));
-            let (s1, secs) = (m.journal.stats(), t0.elapsed().as_secs_f64());
-            let (n, us) = match mode {
-                Some(ha::Replication::Etcd) => (s1.entries - s0.entries, s1.write_us - s0.write_us),
-                Some(ha::Replication::Standbys) => (s1.streamed - s0.streamed, s1.stream_wait_us - s0.stream_wait_us),
-                None => continue,
-            };
-            let idx = usize::from(mode == Some(ha::Replication::Standbys));
-            commits[idx].push((n as f64 / secs, (s1.changes - s0.changes) as f64 / n.max(1) as f64, us as f64 / n.max(1) as f64 / 1e3));
-        }
-        if mode == Some(ha::Replication::Standbys) && m.journal.insync().is_empty() {
-            return Err("the standby left the in-sync set during the measurement".into());
-        }
-        if mode == Some(ha::Replication::Etcd) {
-            let keys = m.lock().summary().keys as u64;
-            let cluster = format!("{rate_cluster}-etcd");
-            let (bytes, n) = journal_bytes(&etcd, &cluster)?;
-            let st = m.journal.stats();
+        println!("{:<34} {:>10} {:>11} {:>7} {:>11} {:>7}", "objects created/s (PutStart+PutEnd)", "no HA", "HA etcd", "ratio", "HA standby", "ratio");
+        for (i, (threads, per_req)) in POINTS.iter().enumerate() {
+            let (off, journal, standby) = (rates[0][i], rates[1][i], rates[2][i]);
             println!(
-                "journal in etcd after {keys} objects: {bytes} bytes in {n} keys ({} snapshots, lag {}) = {:.1} MB per million objects",
-                st.snapshots,
-                st.lag,
-                bytes as f64 * 1e6 / keys.max(1) as f64 / 1e6
+                "{:<34} {:>10.0} {:>11.0} {:>7.2} {:>11.0} {:>7.2}",
+                format!("{threads} connection(s), {per_req} key(s)/request"),
+                off,
+                journal,
+                journal / off.max(1e-9),
+                standby,
+                standby / off.max(1e-9)
             );
-            // What a new leader of this cluster would do before serving: read and rebuild.
-            let t = Instant::now();
-            let loaded = ha::journal::load(&etcd, &cluster)?;
-            let read = t.elapsed();
-            let (rebuilt, report) = loaded.image.into_state(1, 0, 10_000);
-            println!(
-                "a new leader loads it in {:.2} s (etcd read and decode {:.2} s, rebuild {:.2} s): {} objects, {} dropped",
-                t.elapsed().as_secs_f64(),
-                read.as_secs_f64(),
-                (t.elapsed() - read).as_secs_f64(),
-                report.objects,
-                report.dropped_replicas + report.dropped_objects
-            );
-            drop(rebuilt);
         }
-        rates.push(row);
-        drop(server);
-        drop(standby);
-    }
-    println!("{:<34} {:>10} {:>11} {:>7} {:>11} {:>7}", "objects created/s (PutStart+PutEnd)", "no HA", "HA etcd", "ratio", "HA standby", "ratio");
-    for (i, (threads, per_req)) in POINTS.iter().enumerate() {
-        let (off, journal, standby) = (rates[0][i], rates[1][i], rates[2][i]);
-        println!(
-            "{:<34} {:>10.0} {:>11.0} {:>7.2} {:>11.0} {:>7.2}",
-            format!("{threads} connection(s), {per_req} key(s)/request"),
-            off,
-            journal,
-            journal / off.max(1e-9),
-            standby,
-            standby / off.max(1e-9)
-        );
-    }
-    // Why: each request that changes state waits for an etcd transaction, or for the in-sync
-    // standby's acknowledgement (group commit either way).
-    for (idx, what) in [(0, "etcd transactions"), (1, "standby acknowledgements")] {
-        println!("{:<34} {:>14} {:>14} {:>7}", format!("HA {what}"), "per second", "changes each", "ms each");
-        for ((threads, per_req), (rate, changes, ms)) in POINTS.iter().zip(&commits[idx]) {
-            println!("{:<34} {:>14.0} {:>14.1} {:>7.3}", format!("{threads} connection(s), {per_req} key(s)/request"), rate, changes, ms);
+        // Why: each request that changes state waits for an etcd transaction, or for the in-sync
+        // standby's acknowledgement (group commit either way).
+        for (idx, what) in [(0, "etcd transactions"), (1, "standby acknowledgements")] {
+            println!("{:<34} {:>14} {:>14} {:>7}", format!("HA {what}"), "per second", "changes each", "ms each");
+            for ((threads, per_req), (rate, changes, ms)) in POINTS.iter().zip(&commits[idx]) {
+                println!("{:<34} {:>14.0} {:>14.1} {:>7.3}", format!("{threads} connection(s), {per_req} key(s)/request"), rate, changes, ms);
+            }
         }
     }
 
@@ -282,7 +288,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     };
     let role = |p: &Proc| http(p, "/role");
     let insync = |p: &Proc| serde_json::from_str::<serde_json::Value>(&http(p, "/ha_status")).ok().and_then(|v| v["insync"].as_array().map(|a| !a.is_empty())).unwrap_or(false);
-    {
+    if part("store") {
         let pool = super::Pool::start(512 << 20)?;
         // An HA pair of `replication` in a cluster of its own, its leader's RPC address (the
         // clients and the serving client use it directly: what is measured is the leader's
@@ -327,59 +333,61 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
 
     // 3. Failover: two master processes, a serving client, objects put, the leader killed
     //    once the other master is in sync (the failover is from its mirror).
-    let mut ms = [start_master("standbys", &cluster)?, start_master("standbys", &cluster)?];
-    let server = Proc::spawn(crate::self_command()?.args(["store-bench", "--serve-segment", &etcd_url, "--segment-size", "512M"]), "KVFERRY_STORE_SERVER")?;
-    wait_for("no leader among the two masters", &|| ms.iter().any(|m| role(m) == "leader"))?;
-    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 64 << 20, master_server_addr: etcd_url.clone(), ..ClientConfig::default() }).map_err(|e| e.to_string())?;
-    let value = 16u64 << 10;
-    let buf = HostBuffer::new(value as usize, true).map_err(|e| e.to_string())?;
-    c.register_buffer(buf.addr(), value).map_err(|e| e.to_string())?;
-    let mut stored: Vec<String> = Vec::new();
-    let mut times = Vec::new();
-    let rounds = 3;
-    for round in 0..rounds {
-        for i in 0..500 {
-            let key = format!("fo-{round}-{i}");
-            fill_value(buf.slice_mut(0, value as usize), &key);
-            if c.put_from(&key, buf.addr(), value, &ReplicateConfig::default()).is_ok() {
-                stored.push(key);
-            }
-        }
-        let l = (0..2).find(|&i| role(&ms[i]) == "leader").ok_or("no leader among the two masters")?;
-        // Killed once the other master is in sync: the failover is from its mirror.
-        wait_for("the restarted master did not get in sync", &|| insync(&ms[l]))?;
-        let killed = Instant::now();
-        ms[l].stop();
-        let probe = format!("probe-{round}");
-        fill_value(buf.slice_mut(0, value as usize), &probe);
-        loop {
-            if c.put_from(&probe, buf.addr(), value, &ReplicateConfig::default()).is_ok() {
-                break;
-            }
-            if killed.elapsed() > Duration::from_secs(30) {
-                return Err(format!("round {round}: no put succeeded within 30 s of the kill"));
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        times.push(killed.elapsed());
-        ms[l] = start_master("standbys", &cluster)?;
-    }
     let mut lost = 0;
-    for k in &stored {
-        let ok = c.get_into(k, buf.addr(), value).is_ok_and(|n| n == value) && value_ok(buf.slice(0, value as usize), k);
-        lost += usize::from(!ok);
+    if part("failover") {
+        let mut ms = [start_master("standbys", &cluster)?, start_master("standbys", &cluster)?];
+        let server = Proc::spawn(crate::self_command()?.args(["store-bench", "--serve-segment", &etcd_url, "--segment-size", "512M"]), "KVFERRY_STORE_SERVER")?;
+        wait_for("no leader among the two masters", &|| ms.iter().any(|m| role(m) == "leader"))?;
+        let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 64 << 20, master_server_addr: etcd_url.clone(), ..ClientConfig::default() }).map_err(|e| e.to_string())?;
+        let value = 16u64 << 10;
+        let buf = HostBuffer::new(value as usize, true).map_err(|e| e.to_string())?;
+        c.register_buffer(buf.addr(), value).map_err(|e| e.to_string())?;
+        let mut stored: Vec<String> = Vec::new();
+        let mut times = Vec::new();
+        let rounds = 3;
+        for round in 0..rounds {
+            for i in 0..500 {
+                let key = format!("fo-{round}-{i}");
+                fill_value(buf.slice_mut(0, value as usize), &key);
+                if c.put_from(&key, buf.addr(), value, &ReplicateConfig::default()).is_ok() {
+                    stored.push(key);
+                }
+            }
+            let l = (0..2).find(|&i| role(&ms[i]) == "leader").ok_or("no leader among the two masters")?;
+            // Killed once the other master is in sync: the failover is from its mirror.
+            wait_for("the restarted master did not get in sync", &|| insync(&ms[l]))?;
+            let killed = Instant::now();
+            ms[l].stop();
+            let probe = format!("probe-{round}");
+            fill_value(buf.slice_mut(0, value as usize), &probe);
+            loop {
+                if c.put_from(&probe, buf.addr(), value, &ReplicateConfig::default()).is_ok() {
+                    break;
+                }
+                if killed.elapsed() > Duration::from_secs(30) {
+                    return Err(format!("round {round}: no put succeeded within 30 s of the kill"));
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            times.push(killed.elapsed());
+            ms[l] = start_master("standbys", &cluster)?;
+        }
+        for k in &stored {
+            let ok = c.get_into(k, buf.addr(), value).is_ok_and(|n| n == value) && value_ok(buf.slice(0, value as usize), k);
+            lost += usize::from(!ok);
+        }
+        times.sort();
+        println!(
+            "failover (SIGKILL of the leader -> first successful put, lease TTL 2 s, the other master in sync): {} over {rounds} kills (median {:.2} s, worst {:.2} s); objects lost: {lost} of {}",
+            times.iter().map(|t| format!("{:.2} s", t.as_secs_f64())).collect::<Vec<_>>().join(", "),
+            times[times.len() / 2].as_secs_f64(),
+            times.last().map_or(0.0, Duration::as_secs_f64),
+            stored.len()
+        );
+        let _ = c.close();
+        drop(server);
+        drop(ms);
     }
-    times.sort();
-    println!(
-        "failover (SIGKILL of the leader -> first successful put, lease TTL 2 s, the other master in sync): {} over {rounds} kills (median {:.2} s, worst {:.2} s); objects lost: {lost} of {}",
-        times.iter().map(|t| format!("{:.2} s", t.as_secs_f64())).collect::<Vec<_>>().join(", "),
-        times[times.len() / 2].as_secs_f64(),
-        times.last().map_or(0.0, Duration::as_secs_f64),
-        stored.len()
-    );
-    let _ = c.close();
-    drop(server);
-    drop(ms);
     // Leave nothing of this run in etcd (the in-process leaders of the rate part still renew
     // their leases until the process exits; their keys go with the leases).
     for c in [format!("{rate_cluster}-etcd"), format!("{rate_cluster}-standbys"), format!("{cluster}-store-etcd"), format!("{cluster}-store-standbys"), cluster.clone()] {

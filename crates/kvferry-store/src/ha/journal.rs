@@ -15,7 +15,7 @@
 //! - `term`: the term of the last leader that loaded the journal (see [`load`]).
 //!
 //! Group commit: request threads apply their change to the state, collect the marked changes
-//! into the queue ([`Journal::collect`]) and wait for the writer ([`Journal::wait`]); the writer
+//! into the queue ([`JournalCore::collect`]) and wait for the writer ([`JournalCore::wait`]); the writer
 //! takes everything queued in one etcd request (about 1 ms with fsync on this project's VM,
 //! shared by every request queued meanwhile). With `--ha-replication standbys` the same writer
 //! streams each batch to the standbys ([`Replicas`], [`super::sync`]) and, while the in-sync
@@ -27,8 +27,9 @@ use crate::master::journal::{Change, Image};
 use crate::master::Master;
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::{Deserialize, Serialize};
-use super::sync::{image_frames, AckSignal, InSync, Link, ToStandby};
-use std::collections::HashMap;
+use super::sync::{image_frames, AckSink, InSync, Link, ToStandby};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -268,8 +269,22 @@ pub struct JournalStats {
 const WAKE_SLOTS: usize = 16;
 
 /// The leader's journal queue (inactive, costing nothing, without HA or while standing by).
+/// Shared ([`JournalCore`]) with the threads that read the standbys' acknowledgements, which
+/// answer the requests whose entries every in-sync standby acknowledged ([`Release`]).
 #[derive(Default)]
 pub struct Journal {
+    core: Arc<JournalCore>,
+}
+
+impl std::ops::Deref for Journal {
+    type Target = JournalCore;
+    fn deref(&self) -> &JournalCore {
+        &self.core
+    }
+}
+
+#[derive(Default)]
+pub struct JournalCore {
     q: Mutex<Queue>,
     /// Wakes the writer.
     work: Condvar,
@@ -282,7 +297,7 @@ pub struct Journal {
     insync: Mutex<Vec<String>>,
 }
 
-impl Journal {
+impl JournalCore {
     fn q(&self) -> std::sync::MutexGuard<'_, Queue> {
         self.q.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -330,7 +345,7 @@ impl Journal {
         (q.enqueued > q.written).then_some((q.term, q.enqueued))
     }
 
-    /// Waits until the changes of `ticket` (from [`Journal::collect`]) are in etcd, at most
+    /// Waits until the changes of `ticket` (from [`JournalCore::collect`]) are in etcd, at most
     /// `bound`; refused if the term ended first.
     pub fn wait(&self, (term, ticket): (i64, u64), bound: Duration) -> Result<(), StoreError> {
         let until = Instant::now() + bound;
@@ -425,6 +440,19 @@ impl Journal {
 
     fn done(&self, upto: u64) {
         let mut q = self.q();
+        self.mark_written(&mut q, upto);
+    }
+
+    /// [`JournalCore::done`] for `term` only: a late acknowledgement of an ended term (or of
+    /// a failed one) answers nothing.
+    fn done_in(&self, term: i64, upto: u64) {
+        let mut q = self.q();
+        if q.term == term && !q.failed {
+            self.mark_written(&mut q, upto);
+        }
+    }
+
+    fn mark_written(&self, q: &mut Queue, upto: u64) {
         let before = q.written;
         if upto <= before {
             return;
@@ -437,6 +465,96 @@ impl Journal {
                 self.durable[t as usize % WAKE_SLOTS].notify_all();
             }
         }
+    }
+}
+
+/// The entries streamed to the in-sync standbys and not yet acknowledged by all of them, in
+/// order. The threads reading the standbys' acknowledgements release them ([`AckSink`]): the
+/// requests of an entry are answered by the acknowledgement that completes it, without a
+/// hop through the writer, and the writer streams the next entry without waiting (entries
+/// are pipelined). The writer changes the members only after etcd's in-sync record says so.
+pub struct Release {
+    core: Arc<JournalCore>,
+    term: i64,
+    pipe: Mutex<Pipe>,
+}
+
+#[derive(Default)]
+struct Pipe {
+    /// The in-sync standbys' acknowledged entries (their links' counters).
+    members: Vec<Arc<AtomicU64>>,
+    /// Entries sent: sequence number, the ticket it completes, when it was sent.
+    pending: VecDeque<(u64, u64, Instant)>,
+}
+
+impl Release {
+    pub fn new(journal: &Journal, term: i64) -> Release {
+        Release { core: Arc::clone(&journal.core), term, pipe: Mutex::default() }
+    }
+
+    fn pipe(&self) -> std::sync::MutexGuard<'_, Pipe> {
+        self.pipe.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Entry `seq`, completing `ticket`, is about to be sent to the in-sync standbys.
+    fn push(&self, seq: u64, ticket: u64) {
+        self.pipe().pending.push_back((seq, ticket, Instant::now()));
+    }
+
+    /// The in-sync set changed (etcd says so already); entries its remaining members all
+    /// acknowledged are released.
+    fn set_members(&self, members: Vec<Arc<AtomicU64>>) {
+        self.pipe().members = members;
+        self.release();
+    }
+
+    /// Forgets every pending entry: the state they carry is in etcd (a rebase), their
+    /// tickets answered by the writer.
+    fn clear(&self) {
+        let mut p = self.pipe();
+        p.members.clear();
+        p.pending.clear();
+    }
+
+    /// The oldest entry not acknowledged by every member, and when it was sent.
+    fn oldest(&self) -> Option<(u64, Instant)> {
+        self.pipe().pending.front().map(|&(seq, _, t)| (seq, t))
+    }
+
+    /// Answers the requests of every entry each member acknowledged.
+    fn release(&self) {
+        let mut p = self.pipe();
+        let Some(min) = p.members.iter().map(|a| a.load(Ordering::Acquire)).min() else { return };
+        let (mut upto, mut n, mut waited) = (None, 0u64, 0u64);
+        while let Some(&(seq, ticket, sent)) = p.pending.front() {
+            if seq > min {
+                break;
+            }
+            p.pending.pop_front();
+            upto = Some(ticket);
+            n += 1;
+            waited += sent.elapsed().as_micros() as u64;
+        }
+        drop(p);
+        if let Some(ticket) = upto {
+            // Tickets only grow: a concurrent release of an earlier one is a no-op after this.
+            self.core.done_in(self.term, ticket);
+            self.core.set_stats(|s| {
+                s.streamed += n;
+                s.stream_wait_us += waited;
+            });
+        }
+    }
+}
+
+impl AckSink for Release {
+    fn acked(&self) {
+        self.release();
+    }
+
+    fn broke(&self) {
+        // The writer drops the member (or the links it no longer needs) at once.
+        self.core.work.notify_all();
     }
 }
 
@@ -471,7 +589,8 @@ pub struct Replicas {
     pub links: Vec<Link>,
     /// The in-sync set as etcd holds it now.
     pub insync: Vec<String>,
-    pub signal: Arc<AckSignal>,
+    /// Releases the entries the in-sync set acknowledged.
+    pub release: Arc<Release>,
     /// How long an in-sync standby may take to acknowledge before it leaves the set.
     pub ack_timeout: Duration,
     last_poll: Option<Instant>,
@@ -483,14 +602,14 @@ pub struct Replicas {
 const RETRY_LINK: Duration = Duration::from_secs(1);
 
 impl Replicas {
-    pub fn new(cluster_id: &str, me: &str, owner: Owner, ack_timeout: Duration) -> Replicas {
+    pub fn new(cluster_id: &str, me: &str, owner: Owner, ack_timeout: Duration, journal: &Journal) -> Replicas {
         Replicas {
             standby_prefix: super::sync::standby_prefix(cluster_id),
             me: me.to_string(),
             hello: ToStandby::Hello { cluster_id: cluster_id.to_string(), term: owner.create_revision, lease: owner.lease, leader: me.to_string() },
             links: Vec::new(),
             insync: Vec::new(),
-            signal: Arc::new(AckSignal::default()),
+            release: Arc::new(Release::new(journal, owner.create_revision)),
             ack_timeout,
             last_poll: None,
             failed: HashMap::new(),
@@ -499,6 +618,14 @@ impl Replicas {
 
     fn link(&self, member: &str) -> Option<&Link> {
         self.links.iter().find(|l| l.member == member)
+    }
+
+    /// The in-sync set is `members` (etcd says so already).
+    fn set_insync(&mut self, members: Vec<String>, journal: &Journal) {
+        self.insync = members;
+        journal.set_insync(&self.insync);
+        let counters = self.insync.iter().filter_map(|m| self.link(m)).map(Link::ack_counter).collect();
+        self.release.set_members(counters);
     }
 }
 
@@ -584,26 +711,21 @@ impl Writer<'_> {
     /// in sync, otherwise acknowledged by every in-sync standby; streamed to every linked
     /// standby either way.
     fn commit(&mut self, changes: Vec<Change>, upto: u64) -> Option<()> {
-        let streaming = self.streaming();
-        if streaming {
+        if let Some(s) = self.sync.as_ref().filter(|s| !s.insync.is_empty()) {
+            // Answered when every in-sync standby acknowledged it ([`Release`]); the next
+            // entry goes out without waiting for this one.
             self.seq += 1;
-        } else {
-            self.append(&changes)?;
-        }
-        let n = changes.len() as u64;
-        self.broadcast(changes)?;
-        if streaming {
-            let t = Instant::now();
-            self.await_insync(self.seq)?;
-            let us = t.elapsed().as_micros() as u64;
-            let seq = self.seq;
+            s.release.push(self.seq, upto);
+            let (n, seq) = (changes.len() as u64, self.seq);
+            self.broadcast(changes)?;
             self.master.journal.set_stats(|s| {
-                s.streamed += 1;
                 s.changes += n;
-                s.stream_wait_us += us;
                 s.seq = seq;
             });
+            return Some(());
         }
+        self.append(&changes)?;
+        self.broadcast(changes)?;
         self.master.journal.done(upto);
         Some(())
     }
@@ -627,19 +749,27 @@ impl Writer<'_> {
         }
     }
 
-    /// Waits until every in-sync standby acknowledged `seq`; those that do not within the
-    /// bound (or whose link broke) leave the set first.
-    fn await_insync(&mut self, seq: u64) -> Option<()> {
-        let Some(s) = self.sync.as_ref() else { return Some(()) };
-        let until = Instant::now() + s.ack_timeout;
-        let settled = |s: &Replicas| s.insync.iter().all(|m| s.link(m).is_none_or(|l| l.dead() || l.acked() >= seq));
-        s.signal.wait_until(until, || settled(s));
-        let failed: Vec<String> = s.insync.iter().filter(|m| s.link(m).is_none_or(|l| l.dead() || l.acked() < seq)).cloned().collect();
+    /// In-sync standbys whose link broke, or that did not acknowledge the oldest pending entry
+    /// within the bound, leave the set (in etcd first); then what the rest acknowledged is
+    /// released.
+    fn check_insync(&mut self) -> Option<()> {
+        let Some(s) = self.sync.as_ref().filter(|s| !s.insync.is_empty()) else { return Some(()) };
+        let late = s.release.oldest().filter(|(_, sent)| sent.elapsed() >= s.ack_timeout).map(|(seq, _)| seq);
+        let failed: Vec<String> = s.insync.iter().filter(|m| s.link(m).is_none_or(|l| l.dead() || late.is_some_and(|seq| l.acked() < seq))).cloned().collect();
         if failed.is_empty() {
             return Some(());
         }
-        tracing::warn!(term = self.term(), seq, "HA replication: the standby(s) {failed:?} did not acknowledge within {:?} (or their connection broke); they leave the in-sync set", s.ack_timeout);
+        tracing::warn!(term = self.term(), ?late, "HA replication: the standby(s) {failed:?} did not acknowledge within {:?} (or their connection broke); they leave the in-sync set", s.ack_timeout);
         self.drop_members(&failed)
+    }
+
+    /// How long the writer may sleep before an in-sync standby may be late.
+    fn idle(&self) -> Duration {
+        let idle = Duration::from_millis(200);
+        match self.sync.as_ref().and_then(|s| Some((s.release.oldest()?, s.ack_timeout))) {
+            Some(((_, sent), bound)) => idle.min((sent + bound).saturating_duration_since(Instant::now()) + Duration::from_millis(1)),
+            None => idle,
+        }
     }
 
     /// Removes `gone` from the links and the in-sync set (in etcd first). When the set becomes
@@ -658,8 +788,7 @@ impl Writer<'_> {
         let rec = InSync { term, members: rest.clone() };
         self.txn(&[(self.insync_key.clone(), rec.to_bytes())], None)?;
         if let Some(s) = self.sync.as_mut() {
-            s.insync = rest;
-            self.master.journal.set_insync(&s.insync);
+            s.set_insync(rest, &self.master.journal);
         }
         Some(())
     }
@@ -677,6 +806,7 @@ impl Writer<'_> {
         self.write_snapshot(image, cleared)?;
         if let Some(s) = self.sync.as_mut() {
             s.insync.clear();
+            s.release.clear();
         }
         self.master.journal.set_insync(&[]);
         self.master.journal.done(upto);
@@ -779,7 +909,8 @@ impl Writer<'_> {
     /// queued is committed first), then every entry after it.
     fn open_link(&mut self, member: &str, addr: &str) -> Option<()> {
         let Some(s) = self.sync.as_mut() else { return Some(()) };
-        let mut link = match Link::open(member, addr, &s.hello, &s.signal) {
+        let sink: Arc<dyn AckSink> = s.release.clone();
+        let mut link = match Link::open(member, addr, &s.hello, sink) {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!("HA replication: {e}; retried in {RETRY_LINK:?}");
@@ -823,8 +954,7 @@ impl Writer<'_> {
         self.txn(&[(self.insync_key.clone(), InSync { term, members: members.clone() }.to_bytes())], None)?;
         tracing::info!(term, seq, "HA replication: {ready:?} in sync; requests are now acknowledged by the in-sync set {members:?} instead of etcd");
         if let Some(s) = self.sync.as_mut() {
-            s.insync = members;
-            self.master.journal.set_insync(&s.insync);
+            s.set_insync(members, &self.master.journal);
         }
         Some(())
     }
@@ -860,8 +990,11 @@ impl Writer<'_> {
         if self.collect_garbage().is_none() {
             tracing::warn!(term = self.term(), "HA journal: could not delete stale snapshot chunks");
         }
-        while let Some((changes, upto)) = j.next(self.term(), Duration::from_millis(200)) {
+        while let Some((changes, upto)) = j.next(self.term(), self.idle()) {
             if !changes.is_empty() && self.commit(changes, upto).is_none() {
+                break;
+            }
+            if self.check_insync().is_none() {
                 break;
             }
             if j.q().handoff {
@@ -1020,6 +1153,50 @@ mod tests {
         j.fail();
         assert!(matches!(j.wait(t4, Duration::from_secs(5)), Err(StoreError::NotLeader { .. })));
         assert!(j.next(5, Duration::ZERO).is_none(), "the writer stops");
+    }
+
+    #[test]
+    fn a_streamed_entry_is_answered_once_every_in_sync_standby_acknowledged_it_in_order_and_never_across_terms() {
+        let j = Journal::default();
+        j.activate(7);
+        j.q().enqueued = 3; // tickets 1..=3 collected
+        let r = Release::new(&j, 7);
+        let (a, b) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        r.set_members(vec![Arc::clone(&a), Arc::clone(&b)]);
+        r.push(10, 1);
+        r.push(11, 3);
+        let written = || j.q().written;
+        a.store(11, Ordering::Release);
+        r.acked();
+        assert_eq!(written(), 0, "one standby of two acknowledged: nothing is answered");
+        b.store(10, Ordering::Release);
+        r.acked();
+        assert_eq!(written(), 1, "entry 10 is everywhere: its ticket is answered, entry 11's not yet");
+        assert_eq!(r.oldest().map(|(seq, _)| seq), Some(11));
+        // The slow member leaves the set (etcd said so first): what the rest has is answered.
+        r.set_members(vec![Arc::clone(&a)]);
+        assert_eq!(written(), 3);
+        assert_eq!(r.oldest(), None);
+        // With no member nothing is released, whatever is acknowledged.
+        r.set_members(Vec::new());
+        j.q().enqueued = 4;
+        r.push(12, 4);
+        a.store(12, Ordering::Release);
+        r.acked();
+        assert_eq!(written(), 3);
+        // A late acknowledgement of an ended term answers nothing in the next one.
+        j.deactivate();
+        j.activate(8);
+        j.q().enqueued = 4;
+        r.set_members(vec![Arc::clone(&a)]);
+        assert_eq!(written(), 0, "term 7's release does not touch term 8's tickets");
+        // Nor does one of a term whose writer gave up.
+        let r8 = Release::new(&j, 8);
+        r8.set_members(vec![Arc::clone(&a)]);
+        j.fail();
+        r8.push(12, 4);
+        r8.acked();
+        assert_eq!(written(), 0);
     }
 
     #[test]

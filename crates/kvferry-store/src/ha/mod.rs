@@ -645,7 +645,7 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     }
     let sync = match cfg.replication {
         Replication::Etcd => None,
-        Replication::Standbys => Some(journal::Replicas::new(&cfg.cluster_id, &cfg.address, owner, cfg.ack_timeout())),
+        Replication::Standbys => Some(journal::Replicas::new(&cfg.cluster_id, &cfg.address, owner, cfg.ack_timeout(), &master.journal)),
     };
     let mut writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), owner, seq, head, snapshot_bytes: cfg.snapshot_bytes, sync, insync_key: sync::insync_key(&cfg.cluster_id) };
     if rebase && writer.rebase_at_takeover(seq).is_none() {

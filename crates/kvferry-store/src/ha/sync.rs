@@ -37,7 +37,7 @@ use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The largest frame either side accepts (an image is sent in frames of [`IMAGE_PIECE`]
@@ -358,6 +358,11 @@ pub fn serve(listener: TcpListener, mirror: Arc<Mirror>) {
     }
 }
 
+/// Whether `buf` starts with a whole frame (as far as its length says).
+fn whole_frame(buf: &[u8]) -> bool {
+    buf.first_chunk::<4>().is_some_and(|len| buf.len() >= 4 + u32::from_le_bytes(*len) as usize)
+}
+
 fn follow(mut s: TcpStream, m: &Mirror) -> Result<(), String> {
     let _ = s.set_nodelay(true);
     // A leader says hello at once; a silent peer is not a leader.
@@ -378,8 +383,10 @@ fn follow(mut s: TcpStream, m: &Mirror) -> Result<(), String> {
     loop {
         let f: ToStandby = read_frame(&mut r)?;
         match m.apply(conn, f) {
-            Ok(Some(seq)) => s.write_all(&encode_frame(&ToLeader::Ack { seq })?).map_err(|e| e.to_string())?,
-            Ok(None) => {}
+            // One acknowledgement for the entries that came together: while another whole
+            // frame is already read, it is applied first (acknowledgements are cumulative).
+            Ok(Some(seq)) if !whole_frame(r.buffer()) => s.write_all(&encode_frame(&ToLeader::Ack { seq })?).map_err(|e| e.to_string())?,
+            Ok(_) => {}
             Err(why) => {
                 let _ = s.write_all(&encode_frame(&ToLeader::Refused { why: why.clone() })?);
                 return Err(why);
@@ -390,33 +397,12 @@ fn follow(mut s: TcpStream, m: &Mirror) -> Result<(), String> {
 
 // ---------------------------------------------------------------- leader side
 
-/// Wakes the writer when an acknowledgement arrives or a link breaks.
-#[derive(Default)]
-pub struct AckSignal {
-    m: Mutex<u64>,
-    cv: Condvar,
-}
-
-impl AckSignal {
-    fn notify(&self) {
-        *self.m.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        self.cv.notify_all();
-    }
-
-    /// Waits until `done()` or `until`; whether `done()`.
-    pub fn wait_until(&self, until: Instant, done: impl Fn() -> bool) -> bool {
-        let mut g = self.m.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if done() {
-                return true;
-            }
-            let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            g = self.cv.wait_timeout(g, left).unwrap_or_else(|e| e.into_inner()).0;
-        }
-    }
+/// What a link tells the leader's side as it happens (called from the link's threads).
+pub trait AckSink: Send + Sync {
+    /// The standby acknowledged more entries (its [`Link::acked`] grew).
+    fn acked(&self);
+    /// The link broke (its [`Link::dead`] is true).
+    fn broke(&self);
 }
 
 /// The leader's connection to one standby: frames go out through a channel to its sender
@@ -447,7 +433,7 @@ impl Link {
     /// Starts linking to `addr`: its sender thread connects, says `hello`, then sends what is
     /// queued; its reader thread records acknowledgements. Never blocks the caller on the
     /// network.
-    pub fn open(member: &str, addr: &str, hello: &ToStandby, signal: &Arc<AckSignal>) -> Result<Link, String> {
+    pub fn open(member: &str, addr: &str, hello: &ToStandby, signal: Arc<dyn AckSink>) -> Result<Link, String> {
         let sa: std::net::SocketAddr = addr.parse().map_err(|e| format!("the standby {member} announced {addr:?}, not an address: {e}"))?;
         let hello = encode_frame(hello)?;
         let (tx, rx) = std::sync::mpsc::channel::<Arc<Vec<u8>>>();
@@ -455,7 +441,7 @@ impl Link {
         let dead = Arc::new(AtomicBool::new(false));
         let queued = Arc::new(AtomicU64::new(0));
         let sock: Arc<Mutex<Option<TcpStream>>> = Arc::default();
-        let (dead2, signal2, acked2, queued2, sock2) = (Arc::clone(&dead), Arc::clone(signal), Arc::clone(&acked), Arc::clone(&queued), Arc::clone(&sock));
+        let (dead2, signal2, acked2, queued2, sock2) = (Arc::clone(&dead), signal, Arc::clone(&acked), Arc::clone(&queued), Arc::clone(&sock));
         let m = member.to_string();
         std::thread::Builder::new()
             .name("kvf-ha-send".into())
@@ -463,7 +449,7 @@ impl Link {
                 let end = |why: String| {
                     tracing::warn!("HA replication: the standby {m}: {why}");
                     dead2.store(true, Ordering::Release);
-                    signal2.notify();
+                    signal2.broke();
                 };
                 let mut w = match TcpStream::connect_timeout(&sa, CONNECT_TIMEOUT) {
                     Ok(s) => s,
@@ -482,7 +468,7 @@ impl Link {
                         match read_frame::<ToLeader>(&mut r) {
                             Ok(ToLeader::Ack { seq }) => {
                                 acked2.fetch_max(seq, Ordering::AcqRel);
-                                signal3.notify();
+                                signal3.acked();
                             }
                             Ok(ToLeader::Refused { why }) => {
                                 tracing::warn!("HA replication: the standby {m3} refused: {why}");
@@ -495,7 +481,7 @@ impl Link {
                         }
                     }
                     dead3.store(true, Ordering::Release);
-                    signal3.notify();
+                    signal3.broke();
                 });
                 if let Err(e) = reader {
                     return end(e.to_string());
@@ -516,7 +502,7 @@ impl Link {
                 }
                 let _ = w.shutdown(std::net::Shutdown::Both);
                 dead2.store(true, Ordering::Release);
-                signal2.notify();
+                signal2.broke();
             })
             .map_err(|e| e.to_string())?;
         Ok(Link { member: member.to_string(), addr: addr.to_string(), tx: Some(tx), acked, dead, queued, image_seq: 0, image_bytes: 0, sock })
@@ -579,6 +565,11 @@ impl Link {
 
     pub fn acked(&self) -> u64 {
         self.acked.load(Ordering::Acquire)
+    }
+
+    /// The counter behind [`Link::acked`], for whoever releases entries as it grows.
+    pub fn ack_counter(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.acked)
     }
 
     pub fn dead(&self) -> bool {

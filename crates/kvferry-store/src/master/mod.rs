@@ -867,7 +867,10 @@ impl Master {
     }
 
     /// Periodic work: expire clients, release deferred space, evict above the watermark.
-    pub fn tick(&self) -> Summary {
+    /// Expiries, deferred frees and background eviction: bounded by what is due (never a
+    /// walk over every object under the lock, which would stall every request of a master
+    /// holding millions of objects once per tick).
+    pub fn tick(&self) {
         let now = self.now();
         let mut st = self.lock();
         let dead = st.expire_clients(now, self.cfg.client_ttl.as_millis() as u64);
@@ -883,7 +886,6 @@ impl Master {
             // Background eviction is never urgent: objects just written are spared.
             st.evict_aged(target, now, self.cfg.allow_evict_soft_pinned, &self.stats, self.cfg.put_wait_for_reads.as_millis() as u64);
         }
-        st.summary()
     }
 }
 
