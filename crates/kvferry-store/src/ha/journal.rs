@@ -19,8 +19,9 @@
 //! takes everything queued in one etcd request (about 1 ms with fsync on this project's VM,
 //! shared by every request queued meanwhile). With `--ha-replication standbys` the same writer
 //! streams each batch to the standbys ([`Replicas`], [`super::sync`]) and, while the in-sync
-//! set is not empty, waits for their acknowledgements instead of writing etcd; when the set
-//! empties it writes the whole state as a snapshot first ([`Writer`]'s `rebase`).
+//! set is not empty, does not write etcd: it sends the next batch without waiting, and the
+//! threads reading the standbys' acknowledgements answer the requests ([`Release`]); when the
+//! set empties it writes the whole state as a snapshot first ([`Writer`]'s `rebase`).
 
 use crate::error::StoreError;
 use crate::master::journal::{Change, Image};
