@@ -237,6 +237,8 @@ struct Queue {
     /// acknowledged it) and fences the leader; `handed_off` once done.
     handoff: bool,
     handed_off: bool,
+    /// A standby's link broke since the writer last looked ([`JournalCore::kick`]).
+    kicked: bool,
 }
 
 /// Counters shown on `/ha_status` and `/metrics`.
@@ -429,14 +431,22 @@ impl JournalCore {
         if q.term != term || q.failed {
             return None;
         }
-        if q.changes.is_empty() {
+        if q.changes.is_empty() && !q.kicked {
             q = self.work.wait_timeout(q, idle).unwrap_or_else(|e| e.into_inner()).0;
             if q.term != term || q.failed {
                 return None;
             }
         }
+        q.kicked = false;
         let upto = q.enqueued;
         Some((std::mem::take(&mut q.changes), upto))
+    }
+
+    /// Wakes the writer for something other than queued changes (a link broke): it looks at
+    /// once, even if it was about to sleep.
+    fn kick(&self) {
+        self.q().kicked = true;
+        self.work.notify_all();
     }
 
     fn done(&self, upto: u64) {
@@ -555,7 +565,7 @@ impl AckSink for Release {
 
     fn broke(&self) {
         // The writer drops the member (or the links it no longer needs) at once.
-        self.core.work.notify_all();
+        self.core.kick();
     }
 }
 
@@ -1185,6 +1195,11 @@ mod tests {
         a.store(12, Ordering::Release);
         r.acked();
         assert_eq!(written(), 3);
+        // A broken link wakes the writer at once, even if it was not waiting yet.
+        r.broke();
+        let t = Instant::now();
+        assert_eq!(j.next(7, Duration::from_secs(5)).map(|(c, _)| c.len()), Some(0));
+        assert!(t.elapsed() < Duration::from_secs(1), "the writer looked at once");
         // A late acknowledgement of an ended term answers nothing in the next one.
         j.deactivate();
         j.activate(8);
