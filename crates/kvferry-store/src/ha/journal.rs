@@ -635,7 +635,9 @@ impl Replicas {
     fn set_insync(&mut self, members: Vec<String>, journal: &Journal) {
         self.insync = members;
         journal.set_insync(&self.insync);
-        let counters = self.insync.iter().filter_map(|m| self.link(m)).map(Link::ack_counter).collect();
+        // A member without a link acknowledges nothing (it holds every entry back until it
+        // leaves the set, `Writer::check_insync`): never answered without it.
+        let counters = self.insync.iter().map(|m| self.link(m).map_or_else(|| Arc::new(AtomicU64::new(0)), Link::ack_counter)).collect();
         self.release.set_members(counters);
     }
 }
