@@ -402,7 +402,7 @@ pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
 
 /// The IP a standby serves its mirror on: its advertised address's host (a name is resolved).
 fn replication_ip(address: &str) -> Result<std::net::IpAddr, String> {
-    let host = address.rsplit_once(':').map_or(address, |(h, _)| h).trim_start_matches('[').trim_end_matches(']');
+    let host = kvferry::config::split_host_port(address).0;
     if let Ok(ip) = host.parse() {
         return Ok(ip);
     }
@@ -694,11 +694,10 @@ pub fn hand_off(master: &Master, bound: Duration) -> bool {
     }
     // A leader whose gate lapsed just now (overloaded) still has its writer and its key until
     // its elector steps down: it hands off as well. A standby stops campaigning.
+    master.gate.stopping.store(true, Ordering::Release);
     if master.gate.role() != Role::Leader && !master.journal.active() {
-        master.gate.stopping.store(true, Ordering::Release);
         return true;
     }
-    master.gate.stopping.store(true, Ordering::Release);
     let until = Instant::now() + bound;
     let before = master.gate.stepped_down.load(Ordering::Acquire);
     if !master.journal.hand_off(bound) {
