@@ -81,8 +81,7 @@ pub fn encode_frame<T: Serialize>(m: &T) -> Result<Vec<u8>, String> {
 /// The first frame in `buf` and the bytes it took; `None` while `buf` holds only part of it.
 /// A length over [`MAX_FRAME`] or a body that does not decode is an error, never a panic.
 pub fn decode_frame<T: for<'de> Deserialize<'de>>(buf: &[u8]) -> Result<Option<(T, usize)>, String> {
-    let Some(len) = buf.first_chunk::<4>() else { return Ok(None) };
-    let n = u32::from_le_bytes(*len) as usize;
+    let Some(n) = claimed_len(buf) else { return Ok(None) };
     if n > MAX_FRAME {
         return Err(format!("a replication frame claims {n} bytes (at most {MAX_FRAME}): the peer is not a kvferry master of this version"));
     }
@@ -358,9 +357,14 @@ pub fn serve(listener: TcpListener, mirror: Arc<Mirror>) {
     }
 }
 
+/// The body length the frame at the start of `buf` claims (`None` before 4 bytes).
+fn claimed_len(buf: &[u8]) -> Option<usize> {
+    buf.first_chunk::<4>().map(|len| u32::from_le_bytes(*len) as usize)
+}
+
 /// Whether `buf` starts with a whole frame (as far as its length says).
 fn whole_frame(buf: &[u8]) -> bool {
-    buf.first_chunk::<4>().is_some_and(|len| buf.len() >= 4 + u32::from_le_bytes(*len) as usize)
+    claimed_len(buf).is_some_and(|n| buf.len() >= 4 + n)
 }
 
 fn follow(mut s: TcpStream, m: &Mirror) -> Result<(), String> {
@@ -621,7 +625,9 @@ mod tests {
         let bytes = encode_frame(&f).unwrap();
         for cut in 0..bytes.len() {
             assert_eq!(decode_frame::<ToStandby>(&bytes[..cut]).unwrap(), None, "{cut} bytes are not a frame yet");
+            assert!(!whole_frame(&bytes[..cut]), "a standby acknowledges rather than wait for the rest of a frame");
         }
+        assert!(whole_frame(&bytes), "another whole frame is read: applied before acknowledging");
         let mut two = bytes.clone();
         two.extend(encode_frame(&ToLeader::Ack { seq: 3 }).unwrap());
         assert_eq!(decode_frame::<ToStandby>(&two).unwrap(), Some((f.clone(), bytes.len())));
