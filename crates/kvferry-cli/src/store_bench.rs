@@ -79,7 +79,7 @@ pub struct StoreBenchArgs {
     ha: Option<String>,
     /// With `--ha`: which parts to run (`rate`: metadata throughput, `store`: values stored
     /// through a whole store, `failover`: failover time and objects lost).
-    #[arg(long, default_value = "rate,store,failover", value_delimiter = ',')]
+    #[arg(long, default_value = "rate,store,failover", value_delimiter = ',', value_parser = ["rate", "store", "failover"])]
     ha_parts: Vec<String>,
     /// Internal: run as the serving client of a bench.
     #[arg(long, hide = true)]

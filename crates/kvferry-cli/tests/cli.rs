@@ -49,6 +49,11 @@ fn bench_rejects_bad_arguments_clearly() {
     let out = kvferry().args(["bench", "--mode", "initiator", "--segment", "127.0.0.1:1", "--buffer-size", "1M"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("127.0.0.1:1"), "names the segment");
+    // A part of the HA bench that does not exist is refused before anything is reached.
+    let out = kvferry().args(["store-bench", "--ha", "127.0.0.1:1", "--ha-parts", "rate,nope"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("nope") && err.contains("rate, store, failover"), "names the bad part and the good ones: {err}");
 }
 
 #[test]
