@@ -1,6 +1,6 @@
 //! `kvferry store-bench --ha ETCD`: the figures of master high availability, in one run
 //! against the etcd given (`host:port`): metadata throughput with the journal on vs a master
-//! without HA, values stored per second through a whole store (64 KiB to 16 MiB values, one
+//! without HA (and what each object costs: CPU by role, context switches), values stored per second through a whole store (64 KiB to 16 MiB values, one
 //! client and four at once) with and without HA, the journal's etcd bytes per million objects,
 //! and failover time and objects lost
 //! when the leader is SIGKILLed (two `kvferry master --enable-ha` processes and a serving
@@ -42,40 +42,123 @@ fn clear(addr: &str) -> Result<(), String> {
     }
 }
 
+/// One thread of this process: its name, nanoseconds on CPU so far
+/// (`/proc/self/task/<tid>/schedstat`) and context switches so far (voluntary and not,
+/// `/proc/self/task/<tid>/status`).
+struct ThreadUse {
+    name: String,
+    ns: u64,
+    switches: u64,
+}
+
+/// Every live thread of this process, by thread id.
+fn threads_now() -> std::collections::HashMap<u64, ThreadUse> {
+    let mut out = std::collections::HashMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else { return out };
+    for t in dir.flatten() {
+        let Some(tid) = t.file_name().to_str().and_then(|n| n.parse::<u64>().ok()) else { continue };
+        let read = |f: &str| std::fs::read_to_string(t.path().join(f)).unwrap_or_default();
+        let ns = read("schedstat").split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        let switches = read("status").lines().filter(|l| l.contains("ctxt_switches:")).filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()).sum();
+        out.insert(tid, ThreadUse { name: read("comm").trim().to_string(), ns, switches });
+    }
+    out
+}
+
+/// What one measurement cost this process, per object created: CPU (µs) by role (the master
+/// measured: its request, journal and acknowledgement threads and whatever else of this
+/// process ran, the idle masters' tickers; its standby's mirror; the bench's clients) and
+/// context switches (every thread).
+#[derive(Clone, Copy, Default)]
+struct Cpu {
+    leader: f64,
+    standby: f64,
+    clients: f64,
+    switches: f64,
+}
+
+/// The threads of the bench's clients (counted as clients, not as the master).
+const CLIENT_THREAD: &str = "kvf-bench-put";
+
+/// The use between two [`threads_now`], per object of `created` (a thread that did not exist
+/// before started from nothing).
+fn use_between(before: &std::collections::HashMap<u64, ThreadUse>, after: &std::collections::HashMap<u64, ThreadUse>, created: u64) -> Cpu {
+    let mut cpu = Cpu::default();
+    let per = created.max(1) as f64;
+    for (tid, t) in after {
+        let (ns0, sw0) = before.get(tid).map_or((0, 0), |b| (b.ns, b.switches));
+        let us = t.ns.saturating_sub(ns0) as f64 / 1e3 / per;
+        match t.name.as_str() {
+            CLIENT_THREAD => cpu.clients += us,
+            "kvf-ha-standby" | "kvf-ha-mirror" => cpu.standby += us,
+            _ => cpu.leader += us,
+        }
+        cpu.switches += t.switches.saturating_sub(sw0) as f64 / per;
+    }
+    cpu
+}
+
 /// PutStart + PutEnd pairs over RPC from `threads` connections, `per_req` keys per request:
-/// objects created per second.
-fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str) -> f64 {
+/// objects created per second, and what that cost per object ([`Cpu`]). Every connection
+/// stays open until the threads' use is read (a master's request thread ends with its
+/// connection, and an ended thread can no longer be read).
+fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str) -> (f64, Cpu) {
     let start = Instant::now();
-    let created: u64 = std::thread::scope(|s| {
+    let before = threads_now();
+    // (threads done, CPU read): every client thread holds its connection until then.
+    let gate = (std::sync::Mutex::new((0usize, false)), std::sync::Condvar::new());
+    let lock = || gate.0.lock().unwrap_or_else(|e| e.into_inner());
+    let (created, after) = std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
             .map(|t| {
-                s.spawn(move || -> u64 {
-                    let Ok(mut conn) = std::net::TcpStream::connect(addr) else { return 0 };
-                    let _ = conn.set_nodelay(true);
-                    let mut call = |req: &Request| call(&mut conn, req);
-                    let client = 1000 + t as u64;
-                    let seg = Segment { id: client, name: format!("bench-{client}"), te_endpoint: format!("127.0.0.1:{client}"), base: client << 44, size: 1 << 42 };
-                    if !matches!(call(&Request::MountSegment { client, segment: seg }), Some(Response::Ok)) {
-                        return 0;
-                    }
-                    let mut n = 0u64;
-                    let cfg = ReplicateConfig::default();
-                    while start.elapsed() < dur {
-                        let keys: Vec<String> = (0..per_req).map(|i| format!("{tag}-{t}-{}", n + i as u64)).collect();
-                        let starts = Request::Batch(keys.iter().map(|k| Request::PutStart { client, key: k.clone(), size: 4096, config: cfg.clone(), upsert: false }).collect());
-                        let ends = Request::Batch(keys.iter().map(|k| Request::PutEnd { client, key: k.clone() }).collect());
-                        match (call(&starts), call(&ends)) {
-                            (Some(Response::Batch(a)), Some(Response::Batch(b))) if a.iter().all(|r| matches!(r, Response::Replicas(_))) && b.iter().all(|r| *r == Response::Ok) => n += per_req as u64,
-                            _ => return n,
+                let (gate, lock) = (&gate, &lock);
+                std::thread::Builder::new().name(CLIENT_THREAD.into()).spawn_scoped(s, move || -> u64 {
+                    let mut conn = std::net::TcpStream::connect(addr).ok();
+                    let n = conn.as_mut().map_or(0, |conn| {
+                        let _ = conn.set_nodelay(true);
+                        let mut call = |req: &Request| call(conn, req);
+                        let client = 1000 + t as u64;
+                        let seg = Segment { id: client, name: format!("bench-{client}"), te_endpoint: format!("127.0.0.1:{client}"), base: client << 44, size: 1 << 42 };
+                        if !matches!(call(&Request::MountSegment { client, segment: seg }), Some(Response::Ok)) {
+                            return 0;
                         }
+                        let mut n = 0u64;
+                        let cfg = ReplicateConfig::default();
+                        while start.elapsed() < dur {
+                            let keys: Vec<String> = (0..per_req).map(|i| format!("{tag}-{t}-{}", n + i as u64)).collect();
+                            let starts = Request::Batch(keys.iter().map(|k| Request::PutStart { client, key: k.clone(), size: 4096, config: cfg.clone(), upsert: false }).collect());
+                            let ends = Request::Batch(keys.iter().map(|k| Request::PutEnd { client, key: k.clone() }).collect());
+                            match (call(&starts), call(&ends)) {
+                                (Some(Response::Batch(a)), Some(Response::Batch(b))) if a.iter().all(|r| matches!(r, Response::Replicas(_))) && b.iter().all(|r| *r == Response::Ok) => n += per_req as u64,
+                                _ => return n,
+                            }
+                        }
+                        n
+                    });
+                    let mut g = lock();
+                    g.0 += 1;
+                    gate.1.notify_all();
+                    while !g.1 {
+                        g = gate.1.wait(g).unwrap_or_else(|e| e.into_inner());
                     }
+                    drop(g);
+                    drop(conn);
                     n
                 })
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap_or(0)).sum()
+        let running = hs.iter().filter(|h| h.is_ok()).count();
+        let mut g = lock();
+        while g.0 < running {
+            g = gate.1.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        let after = threads_now();
+        g.1 = true;
+        gate.1.notify_all();
+        drop(g);
+        (hs.into_iter().flatten().map(|h| h.join().unwrap_or(0)).sum::<u64>(), after)
     });
-    created as f64 / start.elapsed().as_secs_f64()
+    (created as f64 / start.elapsed().as_secs_f64(), use_between(&before, &after, created))
 }
 
 /// Values stored per second by `clients` clients at once (each its own `Client`, as the TP
@@ -166,6 +249,8 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     // Per HA point: etcd transactions (or standby acknowledgements) per second, changes each,
     // ms each.
     let mut commits: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(), Vec::new()];
+    // Per mode and point: CPU per object by role (the better round's).
+    let mut cpus: Vec<Vec<Cpu>> = Vec::new();
     let serve = || -> Result<(Arc<Master>, MasterServer, String), String> {
         let m = Arc::new(Master::new(MasterConfig::default()));
         let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
@@ -206,14 +291,15 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             }
             masters.push((mode, m, server, addr, standby));
             rates.push(Vec::new());
+            cpus.push(Vec::new());
         }
         for (threads, per_req) in POINTS {
-            let mut best = [(0f64, (0f64, 0f64, 0f64)); 3];
+            let mut best = [(0f64, (0f64, 0f64, 0f64), Cpu::default()); 3];
             for round in 0..2 {
                 for (i, (mode, m, _, addr, _)) in masters.iter().enumerate() {
                     clear(addr)?;
                     let (s0, t0) = (m.journal.stats(), Instant::now());
-                    let rate = put_rate(addr, threads, per_req, dur, &format!("{mode:?}-{threads}-{per_req}-{round}"));
+                    let (rate, cpu) = put_rate(addr, threads, per_req, dur, &format!("{mode:?}-{threads}-{per_req}-{round}"));
                     let (s1, secs) = (m.journal.stats(), t0.elapsed().as_secs_f64());
                     let (n, us) = match mode {
                         Some(ha::Replication::Etcd) => (s1.entries - s0.entries, s1.write_us - s0.write_us),
@@ -221,12 +307,13 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
                         None => (0, 0),
                     };
                     if rate > best[i].0 {
-                        best[i] = (rate, (n as f64 / secs, (s1.changes - s0.changes) as f64 / n.max(1) as f64, us as f64 / n.max(1) as f64 / 1e3));
+                        best[i] = (rate, (n as f64 / secs, (s1.changes - s0.changes) as f64 / n.max(1) as f64, us as f64 / n.max(1) as f64 / 1e3), cpu);
                     }
                 }
             }
-            for (i, (rate, commit)) in best.into_iter().enumerate() {
+            for (i, (rate, commit, cpu)) in best.into_iter().enumerate() {
                 rates[i].push(rate);
+                cpus[i].push(cpu);
                 if i > 0 {
                     commits[i - 1].push(commit);
                 }
@@ -246,7 +333,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd };
             ha::start(cfg, Arc::clone(&m))?;
             wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
-            put_rate(&addr, 16, 32, dur, "bytes");
+            let _ = put_rate(&addr, 16, 32, dur, "bytes");
             let keys = m.lock().summary().keys as u64;
             let (bytes, n) = journal_bytes(&etcd, &cluster)?;
             let st = m.journal.stats();
@@ -284,6 +371,26 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
                 standby,
                 standby / off.max(1e-9)
             );
+        }
+        // Where the time goes (this VM's two vCPUs run the clients, the master and its standby
+        // at once): CPU per object by role, and context switches per object (every thread of
+        // this process). With the standby and the clients on hosts of their own, the leader's
+        // CPU per object bounds its rate: the "leader" ratio is the throughput ratio to expect
+        // there (an estimate for the CPU-bound points, not a measurement; etcd's own CPU is not
+        // counted).
+        println!("{:<34} {:>16} {:>16} {:>22} {:>7}", "per object: µs CPU, switches", "no HA: master", "HA etcd: leader", "HA standby: leader", "leader");
+        println!("{:<34} {:>16} {:>16} {:>22} {:>7}", "  (µs CPU of the clients)", "", "", "+mirror", "ratio");
+        for (i, (threads, per_req)) in POINTS.iter().enumerate() {
+            let (off, journal, standby) = (cpus[0][i], cpus[1][i], cpus[2][i]);
+            println!(
+                "{:<34} {:>16} {:>16} {:>22} {:>7.2}",
+                format!("{threads} connection(s), {per_req} key(s)/request"),
+                format!("{:.2}, {:.2}", off.leader, off.switches),
+                format!("{:.2}, {:.2}", journal.leader, journal.switches),
+                format!("{:.2}+{:.2}, {:.2}", standby.leader, standby.standby, standby.switches),
+                off.leader / standby.leader.max(1e-9)
+            );
+            println!("{:<34} {:>16} {:>16} {:>22}", "", format!("({:.2})", off.clients), format!("({:.2})", journal.clients), format!("({:.2})", standby.clients));
         }
         // Why: each request that changes state waits for an etcd transaction, or for the in-sync
         // standby's acknowledgement (group commit either way).
