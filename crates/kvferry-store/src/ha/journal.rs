@@ -340,12 +340,22 @@ impl JournalCore {
         if q.term == 0 || q.term != st.term {
             return None;
         }
-        if !changes.is_empty() {
+        let queued = !changes.is_empty();
+        if queued {
             q.changes.extend(changes);
             q.enqueued += 1;
+        }
+        let ticket = (q.enqueued > q.written).then_some((q.term, q.enqueued));
+        // The writer is woken after both locks are released: woken under them, it would only
+        // block on the queue's lock again, and every request would wait on the state's lock
+        // for the system call (never lost: the writer looks at the queue under its lock
+        // before it sleeps).
+        drop(q);
+        drop(st);
+        if queued {
             self.work.notify_one();
         }
-        (q.enqueued > q.written).then_some((q.term, q.enqueued))
+        ticket
     }
 
     /// Waits until the changes of `ticket` (from [`JournalCore::collect`]) are in etcd, at most
@@ -450,8 +460,8 @@ impl JournalCore {
     }
 
     fn done(&self, upto: u64) {
-        let mut q = self.q();
-        self.mark_written(&mut q, upto);
+        let newly = Self::mark_written(&mut self.q(), upto);
+        self.wake_written(newly);
     }
 
     /// [`JournalCore::done`] for `term` only: a late acknowledgement of an ended term (or of
@@ -459,20 +469,30 @@ impl JournalCore {
     fn done_in(&self, term: i64, upto: u64) {
         let mut q = self.q();
         if q.term == term && !q.failed {
-            self.mark_written(&mut q, upto);
+            let newly = Self::mark_written(&mut q, upto);
+            drop(q);
+            self.wake_written(newly);
         }
     }
 
-    fn mark_written(&self, q: &mut Queue, upto: u64) {
+    /// Records that everything up to `upto` is durable; the tickets that became so.
+    fn mark_written(q: &mut Queue, upto: u64) -> std::ops::Range<u64> {
         let before = q.written;
         if upto <= before {
-            return;
+            return 0..0;
         }
         q.written = upto;
-        if upto - before >= WAKE_SLOTS as u64 {
+        before + 1..upto + 1
+    }
+
+    /// Wakes the requests waiting for `tickets`, after the queue's lock is released (woken
+    /// under it they would only block on it again; never lost: a request looks at `written`
+    /// under the lock before it sleeps).
+    fn wake_written(&self, tickets: std::ops::Range<u64>) {
+        if tickets.end - tickets.start >= WAKE_SLOTS as u64 {
             self.wake_all();
         } else {
-            for t in before + 1..=upto {
+            for t in tickets {
                 self.durable[t as usize % WAKE_SLOTS].notify_all();
             }
         }
