@@ -101,8 +101,11 @@ fn use_between(before: &std::collections::HashMap<u64, ThreadUse>, after: &std::
 /// PutStart + PutEnd pairs over RPC from `threads` connections, `per_req` keys per request:
 /// objects created per second, and what that cost per object ([`Cpu`]). Every connection
 /// stays open until the threads' use is read (a master's request thread ends with its
-/// connection, and an ended thread can no longer be read).
-fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str) -> (f64, Cpu) {
+/// connection, and an ended thread can no longer be read). With `tidy`, the master is left as
+/// it was found, untimed: its objects removed, then the clients' segments unmounted (a client
+/// left to expire would have its segments dropped by the master's ticker in the middle of a
+/// later measurement, a walk over every object per segment).
+fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str, tidy: bool) -> (f64, Cpu) {
     let start = Instant::now();
     let before = threads_now();
     // (threads done, CPU read): every client thread holds its connection until then.
@@ -142,7 +145,10 @@ fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str
                         g = gate.1.wait(g).unwrap_or_else(|e| e.into_inner());
                     }
                     drop(g);
-                    drop(conn);
+                    if let Some(conn) = conn.as_mut().filter(|_| tidy) {
+                        let client = 1000 + t as u64;
+                        let _ = call(conn, &Request::UnmountSegment { client, segment: client });
+                    }
                     n
                 })
             })
@@ -153,6 +159,11 @@ fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str
             g = gate.1.wait(g).unwrap_or_else(|e| e.into_inner());
         }
         let after = threads_now();
+        if tidy {
+            if let Err(e) = clear(addr) {
+                tracing::warn!("store-bench: {e}");
+            }
+        }
         g.1 = true;
         gate.1.notify_all();
         drop(g);
@@ -299,7 +310,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
                 for (i, (mode, m, _, addr, _)) in masters.iter().enumerate() {
                     clear(addr)?;
                     let (s0, t0) = (m.journal.stats(), Instant::now());
-                    let (rate, cpu) = put_rate(addr, threads, per_req, dur, &format!("{mode:?}-{threads}-{per_req}-{round}"));
+                    let (rate, cpu) = put_rate(addr, threads, per_req, dur, &format!("{mode:?}-{threads}-{per_req}-{round}"), true);
                     let (s1, secs) = (m.journal.stats(), t0.elapsed().as_secs_f64());
                     let (n, us) = match mode {
                         Some(ha::Replication::Etcd) => (s1.entries - s0.entries, s1.write_us - s0.write_us),
@@ -333,7 +344,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd };
             ha::start(cfg, Arc::clone(&m))?;
             wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
-            let _ = put_rate(&addr, 16, 32, dur, "bytes");
+            let _ = put_rate(&addr, 16, 32, dur, "bytes", false);
             let keys = m.lock().summary().keys as u64;
             let (bytes, n) = journal_bytes(&etcd, &cluster)?;
             let st = m.journal.stats();
