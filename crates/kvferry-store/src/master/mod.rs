@@ -343,40 +343,69 @@ impl State {
             Some(s) if s.client != client => return Err(StoreError::InvalidParams(format!("segment {seg_id:x} belongs to another client"))),
             Some(_) => {}
         }
-        self.drop_segment(seg_id);
+        self.drop_segments(&[seg_id]);
         Ok(())
     }
 
-    fn drop_segment(&mut self, seg_id: u64) {
-        self.mark_segment(seg_id);
-        self.segments.remove(&seg_id);
-        self.seg_order.retain(|&s| s != seg_id);
-        self.deferred.retain(|d| d.replica.seg != seg_id);
-        let mut gone = Vec::new();
-        let mut changed = Vec::new();
-        for (k, o) in self.objects.iter_mut() {
+    /// Drops segments `ids` with every replica on them (objects left without any are
+    /// forgotten), in one walk over the objects however many segments go (a client with many
+    /// segments, or many clients expiring in one tick, cost one walk under the lock, not one
+    /// each).
+    fn drop_segments(&mut self, ids: &[u64]) {
+        if ids.is_empty() {
+            return;
+        }
+        for &id in ids {
+            self.mark_segment(id);
+            self.segments.remove(&id);
+        }
+        let ids: std::collections::HashSet<u64> = ids.iter().copied().collect();
+        let on = |r: &Replica| ids.contains(&r.seg);
+        self.seg_order.retain(|s| !ids.contains(s));
+        self.deferred.retain(|d| !on(&d.replica));
+        // Objects left without any replica are removed in place (no key copied, no second
+        // lookup: what `forget` does, for up to every object of the pool at once); marks and
+        // group memberships are settled after the walk.
+        let journaling = self.dirty.is_some();
+        let (mut marks, mut grouped) = (Vec::new(), Vec::new());
+        self.objects.retain(|k, o| {
             let mut hit = false;
-            if o.current.iter().any(|r| r.seg == seg_id) {
-                o.current = o.current.iter().copied().filter(|r| r.seg != seg_id).collect();
+            if o.current.iter().any(on) {
+                o.current = o.current.iter().copied().filter(|r| !on(r)).collect();
                 hit = true;
             }
             if let Some(p) = &mut o.pending {
-                if p.replicas.iter().any(|r| r.seg == seg_id) {
-                    p.replicas = p.replicas.iter().copied().filter(|r| r.seg != seg_id).collect();
+                if p.replicas.iter().any(on) {
+                    p.replicas = p.replicas.iter().copied().filter(|r| !on(r)).collect();
                     hit = true;
                 }
             }
-            if o.current.is_empty() && o.pending.as_ref().is_none_or(|p| p.replicas.is_empty()) {
-                gone.push(k.clone());
-            } else if hit && self.dirty.is_some() {
-                changed.push(k.clone());
+            let keep = !(o.current.is_empty() && o.pending.as_ref().is_none_or(|p| p.replicas.is_empty()));
+            if !keep {
+                if let Some(g) = &o.group {
+                    grouped.push(Arc::clone(g));
+                }
             }
-        }
-        for k in changed {
+            if journaling && (hit || !keep) {
+                marks.push(k.clone());
+            }
+            keep
+        });
+        for k in marks {
             self.mark_key(&k);
         }
-        for k in gone {
-            self.forget(&k);
+        // Each group that lost members is pruned once (not once per member: a group of
+        // thousands of objects going at once would cost its size squared).
+        grouped.sort_unstable();
+        grouped.dedup();
+        let objects = &self.objects;
+        for g in grouped {
+            if let Some(members) = self.groups.get_mut(&g) {
+                members.retain(|m| objects.get(m).is_some_and(|o| o.group.as_ref() == Some(&g)));
+                if members.is_empty() {
+                    self.groups.remove(&g);
+                }
+            }
         }
     }
 
@@ -384,14 +413,19 @@ impl State {
         let o = self.objects.remove(key)?;
         self.mark_key(key);
         if let Some(g) = &o.group {
-            if let Some(members) = self.groups.get_mut(g) {
-                members.retain(|m| &**m != key);
-                if members.is_empty() {
-                    self.groups.remove(g);
-                }
-            }
+            self.leave_group(g, key);
         }
         Some(o)
+    }
+
+    /// `key` is no longer a member of group `g` (a group left empty goes).
+    fn leave_group(&mut self, g: &str, key: &str) {
+        if let Some(members) = self.groups.get_mut(g) {
+            members.retain(|m| &**m != key);
+            if members.is_empty() {
+                self.groups.remove(g);
+            }
+        }
     }
 
     /// Makes a client known (a pure client mounts nothing but must be able to put).
@@ -414,14 +448,16 @@ impl State {
     /// Drops clients that have not pinged within `ttl`, with their segments and replicas.
     pub fn expire_clients(&mut self, now: u64, ttl: u64) -> Vec<u64> {
         let dead: Vec<u64> = self.clients.iter().filter(|(_, &t)| now.saturating_sub(t) > ttl).map(|(&c, _)| c).collect();
+        if dead.is_empty() {
+            return dead;
+        }
         for c in &dead {
             self.clients.remove(c);
             self.mark_client(*c);
-            let segs: Vec<u64> = self.segments.iter().filter(|(_, s)| s.client == *c).map(|(&id, _)| id).collect();
-            for s in segs {
-                self.drop_segment(s);
-            }
         }
+        let gone: std::collections::HashSet<u64> = dead.iter().copied().collect();
+        let segs: Vec<u64> = self.segments.iter().filter(|(_, s)| gone.contains(&s.client)).map(|(&id, _)| id).collect();
+        self.drop_segments(&segs);
         dead
     }
 
@@ -1032,6 +1068,43 @@ mod tests {
         assert_eq!(l.replicas[0].te_endpoint, "127.0.0.1:15002");
         assert!(matches!(st.get_replica_list("only1", 10_002, 1), Err(StoreError::ObjectNotFound(_))));
         assert_eq!(st.ping(1, 10_003), PingStatus::NeedRemount);
+    }
+
+    /// Clients that die together (one with two segments) go in one tick: every replica on
+    /// any of their segments is dropped, objects left with none are forgotten, the survivor's
+    /// replicas still serve and new puts land only on its segment.
+    #[test]
+    fn clients_dying_together_lose_every_segment_in_one_tick_and_only_those() {
+        let mut st = State::default();
+        for (client, id) in [(10, 1), (10, 2), (20, 3), (30, 4)] {
+            st.mount(client, seg(id, 1 << 20), 0).unwrap();
+        }
+        st.register_client(1, 0);
+        let (m, s) = (MasterConfig::default(), Stats::default());
+        let all = ReplicateConfig { replica_num: 4, ..Default::default() };
+        put(&mut st, &m, &s, "everywhere", 4096, &all, 0).unwrap();
+        for (key, on) in [("on1", "seg1"), ("on2", "seg2"), ("on3", "seg3"), ("on4", "seg4")] {
+            put(&mut st, &m, &s, key, 4096, &ReplicateConfig { preferred_segments: vec![on.into()], ..Default::default() }, 0).unwrap();
+        }
+        for (key, on, group) in [("g-a", "seg1", "G"), ("g-b", "seg4", "G"), ("h-a", "seg2", "H"), ("h-b", "seg3", "H")] {
+            put(&mut st, &m, &s, key, 4096, &ReplicateConfig { preferred_segments: vec![on.into()], group_id: Some(group.into()), ..Default::default() }, 0).unwrap();
+        }
+        st.ping(30, 5000);
+        let mut dead = st.expire_clients(10_001, 10_000);
+        dead.sort_unstable();
+        assert_eq!(dead, vec![1, 10, 20], "client 1 (the writer, no segment) never pinged either");
+        assert_eq!(st.seg_order, vec![4]);
+        let l = st.get_replica_list("everywhere", 10_002, 1).unwrap();
+        assert_eq!(l.replicas.iter().map(|r| r.te_endpoint.as_str()).collect::<Vec<_>>(), ["127.0.0.1:15004"]);
+        for gone in ["on1", "on2", "on3"] {
+            assert!(matches!(st.get_replica_list(gone, 10_002, 1), Err(StoreError::ObjectNotFound(_))), "{gone}");
+        }
+        assert!(st.get_replica_list("on4", 10_002, 1).is_ok());
+        assert_eq!(st.groups.get("G").map(|m| m.iter().map(|k| k.to_string()).collect::<Vec<_>>()), Some(vec!["g-b".to_string()]), "a group keeps its surviving members");
+        assert!(!st.groups.contains_key("H"), "a group left empty goes");
+        st.register_client(1, 10_003);
+        let r = st.put_start(&m, &s, 1, "new", 4096, &ReplicateConfig::default(), false, 10_003).unwrap();
+        assert_eq!(r[0].te_endpoint, "127.0.0.1:15004");
     }
 
     #[test]
