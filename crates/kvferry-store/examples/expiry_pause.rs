@@ -1,0 +1,41 @@
+//! How long the master's state lock is held when many clients die together: a state with
+//! `OBJECTS` objects (one replica each, spread over the segments of `CLIENTS` clients, one
+//! segment each), then all but one client stop pinging and one tick's expiry drops them.
+//! Every request of the master waits for that long.
+//!
+//! `cargo run --release -p kvferry-store --example expiry_pause [objects] [clients]`
+
+use kvferry_store::master::{MasterConfig, State, Stats};
+use kvferry_store::proto::{ReplicateConfig, Segment};
+use std::time::Instant;
+
+fn main() {
+    let mut args = std::env::args().skip(1).map(|a| a.parse::<u64>());
+    let objects = args.next().and_then(Result::ok).unwrap_or(1_000_000);
+    let clients = args.next().and_then(Result::ok).unwrap_or(100).max(2);
+    let mut st = State::default();
+    for c in 1..=clients {
+        let seg = Segment { id: c, name: format!("seg{c}"), te_endpoint: format!("127.0.0.1:{}", 20000 + c), base: c << 40, size: 1 << 36 };
+        if let Err(e) = st.mount(c, seg, 0) {
+            eprintln!("mount: {e}");
+            std::process::exit(1);
+        }
+    }
+    let (m, s) = (MasterConfig::default(), Stats::default());
+    let t = Instant::now();
+    for i in 0..objects {
+        let c = 1 + i % clients;
+        let cfg = ReplicateConfig { preferred_segments: vec![format!("seg{c}")], ..ReplicateConfig::default() };
+        let key = format!("obj-{i:09}");
+        if let Err(e) = st.put_start(&m, &s, c, &key, 4096, &cfg, false, 0).and_then(|_| st.put_end(c, &key, 0)) {
+            eprintln!("put {key}: {e}");
+            std::process::exit(1);
+        }
+    }
+    println!("{objects} objects on {clients} clients' segments in {:.2} s", t.elapsed().as_secs_f64());
+    // Every client but the last stops pinging.
+    st.ping(clients, 5_000);
+    let t = Instant::now();
+    let dead = st.expire_clients(10_001, 10_000);
+    println!("{} clients expired in one tick: the state lock held {:.1} ms", dead.len(), t.elapsed().as_secs_f64() * 1e3);
+}
