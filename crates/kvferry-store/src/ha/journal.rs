@@ -1169,9 +1169,35 @@ mod tests {
         assert!(matches!(j.wait(t1, Duration::from_millis(30)), Err(StoreError::Rpc(_))), "not written: the wait is bounded");
         let (batch, upto) = j.next(5, Duration::ZERO).expect("the writer's batch");
         assert_eq!((batch.len(), upto), (4, 2), "two clients and two segments, both requests' changes");
-        j.done(upto);
+        // A request already asleep is woken by the write (the wake comes after the queue's
+        // lock is released, and is never lost): answered long before its bound.
+        std::thread::scope(|sc| {
+            let waiter = sc.spawn(|| {
+                let t = Instant::now();
+                (j.wait(t1, Duration::from_secs(10)), t.elapsed())
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            j.done(upto);
+            let (res, took) = waiter.join().expect("waiter");
+            assert_eq!(res, Ok(()));
+            assert!(took < Duration::from_secs(5), "woken, not timed out: {took:?}");
+        });
         assert_eq!(j.wait(t1, Duration::ZERO), Ok(()));
         assert_eq!(j.wait(t2, Duration::ZERO), Ok(()));
+        // A writer already asleep is woken by the next change collected.
+        std::thread::scope(|sc| {
+            let writer = sc.spawn(|| {
+                let t = Instant::now();
+                (j.next(5, Duration::from_secs(10)).map(|(c, u)| (c.len(), u)), t.elapsed())
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            m.lock().mount(5, seg(5), 0).expect("mount");
+            let t5 = j.collect(&m).expect("ticket");
+            let (got, took) = writer.join().expect("writer");
+            assert_eq!(got, Some((2, t5.1)), "the client and the segment");
+            assert!(took < Duration::from_secs(5), "woken, not timed out: {took:?}");
+            j.done(t5.1);
+        });
         assert_eq!(j.collect(&m), None, "nothing outstanding");
         // A ticket of a term that ended is refused, even if a new term started since.
         m.lock().mount(3, seg(3), 0).expect("mount");
@@ -1203,7 +1229,18 @@ mod tests {
         r.acked();
         assert_eq!(written(), 0, "one standby of two acknowledged: nothing is answered");
         b.store(10, Ordering::Release);
-        r.acked();
+        // The request of ticket 1, asleep, is woken by the acknowledgement that completes it.
+        std::thread::scope(|sc| {
+            let waiter = sc.spawn(|| {
+                let t = Instant::now();
+                (j.wait((7, 1), Duration::from_secs(10)), t.elapsed())
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            r.acked();
+            let (res, took) = waiter.join().expect("waiter");
+            assert_eq!(res, Ok(()));
+            assert!(took < Duration::from_secs(5), "woken, not timed out: {took:?}");
+        });
         assert_eq!(written(), 1, "entry 10 is everywhere: its ticket is answered, entry 11's not yet");
         assert_eq!(r.oldest().map(|(seq, _)| seq), Some(11));
         // The slow member leaves the set (etcd said so first): what the rest has is answered.
