@@ -10,9 +10,16 @@ use kvferry_store::proto::{ReplicateConfig, Segment};
 use std::time::Instant;
 
 fn main() {
-    let mut args = std::env::args().skip(1).map(|a| a.parse::<u64>());
-    let objects = args.next().and_then(Result::ok).unwrap_or(1_000_000);
-    let clients = args.next().and_then(Result::ok).unwrap_or(100).max(2);
+    let mut args = std::env::args().skip(1);
+    let mut arg = |what: &str, default: u64| match args.next() {
+        None => default,
+        Some(a) => a.parse().unwrap_or_else(|_| {
+            eprintln!("expiry_pause: {what} {a:?} is not a whole number; usage: expiry_pause [objects] [clients]");
+            std::process::exit(2)
+        }),
+    };
+    let objects = arg("objects", 1_000_000);
+    let clients = arg("clients", 100).max(2);
     let mut st = State::default();
     for c in 1..=clients {
         let seg = Segment { id: c, name: format!("seg{c}"), te_endpoint: format!("127.0.0.1:{}", 20000 + c), base: c << 40, size: 1 << 36 };
