@@ -984,7 +984,15 @@ fn store_bench_ha_reports_every_figure() {
         "4 client(s), 4 MiB x 8 per call",
         "1 client(s), 16 MiB x 8 per call",
         "objects lost: 0 of 1500",
+        "per object: µs CPU, switches",
     ] {
         assert!(out.contains(figure), "the report has {figure:?}: {out}");
     }
+    // What each object cost was read, not left at zero: the first point's CPU and switches of
+    // every setup (no HA; the etcd journal's leader; the standby pair's leader and mirror),
+    // and the leader ratio.
+    let costs = out.split("per object: µs CPU, switches").nth(1).and_then(|t| t.lines().nth(2)).unwrap_or_default();
+    let figures: Vec<f64> = costs.split(|c: char| c == ',' || c == '+' || c.is_whitespace()).filter_map(|x| x.parse().ok()).skip(2).collect();
+    assert_eq!(figures.len(), 8, "1 x 1: eight figures in {costs:?}");
+    assert!(figures.iter().all(|&f| f > 0.0), "every cost measured: {costs:?}");
 }

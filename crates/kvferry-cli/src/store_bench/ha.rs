@@ -1,9 +1,9 @@
 //! `kvferry store-bench --ha ETCD`: the figures of master high availability, in one run
 //! against the etcd given (`host:port`): metadata throughput with the journal on vs a master
-//! without HA (and what each object costs: CPU by role, context switches), values stored per second through a whole store (64 KiB to 16 MiB values, one
-//! client and four at once) with and without HA, the journal's etcd bytes per million objects,
-//! and failover time and objects lost
-//! when the leader is SIGKILLed (two `kvferry master --enable-ha` processes and a serving
+//! without HA (and what each object costs: CPU by role, context switches), values stored per
+//! second through a whole store (64 KiB to 16 MiB values, one client and four at once) with
+//! and without HA, the journal's etcd bytes per million objects, and failover time and objects
+//! lost when the leader is SIGKILLed (two `kvferry master --enable-ha` processes and a serving
 //! client, all on 127.0.0.1, in a cluster id of their own).
 
 use super::{fill_value, value_ok, Proc, StoreBenchArgs};
@@ -70,7 +70,7 @@ fn threads_now() -> std::collections::HashMap<u64, ThreadUse> {
 /// process ran, the idle masters' tickers; its standby's mirror; the bench's clients) and
 /// context switches (every thread).
 #[derive(Clone, Copy, Default)]
-struct Cpu {
+struct Cost {
     leader: f64,
     standby: f64,
     clients: f64,
@@ -82,8 +82,8 @@ const CLIENT_THREAD: &str = "kvf-bench-put";
 
 /// The use between two [`threads_now`], per object of `created` (a thread that did not exist
 /// before started from nothing).
-fn use_between(before: &std::collections::HashMap<u64, ThreadUse>, after: &std::collections::HashMap<u64, ThreadUse>, created: u64) -> Cpu {
-    let mut cpu = Cpu::default();
+fn use_between(before: &std::collections::HashMap<u64, ThreadUse>, after: &std::collections::HashMap<u64, ThreadUse>, created: u64) -> Cost {
+    let mut cpu = Cost::default();
     let per = created.max(1) as f64;
     for (tid, t) in after {
         let (ns0, sw0) = before.get(tid).map_or((0, 0), |b| (b.ns, b.switches));
@@ -99,13 +99,13 @@ fn use_between(before: &std::collections::HashMap<u64, ThreadUse>, after: &std::
 }
 
 /// PutStart + PutEnd pairs over RPC from `threads` connections, `per_req` keys per request:
-/// objects created per second, and what that cost per object ([`Cpu`]). Every connection
+/// objects created per second, and what that cost per object ([`Cost`]). Every connection
 /// stays open until the threads' use is read (a master's request thread ends with its
 /// connection, and an ended thread can no longer be read). With `tidy`, the master is left as
 /// it was found, untimed: its objects removed, then the clients' segments unmounted (a client
 /// left to expire would have its segments dropped by the master's ticker in the middle of a
 /// later measurement, a walk over every object per segment).
-fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str, tidy: bool) -> (f64, Cpu) {
+fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str, tidy: bool) -> (f64, Cost) {
     let start = Instant::now();
     let before = threads_now();
     // (threads done, CPU read): every client thread holds its connection until then.
@@ -116,11 +116,11 @@ fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str
             .map(|t| {
                 let (gate, lock) = (&gate, &lock);
                 std::thread::Builder::new().name(CLIENT_THREAD.into()).spawn_scoped(s, move || -> u64 {
+                    let client = 1000 + t as u64;
                     let mut conn = std::net::TcpStream::connect(addr).ok();
                     let n = conn.as_mut().map_or(0, |conn| {
                         let _ = conn.set_nodelay(true);
                         let mut call = |req: &Request| call(conn, req);
-                        let client = 1000 + t as u64;
                         let seg = Segment { id: client, name: format!("bench-{client}"), te_endpoint: format!("127.0.0.1:{client}"), base: client << 44, size: 1 << 42 };
                         if !matches!(call(&Request::MountSegment { client, segment: seg }), Some(Response::Ok)) {
                             return 0;
@@ -146,7 +146,6 @@ fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str
                     }
                     drop(g);
                     if let Some(conn) = conn.as_mut().filter(|_| tidy) {
-                        let client = 1000 + t as u64;
                         let _ = call(conn, &Request::UnmountSegment { client, segment: client });
                     }
                     n
@@ -261,7 +260,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     // ms each.
     let mut commits: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(), Vec::new()];
     // Per mode and point: CPU per object by role (the better round's).
-    let mut cpus: Vec<Vec<Cpu>> = Vec::new();
+    let mut cpus: Vec<Vec<Cost>> = Vec::new();
     let serve = || -> Result<(Arc<Master>, MasterServer, String), String> {
         let m = Arc::new(Master::new(MasterConfig::default()));
         let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
@@ -305,7 +304,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             cpus.push(Vec::new());
         }
         for (threads, per_req) in POINTS {
-            let mut best = [(0f64, (0f64, 0f64, 0f64), Cpu::default()); 3];
+            let mut best = [(0f64, (0f64, 0f64, 0f64), Cost::default()); 3];
             for round in 0..2 {
                 for (i, (mode, m, _, addr, _)) in masters.iter().enumerate() {
                     clear(addr)?;
