@@ -12,7 +12,7 @@ use kvferry::hostbuf::HostBuffer;
 use kvferry_store::client::{Client, ClientConfig};
 use kvferry_store::ha::{self, HaConfig, Role};
 use kvferry_store::master::{Master, MasterConfig};
-use kvferry_store::proto::{ReplicateConfig, Request, Response, Segment};
+use kvferry_store::proto::{PingStatus, ReplicateConfig, Request, Response, Segment};
 use kvferry_store::server::MasterServer;
 use std::io::{Read, Write};
 use std::sync::Arc;
@@ -127,13 +127,35 @@ fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str
                         }
                         let mut n = 0u64;
                         let cfg = ReplicateConfig::default();
+                        // Pings as a real client does (once a second, well inside the
+                        // master's client TTL): a measurement longer than the TTL would
+                        // otherwise see the master drop this client's segments midway.
+                        let mut pinged = Instant::now();
                         while start.elapsed() < dur {
+                            if pinged.elapsed() >= Duration::from_secs(1) {
+                                match call(&Request::Ping { client }) {
+                                    Some(Response::Ping(PingStatus::Ok)) => {}
+                                    r => {
+                                        tracing::warn!("store-bench: client {client}'s ping was answered {r:?} (None: the connection failed); this client stops, the rate counts what it created");
+                                        return n;
+                                    }
+                                }
+                                pinged = Instant::now();
+                            }
                             let keys: Vec<String> = (0..per_req).map(|i| format!("{tag}-{t}-{}", n + i as u64)).collect();
                             let starts = Request::Batch(keys.iter().map(|k| Request::PutStart { client, key: k.clone(), size: 4096, config: cfg.clone(), upsert: false }).collect());
                             let ends = Request::Batch(keys.iter().map(|k| Request::PutEnd { client, key: k.clone() }).collect());
                             match (call(&starts), call(&ends)) {
                                 (Some(Response::Batch(a)), Some(Response::Batch(b))) if a.iter().all(|r| matches!(r, Response::Replicas(_))) && b.iter().all(|r| *r == Response::Ok) => n += per_req as u64,
-                                _ => return n,
+                                (a, b) => {
+                                    let first_bad = |r: Option<Response>| match r {
+                                        Some(Response::Batch(rs)) => rs.into_iter().find(|r| !matches!(r, Response::Replicas(_) | Response::Ok)).map(|r| format!("{r:?}")),
+                                        None => Some("no answer (the connection failed)".into()),
+                                        Some(r) => Some(format!("{r:?}")),
+                                    };
+                                    tracing::warn!("store-bench: client {client}'s puts failed ({}); this client stops, the rate counts what it created", first_bad(a).or(first_bad(b)).unwrap_or_default());
+                                    return n;
+                                }
                             }
                         }
                         n
