@@ -116,6 +116,9 @@ fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64) -> Respons
     m.stats.ops[op].fetch_add(1, Ordering::Relaxed);
     let now = m.now();
     let lease = m.cfg.lease_ttl.as_millis() as u64;
+    // What a RemoveAll/RemoveByRegex took out: its memory is freed after the state's lock is
+    // released (this is declared before the lock is taken, so dropped after it is let go).
+    let mut _removed = None;
     let r = if let Request::PutStart { client, key, size, config, upsert } = &req {
         put_start(m, *client, key, *size, config, *upsert, deadline, term)
     } else {
@@ -148,9 +151,9 @@ fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64) -> Respons
             Request::GetReplicaList { key } => st.get_replica_list(&key, now, lease).map(Response::ReplicaList),
             Request::ExistKey { key } => st.exist_key(&key, now, lease).map(Response::Exists),
             Request::Remove { key, force } => st.remove(&m.cfg, &key, force, now).map(|_| Response::Ok),
-            Request::RemoveAll { force } => Ok(Response::Count(st.remove_matching(&m.cfg, |_| true, force, now))),
+            Request::RemoveAll { force } => Ok(Response::Count(_removed.insert(st.remove_matching(&m.cfg, |_| true, force, now)).count())),
             Request::RemoveByRegex { pattern, force } => match regex::Regex::new(&pattern) {
-                Ok(re) => Ok(Response::Count(st.remove_matching(&m.cfg, |k| re.is_match(k), force, now))),
+                Ok(re) => Ok(Response::Count(_removed.insert(st.remove_matching(&m.cfg, |k| re.is_match(k), force, now)).count())),
                 Err(e) => Err(StoreError::InvalidParams(format!("bad regex {pattern:?}: {e}"))),
             },
             Request::Batch(_) => Err(StoreError::InvalidParams("nested batches are not allowed".into())),

@@ -124,6 +124,28 @@ impl SegmentSpace {
         self.insert_free(off, len);
     }
 
+    /// Returns many blocks at once, as [`SegmentSpace::free`] of each would leave the space:
+    /// blocks that lie side by side are joined first, so returning most of a segment (a
+    /// `RemoveAll`, objects freed in no particular order) costs a few free-range updates
+    /// instead of several per block. The blocks must be this space's and distinct.
+    pub fn free_many(&mut self, mut blocks: Vec<Block>) {
+        blocks.sort_unstable_by_key(|b| b.addr);
+        let mut run: Option<Block> = None;
+        for b in blocks {
+            match &mut run {
+                Some(r) if r.addr + r.cap == b.addr => r.cap += b.cap,
+                _ => {
+                    if let Some(r) = run.replace(b) {
+                        self.free(r);
+                    }
+                }
+            }
+        }
+        if let Some(r) = run {
+            self.free(r);
+        }
+    }
+
     /// Number of free ranges (fragmentation).
     pub fn free_ranges(&self) -> usize {
         self.by_addr.len()
@@ -231,5 +253,47 @@ mod frag_tests {
             s.free(*b);
         }
         assert_eq!(s.free_ranges(), 1);
+    }
+
+    /// The free ranges and bytes used: what two spaces must agree on.
+    fn shape(s: &SegmentSpace) -> (u64, Vec<(u64, u64)>, usize) {
+        (s.used(), s.by_addr.iter().map(|(&o, &l)| (o, l)).collect(), s.by_size.len())
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn freeing_many_at_once_leaves_the_space_as_freeing_each(sizes in proptest::collection::vec(1u64..20_000, 1..200), pick in proptest::collection::vec(proptest::prelude::any::<bool>(), 200), order in proptest::prelude::any::<u64>()) {
+            let mut one = SegmentSpace::new(1 << 20, 4 << 20);
+            let blocks: Vec<Block> = sizes.iter().filter_map(|&n| one.allocate(n)).collect();
+            // Some of them freed first (holes), the rest freed at once in a scrambled order.
+            for (b, _) in blocks.iter().zip(&pick).filter(|(_, &p)| p) {
+                one.free(*b);
+            }
+            let mut rest: Vec<Block> = blocks.iter().zip(&pick).filter(|(_, &p)| !p).map(|(b, _)| *b).collect();
+            let n = rest.len().max(1);
+            rest.rotate_left((order as usize) % n);
+            let mut many = SegmentSpace::new(1 << 20, 4 << 20);
+            for n in &sizes {
+                many.allocate(*n);
+            }
+            for (b, _) in blocks.iter().zip(&pick).filter(|(_, &p)| p) {
+                many.free(*b);
+            }
+            for b in &rest {
+                one.free(*b);
+            }
+            many.free_many(rest);
+            proptest::prop_assert_eq!(shape(&one), shape(&many));
+        }
+    }
+
+    #[test]
+    fn a_whole_segment_freed_at_once_is_one_range_again_in_few_updates() {
+        let mut s = SegmentSpace::new(0, 1 << 30);
+        let mut blocks: Vec<Block> = (0..100_000).map(|i| s.allocate(1000 + (i % 7) * 500).expect("room")).collect();
+        // In no particular order (as a hash map hands objects out).
+        blocks.sort_unstable_by_key(|b| b.addr.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        s.free_many(blocks);
+        assert_eq!((s.used(), s.free_ranges()), (0, 1));
     }
 }
