@@ -514,8 +514,12 @@ pub struct Release {
 struct Pipe {
     /// The in-sync standbys' acknowledged entries (their links' counters).
     members: Vec<Arc<AtomicU64>>,
-    /// Entries sent: sequence number, the ticket it completes, when it was sent.
+    /// Entries sent: sequence number, the ticket it completes (0: none, a piece before the
+    /// last of a commit: see [`pieces`]), when it was sent.
     pending: VecDeque<(u64, u64, Instant)>,
+    /// When the last entry was released: the standbys' clock for the next one starts then if
+    /// it was sent before ([`Release::oldest`]).
+    progress: Option<Instant>,
 }
 
 impl Release {
@@ -547,29 +551,40 @@ impl Release {
         p.pending.clear();
     }
 
-    /// The oldest entry not acknowledged by every member, and when it was sent.
+    /// The oldest entry not acknowledged by every member, and since when the standbys have
+    /// had it to apply: when it was sent, or when the entry before it was released if that
+    /// was later. A standby that works through a long burst of entries (a `RemoveAll` of a
+    /// million objects is a few hundred pieces and about half a second of applying) stays in
+    /// sync as long as each piece follows the one before within the bound; one that stops
+    /// acknowledging is late one bound after its last progress.
     fn oldest(&self) -> Option<(u64, Instant)> {
-        self.pipe().pending.front().map(|&(seq, _, t)| (seq, t))
+        let p = self.pipe();
+        p.pending.front().map(|&(seq, _, sent)| (seq, p.progress.map_or(sent, |t| t.max(sent))))
     }
 
     /// Answers the requests of every entry each member acknowledged.
     fn release(&self) {
         let mut p = self.pipe();
         let Some(min) = p.members.iter().map(|a| a.load(Ordering::Acquire)).min() else { return };
-        let (mut upto, mut n, mut waited) = (None, 0u64, 0u64);
+        let (mut upto, mut n, mut waited) = (0u64, 0u64, 0u64);
         while let Some(&(seq, ticket, sent)) = p.pending.front() {
             if seq > min {
                 break;
             }
             p.pending.pop_front();
-            upto = Some(ticket);
+            // (The largest: a piece carries no ticket, 0, and may follow a commit's last.)
+            upto = upto.max(ticket);
             n += 1;
             waited += sent.elapsed().as_micros() as u64;
         }
+        if n > 0 {
+            p.progress = Some(Instant::now());
+        }
         drop(p);
-        if let Some(ticket) = upto {
-            // Tickets only grow: a concurrent release of an earlier one is a no-op after this.
-            self.core.done_in(self.term, ticket);
+        if n > 0 {
+            // Tickets only grow: a concurrent release of an earlier one is a no-op after this
+            // (as is ticket 0, only pieces released).
+            self.core.done_in(self.term, upto);
             self.core.set_stats(|s| {
                 s.streamed += n;
                 s.stream_wait_us += waited;
@@ -586,6 +601,33 @@ impl AckSink for Release {
     fn broke(&self) {
         // The writer drops the member (or the links it no longer needs) at once.
         self.core.kick();
+    }
+}
+
+/// The most changes one entry streamed to the standbys carries (a few hundred KiB; applying
+/// them takes a few milliseconds).
+const ENTRY_PIECE: usize = 4096;
+
+/// A commit of `changes`, completing `ticket`, as the entries streamed for it: pieces of at
+/// most `piece` changes, in order, only the last completing the ticket (0 for the others:
+/// releasing them answers nothing). Every change carries its entity's whole state, so a
+/// standby that took over after some of the pieces holds a consistent state per entity, of
+/// a commit nobody was told had happened.
+fn pieces(changes: Vec<Change>, ticket: u64, piece: usize) -> Vec<(Vec<Change>, u64)> {
+    let piece = piece.max(1);
+    // Nearly every commit: one entry, the changes moved, not copied.
+    if changes.len() <= piece {
+        return vec![(changes, ticket)];
+    }
+    let mut it = changes.into_iter();
+    let mut out = Vec::with_capacity(it.len().div_ceil(piece).max(1));
+    loop {
+        let p: Vec<Change> = it.by_ref().take(piece).collect();
+        if it.len() == 0 {
+            out.push((p, ticket));
+            return out;
+        }
+        out.push((p, 0));
     }
 }
 
@@ -746,11 +788,15 @@ impl Writer<'_> {
     fn commit(&mut self, changes: Vec<Change>, upto: u64) -> Option<()> {
         if let Some(s) = self.sync.as_ref().filter(|s| !s.insync.is_empty()) {
             // Answered when every in-sync standby acknowledged it ([`Release`]); the next
-            // entry goes out without waiting for this one.
-            self.seq += 1;
-            s.release.push(self.seq, upto);
-            let (n, seq) = (changes.len() as u64, self.seq);
-            self.broadcast(changes)?;
+            // entry goes out without waiting for this one. A large commit goes as several
+            // entries, so that the standbys' acknowledgements show their progress.
+            let n = changes.len() as u64;
+            for (piece, ticket) in pieces(changes, upto, ENTRY_PIECE) {
+                self.seq += 1;
+                s.release.push(self.seq, ticket);
+                self.broadcast(piece)?;
+            }
+            let seq = self.seq;
             self.master.journal.set_stats(|s| {
                 s.changes += n;
                 s.seq = seq;
@@ -1171,33 +1217,21 @@ mod tests {
         assert_eq!((batch.len(), upto), (4, 2), "two clients and two segments, both requests' changes");
         // A request already asleep is woken by the write (the wake comes after the queue's
         // lock is released, and is never lost): answered long before its bound.
-        std::thread::scope(|sc| {
-            let waiter = sc.spawn(|| {
-                let t = Instant::now();
-                (j.wait(t1, Duration::from_secs(10)), t.elapsed())
-            });
-            std::thread::sleep(Duration::from_millis(50));
-            j.done(upto);
-            let (res, took) = waiter.join().expect("waiter");
-            assert_eq!(res, Ok(()));
-            assert!(took < Duration::from_secs(5), "woken, not timed out: {took:?}");
-        });
+        assert_eq!(woken(|| j.wait(t1, Duration::from_secs(10)), || j.done(upto)), Ok(()));
         assert_eq!(j.wait(t1, Duration::ZERO), Ok(()));
         assert_eq!(j.wait(t2, Duration::ZERO), Ok(()));
         // A writer already asleep is woken by the next change collected.
-        std::thread::scope(|sc| {
-            let writer = sc.spawn(|| {
-                let t = Instant::now();
-                (j.next(5, Duration::from_secs(10)).map(|(c, u)| (c.len(), u)), t.elapsed())
-            });
-            std::thread::sleep(Duration::from_millis(50));
-            m.lock().mount(5, seg(5), 0).expect("mount");
-            let t5 = j.collect(&m).expect("ticket");
-            let (got, took) = writer.join().expect("writer");
-            assert_eq!(got, Some((2, t5.1)), "the client and the segment");
-            assert!(took < Duration::from_secs(5), "woken, not timed out: {took:?}");
-            j.done(t5.1);
-        });
+        let mut t5 = None;
+        let got = woken(
+            || j.next(5, Duration::from_secs(10)).map(|(c, u)| (c.len(), u)),
+            || {
+                m.lock().mount(5, seg(5), 0).expect("mount");
+                t5 = j.collect(&m);
+            },
+        );
+        let t5 = t5.expect("ticket").1;
+        assert_eq!(got, Some((2, t5)), "the client and the segment");
+        j.done(t5);
         assert_eq!(j.collect(&m), None, "nothing outstanding");
         // A ticket of a term that ended is refused, even if a new term started since.
         m.lock().mount(3, seg(3), 0).expect("mount");
@@ -1230,17 +1264,7 @@ mod tests {
         assert_eq!(written(), 0, "one standby of two acknowledged: nothing is answered");
         b.store(10, Ordering::Release);
         // The request of ticket 1, asleep, is woken by the acknowledgement that completes it.
-        std::thread::scope(|sc| {
-            let waiter = sc.spawn(|| {
-                let t = Instant::now();
-                (j.wait((7, 1), Duration::from_secs(10)), t.elapsed())
-            });
-            std::thread::sleep(Duration::from_millis(50));
-            r.acked();
-            let (res, took) = waiter.join().expect("waiter");
-            assert_eq!(res, Ok(()));
-            assert!(took < Duration::from_secs(5), "woken, not timed out: {took:?}");
-        });
+        assert_eq!(woken(|| j.wait((7, 1), Duration::from_secs(10)), || r.acked()), Ok(()));
         assert_eq!(written(), 1, "entry 10 is everywhere: its ticket is answered, entry 11's not yet");
         assert_eq!(r.oldest().map(|(seq, _)| seq), Some(11));
         // The slow member leaves the set (etcd said so first): what the rest has is answered.
@@ -1272,6 +1296,93 @@ mod tests {
         r8.push(12, 4);
         r8.acked();
         assert_eq!(written(), 0);
+    }
+
+    /// Runs `wait` on a thread of its own and `wake` once that thread is (almost surely)
+    /// asleep: what `wait` returned, checked to have come from the wake-up and not from the
+    /// waits' 10 s bound.
+    fn woken<T: Send>(wait: impl FnOnce() -> T + Send, wake: impl FnOnce()) -> T {
+        std::thread::scope(|sc| {
+            let waiter = sc.spawn(|| {
+                let t = Instant::now();
+                (wait(), t.elapsed())
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            wake();
+            let (got, took) = waiter.join().expect("the waiting thread");
+            assert!(took < Duration::from_secs(5), "woken, not timed out: {took:?}");
+            got
+        })
+    }
+
+    #[test]
+    fn a_large_commit_streams_as_pieces_and_only_its_last_piece_answers() {
+        let changes: Vec<Change> = (0..10_000).map(obj).collect();
+        let ps = pieces(changes.clone(), 5, 4096);
+        assert_eq!(ps.iter().map(|(p, t)| (p.len(), *t)).collect::<Vec<_>>(), vec![(4096, 0), (4096, 0), (1808, 5)]);
+        assert_eq!(ps.into_iter().flat_map(|(p, _)| p).collect::<Vec<_>>(), changes, "in order, nothing lost or repeated");
+        let exact: Vec<(usize, u64)> = pieces(changes[..8192].to_vec(), 5, 4096).iter().map(|(p, t)| (p.len(), *t)).collect();
+        assert_eq!(exact, vec![(4096, 0), (4096, 5)], "no empty piece after an exact multiple");
+        assert_eq!(pieces(changes[..3].to_vec(), 5, 4096).iter().map(|(p, t)| (p.len(), *t)).collect::<Vec<_>>(), vec![(3, 5)]);
+        assert_eq!(pieces(changes[..3].to_vec(), 5, 0).len(), 3, "a piece holds at least one change");
+
+        // Released piece by piece: the request is answered by the last piece only.
+        let j = Journal::default();
+        j.activate(7);
+        j.q().enqueued = 6;
+        let r = Release::new(&j, 7);
+        let a = Arc::new(AtomicU64::new(0));
+        r.set_members(vec![Arc::clone(&a)]);
+        let written = || j.q().written;
+        for (seq, (_, ticket)) in (1..).zip(pieces((0..10_000).map(obj).collect(), 5, 4096)) {
+            r.push(seq, ticket);
+        }
+        a.store(2, Ordering::Release);
+        r.acked();
+        assert_eq!(written(), 0, "two pieces of three applied: the commit is not answered");
+        a.store(3, Ordering::Release);
+        r.acked();
+        assert_eq!(written(), 5);
+        // A commit's last piece and the next commit's first piece acknowledged together: the
+        // first commit is answered (the largest ticket, not the last entry's 0).
+        r.push(4, 6);
+        r.push(5, 0);
+        a.store(5, Ordering::Release);
+        r.acked();
+        assert_eq!(written(), 6);
+    }
+
+    #[test]
+    fn a_standby_working_through_a_burst_is_late_only_one_bound_after_its_last_progress() {
+        let j = Journal::default();
+        j.activate(7);
+        j.q().enqueued = 1;
+        let r = Release::new(&j, 7);
+        let a = Arc::new(AtomicU64::new(0));
+        r.set_members(vec![Arc::clone(&a)]);
+        let sent = Instant::now();
+        for seq in 1..=3 {
+            r.push(seq, if seq == 3 { 1 } else { 0 });
+        }
+        let (seq, since) = r.oldest().expect("pending");
+        assert_eq!(seq, 1);
+        assert!(since >= sent && since <= Instant::now(), "nothing released yet: the clock runs from the send");
+        std::thread::sleep(Duration::from_millis(30));
+        let before_ack = Instant::now();
+        a.store(1, Ordering::Release);
+        r.acked();
+        let (seq, since) = r.oldest().expect("pending");
+        assert_eq!(seq, 2);
+        assert!(since >= before_ack, "entry 2's clock starts when entry 1 was released, not when it was sent ({:?} earlier)", before_ack - sent);
+        // An entry sent long after the last release: its clock starts at its send.
+        a.store(3, Ordering::Release);
+        r.acked();
+        assert_eq!(r.oldest(), None);
+        std::thread::sleep(Duration::from_millis(30));
+        j.q().enqueued = 2;
+        let sent4 = Instant::now();
+        r.push(4, 2);
+        assert!(r.oldest().expect("pending").1 >= sent4);
     }
 
     #[test]
