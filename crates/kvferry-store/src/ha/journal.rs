@@ -1127,7 +1127,7 @@ mod tests {
     use crate::master::journal::ObjectRec;
 
     fn obj(i: usize) -> Change {
-        Change::Object { key: format!("key-{i:06}"), rec: ObjectRec { size: 4096, current: vec![(1, 4096 * i as u64, 4096)], pending: None, owner: 7, hard_pin: false, soft_pin_left: 0, group: None } }
+        Change::Object { key: format!("key-{i:06}"), rec: ObjectRec { size: 4096, current: smallvec::smallvec![(1, 4096 * i as u64, 4096)], pending: None, owner: 7, hard_pin: false, soft_pin_left: 0, group: None } }
     }
 
     #[test]

@@ -616,7 +616,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn obj(key: &str, size: u64) -> Change {
-        Change::Object { key: key.into(), rec: ObjectRec { size, current: vec![(1, 4096, size)], pending: None, owner: 7, hard_pin: false, soft_pin_left: 0, group: None } }
+        Change::Object { key: key.into(), rec: ObjectRec { size, current: smallvec::smallvec![(1, 4096, size)], pending: None, owner: 7, hard_pin: false, soft_pin_left: 0, group: None } }
     }
 
     #[test]

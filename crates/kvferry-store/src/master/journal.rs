@@ -23,16 +23,44 @@ use super::alloc::SegmentSpace;
 use super::{Object, Pending, Replica, SegState, State};
 use crate::proto::{Segment, SoftPin};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeSet, HashMap, HashSet};
+use smallvec::SmallVec;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 /// One replica as the journal names it: segment id, address, length.
 pub type ReplicaRec = (u64, u64, u64);
 
+/// An object's replicas as the journal names them: one is kept inline (Mooncake's and the
+/// consumers' default is one replica), so a change of such an object allocates only its key
+/// on the leader and on every standby that decodes it. Encoded as a sequence, like a `Vec`.
+pub type ReplicaRecs = SmallVec<[ReplicaRec; 1]>;
+
+/// Decodes a [`ReplicaRecs`] growing it as elements arrive: smallvec's own `Deserialize`
+/// reserves the length the input claims before reading any element, so a corrupt or hostile
+/// length would reserve gigabytes before the input runs out.
+fn de_recs<'de, D: serde::Deserializer<'de>>(d: D) -> Result<ReplicaRecs, D::Error> {
+    struct V;
+    impl<'de> serde::de::Visitor<'de> for V {
+        type Value = ReplicaRecs;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a sequence of replicas")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<ReplicaRecs, A::Error> {
+            let mut out = ReplicaRecs::new();
+            while let Some(r) = seq.next_element()? {
+                out.push(r);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(V)
+}
+
 /// A write in progress (space reserved, not yet readable).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PendingRec {
-    pub replicas: Vec<ReplicaRec>,
+    #[serde(deserialize_with = "de_recs")]
+    pub replicas: ReplicaRecs,
     pub size: u64,
     pub client: u64,
     pub soft_pin: SoftPin,
@@ -43,7 +71,8 @@ pub struct PendingRec {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ObjectRec {
     pub size: u64,
-    pub current: Vec<ReplicaRec>,
+    #[serde(deserialize_with = "de_recs")]
+    pub current: ReplicaRecs,
     pub pending: Option<PendingRec>,
     pub owner: u64,
     pub hard_pin: bool,
@@ -70,7 +99,9 @@ pub enum Change {
 pub(super) struct Dirty {
     clients: BTreeSet<u64>,
     segments: BTreeSet<u64>,
-    keys: HashSet<Box<str>>,
+    /// (foldhash, not std's SipHash: the keys were hashed once already by the state's map;
+    /// hashing them again for every request was a tenth of the HA leader's time.)
+    keys: hashbrown::HashSet<Box<str>>,
     /// Keys marked in bulk (by removals of many objects at once, each key once), kept as
     /// they come: neither hashed nor ordered, which for a million keys took most of a
     /// `RemoveAll`'s time. A key may be both here and in `keys` (or twice here, removed, put
@@ -96,9 +127,7 @@ impl State {
 
     pub(super) fn mark_key(&mut self, key: &str) {
         if let Some(d) = &mut self.dirty {
-            if !d.keys.contains(key) {
-                d.keys.insert(key.into());
-            }
+            d.keys.get_or_insert_with(key, |k| k.into());
         }
     }
 
@@ -193,7 +222,7 @@ pub struct Image {
     /// (Hashed: a standby applies a `RemoveAll` or a dead client's objects as up to millions
     /// of changes in no particular order; an ordered map took ~2 µs each, 10x a hashed one.
     /// Rebuilding does not depend on the order: see [`Image::into_state`].)
-    objects: HashMap<String, ObjectRec>,
+    objects: hashbrown::HashMap<String, ObjectRec>,
     held_back: Vec<ReplicaRec>,
 }
 
@@ -372,6 +401,30 @@ mod tests {
         Segment { id, name: format!("seg{id}"), te_endpoint: format!("127.0.0.1:{}", 15000 + id), base: id << 32, size }
     }
 
+    #[test]
+    fn replica_lists_round_trip_at_any_length_and_a_claimed_huge_one_is_refused() {
+        for n in [0u64, 1, 2, 5] {
+            let rec = ObjectRec {
+                size: 4096,
+                current: (0..n).map(|i| (i, i << 12, 4096)).collect(),
+                pending: Some(PendingRec { replicas: (0..n).map(|i| (i + 9, i << 20, 4096)).collect(), size: 4096, client: 3, soft_pin: SoftPin::default(), soft_pin_ttl: 0 }),
+                owner: 3,
+                hard_pin: false,
+                soft_pin_left: 0,
+                group: None,
+            };
+            let bytes = postcard::to_allocvec(&rec).expect("encode");
+            // Encoded as a sequence, like a Vec (what earlier leaders wrote).
+            let as_vec = (rec.size, rec.current.to_vec());
+            assert!(bytes.starts_with(&postcard::to_allocvec(&as_vec).expect("encode")));
+            assert_eq!(postcard::from_bytes::<ObjectRec>(&bytes).expect("decode"), rec);
+        }
+        // size 1, then a replica count of 2^28 - 1 and three bytes: an error, at once.
+        let t = std::time::Instant::now();
+        assert!(postcard::from_bytes::<ObjectRec>(&[1, 0xff, 0xff, 0xff, 0x7f, 1, 2, 3]).is_err());
+        assert!(t.elapsed() < std::time::Duration::from_secs(1));
+    }
+
     /// Durable content of a state, comparable: objects with replicas, segments, clients.
     type Durable = (Vec<(String, ObjectRec)>, Vec<(u64, u64)>, Vec<u64>);
 
@@ -514,7 +567,7 @@ mod tests {
         for _ in 0..16 {
             let mut img = Image::default();
             img.apply(Change::Mount { client: 1, seg: seg(1, 1 << 20) });
-            let rec = |current: Vec<ReplicaRec>| ObjectRec { size: 4096, current, pending: None, owner: 1, hard_pin: false, soft_pin_left: 0, group: None };
+            let rec = |current: Vec<ReplicaRec>| ObjectRec { size: 4096, current: current.into(), pending: None, owner: 1, hard_pin: false, soft_pin_left: 0, group: None };
             img.apply(Change::Object { key: "a".into(), rec: rec(vec![(1, 1 << 32, 4096)]) });
             img.apply(Change::Object { key: "b".into(), rec: rec(vec![(1, (1 << 32) + 1024, 4096)]) }); // a's bytes, in part
             img.apply(Change::Object { key: "c".into(), rec: rec(vec![(1, (1 << 32) + (2 << 20), 4096)]) }); // outside
