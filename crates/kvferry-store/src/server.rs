@@ -21,22 +21,133 @@ use std::time::{Duration, Instant};
 /// durable state waits until the leader's journal holds the change (`crate::ha::journal`), so
 /// whatever was answered survives a failover.
 pub fn handle(m: &Master, req: Request) -> Response {
+    match apply(m, req) {
+        Applied::Now(resp) => resp,
+        Applied::Later { ticket, term, resp } => match m.journal.wait(ticket, JOURNAL_WAIT) {
+            Ok(()) => confirmed(m, term, resp),
+            Err(e) => Response::Err(e),
+        },
+    }
+}
+
+/// A request applied: its answer, or the answer to send once its changes are durable (the
+/// journal's `ticket`), if this master still leads `term` then.
+enum Applied {
+    Now(Response),
+    Later { ticket: (i64, u64), term: i64, resp: Response },
+}
+
+fn apply(m: &Master, req: Request) -> Applied {
     let term = match m.gate.admit() {
         Ok(t) => t,
-        Err(e) => return Response::Err(e),
+        Err(e) => return Applied::Now(Response::Err(e)),
     };
     let journaled = mutates(&req);
     let resp = handle_admitted(m, req, term);
     if journaled {
         if let Some(ticket) = m.journal.collect(m) {
-            if let Err(e) = m.journal.wait(ticket, JOURNAL_WAIT) {
-                return Response::Err(e);
-            }
+            return Applied::Later { ticket, term, resp };
         }
     }
+    Applied::Now(confirmed(m, term, resp))
+}
+
+/// `resp` if the master still leads `term` with its lease proven, else the refusal.
+fn confirmed(m: &Master, term: i64, resp: Response) -> Response {
     match m.gate.confirm(term) {
         Ok(()) => resp,
         Err(e) => Response::Err(e),
+    }
+}
+
+fn frame_of(resp: &Response) -> Vec<u8> {
+    proto::encode(resp).unwrap_or_else(|e| proto::encode(&Response::Err(e)).unwrap_or_default())
+}
+
+/// The sending side of one RPC connection, shared by its thread and whoever sends an answer
+/// that waited for the journal ([`Applied::Later`]): that answer goes out from the thread
+/// that learnt the changes are durable (an acknowledgement reader, the journal's writer), so
+/// the connection's thread goes back to reading at once instead of sleeping until then, and
+/// the client gets its answer one thread wake-up sooner. At most one answer is outstanding
+/// per connection: the connection's thread handles its next request only after the deferred
+/// answer was sent in full, so answers keep their requests' order.
+struct Outbox {
+    sock: TcpStream,
+    busy: std::sync::Mutex<bool>,
+    idle: std::sync::Condvar,
+}
+
+/// How long a deferred answer that did not fit in the socket's buffer may take to be written
+/// (a client that does not read its answers).
+const SLOW_ANSWER: Duration = Duration::from_secs(30);
+
+impl Outbox {
+    fn busy(&self) -> std::sync::MutexGuard<'_, bool> {
+        self.busy.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until the deferred answer, if any, was sent in full (bounded: every deferred
+    /// answer is answered, at the latest by the journal's expiry).
+    fn wait_idle(&self) {
+        let mut b = self.busy();
+        while *b {
+            b = self.idle.wait(b).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn done(&self) {
+        *self.busy() = false;
+        self.idle.notify_all();
+    }
+
+    /// Sends a deferred answer without blocking the caller (an acknowledgement reader or the
+    /// journal's writer, which answer many connections): what the socket does not take at
+    /// once is written by a thread of its own, within [`SLOW_ANSWER`].
+    fn send(self: Arc<Self>, frame: Vec<u8>) {
+        use rustix::net::{send, SendFlags};
+        let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
+        let mut at = 0;
+        while at < frame.len() {
+            match send(&self.sock, &frame[at..], flags) {
+                Ok(n) => at += n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(_) => {
+                    // The connection is gone; its thread ends on its next read.
+                    at = frame.len();
+                }
+            }
+        }
+        if at == frame.len() {
+            return self.done();
+        }
+        let me = Arc::clone(&self);
+        let spawned = std::thread::Builder::new().name("kvf-master-answer".into()).spawn(move || {
+            let until = Instant::now() + SLOW_ANSWER;
+            let mut at = at;
+            while at < frame.len() {
+                let left = until.saturating_duration_since(Instant::now());
+                let mut fds = [rustix::event::PollFd::new(&me.sock, rustix::event::PollFlags::OUT)];
+                let timeout = rustix::event::Timespec { tv_sec: left.as_secs() as i64, tv_nsec: left.subsec_nanos() as _ };
+                if left.is_zero() || !matches!(rustix::event::poll(&mut fds, Some(&timeout)), Ok(_) | Err(rustix::io::Errno::INTR)) {
+                    break;
+                }
+                match send(&me.sock, &frame[at..], flags) {
+                    Ok(n) => at += n,
+                    Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => {}
+                    Err(_) => break,
+                }
+            }
+            if at < frame.len() {
+                tracing::debug!("master RPC: a client did not read its answer within {SLOW_ANSWER:?}; its connection is closed");
+                let _ = me.sock.shutdown(Shutdown::Both);
+            }
+            me.done();
+        });
+        if spawned.is_err() {
+            let _ = self.sock.shutdown(Shutdown::Both);
+            self.done();
+        }
     }
 }
 
@@ -173,17 +284,20 @@ fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64) -> Respons
     }
 }
 
-fn serve_conn(m: &Master, s: &TcpStream, spin: Duration) -> std::io::Result<()> {
+fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: Duration) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     s.set_nodelay(true)?;
+    let out = Arc::new(Outbox { sock: s.try_clone()?, busy: std::sync::Mutex::new(false), idle: std::sync::Condvar::new() });
     let mut prefix = [0u8; 4];
     let mut body = Vec::new();
+    let mut deferred = false;
     loop {
         // A client that just got an answer often asks again at once: poll briefly (bounded)
-        // before sleeping in the kernel.
+        // before sleeping in the kernel (not after an answer left for the journal: that
+        // client is still waiting for it).
         let mut got = 0usize;
         let start = std::time::Instant::now();
-        while got < 4 && start.elapsed() < spin {
+        while got < 4 && !deferred && start.elapsed() < spin {
             // SAFETY: recv into the unfilled tail of `prefix` on a socket we own.
             let n = unsafe { libc::recv(s.as_raw_fd(), prefix[got..].as_mut_ptr() as *mut libc::c_void, 4 - got, libc::MSG_DONTWAIT) };
             if n > 0 {
@@ -204,12 +318,32 @@ fn serve_conn(m: &Master, s: &TcpStream, spin: Duration) -> std::io::Result<()> 
         if body.len() != n {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
+        // The previous request's answer, if it waited for the journal, is out first.
+        out.wait_idle();
         let resp = match proto::decode::<Request>(&body) {
-            Ok(req) => handle(m, req),
+            Ok(req) => match apply(m, req) {
+                Applied::Now(resp) => resp,
+                Applied::Later { ticket, term, resp } => {
+                    *out.busy() = true;
+                    let (m2, out2) = (Arc::clone(m), Arc::clone(&out));
+                    m.journal.defer(
+                        ticket,
+                        Box::new(move |durable| {
+                            let resp = match durable {
+                                Ok(()) => confirmed(&m2, term, resp),
+                                Err(e) => Response::Err(e),
+                            };
+                            out2.send(frame_of(&resp));
+                        }),
+                    );
+                    deferred = true;
+                    continue;
+                }
+            },
             Err(e) => Response::Err(e),
         };
-        let frame = proto::encode(&resp).unwrap_or_else(|e| proto::encode(&Response::Err(e)).unwrap_or_default());
-        (&*s).write_all(&frame)?;
+        deferred = false;
+        (&*s).write_all(&frame_of(&resp))?;
     }
 }
 
@@ -260,6 +394,8 @@ impl MasterServer {
                 m.tick();
                 // Expiries and evictions are journaled too (nobody waits for them).
                 let _ = m.journal.collect(&m);
+                // Answers that waited for the journal too long get its error.
+                m.journal.expire(JOURNAL_WAIT);
                 n += 1;
                 if summary_every > 0 && n % summary_every == 0 {
                     let s = m.lock().summary();
@@ -287,5 +423,65 @@ impl MasterServer {
 impl Drop for MasterServer {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::master::MasterConfig;
+    use crate::proto::Segment;
+
+    fn read_answer(c: &mut TcpStream) -> std::io::Result<Response> {
+        let mut len = [0u8; 4];
+        c.read_exact(&mut len)?;
+        let mut body = vec![0u8; proto::decode_len(len).map_err(|e| std::io::Error::other(e.to_string()))?];
+        c.read_exact(&mut body)?;
+        proto::decode(&body).map_err(|e| std::io::Error::other(e.to_string()))
+    }
+
+    /// An answer that waits for the journal leaves from whoever makes the change durable, not
+    /// before; a client that sends its next request without reading (pipelining) gets the
+    /// answers in its requests' order; the term's end answers what still waited.
+    #[test]
+    fn deferred_answers_wait_for_the_journal_and_keep_each_connections_order() {
+        let m = Arc::new(Master::new(MasterConfig::default()));
+        m.gate.lead_for_test(5, Duration::from_secs(60));
+        {
+            let mut st = m.lock();
+            st.term = 5;
+            st.journal_on();
+        }
+        m.journal.activate(5);
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = MasterServer::start(Arc::clone(&m), listener, Duration::from_millis(50), 0).expect("start");
+        let mut c = TcpStream::connect(addr).expect("connect");
+        c.set_read_timeout(Some(Duration::from_millis(300))).expect("timeout");
+        let seg = |id| Segment { id, name: format!("s{id}"), te_endpoint: format!("127.0.0.1:{id}"), base: id << 32, size: 1 << 20 };
+        let mut two = proto::encode(&Request::MountSegment { client: 1, segment: seg(1) }).expect("encode");
+        two.extend(proto::encode(&Request::ExistKey { key: "k".into() }).expect("encode"));
+        c.write_all(&two).expect("send");
+        let deferred = |n: usize| {
+            let until = Instant::now() + Duration::from_secs(10);
+            while m.journal.deferred_for_test() != n {
+                assert!(Instant::now() < until, "the answer was not deferred within 10 s");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        };
+        deferred(1);
+        let e = read_answer(&mut c).expect_err("nothing is answered before the mount is durable");
+        assert!(matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut), "{e}");
+        assert_eq!(m.journal.deferred_for_test(), 1, "the read waits behind the mount");
+        m.journal.write_queued_for_test();
+        c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        assert_eq!(read_answer(&mut c).expect("the mount's answer"), Response::Ok);
+        assert_eq!(read_answer(&mut c).expect("then the read's"), Response::Exists(false));
+        // A mutation still waiting when the term ends is refused, not left hanging.
+        c.write_all(&proto::encode(&Request::MountSegment { client: 1, segment: seg(2) }).expect("encode")).expect("send");
+        deferred(1);
+        m.journal.deactivate();
+        assert!(matches!(read_answer(&mut c).expect("an answer"), Response::Err(StoreError::NotLeader { .. })));
+        drop(server);
     }
 }

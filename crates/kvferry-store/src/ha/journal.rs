@@ -222,6 +222,44 @@ pub fn stored_seq(etcd: &EtcdClient, cluster_id: &str) -> Result<(u64, Option<He
     Ok((seq, head))
 }
 
+/// What answers a request whose changes are not yet durable ([`JournalCore::defer`]): called
+/// once with `Ok` when they are, or with the error to answer instead.
+pub type Answer = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+
+/// A deferred answer, answered exactly once: if it is dropped unanswered (a path that forgot
+/// it), it answers that this master no longer leads, so no client is left waiting.
+struct Later {
+    since: Instant,
+    answer: Option<Answer>,
+}
+
+impl Later {
+    fn answer(mut self, r: Result<(), StoreError>) {
+        if let Some(a) = self.answer.take() {
+            a(r);
+        }
+    }
+}
+
+impl Drop for Later {
+    fn drop(&mut self) {
+        if let Some(a) = self.answer.take() {
+            a(Err(StoreError::NotLeader { leader: String::new() }));
+        }
+    }
+}
+
+/// Answers taken out of the queue under its lock, answered after it is released.
+fn answer_all(later: impl IntoIterator<Item = Later>, r: impl Fn() -> Result<(), StoreError>) {
+    for l in later {
+        l.answer(r());
+    }
+}
+
+fn not_leader() -> Result<(), StoreError> {
+    Err(StoreError::NotLeader { leader: String::new() })
+}
+
 #[derive(Default)]
 struct Queue {
     /// Journaling for this term (0: not leading).
@@ -239,6 +277,24 @@ struct Queue {
     handed_off: bool,
     /// A standby's link broke since the writer last looked ([`JournalCore::kick`]).
     kicked: bool,
+    /// Answers waiting for their ticket to be written, of this term only (taken out and
+    /// answered whenever the term ends, fails or restarts).
+    later: std::collections::BTreeMap<u64, Vec<Later>>,
+}
+
+impl Queue {
+    /// The deferred answers whose tickets are written.
+    fn take_written(&mut self) -> Vec<Later> {
+        if self.later.is_empty() {
+            return Vec::new();
+        }
+        let rest = self.later.split_off(&(self.written + 1));
+        std::mem::replace(&mut self.later, rest).into_values().flatten().collect()
+    }
+
+    fn take_later(&mut self) -> Vec<Later> {
+        std::mem::take(&mut self.later).into_values().flatten().collect()
+    }
 }
 
 /// Counters shown on `/ha_status` and `/metrics`.
@@ -378,6 +434,50 @@ impl JournalCore {
         }
     }
 
+    /// Like [`JournalCore::wait`] without a thread waiting: `answer` is called once, with `Ok`
+    /// when the changes of `ticket` are durable (by the thread that learnt it: the writer or
+    /// an acknowledgement reader), with `NotLeader` when the term ends or fails first, with a
+    /// timeout error from [`JournalCore::expire`] after `bound`; at once, on this thread, if
+    /// that is known already.
+    pub fn defer(&self, (term, ticket): (i64, u64), answer: Answer) {
+        let mut q = self.q();
+        let now = if q.term != term || q.failed {
+            Some(not_leader())
+        } else if q.written >= ticket {
+            Some(Ok(()))
+        } else {
+            None
+        };
+        match now {
+            Some(r) => {
+                drop(q);
+                answer(r);
+            }
+            None => q.later.entry(ticket).or_default().push(Later { since: Instant::now(), answer: Some(answer) }),
+        }
+    }
+
+    /// Answers the deferred requests that waited longer than `bound` with the error
+    /// [`JournalCore::wait`] gives (the master's ticker calls this; the writer fences the
+    /// leader long before, when it can no longer prove its lease).
+    pub fn expire(&self, bound: Duration) {
+        let late: Vec<Later> = {
+            let mut q = self.q();
+            if q.later.is_empty() {
+                return;
+            }
+            let mut late = Vec::new();
+            for v in q.later.values_mut() {
+                let (old, keep): (Vec<Later>, Vec<Later>) = std::mem::take(v).into_iter().partition(|l| l.since.elapsed() >= bound);
+                late.extend(old);
+                *v = keep;
+            }
+            q.later.retain(|_, v| !v.is_empty());
+            late
+        };
+        answer_all(late, || Err(StoreError::Rpc(format!("the master could not make the change durable (in its etcd journal or on its in-sync standbys) within {bound:?}; the request may not survive a failover, retry it"))));
+    }
+
     /// Wakes every waiter (the term ended, the writer failed, a hand-off finished).
     fn wake_all(&self) {
         for cv in &self.durable {
@@ -387,7 +487,8 @@ impl JournalCore {
 
     /// Starts journaling `term` (the state must already journal).
     pub fn activate(&self, term: i64) {
-        *self.q() = Queue { term, ..Queue::default() };
+        let later = std::mem::replace(&mut *self.q(), Queue { term, ..Queue::default() }).take_later();
+        answer_all(later, not_leader);
         self.set_stats(|s| *s = JournalStats::default());
     }
 
@@ -397,8 +498,11 @@ impl JournalCore {
         let mut q = self.q();
         q.term = 0;
         q.changes.clear();
+        let later = q.take_later();
+        drop(q);
         self.work.notify_all();
         self.wake_all();
+        answer_all(later, not_leader);
     }
 
     /// Whether a term is being journaled (this master leads, or has not stepped down yet).
@@ -431,7 +535,10 @@ impl JournalCore {
         let mut q = self.q();
         q.failed = true;
         q.changes.clear();
+        let later = q.take_later();
+        drop(q);
         self.wake_all();
+        answer_all(later, not_leader);
     }
 
     /// The next batch: everything queued, and the ticket it completes; `None` when the term
@@ -452,6 +559,21 @@ impl JournalCore {
         Some((std::mem::take(&mut q.changes), upto))
     }
 
+    /// Plays the writer once without etcd: whatever is queued counts as durable (tests of
+    /// what waits for the journal).
+    #[cfg(test)]
+    pub(crate) fn write_queued_for_test(&self) {
+        let upto = self.q().enqueued;
+        self.q().changes.clear();
+        self.done(upto);
+    }
+
+    /// How many answers wait for the journal ([`JournalCore::defer`]).
+    #[cfg(test)]
+    pub(crate) fn deferred_for_test(&self) -> usize {
+        self.q().later.values().map(Vec::len).sum()
+    }
+
     /// Wakes the writer for something other than queued changes (a link broke): it looks at
     /// once, even if it was about to sleep.
     fn kick(&self) {
@@ -460,8 +582,12 @@ impl JournalCore {
     }
 
     fn done(&self, upto: u64) {
-        let newly = Self::mark_written(&mut self.q(), upto);
+        let mut q = self.q();
+        let newly = Self::mark_written(&mut q, upto);
+        let ready = q.take_written();
+        drop(q);
         self.wake_written(newly);
+        answer_all(ready, || Ok(()));
     }
 
     /// [`JournalCore::done`] for `term` only: a late acknowledgement of an ended term (or of
@@ -470,8 +596,10 @@ impl JournalCore {
         let mut q = self.q();
         if q.term == term && !q.failed {
             let newly = Self::mark_written(&mut q, upto);
+            let ready = q.take_written();
             drop(q);
             self.wake_written(newly);
+            answer_all(ready, || Ok(()));
         }
     }
 
@@ -1188,6 +1316,65 @@ mod tests {
             v.extend_from_slice(&tail);
             let _ = decode_chunk(&v);
         }
+    }
+
+    /// A deferred answer (a request whose thread went back to its connection) is answered
+    /// exactly once: when its ticket is written, when the term ends, fails or restarts, when it
+    /// waited too long, or, if a path forgot it, when it is dropped.
+    #[test]
+    fn a_deferred_answer_is_answered_exactly_once_when_written_never_across_terms() {
+        use crate::master::MasterConfig;
+        use std::sync::mpsc;
+        let m = Master::new(MasterConfig::default());
+        let j = &m.journal;
+        let (tx, rx) = mpsc::channel::<(u32, Result<(), StoreError>)>();
+        let answer = |id: u32| -> Answer {
+            let tx = tx.clone();
+            Box::new(move |r| tx.send((id, r)).expect("the test listens"))
+        };
+        let got = |rx: &mpsc::Receiver<(u32, Result<(), StoreError>)>| rx.try_iter().collect::<Vec<_>>();
+        j.activate(5);
+        j.q().enqueued = 3;
+        j.defer((5, 2), answer(1));
+        j.defer((5, 3), answer(2));
+        j.defer((4, 1), answer(3));
+        assert_eq!(got(&rx), vec![(3, Err(StoreError::NotLeader { leader: String::new() }))], "another term's ticket: refused at once");
+        j.done(1);
+        assert!(got(&rx).is_empty(), "ticket 1 written: nothing deferred for it");
+        j.done(2);
+        assert_eq!(got(&rx), vec![(1, Ok(()))]);
+        j.defer((5, 2), answer(4));
+        assert_eq!(got(&rx), vec![(4, Ok(()))], "written already: answered at once, on this thread");
+        // A late acknowledgement of another term answers nothing; the term's end refuses.
+        j.done_in(4, 3);
+        assert!(got(&rx).is_empty());
+        j.deactivate();
+        assert_eq!(got(&rx), vec![(2, Err(StoreError::NotLeader { leader: String::new() }))]);
+        j.done(3);
+        assert!(got(&rx).is_empty(), "answered once only");
+        // A restart of the term and a failed writer refuse what waited.
+        j.activate(6);
+        j.q().enqueued = 2;
+        j.defer((6, 1), answer(5));
+        j.activate(7);
+        assert_eq!(got(&rx), vec![(5, Err(StoreError::NotLeader { leader: String::new() }))]);
+        j.q().enqueued = 2;
+        j.defer((7, 1), answer(6));
+        j.fail();
+        assert_eq!(got(&rx), vec![(6, Err(StoreError::NotLeader { leader: String::new() }))]);
+        // Waiting too long: the journal's bounded-wait error, the others kept.
+        j.activate(8);
+        j.q().enqueued = 3;
+        j.defer((8, 1), answer(7));
+        std::thread::sleep(Duration::from_millis(30));
+        j.defer((8, 2), answer(8));
+        j.expire(Duration::from_millis(20));
+        assert!(matches!(got(&rx)[..], [(7, Err(StoreError::Rpc(_)))]));
+        j.done(2);
+        assert_eq!(got(&rx), vec![(8, Ok(()))]);
+        // Forgotten (dropped unanswered): refused, never left waiting.
+        drop(Later { since: Instant::now(), answer: Some(answer(9)) });
+        assert_eq!(got(&rx), vec![(9, Err(StoreError::NotLeader { leader: String::new() }))]);
     }
 
     /// The queue without etcd: what a request waits for, what ends the wait.
