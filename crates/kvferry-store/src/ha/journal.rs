@@ -244,7 +244,7 @@ impl Later {
 impl Drop for Later {
     fn drop(&mut self) {
         if let Some(a) = self.answer.take() {
-            a(Err(StoreError::NotLeader { leader: String::new() }));
+            a(not_leader());
         }
     }
 }
@@ -258,6 +258,11 @@ fn answer_all(later: impl IntoIterator<Item = Later>, r: impl Fn() -> Result<(),
 
 fn not_leader() -> Result<(), StoreError> {
     Err(StoreError::NotLeader { leader: String::new() })
+}
+
+/// What a request is answered when its changes were not durable within `bound`.
+fn not_durable(bound: Duration) -> Result<(), StoreError> {
+    Err(StoreError::Rpc(format!("the master could not make the change durable (in its etcd journal or on its in-sync standbys) within {bound:?}; the request may not survive a failover, retry it")))
 }
 
 #[derive(Default)]
@@ -285,11 +290,14 @@ struct Queue {
 impl Queue {
     /// The deferred answers whose tickets are written.
     fn take_written(&mut self) -> Vec<Later> {
-        if self.later.is_empty() {
-            return Vec::new();
+        let mut out = Vec::new();
+        while let Some(e) = self.later.first_entry() {
+            if *e.key() > self.written {
+                break;
+            }
+            out.extend(e.remove());
         }
-        let rest = self.later.split_off(&(self.written + 1));
-        std::mem::replace(&mut self.later, rest).into_values().flatten().collect()
+        out
     }
 
     fn take_later(&mut self) -> Vec<Later> {
@@ -428,7 +436,7 @@ impl JournalCore {
             }
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(StoreError::Rpc(format!("the master could not make the change durable (in its etcd journal or on its in-sync standbys) within {bound:?}; the request may not survive a failover, retry it")));
+                return not_durable(bound);
             }
             q = self.durable[ticket as usize % WAKE_SLOTS].wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
         }
@@ -475,7 +483,7 @@ impl JournalCore {
             q.later.retain(|_, v| !v.is_empty());
             late
         };
-        answer_all(late, || Err(StoreError::Rpc(format!("the master could not make the change durable (in its etcd journal or on its in-sync standbys) within {bound:?}; the request may not survive a failover, retry it"))));
+        answer_all(late, || not_durable(bound));
     }
 
     /// Wakes every waiter (the term ended, the writer failed, a hand-off finished).
@@ -1502,6 +1510,18 @@ mod tests {
         })
     }
 
+    /// A journal of term 7 with `enqueued` tickets queued, and its release with one in-sync
+    /// member whose acknowledged entries the test sets.
+    fn one_member(enqueued: u64) -> (Journal, Release, Arc<AtomicU64>) {
+        let j = Journal::default();
+        j.activate(7);
+        j.q().enqueued = enqueued;
+        let r = Release::new(&j, 7);
+        let a = Arc::new(AtomicU64::new(0));
+        r.set_members(vec![Arc::clone(&a)]);
+        (j, r, a)
+    }
+
     #[test]
     fn a_large_commit_streams_as_pieces_and_only_its_last_piece_answers() {
         let changes: Vec<Change> = (0..10_000).map(obj).collect();
@@ -1514,12 +1534,7 @@ mod tests {
         assert_eq!(pieces(changes[..3].to_vec(), 5, 0).len(), 3, "a piece holds at least one change");
 
         // Released piece by piece: the request is answered by the last piece only.
-        let j = Journal::default();
-        j.activate(7);
-        j.q().enqueued = 6;
-        let r = Release::new(&j, 7);
-        let a = Arc::new(AtomicU64::new(0));
-        r.set_members(vec![Arc::clone(&a)]);
+        let (j, r, a) = one_member(6);
         let written = || j.q().written;
         for (seq, (_, ticket)) in (1..).zip(pieces((0..10_000).map(obj).collect(), 5, 4096)) {
             r.push(seq, ticket);
@@ -1541,12 +1556,7 @@ mod tests {
 
     #[test]
     fn a_standby_working_through_a_burst_is_late_only_one_bound_after_its_last_progress() {
-        let j = Journal::default();
-        j.activate(7);
-        j.q().enqueued = 1;
-        let r = Release::new(&j, 7);
-        let a = Arc::new(AtomicU64::new(0));
-        r.set_members(vec![Arc::clone(&a)]);
+        let (j, r, a) = one_member(1);
         let sent = Instant::now();
         for seq in 1..=3 {
             r.push(seq, if seq == 3 { 1 } else { 0 });
