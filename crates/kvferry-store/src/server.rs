@@ -73,8 +73,17 @@ fn frame_of(resp: &Response) -> Vec<u8> {
 /// answer was sent in full, so answers keep their requests' order.
 struct Outbox {
     sock: TcpStream,
-    busy: std::sync::Mutex<bool>,
+    busy: std::sync::Mutex<Busy>,
     idle: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct Busy {
+    /// A deferred answer is not sent in full yet.
+    sending: bool,
+    /// The connection's thread sleeps until it is (the sender wakes it only then: a wake-up
+    /// is a system call even with nobody asleep).
+    waiting: bool,
 }
 
 /// How long a deferred answer that did not fit in the socket's buffer may take to be written
@@ -82,7 +91,7 @@ struct Outbox {
 const SLOW_ANSWER: Duration = Duration::from_secs(30);
 
 impl Outbox {
-    fn busy(&self) -> std::sync::MutexGuard<'_, bool> {
+    fn busy(&self) -> std::sync::MutexGuard<'_, Busy> {
         self.busy.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -90,14 +99,21 @@ impl Outbox {
     /// answer is answered, at the latest by the journal's expiry).
     fn wait_idle(&self) {
         let mut b = self.busy();
-        while *b {
+        while b.sending {
+            b.waiting = true;
             b = self.idle.wait(b).unwrap_or_else(|e| e.into_inner());
+            b.waiting = false;
         }
     }
 
     fn done(&self) {
-        *self.busy() = false;
-        self.idle.notify_all();
+        let mut b = self.busy();
+        b.sending = false;
+        let wake = b.waiting;
+        drop(b);
+        if wake {
+            self.idle.notify_all();
+        }
     }
 
     /// Sends a deferred answer without blocking the caller (an acknowledgement reader or the
@@ -409,7 +425,7 @@ impl Spin {
 
 fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin) -> std::io::Result<()> {
     s.set_nodelay(true)?;
-    let out = Arc::new(Outbox { sock: s.try_clone()?, busy: std::sync::Mutex::new(false), idle: std::sync::Condvar::new() });
+    let out = Arc::new(Outbox { sock: s.try_clone()?, busy: std::sync::Mutex::default(), idle: std::sync::Condvar::new() });
     let mut prefix = [0u8; 4];
     let mut body = Vec::new();
     let mut deferred = false;
@@ -432,7 +448,7 @@ fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin) -> std::io::Result<()
             Ok(req) => match apply(m, req) {
                 Applied::Now(resp) => resp,
                 Applied::Later { ticket, term, resp } => {
-                    *out.busy() = true;
+                    out.busy().sending = true;
                     let (m2, out2) = (Arc::clone(m), Arc::clone(&out));
                     m.journal.defer(
                         ticket,

@@ -282,6 +282,13 @@ struct Queue {
     handed_off: bool,
     /// A standby's link broke since the writer last looked ([`JournalCore::kick`]).
     kicked: bool,
+    /// The writer sleeps for work: the next collection wakes it (and clears this). A wake-up
+    /// is a system call even when nobody sleeps (std's condition variables do not count
+    /// their waiters), and a busy writer needs none: it looks at the queue before it sleeps.
+    writer_asleep: bool,
+    /// Threads sleeping in [`JournalCore::wait`] or [`JournalCore::hand_off`] (deferred answers
+    /// need no wake-up).
+    waiting: usize,
     /// Answers waiting for their ticket to be written, of this term only (taken out and
     /// answered whenever the term ends, fails or restarts).
     later: std::collections::BTreeMap<u64, Vec<Later>>,
@@ -405,6 +412,7 @@ impl JournalCore {
             return None;
         }
         let queued = !changes.is_empty();
+        let wake = queued && std::mem::take(&mut q.writer_asleep);
         if queued {
             q.changes.extend(changes);
             q.enqueued += 1;
@@ -416,7 +424,7 @@ impl JournalCore {
         // before it sleeps).
         drop(q);
         drop(st);
-        if queued {
+        if wake {
             self.work.notify_one();
         }
         ticket
@@ -438,7 +446,9 @@ impl JournalCore {
             if left.is_zero() {
                 return not_durable(bound);
             }
+            q.waiting += 1;
             q = self.durable[ticket as usize % WAKE_SLOTS].wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
+            q.waiting -= 1;
         }
     }
 
@@ -534,7 +544,9 @@ impl JournalCore {
             if left.is_zero() {
                 return false;
             }
+            q.waiting += 1;
             q = self.durable[0].wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
+            q.waiting -= 1;
         }
         q.handed_off
     }
@@ -557,7 +569,9 @@ impl JournalCore {
             return None;
         }
         if q.changes.is_empty() && !q.kicked {
+            q.writer_asleep = true;
             q = self.work.wait_timeout(q, idle).unwrap_or_else(|e| e.into_inner()).0;
+            q.writer_asleep = false;
             if q.term != term || q.failed {
                 return None;
             }
@@ -611,13 +625,17 @@ impl JournalCore {
         }
     }
 
-    /// Records that everything up to `upto` is durable; the tickets that became so.
+    /// Records that everything up to `upto` is durable; the tickets that became so, if a
+    /// thread sleeps in [`JournalCore::wait`] (else none: there is nobody to wake).
     fn mark_written(q: &mut Queue, upto: u64) -> std::ops::Range<u64> {
         let before = q.written;
         if upto <= before {
             return 0..0;
         }
         q.written = upto;
+        if q.waiting == 0 {
+            return 0..0;
+        }
         before + 1..upto + 1
     }
 
