@@ -34,7 +34,7 @@ fn class_of(e: &StoreError) -> &'static str {
         StoreError::InvalidKey(_) | StoreError::InvalidParams(_) | StoreError::BufferOverflow { .. } => "StoreInvalidArgument",
         StoreError::SegmentNotFound(_) | StoreError::SegmentAlreadyExists(_) | StoreError::UnknownClient(_) => "StoreError",
         StoreError::TransferFailed(_) => "StoreTransferError",
-        StoreError::Rpc(_) | StoreError::NotLeader { .. } | StoreError::MasterFailover(_) => "MasterUnreachable",
+        StoreError::Rpc(_) | StoreError::NotLeader { .. } | StoreError::MasterFailover(_) | StoreError::OutcomeUnknown => "MasterUnreachable",
         StoreError::Internal(_) => "StoreError",
     }
 }

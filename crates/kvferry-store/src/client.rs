@@ -250,6 +250,12 @@ impl Rpc {
         loop {
             let err = match self.call_once(req, conn) {
                 Ok(Response::Err(StoreError::NotLeader { leader })) => StoreError::NotLeader { leader },
+                Ok(Response::Err(StoreError::OutcomeUnknown)) => {
+                    // Applied by a master that stopped leading: not sent again (the new leader
+                    // may have the change). The next call finds the leader.
+                    self.forget_leader();
+                    return Ok(Response::Err(StoreError::OutcomeUnknown));
+                }
                 Ok(r) => return Ok(r),
                 Err(Failure::NotSent(e)) => e,
                 Err(Failure::Lost(e)) if idempotent(req) => e,
@@ -786,8 +792,15 @@ impl Client {
         let starts: Vec<Request> = items.iter().map(|&(k, parts)| Request::PutStart { client: id, key: k.to_string(), size: total(parts), config: cfg.clone(), upsert }).collect();
         let answers = match self.call_batch(starts) {
             Ok(a) => a,
-            Err(e) => return items.iter().map(|_| Err(e.clone())).collect(),
+            Err(e) => {
+                if e == StoreError::OutcomeUnknown {
+                    self.revoke_unknown(items.iter().map(|&(k, _)| k));
+                }
+                return items.iter().map(|_| Err(e.clone())).collect();
+            }
         };
+        let unknown = answers.iter().zip(items).filter(|(a, _)| **a == Response::Err(StoreError::OutcomeUnknown));
+        self.revoke_unknown(unknown.map(|(_, &(k, _))| k));
         // The leader that reserved the space; a put ended under another one was not stored.
         let epoch = self.inner.rpc.epoch();
         let mut results: Vec<StoreResult<()>> = Vec::with_capacity(items.len());
@@ -848,7 +861,8 @@ impl Client {
         // A failover between PutStart and PutEnd: the new leader does not know the write (no
         // metadata replication yet), so the put failed; say so, it is worth retrying.
         let failed_over = self.inner.rpc.epoch() != epoch;
-        let fail = |i: usize, e: StoreError| if failed_over { StoreError::MasterFailover(items[i].0.to_string()) } else { e };
+        // (Not when the outcome is unknown: the end may have reached the new leader.)
+        let fail = |i: usize, e: StoreError| if failed_over && e != StoreError::OutcomeUnknown { StoreError::MasterFailover(items[i].0.to_string()) } else { e };
         match ended {
             Ok(answers) => {
                 for ((i, _), (a, ok)) in ends.iter().zip(answers.into_iter().zip(was_ok)) {
@@ -878,6 +892,22 @@ impl Client {
 
     fn call_batch(&self, reqs: Vec<Request>) -> StoreResult<Vec<Response>> {
         self.inner.call_batch(reqs)
+    }
+
+    /// Puts whose start may or may not have reached the new leader
+    /// ([`StoreError::OutcomeUnknown`]): revoked there, best effort, so that their keys are
+    /// free for a retry at once instead of after the master's discard timeout (a revoke
+    /// touches only this client's put in progress; one the leader does not know is an error,
+    /// ignored).
+    fn revoke_unknown<'a>(&self, keys: impl Iterator<Item = &'a str>) {
+        let id = self.inner.id;
+        let revokes: Vec<Request> = keys.map(|key| Request::PutRevoke { client: id, key: key.to_string() }).collect();
+        if revokes.is_empty() {
+            return;
+        }
+        if let Err(e) = self.call_batch(revokes) {
+            tracing::debug!("store: revoking puts whose start may have reached the new leader: {e}");
+        }
     }
 
     fn pick<'a>(&self, list: &'a ReplicaList) -> Vec<&'a ReplicaDesc> {

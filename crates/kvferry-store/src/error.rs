@@ -45,6 +45,11 @@ pub enum StoreError {
     /// leader does not know the write). Retryable: put it again.
     #[error("the master failed over while the put of {0:?} was in flight; the object was not stored, put it again")]
     MasterFailover(String),
+    /// The leader applied the request, then stopped leading before its change was durable
+    /// (in its etcd journal or on its in-sync standbys): the new leader may or may not have
+    /// it. Unlike [`StoreError::NotLeader`], the request is not sent again on its own.
+    #[error("the master stopped leading before this request's change was durable (its etcd journal or in-sync standby had not confirmed it): the new leader may or may not have it; check the state (exist, get) before repeating it (a put the client started is revoked for it)")]
+    OutcomeUnknown,
 }
 
 impl StoreError {
@@ -68,6 +73,7 @@ impl StoreError {
             StoreError::Internal(_) => -1,
             StoreError::NotLeader { .. } => -1011,
             StoreError::MasterFailover(_) => -900,
+            StoreError::OutcomeUnknown => -900,
         }
     }
 }

@@ -24,7 +24,7 @@ pub fn handle(m: &Master, req: Request) -> Response {
     match apply(m, req) {
         Applied::Now(resp) => resp,
         Applied::Later { ticket, term, resp } => match m.journal.wait(ticket, JOURNAL_WAIT) {
-            Ok(()) => confirmed(m, term, resp),
+            Ok(()) => confirmed_durable(m, term, resp),
             Err(e) => Response::Err(e),
         },
     }
@@ -57,6 +57,16 @@ fn confirmed(m: &Master, term: i64, resp: Response) -> Response {
     match m.gate.confirm(term) {
         Ok(()) => resp,
         Err(e) => Response::Err(e),
+    }
+}
+
+/// [`confirmed`] for a request whose changes were applied and are durable now: a master that
+/// no longer leads says the outcome is unknown to it, not `NotLeader` (which says nothing was
+/// applied, and lets a client send the request again).
+fn confirmed_durable(m: &Master, term: i64, resp: Response) -> Response {
+    match m.gate.confirm(term) {
+        Ok(()) => resp,
+        Err(_) => Response::Err(StoreError::OutcomeUnknown),
     }
 }
 
@@ -454,7 +464,7 @@ fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin) -> std::io::Result<()
                         ticket,
                         Box::new(move |durable| {
                             let resp = match durable {
-                                Ok(()) => confirmed(&m2, term, resp),
+                                Ok(()) => confirmed_durable(&m2, term, resp),
                                 Err(e) => Response::Err(e),
                             };
                             out2.send(frame_of(&resp));
@@ -710,11 +720,17 @@ mod tests {
         c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
         assert_eq!(read_answer(&mut c).expect("the mount's answer"), Response::Ok);
         assert_eq!(read_answer(&mut c).expect("then the read's"), Response::Exists(false));
-        // A mutation still waiting when the term ends is refused, not left hanging.
+        // A mutation still waiting when the term ends is answered that its outcome is unknown
+        // (it was applied; the new leader may have it), not left hanging.
         c.write_all(&proto::encode(&Request::MountSegment { client: 1, segment: seg(2) }).expect("encode")).expect("send");
         deferred(1);
         m.journal.deactivate();
+        assert_eq!(read_answer(&mut c).expect("an answer"), Response::Err(StoreError::OutcomeUnknown));
+        // A request of the next term that never got past the gate: nothing applied, NotLeader.
+        m.gate.fence(5);
+        c.write_all(&proto::encode(&Request::MountSegment { client: 1, segment: seg(3) }).expect("encode")).expect("send");
         assert!(matches!(read_answer(&mut c).expect("an answer"), Response::Err(StoreError::NotLeader { .. })));
+        assert_eq!(m.lock().summary().segments, 2, "the second mount applied, the third not");
         drop(server);
     }
 }

@@ -227,7 +227,7 @@ pub fn stored_seq(etcd: &EtcdClient, cluster_id: &str) -> Result<(u64, Option<He
 pub type Answer = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
 /// A deferred answer, answered exactly once: if it is dropped unanswered (a path that forgot
-/// it), it answers that this master no longer leads, so no client is left waiting.
+/// it), it answers that its outcome is unknown, so no client is left waiting.
 struct Later {
     since: Instant,
     answer: Option<Answer>,
@@ -244,7 +244,7 @@ impl Later {
 impl Drop for Later {
     fn drop(&mut self) {
         if let Some(a) = self.answer.take() {
-            a(not_leader());
+            a(outcome_unknown());
         }
     }
 }
@@ -256,8 +256,11 @@ fn answer_all(later: impl IntoIterator<Item = Later>, r: impl Fn() -> Result<(),
     }
 }
 
-fn not_leader() -> Result<(), StoreError> {
-    Err(StoreError::NotLeader { leader: String::new() })
+/// What a request whose changes were applied and not yet durable is answered when the term
+/// ends first: not `NotLeader` (which says nothing was applied, and that a client may send the
+/// request again to the new leader), since the change may have reached it.
+fn outcome_unknown() -> Result<(), StoreError> {
+    Err(StoreError::OutcomeUnknown)
 }
 
 /// What a request is answered when its changes were not durable within `bound`.
@@ -437,7 +440,7 @@ impl JournalCore {
         let mut q = self.q();
         loop {
             if q.term != term || q.failed {
-                return Err(StoreError::NotLeader { leader: String::new() });
+                return outcome_unknown();
             }
             if q.written >= ticket {
                 return Ok(());
@@ -454,13 +457,13 @@ impl JournalCore {
 
     /// Like [`JournalCore::wait`] without a thread waiting: `answer` is called once, with `Ok`
     /// when the changes of `ticket` are durable (by the thread that learnt it: the writer or
-    /// an acknowledgement reader), with `NotLeader` when the term ends or fails first, with a
+    /// an acknowledgement reader), with `OutcomeUnknown` when the term ends or fails first, with a
     /// timeout error from [`JournalCore::expire`] after `bound`; at once, on this thread, if
     /// that is known already.
     pub fn defer(&self, (term, ticket): (i64, u64), answer: Answer) {
         let mut q = self.q();
         let now = if q.term != term || q.failed {
-            Some(not_leader())
+            Some(outcome_unknown())
         } else if q.written >= ticket {
             Some(Ok(()))
         } else {
@@ -506,7 +509,7 @@ impl JournalCore {
     /// Starts journaling `term` (the state must already journal).
     pub fn activate(&self, term: i64) {
         let later = std::mem::replace(&mut *self.q(), Queue { term, ..Queue::default() }).take_later();
-        answer_all(later, not_leader);
+        answer_all(later, outcome_unknown);
         self.set_stats(|s| *s = JournalStats::default());
     }
 
@@ -520,7 +523,7 @@ impl JournalCore {
         drop(q);
         self.work.notify_all();
         self.wake_all();
-        answer_all(later, not_leader);
+        answer_all(later, outcome_unknown);
     }
 
     /// Whether a term is being journaled (this master leads, or has not stepped down yet).
@@ -558,7 +561,7 @@ impl JournalCore {
         let later = q.take_later();
         drop(q);
         self.wake_all();
-        answer_all(later, not_leader);
+        answer_all(later, outcome_unknown);
     }
 
     /// The next batch: everything queued, and the ticket it completes; `None` when the term
@@ -1364,7 +1367,7 @@ mod tests {
         j.defer((5, 2), answer(1));
         j.defer((5, 3), answer(2));
         j.defer((4, 1), answer(3));
-        assert_eq!(got(&rx), vec![(3, Err(StoreError::NotLeader { leader: String::new() }))], "another term's ticket: refused at once");
+        assert_eq!(got(&rx), vec![(3, Err(StoreError::OutcomeUnknown))], "another term's ticket: refused at once");
         j.done(1);
         assert!(got(&rx).is_empty(), "ticket 1 written: nothing deferred for it");
         j.done(2);
@@ -1375,7 +1378,7 @@ mod tests {
         j.done_in(4, 3);
         assert!(got(&rx).is_empty());
         j.deactivate();
-        assert_eq!(got(&rx), vec![(2, Err(StoreError::NotLeader { leader: String::new() }))]);
+        assert_eq!(got(&rx), vec![(2, Err(StoreError::OutcomeUnknown))]);
         j.done(3);
         assert!(got(&rx).is_empty(), "answered once only");
         // A restart of the term and a failed writer refuse what waited.
@@ -1383,11 +1386,11 @@ mod tests {
         j.q().enqueued = 2;
         j.defer((6, 1), answer(5));
         j.activate(7);
-        assert_eq!(got(&rx), vec![(5, Err(StoreError::NotLeader { leader: String::new() }))]);
+        assert_eq!(got(&rx), vec![(5, Err(StoreError::OutcomeUnknown))]);
         j.q().enqueued = 2;
         j.defer((7, 1), answer(6));
         j.fail();
-        assert_eq!(got(&rx), vec![(6, Err(StoreError::NotLeader { leader: String::new() }))]);
+        assert_eq!(got(&rx), vec![(6, Err(StoreError::OutcomeUnknown))]);
         // Waiting too long: the journal's bounded-wait error, the others kept.
         j.activate(8);
         j.q().enqueued = 3;
@@ -1400,7 +1403,7 @@ mod tests {
         assert_eq!(got(&rx), vec![(8, Ok(()))]);
         // Forgotten (dropped unanswered): refused, never left waiting.
         drop(Later { since: Instant::now(), answer: Some(answer(9)) });
-        assert_eq!(got(&rx), vec![(9, Err(StoreError::NotLeader { leader: String::new() }))]);
+        assert_eq!(got(&rx), vec![(9, Err(StoreError::OutcomeUnknown))]);
     }
 
     /// The queue without etcd: what a request waits for, what ends the wait.
@@ -1451,13 +1454,13 @@ mod tests {
         let t3 = j.collect(&m).expect("ticket");
         j.deactivate();
         j.activate(6);
-        assert!(matches!(j.wait(t3, Duration::from_secs(5)), Err(StoreError::NotLeader { .. })), "refused at once, not after the bound");
+        assert!(matches!(j.wait(t3, Duration::from_secs(5)), Err(StoreError::OutcomeUnknown)), "refused at once, not after the bound");
         // A writer that gave up refuses every waiter.
         j.activate(5);
         m.lock().mount(4, seg(4), 0).expect("mount");
         let t4 = j.collect(&m).expect("ticket");
         j.fail();
-        assert!(matches!(j.wait(t4, Duration::from_secs(5)), Err(StoreError::NotLeader { .. })));
+        assert!(matches!(j.wait(t4, Duration::from_secs(5)), Err(StoreError::OutcomeUnknown)));
         assert!(j.next(5, Duration::ZERO).is_none(), "the writer stops");
     }
 
