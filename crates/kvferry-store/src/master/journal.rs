@@ -282,10 +282,6 @@ impl ObjectMap {
         self.len
     }
 
-    #[cfg(test)]
-    pub(crate) fn values(&self) -> impl Iterator<Item = &ObjectRec> {
-        self.shards.iter().flat_map(|t| t.iter().map(|(_, r)| r))
-    }
 }
 
 impl IntoIterator for ObjectMap {
