@@ -676,3 +676,82 @@ fn values_read_into_the_local_buffer_are_used_in_place_and_give_their_space_back
     assert_eq!(&got[0].as_slice()[1..], &value(&keys[0], 1, 1 << 20)[1..]);
     writer.close().expect("close");
 }
+
+/// A stand-in master on 127.0.0.1 that answers every start of a put `OutcomeUnknown` (what a
+/// leader that lost its term before the start was durable answers) and records what it is
+/// sent.
+fn outcome_unknown_master() -> (String, std::sync::Arc<std::sync::Mutex<Vec<proto::Request>>>) {
+    use proto::{Request, Response};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = std::sync::Arc::clone(&seen);
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut s) = conn else { return };
+            let log = std::sync::Arc::clone(&log);
+            std::thread::spawn(move || loop {
+                let mut len = [0u8; 4];
+                if s.read_exact(&mut len).is_err() {
+                    return;
+                }
+                let Ok(n) = proto::decode_len(len) else { return };
+                let mut body = vec![0u8; n];
+                if s.read_exact(&mut body).is_err() {
+                    return;
+                }
+                let Ok(req) = proto::decode::<Request>(&body) else { return };
+                let one = |r: &Request| match r {
+                    Request::MountSegment { .. } | Request::UnmountSegment { .. } | Request::RemountSegments { .. } | Request::ReleaseReads { .. } => Response::Ok,
+                    Request::Ping { .. } => Response::Ping(proto::PingStatus::Ok),
+                    // The new leader did not get the start: nothing to revoke.
+                    Request::PutRevoke { key, .. } => Response::Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress"))),
+                    _ => Response::Err(StoreError::Internal("not expected by this test".into())),
+                };
+                let starts = |v: &[Request]| v.iter().any(|r| matches!(r, Request::PutStart { .. }));
+                let resp = match &req {
+                    Request::PutStart { .. } => Response::Err(StoreError::OutcomeUnknown),
+                    Request::Batch(v) if starts(v) => Response::Err(StoreError::OutcomeUnknown),
+                    Request::Batch(v) => Response::Batch(v.iter().map(one).collect()),
+                    r => one(r),
+                };
+                log.lock().expect("log").push(req);
+                if s.write_all(&proto::encode(&resp).expect("encode")).is_err() {
+                    return;
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// A put whose start got `OutcomeUnknown` fails with it (never "not stored": the new leader may
+/// hold the start), is not sent again, and is revoked for each of its keys, so that the keys
+/// are free at once on a leader that has the start.
+#[test]
+fn a_put_whose_start_has_an_unknown_outcome_fails_so_and_is_revoked_not_sent_again() {
+    use proto::Request;
+    let (addr, seen) = outcome_unknown_master();
+    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 4 << 20, master_server_addr: addr, ..ClientConfig::default() }).expect("client setup");
+    let cfg = ReplicateConfig::default();
+    let e = c.put("one", b"value", &cfg).expect_err("not stored");
+    assert_eq!(e, StoreError::OutcomeUnknown);
+    let two = c.put_batch(&[("a", b"x"), ("b", b"y")], &cfg, false);
+    assert!(two.iter().all(|r| *r == Err(StoreError::OutcomeUnknown)), "{two:?}");
+    let seen: Vec<Request> = seen.lock().expect("log").clone();
+    let keys = |r: &Request| -> Vec<(char, String)> {
+        let one = |r: &Request| match r {
+            Request::PutStart { key, .. } => Some(('s', key.clone())),
+            Request::PutRevoke { key, .. } => Some(('r', key.clone())),
+            _ => None,
+        };
+        match r {
+            Request::Batch(v) => v.iter().filter_map(one).collect(),
+            r => one(r).into_iter().collect(),
+        }
+    };
+    let got: Vec<Vec<(char, String)>> = seen.iter().map(keys).filter(|v| !v.is_empty()).collect();
+    let k = |c: char, s: &str| (c, s.to_string());
+    assert_eq!(got, vec![vec![k('s', "one")], vec![k('r', "one")], vec![k('s', "a"), k('s', "b")], vec![k('r', "a"), k('r', "b")]], "each start once, then its revoke: {seen:?}");
+    c.close().expect("close");
+}
