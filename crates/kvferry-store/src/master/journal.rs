@@ -222,86 +222,8 @@ pub struct Image {
     /// (Hashed: a standby applies a `RemoveAll` or a dead client's objects as up to millions
     /// of changes in no particular order; an ordered map took ~2 µs each, 10x a hashed one.
     /// Rebuilding does not depend on the order: see [`Image::into_state`].)
-    objects: ObjectMap,
+    objects: super::shards::Shards<String, ObjectRec, hashbrown::DefaultHashBuilder>,
     held_back: Vec<ReplicaRec>,
-}
-
-/// Shards of [`ObjectMap`].
-const SHARDS: usize = 64;
-
-/// An image's objects by key: a hash map in [`SHARDS`] shards (`hashbrown::HashTable`s found
-/// by one foldhash of the key). One map grows by doubling, and the insert that grows a map of
-/// a million objects moves them all at once: 0.6 s on the bench's VM (2026-12-02), during which
-/// a standby acknowledged nothing, and past a quarter of the fence bound it left the in-sync
-/// set. A shard grows 1/64 of that at a time.
-#[derive(Clone, Default)]
-pub(crate) struct ObjectMap {
-    shards: Vec<hashbrown::HashTable<(String, ObjectRec)>>,
-    hasher: hashbrown::DefaultHashBuilder,
-    len: usize,
-}
-
-impl ObjectMap {
-    /// The key's hash and its shard (bits the tables use neither for the bucket, the low
-    /// ones, nor for the tag, the top seven).
-    fn locate(&self, key: &str) -> (u64, usize) {
-        use std::hash::BuildHasher;
-        let h = self.hasher.hash_one(key);
-        (h, (h >> 40) as usize % SHARDS)
-    }
-
-    pub(crate) fn insert(&mut self, key: String, rec: ObjectRec) {
-        use std::hash::BuildHasher;
-        if self.shards.is_empty() {
-            self.shards = (0..SHARDS).map(|_| hashbrown::HashTable::new()).collect();
-        }
-        let (h, i) = self.locate(&key);
-        let hasher = &self.hasher;
-        match self.shards[i].entry(h, |(k, _)| *k == key, |(k, _)| hasher.hash_one(k.as_str())) {
-            hashbrown::hash_table::Entry::Occupied(mut e) => e.get_mut().1 = rec,
-            hashbrown::hash_table::Entry::Vacant(e) => {
-                e.insert((key, rec));
-                self.len += 1;
-            }
-        }
-    }
-
-    pub(crate) fn remove(&mut self, key: &str) -> Option<ObjectRec> {
-        let (h, i) = self.locate(key);
-        let e = self.shards.get_mut(i)?.find_entry(h, |(k, _)| k == key).ok()?;
-        self.len -= 1;
-        Some(e.remove().0 .1)
-    }
-
-    pub(crate) fn get(&self, key: &str) -> Option<&ObjectRec> {
-        let (h, i) = self.locate(key);
-        self.shards.get(i)?.find(h, |(k, _)| k == key).map(|(_, r)| r)
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-}
-
-impl IntoIterator for ObjectMap {
-    type Item = (String, ObjectRec);
-    type IntoIter = std::iter::Flatten<std::vec::IntoIter<hashbrown::HashTable<(String, ObjectRec)>>>;
-    fn into_iter(self) -> Self::IntoIter {
-        self.shards.into_iter().flatten()
-    }
-}
-
-impl PartialEq for ObjectMap {
-    fn eq(&self, other: &ObjectMap) -> bool {
-        self.len == other.len && self.shards.iter().flat_map(|t| t.iter()).all(|(k, r)| other.get(k) == Some(r))
-    }
-}
-
-impl std::fmt::Debug for ObjectMap {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_map().entries(self.shards.iter().flat_map(|t| t.iter().map(|(k, r)| (k, r)))).finish()
-    }
 }
 
 /// What rebuilding found wrong in a journal (replicas that overlap or lie outside their
@@ -477,37 +399,6 @@ mod tests {
 
     fn seg(id: u64, size: u64) -> Segment {
         Segment { id, name: format!("seg{id}"), te_endpoint: format!("127.0.0.1:{}", 15000 + id), base: id << 32, size }
-    }
-
-    /// The sharded map acts as one map (insert, replace, remove, equality, iteration), and
-    /// its keys spread over every shard, so that no shard grows much beyond its share.
-    #[test]
-    fn an_object_map_is_one_map_in_even_shards() {
-        let rec = |size| ObjectRec { size, current: SmallVec::new(), pending: None, owner: 1, hard_pin: false, soft_pin_left: 0, group: None };
-        let n = 64_000u64;
-        let mut m = ObjectMap::default();
-        assert!(m.remove("absent").is_none() && m.get("absent").is_none(), "an empty map has no shards yet");
-        for i in 0..n {
-            m.insert(format!("key-{i}"), rec(i));
-        }
-        m.insert("key-7".into(), rec(70));
-        assert_eq!(m.len(), n as usize);
-        assert_eq!(m.get("key-7").map(|r| r.size), Some(70), "replaced");
-        assert_eq!(m.remove("key-8").map(|r| r.size), Some(8));
-        assert!(m.remove("key-8").is_none());
-        assert_eq!(m.len(), n as usize - 1);
-        let (least, most) = (m.shards.iter().map(|t| t.len()).min(), m.shards.iter().map(|t| t.len()).max());
-        let share = n as usize / SHARDS;
-        assert!(least.is_some_and(|l| l > share * 3 / 4) && most.is_some_and(|x| x < share * 5 / 4), "shards of {least:?}..{most:?}, a share is {share}");
-        let copy = m.clone();
-        assert_eq!(copy, m);
-        let mut other = m.clone();
-        other.insert("key-9".into(), rec(90));
-        assert_ne!(other, m, "a value differs");
-        let mut keys: Vec<String> = m.into_iter().map(|(k, _)| k).collect();
-        keys.sort_unstable();
-        keys.dedup();
-        assert_eq!(keys.len(), n as usize - 1);
     }
 
     #[test]
