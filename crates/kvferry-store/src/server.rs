@@ -409,10 +409,11 @@ impl Spin {
     /// poll already: how many arrived.
     fn poll(&self, s: &TcpStream, prefix: &mut [u8; 4]) -> std::io::Result<usize> {
         use rustix::net::{recv, RecvFlags};
-        if self.bound.is_zero() || self.polling.fetch_add(1, Ordering::AcqRel) >= self.limit {
-            if !self.bound.is_zero() {
-                self.polling.fetch_sub(1, Ordering::AcqRel);
-            }
+        if self.bound.is_zero() {
+            return Ok(0);
+        }
+        if self.polling.fetch_add(1, Ordering::AcqRel) >= self.limit {
+            self.polling.fetch_sub(1, Ordering::AcqRel);
             return Ok(0);
         }
         let mut got = 0usize;
