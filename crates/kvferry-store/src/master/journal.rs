@@ -373,7 +373,7 @@ impl Image {
         if !contested.is_empty() {
             Self::drop_contested(&mut st, contested, &mut report);
         }
-        for (key, o) in &st.objects {
+        for (key, o) in st.objects.iter() {
             if let Some(g) = &o.group {
                 st.groups.entry(Arc::clone(g)).or_default().push(key.clone());
             }
@@ -598,7 +598,7 @@ mod tests {
             let mut kept: Vec<&str> = st.objects.keys().map(|k| &**k).collect();
             kept.sort_unstable();
             assert_eq!(kept, ["e", "f"]);
-            assert_eq!(st.objects["f"].current.len(), 1);
+            assert_eq!(st.objects.get("f").map(|o| o.current.len()), Some(1));
             assert_eq!(st.used_bytes(), 8192, "the dropped replicas' space is free");
         }
     }

@@ -184,16 +184,19 @@ pub const OP_NAMES: [&str; 14] = [
     "batch_replica_clear",
 ];
 
+/// The master's objects by key.
+type Objects = shards::Shards<Box<str>, Object, hashbrown::DefaultHashBuilder>;
+
 /// The pool's state.
 #[derive(Default)]
 pub struct State {
     segments: HashMap<u64, SegState>,
     seg_order: Vec<u64>,
     clients: HashMap<u64, u64>, // client -> last ping
-    /// (One map, not [`shards::Shards`] as a standby's mirror: growing past 1.8 M objects
-    /// holds the lock 0.47-1.76 s, `examples/growth_pause.rs`, 13 ms in shards; the sharded map
-    /// measured slower in one rate run, not yet looked into.)
-    objects: HashMap<Box<str>, Object>,
+    /// In shards ([`shards::Shards`]), as a standby's mirror: one map grows by doubling, and the
+    /// insert that grows it past 1.8 M objects held the lock 0.47-1.76 s
+    /// (`examples/growth_pause.rs`); a shard moves a 64th of that.
+    objects: Objects,
     groups: HashMap<Arc<str>, Vec<Box<str>>>,
     deferred: Vec<Deferred>,
     /// Reads in flight: id -> end of their lease.
@@ -795,7 +798,7 @@ impl State {
         let Some(o) = self.objects.get_mut(key) else { return Err(StoreError::ObjectNotFound(key.to_string())) };
         o.reads.retain(|id| read_live(reads, *id, now));
         o.reads.push(read_id);
-        let o = &self.objects[key];
+        let Some(o) = self.objects.get(key) else { return Err(StoreError::ObjectNotFound(key.to_string())) };
         Ok(ReplicaList { replicas: o.current.iter().filter_map(|r| self.desc(r)).collect(), size: o.size, lease_ttl_ms: lease, read_id })
     }
 

@@ -1,11 +1,13 @@
 //! A hash map keyed by strings, in [`SHARDS`] shards (`hashbrown::HashTable`s found by one hash
-//! of the key): a standby's mirror of every object. One hash map grows by doubling, and the
-//! insert that grows it moves every entry at once: 0.6-1.0 s in a standby's mirror of a
-//! million objects on the bench's VM, during which no acknowledgement went out, and past a
-//! quarter of the fence bound the standby left the in-sync set. A shard grows a 64th of that
-//! at a time: the longest insert while filling a mirror to two million objects is 39-53 ms
-//! (`cargo run --release -p kvferry-store --example growth_pause`, which also shows the
-//! master's own map, not sharded: 0.47-1.76 s).
+//! of the key): the master's objects and a standby's mirror of them. One hash map grows by
+//! doubling, and the insert that grows it moves every entry at once: in the master, 0.47-1.76 s
+//! with the state's lock held (every request waiting) at 1.8 M objects; in a standby's mirror
+//! of a million objects 0.6-1.0 s without an acknowledgement, and past a quarter of the fence
+//! bound the standby left the in-sync set. A shard grows a 64th of that at a time: the longest
+//! insert while filling either to two million objects is 6-53 ms (`cargo run --release -p
+//! kvferry-store --example growth_pause`).
+//!
+//! Not an ordered map, nor one that shrinks: nothing may rely on the order of iteration.
 
 use hashbrown::hash_table::Entry;
 use hashbrown::HashTable;
@@ -83,10 +85,33 @@ impl<K: Borrow<str>, V, S: BuildHasher> Shards<K, V, S> {
         Some(e.remove().0 .1)
     }
 
+    pub fn get_mut(&mut self, key: &str) -> Option<&mut V> {
+        let h = self.hash(key);
+        self.tables.get_mut(Self::shard(h))?.find_mut(h, |(k, _)| k.borrow() == key).map(|(_, v)| v)
+    }
+
+    /// Keeps the entries for which `keep` returns true (it may change their values), one shard
+    /// after another.
+    pub fn retain(&mut self, mut keep: impl FnMut(&K, &mut V) -> bool) {
+        let mut len = 0;
+        for t in &mut self.tables {
+            t.retain(|(k, v)| keep(k, v));
+            len += t.len();
+        }
+        self.len = len;
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
         self.tables.iter().flat_map(|t| t.iter().map(|(k, v)| (k, v)))
     }
 
+    pub fn keys(&self) -> impl Iterator<Item = &K> {
+        self.iter().map(|(k, _)| k)
+    }
+
+    pub fn values(&self) -> impl Iterator<Item = &V> {
+        self.iter().map(|(_, v)| v)
+    }
 }
 
 impl<K, V, S> IntoIterator for Shards<K, V, S> {
@@ -131,6 +156,21 @@ mod tests {
         let share = n / SHARDS;
         let largest = m.tables.iter().map(HashTable::len).max().unwrap_or(0);
         assert!(largest < share * 5 / 4, "a shard of {largest}, a share is {share}");
+        if let Some(v) = m.get_mut("key-10") {
+            *v = 100;
+        }
+        assert_eq!(m.get("key-10").copied(), Some(100));
+        assert!(m.get_mut("absent").is_none());
+        // Retain: the keys ending in 3 go (a tenth), the others change.
+        let mut back = m.clone();
+        back.retain(|k, v| {
+            *v += 1;
+            !k.ends_with('3')
+        });
+        let gone = (0..n).filter(|i| i % 10 == 3).count();
+        assert_eq!((back.len(), back.iter().count()), (n - 1 - gone, n - 1 - gone), "its length follows what was kept");
+        assert!(back.get("key-13").is_none() && back.get("key-10").copied() == Some(101));
+        assert_eq!(back.values().count(), back.keys().count());
         let copy = m.clone();
         assert_eq!(copy, m);
         m.insert("key-9".into(), 90);
