@@ -479,20 +479,27 @@ impl State {
         }
     }
 
-    /// Drops clients that have not pinged within `ttl`, with their segments and replicas.
-    pub fn expire_clients(&mut self, now: u64, ttl: u64) -> Vec<u64> {
-        let dead: Vec<u64> = self.clients.iter().filter(|(_, &t)| now.saturating_sub(t) > ttl).map(|(&c, _)| c).collect();
+    /// Drops clients that have not pinged within `ttl`, with their segments and replicas: each
+    /// with how many segments it still had (none: it unmounted them, as a client that closes
+    /// does, and nothing was lost).
+    pub fn expire_clients(&mut self, now: u64, ttl: u64) -> Vec<(u64, usize)> {
+        let mut dead: std::collections::HashMap<u64, usize> = self.clients.iter().filter(|(_, &t)| now.saturating_sub(t) > ttl).map(|(&c, _)| (c, 0)).collect();
         if dead.is_empty() {
-            return dead;
+            return Vec::new();
         }
-        for c in &dead {
-            self.clients.remove(c);
-            self.mark_client(*c);
+        for &c in dead.keys() {
+            self.clients.remove(&c);
+            self.mark_client(c);
         }
-        let gone: std::collections::HashSet<u64> = dead.iter().copied().collect();
-        let segs: Vec<u64> = self.segments.iter().filter(|(_, s)| gone.contains(&s.client)).map(|(&id, _)| id).collect();
+        let mut segs = Vec::new();
+        for (&id, s) in &self.segments {
+            if let Some(n) = dead.get_mut(&s.client) {
+                *n += 1;
+                segs.push(id);
+            }
+        }
         self.drop_segments(&segs);
-        dead
+        dead.into_iter().collect()
     }
 
     // --- allocation and eviction ---------------------------------------------------------
@@ -999,8 +1006,13 @@ impl Master {
         let now = self.now();
         let mut st = self.lock();
         let dead = st.expire_clients(now, self.cfg.client_ttl.as_millis() as u64);
-        for c in dead {
-            tracing::warn!(client = format!("{c:x}"), "client stopped pinging; its segments and replicas are dropped");
+        for (c, segments) in dead {
+            if segments > 0 {
+                tracing::warn!(client = format!("{c:x}"), segments, "client stopped pinging; its segments and replicas are dropped");
+            } else {
+                // It unmounted everything (a client closes so): nothing lost, nothing to say.
+                tracing::debug!(client = format!("{c:x}"), "client without segments stopped pinging; forgotten");
+            }
         }
         st.expire_reads(now);
         st.release_deferred(now);
@@ -1152,7 +1164,7 @@ mod tests {
         put(&mut st, &m, &s, "only1", 4096, &ReplicateConfig { preferred_segments: vec!["seg1".into()], ..Default::default() }, 0).unwrap();
         st.ping(2, 5000);
         let dead = st.expire_clients(10_001, 10_000);
-        assert_eq!(dead, vec![1]);
+        assert_eq!(dead, vec![(1, 1)], "client 1 with its one segment");
         let l = st.get_replica_list("both", 10_002, 1).unwrap();
         assert_eq!(l.replicas.len(), 1);
         assert_eq!(l.replicas[0].te_endpoint, "127.0.0.1:15002");
@@ -1182,7 +1194,7 @@ mod tests {
         st.ping(30, 5000);
         let mut dead = st.expire_clients(10_001, 10_000);
         dead.sort_unstable();
-        assert_eq!(dead, vec![1, 10, 20], "client 1 (the writer, no segment) never pinged either");
+        assert_eq!(dead, vec![(1, 0), (10, 2), (20, 1)], "client 1 (the writer, no segment) never pinged either");
         assert_eq!(st.seg_order, vec![4]);
         let l = st.get_replica_list("everywhere", 10_002, 1).unwrap();
         assert_eq!(l.replicas.iter().map(|r| r.te_endpoint.as_str()).collect::<Vec<_>>(), ["127.0.0.1:15004"]);
