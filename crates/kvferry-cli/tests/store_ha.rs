@@ -389,6 +389,55 @@ fn a_leader_cut_off_from_etcd_refuses_within_the_bound_and_the_cluster_recovers(
     assert_eq!(rpc(&mut c, &mount_request()), Response::Ok);
 }
 
+/// A put whose start the leader applied but could not make durable before its term ended (etcd
+/// stopped under it: neither the journal nor the lease can be written) fails with
+/// `OutcomeUnknown`, not sent again at another leader and not reported as "nothing stored" (the
+/// journal may yet hold it). Before failing, the client revokes that start at the next leader
+/// (etcd resumed as soon as the master stepped down; the same master leads again), so the key
+/// can be put again at once and reads back its bytes; what was put before survives. (The
+/// journal write, sent before etcd stopped, lands when it resumes: without the revoke the
+/// retry was refused `ObjectAlreadyExists` in 3 runs of 3, until the master's discard timeout.)
+#[test]
+fn a_put_whose_leader_loses_its_term_before_the_start_is_durable_fails_as_unknown_and_is_revoked() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    // One master: nothing else acknowledges its changes, so each waits for etcd.
+    let m = Master::start(etcd_svc.port, None, false);
+    wait_leader(&m, Duration::from_secs(10), "the only master leads");
+    let c = ha_client(etcd_svc.port, 16 << 20);
+    let cfg = ReplicateConfig::default();
+    c.put("before", &value("before", 4096), &cfg).expect("a put while etcd answers");
+    let pid = etcd_svc.pid().expect("etcd's pid") as libc::pid_t;
+    // SAFETY: signals to the etcd this test started, by pid.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let stopped = Instant::now();
+    let (got, took, stepped_down) = std::thread::scope(|sc| {
+        let resume = sc.spawn(|| {
+            // Renewals go out every TTL/4 and the leader answers until 2/3 TTL after the last
+            // one sent: it steps down within 2/3 TTL of the stop.
+            let until = stopped + TTL + Duration::from_secs(2);
+            while m.role() != "standby" && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let at = stopped.elapsed();
+            // SAFETY: as above.
+            assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+            at
+        });
+        // Sent at once, the start is admitted (at least 5/12 TTL of the leader's bound are
+        // left) and applied, then waits for a journal write that cannot land.
+        let got = c.put("unknown", &value("unknown", 4096), &cfg);
+        (got, stopped.elapsed(), resume.join().expect("the thread resuming etcd"))
+    });
+    assert!(stepped_down < TTL, "the leader that could not renew stepped down within its bound: {stepped_down:?}");
+    assert_eq!(got, Err(StoreError::OutcomeUnknown), "a start applied by a leader whose term ended before it was durable");
+    assert!(took < Duration::from_secs(15), "the revoke found the next leader: {took:?}");
+    c.put("unknown", &value("unknown", 4096), &cfg).expect("the key is free at once: its start was revoked or never made durable");
+    assert_eq!(c.get("unknown").expect("get"), value("unknown", 4096));
+    assert_eq!(c.get("before").expect("get"), value("before", 4096), "the object made durable before survives");
+    eprintln!("stepped down {stepped_down:?} after etcd stopped; the put failed OutcomeUnknown after {took:?}");
+    let _ = c.close();
+}
+
 #[test]
 fn etcd_restarted_with_or_without_its_data_masters_and_clients_recover() {
     let Some(mut etcd_svc) = Service::etcd() else { return };
