@@ -33,6 +33,10 @@
 //!   again (uncounted), so a deadline fails only its own task. Nothing is posted again past
 //!   its deadline, at shutdown or into a range being unregistered. Connecting is bounded by
 //!   the handshake timeouts.
+//! - **Ports**: each poller reads its NIC's port every [`TICK`]; one no longer ACTIVE (link
+//!   down) is used only when no other NIC connects, and the QPs holding its slices are
+//!   flushed, so they go again on another NIC without using a retry (a NIC need not complete
+//!   what its link lost: Soft-RoCE left READs in flight until their deadline).
 //! - **Endpoint cache**: at most `KVFERRY_RDMA_MAX_ENDPOINTS`; beyond it the least recently
 //!   used idle endpoint (no work request in flight) is closed (`lru_victims`).
 //!
@@ -178,7 +182,9 @@ struct Nic {
     inflight: Mutex<HashMap<u64, Slice>>,
     /// At most [`CQ_DEPTH`] of them: the shared CQ never overruns, however many endpoints.
     credits: Credits,
-    _ctx: Context,
+    /// Its port is not ACTIVE (read by its poller every [`TICK`], `Shared::check_port`).
+    down: AtomicBool,
+    ctx: Context,
 }
 
 /// One posted work request: slice `idx` of `piece`, on `ep` from local NIC `nic`.
@@ -252,10 +258,12 @@ enum Fate {
 
 /// The fate of a slice whose work request ended with `status` (or [`POST_FAILED`]).
 /// `flushed_for_deadline`: its QP was moved to the error state because another slice on it
-/// passed its deadline. A slice flushed that way whose own task still has time is posted
-/// again, uncounted (only the late task ends TIMEOUT); any other failure is retried on
-/// another pair at most [`MAX_RETRIES`] times, unless retrying cannot help.
-fn slice_fate(status: u32, flushed_for_deadline: bool, past_deadline: bool, shut: bool, revoked: bool, retries: u8) -> Fate {
+/// passed its deadline (or its NIC's port went down). A slice flushed that way whose own task
+/// still has time is posted again, uncounted (only the late task ends TIMEOUT); `port_down`:
+/// its NIC's port is not ACTIVE, and it goes again on another NIC, uncounted (the link, not
+/// the request; its deadline bounds it); any other failure is retried on another pair at most
+/// [`MAX_RETRIES`] times, unless retrying cannot help.
+fn slice_fate(status: u32, flushed_for_deadline: bool, past_deadline: bool, shut: bool, revoked: bool, retries: u8, port_down: bool) -> Fate {
     const FLUSH: u32 = 5;
     if shut {
         Fate::ShutDown
@@ -263,11 +271,15 @@ fn slice_fate(status: u32, flushed_for_deadline: bool, past_deadline: bool, shut
         Fate::Revoked
     } else if past_deadline {
         Fate::Timeout
-    } else if status == FLUSH && flushed_for_deadline {
-        Fate::Again { counted: false, avoid: false }
-    } else if matches!(status, 1 | 4 | 8 | 9 | 10) || retries >= MAX_RETRIES {
+    } else if matches!(status, 1 | 4 | 8 | 9 | 10) {
         // Local length/protection/access, remote invalid request or access: the request
         // itself is wrong (or the keys stale), on any pair.
+        Fate::Fail
+    } else if port_down {
+        Fate::Again { counted: false, avoid: true }
+    } else if status == FLUSH && flushed_for_deadline {
+        Fate::Again { counted: false, avoid: false }
+    } else if retries >= MAX_RETRIES {
         Fate::Fail
     } else {
         Fate::Again { counted: true, avoid: true }
@@ -640,7 +652,7 @@ impl RdmaTransport {
                 let gid = ctx.query_gid(PORT, gid_index)?;
                 let pd = ctx.alloc_pd()?;
                 let cq = ctx.create_cq(CQ_DEPTH)?;
-                Ok(Nic { name: n.name.clone(), pd, cq, attr, gid_index, gid, inflight: Mutex::default(), credits: Credits::new(CQ_DEPTH), _ctx: ctx })
+                Ok(Nic { name: n.name.clone(), pd, cq, attr, gid_index, gid, inflight: Mutex::default(), credits: Credits::new(CQ_DEPTH), down: AtomicBool::new(false), ctx })
             })();
             match opened {
                 Ok(nic) => nics.push(nic),
@@ -1054,7 +1066,8 @@ impl Shared {
         let paused: Vec<bool> = {
             let p = self.paused.lock().unwrap_or_else(|e| e.into_inner());
             let now = Instant::now();
-            (0..n).map(|nic| p.get(&key(nic)).is_some_and(|&until| now < until)).collect()
+            // A NIC whose port is down counts as paused: used only when no other connects.
+            (0..n).map(|nic| self.nics[nic].down.load(Ordering::Acquire) || p.get(&key(nic)).is_some_and(|&until| now < until)).collect()
         };
         let mut usable: Vec<(usize, Arc<Endpoint>)> = Vec::new();
         let mut why_not: Vec<String> = Vec::new();
@@ -1153,7 +1166,7 @@ impl Shared {
         let Slice { piece, ep, idx, nic, retries } = sl;
         let expired = ep.expired.load(Ordering::Acquire);
         let past = piece.task.deadline() <= Instant::now();
-        let fate = slice_fate(status, expired, past, self.shut.load(Ordering::Acquire), piece.guard.is_revoked(), retries);
+        let fate = slice_fate(status, expired, past, self.shut.load(Ordering::Acquire), piece.guard.is_revoked(), retries, self.nics[nic].down.load(Ordering::Acquire));
         let name = &self.nics[nic].name;
         let tried = if retries > 0 { format!(" (after {retries} retries on other NIC pairs)") } else { String::new() };
         let end = match fate {
@@ -1255,7 +1268,34 @@ impl Shared {
         }
     }
 
-    /// Flushes the QPs holding slices past their deadline (or everything, at shutdown): an RC
+    /// Reads the port of NIC `nic` (its poller, every [`TICK`]). A port that left ACTIVE (its
+    /// link went down) is left out of new pairs while others connect, and the QPs holding its
+    /// slices are flushed, so that they go out again on another NIC at once: a NIC need not
+    /// complete the work requests its link lost (Soft-RoCE left READs in flight until their
+    /// deadline). ACTIVE again, it is used again.
+    fn check_port(&self, nic: usize) {
+        let n = &self.nics[nic];
+        let down = match n.ctx.query_port(PORT) {
+            Ok(a) => !a.active(),
+            Err(e) => {
+                tracing::debug!("RDMA: reading the port of {}: {e}", n.name);
+                return;
+            }
+        };
+        if n.down.swap(down, Ordering::AcqRel) != down {
+            if down {
+                tracing::warn!("RDMA: the port of {} is no longer ACTIVE (link down?): its requests in flight go again on the other NICs, and new ones avoid it until it is back", n.name);
+            } else {
+                tracing::info!("RDMA: the port of {} is ACTIVE again", n.name);
+            }
+        }
+        if down {
+            self.expire(nic, true);
+        }
+    }
+
+    /// Flushes the QPs holding slices past their deadline (or everything, at shutdown or with
+    /// the port down): an RC
     /// QP cannot cancel one work request, so every slice on them is flushed; the late ones end
     /// TIMEOUT and the others, whose tasks still have time, are posted again ([`Shared::failed`]).
     fn expire(&self, nic: usize, all: bool) {
@@ -1275,7 +1315,7 @@ impl Shared {
             self.forget(&ep);
             for qp in &ep.qps {
                 if let Err(e) = qp.set_error() {
-                    tracing::warn!("RDMA: flushing a QP past its deadline failed: {e}");
+                    tracing::warn!("RDMA: flushing a QP (past its deadline, its port down or shutting down) failed: {e}");
                 }
             }
         }
@@ -1301,6 +1341,7 @@ fn remote_device<'d>(desc: &'d SegmentDesc, local: &str, location: &str) -> Opti
 fn poller(w: Weak<Shared>, nic: usize) {
     let mut wcs = [Wc::default(); 32];
     let mut shut_since: Option<Instant> = None;
+    let mut port_read = Instant::now();
     loop {
         let Some(s) = w.upgrade() else { return };
         match s.nics[nic].cq.wait(&mut wcs, Instant::now() + TICK) {
@@ -1314,6 +1355,10 @@ fn poller(w: Weak<Shared>, nic: usize) {
                 tracing::warn!("RDMA: completion queue of {}: {e}", s.nics[nic].name);
                 std::thread::sleep(TICK);
             }
+        }
+        if port_read.elapsed() >= TICK {
+            port_read = Instant::now();
+            s.check_port(nic);
         }
         let shut = s.shut.load(Ordering::Acquire);
         s.expire(nic, shut);
@@ -1606,33 +1651,52 @@ mod tests {
     #[test]
     fn a_deadline_fails_only_the_late_task_and_flushed_slices_of_others_go_again() {
         const FLUSH: u32 = 5;
-        // (status, flushed for a deadline, own deadline passed, shut, revoked, retries)
-        assert_eq!(slice_fate(FLUSH, true, true, false, false, 0), Fate::Timeout, "the late task itself");
-        assert_eq!(slice_fate(FLUSH, true, false, false, false, 0), Fate::Again { counted: false, avoid: false }, "another task's slice on the flushed QP: posted again");
-        assert_eq!(slice_fate(FLUSH, true, false, false, false, MAX_RETRIES), Fate::Again { counted: false, avoid: false }, "flushes by others' deadlines use no retry");
-        assert_eq!(slice_fate(FLUSH, true, false, false, true, 0), Fate::Revoked, "never posted again into a range being unregistered");
-        assert_eq!(slice_fate(FLUSH, true, false, true, false, 0), Fate::ShutDown, "nor during shutdown");
+        // (status, flushed for a deadline, own deadline passed, shut, revoked, retries, port down)
+        assert_eq!(slice_fate(FLUSH, true, true, false, false, 0, false), Fate::Timeout, "the late task itself");
+        assert_eq!(slice_fate(FLUSH, true, false, false, false, 0, false), Fate::Again { counted: false, avoid: false }, "another task's slice on the flushed QP: posted again");
+        assert_eq!(slice_fate(FLUSH, true, false, false, false, MAX_RETRIES, false), Fate::Again { counted: false, avoid: false }, "flushes by others' deadlines use no retry");
+        assert_eq!(slice_fate(FLUSH, true, false, false, true, 0, false), Fate::Revoked, "never posted again into a range being unregistered");
+        assert_eq!(slice_fate(FLUSH, true, false, true, false, 0, false), Fate::ShutDown, "nor during shutdown");
     }
 
     #[test]
     fn a_failed_completion_is_retried_on_another_pair_a_bounded_number_of_times() {
         const FLUSH: u32 = 5;
         for status in [12, 13, 20, 21, POST_FAILED] {
-            assert_eq!(slice_fate(status, false, false, false, false, 0), Fate::Again { counted: true, avoid: true }, "status {status}");
-            assert_eq!(slice_fate(status, false, false, false, false, MAX_RETRIES - 1), Fate::Again { counted: true, avoid: true });
-            assert_eq!(slice_fate(status, false, false, false, false, MAX_RETRIES), Fate::Fail, "retries spent");
+            assert_eq!(slice_fate(status, false, false, false, false, 0, false), Fate::Again { counted: true, avoid: true }, "status {status}");
+            assert_eq!(slice_fate(status, false, false, false, false, MAX_RETRIES - 1, false), Fate::Again { counted: true, avoid: true });
+            assert_eq!(slice_fate(status, false, false, false, false, MAX_RETRIES, false), Fate::Fail, "retries spent");
             assert!(path_failure(status), "the pair is paused after {status}");
         }
         // Flushed because an earlier request on its QP failed: retried too, counted.
-        assert_eq!(slice_fate(FLUSH, false, false, false, false, 0), Fate::Again { counted: true, avoid: true });
+        assert_eq!(slice_fate(FLUSH, false, false, false, false, 0, false), Fate::Again { counted: true, avoid: true });
         assert!(!path_failure(FLUSH));
         // The request itself is wrong: another pair would fail it the same way.
         for status in [1, 4, 8, 9, 10] {
-            assert_eq!(slice_fate(status, false, false, false, false, 0), Fate::Fail, "status {status}");
+            assert_eq!(slice_fate(status, false, false, false, false, 0, false), Fate::Fail, "status {status}");
             assert!(!path_failure(status));
         }
-        assert_eq!(slice_fate(12, false, true, false, false, 0), Fate::Timeout, "no retry past the deadline");
-        assert_eq!(slice_fate(12, false, false, false, true, 0), Fate::Revoked);
+        assert_eq!(slice_fate(12, false, true, false, false, 0, false), Fate::Timeout, "no retry past the deadline");
+        assert_eq!(slice_fate(12, false, false, false, true, 0, false), Fate::Revoked);
+    }
+
+    /// A slice whose NIC's port went down (flushed by its poller, or failed by the NIC) goes
+    /// again on another NIC without using a retry, however many it used: the link failed, not
+    /// the request. Its deadline, shutdown and unregistering still end it, and a request that
+    /// is itself wrong still fails.
+    #[test]
+    fn a_slice_on_a_port_that_went_down_goes_again_elsewhere_uncounted() {
+        const FLUSH: u32 = 5;
+        for status in [FLUSH, 12, 13, POST_FAILED] {
+            for retries in [0, MAX_RETRIES] {
+                assert_eq!(slice_fate(status, true, false, false, false, retries, true), Fate::Again { counted: false, avoid: true }, "status {status}, {retries} retries, flushed by its poller");
+                assert_eq!(slice_fate(status, false, false, false, false, retries, true), Fate::Again { counted: false, avoid: true }, "status {status}, {retries} retries");
+            }
+        }
+        assert_eq!(slice_fate(FLUSH, true, true, false, false, 0, true), Fate::Timeout, "its own deadline passed");
+        assert_eq!(slice_fate(FLUSH, true, false, true, false, 0, true), Fate::ShutDown);
+        assert_eq!(slice_fate(FLUSH, true, false, false, true, 0, true), Fate::Revoked);
+        assert_eq!(slice_fate(10, false, false, false, false, 0, true), Fate::Fail, "a wrong request fails on any NIC");
     }
 
     #[test]
