@@ -1,7 +1,7 @@
 //! The master on the network: one thread per RPC connection, one ticker thread.
 
 use crate::error::StoreError;
-use crate::master::{Master, OP_NAMES};
+use crate::master::{Master, State, OP_NAMES};
 use crate::proto::{self, PingStatus, ReplicateConfig, Request, Response};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -43,11 +43,26 @@ fn apply(m: &Master, req: Request) -> Applied {
         Err(e) => return Applied::Now(Response::Err(e)),
     };
     let journaled = mutates(&req);
-    let resp = handle_admitted(m, req, term);
+    let (resp, held) = handle_admitted(m, req, term);
     if journaled {
-        if let Some(ticket) = m.journal.collect(m) {
+        // What it changed goes to the journal under the hold of the state's lock it was
+        // applied under, when the lock is still held.
+        let ticket = match held {
+            Some(mut st) => {
+                let (ticket, wake) = m.journal.collect_held(&mut st, m.now());
+                drop(st);
+                if wake {
+                    m.journal.wake_writer();
+                }
+                ticket
+            }
+            None => m.journal.collect(m),
+        };
+        if let Some(ticket) = ticket {
             return Applied::Later { ticket, term, resp };
         }
+    } else {
+        drop(held);
     }
     Applied::Now(confirmed(m, term, resp))
 }
@@ -191,18 +206,26 @@ fn mutates(req: &Request) -> bool {
     }
 }
 
-fn handle_admitted(m: &Master, req: Request, term: i64) -> Response {
+/// The state's lock, held.
+type Held<'m> = std::sync::MutexGuard<'m, State>;
+
+/// `req` applied, and the state's lock if it is still held from applying it (for the journal
+/// to take the changes under the same hold).
+fn handle_admitted(m: &Master, req: Request, term: i64) -> (Response, Option<Held<'_>>) {
     let deadline = Instant::now() + m.cfg.put_wait_for_reads;
     match req {
-        Request::Batch(reqs) => Response::Batch(handle_batch(m, reqs, deadline, term)),
-        req => handle_one(m, req, deadline, term),
+        Request::Batch(reqs) => {
+            let (out, held) = handle_batch(m, reqs, deadline, term);
+            (Response::Batch(out), held)
+        }
+        req => (handle_one(m, req, deadline, term), None),
     }
 }
 
 /// A request admitted under `term` is applied only to that term's state: one held up (the
 /// thread descheduled) across a step-down and a new term is refused, not applied to state
 /// that is not its own.
-fn stale(st: &crate::master::State, term: i64) -> Result<(), StoreError> {
+fn stale(st: &State, term: i64) -> Result<(), StoreError> {
     if st.term == term {
         Ok(())
     } else {
@@ -300,11 +323,12 @@ const BATCH_HOLD: usize = 64;
 /// between a master's many connections (a futex wake-up each) a large part of a batched
 /// put's cost. A bulk removal, and a put that has to wait for reads to end, are applied on
 /// their own as [`handle_one`] does.
-fn handle_batch(m: &Master, reqs: Vec<Request>, deadline: Instant, term: i64) -> Vec<Response> {
+/// Returns the answers, and the lock if the last of them was applied under it.
+fn handle_batch(m: &Master, reqs: Vec<Request>, deadline: Instant, term: i64) -> (Vec<Response>, Option<Held<'_>>) {
     let mut out = Vec::with_capacity(reqs.len());
     // The lock held, with the time read when it was taken, whether the puts' wait for reads
     // is over, and how many requests it has been held for.
-    let mut held: Option<(std::sync::MutexGuard<'_, crate::master::State>, u64, bool, usize)> = None;
+    let mut held: Option<(Held<'_>, u64, bool, usize)> = None;
     for req in reqs {
         let Some(op) = op_of(&req) else {
             out.push(nested());
@@ -346,12 +370,12 @@ fn handle_batch(m: &Master, reqs: Vec<Request>, deadline: Instant, term: i64) ->
         };
         out.push(counted(m, op, r));
     }
-    out
+    (out, held.map(|h| h.0))
 }
 
 /// Applies `req` (not a batch) to the state, whose lock the caller holds, at `now`; what a
 /// bulk removal took out goes to `removed`, for the caller to drop after the lock.
-fn apply_locked(st: &mut crate::master::State, m: &Master, req: Request, now: u64, removed: &mut Option<crate::master::Removed>) -> Result<Response, StoreError> {
+fn apply_locked(st: &mut State, m: &Master, req: Request, now: u64, removed: &mut Option<crate::master::Removed>) -> Result<Response, StoreError> {
     let lease = m.cfg.lease_ttl.as_millis() as u64;
     match req {
         Request::MountSegment { client, segment } => st.mount(client, segment, now).map(|_| Response::Ok),
@@ -682,6 +706,38 @@ mod tests {
         let e = quick.poll(&s, &mut prefix).expect_err("the peer closed");
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
         assert_eq!(quick.polling.load(Ordering::Relaxed), 0);
+    }
+
+    /// Whatever a request changed goes to the journal and its answer waits for it, however it
+    /// was applied: alone, as a batch (its changes taken under the hold of the state's lock it
+    /// was applied under), as a batch ending with a bulk removal (applied on its own, the lock
+    /// let go before); nothing is left marked behind. A read is answered at once.
+    #[test]
+    fn every_mutation_waits_for_the_journal_alone_batched_or_after_a_bulk_removal() {
+        let m = Master::new(MasterConfig::default());
+        m.gate.lead_for_test(5, Duration::from_secs(60));
+        {
+            let mut st = m.lock();
+            st.term = 5;
+            st.journal_on();
+        }
+        m.journal.activate(5);
+        let later = |a: Applied| match a {
+            Applied::Later { ticket, term, .. } => {
+                assert_eq!(term, 5);
+                assert!(m.lock().take_changes(0).is_empty(), "every change was taken into the journal with the request");
+                ticket
+            }
+            Applied::Now(r) => panic!("answered before its changes were durable: {r:?}"),
+        };
+        let t1 = later(apply(&m, Request::MountSegment { client: 1, segment: seg(1, 1 << 20) }));
+        let puts = (0..3).map(|i| Request::PutStart { client: 1, key: format!("k{i}"), size: 4096, config: ReplicateConfig::default(), upsert: false }).collect();
+        let t2 = later(apply(&m, Request::Batch(puts)));
+        let ends = (0..3).map(|i| Request::PutEnd { client: 1, key: format!("k{i}") }).collect();
+        let t3 = later(apply(&m, Request::Batch(ends)));
+        let t4 = later(apply(&m, Request::Batch(vec![Request::ExistKey { key: "k0".into() }, Request::RemoveAll { force: true }])));
+        assert!(t1 < t2 && t2 < t3 && t3 < t4, "each its own ticket, in order: {t1:?} {t2:?} {t3:?} {t4:?}");
+        assert!(matches!(apply(&m, Request::ExistKey { key: "k1".into() }), Applied::Now(Response::Exists(false))), "removed, and a read waits for nothing");
     }
 
     /// An answer that waits for the journal leaves from whoever makes the change durable, not
