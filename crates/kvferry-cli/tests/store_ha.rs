@@ -18,6 +18,7 @@ use kvferry_store::{Client, ClientConfig, ReplicateConfig, StoreError};
 use metadata_services::Service;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use rustix::process::{kill_process, Pid, Signal};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -79,10 +80,8 @@ impl Master {
         http_get(&self.http, "/role").1
     }
 
-    fn signal(&self, sig: i32) {
-        // SAFETY: a signal to the child this test started (its pid, not a name).
-        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
-        assert_eq!(rc, 0, "kill({}, {sig})", self.child.id());
+    fn signal(&self, sig: Signal) {
+        signal(self.child.id(), sig);
     }
 
     fn kill(&mut self) {
@@ -95,6 +94,12 @@ impl Drop for Master {
     fn drop(&mut self) {
         self.kill(); // SIGKILL ends a stopped process too
     }
+}
+
+/// Sends `sig` to process `pid`, one this test started (by its pid, never by a name).
+fn signal(pid: u32, sig: Signal) {
+    let p = i32::try_from(pid).ok().and_then(Pid::from_raw).unwrap_or_else(|| panic!("{pid} is not a process id"));
+    kill_process(p, sig).unwrap_or_else(|e| panic!("kill({pid}, {sig:?}): {e}"));
 }
 
 fn http_get(addr: &str, path: &str) -> (u16, String) {
@@ -261,7 +266,7 @@ fn a_paused_leader_refuses_requests_on_waking_and_stands_by() {
     let mut conn = raw(&ms[l].rpc);
     assert_eq!(rpc(&mut conn, &Request::Ping { client: 5 }), Response::Ping(PingStatus::NeedRemount));
 
-    ms[l].signal(libc::SIGSTOP);
+    ms[l].signal(Signal::STOP);
     let stopped = Instant::now();
     let until = stopped + 2 * TTL + Duration::from_secs(1);
     while ms[s].role() != "leader" {
@@ -274,7 +279,7 @@ fn a_paused_leader_refuses_requests_on_waking_and_stands_by() {
 
     // Wakes: the very first request is refused (its lease could not be proven), whatever its
     // elector thread has done yet.
-    ms[l].signal(libc::SIGCONT);
+    ms[l].signal(Signal::CONT);
     match rpc(&mut conn, &mount_request()) {
         Response::Err(StoreError::NotLeader { .. }) => {}
         other => panic!("a leader woken after its lease expired must refuse at once; got {other:?}"),
@@ -328,15 +333,12 @@ fn a_put_in_flight_across_a_failover_completes_at_the_new_leader() {
     BufReader::new(server.stdout.take().expect("stdout")).read_line(&mut line).expect("the server's line");
     assert!(line.starts_with("KVFERRY_STORE_SERVER"), "{line:?}");
     let server = Kill(server);
-    let signal = |sig: i32| {
-        // SAFETY: a signal to the child this test started, by pid.
-        assert_eq!(unsafe { libc::kill(server.0.id() as libc::pid_t, sig) }, 0);
-    };
+    let signal = |sig: Signal| signal(server.0.id(), sig);
     let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 16 << 20, master_server_addr: etcd_addr.clone(), transfer_timeout: Duration::from_secs(20), ..ClientConfig::default() })
         .expect("client setup");
     c.put("warm", &value("warm", 4096), &ReplicateConfig::default()).expect("a put to the served segment");
 
-    signal(libc::SIGSTOP);
+    signal(Signal::STOP);
     let (c, ms) = (&c, &ms);
     let result = std::thread::scope(|sc| {
         let put = sc.spawn(move || c.put("in-flight", &value("in-flight", 1 << 20), &ReplicateConfig::default()));
@@ -347,7 +349,7 @@ fn a_put_in_flight_across_a_failover_completes_at_the_new_leader() {
             assert!(Instant::now() < until, "no failover");
             std::thread::sleep(Duration::from_millis(20));
         }
-        signal(libc::SIGCONT);
+        signal(Signal::CONT);
         put.join().expect("the put thread")
     });
     // The new leader knows the write in progress (journaled with its PutStart): the PutEnd it
@@ -359,7 +361,7 @@ fn a_put_in_flight_across_a_failover_completes_at_the_new_leader() {
 
 /// SIGKILLs master `i` of `ms` (by pid; the `Master` reaps it when dropped).
 fn ms_kill_handle(ms: &[Master], i: usize) {
-    ms[i].signal(libc::SIGKILL);
+    ms[i].signal(Signal::KILL);
 }
 
 #[test]
@@ -370,17 +372,14 @@ fn a_leader_cut_off_from_etcd_refuses_within_the_bound_and_the_cluster_recovers(
     let mut conn = raw(&ms[l].rpc);
     assert_eq!(rpc(&mut conn, &Request::Ping { client: 5 }), Response::Ping(PingStatus::NeedRemount));
     // etcd stops answering (SIGSTOP, by its pid): no renewal succeeds any more.
-    let pid = etcd_svc.pid().expect("etcd's pid") as libc::pid_t;
-    // SAFETY: signals to the etcd this test started, by pid.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let pid = etcd_svc.pid().expect("etcd's pid");
+    signal(pid, Signal::STOP);
     let stopped = Instant::now();
     // The last renewal was sent before the stop: 2/3 TTL after it, at the latest, every request
     // is refused.
     std::thread::sleep((TTL * 2 / 3).saturating_sub(stopped.elapsed()) + Duration::from_millis(100));
     let refused = rpc(&mut conn, &mount_request());
-    // SAFETY: as above.
-    let resumed = unsafe { libc::kill(pid, libc::SIGCONT) };
-    assert_eq!(resumed, 0);
+    signal(pid, Signal::CONT);
     assert!(matches!(refused, Response::Err(StoreError::NotLeader { .. })), "a leader that cannot renew its lease must refuse; got {refused:?}");
     assert_eq!(ms[l].role(), "standby");
     // etcd back: one leader again, and it serves.
@@ -406,9 +405,8 @@ fn a_put_whose_leader_loses_its_term_before_the_start_is_durable_fails_as_unknow
     let c = ha_client(etcd_svc.port, 16 << 20);
     let cfg = ReplicateConfig::default();
     c.put("before", &value("before", 4096), &cfg).expect("a put while etcd answers");
-    let pid = etcd_svc.pid().expect("etcd's pid") as libc::pid_t;
-    // SAFETY: signals to the etcd this test started, by pid.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let pid = etcd_svc.pid().expect("etcd's pid");
+    signal(pid, Signal::STOP);
     let stopped = Instant::now();
     let (got, took, stepped_down) = std::thread::scope(|sc| {
         let resume = sc.spawn(|| {
@@ -419,8 +417,7 @@ fn a_put_whose_leader_loses_its_term_before_the_start_is_durable_fails_as_unknow
                 std::thread::sleep(Duration::from_millis(10));
             }
             let at = stopped.elapsed();
-            // SAFETY: as above.
-            assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+            signal(pid, Signal::CONT);
             at
         });
         // Sent at once, the start is admitted (at least 5/12 TTL of the leader's bound are
@@ -748,7 +745,7 @@ fn a_leader_stopped_with_sigterm_leaves_its_state_in_etcd_and_hands_off_at_once(
         c.put(k, &value(k, 4096), &ReplicateConfig::default()).expect("put");
     }
     assert!(ha_status(&ms[l])["journal"]["streamed"].as_u64().is_some_and(|n| n >= 50), "acknowledged by the standby");
-    ms[l].signal(libc::SIGTERM);
+    ms[l].signal(Signal::TERM);
     let t = Instant::now();
     let status = loop {
         if let Some(st) = ms[l].child.try_wait().expect("wait") {
