@@ -47,18 +47,7 @@ fn apply(m: &Master, req: Request) -> Applied {
     if journaled {
         // What it changed goes to the journal under the hold of the state's lock it was
         // applied under, when the lock is still held.
-        let ticket = match held {
-            Some(mut st) => {
-                let (ticket, wake) = m.journal.collect_held(&mut st, m.now());
-                drop(st);
-                if wake {
-                    m.journal.wake_writer();
-                }
-                ticket
-            }
-            None => m.journal.collect(m),
-        };
-        if let Some(ticket) = ticket {
+        if let Some(ticket) = m.journal.collect_held(held.unwrap_or_else(|| m.lock()), m.now()) {
             return Applied::Later { ticket, term, resp };
         }
     } else {

@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 use super::sync::{image_frames, AckSink, InSync, Link, ToStandby};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// Largest encoded value written to one key (etcd refuses requests over 1.5 MiB by default;
@@ -404,30 +404,20 @@ impl JournalCore {
     /// (covering changes another thread collected first, which may include this caller's)
     /// with its term, `None` when not journaling or nothing is outstanding.
     pub fn collect(&self, m: &Master) -> Option<(i64, u64)> {
-        let mut st = m.lock();
-        let (ticket, wake) = self.collect_held(&mut st, m.now());
-        drop(st);
-        if wake {
-            self.wake_writer();
-        }
-        ticket
+        self.collect_held(m.lock(), m.now())
     }
 
     /// [`JournalCore::collect`] under a hold of the state's lock the caller already has (the
     /// one its request was applied under: taking the lock again for this was a second hand-over
-    /// per request between the connections' threads). The ticket, and whether the writer must
-    /// be woken: the caller wakes it ([`JournalCore::wake_writer`]) once it has let the lock
-    /// go, as woken under it the writer would only block on it, and every request would wait
-    /// on the state's lock for the system call (never lost: the writer looks at the queue
-    /// under its lock before it sleeps).
-    pub fn collect_held(&self, st: &mut State, now: u64) -> (Option<(i64, u64)>, bool) {
+    /// per request between the connections' threads); the lock is let go here.
+    pub fn collect_held(&self, mut st: MutexGuard<'_, State>, now: u64) -> Option<(i64, u64)> {
         if !st.journaling() {
-            return (None, false);
+            return None;
         }
         let changes = st.take_changes(now);
         let mut q = self.q();
         if q.term == 0 || q.term != st.term {
-            return (None, false);
+            return None;
         }
         let queued = !changes.is_empty();
         let wake = queued && std::mem::take(&mut q.writer_asleep);
@@ -435,12 +425,17 @@ impl JournalCore {
             q.changes.extend(changes);
             q.enqueued += 1;
         }
-        ((q.enqueued > q.written).then_some((q.term, q.enqueued)), wake)
-    }
-
-    /// Wakes the writer (after [`JournalCore::collect_held`] said to).
-    pub fn wake_writer(&self) {
-        self.work.notify_one();
+        let ticket = (q.enqueued > q.written).then_some((q.term, q.enqueued));
+        // The writer is woken after both locks are released: woken under them, it would only
+        // block on the queue's lock again, and every request would wait on the state's lock
+        // for the system call (never lost: the writer looks at the queue under its lock
+        // before it sleeps).
+        drop(q);
+        drop(st);
+        if wake {
+            self.work.notify_one();
+        }
+        ticket
     }
 
     /// Waits until the changes of `ticket` (from [`JournalCore::collect`]) are in etcd, at most
