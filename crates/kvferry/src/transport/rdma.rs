@@ -1268,30 +1268,29 @@ impl Shared {
         }
     }
 
-    /// Reads the port of NIC `nic` (its poller, every [`TICK`]). A port that left ACTIVE (its
-    /// link went down) is left out of new pairs while others connect, and the QPs holding its
-    /// slices are flushed, so that they go out again on another NIC at once: a NIC need not
-    /// complete the work requests its link lost (Soft-RoCE left READs in flight until their
-    /// deadline). ACTIVE again, it is used again.
-    fn check_port(&self, nic: usize) {
+    /// Reads the port of NIC `nic` (its poller, every [`TICK`]); whether it is down. A port
+    /// that left ACTIVE (its link went down) is left out of new pairs while others connect,
+    /// and its poller flushes the QPs holding its slices ([`Shared::expire`]), so that they go
+    /// out again on another NIC at once: a NIC need not complete the work requests its link
+    /// lost (Soft-RoCE left READs in flight until their deadline). ACTIVE again, it is used
+    /// again.
+    fn check_port(&self, nic: usize) -> bool {
         let n = &self.nics[nic];
         let down = match n.ctx.query_port(PORT) {
             Ok(a) => !a.active(),
             Err(e) => {
                 tracing::debug!("RDMA: reading the port of {}: {e}", n.name);
-                return;
+                return false;
             }
         };
         if n.down.swap(down, Ordering::AcqRel) != down {
             if down {
-                tracing::warn!("RDMA: the port of {} is no longer ACTIVE (link down?): its requests in flight go again on the other NICs, and new ones avoid it until it is back", n.name);
+                tracing::warn!("RDMA: the port of {} is no longer ACTIVE (link down?): its requests in flight go again on the other NICs, and new ones avoid it until it is back; check its link with `ibv_devinfo -d {}`", n.name, n.name);
             } else {
                 tracing::info!("RDMA: the port of {} is ACTIVE again", n.name);
             }
         }
-        if down {
-            self.expire(nic, true);
-        }
+        down
     }
 
     /// Flushes the QPs holding slices past their deadline (or everything, at shutdown or with
@@ -1356,12 +1355,12 @@ fn poller(w: Weak<Shared>, nic: usize) {
                 std::thread::sleep(TICK);
             }
         }
-        if port_read.elapsed() >= TICK {
+        let down = port_read.elapsed() >= TICK && {
             port_read = Instant::now();
-            s.check_port(nic);
-        }
+            s.check_port(nic)
+        };
         let shut = s.shut.load(Ordering::Acquire);
-        s.expire(nic, shut);
+        s.expire(nic, shut || down);
         if shut {
             let since = *shut_since.get_or_insert_with(Instant::now);
             let mut inflight = s.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
