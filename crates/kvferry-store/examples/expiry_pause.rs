@@ -9,24 +9,16 @@ use kvferry_store::master::{MasterConfig, State, Stats};
 use kvferry_store::proto::{ReplicateConfig, Segment};
 use std::time::Instant;
 
+mod common;
+use common::{counts, or_exit};
+
 fn main() {
-    let mut args = std::env::args().skip(1);
-    let mut arg = |what: &str, default: u64| match args.next() {
-        None => default,
-        Some(a) => a.parse().unwrap_or_else(|_| {
-            eprintln!("expiry_pause: {what} {a:?} is not a whole number; usage: expiry_pause [objects] [clients]");
-            std::process::exit(2)
-        }),
-    };
-    let objects = arg("objects", 1_000_000);
-    let clients = arg("clients", 100).max(2);
+    let [objects, clients] = counts("expiry_pause", [("objects", 1_000_000), ("clients", 100)]);
+    let clients = clients.max(2);
     let mut st = State::default();
     for c in 1..=clients {
         let seg = Segment { id: c, name: format!("seg{c}"), te_endpoint: format!("127.0.0.1:{}", 20000 + c), base: c << 40, size: 1 << 36 };
-        if let Err(e) = st.mount(c, seg, 0) {
-            eprintln!("mount: {e}");
-            std::process::exit(1);
-        }
+        or_exit(st.mount(c, seg, 0), || "mount".into());
     }
     let (m, s) = (MasterConfig::default(), Stats::default());
     let t = Instant::now();
@@ -34,10 +26,7 @@ fn main() {
         let c = 1 + i % clients;
         let cfg = ReplicateConfig { preferred_segments: vec![format!("seg{c}")], ..ReplicateConfig::default() };
         let key = format!("obj-{i:09}");
-        if let Err(e) = st.put_start(&m, &s, c, &key, 4096, &cfg, false, 0).and_then(|_| st.put_end(c, &key, 0)) {
-            eprintln!("put {key}: {e}");
-            std::process::exit(1);
-        }
+        or_exit(st.put_start(&m, &s, c, &key, 4096, &cfg, false, 0).and_then(|_| st.put_end(c, &key, 0)), || format!("put {key}"));
     }
     println!("{objects} objects on {clients} clients' segments in {:.2} s", t.elapsed().as_secs_f64());
     // Every client but the last stops pinging.

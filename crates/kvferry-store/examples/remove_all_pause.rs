@@ -10,14 +10,11 @@ use kvferry_store::master::{MasterConfig, State, Stats};
 use kvferry_store::proto::{ReplicateConfig, Segment};
 use std::time::Instant;
 
+mod common;
+use common::{counts, or_exit};
+
 fn main() {
-    let objects: u64 = match std::env::args().nth(1) {
-        None => 1_000_000,
-        Some(a) => a.parse().unwrap_or_else(|_| {
-            eprintln!("remove_all_pause: objects {a:?} is not a whole number; usage: remove_all_pause [objects]");
-            std::process::exit(2)
-        }),
-    };
+    let [objects] = counts("remove_all_pause", [("objects", 1_000_000)]);
     for journaling in [false, true] {
         let mut st = State::default();
         if journaling {
@@ -26,19 +23,13 @@ fn main() {
         let clients = 16u64;
         for c in 1..=clients {
             let seg = Segment { id: c, name: format!("seg{c}"), te_endpoint: format!("127.0.0.1:{}", 20000 + c), base: c << 44, size: 1 << 42 };
-            if let Err(e) = st.mount(c, seg, 0) {
-                eprintln!("mount: {e}");
-                std::process::exit(1);
-            }
+            or_exit(st.mount(c, seg, 0), || "mount".into());
         }
         let (m, s) = (MasterConfig::default(), Stats::default());
         for i in 0..objects {
             let c = 1 + i % clients;
             let key = format!("prefill-tenant-0042/layer-block-{c}-{i:09}");
-            if let Err(e) = st.put_start(&m, &s, c, &key, 4096, &ReplicateConfig::default(), false, 0).and_then(|_| st.put_end(c, &key, 0)) {
-                eprintln!("put {key}: {e}");
-                std::process::exit(1);
-            }
+            or_exit(st.put_start(&m, &s, c, &key, 4096, &ReplicateConfig::default(), false, 0).and_then(|_| st.put_end(c, &key, 0)), || format!("put {key}"));
         }
         let _ = st.take_changes(0);
         let t = Instant::now();
