@@ -1,11 +1,12 @@
 //! A hash map keyed by strings, in [`SHARDS`] shards (`hashbrown::HashTable`s found by one hash
 //! of the key): the master's objects and a standby's mirror of them. One hash map grows by
-//! doubling, and the insert that grows it moves every entry at once: in the master, 0.47-1.76 s
-//! with the state's lock held (every request waiting) at 1.8 M objects; in a standby's mirror
-//! of a million objects 0.6-1.0 s without an acknowledgement, and past a quarter of the fence
-//! bound the standby left the in-sync set. A shard grows a 64th of that at a time: the longest
-//! insert while filling either to two million objects is 6-53 ms (`cargo run --release -p
-//! kvferry-store --example growth_pause`).
+//! doubling (or rehashes in place when removals' tombstones used up its room), and that
+//! insert moves every entry at once: in the master, 0.47-1.76 s with the state's lock held
+//! (every request waiting) at 1.8 M objects, 1.94 s for the rehash under churn at that size;
+//! in a standby's mirror of a million objects 0.6-1.0 s without an acknowledgement, and past a
+//! quarter of the fence bound the standby left the in-sync set. A shard moves a 64th of that
+//! at a time: the longest step while filling or churning either is 3-53 ms (`cargo run
+//! --release -p kvferry-store --example growth_pause [objects]`).
 //!
 //! Not an ordered map, nor one that shrinks: nothing may rely on the order of iteration.
 
