@@ -21,7 +21,9 @@
 //! streams each batch to the standbys ([`Replicas`], [`super::sync`]) and, while the in-sync
 //! set is not empty, does not write etcd: it sends the next batch without waiting, and the
 //! threads reading the standbys' acknowledgements answer the requests ([`Release`]); when the
-//! set empties it writes the whole state as a snapshot first ([`Writer`]'s `rebase`).
+//! set empties it writes the whole state as a snapshot first ([`Writer`]'s `rebase`). While it
+//! sleeps it lends its links ([`Lent`]): a request that finds nothing in flight sends its
+//! entry itself, one hop fewer.
 
 use crate::error::StoreError;
 use crate::master::journal::{Change, Image};
@@ -295,6 +297,26 @@ struct Queue {
     /// Answers waiting for their ticket to be written, of this term only (taken out and
     /// answered whenever the term ends, fails or restarts).
     later: std::collections::BTreeMap<u64, Vec<Later>>,
+    /// The writer's way to the standbys while it sleeps and streams ([`Lent`]).
+    lent: Option<Lent>,
+}
+
+/// What a streaming writer lends the request threads while it sleeps, so that a request whose
+/// changes find it asleep with every entry acknowledged (a leader not under load) sends their
+/// entry itself ([`JournalCore::collect_held`]): the writer's wake-up, a system call and two
+/// switches, was one of the three hops a replicated request added (1 connection × 1 key:
+/// +15% objects/s). Under load (an entry in flight) the changes wait for the writer as before,
+/// which takes in one entry what comes meanwhile: sent by their own threads, every request
+/// was an entry and an acknowledgement of its own, and the threads queued on the lock behind
+/// each other's sends (16 and 64 connections × 32 keys 7-10% slower). Lent and taken back
+/// under the queue's lock, and used only under it, so entries still leave one at a time, in
+/// order, and the writer finds everything as the last sender left it (its sequence number
+/// included).
+pub(crate) struct Lent {
+    /// The last entry sent.
+    seq: u64,
+    links: Vec<Link>,
+    release: Arc<Release>,
 }
 
 impl Queue {
@@ -420,6 +442,17 @@ impl JournalCore {
             return None;
         }
         let queued = !changes.is_empty();
+        if queued && q.lent.as_ref().is_some_and(|l| l.release.all_acknowledged()) && !q.failed && !q.kicked && !q.handoff {
+            // The writer sleeps, nothing is in flight: this thread sends the entry ([`Lent`]).
+            // The state's lock goes first: the queue's, held, keeps the changes in the order
+            // they were applied.
+            drop(st);
+            q.changes.extend(changes);
+            q.enqueued += 1;
+            let ticket = (q.term, q.enqueued);
+            self.send_lent(q);
+            return Some(ticket);
+        }
         let wake = queued && std::mem::take(&mut q.writer_asleep);
         if queued {
             q.changes.extend(changes);
@@ -436,6 +469,47 @@ impl JournalCore {
             self.work.notify_one();
         }
         ticket
+    }
+
+    /// Sends what is queued as the next entry through what the sleeping writer lent
+    /// ([`Lent`]), under the queue's lock, as [`Writer`]'s `commit` does while standbys are in
+    /// sync (entries pipelined: this one goes without waiting for the last one's
+    /// acknowledgement). What takes more than one entry, or cannot be encoded, is left to the
+    /// writer (woken; on an encoding error it ends the term, as for its own).
+    fn send_lent(&self, mut q: MutexGuard<'_, Queue>) {
+        let qr = &mut *q;
+        let Some(lent) = qr.lent.as_mut() else { return };
+        if qr.changes.is_empty() || qr.failed || qr.kicked || qr.handoff {
+            return;
+        }
+        let seq = lent.seq + 1;
+        let frame = (qr.changes.len() <= ENTRY_PIECE).then(|| {
+            let entry = ToStandby::Entry { seq, changes: std::mem::take(&mut qr.changes) };
+            let frame = super::sync::encode_frame(&entry);
+            if let ToStandby::Entry { changes, .. } = entry {
+                qr.changes = changes;
+            }
+            frame
+        });
+        let Some(Ok(frame)) = frame else {
+            qr.writer_asleep = false;
+            drop(q);
+            self.work.notify_one();
+            return;
+        };
+        let changes = std::mem::take(&mut qr.changes);
+        lent.seq = seq;
+        lent.release.push(seq, qr.enqueued);
+        let frame = Arc::new(frame);
+        for l in &lent.links {
+            l.send(&frame);
+        }
+        self.set_stats(|s| {
+            s.changes += changes.len() as u64;
+            s.seq = seq;
+        });
+        drop(q);
+        drop(changes); // (freed outside the lock)
     }
 
     /// Waits until the changes of `ticket` (from [`JournalCore::collect`]) are in etcd, at most
@@ -570,23 +644,27 @@ impl JournalCore {
     }
 
     /// The next batch: everything queued, and the ticket it completes; `None` when the term
-    /// ended. Waits at most `idle` for work (then returns an empty batch).
-    fn next(&self, term: i64, idle: Duration) -> Option<(Vec<Change>, u64)> {
+    /// ended. Waits at most `idle` for work (then returns an empty batch), lending `lend` to
+    /// the request threads meanwhile; what was lent comes back, as they left it, either way.
+    fn next(&self, term: i64, idle: Duration, lend: Option<Lent>) -> (Option<(Vec<Change>, u64)>, Option<Lent>) {
         let mut q = self.q();
         if q.term != term || q.failed {
-            return None;
+            return (None, lend);
         }
+        let mut lend = lend;
         if q.changes.is_empty() && !q.kicked {
             q.writer_asleep = true;
+            q.lent = lend.take();
             q = self.work.wait_timeout(q, idle).unwrap_or_else(|e| e.into_inner()).0;
             q.writer_asleep = false;
+            lend = q.lent.take();
             if q.term != term || q.failed {
-                return None;
+                return (None, lend);
             }
         }
         q.kicked = false;
         let upto = q.enqueued;
-        Some((std::mem::take(&mut q.changes), upto))
+        (Some((std::mem::take(&mut q.changes), upto)), lend)
     }
 
     /// Plays the writer once without etcd: whatever is queued counts as durable (tests of
@@ -696,6 +774,11 @@ impl Release {
     /// Entry `seq`, completing `ticket`, is about to be sent to the in-sync standbys.
     fn push(&self, seq: u64, ticket: u64) {
         self.pipe().pending.push_back((seq, ticket, Instant::now()));
+    }
+
+    /// Whether every entry sent was acknowledged by every member (none in flight).
+    fn all_acknowledged(&self) -> bool {
+        self.pipe().pending.is_empty()
     }
 
     /// The in-sync set changed (etcd says so already); entries its remaining members all
@@ -1004,6 +1087,27 @@ impl Writer<'_> {
         self.drop_members(&failed)
     }
 
+    /// What the writer lends while it sleeps (its links, while standbys are in sync: see
+    /// [`Lent`]), and how long it may sleep: an entry sent meanwhile starts its standbys'
+    /// clock, so then at most one acknowledgement bound.
+    fn lend(&mut self) -> (Duration, Option<Lent>) {
+        let idle = self.idle();
+        let seq = self.seq;
+        match self.sync.as_mut().filter(|s| !s.insync.is_empty() && !s.links.is_empty()) {
+            Some(s) => (idle.min(s.ack_timeout), Some(Lent { seq, links: std::mem::take(&mut s.links), release: Arc::clone(&s.release) })),
+            None => (idle, None),
+        }
+    }
+
+    /// Takes back what [`Writer::lend`] lent, with the entries sent through it.
+    fn take_back(&mut self, lent: Option<Lent>) {
+        let Some(lent) = lent else { return };
+        self.seq = lent.seq;
+        if let Some(s) = self.sync.as_mut() {
+            s.links = lent.links;
+        }
+    }
+
     /// How long the writer may sleep before an in-sync standby may be late.
     fn idle(&self) -> Duration {
         let idle = Duration::from_millis(200);
@@ -1231,7 +1335,11 @@ impl Writer<'_> {
         if self.collect_garbage().is_none() {
             tracing::warn!(term = self.term(), "HA journal: could not delete stale snapshot chunks");
         }
-        while let Some((changes, upto)) = j.next(self.term(), self.idle()) {
+        loop {
+            let (idle, lend) = self.lend();
+            let (next, lent) = j.next(self.term(), idle, lend);
+            self.take_back(lent);
+            let Some((changes, upto)) = next else { break };
             if !changes.is_empty() && self.commit(changes, upto).is_none() {
                 break;
             }
@@ -1434,7 +1542,7 @@ mod tests {
         let t2 = j.collect(&m).expect("ticket");
         assert_eq!(t2, (5, 2));
         assert!(matches!(j.wait(t1, Duration::from_millis(30)), Err(StoreError::Rpc(_))), "not written: the wait is bounded");
-        let (batch, upto) = j.next(5, Duration::ZERO).expect("the writer's batch");
+        let (batch, upto) = j.next(5, Duration::ZERO, None).0.expect("the writer's batch");
         assert_eq!((batch.len(), upto), (4, 2), "two clients and two segments, both requests' changes");
         // A request already asleep is woken by the write (the wake comes after the queue's
         // lock is released, and is never lost): answered long before its bound.
@@ -1444,7 +1552,7 @@ mod tests {
         // A writer already asleep is woken by the next change collected.
         let mut t5 = None;
         let got = woken(
-            || j.next(5, Duration::from_secs(10)).map(|(c, u)| (c.len(), u)),
+            || j.next(5, Duration::from_secs(10), None).0.map(|(c, u)| (c.len(), u)),
             || {
                 m.lock().mount(5, seg(5), 0).expect("mount");
                 t5 = j.collect(&m);
@@ -1466,7 +1574,7 @@ mod tests {
         let t4 = j.collect(&m).expect("ticket");
         j.fail();
         assert!(matches!(j.wait(t4, Duration::from_secs(5)), Err(StoreError::OutcomeUnknown)));
-        assert!(j.next(5, Duration::ZERO).is_none(), "the writer stops");
+        assert!(j.next(5, Duration::ZERO, None).0.is_none(), "the writer stops");
     }
 
     #[test]
@@ -1502,7 +1610,7 @@ mod tests {
         // A broken link wakes the writer at once, even if it was not waiting yet.
         r.broke();
         let t = Instant::now();
-        assert_eq!(j.next(7, Duration::from_secs(5)).map(|(c, _)| c.len()), Some(0));
+        assert_eq!(j.next(7, Duration::from_secs(5), None).0.map(|(c, _)| c.len()), Some(0));
         assert!(t.elapsed() < Duration::from_secs(1), "the writer looked at once");
         // A late acknowledgement of an ended term answers nothing in the next one.
         j.deactivate();
@@ -1606,6 +1714,73 @@ mod tests {
         let sent4 = Instant::now();
         r.push(4, 2);
         assert!(r.oldest().expect("pending").1 >= sent4);
+    }
+
+    /// While the streaming writer sleeps and every entry is acknowledged, a request's changes
+    /// go to the standbys from the request's own thread (the writer not woken), as the next
+    /// entry after the writer's last, and are answered by the standby's acknowledgement; while
+    /// that entry is in flight, the next request's changes wait for the writer (woken), which
+    /// gets its links back with the sequence number moved on.
+    #[test]
+    fn an_entry_collected_while_the_writer_sleeps_leaves_from_the_requests_thread_in_sequence() {
+        use super::super::sync::{encode_frame, read_frame, ToLeader};
+        use crate::master::MasterConfig;
+        use std::io::Write;
+        let m = Master::new(MasterConfig::default());
+        {
+            let mut st = m.lock();
+            st.term = 7;
+            st.journal_on();
+        }
+        let j = &m.journal;
+        j.activate(7);
+        // A standby: the test reads what the leader sends and acknowledges by hand.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let release = Arc::new(Release::new(j, 7));
+        let hello = ToStandby::Hello { cluster_id: "c".into(), term: 7, lease: 1, leader: "me".into() };
+        let sink: Arc<dyn AckSink> = release.clone();
+        let link = Link::open("standby", &addr, &hello, sink).expect("link");
+        let (mut standby, _) = listener.accept().expect("accept");
+        standby.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        assert!(matches!(read_frame::<ToStandby>(&mut standby), Ok(ToStandby::Hello { term: 7, .. })));
+        release.set_members(vec![link.ack_counter()]);
+        let lent = Lent { seq: 41, links: vec![link], release: Arc::clone(&release) };
+        let register = |client| {
+            let mut st = m.lock();
+            st.register_client(client, 0);
+            j.collect_held(st, 0)
+        };
+        std::thread::scope(|sc| {
+            let writer = sc.spawn(|| j.next(7, Duration::from_secs(20), Some(lent)));
+            let until = Instant::now() + Duration::from_secs(10);
+            while j.q().lent.is_none() {
+                assert!(Instant::now() < until, "the writer did not go to sleep within 10 s");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let ticket = register(5).expect("a ticket");
+            assert_eq!(ticket, (7, 1));
+            match read_frame::<ToStandby>(&mut standby) {
+                Ok(ToStandby::Entry { seq, changes }) => {
+                    assert_eq!(seq, 42, "the entry after the writer's last");
+                    assert_eq!(changes, vec![Change::Client { id: 5, live: true }]);
+                }
+                other => panic!("expected entry 42, got {other:?}"),
+            }
+            assert!(j.q().writer_asleep && !writer.is_finished(), "the writer was not woken");
+            assert_eq!(j.q().written, 0, "not answered before the standby acknowledged it");
+            // Entry 42 in flight: the next changes go to the writer, which wakes with them.
+            assert_eq!(register(6), Some((7, 2)));
+            let (batch, lent) = writer.join().expect("the writer");
+            assert_eq!(batch, Some((vec![Change::Client { id: 6, live: true }], 2)));
+            let lent = lent.expect("the writer gets back what it lent");
+            assert_eq!((lent.seq, lent.links.len()), (42, 1));
+            standby.write_all(&encode_frame(&ToLeader::Ack { seq: 42 }).expect("encode")).expect("ack");
+            assert_eq!(j.wait(ticket, Duration::from_secs(10)), Ok(()), "answered by the acknowledgement");
+            standby.set_read_timeout(Some(Duration::from_millis(100))).expect("timeout");
+            let mut b = [0u8; 1];
+            assert!(std::io::Read::read(&mut standby, &mut b).is_err(), "nothing more sent without the writer");
+        });
     }
 
     #[test]

@@ -520,8 +520,9 @@ impl Link {
     /// Sends a frame: written at once when nothing is queued and the socket takes it whole
     /// without blocking (the common case: no hop through the sender thread), else queued
     /// (what was not written of it, in order). False when the link is gone (or cut off: too
-    /// much queued). Frames come from one thread only (the leader's writer), so with nothing
-    /// queued the sender thread is idle and writing here keeps the order.
+    /// much queued). Frames come from one sender at a time (the leader's writer, or a request
+    /// thread it lent its links to, under the journal queue's lock: see `journal::Lent`), so
+    /// with nothing queued the sender thread is idle and writing here keeps the order.
     pub fn send(&self, frame: &Arc<Vec<u8>>) -> bool {
         if self.dead() {
             return false;
