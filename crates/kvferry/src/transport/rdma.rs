@@ -25,7 +25,7 @@
 //!   MRs are deregistered only after). A failed completion drops the endpoint (rebuilt on next
 //!   use) and its slice is posted again on another NIC pair, at most [`MAX_RETRIES`] times
 //!   (a path failure also pauses the pair); a status another pair would repeat (remote or
-//!   local access, invalid request) fails the piece at once, naming it (`slice_fate`).
+//!   local access, invalid request) fails the piece at once, naming it (`Ended::fate`).
 //! - **Deadlines**: the poller looks at the deadlines of what is in flight every
 //!   [`TICK`]; a QP holding a slice past its task's deadline is moved to the error state, which
 //!   flushes its work requests at once (an RC QP cannot cancel one): the late piece ends
@@ -256,33 +256,53 @@ enum Fate {
     Again { counted: bool, avoid: bool },
 }
 
-/// The fate of a slice whose work request ended with `status` (or [`POST_FAILED`]).
-/// `flushed_for_deadline`: its QP was moved to the error state because another slice on it
-/// passed its deadline (or its NIC's port went down). A slice flushed that way whose own task
-/// still has time is posted again, uncounted (only the late task ends TIMEOUT); `port_down`:
-/// its NIC's port is not ACTIVE, and it goes again on another NIC, uncounted (the link, not
-/// the request; its deadline bounds it); any other failure is retried on another pair at most
-/// [`MAX_RETRIES`] times, unless retrying cannot help.
-fn slice_fate(status: u32, flushed_for_deadline: bool, past_deadline: bool, shut: bool, revoked: bool, retries: u8, port_down: bool) -> Fate {
-    const FLUSH: u32 = 5;
-    if shut {
-        Fate::ShutDown
-    } else if revoked {
-        Fate::Revoked
-    } else if past_deadline {
-        Fate::Timeout
-    } else if matches!(status, 1 | 4 | 8 | 9 | 10) {
-        // Local length/protection/access, remote invalid request or access: the request
-        // itself is wrong (or the keys stale), on any pair.
-        Fate::Fail
-    } else if port_down {
-        Fate::Again { counted: false, avoid: true }
-    } else if status == FLUSH && flushed_for_deadline {
-        Fate::Again { counted: false, avoid: false }
-    } else if retries >= MAX_RETRIES {
-        Fate::Fail
-    } else {
-        Fate::Again { counted: true, avoid: true }
+/// What is known of a slice whose work request ended ([`Ended::fate`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct Ended {
+    /// The completion's status (or [`POST_FAILED`]).
+    status: u32,
+    /// Its QP was moved to the error state because another slice on it passed its deadline
+    /// (or its NIC's port went down).
+    flushed_for_deadline: bool,
+    /// Its own task's deadline passed.
+    past_deadline: bool,
+    /// The engine is shutting down.
+    shut: bool,
+    /// Its local range is being unregistered.
+    revoked: bool,
+    /// Retries it used (on other NIC pairs).
+    retries: u8,
+    /// Its NIC's port is not ACTIVE.
+    port_down: bool,
+}
+
+impl Ended {
+    /// The slice's fate. One flushed for another slice's deadline whose own task still has
+    /// time is posted again, uncounted (only the late task ends TIMEOUT); one whose NIC's port
+    /// is down goes again on another NIC, uncounted (the link failed, not the request; its
+    /// deadline bounds it); any other failure is retried on another pair at most
+    /// [`MAX_RETRIES`] times, unless retrying cannot help.
+    fn fate(self) -> Fate {
+        const FLUSH: u32 = 5;
+        if self.shut {
+            Fate::ShutDown
+        } else if self.revoked {
+            Fate::Revoked
+        } else if self.past_deadline {
+            Fate::Timeout
+        } else if matches!(self.status, 1 | 4 | 8 | 9 | 10) {
+            // Local length/protection/access, remote invalid request or access: the request
+            // itself is wrong (or the keys stale), on any pair.
+            Fate::Fail
+        } else if self.port_down {
+            Fate::Again { counted: false, avoid: true }
+        } else if self.status == FLUSH && self.flushed_for_deadline {
+            Fate::Again { counted: false, avoid: false }
+        } else if self.retries >= MAX_RETRIES {
+            Fate::Fail
+        } else {
+            Fate::Again { counted: true, avoid: true }
+        }
     }
 }
 
@@ -1161,12 +1181,12 @@ impl Shared {
     }
 
     /// A slice whose work request failed with `status` (`why`): ends it, or hands it to the
-    /// posting thread to be posted again ([`slice_fate`]).
+    /// posting thread to be posted again ([`Ended::fate`]).
     fn failed(&self, sl: Slice, status: u32, why: &str) {
         let Slice { piece, ep, idx, nic, retries } = sl;
         let expired = ep.expired.load(Ordering::Acquire);
         let past = piece.task.deadline() <= Instant::now();
-        let fate = slice_fate(status, expired, past, self.shut.load(Ordering::Acquire), piece.guard.is_revoked(), retries, self.nics[nic].down.load(Ordering::Acquire));
+        let fate = Ended { status, flushed_for_deadline: expired, past_deadline: past, shut: self.shut.load(Ordering::Acquire), revoked: piece.guard.is_revoked(), retries, port_down: self.nics[nic].down.load(Ordering::Acquire) }.fate();
         let name = &self.nics[nic].name;
         let tried = if retries > 0 { format!(" (after {retries} retries on other NIC pairs)") } else { String::new() };
         let end = match fate {
@@ -1650,33 +1670,32 @@ mod tests {
     #[test]
     fn a_deadline_fails_only_the_late_task_and_flushed_slices_of_others_go_again() {
         const FLUSH: u32 = 5;
-        // (status, flushed for a deadline, own deadline passed, shut, revoked, retries, port down)
-        assert_eq!(slice_fate(FLUSH, true, true, false, false, 0, false), Fate::Timeout, "the late task itself");
-        assert_eq!(slice_fate(FLUSH, true, false, false, false, 0, false), Fate::Again { counted: false, avoid: false }, "another task's slice on the flushed QP: posted again");
-        assert_eq!(slice_fate(FLUSH, true, false, false, false, MAX_RETRIES, false), Fate::Again { counted: false, avoid: false }, "flushes by others' deadlines use no retry");
-        assert_eq!(slice_fate(FLUSH, true, false, false, true, 0, false), Fate::Revoked, "never posted again into a range being unregistered");
-        assert_eq!(slice_fate(FLUSH, true, false, true, false, 0, false), Fate::ShutDown, "nor during shutdown");
+        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, past_deadline: true, ..Ended::default() }.fate(), Fate::Timeout, "the late task itself");
+        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, ..Ended::default() }.fate(), Fate::Again { counted: false, avoid: false }, "another task's slice on the flushed QP: posted again");
+        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, retries: MAX_RETRIES, ..Ended::default() }.fate(), Fate::Again { counted: false, avoid: false }, "flushes by others' deadlines use no retry");
+        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, revoked: true, ..Ended::default() }.fate(), Fate::Revoked, "never posted again into a range being unregistered");
+        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, shut: true, ..Ended::default() }.fate(), Fate::ShutDown, "nor during shutdown");
     }
 
     #[test]
     fn a_failed_completion_is_retried_on_another_pair_a_bounded_number_of_times() {
         const FLUSH: u32 = 5;
         for status in [12, 13, 20, 21, POST_FAILED] {
-            assert_eq!(slice_fate(status, false, false, false, false, 0, false), Fate::Again { counted: true, avoid: true }, "status {status}");
-            assert_eq!(slice_fate(status, false, false, false, false, MAX_RETRIES - 1, false), Fate::Again { counted: true, avoid: true });
-            assert_eq!(slice_fate(status, false, false, false, false, MAX_RETRIES, false), Fate::Fail, "retries spent");
+            assert_eq!(Ended { status, ..Ended::default() }.fate(), Fate::Again { counted: true, avoid: true }, "status {status}");
+            assert_eq!(Ended { status, retries: MAX_RETRIES - 1, ..Ended::default() }.fate(), Fate::Again { counted: true, avoid: true });
+            assert_eq!(Ended { status, retries: MAX_RETRIES, ..Ended::default() }.fate(), Fate::Fail, "retries spent");
             assert!(path_failure(status), "the pair is paused after {status}");
         }
         // Flushed because an earlier request on its QP failed: retried too, counted.
-        assert_eq!(slice_fate(FLUSH, false, false, false, false, 0, false), Fate::Again { counted: true, avoid: true });
+        assert_eq!(Ended { status: FLUSH, ..Ended::default() }.fate(), Fate::Again { counted: true, avoid: true });
         assert!(!path_failure(FLUSH));
         // The request itself is wrong: another pair would fail it the same way.
         for status in [1, 4, 8, 9, 10] {
-            assert_eq!(slice_fate(status, false, false, false, false, 0, false), Fate::Fail, "status {status}");
+            assert_eq!(Ended { status, ..Ended::default() }.fate(), Fate::Fail, "status {status}");
             assert!(!path_failure(status));
         }
-        assert_eq!(slice_fate(12, false, true, false, false, 0, false), Fate::Timeout, "no retry past the deadline");
-        assert_eq!(slice_fate(12, false, false, false, true, 0, false), Fate::Revoked);
+        assert_eq!(Ended { status: 12, past_deadline: true, ..Ended::default() }.fate(), Fate::Timeout, "no retry past the deadline");
+        assert_eq!(Ended { status: 12, revoked: true, ..Ended::default() }.fate(), Fate::Revoked);
     }
 
     /// A slice whose NIC's port went down (flushed by its poller, or failed by the NIC) goes
@@ -1688,14 +1707,14 @@ mod tests {
         const FLUSH: u32 = 5;
         for status in [FLUSH, 12, 13, POST_FAILED] {
             for retries in [0, MAX_RETRIES] {
-                assert_eq!(slice_fate(status, true, false, false, false, retries, true), Fate::Again { counted: false, avoid: true }, "status {status}, {retries} retries, flushed by its poller");
-                assert_eq!(slice_fate(status, false, false, false, false, retries, true), Fate::Again { counted: false, avoid: true }, "status {status}, {retries} retries");
+                assert_eq!(Ended { status, flushed_for_deadline: true, retries, port_down: true, ..Ended::default() }.fate(), Fate::Again { counted: false, avoid: true }, "status {status}, {retries} retries, flushed by its poller");
+                assert_eq!(Ended { status, retries, port_down: true, ..Ended::default() }.fate(), Fate::Again { counted: false, avoid: true }, "status {status}, {retries} retries");
             }
         }
-        assert_eq!(slice_fate(FLUSH, true, true, false, false, 0, true), Fate::Timeout, "its own deadline passed");
-        assert_eq!(slice_fate(FLUSH, true, false, true, false, 0, true), Fate::ShutDown);
-        assert_eq!(slice_fate(FLUSH, true, false, false, true, 0, true), Fate::Revoked);
-        assert_eq!(slice_fate(10, false, false, false, false, 0, true), Fate::Fail, "a wrong request fails on any NIC");
+        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, past_deadline: true, port_down: true, ..Ended::default() }.fate(), Fate::Timeout, "its own deadline passed");
+        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, shut: true, port_down: true, ..Ended::default() }.fate(), Fate::ShutDown);
+        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, revoked: true, port_down: true, ..Ended::default() }.fate(), Fate::Revoked);
+        assert_eq!(Ended { status: 10, port_down: true, ..Ended::default() }.fate(), Fate::Fail, "a wrong request fails on any NIC");
     }
 
     #[test]
