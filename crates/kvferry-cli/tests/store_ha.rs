@@ -658,6 +658,48 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
     let _ = c.close();
 }
 
+/// An in-sync standby that stops acknowledging (SIGSTOP: its connection stays open, nothing
+/// breaks) holds a request waiting on it for one acknowledgement bound (a quarter of the fence
+/// bound), not longer: the leader's writer, asleep with its links lent out (the request sent
+/// its own entry), wakes within the bound, leaves the standby out of the set in etcd (the
+/// state written there first) and the request is answered. Woken, the standby catches up and
+/// is in sync again.
+#[test]
+fn a_paused_in_sync_standby_holds_a_request_one_acknowledgement_bound_then_leaves_the_set() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
+    let cluster = "c-stalled-standby";
+    let ms = [Master::start(etcd_svc.port, Some(cluster), false), Master::start(etcd_svc.port, Some(cluster), false)];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let s = 1 - l;
+    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    let streamed = |m: &Master| ha_status(m)["journal"]["streamed"].as_u64().unwrap_or(0);
+    let mut conn = raw(&ms[l].rpc);
+    let before = streamed(&ms[l]);
+    assert_eq!(rpc(&mut conn, &mount_request()), Response::Ok);
+    assert!(streamed(&ms[l]) > before, "acknowledged by the standby");
+    std::thread::sleep(Duration::from_millis(50)); // the writer asleep again, nothing in flight
+
+    ms[s].signal(Signal::STOP);
+    let mount = |id: u64| Request::MountSegment { client: 99, segment: proto::Segment { id, name: "127.0.0.1:1".into(), te_endpoint: "127.0.0.1:1".into(), base: id << 30, size: 1 << 20 } };
+    let sent = Instant::now();
+    assert_eq!(rpc(&mut conn, &mount(8)), Response::Ok, "answered once the paused standby left the set");
+    let took = sent.elapsed();
+    let bound = TTL * 2 / 3 / 4;
+    assert!(took >= bound, "answered after {took:?}, before the standby could be late ({bound:?}): not durable");
+    assert!(took < TTL, "a paused standby held the request {took:?}, the bound is {bound:?}");
+    eprintln!("a request waiting on a paused standby answered after {took:?} (bound {bound:?})");
+    wait_insync(&ms[l], &[], Duration::from_secs(1));
+    let rec = etcd.get_kv(&kvferry_store::ha::sync::insync_key(cluster)).expect("get").expect("the in-sync record");
+    assert_eq!(kvferry_store::ha::sync::InSync::parse(&rec.value).expect("record").members, Vec::<String>::new(), "left the set in etcd");
+
+    ms[s].signal(Signal::CONT);
+    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(10));
+    let before = streamed(&ms[l]);
+    assert_eq!(rpc(&mut conn, &mount(9)), Response::Ok);
+    assert!(streamed(&ms[l]) > before, "acknowledged by the standby again");
+}
+
 fn insync_members(etcd: &EtcdClient) -> Vec<String> {
     let kv = etcd.get_kv(&kvferry_store::ha::sync::insync_key("mooncake_cluster")).expect("get");
     kv.map(|kv| kvferry_store::ha::sync::InSync::parse(&kv.value).expect("record").members).unwrap_or_default()
