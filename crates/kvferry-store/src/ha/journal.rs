@@ -479,16 +479,10 @@ impl JournalCore {
     fn send_lent(&self, mut q: MutexGuard<'_, Queue>) {
         let qr = &mut *q;
         let Some(lent) = qr.lent.as_mut() else { return };
-        if qr.changes.is_empty() || qr.failed || qr.kicked || qr.handoff {
-            return;
-        }
         let seq = lent.seq + 1;
         let frame = (qr.changes.len() <= ENTRY_PIECE).then(|| {
-            let entry = ToStandby::Entry { seq, changes: std::mem::take(&mut qr.changes) };
-            let frame = super::sync::encode_frame(&entry);
-            if let ToStandby::Entry { changes, .. } = entry {
-                qr.changes = changes;
-            }
+            let (frame, changes) = entry_frame(seq, std::mem::take(&mut qr.changes));
+            qr.changes = changes;
             frame
         });
         let Some(Ok(frame)) = frame else {
@@ -500,16 +494,18 @@ impl JournalCore {
         let changes = std::mem::take(&mut qr.changes);
         lent.seq = seq;
         lent.release.push(seq, qr.enqueued);
-        let frame = Arc::new(frame);
-        for l in &lent.links {
-            l.send(&frame);
-        }
-        self.set_stats(|s| {
-            s.changes += changes.len() as u64;
-            s.seq = seq;
-        });
+        send_all(&lent.links, &frame);
+        self.count_streamed(changes.len(), seq);
         drop(q);
         drop(changes); // (freed outside the lock)
+    }
+
+    /// Entry `seq`, of `n` changes, went to the standbys.
+    fn count_streamed(&self, n: usize, seq: u64) {
+        self.set_stats(|s| {
+            s.changes += n as u64;
+            s.seq = seq;
+        });
     }
 
     /// Waits until the changes of `ticket` (from [`JournalCore::collect`]) are in etcd, at most
@@ -876,6 +872,24 @@ fn pieces(changes: Vec<Change>, ticket: u64, piece: usize) -> Vec<(Vec<Change>, 
     }
 }
 
+/// Entry `seq` of `changes` as a frame for the standbys, and the changes back (the entry owns
+/// them while it is encoded: a caller that cannot send it may queue them again).
+fn entry_frame(seq: u64, changes: Vec<Change>) -> (Result<Arc<Vec<u8>>, String>, Vec<Change>) {
+    let entry = ToStandby::Entry { seq, changes };
+    let frame = super::sync::encode_frame(&entry).map(Arc::new);
+    match entry {
+        ToStandby::Entry { changes, .. } => (frame, changes),
+        _ => (frame, Vec::new()), // (built as an entry above)
+    }
+}
+
+/// Sends `frame` to every linked standby.
+fn send_all(links: &[Link], frame: &Arc<Vec<u8>>) {
+    for l in links {
+        l.send(frame);
+    }
+}
+
 /// The writer of one term: appends what is queued, snapshots, gives up (and fences the
 /// leader) when etcd cannot be written while the leadership can still be proven.
 pub struct Writer<'a> {
@@ -1035,17 +1049,13 @@ impl Writer<'_> {
             // Answered when every in-sync standby acknowledged it ([`Release`]); the next
             // entry goes out without waiting for this one. A large commit goes as several
             // entries, so that the standbys' acknowledgements show their progress.
-            let n = changes.len() as u64;
+            let n = changes.len();
             for (piece, ticket) in pieces(changes, upto, ENTRY_PIECE) {
                 self.seq += 1;
                 s.release.push(self.seq, ticket);
                 self.broadcast(piece)?;
             }
-            let seq = self.seq;
-            self.master.journal.set_stats(|s| {
-                s.changes += n;
-                s.seq = seq;
-            });
+            self.master.journal.count_streamed(n, self.seq);
             return Some(());
         }
         self.append(&changes)?;
@@ -1058,12 +1068,9 @@ impl Writer<'_> {
     /// entry that cannot be encoded ends the term: a standby missing it must never be in sync.
     fn broadcast(&self, changes: Vec<Change>) -> Option<()> {
         let Some(s) = self.sync.as_ref().filter(|s| !s.links.is_empty()) else { return Some(()) };
-        match super::sync::encode_frame(&ToStandby::Entry { seq: self.seq, changes }) {
+        match entry_frame(self.seq, changes).0 {
             Ok(f) => {
-                let f = Arc::new(f);
-                for l in &s.links {
-                    l.send(&f);
-                }
+                send_all(&s.links, &f);
                 Some(())
             }
             Err(e) => {
