@@ -111,6 +111,8 @@ const MAX_QPS_PER_EP: usize = 16;
 pub const MAX_RETRIES: u8 = 3;
 /// Not a completion status: posting the work request failed (the QP is broken).
 const POST_FAILED: u32 = u32::MAX;
+/// `IBV_WC_WR_FLUSH_ERR`: the work request was not executed, its QP went to the error state.
+const FLUSHED: u32 = 5;
 /// Our extra field in `Connection` messages: the sender's active MTU in bytes, so both sides
 /// use the smaller of both ports' (a peer without it: our own).
 const MTU_FIELD: &str = "kvferry_mtu";
@@ -283,7 +285,6 @@ impl Ended {
     /// deadline bounds it); any other failure is retried on another pair at most
     /// [`MAX_RETRIES`] times, unless retrying cannot help.
     fn fate(self) -> Fate {
-        const FLUSH: u32 = 5;
         if self.shut {
             Fate::ShutDown
         } else if self.revoked {
@@ -296,7 +297,7 @@ impl Ended {
             Fate::Fail
         } else if self.port_down {
             Fate::Again { counted: false, avoid: true }
-        } else if self.status == FLUSH && self.flushed_for_deadline {
+        } else if self.status == FLUSHED && self.flushed_for_deadline {
             Fate::Again { counted: false, avoid: false }
         } else if self.retries >= MAX_RETRIES {
             Fate::Fail
@@ -1669,17 +1670,15 @@ mod tests {
 
     #[test]
     fn a_deadline_fails_only_the_late_task_and_flushed_slices_of_others_go_again() {
-        const FLUSH: u32 = 5;
-        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, past_deadline: true, ..Ended::default() }.fate(), Fate::Timeout, "the late task itself");
-        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, ..Ended::default() }.fate(), Fate::Again { counted: false, avoid: false }, "another task's slice on the flushed QP: posted again");
-        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, retries: MAX_RETRIES, ..Ended::default() }.fate(), Fate::Again { counted: false, avoid: false }, "flushes by others' deadlines use no retry");
-        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, revoked: true, ..Ended::default() }.fate(), Fate::Revoked, "never posted again into a range being unregistered");
-        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, shut: true, ..Ended::default() }.fate(), Fate::ShutDown, "nor during shutdown");
+        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, past_deadline: true, ..Ended::default() }.fate(), Fate::Timeout, "the late task itself");
+        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, ..Ended::default() }.fate(), Fate::Again { counted: false, avoid: false }, "another task's slice on the flushed QP: posted again");
+        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, retries: MAX_RETRIES, ..Ended::default() }.fate(), Fate::Again { counted: false, avoid: false }, "flushes by others' deadlines use no retry");
+        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, revoked: true, ..Ended::default() }.fate(), Fate::Revoked, "never posted again into a range being unregistered");
+        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, shut: true, ..Ended::default() }.fate(), Fate::ShutDown, "nor during shutdown");
     }
 
     #[test]
     fn a_failed_completion_is_retried_on_another_pair_a_bounded_number_of_times() {
-        const FLUSH: u32 = 5;
         for status in [12, 13, 20, 21, POST_FAILED] {
             assert_eq!(Ended { status, ..Ended::default() }.fate(), Fate::Again { counted: true, avoid: true }, "status {status}");
             assert_eq!(Ended { status, retries: MAX_RETRIES - 1, ..Ended::default() }.fate(), Fate::Again { counted: true, avoid: true });
@@ -1687,8 +1686,8 @@ mod tests {
             assert!(path_failure(status), "the pair is paused after {status}");
         }
         // Flushed because an earlier request on its QP failed: retried too, counted.
-        assert_eq!(Ended { status: FLUSH, ..Ended::default() }.fate(), Fate::Again { counted: true, avoid: true });
-        assert!(!path_failure(FLUSH));
+        assert_eq!(Ended { status: FLUSHED, ..Ended::default() }.fate(), Fate::Again { counted: true, avoid: true });
+        assert!(!path_failure(FLUSHED));
         // The request itself is wrong: another pair would fail it the same way.
         for status in [1, 4, 8, 9, 10] {
             assert_eq!(Ended { status, ..Ended::default() }.fate(), Fate::Fail, "status {status}");
@@ -1704,16 +1703,15 @@ mod tests {
     /// is itself wrong still fails.
     #[test]
     fn a_slice_on_a_port_that_went_down_goes_again_elsewhere_uncounted() {
-        const FLUSH: u32 = 5;
-        for status in [FLUSH, 12, 13, POST_FAILED] {
+        for status in [FLUSHED, 12, 13, POST_FAILED] {
             for retries in [0, MAX_RETRIES] {
                 assert_eq!(Ended { status, flushed_for_deadline: true, retries, port_down: true, ..Ended::default() }.fate(), Fate::Again { counted: false, avoid: true }, "status {status}, {retries} retries, flushed by its poller");
                 assert_eq!(Ended { status, retries, port_down: true, ..Ended::default() }.fate(), Fate::Again { counted: false, avoid: true }, "status {status}, {retries} retries");
             }
         }
-        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, past_deadline: true, port_down: true, ..Ended::default() }.fate(), Fate::Timeout, "its own deadline passed");
-        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, shut: true, port_down: true, ..Ended::default() }.fate(), Fate::ShutDown);
-        assert_eq!(Ended { status: FLUSH, flushed_for_deadline: true, revoked: true, port_down: true, ..Ended::default() }.fate(), Fate::Revoked);
+        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, past_deadline: true, port_down: true, ..Ended::default() }.fate(), Fate::Timeout, "its own deadline passed");
+        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, shut: true, port_down: true, ..Ended::default() }.fate(), Fate::ShutDown);
+        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, revoked: true, port_down: true, ..Ended::default() }.fate(), Fate::Revoked);
         assert_eq!(Ended { status: 10, port_down: true, ..Ended::default() }.fate(), Fate::Fail, "a wrong request fails on any NIC");
     }
 
