@@ -766,6 +766,14 @@ mod tests {
         c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
         assert_eq!(read_answer(&mut c).expect("the mount's answer"), Response::Ok);
         assert_eq!(read_answer(&mut c).expect("then the read's"), Response::Exists(false));
+        // Applied and made durable, but the leader was fenced in between: it cannot know
+        // whether a successor has the change, and says so instead of the success.
+        c.write_all(&proto::encode(&Request::MountSegment { client: 1, segment: seg(4) }).expect("encode")).expect("send");
+        deferred(1);
+        m.gate.fence(5);
+        m.journal.write_queued_for_test();
+        assert_eq!(read_answer(&mut c).expect("an answer"), Response::Err(StoreError::OutcomeUnknown));
+        m.gate.lead_for_test(5, Duration::from_secs(60));
         // A mutation still waiting when the term ends is answered that its outcome is unknown
         // (it was applied; the new leader may have it), not left hanging.
         c.write_all(&proto::encode(&Request::MountSegment { client: 1, segment: seg(2) }).expect("encode")).expect("send");
@@ -776,7 +784,7 @@ mod tests {
         m.gate.fence(5);
         c.write_all(&proto::encode(&Request::MountSegment { client: 1, segment: seg(3) }).expect("encode")).expect("send");
         assert!(matches!(read_answer(&mut c).expect("an answer"), Response::Err(StoreError::NotLeader { .. })));
-        assert_eq!(m.lock().summary().segments, 2, "the second mount applied, the third not");
+        assert_eq!(m.lock().summary().segments, 3, "the second and fourth mounts applied, the third not");
         drop(server);
     }
 }
