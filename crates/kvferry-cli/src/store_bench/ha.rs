@@ -100,21 +100,21 @@ fn use_between(before: &std::collections::HashMap<u64, ThreadUse>, after: &std::
 
 /// PutStart + PutEnd pairs over RPC from `threads` connections, `per_req` keys per request:
 /// objects created per second of the load (from the start until every connection's last
-/// request was answered; `at_end` runs then, for the caller's own figures), and what that
-/// cost per object ([`Cost`]). Every connection stays open until the threads' use is read (a
-/// master's request thread ends with its connection, and an ended thread can no longer be
-/// read). With `tidy`, the master is left as it was found, after the load and untimed (a
-/// removal of every object, replicated with HA: timed until 2026-12-03, it understated the
-/// rates, HA's most): its objects removed, then the clients' segments unmounted (a client
+/// request was answered), what that cost per object ([`Cost`]), and what `at_end` returned
+/// (called then, before the tidying, for the caller's own figures). Every connection stays
+/// open until the threads' use is read (a master's request thread ends with its connection,
+/// and an ended thread can no longer be read). With `tidy`, the master is left as it was
+/// found, after the load and untimed (with HA the removal is replicated, a commit of every
+/// object created): its objects removed, then the clients' segments unmounted (a client
 /// left to expire would have its segments dropped by the master's ticker in the middle of a
 /// later measurement, a walk over every object per segment).
-fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str, tidy: bool, at_end: &mut dyn FnMut()) -> (f64, Cost) {
+fn put_rate<T>(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str, tidy: bool, at_end: impl FnOnce() -> T) -> (f64, Cost, T) {
     let start = Instant::now();
     let before = threads_now();
     // (threads done, CPU read): every client thread holds its connection until then.
     let gate = (std::sync::Mutex::new((0usize, false)), std::sync::Condvar::new());
     let lock = || gate.0.lock().unwrap_or_else(|e| e.into_inner());
-    let (created, after, took) = std::thread::scope(|s| {
+    let (created, after, took, ended) = std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
             .map(|t| {
                 let (gate, lock) = (&gate, &lock);
@@ -184,7 +184,7 @@ fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str
         }
         // The measurement ends here: the tidying below is not timed.
         let (after, took) = (threads_now(), start.elapsed());
-        at_end();
+        let ended = at_end();
         if tidy {
             if let Err(e) = clear(addr) {
                 tracing::warn!("store-bench: {e}");
@@ -193,9 +193,9 @@ fn put_rate(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &str
         g.1 = true;
         gate.1.notify_all();
         drop(g);
-        (hs.into_iter().flatten().map(|h| h.join().unwrap_or(0)).sum::<u64>(), after, took)
+        (hs.into_iter().flatten().map(|h| h.join().unwrap_or(0)).sum::<u64>(), after, took, ended)
     });
-    (created as f64 / took.as_secs_f64(), use_between(&before, &after, created))
+    (created as f64 / took.as_secs_f64(), use_between(&before, &after, created), ended)
 }
 
 /// Values stored per second by `clients` clients at once (each its own `Client`, as the TP
@@ -338,9 +338,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
                     let (s0, t0) = (m.journal.stats(), Instant::now());
                     // The journal's figures when the load ends, before the tidying (a
                     // removal of every object, in pieces that would count as entries).
-                    let mut end = None;
-                    let (rate, cpu) = put_rate(addr, threads, per_req, dur, &format!("{mode:?}-{threads}-{per_req}-{round}"), true, &mut || end = Some((m.journal.stats(), t0.elapsed())));
-                    let Some((s1, secs)) = end.map(|(s, t)| (s, t.as_secs_f64())) else { return Err("the load ended without its figures".into()) };
+                    let (rate, cpu, (s1, secs)) = put_rate(addr, threads, per_req, dur, &format!("{mode:?}-{threads}-{per_req}-{round}"), true, || (m.journal.stats(), t0.elapsed().as_secs_f64()));
                     let (n, us) = match mode {
                         Some(ha::Replication::Etcd) => (s1.entries - s0.entries, s1.write_us - s0.write_us),
                         Some(ha::Replication::Standbys) => (s1.streamed - s0.streamed, s1.stream_wait_us - s0.stream_wait_us),
@@ -373,7 +371,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd };
             ha::start(cfg, Arc::clone(&m))?;
             wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
-            let _ = put_rate(&addr, 16, 32, dur, "bytes", false, &mut || {});
+            let _ = put_rate(&addr, 16, 32, dur, "bytes", false, || ());
             let keys = m.lock().summary().keys as u64;
             let (bytes, n) = journal_bytes(&etcd, &cluster)?;
             let st = m.journal.stats();
