@@ -75,9 +75,17 @@ pub struct MasterArgs {
     /// Keep the embedded metadata durable in this directory (survives a master restart).
     #[arg(long)]
     pub http_metadata_server_data_dir: Option<std::path::PathBuf>,
+    /// When a client stops pinging and its segments are dropped, also remove their
+    /// transfer-engine entries (`mooncake/ram/<segment>`, `mooncake/rpc_meta/<segment>`) from
+    /// the metadata service: the embedded one (--enable-http-metadata-server), else the one
+    /// $KVFERRY_METADATA_SERVER, $MOONCAKE_TE_META_DATA_SERVER or the `metadata_server` of
+    /// $MOONCAKE_CONFIG_PATH names (http, etcd or redis). Entries whose engine still answers,
+    /// or whose name another client mounted since, are kept.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_metadata_cleanup_on_timeout: bool,
     /// High availability: campaign for leadership through etcd (needs --ha-backend-connstring);
-    /// standbys refuse requests and take over when the leader's lease ends. A new leader starts
-    /// with empty metadata (no replication yet): clients remount, earlier objects are gone.
+    /// standbys refuse requests and take over when the leader's lease ends, with every object
+    /// (the leader replicates each change before it answers: --ha-replication).
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub enable_ha: bool,
     /// etcd endpoints for HA: `etcd://h1:2379;h2:2379` (the scheme optional, `;` or `,`
@@ -198,7 +206,7 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
     keep_cli!(
         host, port, metrics_port, metrics_host, default_kv_lease_ttl, default_kv_soft_pin_ttl, allow_evict_soft_pinned_objects, eviction_ratio, eviction_high_watermark_ratio, client_ttl,
         allocation_strategy, put_start_discard_timeout_sec, put_start_release_timeout_sec, put_wait_for_reads_ms, summary_interval, enable_http_metadata_server, http_metadata_server_host,
-        http_metadata_server_port, http_metadata_server_data_dir, enable_ha, ha_backend_connstring, etcd_endpoints, cluster_id, ha_lease_ttl, ha_snapshot_bytes, ha_replication, advertise_address
+        http_metadata_server_port, http_metadata_server_data_dir, enable_metadata_cleanup_on_timeout, enable_ha, ha_backend_connstring, etcd_endpoints, cluster_id, ha_lease_ttl, ha_snapshot_bytes, ha_replication, advertise_address
     );
     out.config = a.config.clone();
     Ok(out)
@@ -239,6 +247,44 @@ fn ha_config(a: &MasterArgs, rpc_port: u16, env_cluster_id: Option<&str>) -> Res
         None => SocketAddr::new(a.host, rpc_port).to_string(),
     };
     Ok(Some(kvferry_store::ha::HaConfig { endpoints, cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env_cluster_id), address, lease_ttl: ttl, snapshot_bytes: a.ha_snapshot_bytes, replication: a.ha_replication.into() }))
+}
+
+/// An address to connect to for a listener bound to `host` (an unspecified address: the
+/// loopback of its family).
+fn reachable(host: IpAddr) -> IpAddr {
+    match host {
+        IpAddr::V4(h) if h.is_unspecified() => IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        IpAddr::V6(h) if h.is_unspecified() => IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+        h => h,
+    }
+}
+
+/// The metadata service whose entries `--enable-metadata-cleanup-on-timeout` removes, and
+/// where it was found (Mooncake's order: the embedded server, else the cluster's as its
+/// clients are configured; kvferry's own variable first), or why there is none. A service
+/// named but not understood is an error.
+fn cleanup_service(embedded: Option<String>, var: &dyn Fn(&str) -> Option<String>) -> Result<Result<(String, String), String>, String> {
+    let mut found = embedded.map(|u| (u, "the embedded metadata server".to_string()));
+    for name in ["KVFERRY_METADATA_SERVER", "MOONCAKE_TE_META_DATA_SERVER"] {
+        if found.is_none() {
+            found = var(name).map(|v| v.trim().to_string()).filter(|v| !v.is_empty()).map(|v| (v, format!("${name}")));
+        }
+    }
+    if found.is_none() {
+        if let Some(path) = var("MOONCAKE_CONFIG_PATH").filter(|p| !p.trim().is_empty()) {
+            let text = std::fs::read_to_string(&path).map_err(|e| format!("--enable-metadata-cleanup-on-timeout: reading $MOONCAKE_CONFIG_PATH ({path}): {e}"))?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("--enable-metadata-cleanup-on-timeout: $MOONCAKE_CONFIG_PATH ({path}) is not valid JSON: {e}"))?;
+            found = v.get("metadata_server").and_then(|m| m.as_str()).map(|m| (m.trim().to_string(), format!("metadata_server in {path}")));
+        }
+    }
+    let Some((conn, from)) = found else {
+        return Ok(Err("no metadata service is known: start the master with --enable-http-metadata-server, or set KVFERRY_METADATA_SERVER (or MOONCAKE_TE_META_DATA_SERVER) to the one the clients use".into()));
+    };
+    match kvferry::metadata::ConnString::parse(&conn) {
+        Ok(kvferry::metadata::ConnString::P2p) => Ok(Err(format!("{from} is {conn}: peers keep no entries in a metadata service"))),
+        Ok(_) => Ok(Ok((conn, from))),
+        Err(e) => Err(format!("--enable-metadata-cleanup-on-timeout: {from} = {conn:?}: {e}")),
+    }
 }
 
 /// kvferry's long flag names for `kvferry master` (kebab-case, no dashes).
@@ -304,10 +350,29 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
             }
         }).map_err(|e| e.to_string())?;
         let shown = if host.is_ipv6() { format!("[{host}]") } else { host.to_string() };
-        Some(format!("http://{shown}:{port}/metadata"))
+        Some((format!("http://{shown}:{port}/metadata"), SocketAddr::new(reachable(host), port)))
     } else {
         None
     };
+    if a.enable_metadata_cleanup_on_timeout {
+        let embedded = metadata.as_ref().map(|(_, at)| format!("http://{at}/metadata"));
+        match cleanup_service(embedded, &|k| std::env::var(k).ok())? {
+            Ok((conn, from)) => {
+                let opts = kvferry::metadata::StoreOptions::from_config(&env);
+                let c = conn.clone();
+                let connect: kvferry_store::cleanup::Connect = Box::new(move || match kvferry::metadata::connect(&c, &opts) {
+                    Ok(Some(s)) => Ok(s),
+                    Ok(None) => Err(format!("{c} is not a metadata service")),
+                    Err(e) => Err(e.to_string()),
+                });
+                let probe = kvferry_store::cleanup::handshake_probe(env.handshake_connect_timeout.min(Duration::from_secs(1)), env.handshake_max_len);
+                master.cleanup.start(kvferry::metadata::Keys::new(env.metadata_cluster_id.as_deref()), connect, probe)?;
+                eprintln!("kvferry master: the metadata entries of clients that stop pinging are removed from {conn} ({from}), unless their engine still answers");
+            }
+            Err(why) => eprintln!("kvferry master: warning: --enable-metadata-cleanup-on-timeout is set, but {why}; nothing is removed"),
+        }
+    }
+    let metadata = metadata.map(|(url, _)| url);
     println!(
         "KVFERRY_MASTER rpc={}:{} http={} metadata={} ha={}",
         a.host,
@@ -384,11 +449,12 @@ mod tests {
             "--put_start_release_timeout_sec=6",
             "--put_wait_for_reads_ms=7",
             "--enable_metric_reporting=false",
+            "--enable_metadata_cleanup_on_timeout",
         ]);
         assert_eq!((a.port, a.host.to_string(), a.metrics_port, a.metrics_host.map(|h| h.to_string())), (0, "127.0.0.2".into(), -1, Some("127.0.0.3".into())));
         assert_eq!((a.default_kv_lease_ttl, a.default_kv_soft_pin_ttl, a.client_ttl), (5000, 120_000, 3));
         assert_eq!((a.eviction_ratio, a.eviction_high_watermark_ratio, a.allow_evict_soft_pinned_objects), (0.2, 0.8, false));
-        assert!(a.enable_http_metadata_server);
+        assert!(a.enable_http_metadata_server && a.enable_metadata_cleanup_on_timeout);
         assert_eq!((a.http_metadata_server_port, a.http_metadata_server_host.map(|h| h.to_string())), (0, Some("127.0.0.4".into())));
         assert_eq!(a.http_metadata_server_data_dir.as_deref(), Some(std::path::Path::new("/tmp/kvf-md")));
         assert_eq!((a.allocation_strategy.as_str(), a.put_start_discard_timeout_sec, a.put_start_release_timeout_sec, a.put_wait_for_reads_ms), ("free_ratio_first", 5, 6, 7));
@@ -450,6 +516,42 @@ mod tests {
         assert_eq!(ha_config(&n, 1, None).expect("ok").expect("on").endpoints.len(), 2, "--etcd_endpoints stands in");
         n.ha_backend_connstring = Some("redis://x:1".into());
         assert!(ha_config(&n, 1, None).unwrap_err().contains("only etcd"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Mooncake's order: the embedded server, then the cluster's as its clients name it
+    /// (kvferry's variable, Mooncake's, the `metadata_server` of Mooncake's config file).
+    #[test]
+    fn the_cleanup_finds_the_service_in_mooncakes_order_and_says_why_not() {
+        let dir = std::env::temp_dir().join(format!("kvf-cleanup-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp dir");
+        let cfg = dir.join("mooncake.json");
+        std::fs::write(&cfg, r#"{"local_hostname": "a", "metadata_server": "redis://127.0.0.1:6379", "protocol": "tcp"}"#).expect("write");
+        let cfg_s = cfg.to_string_lossy().to_string();
+        let with = |vars: &[(&str, &str)]| {
+            let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            move |k: &str| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+        };
+        let embedded = Some("http://127.0.0.1:8080/metadata".to_string());
+        let all = with(&[("KVFERRY_METADATA_SERVER", "etcd://127.0.0.1:2379"), ("MOONCAKE_TE_META_DATA_SERVER", "http://10.0.0.1:8080/metadata"), ("MOONCAKE_CONFIG_PATH", &cfg_s)]);
+        assert_eq!(cleanup_service(embedded.clone(), &all), Ok(Ok((embedded.clone().unwrap_or_default(), "the embedded metadata server".into()))));
+        assert_eq!(cleanup_service(None, &all), Ok(Ok(("etcd://127.0.0.1:2379".into(), "$KVFERRY_METADATA_SERVER".into()))));
+        let mc = with(&[("MOONCAKE_TE_META_DATA_SERVER", "http://10.0.0.1:8080/metadata"), ("MOONCAKE_CONFIG_PATH", &cfg_s)]);
+        assert_eq!(cleanup_service(None, &mc), Ok(Ok(("http://10.0.0.1:8080/metadata".into(), "$MOONCAKE_TE_META_DATA_SERVER".into()))));
+        let file = with(&[("MOONCAKE_CONFIG_PATH", &cfg_s)]);
+        assert_eq!(cleanup_service(None, &file), Ok(Ok(("redis://127.0.0.1:6379".into(), format!("metadata_server in {cfg_s}")))));
+        // No service, or peers that keep none: a reason, and the master starts.
+        let why = cleanup_service(None, &with(&[])).expect("not an error").expect_err("no service");
+        assert!(why.contains("--enable-http-metadata-server") && why.contains("KVFERRY_METADATA_SERVER"), "{why}");
+        let why = cleanup_service(None, &with(&[("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE")])).expect("not an error").expect_err("p2p");
+        assert!(why.contains("P2PHANDSHAKE"), "{why}");
+        // A service named but not understood, or a config file that cannot be read: errors.
+        let e = cleanup_service(None, &with(&[("KVFERRY_METADATA_SERVER", "ftp://x")])).expect_err("bad scheme");
+        assert!(e.contains("KVFERRY_METADATA_SERVER") && e.contains("ftp://x"), "{e}");
+        let e = cleanup_service(None, &with(&[("MOONCAKE_CONFIG_PATH", "/nonexistent/mooncake.json")])).expect_err("no file");
+        assert!(e.contains("/nonexistent/mooncake.json"), "{e}");
+        std::fs::write(&cfg, "{not json").expect("write");
+        assert!(cleanup_service(None, &file).expect_err("bad json").contains("not valid JSON"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

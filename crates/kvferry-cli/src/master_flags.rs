@@ -68,7 +68,6 @@ const MOONCAKE_ONLY: &[(&str, Kind, Action)] = &[
     ("rpc_interface", Kind::Value, Action::RejectIf(non_empty, "kvferry cannot resolve an interface name: pass its address with --rpc_address")),
     ("max_kv_soft_pin_ttl", Kind::Value, Action::Ignore("kvferry does not cap request-level soft-pin TTLs")),
     ("memory_allocator", Kind::Value, Action::Ignore("kvferry's master uses its own best-fit allocator")),
-    ("enable_metadata_cleanup_on_timeout", Kind::Bool, Action::Ignore("kvferry does not delete the HTTP metadata of clients that time out")),
     ("pod_name", Kind::Value, Action::Ignore("no Kubernetes label routing")),
     ("pod_namespace", Kind::Value, Action::Ignore("no Kubernetes label routing")),
     ("ha_backend_type", Kind::Value, Action::RejectIf(not_etcd, "kvferry's master elects its leader through etcd only (--ha_backend_type=etcd)")),

@@ -53,6 +53,11 @@ pub fn metrics_text(m: &Master) -> String {
         let _ = writeln!(o, "kvferry_master_errors_total{{op=\"{op}\"}} {}", m.stats.errors[i].load(Ordering::Relaxed));
     }
     let _ = writeln!(o, "# HELP kvferry_master_evicted_objects_total Objects evicted.\n# TYPE kvferry_master_evicted_objects_total counter\nkvferry_master_evicted_objects_total {}", m.stats.evicted_objects.load(Ordering::Relaxed));
+    let c = &m.cleanup.stats;
+    let _ = writeln!(o, "# HELP kvferry_master_metadata_cleanup_total Segments of clients that stopped pinging, by what became of their metadata entries (--enable-metadata-cleanup-on-timeout): removed, kept (the engine answers, or the name is mounted again), failed (after every retry).\n# TYPE kvferry_master_metadata_cleanup_total counter");
+    for (outcome, n) in [("removed", &c.removed), ("kept", &c.kept), ("failed", &c.failed)] {
+        let _ = writeln!(o, "kvferry_master_metadata_cleanup_total{{outcome=\"{outcome}\"}} {}", n.load(Ordering::Relaxed));
+    }
     let ha = m.gate.status();
     let _ = writeln!(o, "# HELP kvferry_master_ha_enabled Whether this master campaigns for leadership (--enable-ha).\n# TYPE kvferry_master_ha_enabled gauge\nkvferry_master_ha_enabled {}", u8::from(ha.enabled));
     let _ = writeln!(o, "# HELP kvferry_master_ha_is_leader 1 while this master leads (answers requests), 0 while it stands by.\n# TYPE kvferry_master_ha_is_leader gauge\nkvferry_master_ha_is_leader {}", u8::from(ha.role == Role::Leader));

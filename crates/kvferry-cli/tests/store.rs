@@ -13,7 +13,10 @@ struct Proc {
 
 impl Proc {
     fn start(args: &[&str], tag: &str) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry")).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+        Proc::start_with(args, &[], tag)
+    }
+    fn start_with(args: &[&str], env: &[(&str, &str)], tag: &str) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry")).args(args).envs(env.iter().copied()).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
         assert!(line.starts_with(tag), "{tag} expected, got {line:?}");
@@ -754,4 +757,79 @@ fn a_put_whose_start_has_an_unknown_outcome_fails_so_and_is_revoked_not_sent_aga
     let k = |c: char, s: &str| (c, s.to_string());
     assert_eq!(got, vec![vec![k('s', "one")], vec![k('r', "one")], vec![k('s', "a"), k('s', "b")], vec![k('r', "a"), k('r', "b")]], "each start once, then its revoke: {seen:?}");
     c.close().expect("close");
+}
+
+/// Mooncake's `--enable_metadata_cleanup_on_timeout` (its spelling): when the master drops a
+/// client killed with SIGKILL (no unmount, no withdrawal), that client's entries leave the
+/// embedded metadata service; a live client's stay, and so do those of a client restarted
+/// under a killed one's name (the name mounted again, or its new engine answering).
+fn killed_clients_metadata_entries_are_removed_and_live_ones_kept(m: &Proc, url: &str) {
+    let (addr, http) = (m.field("rpc="), m.field("http="));
+    let hp = url.trim_start_matches("http://").trim_end_matches("/metadata").to_string();
+    let until = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(&hp).is_err() {
+        assert!(Instant::now() < until, "embedded metadata server never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let store_client = |host: &str| {
+        Proc::start(&["store-client", "--host", host, "--metadata-server", url, "--master-server-address", &addr, "--global-segment-size", "16MB", "--port", "0"], "KVFERRY_STORE_CLIENT")
+    };
+    let entries = |name: &str| ["ram", "rpc_meta"].map(|k| http_get(&hp, &format!("/metadata?key=mooncake/{k}/{name}")).0);
+    // A name to restart under: a port free now.
+    let fixed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut a = store_client("127.0.0.1");
+    let b = store_client("127.0.0.1");
+    let mut c = store_client(&format!("127.0.0.1:{fixed}"));
+    let (na, nb, nc) = (a.field("segment="), b.field("segment="), c.field("segment="));
+    assert_eq!(nc, format!("127.0.0.1:{fixed}"));
+    for n in [&na, &nb, &nc] {
+        assert_eq!(entries(n), [200, 200], "{n} registered");
+    }
+    a.kill();
+    c.kill();
+    let c2 = store_client(&format!("127.0.0.1:{fixed}"));
+    assert_eq!(c2.field("segment="), nc, "restarted under the same name");
+    let outcome = |o: &str| {
+        let (_, body) = http_get(&http, "/metrics");
+        let line = format!("kvferry_master_metadata_cleanup_total{{outcome=\"{o}\"}} ");
+        body.lines().find_map(|l| l.strip_prefix(line.as_str())).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or_else(|| panic!("no {line} in /metrics"))
+    };
+    let t0 = Instant::now();
+    while outcome("removed") + outcome("kept") < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the two killed clients were not handled within 20 s (TTL 3 s): removed {}, kept {}", outcome("removed"), outcome("kept"));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("metadata cleanup: removed {}, kept {} after {:?}", outcome("removed"), outcome("kept"), t0.elapsed());
+    assert_eq!(entries(&na), [404, 404], "the killed client's descriptor and rpc_meta are gone");
+    assert!(outcome("removed") >= 1 && outcome("failed") == 0);
+    assert_eq!(entries(&nb), [200, 200], "the live client's entries stay");
+    assert_eq!(entries(&nc), [200, 200], "the restarted client's entries stay");
+    // Both survivors still serve: a value placed on each is read back through the other.
+    let probe = Client::setup(ClientConfig { local_hostname: "127.0.0.1".into(), metadata_server: url.to_string(), local_buffer_size: 16 << 20, master_server_addr: addr.clone(), ..ClientConfig::default() }).expect("client setup");
+    for n in [&nb, &nc] {
+        let key = format!("on-{n}");
+        probe.put(&key, &value(&key, 1, 100_000), &ReplicateConfig { preferred_segments: vec![n.clone()], ..Default::default() }).unwrap();
+        assert_eq!(probe.get(&key).unwrap(), value(&key, 1, 100_000));
+    }
+    drop((b, c2));
+}
+
+#[test]
+fn a_killed_clients_metadata_entries_leave_the_masters_embedded_service() {
+    let m = master(&["--client-ttl", "3", "--enable_http_metadata_server", "--http_metadata_server_port=0", "--enable_metadata_cleanup_on_timeout"]);
+    killed_clients_metadata_entries_are_removed_and_live_ones_kept(&m, &m.field("metadata="));
+}
+
+/// Mooncake's other shape: the metadata server deployed apart, the master told where by the
+/// clients' variable.
+#[test]
+fn a_killed_clients_metadata_entries_leave_a_standalone_service_named_by_mooncakes_variable() {
+    let md = Proc::start(&["metadata-server", "--port", "0"], "kvferry metadata-server");
+    let url = format!("http://127.0.0.1:{}/metadata", md.field("port="));
+    let m = Proc::start_with(
+        &["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0", "--client-ttl", "3", "--enable_metadata_cleanup_on_timeout"],
+        &[("MOONCAKE_TE_META_DATA_SERVER", &url)],
+        "KVFERRY_MASTER",
+    );
+    killed_clients_metadata_entries_are_removed_and_live_ones_kept(&m, &url);
 }

@@ -10,6 +10,7 @@
 //! auditable codec. Mooncake compatibility is at the client API (`MooncakeDistributedStore` in
 //! the Python package) and at the transfer-engine wire level.
 
+pub mod cleanup;
 pub mod client;
 pub mod error;
 pub mod ha;

@@ -480,10 +480,10 @@ impl State {
     }
 
     /// Drops clients that have not pinged within `ttl`, with their segments and replicas: each
-    /// with how many segments it still had (none: it unmounted them, as a client that closes
-    /// does, and nothing was lost).
-    pub fn expire_clients(&mut self, now: u64, ttl: u64) -> Vec<(u64, usize)> {
-        let mut dead: std::collections::HashMap<u64, usize> = self.clients.iter().filter(|(_, &t)| now.saturating_sub(t) > ttl).map(|(&c, _)| (c, 0)).collect();
+    /// with the names of the segments it still had (none: it unmounted them, as a client that
+    /// closes does, and nothing was lost).
+    pub fn expire_clients(&mut self, now: u64, ttl: u64) -> Vec<(u64, Vec<String>)> {
+        let mut dead: std::collections::HashMap<u64, Vec<String>> = self.clients.iter().filter(|(_, &t)| now.saturating_sub(t) > ttl).map(|(&c, _)| (c, Vec::new())).collect();
         if dead.is_empty() {
             return Vec::new();
         }
@@ -493,13 +493,18 @@ impl State {
         }
         let mut segs = Vec::new();
         for (&id, s) in &self.segments {
-            if let Some(n) = dead.get_mut(&s.client) {
-                *n += 1;
+            if let Some(names) = dead.get_mut(&s.client) {
+                names.push(s.seg.name.clone());
                 segs.push(id);
             }
         }
         self.drop_segments(&segs);
         dead.into_iter().collect()
+    }
+
+    /// Whether a segment of this name is mounted (by any client).
+    pub fn mounts_name(&self, name: &str) -> bool {
+        self.segments.values().any(|s| s.seg.name == name)
     }
 
     // --- allocation and eviction ---------------------------------------------------------
@@ -968,11 +973,14 @@ pub struct Master {
     pub gate: crate::ha::Gate,
     /// The HA leader's journal queue (inactive otherwise).
     pub journal: crate::ha::journal::Journal,
+    /// Removes the metadata entries of the segments of clients that stopped pinging (off
+    /// until started: `--enable_metadata_cleanup_on_timeout`).
+    pub cleanup: crate::cleanup::Cleanup,
 }
 
 impl Master {
     pub fn new(cfg: MasterConfig) -> Master {
-        Master { cfg, start: Instant::now(), state: Mutex::default(), stats: Stats::default(), gate: crate::ha::Gate::default(), journal: Default::default() }
+        Master { cfg, start: Instant::now(), state: Mutex::default(), stats: Stats::default(), gate: crate::ha::Gate::default(), journal: Default::default(), cleanup: Default::default() }
     }
 
     pub fn now(&self) -> u64 {
@@ -1006,13 +1014,26 @@ impl Master {
         let now = self.now();
         let mut st = self.lock();
         let dead = st.expire_clients(now, self.cfg.client_ttl.as_millis() as u64);
+        let mut dropped = Vec::new();
         for (c, segments) in dead {
-            if segments > 0 {
-                tracing::warn!(client = format!("{c:x}"), segments, "client stopped pinging; its segments and replicas are dropped");
+            if !segments.is_empty() {
+                tracing::warn!(client = format!("{c:x}"), segments = segments.len(), "client stopped pinging; its segments and replicas are dropped");
             } else {
                 // It unmounted everything (a client closes so): nothing lost, nothing to say.
                 tracing::debug!(client = format!("{c:x}"), "client without segments stopped pinging; forgotten");
             }
+            dropped.extend(segments);
+        }
+        // Their metadata entries: not of a name mounted again (a client restarted under the
+        // same name), and only by a master that may answer (a deposed HA leader waking from
+        // a pause finds every client silent).
+        if !dropped.is_empty() && self.cleanup.enabled() && self.gate.admit().is_ok() {
+            dropped.sort_unstable();
+            dropped.dedup();
+            let n = dropped.len();
+            dropped.retain(|name| !st.mounts_name(name));
+            let kept = n - dropped.len();
+            self.cleanup.push(dropped, kept);
         }
         st.expire_reads(now);
         st.release_deferred(now);
@@ -1164,7 +1185,7 @@ mod tests {
         put(&mut st, &m, &s, "only1", 4096, &ReplicateConfig { preferred_segments: vec!["seg1".into()], ..Default::default() }, 0).unwrap();
         st.ping(2, 5000);
         let dead = st.expire_clients(10_001, 10_000);
-        assert_eq!(dead, vec![(1, 1)], "client 1 with its one segment");
+        assert_eq!(dead, vec![(1, vec!["seg1".to_string()])], "client 1 with its one segment");
         let l = st.get_replica_list("both", 10_002, 1).unwrap();
         assert_eq!(l.replicas.len(), 1);
         assert_eq!(l.replicas[0].te_endpoint, "127.0.0.1:15002");
@@ -1194,7 +1215,12 @@ mod tests {
         st.ping(30, 5000);
         let mut dead = st.expire_clients(10_001, 10_000);
         dead.sort_unstable();
-        assert_eq!(dead, vec![(1, 0), (10, 2), (20, 1)], "client 1 (the writer, no segment) never pinged either");
+        for (_, names) in &mut dead {
+            names.sort_unstable();
+        }
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(dead, vec![(1, vec![]), (10, names(&["seg1", "seg2"])), (20, names(&["seg3"]))], "client 1 (the writer, no segment) never pinged either");
+        assert!(st.mounts_name("seg4") && !st.mounts_name("seg1"));
         assert_eq!(st.seg_order, vec![4]);
         let l = st.get_replica_list("everywhere", 10_002, 1).unwrap();
         assert_eq!(l.replicas.iter().map(|r| r.te_endpoint.as_str()).collect::<Vec<_>>(), ["127.0.0.1:15004"]);
