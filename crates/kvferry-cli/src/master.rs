@@ -465,6 +465,24 @@ mod tests {
         assert_eq!((b.port, b.allow_evict_soft_pinned_objects, b.enable_http_metadata_server, b.default_kv_lease_ttl), (7, false, true, 250));
     }
 
+    /// gflags booleans (`--flag` bare, `--noflag`) must be known as such to the translation,
+    /// or a bare one takes the next flag for its value.
+    #[test]
+    fn every_boolean_flag_is_translated_as_one() {
+        #[derive(clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            m: MasterArgs,
+        }
+        use clap::CommandFactory;
+        let cmd = Wrap::command();
+        let bools: Vec<String> = cmd.get_arguments().filter(|a| a.get_num_args() == Some((0..=1).into())).filter_map(|a| a.get_long().map(str::to_string)).collect();
+        assert!(bools.len() >= 3, "{bools:?}");
+        for b in &bools {
+            assert!(crate::master_flags::KV_BOOLS.contains(&b.as_str()), "--{b} is missing from master_flags::KV_BOOLS");
+        }
+    }
+
     #[test]
     fn every_flag_has_an_underscore_spelling() {
         for k in known_flags() {

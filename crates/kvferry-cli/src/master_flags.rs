@@ -14,7 +14,7 @@
 use std::ffi::OsString;
 
 /// kvferry's boolean flags (gflags lets a bare `--flag` mean true and `--noflag` false).
-const KV_BOOLS: &[&str] = &["allow-evict-soft-pinned-objects", "enable-http-metadata-server", "enable-ha"];
+pub(crate) const KV_BOOLS: &[&str] = &["allow-evict-soft-pinned-objects", "enable-http-metadata-server", "enable-ha", "enable-metadata-cleanup-on-timeout"];
 
 /// Mooncake names that are not kvferry's kebab-case spelling of the same name.
 const RENAMES: &[(&str, &str)] = &[
@@ -362,7 +362,7 @@ mod tests {
     use super::*;
 
     fn known() -> Vec<String> {
-        ["host", "port", "metrics-port", "metrics-host", "default-kv-lease-ttl", "eviction-ratio", "config", "client-ttl", "summary-interval", "allow-evict-soft-pinned-objects", "enable-http-metadata-server", "http-metadata-server-port", "enable-ha", "ha-backend-connstring", "etcd-endpoints", "cluster-id"]
+        ["host", "port", "metrics-port", "metrics-host", "default-kv-lease-ttl", "eviction-ratio", "config", "client-ttl", "summary-interval", "allow-evict-soft-pinned-objects", "enable-http-metadata-server", "http-metadata-server-port", "enable-ha", "ha-backend-connstring", "etcd-endpoints", "cluster-id", "enable-metadata-cleanup-on-timeout"]
             .iter()
             .map(|s| s.to_string())
             .collect()
@@ -396,6 +396,9 @@ mod tests {
         assert!(w.is_empty());
         assert!(norm(&["--enable_metric_reporting"]).unwrap().0.is_empty());
         assert_eq!(norm(&["--noenable_metric_reporting"]).unwrap().0, ["--summary-interval=0"]);
+        let (a, w) = norm(&["--enable_metadata_cleanup_on_timeout", "--client_ttl", "3"]).unwrap();
+        assert_eq!((a.as_slice(), w.len()), (&["--enable-metadata-cleanup-on-timeout=true".to_string(), "--client-ttl".into(), "3".into()][..], 0), "a bare boolean takes no value");
+        assert_eq!(norm(&["--noenable_metadata_cleanup_on_timeout"]).unwrap().0, ["--enable-metadata-cleanup-on-timeout=false"]);
     }
 
     #[test]

@@ -816,7 +816,8 @@ fn killed_clients_metadata_entries_are_removed_and_live_ones_kept(m: &Proc, url:
 
 #[test]
 fn a_killed_clients_metadata_entries_leave_the_masters_embedded_service() {
-    let m = master(&["--client-ttl", "3", "--enable_http_metadata_server", "--http_metadata_server_port=0", "--enable_metadata_cleanup_on_timeout"]);
+    // Bare gflags booleans before other flags, as a mooncake_master command line has them.
+    let m = master(&["--enable_metadata_cleanup_on_timeout", "--enable_http_metadata_server", "--client-ttl", "3", "--http_metadata_server_port=0"]);
     killed_clients_metadata_entries_are_removed_and_live_ones_kept(&m, &m.field("metadata="));
 }
 
