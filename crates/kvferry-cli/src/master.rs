@@ -216,11 +216,8 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
 /// string, `--etcd_endpoints` stands in for `--ha_backend_connstring`, either without HA is
 /// only warned about).
 fn ha_config(a: &MasterArgs, rpc_port: u16, env_cluster_id: Option<&str>) -> Result<Option<kvferry_store::ha::HaConfig>, String> {
-    let conn = a.ha_backend_connstring.as_deref().filter(|s| !s.trim().is_empty()).or(a.etcd_endpoints.as_deref().filter(|s| !s.trim().is_empty()));
+    let conn = ha_connstring(a);
     if !a.enable_ha {
-        if conn.is_some() {
-            eprintln!("kvferry master: warning: --ha-backend-connstring/--etcd-endpoints is set but --enable-ha is not; it is not used");
-        }
         return Ok(None);
     }
     let Some(conn) = conn else {
@@ -247,6 +244,22 @@ fn ha_config(a: &MasterArgs, rpc_port: u16, env_cluster_id: Option<&str>) -> Res
         None => SocketAddr::new(a.host, rpc_port).to_string(),
     };
     Ok(Some(kvferry_store::ha::HaConfig { endpoints, cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env_cluster_id), address, lease_ttl: ttl, snapshot_bytes: a.ha_snapshot_bytes, replication: a.ha_replication.into() }))
+}
+
+fn ha_connstring(a: &MasterArgs) -> Option<&str> {
+    a.ha_backend_connstring.as_deref().filter(|s| !s.trim().is_empty()).or(a.etcd_endpoints.as_deref().filter(|s| !s.trim().is_empty()))
+}
+
+/// What a combination of flags that works, but not as its user likely expects, is told.
+fn flag_warnings(a: &MasterArgs) -> Vec<String> {
+    let mut w = Vec::new();
+    if !a.enable_ha && ha_connstring(a).is_some() {
+        w.push("--ha-backend-connstring/--etcd-endpoints is set but --enable-ha is not; it is not used".into());
+    }
+    if a.enable_ha && a.enable_http_metadata_server {
+        w.push("--enable-http-metadata-server with --enable-ha: each master serves its own transfer-engine metadata, which is not replicated; engines that register with this one lose it (and their peers) when this master stops. Give the clients a metadata service that outlives any master: metadata_server = \"etcd://...\" (the same etcd works; KVFERRY_METADATA_SERVER for this master's cleanup) or a standalone `kvferry metadata-server`".into());
+    }
+    w
 }
 
 /// An address to connect to for a listener bound to `host` (an unspecified address: the
@@ -303,6 +316,9 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     let cfg = a.master_config()?;
     let listener = TcpListener::bind(SocketAddr::new(a.host, a.port)).map_err(|e| format!("cannot bind the master RPC port {}:{}: {e}", a.host, a.port))?;
     let rpc_port = listener.local_addr().map(|x| x.port()).map_err(|e| e.to_string())?;
+    for w in flag_warnings(&a) {
+        eprintln!("kvferry master: warning: {w}");
+    }
     let master = Arc::new(Master::new(cfg));
     let env = kvferry::Config::from_env().map_err(|e| e.to_string())?;
     let ha = ha_config(&a, rpc_port, env.store_cluster_id.as_deref())?;
@@ -534,6 +550,13 @@ mod tests {
         assert_eq!(ha_config(&n, 1, None).expect("ok").expect("on").endpoints.len(), 2, "--etcd_endpoints stands in");
         n.ha_backend_connstring = Some("redis://x:1".into());
         assert!(ha_config(&n, 1, None).unwrap_err().contains("only etcd"));
+        // Combinations that work but not as meant are said once each.
+        assert!(flag_warnings(&m).is_empty(), "{:?}", flag_warnings(&m));
+        let mut w = m.clone();
+        w.enable_http_metadata_server = true;
+        assert!(matches!(flag_warnings(&w).as_slice(), [one] if one.contains("not replicated") && one.contains("KVFERRY_METADATA_SERVER")), "{:?}", flag_warnings(&w));
+        w.enable_ha = false;
+        assert!(matches!(flag_warnings(&w).as_slice(), [one] if one.contains("--enable-ha is not")), "{:?}", flag_warnings(&w));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
