@@ -32,7 +32,7 @@
 use kvferry::metadata::{decode_rpc_meta, Keys, MetadataStore, RpcMeta};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Attempts after the first for a segment whose entries could not be removed.
@@ -60,7 +60,7 @@ pub struct CleanupStats {
 /// The master's cleanup: off until [`Cleanup::start`].
 #[derive(Default)]
 pub struct Cleanup {
-    queue: OnceLock<Mutex<Sender<Vec<String>>>>,
+    queue: OnceLock<Sender<Vec<String>>>,
     pub stats: Arc<CleanupStats>,
 }
 
@@ -68,7 +68,7 @@ impl Cleanup {
     /// Starts the worker that removes the entries of the segments queued from now on.
     pub fn start(&self, keys: Keys, connect: Connect, probe: Probe) -> Result<(), String> {
         let (tx, rx) = std::sync::mpsc::channel();
-        self.queue.set(Mutex::new(tx)).map_err(|_| "the metadata cleanup is already started".to_string())?;
+        self.queue.set(tx).map_err(|_| "the metadata cleanup is already started".to_string())?;
         let stats = Arc::clone(&self.stats);
         std::thread::Builder::new()
             .name("kvf-master-mdclean".into())
@@ -87,7 +87,7 @@ impl Cleanup {
         let Some(q) = self.queue.get() else { return };
         self.stats.kept.fetch_add(kept as u64, Ordering::Relaxed);
         if !names.is_empty() {
-            let _ = q.lock().unwrap_or_else(|e| e.into_inner()).send(names);
+            let _ = q.send(names);
         }
     }
 }
@@ -219,6 +219,7 @@ mod tests {
     use super::*;
     use kvferry::metadata::Backend;
     use std::collections::HashMap;
+    use std::sync::Mutex;
 
     /// A metadata service in memory; `fail` makes every call fail.
     #[derive(Default)]
