@@ -278,9 +278,14 @@ fn reachable(host: IpAddr) -> IpAddr {
 /// named but not understood is an error.
 fn cleanup_service(embedded: Option<String>, var: &dyn Fn(&str) -> Option<String>) -> Result<Result<(String, String), String>, String> {
     let mut found = embedded.map(|u| (u, "the embedded metadata server".to_string()));
+    // As Mooncake, a variable that says P2PHANDSHAKE names no service: the next source is read.
+    let mut p2p = None;
     for name in ["KVFERRY_METADATA_SERVER", "MOONCAKE_TE_META_DATA_SERVER"] {
         if found.is_none() {
-            found = var(name).map(|v| v.trim().to_string()).filter(|v| !v.is_empty()).map(|v| (v, format!("${name}")));
+            match var(name).map(|v| v.trim().to_string()).filter(|v| !v.is_empty()) {
+                Some(v) if v.eq_ignore_ascii_case("P2PHANDSHAKE") => p2p = p2p.or(Some(format!("${name} is {v}"))),
+                v => found = v.map(|v| (v, format!("${name}"))),
+            }
         }
     }
     if found.is_none() {
@@ -291,6 +296,9 @@ fn cleanup_service(embedded: Option<String>, var: &dyn Fn(&str) -> Option<String
         }
     }
     let Some((conn, from)) = found else {
+        if let Some(p2p) = p2p {
+            return Ok(Err(format!("{p2p}: peers keep no entries in a metadata service")));
+        }
         return Ok(Err("no metadata service is known: start the master with --enable-http-metadata-server, or set KVFERRY_METADATA_SERVER (or MOONCAKE_TE_META_DATA_SERVER) to the one the clients use".into()));
     };
     match kvferry::metadata::ConnString::parse(&conn) {
@@ -585,7 +593,9 @@ mod tests {
         let why = cleanup_service(None, &with(&[])).expect("not an error").expect_err("no service");
         assert!(why.contains("--enable-http-metadata-server") && why.contains("KVFERRY_METADATA_SERVER"), "{why}");
         let why = cleanup_service(None, &with(&[("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE")])).expect("not an error").expect_err("p2p");
-        assert!(why.contains("P2PHANDSHAKE"), "{why}");
+        assert!(why.contains("P2PHANDSHAKE") && why.contains("MOONCAKE_TE_META_DATA_SERVER"), "{why}");
+        let p2p_then_file = with(&[("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE"), ("MOONCAKE_CONFIG_PATH", &cfg_s)]);
+        assert_eq!(cleanup_service(None, &p2p_then_file), Ok(Ok(("redis://127.0.0.1:6379".into(), format!("metadata_server in {cfg_s}")))), "P2PHANDSHAKE in a variable: the next source, as Mooncake");
         // A service named but not understood, or a config file that cannot be read: errors.
         let e = cleanup_service(None, &with(&[("KVFERRY_METADATA_SERVER", "ftp://x")])).expect_err("bad scheme");
         assert!(e.contains("KVFERRY_METADATA_SERVER") && e.contains("ftp://x"), "{e}");
