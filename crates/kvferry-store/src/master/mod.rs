@@ -502,9 +502,9 @@ impl State {
         dead.into_iter().collect()
     }
 
-    /// Whether a segment of this name is mounted (by any client).
-    pub fn mounts_name(&self, name: &str) -> bool {
-        self.segments.values().any(|s| s.seg.name == name)
+    /// The names of the mounted segments (several clients may share one: their engine).
+    pub fn mounted_names(&self) -> std::collections::HashSet<&str> {
+        self.segments.values().map(|s| s.seg.name.as_str()).collect()
     }
 
     // --- allocation and eviction ---------------------------------------------------------
@@ -1031,7 +1031,10 @@ impl Master {
             dropped.sort_unstable();
             dropped.dedup();
             let n = dropped.len();
-            dropped.retain(|name| !st.mounts_name(name));
+            // One set, not a walk per name: a thousand clients dying together, each with its
+            // segment, would otherwise hold the lock for a million comparisons.
+            let mounted = st.mounted_names();
+            dropped.retain(|name| !mounted.contains(name.as_str()));
             let kept = n - dropped.len();
             self.cleanup.push(dropped, kept);
         }
@@ -1220,7 +1223,7 @@ mod tests {
         }
         let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         assert_eq!(dead, vec![(1, vec![]), (10, names(&["seg1", "seg2"])), (20, names(&["seg3"]))], "client 1 (the writer, no segment) never pinged either");
-        assert!(st.mounts_name("seg4") && !st.mounts_name("seg1"));
+        assert_eq!(st.mounted_names(), ["seg4"].into_iter().collect());
         assert_eq!(st.seg_order, vec![4]);
         let l = st.get_replica_list("everywhere", 10_002, 1).unwrap();
         assert_eq!(l.replicas.iter().map(|r| r.te_endpoint.as_str()).collect::<Vec<_>>(), ["127.0.0.1:15004"]);
