@@ -92,12 +92,9 @@ impl Cleanup {
     }
 }
 
-/// The handshake probe an engine uses before it takes a name over: connect within
-/// `connect`, answer within 2 s.
+/// The probe an engine uses before it takes a name over ([`kvferry::handshake::answers`]).
 pub fn handshake_probe(connect: Duration, max_len: u64) -> Probe {
-    Box::new(move |m: &RpcMeta| {
-        kvferry::handshake::request(&m.ip_or_host_name, m.rpc_port, kvferry::wire::handshake::MsgType::Probe, b"{}", connect, Duration::from_secs(2), max_len).is_ok()
-    })
+    Box::new(move |m: &RpcMeta| kvferry::handshake::answers(&m.ip_or_host_name, m.rpc_port, connect, max_len))
 }
 
 /// What one segment's cleanup did.
@@ -187,7 +184,7 @@ impl Worker {
                     }
                     Outcome::Failed(why) => {
                         self.stats.failed.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(segment = %name, "metadata cleanup gave up after {} attempts ({why}); remove mooncake/ram/{name} and mooncake/rpc_meta/{name} by hand", RETRIES + 1);
+                        tracing::warn!(segment = %name, "metadata cleanup gave up after {} attempts ({why}); remove {} and {} by hand once the service answers", RETRIES + 1, self.keys.ram(&name), self.keys.rpc_meta(&name));
                     }
                 }
             }

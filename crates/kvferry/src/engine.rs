@@ -749,7 +749,7 @@ impl Inner {
         let Some(dir) = &self.directory else { return Ok(()) };
         let meta = RpcMeta { ip_or_host_name: host.to_string(), rpc_port: port };
         let (connect, max_len) = (self.config.handshake_connect_timeout.min(Duration::from_secs(1)), self.config.handshake_max_len);
-        let alive = |m: &RpcMeta| handshake::request(&m.ip_or_host_name, m.rpc_port, MsgType::Probe, b"{}", connect, Duration::from_secs(2), max_len).is_ok();
+        let alive = |m: &RpcMeta| handshake::answers(&m.ip_or_host_name, m.rpc_port, connect, max_len);
         dir.publish_rpc_meta(&self.name, &meta, &alive)?;
         self.publish_descriptor()?;
         dir.start_keeper((self.config.metadata_lease_ttl / 3).max(Duration::from_millis(500)))?;

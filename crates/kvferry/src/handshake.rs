@@ -143,6 +143,13 @@ fn read_frame(s: &TcpStream, max_len: u64, deadline: Instant) -> Result<Frame, S
     Ok(handshake::decode_payload(&payload))
 }
 
+/// Whether an engine answers a `Probe` at `host:port`: connected within `connect`, answered
+/// within 2 s. An engine asks this before it takes over a name whose `rpc_meta` names another
+/// engine, and a store master before it removes a dropped client's entries.
+pub fn answers(host: &str, port: u16, connect: Duration, max_len: u64) -> bool {
+    request(host, port, MsgType::Probe, b"{}", connect, Duration::from_secs(2), max_len).is_ok()
+}
+
 /// Sends one request to `host:port` and returns the reply frame.
 pub fn request(
     host: &str,
