@@ -213,8 +213,8 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
 }
 
 /// The HA settings, `None` without `--enable-ha` (Mooncake's rules: HA needs a connection
-/// string, `--etcd_endpoints` stands in for `--ha_backend_connstring`, either without HA is
-/// only warned about).
+/// string, `--etcd_endpoints` stands in for `--ha_backend_connstring`; either without HA is
+/// only warned about, by [`flag_warnings`]).
 fn ha_config(a: &MasterArgs, rpc_port: u16, env_cluster_id: Option<&str>) -> Result<Option<kvferry_store::ha::HaConfig>, String> {
     let conn = ha_connstring(a);
     if !a.enable_ha {
@@ -272,11 +272,19 @@ fn reachable(host: IpAddr) -> IpAddr {
     }
 }
 
-/// The metadata service whose entries `--enable-metadata-cleanup-on-timeout` removes, and
-/// where it was found (Mooncake's order: the embedded server, else the cluster's as its
-/// clients are configured; kvferry's own variable first), or why there is none. A service
-/// named but not understood is an error.
-fn cleanup_service(embedded: Option<String>, var: &dyn Fn(&str) -> Option<String>) -> Result<Result<(String, String), String>, String> {
+/// Where `--enable-metadata-cleanup-on-timeout` removes entries.
+#[derive(Debug, PartialEq)]
+enum CleanupService {
+    /// This connection string, found there (for the start-up line).
+    At { conn: String, from: String },
+    /// No service to clean, and why (the master warns and starts).
+    None(String),
+}
+
+/// The metadata service whose entries `--enable-metadata-cleanup-on-timeout` removes
+/// (Mooncake's order: the embedded server, else the cluster's as its clients are configured;
+/// kvferry's own variable first). A service named but not understood is an error.
+fn cleanup_service(embedded: Option<String>, var: &dyn Fn(&str) -> Option<String>) -> Result<CleanupService, String> {
     let mut found = embedded.map(|u| (u, "the embedded metadata server".to_string()));
     // As Mooncake, a variable that says P2PHANDSHAKE names no service: the next source is read.
     let mut p2p = None;
@@ -295,28 +303,34 @@ fn cleanup_service(embedded: Option<String>, var: &dyn Fn(&str) -> Option<String
             found = v.get("metadata_server").and_then(|m| m.as_str()).map(|m| (m.trim().to_string(), format!("metadata_server in {path}")));
         }
     }
+    let no_entries = |what: String| Ok(CleanupService::None(format!("{what}: peers keep no entries in a metadata service")));
     let Some((conn, from)) = found else {
-        if let Some(p2p) = p2p {
-            return Ok(Err(format!("{p2p}: peers keep no entries in a metadata service")));
-        }
-        return Ok(Err("no metadata service is known: start the master with --enable-http-metadata-server, or set KVFERRY_METADATA_SERVER (or MOONCAKE_TE_META_DATA_SERVER) to the one the clients use".into()));
+        return match p2p {
+            Some(p2p) => no_entries(p2p),
+            None => Ok(CleanupService::None("no metadata service is known: start the master with --enable-http-metadata-server, or set KVFERRY_METADATA_SERVER (or MOONCAKE_TE_META_DATA_SERVER) to the one the clients use".into())),
+        };
     };
     match kvferry::metadata::ConnString::parse(&conn) {
-        Ok(kvferry::metadata::ConnString::P2p) => Ok(Err(format!("{from} is {conn}: peers keep no entries in a metadata service"))),
-        Ok(_) => Ok(Ok((conn, from))),
+        Ok(kvferry::metadata::ConnString::P2p) => no_entries(format!("{from} is {conn}")),
+        Ok(_) => Ok(CleanupService::At { conn, from }),
         Err(e) => Err(format!("--enable-metadata-cleanup-on-timeout: {from} = {conn:?}: {e}")),
     }
 }
 
-/// kvferry's long flag names for `kvferry master` (kebab-case, no dashes).
-pub fn known_flags() -> Vec<String> {
+/// `kvferry master`'s arguments as clap sees them.
+fn command() -> clap::Command {
     #[derive(clap::Parser)]
     struct Wrap {
         #[command(flatten)]
         m: MasterArgs,
     }
     use clap::CommandFactory;
-    Wrap::command().get_arguments().filter_map(|a| a.get_long().map(str::to_string)).collect()
+    Wrap::command()
+}
+
+/// kvferry's long flag names for `kvferry master` (kebab-case, no dashes).
+pub fn known_flags() -> Vec<String> {
+    command().get_arguments().filter_map(|a| a.get_long().map(str::to_string)).collect()
 }
 
 pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
@@ -381,7 +395,7 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     if a.enable_metadata_cleanup_on_timeout {
         let embedded = metadata.as_ref().map(|(_, at)| format!("http://{at}/metadata"));
         match cleanup_service(embedded, &|k| std::env::var(k).ok())? {
-            Ok((conn, from)) => {
+            CleanupService::At { conn, from } => {
                 let opts = kvferry::metadata::StoreOptions::from_config(&env);
                 let c = conn.clone();
                 let connect: kvferry_store::cleanup::Connect = Box::new(move || match kvferry::metadata::connect(&c, &opts) {
@@ -393,7 +407,7 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
                 master.cleanup.start(kvferry::metadata::Keys::new(env.metadata_cluster_id.as_deref()), connect, probe)?;
                 eprintln!("kvferry master: the metadata entries of clients that stop pinging are removed from {conn} ({from}), unless their engine still answers");
             }
-            Err(why) => eprintln!("kvferry master: warning: --enable-metadata-cleanup-on-timeout is set, but {why}; nothing is removed"),
+            CleanupService::None(why) => eprintln!("kvferry master: warning: --enable-metadata-cleanup-on-timeout is set, but {why}; nothing is removed"),
         }
     }
     let metadata = metadata.map(|(url, _)| url);
@@ -493,13 +507,7 @@ mod tests {
     /// or a bare one takes the next flag for its value.
     #[test]
     fn every_boolean_flag_is_translated_as_one() {
-        #[derive(clap::Parser)]
-        struct Wrap {
-            #[command(flatten)]
-            m: MasterArgs,
-        }
-        use clap::CommandFactory;
-        let cmd = Wrap::command();
+        let cmd = command();
         let bools: Vec<String> = cmd.get_arguments().filter(|a| a.get_num_args() == Some((0..=1).into())).filter_map(|a| a.get_long().map(str::to_string)).collect();
         assert!(bools.len() >= 3, "{bools:?}");
         for b in &bools {
@@ -583,19 +591,26 @@ mod tests {
         };
         let embedded = Some("http://127.0.0.1:8080/metadata".to_string());
         let all = with(&[("KVFERRY_METADATA_SERVER", "etcd://127.0.0.1:2379"), ("MOONCAKE_TE_META_DATA_SERVER", "http://10.0.0.1:8080/metadata"), ("MOONCAKE_CONFIG_PATH", &cfg_s)]);
-        assert_eq!(cleanup_service(embedded.clone(), &all), Ok(Ok((embedded.clone().unwrap_or_default(), "the embedded metadata server".into()))));
-        assert_eq!(cleanup_service(None, &all), Ok(Ok(("etcd://127.0.0.1:2379".into(), "$KVFERRY_METADATA_SERVER".into()))));
+        let at = |conn: &str, from: &str| Ok(CleanupService::At { conn: conn.into(), from: from.into() });
+        let why = |r: Result<CleanupService, String>| match r {
+            Ok(CleanupService::None(why)) => why,
+            other => panic!("no service expected, got {other:?}"),
+        };
+        assert_eq!(cleanup_service(embedded.clone(), &all), at(&embedded.clone().unwrap_or_default(), "the embedded metadata server"));
+        assert_eq!(cleanup_service(None, &all), at("etcd://127.0.0.1:2379", "$KVFERRY_METADATA_SERVER"));
         let mc = with(&[("MOONCAKE_TE_META_DATA_SERVER", "http://10.0.0.1:8080/metadata"), ("MOONCAKE_CONFIG_PATH", &cfg_s)]);
-        assert_eq!(cleanup_service(None, &mc), Ok(Ok(("http://10.0.0.1:8080/metadata".into(), "$MOONCAKE_TE_META_DATA_SERVER".into()))));
+        assert_eq!(cleanup_service(None, &mc), at("http://10.0.0.1:8080/metadata", "$MOONCAKE_TE_META_DATA_SERVER"));
         let file = with(&[("MOONCAKE_CONFIG_PATH", &cfg_s)]);
-        assert_eq!(cleanup_service(None, &file), Ok(Ok(("redis://127.0.0.1:6379".into(), format!("metadata_server in {cfg_s}")))));
+        assert_eq!(cleanup_service(None, &file), at("redis://127.0.0.1:6379", &format!("metadata_server in {cfg_s}")));
         // No service, or peers that keep none: a reason, and the master starts.
-        let why = cleanup_service(None, &with(&[])).expect("not an error").expect_err("no service");
-        assert!(why.contains("--enable-http-metadata-server") && why.contains("KVFERRY_METADATA_SERVER"), "{why}");
-        let why = cleanup_service(None, &with(&[("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE")])).expect("not an error").expect_err("p2p");
-        assert!(why.contains("P2PHANDSHAKE") && why.contains("MOONCAKE_TE_META_DATA_SERVER"), "{why}");
+        let w = why(cleanup_service(None, &with(&[])));
+        assert!(w.contains("--enable-http-metadata-server") && w.contains("KVFERRY_METADATA_SERVER"), "{w}");
+        let w = why(cleanup_service(None, &with(&[("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE")])));
+        assert!(w.contains("P2PHANDSHAKE") && w.contains("MOONCAKE_TE_META_DATA_SERVER"), "{w}");
         let p2p_then_file = with(&[("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE"), ("MOONCAKE_CONFIG_PATH", &cfg_s)]);
-        assert_eq!(cleanup_service(None, &p2p_then_file), Ok(Ok(("redis://127.0.0.1:6379".into(), format!("metadata_server in {cfg_s}")))), "P2PHANDSHAKE in a variable: the next source, as Mooncake");
+        assert_eq!(cleanup_service(None, &p2p_then_file), at("redis://127.0.0.1:6379", &format!("metadata_server in {cfg_s}")), "P2PHANDSHAKE in a variable: the next source, as Mooncake");
+        std::fs::write(&cfg, r#"{"metadata_server": "P2PHANDSHAKE"}"#).expect("write");
+        assert!(why(cleanup_service(None, &file)).contains(&format!("metadata_server in {cfg_s} is P2PHANDSHAKE")));
         // A service named but not understood, or a config file that cannot be read: errors.
         let e = cleanup_service(None, &with(&[("KVFERRY_METADATA_SERVER", "ftp://x")])).expect_err("bad scheme");
         assert!(e.contains("KVFERRY_METADATA_SERVER") && e.contains("ftp://x"), "{e}");
