@@ -680,19 +680,34 @@ fn values_read_into_the_local_buffer_are_used_in_place_and_give_their_space_back
     writer.close().expect("close");
 }
 
-/// A stand-in master on 127.0.0.1 that answers every start of a put `OutcomeUnknown` (what a
-/// leader that lost its term before the start was durable answers) and records what it is
-/// sent.
-fn outcome_unknown_master() -> (String, std::sync::Arc<std::sync::Mutex<Vec<proto::Request>>>) {
+/// How the stand-in master of [`stand_in_master`] treats the puts it is sent.
+#[derive(Clone, Copy, PartialEq)]
+enum StandIn {
+    /// Every start answered `OutcomeUnknown` (what a leader that lost its term before the
+    /// start was durable answers).
+    StartUnknown,
+    /// The connection closed, unanswered, on every start (the master killed after reading it).
+    StartLost,
+    /// Starts answered with no replica to write (nothing to transfer); the first end's
+    /// connection closed unanswered, the next end answered `Ok` (a leader that has the start).
+    EndLostThenOk,
+    /// As `EndLostThenOk`, the next end answered as a leader that does not know the put.
+    EndLostThenUnknownPut,
+}
+
+/// A stand-in master on 127.0.0.1 that treats puts as `how` says and records what it is sent
+/// (a request it leaves unanswered too).
+fn stand_in_master(how: StandIn) -> (String, std::sync::Arc<std::sync::Mutex<Vec<proto::Request>>>) {
     use proto::{Request, Response};
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = l.local_addr().expect("addr").to_string();
     let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let log = std::sync::Arc::clone(&seen);
+    let ends = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::spawn(move || {
         for conn in l.incoming() {
             let Ok(mut s) = conn else { return };
-            let log = std::sync::Arc::clone(&log);
+            let (log, ends) = (std::sync::Arc::clone(&log), std::sync::Arc::clone(&ends));
             std::thread::spawn(move || loop {
                 let mut len = [0u8; 4];
                 if s.read_exact(&mut len).is_err() {
@@ -704,21 +719,35 @@ fn outcome_unknown_master() -> (String, std::sync::Arc<std::sync::Mutex<Vec<prot
                     return;
                 }
                 let Ok(req) = proto::decode::<Request>(&body) else { return };
+                let first_end = matches!(how, StandIn::EndLostThenOk | StandIn::EndLostThenUnknownPut) && ends.load(std::sync::atomic::Ordering::SeqCst) == 0;
                 let one = |r: &Request| match r {
                     Request::MountSegment { .. } | Request::UnmountSegment { .. } | Request::RemountSegments { .. } | Request::ReleaseReads { .. } => Response::Ok,
                     Request::Ping { .. } => Response::Ping(proto::PingStatus::Ok),
+                    Request::PutStart { .. } => Response::Replicas(Vec::new()),
+                    Request::PutEnd { key, .. } if how == StandIn::EndLostThenUnknownPut => Response::Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress"))),
+                    Request::PutEnd { .. } => Response::Ok,
                     // The new leader did not get the start: nothing to revoke.
                     Request::PutRevoke { key, .. } => Response::Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress"))),
                     _ => Response::Err(StoreError::Internal("not expected by this test".into())),
                 };
-                let starts = |v: &[Request]| v.iter().any(|r| matches!(r, Request::PutStart { .. }));
-                let resp = match &req {
-                    Request::PutStart { .. } => Response::Err(StoreError::OutcomeUnknown),
-                    Request::Batch(v) if starts(v) => Response::Err(StoreError::OutcomeUnknown),
-                    Request::Batch(v) => Response::Batch(v.iter().map(one).collect()),
-                    r => one(r),
+                let has = |r: &Request, f: fn(&Request) -> bool| match r {
+                    Request::Batch(v) => v.iter().any(f),
+                    r => f(r),
                 };
+                let start = has(&req, |r| matches!(r, Request::PutStart { .. }));
+                let end = has(&req, |r| matches!(r, Request::PutEnd { .. }));
+                let resp = match (&req, how) {
+                    (_, StandIn::StartLost) if start => None,
+                    (_, StandIn::StartUnknown) if start => Some(Response::Err(StoreError::OutcomeUnknown)),
+                    _ if end && first_end => None,
+                    (Request::Batch(v), _) => Some(Response::Batch(v.iter().map(one).collect())),
+                    (r, _) => Some(one(r)),
+                };
+                if end {
+                    ends.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
                 log.lock().expect("log").push(req);
+                let Some(resp) = resp else { return }; // the connection closes, unanswered
                 if s.write_all(&proto::encode(&resp).expect("encode")).is_err() {
                     return;
                 }
@@ -728,23 +757,14 @@ fn outcome_unknown_master() -> (String, std::sync::Arc<std::sync::Mutex<Vec<prot
     (addr, seen)
 }
 
-/// A put whose start got `OutcomeUnknown` fails with it (never "not stored": the new leader may
-/// hold the start), is not sent again, and is revoked for each of its keys, so that the keys
-/// are free at once on a leader that has the start.
-#[test]
-fn a_put_whose_start_has_an_unknown_outcome_fails_so_and_is_revoked_not_sent_again() {
+/// The puts' starts (`s`), ends (`e`) and revokes (`r`) a stand-in master was sent, request by
+/// request.
+fn put_steps(seen: &std::sync::Mutex<Vec<proto::Request>>) -> Vec<Vec<(char, String)>> {
     use proto::Request;
-    let (addr, seen) = outcome_unknown_master();
-    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 4 << 20, master_server_addr: addr, ..ClientConfig::default() }).expect("client setup");
-    let cfg = ReplicateConfig::default();
-    let e = c.put("one", b"value", &cfg).expect_err("not stored");
-    assert_eq!(e, StoreError::OutcomeUnknown);
-    let two = c.put_batch(&[("a", b"x"), ("b", b"y")], &cfg, false);
-    assert!(two.iter().all(|r| *r == Err(StoreError::OutcomeUnknown)), "{two:?}");
-    let seen: Vec<Request> = seen.lock().expect("log").clone();
     let keys = |r: &Request| -> Vec<(char, String)> {
         let one = |r: &Request| match r {
             Request::PutStart { key, .. } => Some(('s', key.clone())),
+            Request::PutEnd { key, .. } => Some(('e', key.clone())),
             Request::PutRevoke { key, .. } => Some(('r', key.clone())),
             _ => None,
         };
@@ -753,10 +773,47 @@ fn a_put_whose_start_has_an_unknown_outcome_fails_so_and_is_revoked_not_sent_aga
             r => one(r).into_iter().collect(),
         }
     };
-    let got: Vec<Vec<(char, String)>> = seen.iter().map(keys).filter(|v| !v.is_empty()).collect();
-    let k = |c: char, s: &str| (c, s.to_string());
-    assert_eq!(got, vec![vec![k('s', "one")], vec![k('r', "one")], vec![k('s', "a"), k('s', "b")], vec![k('r', "a"), k('r', "b")]], "each start once, then its revoke: {seen:?}");
-    c.close().expect("close");
+    seen.lock().expect("log").iter().map(keys).filter(|v| !v.is_empty()).collect()
+}
+
+fn step(c: char, key: &str) -> (char, String) {
+    (c, key.to_string())
+}
+
+/// A put whose start got `OutcomeUnknown` fails with it (never "not stored": the new leader may
+/// hold the start), is not sent again, and is revoked for each of its keys, so that the keys
+/// are free at once on a leader that has the start.
+#[test]
+fn a_put_whose_start_has_an_unknown_outcome_fails_so_and_is_revoked_not_sent_again() {
+    // Answered `OutcomeUnknown`, or its connection closed unanswered after it was sent (the
+    // master killed after reading it: it may have applied the start): the same either way.
+    for how in [StandIn::StartUnknown, StandIn::StartLost] {
+        let (addr, seen) = stand_in_master(how);
+        let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 4 << 20, master_server_addr: addr, ..ClientConfig::default() }).expect("client setup");
+        let cfg = ReplicateConfig::default();
+        let e = c.put("one", b"value", &cfg).expect_err("not stored");
+        assert_eq!(e, StoreError::OutcomeUnknown);
+        let two = c.put_batch(&[("a", b"x"), ("b", b"y")], &cfg, false);
+        assert!(two.iter().all(|r| *r == Err(StoreError::OutcomeUnknown)), "{two:?}");
+        let got = put_steps(&seen);
+        assert_eq!(got, vec![vec![step('s', "one")], vec![step('r', "one")], vec![step('s', "a"), step('s', "b")], vec![step('r', "a"), step('r', "b")]], "each start once, then its revoke");
+        c.close().expect("close");
+    }
+}
+
+/// A put whose end's connection closed unanswered after it was sent (the master killed after
+/// reading it) sends the end once more, to the master found then: the bytes are in place, so
+/// a master that has the start completes the put (`Ok`); one that does not know it leaves the
+/// outcome unknown (the first end may have completed it). Never a third time, never a revoke.
+#[test]
+fn a_put_whose_end_is_lost_sends_it_once_more_and_reports_what_that_says() {
+    for (how, want) in [(StandIn::EndLostThenOk, Ok(())), (StandIn::EndLostThenUnknownPut, Err(StoreError::OutcomeUnknown))] {
+        let (addr, seen) = stand_in_master(how);
+        let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 4 << 20, master_server_addr: addr, ..ClientConfig::default() }).expect("client setup");
+        assert_eq!(c.put("k", b"value", &ReplicateConfig::default()), want);
+        assert_eq!(put_steps(&seen), vec![vec![step('s', "k")], vec![step('e', "k")], vec![step('e', "k")]], "the end sent twice, the second time to the master found again");
+        c.close().expect("close");
+    }
 }
 
 /// Mooncake's `--enable_metadata_cleanup_on_timeout` (its spelling): when the master drops a

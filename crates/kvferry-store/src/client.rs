@@ -127,6 +127,15 @@ fn idempotent(req: &Request) -> bool {
     }
 }
 
+/// What a caller gets for a request that cannot be sent twice whose connection failed after
+/// it was sent (the master killed, paused past the timeout, the link reset): the master may
+/// have applied it, so the outcome is unknown ([`StoreError::OutcomeUnknown`], on which a put
+/// revokes its start at the leader), not the socket's error, which is logged.
+fn lost(e: StoreError) -> StoreError {
+    tracing::warn!("{e}: the connection failed after the request was sent; its outcome is unknown");
+    StoreError::OutcomeUnknown
+}
+
 /// Whether an idle pooled connection was closed (or reset) by the master: between requests
 /// it has nothing to send, so anything readable is the end.
 fn closed_by_peer(s: &TcpStream) -> bool {
@@ -143,6 +152,8 @@ enum Failure {
     NotSent(StoreError),
     /// The connection failed after (part of) the request was sent.
     Lost(StoreError),
+    /// The answer came but does not decode (not a master of this version).
+    Garbled(StoreError),
 }
 
 impl Rpc {
@@ -191,10 +202,15 @@ impl Rpc {
         Err(fail(last))
     }
 
-    /// One attempt at the current address.
-    fn call_once(&self, req: &Request, conn: Conn) -> Result<Response, Failure> {
+    /// One attempt at the current address; the answer, and the epoch of that address (the
+    /// leader that answered).
+    fn call_once(&self, req: &Request, conn: Conn) -> Result<(Response, u64), Failure> {
         let frame = proto::encode(req).map_err(Failure::NotSent)?;
-        let addr = self.addr();
+        let (addr, epoch) = {
+            // (Read together: `find_leader` changes both under this lock.)
+            let cur = self.addr.lock().unwrap_or_else(|e| e.into_inner());
+            (cur.0.clone(), self.epoch())
+        };
         if addr.is_empty() {
             return Err(Failure::NotSent(StoreError::Rpc("no master leads the cluster (the etcd key is absent)".into())));
         }
@@ -217,15 +233,15 @@ impl Rpc {
         let mut prefix = [0u8; 4];
         let got = poll_read(&s, &mut prefix, self.spin);
         s.read_exact(&mut prefix[got..]).map_err(io)?;
-        let n = proto::decode_len(prefix).map_err(Failure::Lost)?;
+        let n = proto::decode_len(prefix).map_err(Failure::Garbled)?;
         let mut body = vec![0u8; n];
         s.read_exact(&mut body).map_err(io)?;
-        let resp: Response = proto::decode(&body).map_err(Failure::Lost)?;
+        let resp: Response = proto::decode(&body).map_err(Failure::Garbled)?;
         match conn {
             Conn::Pool => self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(s),
             Conn::Aside => *self.aside.lock().unwrap_or_else(|e| e.into_inner()) = Some(s),
         }
-        Ok(resp)
+        Ok((resp, epoch))
     }
 
     /// Closes every idle connection (the pool's and the background threads').
@@ -240,8 +256,18 @@ impl Rpc {
 
     /// Like [`Rpc::call`], looking for a leader for at most `wait`.
     fn call_within(&self, req: &Request, wait: Duration, conn: Conn) -> StoreResult<Response> {
+        self.call_within_at(req, wait, conn).map(|(r, _)| r)
+    }
+
+    /// [`Rpc::call_within`], with the epoch of the leader that answered.
+    fn call_within_at(&self, req: &Request, wait: Duration, conn: Conn) -> StoreResult<(Response, u64)> {
         let Target::Etcd { .. } = &self.target else {
-            return self.call_once(req, conn).map_err(|(Failure::NotSent(e) | Failure::Lost(e))| e);
+            return match self.call_once(req, conn) {
+                Ok(r) => Ok(r),
+                Err(Failure::NotSent(e) | Failure::Garbled(e)) => Err(e),
+                Err(Failure::Lost(e)) if idempotent(req) => Err(e),
+                Err(Failure::Lost(e)) => Err(lost(e)),
+            };
         };
         let deadline = Instant::now() + wait;
         if self.addr().is_empty() {
@@ -249,20 +275,24 @@ impl Rpc {
         }
         loop {
             let err = match self.call_once(req, conn) {
-                Ok(Response::Err(StoreError::NotLeader { leader })) => StoreError::NotLeader { leader },
-                Ok(Response::Err(StoreError::OutcomeUnknown)) => {
+                Ok((Response::Err(StoreError::NotLeader { leader }), _)) => StoreError::NotLeader { leader },
+                Ok((Response::Err(StoreError::OutcomeUnknown), epoch)) => {
                     // Applied by a master that stopped leading: not sent again (the new leader
                     // may have the change). The next call finds the leader.
                     self.forget_leader();
-                    return Ok(Response::Err(StoreError::OutcomeUnknown));
+                    return Ok((Response::Err(StoreError::OutcomeUnknown), epoch));
                 }
                 Ok(r) => return Ok(r),
                 Err(Failure::NotSent(e)) => e,
-                Err(Failure::Lost(e)) if idempotent(req) => e,
+                Err(Failure::Lost(e) | Failure::Garbled(e)) if idempotent(req) => e,
+                Err(Failure::Garbled(e)) => {
+                    self.forget_leader();
+                    return Err(e);
+                }
                 Err(Failure::Lost(e)) => {
                     // It may have been applied: not sent again. The next call finds the leader.
                     self.forget_leader();
-                    return Err(e);
+                    return Err(lost(e));
                 }
             };
             if Instant::now() >= deadline {
@@ -297,16 +327,16 @@ impl Rpc {
                         Ok(s) => {
                             let changed = {
                                 // A new term, or a new address (an etcd that lost its data counts
-                                // revisions from 1 again).
+                                // revisions from 1 again). The epoch changes with the address,
+                                // under its lock (`call_once` reads them together).
                                 let mut cur = self.addr.lock().unwrap_or_else(|e| e.into_inner());
                                 let found = (addr.clone(), kv.create_revision);
                                 cur.0 = addr.clone();
                                 let known = std::mem::replace(&mut cur.1, found.clone());
-                                known != found
+                                (known != found).then(|| self.epoch.fetch_add(1, Ordering::AcqRel) + 1)
                             };
                             self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(s);
-                            if changed {
-                                let e = self.epoch.fetch_add(1, Ordering::AcqRel) + 1;
+                            if let Some(e) = changed {
                                 tracing::info!(term = kv.create_revision, epoch = e, "the store master leader is {addr}");
                                 self.reregister();
                             }
@@ -325,8 +355,8 @@ impl Rpc {
         }
     }
 
-    /// On a new leader: a ping; remount when it does not know this client (without metadata
-    /// replication a new leader never does). Best effort: the ping thread remounts too.
+    /// On a new leader: a ping; remount when it does not know this client (one that started
+    /// empty, or lost the client). Best effort: the ping thread remounts too.
     fn reregister(&self) {
         let (client, segments) = {
             let r = self.registration.lock().unwrap_or_else(|e| e.into_inner());
@@ -335,14 +365,14 @@ impl Rpc {
             }
             (r.client, r.segments.clone())
         };
-        match self.call_once(&Request::Ping { client }, Conn::Pool) {
-            Ok(Response::Ping(PingStatus::NeedRemount)) => match self.call_once(&Request::RemountSegments { client, segments }, Conn::Pool) {
+        match self.call_once(&Request::Ping { client }, Conn::Pool).map(|(r, _)| r) {
+            Ok(Response::Ping(PingStatus::NeedRemount)) => match self.call_once(&Request::RemountSegments { client, segments }, Conn::Pool).map(|(r, _)| r) {
                 Ok(Response::Ok) => tracing::info!("remounted at the new leader {}", self.addr()),
                 Ok(other) => tracing::warn!("remount at the new leader: {other:?}"),
-                Err(Failure::NotSent(e) | Failure::Lost(e)) => tracing::warn!("remount at the new leader: {e}"),
+                Err(Failure::NotSent(e) | Failure::Lost(e) | Failure::Garbled(e)) => tracing::warn!("remount at the new leader: {e}"),
             },
             Ok(_) => {}
-            Err(Failure::NotSent(e) | Failure::Lost(e)) => tracing::debug!("ping of the new leader: {e}"),
+            Err(Failure::NotSent(e) | Failure::Lost(e) | Failure::Garbled(e)) => tracing::debug!("ping of the new leader: {e}"),
         }
     }
 }
@@ -412,6 +442,8 @@ impl Inner {
     fn unmount_segment(&self, within: Duration) -> StoreResult<()> {
         match &self.segment {
             Some((_, seg)) if !self.unmounted.swap(true, Ordering::AcqRel) => {
+                // No longer remounted at a new leader (a call in flight elsewhere may find one).
+                self.rpc.registration.lock().unwrap_or_else(|e| e.into_inner()).mounted = false;
                 self.rpc.call_within(&Request::UnmountSegment { client: self.id, segment: seg.id }, within, Conn::Pool).and_then(Response::into_result).map(|_| ())
             }
             _ => Ok(()),
@@ -429,9 +461,14 @@ impl Inner {
     }
 
     fn call_batch_on(&self, reqs: Vec<Request>, conn: Conn) -> StoreResult<Vec<Response>> {
+        self.call_batch_at(reqs, conn).map(|(a, _)| a)
+    }
+
+    /// [`Inner::call_batch_on`], with the epoch of the leader that answered.
+    fn call_batch_at(&self, reqs: Vec<Request>, conn: Conn) -> StoreResult<(Vec<Response>, u64)> {
         let n = reqs.len();
         if n == 0 {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), self.rpc.epoch()));
         }
         let ids = self.releases.lock().unwrap_or_else(|e| e.into_inner()).take();
         let pre = usize::from(!ids.is_empty());
@@ -442,12 +479,12 @@ impl Inner {
         all.extend(reqs);
         let answer = if all.len() == 1 {
             let r = all.pop().ok_or_else(|| StoreError::Internal("empty request list".into()))?;
-            self.rpc.call_within(&r, FAILOVER_WAIT, conn).map(|a| vec![a])
+            self.rpc.call_within_at(&r, FAILOVER_WAIT, conn).map(|(a, epoch)| (vec![a], epoch))
         } else {
-            match self.rpc.call_within(&Request::Batch(all), FAILOVER_WAIT, conn) {
-                Ok(Response::Batch(v)) if v.len() == n + pre => Ok(v.into_iter().skip(pre).collect()),
-                Ok(Response::Err(e)) => Err(e),
-                Ok(other) => Err(StoreError::Rpc(format!("unexpected answer to a batch: {other:?}"))),
+            match self.rpc.call_within_at(&Request::Batch(all), FAILOVER_WAIT, conn) {
+                Ok((Response::Batch(v), epoch)) if v.len() == n + pre => Ok((v.into_iter().skip(pre).collect(), epoch)),
+                Ok((Response::Err(e), _)) => Err(e),
+                Ok((other, _)) => Err(StoreError::Rpc(format!("unexpected answer to a batch: {other:?}"))),
                 Err(e) => Err(e),
             }
         };
@@ -790,7 +827,9 @@ impl Client {
         let id = self.inner.id;
         let total = |parts: &[(u64, u64)]| parts.iter().map(|p| p.1).sum::<u64>();
         let starts: Vec<Request> = items.iter().map(|&(k, parts)| Request::PutStart { client: id, key: k.to_string(), size: total(parts), config: cfg.clone(), upsert }).collect();
-        let answers = match self.call_batch(starts) {
+        // The answers, and the leader that reserved the space (its epoch); a put ended under
+        // another one may not be stored.
+        let (answers, epoch) = match self.inner.call_batch_at(starts, Conn::Pool) {
             Ok(a) => a,
             Err(e) => {
                 if e == StoreError::OutcomeUnknown {
@@ -801,8 +840,6 @@ impl Client {
         };
         let unknown = answers.iter().zip(items).filter(|(a, _)| **a == Response::Err(StoreError::OutcomeUnknown));
         self.revoke_unknown(unknown.map(|(_, &(k, _))| k));
-        // The leader that reserved the space; a put ended under another one was not stored.
-        let epoch = self.inner.rpc.epoch();
         let mut results: Vec<StoreResult<()>> = Vec::with_capacity(items.len());
         let mut reqs = Vec::new();
         let mut owner = Vec::new(); // request index -> item index
@@ -857,10 +894,38 @@ impl Client {
             })
             .collect();
         let was_ok: Vec<bool> = ends.iter().map(|(i, _)| results[*i].is_ok()).collect();
-        let ended = self.call_batch(ends.iter().map(|(_, r)| r.clone()).collect());
-        // A failover between PutStart and PutEnd: the new leader does not know the write (no
-        // metadata replication yet), so the put failed; say so, it is worth retrying.
-        let failed_over = self.inner.rpc.epoch() != epoch;
+        let (mut ended, end_epoch) = match self.inner.call_batch_at(ends.iter().map(|(_, r)| r.clone()).collect(), Conn::Pool) {
+            Ok((a, e)) => (Ok(a), e),
+            Err(e) => (Err(e), self.inner.rpc.epoch()),
+        };
+        // PutEnds whose outcome is unknown (their leader stopped leading, or the connection
+        // failed, after they were sent) are sent once more, to the leader found now: the bytes
+        // are in place, so one that knows the write in progress (from the journal or its
+        // mirror) completes it; one that does not, or that the first PutEnd reached, answers an
+        // error, and the outcome stays unknown.
+        let unknown: Vec<usize> = match &ended {
+            Ok(answers) => (0..ends.len()).filter(|&k| was_ok[k] && answers[k] == Response::Err(StoreError::OutcomeUnknown)).collect(),
+            Err(StoreError::OutcomeUnknown) => (0..ends.len()).filter(|&k| was_ok[k]).collect(),
+            Err(_) => Vec::new(),
+        };
+        if !unknown.is_empty() {
+            let again: Vec<Request> = unknown.iter().map(|&k| ends[k].1.clone()).collect();
+            if let Ok(answers) = self.call_batch(again) {
+                let mut all = match ended {
+                    Ok(a) => a,
+                    Err(e) => ends.iter().map(|_| Response::Err(e.clone())).collect(),
+                };
+                for (&k, a) in unknown.iter().zip(answers) {
+                    if a == Response::Ok {
+                        all[k] = Response::Ok;
+                    }
+                }
+                ended = Ok(all);
+            }
+        }
+        // A failover between PutStart and PutEnd whose new leader does not know the write (it
+        // started empty): the put failed; say so, it is worth retrying.
+        let failed_over = end_epoch != epoch;
         // (Not when the outcome is unknown: the end may have reached the new leader.)
         let fail = |i: usize, e: StoreError| if failed_over && e != StoreError::OutcomeUnknown { StoreError::MasterFailover(items[i].0.to_string()) } else { e };
         match ended {
@@ -1376,7 +1441,7 @@ fn ping_loop(inner: Weak<Inner>, every: Duration) {
         // Also delivers the releases of reads that finished since the last request.
         match inner.call_batch_on(vec![Request::Ping { client: inner.id }], Conn::Aside).and_then(|mut v| v.pop().ok_or_else(|| StoreError::Rpc("no answer".into()))) {
             Ok(Response::Ping(PingStatus::Ok)) => {}
-            Ok(Response::Ping(PingStatus::NeedRemount)) => {
+            Ok(Response::Ping(PingStatus::NeedRemount)) if !inner.unmounted.load(Ordering::Acquire) => {
                 tracing::warn!("the master does not know this client (it restarted?); remounting");
                 let segments = inner.segment.iter().map(|(_, s)| s.clone()).collect();
                 if let Err(e) = inner.rpc.call_ok(&Request::RemountSegments { client: inner.id, segments }) {

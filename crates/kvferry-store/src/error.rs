@@ -45,10 +45,12 @@ pub enum StoreError {
     /// leader does not know the write). Retryable: put it again.
     #[error("the master failed over while the put of {0:?} was in flight; the object was not stored, put it again")]
     MasterFailover(String),
-    /// The leader applied the request, then stopped leading before its change was durable
-    /// (in its etcd journal or on its in-sync standbys): the new leader may or may not have
-    /// it. Unlike [`StoreError::NotLeader`], the request is not sent again on its own.
-    #[error("the master stopped leading before this request's change was durable (its etcd journal or in-sync standby had not confirmed it): the new leader may or may not have it; check the state (exist, get) before repeating it (a put the client started is revoked for it)")]
+    /// The request reached the master but its outcome is unknown: the leader applied it and
+    /// stopped leading before its change was durable (in its etcd journal or on its in-sync
+    /// standbys), or the connection failed after the request was sent (the master killed,
+    /// paused past the timeout, the link reset). Unlike [`StoreError::NotLeader`], the
+    /// request is not sent again on its own (a put's end is, once: see `Client::put_from`).
+    #[error("the master may or may not have applied this request (it stopped leading before the change was durable, or the connection failed after the request was sent): check the state (exist, get) before repeating it; a put whose start is in doubt is revoked by the client, and a put whose end is in doubt was sent once more to the leader")]
     OutcomeUnknown,
 }
 
