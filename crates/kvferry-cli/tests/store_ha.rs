@@ -658,6 +658,53 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
     let _ = c.close();
 }
 
+/// An in-sync standby whose campaign fails after it found it may lead from its mirror (its
+/// transaction refused because the in-sync record changed under it; a lease that cannot be
+/// granted or an etcd error fail it the same way) keeps its mirror for the next campaign: it
+/// leads from it, with every object, and never starts empty (being the only member alive, a
+/// member without its mirror would).
+#[test]
+fn an_in_sync_standby_whose_campaign_fails_keeps_its_mirror_and_leads_from_it() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
+    let mut ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, false)];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let s = 1 - l;
+    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    let c = ha_client(etcd_svc.port, 16 << 20);
+    let keys: Vec<String> = (0..50).map(|i| format!("kept{i}")).collect();
+    for k in &keys {
+        c.put(k, &value(k, 4096), &ReplicateConfig::default()).expect("put");
+    }
+    let ikey = kvferry_store::ha::sync::insync_key("mooncake_cluster");
+    let record = etcd.get_kv(&ikey).expect("get").expect("the in-sync record").value;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let touches = std::thread::scope(|sc| {
+        // The record rewritten as it is, again and again: every campaign's transaction, which
+        // requires the revision it read, is refused while this runs.
+        let toucher = sc.spawn(|| {
+            let mut n = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                etcd.put(&ikey, &record, 0).expect("rewrite the in-sync record");
+                n += 1;
+            }
+            n
+        });
+        ms[l].kill();
+        // The key expires within a TTL; the standby campaigns (and fails) for a while more.
+        std::thread::sleep(TTL + Duration::from_secs(1));
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        toucher.join().expect("the toucher")
+    });
+    wait_leader(&ms[s], 2 * TTL, "the in-sync standby did not lead once its campaigns could succeed");
+    let st = ha_status(&ms[s]);
+    for k in &keys {
+        assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{k} lost: the standby led without its mirror ({e}); {st}")), value(k, 4096));
+    }
+    eprintln!("the in-sync record rewritten {touches} times during the failover; every object kept");
+    let _ = c.close();
+}
+
 /// An in-sync standby that stops acknowledging (SIGSTOP: its connection stays open, nothing
 /// breaks) holds a request waiting on it for one acknowledgement bound (a quarter of the fence
 /// bound), not longer: the leader's writer, asleep with its links lent out (the request sent
@@ -682,9 +729,19 @@ fn a_paused_in_sync_standby_holds_a_request_one_acknowledgement_bound_then_leave
 
     ms[s].signal(Signal::STOP);
     let mount = |id: u64| Request::MountSegment { client: 99, segment: proto::Segment { id, name: "127.0.0.1:1".into(), te_endpoint: "127.0.0.1:1".into(), base: id << 30, size: 1 << 20 } };
+    // Meanwhile another standby registers (a listener that accepts and never answers): the
+    // leader links it, and linking it must not answer what waits for the in-sync standby.
+    let third = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let third_addr = third.local_addr().expect("addr").to_string();
     let sent = Instant::now();
-    assert_eq!(rpc(&mut conn, &mount(8)), Response::Ok, "answered once the paused standby left the set");
-    let took = sent.elapsed();
+    let took = std::thread::scope(|sc| {
+        sc.spawn(|| {
+            std::thread::sleep(Duration::from_millis(30));
+            etcd.put(&kvferry_store::ha::sync::standby_key(cluster, &third_addr), third_addr.as_bytes(), 0).expect("register a third standby");
+        });
+        assert_eq!(rpc(&mut conn, &mount(8)), Response::Ok, "answered once the paused standby left the set");
+        sent.elapsed()
+    });
     let bound = TTL * 2 / 3 / 4;
     assert!(took >= bound, "answered after {took:?}, before the standby could be late ({bound:?}): not durable");
     assert!(took < TTL, "a paused standby held the request {took:?}, the bound is {bound:?}");

@@ -368,16 +368,7 @@ fn apply_locked(st: &mut State, m: &Master, req: Request, now: u64, removed: &mu
     let lease = m.cfg.lease_ttl.as_millis() as u64;
     match req {
         Request::MountSegment { client, segment } => st.mount(client, segment, now).map(|_| Response::Ok),
-        Request::RemountSegments { client, segments } => {
-            st.register_client(client, now);
-            let mut r = Ok(Response::Ok);
-            for s in segments {
-                if let Err(e) = st.mount(client, s, now) {
-                    r = Err(e);
-                }
-            }
-            r
-        }
+        Request::RemountSegments { client, segments } => st.remount(client, segments, now, lease).map(|_| Response::Ok),
         Request::UnmountSegment { client, segment } => st.unmount(client, segment).map(|_| Response::Ok),
         Request::Ping { client } => Ok(Response::Ping(st.ping(client, now))),
         Request::PutStart { client, key, size, config, upsert } => st.put_start(&m.cfg, &m.stats, client, &key, size, &config, upsert, now).map(Response::Replicas),
@@ -449,6 +440,9 @@ impl Spin {
 
 fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin) -> std::io::Result<()> {
     s.set_nodelay(true)?;
+    // An answer written by this thread waits for a client that stops reading at most this long
+    // (deferred answers are sent without blocking, within the same bound: `Outbox::send`).
+    s.set_write_timeout(Some(SLOW_ANSWER))?;
     let out = Arc::new(Outbox { sock: s.try_clone()?, busy: std::sync::Mutex::default(), idle: std::sync::Condvar::new() });
     let mut prefix = [0u8; 4];
     let mut body = Vec::new();

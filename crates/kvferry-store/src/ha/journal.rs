@@ -1272,11 +1272,15 @@ impl Writer<'_> {
         };
         s.failed.remove(member);
         let (queued, upto, image) = self.freeze()?;
-        if queued.is_empty() {
-            self.master.journal.done(upto);
-        } else {
+        if !queued.is_empty() {
             self.commit(queued, upto)?;
+        } else if !self.streaming() {
+            // Everything enqueued is in etcd already (appended by this writer).
+            self.master.journal.done(upto);
         }
+        // (While standbys are in sync, what was enqueued before went out as entries that only
+        // their acknowledgements answer, [`Release`]: answering them here, for the link of
+        // another standby, would tell clients their changes are durable before they are.)
         let objects = image.len();
         match image_frames(self.seq, image) {
             Ok(frames) => link.send_image(self.seq, &frames),

@@ -367,6 +367,17 @@ impl Standby {
     }
 }
 
+/// Where a campaigning master would take its state from, decided before it campaigns. The
+/// mirror is only checked here, not taken: it is taken once the key is won, so that a campaign
+/// that fails (no lease, a transaction lost or refused) leaves it whole for the next one (a
+/// mirror given up there would leave its member, the only one alive, starting empty).
+enum Plan {
+    Journal,
+    /// This member's complete mirror of the in-sync record's term.
+    Mirror(i64),
+    Empty,
+}
+
 /// Where a new leader's state comes from.
 enum Source {
     Journal,
@@ -425,7 +436,7 @@ fn replication_ip(address: &str) -> Result<std::net::IpAddr, String> {
 
 /// Whether this master may campaign now and from what, by the in-sync record
 /// ([`sync::eligibility`]); the conditions the campaign's transaction must hold under.
-fn eligible(cfg: &HaConfig, etcd: &EtcdClient, mirror: Option<&sync::Mirror>) -> Result<Option<(Source, Vec<Cond>)>, String> {
+fn eligible(cfg: &HaConfig, etcd: &EtcdClient, mirror: Option<&sync::Mirror>) -> Result<Option<(Plan, Vec<Cond>)>, String> {
     let ikey = sync::insync_key(&cfg.cluster_id);
     let kv = etcd.get_kv(&ikey).map_err(|e| e.to_string())?;
     let rec = sync::InSync::parse(kv.as_ref().map_or(&[][..], |kv| &kv.value))?;
@@ -438,12 +449,12 @@ fn eligible(cfg: &HaConfig, etcd: &EtcdClient, mirror: Option<&sync::Mirror>) ->
     };
     let rule = sync::eligibility(&rec, &cfg.address, mirror.and_then(sync::Mirror::complete_term), |m| registered.iter().any(|r| r == m));
     Ok(match rule {
-        sync::Eligibility::Journal => Some((Source::Journal, conds)),
+        sync::Eligibility::Journal => Some((Plan::Journal, conds)),
         sync::Eligibility::Wait => None,
-        sync::Eligibility::Mirror => mirror.and_then(|m| m.take(rec.term)).map(|(image, seq)| (Source::Mirror(image, seq, rec.term), conds)),
+        sync::Eligibility::Mirror => Some((Plan::Mirror(rec.term), conds)),
         sync::Eligibility::Empty => {
             conds.extend(rec.members.iter().filter(|m| **m != cfg.address).map(|m| Cond::Absent(sync::standby_key(&cfg.cluster_id, m))));
-            Some((Source::Empty, conds))
+            Some((Plan::Empty, conds))
         }
     })
 }
@@ -507,7 +518,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
         // The key is absent: campaign, if the in-sync set lets this master lead (in either
         // mode: a master that journals to etcd only must not load a journal that stopped
         // when standbys took over acknowledging).
-        let (source, conds) = match eligible(cfg, etcd, standby.as_ref().map(|sb| &*sb.mirror)) {
+        let (plan, conds) = match eligible(cfg, etcd, standby.as_ref().map(|sb| &*sb.mirror)) {
             Ok(Some(x)) => {
                 waiting_logged = false;
                 x
@@ -535,7 +546,6 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
         let lease = match etcd.lease_grant(ttl_secs) {
             Ok((id, _)) => id,
             Err(e) => {
-                reopen(&standby);
                 report(e.to_string());
                 std::thread::sleep(STANDBY_POLL);
                 continue;
@@ -544,18 +554,39 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
         match etcd.create_when(key, cfg.address.as_bytes(), lease, &conds) {
             Ok(Created::Won(term)) => {
                 let owner = Owner { create_revision: term, lease };
-                if let Some(sb) = standby.as_mut() {
-                    sb.deregister(etcd); // a leader is not a standby
+                // The mirror is taken now that the key is won (nothing is mirrored from here
+                // on); it cannot have changed since it was found complete: no leader is named,
+                // so no hello is accepted.
+                let source = match plan {
+                    Plan::Journal => Some(Source::Journal),
+                    Plan::Empty => Some(Source::Empty),
+                    Plan::Mirror(rec_term) => standby.as_ref().and_then(|sb| sb.mirror.take(rec_term)).map(|(image, seq)| Source::Mirror(image, seq, rec_term)),
+                };
+                if let Some(sb) = standby.as_ref() {
                     sb.mirror.close();
                 }
                 // A mirror handed to a takeover that fails is put back (this member may
                 // campaign from it again: etcd may still name it in sync).
                 let mirrored = match &source {
-                    Source::Mirror(_, seq, rec_term) => Some((*seq, *rec_term)),
+                    Some(Source::Mirror(_, seq, rec_term)) => Some((*seq, *rec_term)),
                     _ => None,
                 };
-                match take_over(cfg, etcd, key, master, owner, sent, seen, source) {
+                // Until the takeover ends, the key's lease and this member's registration are
+                // renewed by a thread of their own: a takeover of a large state outlasts the
+                // TTL, and with the key gone another master would campaign, and with this
+                // member's registration gone (while the in-sync record still names it) it would
+                // start empty. The registration goes once this master leads (a leader is not a
+                // standby) and its takeover has emptied the in-sync set.
+                let reg = standby.as_ref().and_then(|sb| sb.reg.map(|(l, _)| l));
+                let taken = match source {
+                    None => Err("this member's mirror was no longer complete when it won the key".to_string()),
+                    Some(source) => renewing(cfg, etcd, &[Some(lease), reg], || take_over(cfg, etcd, key, master, owner, sent, seen, source)),
+                };
+                match taken {
                     Ok(writer) => {
+                        if let Some(sb) = standby.as_mut() {
+                            sb.deregister(etcd);
+                        }
                         logged_leader = cfg.address.clone();
                         std::thread::scope(|sc| {
                             let w = std::thread::Builder::new().name("kvf-master-journal".into()).spawn_scoped(sc, move || writer.run());
@@ -600,19 +631,48 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 gate.stepped_down.fetch_add(1, Ordering::AcqRel);
                 tracing::warn!(term, "HA: stepped down; metadata reset; standing by");
             }
+            // (The mirror was not taken: it stays as it is for the next campaign.)
             Ok(Created::Lost(kv)) => {
-                reopen(&standby);
                 let _ = etcd.lease_revoke(lease);
                 gate.set_standby(kv.as_ref());
             }
             Err(e) => {
-                reopen(&standby);
                 let _ = etcd.lease_revoke(lease);
                 report(e.to_string());
                 std::thread::sleep(STANDBY_POLL);
             }
         }
     }
+}
+
+/// Runs `f`, renewing `leases` (the `Some` ones) every keepalive period meanwhile, on a thread
+/// of its own; a renewal that fails is logged and tried again at the next period (`f` checks
+/// the key itself before it serves).
+fn renewing<T>(cfg: &HaConfig, etcd: &EtcdClient, leases: &[Option<i64>], f: impl FnOnce() -> T) -> T {
+    let done = AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        let keeper = std::thread::Builder::new().name("kvf-ha-takeover-keepalive".into()).spawn_scoped(sc, || {
+            let mut last = Instant::now();
+            while !done.load(Ordering::Acquire) {
+                std::thread::park_timeout(cfg.keepalive_every().saturating_sub(last.elapsed()));
+                if done.load(Ordering::Acquire) || last.elapsed() < cfg.keepalive_every() {
+                    continue;
+                }
+                last = Instant::now();
+                for lease in leases.iter().flatten() {
+                    if let Err(e) = etcd.lease_keepalive(*lease) {
+                        tracing::warn!("HA: renewing lease {lease:x} during the takeover: {e}");
+                    }
+                }
+            }
+        });
+        let out = f();
+        done.store(true, Ordering::Release);
+        if let Ok(k) = &keeper {
+            k.thread().unpark();
+        }
+        out
+    })
 }
 
 /// Loads the state `source` names into `master` for `term` and starts serving: the writer

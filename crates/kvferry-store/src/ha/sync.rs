@@ -92,15 +92,26 @@ pub fn decode_frame<T: for<'de> Deserialize<'de>>(buf: &[u8]) -> Result<Option<(
 
 /// Reads one frame from a blocking stream.
 pub fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> Result<T, String> {
+    read_frame_max(r, MAX_FRAME)
+}
+
+/// The largest hello a standby reads (before it knows the peer is a leader) and the largest
+/// frame a leader reads from a standby (an acknowledgement or a refusal).
+pub const MAX_SMALL_FRAME: usize = 64 << 10;
+
+/// Reads one frame of at most `max` bytes from a blocking stream. Memory grows with the bytes
+/// that arrive (at most 1 MiB is reserved on the length's word alone), so a peer that claims a
+/// large frame and sends nothing costs nothing.
+pub fn read_frame_max<T: for<'de> Deserialize<'de>>(r: &mut impl Read, max: usize) -> Result<T, String> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len).map_err(|e| e.to_string())?;
     let n = u32::from_le_bytes(len) as usize;
-    if n > MAX_FRAME {
-        return Err(format!("a replication frame claims {n} bytes (at most {MAX_FRAME})"));
+    if n > max.min(MAX_FRAME) {
+        return Err(format!("a replication frame claims {n} bytes (at most {} here): the peer is not a kvferry master of this version", max.min(MAX_FRAME)));
     }
-    let mut body = vec![0u8; 4 + n];
-    body[..4].copy_from_slice(&len);
-    r.read_exact(&mut body[4..]).map_err(|e| e.to_string())?;
+    let mut body = Vec::with_capacity(4 + n.min(1 << 20));
+    body.extend_from_slice(&len);
+    r.take(n as u64).read_to_end(&mut body).map_err(|e| e.to_string())?;
     match decode_frame(&body)? {
         Some((m, _)) => Ok(m),
         None => Err("a replication frame is cut short".into()),
@@ -371,7 +382,7 @@ fn follow(mut s: TcpStream, m: &Mirror) -> Result<(), String> {
     let _ = s.set_nodelay(true);
     // A leader says hello at once; a silent peer is not a leader.
     s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
-    let hello: ToStandby = read_frame(&mut s)?;
+    let hello: ToStandby = read_frame_max(&mut s, MAX_SMALL_FRAME)?;
     let ToStandby::Hello { cluster_id, term, lease, leader } = hello else { return Err("the first frame is not a hello".into()) };
     let conn = match m.hello(&cluster_id, term, lease) {
         Ok(c) => c,
@@ -381,8 +392,14 @@ fn follow(mut s: TcpStream, m: &Mirror) -> Result<(), String> {
         }
     };
     tracing::info!(term, "HA replication: following the leader at {leader}");
-    // Entries come as the leader writes them; an idle leader sends nothing for a while.
+    // Entries come as the leader writes them; an idle leader sends nothing for a while. A
+    // leader whose host died without closing the connection is found by TCP keepalive (idle
+    // 10 s, then 3 probes 5 s apart), so this thread and its buffer do not wait forever.
     s.set_read_timeout(None).map_err(|e| e.to_string())?;
+    let _ = rustix::net::sockopt::set_socket_keepalive(&s, true)
+        .and_then(|_| rustix::net::sockopt::set_tcp_keepidle(&s, Duration::from_secs(10)))
+        .and_then(|_| rustix::net::sockopt::set_tcp_keepintvl(&s, Duration::from_secs(5)))
+        .and_then(|_| rustix::net::sockopt::set_tcp_keepcnt(&s, 3));
     let mut r = std::io::BufReader::with_capacity(1 << 20, s.try_clone().map_err(|e| e.to_string())?);
     loop {
         let f: ToStandby = read_frame(&mut r)?;
@@ -469,7 +486,7 @@ impl Link {
                 let reader = std::thread::Builder::new().name("kvf-ha-acks".into()).spawn(move || {
                     let mut r = std::io::BufReader::new(r);
                     loop {
-                        match read_frame::<ToLeader>(&mut r) {
+                        match read_frame_max::<ToLeader>(&mut r, MAX_SMALL_FRAME) {
                             Ok(ToLeader::Ack { seq }) => {
                                 acked2.fetch_max(seq, Ordering::AcqRel);
                                 signal3.acked();
@@ -637,6 +654,13 @@ mod tests {
         assert!(read_frame::<ToStandby>(&mut &bytes[..bytes.len() - 1]).is_err(), "a frame cut short is an error");
         let huge = ((MAX_FRAME + 1) as u32).to_le_bytes();
         assert!(decode_frame::<ToStandby>(&huge).unwrap_err().contains("claims"), "an oversized length is refused before any allocation");
+        // A hello (read from anyone who connects) or an acknowledgement claiming more than a
+        // small frame is refused; a large claim followed by nothing is an error, not a
+        // reservation of what it claims.
+        let big = ((MAX_SMALL_FRAME + 1) as u32).to_le_bytes();
+        assert!(read_frame_max::<ToStandby>(&mut &big[..], MAX_SMALL_FRAME).unwrap_err().contains("claims"));
+        let claim = ((MAX_FRAME - 1) as u32).to_le_bytes();
+        assert!(read_frame::<ToStandby>(&mut &claim[..]).unwrap_err().contains("cut short"));
     }
 
     proptest! {

@@ -105,6 +105,12 @@ impl SegmentSpace {
         Some(Block { addr, len, cap })
     }
 
+    /// Takes every free range, as blocks (a segment held whole: see `State::remount`).
+    pub fn take_all(&mut self) -> Vec<Block> {
+        let ranges: Vec<(u64, u64)> = self.by_addr.iter().map(|(&off, &len)| (off, len)).collect();
+        ranges.into_iter().filter_map(|(off, len)| self.reserve(self.base + off, len)).collect()
+    }
+
     /// Returns a block; neighbouring free ranges merge.
     pub fn free(&mut self, b: Block) {
         let mut off = b.addr - self.base;

@@ -364,7 +364,7 @@ impl Image {
                     written: now,
                     owner: rec.owner,
                     last_access: now,
-                    soft_pin_until: if rec.soft_pin_left > 0 { now + rec.soft_pin_left } else { 0 },
+                    soft_pin_until: if rec.soft_pin_left > 0 { now.saturating_add(rec.soft_pin_left) } else { 0 },
                     hard_pin: rec.hard_pin,
                     group,
                 },

@@ -463,6 +463,34 @@ impl State {
     }
 
     /// Makes a client known (a pure client mounts nothing but must be able to put).
+    /// A client's segments mounted again: the master did not know the client any more (it
+    /// started empty, lost its state, or dropped the client when its pings stopped). A segment
+    /// it did not know is held whole until `now + hold` (a read lease TTL): readers that an
+    /// earlier master (or this one, before it dropped the segment) let read it may still be
+    /// reading (a read is refused by its client once its lease ran out), so nothing new is
+    /// placed there until then; the hold is journaled, like any replica held back.
+    pub fn remount(&mut self, client: u64, segments: Vec<Segment>, now: u64, hold: u64) -> StoreResult<()> {
+        self.register_client(client, now);
+        let mut r = Ok(());
+        for seg in segments {
+            let (id, known) = (seg.id, self.segments.contains_key(&seg.id));
+            match self.mount(client, seg, now) {
+                Ok(()) if !known && hold > 0 => {
+                    let blocks = self.segments.get_mut(&id).map(|s| s.space.take_all()).unwrap_or_default();
+                    if !blocks.is_empty() {
+                        tracing::info!(segment = id, hold_ms = hold, "a segment mounted again is held whole for one read lease (readers of the master that forgot it may still read it)");
+                    }
+                    for block in blocks {
+                        self.free_later(Replica { seg: id, block }, now + hold);
+                    }
+                }
+                Ok(()) => {}
+                Err(e) => r = Err(e),
+            }
+        }
+        r
+    }
+
     pub fn register_client(&mut self, client: u64, now: u64) {
         if self.clients.insert(client, now).is_none() {
             self.mark_client(client);
@@ -753,7 +781,7 @@ impl State {
         o.owner = client;
         o.last_access = now;
         o.soft_pin_until = match p.soft_pin {
-            SoftPin::Enable => now + p.soft_pin_ttl,
+            SoftPin::Enable => now.saturating_add(p.soft_pin_ttl),
             SoftPin::Disable => 0,
             SoftPin::Preserve => o.soft_pin_until,
         };
@@ -1165,6 +1193,29 @@ mod tests {
         assert_eq!(st.used_bytes(), used, "old replica still leased");
         st.release_deferred(1002);
         assert!(st.used_bytes() < used, "freed after the lease");
+    }
+
+    /// A segment mounted again at a master that had forgotten it (started empty, or dropped
+    /// its client) may still be read by readers of the master that knew it: nothing is placed
+    /// there for one read lease. A segment the master knows is not held (an idempotent
+    /// remount), and neither is one mounted for the first time.
+    #[test]
+    fn a_segment_mounted_again_is_held_whole_for_one_read_lease() {
+        let (mut st, m, s) = setup(&[]);
+        st.remount(1, vec![seg(1, 1 << 20)], 100, 5_000).unwrap();
+        let r = put(&mut st, &m, &s, "k", 4096, &ReplicateConfig::default(), 200);
+        assert!(matches!(r, Err(StoreError::NoAvailableHandle { .. })), "placed in a segment old readers may still read: {r:?}");
+        assert_eq!(st.used_bytes(), 1 << 20, "held whole");
+        st.remount(1, vec![seg(1, 1 << 20)], 300, 5_000).unwrap();
+        st.release_deferred(5_099);
+        assert!(put(&mut st, &m, &s, "k", 4096, &ReplicateConfig::default(), 5_099).is_err(), "a remount of a known segment does not restart the hold, nor end it early");
+        st.release_deferred(5_100);
+        put(&mut st, &m, &s, "k", 4096, &ReplicateConfig::default(), 5_100).expect("the lease over, the segment serves");
+        assert_eq!(st.used_bytes(), 4096);
+        // A first mount is not held.
+        st.mount(2, seg(2, 1 << 20), 5_200).unwrap();
+        st.remount(2, vec![seg(2, 1 << 20)], 5_300, 5_000).unwrap();
+        assert_eq!(st.used_bytes(), 4096);
     }
 
     #[test]
