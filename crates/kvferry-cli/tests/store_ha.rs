@@ -705,6 +705,55 @@ fn an_in_sync_standby_whose_campaign_fails_keeps_its_mirror_and_leads_from_it() 
     let _ = c.close();
 }
 
+/// A standby whose takeover outlasts the lease TTL (a large state: rebuilt, then written to
+/// etcd whole before it serves) still leads, with every object: the key's lease and its
+/// registration are renewed during the takeover. (Without that, the lease ran out during
+/// every takeover, which then gave up: no leader, ever.) `KVFERRY_TEST_TAKEOVER_OBJECTS` sets
+/// the number of objects (default 1 200 000, metadata only).
+#[test]
+fn a_takeover_longer_than_the_lease_ttl_still_leads_with_every_object() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let n: u64 = std::env::var("KVFERRY_TEST_TAKEOVER_OBJECTS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_200_000);
+    let cluster = "c-long-takeover";
+    let mut ms = [Master::start(etcd_svc.port, Some(cluster), false), Master::start(etcd_svc.port, Some(cluster), false)];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let s = 1 - l;
+    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    // The objects, metadata only (no bytes move): 4 connections, 1024 keys a request.
+    let filled = Instant::now();
+    let threads = 4u64;
+    std::thread::scope(|sc| {
+        for t in 0..threads {
+            let addr = ms[l].rpc.clone();
+            sc.spawn(move || {
+                let mut c = raw(&addr);
+                let client = 500 + t;
+                let segment = proto::Segment { id: client, name: format!("bench-{client}"), te_endpoint: format!("127.0.0.1:{client}"), base: client << 44, size: 1 << 42 };
+                assert_eq!(rpc(&mut c, &Request::MountSegment { client, segment }), Response::Ok);
+                let keys: Vec<u64> = (0..n).filter(|i| i % threads == t).collect();
+                for chunk in keys.chunks(1024) {
+                    let starts = Request::Batch(chunk.iter().map(|i| Request::PutStart { client, key: format!("o{i}"), size: 4096, config: ReplicateConfig::default(), upsert: false }).collect());
+                    let ends = Request::Batch(chunk.iter().map(|i| Request::PutEnd { client, key: format!("o{i}") }).collect());
+                    assert!(matches!(rpc(&mut c, &starts), Response::Batch(_)));
+                    assert!(matches!(rpc(&mut c, &ends), Response::Batch(v) if v.iter().all(|r| *r == Response::Ok)));
+                }
+            });
+        }
+    });
+    eprintln!("{n} objects put in {:?}", filled.elapsed());
+    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(10));
+    let killed = Instant::now();
+    ms[l].kill();
+    wait_leader(&ms[s], Duration::from_secs(60), "the standby never led: its takeover gave up when its lease ran out");
+    let took = killed.elapsed();
+    let mut c = raw(&ms[s].rpc);
+    let sample: Vec<u64> = (0..n).step_by((n / 500).max(1) as usize).chain([n - 1]).collect();
+    for i in &sample {
+        assert_eq!(rpc(&mut c, &Request::ExistKey { key: format!("o{i}") }), Response::Exists(true), "o{i} lost in the takeover");
+    }
+    eprintln!("kill -> the standby leads with {n} objects: {took:?} (lease TTL {TTL:?})");
+}
+
 /// An in-sync standby that stops acknowledging (SIGSTOP: its connection stays open, nothing
 /// breaks) holds a request waiting on it for one acknowledgement bound (a quarter of the fence
 /// bound), not longer: the leader's writer, asleep with its links lent out (the request sent
