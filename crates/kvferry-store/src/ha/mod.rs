@@ -697,7 +697,9 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
         }
     };
     let rebase = loaded.is_none();
+    let t_rebuild = Instant::now();
     let (mut st, rebuilt) = image.into_state(term, master.now(), lease_ms);
+    let rebuild = t_rebuild.elapsed();
     st.journal_on();
     *master.lock() = st;
     master.journal.activate(term);
@@ -716,9 +718,11 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
         Replication::Standbys => Some(journal::Replicas::new(&cfg.cluster_id, &cfg.address, owner, cfg.ack_timeout(), &master.journal)),
     };
     let mut writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), owner, seq, head, snapshot_bytes: cfg.snapshot_bytes, sync, insync_key: sync::insync_key(&cfg.cluster_id) };
+    let t_write = Instant::now();
     if rebase && writer.rebase_at_takeover(seq).is_none() {
         return Err("could not write the state to the etcd journal".into());
     }
+    let written = t_write.elapsed();
     // etcd kept its history only if the journal names the leader this master saw (its key's
     // revision and lease); otherwise an old leader may still answer until its fence bound ends.
     if last_leader.is_none() || last_leader != seen {
@@ -746,6 +750,8 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
         segments = rebuilt.segments,
         dropped_replicas = rebuilt.dropped_replicas,
         dropped_objects = rebuilt.dropped_objects,
+        rebuild_ms = rebuild.as_millis() as u64,
+        etcd_write_ms = written.as_millis() as u64,
         "HA: leader at {} (key {key}, lease {lease:x}); state from {from}",
         cfg.address
     );
