@@ -689,6 +689,12 @@ impl State {
             for r in zombie.replicas.iter() {
                 self.free_later(*r, release);
             }
+            // A put that never finished leaves nothing readable: the key goes now, so that a
+            // put that fails below does not leave a bare object that refuses every later put
+            // of the key (`ObjectAlreadyExists`) and is never evicted.
+            if self.objects.get(key).is_some_and(Object::bare) {
+                self.forget(key);
+            }
         }
         let largest = self.segments.values().map(|s| s.space.size()).max().unwrap_or(0);
         if size > largest {
@@ -1008,7 +1014,11 @@ pub struct Master {
 
 impl Master {
     pub fn new(cfg: MasterConfig) -> Master {
-        Master { cfg, start: Instant::now(), state: Mutex::default(), stats: Stats::default(), gate: crate::ha::Gate::default(), journal: Default::default(), cleanup: Default::default() }
+        // Read ids start at random high bits (an HA leader's are its term's, `into_state`): a
+        // client's release of a read granted by an earlier master at this address (queued, sent
+        // after a restart) must not end a read this one granted.
+        let state = State { next_read: (rand::random::<u64>() >> 1) & !((1u64 << 40) - 1), ..State::default() };
+        Master { cfg, start: Instant::now(), state: Mutex::new(state), stats: Stats::default(), gate: crate::ha::Gate::default(), journal: Default::default(), cleanup: Default::default() }
     }
 
     pub fn now(&self) -> u64 {
@@ -1216,6 +1226,34 @@ mod tests {
         st.mount(2, seg(2, 1 << 20), 5_200).unwrap();
         st.remount(2, vec![seg(2, 1 << 20)], 5_300, 5_000).unwrap();
         assert_eq!(st.used_bytes(), 4096);
+    }
+
+    /// Two masters (one restarted at the same address) grant different read ids, so a client's
+    /// queued release of the first one's read cannot end a read the second one granted.
+    #[test]
+    fn masters_grant_read_ids_of_their_own() {
+        let first_read = || {
+            let m = Master::new(MasterConfig::default());
+            let mut st = m.lock();
+            st.mount(1, seg(1, 1 << 20), 0).unwrap();
+            put(&mut st, &m.cfg, &m.stats, "k", 4096, &ReplicateConfig::default(), 0).unwrap();
+            st.get_replica_list("k", 1, 1000).unwrap().read_id
+        };
+        let (a, b) = (first_read(), first_read());
+        assert_ne!(a, b, "a restarted master grants the read ids its predecessor did");
+    }
+
+    /// A put that replaces a zombie (a put never ended, past the discard timeout) and then
+    /// fails (no room for it) leaves the key free, not a bare object refusing every later put.
+    #[test]
+    fn a_failed_put_over_a_zombie_leaves_the_key_free() {
+        let (mut st, m, s) = setup(&[(1, 64 << 10)]);
+        st.put_start(&m, &s, 1, "z", 4096, &ReplicateConfig::default(), false, 0).unwrap();
+        let later = m.put_start_discard_timeout.as_millis() as u64 + 1;
+        assert!(matches!(st.put_start(&m, &s, 1, "z", 1 << 20, &ReplicateConfig::default(), false, later), Err(StoreError::NoAvailableHandle { .. })));
+        assert!(st.objects.get("z").is_none(), "no bare object left behind");
+        put(&mut st, &m, &s, "z", 4096, &ReplicateConfig::default(), later + 1).expect("the key is free");
+        assert!(st.exist_key("z", later + 2, 1).unwrap());
     }
 
     #[test]
