@@ -45,7 +45,10 @@ impl Master {
     /// is the master's), using the etcd connection string `conn`.
     fn start_in(netns: Option<&str>, conn: &str, cluster: Option<&str>, mooncake: bool, extra: &[&str]) -> Master {
         let conn = conn.to_string();
-        let mut args: Vec<String> = ["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0", "--ha-lease-ttl", "2s"].iter().map(|s| s.to_string()).collect();
+        // (`--port P` in `extra` replaces the default 0: a master restarted at its address.)
+        let port = extra.iter().position(|a| *a == "--port").and_then(|i| extra.get(i + 1)).copied().unwrap_or("0");
+        let extra: Vec<&str> = extra.iter().enumerate().filter(|(i, a)| **a != "--port" && (*i == 0 || extra[i - 1] != "--port")).map(|(_, a)| *a).collect();
+        let mut args: Vec<String> = ["master", "--port", port, "--metrics-port", "0", "--summary-interval", "0", "--ha-lease-ttl", "2s"].iter().map(|s| s.to_string()).collect();
         if mooncake {
             args.extend(["--enable_ha".to_string(), "--ha_backend_connstring".into(), conn]);
             if let Some(c) = cluster {
@@ -705,9 +708,46 @@ fn an_in_sync_standby_whose_campaign_fails_keeps_its_mirror_and_leads_from_it() 
     let _ = c.close();
 }
 
+/// Every master dies at once while two standbys are in sync, and all restart at their
+/// addresses: the restarted members hold no mirror (it died with them), so none of them holds
+/// the others back, and one leads (starting empty: the only copies died). Before the
+/// registrations named their mirror, each restarted member waited for the other forever.
+#[test]
+fn in_sync_members_that_all_restart_at_once_do_not_wait_for_each_other_forever() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let cluster = "c-all-restart";
+    let ports: Vec<String> = (0..3).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port().to_string()).collect();
+    let start = |i: usize| Master::start_with(etcd_svc.port, Some(cluster), false, &["--port", &ports[i]]);
+    let mut ms: Vec<Master> = (0..3).map(start).collect();
+    let l = one_leader(&ms.iter().collect::<Vec<_>>(), Duration::from_secs(10));
+    let others: Vec<&str> = (0..3).filter(|&i| i != l).map(|i| ms[i].rpc.as_str()).collect();
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut now: Vec<String> = ha_status(&ms[l])["insync"].as_array().map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect()).unwrap_or_default();
+        now.sort();
+        let mut want: Vec<String> = others.iter().map(|s| s.to_string()).collect();
+        want.sort();
+        if now == want {
+            break;
+        }
+        assert!(Instant::now() < until, "both standbys did not get in sync: {now:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for m in &mut ms {
+        m.kill();
+    }
+    let killed = Instant::now();
+    let ms: Vec<Master> = (0..3).map(start).collect();
+    let l2 = one_leader(&ms.iter().collect::<Vec<_>>(), 5 * TTL);
+    eprintln!("all three killed and restarted: {} leads after {:?}", ms[l2].rpc, killed.elapsed());
+    let mut c = raw(&ms[l2].rpc);
+    assert_eq!(rpc(&mut c, &mount_request()), Response::Ok, "the new leader serves");
+}
+
 /// A standby whose takeover outlasts the lease TTL (a large state: rebuilt, then written to
 /// etcd whole before it serves) still leads, with every object: the key's lease and its
-/// registration are renewed during the takeover. (Without that, the lease ran out during
+/// registration are renewed during the takeover; and one stopped in the middle of its
+/// takeover finishes it before it exits. (Without that, the lease ran out during
 /// every takeover, which then gave up: no leader, ever.) `KVFERRY_TEST_TAKEOVER_OBJECTS` sets
 /// the number of objects (default 1 200 000, metadata only).
 #[test]
@@ -752,6 +792,30 @@ fn a_takeover_longer_than_the_lease_ttl_still_leads_with_every_object() {
         assert_eq!(rpc(&mut c, &Request::ExistKey { key: format!("o{i}") }), Response::Exists(true), "o{i} lost in the takeover");
     }
     eprintln!("kill -> the standby leads with {n} objects: {took:?} (lease TTL {TTL:?})");
+
+    // Again, with the new leader's standby stopped (SIGTERM) in the middle of its takeover:
+    // it finishes the takeover (the state it took from its mirror written to etcd) before it
+    // hands off and exits, so a master started afterwards loads every object from etcd.
+    // (Stopped at once, it took the only copy with it, and the next master started empty.)
+    ms[l] = Master::start(etcd_svc.port, Some(cluster), false);
+    wait_insync(&ms[s], &[ms[l].rpc.as_str()], Duration::from_secs(60));
+    let killed = Instant::now();
+    ms[s].kill();
+    // The key expires within a TTL of the kill; the takeover takes seconds after that.
+    std::thread::sleep(TTL + Duration::from_millis(300));
+    ms[l].signal(Signal::TERM);
+    let until = Instant::now() + Duration::from_secs(60);
+    while ms[l].child.try_wait().expect("wait").is_none() {
+        assert!(Instant::now() < until, "the stopped master did not exit within 60 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("a standby stopped {:?} after the leader was killed exited after {:?}", TTL + Duration::from_millis(300), killed.elapsed());
+    ms[s] = Master::start(etcd_svc.port, Some(cluster), false);
+    wait_leader(&ms[s], Duration::from_secs(60), "a master started afterwards did not lead");
+    let mut c = raw(&ms[s].rpc);
+    for i in &sample {
+        assert_eq!(rpc(&mut c, &Request::ExistKey { key: format!("o{i}") }), Response::Exists(true), "o{i} lost: the stopped standby exited in the middle of its takeover");
+    }
 }
 
 /// An in-sync standby that stops acknowledging (SIGSTOP: its connection stays open, nothing

@@ -179,12 +179,13 @@ pub fn load(etcd: &EtcdClient, cluster_id: &str) -> Result<Loaded, String> {
             }
         }
     }
-    let logs = etcd.range(&log_key(&p, after + 1), &prefix_end(&format!("{p}log/")), 256).map_err(|e| e.to_string())?;
+    let first = after.checked_add(1).ok_or_else(|| corrupt(format!("the journal's head names entry {after}, the last there can be")))?;
+    let logs = etcd.range(&log_key(&p, first), &prefix_end(&format!("{p}log/")), 256).map_err(|e| e.to_string())?;
     let mut seq = after;
     let log_entries = logs.len();
     for (key, kv) in logs {
         let n = key.rsplit('/').next().and_then(|h| u64::from_str_radix(h, 16).ok()).ok_or_else(|| corrupt(format!("unexpected journal key {key}")))?;
-        if n != seq + 1 {
+        if Some(n) != seq.checked_add(1) {
             return Err(corrupt(format!("the journal skips from entry {seq} to {n}: etcd lost part of it")));
         }
         seq = n;
@@ -928,6 +929,9 @@ pub struct Replicas {
     last_poll: Option<Instant>,
     /// Standbys that could not be reached, and when (retried after [`RETRY_LINK`]).
     failed: HashMap<String, Instant>,
+    /// The mirror term each registered standby's registration names, as last read: only one
+    /// that names this leader's term is promoted ([`super::sync::registration`]).
+    mirrors: HashMap<String, Option<i64>>,
 }
 
 /// How long after a failed connection a standby is tried again.
@@ -945,6 +949,7 @@ impl Replicas {
             ack_timeout,
             last_poll: None,
             failed: HashMap::new(),
+            mirrors: HashMap::new(),
         }
     }
 
@@ -1224,17 +1229,26 @@ impl Writer<'_> {
         }
         s.last_poll = Some(Instant::now());
         let p = s.standby_prefix.clone();
-        let regs: HashMap<String, String> = match self.etcd.range(&p, &prefix_end(&p), 64) {
-            Ok(kvs) => kvs.into_iter().filter_map(|(k, kv)| Some((k.strip_prefix(&p)?.to_string(), String::from_utf8(kv.value).ok()?))).collect(),
+        // Member -> (its mirror's address, the mirror term its registration names).
+        let regs: HashMap<String, (String, Option<i64>)> = match self.etcd.range(&p, &prefix_end(&p), 64) {
+            Ok(kvs) => kvs
+                .into_iter()
+                .filter_map(|(k, kv)| {
+                    let v = String::from_utf8(kv.value).ok()?;
+                    let (addr, term) = super::sync::parse_registration(&v);
+                    Some((k.strip_prefix(&p)?.to_string(), (addr.to_string(), term)))
+                })
+                .collect(),
             Err(e) => {
                 tracing::debug!("HA replication: reading the standbys' registrations: {e}");
                 return Some(());
             }
         };
+        s.mirrors = regs.iter().map(|(m, r)| (m.clone(), r.1)).collect();
         let gone: Vec<String> = s
             .links
             .iter()
-            .filter(|l| l.dead() || regs.get(&l.member) != Some(&l.addr))
+            .filter(|l| l.dead() || regs.get(&l.member).map(|r| &r.0) != Some(&l.addr))
             .map(|l| l.member.clone())
             .chain(s.insync.iter().filter(|m| s.link(m).is_none()).cloned())
             .collect();
@@ -1250,6 +1264,7 @@ impl Writer<'_> {
         let new: Vec<(String, String)> = regs
             .into_iter()
             .filter(|(m, _)| *m != s.me && s.link(m).is_none() && s.failed.get(m).is_none_or(|t| t.elapsed() > RETRY_LINK))
+            .map(|(m, (addr, _))| (m, addr))
             .collect();
         for (member, addr) in new {
             self.open_link(&member, &addr)?;
@@ -1301,7 +1316,14 @@ impl Writer<'_> {
         let term = self.term();
         let seq = self.seq;
         let Some(s) = self.sync.as_ref() else { return Some(()) };
-        let ready: Vec<String> = s.links.iter().filter(|l| !l.dead() && !s.insync.contains(&l.member) && l.acked() >= seq.max(l.image_seq)).map(|l| l.member.clone()).collect();
+        // (A standby whose registration does not name this term's mirror yet waits for it: a
+        // member must say so in etcd before anyone relies on it, `sync::eligibility`.)
+        let ready: Vec<String> = s
+            .links
+            .iter()
+            .filter(|l| !l.dead() && !s.insync.contains(&l.member) && l.acked() >= seq.max(l.image_seq) && s.mirrors.get(&l.member) == Some(&Some(term)))
+            .map(|l| l.member.clone())
+            .collect();
         if ready.is_empty() {
             return Some(());
         }

@@ -52,6 +52,7 @@ pub mod sync;
 use crate::error::StoreError;
 use crate::master::Master;
 use kvferry::metadata::etcd::{Cond, Created, EtcdClient, KeyValue, Owner};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -131,6 +132,9 @@ pub struct Gate {
     stepped_down: std::sync::atomic::AtomicU64,
     /// The master is stopping ([`hand_off`]): it campaigns no more.
     stopping: AtomicBool,
+    /// The master won the key and is taking over (its state not yet in etcd, the mirror it
+    /// took the only copy): [`hand_off`] waits for the takeover to end.
+    taking_over: AtomicBool,
     state: Mutex<GateState>,
     info: Mutex<(String, String, String, Duration)>, // cluster id, key, address, lease TTL
 }
@@ -141,6 +145,7 @@ impl Default for Gate {
             enabled: AtomicBool::new(false),
             stepped_down: Default::default(),
             stopping: AtomicBool::new(false),
+            taking_over: AtomicBool::new(false),
             state: Mutex::new(GateState { role: Role::Leader, term: 0, leader: String::new(), valid_until: None, last_keepalive: None, lease_id: 0 }),
             info: Mutex::new((String::new(), String::new(), String::new(), Duration::ZERO)),
         }
@@ -334,13 +339,21 @@ struct Standby {
     addr: String,
     /// The registration's lease and when it was last renewed.
     reg: Option<(i64, Instant)>,
+    /// The mirror term the registration names ([`sync::registration`]).
+    published: Option<i64>,
 }
 
 impl Standby {
-    /// Keeps this standby's registration alive (granted again when etcd lost it).
+    /// Keeps this standby's registration alive (granted again when etcd lost it) and naming
+    /// the term of its complete mirror, if any.
     fn register(&mut self, cfg: &HaConfig, etcd: &EtcdClient) -> Result<(), String> {
         let key = sync::standby_key(&cfg.cluster_id, &cfg.address);
+        let mirror = self.mirror.complete_term();
         if let Some((lease, at)) = self.reg {
+            if self.published != mirror {
+                etcd.put(&key, sync::registration(&self.addr, mirror).as_bytes(), lease).map_err(|e| format!("updating this standby's registration: {e}"))?;
+                self.published = mirror;
+            }
             if at.elapsed() < cfg.keepalive_every() {
                 return Ok(());
             }
@@ -355,8 +368,9 @@ impl Standby {
         }
         let ttl = cfg.lease_ttl.as_secs_f64().ceil() as i64;
         let (lease, _) = etcd.lease_grant(ttl).map_err(|e| format!("registering this standby: {e}"))?;
-        etcd.put(&key, self.addr.as_bytes(), lease).map_err(|e| format!("registering this standby: {e}"))?;
+        etcd.put(&key, sync::registration(&self.addr, mirror).as_bytes(), lease).map_err(|e| format!("registering this standby: {e}"))?;
         self.reg = Some((lease, Instant::now()));
+        self.published = mirror;
         Ok(())
     }
 
@@ -405,7 +419,7 @@ pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
             let m = Arc::clone(&mirror);
             std::thread::Builder::new().name("kvf-ha-mirror".into()).spawn(move || sync::serve(l, m)).map_err(|e| e.to_string())?;
             tracing::info!("HA: replication to standbys; this master's mirror is served at {addr}");
-            Some(Standby { mirror, addr, reg: None })
+            Some(Standby { mirror, addr, reg: None, published: None })
         }
     };
     {
@@ -442,18 +456,26 @@ fn eligible(cfg: &HaConfig, etcd: &EtcdClient, mirror: Option<&sync::Mirror>) ->
     let rec = sync::InSync::parse(kv.as_ref().map_or(&[][..], |kv| &kv.value))?;
     let mut conds = vec![Cond::ModRevision(ikey, kv.as_ref().map_or(0, |kv| kv.mod_revision))];
     let p = sync::standby_prefix(&cfg.cluster_id);
-    let registered: Vec<String> = if rec.members.is_empty() {
-        Vec::new()
+    // Member -> (the mirror term its registration names, the registration's mod revision).
+    let registered: HashMap<String, (Option<i64>, i64)> = if rec.members.is_empty() {
+        HashMap::new()
     } else {
-        etcd.range(&p, &format!("{}~", p.trim_end_matches('/')), 64).map_err(|e| e.to_string())?.into_iter().filter_map(|(k, _)| k.strip_prefix(&p).map(str::to_string)).collect()
+        etcd.range(&p, &format!("{}~", p.trim_end_matches('/')), 64)
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .filter_map(|(k, kv)| Some((k.strip_prefix(&p)?.to_string(), (sync::parse_registration(&String::from_utf8_lossy(&kv.value)).1, kv.mod_revision))))
+            .collect()
     };
-    let rule = sync::eligibility(&rec, &cfg.address, mirror.and_then(sync::Mirror::complete_term), |m| registered.iter().any(|r| r == m));
+    let rule = sync::eligibility(&rec, &cfg.address, mirror.and_then(sync::Mirror::complete_term), |m| registered.get(m).is_some_and(|(t, _)| *t == Some(rec.term)));
     Ok(match rule {
         sync::Eligibility::Journal => Some((Plan::Journal, conds)),
         sync::Eligibility::Wait => None,
         sync::Eligibility::Mirror => Some((Plan::Mirror(rec.term), conds)),
         sync::Eligibility::Empty => {
-            conds.extend(rec.members.iter().filter(|m| **m != cfg.address).map(|m| Cond::Absent(sync::standby_key(&cfg.cluster_id, m))));
+            // Every other member's registration as it was read (absent, or without a mirror of
+            // the record's term): one that registers or gains that mirror meanwhile fails the
+            // campaign.
+            conds.extend(rec.members.iter().filter(|m| **m != cfg.address).map(|m| Cond::ModRevision(sync::standby_key(&cfg.cluster_id, m), registered.get(m).map_or(0, |r| r.1))));
             Some((Plan::Empty, conds))
         }
     })
@@ -465,6 +487,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
     let mut last_err = String::new();
     let mut logged_leader = String::new();
     let mut waiting_logged = false;
+    let mut failed_takeovers = 0u32;
     // The last leader seen while standing by: its key's creation (see "An etcd that lost its
     // data").
     let mut seen: Option<Owner> = None;
@@ -554,6 +577,19 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
         match etcd.create_when(key, cfg.address.as_bytes(), lease, &conds) {
             Ok(Created::Won(term)) => {
                 let owner = Owner { create_revision: term, lease };
+                // (SeqCst with `hand_off`'s: one of the two sees the other. A stop that came
+                // while this master campaigned gives the key back untouched.)
+                gate.taking_over.store(true, Ordering::SeqCst);
+                if gate.stopping.load(Ordering::SeqCst) {
+                    gate.taking_over.store(false, Ordering::SeqCst);
+                    let _ = etcd.delete_if_owned(key, owner);
+                    let _ = etcd.lease_revoke(lease);
+                    if let Some(sb) = standby.as_mut() {
+                        sb.deregister(etcd);
+                    }
+                    gate.set_standby(None);
+                    return;
+                }
                 // The mirror is taken now that the key is won (nothing is mirrored from here
                 // on); it cannot have changed since it was found complete: no leader is named,
                 // so no hello is accepted.
@@ -582,6 +618,12 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                     None => Err("this member's mirror was no longer complete when it won the key".to_string()),
                     Some(source) => renewing(cfg, etcd, &[Some(lease), reg], || take_over(cfg, etcd, key, master, owner, sent, seen, source)),
                 };
+                gate.taking_over.store(false, Ordering::SeqCst);
+                // After a takeover that failed, the next campaign waits, longer each time up to
+                // the lease TTL (a journal that cannot be read fails every takeover: without a
+                // pause each master would loop through grant, create, load and delete, adding
+                // etcd revisions as fast as etcd answers).
+                failed_takeovers = if taken.is_ok() { 0 } else { failed_takeovers.saturating_add(1) };
                 match taken {
                     Ok(writer) => {
                         if let Some(sb) = standby.as_mut() {
@@ -630,6 +672,9 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 }
                 gate.stepped_down.fetch_add(1, Ordering::AcqRel);
                 tracing::warn!(term, "HA: stepped down; metadata reset; standing by");
+                if failed_takeovers > 0 {
+                    std::thread::sleep((STANDBY_POLL * (1u32 << failed_takeovers.min(6))).min(cfg.lease_ttl));
+                }
             }
             // (The mirror was not taken: it stays as it is for the next campaign.)
             Ok(Created::Lost(kv)) => {
@@ -650,6 +695,16 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
 /// the key itself before it serves).
 fn renewing<T>(cfg: &HaConfig, etcd: &EtcdClient, leases: &[Option<i64>], f: impl FnOnce() -> T) -> T {
     let done = AtomicBool::new(false);
+    // Set however `f` ends (a panic too): a keeper left renewing would hold the key forever.
+    struct Done<'a>(&'a AtomicBool, Option<std::thread::Thread>);
+    impl Drop for Done<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+            if let Some(t) = &self.1 {
+                t.unpark();
+            }
+        }
+    }
     std::thread::scope(|sc| {
         let keeper = std::thread::Builder::new().name("kvf-ha-takeover-keepalive".into()).spawn_scoped(sc, || {
             let mut last = Instant::now();
@@ -666,12 +721,8 @@ fn renewing<T>(cfg: &HaConfig, etcd: &EtcdClient, leases: &[Option<i64>], f: imp
                 }
             }
         });
-        let out = f();
-        done.store(true, Ordering::Release);
-        if let Ok(k) = &keeper {
-            k.thread().unpark();
-        }
-        out
+        let _done = Done(&done, keeper.as_ref().ok().map(|k| k.thread().clone()));
+        f()
     })
 }
 
@@ -768,11 +819,19 @@ pub fn hand_off(master: &Master, bound: Duration) -> bool {
     }
     // A leader whose gate lapsed just now (overloaded) still has its writer and its key until
     // its elector steps down: it hands off as well. A standby stops campaigning.
-    master.gate.stopping.store(true, Ordering::Release);
+    master.gate.stopping.store(true, Ordering::SeqCst);
+    let until = Instant::now() + bound;
+    // A takeover under way ends first (it writes the state to etcd before it leads): stopping
+    // now would take the only copy of a mirror with this process.
+    while master.gate.taking_over.load(Ordering::SeqCst) {
+        if Instant::now() > until {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
     if master.gate.role() != Role::Leader && !master.journal.active() {
         return true;
     }
-    let until = Instant::now() + bound;
     let before = master.gate.stepped_down.load(Ordering::Acquire);
     if !master.journal.hand_off(bound) {
         return false;

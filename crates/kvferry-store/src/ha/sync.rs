@@ -162,6 +162,25 @@ impl InSync {
     }
 }
 
+/// A standby's registration (the value of its [`standby_key`]): where leaders reach its
+/// mirror, then the term of its complete mirror if it has one. A member registered without a
+/// complete mirror of the in-sync record's term (restarted since it was named) can never lead
+/// from it, so it does not hold the others back ([`eligibility`]'s `alive`), and a leader
+/// promotes into the in-sync set only a standby whose registration names its term (so that
+/// every member of the record says so in etcd before the leader relies on it).
+pub fn registration(addr: &str, mirror: Option<i64>) -> String {
+    match mirror {
+        Some(term) => format!("{addr} {term}"),
+        None => addr.to_string(),
+    }
+}
+
+/// The address and mirror term of a [`registration`].
+pub fn parse_registration(v: &str) -> (&str, Option<i64>) {
+    let mut words = v.split_whitespace();
+    (words.next().unwrap_or(""), words.next().and_then(|t| t.parse().ok()))
+}
+
 /// What a master that finds no leader may do, given the in-sync record and its mirror.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Eligibility {
@@ -177,7 +196,7 @@ pub enum Eligibility {
 }
 
 /// The rule, pure: `me` this master's id, `mirror` the term of its complete mirror (if any),
-/// `alive` whether a member's registration exists.
+/// `alive` whether a member is registered with a complete mirror of the record's term.
 pub fn eligibility(rec: &InSync, me: &str, mirror: Option<i64>, alive: impl Fn(&str) -> bool) -> Eligibility {
     if rec.members.is_empty() {
         return Eligibility::Journal;
