@@ -604,27 +604,42 @@ impl State {
                     break;
                 }
                 let group = self.objects.get(&key).and_then(|o| o.group.clone());
-                let mut victims = vec![key];
-                if let Some(g) = group {
-                    // Group eviction: eligible members go together.
-                    for m in self.groups.get(&g).cloned().unwrap_or_default() {
-                        if !victims.contains(&m) {
-                            victims.push(m);
+                // Group eviction: eligible members go together. (The member list, whose keys
+                // are distinct, is walked once, and the group pruned once after: a check of
+                // each member against the victims so far, and each member's removal from the
+                // list, made evicting a group of n members n² steps under the state's lock.)
+                let victims = match &group {
+                    Some(g) => {
+                        let mut v = self.groups.get(g).cloned().unwrap_or_default();
+                        if !v.contains(&key) {
+                            v.push(key);
                         }
+                        v
                     }
-                }
+                    None => vec![key],
+                };
                 for v in victims {
                     let eligible = self.objects.get(&v).is_some_and(|o| o.evictable(&self.reads, now, min_age, pass == 1));
                     if !eligible {
                         continue;
                     }
-                    if let Some(o) = self.forget(&v) {
+                    if let Some(o) = self.objects.remove(&v) {
+                        self.mark_key(&v);
                         for r in o.current.iter() {
                             freed += r.block.len;
                             self.free_now(*r);
                         }
                         stats.evicted_objects.fetch_add(1, Ordering::Relaxed);
                         stats.evicted_bytes.fetch_add(o.size, Ordering::Relaxed);
+                    }
+                }
+                if let Some(g) = group {
+                    let objects = &self.objects;
+                    if let Some(members) = self.groups.get_mut(&g) {
+                        members.retain(|m| objects.get(m).is_some());
+                        if members.is_empty() {
+                            self.groups.remove(&g);
+                        }
                     }
                 }
             }
@@ -1339,6 +1354,18 @@ mod tests {
         let freed = st.evict(1, 1000, true, &s);
         assert_eq!(freed, 32 << 10, "both members of the group go together (they were least recently used)");
         assert!(st.exist_key("other", 1001, 0).unwrap());
+        assert!(st.groups.is_empty(), "the group left empty goes");
+        // A member that is being read stays, and stays in its group.
+        put(&mut st, &m, &s, "h1", 16 << 10, &g, 2000).unwrap();
+        put(&mut st, &m, &s, "h2", 16 << 10, &g, 2000).unwrap();
+        st.remove(&m, "other", true, 2001).unwrap();
+        let read = st.get_replica_list("h1", 2002, 100_000).unwrap();
+        st.objects.get_mut("h2").unwrap().lease_until = 0; // (the group's shared lease set aside)
+        st.evict(1, 3000, true, &s);
+        assert!(st.exist_key("h1", 3001, 0).unwrap(), "read in flight: kept");
+        assert!(!st.exist_key("h2", 3001, 0).unwrap());
+        assert_eq!(st.groups.get("req-1").map(|v| v.len()), Some(1), "the group keeps its member left");
+        st.release_reads(&[read.read_id], 3002);
     }
 
     #[test]
