@@ -910,6 +910,10 @@ pub struct Writer<'a> {
     /// The in-sync record's key ([`super::sync::insync_key`]): emptied with the head of a
     /// rebase, in either mode.
     pub insync_key: String,
+    /// During a takeover (the key won, its lease renewed by the takeover's own thread, the
+    /// gate not yet the leader's): a transaction that fails is retried until then, not given
+    /// up at once (one etcd error among a large state's chunks failed the whole takeover).
+    pub retry_until: Option<Instant>,
 }
 
 /// The leader's side of replication to standbys ([`super::sync`]).
@@ -984,7 +988,7 @@ impl Writer<'_> {
                     return None;
                 }
                 Err(e) => {
-                    if !self.master.gate.still_leader(self.term()) {
+                    if !self.master.gate.still_leader(self.term()) && !self.retry_until.is_some_and(|t| Instant::now() < t) {
                         tracing::warn!(term = self.term(), "HA journal: {e}; the lease can no longer be proven, giving up");
                         return None;
                     }

@@ -768,7 +768,7 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
         Replication::Etcd => None,
         Replication::Standbys => Some(journal::Replicas::new(&cfg.cluster_id, &cfg.address, owner, cfg.ack_timeout(), &master.journal)),
     };
-    let mut writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), owner, seq, head, snapshot_bytes: cfg.snapshot_bytes, sync, insync_key: sync::insync_key(&cfg.cluster_id) };
+    let mut writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), owner, seq, head, snapshot_bytes: cfg.snapshot_bytes, sync, insync_key: sync::insync_key(&cfg.cluster_id), retry_until: Some(Instant::now() + 5 * cfg.lease_ttl) };
     let t_write = Instant::now();
     if rebase && writer.rebase_at_takeover(seq).is_none() {
         return Err("could not write the state to the etcd journal".into());
@@ -795,6 +795,8 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
         Err(e) => return Err(format!("reading the key back after loading the journal: {e}")),
     }
     master.gate.set_leader(term, &cfg.address, lease, sent, cfg.fence_bound());
+    // From now on a failed write is retried only while this leader can prove its lease.
+    writer.retry_until = None;
     tracing::info!(
         term,
         objects = rebuilt.objects,
