@@ -988,7 +988,7 @@ impl Writer<'_> {
                     return None;
                 }
                 Err(e) => {
-                    if !self.master.gate.still_leader(self.term()) && !self.retry_until.is_some_and(|t| Instant::now() < t) {
+                    if !self.master.gate.still_leader(self.term()) && self.retry_until.is_none_or(|t| Instant::now() >= t) {
                         tracing::warn!(term = self.term(), "HA journal: {e}; the lease can no longer be proven, giving up");
                         return None;
                     }
