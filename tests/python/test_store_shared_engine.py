@@ -102,9 +102,14 @@ def test_closing_the_store_leaves_the_engine_running(cluster):
     before = sorted((r.addr, r.length) for r in native.registered())
     s = shared_store(te, cluster)
     assert s.put("gone", b"with the segment", ReplicateConfig(preferred_segment=s.get_hostname())) == 0
+    # Memory from the store's pool, registered through the store: freed with the store, so it
+    # must leave the engine, which outlives the store, when the store closes.
+    pooled = s.alloc_from_mem_pool(1 << 16)
+    assert pooled and s.register_buffer(pooled, 1 << 16) == 0
+    assert pooled in {r.addr for r in native.registered()}
     port = te.get_rpc_port()
     assert s.close() == 0
-    assert sorted((r.addr, r.length) for r in native.registered()) == before, "the store's buffers are withdrawn from the engine"
+    assert sorted((r.addr, r.length) for r in native.registered()) == before, "the store's buffers, its pool's pages too, are withdrawn from the engine"
     assert te.get_rpc_port() == port and not native.closed
     # The engine still serves peers.
     mine = te.allocate_managed_buffer(4096)

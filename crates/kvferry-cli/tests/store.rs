@@ -199,7 +199,13 @@ fn killed_client_loses_only_its_replicas() {
     let a = client(&addr, 0);
     a.put("both", &value("both", 1, 65536), &ReplicateConfig { replica_num: 2, ..Default::default() }).unwrap();
     a.put("only1", &value("only1", 1, 65536), &ReplicateConfig { preferred_segments: vec![seg1.clone()], ..Default::default() }).unwrap();
+    // Listed first on the client that is about to die, second on the other.
+    a.put("first1", &value("first1", 1, 65536), &ReplicateConfig { replica_num: 2, preferred_segments: vec![seg1.clone()], ..Default::default() }).unwrap();
     s1.kill(); // SIGKILL: no unmount, pings stop
+    // Until the master drops the dead client, its replica is listed: a client that never
+    // opened its segment (it cannot now) reads the other replica instead of failing.
+    let b = client(&addr, 0);
+    assert_eq!(b.get("first1").expect("read from the replica that is alive"), value("first1", 1, 65536));
     let t0 = Instant::now();
     loop {
         let asked = Instant::now();
@@ -566,6 +572,15 @@ fn an_idle_readers_finished_read_frees_space_within_milliseconds() {
     p.put("b", &value("b", 1, 6 << 20), &ReplicateConfig::default()).unwrap();
     assert!(t.elapsed() < Duration::from_secs(2), "the put waited {:?} for a read that had finished", t.elapsed());
     assert_eq!(u.get("b").unwrap(), value("b", 1, 6 << 20));
+    // A get into a buffer too small for the value fails, and releases the read it was
+    // granted all the same (unreleased, it held the space for a whole lease).
+    let small = vec![0u8; 4096];
+    u.register_buffer(small.as_ptr() as u64, small.len() as u64).unwrap();
+    assert!(matches!(u.get_into("b", small.as_ptr() as u64, small.len() as u64), Err(StoreError::BufferOverflow { .. })));
+    p.remove("b", true).unwrap();
+    let t = Instant::now();
+    p.put("c", &value("c", 1, 6 << 20), &ReplicateConfig::default()).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(2), "the put waited {:?} for the read of a get that failed", t.elapsed());
 }
 
 #[test]
@@ -693,6 +708,9 @@ enum StandIn {
     EndLostThenOk,
     /// As `EndLostThenOk`, the next end answered as a leader that does not know the put.
     EndLostThenUnknownPut,
+    /// Starts answered with one replica on a peer nobody listens at (a dead client the master
+    /// has not dropped yet): the writer cannot open its segment.
+    StartOnDeadPeer,
 }
 
 /// A stand-in master on 127.0.0.1 that treats puts as `how` says and records what it is sent
@@ -723,6 +741,8 @@ fn stand_in_master(how: StandIn) -> (String, std::sync::Arc<std::sync::Mutex<Vec
                 let one = |r: &Request| match r {
                     Request::MountSegment { .. } | Request::UnmountSegment { .. } | Request::RemountSegments { .. } | Request::ReleaseReads { .. } => Response::Ok,
                     Request::Ping { .. } => Response::Ping(proto::PingStatus::Ok),
+                    Request::PutStart { size, .. } if how == StandIn::StartOnDeadPeer => Response::Replicas(vec![proto::ReplicaDesc { te_endpoint: "127.0.0.1:1".into(), addr: 1 << 30, size: *size }]),
+                    Request::PutRevoke { .. } if how == StandIn::StartOnDeadPeer => Response::Ok,
                     Request::PutStart { .. } => Response::Replicas(Vec::new()),
                     Request::PutEnd { key, .. } if how == StandIn::EndLostThenUnknownPut => Response::Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress"))),
                     Request::PutEnd { .. } => Response::Ok,
@@ -799,6 +819,18 @@ fn a_put_whose_start_has_an_unknown_outcome_fails_so_and_is_revoked_not_sent_aga
         assert_eq!(got, vec![vec![step('s', "one")], vec![step('r', "one")], vec![step('s', "a"), step('s', "b")], vec![step('r', "a"), step('r', "b")]], "each start once, then its revoke");
         c.close().expect("close");
     }
+}
+
+/// A put whose replica lies on a peer that cannot be reached (its segment does not open, so
+/// nothing is written) fails and revokes its reservation: left, the key refused every put
+/// until the master's discard timeout, which Mooncake's API reports as "stored".
+#[test]
+fn a_put_whose_replica_cannot_be_opened_fails_and_is_revoked() {
+    let (addr, seen) = stand_in_master(StandIn::StartOnDeadPeer);
+    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 4 << 20, master_server_addr: addr, ..ClientConfig::default() }).expect("client setup");
+    assert!(c.put("k", b"value", &ReplicateConfig::default()).is_err(), "nothing was written");
+    assert_eq!(put_steps(&seen), vec![vec![step('s', "k")], vec![step('r', "k")]], "the reservation revoked");
+    c.close().expect("close");
 }
 
 /// A put whose end's connection closed unanswered after it was sent (the master killed after

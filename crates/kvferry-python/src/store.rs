@@ -416,7 +416,16 @@ impl StoreCore {
         let taken = py.detach(|| self.client.write().unwrap_or_else(|e| e.into_inner()).take());
         match taken {
             Some(c) => {
-                let r = py.detach(move || c.close());
+                // What was registered through this store leaves the engine before it can be
+                // freed: an engine shared with others (`engine=`) outlives this store and
+                // would otherwise list freed memory as registered.
+                let addrs = self.registered();
+                let r = py.detach(move || {
+                    for a in addrs {
+                        let _ = c.unregister_buffer(a);
+                    }
+                    c.close()
+                });
                 // The client has stopped: nothing touches the registered buffers any more.
                 let pins: Vec<Py<PyAny>> = self.pins.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, p)| p).collect();
                 for p in pins {
@@ -428,8 +437,20 @@ impl StoreCore {
         }
     }
 
-    fn closed(&self) -> bool {
-        self.client.read().unwrap_or_else(|e| e.into_inner()).is_none()
+    fn closed(&self, py: Python<'_>) -> bool {
+        // (Without the GIL: a close waiting for a long call to end holds the lock's writer
+        // side, and every reader waits behind it.)
+        py.detach(|| self.client.read().unwrap_or_else(|e| e.into_inner()).is_none())
+    }
+}
+
+impl StoreCore {
+    /// The addresses registered through this store that it keeps alive (pinned buffers, its
+    /// memory pool's pages).
+    fn registered(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self.pins.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
+        v.extend(self.pool.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|p| p.addr));
+        v
     }
 }
 
@@ -444,8 +465,17 @@ impl Drop for StoreCore {
             return;
         }
         // Stopping the client talks to the master and joins threads: not with the GIL held.
-        // The pins (a field) are dropped after this, once the client has stopped.
-        Python::attach(|py| py.detach(move || drop(client)));
+        // The pins (a field) are dropped after this, once the client has stopped and what
+        // they kept alive has left the engine (see `close`).
+        let addrs = self.registered();
+        Python::attach(|py| {
+            py.detach(move || {
+                for a in addrs {
+                    let _ = client.unregister_buffer(a);
+                }
+                drop(client)
+            })
+        });
     }
 }
 

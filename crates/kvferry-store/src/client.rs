@@ -778,6 +778,11 @@ impl Client {
         if self.inner.closed.load(Ordering::Acquire) {
             return Err(StoreError::InvalidParams("the client is closed".into()));
         }
+        if std::process::id() != self.inner.pid {
+            // A forked child shares the parent's pooled master connections: either could read
+            // the other's answer (another key's replicas). A child sets up its own client.
+            return Err(StoreError::InvalidParams("this client was set up by another process (the parent of a fork); set up a new client in this process".into()));
+        }
         if self.inner.shared.as_ref().is_some_and(|f| f.load(Ordering::Acquire)) {
             return Err(engine_closed());
         }
@@ -843,6 +848,10 @@ impl Client {
         let mut results: Vec<StoreResult<()>> = Vec::with_capacity(items.len());
         let mut reqs = Vec::new();
         let mut owner = Vec::new(); // request index -> item index
+        // Every item the master reserved space for is ended or revoked: one whose replica's
+        // segment could not be opened (nothing written) too; left, it refused every put of
+        // the key until the discard timeout, which Mooncake's API reports as stored.
+        let reserved: Vec<bool> = answers.iter().map(|a| matches!(a, Response::Replicas(_))).collect();
         for (i, (a, &(_, parts))) in answers.into_iter().zip(items).enumerate() {
             match a {
                 Response::Replicas(reps) => {
@@ -887,7 +896,7 @@ impl Client {
         let ends: Vec<(usize, Request)> = items
             .iter()
             .enumerate()
-            .filter(|(i, _)| started[*i] || owner.contains(i))
+            .filter(|(i, _)| started[*i] || reserved[*i] || owner.contains(i))
             .map(|(i, &(k, _))| {
                 let key = k.to_string();
                 (i, if results[i].is_ok() { Request::PutEnd { client: id, key } } else { Request::PutRevoke { client: id, key } })
@@ -1019,6 +1028,8 @@ impl Client {
     fn read_listed(&self, items: &[(&str, &[(u64, u64)])], answers: Vec<Response>, t0: Instant) -> Vec<StoreResult<u64>> {
         let mut results: Vec<StoreResult<u64>> = Vec::with_capacity(items.len());
         let mut lists: Vec<Option<ReplicaList>> = Vec::with_capacity(items.len());
+        // Per item, the index (in `pick`'s order) of the replica read first.
+        let mut first_used: Vec<usize> = Vec::with_capacity(items.len());
         let mut reqs = Vec::new();
         let mut owner = Vec::new();
         for (i, (a, &(key, parts))) in answers.into_iter().zip(items).enumerate() {
@@ -1026,30 +1037,48 @@ impl Client {
             match a {
                 Response::ReplicaList(l) if l.size > cap => {
                     results.push(Err(StoreError::BufferOverflow { need: l.size, have: cap }));
-                    lists.push(None);
+                    // (Listed, so that the read it was granted is released below: unreleased, it
+                    // held the object against eviction and its old space for a whole lease.)
+                    lists.push(Some(l));
+                    first_used.push(usize::MAX);
                 }
                 Response::ReplicaList(l) => {
-                    let first = self.pick(&l).first().map(|r| (*r).clone());
-                    match first.map(|r| self.segment_id(&r.te_endpoint).map(|seg| (seg, r))) {
-                        Some(Ok((seg, r))) => {
-                            for req in read_parts(parts, seg, r.addr, l.size) {
+                    // The first replica whose segment opens (one on a peer that died, not yet
+                    // dropped by the master, does not fail the read while another is listed).
+                    let mut found = Err(StoreError::ObjectNotFound(key.to_string()));
+                    let mut used = usize::MAX;
+                    for (j, r) in self.pick(&l).into_iter().enumerate() {
+                        match self.segment_id(&r.te_endpoint) {
+                            Ok(seg) => {
+                                found = Ok((seg, r.addr));
+                                used = j;
+                                break;
+                            }
+                            Err(e) => found = Err(e),
+                        }
+                    }
+                    match found {
+                        Ok((seg, addr)) => {
+                            for req in read_parts(parts, seg, addr, l.size) {
                                 reqs.push(req);
                                 owner.push(i);
                             }
                             results.push(Ok(l.size));
                         }
-                        Some(Err(e)) => results.push(Err(e)),
-                        None => results.push(Err(StoreError::ObjectNotFound(key.to_string()))),
+                        Err(e) => results.push(Err(e)),
                     }
                     lists.push(Some(l));
+                    first_used.push(used);
                 }
                 Response::Err(e) => {
                     results.push(Err(e));
                     lists.push(None);
+                    first_used.push(usize::MAX);
                 }
                 other => {
                     results.push(Err(StoreError::Rpc(format!("unexpected answer {other:?}"))));
                     lists.push(None);
+                    first_used.push(usize::MAX);
                 }
             }
         }
@@ -1071,7 +1100,7 @@ impl Client {
                 let (key, parts) = items[i];
                 let mut last: StoreResult<u64> = Err(first_err);
                 if let Some(l) = &lists[i] {
-                    for r in self.pick(l).into_iter().skip(1) {
+                    for r in self.pick(l).into_iter().skip(first_used[i].saturating_add(1)) {
                         let one = self.segment_id(&r.te_endpoint).and_then(|seg| {
                             let again = read_parts(parts, seg, r.addr, l.size);
                             self.transfer(&again).and_then(|v| v.into_iter().collect::<StoreResult<Vec<()>>>())
@@ -1089,7 +1118,9 @@ impl Client {
         let elapsed = t0.elapsed();
         for (i, l) in lists.iter().enumerate() {
             if let (Some(l), Ok(_)) = (l, &results[i]) {
-                if elapsed >= Duration::from_millis(l.lease_ttl_ms) {
+                // (A millisecond early: the master counts whole milliseconds, so its lease may
+                // end up to one before this client's count of it does.)
+                if elapsed + Duration::from_millis(1) >= Duration::from_millis(l.lease_ttl_ms) {
                     results[i] = Err(StoreError::LeaseExpired(items[i].0.to_string()));
                 }
             }
