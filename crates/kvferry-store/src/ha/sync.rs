@@ -16,8 +16,9 @@
 //! - **While the set is not empty the etcd journal is not written** (its entries stop at the
 //!   moment the first standby joined), so only a member of the set may lead next: the
 //!   campaign's transaction compares the record's revision, and a master that is not a member
-//!   campaigns only when no member is registered any more (every member dead: it then starts
-//!   *empty*: objects are lost, never served from a stale journal: see [`Eligibility`]).
+//!   campaigns only when no member is registered with a complete mirror of the record's term
+//!   any more (every member dead, or restarted without its mirror: it then starts *empty*:
+//!   objects are lost, never served from a stale journal: see [`Eligibility`]).
 //! - **When the set becomes empty** (its last member failed) the leader first writes a whole
 //!   snapshot of its state to the etcd journal and clears the set in the same guarded
 //!   transaction as the journal's new head; only then does it acknowledge again, now after etcd.
@@ -188,10 +189,12 @@ pub enum Eligibility {
     Journal,
     /// This master is a member with a complete mirror of the record's term: lead from it.
     Mirror,
-    /// Members are named but none of them is registered any more (all dead): lead, starting
-    /// empty (what only they held is lost; a stale journal is never served).
+    /// Members are named but none of them is registered with a complete mirror of the
+    /// record's term any more (all dead, or restarted without it): lead, starting empty (what
+    /// only they held is lost; a stale journal is never served).
     Empty,
-    /// A member is alive: only a member may lead; wait.
+    /// Another member is registered with a complete mirror of the record's term: only it may
+    /// lead; wait.
     Wait,
 }
 
