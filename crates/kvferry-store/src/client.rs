@@ -875,7 +875,6 @@ impl Client {
                 other => results.push(Err(StoreError::Rpc(format!("unexpected answer {other:?}")))),
             }
         }
-        let started: Vec<bool> = results.iter().map(|r| r.is_ok()).collect();
         if !reqs.is_empty() {
             match self.transfer(&reqs) {
                 Ok(statuses) => {
@@ -892,11 +891,12 @@ impl Client {
                 }
             }
         }
-        // Failed reservations (e.g. a bad replica endpoint) must be revoked too.
+        // Every reservation ends: written ones with a PutEnd, failed ones (a transfer error, a
+        // replica whose segment did not open) with a PutRevoke.
         let ends: Vec<(usize, Request)> = items
             .iter()
             .enumerate()
-            .filter(|(i, _)| started[*i] || reserved[*i] || owner.contains(i))
+            .filter(|(i, _)| reserved[*i])
             .map(|(i, &(k, _))| {
                 let key = k.to_string();
                 (i, if results[i].is_ok() { Request::PutEnd { client: id, key } } else { Request::PutRevoke { client: id, key } })

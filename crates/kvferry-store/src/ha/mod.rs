@@ -560,11 +560,6 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 continue;
             }
         };
-        let reopen = |sb: &Option<Standby>| {
-            if let Some(sb) = sb {
-                sb.mirror.reopen();
-            }
-        };
         let sent = Instant::now();
         let lease = match etcd.lease_grant(ttl_secs) {
             Ok((id, _)) => id,
@@ -663,7 +658,9 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 gate.set_standby(None);
                 master.journal.deactivate();
                 master.reset(-1);
-                reopen(&standby);
+                if let Some(sb) = &standby {
+                    sb.mirror.reopen();
+                }
                 if let Err(e) = etcd.delete_if_owned(key, owner) {
                     tracing::debug!("HA: deleting the key after stepping down: {e}");
                 }

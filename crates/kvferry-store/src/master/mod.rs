@@ -634,13 +634,7 @@ impl State {
                     }
                 }
                 if let Some(g) = group {
-                    let objects = &self.objects;
-                    if let Some(members) = self.groups.get_mut(&g) {
-                        members.retain(|m| objects.get(m).is_some());
-                        if members.is_empty() {
-                            self.groups.remove(&g);
-                        }
-                    }
+                    self.prune_groups(vec![g]);
                 }
             }
         }
