@@ -579,6 +579,17 @@ fn ha_status(m: &Master) -> serde_json::Value {
     serde_json::from_str(&http_get(&m.http, "/ha_status").1).expect("/ha_status is JSON")
 }
 
+/// Two masters of `cluster` (the second with Mooncake's flag spellings if `mooncake_second`),
+/// one leading and the other in its in-sync set: the masters, the leader's index, the
+/// standby's.
+fn in_sync_pair(etcd_port: u16, cluster: Option<&str>, mooncake_second: bool) -> ([Master; 2], usize, usize) {
+    let ms = [Master::start(etcd_port, cluster, false), Master::start(etcd_port, cluster, mooncake_second)];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let s = 1 - l;
+    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    (ms, l, s)
+}
+
 /// Waits until the leader `m` names `members` as its in-sync set.
 fn wait_insync(m: &Master, members: &[&str], within: Duration) -> serde_json::Value {
     let until = Instant::now() + within;
@@ -605,10 +616,7 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
     let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
     let journal = kvferry_store::ha::journal::prefix("mooncake_cluster");
     let etcd_keys = |part: &str| etcd.range(&journal, &format!("{}~", journal.trim_end_matches('/')), 100).expect("etcd range").iter().filter(|(k, _)| k.contains(part)).count();
-    let mut ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, true)];
-    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
-    let s = 1 - l;
-    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    let (mut ms, l, s) = in_sync_pair(etcd_svc.port, None, true);
     let insync: serde_json::Value = serde_json::from_slice(&etcd.get_kv(&kvferry_store::ha::sync::insync_key("mooncake_cluster")).expect("get").expect("the in-sync record is in etcd").value).expect("JSON");
     assert_eq!(insync["members"], serde_json::json!([ms[s].rpc]), "{insync}");
     let c = ha_client(etcd_svc.port, 32 << 20);
@@ -670,10 +678,7 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
 fn an_in_sync_standby_whose_campaign_fails_keeps_its_mirror_and_leads_from_it() {
     let Some(etcd_svc) = Service::etcd() else { return };
     let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
-    let mut ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, false)];
-    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
-    let s = 1 - l;
-    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    let (mut ms, l, s) = in_sync_pair(etcd_svc.port, None, false);
     let c = ha_client(etcd_svc.port, 16 << 20);
     let keys: Vec<String> = (0..50).map(|i| format!("kept{i}")).collect();
     for k in &keys {
@@ -755,10 +760,7 @@ fn a_takeover_longer_than_the_lease_ttl_still_leads_with_every_object() {
     let Some(etcd_svc) = Service::etcd() else { return };
     let n: u64 = std::env::var("KVFERRY_TEST_TAKEOVER_OBJECTS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_200_000);
     let cluster = "c-long-takeover";
-    let mut ms = [Master::start(etcd_svc.port, Some(cluster), false), Master::start(etcd_svc.port, Some(cluster), false)];
-    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
-    let s = 1 - l;
-    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    let (mut ms, l, s) = in_sync_pair(etcd_svc.port, Some(cluster), false);
     // The objects, metadata only (no bytes move): 4 connections, 1024 keys a request.
     let filled = Instant::now();
     let threads = 4u64;
@@ -837,10 +839,7 @@ fn a_paused_in_sync_standby_holds_a_request_one_acknowledgement_bound_then_leave
     let Some(etcd_svc) = Service::etcd() else { return };
     let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
     let cluster = "c-stalled-standby";
-    let ms = [Master::start(etcd_svc.port, Some(cluster), false), Master::start(etcd_svc.port, Some(cluster), false)];
-    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
-    let s = 1 - l;
-    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    let (ms, l, s) = in_sync_pair(etcd_svc.port, Some(cluster), false);
     let streamed = |m: &Master| ha_status(m)["journal"]["streamed"].as_u64().unwrap_or(0);
     let mut conn = raw(&ms[l].rpc);
     let before = streamed(&ms[l]);
@@ -955,10 +954,7 @@ fn only_an_in_sync_standby_leads_next_and_losing_it_too_starts_empty_never_stale
 #[test]
 fn a_leader_stopped_with_sigterm_leaves_its_state_in_etcd_and_hands_off_at_once() {
     let Some(etcd_svc) = Service::etcd() else { return };
-    let mut ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, true)];
-    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
-    let s = 1 - l;
-    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    let (mut ms, l, s) = in_sync_pair(etcd_svc.port, None, true);
     let c = ha_client(etcd_svc.port, 32 << 20);
     let keys: Vec<String> = (0..50).map(|i| format!("t{i}")).collect();
     for k in &keys {
