@@ -664,8 +664,8 @@ fn master_only(a: &StoreBenchArgs) -> Result<(), String> {
     let t = Instant::now();
     for i in 0..a.objects {
         let key = format!("object-{i:012}");
-        handle(&m, Request::PutStart { client: 1, key: key.clone(), size: 4096, config: cfg.clone(), upsert: false });
-        handle(&m, Request::PutEnd { client: 1, key });
+        handle(&m, Request::PutStart { client: 1, key: key.clone(), size: 4096, config: cfg.clone(), upsert: false, put: 1 });
+        handle(&m, Request::PutEnd { client: 1, key, put: 1 });
     }
     let fill = t.elapsed().as_secs_f64();
     let per_obj = (rss_bytes().saturating_sub(before)) as f64 / a.objects as f64;

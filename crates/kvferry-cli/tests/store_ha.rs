@@ -774,8 +774,8 @@ fn a_takeover_longer_than_the_lease_ttl_still_leads_with_every_object() {
                 assert_eq!(rpc(&mut c, &Request::MountSegment { client, segment }), Response::Ok);
                 let keys: Vec<u64> = (0..n).filter(|i| i % threads == t).collect();
                 for chunk in keys.chunks(1024) {
-                    let starts = Request::Batch(chunk.iter().map(|i| Request::PutStart { client, key: format!("o{i}"), size: 4096, config: ReplicateConfig::default(), upsert: false }).collect());
-                    let ends = Request::Batch(chunk.iter().map(|i| Request::PutEnd { client, key: format!("o{i}") }).collect());
+                    let starts = Request::Batch(chunk.iter().map(|i| Request::PutStart { client, key: format!("o{i}"), size: 4096, config: ReplicateConfig::default(), upsert: false, put: *i + 1 }).collect());
+                    let ends = Request::Batch(chunk.iter().map(|i| Request::PutEnd { client, key: format!("o{i}"), put: *i + 1 }).collect());
                     assert!(matches!(rpc(&mut c, &starts), Response::Batch(_)));
                     assert!(matches!(rpc(&mut c, &ends), Response::Batch(v) if v.iter().all(|r| *r == Response::Ok)));
                 }

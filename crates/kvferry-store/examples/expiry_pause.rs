@@ -5,7 +5,7 @@
 //!
 //! `cargo run --release -p kvferry-store --example expiry_pause [objects] [clients]`
 
-use kvferry_store::master::{MasterConfig, State, Stats};
+use kvferry_store::master::{MasterConfig, PutId, State, Stats};
 use kvferry_store::proto::{ReplicateConfig, Segment};
 use std::time::Instant;
 
@@ -26,7 +26,7 @@ fn main() {
         let c = 1 + i % clients;
         let cfg = ReplicateConfig { preferred_segments: vec![format!("seg{c}")], ..ReplicateConfig::default() };
         let key = format!("obj-{i:09}");
-        or_exit(st.put_start(&m, &s, c, &key, 4096, &cfg, false, 0).and_then(|_| st.put_end(c, &key, 0)), || format!("put {key}"));
+        or_exit(st.put_start(&m, &s, PutId { client: c, put: 1 }, &key, 4096, &cfg, false, 0).and_then(|_| st.put_end(PutId { client: c, put: 1 }, &key, 0)), || format!("put {key}"));
     }
     println!("{objects} objects on {clients} clients' segments in {:.2} s", t.elapsed().as_secs_f64());
     // Every client but the last stops pinging.

@@ -7,7 +7,7 @@
 //! `cargo run --release -p kvferry-store --example growth_pause [objects]`
 
 use kvferry_store::master::journal::{Change, Image, ObjectRec};
-use kvferry_store::master::{MasterConfig, State, Stats};
+use kvferry_store::master::{MasterConfig, PutId, State, Stats};
 use kvferry_store::proto::{ReplicateConfig, Segment};
 
 mod common;
@@ -22,14 +22,14 @@ fn main() {
     let key = |i: u64| format!("obj-{i:09}");
     longest("master state, puts", objects, |i| {
         let k = key(i);
-        or_exit(st.put_start(&m, &s, 1, &k, 4096, &cfg, false, 0).and_then(|_| st.put_end(1, &k, 0)), || format!("put {k}"));
+        or_exit(st.put_start(&m, &s, PutId { client: 1, put: 1 }, &k, 4096, &cfg, false, 0).and_then(|_| st.put_end(PutId { client: 1, put: 1 }, &k, 0)), || format!("put {k}"));
     });
     // Churn at a steady size: the oldest object removed, a new one put, as many times. A hash
     // table's removals leave tombstones that use up its room, and then an insert rehashes the
     // table in place, every object moved, with the lock held.
     longest("master state, churn (a remove and a put each)", objects, |i| {
         let k = key(objects + i);
-        or_exit(st.remove(&m, &key(i), true, 0).and_then(|_| st.put_start(&m, &s, 1, &k, 4096, &cfg, false, 0)).and_then(|_| st.put_end(1, &k, 0)), || format!("churn {k}"));
+        or_exit(st.remove(&m, &key(i), true, 0).and_then(|_| st.put_start(&m, &s, PutId { client: 1, put: 1 }, &k, 4096, &cfg, false, 0)).and_then(|_| st.put_end(PutId { client: 1, put: 1 }, &k, 0)), || format!("churn {k}"));
     });
     // The same two phases in one hash map of objects about the state's size, for comparison.
     let mut one_map: std::collections::HashMap<Box<str>, [u64; 20]> = std::collections::HashMap::new();

@@ -29,7 +29,7 @@ fn main() -> Result<(), String> {
         let rec = |i: usize, done: bool| ObjectRec {
             size: 4096,
             current: if done { at(i) } else { Default::default() },
-            pending: (!done).then(|| PendingRec { replicas: at(i), size: 4096, client: 1000, soft_pin: SoftPin::Preserve, soft_pin_ttl: 0 }),
+            pending: (!done).then(|| PendingRec { id: (n + i) as u64 + 1, replicas: at(i), size: 4096, client: 1000, soft_pin: SoftPin::Preserve, soft_pin_ttl: 0 }),
             owner: 1000,
             hard_pin: false,
             soft_pin_left: 0,

@@ -6,7 +6,7 @@
 //!
 //! `cargo run --release -p kvferry-store --example remove_all_pause [objects]`
 
-use kvferry_store::master::{MasterConfig, State, Stats};
+use kvferry_store::master::{MasterConfig, PutId, State, Stats};
 use kvferry_store::proto::{ReplicateConfig, Segment};
 use std::time::Instant;
 
@@ -29,7 +29,7 @@ fn main() {
         for i in 0..objects {
             let c = 1 + i % clients;
             let key = format!("prefill-tenant-0042/layer-block-{c}-{i:09}");
-            or_exit(st.put_start(&m, &s, c, &key, 4096, &ReplicateConfig::default(), false, 0).and_then(|_| st.put_end(c, &key, 0)), || format!("put {key}"));
+            or_exit(st.put_start(&m, &s, PutId { client: c, put: 1 }, &key, 4096, &ReplicateConfig::default(), false, 0).and_then(|_| st.put_end(PutId { client: c, put: 1 }, &key, 0)), || format!("put {key}"));
         }
         let _ = st.take_changes(0);
         let t = Instant::now();

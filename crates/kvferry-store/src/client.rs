@@ -22,7 +22,7 @@ use kvferry::hostbuf::HostBuffer;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -384,6 +384,9 @@ struct Inner {
     shared: Option<Arc<AtomicBool>>,
     rpc: Rpc,
     id: u64,
+    /// The last put id this client chose (`Request::PutStart`'s `put`; the client id is
+    /// random per client, so counting from 0 keeps ids distinct and their varints short).
+    next_put: AtomicU64,
     segment: Option<(HostBuffer, Segment)>,
     /// The segment was unmounted at the master (by `close`, or by the pinger once the
     /// shared engine serving it was closed): never twice.
@@ -739,7 +742,7 @@ impl Client {
             let space = SegmentSpace::new(buf.addr(), buf.len() as u64);
             staging = Some((buf, Mutex::new(space)));
         }
-        let inner = Arc::new(Inner { engine, shared, rpc, id, segment, unmounted: AtomicBool::new(false), staging, closed: AtomicBool::new(false), cfg, pid: std::process::id(), releases: Mutex::default(), _port: port });
+        let inner = Arc::new(Inner { engine, shared, rpc, id, next_put: AtomicU64::new(0), segment, unmounted: AtomicBool::new(false), staging, closed: AtomicBool::new(false), cfg, pid: std::process::id(), releases: Mutex::default(), _port: port });
         // Register with the master even without a segment, so pings are recognised.
         match &inner.segment {
             Some((_, seg)) => inner.rpc.call_ok(&Request::MountSegment { client: id, segment: seg.clone() })?,
@@ -831,20 +834,22 @@ impl Client {
         }
         let id = self.inner.id;
         let total = |parts: &[(u64, u64)]| parts.iter().map(|p| p.1).sum::<u64>();
-        let starts: Vec<Request> = items.iter().map(|&(k, parts)| Request::PutStart { client: id, key: k.to_string(), size: total(parts), config: cfg.clone(), upsert }).collect();
+        let first = self.inner.next_put.fetch_add(items.len() as u64, Ordering::Relaxed) + 1;
+        let puts: Vec<u64> = (first..first + items.len() as u64).collect();
+        let starts: Vec<Request> = items.iter().zip(&puts).map(|(&(k, parts), &put)| Request::PutStart { client: id, key: k.to_string(), size: total(parts), config: cfg.clone(), upsert, put }).collect();
         // The answers, and the leader that reserved the space (its epoch); a put ended under
         // another one may not be stored.
         let (answers, epoch) = match self.inner.call_batch_at(starts, Conn::Pool) {
             Ok(a) => a,
             Err(e) => {
                 if e == StoreError::OutcomeUnknown {
-                    self.revoke_unknown(items.iter().map(|&(k, _)| k));
+                    self.revoke_unknown(items.iter().zip(&puts).map(|(&(k, _), &put)| (k, put)));
                 }
                 return items.iter().map(|_| Err(e.clone())).collect();
             }
         };
-        let unknown = answers.iter().zip(items).filter(|(a, _)| **a == Response::Err(StoreError::OutcomeUnknown));
-        self.revoke_unknown(unknown.map(|(_, &(k, _))| k));
+        let unknown = answers.iter().zip(items.iter().zip(&puts)).filter(|(a, _)| **a == Response::Err(StoreError::OutcomeUnknown));
+        self.revoke_unknown(unknown.map(|(_, (&(k, _), &put))| (k, put)));
         let mut results: Vec<StoreResult<()>> = Vec::with_capacity(items.len());
         let mut reqs = Vec::new();
         let mut owner = Vec::new(); // request index -> item index
@@ -898,8 +903,8 @@ impl Client {
             .enumerate()
             .filter(|(i, _)| reserved[*i])
             .map(|(i, &(k, _))| {
-                let key = k.to_string();
-                (i, if results[i].is_ok() { Request::PutEnd { client: id, key } } else { Request::PutRevoke { client: id, key } })
+                let (key, put) = (k.to_string(), puts[i]);
+                (i, if results[i].is_ok() { Request::PutEnd { client: id, key, put } } else { Request::PutRevoke { client: id, key, put } })
             })
             .collect();
         let was_ok: Vec<bool> = ends.iter().map(|(i, _)| results[*i].is_ok()).collect();
@@ -970,12 +975,12 @@ impl Client {
 
     /// Puts whose start may or may not have reached the new leader
     /// ([`StoreError::OutcomeUnknown`]): revoked there, best effort, so that their keys are
-    /// free for a retry at once instead of after the master's discard timeout (a revoke
-    /// touches only this client's put in progress; one the leader does not know is an error,
+    /// free for a retry at once instead of after the master's discard timeout (a revoke names
+    /// the put, so it touches nothing else; one the leader does not know is an error,
     /// ignored).
-    fn revoke_unknown<'a>(&self, keys: impl Iterator<Item = &'a str>) {
+    fn revoke_unknown<'a>(&self, puts: impl Iterator<Item = (&'a str, u64)>) {
         let id = self.inner.id;
-        let revokes: Vec<Request> = keys.map(|key| Request::PutRevoke { client: id, key: key.to_string() }).collect();
+        let revokes: Vec<Request> = puts.map(|(key, put)| Request::PutRevoke { client: id, key: key.to_string(), put }).collect();
         if revokes.is_empty() {
             return;
         }
@@ -1509,8 +1514,8 @@ mod tests {
     #[test]
     fn only_requests_that_may_be_repeated_are_sent_again_after_a_lost_connection() {
         assert!(idempotent(&Request::Batch(vec![Request::ReleaseReads { ids: vec![1] }, Request::GetReplicaList { key: "k".into() }, Request::Ping { client: 1 }])));
-        assert!(!idempotent(&Request::Batch(vec![Request::ExistKey { key: "k".into() }, Request::PutEnd { client: 1, key: "k".into() }])));
-        for r in [Request::PutStart { client: 1, key: "k".into(), size: 1, config: ReplicateConfig::default(), upsert: false }, Request::Remove { key: "k".into(), force: false }, Request::UnmountSegment { client: 1, segment: 2 }] {
+        assert!(!idempotent(&Request::Batch(vec![Request::ExistKey { key: "k".into() }, Request::PutEnd { client: 1, key: "k".into(), put: 1 }])));
+        for r in [Request::PutStart { client: 1, key: "k".into(), size: 1, config: ReplicateConfig::default(), upsert: false, put: 1 }, Request::Remove { key: "k".into(), force: false }, Request::UnmountSegment { client: 1, segment: 2 }] {
             assert!(!idempotent(&r), "{r:?}");
         }
     }

@@ -88,9 +88,13 @@ pub enum Request {
     RemountSegments { client: u64, segments: Vec<Segment> },
     UnmountSegment { client: u64, segment: u64 },
     Ping { client: u64 },
-    PutStart { client: u64, key: String, size: u64, config: ReplicateConfig, upsert: bool },
-    PutEnd { client: u64, key: String },
-    PutRevoke { client: u64, key: String },
+    /// Starts put `put` of `key`: `put` is chosen by the client, distinct among its puts (a
+    /// counter), and only a `PutEnd` or `PutRevoke` naming it ends this put, so the late end
+    /// of an earlier put of the key (one discarded as a zombie meanwhile) never ends a later
+    /// one before its bytes landed, and a start whose answer was lost is revoked exactly.
+    PutStart { client: u64, key: String, size: u64, config: ReplicateConfig, upsert: bool, put: u64 },
+    PutEnd { client: u64, key: String, put: u64 },
+    PutRevoke { client: u64, key: String, put: u64 },
     GetReplicaList { key: String },
     ExistKey { key: String },
     Remove { key: String, force: bool },
@@ -164,7 +168,7 @@ mod tests {
     #[test]
     fn roundtrip() {
         let r = Request::Batch(vec![
-            Request::PutStart { client: 7, key: "k".into(), size: 10, config: ReplicateConfig::default(), upsert: false },
+            Request::PutStart { client: 7, key: "k".into(), size: 10, config: ReplicateConfig::default(), upsert: false, put: 3 },
             Request::GetReplicaList { key: "k".into() },
         ]);
         let f = encode(&r).unwrap();

@@ -1,7 +1,7 @@
 //! The master on the network: one thread per RPC connection, one ticker thread.
 
 use crate::error::StoreError;
-use crate::master::{Master, State, OP_NAMES};
+use crate::master::{Master, PutId, State, OP_NAMES};
 use crate::proto::{self, PingStatus, ReplicateConfig, Request, Response};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -223,13 +223,13 @@ fn stale(st: &State, term: i64) -> Result<(), StoreError> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn put_start(m: &Master, client: u64, key: &str, size: u64, config: &ReplicateConfig, upsert: bool, deadline: Instant, term: i64) -> Result<Response, StoreError> {
+fn put_start(m: &Master, put: PutId, key: &str, size: u64, config: &ReplicateConfig, upsert: bool, deadline: Instant, term: i64) -> Result<Response, StoreError> {
     loop {
         let last = Instant::now() >= deadline;
         let now = m.now();
         let mut st = m.lock();
         stale(&st, term)?;
-        let r = st.put_start_ex(&m.cfg, &m.stats, client, key, size, config, upsert, now, last);
+        let r = st.put_start_ex(&m.cfg, &m.stats, put, key, size, config, upsert, now, last);
         let retry = !last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(now);
         drop(st);
         if !retry {
@@ -290,8 +290,8 @@ fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64) -> Respons
     // What a RemoveAll/RemoveByRegex took out: its memory is freed after the state's lock is
     // released (this is declared before the lock is taken, so dropped after it is let go).
     let mut removed = None;
-    let r = if let Request::PutStart { client, key, size, config, upsert } = &req {
-        put_start(m, *client, key, *size, config, *upsert, deadline, term)
+    let r = if let Request::PutStart { client, key, size, config, upsert, put } = &req {
+        put_start(m, PutId { client: *client, put: *put }, key, *size, config, *upsert, deadline, term)
     } else {
         let now = m.now();
         let mut st = m.lock();
@@ -345,12 +345,13 @@ fn handle_batch(m: &Master, reqs: Vec<Request>, deadline: Instant, term: i64) ->
             continue;
         }
         let r = match req {
-            Request::PutStart { client, key, size, config, upsert } => {
-                let r = st.put_start_ex(&m.cfg, &m.stats, client, &key, size, &config, upsert, *now, *last);
+            Request::PutStart { client, key, size, config, upsert, put } => {
+                let put = PutId { client, put };
+                let r = st.put_start_ex(&m.cfg, &m.stats, put, &key, size, &config, upsert, *now, *last);
                 if !*last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(*now) {
                     held = None;
                     std::thread::sleep(PUT_RETRY);
-                    put_start(m, client, &key, size, &config, upsert, deadline, term)
+                    put_start(m, put, &key, size, &config, upsert, deadline, term)
                 } else {
                     r.map(Response::Replicas)
                 }
@@ -371,14 +372,14 @@ fn apply_locked(st: &mut State, m: &Master, req: Request, now: u64, removed: &mu
         Request::RemountSegments { client, segments } => st.remount(client, segments, now, lease).map(|_| Response::Ok),
         Request::UnmountSegment { client, segment } => st.unmount(client, segment).map(|_| Response::Ok),
         Request::Ping { client } => Ok(Response::Ping(st.ping(client, now))),
-        Request::PutStart { client, key, size, config, upsert } => st.put_start(&m.cfg, &m.stats, client, &key, size, &config, upsert, now).map(Response::Replicas),
+        Request::PutStart { client, key, size, config, upsert, put } => st.put_start(&m.cfg, &m.stats, PutId { client, put }, &key, size, &config, upsert, now).map(Response::Replicas),
         Request::ReleaseReads { ids } => {
             st.release_reads(&ids, now);
             Ok(Response::Ok)
         }
         Request::BatchReplicaClear { client, keys, segment } => Ok(Response::Keys(st.batch_replica_clear(client, &keys, &segment, now))),
-        Request::PutEnd { client, key } => st.put_end(client, &key, now).map(|_| Response::Ok),
-        Request::PutRevoke { client, key } => st.put_revoke(client, &key).map(|_| Response::Ok),
+        Request::PutEnd { client, key, put } => st.put_end(PutId { client, put }, &key, now).map(|_| Response::Ok),
+        Request::PutRevoke { client, key, put } => st.put_revoke(PutId { client, put }, &key).map(|_| Response::Ok),
         Request::GetReplicaList { key } => st.get_replica_list(&key, now, lease).map(Response::ReplicaList),
         Request::ExistKey { key } => st.exist_key(&key, now, lease).map(Response::Exists),
         Request::Remove { key, force } => st.remove(&m.cfg, &key, force, now).map(|_| Response::Ok),
@@ -588,7 +589,7 @@ mod tests {
     }
 
     fn put_start(key: &str, size: u64) -> Request {
-        Request::PutStart { client: 1, key: key.into(), size, config: ReplicateConfig::default(), upsert: false }
+        Request::PutStart { client: 1, key: key.into(), size, config: ReplicateConfig::default(), upsert: false, put: 1 }
     }
 
     /// A batch is answered request by request, in order, across several holds of the lock
@@ -611,8 +612,8 @@ mod tests {
                 assert!(matches!(r, Response::Replicas(v) if v.len() == 1), "put {i}: {r:?}");
             }
         }
-        let mut ends: Vec<Request> = keys.iter().map(|k| Request::PutEnd { client: 1, key: k.clone() }).collect();
-        ends.push(Request::PutEnd { client: 1, key: "never-started".into() });
+        let mut ends: Vec<Request> = keys.iter().map(|k| Request::PutEnd { client: 1, key: k.clone(), put: 1 }).collect();
+        ends.push(Request::PutEnd { client: 1, key: "never-started".into(), put: 1 });
         ends.push(Request::RemoveByRegex { pattern: "^k1".into(), force: false });
         ends.push(Request::ExistKey { key: "k0".into() });
         ends.push(Request::ExistKey { key: "k100".into() });
@@ -639,7 +640,7 @@ mod tests {
         assert_eq!(handle(&m, Request::MountSegment { client: 1, segment: seg(1, 64 << 10) }), Response::Ok);
         for k in ["old", "read"] {
             assert!(matches!(handle(&m, put_start(k, 32 << 10)), Response::Replicas(_)));
-            assert_eq!(handle(&m, Request::PutEnd { client: 1, key: k.into() }), Response::Ok);
+            assert_eq!(handle(&m, Request::PutEnd { client: 1, key: k.into(), put: 1 }), Response::Ok);
         }
         let Response::ReplicaList(l) = handle(&m, Request::GetReplicaList { key: "read".into() }) else { panic!("no replica list") };
         let t = Instant::now();
@@ -714,9 +715,9 @@ mod tests {
             Applied::Now(r) => panic!("answered before its changes were durable: {r:?}"),
         };
         let t1 = later(apply(&m, Request::MountSegment { client: 1, segment: seg(1, 1 << 20) }));
-        let puts = (0..3).map(|i| Request::PutStart { client: 1, key: format!("k{i}"), size: 4096, config: ReplicateConfig::default(), upsert: false }).collect();
+        let puts = (0..3).map(|i| Request::PutStart { client: 1, key: format!("k{i}"), size: 4096, config: ReplicateConfig::default(), upsert: false, put: 1 }).collect();
         let t2 = later(apply(&m, Request::Batch(puts)));
-        let ends = (0..3).map(|i| Request::PutEnd { client: 1, key: format!("k{i}") }).collect();
+        let ends = (0..3).map(|i| Request::PutEnd { client: 1, key: format!("k{i}"), put: 1 }).collect();
         let t3 = later(apply(&m, Request::Batch(ends)));
         let t4 = later(apply(&m, Request::Batch(vec![Request::ExistKey { key: "k0".into() }, Request::RemoveAll { force: true }])));
         assert!(t1 < t2 && t2 < t3 && t3 < t4, "each its own ticket, in order: {t1:?} {t2:?} {t3:?} {t4:?}");

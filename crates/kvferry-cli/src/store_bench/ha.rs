@@ -146,8 +146,10 @@ fn put_rate<T>(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &
                                 pinged = Instant::now();
                             }
                             let keys: Vec<String> = (0..per_req).map(|i| format!("{tag}-{t}-{}", n + i as u64)).collect();
-                            let starts = Request::Batch(keys.iter().map(|k| Request::PutStart { client, key: k.clone(), size: 4096, config: cfg.clone(), upsert: false }).collect());
-                            let ends = Request::Batch(keys.iter().map(|k| Request::PutEnd { client, key: k.clone() }).collect());
+                            // (Each key is put once: its number names its put.)
+                            let put = |i: usize| n + i as u64 + 1;
+                            let starts = Request::Batch(keys.iter().enumerate().map(|(i, k)| Request::PutStart { client, key: k.clone(), size: 4096, config: cfg.clone(), upsert: false, put: put(i) }).collect());
+                            let ends = Request::Batch(keys.iter().enumerate().map(|(i, k)| Request::PutEnd { client, key: k.clone(), put: put(i) }).collect());
                             match (call(&starts), call(&ends)) {
                                 (Some(Response::Batch(a)), Some(Response::Batch(b))) if a.iter().all(|r| matches!(r, Response::Replicas(_))) && b.iter().all(|r| *r == Response::Ok) => n += per_req as u64,
                                 (a, b) => {

@@ -59,6 +59,8 @@ fn de_recs<'de, D: serde::Deserializer<'de>>(d: D) -> Result<ReplicaRecs, D::Err
 /// A write in progress (space reserved, not yet readable).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PendingRec {
+    /// The put's id, chosen by its client (what its `PutEnd` names).
+    pub id: u64,
     #[serde(deserialize_with = "de_recs")]
     pub replicas: ReplicaRecs,
     pub size: u64,
@@ -161,7 +163,7 @@ impl State {
         ObjectRec {
             size: o.size,
             current: o.current.iter().map(rec).collect(),
-            pending: o.pending.as_ref().map(|p| PendingRec { replicas: p.replicas.iter().map(rec).collect(), size: p.size, client: p.client, soft_pin: p.soft_pin, soft_pin_ttl: p.soft_pin_ttl }),
+            pending: o.pending.as_ref().map(|p| PendingRec { id: p.id, replicas: p.replicas.iter().map(rec).collect(), size: p.size, client: p.client, soft_pin: p.soft_pin, soft_pin_ttl: p.soft_pin_ttl }),
             owner: o.owner,
             hard_pin: o.hard_pin,
             soft_pin_left: o.soft_pin_until.saturating_sub(now),
@@ -351,7 +353,7 @@ impl Image {
             let current = take(&mut st, &rec.current, &mut report, &mut contested);
             let pending = rec.pending.map(|p| {
                 let replicas = take(&mut st, &p.replicas, &mut report, &mut contested);
-                Box::new(Pending { replicas, size: p.size, client: p.client, started: now, soft_pin: p.soft_pin, soft_pin_ttl: p.soft_pin_ttl })
+                Box::new(Pending { id: p.id, replicas, size: p.size, client: p.client, started: now, soft_pin: p.soft_pin, soft_pin_ttl: p.soft_pin_ttl })
             });
             if current.is_empty() && pending.as_ref().is_none_or(|p| p.replicas.is_empty()) {
                 for r in current.iter().chain(pending.iter().flat_map(|p| p.replicas.iter())) {
@@ -402,7 +404,7 @@ impl Image {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::master::{MasterConfig, Stats};
+    use crate::master::{MasterConfig, PutId, Stats};
     use crate::proto::ReplicateConfig;
     use rand::{Rng, SeedableRng};
 
@@ -416,7 +418,7 @@ mod tests {
             let rec = ObjectRec {
                 size: 4096,
                 current: (0..n).map(|i| (i, i << 12, 4096)).collect(),
-                pending: Some(PendingRec { replicas: (0..n).map(|i| (i + 9, i << 20, 4096)).collect(), size: 4096, client: 3, soft_pin: SoftPin::default(), soft_pin_ttl: 0 }),
+                pending: Some(PendingRec { id: 1, replicas: (0..n).map(|i| (i + 9, i << 20, 4096)).collect(), size: 4096, client: 3, soft_pin: SoftPin::default(), soft_pin_ttl: 0 }),
                 owner: 3,
                 hard_pin: false,
                 soft_pin_left: 0,
@@ -486,6 +488,8 @@ mod tests {
                 now += rng.random_range(1..50);
                 let key = format!("k{}", rng.random_range(0..40));
                 let client = rng.random_range(1..4u64);
+                // (Two ids per client: an end or revoke sometimes names another put of the key.)
+                let put = PutId { client, put: rng.random_range(1..3u64) };
                 match rng.random_range(0..100) {
                     0..=4 => {
                         let id = rng.random_range(1..6u64);
@@ -501,13 +505,13 @@ mod tests {
                     7..=40 => {
                         let cfg = ReplicateConfig { replica_num: rng.random_range(1..4), group_id: rng.random_bool(0.1).then(|| "g".to_string()), soft_pin: if rng.random_bool(0.2) { SoftPin::Enable } else { SoftPin::Preserve }, ..ReplicateConfig::default() };
                         st.register_client(client, now);
-                        let _ = st.put_start(&m, &stats, client, &key, rng.random_range(1..200_000), &cfg, rng.random_bool(0.5), now);
+                        let _ = st.put_start(&m, &stats, put, &key, rng.random_range(1..200_000), &cfg, rng.random_bool(0.5), now);
                     }
                     41..=65 => {
-                        let _ = st.put_end(client, &key, now);
+                        let _ = st.put_end(put, &key, now);
                     }
                     66..=70 => {
-                        let _ = st.put_revoke(client, &key);
+                        let _ = st.put_revoke(put, &key);
                     }
                     71..=80 => {
                         let _ = st.get_replica_list(&key, now, lease);
@@ -568,7 +572,7 @@ mod tests {
                     let taken: Vec<(u64, u64, u64)> = st.objects.values().flat_map(|o| o.current.iter().chain(o.pending.iter().flat_map(|p| p.replicas.iter()))).map(|r| (r.seg, r.block.addr, r.block.len)).collect();
                     back.register_client(99, now);
                     for i in 0..20 {
-                        let Ok(descs) = back.put_start(&MasterConfig { allow_evict_soft_pinned: false, ..m.clone() }, &Stats::default(), 99, &format!("new{i}"), 50_000, &ReplicateConfig { with_hard_pin: true, ..ReplicateConfig::default() }, false, now) else { continue };
+                        let Ok(descs) = back.put_start(&MasterConfig { allow_evict_soft_pinned: false, ..m.clone() }, &Stats::default(), PutId { client: 99, put: i as u64 }, &format!("new{i}"), 50_000, &ReplicateConfig { with_hard_pin: true, ..ReplicateConfig::default() }, false, now) else { continue };
                         for d in descs {
                             let id = back.segments.iter().find(|(_, s)| s.seg.te_endpoint == d.te_endpoint).map(|(id, _)| *id);
                             for &(s, a, l) in &taken {

@@ -79,6 +79,9 @@ struct Replica {
 
 /// A write in progress.
 struct Pending {
+    /// The put's id, chosen by its client (`Request::PutStart`): only an end or revoke naming
+    /// it ends this put.
+    id: u64,
     replicas: Box<[Replica]>,
     size: u64,
     client: u64,
@@ -219,6 +222,14 @@ pub struct Summary {
     pub segments: usize,
     pub pending_puts: usize,
     pub deferred_frees: usize,
+}
+
+/// Names a put: the client that started it and the id it chose for it
+/// (`Request::PutStart`'s `put`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PutId {
+    pub client: u64,
+    pub put: u64,
 }
 
 /// One segment as reported by `/get_all_segments`.
@@ -660,15 +671,16 @@ impl State {
 
     /// Starts a put, making room if needed by any eviction allowed (the last attempt).
     #[allow(clippy::too_many_arguments)]
-    pub fn put_start(&mut self, m: &MasterConfig, stats: &Stats, client: u64, key: &str, size: u64, cfg: &ReplicateConfig, upsert: bool, now: u64) -> StoreResult<Vec<ReplicaDesc>> {
-        self.put_start_ex(m, stats, client, key, size, cfg, upsert, now, true)
+    pub fn put_start(&mut self, m: &MasterConfig, stats: &Stats, put: PutId, key: &str, size: u64, cfg: &ReplicateConfig, upsert: bool, now: u64) -> StoreResult<Vec<ReplicaDesc>> {
+        self.put_start_ex(m, stats, put, key, size, cfg, upsert, now, true)
     }
 
     /// Starts a put. Unless `last_try`, while reads are in flight (whose end may free space)
     /// objects written within `put_wait_for_reads` are not evicted: the caller retries
     /// (`NoAvailableHandle`) until the reads end or the wait is over.
     #[allow(clippy::too_many_arguments)]
-    pub fn put_start_ex(&mut self, m: &MasterConfig, stats: &Stats, client: u64, key: &str, size: u64, cfg: &ReplicateConfig, upsert: bool, now: u64, last_try: bool) -> StoreResult<Vec<ReplicaDesc>> {
+    pub fn put_start_ex(&mut self, m: &MasterConfig, stats: &Stats, put: PutId, key: &str, size: u64, cfg: &ReplicateConfig, upsert: bool, now: u64, last_try: bool) -> StoreResult<Vec<ReplicaDesc>> {
+        let PutId { client, put } = put;
         check_key(key)?;
         if size == 0 {
             return Err(StoreError::InvalidParams(format!("value of {key:?} is empty; values must be at least 1 byte")));
@@ -743,7 +755,7 @@ impl State {
         }
         let descs = replicas.iter().filter_map(|r| self.desc(r)).collect();
         let soft_pin_ttl = cfg.soft_pin_ttl_ms.unwrap_or(m.default_soft_pin_ttl.as_millis() as u64);
-        let pending = Box::new(Pending { replicas: replicas.into_boxed_slice(), size, client, started: now, soft_pin: cfg.soft_pin, soft_pin_ttl });
+        let pending = Box::new(Pending { id: put, replicas: replicas.into_boxed_slice(), size, client, started: now, soft_pin: cfg.soft_pin, soft_pin_ttl });
         self.mark_key(key);
         match self.objects.get_mut(key) {
             Some(o) => o.pending = Some(pending),
@@ -773,10 +785,13 @@ impl State {
         Ok(descs)
     }
 
-    pub fn put_end(&mut self, client: u64, key: &str, now: u64) -> StoreResult<()> {
+    /// Ends put `put` of `key` (its bytes landed): the object reads as it wrote.
+    pub fn put_end(&mut self, put: PutId, key: &str, now: u64) -> StoreResult<()> {
+        let PutId { client, put } = put;
         let o = self.objects.get(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         match &o.pending {
-            Some(p) if p.client == client => {}
+            Some(p) if p.client == client && p.id == put => {}
+            Some(p) if p.client == client => return Err(StoreError::InvalidParams(format!("put {put} of {key:?} is not in progress: it was discarded as a zombie and this client is putting the key again (put {}); the earlier put is lost", p.id))),
             _ => return Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress (it was revoked, discarded as a zombie, or never started)"))),
         }
         self.mark_key(key);
@@ -806,10 +821,12 @@ impl State {
         Ok(())
     }
 
-    pub fn put_revoke(&mut self, client: u64, key: &str) -> StoreResult<()> {
+    /// Revokes put `put` of `key`: its space is freed, nothing of it becomes readable.
+    pub fn put_revoke(&mut self, put: PutId, key: &str) -> StoreResult<()> {
+        let PutId { client, put } = put;
         let o = self.objects.get(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         match &o.pending {
-            Some(p) if p.client == client => {}
+            Some(p) if p.client == client && p.id == put => {}
             _ => return Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress"))),
         }
         self.mark_key(key);
@@ -1102,6 +1119,9 @@ mod tests {
     use super::*;
     use crate::master::journal::Change;
 
+    /// Client 1's put 1 (most tests start one put of a key at a time).
+    const P1: PutId = PutId { client: 1, put: 1 };
+
     fn seg(id: u64, size: u64) -> Segment {
         Segment { id, name: format!("seg{id}"), te_endpoint: format!("127.0.0.1:{}", 15000 + id), base: id << 32, size }
     }
@@ -1115,8 +1135,8 @@ mod tests {
     }
 
     fn put(st: &mut State, m: &MasterConfig, s: &Stats, key: &str, size: u64, cfg: &ReplicateConfig, now: u64) -> StoreResult<Vec<ReplicaDesc>> {
-        let r = st.put_start(m, s, 1, key, size, cfg, false, now)?;
-        st.put_end(1, key, now)?;
+        let r = st.put_start(m, s, P1, key, size, cfg, false, now)?;
+        st.put_end(P1, key, now)?;
         Ok(r)
     }
 
@@ -1180,14 +1200,14 @@ mod tests {
         let (mut st, m, s) = setup(&[(1, 64 << 10)]);
         put(&mut st, &m, &s, "hard", 16 << 10, &ReplicateConfig { with_hard_pin: true, ..Default::default() }, 0).unwrap();
         put(&mut st, &m, &s, "soft", 16 << 10, &ReplicateConfig { soft_pin: SoftPin::Enable, soft_pin_ttl_ms: Some(1_000_000), ..Default::default() }, 0).unwrap();
-        st.put_start(&m, &s, 1, "inflight", 16 << 10, &ReplicateConfig::default(), false, 0).unwrap();
+        st.put_start(&m, &s, P1, "inflight", 16 << 10, &ReplicateConfig::default(), false, 0).unwrap();
         put(&mut st, &m, &s, "plain", 16 << 10, &ReplicateConfig::default(), 0).unwrap();
         // Needs 16 KiB: the plain object goes, not the others.
         put(&mut st, &m, &s, "new", 16 << 10, &ReplicateConfig::default(), 10).unwrap();
         assert!(!st.exist_key("plain", 11, 0).unwrap());
         assert!(st.exist_key("hard", 11, 0).unwrap());
         assert!(st.exist_key("soft", 11, 0).unwrap());
-        st.put_end(1, "inflight", 12).unwrap();
+        st.put_end(P1, "inflight", 12).unwrap();
         // Now only soft-pinned objects are evictable (second pass).
         put(&mut st, &m, &s, "new2", 16 << 10, &ReplicateConfig::default(), 20).unwrap_or_default();
         assert!(st.exist_key("hard", 21, 0).unwrap(), "hard pin never evicted");
@@ -1202,10 +1222,10 @@ mod tests {
         let (mut st, m, s) = setup(&[(1, 1 << 20)]);
         put(&mut st, &m, &s, "k", 4096, &ReplicateConfig::default(), 0).unwrap();
         let old = st.get_replica_list("k", 1, 1000).unwrap();
-        let new = st.put_start(&m, &s, 1, "k", 8192, &ReplicateConfig::default(), true, 2).unwrap();
+        let new = st.put_start(&m, &s, P1, "k", 8192, &ReplicateConfig::default(), true, 2).unwrap();
         assert_ne!(new[0].addr, old.replicas[0].addr, "upsert writes elsewhere");
         assert_eq!(st.get_replica_list("k", 3, 10).unwrap().replicas, old.replicas, "readers see the old value meanwhile");
-        st.put_end(1, "k", 4).unwrap();
+        st.put_end(P1, "k", 4).unwrap();
         assert_eq!(st.get_replica_list("k", 5, 10).unwrap().size, 8192);
         let used = st.used_bytes();
         st.release_deferred(500);
@@ -1257,9 +1277,9 @@ mod tests {
     #[test]
     fn a_failed_put_over_a_zombie_leaves_the_key_free() {
         let (mut st, m, s) = setup(&[(1, 64 << 10)]);
-        st.put_start(&m, &s, 1, "z", 4096, &ReplicateConfig::default(), false, 0).unwrap();
+        st.put_start(&m, &s, P1, "z", 4096, &ReplicateConfig::default(), false, 0).unwrap();
         let later = m.put_start_discard_timeout.as_millis() as u64 + 1;
-        assert!(matches!(st.put_start(&m, &s, 1, "z", 1 << 20, &ReplicateConfig::default(), false, later), Err(StoreError::NoAvailableHandle { .. })));
+        assert!(matches!(st.put_start(&m, &s, P1, "z", 1 << 20, &ReplicateConfig::default(), false, later), Err(StoreError::NoAvailableHandle { .. })));
         assert!(st.objects.get("z").is_none(), "no bare object left behind");
         put(&mut st, &m, &s, "z", 4096, &ReplicateConfig::default(), later + 1).expect("the key is free");
         assert!(st.exist_key("z", later + 2, 1).unwrap());
@@ -1268,13 +1288,20 @@ mod tests {
     #[test]
     fn zombie_put_is_replaced_after_the_discard_timeout() {
         let (mut st, m, s) = setup(&[(1, 1 << 20)]);
-        st.put_start(&m, &s, 1, "z", 4096, &ReplicateConfig::default(), false, 0).unwrap();
-        assert!(matches!(st.put_start(&m, &s, 1, "z", 4096, &ReplicateConfig::default(), false, 10), Err(StoreError::ObjectAlreadyExists(_))));
+        st.put_start(&m, &s, P1, "z", 4096, &ReplicateConfig::default(), false, 0).unwrap();
+        assert!(matches!(st.put_start(&m, &s, P1, "z", 4096, &ReplicateConfig::default(), false, 10), Err(StoreError::ObjectAlreadyExists(_))));
         assert!(matches!(st.get_replica_list("z", 10, 1), Err(StoreError::ReplicaNotReady(_))));
         let later = m.put_start_discard_timeout.as_millis() as u64 + 1;
-        st.put_start(&m, &s, 1, "z", 4096, &ReplicateConfig::default(), false, later).unwrap();
+        let p2 = PutId { client: 1, put: 2 };
+        st.put_start(&m, &s, p2, "z", 4096, &ReplicateConfig::default(), false, later).unwrap();
         assert_eq!(st.deferred.len(), 1, "zombie space released only later");
-        st.put_end(1, "z", later + 1).unwrap();
+        // The zombie's writer wakes up and ends (or revokes) its put: the same client and key,
+        // but not this put, whose bytes may not have landed yet.
+        let late = st.put_end(P1, "z", later + 1).unwrap_err();
+        assert!(matches!(&late, StoreError::InvalidParams(w) if w.contains("discarded as a zombie")), "{late:?}");
+        assert!(matches!(st.get_replica_list("z", later + 1, 1), Err(StoreError::ReplicaNotReady(_))), "the replacing put is still in progress");
+        assert!(st.put_revoke(P1, "z").is_err(), "nor does its revoke touch the replacing put");
+        st.put_end(p2, "z", later + 1).unwrap();
         assert!(st.exist_key("z", later + 2, 1).unwrap());
     }
 
@@ -1332,7 +1359,7 @@ mod tests {
         assert_eq!(st.groups.get("G").map(|m| m.iter().map(|k| k.to_string()).collect::<Vec<_>>()), Some(vec!["g-b".to_string()]), "a group keeps its surviving members");
         assert!(!st.groups.contains_key("H"), "a group left empty goes");
         st.register_client(1, 10_003);
-        let r = st.put_start(&m, &s, 1, "new", 4096, &ReplicateConfig::default(), false, 10_003).unwrap();
+        let r = st.put_start(&m, &s, P1, "new", 4096, &ReplicateConfig::default(), false, 10_003).unwrap();
         assert_eq!(r[0].te_endpoint, "127.0.0.1:15004");
     }
 
@@ -1372,20 +1399,20 @@ mod tests {
         st.remove(&m, "a", true, 2).unwrap();
         assert_eq!(st.used_bytes(), 32 << 10, "the read in flight keeps the bytes");
         // The same space cannot be handed out while the read is in flight...
-        st.put_start(&m, &s, 1, "b", 32 << 10, &cfg, false, 3).unwrap();
-        assert!(matches!(st.put_start(&m, &s, 1, "c", 32 << 10, &cfg, false, 3), Err(StoreError::NoAvailableHandle { .. })));
+        st.put_start(&m, &s, P1, "b", 32 << 10, &cfg, false, 3).unwrap();
+        assert!(matches!(st.put_start(&m, &s, P1, "c", 32 << 10, &cfg, false, 3), Err(StoreError::NoAvailableHandle { .. })));
         assert!(st.reads_in_flight(3), "a caller may wait for it");
         // ...and comes back as soon as the reader says it finished, long before the lease ends.
         st.release_reads(&[l.read_id], 4);
         assert!(!st.reads_in_flight(4));
         assert_eq!(st.used_bytes(), 32 << 10, "only b's space is in use");
-        st.put_start(&m, &s, 1, "c", 32 << 10, &cfg, false, 5).unwrap();
+        st.put_start(&m, &s, P1, "c", 32 << 10, &cfg, false, 5).unwrap();
         // An upsert's old replica follows the same rule.
-        st.put_end(1, "b", 6).unwrap();
+        st.put_end(P1, "b", 6).unwrap();
         let l = st.get_replica_list("b", 7, 10_000).unwrap();
-        st.put_revoke(1, "c").unwrap();
-        st.put_start(&m, &s, 1, "b", 16 << 10, &cfg, true, 8).unwrap();
-        st.put_end(1, "b", 9).unwrap();
+        st.put_revoke(P1, "c").unwrap();
+        st.put_start(&m, &s, P1, "b", 16 << 10, &cfg, true, 8).unwrap();
+        st.put_end(P1, "b", 9).unwrap();
         assert_eq!(st.used_bytes(), 48 << 10, "old value kept for its reader");
         st.release_reads(&[l.read_id, 12345], 10);
         assert_eq!(st.used_bytes(), 16 << 10, "freed on release; unknown ids are ignored");
@@ -1406,12 +1433,12 @@ mod tests {
         // While a read is in flight, a put that is not on its last try spares objects just
         // written (their writers are about to read them back) and asks the caller to wait.
         put(&mut st, &m, &s, "young", 32 << 10, &cfg, 7).unwrap();
-        let e = st.put_start_ex(&m, &s, 1, "next", 32 << 10, &cfg, false, 8, false);
+        let e = st.put_start_ex(&m, &s, P1, "next", 32 << 10, &cfg, false, 8, false);
         assert!(matches!(e, Err(StoreError::NoAvailableHandle { .. })), "{e:?}");
         assert!(st.exist_key("young", 9, 0).unwrap(), "the object just written was not evicted");
         // Once the read ended, the older object goes, not the young one.
         st.release_reads(&[l2.read_id], 10);
-        st.put_start_ex(&m, &s, 1, "next", 32 << 10, &cfg, false, 11, false).unwrap();
+        st.put_start_ex(&m, &s, P1, "next", 32 << 10, &cfg, false, 11, false).unwrap();
         assert!(st.exist_key("young", 12, 0).unwrap() && !st.exist_key("r2", 12, 0).unwrap());
         // An abandoned read stops counting when its lease runs out.
         let l = st.get_replica_list("young", 13, 100).unwrap();
@@ -1467,7 +1494,7 @@ mod tests {
             n += 1;
         }
         assert!(n > 1000, "the pool filled ({n} objects)");
-        st.put_start(&m, &s, 1, "writing", 100, &ReplicateConfig::default(), false, 0).expect("room for a write in progress");
+        st.put_start(&m, &s, P1, "writing", 100, &ReplicateConfig::default(), false, 0).expect("room for a write in progress");
         let read = st.get_replica_list("k1", 1, 10_000).expect("k1 is there");
         let _ = st.take_changes(1);
         let held = read.replicas.iter().map(|r| r.size).sum::<u64>();
