@@ -311,9 +311,15 @@ impl ServeConn {
     }
 
     /// Whether sending must happen before more bytes are taken: a READ answer or a closing
-    /// status waits, or the gathered answers grew large.
+    /// status waits, the gathered answers grew large, or a WRITE body is to be received
+    /// while earlier requests' answers wait (they leave first: a body can take as long as its
+    /// deadline, and the initiator's deadlines for those requests run meanwhile).
     pub(super) fn must_send(&self) -> bool {
-        matches!(self.state, State::Answer { .. } | State::Closing(_)) || self.out.len() >= MAX_OUT
+        match self.state {
+            State::Answer { .. } | State::Closing(_) => true,
+            State::Body { .. } => !self.out.is_empty(),
+            _ => self.out.len() >= MAX_OUT,
+        }
     }
 
     /// `n` bytes of [`ServeConn::transmit`] left.
@@ -472,8 +478,14 @@ impl ServeConn {
         if let Some(p) = &mut self.pipe {
             let _ = p.sync();
         }
-        // Drops the guard of the request being served (if any) with the old state.
-        self.state = State::Closed(why);
+        // Drops the guard of the request being served (if any) with the old state. Answers
+        // of earlier requests still waiting leave first (those WRITEs landed: a connection
+        // closed on a later request must not make them fail); not mid-answer, where `out`
+        // ends with the status of the READ being answered.
+        self.state = match self.state {
+            State::Header | State::Body { .. } if !self.out.is_empty() => State::Closing(why),
+            _ => State::Closed(why),
+        };
     }
 }
 
@@ -549,6 +561,36 @@ mod tests {
         want.extend_from_slice(b"cd");
         assert!(!c.must_send(), "small answers wait to be gathered");
         assert_eq!(drain(&mut c, now), want);
+    }
+
+    /// A landed WRITE's status leaves before the next WRITE's body is received (which may
+    /// take that body's whole deadline), and is still sent when that next request ends the
+    /// connection (overdue, revoked): the first WRITE landed and must not be reported failed.
+    #[test]
+    fn a_landed_writes_status_leaves_before_the_next_body_and_survives_its_failure() {
+        let m = mem(1 << 20);
+        let t0 = Instant::now();
+        let mut stream = hdr(Opcode::Write, m.addr(0), 4, true);
+        stream.extend_from_slice(b"abcd");
+        stream.extend(hdr(Opcode::Write, m.addr(4096), 512 << 10, true));
+        stream.push(0x11);
+        let mut c = ServeConn::new(STALL);
+        assert_eq!(c.handle_bytes(&m.reg, &stream, t0), stream.len());
+        assert_eq!(&m.buf[..4], b"abcd");
+        assert!(c.must_send(), "the first WRITE's status leaves before the thread waits for the second body");
+        assert_eq!(c.transmit().out, encode_status(Status::Ok));
+        // Not sent (the socket was full), and the second body stalls past its deadline.
+        c.handle_timeout(t0 + Duration::from_secs(60));
+        assert_eq!(c.closed(), None, "closing, with the first WRITE's status still to send");
+        assert_eq!(c.holding(), 0, "the second request's range is let go at once");
+        assert_eq!(drain(&mut c, t0 + Duration::from_secs(60)), encode_status(Status::Ok));
+        assert_eq!(c.closed(), Some(&End::Overdue));
+        // With nothing waiting it closes at once, as before.
+        let mut c = ServeConn::new(STALL);
+        c.handle_bytes(&m.reg, &hdr(Opcode::Write, m.addr(0), 8, true), t0);
+        assert!(!c.must_send());
+        c.handle_timeout(t0 + Duration::from_secs(60));
+        assert_eq!(c.closed(), Some(&End::Overdue));
     }
 
     #[test]
