@@ -63,6 +63,12 @@ const LOG_NAME: &str = "metadata.log";
 struct Wal {
     file: File,
     path: PathBuf,
+    /// Bytes of whole records in the file: a failed append is cut back to this, so that the
+    /// records after it are not hidden behind a torn one (replay stops at the first).
+    len: u64,
+    /// Set when a failed append could not be cut back: every later change is refused
+    /// rather than written after a torn record, where a restart would not find it.
+    broken: Option<String>,
 }
 
 fn record(op: u8, key: &[u8], value: &[u8]) -> Vec<u8> {
@@ -135,7 +141,7 @@ impl Wal {
         // Compact: write the live entries to a new file, fsync, rename over the log.
         let tmp = dir.join(format!("{LOG_NAME}.tmp"));
         let io = |e: std::io::Error| format!("cannot write {}: {e} (check --data-dir permissions and free space)", tmp.display());
-        {
+        let len = {
             let mut f = File::create(&tmp).map_err(io)?;
             let mut buf = Vec::new();
             for (k, v) in &map {
@@ -143,16 +149,38 @@ impl Wal {
             }
             f.write_all(&buf).map_err(io)?;
             f.sync_all().map_err(io)?;
-        }
+            buf.len() as u64
+        };
         std::fs::rename(&tmp, &path).map_err(|e| format!("cannot replace {}: {e}", path.display()))?;
         sync_dir(dir).map_err(|e| format!("cannot sync {}: {e}", dir.display()))?;
         let file = OpenOptions::new().append(true).open(&path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
-        Ok((Wal { file, path }, map))
+        Ok((Wal { file, path, len, broken: None }, map))
     }
 
     fn append(&mut self, rec: &[u8]) -> std::io::Result<()> {
-        self.file.write_all(rec)?;
-        self.file.sync_data()
+        self.append_with(rec, |f, r| f.write_all(r))
+    }
+
+    /// Appends `rec` with `write` and syncs it. On failure nothing of it stays: the file is
+    /// cut back to its whole records (a partial write, or one whose sync failed and was
+    /// answered as failed, must not be replayed, nor hide what is appended after it).
+    fn append_with(&mut self, rec: &[u8], write: impl FnOnce(&mut File, &[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
+        if let Some(why) = &self.broken {
+            return Err(std::io::Error::other(format!("the log refuses changes since an earlier write failed and could not be undone ({why}); restart the server once the disk is writable")));
+        }
+        let r = write(&mut self.file, rec).and_then(|_| self.file.sync_data());
+        match r {
+            Ok(()) => {
+                self.len += rec.len() as u64;
+                Ok(())
+            }
+            Err(e) => {
+                if let Err(cut) = self.file.set_len(self.len).and_then(|_| self.file.sync_data()) {
+                    self.broken = Some(format!("{e}, then cutting it back: {cut}"));
+                }
+                Err(e)
+            }
+        }
     }
 }
 
@@ -307,6 +335,9 @@ pub fn run_quiet(a: ServerArgs) -> Result<(), String> {
 }
 
 fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
+    if a.max_body_bytes > u64::from(u32::MAX) {
+        return Err(format!("--max-body-bytes {} is over the largest value the log records ({} bytes)", a.max_body_bytes, u32::MAX));
+    }
     if !(a.request_timeout > 0.0 && a.request_timeout < 1e6) {
         return Err(format!("--request-timeout {} must be a positive number of seconds", a.request_timeout));
     }
@@ -478,5 +509,28 @@ mod tests {
         assert_eq!(m["b"], Bytes::from_static(b"2"));
         let (_, v) = replay(&[0xff; 40]);
         assert_eq!(v, 0);
+    }
+
+    /// A write that fails part way (a full disk) is answered as failed and leaves nothing:
+    /// changes acknowledged after it are still there after a restart (before, replay stopped
+    /// at the torn record and the compaction dropped everything after it).
+    #[test]
+    fn a_failed_append_leaves_nothing_and_later_changes_survive_a_restart() {
+        let dir = std::env::temp_dir().join(format!("kvf-wal-{}-{}", std::process::id(), rand::random::<u32>()));
+        let (mut w, _) = Wal::open(&dir).unwrap();
+        w.append(&record(OP_PUT, b"a", b"1")).unwrap();
+        let torn = record(OP_PUT, b"b", b"2");
+        let e = w.append_with(&torn, |f, r| {
+            f.write_all(&r[..r.len() / 2])?;
+            Err(std::io::Error::from_raw_os_error(28)) // ENOSPC
+        });
+        assert!(e.is_err());
+        w.append(&record(OP_PUT, b"c", b"3")).unwrap();
+        drop(w);
+        let (_, map) = Wal::open(&dir).unwrap();
+        assert_eq!(map.get("a"), Some(&Bytes::from_static(b"1")));
+        assert_eq!(map.get("b"), None, "the failed change was answered as failed");
+        assert_eq!(map.get("c"), Some(&Bytes::from_static(b"3")), "acknowledged after the failure, kept");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
