@@ -96,13 +96,16 @@ impl HandshakeServer {
 
 fn serve_one(s: &TcpStream, max_len: u64, handler: &Handler) -> std::io::Result<()> {
     s.set_read_timeout(Some(TICK))?;
-    s.set_write_timeout(Some(SERVER_IO_TIMEOUT))?;
-    let frame = match read_frame(s, max_len, Instant::now() + SERVER_IO_TIMEOUT) {
+    s.set_write_timeout(Some(TICK))?;
+    // One deadline for the request and the reply: a client that reads the reply a little at
+    // a time (each write making progress) holds its slot no longer than one that stalls.
+    let deadline = Instant::now() + SERVER_IO_TIMEOUT;
+    let frame = match read_frame(s, max_len, deadline) {
         Ok(f) => f,
         Err(e) => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())),
     };
     let reply = handler(&frame);
-    (&*s).write_all(&handshake::encode(frame.kind, &reply))?;
+    write_until(s, &handshake::encode(frame.kind, &reply), deadline, "sending the reply").map_err(std::io::Error::other)?;
     s.shutdown(Shutdown::Write)?;
     // Wait (bounded) for the client to close, as Mooncake does.
     let mut sink = [0u8; 64];
@@ -123,6 +126,24 @@ fn read_until(s: &TcpStream, buf: &mut [u8], deadline: Instant, what: &str) -> R
         }
         if got < buf.len() && Instant::now() >= deadline {
             return Err(format!("{what}: only {got} of {} bytes before the deadline", buf.len()));
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `buf` unless `deadline` passes first (checked after every write, which the
+/// socket's send timeout bounds: a peer reading a little at a time cannot stretch it).
+fn write_until(s: &TcpStream, buf: &[u8], deadline: Instant, what: &str) -> Result<(), String> {
+    let mut sent = 0;
+    while sent < buf.len() {
+        match (&*s).write(&buf[sent..]) {
+            Ok(0) => return Err(format!("{what}: connection closed after {sent} of {} bytes", buf.len())),
+            Ok(n) => sent += n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
+            Err(e) => return Err(format!("{what}: {e}")),
+        }
+        if sent < buf.len() && Instant::now() >= deadline {
+            return Err(format!("{what}: only {sent} of {} bytes taken by the peer before the deadline", buf.len()));
         }
     }
     Ok(())
@@ -179,9 +200,9 @@ pub fn request(
     }
     let s = stream.ok_or_else(|| fail(format!("{last} (is the peer running, and is {host} its advertised address?)")))?;
     s.set_read_timeout(Some(io_timeout.min(TICK))).map_err(|e| fail(e.to_string()))?;
-    s.set_write_timeout(Some(io_timeout)).map_err(|e| fail(e.to_string()))?;
+    s.set_write_timeout(Some(io_timeout.min(TICK))).map_err(|e| fail(e.to_string()))?;
     let _ = s.set_nodelay(true);
-    (&s).write_all(&handshake::encode(kind, body)).map_err(|e| fail(format!("sending request: {e}")))?;
+    write_until(&s, &handshake::encode(kind, body), Instant::now() + io_timeout, "sending request").map_err(fail)?;
     let reply = read_frame(&s, max_len, Instant::now() + io_timeout).map_err(fail)?;
     let _ = s.shutdown(Shutdown::Both);
     if reply.kind != kind {
@@ -191,4 +212,41 @@ pub fn request(
         });
     }
     Ok(reply)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer that takes 4 KiB every 50 ms lets every write make progress, so a socket send
+    /// timeout never fires (before, a reply was written with `write_all` under one, and such a
+    /// client held a server slot for as long as it liked); the deadline still ends the write.
+    #[test]
+    fn a_peer_reading_a_little_at_a_time_cannot_stretch_a_write_past_its_deadline() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = Arc::clone(&stop);
+        let reader = std::thread::spawn(move || {
+            let mut c = TcpStream::connect(addr).unwrap();
+            c.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+            let mut buf = [0u8; 4096];
+            while !stop2.load(Ordering::Acquire) {
+                if matches!(c.read(&mut buf), Ok(0)) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let (s, _) = l.accept().unwrap();
+        s.set_write_timeout(Some(TICK)).unwrap();
+        let t = Instant::now();
+        let e = write_until(&s, &vec![7u8; 256 << 20], t + Duration::from_millis(500), "the reply").unwrap_err();
+        let took = t.elapsed();
+        stop.store(true, Ordering::Release);
+        drop(s);
+        reader.join().unwrap();
+        assert!(e.contains("before the deadline"), "{e}");
+        assert!(took < Duration::from_millis(500) + TICK * 2, "ended {took:?} after it began");
+    }
 }
