@@ -370,6 +370,7 @@ impl TransferEngine {
     /// `*` and `cuda:N` ask the CUDA driver (when one is loaded) whether each range is GPU
     /// memory; such ranges are published as `cuda:N` and reached only through the driver.
     pub fn register_memory_batch(&self, ranges: &[(u64, u64)], location: &str) -> Result<()> {
+        self.inner.check_home()?;
         let kinds = ranges.iter().map(|&(a, l)| crate::gpu::classify(a, l, location)).collect::<Result<Vec<_>>>()?;
         let regions = self.inner.memory.register_classified(ranges, location, &kinds)?;
         for r in &regions {
@@ -401,6 +402,7 @@ impl TransferEngine {
 
     /// Like [`TransferEngine::unregister_memory`] for several ranges; all or none.
     pub fn unregister_memory_batch(&self, addrs: &[u64]) -> Result<()> {
+        self.inner.check_home()?;
         let removed = self.inner.memory.unregister_batch(addrs)?;
         for r in &removed {
             // Each waits until no peer can reach the range through it any more.
@@ -577,6 +579,7 @@ impl TransferEngine {
     /// thread: see [`crate::transport::Transport::submit`]), waited for until every request
     /// is terminal, read by `outcome`, freed.
     fn run_sync<T>(&self, requests: &[TransferRequest], timeout: Duration, outcome: impl FnOnce(&Batch) -> T) -> Result<T> {
+        self.inner.check_home()?;
         let b = self.allocate_batch(requests.len().max(1))?;
         let cap = Instant::now().checked_add(timeout);
         if let Err(e) = self.inner.submit(b, requests, true, cap) {
@@ -839,7 +842,19 @@ impl Inner {
         self.batches.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned().ok_or(Error::UnknownBatch(id))
     }
 
+    /// Refuses to act in a `fork()` child's copy of the engine: its transports' threads and
+    /// the shared-memory control region (`MADV_DONTFORK`) do not exist there, so a transfer
+    /// would wait forever or touch an unmapped (or, by then, someone else's) address.
+    fn check_home(&self) -> Result<()> {
+        let pid = std::process::id();
+        if pid != self.pid {
+            return Err(Error::Forked { owner: self.pid, pid });
+        }
+        Ok(())
+    }
+
     fn submit(&self, batch_id: BatchId, requests: &[TransferRequest], inline: bool, cap: Option<Instant>) -> Result<()> {
+        self.check_home()?;
         let batch = self.batch(batch_id)?;
         let now = Instant::now();
         // Mooncake's allowance: the transfer timeout plus 1 ns per byte (~1 GB/s floor).

@@ -49,6 +49,8 @@ pub enum Error {
     SegmentNotRegistered { name: String, backend: &'static str, location: String, key: String },
     #[error("metadata entry {key} is invalid: {reason}; the engine that wrote it is not Mooncake-compatible or the entry is corrupt (restart that engine to re-register it)")]
     BadMetadata { key: String, reason: String },
+    #[error("this engine belongs to process {owner}; process {pid} inherited it through fork(), where its threads and shared mappings do not exist: create a new engine in the child")]
+    Forked { owner: u32, pid: u32 },
 }
 
 impl Error {
@@ -69,7 +71,7 @@ impl Error {
             Error::Handshake { .. } => -104,
             Error::SegmentNotFound { .. } | Error::UnknownSegmentId(_) => -200,
             Error::NoTransport { .. } => -201,
-            Error::Shutdown => -202,
+            Error::Shutdown | Error::Forked { .. } => -202,
             Error::Metadata { .. } => -200,
             Error::SegmentNotRegistered { .. } => -200,
             Error::BadMetadata { .. } => -103,

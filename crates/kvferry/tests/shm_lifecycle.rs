@@ -462,13 +462,17 @@ fn a_forked_child_dropping_its_copy_of_a_buffer_leaves_the_parents_memory_intact
     assert_eq!(sync(&a, &[wr(Opcode::Read, back.as_ptr() as u64, seg, addr, LEN as u64)]).status, TaskStatus::Completed);
     assert!(shm::bytes_moved().0 > before.0, "the mapped path was not used");
 
-    // SAFETY: the child only drops the buffer (closing a descriptor) and calls _exit.
+    // SAFETY: the child tries a transfer on its copy of the engine (refused before any lock
+    // or allocation), drops the buffer (closing a descriptor) and calls _exit.
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork failed");
     if pid == 0 {
+        // Its copy of the engine has neither threads nor the shared control region (before,
+        // the shared-memory path read that unmapped region: SIGSEGV).
+        let refused = matches!(a.transfer_sync(&[wr(Opcode::Write, src.as_ptr() as u64, seg, addr, LEN as u64)], Duration::from_secs(1)), Err(kvferry::Error::Forked { .. }));
         drop(buf);
         // SAFETY: ends the child without running the parent's exit handlers.
-        unsafe { libc::_exit(0) }
+        unsafe { libc::_exit(if refused { 0 } else { 3 }) }
     }
     wait_forked(pid);
     assert!(buf.slice(0, LEN) == &pattern(LEN, 7)[..], "the child's drop changed the parent's buffer");
