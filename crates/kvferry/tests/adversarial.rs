@@ -503,6 +503,46 @@ fn a_v1_rejection_is_told_apart_from_a_lost_peer() {
     }
 }
 
+/// A v2 target that rejects a WRITE (its range was unregistered after the initiator read the
+/// descriptor) closes without taking the WRITEs pipelined behind it: those go again on a new
+/// connection and land (before, they failed as "may have partly landed" with the rejected one).
+#[test]
+fn writes_queued_behind_a_rejected_one_go_again_and_land() {
+    const BAD: u64 = REMOTE;
+    const GOOD: u64 = REMOTE + (1 << 20);
+    let landed: Arc<std::sync::Mutex<Vec<u8>>> = Arc::default();
+    let l2 = Arc::clone(&landed);
+    let script: Arc<Script> = Arc::new(move |mut s: TcpStream, stop: &AtomicBool| {
+        while let Some(h) = read_header(&mut s, stop) {
+            if h.addr == BAD {
+                // Wait until the next request is on the wire behind it (in flight), then
+                // reject and close without taking it, as a kvferry or Mooncake target does.
+                let mut next = [0u8; HEADER_LEN];
+                let _ = read_exactly(&mut s, &mut next, stop);
+                let _ = s.write_all(&wire::encode_status(Status::Rejected));
+                return;
+            }
+            let mut body = vec![0u8; h.size as usize];
+            if read_exactly(&mut s, &mut body, stop).is_none() {
+                return;
+            }
+            *l2.lock().unwrap() = body;
+            let _ = s.write_all(&wire::encode_status(Status::Ok));
+        }
+    });
+    let a = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), transport: kvferry::config::TransportMode::Tcp, tcp_lanes: 1, ..Config::default() }).unwrap();
+    let buf = vec![0x5Au8; 8192];
+    a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+    let peer = fake_peer(REMOTE, script);
+    let seg = a.open_segment(&peer.name).unwrap();
+    let st = a.transfer_sync_all(&[req(Opcode::Write, &buf, seg, BAD, 4096), req(Opcode::Write, &buf[4096..], seg, GOOD, 4096)], Duration::from_secs(5)).unwrap();
+    assert_eq!(st[0].status, TaskStatus::Failed, "{:?}", st[0]);
+    assert_eq!(st[0].cause, Some(FailCause::RemoteNotRegistered), "{:?}", st[0]);
+    assert_eq!(st[1].status, TaskStatus::Completed, "the WRITE behind the rejected one: {:?}", st[1]);
+    assert_eq!(*landed.lock().unwrap(), vec![0x5Au8; 4096]);
+    assert_eq!(peer.accepted.load(Ordering::SeqCst), 2, "sent again on a new connection");
+}
+
 /// `submit` never waits for the network: a request whose remote range the cached
 /// descriptor lacks is handed to the refresher, even when the peer answers descriptor
 /// requests slowly; the request then goes through once the fresh descriptor lists it.

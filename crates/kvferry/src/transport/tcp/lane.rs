@@ -83,6 +83,9 @@ pub(super) struct Lane {
 pub(super) enum ConnFailure {
     /// The connection broke; unacknowledged ops may be retried once.
     Broken(String),
+    /// The target closed it after rejecting a request: the ops sent after that one were
+    /// never taken (it serves in order), so each may go again once, even a WRITE.
+    Untouched(String),
     /// A deadline passed.
     Deadline,
 }
@@ -106,11 +109,12 @@ impl Lane {
             let mut st = self.lock();
             let now = Instant::now();
             let reason = match &why {
-                ConnFailure::Broken(r) => r.clone(),
+                ConnFailure::Broken(r) | ConnFailure::Untouched(r) => r.clone(),
                 ConnFailure::Deadline => "deadline passed".into(),
             };
-            let broken = matches!(why, ConnFailure::Broken(_));
-            let Some((conn, ended)) = st.on_conn_failed(gen, |op| self.fate(op, broken, now, &reason)) else { return };
+            let broken = !matches!(why, ConnFailure::Deadline);
+            let untouched = matches!(why, ConnFailure::Untouched(_));
+            let Some((conn, ended)) = st.on_conn_failed(gen, |op| self.fate(op, broken, untouched, now, &reason)) else { return };
             let _ = conn.shutdown(Shutdown::Both);
             self.wake_writer.notify_all();
             ended
@@ -152,8 +156,8 @@ impl Lane {
 
     /// What becomes of an op that was handed to a connection that then failed (the rule
     /// is [`proto::fate`]): `None` to retry it on a new connection, else how it ends.
-    pub(super) fn fate(&self, op: &WireOp, broken: bool, now: Instant, reason: &str) -> Option<(FailKind, Failure)> {
-        let f = Failed { broken, attempts: op.attempts, revoked: op.piece.guard.is_revoked(), deadline: op.piece.task.deadline() };
+    pub(super) fn fate(&self, op: &WireOp, broken: bool, untouched: bool, now: Instant, reason: &str) -> Option<(FailKind, Failure)> {
+        let f = Failed { broken, attempts: op.attempts, revoked: op.piece.guard.is_revoked(), deadline: op.piece.task.deadline(), untouched };
         match proto::fate(op.piece.opcode, f, now, &format!("{} ({})", self.peer_name, self.target), reason) {
             Fate::Retry => None,
             Fate::End(kind, failure) => Some((kind, failure)),
@@ -397,8 +401,9 @@ impl Lane {
                     self.peer_name, op.piece.remote, op.piece.len
                 );
                 self.end_op(op, Err((FailKind::Failed, FailCause::RemoteNotRegistered.because(reason))));
-                // The target closes after a rejection; the others go again on a new connection.
-                self.fail_conn(gen, ConnFailure::Broken("target closed the connection after rejecting a request".into()));
+                // The target closes after a rejection without taking what followed: the others
+                // go again on a new connection (WRITEs too: nothing of them can land late).
+                self.fail_conn(gen, ConnFailure::Untouched("target closed the connection after rejecting a request".into()));
                 continue;
             }
             // 3. Payload: READ data (buffered part, then straight into local memory), or the
@@ -434,7 +439,7 @@ impl Lane {
                     // its connection was already handled, it ends alone.
                     let back = self.lock().put_back(gen, op);
                     if let Err(op) = back {
-                        let fate = self.fate(&op, !timed_out, Instant::now(), &e.to_string());
+                        let fate = self.fate(&op, !timed_out, false, Instant::now(), &e.to_string());
                         let end = fate.unwrap_or((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} lost: {e}", self.peer_name))));
                         self.end_op(op, Err(end));
                         continue;
@@ -508,12 +513,12 @@ impl Lane {
                 let reason = format!("{} rejected [0x{:x}, +{}): not inside memory it has registered", self.peer_name, op.piece.remote, op.piece.len);
                 Err((FailKind::Failed, FailCause::RemoteNotRegistered.because(reason)))
             }
-            Err(e) if e.kind() == io::ErrorKind::TimedOut => match self.fate(&op, false, Instant::now(), &e.to_string()) {
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => match self.fate(&op, false, false, Instant::now(), &e.to_string()) {
                 Some(f) => Err(f),
                 None => Err((FailKind::Timeout, FailCause::Timeout.because(format!("no answer from {} ({}) before the deadline", self.peer_name, self.target)))),
             },
             Err(e) if e.kind() == io::ErrorKind::InvalidData => Err((FailKind::Failed, FailCause::Protocol.because(format!("{}: {e}", self.peer_name)))),
-            Err(e) if op.piece.opcode == Opcode::Write || op.piece.guard.is_revoked() => match self.fate(&op, true, Instant::now(), &e.to_string()) {
+            Err(e) if op.piece.opcode == Opcode::Write || op.piece.guard.is_revoked() => match self.fate(&op, true, false, Instant::now(), &e.to_string()) {
                 Some(f) => Err(f),
                 None => Err((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} lost: {e}", self.peer_name)))),
             },

@@ -202,12 +202,17 @@ pub(super) struct Failed {
     /// Its local memory was unregistered meanwhile.
     pub revoked: bool,
     pub deadline: Instant,
+    /// The target is known not to have taken any of it: it closed the connection after
+    /// rejecting an earlier request, and it serves a connection's requests in order.
+    pub untouched: bool,
 }
 
 /// The retry rule. Only READs are retried (once): the old connection is ours alone to
 /// receive on, so a retry cannot race it. A WRITE that may have left is never sent again:
 /// the target's thread may still be copying the old connection's bytes into the range, and
-/// they could land after the retry's. Unregistered memory and passed deadlines end it.
+/// they could land after the retry's. A request the target never took (queued behind one it
+/// rejected before closing) goes again once, READ or WRITE: nothing of it can land late.
+/// Unregistered memory and passed deadlines end it.
 pub(super) fn fate(opcode: Opcode, f: Failed, now: Instant, peer: &str, why: &str) -> Fate {
     if f.revoked {
         let reason = format!("the local memory was unregistered while the request to {peer} was in flight");
@@ -216,7 +221,7 @@ pub(super) fn fate(opcode: Opcode, f: Failed, now: Instant, peer: &str, why: &st
     if now >= f.deadline {
         return Fate::End(FailKind::Timeout, FailCause::Timeout.because(format!("no answer from {peer} before the deadline")));
     }
-    if f.broken && f.attempts == 0 && opcode == Opcode::Read {
+    if f.attempts == 0 && (f.untouched || (f.broken && opcode == Opcode::Read)) {
         return Fate::Retry;
     }
     let tail = if opcode == Opcode::Write { "; the WRITE may have partly landed and is not sent again" } else { "" };
@@ -440,8 +445,13 @@ mod tests {
     #[test]
     fn only_reads_are_retried_and_only_once() {
         let now = Instant::now();
-        let f = Failed { broken: true, attempts: 0, revoked: false, deadline: now + Duration::from_secs(1) };
+        let f = Failed { broken: true, attempts: 0, revoked: false, deadline: now + Duration::from_secs(1), untouched: false };
         assert_eq!(fate(Opcode::Read, f, now, "p", "reset"), Fate::Retry);
+        // Behind a rejected request, never taken by the target: a WRITE goes again too, once.
+        let untouched = Failed { untouched: true, ..f };
+        assert_eq!(fate(Opcode::Write, untouched, now, "p", "rejected"), Fate::Retry);
+        assert_ne!(fate(Opcode::Write, Failed { attempts: 1, ..untouched }, now, "p", "rejected"), Fate::Retry);
+        assert_ne!(fate(Opcode::Write, untouched, now + Duration::from_secs(2), "p", "rejected"), Fate::Retry);
         let end = |fate: Fate| match fate {
             Fate::End(k, f) => (k, f.cause),
             Fate::Retry => panic!("retried"),

@@ -342,7 +342,7 @@ mod tests {
     /// The lane's decision: the retry rule of the protocol, for a broken connection.
     fn decide(now: Instant, broken: bool) -> impl FnMut(&Op) -> Option<FailKind> {
         move |o: &Op| {
-            let f = Failed { broken, attempts: o.attempts, revoked: false, deadline: o.deadline };
+            let f = Failed { broken, attempts: o.attempts, revoked: false, deadline: o.deadline, untouched: false };
             match proto::fate(o.opcode, f, now, "peer", "reset") {
                 Fate::Retry => None,
                 Fate::End(kind, _) => Some(kind),
