@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 /// Size of the control region.
 pub const CTL_LEN: usize = 64 << 10;
-pub(super) const CTL_MAGIC: u64 = u64::from_le_bytes(*b"KVFCTL01");
+/// (02: slots record when their owner started.)
+pub(super) const CTL_MAGIC: u64 = u64::from_le_bytes(*b"KVFCTL02");
 pub(super) const OFF_MAGIC: usize = 0;
 pub(super) const OFF_COOKIE: usize = 8;
 pub(super) const OFF_EPOCH: usize = 24;
@@ -76,6 +77,24 @@ impl CtlMap {
     pub(super) fn active(&self, slot: usize) -> &AtomicU64 {
         self.word(SLOT_BASE + slot * SLOT_SIZE + 8)
     }
+    /// When the slot's owner process started (`/proc/<pid>/stat` field 22; 0: not known):
+    /// tells the owner from a later process that was given the same pid.
+    pub(super) fn started(&self, slot: usize) -> &AtomicU64 {
+        self.word(SLOT_BASE + slot * SLOT_SIZE + 16)
+    }
+
+    /// Whether the owner `owner` of slot `slot` still runs: its pid is alive and is the
+    /// process that claimed the slot, not a later one given the same pid (a SIGKILLed
+    /// initiator's slot keeps its copy "in flight" for ever, and a drain waiting on a reused
+    /// pid would wait for ever).
+    pub(super) fn owner_alive(&self, slot: usize, owner: u64) -> bool {
+        let pid = owner_pid(owner);
+        if !pid_alive(pid) {
+            return false;
+        }
+        let claimed = self.started(slot).load(Ordering::SeqCst);
+        claimed == 0 || start_time(pid).is_none_or(|now| now == claimed)
+    }
     /// The segment name its owner wrote (empty if none or malformed).
     pub(super) fn name(&self) -> String {
         let len = (self.word(OFF_NAME).load(Ordering::Acquire) as usize).min(NAME_MAX);
@@ -124,6 +143,14 @@ pub(super) fn pid_alive(pid: i32) -> bool {
     }
 }
 
+/// When process `pid` started, in clock ticks since boot (`/proc/<pid>/stat` field 22);
+/// `None` if it cannot be read.
+pub(super) fn start_time(pid: i32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name start at field 3 (the state).
+    s.rfind(')').and_then(|i| s[i + 1..].split_whitespace().nth(19)).and_then(|f| f.parse().ok())
+}
+
 /// This engine's own control region.
 pub(super) struct LocalCtl {
     pub(super) map: CtlMap,
@@ -161,7 +188,7 @@ impl LocalCtl {
                     continue;
                 }
                 let owner = self.map.owner(s).load(Ordering::SeqCst);
-                if owner == 0 || !pid_alive(owner_pid(owner)) {
+                if owner == 0 || !self.map.owner_alive(s, owner) {
                     // Its owner died mid-copy: the copy cannot continue.
                     self.map.active(s).store(0, Ordering::SeqCst);
                     let _ = self.map.owner(s).compare_exchange(owner, 0, Ordering::SeqCst, Ordering::SeqCst);
@@ -184,8 +211,11 @@ impl LocalCtl {
 pub(super) fn claim_slot(ctl: &CtlMap, owner: u64) -> Option<usize> {
     for s in 0..N_SLOTS {
         let cur = ctl.owner(s).load(Ordering::SeqCst);
-        let free = cur == 0 || (cur != owner && !pid_alive(owner_pid(cur)) && ctl.active(s).load(Ordering::SeqCst) == 0);
+        let free = cur == 0 || (cur != owner && !ctl.owner_alive(s, cur) && ctl.active(s).load(Ordering::SeqCst) == 0);
         if free && ctl.owner(s).compare_exchange(cur, owner, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            // Before the owner raises `active` (after this returns): a drain looks at the
+            // slot only then, so it never reads the previous owner's start time.
+            ctl.started(s).store(start_time(owner_pid(owner)).unwrap_or(0), Ordering::SeqCst);
             ctl.active(s).store(0, Ordering::SeqCst);
             ctl.word(OFF_HWM).fetch_max(s as u64 + 1, Ordering::SeqCst);
             return Some(s);

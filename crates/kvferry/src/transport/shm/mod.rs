@@ -891,6 +891,12 @@ mod tests {
         let t = Instant::now();
         assert!(!c.drain(Instant::now() + Duration::from_millis(50)));
         assert!(t.elapsed() >= Duration::from_millis(50));
+        // The owner died mid-copy and its pid went to another process (here: this one,
+        // started at another time than the slot says): the copy cannot continue either.
+        assert_ne!(c.map.started(0).load(Ordering::SeqCst), 0, "the claim recorded when its owner started");
+        c.map.started(0).store(c.map.started(0).load(Ordering::SeqCst) + 1, Ordering::SeqCst);
+        assert!(c.drain(Instant::now() + Duration::from_secs(2)), "a reused pid does not hold a drain");
+        assert_eq!(c.map.owner(0).load(Ordering::SeqCst), 0);
     }
     /// Waits up to 10 s for a forked child; kills it (by pid) and fails if it hangs.
     fn wait_child(pid: i32) -> i32 {
