@@ -56,6 +56,8 @@ pub struct ServerArgs {
 }
 
 const OP_PUT: u8 = 1;
+/// How much a log may grow beyond twice its compacted length before it is compacted again.
+const COMPACT_FLOOR: u64 = 8 << 20;
 const OP_DELETE: u8 = 2;
 const LOG_NAME: &str = "metadata.log";
 
@@ -63,6 +65,12 @@ const LOG_NAME: &str = "metadata.log";
 struct Wal {
     file: File,
     path: PathBuf,
+    dir: PathBuf,
+    /// The log's length after it was last compacted: it is compacted again once it grew
+    /// past twice that plus [`COMPACT_FLOOR`], so it stays within about twice the live
+    /// entries (every engine's descriptor is put again at each (un)registration) and each
+    /// compaction is paid for by as many bytes appended.
+    compacted: u64,
     /// Bytes of whole records in the file: a failed append is cut back to this, so that the
     /// records after it are not hidden behind a torn one (replay stops at the first).
     len: u64,
@@ -138,23 +146,44 @@ impl Wal {
         if valid < bytes.len() {
             eprintln!("kvferry metadata-server: {}: dropped {} bytes of a torn or corrupt tail", path.display(), bytes.len() - valid);
         }
-        // Compact: write the live entries to a new file, fsync, rename over the log.
+        let (file, len) = Wal::rewrite(dir, &path, &map)?;
+        Ok((Wal { file, path, dir: dir.to_path_buf(), compacted: len, len, broken: None }, map))
+    }
+
+    /// Compacts: writes `map`'s entries to a new file, fsyncs it, renames it over the log
+    /// and syncs the directory; the log opened for appending, and its length.
+    fn rewrite(dir: &Path, path: &Path, map: &HashMap<String, Bytes>) -> Result<(File, u64), String> {
         let tmp = dir.join(format!("{LOG_NAME}.tmp"));
         let io = |e: std::io::Error| format!("cannot write {}: {e} (check --data-dir permissions and free space)", tmp.display());
         let len = {
             let mut f = File::create(&tmp).map_err(io)?;
             let mut buf = Vec::new();
-            for (k, v) in &map {
+            for (k, v) in map {
                 buf.extend_from_slice(&record(OP_PUT, k.as_bytes(), v));
             }
             f.write_all(&buf).map_err(io)?;
             f.sync_all().map_err(io)?;
             buf.len() as u64
         };
-        std::fs::rename(&tmp, &path).map_err(|e| format!("cannot replace {}: {e}", path.display()))?;
+        std::fs::rename(&tmp, path).map_err(|e| format!("cannot replace {}: {e}", path.display()))?;
         sync_dir(dir).map_err(|e| format!("cannot sync {}: {e}", dir.display()))?;
-        let file = OpenOptions::new().append(true).open(&path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
-        Ok((Wal { file, path, len, broken: None }, map))
+        let file = OpenOptions::new().append(true).open(path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        Ok((file, len))
+    }
+
+    /// Compacts the log to `map` (the state after every change it holds) once it grew past
+    /// twice its last compacted length plus [`COMPACT_FLOOR`]. A failed compaction leaves
+    /// the log as it was (the rename is atomic) and is tried again at the next change.
+    fn maybe_compact(&mut self, map: &HashMap<String, Bytes>) {
+        if self.broken.is_some() || self.len <= self.compacted.saturating_mul(2).saturating_add(COMPACT_FLOOR) {
+            return;
+        }
+        match Wal::rewrite(&self.dir, &self.path, map) {
+            Ok((file, len)) => {
+                (self.file, self.len, self.compacted) = (file, len, len);
+            }
+            Err(e) => tracing::warn!("metadata-server: compacting the log: {e}"),
+        }
     }
 
     fn append(&mut self, rec: &[u8]) -> std::io::Result<()> {
@@ -188,6 +217,9 @@ struct State {
     map: RwLock<HashMap<String, Bytes>>,
     /// Serialises changes; holds the log of a durable server.
     writer: Mutex<Option<Wal>>,
+    /// A log is kept (`writer` holds one): changes wait for its fsync off the event loop.
+    /// (Not read through `writer`'s lock, which a change holds across its fsync.)
+    durable: bool,
     max_body: u64,
     body_timeout: Duration,
 }
@@ -257,6 +289,10 @@ impl State {
             wal.append(&record(OP_PUT, key.as_bytes(), &value)).map_err(|e| format!("writing {}: {e}", wal.path.display()))?;
         }
         self.map.write().unwrap_or_else(|e| e.into_inner()).insert(key.to_string(), value);
+        if let Some(wal) = w.as_mut() {
+            // (Readers go on meanwhile: only changes wait, on the writer's lock.)
+            wal.maybe_compact(&self.map.read().unwrap_or_else(|e| e.into_inner()));
+        }
         Ok(reply(StatusCode::OK, "metadata updated"))
     }
 
@@ -269,6 +305,10 @@ impl State {
             wal.append(&record(OP_DELETE, key.as_bytes(), b"")).map_err(|e| format!("writing {}: {e}", wal.path.display()))?;
         }
         self.map.write().unwrap_or_else(|e| e.into_inner()).remove(key);
+        if let Some(wal) = w.as_mut() {
+            // (Readers go on meanwhile: only changes wait, on the writer's lock.)
+            wal.maybe_compact(&self.map.read().unwrap_or_else(|e| e.into_inner()));
+        }
         Ok(reply(StatusCode::OK, "metadata deleted"))
     }
 }
@@ -307,7 +347,7 @@ async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<
                 Ok(Ok(b)) => b.to_bytes(),
             };
             let st2 = Arc::clone(&st);
-            let r = if st.writer.lock().map(|w| w.is_some()).unwrap_or(true) {
+            let r = if st.durable {
                 // Durable: the fsync blocks, so off the async workers.
                 tokio::task::spawn_blocking(move || st2.put(&key, body)).await.unwrap_or_else(|e| Err(e.to_string()))
             } else {
@@ -351,6 +391,7 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
     let entries = map.len();
     let state = Arc::new(State {
         map: RwLock::new(map),
+        durable: wal.is_some(),
         writer: Mutex::new(wal),
         max_body: a.max_body_bytes,
         body_timeout: Duration::from_secs_f64(a.request_timeout),
@@ -509,6 +550,28 @@ mod tests {
         assert_eq!(m["b"], Bytes::from_static(b"2"));
         let (_, v) = replay(&[0xff; 40]);
         assert_eq!(v, 0);
+    }
+
+    /// A key put again and again (an engine's descriptor at every registration) does not
+    /// grow the log without bound: it is compacted while the server runs.
+    #[test]
+    fn a_log_is_compacted_while_the_server_runs() {
+        let dir = std::env::temp_dir().join(format!("kvf-wal-{}-{}", std::process::id(), rand::random::<u32>()));
+        let (mut w, _) = Wal::open(&dir).unwrap();
+        let mut map = HashMap::new();
+        for i in 0..40u8 {
+            let v = Bytes::from(vec![i; 1 << 20]);
+            w.append(&record(OP_PUT, b"desc", &v)).unwrap();
+            map.insert("desc".to_string(), v);
+            w.maybe_compact(&map);
+            let on_disk = std::fs::metadata(dir.join(LOG_NAME)).unwrap().len();
+            assert_eq!(on_disk, w.len);
+            assert!(on_disk <= 3 * (1 << 20) + COMPACT_FLOOR, "the log grew to {on_disk} bytes after {} puts of 1 MiB", i + 1);
+        }
+        drop(w);
+        let (_, back) = Wal::open(&dir).unwrap();
+        assert_eq!(back.get("desc"), Some(&Bytes::from(vec![39u8; 1 << 20])), "the last put survives compactions and a restart");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A write that fails part way (a full disk) is answered as failed and leaves nothing:
