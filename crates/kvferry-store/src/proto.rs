@@ -10,6 +10,61 @@ use serde::{Deserialize, Serialize};
 /// Largest frame accepted (a batch of many keys fits easily).
 pub const MAX_FRAME: usize = 64 << 20;
 
+/// The most requests (or answers) one batch holds: a 64 MiB frame of two-byte pings would
+/// otherwise decode into 33 M requests (4 GB).
+pub const MAX_BATCH: usize = 1 << 20;
+// (The refusal in `de_batch` names the number.)
+const _: () = assert!(MAX_BATCH == 1 << 20);
+
+std::thread_local! {
+    /// Batches being decoded on this thread (see [`de_batch`]).
+    static BATCH_DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    /// Why [`de_batch`] refused (postcard reports a custom error without its text).
+    static REFUSED: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
+}
+
+/// Decodes a batch's requests or answers: refuses a batch inside a batch at once (decoding
+/// recurses once per level, and a frame of nested batches overflowed the connection thread's
+/// stack, aborting the master) and more than [`MAX_BATCH`] elements; grows as elements
+/// arrive (nothing reserved by a claimed length).
+fn de_batch<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
+    use serde::de::Error;
+    struct Level;
+    impl Drop for Level {
+        fn drop(&mut self) {
+            BATCH_DEPTH.with(|c| c.set(c.get().saturating_sub(1)));
+        }
+    }
+    let depth = BATCH_DEPTH.with(|c| {
+        c.set(c.get() + 1);
+        c.get()
+    });
+    let _level = Level;
+    if depth > 1 {
+        REFUSED.with(|r| r.set(Some("nested batches are not allowed")));
+        return Err(D::Error::custom("nested batches are not allowed"));
+    }
+    struct V<T>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for V<T> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a batch")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let mut out = Vec::new();
+            while let Some(x) = seq.next_element()? {
+                if out.len() == MAX_BATCH {
+                    REFUSED.with(|r| r.set(Some("a batch holds at most 1048576 (MAX_BATCH) requests; split it")));
+                    return Err(A::Error::custom("a batch over MAX_BATCH"));
+                }
+                out.push(x);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(V(std::marker::PhantomData))
+}
+
 /// A memory segment a client contributes to the pool.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Segment {
@@ -101,7 +156,7 @@ pub enum Request {
     RemoveAll { force: bool },
     RemoveByRegex { pattern: String, force: bool },
     /// Many operations in one round trip; answered by [`Response::Batch`] in the same order.
-    Batch(Vec<Request>),
+    Batch(#[serde(deserialize_with = "de_batch")] Vec<Request>),
     /// The reads named (`ReplicaList::read_id`) finished: their replicas may be reclaimed.
     /// Clients send it piggybacked on their next request (or with their next ping). Last, so
     /// the other variants keep their wire numbers.
@@ -121,7 +176,7 @@ pub enum Response {
     Exists(bool),
     Count(u64),
     Err(StoreError),
-    Batch(Vec<Response>),
+    Batch(#[serde(deserialize_with = "de_batch")] Vec<Response>),
     Keys(Vec<String>),
 }
 
@@ -157,7 +212,11 @@ pub fn decode_len(prefix: [u8; 4]) -> StoreResult<usize> {
 
 /// Decodes a frame body.
 pub fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> StoreResult<T> {
-    postcard::from_bytes(body).map_err(|e| StoreError::Rpc(format!("malformed message: {e}")))
+    REFUSED.with(|r| r.set(None));
+    postcard::from_bytes(body).map_err(|e| match REFUSED.with(|r| r.take()) {
+        Some(why) => StoreError::InvalidParams(why.into()),
+        None => StoreError::Rpc(format!("malformed message: {e}")),
+    })
 }
 
 #[cfg(test)]
@@ -178,6 +237,39 @@ mod tests {
         let e = Response::Err(StoreError::ObjectNotFound("k".into()));
         assert_eq!(decode::<Response>(&encode(&e).unwrap()[4..]).unwrap(), e);
         assert!(decode_len(u32::MAX.to_le_bytes()).is_err());
+    }
+
+    /// A frame of a hundred thousand batches nested in each other (200 KB) is refused at the
+    /// second level; before, decoding it recursed until the thread's stack overflowed, which
+    /// aborted the master. Nor does a batch of more than `MAX_BATCH` requests decode.
+    #[test]
+    fn nested_and_oversized_batches_are_refused_while_decoding() {
+        let mut body = Vec::new();
+        for _ in 0..100_000 {
+            body.extend_from_slice(&[12, 1]); // Batch, one element
+        }
+        body.extend_from_slice(&[3, 0]); // Ping { client: 0 }
+        let e = decode::<Request>(&body).unwrap_err();
+        assert!(matches!(&e, StoreError::InvalidParams(w) if w.contains("nested batches")), "{e}");
+        let mut r = vec![10u8, 1]; // Response::Batch
+        for _ in 0..100_000 {
+            r.extend_from_slice(&[7, 1]);
+        }
+        assert!(decode::<Response>(&r).is_err());
+        // One level is a batch as before, and the depth count is back to zero after a failure.
+        let one = Request::Batch(vec![Request::Ping { client: 0 }]);
+        assert_eq!(decode::<Request>(&encode(&one).unwrap()[4..]).unwrap(), one);
+        let mut big = vec![12u8];
+        let mut n = MAX_BATCH + 1;
+        while n >= 0x80 {
+            big.push((n as u8) | 0x80);
+            n >>= 7;
+        }
+        big.push(n as u8);
+        for _ in 0..=MAX_BATCH {
+            big.extend_from_slice(&[3, 0]);
+        }
+        assert!(matches!(decode::<Request>(&big), Err(StoreError::InvalidParams(w)) if w.contains("at most")));
     }
 
     proptest! {
