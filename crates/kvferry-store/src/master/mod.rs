@@ -717,6 +717,11 @@ impl State {
                 self.forget(key);
             }
         }
+        // A readable value stays unless this put replaces on purpose (the zombie was an
+        // upsert; this put is not).
+        if !upsert && self.objects.get(key).is_some_and(|o| !o.current.is_empty()) {
+            return Err(StoreError::ObjectAlreadyExists(key.to_string()));
+        }
         let largest = self.segments.values().map(|s| s.space.size()).max().unwrap_or(0);
         if size > largest {
             return Err(StoreError::NoAvailableHandle {
@@ -1283,6 +1288,21 @@ mod tests {
         assert!(st.objects.get("z").is_none(), "no bare object left behind");
         put(&mut st, &m, &s, "z", 4096, &ReplicateConfig::default(), later + 1).expect("the key is free");
         assert!(st.exist_key("z", later + 2, 1).unwrap());
+    }
+
+    /// A readable object whose upsert was abandoned (its client died after `PutStart`) still
+    /// refuses a plain put once the upsert is discarded: Mooncake's "first writer wins".
+    #[test]
+    fn a_plain_put_does_not_replace_a_value_whose_upsert_was_abandoned() {
+        let (mut st, m, s) = setup(&[(1, 1 << 20)]);
+        put(&mut st, &m, &s, "k", 4096, &ReplicateConfig::default(), 0).unwrap();
+        let b = PutId { client: 1, put: 2 };
+        st.put_start(&m, &s, b, "k", 4096, &ReplicateConfig::default(), true, 1).unwrap();
+        let later = m.put_start_discard_timeout.as_millis() as u64 + 2;
+        let c = PutId { client: 1, put: 3 };
+        assert!(matches!(st.put_start(&m, &s, c, "k", 4096, &ReplicateConfig::default(), false, later), Err(StoreError::ObjectAlreadyExists(_))));
+        assert!(st.get_replica_list("k", later, 1).is_ok(), "the first value is still served");
+        st.put_start(&m, &s, c, "k", 4096, &ReplicateConfig::default(), true, later).expect("an upsert replaces it");
     }
 
     #[test]
