@@ -126,7 +126,16 @@ pub fn serve(listener: TcpListener, m: Arc<Master>) -> std::io::Result<()> {
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         loop {
-            let (stream, _) = listener.accept().await?;
+            let stream = match listener.accept().await {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    // Out of descriptors and the like: the admin HTTP stays up (health probes
+                    // would otherwise fail for good), backing off instead of spinning.
+                    tracing::warn!("master HTTP: accept: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
             let m = Arc::clone(&m);
             tokio::spawn(async move {
                 let svc = hyper::service::service_fn(move |req| {

@@ -518,7 +518,21 @@ impl MasterServer {
                 if st.load(Ordering::Acquire) {
                     break;
                 }
-                let Ok(conn) = conn else { continue };
+                let conn = match conn {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Out of descriptors (EMFILE) and the like: back off, do not spin.
+                        tracing::warn!("master: accepting an RPC connection: {e}");
+                        std::thread::sleep(Duration::from_millis(20));
+                        continue;
+                    }
+                };
+                // A client host that vanished (crashed, cut off) without closing is found by
+                // TCP keepalive, so its thread, descriptor and buffer are not held for ever.
+                let _ = rustix::net::sockopt::set_socket_keepalive(&conn, true)
+                    .and_then(|_| rustix::net::sockopt::set_tcp_keepidle(&conn, Duration::from_secs(30)))
+                    .and_then(|_| rustix::net::sockopt::set_tcp_keepintvl(&conn, Duration::from_secs(5)))
+                    .and_then(|_| rustix::net::sockopt::set_tcp_keepcnt(&conn, 3));
                 let (m, spin) = (Arc::clone(&m), Arc::clone(&spin));
                 let _ = std::thread::Builder::new().name("kvf-master-rpc".into()).spawn(move || {
                     if let Err(e) = serve_conn(&m, &conn, &spin) {

@@ -380,7 +380,15 @@ impl Mirror {
 /// Runs until the process ends.
 pub fn serve(listener: TcpListener, mirror: Arc<Mirror>) {
     for conn in listener.incoming() {
-        let Ok(s) = conn else { continue };
+        let s = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                // Out of descriptors and the like: back off, do not spin.
+                tracing::warn!("HA replication: accepting a leader's connection: {e}");
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+        };
         let m = Arc::clone(&mirror);
         let _ = std::thread::Builder::new().name("kvf-ha-standby".into()).spawn(move || {
             if let Err(e) = follow(s, &m) {
