@@ -235,6 +235,14 @@ class Batch:
     def __exit__(self, *exc: Any) -> None:
         self.release()
 
+    def __del__(self) -> None:
+        # A batch dropped without free() or release() (its wait() raised, say) is released,
+        # so the engine's batch and its buffers' pins go once its tasks are terminal.
+        try:
+            self.release()
+        except Exception:  # a fork() child's copy, or the interpreter shutting down
+            pass
+
     def __repr__(self) -> str:
         return "<kvferry.Batch id=%d segment=%r requests=%d>" % (self.id, self.segment, self.size)
 
@@ -389,6 +397,9 @@ class Engine:
                 break
         else:
             raise InvalidArgument("[0x%x, +%d) is not inside registered memory" % (a, n), -3)
+        if r[2].startswith("cuda"):
+            # The CPU never touches GPU memory: a view of a device pointer would crash.
+            raise InvalidArgument("[0x%x, +%d) is GPU memory (%s), which the CPU cannot view; move it with a transfer" % (a, n, r[2]), -3)
         managed = next((m for m in self._core.managed_buffers() if m[0] <= a and a + n <= m[0] + m[1]), None)
         guard = _ViewGuard(self._core, self._core.pin_of(a, n), a)
         arr = (ctypes.c_char * n).from_address(a)

@@ -62,6 +62,13 @@ back = ctypes.create_string_buffer(65536)
 assert a.register_memory(ctypes.addressof(back), 65536) == 0
 assert a.transfer_sync_read(seg, ctypes.addressof(back), g0 + 4096, 65536) == 0
 assert back.raw == host.raw[:65536]
+# The CPU never touches GPU memory: a view of it is refused, not a crash.
+import kvferry
+try:
+    b.get_engine().view(g0 + 4096, 16)
+    raise SystemExit("a view of GPU memory was made")
+except kvferry.InvalidArgument as e:
+    assert "GPU memory" in str(e), e
 print("gpu-mock-ok")
 """
 

@@ -402,3 +402,68 @@ def test_fork_child_cannot_use_or_break_the_parents_store(cluster):
             assert other.get("fork-key") == value
     finally:
         s.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_fork_child_lets_go_of_a_mooncake_engines_sockets_and_can_start_its_own():
+    """Mooncake's TransferEngine (what vLLM and SGLang use) is released in a fork() child as
+    kvferry's own engines are: the child holds none of the parent's listening sockets; and
+    initialize() in the child starts an engine of its own (0), not an error from closing the
+    parent's."""
+    from kvferry.mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    assert te.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+    try:
+        inodes = _socket_inodes({te.get_rpc_port(), te._core.data_port})
+        held = _fds_on(inodes)
+        assert held >= 2, "the parent holds its two listeners: %d descriptors on %s" % (held, inodes)
+        assert _fork(lambda: _fds_on(inodes) == 0) == 0, "the child still held the Mooncake engine's listening sockets"
+        assert _fork(lambda: te.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0 and te.get_rpc_port() > 0) == 0
+        assert _fds_on(inodes) == held
+    finally:
+        te._core.close()
+
+
+def test_a_batch_dropped_after_a_failed_wait_lets_its_buffers_go(kv, tcp_engine):
+    """The documented pattern `b = submit(...); b.wait(); b.free()` skips free() when wait()
+    raises: dropping the batch must still release the engine's batch and its buffers' pins
+    (before, the buffer could never be resized or freed until the engine closed)."""
+    a = tcp_engine
+    b = kv.Engine(HOST)
+    try:
+        buf = bytearray(4096)
+        batch = a.submit_write(b.segment_name, [buf], [0x1000])  # outside b's memory
+        with pytest.raises(kv.KvferryError):
+            batch.wait()
+        assert not _resizable(a, buf), "pinned while the batch is referenced"
+        del batch
+        gc.collect()
+        assert wait_for(lambda: _resizable(a, buf), 10, 0.05), "the dropped batch still pins its buffer"
+    finally:
+        b.close()
+
+
+def test_a_mooncake_managed_buffer_is_not_unmapped_under_a_view():
+    """A view from get_engine().view() keeps its managed buffer mapped through Mooncake's API
+    too: free_managed_buffer refuses (-1) while the view lives, and initialize() again leaves
+    it mapped (before, both unmapped it and touching the view crashed the interpreter)."""
+    from kvferry.mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    assert te.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+    a = te.allocate_managed_buffer(4096)
+    assert a
+    v = te.get_engine().view(a, 16)
+    v[0] = 7
+    assert te.free_managed_buffer(a, 4096) == -1
+    assert v[0] == 7
+    assert te.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+    v[1] = 8
+    assert (v[0], v[1]) == (7, 8), "still mapped after the engine it came from was replaced"
+    b = te.allocate_managed_buffer(4096)
+    w = te.get_engine().view(b, 16)
+    w.release()
+    assert te.free_managed_buffer(b, 4096) == 0, "without a view it is freed"
+    del v
+    te.get_engine().close()

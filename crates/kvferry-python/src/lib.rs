@@ -282,12 +282,13 @@ impl Core {
     }
 
     fn write_fallback(&self, py: Python<'_>, addr: u64, data: &[u8], why: std::io::Error) -> PyResult<()> {
-        let inside = self.engine(py)?.registered().iter().any(|r| addr >= r.addr && addr.saturating_add(data.len() as u64) <= r.end());
+        // Host memory only: the CPU never touches GPU memory (a device pointer faults).
+        let inside = self.engine(py)?.registered().iter().any(|r| r.gpu.is_none() && addr >= r.addr && addr.saturating_add(data.len() as u64) <= r.end());
         if !inside {
             return Err(raise(
                 py,
                 Kind::AddressNotRegistered,
-                format!("cannot check [0x{addr:x}, +{}) ({why}); only registered memory can be written here", data.len()),
+                format!("cannot check [0x{addr:x}, +{}) ({why}); only registered host memory can be written here", data.len()),
                 -3,
             ));
         }
@@ -298,12 +299,12 @@ impl Core {
 
     fn read_fallback(&self, py: Python<'_>, addr: u64, out: &mut [u8], why: std::io::Error) -> PyResult<()> {
         let len = out.len() as u64;
-        let inside = self.engine(py)?.registered().iter().any(|r| addr >= r.addr && addr.saturating_add(len) <= r.end());
+        let inside = self.engine(py)?.registered().iter().any(|r| r.gpu.is_none() && addr >= r.addr && addr.saturating_add(len) <= r.end());
         if !inside {
             return Err(raise(
                 py,
                 Kind::AddressNotRegistered,
-                format!("cannot check [0x{addr:x}, +{len}) ({why}); only registered memory can be read here"),
+                format!("cannot check [0x{addr:x}, +{len}) ({why}); only registered host memory can be read here"),
                 -3,
             ));
         }

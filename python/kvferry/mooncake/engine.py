@@ -29,7 +29,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import _kvferry
 from .._engine import Engine as _Engine
-from .._errors import KvferryError
+from .._engine import _live_engines
+from .._errors import InvalidArgument, KvferryError
 
 __all__ = [
     "TransferEngine",
@@ -248,6 +249,9 @@ class TransferEngine:
         self._native: Optional[_Engine] = None
         self._init_lock = threading.Lock()
         self._deadlines: Dict[int, float] = {}
+        # The at-fork handler lets a child release the parent engine's sockets and control
+        # region (`_core.release_inherited()`), as for kvferry's own engines.
+        _live_engines.add(self)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -290,11 +294,17 @@ class TransferEngine:
         except KvferryError as e:
             return _fail(method, e.reason)
         with self._init_lock:
-            old, self._core, self._native = self._core, core, None
+            old, old_native, self._core, self._native = self._core, self._native, core, None
             self._deadlines = {}
         if old is not None:
             log.warning("%s: called again; the previous engine (%s) is closed", method, old)
-            old.close()
+            try:
+                if old_native is not None and old_native._core is old:
+                    old_native.close()  # managed buffers with live views stay mapped
+                else:
+                    old.close()
+            except KvferryError as e:  # the parent's engine, inherited through fork()
+                log.debug("%s: the previous engine was not closed here: %s", method, e)
         return 0
 
     def _need(self, method: str) -> Any:
@@ -428,9 +438,19 @@ class TransferEngine:
         core = self._need("free_managed_buffer")
         if core is None:
             return -1
+        native = self._native
         try:
+            if native is not None and native._core is core:
+                # Views from get_engine().view() keep their buffer mapped: refused while one lives.
+                native.free_managed_buffer(a)
+                return 0
             if not core.free_managed(a):
                 _fail("free_managed_buffer", "0x%x is not an address returned by allocate_managed_buffer; nothing freed" % a, 0)
+            return 0
+        except BufferError as e:
+            return _fail("free_managed_buffer", str(e), -1)
+        except InvalidArgument:
+            _fail("free_managed_buffer", "0x%x is not an address returned by allocate_managed_buffer; nothing freed" % a, 0)
             return 0
         except KvferryError as e:
             return _fail("free_managed_buffer", e.reason, e.code or -1)
