@@ -33,7 +33,7 @@ fn query_param(uri: &hyper::Uri, name: &str) -> Option<String> {
 }
 
 pub fn metrics_text(m: &Master) -> String {
-    let s = m.lock().summary();
+    let s = m.summary_recent();
     let mut o = String::new();
     let mut gauge = |name: &str, help: &str, v: f64| {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
@@ -82,7 +82,7 @@ fn route(m: &Master, req: &Request<hyper::body::Incoming>) -> Response<Full<Byte
     match req.uri().path() {
         "/metrics" => reply(StatusCode::OK, "text/plain; version=0.0.4", metrics_text(m)),
         "/health" => {
-            let s = m.lock().summary();
+            let s = m.summary_recent();
             let ha = m.gate.status();
             let leader = (!ha.leader.is_empty()).then_some(&ha.leader);
             let body = serde_json::json!({"status": "ok", "role": ha.role, "service_ready": ha.role == Role::Leader, "ha": ha.enabled, "leader_address": leader, "view_version": ha.term, "summary": s});

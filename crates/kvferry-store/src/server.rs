@@ -384,7 +384,8 @@ fn apply_locked(st: &mut State, m: &Master, req: Request, now: u64, removed: &mu
         Request::ExistKey { key } => st.exist_key(&key, now, lease).map(Response::Exists),
         Request::Remove { key, force } => st.remove(&m.cfg, &key, force, now).map(|_| Response::Ok),
         Request::RemoveAll { force } => Ok(Response::Count(removed.insert(st.remove_matching(&m.cfg, |_| true, force, now)).count())),
-        Request::RemoveByRegex { pattern, force } => match regex::Regex::new(&pattern) {
+        // (Compiled under the state's lock: bounded, so that no pattern holds it long.)
+        Request::RemoveByRegex { pattern, force } => match regex::RegexBuilder::new(&pattern).size_limit(256 << 10).dfa_size_limit(1 << 20).build() {
             Ok(re) => Ok(Response::Count(removed.insert(st.remove_matching(&m.cfg, |k| re.is_match(k), force, now)).count())),
             Err(e) => Err(StoreError::InvalidParams(format!("bad regex {pattern:?}: {e}"))),
         },

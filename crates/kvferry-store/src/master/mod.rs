@@ -212,6 +212,12 @@ pub struct State {
     dirty: Option<Box<journal::Dirty>>,
 }
 
+/// The most preferred segments a put may name.
+pub const MAX_PREFERRED: usize = 256;
+
+/// How old a summary [`Master::summary_recent`] hands out may be.
+pub const SUMMARY_AGE: Duration = Duration::from_secs(1);
+
 /// A one-line summary of the pool.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Summary {
@@ -688,6 +694,9 @@ impl State {
         if cfg.replica_num == 0 || cfg.replica_num > 64 {
             return Err(StoreError::InvalidParams(format!("replica_num {} must be 1..=64", cfg.replica_num)));
         }
+        if cfg.preferred_segments.len() > MAX_PREFERRED {
+            return Err(StoreError::InvalidParams(format!("{} preferred segments; at most {MAX_PREFERRED} (each is compared with every segment, under the master's lock)", cfg.preferred_segments.len())));
+        }
         if !self.clients.contains_key(&client) {
             return Err(StoreError::UnknownClient(client));
         }
@@ -873,7 +882,11 @@ impl State {
         self.reads.insert(read_id, now + lease);
         let reads = &self.reads;
         let Some(o) = self.objects.get_mut(key) else { return Err(StoreError::ObjectNotFound(key.to_string())) };
-        o.reads.retain(|id| read_live(reads, *id, now));
+        // Finished reads are pruned when the list reaches a power of two, not at every read:
+        // n reads of one key in flight at once cost O(n) in all, not O(n²).
+        if o.reads.len() >= 8 && o.reads.len().is_power_of_two() {
+            o.reads.retain(|id| read_live(reads, *id, now));
+        }
         o.reads.push(read_id);
         let Some(o) = self.objects.get(key) else { return Err(StoreError::ObjectNotFound(key.to_string())) };
         Ok(ReplicaList { replicas: o.current.iter().filter_map(|r| self.desc(r)).collect(), size: o.size, lease_ttl_ms: lease, read_id })
@@ -1041,6 +1054,8 @@ pub struct Master {
     /// Removes the metadata entries of the segments of clients that stopped pinging (off
     /// until started: `--enable_metadata_cleanup_on_timeout`).
     pub cleanup: crate::cleanup::Cleanup,
+    /// The last [`State::summary`] and when it was taken ([`Master::summary_recent`]).
+    summary: Mutex<Option<(Instant, Summary)>>,
 }
 
 impl Master {
@@ -1049,7 +1064,22 @@ impl Master {
         // client's release of a read granted by an earlier master at this address (queued, sent
         // after a restart) must not end a read this one granted.
         let state = State { next_read: (rand::random::<u64>() >> 1) & !((1u64 << 40) - 1), ..State::default() };
-        Master { cfg, start: Instant::now(), state: Mutex::new(state), stats: Stats::default(), gate: crate::ha::Gate::default(), journal: Default::default(), cleanup: Default::default() }
+        Master { cfg, start: Instant::now(), state: Mutex::new(state), stats: Stats::default(), gate: crate::ha::Gate::default(), journal: Default::default(), cleanup: Default::default(), summary: Mutex::default() }
+    }
+
+    /// The pool's summary as of at most [`SUMMARY_AGE`] ago: taking one walks every object
+    /// under the state's lock (every request waits), so health probes and metrics scrapes,
+    /// however often they come, take at most one a second.
+    pub fn summary_recent(&self) -> Summary {
+        let mut cached = self.summary.lock().unwrap_or_else(|e| e.into_inner());
+        match &*cached {
+            Some((at, s)) if at.elapsed() < SUMMARY_AGE => s.clone(),
+            _ => {
+                let s = self.lock().summary();
+                *cached = Some((Instant::now(), s.clone()));
+                s
+            }
+        }
     }
 
     pub fn now(&self) -> u64 {
@@ -1143,6 +1173,32 @@ mod tests {
         let r = st.put_start(m, s, P1, key, size, cfg, false, now)?;
         st.put_end(P1, key, now)?;
         Ok(r)
+    }
+
+    /// A put naming more preferred segments than the master compares under its lock is
+    /// refused before any work; a regex removal's pattern is compiled with bounded size.
+    #[test]
+    fn oversized_requests_are_refused_before_they_cost_the_lock() {
+        let (mut st, m, s) = setup(&[(1, 1 << 20)]);
+        let many = ReplicateConfig { preferred_segments: vec!["x".into(); MAX_PREFERRED + 1], ..Default::default() };
+        assert!(matches!(st.put_start(&m, &s, P1, "k", 4096, &many, false, 0), Err(StoreError::InvalidParams(w)) if w.contains("preferred")));
+        let some = ReplicateConfig { preferred_segments: vec!["seg1".into(); MAX_PREFERRED], ..Default::default() };
+        st.put_start(&m, &s, P1, "k", 4096, &some, false, 0).expect("at the limit");
+    }
+
+    /// Health probes and scrapes walk the objects at most once a second, however often they
+    /// come (each walk holds the state's lock).
+    #[test]
+    fn the_summary_for_probes_is_taken_at_most_once_a_second() {
+        let master = Master::new(MasterConfig::default());
+        let (st, m, s) = setup(&[(1, 1 << 20)]);
+        *master.lock() = st;
+        put(&mut master.lock(), &m, &s, "a", 4096, &ReplicateConfig::default(), 0).unwrap();
+        let first = master.summary_recent();
+        assert_eq!(first.keys, 1);
+        put(&mut master.lock(), &m, &s, "b", 4096, &ReplicateConfig::default(), 0).unwrap();
+        assert_eq!(master.summary_recent(), first, "within a second: the same summary, no second walk");
+        assert_eq!(master.lock().summary().keys, 2);
     }
 
     #[test]
