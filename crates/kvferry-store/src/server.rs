@@ -307,6 +307,10 @@ fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64) -> Respons
 /// thousands of keys lets other connections in between).
 const BATCH_HOLD: usize = 64;
 
+/// Batches of at least this many requests count their answers' bytes (smaller ones cannot
+/// come near the frame limit but through answers of a megabyte each).
+const COUNT_ANSWERS_FROM: usize = 256;
+
 /// The requests of a batch, in order, consecutive ones under one hold of the state's lock
 /// (and one reading of the clock): taking the lock once per key made the lock's hand-over
 /// between a master's many connections (a futex wake-up each) a large part of a batched
@@ -318,7 +322,20 @@ fn handle_batch(m: &Master, reqs: Vec<Request>, deadline: Instant, term: i64) ->
     // The lock held, with the time read when it was taken, whether the puts' wait for reads
     // is over, and how many requests it has been held for.
     let mut held: Option<(Held<'_>, u64, bool, usize)> = None;
+    // A large batch's answers are counted as they come: past half a frame, the rest is not
+    // applied (an answer over the frame limit used to replace every answer with one error,
+    // after every put start had reserved its space and every get had started its read).
+    let counting = reqs.len() >= COUNT_ANSWERS_FROM;
+    let (mut bytes, mut sized) = (0usize, 0usize);
     for req in reqs {
+        if counting {
+            bytes += out[sized..].iter().map(|r| postcard::experimental::serialized_size(r).unwrap_or(0)).sum::<usize>();
+            sized = out.len();
+            if bytes > proto::MAX_FRAME / 2 {
+                out.push(Response::Err(StoreError::InvalidParams(format!("not applied: the batch's answers reached {bytes} bytes, half the frame limit, before this request; send the rest in another batch"))));
+                continue;
+            }
+        }
         let Some(op) = op_of(&req) else {
             out.push(nested());
             continue;
@@ -605,6 +622,25 @@ mod tests {
 
     fn put_start(key: &str, size: u64) -> Request {
         Request::PutStart { client: 1, key: key.into(), size, config: ReplicateConfig::default(), upsert: false, put: 1 }
+    }
+
+    /// A batch whose answers would pass the frame limit stops applying its requests at half
+    /// of it: the rest are answered "not applied", and the answer is sent (before, every
+    /// request was applied and the whole answer replaced by one error).
+    #[test]
+    fn a_batch_stops_applying_before_its_answer_outgrows_a_frame() {
+        let m = Master::new(MasterConfig::default());
+        let long = Segment { te_endpoint: format!("127.0.0.1:1/{}", "x".repeat(8000)), ..seg(1, 4 << 20) };
+        assert_eq!(handle(&m, Request::MountSegment { client: 1, segment: long }), Response::Ok);
+        assert!(matches!(handle(&m, put_start("k", 4096)), Response::Replicas(_)));
+        assert_eq!(handle(&m, Request::PutEnd { client: 1, key: "k".into(), put: 1 }), Response::Ok);
+        let n = 6000; // 6000 answers of ~8 KB: 48 MB
+        let Response::Batch(a) = handle(&m, Request::Batch((0..n).map(|_| Request::GetReplicaList { key: "k".into() }).collect())) else { panic!("not a batch's answer") };
+        assert_eq!(a.len(), n);
+        let served = a.iter().take_while(|r| matches!(r, Response::ReplicaList(_))).count();
+        assert!((3000..5000).contains(&served), "{served} gets served before half a frame (32 MiB) of answers");
+        assert!(a[served..].iter().all(|r| matches!(r, Response::Err(StoreError::InvalidParams(w)) if w.contains("not applied"))));
+        assert!(proto::encode(&Response::Batch(a)).is_ok(), "the answer fits a frame");
     }
 
     /// A batch is answered request by request, in order, across several holds of the lock
