@@ -235,15 +235,23 @@ impl Lane {
             }
             // Gather a run of ops into one writev.
             let Some(send) = st.next_send(now, MAX_OPS_PER_WRITE, MAX_GATHER_BYTES) else { continue };
-            let (conn, gen, earliest, n) = (send.conn, send.gen, send.earliest, send.n);
+            let (conn, gen, n) = (send.conn, send.gen, send.n);
             if send.wake_reader {
                 self.wake_reader.notify_one();
             }
             let mut guards: Vec<crate::memory::RegionGuard> = Vec::new();
             iov_hdrs.clear();
             let mut bodies: Vec<(u64, u64)> = Vec::with_capacity(n);
+            // Where each op's bytes end in the stream, and its deadline: the write stops at
+            // the deadline of the op whose bytes are going out, not at the earliest of the
+            // run (a small request sent first with a short deadline failed the large one
+            // after it, and every READ in flight, though they had time left).
+            let mut ends: Vec<(u64, Instant)> = Vec::with_capacity(n);
+            let mut at = 0u64;
             for op in st.inflight.range(send.first..send.first + n) {
                 let p = &op.piece;
+                at += proto::request_bytes(p.opcode, p.len, self.v2);
+                ends.push((at, p.task.deadline()));
                 p.task.set_pending();
                 if !guards.iter().any(|g| std::ptr::eq(g.region(), p.guard.region())) {
                     guards.push(p.guard.clone());
@@ -277,14 +285,18 @@ impl Lane {
                 }
             }
             let mut rest: &mut [IoSlice<'_>] = &mut iov;
+            let mut before = 0u64; // bytes written by the earlier writev calls of this run
             let result = loop {
                 // writev takes at most IOV_MAX (1024) entries.
                 let take = rest.len().min(1000);
                 let (now_part, later) = std::mem::take(&mut rest).split_at_mut(take);
-                let r = write_all_vectored(&conn, now_part, || Instant::now() >= earliest || guards.iter().any(|g| g.is_revoked()));
+                let part: u64 = now_part.iter().map(|s| s.len() as u64).sum();
+                let overdue = |written: u64| proto::deadline_at(&ends, before + written).is_some_and(|d| Instant::now() >= d);
+                let r = write_all_vectored(&conn, now_part, |written| overdue(written) || guards.iter().any(|g| g.is_revoked()));
                 if r.is_err() || later.is_empty() {
                     break r;
                 }
+                before += part;
                 rest = later;
             };
             drop(guards);
@@ -487,8 +499,8 @@ impl Lane {
             let local = unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
             let fence = fence.as_ref().map_or(&[][..], |f| &f[..]);
             match p.opcode {
-                Opcode::Write => write_all_vectored(&conn, &mut [IoSlice::new(&hdr), IoSlice::new(local), IoSlice::new(fence)], expired)?,
-                Opcode::Read => write_all_vectored(&conn, &mut [IoSlice::new(&hdr)], expired)?,
+                Opcode::Write => write_all_vectored(&conn, &mut [IoSlice::new(&hdr), IoSlice::new(local), IoSlice::new(fence)], |_| expired())?,
+                Opcode::Read => write_all_vectored(&conn, &mut [IoSlice::new(&hdr)], |_| expired())?,
             }
             let mut ans = Answer::new(p.opcode, p.len, self.v2);
             let dst: &mut [u8] = if p.opcode == Opcode::Read { local } else { &mut [] };

@@ -45,13 +45,13 @@ pub(super) struct LaneQueue<O, C> {
 }
 
 /// A run of pending requests moved to `inflight[first..first + n]`, to go out on `conn` in
-/// one gathered write, which must stop at `earliest` (the first of their deadlines).
+/// one gathered write, which stops at the deadline of the request whose bytes are going out
+/// ([`super::proto::deadline_at`]).
 pub(super) struct Send<C> {
     pub(super) conn: C,
     pub(super) gen: u64,
     pub(super) first: usize,
     pub(super) n: usize,
-    pub(super) earliest: Instant,
     /// The reader was idle (nothing was in flight): wake it.
     pub(super) wake_reader: bool,
 }
@@ -174,18 +174,15 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
         let wake_reader = self.inflight.is_empty();
         let mut n = 0;
         let mut bytes = 0u64;
-        let mut earliest: Option<Instant> = None;
         while let Some(op) = self.pending.pop_front() {
             bytes += op.len();
-            earliest = Some(earliest.map_or(op.deadline(), |e| e.min(op.deadline())));
             self.inflight.push_back(op);
             n += 1;
             if n >= max_ops || bytes >= max_bytes {
                 break;
             }
         }
-        let earliest = earliest?;
-        Some(Send { conn, gen: self.gen, first: self.inflight.len() - n, n, earliest, wake_reader })
+        Some(Send { conn, gen: self.gen, first: self.inflight.len() - n, n, wake_reader })
     }
 
     /// Connection `gen` failed (`broken`: closed or reset; else a deadline passed). `None`
@@ -406,12 +403,12 @@ mod tests {
         let now = t0 + Duration::from_millis(2);
         assert_eq!(ids(&q.take_expired(now)), vec![1, 2]);
         let s = q.next_send(now, 256, 1 << 20).unwrap();
-        assert_eq!((s.first, s.n, s.earliest), (0, 1, later));
+        assert_eq!((s.first, s.n), (0, 1));
         assert_eq!(ids(&q.inflight), vec![3]);
     }
 
     #[test]
-    fn a_gathered_write_stops_at_the_op_and_byte_limits_and_its_first_deadline() {
+    fn a_gathered_write_stops_at_the_op_and_byte_limits() {
         let t0 = Instant::now();
         let mut q: LaneQueue<Op, ()> = LaneQueue::new(t0);
         // No connection: nothing goes out.
@@ -419,7 +416,7 @@ mod tests {
         assert!(q.next_send(t0, 4, 1 << 20).is_none());
         q.on_connected(());
         let s = q.next_send(t0, 4, 1 << 20).unwrap();
-        assert_eq!((s.first, s.n, s.earliest, s.wake_reader), (0, 4, t0 + Duration::from_secs(7), true));
+        assert_eq!((s.first, s.n, s.wake_reader), (0, 4, true));
         // Byte limit: the op that reaches it is the last of the run.
         let s = q.next_send(t0, 256, 250).unwrap();
         assert_eq!((s.first, s.n, s.wake_reader), (4, 3, false));

@@ -41,15 +41,20 @@ pub(super) fn read_some(s: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
 
 /// Sends every byte of `bufs`, asking `stop` after every system call, so a peer that reads
 /// slowly cannot hold the caller past its deadline.
-pub(super) fn write_all_vectored(s: &TcpStream, mut bufs: &mut [IoSlice<'_>], mut stop: impl FnMut() -> bool) -> io::Result<()> {
+pub(super) fn write_all_vectored(s: &TcpStream, mut bufs: &mut [IoSlice<'_>], mut stop: impl FnMut(u64) -> bool) -> io::Result<()> {
+    let mut written = 0u64;
     while !bufs.is_empty() {
         match (&*s).write_vectored(bufs) {
             Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed")),
-            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Ok(n) => {
+                IoSlice::advance_slices(&mut bufs, n);
+                written += n as u64;
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted || is_timeout(&e) => {}
             Err(e) => return Err(e),
         }
-        if !bufs.is_empty() && stop() {
+        // (`stop` is told how many bytes this call wrote so far.)
+        if !bufs.is_empty() && stop(written) {
             return Err(stopped("sending"));
         }
     }
