@@ -519,6 +519,33 @@ fn etcd_guards_name_one_creation_across_a_wipe() {
     assert_eq!(etcd.get_kv("view").expect("get"), None);
 }
 
+/// An engine whose entries were lost (its lease ran out: cut off from etcd longer than the
+/// TTL; here, etcd wiped) while another engine took its segment name does not take the name
+/// back when it reconnects: before, its keeper put its rpc_meta and descriptor over the other
+/// engine's, and peers were sent one engine's descriptor under the other's address.
+#[test]
+fn an_engine_that_lost_its_name_does_not_take_it_back() {
+    use kvferry::metadata::{Directory, RpcMeta};
+    let Some(mut svc) = Service::etcd() else { return };
+    let url = svc.url();
+    let keys = Keys::new(None);
+    let a = Directory::new(raw_store(&url), keys.clone());
+    let mine = RpcMeta { ip_or_host_name: "127.0.0.1".into(), rpc_port: 1111 };
+    a.publish_rpc_meta("contested", &mine, &|_| true).unwrap();
+    a.publish(&keys.ram("contested"), b"a's descriptor".to_vec()).unwrap();
+    svc.restart(true); // a's lease and entries are gone
+    let other = serde_json::to_vec(&RpcMeta { ip_or_host_name: "127.0.0.1".into(), rpc_port: 2222 }).unwrap();
+    let b = raw_store(&url);
+    wait_until("etcd to answer again", Duration::from_secs(20), || b.put(&keys.rpc_meta("contested"), &other).is_ok());
+    b.put(&keys.ram("contested"), b"b's descriptor").unwrap();
+    let _ = a.maintain();
+    let _ = a.maintain();
+    assert_eq!(b.get(&keys.rpc_meta("contested")).unwrap().as_deref(), Some(&other[..]), "the name stays with the engine that took it");
+    assert_eq!(b.get(&keys.ram("contested")).unwrap().as_deref(), Some(&b"b's descriptor"[..]));
+    a.withdraw_all();
+    assert!(b.get(&keys.rpc_meta("contested")).unwrap().is_some(), "withdrawing removes nothing of the other engine's");
+}
+
 #[test]
 fn redis_restarted_engines_reregister() {
     let Some(mut svc) = Service::redis() else { return };

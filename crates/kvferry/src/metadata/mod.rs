@@ -455,14 +455,30 @@ impl Directory {
     /// Returns how many entries were put.
     pub fn maintain(&self) -> Result<usize> {
         let lost = self.store.keepalive()?;
-        let probe = {
+        let rpc = {
             let owned = self.owned.lock().unwrap_or_else(|e| e.into_inner());
-            owned.entries.iter().find(|(k, e)| k.contains("/rpc_meta/") && !e.pending).map(|(k, _)| k.clone())
+            owned.entries.iter().find(|(k, _)| k.contains("/rpc_meta/")).map(|(k, e)| (k.clone(), e.value.clone(), e.pending))
         };
-        let missing = match (lost, probe) {
-            (false, Some(k)) => self.store.get(&k)?.is_none(),
-            _ => false,
-        };
+        let mut missing = false;
+        if let Some((k, ours, pending)) = rpc {
+            match self.store.get(&k)? {
+                // Another engine took the name while this one's entries were gone (its lease
+                // ran out: cut off from the service longer than the TTL): it keeps it. Putting
+                // ours back would point peers at this engine under the other's name.
+                Some(v) if v != ours => {
+                    let other = decode_rpc_meta(&v).map(|m| format!("{}:{}", m.ip_or_host_name, m.rpc_port)).unwrap_or_else(|e| e);
+                    tracing::error!(
+                        "{}: segment name {} is now registered by another engine ({other}) since this engine's entries were lost; this engine withdraws from the service (peers can no longer find it: restart it, or give it another local_hostname)",
+                        self.describe(),
+                        k
+                    );
+                    self.owned.lock().unwrap_or_else(|e| e.into_inner()).entries.clear();
+                    return Ok(0);
+                }
+                Some(_) => {}
+                None => missing = !pending,
+            }
+        }
         if lost || missing {
             tracing::info!("{}: this engine's entries are gone (lease lost: {lost}); publishing them again", self.describe());
             for e in self.owned.lock().unwrap_or_else(|e| e.into_inner()).entries.values_mut() {
