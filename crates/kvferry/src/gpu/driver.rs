@@ -412,12 +412,23 @@ impl Driver {
         check("cuIpcCloseMemHandle", (self.ipc()?.close)(p))
     }
 
-    /// Copies `len` bytes between device addresses (synchronous; a context current; the two
-    /// may be memory of different GPUs: unified addressing routes the copy, over NVLink where
-    /// there is one).
+    /// Copies `len` bytes between device addresses and waits until they landed (a context
+    /// current; the two may be memory of different GPUs: unified addressing routes the copy,
+    /// over NVLink where there is one).
     pub fn dtod(&self, dst: u64, src: u64, len: usize) -> Result<(), CudaError> {
         // SAFETY: device addresses only; the driver checks both ranges.
-        check("cuMemcpyDtoD", unsafe { (self.ipc()?.dtod)(dst, src, len) })
+        check("cuMemcpyDtoD", unsafe { (self.ipc()?.dtod)(dst, src, len) })?;
+        // "No host-side synchronization is performed" for a device-to-device copy: it is only
+        // queued. A transfer is complete when its bytes landed, and a same-host peer's
+        // unregister waits only for copies in flight, so it is waited for here.
+        self.sync_legacy()
+    }
+
+    /// Waits until everything queued on the legacy default stream (the synchronous copies')
+    /// is done.
+    fn sync_legacy(&self) -> Result<(), CudaError> {
+        // SAFETY: the null stream is the current context's legacy default stream.
+        check("cuStreamSynchronize", unsafe { (self.mem()?.stream_sync)(std::ptr::null_mut()) })
     }
 
     /// Whether GPU `ordinal` can export its memory as a dma-buf: the driver has
@@ -472,10 +483,14 @@ impl Driver {
         check("cuMemcpyDtoH", unsafe { (self.mem()?.dtoh)(dst.as_mut_ptr().cast(), src, dst.len()) })
     }
 
-    /// Copies `src` to device address `dst` (synchronous; a context current).
+    /// Copies `src` to device address `dst` and waits until the bytes landed (a context
+    /// current).
     pub fn htod(&self, dst: u64, src: &[u8]) -> Result<(), CudaError> {
         // SAFETY: `src` is readable host memory of that length; the driver checks `dst`.
-        check("cuMemcpyHtoD", unsafe { (self.mem()?.htod)(dst, src.as_ptr().cast(), src.len()) })
+        check("cuMemcpyHtoD", unsafe { (self.mem()?.htod)(dst, src.as_ptr().cast(), src.len()) })?;
+        // From pageable memory the call returns once the bytes are staged: "the DMA to final
+        // destination may not have completed".
+        self.sync_legacy()
     }
 
     /// Pinned host memory (`cuMemHostAlloc`, portable), for bounce buffers.

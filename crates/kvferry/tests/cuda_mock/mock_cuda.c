@@ -179,7 +179,10 @@ int cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
     return 0;
 }
 
+static void drain_legacy(void);
+
 int cuMemFree_v2(CUdeviceptr p) {
+    drain_legacy(); /* as the driver's, it waits for the device */
     pthread_mutex_lock(&mu);
     for (int i = 0; i < nallocs; i++) {
         if (allocs[i].live && !allocs[i].host && !allocs[i].vmm && !allocs[i].ipc && allocs[i].base == p) {
@@ -284,36 +287,9 @@ static int copy_check(void) {
     return current() ? 0 : INVALID_CONTEXT;
 }
 
-int cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
-    int e = copy_check();
-    if (e) return e;
-    int dev;
-    char *s = store(src, n, &dev);
-    if (!s) return INVALID_VALUE;
-    do_copy(dev, dst, s, n);
-    return 0;
-}
-
-int cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
-    int e = copy_check();
-    if (e) return e;
-    int dev;
-    char *d = store(dst, n, &dev);
-    if (!d) return INVALID_VALUE;
-    do_copy(dev, d, src, n);
-    return 0;
-}
-
-int cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
-    int e = copy_check();
-    if (e) return e;
-    int dd, ds;
-    char *d = store(dst, n, &dd), *s = store(src, n, &ds);
-    if (!d || !s) return INVALID_VALUE;
-    do_copy(dd, d, s, n);
-    return 0;
-}
-
+/* The synchronous copies are defined after the streams (below): like the driver's, host to
+   device and device to device return before the copy is done (queued on the legacy stream;
+   host bytes staged first), device to host waits for what the legacy stream has queued. */
 #ifndef NO_DMABUF
 /* DMA-BUF export of device memory (CUDA 11.7+): [p, p+n) must be page-aligned (address and
    size), type 1 (DMA_BUF_FD), and overlap a live device allocation. The mock's "dma-buf" is a
@@ -519,6 +495,7 @@ int cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned fl
 }
 
 int cuIpcCloseMemHandle(CUdeviceptr p) {
+    drain_legacy();
     pthread_mutex_lock(&mu);
     for (int i = 0; i < nallocs; i++) {
         struct alloc *a = &allocs[i];
@@ -539,7 +516,7 @@ int cuIpcCloseMemHandle(CUdeviceptr p) {
    (cuStreamSynchronize, or cuEventSynchronize of an event recorded after them), in order: a
    caller that reads a bounce buffer before waiting sees stale bytes, one that reuses it too
    early sends the wrong ones. */
-struct op { int dev; char *dst; const char *src; size_t n; };
+struct op { int dev; char *dst; const char *src; size_t n; char *owned; };
 struct stream { struct op *ops; long issued, done; int cap; pthread_mutex_t mu; };
 struct event { struct stream *s; long seq; };
 
@@ -559,17 +536,25 @@ static void run_until(struct stream *s, long upto) {
     while (s->done < upto && s->done < s->issued) {
         struct op o = s->ops[s->done % s->cap];
         do_copy(o.dev, o.dst, o.src, o.n);
+        free(o.owned);
         s->done++;
         __atomic_sub_fetch(&queued, 1, __ATOMIC_SEQ_CST);
     }
     pthread_mutex_unlock(&s->mu);
 }
 
+/* The legacy default stream (the stream handle NULL): where the synchronous copies queue. */
+static struct stream legacy = { .mu = PTHREAD_MUTEX_INITIALIZER };
+
+static void drain_legacy(void) { run_until(&legacy, legacy.issued); }
+
 int cuStreamSynchronize(void *h) {
-    struct stream *s = h;
-    if (s) run_until(s, s->issued);
+    struct stream *s = h ? h : &legacy;
+    run_until(s, s->issued);
     return 0;
 }
+
+int cuCtxSynchronize(void) { drain_legacy(); return 0; }
 
 int cuStreamDestroy_v2(void *h) {
     struct stream *s = h;
@@ -580,8 +565,14 @@ int cuStreamDestroy_v2(void *h) {
     return 0;
 }
 
+static int enqueue_owned(struct stream *s, int dev, char *dst, const char *src, size_t n, char *owned);
+
 static int enqueue(struct stream *s, int dev, char *dst, const char *src, size_t n) {
-    if (!s) { do_copy(dev, dst, src, n); return 0; }
+    return enqueue_owned(s, dev, dst, src, n, NULL);
+}
+
+static int enqueue_owned(struct stream *s, int dev, char *dst, const char *src, size_t n, char *owned) {
+    if (!s) { do_copy(dev, dst, src, n); free(owned); return 0; }
     pthread_mutex_lock(&s->mu);
     if (s->issued - s->done == s->cap) {
         int cap = s->cap ? s->cap * 2 : 16;
@@ -592,7 +583,7 @@ static int enqueue(struct stream *s, int dev, char *dst, const char *src, size_t
         s->ops = o;
         s->cap = cap;
     }
-    s->ops[s->issued % s->cap] = (struct op){ dev, dst, src, n };
+    s->ops[s->issued % s->cap] = (struct op){ dev, dst, src, n, owned };
     s->issued++;
     long depth = s->issued - s->done, m = __atomic_load_n(&max_queued, __ATOMIC_SEQ_CST);
     while (depth > m && !__atomic_compare_exchange_n(&max_queued, &m, depth, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
@@ -637,4 +628,39 @@ int cuEventSynchronize(void *h) {
     return 0;
 }
 int cuEventDestroy_v2(void *e) { free(e); return 0; }
-#endif
+
+int cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+    int e = copy_check();
+    if (e) return e;
+    int dev;
+    char *s = store(src, n, &dev);
+    if (!s) return INVALID_VALUE;
+    drain_legacy(); /* after what the legacy stream queued before it */
+    do_copy(dev, dst, s, n);
+    return 0;
+}
+
+int cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+    int e = copy_check();
+    if (e) return e;
+    int dev;
+    char *d = store(dst, n, &dev);
+    if (!d) return INVALID_VALUE;
+    /* Pageable host memory: staged, then the DMA "may not have completed" on return. */
+    char *staged = malloc(n ? n : 1);
+    if (!staged) return OUT_OF_MEMORY;
+    memcpy(staged, src, n);
+    return enqueue_owned(&legacy, dev, d, staged, n, staged);
+}
+
+int cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    int e = copy_check();
+    if (e) return e;
+    int dd, ds;
+    char *d = store(dst, n, &dd), *s = store(src, n, &ds);
+    if (!d || !s) return INVALID_VALUE;
+    (void)ds;
+    /* No host-side synchronisation: queued on the legacy stream. */
+    return enqueue(&legacy, dd, d, s, n);
+}
+#endif /* NO_MEM */
