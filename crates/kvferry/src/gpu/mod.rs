@@ -319,9 +319,16 @@ impl Pipe {
         // SAFETY: half `h` is not touched again before `wait(h)` (or `sync`), which every
         // user of the pipe calls before reusing it; the buffer lives as long as the pipe, and
         // the pipe's drop waits for the stream.
-        self.cuda.on_device(self.dev, |d| unsafe { d.htod_async(dst, src, n, s) }.and_then(|()| d.event_record(e, s)))?;
-        self.pending[h] = true;
-        Ok(())
+        // (Pending once queued, even if recording its event then fails: `sync` and the drop
+        // must still wait for it before the half or the request's range is let go.)
+        let mut queued = false;
+        let r = self.cuda.on_device(self.dev, |d| {
+            unsafe { d.htod_async(dst, src, n, s) }?;
+            queued = true;
+            d.event_record(e, s)
+        });
+        self.pending[h] |= queued;
+        r
     }
 
     /// Queues the copy of `n` bytes at device address `src` into half `h`.
@@ -330,9 +337,14 @@ impl Pipe {
         let dst = self.half_mut(h).as_mut_ptr();
         let (s, e) = (self.stream, self.events[h]);
         // SAFETY: as in `htod`: half `h` is read only after `wait(h)`.
-        self.cuda.on_device(self.dev, |d| unsafe { d.dtoh_async(dst, src, n, s) }.and_then(|()| d.event_record(e, s)))?;
-        self.pending[h] = true;
-        Ok(())
+        let mut queued = false;
+        let r = self.cuda.on_device(self.dev, |d| {
+            unsafe { d.dtoh_async(dst, src, n, s) }?;
+            queued = true;
+            d.event_record(e, s)
+        });
+        self.pending[h] |= queued;
+        r
     }
 
     /// Waits until every queued copy is done.

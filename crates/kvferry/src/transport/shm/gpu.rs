@@ -73,7 +73,8 @@ fn exports_of(desc: &SegmentDesc) -> Vec<GpuExport> {
 
 /// The export covering `[remote, +len)` in `list`.
 fn covering(list: &[GpuExport], remote: u64, len: u64) -> Option<&GpuExport> {
-    list.iter().find(|e| remote >= e.addr && remote.checked_add(len).is_some_and(|end| end <= e.addr + e.len))
+    // (A peer's descriptor: its export may claim a range past the end of the address space.)
+    list.iter().find(|e| remote >= e.addr && remote.checked_add(len).zip(e.addr.checked_add(e.len)).is_some_and(|(end, limit)| end <= limit))
 }
 
 /// What an initiator opened of one peer: per export string, the mapping here (or why it
@@ -195,5 +196,22 @@ pub(super) fn run(shared: &Shared, shm: &ShmPeer, peer: &Arc<Peer>, mut pieces: 
             }
         }
         return;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer's export list may claim any range: finding the export of a request never
+    /// overflows (a debug build panicked on `addr + len` past the address space).
+    #[test]
+    fn covering_a_range_never_overflows_on_a_peers_exports() {
+        let e = |addr: u64, len: u64| GpuExport { addr, len, export: String::new() };
+        let list = [e(u64::MAX - 10, 100), e(0x1000, 0x1000)];
+        assert!(covering(&list, u64::MAX - 5, 1).is_none(), "an export past the end covers nothing");
+        assert_eq!(covering(&list, 0x1800, 0x800).map(|x| x.addr), Some(0x1000));
+        assert!(covering(&list, 0x1800, 0x801).is_none());
+        assert!(covering(&list, u64::MAX, 2).is_none());
     }
 }
