@@ -1124,6 +1124,22 @@ impl Shared {
         let nic_credits = &self.nics[nic].credits;
         for chain in slices.chunks(CHAIN) {
             let n = chain.len() as u32;
+            // Checked per chain: a connect or a wait for credits before it may have taken
+            // until the range was being unregistered (whose barrier waits only for work
+            // requests in flight) or past the deadline (past which nothing is posted).
+            let stop = if piece.guard.is_revoked() {
+                Some((FailKind::Failed, FailCause::LocalNotRegistered, "the local range is being unregistered; the rest of the request is not posted".to_string()))
+            } else if Instant::now() >= deadline {
+                Some((FailKind::Timeout, FailCause::Timeout, format!("the deadline passed before the rest of the request was posted on {}", self.nics[nic].name)))
+            } else {
+                None
+            };
+            if let Some((kind, cause, why)) = stop {
+                for _ in chain {
+                    piece.slice_end(Err((kind, cause, why.clone())));
+                }
+                continue;
+            }
             if !ep.credits.acquire(n, deadline) {
                 for _ in chain {
                     piece.slice_end(Err((FailKind::Timeout, FailCause::Timeout, format!("{MAX_OUTSTANDING} work requests already in flight to the peer on {} at the deadline", self.nics[nic].name))));
