@@ -467,3 +467,32 @@ def test_a_mooncake_managed_buffer_is_not_unmapped_under_a_view():
     assert te.free_managed_buffer(b, 4096) == 0, "without a view it is freed"
     del v
     te.get_engine().close()
+
+
+def test_close_ends_a_waiter_and_stops_the_engine(kv):
+    """close() while another thread waits for notifies (default: forever): the waiter returns
+    and the engine stops (its handshake port refuses), instead of both lasting as long as the
+    wait."""
+    a = kv.Engine(HOST)
+    b = kv.Engine(HOST)
+    try:
+        seg = a.segment_name
+        got = []
+        t = threading.Thread(target=lambda: got.append(a.wait_notifies()), daemon=True)
+        t.start()
+        time.sleep(0.3)
+        a.close()
+        t.join(5)
+        assert not t.is_alive(), "the waiter still waits after close()"
+        assert got == [[]]
+        assert wait_for(lambda: _refuses(b, seg), 10, 0.1), "the closed engine still answers probes"
+    finally:
+        b.close()
+
+
+def _refuses(engine, segment) -> bool:
+    try:
+        engine.probe(segment)
+        return False
+    except Exception:
+        return True

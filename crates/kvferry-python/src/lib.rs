@@ -629,11 +629,25 @@ impl Core {
         Ok(self.engine(py)?.get_notifies().into_iter().map(|n| (n.name, n.msg)).collect())
     }
 
-    /// Like get_notifies, but waits up to `timeout` seconds for the first one.
+    /// Like get_notifies, but waits up to `timeout` seconds for the first one; returns
+    /// (empty) soon after the engine is closed by another thread.
     fn wait_notifies(&self, py: Python<'_>, timeout: f64) -> PyResult<Vec<(String, String)>> {
         let timeout = duration(py, timeout)?;
         let engine = self.engine(py)?;
-        let v = py.detach(|| engine.wait_notifies(timeout));
+        let closed = Arc::clone(&self.closed_flag);
+        // (The engine is moved in: if close() ran meanwhile, the last reference goes here,
+        // without the GIL, rather than in this thread with it.)
+        let v = py.detach(move || {
+            const SLICE: Duration = Duration::from_millis(200);
+            let until = Instant::now().checked_add(timeout);
+            loop {
+                let left = until.map_or(SLICE, |u| u.saturating_duration_since(Instant::now()));
+                let v = engine.wait_notifies(left.min(SLICE));
+                if !v.is_empty() || left <= SLICE || closed.load(Ordering::Acquire) {
+                    return v;
+                }
+            }
+        });
         Ok(v.into_iter().map(|n| (n.name, n.msg)).collect())
     }
 
@@ -709,7 +723,20 @@ impl Core {
             retire(&engine);
             let sharing = stores();
             let unique = Arc::strong_count(&engine) == 1;
-            drop(engine);
+            if unique {
+                drop(engine);
+            } else {
+                // A call still running (or a store sharing the engine) holds it: the last
+                // reference is dropped by a thread of its own once the others are gone, so
+                // the engine stops then (listeners, threads, metadata entries) and never on a
+                // thread holding the GIL.
+                let _ = std::thread::Builder::new().name("kvf-engine-drop".into()).spawn(move || {
+                    while Arc::strong_count(&engine) > 1 {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    drop(engine);
+                });
+            }
             if sharing > 0 {
                 tracing::info!("kvferry: engine closed while {sharing} store client(s) share it; they now refuse calls, and its listeners stop when they are closed");
             }
