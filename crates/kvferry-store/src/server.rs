@@ -1,7 +1,7 @@
 //! The master on the network: one thread per RPC connection, one ticker thread.
 
 use crate::error::StoreError;
-use crate::master::{Master, PutId, State, OP_NAMES};
+use crate::master::{Attempt, Master, PutId, State, OP_NAMES};
 use crate::proto::{self, PingStatus, ReplicateConfig, Request, Response};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -223,13 +223,17 @@ fn stale(st: &State, term: i64) -> Result<(), StoreError> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn put_start(m: &Master, put: PutId, key: &str, size: u64, config: &ReplicateConfig, upsert: bool, deadline: Instant, term: i64) -> Result<Response, StoreError> {
+fn put_start(m: &Master, put: PutId, key: &str, size: u64, config: &ReplicateConfig, upsert: bool, deadline: Instant, term: i64, mut attempt: Attempt) -> Result<Response, StoreError> {
     loop {
         let last = Instant::now() >= deadline;
+        if last {
+            attempt = Attempt::Last;
+        }
         let now = m.now();
         let mut st = m.lock();
         stale(&st, term)?;
-        let r = st.put_start_ex(&m.cfg, &m.stats, put, key, size, config, upsert, now, last);
+        let r = st.put_start_ex(&m.cfg, &m.stats, put, key, size, config, upsert, now, attempt);
+        attempt = Attempt::Again;
         let retry = !last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(now);
         drop(st);
         if !retry {
@@ -291,7 +295,7 @@ fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64) -> Respons
     // released (this is declared before the lock is taken, so dropped after it is let go).
     let mut removed = None;
     let r = if let Request::PutStart { client, key, size, config, upsert, put } = &req {
-        put_start(m, PutId { client: *client, put: *put }, key, *size, config, *upsert, deadline, term)
+        put_start(m, PutId { client: *client, put: *put }, key, *size, config, *upsert, deadline, term, Attempt::First)
     } else {
         let now = m.now();
         let mut st = m.lock();
@@ -364,11 +368,11 @@ fn handle_batch(m: &Master, reqs: Vec<Request>, deadline: Instant, term: i64) ->
         let r = match req {
             Request::PutStart { client, key, size, config, upsert, put } => {
                 let put = PutId { client, put };
-                let r = st.put_start_ex(&m.cfg, &m.stats, put, &key, size, &config, upsert, *now, *last);
+                let r = st.put_start_ex(&m.cfg, &m.stats, put, &key, size, &config, upsert, *now, if *last { Attempt::Last } else { Attempt::First });
                 if !*last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(*now) {
                     held = None;
                     std::thread::sleep(PUT_RETRY);
-                    put_start(m, put, &key, size, &config, upsert, deadline, term)
+                    put_start(m, put, &key, size, &config, upsert, deadline, term, Attempt::Again)
                 } else {
                     r.map(Response::Replicas)
                 }

@@ -230,6 +230,20 @@ pub struct Summary {
     pub deferred_frees: usize,
 }
 
+/// Which try of a put's start this is: a put that finds space held only by reads in flight
+/// is tried again (`server.rs`) until they end or its wait (`put_wait_for_reads`) is over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attempt {
+    /// The first: evicts what the put needs, sparing objects written within the wait while
+    /// reads are in flight.
+    First,
+    /// Another while the wait lasts: takes back the space of reads that ended, and evicts
+    /// nothing more unless no read is in flight any more.
+    Again,
+    /// The wait is over: evicts what the put needs, sparing nothing for readers.
+    Last,
+}
+
 /// Names a put: the client that started it and the id it chose for it
 /// (`Request::PutStart`'s `put`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -678,14 +692,14 @@ impl State {
     /// Starts a put, making room if needed by any eviction allowed (the last attempt).
     #[allow(clippy::too_many_arguments)]
     pub fn put_start(&mut self, m: &MasterConfig, stats: &Stats, put: PutId, key: &str, size: u64, cfg: &ReplicateConfig, upsert: bool, now: u64) -> StoreResult<Vec<ReplicaDesc>> {
-        self.put_start_ex(m, stats, put, key, size, cfg, upsert, now, true)
+        self.put_start_ex(m, stats, put, key, size, cfg, upsert, now, Attempt::Last)
     }
 
-    /// Starts a put. Unless `last_try`, while reads are in flight (whose end may free space)
+    /// Starts a put. Unless it is the last `attempt`, while reads are in flight (whose end may free space)
     /// objects written within `put_wait_for_reads` are not evicted: the caller retries
     /// (`NoAvailableHandle`) until the reads end or the wait is over.
     #[allow(clippy::too_many_arguments)]
-    pub fn put_start_ex(&mut self, m: &MasterConfig, stats: &Stats, put: PutId, key: &str, size: u64, cfg: &ReplicateConfig, upsert: bool, now: u64, last_try: bool) -> StoreResult<Vec<ReplicaDesc>> {
+    pub fn put_start_ex(&mut self, m: &MasterConfig, stats: &Stats, put: PutId, key: &str, size: u64, cfg: &ReplicateConfig, upsert: bool, now: u64, attempt: Attempt) -> StoreResult<Vec<ReplicaDesc>> {
         let PutId { client, put } = put;
         check_key(key)?;
         if size == 0 {
@@ -745,10 +759,14 @@ impl State {
             self.release_deferred(now);
             replicas = self.place(size, cfg, m.strategy);
         }
-        if replicas.is_empty() {
+        // A try again while reads are still in flight evicts nothing more: the first try
+        // evicted what the put needs, and each retry (every 500 µs for up to a second) evicted
+        // as much again, most of a fragmented pool before the reads ended.
+        let again = attempt == Attempt::Again && self.reads_in_flight(now);
+        if replicas.is_empty() && !again {
             // Make room: at least this value, at least the configured ratio. While reads in
             // flight may still free space, objects just written are spared.
-            let waiting = !last_try && self.reads_in_flight(now);
+            let waiting = attempt != Attempt::Last && self.reads_in_flight(now);
             let min_age = if waiting { m.put_wait_for_reads.as_millis() as u64 } else { 0 };
             let total = self.total_bytes();
             let target = size.saturating_mul(u64::from(cfg.replica_num)).max((total as f64 * m.eviction_ratio) as u64);
@@ -1494,6 +1512,31 @@ mod tests {
         assert_eq!(st.used_bytes(), 16 << 10, "freed on release; unknown ids are ignored");
     }
 
+    /// A put that waits for reads evicts what it needs once, not again at every retry (each
+    /// 500 µs for up to a second): in a fragmented pool whose freed ranges are not adjacent,
+    /// the retries evicted object after object.
+    #[test]
+    fn a_put_waiting_for_reads_evicts_once_not_at_every_retry() {
+        let (mut st, m, s) = setup(&[(1, 64 << 10)]);
+        let cfg = ReplicateConfig::default();
+        for i in 0..16 {
+            put(&mut st, &m, &s, &format!("o{i}"), 4 << 10, &cfg, 0).unwrap();
+        }
+        // Every other object is being read: whatever is evicted leaves 4 KiB holes apart.
+        for i in (0..16).step_by(2) {
+            st.get_replica_list(&format!("o{i}"), 1, 60_000).unwrap();
+        }
+        let p = PutId { client: 1, put: 9 };
+        let e = st.put_start_ex(&m, &s, p, "big", 8 << 10, &cfg, false, 5_000, Attempt::First);
+        assert!(matches!(e, Err(StoreError::NoAvailableHandle { .. })), "{e:?}");
+        let after_first = s.evicted_objects.load(Ordering::Relaxed);
+        assert!(after_first >= 1);
+        for t in 0..5 {
+            assert!(st.put_start_ex(&m, &s, p, "big", 8 << 10, &cfg, false, 5_001 + t, Attempt::Again).is_err());
+        }
+        assert_eq!(s.evicted_objects.load(Ordering::Relaxed), after_first, "the retries evicted more");
+    }
+
     #[test]
     fn eviction_spares_reads_in_flight_not_finished_ones() {
         let (mut st, m, s) = setup(&[(1, 64 << 10)]);
@@ -1509,12 +1552,12 @@ mod tests {
         // While a read is in flight, a put that is not on its last try spares objects just
         // written (their writers are about to read them back) and asks the caller to wait.
         put(&mut st, &m, &s, "young", 32 << 10, &cfg, 7).unwrap();
-        let e = st.put_start_ex(&m, &s, P1, "next", 32 << 10, &cfg, false, 8, false);
+        let e = st.put_start_ex(&m, &s, P1, "next", 32 << 10, &cfg, false, 8, Attempt::First);
         assert!(matches!(e, Err(StoreError::NoAvailableHandle { .. })), "{e:?}");
         assert!(st.exist_key("young", 9, 0).unwrap(), "the object just written was not evicted");
         // Once the read ended, the older object goes, not the young one.
         st.release_reads(&[l2.read_id], 10);
-        st.put_start_ex(&m, &s, P1, "next", 32 << 10, &cfg, false, 11, false).unwrap();
+        st.put_start_ex(&m, &s, P1, "next", 32 << 10, &cfg, false, 11, Attempt::Again).unwrap();
         assert!(st.exist_key("young", 12, 0).unwrap() && !st.exist_key("r2", 12, 0).unwrap());
         // An abandoned read stops counting when its lease runs out.
         let l = st.get_replica_list("young", 13, 100).unwrap();
