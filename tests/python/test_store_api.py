@@ -193,13 +193,19 @@ def test_sglang_hicache_sequence(cluster):
         assert s.batch_put_from_multi_buffers(["x"], [[k_pool.ctypes.data]], [[page, page]]) == [-600]
         assert s.batch_put_from_multi_buffers(["x", "y"], [[k_pool.ctypes.data]], [[page]]) == [-600, -600]
         assert s.batch_put_from_multi_buffers([], [], []) == []
+        # one contiguous buffer outside registered memory: gathered through staging, both ways
+        # (it used to go down the zero-copy path and fail with -800)
+        u_in, u_out = arr("unregistered", page), np.zeros(page, dtype=np.uint8)
+        assert s.batch_put_from_multi_buffers(["ur"], [[u_in.ctypes.data]], [[page]]) == [0]
+        assert s.batch_get_into_multi_buffers(["ur"], [[u_out.ctypes.data]], [[page]]) == [page]
+        assert np.array_equal(u_out, u_in)
         # single-buffer batch calls
         assert s.batch_put_from(["b0", "b1"], [k_pool.ctypes.data, v_pool.ctypes.data], [page, page]) == [0, 0]
         assert s.batch_get_into(["b0", "b1"], [k_out.ctypes.data, v_out.ctypes.data], [page, page]) == [page, page]
         assert np.array_equal(k_out[:page], k_pool[:page]) and np.array_equal(v_out[:page], v_pool[:page])
         n = s.remove_all()
         assert n >= 0
-        assert s.remove_all(force=True) + n == 8 + 2 + 2 + 1, "every key stored above is removed once"
+        assert s.remove_all(force=True) + n == 8 + 2 + 2 + 1 + 1, "every key stored above is removed once"
         assert s.batch_is_exist(keys) == [0] * 8
     finally:
         assert s.close() == 0

@@ -925,15 +925,15 @@ class MooncakeDistributedStore:
 
     @staticmethod
     def _split_by_placement(core: Any, ranges: List[Tuple[Optional[int], int]], all_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]]) -> Tuple[List[int], List[int], List[int]]:
-        """Key indices: (one contiguous range, moved as one piece), (scattered buffers all in
-        registered memory, moved part by part without a copy), (the rest: gathered)."""
-        direct = [i for i, r in enumerate(ranges) if r[0] is not None]
-        scattered = [i for i, r in enumerate(ranges) if r[0] is None]
-        if not scattered:
-            return direct, [], []
-        ok = core.parts_registered([[_ptr(p) for p in all_ptrs[i]] for i in scattered], [[int(n) for n in all_sizes[i]] for i in scattered])
-        parts = [i for i, r in zip(scattered, ok) if r]
-        gather = [i for i, r in zip(scattered, ok) if not r]
+        """Key indices: (one contiguous range in registered memory, moved as one piece),
+        (scattered buffers all in registered memory, moved part by part without a copy), (the
+        rest, contiguous or not: gathered through registered staging memory)."""
+        if not ranges:
+            return [], [], []
+        ok = core.parts_registered([[_ptr(p) for p in all_ptrs[i]] for i in range(len(ranges))], [[int(n) for n in all_sizes[i]] for i in range(len(ranges))])
+        direct = [i for i, r in enumerate(ranges) if r[0] is not None and ok[i]]
+        parts = [i for i, r in enumerate(ranges) if r[0] is None and ok[i]]
+        gather = [i for i in range(len(ranges)) if not ok[i]]
         return direct, parts, gather
 
     def _scratch(self, n: int) -> int:
