@@ -243,6 +243,28 @@ fn put_start(m: &Master, put: PutId, key: &str, size: u64, config: &ReplicateCon
     }
 }
 
+/// An accepted connection; on an error (out of descriptors, EMFILE, and the like) `None`
+/// after a short pause, so that an accept loop backs off instead of spinning.
+pub(crate) fn accepted(conn: std::io::Result<TcpStream>, what: &str) -> Option<TcpStream> {
+    match conn {
+        Ok(c) => Some(c),
+        Err(e) => {
+            tracing::warn!("{what}: {e}");
+            std::thread::sleep(Duration::from_millis(20));
+            None
+        }
+    }
+}
+
+/// TCP keepalive on `s`: a peer whose host vanished without closing is found after `idle`
+/// and 3 probes 5 s apart (best effort: a socket that refuses it keeps working without).
+pub(crate) fn keepalive(s: &TcpStream, idle: Duration) {
+    let _ = rustix::net::sockopt::set_socket_keepalive(s, true)
+        .and_then(|_| rustix::net::sockopt::set_tcp_keepidle(s, idle))
+        .and_then(|_| rustix::net::sockopt::set_tcp_keepintvl(s, Duration::from_secs(5)))
+        .and_then(|_| rustix::net::sockopt::set_tcp_keepcnt(s, 3));
+}
+
 /// How long a put that found space held only by reads in flight waits before trying again.
 const PUT_RETRY: Duration = Duration::from_micros(500);
 
@@ -540,21 +562,10 @@ impl MasterServer {
                 if st.load(Ordering::Acquire) {
                     break;
                 }
-                let conn = match conn {
-                    Ok(c) => c,
-                    Err(e) => {
-                        // Out of descriptors (EMFILE) and the like: back off, do not spin.
-                        tracing::warn!("master: accepting an RPC connection: {e}");
-                        std::thread::sleep(Duration::from_millis(20));
-                        continue;
-                    }
-                };
+                let Some(conn) = accepted(conn, "master: accepting an RPC connection") else { continue };
                 // A client host that vanished (crashed, cut off) without closing is found by
                 // TCP keepalive, so its thread, descriptor and buffer are not held for ever.
-                let _ = rustix::net::sockopt::set_socket_keepalive(&conn, true)
-                    .and_then(|_| rustix::net::sockopt::set_tcp_keepidle(&conn, Duration::from_secs(30)))
-                    .and_then(|_| rustix::net::sockopt::set_tcp_keepintvl(&conn, Duration::from_secs(5)))
-                    .and_then(|_| rustix::net::sockopt::set_tcp_keepcnt(&conn, 3));
+                keepalive(&conn, Duration::from_secs(30));
                 let (m, spin) = (Arc::clone(&m), Arc::clone(&spin));
                 let _ = std::thread::Builder::new().name("kvf-master-rpc".into()).spawn(move || {
                     if let Err(e) = serve_conn(&m, &conn, &spin) {
@@ -626,6 +637,16 @@ mod tests {
 
     fn put_start(key: &str, size: u64) -> Request {
         Request::PutStart { client: 1, key: key.into(), size, config: ReplicateConfig::default(), upsert: false, put: 1 }
+    }
+
+    /// A removal's pattern is compiled with a bounded size under the state's lock: one that
+    /// would compile to more is refused, saying so, and removes nothing.
+    #[test]
+    fn a_regex_removal_too_large_to_compile_is_refused() {
+        let m = Master::new(MasterConfig::default());
+        let r = handle(&m, Request::RemoveByRegex { pattern: "(?:\\w{100}){100}".into(), force: false });
+        assert!(matches!(&r, Response::Err(StoreError::InvalidParams(w)) if w.contains("bad regex")), "{r:?}");
+        assert_eq!(handle(&m, Request::RemoveByRegex { pattern: "^k".into(), force: false }), Response::Count(0));
     }
 
     /// A batch whose answers would pass the frame limit stops applying its requests at half

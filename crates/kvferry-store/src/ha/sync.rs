@@ -380,15 +380,7 @@ impl Mirror {
 /// Runs until the process ends.
 pub fn serve(listener: TcpListener, mirror: Arc<Mirror>) {
     for conn in listener.incoming() {
-        let s = match conn {
-            Ok(s) => s,
-            Err(e) => {
-                // Out of descriptors and the like: back off, do not spin.
-                tracing::warn!("HA replication: accepting a leader's connection: {e}");
-                std::thread::sleep(Duration::from_millis(20));
-                continue;
-            }
-        };
+        let Some(s) = crate::server::accepted(conn, "HA replication: accepting a leader's connection") else { continue };
         let m = Arc::clone(&mirror);
         let _ = std::thread::Builder::new().name("kvf-ha-standby".into()).spawn(move || {
             if let Err(e) = follow(s, &m) {
@@ -426,10 +418,7 @@ fn follow(mut s: TcpStream, m: &Mirror) -> Result<(), String> {
     // leader whose host died without closing the connection is found by TCP keepalive (idle
     // 10 s, then 3 probes 5 s apart), so this thread and its buffer do not wait forever.
     s.set_read_timeout(None).map_err(|e| e.to_string())?;
-    let _ = rustix::net::sockopt::set_socket_keepalive(&s, true)
-        .and_then(|_| rustix::net::sockopt::set_tcp_keepidle(&s, Duration::from_secs(10)))
-        .and_then(|_| rustix::net::sockopt::set_tcp_keepintvl(&s, Duration::from_secs(5)))
-        .and_then(|_| rustix::net::sockopt::set_tcp_keepcnt(&s, 3));
+    crate::server::keepalive(&s, Duration::from_secs(10));
     let mut r = std::io::BufReader::with_capacity(1 << 20, s.try_clone().map_err(|e| e.to_string())?);
     loop {
         let f: ToStandby = read_frame(&mut r)?;
