@@ -13,14 +13,19 @@ pub const MAX_FRAME: usize = 64 << 20;
 /// The most requests (or answers) one batch holds: a 64 MiB frame of two-byte pings would
 /// otherwise decode into 33 M requests (4 GB).
 pub const MAX_BATCH: usize = 1 << 20;
-// (The refusal in `de_batch` names the number.)
-const _: () = assert!(MAX_BATCH == 1 << 20);
+
+/// Why [`de_batch`] refused a batch.
+#[derive(Clone, Copy)]
+enum Refusal {
+    Nested,
+    TooMany,
+}
 
 std::thread_local! {
     /// Batches being decoded on this thread (see [`de_batch`]).
     static BATCH_DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
     /// Why [`de_batch`] refused (postcard reports a custom error without its text).
-    static REFUSED: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
+    static REFUSED: std::cell::Cell<Option<Refusal>> = const { std::cell::Cell::new(None) };
 }
 
 /// Decodes a batch's requests or answers: refuses a batch inside a batch at once (decoding
@@ -41,7 +46,7 @@ fn de_batch<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Resu
     });
     let _level = Level;
     if depth > 1 {
-        REFUSED.with(|r| r.set(Some("nested batches are not allowed")));
+        REFUSED.with(|r| r.set(Some(Refusal::Nested)));
         return Err(D::Error::custom("nested batches are not allowed"));
     }
     struct V<T>(std::marker::PhantomData<T>);
@@ -54,7 +59,7 @@ fn de_batch<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Resu
             let mut out = Vec::new();
             while let Some(x) = seq.next_element()? {
                 if out.len() == MAX_BATCH {
-                    REFUSED.with(|r| r.set(Some("a batch holds at most 1048576 (MAX_BATCH) requests; split it")));
+                    REFUSED.with(|r| r.set(Some(Refusal::TooMany)));
                     return Err(A::Error::custom("a batch over MAX_BATCH"));
                 }
                 out.push(x);
@@ -214,7 +219,8 @@ pub fn decode_len(prefix: [u8; 4]) -> StoreResult<usize> {
 pub fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> StoreResult<T> {
     REFUSED.with(|r| r.set(None));
     postcard::from_bytes(body).map_err(|e| match REFUSED.with(|r| r.take()) {
-        Some(why) => StoreError::InvalidParams(why.into()),
+        Some(Refusal::Nested) => StoreError::InvalidParams("nested batches are not allowed".into()),
+        Some(Refusal::TooMany) => StoreError::InvalidParams(format!("a batch holds at most {MAX_BATCH} requests; split it")),
         None => StoreError::Rpc(format!("malformed message: {e}")),
     })
 }
