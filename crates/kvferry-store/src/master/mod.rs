@@ -715,14 +715,10 @@ impl State {
             return Err(StoreError::UnknownClient(client));
         }
         let discard = m.put_start_discard_timeout.as_millis() as u64;
-        if let Some(o) = self.objects.get(key) {
-            if let Some(p) = &o.pending {
-                if now.saturating_sub(p.started) < discard {
-                    return Err(StoreError::ObjectAlreadyExists(key.to_string()));
-                }
-            } else if !upsert {
-                return Err(StoreError::ObjectAlreadyExists(key.to_string()));
-            }
+        // A put in progress keeps the key until the discard timeout (whether a readable value
+        // does is decided below, once a zombie put is discarded).
+        if self.objects.get(key).and_then(|o| o.pending.as_ref()).is_some_and(|p| now.saturating_sub(p.started) < discard) {
+            return Err(StoreError::ObjectAlreadyExists(key.to_string()));
         }
         // A zombie put (started, never ended, older than the discard timeout) loses its
         // space, but only after the release timeout: its writer may still be writing.
@@ -740,8 +736,8 @@ impl State {
                 self.forget(key);
             }
         }
-        // A readable value stays unless this put replaces on purpose (the zombie was an
-        // upsert; this put is not).
+        // A readable value stays unless this put replaces it on purpose (also when a zombie
+        // upsert of it was just discarded: first writer wins, as in Mooncake).
         if !upsert && self.objects.get(key).is_some_and(|o| !o.current.is_empty()) {
             return Err(StoreError::ObjectAlreadyExists(key.to_string()));
         }
@@ -1194,7 +1190,7 @@ mod tests {
     }
 
     /// A put naming more preferred segments than the master compares under its lock is
-    /// refused before any work; a regex removal's pattern is compiled with bounded size.
+    /// refused before any work.
     #[test]
     fn oversized_requests_are_refused_before_they_cost_the_lock() {
         let (mut st, m, s) = setup(&[(1, 1 << 20)]);
