@@ -250,13 +250,14 @@ impl Lane {
             let mut at = 0u64;
             for op in st.inflight.range(send.first..send.first + n) {
                 let p = &op.piece;
-                at += proto::request_bytes(p.opcode, p.len, self.v2);
-                ends.push((at, p.task.deadline()));
                 p.task.set_pending();
                 if !guards.iter().any(|g| std::ptr::eq(g.region(), p.guard.region())) {
                     guards.push(p.guard.clone());
                 }
                 let (hdr, fence) = proto::request_frames(p.opcode, p.remote, p.len, self.v2);
+                let body = if p.opcode == Opcode::Write { p.len } else { 0 };
+                at += (hdr.len() + fence.map_or(0, |f| f.len())) as u64 + body;
+                ends.push((at, p.task.deadline()));
                 iov_hdrs.push(hdr);
                 if p.opcode == Opcode::Write {
                     bodies.push((p.local, p.len));

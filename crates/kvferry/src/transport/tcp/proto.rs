@@ -28,15 +28,6 @@ pub(super) fn request_frames(opcode: Opcode, remote: u64, len: u64, v2: bool) ->
     (hdr, fence)
 }
 
-/// How many bytes a request puts on the connection: its header, a WRITE's body and, towards
-/// a v1 target, the fence (what [`request_frames`] and the body add up to).
-pub(super) fn request_bytes(opcode: Opcode, len: u64, v2: bool) -> u64 {
-    let (_, fence) = request_frames(opcode, 0, len.max(1), v2);
-    let body = if opcode == Opcode::Write { len } else { 0 };
-    let fence = if opcode == Opcode::Write && len > 0 { fence.map_or(0, |f| f.len() as u64) } else { 0 };
-    HEADER_LEN as u64 + body + fence
-}
-
 /// The deadline that bounds a gathered write once `written` of its bytes left: that of the
 /// request whose bytes are going out (`ends`: where each request's bytes end in the write,
 /// in order, and its deadline); `None` once all left. Requests already sent wait for their
@@ -464,11 +455,8 @@ mod tests {
     fn a_gathered_write_is_bounded_by_the_deadline_of_the_request_going_out() {
         let t0 = Instant::now();
         let (small, large) = (t0 + Duration::from_millis(500), t0 + Duration::from_millis(1040));
-        let small_bytes = request_bytes(Opcode::Write, 4096, true);
-        assert_eq!(small_bytes, HEADER_LEN as u64 + 4096);
-        assert_eq!(request_bytes(Opcode::Write, 4096, false), 2 * HEADER_LEN as u64 + 4096, "v1: with the fence");
-        assert_eq!(request_bytes(Opcode::Read, 4096, true), HEADER_LEN as u64);
-        let ends = [(small_bytes, small), (small_bytes + request_bytes(Opcode::Write, 512 << 20, true), large)];
+        let small_bytes = HEADER_LEN as u64 + 4096;
+        let ends = [(small_bytes, small), (small_bytes + HEADER_LEN as u64 + (512 << 20), large)];
         assert_eq!(deadline_at(&ends, 0), Some(small));
         assert_eq!(deadline_at(&ends, small_bytes - 1), Some(small));
         assert_eq!(deadline_at(&ends, small_bytes), Some(large), "the small one left: the large one's deadline");
