@@ -315,15 +315,20 @@ impl Pipe {
     pub fn htod(&mut self, h: usize, dst: u64, n: usize) -> std::result::Result<(), CudaError> {
         let n = n.min(self.half);
         let src = self.half(h).as_ptr();
-        let (s, e) = (self.stream, self.events[h]);
         // SAFETY: half `h` is not touched again before `wait(h)` (or `sync`), which every
         // user of the pipe calls before reusing it; the buffer lives as long as the pipe, and
         // the pipe's drop waits for the stream.
-        // (Pending once queued, even if recording its event then fails: `sync` and the drop
-        // must still wait for it before the half or the request's range is let go.)
+        self.queue(h, |d, s| unsafe { d.htod_async(dst, src, n, s) })
+    }
+
+    /// Queues `copy` on the pipe's stream, then half `h`'s event after it. The half is
+    /// pending once the copy is queued, even if recording its event then fails: `sync` and
+    /// the drop must still wait for it before the half or the request's range is let go.
+    fn queue(&mut self, h: usize, copy: impl FnOnce(&Driver, driver::Handle) -> std::result::Result<(), CudaError>) -> std::result::Result<(), CudaError> {
+        let (s, e) = (self.stream, self.events[h]);
         let mut queued = false;
         let r = self.cuda.on_device(self.dev, |d| {
-            unsafe { d.htod_async(dst, src, n, s) }?;
+            copy(d, s)?;
             queued = true;
             d.event_record(e, s)
         });
@@ -335,16 +340,8 @@ impl Pipe {
     pub fn dtoh(&mut self, h: usize, src: u64, n: usize) -> std::result::Result<(), CudaError> {
         let n = n.min(self.half);
         let dst = self.half_mut(h).as_mut_ptr();
-        let (s, e) = (self.stream, self.events[h]);
         // SAFETY: as in `htod`: half `h` is read only after `wait(h)`.
-        let mut queued = false;
-        let r = self.cuda.on_device(self.dev, |d| {
-            unsafe { d.dtoh_async(dst, src, n, s) }?;
-            queued = true;
-            d.event_record(e, s)
-        });
-        self.pending[h] |= queued;
-        r
+        self.queue(h, |d, s| unsafe { d.dtoh_async(dst, src, n, s) })
     }
 
     /// Waits until every queued copy is done.
