@@ -89,11 +89,12 @@ impl CtlMap {
     /// pid would wait for ever).
     pub(super) fn owner_alive(&self, slot: usize, owner: u64) -> bool {
         let pid = owner_pid(owner);
-        if !pid_alive(pid) {
+        if !pid_exists(pid) {
             return false;
         }
+        let Some((exited, started)) = proc_stat(pid) else { return true };
         let claimed = self.started(slot).load(Ordering::SeqCst);
-        claimed == 0 || start_time(pid).is_none_or(|now| now == claimed)
+        !exited && (claimed == 0 || started.is_none_or(|now| now == claimed))
     }
     /// The segment name its owner wrote (empty if none or malformed).
     pub(super) fn name(&self) -> String {
@@ -126,29 +127,25 @@ pub(super) fn owner_pid(owner: u64) -> i32 {
     (owner >> 32) as i32
 }
 
-/// Whether a process exists and has not exited (a zombie counts as exited).
-pub(super) fn pid_alive(pid: i32) -> bool {
-    if pid <= 0 {
-        return false;
-    }
-    // Signal 0 only checks existence and permission.
-    let Some(p) = rustix::process::Pid::from_raw(pid) else { return false };
-    if rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH) {
-        return false;
-    }
-    // State is the field after the parenthesised command name.
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(s) => !matches!(s.rfind(')').and_then(|i| s[i + 1..].split_whitespace().next()), Some("Z") | Some("X")),
-        Err(_) => true,
-    }
+/// Whether process `pid` exists (signal 0 checks existence and permission only).
+fn pid_exists(pid: i32) -> bool {
+    let Some(p) = rustix::process::Pid::from_raw(pid).filter(|_| pid > 0) else { return false };
+    rustix::process::test_kill_process(p) != Err(rustix::io::Errno::SRCH)
 }
 
-/// When process `pid` started, in clock ticks since boot (`/proc/<pid>/stat` field 22);
-/// `None` if it cannot be read.
-pub(super) fn start_time(pid: i32) -> Option<u64> {
+/// What `/proc/<pid>/stat` says of a process: whether it has exited (a zombie) and when it
+/// started (field 22, clock ticks since boot); `None` if it cannot be read.
+fn proc_stat(pid: i32) -> Option<(bool, Option<u64>)> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the parenthesised command name start at field 3 (the state).
-    s.rfind(')').and_then(|i| s[i + 1..].split_whitespace().nth(19)).and_then(|f| f.parse().ok())
+    // Fields after the parenthesised command name: the state (field 3) first.
+    let mut fields = s[s.rfind(')')? + 1..].split_whitespace();
+    let exited = matches!(fields.next(), Some("Z" | "X"));
+    Some((exited, fields.nth(18).and_then(|f| f.parse().ok())))
+}
+
+/// When process `pid` started (`/proc/<pid>/stat` field 22); `None` if it cannot be read.
+pub(super) fn start_time(pid: i32) -> Option<u64> {
+    proc_stat(pid).and_then(|(_, started)| started)
 }
 
 /// This engine's own control region.
