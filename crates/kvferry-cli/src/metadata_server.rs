@@ -56,10 +56,10 @@ pub struct ServerArgs {
 }
 
 const OP_PUT: u8 = 1;
-/// How much a log may grow beyond twice its compacted length before it is compacted again.
-const COMPACT_FLOOR: u64 = 8 << 20;
 const OP_DELETE: u8 = 2;
 const LOG_NAME: &str = "metadata.log";
+/// How much a log may grow beyond twice its compacted length before it is compacted again.
+const COMPACT_FLOOR: u64 = 8 << 20;
 
 /// The append-only log of a durable server.
 struct Wal {

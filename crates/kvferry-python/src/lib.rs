@@ -641,7 +641,7 @@ impl Core {
             const SLICE: Duration = Duration::from_millis(200);
             let until = Instant::now().checked_add(timeout);
             loop {
-                let left = until.map_or(SLICE, |u| u.saturating_duration_since(Instant::now()));
+                let left = until.map_or(Duration::MAX, |u| u.saturating_duration_since(Instant::now()));
                 let v = engine.wait_notifies(left.min(SLICE));
                 if !v.is_empty() || left <= SLICE || closed.load(Ordering::Acquire) {
                     return v;

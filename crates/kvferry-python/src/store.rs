@@ -421,9 +421,7 @@ impl StoreCore {
                 // would otherwise list freed memory as registered.
                 let addrs = self.registered();
                 let r = py.detach(move || {
-                    for a in addrs {
-                        let _ = c.unregister_buffer(a);
-                    }
+                    withdraw(&c, addrs);
                     c.close()
                 });
                 // The client has stopped: nothing touches the registered buffers any more.
@@ -441,6 +439,15 @@ impl StoreCore {
         // (Without the GIL: a close waiting for a long call to end holds the lock's writer
         // side, and every reader waits behind it.)
         py.detach(|| self.client.read().unwrap_or_else(|e| e.into_inner()).is_none())
+    }
+}
+
+/// Unregisters `addrs` (what a store registered) from its client's engine, best effort: an
+/// engine shared with others (`engine=`) outlives the store and would otherwise list memory
+/// the store frees as registered.
+fn withdraw(c: &Client, addrs: Vec<u64>) {
+    for a in addrs {
+        let _ = c.unregister_buffer(a);
     }
 }
 
@@ -470,9 +477,7 @@ impl Drop for StoreCore {
         let addrs = self.registered();
         Python::attach(|py| {
             py.detach(move || {
-                for a in addrs {
-                    let _ = client.unregister_buffer(a);
-                }
+                withdraw(&client, addrs);
                 drop(client)
             })
         });

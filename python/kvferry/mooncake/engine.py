@@ -441,19 +441,21 @@ class TransferEngine:
         native = self._native
         try:
             if native is not None and native._core is core:
-                # Views from get_engine().view() keep their buffer mapped: refused while one lives.
+                # Views from get_engine().view() keep their buffer mapped: refused while one
+                # lives (BufferError); InvalidArgument for an address that is not one.
                 native.free_managed_buffer(a)
-                return 0
-            if not core.free_managed(a):
-                _fail("free_managed_buffer", "0x%x is not an address returned by allocate_managed_buffer; nothing freed" % a, 0)
-            return 0
+                freed = True
+            else:
+                freed = core.free_managed(a)
         except BufferError as e:
             return _fail("free_managed_buffer", str(e), -1)
         except InvalidArgument:
-            _fail("free_managed_buffer", "0x%x is not an address returned by allocate_managed_buffer; nothing freed" % a, 0)
-            return 0
+            freed = False
         except KvferryError as e:
             return _fail("free_managed_buffer", e.reason, e.code or -1)
+        if not freed:
+            _fail("free_managed_buffer", "0x%x is not an address returned by allocate_managed_buffer; nothing freed" % a, 0)
+        return 0
 
     def write_bytes_to_buffer(self, dest_address: int, src_bytes: bytes, length: int) -> int:
         """Copies ``src_bytes[:length]`` to ``dest_address``. Returns 0, or -1 if the range
