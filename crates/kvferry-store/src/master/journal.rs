@@ -209,7 +209,7 @@ impl State {
             }
         }
         out.extend(self.objects.iter().map(|(k, o)| Change::Object { key: k.to_string(), rec: State::object_rec(o, now) }));
-        out.extend(self.deferred.iter().map(|d| Change::HeldBack { replica: rec(&d.replica) }));
+        out.extend(self.deferred.replicas().map(|r| Change::HeldBack { replica: rec(r) }));
         out
     }
 }
@@ -386,7 +386,7 @@ impl Image {
         }
         for (key, o) in st.objects.iter() {
             if let Some(g) = &o.group {
-                st.groups.entry(Arc::clone(g)).or_default().push(key.clone());
+                st.groups.entry(Arc::clone(g)).or_default().members.push(key.clone());
             }
         }
         report.objects = st.objects.len();
@@ -567,7 +567,7 @@ mod tests {
                     // Every client of the original is known (segment owners are known even when
                     // their client record went: the segment keeps them alive).
                     assert!(clients.iter().all(|c| bclients.contains(c)), "seed {seed} step {step} ({name}): clients {clients:?} vs {bclients:?}");
-                    assert!(back.used_bytes() >= st.used_bytes() - st.deferred.iter().map(|d| d.replica.block.len.next_multiple_of(64)).sum::<u64>(), "seed {seed} step {step} ({name}): space");
+                    assert!(back.used_bytes() >= st.used_bytes() - st.deferred.replicas().map(|r| r.block.len.next_multiple_of(64)).sum::<u64>(), "seed {seed} step {step} ({name}): space");
                     // New puts on the rebuilt state never touch a replica of the original.
                     let taken: Vec<(u64, u64, u64)> = st.objects.values().flat_map(|o| o.current.iter().chain(o.pending.iter().flat_map(|p| p.replicas.iter()))).map(|r| (r.seg, r.block.addr, r.block.len)).collect();
                     back.register_client(99, now);

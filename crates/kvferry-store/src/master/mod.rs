@@ -16,6 +16,7 @@
 //!   comes back at once.
 
 pub mod alloc;
+mod deferred;
 pub mod journal;
 pub mod shards;
 
@@ -112,8 +113,20 @@ struct Object {
 }
 
 impl Object {
-    fn leased(&self, now: u64) -> bool {
-        self.lease_until > now
+    /// Whether a read lease holds this object: its own, or its group's (a read of one member
+    /// leases every member, [`Group`]).
+    fn leased(&self, groups: &Groups, now: u64) -> bool {
+        self.lease_end(groups) > now
+    }
+
+    /// When the lease that holds this object ends: its own or its group's, the later.
+    fn lease_end(&self, groups: &Groups) -> u64 {
+        self.lease_until.max(self.group.as_ref().and_then(|g| groups.get(g)).map_or(0, |g| g.lease_until))
+    }
+
+    /// When this object or (as reading one member counts for all) its group was last read.
+    fn accessed(&self, groups: &Groups) -> u64 {
+        self.last_access.max(self.group.as_ref().and_then(|g| groups.get(g)).map_or(0, |g| g.last_access))
     }
 
     /// Whether no replica is left, readable or being written (the object must go).
@@ -165,14 +178,6 @@ struct SegState {
     space: SegmentSpace,
 }
 
-struct Deferred {
-    /// Freed at this time at the latest.
-    release_at: u64,
-    replica: Replica,
-    /// Freed as soon as every one of these reads has ended (empty: only by time).
-    reads: Vec<u64>,
-}
-
 /// Counters exported on `/metrics`.
 #[derive(Default)]
 pub struct Stats {
@@ -190,6 +195,20 @@ pub const OP_NAMES: [&str; 14] = [
 /// The master's objects by key.
 type Objects = shards::Shards<Box<str>, Object, hashbrown::DefaultHashBuilder>;
 
+/// Objects put with one `group_id` (Mooncake's): they share a read lease and are evicted
+/// together. The lease and the last access are kept here, once for the group, not copied
+/// into every member at each read (that made reading all n members of a group n² steps
+/// under the state's lock); a member's own lease is the later of its own and its group's
+/// ([`Object::lease_end`]).
+#[derive(Default)]
+struct Group {
+    members: Vec<Box<str>>,
+    lease_until: u64,
+    last_access: u64,
+}
+
+type Groups = HashMap<Arc<str>, Group>;
+
 /// The pool's state.
 #[derive(Default)]
 pub struct State {
@@ -200,8 +219,9 @@ pub struct State {
     /// insert that grows it past 1.8 M objects held the lock 0.47-1.76 s
     /// (`examples/growth_pause.rs`); a shard moves a 64th of that.
     objects: Objects,
-    groups: HashMap<Arc<str>, Vec<Box<str>>>,
-    deferred: Vec<Deferred>,
+    groups: Groups,
+    /// Replicas freed once their reads end or at a time ([`deferred::DeferredFrees`]).
+    deferred: deferred::DeferredFrees,
     /// Reads in flight: id -> end of their lease.
     reads: HashMap<u64, u64>,
     next_read: u64,
@@ -298,7 +318,7 @@ impl State {
 
     fn free_later(&mut self, r: Replica, at: u64) {
         self.mark_held_back(&r);
-        self.deferred.push(Deferred { release_at: at, replica: r, reads: Vec::new() });
+        self.deferred.push(r, at, &[]);
     }
 
     /// Frees `r` now if none of `reads` is in flight, else once they all ended.
@@ -316,7 +336,7 @@ impl State {
         }
         let release_at = live.iter().filter_map(|id| self.reads.get(id)).copied().max().unwrap_or(now);
         self.mark_held_back(&r);
-        self.deferred.push(Deferred { release_at, replica: r, reads: live });
+        self.deferred.push(r, release_at, &live);
         None
     }
 
@@ -325,15 +345,17 @@ impl State {
         self.reads.values().any(|&until| until > now)
     }
 
-    /// The reads named finished: their replicas may be reclaimed.
+    /// The reads named finished: their replicas may be reclaimed. (Only the frees waiting
+    /// for them are looked at, and those due by time.)
     pub fn release_reads(&mut self, ids: &[u64], now: u64) {
-        let mut any = false;
+        let mut free = Vec::new();
         for id in ids {
-            any |= self.reads.remove(id).is_some();
+            if self.reads.remove(id).is_some() {
+                self.deferred.read_ended(*id, &mut free);
+            }
         }
-        if any {
-            self.release_deferred(now);
-        }
+        self.deferred.due(now, &mut free);
+        self.free_all_now(free);
     }
 
     pub fn total_bytes(&self) -> u64 {
@@ -373,7 +395,7 @@ impl State {
             size: o.size,
             replicas: o.current.iter().filter_map(|r| self.desc(r)).collect(),
             complete: !o.current.is_empty(),
-            leased_ms: o.lease_until.saturating_sub(now),
+            leased_ms: o.lease_end(&self.groups).saturating_sub(now),
             reads_in_flight: o.reads.iter().filter(|id| read_live(&self.reads, **id, now)).count(),
             soft_pinned: o.soft_pin_until > now,
             hard_pinned: o.hard_pin,
@@ -432,7 +454,7 @@ impl State {
         let ids: std::collections::HashSet<u64> = ids.iter().copied().collect();
         let on = |r: &Replica| ids.contains(&r.seg);
         self.seg_order.retain(|s| !ids.contains(s));
-        self.deferred.retain(|d| !on(&d.replica));
+        self.deferred.forget(on);
         // Objects left without any replica are removed in place (no key copied, no second
         // lookup: what `forget` does, for up to every object of the pool at once); marks and
         // group memberships are settled after the walk.
@@ -465,9 +487,9 @@ impl State {
         grouped.dedup();
         let objects = &self.objects;
         for g in grouped {
-            if let Some(members) = self.groups.get_mut(&g) {
-                members.retain(|m| objects.get(m).is_some_and(|o| o.group.as_ref() == Some(&g)));
-                if members.is_empty() {
+            if let Some(group) = self.groups.get_mut(&g) {
+                group.members.retain(|m| objects.get(m).is_some_and(|o| o.group.as_ref() == Some(&g)));
+                if group.members.is_empty() {
                     self.groups.remove(&g);
                 }
             }
@@ -485,9 +507,9 @@ impl State {
 
     /// `key` is no longer a member of group `g` (a group left empty goes).
     fn leave_group(&mut self, g: &str, key: &str) {
-        if let Some(members) = self.groups.get_mut(g) {
-            members.retain(|m| &**m != key);
-            if members.is_empty() {
+        if let Some(group) = self.groups.get_mut(g) {
+            group.members.retain(|m| &**m != key);
+            if group.members.is_empty() {
                 self.groups.remove(g);
             }
         }
@@ -627,7 +649,7 @@ impl State {
                 .objects
                 .iter()
                 .filter(|(_, o)| o.evictable(&self.reads, now, min_age, pass == 1))
-                .map(|(k, o)| (o.last_access, k.clone()))
+                .map(|(k, o)| (o.accessed(&self.groups), k.clone()))
                 .collect();
             cands.sort_unstable_by_key(|(t, _)| *t);
             for (_, key) in cands {
@@ -641,7 +663,7 @@ impl State {
                 // list, made evicting a group of n members n² steps under the state's lock.)
                 let victims = match &group {
                     Some(g) => {
-                        let mut v = self.groups.get(g).cloned().unwrap_or_default();
+                        let mut v = self.groups.get(g).map(|g| g.members.clone()).unwrap_or_default();
                         if !v.contains(&key) {
                             v.push(key);
                         }
@@ -672,19 +694,12 @@ impl State {
         freed
     }
 
-    /// Frees deferred replicas whose time has come or whose reads all ended.
+    /// Frees deferred replicas whose time has come. (Those whose reads all ended were freed
+    /// when the last one ended: [`State::release_reads`], [`State::expire_reads`].)
     pub fn release_deferred(&mut self, now: u64) {
-        if self.deferred.is_empty() {
-            return;
-        }
-        let reads = &self.reads;
-        let (due, keep): (Vec<Deferred>, Vec<Deferred>) = std::mem::take(&mut self.deferred)
-            .into_iter()
-            .partition(|d| d.release_at <= now || (!d.reads.is_empty() && d.reads.iter().all(|id| !read_live(reads, *id, now))));
-        self.deferred = keep;
-        for d in due {
-            self.free_now(d.replica);
-        }
+        let mut free = Vec::new();
+        self.deferred.due(now, &mut free);
+        self.free_all_now(free);
     }
 
     // --- objects ---------------------------------------------------------------------------
@@ -752,7 +767,7 @@ impl State {
         let mut replicas = self.place(size, cfg, m.strategy);
         if replicas.is_empty() && !self.deferred.is_empty() {
             // Space held by reads that ended (released or expired) comes back first.
-            self.release_deferred(now);
+            self.expire_reads(now);
             replicas = self.place(size, cfg, m.strategy);
         }
         // A try again while reads are still in flight evicts nothing more: the first try
@@ -790,7 +805,7 @@ impl State {
             None => {
                 let group: Option<Arc<str>> = cfg.group_id.as_deref().filter(|g| !g.is_empty()).map(Arc::from);
                 if let Some(g) = &group {
-                    self.groups.entry(Arc::clone(g)).or_default().push(key.into());
+                    self.groups.entry(Arc::clone(g)).or_default().members.push(key.into());
                 }
                 self.objects.insert(
                     key.into(),
@@ -877,13 +892,10 @@ impl State {
         }
         o.lease_until = o.lease_until.max(now + lease);
         o.last_access = now;
-        if let Some(g) = o.group.clone() {
-            for m in self.groups.get(&g).cloned().unwrap_or_default() {
-                if let Some(mo) = self.objects.get_mut(&m) {
-                    mo.lease_until = mo.lease_until.max(now + lease);
-                    mo.last_access = now;
-                }
-            }
+        // The group's lease and access time, once for all its members (see `Group`).
+        if let Some(g) = o.group.as_ref().and_then(|g| self.groups.get_mut(g)) {
+            g.lease_until = g.lease_until.max(now + lease);
+            g.last_access = now;
         }
         Ok(())
     }
@@ -906,9 +918,23 @@ impl State {
         Ok(ReplicaList { replicas: o.current.iter().filter_map(|r| self.desc(r)).collect(), size: o.size, lease_ttl_ms: lease, read_id })
     }
 
-    /// Forgets reads whose lease ran out (their readers fail the read themselves).
+    /// Forgets reads whose lease ran out (their readers fail the read themselves); the frees
+    /// that waited only for them are due.
     pub fn expire_reads(&mut self, now: u64) {
-        self.reads.retain(|_, until| *until > now);
+        let mut ended = Vec::new();
+        self.reads.retain(|id, until| {
+            let live = *until > now;
+            if !live {
+                ended.push(*id);
+            }
+            live
+        });
+        let mut free = Vec::new();
+        for id in ended {
+            self.deferred.read_ended(id, &mut free);
+        }
+        self.deferred.due(now, &mut free);
+        self.free_all_now(free);
     }
 
     pub fn exist_key(&mut self, key: &str, now: u64, lease: u64) -> StoreResult<bool> {
@@ -924,7 +950,7 @@ impl State {
         check_key(key)?;
         let o = self.objects.get(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         if !force {
-            if o.leased(now) {
+            if o.leased(&self.groups, now) {
                 return Err(StoreError::ObjectHasLease(key.to_string()));
             }
             if o.pending.is_some() {
@@ -974,7 +1000,7 @@ impl State {
         let mut cleared = Vec::new();
         for key in keys {
             let Some(o) = self.objects.get(key.as_str()) else { continue };
-            if o.owner != client || o.leased(now) || o.current.is_empty() {
+            if o.owner != client || o.leased(&self.groups, now) || o.current.is_empty() {
                 continue;
             }
             let on_seg = |r: &Replica| self.segments.get(&r.seg).is_some_and(|s| s.seg.name == segment || s.seg.te_endpoint == segment);
@@ -1017,8 +1043,9 @@ impl State {
         // the object moves out, only the key is copied.)
         let journaling = self.journaling();
         let (mut gone, mut keys) = (Vec::new(), Vec::new());
+        let groups = &self.groups;
         self.objects.retain(|k, o| {
-            if !(pred(k) && (force || (!o.leased(now) && o.pending.is_none()))) {
+            if !(pred(k) && (force || (!o.leased(groups, now) && o.pending.is_none()))) {
                 return true;
             }
             gone.push(std::mem::take(o));
@@ -1446,7 +1473,7 @@ mod tests {
             assert!(matches!(st.get_replica_list(gone, 10_002, 1), Err(StoreError::ObjectNotFound(_))), "{gone}");
         }
         assert!(st.get_replica_list("on4", 10_002, 1).is_ok());
-        assert_eq!(st.groups.get("G").map(|m| m.iter().map(|k| k.to_string()).collect::<Vec<_>>()), Some(vec!["g-b".to_string()]), "a group keeps its surviving members");
+        assert_eq!(st.groups.get("G").map(|g| g.members.iter().map(|k| k.to_string()).collect::<Vec<_>>()), Some(vec!["g-b".to_string()]), "a group keeps its surviving members");
         assert!(!st.groups.contains_key("H"), "a group left empty goes");
         st.register_client(1, 10_003);
         let r = st.put_start(&m, &s, P1, "new", 4096, &ReplicateConfig::default(), false, 10_003).unwrap();
@@ -1471,11 +1498,12 @@ mod tests {
         put(&mut st, &m, &s, "h2", 16 << 10, &g, 2000).unwrap();
         st.remove(&m, "other", true, 2001).unwrap();
         let read = st.get_replica_list("h1", 2002, 100_000).unwrap();
-        st.objects.get_mut("h2").unwrap().lease_until = 0; // (the group's shared lease set aside)
+        st.objects.get_mut("h2").unwrap().lease_until = 0;
+        st.groups.get_mut("req-1").unwrap().lease_until = 0; // (the group's shared lease set aside)
         st.evict(1, 3000, true, &s);
         assert!(st.exist_key("h1", 3001, 0).unwrap(), "read in flight: kept");
         assert!(!st.exist_key("h2", 3001, 0).unwrap());
-        assert_eq!(st.groups.get("req-1").map(|v| v.len()), Some(1), "the group keeps its member left");
+        assert_eq!(st.groups.get("req-1").map(|g| g.members.len()), Some(1), "the group keeps its member left");
         st.release_reads(&[read.read_id], 3002);
     }
 
