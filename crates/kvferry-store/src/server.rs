@@ -43,17 +43,29 @@ fn apply(m: &Master, req: Request) -> Applied {
         Err(e) => return Applied::Now(Response::Err(e)),
     };
     let journaled = mutates(&req);
-    let (resp, held) = handle_admitted(m, req, term);
-    if journaled {
-        // What it changed goes to the journal under the hold of the state's lock it was
-        // applied under, when the lock is still held.
-        if let Some(ticket) = m.journal.collect_held(held.unwrap_or_else(|| m.lock()), m.now()) {
-            return Applied::Later { ticket, term, resp };
-        }
-    } else {
+    let mut changed = false;
+    let (resp, held) = handle_admitted(m, req, term, &mut changed);
+    settle(m, term, journaled, changed, resp, held)
+}
+
+/// The second half of [`apply`]: what a request `journaled` (one that may mutate) changed goes
+/// to the journal, under the hold of the state's lock it was applied under when the lock is
+/// still held, and its answer waits for it.
+///
+/// One whose changes are not (or no longer) outstanding but that did change the state
+/// (`changed`) had them taken by another request's collection when the state's lock was let
+/// go (between a batch's holds, a put's tries, or applying and collecting), and they may be
+/// durable: a master that no longer leads answers it `OutcomeUnknown`, not `NotLeader` (which
+/// says nothing was applied, so send it again).
+fn settle(m: &Master, term: i64, journaled: bool, changed: bool, resp: Response, held: Option<Held<'_>>) -> Applied {
+    if !journaled {
         drop(held);
+        return Applied::Now(confirmed(m, term, resp));
     }
-    Applied::Now(confirmed(m, term, resp))
+    if let Some(ticket) = m.journal.collect_held(held.unwrap_or_else(|| m.lock()), m.now()) {
+        return Applied::Later { ticket, term, resp };
+    }
+    Applied::Now(if changed { confirmed_durable(m, term, resp) } else { confirmed(m, term, resp) })
 }
 
 /// `resp` if the master still leads `term` with its lease proven, else the refusal.
@@ -200,14 +212,15 @@ type Held<'m> = std::sync::MutexGuard<'m, State>;
 
 /// `req` applied, and the state's lock if it is still held from applying it (for the journal
 /// to take the changes under the same hold).
-fn handle_admitted(m: &Master, req: Request, term: i64) -> (Response, Option<Held<'_>>) {
+/// `changed` is set when it changed durable state ([`State::marks`]).
+fn handle_admitted<'m>(m: &'m Master, req: Request, term: i64, changed: &mut bool) -> (Response, Option<Held<'m>>) {
     let deadline = Instant::now() + m.cfg.put_wait_for_reads;
     match req {
         Request::Batch(reqs) => {
-            let (out, held) = handle_batch(m, reqs, deadline, term);
+            let (out, held) = handle_batch(m, reqs, deadline, term, changed);
             (Response::Batch(out), held)
         }
-        req => (handle_one(m, req, deadline, term), None),
+        req => (handle_one(m, req, deadline, term, changed), None),
     }
 }
 
@@ -223,7 +236,7 @@ fn stale(st: &State, term: i64) -> Result<(), StoreError> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn put_start(m: &Master, put: PutId, key: &str, size: u64, config: &ReplicateConfig, upsert: bool, deadline: Instant, term: i64, mut attempt: Attempt) -> Result<Response, StoreError> {
+fn put_start(m: &Master, put: PutId, key: &str, size: u64, config: &ReplicateConfig, upsert: bool, deadline: Instant, term: i64, mut attempt: Attempt, changed: &mut bool) -> Result<Response, StoreError> {
     loop {
         let last = Instant::now() >= deadline;
         if last {
@@ -232,7 +245,9 @@ fn put_start(m: &Master, put: PutId, key: &str, size: u64, config: &ReplicateCon
         let now = m.now();
         let mut st = m.lock();
         stale(&st, term)?;
+        let before = st.marks();
         let r = st.put_start_ex(&m.cfg, &m.stats, put, key, size, config, upsert, now, attempt);
+        *changed |= st.marks() != before;
         attempt = Attempt::Again;
         let retry = !last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(now);
         drop(st);
@@ -309,7 +324,7 @@ fn counted(m: &Master, op: usize, r: Result<Response, StoreError>) -> Response {
     }
 }
 
-fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64) -> Response {
+fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64, changed: &mut bool) -> Response {
     let Some(op) = op_of(&req) else { return nested() };
     debug_assert!(op < OP_NAMES.len());
     m.stats.ops[op].fetch_add(1, Ordering::Relaxed);
@@ -317,14 +332,17 @@ fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64) -> Respons
     // released (this is declared before the lock is taken, so dropped after it is let go).
     let mut removed = None;
     let r = if let Request::PutStart { client, key, size, config, upsert, put } = &req {
-        put_start(m, PutId { client: *client, put: *put }, key, *size, config, *upsert, deadline, term, Attempt::First)
+        put_start(m, PutId { client: *client, put: *put }, key, *size, config, *upsert, deadline, term, Attempt::First, changed)
     } else {
         let now = m.now();
         let mut st = m.lock();
         if let Err(e) = stale(&st, term) {
             return Response::Err(e);
         }
-        apply_locked(&mut st, m, req, now, &mut removed)
+        let before = st.marks();
+        let r = apply_locked(&mut st, m, req, now, &mut removed);
+        *changed |= st.marks() != before;
+        r
     };
     counted(m, op, r)
 }
@@ -343,7 +361,7 @@ const COUNT_ANSWERS_FROM: usize = 256;
 /// put's cost. A bulk removal, and a put that has to wait for reads to end, are applied on
 /// their own as [`handle_one`] does.
 /// Returns the answers, and the lock if the last of them was applied under it.
-fn handle_batch(m: &Master, reqs: Vec<Request>, deadline: Instant, term: i64) -> (Vec<Response>, Option<Held<'_>>) {
+fn handle_batch<'m>(m: &'m Master, reqs: Vec<Request>, deadline: Instant, term: i64, changed: &mut bool) -> (Vec<Response>, Option<Held<'m>>) {
     let mut out = Vec::with_capacity(reqs.len());
     // The lock held, with the time read when it was taken, whether the puts' wait for reads
     // is over, and how many requests it has been held for.
@@ -368,7 +386,7 @@ fn handle_batch(m: &Master, reqs: Vec<Request>, deadline: Instant, term: i64) ->
         };
         if matches!(req, Request::RemoveAll { .. } | Request::RemoveByRegex { .. }) {
             held = None;
-            out.push(handle_one(m, req, deadline, term));
+            out.push(handle_one(m, req, deadline, term, changed));
             continue;
         }
         if held.as_ref().is_some_and(|h| h.3 >= BATCH_HOLD) {
@@ -387,19 +405,25 @@ fn handle_batch(m: &Master, reqs: Vec<Request>, deadline: Instant, term: i64) ->
             out.push(Response::Err(e));
             continue;
         }
+        let before = st.marks();
         let r = match req {
             Request::PutStart { client, key, size, config, upsert, put } => {
                 let put = PutId { client, put };
                 let r = st.put_start_ex(&m.cfg, &m.stats, put, &key, size, &config, upsert, *now, if *last { Attempt::Last } else { Attempt::First });
+                *changed |= st.marks() != before;
                 if !*last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(*now) {
                     held = None;
                     std::thread::sleep(PUT_RETRY);
-                    put_start(m, put, &key, size, &config, upsert, deadline, term, Attempt::Again)
+                    put_start(m, put, &key, size, &config, upsert, deadline, term, Attempt::Again, changed)
                 } else {
                     r.map(Response::Replicas)
                 }
             }
-            req => apply_locked(st, m, req, *now, &mut None),
+            req => {
+                let r = apply_locked(st, m, req, *now, &mut None);
+                *changed |= st.marks() != before;
+                r
+            }
         };
         out.push(counted(m, op, r));
     }
@@ -858,5 +882,44 @@ mod tests {
         assert!(matches!(read_answer(&mut c).expect("an answer"), Response::Err(StoreError::NotLeader { .. })));
         assert_eq!(m.lock().summary().segments, 3, "the second and fourth mounts applied, the third not");
         drop(server);
+    }
+
+    /// A request is applied, the state's lock let go, and another request's collection takes
+    /// its change, which the journal makes durable; then the leader is fenced. Its answer says
+    /// that its outcome is unknown, not `NotLeader` (nothing applied: send it again). One that
+    /// changed nothing before the fence is still answered `NotLeader`.
+    #[test]
+    fn a_request_whose_change_another_collected_is_not_answered_as_if_nothing_was_applied() {
+        let m = Master::new(MasterConfig::default());
+        m.gate.lead_for_test(5, Duration::from_secs(60));
+        {
+            let mut st = m.lock();
+            st.term = 5;
+            st.journal_on();
+        }
+        m.journal.activate(5);
+        let mut changed = false;
+        let (resp, held) = handle_admitted(&m, Request::MountSegment { client: 1, segment: seg(1, 1 << 20) }, 5, &mut changed);
+        assert_eq!(resp, Response::Ok);
+        assert!(held.is_none() && changed, "applied alone: the lock let go, a change marked");
+        assert!(m.journal.collect(&m).is_some(), "another request's collection took the mount");
+        m.journal.write_queued_for_test();
+        m.gate.fence(5);
+        match settle(&m, 5, true, changed, resp, None) {
+            Applied::Now(r) => assert_eq!(r, Response::Err(StoreError::OutcomeUnknown), "the mount is durable"),
+            Applied::Later { .. } => panic!("nothing of it is outstanding"),
+        }
+        // A mutation that changed nothing (its key is absent) before the fence: NotLeader.
+        m.gate.lead_for_test(5, Duration::from_secs(60));
+        let mut changed = false;
+        let (resp, held) = handle_admitted(&m, Request::Remove { key: "absent".into(), force: false }, 5, &mut changed);
+        assert!(matches!(resp, Response::Err(StoreError::ObjectNotFound(_))));
+        assert!(!changed);
+        m.gate.fence(5);
+        match settle(&m, 5, true, changed, resp, held) {
+            Applied::Now(r) => assert!(matches!(r, Response::Err(StoreError::NotLeader { .. })), "{r:?}"),
+            Applied::Later { .. } => panic!("it changed nothing"),
+        }
+        assert_eq!(m.lock().summary().segments, 1);
     }
 }

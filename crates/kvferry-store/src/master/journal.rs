@@ -127,9 +127,18 @@ impl State {
         self.dirty.is_some()
     }
 
+    /// How many changes were marked into this state so far (while journaling; it only grows).
+    /// A request that sees it move while it is applied under one hold of the state's lock
+    /// changed durable state, which another request's journal collection may take (and
+    /// make durable) once the state's lock is let go.
+    pub fn marks(&self) -> u64 {
+        self.marks
+    }
+
     pub(super) fn mark_key(&mut self, key: &str) {
         if let Some(d) = &mut self.dirty {
             d.keys.get_or_insert_with(key, |k| k.into());
+            self.marks += 1;
         }
     }
 
@@ -137,25 +146,30 @@ impl State {
     /// a bulk removal took out.
     pub(super) fn mark_keys_owned(&mut self, keys: impl IntoIterator<Item = Box<str>>) {
         if let Some(d) = &mut self.dirty {
+            let before = d.bulk.len();
             d.bulk.extend(keys);
+            self.marks += (d.bulk.len() - before) as u64;
         }
     }
 
     pub(super) fn mark_segment(&mut self, id: u64) {
         if let Some(d) = &mut self.dirty {
             d.segments.insert(id);
+            self.marks += 1;
         }
     }
 
     pub(super) fn mark_client(&mut self, id: u64) {
         if let Some(d) = &mut self.dirty {
             d.clients.insert(id);
+            self.marks += 1;
         }
     }
 
     pub(super) fn mark_held_back(&mut self, r: &Replica) {
         if let Some(d) = &mut self.dirty {
             d.held_back.push(rec(r));
+            self.marks += 1;
         }
     }
 

@@ -230,6 +230,8 @@ pub struct State {
     pub term: i64,
     /// What changed since the journal last took it (an HA leader only; `None`: not marked).
     dirty: Option<Box<journal::Dirty>>,
+    /// How many changes were marked into `dirty` ([`State::marks`]).
+    marks: u64,
 }
 
 /// The most preferred segments a put may name.
