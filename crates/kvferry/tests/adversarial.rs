@@ -572,6 +572,54 @@ fn submit_does_not_wait_for_a_slow_descriptor_refresh() {
     assert!(snapshot(&buf).iter().all(|&x| x == 0x77));
 }
 
+/// A lost connection's descriptor refresh (the peer may have restarted on other ports) runs
+/// off the lane's threads: while the peer's handshake port takes 2 s to answer it, a READ sent
+/// on the lane's next connection is answered at once. Before, the lane's reader (or writer)
+/// ran the refresh and the lane moved nothing until it returned. The lost WRITE fails after
+/// the refresh (the peer did not move), as may-have-landed.
+#[test]
+fn a_lost_peers_descriptor_refresh_does_not_hold_its_lane() {
+    let refreshing = Arc::new(AtomicBool::new(false));
+    let r2 = Arc::clone(&refreshing);
+    let describe: Arc<Describe> = Arc::new(move |n, hs, data| {
+        if n > 0 {
+            r2.store(true, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_secs(2));
+        }
+        desc_json(hs, data, 2, &[REMOTE])
+    });
+    let conns = AtomicUsize::new(0);
+    let answering = prompt_script();
+    let script: Arc<Script> = Arc::new(move |mut s: TcpStream, stop: &AtomicBool| {
+        if conns.fetch_add(1, Ordering::SeqCst) == 0 {
+            // The first connection is lost once a request's header came: no answer.
+            let _ = read_header(&mut s, stop);
+            return;
+        }
+        answering(s, stop)
+    });
+    let a = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(10), transport: kvferry::config::TransportMode::Tcp, tcp_lanes: 1, ..Config::default() }).unwrap();
+    let buf = vec![0u8; 8192];
+    a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+    let peer = fake_peer_with(describe, script);
+    let seg = a.open_segment(&peer.name).unwrap();
+    let lost = a.allocate_batch(1).unwrap();
+    a.submit(lost, &[req(Opcode::Write, &buf[..4096], seg, REMOTE, 4096)]).unwrap();
+    let until = Instant::now() + Duration::from_secs(5);
+    while !refreshing.load(Ordering::SeqCst) {
+        assert!(Instant::now() < until, "the lost WRITE started no descriptor refresh within 5 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let start = Instant::now();
+    let st = a.transfer_sync(&[req(Opcode::Read, &buf[4096..], seg, REMOTE, 4096)], Duration::from_secs(10)).unwrap();
+    let took = start.elapsed();
+    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+    assert!(took < Duration::from_secs(1), "the READ on the lane's next connection took {took:?}: it waited for the refresh (2 s)");
+    assert!(snapshot(&buf[4096..]).iter().all(|&x| x == 0x77));
+    let st = a.wait_batch(lost, Duration::from_secs(10)).unwrap();
+    assert_eq!((st.status, st.cause), (TaskStatus::Failed, Some(FailCause::PeerLost)), "{st:?}");
+}
+
 // ------------------------------------------------------------------------------------------
 // Terminal means terminal
 // ------------------------------------------------------------------------------------------

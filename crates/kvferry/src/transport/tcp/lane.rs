@@ -149,8 +149,34 @@ impl Lane {
                 op.piece
             })
             .collect();
-        for p in hook(&self.peer_name, self.target, pieces) {
-            p.task.piece_failed(FailKind::Failed, first.clone());
+        self.refresh_off_lane(hook, pieces, (FailKind::Failed, first));
+    }
+
+    /// Hands `pieces` (their peer refused or lost a connection; no longer counted in this
+    /// lane's load) to the engine's descriptor refresh, `hook`, on a thread of its own: it may
+    /// wait for the peer's handshake port or the metadata service up to their timeouts, and
+    /// this lane's writer and reader go on meanwhile (a reader that ran it read no answers
+    /// for the requests sent on the lane's next connection until it returned). What the
+    /// refresh hands back ends with `why`. Where no thread can be started it runs here.
+    fn refresh_off_lane(&self, hook: &RefusedHook, pieces: Vec<Piece>, why: (FailKind, Failure)) {
+        let (hook, name, target) = (Arc::clone(hook), self.peer_name.clone(), self.target);
+        let job = Arc::new(Mutex::new(Some(move || {
+            for p in hook(&name, target, pieces) {
+                p.task.piece_failed(why.0, why.1.clone());
+            }
+        })));
+        let take = |job: &Mutex<Option<_>>| job.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let theirs = Arc::clone(&job);
+        let spawned = std::thread::Builder::new().name("kvferry-tcp-refresh".into()).spawn(move || {
+            if let Some(run) = take(&theirs) {
+                run();
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::debug!("no thread for a descriptor refresh ({e}): run on the lane's");
+            if let Some(run) = take(&job) {
+                run();
+            }
         }
     }
 
@@ -329,6 +355,12 @@ impl Lane {
             }
             Err(e) => {
                 let mut ops: Vec<WireOp> = self.lock().pending.drain(..).collect();
+                let reason = format!(
+                    "cannot connect to the TCP data port of {} at {}: {e} (is the peer alive and is its address reachable from here?)",
+                    self.peer_name, self.target
+                );
+                let (kind, cause) =
+                    if e.kind() == io::ErrorKind::TimedOut { (FailKind::Timeout, FailCause::Timeout) } else { (FailKind::Failed, FailCause::PeerUnreachable) };
                 if let (io::ErrorKind::ConnectionRefused, Some(hook)) = (e.kind(), self.refused.get()) {
                     // Maybe the peer restarted with new ports: let the engine refresh and retry once.
                     let (retry, keep): (Vec<WireOp>, Vec<WireOp>) = ops.into_iter().partition(|op| op.attempts < 2);
@@ -337,17 +369,10 @@ impl Lane {
                         op.piece
                     }).collect();
                     ops = keep;
-                    for p in hook(&self.peer_name, self.target, pieces) {
-                        self.load.fetch_add(p.len, Ordering::AcqRel);
-                        ops.push(WireOp { piece: p, attempts: 2 });
+                    if !pieces.is_empty() {
+                        self.refresh_off_lane(hook, pieces, (kind, cause.because(reason.clone())));
                     }
                 }
-                let reason = format!(
-                    "cannot connect to the TCP data port of {} at {}: {e} (is the peer alive and is its address reachable from here?)",
-                    self.peer_name, self.target
-                );
-                let (kind, cause) =
-                    if e.kind() == io::ErrorKind::TimedOut { (FailKind::Timeout, FailCause::Timeout) } else { (FailKind::Failed, FailCause::PeerUnreachable) };
                 for op in ops {
                     self.end_op(op, Err((kind, cause.because(reason.clone()))));
                 }
