@@ -26,6 +26,10 @@ pub(super) const STALE_CHECK_AFTER: Duration = Duration::from_millis(1);
 pub(super) struct LaneQueue<O, C> {
     /// Not yet on the wire, in order.
     pub(super) pending: VecDeque<O>,
+    /// No request in `pending` has an earlier deadline than this (a lower bound: requests
+    /// that leave do not raise it), so [`LaneQueue::take_expired`] looks through the queue
+    /// only once a deadline may have passed. `None`: nothing was queued since the last look.
+    pending_due: Option<Instant>,
     /// Sent on connection `gen`, answers awaited in this order.
     pub(super) inflight: VecDeque<O>,
     conn: Option<C>,
@@ -60,6 +64,7 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
     pub(super) fn new(now: Instant) -> LaneQueue<O, C> {
         LaneQueue {
             pending: VecDeque::new(),
+            pending_due: None,
             inflight: VecDeque::new(),
             conn: None,
             gen: 0,
@@ -92,8 +97,15 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
             return Err(ops);
         }
         self.last_used = now;
+        for op in &ops {
+            self.note_due(op.deadline());
+        }
         self.pending.extend(ops);
         Ok(())
+    }
+
+    fn note_due(&mut self, deadline: Instant) {
+        self.pending_due = Some(self.pending_due.map_or(deadline, |d| d.min(deadline)));
     }
 
     /// The writer has nothing to do (and should sleep until woken).
@@ -121,12 +133,24 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
         self.pending.drain(..).chain(self.inflight.drain(..)).collect()
     }
 
-    /// Takes the pending requests whose deadline passed: they end as timed out, never sent.
+    /// Takes the pending requests whose deadline passed, wherever they are in the queue (a
+    /// short deadline queued behind a long one included): they end as timed out, never sent.
+    /// The queue is looked through only when its earliest deadline may have passed.
     pub(super) fn take_expired(&mut self, now: Instant) -> Vec<O> {
-        let mut expired = Vec::new();
-        while self.pending.front().is_some_and(|op| op.deadline() <= now) {
-            expired.extend(self.pending.pop_front());
+        if self.pending_due.is_none_or(|d| d > now) {
+            return Vec::new();
         }
+        let (mut expired, mut due) = (Vec::new(), None::<Instant>);
+        for op in std::mem::take(&mut self.pending) {
+            let d = op.deadline();
+            if d <= now {
+                expired.push(op);
+            } else {
+                due = Some(due.map_or(d, |e| e.min(d)));
+                self.pending.push_back(op);
+            }
+        }
+        self.pending_due = due;
         expired
     }
 
@@ -203,6 +227,7 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
             match decide(&op) {
                 None => {
                     op.retried();
+                    self.note_due(op.deadline());
                     self.pending.push_front(op);
                 }
                 Some(e) => ended.push((op, e)),
@@ -279,6 +304,7 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
     /// the head of `pending`, counted as an attempt).
     pub(super) fn retry_from_inline(&mut self, mut op: O) {
         op.retried();
+        self.note_due(op.deadline());
         self.pending.push_front(op);
     }
 
@@ -405,6 +431,31 @@ mod tests {
         let s = q.next_send(now, 256, 1 << 20).unwrap();
         assert_eq!((s.first, s.n), (0, 1));
         assert_eq!(ids(&q.inflight), vec![3]);
+    }
+
+    /// A short deadline queued behind longer ones ends when it passes, not once the requests
+    /// before it have gone (the queue was looked at from its front only); the others keep
+    /// their order. A request sent again after a failed connection counts too.
+    #[test]
+    fn a_short_deadline_behind_long_ones_expires_in_time() {
+        let t0 = Instant::now();
+        let mut q: LaneQueue<Op, ()> = LaneQueue::new(t0);
+        let (soon, later) = (t0 + Duration::from_millis(1), t0 + Duration::from_secs(1));
+        q.enqueue(vec![op(1, Opcode::Write, 1, later), op(2, Opcode::Write, 1, soon), op(3, Opcode::Write, 1, later), op(4, Opcode::Read, 1, soon)], t0).unwrap();
+        assert!(q.take_expired(t0).is_empty());
+        let now = t0 + Duration::from_millis(2);
+        assert_eq!(ids(&q.take_expired(now)), vec![2, 4]);
+        assert_eq!(ids(&q.pending), vec![1, 3]);
+        assert!(q.take_expired(now).is_empty());
+        // On the wire, then its connection fails: back in `pending`, and it expires there.
+        q.on_connected(());
+        q.enqueue(vec![op(5, Opcode::Read, 1, t0 + Duration::from_millis(5))], now).unwrap();
+        let s = q.next_send(now, 256, 1 << 20).unwrap();
+        assert_eq!(s.n, 3);
+        q.on_conn_failed(s.gen, |_| None::<()>).unwrap();
+        assert_eq!(ids(&q.pending), vec![1, 3, 5]);
+        assert_eq!(ids(&q.take_expired(t0 + Duration::from_millis(6))), vec![5]);
+        assert_eq!(ids(&q.pending), vec![1, 3]);
     }
 
     #[test]
