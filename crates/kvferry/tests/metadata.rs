@@ -546,6 +546,54 @@ fn an_engine_that_lost_its_name_does_not_take_it_back() {
     assert!(b.get(&keys.rpc_meta("contested")).unwrap().is_some(), "withdrawing removes nothing of the other engine's");
 }
 
+/// Engines starting under one name at the same instant: exactly one gets it, each of the
+/// others is told a live engine has it, and the entry is the winner's. Before, each looked
+/// (absent) and then put, and several of them "registered" the name, the last put winning.
+fn one_name_raced(url: &str) {
+    use kvferry::metadata::{Directory, RpcMeta};
+    const N: u16 = 8;
+    let keys = Keys::new(None);
+    let barrier = Arc::new(std::sync::Barrier::new(N as usize));
+    let threads: Vec<_> = (0..N)
+        .map(|i| {
+            let (url, keys, barrier) = (url.to_string(), keys.clone(), Arc::clone(&barrier));
+            std::thread::spawn(move || {
+                let d = Directory::new(raw_store(&url), keys);
+                let meta = RpcMeta { ip_or_host_name: "127.0.0.1".into(), rpc_port: 3000 + i };
+                barrier.wait();
+                (meta.rpc_port, d.publish_rpc_meta("raced", &meta, &|_| true).map_err(|e| e.to_string()), d)
+            })
+        })
+        .collect();
+    let results: Vec<_> = threads.into_iter().map(|t| t.join().expect("thread")).collect();
+    let won: Vec<u16> = results.iter().filter(|(_, r, _)| r.is_ok()).map(|(p, _, _)| *p).collect();
+    assert_eq!(won.len(), 1, "{url}: winners {won:?} of {:?}", results.iter().map(|(p, r, _)| (p, r)).collect::<Vec<_>>());
+    for (port, r, _) in &results {
+        if let Err(e) = r {
+            assert!(e.contains("already registered by a live engine") || e.contains("kept changing"), "{url}: engine {port}: {e}");
+        }
+    }
+    let stored = raw_store(url).get(&keys.rpc_meta("raced")).expect("get").expect("the winner's entry");
+    let m: RpcMeta = serde_json::from_slice(&stored).expect("rpc_meta");
+    assert_eq!(m.rpc_port, won[0], "{url}: the entry is the winner's");
+    for (_, _, d) in results {
+        d.withdraw_all();
+    }
+}
+
+#[test]
+fn one_name_raced_by_engines_starting_together() {
+    if let Some(svc) = Service::etcd() {
+        one_name_raced(&svc.url());
+    }
+    if let Some(svc) = Service::redis() {
+        one_name_raced(&svc.url());
+    }
+    if let Some(svc) = Service::mooncake_http() {
+        one_name_raced(&svc.url());
+    }
+}
+
 #[test]
 fn redis_restarted_engines_reregister() {
     let Some(mut svc) = Service::redis() else { return };

@@ -413,6 +413,23 @@ impl MetadataStore for EtcdStore {
         self.client.delete(key)
     }
 
+    /// One transaction: created under this store's lease if absent (`create_revision == 0`).
+    fn create(&self, key: &str, value: &[u8]) -> Result<bool> {
+        let lease = self.lease()?;
+        let r = match self.client.create(key, value, lease) {
+            Err(e) if lease_gone(&e) => {
+                let id = self.grant()?;
+                *self.lease.lock().unwrap_or_else(|e| e.into_inner()) = Some(id);
+                self.client.create(key, value, id)
+            }
+            r => r,
+        };
+        Ok(match r? {
+            Created::Won(_) => true,
+            Created::Lost(kv) => kv.is_some_and(|kv| kv.value == value),
+        })
+    }
+
     fn keepalive(&self) -> Result<bool> {
         let Some(id) = *self.lease.lock().unwrap_or_else(|e| e.into_inner()) else { return Ok(false) };
         if self.client.lease_keepalive(id)?.is_some() {

@@ -183,4 +183,24 @@ impl MetadataStore for HttpStore {
             (s, b) => Err(self.refusal("DELETE", key, s, &b)),
         }
     }
+
+    /// Mooncake's HTTP servers (and kvferry's) keep an `rpc_meta` entry once made: a PUT of
+    /// another value is refused (400), of the same one accepted, so for those keys the PUT
+    /// itself is the atomic create. Other keys are overwritten by a PUT: looked at first
+    /// (nothing creates those but their owner).
+    fn create(&self, key: &str, value: &[u8]) -> Result<bool> {
+        if !key.contains("rpc_meta") {
+            return match self.get(key)? {
+                Some(v) => Ok(v == value),
+                None => self.put(key, value).map(|()| true),
+            };
+        }
+        match self.put(key, value) {
+            Ok(()) => Ok(true),
+            Err(e) => match self.get(key)? {
+                Some(v) => Ok(v == value),
+                None => Err(e),
+            },
+        }
+    }
 }

@@ -213,6 +213,17 @@ pub trait MetadataStore: Send + Sync {
     fn put(&self, key: &str, value: &[u8]) -> Result<()>;
     /// Removes `key`; absent is not an error.
     fn remove(&self, key: &str) -> Result<()>;
+    /// Sets `key` (as [`MetadataStore::put`]) only if it is absent or already holds `value`:
+    /// `Ok(true)` when it holds `value` now, `Ok(false)` when another value was there (left
+    /// as it was). What two engines starting under one name at once rely on to not both
+    /// take it. The default (get, then put) is not atomic; every backend of kvferry's
+    /// overrides it with one that is.
+    fn create(&self, key: &str, value: &[u8]) -> Result<bool> {
+        match self.get(key)? {
+            Some(v) => Ok(v == value),
+            None => self.put(key, value).map(|()| true),
+        }
+    }
     /// Keeps this store's ephemeral entries alive (etcd: one lease keepalive). `Ok(true)` means
     /// the service lost them (lease expired or unknown) and they must be published again.
     fn keepalive(&self) -> Result<bool> {
@@ -361,29 +372,41 @@ impl Directory {
     /// engine it names no longer answers (`alive` returns false) or it is identical (this
     /// engine's own, e.g. left by a crash): a restarted engine reuses its name, a live one
     /// keeps it.
+    ///
+    /// The entry is created only if absent ([`MetadataStore::create`]): of engines starting
+    /// under one name at the same instant (or replacing the same dead one), one gets it and
+    /// the others find a live engine there.
     pub fn publish_rpc_meta(&self, name: &str, meta: &RpcMeta, alive: &dyn Fn(&RpcMeta) -> bool) -> Result<()> {
         let key = self.keys.rpc_meta(name);
         let value = serde_json::to_vec(meta).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        if let Some(old) = self.store.get(&key)? {
-            match decode_rpc_meta(&old) {
-                Ok(m) if old != value && alive(&m) => {
-                    return Err(Error::Metadata {
-                        backend: self.store.backend().name(),
-                        location: self.store.location().to_string(),
-                        reason: format!(
+        let refused = |why: String| Error::Metadata { backend: self.store.backend().name(), location: self.store.location().to_string(), reason: why };
+        // Each round either creates the entry, finds it live, or removes a dead one (which
+        // another engine may then take first: then the next round finds it live).
+        for _ in 0..4 {
+            if let Some(old) = self.store.get(&key)? {
+                match decode_rpc_meta(&old) {
+                    Ok(m) if old != value && alive(&m) => {
+                        return Err(refused(format!(
                             "segment name {name:?} is already registered by a live engine at {}:{}; give this engine another local_hostname (central mode uses it as the segment name) or stop the other one",
                             m.ip_or_host_name, m.rpc_port
-                        ),
-                    })
-                }
-                _ => {
-                    // Mooncake's HTTP servers refuse to overwrite an rpc_meta entry: remove it.
-                    tracing::info!(segment = name, "replacing an rpc_meta entry whose engine no longer answers");
-                    self.store.remove(&key)?;
+                        )))
+                    }
+                    _ => {
+                        // Mooncake's HTTP servers refuse to overwrite an rpc_meta entry, and an
+                        // identical one (this engine's own, left by a crash) may be under an
+                        // etcd lease about to expire: remove it.
+                        tracing::info!(segment = name, "replacing an rpc_meta entry whose engine no longer answers");
+                        self.store.remove(&key)?;
+                    }
                 }
             }
+            let mut owned = self.owned.lock().unwrap_or_else(|e| e.into_inner());
+            if self.store.create(&key, &value)? {
+                owned.entries.insert(key, Entry { value, pending: false });
+                return Ok(());
+            }
         }
-        self.publish(&key, value)
+        Err(refused(format!("segment name {name:?}: its rpc_meta entry kept changing while this engine registered (several engines starting under this name?); give each engine its own local_hostname")))
     }
 
     /// Publishes this engine's segment descriptor (`ram/<name>`), computed under the lock.
@@ -436,10 +459,21 @@ impl Directory {
         keys.sort_by_key(|k| !k.contains("/rpc_meta/"));
         for k in keys {
             let Some(e) = owned.entries.get_mut(&k) else { continue };
-            match self.store.put(&k, &e.value) {
-                Ok(()) => {
+            // The name only if no other engine took it meanwhile (created, not put: between
+            // `maintain`'s look and this put another engine may have registered it).
+            let put = if k.contains("/rpc_meta/") { self.store.create(&k, &e.value) } else { self.store.put(&k, &e.value).map(|()| true) };
+            match put {
+                Ok(true) => {
                     e.pending = false;
                     done += 1;
+                }
+                Ok(false) => {
+                    tracing::error!(
+                        "{}: segment name {k} was registered by another engine while this engine's entries were lost; this engine withdraws from the service (peers can no longer find it: restart it, or give it another local_hostname)",
+                        self.describe()
+                    );
+                    owned.entries.clear();
+                    return Ok(done);
                 }
                 Err(err) => {
                     first_err.get_or_insert(err);

@@ -182,4 +182,12 @@ impl MetadataStore for RedisStore {
     fn remove(&self, key: &str) -> Result<()> {
         self.call(&format!("DEL {key}"), redis::cmd("DEL").arg(key)).map(|_| ())
     }
+
+    /// `SET key value NX` (one command: nothing between the look and the write).
+    fn create(&self, key: &str, value: &[u8]) -> Result<bool> {
+        match self.call(&format!("SET {key} NX"), redis::cmd("SET").arg(key).arg(value).arg("NX"))? {
+            Value::Nil => Ok(self.get(key)?.is_some_and(|v| v == value)),
+            _ => Ok(true),
+        }
+    }
 }
