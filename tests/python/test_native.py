@@ -394,6 +394,22 @@ def test_sync_timeout(kv, monkeypatch):
         assert time.monotonic() - t0 < 8
 
 
+def test_a_sync_call_of_several_requests_ends_at_its_timeout(kv, monkeypatch):
+    """batch_transfer(timeout=...) of several requests raises TransferTimeout at its timeout,
+    not at the engine's transfer timeout: each request's deadline is capped by it (before,
+    only the wait was, and the call then waited for the requests' own deadlines)."""
+    monkeypatch.setenv("KVFERRY_TRANSFER_TIMEOUT", "30")
+    with kv.Engine(HOST) as a, _StalledPeer(a) as peer:
+        src = bytearray(8192)
+        a.register_memory(src)
+        view = memoryview(src)
+        t0 = time.monotonic()
+        with pytest.raises(kv.TransferTimeout):
+            a.batch_transfer(peer.segment, [view[:4096], view[4096:]], [peer.remote_addr, peer.remote_addr + 4096], [4096, 4096], kv.Opcode.WRITE, timeout=0.5)
+        took = time.monotonic() - t0
+        assert 0.4 < took < 5, took
+
+
 class _StalledPeer:
     """A fake peer: answers the handshake with a descriptor whose TCP data port accepts
     connections and never replies, so transfers to it stall until their deadline."""

@@ -208,11 +208,12 @@ impl Core {
         Ok(st)
     }
 
-    /// A synchronous transfer of several requests: submit, then wait until every task is
-    /// terminal (not only until the first failure), so the caller's memory is untouched when
-    /// this returns. Past `timeout` it keeps waiting for the tasks' own deadlines (the
-    /// engine's transfer timeout plus 1 ns per byte) and a grace period; a batch still in
-    /// flight after that is left to `sweep` (with `pins`) and reported as TIMEOUT.
+    /// A synchronous transfer of several requests: submit, each request's deadline at most
+    /// `timeout` away, then wait until every task is terminal (not only until the first
+    /// failure), so the caller's memory is untouched when this returns. Past `timeout` it
+    /// keeps waiting a grace period for the tasks to end (a transport notices a deadline
+    /// between system calls); a batch still in flight after that is left to `sweep` (with
+    /// `pins`) and reported as TIMEOUT.
     fn transfer_all(
         &self,
         engine: &TransferEngine,
@@ -221,14 +222,14 @@ impl Core {
         pins: &mut Option<Py<PyAny>>,
     ) -> Result<TransferStatus, Error> {
         let b = engine.allocate_batch(reqs.len().max(1))?;
-        if let Err(e) = engine.submit(b, reqs) {
+        let started = Instant::now();
+        if let Err(e) = engine.submit_within(b, reqs, timeout) {
             let _ = engine.free_batch(b);
             return Err(e);
         }
         let total = reqs.iter().fold(0u64, |a, r| a.saturating_add(r.length));
-        let started = Instant::now();
         let _ = engine.wait_batch_all(b, timeout)?;
-        let cap = engine.config().transfer_timeout + Duration::from_nanos(total) + Duration::from_secs(5);
+        let cap = timeout.min(engine.config().transfer_timeout + Duration::from_nanos(total)) + Duration::from_secs(5);
         let mut st = self.settled_status(engine, b)?;
         if !st.status.is_terminal() {
             let _ = engine.wait_batch_all(b, cap.saturating_sub(started.elapsed()))?;

@@ -521,6 +521,13 @@ impl TransferEngine {
         self.inner.submit(batch, requests, false, None)
     }
 
+    /// [`TransferEngine::submit`] with every request's deadline at most `timeout` from now
+    /// (each is otherwise the transfer timeout plus 1 ns per byte): what a caller that waits
+    /// `timeout` for the batch needs for the requests to end by then, not merely the wait.
+    pub fn submit_within(&self, batch: BatchId, requests: &[TransferRequest], timeout: Duration) -> Result<()> {
+        self.inner.submit(batch, requests, false, Instant::now().checked_add(timeout))
+    }
+
     /// Status of one task.
     pub fn task_status(&self, batch: BatchId, task: usize) -> Result<TransferStatus> {
         let b = self.inner.batch(batch)?;
