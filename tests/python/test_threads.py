@@ -106,6 +106,66 @@ def test_register_and_transfer_concurrently(pair):
     _run_threads(work)
 
 
+class _Owned(bytearray):
+    """A bytearray that a weak reference can watch."""
+
+
+def test_racing_register_and_unregister_of_one_buffer_keep_its_pin(kv):
+    """One thread unregisters a buffer while another registers it again as soon as it may,
+    the buffer held by nothing but its registration, 200 times: whichever way each pair
+    falls, a registered buffer's pin is held (an unregister never drops the pin of the
+    registration made just after it: before, each call updated the pins after its engine
+    call, in either order, and left registered memory that nothing kept alive), and an
+    unregistered one is held by nothing."""
+    import gc
+    import weakref
+
+    with kv.Engine(HOST) as a:
+        watch = None
+        for rnd in range(200):
+            if watch is None or watch() is None:
+                buf = _Owned(4096)
+                addr = a.register_memory(buf)
+                watch = weakref.ref(buf)
+                del buf
+            barrier = threading.Barrier(2)
+
+            def unregister():
+                barrier.wait()
+                try:
+                    a.unregister_memory(addr)
+                except kv.AddressNotRegistered:
+                    pass
+
+            def register(held=watch()):
+                # Tried until the unregister let it in (or for 50 ms): it lands right after.
+                barrier.wait()
+                until = time.monotonic() + 0.05
+                while time.monotonic() < until:
+                    try:
+                        a.register_memory(held)
+                        return
+                    except kv.AddressOverlap:
+                        pass
+
+            ts = [threading.Thread(target=f, daemon=True) for f in (unregister, register)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(30)
+            assert not any(t.is_alive() for t in ts), "round %d: hung" % rnd
+            del ts, register
+            gc.collect()
+            if any(r.addr == addr for r in a.registered()):
+                assert watch() is not None and a._core.pin_of(addr, 4096) is not None, "round %d: registered, nothing holds it" % rnd
+            else:
+                assert watch() is None, "round %d: unregistered, something still holds it" % rnd
+        if watch() is not None:
+            a.unregister_memory(addr)
+            gc.collect()
+            assert watch() is None
+
+
 def _gil_free_while(call, duration):
     """Runs `call` (which blocks ~`duration` s in native code) in a thread and measures how
     long a pure-Python loop in this thread takes meanwhile."""

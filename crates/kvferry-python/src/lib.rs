@@ -118,6 +118,13 @@ pub struct Core {
     batch_pins: Mutex<HashMap<BatchId, Py<PyAny>>>,
     /// The same for registered ranges (by start address): held until unregister returned.
     reg_pins: Mutex<HashMap<u64, Py<PyAny>>>,
+    /// Held (without the GIL) across a registration or unregistration and its pins' update,
+    /// so that the engine's ranges and `reg_pins` change together: two threads registering
+    /// and unregistering one buffer could otherwise interleave the two, and an unregister
+    /// drop the pin of the registration made just after it, leaving registered memory that
+    /// nothing keeps alive. (Not `reg_pins` itself: `pin_of` takes that with the GIL held,
+    /// and an unregister may wait seconds for accesses in progress.)
+    reg_order: Mutex<()>,
     /// The process that created the engine: in another one (a fork() child) every method
     /// raises and dropping only forgets (see `Drop`).
     pid: u32,
@@ -330,6 +337,7 @@ impl Core {
             zombies: Mutex::default(),
             batch_pins: Mutex::default(),
             reg_pins: Mutex::default(),
+            reg_order: Mutex::default(),
             closed_flag: Arc::default(),
             pid: std::process::id(),
         })
@@ -402,28 +410,41 @@ impl Core {
         }
         let engine = self.engine(py)?;
         let ranges: Vec<(u64, u64)> = addrs.iter().copied().zip(lengths).collect();
-        py.detach(|| engine.register_memory_batch(&ranges, &location)).map_err(|e| errors::engine(py, &e))?;
-        let mut held = lock(&self.reg_pins);
-        for (a, p) in addrs.into_iter().zip(pins.into_iter().flatten()) {
-            if let Some(p) = p {
-                held.insert(a, p);
+        let pins: Vec<Option<Py<PyAny>>> = pins.unwrap_or_default();
+        // The pins that go (those of a failed registration, or replaced) come back out, to
+        // be dropped with the GIL.
+        let (result, gone) = py.detach(|| {
+            let _order = lock(&self.reg_order);
+            match engine.register_memory_batch(&ranges, &location) {
+                Err(e) => (Err(e), pins.into_iter().flatten().collect::<Vec<_>>()),
+                Ok(()) => {
+                    let mut held = lock(&self.reg_pins);
+                    let replaced = addrs.iter().zip(pins).filter_map(|(a, p)| held.insert(*a, p?)).collect();
+                    (Ok(()), replaced)
+                }
             }
-        }
-        Ok(())
+        });
+        drop_pins(py, gone);
+        result.map_err(|e| errors::engine(py, &e))
     }
 
     /// Unregisters the ranges that start at `addrs` (all or none); waits for accesses in
     /// progress.
     fn unregister(&self, py: Python<'_>, addrs: Vec<u64>) -> PyResult<()> {
         let engine = self.engine(py)?;
-        py.detach(|| engine.unregister_memory_batch(&addrs)).map_err(|e| errors::engine(py, &e))?;
-        // Unregistering waited for accesses in progress: the memory may go now.
-        let pins: Vec<Py<PyAny>> = {
-            let mut held = lock(&self.reg_pins);
-            addrs.iter().filter_map(|a| held.remove(a)).collect()
-        };
+        let (result, pins) = py.detach(|| {
+            let _order = lock(&self.reg_order);
+            match engine.unregister_memory_batch(&addrs) {
+                Err(e) => (Err(e), Vec::new()),
+                // Unregistering waited for accesses in progress: the memory may go now.
+                Ok(()) => {
+                    let mut held = lock(&self.reg_pins);
+                    (Ok(()), addrs.iter().filter_map(|a| held.remove(a)).collect::<Vec<Py<PyAny>>>())
+                }
+            }
+        });
         drop_pins(py, pins);
-        Ok(())
+        result.map_err(|e| errors::engine(py, &e))
     }
 
     /// The pin held for the registered range that contains [addr, addr+length), if any.
