@@ -392,6 +392,7 @@ impl Image {
                     soft_pin_until: if rec.soft_pin_left > 0 { now.saturating_add(rec.soft_pin_left) } else { 0 },
                     hard_pin: rec.hard_pin,
                     group,
+                    joined: now,
                 },
             );
         }

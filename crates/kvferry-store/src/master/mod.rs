@@ -110,6 +110,9 @@ struct Object {
     soft_pin_until: u64,
     hard_pin: bool,
     group: Option<Arc<str>>,
+    /// When it was made (its first put started): a read of its group leases it only if the
+    /// read came after ([`Object::lease_end`]).
+    joined: u64,
 }
 
 impl Object {
@@ -119,9 +122,12 @@ impl Object {
         self.lease_end(groups) > now
     }
 
-    /// When the lease that holds this object ends: its own or its group's, the later.
+    /// When the lease that holds this object ends: its own or its group's, the later. The
+    /// group's only if it was last read after this object joined it: a member put after the
+    /// group's reads was never read, as when each read leased the members there were then.
     fn lease_end(&self, groups: &Groups) -> u64 {
-        self.lease_until.max(self.group.as_ref().and_then(|g| groups.get(g)).map_or(0, |g| g.lease_until))
+        let group = self.group.as_ref().and_then(|g| groups.get(g)).filter(|g| g.last_access >= self.joined);
+        self.lease_until.max(group.map_or(0, |g| g.lease_until))
     }
 
     /// When this object or (as reading one member counts for all) its group was last read.
@@ -823,6 +829,7 @@ impl State {
                         soft_pin_until: 0,
                         hard_pin: cfg.with_hard_pin,
                         group,
+                        joined: now,
                     },
                 );
             }
@@ -1490,6 +1497,10 @@ mod tests {
         put(&mut st, &m, &s, "g2", 16 << 10, &g, 0).unwrap();
         st.get_replica_list("g1", 10, 100).unwrap();
         assert!(matches!(st.remove(&m, "g2", false, 20), Err(StoreError::ObjectHasLease(_))), "lease shared by the group");
+        // A member put after the group's read was never read: the group's lease is not its.
+        put(&mut st, &m, &s, "g3", 1 << 10, &g, 15).unwrap();
+        assert_eq!(st.key_info("g3", 20).map(|k| k.leased_ms), Some(0));
+        st.remove(&m, "g3", false, 20).expect("not leased");
         put(&mut st, &m, &s, "other", 16 << 10, &ReplicateConfig::default(), 20).unwrap();
         let freed = st.evict(1, 1000, true, &s);
         assert_eq!(freed, 32 << 10, "both members of the group go together (they were least recently used)");
