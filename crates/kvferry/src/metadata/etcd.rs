@@ -353,6 +353,17 @@ impl EtcdClient {
     pub fn delete(&self, key: &str) -> Result<()> {
         self.call(&format!("DELETE {key}"), "/v3/kv/deleterange", json!({ "key": B64.encode(key) })).map(drop)
     }
+
+    /// Deletes `key` only if it holds `value` (one transaction); whether it did.
+    pub fn delete_if_value(&self, key: &str, value: &[u8]) -> Result<bool> {
+        let k = B64.encode(key);
+        let body = json!({
+            "compare": [{ "key": k, "result": "EQUAL", "target": "VALUE", "value": B64.encode(value) }],
+            "success": [{ "request_delete_range": { "key": k } }],
+        });
+        let v = self.call(&format!("DELETE {key} (if unchanged)"), "/v3/kv/txn", body)?;
+        Ok(v.get("succeeded").and_then(Value::as_bool).unwrap_or(false))
+    }
 }
 
 impl EtcdStore {
@@ -411,6 +422,10 @@ impl MetadataStore for EtcdStore {
 
     fn remove(&self, key: &str) -> Result<()> {
         self.client.delete(key)
+    }
+
+    fn remove_if(&self, key: &str, value: &[u8]) -> Result<bool> {
+        self.client.delete_if_value(key, value)
     }
 
     /// One transaction: created under this store's lease if absent (`create_revision == 0`).

@@ -224,6 +224,18 @@ pub trait MetadataStore: Send + Sync {
             None => self.put(key, value).map(|()| true),
         }
     }
+    /// Removes `key` only if it still holds `value`: whether it did. What replacing a dead
+    /// engine's entry relies on, so that of engines replacing it at once none removes the
+    /// entry another one just made. The default (get, compare, remove) is not atomic; etcd
+    /// and Redis override it with one that is; Mooncake's HTTP contract has no such
+    /// operation, so over HTTP two engines replacing one dead entry at the same instant can
+    /// still both take the name.
+    fn remove_if(&self, key: &str, value: &[u8]) -> Result<bool> {
+        match self.get(key)? {
+            Some(v) if v == value => self.remove(key).map(|()| true),
+            _ => Ok(false),
+        }
+    }
     /// Keeps this store's ephemeral entries alive (etcd: one lease keepalive). `Ok(true)` means
     /// the service lost them (lease expired or unknown) and they must be published again.
     fn keepalive(&self) -> Result<bool> {
@@ -373,9 +385,10 @@ impl Directory {
     /// engine's own, e.g. left by a crash): a restarted engine reuses its name, a live one
     /// keeps it.
     ///
-    /// The entry is created only if absent ([`MetadataStore::create`]): of engines starting
-    /// under one name at the same instant (or replacing the same dead one), one gets it and
-    /// the others find a live engine there.
+    /// The entry is created only if absent ([`MetadataStore::create`]), and a dead engine's
+    /// entry removed only if unchanged ([`MetadataStore::remove_if`]): of engines starting
+    /// under one name at the same instant, or replacing the same dead one, one gets it and
+    /// the others find a live engine there (over HTTP, replacing a dead one, see `remove_if`).
     pub fn publish_rpc_meta(&self, name: &str, meta: &RpcMeta, alive: &dyn Fn(&RpcMeta) -> bool) -> Result<()> {
         let key = self.keys.rpc_meta(name);
         let value = serde_json::to_vec(meta).map_err(|e| Error::InvalidArgument(e.to_string()))?;
@@ -396,7 +409,8 @@ impl Directory {
                         // identical one (this engine's own, left by a crash) may be under an
                         // etcd lease about to expire: remove it.
                         tracing::info!(segment = name, "replacing an rpc_meta entry whose engine no longer answers");
-                        self.store.remove(&key)?;
+                        // (Not removed if it changed meanwhile: another engine replaced it.)
+                        self.store.remove_if(&key, &old)?;
                     }
                 }
             }

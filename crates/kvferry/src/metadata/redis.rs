@@ -183,6 +183,15 @@ impl MetadataStore for RedisStore {
         self.call(&format!("DEL {key}"), redis::cmd("DEL").arg(key)).map(|_| ())
     }
 
+    /// A script (Redis runs one at a time): `DEL` only if `GET` gives `value`.
+    fn remove_if(&self, key: &str, value: &[u8]) -> Result<bool> {
+        const SCRIPT: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
+        match self.call(&format!("DEL {key} (if unchanged)"), redis::cmd("EVAL").arg(SCRIPT).arg(1).arg(key).arg(value))? {
+            Value::Int(n) => Ok(n > 0),
+            other => Err(self.err(format!("DEL {key} (if unchanged): unexpected reply {other:?}"))),
+        }
+    }
+
     /// `SET key value NX` (one command: nothing between the look and the write).
     fn create(&self, key: &str, value: &[u8]) -> Result<bool> {
         match self.call(&format!("SET {key} NX"), redis::cmd("SET").arg(key).arg(value).arg("NX"))? {
