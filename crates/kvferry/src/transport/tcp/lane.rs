@@ -74,11 +74,17 @@ pub(super) struct Lane {
     /// Bytes queued or in flight, for lane choice.
     pub(super) load: AtomicU64,
     pub(super) refused: Arc<OnceLock<RefusedHook>>,
+    /// Pieces waiting for the descriptor refresh that runs for this lane (`Some` while one
+    /// runs: at most one thread per lane, which takes these when it is done with its own).
+    pub(super) refreshing: Arc<Mutex<Option<Vec<Refresh>>>>,
     pub(super) idle: Duration,
     /// The transport's map of peers, to leave it when idle (weak: no cycle).
     pub(super) home: std::sync::Weak<PeerMap>,
     pub(super) key: (SocketAddr, bool),
 }
+
+/// Pieces for a descriptor refresh, and how they end if it hands them back.
+pub(super) type Refresh = (Vec<Piece>, (FailKind, Failure));
 
 pub(super) enum ConnFailure {
     /// The connection broke; unacknowledged ops may be retried once.
@@ -157,12 +163,35 @@ impl Lane {
     /// wait for the peer's handshake port or the metadata service up to their timeouts, and
     /// this lane's writer and reader go on meanwhile (a reader that ran it read no answers
     /// for the requests sent on the lane's next connection until it returned). What the
-    /// refresh hands back ends with `why`. Where no thread can be started it runs here.
+    /// refresh hands back ends with `why`. One such thread per lane at most: pieces that come
+    /// while it runs wait for it and go to a refresh of their own after (the peer may have
+    /// moved again). Where no thread can be started it runs here.
     fn refresh_off_lane(&self, hook: &RefusedHook, pieces: Vec<Piece>, why: (FailKind, Failure)) {
-        let (hook, name, target) = (Arc::clone(hook), self.peer_name.clone(), self.target);
+        {
+            let mut r = self.refreshing.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(waiting) = r.as_mut() {
+                waiting.push((pieces, why));
+                return;
+            }
+            *r = Some(Vec::new());
+        }
+        let (hook, name, target, queue) = (Arc::clone(hook), self.peer_name.clone(), self.target, Arc::clone(&self.refreshing));
         let job = Arc::new(Mutex::new(Some(move || {
-            for p in hook(&name, target, pieces) {
-                p.task.piece_failed(why.0, why.1.clone());
+            let mut next = vec![(pieces, why)];
+            loop {
+                for (pieces, why) in next {
+                    for p in hook(&name, target, pieces) {
+                        p.task.piece_failed(why.0, why.1.clone());
+                    }
+                }
+                let mut r = queue.lock().unwrap_or_else(|e| e.into_inner());
+                match r.as_mut().map(std::mem::take) {
+                    Some(more) if !more.is_empty() => next = more,
+                    _ => {
+                        *r = None;
+                        return;
+                    }
+                }
             }
         })));
         let take = |job: &Mutex<Option<_>>| job.lock().unwrap_or_else(|e| e.into_inner()).take();

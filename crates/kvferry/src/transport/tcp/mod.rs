@@ -140,6 +140,7 @@ impl TcpTransport {
                 wake_reader: Condvar::new(),
                 load: AtomicU64::new(0),
                 refused: Arc::clone(&self.refused),
+                refreshing: Arc::default(),
                 idle: self.opts.idle,
                 home: Arc::downgrade(&self.peers),
                 key: (addr, v2),

@@ -452,6 +452,9 @@ mod tests {
         q.enqueue(vec![op(5, Opcode::Read, 1, t0 + Duration::from_millis(5))], now).unwrap();
         let s = q.next_send(now, 256, 1 << 20).unwrap();
         assert_eq!(s.n, 3);
+        // Looked at past op 5's deadline while it is on the wire: nothing pending, and the
+        // bound forgets it; the failed connection's requests set it again.
+        assert!(q.take_expired(t0 + Duration::from_millis(6)).is_empty());
         q.on_conn_failed(s.gen, |_| None::<()>).unwrap();
         assert_eq!(ids(&q.pending), vec![1, 3, 5]);
         assert_eq!(ids(&q.take_expired(t0 + Duration::from_millis(6))), vec![5]);
