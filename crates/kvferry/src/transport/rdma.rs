@@ -10,8 +10,9 @@
 //!   discovered from NUMA nodes and PCIe paths, or `KVFERRY_RDMA_TOPO`'s file), as Mooncake
 //!   does (reference §1.5, §2.3). Buffers whose MRs are not yet made are left out of the
 //!   descriptor (never published without keys).
-//! - **Endpoints**: one RC QP per (peer, local NIC, peer NIC), made on first use by the worker
-//!   thread through the `Connection` handshake message (§2.6) sent to the peer's handshake
+//! - **Endpoints**: one RC QP per (peer, local NIC, peer NIC), made on first use by the peer's
+//!   posting thread ([`per_peer`]: one per peer, so a peer that does not answer holds up only
+//!   its own requests) through the `Connection` handshake message (§2.6) sent to the peer's handshake
 //!   port; the peer ([`RdmaTransport::on_connection`]) makes its QP, brings it to RTS, answers
 //!   with its QP number, GID and LID. A peer's NIC is chosen by name: the one with the local
 //!   NIC's name if it has one (rail affinity), else the first preferred for the remote buffer's
@@ -23,7 +24,9 @@
 //!   per QP. A piece ends only when the completion of each of its slices arrived (its
 //!   [`RegionGuard`] is held until then, so unregistering waits for posted work requests, and
 //!   MRs are deregistered only after). A failed completion drops the endpoint (rebuilt on next
-//!   use) and its slice is posted again on another NIC pair, at most [`MAX_RETRIES`] times
+//!   use: the peer then replaces its QPs of the pair, so the endpoint's other QPs are flushed
+//!   at once and their slices posted again, uncounted) and its slice is posted again on
+//!   another NIC pair, at most [`MAX_RETRIES`] times
 //!   (a path failure also pauses the pair); a status another pair would repeat (remote or
 //!   local access, invalid request) fails the piece at once, naming it (`Ended::fate`).
 //! - **Deadlines**: the poller looks at the deadlines of what is in flight every
@@ -83,6 +86,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
+
+mod per_peer;
+use per_peer::PerPeer;
+
+/// A peer's posting thread ends after this long without work ([`per_peer`]).
+const POSTER_IDLE: Duration = Duration::from_secs(5);
 
 /// Size of one work request (Mooncake's `MC_SLICE_SIZE` default).
 pub const SLICE: u64 = 64 << 10;
@@ -363,6 +372,10 @@ struct Endpoint {
     /// Moved to the error state because a slice passed its deadline: its flushed slices end
     /// TIMEOUT if their own deadline passed, else are posted again.
     expired: AtomicBool,
+    /// A work request on it failed: it is forgotten, to be rebuilt on next use, and its other
+    /// QPs were moved to the error state too (see [`Shared::complete`]); its flushed slices are
+    /// posted again uncounted.
+    broken: AtomicBool,
     /// When it was last used (the transport's use counter), for eviction.
     last_use: AtomicU64,
 }
@@ -466,12 +479,12 @@ struct Shared {
     unkeyed: Mutex<BTreeMap<u64, String>>,
     /// `auto`: peers already told (in the log) why they are not reached over RDMA.
     told: Mutex<std::collections::HashSet<String>>,
-    /// To the posting thread: new pieces and slices to post again. Taken at shutdown.
-    jobs: Mutex<Option<mpsc::Sender<Work>>>,
+    /// The posting threads, one per peer ([`per_peer`]): new pieces and slices to post
+    /// again. Closed at shutdown; once they have all ended nothing new can be posted (pollers
+    /// wait for that before they end, so a slice posted during shutdown still gets its
+    /// completion).
+    posters: PerPeer<Work>,
     shut: AtomicBool,
-    /// The posting thread has ended: nothing new can be posted (pollers wait for this before
-    /// they end, so a slice posted during shutdown still gets its completion).
-    worker_done: AtomicBool,
 }
 
 /// The RDMA transport.
@@ -703,7 +716,7 @@ impl RdmaTransport {
             }
             None => topo::cpu_entries(&places, &topo::numa_nodes(std::path::Path::new("/sys/devices/system/node"))),
         };
-        let shared = Arc::new(Shared {
+        let shared = Arc::new_cyclic(|weak: &Weak<Shared>| Shared {
             segment: opts.segment,
             nics,
             mrs: Mutex::default(),
@@ -729,9 +742,8 @@ impl RdmaTransport {
             gpu_method: std::sync::atomic::AtomicU8::new(0),
             unkeyed: Mutex::default(),
             told: Mutex::default(),
-            jobs: Mutex::new(None),
+            posters: PerPeer::new(POSTER_IDLE, poster(weak.clone()), Arc::new(gone)),
             shut: AtomicBool::new(false),
-            worker_done: AtomicBool::new(false),
         });
         for i in 0..shared.nics.len() {
             let w = Arc::downgrade(&shared);
@@ -740,10 +752,6 @@ impl RdmaTransport {
                 .spawn(move || poller(w, i))
                 .map_err(|e| format!("starting the RDMA completion thread: {e}"))?;
         }
-        let (tx, rx) = mpsc::channel::<Work>();
-        *shared.jobs.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
-        let w = Arc::downgrade(&shared);
-        std::thread::Builder::new().name("kvf-rdma-post".into()).spawn(move || worker(w, rx)).map_err(|e| format!("starting the RDMA posting thread: {e}"))?;
         Ok(RdmaTransport { shared })
     }
 
@@ -958,7 +966,7 @@ impl Shared {
         }
         tracing::debug!(peer = %peer_path, local = %n.name, remote_qps = ?r.qp_num, "RDMA: connected");
         let last_use = AtomicU64::new(self.clock.fetch_add(1, Ordering::Relaxed));
-        let ep = Arc::new(Endpoint { qps, next_qp: AtomicUsize::new(0), key: key.clone(), credits: Credits::new(MAX_OUTSTANDING), expired: AtomicBool::new(false), last_use });
+        let ep = Arc::new(Endpoint { qps, next_qp: AtomicUsize::new(0), key: key.clone(), credits: Credits::new(MAX_OUTSTANDING), expired: AtomicBool::new(false), broken: AtomicBool::new(false), last_use });
         let evicted: Vec<Arc<Endpoint>> = {
             let mut eps = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
             eps.insert(key, Arc::clone(&ep));
@@ -1203,22 +1211,16 @@ impl Shared {
         let Slice { piece, ep, idx, nic, retries } = sl;
         let expired = ep.expired.load(Ordering::Acquire);
         let past = piece.task.deadline() <= Instant::now();
-        let fate = Ended { status, flushed_for_deadline: expired, past_deadline: past, shut: self.shut.load(Ordering::Acquire), revoked: piece.guard.is_revoked(), retries, port_down: self.nics[nic].down.load(Ordering::Acquire) }.fate();
+        let flushed_by_us = expired || ep.broken.load(Ordering::Acquire);
+        let fate = Ended { status, flushed_for_deadline: flushed_by_us, past_deadline: past, shut: self.shut.load(Ordering::Acquire), revoked: piece.guard.is_revoked(), retries, port_down: self.nics[nic].down.load(Ordering::Acquire) }.fate();
         let name = &self.nics[nic].name;
         let tried = if retries > 0 { format!(" (after {retries} retries on other NIC pairs)") } else { String::new() };
         let end = match fate {
             Fate::Again { counted, avoid } => {
                 let r = Retry { piece, idx, retries: retries + u8::from(counted), avoid: avoid.then_some(nic) };
-                let tx = self.jobs.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                let back = match tx {
-                    Some(tx) => match tx.send(Work::Retry(r)) {
-                        Ok(()) => return,
-                        Err(mpsc::SendError(w)) => w,
-                    },
-                    None => Work::Retry(r),
-                };
-                // The posting thread is gone or going: the transport is shutting down.
-                if let Work::Retry(r) = back {
+                let peer = r.piece.peer.name.clone();
+                // The posting threads are closed: the transport is shutting down.
+                if let Err(Work::Retry(r)) = self.posters.send(&peer, Work::Retry(r)) {
                     r.piece.slice_end(Err((FailKind::Failed, FailCause::ShutDown, "the engine shut down before a failed request could be posted again".into())));
                 }
                 return;
@@ -1291,7 +1293,8 @@ impl Shared {
             Err(e) => {
                 // The QP is in the error state now: rebuilt on next use.
                 self.forget(&s.ep);
-                if !s.ep.expired.load(Ordering::Acquire) && path_failure(e.status) {
+                let ours = s.ep.expired.load(Ordering::Acquire) || s.ep.broken.load(Ordering::Acquire);
+                if !ours && path_failure(e.status) {
                     tracing::warn!("RDMA: pausing {} -> {}@{} for {PAUSE:?}: {e}", self.nics[nic].name, s.ep.key.0, s.ep.key.2);
                     self.pause(&s.ep.key);
                 }
@@ -1300,7 +1303,20 @@ impl Shared {
                     self.stale.lock().unwrap_or_else(|e| e.into_inner()).insert(s.ep.key.0.clone());
                 }
                 let why = if s.ep.expired.load(Ordering::Acquire) { e.name.to_string() } else { e.to_string() };
+                let ep = Arc::clone(&s.ep);
                 self.failed(s, e.status, &why);
+                // Its other QPs go to the error state too, at once: the endpoint is rebuilt on
+                // next use, and the peer then replaces its QPs of this pair, the siblings'
+                // included, under the work requests still in flight on them (other tasks'
+                // slices, which then failed later, counted, after the transport's retries).
+                // Flushed now, they go again at once, uncounted.
+                if !ours && e.status != FLUSHED && !ep.broken.swap(true, Ordering::AcqRel) {
+                    for qp in &ep.qps {
+                        if let Err(e) = qp.set_error() {
+                            tracing::debug!("RDMA: flushing the QPs of a failed endpoint: {e}");
+                        }
+                    }
+                }
             }
         }
     }
@@ -1401,7 +1417,7 @@ fn poller(w: Weak<Shared>, nic: usize) {
         if shut {
             let since = *shut_since.get_or_insert_with(Instant::now);
             let mut inflight = s.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
-            if inflight.is_empty() && s.worker_done.load(Ordering::Acquire) {
+            if inflight.is_empty() && s.posters.finished() {
                 return;
             }
             // Flushed QPs complete at once; a device that never answers is given 10 s.
@@ -1415,21 +1431,14 @@ fn poller(w: Weak<Shared>, nic: usize) {
     }
 }
 
-/// The posting thread: connects endpoints and posts pieces, in order of submission, and
-/// posts again the slices the completion threads hand back.
-fn worker(w: Weak<Shared>, rx: mpsc::Receiver<Work>) {
-    let gone = |work: Work| match work {
-        Work::Job(job) => {
-            for p in job.pieces {
-                fail_piece(p, FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into());
-            }
-        }
-        Work::Retry(r) => r.piece.slice_end(Err((FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into()))),
-    };
-    while let Ok(work) = rx.recv() {
+/// What a peer's posting thread does with a unit of its work ([`per_peer`]): connects
+/// endpoints and posts pieces, in order of submission, and posts again the slices the
+/// completion threads hand back.
+fn poster(w: Weak<Shared>) -> per_peer::Handler<Work> {
+    Arc::new(move |_peer: &str, work: Work, rx: &mpsc::Receiver<Work>| {
         let Some(s) = w.upgrade() else {
             gone(work);
-            continue;
+            return;
         };
         match work {
             Work::Job(job) => s.run(job),
@@ -1452,10 +1461,18 @@ fn worker(w: Weak<Shared>, rx: mpsc::Receiver<Work>) {
                 }
             }
         }
-    }
-    // The sender went with shutdown (or the transport).
-    if let Some(s) = w.upgrade() {
-        s.worker_done.store(true, Ordering::Release);
+    })
+}
+
+/// Work that can no longer be posted (the engine shut down).
+fn gone(work: Work) {
+    match work {
+        Work::Job(job) => {
+            for p in job.pieces {
+                fail_piece(p, FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into());
+            }
+        }
+        Work::Retry(r) => r.piece.slice_end(Err((FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into()))),
     }
 }
 
@@ -1586,27 +1603,16 @@ impl Transport for RdmaTransport {
     }
 
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, _inline: bool) {
-        let tx = self.shared.jobs.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let job = Job { peer: Arc::clone(peer), pieces };
-        let refused = match tx {
-            Some(tx) => match tx.send(Work::Job(job)) {
-                Ok(()) => None,
-                Err(mpsc::SendError(Work::Job(job))) => Some(job),
-                Err(mpsc::SendError(Work::Retry(_))) => None,
-            },
-            None => Some(job),
-        };
-        if let Some(job) = refused {
-            for p in job.pieces {
-                fail_piece(p, FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into());
-            }
+        if let Err(work) = self.shared.posters.send(&peer.name, Work::Job(job)) {
+            gone(work);
         }
     }
 
     fn shutdown(&self) {
         self.shared.shut.store(true, Ordering::Release);
-        // The posting thread fails what is still queued, then ends.
-        self.shared.jobs.lock().unwrap_or_else(|e| e.into_inner()).take();
+        // Each posting thread fails what is still queued, then ends.
+        self.shared.posters.close();
     }
 }
 
