@@ -195,6 +195,9 @@ struct Nic {
     credits: Credits,
     /// Its port is not ACTIVE (read by its poller every [`TICK`], `Shared::check_port`).
     down: AtomicBool,
+    /// Its poller has ended (shutdown): set and read under `inflight`'s lock, so nothing is
+    /// posted that no poller would complete.
+    closed: AtomicBool,
     ctx: Context,
 }
 
@@ -285,6 +288,11 @@ struct Ended {
     retries: u8,
     /// Its NIC's port is not ACTIVE.
     port_down: bool,
+    /// Another slice of its piece failed for good already: the piece has failed, and
+    /// posting this one again serves nothing (a request's own error, such as a refused key,
+    /// flushes its endpoint, and its slices would otherwise go again, uncounted, on each
+    /// endpoint they break).
+    piece_failed: bool,
 }
 
 impl Ended {
@@ -300,7 +308,7 @@ impl Ended {
             Fate::Revoked
         } else if self.past_deadline {
             Fate::Timeout
-        } else if matches!(self.status, 1 | 4 | 8 | 9 | 10) {
+        } else if matches!(self.status, 1 | 4 | 8 | 9 | 10) || self.piece_failed {
             // Local length/protection/access, remote invalid request or access: the request
             // itself is wrong (or the keys stale), on any pair.
             Fate::Fail
@@ -686,7 +694,7 @@ impl RdmaTransport {
                 let gid = ctx.query_gid(PORT, gid_index)?;
                 let pd = ctx.alloc_pd()?;
                 let cq = ctx.create_cq(CQ_DEPTH)?;
-                Ok(Nic { name: n.name.clone(), pd, cq, attr, gid_index, gid, inflight: Mutex::default(), credits: Credits::new(CQ_DEPTH), down: AtomicBool::new(false), ctx })
+                Ok(Nic { name: n.name.clone(), pd, cq, attr, gid_index, gid, inflight: Mutex::default(), credits: Credits::new(CQ_DEPTH), down: AtomicBool::new(false), closed: AtomicBool::new(false), ctx })
             })();
             match opened {
                 Ok(nic) => nics.push(nic),
@@ -971,8 +979,8 @@ impl Shared {
             let mut eps = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
             eps.insert(key, Arc::clone(&ep));
             if eps.len() > self.max_endpoints {
-                // Idle: only the cache holds it (slices in flight and the posting thread hold
-                // clones; only this thread takes new ones, so none can appear meanwhile).
+                // Idle: only the cache holds it (slices in flight and posting threads hold
+                // clones, each taken under this lock, so none can appear meanwhile).
                 let view = eps.iter().map(|(k, e)| (k.clone(), e.last_use.load(Ordering::Relaxed), Arc::strong_count(e) > 1)).collect();
                 lru_victims(view, self.max_endpoints).into_iter().filter_map(|k| eps.remove(&k)).collect()
             } else {
@@ -1135,7 +1143,9 @@ impl Shared {
             // Checked per chain: a connect or a wait for credits before it may have taken
             // until the range was being unregistered (whose barrier waits only for work
             // requests in flight) or past the deadline (past which nothing is posted).
-            let stop = if piece.guard.is_revoked() {
+            let stop = if self.shut.load(Ordering::Acquire) {
+                Some((FailKind::Failed, FailCause::ShutDown, "the engine shut down; the rest of the request is not posted".to_string()))
+            } else if piece.guard.is_revoked() {
                 Some((FailKind::Failed, FailCause::LocalNotRegistered, "the local range is being unregistered; the rest of the request is not posted".to_string()))
             } else if Instant::now() >= deadline {
                 Some((FailKind::Timeout, FailCause::Timeout, format!("the deadline passed before the rest of the request was posted on {}", self.nics[nic].name)))
@@ -1146,6 +1156,12 @@ impl Shared {
                 for _ in chain {
                     piece.slice_end(Err((kind, cause, why.clone())));
                 }
+                continue;
+            }
+            if ep.broken.load(Ordering::Acquire) || ep.expired.load(Ordering::Acquire) {
+                // Flushed since this endpoint was chosen: the rest goes to a pair chosen anew
+                // (uncounted; after what this peer's posting thread has queued).
+                self.retry_later(chain.iter().map(|&(idx, retries)| Retry { piece: Arc::clone(piece), idx, retries, avoid: None }).collect());
                 continue;
             }
             if !ep.credits.acquire(n, deadline) {
@@ -1174,6 +1190,15 @@ impl Shared {
             // Registered before posting: a completion may arrive before post returns.
             {
                 let mut inflight = self.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
+                if self.nics[nic].closed.load(Ordering::Acquire) {
+                    drop(inflight);
+                    ep.credits.release(n);
+                    nic_credits.release(n);
+                    for _ in chain {
+                        piece.slice_end(Err((FailKind::Failed, FailCause::ShutDown, format!("the engine shut down; {} completes nothing more", self.nics[nic].name))));
+                    }
+                    continue;
+                }
                 for (&(idx, retries), &id) in chain.iter().zip(&ids) {
                     inflight.insert(id, Slice { piece: Arc::clone(piece), ep: Arc::clone(ep), idx, nic, retries });
                 }
@@ -1200,6 +1225,18 @@ impl Shared {
         }
     }
 
+    /// Hands `retries` to their peer's posting thread, to be posted again on a pair chosen
+    /// anew ([`Shared::repost`]); once the posting threads are closed (shutdown) they end.
+    fn retry_later(&self, retries: Vec<Retry>) {
+        for r in retries {
+            let peer = r.piece.peer.name.clone();
+            if let Err(Work::Retry(r)) = self.posters.send(&peer, Work::Retry(r)) {
+                let why = if self.shut.load(Ordering::Acquire) { "the engine shut down before a failed request could be posted again" } else { "no posting thread could be started to post a failed request again" };
+                r.piece.slice_end(Err((FailKind::Failed, FailCause::ShutDown, why.into())));
+            }
+        }
+    }
+
     /// Leaves the NIC pair of `key` alone for [`PAUSE`] (tried only when no other works).
     fn pause(&self, key: &EpKey) {
         self.paused.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), Instant::now() + PAUSE);
@@ -1212,17 +1249,13 @@ impl Shared {
         let expired = ep.expired.load(Ordering::Acquire);
         let past = piece.task.deadline() <= Instant::now();
         let flushed_by_us = expired || ep.broken.load(Ordering::Acquire);
-        let fate = Ended { status, flushed_for_deadline: flushed_by_us, past_deadline: past, shut: self.shut.load(Ordering::Acquire), revoked: piece.guard.is_revoked(), retries, port_down: self.nics[nic].down.load(Ordering::Acquire) }.fate();
+        let piece_failed = piece.failure.lock().unwrap_or_else(|e| e.into_inner()).is_some();
+        let fate = Ended { status, flushed_for_deadline: flushed_by_us, past_deadline: past, shut: self.shut.load(Ordering::Acquire), revoked: piece.guard.is_revoked(), retries, port_down: self.nics[nic].down.load(Ordering::Acquire), piece_failed }.fate();
         let name = &self.nics[nic].name;
         let tried = if retries > 0 { format!(" (after {retries} retries on other NIC pairs)") } else { String::new() };
         let end = match fate {
             Fate::Again { counted, avoid } => {
-                let r = Retry { piece, idx, retries: retries + u8::from(counted), avoid: avoid.then_some(nic) };
-                let peer = r.piece.peer.name.clone();
-                // The posting threads are closed: the transport is shutting down.
-                if let Err(Work::Retry(r)) = self.posters.send(&peer, Work::Retry(r)) {
-                    r.piece.slice_end(Err((FailKind::Failed, FailCause::ShutDown, "the engine shut down before a failed request could be posted again".into())));
-                }
+                self.retry_later(vec![Retry { piece, idx, retries: retries + u8::from(counted), avoid: avoid.then_some(nic) }]);
                 return;
             }
             Fate::Timeout if expired => (FailKind::Timeout, FailCause::Timeout, format!("the deadline passed with the request in flight on {name}; its queue pair was flushed ({why})")),
@@ -1418,10 +1451,13 @@ fn poller(w: Weak<Shared>, nic: usize) {
             let since = *shut_since.get_or_insert_with(Instant::now);
             let mut inflight = s.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
             if inflight.is_empty() && s.posters.finished() {
+                s.nics[nic].closed.store(true, Ordering::Release);
                 return;
             }
-            // Flushed QPs complete at once; a device that never answers is given 10 s.
+            // Flushed QPs complete at once; a device that never answers is given 10 s. (A
+            // posting thread still waiting in a connect then posts nothing here: `closed`.)
             if since.elapsed() > Duration::from_secs(10) {
+                s.nics[nic].closed.store(true, Ordering::Release);
                 for (_, sl) in inflight.drain() {
                     sl.piece.slice_end(Err((FailKind::Failed, FailCause::ShutDown, "the engine shut down; the NIC never completed this request".into())));
                 }
@@ -1604,8 +1640,15 @@ impl Transport for RdmaTransport {
 
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, _inline: bool) {
         let job = Job { peer: Arc::clone(peer), pieces };
-        if let Err(work) = self.shared.posters.send(&peer.name, Work::Job(job)) {
-            gone(work);
+        match self.shared.posters.send(&peer.name, Work::Job(job)) {
+            Ok(()) => {}
+            Err(work) if self.shared.shut.load(Ordering::Acquire) => gone(work),
+            Err(Work::Job(job)) => {
+                for p in job.pieces {
+                    fail_piece(p, FailKind::Failed, FailCause::Other, format!("no posting thread could be started for {} (out of threads?)", peer.name));
+                }
+            }
+            Err(work) => gone(work),
         }
     }
 
@@ -1717,6 +1760,12 @@ mod tests {
         }
         assert_eq!(Ended { status: 12, past_deadline: true, ..Ended::default() }.fate(), Fate::Timeout, "no retry past the deadline");
         assert_eq!(Ended { status: 12, revoked: true, ..Ended::default() }.fate(), Fate::Revoked);
+        // A piece that failed for good already is not posted again, however its slice ended
+        // (flushed with its endpoint, uncounted, included): each repost of a request with a
+        // refused key would otherwise break another endpoint.
+        for (status, flushed) in [(FLUSHED, true), (FLUSHED, false), (12, false)] {
+            assert_eq!(Ended { status, flushed_for_deadline: flushed, piece_failed: true, ..Ended::default() }.fate(), Fate::Fail, "status {status}");
+        }
     }
 
     /// A slice whose NIC's port went down (flushed by its poller, or failed by the NIC) goes

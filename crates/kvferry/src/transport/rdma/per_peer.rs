@@ -2,8 +2,10 @@
 //! the order it came, on a thread of its own, so a peer that does not answer its connect or
 //! whose work requests hold every credit until their deadline stalls only its own requests,
 //! never another peer's (one posting thread for all peers waited for it). A thread idle for a
-//! while ends, and the next work for its peer starts another; once closed, what is still
-//! queued is handed to `gone`, and [`PerPeer::finished`] says when every thread has ended.
+//! while ends, and the next work for its peer starts another; once closed, new work is
+//! refused, what a thread takes from its queue afterwards is handed to `gone` (work a handler
+//! took itself while batching is its own to end), and [`PerPeer::finished`] says when every
+//! thread has ended. A thread that panics hands what is still queued to `gone` as it ends.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -95,8 +97,26 @@ impl<W: Send + 'static> PerPeer<W> {
     }
 }
 
+/// Counts its thread out as it ends, however it ends (a handler that panics included), and
+/// hands whatever is still queued to `gone`.
+struct Ending<'a, W> {
+    st: &'a Mutex<State<W>>,
+    rx: &'a Receiver<W>,
+    gone: &'a (dyn Fn(W) + Send + Sync),
+}
+
+impl<W> Drop for Ending<'_, W> {
+    fn drop(&mut self) {
+        while let Ok(work) = self.rx.try_recv() {
+            (self.gone)(work);
+        }
+        self.st.lock().unwrap_or_else(|e| e.into_inner()).live -= 1;
+    }
+}
+
 fn run<W>(st: &Mutex<State<W>>, peer: &str, id: u64, rx: &Receiver<W>, idle: Duration, handler: &(dyn Fn(&str, W, &Receiver<W>) + Send + Sync), gone: &(dyn Fn(W) + Send + Sync)) {
     let lock = || st.lock().unwrap_or_else(|e| e.into_inner());
+    let _ending = Ending { st, rx, gone };
     loop {
         match rx.recv_timeout(idle) {
             Ok(work) => {
@@ -114,18 +134,15 @@ fn run<W>(st: &Mutex<State<W>>, peer: &str, id: u64, rx: &Receiver<W>, idle: Dur
                     handler(peer, work, rx);
                     continue;
                 }
+                // Its queue goes (under the lock, so nothing more is sent to it).
                 if let Some(q) = g.queues.as_mut() {
                     if q.get(peer).is_some_and(|(mine, _)| *mine == id) {
                         q.remove(peer);
                     }
                 }
-                g.live -= 1;
                 return;
             }
-            Err(RecvTimeoutError::Disconnected) => {
-                lock().live -= 1;
-                return;
-            }
+            Err(RecvTimeoutError::Disconnected) => return,
         }
     }
 }
@@ -192,5 +209,33 @@ mod tests {
         release.send(()).unwrap();
         wait_for("every thread to end after close", || p.finished());
         assert_eq!(gone_n.load(Ordering::SeqCst), 1, "the work queued behind the running one");
+    }
+
+    /// A handler that panics ends its thread: what was queued behind goes to `gone`, the
+    /// thread is counted out (so `finished` can become true), and the peer's next work starts
+    /// another thread.
+    #[test]
+    fn a_panicking_handler_hands_back_what_was_queued_and_is_counted_out() {
+        let ran = Arc::new(AtomicUsize::new(0));
+        let r2 = Arc::clone(&ran);
+        let handler: Handler<u32> = Arc::new(move |_: &str, n: u32, _: &Receiver<u32>| {
+            std::thread::sleep(Duration::from_millis(20));
+            assert!(n != 1, "job 1 panics (on purpose)");
+            r2.fetch_add(1, Ordering::SeqCst);
+        });
+        let gone_n = Arc::new(AtomicUsize::new(0));
+        let g2 = Arc::clone(&gone_n);
+        let p = PerPeer::new(Duration::from_secs(10), handler, Arc::new(move |_: u32| {
+            g2.fetch_add(1, Ordering::SeqCst);
+        }));
+        p.send("peer", 1).unwrap();
+        p.send("peer", 2).unwrap();
+        p.send("peer", 3).unwrap();
+        wait_for("the panicked thread to be counted out", || p.live() == 0);
+        assert_eq!((ran.load(Ordering::SeqCst), gone_n.load(Ordering::SeqCst)), (0, 2), "jobs 2 and 3 handed back");
+        p.send("peer", 4).unwrap();
+        wait_for("a new thread for the peer", || ran.load(Ordering::SeqCst) == 1);
+        p.close();
+        wait_for("every thread to end after close", || p.finished());
     }
 }

@@ -86,6 +86,25 @@ pub(super) struct Lane {
 /// Pieces for a descriptor refresh, and how they end if it hands them back.
 pub(super) type Refresh = (Vec<Piece>, (FailKind, Failure));
 
+/// Held by a lane's refresh thread: if it ends other than by finding nothing more waiting (a
+/// refresh that panicked), the lane may start another, and pieces still waiting end with
+/// their failure.
+struct RefreshDone(Arc<Mutex<Option<Vec<Refresh>>>>, bool);
+
+impl Drop for RefreshDone {
+    fn drop(&mut self) {
+        if !self.1 {
+            return;
+        }
+        let waiting = self.0.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
+        for (pieces, why) in waiting {
+            for p in pieces {
+                p.task.piece_failed(why.0, why.1.clone());
+            }
+        }
+    }
+}
+
 pub(super) enum ConnFailure {
     /// The connection broke; unacknowledged ops may be retried once.
     Broken(String),
@@ -177,10 +196,22 @@ impl Lane {
         }
         let (hook, name, target, queue) = (Arc::clone(hook), self.peer_name.clone(), self.target, Arc::clone(&self.refreshing));
         let job = Arc::new(Mutex::new(Some(move || {
+            // However this thread ends (a refresh that panics included), the lane may refresh
+            // again and what waited here ends.
+            let mut done = RefreshDone(Arc::clone(&queue), true);
             let mut next = vec![(pieces, why)];
             loop {
+                let now = Instant::now();
                 for (pieces, why) in next {
-                    for p in hook(&name, target, pieces) {
+                    // Pieces that waited here past their deadline end now, unrefreshed.
+                    let (late, go): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| p.task.deadline() <= now);
+                    for p in late {
+                        p.task.piece_failed(FailKind::Timeout, FailCause::Timeout.because(format!("the deadline passed while {name}'s descriptor was being re-read")));
+                    }
+                    if go.is_empty() {
+                        continue;
+                    }
+                    for p in hook(&name, target, go) {
                         p.task.piece_failed(why.0, why.1.clone());
                     }
                 }
@@ -188,7 +219,9 @@ impl Lane {
                 match r.as_mut().map(std::mem::take) {
                     Some(more) if !more.is_empty() => next = more,
                     _ => {
+                        // Nothing more: the lane may start another (under this lock hold).
                         *r = None;
+                        done.1 = false;
                         return;
                     }
                 }
