@@ -197,14 +197,13 @@ impl Lane {
         let (hook, name, target, queue) = (Arc::clone(hook), self.peer_name.clone(), self.target, Arc::clone(&self.refreshing));
         let job = Arc::new(Mutex::new(Some(move || {
             // However this thread ends (a refresh that panics included), the lane may refresh
-            // again and what still waits in its queue ends (pieces a panicking refresh held
-            // are lost with it).
+            // again and what waited here ends.
             let mut done = RefreshDone(Arc::clone(&queue), true);
             let mut next = vec![(pieces, why)];
             loop {
+                let now = Instant::now();
                 for (pieces, why) in next {
                     // Pieces that waited here past their deadline end now, unrefreshed.
-                    let now = Instant::now();
                     let (late, go): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| p.task.deadline() <= now);
                     for p in late {
                         p.task.piece_failed(FailKind::Timeout, FailCause::Timeout.because(format!("the deadline passed while {name}'s descriptor was being re-read")));
