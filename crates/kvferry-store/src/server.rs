@@ -245,9 +245,7 @@ fn put_start(m: &Master, put: PutId, key: &str, size: u64, config: &ReplicateCon
         let now = m.now();
         let mut st = m.lock();
         stale(&st, term)?;
-        let before = st.marks();
-        let r = st.put_start_ex(&m.cfg, &m.stats, put, key, size, config, upsert, now, attempt);
-        *changed |= st.marks() != before;
+        let r = marking(&mut st, changed, |st| st.put_start_ex(&m.cfg, &m.stats, put, key, size, config, upsert, now, attempt));
         attempt = Attempt::Again;
         let retry = !last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(now);
         drop(st);
@@ -256,6 +254,15 @@ fn put_start(m: &Master, put: PutId, key: &str, size: u64, config: &ReplicateCon
         }
         std::thread::sleep(PUT_RETRY);
     }
+}
+
+/// Runs `f` on the state, whose lock the caller holds, and sets `changed` if it marked a
+/// durable change ([`State::marks`]; see [`settle`]).
+fn marking<T>(st: &mut State, changed: &mut bool, f: impl FnOnce(&mut State) -> T) -> T {
+    let before = st.marks();
+    let r = f(st);
+    *changed |= st.marks() != before;
+    r
 }
 
 /// An accepted connection; on an error (out of descriptors, EMFILE, and the like) `None`
@@ -339,10 +346,7 @@ fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64, changed: &
         if let Err(e) = stale(&st, term) {
             return Response::Err(e);
         }
-        let before = st.marks();
-        let r = apply_locked(&mut st, m, req, now, &mut removed);
-        *changed |= st.marks() != before;
-        r
+        marking(&mut st, changed, |st| apply_locked(st, m, req, now, &mut removed))
     };
     counted(m, op, r)
 }
@@ -405,12 +409,11 @@ fn handle_batch<'m>(m: &'m Master, reqs: Vec<Request>, deadline: Instant, term: 
             out.push(Response::Err(e));
             continue;
         }
-        let before = st.marks();
         let r = match req {
             Request::PutStart { client, key, size, config, upsert, put } => {
                 let put = PutId { client, put };
-                let r = st.put_start_ex(&m.cfg, &m.stats, put, &key, size, &config, upsert, *now, if *last { Attempt::Last } else { Attempt::First });
-                *changed |= st.marks() != before;
+                let attempt = if *last { Attempt::Last } else { Attempt::First };
+                let r = marking(st, changed, |st| st.put_start_ex(&m.cfg, &m.stats, put, &key, size, &config, upsert, *now, attempt));
                 if !*last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(*now) {
                     held = None;
                     std::thread::sleep(PUT_RETRY);
@@ -419,11 +422,7 @@ fn handle_batch<'m>(m: &'m Master, reqs: Vec<Request>, deadline: Instant, term: 
                     r.map(Response::Replicas)
                 }
             }
-            req => {
-                let r = apply_locked(st, m, req, *now, &mut None);
-                *changed |= st.marks() != before;
-                r
-            }
+            req => marking(st, changed, |st| apply_locked(st, m, req, *now, &mut None)),
         };
         out.push(counted(m, op, r));
     }
@@ -659,6 +658,20 @@ mod tests {
         Segment { id, name: format!("s{id}"), te_endpoint: format!("127.0.0.1:{id}"), base: id << 32, size }
     }
 
+    /// A master leading `term`, its state journaling and its journal active (nothing writes
+    /// it: tests drive the journal by hand).
+    fn journaling_leader(term: i64) -> Master {
+        let m = Master::new(MasterConfig::default());
+        m.gate.lead_for_test(term, Duration::from_secs(60));
+        {
+            let mut st = m.lock();
+            st.term = term;
+            st.journal_on();
+        }
+        m.journal.activate(term);
+        m
+    }
+
     fn put_start(key: &str, size: u64) -> Request {
         Request::PutStart { client: 1, key: key.into(), size, config: ReplicateConfig::default(), upsert: false, put: 1 }
     }
@@ -799,14 +812,7 @@ mod tests {
     /// let go before); nothing is left marked behind. A read is answered at once.
     #[test]
     fn every_mutation_waits_for_the_journal_alone_batched_or_after_a_bulk_removal() {
-        let m = Master::new(MasterConfig::default());
-        m.gate.lead_for_test(5, Duration::from_secs(60));
-        {
-            let mut st = m.lock();
-            st.term = 5;
-            st.journal_on();
-        }
-        m.journal.activate(5);
+        let m = journaling_leader(5);
         let later = |a: Applied| match a {
             Applied::Later { ticket, term, .. } => {
                 assert_eq!(term, 5);
@@ -830,14 +836,7 @@ mod tests {
     /// answers in its requests' order; the term's end answers what still waited.
     #[test]
     fn deferred_answers_wait_for_the_journal_and_keep_each_connections_order() {
-        let m = Arc::new(Master::new(MasterConfig::default()));
-        m.gate.lead_for_test(5, Duration::from_secs(60));
-        {
-            let mut st = m.lock();
-            st.term = 5;
-            st.journal_on();
-        }
-        m.journal.activate(5);
+        let m = Arc::new(journaling_leader(5));
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr");
         let server = MasterServer::start(Arc::clone(&m), listener, Duration::from_millis(50), 0).expect("start");
@@ -890,14 +889,7 @@ mod tests {
     /// changed nothing before the fence is still answered `NotLeader`.
     #[test]
     fn a_request_whose_change_another_collected_is_not_answered_as_if_nothing_was_applied() {
-        let m = Master::new(MasterConfig::default());
-        m.gate.lead_for_test(5, Duration::from_secs(60));
-        {
-            let mut st = m.lock();
-            st.term = 5;
-            st.journal_on();
-        }
-        m.journal.activate(5);
+        let m = journaling_leader(5);
         let mut changed = false;
         let (resp, held) = handle_admitted(&m, Request::MountSegment { client: 1, segment: seg(1, 1 << 20) }, 5, &mut changed);
         assert_eq!(resp, Response::Ok);
