@@ -126,13 +126,18 @@ impl Object {
     /// group's only if it was last read after this object joined it: a member put after the
     /// group's reads was never read, as when each read leased the members there were then.
     fn lease_end(&self, groups: &Groups) -> u64 {
-        let group = self.group.as_ref().and_then(|g| groups.get(g)).filter(|g| g.last_access >= self.joined);
+        let group = self.group_in(groups).filter(|g| g.last_access >= self.joined);
         self.lease_until.max(group.map_or(0, |g| g.lease_until))
     }
 
     /// When this object or (as reading one member counts for all) its group was last read.
     fn accessed(&self, groups: &Groups) -> u64 {
-        self.last_access.max(self.group.as_ref().and_then(|g| groups.get(g)).map_or(0, |g| g.last_access))
+        self.last_access.max(self.group_in(groups).map_or(0, |g| g.last_access))
+    }
+
+    /// Its group, if it has one.
+    fn group_in<'g>(&self, groups: &'g Groups) -> Option<&'g Group> {
+        self.group.as_ref().and_then(|g| groups.get(g))
     }
 
     /// Whether no replica is left, readable or being written (the object must go).
@@ -356,11 +361,16 @@ impl State {
     /// The reads named finished: their replicas may be reclaimed. (Only the frees waiting
     /// for them are looked at, and those due by time.)
     pub fn release_reads(&mut self, ids: &[u64], now: u64) {
+        let ended: Vec<u64> = ids.iter().copied().filter(|id| self.reads.remove(id).is_some()).collect();
+        self.reads_ended(&ended, now);
+    }
+
+    /// Frees the deferred replicas that waited only for the reads `ended` (each ends once),
+    /// and those whose time came by `now`.
+    fn reads_ended(&mut self, ended: &[u64], now: u64) {
         let mut free = Vec::new();
-        for id in ids {
-            if self.reads.remove(id).is_some() {
-                self.deferred.read_ended(*id, &mut free);
-            }
+        for id in ended {
+            self.deferred.read_ended(*id, &mut free);
         }
         self.deferred.due(now, &mut free);
         self.free_all_now(free);
@@ -705,9 +715,7 @@ impl State {
     /// Frees deferred replicas whose time has come. (Those whose reads all ended were freed
     /// when the last one ended: [`State::release_reads`], [`State::expire_reads`].)
     pub fn release_deferred(&mut self, now: u64) {
-        let mut free = Vec::new();
-        self.deferred.due(now, &mut free);
-        self.free_all_now(free);
+        self.reads_ended(&[], now);
     }
 
     // --- objects ---------------------------------------------------------------------------
@@ -938,12 +946,7 @@ impl State {
             }
             live
         });
-        let mut free = Vec::new();
-        for id in ended {
-            self.deferred.read_ended(id, &mut free);
-        }
-        self.deferred.due(now, &mut free);
-        self.free_all_now(free);
+        self.reads_ended(&ended, now);
     }
 
     pub fn exist_key(&mut self, key: &str, now: u64, lease: u64) -> StoreResult<bool> {
