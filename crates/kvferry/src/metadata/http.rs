@@ -189,11 +189,8 @@ impl MetadataStore for HttpStore {
     /// itself is the atomic create. Other keys are overwritten by a PUT: looked at first
     /// (nothing creates those but their owner).
     fn create(&self, key: &str, value: &[u8]) -> Result<bool> {
-        if !key.contains("rpc_meta") {
-            return match self.get(key)? {
-                Some(v) => Ok(v == value),
-                None => self.put(key, value).map(|()| true),
-            };
+        if !super::is_rpc_meta(key) {
+            return super::create_by_look(self, key, value);
         }
         match self.put(key, value) {
             Ok(()) => Ok(true),

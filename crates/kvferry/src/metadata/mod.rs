@@ -219,10 +219,7 @@ pub trait MetadataStore: Send + Sync {
     /// take it. The default (get, then put) is not atomic; every backend of kvferry's
     /// overrides it with one that is.
     fn create(&self, key: &str, value: &[u8]) -> Result<bool> {
-        match self.get(key)? {
-            Some(v) => Ok(v == value),
-            None => self.put(key, value).map(|()| true),
-        }
+        create_by_look(self, key, value)
     }
     /// Removes `key` only if it still holds `value`: whether it did. What replacing a dead
     /// engine's entry relies on, so that of engines replacing it at once none removes the
@@ -243,6 +240,20 @@ pub trait MetadataStore: Send + Sync {
     }
     /// Releases what the store holds on the service (etcd: revokes the lease).
     fn close(&self) {}
+}
+
+/// [`MetadataStore::create`] by a look then a put (not atomic: the default, and what a
+/// backend without a create-if-absent does for keys nothing else creates).
+pub(crate) fn create_by_look(store: &(impl MetadataStore + ?Sized), key: &str, value: &[u8]) -> Result<bool> {
+    match store.get(key)? {
+        Some(v) => Ok(v == value),
+        None => store.put(key, value).map(|()| true),
+    }
+}
+
+/// Whether `key` is an `rpc_meta` entry of [`Keys`]' layout (what names an engine).
+pub fn is_rpc_meta(key: &str) -> bool {
+    key.contains("/rpc_meta/")
 }
 
 /// Opens the backend a connection string names; `None` for `P2PHANDSHAKE`.
@@ -470,12 +481,12 @@ impl Directory {
         let mut first_err = None;
         let mut done = 0;
         let mut keys: Vec<String> = owned.entries.iter().filter(|(_, e)| e.pending).map(|(k, _)| k.clone()).collect();
-        keys.sort_by_key(|k| !k.contains("/rpc_meta/"));
+        keys.sort_by_key(|k| !is_rpc_meta(k));
         for k in keys {
             let Some(e) = owned.entries.get_mut(&k) else { continue };
             // The name only if no other engine took it meanwhile (created, not put: between
             // `maintain`'s look and this put another engine may have registered it).
-            let put = if k.contains("/rpc_meta/") { self.store.create(&k, &e.value) } else { self.store.put(&k, &e.value).map(|()| true) };
+            let put = if is_rpc_meta(&k) { self.store.create(&k, &e.value) } else { self.store.put(&k, &e.value).map(|()| true) };
             match put {
                 Ok(true) => {
                     e.pending = false;
@@ -505,7 +516,7 @@ impl Directory {
         let lost = self.store.keepalive()?;
         let rpc = {
             let owned = self.owned.lock().unwrap_or_else(|e| e.into_inner());
-            owned.entries.iter().find(|(k, _)| k.contains("/rpc_meta/")).map(|(k, e)| (k.clone(), e.value.clone(), e.pending))
+            owned.entries.iter().find(|(k, _)| is_rpc_meta(k)).map(|(k, e)| (k.clone(), e.value.clone(), e.pending))
         };
         let mut missing = false;
         if let Some((k, ours, pending)) = rpc {
