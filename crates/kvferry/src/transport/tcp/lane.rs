@@ -89,9 +89,9 @@ pub(super) type Refresh = (Vec<Piece>, (FailKind, Failure));
 /// Held by a lane's refresh thread: if it ends other than by finding nothing more waiting (a
 /// refresh that panicked), the lane may start another, and pieces still waiting end with
 /// their failure.
-struct RefreshDone(Arc<Mutex<Option<Vec<Refresh>>>>, bool);
+struct RefreshDone<'a>(&'a Mutex<Option<Vec<Refresh>>>, bool);
 
-impl Drop for RefreshDone {
+impl Drop for RefreshDone<'_> {
     fn drop(&mut self) {
         if !self.1 {
             return;
@@ -100,6 +100,41 @@ impl Drop for RefreshDone {
         for (pieces, why) in waiting {
             for p in pieces {
                 p.task.piece_failed(why.0, why.1.clone());
+            }
+        }
+    }
+}
+
+/// A lane's refresh thread ([`Lane::refresh_off_lane`]): refreshes what waits in `queue`
+/// until nothing does, then lets the lane start another.
+fn refresh_queued(hook: &RefusedHook, name: &str, target: SocketAddr, queue: &Mutex<Option<Vec<Refresh>>>) {
+    // However this ends (a refresh that panics included), the lane may refresh again and what
+    // still waits in its queue ends (pieces a panicking refresh held are lost with it).
+    let mut done = RefreshDone(queue, true);
+    loop {
+        let next = {
+            let mut r = queue.lock().unwrap_or_else(|e| e.into_inner());
+            match r.as_mut().map(std::mem::take) {
+                Some(more) if !more.is_empty() => more,
+                _ => {
+                    // Nothing more: the lane may start another (under this lock hold).
+                    *r = None;
+                    done.1 = false;
+                    return;
+                }
+            }
+        };
+        let now = Instant::now();
+        for (pieces, why) in next {
+            // Pieces that waited here past their deadline end now, unrefreshed.
+            let (late, go): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| p.task.deadline() <= now);
+            for p in late {
+                p.task.piece_failed(FailKind::Timeout, FailCause::Timeout.because(format!("the deadline passed while {name}'s descriptor was being re-read")));
+            }
+            if !go.is_empty() {
+                for p in hook(name, target, go) {
+                    p.task.piece_failed(why.0, why.1.clone());
+                }
             }
         }
     }
@@ -192,53 +227,14 @@ impl Lane {
                 waiting.push((pieces, why));
                 return;
             }
-            *r = Some(Vec::new());
+            *r = Some(vec![(pieces, why)]);
         }
         let (hook, name, target, queue) = (Arc::clone(hook), self.peer_name.clone(), self.target, Arc::clone(&self.refreshing));
-        let job = Arc::new(Mutex::new(Some(move || {
-            // However this thread ends (a refresh that panics included), the lane may refresh
-            // again and what waited here ends.
-            let mut done = RefreshDone(Arc::clone(&queue), true);
-            let mut next = vec![(pieces, why)];
-            loop {
-                let now = Instant::now();
-                for (pieces, why) in next {
-                    // Pieces that waited here past their deadline end now, unrefreshed.
-                    let (late, go): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| p.task.deadline() <= now);
-                    for p in late {
-                        p.task.piece_failed(FailKind::Timeout, FailCause::Timeout.because(format!("the deadline passed while {name}'s descriptor was being re-read")));
-                    }
-                    if go.is_empty() {
-                        continue;
-                    }
-                    for p in hook(&name, target, go) {
-                        p.task.piece_failed(why.0, why.1.clone());
-                    }
-                }
-                let mut r = queue.lock().unwrap_or_else(|e| e.into_inner());
-                match r.as_mut().map(std::mem::take) {
-                    Some(more) if !more.is_empty() => next = more,
-                    _ => {
-                        // Nothing more: the lane may start another (under this lock hold).
-                        *r = None;
-                        done.1 = false;
-                        return;
-                    }
-                }
-            }
-        })));
-        let take = |job: &Mutex<Option<_>>| job.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let theirs = Arc::clone(&job);
-        let spawned = std::thread::Builder::new().name("kvferry-tcp-refresh".into()).spawn(move || {
-            if let Some(run) = take(&theirs) {
-                run();
-            }
-        });
+        let args = (Arc::clone(&hook), name.clone(), target, Arc::clone(&queue));
+        let spawned = std::thread::Builder::new().name("kvferry-tcp-refresh".into()).spawn(move || refresh_queued(&args.0, &args.1, args.2, &args.3));
         if let Err(e) = spawned {
             tracing::debug!("no thread for a descriptor refresh ({e}): run on the lane's");
-            if let Some(run) = take(&job) {
-                run();
-            }
+            refresh_queued(&hook, &name, target, &queue);
         }
     }
 
