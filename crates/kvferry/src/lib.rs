@@ -45,8 +45,24 @@ pub mod rdma;
 pub mod transport;
 pub mod wire;
 
+
 pub use batch::{FailCause, TaskStatus, TransferStatus};
 pub use config::Config;
 pub use engine::{resolve_advertised, BatchId, Notify, SegmentId, SegmentTransport, TransferEngine, TransferRequest, LOCAL_SEGMENT_ID};
 pub use error::{Error, Result};
 pub use wire::tcp::Opcode;
+
+/// What the unit tests share.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::time::{Duration, Instant};
+
+    /// Waits until `f` holds, at most 10 s (then fails, naming `what`).
+    pub(crate) fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+        let until = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < until, "{what}: not within 10 s");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}

@@ -150,19 +150,12 @@ fn run<W>(st: &Mutex<State<W>>, peer: &str, id: u64, rx: &Receiver<W>, idle: Dur
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::wait_for;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::time::Instant;
 
     /// Work: (the peer's sequence number, a gate the handler waits on before it returns).
     type Job = (u32, Option<Receiver<()>>);
 
-    fn wait_for(what: &str, f: impl Fn() -> bool) {
-        let until = Instant::now() + Duration::from_secs(10);
-        while !f() {
-            assert!(Instant::now() < until, "{what} within 10 s");
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
 
     #[test]
     fn a_stalled_peer_holds_up_only_its_own_work_in_order_and_idle_threads_end() {

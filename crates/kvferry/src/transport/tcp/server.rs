@@ -311,13 +311,7 @@ mod tests {
         c.read_exact(&mut a).is_ok() && a[..8] == encode_status(Status::Ok) && a[8..] == [7; 8]
     }
 
-    fn wait_for(mut f: impl FnMut() -> bool) {
-        let t = Instant::now();
-        while !f() {
-            assert!(t.elapsed() < Duration::from_secs(10), "condition not reached in 10 s");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
+    use crate::testing::wait_for;
 
     /// Past the cap a new connection is closed at accept (its request unanswered), the ones
     /// served are not disturbed, and a slot freed by a departed peer is taken again.
@@ -338,7 +332,7 @@ mod tests {
             assert!(served(c, addr), "the served ones go on");
         }
         drop(held.pop());
-        wait_for(|| srv.connections() == 3);
+        wait_for("3 connections served", || srv.connections() == 3);
         let mut again = TcpStream::connect(target).unwrap();
         assert!(served(&mut again, addr), "a freed slot is taken again");
         srv.shutdown();
