@@ -291,8 +291,10 @@ fn a_stalled_peer_holds_up_only_its_own_requests(host: &str, cfg: &Config) -> Re
     use std::io::BufRead;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut child = std::process::Command::new(exe).args([host, "serve"]).stdout(std::process::Stdio::piped()).spawn().map_err(|e| format!("starting the peer process: {e}"))?;
-    let pid = child.id().to_string();
-    let signal = |sig: &str| std::process::Command::new("kill").args([sig, &pid]).status().map(|s| s.success()).unwrap_or(false);
+    // (rustix, not a `kill` program the host may lack.)
+    use rustix::process::{kill_process, Pid, Signal};
+    let pid = i32::try_from(child.id()).ok().and_then(Pid::from_raw).ok_or("the peer process has no pid")?;
+    let signal = |sig: Signal| kill_process(pid, sig).is_ok();
     let r = (|| -> Res<()> {
         let mut line = String::new();
         let out = child.stdout.take().ok_or("no stdout")?;
@@ -301,8 +303,8 @@ fn a_stalled_peer_holds_up_only_its_own_requests(host: &str, cfg: &Config) -> Re
         let addr: u64 = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
         let mut p = pair(cfg)?;
         let stalled = p.a.open_segment(name).map_err(|e| e.to_string())?;
-        if !signal("-STOP") {
-            return Err("kill -STOP failed".into());
+        if !signal(Signal::STOP) {
+            return Err("SIGSTOP to the peer process failed".into());
         }
         fill(p.ba.bytes(), 41);
         let to_stalled = TransferRequest { opcode: Opcode::Write, source: p.ba.addr(), target_id: stalled, target_offset: addr, length: 4096 };
@@ -334,7 +336,7 @@ fn a_stalled_peer_holds_up_only_its_own_requests(host: &str, cfg: &Config) -> Re
         println!("rdma_faults: a WRITE to a live peer completed in {:.0} ms while another peer's connect stalled (stopped process), verified", el.as_secs_f64() * 1e3);
         Ok(())
     })();
-    signal("-KILL");
+    signal(Signal::KILL);
     let _ = child.wait();
     r
 }
