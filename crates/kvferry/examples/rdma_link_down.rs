@@ -21,6 +21,7 @@ const SIZE: usize = 16 << 20;
 const DEADLINE: Duration = Duration::from_secs(15);
 
 fn main() -> ExitCode {
+    log();
     let host = std::env::args().nth(1).unwrap_or_else(|| "10.99.2.1".into());
     let cut_read = match std::env::args().nth(2).as_deref() {
         None | Some("write") => false,

@@ -68,3 +68,11 @@ pub fn finish(name: &str, ok: &str, r: Res<()>) -> ExitCode {
         }
     }
 }
+
+/// Prints the engine's log on stderr: `RUST_LOG` when set, else its warnings (a NIC pair
+/// paused, a connect that failed), so that a failed run in the VM says what the engine saw.
+pub fn log() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("kvferry=warn"));
+    // A second call (or another subscriber) is harmless: the first one stays.
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}

@@ -57,7 +57,8 @@
 //! (`examples/rdma_mooncake`).
 //!
 //! A NIC pair that cannot be connected is paused for 30 s (tried again only when no other
-//! pair works); its slices go over the pairs that connect.
+//! pair works); its slices go over the pairs that connect. A local port that comes back
+//! ACTIVE ends the pauses of its pairs (a connect made as its link went down fails for that).
 //!
 //! GPU memory is registered on the NICs as [`crate::gpu::direct`] allows (DMA-BUF or
 //! nvidia-peermem, the one that worked kept) and then moved by the NICs unstaged
@@ -1373,7 +1374,11 @@ impl Shared {
             if down {
                 tracing::warn!("RDMA: the port of {} is no longer ACTIVE (link down?): its requests in flight go again on the other NICs, and new ones avoid it until it is back; check its link with `ibv_devinfo -d {}`", n.name, n.name);
             } else {
-                tracing::info!("RDMA: the port of {} is ACTIVE again", n.name);
+                // A pair that failed to connect while the link was down (or in the moment
+                // before this poller saw it go) failed for the link: it is tried again now,
+                // not when its pause ends.
+                let unpaused = unpause_nic(&mut self.paused.lock().unwrap_or_else(|e| e.into_inner()), nic);
+                tracing::info!("RDMA: the port of {} is ACTIVE again ({unpaused} of its NIC pairs paused while it was down are tried again)", n.name);
             }
         }
         down
@@ -1405,6 +1410,14 @@ impl Shared {
             }
         }
     }
+}
+
+/// Ends the pauses of the NIC pairs from local NIC `nic` (its port is ACTIVE again: their
+/// connects may have failed for its link alone); how many there were.
+fn unpause_nic(paused: &mut HashMap<EpKey, Instant>, nic: usize) -> usize {
+    let before = paused.len();
+    paused.retain(|k, _| k.1 != nic);
+    before - paused.len()
 }
 
 /// The peer NIC to use from the local NIC `local` for a remote buffer at `location`, and its
@@ -1784,6 +1797,19 @@ mod tests {
         assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, shut: true, port_down: true, ..Ended::default() }.fate(), Fate::ShutDown);
         assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, revoked: true, port_down: true, ..Ended::default() }.fate(), Fate::Revoked);
         assert_eq!(Ended { status: 10, port_down: true, ..Ended::default() }.fate(), Fate::Fail, "a wrong request fails on any NIC");
+    }
+
+    #[test]
+    fn a_port_back_up_ends_only_its_own_pairs_pauses() {
+        let until = Instant::now() + PAUSE;
+        let mut paused: HashMap<EpKey, Instant> = HashMap::new();
+        paused.insert(("a:1".into(), 0, "rxe0".into()), until);
+        paused.insert(("b:1".into(), 0, "rxe1".into()), until);
+        paused.insert(("a:1".into(), 1, "rxe0".into()), until);
+        assert_eq!(unpause_nic(&mut paused, 0), 2);
+        assert_eq!(paused.len(), 1);
+        assert!(paused.contains_key(&("a:1".to_string(), 1, "rxe0".to_string())), "another NIC's pause stays");
+        assert_eq!(unpause_nic(&mut paused, 0), 0);
     }
 
     #[test]
