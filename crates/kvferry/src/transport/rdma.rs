@@ -1146,6 +1146,10 @@ impl Shared {
             // requests in flight) or past the deadline (past which nothing is posted).
             let stop = if self.shut.load(Ordering::Acquire) {
                 Some((FailKind::Failed, FailCause::ShutDown, "the engine shut down; the rest of the request is not posted".to_string()))
+            } else if let Some(f) = piece.failure.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+                // Another slice failed for good (a refused key, say): the piece has failed,
+                // and posting the rest would only fail it again, breaking another endpoint.
+                Some(f)
             } else if piece.guard.is_revoked() {
                 Some((FailKind::Failed, FailCause::LocalNotRegistered, "the local range is being unregistered; the rest of the request is not posted".to_string()))
             } else if Instant::now() >= deadline {
@@ -1176,6 +1180,13 @@ impl Shared {
                 for _ in chain {
                     piece.slice_end(Err((FailKind::Timeout, FailCause::Timeout, format!("{CQ_DEPTH} work requests already in flight on {} at the deadline", self.nics[nic].name))));
                 }
+                continue;
+            }
+            if ep.broken.load(Ordering::Acquire) || ep.expired.load(Ordering::Acquire) {
+                // Flushed while this waited for credits (which a flush gives back).
+                ep.credits.release(n);
+                nic_credits.release(n);
+                self.retry_later(chain.iter().map(|&(idx, retries)| Retry { piece: Arc::clone(piece), idx, retries, avoid: None }).collect());
                 continue;
             }
             let ids: Vec<u64> = chain.iter().map(|_| self.next_wr.fetch_add(1, Ordering::Relaxed)).collect();
@@ -1232,8 +1243,12 @@ impl Shared {
         for r in retries {
             let peer = r.piece.peer.name.clone();
             if let Err(Work::Retry(r)) = self.posters.send(&peer, Work::Retry(r)) {
-                let why = if self.shut.load(Ordering::Acquire) { "the engine shut down before a failed request could be posted again" } else { "no posting thread could be started to post a failed request again" };
-                r.piece.slice_end(Err((FailKind::Failed, FailCause::ShutDown, why.into())));
+                let (cause, why) = if self.shut.load(Ordering::Acquire) {
+                    (FailCause::ShutDown, "the engine shut down before a failed request could be posted again")
+                } else {
+                    (FailCause::Other, "no posting thread could be started to post a failed request again")
+                };
+                r.piece.slice_end(Err((FailKind::Failed, cause, why.into())));
             }
         }
     }
@@ -1281,6 +1296,8 @@ impl Shared {
                 Some((FailKind::Failed, FailCause::ShutDown, "the engine shut down before a failed request could be posted again".to_string()))
             } else if r.piece.guard.is_revoked() {
                 Some((FailKind::Failed, FailCause::LocalNotRegistered, "the local range is being unregistered; a failed request is not posted again".to_string()))
+            } else if let Some(f) = r.piece.failure.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+                Some(f)
             } else if r.piece.task.deadline() <= now {
                 Some((FailKind::Timeout, FailCause::Timeout, "the deadline passed before a flushed or failed request could be posted again".to_string()))
             } else {
@@ -1401,8 +1418,10 @@ impl Shared {
             v
         };
         for ep in late {
-            ep.expired.store(true, Ordering::Release);
+            // Out of the cache before it is marked: a posting thread that sees the mark
+            // chooses anew and must not get it back.
             self.forget(&ep);
+            ep.expired.store(true, Ordering::Release);
             for qp in &ep.qps {
                 if let Err(e) = qp.set_error() {
                     tracing::warn!("RDMA: flushing a QP (past its deadline, its port down or shutting down) failed: {e}");

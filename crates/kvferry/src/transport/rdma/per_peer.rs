@@ -97,26 +97,38 @@ impl<W: Send + 'static> PerPeer<W> {
     }
 }
 
-/// Counts its thread out as it ends, however it ends (a handler that panics included), and
-/// hands whatever is still queued to `gone`.
+/// Counts its thread out as it ends, however it ends (a handler that panics included): its
+/// queue leaves the map first (if still there: so nothing more is sent to it), then whatever
+/// is still queued goes to `gone`.
 struct Ending<'a, W> {
     st: &'a Mutex<State<W>>,
+    peer: &'a str,
+    id: u64,
     rx: &'a Receiver<W>,
     gone: &'a (dyn Fn(W) + Send + Sync),
 }
 
 impl<W> Drop for Ending<'_, W> {
     fn drop(&mut self) {
+        let lock = || self.st.lock().unwrap_or_else(|e| e.into_inner());
+        let mine = {
+            let mut g = lock();
+            match g.queues.as_mut() {
+                Some(q) if q.get(self.peer).is_some_and(|(id, _)| *id == self.id) => q.remove(self.peer),
+                _ => None,
+            }
+        };
+        drop(mine); // (its sender: the queue holds only what was sent before)
         while let Ok(work) = self.rx.try_recv() {
             (self.gone)(work);
         }
-        self.st.lock().unwrap_or_else(|e| e.into_inner()).live -= 1;
+        lock().live -= 1;
     }
 }
 
 fn run<W>(st: &Mutex<State<W>>, peer: &str, id: u64, rx: &Receiver<W>, idle: Duration, handler: &(dyn Fn(&str, W, &Receiver<W>) + Send + Sync), gone: &(dyn Fn(W) + Send + Sync)) {
     let lock = || st.lock().unwrap_or_else(|e| e.into_inner());
-    let _ending = Ending { st, rx, gone };
+    let _ending = Ending { st, peer, id, rx, gone };
     loop {
         match rx.recv_timeout(idle) {
             Ok(work) => {

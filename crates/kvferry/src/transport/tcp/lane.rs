@@ -124,9 +124,10 @@ fn refresh_queued(hook: &RefusedHook, name: &str, target: SocketAddr, queue: &Mu
                 }
             }
         };
-        let now = Instant::now();
         for (pieces, why) in next {
-            // Pieces that waited here past their deadline end now, unrefreshed.
+            // Pieces that waited here past their deadline end now, unrefreshed (the clock
+            // read per batch: a refresh before may have taken long).
+            let now = Instant::now();
             let (late, go): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| p.task.deadline() <= now);
             for p in late {
                 p.task.piece_failed(FailKind::Timeout, FailCause::Timeout.because(format!("the deadline passed while {name}'s descriptor was being re-read")));
