@@ -28,6 +28,14 @@ struct Master {
     child: Child,
     rpc: String,
     http: String,
+    /// Its stderr (the log), printed when the test fails, removed after.
+    log: std::path::PathBuf,
+}
+
+/// A fresh file for a master's log.
+fn log_file() -> std::path::PathBuf {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    std::env::temp_dir().join(format!("kvferry-store-ha-{}-{}.log", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)))
 }
 
 impl Master {
@@ -69,14 +77,16 @@ impl Master {
             }
             None => Command::new(env!("CARGO_BIN_EXE_kvferry")),
         };
-        let mut child = cmd.args(&args).env_remove("MC_STORE_CLUSTER_ID").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn kvferry master");
+        let log = log_file();
+        let err = std::fs::File::create(&log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
+        let mut child = cmd.args(&args).env_remove("MC_STORE_CLUSTER_ID").env("KVFERRY_LOG", "info").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(err).spawn().expect("spawn kvferry master");
         let mut line = String::new();
         BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("the master's line");
         assert!(line.starts_with("KVFERRY_MASTER"), "{line:?}");
         let field = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap_or_default().to_string();
         let key = kvferry_store::ha::master_view_key(cluster.unwrap_or(kvferry_store::ha::DEFAULT_CLUSTER_ID));
         assert_eq!(field("ha="), key, "{line}");
-        Master { child, rpc: field("rpc="), http: field("http=") }
+        Master { child, rpc: field("rpc="), http: field("http="), log }
     }
 
     fn role(&self) -> String {
@@ -96,6 +106,13 @@ impl Master {
 impl Drop for Master {
     fn drop(&mut self) {
         self.kill(); // SIGKILL ends a stopped process too
+        if std::thread::panicking() {
+            // What the master said, for the failure's reader (its last 60 lines).
+            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            eprintln!("--- master {} (pid {}), its log's end:\n{}", self.rpc, self.child.id(), lines[lines.len().saturating_sub(60)..].join("\n"));
+        }
+        let _ = std::fs::remove_file(&self.log);
     }
 }
 
@@ -113,6 +130,54 @@ fn http_get(addr: &str, path: &str) -> (u16, String) {
     s.read_to_string(&mut out).expect("answer");
     let code = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
     (code, out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+}
+
+/// Pings `clients` every 500 ms at each address given to it, as live clients do (a standby's
+/// or a dead master's refusal ignored), until dropped.
+struct Pinger {
+    addrs: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Pinger {
+    fn start(clients: Vec<u64>) -> Pinger {
+        let addrs: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+        let stop: std::sync::Arc<std::sync::atomic::AtomicBool> = Default::default();
+        let (a, st) = (addrs.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            while !st.load(std::sync::atomic::Ordering::Relaxed) {
+                let now: Vec<String> = a.lock().unwrap().clone();
+                for addr in &now {
+                    let Ok(sa) = addr.parse::<std::net::SocketAddr>() else { continue };
+                    let Ok(mut c) = TcpStream::connect_timeout(&sa, Duration::from_millis(500)) else { continue };
+                    let _ = c.set_read_timeout(Some(Duration::from_secs(1)));
+                    let pings = Request::Batch(clients.iter().map(|&client| Request::Ping { client }).collect());
+                    let Ok(frame) = proto::encode(&pings) else { continue };
+                    let mut prefix = [0u8; 4];
+                    if c.write_all(&frame).is_ok() && c.read_exact(&mut prefix).is_ok() {
+                        let mut body = vec![0u8; proto::decode_len(prefix).unwrap_or(0)];
+                        let _ = c.read_exact(&mut body);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        });
+        Pinger { addrs, stop, thread: Some(thread) }
+    }
+
+    fn add(&self, addr: &str) {
+        self.addrs.lock().unwrap().push(addr.to_string());
+    }
+}
+
+impl Drop for Pinger {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// One request over a raw RPC connection.
@@ -761,9 +826,14 @@ fn a_takeover_longer_than_the_lease_ttl_still_leads_with_every_object() {
     let n: u64 = std::env::var("KVFERRY_TEST_TAKEOVER_OBJECTS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_200_000);
     let cluster = "c-long-takeover";
     let (mut ms, l, s) = in_sync_pair(etcd_svc.port, Some(cluster), false);
-    // The objects, metadata only (no bytes move): 4 connections, 1024 keys a request.
-    let filled = Instant::now();
+    // The objects, metadata only (no bytes move): 4 connections, 1024 keys a request. Their
+    // clients ping throughout, as live ones do (unpinged for the client TTL, 10 s, which a
+    // loaded machine's fill or image transfer can outlast, their objects were dropped).
     let threads = 4u64;
+    let pinger = Pinger::start((500..500 + threads).collect());
+    pinger.add(&ms[l].rpc);
+    pinger.add(&ms[s].rpc);
+    let filled = Instant::now();
     std::thread::scope(|sc| {
         for t in 0..threads {
             let addr = ms[l].rpc.clone();
@@ -776,8 +846,16 @@ fn a_takeover_longer_than_the_lease_ttl_still_leads_with_every_object() {
                 for chunk in keys.chunks(1024) {
                     let starts = Request::Batch(chunk.iter().map(|i| Request::PutStart { client, key: format!("o{i}"), size: 4096, config: ReplicateConfig::default(), upsert: false, put: *i + 1 }).collect());
                     let ends = Request::Batch(chunk.iter().map(|i| Request::PutEnd { client, key: format!("o{i}"), put: *i + 1 }).collect());
-                    assert!(matches!(rpc(&mut c, &starts), Response::Batch(_)));
-                    assert!(matches!(rpc(&mut c, &ends), Response::Batch(v) if v.iter().all(|r| *r == Response::Ok)));
+                    let r = rpc(&mut c, &starts);
+                    assert!(matches!(&r, Response::Batch(v) if v.len() == chunk.len() && !v.iter().any(|r| matches!(r, Response::Err(_)))), "starting puts: {:?}", match &r {
+                        Response::Batch(v) => v.iter().find(|r| matches!(r, Response::Err(_))),
+                        other => Some(other),
+                    });
+                    let r = rpc(&mut c, &ends);
+                    assert!(matches!(&r, Response::Batch(v) if v.iter().all(|r| *r == Response::Ok)), "ending puts: {:?}", match &r {
+                        Response::Batch(v) => v.iter().find(|r| **r != Response::Ok),
+                        other => Some(other),
+                    });
                 }
             });
         }
@@ -800,6 +878,7 @@ fn a_takeover_longer_than_the_lease_ttl_still_leads_with_every_object() {
     // hands off and exits, so a master started afterwards loads every object from etcd.
     // (Stopped at once, it took the only copy with it, and the next master started empty.)
     ms[l] = Master::start(etcd_svc.port, Some(cluster), false);
+    pinger.add(&ms[l].rpc);
     wait_insync(&ms[s], &[ms[l].rpc.as_str()], Duration::from_secs(60));
     let killed = Instant::now();
     ms[s].kill();
@@ -821,6 +900,7 @@ fn a_takeover_longer_than_the_lease_ttl_still_leads_with_every_object() {
     }
     eprintln!("a standby stopped as it won the key ({won:?} after the leader was killed) exited after {:?}", killed.elapsed());
     ms[s] = Master::start(etcd_svc.port, Some(cluster), false);
+    pinger.add(&ms[s].rpc);
     wait_leader(&ms[s], Duration::from_secs(60), "a master started afterwards did not lead");
     let mut c = raw(&ms[s].rpc);
     for i in &sample {
