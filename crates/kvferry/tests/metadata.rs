@@ -606,6 +606,46 @@ fn one_name_raced_by_engines_starting_together() {
     }
 }
 
+/// A removal of what was seen takes only that write: on etcd, an identical entry written
+/// again since (the dead engine restarted at its address and registered anew, between
+/// another engine's look and its removal) stays (the write is compared, `mod_revision`); a
+/// changed value stays on every backend; an unchanged one goes. Before, etcd compared the
+/// value alone and removed the restarted engine's entry.
+fn removal_takes_only_the_write_seen(url: &str, tells_rewrites: bool) {
+    let s = raw_store(url);
+    let key = Keys::new(None).rpc_meta("seen");
+    s.put(&key, b"v1").unwrap();
+    let seen = s.get_seen(&key).unwrap().expect("present");
+    assert_eq!(seen.value, b"v1");
+    assert_eq!(seen.revision.is_some(), tells_rewrites, "{url}: {seen:?}");
+    // Rewritten with the same value.
+    s.remove(&key).unwrap();
+    s.put(&key, b"v1").unwrap();
+    let removed = s.remove_if(&key, &seen).unwrap();
+    assert_eq!(removed, !tells_rewrites, "{url}: an identical rewrite {}", if tells_rewrites { "was removed" } else { "is not told apart here" });
+    s.put(&key, b"v1").unwrap();
+    // Changed: never removed.
+    let seen = s.get_seen(&key).unwrap().expect("present");
+    s.put(&key, b"v2").unwrap();
+    assert!(!s.remove_if(&key, &seen).unwrap(), "{url}: a changed value was removed");
+    assert_eq!(s.get(&key).unwrap().as_deref(), Some(&b"v2"[..]));
+    // Unchanged: removed.
+    let seen = s.get_seen(&key).unwrap().expect("present");
+    assert!(s.remove_if(&key, &seen).unwrap(), "{url}: the entry seen was not removed");
+    assert_eq!(s.get(&key).unwrap(), None);
+    assert!(!s.remove_if(&key, &seen).unwrap(), "{url}: removed twice");
+}
+
+#[test]
+fn a_removal_of_what_was_seen_leaves_what_was_written_since() {
+    if let Some(svc) = Service::etcd() {
+        removal_takes_only_the_write_seen(&svc.url(), true);
+    }
+    if let Some(svc) = Service::redis() {
+        removal_takes_only_the_write_seen(&svc.url(), false);
+    }
+}
+
 #[test]
 fn redis_restarted_engines_reregister() {
     let Some(mut svc) = Service::redis() else { return };

@@ -10,7 +10,7 @@
 //! granted and the keeper re-publishes. A crashed engine stops renewing, so its entries vanish
 //! by themselves after the TTL. [`MetadataStore::close`] revokes the lease.
 
-use super::{Backend, MetadataStore, StoreOptions};
+use super::{Backend, MetadataStore, Seen, StoreOptions};
 use crate::error::{Error, Result};
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine as _;
@@ -354,6 +354,18 @@ impl EtcdClient {
         self.call(&format!("DELETE {key}"), "/v3/kv/deleterange", json!({ "key": B64.encode(key) })).map(drop)
     }
 
+    /// Deletes `key` only if its last write is `mod_revision` (one transaction); whether it
+    /// did.
+    pub fn delete_if_revision(&self, key: &str, mod_revision: i64) -> Result<bool> {
+        let k = B64.encode(key);
+        let body = json!({
+            "compare": [Cond::ModRevision(key.to_string(), mod_revision).compare()],
+            "success": [{ "request_delete_range": { "key": k } }],
+        });
+        let v = self.call(&format!("DELETE {key} (if not written since)"), "/v3/kv/txn", body)?;
+        Ok(v.get("succeeded").and_then(Value::as_bool).unwrap_or(false))
+    }
+
     /// Deletes `key` only if it holds `value` (one transaction); whether it did.
     pub fn delete_if_value(&self, key: &str, value: &[u8]) -> Result<bool> {
         let k = B64.encode(key);
@@ -424,8 +436,16 @@ impl MetadataStore for EtcdStore {
         self.client.delete(key)
     }
 
-    fn remove_if(&self, key: &str, value: &[u8]) -> Result<bool> {
-        self.client.delete_if_value(key, value)
+    fn get_seen(&self, key: &str) -> Result<Option<Seen>> {
+        self.client.get_kv(key).map(|kv| kv.map(|kv| Seen { value: kv.value, revision: Some(kv.mod_revision) }))
+    }
+
+    /// One transaction comparing the write (`mod_revision`) when `seen` has it, else the value.
+    fn remove_if(&self, key: &str, seen: &Seen) -> Result<bool> {
+        match seen.revision {
+            Some(rev) => self.client.delete_if_revision(key, rev),
+            None => self.client.delete_if_value(key, &seen.value),
+        }
     }
 
     /// One transaction: created under this store's lease if absent (`create_revision == 0`).

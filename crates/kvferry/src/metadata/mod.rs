@@ -199,6 +199,15 @@ impl StoreOptions {
     }
 }
 
+/// A value as [`MetadataStore::get_seen`] read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seen {
+    pub value: Vec<u8>,
+    /// The write that left it (etcd's `mod_revision`: a rewrite of the same value has
+    /// another); `None` where the backend has no such number.
+    pub revision: Option<i64>,
+}
+
 /// One metadata backend: a key-value store with Mooncake's keys and values.
 ///
 /// Every call is bounded in time ([`StoreOptions::timeout`]); errors name the backend and
@@ -221,15 +230,22 @@ pub trait MetadataStore: Send + Sync {
     fn create(&self, key: &str, value: &[u8]) -> Result<bool> {
         create_by_look(self, key, value)
     }
-    /// Removes `key` only if it still holds `value`: whether it did. What replacing a dead
-    /// engine's entry relies on, so that of engines replacing it at once none removes the
-    /// entry another one just made. The default (get, compare, remove) is not atomic; etcd
-    /// and Redis override it with one that is; Mooncake's HTTP contract has no such
+    /// As [`MetadataStore::get`], with what tells this write of the value from a later
+    /// write of the same value ([`Seen::revision`]: etcd's `mod_revision`; elsewhere none).
+    fn get_seen(&self, key: &str) -> Result<Option<Seen>> {
+        Ok(self.get(key)?.map(|value| Seen { value, revision: None }))
+    }
+    /// Removes `key` only if it still holds what `seen` saw: whether it did. What replacing
+    /// a dead engine's entry relies on, so that of engines replacing it at once none removes
+    /// the entry another one just made. With a revision (etcd) the write itself is compared,
+    /// so an identical entry written since (the dead engine restarted at its address) stays;
+    /// without one (Redis) the value is. The default (get, compare, remove) is not atomic;
+    /// etcd and Redis override it with one that is; Mooncake's HTTP contract has no such
     /// operation, so over HTTP two engines replacing one dead entry at the same instant can
     /// still both take the name.
-    fn remove_if(&self, key: &str, value: &[u8]) -> Result<bool> {
+    fn remove_if(&self, key: &str, seen: &Seen) -> Result<bool> {
         match self.get(key)? {
-            Some(v) if v == value => self.remove(key).map(|()| true),
+            Some(v) if v == seen.value => self.remove(key).map(|()| true),
             _ => Ok(false),
         }
     }
@@ -407,9 +423,10 @@ impl Directory {
         // Each round either creates the entry, finds it live, or removes a dead one (which
         // another engine may then take first: then the next round finds it live).
         for _ in 0..4 {
-            if let Some(old) = self.store.get(&key)? {
-                match decode_rpc_meta(&old) {
-                    Ok(m) if old != value && alive(&m) => {
+            if let Some(seen) = self.store.get_seen(&key)? {
+                let old = &seen.value;
+                match decode_rpc_meta(old) {
+                    Ok(m) if *old != value && alive(&m) => {
                         return Err(refused(format!(
                             "segment name {name:?} is already registered by a live engine at {}:{}; give this engine another local_hostname (central mode uses it as the segment name) or stop the other one",
                             m.ip_or_host_name, m.rpc_port
@@ -420,8 +437,9 @@ impl Directory {
                         // identical one (this engine's own, left by a crash) may be under an
                         // etcd lease about to expire: remove it.
                         tracing::info!(segment = name, "replacing an rpc_meta entry whose engine no longer answers");
-                        // (Not removed if it changed meanwhile: another engine replaced it.)
-                        self.store.remove_if(&key, &old)?;
+                        // (Not removed if it was written again meanwhile: another engine
+                        // replaced it, or its own restarted.)
+                        self.store.remove_if(&key, &seen)?;
                     }
                 }
             }

@@ -5,7 +5,7 @@
 //! (`redis://[user:pass@]host:port[/db]`, parsed by [`super::ConnString`] as Mooncake does) or
 //! `MC_REDIS_USERNAME`/`MC_REDIS_PASSWORD`/`MC_REDIS_DB_INDEX`.
 
-use super::{Backend, MetadataStore, StoreOptions};
+use super::{Backend, MetadataStore, Seen, StoreOptions};
 use crate::error::{Error, Result};
 use redis::io::tcp::TcpSettings;
 use redis::{ConnectionAddr, ConnectionLike, ErrorKind, IntoConnectionInfo, RedisConnectionInfo, RedisError, Value};
@@ -183,10 +183,11 @@ impl MetadataStore for RedisStore {
         self.call(&format!("DEL {key}"), redis::cmd("DEL").arg(key)).map(|_| ())
     }
 
-    /// A script (Redis runs one at a time): `DEL` only if `GET` gives `value`.
-    fn remove_if(&self, key: &str, value: &[u8]) -> Result<bool> {
+    /// A script (Redis runs one at a time): `DEL` only if `GET` gives the value seen (Redis
+    /// keeps no revision: an identical value written since is not told apart).
+    fn remove_if(&self, key: &str, seen: &Seen) -> Result<bool> {
         const SCRIPT: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
-        match self.call(&format!("DEL {key} (if unchanged)"), redis::cmd("EVAL").arg(SCRIPT).arg(1).arg(key).arg(value))? {
+        match self.call(&format!("DEL {key} (if unchanged)"), redis::cmd("EVAL").arg(SCRIPT).arg(1).arg(key).arg(&seen.value[..]))? {
             Value::Int(n) => Ok(n > 0),
             other => Err(self.err(format!("DEL {key} (if unchanged): unexpected reply {other:?}"))),
         }
