@@ -81,8 +81,14 @@ impl Master {
         let err = std::fs::File::create(&log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
         let mut child = cmd.args(&args).env_remove("MC_STORE_CLUSTER_ID").env("KVFERRY_LOG", "info").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(err).spawn().expect("spawn kvferry master");
         let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("the master's line");
-        assert!(line.starts_with("KVFERRY_MASTER"), "{line:?}");
+        let read = BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line);
+        if read.is_err() || !line.starts_with("KVFERRY_MASTER") {
+            let _ = child.kill();
+            let _ = child.wait();
+            let said = std::fs::read_to_string(&log).unwrap_or_default();
+            let _ = std::fs::remove_file(&log);
+            panic!("the master did not start ({read:?}, its first line {line:?}); its log:\n{said}");
+        }
         let field = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap_or_default().to_string();
         let key = kvferry_store::ha::master_view_key(cluster.unwrap_or(kvferry_store::ha::DEFAULT_CLUSTER_ID));
         assert_eq!(field("ha="), key, "{line}");

@@ -196,6 +196,9 @@ struct Nic {
     credits: Credits,
     /// Its port is not ACTIVE (read by its poller every [`TICK`], `Shared::check_port`).
     down: AtomicBool,
+    /// Times its port came back ACTIVE: a connect that fails across a change (it began as the
+    /// link went or while it was down) failed for the link, and pauses nothing.
+    ups: AtomicU64,
     /// Its poller has ended (shutdown): set and read under `inflight`'s lock, so nothing is
     /// posted that no poller would complete.
     closed: AtomicBool,
@@ -695,7 +698,7 @@ impl RdmaTransport {
                 let gid = ctx.query_gid(PORT, gid_index)?;
                 let pd = ctx.alloc_pd()?;
                 let cq = ctx.create_cq(CQ_DEPTH)?;
-                Ok(Nic { name: n.name.clone(), pd, cq, attr, gid_index, gid, inflight: Mutex::default(), credits: Credits::new(CQ_DEPTH), down: AtomicBool::new(false), closed: AtomicBool::new(false), ctx })
+                Ok(Nic { name: n.name.clone(), pd, cq, attr, gid_index, gid, inflight: Mutex::default(), credits: Credits::new(CQ_DEPTH), down: AtomicBool::new(false), ups: AtomicU64::new(0), closed: AtomicBool::new(false), ctx })
             })();
             match opened {
                 Ok(nic) => nics.push(nic),
@@ -1115,10 +1118,17 @@ impl Shared {
                     break;
                 }
                 let dev = &piece.routes[nic].0;
+                let ups = self.nics[nic].ups.load(Ordering::Acquire);
                 match self.endpoint(&piece.peer, desc, nic, dev) {
                     Ok(ep) => {
                         self.paused.lock().unwrap_or_else(|e| e.into_inner()).remove(&key(nic));
                         usable.push((nic, ep));
+                    }
+                    Err(e) if self.nics[nic].down.load(Ordering::Acquire) || self.nics[nic].ups.load(Ordering::Acquire) != ups => {
+                        // Its link is down (it counts as paused while it is), or came back
+                        // while this connect ran: a pause would outlast the link's return.
+                        tracing::info!("RDMA: not using {} -> {}@{} (its link went down or came back meanwhile): {e}", self.nics[nic].name, piece.peer.name, dev.name);
+                        why_not.push(e);
                     }
                     Err(e) => {
                         tracing::warn!("RDMA: not using {} -> {}@{} for {PAUSE:?}: {e}", self.nics[nic].name, piece.peer.name, dev.name);
@@ -1229,7 +1239,11 @@ impl Shared {
                 ep.credits.release((ids.len() - posted) as u32);
                 nic_credits.release((ids.len() - posted) as u32);
                 self.forget(ep);
-                self.pause(&ep.key);
+                if !ep.expired.load(Ordering::Acquire) && !ep.broken.load(Ordering::Acquire) {
+                    // (Refused on QPs flushed since the check above, by a deadline or another
+                    // failure, says nothing of the pair.)
+                    self.pause(&ep.key);
+                }
                 for sl in unposted {
                     self.failed(sl, POST_FAILED, &why);
                 }
@@ -1394,6 +1408,7 @@ impl Shared {
                 // A pair that failed to connect while the link was down (or in the moment
                 // before this poller saw it go) failed for the link: it is tried again now,
                 // not when its pause ends.
+                n.ups.fetch_add(1, Ordering::AcqRel);
                 let unpaused = unpause_nic(&mut self.paused.lock().unwrap_or_else(|e| e.into_inner()), nic);
                 tracing::info!("RDMA: the port of {} is ACTIVE again ({unpaused} of its NIC pairs paused while it was down are tried again)", n.name);
             }
@@ -1532,15 +1547,21 @@ fn poster(w: Weak<Shared>) -> per_peer::Handler<Work> {
     })
 }
 
-/// Work that can no longer be posted (the engine shut down).
+/// Work that can no longer be posted: the engine shut down, or the peer's posting thread
+/// panicked (what was queued behind the work it was doing).
 fn gone(work: Work) {
+    let (cause, why) = if std::thread::panicking() {
+        (FailCause::Other, "the peer's posting thread failed (a bug: see the log) before it posted this")
+    } else {
+        (FailCause::ShutDown, "the engine is shut down")
+    };
     match work {
         Work::Job(job) => {
             for p in job.pieces {
-                fail_piece(p, FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into());
+                fail_piece(p, FailKind::Failed, cause, why.into());
             }
         }
-        Work::Retry(r) => r.piece.slice_end(Err((FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into()))),
+        Work::Retry(r) => r.piece.slice_end(Err((FailKind::Failed, cause, why.into()))),
     }
 }
 
