@@ -24,6 +24,7 @@
 
 mod errors;
 mod memory;
+mod reg_order;
 mod store;
 
 use errors::{raise, Kind};
@@ -118,13 +119,14 @@ pub struct Core {
     batch_pins: Mutex<HashMap<BatchId, Py<PyAny>>>,
     /// The same for registered ranges (by start address): held until unregister returned.
     reg_pins: Mutex<HashMap<u64, Py<PyAny>>>,
-    /// Held (without the GIL) across a registration or unregistration and its pins' update,
-    /// so that the engine's ranges and `reg_pins` change together: two threads registering
-    /// and unregistering one buffer could otherwise interleave the two, and an unregister
-    /// drop the pin of the registration made just after it, leaving registered memory that
-    /// nothing keeps alive. (Not `reg_pins` itself: `pin_of` takes that with the GIL held,
-    /// and an unregister may wait seconds for accesses in progress.)
-    reg_order: Mutex<()>,
+    /// The addresses of a registration or unregistration, claimed (without the GIL) across
+    /// the engine call and its pins' update, so that the engine's ranges and `reg_pins`
+    /// change together for each address: two threads registering and unregistering one
+    /// buffer could otherwise interleave the two, and an unregister drop the pin of the
+    /// registration made just after it, leaving registered memory that nothing keeps alive.
+    /// Per address, so calls on other buffers go on (an unregister may wait seconds for
+    /// accesses in progress). (Not `reg_pins` itself: `pin_of` takes that with the GIL held.)
+    reg_order: reg_order::RegOrder,
     /// The process that created the engine: in another one (a fork() child) every method
     /// raises and dropping only forgets (see `Drop`).
     pid: u32,
@@ -337,7 +339,7 @@ impl Core {
             zombies: Mutex::default(),
             batch_pins: Mutex::default(),
             reg_pins: Mutex::default(),
-            reg_order: Mutex::default(),
+            reg_order: reg_order::RegOrder::default(),
             closed_flag: Arc::default(),
             pid: std::process::id(),
         })
@@ -414,7 +416,7 @@ impl Core {
         // The pins that go (those of a failed registration, or replaced) come back out, to
         // be dropped with the GIL.
         let (result, gone) = py.detach(|| {
-            let _order = lock(&self.reg_order);
+            let _order = self.reg_order.claim(&addrs);
             match engine.register_memory_batch(&ranges, &location) {
                 Err(e) => (Err(e), pins.into_iter().flatten().collect::<Vec<_>>()),
                 Ok(()) => {
@@ -433,7 +435,7 @@ impl Core {
     fn unregister(&self, py: Python<'_>, addrs: Vec<u64>) -> PyResult<()> {
         let engine = self.engine(py)?;
         let (result, pins) = py.detach(|| {
-            let _order = lock(&self.reg_order);
+            let _order = self.reg_order.claim(&addrs);
             match engine.unregister_memory_batch(&addrs) {
                 Err(e) => (Err(e), Vec::new()),
                 // Unregistering waited for accesses in progress: the memory may go now.
