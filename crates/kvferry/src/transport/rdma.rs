@@ -392,6 +392,14 @@ struct Endpoint {
     last_use: AtomicU64,
 }
 
+impl Endpoint {
+    /// Moved to the error state by us (a deadline, a port down, another failure): what fails
+    /// or is refused on it now says nothing of the pair.
+    fn flushed(&self) -> bool {
+        self.expired.load(Ordering::Acquire) || self.broken.load(Ordering::Acquire)
+    }
+}
+
 /// (peer segment, local NIC index, peer NIC name).
 type EpKey = (String, usize, String);
 
@@ -1124,15 +1132,12 @@ impl Shared {
                         self.paused.lock().unwrap_or_else(|e| e.into_inner()).remove(&key(nic));
                         usable.push((nic, ep));
                     }
-                    Err(e) if self.nics[nic].down.load(Ordering::Acquire) || self.nics[nic].ups.load(Ordering::Acquire) != ups => {
-                        // Its link is down (it counts as paused while it is), or came back
-                        // while this connect ran: a pause would outlast the link's return.
-                        tracing::info!("RDMA: not using {} -> {}@{} (its link went down or came back meanwhile): {e}", self.nics[nic].name, piece.peer.name, dev.name);
-                        why_not.push(e);
-                    }
                     Err(e) => {
-                        tracing::warn!("RDMA: not using {} -> {}@{} for {PAUSE:?}: {e}", self.nics[nic].name, piece.peer.name, dev.name);
-                        self.paused.lock().unwrap_or_else(|e| e.into_inner()).insert(key(nic), Instant::now() + PAUSE);
+                        if self.pause(&key(nic), ups) {
+                            tracing::warn!("RDMA: not using {} -> {}@{} for {PAUSE:?}: {e}", self.nics[nic].name, piece.peer.name, dev.name);
+                        } else {
+                            tracing::info!("RDMA: not using {} -> {}@{} (its link went down or came back meanwhile): {e}", self.nics[nic].name, piece.peer.name, dev.name);
+                        }
                         why_not.push(e);
                     }
                 }
@@ -1149,6 +1154,10 @@ impl Shared {
     fn post_slices(&self, piece: &Arc<PieceState>, nic: usize, ep: &Arc<Endpoint>, slices: &[(u32, u8)], deadline: Instant) {
         let rkey = piece.routes[nic].1;
         let nic_credits = &self.nics[nic].credits;
+        let ups = self.nics[nic].ups.load(Ordering::Acquire);
+        // A chain whose endpoint was flushed since it was chosen goes to a pair chosen anew
+        // (uncounted; after what this peer's posting thread has queued).
+        let again = |chain: &[(u32, u8)]| self.retry_later(chain.iter().map(|&(idx, retries)| Retry { piece: Arc::clone(piece), idx, retries, avoid: None }).collect());
         for chain in slices.chunks(CHAIN) {
             let n = chain.len() as u32;
             // Checked per chain: a connect or a wait for credits before it may have taken
@@ -1173,10 +1182,8 @@ impl Shared {
                 }
                 continue;
             }
-            if ep.broken.load(Ordering::Acquire) || ep.expired.load(Ordering::Acquire) {
-                // Flushed since this endpoint was chosen: the rest goes to a pair chosen anew
-                // (uncounted; after what this peer's posting thread has queued).
-                self.retry_later(chain.iter().map(|&(idx, retries)| Retry { piece: Arc::clone(piece), idx, retries, avoid: None }).collect());
+            if ep.flushed() {
+                again(chain);
                 continue;
             }
             if !ep.credits.acquire(n, deadline) {
@@ -1192,11 +1199,11 @@ impl Shared {
                 }
                 continue;
             }
-            if ep.broken.load(Ordering::Acquire) || ep.expired.load(Ordering::Acquire) {
+            if ep.flushed() {
                 // Flushed while this waited for credits (which a flush gives back).
                 ep.credits.release(n);
                 nic_credits.release(n);
-                self.retry_later(chain.iter().map(|&(idx, retries)| Retry { piece: Arc::clone(piece), idx, retries, avoid: None }).collect());
+                again(chain);
                 continue;
             }
             let ids: Vec<u64> = chain.iter().map(|_| self.next_wr.fetch_add(1, Ordering::Relaxed)).collect();
@@ -1239,10 +1246,8 @@ impl Shared {
                 ep.credits.release((ids.len() - posted) as u32);
                 nic_credits.release((ids.len() - posted) as u32);
                 self.forget(ep);
-                if !ep.expired.load(Ordering::Acquire) && !ep.broken.load(Ordering::Acquire) {
-                    // (Refused on QPs flushed since the check above, by a deadline or another
-                    // failure, says nothing of the pair.)
-                    self.pause(&ep.key);
+                if !ep.flushed() {
+                    self.pause(&ep.key, ups);
                 }
                 for sl in unposted {
                     self.failed(sl, POST_FAILED, &why);
@@ -1267,9 +1272,18 @@ impl Shared {
         }
     }
 
-    /// Leaves the NIC pair of `key` alone for [`PAUSE`] (tried only when no other works).
-    fn pause(&self, key: &EpKey) {
+    /// Leaves the NIC pair of `key` alone for [`PAUSE`] (tried only when no other works),
+    /// after an attempt on it that began when its local port had come back `ups` times;
+    /// whether it did. Not when that port is down (it counts as paused while it is) or came
+    /// back since (the attempt failed for the link): a pause would outlast the link's return.
+    /// (A port that comes back ends the pauses made before: [`Shared::check_port`].)
+    fn pause(&self, key: &EpKey, ups: u64) -> bool {
+        let nic = &self.nics[key.1];
+        if nic.down.load(Ordering::Acquire) || nic.ups.load(Ordering::Acquire) != ups {
+            return false;
+        }
         self.paused.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), Instant::now() + PAUSE);
+        true
     }
 
     /// A slice whose work request failed with `status` (`why`): ends it, or hands it to the
@@ -1278,7 +1292,7 @@ impl Shared {
         let Slice { piece, ep, idx, nic, retries } = sl;
         let expired = ep.expired.load(Ordering::Acquire);
         let past = piece.task.deadline() <= Instant::now();
-        let flushed_by_us = expired || ep.broken.load(Ordering::Acquire);
+        let flushed_by_us = ep.flushed();
         let piece_failed = piece.failure.lock().unwrap_or_else(|e| e.into_inner()).is_some();
         let fate = Ended { status, flushed_for_deadline: flushed_by_us, past_deadline: past, shut: self.shut.load(Ordering::Acquire), revoked: piece.guard.is_revoked(), retries, port_down: self.nics[nic].down.load(Ordering::Acquire), piece_failed }.fate();
         let name = &self.nics[nic].name;
@@ -1358,10 +1372,10 @@ impl Shared {
             Err(e) => {
                 // The QP is in the error state now: rebuilt on next use.
                 self.forget(&s.ep);
-                let ours = s.ep.expired.load(Ordering::Acquire) || s.ep.broken.load(Ordering::Acquire);
-                if !ours && path_failure(e.status) {
+                let ours = s.ep.flushed();
+                // (When it was posted is not known here: only a port down now spares the pair.)
+                if !ours && path_failure(e.status) && self.pause(&s.ep.key, self.nics[nic].ups.load(Ordering::Acquire)) {
                     tracing::warn!("RDMA: pausing {} -> {}@{} for {PAUSE:?}: {e}", self.nics[nic].name, s.ep.key.0, s.ep.key.2);
-                    self.pause(&s.ep.key);
                 }
                 if e.status == 10 {
                     // Its keys may be stale (the peer registered again): re-read before the next request.
