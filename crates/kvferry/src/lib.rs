@@ -45,7 +45,6 @@ pub mod rdma;
 pub mod transport;
 pub mod wire;
 
-
 pub use batch::{FailCause, TaskStatus, TransferStatus};
 pub use config::Config;
 pub use engine::{resolve_advertised, BatchId, Notify, SegmentId, SegmentTransport, TransferEngine, TransferRequest, LOCAL_SEGMENT_ID};

@@ -168,7 +168,6 @@ mod tests {
     /// Work: (the peer's sequence number, a gate the handler waits on before it returns).
     type Job = (u32, Option<Receiver<()>>);
 
-
     #[test]
     fn a_stalled_peer_holds_up_only_its_own_work_in_order_and_idle_threads_end() {
         let done: Arc<Mutex<Vec<(String, u32)>>> = Arc::default();

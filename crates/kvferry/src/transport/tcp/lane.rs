@@ -230,12 +230,11 @@ impl Lane {
             }
             *r = Some(vec![(pieces, why)]);
         }
-        let (hook, name, target, queue) = (Arc::clone(hook), self.peer_name.clone(), self.target, Arc::clone(&self.refreshing));
-        let args = (Arc::clone(&hook), name.clone(), target, Arc::clone(&queue));
-        let spawned = std::thread::Builder::new().name("kvferry-tcp-refresh".into()).spawn(move || refresh_queued(&args.0, &args.1, args.2, &args.3));
+        let (hook2, name, target, queue) = (Arc::clone(hook), self.peer_name.clone(), self.target, Arc::clone(&self.refreshing));
+        let spawned = std::thread::Builder::new().name("kvferry-tcp-refresh".into()).spawn(move || refresh_queued(&hook2, &name, target, &queue));
         if let Err(e) = spawned {
             tracing::debug!("no thread for a descriptor refresh ({e}): run on the lane's");
-            refresh_queued(&hook, &name, target, &queue);
+            refresh_queued(hook, &self.peer_name, self.target, &self.refreshing);
         }
     }
 
