@@ -18,6 +18,9 @@ use kvferry_store::{Client, ClientConfig, ReplicateConfig, StoreError};
 use metadata_services::Service;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use rustix::process::{kill_process, Pid, Signal};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -29,13 +32,20 @@ struct Master {
     rpc: String,
     http: String,
     /// Its stderr (the log), printed when the test fails, removed after.
-    log: std::path::PathBuf,
+    log: PathBuf,
 }
 
 /// A fresh file for a master's log.
-fn log_file() -> std::path::PathBuf {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    std::env::temp_dir().join(format!("kvferry-store-ha-{}-{}.log", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)))
+fn log_file() -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    std::env::temp_dir().join(format!("kvferry-store-ha-{}-{}.log", std::process::id(), N.fetch_add(1, Ordering::Relaxed)))
+}
+
+/// The last `n` lines of a master's log.
+fn log_tail(log: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 impl Master {
@@ -85,9 +95,9 @@ impl Master {
         if read.is_err() || !line.starts_with("KVFERRY_MASTER") {
             let _ = child.kill();
             let _ = child.wait();
-            let said = std::fs::read_to_string(&log).unwrap_or_default();
+            let said = log_tail(&log, 60);
             let _ = std::fs::remove_file(&log);
-            panic!("the master did not start ({read:?}, its first line {line:?}); its log:\n{said}");
+            panic!("the master did not start ({read:?}, its first line {line:?}); its log's end:\n{said}");
         }
         let field = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap_or_default().to_string();
         let key = kvferry_store::ha::master_view_key(cluster.unwrap_or(kvferry_store::ha::DEFAULT_CLUSTER_ID));
@@ -113,10 +123,8 @@ impl Drop for Master {
     fn drop(&mut self) {
         self.kill(); // SIGKILL ends a stopped process too
         if std::thread::panicking() {
-            // What the master said, for the failure's reader (its last 60 lines).
-            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-            let lines: Vec<&str> = text.lines().collect();
-            eprintln!("--- master {} (pid {}), its log's end:\n{}", self.rpc, self.child.id(), lines[lines.len().saturating_sub(60)..].join("\n"));
+            // What the master said, for the failure's reader.
+            eprintln!("--- master {} (pid {}), its log's end:\n{}", self.rpc, self.child.id(), log_tail(&self.log, 60));
         }
         let _ = std::fs::remove_file(&self.log);
     }
@@ -141,30 +149,24 @@ fn http_get(addr: &str, path: &str) -> (u16, String) {
 /// Pings `clients` every 500 ms at each address given to it, as live clients do (a standby's
 /// or a dead master's refusal ignored), until dropped.
 struct Pinger {
-    addrs: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    addrs: Arc<Mutex<Vec<String>>>,
+    stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Pinger {
     fn start(clients: Vec<u64>) -> Pinger {
-        let addrs: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
-        let stop: std::sync::Arc<std::sync::atomic::AtomicBool> = Default::default();
-        let (a, st) = (addrs.clone(), stop.clone());
+        let (addrs, stop): (Arc<Mutex<Vec<String>>>, Arc<AtomicBool>) = Default::default();
+        let (a, st) = (Arc::clone(&addrs), Arc::clone(&stop));
+        let pings = Request::Batch(clients.iter().map(|&client| Request::Ping { client }).collect());
         let thread = std::thread::spawn(move || {
-            while !st.load(std::sync::atomic::Ordering::Relaxed) {
+            while !st.load(Ordering::Relaxed) {
                 let now: Vec<String> = a.lock().unwrap().clone();
                 for addr in &now {
                     let Ok(sa) = addr.parse::<std::net::SocketAddr>() else { continue };
                     let Ok(mut c) = TcpStream::connect_timeout(&sa, Duration::from_millis(500)) else { continue };
                     let _ = c.set_read_timeout(Some(Duration::from_secs(1)));
-                    let pings = Request::Batch(clients.iter().map(|&client| Request::Ping { client }).collect());
-                    let Ok(frame) = proto::encode(&pings) else { continue };
-                    let mut prefix = [0u8; 4];
-                    if c.write_all(&frame).is_ok() && c.read_exact(&mut prefix).is_ok() {
-                        let mut body = vec![0u8; proto::decode_len(prefix).unwrap_or(0)];
-                        let _ = c.read_exact(&mut body);
-                    }
+                    let _ = try_rpc(&mut c, &pings);
                 }
                 std::thread::sleep(Duration::from_millis(500));
             }
@@ -179,7 +181,7 @@ impl Pinger {
 
 impl Drop for Pinger {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -188,12 +190,17 @@ impl Drop for Pinger {
 
 /// One request over a raw RPC connection.
 fn rpc(s: &mut TcpStream, req: &Request) -> Response {
-    s.write_all(&proto::encode(req).expect("encode")).expect("send");
+    try_rpc(s, req).unwrap_or_else(|e| panic!("{req:?}: {e}"))
+}
+
+/// [`rpc`], its failure returned.
+fn try_rpc(s: &mut TcpStream, req: &Request) -> Result<Response, String> {
+    s.write_all(&proto::encode(req).map_err(|e| format!("encode: {e}"))?).map_err(|e| format!("send: {e}"))?;
     let mut prefix = [0u8; 4];
-    s.read_exact(&mut prefix).expect("answer");
-    let mut body = vec![0u8; proto::decode_len(prefix).expect("len")];
-    s.read_exact(&mut body).expect("body");
-    proto::decode(&body).expect("decode")
+    s.read_exact(&mut prefix).map_err(|e| format!("answer: {e}"))?;
+    let mut body = vec![0u8; proto::decode_len(prefix).map_err(|e| format!("len: {e}"))?];
+    s.read_exact(&mut body).map_err(|e| format!("body: {e}"))?;
+    proto::decode(&body).map_err(|e| format!("decode: {e}"))
 }
 
 fn raw(addr: &str) -> TcpStream {
