@@ -1,8 +1,8 @@
 //! Replication to standbys that acknowledge in memory (`--ha-replication standbys`).
 //!
 //! What this is: the leader streams every journal entry (the same [`Change`]s the etcd journal
-//! holds) over TCP to the standbys, which apply them to an in-memory [`Image`] (their
-//! *mirror*) and acknowledge; while at least one standby is **in sync**, a request is answered
+//! holds) over TCP to the standbys, which acknowledge them and apply them to an in-memory
+//! [`Image`] (their *mirror*); while at least one standby is **in sync**, a request is answered
 //! once every in-sync standby acknowledged its changes (tens of microseconds on one host),
 //! instead of after an etcd transaction (about a millisecond, and etcd's CPU). What it is not:
 //! a consensus protocol. etcd stays the one arbiter of who leads and of who may:
@@ -30,7 +30,7 @@
 //! length (at most [`MAX_FRAME`]) and the postcard encoding of a [`ToStandby`] or
 //! [`ToLeader`]. A connection starts with `Hello`; then `Image` frames (the state after entry
 //! `seq`, the last one marked), then `Entry` frames in order; the standby answers `Ack` with
-//! the last entry it applied.
+//! the last entry it holds (decoded and in order; applied to its image right after).
 
 use crate::master::journal::{Change, Image};
 use serde::{Deserialize, Serialize};
@@ -62,7 +62,7 @@ pub enum ToStandby {
 /// Standby → leader.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ToLeader {
-    /// Everything up to entry `seq` is applied.
+    /// Everything up to entry `seq` is held (a takeover applies it).
     Ack { seq: u64 },
     /// The connection is refused (another cluster, an older term, out of order).
     Refused { why: String },
@@ -217,27 +217,48 @@ pub fn eligibility(rec: &InSync, me: &str, mirror: Option<i64>, alive: impl Fn(&
 
 // ---------------------------------------------------------------- standby side
 
+/// What the connection that feeds a mirror has said: the protocol's state, and the entries
+/// received and acknowledged but not applied yet.
 #[derive(Default)]
-struct MirrorState {
+struct Feed {
     /// The term of the leader it mirrors; connections of older terms are refused.
     term: i64,
     /// The connection that feeds it (others are ignored).
     conn: u64,
     next_conn: u64,
-    image: Image,
-    /// Held-back replicas with when they were applied (they matter for one read lease after
-    /// the leader held them back; older ones are pruned, so the mirror does not grow).
-    held: VecDeque<(Instant, Change)>,
+    /// The last entry received (decoded, in order) and so acknowledged.
     seq: u64,
     /// An image was received whole (and every entry since, in order).
     complete: bool,
     /// Taken over (this master leads from it): nothing more is applied.
     closed: bool,
+    /// Received and acknowledged, with when they arrived, not applied to the image yet: the
+    /// connection's thread applies them once it has acknowledged them, a takeover first
+    /// ([`Mirror::take`]).
+    pending: Vec<(Instant, Vec<Change>)>,
+    pending_changes: usize,
+}
+
+/// The image the received changes are applied to.
+#[derive(Default)]
+struct Applied {
+    image: Image,
+    /// Held-back replicas with when they were received (they matter for one read lease after
+    /// the leader held them back; older ones are pruned, so the mirror does not grow).
+    held: VecDeque<(Instant, Change)>,
 }
 
 /// A standby's copy of the leader's state, fed by [`serve`].
+///
+/// A frame is acknowledged once it is decoded and checked to be the next one (so held in
+/// this process's memory, as the acknowledgement promises) and applied to the image after
+/// that (by [`follow`], the connection's thread), so the leader does not wait for the map's
+/// work. What is pending is at most what one read of the connection brought; a takeover
+/// applies it first.
 pub struct Mirror {
-    st: Mutex<MirrorState>,
+    /// Lock order: `applied`, then `feed`.
+    applied: Mutex<Applied>,
+    feed: Mutex<Feed>,
     /// The leader etcd names, as this standby last read it (its key's create revision and
     /// lease): only that leader may feed the mirror.
     leader: Mutex<Option<(i64, i64)>>,
@@ -246,133 +267,171 @@ pub struct Mirror {
     keep_held: Duration,
 }
 
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl Mirror {
     pub fn new(cluster_id: &str, read_lease: Duration) -> Mirror {
-        Mirror { st: Mutex::new(MirrorState::default()), leader: Mutex::new(None), cluster_id: cluster_id.to_string(), keep_held: read_lease * 2 }
+        Mirror {
+            applied: Mutex::new(Applied::default()),
+            feed: Mutex::new(Feed::default()),
+            leader: Mutex::new(None),
+            cluster_id: cluster_id.to_string(),
+            keep_held: read_lease * 2,
+        }
     }
 
-    fn st(&self) -> std::sync::MutexGuard<'_, MirrorState> {
-        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    /// Applies every pending change to the image.
+    pub fn apply_pending(&self) {
+        let mut a = locked(&self.applied);
+        let pending = {
+            let mut f = locked(&self.feed);
+            f.pending_changes = 0;
+            std::mem::take(&mut f.pending)
+        };
+        let now = Instant::now();
+        for (at, changes) in pending {
+            Self::put(&mut a, at, changes);
+        }
+        while a.held.front().is_some_and(|(t, _)| now.duration_since(*t) > self.keep_held) {
+            a.held.pop_front();
+        }
+    }
+
+    fn put(a: &mut Applied, at: Instant, changes: Vec<Change>) {
+        for c in changes {
+            match c {
+                Change::HeldBack { .. } => a.held.push_back((at, c)),
+                c => a.image.apply(c),
+            }
+        }
+    }
+
+    /// Changes received and not applied yet.
+    pub fn pending(&self) -> usize {
+        locked(&self.feed).pending_changes
     }
 
     /// The term of a complete mirror.
     pub fn complete_term(&self) -> Option<i64> {
-        let st = self.st();
-        (st.complete && !st.closed).then_some(st.term)
+        let f = locked(&self.feed);
+        (f.complete && !f.closed).then_some(f.term)
     }
 
-    /// The mirror of `term` for a takeover (the image and the last entry applied); nothing
-    /// more is applied until [`Mirror::reopen`]. `None` if it is not a complete mirror of
-    /// `term`.
+    /// The mirror of `term` for a takeover (the image, with every change received applied,
+    /// and the last entry received); nothing more is applied until [`Mirror::reopen`].
+    /// `None` if it is not a complete mirror of `term`.
     pub fn take(&self, term: i64) -> Option<(Image, u64)> {
-        let mut st = self.st();
-        if !st.complete || st.closed || st.term != term {
+        let mut a = locked(&self.applied);
+        let mut f = locked(&self.feed);
+        if !f.complete || f.closed || f.term != term {
             return None;
         }
-        st.closed = true;
-        st.complete = false;
-        let mut image = std::mem::take(&mut st.image);
-        for (_, c) in st.held.drain(..) {
+        f.closed = true;
+        f.complete = false;
+        f.pending_changes = 0;
+        for (at, changes) in std::mem::take(&mut f.pending) {
+            Self::put(&mut a, at, changes);
+        }
+        let mut image = std::mem::take(&mut a.image);
+        for (_, c) in a.held.drain(..) {
             image.apply(c);
         }
-        Some((image, st.seq))
+        Some((image, f.seq))
     }
 
     /// Puts back a mirror of `term` that [`Mirror::take`] handed to a takeover that failed (so
     /// this member can campaign from it again); no connection feeds it until a leader says
     /// hello.
     pub fn restore(&self, term: i64, image: Image, seq: u64) {
-        let mut st = self.st();
-        *st = MirrorState { term, next_conn: st.next_conn, image, seq, complete: true, ..MirrorState::default() };
+        let mut a = locked(&self.applied);
+        let mut f = locked(&self.feed);
+        *a = Applied { image, ..Applied::default() };
+        *f = Feed { term, next_conn: f.next_conn, seq, complete: true, ..Feed::default() };
     }
 
     /// This master leads: nothing is mirrored (what was is dropped) until [`Mirror::reopen`].
     pub fn close(&self) {
-        let mut st = self.st();
-        *st = MirrorState { term: st.term, next_conn: st.next_conn, closed: true, ..MirrorState::default() };
+        let mut a = locked(&self.applied);
+        let mut f = locked(&self.feed);
+        *a = Applied::default();
+        *f = Feed { term: f.term, next_conn: f.next_conn, closed: true, ..Feed::default() };
     }
 
     /// Accepts feeds again (after a campaign lost, or stepping down), of terms from the one it
     /// last mirrored.
     pub fn reopen(&self) {
-        let mut st = self.st();
-        if !st.closed {
+        let mut a = locked(&self.applied);
+        let mut f = locked(&self.feed);
+        if !f.closed {
             return;
         }
-        *st = MirrorState { term: st.term, next_conn: st.next_conn, ..MirrorState::default() };
+        *a = Applied::default();
+        *f = Feed { term: f.term, next_conn: f.next_conn, ..Feed::default() };
+    }
+
+    /// The leader key this standby read (its create revision and lease), `None` when absent.
+    pub fn set_leader(&self, owner: Option<(i64, i64)>) {
+        *locked(&self.leader) = owner;
     }
 
     /// A connection said hello: it feeds the mirror from now on (an image follows), unless it
     /// is of another cluster or an older term. Its connection id.
-    /// The leader key this standby read (its create revision and lease), `None` when absent.
-    pub fn set_leader(&self, owner: Option<(i64, i64)>) {
-        *self.leader.lock().unwrap_or_else(|e| e.into_inner()) = owner;
-    }
-
     fn hello(&self, cluster_id: &str, term: i64, lease: i64) -> Result<u64, String> {
         if cluster_id != self.cluster_id {
             return Err(format!("this standby serves cluster {:?}, not {cluster_id:?}", self.cluster_id));
         }
-        let named = *self.leader.lock().unwrap_or_else(|e| e.into_inner());
+        let named = *locked(&self.leader);
         if named != Some((term, lease)) {
             return Err(format!("term {term} (lease {lease:x}) is not the leader etcd names to this standby ({named:?}); a new leader is retried once this standby has read its key"));
         }
-        let mut st = self.st();
-        if st.closed {
+        let mut a = locked(&self.applied);
+        let mut f = locked(&self.feed);
+        if f.closed {
             return Err("this master is taking over or leads".into());
         }
-        if term < st.term {
-            return Err(format!("term {term} is older than the term {} this standby follows", st.term));
+        if term < f.term {
+            return Err(format!("term {term} is older than the term {} this standby follows", f.term));
         }
-        st.next_conn += 1;
-        let conn = st.next_conn;
-        *st = MirrorState { term, conn, next_conn: conn, ..MirrorState::default() };
+        let conn = f.next_conn + 1;
+        *a = Applied::default();
+        *f = Feed { term, conn, next_conn: conn, ..Feed::default() };
         Ok(conn)
     }
 
-    /// Applies one frame of connection `conn`: the entry to acknowledge, if any.
+    /// Takes one frame of connection `conn` (checked to be the next one; its changes pending
+    /// until [`Mirror::apply_pending`]): the entry to acknowledge, if any.
     fn apply(&self, conn: u64, frame: ToStandby) -> Result<Option<u64>, String> {
-        let mut st = self.st();
-        if st.conn != conn || st.closed {
+        let mut f = locked(&self.feed);
+        if f.conn != conn || f.closed {
             return Err("another leader's connection replaced this one".into());
         }
-        let now = Instant::now();
-        let keep = self.keep_held;
-        let put = |st: &mut MirrorState, c: Change| match c {
-            Change::HeldBack { .. } => st.held.push_back((now, c)),
-            c => st.image.apply(c),
-        };
-        let ack = match frame {
+        let (ack, changes) = match frame {
             ToStandby::Hello { .. } => return Err("a second hello on one connection".into()),
             ToStandby::Image { seq, changes, last } => {
-                if st.complete {
+                if f.complete {
                     return Err("an image after the image".into());
                 }
-                for c in changes {
-                    put(&mut st, c);
+                if last {
+                    f.seq = seq;
+                    f.complete = true;
                 }
-                if !last {
-                    return Ok(None);
-                }
-                st.seq = seq;
-                st.complete = true;
-                seq
+                (last.then_some(seq), changes)
             }
             ToStandby::Entry { seq, changes } => {
-                if !st.complete || seq <= st.seq {
-                    return Err(format!("entry {seq} out of order (mirror at {}, complete: {})", st.seq, st.complete));
+                if !f.complete || seq <= f.seq {
+                    return Err(format!("entry {seq} out of order (mirror at {}, complete: {})", f.seq, f.complete));
                 }
-                for c in changes {
-                    put(&mut st, c);
-                }
-                st.seq = seq;
-                seq
+                f.seq = seq;
+                (Some(seq), changes)
             }
         };
-        while st.held.front().is_some_and(|(t, _)| now.duration_since(*t) > keep) {
-            st.held.pop_front();
+        if !changes.is_empty() {
+            f.pending_changes += changes.len();
+            f.pending.push((Instant::now(), changes));
         }
-        Ok(Some(ack))
+        Ok(ack)
     }
 }
 
@@ -424,8 +483,15 @@ fn follow(mut s: TcpStream, m: &Mirror) -> Result<(), String> {
         let f: ToStandby = read_frame(&mut r)?;
         match m.apply(conn, f) {
             // One acknowledgement for the entries that came together: while another whole
-            // frame is already read, it is applied first (acknowledgements are cumulative).
-            Ok(Some(seq)) if !whole_frame(r.buffer()) => s.write_all(&encode_frame(&ToLeader::Ack { seq })?).map_err(|e| e.to_string())?,
+            // frame is already read, it is taken first (acknowledgements are cumulative).
+            // Acknowledged before they are applied (held in memory, checked to be the next
+            // ones): the leader's wait is the network's, not the map's.
+            Ok(ack) if !whole_frame(r.buffer()) => {
+                if let Some(seq) = ack {
+                    s.write_all(&encode_frame(&ToLeader::Ack { seq })?).map_err(|e| e.to_string())?;
+                }
+                m.apply_pending();
+            }
             Ok(_) => {}
             Err(why) => {
                 let _ = s.write_all(&encode_frame(&ToLeader::Refused { why: why.clone() })?);
@@ -705,14 +771,18 @@ mod tests {
         assert_eq!(m.complete_term(), None, "an image in progress is not a mirror to lead from");
         assert_eq!(m.apply(c1, ToStandby::Image { seq: 4, changes: vec![obj("b", 2)], last: true }).unwrap(), Some(4));
         assert_eq!(m.complete_term(), Some(5));
+        assert_eq!(m.pending(), 2, "acknowledged (held) before it is applied");
+        m.apply_pending();
+        assert_eq!(m.pending(), 0);
         assert!(m.hello("c", 5, 99).is_err(), "a stranger's hello is refused ...");
         assert_eq!(m.complete_term(), Some(5), "... and leaves the mirror and its feed as they were");
-        assert_eq!(m.apply(c1, ToStandby::Entry { seq: 6, changes: vec![Change::Forget { key: "a".into() }, obj("c", 3)] }).unwrap(), Some(6));
+        assert_eq!(m.apply(c1, ToStandby::Entry { seq: 6, changes: vec![Change::Forget { key: "a".into() }, obj("c", 3), obj("d", 4)] }).unwrap(), Some(6));
         assert!(m.apply(c1, ToStandby::Entry { seq: 6, changes: vec![] }).is_err(), "an entry again is out of order");
+        assert_eq!(m.pending(), 3, "the entry's changes are held, not applied: the takeover applies them");
         m.set_leader(Some((4, 40)));
         assert!(m.hello("c", 4, 40).is_err(), "an older term's leader (a deposed one) is refused");
         let (image, seq) = m.take(5).expect("a complete mirror of term 5");
-        assert_eq!((image.objects(), seq), (2, 6), "b and c: the image and the entry applied");
+        assert_eq!((image.objects(), seq), (3, 6), "b, c and d: the image and the entry applied");
         assert!(m.take(5).is_none(), "taken once");
         m.set_leader(Some((9, 90)));
         assert!(m.hello("c", 9, 90).is_err(), "a mirror taken over accepts nothing");
