@@ -1088,6 +1088,71 @@ fn a_leader_stopped_with_sigterm_leaves_its_state_in_etcd_and_hands_off_at_once(
     let _ = c.close();
 }
 
+/// Waits (bounded) for `m` to exit after a signal; its exit status, and how long it took.
+fn wait_exit(m: &mut Master, within: Duration, what: &str) -> (std::process::ExitStatus, Duration) {
+    let t = Instant::now();
+    loop {
+        if let Some(st) = m.child.try_wait().expect("wait") {
+            return (st, t.elapsed());
+        }
+        assert!(t.elapsed() < within, "{what} did not stop within {within:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// An in-sync standby stopped with SIGTERM while the leader is dead (killed, its key not yet
+/// expired) holds the only copy of what was acknowledged: it waits for the key to go, takes
+/// over from its mirror and hands its state to etcd before it exits, so a master started
+/// afterwards has every object (before, it exited at once and the next leader started empty).
+/// Stopped while the leader is alive, it is dropped from the in-sync set (its mirror, sealed,
+/// acknowledges nothing more) and exits; the leader goes on with etcd, losing nothing.
+#[test]
+fn an_in_sync_standby_stopped_while_the_leader_is_dead_hands_its_mirror_to_etcd_first() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
+    let (mut ms, l, s) = in_sync_pair(etcd_svc.port, None, false);
+    let c = ha_client(etcd_svc.port, 32 << 20);
+    let keys: Vec<String> = (0..50).map(|i| format!("d{i}")).collect();
+    for k in &keys {
+        c.put(k, &value(k, 4096), &ReplicateConfig::default()).expect("put");
+    }
+    assert_eq!(ha_status(&ms[l])["journal"]["entries"].as_u64(), Some(0), "acknowledged by the standby only, none journaled in etcd");
+    ms[l].kill();
+    assert!(etcd_view(&etcd, "mooncake_cluster").is_some(), "the dead leader's key is still there (its lease runs)");
+    ms[s].signal(Signal::TERM);
+    let (status, took) = wait_exit(&mut ms[s], Duration::from_secs(12), "the standby stopped while the leader was dead");
+    assert!(status.success(), "{status:?}");
+    eprintln!("SIGTERM of the last in-sync standby, leader dead -> exited: {took:?}");
+    assert!(took >= TTL / 4, "it waited for the dead leader's key to go: {took:?}");
+    assert_eq!(insync_members(&etcd), Vec::<String>::new(), "the in-sync set was emptied: etcd holds the state");
+    assert!(etcd_view(&etcd, "mooncake_cluster").is_none(), "it stepped down after handing off");
+    ms[l] = Master::start(etcd_svc.port, None, false);
+    wait_leader(&ms[l], 3 * TTL, "a lone master did not lead");
+    for k in &keys {
+        assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{k} lost with the stopped standby: {e}")), value(k, 4096));
+    }
+
+    // The leader alive: a standby stopped leaves the set at once, nothing is lost.
+    ms[s] = Master::start(etcd_svc.port, None, false);
+    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    c.put("live", &value("live", 4096), &ReplicateConfig::default()).expect("put");
+    ms[s].signal(Signal::TERM);
+    let (status, took) = wait_exit(&mut ms[s], Duration::from_secs(12), "the standby stopped while the leader lived");
+    assert!(status.success(), "{status:?}");
+    eprintln!("SIGTERM of the in-sync standby, leader alive -> exited: {took:?}");
+    assert!(took < TTL, "a leader alive drops it from the set at once: {took:?}");
+    assert_eq!(ms[l].role(), "leader");
+    wait_insync(&ms[l], &[], Duration::from_secs(1));
+    c.put("after", &value("after", 4096), &ReplicateConfig::default()).expect("the leader goes on alone");
+    ms[l].kill();
+    ms[s] = Master::start(etcd_svc.port, None, true);
+    wait_leader(&ms[s], 3 * TTL, "a lone master did not lead");
+    for k in keys.iter().map(String::as_str).chain(["live", "after"]) {
+        assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{k} lost: {e}")), value(k, 4096));
+    }
+    let _ = c.close();
+}
+
 /// The journal stays bounded: with a tiny snapshot threshold the leader snapshots again and
 /// again, deleting the log each snapshot covers; a new leader loads snapshot + log and has
 /// every object, removed ones stay removed, across two failovers.

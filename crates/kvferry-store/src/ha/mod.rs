@@ -135,6 +135,11 @@ pub struct Gate {
     /// The master won the key and is taking over (its state not yet in etcd, the mirror it
     /// took the only copy): [`hand_off`] waits for the takeover to end.
     taking_over: AtomicBool,
+    /// This master's mirror, when it replicates to standbys: a member that holds one may be
+    /// the only copy of what the next leader needs, so [`hand_off`] waits for its elector.
+    mirror: std::sync::OnceLock<Arc<sync::Mirror>>,
+    /// The elector thread has ended (stopping).
+    elector_done: AtomicBool,
     state: Mutex<GateState>,
     info: Mutex<(String, String, String, Duration)>, // cluster id, key, address, lease TTL
 }
@@ -146,6 +151,8 @@ impl Default for Gate {
             stepped_down: Default::default(),
             stopping: AtomicBool::new(false),
             taking_over: AtomicBool::new(false),
+            mirror: std::sync::OnceLock::new(),
+            elector_done: AtomicBool::new(false),
             state: Mutex::new(GateState { role: Role::Leader, term: 0, leader: String::new(), valid_until: None, last_keepalive: None, lease_id: 0 }),
             info: Mutex::new((String::new(), String::new(), String::new(), Duration::ZERO)),
         }
@@ -419,6 +426,7 @@ pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
             let m = Arc::clone(&mirror);
             std::thread::Builder::new().name("kvf-ha-mirror".into()).spawn(move || sync::serve(l, m)).map_err(|e| e.to_string())?;
             tracing::info!("HA: replication to standbys; this master's mirror is served at {addr}");
+            let _ = master.gate.mirror.set(Arc::clone(&mirror));
             Some(Standby { mirror, addr, reg: None, published: None })
         }
     };
@@ -429,7 +437,13 @@ pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
         *master.gate.info.lock().unwrap_or_else(|e| e.into_inner()) = (cfg.cluster_id.clone(), key.clone(), cfg.address.clone(), cfg.lease_ttl);
     }
     master.gate.enabled.store(true, Ordering::Release);
-    std::thread::Builder::new().name("kvf-master-ha".into()).spawn(move || campaign(&cfg, &etcd, &key, &master, standby)).map_err(|e| e.to_string())?;
+    std::thread::Builder::new()
+        .name("kvf-master-ha".into())
+        .spawn(move || {
+            campaign(&cfg, &etcd, &key, &master, standby);
+            master.gate.elector_done.store(true, Ordering::Release);
+        })
+        .map_err(|e| e.to_string())?;
     Ok(())
 }
 
@@ -448,6 +462,31 @@ fn replication_ip(address: &str) -> Result<std::net::IpAddr, String> {
         .ok_or_else(|| format!("HA replication to standbys: the advertised address {address:?} does not resolve to an IP address to serve the mirror on (--advertise-address)"))
 }
 
+/// The standbys registered: member -> (the mirror term its registration names, the
+/// registration's mod revision).
+fn registrations(cfg: &HaConfig, etcd: &EtcdClient) -> Result<HashMap<String, (Option<i64>, i64)>, String> {
+    let p = sync::standby_prefix(&cfg.cluster_id);
+    Ok(etcd
+        .range(&p, &format!("{}~", p.trim_end_matches('/')), 64)
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .filter_map(|(k, kv)| Some((k.strip_prefix(&p)?.to_string(), (sync::parse_registration(&String::from_utf8_lossy(&kv.value)).1, kv.mod_revision))))
+        .collect())
+}
+
+/// Whether this stopping master's mirror is what the next leader needs
+/// ([`sync::needed_at_stop`]).
+fn needed_at_stop(cfg: &HaConfig, etcd: &EtcdClient, mirror: &sync::Mirror) -> Result<bool, String> {
+    let Some(term) = mirror.complete_term() else { return Ok(false) };
+    let kv = etcd.get_kv(&sync::insync_key(&cfg.cluster_id)).map_err(|e| e.to_string())?;
+    let rec = sync::InSync::parse(kv.as_ref().map_or(&[][..], |kv| &kv.value))?;
+    if !rec.members.contains(&cfg.address) {
+        return Ok(false);
+    }
+    let registered = registrations(cfg, etcd)?;
+    Ok(sync::needed_at_stop(&rec, &cfg.address, Some(term), |m| registered.get(m).is_some_and(|(t, _)| *t == Some(rec.term))))
+}
+
 /// Whether this master may campaign now and from what, by the in-sync record
 /// ([`sync::eligibility`]); the conditions the campaign's transaction must hold under.
 fn eligible(cfg: &HaConfig, etcd: &EtcdClient, mirror: Option<&sync::Mirror>) -> Result<Option<(Plan, Vec<Cond>)>, String> {
@@ -455,17 +494,7 @@ fn eligible(cfg: &HaConfig, etcd: &EtcdClient, mirror: Option<&sync::Mirror>) ->
     let kv = etcd.get_kv(&ikey).map_err(|e| e.to_string())?;
     let rec = sync::InSync::parse(kv.as_ref().map_or(&[][..], |kv| &kv.value))?;
     let mut conds = vec![Cond::ModRevision(ikey, kv.as_ref().map_or(0, |kv| kv.mod_revision))];
-    let p = sync::standby_prefix(&cfg.cluster_id);
-    // Member -> (the mirror term its registration names, the registration's mod revision).
-    let registered: HashMap<String, (Option<i64>, i64)> = if rec.members.is_empty() {
-        HashMap::new()
-    } else {
-        etcd.range(&p, &format!("{}~", p.trim_end_matches('/')), 64)
-            .map_err(|e| e.to_string())?
-            .into_iter()
-            .filter_map(|(k, kv)| Some((k.strip_prefix(&p)?.to_string(), (sync::parse_registration(&String::from_utf8_lossy(&kv.value)).1, kv.mod_revision))))
-            .collect()
-    };
+    let registered = if rec.members.is_empty() { HashMap::new() } else { registrations(cfg, etcd)? };
     let rule = sync::eligibility(&rec, &cfg.address, mirror.and_then(sync::Mirror::complete_term), |m| registered.get(m).is_some_and(|(t, _)| *t == Some(rec.term)));
     Ok(match rule {
         sync::Eligibility::Journal => Some((Plan::Journal, conds)),
@@ -497,14 +526,44 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
             last_err = e;
         }
     };
+    // Stopping, this member holds what the next leader needs: it leads once more, only to
+    // hand its state to etcd.
+    let mut bequeath = false;
     loop {
         if gate.stopping.load(Ordering::Acquire) {
-            // Stopping (SIGTERM): never campaign again, even if the key is free now.
-            if let Some(sb) = standby.as_mut() {
-                sb.deregister(etcd);
+            // Stopping (SIGTERM): never campaign again, even if the key is free now, unless
+            // this member's mirror is the only copy of what the next leader needs (the leader
+            // dead, no other member alive): it then takes over once the leader's key is gone
+            // and hands off as a leader that stops does ([`hand_off`]), unless a leader alive
+            // drops it from the in-sync set first (its mirror, sealed, acknowledges nothing
+            // more).
+            let needed = match standby.as_ref() {
+                Some(sb) => needed_at_stop(cfg, etcd, &sb.mirror),
+                None => Ok(false),
+            };
+            match (needed, standby.as_mut()) {
+                (Ok(true), Some(sb)) => {
+                    if !bequeath {
+                        sb.mirror.seal();
+                        tracing::info!("HA: stopping; this in-sync standby's mirror is the only copy of what the next leader needs: it leads once the leader's key is gone, only to hand its state to etcd (unless a leader alive drops it from the in-sync set first)");
+                    }
+                    bequeath = true;
+                }
+                (Err(e), Some(_)) => {
+                    // (Only with a complete mirror.) etcd cannot say: keep trying (the stop's
+                    // bound ends it).
+                    report(format!("stopping: whether this standby's mirror is still needed: {e}"));
+                    std::thread::sleep(STANDBY_POLL);
+                    continue;
+                }
+                _ => {
+                    if let Some(sb) = standby.as_mut() {
+                        sb.deregister(etcd);
+                    }
+                    gate.set_standby(None);
+                    return;
+                }
             }
-            gate.set_standby(None);
-            return;
         }
         if let Some(sb) = standby.as_mut() {
             if let Err(e) = sb.register(cfg, etcd) {
@@ -542,6 +601,11 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
         // mode: a master that journals to etcd only must not load a journal that stopped
         // when standbys took over acknowledging).
         let (plan, conds) = match eligible(cfg, etcd, standby.as_ref().map(|sb| &*sb.mirror)) {
+            // A stopping member leads only from its mirror.
+            Ok(Some((plan, _))) if bequeath && !matches!(plan, Plan::Mirror(_)) => {
+                std::thread::sleep(STANDBY_POLL);
+                continue;
+            }
             Ok(Some(x)) => {
                 waiting_logged = false;
                 x
@@ -575,7 +639,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 // (SeqCst with `hand_off`'s: one of the two sees the other. A stop that came
                 // while this master campaigned gives the key back untouched.)
                 gate.taking_over.store(true, Ordering::SeqCst);
-                if gate.stopping.load(Ordering::SeqCst) {
+                if gate.stopping.load(Ordering::SeqCst) && !bequeath {
                     gate.taking_over.store(false, Ordering::SeqCst);
                     let _ = etcd.delete_if_owned(key, owner);
                     let _ = etcd.lease_revoke(lease);
@@ -669,6 +733,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 }
                 gate.stepped_down.fetch_add(1, Ordering::AcqRel);
                 tracing::warn!(term, "HA: stepped down; metadata reset; standing by");
+                bequeath = false;
                 if failed_takeovers > 0 {
                     std::thread::sleep((STANDBY_POLL * (1u32 << failed_takeovers.min(6))).min(cfg.lease_ttl));
                 }
@@ -820,19 +885,27 @@ pub fn hand_off(master: &Master, bound: Duration) -> bool {
     // its elector steps down: it hands off as well. A standby stops campaigning.
     master.gate.stopping.store(true, Ordering::SeqCst);
     let until = Instant::now() + bound;
-    // A takeover under way ends first (it writes the state to etcd before it leads): stopping
-    // now would take the only copy of a mirror with this process.
-    while master.gate.taking_over.load(Ordering::SeqCst) {
+    // A member holding a complete mirror may be the only copy of what the next leader needs
+    // (the leader dead): its elector decides, and either ends or takes over to hand off.
+    let holds_mirror = master.gate.mirror.get().is_some_and(|m| m.complete_term().is_some());
+    loop {
+        // A takeover under way ends first (it writes the state to etcd before it leads):
+        // stopping now would take the only copy of a mirror with this process.
+        if !master.gate.taking_over.load(Ordering::SeqCst) {
+            if master.gate.role() == Role::Leader || master.journal.active() {
+                break;
+            }
+            if !holds_mirror || master.gate.elector_done.load(Ordering::Acquire) {
+                return true;
+            }
+        }
         if Instant::now() > until {
             return false;
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    if master.gate.role() != Role::Leader && !master.journal.active() {
-        return true;
-    }
     let before = master.gate.stepped_down.load(Ordering::Acquire);
-    if !master.journal.hand_off(bound) {
+    if !master.journal.hand_off(until.saturating_duration_since(Instant::now())) {
         return false;
     }
     while master.gate.stepped_down.load(Ordering::Acquire) == before {

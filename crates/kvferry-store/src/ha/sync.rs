@@ -25,6 +25,10 @@
 //! - **A member that wins** starts from its mirror, writes it to the etcd journal as a snapshot
 //!   and clears the set before it serves, so the cluster is never without a complete copy
 //!   outside a single process for longer than one failure.
+//! - **A member that stops** (SIGTERM) while it holds the only copy ([`needed_at_stop`]: the
+//!   leader dead, no other member alive) seals its mirror, wins once the leader's key is gone
+//!   and hands its state to etcd before it exits (`super::hand_off`); beside a leader alive,
+//!   its sealed mirror makes the leader drop it from the set, and it goes.
 //!
 //! Wire format (sans-IO, [`encode_frame`] / [`decode_frame`]): a frame is a u32 little-endian
 //! length (at most [`MAX_FRAME`]) and the postcard encoding of a [`ToStandby`] or
@@ -215,6 +219,16 @@ pub fn eligibility(rec: &InSync, me: &str, mirror: Option<i64>, alive: impl Fn(&
     Eligibility::Empty
 }
 
+/// Whether a member that is stopping holds what the next leader needs: the record names it,
+/// its mirror is complete and of the record's term, and no other member is registered with
+/// such a mirror (`alive`). It then leaves its mirror in etcd before it exits (it takes over
+/// once the leader's key is gone, and hands off like a leader that stops), unless the record
+/// stops naming it first (a leader alive drops it from the set, writing etcd what the set
+/// held). Otherwise it may simply go.
+pub fn needed_at_stop(rec: &InSync, me: &str, mirror: Option<i64>, alive: impl Fn(&str) -> bool) -> bool {
+    rec.members.iter().any(|m| m == me) && mirror == Some(rec.term) && !rec.members.iter().any(|m| m != me && alive(m))
+}
+
 // ---------------------------------------------------------------- standby side
 
 /// What the connection that feeds a mirror has said: the protocol's state, and the entries
@@ -232,6 +246,12 @@ struct Feed {
     complete: bool,
     /// Taken over (this master leads from it): nothing more is applied.
     closed: bool,
+    /// This master is stopping: its mirror is kept (for a takeover) but fed no more, so that a
+    /// leader alive drops it from the in-sync set.
+    sealed: bool,
+    /// The socket of the connection that feeds it, shut down by [`Mirror::seal`] (an idle
+    /// leader would otherwise learn only at its next entry that the standby left).
+    sock: Option<TcpStream>,
     /// Received and acknowledged, with when they arrived, not applied to the image yet: the
     /// connection's thread applies them once it has acknowledged them, a takeover first
     /// ([`Mirror::take`]).
@@ -341,6 +361,33 @@ impl Mirror {
         Some((image, f.seq))
     }
 
+    /// Feeds the mirror no more (this master is stopping) and ends the connection that fed
+    /// it; what it holds stays, for [`Mirror::take`].
+    pub fn seal(&self) {
+        let mut f = locked(&self.feed);
+        f.sealed = true;
+        f.conn = 0;
+        if let Some(sock) = f.sock.take() {
+            let _ = sock.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// The socket of connection `conn` (if it still feeds the mirror), for [`Mirror::seal`].
+    fn attach(&self, conn: u64, sock: &TcpStream) {
+        let mut f = locked(&self.feed);
+        if f.conn == conn && !f.sealed {
+            f.sock = sock.try_clone().ok();
+        }
+    }
+
+    /// Connection `conn` ended: the mirror's copy of its socket is closed.
+    fn detach(&self, conn: u64) {
+        let mut f = locked(&self.feed);
+        if f.conn == conn {
+            f.sock = None;
+        }
+    }
+
     /// Puts back a mirror of `term` that [`Mirror::take`] handed to a takeover that failed (so
     /// this member can campaign from it again); no connection feeds it until a leader says
     /// hello.
@@ -348,7 +395,7 @@ impl Mirror {
         let mut a = locked(&self.applied);
         let mut f = locked(&self.feed);
         *a = Applied { image, ..Applied::default() };
-        *f = Feed { term, next_conn: f.next_conn, seq, complete: true, ..Feed::default() };
+        *f = Feed { term, next_conn: f.next_conn, seq, complete: true, sealed: f.sealed, ..Feed::default() };
     }
 
     /// This master leads: nothing is mirrored (what was is dropped) until [`Mirror::reopen`].
@@ -356,7 +403,7 @@ impl Mirror {
         let mut a = locked(&self.applied);
         let mut f = locked(&self.feed);
         *a = Applied::default();
-        *f = Feed { term: f.term, next_conn: f.next_conn, closed: true, ..Feed::default() };
+        *f = Feed { term: f.term, next_conn: f.next_conn, closed: true, sealed: f.sealed, ..Feed::default() };
     }
 
     /// Accepts feeds again (after a campaign lost, or stepping down), of terms from the one it
@@ -368,7 +415,7 @@ impl Mirror {
             return;
         }
         *a = Applied::default();
-        *f = Feed { term: f.term, next_conn: f.next_conn, ..Feed::default() };
+        *f = Feed { term: f.term, next_conn: f.next_conn, sealed: f.sealed, ..Feed::default() };
     }
 
     /// The leader key this standby read (its create revision and lease), `None` when absent.
@@ -390,6 +437,9 @@ impl Mirror {
         let mut f = locked(&self.feed);
         if f.closed {
             return Err("this master is taking over or leads".into());
+        }
+        if f.sealed {
+            return Err("this standby is stopping".into());
         }
         if term < f.term {
             return Err(format!("term {term} is older than the term {} this standby follows", f.term));
@@ -473,6 +523,15 @@ fn follow(mut s: TcpStream, m: &Mirror) -> Result<(), String> {
         }
     };
     tracing::info!(term, "HA replication: following the leader at {leader}");
+    m.attach(conn, &s);
+    let ended = entries(s, m, conn);
+    // (The mirror's copy of the socket would keep the connection open.)
+    m.detach(conn);
+    ended
+}
+
+/// Takes the entries of connection `conn` until it ends.
+fn entries(mut s: TcpStream, m: &Mirror, conn: u64) -> Result<(), String> {
     // Entries come as the leader writes them; an idle leader sends nothing for a while. A
     // leader whose host died without closing the connection is found by TCP keepalive (idle
     // 10 s, then 3 probes 5 s apart), so this thread and its buffer do not wait forever.
@@ -799,6 +858,32 @@ mod tests {
         assert_eq!(m.complete_term(), Some(9));
         assert!(m.apply(c9, ToStandby::Entry { seq: 8, changes: vec![] }).is_err(), "the old connection no longer feeds it");
         assert_eq!(m.take(9).map(|(i, s)| (i.objects(), s)), Some((0, 7)));
+    }
+
+    #[test]
+    fn a_stopping_member_is_needed_only_as_the_last_holder_of_its_terms_mirror() {
+        let rec = InSync { term: 7, members: vec!["a:1".into(), "b:1".into()] };
+        assert!(needed_at_stop(&rec, "a:1", Some(7), |_| false), "the only member alive with the record's mirror");
+        assert!(!needed_at_stop(&rec, "a:1", Some(7), |m| m == "b:1"), "another member alive holds it too");
+        assert!(!needed_at_stop(&rec, "a:1", Some(6), |_| false), "a mirror of another term is not what was acknowledged");
+        assert!(!needed_at_stop(&rec, "a:1", None, |_| false));
+        assert!(!needed_at_stop(&rec, "c:1", Some(7), |_| false), "not a member: the leader did not wait for it");
+        assert!(!needed_at_stop(&InSync::default(), "a:1", Some(7), |_| false), "the set is empty: etcd holds everything");
+    }
+
+    #[test]
+    fn a_sealed_mirror_is_fed_no_more_and_keeps_what_it_holds() {
+        let m = Mirror::new("c", Duration::from_secs(5));
+        m.set_leader(Some((5, 50)));
+        let c = m.hello("c", 5, 50).unwrap();
+        assert_eq!(m.apply(c, ToStandby::Image { seq: 3, changes: vec![obj("a", 1)], last: true }).unwrap(), Some(3));
+        m.seal();
+        assert!(m.apply(c, ToStandby::Entry { seq: 4, changes: vec![obj("b", 1)] }).is_err(), "its feed ended");
+        assert!(m.hello("c", 5, 50).is_err(), "no leader feeds it again");
+        assert_eq!(m.complete_term(), Some(5), "still a mirror to lead from");
+        assert_eq!(m.take(5).map(|(i, s)| (i.objects(), s)), Some((1, 3)));
+        m.reopen();
+        assert!(m.hello("c", 5, 50).is_err(), "sealed for good");
     }
 
     #[test]
