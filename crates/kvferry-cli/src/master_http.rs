@@ -2,7 +2,8 @@
 //! `/query_key?key=`, `/get_all_segments`, and HA's `/role` (`leader` or `standby`, plain
 //! text, as Mooncake), `/leader` (Mooncake's JSON: `present`, `leader_address`,
 //! `view_version` = the term) and `/ha_status` (JSON: role, term, cluster id, key, leader,
-//! lease TTL, age of the last renewal, time left before fencing). Without HA the master is
+//! lease TTL, age of the last renewal, time left before fencing, the journal, the in-sync set,
+//! and a standby's mirror: term, last entry held, objects). Without HA the master is
 //! the leader of term 0.
 //!
 //! Values are read from the master at scrape time (under its lock), so the exposition is
@@ -64,10 +65,16 @@ pub fn metrics_text(m: &Master) -> String {
     let _ = writeln!(o, "# HELP kvferry_master_ha_term The current leader's term (the etcd create revision of its key; 0 without HA or while unknown).\n# TYPE kvferry_master_ha_term gauge\nkvferry_master_ha_term {}", ha.term);
     let j = m.journal.stats();
     let _ = writeln!(o, "# HELP kvferry_master_ha_journal_lag Collected state changes not yet written to the etcd journal (leader; replication lag).\n# TYPE kvferry_master_ha_journal_lag gauge\nkvferry_master_ha_journal_lag {}", j.lag);
+    let _ = writeln!(o, "# HELP kvferry_master_ha_journal_seq The last entry of this leader's journal (written to etcd or streamed to the in-sync standbys).\n# TYPE kvferry_master_ha_journal_seq gauge\nkvferry_master_ha_journal_seq {}", j.seq);
     let _ = writeln!(o, "# HELP kvferry_master_ha_journal_entries_total Journal entries written to etcd in this term.\n# TYPE kvferry_master_ha_journal_entries_total counter\nkvferry_master_ha_journal_entries_total {}", j.entries);
     let _ = writeln!(o, "# HELP kvferry_master_ha_journal_bytes Bytes of the journal in etcd: the current snapshot plus the log after it.\n# TYPE kvferry_master_ha_journal_bytes gauge\nkvferry_master_ha_journal_bytes {}", j.snapshot_bytes + j.log_bytes);
     let _ = writeln!(o, "# HELP kvferry_master_ha_insync_standbys Standbys that acknowledge the leader's changes in memory (its in-sync set); 0: the etcd journal acknowledges them.\n# TYPE kvferry_master_ha_insync_standbys gauge\nkvferry_master_ha_insync_standbys {}", j.insync);
     let _ = writeln!(o, "# HELP kvferry_master_ha_streamed_entries_total Entries acknowledged by the in-sync standbys in this term.\n# TYPE kvferry_master_ha_streamed_entries_total counter\nkvferry_master_ha_streamed_entries_total {}", j.streamed);
+    if let Some(mi) = &ha.mirror {
+        let _ = writeln!(o, "# HELP kvferry_master_ha_mirror_seq The last entry of the leader's journal this standby's mirror holds (acknowledged); the leader's kvferry_master_ha_journal_seq minus this is its lag.\n# TYPE kvferry_master_ha_mirror_seq gauge\nkvferry_master_ha_mirror_seq {}", mi.seq);
+        let _ = writeln!(o, "# HELP kvferry_master_ha_mirror_complete 1 while this standby's mirror holds an image and every entry since (it could lead from it).\n# TYPE kvferry_master_ha_mirror_complete gauge\nkvferry_master_ha_mirror_complete {}", u8::from(mi.complete));
+        let _ = writeln!(o, "# HELP kvferry_master_ha_mirror_objects Objects in this standby's mirror.\n# TYPE kvferry_master_ha_mirror_objects gauge\nkvferry_master_ha_mirror_objects {}", mi.objects);
+    }
     if let Some(age) = ha.last_keepalive_age_ms {
         let _ = writeln!(o, "# HELP kvferry_master_ha_keepalive_age_seconds Time since the last successful lease renewal was sent (leader).\n# TYPE kvferry_master_ha_keepalive_age_seconds gauge\nkvferry_master_ha_keepalive_age_seconds {}", age as f64 / 1000.0);
     }

@@ -709,6 +709,19 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
     assert!(streamed >= 200, "each put's PutStart and PutEnd were acknowledged by the standby: {streamed} entries streamed ({after})");
     assert_eq!(after["journal"]["entries"], before["journal"]["entries"], "no etcd journal entry was written while the standby was in sync: {after}");
     assert_eq!(etcd_keys("/log/"), logs_before, "etcd holds no log entry of these puts");
+    // The standby says what its mirror holds: every object, up to the leader's last entry
+    // (applied just after it is acknowledged: looked at until it shows, bounded).
+    let until = Instant::now() + Duration::from_secs(2);
+    loop {
+        let (lead, mirror) = (ha_status(&ms[l]), ha_status(&ms[s])["mirror"].clone());
+        if mirror["objects"] == 200 && mirror["seq"] == lead["journal"]["seq"] && mirror["complete"] == true && mirror["fed"] == true && mirror["pending_changes"] == 0 {
+            break;
+        }
+        assert!(Instant::now() < until, "the standby's mirror: {mirror}; the leader's journal: {}", lead["journal"]);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let metrics = http_get(&ms[s].http, "/metrics").1;
+    assert!(metrics.contains("kvferry_master_ha_mirror_objects 200\n") && metrics.contains("kvferry_master_ha_mirror_complete 1\n"), "{metrics}");
 
     // The leader dies: the in-sync standby leads from its mirror, with every object.
     let killed = Instant::now();

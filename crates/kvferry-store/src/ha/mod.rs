@@ -123,6 +123,8 @@ pub struct HaStatus {
     /// The standbys that acknowledge this leader's changes in memory (its in-sync set;
     /// `--ha-replication standbys`); empty: changes are acknowledged by the etcd journal.
     pub insync: Vec<String>,
+    /// This master's mirror of the leader's state (`--ha-replication standbys`), else null.
+    pub mirror: Option<sync::MirrorStatus>,
 }
 
 /// The gate every RPC passes. Without HA it always admits (term 0).
@@ -236,6 +238,7 @@ impl Gate {
             lease_id: format!("{:x}", st.lease_id),
             journal: Default::default(),
             insync: Vec::new(),
+            mirror: self.mirror.get().map(|m| m.status()),
         }
     }
 

@@ -268,6 +268,26 @@ struct Applied {
     held: VecDeque<(Instant, Change)>,
 }
 
+/// What a standby's mirror holds (`/ha_status`'s `mirror`, and metrics).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct MirrorStatus {
+    /// The term of the leader it mirrors (or last mirrored).
+    pub term: i64,
+    /// The last entry of that leader it holds (what it acknowledged): the leader's journal
+    /// `seq` minus this is the standby's lag.
+    pub seq: u64,
+    /// It holds an image and every entry since: a mirror this member could lead from.
+    pub complete: bool,
+    /// A leader's connection feeds it now.
+    pub fed: bool,
+    /// This master is stopping: the mirror is fed no more.
+    pub sealed: bool,
+    /// Changes acknowledged and not applied to the image yet.
+    pub pending_changes: usize,
+    /// Objects in the image.
+    pub objects: usize,
+}
+
 /// A standby's copy of the leader's state, fed by [`serve`].
 ///
 /// A frame is acknowledged once it is decoded and checked to be the next one (so held in
@@ -326,6 +346,13 @@ impl Mirror {
                 c => a.image.apply(c),
             }
         }
+    }
+
+    /// What it holds now.
+    pub fn status(&self) -> MirrorStatus {
+        let a = locked(&self.applied);
+        let f = locked(&self.feed);
+        MirrorStatus { term: f.term, seq: f.seq, complete: f.complete && !f.closed, fed: f.conn != 0 && !f.closed, sealed: f.sealed, pending_changes: f.pending_changes, objects: a.image.objects() }
     }
 
     /// Changes received and not applied yet.
@@ -877,7 +904,10 @@ mod tests {
         m.set_leader(Some((5, 50)));
         let c = m.hello("c", 5, 50).unwrap();
         assert_eq!(m.apply(c, ToStandby::Image { seq: 3, changes: vec![obj("a", 1)], last: true }).unwrap(), Some(3));
+        m.apply_pending();
+        assert_eq!(m.status(), MirrorStatus { term: 5, seq: 3, complete: true, fed: true, sealed: false, pending_changes: 0, objects: 1 });
         m.seal();
+        assert_eq!(m.status(), MirrorStatus { term: 5, seq: 3, complete: true, fed: false, sealed: true, pending_changes: 0, objects: 1 });
         assert!(m.apply(c, ToStandby::Entry { seq: 4, changes: vec![obj("b", 1)] }).is_err(), "its feed ended");
         assert!(m.hello("c", 5, 50).is_err(), "no leader feeds it again");
         assert_eq!(m.complete_term(), Some(5), "still a mirror to lead from");
