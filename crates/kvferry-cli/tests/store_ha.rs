@@ -246,6 +246,15 @@ fn ha_client(etcd_port: u16, segment: u64) -> Client {
     .expect("client setup")
 }
 
+/// Puts `n` objects `<prefix><i>` of 4 KiB (their bytes: [`value`]); their keys.
+fn put_keys(c: &Client, prefix: &str, n: usize) -> Vec<String> {
+    let keys: Vec<String> = (0..n).map(|i| format!("{prefix}{i}")).collect();
+    for k in &keys {
+        c.put(k, &value(k, 4096), &ReplicateConfig::default()).unwrap_or_else(|e| panic!("put {k}: {e}"));
+    }
+    keys
+}
+
 fn value(key: &str, len: usize) -> Vec<u8> {
     let seed = xxhash_rust::xxh3::xxh3_64(key.as_bytes());
     (0..len).map(|i| (seed.rotate_left((i % 64) as u32) as u8) ^ (i as u8)).collect()
@@ -700,10 +709,7 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
     let c = ha_client(etcd_svc.port, 32 << 20);
     let before = ha_status(&ms[l]);
     let logs_before = etcd_keys("/log/");
-    let keys: Vec<String> = (0..200).map(|i| format!("m{i}")).collect();
-    for k in &keys {
-        c.put(k, &value(k, 4096), &ReplicateConfig::default()).expect("put");
-    }
+    let keys = put_keys(&c, "m", 200);
     let after = ha_status(&ms[l]);
     let streamed = after["journal"]["streamed"].as_u64().unwrap_or(0) - before["journal"]["streamed"].as_u64().unwrap_or(0);
     assert!(streamed >= 200, "each put's PutStart and PutEnd were acknowledged by the standby: {streamed} entries streamed ({after})");
@@ -771,10 +777,7 @@ fn an_in_sync_standby_whose_campaign_fails_keeps_its_mirror_and_leads_from_it() 
     let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
     let (mut ms, l, s) = in_sync_pair(etcd_svc.port, None, false);
     let c = ha_client(etcd_svc.port, 16 << 20);
-    let keys: Vec<String> = (0..50).map(|i| format!("kept{i}")).collect();
-    for k in &keys {
-        c.put(k, &value(k, 4096), &ReplicateConfig::default()).expect("put");
-    }
+    let keys = put_keys(&c, "kept", 50);
     let ikey = kvferry_store::ha::sync::insync_key("mooncake_cluster");
     let record = etcd.get_kv(&ikey).expect("get").expect("the in-sync record").value;
     let stop = std::sync::atomic::AtomicBool::new(false);
@@ -1062,20 +1065,11 @@ fn a_leader_stopped_with_sigterm_leaves_its_state_in_etcd_and_hands_off_at_once(
     let Some(etcd_svc) = Service::etcd() else { return };
     let (mut ms, l, s) = in_sync_pair(etcd_svc.port, None, true);
     let c = ha_client(etcd_svc.port, 32 << 20);
-    let keys: Vec<String> = (0..50).map(|i| format!("t{i}")).collect();
-    for k in &keys {
-        c.put(k, &value(k, 4096), &ReplicateConfig::default()).expect("put");
-    }
+    let keys = put_keys(&c, "t", 50);
     assert!(ha_status(&ms[l])["journal"]["streamed"].as_u64().is_some_and(|n| n >= 50), "acknowledged by the standby");
     ms[l].signal(Signal::TERM);
     let t = Instant::now();
-    let status = loop {
-        if let Some(st) = ms[l].child.try_wait().expect("wait") {
-            break st;
-        }
-        assert!(t.elapsed() < Duration::from_secs(10), "the leader did not stop within 10 s of SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let (status, _) = wait_exit(&mut ms[l], Duration::from_secs(10), "the leader (SIGTERM)");
     assert!(status.success(), "{status:?}");
     let exited = Instant::now();
     // Its state went to etcd before it exited: the in-sync set is empty (killed instead, it
@@ -1125,10 +1119,7 @@ fn an_in_sync_standby_stopped_while_the_leader_is_dead_hands_its_mirror_to_etcd_
     let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
     let (mut ms, l, s) = in_sync_pair(etcd_svc.port, None, false);
     let c = ha_client(etcd_svc.port, 32 << 20);
-    let keys: Vec<String> = (0..50).map(|i| format!("d{i}")).collect();
-    for k in &keys {
-        c.put(k, &value(k, 4096), &ReplicateConfig::default()).expect("put");
-    }
+    let keys = put_keys(&c, "d", 50);
     assert_eq!(ha_status(&ms[l])["journal"]["entries"].as_u64(), Some(0), "acknowledged by the standby only, none journaled in etcd");
     ms[l].kill();
     assert!(etcd_view(&etcd, "mooncake_cluster").is_some(), "the dead leader's key is still there (its lease runs)");
