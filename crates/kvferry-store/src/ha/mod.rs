@@ -640,8 +640,13 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
             Ok(Created::Won(term)) => {
                 let owner = Owner { create_revision: term, lease };
                 // (SeqCst with `hand_off`'s: one of the two sees the other. A stop that came
-                // while this master campaigned gives the key back untouched.)
+                // while this master campaigned gives the key back untouched, unless it won
+                // to lead from its mirror: that may be the only copy, so it takes over and
+                // hands off as any stopping member that holds it does.)
                 gate.taking_over.store(true, Ordering::SeqCst);
+                if gate.stopping.load(Ordering::SeqCst) && !bequeath && matches!(plan, Plan::Mirror(_)) {
+                    bequeath = true;
+                }
                 if gate.stopping.load(Ordering::SeqCst) && !bequeath {
                     gate.taking_over.store(false, Ordering::SeqCst);
                     let _ = etcd.delete_if_owned(key, owner);
@@ -878,8 +883,11 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
 
 /// The master is stopping (SIGTERM): a leader leaves its whole state in the etcd journal (its
 /// in-sync standbys' acknowledgements would die with the cluster otherwise), refuses from then
-/// on, and steps down (its key deleted: a standby takes over at once, from the journal).
-/// Whether that finished within `bound`; true at once for a standby or without HA.
+/// on, and steps down (its key deleted: a standby takes over at once, from the journal). A
+/// standby with a complete mirror waits for its elector: if the mirror is the only copy of
+/// what the next leader needs ([`sync::needed_at_stop`]: the leader dead, no other member
+/// alive) it first leads from it and hands off so. Whether that finished within `bound`; true
+/// at once for another standby or without HA.
 pub fn hand_off(master: &Master, bound: Duration) -> bool {
     if !master.gate.enabled() {
         return true;
