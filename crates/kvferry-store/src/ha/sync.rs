@@ -256,7 +256,6 @@ struct Feed {
     /// connection's thread applies them once it has acknowledged them, a takeover first
     /// ([`Mirror::take`]).
     pending: Vec<(Instant, Vec<Change>)>,
-    pending_changes: usize,
 }
 
 /// The image the received changes are applied to.
@@ -325,25 +324,21 @@ impl Mirror {
     /// Applies every pending change to the image.
     pub fn apply_pending(&self) {
         let mut a = locked(&self.applied);
-        let pending = {
-            let mut f = locked(&self.feed);
-            f.pending_changes = 0;
-            std::mem::take(&mut f.pending)
-        };
+        let pending = std::mem::take(&mut locked(&self.feed).pending);
+        Self::put_all(&mut a, pending);
         let now = Instant::now();
-        for (at, changes) in pending {
-            Self::put(&mut a, at, changes);
-        }
         while a.held.front().is_some_and(|(t, _)| now.duration_since(*t) > self.keep_held) {
             a.held.pop_front();
         }
     }
 
-    fn put(a: &mut Applied, at: Instant, changes: Vec<Change>) {
-        for c in changes {
-            match c {
-                Change::HeldBack { .. } => a.held.push_back((at, c)),
-                c => a.image.apply(c),
+    fn put_all(a: &mut Applied, pending: Vec<(Instant, Vec<Change>)>) {
+        for (at, changes) in pending {
+            for c in changes {
+                match c {
+                    Change::HeldBack { .. } => a.held.push_back((at, c)),
+                    c => a.image.apply(c),
+                }
             }
         }
     }
@@ -352,12 +347,8 @@ impl Mirror {
     pub fn status(&self) -> MirrorStatus {
         let a = locked(&self.applied);
         let f = locked(&self.feed);
-        MirrorStatus { term: f.term, seq: f.seq, complete: f.complete && !f.closed, fed: f.conn != 0 && !f.closed, sealed: f.sealed, pending_changes: f.pending_changes, objects: a.image.objects() }
-    }
-
-    /// Changes received and not applied yet.
-    pub fn pending(&self) -> usize {
-        locked(&self.feed).pending_changes
+        let pending_changes = f.pending.iter().map(|(_, c)| c.len()).sum();
+        MirrorStatus { term: f.term, seq: f.seq, complete: f.complete && !f.closed, fed: f.conn != 0 && !f.closed, sealed: f.sealed, pending_changes, objects: a.image.objects() }
     }
 
     /// The term of a complete mirror.
@@ -377,10 +368,7 @@ impl Mirror {
         }
         f.closed = true;
         f.complete = false;
-        f.pending_changes = 0;
-        for (at, changes) in std::mem::take(&mut f.pending) {
-            Self::put(&mut a, at, changes);
-        }
+        Self::put_all(&mut a, std::mem::take(&mut f.pending));
         let mut image = std::mem::take(&mut a.image);
         for (_, c) in a.held.drain(..) {
             image.apply(c);
@@ -407,10 +395,12 @@ impl Mirror {
         }
     }
 
-    /// Connection `conn` ended: the mirror's copy of its socket is closed.
+    /// Connection `conn` ended: nothing feeds the mirror (until a leader says hello), and its
+    /// copy of the socket is closed.
     fn detach(&self, conn: u64) {
         let mut f = locked(&self.feed);
         if f.conn == conn {
+            f.conn = 0;
             f.sock = None;
         }
     }
@@ -505,7 +495,6 @@ impl Mirror {
             }
         };
         if !changes.is_empty() {
-            f.pending_changes += changes.len();
             f.pending.push((Instant::now(), changes));
         }
         Ok(ack)
@@ -857,14 +846,14 @@ mod tests {
         assert_eq!(m.complete_term(), None, "an image in progress is not a mirror to lead from");
         assert_eq!(m.apply(c1, ToStandby::Image { seq: 4, changes: vec![obj("b", 2)], last: true }).unwrap(), Some(4));
         assert_eq!(m.complete_term(), Some(5));
-        assert_eq!(m.pending(), 2, "acknowledged (held) before it is applied");
+        assert_eq!(m.status().pending_changes, 2, "acknowledged (held) before it is applied");
         m.apply_pending();
-        assert_eq!(m.pending(), 0);
+        assert_eq!(m.status().pending_changes, 0);
         assert!(m.hello("c", 5, 99).is_err(), "a stranger's hello is refused ...");
         assert_eq!(m.complete_term(), Some(5), "... and leaves the mirror and its feed as they were");
         assert_eq!(m.apply(c1, ToStandby::Entry { seq: 6, changes: vec![Change::Forget { key: "a".into() }, obj("c", 3), obj("d", 4)] }).unwrap(), Some(6));
         assert!(m.apply(c1, ToStandby::Entry { seq: 6, changes: vec![] }).is_err(), "an entry again is out of order");
-        assert_eq!(m.pending(), 3, "the entry's changes are held, not applied: the takeover applies them");
+        assert_eq!(m.status().pending_changes, 3, "the entry's changes are held, not applied: the takeover applies them");
         m.set_leader(Some((4, 40)));
         assert!(m.hello("c", 4, 40).is_err(), "an older term's leader (a deposed one) is refused");
         let (image, seq) = m.take(5).expect("a complete mirror of term 5");
@@ -914,6 +903,15 @@ mod tests {
         assert_eq!(m.take(5).map(|(i, s)| (i.objects(), s)), Some((1, 3)));
         m.reopen();
         assert!(m.hello("c", 5, 50).is_err(), "sealed for good");
+
+        // A connection that ended feeds its mirror no more, and says so.
+        let m = Mirror::new("c", Duration::from_secs(5));
+        m.set_leader(Some((5, 50)));
+        let c = m.hello("c", 5, 50).unwrap();
+        assert!(m.status().fed);
+        m.detach(c);
+        assert!(!m.status().fed, "its connection ended");
+        assert!(m.apply(c, ToStandby::Image { seq: 1, changes: vec![], last: true }).is_err());
     }
 
     #[test]
