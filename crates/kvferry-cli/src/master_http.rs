@@ -70,7 +70,7 @@ pub fn metrics_text(m: &Master) -> String {
     let _ = writeln!(o, "# HELP kvferry_master_ha_journal_bytes Bytes of the journal in etcd: the current snapshot plus the log after it.\n# TYPE kvferry_master_ha_journal_bytes gauge\nkvferry_master_ha_journal_bytes {}", j.snapshot_bytes + j.log_bytes);
     let _ = writeln!(o, "# HELP kvferry_master_ha_insync_standbys Standbys that acknowledge the leader's changes in memory (its in-sync set); 0: the etcd journal acknowledges them.\n# TYPE kvferry_master_ha_insync_standbys gauge\nkvferry_master_ha_insync_standbys {}", j.insync);
     let _ = writeln!(o, "# HELP kvferry_master_ha_streamed_entries_total Entries acknowledged by the in-sync standbys in this term.\n# TYPE kvferry_master_ha_streamed_entries_total counter\nkvferry_master_ha_streamed_entries_total {}", j.streamed);
-    if let Some(mi) = &ha.mirror {
+    if let Some(mi) = m.gate.mirror_status() {
         let _ = writeln!(o, "# HELP kvferry_master_ha_mirror_seq The last entry of the leader's journal this standby's mirror holds (acknowledged); the leader's kvferry_master_ha_journal_seq minus this is its lag.\n# TYPE kvferry_master_ha_mirror_seq gauge\nkvferry_master_ha_mirror_seq {}", mi.seq);
         let _ = writeln!(o, "# HELP kvferry_master_ha_mirror_complete 1 while this standby's mirror holds an image and every entry since (it could lead from it).\n# TYPE kvferry_master_ha_mirror_complete gauge\nkvferry_master_ha_mirror_complete {}", u8::from(mi.complete));
         let _ = writeln!(o, "# HELP kvferry_master_ha_mirror_objects Objects in this standby's mirror.\n# TYPE kvferry_master_ha_mirror_objects gauge\nkvferry_master_ha_mirror_objects {}", mi.objects);

@@ -204,6 +204,11 @@ impl Gate {
         }
     }
 
+    /// What this master's mirror holds (`--ha-replication standbys`), else `None`.
+    pub fn mirror_status(&self) -> Option<sync::MirrorStatus> {
+        self.mirror.get().map(|m| m.status())
+    }
+
     pub fn role(&self) -> Role {
         let _ = self.admit(); // a leader past its bound reads as standby
         self.st().role
@@ -238,7 +243,7 @@ impl Gate {
             lease_id: format!("{:x}", st.lease_id),
             journal: Default::default(),
             insync: Vec::new(),
-            mirror: self.mirror.get().map(|m| m.status()),
+            mirror: None,
         }
     }
 
@@ -540,26 +545,22 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
             // and hands off as a leader that stops does ([`hand_off`]), unless a leader alive
             // drops it from the in-sync set first (its mirror, sealed, acknowledges nothing
             // more).
-            let needed = match standby.as_ref() {
-                Some(sb) => needed_at_stop(cfg, etcd, &sb.mirror),
-                None => Ok(false),
-            };
-            match (needed, standby.as_mut()) {
-                (Ok(true), Some(sb)) => {
-                    if !bequeath {
+            match standby.as_ref().map_or(Ok(false), |sb| needed_at_stop(cfg, etcd, &sb.mirror)) {
+                Ok(true) => {
+                    if let Some(sb) = standby.as_ref().filter(|_| !bequeath) {
                         sb.mirror.seal();
                         tracing::info!("HA: stopping; this in-sync standby's mirror is the only copy of what the next leader needs: it leads once the leader's key is gone, only to hand its state to etcd (unless a leader alive drops it from the in-sync set first)");
                     }
                     bequeath = true;
                 }
-                (Err(e), Some(_)) => {
+                Err(e) => {
                     // (Only with a complete mirror.) etcd cannot say: keep trying (the stop's
                     // bound ends it).
                     report(format!("stopping: whether this standby's mirror is still needed: {e}"));
                     std::thread::sleep(STANDBY_POLL);
                     continue;
                 }
-                _ => {
+                Ok(false) => {
                     if let Some(sb) = standby.as_mut() {
                         sb.deregister(etcd);
                     }
@@ -644,10 +645,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 // to lead from its mirror: that may be the only copy, so it takes over and
                 // hands off as any stopping member that holds it does.)
                 gate.taking_over.store(true, Ordering::SeqCst);
-                if gate.stopping.load(Ordering::SeqCst) && !bequeath && matches!(plan, Plan::Mirror(_)) {
-                    bequeath = true;
-                }
-                if gate.stopping.load(Ordering::SeqCst) && !bequeath {
+                if gate.stopping.load(Ordering::SeqCst) && !matches!(plan, Plan::Mirror(_)) {
                     gate.taking_over.store(false, Ordering::SeqCst);
                     let _ = etcd.delete_if_owned(key, owner);
                     let _ = etcd.lease_revoke(lease);
@@ -741,7 +739,6 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 }
                 gate.stepped_down.fetch_add(1, Ordering::AcqRel);
                 tracing::warn!(term, "HA: stepped down; metadata reset; standing by");
-                bequeath = false;
                 if failed_takeovers > 0 {
                     std::thread::sleep((STANDBY_POLL * (1u32 << failed_takeovers.min(6))).min(cfg.lease_ttl));
                 }

@@ -1148,6 +1148,7 @@ impl Master {
         let mut s = self.gate.status();
         s.journal = self.journal.stats();
         s.insync = self.journal.insync();
+        s.mirror = self.gate.mirror_status();
         s
     }
 
