@@ -431,7 +431,7 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
             if kvferry_store::ha::hand_off(&master, bound) {
                 eprintln!("kvferry master: stopping (signal {sig}); the state is in etcd and the leadership handed off");
             } else {
-                eprintln!("kvferry master: stopping (signal {sig}); the state could not be handed to etcd within {bound:?} (is etcd reachable? was a takeover of a large state still running? its log line says how long one takes): a standby takes over when this master's lease ends, but if every in-sync standby stops too, what only they held is lost; stop the standbys after a new leader serves");
+                eprintln!("kvferry master: stopping (signal {sig}); the state could not be handed to etcd within {bound:?} (is etcd reachable? was a takeover of a large state still running? its log line says how long one takes; an in-sync standby holding the only copy first waits for a dead leader's key to expire, one lease TTL): a standby takes over when this master's lease ends, but if every in-sync standby stops too, what only they held is lost; stop the standbys after a new leader serves");
             }
             std::process::exit(0);
         }
