@@ -32,6 +32,6 @@ fn main() {
     // Every client but the last stops pinging.
     st.ping(clients, 5_000);
     let t = Instant::now();
-    let dead = st.expire_clients(10_001, 10_000);
+    let dead = st.expire_clients(10_001, 10_000, 600_000);
     println!("{} clients expired in one tick: the state lock held {:.1} ms", dead.len(), t.elapsed().as_secs_f64() * 1e3);
 }

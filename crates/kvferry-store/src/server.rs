@@ -436,7 +436,7 @@ fn apply_locked(st: &mut State, m: &Master, req: Request, now: u64, removed: &mu
     match req {
         Request::MountSegment { client, segment } => st.mount(client, segment, now).map(|_| Response::Ok),
         Request::RemountSegments { client, segments } => st.remount(client, segments, now, lease).map(|_| Response::Ok),
-        Request::UnmountSegment { client, segment } => st.unmount(client, segment).map(|_| Response::Ok),
+        Request::UnmountSegment { client, segment } => st.unmount(client, segment, now, m.cfg.put_start_release_timeout.as_millis() as u64).map(|_| Response::Ok),
         Request::Ping { client } => Ok(Response::Ping(st.ping(client, now))),
         Request::PutStart { client, key, size, config, upsert, put } => st.put_start(&m.cfg, &m.stats, PutId { client, put }, &key, size, &config, upsert, now).map(Response::Replicas),
         Request::ReleaseReads { ids } => {

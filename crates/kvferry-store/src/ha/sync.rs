@@ -36,9 +36,10 @@
 //! `seq`, the last one marked), then `Entry` frames in order; the standby answers `Ack` with
 //! the last entry it holds (decoded and in order; applied to its image right after).
 
-use crate::master::journal::{Change, Image};
+use crate::master::journal::{Change, Image, ReplicaRec};
 use serde::{Deserialize, Serialize};
-use std::collections::VecDeque;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -262,9 +263,10 @@ struct Feed {
 #[derive(Default)]
 struct Applied {
     image: Image,
-    /// Held-back replicas with when they were received (they matter for one read lease after
-    /// the leader held them back; older ones are pruned, so the mirror does not grow).
-    held: VecDeque<(Instant, Change)>,
+    /// Held-back replicas by when they stop mattering: two read leases after they were
+    /// received, or the time the leader still held them for if longer (a write in progress
+    /// whose object or segment went). Pruned once that passed, so the mirror does not grow.
+    held: BinaryHeap<Reverse<(Instant, ReplicaRec)>>,
 }
 
 /// What a standby's mirror holds (`/ha_status`'s `mirror`, and metrics).
@@ -325,18 +327,19 @@ impl Mirror {
     pub fn apply_pending(&self) {
         let mut a = locked(&self.applied);
         let pending = std::mem::take(&mut locked(&self.feed).pending);
-        Self::put_all(&mut a, pending);
+        self.put_all(&mut a, pending);
         let now = Instant::now();
-        while a.held.front().is_some_and(|(t, _)| now.duration_since(*t) > self.keep_held) {
-            a.held.pop_front();
+        while a.held.peek().is_some_and(|Reverse((until, _))| *until < now) {
+            a.held.pop();
         }
     }
 
-    fn put_all(a: &mut Applied, pending: Vec<(Instant, Vec<Change>)>) {
+    fn put_all(&self, a: &mut Applied, pending: Vec<(Instant, Vec<Change>)>) {
         for (at, changes) in pending {
             for c in changes {
                 match c {
-                    Change::HeldBack { .. } => a.held.push_back((at, c)),
+                    Change::HeldBack { replica } => a.held.push(Reverse((at + self.keep_held, replica))),
+                    Change::HeldUntil { replica, left } => a.held.push(Reverse((at + self.keep_held.max(Duration::from_millis(left)), replica))),
                     c => a.image.apply(c),
                 }
             }
@@ -368,10 +371,11 @@ impl Mirror {
         }
         f.closed = true;
         f.complete = false;
-        Self::put_all(&mut a, std::mem::take(&mut f.pending));
+        self.put_all(&mut a, std::mem::take(&mut f.pending));
         let mut image = std::mem::take(&mut a.image);
-        for (_, c) in a.held.drain(..) {
-            image.apply(c);
+        let now = Instant::now();
+        for Reverse((until, replica)) in a.held.drain() {
+            image.apply(Change::HeldUntil { replica, left: until.saturating_duration_since(now).as_millis() as u64 });
         }
         Some((image, f.seq))
     }
@@ -912,6 +916,31 @@ mod tests {
         m.detach(c);
         assert!(!m.status().fed, "its connection ended");
         assert!(m.apply(c, ToStandby::Image { seq: 1, changes: vec![], last: true }).is_err());
+    }
+
+    /// Held-back space is pruned from a mirror once two read leases passed, except what the
+    /// leader still held for longer (a write that may still land): that is taken over with
+    /// the time it has left.
+    #[test]
+    fn a_mirror_keeps_held_space_as_long_as_the_leader_held_it() {
+        let m = Mirror::new("c", Duration::from_millis(1));
+        m.set_leader(Some((5, 50)));
+        let c = m.hello("c", 5, 50).unwrap();
+        let seg = crate::proto::Segment { id: 1, name: "s".into(), te_endpoint: "127.0.0.1:1".into(), base: 0, size: 1 << 20 };
+        let changes = vec![Change::Mount { client: 7, seg }, Change::HeldBack { replica: (1, 0, 4096) }, Change::HeldUntil { replica: (1, 4096, 4096), left: 0 }, Change::HeldUntil { replica: (1, 8192, 4096), left: 60_000 }];
+        assert_eq!(m.apply(c, ToStandby::Image { seq: 1, changes, last: true }).unwrap(), Some(1));
+        m.apply_pending();
+        std::thread::sleep(Duration::from_millis(20));
+        m.apply_pending();
+        let (image, _) = m.take(5).expect("a complete mirror");
+        let (st, _) = image.into_state(6, 0, 1);
+        assert_eq!(st.summary().deferred_frees, 1, "only the range held for a minute is still held");
+        assert_eq!(st.used_bytes(), 4096);
+        let mut st = st;
+        st.release_deferred(58_000);
+        assert_eq!(st.used_bytes(), 4096, "held for what it had left (about a minute)");
+        st.release_deferred(60_001);
+        assert_eq!(st.used_bytes(), 0);
     }
 
     #[test]

@@ -32,6 +32,14 @@ pub struct Block {
     cap: u64,
 }
 
+impl Block {
+    /// A block of no space (its segment is gone) that [`SegmentSpace::reserve`] would give
+    /// for `addr`, `len` once the segment is back.
+    pub fn held(addr: u64, len: u64) -> Block {
+        Block { addr, len, cap: len.max(1).checked_next_multiple_of(ALIGN).unwrap_or(len) }
+    }
+}
+
 impl SegmentSpace {
     pub fn new(base: u64, size: u64) -> SegmentSpace {
         let usable = size / ALIGN * ALIGN;

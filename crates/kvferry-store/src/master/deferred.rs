@@ -17,6 +17,8 @@ struct Deferred {
     /// reads at all: `by_reads`).
     waiting: usize,
     by_reads: bool,
+    /// Freed at this time at the latest (what the journal carries, as time left).
+    release_at: u64,
 }
 
 #[derive(Default)]
@@ -37,7 +39,7 @@ impl DeferredFrees {
     pub(super) fn push(&mut self, replica: Replica, release_at: u64, reads: &[u64]) {
         let id = self.next;
         self.next += 1;
-        self.all.insert(id, Deferred { replica, waiting: reads.len(), by_reads: !reads.is_empty() });
+        self.all.insert(id, Deferred { replica, waiting: reads.len(), by_reads: !reads.is_empty(), release_at });
         self.by_time.push(Reverse((release_at, id)));
         for r in reads {
             self.by_read.entry(*r).or_default().push(id);
@@ -69,10 +71,14 @@ impl DeferredFrees {
         }
     }
 
-    /// Forgets the frees of replicas `gone` picks (their segment went: nothing to free).
-    pub(super) fn forget(&mut self, gone: impl Fn(&Replica) -> bool) {
-        self.all.retain(|_, d| !gone(&d.replica));
-        self.compact();
+    /// Keeps the frees on segment `seg` that `keep` keeps (it may take their space in a
+    /// segment mounted again); the others are forgotten. Walks every free: a mount is rare.
+    pub(super) fn retain_on(&mut self, seg: u64, mut keep: impl FnMut(&Replica) -> bool) {
+        let before = self.all.len();
+        self.all.retain(|_, d| d.replica.seg != seg || keep(&d.replica));
+        if self.all.len() != before {
+            self.compact();
+        }
     }
 
     pub(super) fn len(&self) -> usize {
@@ -83,9 +89,10 @@ impl DeferredFrees {
         self.all.is_empty()
     }
 
-    /// The replicas waiting, in the order they were deferred.
-    pub(super) fn replicas(&self) -> impl Iterator<Item = &Replica> {
-        self.all.values().map(|d| &d.replica)
+    /// The replicas waiting, in the order they were deferred, each with the time it is
+    /// freed at the latest.
+    pub(super) fn replicas(&self) -> impl Iterator<Item = (&Replica, u64)> {
+        self.all.values().map(|d| (&d.replica, d.release_at))
     }
 
     /// Drops the index entries of frees that are gone, once they outnumber the live ones:
@@ -164,9 +171,9 @@ mod tests {
         for i in 0..10_000u64 {
             d.push(on(2 + i % 2, i * 64), 5, &[1 << 40 | i]);
         }
-        d.forget(|r| r.seg == 2);
+        d.retain_on(2, |_| false);
         assert_eq!(d.len(), 5_000);
-        assert!(d.replicas().all(|r| r.seg == 3));
+        assert!(d.replicas().all(|(r, at)| r.seg == 3 && at == 5));
         free.clear();
         d.due(5, &mut free);
         assert_eq!(free.len(), 5_000, "the forgotten ones are not freed");

@@ -92,8 +92,13 @@ pub enum Change {
     Object { key: String, rec: ObjectRec },
     Forget { key: String },
     /// A replica no object names any more but a reader may still read: not reused for a
-    /// lease TTL after a takeover.
+    /// lease TTL after a takeover. (What leaders before [`Change::HeldUntil`] wrote.)
     HeldBack { replica: ReplicaRec },
+    /// Space no object names any more that a reader may still read or a writer still write
+    /// (a write in progress whose object or segment went): not reused for `left` ms after
+    /// the change was taken, nor for less than a lease TTL after a takeover. Its segment
+    /// may be gone: the space is then held in case it is mounted again.
+    HeldUntil { replica: ReplicaRec, left: u64 },
 }
 
 /// What a request changed, as marked by the state (only while journaling).
@@ -110,7 +115,8 @@ pub(super) struct Dirty {
     /// and removed again): its change is then taken twice, the same whole state each time,
     /// which replaying applies idempotently.
     bulk: Vec<Box<str>>,
-    held_back: Vec<ReplicaRec>,
+    /// (replica, freed at this time at the latest)
+    held_back: Vec<(ReplicaRec, u64)>,
 }
 
 fn rec(r: &Replica) -> ReplicaRec {
@@ -166,9 +172,9 @@ impl State {
         }
     }
 
-    pub(super) fn mark_held_back(&mut self, r: &Replica) {
+    pub(super) fn mark_held_back(&mut self, r: &Replica, until: u64) {
         if let Some(d) = &mut self.dirty {
-            d.held_back.push(rec(r));
+            d.held_back.push((rec(r), until));
             self.marks += 1;
         }
     }
@@ -209,7 +215,7 @@ impl State {
                 None => Change::Forget { key: key.into_string() },
             });
         }
-        out.extend(d.held_back.into_iter().map(|replica| Change::HeldBack { replica }));
+        out.extend(d.held_back.into_iter().map(|(replica, until)| Change::HeldUntil { replica, left: until.saturating_sub(now) }));
         out
     }
 
@@ -223,7 +229,7 @@ impl State {
             }
         }
         out.extend(self.objects.iter().map(|(k, o)| Change::Object { key: k.to_string(), rec: State::object_rec(o, now) }));
-        out.extend(self.deferred.replicas().map(|r| Change::HeldBack { replica: rec(r) }));
+        out.extend(self.deferred.replicas().map(|(r, until)| Change::HeldUntil { replica: rec(r), left: until.saturating_sub(now) }));
         out
     }
 }
@@ -239,7 +245,8 @@ pub struct Image {
     /// of changes in no particular order; an ordered map took ~2 µs each, 10x a hashed one.
     /// Rebuilding does not depend on the order: see [`Image::into_state`].)
     objects: super::shards::Shards<String, ObjectRec, hashbrown::DefaultHashBuilder>,
-    held_back: Vec<ReplicaRec>,
+    /// (replica, ms it was still held for when the change was taken)
+    held_back: Vec<(ReplicaRec, u64)>,
 }
 
 /// What rebuilding found wrong in a journal (replicas that overlap or lie outside their
@@ -277,7 +284,8 @@ impl Image {
             Change::Forget { key } => {
                 self.objects.remove(&key);
             }
-            Change::HeldBack { replica } => self.held_back.push(replica),
+            Change::HeldBack { replica } => self.held_back.push((replica, 0)),
+            Change::HeldUntil { replica, left } => self.held_back.push((replica, left)),
         }
     }
 
@@ -405,12 +413,30 @@ impl Image {
             }
         }
         report.objects = st.objects.len();
-        // Held-back space a reader of the old leader may still read: free after one lease.
-        // (Space that a later change already handed to another object is not free: skipped.)
-        for (seg, addr, len) in self.held_back {
-            if let Some(block) = st.segments.get_mut(&seg).and_then(|s| s.space.reserve(addr, len)) {
-                st.free_later(Replica { seg, block }, now + lease);
+        // Held-back space a reader of the old leader may still read, or a writer still
+        // write: free after the time it had left, and not before one lease. (Space that a
+        // later change already handed to another object is not free: skipped.) On a segment
+        // that went, it is held in case the segment is mounted again ([`State::drop_segments`]);
+        // the same range named more than once (a journal names it at each change) is held
+        // once, for the longest.
+        let mut orphans: HashMap<ReplicaRec, u64> = HashMap::new();
+        for ((seg, addr, len), left) in self.held_back {
+            let until = now + left.max(lease);
+            if let Some(s) = st.segments.get_mut(&seg) {
+                if let Some(block) = s.space.reserve(addr, len) {
+                    st.free_later(Replica { seg, block }, until);
+                }
+            } else {
+                let at = orphans.entry((seg, addr, len)).or_default();
+                *at = (*at).max(until);
             }
+        }
+        let mut orphans: Vec<(ReplicaRec, u64)> = orphans.into_iter().collect();
+        orphans.sort_unstable();
+        for ((seg, addr, len), until) in orphans {
+            let block = super::alloc::Block::held(addr, len);
+            st.orphaned.insert(seg);
+            st.free_later(Replica { seg, block }, until);
         }
         (st, report)
     }
@@ -514,7 +540,7 @@ mod tests {
                         let id = rng.random_range(1..6u64);
                         let owner = st.segments.get(&id).map(|s| s.client);
                         if let Some(c) = owner {
-                            let _ = st.unmount(c, id);
+                            let _ = st.unmount(c, id, now, 600_000);
                         }
                     }
                     7..=40 => {
@@ -548,7 +574,7 @@ mod tests {
                         st.evict(rng.random_range(1..1_000_000), now, true, &stats);
                     }
                     95..=96 => {
-                        st.expire_clients(now, 200);
+                        st.expire_clients(now, 200, 600_000);
                     }
                     _ => {
                         st.expire_reads(now);
@@ -582,7 +608,7 @@ mod tests {
                     // Every client of the original is known (segment owners are known even when
                     // their client record went: the segment keeps them alive).
                     assert!(clients.iter().all(|c| bclients.contains(c)), "seed {seed} step {step} ({name}): clients {clients:?} vs {bclients:?}");
-                    assert!(back.used_bytes() >= st.used_bytes() - st.deferred.replicas().map(|r| r.block.len.next_multiple_of(64)).sum::<u64>(), "seed {seed} step {step} ({name}): space");
+                    assert!(back.used_bytes() >= st.used_bytes().saturating_sub(st.deferred.replicas().filter(|(r, _)| st.segments.contains_key(&r.seg)).map(|(r, _)| r.block.len.next_multiple_of(64)).sum::<u64>()), "seed {seed} step {step} ({name}): space");
                     // New puts on the rebuilt state never touch a replica of the original.
                     let taken: Vec<(u64, u64, u64)> = st.objects.values().flat_map(|o| o.current.iter().chain(o.pending.iter().flat_map(|p| p.replicas.iter()))).map(|r| (r.seg, r.block.addr, r.block.len)).collect();
                     back.register_client(99, now);

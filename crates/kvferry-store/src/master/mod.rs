@@ -25,7 +25,7 @@ use crate::proto::{PingStatus, ReplicaDesc, ReplicaList, ReplicateConfig, Segmen
 use alloc::{Block, SegmentSpace};
 use rand::Rng;
 use serde::Serialize;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -233,6 +233,10 @@ pub struct State {
     groups: Groups,
     /// Replicas freed once their reads end or at a time ([`deferred::DeferredFrees`]).
     deferred: deferred::DeferredFrees,
+    /// Segments dropped (or gone at a takeover) that may have space held in `deferred`
+    /// ([`State::drop_segments`]): a mount of one of them takes that space back out; a mount
+    /// of any other walks nothing. Emptied when nothing is held.
+    orphaned: HashSet<u64>,
     /// Reads in flight: id -> end of their lease.
     reads: HashMap<u64, u64>,
     next_read: u64,
@@ -330,7 +334,7 @@ impl State {
     }
 
     fn free_later(&mut self, r: Replica, at: u64) {
-        self.mark_held_back(&r);
+        self.mark_held_back(&r, at);
         self.deferred.push(r, at, &[]);
     }
 
@@ -348,7 +352,7 @@ impl State {
             return Some(r);
         }
         let release_at = live.iter().filter_map(|id| self.reads.get(id)).copied().max().unwrap_or(now);
-        self.mark_held_back(&r);
+        self.mark_held_back(&r, release_at);
         self.deferred.push(r, release_at, &live);
         None
     }
@@ -374,6 +378,9 @@ impl State {
         }
         self.deferred.due(now, &mut free);
         self.free_all_now(free);
+        if self.deferred.is_empty() && !self.orphaned.is_empty() {
+            self.orphaned.clear();
+        }
     }
 
     pub fn total_bytes(&self) -> u64 {
@@ -441,19 +448,34 @@ impl State {
         }
         self.mark_segment(seg.id);
         self.seg_order.push(seg.id);
-        let space = SegmentSpace::new(seg.base, seg.size);
-        self.segments.insert(seg.id, SegState { seg, client, space });
+        let id = seg.id;
+        let mut space = SegmentSpace::new(seg.base, seg.size);
+        // Space held when this segment was dropped (a write that was in progress into it,
+        // space readers may read) stays held: the segment is mounted again (its client was
+        // forgotten, not its memory) and that writer may still be writing. What does not fit
+        // the range mounted now cannot be written through it: forgotten.
+        if self.orphaned.remove(&id) {
+            self.deferred.retain_on(id, |r| match space.reserve(r.block.addr, r.block.len) {
+                Some(_) => true,
+                None => {
+                    tracing::debug!(segment = id, addr = r.block.addr, len = r.block.len, "space held from before the segment was dropped lies outside it now; forgotten");
+                    false
+                }
+            });
+        }
+        self.segments.insert(id, SegState { seg, client, space });
         Ok(())
     }
 
     /// Removes a segment and every replica in it; objects left without replicas disappear.
-    pub fn unmount(&mut self, client: u64, seg_id: u64) -> StoreResult<()> {
+    /// Space of writes in progress there stays held (`release`: see [`State::drop_segments`]).
+    pub fn unmount(&mut self, client: u64, seg_id: u64, now: u64, release: u64) -> StoreResult<()> {
         match self.segments.get(&seg_id) {
             None => return Err(StoreError::SegmentNotFound(format!("{seg_id:x}"))),
             Some(s) if s.client != client => return Err(StoreError::InvalidParams(format!("segment {seg_id:x} belongs to another client"))),
             Some(_) => {}
         }
-        self.drop_segments(&[seg_id]);
+        self.drop_segments(&[seg_id], now, release);
         Ok(())
     }
 
@@ -461,25 +483,36 @@ impl State {
     /// forgotten), in one walk over the objects however many segments go (a client with many
     /// segments, or many clients expiring in one tick, cost one walk under the lock, not one
     /// each).
-    fn drop_segments(&mut self, ids: &[u64]) {
+    ///
+    /// The space of what may still be written or read there stays held, on no segment, in
+    /// case the segment is mounted again ([`State::mount`] takes it back out of the space):
+    /// held-back space until its time, and the replicas of writes in progress until their
+    /// put's start plus `release` (the put start release timeout: their writer may still be
+    /// writing, and a remount's hold of one read lease would not cover it). Held nowhere
+    /// else: a segment never mounted again costs its entries until their time.
+    fn drop_segments(&mut self, ids: &[u64], now: u64, release: u64) {
         if ids.is_empty() {
             return;
         }
         for &id in ids {
             self.mark_segment(id);
             self.segments.remove(&id);
+            self.orphaned.insert(id);
         }
-        let ids: std::collections::HashSet<u64> = ids.iter().copied().collect();
+        let ids: HashSet<u64> = ids.iter().copied().collect();
         let on = |r: &Replica| ids.contains(&r.seg);
         self.seg_order.retain(|s| !ids.contains(s));
-        self.deferred.forget(on);
         // Objects left without any replica are removed in place (no key copied, no second
         // lookup: what `forget` does, for up to every object of the pool at once); marks and
         // group memberships are settled after the walk.
         let journaling = self.dirty.is_some();
-        let (mut marks, mut grouped) = (Vec::new(), Vec::new());
+        let (mut marks, mut grouped, mut writing) = (Vec::new(), Vec::new(), Vec::new());
         self.objects.retain(|k, o| {
-            // (Their segments are gone: nothing to free.)
+            // (Their segments are gone: nothing to free.) A write in progress there keeps
+            // its space held (below).
+            if let Some(p) = &o.pending {
+                writing.extend(p.replicas.iter().filter(|r| on(r)).map(|r| (*r, p.started)));
+            }
             let hit = o.drop_replicas(on, drop);
             let keep = !o.bare();
             if !keep {
@@ -494,6 +527,9 @@ impl State {
         });
         self.mark_keys_owned(marks);
         self.prune_groups(grouped);
+        for (r, started) in writing {
+            self.free_later(r, started.saturating_add(release).max(now));
+        }
     }
 
     /// Groups that lost members (removed from `objects` already) keep only the members still
@@ -581,7 +617,8 @@ impl State {
     /// Drops clients that have not pinged within `ttl`, with their segments and replicas: each
     /// with the names of the segments it still had (none: it unmounted them, as a client that
     /// closes does, and nothing was lost).
-    pub fn expire_clients(&mut self, now: u64, ttl: u64) -> Vec<(u64, Vec<String>)> {
+    /// `release` is the put start release timeout (see [`State::drop_segments`]).
+    pub fn expire_clients(&mut self, now: u64, ttl: u64, release: u64) -> Vec<(u64, Vec<String>)> {
         let mut dead: std::collections::HashMap<u64, Vec<String>> = self.clients.iter().filter(|(_, &t)| now.saturating_sub(t) > ttl).map(|(&c, _)| (c, Vec::new())).collect();
         if dead.is_empty() {
             return Vec::new();
@@ -597,7 +634,7 @@ impl State {
                 segs.push(id);
             }
         }
-        self.drop_segments(&segs);
+        self.drop_segments(&segs, now, release);
         dead.into_iter().collect()
     }
 
@@ -1166,7 +1203,7 @@ impl Master {
     pub fn tick(&self) {
         let now = self.now();
         let mut st = self.lock();
-        let dead = st.expire_clients(now, self.cfg.client_ttl.as_millis() as u64);
+        let dead = st.expire_clients(now, self.cfg.client_ttl.as_millis() as u64, self.cfg.put_start_release_timeout.as_millis() as u64);
         let mut dropped = Vec::new();
         for (c, segments) in dead {
             if !segments.is_empty() {
@@ -1372,6 +1409,54 @@ mod tests {
         assert_eq!(st.used_bytes(), 4096);
     }
 
+    /// A write in progress into a segment whose client the master dropped (its pings stopped,
+    /// its memory still there) may still land after the client mounts the segment again:
+    /// the write's space stays held past the remount's read lease, until the put's start plus
+    /// the release timeout, and is given back then. A new leader rebuilt from the journal
+    /// taken while the segment was gone holds it the same.
+    #[test]
+    fn a_write_in_progress_into_a_dropped_segment_keeps_its_space_after_the_segment_comes_back() {
+        let (mut st, m, s) = setup(&[]);
+        st.journal_on();
+        st.mount(1, seg(1, 1 << 20), 0).unwrap();
+        st.register_client(2, 0);
+        let writer = PutId { client: 2, put: 7 };
+        let w = st.put_start(&m, &s, writer, "w", 256 << 10, &ReplicateConfig::default(), false, 1_000).unwrap();
+        let (wa, we) = (w[0].addr, w[0].addr + w[0].size);
+        st.ping(2, 10_000);
+        let dead = st.expire_clients(10_001, 10_000, 600_000);
+        assert_eq!(dead.len(), 1, "client 1 stopped pinging: {dead:?}");
+        assert!(st.put_end(writer, "w", 10_002).is_err(), "the write's object went with the segment");
+        assert_eq!(st.deferred.len(), 1, "its space is held, on no segment");
+        let mut image = journal::Image::default();
+        for c in st.image(10_002) {
+            image.apply(c);
+        }
+        let (back, _) = image.into_state(3, 10_002, 5_000);
+        for (name, mut st) in [("this master", st), ("a new leader", back)] {
+            st.remount(1, vec![seg(1, 1 << 20)], 10_100, 5_000).unwrap();
+            st.release_deferred(15_100);
+            for i in 0..12 {
+                let r = put(&mut st, &m, &s, &format!("k{i}"), 64 << 10, &ReplicateConfig::default(), 15_100).unwrap_or_else(|e| panic!("{name}: the rest of the segment serves: {e}"));
+                assert!(r[0].addr >= we || r[0].addr + r[0].size <= wa, "{name}: k{i} was placed on the bytes a write may still land on");
+            }
+            assert_eq!(st.used_bytes(), 1 << 20, "{name}: the write's space is held until its release timeout");
+            st.release_deferred(600_999);
+            assert_eq!(st.used_bytes(), 1 << 20, "{name}");
+            st.release_deferred(601_000);
+            assert_eq!(st.used_bytes(), 12 * (64 << 10), "{name}: given back at the put's start plus the release timeout");
+            assert!(st.deferred.is_empty(), "{name}");
+        }
+        // A segment mounted again with another range keeps only what lies in it.
+        let (mut st, m, s) = setup(&[(1, 1 << 20)]);
+        st.register_client(2, 0);
+        st.put_start(&m, &s, writer, "w", 256 << 10, &ReplicateConfig::default(), false, 0).unwrap();
+        st.ping(2, 10_000);
+        st.expire_clients(10_001, 10_000, 600_000);
+        st.mount(1, Segment { base: (1 << 32) + (1 << 20), ..seg(1, 1 << 20) }, 10_002).unwrap();
+        assert!(st.deferred.is_empty() && st.used_bytes() == 0, "nothing of the old range to hold");
+    }
+
     /// Two masters (one restarted at the same address) grant different read ids, so a client's
     /// queued release of the first one's read cannot end a read the second one granted.
     #[test]
@@ -1415,6 +1500,37 @@ mod tests {
         st.put_start(&m, &s, c, "k", 4096, &ReplicateConfig::default(), true, later).expect("an upsert replaces it");
     }
 
+    /// A zombie write's space is held until its release timeout (its writer may still be
+    /// writing) also at a new leader: the journal carries how long each held range has left,
+    /// where it once carried only that it was held (freed after one read lease at a takeover).
+    #[test]
+    fn a_zombie_writes_space_stays_held_for_its_release_timeout_across_a_takeover() {
+        let (mut st, m, s) = setup(&[(1, 1 << 20)]);
+        st.journal_on();
+        st.put_start(&m, &s, P1, "z", 4096, &ReplicateConfig::default(), false, 0).unwrap();
+        let later = m.put_start_discard_timeout.as_millis() as u64 + 1;
+        let release = later + m.put_start_release_timeout.as_millis() as u64;
+        st.put_start(&m, &s, PutId { client: 1, put: 2 }, "z", 4096, &ReplicateConfig::default(), false, later).unwrap();
+        let held = st.take_changes(later).into_iter().filter_map(|c| match c {
+            Change::HeldUntil { left, .. } => Some(left),
+            _ => None,
+        });
+        assert_eq!(held.collect::<Vec<_>>(), [release - later], "journaled with the time it has left");
+        let mut image = journal::Image::default();
+        for c in st.image(later + 1_000) {
+            image.apply(c);
+        }
+        let (mut back, _) = image.into_state(2, later + 1_000, 5_000);
+        let used = back.used_bytes();
+        assert_eq!(used, 2 * 4096, "the new put's space and the zombie's");
+        back.release_deferred(later + 1_000 + 5_001);
+        assert_eq!(back.used_bytes(), used, "still held after one read lease");
+        back.release_deferred(release - 1);
+        assert_eq!(back.used_bytes(), used);
+        back.release_deferred(release);
+        assert_eq!(back.used_bytes(), 4096, "given back at the release timeout");
+    }
+
     #[test]
     fn zombie_put_is_replaced_after_the_discard_timeout() {
         let (mut st, m, s) = setup(&[(1, 1 << 20)]);
@@ -1442,7 +1558,7 @@ mod tests {
         assert_eq!(r.len(), 2);
         put(&mut st, &m, &s, "only1", 4096, &ReplicateConfig { preferred_segments: vec!["seg1".into()], ..Default::default() }, 0).unwrap();
         st.ping(2, 5000);
-        let dead = st.expire_clients(10_001, 10_000);
+        let dead = st.expire_clients(10_001, 10_000, 600_000);
         assert_eq!(dead, vec![(1, vec!["seg1".to_string()])], "client 1 with its one segment");
         let l = st.get_replica_list("both", 10_002, 1).unwrap();
         assert_eq!(l.replicas.len(), 1);
@@ -1471,7 +1587,7 @@ mod tests {
             put(&mut st, &m, &s, key, 4096, &ReplicateConfig { preferred_segments: vec![on.into()], group_id: Some(group.into()), ..Default::default() }, 0).unwrap();
         }
         st.ping(30, 5000);
-        let mut dead = st.expire_clients(10_001, 10_000);
+        let mut dead = st.expire_clients(10_001, 10_000, 600_000);
         dead.sort_unstable();
         for (_, names) in &mut dead {
             names.sort_unstable();
