@@ -6,6 +6,12 @@
 //!   containing `rpc_meta` → 200 `metadata unchanged` with an identical body, 400
 //!   `Duplicate rpc_meta key not allowed` with a different one.
 //! - `DELETE /metadata?key=K` → 200 `metadata deleted`, 404 `metadata not found`.
+//! - kvferry's addition, which Mooncake's clients and servers ignore: a GET's answer carries an
+//!   `ETag` naming the write that left the value (a number that grows with every PUT, an
+//!   identical one too, and across restarts), and a DELETE with `If-Match` removes the value
+//!   only if that write is still the one there (412 `metadata changed` otherwise). What an
+//!   engine replacing a dead engine's `rpc_meta` entry needs so that it never removes the
+//!   entry another engine just made (`MetadataStore::remove_if`).
 //! - No or empty key → 400 `metadata key is required`; other methods → 405; `GET /health` → `OK`.
 //!
 //! With `--data-dir` every change is appended to `metadata.log` and fsync'ed before the reply,
@@ -152,7 +158,7 @@ impl Wal {
 
     /// Compacts: writes `map`'s entries to a new file, fsyncs it, renames it over the log
     /// and syncs the directory; the log opened for appending, and its length.
-    fn rewrite(dir: &Path, path: &Path, map: &HashMap<String, Bytes>) -> Result<(File, u64), String> {
+    fn rewrite<'a>(dir: &Path, path: &Path, map: impl IntoIterator<Item = (&'a String, &'a Bytes)>) -> Result<(File, u64), String> {
         let tmp = dir.join(format!("{LOG_NAME}.tmp"));
         let io = |e: std::io::Error| format!("cannot write {}: {e} (check --data-dir permissions and free space)", tmp.display());
         let len = {
@@ -174,7 +180,7 @@ impl Wal {
     /// Compacts the log to `map` (the state after every change it holds) once it grew past
     /// twice its last compacted length plus [`COMPACT_FLOOR`]. A failed compaction leaves
     /// the log as it was (the rename is atomic) and is tried again at the next change.
-    fn maybe_compact(&mut self, map: &HashMap<String, Bytes>) {
+    fn maybe_compact<'a>(&mut self, map: impl IntoIterator<Item = (&'a String, &'a Bytes)>) {
         if self.broken.is_some() || self.len <= self.compacted.saturating_mul(2).saturating_add(COMPACT_FLOOR) {
             return;
         }
@@ -213,8 +219,18 @@ impl Wal {
     }
 }
 
+/// A value with the write that left it (what a GET's `ETag` names).
+struct Stored {
+    value: Bytes,
+    rev: u64,
+}
+
 struct State {
-    map: RwLock<HashMap<String, Bytes>>,
+    map: RwLock<HashMap<String, Stored>>,
+    /// The next write's number. It starts at the microseconds since 1970 when the server
+    /// started, so a restarted server's writes never reuse a number an earlier run gave
+    /// (an `If-Match` seen before the restart matches nothing after it).
+    next_rev: std::sync::atomic::AtomicU64,
     /// Serialises changes; holds the log of a durable server.
     writer: Mutex<Option<Wal>>,
     /// A log is kept (`writer` holds one): changes wait for its fsync off the event loop.
@@ -268,9 +284,30 @@ fn query_key(query: Option<&str>) -> Option<String> {
         .filter(|k| !k.is_empty())
 }
 
+/// The `ETag` of write `rev` (a strong validator, quoted as HTTP wants it).
+fn etag(rev: u64) -> String {
+    format!("\"{rev}\"")
+}
+
 impl State {
     fn get(&self, key: &str) -> Option<Bytes> {
-        self.map.read().unwrap_or_else(|e| e.into_inner()).get(key).cloned()
+        self.map.read().unwrap_or_else(|e| e.into_inner()).get(key).map(|s| s.value.clone())
+    }
+
+    /// The value with its `ETag`.
+    fn get_tagged(&self, key: &str) -> Option<(Bytes, String)> {
+        self.map.read().unwrap_or_else(|e| e.into_inner()).get(key).map(|s| (s.value.clone(), etag(s.rev)))
+    }
+
+    fn rev(&self) -> u64 {
+        self.next_rev.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn compact(&self, w: &mut Option<Wal>) {
+        if let Some(wal) = w.as_mut() {
+            // (Readers go on meanwhile: only changes wait, on the writer's lock.)
+            wal.maybe_compact(self.map.read().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, s)| (k, &s.value)));
+        }
     }
 
     /// A change, serialised and (when durable) logged and fsync'ed before it is applied.
@@ -279,6 +316,11 @@ impl State {
         if key.contains("rpc_meta") {
             if let Some(old) = self.get(key) {
                 return Ok(if old == value {
+                    // Written again (the same engine registering anew): a new write, which
+                    // an `If-Match` naming the old one must not remove. Nothing to log.
+                    if let Some(s) = self.map.write().unwrap_or_else(|e| e.into_inner()).get_mut(key) {
+                        s.rev = self.rev();
+                    }
                     reply(StatusCode::OK, "metadata unchanged")
                 } else {
                     reply(StatusCode::BAD_REQUEST, "Duplicate rpc_meta key not allowed")
@@ -288,27 +330,27 @@ impl State {
         if let Some(wal) = w.as_mut() {
             wal.append(&record(OP_PUT, key.as_bytes(), &value)).map_err(|e| format!("writing {}: {e}", wal.path.display()))?;
         }
-        self.map.write().unwrap_or_else(|e| e.into_inner()).insert(key.to_string(), value);
-        if let Some(wal) = w.as_mut() {
-            // (Readers go on meanwhile: only changes wait, on the writer's lock.)
-            wal.maybe_compact(&self.map.read().unwrap_or_else(|e| e.into_inner()));
-        }
+        let rev = self.rev();
+        self.map.write().unwrap_or_else(|e| e.into_inner()).insert(key.to_string(), Stored { value, rev });
+        self.compact(&mut w);
         Ok(reply(StatusCode::OK, "metadata updated"))
     }
 
-    fn delete(&self, key: &str) -> Result<Response<Full<Bytes>>, String> {
+    /// Removes `key`; with `if_match` (an `If-Match` header) only if the write it names is
+    /// still the one there.
+    fn delete(&self, key: &str, if_match: Option<&str>) -> Result<Response<Full<Bytes>>, String> {
         let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        if self.get(key).is_none() {
+        let Some((_, tag)) = self.get_tagged(key) else {
             return Ok(reply(StatusCode::NOT_FOUND, "metadata not found"));
+        };
+        if if_match.is_some_and(|m| m.trim() != "*" && !m.split(',').any(|t| t.trim() == tag)) {
+            return Ok(reply(StatusCode::PRECONDITION_FAILED, "metadata changed"));
         }
         if let Some(wal) = w.as_mut() {
             wal.append(&record(OP_DELETE, key.as_bytes(), b"")).map_err(|e| format!("writing {}: {e}", wal.path.display()))?;
         }
         self.map.write().unwrap_or_else(|e| e.into_inner()).remove(key);
-        if let Some(wal) = w.as_mut() {
-            // (Readers go on meanwhile: only changes wait, on the writer's lock.)
-            wal.maybe_compact(&self.map.read().unwrap_or_else(|e| e.into_inner()));
-        }
+        self.compact(&mut w);
         Ok(reply(StatusCode::OK, "metadata deleted"))
     }
 }
@@ -329,8 +371,14 @@ async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<
     };
     let method = req.method().clone();
     Ok(match method {
-        Method::GET => match st.get(&key) {
-            Some(v) => reply(StatusCode::OK, v),
+        Method::GET => match st.get_tagged(&key) {
+            Some((v, tag)) => {
+                let mut r = reply(StatusCode::OK, v);
+                if let Ok(h) = hyper::header::HeaderValue::from_str(&tag) {
+                    r.headers_mut().insert(hyper::header::ETAG, h);
+                }
+                r
+            }
             None => reply(StatusCode::NOT_FOUND, "metadata not found"),
         },
         Method::PUT => {
@@ -357,7 +405,8 @@ async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<
         }
         Method::DELETE => {
             let st2 = Arc::clone(&st);
-            let r = tokio::task::spawn_blocking(move || st2.delete(&key)).await.unwrap_or_else(|e| Err(e.to_string()));
+            let if_match = req.headers().get(hyper::header::IF_MATCH).map(|v| v.to_str().map(str::to_string).unwrap_or_default());
+            let r = tokio::task::spawn_blocking(move || st2.delete(&key, if_match.as_deref())).await.unwrap_or_else(|e| Err(e.to_string()));
             r.unwrap_or_else(|e| reply(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot delete the value: {e}")))
         }
         _ => reply(StatusCode::METHOD_NOT_ALLOWED, "Method not allowed"),
@@ -389,8 +438,11 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
         None => (None, HashMap::new()),
     };
     let entries = map.len();
+    let first_rev = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64);
+    let map = map.into_iter().enumerate().map(|(i, (k, value))| (k, Stored { value, rev: first_rev + i as u64 })).collect();
     let state = Arc::new(State {
         map: RwLock::new(map),
+        next_rev: std::sync::atomic::AtomicU64::new(first_rev + entries as u64),
         durable: wal.is_some(),
         writer: Mutex::new(wal),
         max_body: a.max_body_bytes,

@@ -309,3 +309,47 @@ fn engines_find_each_other_through_it_and_across_its_restart() {
     assert!(mem == src);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// kvferry's addition to the contract: a GET names the write in an `ETag` (an identical
+/// rpc_meta PUT is a new write), and a DELETE with a stale `If-Match` is refused with 412,
+/// leaving the value; so engines replacing one dead engine's entry at once never remove
+/// the entry one of them just made (exactly one takes the name), where against Mooncake's
+/// servers the look, compare and delete can interleave.
+#[test]
+fn a_conditional_delete_removes_only_the_write_seen_and_one_engine_takes_a_dead_name() {
+    let s = Server::start(&["--port", "0"]);
+    let tag = |key: &str| -> String {
+        let mut c = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(c, "GET /metadata?key={key} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").unwrap();
+        let mut out = String::new();
+        let _ = c.read_to_string(&mut out);
+        out.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("etag:").map(|v| v.trim().to_string())).unwrap_or_else(|| panic!("no ETag in {out:?}"))
+    };
+    let delete_if = |key: &str, etag: &str| -> (u16, String) {
+        let mut c = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(c, "DELETE /metadata?key={key} HTTP/1.1\r\nHost: 127.0.0.1\r\nIf-Match: {etag}\r\nConnection: close\r\n\r\n").unwrap();
+        let mut out = String::new();
+        let _ = c.read_to_string(&mut out);
+        let status = out.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+        (status, out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+    };
+    let key = "mooncake%2Frpc_meta%2Fe";
+    put(s.port, key, "v1");
+    let first = tag(key);
+    put(s.port, key, "v1");
+    let second = tag(key);
+    assert_ne!(first, second, "an identical rpc_meta PUT is another write");
+    assert_eq!(delete_if(key, &first), (412, "metadata changed".to_string()));
+    assert_eq!(get(s.port, key), (200, "v1".to_string()), "a refused delete leaves the value");
+    assert_eq!(delete_if(key, &second).0, 200);
+    assert_eq!(get(s.port, key).0, 404);
+    assert_eq!(delete_if(key, &second).0, 404);
+    let url = format!("http://127.0.0.1:{}/metadata", s.port);
+    metadata_services::races::removal_takes_only_the_write_seen(&url, true);
+    for _ in 0..3 {
+        metadata_services::races::one_name_raced(&url, true);
+    }
+    metadata_services::races::one_name_raced(&url, false);
+}

@@ -9,6 +9,7 @@ mod metadata_services;
 
 use kvferry::metadata::{connect, Keys, MetadataStore, StoreOptions};
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
+use metadata_services::races::{one_name_raced, removal_takes_only_the_write_seen};
 use metadata_services::Service;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -546,50 +547,6 @@ fn an_engine_that_lost_its_name_does_not_take_it_back() {
     assert!(b.get(&keys.rpc_meta("contested")).unwrap().is_some(), "withdrawing removes nothing of the other engine's");
 }
 
-/// Engines starting under one name at the same instant: exactly one gets it, each of the
-/// others is told a live engine has it, and the entry is the winner's. Before, each looked
-/// (absent) and then put, and several of them "registered" the name, the last put winning.
-/// With `dead`, the name is held by a dead engine's entry, which they all replace at once
-/// (each removes it only if unchanged, so none removes the entry another one just made).
-fn one_name_raced(url: &str, dead: bool) {
-    use kvferry::metadata::{Directory, RpcMeta};
-    const N: u16 = 8;
-    const DEAD: u16 = 2999;
-    let keys = Keys::new(None);
-    let holder = raw_store(url);
-    if dead {
-        let v = serde_json::to_vec(&RpcMeta { ip_or_host_name: "127.0.0.1".into(), rpc_port: DEAD }).unwrap();
-        holder.put(&keys.rpc_meta("raced"), &v).unwrap();
-    }
-    let barrier = Arc::new(std::sync::Barrier::new(N as usize));
-    let threads: Vec<_> = (0..N)
-        .map(|i| {
-            let (url, keys, barrier) = (url.to_string(), keys.clone(), Arc::clone(&barrier));
-            std::thread::spawn(move || {
-                let d = Directory::new(raw_store(&url), keys);
-                let meta = RpcMeta { ip_or_host_name: "127.0.0.1".into(), rpc_port: 3000 + i };
-                barrier.wait();
-                (meta.rpc_port, d.publish_rpc_meta("raced", &meta, &|m| m.rpc_port != DEAD).map_err(|e| e.to_string()), d)
-            })
-        })
-        .collect();
-    let results: Vec<_> = threads.into_iter().map(|t| t.join().expect("thread")).collect();
-    let won: Vec<u16> = results.iter().filter(|(_, r, _)| r.is_ok()).map(|(p, _, _)| *p).collect();
-    assert_eq!(won.len(), 1, "{url}: winners {won:?} of {:?}", results.iter().map(|(p, r, _)| (p, r)).collect::<Vec<_>>());
-    for (port, r, _) in &results {
-        if let Err(e) = r {
-            assert!(e.contains("already registered by a live engine") || e.contains("kept changing"), "{url}: engine {port}: {e}");
-        }
-    }
-    let stored = raw_store(url).get(&keys.rpc_meta("raced")).expect("get").expect("the winner's entry");
-    let m: RpcMeta = serde_json::from_slice(&stored).expect("rpc_meta");
-    assert_eq!(m.rpc_port, won[0], "{url}: the entry is the winner's");
-    for (_, _, d) in results {
-        d.withdraw_all();
-    }
-    holder.remove(&keys.rpc_meta("raced")).unwrap();
-}
-
 #[test]
 fn one_name_raced_by_engines_starting_together() {
     if let Some(svc) = Service::etcd() {
@@ -604,36 +561,6 @@ fn one_name_raced_by_engines_starting_together() {
     if let Some(svc) = Service::mooncake_http() {
         one_name_raced(&svc.url(), false);
     }
-}
-
-/// A removal of what was seen takes only that write: on etcd, an identical entry written
-/// again since (the dead engine restarted at its address and registered anew, between
-/// another engine's look and its removal) stays (the write is compared, `mod_revision`); a
-/// changed value stays on every backend; an unchanged one goes. Before, etcd compared the
-/// value alone and removed the restarted engine's entry.
-fn removal_takes_only_the_write_seen(url: &str, tells_rewrites: bool) {
-    let s = raw_store(url);
-    let key = Keys::new(None).rpc_meta("seen");
-    s.put(&key, b"v1").unwrap();
-    let seen = s.get_seen(&key).unwrap().expect("present");
-    assert_eq!(seen.value, b"v1");
-    assert_eq!(seen.revision.is_some(), tells_rewrites, "{url}: {seen:?}");
-    // Rewritten with the same value.
-    s.remove(&key).unwrap();
-    s.put(&key, b"v1").unwrap();
-    let removed = s.remove_if(&key, &seen).unwrap();
-    assert_eq!(removed, !tells_rewrites, "{url}: an identical rewrite {}", if tells_rewrites { "was removed" } else { "is not told apart here" });
-    s.put(&key, b"v1").unwrap();
-    // Changed: never removed.
-    let seen = s.get_seen(&key).unwrap().expect("present");
-    s.put(&key, b"v2").unwrap();
-    assert!(!s.remove_if(&key, &seen).unwrap(), "{url}: a changed value was removed");
-    assert_eq!(s.get(&key).unwrap().as_deref(), Some(&b"v2"[..]));
-    // Unchanged: removed.
-    let seen = s.get_seen(&key).unwrap().expect("present");
-    assert!(s.remove_if(&key, &seen).unwrap(), "{url}: the entry seen was not removed");
-    assert_eq!(s.get(&key).unwrap(), None);
-    assert!(!s.remove_if(&key, &seen).unwrap(), "{url}: removed twice");
 }
 
 #[test]

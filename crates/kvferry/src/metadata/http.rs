@@ -9,7 +9,7 @@
 //! built-in Mozilla roots, or against the CA certificates of the PEM file given as
 //! `KVFERRY_METADATA_CA_FILE` (like curl's `--cacert`: those replace the built-in roots).
 
-use super::{url_encode, Backend, MetadataStore, StoreOptions};
+use super::{url_encode, Backend, MetadataStore, Seen, StoreOptions};
 use crate::error::{Error, Result};
 use std::io::Read;
 use std::net::{IpAddr, SocketAddr};
@@ -123,6 +123,12 @@ impl Resolver for CachingResolver {
     }
 }
 
+/// The write an `ETag` names: `kvferry metadata-server` sends a number in quotes; anything
+/// else (a weak validator, another server's tag) names none.
+fn parse_etag(tag: &str) -> Option<i64> {
+    tag.trim().strip_prefix('"')?.strip_suffix('"')?.parse().ok()
+}
+
 fn is_https(url: &str) -> bool {
     url.get(..8).is_some_and(|s| s.eq_ignore_ascii_case("https://"))
 }
@@ -155,11 +161,38 @@ impl MetadataStore for HttpStore {
     }
 
     fn get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        Ok(self.get_seen(key)?.map(|s| s.value))
+    }
+
+    /// A GET; `kvferry metadata-server` names the write in an `ETag` (a number in quotes),
+    /// Mooncake's servers send none (then no revision: [`MetadataStore::remove_if`] compares
+    /// the value, not atomically).
+    fn get_seen(&self, key: &str) -> Result<Option<Seen>> {
         let resp = self.agent.get(&self.target(key)).call().map_err(|e| self.transport_err("GET", key, e))?;
+        let revision = resp.headers().get("etag").and_then(|v| v.to_str().ok()).and_then(parse_etag);
         match self.body(key, resp)? {
-            (200, b) => Ok(Some(b)),
+            (200, value) => Ok(Some(Seen { value, revision })),
             (404, _) => Ok(None),
             (s, b) => Err(self.refusal("GET", key, s, &b)),
+        }
+    }
+
+    /// With a revision (`kvferry metadata-server`): one `DELETE` with `If-Match`, which the
+    /// server refuses (412) when the key was written since, an identical value too. Without
+    /// one (Mooncake's servers): a look, a compare and a delete, which engines replacing one
+    /// dead entry at the same instant can interleave.
+    fn remove_if(&self, key: &str, seen: &Seen) -> Result<bool> {
+        let Some(rev) = seen.revision else {
+            return match self.get(key)? {
+                Some(v) if v == seen.value => self.remove(key).map(|()| true),
+                _ => Ok(false),
+            };
+        };
+        let resp = self.agent.delete(&self.target(key)).header("If-Match", format!("\"{rev}\"")).call().map_err(|e| self.transport_err("DELETE", key, e))?;
+        match self.body(key, resp)? {
+            (200, _) => Ok(true),
+            (404 | 412, _) => Ok(false),
+            (s, b) => Err(self.refusal("DELETE (if unchanged)", key, s, &b)),
         }
     }
 

@@ -203,8 +203,8 @@ impl StoreOptions {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Seen {
     pub value: Vec<u8>,
-    /// The write that left it (etcd's `mod_revision`: a rewrite of the same value has
-    /// another); `None` where the backend has no such number.
+    /// The write that left it (etcd's `mod_revision`, `kvferry metadata-server`'s `ETag`: a
+    /// rewrite of the same value has another); `None` where the backend has no such number.
     pub revision: Option<i64>,
 }
 
@@ -240,9 +240,10 @@ pub trait MetadataStore: Send + Sync {
     /// the entry another one just made. With a revision (etcd) the write itself is compared,
     /// so an identical entry written since (the dead engine restarted at its address) stays;
     /// without one (Redis) the value is. The default (get, compare, remove) is not atomic;
-    /// etcd and Redis override it with one that is; Mooncake's HTTP contract has no such
-    /// operation, so over HTTP two engines replacing one dead entry at the same instant can
-    /// still both take the name.
+    /// etcd, Redis and HTTP override it with one that is (HTTP: against `kvferry
+    /// metadata-server`, whose `ETag` and `If-Match` compare the write); Mooncake's HTTP
+    /// contract has no such operation, so against its servers two engines replacing one dead
+    /// entry at the same instant can still both take the name.
     fn remove_if(&self, key: &str, seen: &Seen) -> Result<bool> {
         match self.get(key)? {
             Some(v) if v == seen.value => self.remove(key).map(|()| true),

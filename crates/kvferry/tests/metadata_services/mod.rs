@@ -8,6 +8,7 @@
 
 #[path = "../mooncake_peer/mod.rs"]
 pub mod mooncake_peer;
+pub mod races;
 
 use mooncake_peer::python as mooncake_python;
 
