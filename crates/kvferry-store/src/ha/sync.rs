@@ -339,7 +339,9 @@ impl Mirror {
             for c in changes {
                 match c {
                     Change::HeldBack { replica } => a.held.push(Reverse((at + self.keep_held, replica))),
-                    Change::HeldUntil { replica, left } => a.held.push(Reverse((at + self.keep_held.max(Duration::from_millis(left)), replica))),
+                    // (At most a day: a real leader holds for its release timeout; a
+                    // larger value would overflow the clock.)
+                    Change::HeldUntil { replica, left } => a.held.push(Reverse((at + self.keep_held.max(Duration::from_millis(left.min(86_400_000))), replica))),
                     c => a.image.apply(c),
                 }
             }

@@ -38,6 +38,11 @@ impl Block {
     pub fn held(addr: u64, len: u64) -> Block {
         Block { addr, len, cap: len.max(1).checked_next_multiple_of(ALIGN).unwrap_or(len) }
     }
+
+    /// Bytes it takes in its segment (`len` rounded up to the granularity).
+    pub fn cap(&self) -> u64 {
+        self.cap
+    }
 }
 
 impl SegmentSpace {

@@ -416,30 +416,80 @@ impl Image {
         // Held-back space a reader of the old leader may still read, or a writer still
         // write: free after the time it had left, and not before one lease. (Space that a
         // later change already handed to another object is not free: skipped.) On a segment
-        // that went, it is held in case the segment is mounted again ([`State::drop_segments`]);
-        // the same range named more than once (a journal names it at each change) is held
-        // once, for the longest.
-        let mut orphans: HashMap<ReplicaRec, u64> = HashMap::new();
+        // that went, it is held in case the segment is mounted again ([`State::drop_segments`]).
+        // A journal names a range at each change, and an old hold the leader ended may
+        // overlap a later one: each byte is held for the longest time any hold of it had
+        // ([`held_pieces`]), whichever came first.
+        let mut by_seg: HashMap<u64, Vec<HeldRange>> = HashMap::new();
         for ((seg, addr, len), left) in self.held_back {
-            let until = now + left.max(lease);
-            if let Some(s) = st.segments.get_mut(&seg) {
-                if let Some(block) = s.space.reserve(addr, len) {
-                    st.free_later(Replica { seg, block }, until);
-                }
-            } else {
-                let at = orphans.entry((seg, addr, len)).or_default();
-                *at = (*at).max(until);
-            }
+            let cap = super::alloc::Block::held(addr, len).cap();
+            by_seg.entry(seg).or_default().push((addr, addr.saturating_add(cap), now.saturating_add(left.max(lease))));
         }
-        let mut orphans: Vec<(ReplicaRec, u64)> = orphans.into_iter().collect();
-        orphans.sort_unstable();
-        for ((seg, addr, len), until) in orphans {
-            let block = super::alloc::Block::held(addr, len);
-            st.orphaned.insert(seg);
-            st.free_later(Replica { seg, block }, until);
+        let mut segs: Vec<(u64, Vec<HeldRange>)> = by_seg.into_iter().collect();
+        segs.sort_unstable_by_key(|(seg, _)| *seg);
+        for (seg, ranges) in segs {
+            for (start, end, until) in held_pieces(ranges) {
+                match st.segments.get_mut(&seg) {
+                    Some(s) => {
+                        if let Some(block) = s.space.reserve(start, end - start) {
+                            st.free_later(Replica { seg, block }, until);
+                        }
+                    }
+                    None => {
+                        st.orphaned.insert(seg);
+                        st.free_later(Replica { seg, block: super::alloc::Block::held(start, end - start) }, until);
+                    }
+                }
+            }
         }
         (st, report)
     }
+}
+
+/// `(start, end, until)`: bytes `[start, end)` of a segment held until a time (ms).
+type HeldRange = (u64, u64, u64);
+
+/// Ranges `[start, end)` each held until a time, as pieces that do not overlap, each held
+/// until the latest time of the ranges that cover it (bytes no range covers are in none).
+/// A sweep over the ranges' ends: O(n log n).
+pub(super) fn held_pieces(mut ranges: Vec<HeldRange>) -> Vec<HeldRange> {
+    ranges.retain(|r| r.0 < r.1);
+    let mut bounds: Vec<u64> = ranges.iter().flat_map(|r| [r.0, r.1]).collect();
+    bounds.sort_unstable();
+    bounds.dedup();
+    ranges.sort_unstable();
+    // The times of the ranges covering the current piece, as a multiset (ranges end in any
+    // order), and the ranges by their end, to take them out.
+    let mut live: std::collections::BTreeMap<u64, usize> = std::collections::BTreeMap::new();
+    let mut ending: std::collections::BinaryHeap<std::cmp::Reverse<(u64, u64)>> = std::collections::BinaryHeap::new();
+    let (mut out, mut next) = (Vec::new(), 0);
+    for w in bounds.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        while let Some(&std::cmp::Reverse((end, until))) = ending.peek() {
+            if end > a {
+                break;
+            }
+            ending.pop();
+            if let Some(n) = live.get_mut(&until) {
+                *n -= 1;
+                if *n == 0 {
+                    live.remove(&until);
+                }
+            }
+        }
+        while let Some(&(start, end, until)) = ranges.get(next) {
+            if start > a {
+                break;
+            }
+            next += 1;
+            *live.entry(until).or_default() += 1;
+            ending.push(std::cmp::Reverse((end, until)));
+        }
+        if let Some((&until, _)) = live.last_key_value() {
+            out.push((a, b, until));
+        }
+    }
+    out
 }
 
 #[cfg(test)]
