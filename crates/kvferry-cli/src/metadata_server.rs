@@ -8,7 +8,7 @@
 //! - `DELETE /metadata?key=K` → 200 `metadata deleted`, 404 `metadata not found`.
 //! - kvferry's addition, which Mooncake's clients and servers ignore: a GET's answer carries an
 //!   `ETag` naming the write that left the value (a number that grows with every PUT, an
-//!   identical one too, and across restarts), and a DELETE with `If-Match` removes the value
+//!   identical one too, from a random start, so a restarted server does not reuse one), and a DELETE with `If-Match` removes the value
 //!   only if that write is still the one there (412 `metadata changed` otherwise). What an
 //!   engine replacing a dead engine's `rpc_meta` entry needs so that it never removes the
 //!   entry another engine just made (`MetadataStore::remove_if`).
@@ -227,9 +227,11 @@ struct Stored {
 
 struct State {
     map: RwLock<HashMap<String, Stored>>,
-    /// The next write's number. It starts at the microseconds since 1970 when the server
-    /// started, so a restarted server's writes never reuse a number an earlier run gave
-    /// (an `If-Match` seen before the restart matches nothing after it).
+    /// The next write's number. It starts at a random point of 2^62 (not at the clock,
+    /// which a restart may find stepped back), so a restarted server's writes do not reuse
+    /// a number an earlier run gave (an `If-Match` seen before the restart matches nothing
+    /// after it) unless its start falls within as many numbers of the earlier one's as that
+    /// run wrote: about one chance in 2^62 / writes.
     next_rev: std::sync::atomic::AtomicU64,
     /// Serialises changes; holds the log of a durable server.
     writer: Mutex<Option<Wal>>,
@@ -405,7 +407,9 @@ async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<
         }
         Method::DELETE => {
             let st2 = Arc::clone(&st);
-            let if_match = req.headers().get(hyper::header::IF_MATCH).map(|v| v.to_str().map(str::to_string).unwrap_or_default());
+            // (Every If-Match line, as one list; one that is not text matches nothing.)
+            let lines: Vec<String> = req.headers().get_all(hyper::header::IF_MATCH).iter().map(|v| v.to_str().unwrap_or("\"\"").to_string()).collect();
+            let if_match = (!lines.is_empty()).then(|| lines.join(","));
             let r = tokio::task::spawn_blocking(move || st2.delete(&key, if_match.as_deref())).await.unwrap_or_else(|e| Err(e.to_string()));
             r.unwrap_or_else(|e| reply(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot delete the value: {e}")))
         }
@@ -438,7 +442,7 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
         None => (None, HashMap::new()),
     };
     let entries = map.len();
-    let first_rev = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64);
+    let first_rev = rand::random::<u64>() >> 2;
     let map = map.into_iter().enumerate().map(|(i, (k, value))| (k, Stored { value, rev: first_rev + i as u64 })).collect();
     let state = Arc::new(State {
         map: RwLock::new(map),

@@ -71,6 +71,7 @@ pub fn removal_takes_only_the_write_seen(url: &str, tells_rewrites: bool) {
     // registered anew), or written over (an identical rpc_meta PUT, which HTTP servers
     // accept).
     for over in [false, true] {
+        let seen = s.get_seen(&key).unwrap().expect("present");
         if !over {
             s.remove(&key).unwrap();
         }
