@@ -67,6 +67,17 @@ impl HttpStore {
         self.err(format!("{what} {key}: {e}{hint}"))
     }
 
+    /// A PUT's status and answer.
+    fn put_answer(&self, key: &str, value: &[u8]) -> Result<(u16, Vec<u8>)> {
+        let resp = self
+            .agent
+            .put(&self.target(key))
+            .header("Content-Type", "application/json")
+            .send(value)
+            .map_err(|e| self.transport_err("PUT", key, e))?;
+        self.body(key, resp)
+    }
+
     /// Reads the body of a response, bounded.
     fn body(&self, key: &str, resp: ureq::http::Response<ureq::Body>) -> Result<(u16, Vec<u8>)> {
         let status = resp.status().as_u16();
@@ -197,13 +208,7 @@ impl MetadataStore for HttpStore {
     }
 
     fn put(&self, key: &str, value: &[u8]) -> Result<()> {
-        let resp = self
-            .agent
-            .put(&self.target(key))
-            .header("Content-Type", "application/json")
-            .send(value)
-            .map_err(|e| self.transport_err("PUT", key, e))?;
-        match self.body(key, resp)? {
+        match self.put_answer(key, value)? {
             (200, _) => Ok(()),
             (s, b) => Err(self.refusal("PUT", key, s, &b)),
         }
@@ -219,18 +224,18 @@ impl MetadataStore for HttpStore {
 
     /// Mooncake's HTTP servers (and kvferry's) keep an `rpc_meta` entry once made: a PUT of
     /// another value is refused (400), of the same one accepted, so for those keys the PUT
-    /// itself is the atomic create. Other keys are overwritten by a PUT: looked at first
-    /// (nothing creates those but their owner).
+    /// itself is the atomic create (a refusal whose entry is gone by the look after it:
+    /// `false`, and the caller looks again, rather than an error). Other keys are
+    /// overwritten by a PUT: looked at first (nothing creates those but their owner).
     fn create(&self, key: &str, value: &[u8]) -> Result<bool> {
         if !super::is_rpc_meta(key) {
             return super::create_by_look(self, key, value);
         }
-        match self.put(key, value) {
-            Ok(()) => Ok(true),
-            Err(e) => match self.get(key)? {
-                Some(v) => Ok(v == value),
-                None => Err(e),
-            },
+        match self.put_answer(key, value)? {
+            (200, _) => Ok(true),
+            // Another value is there (or was: removed since, the next look finds it gone).
+            (400, _) => Ok(self.get(key)?.is_some_and(|v| v == value)),
+            (s, b) => Err(self.refusal("PUT", key, s, &b)),
         }
     }
 }
