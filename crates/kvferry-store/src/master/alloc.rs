@@ -32,11 +32,17 @@ pub struct Block {
     cap: u64,
 }
 
+/// The bytes a block of `len` takes: `len` rounded up to the granularity (`None`: beyond
+/// any address).
+pub fn cap_of(len: u64) -> Option<u64> {
+    len.max(1).checked_next_multiple_of(ALIGN)
+}
+
 impl Block {
     /// A block of no space (its segment is gone) that [`SegmentSpace::reserve`] would give
     /// for `addr`, `len` once the segment is back.
     pub fn held(addr: u64, len: u64) -> Block {
-        Block { addr, len, cap: len.max(1).checked_next_multiple_of(ALIGN).unwrap_or(len) }
+        Block { addr, len, cap: cap_of(len).unwrap_or(len) }
     }
 
     /// Bytes it takes in its segment (`len` rounded up to the granularity).
@@ -82,7 +88,7 @@ impl SegmentSpace {
 
     /// Allocates `len` bytes, or `None` if no free range is large enough.
     pub fn allocate(&mut self, len: u64) -> Option<Block> {
-        let cap = len.max(1).checked_next_multiple_of(ALIGN)?;
+        let cap = cap_of(len)?;
         let &(flen, off) = self.by_size.range((cap, 0)..).next()?;
         self.remove_free(off, flen);
         if flen > cap {
@@ -97,7 +103,7 @@ impl SegmentSpace {
     /// how a new HA leader rebuilds the space of replicas named by the journal. `None` (nothing
     /// taken) when the range is misaligned, outside the segment or overlaps used space.
     pub fn reserve(&mut self, addr: u64, len: u64) -> Option<Block> {
-        let cap = len.max(1).checked_next_multiple_of(ALIGN)?;
+        let cap = cap_of(len)?;
         let off = addr.checked_sub(self.base)?;
         if off % ALIGN != 0 {
             return None;

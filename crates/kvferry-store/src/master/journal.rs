@@ -24,7 +24,8 @@ use super::{Object, Pending, Replica, SegState, State};
 use crate::proto::{Segment, SoftPin};
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
-use std::collections::{BTreeSet, HashMap};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 use std::sync::Arc;
 
 /// One replica as the journal names it: segment id, address, length.
@@ -420,14 +421,12 @@ impl Image {
         // A journal names a range at each change, and an old hold the leader ended may
         // overlap a later one: each byte is held for the longest time any hold of it had
         // ([`held_pieces`]), whichever came first.
-        let mut by_seg: HashMap<u64, Vec<HeldRange>> = HashMap::new();
+        let mut by_seg: BTreeMap<u64, Vec<HeldRange>> = BTreeMap::new();
         for ((seg, addr, len), left) in self.held_back {
-            let cap = super::alloc::Block::held(addr, len).cap();
-            by_seg.entry(seg).or_default().push((addr, addr.saturating_add(cap), now.saturating_add(left.max(lease))));
+            let end = super::alloc::cap_of(len).map_or(u64::MAX, |cap| addr.saturating_add(cap));
+            by_seg.entry(seg).or_default().push((addr, end, now.saturating_add(left.max(lease))));
         }
-        let mut segs: Vec<(u64, Vec<HeldRange>)> = by_seg.into_iter().collect();
-        segs.sort_unstable_by_key(|(seg, _)| *seg);
-        for (seg, ranges) in segs {
+        for (seg, ranges) in by_seg {
             for (start, end, until) in held_pieces(ranges) {
                 match st.segments.get_mut(&seg) {
                     Some(s) => {
@@ -460,12 +459,12 @@ pub(super) fn held_pieces(mut ranges: Vec<HeldRange>) -> Vec<HeldRange> {
     ranges.sort_unstable();
     // The times of the ranges covering the current piece, as a multiset (ranges end in any
     // order), and the ranges by their end, to take them out.
-    let mut live: std::collections::BTreeMap<u64, usize> = std::collections::BTreeMap::new();
-    let mut ending: std::collections::BinaryHeap<std::cmp::Reverse<(u64, u64)>> = std::collections::BinaryHeap::new();
+    let mut live: BTreeMap<u64, usize> = BTreeMap::new();
+    let mut ending: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
     let (mut out, mut next) = (Vec::new(), 0);
     for w in bounds.windows(2) {
         let (a, b) = (w[0], w[1]);
-        while let Some(&std::cmp::Reverse((end, until))) = ending.peek() {
+        while let Some(&Reverse((end, until))) = ending.peek() {
             if end > a {
                 break;
             }
@@ -483,7 +482,7 @@ pub(super) fn held_pieces(mut ranges: Vec<HeldRange>) -> Vec<HeldRange> {
             }
             next += 1;
             *live.entry(until).or_default() += 1;
-            ending.push(std::cmp::Reverse((end, until)));
+            ending.push(Reverse((end, until)));
         }
         if let Some((&until, _)) = live.last_key_value() {
             out.push((a, b, until));
@@ -658,7 +657,7 @@ mod tests {
                     // Every client of the original is known (segment owners are known even when
                     // their client record went: the segment keeps them alive).
                     assert!(clients.iter().all(|c| bclients.contains(c)), "seed {seed} step {step} ({name}): clients {clients:?} vs {bclients:?}");
-                    assert!(back.used_bytes() >= st.used_bytes().saturating_sub(st.deferred.replicas().filter(|(r, _)| st.segments.contains_key(&r.seg)).map(|(r, _)| r.block.len.next_multiple_of(64)).sum::<u64>()), "seed {seed} step {step} ({name}): space");
+                    assert!(back.used_bytes() >= st.used_bytes().saturating_sub(st.deferred.replicas().filter(|(r, _)| st.segments.contains_key(&r.seg)).map(|(r, _)| r.block.cap()).sum::<u64>()), "seed {seed} step {step} ({name}): space");
                     // New puts on the rebuilt state never touch a replica of the original.
                     let taken: Vec<(u64, u64, u64)> = st.objects.values().flat_map(|o| o.current.iter().chain(o.pending.iter().flat_map(|p| p.replicas.iter()))).map(|r| (r.seg, r.block.addr, r.block.len)).collect();
                     back.register_client(99, now);

@@ -381,9 +381,6 @@ impl State {
         }
         self.deferred.due(now, &mut free);
         self.free_all_now(free);
-        if self.deferred.is_empty() {
-            self.orphaned.clear();
-        }
         self.prune_orphaned(now);
     }
 
@@ -539,10 +536,18 @@ impl State {
     }
 
     /// Forgets the dropped segments that have nothing held any more (their holds ran out,
-    /// or they were mounted again): one walk over what is held, at most once a minute, so
-    /// that segments of clients gone for good do not pile up while anything else is held.
+    /// or they were mounted again): all of them once nothing at all is held, else one walk
+    /// over what is held, at most once a minute, so that segments of clients gone for good
+    /// do not pile up while anything else is held.
     fn prune_orphaned(&mut self, now: u64) {
-        if self.orphaned.is_empty() || now < self.orphans_pruned.saturating_add(60_000) {
+        if self.orphaned.is_empty() {
+            return;
+        }
+        if self.deferred.is_empty() {
+            self.orphaned.clear();
+            return;
+        }
+        if now < self.orphans_pruned.saturating_add(60_000) {
             return;
         }
         self.orphans_pruned = now;
@@ -1614,17 +1619,16 @@ mod tests {
     fn space_is_accounted_exactly_through_drops_remounts_and_takeovers() {
         use rand::{Rng, SeedableRng};
         fn check(st: &State, ctx: &str) {
-            let cap = |r: &Replica| r.block.len.max(1).next_multiple_of(64);
             let mut want: HashMap<u64, u64> = HashMap::new();
             for o in st.objects.values() {
                 for r in o.current.iter().chain(o.pending.iter().flat_map(|p| p.replicas.iter())) {
                     assert!(st.segments.contains_key(&r.seg), "{ctx}: a replica on a segment that went");
-                    *want.entry(r.seg).or_default() += cap(r);
+                    *want.entry(r.seg).or_default() += r.block.cap();
                 }
             }
             for (r, _) in st.deferred.replicas() {
                 if st.segments.contains_key(&r.seg) {
-                    *want.entry(r.seg).or_default() += cap(r);
+                    *want.entry(r.seg).or_default() += r.block.cap();
                 } else {
                     assert!(st.orphaned.contains(&r.seg), "{ctx}: held on segment {} that went, which a mount would not look for", r.seg);
                 }
