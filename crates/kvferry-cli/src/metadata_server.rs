@@ -9,7 +9,7 @@
 //! - kvferry's addition, which Mooncake's clients and servers ignore: a GET's answer carries an
 //!   `ETag` naming the write that left the value (a number that grows with every PUT, an
 //!   identical one too, from a random start, so a restarted server does not reuse one), and a DELETE with `If-Match` removes the value
-//!   only if that write is still the one there (412 `metadata changed` otherwise). What an
+//!   only if that write is still the one there (412 `metadata changed since the write If-Match names; ...` otherwise). What an
 //!   engine replacing a dead engine's `rpc_meta` entry needs so that it never removes the
 //!   entry another engine just made (`MetadataStore::remove_if`).
 //! - No or empty key → 400 `metadata key is required`; other methods → 405; `GET /health` → `OK`.
@@ -346,7 +346,7 @@ impl State {
             return Ok(reply(StatusCode::NOT_FOUND, "metadata not found"));
         };
         if if_match.is_some_and(|m| m.trim() != "*" && !m.split(',').any(|t| t.trim() == tag)) {
-            return Ok(reply(StatusCode::PRECONDITION_FAILED, "metadata changed"));
+            return Ok(reply(StatusCode::PRECONDITION_FAILED, "metadata changed since the write If-Match names; GET it again for its current ETag"));
         }
         if let Some(wal) = w.as_mut() {
             wal.append(&record(OP_DELETE, key.as_bytes(), b"")).map_err(|e| format!("writing {}: {e}", wal.path.display()))?;

@@ -341,7 +341,7 @@ fn a_conditional_delete_removes_only_the_write_seen_and_one_engine_takes_a_dead_
     put(s.port, key, "v1");
     let second = tag(key);
     assert_ne!(first, second, "an identical rpc_meta PUT is another write");
-    assert_eq!(delete_if(key, &first), (412, "metadata changed".to_string()));
+    assert_eq!(delete_if(key, &first), (412, "metadata changed since the write If-Match names; GET it again for its current ETag".to_string()));
     assert_eq!(get(s.port, key), (200, "v1".to_string()), "a refused delete leaves the value");
     assert_eq!(delete_if(key, &second).0, 200);
     assert_eq!(get(s.port, key).0, 404);

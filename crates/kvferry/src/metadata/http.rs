@@ -194,10 +194,7 @@ impl MetadataStore for HttpStore {
     /// dead entry at the same instant can interleave.
     fn remove_if(&self, key: &str, seen: &Seen) -> Result<bool> {
         let Some(rev) = seen.revision else {
-            return match self.get(key)? {
-                Some(v) if v == seen.value => self.remove(key).map(|()| true),
-                _ => Ok(false),
-            };
+            return super::remove_by_look(self, key, seen);
         };
         let resp = self.agent.delete(&self.target(key)).header("If-Match", format!("\"{rev}\"")).call().map_err(|e| self.transport_err("DELETE", key, e))?;
         match self.body(key, resp)? {

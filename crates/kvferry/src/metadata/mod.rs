@@ -245,10 +245,7 @@ pub trait MetadataStore: Send + Sync {
     /// contract has no such operation, so against its servers two engines replacing one dead
     /// entry at the same instant can still both take the name.
     fn remove_if(&self, key: &str, seen: &Seen) -> Result<bool> {
-        match self.get(key)? {
-            Some(v) if v == seen.value => self.remove(key).map(|()| true),
-            _ => Ok(false),
-        }
+        remove_by_look(self, key, seen)
     }
     /// Keeps this store's ephemeral entries alive (etcd: one lease keepalive). `Ok(true)` means
     /// the service lost them (lease expired or unknown) and they must be published again.
@@ -265,6 +262,15 @@ pub(crate) fn create_by_look(store: &(impl MetadataStore + ?Sized), key: &str, v
     match store.get(key)? {
         Some(v) => Ok(v == value),
         None => store.put(key, value).map(|()| true),
+    }
+}
+
+/// [`MetadataStore::remove_if`] by a look, a compare of the value and a remove (not
+/// atomic: the default, and what HTTP does against a server that names no write).
+pub(crate) fn remove_by_look(store: &(impl MetadataStore + ?Sized), key: &str, seen: &Seen) -> Result<bool> {
+    match store.get(key)? {
+        Some(v) if v == seen.value => store.remove(key).map(|()| true),
+        _ => Ok(false),
     }
 }
 
