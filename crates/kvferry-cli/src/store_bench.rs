@@ -81,9 +81,29 @@ pub struct StoreBenchArgs {
     /// through a whole store, `failover`: failover time and objects lost).
     #[arg(long, default_value = "rate,store,failover", value_delimiter = ',', value_parser = ["rate", "store", "failover"])]
     ha_parts: Vec<String>,
+    /// With `--ha`: the throughput points of the `rate` part, as CONNECTIONSxKEYS (keys per
+    /// request), e.g. `4x32,16x128` (default: all six).
+    #[arg(long, default_value = "1x1,4x1,4x32,16x32,64x32,16x128", value_delimiter = ',', value_parser = parse_ha_point)]
+    ha_points: Vec<(usize, usize)>,
+    /// With `--ha`: in the `rate` part, run the standby's mirror on this CPU alone and
+    /// everything else of the bench (clients, every master) on the process's other CPUs, as
+    /// a standby on a host of its own would (the masters compared then share the same CPUs
+    /// with their clients; etcd, another process, is not pinned).
+    #[arg(long, value_name = "CPU")]
+    ha_standby_cpu: Option<usize>,
     /// Internal: run as the serving client of a bench.
     #[arg(long, hide = true)]
     serve_segment: Option<String>,
+}
+
+/// `CONNECTIONSxKEYS` of `--ha-points`: two whole numbers from 1 up.
+fn parse_ha_point(s: &str) -> Result<(usize, usize), String> {
+    let bad = || format!("{s:?} is not CONNECTIONSxKEYS (e.g. 4x32: 4 connections, 32 keys per request; both at least 1)");
+    let (c, k) = s.trim().split_once(['x', 'X']).ok_or_else(bad)?;
+    match (c.trim().parse::<usize>(), k.trim().parse::<usize>()) {
+        (Ok(c @ 1..=4096), Ok(k @ 1..=65536)) => Ok((c, k)),
+        _ => Err(bad()),
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -54,6 +54,18 @@ fn bench_rejects_bad_arguments_clearly() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("nope") && err.contains("rate, store, failover"), "names the bad part and the good ones: {err}");
+    for bad in ["4", "0x32", "4x", "fourx32", "4x32x1"] {
+        let out = kvferry().args(["store-bench", "--ha", "127.0.0.1:1", "--ha-points", &format!("16x128,{bad}")]).output().unwrap();
+        assert!(!out.status.success(), "--ha-points {bad} is refused");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(bad) && err.contains("CONNECTIONSxKEYS"), "names the bad point and the form: {err}");
+    }
+    // A CPU this process may not use is refused before etcd (nothing listens on port 1) is
+    // tried.
+    let out = kvferry().args(["store-bench", "--ha", "127.0.0.1:1", "--ha-standby-cpu", "100000"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--ha-standby-cpu 100000") && err.contains("may run on CPU"), "names the CPU and the CPUs allowed: {err}");
 }
 
 #[test]

@@ -1373,29 +1373,7 @@ fn a_leader_cut_off_from_etcd_by_a_network_namespace_stops_accepting_writes() {
 #[test]
 fn store_bench_ha_reports_every_figure() {
     let Some(etcd_svc) = Service::etcd() else { return };
-    let dir = tempfile::tempdir().expect("a temporary directory");
-    let out_path = dir.path().join("store-bench-ha.out");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(["store-bench", "--ha", &format!("127.0.0.1:{}", etcd_svc.port), "--duration", "0.3"])
-        .env_remove("MC_STORE_CLUSTER_ID")
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out_path).expect("output file"))
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn store-bench");
-    let until = Instant::now() + Duration::from_secs(240);
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        if Instant::now() > until {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("store-bench --ha did not finish within 240 s");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let out = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let (status, out) = store_bench_ha(etcd_svc.port, &["--duration", "0.3"], Duration::from_secs(240), |_| {});
     assert!(status.success(), "{status:?}: {out}");
     for figure in [
         "MB per million objects",
@@ -1419,4 +1397,86 @@ fn store_bench_ha_reports_every_figure() {
     let figures: Vec<f64> = costs.split(|c: char| c == ',' || c == '+' || c.is_whitespace()).filter_map(|x| x.parse().ok()).skip(2).collect();
     assert_eq!(figures.len(), 8, "1 x 1: eight figures in {costs:?}");
     assert!(figures.iter().all(|&f| f > 0.0), "every cost measured: {costs:?}");
+}
+
+/// Runs `kvferry store-bench --ha` against the etcd on `port` with `args`, calling `during`
+/// with its pid every 20 ms until it ends (killed past `bound`): its exit status and output.
+fn store_bench_ha(port: u16, args: &[&str], bound: Duration, mut during: impl FnMut(u32)) -> (std::process::ExitStatus, String) {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let out_path = dir.path().join("store-bench-ha.out");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["store-bench", "--ha", &format!("127.0.0.1:{port}")])
+        .args(args)
+        .env_remove("MC_STORE_CLUSTER_ID")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).expect("output file"))
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn store-bench");
+    let until = Instant::now() + bound;
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("store-bench --ha {args:?} did not finish within {bound:?}");
+        }
+        during(child.id());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, std::fs::read_to_string(&out_path).unwrap_or_default())
+}
+
+/// The CPUs a thread may use, from a `Cpus_allowed_list` line ("0-3,6").
+fn cpu_list(status: &str) -> Vec<usize> {
+    let Some(list) = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")) else { return Vec::new() };
+    let mut out = Vec::new();
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        if let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) {
+            out.extend(a..=b);
+        }
+    }
+    out
+}
+
+/// `--ha-standby-cpu N` runs the standby's mirror on CPU N alone and every other thread of the
+/// bench (its clients, the masters' request threads) off it, while the load runs: read from
+/// the bench's threads' own `Cpus_allowed_list` as it runs.
+#[test]
+fn store_bench_ha_runs_the_standby_on_a_cpu_of_its_own_when_asked() {
+    let allowed = cpu_list(&std::fs::read_to_string("/proc/self/status").unwrap_or_default());
+    if allowed.len() < 2 {
+        eprintln!("NOT RUN: this test needs two CPUs (it may use {allowed:?})");
+        return;
+    }
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let cpu = *allowed.last().expect("two CPUs");
+    // (thread name → CPU lists seen)
+    let mut seen: std::collections::HashMap<String, Vec<Vec<usize>>> = std::collections::HashMap::new();
+    let args = ["--duration", "1", "--ha-parts", "rate", "--ha-points", "4x32", "--ha-standby-cpu", &cpu.to_string()];
+    let (status, out) = store_bench_ha(etcd_svc.port, &args, Duration::from_secs(120), |pid| {
+        for t in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
+            let name = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default().trim().to_string();
+            if matches!(name.as_str(), "kvf-ha-standby" | "kvf-master-rpc" | "kvf-bench-put") {
+                let cpus = cpu_list(&std::fs::read_to_string(t.path().join("status")).unwrap_or_default());
+                if !cpus.is_empty() {
+                    seen.entry(name).or_default().push(cpus);
+                }
+            }
+        }
+    });
+    assert!(status.success(), "{status:?}: {out}");
+    assert!(out.contains(&format!("the standby's mirror on CPU {cpu} alone")), "{out}");
+    assert!(out.contains("4 connection(s), 32 key(s)/request"), "the point is measured: {out}");
+    // The connection thread is seen pinned only after the bench pinned it (its first look may
+    // come before); a load's whole measurement runs pinned, so it is seen so at the end.
+    let standby = seen.get("kvf-ha-standby").unwrap_or_else(|| panic!("the standby's thread was seen: {seen:?}"));
+    assert!(standby.iter().any(|c| c == &vec![cpu]), "the mirror ran on CPU {cpu} alone: {standby:?}");
+    for name in ["kvf-master-rpc", "kvf-bench-put"] {
+        let lists = seen.get(name).unwrap_or_else(|| panic!("{name} threads were seen: {seen:?}"));
+        assert!(lists.iter().all(|c| !c.contains(&cpu)), "{name} threads stay off CPU {cpu}: {lists:?}");
+    }
 }

@@ -18,8 +18,6 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// (connections, keys per request) of the throughput points.
-const POINTS: [(usize, usize); 6] = [(1, 1), (4, 1), (4, 32), (16, 32), (64, 32), (16, 128)];
 
 /// One request and its answer on a master's RPC connection.
 fn call(conn: &mut std::net::TcpStream, req: &Request) -> Option<Response> {
@@ -96,6 +94,56 @@ fn use_between(before: &std::collections::HashMap<u64, ThreadUse>, after: &std::
         cpu.switches += t.switches.saturating_sub(sw0) as f64 / per;
     }
     cpu
+}
+
+/// `--ha-standby-cpu`: the standby's mirror on one CPU of its own, the rest of this process
+/// on the other CPUs it may use.
+struct CpuSplit {
+    standby_cpu: usize,
+    rest_cpus: Vec<usize>,
+    standby: rustix::thread::CpuSet,
+    rest: rustix::thread::CpuSet,
+}
+
+/// The threads of a standby's mirror (its listener, and one per leader's connection, which
+/// inherits the listener's CPUs).
+const MIRROR_THREADS: [&str; 2] = ["kvf-ha-mirror", "kvf-ha-standby"];
+
+impl CpuSplit {
+    fn new(cpu: usize) -> Result<CpuSplit, String> {
+        use rustix::thread::{sched_getaffinity, CpuSet};
+        let allowed = sched_getaffinity(None).map_err(|e| format!("--ha-standby-cpu: reading this process's CPUs: {e}"))?;
+        let cpus: Vec<usize> = (0..CpuSet::MAX_CPU).filter(|&c| allowed.is_set(c)).collect();
+        if !cpus.contains(&cpu) {
+            return Err(format!("--ha-standby-cpu {cpu}: this process may run on CPUs {cpus:?} only; name one of them"));
+        }
+        if cpus.len() < 2 {
+            return Err(format!("--ha-standby-cpu {cpu}: this process may run on CPU {cpu} alone; the split needs two CPUs at least"));
+        }
+        let (mut standby, mut rest) = (CpuSet::new(), CpuSet::new());
+        standby.set(cpu);
+        let rest_cpus: Vec<usize> = cpus.into_iter().filter(|&c| c != cpu).collect();
+        for &c in &rest_cpus {
+            rest.set(c);
+        }
+        Ok(CpuSplit { standby_cpu: cpu, rest_cpus, standby, rest })
+    }
+
+    /// Pins every thread of this process now: a mirror's to the standby's CPU, the others to
+    /// the rest. (A thread that ended meanwhile is skipped.)
+    fn apply(&self) -> Result<(), String> {
+        let dir = std::fs::read_dir("/proc/self/task").map_err(|e| format!("--ha-standby-cpu: listing this process's threads: {e}"))?;
+        for t in dir.flatten() {
+            let Some(tid) = t.file_name().to_str().and_then(|n| n.parse::<i32>().ok()).and_then(rustix::process::Pid::from_raw) else { continue };
+            let name = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+            let set = if MIRROR_THREADS.contains(&name.trim()) { &self.standby } else { &self.rest };
+            match rustix::thread::sched_setaffinity(Some(tid), set) {
+                Ok(()) | Err(rustix::io::Errno::SRCH) => {}
+                Err(e) => return Err(format!("--ha-standby-cpu: pinning thread {} ({}): {e}", tid.as_raw_nonzero(), name.trim())),
+            }
+        }
+        Ok(())
+    }
 }
 
 /// PutStart + PutEnd pairs over RPC from `threads` connections, `per_req` keys per request:
@@ -271,6 +319,8 @@ fn journal_bytes(etcd: &EtcdClient, cluster: &str) -> Result<(u64, usize), Strin
 }
 
 pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
+    // (Checked before anything is reached.)
+    let pinning = a.ha_standby_cpu.map(CpuSplit::new).transpose()?;
     let endpoints = kvferry::metadata::etcd::parse_endpoints(etcd_addr);
     let etcd = EtcdClient::connect(&endpoints, Duration::from_secs(2)).map_err(|e| format!("--ha {etcd_addr}: {e}"))?;
     let dur = Duration::from_secs_f64(a.duration.max(0.5));
@@ -308,6 +358,12 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         Ok(())
     };
     if part("rate") {
+        if let Some(p) = &pinning {
+            // Before any master starts: the threads it spawns inherit the CPUs of their
+            // parent.
+            p.apply()?;
+            println!("CPUs: the standby's mirror on CPU {} alone, everything else of this process on {:?}", p.standby_cpu, p.rest_cpus);
+        }
         // The three masters are up at once and each point is measured on them in turn,
         // twice, the better round kept (this VM's rates drift by tens of percent within
         // minutes; interleaving keeps the ratios fair).
@@ -332,11 +388,15 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             rates.push(Vec::new());
             cpus.push(Vec::new());
         }
-        for (threads, per_req) in POINTS {
+        for &(threads, per_req) in &a.ha_points {
             let mut best = [(0f64, (0f64, 0f64, 0f64), Cost::default()); 3];
             for round in 0..2 {
                 for (i, (mode, m, _, addr, _)) in masters.iter().enumerate() {
                     clear(addr)?;
+                    if let Some(p) = &pinning {
+                        // (Again: a connection the standby accepted since has a new thread.)
+                        p.apply()?;
+                    }
                     let (s0, t0) = (m.journal.stats(), Instant::now());
                     // The journal's figures when the load ends, before the tidying (a
                     // removal of every object, in pieces that would count as entries).
@@ -400,7 +460,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             drop(server);
         }
         println!("{:<34} {:>10} {:>11} {:>7} {:>11} {:>7}", "objects created/s (PutStart+PutEnd)", "no HA", "HA etcd", "ratio", "HA standby", "ratio");
-        for (i, (threads, per_req)) in POINTS.iter().enumerate() {
+        for (i, (threads, per_req)) in a.ha_points.iter().enumerate() {
             let (off, journal, standby) = (rates[0][i], rates[1][i], rates[2][i]);
             println!(
                 "{:<34} {:>10.0} {:>11.0} {:>7.2} {:>11.0} {:>7.2}",
@@ -420,7 +480,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         // counted).
         println!("{:<34} {:>16} {:>16} {:>22} {:>7}", "per object: µs CPU, switches", "no HA: master", "HA etcd: leader", "HA standby: leader", "leader");
         println!("{:<34} {:>16} {:>16} {:>22} {:>7}", "  (µs CPU of the clients)", "", "", "+mirror", "ratio");
-        for (i, (threads, per_req)) in POINTS.iter().enumerate() {
+        for (i, (threads, per_req)) in a.ha_points.iter().enumerate() {
             let (off, journal, standby) = (cpus[0][i], cpus[1][i], cpus[2][i]);
             println!(
                 "{:<34} {:>16} {:>16} {:>22} {:>7.2}",
@@ -436,7 +496,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         // standby's acknowledgement (group commit either way).
         for (idx, what) in [(0, "etcd transactions"), (1, "standby acknowledgements")] {
             println!("{:<34} {:>14} {:>14} {:>7}", format!("HA {what}"), "per second", "changes each", "ms each");
-            for ((threads, per_req), (rate, changes, ms)) in POINTS.iter().zip(&commits[idx]) {
+            for ((threads, per_req), (rate, changes, ms)) in a.ha_points.iter().zip(&commits[idx]) {
                 println!("{:<34} {:>14.0} {:>14.1} {:>7.3}", format!("{threads} connection(s), {per_req} key(s)/request"), rate, changes, ms);
             }
         }
