@@ -236,6 +236,26 @@ fn realloc_at(addr: u64, len: usize) -> Option<HostBuffer> {
     None
 }
 
+/// Frees `cur` and allocates a shareable buffer of `len` bytes at `addr` whose memfd has the
+/// fd number `old_fd` (the freed buffer's: the case of the defect, same fd number, address
+/// and length). The engine's threads open and close sockets meanwhile, which may take that
+/// number first: retried until both match (bounded: 200 tries, about 2 s; a loaded CI
+/// machine needed more than 10, in the child and in this process alike).
+fn realloc_same(mut cur: Option<HostBuffer>, addr: u64, len: usize, old_fd: i32) -> Option<HostBuffer> {
+    for _ in 0..200 {
+        let holes = occupy_fds_below(old_fd);
+        drop(cur.take());
+        cur = realloc_at(addr, len);
+        drop(holes);
+        match cur.take() {
+            Some(b) if kvferry::hostbuf::shareable_region(addr, 1).map(|r| r.fd) == Some(old_fd) => return Some(b),
+            other => cur = other,
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
+}
+
 /// The child side.
 #[test]
 fn child_entry() {
@@ -267,26 +287,7 @@ fn child_entry() {
                         }
                         let old_gen = buf.as_ref().unwrap().generation();
                         let old_fd = kvferry::hostbuf::shareable_region(addr, 1).map_or(-1, |r| r.fd);
-                        // The engine's threads open and close sockets meanwhile: retry until
-                        // the new buffer has the old one's address and fd number (bounded:
-                        // 200 tries, about 2 s; a loaded CI machine needed more than 10).
-                        let mut cur = buf.take();
-                        let mut got = None;
-                        for _ in 0..200 {
-                            let holes = occupy_fds_below(old_fd);
-                            drop(cur.take());
-                            cur = realloc_at(addr, len);
-                            drop(holes);
-                            match cur.take() {
-                                Some(b) if kvferry::hostbuf::shareable_region(addr, 1).map(|r| r.fd) == Some(old_fd) => {
-                                    got = Some(b);
-                                    break;
-                                }
-                                other => cur = other,
-                            }
-                            std::thread::sleep(Duration::from_millis(10));
-                        }
-                        let Some(b) = got else {
+                        let Some(b) = realloc_same(buf.take(), addr, len, old_fd) else {
                             println!("KVF_CHILD same=false");
                             continue;
                         };
@@ -397,14 +398,9 @@ fn in_process_free_and_reallocate_at_the_same_address() {
     assert_eq!(sync(&a, &[wr(Opcode::Read, l0, seg, addr, LEN as u64)]).status, TaskStatus::Completed);
     assert_eq!(local, pattern(LEN, 1));
     let fd0 = kvferry::hostbuf::shareable_region(addr, 1).unwrap().fd;
-    // The new buffer gets the old one's fd number back: the case of the defect (same fd
-    // number, address and length).
-    let holes = occupy_fds_below(fd0);
     b.unregister_memory(addr).unwrap();
-    drop(buf);
-    let buf = realloc_at(addr, LEN).expect("a buffer at the freed address");
-    assert_eq!(kvferry::hostbuf::shareable_region(addr, 1).unwrap().fd, fd0, "the fd number was not reused");
-    drop(holes);
+    let buf = realloc_same(Some(buf), addr, LEN, fd0).expect("a buffer at the freed address with its fd number");
+    assert_eq!(kvferry::hostbuf::shareable_region(addr, 1).unwrap().fd, fd0);
     buf.slice_mut(0, LEN).copy_from_slice(&pattern(LEN, 2));
     b.register_memory(addr, LEN as u64, "*").unwrap();
     let st = sync(&a, &[wr(Opcode::Read, l0, seg, addr, LEN as u64)]);
