@@ -88,7 +88,8 @@ pub struct StoreBenchArgs {
     /// With `--ha`: in the `rate` part, run the standby's mirror on this CPU alone and
     /// everything else of the bench (clients, every master) on the process's other CPUs, as
     /// a standby on a host of its own would (the masters compared then share the same CPUs
-    /// with their clients; etcd, another process, is not pinned).
+    /// with their clients; etcd, another process, is not pinned; the other parts run on
+    /// every CPU, as without it).
     #[arg(long, value_name = "CPU")]
     ha_standby_cpu: Option<usize>,
     /// Internal: run as the serving client of a bench.

@@ -103,6 +103,9 @@ struct CpuSplit {
     rest_cpus: Vec<usize>,
     standby: rustix::thread::CpuSet,
     rest: rustix::thread::CpuSet,
+    /// What the process may use (restored after the rate part: the other parts' processes
+    /// inherit the CPUs of the thread that starts them).
+    allowed: rustix::thread::CpuSet,
 }
 
 /// The threads of a standby's mirror (its listener, and one per leader's connection, which
@@ -126,17 +129,26 @@ impl CpuSplit {
         for &c in &rest_cpus {
             rest.set(c);
         }
-        Ok(CpuSplit { standby_cpu: cpu, rest_cpus, standby, rest })
+        Ok(CpuSplit { standby_cpu: cpu, rest_cpus, standby, rest, allowed })
     }
 
     /// Pins every thread of this process now: a mirror's to the standby's CPU, the others to
     /// the rest. (A thread that ended meanwhile is skipped.)
     fn apply(&self) -> Result<(), String> {
+        self.pin(|name| if MIRROR_THREADS.contains(&name) { &self.standby } else { &self.rest })
+    }
+
+    /// Lets every thread of this process run on every CPU it could before.
+    fn undo(&self) -> Result<(), String> {
+        self.pin(|_| &self.allowed)
+    }
+
+    fn pin<'a>(&'a self, set_of: impl Fn(&str) -> &'a rustix::thread::CpuSet) -> Result<(), String> {
         let dir = std::fs::read_dir("/proc/self/task").map_err(|e| format!("--ha-standby-cpu: listing this process's threads: {e}"))?;
         for t in dir.flatten() {
             let Some(tid) = t.file_name().to_str().and_then(|n| n.parse::<i32>().ok()).and_then(rustix::process::Pid::from_raw) else { continue };
             let name = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
-            let set = if MIRROR_THREADS.contains(&name.trim()) { &self.standby } else { &self.rest };
+            let set = set_of(name.trim());
             match rustix::thread::sched_setaffinity(Some(tid), set) {
                 Ok(()) | Err(rustix::io::Errno::SRCH) => {}
                 Err(e) => return Err(format!("--ha-standby-cpu: pinning thread {} ({}): {e}", tid.as_raw_nonzero(), name.trim())),
@@ -500,6 +512,10 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
                 println!("{:<34} {:>14.0} {:>14.1} {:>7.3}", format!("{threads} connection(s), {per_req} key(s)/request"), rate, changes, ms);
             }
         }
+    }
+
+    if let Some(p) = &pinning {
+        p.undo()?;
     }
 
     // 2. Stored values per second through a whole store (client, master(s), serving client
