@@ -923,3 +923,65 @@ fn a_killed_clients_metadata_entries_leave_a_standalone_service_named_by_mooncak
     );
     killed_clients_metadata_entries_are_removed_and_live_ones_kept(&m, &url);
 }
+
+/// A write still running when a master without HA restarts (its target paused, so it can
+/// neither land nor fail before its timeout) was placed by the old master; the new one knows
+/// nothing of it and, once the segment is mounted again and its one read lease is over, would
+/// give that space to new puts, where the late bytes may still land. The writer reports it
+/// (`Request::HoldWrites`, after the new master answered that it did not know the writer), so
+/// nothing new is placed in that segment until the write can no longer land (twice the
+/// writer's transfer timeout after it started); then puts go there again, intact.
+#[test]
+fn a_write_still_running_across_a_master_restart_keeps_new_puts_out_of_its_segment() {
+    use rustix::process::{kill_process, Pid, Signal};
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    // A read lease of 200 ms: the remount's own hold is over long before the write's.
+    let lease = ["--port", port.as_str(), "--default-kv-lease-ttl", "200"];
+    let mut m = master(&lease);
+    let addr = m.field("rpc=");
+    // Over TCP (a same-host copy lands without the target's help, paused or not).
+    let s = Proc::start_with(&["store-bench", "--serve-segment", &addr, "--segment-size", "32M"], &[("KVFERRY_TRANSPORT", "tcp")], "KVFERRY_STORE_SERVER");
+    let spid = Pid::from_raw(s.child.id() as i32).expect("a pid");
+    let timeout = Duration::from_secs(3);
+    let w = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 64 << 20, master_server_addr: addr.clone(), transfer_timeout: timeout, ..ClientConfig::default() }).expect("writer");
+    // The writer's connection to the serving client is up before it pauses.
+    w.put("warm", &value("warm", 1, 4096), &ReplicateConfig::default()).unwrap();
+    kill_process(spid, Signal::STOP).expect("SIGSTOP the serving client");
+    struct Cont(Pid);
+    impl Drop for Cont {
+        fn drop(&mut self) {
+            let _ = kill_process(self.0, Signal::CONT);
+        }
+    }
+    let cont = Cont(spid);
+    let started = Instant::now();
+    let slow = std::thread::spawn(move || w.put("slow", &value("slow", 1, 8 << 20), &ReplicateConfig::default()));
+    std::thread::sleep(Duration::from_millis(300));
+    m.kill();
+    let _m2 = master(&lease);
+    let r = slow.join().expect("the writer's thread");
+    assert!(r.is_err(), "a put into a paused target across a master restart cannot succeed: {r:?}");
+    assert!(started.elapsed() >= timeout, "it failed at its timeout, not before ({:?})", started.elapsed());
+    drop(cont);
+    // From now on the serving client remounts within a ping; its segment must take nothing
+    // new until twice the writer's timeout after the write started.
+    let c = client(&addr, 0);
+    let hold_ends = started + timeout * 2;
+    let until = Instant::now() + Duration::from_secs(20);
+    let stored_at = loop {
+        let now = Instant::now();
+        match c.put("new", &value("new", 1, 4096), &ReplicateConfig::default()) {
+            Ok(()) => break now,
+            Err(StoreError::NoAvailableHandle { .. }) => {}
+            Err(e) => panic!("a put after the restart: {e:?}"),
+        }
+        assert!(now < until, "no put succeeded within 20 s of the restart");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        stored_at + Duration::from_millis(300) >= hold_ends,
+        "a put was placed in the segment {:?} before the reported write could no longer land",
+        hold_ends.saturating_duration_since(stored_at)
+    );
+    assert!(intact(&c.get("new").unwrap()));
+}

@@ -17,7 +17,7 @@
 use kvferry::transport::tcp::poll_read;
 use crate::error::{StoreError, StoreResult};
 use crate::master::alloc::SegmentSpace;
-use crate::proto::{self, PingStatus, ReplicaDesc, ReplicaList, ReplicateConfig, Request, Response, Segment};
+use crate::proto::{self, PingStatus, ReplicaDesc, ReplicaList, ReplicateConfig, Request, Response, Segment, WriteInFlight};
 use kvferry::hostbuf::HostBuffer;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::io::{Read, Write};
@@ -88,6 +88,53 @@ struct Registration {
     mounted: bool,
 }
 
+/// This client's writes into segments whose bytes may still be landing: each batch's from
+/// its start until it completed, or, if it did not (failed, timed out), until twice the
+/// transfer timeout after it started (a target ends a request its own timeout after its
+/// header: `TransferEngine`'s "Nothing hangs"). Reported to a master that did not know this
+/// client ([`Rpc::report_writes`]): a master without HA that restarted knows nothing of the
+/// writes its predecessor placed, and would give their space to new puts.
+#[derive(Default)]
+struct Writes {
+    next: u64,
+    /// Batch id -> its writes and until when they may land.
+    running: std::collections::HashMap<u64, (Vec<PutWrite>, Instant)>,
+}
+
+/// One write of a put: the replica's segment (its endpoint), address and length.
+type PutWrite = (String, u64, u64);
+
+impl Writes {
+    /// A batch of writes starts; its id, for [`Writes::ended`].
+    fn start(&mut self, writes: Vec<PutWrite>, until: Instant) -> u64 {
+        let now = Instant::now();
+        self.running.retain(|_, (_, t)| *t > now);
+        self.next += 1;
+        self.running.insert(self.next, (writes, until));
+        self.next
+    }
+
+    /// Batch `id` ended: forgotten if every write of it completed (the bytes landed), else
+    /// kept until its time.
+    fn ended(&mut self, id: u64, all_landed: bool) {
+        if all_landed {
+            self.running.remove(&id);
+        }
+    }
+
+    /// What may still be landing, with the time left.
+    fn report(&self, now: Instant) -> Vec<WriteInFlight> {
+        self.running
+            .values()
+            .filter(|(_, until)| *until > now)
+            .flat_map(|(w, until)| {
+                let left_ms = until.saturating_duration_since(now).as_millis().min(u128::from(u64::MAX)) as u64;
+                w.iter().map(move |(te, addr, size)| WriteInFlight { te_endpoint: te.clone(), addr: *addr, size: *size, left_ms: left_ms.max(1) })
+            })
+            .collect()
+    }
+}
+
 /// A small pool of connections to the master; one request in flight per connection.
 struct Rpc {
     target: Target,
@@ -98,6 +145,8 @@ struct Rpc {
     /// answered under different leaders was not stored.
     epoch: std::sync::atomic::AtomicU64,
     registration: Mutex<Registration>,
+    /// This client's writes into segments that may still be running ([`Request::HoldWrites`]).
+    writes: Mutex<Writes>,
     pool: Mutex<Vec<TcpStream>>,
     /// The connection of the background threads (pings, read releases): apart from the
     /// pool, so that the caller's requests keep to one connection (the master spins on the
@@ -121,7 +170,7 @@ enum Conn {
 /// stopped answering).
 fn idempotent(req: &Request) -> bool {
     match req {
-        Request::Ping { .. } | Request::GetReplicaList { .. } | Request::ExistKey { .. } | Request::ReleaseReads { .. } => true,
+        Request::Ping { .. } | Request::GetReplicaList { .. } | Request::ExistKey { .. } | Request::ReleaseReads { .. } | Request::HoldWrites { .. } => true,
         Request::Batch(v) => v.iter().all(idempotent),
         _ => false,
     }
@@ -173,7 +222,7 @@ impl Rpc {
                 return Err(StoreError::InvalidParams(format!("master_server_addr {addr:?}: {scheme}:// is not supported; use host:port or etcd://host:2379[;host:2379...]")))
             }
         };
-        Ok(Rpc { target, addr: Mutex::new((first, (String::new(), 0))), epoch: Default::default(), registration: Mutex::default(), pool: Mutex::default(), aside: Mutex::default(), timeout, spin })
+        Ok(Rpc { target, addr: Mutex::new((first, (String::new(), 0))), epoch: Default::default(), registration: Mutex::default(), writes: Mutex::default(), pool: Mutex::default(), aside: Mutex::default(), timeout, spin })
     }
 
     fn addr(&self) -> String {
@@ -355,6 +404,22 @@ impl Rpc {
         }
     }
 
+    /// Tells a master that did not know this client which of its writes may still be landing
+    /// ([`Writes`]), so that it places nothing new there meanwhile. Best effort (a master of
+    /// an older version refuses the request: logged).
+    fn report_writes(&self, client: u64, conn: Conn) {
+        let writes = self.writes.lock().unwrap_or_else(|e| e.into_inner()).report(Instant::now());
+        if writes.is_empty() {
+            return;
+        }
+        let n = writes.len();
+        match self.call_once(&Request::HoldWrites { client, writes }, conn).map(|(r, _)| r) {
+            Ok(Response::Ok) => tracing::warn!("the master did not know this client: told it of {n} writes that may still be landing, so that it gives their space to nothing else meanwhile"),
+            Ok(other) => tracing::warn!("telling the master of {n} writes that may still be landing: {other:?}"),
+            Err(Failure::NotSent(e) | Failure::Lost(e) | Failure::Garbled(e)) => tracing::warn!("telling the master of {n} writes that may still be landing: {e}"),
+        }
+    }
+
     /// On a new leader: a ping; remount when it does not know this client (one that started
     /// empty, or lost the client). Best effort: the ping thread remounts too.
     fn reregister(&self) {
@@ -366,11 +431,14 @@ impl Rpc {
             (r.client, r.segments.clone())
         };
         match self.call_once(&Request::Ping { client }, Conn::Pool).map(|(r, _)| r) {
-            Ok(Response::Ping(PingStatus::NeedRemount)) => match self.call_once(&Request::RemountSegments { client, segments }, Conn::Pool).map(|(r, _)| r) {
-                Ok(Response::Ok) => tracing::info!("remounted at the new leader {}", self.addr()),
-                Ok(other) => tracing::warn!("remount at the new leader: {other:?}"),
-                Err(Failure::NotSent(e) | Failure::Lost(e) | Failure::Garbled(e)) => tracing::warn!("remount at the new leader: {e}"),
-            },
+            Ok(Response::Ping(PingStatus::NeedRemount)) => {
+                match self.call_once(&Request::RemountSegments { client, segments }, Conn::Pool).map(|(r, _)| r) {
+                    Ok(Response::Ok) => tracing::info!("remounted at the new leader {}", self.addr()),
+                    Ok(other) => tracing::warn!("remount at the new leader: {other:?}"),
+                    Err(Failure::NotSent(e) | Failure::Lost(e) | Failure::Garbled(e)) => tracing::warn!("remount at the new leader: {e}"),
+                }
+                self.report_writes(client, Conn::Pool);
+            }
             Ok(_) => {}
             Err(Failure::NotSent(e) | Failure::Lost(e) | Failure::Garbled(e)) => tracing::debug!("ping of the new leader: {e}"),
         }
@@ -853,6 +921,8 @@ impl Client {
         let mut results: Vec<StoreResult<()>> = Vec::with_capacity(items.len());
         let mut reqs = Vec::new();
         let mut owner = Vec::new(); // request index -> item index
+        // Each replica's range (endpoint, address, length): what may still be landing.
+        let mut writes: Vec<PutWrite> = Vec::new();
         // Every item the master reserved space for is ended or revoked: one whose replica's
         // segment could not be opened (nothing written) too; left, it refused every put of
         // the key until the discard timeout, which Mooncake's API reports as stored.
@@ -864,6 +934,7 @@ impl Client {
                     for r in reps {
                         match self.segment_id(&r.te_endpoint) {
                             Ok(seg) => {
+                                writes.push((r.te_endpoint.clone(), r.addr, total(parts)));
                                 let mut off = 0;
                                 for &(addr, len) in parts.iter().filter(|p| p.1 > 0) {
                                     reqs.push(TransferRequest { opcode: Opcode::Write, source: addr, target_id: seg, target_offset: r.addr + off, length: len });
@@ -881,20 +952,29 @@ impl Client {
             }
         }
         if !reqs.is_empty() {
-            match self.transfer(&reqs) {
+            // Until they landed, or (failed) until they can no longer land: what a master
+            // that forgot this client is told ([`Writes`]).
+            let started = Instant::now();
+            let batch = self.inner.rpc.writes.lock().unwrap_or_else(|e| e.into_inner()).start(writes, started + self.inner.cfg.transfer_timeout * 2);
+            let landed = match self.transfer(&reqs) {
                 Ok(statuses) => {
+                    let mut all = true;
                     for (k, st) in statuses.into_iter().enumerate() {
                         if let Err(e) = st {
                             results[owner[k]] = Err(e);
+                            all = false;
                         }
                     }
+                    all
                 }
                 Err(e) => {
                     for &o in &owner {
                         results[o] = Err(e.clone());
                     }
+                    false
                 }
-            }
+            };
+            self.inner.rpc.writes.lock().unwrap_or_else(|e| e.into_inner()).ended(batch, landed);
         }
         // Every reservation ends: written ones with a PutEnd, failed ones (a transfer error, a
         // replica whose segment did not open) with a PutRevoke.
@@ -1483,6 +1563,7 @@ fn ping_loop(inner: Weak<Inner>, every: Duration) {
                 if let Err(e) = inner.rpc.call_ok(&Request::RemountSegments { client: inner.id, segments }) {
                     tracing::warn!("remount failed: {e}");
                 }
+                inner.rpc.report_writes(inner.id, Conn::Aside);
             }
             Ok(other) => tracing::warn!("unexpected ping answer {other:?}"),
             Err(e) => tracing::debug!("ping: {e}"),
@@ -1493,6 +1574,31 @@ fn ping_loop(inner: Weak<Inner>, every: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A batch's writes are reported while they run; once every one landed they are
+    /// forgotten; a batch that did not land (failed, timed out) is reported until its time
+    /// is over, with the time it has left.
+    #[test]
+    fn writes_are_reported_until_they_landed_or_can_no_longer_land() {
+        let mut w = Writes::default();
+        let t0 = Instant::now();
+        let a = w.start(vec![("h:1".into(), 4096, 100)], t0 + Duration::from_secs(60));
+        let b = w.start(vec![("h:2".into(), 0, 10), ("h:3".into(), 64, 1)], t0 + Duration::from_secs(60));
+        let mut now = w.report(t0);
+        now.sort_by(|x, y| x.te_endpoint.cmp(&y.te_endpoint));
+        assert_eq!(now.iter().map(|x| (x.te_endpoint.as_str(), x.addr, x.size)).collect::<Vec<_>>(), vec![("h:1", 4096, 100), ("h:2", 0, 10), ("h:3", 64, 1)]);
+        assert!(now.iter().all(|x| x.left_ms > 59_000 && x.left_ms <= 60_000), "{now:?}");
+        w.ended(a, true);
+        w.ended(b, false);
+        let later = w.report(t0 + Duration::from_secs(30));
+        assert_eq!(later.len(), 2, "the batch that did not land is still reported: {later:?}");
+        assert!(later.iter().all(|x| x.left_ms > 29_000 && x.left_ms <= 30_000), "{later:?}");
+        assert!(w.report(t0 + Duration::from_secs(61)).is_empty(), "its time over, nothing is reported");
+        // Batches past their time are dropped as new ones start.
+        let over = w.start(vec![("h:4".into(), 0, 1)], Instant::now());
+        w.start(Vec::new(), Instant::now() + Duration::from_secs(1));
+        assert!(!w.running.contains_key(&over) && w.running.contains_key(&b));
+    }
 
     #[test]
     fn finished_reads_wait_a_tick_for_a_request_to_carry_their_release() {

@@ -170,6 +170,24 @@ pub enum Request {
     /// lease ended, on `segment` (a segment name) or everywhere (empty); answered by
     /// [`Response::Keys`] with the keys cleared.
     BatchReplicaClear { client: u64, keys: Vec<String>, segment: String },
+    /// Writes of this client still running (kvferry's; last, so the other variants keep their
+    /// wire numbers): sent after a master answered that it did not know the client (it
+    /// restarted without HA, so it knows nothing of the writes its predecessor placed). The
+    /// master places nothing new in their segments until they are over, and drops the
+    /// replicas it placed in their ranges since. Answered `Ok`.
+    HoldWrites { client: u64, writes: Vec<WriteInFlight> },
+}
+
+/// A write into a segment still running, as a client reports it (`Request::HoldWrites`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriteInFlight {
+    /// The segment's transfer-engine name, as the put's replica named it.
+    pub te_endpoint: String,
+    pub addr: u64,
+    pub size: u64,
+    /// How much longer (ms) bytes of it may still land (a write a transfer gave up on may
+    /// still be landing at the target for up to its own timeout).
+    pub left_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -312,6 +312,7 @@ fn op_of(req: &Request) -> Option<usize> {
         Request::RemoveByRegex { .. } => 11,
         Request::ReleaseReads { .. } => 12,
         Request::BatchReplicaClear { .. } => 13,
+        Request::HoldWrites { .. } => 14,
         Request::Batch(_) => return None,
     })
 }
@@ -449,6 +450,11 @@ fn apply_locked(st: &mut State, m: &Master, req: Request, now: u64, removed: &mu
             Ok(Response::Ok)
         }
         Request::BatchReplicaClear { client, keys, segment } => Ok(Response::Keys(st.batch_replica_clear(client, &keys, &segment, now))),
+        Request::HoldWrites { client, writes } => {
+            let held = st.hold_writes(&writes, now, m.cfg.put_start_release_timeout.as_millis() as u64)?;
+            tracing::info!(client = format!("{client:x}"), writes = writes.len(), segments = held, "a client reported writes still running that this master did not place: nothing new goes where they write until they are over");
+            Ok(Response::Ok)
+        }
         Request::PutEnd { client, key, put } => st.put_end(PutId { client, put }, &key, now).map(|_| Response::Ok),
         Request::PutRevoke { client, key, put } => st.put_revoke(PutId { client, put }, &key).map(|_| Response::Ok),
         Request::GetReplicaList { key } => st.get_replica_list(&key, now, lease).map(Response::ReplicaList),

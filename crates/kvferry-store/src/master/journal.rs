@@ -295,13 +295,7 @@ impl Image {
     /// without replicas go. Only a corrupt journal has contested ranges.
     fn drop_contested(st: &mut State, mut contested: Vec<(u64, u64, u64)>, report: &mut Rebuilt) {
         contested.sort_unstable();
-        let hit = |r: &Replica| {
-            let (a, e) = (r.block.addr, r.block.addr.saturating_add(r.block.len.max(1)));
-            // Ranges of this segment starting before `e`: any of them ending after `a`.
-            let from = contested.partition_point(|&(s, _, _)| s < r.seg);
-            let to = contested.partition_point(|&(s, start, _)| (s, start) < (r.seg, e));
-            contested[from..to].iter().any(|&(_, _, end)| end > a)
-        };
+        let hit = |r: &Replica| super::overlaps_any(&contested, r);
         let mut freed = Vec::new();
         st.objects.retain(|_, o| {
             o.drop_replicas(hit, |r| freed.push(r));
@@ -334,7 +328,7 @@ impl Image {
         for id in &self.seg_order {
             if let Some((client, seg)) = self.segments.get(id) {
                 let space = SegmentSpace::new(seg.base, seg.size);
-                st.segments.insert(*id, SegState { seg: seg.clone(), client: *client, space });
+                st.segments.insert(*id, SegState { seg: seg.clone(), client: *client, space, writes_until: 0 });
                 st.seg_order.push(*id);
                 // A segment's owner is alive until it stops pinging the new leader.
                 st.clients.insert(*client, now);

@@ -21,7 +21,7 @@ pub mod journal;
 pub mod shards;
 
 use crate::error::{StoreError, StoreResult};
-use crate::proto::{PingStatus, ReplicaDesc, ReplicaList, ReplicateConfig, Segment, SoftPin};
+use crate::proto::{PingStatus, ReplicaDesc, ReplicaList, ReplicateConfig, Segment, SoftPin, WriteInFlight};
 use alloc::{Block, SegmentSpace};
 use rand::Rng;
 use serde::Serialize;
@@ -187,7 +187,34 @@ struct SegState {
     seg: Segment,
     client: u64,
     space: SegmentSpace,
+    /// Nothing new is placed here before this time (ms): a client reported a write into this
+    /// segment still running that this master did not place ([`State::hold_writes`]).
+    writes_until: u64,
 }
+
+/// A write a client reported still running into a segment this master did not know when
+/// the report came ([`State::hold_writes`]): applied to a segment of that endpoint covering
+/// the range when one is mounted, until `until` (ms).
+struct ReportedWrite {
+    te_endpoint: Box<str>,
+    start: u64,
+    end: u64,
+    until: u64,
+}
+
+/// Whether `r` overlaps one of `ranges` (`(segment, start, end)`, sorted): a binary search,
+/// not a walk, since it is asked of every replica of every object.
+fn overlaps_any(ranges: &[(u64, u64, u64)], r: &Replica) -> bool {
+    let (a, e) = (r.block.addr, r.block.addr.saturating_add(r.block.len.max(1)));
+    // Ranges of this segment starting before `e`: any of them ending after `a`.
+    let from = ranges.partition_point(|&(s, _, _)| s < r.seg);
+    let to = ranges.partition_point(|&(s, start, _)| (s, start) < (r.seg, e));
+    ranges[from..to].iter().any(|&(_, _, end)| end > a)
+}
+
+/// The most writes [`State::hold_writes`] keeps for segments not mounted yet (more are
+/// refused: a client has at most a few batches in flight).
+pub const MAX_REPORTED_WRITES: usize = 1 << 16;
 
 /// Counters exported on `/metrics`.
 #[derive(Default)]
@@ -198,9 +225,9 @@ pub struct Stats {
     pub evicted_bytes: AtomicU64,
 }
 
-pub const OP_NAMES: [&str; 14] = [
+pub const OP_NAMES: [&str; 15] = [
     "mount", "remount", "unmount", "ping", "put_start", "put_end", "put_revoke", "get_replica_list", "exist_key", "remove", "remove_all", "remove_by_regex", "release_reads",
-    "batch_replica_clear",
+    "batch_replica_clear", "hold_writes",
 ];
 
 /// The master's objects by key.
@@ -240,6 +267,8 @@ pub struct State {
     orphaned: HashSet<u64>,
     /// When `orphaned` was last pruned (ms).
     orphans_pruned: u64,
+    /// Writes reported still running into segments not mounted yet ([`State::hold_writes`]).
+    reported_writes: Vec<ReportedWrite>,
     /// Reads in flight: id -> end of their lease.
     reads: HashMap<u64, u64>,
     next_read: u64,
@@ -464,8 +493,97 @@ impl State {
                 }
             });
         }
-        self.segments.insert(id, SegState { seg, client, space });
+        let writes_until = self.reported_until(&seg, now);
+        self.segments.insert(id, SegState { seg, client, space, writes_until });
         Ok(())
+    }
+
+    /// Until when the writes reported into `seg`'s range (before it was mounted) run: 0 if
+    /// none does.
+    fn reported_until(&mut self, seg: &Segment, now: u64) -> u64 {
+        self.reported_writes.retain(|w| w.until > now);
+        let end = seg.base.saturating_add(seg.size);
+        self.reported_writes.iter().filter(|w| *w.te_endpoint == *seg.te_endpoint && w.start < end && w.end > seg.base).map(|w| w.until).max().unwrap_or(0)
+    }
+
+    /// Writes a client still has running (`Request::HoldWrites`), which it reports when this
+    /// master did not know it (a master without HA that restarted knows nothing of the
+    /// writes the one before it placed, and a segment mounted again is held for one read
+    /// lease only): no new replica is placed in a segment such a write goes to until its
+    /// time left (at most `max_left` ms) is over, and an object this master placed in its
+    /// range since (the report came late) loses those replicas, which a late write may
+    /// overwrite (an object left without any goes): never served with bytes it did not
+    /// write. A write into a segment not mounted yet is kept for it. Returns the segments
+    /// held now.
+    pub fn hold_writes(&mut self, writes: &[WriteInFlight], now: u64, max_left: u64) -> StoreResult<usize> {
+        self.reported_writes.retain(|w| w.until > now);
+        // The mounted segments by endpoint (one engine may serve several).
+        let mut by_endpoint: HashMap<&str, Vec<(u64, u64, u64)>> = HashMap::new();
+        for (&id, s) in &self.segments {
+            by_endpoint.entry(&s.seg.te_endpoint).or_default().push((id, s.seg.base, s.seg.base.saturating_add(s.seg.size)));
+        }
+        // (segment, start, end, until) of the writes into mounted segments; the others kept.
+        let mut hit: Vec<(u64, u64, u64, u64)> = Vec::new();
+        let mut keep: Vec<ReportedWrite> = Vec::new();
+        for w in writes {
+            let (start, end, until) = (w.addr, w.addr.saturating_add(w.size.max(1)), now.saturating_add(w.left_ms.min(max_left)));
+            if until <= now {
+                continue;
+            }
+            let before = hit.len();
+            hit.extend(by_endpoint.get(w.te_endpoint.as_str()).into_iter().flatten().filter(|&&(_, b, e)| start < e && end > b).map(|&(id, _, _)| (id, start, end, until)));
+            if hit.len() == before {
+                keep.push(ReportedWrite { te_endpoint: w.te_endpoint.as_str().into(), start, end, until });
+            }
+        }
+        if self.reported_writes.len().saturating_add(keep.len()) > MAX_REPORTED_WRITES {
+            return Err(StoreError::InvalidParams(format!(
+                "{} writes in flight reported into segments not mounted, {} kept already: at most {MAX_REPORTED_WRITES} are kept",
+                keep.len(),
+                self.reported_writes.len()
+            )));
+        }
+        self.reported_writes.extend(keep);
+        let mut held = HashSet::new();
+        for &(id, _, _, until) in &hit {
+            if let Some(s) = self.segments.get_mut(&id) {
+                s.writes_until = s.writes_until.max(until);
+                held.insert(id);
+            }
+        }
+        if !hit.is_empty() {
+            let ranges: Vec<(u64, u64, u64)> = hit.iter().map(|&(id, a, e, _)| (id, a, e)).collect();
+            self.drop_replicas_in(&ranges, now);
+        }
+        Ok(held.len())
+    }
+
+    /// Takes out every replica (readable or being written) overlapping one of `ranges`
+    /// (`(segment, start, end)`); their space is held as long as the segment is
+    /// ([`SegState::writes_until`]), objects left without any go.
+    fn drop_replicas_in(&mut self, ranges: &[(u64, u64, u64)], now: u64) {
+        let mut ranges = ranges.to_vec();
+        ranges.sort_unstable();
+        let hit = |r: &Replica| overlaps_any(&ranges, r);
+        let mut dropped: Vec<Replica> = Vec::new();
+        let mut touched: Vec<Box<str>> = Vec::new();
+        self.objects.retain(|k, o| {
+            if o.drop_replicas(hit, |r| dropped.push(r)) {
+                touched.push(k.clone());
+            }
+            true
+        });
+        for key in touched {
+            tracing::warn!(key = &*key, "a write reported still running overlaps this object's replica: the replica is dropped (never served with bytes it did not write)");
+            self.mark_key(&key);
+            if self.objects.get(&key).is_some_and(Object::bare) {
+                self.forget(&key);
+            }
+        }
+        for r in dropped {
+            let until = self.segments.get(&r.seg).map_or(now, |s| s.writes_until);
+            self.free_later(r, until);
+        }
     }
 
     /// Removes a segment and every replica in it; objects left without replicas disappear.
@@ -669,7 +787,7 @@ impl State {
 
     // --- allocation and eviction ---------------------------------------------------------
 
-    fn place(&mut self, size: u64, cfg: &ReplicateConfig, strategy: Strategy) -> Vec<Replica> {
+    fn place(&mut self, size: u64, cfg: &ReplicateConfig, strategy: Strategy, now: u64) -> Vec<Replica> {
         let want = cfg.replica_num.max(1) as usize;
         let mut order: Vec<u64> = Vec::with_capacity(self.seg_order.len());
         for name in &cfg.preferred_segments {
@@ -701,7 +819,7 @@ impl State {
             if out.len() == want {
                 break;
             }
-            if let Some(s) = self.segments.get_mut(&id) {
+            if let Some(s) = self.segments.get_mut(&id).filter(|s| s.writes_until <= now) {
                 if let Some(block) = s.space.allocate(size) {
                     out.push(Replica { seg: id, block });
                 }
@@ -841,11 +959,11 @@ impl State {
                 detail: if largest == 0 { "no segment is mounted".into() } else { format!("the value is larger than any segment (largest {largest} bytes)") },
             });
         }
-        let mut replicas = self.place(size, cfg, m.strategy);
+        let mut replicas = self.place(size, cfg, m.strategy, now);
         if replicas.is_empty() && !self.deferred.is_empty() {
             // Space held by reads that ended (released or expired) comes back first.
             self.expire_reads(now);
-            replicas = self.place(size, cfg, m.strategy);
+            replicas = self.place(size, cfg, m.strategy, now);
         }
         // A try again while reads are still in flight evicts nothing more: the first try
         // evicted what the put needs, and each retry (every 500 µs for up to a second) evicted
@@ -860,7 +978,7 @@ impl State {
             let target = size.saturating_mul(u64::from(cfg.replica_num)).max((total as f64 * m.eviction_ratio) as u64);
             let freed = self.evict_aged(target, now, m.allow_evict_soft_pinned, stats, min_age);
             tracing::debug!(key, size, used = self.used_bytes(), total, freed, deferred = self.deferred.len(), "no free range for a put: evicted");
-            replicas = self.place(size, cfg, m.strategy);
+            replicas = self.place(size, cfg, m.strategy, now);
         }
         if replicas.is_empty() {
             return Err(StoreError::NoAvailableHandle {
@@ -1431,6 +1549,82 @@ mod tests {
         st.mount(2, seg(2, 1 << 20), 5_200).unwrap();
         st.remount(2, vec![seg(2, 1 << 20)], 5_300, 5_000).unwrap();
         assert_eq!(st.used_bytes(), 4096);
+    }
+
+    /// A master without HA that restarted knows nothing of the writes its predecessor placed;
+    /// a client reports the ones it still has running (`Request::HoldWrites`): nothing new is
+    /// placed in their segments until their time is over, a replica placed in their range
+    /// since the restart is dropped (its object goes: never served with bytes a late write
+    /// may overwrite), and the segment serves again when the time is over.
+    #[test]
+    fn writes_reported_still_running_keep_new_puts_out_of_their_segments_until_they_are_over() {
+        let (mut st, m, s) = setup(&[]);
+        // The restarted master: both segments mounted again, held for a lease of 1 s.
+        st.remount(1, vec![seg(1, 1 << 20)], 0, 1_000).unwrap();
+        st.remount(2, vec![seg(2, 1 << 20)], 0, 1_000).unwrap();
+        st.release_deferred(1_000);
+        // The lease over, a put lands in segment 1 before the writer's report.
+        let one = ReplicateConfig { preferred_segments: vec!["seg1".into()], ..Default::default() };
+        let early = put(&mut st, &m, &s, "early", 4096, &one, 1_000).unwrap();
+        assert_eq!(early[0].te_endpoint, seg(1, 0).te_endpoint);
+        let other = put(&mut st, &m, &s, "other", 4096, &ReplicateConfig { preferred_segments: vec!["seg2".into()], ..Default::default() }, 1_000).unwrap();
+        // The writer's report: a write over the start of segment 1 (where "early" went),
+        // 5 s left.
+        let w = WriteInFlight { te_endpoint: seg(1, 0).te_endpoint, addr: 1 << 32, size: 64 << 10, left_ms: 5_000 };
+        assert_eq!(st.hold_writes(std::slice::from_ref(&w), 1_100, 600_000).unwrap(), 1);
+        assert!(st.objects.get("early").is_none(), "the object placed where the write lands went");
+        assert!(st.objects.get("other").is_some(), "an object elsewhere stays");
+        assert_eq!(other.len(), 1);
+        // Nothing new in segment 1 until 6_100, even preferred; segment 2 serves.
+        for i in 0..8 {
+            let r = put(&mut st, &m, &s, &format!("k{i}"), 4096, &one, 1_200).unwrap();
+            assert_eq!(r[0].te_endpoint, seg(2, 0).te_endpoint, "placed in the held segment: {r:?}");
+        }
+        st.release_deferred(6_100);
+        let r = put(&mut st, &m, &s, "late", 4096, &one, 6_100).unwrap();
+        assert_eq!(r[0].te_endpoint, seg(1, 0).te_endpoint, "the write's time over, the segment serves again");
+        // The dropped replica's space came back with it.
+        assert_eq!(st.segments[&1].space.used(), 4096);
+        // A report about a write whose time is over, or of no length, holds nothing.
+        let done = WriteInFlight { left_ms: 0, ..w.clone() };
+        assert_eq!(st.hold_writes(&[done], 6_200, 600_000).unwrap(), 0);
+        assert!(put(&mut st, &m, &s, "again", 4096, &one, 6_200).is_ok());
+        // A time left beyond the release timeout is cut to it.
+        let long = WriteInFlight { left_ms: u64::MAX, ..w };
+        st.hold_writes(&[long], 7_000, 600_000).unwrap();
+        assert_eq!(st.segments[&1].writes_until, 607_000);
+    }
+
+    /// A write reported into a segment not mounted yet (its client remounts after the
+    /// writer's report) is kept for it: the segment of that endpoint covering the range,
+    /// once mounted, takes nothing new until the write's time is over; a segment of another
+    /// endpoint, or of that endpoint elsewhere, is not held. Too many reports are refused and
+    /// leave nothing kept.
+    #[test]
+    fn a_write_reported_before_its_segment_is_mounted_holds_that_segment_when_it_comes() {
+        let (mut st, m, s) = setup(&[]);
+        let ep = seg(1, 0).te_endpoint;
+        let w = WriteInFlight { te_endpoint: ep.clone(), addr: (1 << 32) + 4096, size: 8192, left_ms: 3_000 };
+        assert_eq!(st.hold_writes(std::slice::from_ref(&w), 100, 600_000).unwrap(), 0, "no segment of it is mounted");
+        // The same endpoint, another range (a second segment of that engine): not held.
+        st.mount(7, Segment { id: 7, name: "elsewhere".into(), te_endpoint: ep.clone(), base: 9 << 32, size: 1 << 20 }, 200).unwrap();
+        assert_eq!(st.segments[&7].writes_until, 0);
+        st.mount(2, seg(2, 1 << 20), 200).unwrap();
+        assert_eq!(st.segments[&2].writes_until, 0);
+        st.mount(1, seg(1, 1 << 20), 300).unwrap();
+        assert_eq!(st.segments[&1].writes_until, 3_100, "the reported write's time");
+        let one = ReplicateConfig { preferred_segments: vec!["seg1".into()], ..Default::default() };
+        let r = put(&mut st, &m, &s, "k", 4096, &one, 400).unwrap();
+        assert_ne!(r[0].te_endpoint, ep, "placed where a write may still land: {r:?}");
+        // Reports past their time are forgotten.
+        st.unmount(1, 1, 3_200, 600_000).unwrap();
+        st.mount(1, seg(1, 1 << 20), 3_200).unwrap();
+        assert_eq!(st.segments[&1].writes_until, 0);
+        assert!(st.reported_writes.is_empty());
+        // Over the limit: refused, nothing kept.
+        let many = vec![WriteInFlight { te_endpoint: "gone:1".into(), ..w }; MAX_REPORTED_WRITES + 1];
+        assert!(matches!(st.hold_writes(&many, 3_300, 600_000), Err(StoreError::InvalidParams(e)) if e.contains("at most")));
+        assert!(st.reported_writes.is_empty());
     }
 
     /// A write in progress into a segment whose client the master dropped (its pings stopped,
