@@ -451,7 +451,7 @@ fn apply_locked(st: &mut State, m: &Master, req: Request, now: u64, removed: &mu
         }
         Request::BatchReplicaClear { client, keys, segment } => Ok(Response::Keys(st.batch_replica_clear(client, &keys, &segment, now))),
         Request::HoldWrites { client, writes } => {
-            let held = st.hold_writes(&writes, now, m.cfg.put_start_release_timeout.as_millis() as u64)?;
+            let held = st.hold_writes(client, &writes, now, m.cfg.put_start_release_timeout.as_millis() as u64)?;
             tracing::info!(client = format!("{client:x}"), writes = writes.len(), segments = held, "a client reported writes still running that this master did not place: nothing new goes where they write until they are over");
             Ok(Response::Ok)
         }

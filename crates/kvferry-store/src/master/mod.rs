@@ -513,10 +513,23 @@ impl State {
     /// time left (at most `max_left` ms) is over, and an object this master placed in its
     /// range since (the report came late) loses those replicas, which a late write may
     /// overwrite (an object left without any goes): never served with bytes it did not
-    /// write. A write into a segment not mounted yet is kept for it. Returns the segments
-    /// held now.
-    pub fn hold_writes(&mut self, writes: &[WriteInFlight], now: u64, max_left: u64) -> StoreResult<usize> {
+    /// write. A write into a segment not mounted yet is kept for it. A write this master
+    /// knows (a put of `client` in progress here, on that very range: the client's pings
+    /// stopped long enough for it to be dropped, not its puts) is left to it. Returns the
+    /// segments held now.
+    pub fn hold_writes(&mut self, client: u64, writes: &[WriteInFlight], now: u64, max_left: u64) -> StoreResult<usize> {
         self.reported_writes.retain(|w| w.until > now);
+        if writes.is_empty() {
+            return Ok(0);
+        }
+        // The reporter's puts in progress here: (segment, address, length).
+        let known: HashSet<(u64, u64, u64)> = self
+            .objects
+            .values()
+            .filter_map(|o| o.pending.as_deref())
+            .filter(|p| p.client == client)
+            .flat_map(|p| p.replicas.iter().map(|r| (r.seg, r.block.addr, r.block.len)))
+            .collect();
         // The mounted segments by endpoint (one engine may serve several).
         let mut by_endpoint: HashMap<&str, Vec<(u64, u64, u64)>> = HashMap::new();
         for (&id, s) in &self.segments {
@@ -530,9 +543,9 @@ impl State {
             if until <= now {
                 continue;
             }
-            let before = hit.len();
-            hit.extend(by_endpoint.get(w.te_endpoint.as_str()).into_iter().flatten().filter(|&&(_, b, e)| start < e && end > b).map(|&(id, _, _)| (id, start, end, until)));
-            if hit.len() == before {
+            let segs: Vec<u64> = by_endpoint.get(w.te_endpoint.as_str()).into_iter().flatten().filter(|&&(_, b, e)| start < e && end > b).map(|&(id, _, _)| id).collect();
+            hit.extend(segs.iter().filter(|&&id| !known.contains(&(id, w.addr, w.size))).map(|&id| (id, start, end, until)));
+            if segs.is_empty() {
                 keep.push(ReportedWrite { te_endpoint: w.te_endpoint.as_str().into(), start, end, until });
             }
         }
@@ -1571,7 +1584,7 @@ mod tests {
         // The writer's report: a write over the start of segment 1 (where "early" went),
         // 5 s left.
         let w = WriteInFlight { te_endpoint: seg(1, 0).te_endpoint, addr: 1 << 32, size: 64 << 10, left_ms: 5_000 };
-        assert_eq!(st.hold_writes(std::slice::from_ref(&w), 1_100, 600_000).unwrap(), 1);
+        assert_eq!(st.hold_writes(9, std::slice::from_ref(&w), 1_100, 600_000).unwrap(), 1);
         assert!(st.objects.get("early").is_none(), "the object placed where the write lands went");
         assert!(st.objects.get("other").is_some(), "an object elsewhere stays");
         assert_eq!(other.len(), 1);
@@ -1587,12 +1600,26 @@ mod tests {
         assert_eq!(st.segments[&1].space.used(), 4096);
         // A report about a write whose time is over, or of no length, holds nothing.
         let done = WriteInFlight { left_ms: 0, ..w.clone() };
-        assert_eq!(st.hold_writes(&[done], 6_200, 600_000).unwrap(), 0);
+        assert_eq!(st.hold_writes(9, &[done], 6_200, 600_000).unwrap(), 0);
         assert!(put(&mut st, &m, &s, "again", 4096, &one, 6_200).is_ok());
         // A time left beyond the release timeout is cut to it.
         let long = WriteInFlight { left_ms: u64::MAX, ..w };
-        st.hold_writes(&[long], 7_000, 600_000).unwrap();
+        st.hold_writes(9, &[long], 7_000, 600_000).unwrap();
         assert_eq!(st.segments[&1].writes_until, 607_000);
+        // A write this master knows (the reporter's put in progress here, on that very
+        // range: its pings stopped, not its put) is left to it: not dropped, nothing held.
+        st.register_client(3, 8_000);
+        let mine = PutId { client: 3, put: 1 };
+        let r = st.put_start(&m, &s, mine, "mine", 4096, &ReplicateConfig { preferred_segments: vec!["seg2".into()], ..Default::default() }, false, 8_000).unwrap();
+        let known = WriteInFlight { te_endpoint: r[0].te_endpoint.clone(), addr: r[0].addr, size: r[0].size, left_ms: 5_000 };
+        assert_eq!(st.hold_writes(3, std::slice::from_ref(&known), 8_100, 600_000).unwrap(), 0);
+        assert_eq!(st.segments[&2].writes_until, 0);
+        st.put_end(mine, "mine", 8_200).expect("the write this master knew completes");
+        // The same range reported by another client is not its write: the put goes.
+        let r = st.put_start(&m, &s, PutId { client: 3, put: 2 }, "theirs", 4096, &ReplicateConfig { preferred_segments: vec!["seg2".into()], ..Default::default() }, false, 8_300).unwrap();
+        let other = WriteInFlight { te_endpoint: r[0].te_endpoint.clone(), addr: r[0].addr, size: r[0].size, left_ms: 5_000 };
+        assert_eq!(st.hold_writes(9, &[other], 8_400, 600_000).unwrap(), 1);
+        assert!(st.objects.get("theirs").is_none(), "a put in the range of another's late write goes");
     }
 
     /// A write reported into a segment not mounted yet (its client remounts after the
@@ -1605,7 +1632,7 @@ mod tests {
         let (mut st, m, s) = setup(&[]);
         let ep = seg(1, 0).te_endpoint;
         let w = WriteInFlight { te_endpoint: ep.clone(), addr: (1 << 32) + 4096, size: 8192, left_ms: 3_000 };
-        assert_eq!(st.hold_writes(std::slice::from_ref(&w), 100, 600_000).unwrap(), 0, "no segment of it is mounted");
+        assert_eq!(st.hold_writes(9, std::slice::from_ref(&w), 100, 600_000).unwrap(), 0, "no segment of it is mounted");
         // The same endpoint, another range (a second segment of that engine): not held.
         st.mount(7, Segment { id: 7, name: "elsewhere".into(), te_endpoint: ep.clone(), base: 9 << 32, size: 1 << 20 }, 200).unwrap();
         assert_eq!(st.segments[&7].writes_until, 0);
@@ -1614,8 +1641,11 @@ mod tests {
         st.mount(1, seg(1, 1 << 20), 300).unwrap();
         assert_eq!(st.segments[&1].writes_until, 3_100, "the reported write's time");
         let one = ReplicateConfig { preferred_segments: vec!["seg1".into()], ..Default::default() };
-        let r = put(&mut st, &m, &s, "k", 4096, &one, 400).unwrap();
-        assert_ne!(r[0].te_endpoint, ep, "placed where a write may still land: {r:?}");
+        // (Segment 7 has the same endpoint and may take it: not where the write lands.)
+        for i in 0..8 {
+            let r = put(&mut st, &m, &s, &format!("k{i}"), 4096, &one, 400).unwrap();
+            assert!(r[0].addr >> 32 != 1, "placed in segment 1, where a write may still land: {r:?}");
+        }
         // Reports past their time are forgotten.
         st.unmount(1, 1, 3_200, 600_000).unwrap();
         st.mount(1, seg(1, 1 << 20), 3_200).unwrap();
@@ -1623,7 +1653,7 @@ mod tests {
         assert!(st.reported_writes.is_empty());
         // Over the limit: refused, nothing kept.
         let many = vec![WriteInFlight { te_endpoint: "gone:1".into(), ..w }; MAX_REPORTED_WRITES + 1];
-        assert!(matches!(st.hold_writes(&many, 3_300, 600_000), Err(StoreError::InvalidParams(e)) if e.contains("at most")));
+        assert!(matches!(st.hold_writes(9, &many, 3_300, 600_000), Err(StoreError::InvalidParams(e)) if e.contains("at most")));
         assert!(st.reported_writes.is_empty());
     }
 
