@@ -958,7 +958,22 @@ fn a_write_still_running_across_a_master_restart_keeps_new_puts_out_of_its_segme
     let slow = std::thread::spawn(move || w.put("slow", &value("slow", 1, 8 << 20), &ReplicateConfig::default()));
     std::thread::sleep(Duration::from_millis(300));
     m.kill();
-    let _m2 = master(&lease);
+    let m2 = master(&lease);
+    // The writer learns within a ping that the new master does not know it, and reports
+    // the write (still running: the target is paused); only then does the target go on
+    // (and remount). Read from the new master's counters.
+    let http = m2.field("http=");
+    let counter = |text: &str, name: &str| text.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, metrics) = http_get(&http, "/metrics");
+        if counter(&metrics, "kvferry_master_ops_total{op=\"hold_writes\"}") >= 1 {
+            assert_eq!(counter(&metrics, "kvferry_master_errors_total{op=\"hold_writes\"}"), 0, "{metrics}");
+            break;
+        }
+        assert!(Instant::now() < until, "the writer did not report its write within 10 s: {metrics}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let r = slow.join().expect("the writer's thread");
     assert!(r.is_err(), "a put into a paused target across a master restart cannot succeed: {r:?}");
     assert!(started.elapsed() >= timeout, "it failed at its timeout, not before ({:?})", started.elapsed());
