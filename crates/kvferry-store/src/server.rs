@@ -556,8 +556,8 @@ fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin) -> std::io::Result<()
                     // Encoded here, and the answer freed here: the thread that sends it (an
                     // acknowledgement reader answering many connections) then only frees one
                     // buffer, not the answer's many small pieces allocated by this thread
-                    // (a batch's answer is one per key; freeing them across threads was a
-                    // tenth of the leader's time at 16 connections x 128 keys).
+                    // (a batch's answer is one per key; freeing them was a quarter of that
+                    // reader's time at 16 connections x 128 keys).
                     let frame = frame_of(&resp);
                     drop(resp);
                     m.journal.defer(
