@@ -938,7 +938,7 @@ impl Client {
                     for r in reps {
                         match self.segment_id(&r.te_endpoint) {
                             Ok(seg) => {
-                                writes.push((r.te_endpoint.clone(), r.addr, total(parts)));
+                                writes.push((r.te_endpoint, r.addr, total(parts)));
                                 let mut off = 0;
                                 for &(addr, len) in parts.iter().filter(|p| p.1 > 0) {
                                     reqs.push(TransferRequest { opcode: Opcode::Write, source: addr, target_id: seg, target_offset: r.addr + off, length: len });

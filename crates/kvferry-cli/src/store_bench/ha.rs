@@ -18,7 +18,6 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-
 /// One request and its answer on a master's RPC connection.
 fn call(conn: &mut std::net::TcpStream, req: &Request) -> Option<Response> {
     let frame = kvferry_store::proto::encode(req).ok()?;
@@ -121,7 +120,7 @@ impl CpuSplit {
             return Err(format!("--ha-standby-cpu {cpu}: this process may run on CPUs {cpus:?} only; name one of them"));
         }
         if cpus.len() < 2 {
-            return Err(format!("--ha-standby-cpu {cpu}: this process may run on CPU {cpu} alone; the split needs two CPUs at least"));
+            return Err(format!("--ha-standby-cpu {cpu}: this process may run on CPU {cpu} alone, and the split needs two CPUs at least; leave --ha-standby-cpu out here, or run where two CPUs or more are allowed (taskset -c)"));
         }
         let (mut standby, mut rest) = (CpuSet::new(), CpuSet::new());
         standby.set(cpu);

@@ -510,82 +510,68 @@ impl State {
     /// master did not know it (a master without HA that restarted knows nothing of the
     /// writes the one before it placed, and a segment mounted again is held for one read
     /// lease only): no new replica is placed in a segment such a write goes to until its
-    /// time left (at most `max_left` ms) is over, and an object this master placed in its
-    /// range since (the report came late) loses those replicas, which a late write may
-    /// overwrite (an object left without any goes): never served with bytes it did not
-    /// write. A write into a segment not mounted yet is kept for it. A write this master
+    /// time left (at most `release`, the put start release timeout) is over, and a replica
+    /// this master placed in its range since (the report came late) is dropped, which a late
+    /// write may overwrite (an object left without any goes): never served with bytes it did
+    /// not write. A write into a segment not mounted yet is kept for it. A write this master
     /// knows (a put of `client` in progress here, on that very range: the client's pings
     /// stopped long enough for it to be dropped, not its puts) is left to it. Returns the
     /// segments held now.
-    pub fn hold_writes(&mut self, client: u64, writes: &[WriteInFlight], now: u64, max_left: u64) -> StoreResult<usize> {
+    pub fn hold_writes(&mut self, client: u64, writes: &[WriteInFlight], now: u64, release: u64) -> StoreResult<usize> {
         self.reported_writes.retain(|w| w.until > now);
-        if writes.is_empty() {
-            return Ok(0);
-        }
-        // The reporter's puts in progress here: (segment, address, length).
-        let known: HashSet<(u64, u64, u64)> = self
-            .objects
-            .values()
-            .filter_map(|o| o.pending.as_deref())
-            .filter(|p| p.client == client)
-            .flat_map(|p| p.replicas.iter().map(|r| (r.seg, r.block.addr, r.block.len)))
-            .collect();
         // The mounted segments by endpoint (one engine may serve several).
         let mut by_endpoint: HashMap<&str, Vec<(u64, u64, u64)>> = HashMap::new();
         for (&id, s) in &self.segments {
             by_endpoint.entry(&s.seg.te_endpoint).or_default().push((id, s.seg.base, s.seg.base.saturating_add(s.seg.size)));
         }
         // (segment, start, end, until) of the writes into mounted segments; the others kept.
-        let mut hit: Vec<(u64, u64, u64, u64)> = Vec::new();
+        let mut hits: Vec<(u64, u64, u64, u64)> = Vec::new();
         let mut keep: Vec<ReportedWrite> = Vec::new();
         for w in writes {
-            let (start, end, until) = (w.addr, w.addr.saturating_add(w.size.max(1)), now.saturating_add(w.left_ms.min(max_left)));
+            let (start, end, until) = (w.addr, w.addr.saturating_add(w.size.max(1)), now.saturating_add(w.left_ms.min(release)));
             if until <= now {
                 continue;
             }
-            let segs: Vec<u64> = by_endpoint.get(w.te_endpoint.as_str()).into_iter().flatten().filter(|&&(_, b, e)| start < e && end > b).map(|&(id, _, _)| id).collect();
-            hit.extend(segs.iter().filter(|&&id| !known.contains(&(id, w.addr, w.size))).map(|&id| (id, start, end, until)));
-            if segs.is_empty() {
+            let before = hits.len();
+            hits.extend(by_endpoint.get(w.te_endpoint.as_str()).into_iter().flatten().filter(|&&(_, b, e)| start < e && end > b).map(|&(id, _, _)| (id, start, end, until)));
+            if hits.len() == before {
                 keep.push(ReportedWrite { te_endpoint: w.te_endpoint.as_str().into(), start, end, until });
             }
         }
         if self.reported_writes.len().saturating_add(keep.len()) > MAX_REPORTED_WRITES {
             return Err(StoreError::InvalidParams(format!(
-                "{} writes in flight reported into segments not mounted, {} kept already: at most {MAX_REPORTED_WRITES} are kept",
+                "{} writes in flight reported into segments not mounted, {} kept already: at most {MAX_REPORTED_WRITES} are kept; nothing of this report was taken (the client reports again at its next remount)",
                 keep.len(),
                 self.reported_writes.len()
             )));
         }
         self.reported_writes.extend(keep);
-        let mut held = HashSet::new();
-        for &(id, _, _, until) in &hit {
-            if let Some(s) = self.segments.get_mut(&id) {
-                s.writes_until = s.writes_until.max(until);
-                held.insert(id);
-            }
+        if hits.is_empty() {
+            return Ok(0);
         }
-        if !hit.is_empty() {
-            let ranges: Vec<(u64, u64, u64)> = hit.iter().map(|&(id, a, e, _)| (id, a, e)).collect();
-            self.drop_replicas_in(&ranges, now);
-        }
-        Ok(held.len())
-    }
-
-    /// Takes out every replica (readable or being written) overlapping one of `ranges`
-    /// (`(segment, start, end)`); their space is held as long as the segment is
-    /// ([`SegState::writes_until`]), objects left without any go.
-    fn drop_replicas_in(&mut self, ranges: &[(u64, u64, u64)], now: u64) {
-        let mut ranges = ranges.to_vec();
+        // One walk over the objects: every replica overlapping a reported range goes, but
+        // the reporter's own write in progress on exactly such a range, which this master
+        // placed and knows (`known`: its segment is not held for it either).
+        let span = |r: &Replica| (r.seg, r.block.addr, r.block.addr.saturating_add(r.block.len.max(1)));
+        let exact: HashSet<(u64, u64, u64)> = hits.iter().map(|&(id, a, e, _)| (id, a, e)).collect();
+        let mut ranges: Vec<(u64, u64, u64)> = exact.iter().copied().collect();
         ranges.sort_unstable();
-        let hit = |r: &Replica| overlaps_any(&ranges, r);
-        let mut dropped: Vec<Replica> = Vec::new();
-        let mut touched: Vec<Box<str>> = Vec::new();
+        let (mut known, mut dropped, mut touched) = (HashSet::new(), Vec::new(), Vec::new());
         self.objects.retain(|k, o| {
-            if o.drop_replicas(hit, |r| dropped.push(r)) {
+            let mine: Vec<(u64, u64, u64)> = o.pending.iter().filter(|p| p.client == client).flat_map(|p| p.replicas.iter().map(span)).filter(|x| exact.contains(x)).collect();
+            known.extend(mine.iter().copied());
+            if o.drop_replicas(|r| overlaps_any(&ranges, r) && !mine.contains(&span(r)), |r| dropped.push(r)) {
                 touched.push(k.clone());
             }
             true
         });
+        let mut held = HashSet::new();
+        for &(id, a, e, until) in &hits {
+            if let Some(s) = self.segments.get_mut(&id).filter(|_| !known.contains(&(id, a, e))) {
+                s.writes_until = s.writes_until.max(until);
+                held.insert(id);
+            }
+        }
         for key in touched {
             tracing::warn!(key = &*key, "a write reported still running overlaps this object's replica: the replica is dropped (never served with bytes it did not write)");
             self.mark_key(&key);
@@ -593,10 +579,13 @@ impl State {
                 self.forget(&key);
             }
         }
+        // Held as long as anything may still touch them: the late write (at most `release`),
+        // a writer of this master whose write in progress went (its put's start plus
+        // `release`), a reader of one that was readable (a lease, far shorter).
         for r in dropped {
-            let until = self.segments.get(&r.seg).map_or(now, |s| s.writes_until);
-            self.free_later(r, until);
+            self.free_later(r, now.saturating_add(release));
         }
+        Ok(held.len())
     }
 
     /// Removes a segment and every replica in it; objects left without replicas disappear.
@@ -1596,7 +1585,13 @@ mod tests {
         st.release_deferred(6_100);
         let r = put(&mut st, &m, &s, "late", 4096, &one, 6_100).unwrap();
         assert_eq!(r[0].te_endpoint, seg(1, 0).te_endpoint, "the write's time over, the segment serves again");
-        // The dropped replica's space came back with it.
+        assert_ne!(r[0].addr, early[0].addr, "the dropped replica's space is still held");
+        // The dropped replica's space is held for the release timeout (a reader, or a writer
+        // of a write in progress there, may still touch it), then comes back.
+        assert_eq!(st.segments[&1].space.used(), 8192);
+        st.release_deferred(601_099);
+        assert_eq!(st.segments[&1].space.used(), 8192);
+        st.release_deferred(601_100);
         assert_eq!(st.segments[&1].space.used(), 4096);
         // A report about a write whose time is over, or of no length, holds nothing.
         let done = WriteInFlight { left_ms: 0, ..w.clone() };
@@ -1618,8 +1613,14 @@ mod tests {
         // The same range reported by another client is not its write: the put goes.
         let r = st.put_start(&m, &s, PutId { client: 3, put: 2 }, "theirs", 4096, &ReplicateConfig { preferred_segments: vec!["seg2".into()], ..Default::default() }, false, 8_300).unwrap();
         let other = WriteInFlight { te_endpoint: r[0].te_endpoint.clone(), addr: r[0].addr, size: r[0].size, left_ms: 5_000 };
+        let used = st.segments[&2].space.used();
         assert_eq!(st.hold_writes(9, &[other], 8_400, 600_000).unwrap(), 1);
         assert!(st.objects.get("theirs").is_none(), "a put in the range of another's late write goes");
+        // Its writer may still be writing: its space stays held until the release timeout.
+        st.release_deferred(608_399);
+        assert_eq!(st.segments[&2].space.used(), used);
+        st.release_deferred(608_400);
+        assert_eq!(st.segments[&2].space.used(), used - 4096);
     }
 
     /// A write reported into a segment not mounted yet (its client remounts after the
