@@ -78,9 +78,13 @@ pub struct StoreBenchArgs {
     #[arg(long, value_name = "ETCD")]
     ha: Option<String>,
     /// With `--ha`: which parts to run (`rate`: metadata throughput, `store`: values stored
-    /// through a whole store, `failover`: failover time and objects lost).
-    #[arg(long, default_value = "rate,store,failover", value_delimiter = ',', value_parser = ["rate", "store", "failover"])]
+    /// through a whole store, `link`: how long reads wait while a standby links to a leader
+    /// of `--ha-link-objects` objects, `failover`: failover time and objects lost).
+    #[arg(long, default_value = "rate,store,link,failover", value_delimiter = ',', value_parser = ["rate", "store", "link", "failover"])]
     ha_parts: Vec<String>,
+    /// With `--ha`: the objects the `link` part's leader holds when its standby links.
+    #[arg(long, default_value_t = 1_000_000)]
+    ha_link_objects: u64,
     /// With `--ha`: the throughput points of the `rate` part, as CONNECTIONSxKEYS (keys per
     /// request), e.g. `4x32,16x128` (default: all six).
     #[arg(long, default_value = "1x1,4x1,4x32,16x32,64x32,16x128", value_delimiter = ',', value_parser = parse_ha_point)]

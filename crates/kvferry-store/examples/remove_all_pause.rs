@@ -6,32 +6,15 @@
 //!
 //! `cargo run --release -p kvferry-store --example remove_all_pause [objects]`
 
-use kvferry_store::master::{MasterConfig, PutId, State, Stats};
-use kvferry_store::proto::{ReplicateConfig, Segment};
 use std::time::Instant;
 
 mod common;
-use common::{counts, or_exit};
+use common::{counts, filled_state};
 
 fn main() {
     let [objects] = counts("remove_all_pause", [("objects", 1_000_000)]);
     for journaling in [false, true] {
-        let mut st = State::default();
-        if journaling {
-            st.journal_on();
-        }
-        let clients = 16u64;
-        for c in 1..=clients {
-            let seg = Segment { id: c, name: format!("seg{c}"), te_endpoint: format!("127.0.0.1:{}", 20000 + c), base: c << 44, size: 1 << 42 };
-            or_exit(st.mount(c, seg, 0), || "mount".into());
-        }
-        let (m, s) = (MasterConfig::default(), Stats::default());
-        for i in 0..objects {
-            let c = 1 + i % clients;
-            let key = format!("prefill-tenant-0042/layer-block-{c}-{i:09}");
-            or_exit(st.put_start(&m, &s, PutId { client: c, put: 1 }, &key, 4096, &ReplicateConfig::default(), false, 0).and_then(|_| st.put_end(PutId { client: c, put: 1 }, &key, 0)), || format!("put {key}"));
-        }
-        let _ = st.take_changes(0);
+        let (mut st, m) = filled_state(objects, journaling);
         let t = Instant::now();
         let removed = st.remove_matching(&m, |_| true, true, 1);
         let held = t.elapsed();

@@ -590,7 +590,94 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         drop((journal_pair, journal_server, sync_pair, sync_server));
     }
 
-    // 3. Failover: two master processes, a serving client, objects put, the leader killed
+    // 3. A standby linking to a leader of many objects (started after it, or restarted): the
+    //    leader takes an image of its whole state for it, in pieces under short holds of the
+    //    state's lock; how long one client's reads waited meanwhile, against before.
+    if part("link") {
+        let (m, server, addr) = serve()?;
+        let link_cluster = format!("{rate_cluster}-link");
+        let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: link_cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Standbys };
+        ha::start(cfg(&addr), Arc::clone(&m))?;
+        wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
+        let target = a.ha_link_objects as usize;
+        let mut round = 0;
+        while m.lock().summary().keys < target {
+            let _ = put_rate(&addr, 16, 128, Duration::from_secs(1), &format!("link{round}"), false, || ());
+            round += 1;
+            if round > 600 {
+                return Err(format!("the link part's leader holds {} objects after {round} s of puts, {target} asked", m.lock().summary().keys));
+            }
+        }
+        let objects = m.lock().summary().keys;
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        // Reads of one key, back to back on one connection, until `stop`: how long each
+        // request (`GetReplicaList`, then `ReleaseReads`) waited for its answer.
+        let reads = |stop: &std::sync::atomic::AtomicBool| -> Result<Vec<f64>, String> {
+            let mut conn = std::net::TcpStream::connect(&addr).map_err(|e| format!("{addr}: {e}"))?;
+            let _ = conn.set_nodelay(true);
+            let get = Request::GetReplicaList { key: "link0-0-0".into() };
+            let mut waits = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let t = Instant::now();
+                // (Each read ended as a client ends it, its lease released: that request's
+                // wait counts too, as the lock may be taken while it waits.)
+                match call(&mut conn, &get) {
+                    Some(Response::ReplicaList(l)) => {
+                        waits.push(t.elapsed().as_secs_f64() * 1e3);
+                        let t = Instant::now();
+                        match call(&mut conn, &Request::ReleaseReads { ids: vec![l.read_id] }) {
+                            Some(Response::Ok) => waits.push(t.elapsed().as_secs_f64() * 1e3),
+                            r => return Err(format!("a read's release during the link part was answered {r:?}")),
+                        }
+                    }
+                    r => return Err(format!("a read during the link part was answered {r:?}")),
+                }
+                if waits.len() > 10_000_000 {
+                    break;
+                }
+            }
+            Ok(waits)
+        };
+        let summary = |mut w: Vec<f64>| {
+            w.sort_by(f64::total_cmp);
+            let at = |q: f64| w.get(((w.len() as f64 * q) as usize).min(w.len().saturating_sub(1))).copied().unwrap_or(0.0);
+            format!("{} requests, p50 {:.3} ms, p99 {:.3} ms, longest {:.1} ms", w.len(), at(0.5), at(0.99), w.last().copied().unwrap_or(0.0))
+        };
+        let before = std::thread::scope(|s| {
+            let h = s.spawn(|| reads(&stop));
+            std::thread::sleep(Duration::from_secs(1));
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            h.join().map_err(|_| "the reader panicked".to_string())?
+        })?;
+        stop.store(false, std::sync::atomic::Ordering::Relaxed);
+        let (during, took, standby) = std::thread::scope(|s| -> Result<_, String> {
+            let h = s.spawn(|| reads(&stop));
+            let t = Instant::now();
+            let linked = (|| -> Result<_, String> {
+                let (sm, sserver, saddr) = serve()?;
+                ha::start(cfg(&saddr), Arc::clone(&sm))?;
+                let until = Instant::now() + Duration::from_secs(120);
+                while m.journal.insync() != [saddr.clone()] {
+                    if Instant::now() > until {
+                        return Err(format!("the standby was not in sync 120 s after it started (leader of {objects} objects)"));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Ok((sm, sserver))
+            })();
+            let took = t.elapsed();
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let during = h.join().map_err(|_| "the reader panicked".to_string())??;
+            Ok((during, took, linked?))
+        })?;
+        println!("a standby linking to a leader of {objects} objects: in sync {:.2} s after it started", took.as_secs_f64());
+        println!("  one client's reads before (requests): {}", summary(before));
+        println!("  the same reads meanwhile (requests):  {}", summary(during));
+        drop(standby);
+        drop(server);
+    }
+
+    // 4. Failover: two master processes, a serving client, objects put, the leader killed
     //    once the other master is in sync (the failover is from its mirror).
     let mut lost = 0;
     if part("failover") {

@@ -26,7 +26,7 @@
 //! entry itself, one hop fewer.
 
 use crate::error::StoreError;
-use crate::master::journal::{Change, Image};
+use crate::master::journal::{Change, Image, IMAGE_PIECES};
 use crate::master::{Master, State};
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::{Deserialize, Serialize};
@@ -39,6 +39,11 @@ use std::time::{Duration, Instant};
 /// Largest encoded value written to one key (etcd refuses requests over 1.5 MiB by default;
 /// base64 in the JSON gateway adds a third).
 pub const CHUNK: usize = 512 << 10;
+
+/// The longest a leader holds the state's lock while it takes an image (a standby that
+/// links, a snapshot): past it, the lock is let go between two pieces for [`IMAGE_GAP`].
+const IMAGE_HOLD: Duration = Duration::from_millis(5);
+const IMAGE_GAP: Duration = Duration::from_micros(200);
 /// A snapshot is written once the log since the last one is larger than this and than the
 /// last snapshot.
 pub const SNAPSHOT_MIN: u64 = 8 << 20;
@@ -1026,24 +1031,48 @@ impl Writer<'_> {
         Some(())
     }
 
-    /// Under the state's lock: what is marked goes to the queue, and the image is the state
-    /// after exactly everything queued. The queued changes (to be committed before the image
-    /// counts), the ticket they complete, and the image; `None` when the term ended.
+    /// Under the state's lock: what is marked goes to the queue, and the image starts from
+    /// the state after exactly everything queued. The queued changes (to be committed before
+    /// the image counts), the ticket they complete, and the image; `None` when the term
+    /// ended. The image's objects are taken in pieces, the lock let go whenever one hold
+    /// reached [`IMAGE_HOLD`] (a million objects took 0.7 s in one hold, every request of the
+    /// master waiting: `cargo run --release -p kvferry-store --example image_pause`); what
+    /// requests change in between is queued after `upto` and follows the image
+    /// ([`State::image_head`]).
     fn freeze(&self) -> Option<(Vec<Change>, u64, Vec<Change>)> {
         let j = &self.master.journal;
-        let now = self.master.now();
+        let mut now = self.master.now();
         let mut st = self.master.lock();
         let changes = st.take_changes(now);
-        let mut q = j.q();
-        if q.term != self.term() || q.failed {
-            return None;
+        let (queued, upto) = {
+            let mut q = j.q();
+            if q.term != self.term() || q.failed {
+                return None;
+            }
+            if !changes.is_empty() {
+                q.changes.extend(changes);
+                q.enqueued += 1;
+            }
+            (std::mem::take(&mut q.changes), q.enqueued)
+        };
+        let mut image = st.image_head(now);
+        let (start, mut held, mut longest, mut holds) = (Instant::now(), Instant::now(), Duration::ZERO, 1);
+        for piece in 0..IMAGE_PIECES {
+            if held.elapsed() >= IMAGE_HOLD {
+                longest = longest.max(held.elapsed());
+                drop(st);
+                // (Long enough for the requests woken by the unlock to take the lock first.)
+                std::thread::sleep(IMAGE_GAP);
+                st = self.master.lock();
+                (held, holds) = (Instant::now(), holds + 1);
+                now = self.master.now();
+            }
+            st.image_piece(piece, now, &mut image);
         }
-        if !changes.is_empty() {
-            q.changes.extend(changes);
-            q.enqueued += 1;
-        }
-        let upto = q.enqueued;
-        Some((std::mem::take(&mut q.changes), upto, st.image(now)))
+        drop(st);
+        longest = longest.max(held.elapsed());
+        tracing::info!(changes = image.len(), ms = start.elapsed().as_millis() as u64, holds, longest_hold_ms = longest.as_millis() as u64, "HA journal: an image of the state taken");
+        Some((queued, upto, image))
     }
 
     fn streaming(&self) -> bool {

@@ -222,6 +222,21 @@ impl State {
 
     /// The whole durable state as changes (a snapshot); marks are left as they are.
     pub fn image(&self, now: u64) -> Vec<Change> {
+        let mut out = self.image_head(now);
+        for shard in 0..IMAGE_PIECES {
+            self.image_piece(shard, now, &mut out);
+        }
+        out
+    }
+
+    /// The first part of an image: clients, segments and held space (few), with room for
+    /// every object; the objects follow in [`IMAGE_PIECES`] pieces ([`State::image_piece`]).
+    /// A leader takes an image in pieces, each under a hold of the state's lock of its own
+    /// (`ha::journal`'s `freeze`): a request applied between two pieces shows in the pieces
+    /// after it and not in those before, and its changes follow the image in the journal
+    /// anyway (whole entities, applied again idempotently), so the image and what follows
+    /// it rebuild the leader's state as one taken at once would.
+    pub fn image_head(&self, now: u64) -> Vec<Change> {
         let mut out = Vec::with_capacity(self.clients.len() + self.segments.len() + self.objects.len() + self.deferred.len());
         out.extend(self.clients.keys().map(|&id| Change::Client { id, live: true }));
         for id in &self.seg_order {
@@ -229,11 +244,18 @@ impl State {
                 out.push(Change::Mount { client: s.client, seg: s.seg.clone() });
             }
         }
-        out.extend(self.objects.iter().map(|(k, o)| Change::Object { key: k.to_string(), rec: State::object_rec(o, now) }));
         out.extend(self.deferred.replicas().map(|(r, until)| Change::HeldUntil { replica: rec(r), left: until.saturating_sub(now) }));
         out
     }
+
+    /// Piece `i` (`0..IMAGE_PIECES`) of an image's objects, appended to `out`.
+    pub fn image_piece(&self, i: usize, now: u64, out: &mut Vec<Change>) {
+        out.extend(self.objects.shard_entries(i).map(|(k, o)| Change::Object { key: k.to_string(), rec: State::object_rec(o, now) }));
+    }
 }
+
+/// Pieces of an image's objects (the shards of the object map).
+pub const IMAGE_PIECES: usize = super::shards::SHARDS;
 
 /// The durable state as the journal describes it: changes applied in order.
 #[derive(Debug, Default, PartialEq)]
@@ -552,6 +574,100 @@ mod tests {
         (objs, segs, clients)
     }
 
+    /// `image` rebuilt ([`Image::into_state`]) holds what `st` holds durably: the same objects,
+    /// replicas, segments and clients, the space of every replica taken (and of held-back
+    /// ones), new puts never on a replica's bytes, nothing readable evictable for a lease.
+    /// The objects, writes in progress and held-back replicas it had.
+    fn assert_rebuilds(st: &State, image: Image, m: &MasterConfig, now: u64, lease: u64, what: &str) -> (usize, usize, usize) {
+        let (mut back, report) = image.into_state(7, now, lease);
+        let seen = (back.objects.len(), back.objects.values().filter(|o| o.pending.is_some()).count(), back.deferred.len());
+        assert_eq!(report.dropped_replicas + report.dropped_objects, 0, "{what}: {report:?}");
+        let (objs, segs, clients) = durable(st);
+        let (bobjs, bsegs, bclients) = durable(&back);
+        assert_eq!(bobjs, objs, "{what}: objects");
+        assert_eq!(bsegs, segs, "{what}: segments");
+        // Every client of the original is known (segment owners are known even when
+        // their client record went: the segment keeps them alive).
+        assert!(clients.iter().all(|c| bclients.contains(c)), "{what}: clients {clients:?} vs {bclients:?}");
+        assert!(back.used_bytes() >= st.used_bytes().saturating_sub(st.deferred.replicas().filter(|(r, _)| st.segments.contains_key(&r.seg)).map(|(r, _)| r.block.cap()).sum::<u64>()), "{what}: space");
+        // New puts on the rebuilt state never touch a replica of the original.
+        let taken: Vec<(u64, u64, u64)> = st.objects.values().flat_map(|o| o.current.iter().chain(o.pending.iter().flat_map(|p| p.replicas.iter()))).map(|r| (r.seg, r.block.addr, r.block.len)).collect();
+        back.register_client(99, now);
+        for i in 0..20 {
+            let Ok(descs) = back.put_start(&MasterConfig { allow_evict_soft_pinned: false, ..m.clone() }, &Stats::default(), PutId { client: 99, put: i as u64 }, &format!("new{i}"), 50_000, &ReplicateConfig { with_hard_pin: true, ..ReplicateConfig::default() }, false, now) else { continue };
+            for d in descs {
+                let id = back.segments.iter().find(|(_, s)| s.seg.te_endpoint == d.te_endpoint).map(|(id, _)| *id);
+                for &(s, a, l) in &taken {
+                    assert!(Some(s) != id || d.addr + d.size <= a || a + l <= d.addr, "{what}: a new put landed on a replica's bytes");
+                }
+            }
+        }
+        // Everything readable counts as being read for one lease: not evictable.
+        let before = back.objects.values().filter(|o| !o.current.is_empty()).count();
+        back.evict(u64::MAX, now, true, &Stats::default());
+        assert_eq!(back.objects.values().filter(|o| !o.current.is_empty()).count(), before, "{what}: nothing is evicted during the first lease");
+        seen
+    }
+
+    /// One operation of any kind on `st` at `now`, drawn from `rng` (keys `k0`..`k39`, clients
+    /// 1-3, segments 1-5), as a master's requests and timers would make it.
+    fn random_op(st: &mut State, rng: &mut rand::rngs::StdRng, m: &MasterConfig, stats: &Stats, now: u64, lease: u64) {
+        let key = format!("k{}", rng.random_range(0..40));
+        let client = rng.random_range(1..4u64);
+        // (Two ids per client: an end or revoke sometimes names another put of the key.)
+        let put = PutId { client, put: rng.random_range(1..3u64) };
+        match rng.random_range(0..100) {
+            0..=4 => {
+                let id = rng.random_range(1..6u64);
+                let _ = st.mount(id, seg(id, 1 << 20), now);
+            }
+            5..=6 => {
+                let id = rng.random_range(1..6u64);
+                let owner = st.segments.get(&id).map(|s| s.client);
+                if let Some(c) = owner {
+                    let _ = st.unmount(c, id, now, 600_000);
+                }
+            }
+            7..=40 => {
+                let cfg = ReplicateConfig { replica_num: rng.random_range(1..4), group_id: rng.random_bool(0.1).then(|| "g".to_string()), soft_pin: if rng.random_bool(0.2) { SoftPin::Enable } else { SoftPin::Preserve }, ..ReplicateConfig::default() };
+                st.register_client(client, now);
+                let _ = st.put_start(m, stats, put, &key, rng.random_range(1..200_000), &cfg, rng.random_bool(0.5), now);
+            }
+            41..=65 => {
+                let _ = st.put_end(put, &key, now);
+            }
+            66..=70 => {
+                let _ = st.put_revoke(put, &key);
+            }
+            71..=80 => {
+                let _ = st.get_replica_list(&key, now, lease);
+            }
+            81..=87 => {
+                let _ = st.remove(m, &key, rng.random_bool(0.5), now);
+            }
+            88 => {
+                // RemoveByRegex / RemoveAll: the keys of one digit, or every key.
+                let digit = rng.random_range(0..12u8);
+                st.remove_matching(m, |k| digit > 9 || k.ends_with(char::from(b'0' + digit)), rng.random_bool(0.5), now);
+            }
+            89..=91 => {
+                let on = if rng.random_bool(0.3) { String::new() } else { format!("seg{}", rng.random_range(1..6)) };
+                let keys: Vec<String> = (0..10).map(|_| format!("k{}", rng.random_range(0..40))).collect();
+                st.batch_replica_clear(client, &keys, &on, now + 2 * lease);
+            }
+            92..=94 => {
+                st.evict(rng.random_range(1..1_000_000), now, true, stats);
+            }
+            95..=96 => {
+                st.expire_clients(now, 200, 600_000);
+            }
+            _ => {
+                st.expire_reads(now);
+                st.release_deferred(now);
+            }
+        }
+    }
+
     /// Random operations on a journaling state; after each, its changes go into a replayed
     /// image (as etcd's log would). At checkpoints the state rebuilt from the log and the one
     /// rebuilt from a snapshot ([`State::image`]) hold the same objects, replicas, segments
@@ -570,60 +686,7 @@ mod tests {
             let lease = 1000;
             for step in 0..400 {
                 now += rng.random_range(1..50);
-                let key = format!("k{}", rng.random_range(0..40));
-                let client = rng.random_range(1..4u64);
-                // (Two ids per client: an end or revoke sometimes names another put of the key.)
-                let put = PutId { client, put: rng.random_range(1..3u64) };
-                match rng.random_range(0..100) {
-                    0..=4 => {
-                        let id = rng.random_range(1..6u64);
-                        let _ = st.mount(id, seg(id, 1 << 20), now);
-                    }
-                    5..=6 => {
-                        let id = rng.random_range(1..6u64);
-                        let owner = st.segments.get(&id).map(|s| s.client);
-                        if let Some(c) = owner {
-                            let _ = st.unmount(c, id, now, 600_000);
-                        }
-                    }
-                    7..=40 => {
-                        let cfg = ReplicateConfig { replica_num: rng.random_range(1..4), group_id: rng.random_bool(0.1).then(|| "g".to_string()), soft_pin: if rng.random_bool(0.2) { SoftPin::Enable } else { SoftPin::Preserve }, ..ReplicateConfig::default() };
-                        st.register_client(client, now);
-                        let _ = st.put_start(&m, &stats, put, &key, rng.random_range(1..200_000), &cfg, rng.random_bool(0.5), now);
-                    }
-                    41..=65 => {
-                        let _ = st.put_end(put, &key, now);
-                    }
-                    66..=70 => {
-                        let _ = st.put_revoke(put, &key);
-                    }
-                    71..=80 => {
-                        let _ = st.get_replica_list(&key, now, lease);
-                    }
-                    81..=87 => {
-                        let _ = st.remove(&m, &key, rng.random_bool(0.5), now);
-                    }
-                    88 => {
-                        // RemoveByRegex / RemoveAll: the keys of one digit, or every key.
-                        let digit = rng.random_range(0..12u8);
-                        st.remove_matching(&m, |k| digit > 9 || k.ends_with(char::from(b'0' + digit)), rng.random_bool(0.5), now);
-                    }
-                    89..=91 => {
-                        let on = if rng.random_bool(0.3) { String::new() } else { format!("seg{}", rng.random_range(1..6)) };
-                        let keys: Vec<String> = (0..10).map(|_| format!("k{}", rng.random_range(0..40))).collect();
-                        st.batch_replica_clear(client, &keys, &on, now + 2 * lease);
-                    }
-                    92..=94 => {
-                        st.evict(rng.random_range(1..1_000_000), now, true, &stats);
-                    }
-                    95..=96 => {
-                        st.expire_clients(now, 200, 600_000);
-                    }
-                    _ => {
-                        st.expire_reads(now);
-                        st.release_deferred(now);
-                    }
-                }
+                random_op(&mut st, &mut rng, &m, &stats, now, lease);
                 for c in st.take_changes(now) {
                     log.apply(c);
                 }
@@ -639,39 +702,64 @@ mod tests {
                     if name == "log" {
                         log = keep;
                     }
-                    let (mut back, report) = image.into_state(7, now, lease);
-                    seen_objects += back.objects.len();
-                    seen_pending += back.objects.values().filter(|o| o.pending.is_some()).count();
-                    seen_held += back.deferred.len();
-                    assert_eq!(report.dropped_replicas + report.dropped_objects, 0, "seed {seed} step {step} ({name}): {report:?}");
-                    let (objs, segs, clients) = durable(&st);
-                    let (bobjs, bsegs, bclients) = durable(&back);
-                    assert_eq!(bobjs, objs, "seed {seed} step {step} ({name}): objects");
-                    assert_eq!(bsegs, segs, "seed {seed} step {step} ({name}): segments");
-                    // Every client of the original is known (segment owners are known even when
-                    // their client record went: the segment keeps them alive).
-                    assert!(clients.iter().all(|c| bclients.contains(c)), "seed {seed} step {step} ({name}): clients {clients:?} vs {bclients:?}");
-                    assert!(back.used_bytes() >= st.used_bytes().saturating_sub(st.deferred.replicas().filter(|(r, _)| st.segments.contains_key(&r.seg)).map(|(r, _)| r.block.cap()).sum::<u64>()), "seed {seed} step {step} ({name}): space");
-                    // New puts on the rebuilt state never touch a replica of the original.
-                    let taken: Vec<(u64, u64, u64)> = st.objects.values().flat_map(|o| o.current.iter().chain(o.pending.iter().flat_map(|p| p.replicas.iter()))).map(|r| (r.seg, r.block.addr, r.block.len)).collect();
-                    back.register_client(99, now);
-                    for i in 0..20 {
-                        let Ok(descs) = back.put_start(&MasterConfig { allow_evict_soft_pinned: false, ..m.clone() }, &Stats::default(), PutId { client: 99, put: i as u64 }, &format!("new{i}"), 50_000, &ReplicateConfig { with_hard_pin: true, ..ReplicateConfig::default() }, false, now) else { continue };
-                        for d in descs {
-                            let id = back.segments.iter().find(|(_, s)| s.seg.te_endpoint == d.te_endpoint).map(|(id, _)| *id);
-                            for &(s, a, l) in &taken {
-                                assert!(Some(s) != id || d.addr + d.size <= a || a + l <= d.addr, "seed {seed} step {step} ({name}): a new put landed on a replica's bytes");
-                            }
-                        }
-                    }
-                    // Everything readable counts as being read for one lease: not evictable.
-                    let before = back.objects.values().filter(|o| !o.current.is_empty()).count();
-                    back.evict(u64::MAX, now, true, &Stats::default());
-                    assert_eq!(back.objects.values().filter(|o| !o.current.is_empty()).count(), before, "seed {seed} ({name}): nothing is evicted during the first lease");
+                    let (o, p, h) = assert_rebuilds(&st, image, &m, now, lease, &format!("seed {seed} step {step} ({name})"));
+                    seen_objects += o;
+                    seen_pending += p;
+                    seen_held += h;
                 }
             }
         }
         assert!(seen_objects > 500 && seen_pending > 20 && seen_held > 5, "the operations exercise objects, writes in progress and held-back space: {seen_objects} {seen_pending} {seen_held}");
+    }
+
+    /// An image taken in pieces, as a leader's `freeze` takes it (`ha::journal`: the state's
+    /// lock let go between pieces), with operations of every kind applied between the pieces
+    /// and after the last one: the image followed by the changes of those operations (what
+    /// the journal holds after it) rebuilds what the state holds, as one taken at once
+    /// would. Fails when pieces are left out (every other one), or when the changes made
+    /// between pieces are not journaled after the image.
+    #[test]
+    fn an_image_taken_in_pieces_with_operations_between_them_and_the_changes_after_it_rebuild_the_state() {
+        let (mut seen_objects, mut seen_between) = (0, 0);
+        for seed in 0..40u64 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(1000 + seed);
+            let (m, stats) = (MasterConfig { put_wait_for_reads: std::time::Duration::ZERO, ..MasterConfig::default() }, Stats::default());
+            let mut st = State::default();
+            st.journal_on();
+            let (mut now, lease) = (1u64, 1000);
+            for _ in 0..rng.random_range(50..300) {
+                now += rng.random_range(1..50);
+                random_op(&mut st, &mut rng, &m, &stats, now, lease);
+            }
+            // What was marked before the image is queued before it (`freeze`).
+            let _ = st.take_changes(now);
+            let mut image = st.image_head(now);
+            let mut after = Vec::new();
+            for piece in 0..IMAGE_PIECES {
+                // (Most pieces are taken back to back; some have requests between them.)
+                if rng.random_bool(0.3) {
+                    for _ in 0..rng.random_range(1..6) {
+                        now += rng.random_range(1..50);
+                        random_op(&mut st, &mut rng, &m, &stats, now, lease);
+                        let changes = st.take_changes(now);
+                        seen_between += changes.len();
+                        after.extend(changes);
+                    }
+                }
+                st.image_piece(piece, now, &mut image);
+            }
+            for _ in 0..rng.random_range(0..20) {
+                now += rng.random_range(1..50);
+                random_op(&mut st, &mut rng, &m, &stats, now, lease);
+                after.extend(st.take_changes(now));
+            }
+            let mut replayed = Image::default();
+            for c in image.into_iter().chain(after) {
+                replayed.apply(c);
+            }
+            seen_objects += assert_rebuilds(&st, replayed, &m, now, lease, &format!("seed {seed}")).0;
+        }
+        assert!(seen_objects > 200 && seen_between > 200, "the pieces hold objects and requests change them in between: {seen_objects} {seen_between}");
     }
 
     #[test]

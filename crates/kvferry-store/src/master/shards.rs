@@ -106,6 +106,12 @@ impl<K: Borrow<str>, V, S: BuildHasher> Shards<K, V, S> {
         self.tables.iter().flat_map(|t| t.iter().map(|(k, v)| (k, v)))
     }
 
+    /// The entries of shard `i` (`0..SHARDS`; none once `i` is past the last): a walk of the
+    /// whole map in [`SHARDS`] steps, each of which may be taken under a lock of its own.
+    pub fn shard_entries(&self, i: usize) -> impl Iterator<Item = (&K, &V)> {
+        self.tables.get(i).into_iter().flat_map(|t| t.iter().map(|(k, v)| (k, v)))
+    }
+
     pub fn keys(&self) -> impl Iterator<Item = &K> {
         self.iter().map(|(k, _)| k)
     }
