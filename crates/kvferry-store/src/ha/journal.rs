@@ -1055,6 +1055,7 @@ impl Writer<'_> {
             }
             (std::mem::take(&mut q.changes), q.enqueued)
         };
+        let term = st.term;
         let mut image = st.image_head(now);
         let (start, mut held, mut longest, mut holds) = (Instant::now(), Instant::now(), Duration::ZERO, 1);
         for piece in 0..IMAGE_PIECES {
@@ -1064,6 +1065,11 @@ impl Writer<'_> {
                 // (Long enough for the requests woken by the unlock to take the lock first.)
                 std::thread::sleep(IMAGE_GAP);
                 st = self.master.lock();
+                // (A leader that stepped down meanwhile reset its state: what is left of it is
+                // not this term's, and the image is given up with the term.)
+                if st.term != term {
+                    return None;
+                }
                 (held, holds) = (Instant::now(), holds + 1);
                 now = self.master.now();
             }
