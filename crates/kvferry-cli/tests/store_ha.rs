@@ -1389,6 +1389,7 @@ fn store_bench_ha_reports_every_figure() {
         "per object: µs CPU, switches",
         "a standby linking to a leader of",
         "the same reads meanwhile (requests):",
+        "the same puts meanwhile (requests):",
     ] {
         assert!(out.contains(figure), "the report has {figure:?}: {out}");
     }

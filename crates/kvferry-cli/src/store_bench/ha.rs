@@ -638,20 +638,52 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             }
             Ok(waits)
         };
+        // Puts of new keys (one key per request, `PutStart` then `PutEnd`), back to back on
+        // one connection as client `client`, until `stop`: how long each request waited.
+        let puts = |stop: &std::sync::atomic::AtomicBool, client: u64| -> Result<Vec<f64>, String> {
+            let mut conn = std::net::TcpStream::connect(&addr).map_err(|e| format!("{addr}: {e}"))?;
+            let _ = conn.set_nodelay(true);
+            let seg = Segment { id: client, name: format!("bench-{client}"), te_endpoint: format!("127.0.0.1:{client}"), base: client << 44, size: 1 << 40 };
+            if !matches!(call(&mut conn, &Request::MountSegment { client, segment: seg }), Some(Response::Ok)) {
+                return Err("the link part's writer could not mount its segment".into());
+            }
+            let (mut waits, mut pinged, mut n) = (Vec::new(), Instant::now(), 0u64);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if pinged.elapsed() >= Duration::from_secs(1) {
+                    let _ = call(&mut conn, &Request::Ping { client });
+                    pinged = Instant::now();
+                }
+                n += 1;
+                let key = format!("linkput-{client}-{n}");
+                let t = Instant::now();
+                match call(&mut conn, &Request::PutStart { client, key: key.clone(), size: 4096, config: ReplicateConfig::default(), upsert: false, put: n }) {
+                    Some(Response::Replicas(_)) => waits.push(t.elapsed().as_secs_f64() * 1e3),
+                    r => return Err(format!("a put during the link part was answered {r:?}")),
+                }
+                let t = Instant::now();
+                match call(&mut conn, &Request::PutEnd { client, key, put: n }) {
+                    Some(Response::Ok) => waits.push(t.elapsed().as_secs_f64() * 1e3),
+                    r => return Err(format!("a put's end during the link part was answered {r:?}")),
+                }
+            }
+            Ok(waits)
+        };
         let summary = |mut w: Vec<f64>| {
             w.sort_by(f64::total_cmp);
             let at = |q: f64| w.get(((w.len() as f64 * q) as usize).min(w.len().saturating_sub(1))).copied().unwrap_or(0.0);
             format!("{} requests, p50 {:.3} ms, p99 {:.3} ms, longest {:.1} ms", w.len(), at(0.5), at(0.99), w.last().copied().unwrap_or(0.0))
         };
-        let before = std::thread::scope(|s| {
-            let h = s.spawn(|| reads(&stop));
+        let (before, puts_before) = std::thread::scope(|s| {
+            let (h, w) = (s.spawn(|| reads(&stop)), s.spawn(|| puts(&stop, 77_001)));
             std::thread::sleep(Duration::from_secs(1));
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
-            h.join().map_err(|_| "the reader panicked".to_string())?
+            let r = h.join().map_err(|_| "the reader panicked".to_string())?;
+            let w = w.join().map_err(|_| "the writer panicked".to_string())?;
+            Ok::<_, String>((r?, w?))
         })?;
         stop.store(false, std::sync::atomic::Ordering::Relaxed);
-        let (during, took, standby) = std::thread::scope(|s| -> Result<_, String> {
-            let h = s.spawn(|| reads(&stop));
+        let (during, puts_during, took, standby) = std::thread::scope(|s| -> Result<_, String> {
+            let (h, w) = (s.spawn(|| reads(&stop)), s.spawn(|| puts(&stop, 77_002)));
             let t = Instant::now();
             let linked = (|| -> Result<_, String> {
                 let (sm, sserver, saddr) = serve()?;
@@ -668,11 +700,14 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             let took = t.elapsed();
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             let during = h.join().map_err(|_| "the reader panicked".to_string())??;
-            Ok((during, took, linked?))
+            let puts_during = w.join().map_err(|_| "the writer panicked".to_string())??;
+            Ok((during, puts_during, took, linked?))
         })?;
         println!("a standby linking to a leader of {objects} objects: in sync {:.2} s after it started", took.as_secs_f64());
         println!("  one client's reads before (requests): {}", summary(before));
         println!("  the same reads meanwhile (requests):  {}", summary(during));
+        println!("  another client's puts before (requests): {}", summary(puts_before));
+        println!("  the same puts meanwhile (requests):      {}", summary(puts_during));
         drop(standby);
         drop(server);
     }
