@@ -601,8 +601,10 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
         let target = a.ha_link_objects as usize;
         let mut round = 0;
+        // (put_rate's clients are 1000 + their thread's number.)
+        const FILL_CLIENTS: std::ops::Range<u64> = 1000..1016;
         while m.lock().summary().keys < target {
-            let _ = put_rate(&addr, 16, 128, Duration::from_secs(1), &format!("link{round}"), false, || ());
+            let _ = put_rate(&addr, (FILL_CLIENTS.end - FILL_CLIENTS.start) as usize, 128, Duration::from_secs(1), &format!("link{round}"), false, || ());
             round += 1;
             if round > 600 {
                 return Err(format!("the link part's leader holds {} objects after {round} s of puts, {target} asked", m.lock().summary().keys));
@@ -616,8 +618,16 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             let mut conn = std::net::TcpStream::connect(&addr).map_err(|e| format!("{addr}: {e}"))?;
             let _ = conn.set_nodelay(true);
             let get = Request::GetReplicaList { key: "link0-0-0".into() };
-            let mut waits = Vec::new();
+            let (mut waits, mut pinged) = (Vec::new(), Instant::now());
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // (The filling clients ping no more: pinged for them, untimed, so that the
+                // master does not drop them and their objects while this part runs.)
+                if pinged.elapsed() >= Duration::from_secs(1) {
+                    for client in FILL_CLIENTS {
+                        let _ = call(&mut conn, &Request::Ping { client });
+                    }
+                    pinged = Instant::now();
+                }
                 let t = Instant::now();
                 // (Each read ended as a client ends it, its lease released: that request's
                 // wait counts too, as the lock may be taken while it waits.)
@@ -703,7 +713,23 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             let puts_during = w.join().map_err(|_| "the writer panicked".to_string())??;
             Ok((during, puts_during, took, linked?))
         })?;
-        println!("a standby linking to a leader of {objects} objects: in sync {:.2} s after it started", took.as_secs_f64());
+        // The standby holds what the leader holds (the load stopped): every entry committed
+        // while its image was taken reached it after the image, none twice.
+        let (leader_keys, mirrored) = {
+            let until = Instant::now() + Duration::from_secs(15);
+            loop {
+                let keys = m.lock().summary().keys;
+                let mirror = standby.0.ha_status().mirror.unwrap_or_default();
+                if (mirror.objects == keys && mirror.pending_changes == 0) || Instant::now() > until {
+                    break (keys, mirror.objects);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
+        if mirrored != leader_keys {
+            return Err(format!("after the link the standby's mirror holds {mirrored} objects, the leader {leader_keys}"));
+        }
+        println!("a standby linking to a leader of {objects} objects: in sync {:.2} s after it started; its mirror then held the leader's {leader_keys} objects", took.as_secs_f64());
         println!("  one client's reads before (requests): {}", summary(before));
         println!("  the same reads meanwhile (requests):  {}", summary(during));
         println!("  another client's puts before (requests): {}", summary(puts_before));

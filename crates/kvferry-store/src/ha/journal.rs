@@ -44,6 +44,17 @@ pub const CHUNK: usize = 512 << 10;
 /// links, a snapshot): past it, the lock is let go between two pieces for [`IMAGE_GAP`].
 const IMAGE_HOLD: Duration = Duration::from_millis(5);
 const IMAGE_GAP: Duration = Duration::from_micros(200);
+
+/// What [`Writer::image_in_pieces`] took.
+struct Frozen {
+    /// Queued before the image and not committed yet (none when `seq` is set).
+    queued: Vec<Change>,
+    /// The ticket `queued` completes.
+    upto: u64,
+    image: Vec<Change>,
+    /// The image's position when what was queued was committed while it was taken.
+    seq: Option<u64>,
+}
 /// A snapshot is written once the log since the last one is larger than this and than the
 /// last snapshot.
 pub const SNAPSHOT_MIN: u64 = 8 << 20;
@@ -941,6 +952,9 @@ pub struct Replicas {
     /// The mirror term each registered standby's registration names, as last read: only one
     /// that names this leader's term is promoted ([`super::sync::registration`]).
     mirrors: HashMap<String, Option<i64>>,
+    /// While a linking standby's image is taken: the entries committed meanwhile, which it
+    /// gets after its image ([`Writer::open_link`]).
+    catch_up: Option<Vec<Arc<Vec<u8>>>>,
 }
 
 /// How long after a failed connection a standby is tried again.
@@ -959,6 +973,7 @@ impl Replicas {
             last_poll: None,
             failed: HashMap::new(),
             mirrors: HashMap::new(),
+            catch_up: None,
         }
     }
 
@@ -1034,17 +1049,26 @@ impl Writer<'_> {
     /// Under the state's lock: what is marked goes to the queue, and the image starts from
     /// the state after exactly everything queued. The queued changes (to be committed before
     /// the image counts), the ticket they complete, and the image; `None` when the term
-    /// ended. The image's objects are taken in pieces, the lock let go whenever one hold
-    /// reached [`IMAGE_HOLD`] (a million objects took 0.7 s in one hold, every request of the
-    /// master waiting: `cargo run --release -p kvferry-store --example image_pause`); what
-    /// requests change in between is queued after `upto` and follows the image
-    /// ([`State::image_head`]).
-    fn freeze(&self) -> Option<(Vec<Change>, u64, Vec<Change>)> {
-        let j = &self.master.journal;
-        let mut now = self.master.now();
-        let mut st = self.master.lock();
+    /// ended. See [`Writer::image_in_pieces`].
+    fn freeze(&mut self) -> Option<(Vec<Change>, u64, Vec<Change>)> {
+        self.image_in_pieces(false).map(|f| (f.queued, f.upto, f.image))
+    }
+
+    /// An image of the state, its objects taken in pieces: the lock is let go whenever one
+    /// hold reached [`IMAGE_HOLD`] (a million objects took 0.4 s in one hold in a leader,
+    /// every request of the master waiting: `cargo run --release -p kvferry-store --example
+    /// image_pause`); what requests change in between is queued after `upto` and follows the
+    /// image ([`State::image_head`]). With `commit_between`, what was queued before the image
+    /// is committed at the first gap, and what requests queue meanwhile at every gap, so that
+    /// they do not wait for the whole image: the image's position is then `seq` (entries after
+    /// it may already be committed).
+    fn image_in_pieces(&mut self, commit_between: bool) -> Option<Frozen> {
+        let master = self.master;
+        let j = &master.journal;
+        let mut now = master.now();
+        let mut st = master.lock();
         let changes = st.take_changes(now);
-        let (queued, upto) = {
+        let (mut queued, upto) = {
             let mut q = j.q();
             if q.term != self.term() || q.failed {
                 return None;
@@ -1058,27 +1082,69 @@ impl Writer<'_> {
         let term = st.term;
         let mut image = st.image_head(now);
         let (start, mut held, mut longest, mut holds) = (Instant::now(), Instant::now(), Duration::ZERO, 1);
+        let mut seq = None;
         for piece in 0..IMAGE_PIECES {
             if held.elapsed() >= IMAGE_HOLD {
                 longest = longest.max(held.elapsed());
                 drop(st);
-                // (Long enough for the requests woken by the unlock to take the lock first.)
+                if commit_between {
+                    seq = Some(self.commit_queued(&mut queued, upto, seq)?);
+                }
+                // (Long enough for the requests woken by the unlock to take the lock first: one
+                // that finds it taken again at once waits for the next gap.)
                 std::thread::sleep(IMAGE_GAP);
-                st = self.master.lock();
+                st = master.lock();
                 // (A leader that stepped down meanwhile reset its state: what is left of it is
                 // not this term's, and the image is given up with the term.)
                 if st.term != term {
                     return None;
                 }
                 (held, holds) = (Instant::now(), holds + 1);
-                now = self.master.now();
+                now = master.now();
             }
             st.image_piece(piece, now, &mut image);
         }
         drop(st);
         longest = longest.max(held.elapsed());
         tracing::info!(changes = image.len(), ms = start.elapsed().as_millis() as u64, holds, longest_hold_ms = longest.as_millis() as u64, "HA journal: an image of the state taken");
-        Some((queued, upto, image))
+        if commit_between && seq.is_none() {
+            seq = Some(self.commit_queued(&mut queued, upto, None)?);
+        }
+        Some(Frozen { queued, upto, image, seq })
+    }
+
+    /// At a gap of [`Writer::image_in_pieces`]: the first time (`seq` `None`), commits what
+    /// was queued before the image (`queued`, completing ticket `upto`) and returns the
+    /// image's position; then commits what requests queued since. The image's position.
+    fn commit_queued(&mut self, queued: &mut Vec<Change>, upto: u64, seq: Option<u64>) -> Option<u64> {
+        let at = match seq {
+            Some(at) => at,
+            None => {
+                let before = std::mem::take(queued);
+                if !before.is_empty() {
+                    self.commit(before, upto)?;
+                } else if !self.streaming() {
+                    // Everything enqueued is in etcd already (appended by this writer).
+                    self.master.journal.done(upto);
+                }
+                // (Those entries are in the image: a standby gets only the ones after it.)
+                if let Some(c) = self.sync.as_mut().and_then(|s| s.catch_up.as_mut()) {
+                    c.clear();
+                }
+                self.seq
+            }
+        };
+        let (changes, ticket) = {
+            let mut q = self.master.journal.q();
+            if q.term != self.term() || q.failed {
+                return None;
+            }
+            (std::mem::take(&mut q.changes), q.enqueued)
+        };
+        if !changes.is_empty() {
+            self.commit(changes, ticket)?;
+        }
+        Some(at)
     }
 
     fn streaming(&self) -> bool {
@@ -1089,14 +1155,14 @@ impl Writer<'_> {
     /// in sync, otherwise acknowledged by every in-sync standby; streamed to every linked
     /// standby either way.
     fn commit(&mut self, changes: Vec<Change>, upto: u64) -> Option<()> {
-        if let Some(s) = self.sync.as_ref().filter(|s| !s.insync.is_empty()) {
+        if let Some(release) = self.sync.as_ref().filter(|s| !s.insync.is_empty()).map(|s| Arc::clone(&s.release)) {
             // Answered when every in-sync standby acknowledged it ([`Release`]); the next
             // entry goes out without waiting for this one. A large commit goes as several
             // entries, so that the standbys' acknowledgements show their progress.
             let n = changes.len();
             for (piece, ticket) in pieces(changes, upto, ENTRY_PIECE) {
                 self.seq += 1;
-                s.release.push(self.seq, ticket);
+                release.push(self.seq, ticket);
                 self.broadcast(piece)?;
             }
             self.master.journal.count_streamed(n, self.seq);
@@ -1110,11 +1176,15 @@ impl Writer<'_> {
 
     /// Sends `changes` as entry `self.seq` to every linked standby (none: nothing to do). An
     /// entry that cannot be encoded ends the term: a standby missing it must never be in sync.
-    fn broadcast(&self, changes: Vec<Change>) -> Option<()> {
-        let Some(s) = self.sync.as_ref().filter(|s| !s.links.is_empty()) else { return Some(()) };
-        match entry_frame(self.seq, changes).0 {
+    fn broadcast(&mut self, changes: Vec<Change>) -> Option<()> {
+        let seq = self.seq;
+        let Some(s) = self.sync.as_mut().filter(|s| !s.links.is_empty() || s.catch_up.is_some()) else { return Some(()) };
+        match entry_frame(seq, changes).0 {
             Ok(f) => {
                 send_all(&s.links, &f);
+                if let Some(c) = s.catch_up.as_mut() {
+                    c.push(f);
+                }
                 Some(())
             }
             Err(e) => {
@@ -1325,19 +1395,24 @@ impl Writer<'_> {
             }
         };
         s.failed.remove(member);
-        let (queued, upto, image) = self.freeze()?;
-        if !queued.is_empty() {
-            self.commit(queued, upto)?;
-        } else if !self.streaming() {
-            // Everything enqueued is in etcd already (appended by this writer).
-            self.master.journal.done(upto);
-        }
+        // What is queued meanwhile is committed between the image's pieces (requests do not
+        // wait for the whole image) and goes to this standby after its image.
+        s.catch_up = Some(Vec::new());
+        let frozen = self.image_in_pieces(true);
+        let catch_up = self.sync.as_mut().and_then(|s| s.catch_up.take()).unwrap_or_default();
+        let Frozen { image, seq, .. } = frozen?;
+        let at = seq.unwrap_or(self.seq);
         // (While standbys are in sync, what was enqueued before went out as entries that only
         // their acknowledgements answer, [`Release`]: answering them here, for the link of
         // another standby, would tell clients their changes are durable before they are.)
         let objects = image.len();
-        match image_frames(self.seq, image) {
-            Ok(frames) => link.send_image(self.seq, &frames),
+        match image_frames(at, image) {
+            Ok(frames) => {
+                link.send_image(at, &frames);
+                for f in &catch_up {
+                    link.send(f);
+                }
+            }
             Err(e) => {
                 tracing::error!("HA replication: {e}");
                 return Some(());
