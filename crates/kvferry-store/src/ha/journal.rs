@@ -1930,6 +1930,111 @@ mod tests {
         });
     }
 
+    /// A standby linking while requests keep changing the state: the leader takes its image
+    /// in pieces and commits what is queued between them (to the in-sync member at once). The
+    /// new standby gets the image, then exactly the entries after the image's position, in
+    /// order, none twice (an entry it holds already, or a gap, would cut its link), and the
+    /// image with those entries holds what the leader holds. Fails when the entries committed
+    /// before the image's position are sent again, or those after it are not sent.
+    #[test]
+    fn a_standby_linking_under_load_gets_its_image_then_every_later_entry_once_in_order() {
+        use super::super::sync::read_frame;
+        use crate::master::{MasterConfig, PutId, Stats};
+        use crate::proto::{ReplicateConfig, Segment};
+        let (m, cfg, stats) = (Master::new(MasterConfig::default()), MasterConfig::default(), Stats::default());
+        let put = |st: &mut State, client: u64, key: &str| {
+            let id = PutId { client, put: 1 };
+            st.put_start(&cfg, &stats, id, key, 4096, &ReplicateConfig::default(), false, 0).and_then(|_| st.put_end(id, key, 0)).expect("put");
+        };
+        {
+            let mut st = m.lock();
+            st.term = 7;
+            st.journal_on();
+            st.mount(1, Segment { id: 1, name: "seg1".into(), te_endpoint: "127.0.0.1:1".into(), base: 1 << 40, size: 1 << 38 }, 0).expect("mount");
+            // Enough objects for an image of several holds of the lock.
+            for i in 0..200_000 {
+                put(&mut st, 1, &format!("old-{i}"));
+            }
+            let _ = st.take_changes(0);
+        }
+        let j = &m.journal;
+        j.activate(7);
+        let owner = Owner { create_revision: 7, lease: 1 };
+        // (No etcd is reached: with a member in sync, commits go to the standbys only.)
+        let etcd = EtcdClient::new(&["127.0.0.1:1".to_string()], Duration::from_secs(1));
+        let mut sync = Replicas::new("c", "me", owner, Duration::from_secs(60), j);
+        let standby = |name: &str, sync: &Replicas| {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            let addr = listener.local_addr().expect("addr").to_string();
+            let sink: Arc<dyn AckSink> = sync.release.clone();
+            let link = Link::open(name, &addr, &sync.hello, sink).expect("link");
+            let (sock, _) = listener.accept().expect("accept");
+            sock.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+            (link, sock, addr)
+        };
+        let (member, _member_sock, _) = standby("s1", &sync);
+        sync.links.push(member);
+        sync.set_insync(vec!["s1".to_string()], j);
+        let mut w = Writer { etcd: &etcd, master: &m, view_key: "v".into(), prefix: prefix("c"), owner, seq: 100, head: None, snapshot_bytes: SNAPSHOT_MIN, sync: Some(sync), insync_key: "i".into(), retry_until: None };
+        // The new standby's side of its link, opened by `open_link`.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let (mut sock, added) = std::thread::scope(|sc| {
+            // Requests changing the state all along: new objects, old ones removed.
+            let load = sc.spawn(|| {
+                let mut n = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let mut st = m.lock();
+                    put(&mut st, 1, &format!("new-{n}"));
+                    let _ = st.remove(&cfg, &format!("old-{n}"), true, 0);
+                    let _ = j.collect_held(st, 0);
+                    n += 1;
+                }
+                n
+            });
+            let accept = sc.spawn(|| listener.accept().expect("accept").0);
+            w.open_link("s2", &addr).expect("the standby linked");
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let added = load.join().expect("load");
+            (accept.join().expect("accept"), added)
+        });
+        let linked = w.seq;
+        // What was queued after the link went out: committed as the writer would.
+        if let (Some((changes, upto)), _) = j.next(7, Duration::ZERO, None) {
+            if !changes.is_empty() {
+                w.commit(changes, upto).expect("commit");
+            }
+        }
+        sock.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+        assert!(matches!(read_frame::<ToStandby>(&mut sock), Ok(ToStandby::Hello { term: 7, .. })));
+        let mut image = Image::default();
+        let at = loop {
+            match read_frame::<ToStandby>(&mut sock) {
+                Ok(ToStandby::Image { seq, changes, last }) => {
+                    changes.into_iter().for_each(|c| image.apply(c));
+                    if last {
+                        break seq;
+                    }
+                }
+                other => panic!("expected the image, got {other:?}"),
+            }
+        };
+        let mut next = at + 1;
+        while next <= w.seq {
+            match read_frame::<ToStandby>(&mut sock) {
+                Ok(ToStandby::Entry { seq, changes }) => {
+                    assert_eq!(seq, next, "the entries after the image's position ({at}), in order, none twice");
+                    changes.into_iter().for_each(|c| image.apply(c));
+                    next += 1;
+                }
+                other => panic!("expected entry {next}, got {other:?}"),
+            }
+        }
+        assert!(added > 0 && linked > at, "entries were committed between the image's pieces: {added} puts, the image at {at}, the last entry at the link {linked}");
+        assert_eq!(image.objects(), m.lock().summary().keys, "the image and the entries after it hold the leader's objects");
+    }
+
     #[test]
     fn keys_sort_in_sequence_order() {
         let p = prefix("c/");
