@@ -2,7 +2,7 @@
 //! a standby that links, or a snapshot of the etcd journal, costs every request of the
 //! master. `OBJECTS` objects of 4 KiB spread over 16 clients' segments; the image taken in
 //! one hold (`State::image`, as leaders did before) and in pieces (`State::image_head`, then
-//! `State::image_piece` for each shard of the objects, as a leader's `freeze` takes them: it
+//! `State::image_piece` for each shard of the objects, as a leader's `Writer::image_in_pieces` takes them: it
 //! lets the lock go once a hold reached 5 ms, so its longest hold is the longest run of
 //! pieces below that plus one piece).
 //!

@@ -157,6 +157,9 @@ impl CpuSplit {
     }
 }
 
+/// The client id of [`put_rate`]'s first thread (each thread is the next one).
+const FIRST_CLIENT: u64 = 1000;
+
 /// PutStart + PutEnd pairs over RPC from `threads` connections, `per_req` keys per request:
 /// objects created per second of the load (from the start until every connection's last
 /// request was answered), what that cost per object ([`Cost`]), and what `at_end` returned
@@ -178,7 +181,7 @@ fn put_rate<T>(addr: &str, threads: usize, per_req: usize, dur: Duration, tag: &
             .map(|t| {
                 let (gate, lock) = (&gate, &lock);
                 std::thread::Builder::new().name(CLIENT_THREAD.into()).spawn_scoped(s, move || -> u64 {
-                    let client = 1000 + t as u64;
+                    let client = FIRST_CLIENT + t as u64;
                     let mut conn = std::net::TcpStream::connect(addr).ok();
                     let n = conn.as_mut().map_or(0, |conn| {
                         let _ = conn.set_nodelay(true);
@@ -601,8 +604,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
         let target = a.ha_link_objects as usize;
         let mut round = 0;
-        // (put_rate's clients are 1000 + their thread's number.)
-        const FILL_CLIENTS: std::ops::Range<u64> = 1000..1016;
+        const FILL_CLIENTS: std::ops::Range<u64> = FIRST_CLIENT..FIRST_CLIENT + 16;
         while m.lock().summary().keys < target {
             let _ = put_rate(&addr, (FILL_CLIENTS.end - FILL_CLIENTS.start) as usize, 128, Duration::from_secs(1), &format!("link{round}"), false, || ());
             round += 1;
@@ -654,8 +656,9 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             let mut conn = std::net::TcpStream::connect(&addr).map_err(|e| format!("{addr}: {e}"))?;
             let _ = conn.set_nodelay(true);
             let seg = Segment { id: client, name: format!("bench-{client}"), te_endpoint: format!("127.0.0.1:{client}"), base: client << 44, size: 1 << 40 };
-            if !matches!(call(&mut conn, &Request::MountSegment { client, segment: seg }), Some(Response::Ok)) {
-                return Err("the link part's writer could not mount its segment".into());
+            match call(&mut conn, &Request::MountSegment { client, segment: seg }) {
+                Some(Response::Ok) => {}
+                r => return Err(format!("the link part's writer (client {client}) could not mount its segment on the leader at {addr}: answered {r:?} (None: the connection failed)")),
             }
             let (mut waits, mut pinged, mut n) = (Vec::new(), Instant::now(), 0u64);
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {

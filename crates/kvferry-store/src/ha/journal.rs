@@ -337,6 +337,11 @@ pub(crate) struct Lent {
 }
 
 impl Queue {
+    /// Everything queued, and the ticket that completes it.
+    fn take(&mut self) -> (Vec<Change>, u64) {
+        (std::mem::take(&mut self.changes), self.enqueued)
+    }
+
     /// The deferred answers whose tickets are written.
     fn take_written(&mut self) -> Vec<Later> {
         let mut out = Vec::new();
@@ -676,8 +681,7 @@ impl JournalCore {
             }
         }
         q.kicked = false;
-        let upto = q.enqueued;
-        (Some((std::mem::take(&mut q.changes), upto)), lend)
+        (Some(q.take()), lend)
     }
 
     /// Plays the writer once without etcd: whatever is queued counts as durable (tests of
@@ -981,6 +985,29 @@ impl Replicas {
         self.links.iter().find(|l| l.member == member)
     }
 
+    /// Sends `changes` as entry `seq` to every linked standby, and keeps it for a standby
+    /// whose image is being taken ([`Replicas::catch_up`]); none of either: nothing to do.
+    /// An entry that cannot be encoded ends the term: a standby missing it must never be in
+    /// sync.
+    fn broadcast(&mut self, seq: u64, changes: Vec<Change>) -> Option<()> {
+        if self.links.is_empty() && self.catch_up.is_none() {
+            return Some(());
+        }
+        match entry_frame(seq, changes).0 {
+            Ok(f) => {
+                send_all(&self.links, &f);
+                if let Some(c) = self.catch_up.as_mut() {
+                    c.push(f);
+                }
+                Some(())
+            }
+            Err(e) => {
+                tracing::error!("HA replication: {e}");
+                None
+            }
+        }
+    }
+
     /// The in-sync set is `members` (etcd says so already).
     fn set_insync(&mut self, members: Vec<String>, journal: &Journal) {
         self.insync = members;
@@ -1077,7 +1104,7 @@ impl Writer<'_> {
                 q.changes.extend(changes);
                 q.enqueued += 1;
             }
-            (std::mem::take(&mut q.changes), q.enqueued)
+            q.take()
         };
         let term = st.term;
         let mut image = st.image_head(now);
@@ -1139,7 +1166,7 @@ impl Writer<'_> {
             if q.term != self.term() || q.failed {
                 return None;
             }
-            (std::mem::take(&mut q.changes), q.enqueued)
+            q.take()
         };
         if !changes.is_empty() {
             self.commit(changes, ticket)?;
@@ -1155,15 +1182,15 @@ impl Writer<'_> {
     /// in sync, otherwise acknowledged by every in-sync standby; streamed to every linked
     /// standby either way.
     fn commit(&mut self, changes: Vec<Change>, upto: u64) -> Option<()> {
-        if let Some(release) = self.sync.as_ref().filter(|s| !s.insync.is_empty()).map(|s| Arc::clone(&s.release)) {
+        if let Some(s) = self.sync.as_mut().filter(|s| !s.insync.is_empty()) {
             // Answered when every in-sync standby acknowledged it ([`Release`]); the next
             // entry goes out without waiting for this one. A large commit goes as several
             // entries, so that the standbys' acknowledgements show their progress.
             let n = changes.len();
             for (piece, ticket) in pieces(changes, upto, ENTRY_PIECE) {
                 self.seq += 1;
-                release.push(self.seq, ticket);
-                self.broadcast(piece)?;
+                s.release.push(self.seq, ticket);
+                s.broadcast(self.seq, piece)?;
             }
             self.master.journal.count_streamed(n, self.seq);
             return Some(());
@@ -1174,23 +1201,11 @@ impl Writer<'_> {
         Some(())
     }
 
-    /// Sends `changes` as entry `self.seq` to every linked standby (none: nothing to do). An
-    /// entry that cannot be encoded ends the term: a standby missing it must never be in sync.
+    /// Sends `changes` as entry `self.seq` to every linked standby ([`Replicas::broadcast`]).
     fn broadcast(&mut self, changes: Vec<Change>) -> Option<()> {
-        let seq = self.seq;
-        let Some(s) = self.sync.as_mut().filter(|s| !s.links.is_empty() || s.catch_up.is_some()) else { return Some(()) };
-        match entry_frame(seq, changes).0 {
-            Ok(f) => {
-                send_all(&s.links, &f);
-                if let Some(c) = s.catch_up.as_mut() {
-                    c.push(f);
-                }
-                Some(())
-            }
-            Err(e) => {
-                tracing::error!("HA replication: {e}");
-                None
-            }
+        match self.sync.as_mut() {
+            Some(s) => s.broadcast(self.seq, changes),
+            None => Some(()),
         }
     }
 

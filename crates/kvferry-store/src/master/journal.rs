@@ -232,7 +232,7 @@ impl State {
     /// The first part of an image: clients, segments and held space (few), with room for
     /// every object; the objects follow in [`IMAGE_PIECES`] pieces ([`State::image_piece`]).
     /// A leader takes an image in pieces, each under a hold of the state's lock of its own
-    /// (`ha::journal`'s `freeze`): a request applied between two pieces shows in the pieces
+    /// (`ha::journal`'s `Writer::image_in_pieces`): a request applied between two pieces shows in the pieces
     /// after it and not in those before, and its changes follow the image in the journal
     /// anyway (whole entities, applied again idempotently), so the image and what follows
     /// it rebuild the leader's state as one taken at once would.
@@ -714,7 +714,7 @@ mod tests {
         assert!(seen_objects > 500 && seen_pending > 20 && seen_held > 5, "the operations exercise objects, writes in progress and held-back space: {seen_objects} {seen_pending} {seen_held}");
     }
 
-    /// An image taken in pieces, as a leader's `freeze` takes it (`ha::journal`: the state's
+    /// An image taken in pieces, as a leader's `Writer::image_in_pieces` takes it (`ha::journal`: the state's
     /// lock let go between pieces), with operations of every kind applied between the pieces
     /// and after the last one: the image followed by the changes of those operations (what
     /// the journal holds after it) rebuilds what the state holds, as one taken at once
@@ -733,7 +733,7 @@ mod tests {
                 now += rng.random_range(1..50);
                 random_op(&mut st, &mut rng, &m, &stats, now, lease);
             }
-            // What was marked before the image is queued before it (`freeze`).
+            // What was marked before the image is queued before it (`Writer::image_in_pieces`).
             let _ = st.take_changes(now);
             let mut image = st.image_head(now);
             let mut after = Vec::new();
