@@ -1,6 +1,8 @@
 //! The store across processes: `kvferry master`, serving clients (`kvferry store-bench
 //! --serve-segment`) and in-test clients, all on 127.0.0.1.
 
+mod common;
+
 use kvferry_store::{proto, Client, ClientConfig, ReplicateConfig, StoreError};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
@@ -946,7 +948,7 @@ fn a_write_still_running_across_a_master_restart_keeps_new_puts_out_of_its_segme
     let w = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 64 << 20, master_server_addr: addr.clone(), transfer_timeout: timeout, ..ClientConfig::default() }).expect("writer");
     // The writer's connection to the serving client is up before it pauses.
     w.put("warm", &value("warm", 1, 4096), &ReplicateConfig::default()).unwrap();
-    kill_process(spid, Signal::STOP).expect("SIGSTOP the serving client");
+    common::pause(s.child.id());
     struct Cont(Pid);
     impl Drop for Cont {
         fn drop(&mut self) {

@@ -9,6 +9,7 @@
 //! (`repeated_leader_kills_under_load_never_two_leaders_never_wrong_bytes`).
 //! `kvferry store-bench --ha`, the figures, runs here too, briefly.
 
+mod common;
 #[path = "../../kvferry/tests/metadata_services/mod.rs"]
 mod metadata_services;
 
@@ -356,7 +357,7 @@ fn a_paused_leader_refuses_requests_on_waking_and_stands_by() {
     let mut conn = raw(&ms[l].rpc);
     assert_eq!(rpc(&mut conn, &Request::Ping { client: 5 }), Response::Ping(PingStatus::NeedRemount));
 
-    ms[l].signal(Signal::STOP);
+    common::pause(ms[l].child.id());
     let stopped = Instant::now();
     let until = stopped + 2 * TTL + Duration::from_secs(1);
     while ms[s].role() != "leader" {
@@ -428,7 +429,7 @@ fn a_put_in_flight_across_a_failover_completes_at_the_new_leader() {
         .expect("client setup");
     c.put("warm", &value("warm", 4096), &ReplicateConfig::default()).expect("a put to the served segment");
 
-    signal(Signal::STOP);
+    common::pause(server.0.id());
     let (c, ms) = (&c, &ms);
     let result = std::thread::scope(|sc| {
         let put = sc.spawn(move || c.put("in-flight", &value("in-flight", 1 << 20), &ReplicateConfig::default()));
@@ -463,7 +464,7 @@ fn a_leader_cut_off_from_etcd_refuses_within_the_bound_and_the_cluster_recovers(
     assert_eq!(rpc(&mut conn, &Request::Ping { client: 5 }), Response::Ping(PingStatus::NeedRemount));
     // etcd stops answering (SIGSTOP, by its pid): no renewal succeeds any more.
     let pid = etcd_svc.pid().expect("etcd's pid");
-    signal(pid, Signal::STOP);
+    common::pause(pid);
     let stopped = Instant::now();
     // The last renewal was sent before the stop: 2/3 TTL after it, at the latest, every request
     // is refused.
@@ -496,7 +497,7 @@ fn a_put_whose_leader_loses_its_term_before_the_start_is_durable_fails_as_unknow
     let cfg = ReplicateConfig::default();
     c.put("before", &value("before", 4096), &cfg).expect("a put while etcd answers");
     let pid = etcd_svc.pid().expect("etcd's pid");
-    signal(pid, Signal::STOP);
+    common::pause(pid);
     let stopped = Instant::now();
     let (got, took, stepped_down) = std::thread::scope(|sc| {
         let resume = sc.spawn(|| {
@@ -956,7 +957,7 @@ fn a_paused_in_sync_standby_holds_a_request_one_acknowledgement_bound_then_leave
     assert!(streamed(&ms[l]) > before, "acknowledged by the standby");
     std::thread::sleep(Duration::from_millis(50)); // the writer asleep again, nothing in flight
 
-    ms[s].signal(Signal::STOP);
+    common::pause(ms[s].child.id());
     let mount = |id: u64| Request::MountSegment { client: 99, segment: proto::Segment { id, name: "127.0.0.1:1".into(), te_endpoint: "127.0.0.1:1".into(), base: id << 30, size: 1 << 20 } };
     // Meanwhile another standby registers (a listener that accepts and never answers): the
     // leader links it, and linking it must not answer what waits for the in-sync standby.

@@ -78,3 +78,28 @@ pub fn master_segments(http: &str) -> String {
     assert!(out.starts_with("HTTP/1.1 200"), "{out}");
     out.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default()
 }
+
+/// Sends SIGSTOP to `pid` (a process this test started, by its pid) and returns once every
+/// one of its threads has stopped. `kill` returns before that: one thread takes the signal
+/// and stops the others as it handles it, so on a loaded host another thread may still run
+/// for a while (a paused standby acknowledged an entry sent after the `kill` in CI).
+pub fn pause(pid: u32) {
+    use rustix::process::{kill_process, Pid, Signal};
+    let p = i32::try_from(pid).ok().and_then(Pid::from_raw).unwrap_or_else(|| panic!("{pid} is not a process id"));
+    kill_process(p, Signal::STOP).unwrap_or_else(|e| panic!("kill({pid}, SIGSTOP): {e}"));
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !all_threads_stopped(pid) {
+        assert!(std::time::Instant::now() < until, "process {pid} did not stop within 10 s of SIGSTOP");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// Whether every thread of `pid` is stopped (or gone), as `/proc/PID/task/*/stat` says.
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    tasks.flatten().all(|t| match std::fs::read_to_string(t.path().join("stat")) {
+        // The state follows the command name, which is in parentheses and may hold any byte.
+        Ok(stat) => stat.rsplit_once(')').is_some_and(|(_, rest)| matches!(rest.trim_start().chars().next(), Some('T' | 't' | 'Z' | 'X'))),
+        Err(_) => true, // (the thread exited meanwhile)
+    })
+}
