@@ -117,6 +117,14 @@ struct Busy {
     waiting: bool,
 }
 
+/// How long HA replication's readers poll for their next frame ([`Spin::for_replication`]).
+const REPLICATION_POLL: Duration = Duration::from_micros(100);
+
+/// The CPUs this process may use.
+fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 /// How long a deferred answer that did not fit in the socket's buffer may take to be written
 /// (a client that does not read its answers).
 const SLOW_ANSWER: Duration = Duration::from_secs(30);
@@ -479,7 +487,7 @@ fn apply_locked(st: &mut State, m: &Master, req: Request, now: u64, removed: &mu
 /// the poller would hold the only CPU that the client, or the thread it waits for, needs (a
 /// master pinned to one CPU with 16 connections spent 4.1 µs per object created against 2.4
 /// with 4 connections, 2026-12-04).
-struct Spin {
+pub(crate) struct Spin {
     bound: Duration,
     polling: AtomicUsize,
     limit: usize,
@@ -487,11 +495,53 @@ struct Spin {
 
 impl Spin {
     fn new(bound: Duration) -> Spin {
-        Spin::for_cpus(bound, std::thread::available_parallelism().map_or(1, |n| n.get()))
+        Spin::for_cpus(bound, cpus())
     }
 
     fn for_cpus(bound: Duration, cpus: usize) -> Spin {
         Spin { bound: if cpus < 2 { Duration::ZERO } else { bound }, polling: AtomicUsize::new(0), limit: cpus / 2 }
+    }
+
+    /// The poll of HA replication's two readers on the path of every acknowledged request: a
+    /// standby's reader of its leader's entries, and a leader's reader of a standby's
+    /// acknowledgements (`crate::ha::sync`). Each slept in the kernel between frames, and
+    /// the wake-ups were most of an acknowledgement's wait on an idle 16-CPU virtual
+    /// machine: polling took it from 35-48 µs to 24-31 µs (2026-12-04, docs/BENCHMARKS.md).
+    /// Only on 4 CPUs or more, at most a quarter of them at once: on 2, the poller would take
+    /// the CPU that the leader, the standby or the clients need.
+    pub(crate) fn for_replication() -> &'static Spin {
+        static SPIN: std::sync::OnceLock<Spin> = std::sync::OnceLock::new();
+        SPIN.get_or_init(|| Spin::for_replication_on(cpus()))
+    }
+
+    fn for_replication_on(cpus: usize) -> Spin {
+        Spin { bound: if cpus < 4 { Duration::ZERO } else { REPLICATION_POLL }, polling: AtomicUsize::new(0), limit: cpus / 4 }
+    }
+
+    /// Polls `s` until it has bytes to read or is closed, within the bound and if fewer than
+    /// the limit poll already; whether it has (false: the caller's blocking read sleeps in the
+    /// kernel). Reads nothing.
+    pub(crate) fn readable(&self, s: &TcpStream) -> bool {
+        use rustix::net::{recv, RecvFlags};
+        if self.bound.is_zero() {
+            return false;
+        }
+        if self.polling.fetch_add(1, Ordering::AcqRel) >= self.limit {
+            self.polling.fetch_sub(1, Ordering::AcqRel);
+            return false;
+        }
+        let start = Instant::now();
+        let mut byte = [0u8; 1];
+        let r = loop {
+            match recv(s, &mut byte, RecvFlags::DONTWAIT | RecvFlags::PEEK) {
+                Ok(_) => break true, // (0: closed, which the read then finds)
+                Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) if start.elapsed() < self.bound => std::hint::spin_loop(),
+                Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => break false,
+                Err(_) => break true, // (the read reports it)
+            }
+        };
+        self.polling.fetch_sub(1, Ordering::AcqRel);
+        r
     }
 
     /// Polls `s` for up to 4 bytes (into `prefix`) within the bound, if fewer than the limit
@@ -825,6 +875,46 @@ mod tests {
         let e = quick.poll(&s, &mut prefix).expect_err("the peer closed");
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
         assert_eq!(quick.polling.load(Ordering::Relaxed), 0);
+    }
+
+    /// A replication reader's poll returns once bytes arrived (reading none of them) or the
+    /// peer closed, gives up after its bound, and polls only below its limit; under 4 CPUs
+    /// nothing polls.
+    #[test]
+    fn a_replication_reader_polls_until_its_next_frame_arrives_and_reads_nothing() {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut c = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        let (mut s, _) = l.accept().expect("accept");
+        let spin = Spin { bound: Duration::from_secs(5), polling: AtomicUsize::new(0), limit: 1 };
+        let t = Instant::now();
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                std::thread::sleep(Duration::from_millis(30));
+                c.write_all(&[7]).expect("send");
+            });
+            assert!(spin.readable(&s), "the byte arrived within the bound");
+        });
+        assert!(t.elapsed() >= Duration::from_millis(25) && t.elapsed() < Duration::from_secs(4), "polled until it arrived: {:?}", t.elapsed());
+        assert_eq!(spin.polling.load(Ordering::Relaxed), 0);
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b).expect("the byte is still there");
+        assert_eq!(b, [7]);
+        let quick = Spin { bound: Duration::from_millis(20), ..spin };
+        let t = Instant::now();
+        assert!(!quick.readable(&s), "nothing came within the bound");
+        assert!(t.elapsed() >= Duration::from_millis(20));
+        quick.polling.store(1, Ordering::Relaxed);
+        c.write_all(&[8]).expect("send");
+        let t = Instant::now();
+        assert!(!quick.readable(&s), "over the limit: no poll, even with a byte there");
+        assert!(t.elapsed() < Duration::from_millis(20));
+        quick.polling.store(0, Ordering::Relaxed);
+        s.read_exact(&mut b).expect("read");
+        drop(c);
+        assert!(quick.readable(&s), "a closed peer ends the poll (the read finds the end)");
+        assert_eq!(s.read(&mut b).expect("read"), 0);
+        assert!(Spin::for_replication_on(2).bound.is_zero(), "two CPUs: no poll");
+        assert_eq!(Spin::for_replication_on(16).limit, 4);
     }
 
     /// Half the CPUs poll at once; on one CPU nothing polls (the poller would hold the CPU its

@@ -560,7 +560,11 @@ fn entries(mut s: TcpStream, m: &Mirror, conn: u64) -> Result<(), String> {
     s.set_read_timeout(None).map_err(|e| e.to_string())?;
     crate::server::keepalive(&s, Duration::from_secs(10));
     let mut r = std::io::BufReader::with_capacity(1 << 20, s.try_clone().map_err(|e| e.to_string())?);
+    let spin = crate::server::Spin::for_replication();
     loop {
+        if r.buffer().is_empty() {
+            spin.readable(&s);
+        }
         let f: ToStandby = read_frame(&mut r)?;
         match m.apply(conn, f) {
             // One acknowledgement for the entries that came together: while another whole
@@ -651,7 +655,11 @@ impl Link {
                 let (dead3, signal3, m3) = (Arc::clone(&dead2), Arc::clone(&signal2), m.clone());
                 let reader = std::thread::Builder::new().name("kvf-ha-acks".into()).spawn(move || {
                     let mut r = std::io::BufReader::new(r);
+                    let spin = crate::server::Spin::for_replication();
                     loop {
+                        if r.buffer().is_empty() {
+                            spin.readable(r.get_ref());
+                        }
                         match read_frame_max::<ToLeader>(&mut r, MAX_SMALL_FRAME) {
                             Ok(ToLeader::Ack { seq }) => {
                                 acked2.fetch_max(seq, Ordering::AcqRel);
