@@ -78,11 +78,12 @@ pub struct StoreBenchArgs {
     #[arg(long, value_name = "ETCD")]
     ha: Option<String>,
     /// With `--ha`: which parts to run (`rate`: metadata throughput, `store`: values stored
-    /// through a whole store, `link`: how long reads wait while a standby links to a leader
-    /// of `--ha-link-objects` objects, `failover`: failover time and objects lost).
-    #[arg(long, default_value = "rate,store,link,failover", value_delimiter = ',', value_parser = ["rate", "store", "link", "failover"])]
+    /// through a whole store, `link`: how long reads and puts wait while a standby links to
+    /// a leader of `--ha-link-objects` objects, `snapshot`: how long they wait while such a
+    /// leader writes etcd snapshots, `failover`: failover time and objects lost).
+    #[arg(long, default_value = "rate,store,link,snapshot,failover", value_delimiter = ',', value_parser = ["rate", "store", "link", "snapshot", "failover"])]
     ha_parts: Vec<String>,
-    /// With `--ha`: the objects the `link` part's leader holds when its standby links.
+    /// With `--ha`: the objects the `link` and `snapshot` parts' leaders hold.
     #[arg(long, default_value_t = 1_000_000)]
     ha_link_objects: u64,
     /// With `--ha`: the throughput points of the `rate` part, as CONNECTIONSxKEYS (keys per

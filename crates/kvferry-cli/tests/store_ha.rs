@@ -1160,7 +1160,9 @@ fn an_in_sync_standby_stopped_while_the_leader_is_dead_hands_its_mirror_to_etcd_
 
 /// The journal stays bounded: with a tiny snapshot threshold the leader snapshots again and
 /// again, deleting the log each snapshot covers; a new leader loads snapshot + log and has
-/// every object, removed ones stay removed, across two failovers.
+/// every object, removed ones stay removed, across two failovers. Four clients put at once,
+/// so requests are committed while snapshots are taken and written (log entries after a
+/// snapshot's position, which its head must keep).
 #[test]
 fn snapshots_bound_the_journal_and_a_new_leader_loads_them() {
     let Some(etcd_svc) = Service::etcd() else { return };
@@ -1180,11 +1182,25 @@ fn snapshots_bound_the_journal_and_a_new_leader_loads_them() {
     };
     let mut live: Vec<String> = Vec::new();
     for round in 0..2 {
-        for i in 0..300 {
-            let key = format!("r{round}-{i}");
-            c.put(&key, &value(&key, 1024), &ReplicateConfig::default()).expect("put");
-            live.push(key);
-        }
+        let c = &c;
+        std::thread::scope(|sc| {
+            let putters: Vec<_> = (0..4)
+                .map(|t| {
+                    sc.spawn(move || {
+                        (0..75)
+                            .map(|i| {
+                                let key = format!("r{round}-{}", t * 75 + i);
+                                c.put(&key, &value(&key, 1024), &ReplicateConfig::default()).expect("put");
+                                key
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            for p in putters {
+                live.extend(p.join().expect("putter"));
+            }
+        });
         // Every third object of this round removed: it must stay removed after the failover.
         let removed: Vec<String> = live.iter().filter(|k| k.starts_with(&format!("r{round}-"))).step_by(3).cloned().collect();
         for k in &removed {
@@ -1391,6 +1407,8 @@ fn store_bench_ha_reports_every_figure() {
         "a standby linking to a leader of",
         "the same reads meanwhile (requests):",
         "the same puts meanwhile (requests):",
+        "two written under a put load",
+        "another client's puts meanwhile (requests):",
     ] {
         assert!(out.contains(figure), "the report has {figure:?}: {out}");
     }

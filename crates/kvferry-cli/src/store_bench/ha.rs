@@ -332,6 +332,100 @@ fn journal_bytes(etcd: &EtcdClient, cluster: &str) -> Result<(u64, usize), Strin
     Ok((kvs.iter().map(|(k, kv)| (k.len() + kv.value.len()) as u64).sum(), kvs.len()))
 }
 
+/// Reads of `key`, back to back on one connection to `addr`, until `stop`: how long each
+/// request (`GetReplicaList`, then `ReleaseReads`) waited for its answer. Pings for `clients`
+/// every second, untimed (clients that filled the master and ping no more: the master must
+/// not drop them and their objects meanwhile).
+fn read_waits(addr: &str, stop: &std::sync::atomic::AtomicBool, key: &str, clients: std::ops::Range<u64>) -> Result<Vec<f64>, String> {
+    let mut conn = std::net::TcpStream::connect(addr).map_err(|e| format!("{addr}: {e}"))?;
+    let _ = conn.set_nodelay(true);
+    let get = Request::GetReplicaList { key: key.into() };
+    let (mut waits, mut pinged) = (Vec::new(), Instant::now());
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        if pinged.elapsed() >= Duration::from_secs(1) {
+            for client in clients.clone() {
+                let _ = call(&mut conn, &Request::Ping { client });
+            }
+            pinged = Instant::now();
+        }
+        let t = Instant::now();
+        // (Each read ended as a client ends it, its lease released: that request's wait
+        // counts too, as the lock may be taken while it waits.)
+        match call(&mut conn, &get) {
+            Some(Response::ReplicaList(l)) => {
+                waits.push(t.elapsed().as_secs_f64() * 1e3);
+                let t = Instant::now();
+                match call(&mut conn, &Request::ReleaseReads { ids: vec![l.read_id] }) {
+                    Some(Response::Ok) => waits.push(t.elapsed().as_secs_f64() * 1e3),
+                    r => return Err(format!("a read's release was answered {r:?}")),
+                }
+            }
+            r => return Err(format!("a read of {key} was answered {r:?}")),
+        }
+        if waits.len() > 10_000_000 {
+            break;
+        }
+    }
+    Ok(waits)
+}
+
+/// Puts of new keys (one key per request, `PutStart` then `PutEnd`), back to back on one
+/// connection to `addr` as client `client` (its segment mounted first), until `stop`: how
+/// long each request waited.
+fn put_waits(addr: &str, stop: &std::sync::atomic::AtomicBool, client: u64) -> Result<Vec<f64>, String> {
+    let mut conn = std::net::TcpStream::connect(addr).map_err(|e| format!("{addr}: {e}"))?;
+    let _ = conn.set_nodelay(true);
+    let seg = Segment { id: client, name: format!("bench-{client}"), te_endpoint: format!("127.0.0.1:{client}"), base: client << 44, size: 1 << 40 };
+    match call(&mut conn, &Request::MountSegment { client, segment: seg }) {
+        Some(Response::Ok) => {}
+        r => return Err(format!("the measuring writer (client {client}) could not mount its segment on the leader at {addr}: answered {r:?} (None: the connection failed)")),
+    }
+    let (mut waits, mut pinged, mut n) = (Vec::new(), Instant::now(), 0u64);
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        if pinged.elapsed() >= Duration::from_secs(1) {
+            let _ = call(&mut conn, &Request::Ping { client });
+            pinged = Instant::now();
+        }
+        n += 1;
+        let key = format!("waitput-{client}-{n}");
+        let t = Instant::now();
+        match call(&mut conn, &Request::PutStart { client, key: key.clone(), size: 4096, config: ReplicateConfig::default(), upsert: false, put: n }) {
+            Some(Response::Replicas(_)) => waits.push(t.elapsed().as_secs_f64() * 1e3),
+            r => return Err(format!("a put was answered {r:?}")),
+        }
+        let t = Instant::now();
+        match call(&mut conn, &Request::PutEnd { client, key, put: n }) {
+            Some(Response::Ok) => waits.push(t.elapsed().as_secs_f64() * 1e3),
+            r => return Err(format!("a put's end was answered {r:?}")),
+        }
+    }
+    Ok(waits)
+}
+
+/// Request count, p50, p99 and the longest of `w` (milliseconds).
+fn wait_summary(mut w: Vec<f64>) -> String {
+    w.sort_by(f64::total_cmp);
+    let at = |q: f64| w.get(((w.len() as f64 * q) as usize).min(w.len().saturating_sub(1))).copied().unwrap_or(0.0);
+    format!("{} requests, p50 {:.3} ms, p99 {:.3} ms, longest {:.1} ms", w.len(), at(0.5), at(0.99), w.last().copied().unwrap_or(0.0))
+}
+
+/// The clients that fill a master ([`fill`]), and ping no more afterwards.
+const FILL_CLIENTS: std::ops::Range<u64> = FIRST_CLIENT..FIRST_CLIENT + 16;
+
+/// Puts objects into the master `m` serving `addr` (16 connections x 128 keys, keys
+/// `{tag}{round}-...`) until it holds `target`: how many it holds then.
+fn fill(m: &Master, addr: &str, target: usize, tag: &str) -> Result<usize, String> {
+    let mut round = 0;
+    while m.lock().summary().keys < target {
+        let _ = put_rate(addr, (FILL_CLIENTS.end - FILL_CLIENTS.start) as usize, 128, Duration::from_secs(1), &format!("{tag}{round}"), false, || ());
+        round += 1;
+        if round > 600 {
+            return Err(format!("the leader holds {} objects after {round} s of puts, {target} asked", m.lock().summary().keys));
+        }
+    }
+    Ok(m.lock().summary().keys)
+}
+
 pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     // (Checked before anything is reached.)
     let pinning = a.ha_standby_cpu.map(CpuSplit::new).transpose()?;
@@ -602,90 +696,11 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: link_cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Standbys };
         ha::start(cfg(&addr), Arc::clone(&m))?;
         wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
-        let target = a.ha_link_objects as usize;
-        let mut round = 0;
-        const FILL_CLIENTS: std::ops::Range<u64> = FIRST_CLIENT..FIRST_CLIENT + 16;
-        while m.lock().summary().keys < target {
-            let _ = put_rate(&addr, (FILL_CLIENTS.end - FILL_CLIENTS.start) as usize, 128, Duration::from_secs(1), &format!("link{round}"), false, || ());
-            round += 1;
-            if round > 600 {
-                return Err(format!("the link part's leader holds {} objects after {round} s of puts, {target} asked", m.lock().summary().keys));
-            }
-        }
-        let objects = m.lock().summary().keys;
+        let objects = fill(&m, &addr, a.ha_link_objects as usize, "link")?;
         let stop = std::sync::atomic::AtomicBool::new(false);
-        // Reads of one key, back to back on one connection, until `stop`: how long each
-        // request (`GetReplicaList`, then `ReleaseReads`) waited for its answer.
-        let reads = |stop: &std::sync::atomic::AtomicBool| -> Result<Vec<f64>, String> {
-            let mut conn = std::net::TcpStream::connect(&addr).map_err(|e| format!("{addr}: {e}"))?;
-            let _ = conn.set_nodelay(true);
-            let get = Request::GetReplicaList { key: "link0-0-0".into() };
-            let (mut waits, mut pinged) = (Vec::new(), Instant::now());
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                // (The filling clients ping no more: pinged for them, untimed, so that the
-                // master does not drop them and their objects while this part runs.)
-                if pinged.elapsed() >= Duration::from_secs(1) {
-                    for client in FILL_CLIENTS {
-                        let _ = call(&mut conn, &Request::Ping { client });
-                    }
-                    pinged = Instant::now();
-                }
-                let t = Instant::now();
-                // (Each read ended as a client ends it, its lease released: that request's
-                // wait counts too, as the lock may be taken while it waits.)
-                match call(&mut conn, &get) {
-                    Some(Response::ReplicaList(l)) => {
-                        waits.push(t.elapsed().as_secs_f64() * 1e3);
-                        let t = Instant::now();
-                        match call(&mut conn, &Request::ReleaseReads { ids: vec![l.read_id] }) {
-                            Some(Response::Ok) => waits.push(t.elapsed().as_secs_f64() * 1e3),
-                            r => return Err(format!("a read's release during the link part was answered {r:?}")),
-                        }
-                    }
-                    r => return Err(format!("a read during the link part was answered {r:?}")),
-                }
-                if waits.len() > 10_000_000 {
-                    break;
-                }
-            }
-            Ok(waits)
-        };
-        // Puts of new keys (one key per request, `PutStart` then `PutEnd`), back to back on
-        // one connection as client `client`, until `stop`: how long each request waited.
-        let puts = |stop: &std::sync::atomic::AtomicBool, client: u64| -> Result<Vec<f64>, String> {
-            let mut conn = std::net::TcpStream::connect(&addr).map_err(|e| format!("{addr}: {e}"))?;
-            let _ = conn.set_nodelay(true);
-            let seg = Segment { id: client, name: format!("bench-{client}"), te_endpoint: format!("127.0.0.1:{client}"), base: client << 44, size: 1 << 40 };
-            match call(&mut conn, &Request::MountSegment { client, segment: seg }) {
-                Some(Response::Ok) => {}
-                r => return Err(format!("the link part's writer (client {client}) could not mount its segment on the leader at {addr}: answered {r:?} (None: the connection failed)")),
-            }
-            let (mut waits, mut pinged, mut n) = (Vec::new(), Instant::now(), 0u64);
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                if pinged.elapsed() >= Duration::from_secs(1) {
-                    let _ = call(&mut conn, &Request::Ping { client });
-                    pinged = Instant::now();
-                }
-                n += 1;
-                let key = format!("linkput-{client}-{n}");
-                let t = Instant::now();
-                match call(&mut conn, &Request::PutStart { client, key: key.clone(), size: 4096, config: ReplicateConfig::default(), upsert: false, put: n }) {
-                    Some(Response::Replicas(_)) => waits.push(t.elapsed().as_secs_f64() * 1e3),
-                    r => return Err(format!("a put during the link part was answered {r:?}")),
-                }
-                let t = Instant::now();
-                match call(&mut conn, &Request::PutEnd { client, key, put: n }) {
-                    Some(Response::Ok) => waits.push(t.elapsed().as_secs_f64() * 1e3),
-                    r => return Err(format!("a put's end during the link part was answered {r:?}")),
-                }
-            }
-            Ok(waits)
-        };
-        let summary = |mut w: Vec<f64>| {
-            w.sort_by(f64::total_cmp);
-            let at = |q: f64| w.get(((w.len() as f64 * q) as usize).min(w.len().saturating_sub(1))).copied().unwrap_or(0.0);
-            format!("{} requests, p50 {:.3} ms, p99 {:.3} ms, longest {:.1} ms", w.len(), at(0.5), at(0.99), w.last().copied().unwrap_or(0.0))
-        };
+        let reads = |stop: &std::sync::atomic::AtomicBool| read_waits(&addr, stop, "link0-0-0", FILL_CLIENTS);
+        let puts = |stop: &std::sync::atomic::AtomicBool, client: u64| put_waits(&addr, stop, client);
+        let summary = wait_summary;
         let (before, puts_before) = std::thread::scope(|s| {
             let (h, w) = (s.spawn(|| reads(&stop)), s.spawn(|| puts(&stop, 77_001)));
             std::thread::sleep(Duration::from_secs(1));
@@ -738,6 +753,50 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         println!("  another client's puts before (requests): {}", summary(puts_before));
         println!("  the same puts meanwhile (requests):      {}", summary(puts_during));
         drop(standby);
+        drop(server);
+    }
+
+    // 5. An etcd snapshot of a leader of `--ha-link-objects` objects (the etcd journal alone,
+    //    as with no standby in sync), written while the fill's load goes on: how long one
+    //    client's reads and another's puts waited meanwhile.
+    if part("snapshot") {
+        let (m, server, addr) = serve()?;
+        let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: format!("{rate_cluster}-snapshot"), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd };
+        ha::start(cfg, Arc::clone(&m))?;
+        wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
+        let objects = fill(&m, &addr, a.ha_link_objects as usize, "snap")?;
+        let before = m.journal.stats().snapshots;
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let (reads, puts, took) = std::thread::scope(|s| -> Result<_, String> {
+            let (h, w) = (s.spawn(|| read_waits(&addr, &stop, "snap0-0-0", FILL_CLIENTS)), s.spawn(|| put_waits(&addr, &stop, 77_003)));
+            let load = s.spawn(|| {
+                let mut round = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = put_rate(&addr, (FILL_CLIENTS.end - FILL_CLIENTS.start) as usize, 128, Duration::from_millis(250), &format!("snapload{round}"), false, || ());
+                    round += 1;
+                }
+            });
+            let t = Instant::now();
+            let until = t + Duration::from_secs(120);
+            // A snapshot begun and written in full after the load started (one in progress
+            // then counts only if it ends later: the next one is waited for too).
+            while m.journal.stats().snapshots < before + 2 && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let took = t.elapsed();
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let _ = load.join();
+            let reads = h.join().map_err(|_| "the reader panicked".to_string())??;
+            let puts = w.join().map_err(|_| "the writer panicked".to_string())??;
+            if m.journal.stats().snapshots < before + 2 {
+                return Err(format!("the snapshot part's leader wrote {} snapshots in 120 s of puts", m.journal.stats().snapshots - before));
+            }
+            Ok((reads, puts, took))
+        })?;
+        let st = m.journal.stats();
+        println!("etcd snapshots of a leader of {objects} objects and more ({} bytes the last), two written under a put load (16 connections x 128 keys) in {:.2} s", st.snapshot_bytes, took.as_secs_f64());
+        println!("  one client's reads meanwhile (requests): {}", wait_summary(reads));
+        println!("  another client's puts meanwhile (requests): {}", wait_summary(puts));
         drop(server);
     }
 

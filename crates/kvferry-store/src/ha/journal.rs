@@ -59,6 +59,10 @@ struct Frozen {
 /// last snapshot.
 pub const SNAPSHOT_MIN: u64 = 8 << 20;
 
+/// How many of an image's changes a snapshot encodes at a time ([`Writer::write_snapshot`]):
+/// a few chunks' worth.
+const SNAPSHOT_PART: usize = 16_384;
+
 /// `journal/head`: where the current snapshot is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Head {
@@ -1161,16 +1165,7 @@ impl Writer<'_> {
                 self.seq
             }
         };
-        let (changes, ticket) = {
-            let mut q = self.master.journal.q();
-            if q.term != self.term() || q.failed {
-                return None;
-            }
-            q.take()
-        };
-        if !changes.is_empty() {
-            self.commit(changes, ticket)?;
-        }
+        self.commit_what_is_queued()?;
         Some(at)
     }
 
@@ -1284,7 +1279,7 @@ impl Writer<'_> {
             self.broadcast(queued)?;
         }
         let cleared = Some((self.insync_key.clone(), InSync { term: self.term(), members: Vec::new() }.to_bytes()));
-        self.write_snapshot(image, cleared)?;
+        self.write_snapshot(image, self.seq, cleared, false)?;
         if let Some(s) = self.sync.as_mut() {
             s.insync.clear();
             s.release.clear();
@@ -1296,34 +1291,69 @@ impl Writer<'_> {
     }
 
     /// Writes a snapshot of the state after everything queued, then deletes the log it covers
-    /// and the previous snapshot.
+    /// and the previous snapshot. Requests are not held for it: what they queue is committed
+    /// to the log between the image's pieces and between the snapshot's chunks, after the
+    /// image's position, which the snapshot's head names.
     fn snapshot(&mut self) -> Option<()> {
-        let (queued, upto, image) = self.freeze()?;
-        if queued.is_empty() {
-            self.master.journal.done(upto);
-        } else {
-            self.commit(queued, upto)?;
-        }
-        self.write_snapshot(image, None)
+        let Frozen { image, seq, .. } = self.image_in_pieces(true)?;
+        let at = seq.unwrap_or(self.seq);
+        self.write_snapshot(image, at, None, true)
     }
 
-    /// Writes `image` as the snapshot after entry `self.seq`: its chunks, then the head (with
-    /// `also` in the same transaction) deleting the log it covers, then the previous snapshot.
-    fn write_snapshot(&mut self, image: Vec<Change>, also: Option<(String, Vec<u8>)>) -> Option<()> {
+    /// Commits what requests queued (their changes, completing their ticket).
+    fn commit_what_is_queued(&mut self) -> Option<()> {
+        let (changes, ticket) = {
+            let mut q = self.master.journal.q();
+            if q.term != self.term() || q.failed {
+                return None;
+            }
+            q.take()
+        };
+        if !changes.is_empty() {
+            self.commit(changes, ticket)?;
+        }
+        Some(())
+    }
+
+    /// Writes `image` as the snapshot after entry `at`: its chunks, then the head (with `also`
+    /// in the same transaction) deleting the log up to `at`, then the previous snapshot. With
+    /// `commit_between`, what requests queue meanwhile is committed after each chunk and once
+    /// more before the head (log entries after `at`, which the head keeps): so every change
+    /// the image shows is in the log before the head names it.
+    fn write_snapshot(&mut self, image: Vec<Change>, at: u64, also: Option<(String, Vec<u8>)>, commit_between: bool) -> Option<()> {
         let j = &self.master.journal;
-        let chunks = encode_chunks(&image).ok()?;
-        let dir = snap_dir(&self.prefix, self.seq);
+        let log_before = j.stats().log_bytes;
+        let dir = snap_dir(&self.prefix, at);
         // (Chunks a leader that died mid-snapshot left under this number.)
         self.txn(&[], Some((&dir, &prefix_end(&dir))))?;
-        let bytes: u64 = chunks.iter().map(|c| c.len() as u64).sum();
-        let n = chunks.len() as u32;
-        for (i, c) in chunks.into_iter().enumerate() {
-            self.txn(&[(format!("{dir}{i:08x}"), c)], None)?;
+        let (mut bytes, mut n) = (0u64, 0u32);
+        // Encoded a part at a time, so that requests committed between chunks do not wait
+        // for the whole image's encoding either.
+        for part in image.chunks(SNAPSHOT_PART) {
+            let chunks = match encode_chunks(part) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!("HA journal: {e}");
+                    return None;
+                }
+            };
+            for c in chunks {
+                bytes += c.len() as u64;
+                self.txn(&[(format!("{dir}{n:08x}"), c)], None)?;
+                n += 1;
+                if commit_between {
+                    self.commit_what_is_queued()?;
+                }
+            }
         }
-        let head = Head { seq: self.seq, chunks: n, bytes };
+        drop(image);
+        if commit_between {
+            self.commit_what_is_queued()?;
+        }
+        let head = Head { seq: at, chunks: n, bytes };
         let head_bytes = postcard::to_stdvec(&head).ok()?;
         let log_from = format!("{}log/", self.prefix);
-        let log_to = log_key(&self.prefix, self.seq + 1);
+        let log_to = log_key(&self.prefix, at + 1);
         let mut puts = vec![(format!("{}head", self.prefix), head_bytes)];
         puts.extend(also);
         let rev = self.txn(&puts, Some((&log_from, &log_to)))?;
@@ -1338,9 +1368,11 @@ impl Writer<'_> {
         j.set_stats(|s| {
             s.snapshots += 1;
             s.snapshot_bytes = bytes;
-            s.log_bytes = 0;
+            // (What was appended after the image's position stays: about what was appended
+            // while the chunks were written.)
+            s.log_bytes = s.log_bytes.saturating_sub(log_before);
         });
-        tracing::info!(term = self.term(), seq = self.seq, bytes, chunks = n, "HA journal: snapshot written, log compacted");
+        tracing::info!(term = self.term(), seq = at, last = self.seq, bytes, chunks = n, "HA journal: snapshot written, log compacted");
         Some(())
     }
 
