@@ -378,6 +378,9 @@ pub struct JournalStats {
     /// Size of the current snapshot.
     pub snapshot_bytes: u64,
     pub snapshots: u64,
+    /// How long the last snapshot's chunks and head took to encode and write (milliseconds;
+    /// a rebase's requests wait that long).
+    pub snapshot_write_ms: u64,
     /// Collections queued and not yet durable.
     pub lag: u64,
     /// The last sequence number written.
@@ -1322,6 +1325,7 @@ impl Writer<'_> {
     /// the image shows is in the log before the head names it.
     fn write_snapshot(&mut self, image: Vec<Change>, at: u64, also: Option<(String, Vec<u8>)>, commit_between: bool) -> Option<()> {
         let j = &self.master.journal;
+        let started = Instant::now();
         let log_before = j.stats().log_bytes;
         let dir = snap_dir(&self.prefix, at);
         // (Chunks a leader that died mid-snapshot left under this number.)
@@ -1368,6 +1372,7 @@ impl Writer<'_> {
         j.set_stats(|s| {
             s.snapshots += 1;
             s.snapshot_bytes = bytes;
+            s.snapshot_write_ms = started.elapsed().as_millis() as u64;
             // (What was appended after the image's position stays: about what was appended
             // while the chunks were written.)
             s.log_bytes = s.log_bytes.saturating_sub(log_before);
