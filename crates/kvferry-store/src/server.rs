@@ -117,6 +117,15 @@ struct Busy {
     waiting: bool,
 }
 
+/// A poller's place ([`Spin::slot`]).
+struct Slot<'a>(&'a AtomicUsize);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// How long HA replication's readers poll for their next frame ([`Spin::for_replication`]).
 const REPLICATION_POLL: Duration = Duration::from_micros(100);
 
@@ -523,53 +532,50 @@ impl Spin {
     /// kernel). Reads nothing.
     pub(crate) fn readable(&self, s: &TcpStream) -> bool {
         use rustix::net::{recv, RecvFlags};
+        let Some(_slot) = self.slot() else { return false };
+        let start = Instant::now();
+        let mut byte = [0u8; 1];
+        loop {
+            match recv(s, &mut byte, RecvFlags::DONTWAIT | RecvFlags::PEEK) {
+                Ok(_) => return true, // (0: closed, which the read then finds)
+                Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) if start.elapsed() < self.bound => std::hint::spin_loop(),
+                Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => return false,
+                Err(_) => return true, // (the read reports it)
+            }
+        }
+    }
+
+    /// A place among the pollers, given back when dropped; `None` when nothing polls here
+    /// (no bound) or the limit already poll.
+    fn slot(&self) -> Option<Slot<'_>> {
         if self.bound.is_zero() {
-            return false;
+            return None;
         }
         if self.polling.fetch_add(1, Ordering::AcqRel) >= self.limit {
             self.polling.fetch_sub(1, Ordering::AcqRel);
-            return false;
+            return None;
         }
-        let start = Instant::now();
-        let mut byte = [0u8; 1];
-        let r = loop {
-            match recv(s, &mut byte, RecvFlags::DONTWAIT | RecvFlags::PEEK) {
-                Ok(_) => break true, // (0: closed, which the read then finds)
-                Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) if start.elapsed() < self.bound => std::hint::spin_loop(),
-                Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => break false,
-                Err(_) => break true, // (the read reports it)
-            }
-        };
-        self.polling.fetch_sub(1, Ordering::AcqRel);
-        r
+        Some(Slot(&self.polling))
     }
 
     /// Polls `s` for up to 4 bytes (into `prefix`) within the bound, if fewer than the limit
     /// poll already: how many arrived.
     fn poll(&self, s: &TcpStream, prefix: &mut [u8; 4]) -> std::io::Result<usize> {
         use rustix::net::{recv, RecvFlags};
-        if self.bound.is_zero() {
-            return Ok(0);
-        }
-        if self.polling.fetch_add(1, Ordering::AcqRel) >= self.limit {
-            self.polling.fetch_sub(1, Ordering::AcqRel);
-            return Ok(0);
-        }
+        let Some(_slot) = self.slot() else { return Ok(0) };
         let mut got = 0usize;
         let start = Instant::now();
-        let r = loop {
+        loop {
             if got == 4 || start.elapsed() >= self.bound {
-                break Ok(got);
+                return Ok(got);
             }
             match recv(s, &mut prefix[got..], RecvFlags::DONTWAIT) {
-                Ok((0, _)) => break Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok((0, _)) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
                 Ok((n, _)) => got += n,
                 Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => std::hint::spin_loop(),
-                Err(e) => break Err(e.into()),
+                Err(e) => return Err(e.into()),
             }
-        };
-        self.polling.fetch_sub(1, Ordering::AcqRel);
-        r
+        }
     }
 }
 
