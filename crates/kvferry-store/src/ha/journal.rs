@@ -1080,15 +1080,9 @@ impl Writer<'_> {
         Some(())
     }
 
-    /// Under the state's lock: what is marked goes to the queue, and the image starts from
-    /// the state after exactly everything queued. The queued changes (to be committed before
-    /// the image counts), the ticket they complete, and the image; `None` when the term
-    /// ended. See [`Writer::image_in_pieces`].
-    fn freeze(&mut self) -> Option<(Vec<Change>, u64, Vec<Change>)> {
-        self.image_in_pieces(false).map(|f| (f.queued, f.upto, f.image))
-    }
-
-    /// An image of the state, its objects taken in pieces: the lock is let go whenever one
+    /// An image of the state, its objects taken in pieces, starting from the state after
+    /// exactly everything queued (what was marked goes to the queue first; `None` when the
+    /// term ended): the lock is let go whenever one
     /// hold reached [`IMAGE_HOLD`] (a million objects took 0.4 s in one hold in a leader,
     /// every request of the master waiting: `cargo run --release -p kvferry-store --example
     /// image_pause`); what requests change in between is queued after `upto` and follows the
@@ -1276,7 +1270,9 @@ impl Writer<'_> {
     /// snapshot, and empties the set in the same transaction as the journal's new head; from
     /// then on changes are appended to etcd again.
     fn rebase(&mut self) -> Option<()> {
-        let (queued, upto, image) = self.freeze()?;
+        // (Nothing is committed between the image's pieces: until the snapshot's head is in
+        // etcd nothing can be made durable there.)
+        let Frozen { queued, upto, image, .. } = self.image_in_pieces(false)?;
         self.seq += 1;
         if !queued.is_empty() {
             self.broadcast(queued)?;

@@ -314,9 +314,10 @@ impl Image {
 
     /// Drops every kept replica overlapping a contested range (`(segment, start, end)`): of
     /// objects naming the same bytes none is served, whichever was rebuilt first. Objects left
-    /// without replicas go. A corrupt journal has contested ranges, and so may a snapshot taken in
-    /// pieces whose following log entries were never written (an object removed or evicted
-    /// and its space given to a new one between two pieces: both are in it).
+    /// without replicas go. A corrupt journal has contested ranges, and so may a rebase's snapshot
+    /// (taken in pieces, nothing committed meanwhile) whose following log entries were never
+    /// written (an object removed or evicted and its space given to a new one between two
+    /// pieces: both are in it).
     fn drop_contested(st: &mut State, mut contested: Vec<(u64, u64, u64)>, report: &mut Rebuilt) {
         contested.sort_unstable();
         let hit = |r: &Replica| super::overlaps_any(&contested, r);
