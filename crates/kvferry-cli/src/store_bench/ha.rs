@@ -417,7 +417,7 @@ const FILL_CLIENTS: std::ops::Range<u64> = FIRST_CLIENT..FIRST_CLIENT + 16;
 fn fill(m: &Master, addr: &str, target: usize, tag: &str) -> Result<usize, String> {
     let mut round = 0;
     while m.lock().summary().keys < target {
-        let _ = put_rate(addr, (FILL_CLIENTS.end - FILL_CLIENTS.start) as usize, 128, Duration::from_secs(1), &format!("{tag}{round}"), false, || ());
+        let _ = put_rate(addr, FILL_CLIENTS.count(), 128, Duration::from_secs(1), &format!("{tag}{round}"), false, || ());
         round += 1;
         if round > 600 {
             return Err(format!("the leader holds {} objects after {round} s of puts, {target} asked", m.lock().summary().keys));
@@ -689,7 +689,8 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
 
     // 3. A standby linking to a leader of many objects (started after it, or restarted): the
     //    leader takes an image of its whole state for it, in pieces under short holds of the
-    //    state's lock; how long one client's reads waited meanwhile, against before.
+    //    state's lock; how long one client's reads and another's puts waited meanwhile,
+    //    against before.
     if part("link") {
         let (m, server, addr) = serve()?;
         let link_cluster = format!("{rate_cluster}-link");
@@ -699,10 +700,8 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         let objects = fill(&m, &addr, a.ha_link_objects as usize, "link")?;
         let stop = std::sync::atomic::AtomicBool::new(false);
         let reads = |stop: &std::sync::atomic::AtomicBool| read_waits(&addr, stop, "link0-0-0", FILL_CLIENTS);
-        let puts = |stop: &std::sync::atomic::AtomicBool, client: u64| put_waits(&addr, stop, client);
-        let summary = wait_summary;
         let (before, puts_before) = std::thread::scope(|s| {
-            let (h, w) = (s.spawn(|| reads(&stop)), s.spawn(|| puts(&stop, 77_001)));
+            let (h, w) = (s.spawn(|| reads(&stop)), s.spawn(|| put_waits(&addr, &stop, 77_001)));
             std::thread::sleep(Duration::from_secs(1));
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             let r = h.join().map_err(|_| "the reader panicked".to_string())?;
@@ -711,7 +710,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         })?;
         stop.store(false, std::sync::atomic::Ordering::Relaxed);
         let (during, puts_during, took, standby) = std::thread::scope(|s| -> Result<_, String> {
-            let (h, w) = (s.spawn(|| reads(&stop)), s.spawn(|| puts(&stop, 77_002)));
+            let (h, w) = (s.spawn(|| reads(&stop)), s.spawn(|| put_waits(&addr, &stop, 77_002)));
             let t = Instant::now();
             let linked = (|| -> Result<_, String> {
                 let (sm, sserver, saddr) = serve()?;
@@ -748,15 +747,15 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             return Err(format!("after the link the standby's mirror holds {mirrored} objects, the leader {leader_keys}"));
         }
         println!("a standby linking to a leader of {objects} objects: in sync {:.2} s after it started; its mirror then held the leader's {leader_keys} objects", took.as_secs_f64());
-        println!("  one client's reads before (requests): {}", summary(before));
-        println!("  the same reads meanwhile (requests):  {}", summary(during));
-        println!("  another client's puts before (requests): {}", summary(puts_before));
-        println!("  the same puts meanwhile (requests):      {}", summary(puts_during));
+        println!("  one client's reads before (requests): {}", wait_summary(before));
+        println!("  the same reads meanwhile (requests):  {}", wait_summary(during));
+        println!("  another client's puts before (requests): {}", wait_summary(puts_before));
+        println!("  the same puts meanwhile (requests):      {}", wait_summary(puts_during));
         drop(standby);
         drop(server);
     }
 
-    // 5. An etcd snapshot of a leader of `--ha-link-objects` objects (the etcd journal alone,
+    // 4. An etcd snapshot of a leader of `--ha-link-objects` objects (the etcd journal alone,
     //    as with no standby in sync), written while the fill's load goes on: how long one
     //    client's reads and another's puts waited meanwhile.
     if part("snapshot") {
@@ -772,7 +771,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             let load = s.spawn(|| {
                 let mut round = 0;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let _ = put_rate(&addr, (FILL_CLIENTS.end - FILL_CLIENTS.start) as usize, 128, Duration::from_millis(250), &format!("snapload{round}"), false, || ());
+                    let _ = put_rate(&addr, FILL_CLIENTS.count(), 128, Duration::from_millis(250), &format!("snapload{round}"), false, || ());
                     round += 1;
                 }
             });
@@ -800,7 +799,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         drop(server);
     }
 
-    // 4. Failover: two master processes, a serving client, objects put, the leader killed
+    // 5. Failover: two master processes, a serving client, objects put, the leader killed
     //    once the other master is in sync (the failover is from its mirror).
     let mut lost = 0;
     if part("failover") {
