@@ -851,13 +851,15 @@ impl Release {
         }
         drop(p);
         if n > 0 {
-            // Tickets only grow: a concurrent release of an earlier one is a no-op after this
-            // (as is ticket 0, only pieces released).
-            self.core.done_in(self.term, upto);
+            // Counted before the answers go out: a client that got its answer then sees it
+            // in `/ha_status`.
             self.core.set_stats(|s| {
                 s.streamed += n;
                 s.stream_wait_us += waited;
             });
+            // Tickets only grow: a concurrent release of an earlier one is a no-op after this
+            // (as is ticket 0, only pieces released).
+            self.core.done_in(self.term, upto);
         }
     }
 }
