@@ -20,8 +20,13 @@
 //! - an HA master removes nothing unless it leads with a lease it can prove (a deposed
 //!   leader that wakes from a pause expires every client).
 //!
-//! A restarted engine that publishes between the probe and the removal loses its entries
-//! (a window of one metadata round trip); HTTP and Redis offer no compare-and-delete.
+//! - what is removed is what was looked at before the probe, and only if unchanged
+//!   ([`MetadataStore::remove_if`]): an engine that restarts under the name between the
+//!   look and the removal writes both entries again, and those stay (etcd compares the
+//!   writes' revisions, `kvferry metadata-server` its `ETag`, Redis the values, which
+//!   differ because each kvferry `rpc_meta` write carries a random number). Against
+//!   Mooncake's own HTTP servers the compare is a look before the removal: a window of one
+//!   round trip is left there.
 //!
 //! What this is not: on the master's request path. The tick only queues names; one worker
 //! thread talks to the service, so a slow or unreachable service delays nothing but the
@@ -103,36 +108,44 @@ pub enum Outcome {
     Removed,
     /// Its engine answers at this address.
     Alive(String),
+    /// An entry was written again after the look (an engine restarted under the name): what
+    /// was written since stays.
+    Rewritten,
     Failed(String),
 }
 
 /// Removes segment `name`'s `ram` and `rpc_meta` entries from `store`, unless the engine its
-/// `rpc_meta` names answers `probe` (an entry that does not decode names no engine).
+/// `rpc_meta` names answers `probe` (an entry that does not decode names no engine), and
+/// each only if it still holds what was looked at before the probe.
 pub fn clean(store: &dyn MetadataStore, keys: &Keys, probe: &dyn Fn(&RpcMeta) -> bool, name: &str) -> Outcome {
-    let rpc_key = keys.rpc_meta(name);
-    match store.get(&rpc_key) {
-        Err(e) => return Outcome::Failed(format!("reading {rpc_key}: {e}")),
-        Ok(Some(v)) => {
-            if let Ok(m) = decode_rpc_meta(&v) {
-                if probe(&m) {
-                    return Outcome::Alive(format!("{}:{}", m.ip_or_host_name, m.rpc_port));
-                }
-            }
+    let (ram_key, rpc_key) = (keys.ram(name), keys.rpc_meta(name));
+    let look = |key: &String| store.get_seen(key).map_err(|e| Outcome::Failed(format!("reading {key}: {e}")));
+    // rpc_meta first, as an engine registers: a restart after this look rewrites it.
+    let (rpc, ram) = match look(&rpc_key).and_then(|rpc| Ok((rpc, look(&ram_key)?))) {
+        Ok(seen) => seen,
+        Err(out) => return out,
+    };
+    if let Some(m) = rpc.as_ref().and_then(|s| decode_rpc_meta(&s.value).ok()) {
+        if probe(&m) {
+            return Outcome::Alive(format!("{}:{}", m.ip_or_host_name, m.rpc_port));
         }
-        Ok(None) => {}
     }
     // The descriptor first, as an engine withdraws: rpc_meta is what a restarted engine
     // checks before it takes the name over.
-    let mut errs = Vec::new();
-    for key in [keys.ram(name), rpc_key] {
-        if let Err(e) = store.remove(&key) {
-            errs.push(format!("removing {key}: {e}"));
+    let (mut errs, mut kept) = (Vec::new(), false);
+    for (key, seen) in [(ram_key, ram), (rpc_key, rpc)] {
+        let Some(seen) = seen else { continue };
+        match store.remove_if(&key, &seen) {
+            Ok(removed) => kept |= !removed,
+            Err(e) => errs.push(format!("removing {key}: {e}")),
         }
     }
-    if errs.is_empty() {
-        Outcome::Removed
-    } else {
+    if !errs.is_empty() {
         Outcome::Failed(errs.join("; "))
+    } else if kept {
+        Outcome::Rewritten
+    } else {
+        Outcome::Removed
     }
 }
 
@@ -177,6 +190,10 @@ impl Worker {
                     Outcome::Alive(at) => {
                         self.stats.kept.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(segment = %name, engine = %at, "kept the metadata entries of a dropped segment: its engine answers (it lost only this master, or restarted under the same name)");
+                    }
+                    Outcome::Rewritten => {
+                        self.stats.kept.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(segment = %name, "kept the metadata entries of a dropped segment: they were written again while it looked (an engine restarted under the same name)");
                     }
                     Outcome::Failed(why) if left > 0 => {
                         tracing::warn!(segment = %name, "metadata cleanup failed ({why}); retrying in {:?}", self.retry_after);
@@ -296,6 +313,34 @@ mod tests {
         assert_eq!(*probed.lock().unwrap(), vec![1, 2], "only decodable rpc_meta entries are probed");
         m.fail.store(true, Ordering::Relaxed);
         assert!(matches!(clean(&m, &keys, &probe, "other:3"), Outcome::Failed(e) if e.contains("unreachable")));
+    }
+
+    /// An engine that restarts under the name while its old entries are probed (here: the
+    /// probe itself writes them again, as the restarted engine would between the look and
+    /// the removal) keeps what it wrote; an entry changed behind one that did not is the
+    /// only one kept.
+    #[test]
+    fn entries_written_again_after_the_look_stay() {
+        let m = Mem::default();
+        let keys = Keys::new(None);
+        register(&m, &keys, "phoenix:1", 1);
+        let again = |_: &RpcMeta| {
+            m.put(&keys.rpc_meta("phoenix:1"), br#"{"ip_or_host_name":"127.0.0.1","rpc_port":7}"#).unwrap();
+            m.put(&keys.ram("phoenix:1"), b"{\"reborn\":1}").unwrap();
+            false
+        };
+        assert_eq!(clean(&m, &keys, &again, "phoenix:1"), Outcome::Rewritten);
+        assert_eq!(m.get(&keys.rpc_meta("phoenix:1")).unwrap().as_deref(), Some(&br#"{"ip_or_host_name":"127.0.0.1","rpc_port":7}"#[..]));
+        assert_eq!(m.get(&keys.ram("phoenix:1")).unwrap().as_deref(), Some(&b"{\"reborn\":1}"[..]));
+        // Only the descriptor written again: the old rpc_meta goes, the new descriptor stays.
+        register(&m, &keys, "half:2", 2);
+        let ram_only = |_: &RpcMeta| {
+            m.put(&keys.ram("half:2"), b"{\"new\":2}").unwrap();
+            false
+        };
+        assert_eq!(clean(&m, &keys, &ram_only, "half:2"), Outcome::Rewritten);
+        assert!(!m.has("mooncake/rpc_meta/half:2"));
+        assert_eq!(m.get(&keys.ram("half:2")).unwrap().as_deref(), Some(&b"{\"new\":2}"[..]));
     }
 
     fn wait_for(what: &str, f: impl Fn() -> bool) {

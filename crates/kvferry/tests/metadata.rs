@@ -573,6 +573,42 @@ fn a_removal_of_what_was_seen_leaves_what_was_written_since() {
     }
 }
 
+/// An engine restarts at the address its dead entry names and registers again, while another
+/// engine that looked at the dead entry removes it "if unchanged": the restarted engine's
+/// entry stays. On etcd the write's revision tells them apart; on Redis only the value can,
+/// so each `rpc_meta` write carries a random number (before, the identical rewrite was
+/// removed and the restarted engine lost its name). The restarted engine also takes its own
+/// leftover back although its address answers (it is its own).
+#[test]
+fn a_restarted_engines_entry_is_not_taken_by_a_removal_of_its_dead_one() {
+    use kvferry::metadata::{decode_rpc_meta, Directory, RpcMeta};
+    let check = |url: &str| {
+        let keys = Keys::new(None);
+        let key = keys.rpc_meta("phoenix");
+        let meta = RpcMeta { ip_or_host_name: "127.0.0.1".into(), rpc_port: 4242 };
+        let first = Directory::new(raw_store(url), keys.clone());
+        first.publish_rpc_meta("phoenix", &meta, &|_| false).unwrap();
+        let other = raw_store(url);
+        let seen = other.get_seen(&key).unwrap().expect("the first incarnation's entry");
+        // (Dropped without withdrawing: a crash leaves the entry.)
+        std::mem::forget(first);
+        let again = Directory::new(raw_store(url), keys.clone());
+        again.publish_rpc_meta("phoenix", &meta, &|_| true).expect("an engine takes its own leftover back");
+        let now = other.get(&key).unwrap().expect("the new entry");
+        assert_ne!(now, seen.value, "{url}: a rewrite at the same address is a different value");
+        assert_eq!(decode_rpc_meta(&now).unwrap(), meta);
+        assert!(!other.remove_if(&key, &seen).unwrap(), "{url}: the removal of the dead entry took the restarted engine's");
+        assert_eq!(other.get(&key).unwrap(), Some(now), "{url}");
+        again.withdraw_all();
+    };
+    if let Some(svc) = Service::etcd() {
+        check(&svc.url());
+    }
+    if let Some(svc) = Service::redis() {
+        check(&svc.url());
+    }
+}
+
 #[test]
 fn redis_restarted_engines_reregister() {
     let Some(mut svc) = Service::redis() else { return };

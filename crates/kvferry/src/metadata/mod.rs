@@ -239,7 +239,9 @@ pub trait MetadataStore: Send + Sync {
     /// a dead engine's entry relies on, so that of engines replacing it at once none removes
     /// the entry another one just made. With a revision (etcd) the write itself is compared,
     /// so an identical entry written since (the dead engine restarted at its address) stays;
-    /// without one (Redis) the value is. The default (get, compare, remove) is not atomic;
+    /// without one (Redis) the value is, which tells writes apart for the entries kvferry
+    /// writes under a dead engine's name: its `rpc_meta` values carry a random number per
+    /// write ([`encode_rpc_meta`]). The default (get, compare, remove) is not atomic;
     /// etcd, Redis and HTTP override it with one that is (HTTP: against `kvferry
     /// metadata-server`, whose `ETag` and `If-Match` compare the write); Mooncake's HTTP
     /// contract has no such operation, so against its servers two engines replacing one dead
@@ -336,6 +338,17 @@ impl Keys {
     }
 }
 
+/// An `rpc_meta` value: Mooncake's two fields, and `kvferry_write`, this write's random
+/// number (16 hex digits; ignored by Mooncake and by [`decode_rpc_meta`]).
+pub fn encode_rpc_meta(meta: &RpcMeta, write: u64) -> Result<Vec<u8>> {
+    serde_json::to_vec(&serde_json::json!({
+        "ip_or_host_name": meta.ip_or_host_name,
+        "rpc_port": meta.rpc_port,
+        "kvferry_write": format!("{write:016x}"),
+    }))
+    .map_err(|e| Error::InvalidArgument(e.to_string()))
+}
+
 /// Decodes an `rpc_meta` value; the error names the missing or bad field.
 pub fn decode_rpc_meta(value: &[u8]) -> std::result::Result<RpcMeta, String> {
     let v: serde_json::Value = serde_json::from_slice(value).map_err(|e| format!("rpc_meta is not JSON: {e}"))?;
@@ -423,9 +436,16 @@ impl Directory {
     /// entry removed only if unchanged ([`MetadataStore::remove_if`]): of engines starting
     /// under one name at the same instant, or replacing the same dead one, one gets it and
     /// the others find a live engine there (over HTTP, replacing a dead one, see `remove_if`).
+    ///
+    /// The value written carries a random `kvferry_write` (Mooncake reads only the address
+    /// fields), so every write is told apart from an identical earlier one even where the
+    /// service compares by value (Redis's `remove_if`, `create`): a removal of a dead
+    /// engine's entry that was seen before the engine restarted at the same address and
+    /// wrote it again no longer takes the new one. This engine's own leftover is recognised
+    /// by its address, not by its bytes.
     pub fn publish_rpc_meta(&self, name: &str, meta: &RpcMeta, alive: &dyn Fn(&RpcMeta) -> bool) -> Result<()> {
         let key = self.keys.rpc_meta(name);
-        let value = serde_json::to_vec(meta).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let value = encode_rpc_meta(meta, rand::random())?;
         let refused = |why: String| Error::Metadata { backend: self.store.backend().name(), location: self.store.location().to_string(), reason: why };
         // Each round either creates the entry, finds it live, or removes a dead one (which
         // another engine may then take first: then the next round finds it live).
@@ -433,16 +453,16 @@ impl Directory {
             if let Some(seen) = self.store.get_seen(&key)? {
                 let old = &seen.value;
                 match decode_rpc_meta(old) {
-                    Ok(m) if *old != value && alive(&m) => {
+                    Ok(m) if m != *meta && alive(&m) => {
                         return Err(refused(format!(
                             "segment name {name:?} is already registered by a live engine at {}:{}; give this engine another local_hostname (central mode uses it as the segment name) or stop the other one",
                             m.ip_or_host_name, m.rpc_port
                         )))
                     }
                     _ => {
-                        // Mooncake's HTTP servers refuse to overwrite an rpc_meta entry, and an
-                        // identical one (this engine's own, left by a crash) may be under an
-                        // etcd lease about to expire: remove it.
+                        // Mooncake's HTTP servers refuse to overwrite an rpc_meta entry, and one
+                        // naming this engine's address (its own, left by a crash) may be under
+                        // an etcd lease about to expire: remove it.
                         tracing::info!(segment = name, "replacing an rpc_meta entry whose engine no longer answers");
                         // (Not removed if it was written again meanwhile: another engine
                         // replaced it, or its own restarted.)
