@@ -80,12 +80,18 @@ pub struct StoreBenchArgs {
     /// With `--ha`: which parts to run (`rate`: metadata throughput, `store`: values stored
     /// through a whole store, `link`: how long reads and puts wait while a standby links to
     /// a leader of `--ha-link-objects` objects, `snapshot`: how long they wait while such a
-    /// leader writes etcd snapshots, `failover`: failover time and objects lost).
-    #[arg(long, default_value = "rate,store,link,snapshot,failover", value_delimiter = ',', value_parser = ["rate", "store", "link", "snapshot", "failover"])]
+    /// leader writes etcd snapshots, `rebase`: how long changing requests wait when such a
+    /// leader's in-sync set empties (its standby killed), with the entries kept since the
+    /// etcd journal's last position and without, `failover`: failover time and objects lost).
+    #[arg(long, default_value = "rate,store,link,snapshot,rebase,failover", value_delimiter = ',', value_parser = ["rate", "store", "link", "snapshot", "rebase", "failover"])]
     ha_parts: Vec<String>,
-    /// With `--ha`: the objects the `link` and `snapshot` parts' leaders hold.
+    /// With `--ha`: the objects the `link`, `snapshot` and `rebase` parts' leaders hold.
     #[arg(long, default_value_t = 1_000_000)]
     ha_link_objects: u64,
+    /// With `--ha`: every HA master's `--ha-rebase-tail-bytes` (the `rebase` part runs its
+    /// leader with the default and with 0, whatever this is).
+    #[arg(long, default_value = "64M", value_parser = crate::sys::parse_size)]
+    ha_rebase_tail_bytes: u64,
     /// With `--ha`: the throughput points of the `rate` part, as CONNECTIONSxKEYS (keys per
     /// request), e.g. `4x32,16x128` (default: all six).
     #[arg(long, default_value = "1x1,4x1,4x32,16x32,64x32,16x128", value_delimiter = ',', value_parser = parse_ha_point)]

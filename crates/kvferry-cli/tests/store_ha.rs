@@ -755,8 +755,9 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
     let t = Instant::now();
     c.put("alone", &value("alone", 4096), &ReplicateConfig::default()).expect("a put right after the in-sync standby died succeeds");
     eprintln!("first put after the in-sync standby died: {:?}", t.elapsed());
-    wait_insync(&ms[s], &[], Duration::from_secs(1));
+    let st = wait_insync(&ms[s], &[], Duration::from_secs(1));
     assert_eq!(insync_members(&etcd), Vec::<String>::new(), "the set is empty in etcd");
+    assert!(st["journal"]["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 2), "the entries since the fresh master joined went to the etcd log, not the whole state: {st}");
     // The leader dies too; a master started alone loads everything from the etcd journal.
     ms[s].kill();
     ms[l] = Master::start(etcd_svc.port, None, true);
@@ -765,6 +766,114 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
         assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{k} lost: {e}")), value(k, 4096));
     }
     let _ = c.close();
+}
+
+/// The in-sync set empties (its standby killed) while clients put: the leader writes to the
+/// etcd journal what it lacks, the entries streamed since it was last whole (`ha::journal::Tail`),
+/// instead of its whole state, the clients go on, and a master started alone after the leader
+/// died loads every object a put returned Ok for, with its bytes. Three ways: the tail from
+/// when the standby joined (killed under load); from a background snapshot written while the
+/// standby was in sync (`--ha-rebase-base-every` short, a small tail that outgrows its cap
+/// under the load, so that snapshots are written again and again); none kept (the whole
+/// state, as before the tail).
+#[test]
+fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_object() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let cases: [(&str, &[&str]); 3] = [
+        ("tail", &["--ha-rebase-base-every", "600s"]),
+        ("refreshed", &["--ha-rebase-base-every", "200ms", "--ha-rebase-tail-bytes", "64K"]),
+        ("whole", &["--ha-rebase-tail-bytes", "0"]),
+    ];
+    for (case, extra) in cases {
+        let Some(etcd_svc) = Service::etcd() else { return };
+        let port = etcd_svc.port;
+        let mut ms = [Master::start_with(port, None, false, extra), Master::start_with(port, None, false, extra)];
+        let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+        let s = 1 - l;
+        wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+        // (Room for every object: at most 4 × 5000 of 4 KiB, none evicted.)
+        let c = ha_client(port, 128 << 20);
+        let stop = AtomicBool::new(false);
+        let load = |tag: &str| {
+            let (c, stop) = (&c, &stop);
+            let tag = tag.to_string();
+            move || {
+                let mut ok = Vec::new();
+                for i in 0..5000 {
+                    if stop.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let key = format!("{tag}-{i}");
+                    if c.put(&key, &value(&key, 4096), &ReplicateConfig::default()).is_ok() {
+                        ok.push(key);
+                    }
+                }
+                ok
+            }
+        };
+        let before = ha_status(&ms[l])["journal"].clone();
+        let (mut kept, killed_at) = std::thread::scope(|sc| {
+            let loads: Vec<_> = (0..4).map(|t| sc.spawn(load(&format!("{case}{t}")))).collect();
+            std::thread::sleep(Duration::from_millis(1500));
+            if case == "refreshed" {
+                // (The kill when the tail is whole again: after the load, a background
+                // snapshot follows the run the load made outgrow its cap.)
+                stop.store(true, Ordering::Release);
+            }
+            let quiet: Vec<String> = if case == "refreshed" {
+                let mut all: Vec<String> = Vec::new();
+                let until = Instant::now() + Duration::from_secs(10);
+                loop {
+                    let j = ha_status(&ms[l])["journal"].clone();
+                    if j["tail_whole"] == true && j["snapshots"].as_u64() > before["snapshots"].as_u64() {
+                        break;
+                    }
+                    assert!(Instant::now() < until, "{case}: no background snapshot gave the tail a new start: {j}");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                all.extend(put_keys(&c, "after-refresh-", 5));
+                all
+            } else {
+                Vec::new()
+            };
+            let j = ha_status(&ms[l])["journal"].clone();
+            ms[s].kill();
+            let killed_at = j;
+            std::thread::sleep(Duration::from_millis(700));
+            stop.store(true, Ordering::Release);
+            let mut kept: Vec<String> = loads.into_iter().flat_map(|h| h.join().expect("load")).collect();
+            kept.extend(quiet);
+            (kept, killed_at)
+        });
+        kept.extend(put_keys(&c, &format!("{case}-alone-"), 3));
+        let st = wait_insync(&ms[l], &[], Duration::from_secs(5));
+        let j = &st["journal"];
+        eprintln!("{case}: {} puts kept; the rebase held changing requests {} ms and wrote {} entries from the tail ({} bytes of tail at the kill); journal {j}", kept.len(), j["rebase_ms"], j["rebase_tail_entries"], killed_at["tail_bytes"]);
+        match case {
+            "whole" => {
+                assert_eq!(j["rebase_tail_entries"], 0, "{case}: no tail is kept: {j}");
+                assert!(j["snapshots"].as_u64() > killed_at["snapshots"].as_u64(), "{case}: the rebase wrote a snapshot: {j}");
+            }
+            _ => {
+                assert!(j["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 5), "{case}: the rebase wrote the tail: {j}");
+                assert_eq!(j["snapshots"], killed_at["snapshots"], "{case}: and no snapshot: {j}");
+                if case == "refreshed" {
+                    assert!(killed_at["snapshots"].as_u64() > before["snapshots"].as_u64(), "{case}: the tail started at a background snapshot: {killed_at}");
+                } else {
+                    assert_eq!(killed_at["snapshots"], before["snapshots"], "{case}: no background snapshot: {killed_at}");
+                }
+            }
+        }
+        assert!(kept.len() > 20, "{case}: the load ran: {} puts", kept.len());
+        // The leader dies too: a master started alone has every object from the journal.
+        ms[l].kill();
+        ms[s] = Master::start_with(port, None, false, extra);
+        wait_leader(&ms[s], 3 * TTL, "a lone master did not lead");
+        for k in &kept {
+            assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{case}: {k} lost: {e}")), value(k, 4096), "{case}: {k}");
+        }
+        let _ = c.close();
+    }
 }
 
 /// An in-sync standby whose campaign fails after it found it may lead from its mirror (its
@@ -1409,6 +1518,9 @@ fn store_bench_ha_reports_every_figure() {
         "the same puts meanwhile (requests):",
         "two written under a put load",
         "another client's puts meanwhile (requests):",
+        "the in-sync set emptied at a leader of",
+        "writing the entries kept since the etcd journal's last position",
+        "writing the whole state (--ha-rebase-tail-bytes 0)",
     ] {
         assert!(out.contains(figure), "the report has {figure:?}: {out}");
     }

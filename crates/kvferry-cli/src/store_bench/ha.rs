@@ -482,7 +482,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             let mut standby = None;
             if let Some(replication) = mode {
                 let cluster = format!("{rate_cluster}-{replication:?}").to_lowercase();
-                let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication };
+                let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication, rebase_tail_bytes: a.ha_rebase_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
                 ha::start(cfg(&addr), Arc::clone(&m))?;
                 wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
                 if replication == ha::Replication::Standbys {
@@ -538,7 +538,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         {
             let (m, server, addr) = serve()?;
             let cluster = format!("{rate_cluster}-bytes");
-            let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd };
+            let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd, rebase_tail_bytes: a.ha_rebase_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
             ha::start(cfg, Arc::clone(&m))?;
             wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
             let _ = put_rate(&addr, 16, 32, dur, "bytes", false, || ());
@@ -625,10 +625,12 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     //    shared by their calls (group commit).
     let store_points = [(64u64 << 10, 32usize, 1usize), (1 << 20, 32, 1), (4 << 20, 32, 1), (16 << 20, 8, 1), (1 << 20, 32, 4), (4 << 20, 8, 4)];
     let etcd_url = format!("etcd://{}", endpoints.join(";"));
+    let tail_bytes = a.ha_rebase_tail_bytes.to_string();
     let start_master = |replication: &str, cluster: &str| {
         Proc::spawn(
             crate::self_command()?
                 .args(["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0", "--enable-ha", "--ha-backend-connstring", &etcd_url, "--cluster-id", cluster, "--ha-lease-ttl", "2s", "--ha-replication", replication, "--default-kv-lease-ttl", "2s"])
+                .args(["--ha-rebase-tail-bytes", &tail_bytes])
                 .env_remove("MC_STORE_CLUSTER_ID"),
             "KVFERRY_MASTER",
         )
@@ -694,7 +696,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     if part("link") {
         let (m, server, addr) = serve()?;
         let link_cluster = format!("{rate_cluster}-link");
-        let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: link_cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Standbys };
+        let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: link_cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Standbys, rebase_tail_bytes: a.ha_rebase_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
         ha::start(cfg(&addr), Arc::clone(&m))?;
         wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
         let objects = fill(&m, &addr, a.ha_link_objects as usize, "link")?;
@@ -760,7 +762,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     //    client's reads and another's puts waited meanwhile.
     if part("snapshot") {
         let (m, server, addr) = serve()?;
-        let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: format!("{rate_cluster}-snapshot"), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd };
+        let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: format!("{rate_cluster}-snapshot"), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd, rebase_tail_bytes: a.ha_rebase_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
         ha::start(cfg, Arc::clone(&m))?;
         wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
         let objects = fill(&m, &addr, a.ha_link_objects as usize, "snap")?;
@@ -799,7 +801,71 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         drop(server);
     }
 
-    // 5. Failover: two master processes, a serving client, objects put, the leader killed
+    // 5. The in-sync set emptied under load (its one standby, a master process, killed) at
+    //    a leader of `--ha-link-objects` objects: how long changing requests waited while the
+    //    leader made the etcd journal whole again, from the entries it kept since the
+    //    journal's last position (the tail), and from its whole state (the tail off).
+    if part("rebase") {
+        for (label, tail) in [("the entries kept since the etcd journal's last position", ha::journal::TAIL_DEFAULT), ("the whole state (--ha-rebase-tail-bytes 0)", 0)] {
+            let (m, server, addr) = serve()?;
+            let cluster = format!("{rate_cluster}-rebase{tail}");
+            let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Standbys, rebase_tail_bytes: tail, rebase_base_every: ha::journal::BASE_EVERY };
+            ha::start(cfg, Arc::clone(&m))?;
+            wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
+            let objects = fill(&m, &addr, a.ha_link_objects as usize, &format!("rb{tail}-"))?;
+            let mut standby = start_master("standbys", &cluster)?;
+            let until = Instant::now() + Duration::from_secs(120);
+            while m.journal.insync().is_empty() {
+                if Instant::now() > until {
+                    return Err(format!("the standby was not in sync 120 s after it started (leader of {objects} objects)"));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            let (puts, at_kill, emptied) = std::thread::scope(|s| -> Result<_, String> {
+                let w = s.spawn(|| put_waits(&addr, &stop, 77_004));
+                // Puts of the fill's connections, 8 keys each, meanwhile (the fill's clients,
+                // which ping again: their objects stay).
+                let load = s.spawn(|| {
+                    let mut round = 0;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let _ = put_rate(&addr, FILL_CLIENTS.count(), 8, Duration::from_millis(250), &format!("rbload{tail}-{round}"), false, || ());
+                        round += 1;
+                    }
+                });
+                std::thread::sleep(Duration::from_secs(1));
+                let at_kill = m.journal.stats();
+                let killed = Instant::now();
+                standby.stop();
+                while !m.journal.insync().is_empty() && killed.elapsed() < Duration::from_secs(60) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                let emptied = killed.elapsed();
+                std::thread::sleep(Duration::from_secs(1));
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                let _ = load.join();
+                let puts = w.join().map_err(|_| "the writer panicked".to_string())??;
+                Ok((puts, at_kill, emptied))
+            })?;
+            let st = m.journal.stats();
+            if !m.journal.insync().is_empty() {
+                return Err(format!("the leader of the rebase part still names an in-sync set 60 s after its standby was killed: {:?}", m.journal.insync()));
+            }
+            println!(
+                "the in-sync set emptied at a leader of {objects} objects under {} x 8 puts, writing {label}: the set empty {:.2} s after the kill; changing requests held {} ms, {} entries written from a tail of {} bytes ({})",
+                FILL_CLIENTS.count(),
+                emptied.as_secs_f64(),
+                st.rebase_ms,
+                st.rebase_tail_entries,
+                at_kill.tail_bytes,
+                if at_kill.tail_whole { "whole" } else { "none kept" }
+            );
+            println!("  another client's puts meanwhile (requests): {}", wait_summary(puts));
+            drop(server);
+        }
+    }
+
+    // 6. Failover: two master processes, a serving client, objects put, the leader killed
     //    once the other master is in sync (the failover is from its mirror).
     let mut lost = 0;
     if part("failover") {

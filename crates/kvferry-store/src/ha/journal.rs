@@ -100,6 +100,25 @@ fn prefix_end(p: &str) -> String {
 /// `Vec<Change>` cannot start with it: its second byte would be a `Change` variant number
 /// beyond the few there are.
 const LZ4_MAGIC: &[u8; 4] = b"KVFz";
+/// A log value that holds several entries starts with this, then the last entry's number (8
+/// bytes, little-endian), then the stored value of their changes; its key names the first.
+/// Written only by a rebase from the [`Tail`] (thousands of small entries in a few values);
+/// every other value holds the one entry its key names. It cannot start a bare value either,
+/// for the same reason as [`LZ4_MAGIC`]. Builds before it refuse such a journal (an entry
+/// that does not decode): the masters of a cluster are upgraded together.
+const RANGE_MAGIC: &[u8; 4] = b"KVFn";
+
+/// The last entry a log value under `first`'s key holds, and the stored value of its changes.
+fn log_range(first: u64, v: &[u8]) -> Result<(u64, &[u8]), String> {
+    let Some(rest) = v.strip_prefix(RANGE_MAGIC) else { return Ok((first, v)) };
+    let (last, rest) = rest.split_first_chunk::<8>().ok_or("a journal entry's range is cut short")?;
+    let last = u64::from_le_bytes(*last);
+    if last < first {
+        return Err(format!("a journal entry under number {first} claims to end at {last}: it is corrupt"));
+    }
+    Ok((last, rest))
+}
+
 /// The largest decoded size a compressed value may claim (a raw chunk is at most [`CHUNK`],
 /// one change larger than that gets a value of its own): a corrupt size is refused, never
 /// allocated.
@@ -208,9 +227,10 @@ pub fn load(etcd: &EtcdClient, cluster_id: &str) -> Result<Loaded, String> {
         if Some(n) != seq.checked_add(1) {
             return Err(corrupt(format!("the journal skips from entry {seq} to {n}: etcd lost part of it")));
         }
-        seq = n;
+        let (last, value) = log_range(n, &kv.value).map_err(corrupt)?;
+        seq = last;
         bytes += kv.value.len() as u64;
-        for c in decode_chunk(&kv.value).map_err(corrupt)? {
+        for c in decode_chunk(value).map_err(corrupt)? {
             image.apply(c);
         }
     }
@@ -237,9 +257,9 @@ pub fn stored_seq(etcd: &EtcdClient, cluster_id: &str) -> Result<(u64, Option<He
     };
     let mut seq = head.map_or(0, |h| h.seq);
     let log = format!("{p}log/");
-    for (key, _) in etcd.range(&log, &prefix_end(&log), 256).map_err(|e| e.to_string())? {
+    for (key, kv) in etcd.range(&log, &prefix_end(&log), 256).map_err(|e| e.to_string())? {
         if let Some(n) = key.rsplit('/').next().and_then(|h| u64::from_str_radix(h, 16).ok()) {
-            seq = seq.max(n);
+            seq = seq.max(log_range(n, &kv.value).map_or(n, |(last, _)| last));
         }
     }
     Ok((seq, head))
@@ -338,6 +358,126 @@ pub(crate) struct Lent {
     seq: u64,
     links: Vec<Link>,
     release: Arc<Release>,
+    tail: Arc<Mutex<Tail>>,
+}
+
+/// The default cap of the [`Tail`] (`--ha-rebase-tail-bytes`).
+pub const TAIL_DEFAULT: u64 = 64 << 20;
+
+/// A background snapshot refreshes the etcd journal's base while standbys are in sync at most
+/// this often by default ([`Tail`], `--ha-rebase-base-every`).
+pub const BASE_EVERY: Duration = Duration::from_secs(60);
+
+/// The entries streamed to the in-sync standbys since the etcd journal's last position, which
+/// the etcd journal does not have (it is not written while standbys are in sync): kept so
+/// that when the in-sync set empties, the rebase writes them to the log after that position
+/// (a few transactions) instead of the whole state, which grows with the pool (at a million
+/// objects on the dev VM, `store-bench --ha --ha-parts rebase`: changing requests held 1.85 s
+/// for the whole state, 0.17 s for a tail of 13 MB). A run starts where
+/// the etcd journal is whole: when the set becomes non-empty (everything before was appended
+/// to etcd), and again after each background snapshot written while standbys are in sync
+/// ([`Writer`]'s `refresh_base`, once a run outgrew the cap, at most every `every`,
+/// [`BASE_EVERY`] by default). A run that misses an entry or outgrows `cap` bytes of frames is
+/// dropped: the rebase then writes the whole state, as before. The frames are the ones sent
+/// to the standbys (shared, not copied).
+pub struct Tail {
+    cap: usize,
+    every: Duration,
+    /// The run the etcd journal's head (or its log) ends at.
+    cur: Option<Run>,
+    /// The run from a background snapshot's position, until its head is written.
+    next: Option<Run>,
+    /// The next image's position starts `next` ([`Tail::begin`]).
+    want_next: bool,
+    /// When the last run started.
+    started: Instant,
+}
+
+struct Run {
+    /// The etcd journal is whole up to this entry.
+    base: u64,
+    frames: Vec<(u64, Arc<Vec<u8>>)>,
+    bytes: usize,
+}
+
+impl Run {
+    fn last(&self) -> u64 {
+        self.frames.last().map_or(self.base, |f| f.0)
+    }
+
+    /// Whether the run is still whole with entry `seq` added.
+    fn push(&mut self, seq: u64, frame: &Arc<Vec<u8>>, cap: usize) -> bool {
+        if seq != self.last() + 1 || self.bytes + frame.len() > cap {
+            return false;
+        }
+        self.bytes += frame.len();
+        self.frames.push((seq, Arc::clone(frame)));
+        true
+    }
+}
+
+impl Tail {
+    /// A tail of at most `cap` bytes of frames per run (0: none is kept), refreshed at most
+    /// `every`.
+    pub fn new(cap: usize, every: Duration) -> Tail {
+        Tail { cap, every, cur: None, next: None, want_next: false, started: Instant::now() }
+    }
+
+    fn push(&mut self, seq: u64, frame: &Arc<Vec<u8>>) {
+        let cap = self.cap;
+        for r in [&mut self.cur, &mut self.next] {
+            if r.as_mut().is_some_and(|run| !run.push(seq, frame, cap)) {
+                *r = None;
+            }
+        }
+    }
+
+    /// The etcd journal is whole up to `base`: a run starts there.
+    fn start(&mut self, base: u64) {
+        self.clear();
+        if self.cap > 0 {
+            self.cur = Some(Run { base, frames: Vec::new(), bytes: 0 });
+        }
+        self.started = Instant::now();
+    }
+
+    fn clear(&mut self) {
+        (self.cur, self.next, self.want_next) = (None, None, false);
+    }
+
+    /// An image's position is `at`: the run after it starts, if one was asked for.
+    fn begin(&mut self, at: u64) {
+        if std::mem::take(&mut self.want_next) && self.cap > 0 {
+            self.next = Some(Run { base: at, frames: Vec::new(), bytes: 0 });
+            self.started = Instant::now();
+        }
+    }
+
+    /// The background snapshot's head is written: its run is the current one.
+    fn based(&mut self) {
+        if let Some(r) = self.next.take() {
+            self.cur = Some(r);
+        }
+    }
+
+    /// The current run, if it is whole up to entry `upto`; the tail is empty after.
+    fn take(&mut self, upto: u64) -> Option<Run> {
+        let r = self.cur.take();
+        self.clear();
+        r.filter(|r| r.last() == upto)
+    }
+
+    /// Whether a background snapshot is due: the current run was dropped (it outgrew its
+    /// cap), `every` after the last run started. (A run that is still whole needs none: the
+    /// rebase would write at most the cap.)
+    fn refresh_due(&self) -> bool {
+        self.cap > 0 && self.cur.is_none() && self.started.elapsed() >= self.every
+    }
+
+    /// Bytes of the current run's frames, and whether there is one.
+    fn size(&self) -> (u64, bool) {
+        self.cur.as_ref().map_or((0, false), |r| (r.bytes as u64, true))
+    }
 }
 
 impl Queue {
@@ -391,6 +531,15 @@ pub struct JournalStats {
     pub stream_wait_us: u64,
     /// Standbys in the in-sync set now.
     pub insync: u64,
+    /// How long the last rebase (the in-sync set emptied) held changing requests
+    /// (milliseconds), and how many entries it wrote from the [`Tail`] (0: it wrote the whole
+    /// state as a snapshot).
+    pub rebase_ms: u64,
+    pub rebase_tail_entries: u64,
+    /// The entries kept for the next rebase ([`Tail`]): bytes, and whether they are whole
+    /// since the etcd journal's last position (otherwise it writes the whole state).
+    pub tail_bytes: u64,
+    pub tail_whole: bool,
 }
 
 /// Condition variables the waiting requests are spread over, by ticket.
@@ -524,6 +673,7 @@ impl JournalCore {
         lent.seq = seq;
         lent.release.push(seq, qr.enqueued);
         send_all(&lent.links, &frame);
+        lent.tail.lock().unwrap_or_else(|e| e.into_inner()).push(seq, &frame);
         self.count_streamed(changes.len(), seq);
         drop(q);
         drop(changes); // (freed outside the lock)
@@ -913,6 +1063,72 @@ fn entry_frame(seq: u64, changes: Vec<Change>) -> (Result<Arc<Vec<u8>>, String>,
     }
 }
 
+/// A rebase from the tail writes at most this many bytes of log values per transaction
+/// (etcd refuses requests over 1.5 MiB by default, and base64 in its JSON gateway adds a
+/// third), and at most this many keys (etcd's default limit is 128 operations).
+const REBASE_TXN_BYTES: usize = 1 << 20;
+const REBASE_TXN_KEYS: usize = 64;
+
+/// The changes of a streamed entry ([`entry_frame`]'s `frame`, entry `seq`) as postcard
+/// elements, and how many: the frame's body is the entry's postcard encoding, whose end is
+/// exactly its `Vec<Change>` (a length, then the elements), taken as it is, not decoded and
+/// encoded again. `None` if the frame is not entry `seq`.
+fn entry_changes(seq: u64, frame: &[u8]) -> Option<(usize, &[u8])> {
+    let head = postcard::to_stdvec(&ToStandby::Entry { seq, changes: Vec::new() }).ok()?;
+    // (`head` ends with the empty vector's length, one byte.)
+    let prefix = &head[..head.len() - 1];
+    let changes = frame.get(4..)?.strip_prefix(prefix)?;
+    postcard::take_from_bytes::<usize>(changes).ok()
+}
+
+/// The largest log value a rebase from the tail writes (one entry of [`ENTRY_PIECE`] large
+/// changes may be over [`CHUNK`]; etcd takes requests of 1.5 MiB, base64 included).
+const REBASE_VALUE_MAX: usize = 1 << 20;
+
+/// The log values (key, value) of the entries `frames` (each `(seq, frame)`, in order, one
+/// after the other): consecutive entries share a value while their changes fit [`CHUNK`]
+/// ([`RANGE_MAGIC`] when it holds more than one). `None` if a frame is not its entry, or one
+/// entry alone is over [`REBASE_VALUE_MAX`] stored.
+fn tail_log_values(prefix: &str, frames: &[(u64, Arc<Vec<u8>>)]) -> Option<Vec<(String, Vec<u8>)>> {
+    struct Group {
+        first: u64,
+        last: u64,
+        count: usize,
+        elems: Vec<u8>,
+    }
+    let finish = |g: Group| -> Option<(String, Vec<u8>)> {
+        let mut raw = postcard::to_stdvec(&g.count).ok()?;
+        raw.extend_from_slice(&g.elems);
+        let packed = pack(raw);
+        let value = if g.last == g.first {
+            packed
+        } else {
+            let mut v = Vec::with_capacity(RANGE_MAGIC.len() + 8 + packed.len());
+            v.extend_from_slice(RANGE_MAGIC);
+            v.extend_from_slice(&g.last.to_le_bytes());
+            v.extend_from_slice(&packed);
+            v
+        };
+        (value.len() <= REBASE_VALUE_MAX).then(|| (log_key(prefix, g.first), value))
+    };
+    let mut out = Vec::new();
+    let mut group: Option<Group> = None;
+    for (seq, frame) in frames {
+        let (n, elems) = entry_changes(*seq, frame)?;
+        if group.as_ref().is_some_and(|g| g.elems.len() + elems.len() > CHUNK - 16) {
+            out.push(finish(group.take()?)?);
+        }
+        let g = group.get_or_insert(Group { first: *seq, last: *seq, count: 0, elems: Vec::new() });
+        g.last = *seq;
+        g.count += n;
+        g.elems.extend_from_slice(elems);
+    }
+    if let Some(g) = group {
+        out.push(finish(g)?);
+    }
+    Some(out)
+}
+
 /// Sends `frame` to every linked standby.
 fn send_all(links: &[Link], frame: &Arc<Vec<u8>>) {
     for l in links {
@@ -968,13 +1184,17 @@ pub struct Replicas {
     /// While a linking standby's image is taken: the entries committed meanwhile, which it
     /// gets after its image ([`Writer::open_link`]).
     catch_up: Option<Vec<Arc<Vec<u8>>>>,
+    /// The entries the etcd journal lacks while standbys are in sync ([`Tail`]).
+    tail: Arc<Mutex<Tail>>,
 }
 
 /// How long after a failed connection a standby is tried again.
 const RETRY_LINK: Duration = Duration::from_secs(1);
 
 impl Replicas {
-    pub fn new(cluster_id: &str, me: &str, owner: Owner, ack_timeout: Duration, journal: &Journal) -> Replicas {
+    /// `tail`: the bytes of entries kept for a rebase (0: none) and the least time between
+    /// two background snapshots ([`Tail`]).
+    pub fn new(cluster_id: &str, me: &str, owner: Owner, ack_timeout: Duration, tail: (usize, Duration), journal: &Journal) -> Replicas {
         Replicas {
             standby_prefix: super::sync::standby_prefix(cluster_id),
             me: me.to_string(),
@@ -987,7 +1207,12 @@ impl Replicas {
             failed: HashMap::new(),
             mirrors: HashMap::new(),
             catch_up: None,
+            tail: Arc::new(Mutex::new(Tail::new(tail.0, tail.1))),
         }
+    }
+
+    fn tail(&self) -> MutexGuard<'_, Tail> {
+        self.tail.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn link(&self, member: &str) -> Option<&Link> {
@@ -1005,6 +1230,7 @@ impl Replicas {
         match entry_frame(seq, changes).0 {
             Ok(f) => {
                 send_all(&self.links, &f);
+                self.tail().push(seq, &f);
                 if let Some(c) = self.catch_up.as_mut() {
                     c.push(f);
                 }
@@ -1158,8 +1384,11 @@ impl Writer<'_> {
                     self.master.journal.done(upto);
                 }
                 // (Those entries are in the image: a standby gets only the ones after it.)
-                if let Some(c) = self.sync.as_mut().and_then(|s| s.catch_up.as_mut()) {
-                    c.clear();
+                if let Some(s) = self.sync.as_mut() {
+                    if let Some(c) = s.catch_up.as_mut() {
+                        c.clear();
+                    }
+                    s.tail().begin(self.seq);
                 }
                 self.seq
             }
@@ -1207,14 +1436,21 @@ impl Writer<'_> {
     /// within the bound, leave the set (in etcd first); then what the rest acknowledged is
     /// released.
     fn check_insync(&mut self) -> Option<()> {
-        let Some(s) = self.sync.as_ref().filter(|s| !s.insync.is_empty()) else { return Some(()) };
-        let late = s.release.oldest().filter(|(_, sent)| sent.elapsed() >= s.ack_timeout).map(|(seq, _)| seq);
-        let failed: Vec<String> = s.insync.iter().filter(|m| s.link(m).is_none_or(|l| l.dead() || late.is_some_and(|seq| l.acked() < seq))).cloned().collect();
+        let (failed, late) = self.failing_members();
         if failed.is_empty() {
             return Some(());
         }
-        tracing::warn!(term = self.term(), ?late, "HA replication: the standby(s) {failed:?} did not acknowledge within {:?} (or their connection broke); they leave the in-sync set", s.ack_timeout);
+        let bound = self.sync.as_ref().map(|s| s.ack_timeout);
+        tracing::warn!(term = self.term(), ?late, "HA replication: the standby(s) {failed:?} did not acknowledge within {bound:?} (or their connection broke); they leave the in-sync set");
         self.drop_members(&failed)
+    }
+
+    /// The in-sync standbys whose link broke or that did not acknowledge the oldest pending
+    /// entry within the bound, and that entry if it is late.
+    fn failing_members(&self) -> (Vec<String>, Option<u64>) {
+        let Some(s) = self.sync.as_ref().filter(|s| !s.insync.is_empty()) else { return (Vec::new(), None) };
+        let late = s.release.oldest().filter(|(_, sent)| sent.elapsed() >= s.ack_timeout).map(|(seq, _)| seq);
+        (s.insync.iter().filter(|m| s.link(m).is_none_or(|l| l.dead() || late.is_some_and(|seq| l.acked() < seq))).cloned().collect(), late)
     }
 
     /// What the writer lends while it sleeps (its links, while standbys are in sync: see
@@ -1224,7 +1460,7 @@ impl Writer<'_> {
         let idle = self.idle();
         let seq = self.seq;
         match self.sync.as_mut().filter(|s| !s.insync.is_empty() && !s.links.is_empty()) {
-            Some(s) => (idle.min(s.ack_timeout), Some(Lent { seq, links: std::mem::take(&mut s.links), release: Arc::clone(&s.release) })),
+            Some(s) => (idle.min(s.ack_timeout), Some(Lent { seq, links: std::mem::take(&mut s.links), release: Arc::clone(&s.release), tail: Arc::clone(&s.tail) })),
             None => (idle, None),
         }
     }
@@ -1272,6 +1508,10 @@ impl Writer<'_> {
     /// snapshot, and empties the set in the same transaction as the journal's new head; from
     /// then on changes are appended to etcd again.
     fn rebase(&mut self) -> Option<()> {
+        let started = Instant::now();
+        if self.rebase_from_tail(started)? {
+            return Some(());
+        }
         // (Nothing is committed between the image's pieces: until the snapshot's head is in
         // etcd nothing can be made durable there.)
         let Frozen { queued, upto, image, .. } = self.image_in_pieces(false)?;
@@ -1281,15 +1521,99 @@ impl Writer<'_> {
         }
         let cleared = Some((self.insync_key.clone(), InSync { term: self.term(), members: Vec::new() }.to_bytes()));
         self.write_snapshot(image, self.seq, cleared, false)?;
-        if let Some(s) = self.sync.as_mut() {
-            s.insync.clear();
-            s.release.clear();
-        }
-        self.master.journal.set_insync(&[]);
-        self.master.journal.done(upto);
+        self.insync_emptied(upto);
+        self.master.journal.set_stats(|s| {
+            s.rebase_ms = started.elapsed().as_millis() as u64;
+            s.rebase_tail_entries = 0;
+        });
         tracing::warn!(term = self.term(), seq = self.seq, "HA replication: no standby is in sync; the state is in the etcd journal again (snapshot) and changes are written there");
         Some(())
     }
+
+    /// The in-sync set is empty in etcd now, and everything up to `upto` durable there.
+    fn insync_emptied(&mut self, upto: u64) {
+        if let Some(s) = self.sync.as_mut() {
+            s.insync.clear();
+            s.release.clear();
+            s.tail().clear();
+        }
+        self.master.journal.set_insync(&[]);
+        self.master.journal.done(upto);
+    }
+
+    /// The rebase when the entries the etcd journal lacks are all kept ([`Tail`]): they go to
+    /// the log after its last position as they were streamed (consecutive entries sharing a
+    /// value, several values per transaction: [`tail_log_values`]), then what is queued, as
+    /// the writer appends it, and the in-sync set is emptied last. `Some(false)`: the tail is not whole (the caller writes the whole state).
+    fn rebase_from_tail(&mut self, started: Instant) -> Option<bool> {
+        let Some(run) = self.sync.as_ref().and_then(|s| s.tail().take(self.seq)) else { return Some(false) };
+        let Some(values) = tail_log_values(&self.prefix, &run.frames) else {
+            tracing::info!("HA journal: an entry streamed since the journal's last position does not fit a log value; the rebase writes the whole state");
+            return Some(false);
+        };
+        let (entries, values_n, bytes) = (run.frames.len() as u64, values.len() as u64, values.iter().map(|(_, v)| v.len() as u64).sum::<u64>());
+        let mut batch: Vec<(String, Vec<u8>)> = Vec::new();
+        let mut size = 0;
+        for (k, v) in values {
+            if !batch.is_empty() && (size + v.len() > REBASE_TXN_BYTES || batch.len() >= REBASE_TXN_KEYS) {
+                self.txn(&std::mem::take(&mut batch), None)?;
+                size = 0;
+            }
+            size += v.len();
+            batch.push((k, v));
+        }
+        if !batch.is_empty() {
+            self.txn(&batch, None)?;
+        }
+        self.master.journal.set_stats(|s| {
+            s.entries += values_n;
+            s.log_bytes += bytes;
+        });
+        // What requests queued and no standby was sent: appended as the writer appends.
+        let (queued, upto) = {
+            let mut q = self.master.journal.q();
+            if q.term != self.term() || q.failed {
+                return None;
+            }
+            q.take()
+        };
+        if !queued.is_empty() {
+            self.append(&queued)?;
+            self.broadcast(queued)?;
+        }
+        self.txn(&[(self.insync_key.clone(), InSync { term: self.term(), members: Vec::new() }.to_bytes())], None)?;
+        self.insync_emptied(upto);
+        let ms = started.elapsed().as_millis() as u64;
+        self.master.journal.set_stats(|s| {
+            s.rebase_ms = ms;
+            s.rebase_tail_entries = entries;
+        });
+        tracing::warn!(term = self.term(), seq = self.seq, base = run.base, entries, values = values_n, bytes, ms, "HA replication: no standby is in sync; the entries since the etcd journal's last position are in its log now, and changes are written there");
+        Some(true)
+    }
+
+    /// While standbys are in sync: a snapshot written to etcd in the background (requests
+    /// are not held: their entries go to the standbys between its pieces and chunks), whose
+    /// position starts a new run of the [`Tail`]. Given up (its chunks deleted) when an
+    /// in-sync standby is late meanwhile: the rebase that follows uses the run it had.
+    fn refresh_base(&mut self) -> Option<()> {
+        if let Some(s) = self.sync.as_ref() {
+            s.tail().want_next = true;
+        }
+        let Frozen { image, seq, .. } = self.image_in_pieces(true)?;
+        let at = seq.unwrap_or(self.seq);
+        let written = self.write_snapshot(image, at, None, true)?;
+        if let Some(s) = self.sync.as_ref() {
+            let mut t = s.tail();
+            if written {
+                t.based();
+            } else {
+                t.next = None;
+            }
+        }
+        Some(())
+    }
+
 
     /// Writes a snapshot of the state after everything queued, then deletes the log it covers
     /// and the previous snapshot. Requests are not held for it: what they queue is committed
@@ -1298,7 +1622,7 @@ impl Writer<'_> {
     fn snapshot(&mut self) -> Option<()> {
         let Frozen { image, seq, .. } = self.image_in_pieces(true)?;
         let at = seq.unwrap_or(self.seq);
-        self.write_snapshot(image, at, None, true)
+        self.write_snapshot(image, at, None, true).map(|_| ())
     }
 
     /// Commits what requests queued (their changes, completing their ticket).
@@ -1321,7 +1645,11 @@ impl Writer<'_> {
     /// `commit_between`, what requests queue meanwhile is committed after each chunk and once
     /// more before the head (log entries after `at`, which the head keeps): so every change
     /// the image shows is in the log before the head names it.
-    fn write_snapshot(&mut self, image: Vec<Change>, at: u64, also: Option<(String, Vec<u8>)>, commit_between: bool) -> Option<()> {
+    ///
+    /// While standbys are in sync ([`Writer::refresh_base`]) it is given up, its chunks
+    /// deleted, as soon as one of them is late (`Some(false)`): the writer must see to that
+    /// first.
+    fn write_snapshot(&mut self, image: Vec<Change>, at: u64, also: Option<(String, Vec<u8>)>, commit_between: bool) -> Option<bool> {
         let j = &self.master.journal;
         let started = Instant::now();
         let log_before = j.stats().log_bytes;
@@ -1345,6 +1673,11 @@ impl Writer<'_> {
                 n += 1;
                 if commit_between {
                     self.commit_what_is_queued()?;
+                    if !self.failing_members().0.is_empty() {
+                        tracing::info!(term = self.term(), seq = at, "HA journal: an in-sync standby is late; the background snapshot is given up");
+                        self.txn(&[], Some((&dir, &prefix_end(&dir))))?;
+                        return Some(false);
+                    }
                 }
             }
         }
@@ -1376,7 +1709,7 @@ impl Writer<'_> {
             s.log_bytes = s.log_bytes.saturating_sub(log_before);
         });
         tracing::info!(term = self.term(), seq = at, last = self.seq, bytes, chunks = n, "HA journal: snapshot written, log compacted");
-        Some(())
+        Some(true)
     }
 
     /// Standbys that joined or left (their registrations in etcd, read every
@@ -1492,10 +1825,15 @@ impl Writer<'_> {
             return Some(());
         }
         let mut members = s.insync.clone();
+        let was_empty = members.is_empty();
         members.extend(ready.iter().cloned());
         self.txn(&[(self.insync_key.clone(), InSync { term, members: members.clone() }.to_bytes())], None)?;
         tracing::info!(term, seq, "HA replication: {ready:?} in sync; requests are now acknowledged by the in-sync set {members:?} instead of etcd");
         if let Some(s) = self.sync.as_mut() {
+            if was_empty {
+                // (Everything up to here was appended to etcd: the tail starts after it.)
+                s.tail().start(seq);
+            }
             s.set_insync(members, &self.master.journal);
         }
         Some(())
@@ -1562,6 +1900,13 @@ impl Writer<'_> {
             let st = j.stats();
             if !self.streaming() && st.log_bytes > self.snapshot_bytes.max(st.snapshot_bytes) && self.snapshot().is_none() {
                 break;
+            }
+            if self.streaming() && self.sync.as_ref().is_some_and(|s| s.tail().refresh_due()) && self.refresh_base().is_none() {
+                break;
+            }
+            if let Some(s) = self.sync.as_ref() {
+                let (bytes, whole) = s.tail().size();
+                j.set_stats(|st| (st.tail_bytes, st.tail_whole) = (bytes, whole));
             }
         }
         self.sync = None; // links closed
@@ -1650,6 +1995,9 @@ mod tests {
         #[test]
         fn decoding_any_value_never_panics(tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512), claimed in 0u32..(1 << 20)) {
             let _ = decode_chunk(&tail);
+            if let Ok((_, v)) = log_range(1, &tail) {
+                let _ = decode_chunk(v);
+            }
             let mut v = LZ4_MAGIC.to_vec();
             v.extend_from_slice(&claimed.to_le_bytes());
             v.extend_from_slice(&tail);
@@ -1942,7 +2290,7 @@ mod tests {
         standby.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
         assert!(matches!(read_frame::<ToStandby>(&mut standby), Ok(ToStandby::Hello { term: 7, .. })));
         release.set_members(vec![link.ack_counter()]);
-        let lent = Lent { seq: 41, links: vec![link], release: Arc::clone(&release) };
+        let lent = Lent { seq: 41, links: vec![link], release: Arc::clone(&release), tail: Arc::new(Mutex::new(Tail::new(0, BASE_EVERY))) };
         let register = |client| {
             let mut st = m.lock();
             st.register_client(client, 0);
@@ -2012,7 +2360,7 @@ mod tests {
         let owner = Owner { create_revision: 7, lease: 1 };
         // (No etcd is reached: with a member in sync, commits go to the standbys only.)
         let etcd = EtcdClient::new(&["127.0.0.1:1".to_string()], Duration::from_secs(1));
-        let mut sync = Replicas::new("c", "me", owner, Duration::from_secs(60), j);
+        let mut sync = Replicas::new("c", "me", owner, Duration::from_secs(60), (64 << 20, BASE_EVERY), j);
         let standby = |name: &str, sync: &Replicas| {
             let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
             let addr = listener.local_addr().expect("addr").to_string();
@@ -2083,6 +2431,106 @@ mod tests {
         }
         assert!(added > 0 && linked > at, "entries were committed between the image's pieces: {added} puts, the image at {at}, the last entry at the link {linked}");
         assert_eq!(image.objects(), m.lock().summary().keys, "the image and the entries after it hold the leader's objects");
+    }
+
+    /// Streamed entries' frames give the log values of their changes without decoding them:
+    /// read back as [`load`] reads the log (each key the next number, a value's range), they
+    /// hold the same changes in order and end at the last entry, for small and large sequence
+    /// numbers (the varint's length changes), empty entries and entries that fill a value; a
+    /// frame of another entry, or not an entry, gives none.
+    #[test]
+    fn streamed_entries_frames_are_their_log_values() {
+        let p = prefix("c");
+        for (first, sizes) in [(1u64, vec![3usize]), (120, vec![0, 5, 4096, 4096, 1, 0, 300, 2000, 4096]), (u64::MAX - 9, vec![17, 2])] {
+            let mut all = Vec::new();
+            let frames: Vec<(u64, Arc<Vec<u8>>)> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    let changes: Vec<Change> = (0..n).map(|k| obj(k + 7 * i)).collect();
+                    all.extend(changes.iter().cloned());
+                    let seq = first + i as u64;
+                    (seq, entry_frame(seq, changes).0.expect("frame"))
+                })
+                .collect();
+            let values = tail_log_values(&p, &frames).expect("values");
+            assert!(values.len() < frames.len() || frames.len() == 1, "entries share values");
+            let (mut seq, mut back) = (first - 1, Vec::new());
+            for (key, v) in &values {
+                assert_eq!(*key, log_key(&p, seq + 1), "each value's key is the entry after the last one's");
+                assert!(v.len() <= REBASE_VALUE_MAX);
+                let (last, value) = log_range(seq + 1, v).expect("range");
+                seq = last;
+                back.extend(decode_chunk(value).expect("decodes"));
+            }
+            assert_eq!(seq, first + sizes.len() as u64 - 1, "the values end at the last entry");
+            assert_eq!(back, all, "the same changes in order");
+        }
+        let (frame, _) = entry_frame(5, vec![obj(1)]);
+        assert!(tail_log_values(&p, &[(6, frame.expect("frame"))]).is_none(), "another entry's frame");
+        let hello = super::super::sync::encode_frame(&ToStandby::Hello { cluster_id: "c".into(), term: 1, lease: 2, leader: "l".into() }).expect("frame");
+        assert!(tail_log_values(&p, &[(1, Arc::new(hello))]).is_none(), "not an entry");
+        assert!(log_range(9, b"KVFn\x05\0\0\0\0\0\0\0").is_err(), "a range that ends before it starts");
+        assert!(log_range(9, b"KVFn\x05").is_err(), "a range cut short");
+    }
+
+    /// The tail keeps the entries after the etcd journal's position while they follow each
+    /// other and fit the cap; one missing, or one over the cap, drops the run. A background
+    /// snapshot's run, begun at its image's position, replaces the current one only once its
+    /// head is written; a rebase takes the current run only if it reaches the last entry.
+    #[test]
+    fn the_tail_keeps_a_whole_run_from_the_journals_position_or_none() {
+        let f = |n: usize| Arc::new(vec![0u8; n]);
+        let mut t = Tail::new(100, Duration::ZERO);
+        t.push(1, &f(10));
+        assert_eq!(t.size(), (0, false), "nothing kept before a run starts");
+        t.start(5);
+        for seq in 6..=8 {
+            t.push(seq, &f(10));
+        }
+        assert_eq!(t.size(), (30, true));
+        assert!(!t.refresh_due(), "a whole run needs no background snapshot");
+        assert!(t.take(9).is_none(), "a run that does not reach the last entry is not used");
+        assert_eq!(t.size(), (0, false), "and the tail is empty after a take");
+        t.start(5);
+        t.push(6, &f(10));
+        t.push(8, &f(10));
+        assert_eq!(t.size(), (0, false), "a missing entry drops the run");
+        t.start(5);
+        t.push(6, &f(60));
+        t.push(7, &f(60));
+        assert_eq!(t.size(), (0, false), "over the cap drops the run");
+        assert!(t.refresh_due(), "then a background snapshot is due");
+        t.every = Duration::from_secs(3600);
+        assert!(!t.refresh_due(), "but not before `every` since the run started");
+        t.every = Duration::ZERO;
+        // A background snapshot: its image at 7, entries 8 and 9 meanwhile.
+        t.start(5);
+        t.push(6, &f(10));
+        t.push(7, &f(10));
+        t.begin(7);
+        assert!(t.next.is_none(), "no run begins unless asked for");
+        t.want_next = true;
+        t.begin(7);
+        t.push(8, &f(10));
+        t.push(9, &f(10));
+        assert_eq!(t.size(), (40, true), "the current run goes on until the head is written");
+        t.based();
+        assert_eq!(t.size(), (20, true), "then the run from the image's position");
+        let run = t.take(9).expect("whole");
+        assert_eq!((run.base, run.frames.iter().map(|(s, _)| *s).collect::<Vec<_>>()), (7, vec![8, 9]));
+        // Given up: the current run stays.
+        t.start(9);
+        t.want_next = true;
+        t.begin(9);
+        t.push(10, &f(10));
+        t.next = None;
+        assert_eq!(t.take(10).map(|r| r.base), Some(9));
+        let mut none = Tail::new(0, Duration::ZERO);
+        none.start(1);
+        none.push(2, &f(1));
+        assert!(none.take(2).is_none(), "a cap of 0 keeps nothing");
+        assert!(!none.refresh_due());
     }
 
     #[test]

@@ -322,6 +322,12 @@ pub struct HaConfig {
     /// ([`journal::SNAPSHOT_MIN`] by default).
     pub snapshot_bytes: u64,
     pub replication: Replication,
+    /// With standbys in sync: the bytes of entries kept so that a rebase writes them instead
+    /// of the whole state ([`journal::Tail`]; [`journal::TAIL_DEFAULT`]; 0: none kept).
+    pub rebase_tail_bytes: u64,
+    /// The least time between two background snapshots while standbys are in sync
+    /// ([`journal::BASE_EVERY`]).
+    pub rebase_base_every: Duration,
 }
 
 impl HaConfig {
@@ -833,7 +839,7 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     }
     let sync = match cfg.replication {
         Replication::Etcd => None,
-        Replication::Standbys => Some(journal::Replicas::new(&cfg.cluster_id, &cfg.address, owner, cfg.ack_timeout(), &master.journal)),
+        Replication::Standbys => Some(journal::Replicas::new(&cfg.cluster_id, &cfg.address, owner, cfg.ack_timeout(), (usize::try_from(cfg.rebase_tail_bytes).unwrap_or(usize::MAX), cfg.rebase_base_every), &master.journal)),
     };
     let mut writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), owner, seq, head, snapshot_bytes: cfg.snapshot_bytes, sync, insync_key: sync::insync_key(&cfg.cluster_id), retry_until: Some(Instant::now() + 5 * cfg.lease_ttl) };
     let t_write = Instant::now();
@@ -1011,7 +1017,7 @@ mod tests {
         assert_eq!(resolve_cluster_id(Some("flag"), Some("env")), "flag");
         assert_eq!(resolve_cluster_id(None, Some("env")), "env");
         assert_eq!(resolve_cluster_id(Some(" "), None), DEFAULT_CLUSTER_ID);
-        let c = HaConfig { endpoints: vec![], cluster_id: "c".into(), address: "a:1".into(), lease_ttl: Duration::from_secs(5), snapshot_bytes: journal::SNAPSHOT_MIN, replication: Replication::Etcd };
+        let c = HaConfig { endpoints: vec![], cluster_id: "c".into(), address: "a:1".into(), lease_ttl: Duration::from_secs(5), snapshot_bytes: journal::SNAPSHOT_MIN, replication: Replication::Etcd, rebase_tail_bytes: journal::TAIL_DEFAULT, rebase_base_every: journal::BASE_EVERY };
         assert!(c.fence_bound() < c.lease_ttl && c.keepalive_every() < c.fence_bound() / 2, "at least two renewals fit in the bound");
     }
 }
