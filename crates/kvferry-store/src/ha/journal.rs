@@ -407,7 +407,7 @@ impl Run {
 
     /// Whether the run is still whole with entry `seq` added.
     fn push(&mut self, seq: u64, frame: &Arc<Vec<u8>>, cap: usize) -> bool {
-        if seq != self.last() + 1 || self.bytes + frame.len() > cap {
+        if Some(seq) != self.last().checked_add(1) || self.bytes + frame.len() > cap {
             return false;
         }
         self.bytes += frame.len();
