@@ -4,7 +4,9 @@
 //!
 //! Keys under `mooncake-store/<cluster_id>/journal/`:
 //! - `log/<seq, 16 hex digits>`: postcard-encoded `Vec<Change>` (at most [`CHUNK`] bytes,
-//!   LZ4-compressed behind a magic when that makes it smaller: see [`encode_chunks`]),
+//!   LZ4-compressed behind a magic when that makes it smaller: see [`encode_chunks`]; a
+//!   rebase from the [`Tail`] puts consecutive entries in one value behind `RANGE_MAGIC`,
+//!   which names the last, under the first one's key),
 //!   written in order by one writer thread, each in a transaction guarded by the leader's view
 //!   key still being the one it created (its term): a deposed leader cannot append.
 //! - `snap/<seq>/<i>`: a snapshot, the whole state after `log/<seq>` in chunks; `head` names
@@ -21,7 +23,9 @@
 //! streams each batch to the standbys ([`Replicas`], [`super::sync`]) and, while the in-sync
 //! set is not empty, does not write etcd: it sends the next batch without waiting, and the
 //! threads reading the standbys' acknowledgements answer the requests ([`Release`]); when the
-//! set empties it writes the whole state as a snapshot first ([`Writer`]'s `rebase`). While it
+//! set empties it makes the etcd journal whole first ([`Writer`]'s `rebase`): it writes the
+//! entries streamed since the journal was last whole, which it keeps ([`Tail`]), or else its
+//! whole state as a snapshot. While it
 //! sleeps it lends its links ([`Lent`]): a request that finds nothing in flight sends its
 //! entry itself, one hop fewer.
 

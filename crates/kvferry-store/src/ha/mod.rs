@@ -884,8 +884,8 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     Ok(writer)
 }
 
-/// The master is stopping (SIGTERM): a leader leaves its whole state in the etcd journal (its
-/// in-sync standbys' acknowledgements would die with the cluster otherwise), refuses from then
+/// The master is stopping (SIGTERM): a leader makes the etcd journal whole (its in-sync
+/// standbys' acknowledgements would die with the cluster otherwise: the rebase), refuses from then
 /// on, and steps down (its key deleted: a standby takes over at once, from the journal). A
 /// standby with a complete mirror waits for its elector: if the mirror is the only copy of
 /// what the next leader needs ([`sync::needed_at_stop`]: the leader dead, no other member
