@@ -1574,13 +1574,7 @@ impl Writer<'_> {
             s.log_bytes += bytes;
         });
         // What requests queued and no standby was sent: appended as the writer appends.
-        let (queued, upto) = {
-            let mut q = self.master.journal.q();
-            if q.term != self.term() || q.failed {
-                return None;
-            }
-            q.take()
-        };
+        let (queued, upto) = self.take_queued()?;
         if !queued.is_empty() {
             self.append(&queued)?;
             self.broadcast(queued)?;
@@ -1629,15 +1623,19 @@ impl Writer<'_> {
         self.write_snapshot(image, at, None, true).map(|_| ())
     }
 
+    /// What requests queued, and the ticket that completes it (`None`: the term ended or the
+    /// journal failed).
+    fn take_queued(&self) -> Option<(Vec<Change>, u64)> {
+        let mut q = self.master.journal.q();
+        if q.term != self.term() || q.failed {
+            return None;
+        }
+        Some(q.take())
+    }
+
     /// Commits what requests queued (their changes, completing their ticket).
     fn commit_what_is_queued(&mut self) -> Option<()> {
-        let (changes, ticket) = {
-            let mut q = self.master.journal.q();
-            if q.term != self.term() || q.failed {
-                return None;
-            }
-            q.take()
-        };
+        let (changes, ticket) = self.take_queued()?;
         if !changes.is_empty() {
             self.commit(changes, ticket)?;
         }
