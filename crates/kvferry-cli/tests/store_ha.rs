@@ -865,6 +865,9 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
             }
         }
         assert!(kept.len() > 20, "{case}: the load ran: {} puts", kept.len());
+        let metrics = http_get(&ms[l].http, "/metrics").1;
+        let held = format!("kvferry_master_ha_rebase_seconds {}\n", j["rebase_ms"].as_u64().unwrap_or(u64::MAX) as f64 / 1000.0);
+        assert!(metrics.contains(&held) && metrics.contains("kvferry_master_ha_tail_whole "), "{case}: /metrics has {held:?}: {metrics}");
         // The leader dies too: a master started alone has every object from the journal.
         ms[l].kill();
         ms[s] = Master::start_with(port, None, false, extra);
