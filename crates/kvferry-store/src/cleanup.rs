@@ -12,7 +12,7 @@
 //!
 //! It never removes a live engine's entries, where Mooncake removes whatever the name holds:
 //! - a name mounted again when its old client expires (a client restarted with the same
-//!   `local_hostname`) is left alone, decided under the state lock ([`Master::tick`]);
+//!   `local_hostname`) is left alone, decided under the state lock ([`crate::master::Master::tick`]);
 //! - the engine that `rpc_meta` names is probed first (a handshake `Probe`, as an engine
 //!   does before it takes a name over), and entries whose engine answers are kept: a client
 //!   that lost only the master (a partition, a master paused past the client TTL, after

@@ -26,7 +26,7 @@
 //! set empties it makes the etcd journal whole first ([`Writer`]'s `rebase`): it writes the
 //! entries streamed since the journal was last whole, which it keeps ([`Tail`]), or else its
 //! whole state as a snapshot. While it
-//! sleeps it lends its links ([`Lent`]): a request that finds nothing in flight sends its
+//! sleeps it lends its links (`Lent`): a request that finds nothing in flight sends its
 //! entry itself, one hop fewer.
 
 use crate::error::StoreError;

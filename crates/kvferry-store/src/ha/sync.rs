@@ -293,7 +293,7 @@ pub struct MirrorStatus {
 ///
 /// A frame is acknowledged once it is decoded and checked to be the next one (so held in
 /// this process's memory, as the acknowledgement promises) and applied to the image after
-/// that (by [`follow`], the connection's thread), so the leader does not wait for the map's
+/// that (by `follow`, the connection's thread), so the leader does not wait for the map's
 /// work. What is pending is at most what one read of the connection brought; a takeover
 /// applies it first.
 pub struct Mirror {

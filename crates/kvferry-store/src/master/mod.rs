@@ -589,7 +589,7 @@ impl State {
     }
 
     /// Removes a segment and every replica in it; objects left without replicas disappear.
-    /// Space of writes in progress there stays held (`release`: see [`State::drop_segments`]).
+    /// Space of writes in progress there stays held (`release`: see `State::drop_segments`).
     pub fn unmount(&mut self, client: u64, seg_id: u64, now: u64, release: u64) -> StoreResult<()> {
         match self.segments.get(&seg_id) {
             None => return Err(StoreError::SegmentNotFound(format!("{seg_id:x}"))),
@@ -761,7 +761,7 @@ impl State {
     /// Drops clients that have not pinged within `ttl`, with their segments and replicas: each
     /// with the names of the segments it still had (none: it unmounted them, as a client that
     /// closes does, and nothing was lost).
-    /// `release` is the put start release timeout (see [`State::drop_segments`]).
+    /// `release` is the put start release timeout (see `State::drop_segments`).
     pub fn expire_clients(&mut self, now: u64, ttl: u64, release: u64) -> Vec<(u64, Vec<String>)> {
         let mut dead: std::collections::HashMap<u64, Vec<String>> = self.clients.iter().filter(|(_, &t)| now.saturating_sub(t) > ttl).map(|(&c, _)| (c, Vec::new())).collect();
         if dead.is_empty() {
@@ -1229,7 +1229,7 @@ impl State {
     ///
     /// One walk over the objects, taking out those that go (no second lookup, the key copied only
     /// while journaling); their space is freed per segment at once ([`SegmentSpace::free_many`]), their keys are marked without
-    /// hashing ([`State::mark_keys_owned`]) and their groups pruned once at the end. It holds the state's lock for
+    /// hashing (`State::mark_keys_owned`) and their groups pruned once at the end. It holds the state's lock for
     /// up to every object of the pool (`RemoveAll`), so each removal must stay cheap.
     pub fn remove_matching(&mut self, m: &MasterConfig, pred: impl Fn(&str) -> bool, force: bool, now: u64) -> Removed {
         // (`retain`, as `HashMap::extract_if` needs a newer Rust than this crate's minimum:

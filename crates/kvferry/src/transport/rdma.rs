@@ -11,7 +11,7 @@
 //!   does (reference §1.5, §2.3). Buffers whose MRs are not yet made are left out of the
 //!   descriptor (never published without keys).
 //! - **Endpoints**: one RC QP per (peer, local NIC, peer NIC), made on first use by the peer's
-//!   posting thread ([`per_peer`]: one per peer, so a peer that does not answer holds up only
+//!   posting thread (`per_peer`: one per peer, so a peer that does not answer holds up only
 //!   its own requests) through the `Connection` handshake message (§2.6) sent to the peer's handshake
 //!   port; the peer ([`RdmaTransport::on_connection`]) makes its QP, brings it to RTS, answers
 //!   with its QP number, GID and LID. A peer's NIC is chosen by name: the one with the local
@@ -98,7 +98,7 @@ const POSTER_IDLE: Duration = Duration::from_secs(5);
 pub const SLICE: u64 = 64 << 10;
 /// Send queue depth of a QP.
 const MAX_WR: u32 = 256;
-/// Work requests in flight per QP (below [`MAX_WR`]).
+/// Work requests in flight per QP (below `MAX_WR`).
 pub const MAX_OUTSTANDING: u32 = 128;
 /// Completion queue entries per NIC (Mooncake's `MC_MAX_CQE_PER_CTX` default).
 const CQ_DEPTH: u32 = 4096;
@@ -113,7 +113,7 @@ const PAUSE: Duration = Duration::from_secs(30);
 const PORT: u8 = 1;
 /// RC QPs per endpoint: Mooncake's `MC_NUM_QP_PER_EP` default. Mooncake refuses a peer whose
 /// QP count differs from its own, so the active side sends this many; the passive side makes as
-/// many as the peer sent (at most [`MAX_QPS_PER_EP`]).
+/// many as the peer sent (at most `MAX_QPS_PER_EP`).
 pub const QPS_PER_EP: usize = 2;
 const MAX_QPS_PER_EP: usize = 16;
 /// Times one slice is posted again on another NIC pair after its work request failed (a flush

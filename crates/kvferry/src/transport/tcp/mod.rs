@@ -158,7 +158,7 @@ impl TcpTransport {
 
 impl TcpTransport {
     /// Runs a lone request in the caller's thread when a lane to the peer is connected and
-    /// idle (see [`Lane::run_inline`]); otherwise queues it like [`Transport::submit`].
+    /// idle (see `Lane::run_inline`); otherwise queues it like [`Transport::submit`].
     pub fn submit_one(&self, peer: &Arc<Peer>, piece: Piece) {
         let mut piece = piece;
         if piece.len <= self.opts.inline_max && !self.shut.load(Ordering::Acquire) {
