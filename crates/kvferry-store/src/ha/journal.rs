@@ -395,7 +395,13 @@ pub struct Tail {
     want_next: bool,
     /// When the last run started.
     started: Instant,
+    /// When the figures last showed its size, and whether a run was kept then
+    /// ([`Tail::size_to_show`]).
+    shown: Option<(Instant, bool)>,
 }
+
+/// How often the journal's figures show the tail's size.
+const TAIL_SHOWN_EVERY: Duration = Duration::from_millis(200);
 
 struct Run {
     /// The etcd journal is whole up to this entry.
@@ -424,7 +430,7 @@ impl Tail {
     /// A tail of at most `cap` bytes of frames per run (0: none is kept), refreshed at most
     /// `every`.
     pub fn new(cap: usize, every: Duration) -> Tail {
-        Tail { cap, every, cur: None, next: None, want_next: false, started: Instant::now() }
+        Tail { cap, every, cur: None, next: None, want_next: false, started: Instant::now(), shown: None }
     }
 
     fn push(&mut self, seq: u64, frame: &Arc<Vec<u8>>) {
@@ -481,6 +487,18 @@ impl Tail {
     /// Bytes of the current run's frames, and whether there is one.
     fn size(&self) -> (u64, bool) {
         self.cur.as_ref().map_or((0, false), |r| (r.bytes as u64, true))
+    }
+
+    /// [`Tail::size`] for the journal's figures when whether a run is kept changed since they
+    /// last showed it, else at most every [`TAIL_SHOWN_EVERY`] (the writer turns once per
+    /// commit: the figures' lock each time would be one more on the request path).
+    fn size_to_show(&mut self) -> Option<(u64, bool)> {
+        let (bytes, whole) = self.size();
+        if self.shown.is_some_and(|(t, w)| w == whole && t.elapsed() < TAIL_SHOWN_EVERY) {
+            return None;
+        }
+        self.shown = Some((Instant::now(), whole));
+        Some((bytes, whole))
     }
 }
 
@@ -1523,32 +1541,39 @@ impl Writer<'_> {
         if !queued.is_empty() {
             self.broadcast(queued)?;
         }
-        let cleared = Some((self.insync_key.clone(), InSync { term: self.term(), members: Vec::new() }.to_bytes()));
-        self.write_snapshot(image, self.seq, cleared, false)?;
-        self.insync_emptied(upto);
-        self.master.journal.set_stats(|s| {
-            s.rebase_ms = started.elapsed().as_millis() as u64;
-            s.rebase_tail_entries = 0;
-        });
+        self.write_snapshot(image, self.seq, Some(self.insync_cleared()), false)?;
+        self.insync_emptied(upto, started, 0);
         tracing::warn!(term = self.term(), seq = self.seq, "HA replication: no standby is in sync; the state is in the etcd journal again (snapshot) and changes are written there");
         Some(())
     }
 
-    /// The in-sync set is empty in etcd now, and everything up to `upto` durable there.
-    fn insync_emptied(&mut self, upto: u64) {
+    /// The in-sync record, emptied by this leader (the rebase's last write).
+    fn insync_cleared(&self) -> (String, Vec<u8>) {
+        (self.insync_key.clone(), InSync { term: self.term(), members: Vec::new() }.to_bytes())
+    }
+
+    /// The rebase begun at `started` emptied the in-sync set in etcd, and everything up to
+    /// `upto` is durable there (`tail_entries`: written from the [`Tail`], 0: the whole state).
+    fn insync_emptied(&mut self, upto: u64, started: Instant, tail_entries: u64) {
         if let Some(s) = self.sync.as_mut() {
             s.insync.clear();
             s.release.clear();
             s.tail().clear();
         }
-        self.master.journal.set_insync(&[]);
-        self.master.journal.done(upto);
+        let j = &self.master.journal;
+        j.set_insync(&[]);
+        j.done(upto);
+        j.set_stats(|s| {
+            s.rebase_ms = started.elapsed().as_millis() as u64;
+            s.rebase_tail_entries = tail_entries;
+        });
     }
 
     /// The rebase when the entries the etcd journal lacks are all kept ([`Tail`]): they go to
     /// the log after its last position as they were streamed (consecutive entries sharing a
     /// value, several values per transaction: [`tail_log_values`]), then what is queued, as
-    /// the writer appends it, and the in-sync set is emptied last. `Some(false)`: the tail is not whole (the caller writes the whole state).
+    /// the writer appends it, and the in-sync set is emptied last. `Some(false)`: the tail is
+    /// not whole (the caller writes the whole state).
     fn rebase_from_tail(&mut self, started: Instant) -> Option<bool> {
         let Some(run) = self.sync.as_ref().and_then(|s| s.tail().take(self.seq)) else { return Some(false) };
         let Some(values) = tail_log_values(&self.prefix, &run.frames) else {
@@ -1579,14 +1604,9 @@ impl Writer<'_> {
             self.append(&queued)?;
             self.broadcast(queued)?;
         }
-        self.txn(&[(self.insync_key.clone(), InSync { term: self.term(), members: Vec::new() }.to_bytes())], None)?;
-        self.insync_emptied(upto);
-        let ms = started.elapsed().as_millis() as u64;
-        self.master.journal.set_stats(|s| {
-            s.rebase_ms = ms;
-            s.rebase_tail_entries = entries;
-        });
-        tracing::warn!(term = self.term(), seq = self.seq, base = run.base, entries, values = values_n, bytes, ms, "HA replication: no standby is in sync; the entries since the etcd journal's last position are in its log now, and changes are written there");
+        self.txn(&[self.insync_cleared()], None)?;
+        self.insync_emptied(upto, started, entries);
+        tracing::warn!(term = self.term(), seq = self.seq, base = run.base, entries, values = values_n, bytes, ms = started.elapsed().as_millis() as u64, "HA replication: no standby is in sync; the entries since the etcd journal's last position are in its log now, and changes are written there");
         Some(true)
     }
 
@@ -1906,8 +1926,7 @@ impl Writer<'_> {
             if self.streaming() && self.sync.as_ref().is_some_and(|s| s.tail().refresh_due()) && self.refresh_base().is_none() {
                 break;
             }
-            if let Some(s) = self.sync.as_ref() {
-                let (bytes, whole) = s.tail().size();
+            if let Some((bytes, whole)) = self.sync.as_ref().and_then(|s| s.tail().size_to_show()) {
                 j.set_stats(|st| (st.tail_bytes, st.tail_whole) = (bytes, whole));
             }
         }
