@@ -428,8 +428,8 @@ impl Directory {
     }
 
     /// Publishes this engine's rpc_meta. An entry already there is replaced only when the
-    /// engine it names no longer answers (`alive` returns false) or it is identical (this
-    /// engine's own, e.g. left by a crash): a restarted engine reuses its name, a live one
+    /// engine it names no longer answers (`alive` returns false) or it names this engine's
+    /// address (its own, e.g. left by a crash): a restarted engine reuses its name, a live one
     /// keeps it.
     ///
     /// The entry is created only if absent ([`MetadataStore::create`]), and a dead engine's
