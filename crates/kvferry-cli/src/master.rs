@@ -121,7 +121,10 @@ pub struct MasterArgs {
     /// instead of its whole state, and changing requests wait for that alone. While standbys
     /// are in sync and more than this was streamed since, a snapshot is written in the
     /// background (at most every --ha-rebase-base-every), and the entries after it are kept
-    /// instead. 0: none kept (every rebase writes the whole state).
+    /// instead. A standby keeps as many bytes of the last entries it received, so that when
+    /// it takes over it too writes those instead of its whole state, if they reach back to
+    /// where the journal ends. 0: none kept (every rebase and takeover writes the whole
+    /// state).
     #[arg(long, default_value = "64M", value_parser = crate::sys::parse_size)]
     pub ha_rebase_tail_bytes: u64,
     /// HA with standbys: the least time between two of those background snapshots.

@@ -82,14 +82,17 @@ pub struct StoreBenchArgs {
     /// a leader of `--ha-link-objects` objects, `snapshot`: how long they wait while such a
     /// leader writes etcd snapshots, `rebase`: how long changing requests wait when such a
     /// leader's in-sync set empties (its standby killed), with the entries kept since the
-    /// etcd journal's last position and without, `failover`: failover time and objects lost).
-    #[arg(long, default_value = "rate,store,link,snapshot,rebase,failover", value_delimiter = ',', value_parser = ["rate", "store", "link", "snapshot", "rebase", "failover"])]
+    /// etcd journal's last position and without, `takeover`: how long a standby takes to lead
+    /// when such a leader is killed, with the entries it received and without, `failover`:
+    /// failover time and objects lost).
+    #[arg(long, default_value = "rate,store,link,snapshot,rebase,takeover,failover", value_delimiter = ',', value_parser = ["rate", "store", "link", "snapshot", "rebase", "takeover", "failover"])]
     ha_parts: Vec<String>,
-    /// With `--ha`: the objects the `link`, `snapshot` and `rebase` parts' leaders hold.
+    /// With `--ha`: the objects the `link`, `snapshot`, `rebase` and `takeover` parts'
+    /// leaders hold.
     #[arg(long, default_value_t = 1_000_000)]
     ha_link_objects: u64,
-    /// With `--ha`: every HA master's `--ha-rebase-tail-bytes` (the `rebase` part runs its
-    /// leader with the default and with 0, whatever this is).
+    /// With `--ha`: every HA master's `--ha-rebase-tail-bytes` (the `rebase` and `takeover`
+    /// parts run their masters with the default and with 0, whatever this is).
     #[arg(long, default_value = "64M", value_parser = crate::sys::parse_size)]
     ha_rebase_tail_bytes: u64,
     /// With `--ha`: the throughput points of the `rate` part, as CONNECTIONSxKEYS (keys per

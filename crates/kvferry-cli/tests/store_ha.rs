@@ -694,10 +694,11 @@ fn wait_insync(m: &Master, members: &[&str], within: Duration) -> serde_json::Va
 
 /// `--ha-replication standbys` (the default): once the standby is in sync, the leader's
 /// requests are acknowledged by it in memory and the etcd journal is not written; killed, the
-/// leader is succeeded by that standby from its mirror, with every object. A fresh master
-/// joins the set; when it dies in turn the leader writes its state to etcd (a snapshot,
-/// the set emptied) before it acknowledges anything more, and a master that then starts
-/// alone loads everything from etcd.
+/// leader is succeeded by that standby from its mirror, with every object, which first writes
+/// to etcd the entries etcd lacks, as it received them. A fresh master joins the set; when it
+/// dies in turn the leader writes what etcd lacks (the entries since it joined) before it
+/// acknowledges anything more, and a master that then starts alone loads everything from
+/// etcd.
 #[test]
 fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() {
     let Some(etcd_svc) = Service::etcd() else { return };
@@ -709,7 +710,7 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
     assert_eq!(insync["members"], serde_json::json!([ms[s].rpc]), "{insync}");
     let c = ha_client(etcd_svc.port, 32 << 20);
     let before = ha_status(&ms[l]);
-    let logs_before = etcd_keys("/log/");
+    let (logs_before, snaps_before) = (etcd_keys("/log/"), etcd_keys("/snap/"));
     let keys = put_keys(&c, "m", 200);
     let after = ha_status(&ms[l]);
     let streamed = after["journal"]["streamed"].as_u64().unwrap_or(0) - before["journal"]["streamed"].as_u64().unwrap_or(0);
@@ -741,10 +742,14 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
     for k in &keys {
         assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{k} lost in the failover: {e}")), value(k, 4096));
     }
-    // It wrote its state to etcd before serving (a snapshot, the set emptied).
+    // Before serving it wrote to etcd's log the entries etcd lacked, as it received them
+    // (every put's since it joined the set), not its whole state, and emptied the set.
     let st = ha_status(&ms[s]);
-    assert!(st["journal"]["snapshots"].as_u64().is_some_and(|n| n >= 1), "{st}");
-    assert!(etcd_keys("/snap/") >= 1);
+    assert!(st["journal"]["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 200), "{st}");
+    assert_eq!(st["journal"]["snapshots"], 0, "{st}");
+    assert_eq!((etcd_keys("/snap/"), etcd_keys("/head")), (snaps_before, 0), "no snapshot");
+    assert!(etcd_keys("/log/") > logs_before, "the entries are in the log");
+    assert_eq!(insync_members(&etcd), Vec::<String>::new(), "the set is empty in etcd");
 
     // A fresh master joins the new leader's set.
     ms[l] = Master::start(etcd_svc.port, None, false);
@@ -775,14 +780,17 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
 /// when the standby joined (killed under load); from a background snapshot written while the
 /// standby was in sync (`--ha-rebase-base-every` short, a small tail that outgrows its cap
 /// under the load, so that snapshots are written again and again); none kept (the whole
-/// state, as before the tail).
+/// state, as before the tail). And a fourth: the leader killed instead, so that the standby
+/// takes over and writes what etcd lacks from the entries it received (`ha::sync::Mirror`'s
+/// tail) before it serves; then it dies too.
 #[test]
 fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_object() {
     use std::sync::atomic::{AtomicBool, Ordering};
-    let cases: [(&str, &[&str]); 3] = [
+    let cases: [(&str, &[&str]); 4] = [
         ("tail", &["--ha-rebase-base-every", "600s"]),
         ("refreshed", &["--ha-rebase-base-every", "200ms", "--ha-rebase-tail-bytes", "64K"]),
         ("whole", &["--ha-rebase-tail-bytes", "0"]),
+        ("takeover", &["--ha-rebase-base-every", "600s"]),
     ];
     for (case, extra) in cases {
         let Some(etcd_svc) = Service::etcd() else { return };
@@ -791,6 +799,8 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
         let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
         let s = 1 - l;
         wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+        // The master killed, and the one that leads after it.
+        let (victim, lead) = if case == "takeover" { (l, s) } else { (s, l) };
         // (Room for every object: at most 4 × 5000 of 4 KiB, none evicted.)
         let c = ha_client(port, 128 << 20);
         let stop = AtomicBool::new(false);
@@ -837,8 +847,11 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
                 Vec::new()
             };
             let j = ha_status(&ms[l])["journal"].clone();
-            ms[s].kill();
+            ms[victim].kill();
             let killed_at = j;
+            if case == "takeover" {
+                wait_leader(&ms[lead], 2 * TTL, "the in-sync standby did not lead");
+            }
             std::thread::sleep(Duration::from_millis(700));
             stop.store(true, Ordering::Release);
             let mut kept: Vec<String> = loads.into_iter().flat_map(|h| h.join().expect("load")).collect();
@@ -846,13 +859,17 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
             (kept, killed_at)
         });
         kept.extend(put_keys(&c, &format!("{case}-alone-"), 3));
-        let st = wait_insync(&ms[l], &[], Duration::from_secs(5));
+        let st = wait_insync(&ms[lead], &[], Duration::from_secs(5));
         let j = &st["journal"];
         eprintln!("{case}: {} puts kept; the rebase held changing requests {} ms and wrote {} entries from the tail ({} bytes of tail at the kill); journal {j}", kept.len(), j["rebase_ms"], j["rebase_tail_entries"], killed_at["tail_bytes"]);
         match case {
             "whole" => {
                 assert_eq!(j["rebase_tail_entries"], 0, "{case}: no tail is kept: {j}");
                 assert!(j["snapshots"].as_u64() > killed_at["snapshots"].as_u64(), "{case}: the rebase wrote a snapshot: {j}");
+            }
+            "takeover" => {
+                assert!(j["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 5), "{case}: the takeover wrote the entries it received: {j}");
+                assert_eq!(j["snapshots"], 0, "{case}: and no snapshot: {j}");
             }
             _ => {
                 assert!(j["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 5), "{case}: the rebase wrote the tail: {j}");
@@ -865,13 +882,13 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
             }
         }
         assert!(kept.len() > 20, "{case}: the load ran: {} puts", kept.len());
-        let metrics = http_get(&ms[l].http, "/metrics").1;
+        let metrics = http_get(&ms[lead].http, "/metrics").1;
         let held = format!("kvferry_master_ha_rebase_seconds {}\n", j["rebase_ms"].as_u64().unwrap_or(u64::MAX) as f64 / 1000.0);
         assert!(metrics.contains(&held) && metrics.contains("kvferry_master_ha_tail_whole "), "{case}: /metrics has {held:?}: {metrics}");
         // The leader dies too: a master started alone has every object from the journal.
-        ms[l].kill();
-        ms[s] = Master::start_with(port, None, false, extra);
-        wait_leader(&ms[s], 3 * TTL, "a lone master did not lead");
+        ms[lead].kill();
+        ms[victim] = Master::start_with(port, None, false, extra);
+        wait_leader(&ms[victim], 3 * TTL, "a lone master did not lead");
         for k in &kept {
             assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{case}: {k} lost: {e}")), value(k, 4096), "{case}: {k}");
         }
@@ -1524,9 +1541,15 @@ fn store_bench_ha_reports_every_figure() {
         "the in-sync set emptied at a leader of",
         "writing the entries kept since the etcd journal's last position",
         "writing the whole state (--ha-rebase-tail-bytes 0)",
+        "a standby took over a leader of",
+        "writing its whole state (--ha-rebase-tail-bytes 0)",
     ] {
         assert!(out.contains(figure), "the report has {figure:?}: {out}");
     }
+    // The standby that took over with its tail wrote entries from it.
+    let takeover = out.lines().find(|l| l.contains("writing the entries it received since the etcd journal's last position")).unwrap_or_default();
+    let from_tail: u64 = takeover.rsplit('(').next().and_then(|t| t.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or(0);
+    assert!(from_tail > 0, "the takeover with its tail wrote entries from it: {takeover:?}");
     // What each object cost was read, not left at zero: the first point's CPU and switches of
     // every setup (no HA; the etcd journal's leader; the standby pair's leader and mirror),
     // and the leader ratio.

@@ -415,15 +415,20 @@ const FILL_CLIENTS: std::ops::Range<u64> = FIRST_CLIENT..FIRST_CLIENT + 16;
 /// Puts objects into the master `m` serving `addr` (16 connections x 128 keys, keys
 /// `{tag}{round}-...`) until it holds `target`: how many it holds then.
 fn fill(m: &Master, addr: &str, target: usize, tag: &str) -> Result<usize, String> {
+    fill_counted(&|| m.lock().summary().keys, addr, target, tag)
+}
+
+/// [`fill`] of a master that `keys` counts the objects of.
+fn fill_counted(keys: &dyn Fn() -> usize, addr: &str, target: usize, tag: &str) -> Result<usize, String> {
     let mut round = 0;
-    while m.lock().summary().keys < target {
+    while keys() < target {
         let _ = put_rate(addr, FILL_CLIENTS.count(), 128, Duration::from_secs(1), &format!("{tag}{round}"), false, || ());
         round += 1;
         if round > 600 {
-            return Err(format!("the leader holds {} objects after {round} s of puts, {target} asked", m.lock().summary().keys));
+            return Err(format!("the leader holds {} objects after {round} s of puts, {target} asked", keys()));
         }
     }
-    Ok(m.lock().summary().keys)
+    Ok(keys())
 }
 
 pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
@@ -626,15 +631,16 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     let store_points = [(64u64 << 10, 32usize, 1usize), (1 << 20, 32, 1), (4 << 20, 32, 1), (16 << 20, 8, 1), (1 << 20, 32, 4), (4 << 20, 8, 4)];
     let etcd_url = format!("etcd://{}", endpoints.join(";"));
     let tail_bytes = a.ha_rebase_tail_bytes.to_string();
-    let start_master = |replication: &str, cluster: &str| {
+    let start_master_tail = |replication: &str, cluster: &str, tail_bytes: &str| {
         Proc::spawn(
             crate::self_command()?
                 .args(["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0", "--enable-ha", "--ha-backend-connstring", &etcd_url, "--cluster-id", cluster, "--ha-lease-ttl", "2s", "--ha-replication", replication, "--default-kv-lease-ttl", "2s"])
-                .args(["--ha-rebase-tail-bytes", &tail_bytes])
+                .args(["--ha-rebase-tail-bytes", tail_bytes])
                 .env_remove("MC_STORE_CLUSTER_ID"),
             "KVFERRY_MASTER",
         )
     };
+    let start_master = |replication: &str, cluster: &str| start_master_tail(replication, cluster, &tail_bytes);
     let http = |p: &Proc, path: &str| -> String {
         let http = p.field("http=").unwrap_or_default();
         let Ok(mut s) = std::net::TcpStream::connect(&http) else { return String::new() };
@@ -865,7 +871,57 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         }
     }
 
-    // 6. Failover: two master processes, a serving client, objects put, the leader killed
+    // 6. A standby that takes over a leader of `--ha-link-objects` objects: the leader (a
+    //    master process, alone, so the etcd journal holds the fill) filled, a second one in
+    //    sync, a second of puts streamed to it, the leader killed. How long until the standby
+    //    leads, and how long of that it spent making the etcd journal whole: from the entries
+    //    it received since the journal's last position (its tail), and from its whole state
+    //    (the tail off).
+    if part("takeover") {
+        let keys_of = |p: &Proc| -> usize {
+            http(p, "/metrics").lines().find_map(|l| l.strip_prefix("kvferry_master_keys ")).and_then(|v| v.trim().parse::<f64>().ok()).map_or(0, |v| v as usize)
+        };
+        for (label, tail) in [("the entries it received since the etcd journal's last position", ha::journal::TAIL_DEFAULT), ("its whole state (--ha-rebase-tail-bytes 0)", 0)] {
+            let c = format!("{cluster}-takeover{tail}");
+            let tail_s = tail.to_string();
+            let mut leader = start_master_tail("standbys", &c, &tail_s)?;
+            wait_for("the takeover part's first master did not lead", &|| role(&leader) == "leader")?;
+            let addr = leader.field("rpc=").ok_or("the leader's address")?;
+            let objects = fill_counted(&|| keys_of(&leader), &addr, a.ha_link_objects as usize, &format!("to{tail}-"))?;
+            let standby = start_master_tail("standbys", &c, &tail_s)?;
+            let until = Instant::now() + Duration::from_secs(120);
+            while !insync(&leader) {
+                if Instant::now() > until {
+                    return Err(format!("the standby was not in sync 120 s after it started (leader of {objects} objects)"));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = put_rate(&addr, FILL_CLIENTS.count(), 8, Duration::from_secs(1), &format!("toload{tail}-"), false, || ());
+            let killed = Instant::now();
+            leader.stop();
+            while role(&standby) != "leader" {
+                if killed.elapsed() > Duration::from_secs(120) {
+                    return Err("the standby did not lead within 120 s of the kill".into());
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let led = killed.elapsed();
+            let st = serde_json::from_str::<serde_json::Value>(&http(&standby, "/ha_status")).map_err(|e| format!("/ha_status: {e}"))?;
+            let j = &st["journal"];
+            println!(
+                "a standby took over a leader of {objects} objects (SIGKILL, lease TTL 2 s), writing {label}: it led {:.2} s after the kill, {} ms of it writing to etcd ({} entries from its tail)",
+                led.as_secs_f64(),
+                j["rebase_ms"],
+                j["rebase_tail_entries"]
+            );
+            drop(standby);
+            for p in [ha::journal::prefix(&c), ha::sync::prefix(&c)] {
+                let _ = etcd.delete_range(&p, &format!("{}~", p.trim_end_matches('/')));
+            }
+        }
+    }
+
+    // 7. Failover: two master processes, a serving client, objects put, the leader killed
     //    once the other master is in sync (the failover is from its mirror).
     let mut lost = 0;
     if part("failover") {

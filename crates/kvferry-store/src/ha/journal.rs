@@ -1107,11 +1107,14 @@ fn entry_changes(seq: u64, frame: &[u8]) -> Option<(usize, &[u8])> {
 /// changes may be over [`CHUNK`]; etcd takes requests of 1.5 MiB, base64 included).
 const REBASE_VALUE_MAX: usize = 1 << 20;
 
-/// The log values (key, value) of the entries `frames` (each `(seq, frame)`, in order, one
-/// after the other): consecutive entries share a value while their changes fit [`CHUNK`]
-/// ([`RANGE_MAGIC`] when it holds more than one). `None` if a frame is not its entry, or one
-/// entry alone is over [`REBASE_VALUE_MAX`] stored.
-fn tail_log_values(prefix: &str, frames: &[(u64, Arc<Vec<u8>>)]) -> Option<Vec<(String, Vec<u8>)>> {
+/// The log values (key, value) of the entries `frames`, in order, one after the other: each
+/// `(first, last, frame)`, the streamed frame of entry `last` holding the changes of the log's
+/// entries `first..=last` (a leader streams the entries it appended to etcd in several values
+/// as one). Consecutive entries share a value while their changes fit [`CHUNK`]
+/// ([`RANGE_MAGIC`] when it holds more than one log entry). `None` if a frame is not its
+/// entry, the frames are not consecutive, or one entry alone is over [`REBASE_VALUE_MAX`]
+/// stored.
+fn tail_log_values<'f>(prefix: &str, frames: impl IntoIterator<Item = (u64, u64, &'f [u8])>) -> Option<Vec<(String, Vec<u8>)>> {
     struct Group {
         first: u64,
         last: u64,
@@ -1135,13 +1138,16 @@ fn tail_log_values(prefix: &str, frames: &[(u64, Arc<Vec<u8>>)]) -> Option<Vec<(
     };
     let mut out = Vec::new();
     let mut group: Option<Group> = None;
-    for (seq, frame) in frames {
-        let (n, elems) = entry_changes(*seq, frame)?;
+    for (first, last, frame) in frames {
+        let (n, elems) = entry_changes(last, frame)?;
+        if first > last || group.as_ref().is_some_and(|g| g.last.checked_add(1) != Some(first)) {
+            return None;
+        }
         if group.as_ref().is_some_and(|g| g.elems.len() + elems.len() > CHUNK - 16) {
             out.push(finish(group.take()?)?);
         }
-        let g = group.get_or_insert(Group { first: *seq, last: *seq, count: 0, elems: Vec::new() });
-        g.last = *seq;
+        let g = group.get_or_insert(Group { first, last, count: 0, elems: Vec::new() });
+        g.last = last;
         g.count += n;
         g.elems.extend_from_slice(elems);
     }
@@ -1576,11 +1582,19 @@ impl Writer<'_> {
     /// not whole (the caller writes the whole state).
     fn rebase_from_tail(&mut self, started: Instant) -> Option<bool> {
         let Some(run) = self.sync.as_ref().and_then(|s| s.tail().take(self.seq)) else { return Some(false) };
-        let Some(values) = tail_log_values(&self.prefix, &run.frames) else {
+        let Some(values) = tail_log_values(&self.prefix, run.frames.iter().map(|(seq, f)| (*seq, *seq, f.as_slice()))) else {
             tracing::info!("HA journal: an entry streamed since the journal's last position does not fit a log value; the rebase writes the whole state");
             return Some(false);
         };
-        let (entries, values_n, bytes) = (run.frames.len() as u64, values.len() as u64, values.iter().map(|(_, v)| v.len() as u64).sum::<u64>());
+        self.rebase_with(values, run.base, run.frames.len() as u64, started)?;
+        Some(true)
+    }
+
+    /// Writes `values`, the log after the etcd journal's last position `base` (`entries`
+    /// streamed entries: [`tail_log_values`]), several per transaction, then what requests
+    /// queued, as the writer appends it, and empties the in-sync set last.
+    fn rebase_with(&mut self, values: Vec<(String, Vec<u8>)>, base: u64, entries: u64, started: Instant) -> Option<()> {
+        let (values_n, bytes) = (values.len() as u64, values.iter().map(|(_, v)| v.len() as u64).sum::<u64>());
         let mut batch: Vec<(String, Vec<u8>)> = Vec::new();
         let mut size = 0;
         for (k, v) in values {
@@ -1606,8 +1620,8 @@ impl Writer<'_> {
         }
         self.txn(&[self.insync_cleared()], None)?;
         self.insync_emptied(upto, started, entries);
-        tracing::warn!(term = self.term(), seq = self.seq, base = run.base, entries, values = values_n, bytes, ms = started.elapsed().as_millis() as u64, "HA replication: no standby is in sync; the entries since the etcd journal's last position are in its log now, and changes are written there");
-        Some(true)
+        tracing::warn!(term = self.term(), seq = self.seq, base, entries, values = values_n, bytes, ms = started.elapsed().as_millis() as u64, "HA replication: no standby is in sync; the entries since the etcd journal's last position are in its log now, and changes are written there");
+        Some(())
     }
 
     /// While standbys are in sync: a snapshot written to etcd in the background (requests
@@ -1878,12 +1892,26 @@ impl Writer<'_> {
         Some(())
     }
 
-    /// Writes the state this leader starts from (taken over from a mirror, or empty) to the
-    /// etcd journal as a snapshot after entry `seq`, emptying the in-sync set in the same
-    /// transaction: from then on the journal in etcd is whole again.
-    pub fn rebase_at_takeover(&mut self, seq: u64) -> Option<()> {
-        self.seq = seq;
-        self.rebase()
+    /// Makes the etcd journal whole with the state this leader starts from (taken over from
+    /// a mirror, or empty), and empties the in-sync set: from then on the journal in etcd is
+    /// whole again. The etcd journal ends at entry `stored`; the state is the mirror's at
+    /// entry `seq`. With `tail`, the entries after `stored` up to `seq` as the mirror received
+    /// them ([`super::sync::Mirror::take`]), they go to the log as a leader's rebase writes its
+    /// own; else the whole state is written as a snapshot after the later of the two.
+    /// Whether it wrote the tail (`Some(true)`) or the whole state.
+    pub fn rebase_at_takeover(&mut self, stored: u64, seq: u64, tail: Option<Vec<super::sync::TailFrame>>) -> Option<bool> {
+        let started = Instant::now();
+        if let Some(frames) = tail.filter(|_| seq >= stored) {
+            match tail_log_values(&self.prefix, frames.iter().map(|f| (f.first, f.last, f.frame.as_slice()))) {
+                Some(values) => {
+                    self.seq = seq;
+                    return self.rebase_with(values, stored, frames.len() as u64, started).map(|_| true);
+                }
+                None => tracing::info!("HA journal: an entry the mirror received does not fit a log value; the takeover writes the whole state"),
+            }
+        }
+        self.seq = seq.max(stored);
+        self.rebase().map(|_| false)
     }
 
     /// Runs until the term ends or writing fails (then the leader is fenced at once).
@@ -2457,24 +2485,30 @@ mod tests {
     /// Streamed entries' frames give the log values of their changes without decoding them:
     /// read back as [`load`] reads the log (each key the next number, a value's range), they
     /// hold the same changes in order and end at the last entry, for small and large sequence
-    /// numbers (the varint's length changes), empty entries and entries that fill a value; a
-    /// frame of another entry, or not an entry, gives none.
+    /// numbers (the varint's length changes), empty entries, entries that fill a value and a
+    /// frame that stands for several log entries (what a leader appended to etcd in several
+    /// values, streamed as one); a frame of another entry, not an entry, or frames that are
+    /// not consecutive give none.
     #[test]
     fn streamed_entries_frames_are_their_log_values() {
         let p = prefix("c");
-        for (first, sizes) in [(1u64, vec![3usize]), (120, vec![0, 5, 4096, 4096, 1, 0, 300, 2000, 4096]), (u64::MAX - 9, vec![17, 2])] {
+        for (first, sizes) in [(1u64, vec![3usize]), (120, vec![0, 5, 4096, 4096, 1, 0, 300, 2000, 4096]), (u64::MAX - 12, vec![17, 2])] {
             let mut all = Vec::new();
-            let frames: Vec<(u64, Arc<Vec<u8>>)> = sizes
+            let mut next = first;
+            let frames: Vec<(u64, u64, Arc<Vec<u8>>)> = sizes
                 .iter()
                 .enumerate()
                 .map(|(i, &n)| {
                     let changes: Vec<Change> = (0..n).map(|k| obj(k + 7 * i)).collect();
                     all.extend(changes.iter().cloned());
-                    let seq = first + i as u64;
-                    (seq, entry_frame(seq, changes).0.expect("frame"))
+                    // (The third frame of each stands for three log entries.)
+                    let span = if i == 1 { 3 } else { 1 };
+                    let (from, last) = (next, next + span - 1);
+                    next = last + 1;
+                    (from, last, entry_frame(last, changes).0.expect("frame"))
                 })
                 .collect();
-            let values = tail_log_values(&p, &frames).expect("values");
+            let values = tail_log_values(&p, frames.iter().map(|(a, b, f)| (*a, *b, f.as_slice()))).expect("values");
             assert!(values.len() < frames.len() || frames.len() == 1, "entries share values");
             let (mut seq, mut back) = (first - 1, Vec::new());
             for (key, v) in &values {
@@ -2484,13 +2518,19 @@ mod tests {
                 seq = last;
                 back.extend(decode_chunk(value).expect("decodes"));
             }
-            assert_eq!(seq, first + sizes.len() as u64 - 1, "the values end at the last entry");
+            assert_eq!(seq, next - 1, "the values end at the last entry");
             assert_eq!(back, all, "the same changes in order");
         }
         let (frame, _) = entry_frame(5, vec![obj(1)]);
-        assert!(tail_log_values(&p, &[(6, frame.expect("frame"))]).is_none(), "another entry's frame");
+        let frame = frame.expect("frame");
+        assert!(tail_log_values(&p, [(6, 6, frame.as_slice())]).is_none(), "another entry's frame");
+        assert!(tail_log_values(&p, [(6, 5, frame.as_slice())]).is_none(), "a range that ends before it starts");
+        let (other, _) = entry_frame(7, vec![obj(2)]);
+        let other = other.expect("frame");
+        assert!(tail_log_values(&p, [(5, 5, frame.as_slice()), (7, 7, other.as_slice())]).is_none(), "a gap between frames");
+        assert!(tail_log_values(&p, [(4, 5, frame.as_slice()), (6, 7, other.as_slice())]).is_some(), "consecutive ranges");
         let hello = super::super::sync::encode_frame(&ToStandby::Hello { cluster_id: "c".into(), term: 1, lease: 2, leader: "l".into() }).expect("frame");
-        assert!(tail_log_values(&p, &[(1, Arc::new(hello))]).is_none(), "not an entry");
+        assert!(tail_log_values(&p, [(1, 1, hello.as_slice())]).is_none(), "not an entry");
         assert!(log_range(9, b"KVFn\x05\0\0\0\0\0\0\0").is_err(), "a range that ends before it starts");
         assert!(log_range(9, b"KVFn\x05").is_err(), "a range cut short");
     }

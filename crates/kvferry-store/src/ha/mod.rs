@@ -416,8 +416,9 @@ enum Plan {
 /// Where a new leader's state comes from.
 enum Source {
     Journal,
-    /// The mirror, its last entry, and the in-sync record's term it is of.
-    Mirror(crate::master::journal::Image, u64, i64),
+    /// The mirror, its last entry, the in-sync record's term it is of, and the last entries
+    /// as it received them ([`sync::Mirror::take`]).
+    Mirror(crate::master::journal::Image, u64, i64, Vec<sync::TailFrame>),
     Empty,
 }
 
@@ -436,7 +437,7 @@ pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
             let ip = replication_ip(&cfg.address)?;
             let l = std::net::TcpListener::bind((ip, 0)).map_err(|e| format!("HA replication: cannot bind a port on {ip}: {e}"))?;
             let addr = l.local_addr().map_err(|e| e.to_string())?.to_string();
-            let mirror = Arc::new(sync::Mirror::new(&cfg.cluster_id, master.cfg.lease_ttl));
+            let mirror = Arc::new(sync::Mirror::new(&cfg.cluster_id, master.cfg.lease_ttl, usize::try_from(cfg.rebase_tail_bytes).unwrap_or(usize::MAX)));
             let m = Arc::clone(&mirror);
             std::thread::Builder::new().name("kvf-ha-mirror".into()).spawn(move || sync::serve(l, m)).map_err(|e| e.to_string())?;
             tracing::info!("HA: replication to standbys; this master's mirror is served at {addr}");
@@ -667,7 +668,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 let source = match plan {
                     Plan::Journal => Some(Source::Journal),
                     Plan::Empty => Some(Source::Empty),
-                    Plan::Mirror(rec_term) => standby.as_ref().and_then(|sb| sb.mirror.take(rec_term)).map(|(image, seq)| Source::Mirror(image, seq, rec_term)),
+                    Plan::Mirror(rec_term) => standby.as_ref().and_then(|sb| sb.mirror.take(rec_term)).map(|(image, seq, tail)| Source::Mirror(image, seq, rec_term, tail)),
                 };
                 if let Some(sb) = standby.as_ref() {
                     sb.mirror.close();
@@ -675,7 +676,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 // A mirror handed to a takeover that fails is put back (this member may
                 // campaign from it again: etcd may still name it in sync).
                 let mirrored = match &source {
-                    Some(Source::Mirror(_, seq, rec_term)) => Some((*seq, *rec_term)),
+                    Some(Source::Mirror(_, seq, rec_term, tail)) => Some((*seq, *rec_term, tail.clone())),
                     _ => None,
                 };
                 // Until the takeover ends, the key's lease and this member's registration are
@@ -714,7 +715,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                     }
                     Err(e) => {
                         tracing::warn!(term, "HA: won the key but cannot take over: {e}; stepping down");
-                        if let (Some(sb), Some((seq, rec_term))) = (standby.as_ref(), mirrored) {
+                        if let (Some(sb), Some((seq, rec_term, tail))) = (standby.as_ref(), mirrored) {
                             // Nothing was served: the state installed is the mirror.
                             let now = master.now();
                             let st = master.lock();
@@ -723,7 +724,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                                 for c in st.image(now) {
                                     image.apply(c);
                                 }
-                                sb.mirror.restore(rec_term, image, seq);
+                                sb.mirror.restore(rec_term, image, seq, tail);
                             }
                         }
                     }
@@ -808,16 +809,16 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     let lease_ms = master.cfg.lease_ttl.as_millis() as u64;
     // The state is installed before anything else is read from etcd: if the takeover of a
     // mirror fails after this, the master's state is that mirror and is put back (`campaign`).
-    let (image, from, loaded, mirror_seq) = match source {
+    let (image, from, loaded, mirror_seq, tail) = match source {
         Source::Journal => {
             let loaded = journal::load(etcd, &cfg.cluster_id)?;
             let from = format!("the journal ({} log entries, {} bytes)", loaded.log_entries, loaded.bytes);
-            (loaded.image, from, Some((loaded.seq, loaded.head, loaded.last_leader)), 0)
+            (loaded.image, from, Some((loaded.seq, loaded.head, loaded.last_leader)), 0, None)
         }
-        Source::Mirror(image, mirror_seq, _) => (image, format!("this standby's mirror (entry {mirror_seq})"), None, mirror_seq),
+        Source::Mirror(image, mirror_seq, _, tail) => (image, format!("this standby's mirror (entry {mirror_seq})"), None, mirror_seq, Some(tail)),
         Source::Empty => {
             tracing::error!(term, "HA: the leader and every in-sync standby are gone; what only they held is lost: this leader starts EMPTY (the etcd journal is stale, and is never served)");
-            (Default::default(), "nothing (every in-sync standby was lost)".to_string(), None, 0)
+            (Default::default(), "nothing (every in-sync standby was lost)".to_string(), None, 0, None)
         }
     };
     let rebase = loaded.is_none();
@@ -827,11 +828,14 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     st.journal_on();
     *master.lock() = st;
     master.journal.activate(term);
-    let (seq, head, last_leader) = match loaded {
-        Some(x) => x,
+    // (Where the etcd journal ends, when it is not loaded: a takeover from a mirror writes the
+    // entries after it, if the mirror kept them all, else its whole state after the later of
+    // the two.)
+    let (seq, head, last_leader, stored) = match loaded {
+        Some((seq, head, last)) => (seq, head, last, seq),
         None => {
             let (stored, head) = journal::stored_seq(etcd, &cfg.cluster_id)?;
-            (mirror_seq.max(stored), head, journal::last_leader(etcd, &cfg.cluster_id)?)
+            (mirror_seq, head, journal::last_leader(etcd, &cfg.cluster_id)?, stored)
         }
     };
     if !journal::mark_term(etcd, key, &cfg.cluster_id, owner)? {
@@ -843,9 +847,14 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     };
     let mut writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), owner, seq, head, snapshot_bytes: cfg.snapshot_bytes, sync, insync_key: sync::insync_key(&cfg.cluster_id), retry_until: Some(Instant::now() + 5 * cfg.lease_ttl) };
     let t_write = Instant::now();
-    if rebase && writer.rebase_at_takeover(seq).is_none() {
-        return Err("could not write the state to the etcd journal".into());
-    }
+    let tail = tail.and_then(|t| sync::tail_after(&t, stored, mirror_seq));
+    let from_tail = match rebase {
+        true => match writer.rebase_at_takeover(stored, seq, tail) {
+            Some(t) => Some(t),
+            None => return Err("could not write the state to the etcd journal".into()),
+        },
+        false => None,
+    };
     let written = t_write.elapsed();
     // etcd kept its history only if the journal names the leader this master saw (its key's
     // revision and lease); otherwise an old leader may still answer until its fence bound ends.
@@ -878,6 +887,12 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
         dropped_objects = rebuilt.dropped_objects,
         rebuild_ms = rebuild.as_millis() as u64,
         etcd_write_ms = written.as_millis() as u64,
+        etcd_wrote = match from_tail {
+            Some(true) => "the entries after the etcd journal's position",
+            Some(false) => "the whole state",
+            None => "nothing",
+        },
+        etcd_tail_entries = master.journal.stats().rebase_tail_entries,
         "HA: leader at {} (key {key}, lease {lease:x}); state from {from}",
         cfg.address
     );

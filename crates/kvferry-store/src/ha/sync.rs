@@ -109,6 +109,12 @@ pub const MAX_SMALL_FRAME: usize = 64 << 10;
 /// that arrive (at most 1 MiB is reserved on the length's word alone), so a peer that claims a
 /// large frame and sends nothing costs nothing.
 pub fn read_frame_max<T: for<'de> Deserialize<'de>>(r: &mut impl Read, max: usize) -> Result<T, String> {
+    read_frame_raw(r, max).map(|(m, _)| m)
+}
+
+/// [`read_frame_max`], with the frame as it came (length and body, as [`encode_frame`] makes
+/// it): a standby keeps the entries' frames for a takeover ([`Mirror::take`]).
+pub fn read_frame_raw<T: for<'de> Deserialize<'de>>(r: &mut impl Read, max: usize) -> Result<(T, Vec<u8>), String> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len).map_err(|e| e.to_string())?;
     let n = u32::from_le_bytes(len) as usize;
@@ -119,7 +125,7 @@ pub fn read_frame_max<T: for<'de> Deserialize<'de>>(r: &mut impl Read, max: usiz
     body.extend_from_slice(&len);
     r.take(n as u64).read_to_end(&mut body).map_err(|e| e.to_string())?;
     match decode_frame(&body)? {
-        Some((m, _)) => Ok(m),
+        Some((m, _)) => Ok((m, body)),
         None => Err("a replication frame is cut short".into()),
     }
 }
@@ -257,6 +263,69 @@ struct Feed {
     /// connection's thread applies them once it has acknowledged them, a takeover first
     /// ([`Mirror::take`]).
     pending: Vec<(Instant, Vec<Change>)>,
+    /// The last entries received, as they came ([`MirrorTail`]).
+    tail: MirrorTail,
+}
+
+/// One entry as a standby received it: its frame, holding the changes of the leader's log
+/// entries `first..=last` (the entry after the one before it; a leader that appended them to
+/// etcd in several values streams them as one).
+#[derive(Debug, Clone)]
+pub struct TailFrame {
+    pub first: u64,
+    pub last: u64,
+    pub frame: Arc<Vec<u8>>,
+}
+
+/// The last entries a standby received, as they came, up to a number of bytes (the oldest go
+/// first): what a leader's etcd journal lacks while standbys are in sync is the entries since
+/// the journal's last position, so a standby that takes over writes those to its log instead
+/// of its whole state ([`super::journal::Writer::rebase_at_takeover`]), as a leader's own
+/// rebase writes its [`super::journal::Tail`]. Each entry follows the one before it (the
+/// mirror takes entries only in order), so what is kept has no gap.
+#[derive(Debug, Default)]
+struct MirrorTail {
+    frames: std::collections::VecDeque<TailFrame>,
+    bytes: usize,
+}
+
+impl MirrorTail {
+    fn push(&mut self, first: u64, last: u64, frame: Vec<u8>, cap: usize) {
+        if self.frames.back().is_some_and(|f| f.last.checked_add(1) != Some(first)) {
+            self.clear();
+        }
+        if cap == 0 || frame.len() > cap {
+            self.clear();
+            return;
+        }
+        self.bytes += frame.len();
+        self.frames.push_back(TailFrame { first, last, frame: Arc::new(frame) });
+        while self.bytes > cap {
+            match self.frames.pop_front() {
+                Some(f) => self.bytes -= f.frame.len(),
+                None => break,
+            }
+        }
+    }
+
+    fn clear(&mut self) {
+        self.frames.clear();
+        self.bytes = 0;
+    }
+}
+
+/// The entries after `stored` up to `upto` among `frames` (consecutive, oldest first): `None`
+/// when they do not reach back to `stored`'s successor, do not end at `upto`, or no frame
+/// starts right after `stored` (the journal ends inside one).
+pub fn tail_after(frames: &[TailFrame], stored: u64, upto: u64) -> Option<Vec<TailFrame>> {
+    if stored == upto {
+        return Some(Vec::new());
+    }
+    if frames.last().map(|f| f.last) != Some(upto) {
+        return None;
+    }
+    let from = frames.iter().position(|f| Some(f.first) == stored.checked_add(1))?;
+    frames.get(from..).map(<[TailFrame]>::to_vec)
 }
 
 /// The image the received changes are applied to.
@@ -306,6 +375,8 @@ pub struct Mirror {
     cluster_id: String,
     /// How long a held-back replica is kept (two read lease TTLs).
     keep_held: Duration,
+    /// The bytes of entries' frames kept for a takeover ([`MirrorTail`]; 0: none).
+    tail_cap: usize,
 }
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -313,13 +384,16 @@ fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Mirror {
-    pub fn new(cluster_id: &str, read_lease: Duration) -> Mirror {
+    /// `tail_cap`: the bytes of the last entries' frames kept for a takeover (0: none; the
+    /// takeover then writes the whole state to etcd).
+    pub fn new(cluster_id: &str, read_lease: Duration, tail_cap: usize) -> Mirror {
         Mirror {
             applied: Mutex::new(Applied::default()),
             feed: Mutex::new(Feed::default()),
             leader: Mutex::new(None),
             cluster_id: cluster_id.to_string(),
             keep_held: read_lease * 2,
+            tail_cap,
         }
     }
 
@@ -363,9 +437,10 @@ impl Mirror {
     }
 
     /// The mirror of `term` for a takeover (the image, with every change received applied,
-    /// and the last entry received); nothing more is applied until [`Mirror::reopen`].
-    /// `None` if it is not a complete mirror of `term`.
-    pub fn take(&self, term: i64) -> Option<(Image, u64)> {
+    /// the last entry received, and the last entries' frames, oldest first: [`tail_after`]);
+    /// nothing more is applied until [`Mirror::reopen`]. `None` if it is not a complete
+    /// mirror of `term`.
+    pub fn take(&self, term: i64) -> Option<(Image, u64, Vec<TailFrame>)> {
         let mut a = locked(&self.applied);
         let mut f = locked(&self.feed);
         if !f.complete || f.closed || f.term != term {
@@ -379,7 +454,8 @@ impl Mirror {
         for Reverse((until, replica)) in a.held.drain() {
             image.apply(Change::HeldUntil { replica, left: until.saturating_duration_since(now).as_millis() as u64 });
         }
-        Some((image, f.seq))
+        let tail = std::mem::take(&mut f.tail).frames.into();
+        Some((image, f.seq, tail))
     }
 
     /// Feeds the mirror no more (this master is stopping) and ends the connection that fed
@@ -414,11 +490,12 @@ impl Mirror {
     /// Puts back a mirror of `term` that [`Mirror::take`] handed to a takeover that failed (so
     /// this member can campaign from it again); no connection feeds it until a leader says
     /// hello.
-    pub fn restore(&self, term: i64, image: Image, seq: u64) {
+    pub fn restore(&self, term: i64, image: Image, seq: u64, tail: Vec<TailFrame>) {
         let mut a = locked(&self.applied);
         let mut f = locked(&self.feed);
         *a = Applied { image, ..Applied::default() };
-        *f = Feed { term, next_conn: f.next_conn, seq, complete: true, sealed: f.sealed, ..Feed::default() };
+        let bytes = tail.iter().map(|t| t.frame.len()).sum();
+        *f = Feed { term, next_conn: f.next_conn, seq, complete: true, sealed: f.sealed, tail: MirrorTail { frames: tail.into(), bytes }, ..Feed::default() };
     }
 
     /// This master leads: nothing is mirrored (what was is dropped) until [`Mirror::reopen`].
@@ -473,9 +550,16 @@ impl Mirror {
         Ok(conn)
     }
 
-    /// Takes one frame of connection `conn` (checked to be the next one; its changes pending
-    /// until [`Mirror::apply_pending`]): the entry to acknowledge, if any.
+    /// [`Mirror::take_frame`] of a frame encoded here.
+    #[cfg(test)]
     fn apply(&self, conn: u64, frame: ToStandby) -> Result<Option<u64>, String> {
+        let raw = encode_frame(&frame)?;
+        self.take_frame(conn, frame, raw)
+    }
+
+    /// Takes one frame of connection `conn` (`raw` as it came; checked to be the next one;
+    /// its changes pending until [`Mirror::apply_pending`]): the entry to acknowledge, if any.
+    fn take_frame(&self, conn: u64, frame: ToStandby, raw: Vec<u8>) -> Result<Option<u64>, String> {
         let mut f = locked(&self.feed);
         if f.conn != conn || f.closed {
             return Err("another leader's connection replaced this one".into());
@@ -496,6 +580,8 @@ impl Mirror {
                 if !f.complete || seq <= f.seq {
                     return Err(format!("entry {seq} out of order (mirror at {}, complete: {})", f.seq, f.complete));
                 }
+                let first = f.seq + 1;
+                f.tail.push(first, seq, raw, self.tail_cap);
                 f.seq = seq;
                 (Some(seq), changes)
             }
@@ -565,8 +651,8 @@ fn entries(mut s: TcpStream, m: &Mirror, conn: u64) -> Result<(), String> {
         if r.buffer().is_empty() {
             spin.readable(&s);
         }
-        let f: ToStandby = read_frame(&mut r)?;
-        match m.apply(conn, f) {
+        let (f, raw) = read_frame_raw::<ToStandby>(&mut r, MAX_FRAME)?;
+        match m.take_frame(conn, f, raw) {
             // One acknowledgement for the entries that came together: while another whole
             // frame is already read, it is taken first (acknowledgements are cumulative).
             // Acknowledged before they are applied (held in memory, checked to be the next
@@ -848,7 +934,7 @@ mod tests {
 
     #[test]
     fn a_mirror_applies_an_image_then_entries_in_order_from_its_newest_leader_only() {
-        let m = Mirror::new("c", Duration::from_secs(5));
+        let m = Mirror::new("c", Duration::from_secs(5), 1 << 20);
         m.set_leader(Some((5, 50)));
         assert!(m.hello("other", 5, 50).is_err(), "another cluster's leader is refused");
         assert!(m.hello("c", 5, 51).is_err(), "a master etcd does not name (another lease) is refused");
@@ -870,8 +956,9 @@ mod tests {
         assert_eq!(m.status().pending_changes, 3, "the entry's changes are held, not applied: the takeover applies them");
         m.set_leader(Some((4, 40)));
         assert!(m.hello("c", 4, 40).is_err(), "an older term's leader (a deposed one) is refused");
-        let (image, seq) = m.take(5).expect("a complete mirror of term 5");
+        let (image, seq, tail) = m.take(5).expect("a complete mirror of term 5");
         assert_eq!((image.objects(), seq), (3, 6), "b, c and d: the image and the entry applied");
+        assert_eq!(tail.iter().map(|f| (f.first, f.last)).collect::<Vec<_>>(), [(5, 6)], "the entry as it came, standing for the log's entries after the image's");
         assert!(m.take(5).is_none(), "taken once");
         m.set_leader(Some((9, 90)));
         assert!(m.hello("c", 9, 90).is_err(), "a mirror taken over accepts nothing");
@@ -883,11 +970,67 @@ mod tests {
         assert!(m.take(5).is_none(), "a mirror of term 9 is not one of term 5");
         // A takeover that failed puts its mirror back: complete, of the record's term, fed by
         // nobody until a leader says hello.
-        let (image, seq) = m.take(9).expect("complete");
-        m.restore(9, image, seq);
+        let (image, seq, tail) = m.take(9).expect("complete");
+        m.restore(9, image, seq, tail);
         assert_eq!(m.complete_term(), Some(9));
         assert!(m.apply(c9, ToStandby::Entry { seq: 8, changes: vec![] }).is_err(), "the old connection no longer feeds it");
-        assert_eq!(m.take(9).map(|(i, s)| (i.objects(), s)), Some((0, 7)));
+        assert_eq!(m.take(9).map(|(i, s, t)| (i.objects(), s, t.len())), Some((0, 7, 0)));
+    }
+
+    /// A mirror keeps the last entries as they came, up to its cap (the oldest go first), for
+    /// a takeover to write to the etcd journal after where it ends: exactly the frames after
+    /// that position when they reach back to it, none when they do not, or when the journal
+    /// ends inside a frame (several log entries streamed as one). A new leader's feed starts
+    /// them again; a failed takeover puts them back.
+    #[test]
+    fn a_mirror_keeps_its_last_entries_as_they_came_for_a_takeover() {
+        let entry = |seq: u64| ToStandby::Entry { seq, changes: (0..10).map(|i| obj(&format!("k{seq}-{i}"), 1)).collect() };
+        // Room for three entries (of two-digit numbers; those of one digit are a byte shorter).
+        let cap = 3 * encode_frame(&entry(10)).unwrap().len() + 2;
+        let m = Mirror::new("c", Duration::from_secs(5), cap);
+        m.set_leader(Some((5, 50)));
+        let c = m.hello("c", 5, 50).unwrap();
+        m.apply(c, ToStandby::Image { seq: 4, changes: vec![obj("a", 1)], last: true }).unwrap();
+        // Entry 7 stands for log entries 5..=7 (appended to etcd in three values).
+        for seq in [7, 8, 9] {
+            assert_eq!(m.apply(c, entry(seq)).unwrap(), Some(seq));
+        }
+        let (image, seq, tail) = m.take(5).expect("complete");
+        assert_eq!(tail.iter().map(|f| (f.first, f.last)).collect::<Vec<_>>(), [(5, 7), (8, 8), (9, 9)]);
+        for f in &tail {
+            assert_eq!(decode_frame::<ToStandby>(&f.frame).unwrap().map(|(e, _)| e), Some(entry(f.last)), "the frame as it was sent");
+        }
+        let firsts = |v: Option<Vec<TailFrame>>| v.map(|v| v.iter().map(|f| f.first).collect::<Vec<_>>());
+        assert_eq!(firsts(tail_after(&tail, 4, 9)), Some(vec![5, 8, 9]), "the journal at the image: every entry");
+        assert_eq!(firsts(tail_after(&tail, 7, 9)), Some(vec![8, 9]));
+        assert_eq!(firsts(tail_after(&tail, 9, 9)), Some(vec![]), "the journal holds everything: nothing to write");
+        assert_eq!(firsts(tail_after(&tail, 6, 9)), None, "the journal ends inside a frame");
+        assert_eq!(firsts(tail_after(&tail, 3, 9)), None, "the journal ends before the first frame kept");
+        assert_eq!(firsts(tail_after(&tail, 10, 9)), None, "the journal holds more than the mirror");
+        assert_eq!(firsts(tail_after(&tail, 4, 10)), None, "the frames do not reach the mirror's last entry");
+        m.restore(5, image, seq, tail);
+        let c = {
+            m.reopen();
+            // (Restored: the same mirror, its tail too; a leader's hello starts both again.)
+            let (image, seq, tail) = m.take(5).expect("restored");
+            assert_eq!((seq, tail.len()), (9, 3));
+            m.restore(5, image, seq, tail);
+            m.hello("c", 5, 50).unwrap()
+        };
+        m.apply(c, ToStandby::Image { seq: 20, changes: vec![], last: true }).unwrap();
+        for seq in 21..=26 {
+            m.apply(c, entry(seq)).unwrap();
+        }
+        let (_, _, tail) = m.take(5).expect("complete");
+        assert_eq!(tail.iter().map(|f| f.first).collect::<Vec<_>>(), [24, 25, 26], "the oldest went past the cap; none from the earlier feed");
+        assert!(tail.iter().map(|f| f.frame.len()).sum::<usize>() <= cap);
+        assert_eq!(firsts(tail_after(&tail, 22, 26)), None, "an entry the journal lacks was dropped: the whole state is written instead");
+        let none = Mirror::new("c", Duration::from_secs(5), 0);
+        none.set_leader(Some((5, 50)));
+        let c = none.hello("c", 5, 50).unwrap();
+        none.apply(c, ToStandby::Image { seq: 1, changes: vec![], last: true }).unwrap();
+        none.apply(c, entry(2)).unwrap();
+        assert!(none.take(5).expect("complete").2.is_empty(), "a cap of 0 keeps none");
     }
 
     #[test]
@@ -903,7 +1046,7 @@ mod tests {
 
     #[test]
     fn a_sealed_mirror_is_fed_no_more_and_keeps_what_it_holds() {
-        let m = Mirror::new("c", Duration::from_secs(5));
+        let m = Mirror::new("c", Duration::from_secs(5), 1 << 20);
         m.set_leader(Some((5, 50)));
         let c = m.hello("c", 5, 50).unwrap();
         assert_eq!(m.apply(c, ToStandby::Image { seq: 3, changes: vec![obj("a", 1)], last: true }).unwrap(), Some(3));
@@ -914,12 +1057,12 @@ mod tests {
         assert!(m.apply(c, ToStandby::Entry { seq: 4, changes: vec![obj("b", 1)] }).is_err(), "its feed ended");
         assert!(m.hello("c", 5, 50).is_err(), "no leader feeds it again");
         assert_eq!(m.complete_term(), Some(5), "still a mirror to lead from");
-        assert_eq!(m.take(5).map(|(i, s)| (i.objects(), s)), Some((1, 3)));
+        assert_eq!(m.take(5).map(|(i, s, _)| (i.objects(), s)), Some((1, 3)));
         m.reopen();
         assert!(m.hello("c", 5, 50).is_err(), "sealed for good");
 
         // A connection that ended feeds its mirror no more, and says so.
-        let m = Mirror::new("c", Duration::from_secs(5));
+        let m = Mirror::new("c", Duration::from_secs(5), 1 << 20);
         m.set_leader(Some((5, 50)));
         let c = m.hello("c", 5, 50).unwrap();
         assert!(m.status().fed);
@@ -933,7 +1076,7 @@ mod tests {
     /// the time it has left.
     #[test]
     fn a_mirror_keeps_held_space_as_long_as_the_leader_held_it() {
-        let m = Mirror::new("c", Duration::from_millis(1));
+        let m = Mirror::new("c", Duration::from_millis(1), 1 << 20);
         m.set_leader(Some((5, 50)));
         let c = m.hello("c", 5, 50).unwrap();
         let seg = crate::proto::Segment { id: 1, name: "s".into(), te_endpoint: "127.0.0.1:1".into(), base: 0, size: 1 << 20 };
@@ -942,7 +1085,7 @@ mod tests {
         m.apply_pending();
         std::thread::sleep(Duration::from_millis(20));
         m.apply_pending();
-        let (image, _) = m.take(5).expect("a complete mirror");
+        let (image, _, _) = m.take(5).expect("a complete mirror");
         let (st, _) = image.into_state(6, 0, 1);
         assert_eq!(st.summary().deferred_frees, 1, "only the range held for a minute is still held");
         assert_eq!(st.used_bytes(), 4096);
