@@ -53,7 +53,7 @@ fn bench_rejects_bad_arguments_clearly() {
     let out = kvferry().args(["store-bench", "--ha", "127.0.0.1:1", "--ha-parts", "rate,nope"]).output().unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("nope") && err.contains("rate, store, link, snapshot, rebase, failover"), "names the bad part and the good ones: {err}");
+    assert!(err.contains("nope") && err.contains("rate, store, link, snapshot, rebase, takeover, failover"), "names the bad part and the good ones: {err}");
     for bad in ["4", "0x32", "4x", "fourx32", "4x32x1"] {
         let out = kvferry().args(["store-bench", "--ha", "127.0.0.1:1", "--ha-points", &format!("16x128,{bad}")]).output().unwrap();
         assert!(!out.status.success(), "--ha-points {bad} is refused");
