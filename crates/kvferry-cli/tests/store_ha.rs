@@ -747,6 +747,8 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
     let st = ha_status(&ms[s]);
     assert!(st["journal"]["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 200), "{st}");
     assert_eq!(st["journal"]["snapshots"], 0, "{st}");
+    // Its state was built once the leader's feed ended, while the leader's lease ran out.
+    assert_eq!(st["journal"]["takeover_prebuilt"], true, "{st}");
     assert_eq!((etcd_keys("/snap/"), etcd_keys("/head")), (snaps_before, 0), "no snapshot");
     assert!(etcd_keys("/log/") > logs_before, "the entries are in the log");
     assert_eq!(insync_members(&etcd), Vec::<String>::new(), "the set is empty in etcd");
@@ -870,6 +872,7 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
             "takeover" => {
                 assert!(j["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 5), "{case}: the takeover wrote the entries it received: {j}");
                 assert_eq!(j["snapshots"], 0, "{case}: and no snapshot: {j}");
+                assert_eq!(j["takeover_prebuilt"], true, "{case}: the state built while the lease ran out: {j}");
             }
             _ => {
                 assert!(j["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 5), "{case}: the rebase wrote the tail: {j}");

@@ -562,6 +562,11 @@ pub struct JournalStats {
     /// since the etcd journal's last position (otherwise it writes the whole state).
     pub tail_bytes: u64,
     pub tail_whole: bool,
+    /// How long this leader's takeover took to rebuild the master's state (milliseconds),
+    /// and whether it was built ahead from its mirror while the dead leader's lease ran out
+    /// (`sync::Mirror::prebuild`: what is left is making it this term's).
+    pub takeover_rebuild_ms: u64,
+    pub takeover_prebuilt: bool,
 }
 
 /// Condition variables the waiting requests are spread over, by ticket.
@@ -618,7 +623,7 @@ impl JournalCore {
         self.set_stats(|s| s.insync = members.len() as u64);
     }
 
-    fn set_stats(&self, f: impl FnOnce(&mut JournalStats)) {
+    pub(crate) fn set_stats(&self, f: impl FnOnce(&mut JournalStats)) {
         f(&mut self.stats.lock().unwrap_or_else(|e| e.into_inner()));
     }
 

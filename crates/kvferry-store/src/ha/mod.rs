@@ -418,7 +418,7 @@ enum Source {
     Journal,
     /// The mirror, its last entry, the in-sync record's term it is of, and the last entries
     /// as it received them ([`sync::Mirror::take`]).
-    Mirror(crate::master::journal::Image, u64, i64, Vec<sync::TailFrame>),
+    Mirror(sync::Taken, u64, i64, Vec<sync::TailFrame>),
     Empty,
 }
 
@@ -437,7 +437,8 @@ pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
             let ip = replication_ip(&cfg.address)?;
             let l = std::net::TcpListener::bind((ip, 0)).map_err(|e| format!("HA replication: cannot bind a port on {ip}: {e}"))?;
             let addr = l.local_addr().map_err(|e| e.to_string())?.to_string();
-            let mirror = Arc::new(sync::Mirror::new(&cfg.cluster_id, master.cfg.lease_ttl, usize::try_from(cfg.rebase_tail_bytes).unwrap_or(usize::MAX)));
+            let prebuilder = sync::Prebuilder { clock: master.clock(), lease_ms: master.cfg.lease_ttl.as_millis() as u64 };
+            let mirror = Arc::new(sync::Mirror::new(&cfg.cluster_id, master.cfg.lease_ttl, usize::try_from(cfg.rebase_tail_bytes).unwrap_or(usize::MAX)).with_prebuilder(prebuilder));
             let m = Arc::clone(&mirror);
             std::thread::Builder::new().name("kvf-ha-mirror".into()).spawn(move || sync::serve(l, m)).map_err(|e| e.to_string())?;
             tracing::info!("HA: replication to standbys; this master's mirror is served at {addr}");
@@ -809,25 +810,34 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     let lease_ms = master.cfg.lease_ttl.as_millis() as u64;
     // The state is installed before anything else is read from etcd: if the takeover of a
     // mirror fails after this, the master's state is that mirror and is put back (`campaign`).
-    let (image, from, loaded, mirror_seq, tail) = match source {
+    let (taken, from, loaded, mirror_seq, tail) = match source {
         Source::Journal => {
             let loaded = journal::load(etcd, &cfg.cluster_id)?;
             let from = format!("the journal ({} log entries, {} bytes)", loaded.log_entries, loaded.bytes);
-            (loaded.image, from, Some((loaded.seq, loaded.head, loaded.last_leader)), 0, None)
+            (sync::Taken::Image(loaded.image), from, Some((loaded.seq, loaded.head, loaded.last_leader)), 0, None)
         }
-        Source::Mirror(image, mirror_seq, _, tail) => (image, format!("this standby's mirror (entry {mirror_seq})"), None, mirror_seq, Some(tail)),
+        Source::Mirror(taken, mirror_seq, _, tail) => (taken, format!("this standby's mirror (entry {mirror_seq})"), None, mirror_seq, Some(tail)),
         Source::Empty => {
             tracing::error!(term, "HA: the leader and every in-sync standby are gone; what only they held is lost: this leader starts EMPTY (the etcd journal is stale, and is never served)");
-            (Default::default(), "nothing (every in-sync standby was lost)".to_string(), None, 0, None)
+            (sync::Taken::Image(Default::default()), "nothing (every in-sync standby was lost)".to_string(), None, 0, None)
         }
     };
     let rebase = loaded.is_none();
     let t_rebuild = Instant::now();
-    let (mut st, rebuilt) = image.into_state(term, master.now(), lease_ms);
+    let prebuilt = matches!(taken, sync::Taken::Built { .. });
+    let (mut st, rebuilt) = match taken {
+        sync::Taken::Image(image) => image.into_state(term, master.now(), lease_ms),
+        // (Built once the leader's feed ended, while its lease ran out.)
+        sync::Taken::Built { mut state, rebuilt, at } => {
+            state.retarget(term, at, master.now(), lease_ms);
+            (*state, rebuilt)
+        }
+    };
     let rebuild = t_rebuild.elapsed();
     st.journal_on();
     *master.lock() = st;
     master.journal.activate(term);
+    master.journal.set_stats(|s| (s.takeover_rebuild_ms, s.takeover_prebuilt) = (rebuild.as_millis() as u64, prebuilt));
     // (Where the etcd journal ends, when it is not loaded: a takeover from a mirror writes the
     // entries after it, if the mirror kept them all, else its whole state after the later of
     // the two.)
@@ -886,6 +896,7 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
         dropped_replicas = rebuilt.dropped_replicas,
         dropped_objects = rebuilt.dropped_objects,
         rebuild_ms = rebuild.as_millis() as u64,
+        prebuilt,
         etcd_write_ms = written.as_millis() as u64,
         etcd_wrote = match from_tail {
             Some(true) => "the entries after the etcd journal's position",

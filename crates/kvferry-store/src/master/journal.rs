@@ -464,6 +464,46 @@ impl Image {
     }
 }
 
+impl State {
+    /// A state built ahead by [`Image::into_state`] for term [`PREBUILT_TERM`] at `built` (ms),
+    /// made the one `into_state(term, now, lease)` gives (a standby builds it while the dead
+    /// leader's lease runs out, `ha::sync::Mirror::prebuild`; `now` ≥ `built`): the term and
+    /// its takeover read, every object's read lease and times from `now`, its soft pin
+    /// `now - built` later, every pending put started and every client seen at `now`. Space
+    /// held back stays held until what was computed at `built`, one read lease at least from
+    /// then: a reader of the old leader read before its death, which came before `built`.
+    pub fn retarget(&mut self, term: i64, built: u64, now: u64, lease: u64) {
+        let shift = now.saturating_sub(built);
+        let old = self.next_read;
+        let read = ((term.max(0) as u64) << 40) + 1;
+        self.term = term;
+        self.next_read = read;
+        self.reads.remove(&old);
+        self.reads.insert(read, now + lease);
+        self.objects.retain(|_, o| {
+            for r in o.reads.iter_mut().filter(|r| **r == old) {
+                *r = read;
+            }
+            o.lease_until = now + lease;
+            (o.written, o.last_access, o.joined) = (now, now, now);
+            if o.soft_pin_until > 0 {
+                o.soft_pin_until = o.soft_pin_until.saturating_add(shift);
+            }
+            if let Some(p) = o.pending.as_mut() {
+                p.started = now;
+            }
+            true
+        });
+        for seen in self.clients.values_mut() {
+            *seen = now;
+        }
+    }
+}
+
+/// The term a state built ahead is built for ([`State::retarget`]): no real term (an etcd
+/// revision, at least 1).
+pub const PREBUILT_TERM: i64 = 0;
+
 /// `(start, end, until)`: bytes `[start, end)` of a segment held until a time (ms).
 type HeldRange = (u64, u64, u64);
 
@@ -713,6 +753,62 @@ mod tests {
             }
         }
         assert!(seen_objects > 500 && seen_pending > 20 && seen_held > 5, "the operations exercise objects, writes in progress and held-back space: {seen_objects} {seen_pending} {seen_held}");
+    }
+
+    /// A state built ahead for no term ([`PREBUILT_TERM`]) at one time and retargeted to a
+    /// term at a later one ([`State::retarget`]) is the state built for that term then: the
+    /// same durable content, term, takeover read and its lease, clients, and per object its
+    /// reads, lease, times, soft pin and pending put's start; the same space held back (held
+    /// from the earlier time). After random operations of every kind.
+    #[test]
+    fn a_state_built_ahead_and_retargeted_is_the_one_built_for_its_term_then() {
+        type Times = (Vec<u64>, u64, u64, u64, u64, u64, Option<u64>);
+        let times = |st: &State| -> Vec<(String, Times)> {
+            let mut v: Vec<_> = st.objects.iter().map(|(k, o)| (k.to_string(), (o.reads.clone(), o.lease_until, o.written, o.last_access, o.soft_pin_until, o.joined, o.pending.as_ref().map(|p| p.started)))).collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        let (mut pinned, mut pending) = (0, 0);
+        for seed in 0..10u64 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let (m, stats) = (MasterConfig { put_wait_for_reads: std::time::Duration::ZERO, ..MasterConfig::default() }, Stats::default());
+            let mut st = State::default();
+            let lease = 1000;
+            let mut now = 1u64;
+            for _ in 0..300 {
+                now += rng.random_range(1..50);
+                random_op(&mut st, &mut rng, &m, &stats, now, lease);
+            }
+            // (Soft-pinned objects, and a put left in progress, for certain.)
+            let _ = st.mount(9, seg(9, 1 << 20), now);
+            st.register_client(9, now);
+            let pin = ReplicateConfig { soft_pin: SoftPin::Enable, soft_pin_ttl_ms: Some(60_000), ..ReplicateConfig::default() };
+            for (i, end) in [(1, true), (2, true), (3, false)] {
+                let id = PutId { client: 9, put: i };
+                st.put_start(&m, &stats, id, &format!("pinned{i}"), 1000, &pin, false, now).expect("room on segment 9");
+                if end {
+                    st.put_end(id, &format!("pinned{i}"), now).expect("ends");
+                }
+            }
+            let mut image = Image::default();
+            for c in st.image(now) {
+                image.apply(c);
+            }
+            let copy = Image { clients: image.clients.clone(), segments: image.segments.clone(), seg_order: image.seg_order.clone(), objects: image.objects.clone(), held_back: image.held_back.clone() };
+            let (built_at, then) = (now + 10, now + 2_345);
+            let (want, want_report) = image.into_state(77, then, lease);
+            let (mut got, got_report) = copy.into_state(PREBUILT_TERM, built_at, lease);
+            got.retarget(77, built_at, then, lease);
+            assert_eq!(format!("{got_report:?}"), format!("{want_report:?}"), "seed {seed}");
+            assert_eq!(durable(&got), durable(&want), "seed {seed}");
+            assert_eq!((got.term, got.next_read, &got.reads), (want.term, want.next_read, &want.reads), "seed {seed}: the term and its takeover read");
+            assert_eq!(got.clients, want.clients, "seed {seed}: every client seen at the takeover");
+            assert_eq!(times(&got), times(&want), "seed {seed}: each object's reads, lease and times");
+            assert_eq!(got.deferred.len(), want.deferred.len(), "seed {seed}: the same space held back");
+            pinned += want.objects.values().filter(|o| o.soft_pin_until > 0).count();
+            pending += want.objects.values().filter(|o| o.pending.is_some()).count();
+        }
+        assert!(pinned > 0 && pending > 0, "soft pins and pending puts were exercised: {pinned} {pending}");
     }
 
     /// An image taken in pieces, as a leader's `Writer::image_in_pieces` takes it (`ha::journal`: the state's

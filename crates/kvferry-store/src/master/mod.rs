@@ -1320,6 +1320,11 @@ impl Master {
         self.start.elapsed().as_millis() as u64
     }
 
+    /// What [`Master::now`] counts from.
+    pub fn clock(&self) -> Instant {
+        self.start
+    }
+
     pub fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
