@@ -365,6 +365,8 @@ enum Prebuild {
     #[default]
     None,
     /// Being built from the mirror's image (taken out of it meanwhile) of this many objects.
+    /// Only the build's own end replaces it (until then the mirror holds no image: a take
+    /// waits for it).
     Building { objects: usize },
     /// Built at `at` (the master's clock, ms) for [`PREBUILT_TERM`] from the mirror as it was
     /// with `seq` its last entry, fed by connection number `conn` (a hello since makes
@@ -471,6 +473,7 @@ impl Mirror {
         let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| image.into_state(PREBUILT_TERM, at, pb.lease_ms)));
         let mut p = locked(&self.prebuilt);
         let f = locked(&self.feed);
+        debug_assert!(matches!(*p, Prebuild::Building { .. }), "only the build's end replaces its marker");
         let stale;
         (*p, stale) = match built {
             Ok((state, rebuilt)) if f.next_conn == conn && f.seq == seq && !f.closed => {
@@ -500,10 +503,13 @@ impl Mirror {
         image
     }
 
-    /// Drops a state built ahead (on a thread of its own: a million objects take a while).
+    /// Drops a state built ahead (on a thread of its own: a million objects take a while); a
+    /// build under way is left to end (it drops what it built, the mirror having changed).
     fn drop_prebuilt(p: &mut Prebuild) {
-        if let Prebuild::Built { state, .. } = std::mem::take(p) {
-            let _ = std::thread::Builder::new().name("kvf-ha-drop".into()).spawn(move || drop(state));
+        if matches!(*p, Prebuild::Built { .. }) {
+            if let Prebuild::Built { state, .. } = std::mem::take(p) {
+                let _ = std::thread::Builder::new().name("kvf-ha-drop".into()).spawn(move || drop(state));
+            }
         }
     }
 
@@ -1074,8 +1080,18 @@ mod tests {
         m.detach(c);
         m.prebuild();
         assert!(matches!(*locked(&m.prebuilt), Prebuild::Built { seq: 9, .. }));
-        let c = m.hello("c", 5, 50).unwrap();
+        m.hello("c", 5, 50).unwrap();
         assert!(matches!(*locked(&m.prebuilt), Prebuild::None), "a hello drops it");
+        // A build under way is left to its end (which sees the hello and drops what it built):
+        // cleared before it ends, a second build could start and a takeover not wait for it,
+        // taking the image-less mirror.
+        *locked(&m.prebuilt) = Prebuild::Building { objects: 1 };
+        m.hello("c", 5, 50).unwrap();
+        m.close();
+        m.reopen();
+        assert!(matches!(*locked(&m.prebuilt), Prebuild::Building { .. }), "only the build's end replaces its marker");
+        *locked(&m.prebuilt) = Prebuild::None;
+        let c = m.hello("c", 5, 50).unwrap();
         m.apply(c, ToStandby::Image { seq: 12, changes: vec![seg1(), obj_at("x", 0), obj_at("y", 4096)], last: true }).unwrap();
         m.apply_pending();
         let (image, seq, _) = m.take_image(5).expect("complete");
