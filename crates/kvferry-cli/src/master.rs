@@ -121,12 +121,16 @@ pub struct MasterArgs {
     /// instead of its whole state, and changing requests wait for that alone. While standbys
     /// are in sync and more than this was streamed since, a snapshot is written in the
     /// background (at most every --ha-rebase-base-every), and the entries after it are kept
-    /// instead. A standby keeps as many bytes of the last entries it received, so that when
-    /// it takes over it too writes those instead of its whole state, if they reach back to
-    /// where the journal ends. 0: none kept (every rebase and takeover writes the whole
-    /// state).
+    /// instead. 0: none kept (every rebase writes the whole state).
     #[arg(long, default_value = "64M", value_parser = crate::sys::parse_size)]
     pub ha_rebase_tail_bytes: u64,
+    /// HA with standbys: a standby keeps this many bytes of the last entries it received, so
+    /// that when it takes over it writes those to the etcd journal instead of its whole state,
+    /// if they reach back to where the journal ends (2 s less per million objects). 0 (the
+    /// default): none kept. Keeping them cost the standby's throughput a few percent on a
+    /// 2-vCPU host where it shares the CPUs with the leader (docs/BENCHMARKS.md).
+    #[arg(long, default_value = "0", value_parser = crate::sys::parse_size)]
+    pub ha_standby_tail_bytes: u64,
     /// HA with standbys: the least time between two of those background snapshots.
     #[arg(long, default_value_t = 60_000, value_parser = crate::master_flags::parse_duration_ms)]
     pub ha_rebase_base_every: u64,
@@ -221,7 +225,7 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
     keep_cli!(
         host, port, metrics_port, metrics_host, default_kv_lease_ttl, default_kv_soft_pin_ttl, allow_evict_soft_pinned_objects, eviction_ratio, eviction_high_watermark_ratio, client_ttl,
         allocation_strategy, put_start_discard_timeout_sec, put_start_release_timeout_sec, put_wait_for_reads_ms, summary_interval, enable_http_metadata_server, http_metadata_server_host,
-        http_metadata_server_port, http_metadata_server_data_dir, enable_metadata_cleanup_on_timeout, enable_ha, ha_backend_connstring, etcd_endpoints, cluster_id, ha_lease_ttl, ha_snapshot_bytes, ha_replication, ha_rebase_tail_bytes, ha_rebase_base_every, advertise_address
+        http_metadata_server_port, http_metadata_server_data_dir, enable_metadata_cleanup_on_timeout, enable_ha, ha_backend_connstring, etcd_endpoints, cluster_id, ha_lease_ttl, ha_snapshot_bytes, ha_replication, ha_rebase_tail_bytes, ha_standby_tail_bytes, ha_rebase_base_every, advertise_address
     );
     out.config = a.config.clone();
     Ok(out)
@@ -258,7 +262,7 @@ fn ha_config(a: &MasterArgs, rpc_port: u16, env_cluster_id: Option<&str>) -> Res
         None if a.host.is_unspecified() => return Err(format!("--enable-ha with --host {}: pass --advertise-address, the address clients reach this master at", a.host)),
         None => SocketAddr::new(a.host, rpc_port).to_string(),
     };
-    Ok(Some(kvferry_store::ha::HaConfig { endpoints, cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env_cluster_id), address, lease_ttl: ttl, snapshot_bytes: a.ha_snapshot_bytes, replication: a.ha_replication.into(), rebase_tail_bytes: a.ha_rebase_tail_bytes, rebase_base_every: Duration::from_millis(a.ha_rebase_base_every) }))
+    Ok(Some(kvferry_store::ha::HaConfig { endpoints, cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env_cluster_id), address, lease_ttl: ttl, snapshot_bytes: a.ha_snapshot_bytes, replication: a.ha_replication.into(), rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: Duration::from_millis(a.ha_rebase_base_every) }))
 }
 
 fn ha_connstring(a: &MasterArgs) -> Option<&str> {

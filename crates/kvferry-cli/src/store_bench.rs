@@ -91,10 +91,14 @@ pub struct StoreBenchArgs {
     /// leaders hold.
     #[arg(long, default_value_t = 1_000_000)]
     ha_link_objects: u64,
-    /// With `--ha`: every HA master's `--ha-rebase-tail-bytes` (the `rebase` and `takeover`
-    /// parts run their masters with the default and with 0, whatever this is).
+    /// With `--ha`: every HA master's `--ha-rebase-tail-bytes` (the `rebase` part runs its
+    /// leader with the default and with 0, whatever this is).
     #[arg(long, default_value = "64M", value_parser = crate::sys::parse_size)]
     ha_rebase_tail_bytes: u64,
+    /// With `--ha`: every HA master's `--ha-standby-tail-bytes` (the `takeover` part runs its
+    /// masters with 64M and with 0, whatever this is).
+    #[arg(long, default_value = "0", value_parser = crate::sys::parse_size)]
+    ha_standby_tail_bytes: u64,
     /// With `--ha`: the throughput points of the `rate` part, as CONNECTIONSxKEYS (keys per
     /// request), e.g. `4x32,16x128` (default: all six).
     #[arg(long, default_value = "1x1,4x1,4x32,16x32,64x32,16x128", value_delimiter = ',', value_parser = parse_ha_point)]

@@ -705,7 +705,12 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
     let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
     let journal = kvferry_store::ha::journal::prefix("mooncake_cluster");
     let etcd_keys = |part: &str| etcd.range(&journal, &format!("{}~", journal.trim_end_matches('/')), 100).expect("etcd range").iter().filter(|(k, _)| k.contains(part)).count();
-    let (mut ms, l, s) = in_sync_pair(etcd_svc.port, None, true);
+    // (The standby keeps the entries it receives: `--ha-standby-tail-bytes`.)
+    let tail = ["--ha-standby-tail-bytes", "64M"];
+    let mut ms = [Master::start_with(etcd_svc.port, None, false, &tail), Master::start_with(etcd_svc.port, None, true, &tail)];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let s = 1 - l;
+    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
     let insync: serde_json::Value = serde_json::from_slice(&etcd.get_kv(&kvferry_store::ha::sync::insync_key("mooncake_cluster")).expect("get").expect("the in-sync record is in etcd").value).expect("JSON");
     assert_eq!(insync["members"], serde_json::json!([ms[s].rpc]), "{insync}");
     let c = ha_client(etcd_svc.port, 32 << 20);
@@ -792,7 +797,7 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
         ("tail", &["--ha-rebase-base-every", "600s"]),
         ("refreshed", &["--ha-rebase-base-every", "200ms", "--ha-rebase-tail-bytes", "64K"]),
         ("whole", &["--ha-rebase-tail-bytes", "0"]),
-        ("takeover", &["--ha-rebase-base-every", "600s"]),
+        ("takeover", &["--ha-rebase-base-every", "600s", "--ha-standby-tail-bytes", "64M"]),
     ];
     for (case, extra) in cases {
         let Some(etcd_svc) = Service::etcd() else { return };
@@ -1545,7 +1550,7 @@ fn store_bench_ha_reports_every_figure() {
         "writing the entries kept since the etcd journal's last position",
         "writing the whole state (--ha-rebase-tail-bytes 0)",
         "a standby took over a leader of",
-        "writing its whole state (--ha-rebase-tail-bytes 0)",
+        "writing its whole state (--ha-standby-tail-bytes 0)",
     ] {
         assert!(out.contains(figure), "the report has {figure:?}: {out}");
     }

@@ -487,7 +487,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             let mut standby = None;
             if let Some(replication) = mode {
                 let cluster = format!("{rate_cluster}-{replication:?}").to_lowercase();
-                let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication, rebase_tail_bytes: a.ha_rebase_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
+                let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication, rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
                 ha::start(cfg(&addr), Arc::clone(&m))?;
                 wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
                 if replication == ha::Replication::Standbys {
@@ -543,7 +543,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         {
             let (m, server, addr) = serve()?;
             let cluster = format!("{rate_cluster}-bytes");
-            let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd, rebase_tail_bytes: a.ha_rebase_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
+            let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd, rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
             ha::start(cfg, Arc::clone(&m))?;
             wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
             let _ = put_rate(&addr, 16, 32, dur, "bytes", false, || ());
@@ -631,16 +631,18 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     let store_points = [(64u64 << 10, 32usize, 1usize), (1 << 20, 32, 1), (4 << 20, 32, 1), (16 << 20, 8, 1), (1 << 20, 32, 4), (4 << 20, 8, 4)];
     let etcd_url = format!("etcd://{}", endpoints.join(";"));
     let tail_bytes = a.ha_rebase_tail_bytes.to_string();
-    let start_master_tail = |replication: &str, cluster: &str, tail_bytes: &str| {
+    let standby_tail_bytes = a.ha_standby_tail_bytes.to_string();
+    // (`tail_bytes`: the leader's and the standby's tails.)
+    let start_master_tail = |replication: &str, cluster: &str, tail_bytes: (&str, &str)| {
         Proc::spawn(
             crate::self_command()?
                 .args(["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0", "--enable-ha", "--ha-backend-connstring", &etcd_url, "--cluster-id", cluster, "--ha-lease-ttl", "2s", "--ha-replication", replication, "--default-kv-lease-ttl", "2s"])
-                .args(["--ha-rebase-tail-bytes", tail_bytes])
+                .args(["--ha-rebase-tail-bytes", tail_bytes.0, "--ha-standby-tail-bytes", tail_bytes.1])
                 .env_remove("MC_STORE_CLUSTER_ID"),
             "KVFERRY_MASTER",
         )
     };
-    let start_master = |replication: &str, cluster: &str| start_master_tail(replication, cluster, &tail_bytes);
+    let start_master = |replication: &str, cluster: &str| start_master_tail(replication, cluster, (&tail_bytes, &standby_tail_bytes));
     let http = |p: &Proc, path: &str| -> String {
         let http = p.field("http=").unwrap_or_default();
         let Ok(mut s) = std::net::TcpStream::connect(&http) else { return String::new() };
@@ -702,7 +704,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     if part("link") {
         let (m, server, addr) = serve()?;
         let link_cluster = format!("{rate_cluster}-link");
-        let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: link_cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Standbys, rebase_tail_bytes: a.ha_rebase_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
+        let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: link_cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Standbys, rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
         ha::start(cfg(&addr), Arc::clone(&m))?;
         wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
         let objects = fill(&m, &addr, a.ha_link_objects as usize, "link")?;
@@ -768,7 +770,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     //    client's reads and another's puts waited meanwhile.
     if part("snapshot") {
         let (m, server, addr) = serve()?;
-        let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: format!("{rate_cluster}-snapshot"), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd, rebase_tail_bytes: a.ha_rebase_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
+        let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: format!("{rate_cluster}-snapshot"), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd, rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
         ha::start(cfg, Arc::clone(&m))?;
         wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
         let objects = fill(&m, &addr, a.ha_link_objects as usize, "snap")?;
@@ -815,7 +817,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         for (label, tail) in [("the entries kept since the etcd journal's last position", ha::journal::TAIL_DEFAULT), ("the whole state (--ha-rebase-tail-bytes 0)", 0)] {
             let (m, server, addr) = serve()?;
             let cluster = format!("{rate_cluster}-rebase{tail}");
-            let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Standbys, rebase_tail_bytes: tail, rebase_base_every: ha::journal::BASE_EVERY };
+            let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Standbys, rebase_tail_bytes: tail, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
             ha::start(cfg, Arc::clone(&m))?;
             wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
             let objects = fill(&m, &addr, a.ha_link_objects as usize, &format!("rb{tail}-"))?;
@@ -881,14 +883,14 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         let keys_of = |p: &Proc| -> usize {
             http(p, "/metrics").lines().find_map(|l| l.strip_prefix("kvferry_master_keys ")).and_then(|v| v.trim().parse::<f64>().ok()).map_or(0, |v| v as usize)
         };
-        for (label, tail) in [("the entries it received since the etcd journal's last position", ha::journal::TAIL_DEFAULT), ("its whole state (--ha-rebase-tail-bytes 0)", 0)] {
+        for (label, tail) in [("the entries it received since the etcd journal's last position", ha::journal::TAIL_DEFAULT), ("its whole state (--ha-standby-tail-bytes 0)", 0)] {
             let c = format!("{cluster}-takeover{tail}");
             let tail_s = tail.to_string();
-            let mut leader = start_master_tail("standbys", &c, &tail_s)?;
+            let mut leader = start_master_tail("standbys", &c, (&tail_s, &tail_s))?;
             wait_for("the takeover part's first master did not lead", &|| role(&leader) == "leader")?;
             let addr = leader.field("rpc=").ok_or("the leader's address")?;
             let objects = fill_counted(&|| keys_of(&leader), &addr, a.ha_link_objects as usize, &format!("to{tail}-"))?;
-            let standby = start_master_tail("standbys", &c, &tail_s)?;
+            let standby = start_master_tail("standbys", &c, (&tail_s, &tail_s))?;
             let until = Instant::now() + Duration::from_secs(120);
             while !insync(&leader) {
                 if Instant::now() > until {

@@ -325,6 +325,9 @@ pub struct HaConfig {
     /// With standbys in sync: the bytes of entries kept so that a rebase writes them instead
     /// of the whole state ([`journal::Tail`]; [`journal::TAIL_DEFAULT`]; 0: none kept).
     pub rebase_tail_bytes: u64,
+    /// The bytes of the last entries a standby keeps, so that its takeover writes them
+    /// instead of the whole state (`sync::Mirror`'s tail; 0: none kept).
+    pub standby_tail_bytes: u64,
     /// The least time between two background snapshots while standbys are in sync
     /// ([`journal::BASE_EVERY`]).
     pub rebase_base_every: Duration,
@@ -438,7 +441,7 @@ pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
             let l = std::net::TcpListener::bind((ip, 0)).map_err(|e| format!("HA replication: cannot bind a port on {ip}: {e}"))?;
             let addr = l.local_addr().map_err(|e| e.to_string())?.to_string();
             let prebuilder = sync::Prebuilder { clock: master.clock(), lease_ms: master.cfg.lease_ttl.as_millis() as u64 };
-            let mirror = Arc::new(sync::Mirror::new(&cfg.cluster_id, master.cfg.lease_ttl, usize::try_from(cfg.rebase_tail_bytes).unwrap_or(usize::MAX)).with_prebuilder(prebuilder));
+            let mirror = Arc::new(sync::Mirror::new(&cfg.cluster_id, master.cfg.lease_ttl, usize::try_from(cfg.standby_tail_bytes).unwrap_or(usize::MAX)).with_prebuilder(prebuilder));
             let m = Arc::clone(&mirror);
             std::thread::Builder::new().name("kvf-ha-mirror".into()).spawn(move || sync::serve(l, m)).map_err(|e| e.to_string())?;
             tracing::info!("HA: replication to standbys; this master's mirror is served at {addr}");
@@ -1043,7 +1046,7 @@ mod tests {
         assert_eq!(resolve_cluster_id(Some("flag"), Some("env")), "flag");
         assert_eq!(resolve_cluster_id(None, Some("env")), "env");
         assert_eq!(resolve_cluster_id(Some(" "), None), DEFAULT_CLUSTER_ID);
-        let c = HaConfig { endpoints: vec![], cluster_id: "c".into(), address: "a:1".into(), lease_ttl: Duration::from_secs(5), snapshot_bytes: journal::SNAPSHOT_MIN, replication: Replication::Etcd, rebase_tail_bytes: journal::TAIL_DEFAULT, rebase_base_every: journal::BASE_EVERY };
+        let c = HaConfig { endpoints: vec![], cluster_id: "c".into(), address: "a:1".into(), lease_ttl: Duration::from_secs(5), snapshot_bytes: journal::SNAPSHOT_MIN, replication: Replication::Etcd, rebase_tail_bytes: journal::TAIL_DEFAULT, standby_tail_bytes: 0, rebase_base_every: journal::BASE_EVERY };
         assert!(c.fence_bound() < c.lease_ttl && c.keepalive_every() < c.fence_bound() / 2, "at least two renewals fit in the bound");
     }
 }
