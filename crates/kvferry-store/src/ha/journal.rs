@@ -34,7 +34,7 @@ use crate::master::journal::{Change, Image, IMAGE_PIECES};
 use crate::master::{Master, State};
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::{Deserialize, Serialize};
-use super::sync::{image_frames, AckSink, InSync, Link, ToStandby};
+use super::sync::{image_frames, AckSink, InSync, Link, TailFrame, ToStandby};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -406,13 +406,13 @@ const TAIL_SHOWN_EVERY: Duration = Duration::from_millis(200);
 struct Run {
     /// The etcd journal is whole up to this entry.
     base: u64,
-    frames: Vec<(u64, Arc<Vec<u8>>)>,
+    frames: Vec<TailFrame>,
     bytes: usize,
 }
 
 impl Run {
     fn last(&self) -> u64 {
-        self.frames.last().map_or(self.base, |f| f.0)
+        self.frames.last().map_or(self.base, |f| f.last)
     }
 
     /// Whether the run is still whole with entry `seq` added.
@@ -421,7 +421,7 @@ impl Run {
             return false;
         }
         self.bytes += frame.len();
-        self.frames.push((seq, Arc::clone(frame)));
+        self.frames.push(TailFrame { first: seq, last: seq, frame: Arc::clone(frame) });
         true
     }
 }
@@ -1113,13 +1113,13 @@ fn entry_changes(seq: u64, frame: &[u8]) -> Option<(usize, &[u8])> {
 const REBASE_VALUE_MAX: usize = 1 << 20;
 
 /// The log values (key, value) of the entries `frames`, in order, one after the other: each
-/// `(first, last, frame)`, the streamed frame of entry `last` holding the changes of the log's
-/// entries `first..=last` (a leader streams the entries it appended to etcd in several values
-/// as one). Consecutive entries share a value while their changes fit [`CHUNK`]
+/// the streamed frame of entry `last` holding the changes of the log's entries `first..=last`
+/// (a leader streams the entries it appended to etcd in several values as one; the leader's
+/// own [`Tail`] holds one entry per frame). Consecutive entries share a value while their changes fit [`CHUNK`]
 /// ([`RANGE_MAGIC`] when it holds more than one log entry). `None` if a frame is not its
 /// entry, the frames are not consecutive, or one entry alone is over [`REBASE_VALUE_MAX`]
 /// stored.
-fn tail_log_values<'f>(prefix: &str, frames: impl IntoIterator<Item = (u64, u64, &'f [u8])>) -> Option<Vec<(String, Vec<u8>)>> {
+fn tail_log_values(prefix: &str, frames: &[TailFrame]) -> Option<Vec<(String, Vec<u8>)>> {
     struct Group {
         first: u64,
         last: u64,
@@ -1143,7 +1143,7 @@ fn tail_log_values<'f>(prefix: &str, frames: impl IntoIterator<Item = (u64, u64,
     };
     let mut out = Vec::new();
     let mut group: Option<Group> = None;
-    for (first, last, frame) in frames {
+    for &TailFrame { first, last, ref frame } in frames {
         let (n, elems) = entry_changes(last, frame)?;
         if first > last || group.as_ref().is_some_and(|g| g.last.checked_add(1) != Some(first)) {
             return None;
@@ -1587,7 +1587,7 @@ impl Writer<'_> {
     /// not whole (the caller writes the whole state).
     fn rebase_from_tail(&mut self, started: Instant) -> Option<bool> {
         let Some(run) = self.sync.as_ref().and_then(|s| s.tail().take(self.seq)) else { return Some(false) };
-        let Some(values) = tail_log_values(&self.prefix, run.frames.iter().map(|(seq, f)| (*seq, *seq, f.as_slice()))) else {
+        let Some(values) = tail_log_values(&self.prefix, &run.frames) else {
             tracing::info!("HA journal: an entry streamed since the journal's last position does not fit a log value; the rebase writes the whole state");
             return Some(false);
         };
@@ -1907,7 +1907,7 @@ impl Writer<'_> {
     pub fn rebase_at_takeover(&mut self, stored: u64, seq: u64, tail: Option<Vec<super::sync::TailFrame>>) -> Option<bool> {
         let started = Instant::now();
         if let Some(frames) = tail.filter(|_| seq >= stored) {
-            match tail_log_values(&self.prefix, frames.iter().map(|f| (f.first, f.last, f.frame.as_slice()))) {
+            match tail_log_values(&self.prefix, &frames) {
                 Some(values) => {
                     self.seq = seq;
                     return self.rebase_with(values, stored, frames.len() as u64, started).map(|_| true);
@@ -2500,7 +2500,7 @@ mod tests {
         for (first, sizes) in [(1u64, vec![3usize]), (120, vec![0, 5, 4096, 4096, 1, 0, 300, 2000, 4096]), (u64::MAX - 12, vec![17, 2])] {
             let mut all = Vec::new();
             let mut next = first;
-            let frames: Vec<(u64, u64, Arc<Vec<u8>>)> = sizes
+            let frames: Vec<TailFrame> = sizes
                 .iter()
                 .enumerate()
                 .map(|(i, &n)| {
@@ -2510,10 +2510,10 @@ mod tests {
                     let span = if i == 1 { 3 } else { 1 };
                     let (from, last) = (next, next + span - 1);
                     next = last + 1;
-                    (from, last, entry_frame(last, changes).0.expect("frame"))
+                    TailFrame { first: from, last, frame: entry_frame(last, changes).0.expect("frame") }
                 })
                 .collect();
-            let values = tail_log_values(&p, frames.iter().map(|(a, b, f)| (*a, *b, f.as_slice()))).expect("values");
+            let values = tail_log_values(&p, &frames).expect("values");
             assert!(values.len() < frames.len() || frames.len() == 1, "entries share values");
             let (mut seq, mut back) = (first - 1, Vec::new());
             for (key, v) in &values {
@@ -2526,16 +2526,15 @@ mod tests {
             assert_eq!(seq, next - 1, "the values end at the last entry");
             assert_eq!(back, all, "the same changes in order");
         }
-        let (frame, _) = entry_frame(5, vec![obj(1)]);
-        let frame = frame.expect("frame");
-        assert!(tail_log_values(&p, [(6, 6, frame.as_slice())]).is_none(), "another entry's frame");
-        assert!(tail_log_values(&p, [(6, 5, frame.as_slice())]).is_none(), "a range that ends before it starts");
-        let (other, _) = entry_frame(7, vec![obj(2)]);
-        let other = other.expect("frame");
-        assert!(tail_log_values(&p, [(5, 5, frame.as_slice()), (7, 7, other.as_slice())]).is_none(), "a gap between frames");
-        assert!(tail_log_values(&p, [(4, 5, frame.as_slice()), (6, 7, other.as_slice())]).is_some(), "consecutive ranges");
-        let hello = super::super::sync::encode_frame(&ToStandby::Hello { cluster_id: "c".into(), term: 1, lease: 2, leader: "l".into() }).expect("frame");
-        assert!(tail_log_values(&p, [(1, 1, hello.as_slice())]).is_none(), "not an entry");
+        let tf = |first: u64, last: u64, frame: &Arc<Vec<u8>>| TailFrame { first, last, frame: Arc::clone(frame) };
+        let frame = entry_frame(5, vec![obj(1)]).0.expect("frame");
+        assert!(tail_log_values(&p, &[tf(6, 6, &frame)]).is_none(), "another entry's frame");
+        assert!(tail_log_values(&p, &[tf(6, 5, &frame)]).is_none(), "a range that ends before it starts");
+        let other = entry_frame(7, vec![obj(2)]).0.expect("frame");
+        assert!(tail_log_values(&p, &[tf(5, 5, &frame), tf(7, 7, &other)]).is_none(), "a gap between frames");
+        assert!(tail_log_values(&p, &[tf(4, 5, &frame), tf(6, 7, &other)]).is_some(), "consecutive ranges");
+        let hello = Arc::new(super::super::sync::encode_frame(&ToStandby::Hello { cluster_id: "c".into(), term: 1, lease: 2, leader: "l".into() }).expect("frame"));
+        assert!(tail_log_values(&p, &[tf(1, 1, &hello)]).is_none(), "not an entry");
         assert!(log_range(9, b"KVFn\x05\0\0\0\0\0\0\0").is_err(), "a range that ends before it starts");
         assert!(log_range(9, b"KVFn\x05").is_err(), "a range cut short");
     }
@@ -2584,7 +2583,7 @@ mod tests {
         t.based();
         assert_eq!(t.size(), (20, true), "then the run from the image's position");
         let run = t.take(9).expect("whole");
-        assert_eq!((run.base, run.frames.iter().map(|(s, _)| *s).collect::<Vec<_>>()), (7, vec![8, 9]));
+        assert_eq!((run.base, run.frames.iter().map(|f| f.last).collect::<Vec<_>>()), (7, vec![8, 9]));
         // Given up: the current run stays.
         t.start(9);
         t.want_next = true;

@@ -862,10 +862,7 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     let t_write = Instant::now();
     let tail = tail.and_then(|t| sync::tail_after(&t, stored, mirror_seq));
     let from_tail = match rebase {
-        true => match writer.rebase_at_takeover(stored, seq, tail) {
-            Some(t) => Some(t),
-            None => return Err("could not write the state to the etcd journal".into()),
-        },
+        true => Some(writer.rebase_at_takeover(stored, seq, tail).ok_or("could not make the etcd journal whole (the HA journal errors logged above say why; it campaigns again once etcd answers)")?),
         false => None,
     };
     let written = t_write.elapsed();

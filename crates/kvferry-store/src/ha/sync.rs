@@ -291,6 +291,12 @@ struct MirrorTail {
 }
 
 impl MirrorTail {
+    /// What [`Mirror::take`] handed out, kept again.
+    fn of(frames: Vec<TailFrame>) -> MirrorTail {
+        let bytes = frames.iter().map(|t| t.frame.len()).sum();
+        MirrorTail { frames: frames.into(), bytes }
+    }
+
     fn push(&mut self, first: u64, last: u64, frame: Vec<u8>, cap: usize) {
         if self.frames.back().is_some_and(|f| f.last.checked_add(1) != Some(first)) {
             self.clear();
@@ -372,6 +378,14 @@ enum Prebuild {
     /// with `seq` its last entry, fed by connection number `conn` (a hello since makes
     /// another number, and the mirror another).
     Built { conn: u64, seq: u64, at: u64, state: Box<State>, rebuilt: Rebuilt },
+}
+
+impl Prebuild {
+    /// A state built from the mirror as `f` says it is now (no hello since, the same last
+    /// entry, nothing received after).
+    fn built_for(&self, f: &Feed) -> bool {
+        matches!(self, Prebuild::Built { conn, seq, .. } if *conn == f.next_conn && *seq == f.seq && f.pending.is_empty())
+    }
 }
 
 /// How a mirror builds a master's state ahead ([`Mirror::prebuild`]): the master's clock
@@ -506,10 +520,11 @@ impl Mirror {
     /// Drops a state built ahead (on a thread of its own: a million objects take a while); a
     /// build under way is left to end (it drops what it built, the mirror having changed).
     fn drop_prebuilt(p: &mut Prebuild) {
-        if matches!(*p, Prebuild::Built { .. }) {
-            if let Prebuild::Built { state, .. } = std::mem::take(p) {
+        match std::mem::take(p) {
+            Prebuild::Built { state, .. } => {
                 let _ = std::thread::Builder::new().name("kvf-ha-drop".into()).spawn(move || drop(state));
             }
+            other => *p = other,
         }
     }
 
@@ -546,7 +561,7 @@ impl Mirror {
         let pending_changes = f.pending.iter().map(|(_, c)| c.len()).sum();
         let objects = match &*p {
             Prebuild::Building { objects } => *objects,
-            Prebuild::Built { conn, seq, rebuilt, .. } if *conn == f.next_conn && *seq == f.seq => rebuilt.objects,
+            Prebuild::Built { rebuilt, .. } if p.built_for(&f) => rebuilt.objects,
             _ => a.image.objects(),
         };
         MirrorStatus { term: f.term, seq: f.seq, complete: f.complete && !f.closed, fed: f.conn != 0 && !f.closed, sealed: f.sealed, pending_changes, objects }
@@ -578,11 +593,9 @@ impl Mirror {
         f.closed = true;
         f.complete = false;
         let tail = std::mem::take(&mut f.tail).frames.into();
-        if let Prebuild::Built { conn, seq, .. } = &*p {
-            if *conn == f.next_conn && *seq == f.seq && f.pending.is_empty() {
-                if let Prebuild::Built { state, rebuilt, at, .. } = std::mem::take(&mut *p) {
-                    return Some((Taken::Built { state, rebuilt, at }, f.seq, tail));
-                }
+        if p.built_for(&f) {
+            if let Prebuild::Built { state, rebuilt, at, .. } = std::mem::take(&mut *p) {
+                return Some((Taken::Built { state, rebuilt, at }, f.seq, tail));
             }
         }
         Self::drop_prebuilt(&mut p);
@@ -628,8 +641,7 @@ impl Mirror {
         let mut a = locked(&self.applied);
         let mut f = locked(&self.feed);
         *a = Applied { image, ..Applied::default() };
-        let bytes = tail.iter().map(|t| t.frame.len()).sum();
-        *f = Feed { term, next_conn: f.next_conn, seq, complete: true, sealed: f.sealed, tail: MirrorTail { frames: tail.into(), bytes }, ..Feed::default() };
+        *f = Feed { term, next_conn: f.next_conn, seq, complete: true, sealed: f.sealed, tail: MirrorTail::of(tail), ..Feed::default() };
     }
 
     /// This master leads: nothing is mirrored (what was is dropped) until [`Mirror::reopen`].
