@@ -124,12 +124,14 @@ pub struct MasterArgs {
     /// instead. 0: none kept (every rebase writes the whole state).
     #[arg(long, default_value = "64M", value_parser = crate::sys::parse_size)]
     pub ha_rebase_tail_bytes: u64,
-    /// HA with standbys: a standby keeps this many bytes of the last entries it received, so
-    /// that when it takes over it writes those to the etcd journal instead of its whole state,
-    /// if they reach back to where the journal ends (2 s less per million objects). 0 (the
-    /// default): none kept. Keeping them cost the standby's throughput a few percent on a
-    /// 2-vCPU host where it shares the CPUs with the leader (docs/BENCHMARKS.md).
-    #[arg(long, default_value = "0", value_parser = crate::sys::parse_size)]
+    /// HA with standbys: a standby keeps up to this many bytes of the entries it received
+    /// since where the leader says its etcd journal is whole (when its in-sync set became
+    /// non-empty, and at each background snapshot), so that when it takes over it writes
+    /// those to the etcd journal instead of its whole state (2 s less per million objects).
+    /// Past this many, what it kept is dropped and nothing is kept until the leader's next
+    /// background snapshot (see --ha-rebase-tail-bytes: keep this at least as large). 0:
+    /// none kept (every takeover writes the whole state).
+    #[arg(long, default_value = "64M", value_parser = crate::sys::parse_size)]
     pub ha_standby_tail_bytes: u64,
     /// HA with standbys: the least time between two of those background snapshots.
     #[arg(long, default_value_t = 60_000, value_parser = crate::master_flags::parse_duration_ms)]

@@ -97,7 +97,7 @@ pub struct StoreBenchArgs {
     ha_rebase_tail_bytes: u64,
     /// With `--ha`: every HA master's `--ha-standby-tail-bytes` (the `takeover` part runs its
     /// masters with 64M and with 0, whatever this is).
-    #[arg(long, default_value = "0", value_parser = crate::sys::parse_size)]
+    #[arg(long, default_value = "64M", value_parser = crate::sys::parse_size)]
     ha_standby_tail_bytes: u64,
     /// With `--ha`: the throughput points of the `rate` part, as CONNECTIONSxKEYS (keys per
     /// request), e.g. `4x32,16x128` (default: all six).

@@ -705,9 +705,9 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
     let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
     let journal = kvferry_store::ha::journal::prefix("mooncake_cluster");
     let etcd_keys = |part: &str| etcd.range(&journal, &format!("{}~", journal.trim_end_matches('/')), 100).expect("etcd range").iter().filter(|(k, _)| k.contains(part)).count();
-    // (The standby keeps the entries it receives: `--ha-standby-tail-bytes`.)
-    let tail = ["--ha-standby-tail-bytes", "64M"];
-    let mut ms = [Master::start_with(etcd_svc.port, None, false, &tail), Master::start_with(etcd_svc.port, None, true, &tail)];
+    // (The standby keeps the entries it receives after the promotion by default:
+    // `--ha-standby-tail-bytes`.)
+    let mut ms = [Master::start_with(etcd_svc.port, None, false, &[]), Master::start_with(etcd_svc.port, None, true, &[])];
     let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
     let s = 1 - l;
     wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
@@ -787,17 +787,20 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
 /// when the standby joined (killed under load); from a background snapshot written while the
 /// standby was in sync (`--ha-rebase-base-every` short, a small tail that outgrows its cap
 /// under the load, so that snapshots are written again and again); none kept (the whole
-/// state, as before the tail). And a fourth: the leader killed instead, so that the standby
-/// takes over and writes what etcd lacks from the entries it received (`ha::sync::Mirror`'s
-/// tail) before it serves; then it dies too.
+/// state, as before the tail). And two more: the leader killed instead, so that the standby
+/// takes over and writes what etcd lacks from the entries it received (`ha::sync::MirrorTail`)
+/// before it serves, then it dies too: those since the promotion, and those since a
+/// background snapshot (the leader says where its run starts, `ToStandby::Base`; the
+/// standby's run from the promotion outgrew its cap).
 #[test]
 fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_object() {
     use std::sync::atomic::{AtomicBool, Ordering};
-    let cases: [(&str, &[&str]); 4] = [
+    let cases: [(&str, &[&str]); 5] = [
         ("tail", &["--ha-rebase-base-every", "600s"]),
         ("refreshed", &["--ha-rebase-base-every", "200ms", "--ha-rebase-tail-bytes", "64K"]),
         ("whole", &["--ha-rebase-tail-bytes", "0"]),
-        ("takeover", &["--ha-rebase-base-every", "600s", "--ha-standby-tail-bytes", "64M"]),
+        ("takeover", &["--ha-rebase-base-every", "600s"]),
+        ("takeover-refreshed", &["--ha-rebase-base-every", "200ms", "--ha-rebase-tail-bytes", "64K", "--ha-standby-tail-bytes", "64K"]),
     ];
     for (case, extra) in cases {
         let Some(etcd_svc) = Service::etcd() else { return };
@@ -806,11 +809,24 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
         let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
         let s = 1 - l;
         wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+        let (takeover, refreshed) = (case.starts_with("takeover"), case.ends_with("refreshed"));
         // The master killed, and the one that leads after it.
-        let (victim, lead) = if case == "takeover" { (l, s) } else { (s, l) };
+        let (victim, lead) = if takeover { (l, s) } else { (s, l) };
+        // Where the standby's run starts: where the leader's etcd journal was whole when the
+        // standby joined the in-sync set.
+        let promoted_base = {
+            let until = Instant::now() + Duration::from_secs(2);
+            loop {
+                let b = ha_status(&ms[s])["mirror"]["tail_base"].as_u64();
+                if b.is_some() || Instant::now() > until {
+                    break b;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
         // (Room for every object: at most 4 × 5000 of 4 KiB, none evicted.)
         let c = ha_client(port, 128 << 20);
-        let stop = AtomicBool::new(false);
+        let (stop, trickle_stop) = (AtomicBool::new(false), AtomicBool::new(false));
         let load = |tag: &str| {
             let (c, stop) = (&c, &stop);
             let tag = tag.to_string();
@@ -832,37 +848,74 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
         let (mut kept, killed_at) = std::thread::scope(|sc| {
             let loads: Vec<_> = (0..4).map(|t| sc.spawn(load(&format!("{case}{t}")))).collect();
             std::thread::sleep(Duration::from_millis(1500));
-            if case == "refreshed" {
+            if refreshed {
                 // (The kill when the tail is whole again: after the load, a background
                 // snapshot follows the run the load made outgrow its cap.)
                 stop.store(true, Ordering::Release);
             }
-            let quiet: Vec<String> = if case == "refreshed" {
+            // Taking over from a background snapshot's run: puts keep coming (one every 5 ms,
+            // a run lasts about a second), so that entries go out while a snapshot is written,
+            // between where its run starts and its head (`ToStandby::Base`, not written, then
+            // written); the kill when the leader's run from the last one is whole.
+            let trickle = (case == "takeover-refreshed").then(|| {
+                let (c, trickle_stop) = (&c, &trickle_stop);
+                sc.spawn(move || {
+                    let mut ok = Vec::new();
+                    for i in 0.. {
+                        if trickle_stop.load(Ordering::Acquire) {
+                            break;
+                        }
+                        let key = format!("trickle-{i}");
+                        if c.put(&key, &value(&key, 4096), &ReplicateConfig::default()).is_ok() {
+                            ok.push(key);
+                        }
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    ok
+                })
+            });
+            let stopped = ha_status(&ms[l])["journal"]["snapshots"].as_u64();
+            let quiet: Vec<String> = if refreshed {
                 let mut all: Vec<String> = Vec::new();
                 let until = Instant::now() + Duration::from_secs(10);
+                let since = if trickle.is_some() { stopped } else { before["snapshots"].as_u64() };
                 loop {
                     let j = ha_status(&ms[l])["journal"].clone();
-                    if j["tail_whole"] == true && j["snapshots"].as_u64() > before["snapshots"].as_u64() {
+                    if j["tail_whole"] == true && j["snapshots"].as_u64() > since {
                         break;
                     }
                     assert!(Instant::now() < until, "{case}: no background snapshot gave the tail a new start: {j}");
                     std::thread::sleep(Duration::from_millis(50));
                 }
-                all.extend(put_keys(&c, "after-refresh-", 5));
+                if trickle.is_none() {
+                    all.extend(put_keys(&c, "after-refresh-", 5));
+                }
                 all
             } else {
                 Vec::new()
             };
             let j = ha_status(&ms[l])["journal"].clone();
+            let mirror = ha_status(&ms[s])["mirror"].clone();
             ms[victim].kill();
+            if takeover {
+                assert!(promoted_base.is_some(), "{case}: the standby started a run when it joined the in-sync set");
+                assert!(mirror["tail_bytes"].as_u64() > Some(0), "{case}: the standby kept entries: {mirror}");
+                if refreshed {
+                    assert!(mirror["tail_base"].as_u64() > promoted_base, "{case}: the standby's run starts at a background snapshot, after {promoted_base:?}: {mirror}");
+                } else {
+                    assert_eq!(mirror["tail_base"].as_u64(), promoted_base, "{case}: {mirror}");
+                }
+            }
             let killed_at = j;
-            if case == "takeover" {
+            if takeover {
                 wait_leader(&ms[lead], 2 * TTL, "the in-sync standby did not lead");
             }
             std::thread::sleep(Duration::from_millis(700));
             stop.store(true, Ordering::Release);
+            trickle_stop.store(true, Ordering::Release);
             let mut kept: Vec<String> = loads.into_iter().flat_map(|h| h.join().expect("load")).collect();
             kept.extend(quiet);
+            kept.extend(trickle.map(|h| h.join().expect("trickle")).unwrap_or_default());
             (kept, killed_at)
         });
         kept.extend(put_keys(&c, &format!("{case}-alone-"), 3));
@@ -874,7 +927,7 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
                 assert_eq!(j["rebase_tail_entries"], 0, "{case}: no tail is kept: {j}");
                 assert!(j["snapshots"].as_u64() > killed_at["snapshots"].as_u64(), "{case}: the rebase wrote a snapshot: {j}");
             }
-            "takeover" => {
+            "takeover" | "takeover-refreshed" => {
                 assert!(j["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 5), "{case}: the takeover wrote the entries it received: {j}");
                 assert_eq!(j["snapshots"], 0, "{case}: and no snapshot: {j}");
                 assert_eq!(j["takeover_prebuilt"], true, "{case}: the state built while the lease ran out: {j}");
@@ -882,7 +935,7 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
             _ => {
                 assert!(j["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 5), "{case}: the rebase wrote the tail: {j}");
                 assert_eq!(j["snapshots"], killed_at["snapshots"], "{case}: and no snapshot: {j}");
-                if case == "refreshed" {
+                if refreshed {
                     assert!(killed_at["snapshots"].as_u64() > before["snapshots"].as_u64(), "{case}: the tail started at a background snapshot: {killed_at}");
                 } else {
                     assert_eq!(killed_at["snapshots"], before["snapshots"], "{case}: no background snapshot: {killed_at}");

@@ -455,12 +455,15 @@ impl Tail {
         (self.cur, self.next, self.want_next) = (None, None, false);
     }
 
-    /// An image's position is `at`: the run after it starts, if one was asked for.
-    fn begin(&mut self, at: u64) {
+    /// An image's position is `at`: the run after it starts, if one was asked for (whether
+    /// it did).
+    fn begin(&mut self, at: u64) -> bool {
         if std::mem::take(&mut self.want_next) && self.cap > 0 {
             self.next = Some(Run { base: at, frames: Vec::new(), bytes: 0 });
             self.started = Instant::now();
+            return true;
         }
+        false
     }
 
     /// The background snapshot's head is written: its run is the current one.
@@ -1276,6 +1279,21 @@ impl Replicas {
         }
     }
 
+    /// Tells the standbys that take it where the etcd journal is whole ([`ToStandby::Base`]),
+    /// right after the last entry sent (this is the writer, not lent). An encoding error is
+    /// only logged: the standbys then keep no run, and a takeover writes the whole state.
+    fn base(&self, seq: u64, written: bool) {
+        match super::sync::encode_frame(&ToStandby::Base { seq, written }) {
+            Ok(f) => {
+                let f = Arc::new(f);
+                for l in self.links.iter().filter(|l| l.runs) {
+                    l.send(&f);
+                }
+            }
+            Err(e) => tracing::warn!("HA replication: {e}"),
+        }
+    }
+
     /// The in-sync set is `members` (etcd says so already).
     fn set_insync(&mut self, members: Vec<String>, journal: &Journal) {
         self.insync = members;
@@ -1421,7 +1439,9 @@ impl Writer<'_> {
                     if let Some(c) = s.catch_up.as_mut() {
                         c.clear();
                     }
-                    s.tail().begin(self.seq);
+                    if s.tail().begin(self.seq) {
+                        s.base(self.seq, false);
+                    }
                 }
                 self.seq
             }
@@ -1647,6 +1667,10 @@ impl Writer<'_> {
             } else {
                 t.next = None;
             }
+            drop(t);
+            if written {
+                s.base(at, true);
+            }
         }
         Some(())
     }
@@ -1762,14 +1786,15 @@ impl Writer<'_> {
         }
         s.last_poll = Some(Instant::now());
         let p = s.standby_prefix.clone();
-        // Member -> (its mirror's address, the mirror term its registration names).
-        let regs: HashMap<String, (String, Option<i64>)> = match self.etcd.range(&p, &prefix_end(&p), 64) {
+        // Member -> (its mirror's address, the mirror term its registration names, whether it
+        // takes `Base` frames).
+        let regs: HashMap<String, (String, Option<i64>, bool)> = match self.etcd.range(&p, &prefix_end(&p), 64) {
             Ok(kvs) => kvs
                 .into_iter()
                 .filter_map(|(k, kv)| {
                     let v = String::from_utf8(kv.value).ok()?;
-                    let (addr, term) = super::sync::parse_registration(&v);
-                    Some((k.strip_prefix(&p)?.to_string(), (addr.to_string(), term)))
+                    let r = super::sync::parse_registration(&v);
+                    Some((k.strip_prefix(&p)?.to_string(), (r.addr.to_string(), r.mirror, r.runs)))
                 })
                 .collect(),
             Err(e) => {
@@ -1794,20 +1819,21 @@ impl Writer<'_> {
             self.drop_members(&gone)?;
         }
         let Some(s) = self.sync.as_ref() else { return Some(()) };
-        let new: Vec<(String, String)> = regs
+        let new: Vec<(String, String, bool)> = regs
             .into_iter()
             .filter(|(m, _)| *m != s.me && s.link(m).is_none() && s.failed.get(m).is_none_or(|t| t.elapsed() > RETRY_LINK))
-            .map(|(m, (addr, _))| (m, addr))
+            .map(|(m, (addr, _, runs))| (m, addr, runs))
             .collect();
-        for (member, addr) in new {
-            self.open_link(&member, &addr)?;
+        for (member, addr, runs) in new {
+            self.open_link(&member, &addr, runs)?;
         }
         Some(())
     }
 
     /// Links a standby: hello, an image of the state after the last entry written (what was
-    /// queued is committed first), then every entry after it.
-    fn open_link(&mut self, member: &str, addr: &str) -> Option<()> {
+    /// queued is committed first), then every entry after it. `runs`: it takes
+    /// [`ToStandby::Base`] frames (its registration says so).
+    fn open_link(&mut self, member: &str, addr: &str, runs: bool) -> Option<()> {
         let Some(s) = self.sync.as_mut() else { return Some(()) };
         let sink: Arc<dyn AckSink> = s.release.clone();
         let mut link = match Link::open(member, addr, &s.hello, sink) {
@@ -1818,6 +1844,7 @@ impl Writer<'_> {
                 return Some(());
             }
         };
+        link.runs = runs;
         s.failed.remove(member);
         // What is queued meanwhile is committed between the image's pieces (requests do not
         // wait for the whole image) and goes to this standby after its image.
@@ -1872,8 +1899,10 @@ impl Writer<'_> {
         tracing::info!(term, seq, "HA replication: {ready:?} in sync; requests are now acknowledged by the in-sync set {members:?} instead of etcd");
         if let Some(s) = self.sync.as_mut() {
             if was_empty {
-                // (Everything up to here was appended to etcd: the tail starts after it.)
+                // (Everything up to here was appended to etcd: the tail starts after it, the
+                // standbys' too.)
                 s.tail().start(seq);
+                s.base(seq, true);
             }
             s.set_insync(members, &self.master.journal);
         }
@@ -2446,7 +2475,7 @@ mod tests {
                 n
             });
             let accept = sc.spawn(|| listener.accept().expect("accept").0);
-            w.open_link("s2", &addr).expect("the standby linked");
+            w.open_link("s2", &addr, false).expect("the standby linked");
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             let added = load.join().expect("load");
             (accept.join().expect("accept"), added)

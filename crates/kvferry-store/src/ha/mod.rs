@@ -419,9 +419,9 @@ enum Plan {
 /// Where a new leader's state comes from.
 enum Source {
     Journal,
-    /// The mirror, its last entry, the in-sync record's term it is of, and the last entries
-    /// as it received them ([`sync::Mirror::take`]).
-    Mirror(sync::Taken, u64, i64, Vec<sync::TailFrame>),
+    /// The mirror, its last entry, the in-sync record's term it is of, and the entries it
+    /// kept as it received them ([`sync::Mirror::take`]).
+    Mirror(sync::Taken, u64, i64, sync::MirrorTail),
     Empty,
 }
 
@@ -489,7 +489,7 @@ fn registrations(cfg: &HaConfig, etcd: &EtcdClient) -> Result<HashMap<String, (O
         .range(&p, &format!("{}~", p.trim_end_matches('/')), 64)
         .map_err(|e| e.to_string())?
         .into_iter()
-        .filter_map(|(k, kv)| Some((k.strip_prefix(&p)?.to_string(), (sync::parse_registration(&String::from_utf8_lossy(&kv.value)).1, kv.mod_revision))))
+        .filter_map(|(k, kv)| Some((k.strip_prefix(&p)?.to_string(), (sync::parse_registration(&String::from_utf8_lossy(&kv.value)).mirror, kv.mod_revision))))
         .collect())
 }
 
@@ -860,7 +860,7 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     };
     let mut writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), owner, seq, head, snapshot_bytes: cfg.snapshot_bytes, sync, insync_key: sync::insync_key(&cfg.cluster_id), retry_until: Some(Instant::now() + 5 * cfg.lease_ttl) };
     let t_write = Instant::now();
-    let tail = tail.and_then(|t| sync::tail_after(&t, stored, mirror_seq));
+    let tail = tail.and_then(|t| t.after(stored, mirror_seq));
     let from_tail = match rebase {
         true => Some(writer.rebase_at_takeover(stored, seq, tail).ok_or("could not make the etcd journal whole (the HA journal errors logged above say why; it campaigns again once etcd answers)")?),
         false => None,

@@ -33,8 +33,10 @@
 //! Wire format (sans-IO, [`encode_frame`] / [`decode_frame`]): a frame is a u32 little-endian
 //! length (at most [`MAX_FRAME`]) and the postcard encoding of a [`ToStandby`] or
 //! [`ToLeader`]. A connection starts with `Hello`; then `Image` frames (the state after entry
-//! `seq`, the last one marked), then `Entry` frames in order; the standby answers `Ack` with
-//! the last entry it holds (decoded and in order; applied to its image right after).
+//! `seq`, the last one marked), then `Entry` frames in order, with a `Base` frame now and then
+//! (where the leader's etcd journal is whole, to a standby that registered as taking it:
+//! [`MirrorTail`]); the standby answers `Ack` with the last entry it holds (decoded and in
+//! order; applied to its image right after).
 
 use crate::master::journal::{Change, Image, Rebuilt, ReplicaRec, PREBUILT_TERM};
 use crate::master::State;
@@ -63,6 +65,16 @@ pub enum ToStandby {
     Image { seq: u64, changes: Vec<Change>, last: bool },
     /// The changes of entry `seq`, applied after every earlier one.
     Entry { seq: u64, changes: Vec<Change> },
+    /// Where the leader's etcd journal is, or is about to be, whole: a standby keeps the
+    /// entries after it for a takeover ([`MirrorTail`]). `written`: it is whole up to entry
+    /// `seq` now (sent when the in-sync set becomes non-empty, right after entry `seq`, and
+    /// once a background snapshot's head at `seq` is written: the runs from elsewhere are of
+    /// no use any more). Not `written`: a background snapshot of the state after entry `seq`
+    /// is being written (sent right after entry `seq`): a run starts there, and the current
+    /// one is kept until the snapshot's head is. Sent only to standbys whose registration
+    /// says they take it ([`registration`]'s [`RUNS`]): one of an earlier version would not
+    /// decode it.
+    Base { seq: u64, written: bool },
 }
 
 /// Standby → leader.
@@ -175,23 +187,42 @@ impl InSync {
     }
 }
 
+/// The word in a standby's [`registration`] that says it takes [`ToStandby::Base`] frames.
+pub const RUNS: &str = "runs";
+
 /// A standby's registration (the value of its [`standby_key`]): where leaders reach its
-/// mirror, then the term of its complete mirror if it has one. A member registered without a
+/// mirror, then the term of its complete mirror if it has one (`-` if not), then [`RUNS`]
+/// (a leader sends [`ToStandby::Base`] only to a standby that says so: a standby of an
+/// earlier version registers without it, and a leader of an earlier version reads the first
+/// two words only). A member registered without a
 /// complete mirror of the in-sync record's term (restarted since it was named) can never lead
 /// from it, so it does not hold the others back ([`eligibility`]'s `alive`), and a leader
 /// promotes into the in-sync set only a standby whose registration names its term (so that
 /// every member of the record says so in etcd before the leader relies on it).
 pub fn registration(addr: &str, mirror: Option<i64>) -> String {
     match mirror {
-        Some(term) => format!("{addr} {term}"),
-        None => addr.to_string(),
+        Some(term) => format!("{addr} {term} {RUNS}"),
+        None => format!("{addr} - {RUNS}"),
     }
 }
 
-/// The address and mirror term of a [`registration`].
-pub fn parse_registration(v: &str) -> (&str, Option<i64>) {
+/// A standby's [`registration`], read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registration<'a> {
+    pub addr: &'a str,
+    /// The term of its complete mirror.
+    pub mirror: Option<i64>,
+    /// It takes [`ToStandby::Base`] frames.
+    pub runs: bool,
+}
+
+/// The address, mirror term and abilities of a [`registration`] (or of one an earlier
+/// version wrote: `addr` or `addr term`).
+pub fn parse_registration(v: &str) -> Registration<'_> {
     let mut words = v.split_whitespace();
-    (words.next().unwrap_or(""), words.next().and_then(|t| t.parse().ok()))
+    let addr = words.next().unwrap_or("");
+    let mirror = words.next().and_then(|t| t.parse().ok());
+    Registration { addr, mirror, runs: words.any(|w| w == RUNS) }
 }
 
 /// What a master that finds no leader may do, given the in-sync record and its mirror.
@@ -264,7 +295,8 @@ struct Feed {
     /// connection's thread applies them once it has acknowledged them, a takeover first
     /// ([`Mirror::take`]).
     pending: Vec<(Instant, Vec<Change>)>,
-    /// The last entries received, as they came ([`MirrorTail`]).
+    /// The entries received since where the leader's etcd journal is whole, as they came
+    /// ([`MirrorTail`]).
     tail: MirrorTail,
 }
 
@@ -278,46 +310,91 @@ pub struct TailFrame {
     pub frame: Arc<Vec<u8>>,
 }
 
-/// The last entries a standby received, as they came, up to a number of bytes (the oldest go
-/// first): what a leader's etcd journal lacks while standbys are in sync is the entries since
-/// the journal's last position, so a standby that takes over writes those to its log instead
-/// of its whole state ([`super::journal::Writer::rebase_at_takeover`]), as a leader's own
-/// rebase writes its [`super::journal::Tail`]. Each entry follows the one before it (the
-/// mirror takes entries only in order), so what is kept has no gap.
-#[derive(Debug, Default)]
-struct MirrorTail {
-    frames: std::collections::VecDeque<TailFrame>,
+/// The entries a standby received since where the leader's etcd journal is whole, as they
+/// came: what that journal lacks while standbys are in sync, so a standby that takes over
+/// writes those to its log instead of its whole state
+/// ([`super::journal::Writer::rebase_at_takeover`]), as a leader's own rebase writes its
+/// [`super::journal::Tail`]. The leader says where runs start ([`ToStandby::Base`]): when the
+/// in-sync set becomes non-empty and at each background snapshot's position. A run keeps
+/// every entry after its start, in order, until it would pass the cap; then it is dropped
+/// (the takeover writes the whole state) and nothing is kept until the next start, so the
+/// cost is bounded as the leader's is (before, a window of the last entries kept every frame,
+/// and cost the standby 5-10% of its rate on 2 vCPUs). At most two runs: the current one and
+/// the one from a background snapshot whose head is not written yet. Each frame is shared by
+/// the runs that keep it.
+#[derive(Debug, Default, Clone)]
+pub struct MirrorTail {
+    /// Oldest first.
+    runs: Vec<MirrorRun>,
+}
+
+#[derive(Debug, Clone)]
+struct MirrorRun {
+    /// The etcd journal is (or will be) whole up to this entry; the frames follow it.
+    base: u64,
+    frames: Vec<TailFrame>,
     bytes: usize,
 }
 
+impl MirrorRun {
+    fn last(&self) -> u64 {
+        self.frames.last().map_or(self.base, |f| f.last)
+    }
+}
+
 impl MirrorTail {
-    /// What [`Mirror::take`] handed out, kept again.
-    fn of(frames: Vec<TailFrame>) -> MirrorTail {
-        let bytes = frames.iter().map(|t| t.frame.len()).sum();
-        MirrorTail { frames: frames.into(), bytes }
+    /// Whether any run is kept (a frame that no run wants is not kept at all).
+    fn keeps(&self) -> bool {
+        !self.runs.is_empty()
     }
 
+    /// The frame of the log's entries `first..=last` came: added to every run it follows
+    /// and fits (within `cap` bytes); a run it does not is dropped.
     fn push(&mut self, first: u64, last: u64, frame: Vec<u8>, cap: usize) {
-        if self.frames.back().is_some_and(|f| f.last.checked_add(1) != Some(first)) {
-            self.clear();
-        }
-        if cap == 0 || frame.len() > cap {
-            self.clear();
+        if !self.keeps() {
             return;
         }
-        self.bytes += frame.len();
-        self.frames.push_back(TailFrame { first, last, frame: Arc::new(frame) });
-        while self.bytes > cap {
-            match self.frames.pop_front() {
-                Some(f) => self.bytes -= f.frame.len(),
-                None => break,
+        let frame = Arc::new(frame);
+        self.runs.retain_mut(|r| {
+            if r.last().checked_add(1) != Some(first) || r.bytes + frame.len() > cap {
+                return false;
+            }
+            r.bytes += frame.len();
+            r.frames.push(TailFrame { first, last, frame: Arc::clone(&frame) });
+            true
+        });
+    }
+
+    /// [`ToStandby::Base`] came with the mirror's last entry `at`.
+    fn base(&mut self, seq: u64, written: bool, at: u64, cap: usize) {
+        if cap == 0 {
+            self.runs.clear();
+            return;
+        }
+        if written {
+            // (A run from elsewhere does not reach back to where the journal is now.)
+            self.runs.retain(|r| r.base == seq);
+        }
+        if seq == at && !self.runs.iter().any(|r| r.base == seq) {
+            self.runs.push(MirrorRun { base: seq, frames: Vec::new(), bytes: 0 });
+            if self.runs.len() > 2 {
+                self.runs.remove(0);
             }
         }
     }
 
-    fn clear(&mut self) {
-        self.frames.clear();
-        self.bytes = 0;
+    /// Bytes of frames kept.
+    fn bytes(&self) -> usize {
+        self.runs.iter().map(|r| r.bytes).sum()
+    }
+
+    /// The entries after `stored` up to `upto` from a run that has them ([`tail_after`]);
+    /// `Some` and empty when `stored` is `upto` (the journal holds everything).
+    pub fn after(&self, stored: u64, upto: u64) -> Option<Vec<TailFrame>> {
+        if stored == upto {
+            return Some(Vec::new());
+        }
+        self.runs.iter().rev().find_map(|r| tail_after(&r.frames, stored, upto))
     }
 }
 
@@ -363,6 +440,10 @@ pub struct MirrorStatus {
     pub pending_changes: usize,
     /// Objects in the image.
     pub objects: usize,
+    /// Bytes of entries' frames kept for a takeover ([`MirrorTail`]), and the entry where the
+    /// newest run of them starts (where the leader said its etcd journal is whole).
+    pub tail_bytes: usize,
+    pub tail_base: Option<u64>,
 }
 
 /// The master's state built ahead from a mirror whose feed ended ([`Mirror::prebuild`]).
@@ -428,7 +509,7 @@ pub struct Mirror {
     cluster_id: String,
     /// How long a held-back replica is kept (two read lease TTLs).
     keep_held: Duration,
-    /// The bytes of entries' frames kept for a takeover ([`MirrorTail`]; 0: none).
+    /// The bytes of entries' frames a run keeps for a takeover ([`MirrorTail`]; 0: none).
     tail_cap: usize,
 }
 
@@ -437,8 +518,8 @@ fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Mirror {
-    /// `tail_cap`: the bytes of the last entries' frames kept for a takeover (0: none; the
-    /// takeover then writes the whole state to etcd).
+    /// `tail_cap`: the bytes of entries' frames a run keeps for a takeover ([`MirrorTail`];
+    /// 0: none, the takeover then writes the whole state to etcd).
     pub fn new(cluster_id: &str, read_lease: Duration, tail_cap: usize) -> Mirror {
         Mirror {
             applied: Mutex::new(Applied::default()),
@@ -564,7 +645,8 @@ impl Mirror {
             Prebuild::Built { rebuilt, .. } if p.built_for(&f) => rebuilt.objects,
             _ => a.image.objects(),
         };
-        MirrorStatus { term: f.term, seq: f.seq, complete: f.complete && !f.closed, fed: f.conn != 0 && !f.closed, sealed: f.sealed, pending_changes, objects }
+        let (tail_bytes, tail_base) = (f.tail.bytes(), f.tail.runs.last().map(|r| r.base));
+        MirrorStatus { term: f.term, seq: f.seq, complete: f.complete && !f.closed, fed: f.conn != 0 && !f.closed, sealed: f.sealed, pending_changes, objects, tail_bytes, tail_base }
     }
 
     /// The term of a complete mirror.
@@ -574,13 +656,13 @@ impl Mirror {
     }
 
     /// The mirror of `term` for a takeover (the image, with every change received applied,
-    /// the last entry received, and the last entries' frames, oldest first: [`tail_after`]);
+    /// the last entry received, and the entries' frames it kept: [`MirrorTail::after`]);
     /// nothing more is applied until [`Mirror::reopen`]. `None` if it is not a complete
     /// mirror of `term`.
     ///
     /// The state built ahead ([`Mirror::prebuild`]) instead of the image when it was built
     /// from this mirror as it is (a build under way is waited for).
-    pub fn take(&self, term: i64) -> Option<(Taken, u64, Vec<TailFrame>)> {
+    pub fn take(&self, term: i64) -> Option<(Taken, u64, MirrorTail)> {
         let mut p = locked(&self.prebuilt);
         while matches!(*p, Prebuild::Building { .. }) {
             p = self.prebuilt_done.wait(p).unwrap_or_else(|e| e.into_inner());
@@ -592,7 +674,7 @@ impl Mirror {
         }
         f.closed = true;
         f.complete = false;
-        let tail = std::mem::take(&mut f.tail).frames.into();
+        let tail = std::mem::take(&mut f.tail);
         if p.built_for(&f) {
             if let Prebuild::Built { state, rebuilt, at, .. } = std::mem::take(&mut *p) {
                 return Some((Taken::Built { state, rebuilt, at }, f.seq, tail));
@@ -636,12 +718,12 @@ impl Mirror {
     /// Puts back a mirror of `term` that [`Mirror::take`] handed to a takeover that failed (so
     /// this member can campaign from it again); no connection feeds it until a leader says
     /// hello.
-    pub fn restore(&self, term: i64, image: Image, seq: u64, tail: Vec<TailFrame>) {
+    pub fn restore(&self, term: i64, image: Image, seq: u64, tail: MirrorTail) {
         Self::drop_prebuilt(&mut locked(&self.prebuilt));
         let mut a = locked(&self.applied);
         let mut f = locked(&self.feed);
         *a = Applied { image, ..Applied::default() };
-        *f = Feed { term, next_conn: f.next_conn, seq, complete: true, sealed: f.sealed, tail: MirrorTail::of(tail), ..Feed::default() };
+        *f = Feed { term, next_conn: f.next_conn, seq, complete: true, sealed: f.sealed, tail, ..Feed::default() };
     }
 
     /// This master leads: nothing is mirrored (what was is dropped) until [`Mirror::reopen`].
@@ -736,6 +818,13 @@ impl Mirror {
                 f.seq = seq;
                 (Some(seq), changes)
             }
+            ToStandby::Base { seq, written } => {
+                if f.complete {
+                    let at = f.seq;
+                    f.tail.base(seq, written, at, self.tail_cap);
+                }
+                (None, Vec::new())
+            }
         };
         if !changes.is_empty() {
             f.pending.push((Instant::now(), changes));
@@ -801,6 +890,8 @@ fn entries(mut s: TcpStream, m: &Mirror, conn: u64) -> Result<(), String> {
     crate::server::keepalive(&s, Duration::from_secs(10));
     let mut r = std::io::BufReader::with_capacity(1 << 20, s.try_clone().map_err(|e| e.to_string())?);
     let spin = crate::server::Spin::for_replication();
+    // The last entry taken and not acknowledged yet.
+    let mut unacked = None;
     loop {
         if r.buffer().is_empty() {
             spin.readable(&s);
@@ -808,16 +899,19 @@ fn entries(mut s: TcpStream, m: &Mirror, conn: u64) -> Result<(), String> {
         let (f, raw) = read_frame_raw::<ToStandby>(&mut r, MAX_FRAME)?;
         match m.take_frame(conn, f, raw) {
             // One acknowledgement for the entries that came together: while another whole
-            // frame is already read, it is taken first (acknowledgements are cumulative).
-            // Acknowledged before they are applied (held in memory, checked to be the next
-            // ones): the leader's wait is the network's, not the map's.
-            Ok(ack) if !whole_frame(r.buffer()) => {
-                if let Some(seq) = ack {
-                    s.write_all(&encode_frame(&ToLeader::Ack { seq })?).map_err(|e| e.to_string())?;
+            // frame is already read, it is taken first (acknowledgements are cumulative; a
+            // frame that acknowledges nothing, such as a `Base`, keeps what one before it
+            // would). Acknowledged before they are applied (held in memory, checked to be
+            // the next ones): the leader's wait is the network's, not the map's.
+            Ok(ack) => {
+                unacked = ack.or(unacked);
+                if !whole_frame(r.buffer()) {
+                    if let Some(seq) = unacked.take() {
+                        s.write_all(&encode_frame(&ToLeader::Ack { seq })?).map_err(|e| e.to_string())?;
+                    }
+                    m.apply_pending();
                 }
-                m.apply_pending();
             }
-            Ok(_) => {}
             Err(why) => {
                 let _ = s.write_all(&encode_frame(&ToLeader::Refused { why: why.clone() })?);
                 return Err(why);
@@ -853,6 +947,8 @@ pub struct Link {
     pub image_seq: u64,
     image_bytes: u64,
     sock: Arc<Mutex<Option<TcpStream>>>,
+    /// It takes [`ToStandby::Base`] frames (its [`registration`] says so).
+    pub runs: bool,
 }
 
 /// How long connecting to a standby may take.
@@ -940,7 +1036,7 @@ impl Link {
                 signal2.broke();
             })
             .map_err(|e| e.to_string())?;
-        Ok(Link { member: member.to_string(), addr: addr.to_string(), tx: Some(tx), acked, dead, queued, image_seq: 0, image_bytes: 0, sock })
+        Ok(Link { member: member.to_string(), addr: addr.to_string(), tx: Some(tx), acked, dead, queued, image_seq: 0, image_bytes: 0, sock, runs: false })
     }
 
     /// The most a link may have queued: its image and 256 MiB more, or twice its image.
@@ -1046,7 +1142,7 @@ mod tests {
     use super::*;
     impl Mirror {
         /// [`Mirror::take`] of a mirror that built nothing ahead.
-        fn take_image(&self, term: i64) -> Option<(Image, u64, Vec<TailFrame>)> {
+        fn take_image(&self, term: i64) -> Option<(Image, u64, MirrorTail)> {
             self.take(term).map(|(t, seq, tail)| match t {
                 Taken::Image(image) => (image, seq, tail),
                 Taken::Built { .. } => panic!("a state built ahead"),
@@ -1071,6 +1167,7 @@ mod tests {
         m.set_leader(Some((5, 50)));
         let c = m.hello("c", 5, 50).unwrap();
         m.apply(c, ToStandby::Image { seq: 3, changes: vec![seg1(), obj_at("a", 0), obj_at("b", 4096)], last: true }).unwrap();
+        m.apply(c, ToStandby::Base { seq: 3, written: true }).unwrap();
         m.apply(c, ToStandby::Entry { seq: 4, changes: vec![obj_at("c", 8192)] }).unwrap();
         m.prebuild();
         assert!(matches!(*locked(&m.prebuilt), Prebuild::None), "nothing is built while the leader feeds the mirror");
@@ -1080,7 +1177,7 @@ mod tests {
         assert_eq!((m.status().objects, m.complete_term()), (3, Some(5)), "the mirror still says what it holds, and may lead");
         match m.take(5) {
             Some((Taken::Built { state, rebuilt, .. }, 4, tail)) => {
-                assert_eq!((rebuilt.objects, state.summary().keys, tail.len()), (3, 3, 1));
+                assert_eq!((rebuilt.objects, state.summary().keys, tail.after(3, 4).map(|t| t.len())), (3, 3, Some(1)));
             }
             _ => panic!("the state built ahead"),
         }
@@ -1165,6 +1262,7 @@ mod tests {
         assert_eq!(m.complete_term(), None, "an image in progress is not a mirror to lead from");
         assert_eq!(m.apply(c1, ToStandby::Image { seq: 4, changes: vec![obj("b", 2)], last: true }).unwrap(), Some(4));
         assert_eq!(m.complete_term(), Some(5));
+        assert_eq!(m.apply(c1, ToStandby::Base { seq: 4, written: true }).unwrap(), None, "a run's start acknowledges nothing");
         assert_eq!(m.status().pending_changes, 2, "acknowledged (held) before it is applied");
         m.apply_pending();
         assert_eq!(m.status().pending_changes, 0);
@@ -1177,7 +1275,7 @@ mod tests {
         assert!(m.hello("c", 4, 40).is_err(), "an older term's leader (a deposed one) is refused");
         let (image, seq, tail) = m.take_image(5).expect("a complete mirror of term 5");
         assert_eq!((image.objects(), seq), (3, 6), "b, c and d: the image and the entry applied");
-        assert_eq!(tail.iter().map(|f| (f.first, f.last)).collect::<Vec<_>>(), [(5, 6)], "the entry as it came, standing for the log's entries after the image's");
+        assert_eq!(tail.after(4, 6).map(|t| t.iter().map(|f| (f.first, f.last)).collect::<Vec<_>>()), Some(vec![(5, 6)]), "the entry as it came, standing for the log's entries after the run's start");
         assert!(m.take_image(5).is_none(), "taken once");
         m.set_leader(Some((9, 90)));
         assert!(m.hello("c", 9, 90).is_err(), "a mirror taken over accepts nothing");
@@ -1193,63 +1291,170 @@ mod tests {
         m.restore(9, image, seq, tail);
         assert_eq!(m.complete_term(), Some(9));
         assert!(m.apply(c9, ToStandby::Entry { seq: 8, changes: vec![] }).is_err(), "the old connection no longer feeds it");
-        assert_eq!(m.take_image(9).map(|(i, s, t)| (i.objects(), s, t.len())), Some((0, 7, 0)));
+        assert_eq!(m.take_image(9).map(|(i, s, t)| (i.objects(), s, t.bytes())), Some((0, 7, 0)));
     }
 
-    /// A mirror keeps the last entries as they came, up to its cap (the oldest go first), for
-    /// a takeover to write to the etcd journal after where it ends: exactly the frames after
-    /// that position when they reach back to it, none when they do not, or when the journal
-    /// ends inside a frame (several log entries streamed as one). A new leader's feed starts
-    /// them again; a failed takeover puts them back.
+    /// A mirror keeps the entries after where the leader says its etcd journal is whole, as
+    /// they came, for a takeover to write to that journal after where it ends: exactly the
+    /// frames after that position when a run reaches back to it, none when none does, or when
+    /// the journal ends inside a frame (several log entries streamed as one). A run that
+    /// would pass the cap is dropped and nothing is kept until the next start; a background
+    /// snapshot's start keeps the current run until its head is written; at most two runs. A
+    /// new leader's feed starts them again; a failed takeover puts them back.
     #[test]
-    fn a_mirror_keeps_its_last_entries_as_they_came_for_a_takeover() {
+    fn a_mirror_keeps_the_entries_after_where_the_leaders_journal_is_whole_for_a_takeover() {
         let entry = |seq: u64| ToStandby::Entry { seq, changes: (0..10).map(|i| obj(&format!("k{seq}-{i}"), 1)).collect() };
-        // Room for three entries (of two-digit numbers; those of one digit are a byte shorter).
-        let cap = 3 * encode_frame(&entry(10)).unwrap().len() + 2;
+        let base = |seq: u64, written: bool| ToStandby::Base { seq, written };
+        // Room for four entries (of two-digit numbers; those of one digit are a byte shorter).
+        let cap = 4 * encode_frame(&entry(10)).unwrap().len() + 2;
         let m = Mirror::new("c", Duration::from_secs(5), cap);
         m.set_leader(Some((5, 50)));
         let c = m.hello("c", 5, 50).unwrap();
-        m.apply(c, ToStandby::Image { seq: 4, changes: vec![obj("a", 1)], last: true }).unwrap();
-        // Entry 7 stands for log entries 5..=7 (appended to etcd in three values).
-        for seq in [7, 8, 9] {
+        m.apply(c, ToStandby::Image { seq: 4, changes: vec![obj("a", 1)], last: false }).unwrap();
+        m.apply(c, base(4, true)).unwrap();
+        m.apply(c, ToStandby::Image { seq: 4, changes: vec![obj("b", 1)], last: true }).unwrap();
+        assert_eq!(m.apply(c, entry(5)).unwrap(), Some(5));
+        assert_eq!(m.status().tail_bytes, 0, "no run started (one said before the image was whole starts nothing): nothing kept");
+        assert_eq!(m.apply(c, base(5, true)).unwrap(), None, "a run's start acknowledges nothing");
+        // Entry 8 stands for log entries 6..=8 (appended to etcd in three values).
+        for seq in [8, 9] {
             assert_eq!(m.apply(c, entry(seq)).unwrap(), Some(seq));
         }
+        assert_eq!(m.status().tail_base, Some(5));
         let (image, seq, tail) = m.take_image(5).expect("complete");
-        assert_eq!(tail.iter().map(|f| (f.first, f.last)).collect::<Vec<_>>(), [(5, 7), (8, 8), (9, 9)]);
-        for f in &tail {
+        let run = tail.after(5, 9).expect("the run from 5");
+        assert_eq!(run.iter().map(|f| (f.first, f.last)).collect::<Vec<_>>(), [(6, 8), (9, 9)]);
+        for f in &run {
             assert_eq!(decode_frame::<ToStandby>(&f.frame).unwrap().map(|(e, _)| e), Some(entry(f.last)), "the frame as it was sent");
         }
         let firsts = |v: Option<Vec<TailFrame>>| v.map(|v| v.iter().map(|f| f.first).collect::<Vec<_>>());
-        assert_eq!(firsts(tail_after(&tail, 4, 9)), Some(vec![5, 8, 9]), "the journal at the image: every entry");
-        assert_eq!(firsts(tail_after(&tail, 7, 9)), Some(vec![8, 9]));
-        assert_eq!(firsts(tail_after(&tail, 9, 9)), Some(vec![]), "the journal holds everything: nothing to write");
-        assert_eq!(firsts(tail_after(&tail, 6, 9)), None, "the journal ends inside a frame");
-        assert_eq!(firsts(tail_after(&tail, 3, 9)), None, "the journal ends before the first frame kept");
-        assert_eq!(firsts(tail_after(&tail, 10, 9)), None, "the journal holds more than the mirror");
-        assert_eq!(firsts(tail_after(&tail, 4, 10)), None, "the frames do not reach the mirror's last entry");
+        assert_eq!(firsts(tail.after(8, 9)), Some(vec![9]));
+        assert_eq!(firsts(tail.after(9, 9)), Some(vec![]), "the journal holds everything: nothing to write");
+        assert_eq!(firsts(tail.after(7, 9)), None, "the journal ends inside a frame");
+        assert_eq!(firsts(tail.after(4, 9)), None, "the journal ends before the run's start (entry 5 was not kept)");
+        assert_eq!(firsts(tail.after(10, 9)), None, "the journal holds more than the mirror");
+        assert_eq!(firsts(tail.after(5, 10)), None, "the frames do not reach the mirror's last entry");
         m.restore(5, image, seq, tail);
-        let c = {
-            m.reopen();
-            // (Restored: the same mirror, its tail too; a leader's hello starts both again.)
-            let (image, seq, tail) = m.take_image(5).expect("restored");
-            assert_eq!((seq, tail.len()), (9, 3));
-            m.restore(5, image, seq, tail);
-            m.hello("c", 5, 50).unwrap()
-        };
+        m.reopen();
+        // (Restored: the same mirror, its tail too.)
+        let (image, seq, tail) = m.take_image(5).expect("restored");
+        assert_eq!((seq, firsts(tail.after(5, 9))), (9, Some(vec![6, 9])));
+        m.restore(5, image, seq, tail);
+
+        // A leader's hello starts the mirror and its tail again.
+        let c = m.hello("c", 5, 50).unwrap();
         m.apply(c, ToStandby::Image { seq: 20, changes: vec![], last: true }).unwrap();
-        for seq in 21..=26 {
+        assert_eq!(m.status().tail_bytes, 0, "none from the earlier feed");
+        m.apply(c, base(20, true)).unwrap();
+        for seq in [21, 22] {
             m.apply(c, entry(seq)).unwrap();
         }
+        m.apply(c, base(21, false)).unwrap();
+        assert_eq!(m.status().tail_base, Some(20), "a start that is not right after the last entry starts nothing");
+        // A background snapshot at 22: its run starts, and the current one is kept until its
+        // head is written.
+        m.apply(c, base(22, false)).unwrap();
+        for seq in [23, 24] {
+            m.apply(c, entry(seq)).unwrap();
+        }
+        let (image, seq, tail) = m.take_image(5).expect("complete");
+        assert_eq!((firsts(tail.after(20, 24)), firsts(tail.after(22, 24))), (Some(vec![21, 22, 23, 24]), Some(vec![23, 24])), "either run, whichever the journal ends at");
+        m.restore(5, image, seq, tail);
+        m.reopen();
+        let c = m.hello("c", 5, 50).unwrap();
+        m.apply(c, ToStandby::Image { seq: 22, changes: vec![], last: true }).unwrap();
+        m.apply(c, base(20, true)).unwrap();
+        m.apply(c, base(22, false)).unwrap();
+        m.apply(c, base(20, true)).unwrap();
+        assert_eq!(m.status().tail_base, None, "a written start this mirror has no run from drops the others (they do not reach back to it)");
+        m.apply(c, base(22, false)).unwrap();
+        m.apply(c, entry(23)).unwrap();
+        m.apply(c, base(22, true)).unwrap();
+        assert_eq!(m.take_image(5).map(|(_, _, t)| firsts(t.after(22, 23))), Some(Some(vec![23])));
+        m.reopen();
+        let c = m.hello("c", 5, 50).unwrap();
+        m.apply(c, ToStandby::Image { seq: 30, changes: vec![], last: true }).unwrap();
+        m.apply(c, base(30, true)).unwrap();
+        m.apply(c, entry(31)).unwrap();
+        m.apply(c, base(31, false)).unwrap();
+        m.apply(c, entry(32)).unwrap();
+        m.apply(c, base(32, false)).unwrap();
+        m.apply(c, entry(33)).unwrap();
+        let (image, seq, tail) = m.take_image(5).expect("complete");
+        assert_eq!((firsts(tail.after(30, 33)), firsts(tail.after(31, 33)), firsts(tail.after(32, 33))), (None, Some(vec![32, 33]), Some(vec![33])), "at most two runs: the oldest goes");
+        m.restore(5, image, seq, tail);
+        m.reopen();
+
+        // A run that would pass the cap is dropped, and nothing is kept until the next start.
+        let c = m.hello("c", 5, 50).unwrap();
+        m.apply(c, ToStandby::Image { seq: 40, changes: vec![], last: true }).unwrap();
+        m.apply(c, base(40, true)).unwrap();
+        for seq in 41..=44 {
+            m.apply(c, entry(seq)).unwrap();
+        }
+        assert!(m.status().tail_bytes > 0 && m.status().tail_bytes <= cap);
+        m.apply(c, entry(45)).unwrap();
+        assert_eq!(m.status().tail_bytes, 0, "outgrew the cap: dropped");
+        m.apply(c, entry(46)).unwrap();
+        assert_eq!(m.status().tail_bytes, 0, "and none kept after");
+        m.apply(c, base(46, true)).unwrap();
+        m.apply(c, entry(47)).unwrap();
         let (_, _, tail) = m.take_image(5).expect("complete");
-        assert_eq!(tail.iter().map(|f| f.first).collect::<Vec<_>>(), [24, 25, 26], "the oldest went past the cap; none from the earlier feed");
-        assert!(tail.iter().map(|f| f.frame.len()).sum::<usize>() <= cap);
-        assert_eq!(firsts(tail_after(&tail, 22, 26)), None, "an entry the journal lacks was dropped: the whole state is written instead");
+        assert_eq!((firsts(tail.after(40, 47)), firsts(tail.after(46, 47))), (None, Some(vec![47])), "an entry the journal lacks was dropped: the whole state is written instead");
+
         let none = Mirror::new("c", Duration::from_secs(5), 0);
         none.set_leader(Some((5, 50)));
         let c = none.hello("c", 5, 50).unwrap();
         none.apply(c, ToStandby::Image { seq: 1, changes: vec![], last: true }).unwrap();
+        none.apply(c, base(1, true)).unwrap();
         none.apply(c, entry(2)).unwrap();
-        assert!(none.take_image(5).expect("complete").2.is_empty(), "a cap of 0 keeps none");
+        assert_eq!(none.take_image(5).expect("complete").2.after(1, 2).map(|t| t.len()), None, "a cap of 0 keeps none");
+    }
+
+    /// Frames that came together get one acknowledgement, of the last entry among them, even
+    /// when a frame that acknowledges nothing (a run's start) comes after it: dropped, the
+    /// leader would wait for an entry the standby holds until the standby left the set.
+    #[test]
+    fn an_entry_followed_by_a_run_start_in_one_read_is_acknowledged() {
+        let m = Arc::new(Mirror::new("c", Duration::from_secs(5), 1 << 20));
+        m.set_leader(Some((5, 50)));
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let m2 = Arc::clone(&m);
+        std::thread::spawn(move || serve(listener, m2));
+        let mut s = TcpStream::connect(addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        s.write_all(&encode_frame(&ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 50, leader: "l".into() }).expect("frame")).expect("hello");
+        // (The hello is read on its own; what follows comes in one write, one read.)
+        std::thread::sleep(Duration::from_millis(100));
+        let mut bytes = Vec::new();
+        for f in [ToStandby::Image { seq: 4, changes: vec![obj("a", 1)], last: true }, ToStandby::Entry { seq: 5, changes: vec![obj("b", 1)] }, ToStandby::Base { seq: 5, written: true }] {
+            bytes.extend(encode_frame(&f).expect("frame"));
+        }
+        s.write_all(&bytes).expect("frames");
+        let mut acked = 0;
+        while acked < 5 {
+            match read_frame::<ToLeader>(&mut s) {
+                Ok(ToLeader::Ack { seq }) => acked = seq,
+                other => panic!("expected the acknowledgement of entry 5 (got {acked} so far), got {other:?}"),
+            }
+        }
+        assert_eq!(m.status().tail_base, Some(5));
+    }
+
+    #[test]
+    fn a_registration_says_where_the_mirror_is_its_term_and_that_it_takes_runs() {
+        assert_eq!(parse_registration(&registration("1.2.3.4:5", Some(7))), Registration { addr: "1.2.3.4:5", mirror: Some(7), runs: true });
+        assert_eq!(parse_registration(&registration("1.2.3.4:5", None)), Registration { addr: "1.2.3.4:5", mirror: None, runs: true });
+        // As an earlier version wrote them, and as it reads these (its first two words).
+        assert_eq!(parse_registration("1.2.3.4:5 7"), Registration { addr: "1.2.3.4:5", mirror: Some(7), runs: false });
+        assert_eq!(parse_registration("1.2.3.4:5"), Registration { addr: "1.2.3.4:5", mirror: None, runs: false });
+        let old = |v: &str| {
+            let mut w = v.split_whitespace();
+            (w.next().map(str::to_string), w.next().and_then(|t| t.parse::<i64>().ok()))
+        };
+        assert_eq!(old(&registration("a:1", None)), (Some("a:1".to_string()), None));
+        assert_eq!(old(&registration("a:1", Some(3))), (Some("a:1".to_string()), Some(3)));
     }
 
     #[test]
@@ -1270,9 +1475,9 @@ mod tests {
         let c = m.hello("c", 5, 50).unwrap();
         assert_eq!(m.apply(c, ToStandby::Image { seq: 3, changes: vec![obj("a", 1)], last: true }).unwrap(), Some(3));
         m.apply_pending();
-        assert_eq!(m.status(), MirrorStatus { term: 5, seq: 3, complete: true, fed: true, sealed: false, pending_changes: 0, objects: 1 });
+        assert_eq!(m.status(), MirrorStatus { term: 5, seq: 3, complete: true, fed: true, sealed: false, pending_changes: 0, objects: 1, tail_bytes: 0, tail_base: None });
         m.seal();
-        assert_eq!(m.status(), MirrorStatus { term: 5, seq: 3, complete: true, fed: false, sealed: true, pending_changes: 0, objects: 1 });
+        assert_eq!(m.status(), MirrorStatus { term: 5, seq: 3, complete: true, fed: false, sealed: true, pending_changes: 0, objects: 1, tail_bytes: 0, tail_base: None });
         assert!(m.apply(c, ToStandby::Entry { seq: 4, changes: vec![obj("b", 1)] }).is_err(), "its feed ended");
         assert!(m.hello("c", 5, 50).is_err(), "no leader feeds it again");
         assert_eq!(m.complete_term(), Some(5), "still a mirror to lead from");
