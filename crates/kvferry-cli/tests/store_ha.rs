@@ -780,6 +780,42 @@ fn an_in_sync_standby_acknowledges_in_memory_and_takes_over_with_every_object() 
     let _ = c.close();
 }
 
+/// A standby that joins a set already in sync (its image is after where the etcd journal is
+/// whole, when the first standby joined) gets from the leader the entries from there up to
+/// its image (`ToStandby::Run`), so that when it takes over, the first standby and the leader
+/// dead, it writes to etcd the entries etcd lacks, not its whole state; with every object.
+#[test]
+fn a_standby_that_joins_a_set_already_in_sync_takes_over_with_what_etcd_lacks() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let port = etcd_svc.port;
+    let ([m0, m1], l, a) = in_sync_pair(port, None, false);
+    let mut ms = vec![m0, m1];
+    let c = ha_client(port, 32 << 20);
+    // Entries after the set filled, before the second standby links.
+    let mut keys = put_keys(&c, "before-", 100);
+    ms.push(Master::start_with(port, None, false, &[]));
+    let b = 2;
+    wait_insync(&ms[l], &[ms[a].rpc.as_str(), ms[b].rpc.as_str()], Duration::from_secs(10));
+    let (ma, mb) = (ha_status(&ms[a])["mirror"].clone(), ha_status(&ms[b])["mirror"].clone());
+    assert!(ma["tail_base"].is_u64() && mb["tail_base"] == ma["tail_base"], "the joining standby's run starts where the first one's does: {ma} {mb}");
+    assert_eq!(mb["tail_bytes"], ma["tail_bytes"], "it holds the entries before its image too, as the first one received them: {ma} {mb}");
+    keys.extend(put_keys(&c, "after-", 100));
+    // The first standby dies (the set keeps the second: nothing is written to etcd), then the
+    // leader: the second takes over.
+    ms[a].kill();
+    wait_insync(&ms[l], &[ms[b].rpc.as_str()], Duration::from_secs(10));
+    keys.extend(put_keys(&c, "alone-", 20));
+    ms[l].kill();
+    wait_leader(&ms[b], 2 * TTL, "the second standby did not lead");
+    for k in &keys {
+        assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{k} lost in the failover: {e}")), value(k, 4096));
+    }
+    let st = ha_status(&ms[b]);
+    assert!(st["journal"]["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 220), "it wrote every put's entries since the set filled: {st}");
+    assert_eq!(st["journal"]["snapshots"], 0, "not its whole state: {st}");
+    let _ = c.close();
+}
+
 /// The in-sync set empties (its standby killed) while clients put: the leader writes to the
 /// etcd journal what it lacks, the entries streamed since it was last whole (`ha::journal::Tail`),
 /// instead of its whole state, the clients go on, and a master started alone after the leader

@@ -34,7 +34,7 @@ use crate::master::journal::{Change, Image, IMAGE_PIECES};
 use crate::master::{Master, State};
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::{Deserialize, Serialize};
-use super::sync::{image_frames, AckSink, InSync, Link, TailFrame, ToStandby};
+use super::sync::{image_frames, AckSink, Bytes, InSync, KeptFrame, Link, TailFrame, ToStandby};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -471,6 +471,15 @@ impl Tail {
         if let Some(r) = self.next.take() {
             self.cur = Some(r);
         }
+    }
+
+    /// Where the current run starts and its frames up to entry `at` (for a standby whose
+    /// image is at `at`: [`ToStandby::Run`]), if it is whole that far.
+    fn upto(&self, at: u64) -> Option<(u64, Vec<TailFrame>)> {
+        let r = self.cur.as_ref().filter(|r| r.base <= at && r.last() >= at)?;
+        let n = r.frames.partition_point(|f| f.last <= at);
+        let frames = r.frames[..n].to_vec();
+        (frames.last().map_or(r.base, |f| f.last) == at).then_some((r.base, frames))
     }
 
     /// The current run, if it is whole up to entry `upto`; the tail is empty after.
@@ -1857,9 +1866,25 @@ impl Writer<'_> {
         // their acknowledgements answer, [`Release`]: answering them here, for the link of
         // another standby, would tell clients their changes are durable before they are.)
         let objects = image.len();
+        // A standby that links while others are in sync gets the entries from where the etcd
+        // journal is whole up to its image, for its takeover (the others started their runs
+        // there when the set filled).
+        let run = match self.sync.as_ref() {
+            Some(s) if runs && !s.insync.is_empty() => s.tail().upto(at),
+            _ => None,
+        };
         match image_frames(at, image) {
             Ok(frames) => {
                 link.send_image(at, &frames);
+                if let Some((base, frames)) = run {
+                    let kept = frames.into_iter().map(|f| KeptFrame { first: f.first, last: f.last, frame: Bytes(f.frame.to_vec()) }).collect();
+                    match super::sync::encode_frame(&ToStandby::Run { base, frames: kept }) {
+                        Ok(f) => {
+                            link.send(&Arc::new(f));
+                        }
+                        Err(e) => tracing::info!("HA replication: the standby {member} gets no run of entries for its takeover: {e}"),
+                    }
+                }
                 for f in &catch_up {
                     link.send(f);
                 }
@@ -2590,6 +2615,7 @@ mod tests {
         t.push(6, &f(10));
         t.push(8, &f(10));
         assert_eq!(t.size(), (0, false), "a missing entry drops the run");
+        assert!(t.upto(6).is_none(), "and none is sent to a standby that links");
         t.start(5);
         t.push(6, &f(60));
         t.push(7, &f(60));
@@ -2609,6 +2635,12 @@ mod tests {
         t.push(8, &f(10));
         t.push(9, &f(10));
         assert_eq!(t.size(), (40, true), "the current run goes on until the head is written");
+        // A standby linking now, its image at 8, gets the current run up to there.
+        let lasts = |u: Option<(u64, Vec<TailFrame>)>| u.map(|(b, f)| (b, f.iter().map(|f| f.last).collect::<Vec<_>>()));
+        assert_eq!(lasts(t.upto(8)), Some((5, vec![6, 7, 8])));
+        assert_eq!(lasts(t.upto(5)), Some((5, vec![])), "an image at the run's start: nothing before it");
+        assert_eq!(lasts(t.upto(4)), None, "an image before the run's start");
+        assert_eq!(lasts(t.upto(10)), None, "an image after the run's last entry");
         t.based();
         assert_eq!(t.size(), (20, true), "then the run from the image's position");
         let run = t.take(9).expect("whole");

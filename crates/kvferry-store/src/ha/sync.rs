@@ -75,6 +75,52 @@ pub enum ToStandby {
     /// says they take it ([`registration`]'s [`RUNS`]): one of an earlier version would not
     /// decode it.
     Base { seq: u64, written: bool },
+    /// To a standby that links while others are in sync (its image is after where the etcd
+    /// journal is whole, `base`): the entries from there up to its image's position, as the
+    /// leader sent them to the others (each the frame of the log's entries `first..=last`),
+    /// sent right after its image. Kept for a takeover, not applied (the image holds them):
+    /// its run starts at `base`, as the others' did. Only to a standby that takes
+    /// [`ToStandby::Base`].
+    Run { base: u64, frames: Vec<KeptFrame> },
+}
+
+/// One entry's frame in a [`ToStandby::Run`]: the log's entries `first..=last`, the frame as
+/// [`encode_frame`] made it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptFrame {
+    pub first: u64,
+    pub last: u64,
+    pub frame: Bytes,
+}
+
+/// Bytes that serde encodes as one byte string (postcard: a length, then the bytes as they
+/// are), not as a sequence of numbers taken one at a time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bytes(pub Vec<u8>);
+
+impl Serialize for Bytes {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for Bytes {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Bytes, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Bytes;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("bytes")
+            }
+            fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Bytes, E> {
+                Ok(Bytes(v.to_vec()))
+            }
+            fn visit_byte_buf<E: serde::de::Error>(self, v: Vec<u8>) -> Result<Bytes, E> {
+                Ok(Bytes(v))
+            }
+        }
+        d.deserialize_byte_buf(V)
+    }
 }
 
 /// Standby → leader.
@@ -380,6 +426,22 @@ impl MirrorTail {
             if self.runs.len() > 2 {
                 self.runs.remove(0);
             }
+        }
+    }
+
+    /// [`ToStandby::Run`] came with the mirror's last entry `at` (its image's position): the
+    /// run from `base`, if its frames are consecutive from there, end at `at` and fit the cap.
+    fn joined(&mut self, base: u64, frames: Vec<KeptFrame>, at: u64, cap: usize) {
+        let mut run = MirrorRun { base, frames: Vec::with_capacity(frames.len()), bytes: 0 };
+        for KeptFrame { first, last, frame } in frames {
+            if run.last().checked_add(1) != Some(first) || first > last || run.bytes + frame.0.len() > cap {
+                return;
+            }
+            run.bytes += frame.0.len();
+            run.frames.push(TailFrame { first, last, frame: Arc::new(frame.0) });
+        }
+        if cap > 0 && run.last() == at {
+            self.runs = vec![run];
         }
     }
 
@@ -822,6 +884,13 @@ impl Mirror {
                 if f.complete {
                     let at = f.seq;
                     f.tail.base(seq, written, at, self.tail_cap);
+                }
+                (None, Vec::new())
+            }
+            ToStandby::Run { base, frames } => {
+                if f.complete {
+                    let at = f.seq;
+                    f.tail.joined(base, frames, at, self.tail_cap);
                 }
                 (None, Vec::new())
             }
@@ -1401,6 +1470,29 @@ mod tests {
         m.apply(c, entry(47)).unwrap();
         let (_, _, tail) = m.take_image(5).expect("complete");
         assert_eq!((firsts(tail.after(40, 47)), firsts(tail.after(46, 47))), (None, Some(vec![47])), "an entry the journal lacks was dropped: the whole state is written instead");
+
+        // A standby that links while others are in sync gets, right after its image, the
+        // entries from where the journal is whole up to its image, kept and not applied.
+        m.reopen();
+        let kept = |first: u64, last: u64| KeptFrame { first, last, frame: Bytes(encode_frame(&entry(last)).unwrap()) };
+        let joined = |run: ToStandby| {
+            m.reopen();
+            let c = m.hello("c", 5, 50).unwrap();
+            m.apply(c, ToStandby::Image { seq: 60, changes: vec![obj("z", 1)], last: true }).unwrap();
+            assert_eq!(m.apply(c, run).unwrap(), None, "a run acknowledges nothing");
+            m.apply(c, entry(61)).unwrap();
+            m.apply_pending();
+            assert_eq!(m.status().objects, 11, "the run's entries are not applied: the image holds them");
+            m.take_image(5).expect("complete").2
+        };
+        let t = joined(ToStandby::Run { base: 57, frames: vec![kept(58, 58), kept(59, 60)] });
+        assert_eq!(firsts(t.after(57, 61)), Some(vec![58, 59, 61]));
+        assert_eq!(firsts(t.after(58, 61)), Some(vec![59, 61]));
+        assert_eq!(t.after(57, 61).expect("whole")[1].frame.as_slice(), &encode_frame(&entry(60)).unwrap()[..], "the frame as the leader sent it");
+        assert_eq!(firsts(joined(ToStandby::Run { base: 60, frames: vec![] }).after(60, 61)), Some(vec![61]), "an image at the run's start");
+        assert_eq!(joined(ToStandby::Run { base: 57, frames: vec![kept(58, 58), kept(59, 59)] }).after(57, 61).map(|t| t.len()), None, "a run that does not end at the image is not kept");
+        assert_eq!(joined(ToStandby::Run { base: 57, frames: vec![kept(58, 58), kept(60, 60)] }).after(57, 61).map(|t| t.len()), None, "nor one with a gap");
+        assert_eq!(joined(ToStandby::Run { base: 50, frames: (51..=60).map(|n| kept(n, n)).collect() }).after(50, 61).map(|t| t.len()), None, "nor one over the cap");
 
         let none = Mirror::new("c", Duration::from_secs(5), 0);
         none.set_leader(Some((5, 50)));
