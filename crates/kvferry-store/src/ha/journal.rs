@@ -1855,12 +1855,14 @@ impl Writer<'_> {
         };
         link.runs = runs;
         s.failed.remove(member);
-        // What is queued meanwhile is committed between the image's pieces (requests do not
-        // wait for the whole image) and goes to this standby after its image.
+        // What is queued meanwhile is committed between the image's pieces and between its
+        // frames' encoding (requests do not wait for the whole image) and goes to this standby
+        // after its image.
         s.catch_up = Some(Vec::new());
-        let frozen = self.image_in_pieces(true);
-        let catch_up = self.sync.as_mut().and_then(|s| s.catch_up.take()).unwrap_or_default();
-        let Frozen { image, seq, .. } = frozen?;
+        let Some(Frozen { image, seq, .. }) = self.image_in_pieces(true) else {
+            self.sync.as_mut().map(|s| s.catch_up.take());
+            return None;
+        };
         let at = seq.unwrap_or(self.seq);
         // (While standbys are in sync, what was enqueued before went out as entries that only
         // their acknowledgements answer, [`Release`]: answering them here, for the link of
@@ -1873,7 +1875,18 @@ impl Writer<'_> {
             Some(s) if runs && !s.insync.is_empty() => s.tail().upto(at),
             _ => None,
         };
-        match image_frames(at, image) {
+        let started = Instant::now();
+        let mut ended = false;
+        let encoded = image_frames(at, image, super::sync::IMAGE_ENCODE_HOLD, || {
+            ended = self.commit_what_is_queued().is_none();
+            !ended
+        });
+        let catch_up = self.sync.as_mut().and_then(|s| s.catch_up.take()).unwrap_or_default();
+        if ended {
+            return None;
+        }
+        let encode_ms = started.elapsed().as_millis() as u64;
+        match encoded {
             Ok(frames) => {
                 link.send_image(at, &frames);
                 if let Some((base, frames)) = run {
@@ -1894,7 +1907,7 @@ impl Writer<'_> {
                 return Some(());
             }
         }
-        tracing::info!(term = self.term(), seq = self.seq, changes = objects, "HA replication: the standby {member} ({addr}) linked; sending it the state");
+        tracing::info!(term = self.term(), seq = self.seq, changes = objects, encode_ms, "HA replication: the standby {member} ({addr}) linked; sending it the state");
         if let Some(s) = self.sync.as_mut() {
             s.links.push(link);
         }

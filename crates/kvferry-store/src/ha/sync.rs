@@ -1192,10 +1192,14 @@ impl Drop for Link {
     }
 }
 
-/// The image frames of `changes` (the state after entry `seq`).
-pub fn image_frames(seq: u64, changes: Vec<Change>) -> Result<Vec<Arc<Vec<u8>>>, String> {
+/// The image frames of `changes` (the state after entry `seq`), calling `between` between
+/// two frames whenever `hold` of encoding passed since the last call (a leader commits what
+/// requests queued meanwhile, [`IMAGE_ENCODE_HOLD`]: a million objects take 0.1-0.2 s to
+/// encode); `between` returning false gives the image up (an error).
+pub fn image_frames(seq: u64, changes: Vec<Change>, hold: Duration, mut between: impl FnMut() -> bool) -> Result<Vec<Arc<Vec<u8>>>, String> {
     let mut out = Vec::new();
     let mut it = changes.into_iter().peekable();
+    let mut since = Instant::now();
     loop {
         let piece: Vec<Change> = it.by_ref().take(IMAGE_PIECE).collect();
         let last = it.peek().is_none();
@@ -1203,8 +1207,18 @@ pub fn image_frames(seq: u64, changes: Vec<Change>) -> Result<Vec<Arc<Vec<u8>>>,
         if last {
             return Ok(out);
         }
+        if since.elapsed() >= hold {
+            if !between() {
+                return Err("the image was given up".into());
+            }
+            since = Instant::now();
+        }
     }
 }
+
+/// How long a leader encodes a linking standby's image ([`image_frames`]) before it commits
+/// what requests queued meanwhile.
+pub const IMAGE_ENCODE_HOLD: Duration = Duration::from_millis(5);
 
 #[cfg(test)]
 mod tests {
@@ -1532,6 +1546,44 @@ mod tests {
             }
         }
         assert_eq!(m.status().tail_base, Some(5));
+    }
+
+    /// An image's frames hold its changes in order, the last one marked; the caller is let in
+    /// between frames once the encoding took `hold`, and can give the image up there.
+    #[test]
+    fn an_image_is_encoded_in_frames_letting_its_caller_in_between() {
+        let changes: Vec<Change> = (0..3 * IMAGE_PIECE + 5).map(|i| obj(&format!("k{i}"), 1)).collect();
+        let mut calls = 0;
+        let frames = image_frames(9, changes.clone(), Duration::ZERO, || {
+            calls += 1;
+            true
+        })
+        .expect("frames");
+        assert_eq!((frames.len(), calls), (4, 3), "let in between each two frames");
+        let mut back = Vec::new();
+        for (i, f) in frames.iter().enumerate() {
+            match decode_frame::<ToStandby>(f).expect("decodes") {
+                Some((ToStandby::Image { seq: 9, changes, last }, _)) => {
+                    assert_eq!(last, i == 3);
+                    back.extend(changes);
+                }
+                other => panic!("an image frame, got {other:?}"),
+            }
+        }
+        assert_eq!(back, changes);
+        let mut calls = 0;
+        assert!(image_frames(9, changes.clone(), Duration::from_secs(3600), || {
+            calls += 1;
+            true
+        })
+        .is_ok());
+        assert_eq!(calls, 0, "not before the hold");
+        let mut n = 0;
+        let r = image_frames(9, changes, Duration::ZERO, || {
+            n += 1;
+            n < 2
+        });
+        assert!(r.is_err() && n == 2, "given up when the caller says so");
     }
 
     #[test]
