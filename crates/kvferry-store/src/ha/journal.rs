@@ -34,7 +34,7 @@ use crate::master::journal::{Change, Image, IMAGE_PIECES};
 use crate::master::{Master, State};
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::{Deserialize, Serialize};
-use super::sync::{image_frames, AckSink, Bytes, InSync, KeptFrame, Link, TailFrame, ToStandby};
+use super::sync::{image_frames, run_frames, AckSink, InSync, Link, TailFrame, ToStandby, IMAGE_ENCODE_HOLD};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -1877,10 +1877,15 @@ impl Writer<'_> {
         };
         let started = Instant::now();
         let mut ended = false;
-        let encoded = image_frames(at, image, super::sync::IMAGE_ENCODE_HOLD, || {
+        let mut between = || {
             ended = self.commit_what_is_queued().is_none();
             !ended
-        });
+        };
+        let encoded = image_frames(at, image, IMAGE_ENCODE_HOLD, &mut between);
+        let run = match (&encoded, run) {
+            (Ok(_), Some((base, frames))) => Some(run_frames(base, &frames, IMAGE_ENCODE_HOLD, &mut between)),
+            _ => None,
+        };
         let catch_up = self.sync.as_mut().and_then(|s| s.catch_up.take()).unwrap_or_default();
         if ended {
             return None;
@@ -1889,14 +1894,12 @@ impl Writer<'_> {
         match encoded {
             Ok(frames) => {
                 link.send_image(at, &frames);
-                if let Some((base, frames)) = run {
-                    let kept = frames.into_iter().map(|f| KeptFrame { first: f.first, last: f.last, frame: Bytes(f.frame.to_vec()) }).collect();
-                    match super::sync::encode_frame(&ToStandby::Run { base, frames: kept }) {
-                        Ok(f) => {
-                            link.send(&Arc::new(f));
-                        }
-                        Err(e) => tracing::info!("HA replication: the standby {member} gets no run of entries for its takeover: {e}"),
-                    }
+                match run {
+                    Some(Ok(frames)) => frames.iter().for_each(|f| {
+                        link.send(f);
+                    }),
+                    Some(Err(e)) => tracing::info!("HA replication: the standby {member} gets no run of entries for its takeover: {e}"),
+                    None => {}
                 }
                 for f in &catch_up {
                     link.send(f);

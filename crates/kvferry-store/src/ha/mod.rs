@@ -421,7 +421,7 @@ enum Source {
     Journal,
     /// The mirror, its last entry, the in-sync record's term it is of, and the entries it
     /// kept as it received them ([`sync::Mirror::take`]).
-    Mirror(sync::Taken, u64, i64, sync::MirrorTail),
+    Mirror(sync::Taken, u64, i64, Box<sync::MirrorTail>),
     Empty,
 }
 
@@ -672,7 +672,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 let source = match plan {
                     Plan::Journal => Some(Source::Journal),
                     Plan::Empty => Some(Source::Empty),
-                    Plan::Mirror(rec_term) => standby.as_ref().and_then(|sb| sb.mirror.take(rec_term)).map(|(image, seq, tail)| Source::Mirror(image, seq, rec_term, tail)),
+                    Plan::Mirror(rec_term) => standby.as_ref().and_then(|sb| sb.mirror.take(rec_term)).map(|(image, seq, tail)| Source::Mirror(image, seq, rec_term, Box::new(tail))),
                 };
                 if let Some(sb) = standby.as_ref() {
                     sb.mirror.close();
@@ -680,7 +680,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 // A mirror handed to a takeover that fails is put back (this member may
                 // campaign from it again: etcd may still name it in sync).
                 let mirrored = match &source {
-                    Some(Source::Mirror(_, seq, rec_term, tail)) => Some((*seq, *rec_term, tail.clone())),
+                    Some(Source::Mirror(_, seq, rec_term, tail)) => Some((*seq, *rec_term, (**tail).clone())),
                     _ => None,
                 };
                 // Until the takeover ends, the key's lease and this member's registration are

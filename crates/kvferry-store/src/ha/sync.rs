@@ -78,9 +78,10 @@ pub enum ToStandby {
     /// To a standby that links while others are in sync (its image is after where the etcd
     /// journal is whole, `base`): the entries from there up to its image's position, as the
     /// leader sent them to the others (each the frame of the log's entries `first..=last`),
-    /// sent right after its image. Kept for a takeover, not applied (the image holds them):
-    /// its run starts at `base`, as the others' did. Only to a standby that takes
-    /// [`ToStandby::Base`].
+    /// in one or more of these frames ([`run_frames`], each continuing the one before) right
+    /// after its image. Kept for a takeover, not applied (the image holds them): its run
+    /// starts at `base`, as the others' did, once they reach its image. Only to a standby that
+    /// takes [`ToStandby::Base`].
     Run { base: u64, frames: Vec<KeptFrame> },
 }
 
@@ -372,6 +373,8 @@ pub struct TailFrame {
 pub struct MirrorTail {
     /// Oldest first.
     runs: Vec<MirrorRun>,
+    /// A joining standby's run, while its [`ToStandby::Run`] frames come.
+    joining: Option<Box<MirrorRun>>,
 }
 
 #[derive(Debug, Clone)]
@@ -397,6 +400,8 @@ impl MirrorTail {
     /// The frame of the log's entries `first..=last` came: added to every run it follows
     /// and fits (within `cap` bytes); a run it does not is dropped.
     fn push(&mut self, first: u64, last: u64, frame: Vec<u8>, cap: usize) {
+        // (An entry after the image: a joining run that did not reach the image never will.)
+        self.joining = None;
         if !self.keeps() {
             return;
         }
@@ -430,9 +435,13 @@ impl MirrorTail {
     }
 
     /// [`ToStandby::Run`] came with the mirror's last entry `at` (its image's position): the
-    /// run from `base`, if its frames are consecutive from there, end at `at` and fit the cap.
+    /// run from `base`, continued from the frame before if it is of the same `base`, kept once
+    /// it reaches `at`, if its frames are consecutive from `base` and fit the cap.
     fn joined(&mut self, base: u64, frames: Vec<KeptFrame>, at: u64, cap: usize) {
-        let mut run = MirrorRun { base, frames: Vec::with_capacity(frames.len()), bytes: 0 };
+        let mut run = match self.joining.take() {
+            Some(r) if r.base == base => *r,
+            _ => MirrorRun { base, frames: Vec::new(), bytes: 0 },
+        };
         for KeptFrame { first, last, frame } in frames {
             if run.last().checked_add(1) != Some(first) || first > last || run.bytes + frame.0.len() > cap {
                 return;
@@ -440,8 +449,10 @@ impl MirrorTail {
             run.bytes += frame.0.len();
             run.frames.push(TailFrame { first, last, frame: Arc::new(frame.0) });
         }
-        if cap > 0 && run.last() == at {
-            self.runs = vec![run];
+        match run.last() {
+            l if l == at && cap > 0 => self.runs = vec![run],
+            l if l < at => self.joining = Some(Box::new(run)),
+            _ => {}
         }
     }
 
@@ -1216,6 +1227,42 @@ pub fn image_frames(seq: u64, changes: Vec<Change>, hold: Duration, mut between:
     }
 }
 
+/// The [`ToStandby::Run`] frames of the run from `base` (`frames`, consecutive), each of at
+/// most about [`RUN_PIECE`] bytes, calling `between` between two of them whenever `hold` of
+/// encoding passed since the last call (as [`image_frames`]).
+pub fn run_frames(base: u64, frames: &[TailFrame], hold: Duration, mut between: impl FnMut() -> bool) -> Result<Vec<Arc<Vec<u8>>>, String> {
+    let mut out = Vec::new();
+    let mut since = Instant::now();
+    let mut rest = frames;
+    loop {
+        let mut n = 0;
+        let mut bytes = 0;
+        while let Some(f) = rest.get(n) {
+            if n > 0 && bytes + f.frame.len() > RUN_PIECE {
+                break;
+            }
+            bytes += f.frame.len();
+            n += 1;
+        }
+        let (piece, after) = rest.split_at(n);
+        let kept = piece.iter().map(|f| KeptFrame { first: f.first, last: f.last, frame: Bytes(f.frame.to_vec()) }).collect();
+        out.push(Arc::new(encode_frame(&ToStandby::Run { base, frames: kept })?));
+        rest = after;
+        if rest.is_empty() {
+            return Ok(out);
+        }
+        if since.elapsed() >= hold {
+            if !between() {
+                return Err("the run was given up".into());
+            }
+            since = Instant::now();
+        }
+    }
+}
+
+/// About the most bytes of entries one [`ToStandby::Run`] frame carries.
+pub const RUN_PIECE: usize = 4 << 20;
+
 /// How long a leader encodes a linking standby's image ([`image_frames`]) before it commits
 /// what requests queued meanwhile.
 pub const IMAGE_ENCODE_HOLD: Duration = Duration::from_millis(5);
@@ -1584,6 +1631,50 @@ mod tests {
             n < 2
         });
         assert!(r.is_err() && n == 2, "given up when the caller says so");
+    }
+
+    /// A joining standby's run goes in frames of about [`RUN_PIECE`] bytes, the caller let in
+    /// between them; the standby keeps it once the frames reach its image, and not if an entry
+    /// comes first.
+    #[test]
+    fn a_run_for_a_joining_standby_goes_in_pieces_and_is_kept_once_whole() {
+        let frames: Vec<TailFrame> = (58..=61).map(|n| TailFrame { first: n, last: n, frame: Arc::new(vec![n as u8; RUN_PIECE / 2 + 1]) }).collect();
+        let mut calls = 0;
+        let pieces = run_frames(57, &frames, Duration::ZERO, || {
+            calls += 1;
+            true
+        })
+        .expect("frames");
+        assert_eq!((pieces.len(), calls), (4, 3), "a frame each (two would pass the piece's size), the caller let in between");
+        let decoded: Vec<(u64, Vec<KeptFrame>)> = pieces
+            .iter()
+            .map(|p| match decode_frame::<ToStandby>(p).expect("decodes") {
+                Some((ToStandby::Run { base, frames }, _)) => (base, frames),
+                other => panic!("a run frame, got {other:?}"),
+            })
+            .collect();
+        let cap = 64 << 20;
+        let mut t = MirrorTail::default();
+        for (i, (base, kept)) in decoded.iter().cloned().enumerate() {
+            assert!(t.after(57, 61).is_none(), "not kept before it reaches the image ({i} pieces)");
+            t.joined(base, kept, 61, cap);
+        }
+        let run = t.after(57, 61).expect("kept once whole");
+        assert_eq!(run.iter().map(|f| (f.first, f.frame.len(), f.frame[0])).collect::<Vec<_>>(), (58..=61).map(|n| (n, RUN_PIECE / 2 + 1, n as u8)).collect::<Vec<_>>());
+        let mut t = MirrorTail::default();
+        for (base, kept) in decoded.iter().take(2).cloned() {
+            t.joined(base, kept, 61, cap);
+        }
+        t.push(62, 62, vec![1], cap);
+        t.joined(decoded[2].0, decoded[2].1.clone(), 61, cap);
+        t.joined(decoded[3].0, decoded[3].1.clone(), 61, cap);
+        assert!(t.after(57, 62).is_none() && t.after(57, 61).is_none(), "an entry came before the run reached the image: not kept");
+        let mut n = 0;
+        assert!(run_frames(57, &frames, Duration::ZERO, || {
+            n += 1;
+            false
+        })
+        .is_err() && n == 1, "given up when the caller says so");
     }
 
     #[test]
