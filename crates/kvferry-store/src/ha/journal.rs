@@ -34,7 +34,7 @@ use crate::master::journal::{Change, Image, IMAGE_PIECES};
 use crate::master::{Master, State};
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::{Deserialize, Serialize};
-use super::sync::{image_frames, run_frames, AckSink, InSync, Link, TailFrame, ToStandby, IMAGE_ENCODE_HOLD};
+use super::sync::{image_frames, run_frames, AckSink, InSync, Link, Run, TailFrame, ToStandby, IMAGE_ENCODE_HOLD};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -403,29 +403,6 @@ pub struct Tail {
 /// How often the journal's figures show the tail's size.
 const TAIL_SHOWN_EVERY: Duration = Duration::from_millis(200);
 
-struct Run {
-    /// The etcd journal is whole up to this entry.
-    base: u64,
-    frames: Vec<TailFrame>,
-    bytes: usize,
-}
-
-impl Run {
-    fn last(&self) -> u64 {
-        self.frames.last().map_or(self.base, |f| f.last)
-    }
-
-    /// Whether the run is still whole with entry `seq` added.
-    fn push(&mut self, seq: u64, frame: &Arc<Vec<u8>>, cap: usize) -> bool {
-        if Some(seq) != self.last().checked_add(1) || self.bytes + frame.len() > cap {
-            return false;
-        }
-        self.bytes += frame.len();
-        self.frames.push(TailFrame { first: seq, last: seq, frame: Arc::clone(frame) });
-        true
-    }
-}
-
 impl Tail {
     /// A tail of at most `cap` bytes of frames per run (0: none is kept), refreshed at most
     /// `every`.
@@ -436,7 +413,7 @@ impl Tail {
     fn push(&mut self, seq: u64, frame: &Arc<Vec<u8>>) {
         let cap = self.cap;
         for r in [&mut self.cur, &mut self.next] {
-            if r.as_mut().is_some_and(|run| !run.push(seq, frame, cap)) {
+            if r.as_mut().is_some_and(|run| !run.push(seq, seq, frame, cap)) {
                 *r = None;
             }
         }
@@ -446,7 +423,7 @@ impl Tail {
     fn start(&mut self, base: u64) {
         self.clear();
         if self.cap > 0 {
-            self.cur = Some(Run { base, frames: Vec::new(), bytes: 0 });
+            self.cur = Some(Run::at(base));
         }
         self.started = Instant::now();
     }
@@ -459,7 +436,7 @@ impl Tail {
     /// it did).
     fn begin(&mut self, at: u64) -> bool {
         if std::mem::take(&mut self.want_next) && self.cap > 0 {
-            self.next = Some(Run { base: at, frames: Vec::new(), bytes: 0 });
+            self.next = Some(Run::at(at));
             self.started = Instant::now();
             return true;
         }
@@ -1860,7 +1837,9 @@ impl Writer<'_> {
         // after its image.
         s.catch_up = Some(Vec::new());
         let Some(Frozen { image, seq, .. }) = self.image_in_pieces(true) else {
-            self.sync.as_mut().map(|s| s.catch_up.take());
+            if let Some(s) = self.sync.as_mut() {
+                s.catch_up = None;
+            }
             return None;
         };
         let at = seq.unwrap_or(self.seq);

@@ -86,42 +86,12 @@ pub enum ToStandby {
 }
 
 /// One entry's frame in a [`ToStandby::Run`]: the log's entries `first..=last`, the frame as
-/// [`encode_frame`] made it.
+/// [`encode_frame`] made it (a byte string to serde, not a sequence of numbers).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeptFrame {
     pub first: u64,
     pub last: u64,
-    pub frame: Bytes,
-}
-
-/// Bytes that serde encodes as one byte string (postcard: a length, then the bytes as they
-/// are), not as a sequence of numbers taken one at a time.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Bytes(pub Vec<u8>);
-
-impl Serialize for Bytes {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_bytes(&self.0)
-    }
-}
-
-impl<'de> Deserialize<'de> for Bytes {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Bytes, D::Error> {
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = Bytes;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("bytes")
-            }
-            fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Bytes, E> {
-                Ok(Bytes(v.to_vec()))
-            }
-            fn visit_byte_buf<E: serde::de::Error>(self, v: Vec<u8>) -> Result<Bytes, E> {
-                Ok(Bytes(v))
-            }
-        }
-        d.deserialize_byte_buf(V)
-    }
+    pub frame: bytes::Bytes,
 }
 
 /// Standby → leader.
@@ -372,22 +342,39 @@ pub struct TailFrame {
 #[derive(Debug, Default, Clone)]
 pub struct MirrorTail {
     /// Oldest first.
-    runs: Vec<MirrorRun>,
+    runs: Vec<Run>,
     /// A joining standby's run, while its [`ToStandby::Run`] frames come.
-    joining: Option<Box<MirrorRun>>,
+    joining: Option<Box<Run>>,
 }
 
+/// A run of consecutive entries' frames after `base`, at most a cap of bytes: the leader's
+/// [`super::journal::Tail`] and a standby's [`MirrorTail`] keep theirs alike.
 #[derive(Debug, Clone)]
-struct MirrorRun {
+pub(crate) struct Run {
     /// The etcd journal is (or will be) whole up to this entry; the frames follow it.
-    base: u64,
-    frames: Vec<TailFrame>,
-    bytes: usize,
+    pub base: u64,
+    pub frames: Vec<TailFrame>,
+    pub bytes: usize,
 }
 
-impl MirrorRun {
-    fn last(&self) -> u64 {
+impl Run {
+    pub fn at(base: u64) -> Run {
+        Run { base, frames: Vec::new(), bytes: 0 }
+    }
+
+    pub fn last(&self) -> u64 {
         self.frames.last().map_or(self.base, |f| f.last)
+    }
+
+    /// Whether the run is still whole with the frame of the log's entries `first..=last`
+    /// added (it must follow the run's last entry and fit `cap`; else nothing is added).
+    pub fn push(&mut self, first: u64, last: u64, frame: &Arc<Vec<u8>>, cap: usize) -> bool {
+        if first > last || self.last().checked_add(1) != Some(first) || self.bytes + frame.len() > cap {
+            return false;
+        }
+        self.bytes += frame.len();
+        self.frames.push(TailFrame { first, last, frame: Arc::clone(frame) });
+        true
     }
 }
 
@@ -406,14 +393,7 @@ impl MirrorTail {
             return;
         }
         let frame = Arc::new(frame);
-        self.runs.retain_mut(|r| {
-            if r.last().checked_add(1) != Some(first) || r.bytes + frame.len() > cap {
-                return false;
-            }
-            r.bytes += frame.len();
-            r.frames.push(TailFrame { first, last, frame: Arc::clone(&frame) });
-            true
-        });
+        self.runs.retain_mut(|r| r.push(first, last, &frame, cap));
     }
 
     /// [`ToStandby::Base`] came with the mirror's last entry `at`.
@@ -427,7 +407,7 @@ impl MirrorTail {
             self.runs.retain(|r| r.base == seq);
         }
         if seq == at && !self.runs.iter().any(|r| r.base == seq) {
-            self.runs.push(MirrorRun { base: seq, frames: Vec::new(), bytes: 0 });
+            self.runs.push(Run::at(seq));
             if self.runs.len() > 2 {
                 self.runs.remove(0);
             }
@@ -440,14 +420,12 @@ impl MirrorTail {
     fn joined(&mut self, base: u64, frames: Vec<KeptFrame>, at: u64, cap: usize) {
         let mut run = match self.joining.take() {
             Some(r) if r.base == base => *r,
-            _ => MirrorRun { base, frames: Vec::new(), bytes: 0 },
+            _ => Run::at(base),
         };
         for KeptFrame { first, last, frame } in frames {
-            if run.last().checked_add(1) != Some(first) || first > last || run.bytes + frame.0.len() > cap {
+            if !run.push(first, last, &Arc::new(Vec::from(frame)), cap) {
                 return;
             }
-            run.bytes += frame.0.len();
-            run.frames.push(TailFrame { first, last, frame: Arc::new(frame.0) });
         }
         match run.last() {
             l if l == at && cap > 0 => self.runs = vec![run],
@@ -1207,57 +1185,60 @@ impl Drop for Link {
 /// two frames whenever `hold` of encoding passed since the last call (a leader commits what
 /// requests queued meanwhile, [`IMAGE_ENCODE_HOLD`]: a million objects take 0.1-0.2 s to
 /// encode); `between` returning false gives the image up (an error).
-pub fn image_frames(seq: u64, changes: Vec<Change>, hold: Duration, mut between: impl FnMut() -> bool) -> Result<Vec<Arc<Vec<u8>>>, String> {
-    let mut out = Vec::new();
+pub fn image_frames(seq: u64, changes: Vec<Change>, hold: Duration, between: impl FnMut() -> bool) -> Result<Vec<Arc<Vec<u8>>>, String> {
     let mut it = changes.into_iter().peekable();
-    let mut since = Instant::now();
-    loop {
-        let piece: Vec<Change> = it.by_ref().take(IMAGE_PIECE).collect();
-        let last = it.peek().is_none();
-        out.push(Arc::new(encode_frame(&ToStandby::Image { seq, changes: piece, last })?));
-        if last {
-            return Ok(out);
+    let mut done = false;
+    let frames = std::iter::from_fn(|| {
+        if done {
+            return None;
         }
-        if since.elapsed() >= hold {
-            if !between() {
-                return Err("the image was given up".into());
-            }
-            since = Instant::now();
-        }
-    }
+        let changes: Vec<Change> = it.by_ref().take(IMAGE_PIECE).collect();
+        done = it.peek().is_none();
+        Some(ToStandby::Image { seq, changes, last: done })
+    });
+    encode_between(frames, hold, between)
 }
 
 /// The [`ToStandby::Run`] frames of the run from `base` (`frames`, consecutive), each of at
-/// most about [`RUN_PIECE`] bytes, calling `between` between two of them whenever `hold` of
-/// encoding passed since the last call (as [`image_frames`]).
-pub fn run_frames(base: u64, frames: &[TailFrame], hold: Duration, mut between: impl FnMut() -> bool) -> Result<Vec<Arc<Vec<u8>>>, String> {
-    let mut out = Vec::new();
-    let mut since = Instant::now();
+/// most about [`RUN_PIECE`] bytes (one frame at least), calling `between` as
+/// [`image_frames`] does.
+pub fn run_frames(base: u64, frames: &[TailFrame], hold: Duration, between: impl FnMut() -> bool) -> Result<Vec<Arc<Vec<u8>>>, String> {
     let mut rest = frames;
-    loop {
-        let mut n = 0;
-        let mut bytes = 0;
-        while let Some(f) = rest.get(n) {
+    let pieces = std::iter::from_fn(|| {
+        if rest.is_empty() {
+            return None;
+        }
+        let (mut n, mut bytes) = (0, 0);
+        for f in rest {
             if n > 0 && bytes + f.frame.len() > RUN_PIECE {
                 break;
             }
-            bytes += f.frame.len();
-            n += 1;
+            (n, bytes) = (n + 1, bytes + f.frame.len());
         }
         let (piece, after) = rest.split_at(n);
-        let kept = piece.iter().map(|f| KeptFrame { first: f.first, last: f.last, frame: Bytes(f.frame.to_vec()) }).collect();
-        out.push(Arc::new(encode_frame(&ToStandby::Run { base, frames: kept })?));
         rest = after;
-        if rest.is_empty() {
-            return Ok(out);
-        }
-        if since.elapsed() >= hold {
+        let kept = piece.iter().map(|f| KeptFrame { first: f.first, last: f.last, frame: bytes::Bytes::copy_from_slice(&f.frame) }).collect();
+        Some(ToStandby::Run { base, frames: kept })
+    });
+    encode_between(pieces, hold, between)
+}
+
+/// Encodes `frames`, calling `between` between two of them whenever `hold` of encoding passed
+/// since the last call; `between` returning false gives up (an error).
+fn encode_between(frames: impl Iterator<Item = ToStandby>, hold: Duration, mut between: impl FnMut() -> bool) -> Result<Vec<Arc<Vec<u8>>>, String> {
+    let mut out = Vec::new();
+    let mut since = Instant::now();
+    let mut frames = frames.peekable();
+    while let Some(f) = frames.next() {
+        out.push(Arc::new(encode_frame(&f)?));
+        if frames.peek().is_some() && since.elapsed() >= hold {
             if !between() {
-                return Err("the run was given up".into());
+                return Err("given up by the leader's writer (its term ended)".into());
             }
             since = Instant::now();
         }
     }
+    Ok(out)
 }
 
 /// About the most bytes of entries one [`ToStandby::Run`] frame carries.
@@ -1535,7 +1516,7 @@ mod tests {
         // A standby that links while others are in sync gets, right after its image, the
         // entries from where the journal is whole up to its image, kept and not applied.
         m.reopen();
-        let kept = |first: u64, last: u64| KeptFrame { first, last, frame: Bytes(encode_frame(&entry(last)).unwrap()) };
+        let kept = |first: u64, last: u64| KeptFrame { first, last, frame: bytes::Bytes::from(encode_frame(&entry(last)).unwrap()) };
         let joined = |run: ToStandby| {
             m.reopen();
             let c = m.hello("c", 5, 50).unwrap();
