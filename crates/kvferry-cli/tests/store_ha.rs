@@ -863,8 +863,10 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
         // (Room for every object: at most 4 × 5000 of 4 KiB, none evicted.)
         let c = ha_client(port, 128 << 20);
         let (stop, trickle_stop) = (AtomicBool::new(false), AtomicBool::new(false));
-        let load = |tag: &str| {
-            let (c, stop) = (&c, &stop);
+        // Puts `tag-0`, `tag-1`, ... (at most 5000, `pause` after each) until `stop` (or
+        // `trickle_stop` for the trickle): the keys a put returned Ok for.
+        let load = |tag: &str, trickle: bool, pause: Duration| {
+            let (c, stop) = (&c, if trickle { &trickle_stop } else { &stop });
             let tag = tag.to_string();
             move || {
                 let mut ok = Vec::new();
@@ -876,13 +878,14 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
                     if c.put(&key, &value(&key, 4096), &ReplicateConfig::default()).is_ok() {
                         ok.push(key);
                     }
+                    std::thread::sleep(pause);
                 }
                 ok
             }
         };
         let before = ha_status(&ms[l])["journal"].clone();
         let (mut kept, killed_at) = std::thread::scope(|sc| {
-            let loads: Vec<_> = (0..4).map(|t| sc.spawn(load(&format!("{case}{t}")))).collect();
+            let loads: Vec<_> = (0..4).map(|t| sc.spawn(load(&format!("{case}{t}"), false, Duration::ZERO))).collect();
             std::thread::sleep(Duration::from_millis(1500));
             if refreshed {
                 // (The kill when the tail is whole again: after the load, a background
@@ -893,23 +896,7 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
             // a run lasts about a second), so that entries go out while a snapshot is written,
             // between where its run starts and its head (`ToStandby::Base`, not written, then
             // written); the kill when the leader's run from the last one is whole.
-            let trickle = (case == "takeover-refreshed").then(|| {
-                let (c, trickle_stop) = (&c, &trickle_stop);
-                sc.spawn(move || {
-                    let mut ok = Vec::new();
-                    for i in 0.. {
-                        if trickle_stop.load(Ordering::Acquire) {
-                            break;
-                        }
-                        let key = format!("trickle-{i}");
-                        if c.put(&key, &value(&key, 4096), &ReplicateConfig::default()).is_ok() {
-                            ok.push(key);
-                        }
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                    ok
-                })
-            });
+            let trickle = (case == "takeover-refreshed").then(|| sc.spawn(load("trickle", true, Duration::from_millis(5))));
             let stopped = ha_status(&ms[l])["journal"]["snapshots"].as_u64();
             let quiet: Vec<String> = if refreshed {
                 let mut all: Vec<String> = Vec::new();
