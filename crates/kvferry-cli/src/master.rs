@@ -136,6 +136,15 @@ pub struct MasterArgs {
     /// HA with standbys: the least time between two of those background snapshots.
     #[arg(long, default_value_t = 60_000, value_parser = crate::master_flags::parse_duration_ms)]
     pub ha_rebase_base_every: u64,
+    /// HA with standbys: each segment keeps a pool of up to this many bytes of free space
+    /// (at most 1/64 of the segment) that the journal names as granted before any put is
+    /// placed there; a put placed in a pool whose grant the standbys acknowledged is answered
+    /// without waiting for its own change's acknowledgement (one round trip to the standbys
+    /// per put instead of two). After a takeover the new leader keeps what the last grants
+    /// named and no object it knows uses out of use for --put_start_release_timeout_sec. Only
+    /// while every linked standby is of this version or later. 0: no pools.
+    #[arg(long, default_value = "64M", value_parser = crate::sys::parse_size)]
+    pub ha_grant_bytes: u64,
     /// The RPC address clients should use, written into the leader key (`ip` or `ip:port`;
     /// default: --host and the RPC port). Needed when --host is 0.0.0.0 or ::.
     #[arg(long)]
@@ -227,7 +236,7 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
     keep_cli!(
         host, port, metrics_port, metrics_host, default_kv_lease_ttl, default_kv_soft_pin_ttl, allow_evict_soft_pinned_objects, eviction_ratio, eviction_high_watermark_ratio, client_ttl,
         allocation_strategy, put_start_discard_timeout_sec, put_start_release_timeout_sec, put_wait_for_reads_ms, summary_interval, enable_http_metadata_server, http_metadata_server_host,
-        http_metadata_server_port, http_metadata_server_data_dir, enable_metadata_cleanup_on_timeout, enable_ha, ha_backend_connstring, etcd_endpoints, cluster_id, ha_lease_ttl, ha_snapshot_bytes, ha_replication, ha_rebase_tail_bytes, ha_standby_tail_bytes, ha_rebase_base_every, advertise_address
+        http_metadata_server_port, http_metadata_server_data_dir, enable_metadata_cleanup_on_timeout, enable_ha, ha_backend_connstring, etcd_endpoints, cluster_id, ha_lease_ttl, ha_snapshot_bytes, ha_replication, ha_rebase_tail_bytes, ha_standby_tail_bytes, ha_rebase_base_every, ha_grant_bytes, advertise_address
     );
     out.config = a.config.clone();
     Ok(out)
@@ -264,7 +273,7 @@ fn ha_config(a: &MasterArgs, rpc_port: u16, env_cluster_id: Option<&str>) -> Res
         None if a.host.is_unspecified() => return Err(format!("--enable-ha with --host {}: pass --advertise-address, the address clients reach this master at", a.host)),
         None => SocketAddr::new(a.host, rpc_port).to_string(),
     };
-    Ok(Some(kvferry_store::ha::HaConfig { endpoints, cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env_cluster_id), address, lease_ttl: ttl, snapshot_bytes: a.ha_snapshot_bytes, replication: a.ha_replication.into(), rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: Duration::from_millis(a.ha_rebase_base_every) }))
+    Ok(Some(kvferry_store::ha::HaConfig { endpoints, cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env_cluster_id), address, lease_ttl: ttl, snapshot_bytes: a.ha_snapshot_bytes, replication: a.ha_replication.into(), rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: Duration::from_millis(a.ha_rebase_base_every), grant_bytes: a.ha_grant_bytes }))
 }
 
 fn ha_connstring(a: &MasterArgs) -> Option<&str> {

@@ -99,6 +99,10 @@ pub struct StoreBenchArgs {
     /// masters with 64M and with 0, whatever this is).
     #[arg(long, default_value = "64M", value_parser = crate::sys::parse_size)]
     ha_standby_tail_bytes: u64,
+    /// With `--ha`: every HA master's `--ha-grant-bytes` (0: puts wait for both changes'
+    /// acknowledgements, as before grants).
+    #[arg(long, default_value = "64M", value_parser = crate::sys::parse_size)]
+    ha_grant_bytes: u64,
     /// With `--ha`: the throughput points of the `rate` part, as CONNECTIONSxKEYS (keys per
     /// request), e.g. `4x32,16x128` (default: all six).
     #[arg(long, default_value = "1x1,4x1,4x32,16x32,64x32,16x128", value_delimiter = ',', value_parser = parse_ha_point)]

@@ -27,6 +27,10 @@ pub fn handle(m: &Master, req: Request) -> Response {
             Ok(()) => confirmed_durable(m, term, resp),
             Err(e) => Response::Err(e),
         },
+        Applied::Early(resp) => {
+            let _ = m.journal.collect(m);
+            resp
+        }
     }
 }
 
@@ -35,7 +39,17 @@ pub fn handle(m: &Master, req: Request) -> Response {
 enum Applied {
     Now(Response),
     Later { ticket: (i64, u64), term: i64, resp: Response },
+    /// Answered before its changes were even collected: every change it made is a put
+    /// placed in space whose grant is durable (`master::State::placed_granted`), which a new
+    /// leader holds if the put's own change never reached it. Its changes go to the journal
+    /// with the connection's next request (a put's end, one entry for both) or within
+    /// [`RIDE_WAIT`] ([`serve_conn`]).
+    Early(Response),
 }
+
+/// How long a connection whose last answer went out [`Applied::Early`] waits for its next
+/// request before it hands that answer's changes to the journal itself.
+const RIDE_WAIT: Duration = Duration::from_millis(1);
 
 fn apply(m: &Master, req: Request) -> Applied {
     let term = match m.gate.admit() {
@@ -43,8 +57,13 @@ fn apply(m: &Master, req: Request) -> Applied {
         Err(e) => return Applied::Now(Response::Err(e)),
     };
     let journaled = mutates(&req);
-    let mut changed = false;
-    let (resp, held) = handle_admitted(m, req, term, &mut changed);
+    let (mut changed, mut ride) = (false, true);
+    let (resp, held) = handle_admitted(m, req, term, &mut changed, &mut ride);
+    if journaled && changed && ride {
+        drop(held);
+        m.journal.count_early();
+        return Applied::Early(confirmed_durable(m, term, resp));
+    }
     settle(m, term, journaled, changed, resp, held)
 }
 
@@ -235,14 +254,16 @@ type Held<'m> = std::sync::MutexGuard<'m, State>;
 /// `req` applied, and the state's lock if it is still held from applying it (for the journal
 /// to take the changes under the same hold).
 /// `changed` is set when it changed durable state ([`State::marks`]).
-fn handle_admitted<'m>(m: &'m Master, req: Request, term: i64, changed: &mut bool) -> (Response, Option<Held<'m>>) {
+/// `ride` is cleared unless every change it made was a put placed in space whose grant is
+/// durable ([`Applied::Early`]).
+fn handle_admitted<'m>(m: &'m Master, req: Request, term: i64, changed: &mut bool, ride: &mut bool) -> (Response, Option<Held<'m>>) {
     let deadline = Instant::now() + m.cfg.put_wait_for_reads;
     match req {
         Request::Batch(reqs) => {
-            let (out, held) = handle_batch(m, reqs, deadline, term, changed);
+            let (out, held) = handle_batch(m, reqs, deadline, term, changed, ride);
             (Response::Batch(out), held)
         }
-        req => (handle_one(m, req, deadline, term, changed), None),
+        req => (handle_one(m, req, deadline, term, changed, ride), None),
     }
 }
 
@@ -258,7 +279,7 @@ fn stale(st: &State, term: i64) -> Result<(), StoreError> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn put_start(m: &Master, put: PutId, key: &str, size: u64, config: &ReplicateConfig, upsert: bool, deadline: Instant, term: i64, mut attempt: Attempt, changed: &mut bool) -> Result<Response, StoreError> {
+fn put_start(m: &Master, put: PutId, key: &str, size: u64, config: &ReplicateConfig, upsert: bool, deadline: Instant, term: i64, mut attempt: Attempt, changed: &mut bool, ride: &mut bool) -> Result<Response, StoreError> {
     loop {
         let last = Instant::now() >= deadline;
         if last {
@@ -267,15 +288,30 @@ fn put_start(m: &Master, put: PutId, key: &str, size: u64, config: &ReplicateCon
         let now = m.now();
         let mut st = m.lock();
         stale(&st, term)?;
-        let r = marking(&mut st, changed, |st| st.put_start_ex(&m.cfg, &m.stats, put, key, size, config, upsert, now, attempt));
+        let r = start_put(&mut st, m, changed, ride, |st| st.put_start_ex(&m.cfg, &m.stats, put, key, size, config, upsert, now, attempt));
         attempt = Attempt::Again;
         let retry = !last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(now);
         drop(st);
         if !retry {
             return r.map(Response::Replicas);
         }
+        *ride = false;
         std::thread::sleep(PUT_RETRY);
     }
+}
+
+/// Starts a put (`f`) on the state, whose lock the caller holds, as [`marking`] does; clears
+/// `ride` unless what it changed is a put placed in space whose grant is durable.
+fn start_put<T>(st: &mut State, m: &Master, changed: &mut bool, ride: &mut bool, f: impl FnOnce(&mut State) -> T) -> T {
+    if st.granting() {
+        st.set_grants_durable(m.journal.grants_durable());
+    }
+    let before = st.marks();
+    let r = marking(st, changed, f);
+    if st.marks() != before && !st.placed_granted() {
+        *ride = false;
+    }
+    r
 }
 
 /// Runs `f` on the state, whose lock the caller holds, and sets `changed` if it marked a
@@ -354,7 +390,7 @@ fn counted(m: &Master, op: usize, r: Result<Response, StoreError>) -> Response {
     }
 }
 
-fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64, changed: &mut bool) -> Response {
+fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64, changed: &mut bool, ride: &mut bool) -> Response {
     let Some(op) = op_of(&req) else { return nested() };
     debug_assert!(op < OP_NAMES.len());
     m.stats.ops[op].fetch_add(1, Ordering::Relaxed);
@@ -362,8 +398,9 @@ fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64, changed: &
     // released (this is declared before the lock is taken, so dropped after it is let go).
     let mut removed = None;
     let r = if let Request::PutStart { client, key, size, config, upsert, put } = &req {
-        put_start(m, PutId { client: *client, put: *put }, key, *size, config, *upsert, deadline, term, Attempt::First, changed)
+        put_start(m, PutId { client: *client, put: *put }, key, *size, config, *upsert, deadline, term, Attempt::First, changed, ride)
     } else {
+        *ride &= !mutates(&req);
         let now = m.now();
         let mut st = m.lock();
         if let Err(e) = stale(&st, term) {
@@ -388,7 +425,7 @@ const COUNT_ANSWERS_FROM: usize = 256;
 /// put's cost. A bulk removal, and a put that has to wait for reads to end, are applied on
 /// their own as [`handle_one`] does.
 /// Returns the answers, and the lock if the last of them was applied under it.
-fn handle_batch<'m>(m: &'m Master, reqs: Vec<Request>, deadline: Instant, term: i64, changed: &mut bool) -> (Vec<Response>, Option<Held<'m>>) {
+fn handle_batch<'m>(m: &'m Master, reqs: Vec<Request>, deadline: Instant, term: i64, changed: &mut bool, ride: &mut bool) -> (Vec<Response>, Option<Held<'m>>) {
     let mut out = Vec::with_capacity(reqs.len());
     // The lock held, with the time read when it was taken, whether the puts' wait for reads
     // is over, and how many requests it has been held for.
@@ -413,7 +450,7 @@ fn handle_batch<'m>(m: &'m Master, reqs: Vec<Request>, deadline: Instant, term: 
         };
         if matches!(req, Request::RemoveAll { .. } | Request::RemoveByRegex { .. }) {
             held = None;
-            out.push(handle_one(m, req, deadline, term, changed));
+            out.push(handle_one(m, req, deadline, term, changed, ride));
             continue;
         }
         if held.as_ref().is_some_and(|h| h.3 >= BATCH_HOLD) {
@@ -436,16 +473,20 @@ fn handle_batch<'m>(m: &'m Master, reqs: Vec<Request>, deadline: Instant, term: 
             Request::PutStart { client, key, size, config, upsert, put } => {
                 let put = PutId { client, put };
                 let attempt = if *last { Attempt::Last } else { Attempt::First };
-                let r = marking(st, changed, |st| st.put_start_ex(&m.cfg, &m.stats, put, &key, size, &config, upsert, *now, attempt));
+                let r = start_put(st, m, changed, ride, |st| st.put_start_ex(&m.cfg, &m.stats, put, &key, size, &config, upsert, *now, attempt));
                 if !*last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(*now) {
                     held = None;
+                    *ride = false;
                     std::thread::sleep(PUT_RETRY);
-                    put_start(m, put, &key, size, &config, upsert, deadline, term, Attempt::Again, changed)
+                    put_start(m, put, &key, size, &config, upsert, deadline, term, Attempt::Again, changed, ride)
                 } else {
                     r.map(Response::Replicas)
                 }
             }
-            req => marking(st, changed, |st| apply_locked(st, m, req, *now, &mut None)),
+            req => {
+                *ride &= !mutates(&req);
+                marking(st, changed, |st| apply_locked(st, m, req, *now, &mut None))
+            }
         };
         out.push(counted(m, op, r));
     }
@@ -579,6 +620,13 @@ impl Spin {
     }
 }
 
+/// Whether `s` has something to read within `bound` (an error counts: the read reports it).
+fn readable_within(s: &TcpStream, bound: Duration) -> bool {
+    let mut fds = [rustix::event::PollFd::new(s, rustix::event::PollFlags::IN)];
+    let timeout = rustix::event::Timespec { tv_sec: bound.as_secs() as i64, tv_nsec: bound.subsec_nanos() as _ };
+    !matches!(rustix::event::poll(&mut fds, Some(&timeout)), Ok(0))
+}
+
 fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin) -> std::io::Result<()> {
     s.set_nodelay(true)?;
     // An answer written by this thread waits for a client that stops reading at most this long
@@ -588,9 +636,18 @@ fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin) -> std::io::Result<()
     let mut prefix = [0u8; 4];
     let mut body = Vec::new();
     let mut deferred = false;
+    // An answer went out before its changes were collected ([`Applied::Early`]), at this time.
+    let mut owed: Option<Instant> = None;
     loop {
+        if let Some(at) = owed {
+            let left = RIDE_WAIT.saturating_sub(at.elapsed());
+            if left.is_zero() || !readable_within(s, left) {
+                let _ = m.journal.collect(m);
+                owed = None;
+            }
+        }
         // Not after an answer left for the journal: that client is still waiting for it.
-        let got = if deferred { 0 } else { spin.poll(s, &mut prefix)? };
+        let got = if deferred || owed.is_some() { 0 } else { spin.poll(s, &mut prefix)? };
         (&*s).read_exact(&mut prefix[got..])?;
         let n = match proto::decode_len(prefix) {
             Ok(n) => n,
@@ -604,9 +661,19 @@ fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin) -> std::io::Result<()
         // The previous request's answer, if it waited for the journal, is out first.
         out.wait_idle();
         let resp = match proto::decode::<Request>(&body) {
-            Ok(req) => match apply(m, req) {
-                Applied::Now(resp) => resp,
-                Applied::Later { ticket, term, resp } => {
+            Ok(req) => match (mutates(&req), apply(m, req)) {
+                (_, Applied::Early(resp)) => {
+                    owed.get_or_insert_with(Instant::now);
+                    resp
+                }
+                // (Its collection took what an earlier answer left.)
+                (true, Applied::Now(resp)) => {
+                    owed = None;
+                    resp
+                }
+                (false, Applied::Now(resp)) => resp,
+                (_, Applied::Later { ticket, term, resp }) => {
+                    owed = None;
                     out.busy().sending = true;
                     let (m2, out2) = (Arc::clone(m), Arc::clone(&out));
                     // Encoded here, and the answer freed here: the thread that sends it (an
@@ -943,6 +1010,52 @@ mod tests {
         assert_eq!(one.polling.load(Ordering::Relaxed), 0);
     }
 
+    /// With grants on, a batch of puts placed in space whose grant is durable is answered at
+    /// once, its changes left for the next collection: the puts' ends then go to the journal
+    /// in one entry with them, one change per key. A put placed in a grant not yet durable,
+    /// or a batch that also changes anything else, waits as before.
+    #[test]
+    fn puts_placed_in_a_durable_grant_are_answered_at_once_and_their_changes_ride_with_the_next() {
+        let m = journaling_leader(5);
+        m.lock().set_grant_bytes(1 << 20, 600_000);
+        let ticket = |a: Applied| match a {
+            Applied::Later { ticket, .. } => ticket,
+            other => panic!("answered before its changes were durable: {:?}", matches!(other, Applied::Early(_))),
+        };
+        ticket(apply(&m, Request::MountSegment { client: 1, segment: seg(1, 1 << 30) }));
+        let starts = |from: usize| Request::Batch((from..from + 4).map(|i| Request::PutStart { client: 1, key: format!("k{i}"), size: 4096, config: ReplicateConfig::default(), upsert: false, put: 1 }).collect());
+        let ends = |from: usize| Request::Batch((from..from + 4).map(|i| Request::PutEnd { client: 1, key: format!("k{i}"), put: 1 }).collect());
+        // The first puts carve the pool: its grant is not durable yet.
+        ticket(apply(&m, starts(0)));
+        ticket(apply(&m, ends(0)));
+        m.journal.write_queued_for_test();
+        assert!(m.journal.grants_durable() >= crate::master::grants_issued(), "the grant is durable with the entry that holds it");
+        match apply(&m, starts(4)) {
+            Applied::Early(Response::Batch(r)) => assert!(r.iter().all(|r| matches!(r, Response::Replicas(_))), "{r:?}"),
+            _ => panic!("puts in a durable grant wait for their changes"),
+        }
+        assert_eq!(m.journal.stats().lag, 0, "nothing was collected for them");
+        ticket(apply(&m, ends(4)));
+        let mut taken = Vec::new();
+        {
+            let mut st = m.lock();
+            assert!(st.take_changes(0).is_empty(), "the ends took the starts' changes along");
+        }
+        m.journal.drain_for_test(&mut taken);
+        use crate::master::journal::Change;
+        let objects: Vec<&str> = taken.iter().filter_map(|c| match c {
+            Change::Object { key, rec } if rec.pending.is_none() && !rec.current.is_empty() => Some(key.as_str()),
+            _ => None,
+        }).collect();
+        assert_eq!(objects.len(), 4, "one change per key, the whole object: {taken:?}");
+        // A batch that also changes something else waits.
+        let mixed = Request::Batch(vec![Request::PutStart { client: 1, key: "k8".into(), size: 4096, config: ReplicateConfig::default(), upsert: false, put: 1 }, Request::Remove { key: "k0".into(), force: true }]);
+        ticket(apply(&m, mixed));
+        // Alone, through `handle` (no connection to carry its changes), it is collected at once.
+        assert!(matches!(handle(&m, put_start("k9", 4096)), Response::Replicas(_)));
+        assert!(m.journal.stats().lag > 0 && m.lock().take_changes(0).is_empty(), "collected, not waited for");
+    }
+
     /// Whatever a request changed goes to the journal and its answer waits for it, however it
     /// was applied: alone, as a batch (its changes taken under the hold of the state's lock it
     /// was applied under), as a batch ending with a bulk removal (applied on its own, the lock
@@ -956,7 +1069,7 @@ mod tests {
                 assert!(m.lock().take_changes(0).is_empty(), "every change was taken into the journal with the request");
                 ticket
             }
-            Applied::Now(r) => panic!("answered before its changes were durable: {r:?}"),
+            Applied::Now(r) | Applied::Early(r) => panic!("answered before its changes were durable: {r:?}"),
         };
         let t1 = later(apply(&m, Request::MountSegment { client: 1, segment: seg(1, 1 << 20) }));
         let puts = (0..3).map(|i| Request::PutStart { client: 1, key: format!("k{i}"), size: 4096, config: ReplicateConfig::default(), upsert: false, put: 1 }).collect();
@@ -1028,7 +1141,7 @@ mod tests {
     fn a_request_whose_change_another_collected_is_not_answered_as_if_nothing_was_applied() {
         let m = journaling_leader(5);
         let mut changed = false;
-        let (resp, held) = handle_admitted(&m, Request::MountSegment { client: 1, segment: seg(1, 1 << 20) }, 5, &mut changed);
+        let (resp, held) = handle_admitted(&m, Request::MountSegment { client: 1, segment: seg(1, 1 << 20) }, 5, &mut changed, &mut true);
         assert_eq!(resp, Response::Ok);
         assert!(held.is_none() && changed, "applied alone: the lock let go, a change marked");
         assert!(m.journal.collect(&m).is_some(), "another request's collection took the mount");
@@ -1036,18 +1149,18 @@ mod tests {
         m.gate.fence(5);
         match settle(&m, 5, true, changed, resp, None) {
             Applied::Now(r) => assert_eq!(r, Response::Err(StoreError::OutcomeUnknown), "the mount is durable"),
-            Applied::Later { .. } => panic!("nothing of it is outstanding"),
+            Applied::Later { .. } | Applied::Early(_) => panic!("nothing of it is outstanding"),
         }
         // A mutation that changed nothing (its key is absent) before the fence: NotLeader.
         m.gate.lead_for_test(5, Duration::from_secs(60));
         let mut changed = false;
-        let (resp, held) = handle_admitted(&m, Request::Remove { key: "absent".into(), force: false }, 5, &mut changed);
+        let (resp, held) = handle_admitted(&m, Request::Remove { key: "absent".into(), force: false }, 5, &mut changed, &mut true);
         assert!(matches!(resp, Response::Err(StoreError::ObjectNotFound(_))));
         assert!(!changed);
         m.gate.fence(5);
         match settle(&m, 5, true, changed, resp, held) {
             Applied::Now(r) => assert!(matches!(r, Response::Err(StoreError::NotLeader { .. })), "{r:?}"),
-            Applied::Later { .. } => panic!("it changed nothing"),
+            Applied::Later { .. } | Applied::Early(_) => panic!("it changed nothing"),
         }
         assert_eq!(m.lock().summary().segments, 1);
     }

@@ -487,7 +487,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             let mut standby = None;
             if let Some(replication) = mode {
                 let cluster = format!("{rate_cluster}-{replication:?}").to_lowercase();
-                let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication, rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
+                let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication, rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY, grant_bytes: a.ha_grant_bytes };
                 ha::start(cfg(&addr), Arc::clone(&m))?;
                 wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
                 if replication == ha::Replication::Standbys {
@@ -543,7 +543,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         {
             let (m, server, addr) = serve()?;
             let cluster = format!("{rate_cluster}-bytes");
-            let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd, rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
+            let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd, rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY, grant_bytes: a.ha_grant_bytes };
             ha::start(cfg, Arc::clone(&m))?;
             wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
             let _ = put_rate(&addr, 16, 32, dur, "bytes", false, || ());
@@ -704,7 +704,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     if part("link") {
         let (m, server, addr) = serve()?;
         let link_cluster = format!("{rate_cluster}-link");
-        let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: link_cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Standbys, rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
+        let cfg = |address: &str| HaConfig { endpoints: endpoints.clone(), cluster_id: link_cluster.clone(), address: address.to_string(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Standbys, rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY, grant_bytes: a.ha_grant_bytes };
         ha::start(cfg(&addr), Arc::clone(&m))?;
         wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
         let objects = fill(&m, &addr, a.ha_link_objects as usize, "link")?;
@@ -770,7 +770,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
     //    client's reads and another's puts waited meanwhile.
     if part("snapshot") {
         let (m, server, addr) = serve()?;
-        let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: format!("{rate_cluster}-snapshot"), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd, rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
+        let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: format!("{rate_cluster}-snapshot"), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Etcd, rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY, grant_bytes: a.ha_grant_bytes };
         ha::start(cfg, Arc::clone(&m))?;
         wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
         let objects = fill(&m, &addr, a.ha_link_objects as usize, "snap")?;
@@ -817,7 +817,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         for (label, tail) in [("the entries kept since the etcd journal's last position", ha::journal::TAIL_DEFAULT), ("the whole state (--ha-rebase-tail-bytes 0)", 0)] {
             let (m, server, addr) = serve()?;
             let cluster = format!("{rate_cluster}-rebase{tail}");
-            let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Standbys, rebase_tail_bytes: tail, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY };
+            let cfg = HaConfig { endpoints: endpoints.clone(), cluster_id: cluster.clone(), address: addr.clone(), lease_ttl: Duration::from_secs(5), snapshot_bytes: ha::journal::SNAPSHOT_MIN, replication: ha::Replication::Standbys, rebase_tail_bytes: tail, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: ha::journal::BASE_EVERY, grant_bytes: a.ha_grant_bytes };
             ha::start(cfg, Arc::clone(&m))?;
             wait_for("the in-process HA master did not lead", &|| m.gate.role() == Role::Leader)?;
             let objects = fill(&m, &addr, a.ha_link_objects as usize, &format!("rb{tail}-"))?;

@@ -40,6 +40,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+/// The bytes of a segment's pool of space granted ahead to puts, by default (`--ha-grant-bytes`).
+pub const GRANT_DEFAULT: u64 = 64 << 20;
+
 /// Largest encoded value written to one key (etcd refuses requests over 1.5 MiB by default;
 /// base64 in the JSON gateway adds a third).
 pub const CHUNK: usize = 512 << 10;
@@ -344,6 +347,10 @@ struct Queue {
     later: std::collections::BTreeMap<u64, Vec<Later>>,
     /// The writer's way to the standbys while it sleeps and streams ([`Lent`]).
     lent: Option<Lent>,
+    /// (ticket, grant number): every grant up to the number is in the changes that the
+    /// ticket completes (noted when changes are taken from the state, under its lock:
+    /// [`crate::master::grants_issued`]).
+    grant_marks: std::collections::VecDeque<(u64, u64)>,
 }
 
 /// What a streaming writer lends the request threads while it sleeps, so that a request whose
@@ -492,6 +499,26 @@ impl Tail {
 }
 
 impl Queue {
+    /// The changes just enqueued (ticket `enqueued`) hold every grant up to `issued`.
+    fn note_grants(&mut self, issued: u64) {
+        if self.grant_marks.back().is_none_or(|&(_, g)| g < issued) && issued > 0 {
+            self.grant_marks.push_back((self.enqueued, issued));
+        }
+    }
+
+    /// The highest grant number whose ticket is written now (taken out), if any.
+    fn grants_written(&mut self) -> Option<u64> {
+        let mut out = None;
+        while let Some(&(ticket, g)) = self.grant_marks.front() {
+            if ticket > self.written {
+                break;
+            }
+            out = Some(g);
+            self.grant_marks.pop_front();
+        }
+        out
+    }
+
     /// Everything queued, and the ticket that completes it.
     fn take(&mut self) -> (Vec<Change>, u64) {
         (std::mem::take(&mut self.changes), self.enqueued)
@@ -556,6 +583,10 @@ pub struct JournalStats {
     /// (`sync::Mirror::prebuild`: what is left is making it this term's).
     pub takeover_rebuild_ms: u64,
     pub takeover_prebuilt: bool,
+    /// Requests answered before their changes were acknowledged in this term: puts placed in
+    /// space whose grant was ("Puts answered before their start is acknowledged" in
+    /// ARCHITECTURE.md).
+    pub early_answers: u64,
 }
 
 /// Condition variables the waiting requests are spread over, by ticket.
@@ -588,6 +619,11 @@ pub struct JournalCore {
     stats: Mutex<JournalStats>,
     /// The in-sync standbys (member ids) while this master leads.
     insync: Mutex<Vec<String>>,
+    /// Grants of space ahead ([`crate::master::State::set_grant_bytes`]) up to this number
+    /// are in entries that are durable ([`Queue::grant_marks`]).
+    grants_durable: AtomicU64,
+    /// [`JournalStats::early_answers`] (counted without the stats' lock).
+    early: AtomicU64,
 }
 
 impl JournalCore {
@@ -599,7 +635,13 @@ impl JournalCore {
         let mut s = *self.stats.lock().unwrap_or_else(|e| e.into_inner());
         let q = self.q();
         s.lag = q.enqueued - q.written;
+        s.early_answers = self.early.load(Ordering::Relaxed);
         s
+    }
+
+    /// A request was answered before its changes were acknowledged ([`JournalStats::early_answers`]).
+    pub fn count_early(&self) {
+        self.early.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The in-sync standbys (`--ha-replication standbys`, leaders).
@@ -631,6 +673,7 @@ impl JournalCore {
             return None;
         }
         let changes = st.take_changes(now);
+        let issued = crate::master::grants_issued();
         let mut q = self.q();
         if q.term == 0 || q.term != st.term {
             return None;
@@ -643,6 +686,7 @@ impl JournalCore {
             drop(st);
             q.changes.extend(changes);
             q.enqueued += 1;
+            q.note_grants(issued);
             let ticket = (q.term, q.enqueued);
             self.send_lent(q);
             return Some(ticket);
@@ -651,6 +695,7 @@ impl JournalCore {
         if queued {
             q.changes.extend(changes);
             q.enqueued += 1;
+            q.note_grants(issued);
         }
         let ticket = (q.enqueued > q.written).then_some((q.term, q.enqueued));
         // The writer is woken after both locks are released: woken under them, it would only
@@ -781,6 +826,7 @@ impl JournalCore {
         let later = std::mem::replace(&mut *self.q(), Queue { term, ..Queue::default() }).take_later();
         answer_all(later, outcome_unknown);
         self.set_stats(|s| *s = JournalStats::default());
+        self.early.store(0, Ordering::Relaxed);
     }
 
     /// Stops journaling: the writer ends, waiters are refused.
@@ -866,6 +912,12 @@ impl JournalCore {
         self.done(upto);
     }
 
+    /// Takes what is queued into `out` (tests of what is collected).
+    #[cfg(test)]
+    pub(crate) fn drain_for_test(&self, out: &mut Vec<Change>) {
+        out.append(&mut self.q().changes);
+    }
+
     /// How many answers wait for the journal ([`JournalCore::defer`]).
     #[cfg(test)]
     pub(crate) fn deferred_for_test(&self) -> usize {
@@ -882,6 +934,7 @@ impl JournalCore {
     fn done(&self, upto: u64) {
         let mut q = self.q();
         let newly = Self::mark_written(&mut q, upto);
+        self.grants_written(&mut q);
         let ready = q.take_written();
         drop(q);
         self.wake_written(newly);
@@ -894,11 +947,25 @@ impl JournalCore {
         let mut q = self.q();
         if q.term == term && !q.failed {
             let newly = Self::mark_written(&mut q, upto);
+            self.grants_written(&mut q);
             let ready = q.take_written();
             drop(q);
             self.wake_written(newly);
             answer_all(ready, || Ok(()));
         }
+    }
+
+    /// The grants in what is written now count as durable.
+    fn grants_written(&self, q: &mut Queue) {
+        if let Some(g) = q.grants_written() {
+            self.grants_durable.fetch_max(g, Ordering::AcqRel);
+        }
+    }
+
+    /// Grants up to this number are in durable journal entries: a put placed in their space
+    /// is answered before its own change is acknowledged (`server.rs`).
+    pub fn grants_durable(&self) -> u64 {
+        self.grants_durable.load(Ordering::Acquire)
     }
 
     /// Records that everything up to `upto` is durable; the tickets that became so, if a
@@ -1208,6 +1275,9 @@ pub struct Replicas {
     catch_up: Option<Vec<Arc<Vec<u8>>>>,
     /// The entries the etcd journal lacks while standbys are in sync ([`Tail`]).
     tail: Arc<Mutex<Tail>>,
+    /// Bytes of space granted ahead per segment pool while standbys allow it (0: never;
+    /// `Replicas::grant_bytes_now`).
+    pub grant_bytes: u64,
 }
 
 /// How long after a failed connection a standby is tried again.
@@ -1230,6 +1300,19 @@ impl Replicas {
             mirrors: HashMap::new(),
             catch_up: None,
             tail: Arc::new(Mutex::new(Tail::new(tail.0, tail.1))),
+            grant_bytes: 0,
+        }
+    }
+
+    /// How much space puts are granted ahead now: the configured bytes while the in-sync set
+    /// is not empty (the etcd journal alone is read by masters of every version) and every
+    /// linked standby reads [`Change::Granted`]; else 0.
+    fn grant_bytes_now(&self) -> u64 {
+        let all = self.links.iter().all(|l| l.grants) && self.insync.iter().all(|m| self.link(m).is_some_and(|l| l.grants));
+        if !self.insync.is_empty() && all {
+            self.grant_bytes
+        } else {
+            0
         }
     }
 
@@ -1361,6 +1444,7 @@ impl Writer<'_> {
         let mut now = master.now();
         let mut st = master.lock();
         let changes = st.take_changes(now);
+        let issued = crate::master::grants_issued();
         let (mut queued, upto) = {
             let mut q = j.q();
             if q.term != self.term() || q.failed {
@@ -1369,6 +1453,7 @@ impl Writer<'_> {
             if !changes.is_empty() {
                 q.changes.extend(changes);
                 q.enqueued += 1;
+                q.note_grants(issued);
             }
             q.take()
         };
@@ -1522,6 +1607,21 @@ impl Writer<'_> {
         }
     }
 
+    /// Grants space ahead to puts, or stops (the pools' unused space goes back, as a change
+    /// of the journal), as the standbys now allow ([`Replicas::grant_bytes_now`]); `off`
+    /// stops regardless.
+    fn update_grants(&self, off: bool) {
+        let bytes = if off { 0 } else { self.sync.as_ref().map_or(0, Replicas::grant_bytes_now) };
+        let hold = u64::try_from(self.master.cfg.put_start_release_timeout.as_millis()).unwrap_or(u64::MAX);
+        let mut st = self.master.lock();
+        if st.term == self.term() && st.granting() != (bytes > 0) {
+            tracing::info!(term = self.term(), bytes, "HA replication: {}", if bytes > 0 { "puts are granted space ahead (answered before their change is acknowledged)" } else { "puts are no longer granted space ahead" });
+        }
+        if st.term == self.term() {
+            st.set_grant_bytes(bytes, hold);
+        }
+    }
+
     /// Removes `gone` from the links and the in-sync set (in etcd first). When the set becomes
     /// empty the etcd journal is made whole again first ([`Writer::rebase`]).
     fn drop_members(&mut self, gone: &[String]) -> Option<()> {
@@ -1540,6 +1640,7 @@ impl Writer<'_> {
         if let Some(s) = self.sync.as_mut() {
             s.set_insync(rest, &self.master.journal);
         }
+        self.update_grants(false);
         Some(())
     }
 
@@ -1584,6 +1685,7 @@ impl Writer<'_> {
             s.rebase_ms = started.elapsed().as_millis() as u64;
             s.rebase_tail_entries = tail_entries;
         });
+        self.update_grants(false);
     }
 
     /// The rebase when the entries the etcd journal lacks are all kept ([`Tail`]): they go to
@@ -1773,14 +1875,15 @@ impl Writer<'_> {
         s.last_poll = Some(Instant::now());
         let p = s.standby_prefix.clone();
         // Member -> (its mirror's address, the mirror term its registration names, whether it
-        // takes `Base` frames).
-        let regs: HashMap<String, (String, Option<i64>, bool)> = match self.etcd.range(&p, &prefix_end(&p), 64) {
+        // takes `Base` frames and reads grants).
+        #[allow(clippy::type_complexity)]
+        let regs: HashMap<String, (String, Option<i64>, (bool, bool))> = match self.etcd.range(&p, &prefix_end(&p), 64) {
             Ok(kvs) => kvs
                 .into_iter()
                 .filter_map(|(k, kv)| {
                     let v = String::from_utf8(kv.value).ok()?;
                     let r = super::sync::parse_registration(&v);
-                    Some((k.strip_prefix(&p)?.to_string(), (r.addr.to_string(), r.mirror, r.runs)))
+                    Some((k.strip_prefix(&p)?.to_string(), (r.addr.to_string(), r.mirror, (r.runs, r.grants))))
                 })
                 .collect(),
             Err(e) => {
@@ -1805,13 +1908,13 @@ impl Writer<'_> {
             self.drop_members(&gone)?;
         }
         let Some(s) = self.sync.as_ref() else { return Some(()) };
-        let new: Vec<(String, String, bool)> = regs
+        let new: Vec<(String, String, (bool, bool))> = regs
             .into_iter()
             .filter(|(m, _)| *m != s.me && s.link(m).is_none() && s.failed.get(m).is_none_or(|t| t.elapsed() > RETRY_LINK))
-            .map(|(m, (addr, _, runs))| (m, addr, runs))
+            .map(|(m, (addr, _, can))| (m, addr, can))
             .collect();
-        for (member, addr, runs) in new {
-            self.open_link(&member, &addr, runs)?;
+        for (member, addr, (runs, grants)) in new {
+            self.open_link(&member, &addr, runs, grants)?;
         }
         Some(())
     }
@@ -1819,7 +1922,15 @@ impl Writer<'_> {
     /// Links a standby: hello, an image of the state after the last entry written (what was
     /// queued is committed first), then every entry after it. `runs`: it takes
     /// [`ToStandby::Base`] frames (its registration says so).
-    fn open_link(&mut self, member: &str, addr: &str, runs: bool) -> Option<()> {
+    fn open_link(&mut self, member: &str, addr: &str, runs: bool, grants: bool) -> Option<()> {
+        if !grants && self.master.lock().granting() {
+            // A standby of an earlier version would not decode a grant: none is made while it
+            // is linked, and the pools' return is committed before its image (the entries
+            // after it hold no grant).
+            self.update_grants(true);
+            let _ = self.master.journal.collect(self.master);
+            self.commit_what_is_queued()?;
+        }
         let Some(s) = self.sync.as_mut() else { return Some(()) };
         let sink: Arc<dyn AckSink> = s.release.clone();
         let mut link = match Link::open(member, addr, &s.hello, sink) {
@@ -1830,7 +1941,7 @@ impl Writer<'_> {
                 return Some(());
             }
         };
-        link.runs = runs;
+        (link.runs, link.grants) = (runs, grants);
         s.failed.remove(member);
         // What is queued meanwhile is committed between the image's pieces and between its
         // frames' encoding (requests do not wait for the whole image) and goes to this standby
@@ -1926,6 +2037,7 @@ impl Writer<'_> {
             }
             s.set_insync(members, &self.master.journal);
         }
+        self.update_grants(false);
         Some(())
     }
 
@@ -2495,7 +2607,7 @@ mod tests {
                 n
             });
             let accept = sc.spawn(|| listener.accept().expect("accept").0);
-            w.open_link("s2", &addr, false).expect("the standby linked");
+            w.open_link("s2", &addr, false, false).expect("the standby linked");
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             let added = load.join().expect("load");
             (accept.join().expect("accept"), added)

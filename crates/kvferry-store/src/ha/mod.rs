@@ -331,6 +331,10 @@ pub struct HaConfig {
     /// The least time between two background snapshots while standbys are in sync
     /// ([`journal::BASE_EVERY`]).
     pub rebase_base_every: Duration,
+    /// With standbys in sync that all read grants: the bytes of free space a segment's pool
+    /// of space granted ahead to puts takes at most (also at most 1/64 of the segment;
+    /// [`journal::GRANT_DEFAULT`]; 0: none, every put waits for its change's acknowledgement).
+    pub grant_bytes: u64,
 }
 
 impl HaConfig {
@@ -421,7 +425,7 @@ enum Source {
     Journal,
     /// The mirror, its last entry, the in-sync record's term it is of, and the entries it
     /// kept as it received them ([`sync::Mirror::take`]).
-    Mirror(sync::Taken, u64, i64, Box<sync::MirrorTail>),
+    Mirror(Box<sync::Taken>, u64, i64, Box<sync::MirrorTail>),
     Empty,
 }
 
@@ -672,7 +676,7 @@ fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut s
                 let source = match plan {
                     Plan::Journal => Some(Source::Journal),
                     Plan::Empty => Some(Source::Empty),
-                    Plan::Mirror(rec_term) => standby.as_ref().and_then(|sb| sb.mirror.take(rec_term)).map(|(image, seq, tail)| Source::Mirror(image, seq, rec_term, Box::new(tail))),
+                    Plan::Mirror(rec_term) => standby.as_ref().and_then(|sb| sb.mirror.take(rec_term)).map(|(image, seq, tail)| Source::Mirror(Box::new(image), seq, rec_term, Box::new(tail))),
                 };
                 if let Some(sb) = standby.as_ref() {
                     sb.mirror.close();
@@ -819,7 +823,7 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
             let from = format!("the journal ({} log entries, {} bytes)", loaded.log_entries, loaded.bytes);
             (sync::Taken::Image(loaded.image), from, Some((loaded.seq, loaded.head, loaded.last_leader)), 0, None)
         }
-        Source::Mirror(taken, mirror_seq, _, tail) => (taken, format!("this standby's mirror (entry {mirror_seq})"), None, mirror_seq, Some(tail)),
+        Source::Mirror(taken, mirror_seq, _, tail) => (*taken, format!("this standby's mirror (entry {mirror_seq})"), None, mirror_seq, Some(tail)),
         Source::Empty => {
             tracing::error!(term, "HA: the leader and every in-sync standby are gone; what only they held is lost: this leader starts EMPTY (the etcd journal is stale, and is never served)");
             (sync::Taken::Image(Default::default()), "nothing (every in-sync standby was lost)".to_string(), None, 0, None)
@@ -856,7 +860,11 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     }
     let sync = match cfg.replication {
         Replication::Etcd => None,
-        Replication::Standbys => Some(journal::Replicas::new(&cfg.cluster_id, &cfg.address, owner, cfg.ack_timeout(), (usize::try_from(cfg.rebase_tail_bytes).unwrap_or(usize::MAX), cfg.rebase_base_every), &master.journal)),
+        Replication::Standbys => {
+            let mut r = journal::Replicas::new(&cfg.cluster_id, &cfg.address, owner, cfg.ack_timeout(), (usize::try_from(cfg.rebase_tail_bytes).unwrap_or(usize::MAX), cfg.rebase_base_every), &master.journal);
+            r.grant_bytes = cfg.grant_bytes;
+            Some(r)
+        }
     };
     let mut writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), owner, seq, head, snapshot_bytes: cfg.snapshot_bytes, sync, insync_key: sync::insync_key(&cfg.cluster_id), retry_until: Some(Instant::now() + 5 * cfg.lease_ttl) };
     let t_write = Instant::now();
@@ -1043,7 +1051,7 @@ mod tests {
         assert_eq!(resolve_cluster_id(Some("flag"), Some("env")), "flag");
         assert_eq!(resolve_cluster_id(None, Some("env")), "env");
         assert_eq!(resolve_cluster_id(Some(" "), None), DEFAULT_CLUSTER_ID);
-        let c = HaConfig { endpoints: vec![], cluster_id: "c".into(), address: "a:1".into(), lease_ttl: Duration::from_secs(5), snapshot_bytes: journal::SNAPSHOT_MIN, replication: Replication::Etcd, rebase_tail_bytes: journal::TAIL_DEFAULT, standby_tail_bytes: 0, rebase_base_every: journal::BASE_EVERY };
+        let c = HaConfig { endpoints: vec![], cluster_id: "c".into(), address: "a:1".into(), lease_ttl: Duration::from_secs(5), snapshot_bytes: journal::SNAPSHOT_MIN, replication: Replication::Etcd, rebase_tail_bytes: journal::TAIL_DEFAULT, standby_tail_bytes: 0, rebase_base_every: journal::BASE_EVERY, grant_bytes: journal::GRANT_DEFAULT };
         assert!(c.fence_bound() < c.lease_ttl && c.keepalive_every() < c.fence_bound() / 2, "at least two renewals fit in the bound");
     }
 }

@@ -207,6 +207,11 @@ impl InSync {
 /// The word in a standby's [`registration`] that says it takes [`ToStandby::Base`] frames.
 pub const RUNS: &str = "runs";
 
+/// The word in a standby's [`registration`] that says it reads [`Change::Granted`] (a leader
+/// grants space ahead to puts only while every standby it links says so: one of an earlier
+/// version would not decode the entry).
+pub const GRANTS: &str = "grants";
+
 /// A standby's registration (the value of its [`standby_key`]): where leaders reach its
 /// mirror, then the term of its complete mirror if it has one (`-` if not), then [`RUNS`]
 /// (a leader sends [`ToStandby::Base`] only to a standby that says so: a standby of an
@@ -218,8 +223,8 @@ pub const RUNS: &str = "runs";
 /// every member of the record says so in etcd before the leader relies on it).
 pub fn registration(addr: &str, mirror: Option<i64>) -> String {
     match mirror {
-        Some(term) => format!("{addr} {term} {RUNS}"),
-        None => format!("{addr} - {RUNS}"),
+        Some(term) => format!("{addr} {term} {RUNS} {GRANTS}"),
+        None => format!("{addr} - {RUNS} {GRANTS}"),
     }
 }
 
@@ -231,6 +236,8 @@ pub struct Registration<'a> {
     pub mirror: Option<i64>,
     /// It takes [`ToStandby::Base`] frames.
     pub runs: bool,
+    /// It reads [`Change::Granted`].
+    pub grants: bool,
 }
 
 /// The address, mirror term and abilities of a [`registration`] (or of one an earlier
@@ -239,7 +246,8 @@ pub fn parse_registration(v: &str) -> Registration<'_> {
     let mut words = v.split_whitespace();
     let addr = words.next().unwrap_or("");
     let mirror = words.next().and_then(|t| t.parse().ok());
-    Registration { addr, mirror, runs: words.any(|w| w == RUNS) }
+    let rest: Vec<&str> = words.collect();
+    Registration { addr, mirror, runs: rest.contains(&RUNS), grants: rest.contains(&GRANTS) }
 }
 
 /// What a master that finds no leader may do, given the in-sync record and its mirror.
@@ -1007,6 +1015,8 @@ pub struct Link {
     sock: Arc<Mutex<Option<TcpStream>>>,
     /// It takes [`ToStandby::Base`] frames (its [`registration`] says so).
     pub runs: bool,
+    /// It reads [`Change::Granted`] (its [`registration`] says so).
+    pub grants: bool,
 }
 
 /// How long connecting to a standby may take.
@@ -1094,7 +1104,7 @@ impl Link {
                 signal2.broke();
             })
             .map_err(|e| e.to_string())?;
-        Ok(Link { member: member.to_string(), addr: addr.to_string(), tx: Some(tx), acked, dead, queued, image_seq: 0, image_bytes: 0, sock, runs: false })
+        Ok(Link { member: member.to_string(), addr: addr.to_string(), tx: Some(tx), acked, dead, queued, image_seq: 0, image_bytes: 0, sock, runs: false, grants: false })
     }
 
     /// The most a link may have queued: its image and 256 MiB more, or twice its image.
@@ -1660,11 +1670,12 @@ mod tests {
 
     #[test]
     fn a_registration_says_where_the_mirror_is_its_term_and_that_it_takes_runs() {
-        assert_eq!(parse_registration(&registration("1.2.3.4:5", Some(7))), Registration { addr: "1.2.3.4:5", mirror: Some(7), runs: true });
-        assert_eq!(parse_registration(&registration("1.2.3.4:5", None)), Registration { addr: "1.2.3.4:5", mirror: None, runs: true });
+        assert_eq!(parse_registration(&registration("1.2.3.4:5", Some(7))), Registration { addr: "1.2.3.4:5", mirror: Some(7), runs: true, grants: true });
+        assert_eq!(parse_registration(&registration("1.2.3.4:5", None)), Registration { addr: "1.2.3.4:5", mirror: None, runs: true, grants: true });
+        assert_eq!(parse_registration("1.2.3.4:5 7 runs"), Registration { addr: "1.2.3.4:5", mirror: Some(7), runs: true, grants: false }, "the last version's");
         // As an earlier version wrote them, and as it reads these (its first two words).
-        assert_eq!(parse_registration("1.2.3.4:5 7"), Registration { addr: "1.2.3.4:5", mirror: Some(7), runs: false });
-        assert_eq!(parse_registration("1.2.3.4:5"), Registration { addr: "1.2.3.4:5", mirror: None, runs: false });
+        assert_eq!(parse_registration("1.2.3.4:5 7"), Registration { addr: "1.2.3.4:5", mirror: Some(7), runs: false, grants: false });
+        assert_eq!(parse_registration("1.2.3.4:5"), Registration { addr: "1.2.3.4:5", mirror: None, runs: false, grants: false });
         let old = |v: &str| {
             let mut w = v.split_whitespace();
             (w.next().map(str::to_string), w.next().and_then(|t| t.parse::<i64>().ok()))

@@ -71,6 +71,10 @@ impl SegmentSpace {
         self.by_size.remove(&(len, off));
     }
 
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
     pub fn size(&self) -> u64 {
         self.size
     }
@@ -171,6 +175,34 @@ impl SegmentSpace {
         }
     }
 
+    /// The free bytes of `[addr, end)`, as `(address, length)` ranges in address order: what
+    /// a new HA leader holds of a pool its predecessor granted ([`super::State`]'s grants)
+    /// once every replica it knows was reserved.
+    pub fn free_within(&self, addr: u64, end: u64) -> Vec<(u64, u64)> {
+        let (Some(lo), hi) = (addr.checked_sub(self.base), end.saturating_sub(self.base)) else {
+            // (Starts before the segment: only the part inside it can be free.)
+            return if end > self.base { self.free_within(self.base, end) } else { Vec::new() };
+        };
+        let mut out = Vec::new();
+        let first = self.by_addr.range(..=lo).next_back().map(|(&o, _)| o).unwrap_or(lo);
+        for (&off, &len) in self.by_addr.range(first..hi) {
+            let (s, e) = (off.max(lo), (off + len).min(hi));
+            if s < e {
+                out.push((self.base + s, e - s));
+            }
+        }
+        out
+    }
+
+    /// Takes the free ranges of `pool` (a sub-space over a block this space handed out, whose
+    /// own blocks are freed here, not to it) back: the pool's unused part is free here again.
+    pub fn give_back(&mut self, pool: &SegmentSpace) {
+        let ranges: Vec<(u64, u64)> = pool.by_addr.iter().map(|(&off, &len)| (pool.base + off, len)).collect();
+        for (addr, len) in ranges {
+            self.free(Block { addr, len, cap: len });
+        }
+    }
+
     /// Number of free ranges (fragmentation).
     pub fn free_ranges(&self) -> usize {
         self.by_addr.len()
@@ -243,6 +275,30 @@ mod reserve_tests {
 #[cfg(test)]
 mod frag_tests {
     use super::*;
+
+    #[test]
+    fn a_pool_carved_from_a_space_hands_out_its_blocks_and_gives_the_rest_back() {
+        let mut s = SegmentSpace::new(0x10000, 1 << 20);
+        let carved = s.allocate(64 << 10).unwrap();
+        let mut pool = SegmentSpace::new(carved.addr, carved.cap());
+        let a = pool.allocate(1000).unwrap();
+        let b = pool.allocate(4096).unwrap();
+        assert!(a.addr >= carved.addr && b.addr + 4096 <= carved.addr + (64 << 10), "the pool's blocks lie in what was carved");
+        assert_eq!(s.free_within(carved.addr, carved.addr + carved.cap()), vec![], "carved space is not free in the segment's space");
+        s.give_back(&pool);
+        let free = s.free_within(carved.addr, carved.addr + carved.cap());
+        let held: u64 = a.cap() + b.cap();
+        assert_eq!(free.iter().map(|r| r.1).sum::<u64>(), (64 << 10) - held, "the pool's unused part is free again");
+        let overlaps = |&(at, len): &(u64, u64), x: &Block| at < x.addr + x.cap() && x.addr < at + len;
+        assert!(free.iter().all(|r| !overlaps(r, &a) && !overlaps(r, &b)), "not the blocks handed out: {free:?}");
+        // Blocks handed out by the pool are freed to the segment's space.
+        s.free(a);
+        s.free(b);
+        assert_eq!(s.used(), 0);
+        assert_eq!(s.free_ranges(), 1);
+        assert_eq!(s.free_within(0, u64::MAX), vec![(0x10000, 1 << 20)]);
+        assert_eq!(s.free_within(0x10000 + 100 * 64, 0x10000 + 101 * 64), vec![(0x10000 + 100 * 64, 64)], "clipped to the range asked");
+    }
 
     #[test]
     fn mixed_sizes_then_large_blocks_fit() {

@@ -100,6 +100,15 @@ pub enum Change {
     /// the change was taken, nor for less than a lease TTL after a takeover. Its segment
     /// may be gone: the space is then held in case it is mounted again.
     HeldUntil { replica: ReplicaRec, left: u64 },
+    /// The space of segment `seg` granted ahead to puts by the leader of `term` (its whole
+    /// pool, `(address, length)`; empty: none any more): once this change is acknowledged,
+    /// a put placed there is answered before its own change is. A new leader holds, for
+    /// `hold` ms (the leader's put release timeout) and at least a lease TTL, every byte the
+    /// last grant of each term named that no replica it knows covers: a put whose change
+    /// never reached it writes there and nowhere else. (Masters before this change cannot
+    /// read a journal holding one; a leader grants only while every in-sync standby says it
+    /// reads them, `ha::sync::GRANTS`.)
+    Granted { seg: u64, term: i64, ranges: Vec<(u64, u64)>, hold: u64 },
 }
 
 /// What a request changed, as marked by the state (only while journaling).
@@ -118,6 +127,8 @@ pub(super) struct Dirty {
     bulk: Vec<Box<str>>,
     /// (replica, freed at this time at the latest)
     held_back: Vec<(ReplicaRec, u64)>,
+    /// Segments whose pool of granted space changed.
+    grants: BTreeSet<u64>,
 }
 
 fn rec(r: &Replica) -> ReplicaRec {
@@ -159,6 +170,19 @@ impl State {
         }
     }
 
+    pub(super) fn mark_grant(&mut self, id: u64) {
+        if let Some(d) = &mut self.dirty {
+            d.grants.insert(id);
+            self.marks += 1;
+        }
+    }
+
+    /// A segment's grant as a change: its pool's whole block (none: empty).
+    fn granted(&self, id: u64, s: &super::SegState) -> Change {
+        let ranges = s.pool.as_ref().map(|p| vec![(p.space.base(), p.space.size())]).unwrap_or_default();
+        Change::Granted { seg: id, term: self.term, ranges, hold: self.grants.hold }
+    }
+
     pub(super) fn mark_segment(&mut self, id: u64) {
         if let Some(d) = &mut self.dirty {
             d.segments.insert(id);
@@ -196,7 +220,7 @@ impl State {
     /// nothing durable changed (or not journaling).
     pub fn take_changes(&mut self, now: u64) -> Vec<Change> {
         let Some(d) = self.dirty.as_mut() else { return Vec::new() };
-        if d.clients.is_empty() && d.segments.is_empty() && d.keys.is_empty() && d.bulk.is_empty() && d.held_back.is_empty() {
+        if d.clients.is_empty() && d.segments.is_empty() && d.keys.is_empty() && d.bulk.is_empty() && d.held_back.is_empty() && d.grants.is_empty() {
             return Vec::new();
         }
         let d = std::mem::take(&mut **d);
@@ -217,6 +241,8 @@ impl State {
             });
         }
         out.extend(d.held_back.into_iter().map(|(replica, until)| Change::HeldUntil { replica, left: until.saturating_sub(now) }));
+        // (A segment gone since is an `Unmount`, which ends its grants.)
+        out.extend(d.grants.into_iter().filter_map(|id| Some(self.granted(id, self.segments.get(&id)?))));
         out
     }
 
@@ -245,6 +271,7 @@ impl State {
             }
         }
         out.extend(self.deferred.replicas().map(|(r, until)| Change::HeldUntil { replica: rec(r), left: until.saturating_sub(now) }));
+        out.extend(self.seg_order.iter().filter_map(|id| self.segments.get(id).filter(|s| s.pool.is_some()).map(|s| self.granted(*id, s))));
         out
     }
 
@@ -270,7 +297,13 @@ pub struct Image {
     objects: super::shards::Shards<String, ObjectRec, hashbrown::DefaultHashBuilder>,
     /// (replica, ms it was still held for when the change was taken)
     held_back: Vec<(ReplicaRec, u64)>,
+    /// The last grant of each term per segment: (segment, term) -> (ranges, hold in ms).
+    grants: BTreeMap<(u64, i64), GrantRec>,
 }
+
+/// A grant as an image keeps it: its ranges `(address, length)` and how long a new leader
+/// holds them (ms).
+type GrantRec = (Vec<(u64, u64)>, u64);
 
 /// What rebuilding found wrong in a journal (replicas that overlap or lie outside their
 /// segment are dropped, never served).
@@ -300,6 +333,9 @@ impl Image {
                 if self.segments.remove(&seg).is_some() {
                     self.seg_order.retain(|&s| s != seg);
                 }
+                // (What a put still writes there was held by the leader that unmounted it,
+                // as a `HeldUntil` of the same entry.)
+                self.grants.retain(|&(s, _), _| s != seg);
             }
             Change::Object { key, rec } => {
                 self.objects.insert(key, rec);
@@ -309,6 +345,13 @@ impl Image {
             }
             Change::HeldBack { replica } => self.held_back.push((replica, 0)),
             Change::HeldUntil { replica, left } => self.held_back.push((replica, left)),
+            Change::Granted { seg, term, ranges, hold } => {
+                if ranges.is_empty() {
+                    self.grants.remove(&(seg, term));
+                } else {
+                    self.grants.insert((seg, term), (ranges, hold));
+                }
+            }
         }
     }
 
@@ -353,7 +396,7 @@ impl Image {
         for id in &self.seg_order {
             if let Some((client, seg)) = self.segments.get(id) {
                 let space = SegmentSpace::new(seg.base, seg.size);
-                st.segments.insert(*id, SegState { seg: seg.clone(), client: *client, space, writes_until: 0 });
+                st.segments.insert(*id, SegState { seg: seg.clone(), client: *client, space, writes_until: 0, pool: None });
                 st.seg_order.push(*id);
                 // A segment's owner is alive until it stops pinging the new leader.
                 st.clients.insert(*client, now);
@@ -444,6 +487,14 @@ impl Image {
         for ((seg, addr, len), left) in self.held_back {
             let end = super::alloc::cap_of(len).map_or(u64::MAX, |cap| addr.saturating_add(cap));
             by_seg.entry(seg).or_default().push((addr, end, now.saturating_add(left.max(lease))));
+        }
+        // What a grant named that no replica known here covers: a put answered before its
+        // change was acknowledged may write there (for as long as its release timeout).
+        // Held after everything else was reserved, so the holds cover exactly that.
+        for ((seg, _), (ranges, hold)) in self.grants {
+            let Some(s) = st.segments.get(&seg) else { continue };
+            let free: Vec<(u64, u64)> = ranges.iter().flat_map(|&(addr, len)| s.space.free_within(addr, addr.saturating_add(len))).collect();
+            by_seg.entry(seg).or_default().extend(free.into_iter().map(|(addr, len)| (addr, addr + len, now.saturating_add(hold.max(lease)))));
         }
         for (seg, ranges) in by_seg {
             for (start, end, until) in held_pieces(ranges) {
@@ -698,8 +749,16 @@ mod tests {
                 let keys: Vec<String> = (0..10).map(|_| format!("k{}", rng.random_range(0..40))).collect();
                 st.batch_replica_clear(client, &keys, &on, now + 2 * lease);
             }
-            92..=94 => {
+            92..=93 => {
                 st.evict(rng.random_range(1..1_000_000), now, true, stats);
+            }
+            94 => {
+                // Grants: made durable, turned off (the pools go back) or on again.
+                match rng.random_range(0..4) {
+                    0 => st.set_grant_bytes(0, 600_000),
+                    1 => st.set_grant_bytes(64 << 10, 600_000),
+                    _ => st.set_grants_durable(super::super::grants_issued()),
+                }
             }
             95..=96 => {
                 st.expire_clients(now, 200, 600_000);
@@ -709,6 +768,66 @@ mod tests {
                 st.release_deferred(now);
             }
         }
+    }
+
+    /// A put placed in granted space rides (is answered before its change is acknowledged)
+    /// only once the grant is durable; a new leader that never received such a put's change
+    /// holds the bytes the grant named that no replica it knows covers, for the hold the grant
+    /// carries, so nothing placed there meanwhile lands on what that put's writer may still
+    /// write; a grant turned off gives the pool's unused space back and says so.
+    #[test]
+    fn a_new_leader_holds_what_a_grant_named_that_no_replica_it_knows_covers() {
+        let (m, stats) = (MasterConfig::default(), Stats::default());
+        let mut st = State { term: 3, ..State::default() };
+        st.journal_on();
+        st.register_client(1, 0);
+        st.mount(1, seg(1, 1 << 30), 0).expect("mount");
+        st.set_grant_bytes(1 << 20, 600_000);
+        let put = |st: &mut State, key: &str, id: u64| -> (u64, bool) {
+            let d = st.put_start(&m, &stats, PutId { client: 1, put: id }, key, 4096, &ReplicateConfig::default(), false, 0).expect("put");
+            (d[0].addr, st.placed_granted())
+        };
+        let (a0, rode) = put(&mut st, "k0", 1);
+        assert!(!rode, "the grant it was placed in is not durable yet");
+        let mut log = Image::default();
+        let changes = st.take_changes(0);
+        let pool = changes.iter().find_map(|c| match c {
+            Change::Granted { seg: 1, term: 3, ranges, hold: 600_000 } => Some(ranges.clone()),
+            _ => None,
+        });
+        let pool = pool.expect("the grant is journaled with the put");
+        assert_eq!(pool.len(), 1);
+        let (start, len) = pool[0];
+        assert_eq!(len, 1 << 20);
+        assert!(a0 >= start && a0 + 4096 <= start + len, "the put lies in the pool");
+        for c in changes {
+            log.apply(c);
+        }
+        st.set_grants_durable(super::super::grants_issued());
+        let (a1, rode) = put(&mut st, "k1", 2);
+        assert!(rode && a1 >= start && a1 + 4096 <= start + len, "placed in the durable grant: it rides");
+        let _lost = st.take_changes(0); // (k1's change never reaches the next leader)
+        // The next leader knows k0, and holds the rest of the pool: k1's bytes among them.
+        let image_objects = log.objects();
+        let (mut next, report) = log.into_state(4, 10, 1000);
+        assert_eq!((report.objects, image_objects), (1, 1));
+        let seg1 = &next.segments[&1].space;
+        assert!(seg1.free_within(start, start + len).is_empty(), "every byte of the pool is the known put's or held");
+        next.register_client(2, 10);
+        for i in 0..300 {
+            let d = next.put_start(&m, &stats, PutId { client: 2, put: i }, &format!("n{i}"), 4096, &ReplicateConfig::default(), false, 10).expect("put on the new leader");
+            assert!(d[0].addr + 4096 <= a1 || a1 + 4096 <= d[0].addr, "a new put landed on the bytes of a put the new leader never heard of");
+        }
+        // Once the hold is over, the space comes back.
+        next.release_deferred(10 + 600_000);
+        assert!(next.segments[&1].space.free_within(start, start + len).iter().any(|&(a, l)| a <= a1 && a1 + 4096 <= a + l), "the held bytes are free again after the hold");
+        // Grants off: the pool's unused space goes back to the segment, and the journal says so.
+        st.set_grant_bytes(0, 600_000);
+        assert!(!st.granting());
+        let off = st.take_changes(0);
+        assert!(off.iter().any(|c| matches!(c, Change::Granted { seg: 1, term: 3, ranges, .. } if ranges.is_empty())), "{off:?}");
+        let free = st.segments[&1].space.free_within(start, start + len);
+        assert_eq!(free.iter().map(|r| r.1).sum::<u64>(), len - 2 * 4096, "all of the pool but the two puts is free again: {free:?}");
     }
 
     /// Random operations on a journaling state; after each, its changes go into a replayed
@@ -724,6 +843,8 @@ mod tests {
             let (m, stats) = (MasterConfig { put_wait_for_reads: std::time::Duration::ZERO, ..MasterConfig::default() }, Stats::default());
             let mut st = State::default();
             st.journal_on();
+            // (Segments of 1 MiB: pools of 16 KiB, for values up to 4 KiB.)
+            st.set_grant_bytes(if seed % 2 == 1 { 64 << 10 } else { 0 }, 600_000);
             let mut log = Image::default();
             let mut now = 1u64;
             let lease = 1000;
@@ -741,7 +862,7 @@ mod tests {
                     snap.apply(c);
                 }
                 for (name, image) in [("log", std::mem::take(&mut log)), ("snapshot", snap)] {
-                    let keep = Image { clients: image.clients.clone(), segments: image.segments.clone(), seg_order: image.seg_order.clone(), objects: image.objects.clone(), held_back: image.held_back.clone() };
+                    let keep = Image { clients: image.clients.clone(), segments: image.segments.clone(), seg_order: image.seg_order.clone(), objects: image.objects.clone(), held_back: image.held_back.clone(), grants: image.grants.clone() };
                     if name == "log" {
                         log = keep;
                     }
@@ -794,7 +915,7 @@ mod tests {
             for c in st.image(now) {
                 image.apply(c);
             }
-            let copy = Image { clients: image.clients.clone(), segments: image.segments.clone(), seg_order: image.seg_order.clone(), objects: image.objects.clone(), held_back: image.held_back.clone() };
+            let copy = Image { clients: image.clients.clone(), segments: image.segments.clone(), seg_order: image.seg_order.clone(), objects: image.objects.clone(), held_back: image.held_back.clone(), grants: image.grants.clone() };
             let (built_at, then) = (now + 10, now + 2_345);
             let (want, want_report) = image.into_state(77, then, lease);
             let (mut got, got_report) = copy.into_state(PREBUILT_TERM, built_at, lease);

@@ -190,6 +190,77 @@ struct SegState {
     /// Nothing new is placed here before this time (ms): a client reported a write into this
     /// segment still running that this master did not place ([`State::hold_writes`]).
     writes_until: u64,
+    /// Space granted ahead to puts (an HA leader with grants on, [`State::set_grants`]).
+    pool: Option<Pool>,
+}
+
+impl SegState {
+    /// Allocates `size` bytes: with grants on, from the pool (a new one when it has no room:
+    /// the old one's unused space goes back first), values over a quarter of a pool from the
+    /// segment's space. Whether the block lies in a durable grant.
+    fn allocate(&mut self, size: u64, g: &Grants) -> Option<(Block, bool)> {
+        let want = g.bytes.min(self.space.size() / 64) / 64 * 64;
+        let cap = alloc::cap_of(size)?;
+        if want == 0 || cap > want / 4 {
+            return self.space.allocate(size).map(|b| (b, false));
+        }
+        if let Some(p) = &mut self.pool {
+            if let Some(b) = p.space.allocate(size) {
+                return Some((b, p.gen <= g.durable));
+            }
+        }
+        if let Some(old) = self.pool.take() {
+            self.space.give_back(&old.space);
+        }
+        if let Some(carved) = self.space.allocate(want) {
+            let mut space = SegmentSpace::new(carved.addr, carved.cap());
+            if let Some(b) = space.allocate(size) {
+                self.pool = Some(Pool { space, gen: next_grant() });
+                return Some((b, false));
+            }
+            self.space.free(carved);
+        }
+        self.space.allocate(size).map(|b| (b, false))
+    }
+}
+
+/// Free space of a segment that the HA journal names as granted ([`journal::Change::Granted`])
+/// before any put is placed in it: once that entry is acknowledged, a put placed wholly in
+/// granted space may be answered before its own change is (a new leader holds what the last
+/// grant it knows named and no replica it knows covers: a put it never heard of writes
+/// there and nowhere else).
+struct Pool {
+    /// Over the block carved out of the segment's space (its blocks are freed to the
+    /// segment's space, never back to the pool).
+    space: SegmentSpace,
+    /// The grant's number ([`next_grant`]): a put placed here rides only once the journal
+    /// entry that holds it is acknowledged ([`State::set_grants`]'s `durable`).
+    gen: u64,
+}
+
+/// Grant numbers, increasing across every state and term of the process: a new state's
+/// grants are never taken for one its journal already made durable.
+static GRANTS: AtomicU64 = AtomicU64::new(0);
+
+fn next_grant() -> u64 {
+    GRANTS.fetch_add(1, Ordering::Relaxed) + 1
+}
+
+/// The last grant number handed out (by any state of this process): a journal collection
+/// that takes the changes marked so far, under the state's lock, covers every grant up to it.
+pub fn grants_issued() -> u64 {
+    GRANTS.load(Ordering::Relaxed)
+}
+
+/// How puts are granted space ahead (an HA leader's; [`State::set_grants`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct Grants {
+    /// Bytes a pool takes at most (also at most 1/64 of its segment); 0: grants are off.
+    bytes: u64,
+    /// Grants up to this number are in acknowledged journal entries.
+    durable: u64,
+    /// How long a new leader holds what a grant named that it knows no replica in (ms).
+    hold: u64,
 }
 
 /// A write a client reported still running into a segment this master did not know when
@@ -279,6 +350,11 @@ pub struct State {
     dirty: Option<Box<journal::Dirty>>,
     /// How many changes were marked into `dirty` ([`State::marks`]).
     marks: u64,
+    grants: Grants,
+    /// Segments with a pool.
+    pools: usize,
+    /// The last put placed every replica in granted space whose grant is durable.
+    placed_granted: bool,
 }
 
 /// The most preferred segments a put may name.
@@ -494,7 +570,7 @@ impl State {
             });
         }
         let writes_until = self.reported_until(&seg, now);
-        self.segments.insert(id, SegState { seg, client, space, writes_until });
+        self.segments.insert(id, SegState { seg, client, space, writes_until, pool: None });
         Ok(())
     }
 
@@ -817,17 +893,73 @@ impl State {
             order.extend(rest);
         }
         let mut out = Vec::with_capacity(want);
+        let grants = self.grants;
+        let (mut granted, mut regranted) = (true, Vec::new());
         for id in order {
             if out.len() == want {
                 break;
             }
             if let Some(s) = self.segments.get_mut(&id).filter(|s| s.writes_until <= now) {
-                if let Some(block) = s.space.allocate(size) {
+                let before = s.pool.as_ref().map(|p| p.gen);
+                if let Some((block, in_grant)) = s.allocate(size, &grants) {
+                    granted &= in_grant;
                     out.push(Replica { seg: id, block });
+                }
+                let after = s.pool.as_ref().map(|p| p.gen);
+                if before != after {
+                    self.pools = self.pools + usize::from(after.is_some()) - usize::from(before.is_some());
+                    regranted.push(id);
                 }
             }
         }
+        for id in regranted {
+            self.mark_grant(id);
+        }
+        self.placed_granted = granted && !out.is_empty();
         out
+    }
+
+    /// Turns granting space ahead on (`bytes` per pool at most) or off (0: every pool's unused
+    /// space goes back to its segment), with `hold` ms for which a new leader holds what a
+    /// grant named (an HA leader's journal writer sets it, as its standbys allow).
+    pub fn set_grant_bytes(&mut self, bytes: u64, hold: u64) {
+        if bytes == 0 && self.pools > 0 {
+            self.return_pools();
+        }
+        (self.grants.bytes, self.grants.hold) = (bytes, hold);
+    }
+
+    /// The grants up to `durable` are in acknowledged journal entries (`ha::journal`'s
+    /// `JournalCore::grants_durable`; set before placing puts, `server.rs`).
+    pub fn set_grants_durable(&mut self, durable: u64) {
+        self.grants.durable = durable;
+    }
+
+    /// Whether space is granted ahead to puts now.
+    pub fn granting(&self) -> bool {
+        self.grants.bytes > 0
+    }
+
+    /// Whether the last put started placed every replica in space granted by a durable grant
+    /// (its answer need not wait for its own change to be acknowledged).
+    pub fn placed_granted(&self) -> bool {
+        self.placed_granted
+    }
+
+    /// Every pool's unused space back to its segment (marked for the journal: the grant is
+    /// then empty).
+    fn return_pools(&mut self) {
+        let mut returned = Vec::new();
+        for (&id, s) in self.segments.iter_mut() {
+            if let Some(p) = s.pool.take() {
+                s.space.give_back(&p.space);
+                returned.push(id);
+            }
+        }
+        self.pools = 0;
+        for id in returned {
+            self.mark_grant(id);
+        }
     }
 
     /// Evicts unpinned, complete objects that no read in flight uses, least recently used
@@ -913,6 +1045,7 @@ impl State {
     #[allow(clippy::too_many_arguments)]
     pub fn put_start_ex(&mut self, m: &MasterConfig, stats: &Stats, put: PutId, key: &str, size: u64, cfg: &ReplicateConfig, upsert: bool, now: u64, attempt: Attempt) -> StoreResult<Vec<ReplicaDesc>> {
         let PutId { client, put } = put;
+        self.placed_granted = false;
         check_key(key)?;
         if size == 0 {
             return Err(StoreError::InvalidParams(format!("value of {key:?} is empty; values must be at least 1 byte")));
@@ -962,6 +1095,11 @@ impl State {
             });
         }
         let mut replicas = self.place(size, cfg, m.strategy, now);
+        if replicas.is_empty() && self.pools > 0 {
+            // Space granted ahead goes back before anything is evicted.
+            self.return_pools();
+            replicas = self.place(size, cfg, m.strategy, now);
+        }
         if replicas.is_empty() && !self.deferred.is_empty() {
             // Space held by reads that ended (released or expired) comes back first.
             self.expire_reads(now);
