@@ -789,6 +789,7 @@ mod tests {
         };
         let (a0, rode) = put(&mut st, "k0", 1);
         assert!(!rode, "the grant it was placed in is not durable yet");
+        assert_eq!(st.used_bytes(), 4096, "what a pool has not handed out is not counted as used");
         let mut log = Image::default();
         let changes = st.take_changes(0);
         let pool = changes.iter().find_map(|c| match c {

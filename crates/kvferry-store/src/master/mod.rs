@@ -195,6 +195,11 @@ struct SegState {
 }
 
 impl SegState {
+    /// Bytes objects use (and held space): what a pool has not handed out yet is free.
+    fn used(&self) -> u64 {
+        self.space.used() - self.pool.as_ref().map_or(0, |p| p.space.size() - p.space.used())
+    }
+
     /// Allocates `size` bytes: with grants on, from the pool (a new one when it has no room:
     /// the old one's unused space goes back first), values over a quarter of a pool from the
     /// segment's space. Whether the block lies in a durable grant.
@@ -494,7 +499,7 @@ impl State {
     }
 
     pub fn used_bytes(&self) -> u64 {
-        self.segments.values().map(|s| s.space.used()).sum()
+        self.segments.values().map(SegState::used).sum()
     }
 
     pub fn summary(&self) -> Summary {
@@ -513,7 +518,7 @@ impl State {
         let mut v: Vec<SegmentInfo> = self
             .segments
             .values()
-            .map(|s| SegmentInfo { id: s.seg.id, name: s.seg.name.clone(), te_endpoint: s.seg.te_endpoint.clone(), client: format!("{:x}", s.client), base: s.seg.base, size: s.space.size(), used: s.space.used() })
+            .map(|s| SegmentInfo { id: s.seg.id, name: s.seg.name.clone(), te_endpoint: s.seg.te_endpoint.clone(), client: format!("{:x}", s.client), base: s.seg.base, size: s.space.size(), used: s.used() })
             .collect();
         v.sort_by_key(|s| s.id);
         v
@@ -570,7 +575,9 @@ impl State {
             });
         }
         let writes_until = self.reported_until(&seg, now);
-        self.segments.insert(id, SegState { seg, client, space, writes_until, pool: None });
+        if self.segments.insert(id, SegState { seg, client, space, writes_until, pool: None }).is_some_and(|s| s.pool.is_some()) {
+            self.pools = self.pools.saturating_sub(1);
+        }
         Ok(())
     }
 
@@ -693,7 +700,9 @@ impl State {
         }
         for &id in ids {
             self.mark_segment(id);
-            self.segments.remove(&id);
+            if self.segments.remove(&id).is_some_and(|s| s.pool.is_some()) {
+                self.pools = self.pools.saturating_sub(1);
+            }
         }
         let ids: HashSet<u64> = ids.iter().copied().collect();
         let on = |r: &Replica| ids.contains(&r.seg);
@@ -907,7 +916,7 @@ impl State {
                 }
                 let after = s.pool.as_ref().map(|p| p.gen);
                 if before != after {
-                    self.pools = self.pools + usize::from(after.is_some()) - usize::from(before.is_some());
+                    self.pools = (self.pools + usize::from(after.is_some())).saturating_sub(usize::from(before.is_some()));
                     regranted.push(id);
                 }
             }
