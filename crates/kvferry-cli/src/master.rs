@@ -371,8 +371,10 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     for w in flag_warnings(&a) {
         eprintln!("kvferry master: warning: {w}");
     }
-    let master = Arc::new(Master::new(cfg));
     let env = kvferry::Config::from_env().map_err(|e| e.to_string())?;
+    let mut master = Master::new(cfg);
+    master.auth = kvferry::auth::ClusterKey::from_config(env.auth_key_file.as_deref()).map_err(|e| e.to_string())?;
+    let master = Arc::new(master);
     let ha = ha_config(&a, rpc_port, env.store_cluster_id.as_deref())?;
     if let Some(h) = &ha {
         // Before the RPC port is served: the master refuses every request until it leads.
@@ -451,6 +453,9 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     );
     let _ = std::io::stdout().flush();
     eprintln!("kvferry master listening on {}:{} (RPC){}", a.host, server.port(), http_port.map(|p| format!(", {}:{p} (HTTP)", a.metrics_host.unwrap_or(a.host))).unwrap_or_default());
+    if master.auth.is_some() {
+        eprintln!("kvferry master: clients must prove the cluster key (KVFERRY_AUTH_KEY_FILE) before any request; clients without it are refused");
+    }
     if ha.is_some() {
         // Stopped by SIGTERM/SIGINT, an HA leader first leaves its whole state in etcd and
         // steps down, so stopping every master at once loses nothing.

@@ -1002,3 +1002,55 @@ fn a_write_still_running_across_a_master_restart_keeps_new_puts_out_of_its_segme
     );
     assert!(intact(&c.get("new").unwrap()));
 }
+
+/// With `KVFERRY_AUTH_KEY_FILE` set where the master runs, it serves only clients that prove
+/// the same cluster key (and that it proves it to them), on every connection; a client
+/// without the key, with another key, or a raw connection that skips the exchange is refused
+/// at once with the reason (no retries: a key does not appear by waiting), and a client
+/// holding a key refuses a master without one. A client in the first step of a key change
+/// (its old key first, the new one second) is still served.
+#[test]
+fn a_master_with_a_cluster_key_serves_only_clients_that_prove_it_and_says_why_to_others() {
+    use kvferry::{Config, TransferEngine};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let file = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).expect("write a key file");
+        p
+    };
+    let (a, b) = ("a".repeat(64), "b".repeat(64));
+    let (key_a, key_b, old_then_new) = (file("a", &format!("{a}\n")), file("b", &b), file("ab", &format!("# old first\n{a}\n{b}\n")));
+    let m = Proc::start_with(&["master", "--metrics-port", "0", "--summary-interval", "0", "--port", "0"], &[("KVFERRY_AUTH_KEY_FILE", key_a.to_str().expect("path"))], "KVFERRY_MASTER");
+    let addr = m.field("rpc=");
+    let setup = |addr: &str, key: Option<&std::path::Path>| {
+        let engine = TransferEngine::new(Config { auth_key_file: key.map(Into::into), ..Config::default() }).expect("engine");
+        let cfg = ClientConfig { local_hostname: String::new(), global_segment_size: 4 << 20, local_buffer_size: 4 << 20, master_server_addr: addr.to_string(), ..ClientConfig::default() };
+        let t = Instant::now();
+        let c = Client::with_engine(cfg, Arc::new(engine), None);
+        assert!(t.elapsed() < Duration::from_secs(5), "answered at once: {:?}", t.elapsed());
+        c
+    };
+    let refused = |c: Result<Client, StoreError>, what: &str| match c {
+        Err(StoreError::Unauthorized(why)) if why.contains(what) => why,
+        Err(e) => panic!("expected Unauthorized saying {what:?}: {e}"),
+        Ok(_) => panic!("served without the cluster key ({what})"),
+    };
+    for key in [&key_a, &old_then_new] {
+        let c = setup(&addr, Some(key)).unwrap_or_else(|e| panic!("a client holding the key ({}): {e}", key.display()));
+        c.put("k", &value("k", 1, 4096), &ReplicateConfig::default()).expect("put");
+        assert_eq!(c.get("k").expect("get"), value("k", 1, 4096));
+        let _ = c.close();
+    }
+    eprintln!("{}", refused(setup(&addr, None), "set KVFERRY_AUTH_KEY_FILE on this client"));
+    eprintln!("{}", refused(setup(&addr, Some(&key_b)), "another key"));
+    // A raw connection that sends a request first: the reason, then the connection closes.
+    let mut raw = std::net::TcpStream::connect(&addr).expect("connect");
+    raw.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let mut r = RawReader(raw.try_clone().expect("clone"));
+    assert!(matches!(r.call(&proto::Request::ExistKey { key: "k".into() }), proto::Response::Err(StoreError::Unauthorized(_))));
+    assert_eq!(raw.read(&mut [0u8; 1]).expect("read"), 0, "the master closed the connection");
+    // A master without a key, to a client holding one.
+    let open = master(&[]);
+    eprintln!("{}", refused(setup(&open.field("rpc="), Some(&key_a)), "has no cluster key"));
+}

@@ -57,12 +57,17 @@ impl Master {
 
     fn start_with(etcd_port: u16, cluster: Option<&str>, mooncake: bool, extra: &[&str]) -> Master {
         // A dead second endpoint, tried after the live one.
-        Master::start_in(None, &format!("etcd://127.0.0.1:{etcd_port};127.0.0.1:1"), cluster, mooncake, extra)
+        Master::start_in(None, &format!("etcd://127.0.0.1:{etcd_port};127.0.0.1:1"), cluster, mooncake, extra, &[])
+    }
+
+    /// A master of the default cluster with `env` set.
+    fn start_env(etcd_port: u16, env: &[(&str, &str)]) -> Master {
+        Master::start_in(None, &format!("etcd://127.0.0.1:{etcd_port}"), None, false, &[], env)
     }
 
     /// A master in network namespace `netns` (`ip netns exec`, which execs the binary: the pid
     /// is the master's), using the etcd connection string `conn`.
-    fn start_in(netns: Option<&str>, conn: &str, cluster: Option<&str>, mooncake: bool, extra: &[&str]) -> Master {
+    fn start_in(netns: Option<&str>, conn: &str, cluster: Option<&str>, mooncake: bool, extra: &[&str], env: &[(&str, &str)]) -> Master {
         let conn = conn.to_string();
         // (`--port P` in `extra` replaces the default 0: a master restarted at its address.)
         let port = extra.iter().position(|a| *a == "--port").and_then(|i| extra.get(i + 1)).copied().unwrap_or("0");
@@ -90,7 +95,7 @@ impl Master {
         };
         let log = log_file();
         let err = std::fs::File::create(&log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
-        let mut child = cmd.args(&args).env_remove("MC_STORE_CLUSTER_ID").env("KVFERRY_LOG", "info").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(err).spawn().expect("spawn kvferry master");
+        let mut child = cmd.args(&args).env_remove("MC_STORE_CLUSTER_ID").env("KVFERRY_LOG", "info").envs(env.iter().copied()).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(err).spawn().expect("spawn kvferry master");
         let mut line = String::new();
         let read = BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line);
         if read.is_err() || !line.starts_with("KVFERRY_MASTER") {
@@ -867,6 +872,56 @@ fn a_put_answered_early_whose_start_died_with_the_leader_is_never_served_and_its
     eprintln!("{} objects of {LEN} B placed in the {SEG} B segment; none on the lost put's bytes", placed.len());
 }
 
+/// Masters holding the cluster key (`KVFERRY_AUTH_KEY_FILE`) replicate to each other and fail
+/// over as without one, and serve clients that hold it; a master holding another key
+/// registers as a standby but the leader never links it (each side proves the key on the
+/// replication link), so it never joins the in-sync set nor mirrors anything, and a client
+/// with another key is refused at once.
+#[test]
+fn masters_holding_the_cluster_key_replicate_and_fail_over_and_one_with_another_key_never_joins() {
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let file = |name: &str, c: char| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, c.to_string().repeat(64)).expect("key file");
+        p.to_str().expect("path").to_string()
+    };
+    let (a, b) = (file("a", 'a'), file("b", 'b'));
+    let with = |k: &str| Master::start_env(etcd_svc.port, &[("KVFERRY_AUTH_KEY_FILE", k)]);
+    let mut ms = [with(&a), with(&a)];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let s = 1 - l;
+    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    let other = with(&b);
+    let client = |k: &str| {
+        let engine = kvferry::TransferEngine::new(kvferry::Config { auth_key_file: Some(k.into()), ..kvferry::Config::default() }).expect("engine");
+        let cfg = ClientConfig { local_hostname: String::new(), global_segment_size: 32 << 20, local_buffer_size: 16 << 20, master_server_addr: format!("etcd://127.0.0.1:{}", etcd_svc.port), transfer_timeout: Duration::from_secs(10), ..ClientConfig::default() };
+        Client::with_engine(cfg, Arc::new(engine), None)
+    };
+    let c = client(&a).expect("a client holding the key");
+    let keys = put_keys(&c, "auth-", 50);
+    let t = Instant::now();
+    match client(&b) {
+        Err(StoreError::Unauthorized(why)) => assert!(why.contains("another key") && t.elapsed() < Duration::from_secs(5), "{why} after {:?}", t.elapsed()),
+        Err(e) => panic!("expected Unauthorized: {e}"),
+        Ok(_) => panic!("a client with another key was served"),
+    }
+    // Meanwhile the leader tried to link the master with another key, more than once.
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(ha_status(&ms[l])["insync"], serde_json::json!([ms[s].rpc]), "the master with another key is not in sync");
+    let mirror = ha_status(&other)["mirror"].clone();
+    assert!(mirror["objects"].as_u64().unwrap_or(0) == 0 && mirror["fed"] != true, "it mirrors nothing: {mirror}");
+    assert!(log_tail(&ms[l].log, 200).contains("could not prove the cluster key"), "the leader says why it does not link it:\n{}", log_tail(&ms[l].log, 40));
+    // The leader dies: the in-sync standby (the same key) leads with every object.
+    ms[l].kill();
+    wait_leader(&ms[s], 3 * TTL, "the in-sync standby leads");
+    for k in &keys {
+        assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{k} lost in the failover: {e}")), value(k, 4096));
+    }
+    assert_ne!(other.role(), "leader", "the master with another key does not lead");
+    let _ = c.close();
+}
+
 /// A standby that joins a set already in sync (its image is after where the etcd journal is
 /// whole, when the first standby joined) gets from the leader the entries from there up to
 /// its image (`ToStandby::Run`), so that when it takes over, the first standby and the leader
@@ -1636,7 +1691,7 @@ fn a_leader_cut_off_from_etcd_by_a_network_namespace_stops_accepting_writes() {
     };
     let fwd = forward(&ns.etcd_ip, etcd_svc.port);
     let conn = format!("etcd://{}:{fwd}", ns.etcd_ip);
-    let a = Master::start_in(Some(&ns.name), &conn, None, false, &["--host", &ns.ns_ip]);
+    let a = Master::start_in(Some(&ns.name), &conn, None, false, &["--host", &ns.ns_ip], &[]);
     assert!(a.rpc.starts_with(&ns.ns_ip), "the namespaced master advertises its namespace's address: {}", a.rpc);
     let until = Instant::now() + Duration::from_secs(10);
     while a.role() != "leader" {

@@ -35,7 +35,7 @@ fn class_of(e: &StoreError) -> &'static str {
         StoreError::SegmentNotFound(_) | StoreError::SegmentAlreadyExists(_) | StoreError::UnknownClient(_) => "StoreError",
         StoreError::TransferFailed(_) => "StoreTransferError",
         StoreError::Rpc(_) | StoreError::NotLeader { .. } | StoreError::MasterFailover(_) | StoreError::OutcomeUnknown => "MasterUnreachable",
-        StoreError::Internal(_) => "StoreError",
+        StoreError::Internal(_) | StoreError::Unauthorized(_) => "StoreError",
     }
 }
 

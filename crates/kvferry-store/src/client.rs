@@ -160,6 +160,9 @@ struct Rpc {
     /// Bounded poll for the answer before sleeping (`KVFERRY_SPIN_US`): a master round trip
     /// is a few microseconds of work, and waking a sleeping core costs more on VMs.
     spin: Duration,
+    /// The cluster key this client and the master prove to each other on every new
+    /// connection (`KVFERRY_AUTH_KEY_FILE`; [`authenticate`]).
+    auth: Option<kvferry::auth::ClusterKey>,
 }
 
 /// Which connection a call uses: one of the pool (callers' requests) or the background
@@ -199,6 +202,39 @@ fn closed_by_peer(s: &TcpStream) -> bool {
     }
 }
 
+/// One request and its answer on `s`, outside the pool (the authentication's steps).
+fn exchange(s: &mut TcpStream, req: &Request) -> Result<Response, String> {
+    s.write_all(&proto::encode(req).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    let mut prefix = [0u8; 4];
+    s.read_exact(&mut prefix).map_err(|e| e.to_string())?;
+    let mut body = vec![0u8; proto::decode_len(prefix).map_err(|e| e.to_string())?];
+    s.read_exact(&mut body).map_err(|e| e.to_string())?;
+    proto::decode(&body).map_err(|e| e.to_string())
+}
+
+/// Proves the cluster key to the master at `addr` on a new connection, and has the master
+/// prove it (`server.rs` `ConnAuth`): a master that cannot is not talked to. Its errors are
+/// [`StoreError::Unauthorized`] (nothing to retry: a key is missing or differs) or, for the
+/// connection itself, [`StoreError::Rpc`].
+fn authenticate(s: &mut TcpStream, key: &kvferry::auth::ClusterKey, addr: &str) -> StoreResult<()> {
+    let rpc = |e: String| StoreError::Rpc(format!("master at {addr}: authenticating: {e}"));
+    let mine = kvferry::auth::ClusterKey::nonce();
+    match exchange(s, &Request::AuthHello { nonce: mine.to_vec() }).map_err(rpc)? {
+        Response::AuthChallenge { nonce, mac } if key.verify(proto::AUTH_MASTER, &mine, &nonce, &mac) => {
+            match exchange(s, &Request::AuthProof { mac: key.mac(proto::AUTH_CLIENT, &mine, &nonce).to_vec() }).map_err(rpc)? {
+                Response::Ok => Ok(()),
+                Response::Err(e) => Err(e),
+                other => Err(rpc(format!("answered {other:?} to the proof"))),
+            }
+        }
+        Response::AuthChallenge { .. } => Err(StoreError::Unauthorized(format!("the master at {addr} could not prove the cluster key: it holds another key than this client's KVFERRY_AUTH_KEY_FILE (while a key changes, every host must accept both first), or it is not this cluster's master"))),
+        Response::Err(StoreError::Unauthorized(why)) => Err(StoreError::Unauthorized(format!("the master at {addr}: {why}"))),
+        // (A master of an earlier version does not know the request.)
+        Response::Err(e) => Err(StoreError::Unauthorized(format!("the master at {addr} cannot authenticate clients ({e}): give it the cluster's key file (a kvferry master reading KVFERRY_AUTH_KEY_FILE), or unset KVFERRY_AUTH_KEY_FILE on this client"))),
+        other => Err(rpc(format!("answered {other:?} to AuthHello"))),
+    }
+}
+
 /// A call's failure: whether the request can have reached the master.
 enum Failure {
     /// Nothing was sent (no connection): safe to send elsewhere.
@@ -226,7 +262,8 @@ impl Rpc {
                 return Err(StoreError::InvalidParams(format!("master_server_addr {addr:?}: {scheme}:// is not supported; use host:port or etcd://host:2379[;host:2379...]")))
             }
         };
-        Ok(Rpc { target, addr: Mutex::new((first, (String::new(), 0))), epoch: Default::default(), registration: Mutex::default(), writes: Mutex::default(), pool: Mutex::default(), aside: Mutex::default(), timeout, spin })
+        let auth = kvferry::auth::ClusterKey::from_config(ecfg.auth_key_file.as_deref()).map_err(|e| StoreError::InvalidParams(e.to_string()))?;
+        Ok(Rpc { target, addr: Mutex::new((first, (String::new(), 0))), epoch: Default::default(), registration: Mutex::default(), writes: Mutex::default(), pool: Mutex::default(), aside: Mutex::default(), timeout, spin, auth })
     }
 
     fn addr(&self) -> String {
@@ -243,10 +280,13 @@ impl Rpc {
         let mut last = "no address".to_string();
         for a in addrs {
             match TcpStream::connect_timeout(&a, Duration::from_secs(5)) {
-                Ok(s) => {
+                Ok(mut s) => {
                     let _ = s.set_nodelay(true);
                     s.set_read_timeout(Some(self.timeout)).map_err(|e| fail(e.to_string()))?;
                     s.set_write_timeout(Some(self.timeout)).map_err(|e| fail(e.to_string()))?;
+                    if let Some(key) = &self.auth {
+                        authenticate(&mut s, key, addr)?;
+                    }
                     return Ok(s);
                 }
                 Err(e) => last = e.to_string(),
@@ -336,6 +376,8 @@ impl Rpc {
                     return Ok((Response::Err(StoreError::OutcomeUnknown), epoch));
                 }
                 Ok(r) => return Ok(r),
+                // (A key missing or different: no other master or later try changes that.)
+                Err(Failure::NotSent(e @ StoreError::Unauthorized(_))) => return Err(e),
                 Err(Failure::NotSent(e)) => e,
                 Err(Failure::Lost(e) | Failure::Garbled(e)) if idempotent(req) => e,
                 Err(Failure::Garbled(e)) => {
@@ -395,6 +437,7 @@ impl Rpc {
                             }
                             return Ok(());
                         }
+                        Err(e @ StoreError::Unauthorized(_)) => return Err(e),
                         Err(e) => last = e.to_string(),
                     }
                 }

@@ -52,6 +52,11 @@ pub enum StoreError {
     /// request is not sent again on its own (a put's end is, once: see `Client::put_from`).
     #[error("the master may or may not have applied this request (it stopped leading before the change was durable, or the connection failed after the request was sent): check the state (exist, get) before repeating it; a put whose start is in doubt is revoked by the client, and a put whose end is in doubt was sent once more to the leader")]
     OutcomeUnknown,
+    /// The client and the master do not share the cluster key (`KVFERRY_AUTH_KEY_FILE`):
+    /// one side has none, or they hold different keys; the message says which and what to
+    /// set. Nothing was applied. Last, so the other variants keep their wire numbers.
+    #[error("not authenticated: {0}")]
+    Unauthorized(String),
 }
 
 impl StoreError {
@@ -76,6 +81,8 @@ impl StoreError {
             StoreError::NotLeader { .. } => -1011,
             StoreError::MasterFailover(_) => -900,
             StoreError::OutcomeUnknown => -900,
+            // (Mooncake has no such error: kvferry's own number, next to NotLeader's.)
+            StoreError::Unauthorized(_) => -1012,
         }
     }
 }

@@ -176,7 +176,20 @@ pub enum Request {
     /// master places nothing new in their segments until they are over, and drops the
     /// replicas it placed in their ranges since. Answered `Ok`.
     HoldWrites { client: u64, writes: Vec<WriteInFlight> },
+    /// The first request of a connection to a master that holds the cluster key
+    /// (`KVFERRY_AUTH_KEY_FILE`, `kvferry::auth`): the client's fresh nonce. Answered by
+    /// [`Response::AuthChallenge`]; a master without a key refuses it
+    /// ([`StoreError::Unauthorized`]). Last, so the other variants keep their wire numbers.
+    AuthHello { nonce: Vec<u8> },
+    /// The client's MAC over both nonces ([`AUTH_CLIENT`]), after the master proved the key;
+    /// answered `Ok`, after which the connection carries requests.
+    AuthProof { mac: Vec<u8> },
 }
+
+/// The label of the master's MAC in the store's authentication (`kvferry::auth`).
+pub const AUTH_MASTER: &str = "kvferry-store/master";
+/// The label of the client's MAC.
+pub const AUTH_CLIENT: &str = "kvferry-store/client";
 
 /// A write into a segment still running, as a client reports it (`Request::HoldWrites`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -201,6 +214,9 @@ pub enum Response {
     Err(StoreError),
     Batch(#[serde(deserialize_with = "de_batch")] Vec<Response>),
     Keys(Vec<String>),
+    /// To [`Request::AuthHello`]: the master's nonce and its MAC over both ([`AUTH_MASTER`]).
+    /// Last, so the other variants keep their wire numbers.
+    AuthChallenge { nonce: Vec<u8>, mac: Vec<u8> },
 }
 
 impl Response {
@@ -261,6 +277,15 @@ mod tests {
         let e = Response::Err(StoreError::ObjectNotFound("k".into()));
         assert_eq!(decode::<Response>(&encode(&e).unwrap()[4..]).unwrap(), e);
         assert!(decode_len(u32::MAX.to_le_bytes()).is_err());
+        // The authentication's messages came last: every earlier variant keeps its number.
+        let first = |f: Vec<u8>| f[4];
+        assert_eq!(first(encode(&Request::HoldWrites { client: 0, writes: vec![] }).unwrap()), 15);
+        assert_eq!(first(encode(&Request::AuthHello { nonce: vec![1; 16] }).unwrap()), 16);
+        assert_eq!(first(encode(&Request::AuthProof { mac: vec![2; 32] }).unwrap()), 17);
+        assert_eq!(first(encode(&Response::AuthChallenge { nonce: vec![], mac: vec![] }).unwrap()), 9);
+        let e = Response::Err(StoreError::Unauthorized("why".into()));
+        assert_eq!(encode(&e).unwrap()[4..6], [6, 18], "Err, then the error's number");
+        assert_eq!(decode::<Response>(&encode(&e).unwrap()[4..]).unwrap(), e);
     }
 
     /// A frame of a hundred thousand batches nested in each other (200 KB) is refused at the

@@ -242,7 +242,7 @@ const JOURNAL_WAIT: Duration = Duration::from_secs(30);
 /// touch leases and reads in flight, which are not replicated).
 fn mutates(req: &Request) -> bool {
     match req {
-        Request::GetReplicaList { .. } | Request::ExistKey { .. } | Request::Ping { .. } | Request::ReleaseReads { .. } => false,
+        Request::GetReplicaList { .. } | Request::ExistKey { .. } | Request::Ping { .. } | Request::ReleaseReads { .. } | Request::AuthHello { .. } | Request::AuthProof { .. } => false,
         Request::Batch(reqs) => reqs.iter().any(mutates),
         _ => true,
     }
@@ -366,12 +366,86 @@ fn op_of(req: &Request) -> Option<usize> {
         Request::ReleaseReads { .. } => 12,
         Request::BatchReplicaClear { .. } => 13,
         Request::HoldWrites { .. } => 14,
-        Request::Batch(_) => return None,
+        Request::Batch(_) | Request::AuthHello { .. } | Request::AuthProof { .. } => return None,
     })
 }
 
-fn nested() -> Response {
-    Response::Err(StoreError::InvalidParams("nested batches are not allowed".into()))
+/// The answer to a request that [`op_of`] does not count: a batch within a batch, or an
+/// authentication step anywhere but first on its connection ([`ConnAuth`]).
+fn misplaced(req: &Request) -> Response {
+    Response::Err(match req {
+        Request::AuthHello { .. } | Request::AuthProof { .. } => StoreError::InvalidParams("authentication opens a connection, alone (AuthHello, then AuthProof), before any other request; not in a batch nor after".into()),
+        _ => StoreError::InvalidParams("nested batches are not allowed".into()),
+    })
+}
+
+/// What a connection's authentication ([`ConnAuth`]) does with a request.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Gate {
+    /// Applied as usual.
+    Pass(Request),
+    /// Answered so (a step of the exchange).
+    Answer(Response),
+    /// Answered so, then the connection is closed.
+    Refuse(Response),
+}
+
+/// A connection's proof of the cluster key (`KVFERRY_AUTH_KEY_FILE`, [`kvferry::auth`]),
+/// sans-IO. A master holding a key answers nothing but the exchange until the client proved
+/// it: `AuthHello { client nonce }` → `AuthChallenge { master nonce, the master's MAC over
+/// both }`, then `AuthProof { the client's MAC }` → `Ok`. Anything else before that is
+/// refused, saying what to set, and the connection closed. A master without a key refuses
+/// `AuthHello` (a client holding a key must not talk to a master that cannot prove one).
+pub(crate) struct ConnAuth<'k> {
+    key: Option<&'k kvferry::auth::ClusterKey>,
+    state: AuthState,
+}
+
+enum AuthState {
+    /// Requests are applied.
+    Open,
+    /// Nothing but `AuthHello` yet.
+    Start,
+    /// The master's challenge went out: nothing but the proof.
+    Challenged { client: Vec<u8>, master: [u8; kvferry::auth::NONCE_LEN] },
+}
+
+fn unauthorized(why: impl Into<String>) -> Gate {
+    Gate::Refuse(Response::Err(StoreError::Unauthorized(why.into())))
+}
+
+impl<'k> ConnAuth<'k> {
+    pub(crate) fn new(key: Option<&'k kvferry::auth::ClusterKey>) -> ConnAuth<'k> {
+        ConnAuth { key, state: if key.is_some() { AuthState::Start } else { AuthState::Open } }
+    }
+
+    pub(crate) fn on(&mut self, req: Request) -> Gate {
+        use kvferry::auth::{ClusterKey, MAC_LEN, NONCE_LEN};
+        let Some(key) = self.key else {
+            return match req {
+                Request::AuthHello { .. } => unauthorized("this master has no cluster key (KVFERRY_AUTH_KEY_FILE is unset where it runs): give it the cluster's key file, or unset KVFERRY_AUTH_KEY_FILE on this client"),
+                req => Gate::Pass(req),
+            };
+        };
+        match (&self.state, req) {
+            (AuthState::Open, req @ (Request::AuthHello { .. } | Request::AuthProof { .. })) => Gate::Refuse(misplaced(&req)),
+            (AuthState::Open, req) => Gate::Pass(req),
+            (AuthState::Start, Request::AuthHello { nonce }) if nonce.len() == NONCE_LEN => {
+                let mine = ClusterKey::nonce();
+                let mac = key.mac(proto::AUTH_MASTER, &nonce, &mine).to_vec();
+                self.state = AuthState::Challenged { client: nonce, master: mine };
+                Gate::Answer(Response::AuthChallenge { nonce: mine.to_vec(), mac })
+            }
+            (AuthState::Start, Request::AuthHello { nonce }) => unauthorized(format!("the client's nonce is {} bytes; {NONCE_LEN} expected", nonce.len())),
+            (AuthState::Challenged { client, master }, Request::AuthProof { mac }) if mac.len() == MAC_LEN && key.verify(proto::AUTH_CLIENT, client, master, &mac) => {
+                self.state = AuthState::Open;
+                Gate::Answer(Response::Ok)
+            }
+            (AuthState::Challenged { .. }, Request::AuthProof { .. }) => unauthorized("the client's proof is not of this master's cluster key: its KVFERRY_AUTH_KEY_FILE holds another key (while a key changes, every host must accept both first: the old and the new key in its file)"),
+            (AuthState::Challenged { .. }, _) => unauthorized("the client sent a request before its proof (AuthProof)"),
+            (AuthState::Start, _) => unauthorized("this master requires the cluster key: set KVFERRY_AUTH_KEY_FILE on this client to the cluster's key file (a stock Mooncake client cannot authenticate: serve those from a master without a key)"),
+        }
+    }
 }
 
 /// Counts `r` in the master's statistics of operation `op`.
@@ -391,7 +465,7 @@ fn counted(m: &Master, op: usize, r: Result<Response, StoreError>) -> Response {
 }
 
 fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64, changed: &mut bool, ride: &mut bool) -> Response {
-    let Some(op) = op_of(&req) else { return nested() };
+    let Some(op) = op_of(&req) else { return misplaced(&req) };
     debug_assert!(op < OP_NAMES.len());
     m.stats.ops[op].fetch_add(1, Ordering::Relaxed);
     // What a RemoveAll/RemoveByRegex took out: its memory is freed after the state's lock is
@@ -445,7 +519,7 @@ fn handle_batch<'m>(m: &'m Master, reqs: Vec<Request>, deadline: Instant, term: 
             }
         }
         let Some(op) = op_of(&req) else {
-            out.push(nested());
+            out.push(misplaced(&req));
             continue;
         };
         if matches!(req, Request::RemoveAll { .. } | Request::RemoveByRegex { .. }) {
@@ -524,7 +598,7 @@ fn apply_locked(st: &mut State, m: &Master, req: Request, now: u64, removed: &mu
             Ok(re) => Ok(Response::Count(removed.insert(st.remove_matching(&m.cfg, |k| re.is_match(k), force, now)).count())),
             Err(e) => Err(StoreError::InvalidParams(format!("bad regex {pattern:?}: {e}"))),
         },
-        Request::Batch(_) => Err(StoreError::InvalidParams("nested batches are not allowed".into())),
+        req @ (Request::Batch(_) | Request::AuthHello { .. } | Request::AuthProof { .. }) => misplaced(&req).into_result(),
     }
 }
 
@@ -638,6 +712,7 @@ fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin) -> std::io::Result<()
     let mut deferred = false;
     // An answer went out before its changes were collected ([`Applied::Early`]), at this time.
     let mut owed: Option<Instant> = None;
+    let mut auth = ConnAuth::new(m.auth.as_ref());
     loop {
         if let Some(at) = owed {
             let left = RIDE_WAIT.saturating_sub(at.elapsed());
@@ -660,8 +735,14 @@ fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin) -> std::io::Result<()
         }
         // The previous request's answer, if it waited for the journal, is out first.
         out.wait_idle();
-        let resp = match proto::decode::<Request>(&body) {
-            Ok(req) => match (mutates(&req), apply(m, req)) {
+        let req = proto::decode::<Request>(&body).map(|req| auth.on(req));
+        let resp = match req {
+            Ok(Gate::Answer(resp)) => resp,
+            Ok(Gate::Refuse(resp)) => {
+                (&*s).write_all(&frame_of(&resp))?;
+                return Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("{resp:?}")));
+            }
+            Ok(Gate::Pass(req)) => match (mutates(&req), apply(m, req)) {
                 (_, Applied::Early(resp)) => {
                     owed.get_or_insert_with(Instant::now);
                     resp
@@ -789,6 +870,73 @@ mod tests {
     use super::*;
     use crate::master::MasterConfig;
     use crate::proto::Segment;
+
+    /// The master's side of the cluster key's challenge-response, without sockets: nothing
+    /// but the exchange before the proof; a wrong, replayed or late proof, a nonce of the
+    /// wrong size, or a request before the proof closes the connection with the reason; a
+    /// master without a key refuses a client that wants one. A client holding the key being
+    /// replaced as its second key is still served.
+    #[test]
+    fn a_connection_proves_the_cluster_key_before_any_request_or_is_refused_saying_why() {
+        use kvferry::auth::ClusterKey;
+        let key = |t: &str| ClusterKey::parse(t.as_bytes(), std::path::Path::new("k")).expect("key");
+        let (a, b) = ("a".repeat(64), "b".repeat(64));
+        let master = key(&a);
+        let ping = || Request::Ping { client: 1 };
+        let refused = |g: Gate, what: &str| match g {
+            Gate::Refuse(Response::Err(StoreError::Unauthorized(why))) if why.contains(what) => why,
+            other => panic!("expected a refusal saying {what:?}: {other:?}"),
+        };
+        // Without a key: everything passes; a client that wants to authenticate is told.
+        let mut open = ConnAuth::new(None);
+        assert_eq!(open.on(ping()), Gate::Pass(ping()));
+        refused(open.on(Request::AuthHello { nonce: vec![0; 16] }), "has no cluster key");
+        // With one: a request before the exchange is refused, naming what to set.
+        refused(ConnAuth::new(Some(&master)).on(ping()), "set KVFERRY_AUTH_KEY_FILE on this client");
+        refused(ConnAuth::new(Some(&master)).on(Request::AuthHello { nonce: vec![0; 3] }), "3 bytes");
+        refused(ConnAuth::new(Some(&master)).on(Request::AuthProof { mac: vec![0; 32] }), "requires the cluster key");
+        // The exchange, as a client holding `keys` does it (`client.rs` `authenticate`).
+        let hello = |c: &mut ConnAuth, keys: &ClusterKey| {
+            let mine = ClusterKey::nonce();
+            match c.on(Request::AuthHello { nonce: mine.to_vec() }) {
+                Gate::Answer(Response::AuthChallenge { nonce, mac }) => {
+                    assert!(master.verify(proto::AUTH_MASTER, &mine, &nonce, &mac), "the master proves the key over both nonces");
+                    assert!(!master.verify(proto::AUTH_CLIENT, &mine, &nonce, &mac), "under its own label");
+                    keys.mac(proto::AUTH_CLIENT, &mine, &nonce).to_vec()
+                }
+                other => panic!("no challenge: {other:?}"),
+            }
+        };
+        let mut c = ConnAuth::new(Some(&master));
+        let proof = hello(&mut c, &master);
+        assert_eq!(c.on(Request::AuthProof { mac: proof.clone() }), Gate::Answer(Response::Ok));
+        assert_eq!(c.on(ping()), Gate::Pass(ping()), "then requests are applied");
+        assert!(matches!(c.on(Request::AuthHello { nonce: vec![0; 16] }), Gate::Refuse(Response::Err(StoreError::InvalidParams(_)))), "and the exchange is not started again");
+        // Another connection: the first one's proof is worth nothing there (its nonces differ).
+        let mut other = ConnAuth::new(Some(&master));
+        hello(&mut other, &master);
+        refused(other.on(Request::AuthProof { mac: proof }), "holds another key");
+        // A client with another key, or one that skips the proof.
+        let mut wrong = ConnAuth::new(Some(&master));
+        let proof = hello(&mut wrong, &key(&b));
+        refused(wrong.on(Request::AuthProof { mac: proof }), "holds another key");
+        let mut skips = ConnAuth::new(Some(&master));
+        hello(&mut skips, &master);
+        refused(skips.on(ping()), "before its proof");
+        // A key change, first step: a client holding the old key first and the new one second
+        // signs with the old: served; a master holding both serves a client of either.
+        let mut rotating = ConnAuth::new(Some(&master));
+        let proof = hello(&mut rotating, &key(&format!("{a}\n{b}")));
+        assert_eq!(rotating.on(Request::AuthProof { mac: proof }), Gate::Answer(Response::Ok));
+        let both = key(&format!("{b}\n{a}"));
+        let mut c = ConnAuth::new(Some(&both));
+        let mine = ClusterKey::nonce();
+        let Gate::Answer(Response::AuthChallenge { nonce, .. }) = c.on(Request::AuthHello { nonce: mine.to_vec() }) else { panic!("no challenge") };
+        assert_eq!(c.on(Request::AuthProof { mac: master.mac(proto::AUTH_CLIENT, &mine, &nonce).to_vec() }), Gate::Answer(Response::Ok));
+        // Not in a batch.
+        let m = journaling_leader(5);
+        assert!(matches!(handle(&m, Request::Batch(vec![Request::AuthProof { mac: vec![] }])), Response::Batch(r) if matches!(&r[..], [Response::Err(StoreError::InvalidParams(_))])));
+    }
 
     fn read_answer(c: &mut TcpStream) -> std::io::Result<Response> {
         let mut len = [0u8; 4];

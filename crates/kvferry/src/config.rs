@@ -56,6 +56,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_STORE_CLIENT_MAX_PORT", aliases: &["MC_STORE_CLIENT_MAX_PORT"], default: "14300", doc: "highest such port" },
     EnvVar { name: "KVFERRY_STORE_CLIENT_SETUP_RETRIES", aliases: &["MC_STORE_CLIENT_SETUP_RETRIES"], default: "20", doc: "ports tried when the segment name `host:port` is already taken by a live engine (1-1000)" },
     EnvVar { name: "KVFERRY_STORE_CLUSTER_ID", aliases: &["MC_STORE_CLUSTER_ID"], default: "mooncake_cluster", doc: "store high availability: the cluster whose leader key `mooncake-store/<id>/master_view` a client with `master_server_addr = \"etcd://...\"` reads, and a master started with `--enable-ha` and no `--cluster-id` campaigns for" },
+    EnvVar { name: "KVFERRY_AUTH_KEY_FILE", aliases: &[], default: "(none: no authentication, as Mooncake)", doc: "a file holding the cluster's key (one per line, at least 32 bytes each, e.g. `openssl rand -hex 32`; a second line is the key being replaced, still accepted): store clients and the master prove it to each other before any request (HMAC-SHA256 challenge-response, the key never sent), and refuse a side without it, saying so. A stock Mooncake client cannot; leave it unset to serve those. Not yet the engine's handshake and data ports (docs/ARCHITECTURE.md, \"Authenticated peers\")" },
     EnvVar { name: "KVFERRY_LOG", aliases: &["MC_LOG_LEVEL"], default: "warn", doc: "log filter for the `kvferry` binary (`error`, `warn`, `info`, `debug`, `trace`, or tracing directives)" },
 ];
 
@@ -76,6 +77,9 @@ pub struct Config {
     pub metadata_lease_ttl: Duration,
     /// `https://` metadata server: PEM file of the CA certificates to trust.
     pub metadata_ca_file: Option<std::path::PathBuf>,
+    /// The cluster key file (`KVFERRY_AUTH_KEY_FILE`, [`crate::auth`]); `None`: no
+    /// authentication.
+    pub auth_key_file: Option<std::path::PathBuf>,
     /// Central mode: the address published in `rpc_meta` and bound, when `local_hostname`
     /// is a logical name.
     pub advertise_address: Option<String>,
@@ -143,6 +147,7 @@ impl Default for Config {
             metadata_timeout: Duration::from_secs(3),
             metadata_lease_ttl: Duration::from_secs(10),
             metadata_ca_file: None,
+            auth_key_file: None,
             advertise_address: None,
             redis_username: None,
             redis_password: None,
@@ -325,6 +330,7 @@ impl Config {
             c.metadata_lease_ttl = d;
         }
         c.metadata_ca_file = lookup(get, "KVFERRY_METADATA_CA_FILE").map(|(_, v)| v.into());
+        c.auth_key_file = lookup(get, "KVFERRY_AUTH_KEY_FILE").map(|(_, v)| v.into());
         c.advertise_address = lookup(get, "KVFERRY_ADVERTISE_ADDRESS").map(|(_, v)| v);
         c.redis_username = lookup(get, "KVFERRY_REDIS_USERNAME").map(|(_, v)| v);
         c.redis_password = lookup(get, "KVFERRY_REDIS_PASSWORD").map(|(_, v)| v);

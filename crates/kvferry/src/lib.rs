@@ -31,6 +31,7 @@
 //! # Ok::<(), kvferry::Error>(())
 //! ```
 
+pub mod auth;
 pub mod batch;
 pub mod config;
 mod engine;

@@ -1933,7 +1933,7 @@ impl Writer<'_> {
         }
         let Some(s) = self.sync.as_mut() else { return Some(()) };
         let sink: Arc<dyn AckSink> = s.release.clone();
-        let mut link = match Link::open(member, addr, &s.hello, sink) {
+        let mut link = match Link::open(member, addr, &s.hello, self.master.auth.clone(), sink) {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!("HA replication: {e}; retried in {RETRY_LINK:?}");
@@ -2500,7 +2500,7 @@ mod tests {
         let release = Arc::new(Release::new(j, 7));
         let hello = ToStandby::Hello { cluster_id: "c".into(), term: 7, lease: 1, leader: "me".into() };
         let sink: Arc<dyn AckSink> = release.clone();
-        let link = Link::open("standby", &addr, &hello, sink).expect("link");
+        let link = Link::open("standby", &addr, &hello, None, sink).expect("link");
         let (mut standby, _) = listener.accept().expect("accept");
         standby.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
         assert!(matches!(read_frame::<ToStandby>(&mut standby), Ok(ToStandby::Hello { term: 7, .. })));
@@ -2580,7 +2580,7 @@ mod tests {
             let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
             let addr = listener.local_addr().expect("addr").to_string();
             let sink: Arc<dyn AckSink> = sync.release.clone();
-            let link = Link::open(name, &addr, &sync.hello, sink).expect("link");
+            let link = Link::open(name, &addr, &sync.hello, None, sink).expect("link");
             let (sock, _) = listener.accept().expect("accept");
             sock.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
             (link, sock, addr)

@@ -36,7 +36,10 @@
 //! `seq`, the last one marked), then `Entry` frames in order, with a `Base` frame now and then
 //! (where the leader's etcd journal is whole, to a standby that registered as taking it:
 //! [`MirrorTail`]); the standby answers `Ack` with the last entry it holds (decoded and in
-//! order; applied to its image right after).
+//! order; applied to its image right after). With a cluster key (`KVFERRY_AUTH_KEY_FILE`,
+//! `kvferry::auth`) the connection opens with `AuthHello` (the leader's nonce) →
+//! `AuthChallenge` (the standby's nonce and MAC over both) → `AuthProof` (the leader's MAC)
+//! before the `Hello` (`prove_to_standby`, and the standby's side in `accept_leader`).
 
 use crate::master::journal::{Change, Image, Rebuilt, ReplicaRec, PREBUILT_TERM};
 use crate::master::State;
@@ -83,7 +86,17 @@ pub enum ToStandby {
     /// starts at `base`, as the others' did, once they reach its image. Only to a standby that
     /// takes [`ToStandby::Base`].
     Run { base: u64, frames: Vec<KeptFrame> },
+    /// The first frame where the masters hold a cluster key: the leader's nonce (answered by
+    /// [`ToLeader::AuthChallenge`]). Last, so the other variants keep their wire numbers.
+    AuthHello { nonce: Vec<u8> },
+    /// The leader's MAC over both nonces ([`AUTH_LEADER`]); then the `Hello`.
+    AuthProof { mac: Vec<u8> },
 }
+
+/// The label of the leader's MAC on a replication link (`kvferry::auth`).
+pub const AUTH_LEADER: &str = "kvferry-ha/leader";
+/// The label of the standby's MAC.
+pub const AUTH_STANDBY: &str = "kvferry-ha/standby";
 
 /// One entry's frame in a [`ToStandby::Run`]: the log's entries `first..=last`, the frame as
 /// [`encode_frame`] made it (a byte string to serde, not a sequence of numbers).
@@ -101,6 +114,9 @@ pub enum ToLeader {
     Ack { seq: u64 },
     /// The connection is refused (another cluster, an older term, out of order).
     Refused { why: String },
+    /// To [`ToStandby::AuthHello`]: the standby's nonce and its MAC over both
+    /// ([`AUTH_STANDBY`]). Last, so the other variants keep their wire numbers.
+    AuthChallenge { nonce: Vec<u8>, mac: Vec<u8> },
 }
 
 /// One frame: length, then postcard.
@@ -561,6 +577,8 @@ pub struct Mirror {
     prebuilt_done: std::sync::Condvar,
     /// How it is built (`None`: never built ahead).
     prebuilder: Option<Prebuilder>,
+    /// The cluster key a leader must prove before its `Hello` (`KVFERRY_AUTH_KEY_FILE`).
+    auth: Option<kvferry::auth::ClusterKey>,
     feed: Mutex<Feed>,
     /// The leader etcd names, as this standby last read it (its key's create revision and
     /// lease): only that leader may feed the mirror.
@@ -585,6 +603,7 @@ impl Mirror {
             prebuilt: Mutex::new(Prebuild::None),
             prebuilt_done: std::sync::Condvar::new(),
             prebuilder: None,
+            auth: None,
             feed: Mutex::new(Feed::default()),
             leader: Mutex::new(None),
             cluster_id: cluster_id.to_string(),
@@ -596,6 +615,12 @@ impl Mirror {
     /// Builds the master's state ahead once the feed ends ([`Mirror::prebuild`]).
     pub fn with_prebuilder(mut self, p: Prebuilder) -> Mirror {
         self.prebuilder = Some(p);
+        self
+    }
+
+    /// Follows only a leader that proves `key` (and proves it to the leader).
+    pub fn with_auth(mut self, key: Option<kvferry::auth::ClusterKey>) -> Mirror {
+        self.auth = key;
         self
     }
 
@@ -858,6 +883,7 @@ impl Mirror {
         }
         let (ack, changes) = match frame {
             ToStandby::Hello { .. } => return Err("a second hello on one connection".into()),
+            ToStandby::AuthHello { .. } | ToStandby::AuthProof { .. } => return Err("an authentication step after the hello".into()),
             ToStandby::Image { seq, changes, last } => {
                 if f.complete {
                     return Err("an image after the image".into());
@@ -923,11 +949,62 @@ fn whole_frame(buf: &[u8]) -> bool {
     claimed_len(buf).is_some_and(|n| buf.len() >= 4 + n)
 }
 
+/// The standby's side of the cluster key's exchange ([`prove_to_standby`]), given the
+/// connection's first frame: the leader's `Hello`, or why the connection is refused (sent to
+/// the leader as [`ToLeader::Refused`] by the caller).
+fn accept_leader(s: &mut TcpStream, key: Option<&kvferry::auth::ClusterKey>, first: ToStandby) -> Result<ToStandby, String> {
+    use kvferry::auth::{ClusterKey, NONCE_LEN};
+    let Some(key) = key else {
+        return match first {
+            ToStandby::AuthHello { .. } => Err("this standby has no cluster key (KVFERRY_AUTH_KEY_FILE is unset where it runs): give it the cluster's key file, or unset it on the leader".into()),
+            first => Ok(first),
+        };
+    };
+    let ToStandby::AuthHello { nonce: theirs } = first else {
+        return Err("this standby requires the cluster key: set KVFERRY_AUTH_KEY_FILE on the leader to the cluster's key file".into());
+    };
+    if theirs.len() != NONCE_LEN {
+        return Err(format!("the leader's nonce is {} bytes; {NONCE_LEN} expected", theirs.len()));
+    }
+    let mine = ClusterKey::nonce();
+    s.write_all(&encode_frame(&ToLeader::AuthChallenge { nonce: mine.to_vec(), mac: key.mac(AUTH_STANDBY, &theirs, &mine).to_vec() })?).map_err(|e| e.to_string())?;
+    match read_frame_max::<ToStandby>(s, MAX_SMALL_FRAME)? {
+        ToStandby::AuthProof { mac } if key.verify(AUTH_LEADER, &theirs, &mine, &mac) => read_frame_max(s, MAX_SMALL_FRAME),
+        ToStandby::AuthProof { .. } => Err("the leader's proof is not of this standby's cluster key: their KVFERRY_AUTH_KEY_FILEs hold different keys (while a key changes, every host must accept both first)".into()),
+        _ => Err("the leader sent something else than its proof (AuthProof)".into()),
+    }
+}
+
+/// The leader's side of the cluster key's exchange on a new link, before its `Hello`: it
+/// follows only a standby that proves the key, and proves it.
+fn prove_to_standby(s: &mut TcpStream, key: &kvferry::auth::ClusterKey) -> Result<(), String> {
+    use kvferry::auth::ClusterKey;
+    let mine = ClusterKey::nonce();
+    s.set_read_timeout(Some(CONNECT_TIMEOUT)).map_err(|e| e.to_string())?;
+    s.write_all(&encode_frame(&ToStandby::AuthHello { nonce: mine.to_vec() })?).map_err(|e| format!("authenticating: {e}"))?;
+    match read_frame_max::<ToLeader>(s, MAX_SMALL_FRAME).map_err(|e| format!("authenticating: {e}"))? {
+        ToLeader::AuthChallenge { nonce, mac } if key.verify(AUTH_STANDBY, &mine, &nonce, &mac) => {
+            s.write_all(&encode_frame(&ToStandby::AuthProof { mac: key.mac(AUTH_LEADER, &mine, &nonce).to_vec() })?).map_err(|e| format!("authenticating: {e}"))?;
+            s.set_read_timeout(None).map_err(|e| e.to_string())
+        }
+        ToLeader::AuthChallenge { .. } => Err("it could not prove the cluster key: it holds another key than this leader's KVFERRY_AUTH_KEY_FILE".into()),
+        ToLeader::Refused { why } => Err(format!("it refused the link: {why}")),
+        other => Err(format!("it answered {other:?} to the authentication")),
+    }
+}
+
 fn follow(mut s: TcpStream, m: &Mirror) -> Result<(), String> {
     let _ = s.set_nodelay(true);
     // A leader says hello at once; a silent peer is not a leader.
     s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
-    let hello: ToStandby = read_frame_max(&mut s, MAX_SMALL_FRAME)?;
+    let first: ToStandby = read_frame_max(&mut s, MAX_SMALL_FRAME)?;
+    let hello = match accept_leader(&mut s, m.auth.as_ref(), first) {
+        Ok(h) => h,
+        Err(why) => {
+            let _ = s.write_all(&encode_frame(&ToLeader::Refused { why: why.clone() })?);
+            return Err(why);
+        }
+    };
     let ToStandby::Hello { cluster_id, term, lease, leader } = hello else { return Err("the first frame is not a hello".into()) };
     let conn = match m.hello(&cluster_id, term, lease) {
         Ok(c) => c,
@@ -1028,7 +1105,7 @@ impl Link {
     /// Starts linking to `addr`: its sender thread connects, says `hello`, then sends what is
     /// queued; its reader thread records acknowledgements. Never blocks the caller on the
     /// network.
-    pub fn open(member: &str, addr: &str, hello: &ToStandby, signal: Arc<dyn AckSink>) -> Result<Link, String> {
+    pub fn open(member: &str, addr: &str, hello: &ToStandby, auth: Option<kvferry::auth::ClusterKey>, signal: Arc<dyn AckSink>) -> Result<Link, String> {
         let sa: std::net::SocketAddr = addr.parse().map_err(|e| format!("the standby {member} announced {addr:?}, not an address: {e}"))?;
         let hello = encode_frame(hello)?;
         let (tx, rx) = std::sync::mpsc::channel::<Arc<Vec<u8>>>();
@@ -1052,6 +1129,11 @@ impl Link {
                 };
                 let _ = w.set_nodelay(true);
                 let _ = w.set_write_timeout(Some(WRITE_TIMEOUT));
+                if let Some(key) = &auth {
+                    if let Err(e) = prove_to_standby(&mut w, key) {
+                        return end(e);
+                    }
+                }
                 let r = match w.try_clone() {
                     Ok(r) => r,
                     Err(e) => return end(e.to_string()),
@@ -1071,6 +1153,10 @@ impl Link {
                             }
                             Ok(ToLeader::Refused { why }) => {
                                 tracing::warn!("HA replication: the standby {m3} refused: {why}");
+                                break;
+                            }
+                            Ok(ToLeader::AuthChallenge { .. }) => {
+                                tracing::warn!("HA replication: the standby {m3} sent a challenge after the authentication");
                                 break;
                             }
                             Err(e) => {
@@ -1553,6 +1639,49 @@ mod tests {
         none.apply(c, base(1, true)).unwrap();
         none.apply(c, entry(2)).unwrap();
         assert_eq!(none.take_image(5).expect("complete").2.after(1, 2).map(|t| t.len()), None, "a cap of 0 keeps none");
+    }
+
+    /// With a cluster key, a leader links only to a standby that proves it and a standby
+    /// follows only a leader that does: holding the same key, entries flow and are
+    /// acknowledged; another key, or a key on one side only, and the link ends before the
+    /// hello, the mirror untouched, each side saying why.
+    #[test]
+    fn a_replication_link_needs_the_same_cluster_key_on_both_sides() {
+        use kvferry::auth::ClusterKey;
+        struct Sink;
+        impl AckSink for Sink {
+            fn acked(&self) {}
+            fn broke(&self) {}
+        }
+        let key = |c: char| Some(ClusterKey::parse(c.to_string().repeat(64).as_bytes(), std::path::Path::new("k")).expect("key"));
+        let hello = ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 50, leader: "l".into() };
+        let link = |leader: Option<ClusterKey>, standby: Option<ClusterKey>| {
+            let m = Arc::new(Mirror::new("c", Duration::from_secs(5), 1 << 20).with_auth(standby));
+            m.set_leader(Some((5, 50)));
+            let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+            let addr = listener.local_addr().expect("addr").to_string();
+            let m2 = Arc::clone(&m);
+            std::thread::spawn(move || serve(listener, m2));
+            let l = Link::open("s", &addr, &hello, leader, Arc::new(Sink)).expect("link");
+            for f in [ToStandby::Image { seq: 1, changes: vec![obj("a", 1)], last: true }, ToStandby::Entry { seq: 2, changes: vec![obj("b", 1)] }] {
+                l.send(&Arc::new(encode_frame(&f).expect("frame")));
+            }
+            let until = Instant::now() + Duration::from_secs(5);
+            while l.acked() < 2 && !l.dead() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            (l.acked(), l.dead(), m.status().objects)
+        };
+        // (The exchange's frames came last: the others keep their wire numbers.)
+        let first = |f: Vec<u8>| f[4];
+        assert_eq!([first(encode_frame(&ToStandby::AuthHello { nonce: vec![] }).unwrap()), first(encode_frame(&ToStandby::AuthProof { mac: vec![] }).unwrap())], [5, 6]);
+        assert_eq!(first(encode_frame(&ToLeader::AuthChallenge { nonce: vec![], mac: vec![] }).unwrap()), 2);
+        assert_eq!(link(key('a'), key('a')), (2, false, 2), "the same key: linked, both objects mirrored");
+        assert_eq!(link(None, None), (2, false, 2), "no key on either side, as before");
+        for (leader, standby, what) in [(key('a'), key('b')), (key('a'), None), (None, key('a'))].into_iter().zip(["another key", "the standby has none", "the leader has none"]).map(|((l, s), w)| (l, s, w)) {
+            let (acked, dead, objects) = link(leader, standby);
+            assert_eq!((acked, dead, objects), (0, true, 0), "{what}: the link ends, nothing is mirrored");
+        }
     }
 
     /// Frames that came together get one acknowledgement, of the last entry among them, even

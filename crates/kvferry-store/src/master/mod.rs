@@ -1437,6 +1437,9 @@ pub struct Master {
     pub cleanup: crate::cleanup::Cleanup,
     /// The last [`State::summary`] and when it was taken ([`Master::summary_recent`]).
     summary: Mutex<Option<(Instant, Summary)>>,
+    /// The cluster key clients must prove before any request (`KVFERRY_AUTH_KEY_FILE`;
+    /// `server.rs` `ConnAuth`); `None`: any client, as Mooncake's master.
+    pub auth: Option<kvferry::auth::ClusterKey>,
 }
 
 impl Master {
@@ -1445,7 +1448,7 @@ impl Master {
         // client's release of a read granted by an earlier master at this address (queued, sent
         // after a restart) must not end a read this one granted.
         let state = State { next_read: (rand::random::<u64>() >> 1) & !((1u64 << 40) - 1), ..State::default() };
-        Master { cfg, start: Instant::now(), state: Mutex::new(state), stats: Stats::default(), gate: crate::ha::Gate::default(), journal: Default::default(), cleanup: Default::default(), summary: Mutex::default() }
+        Master { cfg, start: Instant::now(), state: Mutex::new(state), stats: Stats::default(), gate: crate::ha::Gate::default(), journal: Default::default(), cleanup: Default::default(), summary: Mutex::default(), auth: None }
     }
 
     /// The pool's summary as of at most [`SUMMARY_AGE`] ago: taking one walks every object
