@@ -214,3 +214,30 @@ def test_mooncake_compatible_store(cluster):
     assert bad.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", "127.0.0.1:1") < 0
     assert time.time() - t < 15
     assert bad.put("x", b"y") < 0, "calls before a successful setup fail, they do not crash"
+
+
+def test_a_cluster_key_is_proved_through_the_mooncake_and_native_apis(tmp_path, monkeypatch):
+    """KVFERRY_AUTH_KEY_FILE in the environment: the master started with it serves
+    MooncakeDistributedStore and Store set up with it, unchanged calls; without it, setup fails
+    at once, saying what to set."""
+    key = tmp_path / "cluster.key"
+    key.write_text("# the cluster's key\n" + "k" * 64 + "\n")
+    monkeypatch.setenv("KVFERRY_AUTH_KEY_FILE", str(key))
+    m = start_master()
+    try:
+        addr = m.field("rpc=")
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", addr) == 0
+        assert s.put("a", b"hello") == 0 and s.get("a") == b"hello"
+        with Store(master_server_addr=addr, global_segment_size=0) as n:
+            assert n.get("a") == b"hello"
+        monkeypatch.delenv("KVFERRY_AUTH_KEY_FILE")
+        t = time.time()
+        bad = MooncakeDistributedStore()
+        assert bad.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", addr) < 0
+        with pytest.raises(StoreError, match="KVFERRY_AUTH_KEY_FILE"):
+            Store(master_server_addr=addr, global_segment_size=0)
+        assert time.time() - t < 10, "refused at once, not retried"
+        assert s.close() == 0
+    finally:
+        m.stop()

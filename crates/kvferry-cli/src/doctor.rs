@@ -488,6 +488,12 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
         }
         r.say(format!("        {:<34} {}", v.name, set.map(|(n, val)| format!("{n}={val}")).unwrap_or_else(|| format!("(default: {})", v.default))));
     }
+    // The cluster key: read as the store's clients and master will (its keys never shown).
+    match kvferry::auth::ClusterKey::from_config(cfg.auth_key_file.as_deref()) {
+        Ok(Some(k)) => r.ok("cluster key", format!("{k:?} in {}: store clients and masters prove it to each other; a stock Mooncake client is refused", cfg.auth_key_file.as_deref().unwrap_or(std::path::Path::new("")).display())),
+        Ok(None) => r.ok("cluster key", "none (KVFERRY_AUTH_KEY_FILE unset): the store accepts any client, as Mooncake"),
+        Err(e) => r.warn("cluster key", e.to_string(), "fix the file or unset KVFERRY_AUTH_KEY_FILE: a store client or master would not start with it"),
+    }
 
     r.say("\nhost:");
     let host_json = host_info(&r);
