@@ -1171,7 +1171,11 @@ fn an_in_sync_standby_whose_campaign_fails_keeps_its_mirror_and_leads_from_it() 
 fn in_sync_members_that_all_restart_at_once_do_not_wait_for_each_other_forever() {
     let Some(etcd_svc) = Service::etcd() else { return };
     let cluster = "c-all-restart";
-    let ports: Vec<String> = (0..3).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port().to_string()).collect();
+    // Three distinct free ports: the listeners are held until all three are picked (one
+    // dropped at once could be handed out again: two masters were once given one port).
+    let held: Vec<std::net::TcpListener> = (0..3).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind")).collect();
+    let ports: Vec<String> = held.iter().map(|l| l.local_addr().expect("addr").port().to_string()).collect();
+    drop(held);
     let start = |i: usize| Master::start_with(etcd_svc.port, Some(cluster), false, &["--port", &ports[i]]);
     let mut ms: Vec<Master> = (0..3).map(start).collect();
     let l = one_leader(&ms.iter().collect::<Vec<_>>(), Duration::from_secs(10));
