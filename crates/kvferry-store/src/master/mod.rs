@@ -356,8 +356,6 @@ pub struct State {
     /// How many changes were marked into `dirty` ([`State::marks`]).
     marks: u64,
     grants: Grants,
-    /// Segments with a pool.
-    pools: usize,
     /// The last put placed every replica in granted space whose grant is durable.
     placed_granted: bool,
 }
@@ -575,9 +573,7 @@ impl State {
             });
         }
         let writes_until = self.reported_until(&seg, now);
-        if self.segments.insert(id, SegState { seg, client, space, writes_until, pool: None }).is_some_and(|s| s.pool.is_some()) {
-            self.pools = self.pools.saturating_sub(1);
-        }
+        self.segments.insert(id, SegState { seg, client, space, writes_until, pool: None });
         Ok(())
     }
 
@@ -700,9 +696,7 @@ impl State {
         }
         for &id in ids {
             self.mark_segment(id);
-            if self.segments.remove(&id).is_some_and(|s| s.pool.is_some()) {
-                self.pools = self.pools.saturating_sub(1);
-            }
+            self.segments.remove(&id);
         }
         let ids: HashSet<u64> = ids.iter().copied().collect();
         let on = |r: &Replica| ids.contains(&r.seg);
@@ -914,9 +908,7 @@ impl State {
                     granted &= in_grant;
                     out.push(Replica { seg: id, block });
                 }
-                let after = s.pool.as_ref().map(|p| p.gen);
-                if before != after {
-                    self.pools = (self.pools + usize::from(after.is_some())).saturating_sub(usize::from(before.is_some()));
+                if before != s.pool.as_ref().map(|p| p.gen) {
                     regranted.push(id);
                 }
             }
@@ -932,7 +924,7 @@ impl State {
     /// space goes back to its segment), with `hold` ms for which a new leader holds what a
     /// grant named (an HA leader's journal writer sets it, as its standbys allow).
     pub fn set_grant_bytes(&mut self, bytes: u64, hold: u64) {
-        if bytes == 0 && self.pools > 0 {
+        if bytes == 0 {
             self.return_pools();
         }
         (self.grants.bytes, self.grants.hold) = (bytes, hold);
@@ -956,8 +948,8 @@ impl State {
     }
 
     /// Every pool's unused space back to its segment (marked for the journal: the grant is
-    /// then empty).
-    fn return_pools(&mut self) {
+    /// then empty); whether there was any pool.
+    fn return_pools(&mut self) -> bool {
         let mut returned = Vec::new();
         for (&id, s) in self.segments.iter_mut() {
             if let Some(p) = s.pool.take() {
@@ -965,10 +957,11 @@ impl State {
                 returned.push(id);
             }
         }
-        self.pools = 0;
+        let any = !returned.is_empty();
         for id in returned {
             self.mark_grant(id);
         }
+        any
     }
 
     /// Evicts unpinned, complete objects that no read in flight uses, least recently used
@@ -1104,9 +1097,8 @@ impl State {
             });
         }
         let mut replicas = self.place(size, cfg, m.strategy, now);
-        if replicas.is_empty() && self.pools > 0 {
-            // Space granted ahead goes back before anything is evicted.
-            self.return_pools();
+        // Space granted ahead goes back before anything is evicted.
+        if replicas.is_empty() && self.return_pools() {
             replicas = self.place(size, cfg, m.strategy, now);
         }
         if replicas.is_empty() && !self.deferred.is_empty() {
