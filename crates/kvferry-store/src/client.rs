@@ -218,16 +218,16 @@ fn exchange(s: &mut TcpStream, req: &Request) -> Result<Response, String> {
 /// connection itself, [`StoreError::Rpc`].
 fn authenticate(s: &mut TcpStream, key: &kvferry::auth::ClusterKey, addr: &str) -> StoreResult<()> {
     let rpc = |e: String| StoreError::Rpc(format!("master at {addr}: authenticating: {e}"));
-    let mine = kvferry::auth::ClusterKey::nonce();
-    match exchange(s, &Request::AuthHello { nonce: mine.to_vec() }).map_err(rpc)? {
-        Response::AuthChallenge { nonce, mac } if key.verify(proto::AUTH_MASTER, &mine, &nonce, &mac) => {
-            match exchange(s, &Request::AuthProof { mac: key.mac(proto::AUTH_CLIENT, &mine, &nonce).to_vec() }).map_err(rpc)? {
+    let opening = kvferry::auth::Opening::default();
+    match exchange(s, &Request::AuthHello { nonce: opening.nonce() }).map_err(rpc)? {
+        Response::AuthChallenge { nonce, mac } => {
+            let proof = opening.prove(key, proto::AUTH, &nonce, &mac).map_err(|r| StoreError::Unauthorized(format!("the master at {addr} could not prove the cluster key: {r}")))?;
+            match exchange(s, &Request::AuthProof { mac: proof }).map_err(rpc)? {
                 Response::Ok => Ok(()),
                 Response::Err(e) => Err(e),
                 other => Err(rpc(format!("answered {other:?} to the proof"))),
             }
         }
-        Response::AuthChallenge { .. } => Err(StoreError::Unauthorized(format!("the master at {addr} could not prove the cluster key: it holds another key than this client's KVFERRY_AUTH_KEY_FILE (while a key changes, every host must accept both first), or it is not this cluster's master"))),
         Response::Err(StoreError::Unauthorized(why)) => Err(StoreError::Unauthorized(format!("the master at {addr}: {why}"))),
         // (A master of an earlier version does not know the request.)
         Response::Err(e) => Err(StoreError::Unauthorized(format!("the master at {addr} cannot authenticate clients ({e}): give it the cluster's key file (a kvferry master reading KVFERRY_AUTH_KEY_FILE), or unset KVFERRY_AUTH_KEY_FILE on this client"))),

@@ -181,15 +181,13 @@ pub enum Request {
     /// [`Response::AuthChallenge`]; a master without a key refuses it
     /// ([`StoreError::Unauthorized`]). Last, so the other variants keep their wire numbers.
     AuthHello { nonce: Vec<u8> },
-    /// The client's MAC over both nonces ([`AUTH_CLIENT`]), after the master proved the key;
+    /// The client's MAC over both nonces ([`AUTH`]), after the master proved the key;
     /// answered `Ok`, after which the connection carries requests.
     AuthProof { mac: Vec<u8> },
 }
 
-/// The label of the master's MAC in the store's authentication (`kvferry::auth`).
-pub const AUTH_MASTER: &str = "kvferry-store/master";
-/// The label of the client's MAC.
-pub const AUTH_CLIENT: &str = "kvferry-store/client";
+/// The store's cluster-key exchange (`kvferry::auth`): the client opens it, the master answers.
+pub const AUTH: kvferry::auth::Exchange = kvferry::auth::Exchange { opener: "kvferry-store/client", answerer: "kvferry-store/master" };
 
 /// A write into a segment still running, as a client reports it (`Request::HoldWrites`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -214,7 +212,7 @@ pub enum Response {
     Err(StoreError),
     Batch(#[serde(deserialize_with = "de_batch")] Vec<Response>),
     Keys(Vec<String>),
-    /// To [`Request::AuthHello`]: the master's nonce and its MAC over both ([`AUTH_MASTER`]).
+    /// To [`Request::AuthHello`]: the master's nonce and its MAC over both ([`AUTH`]).
     /// Last, so the other variants keep their wire numbers.
     AuthChallenge { nonce: Vec<u8>, mac: Vec<u8> },
 }

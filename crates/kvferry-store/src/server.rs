@@ -407,7 +407,7 @@ enum AuthState {
     /// Nothing but `AuthHello` yet.
     Start,
     /// The master's challenge went out: nothing but the proof.
-    Challenged { client: Vec<u8>, master: [u8; kvferry::auth::NONCE_LEN] },
+    Challenged(kvferry::auth::Answering),
 }
 
 fn unauthorized(why: impl Into<String>) -> Gate {
@@ -420,7 +420,6 @@ impl<'k> ConnAuth<'k> {
     }
 
     pub(crate) fn on(&mut self, req: Request) -> Gate {
-        use kvferry::auth::{ClusterKey, MAC_LEN, NONCE_LEN};
         let Some(key) = self.key else {
             return match req {
                 Request::AuthHello { .. } => unauthorized("this master has no cluster key (KVFERRY_AUTH_KEY_FILE is unset where it runs): give it the cluster's key file, or unset KVFERRY_AUTH_KEY_FILE on this client"),
@@ -430,19 +429,21 @@ impl<'k> ConnAuth<'k> {
         match (&self.state, req) {
             (AuthState::Open, req @ (Request::AuthHello { .. } | Request::AuthProof { .. })) => Gate::Refuse(misplaced(&req)),
             (AuthState::Open, req) => Gate::Pass(req),
-            (AuthState::Start, Request::AuthHello { nonce }) if nonce.len() == NONCE_LEN => {
-                let mine = ClusterKey::nonce();
-                let mac = key.mac(proto::AUTH_MASTER, &nonce, &mine).to_vec();
-                self.state = AuthState::Challenged { client: nonce, master: mine };
-                Gate::Answer(Response::AuthChallenge { nonce: mine.to_vec(), mac })
-            }
-            (AuthState::Start, Request::AuthHello { nonce }) => unauthorized(format!("the client's nonce is {} bytes; {NONCE_LEN} expected", nonce.len())),
-            (AuthState::Challenged { client, master }, Request::AuthProof { mac }) if mac.len() == MAC_LEN && key.verify(proto::AUTH_CLIENT, client, master, &mac) => {
-                self.state = AuthState::Open;
-                Gate::Answer(Response::Ok)
-            }
-            (AuthState::Challenged { .. }, Request::AuthProof { .. }) => unauthorized("the client's proof is not of this master's cluster key: its KVFERRY_AUTH_KEY_FILE holds another key (while a key changes, every host must accept both first: the old and the new key in its file)"),
-            (AuthState::Challenged { .. }, _) => unauthorized("the client sent a request before its proof (AuthProof)"),
+            (AuthState::Start, Request::AuthHello { nonce }) => match kvferry::auth::Answering::new(key, proto::AUTH, nonce) {
+                Ok((answering, nonce, mac)) => {
+                    self.state = AuthState::Challenged(answering);
+                    Gate::Answer(Response::AuthChallenge { nonce, mac })
+                }
+                Err(r) => unauthorized(format!("the client's hello: {r}")),
+            },
+            (AuthState::Challenged(a), Request::AuthProof { mac }) => match a.check(key, proto::AUTH, &mac) {
+                Ok(()) => {
+                    self.state = AuthState::Open;
+                    Gate::Answer(Response::Ok)
+                }
+                Err(r) => unauthorized(format!("the client's proof: {r}")),
+            },
+            (AuthState::Challenged(_), _) => unauthorized("the client sent a request before its proof (AuthProof)"),
             (AuthState::Start, _) => unauthorized("this master requires the cluster key: set KVFERRY_AUTH_KEY_FILE on this client to the cluster's key file (a stock Mooncake client cannot authenticate: serve those from a master without a key)"),
         }
     }
@@ -878,7 +879,7 @@ mod tests {
     /// replaced as its second key is still served.
     #[test]
     fn a_connection_proves_the_cluster_key_before_any_request_or_is_refused_saying_why() {
-        use kvferry::auth::ClusterKey;
+        use kvferry::auth::{ClusterKey, Opening};
         let key = |t: &str| ClusterKey::parse(t.as_bytes(), std::path::Path::new("k")).expect("key");
         let (a, b) = ("a".repeat(64), "b".repeat(64));
         let master = key(&a);
@@ -895,15 +896,12 @@ mod tests {
         refused(ConnAuth::new(Some(&master)).on(ping()), "set KVFERRY_AUTH_KEY_FILE on this client");
         refused(ConnAuth::new(Some(&master)).on(Request::AuthHello { nonce: vec![0; 3] }), "3 bytes");
         refused(ConnAuth::new(Some(&master)).on(Request::AuthProof { mac: vec![0; 32] }), "requires the cluster key");
-        // The exchange, as a client holding `keys` does it (`client.rs` `authenticate`).
+        // The exchange, as a client holding `keys` does it (`client.rs` `authenticate`): it
+        // checks the master's MAC, then proves the key.
         let hello = |c: &mut ConnAuth, keys: &ClusterKey| {
-            let mine = ClusterKey::nonce();
-            match c.on(Request::AuthHello { nonce: mine.to_vec() }) {
-                Gate::Answer(Response::AuthChallenge { nonce, mac }) => {
-                    assert!(master.verify(proto::AUTH_MASTER, &mine, &nonce, &mac), "the master proves the key over both nonces");
-                    assert!(!master.verify(proto::AUTH_CLIENT, &mine, &nonce, &mac), "under its own label");
-                    keys.mac(proto::AUTH_CLIENT, &mine, &nonce).to_vec()
-                }
+            let opening = Opening::default();
+            match c.on(Request::AuthHello { nonce: opening.nonce() }) {
+                Gate::Answer(Response::AuthChallenge { nonce, mac }) => opening.prove(keys, proto::AUTH, &nonce, &mac).expect("the master proves the key over both nonces"),
                 other => panic!("no challenge: {other:?}"),
             }
         };
@@ -916,23 +914,23 @@ mod tests {
         let mut other = ConnAuth::new(Some(&master));
         hello(&mut other, &master);
         refused(other.on(Request::AuthProof { mac: proof }), "holds another key");
-        // A client with another key, or one that skips the proof.
+        // A client that signs with another key (it accepts the master's as its second), or
+        // one that skips the proof.
         let mut wrong = ConnAuth::new(Some(&master));
-        let proof = hello(&mut wrong, &key(&b));
+        let proof = hello(&mut wrong, &key(&format!("{b}\n{a}")));
         refused(wrong.on(Request::AuthProof { mac: proof }), "holds another key");
         let mut skips = ConnAuth::new(Some(&master));
         hello(&mut skips, &master);
         refused(skips.on(ping()), "before its proof");
-        // A key change, first step: a client holding the old key first and the new one second
-        // signs with the old: served; a master holding both serves a client of either.
+        // A key change: a client of its first step (the old key first, the new one second)
+        // is served by a master of the first step and by one of the second (the new first).
         let mut rotating = ConnAuth::new(Some(&master));
         let proof = hello(&mut rotating, &key(&format!("{a}\n{b}")));
         assert_eq!(rotating.on(Request::AuthProof { mac: proof }), Gate::Answer(Response::Ok));
-        let both = key(&format!("{b}\n{a}"));
-        let mut c = ConnAuth::new(Some(&both));
-        let mine = ClusterKey::nonce();
-        let Gate::Answer(Response::AuthChallenge { nonce, .. }) = c.on(Request::AuthHello { nonce: mine.to_vec() }) else { panic!("no challenge") };
-        assert_eq!(c.on(Request::AuthProof { mac: master.mac(proto::AUTH_CLIENT, &mine, &nonce).to_vec() }), Gate::Answer(Response::Ok));
+        let second = key(&format!("{b}\n{a}"));
+        let mut c = ConnAuth::new(Some(&second));
+        let proof = hello(&mut c, &key(&format!("{a}\n{b}")));
+        assert_eq!(c.on(Request::AuthProof { mac: proof }), Gate::Answer(Response::Ok));
         // Not in a batch.
         let m = journaling_leader(5);
         assert!(matches!(handle(&m, Request::Batch(vec![Request::AuthProof { mac: vec![] }])), Response::Batch(r) if matches!(&r[..], [Response::Err(StoreError::InvalidParams(_))])));

@@ -6,9 +6,11 @@
 //! random nonce; each answers with a MAC over both nonces under its own label, so a MAC seen on
 //! one connection proves nothing on another (its nonces differ) and one side's MAC is never
 //! the other side's. What it is not: encryption (the bytes that follow are in the clear), nor a
-//! per-message MAC (whoever can take over an established TCP connection is past it). Used
-//! today by the store's RPC (`kvferry-store`: a client and the master prove the key to each
-//! other before any request); the engine's handshake and TCP data connections are next
+//! per-message MAC (whoever can take over an established TCP connection is past it). The exchange's
+//! two sides are sans-IO ([`Opening`], [`Answering`]): each protocol carries the three
+//! messages in its own frames. Used today by the store (`kvferry-store`: a client and the
+//! master prove the key to each other before any request, a leader and a standby before any
+//! replication); the engine's handshake and TCP data connections are next
 //! (`docs/ARCHITECTURE.md`, "Authenticated peers").
 //!
 //! The file holds one or two keys, one per line (blank lines and lines starting with `#` are
@@ -100,19 +102,93 @@ impl ClusterKey {
     }
 
     /// The MAC under the signing key of `label` and the two nonces.
-    pub fn mac(&self, label: &str, a: &[u8], b: &[u8]) -> [u8; MAC_LEN] {
+    fn mac(&self, label: &str, a: &[u8], b: &[u8]) -> [u8; MAC_LEN] {
         Self::mac_with(&self.keys[0], label, a, b).finalize().into_bytes().into()
     }
 
     /// Whether `tag` is the MAC of `label` and the nonces under one of the keys (compared in
     /// constant time).
-    pub fn verify(&self, label: &str, a: &[u8], b: &[u8], tag: &[u8]) -> bool {
+    fn verify(&self, label: &str, a: &[u8], b: &[u8], tag: &[u8]) -> bool {
         self.keys.iter().any(|k| Self::mac_with(k, label, a, b).verify_slice(tag).is_ok())
     }
 
     /// A fresh nonce.
-    pub fn nonce() -> [u8; NONCE_LEN] {
+    fn nonce() -> [u8; NONCE_LEN] {
         rand::random()
+    }
+}
+
+/// One protocol's exchange: the labels of the side that opens it and of the side that
+/// answers (each side's MAC is under its own label, so one is never taken for the other).
+/// The exchange, whatever carries its three messages: the opener sends its nonce
+/// ([`Opening::nonce`]); the answerer sends its nonce and MAC over both
+/// ([`Answering::new`]); the opener checks that and sends its own MAC ([`Opening::prove`]);
+/// the answerer checks it ([`Answering::check`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Exchange {
+    pub opener: &'static str,
+    pub answerer: &'static str,
+}
+
+/// Why the other side of an exchange is not let in (the caller says which side and where).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Refusal {
+    #[error("its nonce is {0} bytes; {NONCE_LEN} expected")]
+    Nonce(usize),
+    #[error("its MAC is not under this host's cluster key: it holds another key than this host's KVFERRY_AUTH_KEY_FILE (while a key changes, every host must accept both first: the old and the new key in its file)")]
+    OtherKey,
+}
+
+/// The opening side of an [`Exchange`].
+pub struct Opening {
+    mine: [u8; NONCE_LEN],
+}
+
+impl Default for Opening {
+    fn default() -> Self {
+        Opening { mine: ClusterKey::nonce() }
+    }
+}
+
+impl Opening {
+    /// The nonce to open with.
+    pub fn nonce(&self) -> Vec<u8> {
+        self.mine.to_vec()
+    }
+
+    /// The answerer's nonce and MAC checked: the proof to send it.
+    pub fn prove(&self, key: &ClusterKey, x: Exchange, theirs: &[u8], mac: &[u8]) -> Result<Vec<u8>, Refusal> {
+        if !key.verify(x.answerer, &self.mine, theirs, mac) {
+            return Err(Refusal::OtherKey);
+        }
+        Ok(key.mac(x.opener, &self.mine, theirs).to_vec())
+    }
+}
+
+/// The answering side of an [`Exchange`], once the opener's nonce came.
+pub struct Answering {
+    theirs: Vec<u8>,
+    mine: [u8; NONCE_LEN],
+}
+
+impl Answering {
+    /// Answers the opener's nonce: this side, and the nonce and MAC to send.
+    pub fn new(key: &ClusterKey, x: Exchange, theirs: Vec<u8>) -> Result<(Answering, Vec<u8>, Vec<u8>), Refusal> {
+        if theirs.len() != NONCE_LEN {
+            return Err(Refusal::Nonce(theirs.len()));
+        }
+        let mine = ClusterKey::nonce();
+        let mac = key.mac(x.answerer, &theirs, &mine).to_vec();
+        Ok((Answering { theirs, mine }, mine.to_vec(), mac))
+    }
+
+    /// Checks the opener's proof.
+    pub fn check(&self, key: &ClusterKey, x: Exchange, proof: &[u8]) -> Result<(), Refusal> {
+        if key.verify(x.opener, &self.theirs, &self.mine, proof) {
+            Ok(())
+        } else {
+            Err(Refusal::OtherKey)
+        }
     }
 }
 
@@ -162,5 +238,35 @@ mod tests {
         assert!(!old.verify("l", &cn, &sn, &both.mac("l", &cn, &sn)));
         // Parts do not run into each other.
         assert_ne!(old.mac("ab", b"c", b""), old.mac("a", b"bc", b""));
+    }
+
+    /// The exchange: both sides holding a key in common let each other in; another key is
+    /// refused by whichever side checks first; a proof is good for its own exchange only, and
+    /// a nonce must be the right size.
+    #[test]
+    fn an_exchange_lets_in_only_a_side_holding_a_key_in_common() {
+        const X: Exchange = Exchange { opener: "o", answerer: "a" };
+        let (a, b) = ("a".repeat(64), "b".repeat(64));
+        let run = |opener: &ClusterKey, answerer: &ClusterKey| -> Result<(), (&'static str, Refusal)> {
+            let o = Opening::default();
+            let (ans, nonce, mac) = Answering::new(answerer, X, o.nonce()).map_err(|r| ("answerer", r))?;
+            let proof = o.prove(opener, X, &nonce, &mac).map_err(|r| ("opener", r))?;
+            ans.check(answerer, X, &proof).map_err(|r| ("answerer", r))
+        };
+        assert_eq!(run(&key(&a), &key(&a)), Ok(()));
+        assert_eq!(run(&key(&a), &key(&b)), Err(("opener", Refusal::OtherKey)), "the opener finds the answerer's MAC under another key");
+        // Mid-change: the opener signs with the old key, the answerer accepts both (and signs
+        // with the new one, which the opener accepts too).
+        assert_eq!(run(&key(&format!("{a}\n{b}")), &key(&format!("{b}\n{a}"))), Ok(()));
+        // A proof from another exchange, or of the answerer's label, is refused.
+        let k = key(&a);
+        let o = Opening::default();
+        let (ans, nonce, mac) = Answering::new(&k, X, o.nonce()).expect("answer");
+        let other = Opening::default();
+        let (_, n2, m2) = Answering::new(&k, X, other.nonce()).expect("answer");
+        assert_eq!(ans.check(&k, X, &other.prove(&k, X, &n2, &m2).expect("proof")), Err(Refusal::OtherKey), "another exchange's proof");
+        assert_eq!(ans.check(&k, X, &mac), Err(Refusal::OtherKey), "the answerer's own MAC sent back");
+        assert!(ans.check(&k, X, &o.prove(&k, X, &nonce, &mac).expect("proof")).is_ok());
+        assert_eq!(Answering::new(&k, X, vec![0; 3]).err(), Some(Refusal::Nonce(3)));
     }
 }

@@ -89,14 +89,13 @@ pub enum ToStandby {
     /// The first frame where the masters hold a cluster key: the leader's nonce (answered by
     /// [`ToLeader::AuthChallenge`]). Last, so the other variants keep their wire numbers.
     AuthHello { nonce: Vec<u8> },
-    /// The leader's MAC over both nonces ([`AUTH_LEADER`]); then the `Hello`.
+    /// The leader's MAC over both nonces ([`AUTH`]); then the `Hello`.
     AuthProof { mac: Vec<u8> },
 }
 
-/// The label of the leader's MAC on a replication link (`kvferry::auth`).
-pub const AUTH_LEADER: &str = "kvferry-ha/leader";
-/// The label of the standby's MAC.
-pub const AUTH_STANDBY: &str = "kvferry-ha/standby";
+/// A replication link's cluster-key exchange (`kvferry::auth`): the leader opens it, the
+/// standby answers.
+pub const AUTH: kvferry::auth::Exchange = kvferry::auth::Exchange { opener: "kvferry-ha/leader", answerer: "kvferry-ha/standby" };
 
 /// One entry's frame in a [`ToStandby::Run`]: the log's entries `first..=last`, the frame as
 /// [`encode_frame`] made it (a byte string to serde, not a sequence of numbers).
@@ -115,7 +114,7 @@ pub enum ToLeader {
     /// The connection is refused (another cluster, an older term, out of order).
     Refused { why: String },
     /// To [`ToStandby::AuthHello`]: the standby's nonce and its MAC over both
-    /// ([`AUTH_STANDBY`]). Last, so the other variants keep their wire numbers.
+    /// ([`AUTH`]). Last, so the other variants keep their wire numbers.
     AuthChallenge { nonce: Vec<u8>, mac: Vec<u8> },
 }
 
@@ -953,41 +952,36 @@ fn whole_frame(buf: &[u8]) -> bool {
 /// connection's first frame: the leader's `Hello`, or why the connection is refused (sent to
 /// the leader as [`ToLeader::Refused`] by the caller).
 fn accept_leader(s: &mut TcpStream, key: Option<&kvferry::auth::ClusterKey>, first: ToStandby) -> Result<ToStandby, String> {
-    use kvferry::auth::{ClusterKey, NONCE_LEN};
     let Some(key) = key else {
         return match first {
             ToStandby::AuthHello { .. } => Err("this standby has no cluster key (KVFERRY_AUTH_KEY_FILE is unset where it runs): give it the cluster's key file, or unset it on the leader".into()),
             first => Ok(first),
         };
     };
-    let ToStandby::AuthHello { nonce: theirs } = first else {
+    let ToStandby::AuthHello { nonce } = first else {
         return Err("this standby requires the cluster key: set KVFERRY_AUTH_KEY_FILE on the leader to the cluster's key file".into());
     };
-    if theirs.len() != NONCE_LEN {
-        return Err(format!("the leader's nonce is {} bytes; {NONCE_LEN} expected", theirs.len()));
-    }
-    let mine = ClusterKey::nonce();
-    s.write_all(&encode_frame(&ToLeader::AuthChallenge { nonce: mine.to_vec(), mac: key.mac(AUTH_STANDBY, &theirs, &mine).to_vec() })?).map_err(|e| e.to_string())?;
-    match read_frame_max::<ToStandby>(s, MAX_SMALL_FRAME)? {
-        ToStandby::AuthProof { mac } if key.verify(AUTH_LEADER, &theirs, &mine, &mac) => read_frame_max(s, MAX_SMALL_FRAME),
-        ToStandby::AuthProof { .. } => Err("the leader's proof is not of this standby's cluster key: their KVFERRY_AUTH_KEY_FILEs hold different keys (while a key changes, every host must accept both first)".into()),
-        _ => Err("the leader sent something else than its proof (AuthProof)".into()),
-    }
+    let (answering, nonce, mac) = kvferry::auth::Answering::new(key, AUTH, nonce).map_err(|r| format!("the leader's hello: {r}"))?;
+    s.write_all(&encode_frame(&ToLeader::AuthChallenge { nonce, mac })?).map_err(|e| e.to_string())?;
+    let ToStandby::AuthProof { mac } = read_frame_max::<ToStandby>(s, MAX_SMALL_FRAME)? else {
+        return Err("the leader sent something else than its proof (AuthProof)".into());
+    };
+    answering.check(key, AUTH, &mac).map_err(|r| format!("the leader's proof: {r}"))?;
+    read_frame_max(s, MAX_SMALL_FRAME)
 }
 
 /// The leader's side of the cluster key's exchange on a new link, before its `Hello`: it
 /// follows only a standby that proves the key, and proves it.
 fn prove_to_standby(s: &mut TcpStream, key: &kvferry::auth::ClusterKey) -> Result<(), String> {
-    use kvferry::auth::ClusterKey;
-    let mine = ClusterKey::nonce();
+    let opening = kvferry::auth::Opening::default();
     s.set_read_timeout(Some(CONNECT_TIMEOUT)).map_err(|e| e.to_string())?;
-    s.write_all(&encode_frame(&ToStandby::AuthHello { nonce: mine.to_vec() })?).map_err(|e| format!("authenticating: {e}"))?;
+    s.write_all(&encode_frame(&ToStandby::AuthHello { nonce: opening.nonce() })?).map_err(|e| format!("authenticating: {e}"))?;
     match read_frame_max::<ToLeader>(s, MAX_SMALL_FRAME).map_err(|e| format!("authenticating: {e}"))? {
-        ToLeader::AuthChallenge { nonce, mac } if key.verify(AUTH_STANDBY, &mine, &nonce, &mac) => {
-            s.write_all(&encode_frame(&ToStandby::AuthProof { mac: key.mac(AUTH_LEADER, &mine, &nonce).to_vec() })?).map_err(|e| format!("authenticating: {e}"))?;
+        ToLeader::AuthChallenge { nonce, mac } => {
+            let proof = opening.prove(key, AUTH, &nonce, &mac).map_err(|r| format!("it could not prove the cluster key: {r}"))?;
+            s.write_all(&encode_frame(&ToStandby::AuthProof { mac: proof })?).map_err(|e| format!("authenticating: {e}"))?;
             s.set_read_timeout(None).map_err(|e| e.to_string())
         }
-        ToLeader::AuthChallenge { .. } => Err("it could not prove the cluster key: it holds another key than this leader's KVFERRY_AUTH_KEY_FILE".into()),
         ToLeader::Refused { why } => Err(format!("it refused the link: {why}")),
         other => Err(format!("it answered {other:?} to the authentication")),
     }
