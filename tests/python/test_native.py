@@ -311,6 +311,41 @@ def test_transfer_errors_are_typed(pair, kv):
     assert a.write(seg, src, remote, 0) == 0
 
 
+def test_a_cluster_key_guards_the_handshake_and_the_data_port(kv, tmp_path, monkeypatch):
+    """KVFERRY_AUTH_KEY_FILE set where two engines start: they move bytes as before; an engine
+    started without it cannot open the keyed engine's segment, nor the keyed engine its own,
+    each told what to set, and nothing lands."""
+    key = tmp_path / "cluster.key"
+    key.write_text("k" * 64 + "\n")
+    monkeypatch.setenv("KVFERRY_AUTH_KEY_FILE", str(key))
+    a, b = kv.Engine(HOST), kv.Engine(HOST)
+    monkeypatch.delenv("KVFERRY_AUTH_KEY_FILE")
+    c = kv.Engine(HOST)
+    try:
+        src, dst = bytearray(pattern_bytes(0, 65536, 7)), bytearray(65536)
+        a.register_memory(src)
+        b.register_memory(dst)
+        remote = a.segment_buffers(b.segment_name)[0].addr
+        assert a.write(b.segment_name, src, remote) == 65536
+        assert dst == src
+        back = bytearray(65536)
+        a.register_memory(back)
+        a.read(b.segment_name, back, remote)
+        assert back == src
+        theirs = bytearray(65536)
+        c.register_memory(theirs)
+        with pytest.raises(kv.PeerUnreachable, match="KVFERRY_AUTH_KEY_FILE") as ei:
+            c.write(b.segment_name, theirs, remote)
+        assert ei.value.code == -104
+        with pytest.raises(kv.PeerUnreachable, match="cluster key"):
+            a.segment_buffers(c.segment_name)
+        assert dst == src, "nothing of the engine without the key landed"
+        assert kv.FailCause.UNAUTHORIZED == 9
+    finally:
+        for e in (a, b, c):
+            e.close()
+
+
 # -- async batches ------------------------------------------------------------------------------
 
 def test_submit_poll_wait_free(pair, kv):

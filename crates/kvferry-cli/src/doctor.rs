@@ -490,9 +490,9 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
     }
     // The cluster key: read as the store's clients and master will (its keys never shown).
     match kvferry::auth::ClusterKey::from_config(cfg.auth_key_file.as_deref()) {
-        Ok(Some(k)) => r.ok("cluster key", format!("{k:?} in {}: store clients and masters prove it to each other; a stock Mooncake client is refused", cfg.auth_key_file.as_deref().unwrap_or(std::path::Path::new("")).display())),
-        Ok(None) => r.ok("cluster key", "none (KVFERRY_AUTH_KEY_FILE unset): the store accepts any client, as Mooncake"),
-        Err(e) => r.warn("cluster key", e.to_string(), "fix the file or unset KVFERRY_AUTH_KEY_FILE: a store client or master would not start with it"),
+        Ok(Some(k)) => r.ok("cluster key", format!("{k:?} in {}: engines (handshake and TCP data ports), store clients and masters prove it to each other; stock Mooncake peers are refused", cfg.auth_key_file.as_deref().unwrap_or(std::path::Path::new("")).display())),
+        Ok(None) => r.ok("cluster key", "none (KVFERRY_AUTH_KEY_FILE unset): engines and the store accept any peer, as Mooncake"),
+        Err(e) => r.warn("cluster key", e.to_string(), "fix the file or unset KVFERRY_AUTH_KEY_FILE: an engine, store client or master would not start with it"),
     }
 
     r.say("\nhost:");

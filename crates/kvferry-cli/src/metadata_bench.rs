@@ -421,7 +421,7 @@ fn p2p_latency(n: usize) -> Result<(f64, f64), String> {
     let mut lat = Vec::with_capacity(n);
     for i in 0..n + n / 10 {
         let t = Instant::now();
-        let f = kvferry::handshake::request("127.0.0.1", target.rpc_port(), kvferry::wire::handshake::MsgType::Metadata, &body, Duration::from_secs(5), Duration::from_secs(5), 1 << 20)
+        let f = kvferry::handshake::request("127.0.0.1", target.rpc_port(), kvferry::wire::handshake::MsgType::Metadata, &body, Duration::from_secs(5), Duration::from_secs(5), 1 << 20, None)
             .map_err(|e| e.to_string())?;
         kvferry::wire::descriptor::SegmentDesc::decode(&f.body).map_err(|e| e.to_string())?;
         if i >= n / 10 {

@@ -76,7 +76,7 @@ pub fn kind_of(e: &Error) -> Kind {
         Error::TooManyRequests { .. } => Kind::TooManyRequests,
         Error::BatchBusy { .. } => Kind::BatchBusy,
         Error::NoTransport { .. } => Kind::Transfer,
-        Error::Handshake { .. } | Error::Wire { .. } => Kind::PeerUnreachable,
+        Error::Handshake { .. } | Error::Wire { .. } | Error::Unauthorized { .. } => Kind::PeerUnreachable,
         Error::Shutdown => Kind::Closed,
         // The engine's error enum grows (metadata services, ...): classify newer variants by
         // their Mooncake code; anything else is at least a KvferryError.

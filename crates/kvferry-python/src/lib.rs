@@ -926,6 +926,7 @@ fn fail_cause_names() -> Vec<(&'static str, u8)> {
         (FailCause::Protocol, "PROTOCOL"),
         (FailCause::Timeout, "TIMEOUT"),
         (FailCause::ShutDown, "SHUT_DOWN"),
+        (FailCause::Unauthorized, "UNAUTHORIZED"),
     ]
     .into_iter()
     .map(|(c, n)| (n, c.code()))

@@ -31,7 +31,7 @@ fn handshake_as_mooncake_does(b: &TransferEngine, gid: &str) -> Res<()> {
     use kvferry::wire::rdma::ConnectionMsg;
     let ask = |m: &ConnectionMsg| -> Res<ConnectionMsg> {
         let host = b.segment_name().rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
-        let f = kvferry::handshake::request(host, b.rpc_port(), MsgType::Connection, &m.encode(), Duration::from_secs(5), Duration::from_secs(10), 1 << 20)
+        let f = kvferry::handshake::request(host, b.rpc_port(), MsgType::Connection, &m.encode(), Duration::from_secs(5), Duration::from_secs(10), 1 << 20, None)
             .map_err(|e| e.to_string())?;
         ConnectionMsg::decode(&f.body).map_err(|e| format!("answer {}: {e}", String::from_utf8_lossy(&f.body)))
     };

@@ -147,7 +147,7 @@ fn kill_peer_qps(a: &TransferEngine, b: &TransferEngine, nic: &str, gid: &str) -
         qp_num: vec![0x7ff0, 0x7ff1],
         ..Default::default()
     };
-    let f = kvferry::handshake::request(&host, b.rpc_port(), MsgType::Connection, &m.encode(), Duration::from_secs(5), Duration::from_secs(10), 1 << 20)
+    let f = kvferry::handshake::request(&host, b.rpc_port(), MsgType::Connection, &m.encode(), Duration::from_secs(5), Duration::from_secs(10), 1 << 20, None)
         .map_err(|e| e.to_string())?;
     let r = ConnectionMsg::decode(&f.body).map_err(|e| format!("answer {}: {e}", String::from_utf8_lossy(&f.body)))?;
     match r.refused() {

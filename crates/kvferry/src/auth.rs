@@ -10,8 +10,8 @@
 //! two sides are sans-IO ([`Opening`], [`Answering`]): each protocol carries the three
 //! messages in its own frames. Used today by the store (`kvferry-store`: a client and the
 //! master prove the key to each other before any request, a leader and a standby before any
-//! replication); the engine's handshake and TCP data connections are next
-//! (`docs/ARCHITECTURE.md`, "Authenticated peers").
+//! replication) and by the engine (its handshake and TCP data connections; see
+//! `docs/ARCHITECTURE.md`, "Authenticated peers").
 //!
 //! The file holds one or two keys, one per line (blank lines and lines starting with `#` are
 //! skipped), each at least [`MIN_KEY_LEN`] bytes (`openssl rand -hex 32` writes one). The first

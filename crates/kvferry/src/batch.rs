@@ -76,6 +76,9 @@ pub enum FailCause {
     Timeout = 7,
     /// This engine is shut down.
     ShutDown = 8,
+    /// The peer and this engine do not hold a cluster key in common (`KVFERRY_AUTH_KEY_FILE`
+    /// set on one side only, or another key).
+    Unauthorized = 9,
 }
 
 impl FailCause {
@@ -94,6 +97,7 @@ impl FailCause {
             6 => FailCause::Protocol,
             7 => FailCause::Timeout,
             8 => FailCause::ShutDown,
+            9 => FailCause::Unauthorized,
             _ => FailCause::Other,
         }
     }
@@ -134,6 +138,7 @@ impl From<&crate::Error> for FailCause {
             E::Wire { .. } | E::BadMetadata { .. } => FailCause::Protocol,
             E::Io { .. } => FailCause::PeerLost,
             E::Shutdown => FailCause::ShutDown,
+            E::Unauthorized { .. } => FailCause::Unauthorized,
             _ => FailCause::Other,
         }
     }

@@ -66,6 +66,9 @@ struct Inner {
     transports: Vec<Arc<dyn Transport>>,
     local: LocalTransport,
     handshake: HandshakeServer,
+    /// The cluster key (`KVFERRY_AUTH_KEY_FILE`): handshakes and data connections, both
+    /// ways, prove it; `None`: Mooncake's protocols as they are.
+    auth: Option<Arc<crate::auth::ClusterKey>>,
     segments: RwLock<Segments>,
     batches: Mutex<HashMap<BatchId, Arc<Batch>>>,
     next_batch: AtomicU64,
@@ -181,6 +184,8 @@ impl TransferEngine {
             format!("{host}:{port}")
         };
         let memory = Arc::new(MemoryRegistry::new());
+        // The cluster key, read once: a file that cannot be used stops the engine here.
+        let auth = crate::auth::ClusterKey::from_config(config.auth_key_file.as_deref()).map_err(|e| Error::Config(e.to_string()))?.map(Arc::new);
         let tcp = TcpTransport::new(
             data_listener,
             Arc::clone(&memory),
@@ -193,6 +198,7 @@ impl TransferEngine {
                 inline_max: config.tcp_split_bytes,
                 spin: config.spin,
                 idle: config.tcp_idle,
+                auth: auth.clone(),
             },
             config.transfer_timeout,
         )
@@ -244,7 +250,7 @@ impl TransferEngine {
             Some(inner) => inner.on_handshake(f),
             None => b"{}".to_vec(),
         });
-        let handshake = HandshakeServer::start(hs_listener, config.handshake_max_len, handler).map_err(|e| Error::io("starting the handshake server's thread", e))?;
+        let handshake = HandshakeServer::start(hs_listener, config.handshake_max_len, handler, auth.clone()).map_err(|e| Error::io("starting the handshake server's thread", e))?;
         let inner = Arc::new_cyclic(|weak: &Weak<Inner>| {
             let _ = engine_slot.set(weak.clone());
             let w = weak.clone();
@@ -275,6 +281,7 @@ impl TransferEngine {
                 memory,
                 tcp,
                 handshake,
+                auth,
                 segments: RwLock::new(Segments { by_name: HashMap::from([(name, LOCAL_SEGMENT_ID)]), by_id: vec![local_peer] }),
                 batches: Mutex::default(),
                 next_batch: AtomicU64::new(1),
@@ -732,6 +739,8 @@ impl Inner {
                 }
             }
             MsgType::Probe => br#"{"status":"success"}"#.to_vec(),
+            // (The handshake server runs the key's exchange itself and never passes it on.)
+            MsgType::Auth => b"{}".to_vec(),
             MsgType::Connection if self.rdma.is_some() => self.rdma.as_ref().map(|t| t.on_connection(&f.body)).unwrap_or_default(),
             MsgType::Connection => serde_json::json!({
                 "reply_msg": "kvferry: this engine has no RDMA transport; use TCP (publish protocol \"tcp\")",
@@ -750,6 +759,7 @@ impl Inner {
             self.config.handshake_connect_timeout,
             Duration::from_secs(10),
             self.config.handshake_max_len,
+            self.auth.as_deref(),
         )
     }
 
@@ -835,7 +845,11 @@ impl Inner {
         let not_found = |reason: String| Error::SegmentNotFound { name: name.into(), reason };
         let reply = self
             .request(host, port, MsgType::Metadata, &self.local_descriptor().encode())
-            .map_err(|e| not_found(e.to_string()))?;
+            .map_err(|e| match e {
+                // (Said as it is: the fix is the key, not the segment's name.)
+                e @ Error::Unauthorized { .. } => e,
+                e => not_found(e.to_string()),
+            })?;
         let desc = SegmentDesc::decode(&reply.body).map_err(|e| not_found(format!("its descriptor is invalid: {e}")))?;
         tracing::debug!(segment = name, buffers = desc.buffers.len(), data_port = desc.tcp_data_port, "fetched descriptor");
         Ok(desc)

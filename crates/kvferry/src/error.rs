@@ -35,6 +35,8 @@ pub enum Error {
     Bind { what: &'static str, addr: String, hint: String, source: std::io::Error },
     #[error("handshake with {peer} failed: {reason}")]
     Handshake { peer: String, reason: String },
+    #[error("{peer} and this engine do not hold a cluster key in common: {reason} (KVFERRY_AUTH_KEY_FILE must name the same key on every host, or be unset on all)")]
+    Unauthorized { peer: String, reason: String },
     #[error("peer {peer} sent bad data: {source}")]
     Wire { peer: String, source: WireError },
     #[error("I/O error {context}: {source}")]
@@ -68,7 +70,7 @@ impl Error {
             Error::Overlap { .. } => -7,
             Error::Bind { .. } | Error::Io { .. } | Error::Rdma(_) => -102,
             Error::Wire { .. } => -103,
-            Error::Handshake { .. } => -104,
+            Error::Handshake { .. } | Error::Unauthorized { .. } => -104,
             Error::SegmentNotFound { .. } | Error::UnknownSegmentId(_) => -200,
             Error::NoTransport { .. } => -201,
             Error::Shutdown | Error::Forked { .. } => -202,

@@ -4,9 +4,16 @@
 //! One request per connection, as Mooncake does: read one frame (bounded in size and time),
 //! answer one frame of the same type, half-close, close. A malformed or slow request only
 //! costs its own connection.
+//!
+//! With a cluster key (`KVFERRY_AUTH_KEY_FILE`, [`crate::auth`]) the request is preceded, on
+//! the same connection and within the same deadline, by the key's exchange in `Auth` frames
+//! (the initiator's nonce; the engine's nonce and MAC; the initiator's proof, followed by the
+//! request). An engine holding a key answers nothing else first: a request without the
+//! exchange gets an `Auth` frame refusing it, saying why.
 
+use crate::auth::{Answering, ClusterKey, Exchange, Opening};
 use crate::error::{Error, Result};
-use crate::wire::handshake::{self, Frame, MsgType, LEN_PREFIX};
+use crate::wire::handshake::{self, Frame, MsgType, AUTH_CHALLENGE, AUTH_REFUSED, LEN_PREFIX};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -24,6 +31,9 @@ const TICK: Duration = Duration::from_millis(200);
 /// Answers one request frame with a reply body.
 pub type Handler = Arc<dyn Fn(&Frame) -> Vec<u8> + Send + Sync>;
 
+/// The cluster key's exchange on the handshake port: the initiator opens it.
+const AUTH: Exchange = Exchange { opener: "kvferry/handshake/initiator", answerer: "kvferry/handshake/engine" };
+
 pub struct HandshakeServer {
     port: u16,
     listener: Arc<TcpListener>,
@@ -31,7 +41,8 @@ pub struct HandshakeServer {
 }
 
 impl HandshakeServer {
-    pub fn start(listener: TcpListener, max_len: u64, handler: Handler) -> std::io::Result<HandshakeServer> {
+    /// Serves `listener`; with `auth`, every request must follow the key's exchange.
+    pub fn start(listener: TcpListener, max_len: u64, handler: Handler, auth: Option<Arc<ClusterKey>>) -> std::io::Result<HandshakeServer> {
         let port = listener.local_addr()?.port();
         let listener = Arc::new(listener);
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -62,9 +73,9 @@ impl HandshakeServer {
                     tracing::warn!("handshake: {MAX_CONCURRENT} requests already in progress; closing a new one");
                     continue;
                 }
-                let (h, a) = (Arc::clone(&handler), Arc::clone(&active));
+                let (h, a, key) = (Arc::clone(&handler), Arc::clone(&active), auth.clone());
                 let spawned = std::thread::Builder::new().name("kvf-handshake-conn".into()).spawn(move || {
-                    if let Err(e) = serve_one(&stream, max_len, &h) {
+                    if let Err(e) = serve_one(&stream, max_len, &h, key.as_deref()) {
                         tracing::debug!("handshake request dropped: {e}");
                     }
                     a.fetch_sub(1, Ordering::AcqRel);
@@ -94,16 +105,55 @@ impl HandshakeServer {
     }
 }
 
-fn serve_one(s: &TcpStream, max_len: u64, handler: &Handler) -> std::io::Result<()> {
+fn serve_one(s: &TcpStream, max_len: u64, handler: &Handler, auth: Option<&ClusterKey>) -> std::io::Result<()> {
     s.set_read_timeout(Some(TICK))?;
     s.set_write_timeout(Some(TICK))?;
     // One deadline for the request and the reply: a client that reads the reply a little at
     // a time (each write making progress) holds its slot no longer than one that stalls.
     let deadline = Instant::now() + SERVER_IO_TIMEOUT;
-    let frame = match read_frame(s, max_len, deadline) {
-        Ok(f) => f,
-        Err(e) => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())),
+    let read = |max: u64| read_frame(s, max, deadline).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e));
+    let refuse = |why: String| -> std::io::Result<()> {
+        let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        tracing::warn!(%peer, "handshake refused: {why}");
+        let mut body = vec![AUTH_REFUSED];
+        body.extend_from_slice(why.as_bytes());
+        write_until(s, &handshake::encode(MsgType::Auth, &body), deadline, "sending the refusal").map_err(std::io::Error::other)?;
+        let _ = s.shutdown(Shutdown::Both);
+        Ok(())
     };
+    // Before the exchange, a frame no larger than any request a peer without the key sends
+    // (it is told why it is refused); an engine holding none takes what it always did.
+    let mut frame = read(if auth.is_some() { max_len.min(4096) } else { max_len })?;
+    match (auth, frame.kind) {
+        (None, MsgType::Auth) => return refuse("the initiator holds a cluster key and this engine none (KVFERRY_AUTH_KEY_FILE is not set here)".into()),
+        (None, _) => {}
+        (Some(_), kind) if kind != MsgType::Auth => {
+            return refuse("a request before the cluster key's exchange: the initiator holds no KVFERRY_AUTH_KEY_FILE (or is a stock Mooncake engine)".into())
+        }
+        (Some(key), _) => {
+            let ans = match Answering::new(key, AUTH, std::mem::take(&mut frame.body)) {
+                Ok((ans, nonce, mac)) => {
+                    let mut body = vec![AUTH_CHALLENGE];
+                    body.extend_from_slice(&nonce);
+                    body.extend_from_slice(&mac);
+                    write_until(s, &handshake::encode(MsgType::Auth, &body), deadline, "sending the challenge").map_err(std::io::Error::other)?;
+                    ans
+                }
+                Err(r) => return refuse(format!("the initiator's opening frame: {r}")),
+            };
+            let proof = read(LEN_PREFIX as u64 + 1 + crate::auth::MAC_LEN as u64)?;
+            if proof.kind != MsgType::Auth {
+                return refuse("the initiator sent a request instead of its proof of the cluster key".into());
+            }
+            if let Err(r) = ans.check(key, AUTH, &proof.body) {
+                return refuse(format!("the initiator's proof of the cluster key: {r}"));
+            }
+            frame = read(max_len)?;
+            if frame.kind == MsgType::Auth {
+                return refuse("the initiator sent another exchange instead of its request".into());
+            }
+        }
+    }
     let reply = handler(&frame);
     write_until(s, &handshake::encode(frame.kind, &reply), deadline, "sending the reply").map_err(std::io::Error::other)?;
     s.shutdown(Shutdown::Write)?;
@@ -166,12 +216,15 @@ fn read_frame(s: &TcpStream, max_len: u64, deadline: Instant) -> Result<Frame, S
 
 /// Whether an engine answers a `Probe` at `host:port`: connected within `connect`, answered
 /// within 2 s. An engine asks this before it takes over a name whose `rpc_meta` names another
-/// engine, and a store master before it removes a dropped client's entries.
+/// engine, and a store master before it removes a dropped client's entries. An engine that
+/// refuses the probe for want of the cluster key answered: it is alive.
 pub fn answers(host: &str, port: u16, connect: Duration, max_len: u64) -> bool {
-    request(host, port, MsgType::Probe, b"{}", connect, Duration::from_secs(2), max_len).is_ok()
+    matches!(request(host, port, MsgType::Probe, b"{}", connect, Duration::from_secs(2), max_len, None), Ok(_) | Err(Error::Unauthorized { .. }))
 }
 
-/// Sends one request to `host:port` and returns the reply frame.
+/// Sends one request to `host:port` and returns the reply frame; with `auth`, after the
+/// cluster key's exchange (the engine must prove it too).
+#[allow(clippy::too_many_arguments)]
 pub fn request(
     host: &str,
     port: u16,
@@ -180,6 +233,7 @@ pub fn request(
     connect_timeout: Duration,
     io_timeout: Duration,
     max_len: u64,
+    auth: Option<&ClusterKey>,
 ) -> Result<Frame> {
     let peer = format!("{host}:{port}");
     let fail = |reason: String| Error::Handshake { peer: peer.clone(), reason };
@@ -202,9 +256,42 @@ pub fn request(
     s.set_read_timeout(Some(io_timeout.min(TICK))).map_err(|e| fail(e.to_string()))?;
     s.set_write_timeout(Some(io_timeout.min(TICK))).map_err(|e| fail(e.to_string()))?;
     let _ = s.set_nodelay(true);
-    write_until(&s, &handshake::encode(kind, body), Instant::now() + io_timeout, "sending request").map_err(fail)?;
+    let deadline = Instant::now() + io_timeout;
+    let refused = |reply: &Frame| Error::Unauthorized {
+        peer: peer.clone(),
+        reason: match reply.body.split_first() {
+            Some((&AUTH_REFUSED, why)) => String::from_utf8_lossy(why).into_owned(),
+            _ => "it answered the cluster key's exchange with something else".into(),
+        },
+    };
+    let mut out = Vec::new();
+    if let Some(key) = auth {
+        let open = Opening::default();
+        write_until(&s, &handshake::encode(MsgType::Auth, &open.nonce()), deadline, "sending the cluster key's opening frame").map_err(fail)?;
+        let answer = read_frame(&s, max_len, deadline).map_err(|e| {
+            fail(format!("{e} (at the cluster key's exchange: a peer that closes here does not take a cluster key, e.g. a stock Mooncake engine or one without KVFERRY_AUTH_KEY_FILE)"))
+        })?;
+        let challenge = match (answer.kind, answer.body.split_first()) {
+            (MsgType::Auth, Some((&AUTH_CHALLENGE, rest))) if rest.len() == crate::auth::NONCE_LEN + crate::auth::MAC_LEN => rest,
+            (MsgType::Auth, _) => return Err(refused(&answer)),
+            _ => {
+                return Err(Error::Unauthorized {
+                    peer: peer.clone(),
+                    reason: "it does not take a cluster key (a stock Mooncake engine, or a kvferry engine too old for one), and this engine holds one (KVFERRY_AUTH_KEY_FILE)".into(),
+                })
+            }
+        };
+        let (nonce, mac) = challenge.split_at(crate::auth::NONCE_LEN);
+        let proof = open.prove(key, AUTH, nonce, mac).map_err(|r| Error::Unauthorized { peer: peer.clone(), reason: r.to_string() })?;
+        out = handshake::encode(MsgType::Auth, &proof);
+    }
+    out.extend_from_slice(&handshake::encode(kind, body));
+    write_until(&s, &out, deadline, "sending request").map_err(fail)?;
     let reply = read_frame(&s, max_len, Instant::now() + io_timeout).map_err(fail)?;
     let _ = s.shutdown(Shutdown::Both);
+    if reply.kind == MsgType::Auth {
+        return Err(refused(&reply));
+    }
     if reply.kind != kind {
         return Err(Error::Wire {
             peer: peer.clone(),

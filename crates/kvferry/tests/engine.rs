@@ -534,7 +534,7 @@ fn forced_rdma_in_auto_mode_starts_only_with_a_usable_nic_and_says_why_not() {
 fn a_connection_message_to_an_engine_without_rdma_is_refused_with_a_reason() {
     let e = engine();
     let body = br#"{"local_nic_path":"10.0.0.1:1@mlx5_0","local_lid":0,"local_gid":"00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:01","peer_nic_path":"x:1@mlx5_0","qp_num":[5]}"#;
-    let reply = kvferry::handshake::request("127.0.0.1", e.rpc_port(), MsgType::Connection, body, Duration::from_secs(2), Duration::from_secs(5), 1 << 20).unwrap();
+    let reply = kvferry::handshake::request("127.0.0.1", e.rpc_port(), MsgType::Connection, body, Duration::from_secs(2), Duration::from_secs(5), 1 << 20, None).unwrap();
     let m: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
     assert!(m["reply_msg"].as_str().is_some_and(|r| r.contains("no RDMA transport")), "{m}");
 }

@@ -271,7 +271,7 @@ fn transport_setting_forces_or_forbids_shm() {
 fn forged_peer(desc: kvferry::wire::descriptor::SegmentDesc) -> (HandshakeServer, String) {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let body = desc.encode();
-    let h = HandshakeServer::start(l, 1 << 20, Arc::new(move |f: &Frame| if f.kind == MsgType::Metadata { body.clone() } else { b"{}".to_vec() })).unwrap();
+    let h = HandshakeServer::start(l, 1 << 20, Arc::new(move |f: &Frame| if f.kind == MsgType::Metadata { body.clone() } else { b"{}".to_vec() }), None).unwrap();
     let name = format!("127.0.0.1:{}", h.port());
     (h, name)
 }

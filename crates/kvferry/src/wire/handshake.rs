@@ -2,8 +2,8 @@
 //!
 //! A frame is `u64 length` (little-endian) followed by `length` payload bytes. The payload is
 //! one type byte (`Connection=0`, `Metadata=1`, `Notify=2`, `Probe=3`) and JSON text. Legacy
-//! peers send no type byte: a payload whose first byte is greater than 3 is JSON and is treated
-//! as a `Connection` message. Each request uses its own connection; the reply carries the same
+//! peers send no type byte: a payload whose first byte is greater than 3 (and not kvferry's
+//! `Auth`, `K`) is JSON and is treated as a `Connection` message. Each request uses its own connection; the reply carries the same
 //! type as the request.
 
 use super::WireError;
@@ -28,7 +28,18 @@ pub enum MsgType {
     Notify = 2,
     /// Liveness probe.
     Probe = 3,
+    /// kvferry's, only with a cluster key (`crate::auth`): the key's exchange, before the
+    /// request on the same connection. The initiator's first frame carries its nonce, its
+    /// second its proof (the request follows it); the engine answers the first with
+    /// [`AUTH_CHALLENGE`] and its nonce and MAC, or refuses either with [`AUTH_REFUSED`] and
+    /// the reason. `K`: no JSON text starts with it, so no legacy frame is taken for it.
+    Auth = 0x4B,
 }
+
+/// First byte of an `Auth` answer carrying the engine's nonce and MAC.
+pub const AUTH_CHALLENGE: u8 = b'C';
+/// First byte of an `Auth` answer refusing the connection; the reason (UTF-8) follows.
+pub const AUTH_REFUSED: u8 = b'R';
 
 impl MsgType {
     pub fn from_u8(b: u8) -> Option<MsgType> {
@@ -37,6 +48,7 @@ impl MsgType {
             1 => Some(MsgType::Metadata),
             2 => Some(MsgType::Notify),
             3 => Some(MsgType::Probe),
+            0x4B => Some(MsgType::Auth),
             _ => None,
         }
     }

@@ -4,7 +4,15 @@
 //! Header layout: `size` u64 LE, `addr` u64 LE (a virtual address on the target), `opcode`
 //! u8 (0 = READ, 1 = WRITE, bit 0x80 = v2 framing requested), 7 padding bytes (sent as zero,
 //! ignored on receive). A v2 status frame is one u64 LE whose high 32 bits are the magic
-//! `0x4D435456` ("MCTV") and whose low 32 bits are the status (0 OK, 1 rejected).
+//! `0x4D435456` ("MCTV") and whose low 32 bits are the status (0 OK, 1 rejected, 2
+//! unauthorized: kvferry's, for a target holding a cluster key).
+//!
+//! kvferry's addition, only with a cluster key (`KVFERRY_AUTH_KEY_FILE`, [`crate::auth`]): a
+//! connection opens with the key's exchange before any request. The initiator sends an
+//! opening frame ([`encode_auth_hello`]: a header whose opcode byte is [`AUTH_OPCODE`], which
+//! no Mooncake peer sends or accepts, and its nonce); the target answers [`encode_auth_challenge`]
+//! (its nonce and MAC) or, holding no key, an `Unauthorized` status frame; the initiator sends
+//! its MAC ([`AUTH_PROOF_LEN`] bytes); the target answers an `Ok` or `Unauthorized` status frame.
 
 use super::WireError;
 
@@ -12,6 +20,18 @@ pub const HEADER_LEN: usize = 24;
 pub const STATUS_LEN: usize = 8;
 pub const STATUS_MAGIC: u32 = 0x4D43_5456;
 pub const V2_FLAG: u8 = 0x80;
+/// Opcode byte of the cluster key's opening frame.
+pub const AUTH_OPCODE: u8 = 0x4B;
+/// The `addr` field of the opening frame ("KVFAUTH1").
+pub const AUTH_MAGIC: u64 = u64::from_le_bytes(*b"KVFAUTH1");
+/// The first 8 bytes of the target's challenge ("KVFCHAL1"), where a status frame would be.
+pub const CHALLENGE_MAGIC: u64 = u64::from_le_bytes(*b"KVFCHAL1");
+/// Bytes of the opening frame: a header and the initiator's nonce.
+pub const AUTH_HELLO_LEN: usize = HEADER_LEN + crate::auth::NONCE_LEN;
+/// Bytes of the target's challenge: the magic, its nonce and its MAC.
+pub const AUTH_CHALLENGE_LEN: usize = 8 + crate::auth::NONCE_LEN + crate::auth::MAC_LEN;
+/// Bytes of the initiator's proof (its MAC).
+pub const AUTH_PROOF_LEN: usize = crate::auth::MAC_LEN;
 
 /// The direction of a transfer, as seen from the initiator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -63,6 +83,9 @@ pub enum Status {
     Ok = 0,
     /// The target refused the address range; it closes the connection after this frame.
     Rejected = 1,
+    /// kvferry's: the target holds a cluster key and this connection did not prove it (or it
+    /// holds none and was asked to); it closes the connection after this frame.
+    Unauthorized = 2,
 }
 
 pub fn encode_status(s: Status) -> [u8; STATUS_LEN] {
@@ -78,8 +101,43 @@ pub fn decode_status(b: [u8; STATUS_LEN]) -> Result<Status, WireError> {
     match v as u32 {
         0 => Ok(Status::Ok),
         1 => Ok(Status::Rejected),
+        2 => Ok(Status::Unauthorized),
         other => Err(WireError::StatusCode(other)),
     }
+}
+
+/// The initiator's opening frame with its nonce.
+pub fn encode_auth_hello(nonce: &[u8; crate::auth::NONCE_LEN]) -> [u8; AUTH_HELLO_LEN] {
+    let mut b = [0u8; AUTH_HELLO_LEN];
+    b[0..8].copy_from_slice(&(crate::auth::NONCE_LEN as u64).to_le_bytes());
+    b[8..16].copy_from_slice(&AUTH_MAGIC.to_le_bytes());
+    b[16] = AUTH_OPCODE;
+    b[HEADER_LEN..].copy_from_slice(nonce);
+    b
+}
+
+/// Whether a header is the opening frame's (its nonce follows).
+pub fn is_auth_hello(h: &[u8; HEADER_LEN]) -> bool {
+    h[16] == AUTH_OPCODE && h[8..16] == AUTH_MAGIC.to_le_bytes() && h[0..8] == (crate::auth::NONCE_LEN as u64).to_le_bytes()
+}
+
+/// The target's challenge: its nonce and its MAC over both nonces.
+pub fn encode_auth_challenge(nonce: &[u8], mac: &[u8]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(AUTH_CHALLENGE_LEN);
+    b.extend_from_slice(&CHALLENGE_MAGIC.to_le_bytes());
+    b.extend_from_slice(nonce);
+    b.extend_from_slice(mac);
+    debug_assert_eq!(b.len(), AUTH_CHALLENGE_LEN);
+    b
+}
+
+/// What the target answered the opening frame with, from its first 8 bytes: a challenge
+/// (`AUTH_CHALLENGE_LEN - 8` bytes follow, nonce then MAC) or a status frame.
+pub fn decode_auth_answer(first: [u8; STATUS_LEN]) -> Result<Option<Status>, WireError> {
+    if u64::from_le_bytes(first) == CHALLENGE_MAGIC {
+        return Ok(None);
+    }
+    decode_status(first).map(Some)
 }
 
 #[cfg(test)]
@@ -112,6 +170,28 @@ mod tests {
         assert_eq!(DataHeader::decode(&b), Err(WireError::Opcode(2)));
         let b = DataHeader { size: 2, addr: u64::MAX, opcode: Opcode::Read, v2: false }.encode();
         assert!(matches!(DataHeader::decode(&b), Err(WireError::RangeOverflow { .. })));
+    }
+
+    #[test]
+    fn the_cluster_keys_frames_are_never_taken_for_a_request_or_a_status() {
+        let nonce = [7u8; crate::auth::NONCE_LEN];
+        let hello = encode_auth_hello(&nonce);
+        let hdr: [u8; HEADER_LEN] = hello[..HEADER_LEN].try_into().unwrap();
+        assert!(is_auth_hello(&hdr));
+        assert_eq!(&hello[HEADER_LEN..], &nonce);
+        // A Mooncake target (and a kvferry one that does not look for it) cannot decode it as a
+        // request: nothing is read or written for it.
+        assert_eq!(DataHeader::decode(&hdr), Err(WireError::Opcode(AUTH_OPCODE)));
+        // Nor is a request an opening frame, whatever its fields.
+        let req = DataHeader { size: crate::auth::NONCE_LEN as u64, addr: AUTH_MAGIC, opcode: Opcode::Write, v2: true }.encode();
+        assert!(!is_auth_hello(&req));
+        let ch = encode_auth_challenge(&[1; crate::auth::NONCE_LEN], &[2; crate::auth::MAC_LEN]);
+        assert_eq!(ch.len(), AUTH_CHALLENGE_LEN);
+        let first: [u8; STATUS_LEN] = ch[..STATUS_LEN].try_into().unwrap();
+        assert_eq!(decode_auth_answer(first), Ok(None));
+        assert!(decode_status(first).is_err(), "a challenge is not a status frame");
+        assert_eq!(decode_auth_answer(encode_status(Status::Unauthorized)), Ok(Some(Status::Unauthorized)));
+        assert_eq!(decode_status(encode_status(Status::Unauthorized)), Ok(Status::Unauthorized));
     }
 
     proptest! {

@@ -81,6 +81,8 @@ pub(super) struct Lane {
     /// The transport's map of peers, to leave it when idle (weak: no cycle).
     pub(super) home: std::sync::Weak<PeerMap>,
     pub(super) key: (SocketAddr, bool),
+    /// The cluster key: every connection proves it before its first request.
+    pub(super) auth: Option<Arc<crate::auth::ClusterKey>>,
 }
 
 /// Pieces for a descriptor refresh, and how they end if it hands them back.
@@ -399,6 +401,7 @@ impl Lane {
             .unwrap_or(self.connect_timeout)
             .min(self.connect_timeout)
             .max(Duration::from_millis(1));
+        let until = Instant::now() + timeout;
         let r = TcpStream::connect_timeout(&self.target, timeout).and_then(|s| {
             s.set_nodelay(true)?;
             s.set_read_timeout(Some(TICK))?;
@@ -406,6 +409,23 @@ impl Lane {
             keepalive(&s);
             Ok(s)
         });
+        // With a cluster key, the connection proves it before it carries a request.
+        let r = r.map(|s| match &self.auth {
+            Some(key) => self.authenticate(&s, key, until).map(|()| s),
+            None => Ok(s),
+        });
+        let r = match r {
+            Ok(Ok(s)) => Ok(s),
+            Ok(Err(refused)) => {
+                let ops: Vec<WireOp> = self.lock().pending.drain(..).collect();
+                tracing::warn!("TCP data connection to {} at {}: {}", self.peer_name, self.target, refused.reason);
+                for op in ops {
+                    self.end_op(op, Err((FailKind::Failed, refused.clone())));
+                }
+                return;
+            }
+            Err(e) => Err(e),
+        };
         match r {
             Ok(s) => {
                 self.lock().on_connected(Arc::new(s));
@@ -436,6 +456,36 @@ impl Lane {
                 }
             }
         }
+    }
+
+    /// The cluster key's exchange on a new connection, by `until` (`proto::AuthOpen`): the
+    /// failure to end the waiting requests with when the target refuses or cannot answer it.
+    fn authenticate(&self, s: &TcpStream, key: &crate::auth::ClusterKey, until: Instant) -> Result<(), Failure> {
+        let stop = || Instant::now() >= until;
+        let io_failed = |what: &str, e: io::Error| {
+            let cause = if e.kind() == io::ErrorKind::TimedOut { FailCause::Timeout } else { FailCause::PeerUnreachable };
+            cause.because(format!("{} at {}: {what} the cluster key's exchange: {e}", self.peer_name, self.target))
+        };
+        let open = proto::AuthOpen::new();
+        write_all_vectored(s, &mut [IoSlice::new(&open.hello())], |_| stop()).map_err(|e| io_failed("sending", e))?;
+        let mut first = [0u8; STATUS_LEN];
+        // A target that closes at once holds no key and does not look for one (an older
+        // kvferry, or Mooncake).
+        read_exact_until(s, &mut first, stop).map_err(|e| match e.kind() {
+            io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => FailCause::Unauthorized.because(format!(
+                "{} closed the connection at the cluster key's opening frame: it does not take a cluster key (a stock Mooncake engine or one without KVFERRY_AUTH_KEY_FILE); set the same key file on both, or unset it here",
+                self.peer_name
+            )),
+            _ => io_failed("answering", e),
+        })?;
+        open.on_answer(first, &self.peer_name)?;
+        let mut rest = [0u8; crate::wire::tcp::AUTH_CHALLENGE_LEN - STATUS_LEN];
+        read_exact_until(s, &mut rest, stop).map_err(|e| io_failed("receiving the challenge of", e))?;
+        let proof = open.on_challenge(key, &rest, &self.peer_name)?;
+        write_all_vectored(s, &mut [IoSlice::new(&proof)], |_| stop()).map_err(|e| io_failed("sending the proof of", e))?;
+        let mut verdict = [0u8; STATUS_LEN];
+        read_exact_until(s, &mut verdict, stop).map_err(|e| io_failed("receiving the verdict of", e))?;
+        proto::AuthOpen::on_verdict(verdict, &self.peer_name)
     }
 
     pub(super) fn reader_loop(self: Arc<Self>) {
@@ -490,6 +540,20 @@ impl Lane {
             }
             // 2. The op is ours now.
             let Some(op) = self.pop_front(gen) else { continue };
+            if ans.status() == Some(Status::Unauthorized) {
+                // A target holding a cluster key, and this engine none: nothing of this
+                // connection's requests was taken, and none will be on another.
+                self.done_reading();
+                self.fail_conn(gen, ConnFailure::Untouched("target refused a connection without the cluster key".into()));
+                // (What was sent after it came back to wait for a new connection: it would be
+                // refused the same way.)
+                let ops: Vec<WireOp> = std::iter::once(op).chain(self.lock().pending.drain(..)).collect();
+                let f = unauthorized(&self.peer_name);
+                for op in ops {
+                    self.end_op(op, Err((FailKind::Failed, f.clone())));
+                }
+                continue;
+            }
             if ans.status() == Some(Status::Rejected) {
                 self.done_reading();
                 let reason = format!(
@@ -609,6 +673,7 @@ impl Lane {
                 let reason = format!("{} rejected [0x{:x}, +{}): not inside memory it has registered", self.peer_name, op.piece.remote, op.piece.len);
                 Err((FailKind::Failed, FailCause::RemoteNotRegistered.because(reason)))
             }
+            Ok(Status::Unauthorized) => Err((FailKind::Failed, unauthorized(&self.peer_name))),
             Err(e) if e.kind() == io::ErrorKind::TimedOut => match self.fate(&op, false, false, Instant::now(), &e.to_string()) {
                 Some(f) => Err(f),
                 None => Err((FailKind::Timeout, FailCause::Timeout.because(format!("no answer from {} ({}) before the deadline", self.peer_name, self.target)))),
@@ -654,6 +719,13 @@ impl Lane {
         self.wake_writer.notify_all();
         self.wake_reader.notify_all();
     }
+}
+
+/// A target holding a cluster key refused a request of this engine, which holds none.
+fn unauthorized(peer: &str) -> Failure {
+    FailCause::Unauthorized.because(format!(
+        "{peer} holds a cluster key and refuses engines without it: set its KVFERRY_AUTH_KEY_FILE here too"
+    ))
 }
 
 /// An answer the protocol cannot follow, as an I/O error of the connection.

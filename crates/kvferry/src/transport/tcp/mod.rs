@@ -72,6 +72,9 @@ pub struct TcpOptions {
     pub spin: Duration,
     /// A lane unused this long closes its connection and its threads end.
     pub idle: Duration,
+    /// The cluster key (`KVFERRY_AUTH_KEY_FILE`): every data connection, both ways, proves
+    /// it before its first request; `None`: Mooncake's protocol as it is.
+    pub auth: Option<Arc<crate::auth::ClusterKey>>,
 }
 
 
@@ -86,7 +89,7 @@ pub struct TcpTransport {
 
 impl TcpTransport {
     pub fn new(listener: TcpListener, registry: Arc<MemoryRegistry>, opts: TcpOptions, stall: Duration) -> io::Result<Arc<TcpTransport>> {
-        let server = TcpServer::start(listener, registry, stall, opts.spin)?;
+        let server = TcpServer::start(listener, registry, stall, opts.spin, opts.auth.clone())?;
         Ok(Arc::new(TcpTransport { opts, server, peers: Arc::default(), shut: AtomicBool::new(false), refused: Arc::default() }))
     }
 
@@ -144,6 +147,7 @@ impl TcpTransport {
                 idle: self.opts.idle,
                 home: Arc::downgrade(&self.peers),
                 key: (addr, v2),
+                auth: self.opts.auth.clone(),
             });
             let (w, r) = (Arc::clone(&lane), Arc::clone(&lane));
             std::thread::Builder::new().name("kvf-lane-tx".into()).spawn(move || w.writer_loop()).map_err(|e| e.to_string())?;

@@ -12,11 +12,69 @@
 //! below with synthetic times: a peer that trickles one byte at a time is a loop of calls, not
 //! a test that sleeps.
 
+use crate::auth::{ClusterKey, Exchange, Opening};
 use crate::batch::{FailCause, FailKind, Failure};
 use crate::memory::{MemoryRegistry, RegionGuard};
-use crate::wire::tcp::{self, DataHeader, Opcode, Status, HEADER_LEN, STATUS_LEN};
+use crate::wire::tcp::{self, DataHeader, Opcode, Status, AUTH_CHALLENGE_LEN, AUTH_HELLO_LEN, HEADER_LEN, STATUS_LEN};
 use crate::wire::WireError;
 use std::time::{Duration, Instant};
+
+/// The cluster key's exchange on a data connection (`crate::auth`): the initiator opens it,
+/// the target answers.
+pub(super) const AUTH: Exchange = Exchange { opener: "kvferry/tcp-data/initiator", answerer: "kvferry/tcp-data/target" };
+
+/// The initiator's side of the cluster key's exchange on a new connection: the opening
+/// frame to send ([`AuthOpen::hello`]), then the target's answer's first 8 bytes
+/// ([`AuthOpen::on_answer`]), the rest of its challenge ([`AuthOpen::on_challenge`], which
+/// gives the proof to send) and its verdict ([`AuthOpen::on_verdict`]). Every refusal is
+/// `FailCause::Unauthorized` with what to set; bytes that are none of these, `Protocol`.
+pub(super) struct AuthOpen {
+    opening: Opening,
+}
+
+impl AuthOpen {
+    pub(super) fn new() -> AuthOpen {
+        AuthOpen { opening: Opening::default() }
+    }
+
+    pub(super) fn hello(&self) -> [u8; AUTH_HELLO_LEN] {
+        let nonce: [u8; crate::auth::NONCE_LEN] = self.opening.nonce().try_into().unwrap_or_else(|_| unreachable!("a nonce is NONCE_LEN bytes"));
+        tcp::encode_auth_hello(&nonce)
+    }
+
+    /// The answer's first 8 bytes: `Ok` when a challenge follows (`AUTH_CHALLENGE_LEN - 8`
+    /// more bytes).
+    pub(super) fn on_answer(&self, first: [u8; STATUS_LEN], peer: &str) -> Result<(), Failure> {
+        match tcp::decode_auth_answer(first) {
+            Ok(None) => Ok(()),
+            Ok(Some(Status::Unauthorized)) => Err(FailCause::Unauthorized.because(format!(
+                "{peer} holds no cluster key, and this engine does (KVFERRY_AUTH_KEY_FILE): set the same key file on both, or unset it on both"
+            ))),
+            Ok(Some(s)) => Err(FailCause::Protocol.because(format!("{peer} answered the cluster key's opening frame with status {s:?}"))),
+            Err(e) => Err(FailCause::Protocol.because(format!("{peer} answered the cluster key's opening frame with something else ({e}): it is not a kvferry engine holding a key"))),
+        }
+    }
+
+    /// The rest of the challenge (nonce, MAC): the proof to send, once the target's MAC is
+    /// checked.
+    pub(super) fn on_challenge(&self, key: &ClusterKey, rest: &[u8], peer: &str) -> Result<Vec<u8>, Failure> {
+        debug_assert_eq!(rest.len(), AUTH_CHALLENGE_LEN - STATUS_LEN);
+        let (nonce, mac) = rest.split_at(crate::auth::NONCE_LEN);
+        self.opening.prove(key, AUTH, nonce, mac).map_err(|r| FailCause::Unauthorized.because(format!("{peer}'s data port: {r}")))
+    }
+
+    /// The target's verdict on the proof.
+    pub(super) fn on_verdict(frame: [u8; STATUS_LEN], peer: &str) -> Result<(), Failure> {
+        match tcp::decode_status(frame) {
+            Ok(Status::Ok) => Ok(()),
+            Ok(Status::Unauthorized) => Err(FailCause::Unauthorized.because(format!(
+                "{peer} refused this engine's proof of the cluster key: it holds another key than this host's KVFERRY_AUTH_KEY_FILE (while a key changes, every host must accept both first: the old and the new key in its file)"
+            ))),
+            Ok(s) => Err(FailCause::Protocol.because(format!("{peer} answered the cluster key's proof with status {s:?}"))),
+            Err(e) => Err(FailCause::Protocol.because(format!("{peer} answered the cluster key's proof with something else: {e}"))),
+        }
+    }
+}
 
 /// The frames of one request: its header, and for a WRITE to a v1 target a 1-byte READ of
 /// the last byte written (the fence: its answer proves the body was consumed into memory).

@@ -18,8 +18,11 @@
 
 use super::proto::{admit, Admission, HeaderClock};
 use super::sockio::{MAX_OUT, SMALL_READ};
+use super::proto::AUTH;
+use crate::auth::{Answering, ClusterKey};
 use crate::memory::{MemoryRegistry, RegionGuard};
-use crate::wire::tcp::{self, DataHeader, Opcode, Status, HEADER_LEN};
+use crate::wire::tcp::{self, DataHeader, Opcode, Status, AUTH_HELLO_LEN, AUTH_PROOF_LEN, HEADER_LEN};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Why a served connection ended.
@@ -36,6 +39,8 @@ pub(super) enum End {
     BadHeader(String),
     /// A copy to or from GPU memory failed (the request is not answered as done).
     Device(String),
+    /// This target holds a cluster key and the connection did not prove it (why).
+    Unauthorized(String),
 }
 
 /// Bytes of GPU memory staged per chunk: a connection's pinned buffer holds two (allocated at
@@ -43,6 +48,11 @@ pub(super) enum End {
 const GPU_CHUNK: usize = 1 << 20;
 
 enum State {
+    /// With a cluster key, before anything else: receiving the initiator's opening frame
+    /// (`pre` holds what came of it), until `until`.
+    AuthHello { key: Arc<ClusterKey>, until: Instant },
+    /// The challenge sent: receiving the initiator's proof into `pre`, until `until`.
+    AuthProof { key: Arc<ClusterKey>, until: Instant, ans: Answering },
     /// Receiving a header (`have` bytes of it so far).
     Header,
     /// A WRITE body: `got` of `len` bytes landed at `addr`.
@@ -94,6 +104,8 @@ pub(super) struct ServeConn {
     /// Where GPU bytes are staged (pinned host memory, a stream; made at the first GPU
     /// request, for that request's GPU).
     pipe: Option<crate::gpu::Pipe>,
+    /// What came of the cluster key's exchange so far (its frames are not headers).
+    pre: Vec<u8>,
 }
 
 impl Drop for ServeConn {
@@ -141,7 +153,16 @@ impl ServeConn {
             out: Vec::with_capacity(4096),
             large_write: false,
             pipe: None,
+            pre: Vec::new(),
         }
+    }
+
+    /// A connection to a target holding a cluster key: the initiator must prove it, within
+    /// `stall` of `now` (the connection's start), before any request is read.
+    pub(super) fn with_key(stall: Duration, key: Arc<ClusterKey>, now: Instant) -> ServeConn {
+        let mut c = ServeConn::new(stall);
+        c.state = State::AuthHello { key, until: now + stall };
+        c
     }
 
     /// Consumes bytes the socket delivered; returns how many it took. It stops taking bytes
@@ -151,6 +172,15 @@ impl ServeConn {
         let total = data.len();
         while !data.is_empty() {
             match &mut self.state {
+                State::AuthHello { .. } | State::AuthProof { .. } => {
+                    let want = if matches!(self.state, State::AuthHello { .. }) { AUTH_HELLO_LEN } else { AUTH_PROOF_LEN };
+                    let n = (want - self.pre.len()).min(data.len());
+                    self.pre.extend_from_slice(&data[..n]);
+                    data = &data[n..];
+                    if self.pre.len() >= HEADER_LEN.min(want) {
+                        self.on_auth(want, now);
+                    }
+                }
                 State::Header => {
                     let n = (HEADER_LEN - self.have).min(data.len());
                     self.hdr[self.have..self.have + n].copy_from_slice(&data[..n]);
@@ -177,7 +207,76 @@ impl ServeConn {
         total - data.len()
     }
 
+    /// The cluster key's exchange with `pre` holding at least a header's bytes (or the whole
+    /// proof): a request instead of the opening frame is refused (answered `Unauthorized` when
+    /// it asked for status frames); the opening frame is answered with the challenge, the
+    /// proof with `Ok` or `Unauthorized`.
+    fn on_auth(&mut self, want: usize, now: Instant) {
+        if now >= self.auth_until().unwrap_or(now) {
+            return self.close(End::Overdue);
+        }
+        let refuse = |c: &mut ServeConn, v2: bool, why: String| {
+            if v2 {
+                c.out.extend_from_slice(&tcp::encode_status(Status::Unauthorized));
+                c.state = State::Closing(End::Unauthorized(why));
+            } else {
+                c.close(End::Unauthorized(why));
+            }
+        };
+        match std::mem::replace(&mut self.state, State::Header) {
+            State::AuthHello { key, until } => {
+                let hdr: [u8; HEADER_LEN] = self.pre[..HEADER_LEN].try_into().expect("a header's bytes");
+                if !tcp::is_auth_hello(&hdr) {
+                    let v2 = DataHeader::decode(&hdr).is_ok_and(|h| h.v2);
+                    return refuse(self, v2, "a request before the cluster key's exchange: the initiator holds no KVFERRY_AUTH_KEY_FILE (or is a stock Mooncake engine)".into());
+                }
+                if self.pre.len() < want {
+                    self.state = State::AuthHello { key, until };
+                    return;
+                }
+                let nonce = self.pre[HEADER_LEN..].to_vec();
+                self.pre.clear();
+                match Answering::new(&key, AUTH, nonce) {
+                    Ok((ans, mine, mac)) => {
+                        self.out.extend_from_slice(&tcp::encode_auth_challenge(&mine, &mac));
+                        self.state = State::AuthProof { key, until, ans };
+                    }
+                    Err(r) => refuse(self, true, format!("the initiator's opening frame: {r}")),
+                }
+            }
+            State::AuthProof { key, until, ans } => {
+                if self.pre.len() < want {
+                    self.state = State::AuthProof { key, until, ans };
+                    return;
+                }
+                let proof = std::mem::take(&mut self.pre);
+                match ans.check(&key, AUTH, &proof) {
+                    Ok(()) => {
+                        self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
+                        self.clock = HeaderClock::new(self.stall);
+                    }
+                    Err(r) => refuse(self, true, format!("the initiator's proof of the cluster key: {r}")),
+                }
+            }
+            other => self.state = other,
+        }
+    }
+
+    /// Until when the cluster key's exchange may run (`None`: it is over, or there is none).
+    fn auth_until(&self) -> Option<Instant> {
+        match &self.state {
+            State::AuthHello { until, .. } | State::AuthProof { until, .. } => Some(*until),
+            _ => None,
+        }
+    }
+
     fn on_header(&mut self, registry: &MemoryRegistry, now: Instant) {
+        if tcp::is_auth_hello(&self.hdr) {
+            // An initiator holding a cluster key, and this target none: say so, and close.
+            self.out.extend_from_slice(&tcp::encode_status(Status::Unauthorized));
+            self.state = State::Closing(End::Unauthorized("the initiator holds a cluster key and this target none (KVFERRY_AUTH_KEY_FILE is not set here)".into()));
+            return;
+        }
         let h = match DataHeader::decode(&self.hdr) {
             Ok(h) => h,
             Err(e) => return self.close(End::BadHeader(e.to_string())),
@@ -364,6 +463,11 @@ impl ServeConn {
                     self.close(End::Overdue);
                 }
             }
+            State::AuthHello { until, .. } | State::AuthProof { until, .. } => {
+                if now >= *until {
+                    self.close(End::Overdue);
+                }
+            }
             State::Closing(_) | State::Closed(_) => {}
         }
     }
@@ -374,6 +478,7 @@ impl ServeConn {
         match &self.state {
             State::Body { deadline, .. } | State::Answer { deadline, .. } => Some(*deadline),
             State::Header => self.clock.due(),
+            State::AuthHello { until, .. } | State::AuthProof { until, .. } => Some(*until),
             _ => None,
         }
     }
@@ -699,5 +804,98 @@ mod tests {
         assert_eq!(c.handle_bytes(&m.reg, &[2; 90], now), 0);
         assert_eq!(&m.buf[..10], &[1; 10]);
         assert_eq!(m.buf[10], 10, "byte 10 untouched");
+    }
+
+    fn key(c: char) -> Arc<ClusterKey> {
+        Arc::new(ClusterKey::parse(c.to_string().repeat(64).as_bytes(), std::path::Path::new("k")).expect("a key"))
+    }
+
+    /// The initiator's side (`proto::AuthOpen`) run against a target's machine, the bytes fed
+    /// `chunk` at a time: what the target ends with.
+    fn exchange(c: &mut ServeConn, m: &Mem, initiator: &ClusterKey, chunk: usize, now: Instant) -> Result<(), crate::batch::Failure> {
+        let open = super::super::proto::AuthOpen::new();
+        for part in open.hello().chunks(chunk) {
+            c.handle_bytes(&m.reg, part, now);
+            assert!(c.closed().is_none());
+        }
+        let answer = drain(c, now);
+        open.on_answer(answer[..STATUS_LEN].try_into().unwrap(), "t")?;
+        let proof = open.on_challenge(initiator, &answer[STATUS_LEN..], "t")?;
+        for part in proof.chunks(chunk) {
+            c.handle_bytes(&m.reg, part, now);
+        }
+        super::super::proto::AuthOpen::on_verdict(drain(c, now)[..].try_into().unwrap(), "t")
+    }
+
+    /// With a cluster key, nothing is read or written for a connection until it proved the
+    /// key: a request first is refused (`Unauthorized` when it asked for status frames) and
+    /// touches nothing; a proof under another key is refused; the right proof, however it
+    /// trickles, lets requests through; a connection that does not finish the exchange within
+    /// `stall` of its start is closed.
+    #[test]
+    fn a_target_holding_a_key_serves_nothing_before_the_initiator_proved_it() {
+        let mut m = mem(4096);
+        let t0 = Instant::now();
+        let data = vec![0xAB; 64];
+        // A WRITE with no exchange: refused, nothing lands.
+        for v2 in [true, false] {
+            let mut c = ServeConn::with_key(STALL, key('a'), t0);
+            let mut bytes = hdr(Opcode::Write, m.addr(0), 64, v2);
+            bytes.extend_from_slice(&data);
+            c.handle_bytes(&m.reg, &bytes, t0);
+            let sent = drain(&mut c, t0);
+            assert_eq!(sent, if v2 { encode_status(Status::Unauthorized).to_vec() } else { vec![] });
+            assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("KVFERRY_AUTH_KEY_FILE")), "{:?}", c.closed());
+            assert_eq!(&m.buf[..64], &mem(64).buf[..], "nothing written");
+        }
+        // A READ with no exchange: nothing of the memory leaves.
+        let mut c = ServeConn::with_key(STALL, key('a'), t0);
+        c.handle_bytes(&m.reg, &hdr(Opcode::Read, m.addr(0), 64, true), t0);
+        assert_eq!(drain(&mut c, t0), encode_status(Status::Unauthorized).to_vec());
+        // Another key: the initiator finds the target's MAC wrong and never proves anything;
+        // a proof made up by an initiator that skips the check is refused by the target.
+        let mut c = ServeConn::with_key(STALL, key('a'), t0);
+        let e = exchange(&mut c, &m, &key('b'), 7, t0).expect_err("another key");
+        assert_eq!(e.cause, crate::batch::FailCause::Unauthorized);
+        let mut c = ServeConn::with_key(STALL, key('a'), t0);
+        let open = super::super::proto::AuthOpen::new();
+        c.handle_bytes(&m.reg, &open.hello(), t0);
+        drain(&mut c, t0);
+        c.handle_bytes(&m.reg, &[0u8; AUTH_PROOF_LEN], t0);
+        assert_eq!(drain(&mut c, t0), encode_status(Status::Unauthorized).to_vec());
+        assert!(matches!(c.closed(), Some(End::Unauthorized(_))));
+        // The key, a byte at a time: then a WRITE lands and is answered.
+        let mut c = ServeConn::with_key(STALL, key('a'), t0);
+        exchange(&mut c, &m, &key('a'), 1, t0).expect("the same key");
+        let mut bytes = hdr(Opcode::Write, m.addr(0), 64, true);
+        bytes.extend_from_slice(&data);
+        assert_eq!(c.handle_bytes(&m.reg, &bytes, t0), bytes.len());
+        assert_eq!(drain(&mut c, t0), encode_status(Status::Ok).to_vec());
+        assert_eq!(&m.buf[..64], &data[..]);
+        m.buf[..64].copy_from_slice(&mem(64).buf);
+        // An exchange begun and not finished within `stall` of the connection's start.
+        let mut c = ServeConn::with_key(STALL, key('a'), t0);
+        assert_eq!(c.poll_timeout(), Some(t0 + STALL));
+        let open = super::super::proto::AuthOpen::new();
+        c.handle_bytes(&m.reg, &open.hello()[..10], t0);
+        c.handle_timeout(t0 + STALL);
+        assert_eq!(c.closed(), Some(&End::Overdue));
+        // Nor may an idle unproved connection wait: it holds one of the server's threads.
+        let mut c = ServeConn::with_key(STALL, key('a'), t0);
+        c.handle_timeout(t0 + STALL);
+        assert_eq!(c.closed(), Some(&End::Overdue));
+    }
+
+    /// A target without a key answers an initiator holding one `Unauthorized` (the initiator
+    /// then says the target holds none), rather than taking its opening frame for a request.
+    #[test]
+    fn a_target_without_a_key_tells_an_initiator_holding_one_so() {
+        let m = mem(64);
+        let t0 = Instant::now();
+        let mut c = ServeConn::new(STALL);
+        let e = exchange(&mut c, &m, &key('a'), 40, t0).expect_err("no key there");
+        assert_eq!(e.cause, crate::batch::FailCause::Unauthorized);
+        assert!(e.reason.contains("holds no cluster key"), "{}", e.reason);
+        assert!(matches!(c.closed(), Some(End::Unauthorized(_))));
     }
 }

@@ -2,6 +2,7 @@
 
 use super::serve::{End, ServeConn};
 use super::sockio::*;
+use crate::auth::ClusterKey;
 use crate::memory::MemoryRegistry;
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Read, Write};
@@ -60,12 +61,12 @@ impl TcpServer {
     /// Serves `listener` until [`TcpServer::shutdown`]. `stall` bounds how long a request may
     /// take (plus 1 ns per byte, as the initiator's deadline) before the connection is
     /// dropped. A revoked range (unregister) shuts down the connections holding it.
-    pub fn start(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration) -> io::Result<TcpServer> {
-        Self::start_capped(listener, registry, stall, spin, MAX_DATA_CONNS)
+    pub fn start(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration, auth: Option<Arc<ClusterKey>>) -> io::Result<TcpServer> {
+        Self::start_capped(listener, registry, stall, spin, MAX_DATA_CONNS, auth)
     }
 
     /// [`TcpServer::start`] serving at most `max_conns` connections at once.
-    fn start_capped(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration, max_conns: usize) -> io::Result<TcpServer> {
+    fn start_capped(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration, max_conns: usize, auth: Option<Arc<ClusterKey>>) -> io::Result<TcpServer> {
         let port = listener.local_addr()?.port();
         let listener = Arc::new(listener);
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -116,10 +117,10 @@ impl TcpServer {
                 let holding = Arc::new(AtomicU64::new(0));
                 let stream = Arc::new(stream);
                 cs.lock().unwrap_or_else(|e| e.into_inner()).insert(id, ConnSlot { stream: Arc::clone(&stream), holding: Arc::clone(&holding) });
-                let (reg, cs2, sd2) = (Arc::clone(&registry), Arc::clone(&cs), Arc::clone(&sd));
+                let (reg, cs2, sd2, key) = (Arc::clone(&registry), Arc::clone(&cs), Arc::clone(&sd), auth.clone());
                 let spawned = std::thread::Builder::new().name("kvf-tcp-serve".into()).spawn(move || {
                     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                    if let Err(e) = serve_conn(&stream, &reg, stall, spin, &sd2, &holding) {
+                    if let Err(e) = serve_conn(&stream, &reg, stall, spin, &sd2, &holding, key) {
                         if e.kind() != io::ErrorKind::UnexpectedEof {
                             tracing::debug!(%peer, "tcp data connection closed: {e}");
                         }
@@ -185,13 +186,17 @@ fn serve_conn(
     spin: Duration,
     shutdown: &AtomicBool,
     holding: &AtomicU64,
+    auth: Option<Arc<ClusterKey>>,
 ) -> io::Result<()> {
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(Duration::from_secs(1)))?;
     s.set_write_timeout(Some(Duration::from_secs(1)))?;
     keepalive(s);
     let mut rx = RxBuf::new();
-    let mut c = ServeConn::new(stall);
+    let mut c = match auth {
+        Some(key) => ServeConn::with_key(stall, key, Instant::now()),
+        None => ServeConn::new(stall),
+    };
     let _holding = Holding(holding);
     loop {
         let now = Instant::now();
@@ -207,6 +212,11 @@ fn serve_conn(
             return match end {
                 End::Rejected | End::BadHeader(_) => {
                     tracing::debug!("closing TCP data connection: {end:?}");
+                    Ok(())
+                }
+                End::Unauthorized(why) => {
+                    let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                    tracing::warn!(%peer, "refused a TCP data connection: {why}");
                     Ok(())
                 }
                 End::Overdue => Err(stopped("serving a request (deadline passed)")),
@@ -296,7 +306,7 @@ mod tests {
         let reg = Arc::new(MemoryRegistry::new());
         reg.register_batch(&[(buf.as_ptr() as u64, 4096)], "*").unwrap();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let s = TcpServer::start_capped(l, Arc::clone(&reg), Duration::from_secs(5), Duration::ZERO, cap).unwrap();
+        let s = TcpServer::start_capped(l, Arc::clone(&reg), Duration::from_secs(5), Duration::ZERO, cap, None).unwrap();
         (s, reg, buf)
     }
 
