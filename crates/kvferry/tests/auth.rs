@@ -212,3 +212,46 @@ fn a_keyed_engines_data_port_moves_nothing_for_a_connection_that_did_not_prove_t
     assert!(st.reason.as_deref().unwrap_or("").contains("KVFERRY_AUTH_KEY_FILE"), "{st:?}");
     assert!(buf[4096..].iter().all(|&b| b == 0), "nothing landed");
 }
+
+/// A data port that accepts and then says nothing (a hung or hostile peer, or one whose
+/// handshake a relay with the key answered): the exchange waits no longer than the requests'
+/// deadline, and they end TIMEOUT rather than hang.
+#[test]
+fn a_data_port_that_never_answers_the_exchange_fails_the_requests_by_their_deadline() {
+    let k = key_file("s1", &["d"]);
+    let key = std::sync::Arc::new(ClusterKey::load(&k.0).unwrap());
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let data_port = silent.local_addr().unwrap().port();
+    let held = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let h2 = std::sync::Arc::clone(&held);
+    std::thread::spawn(move || {
+        for s in silent.incoming().flatten().take(8) {
+            h2.lock().unwrap().push(s);
+        }
+    });
+    let hs = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hs_port = hs.local_addr().unwrap().port();
+    let remote = 0x1000_0000u64;
+    let desc = format!(
+        r#"{{"name":"127.0.0.1:{hs_port}","protocol":"tcp","tcp_data_port":{data_port},"tcp_proto_version":2,"buffers":[{{"name":"cpu:0","addr":{remote},"length":16777216}}]}}"#
+    );
+    let handler: kvferry::handshake::Handler = std::sync::Arc::new(move |f: &handshake::Frame| if f.kind == MsgType::Metadata { desc.clone().into_bytes() } else { b"{}".to_vec() });
+    let server = kvferry::handshake::HandshakeServer::start(hs, 1 << 20, handler, Some(key)).unwrap();
+    let e = TransferEngine::new(Config {
+        transfer_timeout: Duration::from_secs(2),
+        transport: kvferry::config::TransportMode::Tcp,
+        auth_key_file: Some(k.0.clone()),
+        ..Config::default()
+    })
+    .expect("engine starts");
+    let src = pattern(4096, 5);
+    e.register_memory(src.as_ptr() as u64, 4096, "*").unwrap();
+    let seg = e.open_segment(&format!("127.0.0.1:{hs_port}")).expect("the relay proves the key");
+    let t = std::time::Instant::now();
+    let st = write(&e, &src, seg, remote);
+    let took = t.elapsed();
+    assert_eq!(st.status, TaskStatus::Timeout, "{st:?}");
+    assert!(took < Duration::from_secs(4), "ended {took:?} after it began (deadline 2 s)");
+    assert!(!held.lock().unwrap().is_empty(), "the engine did connect to the silent port");
+    server.shutdown();
+}

@@ -419,8 +419,9 @@ impl Lane {
             Ok(Err(refused)) => {
                 let ops: Vec<WireOp> = self.lock().pending.drain(..).collect();
                 tracing::warn!("TCP data connection to {} at {}: {}", self.peer_name, self.target, refused.reason);
+                let kind = if refused.cause == FailCause::Timeout { FailKind::Timeout } else { FailKind::Failed };
                 for op in ops {
-                    self.end_op(op, Err((FailKind::Failed, refused.clone())));
+                    self.end_op(op, Err((kind, refused.clone())));
                 }
                 return;
             }
