@@ -198,6 +198,52 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
         d.unregister_memory(bd.addr()).map_err(|e| e.to_string())?;
     }
 
+    // With a cluster key: two keyed engines connect their QPs through the proved handshake
+    // and move bytes over RDMA; a `Connection` message without the key, and an engine without
+    // it, are refused, saying why (a QP is connected only in answer to a handshake, so this is
+    // what keeps a peer without the key from RDMA access).
+    {
+        use kvferry::wire::handshake::MsgType;
+        let key = std::env::temp_dir().join(format!("kvferry-rdma-key-{}", std::process::id()));
+        std::fs::write(&key, "r".repeat(64)).map_err(|e| e.to_string())?;
+        let kcfg = Config { auth_key_file: Some(key.clone()), ..cfg.clone() };
+        let ka = TransferEngine::new(kcfg.clone()).map_err(|e| e.to_string())?;
+        let kb = TransferEngine::new(kcfg).map_err(|e| e.to_string())?;
+        let _ = std::fs::remove_file(&key);
+        let (mut xa, mut xb) = (Buf::new(1 << 20)?, Buf::new(1 << 20)?);
+        ka.register_memory(xa.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+        kb.register_memory(xb.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+        let pk = ka.open_segment(kb.segment_name()).map_err(|e| e.to_string())?;
+        let via = ka.segment_transport(pk).map_err(|e| e.to_string())?;
+        if via.name != "rdma" {
+            return Err(format!("keyed engines: requests go by {}, not rdma", via.name));
+        }
+        fill(xa.bytes(), 4242);
+        let req = TransferRequest { opcode: Opcode::Write, source: xa.addr(), target_id: pk, target_offset: xb.addr(), length: 1 << 20 };
+        let st = ka.transfer_sync(&[req], Duration::from_secs(30)).map_err(|e| e.to_string())?;
+        if st.status != TaskStatus::Completed {
+            return Err(format!("keyed engines: a 1 MiB WRITE over RDMA: {st:?}"));
+        }
+        compare("keyed engines: a 1 MiB WRITE over RDMA", xb.bytes(), xa.bytes())?;
+        let host = kb.segment_name().rsplit_once(':').map_or("127.0.0.1", |(h, _)| h).to_string();
+        let conn = kvferry::wire::rdma::ConnectionMsg {
+            local_nic_path: "10.99.2.1:1@rxe0".into(),
+            local_gid: desc.devices[0].gid.clone(),
+            peer_nic_path: format!("{}@rxe0", kb.segment_name()),
+            qp_num: vec![0x321],
+            ..Default::default()
+        };
+        let why = match kvferry::handshake::request(&host, kb.rpc_port(), MsgType::Connection, &conn.encode(), Duration::from_secs(5), Duration::from_secs(10), 1 << 20, None) {
+            Err(e @ kvferry::Error::Unauthorized { .. }) => e.to_string(),
+            other => return Err(format!("keyed engines: a Connection without the key was answered {other:?}")),
+        };
+        match a.open_segment(kb.segment_name()) {
+            Err(kvferry::Error::Unauthorized { .. }) => {}
+            other => return Err(format!("keyed engines: an engine without the key opened the segment: {other:?}")),
+        }
+        println!("rdma_engines: with a cluster key: a 1 MiB WRITE over RDMA between keyed engines verified; a Connection without the key refused ({why}); an engine without it cannot open the segment");
+    }
+
     // Outside the peer's registered memory: FAILED, nothing sent.
     let bad = TransferRequest { opcode: Opcode::Write, source: ba.addr(), target_id: peer, target_offset: bb.addr() + SIZE as u64, length: 4096 };
     let st = a.transfer_sync(&[bad], Duration::from_secs(20)).map_err(|e| e.to_string())?;
