@@ -1120,12 +1120,14 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
                 assert!(j["snapshots"].as_u64() > killed_at["snapshots"].as_u64(), "{case}: the rebase wrote a snapshot: {j}");
             }
             "takeover" | "takeover-refreshed" => {
-                assert!(j["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 5), "{case}: the takeover wrote the entries it received: {j}");
+                // (The old leader's journal at the kill says whether the standby was still in
+                // sync then: `insync`.)
+                assert!(j["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 5), "{case}: the takeover wrote the entries it received: {j}; the old leader's journal at the kill: {killed_at}");
                 assert_eq!(j["snapshots"], 0, "{case}: and no snapshot: {j}");
                 assert_eq!(j["takeover_prebuilt"], true, "{case}: the state built while the lease ran out: {j}");
             }
             _ => {
-                assert!(j["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 5), "{case}: the rebase wrote the tail: {j}");
+                assert!(j["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 5), "{case}: the rebase wrote the tail: {j}; the leader's journal at the kill: {killed_at}");
                 assert_eq!(j["snapshots"], killed_at["snapshots"], "{case}: and no snapshot: {j}");
                 if refreshed {
                     assert!(killed_at["snapshots"].as_u64() > before["snapshots"].as_u64(), "{case}: the tail started at a background snapshot: {killed_at}");
