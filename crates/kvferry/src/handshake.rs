@@ -141,7 +141,7 @@ fn serve_one(s: &TcpStream, max_len: u64, handler: &Handler, auth: Option<&Clust
                 }
                 Err(r) => return refuse(format!("the initiator's opening frame: {r}")),
             };
-            let proof = read(LEN_PREFIX as u64 + 1 + crate::auth::MAC_LEN as u64)?;
+            let proof = read(1 + crate::auth::MAC_LEN as u64)?;
             if proof.kind != MsgType::Auth {
                 return refuse("the initiator sent a request instead of its proof of the cluster key".into());
             }

@@ -166,6 +166,15 @@ impl Lane {
         }
     }
 
+    /// Ends `first` and every op waiting to be sent with the same failure (nothing of them was
+    /// sent, and a new connection would fare no better).
+    fn end_pending(&self, first: Option<WireOp>, kind: FailKind, why: Failure) {
+        let ops: Vec<WireOp> = first.into_iter().chain(self.lock().pending.drain(..)).collect();
+        for op in ops {
+            self.end_op(op, Err((kind, why.clone())));
+        }
+    }
+
     /// Closes connection `gen` and decides the fate of every op that was sent on it.
     pub(super) fn fail_conn(&self, gen: u64, why: ConnFailure) {
         let ended = {
@@ -410,23 +419,14 @@ impl Lane {
             Ok(s)
         });
         // With a cluster key, the connection proves it before it carries a request.
-        let r = r.map(|s| match &self.auth {
-            Some(key) => self.authenticate(&s, key, until).map(|()| s),
-            None => Ok(s),
-        });
-        let r = match r {
-            Ok(Ok(s)) => Ok(s),
-            Ok(Err(refused)) => {
-                let ops: Vec<WireOp> = self.lock().pending.drain(..).collect();
+        if let (Ok(s), Some(key)) = (&r, &self.auth) {
+            if let Err(refused) = self.authenticate(s, key, until) {
                 tracing::warn!("TCP data connection to {} at {}: {}", self.peer_name, self.target, refused.reason);
                 let kind = if refused.cause == FailCause::Timeout { FailKind::Timeout } else { FailKind::Failed };
-                for op in ops {
-                    self.end_op(op, Err((kind, refused.clone())));
-                }
+                self.end_pending(None, kind, refused);
                 return;
             }
-            Err(e) => Err(e),
-        };
+        }
         match r {
             Ok(s) => {
                 self.lock().on_connected(Arc::new(s));
@@ -469,24 +469,31 @@ impl Lane {
         };
         let open = proto::AuthOpen::new();
         write_all_vectored(s, &mut [IoSlice::new(&open.hello())], |_| stop()).map_err(|e| io_failed("sending", e))?;
-        let mut first = [0u8; STATUS_LEN];
+        // (The target sends nothing beyond what each step awaits: no byte of it is read
+        // into the buffer ahead of its step.)
+        let mut rx = RxBuf::new();
+        let take = |rx: &mut RxBuf, n: usize| -> io::Result<Vec<u8>> {
+            rx.need(s, n, stop)?;
+            let b = rx.data()[..n].to_vec();
+            rx.consume(n);
+            Ok(b)
+        };
+        let status = |b: Vec<u8>| -> [u8; STATUS_LEN] { b.try_into().unwrap_or_else(|_| unreachable!("STATUS_LEN bytes taken")) };
         // A target that closes at once holds no key and does not look for one (an older
         // kvferry, or Mooncake).
-        read_exact_until(s, &mut first, stop).map_err(|e| match e.kind() {
+        let first = take(&mut rx, STATUS_LEN).map_err(|e| match e.kind() {
             io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => FailCause::Unauthorized.because(format!(
                 "{} closed the connection at the cluster key's opening frame: it does not take a cluster key (a stock Mooncake engine or one without KVFERRY_AUTH_KEY_FILE); set the same key file on both, or unset it here",
                 self.peer_name
             )),
-            _ => io_failed("answering", e),
+            _ => io_failed("receiving the answer to", e),
         })?;
-        open.on_answer(first, &self.peer_name)?;
-        let mut rest = [0u8; crate::wire::tcp::AUTH_CHALLENGE_LEN - STATUS_LEN];
-        read_exact_until(s, &mut rest, stop).map_err(|e| io_failed("receiving the challenge of", e))?;
+        open.on_answer(status(first), &self.peer_name)?;
+        let rest = take(&mut rx, crate::wire::tcp::AUTH_CHALLENGE_LEN - STATUS_LEN).map_err(|e| io_failed("receiving the challenge of", e))?;
         let proof = open.on_challenge(key, &rest, &self.peer_name)?;
         write_all_vectored(s, &mut [IoSlice::new(&proof)], |_| stop()).map_err(|e| io_failed("sending the proof of", e))?;
-        let mut verdict = [0u8; STATUS_LEN];
-        read_exact_until(s, &mut verdict, stop).map_err(|e| io_failed("receiving the verdict of", e))?;
-        proto::AuthOpen::on_verdict(verdict, &self.peer_name)
+        let verdict = take(&mut rx, STATUS_LEN).map_err(|e| io_failed("receiving the verdict of", e))?;
+        proto::AuthOpen::on_verdict(status(verdict), &self.peer_name)
     }
 
     pub(super) fn reader_loop(self: Arc<Self>) {
@@ -548,11 +555,7 @@ impl Lane {
                 self.fail_conn(gen, ConnFailure::Untouched("target refused a connection without the cluster key".into()));
                 // (What was sent after it came back to wait for a new connection: it would be
                 // refused the same way.)
-                let ops: Vec<WireOp> = std::iter::once(op).chain(self.lock().pending.drain(..)).collect();
-                let f = unauthorized(&self.peer_name);
-                for op in ops {
-                    self.end_op(op, Err((FailKind::Failed, f.clone())));
-                }
+                self.end_pending(Some(op), FailKind::Failed, unauthorized(&self.peer_name));
                 continue;
             }
             if ans.status() == Some(Status::Rejected) {

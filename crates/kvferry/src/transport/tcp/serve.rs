@@ -172,13 +172,18 @@ impl ServeConn {
         let total = data.len();
         while !data.is_empty() {
             match &mut self.state {
-                State::AuthHello { .. } | State::AuthProof { .. } => {
-                    let want = if matches!(self.state, State::AuthHello { .. }) { AUTH_HELLO_LEN } else { AUTH_PROOF_LEN };
+                State::AuthHello { until, .. } | State::AuthProof { until, .. } => {
+                    let (until, hello) = (*until, matches!(self.state, State::AuthHello { .. }));
+                    let want = if hello { AUTH_HELLO_LEN } else { AUTH_PROOF_LEN };
                     let n = (want - self.pre.len()).min(data.len());
                     self.pre.extend_from_slice(&data[..n]);
                     data = &data[n..];
-                    if self.pre.len() >= HEADER_LEN.min(want) {
-                        self.on_auth(want, now);
+                    if now >= until {
+                        self.close(End::Overdue);
+                    } else if self.pre.len() == want || (hello && self.pre.len() >= HEADER_LEN) {
+                        // (The opening frame's header is looked at as soon as it is whole: a
+                        // request in its place is refused before its body.)
+                        self.on_auth();
                     }
                 }
                 State::Header => {
@@ -211,10 +216,7 @@ impl ServeConn {
     /// proof): a request instead of the opening frame is refused (answered `Unauthorized` when
     /// it asked for status frames); the opening frame is answered with the challenge, the
     /// proof with `Ok` or `Unauthorized`.
-    fn on_auth(&mut self, want: usize, now: Instant) {
-        if now >= self.auth_until().unwrap_or(now) {
-            return self.close(End::Overdue);
-        }
+    fn on_auth(&mut self) {
         let refuse = |c: &mut ServeConn, v2: bool, why: String| {
             if v2 {
                 c.out.extend_from_slice(&tcp::encode_status(Status::Unauthorized));
@@ -230,7 +232,7 @@ impl ServeConn {
                     let v2 = DataHeader::decode(&hdr).is_ok_and(|h| h.v2);
                     return refuse(self, v2, "a request before the cluster key's exchange: the initiator holds no KVFERRY_AUTH_KEY_FILE (or is a stock Mooncake engine)".into());
                 }
-                if self.pre.len() < want {
+                if self.pre.len() < AUTH_HELLO_LEN {
                     self.state = State::AuthHello { key, until };
                     return;
                 }
@@ -244,11 +246,7 @@ impl ServeConn {
                     Err(r) => refuse(self, true, format!("the initiator's opening frame: {r}")),
                 }
             }
-            State::AuthProof { key, until, ans } => {
-                if self.pre.len() < want {
-                    self.state = State::AuthProof { key, until, ans };
-                    return;
-                }
+            State::AuthProof { key, ans, .. } => {
                 let proof = std::mem::take(&mut self.pre);
                 match ans.check(&key, AUTH, &proof) {
                     Ok(()) => {
@@ -259,14 +257,6 @@ impl ServeConn {
                 }
             }
             other => self.state = other,
-        }
-    }
-
-    /// Until when the cluster key's exchange may run (`None`: it is over, or there is none).
-    fn auth_until(&self) -> Option<Instant> {
-        match &self.state {
-            State::AuthHello { until, .. } | State::AuthProof { until, .. } => Some(*until),
-            _ => None,
         }
     }
 

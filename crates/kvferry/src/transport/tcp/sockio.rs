@@ -39,18 +39,6 @@ pub(super) fn read_some(s: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
     }
 }
 
-/// Reads exactly `buf.len()` bytes, asking `stop` after every system call.
-pub(super) fn read_exact_until(s: &TcpStream, buf: &mut [u8], mut stop: impl FnMut() -> bool) -> io::Result<()> {
-    let mut got = 0;
-    while got < buf.len() {
-        got += read_some(s, &mut buf[got..])?;
-        if got < buf.len() && stop() {
-            return Err(stopped("receiving"));
-        }
-    }
-    Ok(())
-}
-
 /// Sends every byte of `bufs`, asking `stop` after every system call, so a peer that reads
 /// slowly cannot hold the caller past its deadline.
 pub(super) fn write_all_vectored(s: &TcpStream, mut bufs: &mut [IoSlice<'_>], mut stop: impl FnMut(u64) -> bool) -> io::Result<()> {
