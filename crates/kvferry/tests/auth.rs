@@ -106,7 +106,6 @@ fn engines_holding_a_key_in_common_move_bytes_and_one_with_another_key_or_none_i
     // a peer that proved nothing).
     let e = unauthorized(same.open_segment(none.segment_name()).expect_err("peer without a key"));
     assert!(e.contains("this engine none"), "{e}");
-    assert!(buf == src, "nothing of the refused engines touched the target");
 
     // A raw request without the exchange gets the refusal as an `Auth` frame; a liveness
     // probe still finds the engine alive.
