@@ -317,7 +317,12 @@ def test_a_cluster_key_guards_the_handshake_and_the_data_port(kv, tmp_path, monk
     each told what to set, and nothing lands."""
     key = tmp_path / "cluster.key"
     key.write_text("k" * 64 + "\n")
+    # A key others may read is refused, naming the fix.
+    key.chmod(0o644)
     monkeypatch.setenv("KVFERRY_AUTH_KEY_FILE", str(key))
+    with pytest.raises(Exception, match="chmod 600"):
+        kv.Engine(HOST)
+    key.chmod(0o600)
     a, b = kv.Engine(HOST), kv.Engine(HOST)
     monkeypatch.delenv("KVFERRY_AUTH_KEY_FILE")
     c = kv.Engine(HOST)

@@ -222,6 +222,7 @@ def test_a_cluster_key_is_proved_through_the_mooncake_and_native_apis(tmp_path, 
     at once, saying what to set."""
     key = tmp_path / "cluster.key"
     key.write_text("# the cluster's key\n" + "k" * 64 + "\n")
+    key.chmod(0o600)
     monkeypatch.setenv("KVFERRY_AUTH_KEY_FILE", str(key))
     m = start_master()
     try:

@@ -206,6 +206,7 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
         use kvferry::wire::handshake::MsgType;
         let key = std::env::temp_dir().join(format!("kvferry-rdma-key-{}", std::process::id()));
         std::fs::write(&key, "r".repeat(64)).map_err(|e| e.to_string())?;
+        std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).map_err(|e| e.to_string())?;
         let kcfg = Config { auth_key_file: Some(key.clone()), ..cfg.clone() };
         let ka = TransferEngine::new(kcfg.clone()).map_err(|e| e.to_string())?;
         let kb = TransferEngine::new(kcfg).map_err(|e| e.to_string())?;

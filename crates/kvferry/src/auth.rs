@@ -173,6 +173,87 @@ impl ClusterKey {
     }
 }
 
+/// What a keyed endpoint answers to: the key, and the names it is dialed by (a handshake made
+/// for another name is refused: [`Refusal::Misdirected`]).
+#[derive(Clone, Debug)]
+pub struct Keyed {
+    pub key: Arc<ClusterKey>,
+    pub names: Vec<String>,
+}
+
+impl Keyed {
+    /// Answers an opening message for `proto` here ([`answer`]).
+    pub fn answer(&self, proto: Protocol, hello: &[u8]) -> Result<(Session, Vec<u8>), Refusal> {
+        let here: Vec<&str> = self.names.iter().map(String::as_str).collect();
+        answer(&self.key, proto, hello, &here)
+    }
+}
+
+/// Connections that have not proved the key yet, counted in total and per source address, so
+/// that a flood from one host (idle connections, slow senders) cannot take every place: a
+/// port admits a new connection only while both counts are under their caps, and a
+/// connection leaves the count when it proves the key ([`Pass::proved`]) or ends.
+pub struct Unproved {
+    total: usize,
+    per_source: usize,
+    counts: std::sync::Mutex<(usize, std::collections::HashMap<std::net::IpAddr, usize>)>,
+}
+
+impl Unproved {
+    pub fn new(total: usize, per_source: usize) -> Arc<Unproved> {
+        Arc::new(Unproved { total, per_source, counts: std::sync::Mutex::default() })
+    }
+
+    /// A place for a new connection from `source`, or `None` when either cap is reached.
+    pub fn admit(self: &Arc<Self>, source: std::net::IpAddr) -> Option<Pass> {
+        let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let from = c.1.get(&source).copied().unwrap_or(0);
+        if c.0 >= self.total || from >= self.per_source {
+            return None;
+        }
+        c.0 += 1;
+        *c.1.entry(source).or_default() += 1;
+        Some(Pass { of: Some((Arc::clone(self), source)) })
+    }
+
+    /// Connections counted now (in total, and from `source`).
+    pub fn counted(&self, source: std::net::IpAddr) -> (usize, usize) {
+        let c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        (c.0, c.1.get(&source).copied().unwrap_or(0))
+    }
+
+    fn leave(&self, source: std::net::IpAddr) {
+        let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        c.0 = c.0.saturating_sub(1);
+        if let Some(n) = c.1.get_mut(&source) {
+            *n -= 1;
+            if *n == 0 {
+                c.1.remove(&source);
+            }
+        }
+    }
+}
+
+/// A connection's place among the [`Unproved`]; given back when it proves the key or ends.
+pub struct Pass {
+    of: Option<(Arc<Unproved>, std::net::IpAddr)>,
+}
+
+impl Pass {
+    /// The connection proved the key: it no longer counts.
+    pub fn proved(&mut self) {
+        if let Some((u, ip)) = self.of.take() {
+            u.leave(ip);
+        }
+    }
+}
+
+impl Drop for Pass {
+    fn drop(&mut self) {
+        self.proved();
+    }
+}
+
 /// One use of the cluster key: its name is the handshake's prologue, so a handshake made for
 /// one use never completes on another.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,6 +355,24 @@ impl Session {
     }
 }
 
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Session")
+    }
+}
+
+impl std::fmt::Debug for Sealer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Sealer {{ sent: {} }}", self.n)
+    }
+}
+
+impl std::fmt::Debug for Opener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Opener {{ opened: {} }}", self.n)
+    }
+}
+
 /// Seals what one side sends on a connection, in order.
 pub struct Sealer {
     state: Arc<snow::StatelessTransportState>,
@@ -289,6 +388,15 @@ impl Sealer {
         out.resize(at + plain.len() + TAG_LEN, 0);
         let n = self.state.write_message(self.n, plain, &mut out[at..]).unwrap_or_else(|e| unreachable!("sealing {} bytes into {}: {e}", plain.len(), plain.len() + TAG_LEN));
         debug_assert_eq!(n, plain.len() + TAG_LEN);
+        self.n += 1;
+    }
+
+    /// Seals `plain` as the next message into `out`, which must hold exactly
+    /// `plain.len() + TAG_LEN` bytes.
+    pub fn seal_to(&mut self, plain: &[u8], out: &mut [u8]) {
+        assert!(plain.len() <= MAX_PLAIN && out.len() == plain.len() + TAG_LEN, "sealing {} bytes into {}", plain.len(), out.len());
+        let n = self.state.write_message(self.n, plain, out).unwrap_or_else(|e| unreachable!("sealing {} bytes: {e}", plain.len()));
+        debug_assert_eq!(n, out.len());
         self.n += 1;
     }
 
@@ -533,7 +641,7 @@ mod tests {
         assert_eq!(pair(&a, &b, "seg-1", &["seg-1"]).err(), Some(("responder", Refusal::OtherKey)));
         let (_, hello) = Initiator::new(&a, P, "seg-1").unwrap();
         assert_eq!(answer(&a, Protocol("kvferry/other"), &hello, &["seg-1"]).err(), Some(Refusal::OtherKey), "another protocol's handshake");
-        let e = pair(&a, &a, "seg-1", &["seg-2"]).err().expect("misdirected");
+        let e = pair(&a, &a, "seg-1", &["seg-2"]).expect_err("misdirected");
         assert_eq!(e, ("responder", Refusal::Misdirected { meant: "seg-1".into(), here: "seg-2".into() }));
         assert!(pair(&a, &a, "alias", &["seg-2", "alias"]).is_ok(), "any of the names an endpoint answers to");
         // Mid-change: the initiator opens with the old key, the responder accepts both.
@@ -617,6 +725,24 @@ mod tests {
         let mut wire = Vec::new();
         is.seal_frame(&[0; 100], &mut wire);
         assert_eq!(ro.open_frame_head(wire[..FRAME_HEAD_LEN].try_into().unwrap(), 99), Err(Refusal::FrameTooLarge(100, 99)));
+    }
+
+    #[test]
+    fn unproved_connections_are_capped_in_total_and_per_source() {
+        let u = Unproved::new(3, 2);
+        let (a, b, c) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap(), "10.0.0.3".parse().unwrap());
+        let a1 = u.admit(a).expect("first from a");
+        let mut a2 = u.admit(a).expect("second from a");
+        assert!(u.admit(a).is_none(), "a third from one source");
+        let b1 = u.admit(b).expect("another source");
+        assert!(u.admit(c).is_none(), "the total is reached");
+        a2.proved();
+        assert_eq!(u.counted(a), (2, 1), "a proved connection no longer counts");
+        drop(a2);
+        assert_eq!(u.counted(a), (2, 1), "nor twice");
+        let c1 = u.admit(c).expect("a place freed");
+        drop((a1, b1, c1));
+        assert_eq!(u.counted(a), (0, 0));
     }
 
     #[test]

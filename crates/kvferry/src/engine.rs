@@ -198,7 +198,7 @@ impl TransferEngine {
                 inline_max: config.tcp_split_bytes,
                 spin: config.spin,
                 idle: config.tcp_idle,
-                auth: auth.clone(),
+                auth: auth.clone().map(|key| Arc::new(crate::auth::Keyed { key, names: vec![name.clone()] })),
             },
             config.transfer_timeout,
         )
@@ -250,7 +250,8 @@ impl TransferEngine {
             Some(inner) => inner.on_handshake(f),
             None => b"{}".to_vec(),
         });
-        let handshake = HandshakeServer::start(hs_listener, config.handshake_max_len, handler, auth.clone()).map_err(|e| Error::io("starting the handshake server's thread", e))?;
+        let keyed = auth.clone().map(|key| handshake::Keyed { key, names: vec![name.clone()] });
+        let handshake = HandshakeServer::start(hs_listener, config.handshake_max_len, handler, keyed).map_err(|e| Error::io("starting the handshake server's thread", e))?;
         let inner = Arc::new_cyclic(|weak: &Weak<Inner>| {
             let _ = engine_slot.set(weak.clone());
             let w = weak.clone();
@@ -268,7 +269,7 @@ impl TransferEngine {
                 r.set_connector(Box::new(move |peer: &Peer, body: &[u8]| {
                     let inner = w.upgrade().ok_or("the engine shut down")?;
                     let (h, p) = inner.rpc_addr(&peer.name).map_err(|e| e.to_string())?;
-                    inner.request(&h, p, MsgType::Connection, body).map(|f| f.body).map_err(|e| e.to_string())
+                    inner.request(&peer.name, &h, p, MsgType::Connection, body).map(|f| f.body).map_err(|e| e.to_string())
                 }));
             }
             let local_peer = Arc::new(Peer::new(LOCAL_SEGMENT_ID, name.clone(), host, SegmentDesc::new(name.clone())));
@@ -618,7 +619,7 @@ impl TransferEngine {
     pub fn send_notify_as(&self, segment: &str, name: &str, msg: &str) -> Result<()> {
         let (host, port) = self.inner.rpc_addr(segment)?;
         let body = serde_json::to_vec(&NotifyMsg { name: name.to_string(), notify_msg: msg.to_string() }).expect("serialisable");
-        let reply = self.inner.request(&host, port, MsgType::Notify, &body)?;
+        let reply = self.inner.request(segment, &host, port, MsgType::Notify, &body)?;
         let r: NotifyMsg = parse_json("notify reply", &reply.body).map_err(|e| Error::Wire { peer: segment.into(), source: e })?;
         if r.notify_msg != "success" {
             return Err(Error::Handshake { peer: segment.into(), reason: format!("notify refused: {}", r.notify_msg) });
@@ -648,7 +649,7 @@ impl TransferEngine {
     /// Checks that a segment's handshake port answers.
     pub fn probe(&self, segment: &str) -> Result<()> {
         let (host, port) = self.inner.rpc_addr(segment)?;
-        let reply = self.inner.request(&host, port, MsgType::Probe, b"{}")?;
+        let reply = self.inner.request(segment, &host, port, MsgType::Probe, b"{}")?;
         let r: ProbeReply = parse_json("probe reply", &reply.body).map_err(|e| Error::Wire { peer: segment.into(), source: e })?;
         if r.status != "success" {
             return Err(Error::Handshake { peer: segment.into(), reason: format!("probe answered {:?}", r.status) });
@@ -750,7 +751,9 @@ impl Inner {
         }
     }
 
-    fn request(&self, host: &str, port: u16, kind: MsgType, body: &[u8]) -> Result<Frame> {
+    /// One handshake request to `segment`'s engine at `host:port` (with the cluster key,
+    /// bound to `segment`: another engine refuses it).
+    fn request(&self, segment: &str, host: &str, port: u16, kind: MsgType, body: &[u8]) -> Result<Frame> {
         handshake::request(
             host,
             port,
@@ -759,7 +762,7 @@ impl Inner {
             self.config.handshake_connect_timeout,
             Duration::from_secs(10),
             self.config.handshake_max_len,
-            self.auth.as_deref(),
+            self.auth.as_deref().map(|k| (k, segment)),
         )
     }
 
@@ -844,7 +847,7 @@ impl Inner {
     fn fetch_descriptor(&self, name: &str, host: &str, port: u16) -> Result<SegmentDesc> {
         let not_found = |reason: String| Error::SegmentNotFound { name: name.into(), reason };
         let reply = self
-            .request(host, port, MsgType::Metadata, &self.local_descriptor().encode())
+            .request(name, host, port, MsgType::Metadata, &self.local_descriptor().encode())
             .map_err(|e| match e {
                 // (Said as it is: the fix is the key, not the segment's name.)
                 e @ Error::Unauthorized { .. } => e,

@@ -11,17 +11,20 @@
 //! request). An engine holding a key answers nothing else first: a request without the
 //! exchange gets an `Auth` frame refusing it, saying why.
 
-use crate::auth::{Answering, ClusterKey, Exchange, Opening};
+pub use crate::auth::Keyed;
+use crate::auth::{ClusterKey, Protocol};
 use crate::error::{Error, Result};
-use crate::wire::handshake::{self, Frame, MsgType, AUTH_CHALLENGE, AUTH_REFUSED, LEN_PREFIX};
+use crate::wire::handshake::{self, Frame, MsgType, AUTH_CHALLENGE, AUTH_HELLO, AUTH_REFUSED, LEN_PREFIX};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Most handshake connections served at once; more are closed at accept.
 const MAX_CONCURRENT: usize = 256;
+/// Most of them from one source address (a flood from one host leaves room for the others).
+const MAX_PER_SOURCE: usize = 64;
 /// A request frame must arrive whole within this (however the bytes trickle in), and so
 /// must the reply be sent: a slow client holds a slot at most this long.
 const SERVER_IO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -31,8 +34,11 @@ const TICK: Duration = Duration::from_millis(200);
 /// Answers one request frame with a reply body.
 pub type Handler = Arc<dyn Fn(&Frame) -> Vec<u8> + Send + Sync>;
 
-/// The cluster key's exchange on the handshake port: the initiator opens it.
-const AUTH: Exchange = Exchange { opener: "kvferry/handshake/initiator", answerer: "kvferry/handshake/engine" };
+/// The cluster key's use on the handshake port (`crate::auth`).
+const PROTOCOL: Protocol = Protocol("kvferry/handshake/1");
+/// Most payload bytes of the frame that opens a keyed handshake: its type byte, a tag byte
+/// and the opening message. Nothing larger is read before the proof.
+const HELLO_FRAME_MAX: u64 = 2 + crate::auth::MAX_HELLO_LEN as u64;
 
 pub struct HandshakeServer {
     port: u16,
@@ -42,16 +48,19 @@ pub struct HandshakeServer {
 
 impl HandshakeServer {
     /// Serves `listener`; with `auth`, every request must follow the key's exchange.
-    pub fn start(listener: TcpListener, max_len: u64, handler: Handler, auth: Option<Arc<ClusterKey>>) -> std::io::Result<HandshakeServer> {
+    pub fn start(listener: TcpListener, max_len: u64, handler: Handler, auth: Option<Keyed>) -> std::io::Result<HandshakeServer> {
         let port = listener.local_addr()?.port();
         let listener = Arc::new(listener);
         let shutdown = Arc::new(AtomicBool::new(false));
-        let active = Arc::new(AtomicUsize::new(0));
+        // Every connection counts until it ends: one request per connection, so the time it
+        // holds a place before its proof is all of its time, at most SERVER_IO_TIMEOUT.
+        let active = crate::auth::Unproved::new(MAX_CONCURRENT, MAX_PER_SOURCE);
         let (l, sd) = (Arc::clone(&listener), Arc::clone(&shutdown));
         std::thread::Builder::new().name("kvf-handshake".into()).spawn(move || {
+            let mut warned = Instant::now() - Duration::from_secs(60);
             loop {
-                let stream = match l.accept() {
-                    Ok((s, _)) => s,
+                let (stream, from) = match l.accept() {
+                    Ok(s) => s,
                     Err(_) if sd.load(Ordering::Acquire) => break,
                     Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EBADF | libc::ENOTSOCK)) => {
                         tracing::error!("handshake listener on port {port} stopped accepting ({e}); was it shut down by another process?");
@@ -68,21 +77,21 @@ impl HandshakeServer {
                 if sd.load(Ordering::Acquire) {
                     break;
                 }
-                if active.fetch_add(1, Ordering::AcqRel) >= MAX_CONCURRENT {
-                    active.fetch_sub(1, Ordering::AcqRel);
-                    tracing::warn!("handshake: {MAX_CONCURRENT} requests already in progress; closing a new one");
+                let Some(place) = active.admit(from.ip()) else {
+                    if warned.elapsed() > Duration::from_secs(10) {
+                        warned = Instant::now();
+                        tracing::warn!("handshake: {MAX_CONCURRENT} requests in progress, or {MAX_PER_SOURCE} from {}; closing a new one", from.ip());
+                    }
                     continue;
-                }
-                let (h, a, key) = (Arc::clone(&handler), Arc::clone(&active), auth.clone());
-                let spawned = std::thread::Builder::new().name("kvf-handshake-conn".into()).spawn(move || {
-                    if let Err(e) = serve_one(&stream, max_len, &h, key.as_deref()) {
+                };
+                let (h, key) = (Arc::clone(&handler), auth.clone());
+                // (A thread that cannot start drops its place with the closure.)
+                let _ = std::thread::Builder::new().name("kvf-handshake-conn".into()).spawn(move || {
+                    let _place = place;
+                    if let Err(e) = serve_one(&stream, max_len, &h, key.as_ref()) {
                         tracing::debug!("handshake request dropped: {e}");
                     }
-                    a.fetch_sub(1, Ordering::AcqRel);
                 });
-                if spawned.is_err() {
-                    active.fetch_sub(1, Ordering::AcqRel);
-                }
             }
         })?;
         Ok(HandshakeServer { port, listener, shutdown })
@@ -105,7 +114,7 @@ impl HandshakeServer {
     }
 }
 
-fn serve_one(s: &TcpStream, max_len: u64, handler: &Handler, auth: Option<&ClusterKey>) -> std::io::Result<()> {
+fn serve_one(s: &TcpStream, max_len: u64, handler: &Handler, auth: Option<&Keyed>) -> std::io::Result<()> {
     s.set_read_timeout(Some(TICK))?;
     s.set_write_timeout(Some(TICK))?;
     // One deadline for the request and the reply: a client that reads the reply a little at
@@ -121,46 +130,69 @@ fn serve_one(s: &TcpStream, max_len: u64, handler: &Handler, auth: Option<&Clust
         let _ = s.shutdown(Shutdown::Both);
         Ok(())
     };
-    // Before the exchange, a frame no larger than any request a peer without the key sends
-    // (it is told why it is refused); an engine holding none takes what it always did.
-    let mut frame = read(if auth.is_some() { max_len.min(4096) } else { max_len })?;
-    match (auth, frame.kind) {
-        (None, MsgType::Auth) => return refuse("the initiator holds a cluster key and this engine none (KVFERRY_AUTH_KEY_FILE is not set here)".into()),
-        (None, _) => {}
-        (Some(_), kind) if kind != MsgType::Auth => {
-            return refuse("a request before the cluster key's exchange: the initiator holds no KVFERRY_AUTH_KEY_FILE (or is a stock Mooncake engine)".into())
+    let Some(keyed) = auth else {
+        let frame = read(max_len)?;
+        if frame.kind == MsgType::Auth {
+            return refuse("the initiator holds a cluster key and this engine none (KVFERRY_AUTH_KEY_FILE is not set here)".into());
         }
-        (Some(key), _) => {
-            let ans = match Answering::new(key, AUTH, std::mem::take(&mut frame.body)) {
-                Ok((ans, nonce, mac)) => {
-                    let mut body = vec![AUTH_CHALLENGE];
-                    body.extend_from_slice(&nonce);
-                    body.extend_from_slice(&mac);
-                    write_until(s, &handshake::encode(MsgType::Auth, &body), deadline, "sending the challenge").map_err(std::io::Error::other)?;
-                    ans
-                }
-                Err(r) => return refuse(format!("the initiator's opening frame: {r}")),
-            };
-            let proof = read(1 + crate::auth::MAC_LEN as u64)?;
-            if proof.kind != MsgType::Auth {
-                return refuse("the initiator sent a request instead of its proof of the cluster key".into());
-            }
-            if let Err(r) = ans.check(key, AUTH, &proof.body) {
-                return refuse(format!("the initiator's proof of the cluster key: {r}"));
-            }
-            frame = read(max_len)?;
-            if frame.kind == MsgType::Auth {
-                return refuse("the initiator sent another exchange instead of its request".into());
-            }
-        }
-    }
+        let reply = handler(&frame);
+        write_until(s, &handshake::encode(frame.kind, &reply), deadline, "sending the reply").map_err(std::io::Error::other)?;
+        return finish(s);
+    };
+    // Before the proof: one frame no larger than the opening message (a peer without the key
+    // sending a request is told why it is refused).
+    let frame = read(HELLO_FRAME_MAX)?;
+    let hello = match (frame.kind, frame.body.split_first()) {
+        (MsgType::Auth, Some((&AUTH_HELLO, hello))) => hello,
+        (MsgType::Auth, _) => return refuse("an opening frame of another kind than this engine's (an older kvferry engine?): upgrade both sides".into()),
+        _ => return refuse("a request before the cluster key's handshake: the initiator holds no KVFERRY_AUTH_KEY_FILE (or is a stock Mooncake engine)".into()),
+    };
+    let (session, answer) = match keyed.answer(PROTOCOL, hello) {
+        Ok(a) => a,
+        Err(r) => return refuse(format!("the initiator's opening message: {r}")),
+    };
+    let mut body = vec![AUTH_CHALLENGE];
+    body.extend_from_slice(&answer);
+    write_until(s, &handshake::encode(MsgType::Auth, &body), deadline, "sending the answer").map_err(std::io::Error::other)?;
+    let (mut seal, mut open) = session.split();
+    // The request, sealed: the first proof that the initiator holds the session (nothing
+    // before it is decoded).
+    let plain = read_sealed(s, &mut open, max_len + LEN_PREFIX as u64 + 1, deadline).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    let frame = match handshake::decode(&plain, max_len) {
+        Ok(Some((f, n))) if n == plain.len() && f.kind != MsgType::Auth => f,
+        _ => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "the sealed request is not one whole request frame")),
+    };
     let reply = handler(&frame);
-    write_until(s, &handshake::encode(frame.kind, &reply), deadline, "sending the reply").map_err(std::io::Error::other)?;
+    let mut out = Vec::new();
+    seal.seal_frame(&handshake::encode(frame.kind, &reply), &mut out);
+    write_until(s, &out, deadline, "sending the reply").map_err(std::io::Error::other)?;
+    finish(s)
+}
+
+/// After the reply: half-closes, and waits (bounded) for the client to close, as Mooncake does.
+fn finish(s: &TcpStream) -> std::io::Result<()> {
     s.shutdown(Shutdown::Write)?;
-    // Wait (bounded) for the client to close, as Mooncake does.
     let mut sink = [0u8; 64];
     let _ = (&*s).read(&mut sink);
     Ok(())
+}
+
+/// Reads one sealed frame ([`crate::auth::Sealer::seal_frame`]) of at most `max` bytes by
+/// `deadline`, growing the buffer only as bytes arrive.
+fn read_sealed(s: &TcpStream, open: &mut crate::auth::Opener, max: u64, deadline: Instant) -> Result<Vec<u8>, String> {
+    let mut head = [0u8; crate::auth::FRAME_HEAD_LEN];
+    read_until(s, &mut head, deadline, "reading a sealed frame")?;
+    let n = open.open_frame_head(&head, usize::try_from(max).unwrap_or(usize::MAX)).map_err(|r| format!("a sealed frame: {r}"))?;
+    let want = crate::auth::frame_body_len(n);
+    let mut sealed = Vec::new();
+    while sealed.len() < want {
+        let at = sealed.len();
+        sealed.resize(at + (want - at).min(64 << 10), 0);
+        read_until(s, &mut sealed[at..], deadline, "reading a sealed frame's body")?;
+    }
+    let mut plain = Vec::new();
+    open.open_frame_body(&sealed, &mut plain).map_err(|r| format!("a sealed frame: {r}"))?;
+    Ok(plain)
 }
 
 /// Reads exactly `buf.len()` bytes unless `deadline` passes first (checked after every
@@ -222,8 +254,9 @@ pub fn answers(host: &str, port: u16, connect: Duration, max_len: u64) -> bool {
     matches!(request(host, port, MsgType::Probe, b"{}", connect, Duration::from_secs(2), max_len, None), Ok(_) | Err(Error::Unauthorized { .. }))
 }
 
-/// Sends one request to `host:port` and returns the reply frame; with `auth`, after the
-/// cluster key's exchange (the engine must prove it too).
+/// Sends one request to `host:port` and returns the reply frame; with `auth` (the key, and the
+/// segment name of the engine meant: it must be that engine's), after the cluster key's
+/// handshake, the request and the reply sealed.
 #[allow(clippy::too_many_arguments)]
 pub fn request(
     host: &str,
@@ -233,7 +266,7 @@ pub fn request(
     connect_timeout: Duration,
     io_timeout: Duration,
     max_len: u64,
-    auth: Option<&ClusterKey>,
+    auth: Option<(&ClusterKey, &str)>,
 ) -> Result<Frame> {
     let peer = format!("{host}:{port}");
     let fail = |reason: String| Error::Handshake { peer: peer.clone(), reason };
@@ -261,44 +294,50 @@ pub fn request(
         peer: peer.clone(),
         reason: match reply.body.split_first() {
             Some((&AUTH_REFUSED, why)) => String::from_utf8_lossy(why).into_owned(),
-            _ => "it answered the cluster key's exchange with something else".into(),
+            _ => "it answered the cluster key's handshake with something else".into(),
         },
     };
-    let mut out = Vec::new();
-    if let Some(key) = auth {
-        let open = Opening::default();
-        write_until(&s, &handshake::encode(MsgType::Auth, &open.nonce()), deadline, "sending the cluster key's opening frame").map_err(fail)?;
-        let answer = read_frame(&s, max_len, deadline).map_err(|e| {
-            fail(format!("{e} (at the cluster key's exchange: a peer that closes here does not take a cluster key, e.g. a stock Mooncake engine or one without KVFERRY_AUTH_KEY_FILE)"))
-        })?;
-        let challenge = match (answer.kind, answer.body.split_first()) {
-            (MsgType::Auth, Some((&AUTH_CHALLENGE, rest))) if rest.len() == crate::auth::NONCE_LEN + crate::auth::MAC_LEN => rest,
-            (MsgType::Auth, _) => return Err(refused(&answer)),
-            _ => {
-                return Err(Error::Unauthorized {
-                    peer: peer.clone(),
-                    reason: "it does not take a cluster key (a stock Mooncake engine, or a kvferry engine too old for one), and this engine holds one (KVFERRY_AUTH_KEY_FILE)".into(),
-                })
-            }
+    let request = handshake::encode(kind, body);
+    let Some((key, dialed)) = auth else {
+        write_until(&s, &request, deadline, "sending request").map_err(fail)?;
+        let reply = read_frame(&s, max_len, Instant::now() + io_timeout).map_err(fail)?;
+        let _ = s.shutdown(Shutdown::Both);
+        return match reply.kind {
+            MsgType::Auth => Err(refused(&reply)),
+            k if k != kind => Err(Error::Wire { peer: peer.clone(), source: crate::wire::WireError::UnexpectedType { got: reply.kind as u8, expected: kind as u8 } }),
+            _ => Ok(reply),
         };
-        let (nonce, mac) = challenge.split_at(crate::auth::NONCE_LEN);
-        let proof = open.prove(key, AUTH, nonce, mac).map_err(|r| Error::Unauthorized { peer: peer.clone(), reason: r.to_string() })?;
-        out = handshake::encode(MsgType::Auth, &proof);
-    }
-    out.extend_from_slice(&handshake::encode(kind, body));
+    };
+    let unauthorized = |r: crate::auth::Refusal| Error::Unauthorized { peer: peer.clone(), reason: r.to_string() };
+    let (init, hello) = crate::auth::Initiator::new(key, PROTOCOL, dialed.trim_start_matches('/')).map_err(unauthorized)?;
+    let mut opening = vec![AUTH_HELLO];
+    opening.extend_from_slice(&hello);
+    write_until(&s, &handshake::encode(MsgType::Auth, &opening), deadline, "sending the cluster key's opening frame").map_err(fail)?;
+    let answer = read_frame(&s, max_len, deadline).map_err(|e| {
+        fail(format!("{e} (at the cluster key's handshake: a peer that closes here does not take a cluster key, e.g. a stock Mooncake engine or one without KVFERRY_AUTH_KEY_FILE)"))
+    })?;
+    let session = match (answer.kind, answer.body.split_first()) {
+        (MsgType::Auth, Some((&AUTH_CHALLENGE, rest))) => init.finish(rest).map_err(unauthorized)?,
+        (MsgType::Auth, _) => return Err(refused(&answer)),
+        _ => {
+            return Err(Error::Unauthorized {
+                peer: peer.clone(),
+                reason: "it does not take a cluster key (a stock Mooncake engine, or a kvferry engine too old for one), and this engine holds one (KVFERRY_AUTH_KEY_FILE)".into(),
+            })
+        }
+    };
+    let (mut seal, mut open) = session.split();
+    let mut out = Vec::new();
+    seal.seal_frame(&request, &mut out);
     write_until(&s, &out, deadline, "sending request").map_err(fail)?;
-    let reply = read_frame(&s, max_len, Instant::now() + io_timeout).map_err(fail)?;
+    let plain = read_sealed(&s, &mut open, max_len + LEN_PREFIX as u64 + 1, Instant::now() + io_timeout).map_err(fail)?;
     let _ = s.shutdown(Shutdown::Both);
-    if reply.kind == MsgType::Auth {
-        return Err(refused(&reply));
+    match handshake::decode(&plain, max_len) {
+        Ok(Some((reply, n))) if n == plain.len() && reply.kind == kind => Ok(reply),
+        Ok(Some((reply, _))) => Err(Error::Wire { peer: peer.clone(), source: crate::wire::WireError::UnexpectedType { got: reply.kind as u8, expected: kind as u8 } }),
+        Ok(None) => Err(fail("the sealed reply is not a whole frame".into())),
+        Err(e) => Err(Error::Wire { peer: peer.clone(), source: e }),
     }
-    if reply.kind != kind {
-        return Err(Error::Wire {
-            peer: peer.clone(),
-            source: crate::wire::WireError::UnexpectedType { got: reply.kind as u8, expected: kind as u8 },
-        });
-    }
-    Ok(reply)
 }
 
 #[cfg(test)]

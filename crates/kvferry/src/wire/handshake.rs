@@ -28,15 +28,19 @@ pub enum MsgType {
     Notify = 2,
     /// Liveness probe.
     Probe = 3,
-    /// kvferry's, only with a cluster key (`crate::auth`): the key's exchange, before the
-    /// request on the same connection. The initiator's first frame carries its nonce, its
-    /// second its proof (the request follows it); the engine answers the first with
-    /// [`AUTH_CHALLENGE`] and its nonce and MAC, or refuses either with [`AUTH_REFUSED`] and
-    /// the reason. `K`: no JSON text starts with it, so no legacy frame is taken for it.
+    /// kvferry's, only with a cluster key (`crate::auth`): the key's handshake, before the
+    /// request on the same connection. The initiator's frame carries [`AUTH_HELLO`] and its
+    /// opening Noise message; the engine answers [`AUTH_CHALLENGE`] and its Noise answer, or
+    /// refuses with [`AUTH_REFUSED`] and the reason. The request and its reply then go as
+    /// sealed frames (`crate::auth::Sealer::seal_frame` of the whole encoded frame), not as
+    /// frames of this framing. `K`: no JSON text starts with it, so no legacy frame is taken
+    /// for it.
     Auth = 0x4B,
 }
 
-/// First byte of an `Auth` answer carrying the engine's nonce and MAC.
+/// First byte of the `Auth` frame opening a keyed handshake; the Noise opening message follows.
+pub const AUTH_HELLO: u8 = b'N';
+/// First byte of an `Auth` answer carrying the engine's Noise answer.
 pub const AUTH_CHALLENGE: u8 = b'C';
 /// First byte of an `Auth` answer refusing the connection; the reason (UTF-8) follows.
 pub const AUTH_REFUSED: u8 = b'R';

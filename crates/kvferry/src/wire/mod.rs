@@ -34,4 +34,6 @@ pub enum WireError {
     StatusCode(u32),
     #[error("TCP data header range overflows: addr 0x{addr:x} + size {size} exceeds 2^64")]
     RangeOverflow { addr: u64, size: u64 },
+    #[error("a sealed status frame does not open under the connection's session (altered or injected by something on the path)")]
+    Unsealed,
 }

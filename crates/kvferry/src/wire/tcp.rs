@@ -8,11 +8,16 @@
 //! unauthorized: kvferry's, for a target holding a cluster key).
 //!
 //! kvferry's addition, only with a cluster key (`KVFERRY_AUTH_KEY_FILE`, [`crate::auth`]): a
-//! connection opens with the key's exchange before any request. The initiator sends an
+//! connection opens with the key's Noise handshake before any request. The initiator sends an
 //! opening frame ([`encode_auth_hello`]: a header whose opcode byte is [`AUTH_OPCODE`], which
-//! no Mooncake peer sends or accepts, and its nonce); the target answers [`encode_auth_challenge`]
-//! (its nonce and MAC) or, holding no key, an `Unauthorized` status frame; the initiator sends
-//! its MAC ([`AUTH_PROOF_LEN`] bytes); the target answers an `Ok` or `Unauthorized` status frame.
+//! no Mooncake peer sends or accepts, `addr` the magic [`AUTH_MAGIC`] and `size` the length of
+//! the Noise opening message that follows); the target answers [`ANSWER_MAGIC`] and its Noise
+//! answer ([`AUTH_ANSWER_LEN`] bytes in all) or, refusing (no key, another key, another
+//! segment's name), an `Unauthorized` status frame and closes. Then every request header and
+//! every status frame travels sealed under the connection's session ([`SEALED_HEADER_LEN`],
+//! [`SEALED_STATUS_LEN`]: each a Noise transport message with its sequence number); the bytes
+//! of WRITE bodies and READ answers travel as they are. Keyed connections always use v2
+//! framing (no v1 fence).
 
 use super::WireError;
 
@@ -22,16 +27,16 @@ pub const STATUS_MAGIC: u32 = 0x4D43_5456;
 pub const V2_FLAG: u8 = 0x80;
 /// Opcode byte of the cluster key's opening frame.
 pub const AUTH_OPCODE: u8 = 0x4B;
-/// The `addr` field of the opening frame ("KVFAUTH1").
-pub const AUTH_MAGIC: u64 = u64::from_le_bytes(*b"KVFAUTH1");
-/// The first 8 bytes of the target's challenge ("KVFCHAL1"), where a status frame would be.
-pub const CHALLENGE_MAGIC: u64 = u64::from_le_bytes(*b"KVFCHAL1");
-/// Bytes of the opening frame: a header and the initiator's nonce.
-pub const AUTH_HELLO_LEN: usize = HEADER_LEN + crate::auth::NONCE_LEN;
-/// Bytes of the target's challenge: the magic, its nonce and its MAC.
-pub const AUTH_CHALLENGE_LEN: usize = 8 + crate::auth::NONCE_LEN + crate::auth::MAC_LEN;
-/// Bytes of the initiator's proof (its MAC).
-pub const AUTH_PROOF_LEN: usize = crate::auth::MAC_LEN;
+/// The `addr` field of the opening frame ("KVFNOIS1").
+pub const AUTH_MAGIC: u64 = u64::from_le_bytes(*b"KVFNOIS1");
+/// The first 8 bytes of the target's answer ("KVFNOIS2"), where a status frame would be.
+pub const ANSWER_MAGIC: u64 = u64::from_le_bytes(*b"KVFNOIS2");
+/// Bytes of the target's answer: the magic and its Noise answer.
+pub const AUTH_ANSWER_LEN: usize = 8 + crate::auth::ANSWER_LEN;
+/// Bytes of a request header sealed.
+pub const SEALED_HEADER_LEN: usize = HEADER_LEN + crate::auth::TAG_LEN;
+/// Bytes of a status frame sealed.
+pub const SEALED_STATUS_LEN: usize = STATUS_LEN + crate::auth::TAG_LEN;
 
 /// The direction of a transfer, as seen from the initiator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -106,35 +111,27 @@ pub fn decode_status(b: [u8; STATUS_LEN]) -> Result<Status, WireError> {
     }
 }
 
-/// The initiator's opening frame with its nonce.
-pub fn encode_auth_hello(nonce: &[u8; crate::auth::NONCE_LEN]) -> [u8; AUTH_HELLO_LEN] {
-    let mut b = [0u8; AUTH_HELLO_LEN];
-    b[0..8].copy_from_slice(&(crate::auth::NONCE_LEN as u64).to_le_bytes());
+/// The initiator's opening frame announcing a Noise opening message of `msg_len` bytes (the
+/// message follows it).
+pub fn encode_auth_hello(msg_len: usize) -> [u8; HEADER_LEN] {
+    let mut b = [0u8; HEADER_LEN];
+    b[0..8].copy_from_slice(&(msg_len as u64).to_le_bytes());
     b[8..16].copy_from_slice(&AUTH_MAGIC.to_le_bytes());
     b[16] = AUTH_OPCODE;
-    b[HEADER_LEN..].copy_from_slice(nonce);
     b
 }
 
-/// Whether a header is the opening frame's (its nonce follows).
-pub fn is_auth_hello(h: &[u8; HEADER_LEN]) -> bool {
-    h[16] == AUTH_OPCODE && h[8..16] == AUTH_MAGIC.to_le_bytes() && h[0..8] == (crate::auth::NONCE_LEN as u64).to_le_bytes()
+/// Whether a header is the opening frame's: then the length of the message it announces
+/// (which the caller bounds before reading it).
+pub fn auth_hello_len(h: &[u8]) -> Option<u64> {
+    let h = h.get(..HEADER_LEN)?;
+    (h[16] == AUTH_OPCODE && h[8..16] == AUTH_MAGIC.to_le_bytes()).then(|| u64::from_le_bytes(h[0..8].try_into().expect("8 bytes")))
 }
 
-/// The target's challenge: its nonce and its MAC over both nonces.
-pub fn encode_auth_challenge(nonce: &[u8], mac: &[u8]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(AUTH_CHALLENGE_LEN);
-    b.extend_from_slice(&CHALLENGE_MAGIC.to_le_bytes());
-    b.extend_from_slice(nonce);
-    b.extend_from_slice(mac);
-    debug_assert_eq!(b.len(), AUTH_CHALLENGE_LEN);
-    b
-}
-
-/// What the target answered the opening frame with, from its first 8 bytes: a challenge
-/// (`AUTH_CHALLENGE_LEN - 8` bytes follow, nonce then MAC) or a status frame.
+/// What the target answered the opening frame with, from its first 8 bytes: its Noise answer
+/// (`AUTH_ANSWER_LEN - 8` bytes follow) or a status frame.
 pub fn decode_auth_answer(first: [u8; STATUS_LEN]) -> Result<Option<Status>, WireError> {
-    if u64::from_le_bytes(first) == CHALLENGE_MAGIC {
+    if u64::from_le_bytes(first) == ANSWER_MAGIC {
         return Ok(None);
     }
     decode_status(first).map(Some)
@@ -174,22 +171,18 @@ mod tests {
 
     #[test]
     fn the_cluster_keys_frames_are_never_taken_for_a_request_or_a_status() {
-        let nonce = [7u8; crate::auth::NONCE_LEN];
-        let hello = encode_auth_hello(&nonce);
-        let hdr: [u8; HEADER_LEN] = hello[..HEADER_LEN].try_into().unwrap();
-        assert!(is_auth_hello(&hdr));
-        assert_eq!(&hello[HEADER_LEN..], &nonce);
+        let hdr = encode_auth_hello(80);
+        assert_eq!(auth_hello_len(&hdr), Some(80));
         // A Mooncake target (and a kvferry one that does not look for it) cannot decode it as a
         // request: nothing is read or written for it.
         assert_eq!(DataHeader::decode(&hdr), Err(WireError::Opcode(AUTH_OPCODE)));
         // Nor is a request an opening frame, whatever its fields.
-        let req = DataHeader { size: crate::auth::NONCE_LEN as u64, addr: AUTH_MAGIC, opcode: Opcode::Write, v2: true }.encode();
-        assert!(!is_auth_hello(&req));
-        let ch = encode_auth_challenge(&[1; crate::auth::NONCE_LEN], &[2; crate::auth::MAC_LEN]);
-        assert_eq!(ch.len(), AUTH_CHALLENGE_LEN);
-        let first: [u8; STATUS_LEN] = ch[..STATUS_LEN].try_into().unwrap();
+        let req = DataHeader { size: 80, addr: AUTH_MAGIC, opcode: Opcode::Write, v2: true }.encode();
+        assert_eq!(auth_hello_len(&req), None);
+        assert_eq!(auth_hello_len(&hdr[..10]), None);
+        let first = ANSWER_MAGIC.to_le_bytes();
         assert_eq!(decode_auth_answer(first), Ok(None));
-        assert!(decode_status(first).is_err(), "a challenge is not a status frame");
+        assert!(decode_status(first).is_err(), "an answer is not a status frame");
         assert_eq!(decode_auth_answer(encode_status(Status::Unauthorized)), Ok(Some(Status::Unauthorized)));
         assert_eq!(decode_status(encode_status(Status::Unauthorized)), Ok(Status::Unauthorized));
     }

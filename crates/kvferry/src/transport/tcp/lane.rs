@@ -6,7 +6,7 @@ use super::sockio::*;
 use super::RefusedHook;
 use crate::batch::{FailCause, FailKind, Failure};
 use crate::transport::Piece;
-use crate::wire::tcp::{Opcode, Status, HEADER_LEN, STATUS_LEN};
+use crate::wire::tcp::{Opcode, Status, HEADER_LEN, SEALED_HEADER_LEN, SEALED_STATUS_LEN, STATUS_LEN};
 use crate::wire::WireError;
 use std::collections::HashMap;
 use std::io::{self, IoSlice};
@@ -22,8 +22,40 @@ pub(super) struct WireOp {
     pub(super) attempts: u8,
 }
 
+/// One data connection of a lane: the socket and, with the cluster key, the session its
+/// headers are sealed and its status frames opened under (the writer or an in-caller request
+/// seals, the reader or an in-caller request opens: never two at once, so the locks are
+/// never contended).
+pub(super) struct DataConn {
+    pub(super) s: TcpStream,
+    seal: Option<Mutex<crate::auth::Sealer>>,
+    open: Option<Mutex<crate::auth::Opener>>,
+}
+
+impl DataConn {
+    fn new(s: TcpStream, session: Option<(crate::auth::Sealer, crate::auth::Opener)>) -> DataConn {
+        let (seal, open) = session.map(|(a, b)| (Mutex::new(a), Mutex::new(b))).unzip();
+        DataConn { s, seal, open }
+    }
+
+    fn sealer(&self) -> Option<std::sync::MutexGuard<'_, crate::auth::Sealer>> {
+        self.seal.as_ref().map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn opener(&self) -> Option<std::sync::MutexGuard<'_, crate::auth::Opener>> {
+        self.open.as_ref().map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+impl std::ops::Deref for DataConn {
+    type Target = TcpStream;
+    fn deref(&self) -> &TcpStream {
+        &self.s
+    }
+}
+
 /// The lane's queue (sans-IO, `queue.rs`) with its connection.
-pub(super) type LaneState = LaneQueue<WireOp, Arc<TcpStream>>;
+pub(super) type LaneState = LaneQueue<WireOp, Arc<DataConn>>;
 
 impl QueuedOp for WireOp {
     fn len(&self) -> u64 {
@@ -44,7 +76,7 @@ impl QueuedOp for WireOp {
 fn drop_if_closed_by_peer(st: &mut LaneState, now: Instant) {
     let Some(c) = st.check_closed_by_peer(now) else { return };
     let mut b = [0u8; 1];
-    let closed = match rustix::net::recv(&*c, &mut b, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT) {
+    let closed = match rustix::net::recv(&c.s, &mut b, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT) {
         // EOF: the peer closed it.
         Ok((0, _)) => true,
         // Bytes nobody asked for: the reader reports that as a protocol error.
@@ -289,7 +321,10 @@ impl Lane {
     }
 
     pub(super) fn writer_loop(self: Arc<Self>) {
-        let mut iov_hdrs: Vec<[u8; HEADER_LEN]> = Vec::with_capacity(MAX_OPS_PER_WRITE * 2);
+        // Each header as it goes: sealed on a keyed connection, its first HEADER_LEN bytes
+        // otherwise (`hdr_lens`).
+        let mut iov_hdrs: Vec<[u8; SEALED_HEADER_LEN]> = Vec::with_capacity(MAX_OPS_PER_WRITE * 2);
+        let mut hdr_lens: Vec<usize> = Vec::with_capacity(MAX_OPS_PER_WRITE * 2);
         loop {
             let mut st = self.lock();
             while st.writer_waits() {
@@ -336,6 +371,16 @@ impl Lane {
             }
             let mut guards: Vec<crate::memory::RegionGuard> = Vec::new();
             iov_hdrs.clear();
+            hdr_lens.clear();
+            // Sealed in the order they go out, under the lock the writer alone takes while it
+            // owns the connection.
+            let mut seal = conn.sealer();
+            let mut put = |h: [u8; HEADER_LEN]| {
+                let mut b = [0u8; SEALED_HEADER_LEN];
+                hdr_lens.push(proto::put_header(&h, seal.as_deref_mut(), &mut b));
+                iov_hdrs.push(b);
+                *hdr_lens.last().expect("just pushed") as u64
+            };
             let mut bodies: Vec<(u64, u64)> = Vec::with_capacity(n);
             // Where each op's bytes end in the stream, and its deadline: the write stops at
             // the deadline of the op whose bytes are going out, not at the earliest of the
@@ -351,31 +396,33 @@ impl Lane {
                 }
                 let (hdr, fence) = proto::request_frames(p.opcode, p.remote, p.len, self.v2);
                 let body = if p.opcode == Opcode::Write { p.len } else { 0 };
-                at += (hdr.len() + fence.map_or(0, |f| f.len())) as u64 + body;
-                ends.push((at, p.task.deadline()));
-                iov_hdrs.push(hdr);
+                at += put(hdr) + body;
                 if p.opcode == Opcode::Write {
                     bodies.push((p.local, p.len));
                     // v1 fence: a 1-byte READ of the last byte written answers only after
                     // the target consumed the body into memory.
-                    iov_hdrs.extend(fence);
+                    if let Some(f) = fence {
+                        at += put(f);
+                    }
                 } else {
                     bodies.push((0, 0));
                 }
+                ends.push((at, p.task.deadline()));
             }
+            drop(seal);
             drop(st);
             // Build the iovec list: header, body (WRITE), [fence header].
             let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(n * 3);
             let mut h = 0;
             for &(addr, len) in &bodies {
-                iov.push(IoSlice::new(&iov_hdrs[h]));
+                iov.push(IoSlice::new(&iov_hdrs[h][..hdr_lens[h]]));
                 h += 1;
                 if len > 0 {
                     // SAFETY: local ranges were checked against the registry at submit and
                     // the piece's guard keeps them registered.
                     iov.push(IoSlice::new(unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) }));
                     if !self.v2 {
-                        iov.push(IoSlice::new(&iov_hdrs[h]));
+                        iov.push(IoSlice::new(&iov_hdrs[h][..hdr_lens[h]]));
                         h += 1;
                     }
                 }
@@ -418,18 +465,22 @@ impl Lane {
             keepalive(&s);
             Ok(s)
         });
-        // With a cluster key, the connection proves it before it carries a request.
+        // With a cluster key, the connection's handshake runs before it carries a request.
+        let mut session = None;
         if let (Ok(s), Some(key)) = (&r, &self.auth) {
-            if let Err(refused) = self.authenticate(s, key, until) {
-                tracing::warn!("TCP data connection to {} at {}: {}", self.peer_name, self.target, refused.reason);
-                let kind = if refused.cause == FailCause::Timeout { FailKind::Timeout } else { FailKind::Failed };
-                self.end_pending(None, kind, refused);
-                return;
+            match self.authenticate(s, key, until) {
+                Ok(pair) => session = Some(pair),
+                Err(refused) => {
+                    tracing::warn!("TCP data connection to {} at {}: {}", self.peer_name, self.target, refused.reason);
+                    let kind = if refused.cause == FailCause::Timeout { FailKind::Timeout } else { FailKind::Failed };
+                    self.end_pending(None, kind, refused);
+                    return;
+                }
             }
         }
         match r {
             Ok(s) => {
-                self.lock().on_connected(Arc::new(s));
+                self.lock().on_connected(Arc::new(DataConn::new(s, session)));
                 self.wake_reader.notify_all();
             }
             Err(e) => {
@@ -459,18 +510,19 @@ impl Lane {
         }
     }
 
-    /// The cluster key's exchange on a new connection, by `until` (`proto::AuthOpen`): the
-    /// failure to end the waiting requests with when the target refuses or cannot answer it.
-    fn authenticate(&self, s: &TcpStream, key: &crate::auth::ClusterKey, until: Instant) -> Result<(), Failure> {
+    /// The cluster key's handshake on a new connection, bound to this lane's segment name, by
+    /// `until` (`proto::AuthOpen`): the connection's session, or the failure to end the waiting
+    /// requests with when the target refuses or cannot answer it.
+    fn authenticate(&self, s: &TcpStream, key: &crate::auth::ClusterKey, until: Instant) -> Result<(crate::auth::Sealer, crate::auth::Opener), Failure> {
         let stop = || Instant::now() >= until;
         let io_failed = |what: &str, e: io::Error| {
             let cause = if e.kind() == io::ErrorKind::TimedOut { FailCause::Timeout } else { FailCause::PeerUnreachable };
-            cause.because(format!("{} at {}: {what} the cluster key's exchange: {e}", self.peer_name, self.target))
+            cause.because(format!("{} at {}: {what} the cluster key's handshake: {e}", self.peer_name, self.target))
         };
-        let open = proto::AuthOpen::new();
-        write_all_vectored(s, &mut [IoSlice::new(&open.hello())], |_| stop()).map_err(|e| io_failed("sending", e))?;
-        // (The target sends nothing beyond what each step awaits: no byte of it is read
-        // into the buffer ahead of its step.)
+        let open = proto::AuthOpen::new(key, &self.peer_name, &self.peer_name)?;
+        write_all_vectored(s, &mut [IoSlice::new(open.hello())], |_| stop()).map_err(|e| io_failed("sending", e))?;
+        // (The target sends nothing beyond its answer before the first request: no byte of
+        // the connection is read into this buffer ahead of the reader's.)
         let mut rx = RxBuf::new();
         let take = |rx: &mut RxBuf, n: usize| -> io::Result<Vec<u8>> {
             rx.need(s, n, stop)?;
@@ -478,7 +530,6 @@ impl Lane {
             rx.consume(n);
             Ok(b)
         };
-        let status = |b: Vec<u8>| -> [u8; STATUS_LEN] { b.try_into().unwrap_or_else(|_| unreachable!("STATUS_LEN bytes taken")) };
         // A target that closes at once holds no key and does not look for one (an older
         // kvferry, or Mooncake).
         let first = take(&mut rx, STATUS_LEN).map_err(|e| match e.kind() {
@@ -488,12 +539,9 @@ impl Lane {
             )),
             _ => io_failed("receiving the answer to", e),
         })?;
-        open.on_answer(status(first), &self.peer_name)?;
-        let rest = take(&mut rx, crate::wire::tcp::AUTH_CHALLENGE_LEN - STATUS_LEN).map_err(|e| io_failed("receiving the challenge of", e))?;
-        let proof = open.on_challenge(key, &rest, &self.peer_name)?;
-        write_all_vectored(s, &mut [IoSlice::new(&proof)], |_| stop()).map_err(|e| io_failed("sending the proof of", e))?;
-        let verdict = take(&mut rx, STATUS_LEN).map_err(|e| io_failed("receiving the verdict of", e))?;
-        proto::AuthOpen::on_verdict(status(verdict), &self.peer_name)
+        open.on_answer(first.try_into().unwrap_or_else(|_| unreachable!("STATUS_LEN bytes taken")), &self.peer_name)?;
+        let rest = take(&mut rx, crate::wire::tcp::AUTH_ANSWER_LEN - STATUS_LEN).map_err(|e| io_failed("receiving the answer to", e))?;
+        open.finish(&rest, &self.peer_name)
     }
 
     pub(super) fn reader_loop(self: Arc<Self>) {
@@ -519,7 +567,12 @@ impl Lane {
             let expired = || proto::must_stop(Instant::now(), deadline, guard.is_revoked());
             // Large READ data goes straight into local memory: read only the status first.
             rx.max_fill = if opcode == Opcode::Read && len as usize >= DIRECT_MIN { STATUS_LEN } else { RX_BUF };
-            let mut ans = Answer::new(opcode, len, self.v2);
+            let mut ans = Answer::new(opcode, len, self.v2, conn.open.is_some());
+            // The reader alone opens this connection's status frames while it reads them.
+            let mut opener = conn.opener();
+            if conn.open.is_some() {
+                rx.max_fill = rx.max_fill.max(SEALED_STATUS_LEN);
+            }
             // 1. Status frame (v2), before anything is taken off the queue.
             let mut bad = None;
             while ans.awaiting_status() && bad.is_none() {
@@ -527,7 +580,7 @@ impl Lane {
                     self.fail_conn(gen, if e.kind() == io::ErrorKind::TimedOut { ConnFailure::Deadline } else { ConnFailure::Broken(e.to_string()) });
                     break;
                 }
-                match ans.handle_bytes(rx.data(), &mut []) {
+                match ans.handle_bytes(rx.data(), &mut [], opener.as_deref_mut()) {
                     Ok(n) => rx.consume(n),
                     Err(e) => bad = Some(e),
                 }
@@ -582,12 +635,12 @@ impl Lane {
                 };
                 while !ans.done() {
                     if rx.len() > 0 {
-                        let n = ans.handle_bytes(rx.data(), dst).map_err(invalid_data)?;
+                        let n = ans.handle_bytes(rx.data(), dst, opener.as_deref_mut()).map_err(invalid_data)?;
                         rx.consume(n);
                         continue;
                     }
                     let n = read_some(&conn, ans.target(dst).unwrap_or_default())?;
-                    ans.on_received(n).map_err(invalid_data)?;
+                    ans.on_received(n, opener.as_deref_mut()).map_err(invalid_data)?;
                     if !ans.done() && expired() {
                         return Err(stopped("receiving"));
                     }
@@ -649,20 +702,27 @@ impl Lane {
             // SAFETY: the local range is registered (checked at submit) and the guard keeps
             // it so; a revoked guard stops every loop below between system calls.
             let local = unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
-            let fence = fence.as_ref().map_or(&[][..], |f| &f[..]);
+            // This thread owns the connection until `end_inline`: it seals and opens.
+            let (mut hbuf, mut fbuf) = ([0u8; SEALED_HEADER_LEN], [0u8; SEALED_HEADER_LEN]);
+            let (hlen, flen) = {
+                let mut seal = conn.sealer();
+                let h = proto::put_header(&hdr, seal.as_deref_mut(), &mut hbuf);
+                (h, fence.map_or(0, |f| proto::put_header(&f, seal.as_deref_mut(), &mut fbuf)))
+            };
             match p.opcode {
-                Opcode::Write => write_all_vectored(&conn, &mut [IoSlice::new(&hdr), IoSlice::new(local), IoSlice::new(fence)], |_| expired())?,
-                Opcode::Read => write_all_vectored(&conn, &mut [IoSlice::new(&hdr)], |_| expired())?,
+                Opcode::Write => write_all_vectored(&conn, &mut [IoSlice::new(&hbuf[..hlen]), IoSlice::new(local), IoSlice::new(&fbuf[..flen])], |_| expired())?,
+                Opcode::Read => write_all_vectored(&conn, &mut [IoSlice::new(&hbuf[..hlen])], |_| expired())?,
             }
-            let mut ans = Answer::new(p.opcode, p.len, self.v2);
+            let mut ans = Answer::new(p.opcode, p.len, self.v2, conn.open.is_some());
+            let mut opener = conn.opener();
             let dst: &mut [u8] = if p.opcode == Opcode::Read { local } else { &mut [] };
             if ans.awaiting_status() && p.len <= SPIN_MAX_BYTES {
                 let got = ans.target(dst).map_or(0, |t| poll_read(&conn, t, self.spin));
-                ans.on_received(got).map_err(invalid_data)?;
+                ans.on_received(got, opener.as_deref_mut()).map_err(invalid_data)?;
             }
             while !ans.done() {
                 let n = read_some(&conn, ans.target(dst).unwrap_or_default())?;
-                ans.on_received(n).map_err(invalid_data)?;
+                ans.on_received(n, opener.as_deref_mut()).map_err(invalid_data)?;
                 if !ans.done() && expired() {
                     return Err(stopped("receiving"));
                 }

@@ -72,9 +72,10 @@ pub struct TcpOptions {
     pub spin: Duration,
     /// A lane unused this long closes its connection and its threads end.
     pub idle: Duration,
-    /// The cluster key (`KVFERRY_AUTH_KEY_FILE`): every data connection, both ways, proves
-    /// it before its first request; `None`: Mooncake's protocol as it is.
-    pub auth: Option<Arc<crate::auth::ClusterKey>>,
+    /// The cluster key (`KVFERRY_AUTH_KEY_FILE`) and this engine's segment name: every data
+    /// connection runs the key's handshake (bound to the segment dialed) before its first
+    /// request, and seals its headers; `None`: Mooncake's protocol as it is.
+    pub auth: Option<Arc<crate::auth::Keyed>>,
 }
 
 
@@ -125,7 +126,8 @@ impl TcpTransport {
             .map_err(|e| format!("cannot resolve {host}: {e}"))?
             .next()
             .ok_or_else(|| format!("{host} resolves to no address"))?;
-        let v2 = desc.tcp_version() >= 2 && self.opts.max_proto >= 2;
+        // (A keyed connection always frames v2: both sides are kvferry engines.)
+        let v2 = (desc.tcp_version() >= 2 && self.opts.max_proto >= 2) || self.opts.auth.is_some();
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = peers.get(&(addr, v2)) {
             return Ok(Arc::clone(p));
@@ -147,7 +149,7 @@ impl TcpTransport {
                 idle: self.opts.idle,
                 home: Arc::downgrade(&self.peers),
                 key: (addr, v2),
-                auth: self.opts.auth.clone(),
+                auth: self.opts.auth.as_ref().map(|k| Arc::clone(&k.key)),
             });
             let (w, r) = (Arc::clone(&lane), Arc::clone(&lane));
             std::thread::Builder::new().name("kvf-lane-tx".into()).spawn(move || w.writer_loop()).map_err(|e| e.to_string())?;

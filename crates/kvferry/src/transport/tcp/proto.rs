@@ -12,67 +12,56 @@
 //! below with synthetic times: a peer that trickles one byte at a time is a loop of calls, not
 //! a test that sleeps.
 
-use crate::auth::{ClusterKey, Exchange, Opening};
+use crate::auth::{ClusterKey, Initiator, Opener, Protocol, Sealer};
 use crate::batch::{FailCause, FailKind, Failure};
 use crate::memory::{MemoryRegistry, RegionGuard};
-use crate::wire::tcp::{self, DataHeader, Opcode, Status, AUTH_CHALLENGE_LEN, AUTH_HELLO_LEN, HEADER_LEN, STATUS_LEN};
+use crate::wire::tcp::{self, DataHeader, Opcode, Status, AUTH_ANSWER_LEN, HEADER_LEN, SEALED_STATUS_LEN, STATUS_LEN};
 use crate::wire::WireError;
 use std::time::{Duration, Instant};
 
-/// The cluster key's exchange on a data connection (`crate::auth`): the initiator opens it,
-/// the target answers.
-pub(super) const AUTH: Exchange = Exchange { opener: "kvferry/tcp-data/initiator", answerer: "kvferry/tcp-data/target" };
+/// The cluster key's use on the TCP data port (`crate::auth`).
+pub(super) const PROTOCOL: Protocol = Protocol("kvferry/tcp-data/1");
 
-/// The initiator's side of the cluster key's exchange on a new connection: the opening
-/// frame to send ([`AuthOpen::hello`]), then the target's answer's first 8 bytes
-/// ([`AuthOpen::on_answer`]), the rest of its challenge ([`AuthOpen::on_challenge`], which
-/// gives the proof to send) and its verdict ([`AuthOpen::on_verdict`]). Every refusal is
-/// `FailCause::Unauthorized` with what to set; bytes that are none of these, `Protocol`.
+/// The initiator's side of the cluster key's handshake on a new connection, bound to the
+/// segment it dials: the opening frame to send ([`AuthOpen::hello`]), then the target's
+/// answer's first 8 bytes ([`AuthOpen::on_answer`]) and the rest of it ([`AuthOpen::finish`],
+/// which gives the connection's session). Every refusal is `FailCause::Unauthorized` with what
+/// to set; bytes that are none of these, `Protocol`.
 pub(super) struct AuthOpen {
-    opening: Opening,
+    init: Initiator,
+    hello: Vec<u8>,
 }
 
 impl AuthOpen {
-    pub(super) fn new() -> AuthOpen {
-        AuthOpen { opening: Opening::default() }
+    pub(super) fn new(key: &ClusterKey, segment: &str, peer: &str) -> Result<AuthOpen, Failure> {
+        let (init, msg) = Initiator::new(key, PROTOCOL, segment.trim_start_matches('/')).map_err(|r| FailCause::Unauthorized.because(format!("{peer}: {r}")))?;
+        let mut hello = tcp::encode_auth_hello(msg.len()).to_vec();
+        hello.extend_from_slice(&msg);
+        Ok(AuthOpen { init, hello })
     }
 
-    pub(super) fn hello(&self) -> [u8; AUTH_HELLO_LEN] {
-        let nonce: [u8; crate::auth::NONCE_LEN] = self.opening.nonce().try_into().unwrap_or_else(|_| unreachable!("a nonce is NONCE_LEN bytes"));
-        tcp::encode_auth_hello(&nonce)
+    pub(super) fn hello(&self) -> &[u8] {
+        &self.hello
     }
 
-    /// The answer's first 8 bytes: `Ok` when a challenge follows (`AUTH_CHALLENGE_LEN - 8`
+    /// The answer's first 8 bytes: `Ok` when the Noise answer follows (`AUTH_ANSWER_LEN - 8`
     /// more bytes).
     pub(super) fn on_answer(&self, first: [u8; STATUS_LEN], peer: &str) -> Result<(), Failure> {
         match tcp::decode_auth_answer(first) {
             Ok(None) => Ok(()),
             Ok(Some(Status::Unauthorized)) => Err(FailCause::Unauthorized.because(format!(
-                "{peer} holds no cluster key, and this engine does (KVFERRY_AUTH_KEY_FILE): set the same key file on both, or unset it on both"
+                "{peer} refused this engine's cluster key handshake: it holds no key, or another key than this host's KVFERRY_AUTH_KEY_FILE (while a key changes, every host must accept both first), or it is not the engine of that segment name (a stale or rewritten address); its log says which"
             ))),
             Ok(Some(s)) => Err(FailCause::Protocol.because(format!("{peer} answered the cluster key's opening frame with status {s:?}"))),
             Err(e) => Err(FailCause::Protocol.because(format!("{peer} answered the cluster key's opening frame with something else ({e}): it is not a kvferry engine holding a key"))),
         }
     }
 
-    /// The rest of the challenge (nonce, MAC): the proof to send, once the target's MAC is
-    /// checked.
-    pub(super) fn on_challenge(&self, key: &ClusterKey, rest: &[u8], peer: &str) -> Result<Vec<u8>, Failure> {
-        debug_assert_eq!(rest.len(), AUTH_CHALLENGE_LEN - STATUS_LEN);
-        let (nonce, mac) = rest.split_at(crate::auth::NONCE_LEN);
-        self.opening.prove(key, AUTH, nonce, mac).map_err(|r| FailCause::Unauthorized.because(format!("{peer}'s data port: {r}")))
-    }
-
-    /// The target's verdict on the proof.
-    pub(super) fn on_verdict(frame: [u8; STATUS_LEN], peer: &str) -> Result<(), Failure> {
-        match tcp::decode_status(frame) {
-            Ok(Status::Ok) => Ok(()),
-            Ok(Status::Unauthorized) => Err(FailCause::Unauthorized.because(format!(
-                "{peer} refused this engine's proof of the cluster key: it holds another key than this host's KVFERRY_AUTH_KEY_FILE (while a key changes, every host must accept both first: the old and the new key in its file)"
-            ))),
-            Ok(s) => Err(FailCause::Protocol.because(format!("{peer} answered the cluster key's proof with status {s:?}"))),
-            Err(e) => Err(FailCause::Protocol.because(format!("{peer} answered the cluster key's proof with something else: {e}"))),
-        }
+    /// The rest of the answer (the Noise answer): the connection's session.
+    pub(super) fn finish(self, rest: &[u8], peer: &str) -> Result<(Sealer, Opener), Failure> {
+        debug_assert_eq!(rest.len(), AUTH_ANSWER_LEN - STATUS_LEN);
+        let session = self.init.finish(rest).map_err(|r| FailCause::Unauthorized.because(format!("{peer}'s data port: its answer to the cluster key's handshake: {r}")))?;
+        Ok(session.split())
     }
 }
 
@@ -84,6 +73,21 @@ pub(super) fn request_frames(opcode: Opcode, remote: u64, len: u64, v2: bool) ->
     let fence = (opcode == Opcode::Write && !v2 && len > 0)
         .then(|| DataHeader { size: 1, addr: remote + len - 1, opcode: Opcode::Read, v2: false }.encode());
     (hdr, fence)
+}
+
+/// A request header as it goes on the wire into `out`: sealed under the connection's session
+/// (`seal`: [`tcp::SEALED_HEADER_LEN`] bytes) or as it is ([`HEADER_LEN`]); how many bytes.
+pub(super) fn put_header(hdr: &[u8; HEADER_LEN], seal: Option<&mut Sealer>, out: &mut [u8; tcp::SEALED_HEADER_LEN]) -> usize {
+    match seal {
+        Some(s) => {
+            s.seal_to(hdr, out);
+            tcp::SEALED_HEADER_LEN
+        }
+        None => {
+            out[..HEADER_LEN].copy_from_slice(hdr);
+            HEADER_LEN
+        }
+    }
 }
 
 /// The deadline that bounds a gathered write once `written` of its bytes left: that of the
@@ -167,7 +171,9 @@ impl Reply {
 #[derive(Debug, Clone)]
 pub(super) struct Answer {
     reply: Reply,
-    frame: [u8; STATUS_LEN],
+    /// The status frame as it comes: sealed ([`SEALED_STATUS_LEN`]) on a keyed connection.
+    frame: [u8; SEALED_STATUS_LEN],
+    frame_len: usize,
     fence: [u8; 1],
     /// Bytes of the current part (status frame, data or fence) received so far.
     have: usize,
@@ -175,8 +181,11 @@ pub(super) struct Answer {
 }
 
 impl Answer {
-    pub(super) fn new(opcode: Opcode, len: u64, v2: bool) -> Answer {
-        Answer { reply: Reply::new(opcode, len, v2), frame: [0; STATUS_LEN], fence: [0], have: 0, status: None }
+    /// `sealed`: the connection is keyed, its status frames come sealed (and open with the
+    /// connection's [`Opener`], passed to [`Answer::on_received`]).
+    pub(super) fn new(opcode: Opcode, len: u64, v2: bool, sealed: bool) -> Answer {
+        let frame_len = if sealed { SEALED_STATUS_LEN } else { STATUS_LEN };
+        Answer { reply: Reply::new(opcode, len, v2), frame: [0; SEALED_STATUS_LEN], frame_len, fence: [0], have: 0, status: None }
     }
 
     /// Still waiting for the (v2) status frame: the request is not yet off the connection's
@@ -204,21 +213,31 @@ impl Answer {
     pub(super) fn target<'a>(&'a mut self, local: &'a mut [u8]) -> Option<&'a mut [u8]> {
         let have = self.have;
         match self.reply.expect() {
-            Expect::Status => Some(&mut self.frame[have..]),
+            Expect::Status => Some(&mut self.frame[have..self.frame_len]),
             Expect::Data(n) => local.get_mut(have..n as usize),
             Expect::Fence => Some(&mut self.fence[have..]),
             Expect::Done => None,
         }
     }
 
-    /// `n` bytes landed in [`Answer::target`]. An unreadable status frame is a protocol
+    /// `n` bytes landed in [`Answer::target`]; `open` opens a sealed status frame (a keyed
+    /// connection's). An unreadable status frame, or one that does not open, is a protocol
     /// error (the connection cannot be followed any further).
-    pub(super) fn on_received(&mut self, n: usize) -> Result<(), WireError> {
+    pub(super) fn on_received(&mut self, n: usize, open: Option<&mut Opener>) -> Result<(), WireError> {
         self.have += n;
         match self.reply.expect() {
-            Expect::Status if self.have >= STATUS_LEN => {
+            Expect::Status if self.have >= self.frame_len => {
                 self.have = 0;
-                self.status = Some(self.reply.on_status(self.frame)?);
+                let mut plain = [0u8; SEALED_STATUS_LEN];
+                let frame: [u8; STATUS_LEN] = match open {
+                    Some(o) if self.frame_len == SEALED_STATUS_LEN => match o.open(&self.frame, &mut plain) {
+                        Ok(STATUS_LEN) => plain[..STATUS_LEN].try_into().expect("8 bytes"),
+                        _ => return Err(WireError::Unsealed),
+                    },
+                    Some(_) | None if self.frame_len == SEALED_STATUS_LEN => return Err(WireError::Unsealed),
+                    _ => self.frame[..STATUS_LEN].try_into().expect("8 bytes"),
+                };
+                self.status = Some(self.reply.on_status(frame)?);
             }
             Expect::Data(len) if self.have as u64 >= len => {
                 self.have = 0;
@@ -235,11 +254,11 @@ impl Answer {
 
     /// Takes buffered bytes: at most the rest of the current part, so that the caller can
     /// claim the request between the status frame and the data. Returns how many it took.
-    pub(super) fn handle_bytes(&mut self, data: &[u8], local: &mut [u8]) -> Result<usize, WireError> {
+    pub(super) fn handle_bytes(&mut self, data: &[u8], local: &mut [u8], open: Option<&mut Opener>) -> Result<usize, WireError> {
         let Some(dst) = self.target(local) else { return Ok(0) };
         let n = dst.len().min(data.len());
         dst[..n].copy_from_slice(&data[..n]);
-        self.on_received(n)?;
+        self.on_received(n, open)?;
         Ok(n)
     }
 }
@@ -385,7 +404,7 @@ mod tests {
         while !a.done() && pos < stream.len() {
             let end = (pos + chunk).min(stream.len());
             let was_status = a.awaiting_status();
-            pos += a.handle_bytes(&stream[pos..end], local).unwrap();
+            pos += a.handle_bytes(&stream[pos..end], local, None).unwrap();
             if was_status && !a.awaiting_status() && !a.done() && local.iter().any(|&b| b != 0) {
                 claimed_before_data = false; // data landed in the same call as the status
             }
@@ -402,40 +421,83 @@ mod tests {
             stream.extend_from_slice(b"hello");
             stream.extend_from_slice(&ok);
             let mut local = [0u8; 5];
-            let (st, left, claimed) = feed(Answer::new(Opcode::Read, 5, true), &stream, chunk, &mut local);
+            let (st, left, claimed) = feed(Answer::new(Opcode::Read, 5, true, false), &stream, chunk, &mut local);
             assert_eq!((st, left, &local), (Some(Status::Ok), STATUS_LEN, b"hello"), "chunk {chunk}");
             assert!(claimed, "the status is taken on its own, before any data (chunk {chunk})");
             // v1 WRITE: the fence byte only.
-            let (st, left, _) = feed(Answer::new(Opcode::Write, 5, false), b"xy", chunk, &mut []);
+            let (st, left, _) = feed(Answer::new(Opcode::Write, 5, false, false), b"xy", chunk, &mut []);
             assert_eq!((st, left), (Some(Status::Ok), 1));
             // v2 REJECTED READ: nothing after the status is data.
             let mut stream = tcp::encode_status(Status::Rejected).to_vec();
             stream.extend_from_slice(b"zz");
             let mut local = [0u8; 5];
-            let (st, left, _) = feed(Answer::new(Opcode::Read, 5, true), &stream, chunk, &mut local);
+            let (st, left, _) = feed(Answer::new(Opcode::Read, 5, true, false), &stream, chunk, &mut local);
             assert_eq!((st, left, local), (Some(Status::Rejected), 2, [0; 5]));
         }
-        let mut a = Answer::new(Opcode::Read, 5, true);
-        assert!(a.handle_bytes(b"garbage!", &mut [0; 5]).is_err(), "a bad status frame is a protocol error");
+        let mut a = Answer::new(Opcode::Read, 5, true, false);
+        assert!(a.handle_bytes(b"garbage!", &mut [0; 5], None).is_err(), "a bad status frame is a protocol error");
     }
 
     #[test]
     fn an_answer_received_straight_into_place() {
         let mut local = [0u8; 6];
-        let mut a = Answer::new(Opcode::Read, 6, true);
+        let mut a = Answer::new(Opcode::Read, 6, true, false);
         let frame = tcp::encode_status(Status::Ok);
         a.target(&mut local).unwrap()[..5].copy_from_slice(&frame[..5]);
-        a.on_received(5).unwrap();
+        a.on_received(5, None).unwrap();
         assert_eq!(a.target(&mut local).map(|t| t.len()), Some(3), "the rest of the status frame");
         a.target(&mut local).unwrap().copy_from_slice(&frame[5..]);
-        a.on_received(3).unwrap();
+        a.on_received(3, None).unwrap();
         assert_eq!(a.status(), Some(Status::Ok));
         a.target(&mut local).unwrap()[..2].copy_from_slice(b"ab");
-        a.on_received(2).unwrap();
+        a.on_received(2, None).unwrap();
         a.target(&mut local).unwrap().copy_from_slice(b"cdef");
-        a.on_received(4).unwrap();
+        a.on_received(4, None).unwrap();
         assert!(a.done() && a.target(&mut local).is_none());
         assert_eq!(&local, b"abcdef");
+    }
+
+    /// On a keyed connection a status frame comes sealed: it is taken whole, however cut,
+    /// and opened with the connection's session; one that does not open (altered, injected,
+    /// replayed) or a plain one is a protocol error, and no data after it lands.
+    #[test]
+    fn a_keyed_connections_status_frames_open_only_under_its_session() {
+        let key = crate::auth::ClusterKey::parse("k".repeat(64).as_bytes(), std::path::Path::new("k")).unwrap();
+        let (init, hello) = Initiator::new(&key, PROTOCOL, "t").unwrap();
+        let (target, ans) = crate::auth::answer(&key, PROTOCOL, &hello, &["t"]).unwrap();
+        let (_, mut open) = init.finish(&ans).unwrap().split();
+        let (mut seal, _) = target.split();
+        let sealed = |seal: &mut Sealer, s: Status| {
+            let mut out = Vec::new();
+            seal.seal(&tcp::encode_status(s), &mut out);
+            out
+        };
+        for chunk in [1, 5, 24, 64] {
+            let mut stream = sealed(&mut seal, Status::Ok);
+            assert_eq!(stream.len(), SEALED_STATUS_LEN);
+            stream.extend_from_slice(b"hello");
+            let mut a = Answer::new(Opcode::Read, 5, true, true);
+            let mut local = [0u8; 5];
+            let mut pos = 0;
+            while !a.done() {
+                let end = (pos + chunk).min(stream.len());
+                pos += a.handle_bytes(&stream[pos..end], &mut local, Some(&mut open)).unwrap();
+            }
+            assert_eq!((a.status(), &local), (Some(Status::Ok), b"hello"), "chunk {chunk}");
+        }
+        let replayed = sealed(&mut seal, Status::Ok);
+        let mut a = Answer::new(Opcode::Write, 5, true, true);
+        assert_eq!(a.handle_bytes(&replayed, &mut [], Some(&mut open)), Ok(SEALED_STATUS_LEN));
+        let mut a = Answer::new(Opcode::Write, 5, true, true);
+        assert_eq!(a.handle_bytes(&replayed, &mut [], Some(&mut open)), Err(WireError::Unsealed), "the same frame again");
+        let mut altered = sealed(&mut seal, Status::Ok);
+        altered[3] ^= 1;
+        let mut a = Answer::new(Opcode::Read, 5, true, true);
+        assert_eq!(a.handle_bytes(&altered, &mut [0; 5], Some(&mut open)), Err(WireError::Unsealed), "one bit flipped");
+        let mut plain = tcp::encode_status(Status::Ok).to_vec();
+        plain.extend_from_slice(&[0; 16]);
+        let mut a = Answer::new(Opcode::Write, 5, true, true);
+        assert_eq!(a.handle_bytes(&plain, &mut [], Some(&mut open)), Err(WireError::Unsealed), "a plain status in its place");
     }
 
     #[test]

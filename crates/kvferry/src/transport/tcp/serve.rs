@@ -18,10 +18,10 @@
 
 use super::proto::{admit, Admission, HeaderClock};
 use super::sockio::{MAX_OUT, SMALL_READ};
-use super::proto::AUTH;
-use crate::auth::{Answering, ClusterKey};
+use super::proto::PROTOCOL;
+use crate::auth::{Keyed, Opener, Sealer};
 use crate::memory::{MemoryRegistry, RegionGuard};
-use crate::wire::tcp::{self, DataHeader, Opcode, Status, AUTH_HELLO_LEN, AUTH_PROOF_LEN, HEADER_LEN};
+use crate::wire::tcp::{self, DataHeader, Opcode, Status, HEADER_LEN, SEALED_HEADER_LEN};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -48,11 +48,9 @@ pub(super) enum End {
 const GPU_CHUNK: usize = 1 << 20;
 
 enum State {
-    /// With a cluster key, before anything else: receiving the initiator's opening frame
-    /// (`pre` holds what came of it), until `until`.
-    AuthHello { key: Arc<ClusterKey>, until: Instant },
-    /// The challenge sent: receiving the initiator's proof into `pre`, until `until`.
-    AuthProof { key: Arc<ClusterKey>, until: Instant, ans: Answering },
+    /// With a cluster key, before anything else: receiving the initiator's opening frame and
+    /// the Noise message it announces (`pre` holds what came of them), until `until`.
+    Hello { keyed: Arc<Keyed>, until: Instant },
     /// Receiving a header (`have` bytes of it so far).
     Header,
     /// A WRITE body: `got` of `len` bytes landed at `addr`.
@@ -93,7 +91,7 @@ enum State {
 /// One served data connection. See the module documentation.
 pub(super) struct ServeConn {
     stall: Duration,
-    hdr: [u8; HEADER_LEN],
+    hdr: [u8; SEALED_HEADER_LEN],
     have: usize,
     clock: HeaderClock,
     state: State,
@@ -104,8 +102,19 @@ pub(super) struct ServeConn {
     /// Where GPU bytes are staged (pinned host memory, a stream; made at the first GPU
     /// request, for that request's GPU).
     pipe: Option<crate::gpu::Pipe>,
-    /// What came of the cluster key's exchange so far (its frames are not headers).
+    /// What came of the cluster key's opening frame so far (it is not a request header).
     pre: Vec<u8>,
+    /// With a cluster key, once its handshake is done: the connection's session (every
+    /// request header comes sealed, every status frame leaves sealed).
+    sealed: Option<Session>,
+}
+
+/// A keyed connection's session, and whether the initiator proved it holds it (a request
+/// header opened): until then only `proof_by` may pass.
+struct Session {
+    seal: Sealer,
+    open: Opener,
+    proof_by: Option<Instant>,
 }
 
 impl Drop for ServeConn {
@@ -146,7 +155,7 @@ impl ServeConn {
     pub(super) fn new(stall: Duration) -> ServeConn {
         ServeConn {
             stall,
-            hdr: [0; HEADER_LEN],
+            hdr: [0; SEALED_HEADER_LEN],
             have: 0,
             clock: HeaderClock::new(stall),
             state: State::Header,
@@ -154,15 +163,41 @@ impl ServeConn {
             large_write: false,
             pipe: None,
             pre: Vec::new(),
+            sealed: None,
         }
     }
 
-    /// A connection to a target holding a cluster key: the initiator must prove it, within
-    /// `stall` of `now` (the connection's start), before any request is read.
-    pub(super) fn with_key(stall: Duration, key: Arc<ClusterKey>, now: Instant) -> ServeConn {
+    /// A connection to a target holding a cluster key (and known by `keyed.names`): the
+    /// initiator's handshake, and its first sealed request header, must come within `stall` of
+    /// `now` (the connection's start) before any request is served.
+    pub(super) fn with_key(stall: Duration, keyed: Arc<Keyed>, now: Instant) -> ServeConn {
         let mut c = ServeConn::new(stall);
-        c.state = State::AuthHello { key, until: now + stall };
+        c.state = State::Hello { keyed, until: now + stall };
         c
+    }
+
+    /// Bytes of a request header as it comes on this connection.
+    fn hdr_len(&self) -> usize {
+        if self.sealed.is_some() {
+            SEALED_HEADER_LEN
+        } else {
+            HEADER_LEN
+        }
+    }
+
+    /// A keyed connection whose initiator proved it holds the session (a sealed request
+    /// header opened): it no longer counts among the unproved.
+    pub(super) fn proved(&self) -> bool {
+        self.sealed.as_ref().is_some_and(|s| s.proof_by.is_none())
+    }
+
+    /// Queues a status frame, sealed on a keyed connection.
+    fn push_status(&mut self, st: Status) {
+        let frame = tcp::encode_status(st);
+        match &mut self.sealed {
+            Some(s) => s.seal.seal(&frame, &mut self.out),
+            None => self.out.extend_from_slice(&frame),
+        }
     }
 
     /// Consumes bytes the socket delivered; returns how many it took. It stops taking bytes
@@ -172,28 +207,28 @@ impl ServeConn {
         let total = data.len();
         while !data.is_empty() {
             match &mut self.state {
-                State::AuthHello { until, .. } | State::AuthProof { until, .. } => {
-                    let (until, hello) = (*until, matches!(self.state, State::AuthHello { .. }));
-                    let want = if hello { AUTH_HELLO_LEN } else { AUTH_PROOF_LEN };
+                State::Hello { until, .. } => {
+                    let until = *until;
+                    // The header first; then the message it announces (bounded there).
+                    let want = HEADER_LEN + tcp::auth_hello_len(&self.pre).map_or(0, |n| n.min(crate::auth::MAX_HELLO_LEN as u64) as usize);
                     let n = (want - self.pre.len()).min(data.len());
                     self.pre.extend_from_slice(&data[..n]);
                     data = &data[n..];
                     if now >= until {
                         self.close(End::Overdue);
-                    } else if self.pre.len() == want || (hello && self.pre.len() >= HEADER_LEN) {
-                        // (The opening frame's header is looked at as soon as it is whole: a
-                        // request in its place is refused before its body.)
-                        self.on_auth();
+                    } else if self.pre.len() == want {
+                        self.on_hello();
                     }
                 }
                 State::Header => {
-                    let n = (HEADER_LEN - self.have).min(data.len());
+                    let hdr_len = self.hdr_len();
+                    let n = (hdr_len - self.have).min(data.len());
                     self.hdr[self.have..self.have + n].copy_from_slice(&data[..n]);
                     self.have += n;
                     data = &data[n..];
-                    if self.clock.overdue(self.have, now) {
+                    if self.clock.overdue(self.have, now) || self.sealed.as_ref().and_then(|s| s.proof_by).is_some_and(|by| now >= by) {
                         self.close(End::Overdue);
-                    } else if self.have == HEADER_LEN {
+                    } else if self.have == hdr_len {
                         self.have = 0;
                         self.clock = HeaderClock::new(self.stall);
                         self.on_header(registry, now);
@@ -212,69 +247,73 @@ impl ServeConn {
         total - data.len()
     }
 
-    /// The cluster key's exchange with `pre` holding at least a header's bytes (or the whole
-    /// proof): a request instead of the opening frame is refused (answered `Unauthorized` when
-    /// it asked for status frames); the opening frame is answered with the challenge, the
-    /// proof with `Ok` or `Unauthorized`.
-    fn on_auth(&mut self) {
+    /// The cluster key's opening frame: its header (`pre` holds just that), then the whole
+    /// frame with its Noise message. A request in its place is refused (answered
+    /// `Unauthorized` when it asked for status frames) before its body; a message of a size
+    /// outside the handshake's, not sealed under a key held here or naming another segment is
+    /// refused and the connection closed; otherwise the answer leaves and sealed request
+    /// headers are awaited.
+    fn on_hello(&mut self) {
         let refuse = |c: &mut ServeConn, v2: bool, why: String| {
             if v2 {
-                c.out.extend_from_slice(&tcp::encode_status(Status::Unauthorized));
+                c.push_status(Status::Unauthorized);
                 c.state = State::Closing(End::Unauthorized(why));
             } else {
                 c.close(End::Unauthorized(why));
             }
         };
-        match std::mem::replace(&mut self.state, State::Header) {
-            State::AuthHello { key, until } => {
-                let hdr: [u8; HEADER_LEN] = self.pre[..HEADER_LEN].try_into().expect("a header's bytes");
-                if !tcp::is_auth_hello(&hdr) {
-                    let v2 = DataHeader::decode(&hdr).is_ok_and(|h| h.v2);
-                    return refuse(self, v2, "a request before the cluster key's exchange: the initiator holds no KVFERRY_AUTH_KEY_FILE (or is a stock Mooncake engine)".into());
-                }
-                if self.pre.len() < AUTH_HELLO_LEN {
-                    self.state = State::AuthHello { key, until };
-                    return;
-                }
-                let nonce = self.pre[HEADER_LEN..].to_vec();
-                self.pre.clear();
-                match Answering::new(&key, AUTH, nonce) {
-                    Ok((ans, mine, mac)) => {
-                        self.out.extend_from_slice(&tcp::encode_auth_challenge(&mine, &mac));
-                        self.state = State::AuthProof { key, until, ans };
-                    }
-                    Err(r) => refuse(self, true, format!("the initiator's opening frame: {r}")),
-                }
+        let State::Hello { keyed, until } = std::mem::replace(&mut self.state, State::Header) else { return };
+        let Some(announced) = tcp::auth_hello_len(&self.pre) else {
+            let v2 = self.pre.get(..HEADER_LEN).and_then(|h| DataHeader::decode(h.try_into().ok()?).ok()).is_some_and(|h| h.v2);
+            return refuse(self, v2, "a request before the cluster key's handshake: the initiator holds no KVFERRY_AUTH_KEY_FILE (or is a stock Mooncake engine)".into());
+        };
+        if announced < crate::auth::hello_len(0) as u64 || announced > crate::auth::MAX_HELLO_LEN as u64 {
+            return refuse(self, true, format!("an opening frame announcing {announced} bytes, outside a handshake's {}..={}", crate::auth::hello_len(0), crate::auth::MAX_HELLO_LEN));
+        }
+        if self.pre.len() < HEADER_LEN + announced as usize {
+            self.state = State::Hello { keyed, until };
+            return;
+        }
+        let hello = std::mem::take(&mut self.pre);
+        match keyed.answer(PROTOCOL, &hello[HEADER_LEN..]) {
+            Ok((session, answer)) => {
+                self.out.extend_from_slice(&tcp::ANSWER_MAGIC.to_le_bytes());
+                self.out.extend_from_slice(&answer);
+                let (seal, open) = session.split();
+                self.sealed = Some(Session { seal, open, proof_by: Some(until) });
+                self.clock = HeaderClock::new(self.stall);
             }
-            State::AuthProof { key, ans, .. } => {
-                let proof = std::mem::take(&mut self.pre);
-                match ans.check(&key, AUTH, &proof) {
-                    Ok(()) => {
-                        self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
-                        self.clock = HeaderClock::new(self.stall);
-                    }
-                    Err(r) => refuse(self, true, format!("the initiator's proof of the cluster key: {r}")),
-                }
-            }
-            other => self.state = other,
+            Err(r) => refuse(self, true, format!("the initiator's opening message: {r}")),
         }
     }
 
     fn on_header(&mut self, registry: &MemoryRegistry, now: Instant) {
-        if tcp::is_auth_hello(&self.hdr) {
-            // An initiator holding a cluster key, and this target none: say so, and close.
-            self.out.extend_from_slice(&tcp::encode_status(Status::Unauthorized));
-            self.state = State::Closing(End::Unauthorized("the initiator holds a cluster key and this target none (KVFERRY_AUTH_KEY_FILE is not set here)".into()));
-            return;
-        }
-        let h = match DataHeader::decode(&self.hdr) {
+        let mut plain = [0u8; SEALED_HEADER_LEN];
+        let hdr: [u8; HEADER_LEN] = match &mut self.sealed {
+            Some(s) => match s.open.open(&self.hdr, &mut plain) {
+                Ok(HEADER_LEN) => {
+                    s.proof_by = None;
+                    plain[..HEADER_LEN].try_into().expect("a header's bytes")
+                }
+                // (Nothing can be said to the sender: it is not the session's other side.)
+                _ => return self.close(End::Unauthorized("a request header that does not open under the connection's session (injected, replayed or altered by something on the path)".into())),
+            },
+            None if tcp::auth_hello_len(&self.hdr).is_some() => {
+                // An initiator holding a cluster key, and this target none: say so, and close.
+                self.push_status(Status::Unauthorized);
+                self.state = State::Closing(End::Unauthorized("the initiator holds a cluster key and this target none (KVFERRY_AUTH_KEY_FILE is not set here)".into()));
+                return;
+            }
+            None => self.hdr[..HEADER_LEN].try_into().expect("a header's bytes"),
+        };
+        let h = match DataHeader::decode(&hdr) {
             Ok(h) => h,
             Err(e) => return self.close(End::BadHeader(e.to_string())),
         };
         let Admission::Serve { guard, deadline } = admit(&h, registry, self.stall, now) else {
             tracing::debug!(addr = h.addr, size = h.size, "rejecting TCP request outside registered memory");
             if h.v2 {
-                self.out.extend_from_slice(&tcp::encode_status(Status::Rejected));
+                self.push_status(Status::Rejected);
                 self.state = State::Closing(End::Rejected);
             } else {
                 self.close(End::Rejected);
@@ -293,7 +332,7 @@ impl ServeConn {
                     return self.on_gpu_read(guard, gpu, &h, deadline);
                 }
                 if h.v2 {
-                    self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
+                    self.push_status(Status::Ok);
                 }
                 if h.size as usize <= SMALL_READ && self.out.len() + h.size as usize <= MAX_OUT {
                     // Small answers are gathered and leave together.
@@ -373,7 +412,7 @@ impl ServeConn {
         };
         if *got >= *len {
             if *v2 {
-                self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
+                self.push_status(Status::Ok);
             }
             self.state = State::Header;
         } else {
@@ -449,11 +488,11 @@ impl ServeConn {
                 }
             }
             State::Header => {
-                if self.clock.overdue(self.have, now) {
+                if self.clock.overdue(self.have, now) || self.sealed.as_ref().and_then(|s| s.proof_by).is_some_and(|by| now >= by) {
                     self.close(End::Overdue);
                 }
             }
-            State::AuthHello { until, .. } | State::AuthProof { until, .. } => {
+            State::Hello { until, .. } => {
                 if now >= *until {
                     self.close(End::Overdue);
                 }
@@ -467,8 +506,12 @@ impl ServeConn {
     pub(super) fn poll_timeout(&self) -> Option<Instant> {
         match &self.state {
             State::Body { deadline, .. } | State::Answer { deadline, .. } => Some(*deadline),
-            State::Header => self.clock.due(),
-            State::AuthHello { until, .. } | State::AuthProof { until, .. } => Some(*until),
+            // (An unproved keyed connection may not idle: it holds a place among the unproved.)
+            State::Header => match (self.clock.due(), self.sealed.as_ref().and_then(|s| s.proof_by)) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            },
+            State::Hello { until, .. } => Some(*until),
             _ => None,
         }
     }
@@ -500,7 +543,7 @@ impl ServeConn {
     /// the next header, so a large body that follows goes straight to its destination.
     pub(super) fn read_hint(&self, buffer: usize) -> usize {
         match &self.state {
-            State::Header if self.large_write => HEADER_LEN - self.have,
+            State::Header if self.large_write => self.hdr_len() - self.have,
             _ => buffer,
         }
     }
@@ -518,7 +561,7 @@ impl ServeConn {
                 return self.close(End::Device(e));
             }
             if h.v2 {
-                self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
+                self.push_status(Status::Ok);
             }
             self.out.extend_from_slice(&data);
             return;
@@ -526,7 +569,7 @@ impl ServeConn {
         self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline, gpu: Some(gpu), chunk_at: 0, chunk_len: 0, half: 1, next: 0 };
         self.stage_answer();
         if h.v2 && !matches!(self.state, State::Closed(_)) {
-            self.out.extend_from_slice(&tcp::encode_status(Status::Ok));
+            self.push_status(Status::Ok);
         }
     }
 
@@ -796,40 +839,55 @@ mod tests {
         assert_eq!(m.buf[10], 10, "byte 10 untouched");
     }
 
-    fn key(c: char) -> Arc<ClusterKey> {
-        Arc::new(ClusterKey::parse(c.to_string().repeat(64).as_bytes(), std::path::Path::new("k")).expect("a key"))
+    fn key(c: char) -> Arc<crate::auth::ClusterKey> {
+        Arc::new(crate::auth::ClusterKey::parse(c.to_string().repeat(64).as_bytes(), std::path::Path::new("k")).expect("a key"))
     }
 
-    /// The initiator's side (`proto::AuthOpen`) run against a target's machine, the bytes fed
-    /// `chunk` at a time: what the target ends with.
-    fn exchange(c: &mut ServeConn, m: &Mem, initiator: &ClusterKey, chunk: usize, now: Instant) -> Result<(), crate::batch::Failure> {
-        let open = super::super::proto::AuthOpen::new();
+    /// A target known as "t" holding key `c`.
+    fn keyed(c: char) -> Arc<Keyed> {
+        Arc::new(Keyed { key: key(c), names: vec!["t".into()] })
+    }
+
+    /// The initiator's side (`proto::AuthOpen`), dialing `segment`, run against a target's
+    /// machine, the bytes fed `chunk` at a time: the session, or how the target refused.
+    fn handshake(c: &mut ServeConn, m: &Mem, initiator: &crate::auth::ClusterKey, segment: &str, chunk: usize, now: Instant) -> Result<(Sealer, Opener), crate::batch::Failure> {
+        let open = super::super::proto::AuthOpen::new(initiator, segment, "t")?;
         for part in open.hello().chunks(chunk) {
             c.handle_bytes(&m.reg, part, now);
-            assert!(c.closed().is_none());
         }
         let answer = drain(c, now);
         open.on_answer(answer[..STATUS_LEN].try_into().unwrap(), "t")?;
-        let proof = open.on_challenge(initiator, &answer[STATUS_LEN..], "t")?;
-        for part in proof.chunks(chunk) {
-            c.handle_bytes(&m.reg, part, now);
-        }
-        super::super::proto::AuthOpen::on_verdict(drain(c, now)[..].try_into().unwrap(), "t")
+        open.finish(&answer[STATUS_LEN..], "t")
     }
 
-    /// With a cluster key, nothing is read or written for a connection until it proved the
-    /// key: a request first is refused (`Unauthorized` when it asked for status frames) and
-    /// touches nothing; a proof under another key is refused; the right proof, however it
-    /// trickles, lets requests through; a connection that does not finish the exchange within
-    /// `stall` of its start is closed.
+    /// A request header sealed under `seal`.
+    fn sealed_hdr(seal: &mut Sealer, op: Opcode, addr: u64, size: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        seal.seal(&hdr(op, addr, size, true), &mut out);
+        out
+    }
+
+    /// A status frame opened under `open`.
+    fn opened(open: &mut Opener, sealed: &[u8]) -> Status {
+        let mut p = [0u8; 64];
+        let n = open.open(sealed, &mut p).expect("opens");
+        tcp::decode_status(p[..n].try_into().unwrap()).unwrap()
+    }
+
+    /// With a cluster key, nothing is read or written for a connection until its handshake is
+    /// done and a sealed header opened: a request first is refused (`Unauthorized` when it
+    /// asked for status frames) and touches nothing; a handshake under another key, or for
+    /// another segment's name, is refused; the right one, however it trickles, lets sealed
+    /// requests through; a plain or altered header after it closes the connection untouched;
+    /// a connection that does not prove itself within `stall` of its start is closed.
     #[test]
     fn a_target_holding_a_key_serves_nothing_before_the_initiator_proved_it() {
         let mut m = mem(4096);
         let t0 = Instant::now();
         let data = vec![0xAB; 64];
-        // A WRITE with no exchange: refused, nothing lands.
+        // A WRITE with no handshake: refused, nothing lands.
         for v2 in [true, false] {
-            let mut c = ServeConn::with_key(STALL, key('a'), t0);
+            let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
             let mut bytes = hdr(Opcode::Write, m.addr(0), 64, v2);
             bytes.extend_from_slice(&data);
             c.handle_bytes(&m.reg, &bytes, t0);
@@ -838,40 +896,68 @@ mod tests {
             assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("KVFERRY_AUTH_KEY_FILE")), "{:?}", c.closed());
             assert_eq!(&m.buf[..64], &mem(64).buf[..], "nothing written");
         }
-        // A READ with no exchange: nothing of the memory leaves.
-        let mut c = ServeConn::with_key(STALL, key('a'), t0);
+        // A READ with no handshake: nothing of the memory leaves.
+        let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
         c.handle_bytes(&m.reg, &hdr(Opcode::Read, m.addr(0), 64, true), t0);
         assert_eq!(drain(&mut c, t0), encode_status(Status::Unauthorized).to_vec());
-        // Another key: the initiator finds the target's MAC wrong and never proves anything;
-        // a proof made up by an initiator that skips the check is refused by the target.
-        let mut c = ServeConn::with_key(STALL, key('a'), t0);
-        let e = exchange(&mut c, &m, &key('b'), 7, t0).expect_err("another key");
+        // Another key, another segment's name, an opening frame announcing more than a
+        // handshake's size: refused at once.
+        let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
+        let e = handshake(&mut c, &m, &key('b'), "t", 7, t0).expect_err("another key");
         assert_eq!(e.cause, crate::batch::FailCause::Unauthorized);
-        let mut c = ServeConn::with_key(STALL, key('a'), t0);
-        let open = super::super::proto::AuthOpen::new();
-        c.handle_bytes(&m.reg, &open.hello(), t0);
-        drain(&mut c, t0);
-        c.handle_bytes(&m.reg, &[0u8; AUTH_PROOF_LEN], t0);
+        assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("another key")), "{:?}", c.closed());
+        let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
+        handshake(&mut c, &m, &key('a'), "other-segment", 7, t0).expect_err("misdirected");
+        assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("other-segment")), "{:?}", c.closed());
+        let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
+        c.handle_bytes(&m.reg, &tcp::encode_auth_hello(1 << 40), t0);
         assert_eq!(drain(&mut c, t0), encode_status(Status::Unauthorized).to_vec());
         assert!(matches!(c.closed(), Some(End::Unauthorized(_))));
-        // The key, a byte at a time: then a WRITE lands and is answered.
-        let mut c = ServeConn::with_key(STALL, key('a'), t0);
-        exchange(&mut c, &m, &key('a'), 1, t0).expect("the same key");
-        let mut bytes = hdr(Opcode::Write, m.addr(0), 64, true);
-        bytes.extend_from_slice(&data);
-        assert_eq!(c.handle_bytes(&m.reg, &bytes, t0), bytes.len());
-        assert_eq!(drain(&mut c, t0), encode_status(Status::Ok).to_vec());
-        assert_eq!(&m.buf[..64], &data[..]);
-        m.buf[..64].copy_from_slice(&mem(64).buf);
-        // An exchange begun and not finished within `stall` of the connection's start.
-        let mut c = ServeConn::with_key(STALL, key('a'), t0);
+        // The key, a byte at a time: then a sealed WRITE lands and is answered sealed; a plain
+        // header, or a sealed one altered or replayed, closes the connection untouched.
+        for bad in ["plain", "altered", "replayed"] {
+            let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
+            let (mut seal, mut open) = handshake(&mut c, &m, &key('a'), "/t", 1, t0).expect("the same key");
+            assert!(!c.proved(), "not before a sealed header opened");
+            let h = sealed_hdr(&mut seal, Opcode::Write, m.addr(0), 64);
+            let mut bytes = h.clone();
+            bytes.extend_from_slice(&data);
+            assert_eq!(c.handle_bytes(&m.reg, &bytes, t0), bytes.len());
+            assert!(c.proved());
+            assert_eq!(opened(&mut open, &drain(&mut c, t0)), Status::Ok);
+            assert_eq!(&m.buf[..64], &data[..]);
+            m.buf[..64].copy_from_slice(&mem(64).buf);
+            let next = match bad {
+                "plain" => hdr(Opcode::Write, m.addr(0), 64, true),
+                "altered" => {
+                    let mut x = sealed_hdr(&mut seal, Opcode::Write, m.addr(0), 64);
+                    x[9] ^= 0x40;
+                    x
+                }
+                _ => h,
+            };
+            let mut bytes = next;
+            bytes.resize(SEALED_HEADER_LEN, 0);
+            bytes.extend_from_slice(&data);
+            c.handle_bytes(&m.reg, &bytes, t0);
+            assert!(drain(&mut c, t0).is_empty(), "{bad}: nothing answered");
+            assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("does not open")), "{bad}: {:?}", c.closed());
+            assert_eq!(&m.buf[..64], &mem(64).buf[..], "{bad}: nothing written");
+        }
+        // A handshake begun and not finished within `stall` of the connection's start.
+        let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
         assert_eq!(c.poll_timeout(), Some(t0 + STALL));
-        let open = super::super::proto::AuthOpen::new();
-        c.handle_bytes(&m.reg, &open.hello()[..10], t0);
+        c.handle_bytes(&m.reg, &tcp::encode_auth_hello(80)[..10], t0);
         c.handle_timeout(t0 + STALL);
         assert_eq!(c.closed(), Some(&End::Overdue));
-        // Nor may an idle unproved connection wait: it holds one of the server's threads.
-        let mut c = ServeConn::with_key(STALL, key('a'), t0);
+        // Nor may an idle unproved connection wait, before or after the handshake: it holds
+        // one of the server's threads and a place among the unproved.
+        let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
+        c.handle_timeout(t0 + STALL);
+        assert_eq!(c.closed(), Some(&End::Overdue));
+        let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
+        let _session = handshake(&mut c, &m, &key('a'), "t", 64, t0).expect("handshake");
+        assert_eq!(c.poll_timeout(), Some(t0 + STALL), "the proof is still due");
         c.handle_timeout(t0 + STALL);
         assert_eq!(c.closed(), Some(&End::Overdue));
     }
@@ -883,9 +969,9 @@ mod tests {
         let m = mem(64);
         let t0 = Instant::now();
         let mut c = ServeConn::new(STALL);
-        let e = exchange(&mut c, &m, &key('a'), 40, t0).expect_err("no key there");
+        let e = handshake(&mut c, &m, &key('a'), "t", 40, t0).expect_err("no key there");
         assert_eq!(e.cause, crate::batch::FailCause::Unauthorized);
-        assert!(e.reason.contains("holds no cluster key"), "{}", e.reason);
+        assert!(e.reason.contains("holds no key"), "{}", e.reason);
         assert!(matches!(c.closed(), Some(End::Unauthorized(_))));
     }
 }

@@ -2,7 +2,7 @@
 
 use super::serve::{End, ServeConn};
 use super::sockio::*;
-use crate::auth::ClusterKey;
+use crate::auth::{Keyed, Unproved};
 use crate::memory::MemoryRegistry;
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Read, Write};
@@ -17,6 +17,12 @@ use std::time::{Duration, Instant};
 
 /// Most data connections served at once (one thread each); more are closed at accept.
 pub const MAX_DATA_CONNS: usize = 1024;
+/// With a cluster key: most connections served at once that have not proved it yet (each
+/// holds a thread for at most `stall` before it must), and most of those from one source
+/// address. A flood without the key holds at most these; proved connections are not
+/// counted.
+pub const MAX_UNPROVED: usize = 128;
+pub const MAX_UNPROVED_PER_SOURCE: usize = 32;
 
 /// A served connection: a handle to shut it down, and the start of the registered range
 /// its thread holds a guard on (0: none).
@@ -61,12 +67,12 @@ impl TcpServer {
     /// Serves `listener` until [`TcpServer::shutdown`]. `stall` bounds how long a request may
     /// take (plus 1 ns per byte, as the initiator's deadline) before the connection is
     /// dropped. A revoked range (unregister) shuts down the connections holding it.
-    pub fn start(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration, auth: Option<Arc<ClusterKey>>) -> io::Result<TcpServer> {
+    pub fn start(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration, auth: Option<Arc<Keyed>>) -> io::Result<TcpServer> {
         Self::start_capped(listener, registry, stall, spin, MAX_DATA_CONNS, auth)
     }
 
     /// [`TcpServer::start`] serving at most `max_conns` connections at once.
-    fn start_capped(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration, max_conns: usize, auth: Option<Arc<ClusterKey>>) -> io::Result<TcpServer> {
+    fn start_capped(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration, max_conns: usize, auth: Option<Arc<Keyed>>) -> io::Result<TcpServer> {
         let port = listener.local_addr()?.port();
         let listener = Arc::new(listener);
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -84,9 +90,10 @@ impl TcpServer {
         let accept = std::thread::Builder::new().name("kvf-tcp-accept".into()).spawn(move || {
             let mut next_id = 0u64;
             let mut warned = Instant::now() - Duration::from_secs(60);
+            let unproved = Unproved::new(MAX_UNPROVED, MAX_UNPROVED_PER_SOURCE);
             loop {
-                let stream = match l.accept() {
-                    Ok((s, _)) => s,
+                let (stream, from) = match l.accept() {
+                    Ok(s) => s,
                     Err(_) if sd.load(Ordering::Acquire) => break,
                     Err(e) if listener_gone(&e) => {
                         tracing::error!("TCP data listener on port {port} stopped accepting ({e}); was it shut down by another process?");
@@ -112,6 +119,19 @@ impl TcpServer {
                     }
                     continue;
                 }
+                // With a key, a place among the unproved first (without one, Mooncake's
+                // protocol has nothing to prove).
+                let place = match auth.is_some().then(|| unproved.admit(from.ip())) {
+                    Some(None) => {
+                        if warned.elapsed() > Duration::from_secs(10) {
+                            warned = Instant::now();
+                            tracing::warn!("TCP data listener: {MAX_UNPROVED} connections have not proved the cluster key yet, or {MAX_UNPROVED_PER_SOURCE} from {}; closing a new one", from.ip());
+                        }
+                        continue;
+                    }
+                    Some(Some(p)) => Some(p),
+                    None => None,
+                };
                 next_id += 1;
                 let id = next_id;
                 let holding = Arc::new(AtomicU64::new(0));
@@ -120,7 +140,7 @@ impl TcpServer {
                 let (reg, cs2, sd2, key) = (Arc::clone(&registry), Arc::clone(&cs), Arc::clone(&sd), auth.clone());
                 let spawned = std::thread::Builder::new().name("kvf-tcp-serve".into()).spawn(move || {
                     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                    if let Err(e) = serve_conn(&stream, &reg, stall, spin, &sd2, &holding, key) {
+                    if let Err(e) = serve_conn(&stream, &reg, stall, spin, &sd2, &holding, key, place) {
                         if e.kind() != io::ErrorKind::UnexpectedEof {
                             tracing::debug!(%peer, "tcp data connection closed: {e}");
                         }
@@ -179,6 +199,7 @@ impl TcpServer {
 /// peer trickles. Blocking reads and writes time out after a second, which bounds how late a
 /// passed deadline is seen when the peer sends nothing at all; an unregister shuts the
 /// socket down (the revocation hook), which wakes a blocked call at once.
+#[allow(clippy::too_many_arguments)]
 fn serve_conn(
     s: &TcpStream,
     registry: &MemoryRegistry,
@@ -186,7 +207,8 @@ fn serve_conn(
     spin: Duration,
     shutdown: &AtomicBool,
     holding: &AtomicU64,
-    auth: Option<Arc<ClusterKey>>,
+    auth: Option<Arc<Keyed>>,
+    mut place: Option<crate::auth::Pass>,
 ) -> io::Result<()> {
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(Duration::from_secs(1)))?;
@@ -203,6 +225,9 @@ fn serve_conn(
         if rx.len() > 0 {
             let n = c.handle_bytes(registry, rx.data(), now);
             rx.consume(n);
+            if place.is_some() && c.proved() {
+                place = None;
+            }
         }
         // Publish the range held before checking for its revocation: an unregister either
         // sees it (and shuts the socket down) or set the flag before this check.
