@@ -37,6 +37,9 @@ pub mod config;
 mod engine;
 pub mod error;
 mod forked;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzz;
 pub mod gpu;
 pub mod handshake;
 pub mod hostbuf;

@@ -315,3 +315,6 @@ impl TcpTransport {
 
 }
 
+
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) use serve::fuzz_drive;

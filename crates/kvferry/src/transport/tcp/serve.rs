@@ -627,6 +627,91 @@ impl ServeConn {
     }
 }
 
+/// Fuzzing's entry to a target connection (`kvferry::fuzz`): drives a [`ServeConn`] with
+/// `data` as an initiator would send it, however cut, checks that nothing outside the one
+/// registered page was touched, and returns how many bytes of the page changed. The first
+/// byte chooses: 0 a target without a key, 1 a target with a key fed `data` before any
+/// handshake (as it is), 2 a keyed target after a real handshake. In modes 0 and 2, `data` is
+/// requests: 24 bytes of header (its address taken as an offset from the page before the
+/// registered one, so requests land inside, across and outside it; sealed under the session in
+/// mode 2) followed by as many body bytes as the next byte says. The second byte sets the size
+/// of the pieces the bytes are cut into.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn fuzz_drive(data: &[u8]) -> usize {
+    const PAGE: usize = 4096;
+    let (Some(&mode), Some(&cut)) = (data.first(), data.get(1)) else { return 0 };
+    let data = &data[2..];
+    let mut mem = vec![0x5Au8; PAGE * 3];
+    let reg = MemoryRegistry::new();
+    let base = mem.as_mut_ptr() as u64 + PAGE as u64;
+    if reg.register_batch(&[(base, PAGE as u64)], "*").is_err() {
+        return 0;
+    }
+    let key = Arc::new(crate::auth::ClusterKey::parse(&[b'f'; 64], std::path::Path::new("fuzz")).expect("a key"));
+    let keyed = Arc::new(Keyed { key: Arc::clone(&key), names: vec!["t".into()] });
+    let t0 = Instant::now();
+    let stall = Duration::from_secs(1);
+    let mut c = match mode % 3 {
+        0 => ServeConn::new(stall),
+        _ => ServeConn::with_key(stall, Arc::clone(&keyed), t0),
+    };
+    let mut now = t0;
+    // Feeds bytes as cut; returns what the target sent meanwhile.
+    let feed = |c: &mut ServeConn, bytes: &[u8], now: &mut Instant| -> Vec<u8> {
+        let mut out = Vec::new();
+        for piece in bytes.chunks(usize::from(cut).max(1)) {
+            let mut piece = piece;
+            while c.closed().is_none() {
+                let n = c.handle_bytes(&reg, piece, *now);
+                piece = &piece[n..];
+                let t = c.transmit();
+                out.extend_from_slice(t.out);
+                out.extend_from_slice(t.body);
+                let sent = t.out.len() + t.body.len();
+                c.on_sent(sent, *now);
+                *now += Duration::from_micros(50);
+                c.handle_timeout(*now);
+                if piece.is_empty() || (n == 0 && sent == 0) {
+                    break;
+                }
+            }
+        }
+        out
+    };
+    let mut seal = None;
+    if mode % 3 == 2 {
+        let Ok((init, hello)) = crate::auth::Initiator::new(&key, super::proto::PROTOCOL, "t") else { return 0 };
+        let mut open = tcp::encode_auth_hello(hello.len()).to_vec();
+        open.extend_from_slice(&hello);
+        let answer = feed(&mut c, &open, &mut now);
+        let Some(rest) = answer.get(8..) else { return 0 };
+        let Ok(session) = init.finish(rest) else { return 0 };
+        seal = Some(session.split().0);
+    }
+    if mode % 3 == 1 {
+        feed(&mut c, data, &mut now);
+    } else {
+        let mut rest = data;
+        while rest.len() > HEADER_LEN && c.closed().is_none() {
+            let mut hdr: [u8; HEADER_LEN] = rest[..HEADER_LEN].try_into().expect("a header's bytes");
+            let off = u64::from_le_bytes(hdr[8..16].try_into().expect("8 bytes")) % (3 * PAGE as u64);
+            hdr[8..16].copy_from_slice(&(base - PAGE as u64 + off).to_le_bytes());
+            let mut wire = Vec::new();
+            match &mut seal {
+                Some(s) => s.seal(&hdr, &mut wire),
+                None => wire.extend_from_slice(&hdr),
+            }
+            let body = usize::from(rest.get(HEADER_LEN).copied().unwrap_or(0)).min(rest.len() - HEADER_LEN - 1);
+            wire.extend_from_slice(&rest[HEADER_LEN + 1..HEADER_LEN + 1 + body]);
+            feed(&mut c, &wire, &mut now);
+            rest = &rest[HEADER_LEN + 1 + body..];
+        }
+    }
+    drop(c);
+    assert!(mem[..PAGE].iter().chain(&mem[2 * PAGE..]).all(|&b| b == 0x5A), "bytes outside the registered page were written");
+    mem[PAGE..2 * PAGE].iter().filter(|&&b| b != 0x5A).count()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
