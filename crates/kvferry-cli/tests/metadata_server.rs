@@ -547,27 +547,34 @@ fn a_keyed_master_shows_its_state_only_to_signed_requests() {
     assert!(!out.status.success() && err.contains("--http-auth-all needs the cluster key") && err.contains("KVFERRY_AUTH_KEY_FILE"), "{err}");
 }
 
-/// A `kvferry master` child: killed (by its pid) and reaped on drop.
+/// A `kvferry` child that announces itself on its first line (`kvferry master`, `kvferry
+/// store-client`): killed (by its pid) and reaped on drop.
 struct MasterProc {
     child: Child,
     line: String,
 }
 
 impl MasterProc {
+    /// `kvferry master` with `extra` flags and `env`.
     fn start(extra: &[&str], env: &[(&str, &str)]) -> MasterProc {
+        let args = [&["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0"][..], extra].concat();
+        MasterProc::spawn(&args, env, "KVFERRY_MASTER")
+    }
+
+    /// `kvferry args` with `env`, whose first line starts with `tag`.
+    fn spawn(args: &[&str], env: &[(&str, &str)], tag: &str) -> MasterProc {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-            .args(["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0"])
-            .args(extra)
+            .args(args)
             .envs(env.iter().copied())
-            .stdin(Stdio::null())
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .expect("start kvferry master");
+            .expect("start kvferry");
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
         let m = MasterProc { child, line };
-        assert!(m.line.starts_with("KVFERRY_MASTER"), "{:?}", m.line);
+        assert!(m.line.starts_with(tag), "{tag} expected: {:?}", m.line);
         m
     }
 
@@ -588,4 +595,44 @@ impl Drop for MasterProc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The master's `--enable-metadata-cleanup-on-timeout` against its keyed embedded metadata
+/// server: its removals are signed with the master's key (its metadata client gets the key
+/// from the same `Config`), so a killed client's entries still leave, while the clients, holding
+/// the key, registered there.
+#[test]
+fn a_keyed_masters_cleanup_removes_a_killed_clients_entries_from_its_keyed_metadata_server() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let a = key_file(dir.path(), "a", 'a');
+    let env = [("KVFERRY_AUTH_KEY_FILE", a.to_str().expect("path"))];
+    let m = MasterProc::start(&["--enable-http-metadata-server", "--http-metadata-server-port", "0", "--enable-metadata-cleanup-on-timeout", "--client-ttl", "2"], &env);
+    let (url, md, http) = (m.field("metadata="), m.port("metadata="), m.port("http="));
+    let until = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", md)).is_err() {
+        assert!(Instant::now() < until, "the embedded metadata server never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut client = MasterProc::spawn(
+        &["store-client", "--host", "127.0.0.1", "--metadata-server", &url, "--master-server-address", &m.field("rpc="), "--global-segment-size", "16MB", "--port", "0"],
+        &env,
+        "KVFERRY_STORE_CLIENT",
+    );
+    let name = client.field("segment=");
+    let entries = || ["ram", "rpc_meta"].map(|k| http_with(md, "GET", &format!("/metadata?key=mooncake/{k}/{name}"), b"", &[]).0);
+    assert_eq!(entries(), [200, 200], "a client holding the key registered through the keyed server");
+    let _ = client.child.kill();
+    let _ = client.child.wait();
+    let removed = || {
+        let (_, _, body) = http_with(http, "GET", "/metrics", b"", &[]);
+        let count = |o: &str| body.lines().find_map(|l| l.strip_prefix(&format!("kvferry_master_metadata_cleanup_total{{outcome=\"{o}\"}} "))).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+        (count("removed"), count("failed"))
+    };
+    let until = Instant::now() + Duration::from_secs(20);
+    while removed() == (0, 0) {
+        assert!(Instant::now() < until, "the killed client was not handled within 20 s (client TTL 2 s)");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(removed(), (1, 0), "removed, not failed (a refused DELETE counts as failed)");
+    assert_eq!(entries(), [404, 404], "the killed client's entries left the keyed server");
 }
