@@ -20,7 +20,7 @@
 //!   key changes ([`Refusal::OtherKey`]; compared in constant time);
 //! - its nonce was not taken within the window ([`Refusal::Replayed`]): the server remembers
 //!   each nonce it took until the request's timestamp leaves the window, at most
-//!   [`REPLAY_CAPACITY`] nonces at once (a few MiB, [`ReplayCache`]); when that many are held,
+//!   [`REPLAY_CAPACITY`] nonces at once (under 7 MiB, [`ReplayCache`]); when that many are held,
 //!   a new request is refused ([`Refusal::Busy`], 503), never taken by forgetting one. Only
 //!   requests whose tag verified are remembered, so a client without the key cannot fill it.
 //!
@@ -179,7 +179,8 @@ impl Claim {
 }
 
 /// The nonces a server took, each until its request's timestamp leaves the window: at most
-/// `capacity` at once (about 50 bytes each), a request beyond that refused.
+/// `capacity` at once (under 100 bytes each: a hash set entry and a B-tree entry), a request
+/// beyond that refused.
 ///
 /// The clock it goes by never goes back (the latest time it was given), so a nonce forgotten
 /// is one whose request the window refuses, even after the system clock was set back.
