@@ -21,6 +21,12 @@ pub struct MasterArgs {
     /// Address of the HTTP listener (Mooncake: --metrics_host; default: --host).
     #[arg(long)]
     pub metrics_host: Option<IpAddr>,
+    /// With the cluster key (KVFERRY_AUTH_KEY_FILE): every route of the HTTP port needs a
+    /// request signed with it (`X-Kvferry-Auth`), /health, /metrics, /role and /leader too.
+    /// Without this flag those four stay open (probes and scrapers hold no key) and only the
+    /// routes showing the store's contents need it (/query_key, /get_all_segments, /ha_status).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub http_auth_all: bool,
     /// Read lease granted by get/exist, in milliseconds, or with a unit: 10s, 1m, 500ms
     /// (Mooncake: --default_kv_lease_ttl).
     #[arg(long, default_value_t = 10_000, value_parser = crate::master_flags::parse_duration_ms)]
@@ -234,7 +240,7 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
         )*};
     }
     keep_cli!(
-        host, port, metrics_port, metrics_host, default_kv_lease_ttl, default_kv_soft_pin_ttl, allow_evict_soft_pinned_objects, eviction_ratio, eviction_high_watermark_ratio, client_ttl,
+        host, port, metrics_port, metrics_host, http_auth_all, default_kv_lease_ttl, default_kv_soft_pin_ttl, allow_evict_soft_pinned_objects, eviction_ratio, eviction_high_watermark_ratio, client_ttl,
         allocation_strategy, put_start_discard_timeout_sec, put_start_release_timeout_sec, put_wait_for_reads_ms, summary_interval, enable_http_metadata_server, http_metadata_server_host,
         http_metadata_server_port, http_metadata_server_data_dir, enable_metadata_cleanup_on_timeout, enable_ha, ha_backend_connstring, etcd_endpoints, cluster_id, ha_lease_ttl, ha_snapshot_bytes, ha_replication, ha_rebase_tail_bytes, ha_standby_tail_bytes, ha_rebase_base_every, ha_grant_bytes, advertise_address
     );
@@ -374,6 +380,9 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     let env = kvferry::Config::from_env().map_err(|e| e.to_string())?;
     let mut master = Master::new(cfg);
     master.auth = kvferry::auth::ClusterKey::from_config(env.auth_key_file.as_deref()).map_err(|e| e.to_string())?;
+    if a.http_auth_all && master.auth.is_none() {
+        return Err("--http-auth-all needs the cluster key: set KVFERRY_AUTH_KEY_FILE to the cluster's key file (without a key every HTTP route is open)".into());
+    }
     let master = Arc::new(master);
     let ha = ha_config(&a, rpc_port, env.store_cluster_id.as_deref())?;
     if let Some(h) = &ha {
@@ -388,8 +397,9 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
         let l = TcpListener::bind(SocketAddr::new(http_host, a.metrics_port as u16)).map_err(|e| format!("cannot bind the HTTP port {http_host}:{}: {e}", a.metrics_port))?;
         let port = l.local_addr().map(|x| x.port()).unwrap_or(0);
         let m = Arc::clone(&master);
+        let auth = master.auth.clone().map(|k| crate::master_http::HttpAuth::new(k, a.http_auth_all));
         std::thread::Builder::new().name("kvf-master-http".into()).spawn(move || {
-            if let Err(e) = crate::master_http::serve(l, m) {
+            if let Err(e) = crate::master_http::serve(l, m, auth) {
                 eprintln!("kvferry master: HTTP server stopped: {e}");
             }
         }).map_err(|e| e.to_string())?;
@@ -412,6 +422,7 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
             request_timeout: 10.0,
             max_connections: 4096,
             threads: 1,
+            auth: master.auth.clone(),
         };
         std::thread::Builder::new().name("kvf-master-metadata".into()).spawn(move || {
             if let Err(e) = crate::metadata_server::run_quiet(args) {
@@ -455,6 +466,8 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     eprintln!("kvferry master listening on {}:{} (RPC){}", a.host, server.port(), http_port.map(|p| format!(", {}:{p} (HTTP)", a.metrics_host.unwrap_or(a.host))).unwrap_or_default());
     if master.auth.is_some() {
         eprintln!("kvferry master: clients must prove the cluster key (KVFERRY_AUTH_KEY_FILE) before any request; clients without it are refused");
+        let open = if a.http_auth_all { "every HTTP route needs" } else { "the HTTP routes showing the store's contents need" };
+        eprintln!("kvferry master: {open} a request signed with the cluster key (X-Kvferry-Auth){}", if metadata.is_some() { ", and so do the embedded metadata server's writes" } else { "" });
     }
     if ha.is_some() {
         // Stopped by SIGTERM/SIGINT, an HA leader first leaves its whole state in etcd and
@@ -534,8 +547,9 @@ mod tests {
         assert_eq!(a.summary_interval, 0, "--enable_metric_reporting=false turns the summary line off");
         assert!(a.master_config().is_ok());
         // kvferry's own spellings still work, including the space-separated boolean.
-        let b = parse(&["--port", "7", "--allow-evict-soft-pinned-objects", "false", "--enable-http-metadata-server", "--default-kv-lease-ttl", "250"]);
+        let b = parse(&["--port", "7", "--allow-evict-soft-pinned-objects", "false", "--enable-http-metadata-server", "--http-auth-all", "--default-kv-lease-ttl", "250"]);
         assert_eq!((b.port, b.allow_evict_soft_pinned_objects, b.enable_http_metadata_server, b.default_kv_lease_ttl), (7, false, true, 250));
+        assert!(b.http_auth_all && !a.http_auth_all, "a bare --http-auth-all is true; off by default");
     }
 
     /// gflags booleans (`--flag` bare, `--noflag`) must be known as such to the translation,

@@ -14,7 +14,7 @@
 use std::ffi::OsString;
 
 /// kvferry's boolean flags (gflags lets a bare `--flag` mean true and `--noflag` false).
-pub(crate) const KV_BOOLS: &[&str] = &["allow-evict-soft-pinned-objects", "enable-http-metadata-server", "enable-ha", "enable-metadata-cleanup-on-timeout"];
+pub(crate) const KV_BOOLS: &[&str] = &["allow-evict-soft-pinned-objects", "enable-http-metadata-server", "enable-ha", "enable-metadata-cleanup-on-timeout", "http-auth-all"];
 
 /// Mooncake names that are not kvferry's kebab-case spelling of the same name.
 const RENAMES: &[(&str, &str)] = &[

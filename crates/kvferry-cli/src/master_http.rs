@@ -6,6 +6,15 @@
 //! and a standby's mirror: term, last entry held, objects). Without HA the master is
 //! the leader of term 0.
 //!
+//! With the cluster key (`KVFERRY_AUTH_KEY_FILE`, the master's `Config`) the routes that show
+//! the store's contents (`/query_key`, `/get_all_segments`, `/ha_status`: keys, their
+//! placement, segments, clients' addresses, the HA members and journal) answer only requests
+//! signed with it (`X-Kvferry-Auth`, `kvferry::auth_http`: within 30 s of this master's clock,
+//! each nonce taken once), and 401 with the cause and the fix otherwise. The probes
+//! (`/health`, `/metrics`, `/role`, `/leader`: counts, the role and the leader's address, which
+//! `/health` shows too) stay open, as load balancers and scrapers hold no key, unless
+//! `--http-auth-all` closes them too. Every route is a GET: none changes state.
+//!
 //! Values are read from the master at scrape time (under its lock), so the exposition is
 //! written directly rather than mirrored into a metrics registry that would duplicate state.
 
@@ -86,9 +95,50 @@ pub fn metrics_text(m: &Master) -> String {
     o
 }
 
-fn route(m: &Master, req: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+/// Who may read the HTTP routes when the master holds the cluster key.
+pub struct HttpAuth {
+    guard: kvferry::auth_http::Guard,
+    /// `--http-auth-all`: the probes need a signed request too.
+    all: bool,
+}
+
+impl HttpAuth {
+    pub fn new(key: kvferry::auth::ClusterKey, all: bool) -> HttpAuth {
+        HttpAuth { guard: kvferry::auth_http::Guard::new(key), all }
+    }
+}
+
+/// The routes open to every client (probes) unless `--http-auth-all`.
+const PROBES: [&str; 4] = ["/health", "/metrics", "/role", "/leader"];
+/// The routes that need a signed request whenever the master holds the key.
+const GUARDED: [&str; 3] = ["/query_key", "/get_all_segments", "/ha_status"];
+
+/// The refusal to answer `req` with, or `None` when it may be served.
+fn refusal(auth: Option<&HttpAuth>, req: &Request<hyper::body::Incoming>) -> Option<Response<Full<Bytes>>> {
+    let auth = auth?;
+    let path = req.uri().path();
+    if !(GUARDED.contains(&path) || (auth.all && PROBES.contains(&path))) {
+        return None;
+    }
+    let header = req.headers().get(kvferry::auth_http::HEADER).map(|v| v.as_bytes());
+    let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
+    // (A GET's body is not read: the signature is of an empty one.)
+    auth.guard.verify(req.method().as_str(), pq, header, b"", kvferry::auth_http::now_ms()).err().map(|why| {
+        let status = StatusCode::from_u16(why.status()).unwrap_or(StatusCode::UNAUTHORIZED);
+        let mut r = reply(status, "text/plain; charset=utf-8", format!("{path} refused: {why}\n"));
+        if status == StatusCode::UNAUTHORIZED {
+            r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static(kvferry::auth_http::HEADER));
+        }
+        r
+    })
+}
+
+fn route(m: &Master, auth: Option<&HttpAuth>, req: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
     if req.method() != hyper::Method::GET {
         return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "only GET is served here\n".into());
+    }
+    if let Some(refused) = refusal(auth, req) {
+        return refused;
     }
     match req.uri().path() {
         "/metrics" => reply(StatusCode::OK, "text/plain; version=0.0.4", metrics_text(m)),
@@ -130,8 +180,10 @@ fn route(m: &Master, req: &Request<hyper::body::Incoming>) -> Response<Full<Byte
     }
 }
 
-/// Serves the admin HTTP on `listener` until the process ends.
-pub fn serve(listener: TcpListener, m: Arc<Master>) -> std::io::Result<()> {
+/// Serves the admin HTTP on `listener` until the process ends; with `auth`, only signed
+/// requests to the routes it guards.
+pub fn serve(listener: TcpListener, m: Arc<Master>, auth: Option<HttpAuth>) -> std::io::Result<()> {
+    let auth = auth.map(Arc::new);
     listener.set_nonblocking(true)?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async move {
@@ -147,10 +199,10 @@ pub fn serve(listener: TcpListener, m: Arc<Master>) -> std::io::Result<()> {
                     continue;
                 }
             };
-            let m = Arc::clone(&m);
+            let (m, auth) = (Arc::clone(&m), auth.clone());
             tokio::spawn(async move {
                 let svc = hyper::service::service_fn(move |req| {
-                    let r = route(&m, &req);
+                    let r = route(&m, auth.as_deref(), &req);
                     async move { Ok::<_, Infallible>(r) }
                 });
                 let io = hyper_util::rt::TokioIo::new(stream);

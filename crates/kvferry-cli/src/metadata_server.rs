@@ -13,6 +13,15 @@
 //!   engine replacing a dead engine's `rpc_meta` entry needs so that it never removes the
 //!   entry another engine just made (`MetadataStore::remove_if`).
 //! - No or empty key → 400 `metadata key is required`; other methods → 405; `GET /health` → `OK`.
+//! - With the cluster key (`KVFERRY_AUTH_KEY_FILE`, read from kvferry's `Config`; `kvferry
+//!   master --enable-http-metadata-server` passes the one it read): every request to
+//!   `/metadata` other than GET and HEAD (PUT, DELETE, POST...) must carry an
+//!   `X-Kvferry-Auth` header signing it (`kvferry::auth_http`: within 30 s of this server's
+//!   clock, each nonce taken once); without a valid one it gets 401 and a body naming the
+//!   cause and the fix, and changes nothing. kvferry's HTTP metadata client signs its requests
+//!   when it holds the key. Stock Mooncake HTTP clients cannot prove the key, so a keyed server
+//!   refuses their writes (their engines cannot register with it); reads (GET) and `/health`
+//!   stay open to every client, as Mooncake's clients need them.
 //!
 //! With `--data-dir` every change is appended to `metadata.log` and fsync'ed before the reply,
 //! so a restarted server answers with what it had (a torn last record is dropped; the log is
@@ -59,6 +68,10 @@ pub struct ServerArgs {
     /// are dealt to them round robin (0: one per CPU).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// The cluster key writes must be signed with (not a flag: [`run`] reads
+    /// `KVFERRY_AUTH_KEY_FILE` through kvferry's `Config`, the master passes the key it read).
+    #[arg(skip)]
+    pub auth: Option<kvferry::auth::ClusterKey>,
 }
 
 const OP_PUT: u8 = 1;
@@ -240,6 +253,8 @@ struct State {
     durable: bool,
     max_body: u64,
     body_timeout: Duration,
+    /// With the cluster key: what checks the writes' signatures.
+    guard: Option<kvferry::auth_http::Guard>,
 }
 
 fn reply(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
@@ -247,6 +262,34 @@ fn reply(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
     *r.status_mut() = status;
     r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
     r
+}
+
+/// The answer to a write whose signature is refused (401, or 503 while the replay cache is
+/// full).
+fn refused(why: &kvferry::auth_http::Refusal) -> Response<Full<Bytes>> {
+    let status = StatusCode::from_u16(why.status()).unwrap_or(StatusCode::UNAUTHORIZED);
+    let mut r = reply(status, format!("metadata write refused: {why}"));
+    if status == StatusCode::UNAUTHORIZED {
+        r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static(kvferry::auth_http::HEADER));
+    }
+    r
+}
+
+/// A write's body, bounded by `--max-body-bytes` and `--request-timeout`; the answer to
+/// send instead when it cannot be had.
+async fn read_body(st: &State, headers: &hyper::HeaderMap, body: Incoming) -> Result<Bytes, Response<Full<Bytes>>> {
+    let too_big = || reply(StatusCode::PAYLOAD_TOO_LARGE, format!("metadata value too large: the limit is {} bytes (--max-body-bytes)", st.max_body));
+    let declared = headers.get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > st.max_body) {
+        return Err(too_big());
+    }
+    let limit = usize::try_from(st.max_body).unwrap_or(usize::MAX);
+    match tokio::time::timeout(st.body_timeout, Limited::new(body, limit).collect()).await {
+        Err(_) => Err(reply(StatusCode::REQUEST_TIMEOUT, "request body not received in time")),
+        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(too_big()),
+        Ok(Err(e)) => Err(reply(StatusCode::BAD_REQUEST, format!("bad request body: {e}"))),
+        Ok(Ok(b)) => Ok(b.to_bytes()),
+    }
 }
 
 /// Decodes `%XX` and `+` of a query component; `None` for invalid UTF-8.
@@ -368,10 +411,34 @@ async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<
     if path != "/metadata" {
         return Ok(reply(StatusCode::NOT_FOUND, "Not Found"));
     }
+    let method = req.method().clone();
+    // With the cluster key, a write without a well-formed, fresh signature is refused before
+    // its body is read; its tag and nonce are checked once the body is.
+    let claim = match &st.guard {
+        Some(g) if !matches!(method, Method::GET | Method::HEAD) => match g.precheck(req.headers().get(kvferry::auth_http::HEADER).map(|v| v.as_bytes()), kvferry::auth_http::now_ms()) {
+            Ok(c) => Some((g, c)),
+            Err(why) => return Ok(refused(&why)),
+        },
+        _ => None,
+    };
     let Some(key) = query_key(req.uri().query()) else {
         return Ok(reply(StatusCode::BAD_REQUEST, "metadata key is required"));
     };
-    let method = req.method().clone();
+    let pq = req.uri().path_and_query().map_or("/", |p| p.as_str()).to_string();
+    let (parts, body) = req.into_parts();
+    let body = if method == Method::PUT || claim.is_some() {
+        match read_body(&st, &parts.headers, body).await {
+            Ok(b) => b,
+            Err(r) => return Ok(r),
+        }
+    } else {
+        Bytes::new()
+    };
+    if let Some((g, c)) = claim {
+        if let Err(why) = g.check(&c, method.as_str(), &pq, &body, kvferry::auth_http::now_ms()) {
+            return Ok(refused(&why));
+        }
+    }
     Ok(match method {
         Method::GET => match st.get_tagged(&key) {
             Some((v, tag)) => {
@@ -384,18 +451,6 @@ async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<
             None => reply(StatusCode::NOT_FOUND, "metadata not found"),
         },
         Method::PUT => {
-            let too_big = || reply(StatusCode::PAYLOAD_TOO_LARGE, format!("metadata value too large: the limit is {} bytes (--max-body-bytes)", st.max_body));
-            let declared = req.headers().get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-            if declared.is_some_and(|n| n > st.max_body) {
-                return Ok(too_big());
-            }
-            let limit = usize::try_from(st.max_body).unwrap_or(usize::MAX);
-            let body = match tokio::time::timeout(st.body_timeout, Limited::new(req.into_body(), limit).collect()).await {
-                Err(_) => return Ok(reply(StatusCode::REQUEST_TIMEOUT, "request body not received in time")),
-                Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return Ok(too_big()),
-                Ok(Err(e)) => return Ok(reply(StatusCode::BAD_REQUEST, format!("bad request body: {e}"))),
-                Ok(Ok(b)) => b.to_bytes(),
-            };
             let st2 = Arc::clone(&st);
             let r = if st.durable {
                 // Durable: the fsync blocks, so off the async workers.
@@ -408,7 +463,7 @@ async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<
         Method::DELETE => {
             let st2 = Arc::clone(&st);
             // (Every If-Match line, as one list; one that is not text matches nothing.)
-            let lines: Vec<String> = req.headers().get_all(hyper::header::IF_MATCH).iter().map(|v| v.to_str().unwrap_or("\"\"").to_string()).collect();
+            let lines: Vec<String> = parts.headers.get_all(hyper::header::IF_MATCH).iter().map(|v| v.to_str().unwrap_or("\"\"").to_string()).collect();
             let if_match = (!lines.is_empty()).then(|| lines.join(","));
             let r = tokio::task::spawn_blocking(move || st2.delete(&key, if_match.as_deref())).await.unwrap_or_else(|e| Err(e.to_string()));
             r.unwrap_or_else(|e| reply(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot delete the value: {e}")))
@@ -417,12 +472,16 @@ async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<
     })
 }
 
-pub fn run(a: ServerArgs) -> Result<(), String> {
+/// `kvferry metadata-server`: the cluster key, if any, is `KVFERRY_AUTH_KEY_FILE`'s (kvferry's
+/// `Config`).
+pub fn run(mut a: ServerArgs) -> Result<(), String> {
+    let env = kvferry::Config::from_env().map_err(|e| e.to_string())?;
+    a.auth = kvferry::auth::ClusterKey::from_config(env.auth_key_file.as_deref()).map_err(|e| e.to_string())?;
     run_inner(a, true)
 }
 
 /// Like [`run`], without the "listening on" line on stdout (for `kvferry master`, which
-/// announces the URL itself).
+/// announces the URL itself), and with the cluster key `a.auth` as given (the master's).
 pub fn run_quiet(a: ServerArgs) -> Result<(), String> {
     run_inner(a, false)
 }
@@ -451,6 +510,7 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
         writer: Mutex::new(wal),
         max_body: a.max_body_bytes,
         body_timeout: Duration::from_secs_f64(a.request_timeout),
+        guard: a.auth.clone().map(kvferry::auth_http::Guard::new),
     });
     let threads = if a.threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2) } else { a.threads };
     let host = a.host.trim_start_matches('[').trim_end_matches(']');
@@ -495,6 +555,14 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
     }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| format!("cannot start the server runtime: {e}"))?;
     announce_line(announce, local, &store);
+    if a.auth.is_some() {
+        let line = "the cluster key (KVFERRY_AUTH_KEY_FILE) is held: writes (PUT, DELETE) need a request signed with it (kvferry's clients holding it sign theirs; stock Mooncake clients cannot), reads stay open";
+        if announce {
+            eprintln!("kvferry metadata-server: {line}");
+        } else {
+            tracing::info!("metadata server: {line}");
+        }
+    }
     rt.block_on(async move {
         let l = tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?;
         accept_loop(l, server, workers).await;

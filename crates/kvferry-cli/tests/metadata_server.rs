@@ -18,9 +18,15 @@ struct Server {
 
 impl Server {
     fn start(args: &[&str]) -> Server {
+        Server::start_env(args, &[])
+    }
+
+    /// [`Server::start`] with `env` set.
+    fn start_env(args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
             .arg("metadata-server")
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -355,4 +361,278 @@ fn a_conditional_delete_removes_only_the_write_seen_and_one_engine_takes_a_dead_
         metadata_services::races::one_name_raced(&url, true);
     }
     metadata_services::races::one_name_raced(&url, false);
+}
+
+/// A key file readable by its owner alone (as `KVFERRY_AUTH_KEY_FILE` must be).
+fn key_file(dir: &Path, name: &str, fill: char) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join(name);
+    std::fs::write(&p, fill.to_string().repeat(64)).expect("write a key file");
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).expect("chmod 600");
+    p
+}
+
+/// One request on a fresh connection with `headers` added: (status, whole head, body).
+fn http_with(port: u16, method: &str, target: &str, body: &[u8], headers: &[(&str, String)]) -> (u16, String, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
+    let head = format!("{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n", body.len());
+    s.write_all(&[head.as_bytes(), body].concat()).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, head.to_string(), body.to_string())
+}
+
+/// The `X-Kvferry-Auth` header of a request signed with `key` now.
+fn signed(key: &kvferry::auth::ClusterKey, method: &str, target: &str, body: &[u8]) -> (&'static str, String) {
+    (kvferry::auth_http::HEADER, kvferry::auth_http::sign_now(key, method, target, body))
+}
+
+/// A metadata server holding the cluster key takes a write only when it is signed with it
+/// (kvferry's client holding the key signs its own): a write without the header, with another
+/// key's, with an altered body, a stale timestamp or a replayed header is refused with 401 and
+/// the cause, and changes nothing; reads stay open (Mooncake's clients read).
+#[test]
+fn a_keyed_metadata_server_takes_only_signed_writes_and_leaves_reads_open() {
+    use kvferry::metadata::{connect, MetadataStore, StoreOptions};
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let (a, b) = (key_file(dir.path(), "a", 'a'), key_file(dir.path(), "b", 'b'));
+    let key_a = kvferry::auth::ClusterKey::load(&a).expect("key a");
+    let key_b = kvferry::auth::ClusterKey::load(&b).expect("key b");
+    let s = Server::start_env(&["--port", "0"], &[("KVFERRY_AUTH_KEY_FILE", a.to_str().expect("path"))]);
+    let url = format!("http://127.0.0.1:{}/metadata", s.port);
+    let store = |key: Option<&Path>| -> std::sync::Arc<dyn MetadataStore> {
+        connect(&url, &StoreOptions { auth_key_file: key.map(Path::to_path_buf), ..StoreOptions::default() }).expect("connect").expect("not P2P")
+    };
+    let (keyed, keyless, other) = (store(Some(&a)), store(None), store(Some(&b)));
+    // kvferry's client holding the key: writes and reads.
+    keyed.put("mooncake/ram/a", b"v1").expect("a signed PUT");
+    assert_eq!(keyed.get("mooncake/ram/a").expect("GET"), Some(b"v1".to_vec()));
+    let target = "/metadata?key=mooncake%2Fram%2Fa";
+    // Without the header: 401 naming the cause and the fix, nothing changed.
+    for (method, body) in [("PUT", &b"v2"[..]), ("DELETE", b""), ("POST", b"v2")] {
+        let (st, head, why) = http_with(s.port, method, target, body, &[]);
+        assert_eq!(st, 401, "{method} without the key: {why}");
+        assert!(why.contains("KVFERRY_AUTH_KEY_FILE") && why.contains("X-Kvferry-Auth") && why.contains("Mooncake"), "{method}: {why}");
+        assert!(head.to_ascii_lowercase().contains("www-authenticate: x-kvferry-auth"), "{head}");
+    }
+    assert_eq!(get(s.port, "mooncake%2Fram%2Fa"), (200, "v1".into()), "reads are open; the refused writes changed nothing");
+    assert_eq!(http(s.port, "GET", "/health", b"").0, 200);
+    let e = keyless.put("mooncake/ram/a", b"v2").expect_err("a keyless client's PUT").to_string();
+    assert!(e.contains("401") && e.contains("set KVFERRY_AUTH_KEY_FILE"), "{e}");
+    assert!(keyless.remove("mooncake/ram/a").is_err(), "a keyless client's DELETE");
+    let e = other.put("mooncake/ram/a", b"v2").expect_err("another key's PUT").to_string();
+    assert!(e.contains("401") && e.contains("another key"), "{e}");
+    assert_eq!(keyless.get("mooncake/ram/a").expect("a keyless client reads"), Some(b"v1".to_vec()));
+    // A signed request is taken once: the same header and body again are refused.
+    let h = signed(&key_a, "PUT", target, b"v3");
+    assert_eq!(http_with(s.port, "PUT", target, b"v3", std::slice::from_ref(&h)).0, 200);
+    let (st, _, why) = http_with(s.port, "PUT", target, b"v3", &[h]);
+    assert!(st == 401 && why.contains("nonce was taken already"), "a replay: {st} {why}");
+    assert_eq!(get(s.port, "mooncake%2Fram%2Fa"), (200, "v3".into()));
+    // The header of one request on another: its body, its key, its method altered.
+    let h = signed(&key_a, "PUT", target, b"v4");
+    let (st, _, why) = http_with(s.port, "PUT", target, b"v5", std::slice::from_ref(&h));
+    assert!(st == 401 && why.contains("altered"), "another body: {st} {why}");
+    assert_eq!(http_with(s.port, "PUT", "/metadata?key=mooncake%2Fram%2Fb", b"v4", std::slice::from_ref(&h)).0, 401, "another key");
+    assert_eq!(http_with(s.port, "DELETE", target, b"", &[h]).0, 401, "another method");
+    assert_eq!(http_with(s.port, "PUT", target, b"v4", &[signed(&key_b, "PUT", target, b"v4")]).0, 401, "signed with another key");
+    let stale = kvferry::auth_http::sign(&key_a, "PUT", target, b"v6", kvferry::auth_http::now_ms() - 60_000, rand::random());
+    let (st, _, why) = http_with(s.port, "PUT", target, b"v6", &[(kvferry::auth_http::HEADER, stale)]);
+    assert!(st == 401 && why.contains("clock"), "a stale timestamp: {st} {why}");
+    let (st, _, why) = http_with(s.port, "PUT", target, b"v6", &[(kvferry::auth_http::HEADER, "v1 garbage".into())]);
+    assert!(st == 401 && why.contains("malformed"), "{st} {why}");
+    assert_eq!(get(s.port, "mooncake%2Fram%2Fa"), (200, "v3".into()), "none of those changed anything");
+    // The keyed client's conditional delete (If-Match) and delete, signed.
+    let seen = keyed.get_seen("mooncake/ram/a").expect("GET").expect("there");
+    assert!(keyed.remove_if("mooncake/ram/a", &seen).expect("a signed conditional DELETE"));
+    assert_eq!(get(s.port, "mooncake%2Fram%2Fa").0, 404);
+    keyed.put("mooncake/ram/c", b"x").expect("PUT");
+    keyed.remove("mooncake/ram/c").expect("a signed DELETE");
+    assert_eq!(get(s.port, "mooncake%2Fram%2Fc").0, 404);
+}
+
+/// Engines holding the key register through a keyed metadata server and find each other
+/// (the key reaches their metadata client from `Config`); an engine without it cannot publish
+/// itself, and says why.
+#[test]
+fn engines_holding_the_key_register_through_a_keyed_metadata_server_and_others_are_refused() {
+    use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let a = key_file(dir.path(), "a", 'a');
+    let s = Server::start_env(&["--port", "0"], &[("KVFERRY_AUTH_KEY_FILE", a.to_str().expect("path"))]);
+    let url = format!("http://127.0.0.1:{}/metadata", s.port);
+    let cfg = |name: &str, key: Option<&Path>| Config { local_hostname: name.into(), metadata_server: url.clone(), advertise_address: Some("127.0.0.1".into()), auth_key_file: key.map(Path::to_path_buf), ..Config::default() };
+    let ea = TransferEngine::new(cfg("kvf-keyed-a", Some(&a))).expect("an engine holding the key");
+    let mem = vec![0u8; 1 << 16];
+    ea.register_memory(mem.as_ptr() as u64, mem.len() as u64, "cpu:0").expect("register");
+    assert_eq!(get(s.port, "mooncake%2Fram%2Fkvf-keyed-a").0, 200, "its descriptor was published");
+    let eb = TransferEngine::new(cfg("kvf-keyed-b", Some(&a))).expect("an engine holding the key");
+    let src: Vec<u8> = (0..mem.len()).map(|i| (i * 13) as u8).collect();
+    eb.register_memory(src.as_ptr() as u64, src.len() as u64, "cpu:0").expect("register");
+    let id = eb.open_segment("kvf-keyed-a").expect("found through the keyed server");
+    let req = TransferRequest { opcode: Opcode::Write, source: src.as_ptr() as u64, target_id: id, target_offset: mem.as_ptr() as u64, length: mem.len() as u64 };
+    assert_eq!(eb.transfer_sync(&[req], Duration::from_secs(10)).expect("transfer").status, TaskStatus::Completed);
+    assert!(mem == src);
+    let e = TransferEngine::new(cfg("kvf-keyless", None)).map(|_| ()).expect_err("a keyless engine cannot publish itself").to_string();
+    assert!(e.contains("401") && e.contains("KVFERRY_AUTH_KEY_FILE"), "{e}");
+    assert_eq!(get(s.port, "mooncake%2Frpc_meta%2Fkvf-keyless").0, 404, "nothing of it was written");
+}
+
+/// `kvferry master` with its `KVFERRY_AUTH_KEY_FILE`: the HTTP routes that show the store's
+/// contents answer only signed requests (401 with the cause otherwise), the probes stay open
+/// unless `--http-auth-all`; its embedded metadata server takes only signed writes.
+#[test]
+fn a_keyed_master_shows_its_state_only_to_signed_requests() {
+    use kvferry_store::{Client, ClientConfig, ReplicateConfig};
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let (a, b) = (key_file(dir.path(), "a", 'a'), key_file(dir.path(), "b", 'b'));
+    let key_a = kvferry::auth::ClusterKey::load(&a).expect("key a");
+    let key_b = kvferry::auth::ClusterKey::load(&b).expect("key b");
+    let env = [("KVFERRY_AUTH_KEY_FILE", a.to_str().expect("path"))];
+    let m = MasterProc::start(&["--enable-http-metadata-server", "--http-metadata-server-port", "0"], &env);
+    let http = m.port("http=");
+    // A client holding the key puts an object (its placement is what /query_key shows).
+    let engine = kvferry::TransferEngine::new(kvferry::Config { auth_key_file: Some(a.clone()), ..kvferry::Config::default() }).expect("engine");
+    let cfg = ClientConfig { local_hostname: String::new(), global_segment_size: 4 << 20, local_buffer_size: 4 << 20, master_server_addr: m.field("rpc="), ..ClientConfig::default() };
+    let c = Client::with_engine(cfg, std::sync::Arc::new(engine), None).expect("a client holding the key");
+    c.put("secret-key", &[7u8; 4096], &ReplicateConfig::default()).expect("put");
+    for path in ["/query_key?key=secret-key", "/get_all_segments", "/ha_status"] {
+        let (st, _, why) = http_with(http, "GET", path, b"", &[]);
+        assert_eq!(st, 401, "{path} without the key: {why}");
+        assert!(why.contains("KVFERRY_AUTH_KEY_FILE") && !why.contains("127.0.0.1"), "{path}: {why}");
+        assert_eq!(http_with(http, "GET", path, b"", &[signed(&key_b, "GET", path, b"")]).0, 401, "{path} signed with another key");
+        let h = signed(&key_a, "GET", path, b"");
+        let (st, _, body) = http_with(http, "GET", path, b"", std::slice::from_ref(&h));
+        assert_eq!(st, 200, "{path} signed: {body}");
+        assert!(!body.is_empty(), "{path}");
+        assert_eq!(http_with(http, "GET", path, b"", &[h]).0, 401, "{path} replayed");
+    }
+    let (_, _, placed) = http_with(http, "GET", "/query_key?key=secret-key", b"", &[signed(&key_a, "GET", "/query_key?key=secret-key", b"")]);
+    assert!(placed.contains("127.0.0.1"), "a signed /query_key shows where the object is: {placed}");
+    // A signature for one query is not one for another.
+    let h = signed(&key_a, "GET", "/query_key?key=other", b"");
+    assert_eq!(http_with(http, "GET", "/query_key?key=secret-key", b"", &[h]).0, 401);
+    for path in ["/health", "/metrics", "/role", "/leader"] {
+        assert_eq!(http_with(http, "GET", path, b"", &[]).0, 200, "{path} stays open by default");
+    }
+    // The embedded metadata server: reads open, writes signed.
+    let md = m.port("metadata=");
+    let target = "/metadata?key=mooncake%2Fram%2Fm";
+    assert_eq!(http_with(md, "PUT", target, b"v", &[]).0, 401);
+    assert_eq!(http_with(md, "GET", target, b"", &[]).0, 404, "the refused PUT wrote nothing; reads are open");
+    assert_eq!(http_with(md, "PUT", target, b"v", &[signed(&key_a, "PUT", target, b"v")]).0, 200);
+    assert_eq!(http_with(md, "GET", target, b"", &[]).2, "v");
+    let _ = c.close();
+
+    // --http-auth-all: the probes too.
+    let all = MasterProc::start(&["--http-auth-all"], &env);
+    let http = all.port("http=");
+    for path in ["/health", "/metrics", "/role", "/leader", "/get_all_segments"] {
+        assert_eq!(http_with(http, "GET", path, b"", &[]).0, 401, "{path} with --http-auth-all");
+        assert_eq!(http_with(http, "GET", path, b"", &[signed(&key_a, "GET", path, b"")]).0, 200, "{path} signed");
+    }
+    // The flag without a key is refused at start, saying why.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0", "--http-auth-all"])
+        .env_remove("KVFERRY_AUTH_KEY_FILE")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kvferry master");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--http-auth-all needs the cluster key") && err.contains("KVFERRY_AUTH_KEY_FILE"), "{err}");
+}
+
+/// A `kvferry` child that announces itself on its first line (`kvferry master`, `kvferry
+/// store-client`): killed (by its pid) and reaped on drop.
+struct MasterProc {
+    child: Child,
+    line: String,
+}
+
+impl MasterProc {
+    /// `kvferry master` with `extra` flags and `env`.
+    fn start(extra: &[&str], env: &[(&str, &str)]) -> MasterProc {
+        let args = [&["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0"][..], extra].concat();
+        MasterProc::spawn(&args, env, "KVFERRY_MASTER")
+    }
+
+    /// `kvferry args` with `env`, whose first line starts with `tag`.
+    fn spawn(args: &[&str], env: &[(&str, &str)], tag: &str) -> MasterProc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(args)
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start kvferry");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let m = MasterProc { child, line };
+        assert!(m.line.starts_with(tag), "{tag} expected: {:?}", m.line);
+        m
+    }
+
+    fn field(&self, key: &str) -> String {
+        self.line.split_whitespace().find_map(|w| w.strip_prefix(key)).unwrap_or_else(|| panic!("no {key} in {:?}", self.line)).to_string()
+    }
+
+    /// The port of an address field (`http=127.0.0.1:9003`, `metadata=http://127.0.0.1:8080/metadata`).
+    fn port(&self, key: &str) -> u16 {
+        let v = self.field(key);
+        let v = v.trim_end_matches("/metadata");
+        v.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("no port in {v:?}"))
+    }
+}
+
+impl Drop for MasterProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The master's `--enable-metadata-cleanup-on-timeout` against its keyed embedded metadata
+/// server: its removals are signed with the master's key (its metadata client gets the key
+/// from the same `Config`), so a killed client's entries still leave, while the clients, holding
+/// the key, registered there.
+#[test]
+fn a_keyed_masters_cleanup_removes_a_killed_clients_entries_from_its_keyed_metadata_server() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let a = key_file(dir.path(), "a", 'a');
+    let env = [("KVFERRY_AUTH_KEY_FILE", a.to_str().expect("path"))];
+    let m = MasterProc::start(&["--enable-http-metadata-server", "--http-metadata-server-port", "0", "--enable-metadata-cleanup-on-timeout", "--client-ttl", "2"], &env);
+    let (url, md, http) = (m.field("metadata="), m.port("metadata="), m.port("http="));
+    let until = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", md)).is_err() {
+        assert!(Instant::now() < until, "the embedded metadata server never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut client = MasterProc::spawn(
+        &["store-client", "--host", "127.0.0.1", "--metadata-server", &url, "--master-server-address", &m.field("rpc="), "--global-segment-size", "16MB", "--port", "0"],
+        &env,
+        "KVFERRY_STORE_CLIENT",
+    );
+    let name = client.field("segment=");
+    let entries = || ["ram", "rpc_meta"].map(|k| http_with(md, "GET", &format!("/metadata?key=mooncake/{k}/{name}"), b"", &[]).0);
+    assert_eq!(entries(), [200, 200], "a client holding the key registered through the keyed server");
+    let _ = client.child.kill();
+    let _ = client.child.wait();
+    let removed = || {
+        let (_, _, body) = http_with(http, "GET", "/metrics", b"", &[]);
+        let count = |o: &str| body.lines().find_map(|l| l.strip_prefix(&format!("kvferry_master_metadata_cleanup_total{{outcome=\"{o}\"}} "))).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+        (count("removed"), count("failed"))
+    };
+    let until = Instant::now() + Duration::from_secs(20);
+    while removed() == (0, 0) {
+        assert!(Instant::now() < until, "the killed client was not handled within 20 s (client TTL 2 s)");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(removed(), (1, 0), "removed, not failed (a refused DELETE counts as failed)");
+    assert_eq!(entries(), [404, 404], "the killed client's entries left the keyed server");
 }

@@ -34,6 +34,9 @@ struct Master {
     http: String,
     /// Its stderr (the log), printed when the test fails, removed after.
     log: PathBuf,
+    /// The cluster key it holds (`KVFERRY_AUTH_KEY_FILE` in its environment): its
+    /// `/ha_status` answers only requests signed with it.
+    key: Option<kvferry::auth::ClusterKey>,
 }
 
 /// The `store-bench --ha` tests keep every CPU of a small host busy for a minute or more; the
@@ -123,7 +126,8 @@ impl Master {
         let field = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap_or_default().to_string();
         let key = kvferry_store::ha::master_view_key(cluster.unwrap_or(kvferry_store::ha::DEFAULT_CLUSTER_ID));
         assert_eq!(field("ha="), key, "{line}");
-        Master { child, rpc: field("rpc="), http: field("http="), log }
+        let key = env.iter().find(|(k, _)| *k == "KVFERRY_AUTH_KEY_FILE").and_then(|(_, f)| kvferry::auth::ClusterKey::load(Path::new(f)).ok());
+        Master { child, rpc: field("rpc="), http: field("http="), log, key }
     }
 
     fn role(&self) -> String {
@@ -158,9 +162,15 @@ fn signal(pid: u32, sig: Signal) {
 }
 
 fn http_get(addr: &str, path: &str) -> (u16, String) {
+    http_get_with(addr, path, None)
+}
+
+/// [`http_get`], signed with `key` when given (`X-Kvferry-Auth`).
+fn http_get_with(addr: &str, path: &str, key: Option<&kvferry::auth::ClusterKey>) -> (u16, String) {
     let mut s = TcpStream::connect(addr).expect("connect to the master's HTTP port");
     s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").expect("send");
+    let auth = key.map(|k| format!("{}: {}\r\n", kvferry::auth_http::HEADER, kvferry::auth_http::sign_now(k, "GET", path, b""))).unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n").expect("send");
     let mut out = String::new();
     s.read_to_string(&mut out).expect("answer");
     let code = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
@@ -691,7 +701,7 @@ fn wait_leader(m: &Master, within: Duration, what: &str) {
 }
 
 fn ha_status(m: &Master) -> serde_json::Value {
-    serde_json::from_str(&http_get(&m.http, "/ha_status").1).expect("/ha_status is JSON")
+    serde_json::from_str(&http_get_with(&m.http, "/ha_status", m.key.as_ref()).1).expect("/ha_status is JSON")
 }
 
 /// Two masters of `cluster` (the second with Mooncake's flag spellings if `mooncake_second`),

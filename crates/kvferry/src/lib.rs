@@ -32,6 +32,7 @@
 //! ```
 
 pub mod auth;
+pub mod auth_http;
 pub mod batch;
 pub mod config;
 mod engine;

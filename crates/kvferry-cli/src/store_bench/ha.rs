@@ -643,11 +643,15 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
         )
     };
     let start_master = |replication: &str, cluster: &str| start_master_tail(replication, cluster, (&tail_bytes, &standby_tail_bytes));
+    // With KVFERRY_AUTH_KEY_FILE set here the masters started hold the key: /ha_status answers
+    // only a request signed with it.
+    let key = kvferry::Config::from_env().ok().and_then(|c| kvferry::auth::ClusterKey::from_config(c.auth_key_file.as_deref()).ok().flatten());
     let http = |p: &Proc, path: &str| -> String {
         let http = p.field("http=").unwrap_or_default();
         let Ok(mut s) = std::net::TcpStream::connect(&http) else { return String::new() };
         let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-        let _ = write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n");
+        let auth = key.as_ref().map(|k| format!("{}: {}\r\n", kvferry::auth_http::HEADER, kvferry::auth_http::sign_now(k, "GET", path, b""))).unwrap_or_default();
+        let _ = write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n{auth}\r\n");
         let mut out = String::new();
         let _ = s.read_to_string(&mut out);
         out.rsplit("\r\n\r\n").next().unwrap_or("").trim().to_string()

@@ -8,6 +8,12 @@
 //! `https://` URLs use rustls (no OpenSSL): the server's certificate is verified against the
 //! built-in Mozilla roots, or against the CA certificates of the PEM file given as
 //! `KVFERRY_METADATA_CA_FILE` (like curl's `--cacert`: those replace the built-in roots).
+//!
+//! With the cluster key (`KVFERRY_AUTH_KEY_FILE`, [`StoreOptions::auth_key_file`]) every
+//! request, read or write, carries an `X-Kvferry-Auth` header signing it
+//! ([`crate::auth_http`]): a `kvferry metadata-server` holding the key takes writes only so
+//! signed (its reads are open, and Mooncake's servers ignore the header). A refusal's answer
+//! (401) says why, and is in the error.
 
 use super::{url_encode, Backend, MetadataStore, Seen, StoreOptions};
 use crate::error::{Error, Result};
@@ -27,6 +33,8 @@ const TLS_HINT: &str = " (TLS: the server's certificate must be issued for this 
 pub struct HttpStore {
     url: String,
     agent: ureq::Agent,
+    /// Signs every request when the cluster key is configured.
+    key: Option<crate::auth::ClusterKey>,
 }
 
 impl HttpStore {
@@ -35,6 +43,7 @@ impl HttpStore {
         if let Some(file) = opts.ca_file.as_deref().filter(|_| is_https(url)) {
             roots = load_roots(file).map_err(|reason| Error::Metadata { backend: Backend::Http.name(), location: url.to_string(), reason })?;
         }
+        let key = crate::auth::ClusterKey::from_config(opts.auth_key_file.as_deref()).map_err(|e| Error::Config(e.to_string()))?;
         let config = ureq::Agent::config_builder()
             .tls_config(ureq::tls::TlsConfig::builder().root_certs(roots).build())
             .http_status_as_error(false)
@@ -44,7 +53,7 @@ impl HttpStore {
             .user_agent("kvferry")
             .build();
         let agent = ureq::Agent::with_parts(config, DefaultConnector::default(), CachingResolver::default());
-        Ok(HttpStore { url: url.to_string(), agent })
+        Ok(HttpStore { url: url.to_string(), agent, key })
     }
 
     fn err(&self, reason: String) -> Error {
@@ -54,6 +63,15 @@ impl HttpStore {
     fn target(&self, key: &str) -> String {
         let sep = if self.url.contains('?') { '&' } else { '?' };
         format!("{}{sep}key={}", self.url, url_encode(key))
+    }
+
+    /// The `X-Kvferry-Auth` value for `method` on `target` with `body`, when a key is held.
+    fn auth(&self, method: &str, target: &str, body: &[u8]) -> Option<String> {
+        let key = self.key.as_ref()?;
+        // What ureq sends on the request line: the URI's path and query, `/` without one.
+        let uri = target.parse::<ureq::http::Uri>().ok();
+        let pq = uri.as_ref().and_then(|u| u.path_and_query()).map_or("/", |p| p.as_str());
+        Some(crate::auth_http::sign_now(key, method, pq, body))
     }
 
     fn transport_err(&self, what: &str, key: &str, e: ureq::Error) -> Error {
@@ -69,12 +87,12 @@ impl HttpStore {
 
     /// A PUT's status and answer.
     fn put_answer(&self, key: &str, value: &[u8]) -> Result<(u16, Vec<u8>)> {
-        let resp = self
-            .agent
-            .put(&self.target(key))
-            .header("Content-Type", "application/json")
-            .send(value)
-            .map_err(|e| self.transport_err("PUT", key, e))?;
+        let target = self.target(key);
+        let mut req = self.agent.put(&target).header("Content-Type", "application/json");
+        if let Some(auth) = self.auth("PUT", &target, value) {
+            req = req.header(crate::auth_http::HEADER, auth);
+        }
+        let resp = req.send(value).map_err(|e| self.transport_err("PUT", key, e))?;
         self.body(key, resp)
     }
 
@@ -94,7 +112,8 @@ impl HttpStore {
     }
 
     fn refusal(&self, what: &str, key: &str, status: u16, body: &[u8]) -> Error {
-        let text = String::from_utf8_lossy(&body[..body.len().min(200)]).trim().to_string();
+        // (Long enough for a refusal's cause and fix.)
+        let text = String::from_utf8_lossy(&body[..body.len().min(600)]).trim().to_string();
         self.err(format!("{what} {key} answered HTTP {status} {text:?}"))
     }
 }
@@ -179,7 +198,12 @@ impl MetadataStore for HttpStore {
     /// Mooncake's servers send none (then no revision: [`MetadataStore::remove_if`] compares
     /// the value, not atomically).
     fn get_seen(&self, key: &str) -> Result<Option<Seen>> {
-        let resp = self.agent.get(&self.target(key)).call().map_err(|e| self.transport_err("GET", key, e))?;
+        let target = self.target(key);
+        let mut req = self.agent.get(&target);
+        if let Some(auth) = self.auth("GET", &target, b"") {
+            req = req.header(crate::auth_http::HEADER, auth);
+        }
+        let resp = req.call().map_err(|e| self.transport_err("GET", key, e))?;
         let revision = resp.headers().get("etag").and_then(|v| v.to_str().ok()).and_then(parse_etag);
         match self.body(key, resp)? {
             (200, value) => Ok(Some(Seen { value, revision })),
@@ -196,7 +220,12 @@ impl MetadataStore for HttpStore {
         let Some(rev) = seen.revision else {
             return super::remove_by_look(self, key, seen);
         };
-        let resp = self.agent.delete(&self.target(key)).header("If-Match", format!("\"{rev}\"")).call().map_err(|e| self.transport_err("DELETE", key, e))?;
+        let target = self.target(key);
+        let mut req = self.agent.delete(&target).header("If-Match", format!("\"{rev}\""));
+        if let Some(auth) = self.auth("DELETE", &target, b"") {
+            req = req.header(crate::auth_http::HEADER, auth);
+        }
+        let resp = req.call().map_err(|e| self.transport_err("DELETE", key, e))?;
         match self.body(key, resp)? {
             (200, _) => Ok(true),
             (404 | 412, _) => Ok(false),
@@ -212,7 +241,12 @@ impl MetadataStore for HttpStore {
     }
 
     fn remove(&self, key: &str) -> Result<()> {
-        let resp = self.agent.delete(&self.target(key)).call().map_err(|e| self.transport_err("DELETE", key, e))?;
+        let target = self.target(key);
+        let mut req = self.agent.delete(&target);
+        if let Some(auth) = self.auth("DELETE", &target, b"") {
+            req = req.header(crate::auth_http::HEADER, auth);
+        }
+        let resp = req.call().map_err(|e| self.transport_err("DELETE", key, e))?;
         match self.body(key, resp)? {
             (200 | 404, _) => Ok(()),
             (s, b) => Err(self.refusal("DELETE", key, s, &b)),

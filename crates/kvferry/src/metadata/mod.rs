@@ -174,11 +174,16 @@ pub struct StoreOptions {
     /// `https://`: PEM file of the CA certificates to trust instead of the built-in public
     /// roots (`KVFERRY_METADATA_CA_FILE`).
     pub ca_file: Option<std::path::PathBuf>,
+    /// The cluster key file (`KVFERRY_AUTH_KEY_FILE`): an `http(s)://` store signs every
+    /// request with it ([`crate::auth_http`]), which a keyed `kvferry metadata-server` needs
+    /// for its writes; read when the store is opened ([`connect`]), an unusable file an error
+    /// there. Other backends do not use it.
+    pub auth_key_file: Option<std::path::PathBuf>,
 }
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        StoreOptions { timeout: Duration::from_secs(3), lease_ttl: Duration::from_secs(10), redis_username: None, redis_password: None, redis_db: None, ca_file: None }
+        StoreOptions { timeout: Duration::from_secs(3), lease_ttl: Duration::from_secs(10), redis_username: None, redis_password: None, redis_db: None, ca_file: None, auth_key_file: None }
     }
 }
 
@@ -191,6 +196,7 @@ impl StoreOptions {
             redis_password: c.redis_password.clone(),
             redis_db: c.redis_db,
             ca_file: c.metadata_ca_file.clone(),
+            auth_key_file: c.auth_key_file.clone(),
         }
     }
 
