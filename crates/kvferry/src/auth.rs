@@ -173,6 +173,49 @@ impl ClusterKey {
     }
 }
 
+/// What the cluster key protects on a TCP data connection beyond the handshake
+/// (`KVFERRY_AUTH_PROTECT`): every request header and status frame is sealed in all three;
+/// `Payload` also authenticates the bytes of WRITE bodies and READ answers (a SHA-256 of each
+/// 32 KiB chunk, sealed after it: altered bytes fail the request before it is answered), and
+/// `Encrypt` seals them (each chunk a Noise message: nothing on the path reads or alters them).
+/// The initiator asks for its own; a target refuses a connection that asks for less than its
+/// own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub enum Protect {
+    #[default]
+    Headers,
+    Payload,
+    Encrypt,
+}
+
+impl Protect {
+    pub fn parse(s: &str) -> Option<Protect> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "headers" => Some(Protect::Headers),
+            "payload" => Some(Protect::Payload),
+            "encrypt" => Some(Protect::Encrypt),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Protect::Headers => "headers",
+            Protect::Payload => "payload",
+            Protect::Encrypt => "encrypt",
+        }
+    }
+
+    /// Its number on the wire.
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub fn from_code(b: u8) -> Option<Protect> {
+        [Protect::Headers, Protect::Payload, Protect::Encrypt].get(usize::from(b)).copied()
+    }
+}
+
 /// What a keyed endpoint answers to: the key, and the names it is dialed by (a handshake made
 /// for another name is refused: [`Refusal::Misdirected`]).
 #[derive(Clone, Debug)]

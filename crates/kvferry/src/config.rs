@@ -56,7 +56,8 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_STORE_CLIENT_MAX_PORT", aliases: &["MC_STORE_CLIENT_MAX_PORT"], default: "14300", doc: "highest such port" },
     EnvVar { name: "KVFERRY_STORE_CLIENT_SETUP_RETRIES", aliases: &["MC_STORE_CLIENT_SETUP_RETRIES"], default: "20", doc: "ports tried when the segment name `host:port` is already taken by a live engine (1-1000)" },
     EnvVar { name: "KVFERRY_STORE_CLUSTER_ID", aliases: &["MC_STORE_CLUSTER_ID"], default: "mooncake_cluster", doc: "store high availability: the cluster whose leader key `mooncake-store/<id>/master_view` a client with `master_server_addr = \"etcd://...\"` reads, and a master started with `--enable-ha` and no `--cluster-id` campaigns for" },
-    EnvVar { name: "KVFERRY_AUTH_KEY_FILE", aliases: &[], default: "(none: no authentication, as Mooncake)", doc: "a file holding the cluster's key (one per line, at least 32 bytes each, e.g. `openssl rand -hex 32`; a second line is the key being replaced, still accepted): engines on their handshake and TCP data ports, store clients and the master, and HA masters on their replication links prove it to each other before any request (HMAC-SHA256 challenge-response, the key never sent), and refuse a side without it, saying so. Stock Mooncake peers cannot; leave it unset where they must interoperate (docs/ARCHITECTURE.md, \"Authenticated peers\")" },
+    EnvVar { name: "KVFERRY_AUTH_KEY_FILE", aliases: &[], default: "(none: no authentication, as Mooncake)", doc: "a file holding the cluster's key, readable by its owner only (`chmod 600`; one per line, at least 32 bytes each, e.g. `openssl rand -hex 32`; a second line is the key being replaced, still accepted): engines on their handshake and TCP data ports, store clients and the master, and HA masters on their replication links run a Noise handshake keyed by it (Noise_NNpsk0, the key never sent) bound to the endpoint dialed, and seal every frame after it; the master's state routes and every metadata-server write need a request signed with it. A side without it is refused, saying so. Stock Mooncake peers cannot; leave it unset where they must interoperate (docs/ARCHITECTURE.md, \"Authenticated peers\")" },
+    EnvVar { name: "KVFERRY_AUTH_PROTECT", aliases: &[], default: "headers", doc: "with a cluster key, what a TCP data connection protects beyond the handshake: `headers` (every request header and status frame sealed: nothing injected, replayed or redirected; the bytes moved travel as they are), `payload` (those bytes also authenticated: a SHA-256 of each 32 KiB sealed after it), `encrypt` (those bytes sealed too: nothing on the path reads them). An engine refuses connections asking for less than its own setting. Costs: docs/BENCHMARKS.md" },
     EnvVar { name: "KVFERRY_LOG", aliases: &["MC_LOG_LEVEL"], default: "warn", doc: "log filter for the `kvferry` binary (`error`, `warn`, `info`, `debug`, `trace`, or tracing directives)" },
 ];
 
@@ -80,6 +81,8 @@ pub struct Config {
     /// The cluster key file (`KVFERRY_AUTH_KEY_FILE`, [`crate::auth`]); `None`: no
     /// authentication.
     pub auth_key_file: Option<std::path::PathBuf>,
+    /// What a keyed TCP data connection protects (`KVFERRY_AUTH_PROTECT`).
+    pub auth_protect: crate::auth::Protect,
     /// Central mode: the address published in `rpc_meta` and bound, when `local_hostname`
     /// is a logical name.
     pub advertise_address: Option<String>,
@@ -148,6 +151,7 @@ impl Default for Config {
             metadata_lease_ttl: Duration::from_secs(10),
             metadata_ca_file: None,
             auth_key_file: None,
+            auth_protect: crate::auth::Protect::Headers,
             advertise_address: None,
             redis_username: None,
             redis_password: None,
@@ -331,6 +335,9 @@ impl Config {
         }
         c.metadata_ca_file = lookup(get, "KVFERRY_METADATA_CA_FILE").map(|(_, v)| v.into());
         c.auth_key_file = lookup(get, "KVFERRY_AUTH_KEY_FILE").map(|(_, v)| v.into());
+        if let Some((name, v)) = lookup(get, "KVFERRY_AUTH_PROTECT") {
+            c.auth_protect = crate::auth::Protect::parse(&v).ok_or_else(|| Error::Config(format!("{name}={v:?} is not headers, payload or encrypt")))?;
+        }
         c.advertise_address = lookup(get, "KVFERRY_ADVERTISE_ADDRESS").map(|(_, v)| v);
         c.redis_username = lookup(get, "KVFERRY_REDIS_USERNAME").map(|(_, v)| v);
         c.redis_password = lookup(get, "KVFERRY_REDIS_PASSWORD").map(|(_, v)| v);
