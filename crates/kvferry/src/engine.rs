@@ -199,6 +199,7 @@ impl TransferEngine {
                 spin: config.spin,
                 idle: config.tcp_idle,
                 auth: auth.clone().map(|key| Arc::new(crate::auth::Keyed { key, names: vec![name.clone()] })),
+                protect: config.auth_protect,
             },
             config.transfer_timeout,
         )

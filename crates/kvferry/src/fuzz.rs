@@ -62,7 +62,7 @@ mod tests {
         }
 
         #[test]
-        fn the_data_port_never_panics_nor_writes_outside_registered_memory(mode in 0u8..3, cut in any::<u8>(), b in proptest::collection::vec(any::<u8>(), 0..2048)) {
+        fn the_data_port_never_panics_nor_writes_outside_registered_memory(mode in 0u8..5, cut in any::<u8>(), b in proptest::collection::vec(any::<u8>(), 0..2048)) {
             let mut data = vec![mode, cut];
             data.extend_from_slice(&b);
             super::tcp_serve(&data);
@@ -86,7 +86,9 @@ mod tests {
         write.extend_from_slice(&[0x11; 8]);
         for cut in [1u8, 7, 255] {
             assert_eq!(super::landed(&[&[0, cut][..], &write].concat()), 8, "no key, pieces of {cut}");
-            assert_eq!(super::landed(&[&[2, cut][..], &write].concat()), 8, "keyed, pieces of {cut}");
+            for protect in [2u8, 3, 4] {
+                assert_eq!(super::landed(&[&[protect, cut][..], &write].concat()), 8, "keyed ({protect}), pieces of {cut}");
+            }
             assert_eq!(super::landed(&[&[1, cut][..], &write].concat()), 0, "keyed, no handshake");
         }
     }

@@ -159,7 +159,7 @@ fn data_handshake(port: u16, key: &ClusterKey, segment: &str) -> Result<(TcpStre
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let (init, msg) = Initiator::new(key, DATA, segment).unwrap();
-    let mut wire = tcp::encode_auth_hello(msg.len()).to_vec();
+    let mut wire = tcp::encode_auth_hello(msg.len(), 0).to_vec();
     wire.extend_from_slice(&msg);
     s.write_all(&wire).unwrap();
     let mut first = [0u8; 8];
@@ -254,6 +254,12 @@ fn a_keyed_engines_data_port_moves_nothing_for_a_connection_that_did_not_prove_t
 /// initiator's first bytes after the handshake (`inject`, to the target) — what a host
 /// without the key can do once a keyed engine connects to it.
 fn relay(to: u16, inject: Option<Vec<u8>>, answer_len: usize) -> (u16, Arc<Mutex<Vec<u8>>>) {
+    tampering_relay(to, inject, None, answer_len)
+}
+
+/// [`relay`], which may also flip a byte of the initiator's stream (`flip_at`: its offset from
+/// the connection's start) on its way.
+fn tampering_relay(to: u16, inject: Option<Vec<u8>>, flip_at: Option<usize>, answer_len: usize) -> (u16, Arc<Mutex<Vec<u8>>>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = l.local_addr().unwrap().port();
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -284,10 +290,15 @@ fn relay(to: u16, inject: Option<Vec<u8>>, answer_len: usize) -> (u16, Arc<Mutex
                 let mut a = a;
                 let mut buf = [0u8; 65536];
                 let mut injected = inject.is_none();
+                let mut at = 0usize;
                 while let Ok(n) = a.read(&mut buf) {
                     if n == 0 {
                         break;
                     }
+                    if let Some(f) = flip_at.filter(|&f| f >= at && f < at + n) {
+                        buf[f - at] ^= 0x01;
+                    }
+                    at += n;
                     seen.lock().unwrap().extend_from_slice(&buf[..n]);
                     if !injected && rx.recv_timeout(Duration::from_millis(0)).is_ok() {
                         let _ = b2.write_all(inject.as_deref().unwrap_or_default());
@@ -379,6 +390,86 @@ fn a_keyless_relay_between_keyed_engines_reaches_nothing() {
     let direct = kvferry::handshake::request("127.0.0.1", hs_b, MsgType::Metadata, b"", Duration::from_secs(2), Duration::from_secs(3), 1 << 20, Some((&key, "seg-b")));
     assert!(direct.is_ok_and(|f| String::from_utf8_lossy(&f.body).contains("buffers")), "b still answers a keyed request");
     drop((a, b));
+}
+
+/// What something on the path can do to the bytes a keyed engine moves depends on
+/// `KVFERRY_AUTH_PROTECT`: with `headers` (the default) a relay in front of the target that
+/// flips one byte of a WRITE's body gets it landed (the threat model says so: only headers are
+/// sealed); with `payload` or `encrypt` the WRITE fails instead. Each setting moves 1 MiB both
+/// ways byte for byte when nothing is altered, and a target requiring more than an initiator
+/// asks refuses it.
+#[test]
+fn what_the_path_can_do_to_the_bytes_moved_depends_on_the_protection_asked() {
+    use kvferry::auth::Protect;
+    let Some(redis) = metadata_services::Service::redis() else { return };
+    let meta = format!("redis://127.0.0.1:{}", redis.port);
+    let k = key_file("p1", &["p"]);
+    let with = |name: &str, protect: Protect| {
+        let base = Config {
+            local_hostname: name.into(),
+            metadata_server: meta.clone(),
+            advertise_address: Some("127.0.0.1".into()),
+            metadata_lease_ttl: Duration::from_secs(120),
+            transfer_timeout: Duration::from_secs(5),
+            transport: kvferry::config::TransportMode::Tcp,
+            auth_key_file: Some(k.0.clone()),
+            ..Config::default()
+        };
+        TransferEngine::new(Config { auth_protect: protect, ..base }).unwrap_or_else(|e| panic!("engine {name}: {e}"))
+    };
+    let store = kvferry::metadata::connect(&meta, &kvferry::metadata::StoreOptions::default()).unwrap().unwrap();
+    let keys = kvferry::metadata::Keys::new(None);
+    for (i, protect) in [Protect::Headers, Protect::Payload, Protect::Encrypt].into_iter().enumerate() {
+        let (bn, an) = (format!("pb{i}"), format!("pa{i}"));
+        let b = with(&bn, protect);
+        let a = with(&an, protect);
+        let bbuf = vec![0u8; 2 << 20];
+        b.register_memory(bbuf.as_ptr() as u64, bbuf.len() as u64, "*").unwrap();
+        let remote = bbuf.as_ptr() as u64;
+        let src = pattern(1 << 20, 6 + i as u8);
+        a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+        let back = vec![0u8; 1 << 20];
+        a.register_memory(back.as_ptr() as u64, back.len() as u64, "*").unwrap();
+        let seg = a.open_segment(&bn).expect("open");
+        assert_eq!(write(&a, &src, seg, remote).status, TaskStatus::Completed, "{protect:?}");
+        assert_eq!(&bbuf[..1 << 20], &src[..], "{protect:?}");
+        let r = TransferRequest { opcode: Opcode::Read, source: back.as_ptr() as u64, target_id: seg, target_offset: remote, length: 1 << 20 };
+        assert_eq!(a.transfer_sync(&[r], Duration::from_secs(10)).unwrap().status, TaskStatus::Completed, "{protect:?}");
+        assert_eq!(back, src, "{protect:?}: READ back");
+
+        // Through a relay that flips the 100th byte of the next WRITE's body.
+        let mut desc: serde_json::Value = serde_json::from_slice(&store.get(&keys.ram(&bn)).unwrap().unwrap()).unwrap();
+        let data_port = desc["tcp_data_port"].as_u64().unwrap() as u16;
+        let hello = 24 + kvferry::auth::hello_len(bn.len());
+        let (relay_port, _) = tampering_relay(data_port, None, Some(hello + tcp::SEALED_HEADER_LEN + 100), tcp::AUTH_ANSWER_LEN);
+        desc["tcp_data_port"] = relay_port.into();
+        // (b's own descriptor, rewritten: the handshake made for b passes through the relay.)
+        store.put(&keys.ram(&bn), desc.to_string().as_bytes()).unwrap();
+        let a2 = with(&format!("pa2{i}"), protect);
+        a2.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+        let seg = a2.open_segment(&bn).expect("open through the relay");
+        let small = &src[..64 << 10];
+        let st = write(&a2, small, seg, remote + (1 << 20));
+        let landed = &bbuf[1 << 20..(1 << 20) + small.len()];
+        match protect {
+            Protect::Headers => {
+                assert_eq!(st.status, TaskStatus::Completed, "headers only: the body is not checked: {st:?}");
+                assert_eq!(landed.iter().zip(small).filter(|(x, y)| x != y).count(), 1, "the flipped byte landed");
+            }
+            _ => assert_ne!(st.status, TaskStatus::Completed, "{protect:?}: an altered body fails the WRITE: {st:?}"),
+        }
+    }
+    // An initiator asking less than the target requires is refused, saying what to set.
+    let b = with("pq-b", Protect::Encrypt);
+    let a = with("pq-a", Protect::Headers);
+    let bbuf = vec![0u8; 4096];
+    b.register_memory(bbuf.as_ptr() as u64, 4096, "*").unwrap();
+    let src = pattern(4096, 1);
+    a.register_memory(src.as_ptr() as u64, 4096, "*").unwrap();
+    let seg = a.open_segment("pq-b").expect("open");
+    let st = write(&a, &src, seg, bbuf.as_ptr() as u64);
+    assert_eq!((st.status, st.cause), (TaskStatus::Failed, Some(FailCause::Unauthorized)), "{st:?}");
+    assert!(st.reason.as_deref().unwrap_or("").contains("KVFERRY_AUTH_PROTECT"), "{st:?}");
 }
 
 /// A data port that accepts and then says nothing (a hung or hostile peer): the handshake
@@ -481,7 +572,7 @@ fn floods_without_the_key_leave_threads_and_memory_bounded_and_keyed_peers_serve
     huge.push(MsgType::Auth as u8);
     huge.extend_from_slice(&[0u8; 4096]);
     held.extend(flood(target.rpc_port(), 100, &huge));
-    held.extend(flood(target.data_port(), 100, &tcp::encode_auth_hello(1 << 40)));
+    held.extend(flood(target.data_port(), 100, &tcp::encode_auth_hello(1 << 40, 0)));
     let (threads1, rss1) = (threads(), rss());
     assert!(threads1 <= threads0 + 64 + 32 + 8, "threads {threads0} -> {threads1} with {} connections held", held.len());
     assert!(rss1 < rss0 + (64 << 20), "resident memory {rss0} -> {rss1}");

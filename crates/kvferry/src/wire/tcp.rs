@@ -112,13 +112,20 @@ pub fn decode_status(b: [u8; STATUS_LEN]) -> Result<Status, WireError> {
 }
 
 /// The initiator's opening frame announcing a Noise opening message of `msg_len` bytes (the
-/// message follows it).
-pub fn encode_auth_hello(msg_len: usize) -> [u8; HEADER_LEN] {
+/// message follows it) and what the connection protects (`protect`, `crate::auth::Protect`'s
+/// code, in the byte after the opcode: the handshake is bound to it, see `auth_hello_protect`).
+pub fn encode_auth_hello(msg_len: usize, protect: u8) -> [u8; HEADER_LEN] {
     let mut b = [0u8; HEADER_LEN];
     b[0..8].copy_from_slice(&(msg_len as u64).to_le_bytes());
     b[8..16].copy_from_slice(&AUTH_MAGIC.to_le_bytes());
     b[16] = AUTH_OPCODE;
+    b[17] = protect;
     b
+}
+
+/// What an opening frame asks the connection to protect (`crate::auth::Protect`'s code).
+pub fn auth_hello_protect(h: &[u8; HEADER_LEN]) -> u8 {
+    h[17]
 }
 
 /// Whether a header is the opening frame's: then the length of the message it announces
@@ -171,7 +178,8 @@ mod tests {
 
     #[test]
     fn the_cluster_keys_frames_are_never_taken_for_a_request_or_a_status() {
-        let hdr = encode_auth_hello(80);
+        let hdr = encode_auth_hello(80, 2);
+        assert_eq!(auth_hello_protect(&hdr), 2);
         assert_eq!(auth_hello_len(&hdr), Some(80));
         // A Mooncake target (and a kvferry one that does not look for it) cannot decode it as a
         // request: nothing is read or written for it.

@@ -30,12 +30,20 @@ pub(super) struct DataConn {
     pub(super) s: TcpStream,
     seal: Option<Mutex<crate::auth::Sealer>>,
     open: Option<Mutex<crate::auth::Opener>>,
+    /// What a keyed connection protects (`Headers` when not keyed: nothing else applies).
+    protect: crate::auth::Protect,
 }
 
 impl DataConn {
-    fn new(s: TcpStream, session: Option<(crate::auth::Sealer, crate::auth::Opener)>) -> DataConn {
+    fn new(s: TcpStream, session: Option<(crate::auth::Sealer, crate::auth::Opener)>, protect: crate::auth::Protect) -> DataConn {
         let (seal, open) = session.map(|(a, b)| (Mutex::new(a), Mutex::new(b))).unzip();
-        DataConn { s, seal, open }
+        let protect = if seal.is_some() { protect } else { crate::auth::Protect::Headers };
+        DataConn { s, seal, open, protect }
+    }
+
+    /// How a READ answer comes on this connection: `None` when not keyed.
+    fn answer_protect(&self) -> Option<crate::auth::Protect> {
+        self.open.is_some().then_some(self.protect)
     }
 
     fn sealer(&self) -> Option<std::sync::MutexGuard<'_, crate::auth::Sealer>> {
@@ -53,6 +61,14 @@ impl std::ops::Deref for DataConn {
         &self.s
     }
 }
+
+/// What one request of a gathered write sends: its header, its v1 fence, and the local
+/// memory and length of its WRITE body (0: none), by its deadline.
+type Outgoing = ([u8; HEADER_LEN], Option<[u8; HEADER_LEN]>, u64, u64, Instant);
+
+/// A request's body in a gathered write: local memory (address, length) as it is, or the
+/// range of the writer's scratch buffer holding it protected.
+type Body = (u64, u64, Option<(usize, usize)>);
 
 /// The lane's queue (sans-IO, `queue.rs`) with its connection.
 pub(super) type LaneState = LaneQueue<WireOp, Arc<DataConn>>;
@@ -115,6 +131,8 @@ pub(super) struct Lane {
     pub(super) key: (SocketAddr, bool),
     /// The cluster key: every connection proves it before its first request.
     pub(super) auth: Option<Arc<crate::auth::ClusterKey>>,
+    /// What its connections protect with the key (`KVFERRY_AUTH_PROTECT`).
+    pub(super) protect: crate::auth::Protect,
 }
 
 /// Pieces for a descriptor refresh, and how they end if it hands them back.
@@ -325,6 +343,9 @@ impl Lane {
         // otherwise (`hdr_lens`).
         let mut iov_hdrs: Vec<[u8; SEALED_HEADER_LEN]> = Vec::with_capacity(MAX_OPS_PER_WRITE * 2);
         let mut hdr_lens: Vec<usize> = Vec::with_capacity(MAX_OPS_PER_WRITE * 2);
+        // Protected WRITE bodies of a run, as they go (`KVFERRY_AUTH_PROTECT` payload or
+        // encrypt).
+        let mut scratch: Vec<u8> = Vec::new();
         loop {
             let mut st = self.lock();
             while st.writer_waits() {
@@ -370,24 +391,8 @@ impl Lane {
                 self.wake_reader.notify_one();
             }
             let mut guards: Vec<crate::memory::RegionGuard> = Vec::new();
-            iov_hdrs.clear();
-            hdr_lens.clear();
-            // Sealed in the order they go out, under the lock the writer alone takes while it
-            // owns the connection.
-            let mut seal = conn.sealer();
-            let mut put = |h: [u8; HEADER_LEN]| {
-                let mut b = [0u8; SEALED_HEADER_LEN];
-                hdr_lens.push(proto::put_header(&h, seal.as_deref_mut(), &mut b));
-                iov_hdrs.push(b);
-                *hdr_lens.last().expect("just pushed") as u64
-            };
-            let mut bodies: Vec<(u64, u64)> = Vec::with_capacity(n);
-            // Where each op's bytes end in the stream, and its deadline: the write stops at
-            // the deadline of the op whose bytes are going out, not at the earliest of the
-            // run (a small request sent first with a short deadline failed the large one
-            // after it, and every READ in flight, though they had time left).
-            let mut ends: Vec<(u64, Instant)> = Vec::with_capacity(n);
-            let mut at = 0u64;
+            // What each request sends: its header, its WRITE body (local memory), its v1 fence.
+            let mut items: Vec<Outgoing> = Vec::with_capacity(n);
             for op in st.inflight.range(send.first..send.first + n) {
                 let p = &op.piece;
                 p.task.set_pending();
@@ -396,28 +401,64 @@ impl Lane {
                 }
                 let (hdr, fence) = proto::request_frames(p.opcode, p.remote, p.len, self.v2);
                 let body = if p.opcode == Opcode::Write { p.len } else { 0 };
-                at += put(hdr) + body;
-                if p.opcode == Opcode::Write {
-                    bodies.push((p.local, p.len));
-                    // v1 fence: a 1-byte READ of the last byte written answers only after
-                    // the target consumed the body into memory.
-                    if let Some(f) = fence {
-                        at += put(f);
+                items.push((hdr, fence, p.local, body, p.task.deadline()));
+            }
+            drop(st);
+            // Headers (and protected bodies) sealed in the order they go out, under the lock
+            // the writer alone takes while it owns the connection.
+            iov_hdrs.clear();
+            hdr_lens.clear();
+            scratch.clear();
+            let mut seal = conn.sealer();
+            let protect = conn.protect;
+            let mut put = |h: &[u8; HEADER_LEN], seal: &mut Option<std::sync::MutexGuard<'_, crate::auth::Sealer>>| {
+                let mut b = [0u8; SEALED_HEADER_LEN];
+                hdr_lens.push(proto::put_header(h, seal.as_deref_mut(), &mut b));
+                iov_hdrs.push(b);
+                *hdr_lens.last().expect("just pushed") as u64
+            };
+            // Each request's body: none, local memory as it is, or a range of `scratch`
+            // (protected).
+            let mut bodies: Vec<Body> = Vec::with_capacity(n);
+            // Where each op's bytes end in the stream, and its deadline: the write stops at
+            // the deadline of the op whose bytes are going out, not at the earliest of the
+            // run (a small request sent first with a short deadline failed the large one
+            // after it, and every READ in flight, though they had time left).
+            let mut ends: Vec<(u64, Instant)> = Vec::with_capacity(n);
+            let mut at = 0u64;
+            for (hdr, fence, local, len, deadline) in &items {
+                at += put(hdr, &mut seal);
+                match (protect, seal.as_deref_mut()) {
+                    (p, Some(s)) if *len > 0 && p != crate::auth::Protect::Headers => {
+                        let from = scratch.len();
+                        // SAFETY: local ranges were checked against the registry at submit
+                        // and the piece's guard (held in `guards`) keeps them registered.
+                        proto::seal_body(p, s, unsafe { std::slice::from_raw_parts(*local as *const u8, *len as usize) }, &mut scratch);
+                        at += (scratch.len() - from) as u64;
+                        bodies.push((0, 0, Some((from, scratch.len()))));
                     }
-                } else {
-                    bodies.push((0, 0));
+                    _ => {
+                        at += len;
+                        bodies.push((*local, *len, None));
+                    }
                 }
-                ends.push((at, p.task.deadline()));
+                // v1 fence: a 1-byte READ of the last byte written answers only after the
+                // target consumed the body into memory.
+                if let (Some(f), true) = (fence, *len > 0) {
+                    at += put(f, &mut seal);
+                }
+                ends.push((at, *deadline));
             }
             drop(seal);
-            drop(st);
             // Build the iovec list: header, body (WRITE), [fence header].
             let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(n * 3);
             let mut h = 0;
-            for &(addr, len) in &bodies {
+            for &(addr, len, sealed) in &bodies {
                 iov.push(IoSlice::new(&iov_hdrs[h][..hdr_lens[h]]));
                 h += 1;
-                if len > 0 {
+                if let Some((from, to)) = sealed {
+                    iov.push(IoSlice::new(&scratch[from..to]));
+                } else if len > 0 {
                     // SAFETY: local ranges were checked against the registry at submit and
                     // the piece's guard keeps them registered.
                     iov.push(IoSlice::new(unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) }));
@@ -480,7 +521,7 @@ impl Lane {
         }
         match r {
             Ok(s) => {
-                self.lock().on_connected(Arc::new(DataConn::new(s, session)));
+                self.lock().on_connected(Arc::new(DataConn::new(s, session, self.protect)));
                 self.wake_reader.notify_all();
             }
             Err(e) => {
@@ -519,7 +560,7 @@ impl Lane {
             let cause = if e.kind() == io::ErrorKind::TimedOut { FailCause::Timeout } else { FailCause::PeerUnreachable };
             cause.because(format!("{} at {}: {what} the cluster key's handshake: {e}", self.peer_name, self.target))
         };
-        let open = proto::AuthOpen::new(key, &self.peer_name, &self.peer_name)?;
+        let open = proto::AuthOpen::new(key, &self.peer_name, self.protect, &self.peer_name)?;
         write_all_vectored(s, &mut [IoSlice::new(open.hello())], |_| stop()).map_err(|e| io_failed("sending", e))?;
         // (The target sends nothing beyond its answer before the first request: no byte of
         // the connection is read into this buffer ahead of the reader's.)
@@ -567,7 +608,7 @@ impl Lane {
             let expired = || proto::must_stop(Instant::now(), deadline, guard.is_revoked());
             // Large READ data goes straight into local memory: read only the status first.
             rx.max_fill = if opcode == Opcode::Read && len as usize >= DIRECT_MIN { STATUS_LEN } else { RX_BUF };
-            let mut ans = Answer::new(opcode, len, self.v2, conn.open.is_some());
+            let mut ans = Answer::protected(opcode, len, self.v2, conn.answer_protect());
             // The reader alone opens this connection's status frames while it reads them.
             let mut opener = conn.opener();
             if conn.open.is_some() {
@@ -640,7 +681,7 @@ impl Lane {
                         continue;
                     }
                     let n = read_some(&conn, ans.target(dst).unwrap_or_default())?;
-                    ans.on_received(n, opener.as_deref_mut()).map_err(invalid_data)?;
+                    ans.on_received(n, dst, opener.as_deref_mut()).map_err(invalid_data)?;
                     if !ans.done() && expired() {
                         return Err(stopped("receiving"));
                     }
@@ -704,25 +745,31 @@ impl Lane {
             let local = unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
             // This thread owns the connection until `end_inline`: it seals and opens.
             let (mut hbuf, mut fbuf) = ([0u8; SEALED_HEADER_LEN], [0u8; SEALED_HEADER_LEN]);
+            // A protected WRITE body, as it goes.
+            let mut sealed_body = Vec::new();
             let (hlen, flen) = {
                 let mut seal = conn.sealer();
                 let h = proto::put_header(&hdr, seal.as_deref_mut(), &mut hbuf);
+                if let (Some(s), true) = (seal.as_deref_mut(), p.opcode == Opcode::Write && conn.protect != crate::auth::Protect::Headers) {
+                    proto::seal_body(conn.protect, s, local, &mut sealed_body);
+                }
                 (h, fence.map_or(0, |f| proto::put_header(&f, seal.as_deref_mut(), &mut fbuf)))
             };
+            let body: &[u8] = if sealed_body.is_empty() { local } else { &sealed_body };
             match p.opcode {
-                Opcode::Write => write_all_vectored(&conn, &mut [IoSlice::new(&hbuf[..hlen]), IoSlice::new(local), IoSlice::new(&fbuf[..flen])], |_| expired())?,
+                Opcode::Write => write_all_vectored(&conn, &mut [IoSlice::new(&hbuf[..hlen]), IoSlice::new(body), IoSlice::new(&fbuf[..flen])], |_| expired())?,
                 Opcode::Read => write_all_vectored(&conn, &mut [IoSlice::new(&hbuf[..hlen])], |_| expired())?,
             }
-            let mut ans = Answer::new(p.opcode, p.len, self.v2, conn.open.is_some());
+            let mut ans = Answer::protected(p.opcode, p.len, self.v2, conn.answer_protect());
             let mut opener = conn.opener();
             let dst: &mut [u8] = if p.opcode == Opcode::Read { local } else { &mut [] };
             if ans.awaiting_status() && p.len <= SPIN_MAX_BYTES {
                 let got = ans.target(dst).map_or(0, |t| poll_read(&conn, t, self.spin));
-                ans.on_received(got, opener.as_deref_mut()).map_err(invalid_data)?;
+                ans.on_received(got, dst, opener.as_deref_mut()).map_err(invalid_data)?;
             }
             while !ans.done() {
                 let n = read_some(&conn, ans.target(dst).unwrap_or_default())?;
-                ans.on_received(n, opener.as_deref_mut()).map_err(invalid_data)?;
+                ans.on_received(n, dst, opener.as_deref_mut()).map_err(invalid_data)?;
                 if !ans.done() && expired() {
                     return Err(stopped("receiving"));
                 }

@@ -76,6 +76,9 @@ pub struct TcpOptions {
     /// connection runs the key's handshake (bound to the segment dialed) before its first
     /// request, and seals its headers; `None`: Mooncake's protocol as it is.
     pub auth: Option<Arc<crate::auth::Keyed>>,
+    /// With the key: what data connections protect beyond the handshake
+    /// (`KVFERRY_AUTH_PROTECT`); the target refuses connections asking for less.
+    pub protect: crate::auth::Protect,
 }
 
 
@@ -90,7 +93,7 @@ pub struct TcpTransport {
 
 impl TcpTransport {
     pub fn new(listener: TcpListener, registry: Arc<MemoryRegistry>, opts: TcpOptions, stall: Duration) -> io::Result<Arc<TcpTransport>> {
-        let server = TcpServer::start(listener, registry, stall, opts.spin, opts.auth.clone())?;
+        let server = TcpServer::start(listener, registry, stall, opts.spin, opts.auth.clone().map(|k| (k, opts.protect)))?;
         Ok(Arc::new(TcpTransport { opts, server, peers: Arc::default(), shut: AtomicBool::new(false), refused: Arc::default() }))
     }
 
@@ -150,6 +153,7 @@ impl TcpTransport {
                 home: Arc::downgrade(&self.peers),
                 key: (addr, v2),
                 auth: self.opts.auth.as_ref().map(|k| Arc::clone(&k.key)),
+                protect: self.opts.protect,
             });
             let (w, r) = (Arc::clone(&lane), Arc::clone(&lane));
             std::thread::Builder::new().name("kvf-lane-tx".into()).spawn(move || w.writer_loop()).map_err(|e| e.to_string())?;

@@ -12,15 +12,187 @@
 //! below with synthetic times: a peer that trickles one byte at a time is a loop of calls, not
 //! a test that sleeps.
 
-use crate::auth::{ClusterKey, Initiator, Opener, Protocol, Sealer};
+use crate::auth::{ClusterKey, Initiator, Opener, Protect, Protocol, Sealer};
+use sha2::{Digest, Sha256};
 use crate::batch::{FailCause, FailKind, Failure};
 use crate::memory::{MemoryRegistry, RegionGuard};
 use crate::wire::tcp::{self, DataHeader, Opcode, Status, AUTH_ANSWER_LEN, HEADER_LEN, SEALED_STATUS_LEN, STATUS_LEN};
 use crate::wire::WireError;
 use std::time::{Duration, Instant};
 
-/// The cluster key's use on the TCP data port (`crate::auth`).
+/// The cluster key's use on the TCP data port (`crate::auth`), with headers protected.
 pub(super) const PROTOCOL: Protocol = Protocol("kvferry/tcp-data/1");
+
+/// The handshake's protocol for what a connection protects: a connection asking for one
+/// setting never completes a handshake under another (the setting rides in the opening
+/// frame's header, and something on the path that changed it would break the handshake).
+pub(super) fn protocol(p: Protect) -> Protocol {
+    match p {
+        Protect::Headers => PROTOCOL,
+        Protect::Payload => Protocol("kvferry/tcp-data/1/payload"),
+        Protect::Encrypt => Protocol("kvferry/tcp-data/1/encrypt"),
+    }
+}
+
+/// Bytes of a body per protected chunk (`Protect::Payload`, `Protect::Encrypt`): a divisor
+/// of the GPU staging chunk (1 MiB), so that no chunk straddles two.
+pub(super) const CHUNK: usize = 32 << 10;
+/// Bytes of a chunk's digest (SHA-256) under `Protect::Payload`.
+const DIGEST_LEN: usize = 32;
+
+/// Bytes a chunk of body carries on the wire beyond itself under `p`.
+#[cfg(test)]
+pub(super) fn chunk_overhead(p: Protect) -> usize {
+    match p {
+        Protect::Headers => 0,
+        Protect::Payload => DIGEST_LEN + crate::auth::TAG_LEN,
+        Protect::Encrypt => crate::auth::TAG_LEN,
+    }
+}
+
+/// Bytes of a body of `len` bytes on the wire under `p`.
+#[cfg(test)]
+pub(super) fn body_wire_len(p: Protect, len: u64) -> u64 {
+    len + len.div_ceil(CHUNK as u64) * chunk_overhead(p) as u64
+}
+
+/// Appends one chunk (at most [`CHUNK`] bytes) of a body as it goes on the wire under `p`:
+/// as it is, followed by its digest sealed, or sealed.
+pub(super) fn seal_chunk(p: Protect, seal: &mut Sealer, chunk: &[u8], out: &mut Vec<u8>) {
+    debug_assert!(chunk.len() <= CHUNK);
+    match p {
+        Protect::Headers => out.extend_from_slice(chunk),
+        Protect::Payload => {
+            out.extend_from_slice(chunk);
+            seal.seal(&<Sha256 as Digest>::digest(chunk), out);
+        }
+        Protect::Encrypt => seal.seal(chunk, out),
+    }
+}
+
+/// Appends a whole body as it goes on the wire under `p`, chunk by chunk.
+pub(super) fn seal_body(p: Protect, seal: &mut Sealer, body: &[u8], out: &mut Vec<u8>) {
+    for c in body.chunks(CHUNK) {
+        seal_chunk(p, seal, c, out);
+    }
+}
+
+/// Where the next bytes of a protected body go ([`Unseal::next`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Next {
+    /// Up to this many bytes straight into the destination (a `Payload` chunk's bytes).
+    Place(usize),
+    /// Into [`Unseal::tail_mut`] (a `Payload` chunk's sealed digest, an `Encrypt` chunk).
+    Tail,
+}
+
+/// Receiving a protected body, sans-IO, chunk by chunk: a `Payload` chunk's bytes land in
+/// place and are hashed, then its sealed digest is opened and compared; an `Encrypt` chunk is
+/// received whole and opened into place. A chunk counts as delivered only once it opened; one
+/// that does not fails the request (`WireError::Unsealed`) before it is answered.
+#[derive(Debug, Clone)]
+pub(super) struct Unseal {
+    p: Protect,
+    /// Body bytes whose chunks have not opened yet.
+    left: u64,
+    /// Plain bytes of the chunk being received (0: none begun).
+    chunk: usize,
+    /// `Payload`: bytes of that chunk landed in place so far.
+    placed: usize,
+    tail: Vec<u8>,
+    tail_have: usize,
+    hash: Sha256,
+}
+
+impl Unseal {
+    pub(super) fn new(p: Protect, len: u64) -> Unseal {
+        let tail = vec![0u8; if p == Protect::Encrypt { CHUNK + crate::auth::TAG_LEN } else { DIGEST_LEN + crate::auth::TAG_LEN }];
+        Unseal { p, left: len, chunk: 0, placed: 0, tail, tail_have: 0, hash: Sha256::new() }
+    }
+
+    /// For the next body of `len` bytes (the buffers kept).
+    pub(super) fn reset(&mut self, len: u64) {
+        self.left = len;
+        self.chunk = 0;
+        self.placed = 0;
+        self.tail_have = 0;
+        self.hash = Sha256::new();
+    }
+
+    pub(super) fn protect(&self) -> Protect {
+        self.p
+    }
+
+    /// Every chunk opened.
+    pub(super) fn done(&self) -> bool {
+        self.left == 0
+    }
+
+    fn tail_want(&self) -> usize {
+        match self.p {
+            Protect::Encrypt => self.chunk + crate::auth::TAG_LEN,
+            _ => DIGEST_LEN + crate::auth::TAG_LEN,
+        }
+    }
+
+    /// Where the next bytes go.
+    pub(super) fn next(&mut self) -> Next {
+        if self.chunk == 0 && self.left > 0 {
+            self.chunk = (self.left as usize).min(CHUNK);
+            self.placed = 0;
+            self.tail_have = 0;
+        }
+        match self.p {
+            Protect::Payload if self.placed < self.chunk => Next::Place(self.chunk - self.placed),
+            _ => Next::Tail,
+        }
+    }
+
+    /// The rest of the tail (call after [`Unseal::next`] said `Tail`).
+    pub(super) fn tail_mut(&mut self) -> &mut [u8] {
+        let want = self.tail_want();
+        &mut self.tail[self.tail_have..want]
+    }
+
+    /// `bytes` landed in place (after `Place`).
+    pub(super) fn placed(&mut self, bytes: &[u8]) {
+        self.hash.update(bytes);
+        self.placed += bytes.len();
+    }
+
+    /// `n` bytes landed in the tail: whether it is whole (then [`Unseal::open_tail`]).
+    pub(super) fn tail_received(&mut self, n: usize) -> bool {
+        self.tail_have += n;
+        self.tail_have >= self.tail_want()
+    }
+
+    /// Opens the whole tail: a `Payload` chunk's digest compared with what landed in place, an
+    /// `Encrypt` chunk opened into `dest` (at least the chunk's size). The chunk's size: for
+    /// `Encrypt`, bytes now in `dest`.
+    pub(super) fn open_tail(&mut self, open: &mut Opener, dest: &mut [u8]) -> Result<usize, WireError> {
+        let want = self.tail_want();
+        let chunk = self.chunk;
+        match self.p {
+            Protect::Encrypt => {
+                let dest = dest.get_mut(..chunk).ok_or(WireError::Unsealed)?;
+                if open.open(&self.tail[..want], dest) != Ok(chunk) {
+                    return Err(WireError::Unsealed);
+                }
+            }
+            _ => {
+                let mut digest = [0u8; DIGEST_LEN + crate::auth::TAG_LEN];
+                let got = std::mem::replace(&mut self.hash, Sha256::new()).finalize();
+                if open.open(&self.tail[..want], &mut digest) != Ok(DIGEST_LEN) || digest[..DIGEST_LEN] != got[..] {
+                    return Err(WireError::Unsealed);
+                }
+            }
+        }
+        self.left -= chunk as u64;
+        self.chunk = 0;
+        self.tail_have = 0;
+        Ok(chunk)
+    }
+}
 
 /// The initiator's side of the cluster key's handshake on a new connection, bound to the
 /// segment it dials: the opening frame to send ([`AuthOpen::hello`]), then the target's
@@ -33,9 +205,10 @@ pub(super) struct AuthOpen {
 }
 
 impl AuthOpen {
-    pub(super) fn new(key: &ClusterKey, segment: &str, peer: &str) -> Result<AuthOpen, Failure> {
-        let (init, msg) = Initiator::new(key, PROTOCOL, segment.trim_start_matches('/')).map_err(|r| FailCause::Unauthorized.because(format!("{peer}: {r}")))?;
-        let mut hello = tcp::encode_auth_hello(msg.len()).to_vec();
+    /// Opens a handshake towards `segment` for a connection protecting `protect`.
+    pub(super) fn new(key: &ClusterKey, segment: &str, protect: Protect, peer: &str) -> Result<AuthOpen, Failure> {
+        let (init, msg) = Initiator::new(key, protocol(protect), segment.trim_start_matches('/')).map_err(|r| FailCause::Unauthorized.because(format!("{peer}: {r}")))?;
+        let mut hello = tcp::encode_auth_hello(msg.len(), protect.code()).to_vec();
         hello.extend_from_slice(&msg);
         Ok(AuthOpen { init, hello })
     }
@@ -50,7 +223,7 @@ impl AuthOpen {
         match tcp::decode_auth_answer(first) {
             Ok(None) => Ok(()),
             Ok(Some(Status::Unauthorized)) => Err(FailCause::Unauthorized.because(format!(
-                "{peer} refused this engine's cluster key handshake: it holds no key, or another key than this host's KVFERRY_AUTH_KEY_FILE (while a key changes, every host must accept both first), or it is not the engine of that segment name (a stale or rewritten address); its log says which"
+                "{peer} refused this engine's cluster key handshake: it holds no key, or another key than this host's KVFERRY_AUTH_KEY_FILE (while a key changes, every host must accept both first), or it is not the engine of that segment name (a stale or rewritten address), or it requires a stronger KVFERRY_AUTH_PROTECT than this engine's; its log says which"
             ))),
             Ok(Some(s)) => Err(FailCause::Protocol.because(format!("{peer} answered the cluster key's opening frame with status {s:?}"))),
             Err(e) => Err(FailCause::Protocol.because(format!("{peer} answered the cluster key's opening frame with something else ({e}): it is not a kvferry engine holding a key"))),
@@ -171,6 +344,8 @@ impl Reply {
 #[derive(Debug, Clone)]
 pub(super) struct Answer {
     reply: Reply,
+    /// A keyed connection protecting the bytes moved: READ data arrives in protected chunks.
+    unseal: Option<Unseal>,
     /// The status frame as it comes: sealed ([`SEALED_STATUS_LEN`]) on a keyed connection.
     frame: [u8; SEALED_STATUS_LEN],
     frame_len: usize,
@@ -183,9 +358,17 @@ pub(super) struct Answer {
 impl Answer {
     /// `sealed`: the connection is keyed, its status frames come sealed (and open with the
     /// connection's [`Opener`], passed to [`Answer::on_received`]).
+    /// `sealed`: a keyed connection protecting headers only.
+    #[cfg(test)]
     pub(super) fn new(opcode: Opcode, len: u64, v2: bool, sealed: bool) -> Answer {
-        let frame_len = if sealed { SEALED_STATUS_LEN } else { STATUS_LEN };
-        Answer { reply: Reply::new(opcode, len, v2), frame: [0; SEALED_STATUS_LEN], frame_len, fence: [0], have: 0, status: None }
+        Self::protected(opcode, len, v2, sealed.then_some(Protect::Headers))
+    }
+
+    /// [`Answer::new`] on a keyed connection protecting `protect` (`None`: not keyed).
+    pub(super) fn protected(opcode: Opcode, len: u64, v2: bool, protect: Option<Protect>) -> Answer {
+        let frame_len = if protect.is_some() { SEALED_STATUS_LEN } else { STATUS_LEN };
+        let unseal = protect.filter(|&p| p != Protect::Headers && opcode == Opcode::Read).map(|p| Unseal::new(p, len));
+        Answer { reply: Reply::new(opcode, len, v2), unseal, frame: [0; SEALED_STATUS_LEN], frame_len, fence: [0], have: 0, status: None }
     }
 
     /// Still waiting for the (v2) status frame: the request is not yet off the connection's
@@ -214,7 +397,13 @@ impl Answer {
         let have = self.have;
         match self.reply.expect() {
             Expect::Status => Some(&mut self.frame[have..self.frame_len]),
-            Expect::Data(n) => local.get_mut(have..n as usize),
+            Expect::Data(n) => match &mut self.unseal {
+                None => local.get_mut(have..n as usize),
+                Some(u) => match u.next() {
+                    Next::Place(k) => local.get_mut(have..have + k),
+                    Next::Tail => Some(u.tail_mut()),
+                },
+            },
             Expect::Fence => Some(&mut self.fence[have..]),
             Expect::Done => None,
         }
@@ -223,7 +412,31 @@ impl Answer {
     /// `n` bytes landed in [`Answer::target`]; `open` opens a sealed status frame (a keyed
     /// connection's). An unreadable status frame, or one that does not open, is a protocol
     /// error (the connection cannot be followed any further).
-    pub(super) fn on_received(&mut self, n: usize, open: Option<&mut Opener>) -> Result<(), WireError> {
+    pub(super) fn on_received(&mut self, n: usize, local: &mut [u8], open: Option<&mut Opener>) -> Result<(), WireError> {
+        if let (Expect::Data(len), Some(u)) = (self.reply.expect(), &mut self.unseal) {
+            // Protected READ data: into place (hashed) or the tail (opened once whole, an
+            // `Encrypt` chunk into place); only chunks that opened count.
+            match u.next() {
+                Next::Place(_) => {
+                    u.placed(local.get(self.have..self.have + n).ok_or(WireError::Unsealed)?);
+                    self.have += n;
+                    return Ok(());
+                }
+                Next::Tail if u.tail_received(n) => {
+                    let open = open.ok_or(WireError::Unsealed)?;
+                    let dest = local.get_mut(self.have..).unwrap_or_default();
+                    let k = u.open_tail(open, dest)?;
+                    // (`Payload` bytes were counted as they landed, below; `Encrypt` now.)
+                    self.have += if u.protect() == Protect::Encrypt { k } else { 0 };
+                    if self.have as u64 >= len && u.done() {
+                        self.have = 0;
+                        self.reply.on_payload();
+                    }
+                    return Ok(());
+                }
+                Next::Tail => return Ok(()),
+            }
+        }
         self.have += n;
         match self.reply.expect() {
             Expect::Status if self.have >= self.frame_len => {
@@ -258,7 +471,7 @@ impl Answer {
         let Some(dst) = self.target(local) else { return Ok(0) };
         let n = dst.len().min(data.len());
         dst[..n].copy_from_slice(&data[..n]);
-        self.on_received(n, open)?;
+        self.on_received(n, local, open)?;
         Ok(n)
     }
 }
@@ -444,15 +657,15 @@ mod tests {
         let mut a = Answer::new(Opcode::Read, 6, true, false);
         let frame = tcp::encode_status(Status::Ok);
         a.target(&mut local).unwrap()[..5].copy_from_slice(&frame[..5]);
-        a.on_received(5, None).unwrap();
+        a.on_received(5, &mut local, None).unwrap();
         assert_eq!(a.target(&mut local).map(|t| t.len()), Some(3), "the rest of the status frame");
         a.target(&mut local).unwrap().copy_from_slice(&frame[5..]);
-        a.on_received(3, None).unwrap();
+        a.on_received(3, &mut local, None).unwrap();
         assert_eq!(a.status(), Some(Status::Ok));
         a.target(&mut local).unwrap()[..2].copy_from_slice(b"ab");
-        a.on_received(2, None).unwrap();
+        a.on_received(2, &mut local, None).unwrap();
         a.target(&mut local).unwrap().copy_from_slice(b"cdef");
-        a.on_received(4, None).unwrap();
+        a.on_received(4, &mut local, None).unwrap();
         assert!(a.done() && a.target(&mut local).is_none());
         assert_eq!(&local, b"abcdef");
     }

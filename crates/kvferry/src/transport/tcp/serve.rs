@@ -18,8 +18,8 @@
 
 use super::proto::{admit, Admission, HeaderClock};
 use super::sockio::{MAX_OUT, SMALL_READ};
-use super::proto::PROTOCOL;
-use crate::auth::{Keyed, Opener, Sealer};
+use super::proto::{protocol, seal_chunk, Next, Unseal, CHUNK};
+use crate::auth::{Keyed, Opener, Protect, Sealer};
 use crate::memory::{MemoryRegistry, RegionGuard};
 use crate::wire::tcp::{self, DataHeader, Opcode, Status, HEADER_LEN, SEALED_HEADER_LEN};
 use std::sync::Arc;
@@ -50,7 +50,7 @@ const GPU_CHUNK: usize = 1 << 20;
 enum State {
     /// With a cluster key, before anything else: receiving the initiator's opening frame and
     /// the Noise message it announces (`pre` holds what came of them), until `until`.
-    Hello { keyed: Arc<Keyed>, until: Instant },
+    Hello { keyed: Arc<Keyed>, least: Protect, until: Instant },
     /// Receiving a header (`have` bytes of it so far).
     Header,
     /// A WRITE body: `got` of `len` bytes landed at `addr`.
@@ -107,6 +107,11 @@ pub(super) struct ServeConn {
     /// With a cluster key, once its handshake is done: the connection's session (every
     /// request header comes sealed, every status frame leaves sealed).
     sealed: Option<Session>,
+    /// A keyed connection protecting the bytes moved: receiving the current WRITE body's
+    /// chunks (kept between requests for its buffers).
+    body_in: Option<Unseal>,
+    /// The last [`ServeConn::body`] handed out `body_in`'s tail, not the destination.
+    into_tail: bool,
 }
 
 /// A keyed connection's session, and whether the initiator proved it holds it (a request
@@ -115,6 +120,8 @@ struct Session {
     seal: Sealer,
     open: Opener,
     proof_by: Option<Instant>,
+    /// What the connection protects (the initiator's choice, at least the target's own).
+    protect: Protect,
 }
 
 impl Drop for ServeConn {
@@ -164,16 +171,24 @@ impl ServeConn {
             pipe: None,
             pre: Vec::new(),
             sealed: None,
+            body_in: None,
+            into_tail: false,
         }
     }
 
     /// A connection to a target holding a cluster key (and known by `keyed.names`): the
     /// initiator's handshake, and its first sealed request header, must come within `stall` of
     /// `now` (the connection's start) before any request is served.
-    pub(super) fn with_key(stall: Duration, keyed: Arc<Keyed>, now: Instant) -> ServeConn {
+    /// `least`: what a connection must at least protect (`KVFERRY_AUTH_PROTECT` here).
+    pub(super) fn with_key(stall: Duration, keyed: Arc<Keyed>, least: Protect, now: Instant) -> ServeConn {
         let mut c = ServeConn::new(stall);
-        c.state = State::Hello { keyed, until: now + stall };
+        c.state = State::Hello { keyed, least, until: now + stall };
         c
+    }
+
+    /// What the bytes moved on this connection go as (`Headers`: as they are).
+    fn protect(&self) -> Protect {
+        self.sealed.as_ref().map_or(Protect::Headers, |s| s.protect)
     }
 
     /// Bytes of a request header as it comes on this connection.
@@ -262,7 +277,7 @@ impl ServeConn {
                 c.close(End::Unauthorized(why));
             }
         };
-        let State::Hello { keyed, until } = std::mem::replace(&mut self.state, State::Header) else { return };
+        let State::Hello { keyed, least, until } = std::mem::replace(&mut self.state, State::Header) else { return };
         let Some(announced) = tcp::auth_hello_len(&self.pre) else {
             let v2 = self.pre.get(..HEADER_LEN).and_then(|h| DataHeader::decode(h.try_into().ok()?).ok()).is_some_and(|h| h.v2);
             return refuse(self, v2, "a request before the cluster key's handshake: the initiator holds no KVFERRY_AUTH_KEY_FILE (or is a stock Mooncake engine)".into());
@@ -270,17 +285,23 @@ impl ServeConn {
         if announced < crate::auth::hello_len(0) as u64 || announced > crate::auth::MAX_HELLO_LEN as u64 {
             return refuse(self, true, format!("an opening frame announcing {announced} bytes, outside a handshake's {}..={}", crate::auth::hello_len(0), crate::auth::MAX_HELLO_LEN));
         }
+        let code = tcp::auth_hello_protect(self.pre[..HEADER_LEN].try_into().expect("a header's bytes"));
+        let asked = match Protect::from_code(code) {
+            Some(p) if p >= least => p,
+            Some(p) => return refuse(self, true, format!("the initiator asks KVFERRY_AUTH_PROTECT={} and this engine requires at least {}: set it there too", p.name(), least.name())),
+            None => return refuse(self, true, format!("the initiator asks for protection {code}, which this engine does not know (a newer kvferry?)")),
+        };
         if self.pre.len() < HEADER_LEN + announced as usize {
-            self.state = State::Hello { keyed, until };
+            self.state = State::Hello { keyed, least, until };
             return;
         }
         let hello = std::mem::take(&mut self.pre);
-        match keyed.answer(PROTOCOL, &hello[HEADER_LEN..]) {
+        match keyed.answer(protocol(asked), &hello[HEADER_LEN..]) {
             Ok((session, answer)) => {
                 self.out.extend_from_slice(&tcp::ANSWER_MAGIC.to_le_bytes());
                 self.out.extend_from_slice(&answer);
                 let (seal, open) = session.split();
-                self.sealed = Some(Session { seal, open, proof_by: Some(until) });
+                self.sealed = Some(Session { seal, open, proof_by: Some(until), protect: asked });
                 self.clock = HeaderClock::new(self.stall);
             }
             Err(r) => refuse(self, true, format!("the initiator's opening message: {r}")),
@@ -325,11 +346,16 @@ impl ServeConn {
                 self.large_write = h.size >= super::sockio::DIRECT_MIN as u64;
                 let gpu = guard.region().gpu;
                 self.state = State::Body { guard, addr: h.addr, len: h.size, got: 0, deadline, v2: h.v2, gpu, fill: 0, half: 0 };
+                match (self.protect(), &mut self.body_in) {
+                    (Protect::Headers, _) => {}
+                    (_, Some(u)) => u.reset(h.size),
+                    (p, none) => *none = Some(Unseal::new(p, h.size)),
+                }
             }
             Opcode::Read => {
                 self.large_write = false;
                 if let Some(gpu) = guard.region().gpu {
-                    return self.on_gpu_read(guard, gpu, &h, deadline);
+                    return self.on_gpu_read(guard, gpu, &h, deadline, now);
                 }
                 if h.v2 {
                     self.push_status(Status::Ok);
@@ -342,17 +368,43 @@ impl ServeConn {
                         return self.close(End::Revoked);
                     }
                     let src = unsafe { std::slice::from_raw_parts(h.addr as *const u8, h.size as usize) };
-                    self.out.extend_from_slice(src);
+                    match &mut self.sealed {
+                        Some(s) if s.protect != Protect::Headers => seal_chunk(s.protect, &mut s.seal, src, &mut self.out),
+                        _ => self.out.extend_from_slice(src),
+                    }
                 } else {
                     self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline, gpu: None, chunk_at: 0, chunk_len: 0, half: 0, next: 0 };
+                    self.fill_answer(now);
                 }
             }
         }
     }
 
-    /// Where the rest of the current WRITE body goes, to receive it straight into place;
-    /// `None` when no body is expected (or its range was revoked: the connection then closes).
+    /// Where the next bytes of the current WRITE body go, to receive them straight into
+    /// place (on a protected connection: into place up to the end of a `Payload` chunk, or
+    /// into the tail being received); `None` when no body is expected (or its range was
+    /// revoked: the connection then closes).
     pub(super) fn body(&mut self) -> Option<&mut [u8]> {
+        if !matches!(self.state, State::Body { .. }) {
+            return None;
+        }
+        let limit = match self.body_in.as_mut().map(Unseal::next) {
+            Some(Next::Tail) => {
+                self.into_tail = true;
+                return self.body_in.as_mut().map(Unseal::tail_mut);
+            }
+            Some(Next::Place(n)) => n,
+            None => usize::MAX,
+        };
+        self.into_tail = false;
+        let d = self.dest()?;
+        let k = d.len().min(limit);
+        Some(&mut d[..k])
+    }
+
+    /// Where the rest of the current WRITE body lands (memory, or the GPU pipe's half);
+    /// `None` when no body is expected (or its range was revoked: the connection then closes).
+    fn dest(&mut self) -> Option<&mut [u8]> {
         let State::Body { guard, addr, len, got, gpu, fill, half, .. } = &self.state else {
             return None;
         };
@@ -378,13 +430,53 @@ impl ServeConn {
         Some(unsafe { std::slice::from_raw_parts_mut((*addr + *got) as *mut u8, (*len - *got) as usize) })
     }
 
-    /// `n` bytes of the current WRITE body landed (through [`ServeConn::body`]).
+    /// `n` bytes of the current WRITE body landed (through [`ServeConn::body`]). On a
+    /// protected connection, bytes in place are hashed (`Payload`), and a whole tail is opened:
+    /// a digest that does not match, or a chunk that does not open, ends the connection
+    /// without answering the request.
     pub(super) fn on_body(&mut self, n: usize, now: Instant) {
+        let Some(mut u) = self.body_in.take().filter(|_| matches!(self.state, State::Body { .. })) else {
+            return self.landed(n, now);
+        };
+        if !self.into_tail {
+            if let Some(d) = self.dest() {
+                u.placed(&d[..n.min(d.len())]);
+            }
+            self.body_in = Some(u);
+            return self.landed(n, now);
+        }
+        if !u.tail_received(n) {
+            self.body_in = Some(u);
+            return self.handle_timeout(now);
+        }
+        let Some(mut s) = self.sealed.take() else { return self.close(End::Unauthorized("a protected body on a connection without a session".into())) };
+        let opened = match u.protect() {
+            Protect::Encrypt => match self.dest() {
+                Some(d) => u.open_tail(&mut s.open, d),
+                None => Err(crate::wire::WireError::Unsealed),
+            },
+            _ => u.open_tail(&mut s.open, &mut []),
+        };
+        self.sealed = Some(s);
+        let encrypt = u.protect() == Protect::Encrypt;
+        self.body_in = Some(u);
+        match opened {
+            Ok(k) if encrypt => self.landed(k, now),
+            Ok(_) => self.landed(0, now),
+            // (Nothing can be said to the sender: it is not the session's other side, or the
+            // bytes were altered on the way.)
+            Err(_) if matches!(self.state, State::Closed(_)) => {}
+            Err(_) => self.close(End::Unauthorized("a WRITE body's chunk that does not open under the connection's session, or whose digest does not match what landed (altered on the path): the request is not answered".into())),
+        }
+    }
+
+    /// `n` bytes of the current WRITE body are in place (received, or opened there).
+    fn landed(&mut self, n: usize, now: Instant) {
         let State::Body { guard, addr, len, got, gpu, fill, half, .. } = &mut self.state else {
             return;
         };
         *got += n as u64;
-        if let Some(gpu) = *gpu {
+        if let (Some(gpu), true) = (*gpu, n > 0) {
             *fill += n;
             if *fill == GPU_CHUNK || *got >= *len {
                 // A chunk (or the body's end) is in the bounce buffer: to the GPU, unless the
@@ -410,7 +502,8 @@ impl ServeConn {
         let State::Body { len, got, v2, .. } = &mut self.state else {
             return;
         };
-        if *got >= *len {
+        // (A protected body is whole once its every chunk opened.)
+        if *got >= *len && self.body_in.as_ref().is_none_or(Unseal::done) {
             if *v2 {
                 self.push_status(Status::Ok);
             }
@@ -420,9 +513,16 @@ impl ServeConn {
         }
     }
 
-    /// What to send now. Empty when nothing is waiting.
+    /// What to send now. Empty when nothing is waiting. (A protected answer leaves through
+    /// `out`, chunk by chunk: [`ServeConn::fill_answer`].)
     pub(super) fn transmit(&self) -> Transmit<'_> {
-        let body = match &self.state {
+        let body = if self.protect() == Protect::Headers { self.raw_answer() } else { &[] };
+        Transmit { out: &self.out, body }
+    }
+
+    /// What of a READ answer can be sent as it is now (from memory or the GPU pipe).
+    fn raw_answer(&self) -> &[u8] {
+        match &self.state {
             // SAFETY: admitted and guarded as in `body`; a revoked guard closes the
             // connection at the next `handle_timeout`, which the sender calls after every
             // system call, so at most the bytes of one call leave after revocation began
@@ -434,8 +534,7 @@ impl ServeConn {
             },
             State::Answer { addr, len, sent, .. } => unsafe { std::slice::from_raw_parts((*addr + *sent) as *const u8, (*len - *sent) as usize) },
             _ => &[],
-        };
-        Transmit { out: &self.out, body }
+        }
     }
 
     /// Whether sending must happen before more bytes are taken: a READ answer or a closing
@@ -455,6 +554,26 @@ impl ServeConn {
         let from_out = n.min(self.out.len());
         self.out.drain(..from_out);
         let rest = (n - from_out) as u64;
+        if self.protect() != Protect::Headers {
+            if matches!(self.state, State::Answer { .. }) {
+                if self.out.is_empty() {
+                    self.fill_answer(now);
+                }
+                return;
+            }
+        } else if matches!(self.state, State::Answer { .. }) {
+            return self.answered(rest, now);
+        }
+        if let State::Closing(_) = self.state {
+            if self.out.is_empty() {
+                let State::Closing(why) = std::mem::replace(&mut self.state, State::Header) else { unreachable!() };
+                self.state = State::Closed(why);
+            }
+        }
+    }
+
+    /// `rest` more bytes of the READ answer being sent left (or, protected, went into `out`).
+    fn answered(&mut self, rest: u64, now: Instant) {
         match &mut self.state {
             State::Answer { len, sent, gpu, chunk_at, chunk_len, .. } => {
                 *sent += rest;
@@ -551,7 +670,7 @@ impl ServeConn {
     /// A READ of GPU memory: its answer leaves from the bounce buffer, a chunk at a time,
     /// each copied device→host just before it is sent (the first before the status frame,
     /// so a failed copy is never answered OK).
-    fn on_gpu_read(&mut self, guard: RegionGuard, gpu: u32, h: &DataHeader, deadline: Instant) {
+    fn on_gpu_read(&mut self, guard: RegionGuard, gpu: u32, h: &DataHeader, deadline: Instant, now: Instant) {
         if guard.is_revoked() {
             return self.close(End::Revoked);
         }
@@ -563,7 +682,10 @@ impl ServeConn {
             if h.v2 {
                 self.push_status(Status::Ok);
             }
-            self.out.extend_from_slice(&data);
+            match &mut self.sealed {
+                Some(s) if s.protect != Protect::Headers => seal_chunk(s.protect, &mut s.seal, &data, &mut self.out),
+                _ => self.out.extend_from_slice(&data),
+            }
             return;
         }
         self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline, gpu: Some(gpu), chunk_at: 0, chunk_len: 0, half: 1, next: 0 };
@@ -571,6 +693,37 @@ impl ServeConn {
         if h.v2 && !matches!(self.state, State::Closed(_)) {
             self.push_status(Status::Ok);
         }
+        self.fill_answer(now);
+    }
+
+    /// A protected READ answer: when nothing else waits to be sent, its next chunk (at most
+    /// [`CHUNK`] bytes of what [`ServeConn::transmit`] would send as it is) goes into `out`
+    /// protected, and counts as sent.
+    fn fill_answer(&mut self, now: Instant) {
+        let Some(s) = &self.sealed else { return };
+        if s.protect == Protect::Headers || !self.out.is_empty() && self.out.len() >= MAX_OUT {
+            return;
+        }
+        if let State::Answer { guard, .. } = &self.state {
+            if guard.is_revoked() {
+                return self.close(End::Revoked);
+            }
+        } else {
+            return;
+        }
+        let (at, k) = {
+            let raw = self.raw_answer();
+            (raw.as_ptr(), raw.len().min(CHUNK))
+        };
+        // SAFETY: `at` points into registered memory (admitted, kept by the state's guard,
+        // not revoked: checked above) or into the GPU pipe's pinned buffer (a heap allocation
+        // of its own, neither freed nor written until `answered` below): neither is `out` nor
+        // the session, which are all this borrows mutably meanwhile.
+        let chunk = unsafe { std::slice::from_raw_parts(at, k) };
+        if let Some(s) = &mut self.sealed {
+            seal_chunk(s.protect, &mut s.seal, chunk, &mut self.out);
+        }
+        self.answered(k as u64, now);
     }
 
     /// Makes the chunk at `sent` of a GPU READ answer the current one: the first time its
@@ -631,10 +784,12 @@ impl ServeConn {
 /// `data` as an initiator would send it, however cut, checks that nothing outside the one
 /// registered page was touched, and returns how many bytes of the page changed. The first
 /// byte chooses: 0 a target without a key, 1 a target with a key fed `data` before any
-/// handshake (as it is), 2 a keyed target after a real handshake. In modes 0 and 2, `data` is
-/// requests: 24 bytes of header (its address taken as an offset from the page before the
-/// registered one, so requests land inside, across and outside it; sealed under the session in
-/// mode 2) followed by as many body bytes as the next byte says. The second byte sets the size
+/// handshake (as it is), 2, 3 and 4 a keyed target after a real handshake protecting
+/// headers, payload or everything. Otherwise `data` is requests: 24 bytes of header (its
+/// address taken as an offset from the page before the registered one, so requests land
+/// inside, across and outside it; sealed under the session after a handshake) followed by as
+/// many body bytes as the next byte says (protected as an initiator would when they are all of
+/// the body the header announces). The second byte sets the size
 /// of the pieces the bytes are cut into.
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) fn fuzz_drive(data: &[u8]) -> usize {
@@ -651,9 +806,11 @@ pub(crate) fn fuzz_drive(data: &[u8]) -> usize {
     let keyed = Arc::new(Keyed { key: Arc::clone(&key), names: vec!["t".into()] });
     let t0 = Instant::now();
     let stall = Duration::from_secs(1);
-    let mut c = match mode % 3 {
+    // Modes 2, 3, 4: after a handshake protecting headers, payload, or everything.
+    let protect = Protect::from_code((mode % 5).saturating_sub(2)).unwrap_or_default();
+    let mut c = match mode % 5 {
         0 => ServeConn::new(stall),
-        _ => ServeConn::with_key(stall, Arc::clone(&keyed), t0),
+        _ => ServeConn::with_key(stall, Arc::clone(&keyed), Protect::Headers, t0),
     };
     let mut now = t0;
     // Feeds bytes as cut; returns what the target sent meanwhile.
@@ -679,16 +836,16 @@ pub(crate) fn fuzz_drive(data: &[u8]) -> usize {
         out
     };
     let mut seal = None;
-    if mode % 3 == 2 {
-        let Ok((init, hello)) = crate::auth::Initiator::new(&key, super::proto::PROTOCOL, "t") else { return 0 };
-        let mut open = tcp::encode_auth_hello(hello.len()).to_vec();
+    if mode % 5 >= 2 {
+        let Ok((init, hello)) = crate::auth::Initiator::new(&key, protocol(protect), "t") else { return 0 };
+        let mut open = tcp::encode_auth_hello(hello.len(), protect.code()).to_vec();
         open.extend_from_slice(&hello);
         let answer = feed(&mut c, &open, &mut now);
         let Some(rest) = answer.get(8..) else { return 0 };
         let Ok(session) = init.finish(rest) else { return 0 };
         seal = Some(session.split().0);
     }
-    if mode % 3 == 1 {
+    if mode % 5 == 1 {
         feed(&mut c, data, &mut now);
     } else {
         let mut rest = data;
@@ -702,7 +859,13 @@ pub(crate) fn fuzz_drive(data: &[u8]) -> usize {
                 None => wire.extend_from_slice(&hdr),
             }
             let body = usize::from(rest.get(HEADER_LEN).copied().unwrap_or(0)).min(rest.len() - HEADER_LEN - 1);
-            wire.extend_from_slice(&rest[HEADER_LEN + 1..HEADER_LEN + 1 + body]);
+            match &mut seal {
+                // (As a protected initiator sends a body; a body cut short is sent as it is.)
+                Some(s) if protect != Protect::Headers && u64::from_le_bytes(hdr[0..8].try_into().expect("8 bytes")) == body as u64 => {
+                    super::proto::seal_body(protect, s, &rest[HEADER_LEN + 1..HEADER_LEN + 1 + body], &mut wire)
+                }
+                _ => wire.extend_from_slice(&rest[HEADER_LEN + 1..HEADER_LEN + 1 + body]),
+            }
             feed(&mut c, &wire, &mut now);
             rest = &rest[HEADER_LEN + 1 + body..];
         }
@@ -748,6 +911,18 @@ mod tests {
         all.extend_from_slice(t.body);
         c.on_sent(all.len(), now);
         all
+    }
+
+    /// Everything the connection sends until it has nothing more (as `server.rs` `send`).
+    fn drain_all(c: &mut ServeConn, now: Instant) -> Vec<u8> {
+        let mut all = Vec::new();
+        loop {
+            let d = drain(c, now);
+            if d.is_empty() {
+                return all;
+            }
+            all.extend_from_slice(&d);
+        }
     }
 
     #[test]
@@ -936,7 +1111,7 @@ mod tests {
     /// The initiator's side (`proto::AuthOpen`), dialing `segment`, run against a target's
     /// machine, the bytes fed `chunk` at a time: the session, or how the target refused.
     fn handshake(c: &mut ServeConn, m: &Mem, initiator: &crate::auth::ClusterKey, segment: &str, chunk: usize, now: Instant) -> Result<(Sealer, Opener), crate::batch::Failure> {
-        let open = super::super::proto::AuthOpen::new(initiator, segment, "t")?;
+        let open = super::super::proto::AuthOpen::new(initiator, segment, Protect::Headers, "t")?;
         for part in open.hello().chunks(chunk) {
             c.handle_bytes(&m.reg, part, now);
         }
@@ -972,7 +1147,7 @@ mod tests {
         let data = vec![0xAB; 64];
         // A WRITE with no handshake: refused, nothing lands.
         for v2 in [true, false] {
-            let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
+            let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
             let mut bytes = hdr(Opcode::Write, m.addr(0), 64, v2);
             bytes.extend_from_slice(&data);
             c.handle_bytes(&m.reg, &bytes, t0);
@@ -982,26 +1157,26 @@ mod tests {
             assert_eq!(&m.buf[..64], &mem(64).buf[..], "nothing written");
         }
         // A READ with no handshake: nothing of the memory leaves.
-        let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
+        let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
         c.handle_bytes(&m.reg, &hdr(Opcode::Read, m.addr(0), 64, true), t0);
         assert_eq!(drain(&mut c, t0), encode_status(Status::Unauthorized).to_vec());
         // Another key, another segment's name, an opening frame announcing more than a
         // handshake's size: refused at once.
-        let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
+        let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
         let e = handshake(&mut c, &m, &key('b'), "t", 7, t0).expect_err("another key");
         assert_eq!(e.cause, crate::batch::FailCause::Unauthorized);
         assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("another key")), "{:?}", c.closed());
-        let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
+        let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
         handshake(&mut c, &m, &key('a'), "other-segment", 7, t0).expect_err("misdirected");
         assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("other-segment")), "{:?}", c.closed());
-        let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
-        c.handle_bytes(&m.reg, &tcp::encode_auth_hello(1 << 40), t0);
+        let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
+        c.handle_bytes(&m.reg, &tcp::encode_auth_hello(1 << 40, 0), t0);
         assert_eq!(drain(&mut c, t0), encode_status(Status::Unauthorized).to_vec());
         assert!(matches!(c.closed(), Some(End::Unauthorized(_))));
         // The key, a byte at a time: then a sealed WRITE lands and is answered sealed; a plain
         // header, or a sealed one altered or replayed, closes the connection untouched.
         for bad in ["plain", "altered", "replayed"] {
-            let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
+            let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
             let (mut seal, mut open) = handshake(&mut c, &m, &key('a'), "/t", 1, t0).expect("the same key");
             assert!(!c.proved(), "not before a sealed header opened");
             let h = sealed_hdr(&mut seal, Opcode::Write, m.addr(0), 64);
@@ -1030,21 +1205,129 @@ mod tests {
             assert_eq!(&m.buf[..64], &mem(64).buf[..], "{bad}: nothing written");
         }
         // A handshake begun and not finished within `stall` of the connection's start.
-        let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
+        let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
         assert_eq!(c.poll_timeout(), Some(t0 + STALL));
-        c.handle_bytes(&m.reg, &tcp::encode_auth_hello(80)[..10], t0);
+        c.handle_bytes(&m.reg, &tcp::encode_auth_hello(80, 0)[..10], t0);
         c.handle_timeout(t0 + STALL);
         assert_eq!(c.closed(), Some(&End::Overdue));
         // Nor may an idle unproved connection wait, before or after the handshake: it holds
         // one of the server's threads and a place among the unproved.
-        let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
+        let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
         c.handle_timeout(t0 + STALL);
         assert_eq!(c.closed(), Some(&End::Overdue));
-        let mut c = ServeConn::with_key(STALL, keyed('a'), t0);
+        let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
         let _session = handshake(&mut c, &m, &key('a'), "t", 64, t0).expect("handshake");
         assert_eq!(c.poll_timeout(), Some(t0 + STALL), "the proof is still due");
         c.handle_timeout(t0 + STALL);
         assert_eq!(c.closed(), Some(&End::Overdue));
+    }
+
+    /// The initiator's side of a handshake asking for `protect`, against a target requiring at
+    /// least `least`: the session, or the target's refusal.
+    fn protected_handshake(c: &mut ServeConn, m: &Mem, protect: Protect, now: Instant) -> Result<(Sealer, Opener), crate::batch::Failure> {
+        let open = super::super::proto::AuthOpen::new(&key('a'), "t", protect, "t")?;
+        c.handle_bytes(&m.reg, open.hello(), now);
+        let answer = drain(c, now);
+        open.on_answer(answer[..STATUS_LEN].try_into().unwrap(), "t")?;
+        open.finish(&answer[STATUS_LEN..], "t")
+    }
+
+    /// With the bytes moved protected (`payload`, `encrypt`): a WRITE of several chunks,
+    /// however cut, lands and is answered; one byte of it altered on the way (in a chunk, or in
+    /// its digest) leaves the request unanswered and the connection closed; a READ of several
+    /// chunks leaves protected and the initiator's machine takes it back byte for byte, and
+    /// refuses it altered. A target requiring more than the initiator asks refuses it.
+    #[test]
+    fn protected_bodies_land_and_leave_whole_and_altered_ones_are_refused() {
+        let t0 = Instant::now();
+        let len = 3 * CHUNK + 100;
+        for protect in [Protect::Payload, Protect::Encrypt] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+            for cut in [1000usize, 65536, usize::MAX] {
+                let m = mem(len);
+                let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
+                let (mut seal, mut open) = protected_handshake(&mut c, &m, protect, t0).expect("handshake");
+                let mut wire = sealed_hdr(&mut seal, Opcode::Write, m.addr(0), len as u64);
+                super::super::proto::seal_body(protect, &mut seal, &data, &mut wire);
+                assert_eq!(wire.len() as u64, SEALED_HEADER_LEN as u64 + super::super::proto::body_wire_len(protect, len as u64));
+                if protect == Protect::Encrypt {
+                    assert!(!wire.windows(64).any(|w| w == &data[..64]), "the bytes do not travel in the clear");
+                }
+                for piece in wire.chunks(cut.min(wire.len())) {
+                    let mut piece = piece;
+                    while !piece.is_empty() {
+                        let n = c.handle_bytes(&m.reg, piece, t0);
+                        piece = &piece[n..];
+                        if n == 0 {
+                            // Straight into place, as the connection thread does.
+                            let dst = c.body().expect("a body expected");
+                            let k = dst.len().min(piece.len());
+                            dst[..k].copy_from_slice(&piece[..k]);
+                            c.on_body(k, t0);
+                            piece = &piece[k..];
+                        }
+                    }
+                }
+                assert_eq!(opened(&mut open, &drain(&mut c, t0)), Status::Ok, "{protect:?}, pieces of {cut}");
+                assert_eq!(&m.buf[..len], &data[..], "{protect:?}, pieces of {cut}");
+            }
+            // Altered on the way: the last chunk's first byte, and the first chunk's last byte
+            // of tail (digest or tag).
+            for at in [SEALED_HEADER_LEN + 3 * (CHUNK + super::super::proto::chunk_overhead(protect)), SEALED_HEADER_LEN + CHUNK + super::super::proto::chunk_overhead(protect) - 1] {
+                let m = mem(len);
+                let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
+                let (mut seal, _) = protected_handshake(&mut c, &m, protect, t0).expect("handshake");
+                let mut wire = sealed_hdr(&mut seal, Opcode::Write, m.addr(0), len as u64);
+                super::super::proto::seal_body(protect, &mut seal, &data, &mut wire);
+                wire[at] ^= 0x20;
+                c.handle_bytes(&m.reg, &wire, t0);
+                assert!(drain(&mut c, t0).is_empty(), "{protect:?} altered at {at}: not answered");
+                assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("does not open")), "{protect:?}: {:?}", c.closed());
+            }
+            // A READ of several chunks, and a small one, read back through the initiator's
+            // machine.
+            for rlen in [len, 100] {
+                let m = mem(len);
+                let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
+                let (mut seal, mut open) = protected_handshake(&mut c, &m, protect, t0).expect("handshake");
+                c.handle_bytes(&m.reg, &sealed_hdr(&mut seal, Opcode::Read, m.addr(0), rlen as u64), t0);
+                let wire = drain_all(&mut c, t0);
+                assert_eq!(wire.len() as u64, tcp::SEALED_STATUS_LEN as u64 + super::super::proto::body_wire_len(protect, rlen as u64));
+                let mut local = vec![0u8; rlen];
+                let mut a = super::super::proto::Answer::protected(Opcode::Read, rlen as u64, true, Some(protect));
+                let mut pos = 0;
+                while !a.done() {
+                    let end = (pos + 777).min(wire.len());
+                    pos += a.handle_bytes(&wire[pos..end], &mut local, Some(&mut open)).expect("opens");
+                }
+                assert_eq!(pos, wire.len());
+                assert_eq!(&local[..], &m.buf[..rlen], "{protect:?}: the READ back");
+                // Altered: refused by the initiator's machine.
+                let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
+                let (mut seal, mut open) = protected_handshake(&mut c, &m, protect, t0).expect("handshake");
+                c.handle_bytes(&m.reg, &sealed_hdr(&mut seal, Opcode::Read, m.addr(0), rlen as u64), t0);
+                let mut wire = drain_all(&mut c, t0);
+                let last = wire.len() - 1;
+                wire[last] ^= 1;
+                let mut a = super::super::proto::Answer::protected(Opcode::Read, rlen as u64, true, Some(protect));
+                assert_eq!(a.handle_bytes(&wire[..tcp::SEALED_STATUS_LEN], &mut local, Some(&mut open)), Ok(tcp::SEALED_STATUS_LEN));
+                let mut r = Ok(0);
+                let mut pos = tcp::SEALED_STATUS_LEN;
+                while r.is_ok() && pos < wire.len() {
+                    r = a.handle_bytes(&wire[pos..], &mut local, Some(&mut open));
+                    pos += *r.as_ref().unwrap_or(&0);
+                }
+                assert_eq!(r, Err(crate::wire::WireError::Unsealed), "{protect:?}: an altered READ answer");
+                assert!(!a.done());
+            }
+        }
+        // Less than the target requires: refused, saying what to set.
+        let m = mem(64);
+        let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Encrypt, t0);
+        assert!(protected_handshake(&mut c, &m, Protect::Payload, t0).is_err());
+        assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("KVFERRY_AUTH_PROTECT=payload") && why.contains("encrypt")), "{:?}", c.closed());
+        let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Payload, t0);
+        assert!(protected_handshake(&mut c, &m, Protect::Encrypt, t0).is_ok(), "more than required is served");
     }
 
     /// A target without a key answers an initiator holding one `Unauthorized` (the initiator

@@ -2,7 +2,7 @@
 
 use super::serve::{End, ServeConn};
 use super::sockio::*;
-use crate::auth::{Keyed, Unproved};
+use crate::auth::{Keyed, Protect, Unproved};
 use crate::memory::MemoryRegistry;
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Read, Write};
@@ -67,12 +67,12 @@ impl TcpServer {
     /// Serves `listener` until [`TcpServer::shutdown`]. `stall` bounds how long a request may
     /// take (plus 1 ns per byte, as the initiator's deadline) before the connection is
     /// dropped. A revoked range (unregister) shuts down the connections holding it.
-    pub fn start(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration, auth: Option<Arc<Keyed>>) -> io::Result<TcpServer> {
+    pub fn start(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration, auth: Option<(Arc<Keyed>, Protect)>) -> io::Result<TcpServer> {
         Self::start_capped(listener, registry, stall, spin, MAX_DATA_CONNS, auth)
     }
 
     /// [`TcpServer::start`] serving at most `max_conns` connections at once.
-    fn start_capped(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration, max_conns: usize, auth: Option<Arc<Keyed>>) -> io::Result<TcpServer> {
+    fn start_capped(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration, max_conns: usize, auth: Option<(Arc<Keyed>, Protect)>) -> io::Result<TcpServer> {
         let port = listener.local_addr()?.port();
         let listener = Arc::new(listener);
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -207,7 +207,7 @@ fn serve_conn(
     spin: Duration,
     shutdown: &AtomicBool,
     holding: &AtomicU64,
-    auth: Option<Arc<Keyed>>,
+    auth: Option<(Arc<Keyed>, Protect)>,
     mut place: Option<crate::auth::Pass>,
 ) -> io::Result<()> {
     s.set_nodelay(true)?;
@@ -216,7 +216,7 @@ fn serve_conn(
     keepalive(s);
     let mut rx = RxBuf::new();
     let mut c = match auth {
-        Some(key) => ServeConn::with_key(stall, key, Instant::now()),
+        Some((key, protect)) => ServeConn::with_key(stall, key, protect, Instant::now()),
         None => ServeConn::new(stall),
     };
     let _holding = Holding(holding);
