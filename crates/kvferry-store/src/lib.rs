@@ -19,6 +19,9 @@ pub mod proto;
 pub mod server;
 
 pub use client::{Client, ClientConfig, Staged};
+pub use error::{StoreError, StoreResult};
+pub use master::{Master, MasterConfig, Strategy};
+pub use proto::{ReplicateConfig, SoftPin};
 
 /// The unit tests' allocator: counts, per thread, the bytes allocated and not freed, and
 /// their peak ([`alloc_count::peak_during`]).
@@ -79,6 +82,3 @@ pub(crate) mod alloc_count {
         (r, (PEAK.with(|p| p.get()) - base).max(0) as usize)
     }
 }
-pub use error::{StoreError, StoreResult};
-pub use master::{Master, MasterConfig, Strategy};
-pub use proto::{ReplicateConfig, SoftPin};
