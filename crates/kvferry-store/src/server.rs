@@ -1,4 +1,12 @@
 //! The master on the network: one thread per RPC connection, one ticker thread.
+//!
+//! With the cluster key (`Master::auth`), a connection is served only once it proved the key
+//! (`prove`): until then it holds one of at most [`MAX_UNPROVED`] places
+//! ([`MAX_UNPROVED_PER_IP`] per source address; more are closed at accept), for at most
+//! [`PROOF_DEADLINE`], reads at most a handshake-sized first frame into a fixed buffer, and
+//! nothing of it is decoded or served. After the proof every frame both ways is sealed.
+//! Without a key nothing on the wire changes; a request frame then costs at most its length
+//! and `proto::decode_bound` of it in heap while it is decoded.
 
 use crate::error::StoreError;
 use crate::master::{Attempt, Master, PutId, State, OP_NAMES};
@@ -439,7 +447,7 @@ const NEEDS_KEY: &str = "this master requires the cluster key: set KVFERRY_AUTH_
 
 /// How long a connection to a master holding the cluster key has, from its accept, to prove
 /// the key: the handshake and its first sealed frame, whole. Until then the connection holds
-/// one of the [`Unproved`] places, and nothing of it is decoded or served.
+/// one of the `Unproved` places, and nothing of it is decoded or served.
 pub const PROOF_DEADLINE: Duration = Duration::from_secs(5);
 
 /// The most connections not yet proved (`PROOF_DEADLINE`) a master holding the cluster key
