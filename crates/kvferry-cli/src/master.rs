@@ -102,7 +102,9 @@ pub struct MasterArgs {
     #[arg(long)]
     pub etcd_endpoints: Option<String>,
     /// HA namespace: the leader key is `mooncake-store/<cluster_id>/master_view` (default:
-    /// $MC_STORE_CLUSTER_ID, else mooncake_cluster).
+    /// $MC_STORE_CLUSTER_ID, else mooncake_cluster). With KVFERRY_AUTH_KEY_FILE, with or
+    /// without HA, clients dial this cluster (their KVFERRY_STORE_CLUSTER_ID /
+    /// MC_STORE_CLUSTER_ID, else mooncake_cluster) and others are refused.
     #[arg(long)]
     pub cluster_id: Option<String>,
     /// TTL of the leader's etcd lease (whole seconds, at least 1 s): a standby takes over
@@ -383,6 +385,7 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     if a.http_auth_all && master.auth.is_none() {
         return Err("--http-auth-all needs the cluster key: set KVFERRY_AUTH_KEY_FILE to the cluster's key file (without a key every HTTP route is open)".into());
     }
+    master.cluster_id = kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env.store_cluster_id.as_deref());
     let master = Arc::new(master);
     let ha = ha_config(&a, rpc_port, env.store_cluster_id.as_deref())?;
     if let Some(h) = &ha {
@@ -465,7 +468,7 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     let _ = std::io::stdout().flush();
     eprintln!("kvferry master listening on {}:{} (RPC){}", a.host, server.port(), http_port.map(|p| format!(", {}:{p} (HTTP)", a.metrics_host.unwrap_or(a.host))).unwrap_or_default());
     if master.auth.is_some() {
-        eprintln!("kvferry master: clients must prove the cluster key (KVFERRY_AUTH_KEY_FILE) before any request; clients without it are refused");
+        eprintln!("kvferry master: clients of cluster {:?} must prove the cluster key (KVFERRY_AUTH_KEY_FILE) before any request; clients without it, or dialing another cluster, are refused", master.cluster_id);
         let open = if a.http_auth_all { "every HTTP route needs" } else { "the HTTP routes showing the store's contents need" };
         eprintln!("kvferry master: {open} a request signed with the cluster key (X-Kvferry-Auth){}", if metadata.is_some() { ", and so do the embedded metadata server's writes" } else { "" });
     }

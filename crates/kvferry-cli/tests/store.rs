@@ -1003,47 +1003,64 @@ fn a_write_still_running_across_a_master_restart_keeps_new_puts_out_of_its_segme
     assert!(intact(&c.get("new").unwrap()));
 }
 
-/// With `KVFERRY_AUTH_KEY_FILE` set where the master runs, it serves only clients that prove
-/// the same cluster key (and that it proves it to them), on every connection; a client
-/// without the key, with another key, or a raw connection that skips the exchange is refused
-/// at once with the reason (no retries: a key does not appear by waiting), and a client
-/// holding a key refuses a master without one. A client in the first step of a key change
-/// (its old key first, the new one second) is still served.
-#[test]
-fn a_master_with_a_cluster_key_serves_only_clients_that_prove_it_and_says_why_to_others() {
+/// A key file only its owner may read (`ClusterKey::load` refuses others).
+fn key_file(dir: &std::path::Path, name: &str, text: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join(name);
+    std::fs::write(&p, text).expect("write a key file");
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).expect("chmod 600");
+    p
+}
+
+/// A store client of master `addr` holding the key in `key` (if any), of store cluster
+/// `cluster` (`KVFERRY_STORE_CLUSTER_ID`; `None`: mooncake_cluster), contributing 4 MiB;
+/// set up within 5 s, served or refused.
+fn keyed_client(addr: &str, key: Option<&std::path::Path>, cluster: Option<&str>) -> Result<Client, StoreError> {
     use kvferry::{Config, TransferEngine};
-    use std::sync::Arc;
-    let dir = tempfile::tempdir().expect("temporary directory");
-    let file = |name: &str, text: &str| {
-        let p = dir.path().join(name);
-        std::fs::write(&p, text).expect("write a key file");
-        p
-    };
-    let (a, b) = ("a".repeat(64), "b".repeat(64));
-    let (key_a, key_b, old_then_new) = (file("a", &format!("{a}\n")), file("b", &b), file("ab", &format!("# old first\n{a}\n{b}\n")));
-    let m = Proc::start_with(&["master", "--metrics-port", "0", "--summary-interval", "0", "--port", "0"], &[("KVFERRY_AUTH_KEY_FILE", key_a.to_str().expect("path"))], "KVFERRY_MASTER");
-    let addr = m.field("rpc=");
-    let setup = |addr: &str, key: Option<&std::path::Path>| {
-        let engine = TransferEngine::new(Config { auth_key_file: key.map(Into::into), ..Config::default() }).expect("engine");
-        let cfg = ClientConfig { local_hostname: String::new(), global_segment_size: 4 << 20, local_buffer_size: 4 << 20, master_server_addr: addr.to_string(), ..ClientConfig::default() };
-        let t = Instant::now();
-        let c = Client::with_engine(cfg, Arc::new(engine), None);
-        assert!(t.elapsed() < Duration::from_secs(5), "answered at once: {:?}", t.elapsed());
-        c
-    };
-    let refused = |c: Result<Client, StoreError>, what: &str| match c {
+    let engine = TransferEngine::new(Config { auth_key_file: key.map(Into::into), store_cluster_id: cluster.map(Into::into), ..Config::default() }).expect("engine");
+    let cfg = ClientConfig { local_hostname: String::new(), global_segment_size: 4 << 20, local_buffer_size: 4 << 20, master_server_addr: addr.to_string(), ..ClientConfig::default() };
+    let t = Instant::now();
+    let c = Client::with_engine(cfg, std::sync::Arc::new(engine), None);
+    assert!(t.elapsed() < Duration::from_secs(5), "answered at once: {:?}", t.elapsed());
+    c
+}
+
+/// A keyed master (`KVFERRY_AUTH_KEY_FILE` = `key`) of store cluster `cluster`.
+fn keyed_master(key: &std::path::Path, cluster: &str) -> Proc {
+    Proc::start_with(&["master", "--metrics-port", "0", "--summary-interval", "0", "--port", "0"], &[("KVFERRY_AUTH_KEY_FILE", key.to_str().expect("path")), ("KVFERRY_STORE_CLUSTER_ID", cluster)], "KVFERRY_MASTER")
+}
+
+fn refused(c: Result<Client, StoreError>, what: &str) -> String {
+    match c {
         Err(StoreError::Unauthorized(why)) if why.contains(what) => why,
         Err(e) => panic!("expected Unauthorized saying {what:?}: {e}"),
-        Ok(_) => panic!("served without the cluster key ({what})"),
-    };
+        Ok(_) => panic!("served ({what})"),
+    }
+}
+
+/// With `KVFERRY_AUTH_KEY_FILE` set where the master runs, it serves only clients that prove
+/// the same cluster key (and that it proves it to them) towards its cluster, on every
+/// connection; a client without the key, with another key, of another cluster, or a raw
+/// connection that skips the handshake is refused at once with the reason (no retries: a key
+/// does not appear by waiting), and a client holding a key refuses a master without one. A
+/// client in the first step of a key change (its old key first, the new one second) is still
+/// served.
+#[test]
+fn a_master_with_a_cluster_key_serves_only_clients_that_prove_it_and_says_why_to_others() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let (a, b) = ("a".repeat(64), "b".repeat(64));
+    let (key_a, key_b, old_then_new) = (key_file(dir.path(), "a", &format!("{a}\n")), key_file(dir.path(), "b", &b), key_file(dir.path(), "ab", &format!("# old first\n{a}\n{b}\n")));
+    let m = keyed_master(&key_a, "kvf-test");
+    let addr = m.field("rpc=");
     for key in [&key_a, &old_then_new] {
-        let c = setup(&addr, Some(key)).unwrap_or_else(|e| panic!("a client holding the key ({}): {e}", key.display()));
+        let c = keyed_client(&addr, Some(key), Some("kvf-test")).unwrap_or_else(|e| panic!("a client holding the key ({}): {e}", key.display()));
         c.put("k", &value("k", 1, 4096), &ReplicateConfig::default()).expect("put");
         assert_eq!(c.get("k").expect("get"), value("k", 1, 4096));
         let _ = c.close();
     }
-    eprintln!("{}", refused(setup(&addr, None), "set KVFERRY_AUTH_KEY_FILE on this client"));
-    eprintln!("{}", refused(setup(&addr, Some(&key_b)), "another key"));
+    eprintln!("{}", refused(keyed_client(&addr, None, Some("kvf-test")), "set KVFERRY_AUTH_KEY_FILE on this client"));
+    eprintln!("{}", refused(keyed_client(&addr, Some(&key_b), Some("kvf-test")), "another key"));
+    eprintln!("{}", refused(keyed_client(&addr, Some(&key_a), None), "serves another cluster"));
     // A raw connection that sends a request first: the reason, then the connection closes.
     let mut raw = std::net::TcpStream::connect(&addr).expect("connect");
     raw.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
@@ -1052,5 +1069,307 @@ fn a_master_with_a_cluster_key_serves_only_clients_that_prove_it_and_says_why_to
     assert_eq!(raw.read(&mut [0u8; 1]).expect("read"), 0, "the master closed the connection");
     // A master without a key, to a client holding one.
     let open = master(&[]);
-    eprintln!("{}", refused(setup(&open.field("rpc="), Some(&key_a)), "has no cluster key"));
+    eprintln!("{}", refused(keyed_client(&open.field("rpc="), Some(&key_a), None), "has no cluster key"));
+}
+
+/// Reads one plain frame (length prefix and body) from `s`, as it came.
+fn plain_frame(s: &mut std::net::TcpStream) -> Vec<u8> {
+    let mut f = vec![0u8; 4];
+    s.read_exact(&mut f).expect("a frame's length");
+    let n = u32::from_le_bytes(f[..4].try_into().unwrap()) as usize;
+    assert!(n < 1 << 16, "a handshake's frame of {n} bytes");
+    f.resize(4 + n, 0);
+    s.read_exact(&mut f[4..]).expect("a frame's body");
+    f
+}
+
+/// What a keyless relay does after forwarding a connection's handshake.
+enum Then {
+    /// Sends these bytes of its own to the master first.
+    Inject(Vec<u8>),
+    /// Flips a bit of the client's next bytes.
+    Alter,
+    /// Forwards everything as it is.
+    Pass,
+}
+
+/// A keyless host on the path: takes one connection, opens one to `to`, forwards the
+/// handshake's two plain frames as they are, then does `then` and forwards both ways until
+/// either side closes. Its address.
+fn relay(to: String, then: Then) -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let at = l.local_addr().expect("addr").to_string();
+    std::thread::spawn(move || {
+        let (mut c, _) = l.accept().expect("accept");
+        drop(l);
+        let mut m = std::net::TcpStream::connect(&to).expect("connect to the master");
+        for s in [&c, &m] {
+            s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        }
+        m.write_all(&plain_frame(&mut c)).expect("forward the hello");
+        c.write_all(&plain_frame(&mut m)).expect("forward the answer");
+        match then {
+            Then::Inject(bytes) => m.write_all(&bytes).expect("inject"),
+            Then::Alter => {
+                let mut buf = vec![0u8; 1 << 16];
+                let n = c.read(&mut buf).expect("the client's next bytes");
+                buf[n - 1] ^= 1;
+                m.write_all(&buf[..n]).expect("forward");
+            }
+            Then::Pass => {}
+        }
+        let (mut c2, mut m2) = (c.try_clone().expect("clone"), m.try_clone().expect("clone"));
+        let up = std::thread::spawn(move || {
+            let _ = std::io::copy(&mut c2, &mut m2);
+            let _ = m2.shutdown(std::net::Shutdown::Write);
+        });
+        let _ = std::io::copy(&mut m, &mut c);
+        let _ = c.shutdown(std::net::Shutdown::Both);
+        let _ = up.join();
+    });
+    at
+}
+
+/// A keyless host relaying a keyed client's connection to a keyed master forwards the
+/// handshake, then injects a request of its own (two removals of an object) or alters the
+/// client's first sealed frame by one bit: the master refuses the connection, applies
+/// nothing (the object stays, the relayed client's segment is not mounted), and the client
+/// behind the relay reads why. Relayed to a master of another cluster (same key), the
+/// client's handshake is refused as meant for another master. The relay that only forwards
+/// is served.
+#[test]
+fn a_keyless_relay_can_neither_inject_nor_alter_a_keyed_clients_requests_nor_redirect_its_handshake() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let key = key_file(dir.path(), "k", &"k".repeat(64));
+    let m = keyed_master(&key, "kvf-test");
+    let (addr, http) = (m.field("rpc="), m.field("http="));
+    let c = keyed_client(&addr, Some(&key), Some("kvf-test")).expect("a client holding the key");
+    c.put("victim", &value("victim", 1, 4096), &ReplicateConfig::default()).expect("put");
+    let segments = common::master_segments(&http);
+    let remove = proto::Request::Remove { key: "victim".into(), force: true };
+    let inject = proto::encode(&proto::Request::Batch(vec![remove.clone(), remove])).expect("encode");
+    let why = refused(keyed_client(&relay(addr.clone(), Then::Inject(inject)), Some(&key), Some("kvf-test")), "does not open under this connection's session");
+    eprintln!("injected: {why}");
+    assert!(c.is_exist("victim").expect("exist"), "the injected removal was not applied");
+    let why = refused(keyed_client(&relay(addr.clone(), Then::Alter), Some(&key), Some("kvf-test")), "does not open under this connection's session");
+    eprintln!("altered: {why}");
+    assert_eq!(common::master_segments(&http), segments, "the altered mount was not applied");
+    assert!(c.is_exist("victim").expect("exist"));
+    // To a master of another cluster holding the same key.
+    let other = keyed_master(&key, "kvf-other");
+    let why = refused(keyed_client(&relay(other.field("rpc="), Then::Pass), Some(&key), Some("kvf-test")), "serves another cluster");
+    assert!(why.contains("master/kvf-test") && why.contains("master/kvf-other"), "{why}");
+    // Forwarding alone changes nothing.
+    let relayed = keyed_client(&relay(addr.clone(), Then::Pass), Some(&key), Some("kvf-test")).expect("served through a relay that only forwards");
+    assert!(relayed.is_exist("victim").expect("exist"));
+    let _ = relayed.close();
+    let _ = c.close();
+}
+
+/// A keyed client's handshake and first sealed request, captured on the wire and replayed on
+/// a new connection: the master answers the replayed hello (it holds nothing fresh from the
+/// master) but the request does not open under the new session: refused, nothing applied
+/// (the captured request mounted a segment, which the real client then unmounted).
+#[test]
+fn a_replayed_handshake_and_request_are_refused_and_nothing_applied() {
+    use kvferry::auth::{frame_body_len, ClusterKey, Initiator, FRAME_HEAD_LEN};
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = key_file(dir.path(), "k", &"k".repeat(64));
+    let key = ClusterKey::load(&path).expect("key");
+    let m = keyed_master(&path, "kvf-test");
+    let (addr, http) = (m.field("rpc="), m.field("http="));
+    let before = common::master_segments(&http);
+    let mut c = std::net::TcpStream::connect(&addr).expect("connect");
+    c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let (init, hello) = Initiator::new(&key, proto::STORE_RPC, &proto::master_identity("kvf-test")).expect("hello");
+    let hello = proto::encode(&proto::Request::AuthHello { hello }).expect("encode");
+    c.write_all(&hello).expect("send");
+    let answer = match proto::decode(&plain_frame(&mut c)[4..]).expect("decode") {
+        proto::Response::AuthChallenge { answer } => answer,
+        other => panic!("{other:?}"),
+    };
+    let (mut sealer, mut opener) = init.finish(&answer).expect("the master proves the key").split();
+    let mut call = |req: &proto::Request, wire: &mut Vec<u8>| {
+        wire.clear();
+        sealer.seal_frame(&proto::encode(req).expect("encode")[4..], wire);
+        c.write_all(wire).expect("send");
+        let mut head = [0u8; FRAME_HEAD_LEN];
+        c.read_exact(&mut head).expect("answer");
+        let n = opener.open_frame_head(&head, proto::MAX_FRAME).expect("opens");
+        let mut sealed = vec![0u8; frame_body_len(n)];
+        c.read_exact(&mut sealed).expect("answer");
+        let mut body = Vec::new();
+        opener.open_frame_body(&sealed, &mut body).expect("opens");
+        proto::decode::<proto::Response>(&body).expect("decode")
+    };
+    let segment = proto::Segment { id: 77, name: "replayed".into(), te_endpoint: "127.0.0.1:9".into(), base: 1 << 40, size: 1 << 20 };
+    let mut first = Vec::new();
+    assert_eq!(call(&proto::Request::MountSegment { client: 77, segment }, &mut first), proto::Response::Ok);
+    assert!(common::master_segments(&http).contains("replayed"));
+    assert_eq!(call(&proto::Request::UnmountSegment { client: 77, segment: 77 }, &mut Vec::new()), proto::Response::Ok);
+    assert_eq!(common::master_segments(&http), before);
+    // The replay.
+    let mut r = std::net::TcpStream::connect(&addr).expect("connect");
+    r.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    r.write_all(&hello).expect("replay the hello");
+    assert!(matches!(proto::decode(&plain_frame(&mut r)[4..]), Ok(proto::Response::AuthChallenge { .. })), "a replayed hello is answered");
+    r.write_all(&first).expect("replay the request");
+    let mut rest = Vec::new();
+    let _ = r.read_to_end(&mut rest);
+    assert!(rest.len() < 1024, "a sealed refusal the replayer cannot open, then the end: {} bytes", rest.len());
+    assert_eq!(common::master_segments(&http), before, "the replayed mount was not applied");
+}
+
+/// `Threads` and `VmRSS` (KiB) of process `pid`, from `/proc/<pid>/status`.
+fn threads_and_rss(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/<pid>/status");
+    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{name} in {status}"));
+    (field("Threads:"), field("VmRSS:"))
+}
+
+/// A TCP connection to `to` from the local address `from`.
+fn connect_from(from: std::net::IpAddr, to: std::net::SocketAddr) -> std::io::Result<std::net::TcpStream> {
+    use rustix::net::{AddressFamily, SocketType};
+    let fd = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None)?;
+    rustix::net::bind(&fd, &std::net::SocketAddr::new(from, 0))?;
+    rustix::net::connect(&fd, &to)?;
+    Ok(std::net::TcpStream::from(fd))
+}
+
+/// A flood without the key against a keyed master, from one address (127.0.0.2): 1000
+/// connections opened and left idle, and four streams of maximal frames (a length prefix of
+/// 64 MiB followed by as many bytes as the master takes, and the longest handshake frame
+/// holding garbage). The master keeps at most `MAX_UNPROVED_PER_IP` (64) of them, each for
+/// at most its proof deadline (5 s), the rest closed at accept: its thread count stays within
+/// 64 + 8 of what it was and its resident memory within 32 MiB of it, every idle connection
+/// is closed by the end, and a keyed client (from 127.0.0.1) is served throughout, each put
+/// and get well within a second. (Before, each connection held a thread for ever and each
+/// frame was read whole before the key was checked.)
+#[test]
+fn a_flood_without_the_key_leaves_a_keyed_masters_threads_and_memory_bounded_while_its_clients_are_served() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let key = key_file(dir.path(), "k", &"k".repeat(64));
+    let m = keyed_master(&key, "kvf-test");
+    let addr: std::net::SocketAddr = m.field("rpc=").parse().expect("address");
+    let pid = m.child.id();
+    let c = keyed_client(&addr.to_string(), Some(&key), Some("kvf-test")).expect("a client holding the key");
+    for i in 0..20 {
+        let k = format!("warm{i}");
+        c.put(&k, &value(&k, 1, 4096), &ReplicateConfig::default()).expect("put");
+        assert!(intact(&c.get(&k).expect("get")));
+    }
+    let (threads0, rss0) = threads_and_rss(pid);
+    let from: std::net::IpAddr = "127.0.0.2".parse().expect("address");
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicU64::new(0));
+    let streams: Vec<_> = (0..4)
+        .map(|i| {
+            let (stop, sent) = (Arc::clone(&stop), Arc::clone(&sent));
+            std::thread::spawn(move || {
+                let junk = vec![0xa5u8; 1 << 20];
+                while !stop.load(Ordering::Relaxed) {
+                    // (Paced: a connection refused at accept is closed at once.)
+                    std::thread::sleep(Duration::from_millis(5));
+                    let Ok(mut s) = connect_from(from, addr) else { continue };
+                    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+                    if i % 2 == 0 {
+                        let mut f = (proto::MAX_FRAME as u32).to_le_bytes().to_vec();
+                        f.extend_from_slice(&junk);
+                        // (At most 8 MiB each: what the socket buffers take before the close.)
+                        for _ in 0..8 {
+                            if stop.load(Ordering::Relaxed) || s.write_all(&f).is_err() {
+                                break;
+                            }
+                            sent.fetch_add(f.len() as u64, Ordering::Relaxed);
+                            f.truncate(0);
+                            f.extend_from_slice(&junk);
+                        }
+                    } else {
+                        let mut f = (proto::MAX_AUTH_HELLO_FRAME as u32).to_le_bytes().to_vec();
+                        f.extend_from_slice(&[16, 0xb0, 0x04]); // AuthHello, 560 bytes
+                        f.resize(4 + proto::MAX_AUTH_HELLO_FRAME, 0x5a);
+                        if s.write_all(&f).is_ok() {
+                            sent.fetch_add(f.len() as u64, Ordering::Relaxed);
+                        }
+                        let _ = s.read(&mut [0u8; 256]);
+                    }
+                }
+            })
+        })
+        .collect();
+    let t = Instant::now();
+    let idle: Vec<std::net::TcpStream> = (0..1000).filter_map(|_| connect_from(from, addr).ok()).collect();
+    assert_eq!(idle.len(), 1000, "every idle connection was made");
+    eprintln!("1000 idle connections made in {:?}", t.elapsed());
+    let (mut threads, mut rss, mut served, mut slowest) = (0, 0, 0, Duration::ZERO);
+    while t.elapsed() < Duration::from_secs(7) {
+        let k = format!("during{served}");
+        let op = Instant::now();
+        c.put(&k, &value(&k, 1, 4096), &ReplicateConfig::default()).unwrap_or_else(|e| panic!("put during the flood: {e}"));
+        assert_eq!(c.get(&k).unwrap_or_else(|e| panic!("get during the flood: {e}")), value(&k, 1, 4096));
+        slowest = slowest.max(op.elapsed());
+        served += 1;
+        let (th, r) = threads_and_rss(pid);
+        (threads, rss) = (threads.max(th), rss.max(r));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for s in streams {
+        s.join().expect("a stream");
+    }
+    eprintln!(
+        "master: {threads0} threads and {rss0} KiB before; at most {threads} threads and {rss} KiB during the flood ({} MB of maximal frames sent); {served} puts and gets served, the slowest pair {slowest:?}",
+        sent.load(Ordering::Relaxed) >> 20
+    );
+    assert!(threads <= threads0 + 64 + 8, "{threads} threads (from {threads0})");
+    assert!(rss <= rss0 + (32 << 10), "{rss} KiB resident (from {rss0})");
+    assert!(served >= 20 && slowest < Duration::from_secs(1), "{served} served, the slowest {slowest:?}");
+    // Every idle connection was closed by the master (at accept, or at its proof's deadline,
+    // saying so).
+    for mut s in idle {
+        s.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
+        let mut said = Vec::new();
+        match s.read_to_end(&mut said) {
+            Ok(_) => assert!(said.len() < 1024, "{} bytes to an idle connection", said.len()),
+            Err(e) => assert!(!matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut), "an idle connection still open: {e}"),
+        }
+    }
+    let _ = c.close();
+}
+
+/// Without a key, a 2 MB frame holding a batch of a million pings (128 MB as requests in
+/// memory) is refused past 16 times its length, saying to split it: the master's peak
+/// resident memory (`VmHWM`) grows by less than 48 MiB (it grew by ~126 MB when the batch
+/// was decoded whole); a frame claiming 4 G ids in 7 bytes is refused as malformed.
+#[test]
+fn without_a_key_a_frame_of_tiny_requests_does_not_cost_the_master_much_memory() {
+    let m = master(&[]);
+    let pid = m.child.id();
+    let hwm = || -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+        status.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse().ok()).expect("VmHWM")
+    };
+    let mut r = RawReader(std::net::TcpStream::connect(m.field("rpc=")).expect("connect"));
+    r.0.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+    assert_eq!(r.call(&proto::Request::ExistKey { key: "k".into() }), proto::Response::Exists(false));
+    let before = hwm();
+    let pings = proto::Request::Batch((0..proto::MAX_BATCH).map(|_| proto::Request::Ping { client: 0 }).collect());
+    let frame = proto::encode(&pings).expect("encode");
+    assert!(frame.len() < 3 << 20);
+    match r.call(&pings) {
+        proto::Response::Err(StoreError::InvalidParams(w)) => assert!(w.contains("split it"), "{w}"),
+        other => panic!("a million pings: {:?}", std::mem::discriminant(&other)),
+    }
+    let grew = hwm().saturating_sub(before);
+    eprintln!("the master's peak resident memory grew by {grew} KiB for a {} byte frame", frame.len());
+    assert!(grew < 48 << 10, "{grew} KiB");
+    r.0.write_all(&[7, 0, 0, 0, 13, 0xff, 0xff, 0xff, 0xff, 0x0f, 1]).expect("send");
+    let mut prefix = [0u8; 4];
+    r.0.read_exact(&mut prefix).expect("answer");
+    let mut body = vec![0u8; proto::decode_len(prefix).expect("len")];
+    r.0.read_exact(&mut body).expect("answer");
+    assert!(matches!(proto::decode(&body), Ok(proto::Response::Err(StoreError::Rpc(_)))));
+    assert_eq!(r.call(&proto::Request::ExistKey { key: "k".into() }), proto::Response::Exists(false), "the connection still serves");
 }

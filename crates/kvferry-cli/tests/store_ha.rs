@@ -919,6 +919,7 @@ fn masters_holding_the_cluster_key_replicate_and_fail_over_and_one_with_another_
     let file = |name: &str, c: char| {
         let p = dir.path().join(name);
         std::fs::write(&p, c.to_string().repeat(64)).expect("key file");
+        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod 600");
         p.to_str().expect("path").to_string()
     };
     let (a, b) = (file("a", 'a'), file("b", 'b'));
@@ -954,6 +955,74 @@ fn masters_holding_the_cluster_key_replicate_and_fail_over_and_one_with_another_
         assert_eq!(c.get(k).unwrap_or_else(|e| panic!("{k} lost in the failover: {e}")), value(k, 4096));
     }
     assert_ne!(other.role(), "leader", "the master with another key does not lead");
+    let _ = c.close();
+}
+
+/// A keyless host relaying a keyed leader's replication link: registered in etcd as a
+/// standby (member `127.0.0.1:1`, at the relay's address), it copies the leader's bytes to
+/// the in-sync standby's mirror port and back. The standby refuses the leader's handshake,
+/// which dialed the member the registration names, not it; the leader says so and never
+/// links that member, the in-sync set stays the real standby, whose own link still serves.
+/// (Before, the exchange named no endpoint: the relayed link was taken, and its hello
+/// replaced the standby's feed.)
+#[test]
+fn a_keyed_leaders_link_relayed_to_a_standby_of_another_member_is_refused() {
+    use kvferry_store::ha::sync::{parse_registration, registration, standby_key};
+    let _cpus = beside();
+    let Some(etcd_svc) = Service::etcd() else { return };
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let key = dir.path().join("k");
+    std::fs::write(&key, "k".repeat(64)).expect("key file");
+    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod 600");
+    let key = key.to_str().expect("path").to_string();
+    let ms = [Master::start_env(etcd_svc.port, &[("KVFERRY_AUTH_KEY_FILE", &key)]), Master::start_env(etcd_svc.port, &[("KVFERRY_AUTH_KEY_FILE", &key)])];
+    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
+    let s = 1 - l;
+    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
+    let cluster = kvferry_store::ha::DEFAULT_CLUSTER_ID;
+    let reg = etcd.get_kv(&standby_key(cluster, &ms[s].rpc)).expect("etcd get").expect("the standby's registration");
+    let mirror = parse_registration(&String::from_utf8_lossy(&reg.value)).addr.to_string();
+    // The relay: every connection copied both ways to the standby's mirror port.
+    let relay = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let at = relay.local_addr().expect("addr").to_string();
+    let relayed = Arc::new(AtomicU32::new(0));
+    let n = Arc::clone(&relayed);
+    std::thread::spawn(move || {
+        for c in relay.incoming() {
+            let Ok(mut c) = c else { continue };
+            let Ok(mut m) = TcpStream::connect(&mirror) else { continue };
+            n.fetch_add(1, Ordering::Relaxed);
+            let (Ok(mut c2), Ok(mut m2)) = (c.try_clone(), m.try_clone()) else { continue };
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut c2, &mut m2);
+                let _ = m2.shutdown(std::net::Shutdown::Both);
+            });
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut m, &mut c);
+                let _ = c.shutdown(std::net::Shutdown::Both);
+            });
+        }
+    });
+    let fake = standby_key(cluster, "127.0.0.1:1");
+    etcd.put(&fake, registration(&at, None).as_bytes(), 0).expect("register the relay");
+    let until = Instant::now() + Duration::from_secs(15);
+    let meant = format!("meant for \"standby/{cluster}/127.0.0.1:1\"");
+    while !log_tail(&ms[l].log, 400).contains(&meant) {
+        assert!(Instant::now() < until, "the leader never tried the relay, or did not say why it was refused:\n{}", log_tail(&ms[l].log, 40));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(relayed.load(Ordering::Relaxed) >= 1, "the link went through the relay");
+    // A few more of the leader's scans: it never links the relayed member.
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(ha_status(&ms[l])["insync"], serde_json::json!([ms[s].rpc]), "only the real standby is in sync");
+    assert_eq!(ha_status(&ms[s])["mirror"]["fed"], serde_json::json!(true), "the real standby is still fed by its own link: {}", ha_status(&ms[s]));
+    let engine = kvferry::TransferEngine::new(kvferry::Config { auth_key_file: Some(key.clone().into()), ..kvferry::Config::default() }).expect("engine");
+    let cfg = ClientConfig { local_hostname: String::new(), global_segment_size: 16 << 20, local_buffer_size: 16 << 20, master_server_addr: format!("etcd://127.0.0.1:{}", etcd_svc.port), transfer_timeout: Duration::from_secs(10), ..ClientConfig::default() };
+    let c = Client::with_engine(cfg, Arc::new(engine), None).expect("a client holding the key");
+    put_keys(&c, "relayed-", 10);
+    wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
+    let _ = etcd.delete(&fake);
     let _ = c.close();
 }
 

@@ -151,11 +151,11 @@ struct Rpc {
     registration: Mutex<Registration>,
     /// This client's writes into segments that may still be running ([`Request::HoldWrites`]).
     writes: Mutex<Writes>,
-    pool: Mutex<Vec<TcpStream>>,
+    pool: Mutex<Vec<Chan>>,
     /// The connection of the background threads (pings, read releases): apart from the
     /// pool, so that the caller's requests keep to one connection (the master spins on the
     /// connection that just answered; a second one in turns spins a second core).
-    aside: Mutex<Option<TcpStream>>,
+    aside: Mutex<Option<Chan>>,
     timeout: Duration,
     /// Bounded poll for the answer before sleeping (`KVFERRY_SPIN_US`): a master round trip
     /// is a few microseconds of work, and waking a sleeping core costs more on VMs.
@@ -163,6 +163,17 @@ struct Rpc {
     /// The cluster key this client and the master prove to each other on every new
     /// connection (`KVFERRY_AUTH_KEY_FILE`; [`authenticate`]).
     auth: Option<kvferry::auth::ClusterKey>,
+    /// What the key's handshake dials: the master of this client's cluster
+    /// (`KVFERRY_STORE_CLUSTER_ID` / `MC_STORE_CLUSTER_ID`, else `mooncake_cluster`;
+    /// [`proto::master_identity`]).
+    identity: String,
+}
+
+/// A connection to the master: with the cluster key, the halves of the session it proved,
+/// under which every frame both ways is sealed.
+struct Chan {
+    s: TcpStream,
+    sealed: Option<(kvferry::auth::Sealer, kvferry::auth::Opener)>,
 }
 
 /// Which connection a call uses: one of the pool (callers' requests) or the background
@@ -202,32 +213,38 @@ fn closed_by_peer(s: &TcpStream) -> bool {
     }
 }
 
-/// One request and its answer on `s`, outside the pool (the authentication's steps).
+/// The most bytes of a plain answer to the key's handshake read (an `AuthChallenge`, or a
+/// refusal saying why).
+const MAX_AUTH_ANSWER: usize = 64 << 10;
+
+/// One request and its answer on `s`, plain frames, outside the pool (the key's handshake).
 fn exchange(s: &mut TcpStream, req: &Request) -> Result<Response, String> {
     s.write_all(&proto::encode(req).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
     let mut prefix = [0u8; 4];
     s.read_exact(&mut prefix).map_err(|e| e.to_string())?;
-    let mut body = vec![0u8; proto::decode_len(prefix).map_err(|e| e.to_string())?];
+    let n = u32::from_le_bytes(prefix) as usize;
+    if n > MAX_AUTH_ANSWER {
+        return Err(format!("an answer of {n} bytes to the key's handshake (at most {MAX_AUTH_ANSWER}): not a kvferry master of this version"));
+    }
+    let mut body = vec![0u8; n];
     s.read_exact(&mut body).map_err(|e| e.to_string())?;
     proto::decode(&body).map_err(|e| e.to_string())
 }
 
-/// Proves the cluster key to the master at `addr` on a new connection, and has the master
-/// prove it (`server.rs` `ConnAuth`): a master that cannot is not talked to. Its errors are
-/// [`StoreError::Unauthorized`] (nothing to retry: a key is missing or differs) or, for the
-/// connection itself, [`StoreError::Rpc`].
-fn authenticate(s: &mut TcpStream, key: &kvferry::auth::ClusterKey, addr: &str) -> StoreResult<()> {
+/// Runs the cluster key's handshake ([`proto::STORE_RPC`], dialing `identity`) with the
+/// master at `addr` on a new connection: the session's halves, under which every frame after
+/// is sealed (the first request proves the key to the master). A master that cannot prove the
+/// key, or refuses (another key, another cluster, no key), is not talked to. Its errors are
+/// [`StoreError::Unauthorized`] (nothing to retry: a key or cluster id is missing or
+/// differs) or, for the connection itself, [`StoreError::Rpc`].
+fn authenticate(s: &mut TcpStream, key: &kvferry::auth::ClusterKey, identity: &str, addr: &str) -> StoreResult<(kvferry::auth::Sealer, kvferry::auth::Opener)> {
     let rpc = |e: String| StoreError::Rpc(format!("master at {addr}: authenticating: {e}"));
-    let opening = kvferry::auth::Opening::default();
-    match exchange(s, &Request::AuthHello { nonce: opening.nonce() }).map_err(rpc)? {
-        Response::AuthChallenge { nonce, mac } => {
-            let proof = opening.prove(key, proto::AUTH, &nonce, &mac).map_err(|r| StoreError::Unauthorized(format!("the master at {addr} could not prove the cluster key: {r}")))?;
-            match exchange(s, &Request::AuthProof { mac: proof }).map_err(rpc)? {
-                Response::Ok => Ok(()),
-                Response::Err(e) => Err(e),
-                other => Err(rpc(format!("answered {other:?} to the proof"))),
-            }
-        }
+    let (init, hello) = kvferry::auth::Initiator::new(key, proto::STORE_RPC, identity).map_err(|r| StoreError::InvalidParams(format!("the store's cluster id ({identity:?}): {r}")))?;
+    match exchange(s, &Request::AuthHello { hello }).map_err(rpc)? {
+        Response::AuthChallenge { answer } => match init.finish(&answer) {
+            Ok(session) => Ok(session.split()),
+            Err(r) => Err(StoreError::Unauthorized(format!("the master at {addr} could not prove the cluster key: {r}"))),
+        },
         Response::Err(StoreError::Unauthorized(why)) => Err(StoreError::Unauthorized(format!("the master at {addr}: {why}"))),
         // (A master of an earlier version does not know the request.)
         Response::Err(e) => Err(StoreError::Unauthorized(format!("the master at {addr} cannot authenticate clients ({e}): give it the cluster's key file (a kvferry master reading KVFERRY_AUTH_KEY_FILE), or unset KVFERRY_AUTH_KEY_FILE on this client"))),
@@ -263,7 +280,8 @@ impl Rpc {
             }
         };
         let auth = kvferry::auth::ClusterKey::from_config(ecfg.auth_key_file.as_deref()).map_err(|e| StoreError::InvalidParams(e.to_string()))?;
-        Ok(Rpc { target, addr: Mutex::new((first, (String::new(), 0))), epoch: Default::default(), registration: Mutex::default(), writes: Mutex::default(), pool: Mutex::default(), aside: Mutex::default(), timeout, spin, auth })
+        let identity = proto::master_identity(&crate::ha::resolve_cluster_id(None, ecfg.store_cluster_id.as_deref()));
+        Ok(Rpc { target, addr: Mutex::new((first, (String::new(), 0))), epoch: Default::default(), registration: Mutex::default(), writes: Mutex::default(), pool: Mutex::default(), aside: Mutex::default(), timeout, spin, auth, identity })
     }
 
     fn addr(&self) -> String {
@@ -274,7 +292,7 @@ impl Rpc {
         self.epoch.load(Ordering::Acquire)
     }
 
-    fn connect(&self, addr: &str) -> StoreResult<TcpStream> {
+    fn connect(&self, addr: &str) -> StoreResult<Chan> {
         let fail = |e: String| StoreError::Rpc(format!("cannot reach the master at {addr}: {e} (is `kvferry master` running there?)"));
         let addrs: Vec<_> = addr.to_socket_addrs().map_err(|e| fail(e.to_string()))?.collect();
         let mut last = "no address".to_string();
@@ -284,10 +302,11 @@ impl Rpc {
                     let _ = s.set_nodelay(true);
                     s.set_read_timeout(Some(self.timeout)).map_err(|e| fail(e.to_string()))?;
                     s.set_write_timeout(Some(self.timeout)).map_err(|e| fail(e.to_string()))?;
-                    if let Some(key) = &self.auth {
-                        authenticate(&mut s, key, addr)?;
-                    }
-                    return Ok(s);
+                    let sealed = match &self.auth {
+                        Some(key) => Some(authenticate(&mut s, key, &self.identity, addr)?),
+                        None => None,
+                    };
+                    return Ok(Chan { s, sealed });
                 }
                 Err(e) => last = e.to_string(),
             }
@@ -298,7 +317,7 @@ impl Rpc {
     /// One attempt at the current address; the answer, and the epoch of that address (the
     /// leader that answered).
     fn call_once(&self, req: &Request, conn: Conn) -> Result<(Response, u64), Failure> {
-        let frame = proto::encode(req).map_err(Failure::NotSent)?;
+        let mut frame = proto::encode(req).map_err(Failure::NotSent)?;
         let (addr, epoch) = {
             // (Read together: `find_leader` changes both under this lock.)
             let cur = self.addr.lock().unwrap_or_else(|e| e.into_inner());
@@ -311,25 +330,54 @@ impl Rpc {
             Conn::Pool => self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop(),
             Conn::Aside => self.aside.lock().unwrap_or_else(|e| e.into_inner()).take(),
         };
-        if matches!(self.target, Target::Etcd { .. }) && pooled.as_ref().is_some_and(closed_by_peer) {
+        if matches!(self.target, Target::Etcd { .. }) && pooled.as_ref().is_some_and(|c| closed_by_peer(&c.s)) {
             // The master went away (killed, stepped down): nothing sent, so any request may go
             // to the next one.
             self.drop_connections();
             return Err(Failure::NotSent(StoreError::Rpc(format!("the connection to the master at {addr} was closed by it"))));
         }
-        let mut s = match pooled.take() {
-            Some(s) => s,
+        let mut c = match pooled.take() {
+            Some(c) => c,
             None => self.connect(&addr).map_err(Failure::NotSent)?,
         };
         let io = |e: std::io::Error| Failure::Lost(StoreError::Rpc(format!("master at {addr}: {e}")));
-        s.write_all(&frame).map_err(io)?;
-        let mut prefix = [0u8; 4];
-        let got = poll_read(&s, &mut prefix, self.spin);
-        s.read_exact(&mut prefix[got..]).map_err(io)?;
-        let n = proto::decode_len(prefix).map_err(Failure::Garbled)?;
-        let mut body = vec![0u8; n];
-        s.read_exact(&mut body).map_err(io)?;
+        if let Some((sealer, _)) = &mut c.sealed {
+            let mut out = Vec::new();
+            sealer.seal_frame(&frame[4..], &mut out);
+            frame = out;
+        }
+        c.s.write_all(&frame).map_err(io)?;
+        let s = &mut c.s;
+        let body = match &mut c.sealed {
+            None => {
+                let mut prefix = [0u8; 4];
+                let got = poll_read(s, &mut prefix, self.spin);
+                s.read_exact(&mut prefix[got..]).map_err(io)?;
+                let n = proto::decode_len(prefix).map_err(Failure::Garbled)?;
+                let mut body = vec![0u8; n];
+                s.read_exact(&mut body).map_err(io)?;
+                body
+            }
+            Some((_, opener)) => {
+                use kvferry::auth::{frame_body_len, FRAME_HEAD_LEN};
+                let garbled = |r: kvferry::auth::Refusal| Failure::Garbled(StoreError::Unauthorized(format!("the answer of the master at {addr}: {r}; something on the path between this client and the master altered the connection, which is closed")));
+                let mut head = [0u8; FRAME_HEAD_LEN];
+                let got = poll_read(s, &mut head, self.spin);
+                s.read_exact(&mut head[got..]).map_err(io)?;
+                let n = opener.open_frame_head(&head, proto::MAX_FRAME).map_err(garbled)?;
+                let mut sealed = vec![0u8; frame_body_len(n)];
+                s.read_exact(&mut sealed).map_err(io)?;
+                let mut body = Vec::new();
+                opener.open_frame_body(&sealed, &mut body).map_err(garbled)?;
+                body
+            }
+        };
         let resp: Response = proto::decode(&body).map_err(Failure::Garbled)?;
+        if matches!(resp, Response::Err(StoreError::Unauthorized(_))) {
+            // (The master closes a connection it refuses.)
+            return Ok((resp, epoch));
+        }
+        let s = c;
         match conn {
             Conn::Pool => self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(s),
             Conn::Aside => *self.aside.lock().unwrap_or_else(|e| e.into_inner()) = Some(s),

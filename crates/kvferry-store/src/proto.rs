@@ -3,6 +3,14 @@
 //! Frame: `u32` little-endian payload length, then a postcard-encoded [`Request`] or
 //! [`Response`]. One request, one response, in order, per connection. [`Request::Batch`]
 //! carries many operations in one round trip. The codec below is pure (sans-IO).
+//!
+//! With the cluster key (`KVFERRY_AUTH_KEY_FILE`, `kvferry::auth`), a connection opens with
+//! the Noise handshake of [`STORE_RPC`] towards [`master_identity`] of the master's cluster:
+//! [`Request::AuthHello`] (the client's opening message, a plain frame) answered by
+//! [`Response::AuthChallenge`] (the master's answer, a plain frame); after it every frame
+//! both ways is sealed under the session instead (`kvferry::auth::Sealer::seal_frame`: the
+//! sealed length, then the sealed postcard body; no plain length prefix), the client's first
+//! request first.
 
 use crate::error::{StoreError, StoreResult};
 use serde::{Deserialize, Serialize};
@@ -14,11 +22,63 @@ pub const MAX_FRAME: usize = 64 << 20;
 /// otherwise decode into 33 M requests (4 GB).
 pub const MAX_BATCH: usize = 1 << 20;
 
-/// Why [`de_batch`] refused a batch.
+/// The vectors one request frame decodes into ([`decode_request`]: the batch's and those in
+/// its requests) hold at most this many bytes, or [`DECODE_FACTOR`] times the frame's length
+/// if that is more. A request takes 128 bytes in memory and a ping two on the wire: without
+/// this bound a 2 MB frame of pings grew the master's heap by 126 MB.
+pub const DECODE_ALLOWANCE: usize = 1 << 20;
+
+/// See [`DECODE_ALLOWANCE`].
+pub const DECODE_FACTOR: usize = 16;
+
+/// The Noise protocol of the store's RPC (`kvferry::auth`).
+pub const STORE_RPC: kvferry::auth::Protocol = kvferry::auth::Protocol("kvferry/store-rpc/1");
+
+/// The identity a client dials and a master answers to: its cluster (`--cluster-id`, else
+/// `KVFERRY_STORE_CLUSTER_ID` / `MC_STORE_CLUSTER_ID`, else `mooncake_cluster`; a trailing
+/// `/` dropped, as in `crate::ha::master_view_key`), so that a handshake made for one
+/// cluster's master is refused by another's.
+pub fn master_identity(cluster_id: &str) -> String {
+    format!("master/{}", cluster_id.strip_suffix('/').unwrap_or(cluster_id))
+}
+
+/// The wire number of [`Request::AuthHello`].
+const AUTH_HELLO: u8 = 16;
+
+/// The longest body of the first frame a master holding the cluster key reads: an
+/// [`Request::AuthHello`] carrying the longest opening message (its variant, the bytes'
+/// length in at most two bytes, the bytes). A longer length prefix is refused before anything
+/// is read or allocated.
+pub const MAX_AUTH_HELLO_FRAME: usize = 1 + 2 + kvferry::auth::MAX_HELLO_LEN;
+
+/// The opening message an [`Request::AuthHello`] frame body carries, read without decoding
+/// anything else (`None`: the body is not exactly one `AuthHello`).
+pub fn auth_hello_of(body: &[u8]) -> Option<&[u8]> {
+    bytes_variant(body, AUTH_HELLO)
+}
+
+/// The bytes a postcard body carries when it is exactly the enum variant `variant` holding
+/// one byte vector of at most 16383 bytes (`None` otherwise), read without decoding.
+pub(crate) fn bytes_variant(body: &[u8], variant: u8) -> Option<&[u8]> {
+    let (&v, rest) = body.split_first()?;
+    if v != variant {
+        return None;
+    }
+    // The length: a postcard varint, at most two bytes here.
+    let (len, rest) = match rest {
+        [b0, rest @ ..] if b0 & 0x80 == 0 => (*b0 as usize, rest),
+        [b0, b1, rest @ ..] if b1 & 0x80 == 0 && *b1 != 0 => ((b0 & 0x7f) as usize | (*b1 as usize) << 7, rest),
+        _ => return None,
+    };
+    (rest.len() == len).then_some(rest)
+}
+
+/// Why [`de_batch`] or [`de_seq`] refused.
 #[derive(Clone, Copy)]
 enum Refusal {
     Nested,
     TooMany,
+    TooLarge,
 }
 
 std::thread_local! {
@@ -26,12 +86,59 @@ std::thread_local! {
     static BATCH_DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
     /// Why [`de_batch`] refused (postcard reports a custom error without its text).
     static REFUSED: std::cell::Cell<Option<Refusal>> = const { std::cell::Cell::new(None) };
+    /// Bytes the vectors being decoded may still take ([`decode_request`]; `None`: no bound).
+    static BUDGET: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Makes room for one more element in `v`, within the decoding's budget ([`BUDGET`]): the
+/// capacity doubles, but never past what the budget has left.
+fn room<T, E: serde::de::Error>(v: &mut Vec<T>) -> Result<(), E> {
+    if v.len() < v.capacity() {
+        return Ok(());
+    }
+    let size = std::mem::size_of::<T>().max(1);
+    let want = v.capacity().max(4);
+    let add = match BUDGET.with(|b| b.get()) {
+        None => want,
+        Some(left) => {
+            let add = want.min(left / size);
+            if add == 0 {
+                REFUSED.with(|r| r.set(Some(Refusal::TooLarge)));
+                return Err(E::custom("a request decodes past its bound"));
+            }
+            BUDGET.with(|b| b.set(Some(left - add * size)));
+            add
+        }
+    };
+    v.reserve_exact(add);
+    Ok(())
+}
+
+/// Decodes a sequence growing as elements arrive, within the decoding's budget ([`room`]):
+/// nothing is reserved by a claimed length.
+fn de_seq<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
+    struct V<T>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for V<T> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a sequence")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let mut out = Vec::new();
+            while let Some(x) = seq.next_element()? {
+                room(&mut out)?;
+                out.push(x);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(V(std::marker::PhantomData))
 }
 
 /// Decodes a batch's requests or answers: refuses a batch inside a batch at once (decoding
 /// recurses once per level, and a frame of nested batches overflowed the connection thread's
 /// stack, aborting the master) and more than [`MAX_BATCH`] elements; grows as elements
-/// arrive (nothing reserved by a claimed length).
+/// arrive (nothing reserved by a claimed length), within the decoding's budget ([`room`]).
 fn de_batch<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
     use serde::de::Error;
     struct Level;
@@ -62,6 +169,7 @@ fn de_batch<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Resu
                     REFUSED.with(|r| r.set(Some(Refusal::TooMany)));
                     return Err(A::Error::custom("a batch over MAX_BATCH"));
                 }
+                room(&mut out)?;
                 out.push(x);
             }
             Ok(out)
@@ -102,6 +210,7 @@ pub struct ReplicateConfig {
     pub soft_pin_ttl_ms: Option<u64>,
     pub with_hard_pin: bool,
     /// Segment names tried first, in order.
+    #[serde(deserialize_with = "de_seq")]
     pub preferred_segments: Vec<String>,
     /// Optional object group: shared lease refresh and eviction.
     pub group_id: Option<String>,
@@ -145,7 +254,11 @@ pub enum PingStatus {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
     MountSegment { client: u64, segment: Segment },
-    RemountSegments { client: u64, segments: Vec<Segment> },
+    RemountSegments {
+        client: u64,
+        #[serde(deserialize_with = "de_seq")]
+        segments: Vec<Segment>,
+    },
     UnmountSegment { client: u64, segment: u64 },
     Ping { client: u64 },
     /// Starts put `put` of `key`: `put` is chosen by the client, distinct among its puts (a
@@ -165,29 +278,45 @@ pub enum Request {
     /// The reads named (`ReplicaList::read_id`) finished: their replicas may be reclaimed.
     /// Clients send it piggybacked on their next request (or with their next ping). Last, so
     /// the other variants keep their wire numbers.
-    ReleaseReads { ids: Vec<u64> },
+    ReleaseReads {
+        #[serde(deserialize_with = "de_seq")]
+        ids: Vec<u64>,
+    },
     /// Mooncake's `BatchReplicaClear`: drops the replicas of `keys` this client wrote whose
     /// lease ended, on `segment` (a segment name) or everywhere (empty); answered by
     /// [`Response::Keys`] with the keys cleared.
-    BatchReplicaClear { client: u64, keys: Vec<String>, segment: String },
+    BatchReplicaClear {
+        client: u64,
+        #[serde(deserialize_with = "de_seq")]
+        keys: Vec<String>,
+        segment: String,
+    },
     /// Writes of this client still running (kvferry's; last, so the other variants keep their
     /// wire numbers): sent after a master answered that it did not know the client (it
     /// restarted without HA, so it knows nothing of the writes its predecessor placed). The
     /// master places nothing new in their segments until they are over, and drops the
     /// replicas it placed in their ranges since. Answered `Ok`.
-    HoldWrites { client: u64, writes: Vec<WriteInFlight> },
-    /// The first request of a connection to a master that holds the cluster key
-    /// (`KVFERRY_AUTH_KEY_FILE`, `kvferry::auth`): the client's fresh nonce. Answered by
-    /// [`Response::AuthChallenge`]; a master without a key refuses it
-    /// ([`StoreError::Unauthorized`]). Last, so the other variants keep their wire numbers.
-    AuthHello { nonce: Vec<u8> },
-    /// The client's MAC over both nonces ([`AUTH`]), after the master proved the key;
-    /// answered `Ok`, after which the connection carries requests.
-    AuthProof { mac: Vec<u8> },
+    HoldWrites {
+        client: u64,
+        #[serde(deserialize_with = "de_seq")]
+        writes: Vec<WriteInFlight>,
+    },
+    /// The first frame of a connection to a master that holds the cluster key
+    /// (`KVFERRY_AUTH_KEY_FILE`, `kvferry::auth`), a plain one: the client's Noise opening
+    /// message ([`STORE_RPC`], dialing [`master_identity`]). Answered by
+    /// [`Response::AuthChallenge`], after which every frame is sealed; a master without a key,
+    /// or one of another cluster or key, refuses it ([`StoreError::Unauthorized`]). Last, so
+    /// the other variants keep their wire numbers.
+    AuthHello {
+        #[serde(deserialize_with = "de_seq")]
+        hello: Vec<u8>,
+    },
+    /// Not sent (it kept the number of an earlier exchange's step): refused wherever it comes.
+    AuthProof {
+        #[serde(deserialize_with = "de_seq")]
+        mac: Vec<u8>,
+    },
 }
-
-/// The store's cluster-key exchange (`kvferry::auth`): the client opens it, the master answers.
-pub const AUTH: kvferry::auth::Exchange = kvferry::auth::Exchange { opener: "kvferry-store/client", answerer: "kvferry-store/master" };
 
 /// A write into a segment still running, as a client reports it (`Request::HoldWrites`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -212,9 +341,10 @@ pub enum Response {
     Err(StoreError),
     Batch(#[serde(deserialize_with = "de_batch")] Vec<Response>),
     Keys(Vec<String>),
-    /// To [`Request::AuthHello`]: the master's nonce and its MAC over both ([`AUTH`]).
-    /// Last, so the other variants keep their wire numbers.
-    AuthChallenge { nonce: Vec<u8>, mac: Vec<u8> },
+    /// To [`Request::AuthHello`], a plain frame: the master's Noise answer
+    /// (`kvferry::auth::ANSWER_LEN` bytes). Last, so the other variants keep their wire
+    /// numbers.
+    AuthChallenge { answer: Vec<u8> },
 }
 
 impl Response {
@@ -247,14 +377,42 @@ pub fn decode_len(prefix: [u8; 4]) -> StoreResult<usize> {
     Ok(n)
 }
 
-/// Decodes a frame body.
+/// Decodes a frame body (an answer, on a client: its vectors are not bounded but by the
+/// frame's length and [`MAX_BATCH`]; see [`decode_request`]).
 pub fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> StoreResult<T> {
     REFUSED.with(|r| r.set(None));
     postcard::from_bytes(body).map_err(|e| match REFUSED.with(|r| r.take()) {
         Some(Refusal::Nested) => StoreError::InvalidParams("nested batches are not allowed".into()),
         Some(Refusal::TooMany) => StoreError::InvalidParams(format!("a batch holds at most {MAX_BATCH} requests; split it")),
+        Some(Refusal::TooLarge) => StoreError::InvalidParams(format!(
+            "a request frame of {} bytes decodes into more than {} bytes of requests (at most {DECODE_FACTOR} times its frame, or {DECODE_ALLOWANCE} bytes): a batch of many tiny requests; split it",
+            body.len(),
+            decode_bound(body.len())
+        )),
         None => StoreError::Rpc(format!("malformed message: {e}")),
     })
+}
+
+/// The most bytes the vectors of a request frame of `len` bytes decode into
+/// ([`DECODE_ALLOWANCE`]).
+pub fn decode_bound(len: usize) -> usize {
+    DECODE_ALLOWANCE.max(len.saturating_mul(DECODE_FACTOR))
+}
+
+/// Decodes a request frame body, as a master does: the vectors it decodes into (the batch's
+/// and those in its requests) hold at most [`decode_bound`] of its length in bytes, and grow
+/// as their elements arrive (a claimed length reserves nothing); the strings in it hold at
+/// most its length. So a frame of `n` bytes costs at most `n + decode_bound(n)` bytes of heap.
+pub fn decode_request(body: &[u8]) -> StoreResult<Request> {
+    struct Unbound;
+    impl Drop for Unbound {
+        fn drop(&mut self) {
+            BUDGET.with(|b| b.set(None));
+        }
+    }
+    BUDGET.with(|b| b.set(Some(decode_bound(body.len()))));
+    let _unbound = Unbound;
+    decode(body)
 }
 
 #[cfg(test)]
@@ -278,9 +436,9 @@ mod tests {
         // The authentication's messages came last: every earlier variant keeps its number.
         let first = |f: Vec<u8>| f[4];
         assert_eq!(first(encode(&Request::HoldWrites { client: 0, writes: vec![] }).unwrap()), 15);
-        assert_eq!(first(encode(&Request::AuthHello { nonce: vec![1; 16] }).unwrap()), 16);
+        assert_eq!(first(encode(&Request::AuthHello { hello: vec![1; 16] }).unwrap()), 16);
         assert_eq!(first(encode(&Request::AuthProof { mac: vec![2; 32] }).unwrap()), 17);
-        assert_eq!(first(encode(&Response::AuthChallenge { nonce: vec![], mac: vec![] }).unwrap()), 9);
+        assert_eq!(first(encode(&Response::AuthChallenge { answer: vec![] }).unwrap()), 9);
         let e = Response::Err(StoreError::Unauthorized("why".into()));
         assert_eq!(encode(&e).unwrap()[4..6], [6, 18], "Err, then the error's number");
         assert_eq!(decode::<Response>(&encode(&e).unwrap()[4..]).unwrap(), e);
@@ -319,10 +477,74 @@ mod tests {
         assert!(matches!(decode::<Request>(&big), Err(StoreError::InvalidParams(w)) if w.contains("at most")));
     }
 
+    /// The handshake's first frame is read without decoding: exactly an `AuthHello` and its
+    /// bytes, of any length up to the longest opening message; anything else is not one.
+    #[test]
+    fn an_auth_hello_is_read_from_its_frame_alone() {
+        for n in [0usize, 1, 48, 127, 128, 300, kvferry::auth::MAX_HELLO_LEN] {
+            let hello: Vec<u8> = (0..n).map(|i| i as u8).collect();
+            let f = encode(&Request::AuthHello { hello: hello.clone() }).unwrap();
+            assert!(f.len() - 4 <= MAX_AUTH_HELLO_FRAME);
+            assert_eq!(auth_hello_of(&f[4..]), Some(&hello[..]), "{n} bytes");
+            assert_eq!(auth_hello_of(&f[4..f.len() - 1]), None, "cut short");
+            let mut longer = f[4..].to_vec();
+            longer.push(0);
+            assert_eq!(auth_hello_of(&longer), None, "a byte more");
+        }
+        assert_eq!(encode(&Request::AuthHello { hello: vec![0; kvferry::auth::MAX_HELLO_LEN] }).unwrap().len() - 4, MAX_AUTH_HELLO_FRAME);
+        assert_eq!(auth_hello_of(&encode(&Request::AuthProof { mac: vec![1; 40] }).unwrap()[4..]), None);
+        assert_eq!(auth_hello_of(&encode(&Request::Ping { client: 16 }).unwrap()[4..]), None);
+        assert_eq!(auth_hello_of(&[]), None);
+        assert_eq!(master_identity("c/"), master_identity("c"));
+    }
+
+    /// A request frame costs the master at most its length and `decode_bound` of it in heap:
+    /// a frame claiming a huge vector reserves nothing for the claim, and a 2 MB batch of a
+    /// million pings (128 bytes each in memory: 128 MB) is refused past 16 times its length,
+    /// saying to split it. Before, the claim reserved up to 1 MiB and the batch grew to
+    /// 126 MB. A batch of real requests decodes as before.
+    #[test]
+    fn a_small_request_frame_never_costs_a_large_allocation() {
+        use crate::alloc_count::peak_during;
+        // `ReleaseReads` claiming 2^32 - 1 ids, and holding one.
+        let claim = [13u8, 0xff, 0xff, 0xff, 0xff, 0x0f, 1];
+        let (r, peak) = peak_during(|| decode_request(&claim));
+        assert!(r.is_err());
+        assert!(peak < 4096, "a claimed length reserved {peak} bytes");
+        let (r, peak) = peak_during(|| decode_request(&[17u8, 0xff, 0xff, 0x03, 1]));
+        assert!(r.is_err() && peak < 4096, "AuthProof claiming 64 KiB: {peak} bytes");
+        // A million pings, two bytes each.
+        let mut pings = vec![12u8];
+        let mut n = MAX_BATCH;
+        while n >= 0x80 {
+            pings.push((n as u8) | 0x80);
+            n >>= 7;
+        }
+        pings.push(n as u8);
+        for _ in 0..MAX_BATCH {
+            pings.extend_from_slice(&[3, 0]);
+        }
+        let (r, peak) = peak_during(|| decode_request(&pings));
+        assert!(matches!(&r, Err(StoreError::InvalidParams(w)) if w.contains("split it")), "{r:?}");
+        assert!(peak <= decode_bound(pings.len()) + (1 << 20), "{peak} bytes for a frame of {}", pings.len());
+        assert!(peak < 40 << 20, "{peak}");
+        // Real requests: a batch of 20000 puts of 12-byte keys, and one of 8000 pings.
+        let puts = Request::Batch((0..20_000).map(|i| Request::PutStart { client: u64::MAX / 3, key: format!("layer-{i:06}"), size: 4096, config: ReplicateConfig::default(), upsert: false, put: i }).collect());
+        assert_eq!(decode_request(&encode(&puts).unwrap()[4..]).unwrap(), puts);
+        let few = Request::Batch((0..8000).map(|_| Request::Ping { client: 0 }).collect());
+        assert_eq!(decode_request(&encode(&few).unwrap()[4..]).unwrap(), few);
+        let segments = Request::RemountSegments { client: 1, segments: (0..100).map(|i| Segment { id: i, name: format!("s{i}"), te_endpoint: "h:1".into(), base: 0, size: 1 }).collect() };
+        assert_eq!(decode_request(&encode(&segments).unwrap()[4..]).unwrap(), segments);
+        // (An answer is decoded unbounded, as before: a client reads what its master sent.)
+        let answers = Response::Batch(vec![Response::Ok; 100_000]);
+        assert_eq!(decode::<Response>(&encode(&answers).unwrap()[4..]).unwrap(), answers);
+    }
+
     proptest! {
         #[test]
         fn decode_never_panics(b in proptest::collection::vec(any::<u8>(), 0..256)) {
             let _ = decode::<Request>(&b);
+            let _ = decode_request(&b);
             let _ = decode::<Response>(&b);
         }
     }

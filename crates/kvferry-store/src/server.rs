@@ -1,4 +1,12 @@
 //! The master on the network: one thread per RPC connection, one ticker thread.
+//!
+//! With the cluster key (`Master::auth`), a connection is served only once it proved the key
+//! (`prove`): until then it holds one of at most [`MAX_UNPROVED`] places
+//! ([`MAX_UNPROVED_PER_IP`] per source address; more are closed at accept), for at most
+//! [`PROOF_DEADLINE`], reads at most a handshake-sized first frame into a fixed buffer, and
+//! nothing of it is decoded or served. After the proof every frame both ways is sealed.
+//! Without a key nothing on the wire changes; a request frame then costs at most its length
+//! and `proto::decode_bound` of it in heap while it is decoded.
 
 use crate::error::StoreError;
 use crate::master::{Attempt, Master, PutId, State, OP_NAMES};
@@ -121,6 +129,10 @@ fn frame_of(resp: &Response) -> Vec<u8> {
 /// the client gets its answer one thread wake-up sooner. At most one answer is outstanding
 /// per connection: the connection's thread handles its next request only after the deferred
 /// answer was sent in full, so answers keep their requests' order.
+///
+/// On a connection that proved the cluster key every answer is sealed under its session
+/// ([`Busy::sealer`]) right before it is written, under the lock that orders the writes: its
+/// sequence number is that of its place on the wire.
 struct Outbox {
     sock: TcpStream,
     busy: std::sync::Mutex<Busy>,
@@ -134,6 +146,23 @@ struct Busy {
     /// The connection's thread sleeps until it is (the sender wakes it only then: a wake-up
     /// is a system call even with nobody asleep).
     waiting: bool,
+    /// Seals what goes out on a connection that proved the cluster key.
+    sealer: Option<kvferry::auth::Sealer>,
+}
+
+impl Busy {
+    /// `frame` ([`frame_of`]) as it goes on the wire: sealed without its plain length prefix
+    /// when the connection is sealed, else as it is.
+    fn wire(&mut self, frame: Vec<u8>) -> Vec<u8> {
+        match &mut self.sealer {
+            None => frame,
+            Some(sealer) => {
+                let mut out = Vec::new();
+                sealer.seal_frame(&frame[4..], &mut out);
+                out
+            }
+        }
+    }
 }
 
 /// A poller's place ([`Spin::slot`]).
@@ -164,13 +193,20 @@ impl Outbox {
 
     /// Waits until the deferred answer, if any, was sent in full (bounded: every deferred
     /// answer is answered, at the latest by the journal's expiry).
-    fn wait_idle(&self) {
+    fn wait_idle(&self) -> std::sync::MutexGuard<'_, Busy> {
         let mut b = self.busy();
         while b.sending {
             b.waiting = true;
             b = self.idle.wait(b).unwrap_or_else(|e| e.into_inner());
             b.waiting = false;
         }
+        b
+    }
+
+    /// The connection thread's answer as it goes on the wire (after the deferred one, if any,
+    /// went out whole: [`Busy::wire`]).
+    fn next(&self, frame: Vec<u8>) -> Vec<u8> {
+        self.wait_idle().wire(frame)
     }
 
     fn done(&self) {
@@ -188,6 +224,7 @@ impl Outbox {
     /// once is written by a thread of its own, within [`SLOW_ANSWER`].
     fn send(self: Arc<Self>, frame: Vec<u8>) {
         use rustix::net::{send, SendFlags};
+        let frame = self.busy().wire(frame);
         let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
         let mut at = 0;
         while at < frame.len() {
@@ -371,82 +408,210 @@ fn op_of(req: &Request) -> Option<usize> {
 }
 
 /// The answer to a request that [`op_of`] does not count: a batch within a batch, or an
-/// authentication step anywhere but first on its connection ([`ConnAuth`]).
+/// authentication step anywhere but first on its connection ([`gate`]).
 fn misplaced(req: &Request) -> Response {
     Response::Err(match req {
-        Request::AuthHello { .. } | Request::AuthProof { .. } => StoreError::InvalidParams("authentication opens a connection, alone (AuthHello, then AuthProof), before any other request; not in a batch nor after".into()),
+        Request::AuthHello { .. } | Request::AuthProof { .. } => StoreError::InvalidParams("the cluster key's handshake opens a connection (AuthHello, alone, as its first frame); not in a batch nor after".into()),
         _ => StoreError::InvalidParams("nested batches are not allowed".into()),
     })
 }
 
-/// What a connection's authentication ([`ConnAuth`]) does with a request.
+/// What a connection does with a request ([`gate`]).
 #[derive(Debug, PartialEq)]
 pub(crate) enum Gate {
     /// Applied as usual.
     Pass(Request),
-    /// Answered so (a step of the exchange).
-    Answer(Response),
     /// Answered so, then the connection is closed.
     Refuse(Response),
 }
 
-/// A connection's proof of the cluster key (`KVFERRY_AUTH_KEY_FILE`, [`kvferry::auth`]),
-/// sans-IO. A master holding a key answers nothing but the exchange until the client proved
-/// it: `AuthHello { client nonce }` → `AuthChallenge { master nonce, the master's MAC over
-/// both }`, then `AuthProof { the client's MAC }` → `Ok`. Anything else before that is
-/// refused, saying what to set, and the connection closed. A master without a key refuses
-/// `AuthHello` (a client holding a key must not talk to a master that cannot prove one).
-pub(crate) struct ConnAuth<'k> {
-    key: Option<&'k kvferry::auth::ClusterKey>,
-    state: AuthState,
+fn unauthorized(why: impl Into<String>) -> Response {
+    Response::Err(StoreError::Unauthorized(why.into()))
 }
 
-enum AuthState {
-    /// Requests are applied.
-    Open,
-    /// Nothing but `AuthHello` yet.
-    Start,
-    /// The master's challenge went out: nothing but the proof.
-    Challenged(kvferry::auth::Answering),
-}
-
-fn unauthorized(why: impl Into<String>) -> Gate {
-    Gate::Refuse(Response::Err(StoreError::Unauthorized(why.into())))
-}
-
-impl<'k> ConnAuth<'k> {
-    pub(crate) fn new(key: Option<&'k kvferry::auth::ClusterKey>) -> ConnAuth<'k> {
-        ConnAuth { key, state: if key.is_some() { AuthState::Start } else { AuthState::Open } }
+/// What a master does with a request of a connection: one holding the cluster key
+/// (`keyed`) reads requests only on a connection that proved it ([`prove`]), so a handshake
+/// step then is out of place; one without refuses a client that wants to authenticate (a
+/// client holding a key must not talk to a master that cannot prove one).
+pub(crate) fn gate(keyed: bool, req: Request) -> Gate {
+    match req {
+        Request::AuthHello { .. } if !keyed => Gate::Refuse(unauthorized("this master has no cluster key (KVFERRY_AUTH_KEY_FILE is unset where it runs): give it the cluster's key file, or unset KVFERRY_AUTH_KEY_FILE on this client")),
+        req @ (Request::AuthHello { .. } | Request::AuthProof { .. }) => Gate::Refuse(misplaced(&req)),
+        req => Gate::Pass(req),
     }
+}
 
-    pub(crate) fn on(&mut self, req: Request) -> Gate {
-        let Some(key) = self.key else {
-            return match req {
-                Request::AuthHello { .. } => unauthorized("this master has no cluster key (KVFERRY_AUTH_KEY_FILE is unset where it runs): give it the cluster's key file, or unset KVFERRY_AUTH_KEY_FILE on this client"),
-                req => Gate::Pass(req),
-            };
-        };
-        match (&self.state, req) {
-            (AuthState::Open, req @ (Request::AuthHello { .. } | Request::AuthProof { .. })) => Gate::Refuse(misplaced(&req)),
-            (AuthState::Open, req) => Gate::Pass(req),
-            (AuthState::Start, Request::AuthHello { nonce }) => match kvferry::auth::Answering::new(key, proto::AUTH, nonce) {
-                Ok((answering, nonce, mac)) => {
-                    self.state = AuthState::Challenged(answering);
-                    Gate::Answer(Response::AuthChallenge { nonce, mac })
-                }
-                Err(r) => unauthorized(format!("the client's hello: {r}")),
-            },
-            (AuthState::Challenged(a), Request::AuthProof { mac }) => match a.check(key, proto::AUTH, &mac) {
-                Ok(()) => {
-                    self.state = AuthState::Open;
-                    Gate::Answer(Response::Ok)
-                }
-                Err(r) => unauthorized(format!("the client's proof: {r}")),
-            },
-            (AuthState::Challenged(_), _) => unauthorized("the client sent a request before its proof (AuthProof)"),
-            (AuthState::Start, _) => unauthorized("this master requires the cluster key: set KVFERRY_AUTH_KEY_FILE on this client to the cluster's key file (a stock Mooncake client cannot authenticate: serve those from a master without a key)"),
+/// What a master holding the cluster key tells a connection whose first frame is not the
+/// key's handshake.
+const NEEDS_KEY: &str = "this master requires the cluster key: set KVFERRY_AUTH_KEY_FILE on this client to the cluster's key file (a stock Mooncake client cannot authenticate: serve those from a master without a key)";
+
+/// How long a connection to a master holding the cluster key has, from its accept, to prove
+/// the key: the handshake and its first sealed frame, whole. Until then the connection holds
+/// one of the `Unproved` places, and nothing of it is decoded or served.
+pub const PROOF_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The most connections not yet proved (`PROOF_DEADLINE`) a master holding the cluster key
+/// keeps at once, in all; more are closed at accept.
+pub const MAX_UNPROVED: usize = 256;
+
+/// The most connections not yet proved a master holding the cluster key keeps at once from
+/// one address; more are closed at accept.
+pub const MAX_UNPROVED_PER_IP: usize = 64;
+
+/// The connections of a port that did not prove the cluster key yet, counted in all and per
+/// source address, each bounded: what a flood without the key can hold is at most
+/// `total` connections, their threads and fixed buffers (a few hundred bytes each), each for
+/// at most [`PROOF_DEADLINE`].
+pub(crate) struct Unproved {
+    what: &'static str,
+    total: usize,
+    per_ip: usize,
+    held: std::sync::Mutex<(usize, std::collections::HashMap<std::net::IpAddr, usize>)>,
+    /// Refused since the last log line, and when that was (one line a second at most).
+    refused: std::sync::Mutex<(u64, Option<Instant>)>,
+}
+
+/// One [`Unproved`] place, given back when dropped.
+pub(crate) struct UnprovedSlot {
+    of: Arc<Unproved>,
+    ip: std::net::IpAddr,
+}
+
+impl Drop for UnprovedSlot {
+    fn drop(&mut self) {
+        let mut h = self.of.held.lock().unwrap_or_else(|e| e.into_inner());
+        h.0 = h.0.saturating_sub(1);
+        if let std::collections::hash_map::Entry::Occupied(mut e) = h.1.entry(self.ip) {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
         }
     }
+}
+
+impl Unproved {
+    pub(crate) fn new(what: &'static str, total: usize, per_ip: usize) -> Arc<Unproved> {
+        Arc::new(Unproved { what, total, per_ip, held: Default::default(), refused: Default::default() })
+    }
+
+    /// A place for a connection from `ip`, or `None` (then logged, a line a second at most)
+    /// when `total` are held or `per_ip` from that address.
+    pub(crate) fn admit(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<UnprovedSlot> {
+        {
+            let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
+            let from = h.1.get(&ip).copied().unwrap_or(0);
+            if h.0 < self.total && from < self.per_ip {
+                h.0 += 1;
+                *h.1.entry(ip).or_insert(0) += 1;
+                return Some(UnprovedSlot { of: Arc::clone(self), ip });
+            }
+        }
+        let mut r = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        r.0 += 1;
+        if r.1.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
+            tracing::warn!(
+                "{}: closed {} connection(s) at accept, the last from {ip}: {} connections at most may be proving the cluster key at once ({} from one address), each for {PROOF_DEADLINE:?} at most; a flood without the key, or more clients connecting at once than that",
+                self.what, r.0, self.total, self.per_ip
+            );
+            *r = (0, Some(Instant::now()));
+        }
+        None
+    }
+
+    /// How many places are held (in all, from `ip`).
+    #[cfg(test)]
+    fn held(&self, ip: std::net::IpAddr) -> (usize, usize) {
+        let h = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        (h.0, h.1.get(&ip).copied().unwrap_or(0))
+    }
+}
+
+/// Reads `buf` whole from `s` by `deadline` (however the bytes trickle in).
+pub(crate) fn read_by(mut s: &TcpStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the cluster key was not proved in time"));
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// A connection's proof of the cluster key (`KVFERRY_AUTH_KEY_FILE`, [`kvferry::auth`]) to
+/// a master that holds it, within `deadline`: the client's opening message in a plain
+/// [`Request::AuthHello`] frame (a length prefix over [`proto::MAX_AUTH_HELLO_FRAME`] is
+/// refused before anything more is read; the body, in a fixed buffer, is not decoded but
+/// for that one message), dialing this master's cluster ([`proto::master_identity`]); the
+/// answer in a plain [`Response::AuthChallenge`]; then the client's first sealed frame, which
+/// must open under the session (only a client that holds it can seal one: a replayed
+/// handshake gets an answer, but nothing more). Returns the session's halves, the first
+/// frame's body in `body`. Anything else is refused with the reason (in a plain frame before
+/// the session, a sealed one after) and ends the connection (an error).
+fn prove(key: &kvferry::auth::ClusterKey, identity: &str, s: &TcpStream, deadline: Instant, body: &mut Vec<u8>) -> std::io::Result<(kvferry::auth::Sealer, kvferry::auth::Opener)> {
+    use kvferry::auth::{frame_body_len, Refusal, FRAME_HEAD_LEN};
+    let refuse = |why: String, sealer: Option<&mut kvferry::auth::Sealer>| -> std::io::Error {
+        let frame = frame_of(&unauthorized(why.clone()));
+        let frame = match sealer {
+            Some(sealer) => {
+                let mut out = Vec::new();
+                sealer.seal_frame(&frame[4..], &mut out);
+                out
+            }
+            None => frame,
+        };
+        let mut w = s;
+        let _ = w.write_all(&frame);
+        std::io::Error::new(std::io::ErrorKind::PermissionDenied, why)
+    };
+    let late = |e: std::io::Error, sealer: Option<&mut kvferry::auth::Sealer>| match e.kind() {
+        std::io::ErrorKind::TimedOut => refuse(format!("the cluster key was not proved within {PROOF_DEADLINE:?} of connecting (the handshake and the first request)"), sealer),
+        _ => e,
+    };
+    s.set_write_timeout(Some(PROOF_DEADLINE))?;
+    let mut prefix = [0u8; 4];
+    read_by(s, &mut prefix, deadline).map_err(|e| late(e, None))?;
+    let n = u32::from_le_bytes(prefix) as usize;
+    if n > proto::MAX_AUTH_HELLO_FRAME {
+        return Err(refuse(format!("{NEEDS_KEY} (its first frame claims {n} bytes; the key's handshake is at most {})", proto::MAX_AUTH_HELLO_FRAME), None));
+    }
+    let mut first = [0u8; proto::MAX_AUTH_HELLO_FRAME];
+    read_by(s, &mut first[..n], deadline).map_err(|e| late(e, None))?;
+    let Some(hello) = proto::auth_hello_of(&first[..n]) else { return Err(refuse(NEEDS_KEY.into(), None)) };
+    let (session, answer) = match kvferry::auth::answer(key, proto::STORE_RPC, hello, &[identity]) {
+        Ok(a) => a,
+        Err(Refusal::Misdirected { meant, here }) => {
+            return Err(refuse(format!("the client dialed {meant:?} and this master is {here:?}: it serves another cluster; give the client the master's cluster id (KVFERRY_STORE_CLUSTER_ID, or MC_STORE_CLUSTER_ID) or point it at a master of its own cluster"), None));
+        }
+        Err(r) => return Err(refuse(format!("the client's hello: {r}"), None)),
+    };
+    let mut w = s;
+    w.write_all(&frame_of(&Response::AuthChallenge { answer }))?;
+    let (mut sealer, mut opener) = session.split();
+    let mut head = [0u8; FRAME_HEAD_LEN];
+    read_by(s, &mut head, deadline).map_err(|e| late(e, Some(&mut sealer)))?;
+    let why = |r: Refusal| format!("the connection's first frame after the handshake: {r}; nothing of it was applied");
+    let n = match opener.open_frame_head(&head, proto::MAX_FRAME) {
+        Ok(n) => n,
+        Err(r) => return Err(refuse(why(r), Some(&mut sealer))),
+    };
+    // (The head opened: the client holds the session, so its frame may take memory.)
+    let mut sealed = vec![0u8; frame_body_len(n)];
+    read_by(s, &mut sealed, deadline).map_err(|e| late(e, Some(&mut sealer)))?;
+    if let Err(r) = opener.open_frame_body(&sealed, body) {
+        return Err(refuse(why(r), Some(&mut sealer)));
+    }
+    s.set_read_timeout(None)?;
+    s.set_write_timeout(Some(SLOW_ANSWER))?;
+    Ok((sealer, opener))
 }
 
 /// Counts `r` in the master's statistics of operation `op`.
@@ -702,18 +867,32 @@ fn readable_within(s: &TcpStream, bound: Duration) -> bool {
     !matches!(rustix::event::poll(&mut fds, Some(&timeout)), Ok(0))
 }
 
-fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin) -> std::io::Result<()> {
+/// Serves one RPC connection until it ends. With the cluster key, it first proves the key
+/// within [`PROOF_DEADLINE`] ([`prove`]), holding `unproved`'s place meanwhile; every frame
+/// after is sealed.
+fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin, unproved: Option<UnprovedSlot>) -> std::io::Result<()> {
+    let deadline = Instant::now() + PROOF_DEADLINE;
     s.set_nodelay(true)?;
+    let mut body = Vec::new();
+    let (sealer, mut opener) = match &m.auth {
+        Some(key) => {
+            let (sealer, opener) = prove(key, &proto::master_identity(&m.cluster_id), s, deadline, &mut body)?;
+            (Some(sealer), Some(opener))
+        }
+        None => (None, None),
+    };
+    drop(unproved);
+    // The first request came with the proof.
+    let mut have = opener.is_some();
     // An answer written by this thread waits for a client that stops reading at most this long
     // (deferred answers are sent without blocking, within the same bound: `Outbox::send`).
     s.set_write_timeout(Some(SLOW_ANSWER))?;
-    let out = Arc::new(Outbox { sock: s.try_clone()?, busy: std::sync::Mutex::default(), idle: std::sync::Condvar::new() });
-    let mut prefix = [0u8; 4];
-    let mut body = Vec::new();
+    let out = Arc::new(Outbox { sock: s.try_clone()?, busy: std::sync::Mutex::new(Busy { sealer, ..Busy::default() }), idle: std::sync::Condvar::new() });
+    let mut head = [0u8; kvferry::auth::FRAME_HEAD_LEN];
+    let mut sealed = Vec::new();
     let mut deferred = false;
     // An answer went out before its changes were collected ([`Applied::Early`]), at this time.
     let mut owed: Option<Instant> = None;
-    let mut auth = ConnAuth::new(m.auth.as_ref());
     loop {
         if let Some(at) = owed {
             let left = RIDE_WAIT.saturating_sub(at.elapsed());
@@ -722,25 +901,23 @@ fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin) -> std::io::Result<()
                 owed = None;
             }
         }
-        // Not after an answer left for the journal: that client is still waiting for it.
-        let got = if deferred || owed.is_some() { 0 } else { spin.poll(s, &mut prefix)? };
-        (&*s).read_exact(&mut prefix[got..])?;
-        let n = match proto::decode_len(prefix) {
-            Ok(n) => n,
-            Err(e) => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())),
-        };
-        body.clear();
-        s.take(n as u64).read_to_end(&mut body)?;
-        if body.len() != n {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        if !have {
+            // Not after an answer left for the journal: that client is still waiting for it.
+            let prefix: &mut [u8; 4] = (&mut head[..4]).try_into().unwrap_or_else(|_| unreachable!("a sealed frame's head is longer than 4 bytes"));
+            let got = if deferred || owed.is_some() { 0 } else { spin.poll(s, prefix)? };
+            (&*s).read_exact(&mut prefix[got..])?;
+            match &mut opener {
+                None => read_plain(s, *prefix, &mut body)?,
+                Some(o) => read_sealed(s, o, &mut head, &mut sealed, &mut body)?,
+            }
         }
+        have = false;
         // The previous request's answer, if it waited for the journal, is out first.
-        out.wait_idle();
-        let req = proto::decode::<Request>(&body).map(|req| auth.on(req));
+        drop(out.wait_idle());
+        let req = proto::decode_request(&body).map(|req| gate(m.auth.is_some(), req));
         let resp = match req {
-            Ok(Gate::Answer(resp)) => resp,
             Ok(Gate::Refuse(resp)) => {
-                (&*s).write_all(&frame_of(&resp))?;
+                (&*s).write_all(&out.next(frame_of(&resp)))?;
                 return Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("{resp:?}")));
             }
             Ok(Gate::Pass(req)) => match (mutates(&req), apply(m, req)) {
@@ -779,9 +956,39 @@ fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin) -> std::io::Result<()
             Err(e) => Response::Err(e),
         };
         deferred = false;
-        (&*s).write_all(&frame_of(&resp))?;
+        (&*s).write_all(&out.next(frame_of(&resp)))?;
     }
 }
+
+/// Reads a plain frame's body (`prefix` its length) into `body`, growing as its bytes arrive.
+fn read_plain(s: &TcpStream, prefix: [u8; 4], body: &mut Vec<u8>) -> std::io::Result<()> {
+    let n = proto::decode_len(prefix).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+    body.clear();
+    s.take(n as u64).read_to_end(body)?;
+    if body.len() != n {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
+}
+
+/// Reads the rest of a sealed frame whose head's first 4 bytes are in `head`, and opens it
+/// into `body` (`sealed` holds its sealed bytes, growing as they arrive). A frame that does
+/// not open (injected, replayed, altered) or claims more than [`proto::MAX_FRAME`] ends the
+/// connection.
+fn read_sealed(s: &TcpStream, o: &mut kvferry::auth::Opener, head: &mut [u8; kvferry::auth::FRAME_HEAD_LEN], sealed: &mut Vec<u8>, body: &mut Vec<u8>) -> std::io::Result<()> {
+    let denied = |r: kvferry::auth::Refusal| std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("a frame of a connection that proved the cluster key: {r}"));
+    (&*s).read_exact(&mut head[4..])?;
+    let n = o.open_frame_head(head, proto::MAX_FRAME).map_err(denied)?;
+    let len = kvferry::auth::frame_body_len(n);
+    sealed.clear();
+    s.take(len as u64).read_to_end(sealed)?;
+    if sealed.len() != len {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    o.open_frame_body(sealed, body).map_err(denied)
+}
+
+
 
 /// A running master: RPC listener and ticker.
 pub struct MasterServer {
@@ -806,18 +1013,29 @@ impl MasterServer {
         let stop = Arc::new(AtomicBool::new(false));
         let (l, m, st) = (Arc::clone(&listener), Arc::clone(&master), Arc::clone(&stop));
         let spin = Arc::new(Spin::new(spin));
+        let unproved = Unproved::new("master RPC", MAX_UNPROVED, MAX_UNPROVED_PER_IP);
         std::thread::Builder::new().name("kvf-master-accept".into()).spawn(move || {
             for conn in l.incoming() {
                 if st.load(Ordering::Acquire) {
                     break;
                 }
                 let Some(conn) = accepted(conn, "master: accepting an RPC connection") else { continue };
+                // With the cluster key, a place among the connections not proved yet, or the
+                // connection is closed here (no thread, nothing read).
+                let slot = match (&m.auth, conn.peer_addr()) {
+                    (None, _) => None,
+                    (Some(_), Ok(peer)) => match unproved.admit(peer.ip()) {
+                        Some(slot) => Some(slot),
+                        None => continue,
+                    },
+                    (Some(_), Err(_)) => continue,
+                };
                 // A client host that vanished (crashed, cut off) without closing is found by
                 // TCP keepalive, so its thread, descriptor and buffer are not held for ever.
                 keepalive(&conn, Duration::from_secs(30));
                 let (m, spin) = (Arc::clone(&m), Arc::clone(&spin));
                 let _ = std::thread::Builder::new().name("kvf-master-rpc".into()).spawn(move || {
-                    if let Err(e) = serve_conn(&m, &conn, &spin) {
+                    if let Err(e) = serve_conn(&m, &conn, &spin, slot) {
                         if e.kind() != std::io::ErrorKind::UnexpectedEof {
                             tracing::debug!("master RPC connection closed: {e}");
                         }
@@ -872,68 +1090,240 @@ mod tests {
     use crate::master::MasterConfig;
     use crate::proto::Segment;
 
-    /// The master's side of the cluster key's challenge-response, without sockets: nothing
-    /// but the exchange before the proof; a wrong, replayed or late proof, a nonce of the
-    /// wrong size, or a request before the proof closes the connection with the reason; a
-    /// master without a key refuses a client that wants one. A client holding the key being
-    /// replaced as its second key is still served.
+    use kvferry::auth::{ClusterKey, Initiator, Opener, Sealer};
+
+    fn key(text: &str) -> ClusterKey {
+        ClusterKey::parse(text.as_bytes(), std::path::Path::new("k")).expect("key")
+    }
+
+    /// A master of cluster "c" holding `key` (if any), served on 127.0.0.1.
+    fn keyed_master(key: Option<ClusterKey>) -> (Arc<Master>, MasterServer, std::net::SocketAddr) {
+        let mut m = Master::new(MasterConfig::default());
+        m.auth = key;
+        m.cluster_id = "c".into();
+        let m = Arc::new(m);
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = MasterServer::start(Arc::clone(&m), listener, Duration::from_millis(50), 0).expect("start");
+        (m, server, addr)
+    }
+
+    /// A plain frame's answer.
+    fn plain_answer(c: &mut TcpStream) -> Response {
+        read_answer(c).expect("an answer")
+    }
+
+    /// The client's side of the key's handshake, by hand, dialing `identity`: the connection
+    /// and its session's halves, or the master's plain answer when it refused. `hello` gets
+    /// the opening message's frame as sent.
+    fn handshake(addr: std::net::SocketAddr, k: &ClusterKey, identity: &str, hello: &mut Vec<u8>) -> Result<(TcpStream, Sealer, Opener), Response> {
+        let mut c = TcpStream::connect(addr).expect("connect");
+        c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        let (init, h) = Initiator::new(k, proto::STORE_RPC, identity).expect("hello");
+        *hello = proto::encode(&Request::AuthHello { hello: h }).expect("encode");
+        c.write_all(hello).expect("send");
+        match plain_answer(&mut c) {
+            Response::AuthChallenge { answer } => {
+                let (s, o) = init.finish(&answer).expect("the master proves the key").split();
+                Ok((c, s, o))
+            }
+            other => Err(other),
+        }
+    }
+
+    fn sealed_frame(s: &mut Sealer, req: &Request) -> Vec<u8> {
+        let mut out = Vec::new();
+        s.seal_frame(&proto::encode(req).expect("encode")[4..], &mut out);
+        out
+    }
+
+    fn sealed_answer(c: &mut TcpStream, o: &mut Opener) -> std::io::Result<Response> {
+        let mut head = [0u8; kvferry::auth::FRAME_HEAD_LEN];
+        c.read_exact(&mut head)?;
+        let n = o.open_frame_head(&head, proto::MAX_FRAME).map_err(std::io::Error::other)?;
+        let mut sealed = vec![0u8; kvferry::auth::frame_body_len(n)];
+        c.read_exact(&mut sealed)?;
+        let mut body = Vec::new();
+        o.open_frame_body(&sealed, &mut body).map_err(std::io::Error::other)?;
+        proto::decode(&body).map_err(|e| std::io::Error::other(e.to_string()))
+    }
+
+    fn closed(c: &mut TcpStream) -> bool {
+        matches!(c.read(&mut [0u8; 1]), Ok(0) | Err(_))
+    }
+
+    fn refused_saying(r: Response, what: &str) -> String {
+        match r {
+            Response::Err(StoreError::Unauthorized(why)) if why.contains(what) => why,
+            other => panic!("expected a refusal saying {what:?}: {other:?}"),
+        }
+    }
+
+    /// A master holding the cluster key serves a connection only once it ran the key's
+    /// handshake towards this master's cluster and its first sealed frame opened; every frame
+    /// after is sealed both ways. Anything else is refused with the reason and the connection
+    /// closed: a plain request first, a first frame longer than a handshake (refused on its
+    /// length alone), another key, another cluster, a handshake step after the proof. A client
+    /// whose file holds the master's key second (a key change) is served. A master without a
+    /// key refuses a client that wants to authenticate.
     #[test]
     fn a_connection_proves_the_cluster_key_before_any_request_or_is_refused_saying_why() {
-        use kvferry::auth::{ClusterKey, Opening};
-        let key = |t: &str| ClusterKey::parse(t.as_bytes(), std::path::Path::new("k")).expect("key");
         let (a, b) = ("a".repeat(64), "b".repeat(64));
-        let master = key(&a);
-        let ping = || Request::Ping { client: 1 };
-        let refused = |g: Gate, what: &str| match g {
-            Gate::Refuse(Response::Err(StoreError::Unauthorized(why))) if why.contains(what) => why,
-            other => panic!("expected a refusal saying {what:?}: {other:?}"),
-        };
-        // Without a key: everything passes; a client that wants to authenticate is told.
-        let mut open = ConnAuth::new(None);
-        assert_eq!(open.on(ping()), Gate::Pass(ping()));
-        refused(open.on(Request::AuthHello { nonce: vec![0; 16] }), "has no cluster key");
-        // With one: a request before the exchange is refused, naming what to set.
-        refused(ConnAuth::new(Some(&master)).on(ping()), "set KVFERRY_AUTH_KEY_FILE on this client");
-        refused(ConnAuth::new(Some(&master)).on(Request::AuthHello { nonce: vec![0; 3] }), "3 bytes");
-        refused(ConnAuth::new(Some(&master)).on(Request::AuthProof { mac: vec![0; 32] }), "requires the cluster key");
-        // The exchange, as a client holding `keys` does it (`client.rs` `authenticate`): it
-        // checks the master's MAC, then proves the key.
-        let hello = |c: &mut ConnAuth, keys: &ClusterKey| {
-            let opening = Opening::default();
-            match c.on(Request::AuthHello { nonce: opening.nonce() }) {
-                Gate::Answer(Response::AuthChallenge { nonce, mac }) => opening.prove(keys, proto::AUTH, &nonce, &mac).expect("the master proves the key over both nonces"),
-                other => panic!("no challenge: {other:?}"),
-            }
-        };
-        let mut c = ConnAuth::new(Some(&master));
-        let proof = hello(&mut c, &master);
-        assert_eq!(c.on(Request::AuthProof { mac: proof.clone() }), Gate::Answer(Response::Ok));
-        assert_eq!(c.on(ping()), Gate::Pass(ping()), "then requests are applied");
-        assert!(matches!(c.on(Request::AuthHello { nonce: vec![0; 16] }), Gate::Refuse(Response::Err(StoreError::InvalidParams(_)))), "and the exchange is not started again");
-        // Another connection: the first one's proof is worth nothing there (its nonces differ).
-        let mut other = ConnAuth::new(Some(&master));
-        hello(&mut other, &master);
-        refused(other.on(Request::AuthProof { mac: proof }), "holds another key");
-        // A client that signs with another key (it accepts the master's as its second), or
-        // one that skips the proof.
-        let mut wrong = ConnAuth::new(Some(&master));
-        let proof = hello(&mut wrong, &key(&format!("{b}\n{a}")));
-        refused(wrong.on(Request::AuthProof { mac: proof }), "holds another key");
-        let mut skips = ConnAuth::new(Some(&master));
-        hello(&mut skips, &master);
-        refused(skips.on(ping()), "before its proof");
-        // A key change: a client of its first step (the old key first, the new one second)
-        // is served by a master of the first step and by one of the second (the new first).
-        let mut rotating = ConnAuth::new(Some(&master));
-        let proof = hello(&mut rotating, &key(&format!("{a}\n{b}")));
-        assert_eq!(rotating.on(Request::AuthProof { mac: proof }), Gate::Answer(Response::Ok));
-        let second = key(&format!("{b}\n{a}"));
-        let mut c = ConnAuth::new(Some(&second));
-        let proof = hello(&mut c, &key(&format!("{a}\n{b}")));
-        assert_eq!(c.on(Request::AuthProof { mac: proof }), Gate::Answer(Response::Ok));
-        // Not in a batch.
-        let m = journaling_leader(5);
-        assert!(matches!(handle(&m, Request::Batch(vec![Request::AuthProof { mac: vec![] }])), Response::Batch(r) if matches!(&r[..], [Response::Err(StoreError::InvalidParams(_))])));
+        let (m, _server, addr) = keyed_master(Some(key(&a)));
+        let me = proto::master_identity("c");
+        let mut hello = Vec::new();
+        for k in [key(&a), key(&format!("{a}\n{b}"))] {
+            let (mut c, mut s, mut o) = handshake(addr, &k, &me, &mut hello).expect("served");
+            c.write_all(&sealed_frame(&mut s, &Request::MountSegment { client: 1, segment: seg(m.lock().summary().segments as u64 + 1, 1 << 20) })).expect("send");
+            assert_eq!(sealed_answer(&mut c, &mut o).expect("answer"), Response::Ok);
+            // Pipelined: both answers come, in order, sealed.
+            let mut two = sealed_frame(&mut s, &Request::ExistKey { key: "k".into() });
+            two.extend(sealed_frame(&mut s, &Request::Ping { client: 1 }));
+            c.write_all(&two).expect("send");
+            assert_eq!(sealed_answer(&mut c, &mut o).expect("answer"), Response::Exists(false));
+            assert_eq!(sealed_answer(&mut c, &mut o).expect("answer"), Response::Ping(PingStatus::Ok));
+            // The handshake is not run again on a proved connection.
+            c.write_all(&sealed_frame(&mut s, &Request::AuthHello { hello: vec![0; 48] })).expect("send");
+            assert!(matches!(sealed_answer(&mut c, &mut o).expect("answer"), Response::Err(StoreError::InvalidParams(_))));
+            assert!(closed(&mut c));
+        }
+        assert_eq!(m.lock().summary().segments, 2);
+        // A client opening with another key (it holds the master's second), or with no key.
+        let e = handshake(addr, &key(&format!("{b}\n{a}")), &me, &mut hello).err().expect("refused");
+        refused_saying(e, "another key");
+        let mut raw = TcpStream::connect(addr).expect("connect");
+        raw.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        raw.write_all(&proto::encode(&Request::MountSegment { client: 9, segment: seg(9, 1 << 20) }).expect("encode")).expect("send");
+        refused_saying(plain_answer(&mut raw), "set KVFERRY_AUTH_KEY_FILE on this client");
+        assert!(closed(&mut raw));
+        // A first frame longer than any handshake: refused on its length, nothing more read.
+        let mut big = TcpStream::connect(addr).expect("connect");
+        big.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        big.write_all(&(proto::MAX_FRAME as u32).to_le_bytes()).expect("send");
+        refused_saying(plain_answer(&mut big), &format!("claims {} bytes", proto::MAX_FRAME));
+        // A client of another cluster.
+        let e = handshake(addr, &key(&a), &proto::master_identity("other"), &mut hello).err().expect("refused");
+        eprintln!("{}", refused_saying(e, "serves another cluster"));
+        assert_eq!(m.lock().summary().segments, 2, "nothing of the refused connections applied");
+        // A master without a key.
+        assert!(matches!(gate(false, Request::AuthHello { hello: vec![] }), Gate::Refuse(Response::Err(StoreError::Unauthorized(w))) if w.contains("has no cluster key")));
+        assert_eq!(gate(false, Request::Ping { client: 1 }), Gate::Pass(Request::Ping { client: 1 }));
+        let (_open, _s2, open_addr) = keyed_master(None);
+        assert!(matches!(handshake(open_addr, &key(&a), &me, &mut hello), Err(Response::Err(StoreError::Unauthorized(w))) if w.contains("has no cluster key")));
+        // The step of an earlier exchange, anywhere.
+        assert!(matches!(gate(true, Request::AuthProof { mac: vec![] }), Gate::Refuse(Response::Err(StoreError::InvalidParams(_)))));
+        let j = journaling_leader(5);
+        assert!(matches!(handle(&j, Request::Batch(vec![Request::AuthProof { mac: vec![] }])), Response::Batch(r) if matches!(&r[..], [Response::Err(StoreError::InvalidParams(_))])));
+    }
+
+    /// What a keyless host on the path can do with a keyed client's connection: replay its
+    /// handshake and first sealed request on a new connection (the master answers the hello,
+    /// which holds nothing fresh from it, but the replayed frame does not open there), inject
+    /// a frame of its own after the handshake, or alter a sealed frame (its head or its
+    /// body, first or later): each is refused and nothing of it is applied; a refusal after
+    /// the handshake is sealed, so the client behind the relay reads why.
+    #[test]
+    fn a_replayed_handshake_or_an_injected_or_altered_frame_is_refused_and_nothing_applied() {
+        let k = key(&"k".repeat(64));
+        let (m, _server, addr) = keyed_master(Some(k.clone()));
+        let me = proto::master_identity("c");
+        assert_eq!(handle(&m, Request::MountSegment { client: 1, segment: seg(1, 1 << 20) }), Response::Ok);
+        assert!(matches!(handle(&m, put_start("victim", 4096)), Response::Replicas(_)));
+        assert_eq!(handle(&m, Request::PutEnd { client: 1, key: "victim".into(), put: 1 }), Response::Ok);
+        let remove = Request::Remove { key: "victim".into(), force: true };
+        let exists = |m: &Master| handle(m, Request::ExistKey { key: "victim".into() }) == Response::Exists(true);
+        // A real client's connection, captured: its hello and first sealed frame (a mount).
+        let mut hello = Vec::new();
+        let (mut c, mut s, mut o) = handshake(addr, &k, &me, &mut hello).expect("served");
+        let first = sealed_frame(&mut s, &Request::MountSegment { client: 2, segment: seg(2, 1 << 20) });
+        c.write_all(&first).expect("send");
+        assert_eq!(sealed_answer(&mut c, &mut o).expect("answer"), Response::Ok);
+        assert_eq!(m.lock().summary().segments, 2);
+        // Replayed on a new connection: answered, but the frame does not open; nothing applied.
+        let mut r = TcpStream::connect(addr).expect("connect");
+        r.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        r.write_all(&hello).expect("send");
+        assert!(matches!(plain_answer(&mut r), Response::AuthChallenge { .. }), "a replayed hello gets an answer");
+        r.write_all(&first).expect("send");
+        let mut rest = Vec::new();
+        let _ = r.read_to_end(&mut rest);
+        assert!(!rest.is_empty() && rest.len() < 1024, "a sealed refusal the replayer cannot read, then the end: {} bytes", rest.len());
+        assert_eq!(m.lock().summary().segments, 2, "the replayed mount was not applied");
+        // A keyless relay injects its own (plain) request after a real handshake.
+        let (mut c, _s, mut o) = handshake(addr, &k, &me, &mut hello).expect("served");
+        // (Two removals in a batch: longer than a sealed frame's head, read whole as one.)
+        c.write_all(&proto::encode(&Request::Batch(vec![remove.clone(), remove.clone()])).expect("encode")).expect("send");
+        let why = refused_saying(sealed_answer(&mut c, &mut o).expect("the client reads why"), "does not open under this connection's session");
+        assert!(why.contains("nothing of it was applied"), "{why}");
+        assert!(closed(&mut c));
+        assert!(exists(&m), "the injected removal was not applied");
+        // It alters a real client's sealed first frame: its head, or its body.
+        for at in [0, kvferry::auth::FRAME_HEAD_LEN + 3] {
+            let (mut c, mut s, mut o) = handshake(addr, &k, &me, &mut hello).expect("served");
+            let mut f = sealed_frame(&mut s, &remove);
+            f[at] ^= 1;
+            c.write_all(&f).expect("send");
+            refused_saying(sealed_answer(&mut c, &mut o).expect("the client reads why"), "does not open");
+            assert!(exists(&m), "an altered removal was not applied (byte {at})");
+        }
+        // Or a later frame: the connection ends, nothing applied.
+        let (mut c, mut s, mut o) = handshake(addr, &k, &me, &mut hello).expect("served");
+        c.write_all(&sealed_frame(&mut s, &Request::Ping { client: 1 })).expect("send");
+        assert_eq!(sealed_answer(&mut c, &mut o).expect("answer"), Response::Ping(PingStatus::Ok));
+        let mut f = sealed_frame(&mut s, &remove);
+        let last = f.len() - 1;
+        f[last] ^= 0x80;
+        c.write_all(&f).expect("send");
+        assert!(closed(&mut c));
+        assert!(exists(&m), "an altered later removal was not applied");
+        // (The removal itself, sealed and intact, is applied.)
+        let (mut c, mut s, mut o) = handshake(addr, &k, &me, &mut hello).expect("served");
+        c.write_all(&sealed_frame(&mut s, &remove)).expect("send");
+        assert_eq!(sealed_answer(&mut c, &mut o).expect("answer"), Response::Ok);
+        assert!(!exists(&m));
+    }
+
+    /// At most `total` connections hold a place before their proof, `per_ip` from one address;
+    /// a place is given back when its connection proves the key or ends.
+    #[test]
+    fn connections_not_yet_proved_are_bounded_in_all_and_per_address() {
+        let u = Unproved::new("test", 5, 3);
+        let (a, b, c): (std::net::IpAddr, std::net::IpAddr, std::net::IpAddr) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap(), "10.0.0.3".parse().unwrap());
+        let from_a: Vec<_> = (0..3).map(|_| u.admit(a).expect("under the cap")).collect();
+        assert!(u.admit(a).is_none(), "a fourth from one address");
+        let from_b: Vec<_> = (0..2).map(|_| u.admit(b).expect("under the cap")).collect();
+        assert!(u.admit(c).is_none(), "a sixth in all");
+        assert_eq!(u.held(a), (5, 3));
+        drop(from_a);
+        assert_eq!(u.held(a), (2, 0));
+        let more: Vec<_> = (0..3).map(|_| u.admit(c).expect("places given back")).collect();
+        assert!(u.admit(a).is_none());
+        drop((from_b, more));
+        assert_eq!(u.held(b), (0, 0));
+        assert!(u.held.lock().unwrap().1.is_empty(), "no address is kept once its places are back");
+    }
+
+    /// A proof's reads end at its deadline however the bytes trickle in.
+    #[test]
+    fn a_proof_is_read_by_its_deadline_even_a_byte_at_a_time() {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut c = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        let (s, _) = l.accept().expect("accept");
+        let t = Instant::now();
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                for _ in 0..20 {
+                    if c.write_all(&[1]).is_err() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(40));
+                }
+            });
+            let e = read_by(&s, &mut [0u8; 16], Instant::now() + Duration::from_millis(200)).expect_err("not whole in time");
+            assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+            assert!(t.elapsed() < Duration::from_millis(600), "{:?}", t.elapsed());
+        });
+        read_by(&s, &mut [0u8; 1], Instant::now() + Duration::from_secs(5)).expect("a byte that is there");
     }
 
     fn read_answer(c: &mut TcpStream) -> std::io::Result<Response> {

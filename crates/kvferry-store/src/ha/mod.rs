@@ -445,7 +445,7 @@ pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
             let l = std::net::TcpListener::bind((ip, 0)).map_err(|e| format!("HA replication: cannot bind a port on {ip}: {e}"))?;
             let addr = l.local_addr().map_err(|e| e.to_string())?.to_string();
             let prebuilder = sync::Prebuilder { clock: master.clock(), lease_ms: master.cfg.lease_ttl.as_millis() as u64 };
-            let mirror = Arc::new(sync::Mirror::new(&cfg.cluster_id, master.cfg.lease_ttl, usize::try_from(cfg.standby_tail_bytes).unwrap_or(usize::MAX)).with_prebuilder(prebuilder).with_auth(master.auth.clone()));
+            let mirror = Arc::new(sync::Mirror::new(&cfg.cluster_id, master.cfg.lease_ttl, usize::try_from(cfg.standby_tail_bytes).unwrap_or(usize::MAX)).with_prebuilder(prebuilder).with_auth(master.auth.clone(), &cfg.address));
             let m = Arc::clone(&mirror);
             std::thread::Builder::new().name("kvf-ha-mirror".into()).spawn(move || sync::serve(l, m)).map_err(|e| e.to_string())?;
             tracing::info!("HA: replication to standbys; this master's mirror is served at {addr}");

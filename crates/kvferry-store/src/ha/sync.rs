@@ -37,9 +37,12 @@
 //! (where the leader's etcd journal is whole, to a standby that registered as taking it:
 //! [`MirrorTail`]); the standby answers `Ack` with the last entry it holds (decoded and in
 //! order; applied to its image right after). With a cluster key (`KVFERRY_AUTH_KEY_FILE`,
-//! `kvferry::auth`) the connection opens with `AuthHello` (the leader's nonce) →
-//! `AuthChallenge` (the standby's nonce and MAC over both) → `AuthProof` (the leader's MAC)
-//! before the `Hello` (`prove_to_standby`, and the standby's side in `accept_leader`).
+//! `kvferry::auth`) the connection opens with the Noise handshake of [`HA_LINK`], the leader
+//! dialing the standby's [`standby_identity`] (its cluster and member id): `AuthHello` (the
+//! leader's opening message) → `AuthChallenge` (the standby's answer), plain frames; every
+//! frame after, both ways, is sealed under the session (`kvferry::auth::Sealer::seal_frame`:
+//! the sealed length, then the sealed postcard body), the `Hello` first
+//! (`prove_to_standby`, and the standby's side in `accept_leader`).
 
 use crate::master::journal::{Change, Image, Rebuilt, ReplicaRec, PREBUILT_TERM};
 use crate::master::State;
@@ -86,17 +89,41 @@ pub enum ToStandby {
     /// starts at `base`, as the others' did, once they reach its image. Only to a standby that
     /// takes [`ToStandby::Base`].
     Run { base: u64, frames: Vec<KeptFrame> },
-    /// The first frame where the masters hold a cluster key: the leader's nonce (answered by
-    /// [`ToLeader::AuthChallenge`]). Last, so the other variants keep their wire numbers.
-    AuthHello { nonce: Vec<u8> },
-    /// The leader's MAC over both nonces ([`AUTH`]); then the `Hello`.
+    /// The first frame where the masters hold a cluster key, a plain one: the leader's Noise
+    /// opening message ([`HA_LINK`], dialing [`standby_identity`]), answered by
+    /// [`ToLeader::AuthChallenge`]. Last, so the other variants keep their wire numbers.
+    AuthHello { hello: Vec<u8> },
+    /// Not sent (it kept the number of an earlier exchange's step): refused wherever it comes.
     AuthProof { mac: Vec<u8> },
 }
 
-/// A replication link's cluster-key exchange (`kvferry::auth`): the leader opens it, the
+/// The Noise protocol of a replication link (`kvferry::auth`): the leader opens it, the
 /// standby answers.
-pub const AUTH: kvferry::auth::Exchange = kvferry::auth::Exchange { opener: "kvferry-ha/leader", answerer: "kvferry-ha/standby" };
+pub const HA_LINK: kvferry::auth::Protocol = kvferry::auth::Protocol("kvferry/ha-link/1");
 
+/// The identity a leader dials on a replication link and a standby answers to: its cluster
+/// and member id (its RPC address), so that a link made for one standby is refused by any
+/// other (a relay, or a stale address).
+pub fn standby_identity(cluster_id: &str, member: &str) -> String {
+    format!("standby/{}/{member}", cluster_id.strip_suffix('/').unwrap_or(cluster_id))
+}
+
+/// The wire number of [`ToStandby::AuthHello`].
+const AUTH_HELLO: u8 = 5;
+
+/// The longest body of the first frame a standby holding the cluster key reads: a
+/// [`ToStandby::AuthHello`] with the longest opening message. A longer length prefix is
+/// refused before anything more is read.
+pub const MAX_AUTH_HELLO_FRAME: usize = 1 + 2 + kvferry::auth::MAX_HELLO_LEN;
+
+/// How long a leader's connection to a standby holding the cluster key has, from its
+/// accept, to prove it: the handshake and its first sealed frame (the `Hello`), whole.
+pub const PROOF_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The most connections a standby holding the cluster key keeps at once that did not prove
+/// it yet, in all and from one address ([`crate::server`]'s `Unproved`): more are closed at
+/// accept. (Only leaders link, one link per standby.)
+pub const MAX_UNPROVED_LINKS: (usize, usize) = (32, 8);
 /// One entry's frame in a [`ToStandby::Run`]: the log's entries `first..=last`, the frame as
 /// [`encode_frame`] made it (a byte string to serde, not a sequence of numbers).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -113,9 +140,93 @@ pub enum ToLeader {
     Ack { seq: u64 },
     /// The connection is refused (another cluster, an older term, out of order).
     Refused { why: String },
-    /// To [`ToStandby::AuthHello`]: the standby's nonce and its MAC over both
-    /// ([`AUTH`]). Last, so the other variants keep their wire numbers.
-    AuthChallenge { nonce: Vec<u8>, mac: Vec<u8> },
+    /// To [`ToStandby::AuthHello`], a plain frame: the standby's Noise answer. Last, so the
+    /// other variants keep their wire numbers.
+    AuthChallenge { answer: Vec<u8> },
+}
+
+/// How a link's frames arrive: plain, or sealed under the link's session (then `next` is the
+/// length of the next frame when its head was opened ahead, by [`whole_in`]).
+pub(crate) enum Incoming {
+    Plain,
+    Sealed { opener: kvferry::auth::Opener, next: Option<usize> },
+}
+
+impl Incoming {
+    fn sealed(opener: kvferry::auth::Opener) -> Incoming {
+        Incoming::Sealed { opener, next: None }
+    }
+}
+
+/// [`read_frame_raw`] of a link's next frame, plain or sealed ([`Incoming`]): the frame as
+/// [`encode_frame`] made it (a sealed one opened). A sealed frame that does not open
+/// (injected, replayed, altered on the path) is an error.
+fn read_frame_in<T: for<'de> Deserialize<'de>>(r: &mut impl Read, inc: &mut Incoming, max: usize) -> Result<(T, Vec<u8>), String> {
+    use kvferry::auth::{frame_body_len, FRAME_HEAD_LEN, MAX_MSG};
+    let Incoming::Sealed { opener, next } = inc else { return read_frame_raw(r, max) };
+    let refused = |e: kvferry::auth::Refusal| format!("a replication frame: {e}");
+    let n = match next.take() {
+        Some(n) => n,
+        None => {
+            let mut head = [0u8; FRAME_HEAD_LEN];
+            r.read_exact(&mut head).map_err(|e| e.to_string())?;
+            opener.open_frame_head(&head, max.min(MAX_FRAME)).map_err(refused)?
+        }
+    };
+    if n > max.min(MAX_FRAME) {
+        return Err(refused(kvferry::auth::Refusal::FrameTooLarge(n, max.min(MAX_FRAME))));
+    }
+    let len = frame_body_len(n);
+    // (Grown as the bytes arrive.)
+    let mut sealed = Vec::with_capacity(len.min(1 << 20));
+    r.take(len as u64).read_to_end(&mut sealed).map_err(|e| e.to_string())?;
+    if sealed.len() != len {
+        return Err("a replication frame is cut short".into());
+    }
+    let mut raw = Vec::with_capacity(4 + n);
+    raw.extend_from_slice(&(n as u32).to_le_bytes());
+    for chunk in sealed.chunks(MAX_MSG) {
+        let at = raw.len();
+        raw.resize(at + chunk.len(), 0);
+        let k = opener.open(chunk, &mut raw[at..]).map_err(refused)?;
+        raw.truncate(at + k);
+    }
+    match decode_frame(&raw)? {
+        Some((m, _)) => Ok((m, raw)),
+        None => Err("a replication frame is cut short".into()),
+    }
+}
+
+/// Whether `r`'s buffer starts with a whole frame of the link ([`whole_frame`]; for a sealed
+/// one its head is opened ahead, once, and taken out of the buffer).
+fn whole_in(r: &mut std::io::BufReader<TcpStream>, inc: &mut Incoming) -> Result<bool, String> {
+    use kvferry::auth::{frame_body_len, FRAME_HEAD_LEN};
+    use std::io::BufRead;
+    let Incoming::Sealed { opener, next } = inc else { return Ok(whole_frame(r.buffer())) };
+    let n = match *next {
+        Some(n) => n,
+        None => {
+            let Some(head) = r.buffer().first_chunk::<FRAME_HEAD_LEN>() else { return Ok(false) };
+            let n = opener.open_frame_head(head, MAX_FRAME).map_err(|e| format!("a replication frame: {e}"))?;
+            r.consume(FRAME_HEAD_LEN);
+            *next = Some(n);
+            n
+        }
+    };
+    Ok(r.buffer().len() >= frame_body_len(n))
+}
+
+/// `frame` ([`encode_frame`]) as it goes on a link: sealed, without its plain length, when the
+/// link is sealed.
+fn wire(sealer: Option<&mut kvferry::auth::Sealer>, frame: &[u8]) -> Vec<u8> {
+    match sealer {
+        None => frame.to_vec(),
+        Some(sealer) => {
+            let mut out = Vec::new();
+            sealer.seal_frame(&frame[4..], &mut out);
+            out
+        }
+    }
 }
 
 /// One frame: length, then postcard.
@@ -578,6 +689,9 @@ pub struct Mirror {
     prebuilder: Option<Prebuilder>,
     /// The cluster key a leader must prove before its `Hello` (`KVFERRY_AUTH_KEY_FILE`).
     auth: Option<kvferry::auth::ClusterKey>,
+    /// This standby's member id (its RPC address): with the key, a leader dials
+    /// [`standby_identity`] of it and the cluster.
+    member: String,
     feed: Mutex<Feed>,
     /// The leader etcd names, as this standby last read it (its key's create revision and
     /// lease): only that leader may feed the mirror.
@@ -603,6 +717,7 @@ impl Mirror {
             prebuilt_done: std::sync::Condvar::new(),
             prebuilder: None,
             auth: None,
+            member: String::new(),
             feed: Mutex::new(Feed::default()),
             leader: Mutex::new(None),
             cluster_id: cluster_id.to_string(),
@@ -617,9 +732,11 @@ impl Mirror {
         self
     }
 
-    /// Follows only a leader that proves `key` (and proves it to the leader).
-    pub fn with_auth(mut self, key: Option<kvferry::auth::ClusterKey>) -> Mirror {
+    /// Follows only a leader that proves `key` (and proves it to the leader), dialing this
+    /// standby, member `member` of the mirror's cluster ([`standby_identity`]).
+    pub fn with_auth(mut self, key: Option<kvferry::auth::ClusterKey>, member: &str) -> Mirror {
         self.auth = key;
+        self.member = member.to_string();
         self
     }
 
@@ -926,12 +1043,23 @@ impl Mirror {
 
 /// Serves the replication port of a standby: each connection (a leader) feeds `mirror`.
 /// Runs until the process ends.
+/// With the cluster key, at most [`MAX_UNPROVED_LINKS`] connections that did not prove it yet
+/// are kept (more are closed at accept), each for at most [`PROOF_DEADLINE`].
 pub fn serve(listener: TcpListener, mirror: Arc<Mirror>) {
+    let unproved = crate::server::Unproved::new("HA replication", MAX_UNPROVED_LINKS.0, MAX_UNPROVED_LINKS.1);
     for conn in listener.incoming() {
         let Some(s) = crate::server::accepted(conn, "HA replication: accepting a leader's connection") else { continue };
+        let slot = match (&mirror.auth, s.peer_addr()) {
+            (None, _) => None,
+            (Some(_), Ok(peer)) => match unproved.admit(peer.ip()) {
+                Some(slot) => Some(slot),
+                None => continue,
+            },
+            (Some(_), Err(_)) => continue,
+        };
         let m = Arc::clone(&mirror);
         let _ = std::thread::Builder::new().name("kvf-ha-standby".into()).spawn(move || {
-            if let Err(e) = follow(s, &m) {
+            if let Err(e) = follow(s, &m, slot) {
                 tracing::debug!("HA replication: a leader's connection ended: {e}");
             }
         });
@@ -948,68 +1076,110 @@ fn whole_frame(buf: &[u8]) -> bool {
     claimed_len(buf).is_some_and(|n| buf.len() >= 4 + n)
 }
 
-/// The standby's side of the cluster key's exchange ([`prove_to_standby`]), given the
-/// connection's first frame: the leader's `Hello`, or why the connection is refused (sent to
-/// the leader as [`ToLeader::Refused`] by the caller).
-fn accept_leader(s: &mut TcpStream, key: Option<&kvferry::auth::ClusterKey>, first: ToStandby) -> Result<ToStandby, String> {
+/// What a leader's connection proved: its `Hello`, and with the cluster key the halves of
+/// the link's session.
+type Accepted = (ToStandby, Incoming, Option<kvferry::auth::Sealer>);
+
+/// The standby's side of a new connection, within `deadline`: without a cluster key, its
+/// first frame (the leader's `Hello`, at most [`MAX_SMALL_FRAME`]); with one, the key's
+/// handshake ([`prove_to_standby`]: the opening message in a plain frame whose length prefix
+/// over [`MAX_AUTH_HELLO_FRAME`] is refused before anything more is read, read into a fixed
+/// buffer, dialing `identity`), then the first sealed frame, which must open under the session
+/// (only a leader holding it can seal one) and is the `Hello`. The error says why the
+/// connection is refused (sent to the leader as [`ToLeader::Refused`] by the caller, sealed
+/// with the sealer returned when the session exists).
+fn accept_leader(s: &mut TcpStream, key: Option<&kvferry::auth::ClusterKey>, identity: &str, deadline: Instant) -> Result<Accepted, (String, Option<kvferry::auth::Sealer>)> {
+    use crate::server::read_by;
+    use kvferry::auth::FRAME_HEAD_LEN;
     let Some(key) = key else {
-        return match first {
-            ToStandby::AuthHello { .. } => Err("this standby has no cluster key (KVFERRY_AUTH_KEY_FILE is unset where it runs): give it the cluster's key file, or unset it on the leader".into()),
-            first => Ok(first),
+        s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))).map_err(|e| (e.to_string(), None))?;
+        return match read_frame_max(s, MAX_SMALL_FRAME).map_err(|e| (e, None))? {
+            ToStandby::AuthHello { .. } => Err(("this standby has no cluster key (KVFERRY_AUTH_KEY_FILE is unset where it runs): give it the cluster's key file, or unset it on the leader".into(), None)),
+            first => Ok((first, Incoming::Plain, None)),
         };
     };
-    let ToStandby::AuthHello { nonce } = first else {
-        return Err("this standby requires the cluster key: set KVFERRY_AUTH_KEY_FILE on the leader to the cluster's key file".into());
-    };
-    let (answering, nonce, mac) = kvferry::auth::Answering::new(key, AUTH, nonce).map_err(|r| format!("the leader's hello: {r}"))?;
-    s.write_all(&encode_frame(&ToLeader::AuthChallenge { nonce, mac })?).map_err(|e| e.to_string())?;
-    let ToStandby::AuthProof { mac } = read_frame_max::<ToStandby>(s, MAX_SMALL_FRAME)? else {
-        return Err("the leader sent something else than its proof (AuthProof)".into());
-    };
-    answering.check(key, AUTH, &mac).map_err(|r| format!("the leader's proof: {r}"))?;
-    read_frame_max(s, MAX_SMALL_FRAME)
-}
-
-/// The leader's side of the cluster key's exchange on a new link, before its `Hello`: it
-/// follows only a standby that proves the key, and proves it.
-fn prove_to_standby(s: &mut TcpStream, key: &kvferry::auth::ClusterKey) -> Result<(), String> {
-    let opening = kvferry::auth::Opening::default();
-    s.set_read_timeout(Some(CONNECT_TIMEOUT)).map_err(|e| e.to_string())?;
-    s.write_all(&encode_frame(&ToStandby::AuthHello { nonce: opening.nonce() })?).map_err(|e| format!("authenticating: {e}"))?;
-    match read_frame_max::<ToLeader>(s, MAX_SMALL_FRAME).map_err(|e| format!("authenticating: {e}"))? {
-        ToLeader::AuthChallenge { nonce, mac } => {
-            let proof = opening.prove(key, AUTH, &nonce, &mac).map_err(|r| format!("it could not prove the cluster key: {r}"))?;
-            s.write_all(&encode_frame(&ToStandby::AuthProof { mac: proof })?).map_err(|e| format!("authenticating: {e}"))?;
-            s.set_read_timeout(None).map_err(|e| e.to_string())
-        }
-        ToLeader::Refused { why } => Err(format!("it refused the link: {why}")),
-        other => Err(format!("it answered {other:?} to the authentication")),
+    let io = |e: std::io::Error| (e.to_string(), None);
+    let needs = "this standby requires the cluster key: set KVFERRY_AUTH_KEY_FILE on the leader to the cluster's key file";
+    let mut prefix = [0u8; 4];
+    read_by(s, &mut prefix, deadline).map_err(io)?;
+    let n = u32::from_le_bytes(prefix) as usize;
+    if n > MAX_AUTH_HELLO_FRAME {
+        return Err((format!("{needs} (its first frame claims {n} bytes; the key's handshake is at most {MAX_AUTH_HELLO_FRAME})"), None));
+    }
+    let mut first = [0u8; MAX_AUTH_HELLO_FRAME];
+    read_by(s, &mut first[..n], deadline).map_err(io)?;
+    let Some(hello) = crate::proto::bytes_variant(&first[..n], AUTH_HELLO) else { return Err((needs.into(), None)) };
+    let (session, answer) = kvferry::auth::answer(key, HA_LINK, hello, &[identity]).map_err(|r| (format!("the leader's hello: {r}"), None))?;
+    s.set_write_timeout(Some(PROOF_DEADLINE)).map_err(io)?;
+    s.write_all(&encode_frame(&ToLeader::AuthChallenge { answer }).map_err(|e| (e, None))?).map_err(io)?;
+    let (sealer, opener) = session.split();
+    let mut head = [0u8; FRAME_HEAD_LEN];
+    let fail = |why: String, sealer| Err((why, Some(sealer)));
+    if let Err(e) = read_by(s, &mut head, deadline) {
+        return fail(e.to_string(), sealer);
+    }
+    let mut inc = Incoming::Sealed { opener, next: None };
+    let Incoming::Sealed { opener, next } = &mut inc else { unreachable!("just made sealed") };
+    match opener.open_frame_head(&head, MAX_SMALL_FRAME) {
+        Ok(n) => *next = Some(n),
+        Err(r) => return fail(format!("the leader's first frame after the handshake: {r}"), sealer),
+    }
+    // (The head opened: the leader holds the session. Its hello is read by the deadline.)
+    if let Err(e) = s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))) {
+        return fail(e.to_string(), sealer);
+    }
+    match read_frame_in::<ToStandby>(s, &mut inc, MAX_SMALL_FRAME) {
+        Ok((hello, _)) => Ok((hello, inc, Some(sealer))),
+        Err(e) => fail(format!("the leader's first frame after the handshake: {e}"), sealer),
     }
 }
 
-fn follow(mut s: TcpStream, m: &Mirror) -> Result<(), String> {
+/// The leader's side of the cluster key's handshake on a new link, before its `Hello`: it
+/// dials `identity` ([`standby_identity`]) and links only a standby that answers under the
+/// key; the session's halves.
+fn prove_to_standby(s: &mut TcpStream, key: &kvferry::auth::ClusterKey, identity: &str) -> Result<(kvferry::auth::Sealer, kvferry::auth::Opener), String> {
+    let (init, hello) = kvferry::auth::Initiator::new(key, HA_LINK, identity).map_err(|r| format!("dialing {identity:?}: {r}"))?;
+    s.set_read_timeout(Some(CONNECT_TIMEOUT)).map_err(|e| e.to_string())?;
+    s.write_all(&encode_frame(&ToStandby::AuthHello { hello })?).map_err(|e| format!("authenticating: {e}"))?;
+    let couldnt = "it and this leader could not prove the cluster key to each other";
+    match read_frame_max::<ToLeader>(s, MAX_SMALL_FRAME).map_err(|e| format!("authenticating: {e}"))? {
+        ToLeader::AuthChallenge { answer } => {
+            let session = init.finish(&answer).map_err(|r| format!("{couldnt}: its answer: {r}"))?;
+            s.set_read_timeout(None).map_err(|e| e.to_string())?;
+            Ok(session.split())
+        }
+        ToLeader::Refused { why } => Err(format!("{couldnt}: it refused the link: {why}")),
+        other => Err(format!("it answered {other:?} to the cluster key's handshake")),
+    }
+}
+
+fn follow(mut s: TcpStream, m: &Mirror, unproved: Option<crate::server::UnprovedSlot>) -> Result<(), String> {
     let _ = s.set_nodelay(true);
     // A leader says hello at once; a silent peer is not a leader.
-    s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
-    let first: ToStandby = read_frame_max(&mut s, MAX_SMALL_FRAME)?;
-    let hello = match accept_leader(&mut s, m.auth.as_ref(), first) {
-        Ok(h) => h,
-        Err(why) => {
-            let _ = s.write_all(&encode_frame(&ToLeader::Refused { why: why.clone() })?);
+    let deadline = Instant::now() + PROOF_DEADLINE;
+    let (hello, inc, mut sealer) = match accept_leader(&mut s, m.auth.as_ref(), &standby_identity(&m.cluster_id, &m.member), deadline) {
+        Ok(a) => a,
+        Err((why, mut sealer)) => {
+            let _ = s.write_all(&wire(sealer.as_mut(), &encode_frame(&ToLeader::Refused { why: why.clone() })?));
             return Err(why);
         }
     };
-    let ToStandby::Hello { cluster_id, term, lease, leader } = hello else { return Err("the first frame is not a hello".into()) };
+    drop(unproved);
+    let ToStandby::Hello { cluster_id, term, lease, leader } = hello else {
+        let why = "the first frame is not a hello".to_string();
+        let _ = s.write_all(&wire(sealer.as_mut(), &encode_frame(&ToLeader::Refused { why: why.clone() })?));
+        return Err(why);
+    };
     let conn = match m.hello(&cluster_id, term, lease) {
         Ok(c) => c,
         Err(why) => {
-            let _ = s.write_all(&encode_frame(&ToLeader::Refused { why: why.clone() })?);
+            let _ = s.write_all(&wire(sealer.as_mut(), &encode_frame(&ToLeader::Refused { why: why.clone() })?));
             return Err(why);
         }
     };
     tracing::info!(term, "HA replication: following the leader at {leader}");
     m.attach(conn, &s);
-    let ended = entries(s, m, conn);
+    let ended = entries(s, m, conn, inc, sealer);
     // (The mirror's copy of the socket would keep the connection open.)
     m.detach(conn);
     // Nothing feeds the mirror: if the leader died, this member may take over once its lease
@@ -1019,7 +1189,7 @@ fn follow(mut s: TcpStream, m: &Mirror) -> Result<(), String> {
 }
 
 /// Takes the entries of connection `conn` until it ends.
-fn entries(mut s: TcpStream, m: &Mirror, conn: u64) -> Result<(), String> {
+fn entries(mut s: TcpStream, m: &Mirror, conn: u64, mut inc: Incoming, mut sealer: Option<kvferry::auth::Sealer>) -> Result<(), String> {
     // Entries come as the leader writes them; an idle leader sends nothing for a while. A
     // leader whose host died without closing the connection is found by TCP keepalive (idle
     // 10 s, then 3 probes 5 s apart), so this thread and its buffer do not wait forever.
@@ -1033,7 +1203,7 @@ fn entries(mut s: TcpStream, m: &Mirror, conn: u64) -> Result<(), String> {
         if r.buffer().is_empty() {
             spin.readable(&s);
         }
-        let (f, raw) = read_frame_raw::<ToStandby>(&mut r, MAX_FRAME)?;
+        let (f, raw) = read_frame_in::<ToStandby>(&mut r, &mut inc, MAX_FRAME)?;
         match m.take_frame(conn, f, raw) {
             // One acknowledgement for the entries that came together: while another whole
             // frame is already read, it is taken first (acknowledgements are cumulative; a
@@ -1042,15 +1212,15 @@ fn entries(mut s: TcpStream, m: &Mirror, conn: u64) -> Result<(), String> {
             // the next ones): the leader's wait is the network's, not the map's.
             Ok(ack) => {
                 unacked = ack.or(unacked);
-                if !whole_frame(r.buffer()) {
+                if !whole_in(&mut r, &mut inc)? {
                     if let Some(seq) = unacked.take() {
-                        s.write_all(&encode_frame(&ToLeader::Ack { seq })?).map_err(|e| e.to_string())?;
+                        s.write_all(&wire(sealer.as_mut(), &encode_frame(&ToLeader::Ack { seq })?)).map_err(|e| e.to_string())?;
                     }
                     m.apply_pending();
                 }
             }
             Err(why) => {
-                let _ = s.write_all(&encode_frame(&ToLeader::Refused { why: why.clone() })?);
+                let _ = s.write_all(&wire(sealer.as_mut(), &encode_frame(&ToLeader::Refused { why: why.clone() })?));
                 return Err(why);
             }
         }
@@ -1073,7 +1243,7 @@ pub trait AckSink: Send + Sync {
 pub struct Link {
     pub member: String,
     pub addr: String,
-    tx: Option<std::sync::mpsc::Sender<Arc<Vec<u8>>>>,
+    tx: Option<std::sync::mpsc::Sender<Queued>>,
     acked: Arc<AtomicU64>,
     dead: Arc<AtomicBool>,
     /// Bytes queued and not yet written: a standby that does not read (paused, overloaded)
@@ -1084,10 +1254,23 @@ pub struct Link {
     pub image_seq: u64,
     image_bytes: u64,
     sock: Arc<Mutex<Option<TcpStream>>>,
+    /// With the cluster key, seals every frame of the link (the `Hello` first) right before
+    /// it is written, by whichever of [`Link::send`] or the sender thread writes it: their
+    /// writes never overlap, so the sequence numbers follow the wire.
+    sealer: Arc<Mutex<Option<kvferry::auth::Sealer>>>,
+    /// Whether the link is sealed (the cluster key is held).
+    sealed: bool,
     /// It takes [`ToStandby::Base`] frames (its [`registration`] says so).
     pub runs: bool,
     /// It reads [`Change::Granted`] (its [`registration`] says so).
     pub grants: bool,
+}
+
+/// A frame queued for a link's sender thread: to be sealed as it is written (`seal`), or its
+/// bytes as they go out.
+struct Queued {
+    bytes: Arc<Vec<u8>>,
+    seal: bool,
 }
 
 /// How long connecting to a standby may take.
@@ -1099,15 +1282,22 @@ impl Link {
     /// Starts linking to `addr`: its sender thread connects, says `hello`, then sends what is
     /// queued; its reader thread records acknowledgements. Never blocks the caller on the
     /// network.
+    /// With the cluster key (`auth`), the sender thread first runs the key's handshake,
+    /// dialing the standby's [`standby_identity`] (`member` of `hello`'s cluster), and every
+    /// frame after is sealed.
     pub fn open(member: &str, addr: &str, hello: &ToStandby, auth: Option<kvferry::auth::ClusterKey>, signal: Arc<dyn AckSink>) -> Result<Link, String> {
         let sa: std::net::SocketAddr = addr.parse().map_err(|e| format!("the standby {member} announced {addr:?}, not an address: {e}"))?;
+        let ToStandby::Hello { cluster_id, .. } = hello else { return Err("a link opens with a hello".into()) };
+        let identity = standby_identity(cluster_id, member);
         let hello = encode_frame(hello)?;
-        let (tx, rx) = std::sync::mpsc::channel::<Arc<Vec<u8>>>();
+        let (tx, rx) = std::sync::mpsc::channel::<Queued>();
         let acked = Arc::new(AtomicU64::new(0));
         let dead = Arc::new(AtomicBool::new(false));
         let queued = Arc::new(AtomicU64::new(0));
         let sock: Arc<Mutex<Option<TcpStream>>> = Arc::default();
-        let (dead2, signal2, acked2, queued2, sock2) = (Arc::clone(&dead), signal, Arc::clone(&acked), Arc::clone(&queued), Arc::clone(&sock));
+        let sealer: Arc<Mutex<Option<kvferry::auth::Sealer>>> = Arc::default();
+        let sealed = auth.is_some();
+        let (dead2, signal2, acked2, queued2, sock2, sealer2) = (Arc::clone(&dead), signal, Arc::clone(&acked), Arc::clone(&queued), Arc::clone(&sock), Arc::clone(&sealer));
         let m = member.to_string();
         std::thread::Builder::new()
             .name("kvf-ha-send".into())
@@ -1123,11 +1313,21 @@ impl Link {
                 };
                 let _ = w.set_nodelay(true);
                 let _ = w.set_write_timeout(Some(WRITE_TIMEOUT));
+                let mut inc = Incoming::Plain;
                 if let Some(key) = &auth {
-                    if let Err(e) = prove_to_standby(&mut w, key) {
-                        return end(e);
+                    match prove_to_standby(&mut w, key, &identity) {
+                        Ok((s, o)) => {
+                            *locked(&sealer2) = Some(s);
+                            inc = Incoming::sealed(o);
+                        }
+                        Err(e) => return end(e),
                     }
                 }
+                // What goes on the wire for `f`: sealed here when it is queued to be.
+                let wire_of = |f: Queued| match f {
+                    Queued { bytes, seal: true } => Arc::new(wire(locked(&sealer2).as_mut(), &bytes)),
+                    Queued { bytes, seal: false } => bytes,
+                };
                 let r = match w.try_clone() {
                     Ok(r) => r,
                     Err(e) => return end(e.to_string()),
@@ -1140,7 +1340,7 @@ impl Link {
                         if r.buffer().is_empty() {
                             spin.readable(r.get_ref());
                         }
-                        match read_frame_max::<ToLeader>(&mut r, MAX_SMALL_FRAME) {
+                        match read_frame_in::<ToLeader>(&mut r, &mut inc, MAX_SMALL_FRAME).map(|(f, _)| f) {
                             Ok(ToLeader::Ack { seq }) => {
                                 acked2.fetch_max(seq, Ordering::AcqRel);
                                 signal3.acked();
@@ -1150,7 +1350,7 @@ impl Link {
                                 break;
                             }
                             Ok(ToLeader::AuthChallenge { .. }) => {
-                                tracing::warn!("HA replication: the standby {m3} sent a challenge after the authentication");
+                                tracing::warn!("HA replication: the standby {m3} sent a handshake's answer after the handshake");
                                 break;
                             }
                             Err(e) => {
@@ -1165,7 +1365,7 @@ impl Link {
                 if let Err(e) = reader {
                     return end(e.to_string());
                 }
-                if let Err(e) = w.write_all(&hello) {
+                if let Err(e) = w.write_all(&wire_of(Queued { bytes: Arc::new(hello), seal: sealed })) {
                     return end(format!("greeting: {e}"));
                 }
                 // From now on the writer may write entries itself while nothing is queued.
@@ -1174,17 +1374,18 @@ impl Link {
                     _ => return end("cannot keep the connection".into()),
                 }
                 while let Ok(f) = rx.recv() {
-                    if let Err(e) = w.write_all(&f) {
+                    let n = f.bytes.len() as u64;
+                    if let Err(e) = w.write_all(&wire_of(f)) {
                         return end(format!("sending: {e}"));
                     }
-                    queued2.fetch_sub(f.len() as u64, Ordering::AcqRel);
+                    queued2.fetch_sub(n, Ordering::AcqRel);
                 }
                 let _ = w.shutdown(std::net::Shutdown::Both);
                 dead2.store(true, Ordering::Release);
                 signal2.broke();
             })
             .map_err(|e| e.to_string())?;
-        Ok(Link { member: member.to_string(), addr: addr.to_string(), tx: Some(tx), acked, dead, queued, image_seq: 0, image_bytes: 0, sock, runs: false, grants: false })
+        Ok(Link { member: member.to_string(), addr: addr.to_string(), tx: Some(tx), acked, dead, queued, image_seq: 0, image_bytes: 0, sock, sealer, sealed, runs: false, grants: false })
     }
 
     /// The most a link may have queued: its image and 256 MiB more, or twice its image.
@@ -1198,6 +1399,10 @@ impl Link {
     /// much queued). Frames come from one sender at a time (the leader's writer, or a request
     /// thread it lent its links to, under the journal queue's lock: see `journal::Lent`), so
     /// with nothing queued the sender thread is idle and writing here keeps the order.
+    ///
+    /// On a sealed link a frame is sealed as it is written here, or queued to be sealed by
+    /// the sender thread as it writes it; once sealed, its bytes are what goes out (what was
+    /// not written of them is queued as they are).
     pub fn send(&self, frame: &Arc<Vec<u8>>) -> bool {
         if self.dead() {
             return false;
@@ -1205,13 +1410,17 @@ impl Link {
         if self.queued.load(Ordering::Acquire) == 0 {
             let g = self.sock.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(sock) = g.as_ref() {
-                match rustix::net::send(sock, frame, rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL) {
-                    Ok(n) if n == frame.len() => return true,
+                let bytes = if self.sealed { Arc::new(wire(locked(&self.sealer).as_mut(), frame)) } else { Arc::clone(frame) };
+                match rustix::net::send(sock, &bytes, rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL) {
+                    Ok(n) if n == bytes.len() => return true,
                     Ok(n) => {
                         drop(g);
-                        return self.enqueue(&Arc::new(frame[n..].to_vec()));
+                        return self.enqueue(Queued { bytes: Arc::new(bytes[n..].to_vec()), seal: false });
                     }
-                    Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => {}
+                    Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => {
+                        drop(g);
+                        return self.enqueue(Queued { bytes, seal: false });
+                    }
                     Err(e) => {
                         drop(g);
                         tracing::warn!("HA replication: sending to the standby {}: {e}", self.member);
@@ -1221,17 +1430,18 @@ impl Link {
                 }
             }
         }
-        self.enqueue(frame)
+        self.enqueue(Queued { bytes: Arc::clone(frame), seal: self.sealed })
     }
 
-    fn enqueue(&self, frame: &Arc<Vec<u8>>) -> bool {
-        let q = self.queued.fetch_add(frame.len() as u64, Ordering::AcqRel) + frame.len() as u64;
+    fn enqueue(&self, f: Queued) -> bool {
+        let n = f.bytes.len() as u64;
+        let q = self.queued.fetch_add(n, Ordering::AcqRel) + n;
         if q > self.backlog_limit() {
             tracing::warn!("HA replication: the standby {} does not keep up ({q} bytes queued); its link is cut", self.member);
             self.cut();
             return false;
         }
-        self.tx.as_ref().is_some_and(|tx| tx.send(Arc::clone(frame)).is_ok())
+        self.tx.as_ref().is_some_and(|tx| tx.send(f).is_ok())
     }
 
     /// Queues an image's frames.
@@ -1635,46 +1845,165 @@ mod tests {
         assert_eq!(none.take_image(5).expect("complete").2.after(1, 2).map(|t| t.len()), None, "a cap of 0 keeps none");
     }
 
-    /// With a cluster key, a leader links only to a standby that proves it and a standby
-    /// follows only a leader that does: holding the same key, entries flow and are
-    /// acknowledged; another key, or a key on one side only, and the link ends before the
-    /// hello, the mirror untouched, each side saying why.
+    struct Sink;
+    impl AckSink for Sink {
+        fn acked(&self) {}
+        fn broke(&self) {}
+    }
+
+    fn cluster_key(c: char) -> Option<kvferry::auth::ClusterKey> {
+        Some(kvferry::auth::ClusterKey::parse(c.to_string().repeat(64).as_bytes(), std::path::Path::new("k")).expect("key"))
+    }
+
+    /// A standby of cluster "c", member "s", holding `key`, following the leader of term 5,
+    /// served on 127.0.0.1: its mirror and address.
+    fn standby(key: Option<kvferry::auth::ClusterKey>) -> (Arc<Mirror>, String) {
+        let m = Arc::new(Mirror::new("c", Duration::from_secs(5), 1 << 20).with_auth(key, "s"));
+        m.set_leader(Some((5, 50)));
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let m2 = Arc::clone(&m);
+        std::thread::spawn(move || serve(listener, m2));
+        (m, addr)
+    }
+
+    /// Links `member` at `addr` holding `key`, sends an image and an entry (an object each):
+    /// the entry acknowledged, whether the link ended, and what the standby mirrors.
+    fn link_to(member: &str, addr: &str, key: Option<kvferry::auth::ClusterKey>, m: &Mirror) -> (u64, bool, usize) {
+        let hello = ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 50, leader: "l".into() };
+        let l = Link::open(member, addr, &hello, key, Arc::new(Sink)).expect("link");
+        for f in [ToStandby::Image { seq: 1, changes: vec![obj("a", 1)], last: true }, ToStandby::Entry { seq: 2, changes: vec![obj("b", 1)] }] {
+            l.send(&Arc::new(encode_frame(&f).expect("frame")));
+        }
+        let until = Instant::now() + Duration::from_secs(5);
+        while l.acked() < 2 && !l.dead() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        (l.acked(), l.dead(), m.status().objects)
+    }
+
+    /// With a cluster key, a leader links only to a standby that answers its handshake and a
+    /// standby follows only a leader whose first sealed frame opens: holding the same key,
+    /// entries flow (sealed, many frames, large ones in several messages) and are
+    /// acknowledged; another key, a key on one side only, or a link dialing another member
+    /// (a relay, a stale address) and the link ends before the hello, the mirror untouched.
     #[test]
     fn a_replication_link_needs_the_same_cluster_key_on_both_sides() {
-        use kvferry::auth::ClusterKey;
-        struct Sink;
-        impl AckSink for Sink {
-            fn acked(&self) {}
-            fn broke(&self) {}
-        }
-        let key = |c: char| Some(ClusterKey::parse(c.to_string().repeat(64).as_bytes(), std::path::Path::new("k")).expect("key"));
-        let hello = ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 50, leader: "l".into() };
-        let link = |leader: Option<ClusterKey>, standby: Option<ClusterKey>| {
-            let m = Arc::new(Mirror::new("c", Duration::from_secs(5), 1 << 20).with_auth(standby));
-            m.set_leader(Some((5, 50)));
-            let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-            let addr = listener.local_addr().expect("addr").to_string();
-            let m2 = Arc::clone(&m);
-            std::thread::spawn(move || serve(listener, m2));
-            let l = Link::open("s", &addr, &hello, leader, Arc::new(Sink)).expect("link");
-            for f in [ToStandby::Image { seq: 1, changes: vec![obj("a", 1)], last: true }, ToStandby::Entry { seq: 2, changes: vec![obj("b", 1)] }] {
-                l.send(&Arc::new(encode_frame(&f).expect("frame")));
-            }
-            let until = Instant::now() + Duration::from_secs(5);
-            while l.acked() < 2 && !l.dead() && Instant::now() < until {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            (l.acked(), l.dead(), m.status().objects)
-        };
-        // (The exchange's frames came last: the others keep their wire numbers.)
+        // (The handshake's frames came last: the others keep their wire numbers.)
         let first = |f: Vec<u8>| f[4];
-        assert_eq!([first(encode_frame(&ToStandby::AuthHello { nonce: vec![] }).unwrap()), first(encode_frame(&ToStandby::AuthProof { mac: vec![] }).unwrap())], [5, 6]);
-        assert_eq!(first(encode_frame(&ToLeader::AuthChallenge { nonce: vec![], mac: vec![] }).unwrap()), 2);
-        assert_eq!(link(key('a'), key('a')), (2, false, 2), "the same key: linked, both objects mirrored");
+        assert_eq!([first(encode_frame(&ToStandby::AuthHello { hello: vec![] }).unwrap()), first(encode_frame(&ToStandby::AuthProof { mac: vec![] }).unwrap())], [AUTH_HELLO, 6]);
+        assert_eq!(first(encode_frame(&ToLeader::AuthChallenge { answer: vec![] }).unwrap()), 2);
+        let longest = encode_frame(&ToStandby::AuthHello { hello: vec![7; kvferry::auth::MAX_HELLO_LEN] }).unwrap();
+        assert_eq!(longest.len() - 4, MAX_AUTH_HELLO_FRAME);
+        assert_eq!(crate::proto::bytes_variant(&longest[4..], AUTH_HELLO), Some(&[7u8; kvferry::auth::MAX_HELLO_LEN][..]));
+        let link = |leader: Option<kvferry::auth::ClusterKey>, standby_key: Option<kvferry::auth::ClusterKey>| {
+            let (m, addr) = standby(standby_key);
+            link_to("s", &addr, leader, &m)
+        };
+        assert_eq!(link(cluster_key('a'), cluster_key('a')), (2, false, 2), "the same key: linked, both objects mirrored");
         assert_eq!(link(None, None), (2, false, 2), "no key on either side, as before");
-        for (leader, standby, what) in [(key('a'), key('b')), (key('a'), None), (None, key('a'))].into_iter().zip(["another key", "the standby has none", "the leader has none"]).map(|((l, s), w)| (l, s, w)) {
+        for (leader, standby, what) in [(cluster_key('a'), cluster_key('b')), (cluster_key('a'), None), (None, cluster_key('a'))].into_iter().zip(["another key", "the standby has none", "the leader has none"]).map(|((l, s), w)| (l, s, w)) {
             let (acked, dead, objects) = link(leader, standby);
             assert_eq!((acked, dead, objects), (0, true, 0), "{what}: the link ends, nothing is mirrored");
+        }
+        let (m, addr) = standby(cluster_key('a'));
+        assert_eq!(link_to("t", &addr, cluster_key('a'), &m), (0, true, 0), "a link dialing member t, at member s's address");
+        let k = cluster_key('a').expect("key");
+        let mut c = TcpStream::connect(&addr).expect("connect");
+        c.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        let (_, hello) = kvferry::auth::Initiator::new(&k, HA_LINK, &standby_identity("c", "t")).expect("hello");
+        c.write_all(&encode_frame(&ToStandby::AuthHello { hello }).expect("frame")).expect("send");
+        match read_frame::<ToLeader>(&mut c) {
+            Ok(ToLeader::Refused { why }) => assert!(why.contains("meant for \"standby/c/t\"") && why.contains("\"standby/c/s\""), "{why}"),
+            other => panic!("expected a refusal naming both members: {other:?}"),
+        }
+        // Sealed frames of every size open in order on the standby.
+        let (m, addr) = standby(cluster_key('a'));
+        let hello = ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 50, leader: "l".into() };
+        let l = Link::open("s", &addr, &hello, cluster_key('a'), Arc::new(Sink)).expect("link");
+        let many: Vec<Change> = (0..20_000).map(|i| obj(&format!("k{i:06}"), 1)).collect();
+        l.send(&Arc::new(encode_frame(&ToStandby::Image { seq: 1, changes: many, last: true }).expect("frame")));
+        for seq in 2..200 {
+            l.send(&Arc::new(encode_frame(&ToStandby::Entry { seq, changes: vec![obj(&format!("e{seq}"), 1)] }).expect("frame")));
+        }
+        let until = Instant::now() + Duration::from_secs(10);
+        while l.acked() < 199 && !l.dead() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!((l.acked(), l.dead()), (199, false));
+        m.apply_pending();
+        assert_eq!(m.status().objects, 20_000 + 198);
+    }
+
+    /// A keyless host between a keyed leader and its standby forwards the handshake, then
+    /// injects a frame of its own, or alters or replays one of the leader's: the standby
+    /// takes nothing of it (the frame does not open) and the link ends. A leader's hello and
+    /// first frame replayed on a new connection: answered, then refused.
+    #[test]
+    fn a_relayed_link_whose_frames_are_injected_altered_or_replayed_is_refused() {
+        use std::io::BufRead;
+        enum Then {
+            Inject,
+            Alter,
+            Replay,
+        }
+        for then in [Then::Inject, Then::Alter, Then::Replay] {
+            let (m, addr) = standby(cluster_key('a'));
+            // The relay: forwards the leader's hello and the standby's answer (plain frames),
+            // then does `then` with what the leader sends next.
+            let relay = TcpListener::bind("127.0.0.1:0").expect("bind");
+            let at = relay.local_addr().expect("addr").to_string();
+            let (addr2, m2) = (addr.clone(), Arc::clone(&m));
+            let t = std::thread::spawn(move || {
+                let (mut leader, _) = relay.accept().expect("accept");
+                let mut standby = TcpStream::connect(&addr2).expect("connect");
+                for s in [&leader, &standby] {
+                    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+                }
+                let (_, hello) = read_frame_raw::<ToStandby>(&mut leader, MAX_SMALL_FRAME).expect("the leader's hello");
+                standby.write_all(&hello).expect("forward");
+                let (_, answer) = read_frame_raw::<ToLeader>(&mut standby, MAX_SMALL_FRAME).expect("the answer");
+                leader.write_all(&answer).expect("forward");
+                // What the leader sends next: its sealed Hello and the first frames.
+                std::thread::sleep(Duration::from_millis(300));
+                let mut r = std::io::BufReader::new(leader.try_clone().expect("clone"));
+                let mut next = r.fill_buf().expect("the leader's frames").to_vec();
+                assert!(next.len() > kvferry::auth::FRAME_HEAD_LEN);
+                match then {
+                    Then::Inject => {
+                        let mut f = encode_frame(&ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 50, leader: "relay".into() }).expect("frame");
+                        f.extend(encode_frame(&ToStandby::Image { seq: 1, changes: vec![obj("injected", 1)], last: true }).expect("frame"));
+                        standby.write_all(&f).expect("inject");
+                    }
+                    Then::Alter => {
+                        let last = next.len() - 1;
+                        next[last] ^= 1;
+                        standby.write_all(&next).expect("forward");
+                    }
+                    Then::Replay => {
+                        // A new connection: the hello replayed is answered, the frames are not taken.
+                        let mut again = TcpStream::connect(&addr2).expect("connect");
+                        again.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+                        again.write_all(&hello).expect("replay");
+                        assert!(matches!(read_frame::<ToLeader>(&mut again), Ok(ToLeader::AuthChallenge { .. })), "a replayed hello gets an answer");
+                        again.write_all(&next).expect("replay");
+                        let mut rest = Vec::new();
+                        let _ = again.read_to_end(&mut rest);
+                        assert_eq!(m2.status().objects, 0, "nothing replayed was taken");
+                        // (The real connection is not forwarded.)
+                        return;
+                    }
+                }
+                let mut rest = Vec::new();
+                let _ = standby.read_to_end(&mut rest);
+            });
+            let hello = ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 50, leader: "l".into() };
+            let l = Link::open("s", &at, &hello, cluster_key('a'), Arc::new(Sink)).expect("link");
+            l.send(&Arc::new(encode_frame(&ToStandby::Image { seq: 1, changes: vec![obj("a", 1)], last: true }).expect("frame")));
+            t.join().expect("the relay");
+            m.apply_pending();
+            let st = m.status();
+            assert_eq!((st.objects, st.fed, l.acked()), (0, false, 0), "nothing taken from the relay");
         }
     }
 

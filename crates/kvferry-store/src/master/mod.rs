@@ -1430,8 +1430,12 @@ pub struct Master {
     /// The last [`State::summary`] and when it was taken ([`Master::summary_recent`]).
     summary: Mutex<Option<(Instant, Summary)>>,
     /// The cluster key clients must prove before any request (`KVFERRY_AUTH_KEY_FILE`;
-    /// `server.rs` `ConnAuth`); `None`: any client, as Mooncake's master.
+    /// `server.rs` `prove`); `None`: any client, as Mooncake's master.
     pub auth: Option<kvferry::auth::ClusterKey>,
+    /// The cluster this master serves (`crate::ha::resolve_cluster_id`, with or without HA):
+    /// with the cluster key, clients dial it (`crate::proto::master_identity`) and one that
+    /// dials another cluster is refused.
+    pub cluster_id: String,
 }
 
 impl Master {
@@ -1440,7 +1444,7 @@ impl Master {
         // client's release of a read granted by an earlier master at this address (queued, sent
         // after a restart) must not end a read this one granted.
         let state = State { next_read: (rand::random::<u64>() >> 1) & !((1u64 << 40) - 1), ..State::default() };
-        Master { cfg, start: Instant::now(), state: Mutex::new(state), stats: Stats::default(), gate: crate::ha::Gate::default(), journal: Default::default(), cleanup: Default::default(), summary: Mutex::default(), auth: None }
+        Master { cfg, start: Instant::now(), state: Mutex::new(state), stats: Stats::default(), gate: crate::ha::Gate::default(), journal: Default::default(), cleanup: Default::default(), summary: Mutex::default(), auth: None, cluster_id: crate::ha::DEFAULT_CLUSTER_ID.to_string() }
     }
 
     /// The pool's summary as of at most [`SUMMARY_AGE`] ago: taking one walks every object
