@@ -1189,7 +1189,7 @@ mod tests {
         }
         assert_eq!(m.lock().summary().segments, 2);
         // A client opening with another key (it holds the master's second), or with no key.
-        let e = handshake(addr, &key(&format!("{b}\n{a}")), &me, &mut hello).err().expect("refused");
+        let e = handshake(addr, &key(&format!("{b}\n{a}")), &me, &mut hello).expect_err("refused");
         refused_saying(e, "another key");
         let mut raw = TcpStream::connect(addr).expect("connect");
         raw.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
@@ -1202,7 +1202,7 @@ mod tests {
         big.write_all(&(proto::MAX_FRAME as u32).to_le_bytes()).expect("send");
         refused_saying(plain_answer(&mut big), &format!("claims {} bytes", proto::MAX_FRAME));
         // A client of another cluster.
-        let e = handshake(addr, &key(&a), &proto::master_identity("other"), &mut hello).err().expect("refused");
+        let e = handshake(addr, &key(&a), &proto::master_identity("other"), &mut hello).expect_err("refused");
         eprintln!("{}", refused_saying(e, "serves another cluster"));
         assert_eq!(m.lock().summary().segments, 2, "nothing of the refused connections applied");
         // A master without a key.
