@@ -490,7 +490,15 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
     }
     // The cluster key: read as the store's clients and master will (its keys never shown).
     match kvferry::auth::ClusterKey::from_config(cfg.auth_key_file.as_deref()) {
-        Ok(Some(k)) => r.ok("cluster key", format!("{k:?} in {}: engines (handshake and TCP data ports), store clients and masters prove it to each other; stock Mooncake peers are refused", cfg.auth_key_file.as_deref().unwrap_or(std::path::Path::new("")).display())),
+        Ok(Some(k)) => r.ok(
+            "cluster key",
+            format!(
+                "{k:?} in {} ({}): engines (handshake and TCP data ports, which protect {}: KVFERRY_AUTH_PROTECT), store clients and masters run the key's Noise handshake and seal every frame; the master's state routes and metadata-server writes need signed requests; stock Mooncake peers are refused",
+                cfg.auth_key_file.as_deref().unwrap_or(std::path::Path::new("")).display(),
+                kvferry::auth::NOISE,
+                cfg.auth_protect.name()
+            ),
+        ),
         Ok(None) => r.ok("cluster key", "none (KVFERRY_AUTH_KEY_FILE unset): engines and the store accept any peer, as Mooncake"),
         Err(e) => r.warn("cluster key", e.to_string(), "fix the file or unset KVFERRY_AUTH_KEY_FILE: an engine, store client or master would not start with it"),
     }

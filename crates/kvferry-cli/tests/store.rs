@@ -1145,7 +1145,7 @@ fn a_keyless_relay_can_neither_inject_nor_alter_a_keyed_clients_requests_nor_red
     let (addr, http) = (m.field("rpc="), m.field("http="));
     let c = keyed_client(&addr, Some(&key), Some("kvf-test")).expect("a client holding the key");
     c.put("victim", &value("victim", 1, 4096), &ReplicateConfig::default()).expect("put");
-    let segments = common::master_segments(&http);
+    let segments = common::master_segments_keyed(&http, &key);
     let remove = proto::Request::Remove { key: "victim".into(), force: true };
     let inject = proto::encode(&proto::Request::Batch(vec![remove.clone(), remove])).expect("encode");
     let why = refused(keyed_client(&relay(addr.clone(), Then::Inject(inject)), Some(&key), Some("kvf-test")), "does not open under this connection's session");
@@ -1153,7 +1153,7 @@ fn a_keyless_relay_can_neither_inject_nor_alter_a_keyed_clients_requests_nor_red
     assert!(c.is_exist("victim").expect("exist"), "the injected removal was not applied");
     let why = refused(keyed_client(&relay(addr.clone(), Then::Alter), Some(&key), Some("kvf-test")), "does not open under this connection's session");
     eprintln!("altered: {why}");
-    assert_eq!(common::master_segments(&http), segments, "the altered mount was not applied");
+    assert_eq!(common::master_segments_keyed(&http, &key), segments, "the altered mount was not applied");
     assert!(c.is_exist("victim").expect("exist"));
     // To a master of another cluster holding the same key.
     let other = keyed_master(&key, "kvf-other");
@@ -1178,7 +1178,7 @@ fn a_replayed_handshake_and_request_are_refused_and_nothing_applied() {
     let key = ClusterKey::load(&path).expect("key");
     let m = keyed_master(&path, "kvf-test");
     let (addr, http) = (m.field("rpc="), m.field("http="));
-    let before = common::master_segments(&http);
+    let before = common::master_segments_keyed(&http, &path);
     let mut c = std::net::TcpStream::connect(&addr).expect("connect");
     c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
     let (init, hello) = Initiator::new(&key, proto::STORE_RPC, &proto::master_identity("kvf-test")).expect("hello");
@@ -1205,9 +1205,9 @@ fn a_replayed_handshake_and_request_are_refused_and_nothing_applied() {
     let segment = proto::Segment { id: 77, name: "replayed".into(), te_endpoint: "127.0.0.1:9".into(), base: 1 << 40, size: 1 << 20 };
     let mut first = Vec::new();
     assert_eq!(call(&proto::Request::MountSegment { client: 77, segment }, &mut first), proto::Response::Ok);
-    assert!(common::master_segments(&http).contains("replayed"));
+    assert!(common::master_segments_keyed(&http, &path).contains("replayed"));
     assert_eq!(call(&proto::Request::UnmountSegment { client: 77, segment: 77 }, &mut Vec::new()), proto::Response::Ok);
-    assert_eq!(common::master_segments(&http), before);
+    assert_eq!(common::master_segments_keyed(&http, &path), before);
     // The replay.
     let mut r = std::net::TcpStream::connect(&addr).expect("connect");
     r.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
@@ -1217,7 +1217,7 @@ fn a_replayed_handshake_and_request_are_refused_and_nothing_applied() {
     let mut rest = Vec::new();
     let _ = r.read_to_end(&mut rest);
     assert!(rest.len() < 1024, "a sealed refusal the replayer cannot open, then the end: {} bytes", rest.len());
-    assert_eq!(common::master_segments(&http), before, "the replayed mount was not applied");
+    assert_eq!(common::master_segments_keyed(&http, &path), before, "the replayed mount was not applied");
 }
 
 /// `Threads` and `VmRSS` (KiB) of process `pid`, from `/proc/<pid>/status`.

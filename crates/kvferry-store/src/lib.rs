@@ -13,6 +13,9 @@
 pub mod cleanup;
 pub mod client;
 pub mod error;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzz;
 pub mod ha;
 pub mod master;
 pub mod proto;

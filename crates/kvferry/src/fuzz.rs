@@ -28,6 +28,18 @@ fn landed(data: &[u8]) -> usize {
     crate::transport::tcp::fuzz_drive(data)
 }
 
+/// The signed-request header of the HTTP surfaces (`X-Kvferry-Auth`) as a server reads it,
+/// and a request checked against it.
+pub fn http_auth(data: &[u8]) {
+    let key = crate::auth::ClusterKey::parse(&[b'h'; 64], std::path::Path::new("fuzz")).expect("a key");
+    let split = usize::from(data.first().copied().unwrap_or(0)).min(data.len());
+    let (header, body) = data.split_at(split);
+    let now = 1_800_000_000_000;
+    if let Ok(claim) = crate::auth_http::Claim::parse(Some(header), now) {
+        let _ = claim.check_tag(&key, "PUT", "/metadata?key=x", body);
+    }
+}
+
 /// The cluster key's handshake and sealed frames as a responder and an opener read them: an
 /// opening message, then what follows as sealed frames of the session it would give.
 pub fn noise(data: &[u8]) {
@@ -66,6 +78,11 @@ mod tests {
             let mut data = vec![mode, cut];
             data.extend_from_slice(&b);
             super::tcp_serve(&data);
+        }
+
+        #[test]
+        fn http_auth_headers_never_panic(b in proptest::collection::vec(any::<u8>(), 0..512)) {
+            super::http_auth(&b);
         }
 
         #[test]

@@ -69,10 +69,22 @@ impl Drop for BenchTarget {
 
 /// The body of the master's `GET /get_all_segments` at `http` (`host:port`).
 pub fn master_segments(http: &str) -> String {
+    master_segments_signed(http, None)
+}
+
+/// [`master_segments`] of a master holding the cluster key: the request signed with `key`
+/// (`X-Kvferry-Auth`), as the route needs then.
+#[allow(dead_code)]
+pub fn master_segments_keyed(http: &str, key: &std::path::Path) -> String {
+    master_segments_signed(http, Some(&kvferry::auth::ClusterKey::load(key).expect("the key file")))
+}
+
+fn master_segments_signed(http: &str, key: Option<&kvferry::auth::ClusterKey>) -> String {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(http).expect("connect to the master's HTTP port");
     s.set_read_timeout(Some(std::time::Duration::from_secs(5))).expect("timeout");
-    write!(s, "GET /get_all_segments HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").expect("request");
+    let auth = key.map(|k| format!("{}: {}\r\n", kvferry::auth_http::HEADER, kvferry::auth_http::sign_now(k, "GET", "/get_all_segments", b""))).unwrap_or_default();
+    write!(s, "GET /get_all_segments HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n").expect("request");
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
     assert!(out.starts_with("HTTP/1.1 200"), "{out}");
