@@ -7,6 +7,7 @@
 //! run in the same invocation so the report can give ratios.
 
 use crate::sys::{self, human, parse_size, Buffer};
+use kvferry::auth::Protect;
 use kvferry::config::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use serde::Serialize;
@@ -15,6 +16,8 @@ use std::path::PathBuf;
 use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+mod auth_ab;
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
@@ -85,6 +88,20 @@ pub struct BenchArgs {
     /// gives), which a same-host peer reaches by cross-memory attach.
     #[arg(long, default_value = "kvferry", value_parser = ["kvferry", "private"])]
     memory: String,
+    /// Measure what the cluster key costs: this many rounds, each running every point once
+    /// without a key and once with one for each `--auth-protect` setting (ABBA: every other
+    /// round in reverse order), a fresh target started for each with the same
+    /// KVFERRY_AUTH_KEY_FILE and KVFERRY_AUTH_PROTECT as the initiator (a random key in a 0600
+    /// file made here, removed after). Also measures, the same way, a fresh engine's
+    /// `open_segment` (the handshake), its first 4 KiB write (a new data connection) and 4 KiB
+    /// writes on an established one. Reports each round, the median per setting and the
+    /// ratios to no key. Both sides on this host only (no `--mode`).
+    #[arg(long, value_name = "ROUNDS")]
+    auth_ab: Option<usize>,
+    /// With `--auth-ab`: the KVFERRY_AUTH_PROTECT settings measured against no key
+    /// (`headers`, `payload`, `encrypt`).
+    #[arg(long, default_value = "headers", value_delimiter = ',', value_parser = parse_protect, requires = "auth_ab")]
+    auth_protect: Vec<Protect>,
     /// Internal: exit when stdin closes (set when the bench starts its own target).
     #[arg(long, hide = true)]
     exit_on_stdin_eof: bool,
@@ -112,7 +129,17 @@ fn parse_transport(s: &str) -> Result<TransportMode, String> {
     s.parse()
 }
 
+fn parse_protect(s: &str) -> Result<Protect, String> {
+    Protect::parse(s).ok_or_else(|| format!("{s:?} is not headers, payload or encrypt"))
+}
+
 pub fn run(a: BenchArgs) -> Result<(), String> {
+    if let Some(rounds) = a.auth_ab {
+        if a.mode.is_some() {
+            return Err("--auth-ab restarts the target for each setting: run it without --mode (both sides on this host)".into());
+        }
+        return auth_ab::run(&a, rounds);
+    }
     match a.mode {
         Some(Mode::Target) => run_target(&a),
         Some(Mode::Initiator) => {
@@ -120,7 +147,7 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
             run_initiator(&a, &seg, None)
         }
         None => {
-            let (child, seg) = spawn_target(&a)?;
+            let (child, seg, _) = spawn_target(&a, &[])?;
             let r = run_initiator(&a, &seg, Some(child.id()));
             stop_child(child);
             r
@@ -156,7 +183,9 @@ fn run_target(a: &BenchArgs) -> Result<(), String> {
     let buf = Buffer::alloc(a.buffer_size as usize, a.hugepages, a.memory == "kvferry").map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
     buf.fill(0, buf.len(), 0x5eed);
     engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| e.to_string())?;
-    println!("KVFERRY_BENCH_TARGET segment={} addr={} size={}", engine.segment_name(), buf.addr(), buf.len());
+    // auth=: the cluster key setting this side runs with (`--auth-ab` checks it is the one it gave).
+    let auth = if engine.config().auth_key_file.is_some() { engine.config().auth_protect.name() } else { "none" };
+    println!("KVFERRY_BENCH_TARGET segment={} addr={} size={} auth={auth}", engine.segment_name(), buf.addr(), buf.len());
     let _ = std::io::stdout().flush();
     if a.exit_on_stdin_eof {
         std::thread::spawn(|| {
@@ -193,13 +222,22 @@ fn run_target(a: &BenchArgs) -> Result<(), String> {
     }
 }
 
-fn spawn_target(a: &BenchArgs) -> Result<(Child, String), String> {
+/// Starts the target child; `env`: variables set (`Some`) or removed (`None`) for it, the
+/// rest inherited. Returns it, its segment name and the line it announced itself with.
+fn spawn_target(a: &BenchArgs, env: &[(&str, Option<std::ffi::OsString>)]) -> Result<(Child, String, String), String> {
     let mode = match target_mode(&a.transport) {
         TransportMode::Rdma => "rdma",
         _ => "auto",
     };
-    let mut child = crate::self_command()?
-        .args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", &a.local_hostname, "--buffer-size", &a.buffer_size.to_string(), "--transport", mode, "--hugepages", if a.hugepages { "on" } else { "off" }, "--memory", &a.memory])
+    let mut cmd = crate::self_command()?;
+    cmd.args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", &a.local_hostname, "--buffer-size", &a.buffer_size.to_string(), "--transport", mode, "--hugepages", if a.hugepages { "on" } else { "off" }, "--memory", &a.memory]);
+    for (name, v) in env {
+        match v {
+            Some(v) => cmd.env(name, v),
+            None => cmd.env_remove(name),
+        };
+    }
+    let mut child = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -215,7 +253,7 @@ fn spawn_target(a: &BenchArgs) -> Result<(Child, String), String> {
             let _ = child.kill();
             format!("target did not start (printed {line:?}); run `kvferry doctor`")
         })?;
-    Ok((child, seg))
+    Ok((child, seg, line))
 }
 
 fn stop_child(mut child: Child) {
@@ -275,7 +313,7 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
-fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result<(), String> {
+fn check_args(a: &BenchArgs) -> Result<(), String> {
     if a.batch == 0 || a.threads == 0 {
         return Err("--batch and --threads must be at least 1".into());
     }
@@ -284,16 +322,24 @@ fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result
             return Err(format!("unknown op {op:?}: use write and/or read"));
         }
     }
-    let buf = Buffer::alloc(a.buffer_size as usize, a.hugepages, a.memory == "kvferry").map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
-    let _ = target_pid;
-    let ceilings = if a.no_ceilings { None } else { Some(measure_ceilings(a.hugepages)) };
-    let total = a.transport.len() * a.ops.len() * a.blocks.len();
+    Ok(())
+}
+
+/// Where the progress line stands: points done, points in all, and what to prefix them with.
+struct Progress {
+    n: usize,
+    total: usize,
+    label: String,
+}
+
+/// Every point (each transport asked, op and block size, in that order) against `target`,
+/// one engine made from `base` per transport; each with the transport that carried it.
+fn sweep(a: &BenchArgs, target: &str, buf: &Buffer, base: &Config, progress: &mut Progress) -> Result<(Vec<Point>, Vec<String>), String> {
     let mut points = Vec::new();
     let mut used = Vec::new();
-    let mut n = 0;
     for &mode in &a.transport {
         // One engine per transport choice, so each starts from a clean state.
-        let engine = TransferEngine::new(Config { transport: mode, ..engine_config(a)? }).map_err(|e| e.to_string())?;
+        let engine = TransferEngine::new(Config { transport: mode, ..base.clone() }).map_err(|e| e.to_string())?;
         engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| e.to_string())?;
         let seg = engine.open_segment(target).map_err(|e| e.to_string())?;
         let via = engine.segment_transport(seg).map_err(|e| format!("--transport {mode}: {e}"))?;
@@ -306,30 +352,29 @@ fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result
         let ctl = Ctl { engine: &engine, target: target.to_string(), token: AtomicU64::new(1) };
         for op in &a.ops {
             for &block in &a.blocks {
-                n += 1;
-                eprint!("\r\x1b[K[{n}/{total}] {} {op} {} x {} ...", via.name, human(block), a.batch);
+                progress.n += 1;
+                eprint!("\r\x1b[K[{}/{}] {}{} {op} {} x {} ...", progress.n, progress.total, progress.label, via.name, human(block), a.batch);
                 let _ = std::io::stderr().flush();
                 let before = kvferry::transport::shm::bytes_moved();
-                let p = run_point(a, &engine, &ctl, &buf, seg, rbuf.addr, usable, op, block, n as u64)?;
+                let p = run_point(a, &engine, &ctl, buf, seg, rbuf.addr, usable, op, block, progress.n as u64)?;
                 points.push(p);
                 used.push(path_label(via.name, before, kvferry::transport::shm::bytes_moved()));
             }
         }
     }
+    Ok((points, used))
+}
+
+fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result<(), String> {
+    check_args(a)?;
+    let buf = Buffer::alloc(a.buffer_size as usize, a.hugepages, a.memory == "kvferry").map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
+    let _ = target_pid;
+    let ceilings = if a.no_ceilings { None } else { Some(measure_ceilings(a.hugepages)) };
+    let total = a.transport.len() * a.ops.len() * a.blocks.len();
+    let mut progress = Progress { n: 0, total, label: String::new() };
+    let (points, used) = sweep(a, target, &buf, &engine_config(a)?, &mut progress)?;
     eprintln!("\r\x1b[K");
-    // Mooncake over the same kind of path: RDMA on the same NICs for kvferry's RDMA points,
-    // TCP for the others (Mooncake has no shared-memory path between processes).
-    let mut protos = Vec::new();
-    if a.transport.iter().any(|m| *m != TransportMode::Rdma) {
-        protos.push(crate::mooncake::Proto::Tcp);
-    }
-    if a.transport.contains(&TransportMode::Rdma) {
-        let devices = engine_config(a)?.rdma_devices.unwrap_or_else(|| {
-            kvferry::rdma::probe().nics.iter().filter(|n| n.ports.iter().any(|p| p.active)).map(|n| n.name.clone()).collect()
-        });
-        protos.push(crate::mooncake::Proto::Rdma(devices));
-    }
-    let mooncake = crate::mooncake::run_side_by_side(a.mooncake.as_deref(), &protos, &a.local_hostname, a.buffer_size, &a.ops, &a.blocks, a.batch, a.threads, a.duration, Duration::from_secs_f64(a.peer_timeout.max(0.0)));
+    let mooncake = run_mooncake(a)?;
     print_report(a, &points, &used, ceilings.as_ref(), &mooncake);
     if let Some(path) = &a.json {
         let mut out = String::new();
@@ -359,6 +404,22 @@ fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result
         return Err("some points failed verification (see the table)".into());
     }
     Ok(())
+}
+
+/// Mooncake over the same kind of path, side by side: RDMA on the same NICs for kvferry's RDMA
+/// points, TCP for the others (Mooncake has no shared-memory path between processes).
+fn run_mooncake(a: &BenchArgs) -> Result<crate::mooncake::SideBySide, String> {
+    let mut protos = Vec::new();
+    if a.transport.iter().any(|m| *m != TransportMode::Rdma) {
+        protos.push(crate::mooncake::Proto::Tcp);
+    }
+    if a.transport.contains(&TransportMode::Rdma) {
+        let devices = engine_config(a)?.rdma_devices.unwrap_or_else(|| {
+            kvferry::rdma::probe().nics.iter().filter(|n| n.ports.iter().any(|p| p.active)).map(|n| n.name.clone()).collect()
+        });
+        protos.push(crate::mooncake::Proto::Rdma(devices));
+    }
+    Ok(crate::mooncake::run_side_by_side(a.mooncake.as_deref(), &protos, &a.local_hostname, a.buffer_size, &a.ops, &a.blocks, a.batch, a.threads, a.duration, Duration::from_secs_f64(a.peer_timeout.max(0.0))))
 }
 
 /// Whether transparent huge pages can back shared memory (memfd) when advised.
@@ -563,26 +624,7 @@ fn socket_gbps() -> f64 {
 // ------------------------------------------------------------------------------------------
 
 fn print_report(a: &BenchArgs, points: &[Point], used: &[String], c: Option<&Ceilings>, mc: &crate::mooncake::SideBySide) {
-    let asked: Vec<String> = a.transport.iter().map(|t| t.to_string()).collect();
-    println!(
-        "kvferry bench: --transport {} on {}, {} registered per side ({} memory; pages: {}), batch {}, {} initiator thread(s), {:.1} s per point",
-        asked.join(","),
-        a.local_hostname,
-        human(a.buffer_size),
-        a.memory,
-        match (a.hugepages, a.memory.as_str()) {
-            (false, _) => "4 KiB",
-            (true, "kvferry") if !shmem_thp() => "4 KiB: this host gives shared memory no transparent huge pages",
-            _ => "huge",
-        },
-        a.batch,
-        a.threads,
-        a.duration
-    );
-    if let Some(c) = c {
-        println!("ceilings: single-thread memcpy {:.2} GB/s, loopback socket stream {:.2} GB/s", c.memcpy_gbps, c.socket_gbps);
-    }
-    println!();
+    print_header(a, c);
     println!(
         "{:<6} {:>8} {:>9} {:>8} {:>11} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8}",
         "op", "block", "transport", "GB/s", "ops/s", "batch p50", "batch p99", "1-req p50", "init cpu", "tgt cpu", "verified", "/memcpy", "/socket", "/mooncake"
@@ -612,4 +654,28 @@ fn print_report(a: &BenchArgs, points: &[Point], used: &[String], c: Option<&Cei
         );
     }
     mc.print();
+}
+
+/// The report's first lines: what was measured, and the ceilings.
+fn print_header(a: &BenchArgs, c: Option<&Ceilings>) {
+    let asked: Vec<String> = a.transport.iter().map(|t| t.to_string()).collect();
+    println!(
+        "kvferry bench: --transport {} on {}, {} registered per side ({} memory; pages: {}), batch {}, {} initiator thread(s), {:.1} s per point",
+        asked.join(","),
+        a.local_hostname,
+        human(a.buffer_size),
+        a.memory,
+        match (a.hugepages, a.memory.as_str()) {
+            (false, _) => "4 KiB",
+            (true, "kvferry") if !shmem_thp() => "4 KiB: this host gives shared memory no transparent huge pages",
+            _ => "huge",
+        },
+        a.batch,
+        a.threads,
+        a.duration
+    );
+    if let Some(c) = c {
+        println!("ceilings: single-thread memcpy {:.2} GB/s, loopback socket stream {:.2} GB/s", c.memcpy_gbps, c.socket_gbps);
+    }
+    println!();
 }

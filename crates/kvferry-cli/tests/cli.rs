@@ -39,6 +39,85 @@ fn bench_split_across_two_commands() {
     check_records(&json, 1);
 }
 
+/// `--auth-ab`: the points and connection costs run without the cluster key and with it, each
+/// side given the same variables (a key file that does not exist and a protect setting that is
+/// not one, left in this environment, reach neither), the key made for the run removed after.
+#[test]
+fn bench_auth_ab_measures_the_key_off_and_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let json = dir.path().join("ab.jsonl");
+    let out = kvferry()
+        .env("KVFERRY_AUTH_KEY_FILE", dir.path().join("no-such-key"))
+        .env("KVFERRY_AUTH_PROTECT", "bogus")
+        .env("TMPDIR", &tmp)
+        .args(["bench", "--transport", "tcp", "--buffer-size", "16M", "--blocks", "64K", "--ops", "write", "--batch", "4", "--duration", "0.2", "--no-ceilings", "--mooncake", "none", "--auth-ab", "1", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 0, "the key file and its folder are removed");
+    assert!(stdout.contains("cluster key A/B") && stdout.contains("connection costs"), "{stdout}");
+    // A round row and a median row per setting in both tables; the keyed median rows give ratios.
+    for key in ["none", "headers"] {
+        let rows: Vec<&str> = stdout.lines().filter(|l| l.split_whitespace().next() == Some(key)).collect();
+        assert_eq!(rows.len(), 4, "{key}: a round and a median row in each table: {stdout}");
+        assert_eq!(rows.iter().filter(|l| l.split_whitespace().nth(1) == Some("median")).count(), 2, "{stdout}");
+        if key == "headers" {
+            assert!(rows.iter().all(|l| l.split_whitespace().any(|w| w.strip_suffix('x').is_some_and(|n| n.parse::<f64>().is_ok_and(|v| v > 0.0)))), "keyed rows give ratios to no key: {stdout}");
+        }
+    }
+    let text = std::fs::read_to_string(&json).unwrap();
+    let recs: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let of = |kind: &str| -> Vec<&serde_json::Value> { recs.iter().filter(|r| r["record"] == kind).collect() };
+    let auths = |rs: &[&serde_json::Value]| -> Vec<String> { rs.iter().map(|r| r["auth"].as_str().unwrap().to_string()).collect() };
+    let pos = |r: &serde_json::Value, k: &str| assert!(r[k].as_f64().is_some_and(|v| v > 0.0 && v.is_finite()), "{k} positive in {r}");
+    assert_eq!(recs.len(), 8, "{text}");
+    let points = of("auth_ab_point");
+    assert_eq!(auths(&points), ["none", "headers"], "{text}");
+    for r in &points {
+        assert_eq!((r["round"].as_u64(), r["op"].as_str(), r["block_bytes"].as_u64(), r["transport"].as_str()), (Some(1), Some("write"), Some(65536), Some("tcp")), "{r}");
+        assert_eq!(r["verified"], true, "{r}");
+        for k in ["gbps", "ops_per_s", "batch_p50_us", "batch_p99_us", "single_p50_us", "initiator_cpu_s_per_gb", "target_cpu_s_per_gb"] {
+            pos(r, k);
+        }
+    }
+    let medians = of("auth_ab_median");
+    assert_eq!(auths(&medians), ["none", "headers"], "{text}");
+    for (m, p) in medians.iter().zip(&points) {
+        assert_eq!(m["gbps"], p["gbps"], "one round: the median is that round's figure");
+        assert_eq!(m["verified"], true, "{m}");
+        pos(m, "gbps_vs_none");
+        pos(m, "cpu_s_per_gb_vs_none");
+    }
+    assert_eq!(medians[0]["gbps_vs_none"], 1.0);
+    let ratio = points[1]["gbps"].as_f64().unwrap() / points[0]["gbps"].as_f64().unwrap();
+    assert!((medians[1]["gbps_vs_none"].as_f64().unwrap() - ratio).abs() < 1e-9, "{text}");
+    let conns = of("auth_ab_conn");
+    assert_eq!(auths(&conns), ["none", "headers"], "{text}");
+    for c in &conns {
+        assert_eq!(c["samples"], 20, "{c}");
+        assert!(c["write_samples"].as_u64().unwrap() >= 20, "{c}");
+        for k in ["handshake_p50_us", "handshake_max_us", "first_write_p50_us", "first_write_max_us", "write_p50_us", "write_p99_us"] {
+            pos(c, k);
+        }
+        assert!(c["handshake_max_us"].as_f64() >= c["handshake_p50_us"].as_f64() && c["write_p99_us"].as_f64() >= c["write_p50_us"].as_f64(), "{c}");
+    }
+    let conn_meds = of("auth_ab_conn_median");
+    assert_eq!(auths(&conn_meds), ["none", "headers"], "{text}");
+    for k in ["handshake_vs_none", "first_write_vs_none", "write_p50_vs_none", "write_p99_vs_none"] {
+        assert_eq!(conn_meds[0][k], 1.0, "{k}");
+        pos(conn_meds[1], k);
+    }
+    // Without --auth-ab, --auth-protect is refused; with --mode, --auth-ab is.
+    let out = kvferry().args(["bench", "--auth-protect", "encrypt"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--auth-ab"));
+    let out = kvferry().args(["bench", "--mode", "initiator", "--segment", "127.0.0.1:1", "--auth-ab", "1"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--auth-ab"));
+}
+
 #[test]
 fn bench_rejects_bad_arguments_clearly() {
     let out = kvferry().args(["bench", "--mode", "initiator"]).output().unwrap();
