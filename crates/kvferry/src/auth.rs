@@ -176,7 +176,7 @@ impl ClusterKey {
 
 /// What the cluster key protects on a TCP data connection beyond the handshake
 /// (`KVFERRY_AUTH_PROTECT`): every request header and status frame is sealed in all three;
-/// `Payload` also authenticates the bytes of WRITE bodies and READ answers (a SHA-256 of each
+/// `Payload` also authenticates the bytes of WRITE bodies and READ answers (a BLAKE3 digest of each
 /// 32 KiB chunk, sealed after it: altered bytes fail the request before it is answered), and
 /// `Encrypt` seals them (each chunk a Noise message: nothing on the path reads or alters them).
 /// The initiator asks for its own; a target refuses a connection that asks for less than its

@@ -13,7 +13,6 @@
 //! a test that sleeps.
 
 use crate::auth::{ClusterKey, Initiator, Opener, Protect, Protocol, Sealer};
-use sha2::{Digest, Sha256};
 use crate::batch::{FailCause, FailKind, Failure};
 use crate::memory::{MemoryRegistry, RegionGuard};
 use crate::wire::tcp::{self, DataHeader, Opcode, Status, AUTH_ANSWER_LEN, HEADER_LEN, SEALED_STATUS_LEN, STATUS_LEN};
@@ -37,7 +36,7 @@ pub(super) fn protocol(p: Protect) -> Protocol {
 /// Bytes of a body per protected chunk (`Protect::Payload`, `Protect::Encrypt`): a divisor
 /// of the GPU staging chunk (1 MiB), so that no chunk straddles two.
 pub(super) const CHUNK: usize = 32 << 10;
-/// Bytes of a chunk's digest (SHA-256) under `Protect::Payload`.
+/// Bytes of a chunk's digest (BLAKE3) under `Protect::Payload`.
 const DIGEST_LEN: usize = 32;
 
 /// Bytes a chunk of body carries on the wire beyond itself under `p`.
@@ -64,7 +63,7 @@ pub(super) fn seal_chunk(p: Protect, seal: &mut Sealer, chunk: &[u8], out: &mut 
         Protect::Headers => out.extend_from_slice(chunk),
         Protect::Payload => {
             out.extend_from_slice(chunk);
-            seal.seal(&<Sha256 as Digest>::digest(chunk), out);
+            seal.seal(blake3::hash(chunk).as_bytes(), out);
         }
         Protect::Encrypt => seal.seal(chunk, out),
     }
@@ -101,13 +100,13 @@ pub(super) struct Unseal {
     placed: usize,
     tail: Vec<u8>,
     tail_have: usize,
-    hash: Sha256,
+    hash: blake3::Hasher,
 }
 
 impl Unseal {
     pub(super) fn new(p: Protect, len: u64) -> Unseal {
         let tail = vec![0u8; if p == Protect::Encrypt { CHUNK + crate::auth::TAG_LEN } else { DIGEST_LEN + crate::auth::TAG_LEN }];
-        Unseal { p, left: len, chunk: 0, placed: 0, tail, tail_have: 0, hash: Sha256::new() }
+        Unseal { p, left: len, chunk: 0, placed: 0, tail, tail_have: 0, hash: blake3::Hasher::new() }
     }
 
     /// For the next body of `len` bytes (the buffers kept).
@@ -116,7 +115,7 @@ impl Unseal {
         self.chunk = 0;
         self.placed = 0;
         self.tail_have = 0;
-        self.hash = Sha256::new();
+        self.hash.reset();
     }
 
     pub(super) fn protect(&self) -> Protect {
@@ -181,8 +180,14 @@ impl Unseal {
             }
             _ => {
                 let mut digest = [0u8; DIGEST_LEN + crate::auth::TAG_LEN];
-                let got = std::mem::replace(&mut self.hash, Sha256::new()).finalize();
-                if open.open(&self.tail[..want], &mut digest) != Ok(DIGEST_LEN) || digest[..DIGEST_LEN] != got[..] {
+                let got = self.hash.finalize();
+                self.hash.reset();
+                if open.open(&self.tail[..want], &mut digest) != Ok(DIGEST_LEN) {
+                    return Err(WireError::Unsealed);
+                }
+                // (`blake3::Hash` compares in constant time.)
+                let sent: [u8; DIGEST_LEN] = digest[..DIGEST_LEN].try_into().expect("a digest's bytes");
+                if got != sent {
                     return Err(WireError::Unsealed);
                 }
             }
