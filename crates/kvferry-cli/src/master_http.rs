@@ -180,17 +180,26 @@ fn route(m: &Master, auth: Option<&HttpAuth>, req: &Request<hyper::body::Incomin
     }
 }
 
+/// Most connections the admin HTTP serves at once, and from one source address: a flood of
+/// idle or slow connections holds at most these (each at most 30 s and a request head of at
+/// most `MAX_HEAD` bytes), and probes from other hosts are still answered.
+const MAX_CONNS: usize = 256;
+const MAX_CONNS_PER_SOURCE: usize = 32;
+/// Largest request head read (hyper's buffer; the routes take no body).
+const MAX_HEAD: usize = 16 << 10;
+
 /// Serves the admin HTTP on `listener` until the process ends; with `auth`, only signed
 /// requests to the routes it guards.
 pub fn serve(listener: TcpListener, m: Arc<Master>, auth: Option<HttpAuth>) -> std::io::Result<()> {
     let auth = auth.map(Arc::new);
+    let places = kvferry::auth::Unproved::new(MAX_CONNS, MAX_CONNS_PER_SOURCE);
     listener.set_nonblocking(true)?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         loop {
-            let stream = match listener.accept().await {
-                Ok((s, _)) => s,
+            let (stream, from) = match listener.accept().await {
+                Ok(s) => s,
                 Err(e) => {
                     // Out of descriptors and the like: the admin HTTP stays up (health probes
                     // would otherwise fail for good), backing off instead of spinning.
@@ -199,8 +208,13 @@ pub fn serve(listener: TcpListener, m: Arc<Master>, auth: Option<HttpAuth>) -> s
                     continue;
                 }
             };
+            let Some(place) = places.admit(from.ip()) else {
+                tracing::debug!("master HTTP: {MAX_CONNS} connections served, or {MAX_CONNS_PER_SOURCE} from {}; closing a new one", from.ip());
+                continue;
+            };
             let (m, auth) = (Arc::clone(&m), auth.clone());
             tokio::spawn(async move {
+                let _place = place;
                 let svc = hyper::service::service_fn(move |req| {
                     let r = route(&m, auth.as_deref(), &req);
                     async move { Ok::<_, Infallible>(r) }
@@ -208,7 +222,7 @@ pub fn serve(listener: TcpListener, m: Arc<Master>, auth: Option<HttpAuth>) -> s
                 let io = hyper_util::rt::TokioIo::new(stream);
                 let _ = tokio::time::timeout(
                     std::time::Duration::from_secs(30),
-                    hyper::server::conn::http1::Builder::new().serve_connection(io, svc),
+                    hyper::server::conn::http1::Builder::new().max_buf_size(MAX_HEAD).serve_connection(io, svc),
                 )
                 .await;
             });

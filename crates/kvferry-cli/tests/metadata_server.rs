@@ -636,3 +636,42 @@ fn a_keyed_masters_cleanup_removes_a_killed_clients_entries_from_its_keyed_metad
     assert_eq!(removed(), (1, 0), "removed, not failed (a refused DELETE counts as failed)");
     assert_eq!(entries(), [404, 404], "the killed client's entries left the keyed server");
 }
+
+/// Resident memory of process `pid`, in bytes.
+fn rss_of(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the master's status");
+    s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).expect("VmRSS") * 1024
+}
+
+/// The master's HTTP port under a flood from one host (127.0.0.2): 1000 connections, each
+/// sending as much of a request head as it can and never finishing it. The master's memory
+/// stays bounded (at most 256 connections served, 32 from one address, 16 KiB of head each)
+/// and a probe from another address is answered at once.
+#[test]
+fn a_flood_against_the_masters_http_port_leaves_its_memory_bounded_and_probes_answered() {
+    let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    let _ = rustix::process::setrlimit(rustix::process::Resource::Nofile, rustix::process::Rlimit { current: nofile.maximum, maximum: nofile.maximum });
+    let m = MasterProc::start(&[], &[]);
+    let http = m.port("http=");
+    assert_eq!(http_with(http, "GET", "/health", b"", &[]).0, 200);
+    let before = rss_of(m.child.id());
+    let mut held = Vec::new();
+    let head = format!("GET /health HTTP/1.1\r\nX-Pad: {}", "p".repeat(256 << 10));
+    for _ in 0..1000 {
+        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+        sock.bind(&"127.0.0.2:0".parse::<std::net::SocketAddr>().expect("addr").into()).expect("bind 127.0.0.2");
+        if sock.connect(&std::net::SocketAddr::from(([127, 0, 0, 1], http)).into()).is_err() {
+            continue;
+        }
+        let mut s: std::net::TcpStream = sock.into();
+        s.set_write_timeout(Some(Duration::from_millis(20))).expect("timeout");
+        let _ = std::io::Write::write_all(&mut s, head.as_bytes());
+        held.push(s);
+    }
+    let t = std::time::Instant::now();
+    assert_eq!(http_with(http, "GET", "/health", b"", &[]).0, 200, "a probe from 127.0.0.1 during the flood");
+    assert!(t.elapsed() < Duration::from_secs(2), "answered in {:?}", t.elapsed());
+    let after = rss_of(m.child.id());
+    assert!(after < before + (32 << 20), "the master's memory {before} -> {after} with {} connections held", held.len());
+    drop(held);
+}

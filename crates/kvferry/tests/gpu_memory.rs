@@ -37,8 +37,12 @@ fn child() -> bool {
     std::env::var_os("KVF_GPU_CHILD").is_some()
 }
 
+/// An engine over `mode`; in a child started with `KVF_TEST_KEY` (a key file) and
+/// `KVF_TEST_PROTECT`, holding that cluster key and protecting that much.
 fn engine(mode: TransportMode) -> TransferEngine {
-    TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), transport: mode, ..Config::default() }).expect("engine starts")
+    let auth_key_file = std::env::var_os("KVF_TEST_KEY").map(std::path::PathBuf::from);
+    let auth_protect = std::env::var("KVF_TEST_PROTECT").ok().and_then(|p| kvferry::auth::Protect::parse(&p)).unwrap_or_default();
+    TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), transport: mode, auth_key_file, auth_protect, ..Config::default() }).expect("engine starts")
 }
 
 /// Bytes that differ between any two 1 MiB chunks (so a chunk landing in another's place shows).
@@ -171,6 +175,23 @@ fn gpu_memory_moves_over_tcp_and_same_host_paths_every_byte_verified() {
     // A CUDA 12.4 and a CUDA 13.0 driver: the same soname and entry points.
     in_child("child_transfers", Some(&mock_dir()));
     in_child("child_transfers", Some(&cuda_mock::build("cuda13", &["COUNT=2", "VERSION=13000"])));
+}
+
+/// The same transfers between engines holding a cluster key, with the bytes moved
+/// authenticated (`payload`) and sealed (`encrypt`): the protected chunks go through the GPU
+/// staging on both sides (a chunk divides the 1 MiB staging chunk), every byte verified.
+#[test]
+fn gpu_memory_moves_over_keyed_connections_under_each_protection() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("kvferry-gpu-key-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let key = dir.join("key");
+    std::fs::write(&key, "g".repeat(64)).unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    for protect in ["payload", "encrypt"] {
+        in_child_with("child_transfers", Some(&mock_dir()), &[("KVF_TEST_KEY", key.to_str().unwrap()), ("KVF_TEST_PROTECT", protect)]);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// One side's buffer: host memory, or device memory of a GPU.
