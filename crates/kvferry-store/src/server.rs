@@ -459,53 +459,31 @@ pub const MAX_UNPROVED: usize = 256;
 pub const MAX_UNPROVED_PER_IP: usize = 64;
 
 /// The connections of a port that did not prove the cluster key yet, counted in all and per
-/// source address, each bounded: what a flood without the key can hold is at most
-/// `total` connections, their threads and fixed buffers (a few hundred bytes each), each for
-/// at most [`PROOF_DEADLINE`].
+/// source address, each bounded (`kvferry::auth::Unproved`): what a flood without the key can
+/// hold is at most `total` connections, their threads and fixed buffers (a few hundred bytes
+/// each), each for at most [`PROOF_DEADLINE`]. Refusals are logged, a line a second at most.
 pub(crate) struct Unproved {
     what: &'static str,
     total: usize,
     per_ip: usize,
-    held: std::sync::Mutex<(usize, std::collections::HashMap<std::net::IpAddr, usize>)>,
+    places: Arc<kvferry::auth::Unproved>,
     /// Refused since the last log line, and when that was (one line a second at most).
     refused: std::sync::Mutex<(u64, Option<Instant>)>,
 }
 
 /// One [`Unproved`] place, given back when dropped.
-pub(crate) struct UnprovedSlot {
-    of: Arc<Unproved>,
-    ip: std::net::IpAddr,
-}
-
-impl Drop for UnprovedSlot {
-    fn drop(&mut self) {
-        let mut h = self.of.held.lock().unwrap_or_else(|e| e.into_inner());
-        h.0 = h.0.saturating_sub(1);
-        if let std::collections::hash_map::Entry::Occupied(mut e) = h.1.entry(self.ip) {
-            *e.get_mut() -= 1;
-            if *e.get() == 0 {
-                e.remove();
-            }
-        }
-    }
-}
+pub(crate) type UnprovedSlot = kvferry::auth::Pass;
 
 impl Unproved {
     pub(crate) fn new(what: &'static str, total: usize, per_ip: usize) -> Arc<Unproved> {
-        Arc::new(Unproved { what, total, per_ip, held: Default::default(), refused: Default::default() })
+        Arc::new(Unproved { what, total, per_ip, places: kvferry::auth::Unproved::new(total, per_ip), refused: Default::default() })
     }
 
     /// A place for a connection from `ip`, or `None` (then logged, a line a second at most)
     /// when `total` are held or `per_ip` from that address.
     pub(crate) fn admit(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<UnprovedSlot> {
-        {
-            let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
-            let from = h.1.get(&ip).copied().unwrap_or(0);
-            if h.0 < self.total && from < self.per_ip {
-                h.0 += 1;
-                *h.1.entry(ip).or_insert(0) += 1;
-                return Some(UnprovedSlot { of: Arc::clone(self), ip });
-            }
+        if let Some(p) = self.places.admit(ip) {
+            return Some(p);
         }
         let mut r = self.refused.lock().unwrap_or_else(|e| e.into_inner());
         r.0 += 1;
@@ -522,8 +500,7 @@ impl Unproved {
     /// How many places are held (in all, from `ip`).
     #[cfg(test)]
     fn held(&self, ip: std::net::IpAddr) -> (usize, usize) {
-        let h = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        (h.0, h.1.get(&ip).copied().unwrap_or(0))
+        self.places.counted(ip)
     }
 }
 
@@ -1300,7 +1277,7 @@ mod tests {
         assert!(u.admit(a).is_none());
         drop((from_b, more));
         assert_eq!(u.held(b), (0, 0));
-        assert!(u.held.lock().unwrap().1.is_empty(), "no address is kept once its places are back");
+        assert_eq!((u.held(a), u.held(c)), ((0, 0), (0, 0)), "every place is back (and no address kept: kvferry::auth's test)");
     }
 
     /// A proof's reads end at its deadline however the bytes trickle in.

@@ -693,6 +693,7 @@ mod tests {
         let c1 = u.admit(c).expect("a place freed");
         drop((a1, b1, c1));
         assert_eq!(u.counted(a), (0, 0));
+        assert!(u.counts.lock().unwrap().1.is_empty(), "no address is kept once its places are back");
     }
 
     #[test]
