@@ -497,6 +497,16 @@ impl Unproved {
         None
     }
 
+    /// A place for a new connection `conn` of a port holding the cluster key (`keyed`);
+    /// `Err` when there is none (close it); `Ok(None)` without a key (nothing to prove).
+    pub(crate) fn place(self: &Arc<Self>, keyed: bool, conn: &TcpStream) -> Result<Option<UnprovedSlot>, ()> {
+        if !keyed {
+            return Ok(None);
+        }
+        let ip = conn.peer_addr().map_err(|_| ())?.ip();
+        self.admit(ip).map(Some).ok_or(())
+    }
+
     /// How many places are held (in all, from `ip`).
     #[cfg(test)]
     fn held(&self, ip: std::net::IpAddr) -> (usize, usize) {
@@ -999,14 +1009,7 @@ impl MasterServer {
                 let Some(conn) = accepted(conn, "master: accepting an RPC connection") else { continue };
                 // With the cluster key, a place among the connections not proved yet, or the
                 // connection is closed here (no thread, nothing read).
-                let slot = match (&m.auth, conn.peer_addr()) {
-                    (None, _) => None,
-                    (Some(_), Ok(peer)) => match unproved.admit(peer.ip()) {
-                        Some(slot) => Some(slot),
-                        None => continue,
-                    },
-                    (Some(_), Err(_)) => continue,
-                };
+                let Ok(slot) = unproved.place(m.auth.is_some(), &conn) else { continue };
                 // A client host that vanished (crashed, cut off) without closing is found by
                 // TCP keepalive, so its thread, descriptor and buffer are not held for ever.
                 keepalive(&conn, Duration::from_secs(30));

@@ -1049,14 +1049,7 @@ pub fn serve(listener: TcpListener, mirror: Arc<Mirror>) {
     let unproved = crate::server::Unproved::new("HA replication", MAX_UNPROVED_LINKS.0, MAX_UNPROVED_LINKS.1);
     for conn in listener.incoming() {
         let Some(s) = crate::server::accepted(conn, "HA replication: accepting a leader's connection") else { continue };
-        let slot = match (&mirror.auth, s.peer_addr()) {
-            (None, _) => None,
-            (Some(_), Ok(peer)) => match unproved.admit(peer.ip()) {
-                Some(slot) => Some(slot),
-                None => continue,
-            },
-            (Some(_), Err(_)) => continue,
-        };
+        let Ok(slot) = unproved.place(mirror.auth.is_some(), &s) else { continue };
         let m = Arc::clone(&mirror);
         let _ = std::thread::Builder::new().name("kvf-ha-standby".into()).spawn(move || {
             if let Err(e) = follow(s, &m, slot) {
