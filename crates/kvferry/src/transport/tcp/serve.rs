@@ -701,7 +701,7 @@ impl ServeConn {
     /// protected, and counts as sent.
     fn fill_answer(&mut self, now: Instant) {
         let Some(s) = &self.sealed else { return };
-        if s.protect == Protect::Headers || !self.out.is_empty() && self.out.len() >= MAX_OUT {
+        if s.protect == Protect::Headers || self.out.len() >= MAX_OUT {
             return;
         }
         if let State::Answer { guard, .. } = &self.state {
@@ -711,18 +711,12 @@ impl ServeConn {
         } else {
             return;
         }
-        let (at, k) = {
-            let raw = self.raw_answer();
-            (raw.as_ptr(), raw.len().min(CHUNK))
-        };
-        // SAFETY: `at` points into registered memory (admitted, kept by the state's guard,
-        // not revoked: checked above) or into the GPU pipe's pinned buffer (a heap allocation
-        // of its own, neither freed nor written until `answered` below): neither is `out` nor
-        // the session, which are all this borrows mutably meanwhile.
-        let chunk = unsafe { std::slice::from_raw_parts(at, k) };
-        if let Some(s) = &mut self.sealed {
-            seal_chunk(s.protect, &mut s.seal, chunk, &mut self.out);
-        }
+        // (The session and `out` are taken out while the answer's bytes are borrowed.)
+        let (Some(mut session), mut out) = (self.sealed.take(), std::mem::take(&mut self.out)) else { return };
+        let raw = self.raw_answer();
+        let k = raw.len().min(CHUNK);
+        seal_chunk(session.protect, &mut session.seal, &raw[..k], &mut out);
+        (self.sealed, self.out) = (Some(session), out);
         self.answered(k as u64, now);
     }
 
