@@ -385,20 +385,8 @@ fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result
         std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
     if let Some(path) = &a.json_peers {
-        let mut out = String::new();
-        if let Some(c) = &ceilings {
-            out.push_str(&serde_json::json!({"engine": "ceiling", "memcpy_gbps": c.memcpy_gbps, "socket_gbps": c.socket_gbps}).to_string());
-            out.push('\n');
-        }
-        for (p, t) in points.iter().zip(&used) {
-            out.push_str(&serde_json::json!({"engine": "kvferry", "transport": t, "op": p.op, "block_bytes": p.block_bytes, "gbps": p.gbps}).to_string());
-            out.push('\n');
-        }
-        for m in mooncake.points() {
-            out.push_str(&serde_json::to_string(m).expect("serialisable"));
-            out.push('\n');
-        }
-        std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        let ours = points.iter().zip(&used).map(|(p, t)| serde_json::json!({"engine": "kvferry", "transport": t, "op": p.op, "block_bytes": p.block_bytes, "gbps": p.gbps}));
+        write_peers(path, ceilings.as_ref(), ours, &mooncake)?;
     }
     if points.iter().any(|p| !p.verified) {
         return Err("some points failed verification (see the table)".into());
@@ -423,6 +411,25 @@ fn run_mooncake(a: &BenchArgs) -> Result<crate::mooncake::SideBySide, String> {
 }
 
 /// Whether transparent huge pages can back shared memory (memfd) when advised.
+/// `--json-peers`: the ceilings, kvferry's records (`ours`) and Mooncake's points, one JSON
+/// object a line.
+fn write_peers(path: &std::path::Path, ceilings: Option<&Ceilings>, ours: impl Iterator<Item = serde_json::Value>, mooncake: &crate::mooncake::SideBySide) -> Result<(), String> {
+    let mut out = String::new();
+    if let Some(c) = ceilings {
+        out.push_str(&serde_json::json!({"engine": "ceiling", "memcpy_gbps": c.memcpy_gbps, "socket_gbps": c.socket_gbps}).to_string());
+        out.push('\n');
+    }
+    for v in ours {
+        out.push_str(&v.to_string());
+        out.push('\n');
+    }
+    for m in mooncake.points() {
+        out.push_str(&serde_json::to_string(m).expect("serialisable"));
+        out.push('\n');
+    }
+    std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))
+}
+
 fn shmem_thp() -> bool {
     let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").unwrap_or_default();
     ["[always]", "[within_size]", "[advise]", "[force]"].iter().any(|m| s.contains(m))

@@ -51,17 +51,9 @@ impl Drop for Server {
 
 /// One request on a fresh connection: (status, content type, body).
 fn http(port: u16, method: &str, target: &str, body: &[u8]) -> (u16, String, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let head = format!("{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
-    s.write_all(&[head.as_bytes(), body].concat()).unwrap();
-    let mut out = Vec::new();
-    let _ = s.read_to_end(&mut out);
-    let text = String::from_utf8_lossy(&out).to_string();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let (status, head, body) = http_with(port, method, target, body, &[]);
     let ctype = head.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("content-type:").map(|v| v.trim().to_string())).unwrap_or_default();
-    (status, ctype, body.to_string())
+    (status, ctype, body)
 }
 
 /// The contract steps shared with Mooncake's Python server: (method, target, body, status, reply body).
@@ -373,6 +365,7 @@ fn key_file(dir: &Path, name: &str, fill: char) -> std::path::PathBuf {
 }
 
 /// One request on a fresh connection with `headers` added: (status, whole head, body).
+/// [`http`] with more headers: (status, the answer's head, body).
 fn http_with(port: u16, method: &str, target: &str, body: &[u8], headers: &[(&str, String)]) -> (u16, String, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();

@@ -13,7 +13,7 @@
 //! connection. The report gives every round, the median of the rounds per setting, and the
 //! ratios of each keyed setting to no key; `--json` holds the same as records.
 
-use super::{check_args, human, measure_ceilings, run_mooncake, spawn_target, stop_child, sweep, Buffer, Ceilings, Point, Progress, BenchArgs};
+use super::{check_args, human, measure_ceilings, run_mooncake, spawn_target, stop_child, sweep, write_peers, Buffer, Ceilings, Point, Progress, BenchArgs};
 use kvferry::auth::Protect;
 use kvferry::config::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
@@ -302,20 +302,8 @@ pub(super) fn run(a: &BenchArgs, rounds: usize) -> Result<(), String> {
         std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
     if let Some(path) = &a.json_peers {
-        let mut out = String::new();
-        if let Some(c) = &ceilings {
-            out.push_str(&serde_json::json!({"engine": "ceiling", "memcpy_gbps": c.memcpy_gbps, "socket_gbps": c.socket_gbps}).to_string());
-            out.push('\n');
-        }
-        for m in &medians {
-            out.push_str(&serde_json::json!({"engine": "kvferry", "auth": m.auth, "transport": m.transport, "op": m.op, "block_bytes": m.block_bytes, "gbps": m.gbps}).to_string());
-            out.push('\n');
-        }
-        for m in mooncake.points() {
-            out.push_str(&serde_json::to_string(m).expect("serialisable"));
-            out.push('\n');
-        }
-        std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        let ours = medians.iter().map(|m| serde_json::json!({"engine": "kvferry", "auth": m.auth, "transport": m.transport, "op": m.op, "block_bytes": m.block_bytes, "gbps": m.gbps}));
+        write_peers(path, ceilings.as_ref(), ours, &mooncake)?;
     }
     if runs.iter().any(|r| r.points.iter().any(|p| !p.verified)) {
         return Err("some points failed verification (see the tables)".into());
