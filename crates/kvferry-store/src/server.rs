@@ -9,8 +9,8 @@
 //! and `proto::decode_bound` of it in heap while it is decoded.
 
 use crate::error::StoreError;
-use crate::master::{Attempt, Master, PutId, State, OP_NAMES};
-use crate::proto::{self, PingStatus, ReplicateConfig, Request, Response};
+use crate::master::{Attempt, Master, Needs, State, OP_NAMES};
+use crate::proto::{self, PingStatus, Request, Response};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -315,8 +315,10 @@ fn stale(st: &State, term: i64) -> Result<(), StoreError> {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn put_start(m: &Master, put: PutId, key: &str, size: u64, config: &ReplicateConfig, upsert: bool, deadline: Instant, term: i64, mut attempt: Attempt, changed: &mut bool, ride: &mut bool) -> Result<Response, StoreError> {
+/// Applies put start `req` under `term`; while the pool is full only of objects being read,
+/// tries again every [`PUT_RETRY`] until `deadline`, letting go of the state's lock between
+/// tries (the reads' ends free space).
+fn put_start(m: &Master, req: &Request, deadline: Instant, term: i64, mut attempt: Attempt, changed: &mut bool, ride: &mut bool) -> Result<Response, StoreError> {
     loop {
         let last = Instant::now() >= deadline;
         if last {
@@ -325,39 +327,37 @@ fn put_start(m: &Master, put: PutId, key: &str, size: u64, config: &ReplicateCon
         let now = m.now();
         let mut st = m.lock();
         stale(&st, term)?;
-        let r = start_put(&mut st, m, changed, ride, |st| st.put_start_ex(&m.cfg, &m.stats, put, key, size, config, upsert, now, attempt));
+        let r = start_put(&mut st, m, req, now, attempt, changed, ride);
         attempt = Attempt::Again;
         let retry = !last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(now);
         drop(st);
         if !retry {
-            return r.map(Response::Replicas);
+            return r;
         }
         *ride = false;
         std::thread::sleep(PUT_RETRY);
     }
 }
 
-/// Starts a put (`f`) on the state, whose lock the caller holds, as [`marking`] does; clears
-/// `ride` unless what it changed is a put placed in space whose grant is durable.
-fn start_put<T>(st: &mut State, m: &Master, changed: &mut bool, ride: &mut bool, f: impl FnOnce(&mut State) -> T) -> T {
-    if st.granting() {
-        st.set_grants_durable(m.journal.grants_durable());
-    }
-    let before = st.marks();
-    let r = marking(st, changed, f);
-    if st.marks() != before && !st.placed_granted() {
+/// Starts put `req` on the state, whose lock the caller holds ([`State::apply`]): sets
+/// `changed` if it changed durable state, and clears `ride` unless what it changed is a put
+/// placed in space whose grant is durable ([`Needs::Granted`]).
+fn start_put(st: &mut State, m: &Master, req: &Request, now: u64, attempt: Attempt, changed: &mut bool, ride: &mut bool) -> Result<Response, StoreError> {
+    let a = st.apply(&m.cfg, &m.stats, req, now, attempt, m.journal.grants_durable(), &mut None);
+    *changed |= a.needs != Needs::Nothing;
+    if a.needs == Needs::Journal {
         *ride = false;
     }
-    r
+    a.result
 }
 
-/// Runs `f` on the state, whose lock the caller holds, and sets `changed` if it marked a
-/// durable change ([`State::marks`]; see [`settle`]).
-fn marking<T>(st: &mut State, changed: &mut bool, f: impl FnOnce(&mut State) -> T) -> T {
-    let before = st.marks();
-    let r = f(st);
-    *changed |= st.marks() != before;
-    r
+/// Applies `req` (not a put start, not a batch) to the state, whose lock the caller holds, at
+/// `now` ([`State::apply`]); sets `changed` if it changed durable state (see [`settle`]). What
+/// a bulk removal took out goes to `removed`, for the caller to drop after the lock.
+fn apply_locked(st: &mut State, m: &Master, req: &Request, now: u64, changed: &mut bool, removed: &mut Option<crate::master::Removed>) -> Result<Response, StoreError> {
+    let a = st.apply(&m.cfg, &m.stats, req, now, Attempt::Last, 0, removed);
+    *changed |= a.needs != Needs::Nothing;
+    a.result
 }
 
 /// An accepted connection; on an error (out of descriptors, EMFILE, and the like) `None`
@@ -624,8 +624,8 @@ fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64, changed: &
     // What a RemoveAll/RemoveByRegex took out: its memory is freed after the state's lock is
     // released (this is declared before the lock is taken, so dropped after it is let go).
     let mut removed = None;
-    let r = if let Request::PutStart { client, key, size, config, upsert, put } = &req {
-        put_start(m, PutId { client: *client, put: *put }, key, *size, config, *upsert, deadline, term, Attempt::First, changed, ride)
+    let r = if let Request::PutStart { .. } = &req {
+        put_start(m, &req, deadline, term, Attempt::First, changed, ride)
     } else {
         *ride &= !mutates(&req);
         let now = m.now();
@@ -633,7 +633,7 @@ fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64, changed: &
         if let Err(e) = stale(&st, term) {
             return Response::Err(e);
         }
-        marking(&mut st, changed, |st| apply_locked(st, m, req, now, &mut removed))
+        apply_locked(&mut st, m, &req, now, changed, &mut removed)
     };
     counted(m, op, r)
 }
@@ -697,62 +697,26 @@ fn handle_batch<'m>(m: &'m Master, reqs: Vec<Request>, deadline: Instant, term: 
             continue;
         }
         let r = match req {
-            Request::PutStart { client, key, size, config, upsert, put } => {
-                let put = PutId { client, put };
+            req @ Request::PutStart { .. } => {
                 let attempt = if *last { Attempt::Last } else { Attempt::First };
-                let r = start_put(st, m, changed, ride, |st| st.put_start_ex(&m.cfg, &m.stats, put, &key, size, &config, upsert, *now, attempt));
+                let r = start_put(st, m, &req, *now, attempt, changed, ride);
                 if !*last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(*now) {
                     held = None;
                     *ride = false;
                     std::thread::sleep(PUT_RETRY);
-                    put_start(m, put, &key, size, &config, upsert, deadline, term, Attempt::Again, changed, ride)
+                    put_start(m, &req, deadline, term, Attempt::Again, changed, ride)
                 } else {
-                    r.map(Response::Replicas)
+                    r
                 }
             }
             req => {
                 *ride &= !mutates(&req);
-                marking(st, changed, |st| apply_locked(st, m, req, *now, &mut None))
+                apply_locked(st, m, &req, *now, changed, &mut None)
             }
         };
         out.push(counted(m, op, r));
     }
     (out, held.map(|h| h.0))
-}
-
-/// Applies `req` (not a batch) to the state, whose lock the caller holds, at `now`; what a
-/// bulk removal took out goes to `removed`, for the caller to drop after the lock.
-fn apply_locked(st: &mut State, m: &Master, req: Request, now: u64, removed: &mut Option<crate::master::Removed>) -> Result<Response, StoreError> {
-    let lease = m.cfg.lease_ttl.as_millis() as u64;
-    match req {
-        Request::MountSegment { client, segment } => st.mount(client, segment, now).map(|_| Response::Ok),
-        Request::RemountSegments { client, segments } => st.remount(client, segments, now, lease).map(|_| Response::Ok),
-        Request::UnmountSegment { client, segment } => st.unmount(client, segment, now, m.cfg.put_start_release_timeout.as_millis() as u64).map(|_| Response::Ok),
-        Request::Ping { client } => Ok(Response::Ping(st.ping(client, now))),
-        Request::PutStart { client, key, size, config, upsert, put } => st.put_start(&m.cfg, &m.stats, PutId { client, put }, &key, size, &config, upsert, now).map(Response::Replicas),
-        Request::ReleaseReads { ids } => {
-            st.release_reads(&ids, now);
-            Ok(Response::Ok)
-        }
-        Request::BatchReplicaClear { client, keys, segment } => Ok(Response::Keys(st.batch_replica_clear(client, &keys, &segment, now))),
-        Request::HoldWrites { client, writes } => {
-            let held = st.hold_writes(client, &writes, now, m.cfg.put_start_release_timeout.as_millis() as u64)?;
-            tracing::info!(client = format!("{client:x}"), writes = writes.len(), segments = held, "a client reported writes still running that this master did not place: nothing new goes where they write until they are over");
-            Ok(Response::Ok)
-        }
-        Request::PutEnd { client, key, put } => st.put_end(PutId { client, put }, &key, now).map(|_| Response::Ok),
-        Request::PutRevoke { client, key, put } => st.put_revoke(PutId { client, put }, &key).map(|_| Response::Ok),
-        Request::GetReplicaList { key } => st.get_replica_list(&key, now, lease).map(Response::ReplicaList),
-        Request::ExistKey { key } => st.exist_key(&key, now, lease).map(Response::Exists),
-        Request::Remove { key, force } => st.remove(&m.cfg, &key, force, now).map(|_| Response::Ok),
-        Request::RemoveAll { force } => Ok(Response::Count(removed.insert(st.remove_matching(&m.cfg, |_| true, force, now)).count())),
-        // (Compiled under the state's lock: bounded, so that no pattern holds it long.)
-        Request::RemoveByRegex { pattern, force } => match regex::RegexBuilder::new(&pattern).size_limit(256 << 10).dfa_size_limit(1 << 20).build() {
-            Ok(re) => Ok(Response::Count(removed.insert(st.remove_matching(&m.cfg, |k| re.is_match(k), force, now)).count())),
-            Err(e) => Err(StoreError::InvalidParams(format!("bad regex {pattern:?}: {e}"))),
-        },
-        req @ (Request::Batch(_) | Request::AuthHello { .. } | Request::AuthProof { .. }) => misplaced(&req).into_result(),
-    }
 }
 
 /// The bounded poll for a connection's next request, shared by a master's connections: at
@@ -1067,6 +1031,7 @@ impl Drop for MasterServer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proto::ReplicateConfig;
     use crate::master::MasterConfig;
     use crate::proto::Segment;
 

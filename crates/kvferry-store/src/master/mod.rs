@@ -16,12 +16,14 @@
 //!   comes back at once.
 
 pub mod alloc;
+mod apply;
 mod deferred;
 pub mod journal;
 pub mod shards;
 
 use crate::error::{StoreError, StoreResult};
 use crate::proto::{PingStatus, ReplicaDesc, ReplicaList, ReplicateConfig, Segment, SoftPin, WriteInFlight};
+pub use apply::{Applied, Needs};
 use alloc::{Block, SegmentSpace};
 use rand::Rng;
 use serde::Serialize;
