@@ -20,6 +20,8 @@ pub mod ha;
 pub mod master;
 pub mod proto;
 pub mod server;
+#[cfg(test)]
+mod sim;
 
 pub use client::{Client, ClientConfig, Staged};
 pub use error::{StoreError, StoreResult};

@@ -384,7 +384,8 @@ impl Image {
     }
 
     /// The state a new leader of `term` starts from at `now` (see the module docs for what
-    /// is assumed about what was not replicated); `lease` is the read lease TTL in ms.
+    /// is assumed about what was not replicated); `lease` is the read lease TTL in ms. It
+    /// journals ([`State::journal_on`]): the space it holds is its first changes.
     pub fn into_state(self, term: i64, now: u64, lease: u64) -> (State, Rebuilt) {
         let mut st = State { term, ..State::default() };
         let mut report = Rebuilt::default();
@@ -483,6 +484,11 @@ impl Image {
         // A journal names a range at each change, and an old hold the leader ended may
         // overlap a later one: each byte is held for the longest time any hold of it had
         // ([`held_pieces`]), whichever came first.
+        // These holds are the rebuilt state's first changes (`HeldUntil`): what a grant named
+        // is held only while the journal keeps that grant, which an `Unmount` of its segment
+        // ends, so a later takeover from the journal would otherwise give those bytes to a
+        // new put while a put answered early may still write them.
+        st.journal_on();
         let mut by_seg: BTreeMap<u64, Vec<HeldRange>> = BTreeMap::new();
         for ((seg, addr, len), left) in self.held_back {
             let end = super::alloc::cap_of(len).map_or(u64::MAX, |cap| addr.saturating_add(cap));
@@ -1006,6 +1012,59 @@ mod tests {
             assert_eq!(kept, ["e", "f"]);
             assert_eq!(st.objects.get("f").map(|o| o.current.len()), Some(1));
             assert_eq!(st.used_bytes(), 8192, "the dropped replicas' space is free");
+        }
+    }
+
+    /// Space a new leader holds because a grant named it (a put answered before its change
+    /// was acknowledged may still write there) is journaled by that leader: a second takeover
+    /// from the journal holds it too, even after the segment was unmounted (an `Unmount` ends
+    /// every term's grants of it) and mounted again. (The new leader's holds were made before
+    /// it journaled, and the second takeover gave those bytes to a new put while the lost
+    /// put's write could still land; without the fix the simulator finds it at
+    /// `KVFERRY_SIM_SEED=8`: a put answered early at term 6, terms 7 and 8 hold its space,
+    /// term 8 unmounts and mounts the segment, term 9 gives the space away.)
+    #[test]
+    fn a_takeovers_holds_survive_an_unmount_a_remount_and_a_second_takeover() {
+        let (m, stats, lease, release) = (MasterConfig::default(), Stats::default(), 1_000, 4_000);
+        let rc = ReplicateConfig { with_hard_pin: true, ..ReplicateConfig::default() };
+        let mut log: Vec<Change> = Vec::new();
+        let rebuild = |log: &[Change], term: i64, now: u64, grants: u64| {
+            let mut image = Image::default();
+            for c in log.iter().cloned() {
+                image.apply(c);
+            }
+            let (mut st, _) = image.into_state(term, now, lease);
+            st.journal_on();
+            st.set_grant_bytes(grants, release);
+            st
+        };
+        // The first leader grants a pool and journals it; a put placed there is answered at
+        // once, and its own change is lost with the leader.
+        let mut st = rebuild(&log, 1, 0, 1 << 20);
+        st.mount(1, seg(1, 64 << 20), 0).expect("mount");
+        st.put_start(&m, &stats, PutId { client: 1, put: 1 }, "a", 4096, &rc, false, 0).expect("first put");
+        log.extend(st.take_changes(0));
+        st.set_grants_durable(crate::master::grants_issued());
+        let lost = st.put_start(&m, &stats, PutId { client: 1, put: 2 }, "lost", 4096, &rc, false, 1).expect("granted put");
+        assert!(st.placed_granted(), "the put lies in a durable grant: answered before its change");
+        let (at, len) = (lost[0].addr, lost[0].size);
+        // Its write may land until 1 + release. The second leader holds the space...
+        let mut st = rebuild(&log, 2, 1_001, 1 << 20);
+        log.extend(st.take_changes(1_001));
+        // ...its segment is unmounted and mounted again (the same memory)...
+        st.unmount(1, 1, 1_002, release).expect("unmount");
+        log.extend(st.take_changes(1_002));
+        st.mount(1, seg(1, 64 << 20), 1_003).expect("mount again");
+        log.extend(st.take_changes(1_003));
+        // ...and a third leader, from the journal (granting nothing: its standbys are gone),
+        // still holds it while the write may land.
+        let mut st = rebuild(&log, 3, 2_004, 0);
+        st.register_client(2, 2_004);
+        for i in 0..2_000u64 {
+            let Ok(descs) = st.put_start(&m, &stats, PutId { client: 2, put: i }, &format!("new{i}"), 4096, &rc, false, 2_004) else { break };
+            for d in descs {
+                assert!(d.addr + d.size <= at || at + len <= d.addr, "new{i} was given {:#x}+{}, where the lost put's write may still land ({at:#x}+{len})", d.addr, d.size);
+            }
         }
     }
 }

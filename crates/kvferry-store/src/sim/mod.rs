@@ -1,0 +1,795 @@
+//! Deterministic simulation of the store's core: the real [`State`] (requests applied with
+//! [`State::apply`]), the real journal changes ([`Change`], [`Image`], [`Image::into_state`]),
+//! clients whose writes land late, and leaders that crash and are followed by one rebuilt
+//! from what the journal made durable, all driven by one seeded random source and a fake
+//! clock (milliseconds). After every step the invariants are checked against a reference
+//! model of what clients were told:
+//!
+//! - space given to a put never overlaps a write that may still land there (of a put whose
+//!   change was lost with a leader, a zombie, an upsert), nor an acknowledged live object;
+//! - a late write never lands on the bytes of an acknowledged live object;
+//! - an acknowledged put reads back with its own bytes, or its loss is explained (a segment
+//!   of it was dropped); a read in flight within its lease sees the bytes it was given.
+//!
+//! What is not simulated yet (ARCHITECTURE.md, "The simulator"): the election and the
+//! lease fencing (one leader at a time here, the next one starts a lease TTL after a crash),
+//! the in-sync standbys' link (the journal here is the etcd log and its snapshot), message
+//! delay and reordering between clients and the master (a request is applied when sent; an
+//! answer that waits for the journal is lost with its leader).
+//!
+//! `KVFERRY_SIM_SEED=<n>` replays seed `n` alone; `KVFERRY_SIM_SEEDS=<n>` sets how many
+//! seeds the test runs (default [`DEFAULT_SEEDS`]). A failure names its seed, the step and
+//! the last events.
+
+use crate::error::StoreError;
+use crate::master::journal::{Change, Image};
+use crate::master::{Attempt, MasterConfig, Needs, State, Stats, Strategy};
+use crate::proto::{PingStatus, ReplicaDesc, ReplicateConfig, Request, Response, Segment};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt::Write as _;
+use std::time::Duration;
+
+/// The kinds of step, and how often each comes on average (per mille): each seed draws its
+/// own weights around these (swarm testing: some seeds crash often, some unmount often, some
+/// hardly read), so that rare sequences of one kind of event come up in some seed.
+const ACTIONS: usize = 11;
+const WEIGHTS: [u32; ACTIONS] = [300, 200, 150, 20, 120, 50, 20, 10, 15, 10, 105];
+
+/// Seeds the test runs by default.
+pub const DEFAULT_SEEDS: u64 = 5000;
+/// Steps per seed.
+const STEPS: usize = 1000;
+/// Bytes per segment (one per client), and the granularity the simulated memory keeps.
+const SEG_BYTES: u64 = 4 << 20;
+const CELL: u64 = 64;
+/// Times in ms: a release timeout far longer than a lease, as in a deployment (600 s and
+/// 5 s by default), so a late write can outlive several failovers.
+const LEASE: u64 = 500;
+const RELEASE: u64 = 10_000;
+const DISCARD: u64 = 5_000;
+const CLIENT_TTL: u64 = 1_500;
+
+/// What a run checks or found.
+#[derive(Debug)]
+pub struct Failure {
+    pub seed: u64,
+    pub step: usize,
+    pub what: String,
+    pub trace: String,
+}
+
+/// A write of a put's bytes, in flight until `land_at`.
+#[derive(Debug, Clone)]
+struct Write {
+    tag: u32,
+    seg: u64,
+    addr: u64,
+    len: u64,
+    land_at: u64,
+}
+
+/// A put a client runs.
+#[derive(Debug, Clone)]
+struct Put {
+    client: usize,
+    key: String,
+    put: u64,
+    tag: u32,
+    /// (segment, address, length) of each replica, once placed.
+    replicas: Vec<(u64, u64, u64)>,
+    /// How many times each segment had been dropped when the put was applied (a replica on
+    /// one dropped since is not the object's).
+    seen: BTreeMap<u64, u64>,
+    /// The same, for each replica.
+    gens: Vec<u64>,
+    /// Its key was removed after its end was applied: acknowledged, but not live.
+    removed: bool,
+    /// The writes land at this time; then the put's end is sent.
+    land_at: u64,
+}
+
+/// An acknowledged put, as the reference model keeps it.
+#[derive(Debug, Clone)]
+struct Acked {
+    tag: u32,
+    replicas: Vec<(u64, u64, u64)>,
+    /// A segment of it was dropped: not finding it is no failure.
+    may_be_lost: bool,
+}
+
+/// A read in flight: it reads its replicas at `done_at` (within the lease it was given).
+#[derive(Debug, Clone)]
+struct Read {
+    key: String,
+    /// The puts whose bytes it may find: the acknowledged one, and any whose end was applied
+    /// but not acknowledged yet (an upsert).
+    tags: Vec<u32>,
+    replicas: Vec<(u64, u64, u64)>,
+    done_at: u64,
+}
+
+/// What a client is told once the entry its answer waits for is durable.
+#[derive(Debug)]
+enum Reply {
+    Started(Put),
+    Ended(Put),
+}
+
+/// Changes collected, not durable yet.
+struct Entry {
+    changes: Vec<Change>,
+    /// When it was collected.
+    at: u64,
+    /// Every grant up to this number is in it or an earlier entry.
+    grants: u64,
+    reply: Option<Reply>,
+}
+
+struct Client {
+    id: u64,
+    seg: Segment,
+    mounted: bool,
+    /// Pings stopped until this time (a paused client): the master may forget it.
+    silent_until: u64,
+    /// The master told it to remount.
+    remount: bool,
+}
+
+struct Leader {
+    st: State,
+    term: i64,
+    /// Grants up to this number are durable.
+    grants_durable: u64,
+}
+
+struct Sim {
+    seed: u64,
+    rng: StdRng,
+    now: u64,
+    cfg: MasterConfig,
+    stats: Stats,
+    /// How often each kind of step comes in this run ([`WEIGHTS`]).
+    weights: [u32; ACTIONS],
+    leader: Option<Leader>,
+    /// No leader until this time after a crash (the dead one's lease runs out).
+    down_until: u64,
+    term: i64,
+    /// etcd's journal: a snapshot and the entries after it.
+    snapshot: Vec<Change>,
+    log: Vec<Vec<Change>>,
+    pending: VecDeque<Entry>,
+    clients: Vec<Client>,
+    memory: BTreeMap<u64, Vec<u32>>,
+    /// How many times each segment was dropped by the master.
+    dropped: BTreeMap<u64, u64>,
+    writes: Vec<Write>,
+    /// Puts written, whose end is to be sent (again after a failover) until answered.
+    to_end: Vec<Put>,
+    reads: Vec<Read>,
+    model: BTreeMap<String, Acked>,
+    next_tag: u32,
+    trace: VecDeque<String>,
+    digest: u64,
+    /// The step being run (for the trace).
+    at_step: usize,
+    /// Every event goes to stderr as well (`KVFERRY_SIM_TRACE=1`).
+    print: bool,
+    /// Every event, kept ([`run_traced`]).
+    full: Option<Vec<String>>,
+    pub counts: Counts,
+}
+
+/// What one run did (reported, and a check that the runs exercise what they claim).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Counts {
+    pub puts_acked: u64,
+    pub early_answers: u64,
+    pub failovers: u64,
+    pub late_writes: u64,
+    pub reads_checked: u64,
+    pub unmounts: u64,
+    pub expiries: u64,
+    pub snapshots: u64,
+}
+
+impl std::ops::AddAssign for Counts {
+    fn add_assign(&mut self, o: Counts) {
+        self.puts_acked += o.puts_acked;
+        self.early_answers += o.early_answers;
+        self.failovers += o.failovers;
+        self.late_writes += o.late_writes;
+        self.reads_checked += o.reads_checked;
+        self.unmounts += o.unmounts;
+        self.expiries += o.expiries;
+        self.snapshots += o.snapshots;
+    }
+}
+
+fn overlaps(a: (u64, u64, u64), b: (u64, u64, u64)) -> bool {
+    let cap = |l: u64| l.max(1).next_multiple_of(CELL);
+    a.0 == b.0 && a.1 < b.1 + cap(b.2) && b.1 < a.1 + cap(a.2)
+}
+
+impl Sim {
+    fn new(seed: u64) -> Sim {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let weights = WEIGHTS.map(|w| rng.random_range(0..=2 * w));
+        let cfg = MasterConfig {
+            lease_ttl: Duration::from_millis(LEASE),
+            client_ttl: Duration::from_millis(CLIENT_TTL),
+            put_start_discard_timeout: Duration::from_millis(DISCARD),
+            put_start_release_timeout: Duration::from_millis(RELEASE),
+            // (The random strategy's start is not the simulation's to choose yet.)
+            strategy: Strategy::FreeRatioFirst,
+            eviction_high_watermark: 1.0,
+            ..MasterConfig::default()
+        };
+        let n = rng.random_range(2..=4u64);
+        let clients = (1..=n).map(|id| Client { id, seg: Segment { id: 100 + id, name: format!("seg{id}"), te_endpoint: format!("10.0.0.{id}:1"), base: id << 32, size: SEG_BYTES }, mounted: false, silent_until: 0, remount: false }).collect::<Vec<_>>();
+        let memory = clients.iter().map(|c| (c.seg.id, vec![0u32; (SEG_BYTES / CELL) as usize])).collect();
+        let mut sim = Sim {
+            seed,
+            rng,
+            now: 0,
+            cfg,
+            stats: Stats::default(),
+            weights,
+            leader: None,
+            down_until: 0,
+            term: 0,
+            snapshot: Vec::new(),
+            log: Vec::new(),
+            pending: VecDeque::new(),
+            clients,
+            memory,
+            dropped: BTreeMap::new(),
+            writes: Vec::new(),
+            to_end: Vec::new(),
+            reads: Vec::new(),
+            model: BTreeMap::new(),
+            next_tag: 1,
+            trace: VecDeque::new(),
+            digest: 0xcbf2_9ce4_8422_2325,
+            at_step: 0,
+            print: std::env::var_os("KVFERRY_SIM_TRACE").is_some(),
+            full: None,
+            counts: Counts::default(),
+        };
+        sim.elect();
+        for i in 0..sim.clients.len() {
+            let req = Request::MountSegment { client: sim.clients[i].id, segment: sim.clients[i].seg.clone() };
+            if let Some(Ok(_)) = sim.request(&req, None) {
+                sim.clients[i].mounted = true;
+            }
+        }
+        sim
+    }
+
+    fn note(&mut self, s: String) {
+        for b in s.bytes() {
+            self.digest = (self.digest ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+        if self.print {
+            eprintln!("#{} t={} {s}", self.at_step, self.now);
+        }
+        if let Some(full) = &mut self.full {
+            full.push(format!("#{} t={} {s}", self.at_step, self.now));
+        }
+        if self.trace.len() == 40 {
+            self.trace.pop_front();
+        }
+        self.trace.push_back(format!("#{} t={} {s}", self.at_step, self.now));
+    }
+
+    /// A new leader, rebuilt from what etcd's journal holds.
+    fn elect(&mut self) {
+        self.term += 1;
+        let mut image = Image::default();
+        for c in self.snapshot.iter().cloned().chain(self.log.iter().flatten().cloned()) {
+            image.apply(c);
+        }
+        let (mut st, rebuilt) = image.into_state(self.term, self.now, LEASE);
+        st.journal_on();
+        // Grants on (in-sync standbys that read them) or off (none in sync), by leader.
+        let grants = self.rng.random_bool(0.7);
+        st.set_grant_bytes(if grants { SEG_BYTES / 64 } else { 0 }, RELEASE);
+        self.note(format!("leader of term {} from {} snapshot changes and {} log entries: {} objects", self.term, self.snapshot.len(), self.log.len(), rebuilt.objects));
+        self.leader = Some(Leader { st, term: self.term, grants_durable: 0 });
+        // What rebuilding marked (space it holds) is the new leader's first entry.
+        self.collect(None);
+    }
+
+    /// The leader's marked changes as the next entry, with the reply that waits for it.
+    fn collect(&mut self, reply: Option<Reply>) {
+        let Some(l) = self.leader.as_mut() else { return };
+        let changes = l.st.take_changes(self.now);
+        let grants = crate::master::grants_issued();
+        if changes.is_empty() && reply.is_none() {
+            return;
+        }
+        self.pending.push_back(Entry { changes, at: self.now, grants, reply });
+    }
+
+    /// Applies `req` at the leader: `None` without one. What waits for the journal is
+    /// answered later (`reply`); the answer returned here is the one given at once.
+    fn request(&mut self, req: &Request, reply: Option<Reply>) -> Option<Result<Response, StoreError>> {
+        let now = self.now;
+        let l = self.leader.as_mut()?;
+        let evicted = self.stats.evicted_objects.load(std::sync::atomic::Ordering::Relaxed);
+        let a = l.st.apply(&self.cfg, &self.stats, req, now, Attempt::Last, l.grants_durable, &mut None);
+        if self.print {
+            eprintln!("  {req:?} -> {:?} {:?}", a.needs, a.result);
+        }
+        if self.stats.evicted_objects.load(std::sync::atomic::Ordering::Relaxed) != evicted {
+            // Evicted objects are no longer the model's (which ones: those the state lost).
+            let gone: Vec<String> = self.model.keys().filter(|k| l.st.key_info(k, now).is_none_or(|i| !i.complete)).cloned().collect();
+            // (And those whose end is not acknowledged yet.)
+            for e in &mut self.pending {
+                if let Some(Reply::Ended(p)) = &mut e.reply {
+                    p.removed |= l.st.key_info(&p.key, now).is_none_or(|i| !i.complete);
+                }
+            }
+            for k in gone {
+                self.model.remove(&k);
+                self.note(format!("{k} evicted"));
+            }
+        }
+        match (a.needs, &a.result) {
+            (Needs::Journal, Ok(_)) => {
+                self.collect(reply);
+                return None;
+            }
+            (Needs::Granted, Ok(_)) => {
+                self.counts.early_answers += 1;
+                self.collect(None);
+            }
+            _ => self.collect(None),
+        }
+        Some(a.result)
+    }
+
+    fn fail(&self, step: usize, what: String) -> Failure {
+        Failure { seed: self.seed, step, what, trace: self.trace.iter().map(|s| format!("  {s}\n")).collect() }
+    }
+
+    /// Space given to a put: no write that may still land there, no live object there.
+    fn check_given(&self, step: usize, put: &Put) -> Result<(), Failure> {
+        for &r in &put.replicas {
+            if let Some(w) = self.writes.iter().find(|w| w.tag != put.tag && overlaps(r, (w.seg, w.addr, w.len))) {
+                return Err(self.fail(step, format!("{} was given {r:x?}, where a write of another put (tag {}) may still land (at t={})", put.key, w.tag, w.land_at)));
+            }
+            for (k, a) in &self.model {
+                if let Some(x) = a.replicas.iter().find(|&&x| overlaps(r, x)) {
+                    return Err(self.fail(step, format!("{} was given {r:x?}, which live object {k} holds ({x:x?})", put.key)));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn cells(&mut self, (seg, addr, len): (u64, u64, u64)) -> Option<&mut [u32]> {
+        let base = self.clients.iter().find(|c| c.seg.id == seg)?.seg.base;
+        let from = ((addr - base) / CELL) as usize;
+        let to = from + (len.max(1).div_ceil(CELL)) as usize;
+        self.memory.get_mut(&seg)?.get_mut(from..to)
+    }
+
+    fn seg_of(&self, d: &ReplicaDesc) -> Option<(u64, u64, u64)> {
+        let c = self.clients.iter().find(|c| c.seg.te_endpoint == d.te_endpoint && d.addr >= c.seg.base && d.addr < c.seg.base + c.seg.size)?;
+        Some((c.seg.id, d.addr, d.size))
+    }
+
+    fn step(&mut self, step: usize) -> Result<(), Failure> {
+        self.at_step = step;
+        let total: u32 = self.weights.iter().sum();
+        let mut roll = self.rng.random_range(0..total.max(1));
+        let mut action = 0;
+        while action + 1 < ACTIONS && roll >= self.weights[action] {
+            roll -= self.weights[action];
+            action += 1;
+        }
+        if self.print {
+            eprintln!("#{step} t={} action {action}", self.now);
+        }
+        match action {
+            0 => self.start_put(step)?,
+            1 => self.make_durable(step)?,
+            2 => {
+                let by = self.rng.random_range(1..60);
+                self.advance(step, by)?
+            }
+            3 => {
+                let by = self.rng.random_range(LEASE..4 * LEASE);
+                self.advance(step, by)?
+            }
+            4 => self.get(step)?,
+            5 => self.remove(),
+            6 => self.unmount_or_mount(),
+            7 => self.pause_client(),
+            8 => self.crash(),
+            9 => self.compact(step)?,
+            _ => self.upsert_or_revoke(step)?,
+        }
+        Ok(())
+    }
+
+    fn start_put(&mut self, step: usize) -> Result<(), Failure> {
+        let c = self.rng.random_range(0..self.clients.len());
+        let (tag, put) = (self.next_tag, u64::from(self.next_tag));
+        self.next_tag += 1;
+        let key = format!("k{}", self.rng.random_range(0..400u32));
+        let size = self.rng.random_range(1..=8192u64);
+        let replica_num = if self.rng.random_bool(0.8) { 1 } else { 2 };
+        let req = Request::PutStart { client: self.clients[c].id, key: key.clone(), size, config: ReplicateConfig { replica_num, ..ReplicateConfig::default() }, upsert: false, put };
+        self.put_start(step, c, req, key, put, tag)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn put_start(&mut self, step: usize, c: usize, req: Request, key: String, put: u64, tag: u32) -> Result<(), Failure> {
+        // Most writes land within a few ms; some take up to the release timeout.
+        let delay = if self.rng.random_bool(0.85) { self.rng.random_range(0..30) } else { self.rng.random_range(0..RELEASE - 1) };
+        let p = Put { client: c, key, put, tag, replicas: Vec::new(), seen: self.dropped.clone(), gens: Vec::new(), removed: false, land_at: self.now + delay };
+        match self.request(&req, Some(Reply::Started(p.clone()))) {
+            Some(Ok(Response::Replicas(rs))) => {
+                let replicas = rs.iter().filter_map(|d| self.seg_of(d)).collect();
+                self.started(step, Put { replicas, ..p })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The client got its put's replicas: it writes them.
+    fn started(&mut self, step: usize, mut p: Put) -> Result<(), Failure> {
+        self.check_given(step, &p)?;
+        p.gens = p.replicas.iter().map(|r| p.seen.get(&r.0).copied().unwrap_or(0)).collect();
+        p.land_at = p.land_at.max(self.now);
+        if p.land_at > self.now + 100 {
+            self.counts.late_writes += 1;
+        }
+        self.note(format!("client {} put {} of {} (tag {}) placed at {:x?}, lands at {}", p.client, p.put, p.key, p.tag, p.replicas, p.land_at));
+        for &(seg, addr, len) in &p.replicas {
+            self.writes.push(Write { tag: p.tag, seg, addr, len, land_at: p.land_at });
+        }
+        self.to_end.push(p);
+        Ok(())
+    }
+
+    /// The first entries waiting become durable (etcd's log) and their answers go out.
+    fn make_durable(&mut self, step: usize) -> Result<(), Failure> {
+        let n = self.rng.random_range(1..=self.pending.len().max(1));
+        for _ in 0..n {
+            let Some(e) = self.pending.pop_front() else { break };
+            if let Some(l) = self.leader.as_mut() {
+                l.grants_durable = l.grants_durable.max(e.grants);
+            }
+            if !e.changes.is_empty() {
+                self.log.push(e.changes);
+            }
+            match e.reply {
+                Some(Reply::Started(p)) => {
+                    // Its replicas: as the state placed them (taken from the entry's change).
+                    let placed = self.log.last().and_then(|cs| {
+                        cs.iter().rev().find_map(|c| match c {
+                            Change::Object { key, rec } if *key == p.key => rec.pending.as_ref().filter(|q| q.id == p.put).map(|q| q.replicas.to_vec()),
+                            _ => None,
+                        })
+                    });
+                    if let Some(replicas) = placed {
+                        self.started(step, Put { replicas, ..p })?;
+                    }
+                }
+                Some(Reply::Ended(p)) => self.acked(p),
+                None => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn acked(&mut self, p: Put) {
+        self.counts.puts_acked += 1;
+        self.note(format!("put {} of {} (tag {}) acknowledged", p.put, p.key, p.tag));
+        // Replicas whose segment the master dropped since they were placed are not the
+        // object's any more (that space may be given again once the segment is back).
+        let kept: Vec<(u64, u64, u64)> = p.replicas.iter().zip(&p.gens).filter(|(r, g)| self.dropped.get(&r.0).copied().unwrap_or(0) == **g).map(|(r, _)| *r).collect();
+        let may_be_lost = kept.len() != p.replicas.len();
+        if p.removed {
+            return;
+        }
+        self.model.insert(p.key.clone(), Acked { tag: p.tag, replicas: kept, may_be_lost });
+    }
+
+    fn advance(&mut self, step: usize, by: u64) -> Result<(), Failure> {
+        let until = self.now + by;
+        // The journal is written well within a lease, or its leader fences itself (it can no
+        // longer prove its lease): the same to its clients as a crash.
+        if self.pending.front().is_some_and(|e| until > e.at + LEASE / 2) {
+            if self.rng.random_bool(0.8) {
+                while !self.pending.is_empty() {
+                    self.make_durable(step)?;
+                }
+            } else {
+                self.crash();
+            }
+        }
+        // Writes land in time order, each checked against the live objects.
+        loop {
+            let next = self.writes.iter().map(|w| w.land_at).filter(|&t| t <= until).min();
+            let reads_next = self.reads.iter().map(|r| r.done_at).filter(|&t| t <= until).min();
+            let t = match (next, reads_next) {
+                (Some(a), Some(b)) => a.min(b),
+                (a, b) => match a.or(b) {
+                    Some(t) => t,
+                    None => break,
+                },
+            };
+            self.now = self.now.max(t);
+            self.land(step, t)?;
+            self.finish_reads(step, t)?;
+        }
+        self.now = until;
+        if self.leader.is_none() && self.now >= self.down_until {
+            self.elect();
+            self.counts.failovers += 1;
+        }
+        self.tick();
+        self.end_puts();
+        Ok(())
+    }
+
+    fn land(&mut self, step: usize, t: u64) -> Result<(), Failure> {
+        let (due, rest): (Vec<Write>, Vec<Write>) = std::mem::take(&mut self.writes).into_iter().partition(|w| w.land_at <= t);
+        self.writes = rest;
+        for w in due {
+            let r = (w.seg, w.addr, w.len);
+            if let Some((k, _)) = self.model.iter().find(|(_, a)| a.tag != w.tag && a.replicas.iter().any(|&x| overlaps(r, x))) {
+                return Err(self.fail(step, format!("a write of tag {} landed on {r:x?}, bytes of live object {k}", w.tag)));
+            }
+            if let Some(rd) = self.reads.iter().find(|rd| !rd.tags.contains(&w.tag) && rd.replicas.iter().any(|&x| overlaps(r, x))) {
+                return Err(self.fail(step, format!("a write of tag {} landed on {r:x?}, which a read of {} in flight reads", w.tag, rd.key)));
+            }
+            if let Some(cells) = self.cells(r) {
+                cells.fill(w.tag);
+            }
+        }
+        Ok(())
+    }
+
+    fn finish_reads(&mut self, step: usize, t: u64) -> Result<(), Failure> {
+        let (done, rest): (Vec<Read>, Vec<Read>) = std::mem::take(&mut self.reads).into_iter().partition(|r| r.done_at <= t);
+        self.reads = rest;
+        for rd in done {
+            for &r in &rd.replicas {
+                if self.cells(r).is_some_and(|c| c.iter().any(|x| !rd.tags.contains(x))) {
+                    return Err(self.fail(step, format!("a read of {} at {r:x?} found bytes other than its put's (tags {:?})", rd.key, rd.tags)));
+                }
+            }
+            self.counts.reads_checked += 1;
+        }
+        Ok(())
+    }
+
+    /// Pings of the clients that run, and the master's periodic work.
+    fn tick(&mut self) {
+        let now = self.now;
+        for i in 0..self.clients.len() {
+            if self.clients[i].silent_until > now {
+                continue;
+            }
+            let id = self.clients[i].id;
+            if let Some(Ok(Response::Ping(PingStatus::NeedRemount))) = self.request(&Request::Ping { client: id }, None) {
+                self.clients[i].remount = true;
+            }
+            if self.clients[i].remount && self.clients[i].mounted {
+                let req = Request::RemountSegments { client: id, segments: vec![self.clients[i].seg.clone()] };
+                if let Some(Ok(_)) = self.request(&req, None) {
+                    self.clients[i].remount = false;
+                }
+            }
+        }
+        let Some(l) = self.leader.as_mut() else { return };
+        let mut dead = l.st.expire_clients(now, CLIENT_TTL, RELEASE);
+        // (In the state's hash order, which is no replay's.)
+        dead.sort_unstable();
+        l.st.expire_reads(now);
+        l.st.release_deferred(now);
+        for (c, _) in dead {
+            self.counts.expiries += 1;
+            self.note(format!("client {c} expired"));
+            if let Some(seg) = self.clients.iter().find(|x| x.id == c).map(|x| x.seg.id) {
+                self.segment_dropped(seg);
+            }
+        }
+        self.collect(None);
+    }
+
+    /// Objects with a replica on `seg` may be lost (the master dropped the segment).
+    fn segment_dropped(&mut self, seg: u64) {
+        *self.dropped.entry(seg).or_default() += 1;
+        // A read of a dropped segment is its reader's to fail.
+        for rd in &mut self.reads {
+            rd.replicas.retain(|r| r.0 != seg);
+        }
+        for a in self.model.values_mut() {
+            if a.replicas.iter().any(|r| r.0 == seg) {
+                a.may_be_lost = true;
+                a.replicas.retain(|r| r.0 != seg);
+            }
+        }
+    }
+
+    /// Puts whose writes landed send their end (again, after a failover, until answered).
+    fn end_puts(&mut self) {
+        let now = self.now;
+        let (ready, wait): (Vec<Put>, Vec<Put>) = std::mem::take(&mut self.to_end).into_iter().partition(|p| p.land_at <= now);
+        self.to_end = wait;
+        for p in ready {
+            if self.leader.is_none() {
+                self.to_end.push(p);
+                continue;
+            }
+            let req = Request::PutEnd { client: self.clients[p.client].id, key: p.key.clone(), put: p.put };
+            // An error: the put is lost (revoked, discarded, its change lost with a leader).
+            match self.request(&req, Some(Reply::Ended(p.clone()))) {
+                Some(Ok(_)) => self.acked(p),
+                Some(Err(e)) => self.note(format!("put {} of {} (tag {}) failed to end: {e}", p.put, p.key, p.tag)),
+                // Applied, answered once durable: the value it replaces is no longer the
+                // model's (its space may be given again: a read in flight of it is still
+                // checked), and the new one is once acknowledged.
+                None => {
+                    self.model.remove(&p.key);
+                }
+            }
+        }
+    }
+
+    fn get(&mut self, step: usize) -> Result<(), Failure> {
+        let Some(key) = self.pick_key() else { return Ok(()) };
+        let a = self.model[&key].clone();
+        match self.request(&Request::GetReplicaList { key: key.clone() }, None) {
+            Some(Ok(Response::ReplicaList(list))) => {
+                let replicas: Vec<_> = list.replicas.iter().filter_map(|d| self.seg_of(d)).collect();
+                let done_at = self.now + self.rng.random_range(0..LEASE);
+                let mut tags = vec![a.tag];
+                tags.extend(self.pending.iter().filter_map(|e| match &e.reply {
+                    Some(Reply::Ended(p)) if p.key == key => Some(p.tag),
+                    _ => None,
+                }));
+                self.reads.push(Read { key, tags, replicas, done_at });
+            }
+            Some(Err(StoreError::ObjectNotFound(_))) if a.may_be_lost => {
+                self.model.remove(&key);
+            }
+            Some(Err(e)) if !a.may_be_lost => return Err(self.fail(step, format!("acknowledged {key} (tag {}, replicas {:x?}) is not readable at the leader of term {}: {e}", a.tag, a.replicas, self.term))),
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn pick_key(&mut self) -> Option<String> {
+        if self.model.is_empty() {
+            return None;
+        }
+        let i = self.rng.random_range(0..self.model.len());
+        self.model.keys().nth(i).cloned()
+    }
+
+    fn remove(&mut self) {
+        let Some(key) = self.pick_key() else { return };
+        let force = self.rng.random_bool(0.5);
+        let r = self.request(&Request::Remove { key: key.clone(), force }, None);
+        // Applied (answered now or once durable): no longer the model's.
+        if matches!(r, None | Some(Ok(_))) && self.leader.is_some() {
+            self.note(format!("{key} removed"));
+            self.model.remove(&key);
+            for e in &mut self.pending {
+                if let Some(Reply::Ended(p)) = &mut e.reply {
+                    p.removed |= p.key == key;
+                }
+            }
+        }
+    }
+
+    fn upsert_or_revoke(&mut self, step: usize) -> Result<(), Failure> {
+        // An upsert of a live key: the old value stays readable until the new one ends.
+        let Some(key) = self.pick_key() else { return Ok(()) };
+        let c = self.rng.random_range(0..self.clients.len());
+        let (tag, put) = (self.next_tag, u64::from(self.next_tag));
+        self.next_tag += 1;
+        let size = self.rng.random_range(1..=8192u64);
+        let req = Request::PutStart { client: self.clients[c].id, key: key.clone(), size, config: ReplicateConfig::default(), upsert: true, put };
+        self.put_start(step, c, req, key, put, tag)
+    }
+
+    fn unmount_or_mount(&mut self) {
+        let i = self.rng.random_range(0..self.clients.len());
+        let c = &self.clients[i];
+        let (id, seg) = (c.id, c.seg.clone());
+        if c.mounted {
+            self.counts.unmounts += 1;
+            self.note(format!("client {id} unmounts {}", seg.id));
+            // Applied now, answered or not: its objects may be gone.
+            if self.leader.is_some() {
+                let _ = self.request(&Request::UnmountSegment { client: id, segment: seg.id }, None);
+                self.segment_dropped(seg.id);
+                self.clients[i].mounted = false;
+            }
+        } else {
+            let req = if self.rng.random_bool(0.5) { Request::MountSegment { client: id, segment: seg } } else { Request::RemountSegments { client: id, segments: vec![seg] } };
+            self.note(format!("client {id} mounts again"));
+            if self.leader.is_some() {
+                let _ = self.request(&req, None);
+                self.clients[i].mounted = true;
+            }
+        }
+    }
+
+    fn pause_client(&mut self) {
+        let i = self.rng.random_range(0..self.clients.len());
+        self.clients[i].silent_until = self.now + self.rng.random_range(CLIENT_TTL / 2..CLIENT_TTL * 2);
+        self.note(format!("client {} pauses until {}", self.clients[i].id, self.clients[i].silent_until));
+    }
+
+    /// The leader dies: what its journal had not made durable is lost, answers with it.
+    fn crash(&mut self) {
+        if self.leader.take().is_none() {
+            return;
+        }
+        self.note(format!("leader of term {} crashes, {} entries not durable", self.term, self.pending.len()));
+        self.pending.clear();
+        self.down_until = self.now + LEASE;
+    }
+
+    /// The leader writes a snapshot (everything queued first) and etcd drops the log.
+    fn compact(&mut self, step: usize) -> Result<(), Failure> {
+        if self.leader.is_none() {
+            return Ok(());
+        }
+        while !self.pending.is_empty() {
+            self.make_durable(step)?;
+        }
+        let Some(l) = self.leader.as_ref() else { return Ok(()) };
+        self.snapshot = l.st.image(self.now);
+        self.log.clear();
+        self.counts.snapshots += 1;
+        self.note(format!("snapshot of {} changes", self.snapshot.len()));
+        Ok(())
+    }
+}
+
+/// Runs seed `seed`: its counts, and its trace's digest (the same seed gives the same one).
+pub fn run(seed: u64) -> Result<(Counts, u64), Failure> {
+    let mut sim = Sim::new(seed);
+    for step in 0..STEPS {
+        sim.step(step)?;
+    }
+    let _ = sim.leader.as_ref().map(|l| l.term);
+    Ok((sim.counts, sim.digest))
+}
+
+/// Runs seed `seed` keeping every event: the events, and how the run ended.
+pub fn run_traced(seed: u64) -> (Vec<String>, Result<(), String>) {
+    let mut sim = Sim::new(seed);
+    sim.full = Some(Vec::new());
+    let mut end = Ok(());
+    for step in 0..STEPS {
+        if let Err(f) = sim.step(step) {
+            end = Err(f.what);
+            break;
+        }
+    }
+    (sim.full.take().unwrap_or_default(), end)
+}
+
+/// A failure as the test prints it.
+pub fn report(f: &Failure) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "simulation seed {} failed at step {}: {}", f.seed, f.step, f.what);
+    let _ = writeln!(s, "replay it alone: KVFERRY_SIM_SEED={} cargo test -p kvferry-store --lib sim::", f.seed);
+    let _ = writeln!(s, "last events:\n{}", f.trace);
+    s
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,64 @@
+use super::*;
+
+/// The seeds to run: `KVFERRY_SIM_SEED` alone, else `0..KVFERRY_SIM_SEEDS`.
+fn seeds() -> Vec<u64> {
+    let var = |name: &str| std::env::var(name).ok().and_then(|v| v.trim().parse::<u64>().ok());
+    match var("KVFERRY_SIM_SEED") {
+        Some(seed) => vec![seed],
+        None => (0..var("KVFERRY_SIM_SEEDS").unwrap_or(DEFAULT_SEEDS)).collect(),
+    }
+}
+
+/// Every seed holds every invariant (see the module docs), and the runs did what they are
+/// meant to exercise: failovers, early answers, late writes, expiries, snapshots.
+#[test]
+fn every_seed_holds_the_invariants() {
+    let seeds = seeds();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(seeds.len().max(1));
+    let started = std::time::Instant::now();
+    let results: Vec<Result<Counts, Failure>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let mine: Vec<u64> = seeds.iter().copied().skip(t).step_by(threads).collect();
+                s.spawn(move || {
+                    let mut total = Counts::default();
+                    for seed in mine {
+                        total += run(seed)?.0;
+                    }
+                    Ok(total)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("a simulation thread panicked")).collect()
+    });
+    let mut total = Counts::default();
+    let mut failures = Vec::new();
+    for r in results {
+        match r {
+            Ok(c) => total += c,
+            Err(f) => failures.push(report(&f)),
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    eprintln!("simulation: {} seeds in {secs:.1} s ({:.0} seeds/s on {threads} threads): {total:?}", seeds.len(), seeds.len() as f64 / secs);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    if seeds.len() >= 100 {
+        assert!(total.failovers > 0 && total.early_answers > 0 && total.late_writes > 0 && total.expiries > 0 && total.snapshots > 0 && total.unmounts > 0, "the runs did not exercise what they claim: {total:?}");
+        assert!(total.puts_acked > 10 * seeds.len() as u64 && total.reads_checked > seeds.len() as u64, "too few puts or reads checked: {total:?}");
+    }
+}
+
+/// A seed gives the same run every time (what makes `KVFERRY_SIM_SEED` a replay), event for
+/// event, also while other tests run beside it.
+#[test]
+fn a_seed_replays_exactly() {
+    for seed in [1, 17, 4242] {
+        let (a, end_a) = run_traced(seed);
+        let (b, end_b) = run_traced(seed);
+        if let Some(i) = (0..a.len().max(b.len())).find(|&i| a.get(i) != b.get(i)) {
+            panic!("seed {seed} ran differently twice from event {i}:\n  {:?}\n  {:?}\nbefore it:\n  {}", a.get(i), b.get(i), a[i.saturating_sub(8)..i].join("\n  "));
+        }
+        assert_eq!(end_a, end_b, "seed {seed}");
+        assert!(a.len() > 100, "seed {seed} did little: {} events", a.len());
+    }
+}
