@@ -18,12 +18,14 @@ pub mod error;
 pub mod fuzz;
 pub mod ha;
 pub mod master;
+pub mod node;
 pub mod proto;
 pub mod server;
 
 pub use client::{Client, ClientConfig, Staged};
 pub use error::{StoreError, StoreResult};
-pub use master::{Master, MasterConfig, Strategy};
+pub use master::{MasterConfig, Strategy};
+pub use node::Master;
 pub use proto::{ReplicateConfig, SoftPin};
 
 /// The unit tests' allocator: counts, per thread, the bytes allocated and not freed, and

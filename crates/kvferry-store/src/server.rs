@@ -9,7 +9,8 @@
 //! and `proto::decode_bound` of it in heap while it is decoded.
 
 use crate::error::StoreError;
-use crate::master::{Attempt, Master, PutId, State, OP_NAMES};
+use crate::master::{Attempt, PutId, State, OP_NAMES};
+use crate::node::Master;
 use crate::proto::{self, PingStatus, ReplicateConfig, Request, Response};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};

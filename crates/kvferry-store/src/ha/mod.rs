@@ -50,7 +50,7 @@ pub mod journal;
 pub mod sync;
 
 use crate::error::StoreError;
-use crate::master::Master;
+use crate::node::Master;
 use kvferry::metadata::etcd::{Cond, Created, EtcdClient, KeyValue, Owner};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

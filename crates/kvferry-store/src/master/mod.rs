@@ -1,8 +1,9 @@
 //! The master's state machine: segments, clients, objects, leases, pins, eviction.
 //!
 //! Pure logic: every method takes the current time (`now`, milliseconds on the master's
-//! monotonic clock) and does no I/O, so tests drive time explicitly. [`Master`] wraps it with
-//! a clock and a mutex; `crate::server` puts it on the network.
+//! monotonic clock) and does no I/O, so tests drive time explicitly. [`crate::Master`] (the
+//! driver, `crate::node`) wraps it with a clock and a mutex; `crate::server` puts it on the
+//! network.
 //!
 //! Data never passes through here. A writer asks `put_start` for replica locations, writes
 //! them through the transfer engine, then calls `put_end` (readable) or `put_revoke`. A
@@ -27,8 +28,8 @@ use rand::Rng;
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 /// Replica placement strategy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -363,9 +364,6 @@ pub struct State {
 /// The most preferred segments a put may name.
 pub const MAX_PREFERRED: usize = 256;
 
-/// How old a summary [`Master::summary_recent`] hands out may be.
-pub const SUMMARY_AGE: Duration = Duration::from_secs(1);
-
 /// A one-line summary of the pool.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Summary {
@@ -434,6 +432,12 @@ fn check_key(key: &str) -> StoreResult<()> {
 }
 
 impl State {
+    /// An empty state whose read ids follow `next_read` (its driver picks it so that read
+    /// ids of masters restarted at one address differ: `crate::Master::new`).
+    pub fn with_reads_after(next_read: u64) -> State {
+        State { next_read, ..State::default() }
+    }
+
     fn desc(&self, r: &Replica) -> Option<ReplicaDesc> {
         self.segments.get(&r.seg).map(|s| ReplicaDesc { te_endpoint: s.seg.te_endpoint.clone(), addr: r.block.addr, size: r.block.len })
     }
@@ -1414,127 +1418,6 @@ impl Removed {
     }
 }
 
-/// The master: state behind a mutex, a monotonic clock, counters.
-pub struct Master {
-    pub cfg: MasterConfig,
-    start: Instant,
-    pub state: Mutex<State>,
-    pub stats: Stats,
-    /// Whether this master may answer (HA: only while it leads with a lease it can prove).
-    pub gate: crate::ha::Gate,
-    /// The HA leader's journal queue (inactive otherwise).
-    pub journal: crate::ha::journal::Journal,
-    /// Removes the metadata entries of the segments of clients that stopped pinging (off
-    /// until started: `--enable_metadata_cleanup_on_timeout`).
-    pub cleanup: crate::cleanup::Cleanup,
-    /// The last [`State::summary`] and when it was taken ([`Master::summary_recent`]).
-    summary: Mutex<Option<(Instant, Summary)>>,
-    /// The cluster key clients must prove before any request (`KVFERRY_AUTH_KEY_FILE`;
-    /// `server.rs` `prove`); `None`: any client, as Mooncake's master.
-    pub auth: Option<kvferry::auth::ClusterKey>,
-    /// The cluster this master serves (`crate::ha::resolve_cluster_id`, with or without HA):
-    /// with the cluster key, clients dial it (`crate::proto::master_identity`) and one that
-    /// dials another cluster is refused.
-    pub cluster_id: String,
-}
-
-impl Master {
-    pub fn new(cfg: MasterConfig) -> Master {
-        // Read ids start at random high bits (an HA leader's are its term's, `into_state`): a
-        // client's release of a read granted by an earlier master at this address (queued, sent
-        // after a restart) must not end a read this one granted.
-        let state = State { next_read: (rand::random::<u64>() >> 1) & !((1u64 << 40) - 1), ..State::default() };
-        Master { cfg, start: Instant::now(), state: Mutex::new(state), stats: Stats::default(), gate: crate::ha::Gate::default(), journal: Default::default(), cleanup: Default::default(), summary: Mutex::default(), auth: None, cluster_id: crate::ha::DEFAULT_CLUSTER_ID.to_string() }
-    }
-
-    /// The pool's summary as of at most [`SUMMARY_AGE`] ago: taking one walks every object
-    /// under the state's lock (every request waits), so health probes and metrics scrapes,
-    /// however often they come, take at most one a second.
-    pub fn summary_recent(&self) -> Summary {
-        let mut cached = self.summary.lock().unwrap_or_else(|e| e.into_inner());
-        match &*cached {
-            Some((at, s)) if at.elapsed() < SUMMARY_AGE => s.clone(),
-            _ => {
-                let s = self.lock().summary();
-                *cached = Some((Instant::now(), s.clone()));
-                s
-            }
-        }
-    }
-
-    pub fn now(&self) -> u64 {
-        self.start.elapsed().as_millis() as u64
-    }
-
-    /// What [`Master::now`] counts from.
-    pub fn clock(&self) -> Instant {
-        self.start
-    }
-
-    pub fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The gate's HA status with this term's journal counters.
-    pub fn ha_status(&self) -> crate::ha::HaStatus {
-        let mut s = self.gate.status();
-        s.journal = self.journal.stats();
-        s.insync = self.journal.insync();
-        s.mirror = self.gate.mirror_status();
-        s
-    }
-
-    /// Forgets every client, segment and object; the state then belongs to `term` (HA: a
-    /// master that starts leading, or steps down: -1, no term).
-    pub fn reset(&self, term: i64) {
-        *self.lock() = State { term, ..State::default() };
-    }
-
-    /// Periodic work: expire clients, release deferred space, evict above the watermark.
-    /// Expiries, deferred frees and background eviction: bounded by what is due (never a
-    /// walk over every object under the lock on every tick, which would stall every request
-    /// of a master holding millions of objects; clients found dead cost one walk, however
-    /// many they are: [`State::expire_clients`]).
-    pub fn tick(&self) {
-        let now = self.now();
-        let mut st = self.lock();
-        let dead = st.expire_clients(now, self.cfg.client_ttl.as_millis() as u64, self.cfg.put_start_release_timeout.as_millis() as u64);
-        let mut dropped = Vec::new();
-        for (c, segments) in dead {
-            if !segments.is_empty() {
-                tracing::warn!(client = format!("{c:x}"), segments = segments.len(), "client stopped pinging; its segments and replicas are dropped");
-            } else {
-                // It unmounted everything (a client closes so): nothing lost, nothing to say.
-                tracing::debug!(client = format!("{c:x}"), "client without segments stopped pinging; forgotten");
-            }
-            dropped.extend(segments);
-        }
-        // Their metadata entries: not of a name mounted again (a client restarted under the
-        // same name), and only by a master that may answer (a deposed HA leader waking from
-        // a pause finds every client silent).
-        if !dropped.is_empty() && self.cleanup.enabled() && self.gate.admit().is_ok() {
-            dropped.sort_unstable();
-            dropped.dedup();
-            let n = dropped.len();
-            // One set, not a walk per name: a thousand clients dying together, each with its
-            // segment, would otherwise hold the lock for a million comparisons.
-            let mounted = st.mounted_names();
-            dropped.retain(|name| !mounted.contains(name.as_str()));
-            let kept = n - dropped.len();
-            self.cleanup.push(dropped, kept);
-        }
-        st.expire_reads(now);
-        st.release_deferred(now);
-        let (used, total) = (st.used_bytes(), st.total_bytes());
-        if total > 0 && used as f64 > total as f64 * self.cfg.eviction_high_watermark {
-            let over = used as f64 - total as f64 * self.cfg.eviction_high_watermark;
-            let target = (over + total as f64 * self.cfg.eviction_ratio) as u64;
-            // Background eviction is never urgent: objects just written are spared.
-            st.evict_aged(target, now, self.cfg.allow_evict_soft_pinned, &self.stats, self.cfg.put_wait_for_reads.as_millis() as u64);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1570,21 +1453,6 @@ mod tests {
         assert!(matches!(st.put_start(&m, &s, P1, "k", 4096, &many, false, 0), Err(StoreError::InvalidParams(w)) if w.contains("preferred")));
         let some = ReplicateConfig { preferred_segments: vec!["seg1".into(); MAX_PREFERRED], ..Default::default() };
         st.put_start(&m, &s, P1, "k", 4096, &some, false, 0).expect("at the limit");
-    }
-
-    /// Health probes and scrapes walk the objects at most once a second, however often they
-    /// come (each walk holds the state's lock).
-    #[test]
-    fn the_summary_for_probes_is_taken_at_most_once_a_second() {
-        let master = Master::new(MasterConfig::default());
-        let (st, m, s) = setup(&[(1, 1 << 20)]);
-        *master.lock() = st;
-        put(&mut master.lock(), &m, &s, "a", 4096, &ReplicateConfig::default(), 0).unwrap();
-        let first = master.summary_recent();
-        assert_eq!(first.keys, 1);
-        put(&mut master.lock(), &m, &s, "b", 4096, &ReplicateConfig::default(), 0).unwrap();
-        assert_eq!(master.summary_recent(), first, "within a second: the same summary, no second walk");
-        assert_eq!(master.lock().summary().keys, 2);
     }
 
     #[test]
@@ -1855,21 +1723,6 @@ mod tests {
         st.expire_clients(10_001, 10_000, 600_000);
         st.mount(1, Segment { base: (1 << 32) + (1 << 20), ..seg(1, 1 << 20) }, 10_002).unwrap();
         assert!(st.deferred.is_empty() && st.used_bytes() == 0, "nothing of the old range to hold");
-    }
-
-    /// Two masters (one restarted at the same address) grant different read ids, so a client's
-    /// queued release of the first one's read cannot end a read the second one granted.
-    #[test]
-    fn masters_grant_read_ids_of_their_own() {
-        let first_read = || {
-            let m = Master::new(MasterConfig::default());
-            let mut st = m.lock();
-            st.mount(1, seg(1, 1 << 20), 0).unwrap();
-            put(&mut st, &m.cfg, &m.stats, "k", 4096, &ReplicateConfig::default(), 0).unwrap();
-            st.get_replica_list("k", 1, 1000).unwrap().read_id
-        };
-        let (a, b) = (first_read(), first_read());
-        assert_ne!(a, b, "a restarted master grants the read ids its predecessor did");
     }
 
     /// A put that replaces a zombie (a put never ended, past the discard timeout) and then
