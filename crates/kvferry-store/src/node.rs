@@ -4,9 +4,10 @@
 //!
 //! [`State`] is pure: every method takes the time (`now`, milliseconds on [`Master::now`]'s
 //! monotonic clock) and does no I/O, holds no lock, reads no clock and draws no process-global
-//! randomness. This module puts a [`State`] behind a mutex, reads the clock for it and runs its
-//! periodic work ([`Master::tick`]); `crate::server` puts it on the network and `crate::ha`
-//! replicates it. So the state machine's module imports none of them.
+//! randomness (this driver seeds its generator: [`State::seed_placement`]). This module puts a
+//! [`State`] behind a mutex, reads the clock for it and runs its periodic work
+//! ([`Master::tick`]); `crate::server` puts it on the network and `crate::ha` replicates it.
+//! So the state machine's module imports none of them.
 
 use crate::master::{MasterConfig, State, Stats, Summary};
 use std::sync::Mutex;
@@ -44,7 +45,8 @@ impl Master {
         // Read ids start at random high bits (an HA leader's are its term's, `into_state`): a
         // client's release of a read granted by an earlier master at this address (queued, sent
         // after a restart) must not end a read this one granted.
-        let state = State::with_reads_after((rand::random::<u64>() >> 1) & !((1u64 << 40) - 1));
+        let mut state = State::with_reads_after((rand::random::<u64>() >> 1) & !((1u64 << 40) - 1));
+        state.seed_placement(rand::random());
         Master { cfg, start: Instant::now(), state: Mutex::new(state), stats: Stats::default(), gate: crate::ha::Gate::default(), journal: Default::default(), cleanup: Default::default(), summary: Mutex::default(), auth: None, cluster_id: crate::ha::DEFAULT_CLUSTER_ID.to_string() }
     }
 
@@ -90,6 +92,13 @@ impl Master {
     pub fn reset(&self, term: i64) {
         let mut st = State::default();
         st.term = term;
+        self.install(st);
+    }
+
+    /// Makes `st` this master's state (HA: the one a takeover built), its random placement
+    /// seeded from the process's randomness (the state machine draws none itself).
+    pub fn install(&self, mut st: State) {
+        st.seed_placement(rand::random());
         *self.lock() = st;
     }
 

@@ -24,7 +24,6 @@ pub mod shards;
 use crate::error::{StoreError, StoreResult};
 use crate::proto::{PingStatus, ReplicaDesc, ReplicaList, ReplicateConfig, Segment, SoftPin, WriteInFlight};
 use alloc::{Block, SegmentSpace};
-use rand::Rng;
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -359,6 +358,29 @@ pub struct State {
     grants: Grants,
     /// The last put placed every replica in granted space whose grant is durable.
     placed_granted: bool,
+    /// The random placement's generator ([`Strategy::Random`]'s start): the state's own,
+    /// seeded by its driver ([`State::seed_placement`]), never the process's.
+    placement: Splitmix,
+}
+
+/// A small deterministic generator (splitmix64): the state machine draws from it, not from
+/// the process's randomness, so a state seeded alike places alike.
+#[derive(Debug, Clone, Copy, Default)]
+struct Splitmix(u64);
+
+impl Splitmix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// A number in `0..n` (`n > 0`), by the high bits of a 128-bit product (Lemire's).
+    fn below(&mut self, n: usize) -> usize {
+        ((self.next() as u128 * n as u128) >> 64) as usize
+    }
 }
 
 /// The most preferred segments a put may name.
@@ -436,6 +458,12 @@ impl State {
     /// ids of masters restarted at one address differ: `crate::Master::new`).
     pub fn with_reads_after(next_read: u64) -> State {
         State { next_read, ..State::default() }
+    }
+
+    /// Seeds the random placement's generator: its driver seeds it from the process's
+    /// randomness (`crate::Master::install`); a test, with what it wants to see again.
+    pub fn seed_placement(&mut self, seed: u64) {
+        self.placement = Splitmix(seed);
     }
 
     fn desc(&self, r: &Replica) -> Option<ReplicaDesc> {
@@ -887,7 +915,7 @@ impl State {
         if n > 0 {
             let mut rest: Vec<u64> = match strategy {
                 Strategy::Random => {
-                    let start = rand::rng().random_range(0..n);
+                    let start = self.placement.below(n);
                     (0..n).map(|i| self.seg_order[(start + i) % n]).collect()
                 }
                 Strategy::FreeRatioFirst => {
@@ -1488,6 +1516,25 @@ mod tests {
         let m2 = MasterConfig { strategy: Strategy::FreeRatioFirst, ..MasterConfig::default() };
         let r = put(&mut st, &m2, &s, "k3", 4096, &ReplicateConfig::default(), 0).unwrap();
         assert_eq!(r.len(), 1);
+    }
+
+    /// The random strategy's start comes from the state's own generator: states seeded alike
+    /// place alike, and one seed's starts spread over every segment.
+    #[test]
+    fn the_random_start_is_the_states_own_and_seeded() {
+        let segs: Vec<(u64, u64)> = (1..=4).map(|id| (id, 1 << 20)).collect();
+        let firsts = |seed: u64| {
+            let (mut st, m, s) = setup(&segs);
+            st.seed_placement(seed);
+            (0..64).map(|i| put(&mut st, &m, &s, &format!("k{i}"), 4096, &ReplicateConfig::default(), 0).unwrap()[0].te_endpoint.clone()).collect::<Vec<_>>()
+        };
+        let a = firsts(7);
+        assert_eq!(a, firsts(7), "the same seed: the same placements");
+        assert_ne!(a, firsts(8), "another seed: other placements");
+        let mut spread = a.clone();
+        spread.sort();
+        spread.dedup();
+        assert_eq!(spread.len(), 4, "every segment is a start: {a:?}");
     }
 
     #[test]
