@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::master::journal::Change;
+use crate::proto::{PingStatus, ReplicateConfig, WriteInFlight};
 
 /// Client 1's put 1 (most tests start one put of a key at a time).
 const P1: PutId = PutId { client: 1, put: 1 };
