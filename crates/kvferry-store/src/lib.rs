@@ -10,6 +10,8 @@
 //! auditable codec. Mooncake compatibility is at the client API (`MooncakeDistributedStore` in
 //! the Python package) and at the transfer-engine wire level.
 
+#[cfg(test)]
+mod boundaries;
 pub mod cleanup;
 pub mod client;
 pub mod error;

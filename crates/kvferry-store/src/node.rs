@@ -7,7 +7,9 @@
 //! randomness (this driver seeds its generator: [`State::seed_placement`]). This module puts a
 //! [`State`] behind a mutex, reads the clock for it and runs its periodic work
 //! ([`Master::tick`]); `crate::server` puts it on the network and `crate::ha` replicates it.
-//! So the state machine's module imports none of them.
+//! So the state machine's module imports none of them (a unit test, `boundaries.rs`, reads
+//! `src/master/` and fails on any code there that names a driver, the clock, a lock, a
+//! thread, I/O or the process's randomness).
 
 use crate::master::{MasterConfig, State, Stats, Summary};
 use std::sync::Mutex;

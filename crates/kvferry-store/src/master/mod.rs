@@ -3,7 +3,10 @@
 //! Pure logic: every method takes the current time (`now`, milliseconds on the master's
 //! monotonic clock) and does no I/O, so tests drive time explicitly. [`crate::Master`] (the
 //! driver, `crate::node`) wraps it with a clock and a mutex; `crate::server` puts it on the
-//! network.
+//! network. Nothing here outside tests names a driver, the clock, a lock, a thread, I/O or
+//! the process's randomness (the random placement draws from the state's own generator,
+//! [`State::seed_placement`]); a unit test (`boundaries.rs`) reads this directory to hold it
+//! so.
 //!
 //! Data never passes through here. A writer asks `put_start` for replica locations, writes
 //! them through the transfer engine, then calls `put_end` (readable) or `put_revoke`. A
