@@ -1,6 +1,7 @@
 //! `kvferry master`: the store's metadata master.
 
-use kvferry_store::master::{Master, MasterConfig, Strategy};
+use kvferry_store::master::{MasterConfig, Strategy};
+use kvferry_store::Master;
 use kvferry_store::server::MasterServer;
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener};

@@ -6,7 +6,8 @@
 
 use crate::sys::{human, parse_size};
 use kvferry::hostbuf::HostBuffer;
-use kvferry_store::master::{Master, MasterConfig};
+use kvferry_store::master::MasterConfig;
+use kvferry_store::Master;
 use kvferry_store::proto::{ReplicateConfig, Request, Segment};
 use kvferry_store::{Client, ClientConfig};
 use serde::Serialize;

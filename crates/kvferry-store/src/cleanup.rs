@@ -12,7 +12,7 @@
 //!
 //! It never removes a live engine's entries, where Mooncake removes whatever the name holds:
 //! - a name mounted again when its old client expires (a client restarted with the same
-//!   `local_hostname`) is left alone, decided under the state lock ([`crate::master::Master::tick`]);
+//!   `local_hostname`) is left alone, decided under the state lock ([`crate::node::Master::tick`]);
 //! - the engine that `rpc_meta` names is probed first (a handshake `Probe`, as an engine
 //!   does before it takes a name over), and entries whose engine answers are kept: a client
 //!   that lost only the master (a partition, a master paused past the client TTL, after
@@ -422,7 +422,7 @@ mod tests {
             for (name, port) in [("gone:1", 1), ("again:2", 2), ("alive:3", 3)] {
                 register(&m, &keys, name, port);
             }
-            let master = crate::master::Master::new(crate::master::MasterConfig { client_ttl: Duration::ZERO, ..Default::default() });
+            let master = crate::node::Master::new(crate::master::MasterConfig { client_ttl: Duration::ZERO, ..Default::default() });
             if fenced {
                 master.gate.lead_for_test(7, Duration::ZERO);
             }

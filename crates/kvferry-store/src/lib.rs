@@ -1,15 +1,18 @@
 //! kvferry Store: a cluster-wide memory pool for KV-cache objects.
 //!
-//! A **master** ([`master`], served by [`server`]) holds metadata only: which clients
-//! contributed which memory segments, which object has replicas where, leases, pins,
-//! eviction. **Clients** ([`client`]) contribute segments and move object bytes among
-//! themselves with the kvferry transfer engine; data never passes through the master.
+//! A **master** (the state machine [`master`], driven by [`node`], served by [`server`])
+//! holds metadata only: which clients contributed which memory segments, which object has
+//! replicas where, leases, pins, eviction. **Clients** ([`client`]) contribute segments and
+//! move object bytes among themselves with the kvferry transfer engine; data never passes
+//! through the master.
 //!
 //! This crate is not the transfer engine (that is `kvferry`), and it does not speak Mooncake's
 //! master protocol (coro_rpc/struct_pack): its RPC is its own ([`proto`]), chosen for a small
 //! auditable codec. Mooncake compatibility is at the client API (`MooncakeDistributedStore` in
 //! the Python package) and at the transfer-engine wire level.
 
+#[cfg(test)]
+mod boundaries;
 pub mod cleanup;
 pub mod client;
 pub mod error;
@@ -18,6 +21,7 @@ pub mod error;
 pub mod fuzz;
 pub mod ha;
 pub mod master;
+pub mod node;
 pub mod proto;
 pub mod server;
 #[cfg(test)]
@@ -25,7 +29,8 @@ mod sim;
 
 pub use client::{Client, ClientConfig, Staged};
 pub use error::{StoreError, StoreResult};
-pub use master::{Master, MasterConfig, Strategy};
+pub use master::{MasterConfig, Strategy};
+pub use node::Master;
 pub use proto::{ReplicateConfig, SoftPin};
 
 /// The unit tests' allocator: counts, per thread, the bytes allocated and not freed, and

@@ -9,7 +9,8 @@
 //! and `proto::decode_bound` of it in heap while it is decoded.
 
 use crate::error::StoreError;
-use crate::master::{Attempt, Master, Needs, State, OP_NAMES};
+use crate::master::{Attempt, Needs, State, OP_NAMES};
+use crate::node::Master;
 use crate::proto::{self, PingStatus, Request, Response};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};

@@ -31,7 +31,8 @@
 
 use crate::error::StoreError;
 use crate::master::journal::{Change, Image, IMAGE_PIECES};
-use crate::master::{Master, State};
+use crate::master::State;
+use crate::node::Master;
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::{Deserialize, Serialize};
 use super::sync::{image_frames, run_frames, AckSink, InSync, Link, Run, TailFrame, ToStandby, IMAGE_ENCODE_HOLD};

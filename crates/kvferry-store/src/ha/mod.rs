@@ -50,7 +50,7 @@ pub mod journal;
 pub mod sync;
 
 use crate::error::StoreError;
-use crate::master::Master;
+use crate::node::Master;
 use kvferry::metadata::etcd::{Cond, Created, EtcdClient, KeyValue, Owner};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -842,7 +842,7 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     };
     let rebuild = t_rebuild.elapsed();
     st.journal_on();
-    *master.lock() = st;
+    master.install(st);
     master.journal.activate(term);
     master.journal.set_stats(|s| (s.takeover_rebuild_ms, s.takeover_prebuilt) = (rebuild.as_millis() as u64, prebuilt));
     // (Where the etcd journal ends, when it is not loaded: a takeover from a mirror writes the

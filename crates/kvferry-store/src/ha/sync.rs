@@ -655,7 +655,7 @@ impl Prebuild {
 }
 
 /// How a mirror builds a master's state ahead ([`Mirror::prebuild`]): the master's clock
-/// (what [`crate::master::Master::now`] counts from) and the read lease TTL in ms.
+/// (what [`crate::node::Master::now`] counts from) and the read lease TTL in ms.
 #[derive(Debug, Clone, Copy)]
 pub struct Prebuilder {
     pub clock: Instant,
