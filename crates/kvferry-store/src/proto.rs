@@ -444,6 +444,17 @@ mod tests {
         assert_eq!(decode::<Response>(&encode(&e).unwrap()[4..]).unwrap(), e);
     }
 
+    /// The wire bytes, pinned: the length prefix (u32 little-endian), then the postcard body.
+    #[test]
+    fn frames_keep_their_wire_bytes() {
+        assert_eq!(encode(&Request::Ping { client: 5 }).unwrap(), [2, 0, 0, 0, 3, 5]);
+        assert_eq!(encode(&Request::GetReplicaList { key: "k".into() }).unwrap(), [3, 0, 0, 0, 7, 1, b'k']);
+        assert_eq!(encode(&Response::Exists(true)).unwrap(), [2, 0, 0, 0, 4, 1]);
+        assert_eq!(encode(&Response::Count(300)).unwrap(), [3, 0, 0, 0, 5, 0xac, 0x02]);
+        assert_eq!(decode_len([3, 0, 0, 0]).unwrap(), 3);
+        assert_eq!(decode::<Response>(&[5, 0xac, 0x02]).unwrap(), Response::Count(300));
+    }
+
     /// A frame of a hundred thousand batches nested in each other (200 KB) is refused at the
     /// second level; before, decoding it recursed until the thread's stack overflowed, which
     /// aborted the master. Nor does a batch of more than `MAX_BATCH` requests decode.

@@ -1643,6 +1643,18 @@ mod tests {
         assert!(read_frame::<ToStandby>(&mut &claim[..]).unwrap_err().contains("cut short"));
     }
 
+    /// The link's wire bytes, pinned: the length prefix (u32 little-endian), then the postcard
+    /// body.
+    #[test]
+    fn frames_keep_their_wire_bytes() {
+        let hello = ToStandby::Hello { cluster_id: "c".into(), term: 1, lease: 2, leader: "l".into() };
+        assert_eq!(encode_frame(&hello).unwrap(), [7, 0, 0, 0, 0, 1, b'c', 2, 4, 1, b'l']);
+        assert_eq!(encode_frame(&ToStandby::Base { seq: 9, written: true }).unwrap(), [3, 0, 0, 0, 3, 9, 1]);
+        assert_eq!(encode_frame(&ToLeader::Ack { seq: 300 }).unwrap(), [3, 0, 0, 0, 0, 0xac, 0x02]);
+        assert_eq!(decode_frame::<ToLeader>(&[3, 0, 0, 0, 0, 0xac, 0x02, 9]).unwrap(), Some((ToLeader::Ack { seq: 300 }, 7)));
+        assert_eq!(read_frame::<ToStandby>(&mut &[7, 0, 0, 0, 0, 1, b'c', 2, 4, 1, b'l'][..]).unwrap(), hello);
+    }
+
     proptest! {
         #[test]
         fn decoding_any_bytes_never_panics(b in proptest::collection::vec(any::<u8>(), 0..64)) {
