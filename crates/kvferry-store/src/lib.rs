@@ -13,6 +13,7 @@
 pub mod cleanup;
 pub mod client;
 pub mod error;
+pub mod frame;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzz;
