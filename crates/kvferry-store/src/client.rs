@@ -220,12 +220,10 @@ const MAX_AUTH_ANSWER: usize = 64 << 10;
 /// One request and its answer on `s`, plain frames, outside the pool (the key's handshake).
 fn exchange(s: &mut TcpStream, req: &Request) -> Result<Response, String> {
     s.write_all(&proto::encode(req).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
-    let mut prefix = [0u8; 4];
+    let mut prefix = [0u8; crate::frame::PREFIX_LEN];
     s.read_exact(&mut prefix).map_err(|e| e.to_string())?;
-    let n = u32::from_le_bytes(prefix) as usize;
-    if n > MAX_AUTH_ANSWER {
-        return Err(format!("an answer of {n} bytes to the key's handshake (at most {MAX_AUTH_ANSWER}): not a kvferry master of this version"));
-    }
+    let n = crate::frame::body_len(prefix, MAX_AUTH_ANSWER)
+        .map_err(|t| format!("an answer of {} bytes to the key's handshake (at most {MAX_AUTH_ANSWER}): not a kvferry master of this version", t.len))?;
     let mut body = vec![0u8; n];
     s.read_exact(&mut body).map_err(|e| e.to_string())?;
     proto::decode(&body).map_err(|e| e.to_string())
@@ -343,7 +341,7 @@ impl Rpc {
         let io = |e: std::io::Error| Failure::Lost(StoreError::Rpc(format!("master at {addr}: {e}")));
         if let Some((sealer, _)) = &mut c.sealed {
             let mut out = Vec::new();
-            sealer.seal_frame(&frame[4..], &mut out);
+            sealer.seal_frame(crate::frame::body(&frame), &mut out);
             frame = out;
         }
         c.s.write_all(&frame).map_err(io)?;

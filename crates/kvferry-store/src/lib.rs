@@ -16,6 +16,7 @@ mod boundaries;
 pub mod cleanup;
 pub mod client;
 pub mod error;
+pub mod frame;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzz;

@@ -2,7 +2,9 @@
 //!
 //! Frame: `u32` little-endian payload length, then a postcard-encoded [`Request`] or
 //! [`Response`]. One request, one response, in order, per connection. [`Request::Batch`]
-//! carries many operations in one round trip. The codec below is pure (sans-IO).
+//! carries many operations in one round trip. The codec below is pure (sans-IO): the frame is
+//! [`crate::frame`]'s, shared with the HA replication link; this module adds its limits, its
+//! errors and the bounds a master decodes a request within.
 //!
 //! With the cluster key (`KVFERRY_AUTH_KEY_FILE`, `kvferry::auth`), a connection opens with
 //! the Noise handshake of [`STORE_RPC`] towards [`master_identity`] of the master's cluster:
@@ -13,6 +15,7 @@
 //! request first.
 
 use crate::error::{StoreError, StoreResult};
+use crate::frame;
 use serde::{Deserialize, Serialize};
 
 /// Largest frame accepted (a batch of many keys fits easily).
@@ -356,32 +359,24 @@ impl Response {
     }
 }
 
-/// Encodes a message as one frame.
+/// Encodes a message as one frame ([`crate::frame::encode`], at most [`MAX_FRAME`]).
 pub fn encode<T: Serialize>(msg: &T) -> StoreResult<Vec<u8>> {
-    let body = postcard::to_stdvec(msg).map_err(|e| StoreError::Internal(format!("encoding: {e}")))?;
-    if body.len() > MAX_FRAME {
-        return Err(StoreError::InvalidParams(format!("message of {} bytes exceeds the {MAX_FRAME}-byte limit; split the batch", body.len())));
-    }
-    let mut out = Vec::with_capacity(4 + body.len());
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(&body);
-    Ok(out)
+    frame::encode(msg, MAX_FRAME).map_err(|e| match e {
+        frame::EncodeError::Encode(e) => StoreError::Internal(format!("encoding: {e}")),
+        frame::EncodeError::TooLarge(t) => StoreError::InvalidParams(format!("message of {} bytes exceeds the {MAX_FRAME}-byte limit; split the batch", t.len)),
+    })
 }
 
-/// Validates a frame length prefix.
-pub fn decode_len(prefix: [u8; 4]) -> StoreResult<usize> {
-    let n = u32::from_le_bytes(prefix) as usize;
-    if n > MAX_FRAME {
-        return Err(StoreError::Rpc(format!("frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")));
-    }
-    Ok(n)
+/// Validates a frame length prefix ([`crate::frame::body_len`], at most [`MAX_FRAME`]).
+pub fn decode_len(prefix: [u8; frame::PREFIX_LEN]) -> StoreResult<usize> {
+    frame::body_len(prefix, MAX_FRAME).map_err(|t| StoreError::Rpc(format!("frame of {} bytes exceeds the {MAX_FRAME}-byte limit", t.len)))
 }
 
 /// Decodes a frame body (an answer, on a client: its vectors are not bounded but by the
 /// frame's length and [`MAX_BATCH`]; see [`decode_request`]).
 pub fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> StoreResult<T> {
     REFUSED.with(|r| r.set(None));
-    postcard::from_bytes(body).map_err(|e| match REFUSED.with(|r| r.take()) {
+    frame::decode_body(body).map_err(|e| match REFUSED.with(|r| r.take()) {
         Some(Refusal::Nested) => StoreError::InvalidParams("nested batches are not allowed".into()),
         Some(Refusal::TooMany) => StoreError::InvalidParams(format!("a batch holds at most {MAX_BATCH} requests; split it")),
         Some(Refusal::TooLarge) => StoreError::InvalidParams(format!(
@@ -442,6 +437,17 @@ mod tests {
         let e = Response::Err(StoreError::Unauthorized("why".into()));
         assert_eq!(encode(&e).unwrap()[4..6], [6, 18], "Err, then the error's number");
         assert_eq!(decode::<Response>(&encode(&e).unwrap()[4..]).unwrap(), e);
+    }
+
+    /// The wire bytes, pinned: the length prefix (u32 little-endian), then the postcard body.
+    #[test]
+    fn frames_keep_their_wire_bytes() {
+        assert_eq!(encode(&Request::Ping { client: 5 }).unwrap(), [2, 0, 0, 0, 3, 5]);
+        assert_eq!(encode(&Request::GetReplicaList { key: "k".into() }).unwrap(), [3, 0, 0, 0, 7, 1, b'k']);
+        assert_eq!(encode(&Response::Exists(true)).unwrap(), [2, 0, 0, 0, 4, 1]);
+        assert_eq!(encode(&Response::Count(300)).unwrap(), [3, 0, 0, 0, 5, 0xac, 0x02]);
+        assert_eq!(decode_len([3, 0, 0, 0]).unwrap(), 3);
+        assert_eq!(decode::<Response>(&[5, 0xac, 0x02]).unwrap(), Response::Count(300));
     }
 
     /// A frame of a hundred thousand batches nested in each other (200 KB) is refused at the

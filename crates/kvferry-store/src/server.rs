@@ -159,7 +159,7 @@ impl Busy {
             None => frame,
             Some(sealer) => {
                 let mut out = Vec::new();
-                sealer.seal_frame(&frame[4..], &mut out);
+                sealer.seal_frame(crate::frame::body(&frame), &mut out);
                 out
             }
         }
@@ -551,7 +551,7 @@ fn prove(key: &kvferry::auth::ClusterKey, identity: &str, s: &TcpStream, deadlin
         let frame = match sealer {
             Some(sealer) => {
                 let mut out = Vec::new();
-                sealer.seal_frame(&frame[4..], &mut out);
+                sealer.seal_frame(crate::frame::body(&frame), &mut out);
                 out
             }
             None => frame,
@@ -565,12 +565,10 @@ fn prove(key: &kvferry::auth::ClusterKey, identity: &str, s: &TcpStream, deadlin
         _ => e,
     };
     s.set_write_timeout(Some(PROOF_DEADLINE))?;
-    let mut prefix = [0u8; 4];
+    let mut prefix = [0u8; crate::frame::PREFIX_LEN];
     read_by(s, &mut prefix, deadline).map_err(|e| late(e, None))?;
-    let n = u32::from_le_bytes(prefix) as usize;
-    if n > proto::MAX_AUTH_HELLO_FRAME {
-        return Err(refuse(format!("{NEEDS_KEY} (its first frame claims {n} bytes; the key's handshake is at most {})", proto::MAX_AUTH_HELLO_FRAME), None));
-    }
+    let n = crate::frame::body_len(prefix, proto::MAX_AUTH_HELLO_FRAME)
+        .map_err(|t| refuse(format!("{NEEDS_KEY} (its first frame claims {} bytes; the key's handshake is at most {})", t.len, proto::MAX_AUTH_HELLO_FRAME), None))?;
     let mut first = [0u8; proto::MAX_AUTH_HELLO_FRAME];
     read_by(s, &mut first[..n], deadline).map_err(|e| late(e, None))?;
     let Some(hello) = proto::auth_hello_of(&first[..n]) else { return Err(refuse(NEEDS_KEY.into(), None)) };

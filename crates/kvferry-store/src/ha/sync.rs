@@ -30,10 +30,11 @@
 //!   and hands its state to etcd before it exits (`super::hand_off`); beside a leader alive,
 //!   its sealed mirror makes the leader drop it from the set, and it goes.
 //!
-//! Wire format (sans-IO, [`encode_frame`] / [`decode_frame`]): a frame is a u32 little-endian
-//! length (at most [`MAX_FRAME`]) and the postcard encoding of a [`ToStandby`] or
-//! [`ToLeader`]. A connection starts with `Hello`; then `Image` frames (the state after entry
-//! `seq`, the last one marked), then `Entry` frames in order, with a `Base` frame now and then
+//! Wire format (sans-IO, [`encode_frame`] / [`decode_frame`], over [`crate::frame`], the
+//! codec the master's RPC uses too): a frame is a u32 little-endian length (at most
+//! [`MAX_FRAME`]) and the postcard encoding of a [`ToStandby`] or [`ToLeader`]. A connection
+//! starts with `Hello`; then `Image` frames (the state after entry `seq`, the last one
+//! marked), then `Entry` frames in order, with a `Base` frame now and then
 //! (where the leader's etcd journal is whole, to a standby that registered as taking it:
 //! [`MirrorTail`]); the standby answers `Ack` with the last entry it holds (decoded and in
 //! order; applied to its image right after). With a cluster key (`KVFERRY_AUTH_KEY_FILE`,
@@ -44,6 +45,7 @@
 //! the sealed length, then the sealed postcard body), the `Hello` first
 //! (`prove_to_standby`, and the standby's side in `accept_leader`).
 
+use crate::frame;
 use crate::master::journal::{Change, Image, Rebuilt, ReplicaRec, PREBUILT_TERM};
 use crate::master::State;
 use serde::{Deserialize, Serialize};
@@ -173,9 +175,7 @@ fn read_frame_in<T: for<'de> Deserialize<'de>>(r: &mut impl Read, inc: &mut Inco
             opener.open_frame_head(&head, max.min(MAX_FRAME)).map_err(refused)?
         }
     };
-    if n > max.min(MAX_FRAME) {
-        return Err(refused(kvferry::auth::Refusal::FrameTooLarge(n, max.min(MAX_FRAME))));
-    }
+    let prefix = frame::prefix(n, max.min(MAX_FRAME)).map_err(|t| refused(kvferry::auth::Refusal::FrameTooLarge(t.len, t.max)))?;
     let len = frame_body_len(n);
     // (Grown as the bytes arrive.)
     let mut sealed = Vec::with_capacity(len.min(1 << 20));
@@ -183,8 +183,8 @@ fn read_frame_in<T: for<'de> Deserialize<'de>>(r: &mut impl Read, inc: &mut Inco
     if sealed.len() != len {
         return Err("a replication frame is cut short".into());
     }
-    let mut raw = Vec::with_capacity(4 + n);
-    raw.extend_from_slice(&(n as u32).to_le_bytes());
+    let mut raw = Vec::with_capacity(frame::PREFIX_LEN + n);
+    raw.extend_from_slice(&prefix);
     for chunk in sealed.chunks(MAX_MSG) {
         let at = raw.len();
         raw.resize(at + chunk.len(), 0);
@@ -197,12 +197,12 @@ fn read_frame_in<T: for<'de> Deserialize<'de>>(r: &mut impl Read, inc: &mut Inco
     }
 }
 
-/// Whether `r`'s buffer starts with a whole frame of the link ([`whole_frame`]; for a sealed
+/// Whether `r`'s buffer starts with a whole frame of the link ([`frame::whole`]; for a sealed
 /// one its head is opened ahead, once, and taken out of the buffer).
 fn whole_in(r: &mut std::io::BufReader<TcpStream>, inc: &mut Incoming) -> Result<bool, String> {
     use kvferry::auth::{frame_body_len, FRAME_HEAD_LEN};
     use std::io::BufRead;
-    let Incoming::Sealed { opener, next } = inc else { return Ok(whole_frame(r.buffer())) };
+    let Incoming::Sealed { opener, next } = inc else { return Ok(frame::whole(r.buffer())) };
     let n = match *next {
         Some(n) => n,
         None => {
@@ -216,40 +216,35 @@ fn whole_in(r: &mut std::io::BufReader<TcpStream>, inc: &mut Incoming) -> Result
     Ok(r.buffer().len() >= frame_body_len(n))
 }
 
-/// `frame` ([`encode_frame`]) as it goes on a link: sealed, without its plain length, when the
+/// `raw` ([`encode_frame`]) as it goes on a link: sealed, without its plain length, when the
 /// link is sealed.
-fn wire(sealer: Option<&mut kvferry::auth::Sealer>, frame: &[u8]) -> Vec<u8> {
+fn wire(sealer: Option<&mut kvferry::auth::Sealer>, raw: &[u8]) -> Vec<u8> {
     match sealer {
-        None => frame.to_vec(),
+        None => raw.to_vec(),
         Some(sealer) => {
             let mut out = Vec::new();
-            sealer.seal_frame(&frame[4..], &mut out);
+            sealer.seal_frame(frame::body(raw), &mut out);
             out
         }
     }
 }
 
-/// One frame: length, then postcard.
+/// One frame: length, then postcard ([`frame::encode`], at most [`MAX_FRAME`]).
 pub fn encode_frame<T: Serialize>(m: &T) -> Result<Vec<u8>, String> {
-    let mut v = postcard::to_extend(m, vec![0u8; 4]).map_err(|e| format!("encoding a replication frame: {e}"))?;
-    let n = v.len() - 4;
-    if n > MAX_FRAME {
-        return Err(format!("a replication frame of {n} bytes is over the limit of {MAX_FRAME}"));
-    }
-    v[..4].copy_from_slice(&(n as u32).to_le_bytes());
-    Ok(v)
+    frame::encode(m, MAX_FRAME).map_err(|e| match e {
+        frame::EncodeError::Encode(e) => format!("encoding a replication frame: {e}"),
+        frame::EncodeError::TooLarge(t) => format!("a replication frame of {} bytes is over the limit of {MAX_FRAME}", t.len),
+    })
 }
 
-/// The first frame in `buf` and the bytes it took; `None` while `buf` holds only part of it.
-/// A length over [`MAX_FRAME`] or a body that does not decode is an error, never a panic.
+/// The first frame in `buf` and the bytes it took; `None` while `buf` holds only part of it
+/// ([`frame::split`]). A length over [`MAX_FRAME`] or a body that does not decode is an error,
+/// never a panic.
 pub fn decode_frame<T: for<'de> Deserialize<'de>>(buf: &[u8]) -> Result<Option<(T, usize)>, String> {
-    let Some(n) = claimed_len(buf) else { return Ok(None) };
-    if n > MAX_FRAME {
-        return Err(format!("a replication frame claims {n} bytes (at most {MAX_FRAME}): the peer is not a kvferry master of this version"));
-    }
-    let Some(body) = buf.get(4..4 + n) else { return Ok(None) };
-    let m = postcard::from_bytes(body).map_err(|e| format!("a replication frame does not decode ({e}): the peer is not a kvferry master of this version"))?;
-    Ok(Some((m, 4 + n)))
+    let not_ours = "the peer is not a kvferry master of this version";
+    let Some((body, took)) = frame::split(buf, MAX_FRAME).map_err(|t| format!("a replication frame claims {} bytes (at most {MAX_FRAME}): {not_ours}", t.len))? else { return Ok(None) };
+    let m = frame::decode_body(body).map_err(|e| format!("a replication frame does not decode ({e}): {not_ours}"))?;
+    Ok(Some((m, took)))
 }
 
 /// Reads one frame from a blocking stream.
@@ -271,13 +266,10 @@ pub fn read_frame_max<T: for<'de> Deserialize<'de>>(r: &mut impl Read, max: usiz
 /// [`read_frame_max`], with the frame as it came (length and body, as [`encode_frame`] makes
 /// it): a standby keeps the entries' frames for a takeover ([`Mirror::take`]).
 pub fn read_frame_raw<T: for<'de> Deserialize<'de>>(r: &mut impl Read, max: usize) -> Result<(T, Vec<u8>), String> {
-    let mut len = [0u8; 4];
+    let mut len = [0u8; frame::PREFIX_LEN];
     r.read_exact(&mut len).map_err(|e| e.to_string())?;
-    let n = u32::from_le_bytes(len) as usize;
-    if n > max.min(MAX_FRAME) {
-        return Err(format!("a replication frame claims {n} bytes (at most {} here): the peer is not a kvferry master of this version", max.min(MAX_FRAME)));
-    }
-    let mut body = Vec::with_capacity(4 + n.min(1 << 20));
+    let n = frame::body_len(len, max.min(MAX_FRAME)).map_err(|t| format!("a replication frame claims {} bytes (at most {} here): the peer is not a kvferry master of this version", t.len, t.max))?;
+    let mut body = Vec::with_capacity(frame::PREFIX_LEN + n.min(1 << 20));
     body.extend_from_slice(&len);
     r.take(n as u64).read_to_end(&mut body).map_err(|e| e.to_string())?;
     match decode_frame(&body)? {
@@ -1059,16 +1051,6 @@ pub fn serve(listener: TcpListener, mirror: Arc<Mirror>) {
     }
 }
 
-/// The body length the frame at the start of `buf` claims (`None` before 4 bytes).
-fn claimed_len(buf: &[u8]) -> Option<usize> {
-    buf.first_chunk::<4>().map(|len| u32::from_le_bytes(*len) as usize)
-}
-
-/// Whether `buf` starts with a whole frame (as far as its length says).
-fn whole_frame(buf: &[u8]) -> bool {
-    claimed_len(buf).is_some_and(|n| buf.len() >= 4 + n)
-}
-
 /// What a leader's connection proved: its `Hello`, and with the cluster key the halves of
 /// the link's session.
 type Accepted = (ToStandby, Incoming, Option<kvferry::auth::Sealer>);
@@ -1093,12 +1075,9 @@ fn accept_leader(s: &mut TcpStream, key: Option<&kvferry::auth::ClusterKey>, ide
     };
     let io = |e: std::io::Error| (e.to_string(), None);
     let needs = "this standby requires the cluster key: set KVFERRY_AUTH_KEY_FILE on the leader to the cluster's key file";
-    let mut prefix = [0u8; 4];
+    let mut prefix = [0u8; frame::PREFIX_LEN];
     read_by(s, &mut prefix, deadline).map_err(io)?;
-    let n = u32::from_le_bytes(prefix) as usize;
-    if n > MAX_AUTH_HELLO_FRAME {
-        return Err((format!("{needs} (its first frame claims {n} bytes; the key's handshake is at most {MAX_AUTH_HELLO_FRAME})"), None));
-    }
+    let n = frame::body_len(prefix, MAX_AUTH_HELLO_FRAME).map_err(|t| (format!("{needs} (its first frame claims {} bytes; the key's handshake is at most {MAX_AUTH_HELLO_FRAME})", t.len), None))?;
     let mut first = [0u8; MAX_AUTH_HELLO_FRAME];
     read_by(s, &mut first[..n], deadline).map_err(io)?;
     let Some(hello) = crate::proto::bytes_variant(&first[..n], AUTH_HELLO) else { return Err((needs.into(), None)) };
@@ -1623,9 +1602,9 @@ mod tests {
         let bytes = encode_frame(&f).unwrap();
         for cut in 0..bytes.len() {
             assert_eq!(decode_frame::<ToStandby>(&bytes[..cut]).unwrap(), None, "{cut} bytes are not a frame yet");
-            assert!(!whole_frame(&bytes[..cut]), "a standby acknowledges rather than wait for the rest of a frame");
+            assert!(!frame::whole(&bytes[..cut]), "a standby acknowledges rather than wait for the rest of a frame");
         }
-        assert!(whole_frame(&bytes), "another whole frame is read: applied before acknowledging");
+        assert!(frame::whole(&bytes), "another whole frame is read: applied before acknowledging");
         let mut two = bytes.clone();
         two.extend(encode_frame(&ToLeader::Ack { seq: 3 }).unwrap());
         assert_eq!(decode_frame::<ToStandby>(&two).unwrap(), Some((f.clone(), bytes.len())));
@@ -1641,6 +1620,18 @@ mod tests {
         assert!(read_frame_max::<ToStandby>(&mut &big[..], MAX_SMALL_FRAME).unwrap_err().contains("claims"));
         let claim = ((MAX_FRAME - 1) as u32).to_le_bytes();
         assert!(read_frame::<ToStandby>(&mut &claim[..]).unwrap_err().contains("cut short"));
+    }
+
+    /// The link's wire bytes, pinned: the length prefix (u32 little-endian), then the postcard
+    /// body.
+    #[test]
+    fn frames_keep_their_wire_bytes() {
+        let hello = ToStandby::Hello { cluster_id: "c".into(), term: 1, lease: 2, leader: "l".into() };
+        assert_eq!(encode_frame(&hello).unwrap(), [7, 0, 0, 0, 0, 1, b'c', 2, 4, 1, b'l']);
+        assert_eq!(encode_frame(&ToStandby::Base { seq: 9, written: true }).unwrap(), [3, 0, 0, 0, 3, 9, 1]);
+        assert_eq!(encode_frame(&ToLeader::Ack { seq: 300 }).unwrap(), [3, 0, 0, 0, 0, 0xac, 0x02]);
+        assert_eq!(decode_frame::<ToLeader>(&[3, 0, 0, 0, 0, 0xac, 0x02, 9]).unwrap(), Some((ToLeader::Ack { seq: 300 }, 7)));
+        assert_eq!(read_frame::<ToStandby>(&mut &[7, 0, 0, 0, 0, 1, b'c', 2, 4, 1, b'l'][..]).unwrap(), hello);
     }
 
     proptest! {
