@@ -221,8 +221,7 @@ impl Sim {
             client_ttl: Duration::from_millis(CLIENT_TTL),
             put_start_discard_timeout: Duration::from_millis(DISCARD),
             put_start_release_timeout: Duration::from_millis(RELEASE),
-            // (The random strategy's start is not the simulation's to choose yet.)
-            strategy: Strategy::FreeRatioFirst,
+            strategy: if rng.random_bool(0.5) { Strategy::Random } else { Strategy::FreeRatioFirst },
             eviction_high_watermark: 1.0,
             ..MasterConfig::default()
         };
@@ -291,6 +290,7 @@ impl Sim {
             image.apply(c);
         }
         let (mut st, rebuilt) = image.into_state(self.term, self.now, LEASE);
+        st.seed_placement(self.rng.random());
         st.journal_on();
         // Grants on (in-sync standbys that read them) or off (none in sync), by leader.
         let grants = self.rng.random_bool(0.7);
