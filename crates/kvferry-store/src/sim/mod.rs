@@ -11,7 +11,7 @@
 //! - an acknowledged put reads back with its own bytes, or its loss is explained (a segment
 //!   of it was dropped); a read in flight within its lease sees the bytes it was given.
 //!
-//! What is not simulated yet (ARCHITECTURE.md, "The simulator"): the election and the
+//! What is not simulated yet (ARCHITECTURE.md, code map, `sim/`): the election and the
 //! lease fencing (one leader at a time here, the next one starts a lease TTL after a crash),
 //! the in-sync standbys' link (the journal here is the etcd log and its snapshot), message
 //! delay and reordering between clients and the master (a request is applied when sent; an
