@@ -46,12 +46,14 @@
 //! masters answered as leaders at once (CI, store_ha
 //! `etcd_restarted_with_or_without_its_data_masters_and_clients_recover`).
 
+pub mod fence;
 pub mod journal;
 pub mod sync;
 
 use crate::error::StoreError;
 use crate::node::Master;
 use kvferry::metadata::etcd::{Cond, Created, EtcdClient, KeyValue, Owner};
+use fence::{Fence, Next, Renewal, Renewals};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -85,20 +87,6 @@ pub fn master_view_key(cluster_id: &str) -> String {
 pub enum Role {
     Leader,
     Standby,
-}
-
-#[derive(Debug, Clone)]
-struct GateState {
-    role: Role,
-    /// The leader's term (the key's create revision); 0 when unknown.
-    term: i64,
-    /// The leader's address as the key says (ours when leading), "" when unknown.
-    leader: String,
-    /// Requests are answered only before this instant (leaders only).
-    valid_until: Option<Instant>,
-    /// When the last successful renewal was sent.
-    last_keepalive: Option<Instant>,
-    lease_id: i64,
 }
 
 /// What `/ha_status` shows.
@@ -142,7 +130,9 @@ pub struct Gate {
     mirror: std::sync::OnceLock<Arc<sync::Mirror>>,
     /// The elector thread has ended (stopping).
     elector_done: AtomicBool,
-    state: Mutex<GateState>,
+    /// The decisions ([`Fence`]), on this gate's clock ([`Gate::now`]).
+    state: Mutex<Fence>,
+    clock: Instant,
     info: Mutex<(String, String, String, Duration)>, // cluster id, key, address, lease TTL
 }
 
@@ -155,23 +145,31 @@ impl Default for Gate {
             taking_over: AtomicBool::new(false),
             mirror: std::sync::OnceLock::new(),
             elector_done: AtomicBool::new(false),
-            state: Mutex::new(GateState { role: Role::Leader, term: 0, leader: String::new(), valid_until: None, last_keepalive: None, lease_id: 0 }),
+            state: Mutex::new(Fence::default()),
+            clock: Instant::now(),
             info: Mutex::new((String::new(), String::new(), String::new(), Duration::ZERO)),
         }
     }
 }
 
 impl Gate {
-    fn st(&self) -> std::sync::MutexGuard<'_, GateState> {
+    fn st(&self) -> std::sync::MutexGuard<'_, Fence> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Milliseconds on this gate's clock (what its [`Fence`] counts in).
+    fn now(&self) -> u64 {
+        self.ms(Instant::now())
+    }
+
+    /// `t` on this gate's clock, rounded down: a bound counted from a time rounded down ends
+    /// no later than the exact one, and a time rounded down reaches it no sooner.
+    fn ms(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.clock).as_millis() as u64
     }
 
     pub fn enabled(&self) -> bool {
         self.enabled.load(Ordering::Acquire)
-    }
-
-    fn not_leader(st: &GateState) -> StoreError {
-        StoreError::NotLeader { leader: st.leader.clone() }
     }
 
     /// Whether a request may be applied now; the leader's term if so. A leader whose lease it
@@ -180,28 +178,16 @@ impl Gate {
         if !self.enabled() {
             return Ok(0);
         }
-        let mut st = self.st();
-        match (st.role, st.valid_until) {
-            (Role::Leader, Some(t)) if Instant::now() < t => Ok(st.term),
-            (Role::Leader, _) => {
-                st.role = Role::Standby;
-                st.valid_until = None;
-                st.leader.clear();
-                tracing::warn!(term = st.term, "HA: the lease could not be renewed in time; refusing requests (fenced) and stepping down");
-                Err(Gate::not_leader(&st))
-            }
-            (Role::Standby, _) => Err(Gate::not_leader(&st)),
-        }
+        self.st().admit(self.now())
     }
 
     /// Whether the answer of a request admitted under `term` may be sent: still the leader of
     /// that term, lease still proven.
     pub fn confirm(&self, term: i64) -> Result<(), StoreError> {
-        match self.admit() {
-            Ok(t) if t == term => Ok(()),
-            Ok(_) => Err(StoreError::NotLeader { leader: self.st().leader.clone() }),
-            Err(e) => Err(e),
+        if !self.enabled() {
+            return if term == 0 { Ok(()) } else { Err(StoreError::NotLeader { leader: String::new() }) };
         }
+        self.st().confirm(term, self.now())
     }
 
     /// What this master's mirror holds (`--ha-replication standbys`), else `None`.
@@ -211,16 +197,16 @@ impl Gate {
 
     pub fn role(&self) -> Role {
         let _ = self.admit(); // a leader past its bound reads as standby
-        self.st().role
+        self.st().role()
     }
 
     pub fn leader(&self) -> String {
         let _ = self.admit();
-        self.st().leader.clone()
+        self.st().leader().to_string()
     }
 
     pub fn term(&self) -> i64 {
-        self.st().term
+        self.st().term()
     }
 
     pub fn status(&self) -> HaStatus {
@@ -228,19 +214,20 @@ impl Gate {
         let role = self.role();
         let st = self.st().clone();
         let (cluster_id, key, address, ttl) = self.info.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let now = Instant::now();
+        let now = self.now();
+        let (valid_until, last_keepalive) = st.bounds();
         HaStatus {
             enabled,
             role,
-            term: st.term,
+            term: st.term(),
             cluster_id,
             key,
-            leader: st.leader,
+            leader: st.leader().to_string(),
             address,
             lease_ttl_ms: ttl.as_millis() as u64,
-            last_keepalive_age_ms: st.last_keepalive.filter(|_| role == Role::Leader).map(|t| now.saturating_duration_since(t).as_millis() as u64),
-            fenced_in_ms: st.valid_until.filter(|_| role == Role::Leader).map(|t| t.saturating_duration_since(now).as_millis() as u64),
-            lease_id: format!("{:x}", st.lease_id),
+            last_keepalive_age_ms: last_keepalive.filter(|_| role == Role::Leader).map(|t| now.saturating_sub(t)),
+            fenced_in_ms: valid_until.filter(|_| role == Role::Leader).map(|t| t.saturating_sub(now)),
+            lease_id: format!("{:x}", st.lease_id()),
             journal: Default::default(),
             insync: Vec::new(),
             mirror: None,
@@ -248,32 +235,21 @@ impl Gate {
     }
 
     fn set_standby(&self, view: Option<&KeyValue>) {
-        let mut st = self.st();
-        st.role = Role::Standby;
-        st.valid_until = None;
-        st.last_keepalive = None;
-        st.lease_id = 0;
-        match view {
-            Some(kv) => {
-                st.leader = String::from_utf8_lossy(&kv.value).into_owned();
-                st.term = kv.create_revision;
-            }
-            None => st.leader.clear(),
-        }
+        let leader = view.map(|kv| (String::from_utf8_lossy(&kv.value).into_owned(), kv.create_revision));
+        self.st().set_standby(leader.as_ref().map(|(l, t)| (l.as_str(), *t)));
     }
 
     fn set_leader(&self, term: i64, address: &str, lease_id: i64, sent: Instant, bound: Duration) {
-        let mut st = self.st();
-        *st = GateState { role: Role::Leader, term, leader: address.to_string(), valid_until: Some(sent + bound), last_keepalive: Some(sent), lease_id };
+        let sent = self.ms(sent);
+        self.st().set_leader(term, address, lease_id, sent, bound.as_millis() as u64);
     }
 
-    /// A renewal sent at `sent` succeeded (and the key is still ours).
+    /// A renewal sent at `sent` succeeded (and the key is still ours); the elector's renewals
+    /// go through [`Renewals`].
+    #[cfg(test)]
     fn renewed(&self, term: i64, sent: Instant, bound: Duration) {
-        let mut st = self.st();
-        if st.role == Role::Leader && st.term == term {
-            st.valid_until = Some(sent + bound);
-            st.last_keepalive = Some(sent);
-        }
+        let sent = self.ms(sent);
+        self.st().renewed(term, sent, bound.as_millis() as u64);
     }
 
     /// Makes this gate a leader of `term` for `bound` without etcd (tests of what runs behind
@@ -291,10 +267,8 @@ impl Gate {
     /// Refuses everything from now on in `term` (the journal cannot be written): the leader
     /// reads as fenced at once and its elector steps down.
     pub(crate) fn fence(&self, term: i64) {
-        let mut st = self.st();
-        if st.role == Role::Leader && st.term == term {
-            st.valid_until = Some(Instant::now());
-        }
+        let now = self.now();
+        self.st().fence(term, now);
     }
 }
 
@@ -454,9 +428,7 @@ pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
         }
     };
     {
-        let mut st = master.gate.st();
-        st.role = Role::Standby;
-        st.term = 0;
+        *master.gate.st() = Fence::standby();
         *master.gate.info.lock().unwrap_or_else(|e| e.into_inner()) = (cfg.cluster_id.clone(), key.clone(), cfg.address.clone(), cfg.lease_ttl);
     }
     master.gate.enabled.store(true, Ordering::Release);
@@ -966,38 +938,45 @@ pub fn hand_off(master: &Master, bound: Duration) -> bool {
 }
 
 /// Keeps the lease alive while the key is ours; returns when leadership cannot be proven.
+/// The decisions are [`Renewals`]'; this moves time and etcd's answers into them.
 fn lead(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, owner: Owner) {
     let (term, lease) = (owner.create_revision, owner.lease);
     let gate = &master.gate;
-    let mut next = Instant::now() + cfg.keepalive_every();
+    let bound = cfg.fence_bound().as_millis() as u64;
+    let mut renewals = Renewals::new(term, cfg.keepalive_every().as_millis() as u64, bound, gate.now());
     loop {
-        // Until the next renewal, looking every 50 ms whether the leader was fenced (a journal
-        // that cannot be written, a hand-off on SIGTERM): it then steps down at once.
-        while Instant::now() < next {
-            if !gate.still_leader(term) {
-                return;
-            }
-            std::thread::sleep((next - Instant::now().min(next)).min(Duration::from_millis(50)));
-        }
-        next = Instant::now() + cfg.keepalive_every();
-        if !gate.still_leader(term) {
-            return; // past the bound (paused, or renewals failed): fenced already
-        }
         let sent = Instant::now();
-        match etcd.lease_keepalive(lease) {
-            Ok(Some(_)) => match etcd.get_kv(key) {
-                Ok(Some(kv)) if owner.holds(&kv) => gate.renewed(term, sent, cfg.fence_bound()),
-                Ok(other) => {
-                    tracing::warn!(term, "HA: the key {key} is no longer this master's ({other:?}); stepping down");
+        let now = gate.ms(sent);
+        let next = renewals.poll(&mut gate.st(), now);
+        match next {
+            Next::StepDown => return,
+            Next::Wait(until) => std::thread::sleep(Duration::from_millis(until.saturating_sub(now).max(1))),
+            Next::Renew => {
+                let outcome = match etcd.lease_keepalive(lease) {
+                    Ok(Some(_)) => match etcd.get_kv(key) {
+                        Ok(Some(kv)) if owner.holds(&kv) => Renewal::Ours,
+                        Ok(other) => {
+                            tracing::warn!(term, "HA: the key {key} is no longer this master's ({other:?}); stepping down");
+                            Renewal::KeyLost
+                        }
+                        Err(e) => {
+                            tracing::warn!(term, "HA: reading the key back: {e}");
+                            Renewal::Failed
+                        }
+                    },
+                    Ok(None) => {
+                        tracing::warn!(term, "HA: etcd no longer knows this master's lease (expired); stepping down");
+                        Renewal::LeaseLost
+                    }
+                    Err(e) => {
+                        tracing::warn!(term, "HA: renewing the lease: {e}");
+                        Renewal::Failed
+                    }
+                };
+                if renewals.on_renewal(&mut gate.st(), gate.ms(sent), outcome) {
                     return;
                 }
-                Err(e) => tracing::warn!(term, "HA: reading the key back: {e}"),
-            },
-            Ok(None) => {
-                tracing::warn!(term, "HA: etcd no longer knows this master's lease (expired); stepping down");
-                return;
             }
-            Err(e) => tracing::warn!(term, "HA: renewing the lease: {e}"),
         }
     }
 }

@@ -791,5 +791,6 @@ pub fn report(f: &Failure) -> String {
     s
 }
 
+pub mod election;
 #[cfg(test)]
 mod tests;
