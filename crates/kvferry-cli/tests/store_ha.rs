@@ -488,30 +488,13 @@ fn ms_kill_handle(ms: &[Master], i: usize) {
     ms[i].signal(Signal::KILL);
 }
 
-#[test]
-fn a_leader_cut_off_from_etcd_refuses_within_the_bound_and_the_cluster_recovers() {
-    let _cpus = beside();
-    let Some(etcd_svc) = Service::etcd() else { return };
-    let ms = [Master::start(etcd_svc.port, None, false), Master::start(etcd_svc.port, None, true)];
-    let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
-    let mut conn = raw(&ms[l].rpc);
-    assert_eq!(rpc(&mut conn, &Request::Ping { client: 5 }), Response::Ping(PingStatus::NeedRemount));
-    // etcd stops answering (SIGSTOP, by its pid): no renewal succeeds any more.
-    let pid = etcd_svc.pid().expect("etcd's pid");
-    common::pause(pid);
-    let stopped = Instant::now();
-    // The last renewal was sent before the stop: 2/3 TTL after it, at the latest, every request
-    // is refused.
-    std::thread::sleep((TTL * 2 / 3).saturating_sub(stopped.elapsed()) + Duration::from_millis(100));
-    let refused = rpc(&mut conn, &mount_request());
-    signal(pid, Signal::CONT);
-    assert!(matches!(refused, Response::Err(StoreError::NotLeader { .. })), "a leader that cannot renew its lease must refuse; got {refused:?}");
-    assert_eq!(ms[l].role(), "standby");
-    // etcd back: one leader again, and it serves.
-    let l2 = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(15));
-    let mut c = raw(&ms[l2].rpc);
-    assert_eq!(rpc(&mut c, &mount_request()), Response::Ok);
-}
+// A leader cut off from etcd (etcd stopped with SIGSTOP; this test slept two thirds of a TTL
+// to wait for the fence) is covered without a process: `kvferry-store` `ha/fence.rs`
+// (`renewals_come_every_period_and_a_lost_key_or_lease_steps_down`: failed renewals extend
+// nothing, past the bound it steps down) and `sim/election.rs` (masters cut off from etcd,
+// requests and answers lost, then one leader again, never two admitting at once), with the
+// end-to-end case kept here:
+// `a_leader_cut_off_from_etcd_by_a_network_namespace_stops_accepting_writes`.
 
 /// A put whose start the leader applied but could not make durable before its term ended (etcd
 /// stopped under it: neither the journal nor the lease can be written) fails with
