@@ -313,7 +313,8 @@ impl State {
     /// closes does, and nothing was lost).
     /// `release` is the put start release timeout (see `State::drop_segments`).
     pub fn expire_clients(&mut self, now: u64, ttl: u64, release: u64) -> Vec<(u64, Vec<String>)> {
-        let mut dead: std::collections::HashMap<u64, Vec<String>> = self.clients.iter().filter(|(_, &t)| now.saturating_sub(t) > ttl).map(|(&c, _)| (c, Vec::new())).collect();
+        // (Ordered: what a state machine returns does not depend on a hash's seed.)
+        let mut dead: std::collections::BTreeMap<u64, Vec<String>> = self.clients.iter().filter(|(_, &t)| now.saturating_sub(t) > ttl).map(|(&c, _)| (c, Vec::new())).collect();
         if dead.is_empty() {
             return Vec::new();
         }
@@ -322,8 +323,8 @@ impl State {
             self.mark_client(c);
         }
         let mut segs = Vec::new();
-        for (&id, s) in &self.segments {
-            if let Some(names) = dead.get_mut(&s.client) {
+        for &id in &self.seg_order {
+            if let Some((names, s)) = self.segments.get(&id).and_then(|s| Some((dead.get_mut(&s.client)?, s))) {
                 names.push(s.seg.name.clone());
                 segs.push(id);
             }

@@ -589,9 +589,7 @@ impl Sim {
             }
         }
         let Some(l) = self.leader.as_mut() else { return };
-        let mut dead = l.st.expire_clients(now, CLIENT_TTL, RELEASE);
-        // (In the state's hash order, which is no replay's.)
-        dead.sort_unstable();
+        let dead = l.st.expire_clients(now, CLIENT_TTL, RELEASE);
         l.st.expire_reads(now);
         l.st.release_deferred(now);
         for (c, _) in dead {
