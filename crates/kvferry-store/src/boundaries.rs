@@ -158,12 +158,17 @@ fn without_tests(code: &str) -> (String, Vec<String>) {
     (out.into_iter().collect(), test_mods)
 }
 
-/// Every rule `code` breaks: (line, needle, why), lines counted from 1.
+/// Every rule of [`RULES`] `code` breaks: (line, needle, why), lines counted from 1.
 fn broken(code: &str) -> Vec<(usize, &'static str, &'static str)> {
+    broken_by(code, RULES)
+}
+
+/// Every rule of `rules` `code` breaks.
+fn broken_by(code: &str, rules: &[(&'static str, &'static str)]) -> Vec<(usize, &'static str, &'static str)> {
     let mut found = Vec::new();
     for (n, line) in code.lines().enumerate() {
         let chars: Vec<char> = line.chars().collect();
-        for &(needle, why) in RULES {
+        for &(needle, why) in rules {
             let want: Vec<char> = needle.chars().collect();
             let hit = (0..chars.len()).any(|i| {
                 chars[i..].starts_with(&want)
@@ -224,6 +229,34 @@ fn the_state_machine_names_no_driver_clock_lock_thread_io_or_process_randomness(
         .map(|(name, _, line, needle, why)| format!("{name}:{line}: names `{needle}`: {why}"))
         .collect();
     assert!(broke.is_empty(), "the state machine (src/master/, outside #[cfg(test)]) must be pure: no driver, clock, lock, thread, I/O or process randomness:\n{}", broke.join("\n"));
+}
+
+/// The drivers are layered, each importing only what lies below it: the frame codec
+/// (`frame.rs`) is sans-IO and imports no driver; the socket helpers (`net.rs`) serve the RPC
+/// server and the HA links and import neither, nor the state; the HA layer (`ha/`) does not
+/// borrow from the RPC server (it did: replication used `server.rs`'s socket helpers).
+#[test]
+fn the_drivers_import_only_what_lies_below_them() {
+    const DRIVERS: &[(&str, &str)] = &[
+        ("server::", "the RPC server is a driver above this one"),
+        ("ha::", "the HA layer is a driver above this one"),
+        ("node::", "crate::node is the master's driver, above this one"),
+        ("client::", "the client is a driver of its own"),
+    ];
+    const NOT_THE_SERVER: &[(&str, &str)] = &[("server::", "the HA layer must not borrow from the RPC server: shared socket helpers live in crate::net")];
+    let mut sans_io: Vec<(&str, &str)> = DRIVERS.to_vec();
+    sans_io.extend([("std::net", "the frame codec is sans-IO"), ("thread", "the frame codec is sans-IO"), ("Instant", "the frame codec reads no clock")]);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut checks: Vec<(PathBuf, Vec<(&str, &str)>)> = vec![(root.join("src/frame.rs"), sans_io), (root.join("src/net.rs"), [DRIVERS, &[("master::", "the socket helpers know no state")]].concat())];
+    checks.extend(sources(&root.join("src/ha")).into_iter().map(|f| (f, NOT_THE_SERVER.to_vec())));
+    let mut broke = Vec::new();
+    for (file, rules) in &checks {
+        let src = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let (code, _) = without_tests(&code_of(&src));
+        let name = file.strip_prefix(root).unwrap_or(file).display().to_string();
+        broke.extend(broken_by(&code, rules).into_iter().map(|(line, needle, why)| format!("{name}:{line}: names `{needle}`: {why}")));
+    }
+    assert!(broke.is_empty(), "a driver imports one above it:\n{}", broke.join("\n"));
 }
 
 /// The check finds what it must, where it is, and nothing in comments, literals or test code.

@@ -22,6 +22,7 @@ pub mod frame;
 pub mod fuzz;
 pub mod ha;
 pub mod master;
+mod net;
 pub mod node;
 pub mod proto;
 pub mod server;

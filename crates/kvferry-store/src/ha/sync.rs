@@ -123,7 +123,7 @@ pub const MAX_AUTH_HELLO_FRAME: usize = 1 + 2 + kvferry::auth::MAX_HELLO_LEN;
 pub const PROOF_DEADLINE: Duration = Duration::from_secs(5);
 
 /// The most connections a standby holding the cluster key keeps at once that did not prove
-/// it yet, in all and from one address ([`crate::server`]'s `Unproved`): more are closed at
+/// it yet, in all and from one address (`crate::net`'s `Unproved`): more are closed at
 /// accept. (Only leaders link, one link per standby.)
 pub const MAX_UNPROVED_LINKS: (usize, usize) = (32, 8);
 /// One entry's frame in a [`ToStandby::Run`]: the log's entries `first..=last`, the frame as
@@ -1038,9 +1038,9 @@ impl Mirror {
 /// With the cluster key, at most [`MAX_UNPROVED_LINKS`] connections that did not prove it yet
 /// are kept (more are closed at accept), each for at most [`PROOF_DEADLINE`].
 pub fn serve(listener: TcpListener, mirror: Arc<Mirror>) {
-    let unproved = crate::server::Unproved::new("HA replication", MAX_UNPROVED_LINKS.0, MAX_UNPROVED_LINKS.1);
+    let unproved = crate::net::Unproved::new("HA replication", MAX_UNPROVED_LINKS.0, MAX_UNPROVED_LINKS.1, PROOF_DEADLINE);
     for conn in listener.incoming() {
-        let Some(s) = crate::server::accepted(conn, "HA replication: accepting a leader's connection") else { continue };
+        let Some(s) = crate::net::accepted(conn, "HA replication: accepting a leader's connection") else { continue };
         let Ok(slot) = unproved.place(mirror.auth.is_some(), &s) else { continue };
         let m = Arc::clone(&mirror);
         let _ = std::thread::Builder::new().name("kvf-ha-standby".into()).spawn(move || {
@@ -1064,7 +1064,7 @@ type Accepted = (ToStandby, Incoming, Option<kvferry::auth::Sealer>);
 /// connection is refused (sent to the leader as [`ToLeader::Refused`] by the caller, sealed
 /// with the sealer returned when the session exists).
 fn accept_leader(s: &mut TcpStream, key: Option<&kvferry::auth::ClusterKey>, identity: &str, deadline: Instant) -> Result<Accepted, (String, Option<kvferry::auth::Sealer>)> {
-    use crate::server::read_by;
+    use crate::net::read_by;
     use kvferry::auth::FRAME_HEAD_LEN;
     let Some(key) = key else {
         s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))).map_err(|e| (e.to_string(), None))?;
@@ -1125,7 +1125,7 @@ fn prove_to_standby(s: &mut TcpStream, key: &kvferry::auth::ClusterKey, identity
     }
 }
 
-fn follow(mut s: TcpStream, m: &Mirror, unproved: Option<crate::server::UnprovedSlot>) -> Result<(), String> {
+fn follow(mut s: TcpStream, m: &Mirror, unproved: Option<crate::net::UnprovedSlot>) -> Result<(), String> {
     let _ = s.set_nodelay(true);
     // A leader says hello at once; a silent peer is not a leader.
     let deadline = Instant::now() + PROOF_DEADLINE;
@@ -1166,9 +1166,9 @@ fn entries(mut s: TcpStream, m: &Mirror, conn: u64, mut inc: Incoming, mut seale
     // leader whose host died without closing the connection is found by TCP keepalive (idle
     // 10 s, then 3 probes 5 s apart), so this thread and its buffer do not wait forever.
     s.set_read_timeout(None).map_err(|e| e.to_string())?;
-    crate::server::keepalive(&s, Duration::from_secs(10));
+    crate::net::keepalive(&s, Duration::from_secs(10));
     let mut r = std::io::BufReader::with_capacity(1 << 20, s.try_clone().map_err(|e| e.to_string())?);
-    let spin = crate::server::Spin::for_replication();
+    let spin = crate::net::Spin::for_replication();
     // The last entry taken and not acknowledged yet.
     let mut unacked = None;
     loop {
@@ -1307,7 +1307,7 @@ impl Link {
                 let (dead3, signal3, m3) = (Arc::clone(&dead2), Arc::clone(&signal2), m.clone());
                 let reader = std::thread::Builder::new().name("kvf-ha-acks".into()).spawn(move || {
                     let mut r = std::io::BufReader::new(r);
-                    let spin = crate::server::Spin::for_replication();
+                    let spin = crate::net::Spin::for_replication();
                     loop {
                         if r.buffer().is_empty() {
                             spin.readable(r.get_ref());
