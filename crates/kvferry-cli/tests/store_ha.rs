@@ -240,6 +240,73 @@ fn raw(addr: &str) -> TcpStream {
     s
 }
 
+/// One TCP socket of this host's network namespace, as `/proc/net/tcp` and `/proc/net/tcp6`
+/// show it: its local and remote address (`ADDR:PORT`, in the kernel's hexadecimal), whether it
+/// listens, the bytes it sent that the peer did not acknowledge yet (`tx`) and the bytes it
+/// received that its process did not read yet (`rx`), and its inode.
+struct Sock {
+    local: String,
+    remote: String,
+    listening: bool,
+    tx: u64,
+    rx: u64,
+    inode: u64,
+}
+
+impl Sock {
+    fn port(&self) -> &str {
+        self.local.rsplit_once(':').map_or("", |(_, p)| p)
+    }
+}
+
+fn sockets() -> Vec<Sock> {
+    let parse = |line: &str| -> Option<Sock> {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (tx, rx) = f.get(4)?.split_once(':')?;
+        Some(Sock { local: f[1].to_string(), remote: f[2].to_string(), listening: f[3] == "0A", tx: u64::from_str_radix(tx, 16).ok()?, rx: u64::from_str_radix(rx, 16).ok()?, inode: f.get(9)?.parse().ok()? })
+    };
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().flat_map(|t| std::fs::read_to_string(t).unwrap_or_default().lines().skip(1).filter_map(parse).collect::<Vec<_>>()).collect()
+}
+
+/// The sockets process `pid` holds (a child of this test): inode -> its descriptors.
+fn socket_fds(pid: u32) -> std::collections::HashMap<u64, Vec<u64>> {
+    let mut out: std::collections::HashMap<u64, Vec<u64>> = Default::default();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap_or_else(|e| panic!("/proc/{pid}/fd: {e}")).flatten() {
+        let Ok(to) = std::fs::read_link(e.path()) else { continue };
+        let inode = to.to_str().and_then(|t| t.strip_prefix("socket:[")).and_then(|t| t.strip_suffix(']')).and_then(|t| t.parse().ok());
+        if let (Some(inode), Some(fd)) = (inode, e.file_name().to_str().and_then(|f| f.parse().ok())) {
+            out.entry(inode).or_default().push(fd);
+        }
+    }
+    out
+}
+
+/// Whether a thread of process `pid` is blocked in a system call on one of `fds`
+/// (`/proc/PID/task/TID/syscall`: the call's number, then its arguments, the descriptor first;
+/// `running` while it runs).
+fn blocked_on(pid: u32, fds: &[u64]) -> bool {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap_or_else(|e| panic!("/proc/{pid}/task: {e}"));
+    tasks.flatten().any(|t| match std::fs::read_to_string(t.path().join("syscall")) {
+        Ok(call) => call.split_whitespace().nth(1).and_then(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).ok()).is_some_and(|fd| fds.contains(&fd)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false, // (the thread exited meanwhile)
+        Err(e) => panic!("{}/syscall: {e} (this test needs to see where a child's thread waits)", t.path().display()),
+    })
+}
+
+/// Whether the standby `to` took every byte that the stopped leader `from` sent it on the
+/// replication links it accepted on `port` (the hexadecimal port, as [`Sock`] has it): on each,
+/// nothing the leader sent is unacknowledged and nothing is unread at the standby, and a
+/// thread of the standby is blocked in a system call on it (waiting for more, or sending its
+/// acknowledgement of what it took; it acknowledges after taking). Then the standby's mirror
+/// holds whatever left the leader before it stopped. False while there is no such link.
+fn took_all_sent(from: u32, to: u32, port: &str) -> bool {
+    let (fs, ts) = (socket_fds(from), socket_fds(to));
+    let socks = sockets();
+    let links = socks.iter().filter(|a| fs.contains_key(&a.inode) && !a.listening).filter_map(|a| Some((a, socks.iter().find(|b| ts.contains_key(&b.inode) && b.port() == port && b.local == a.remote && b.remote == a.local)?)));
+    let links: Vec<(&Sock, &Sock)> = links.collect();
+    !links.is_empty() && links.iter().all(|(a, b)| a.tx == 0 && b.rx == 0 && blocked_on(to, &ts[&b.inode]))
+}
+
 fn mount_request() -> Request {
     let segment = proto::Segment { id: 7, name: "127.0.0.1:1".into(), te_endpoint: "127.0.0.1:1".into(), base: 1 << 30, size: 1 << 20 };
     Request::MountSegment { client: 99, segment }
@@ -483,11 +550,29 @@ fn a_put_in_flight_across_a_failover_completes_at_the_new_leader() {
         .expect("client setup");
     c.put("warm", &value("warm", 4096), &ReplicateConfig::default()).expect("a put to the served segment");
 
-    common::pause(server.0.id());
+    let server_pid = server.0.id();
+    common::pause(server_pid);
     let (c, ms) = (&c, &ms);
     let result = std::thread::scope(|sc| {
         let put = sc.spawn(move || c.put("in-flight", &value("in-flight", 1 << 20), &ReplicateConfig::default()));
-        std::thread::sleep(Duration::from_millis(300)); // PutStart answered, the write held
+        // PutStart answered, the write held: the leader has the put started and not ended, and
+        // its bytes wait unread at the stopped server (the client writes them only once it has
+        // the PutStart's answer: the replica's address).
+        let server_socks = socket_fds(server_pid);
+        let (began, until) = (Instant::now(), Instant::now() + Duration::from_secs(10));
+        loop {
+            let (code, body) = http_get(&ms[l].http, "/query_key?key=in-flight");
+            let started = code == 200 && serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|k| k["complete"] == false);
+            let socks = sockets();
+            let ports: Vec<&str> = socks.iter().filter(|x| x.listening && server_socks.contains_key(&x.inode)).map(Sock::port).collect();
+            let held = socks.iter().any(|x| !x.listening && ports.contains(&x.port()) && x.rx > 0);
+            if started && held {
+                break;
+            }
+            assert!(!put.is_finished() && Instant::now() < until, "the put did not start and hold its write at the stopped server: the leader's /query_key {code} {body:?}; bytes unread at the server's ports {ports:?}: {held}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        eprintln!("the put started and its write held at the stopped server {:?} after it was sent", began.elapsed());
         ms_kill_handle(ms, l);
         let until = Instant::now() + 2 * TTL + Duration::from_secs(1);
         while ms[s].role() != "leader" {
@@ -864,6 +949,11 @@ fn a_put_answered_early_whose_start_died_with_the_leader_is_never_served_and_its
             std::thread::sleep(Duration::from_millis(10));
         }
     };
+    // The standby's replication port (where the leader's link to it was accepted).
+    let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
+    let reg = etcd.get_kv(&kvferry_store::ha::sync::standby_key(kvferry_store::ha::DEFAULT_CLUSTER_ID, &ms[s].rpc)).expect("etcd get").expect("the standby's registration");
+    let mirror_port = kvferry_store::ha::sync::parse_registration(&String::from_utf8_lossy(&reg.value)).addr.parse::<std::net::SocketAddr>().expect("the mirror's address").port();
+    let mirror_port = format!("{mirror_port:04X}");
     // The leader collects an early answer's changes within a millisecond (or at its next
     // tick): the stop usually lands before; tried again when it did not.
     let mut lost = None;
@@ -871,10 +961,18 @@ fn a_put_answered_early_whose_start_died_with_the_leader_is_never_served_and_its
         let seen = caught_up(&ms[s], &ms[l]);
         let key = format!("lost-{i}");
         let got = rpc(&mut a, &start(&key, 10 + i));
-        ms[l].signal(Signal::STOP);
+        common::pause(ms[l].child.id());
         let addr = addr_of(got, "a put placed in the durable grant");
-        std::thread::sleep(Duration::from_millis(150)); // what left before the stop arrives
-        if mirror_seq(&ms[s]) == seen {
+        // Every thread of the leader stopped: what left it before is on its way to the standby,
+        // nothing more leaves. Its mirror holds all of it once the standby took every byte.
+        let (stopped, until) = (Instant::now(), Instant::now() + Duration::from_secs(10));
+        while !took_all_sent(ms[l].child.id(), ms[s].child.id(), &mirror_port) {
+            assert!(Instant::now() < until, "the standby did not take what the stopped leader had sent it");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let now = mirror_seq(&ms[s]);
+        eprintln!("try {i}: the standby took all the stopped leader sent {:?} after the stop; its mirror at entry {now} (before the put: {seen})", stopped.elapsed());
+        if now == seen {
             lost = Some((key, 10 + i, addr));
             break;
         }
