@@ -1044,8 +1044,14 @@ fn masters_holding_the_cluster_key_replicate_and_fail_over_and_one_with_another_
         Err(e) => panic!("expected Unauthorized: {e}"),
         Ok(_) => panic!("a client with another key was served"),
     }
-    // Meanwhile the leader tried to link the master with another key, more than once.
-    std::thread::sleep(Duration::from_secs(2));
+    // Meanwhile the leader tried to link the master with another key, more than once: its
+    // log says twice that they could not prove the key to each other.
+    let refused = || std::fs::read_to_string(&ms[l].log).unwrap_or_default().lines().filter(|l| l.contains(&other.rpc) && l.contains("could not prove the cluster key")).count();
+    let until = Instant::now() + Duration::from_secs(10);
+    while refused() < 2 {
+        assert!(Instant::now() < until, "the leader did not try twice to link the master with another key ({} refusals logged):\n{}", refused(), log_tail(&ms[l].log, 40));
+        std::thread::sleep(Duration::from_millis(50));
+    }
     assert_eq!(ha_status(&ms[l])["insync"], serde_json::json!([ms[s].rpc]), "the master with another key is not in sync");
     let mirror = ha_status(&other)["mirror"].clone();
     assert!(mirror["objects"].as_u64().unwrap_or(0) == 0 && mirror["fed"] != true, "it mirrors nothing: {mirror}");
