@@ -1192,7 +1192,7 @@ fn a_standby_that_joins_a_set_already_in_sync_takes_over_with_what_etcd_lacks() 
 #[test]
 fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_object() {
     let _cpus = beside();
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     let cases: [(&str, &[&str]); 5] = [
         ("tail", &["--ha-rebase-base-every", "600s"]),
         ("refreshed", &["--ha-rebase-base-every", "200ms", "--ha-rebase-tail-bytes", "64K"]),
@@ -1225,11 +1225,14 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
         // (Room for every object: at most 4 × 5000 of 4 KiB, none evicted.)
         let c = ha_client(port, 128 << 20);
         let (stop, trickle_stop) = (AtomicBool::new(false), AtomicBool::new(false));
+        // The puts that returned Ok so far, and the loads still running.
+        let (done, running) = (AtomicUsize::new(0), AtomicUsize::new(0));
         // Puts `tag-0`, `tag-1`, ... (at most 5000, `pause` after each) until `stop` (or
         // `trickle_stop` for the trickle): the keys a put returned Ok for.
         let load = |tag: &str, trickle: bool, pause: Duration| {
-            let (c, stop) = (&c, if trickle { &trickle_stop } else { &stop });
+            let (c, stop, done, running) = (&c, if trickle { &trickle_stop } else { &stop }, &done, &running);
             let tag = tag.to_string();
+            running.fetch_add(1, Ordering::AcqRel);
             move || {
                 let mut ok = Vec::new();
                 for i in 0..5000 {
@@ -1239,16 +1242,34 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
                     let key = format!("{tag}-{i}");
                     if c.put(&key, &value(&key, 4096), &ReplicateConfig::default()).is_ok() {
                         ok.push(key);
+                        done.fetch_add(1, Ordering::AcqRel);
                     }
                     std::thread::sleep(pause);
                 }
+                running.fetch_sub(1, Ordering::AcqRel);
                 ok
+            }
+        };
+        // Waits until the loads put `n` more objects than `from`, or none runs any more.
+        let progress = |from: usize, n: usize, what: &str| {
+            let until = Instant::now() + Duration::from_secs(20);
+            while done.load(Ordering::Acquire) < from + n && running.load(Ordering::Acquire) > 0 {
+                assert!(Instant::now() < until, "{case}: {what}: {} puts of {n} in 20 s", done.load(Ordering::Acquire) - from);
+                std::thread::sleep(Duration::from_millis(20));
             }
         };
         let before = ha_status(&ms[l])["journal"].clone();
         let (mut kept, killed_at) = std::thread::scope(|sc| {
             let loads: Vec<_> = (0..4).map(|t| sc.spawn(load(&format!("{case}{t}"), false, Duration::ZERO))).collect();
-            std::thread::sleep(Duration::from_millis(1500));
+            // The load runs a while first (2000 puts, acknowledged by the in-sync standby: the
+            // entries a rebase or a takeover writes from the tail), and with a small tail until
+            // the run they made outgrew its cap and a background snapshot followed.
+            progress(0, 2000, "the load before the kill");
+            let until = Instant::now() + Duration::from_secs(20);
+            while refreshed && ha_status(&ms[l])["journal"]["snapshots"].as_u64() <= before["snapshots"].as_u64() {
+                assert!(Instant::now() < until, "{case}: the load never made the tail outgrow its cap: no background snapshot in 20 s: {}", ha_status(&ms[l])["journal"]);
+                std::thread::sleep(Duration::from_millis(20));
+            }
             if refreshed {
                 // (The kill when the tail is whole again: after the load, a background
                 // snapshot follows the run the load made outgrow its cap.)
@@ -1292,10 +1313,13 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
                 }
             }
             let killed_at = j;
+            let at_kill = done.load(Ordering::Acquire);
             if takeover {
                 wait_leader(&ms[lead], 2 * TTL, "the in-sync standby did not lead");
             }
-            std::thread::sleep(Duration::from_millis(700));
+            // The clients go on after the kill (when a load still runs): 200 more puts, which
+            // the lone master started last must load too.
+            progress(at_kill, 200, "the load after the kill");
             stop.store(true, Ordering::Release);
             trickle_stop.store(true, Ordering::Release);
             let mut kept: Vec<String> = loads.into_iter().flat_map(|h| h.join().expect("load")).collect();
