@@ -1396,8 +1396,24 @@ fn an_in_sync_standby_whose_campaign_fails_keeps_its_mirror_and_leads_from_it() 
             n
         });
         ms[l].kill();
-        // The key expires within a TTL; the standby campaigns (and fails) for a while more.
-        std::thread::sleep(TTL + Duration::from_secs(1));
+        // The key expires within a TTL (the dead leader's lease runs out: etcd drops it); the
+        // standby then campaigns, from its mirror, and fails: its `/ha_status` names no leader
+        // any more (a campaign lost while no key exists says so; until the key went, the
+        // standby named the dead leader).
+        let until = Instant::now() + TTL + Duration::from_secs(10);
+        while etcd_view(&etcd, "mooncake_cluster").is_some() {
+            assert!(Instant::now() < until, "the dead leader's key did not expire");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        loop {
+            let st = ha_status(&ms[s]);
+            assert_eq!(st["role"], "standby", "the standby won a campaign while the in-sync record kept changing: {st}");
+            if st["leader"] == "" {
+                break;
+            }
+            assert!(Instant::now() < until, "the standby did not campaign and fail: {st}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
         stop.store(true, std::sync::atomic::Ordering::Release);
         toucher.join().expect("the toucher")
     });
