@@ -1580,9 +1580,20 @@ fn a_paused_in_sync_standby_holds_a_request_one_acknowledgement_bound_then_leave
     let before = streamed(&ms[l]);
     assert_eq!(rpc(&mut conn, &mount_request()), Response::Ok);
     assert!(streamed(&ms[l]) > before, "acknowledged by the standby");
-    std::thread::sleep(Duration::from_millis(50)); // the writer asleep again, nothing in flight
 
     common::pause(ms[s].child.id());
+    // The writer asleep again with its links lent, nothing in flight (`journal.lending`): the
+    // next request sends its own entry. (The writer also wakes every 200 ms or so to look at
+    // the standbys: a request that comes just then goes through it, bound the same.)
+    let until = Instant::now() + Duration::from_secs(5);
+    let seq = loop {
+        let j = ha_status(&ms[l])["journal"].clone();
+        if j["lending"] == true {
+            break j["seq"].as_u64();
+        }
+        assert!(Instant::now() < until, "the leader's writer did not sleep with its links lent: {j}");
+        std::thread::sleep(Duration::from_millis(10));
+    };
     let mount = |id: u64| Request::MountSegment { client: 99, segment: proto::Segment { id, name: "127.0.0.1:1".into(), te_endpoint: "127.0.0.1:1".into(), base: id << 30, size: 1 << 20 } };
     // Meanwhile another standby registers (a listener that accepts and never answers): the
     // leader links it, and linking it must not answer what waits for the in-sync standby.
@@ -1591,7 +1602,12 @@ fn a_paused_in_sync_standby_holds_a_request_one_acknowledgement_bound_then_leave
     let sent = Instant::now();
     let took = std::thread::scope(|sc| {
         sc.spawn(|| {
-            std::thread::sleep(Duration::from_millis(30));
+            // Once the request's entry went out (the leader's journal `seq` moved on), while
+            // it waits for the paused standby.
+            while ha_status(&ms[l])["journal"]["seq"].as_u64() == seq {
+                assert!(sent.elapsed() < Duration::from_secs(5), "the request's entry never went out");
+                std::thread::sleep(Duration::from_millis(5));
+            }
             etcd.put(&kvferry_store::ha::sync::standby_key(cluster, &third_addr), third_addr.as_bytes(), 0).expect("register a third standby");
         });
         assert_eq!(rpc(&mut conn, &mount(8)), Response::Ok, "answered once the paused standby left the set");
