@@ -240,6 +240,73 @@ fn raw(addr: &str) -> TcpStream {
     s
 }
 
+/// One TCP socket of this host's network namespace, as `/proc/net/tcp` and `/proc/net/tcp6`
+/// show it: its local and remote address (`ADDR:PORT`, in the kernel's hexadecimal), whether it
+/// listens, the bytes it sent that the peer did not acknowledge yet (`tx`) and the bytes it
+/// received that its process did not read yet (`rx`), and its inode.
+struct Sock {
+    local: String,
+    remote: String,
+    listening: bool,
+    tx: u64,
+    rx: u64,
+    inode: u64,
+}
+
+impl Sock {
+    fn port(&self) -> &str {
+        self.local.rsplit_once(':').map_or("", |(_, p)| p)
+    }
+}
+
+fn sockets() -> Vec<Sock> {
+    let parse = |line: &str| -> Option<Sock> {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (tx, rx) = f.get(4)?.split_once(':')?;
+        Some(Sock { local: f[1].to_string(), remote: f[2].to_string(), listening: f[3] == "0A", tx: u64::from_str_radix(tx, 16).ok()?, rx: u64::from_str_radix(rx, 16).ok()?, inode: f.get(9)?.parse().ok()? })
+    };
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().flat_map(|t| std::fs::read_to_string(t).unwrap_or_default().lines().skip(1).filter_map(parse).collect::<Vec<_>>()).collect()
+}
+
+/// The sockets process `pid` holds (a child of this test): inode -> its descriptors.
+fn socket_fds(pid: u32) -> std::collections::HashMap<u64, Vec<u64>> {
+    let mut out: std::collections::HashMap<u64, Vec<u64>> = Default::default();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap_or_else(|e| panic!("/proc/{pid}/fd: {e}")).flatten() {
+        let Ok(to) = std::fs::read_link(e.path()) else { continue };
+        let inode = to.to_str().and_then(|t| t.strip_prefix("socket:[")).and_then(|t| t.strip_suffix(']')).and_then(|t| t.parse().ok());
+        if let (Some(inode), Some(fd)) = (inode, e.file_name().to_str().and_then(|f| f.parse().ok())) {
+            out.entry(inode).or_default().push(fd);
+        }
+    }
+    out
+}
+
+/// Whether a thread of process `pid` is blocked in a system call on one of `fds`
+/// (`/proc/PID/task/TID/syscall`: the call's number, then its arguments, the descriptor first;
+/// `running` while it runs).
+fn blocked_on(pid: u32, fds: &[u64]) -> bool {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap_or_else(|e| panic!("/proc/{pid}/task: {e}"));
+    tasks.flatten().any(|t| match std::fs::read_to_string(t.path().join("syscall")) {
+        Ok(call) => call.split_whitespace().nth(1).and_then(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).ok()).is_some_and(|fd| fds.contains(&fd)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false, // (the thread exited meanwhile)
+        Err(e) => panic!("{}/syscall: {e} (this test needs to see where a child's thread waits)", t.path().display()),
+    })
+}
+
+/// Whether the standby `to` took every byte that the stopped leader `from` sent it on the
+/// replication links it accepted on `port` (the hexadecimal port, as [`Sock`] has it): on each,
+/// nothing the leader sent is unacknowledged and nothing is unread at the standby, and a
+/// thread of the standby is blocked in a system call on it (waiting for more, or sending its
+/// acknowledgement of what it took; it acknowledges after taking). Then the standby's mirror
+/// holds whatever left the leader before it stopped. False while there is no such link.
+fn took_all_sent(from: u32, to: u32, port: &str) -> bool {
+    let (fs, ts) = (socket_fds(from), socket_fds(to));
+    let socks = sockets();
+    let links = socks.iter().filter(|a| fs.contains_key(&a.inode) && !a.listening).filter_map(|a| Some((a, socks.iter().find(|b| ts.contains_key(&b.inode) && b.port() == port && b.local == a.remote && b.remote == a.local)?)));
+    let links: Vec<(&Sock, &Sock)> = links.collect();
+    !links.is_empty() && links.iter().all(|(a, b)| a.tx == 0 && b.rx == 0 && blocked_on(to, &ts[&b.inode]))
+}
+
 fn mount_request() -> Request {
     let segment = proto::Segment { id: 7, name: "127.0.0.1:1".into(), te_endpoint: "127.0.0.1:1".into(), base: 1 << 30, size: 1 << 20 };
     Request::MountSegment { client: 99, segment }
@@ -305,8 +372,29 @@ fn one_leader_and_a_client_that_follows_it_through_a_sigkill() {
     let s = 1 - l;
     let (leader_addr, term) = etcd_view(&etcd, "mooncake_cluster").expect("the key exists");
     assert_eq!(leader_addr, ms[l].rpc, "the key holds the leader's RPC address");
-    // Renewals keep it: the same leader and term after twice the TTL.
-    std::thread::sleep(2 * TTL + Duration::from_millis(500));
+    // Renewals keep it: the same leader and term after twice the TTL. (A lease kept is
+    // something that does not happen, the key's expiry: no event says so. What keeps it is
+    // seen instead: the leader's renewals, each one its `last_keepalive_age_ms` falling. This
+    // waits for a renewal sent after the key outlived its TTL twice over, and checks at every
+    // look that the roles and etcd's key never changed meanwhile.)
+    let since = Instant::now();
+    let (mut renewals, mut last_age) = (0u32, None);
+    loop {
+        let st = ha_status(&ms[l]);
+        let age = st["last_keepalive_age_ms"].as_u64();
+        assert_eq!((st["role"].as_str(), ms[s].role().as_str()), (Some("leader"), "standby"), "the leader keeps its lease ({renewals} renewals seen, {:?} after it led): {st}", since.elapsed());
+        assert_eq!(etcd_view(&etcd, "mooncake_cluster"), Some((leader_addr.clone(), term)), "same key, same term");
+        if age.is_some() && last_age.is_some() && age < last_age {
+            renewals += 1;
+            if since.elapsed() > 2 * TTL + Duration::from_millis(500) {
+                break;
+            }
+        }
+        last_age = age;
+        assert!(since.elapsed() < 2 * TTL + Duration::from_secs(3), "no renewal seen after the key outlived its TTL twice ({renewals} before): {st}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("the leader's key outlived its TTL twice over: {renewals} renewals seen in {:?}", since.elapsed());
     assert_eq!((ms[l].role(), ms[s].role()), ("leader".to_string(), "standby".to_string()), "the leader keeps its lease");
     assert_eq!(etcd_view(&etcd, "mooncake_cluster"), Some((leader_addr.clone(), term)), "same key, same term");
 
@@ -462,11 +550,29 @@ fn a_put_in_flight_across_a_failover_completes_at_the_new_leader() {
         .expect("client setup");
     c.put("warm", &value("warm", 4096), &ReplicateConfig::default()).expect("a put to the served segment");
 
-    common::pause(server.0.id());
+    let server_pid = server.0.id();
+    common::pause(server_pid);
     let (c, ms) = (&c, &ms);
     let result = std::thread::scope(|sc| {
         let put = sc.spawn(move || c.put("in-flight", &value("in-flight", 1 << 20), &ReplicateConfig::default()));
-        std::thread::sleep(Duration::from_millis(300)); // PutStart answered, the write held
+        // PutStart answered, the write held: the leader has the put started and not ended, and
+        // its bytes wait unread at the stopped server (the client writes them only once it has
+        // the PutStart's answer: the replica's address).
+        let server_socks = socket_fds(server_pid);
+        let (began, until) = (Instant::now(), Instant::now() + Duration::from_secs(10));
+        loop {
+            let (code, body) = http_get(&ms[l].http, "/query_key?key=in-flight");
+            let started = code == 200 && serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|k| k["complete"] == false);
+            let socks = sockets();
+            let ports: Vec<&str> = socks.iter().filter(|x| x.listening && server_socks.contains_key(&x.inode)).map(Sock::port).collect();
+            let held = socks.iter().any(|x| !x.listening && ports.contains(&x.port()) && x.rx > 0);
+            if started && held {
+                break;
+            }
+            assert!(!put.is_finished() && Instant::now() < until, "the put did not start and hold its write at the stopped server: the leader's /query_key {code} {body:?}; bytes unread at the server's ports {ports:?}: {held}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        eprintln!("the put started and its write held at the stopped server {:?} after it was sent", began.elapsed());
         ms_kill_handle(ms, l);
         let until = Instant::now() + 2 * TTL + Duration::from_secs(1);
         while ms[s].role() != "leader" {
@@ -843,6 +949,11 @@ fn a_put_answered_early_whose_start_died_with_the_leader_is_never_served_and_its
             std::thread::sleep(Duration::from_millis(10));
         }
     };
+    // The standby's replication port (where the leader's link to it was accepted).
+    let etcd = EtcdClient::connect(&[format!("127.0.0.1:{}", etcd_svc.port)], Duration::from_secs(2)).expect("etcd");
+    let reg = etcd.get_kv(&kvferry_store::ha::sync::standby_key(kvferry_store::ha::DEFAULT_CLUSTER_ID, &ms[s].rpc)).expect("etcd get").expect("the standby's registration");
+    let mirror_port = kvferry_store::ha::sync::parse_registration(&String::from_utf8_lossy(&reg.value)).addr.parse::<std::net::SocketAddr>().expect("the mirror's address").port();
+    let mirror_port = format!("{mirror_port:04X}");
     // The leader collects an early answer's changes within a millisecond (or at its next
     // tick): the stop usually lands before; tried again when it did not.
     let mut lost = None;
@@ -850,10 +961,18 @@ fn a_put_answered_early_whose_start_died_with_the_leader_is_never_served_and_its
         let seen = caught_up(&ms[s], &ms[l]);
         let key = format!("lost-{i}");
         let got = rpc(&mut a, &start(&key, 10 + i));
-        ms[l].signal(Signal::STOP);
+        common::pause(ms[l].child.id());
         let addr = addr_of(got, "a put placed in the durable grant");
-        std::thread::sleep(Duration::from_millis(150)); // what left before the stop arrives
-        if mirror_seq(&ms[s]) == seen {
+        // Every thread of the leader stopped: what left it before is on its way to the standby,
+        // nothing more leaves. Its mirror holds all of it once the standby took every byte.
+        let (stopped, until) = (Instant::now(), Instant::now() + Duration::from_secs(10));
+        while !took_all_sent(ms[l].child.id(), ms[s].child.id(), &mirror_port) {
+            assert!(Instant::now() < until, "the standby did not take what the stopped leader had sent it");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let now = mirror_seq(&ms[s]);
+        eprintln!("try {i}: the standby took all the stopped leader sent {:?} after the stop; its mirror at entry {now} (before the put: {seen})", stopped.elapsed());
+        if now == seen {
             lost = Some((key, 10 + i, addr));
             break;
         }
@@ -925,8 +1044,14 @@ fn masters_holding_the_cluster_key_replicate_and_fail_over_and_one_with_another_
         Err(e) => panic!("expected Unauthorized: {e}"),
         Ok(_) => panic!("a client with another key was served"),
     }
-    // Meanwhile the leader tried to link the master with another key, more than once.
-    std::thread::sleep(Duration::from_secs(2));
+    // Meanwhile the leader tried to link the master with another key, more than once: its
+    // log says twice that they could not prove the key to each other.
+    let refused = || std::fs::read_to_string(&ms[l].log).unwrap_or_default().lines().filter(|l| l.contains(&other.rpc) && l.contains("could not prove the cluster key")).count();
+    let until = Instant::now() + Duration::from_secs(10);
+    while refused() < 2 {
+        assert!(Instant::now() < until, "the leader did not try twice to link the master with another key ({} refusals logged):\n{}", refused(), log_tail(&ms[l].log, 40));
+        std::thread::sleep(Duration::from_millis(50));
+    }
     assert_eq!(ha_status(&ms[l])["insync"], serde_json::json!([ms[s].rpc]), "the master with another key is not in sync");
     let mirror = ha_status(&other)["mirror"].clone();
     assert!(mirror["objects"].as_u64().unwrap_or(0) == 0 && mirror["fed"] != true, "it mirrors nothing: {mirror}");
@@ -1067,7 +1192,7 @@ fn a_standby_that_joins_a_set_already_in_sync_takes_over_with_what_etcd_lacks() 
 #[test]
 fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_object() {
     let _cpus = beside();
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     let cases: [(&str, &[&str]); 5] = [
         ("tail", &["--ha-rebase-base-every", "600s"]),
         ("refreshed", &["--ha-rebase-base-every", "200ms", "--ha-rebase-tail-bytes", "64K"]),
@@ -1100,11 +1225,14 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
         // (Room for every object: at most 4 × 5000 of 4 KiB, none evicted.)
         let c = ha_client(port, 128 << 20);
         let (stop, trickle_stop) = (AtomicBool::new(false), AtomicBool::new(false));
+        // The puts that returned Ok so far, and the loads still running.
+        let (done, running) = (AtomicUsize::new(0), AtomicUsize::new(0));
         // Puts `tag-0`, `tag-1`, ... (at most 5000, `pause` after each) until `stop` (or
         // `trickle_stop` for the trickle): the keys a put returned Ok for.
         let load = |tag: &str, trickle: bool, pause: Duration| {
-            let (c, stop) = (&c, if trickle { &trickle_stop } else { &stop });
+            let (c, stop, done, running) = (&c, if trickle { &trickle_stop } else { &stop }, &done, &running);
             let tag = tag.to_string();
+            running.fetch_add(1, Ordering::AcqRel);
             move || {
                 let mut ok = Vec::new();
                 for i in 0..5000 {
@@ -1114,16 +1242,34 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
                     let key = format!("{tag}-{i}");
                     if c.put(&key, &value(&key, 4096), &ReplicateConfig::default()).is_ok() {
                         ok.push(key);
+                        done.fetch_add(1, Ordering::AcqRel);
                     }
                     std::thread::sleep(pause);
                 }
+                running.fetch_sub(1, Ordering::AcqRel);
                 ok
+            }
+        };
+        // Waits until the loads put `n` more objects than `from`, or none runs any more.
+        let progress = |from: usize, n: usize, what: &str| {
+            let until = Instant::now() + Duration::from_secs(20);
+            while done.load(Ordering::Acquire) < from + n && running.load(Ordering::Acquire) > 0 {
+                assert!(Instant::now() < until, "{case}: {what}: {} puts of {n} in 20 s", done.load(Ordering::Acquire) - from);
+                std::thread::sleep(Duration::from_millis(20));
             }
         };
         let before = ha_status(&ms[l])["journal"].clone();
         let (mut kept, killed_at) = std::thread::scope(|sc| {
             let loads: Vec<_> = (0..4).map(|t| sc.spawn(load(&format!("{case}{t}"), false, Duration::ZERO))).collect();
-            std::thread::sleep(Duration::from_millis(1500));
+            // The load runs a while first (2000 puts, acknowledged by the in-sync standby: the
+            // entries a rebase or a takeover writes from the tail), and with a small tail until
+            // the run they made outgrew its cap and a background snapshot followed.
+            progress(0, 2000, "the load before the kill");
+            let until = Instant::now() + Duration::from_secs(20);
+            while refreshed && ha_status(&ms[l])["journal"]["snapshots"].as_u64() <= before["snapshots"].as_u64() {
+                assert!(Instant::now() < until, "{case}: the load never made the tail outgrow its cap: no background snapshot in 20 s: {}", ha_status(&ms[l])["journal"]);
+                std::thread::sleep(Duration::from_millis(20));
+            }
             if refreshed {
                 // (The kill when the tail is whole again: after the load, a background
                 // snapshot follows the run the load made outgrow its cap.)
@@ -1139,10 +1285,22 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
                 let mut all: Vec<String> = Vec::new();
                 let until = Instant::now() + Duration::from_secs(10);
                 let since = if trickle.is_some() { stopped } else { before["snapshots"].as_u64() };
+                let mut since = since;
                 loop {
                     let j = ha_status(&ms[l])["journal"].clone();
                     if j["tail_whole"] == true && j["snapshots"].as_u64() > since {
-                        break;
+                        if trickle.is_none() {
+                            break;
+                        }
+                        // At least 5 entries after that snapshot (what the takeover writes
+                        // from its tail): 8 of the trickle's puts, with no snapshot between
+                        // (else the run starts again, and so does the wait).
+                        since = j["snapshots"].as_u64();
+                        progress(done.load(Ordering::Acquire), 8, "the trickle after a background snapshot");
+                        if ha_status(&ms[l])["journal"]["snapshots"].as_u64() == since {
+                            break;
+                        }
+                        continue;
                     }
                     assert!(Instant::now() < until, "{case}: no background snapshot gave the tail a new start: {j}");
                     std::thread::sleep(Duration::from_millis(50));
@@ -1167,10 +1325,13 @@ fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_obje
                 }
             }
             let killed_at = j;
+            let at_kill = done.load(Ordering::Acquire);
             if takeover {
                 wait_leader(&ms[lead], 2 * TTL, "the in-sync standby did not lead");
             }
-            std::thread::sleep(Duration::from_millis(700));
+            // The clients go on after the kill (when a load still runs): 200 more puts, which
+            // the lone master started last must load too.
+            progress(at_kill, 200, "the load after the kill");
             stop.store(true, Ordering::Release);
             trickle_stop.store(true, Ordering::Release);
             let mut kept: Vec<String> = loads.into_iter().flat_map(|h| h.join().expect("load")).collect();
@@ -1247,8 +1408,24 @@ fn an_in_sync_standby_whose_campaign_fails_keeps_its_mirror_and_leads_from_it() 
             n
         });
         ms[l].kill();
-        // The key expires within a TTL; the standby campaigns (and fails) for a while more.
-        std::thread::sleep(TTL + Duration::from_secs(1));
+        // The key expires within a TTL (the dead leader's lease runs out: etcd drops it); the
+        // standby then campaigns, from its mirror, and fails: its `/ha_status` names no leader
+        // any more (a campaign lost while no key exists says so; until the key went, the
+        // standby named the dead leader).
+        let until = Instant::now() + TTL + Duration::from_secs(10);
+        while etcd_view(&etcd, "mooncake_cluster").is_some() {
+            assert!(Instant::now() < until, "the dead leader's key did not expire");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        loop {
+            let st = ha_status(&ms[s]);
+            assert_eq!(st["role"], "standby", "the standby won a campaign while the in-sync record kept changing: {st}");
+            if st["leader"] == "" {
+                break;
+            }
+            assert!(Instant::now() < until, "the standby did not campaign and fail: {st}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
         stop.store(true, std::sync::atomic::Ordering::Release);
         toucher.join().expect("the toucher")
     });
@@ -1415,9 +1592,20 @@ fn a_paused_in_sync_standby_holds_a_request_one_acknowledgement_bound_then_leave
     let before = streamed(&ms[l]);
     assert_eq!(rpc(&mut conn, &mount_request()), Response::Ok);
     assert!(streamed(&ms[l]) > before, "acknowledged by the standby");
-    std::thread::sleep(Duration::from_millis(50)); // the writer asleep again, nothing in flight
 
     common::pause(ms[s].child.id());
+    // The writer asleep again with its links lent, nothing in flight (`journal.lending`): the
+    // next request sends its own entry. (The writer also wakes every 200 ms or so to look at
+    // the standbys: a request that comes just then goes through it, bound the same.)
+    let until = Instant::now() + Duration::from_secs(5);
+    let seq = loop {
+        let j = ha_status(&ms[l])["journal"].clone();
+        if j["lending"] == true {
+            break j["seq"].as_u64();
+        }
+        assert!(Instant::now() < until, "the leader's writer did not sleep with its links lent: {j}");
+        std::thread::sleep(Duration::from_millis(10));
+    };
     let mount = |id: u64| Request::MountSegment { client: 99, segment: proto::Segment { id, name: "127.0.0.1:1".into(), te_endpoint: "127.0.0.1:1".into(), base: id << 30, size: 1 << 20 } };
     // Meanwhile another standby registers (a listener that accepts and never answers): the
     // leader links it, and linking it must not answer what waits for the in-sync standby.
@@ -1426,7 +1614,12 @@ fn a_paused_in_sync_standby_holds_a_request_one_acknowledgement_bound_then_leave
     let sent = Instant::now();
     let took = std::thread::scope(|sc| {
         sc.spawn(|| {
-            std::thread::sleep(Duration::from_millis(30));
+            // Once the request's entry went out (the leader's journal `seq` moved on), while
+            // it waits for the paused standby.
+            while ha_status(&ms[l])["journal"]["seq"].as_u64() == seq {
+                assert!(sent.elapsed() < Duration::from_secs(5), "the request's entry never went out");
+                std::thread::sleep(Duration::from_millis(5));
+            }
             etcd.put(&kvferry_store::ha::sync::standby_key(cluster, &third_addr), third_addr.as_bytes(), 0).expect("register a third standby");
         });
         assert_eq!(rpc(&mut conn, &mount(8)), Response::Ok, "answered once the paused standby left the set");

@@ -500,6 +500,12 @@ impl Tail {
 }
 
 impl Queue {
+    /// The writer sleeps with its links lent and nothing is in flight: the next changes go
+    /// out on their request's thread ([`JournalCore::collect_held`]).
+    fn lends(&self) -> bool {
+        self.lent.as_ref().is_some_and(|l| l.release.all_acknowledged()) && !self.failed && !self.kicked && !self.handoff
+    }
+
     /// The changes just enqueued (ticket `enqueued`) hold every grant up to `issued`.
     fn note_grants(&mut self, issued: u64) {
         if self.grant_marks.back().is_none_or(|&(_, g)| g < issued) && issued > 0 {
@@ -588,6 +594,9 @@ pub struct JournalStats {
     /// space whose grant was ("Puts answered before their start is acknowledged" in
     /// ARCHITECTURE.md).
     pub early_answers: u64,
+    /// The writer sleeps with its links lent and every entry acknowledged: a request's changes
+    /// go out now on the request's own thread ([`Lent`]; read when the figures are).
+    pub lending: bool,
 }
 
 /// Condition variables the waiting requests are spread over, by ticket.
@@ -637,6 +646,7 @@ impl JournalCore {
         let q = self.q();
         s.lag = q.enqueued - q.written;
         s.early_answers = self.early.load(Ordering::Relaxed);
+        s.lending = q.lends();
         s
     }
 
@@ -680,7 +690,7 @@ impl JournalCore {
             return None;
         }
         let queued = !changes.is_empty();
-        if queued && q.lent.as_ref().is_some_and(|l| l.release.all_acknowledged()) && !q.failed && !q.kicked && !q.handoff {
+        if queued && q.lends() {
             // The writer sleeps, nothing is in flight: this thread sends the entry ([`Lent`]).
             // The state's lock goes first: the queue's, held, keeps the changes in the order
             // they were applied.
