@@ -595,7 +595,7 @@ pub struct JournalStats {
     /// ARCHITECTURE.md).
     pub early_answers: u64,
     /// The writer sleeps with its links lent and every entry acknowledged: a request's changes
-    /// go out now on the request's own thread ([`Lent`]; read when the figures are).
+    /// go out now on the request's own thread (`Lent`; read when the figures are).
     pub lending: bool,
 }
 
