@@ -1,4 +1,5 @@
-//! The state machine's boundary, checked: no code of `src/master/` outside `#[cfg(test)]`
+//! The state machines' boundary, checked: no code of `src/master/` or `src/repl/` (replication's
+//! bookkeeping) outside `#[cfg(test)]`
 //! names a driver (the HA layer, the server, the client, the cleanup, `crate::node`'s
 //! `Master`), the clock, threads, locks, the network or the file system, or the process's
 //! randomness. Time comes in as an argument and whatever else it needs comes from its driver
@@ -212,8 +213,11 @@ fn children_dir(file: &Path) -> PathBuf {
 #[test]
 fn the_state_machine_names_no_driver_clock_lock_thread_io_or_process_randomness() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let files = sources(&root.join("src/master"));
+    let mut files = sources(&root.join("src/master"));
     assert!(files.iter().any(|f| f.ends_with("master/mod.rs")), "no src/master/mod.rs among {files:?}");
+    let repl = sources(&root.join("src/repl"));
+    assert!(repl.iter().any(|f| f.ends_with("repl/mod.rs")), "no src/repl/mod.rs among {repl:?}");
+    files.extend(repl);
     let mut test_files = Vec::new();
     let mut broke = Vec::new();
     for file in &files {
@@ -228,7 +232,7 @@ fn the_state_machine_names_no_driver_clock_lock_thread_io_or_process_randomness(
         .filter(|(_, file, ..)| !test_files.contains(file))
         .map(|(name, _, line, needle, why)| format!("{name}:{line}: names `{needle}`: {why}"))
         .collect();
-    assert!(broke.is_empty(), "the state machine (src/master/, outside #[cfg(test)]) must be pure: no driver, clock, lock, thread, I/O or process randomness:\n{}", broke.join("\n"));
+    assert!(broke.is_empty(), "the state machines (src/master/, src/repl/, outside #[cfg(test)]) must be pure: no driver, clock, lock, thread, I/O or process randomness:\n{}", broke.join("\n"));
 }
 
 /// The drivers are layered, each importing only what lies below it: the frame codec

@@ -25,6 +25,7 @@ pub mod master;
 mod net;
 pub mod node;
 pub mod proto;
+pub mod repl;
 pub mod server;
 #[cfg(test)]
 mod sim;

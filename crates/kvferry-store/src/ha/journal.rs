@@ -35,8 +35,9 @@ use crate::master::State;
 use crate::node::Master;
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::{Deserialize, Serialize};
-use super::sync::{image_frames, run_frames, AckSink, InSync, Link, Run, TailFrame, ToStandby, IMAGE_ENCODE_HOLD};
-use std::collections::{HashMap, VecDeque};
+use super::sync::{image_frames, run_frames, AckSink, InSync, Link, ToStandby, IMAGE_ENCODE_HOLD};
+use crate::repl::{self, Tail, TailFrame};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -279,14 +280,11 @@ pub type Answer = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
 /// A deferred answer, answered exactly once: if it is dropped unanswered (a path that forgot
 /// it), it answers that its outcome is unknown, so no client is left waiting.
-struct Later {
-    since: Instant,
-    answer: Option<Answer>,
-}
+struct Later(Option<Answer>);
 
 impl Later {
     fn answer(mut self, r: Result<(), StoreError>) {
-        if let Some(a) = self.answer.take() {
+        if let Some(a) = self.0.take() {
             a(r);
         }
     }
@@ -294,7 +292,7 @@ impl Later {
 
 impl Drop for Later {
     fn drop(&mut self) {
-        if let Some(a) = self.answer.take() {
+        if let Some(a) = self.0.take() {
             a(outcome_unknown());
         }
     }
@@ -319,23 +317,10 @@ fn not_durable(bound: Duration) -> Result<(), StoreError> {
     Err(StoreError::Rpc(format!("the master could not make the change durable (in its etcd journal or on its in-sync standbys) within {bound:?}; the request may not survive a failover, retry it")))
 }
 
+/// The queue as its driver holds it: the machine ([`repl::Queue`]) and who sleeps on it.
 #[derive(Default)]
 struct Queue {
-    /// Journaling for this term (0: not leading).
-    term: i64,
-    changes: Vec<Change>,
-    /// Collections with changes, counted; `written` of them are durable.
-    enqueued: u64,
-    written: u64,
-    /// The writer gave up (etcd unreachable past the fence bound, or the key is not ours):
-    /// nothing more is acknowledged in this term.
-    failed: bool,
-    /// The master is stopping: the writer puts the whole state in etcd (if standbys
-    /// acknowledged it) and fences the leader; `handed_off` once done.
-    handoff: bool,
-    handed_off: bool,
-    /// A standby's link broke since the writer last looked ([`JournalCore::kick`]).
-    kicked: bool,
+    m: repl::Queue<Later>,
     /// The writer sleeps for work: the next collection wakes it (and clears this). A wake-up
     /// is a system call even when nobody sleeps (std's condition variables do not count
     /// their waiters), and a busy writer needs none: it looks at the queue before it sleeps.
@@ -343,15 +328,16 @@ struct Queue {
     /// Threads sleeping in [`JournalCore::wait`] or [`JournalCore::hand_off`] (deferred answers
     /// need no wake-up).
     waiting: usize,
-    /// Answers waiting for their ticket to be written, of this term only (taken out and
-    /// answered whenever the term ends, fails or restarts).
-    later: std::collections::BTreeMap<u64, Vec<Later>>,
     /// The writer's way to the standbys while it sleeps and streams ([`Lent`]).
     lent: Option<Lent>,
-    /// (ticket, grant number): every grant up to the number is in the changes that the
-    /// ticket completes (noted when changes are taken from the state, under its lock:
-    /// [`crate::master::grants_issued`]).
-    grant_marks: std::collections::VecDeque<(u64, u64)>,
+}
+
+impl Queue {
+    /// The writer sleeps with its links lent and nothing is in flight: the next changes go
+    /// out on their request's thread ([`JournalCore::collect_held`]).
+    fn lends(&self) -> bool {
+        self.lent.as_ref().is_some_and(|l| l.release.all_acknowledged()) && !self.m.busy()
+    }
 }
 
 /// What a streaming writer lends the request threads while it sleeps, so that a request whose
@@ -379,174 +365,6 @@ pub const TAIL_DEFAULT: u64 = 64 << 20;
 /// A background snapshot refreshes the etcd journal's base while standbys are in sync at most
 /// this often by default ([`Tail`], `--ha-rebase-base-every`).
 pub const BASE_EVERY: Duration = Duration::from_secs(60);
-
-/// The entries streamed to the in-sync standbys since the etcd journal's last position, which
-/// the etcd journal does not have (it is not written while standbys are in sync): kept so
-/// that when the in-sync set empties, the rebase writes them to the log after that position
-/// (a few transactions) instead of the whole state, which grows with the pool (at a million
-/// objects on the dev VM, `store-bench --ha --ha-parts rebase`: changing requests held 1.85 s
-/// for the whole state, 0.17 s for a tail of 13 MB). A run starts where
-/// the etcd journal is whole: when the set becomes non-empty (everything before was appended
-/// to etcd), and again after each background snapshot written while standbys are in sync
-/// ([`Writer`]'s `refresh_base`, once a run outgrew the cap, at most every `every`,
-/// [`BASE_EVERY`] by default). A run that misses an entry or outgrows `cap` bytes of frames is
-/// dropped: the rebase then writes the whole state, as before. The frames are the ones sent
-/// to the standbys (shared, not copied).
-pub struct Tail {
-    cap: usize,
-    every: Duration,
-    /// The run the etcd journal's head (or its log) ends at.
-    cur: Option<Run>,
-    /// The run from a background snapshot's position, until its head is written.
-    next: Option<Run>,
-    /// The next image's position starts `next` ([`Tail::begin`]).
-    want_next: bool,
-    /// When the last run started.
-    started: Instant,
-    /// When the figures last showed its size, and whether a run was kept then
-    /// ([`Tail::size_to_show`]).
-    shown: Option<(Instant, bool)>,
-}
-
-/// How often the journal's figures show the tail's size.
-const TAIL_SHOWN_EVERY: Duration = Duration::from_millis(200);
-
-impl Tail {
-    /// A tail of at most `cap` bytes of frames per run (0: none is kept), refreshed at most
-    /// `every`.
-    pub fn new(cap: usize, every: Duration) -> Tail {
-        Tail { cap, every, cur: None, next: None, want_next: false, started: Instant::now(), shown: None }
-    }
-
-    fn push(&mut self, seq: u64, frame: &Arc<Vec<u8>>) {
-        let cap = self.cap;
-        for r in [&mut self.cur, &mut self.next] {
-            if r.as_mut().is_some_and(|run| !run.push(seq, seq, frame, cap)) {
-                *r = None;
-            }
-        }
-    }
-
-    /// The etcd journal is whole up to `base`: a run starts there.
-    fn start(&mut self, base: u64) {
-        self.clear();
-        if self.cap > 0 {
-            self.cur = Some(Run::at(base));
-        }
-        self.started = Instant::now();
-    }
-
-    fn clear(&mut self) {
-        (self.cur, self.next, self.want_next) = (None, None, false);
-    }
-
-    /// An image's position is `at`: the run after it starts, if one was asked for (whether
-    /// it did).
-    fn begin(&mut self, at: u64) -> bool {
-        if std::mem::take(&mut self.want_next) && self.cap > 0 {
-            self.next = Some(Run::at(at));
-            self.started = Instant::now();
-            return true;
-        }
-        false
-    }
-
-    /// The background snapshot's head is written: its run is the current one.
-    fn based(&mut self) {
-        if let Some(r) = self.next.take() {
-            self.cur = Some(r);
-        }
-    }
-
-    /// Where the current run starts and its frames up to entry `at` (for a standby whose
-    /// image is at `at`: [`ToStandby::Run`]), if it is whole that far.
-    fn upto(&self, at: u64) -> Option<(u64, Vec<TailFrame>)> {
-        let r = self.cur.as_ref().filter(|r| r.base <= at && r.last() >= at)?;
-        let n = r.frames.partition_point(|f| f.last <= at);
-        let frames = r.frames[..n].to_vec();
-        (frames.last().map_or(r.base, |f| f.last) == at).then_some((r.base, frames))
-    }
-
-    /// The current run, if it is whole up to entry `upto`; the tail is empty after.
-    fn take(&mut self, upto: u64) -> Option<Run> {
-        let r = self.cur.take();
-        self.clear();
-        r.filter(|r| r.last() == upto)
-    }
-
-    /// Whether a background snapshot is due: the current run was dropped (it outgrew its
-    /// cap), `every` after the last run started. (A run that is still whole needs none: the
-    /// rebase would write at most the cap.)
-    fn refresh_due(&self) -> bool {
-        self.cap > 0 && self.cur.is_none() && self.started.elapsed() >= self.every
-    }
-
-    /// Bytes of the current run's frames, and whether there is one.
-    fn size(&self) -> (u64, bool) {
-        self.cur.as_ref().map_or((0, false), |r| (r.bytes as u64, true))
-    }
-
-    /// [`Tail::size`] for the journal's figures when whether a run is kept changed since they
-    /// last showed it, else at most every [`TAIL_SHOWN_EVERY`] (the writer turns once per
-    /// commit: the figures' lock each time would be one more on the request path).
-    fn size_to_show(&mut self) -> Option<(u64, bool)> {
-        let (bytes, whole) = self.size();
-        if self.shown.is_some_and(|(t, w)| w == whole && t.elapsed() < TAIL_SHOWN_EVERY) {
-            return None;
-        }
-        self.shown = Some((Instant::now(), whole));
-        Some((bytes, whole))
-    }
-}
-
-impl Queue {
-    /// The writer sleeps with its links lent and nothing is in flight: the next changes go
-    /// out on their request's thread ([`JournalCore::collect_held`]).
-    fn lends(&self) -> bool {
-        self.lent.as_ref().is_some_and(|l| l.release.all_acknowledged()) && !self.failed && !self.kicked && !self.handoff
-    }
-
-    /// The changes just enqueued (ticket `enqueued`) hold every grant up to `issued`.
-    fn note_grants(&mut self, issued: u64) {
-        if self.grant_marks.back().is_none_or(|&(_, g)| g < issued) && issued > 0 {
-            self.grant_marks.push_back((self.enqueued, issued));
-        }
-    }
-
-    /// The highest grant number whose ticket is written now (taken out), if any.
-    fn grants_written(&mut self) -> Option<u64> {
-        let mut out = None;
-        while let Some(&(ticket, g)) = self.grant_marks.front() {
-            if ticket > self.written {
-                break;
-            }
-            out = Some(g);
-            self.grant_marks.pop_front();
-        }
-        out
-    }
-
-    /// Everything queued, and the ticket that completes it.
-    fn take(&mut self) -> (Vec<Change>, u64) {
-        (std::mem::take(&mut self.changes), self.enqueued)
-    }
-
-    /// The deferred answers whose tickets are written.
-    fn take_written(&mut self) -> Vec<Later> {
-        let mut out = Vec::new();
-        while let Some(e) = self.later.first_entry() {
-            if *e.key() > self.written {
-                break;
-            }
-            out.extend(e.remove());
-        }
-        out
-    }
-
-    fn take_later(&mut self) -> Vec<Later> {
-        std::mem::take(&mut self.later).into_values().flatten().collect()
-    }
-}
 
 /// Counters shown on `/ha_status` and `/metrics`.
 #[derive(Debug, Default, Clone, Copy, Serialize)]
@@ -617,7 +435,6 @@ impl std::ops::Deref for Journal {
     }
 }
 
-#[derive(Default)]
 pub struct JournalCore {
     q: Mutex<Queue>,
     /// Wakes the writer.
@@ -634,6 +451,23 @@ pub struct JournalCore {
     grants_durable: AtomicU64,
     /// [`JournalStats::early_answers`] (counted without the stats' lock).
     early: AtomicU64,
+    /// The machines' clock starts here ([`JournalCore::now_us`]).
+    epoch: Instant,
+}
+
+impl Default for JournalCore {
+    fn default() -> Self {
+        JournalCore {
+            q: Mutex::default(),
+            work: Condvar::new(),
+            durable: Default::default(),
+            stats: Mutex::default(),
+            insync: Mutex::default(),
+            grants_durable: AtomicU64::new(0),
+            early: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
 }
 
 impl JournalCore {
@@ -641,10 +475,15 @@ impl JournalCore {
         self.q.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The driver's clock for the machines: microseconds since this journal was made.
+    pub(crate) fn now_us(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
     pub fn stats(&self) -> JournalStats {
         let mut s = *self.stats.lock().unwrap_or_else(|e| e.into_inner());
         let q = self.q();
-        s.lag = q.enqueued - q.written;
+        s.lag = q.m.lag();
         s.early_answers = self.early.load(Ordering::Relaxed);
         s.lending = q.lends();
         s
@@ -686,7 +525,8 @@ impl JournalCore {
         let changes = st.take_changes(now);
         let issued = crate::master::grants_issued();
         let mut q = self.q();
-        if q.term == 0 || q.term != st.term {
+        let term = q.m.term();
+        if term == 0 || term != st.term {
             return None;
         }
         let queued = !changes.is_empty();
@@ -695,20 +535,14 @@ impl JournalCore {
             // The state's lock goes first: the queue's, held, keeps the changes in the order
             // they were applied.
             drop(st);
-            q.changes.extend(changes);
-            q.enqueued += 1;
-            q.note_grants(issued);
-            let ticket = (q.term, q.enqueued);
+            q.m.enqueue(changes, issued);
+            let ticket = (term, q.m.enqueued());
             self.send_lent(q);
             return Some(ticket);
         }
         let wake = queued && std::mem::take(&mut q.writer_asleep);
-        if queued {
-            q.changes.extend(changes);
-            q.enqueued += 1;
-            q.note_grants(issued);
-        }
-        let ticket = (q.enqueued > q.written).then_some((q.term, q.enqueued));
+        q.m.enqueue(changes, issued);
+        let ticket = q.m.outstanding().map(|t| (term, t));
         // The writer is woken after both locks are released: woken under them, it would only
         // block on the queue's lock again, and every request would wait on the state's lock
         // for the system call (never lost: the writer looks at the queue under its lock
@@ -727,23 +561,29 @@ impl JournalCore {
     /// acknowledgement). What takes more than one entry, or cannot be encoded, is left to the
     /// writer (woken; on an encoding error it ends the term, as for its own).
     fn send_lent(&self, mut q: MutexGuard<'_, Queue>) {
+        let now = self.now_us();
         let qr = &mut *q;
         let Some(lent) = qr.lent.as_mut() else { return };
         let seq = lent.seq + 1;
-        let frame = (qr.changes.len() <= ENTRY_PIECE).then(|| {
-            let (frame, changes) = entry_frame(seq, std::mem::take(&mut qr.changes));
-            qr.changes = changes;
-            frame
+        let frame = (qr.m.changes_len() <= ENTRY_PIECE).then(|| {
+            let (changes, _) = qr.m.take();
+            let (frame, changes) = entry_frame(seq, changes);
+            (frame, changes)
         });
-        let Some(Ok(frame)) = frame else {
-            qr.writer_asleep = false;
-            drop(q);
-            self.work.notify_one();
-            return;
+        let (frame, changes) = match frame {
+            Some((Ok(frame), changes)) => (frame, changes),
+            other => {
+                if let Some((_, changes)) = other {
+                    qr.m.untake(changes);
+                }
+                qr.writer_asleep = false;
+                drop(q);
+                self.work.notify_one();
+                return;
+            }
         };
-        let changes = std::mem::take(&mut qr.changes);
         lent.seq = seq;
-        lent.release.push(seq, qr.enqueued);
+        lent.release.push(seq, qr.m.enqueued(), now);
         send_all(&lent.links, &frame);
         lent.tail.lock().unwrap_or_else(|e| e.into_inner()).push(seq, &frame);
         self.count_streamed(changes.len(), seq);
@@ -765,11 +605,8 @@ impl JournalCore {
         let until = Instant::now() + bound;
         let mut q = self.q();
         loop {
-            if q.term != term || q.failed {
-                return outcome_unknown();
-            }
-            if q.written >= ticket {
-                return Ok(());
+            if let Some(o) = q.m.outcome(term, ticket) {
+                return result(o, bound);
             }
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -787,20 +624,11 @@ impl JournalCore {
     /// timeout error from [`JournalCore::expire`] after `bound`; at once, on this thread, if
     /// that is known already.
     pub fn defer(&self, (term, ticket): (i64, u64), answer: Answer) {
+        let now = self.now_us();
         let mut q = self.q();
-        let now = if q.term != term || q.failed {
-            Some(outcome_unknown())
-        } else if q.written >= ticket {
-            Some(Ok(()))
-        } else {
-            None
-        };
-        match now {
-            Some(r) => {
-                drop(q);
-                answer(r);
-            }
-            None => q.later.entry(ticket).or_default().push(Later { since: Instant::now(), answer: Some(answer) }),
+        if let Some((later, o)) = q.m.defer(term, ticket, Later(Some(answer)), now) {
+            drop(q);
+            later.answer(result(o, Duration::ZERO));
         }
     }
 
@@ -808,19 +636,13 @@ impl JournalCore {
     /// [`JournalCore::wait`] gives (the master's ticker calls this; the writer fences the
     /// leader long before, when it can no longer prove its lease).
     pub fn expire(&self, bound: Duration) {
-        let late: Vec<Later> = {
+        let now = self.now_us();
+        let late = {
             let mut q = self.q();
-            if q.later.is_empty() {
+            if q.m.deferred() == 0 {
                 return;
             }
-            let mut late = Vec::new();
-            for v in q.later.values_mut() {
-                let (old, keep): (Vec<Later>, Vec<Later>) = std::mem::take(v).into_iter().partition(|l| l.since.elapsed() >= bound);
-                late.extend(old);
-                *v = keep;
-            }
-            q.later.retain(|_, v| !v.is_empty());
-            late
+            q.m.expire(now, u64::try_from(bound.as_micros()).unwrap_or(u64::MAX))
         };
         answer_all(late, || not_durable(bound));
     }
@@ -834,7 +656,11 @@ impl JournalCore {
 
     /// Starts journaling `term` (the state must already journal).
     pub fn activate(&self, term: i64) {
-        let later = std::mem::replace(&mut *self.q(), Queue { term, ..Queue::default() }).take_later();
+        let later = {
+            let mut q = self.q();
+            q.writer_asleep = false;
+            q.m.activate(term)
+        };
         answer_all(later, outcome_unknown);
         self.set_stats(|s| *s = JournalStats::default());
         self.early.store(0, Ordering::Relaxed);
@@ -843,11 +669,7 @@ impl JournalCore {
     /// Stops journaling: the writer ends, waiters are refused.
     pub fn deactivate(&self) {
         self.set_insync(&[]);
-        let mut q = self.q();
-        q.term = 0;
-        q.changes.clear();
-        let later = q.take_later();
-        drop(q);
+        let later = self.q().m.deactivate();
         self.work.notify_all();
         self.wake_all();
         answer_all(later, outcome_unknown);
@@ -855,7 +677,7 @@ impl JournalCore {
 
     /// Whether a term is being journaled (this master leads, or has not stepped down yet).
     pub fn active(&self) -> bool {
-        self.q().term != 0
+        self.q().m.term() != 0
     }
 
     /// Asks this term's writer to leave the state whole in the etcd journal and the leader
@@ -864,12 +686,14 @@ impl JournalCore {
     pub fn hand_off(&self, bound: Duration) -> bool {
         let until = Instant::now() + bound;
         let mut q = self.q();
-        if q.term == 0 || q.failed {
+        if !q.m.ask_hand_off() {
             return true;
         }
-        q.handoff = true;
         self.work.notify_all();
-        while !q.handed_off && q.term != 0 && !q.failed {
+        loop {
+            if let Some(done) = q.m.hand_off_state() {
+                return done;
+            }
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
@@ -878,15 +702,10 @@ impl JournalCore {
             q = self.durable[0].wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
             q.waiting -= 1;
         }
-        q.handed_off
     }
 
     fn fail(&self) {
-        let mut q = self.q();
-        q.failed = true;
-        q.changes.clear();
-        let later = q.take_later();
-        drop(q);
+        let later = self.q().m.fail();
         self.wake_all();
         answer_all(later, outcome_unknown);
     }
@@ -896,81 +715,84 @@ impl JournalCore {
     /// the request threads meanwhile; what was lent comes back, as they left it, either way.
     fn next(&self, term: i64, idle: Duration, lend: Option<Lent>) -> (Option<(Vec<Change>, u64)>, Option<Lent>) {
         let mut q = self.q();
-        if q.term != term || q.failed {
+        if !q.m.live(term) {
             return (None, lend);
         }
         let mut lend = lend;
-        if q.changes.is_empty() && !q.kicked {
+        if !q.m.has_changes() && !q.m.kicked() {
             q.writer_asleep = true;
             q.lent = lend.take();
             q = self.work.wait_timeout(q, idle).unwrap_or_else(|e| e.into_inner()).0;
             q.writer_asleep = false;
             lend = q.lent.take();
-            if q.term != term || q.failed {
+            if !q.m.live(term) {
                 return (None, lend);
             }
         }
-        q.kicked = false;
-        (Some(q.take()), lend)
+        q.m.take_kick();
+        (Some(q.m.take()), lend)
     }
 
     /// Plays the writer once without etcd: whatever is queued counts as durable (tests of
     /// what waits for the journal).
     #[cfg(test)]
     pub(crate) fn write_queued_for_test(&self) {
-        let upto = self.q().enqueued;
-        self.q().changes.clear();
+        let upto = {
+            let mut q = self.q();
+            q.m.clear_changes();
+            q.m.enqueued()
+        };
         self.done(upto);
     }
 
     /// Takes what is queued into `out` (tests of what is collected).
     #[cfg(test)]
     pub(crate) fn drain_for_test(&self, out: &mut Vec<Change>) {
-        out.append(&mut self.q().changes);
+        out.append(&mut self.q().m.take().0);
     }
 
     /// How many answers wait for the journal ([`JournalCore::defer`]).
     #[cfg(test)]
     pub(crate) fn deferred_for_test(&self) -> usize {
-        self.q().later.values().map(Vec::len).sum()
+        self.q().m.deferred()
     }
 
     /// Wakes the writer for something other than queued changes (a link broke): it looks at
     /// once, even if it was about to sleep.
     fn kick(&self) {
-        self.q().kicked = true;
+        self.q().m.kick();
         self.work.notify_all();
     }
 
+    /// Everything up to `upto` is durable (the writer appended it in its own term).
     fn done(&self, upto: u64) {
         let mut q = self.q();
-        let newly = Self::mark_written(&mut q, upto);
-        self.grants_written(&mut q);
-        let ready = q.take_written();
-        drop(q);
-        self.wake_written(newly);
-        answer_all(ready, || Ok(()));
+        let w = q.m.written(upto);
+        self.finish_written(q, w);
     }
 
     /// [`JournalCore::done`] for `term` only: a late acknowledgement of an ended term (or of
     /// a failed one) answers nothing.
     fn done_in(&self, term: i64, upto: u64) {
         let mut q = self.q();
-        if q.term == term && !q.failed {
-            let newly = Self::mark_written(&mut q, upto);
-            self.grants_written(&mut q);
-            let ready = q.take_written();
-            drop(q);
-            self.wake_written(newly);
-            answer_all(ready, || Ok(()));
-        }
+        let w = q.m.written_in(term, upto);
+        self.finish_written(q, w);
     }
 
-    /// The grants in what is written now count as durable.
-    fn grants_written(&self, q: &mut Queue) {
-        if let Some(g) = q.grants_written() {
+    /// Acts on what became durable: the grants it holds count as durable, the requests
+    /// waiting for its tickets are woken (after the queue's lock is released: woken under it
+    /// they would only block on it again; never lost, as a request looks under the lock
+    /// before it sleeps) and the deferred ones answered.
+    fn finish_written(&self, q: MutexGuard<'_, Queue>, w: repl::Written<Later>) {
+        if let Some(g) = w.grants {
             self.grants_durable.fetch_max(g, Ordering::AcqRel);
         }
+        let wake = q.waiting > 0;
+        drop(q);
+        if wake {
+            self.wake_written(w.tickets);
+        }
+        answer_all(w.ready, || Ok(()));
     }
 
     /// Grants up to this number are in durable journal entries: a put placed in their space
@@ -979,23 +801,7 @@ impl JournalCore {
         self.grants_durable.load(Ordering::Acquire)
     }
 
-    /// Records that everything up to `upto` is durable; the tickets that became so, if a
-    /// thread sleeps in [`JournalCore::wait`] (else none: there is nobody to wake).
-    fn mark_written(q: &mut Queue, upto: u64) -> std::ops::Range<u64> {
-        let before = q.written;
-        if upto <= before {
-            return 0..0;
-        }
-        q.written = upto;
-        if q.waiting == 0 {
-            return 0..0;
-        }
-        before + 1..upto + 1
-    }
-
-    /// Wakes the requests waiting for `tickets`, after the queue's lock is released (woken
-    /// under it they would only block on it again; never lost: a request looks at `written`
-    /// under the lock before it sleeps).
+    /// Wakes the requests waiting for `tickets`.
     fn wake_written(&self, tickets: std::ops::Range<u64>) {
         if tickets.end - tickets.start >= WAKE_SLOTS as u64 {
             self.wake_all();
@@ -1007,11 +813,20 @@ impl JournalCore {
     }
 }
 
-/// The entries streamed to the in-sync standbys and not yet acknowledged by all of them, in
-/// order. The threads reading the standbys' acknowledgements release them ([`AckSink`]): the
-/// requests of an entry are answered by the acknowledgement that completes it, without a
-/// hop through the writer, and the writer streams the next entry without waiting (entries
-/// are pipelined). The writer changes the members only after etcd's in-sync record says so.
+/// What a deferred request is answered for `o` (`bound`: the one it was given).
+fn result(o: repl::Outcome, bound: Duration) -> Result<(), StoreError> {
+    match o {
+        repl::Outcome::Durable => Ok(()),
+        repl::Outcome::Unknown => outcome_unknown(),
+        repl::Outcome::TimedOut => not_durable(bound),
+    }
+}
+
+/// Releases the entries streamed to the in-sync standbys as every member acknowledges them
+/// ([`repl::Pipeline`]): the threads reading the standbys' acknowledgements call it
+/// ([`AckSink`]), so the requests of an entry are answered by the acknowledgement that
+/// completes it, without a hop through the writer, and the writer streams the next entry
+/// without waiting. The writer changes the members only after etcd's in-sync record says so.
 pub struct Release {
     core: Arc<JournalCore>,
     term: i64,
@@ -1022,12 +837,7 @@ pub struct Release {
 struct Pipe {
     /// The in-sync standbys' acknowledged entries (their links' counters).
     members: Vec<Arc<AtomicU64>>,
-    /// Entries sent: sequence number, the ticket it completes (0: none, a piece before the
-    /// last of a commit: see [`pieces`]), when it was sent.
-    pending: VecDeque<(u64, u64, Instant)>,
-    /// When the last entry was released: the standbys' clock for the next one starts then if
-    /// it was sent before ([`Release::oldest`]).
-    progress: Option<Instant>,
+    m: repl::Pipeline,
 }
 
 impl Release {
@@ -1039,14 +849,14 @@ impl Release {
         self.pipe.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Entry `seq`, completing `ticket`, is about to be sent to the in-sync standbys.
-    fn push(&self, seq: u64, ticket: u64) {
-        self.pipe().pending.push_back((seq, ticket, Instant::now()));
+    /// Entry `seq`, completing `ticket`, is about to be sent to the in-sync standbys at `now`.
+    fn push(&self, seq: u64, ticket: u64, now: u64) {
+        self.pipe().m.push(seq, ticket, now);
     }
 
     /// Whether every entry sent was acknowledged by every member (none in flight).
     fn all_acknowledged(&self) -> bool {
-        self.pipe().pending.is_empty()
+        self.pipe().m.all_acknowledged()
     }
 
     /// The in-sync set changed (etcd says so already); entries its remaining members all
@@ -1061,49 +871,42 @@ impl Release {
     fn clear(&self) {
         let mut p = self.pipe();
         p.members.clear();
-        p.pending.clear();
+        p.m.clear();
     }
 
-    /// The oldest entry not acknowledged by every member, and since when the standbys have
-    /// had it to apply: when it was sent, or when the entry before it was released if that
-    /// was later. A standby that works through a long burst of entries (a `RemoveAll` of a
-    /// million objects is a few hundred pieces and about half a second of applying) stays in
-    /// sync as long as each piece follows the one before within the bound; one that stops
-    /// acknowledging is late one bound after its last progress.
-    fn oldest(&self) -> Option<(u64, Instant)> {
-        let p = self.pipe();
-        p.pending.front().map(|&(seq, _, sent)| (seq, p.progress.map_or(sent, |t| t.max(sent))))
+    /// [`repl::Pipeline::late`] at `now`.
+    fn late(&self, now: u64, bound: Duration) -> Option<u64> {
+        self.pipe().m.late(now, u64::try_from(bound.as_micros()).unwrap_or(u64::MAX))
+    }
+
+    /// [`repl::Pipeline::late_at`].
+    fn late_at(&self, bound: Duration) -> Option<u64> {
+        self.pipe().m.late_at(u64::try_from(bound.as_micros()).unwrap_or(u64::MAX))
+    }
+
+    /// The oldest entry in flight.
+    #[cfg(test)]
+    fn oldest_seq(&self) -> Option<u64> {
+        self.pipe().m.oldest().map(|(seq, _)| seq)
     }
 
     /// Answers the requests of every entry each member acknowledged.
     fn release(&self) {
+        let now = self.core.now_us();
         let mut p = self.pipe();
-        let Some(min) = p.members.iter().map(|a| a.load(Ordering::Acquire)).min() else { return };
-        let (mut upto, mut n, mut waited) = (0u64, 0u64, 0u64);
-        while let Some(&(seq, ticket, sent)) = p.pending.front() {
-            if seq > min {
-                break;
-            }
-            p.pending.pop_front();
-            // (The largest: a piece carries no ticket, 0, and may follow a commit's last.)
-            upto = upto.max(ticket);
-            n += 1;
-            waited += sent.elapsed().as_micros() as u64;
-        }
-        if n > 0 {
-            p.progress = Some(Instant::now());
-        }
+        let min = p.members.iter().map(|a| a.load(Ordering::Acquire)).min();
+        let released = p.m.release(min, now);
         drop(p);
-        if n > 0 {
+        if let Some(r) = released {
             // Counted before the answers go out: a client that got its answer then sees it
             // in `/ha_status`.
             self.core.set_stats(|s| {
-                s.streamed += n;
-                s.stream_wait_us += waited;
+                s.streamed += r.entries;
+                s.stream_wait_us += r.waited_us;
             });
             // Tickets only grow: a concurrent release of an earlier one is a no-op after this
             // (as is ticket 0, only pieces released).
-            self.core.done_in(self.term, upto);
+            self.core.done_in(self.term, r.upto);
         }
     }
 }
@@ -1322,7 +1125,7 @@ impl Replicas {
             failed: HashMap::new(),
             mirrors: HashMap::new(),
             catch_up: None,
-            tail: Arc::new(Mutex::new(Tail::new(tail.0, tail.1))),
+            tail: Arc::new(Mutex::new(Tail::new(tail.0, tail.1, journal.now_us()))),
             grant_bytes: 0,
         }
     }
@@ -1470,15 +1273,11 @@ impl Writer<'_> {
         let issued = crate::master::grants_issued();
         let (mut queued, upto) = {
             let mut q = j.q();
-            if q.term != self.term() || q.failed {
+            if !q.m.live(self.term()) {
                 return None;
             }
-            if !changes.is_empty() {
-                q.changes.extend(changes);
-                q.enqueued += 1;
-                q.note_grants(issued);
-            }
-            q.take()
+            q.m.enqueue(changes, issued);
+            q.m.take()
         };
         let term = st.term;
         let mut image = st.image_head(now);
@@ -1533,7 +1332,7 @@ impl Writer<'_> {
                     if let Some(c) = s.catch_up.as_mut() {
                         c.clear();
                     }
-                    if s.tail().begin(self.seq) {
+                    if s.tail().begin(self.seq, self.master.journal.now_us()) {
                         s.base(self.seq, false);
                     }
                 }
@@ -1559,7 +1358,7 @@ impl Writer<'_> {
             let n = changes.len();
             for (piece, ticket) in pieces(changes, upto, ENTRY_PIECE) {
                 self.seq += 1;
-                s.release.push(self.seq, ticket);
+                s.release.push(self.seq, ticket, self.master.journal.now_us());
                 s.broadcast(self.seq, piece)?;
             }
             self.master.journal.count_streamed(n, self.seq);
@@ -1596,7 +1395,7 @@ impl Writer<'_> {
     /// entry within the bound, and that entry if it is late.
     fn failing_members(&self) -> (Vec<String>, Option<u64>) {
         let Some(s) = self.sync.as_ref().filter(|s| !s.insync.is_empty()) else { return (Vec::new(), None) };
-        let late = s.release.oldest().filter(|(_, sent)| sent.elapsed() >= s.ack_timeout).map(|(seq, _)| seq);
+        let late = s.release.late(self.master.journal.now_us(), s.ack_timeout);
         (s.insync.iter().filter(|m| s.link(m).is_none_or(|l| l.dead() || late.is_some_and(|seq| l.acked() < seq))).cloned().collect(), late)
     }
 
@@ -1624,8 +1423,8 @@ impl Writer<'_> {
     /// How long the writer may sleep before an in-sync standby may be late.
     fn idle(&self) -> Duration {
         let idle = Duration::from_millis(200);
-        match self.sync.as_ref().and_then(|s| Some((s.release.oldest()?, s.ack_timeout))) {
-            Some(((_, sent), bound)) => idle.min((sent + bound).saturating_duration_since(Instant::now()) + Duration::from_millis(1)),
+        match self.sync.as_ref().and_then(|s| s.release.late_at(s.ack_timeout)) {
+            Some(at) => idle.min(Duration::from_micros(at.saturating_sub(self.master.journal.now_us())) + Duration::from_millis(1)),
             None => idle,
         }
     }
@@ -1766,7 +1565,7 @@ impl Writer<'_> {
     /// in-sync standby is late meanwhile: the rebase that follows uses the run it had.
     fn refresh_base(&mut self) -> Option<()> {
         if let Some(s) = self.sync.as_ref() {
-            s.tail().want_next = true;
+            s.tail().want_next();
         }
         let Frozen { image, seq, .. } = self.image_in_pieces(true)?;
         let at = seq.unwrap_or(self.seq);
@@ -1776,7 +1575,7 @@ impl Writer<'_> {
             if written {
                 t.based();
             } else {
-                t.next = None;
+                t.drop_next();
             }
             drop(t);
             if written {
@@ -1801,10 +1600,10 @@ impl Writer<'_> {
     /// journal failed).
     fn take_queued(&self) -> Option<(Vec<Change>, u64)> {
         let mut q = self.master.journal.q();
-        if q.term != self.term() || q.failed {
+        if !q.m.live(self.term()) {
             return None;
         }
-        Some(q.take())
+        Some(q.m.take())
     }
 
     /// Commits what requests queued (their changes, completing their ticket).
@@ -2056,7 +1855,7 @@ impl Writer<'_> {
             if was_empty {
                 // (Everything up to here was appended to etcd: the tail starts after it, the
                 // standbys' too.)
-                s.tail().start(seq);
+                s.tail().start(seq, self.master.journal.now_us());
                 s.base(seq, true);
             }
             for m in &ready {
@@ -2092,7 +1891,7 @@ impl Writer<'_> {
     /// them ([`super::sync::Mirror::take`]), they go to the log as a leader's rebase writes its
     /// own; else the whole state is written as a snapshot after the later of the two.
     /// Whether it wrote the tail (`Some(true)`) or the whole state.
-    pub fn rebase_at_takeover(&mut self, stored: u64, seq: u64, tail: Option<Vec<super::sync::TailFrame>>) -> Option<bool> {
+    pub fn rebase_at_takeover(&mut self, stored: u64, seq: u64, tail: Option<Vec<TailFrame>>) -> Option<bool> {
         let started = Instant::now();
         if let Some(frames) = tail.filter(|_| seq >= stored) {
             match tail_log_values(&self.prefix, &frames) {
@@ -2124,7 +1923,7 @@ impl Writer<'_> {
             if self.check_insync().is_none() {
                 break;
             }
-            if j.q().handoff {
+            if j.q().m.hand_off_asked() {
                 // Stopping: the state goes to etcd whole (the in-sync set emptied), nothing
                 // more is acknowledged by standbys, and the leader refuses from now on.
                 if self.streaming() && self.rebase().is_none() {
@@ -2132,8 +1931,7 @@ impl Writer<'_> {
                 }
                 self.sync = None;
                 self.master.gate.fence(self.term());
-                let mut q = j.q();
-                q.handed_off = true;
+                j.q().m.handed_off();
                 j.wake_all();
                 continue;
             }
@@ -2144,15 +1942,15 @@ impl Writer<'_> {
             if !self.streaming() && st.log_bytes > self.snapshot_bytes.max(st.snapshot_bytes) && self.snapshot().is_none() {
                 break;
             }
-            if self.streaming() && self.sync.as_ref().is_some_and(|s| s.tail().refresh_due()) && self.refresh_base().is_none() {
+            if self.streaming() && self.sync.as_ref().is_some_and(|s| s.tail().refresh_due(j.now_us())) && self.refresh_base().is_none() {
                 break;
             }
-            if let Some((bytes, whole)) = self.sync.as_ref().and_then(|s| s.tail().size_to_show()) {
+            if let Some((bytes, whole)) = self.sync.as_ref().and_then(|s| s.tail().size_to_show(j.now_us())) {
                 j.set_stats(|st| (st.tail_bytes, st.tail_whole) = (bytes, whole));
             }
         }
         self.sync = None; // links closed
-        let ended = j.q().term != self.term();
+        let ended = j.q().m.term() != self.term();
         if !ended {
             // Nothing more can be made durable: refuse everything from now on.
             j.fail();
@@ -2263,7 +2061,7 @@ mod tests {
         };
         let got = |rx: &mpsc::Receiver<(u32, Result<(), StoreError>)>| rx.try_iter().collect::<Vec<_>>();
         j.activate(5);
-        j.q().enqueued = 3;
+        j.q().m.set_enqueued_for_test(3);
         j.defer((5, 2), answer(1));
         j.defer((5, 3), answer(2));
         j.defer((4, 1), answer(3));
@@ -2283,17 +2081,17 @@ mod tests {
         assert!(got(&rx).is_empty(), "answered once only");
         // A restart of the term and a failed writer refuse what waited.
         j.activate(6);
-        j.q().enqueued = 2;
+        j.q().m.set_enqueued_for_test(2);
         j.defer((6, 1), answer(5));
         j.activate(7);
         assert_eq!(got(&rx), vec![(5, Err(StoreError::OutcomeUnknown))]);
-        j.q().enqueued = 2;
+        j.q().m.set_enqueued_for_test(2);
         j.defer((7, 1), answer(6));
         j.fail();
         assert_eq!(got(&rx), vec![(6, Err(StoreError::OutcomeUnknown))]);
         // Waiting too long: the journal's bounded-wait error, the others kept.
         j.activate(8);
-        j.q().enqueued = 3;
+        j.q().m.set_enqueued_for_test(3);
         j.defer((8, 1), answer(7));
         std::thread::sleep(Duration::from_millis(30));
         j.defer((8, 2), answer(8));
@@ -2302,7 +2100,7 @@ mod tests {
         j.done(2);
         assert_eq!(got(&rx), vec![(8, Ok(()))]);
         // Forgotten (dropped unanswered): refused, never left waiting.
-        drop(Later { since: Instant::now(), answer: Some(answer(9)) });
+        drop(Later(Some(answer(9))));
         assert_eq!(got(&rx), vec![(9, Err(StoreError::OutcomeUnknown))]);
     }
 
@@ -2368,13 +2166,13 @@ mod tests {
     fn a_streamed_entry_is_answered_once_every_in_sync_standby_acknowledged_it_in_order_and_never_across_terms() {
         let j = Journal::default();
         j.activate(7);
-        j.q().enqueued = 3; // tickets 1..=3 collected
+        j.q().m.set_enqueued_for_test(3); // tickets 1..=3 collected
         let r = Release::new(&j, 7);
         let (a, b) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         r.set_members(vec![Arc::clone(&a), Arc::clone(&b)]);
-        r.push(10, 1);
-        r.push(11, 3);
-        let written = || j.q().written;
+        r.push(10, 1, j.now_us());
+        r.push(11, 3, j.now_us());
+        let written = || j.q().m.written_upto();
         a.store(11, Ordering::Release);
         r.acked();
         assert_eq!(written(), 0, "one standby of two acknowledged: nothing is answered");
@@ -2382,15 +2180,15 @@ mod tests {
         // The request of ticket 1, asleep, is woken by the acknowledgement that completes it.
         assert_eq!(woken(|| j.wait((7, 1), Duration::from_secs(10)), || r.acked()), Ok(()));
         assert_eq!(written(), 1, "entry 10 is everywhere: its ticket is answered, entry 11's not yet");
-        assert_eq!(r.oldest().map(|(seq, _)| seq), Some(11));
+        assert_eq!(r.oldest_seq(), Some(11));
         // The slow member leaves the set (etcd said so first): what the rest has is answered.
         r.set_members(vec![Arc::clone(&a)]);
         assert_eq!(written(), 3);
-        assert_eq!(r.oldest(), None);
+        assert_eq!(r.oldest_seq(), None);
         // With no member nothing is released, whatever is acknowledged.
         r.set_members(Vec::new());
-        j.q().enqueued = 4;
-        r.push(12, 4);
+        j.q().m.set_enqueued_for_test(4);
+        r.push(12, 4, j.now_us());
         a.store(12, Ordering::Release);
         r.acked();
         assert_eq!(written(), 3);
@@ -2402,14 +2200,14 @@ mod tests {
         // A late acknowledgement of an ended term answers nothing in the next one.
         j.deactivate();
         j.activate(8);
-        j.q().enqueued = 4;
+        j.q().m.set_enqueued_for_test(4);
         r.set_members(vec![Arc::clone(&a)]);
         assert_eq!(written(), 0, "term 7's release does not touch term 8's tickets");
         // Nor does one of a term whose writer gave up.
         let r8 = Release::new(&j, 8);
         r8.set_members(vec![Arc::clone(&a)]);
         j.fail();
-        r8.push(12, 4);
+        r8.push(12, 4, j.now_us());
         r8.acked();
         assert_eq!(written(), 0);
     }
@@ -2436,7 +2234,7 @@ mod tests {
     fn one_member(enqueued: u64) -> (Journal, Release, Arc<AtomicU64>) {
         let j = Journal::default();
         j.activate(7);
-        j.q().enqueued = enqueued;
+        j.q().m.set_enqueued_for_test(enqueued);
         let r = Release::new(&j, 7);
         let a = Arc::new(AtomicU64::new(0));
         r.set_members(vec![Arc::clone(&a)]);
@@ -2456,9 +2254,9 @@ mod tests {
 
         // Released piece by piece: the request is answered by the last piece only.
         let (j, r, a) = one_member(6);
-        let written = || j.q().written;
+        let written = || j.q().m.written_upto();
         for (seq, (_, ticket)) in (1..).zip(pieces((0..10_000).map(obj).collect(), 5, 4096)) {
-            r.push(seq, ticket);
+            r.push(seq, ticket, j.now_us());
         }
         a.store(2, Ordering::Release);
         r.acked();
@@ -2468,39 +2266,11 @@ mod tests {
         assert_eq!(written(), 5);
         // A commit's last piece and the next commit's first piece acknowledged together: the
         // first commit is answered (the largest ticket, not the last entry's 0).
-        r.push(4, 6);
-        r.push(5, 0);
+        r.push(4, 6, j.now_us());
+        r.push(5, 0, j.now_us());
         a.store(5, Ordering::Release);
         r.acked();
         assert_eq!(written(), 6);
-    }
-
-    #[test]
-    fn a_standby_working_through_a_burst_is_late_only_one_bound_after_its_last_progress() {
-        let (j, r, a) = one_member(1);
-        let sent = Instant::now();
-        for seq in 1..=3 {
-            r.push(seq, if seq == 3 { 1 } else { 0 });
-        }
-        let (seq, since) = r.oldest().expect("pending");
-        assert_eq!(seq, 1);
-        assert!(since >= sent && since <= Instant::now(), "nothing released yet: the clock runs from the send");
-        std::thread::sleep(Duration::from_millis(30));
-        let before_ack = Instant::now();
-        a.store(1, Ordering::Release);
-        r.acked();
-        let (seq, since) = r.oldest().expect("pending");
-        assert_eq!(seq, 2);
-        assert!(since >= before_ack, "entry 2's clock starts when entry 1 was released, not when it was sent ({:?} earlier)", before_ack - sent);
-        // An entry sent long after the last release: its clock starts at its send.
-        a.store(3, Ordering::Release);
-        r.acked();
-        assert_eq!(r.oldest(), None);
-        std::thread::sleep(Duration::from_millis(30));
-        j.q().enqueued = 2;
-        let sent4 = Instant::now();
-        r.push(4, 2);
-        assert!(r.oldest().expect("pending").1 >= sent4);
     }
 
     /// While the streaming writer sleeps and every entry is acknowledged, a request's changes
@@ -2532,7 +2302,7 @@ mod tests {
         standby.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
         assert!(matches!(read_frame::<ToStandby>(&mut standby), Ok(ToStandby::Hello { term: 7, .. })));
         release.set_members(vec![link.ack_counter()]);
-        let lent = Lent { seq: 41, links: vec![link], release: Arc::clone(&release), tail: Arc::new(Mutex::new(Tail::new(0, BASE_EVERY))) };
+        let lent = Lent { seq: 41, links: vec![link], release: Arc::clone(&release), tail: Arc::new(Mutex::new(Tail::new(0, BASE_EVERY, 0))) };
         let register = |client| {
             let mut st = m.lock();
             st.register_client(client, 0);
@@ -2555,7 +2325,7 @@ mod tests {
                 other => panic!("expected entry 42, got {other:?}"),
             }
             assert!(j.q().writer_asleep && !writer.is_finished(), "the writer was not woken");
-            assert_eq!(j.q().written, 0, "not answered before the standby acknowledged it");
+            assert_eq!(j.q().m.written_upto(), 0, "not answered before the standby acknowledged it");
             // Entry 42 in flight: the next changes go to the writer, which wakes with them.
             assert_eq!(register(6), Some((7, 2)));
             let (batch, lent) = writer.join().expect("the writer");
@@ -2737,68 +2507,6 @@ mod tests {
     fn a_standby_that_cannot_link_is_tried_less_and_less_often() {
         let s = |n| retry_link_after(n).as_secs();
         assert_eq!([s(0), s(1), s(2), s(3), s(6), s(7), s(u32::MAX)], [1, 1, 2, 4, 32, 32, 32]);
-    }
-
-    #[test]
-    fn the_tail_keeps_a_whole_run_from_the_journals_position_or_none() {
-        let f = |n: usize| Arc::new(vec![0u8; n]);
-        let mut t = Tail::new(100, Duration::ZERO);
-        t.push(1, &f(10));
-        assert_eq!(t.size(), (0, false), "nothing kept before a run starts");
-        t.start(5);
-        for seq in 6..=8 {
-            t.push(seq, &f(10));
-        }
-        assert_eq!(t.size(), (30, true));
-        assert!(!t.refresh_due(), "a whole run needs no background snapshot");
-        assert!(t.take(9).is_none(), "a run that does not reach the last entry is not used");
-        assert_eq!(t.size(), (0, false), "and the tail is empty after a take");
-        t.start(5);
-        t.push(6, &f(10));
-        t.push(8, &f(10));
-        assert_eq!(t.size(), (0, false), "a missing entry drops the run");
-        assert!(t.upto(6).is_none(), "and none is sent to a standby that links");
-        t.start(5);
-        t.push(6, &f(60));
-        t.push(7, &f(60));
-        assert_eq!(t.size(), (0, false), "over the cap drops the run");
-        assert!(t.refresh_due(), "then a background snapshot is due");
-        t.every = Duration::from_secs(3600);
-        assert!(!t.refresh_due(), "but not before `every` since the run started");
-        t.every = Duration::ZERO;
-        // A background snapshot: its image at 7, entries 8 and 9 meanwhile.
-        t.start(5);
-        t.push(6, &f(10));
-        t.push(7, &f(10));
-        t.begin(7);
-        assert!(t.next.is_none(), "no run begins unless asked for");
-        t.want_next = true;
-        t.begin(7);
-        t.push(8, &f(10));
-        t.push(9, &f(10));
-        assert_eq!(t.size(), (40, true), "the current run goes on until the head is written");
-        // A standby linking now, its image at 8, gets the current run up to there.
-        let lasts = |u: Option<(u64, Vec<TailFrame>)>| u.map(|(b, f)| (b, f.iter().map(|f| f.last).collect::<Vec<_>>()));
-        assert_eq!(lasts(t.upto(8)), Some((5, vec![6, 7, 8])));
-        assert_eq!(lasts(t.upto(5)), Some((5, vec![])), "an image at the run's start: nothing before it");
-        assert_eq!(lasts(t.upto(4)), None, "an image before the run's start");
-        assert_eq!(lasts(t.upto(10)), None, "an image after the run's last entry");
-        t.based();
-        assert_eq!(t.size(), (20, true), "then the run from the image's position");
-        let run = t.take(9).expect("whole");
-        assert_eq!((run.base, run.frames.iter().map(|f| f.last).collect::<Vec<_>>()), (7, vec![8, 9]));
-        // Given up: the current run stays.
-        t.start(9);
-        t.want_next = true;
-        t.begin(9);
-        t.push(10, &f(10));
-        t.next = None;
-        assert_eq!(t.take(10).map(|r| r.base), Some(9));
-        let mut none = Tail::new(0, Duration::ZERO);
-        none.start(1);
-        none.push(2, &f(1));
-        assert!(none.take(2).is_none(), "a cap of 0 keeps nothing");
-        assert!(!none.refresh_due());
     }
 
     #[test]

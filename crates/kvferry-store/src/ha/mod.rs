@@ -297,7 +297,7 @@ pub struct HaConfig {
     pub snapshot_bytes: u64,
     pub replication: Replication,
     /// With standbys in sync: the bytes of entries kept so that a rebase writes them instead
-    /// of the whole state ([`journal::Tail`]; [`journal::TAIL_DEFAULT`]; 0: none kept).
+    /// of the whole state ([`crate::repl::Tail`]; [`journal::TAIL_DEFAULT`]; 0: none kept).
     pub rebase_tail_bytes: u64,
     /// The bytes of the last entries a standby keeps, so that its takeover writes them
     /// instead of the whole state (`sync::Mirror`'s tail; 0: none kept).
@@ -399,7 +399,7 @@ enum Source {
     Journal,
     /// The mirror, its last entry, the in-sync record's term it is of, and the entries it
     /// kept as it received them ([`sync::Mirror::take`]).
-    Mirror(Box<sync::Taken>, u64, i64, Box<sync::MirrorTail>),
+    Mirror(Box<sync::Taken>, u64, i64, Box<crate::repl::MirrorTail>),
     Empty,
 }
 

@@ -48,6 +48,7 @@
 use crate::frame;
 use crate::master::journal::{Change, Image, Rebuilt, ReplicaRec, PREBUILT_TERM};
 use crate::master::State;
+use crate::repl::{MirrorTail, TailFrame};
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -133,6 +134,13 @@ pub struct KeptFrame {
     pub first: u64,
     pub last: u64,
     pub frame: bytes::Bytes,
+}
+
+impl From<KeptFrame> for (u64, u64, Arc<Vec<u8>>) {
+    /// A received run's frame as the mirror's tail keeps it ([`MirrorTail::joined`]).
+    fn from(k: KeptFrame) -> Self {
+        (k.first, k.last, Arc::new(Vec::from(k.frame)))
+    }
 }
 
 /// Standby → leader.
@@ -443,152 +451,6 @@ struct Feed {
     tail: MirrorTail,
 }
 
-/// One entry as a standby received it: its frame, holding the changes of the leader's log
-/// entries `first..=last` (the entry after the one before it; a leader that appended them to
-/// etcd in several values streams them as one).
-#[derive(Debug, Clone)]
-pub struct TailFrame {
-    pub first: u64,
-    pub last: u64,
-    pub frame: Arc<Vec<u8>>,
-}
-
-/// The entries a standby received since where the leader's etcd journal is whole, as they
-/// came: what that journal lacks while standbys are in sync, so a standby that takes over
-/// writes those to its log instead of its whole state
-/// ([`super::journal::Writer::rebase_at_takeover`]), as a leader's own rebase writes its
-/// [`super::journal::Tail`]. The leader says where runs start ([`ToStandby::Base`]): when the
-/// in-sync set becomes non-empty and at each background snapshot's position. A run keeps
-/// every entry after its start, in order, until it would pass the cap; then it is dropped
-/// (the takeover writes the whole state) and nothing is kept until the next start, so the
-/// cost is bounded as the leader's is (before, a window of the last entries kept every frame,
-/// and cost the standby 5-10% of its rate on 2 vCPUs). At most two runs: the current one and
-/// the one from a background snapshot whose head is not written yet. Each frame is shared by
-/// the runs that keep it.
-#[derive(Debug, Default, Clone)]
-pub struct MirrorTail {
-    /// Oldest first.
-    runs: Vec<Run>,
-    /// A joining standby's run, while its [`ToStandby::Run`] frames come.
-    joining: Option<Box<Run>>,
-}
-
-/// A run of consecutive entries' frames after `base`, at most a cap of bytes: the leader's
-/// [`super::journal::Tail`] and a standby's [`MirrorTail`] keep theirs alike.
-#[derive(Debug, Clone)]
-pub(crate) struct Run {
-    /// The etcd journal is (or will be) whole up to this entry; the frames follow it.
-    pub base: u64,
-    pub frames: Vec<TailFrame>,
-    pub bytes: usize,
-}
-
-impl Run {
-    pub fn at(base: u64) -> Run {
-        Run { base, frames: Vec::new(), bytes: 0 }
-    }
-
-    pub fn last(&self) -> u64 {
-        self.frames.last().map_or(self.base, |f| f.last)
-    }
-
-    /// Whether the run is still whole with the frame of the log's entries `first..=last`
-    /// added (it must follow the run's last entry and fit `cap`; else nothing is added).
-    pub fn push(&mut self, first: u64, last: u64, frame: &Arc<Vec<u8>>, cap: usize) -> bool {
-        if first > last || self.last().checked_add(1) != Some(first) || self.bytes + frame.len() > cap {
-            return false;
-        }
-        self.bytes += frame.len();
-        self.frames.push(TailFrame { first, last, frame: Arc::clone(frame) });
-        true
-    }
-}
-
-impl MirrorTail {
-    /// Whether any run is kept (a frame that no run wants is not kept at all).
-    fn keeps(&self) -> bool {
-        !self.runs.is_empty()
-    }
-
-    /// The frame of the log's entries `first..=last` came: added to every run it follows
-    /// and fits (within `cap` bytes); a run it does not is dropped.
-    fn push(&mut self, first: u64, last: u64, frame: Vec<u8>, cap: usize) {
-        // (An entry after the image: a joining run that did not reach the image never will.)
-        self.joining = None;
-        if !self.keeps() {
-            return;
-        }
-        let frame = Arc::new(frame);
-        self.runs.retain_mut(|r| r.push(first, last, &frame, cap));
-    }
-
-    /// [`ToStandby::Base`] came with the mirror's last entry `at`.
-    fn base(&mut self, seq: u64, written: bool, at: u64, cap: usize) {
-        if cap == 0 {
-            self.runs.clear();
-            return;
-        }
-        if written {
-            // (A run from elsewhere does not reach back to where the journal is now.)
-            self.runs.retain(|r| r.base == seq);
-        }
-        if seq == at && !self.runs.iter().any(|r| r.base == seq) {
-            self.runs.push(Run::at(seq));
-            if self.runs.len() > 2 {
-                self.runs.remove(0);
-            }
-        }
-    }
-
-    /// [`ToStandby::Run`] came with the mirror's last entry `at` (its image's position): the
-    /// run from `base`, continued from the frame before if it is of the same `base`, kept once
-    /// it reaches `at`, if its frames are consecutive from `base` and fit the cap.
-    fn joined(&mut self, base: u64, frames: Vec<KeptFrame>, at: u64, cap: usize) {
-        let mut run = match self.joining.take() {
-            Some(r) if r.base == base => *r,
-            _ => Run::at(base),
-        };
-        for KeptFrame { first, last, frame } in frames {
-            if !run.push(first, last, &Arc::new(Vec::from(frame)), cap) {
-                return;
-            }
-        }
-        match run.last() {
-            l if l == at && cap > 0 => self.runs = vec![run],
-            l if l < at => self.joining = Some(Box::new(run)),
-            _ => {}
-        }
-    }
-
-    /// Bytes of frames kept.
-    fn bytes(&self) -> usize {
-        self.runs.iter().map(|r| r.bytes).sum()
-    }
-
-    /// The entries after `stored` up to `upto` from a run that has them ([`tail_after`]);
-    /// `Some` and empty when `stored` is `upto` (the journal holds everything).
-    pub fn after(&self, stored: u64, upto: u64) -> Option<Vec<TailFrame>> {
-        if stored == upto {
-            return Some(Vec::new());
-        }
-        self.runs.iter().rev().find_map(|r| tail_after(&r.frames, stored, upto))
-    }
-}
-
-/// The entries after `stored` up to `upto` among `frames` (consecutive, oldest first): `None`
-/// when they do not reach back to `stored`'s successor, do not end at `upto`, or no frame
-/// starts right after `stored` (the journal ends inside one).
-pub fn tail_after(frames: &[TailFrame], stored: u64, upto: u64) -> Option<Vec<TailFrame>> {
-    if stored == upto {
-        return Some(Vec::new());
-    }
-    if frames.last().map(|f| f.last) != Some(upto) {
-        return None;
-    }
-    let from = frames.iter().position(|f| Some(f.first) == stored.checked_add(1))?;
-    frames.get(from..).map(<[TailFrame]>::to_vec)
-}
-
 /// The image the received changes are applied to.
 #[derive(Default)]
 struct Applied {
@@ -837,7 +699,7 @@ impl Mirror {
             Prebuild::Built { rebuilt, .. } if p.built_for(&f) => rebuilt.objects,
             _ => a.image.objects(),
         };
-        let (tail_bytes, tail_base) = (f.tail.bytes(), f.tail.runs.last().map(|r| r.base));
+        let (tail_bytes, tail_base) = (f.tail.bytes(), f.tail.newest_base());
         MirrorStatus { term: f.term, seq: f.seq, complete: f.complete && !f.closed, fed: f.conn != 0 && !f.closed, sealed: f.sealed, pending_changes, objects, tail_bytes, tail_base }
     }
 

@@ -1,0 +1,22 @@
+//! Replication's bookkeeping as machines without I/O: the leader's journal [`Queue`]
+//! (tickets, what is durable, the answers waiting, grants), the [`Pipeline`] of entries
+//! streamed to the in-sync standbys and released by their acknowledgements, and the entries
+//! the etcd journal lacks while standbys are in sync ([`Tail`], [`MirrorTail`]).
+//!
+//! They read no clock (time is microseconds on the driver's monotonic clock, passed in),
+//! take no lock, start no thread and touch no socket or etcd: the HA drivers
+//! (`crate::ha::journal`'s `JournalCore`, `Release` and `Writer`, `crate::ha::sync`'s
+//! mirror) hold them under their locks and act on what they answer; the simulator
+//! (`crate::sim`) and the unit tests below drive them directly. `crate::boundaries` fails
+//! when a file here names a driver, the clock, a lock or a thread.
+
+mod pipeline;
+mod queue;
+mod tail;
+
+pub use pipeline::{Pipeline, Released};
+pub use queue::{Outcome, Queue, Written};
+pub use tail::{tail_after, MirrorTail, Run, Tail, TailFrame};
+
+#[cfg(test)]
+mod tests;
