@@ -48,6 +48,7 @@
 
 pub mod fence;
 pub mod journal;
+pub mod log;
 pub mod sync;
 
 use crate::error::StoreError;
