@@ -1021,8 +1021,9 @@ mod tests {
     /// every term's grants of it) and mounted again. (The new leader's holds were made before
     /// it journaled, and the second takeover gave those bytes to a new put while the lost
     /// put's write could still land; without the fix the simulator finds it at
-    /// `KVFERRY_SIM_SEED=162`: a put answered early at term 3, terms 4 and 5 hold its space,
-    /// term 5 unmounts and mounts the segment, term 6 gives the space away.)
+    /// `KVFERRY_SIM_SEED=28`: a put answered early at term 4, whose leader dies; term 5 holds
+    /// its space, unmounts and mounts the segment and dies; term 6, taken over from an
+    /// in-sync standby's mirror, gives the space away.)
     #[test]
     fn a_takeovers_holds_survive_an_unmount_a_remount_and_a_second_takeover() {
         let (m, stats, lease, release) = (MasterConfig::default(), Stats::default(), 1_000, 4_000);

@@ -1,7 +1,10 @@
 //! Deterministic simulation of the store's core: the real [`State`] (requests applied with
 //! [`State::apply`]), the real journal changes ([`Change`], [`Image`], [`Image::into_state`]),
 //! clients whose writes land late, and leaders that crash and are followed by one rebuilt
-//! from what the journal made durable, all driven by one seeded random source and a fake
+//! from what the journal made durable: etcd's log and snapshot, or, for half the leaders,
+//! the mirror of an in-sync standby they streamed to, released through the real
+//! [`crate::repl::Pipeline`] on a network that delays entries and acknowledgements, with
+//! standbys that pause and leave the set ([`standbys`]); all driven by one seeded random source and a fake
 //! clock (milliseconds). After every step the invariants are checked against a reference
 //! model of what clients were told:
 //!
@@ -12,10 +15,12 @@
 //!   of it was dropped); a read in flight within its lease sees the bytes it was given.
 //!
 //! What is not simulated yet (ARCHITECTURE.md, code map, `sim/`): the election and the
-//! lease fencing (one leader at a time here, the next one starts a lease TTL after a crash),
-//! the in-sync standbys' link (the journal here is the etcd log and its snapshot), message
-//! delay and reordering between clients and the master (a request is applied when sent; an
-//! answer that waits for the journal is lost with its leader).
+//! lease fencing (one leader at a time here, the next one starts a lease TTL after a crash;
+//! `election.rs` checks those alone), standbys that link and join the set during a term (a
+//! leader's set is chosen when it starts), the standbys' run of entries for a rebase and the
+//! background snapshot, message delay and reordering between clients and the master (a
+//! request is applied when sent; an answer that waits for the journal is lost with its
+//! leader).
 //!
 //! `KVFERRY_SIM_SEED=<n>` replays seed `n` alone; `KVFERRY_SIM_SEEDS=<n>` sets how many
 //! seeds the test runs (default [`DEFAULT_SEEDS`]). A failure names its seed, the step and
@@ -34,8 +39,8 @@ use std::time::Duration;
 /// The kinds of step, and how often each comes on average (per mille): each seed draws its
 /// own weights around these (swarm testing: some seeds crash often, some unmount often, some
 /// hardly read), so that rare sequences of one kind of event come up in some seed.
-const ACTIONS: usize = 11;
-const WEIGHTS: [u32; ACTIONS] = [300, 200, 150, 20, 120, 50, 20, 10, 15, 10, 105];
+const ACTIONS: usize = 12;
+const WEIGHTS: [u32; ACTIONS] = [300, 200, 150, 20, 120, 50, 20, 10, 15, 10, 105, 10];
 
 /// Seeds the test runs by default.
 pub const DEFAULT_SEEDS: u64 = 5000;
@@ -119,6 +124,8 @@ enum Reply {
 
 /// Changes collected, not durable yet.
 struct Entry {
+    /// Collections are counted (per term): the ticket the streaming pipeline releases.
+    ticket: u64,
     changes: Vec<Change>,
     /// When it was collected.
     at: u64,
@@ -160,6 +167,10 @@ struct Sim {
     snapshot: Vec<Change>,
     log: Vec<Vec<Change>>,
     pending: VecDeque<Entry>,
+    /// The last ticket collected in this term.
+    ticket: u64,
+    /// The leader streams to in-sync standbys instead of writing etcd ([`standbys`]).
+    streaming: Option<standbys::Streaming>,
     clients: Vec<Client>,
     memory: BTreeMap<u64, Vec<u32>>,
     /// How many times each segment was dropped by the master.
@@ -192,6 +203,9 @@ pub struct Counts {
     pub unmounts: u64,
     pub expiries: u64,
     pub snapshots: u64,
+    pub streamed_terms: u64,
+    pub members_dropped: u64,
+    pub standby_takeovers: u64,
 }
 
 impl std::ops::AddAssign for Counts {
@@ -204,6 +218,9 @@ impl std::ops::AddAssign for Counts {
         self.unmounts += o.unmounts;
         self.expiries += o.expiries;
         self.snapshots += o.snapshots;
+        self.streamed_terms += o.streamed_terms;
+        self.members_dropped += o.members_dropped;
+        self.standby_takeovers += o.standby_takeovers;
     }
 }
 
@@ -241,6 +258,8 @@ impl Sim {
             snapshot: Vec::new(),
             log: Vec::new(),
             pending: VecDeque::new(),
+            ticket: 0,
+            streaming: None,
             clients,
             memory,
             dropped: BTreeMap::new(),
@@ -297,6 +316,14 @@ impl Sim {
         st.set_grant_bytes(if grants { SEG_BYTES / 64 } else { 0 }, RELEASE);
         self.note(format!("leader of term {} from {} snapshot changes and {} log entries: {} objects", self.term, self.snapshot.len(), self.log.len(), rebuilt.objects));
         self.leader = Some(Leader { st, term: self.term, grants_durable: 0 });
+        self.ticket = 0;
+        // Half the leaders stream to one to three in-sync standbys.
+        if self.rng.random_bool(0.5) {
+            let n = self.rng.random_range(1..=3);
+            self.note(format!("it streams to {n} in-sync standbys"));
+            self.streaming = Some(standbys::Streaming::new(n));
+            self.counts.streamed_terms += 1;
+        }
         // What rebuilding marked (space it holds) is the new leader's first entry.
         self.collect(None);
     }
@@ -309,7 +336,8 @@ impl Sim {
         if changes.is_empty() && reply.is_none() {
             return;
         }
-        self.pending.push_back(Entry { changes, at: self.now, grants, reply });
+        self.ticket += 1;
+        self.pending.push_back(Entry { ticket: self.ticket, changes, at: self.now, grants, reply });
     }
 
     /// Applies `req` at the leader: `None` without one. What waits for the journal is
@@ -410,7 +438,8 @@ impl Sim {
             7 => self.pause_client(),
             8 => self.crash(),
             9 => self.compact(step)?,
-            _ => self.upsert_or_revoke(step)?,
+            10 => self.upsert_or_revoke(step)?,
+            _ => self.pause_standby(),
         }
         Ok(())
     }
@@ -456,33 +485,46 @@ impl Sim {
         Ok(())
     }
 
-    /// The first entries waiting become durable (etcd's log) and their answers go out.
+    /// The writer: the first entries waiting become durable (etcd's log) and their answers
+    /// go out; while streaming, what is queued goes to the standbys instead.
     fn make_durable(&mut self, step: usize) -> Result<(), Failure> {
+        if self.streaming.is_some() {
+            self.stream();
+            return Ok(());
+        }
         let n = self.rng.random_range(1..=self.pending.len().max(1));
         for _ in 0..n {
             let Some(e) = self.pending.pop_front() else { break };
-            if let Some(l) = self.leader.as_mut() {
-                l.grants_durable = l.grants_durable.max(e.grants);
-            }
-            if !e.changes.is_empty() {
-                self.log.push(e.changes);
-            }
-            match e.reply {
-                Some(Reply::Started(p)) => {
-                    // Its replicas: as the state placed them (taken from the entry's change).
-                    let placed = self.log.last().and_then(|cs| {
-                        cs.iter().rev().find_map(|c| match c {
-                            Change::Object { key, rec } if *key == p.key => rec.pending.as_ref().filter(|q| q.id == p.put).map(|q| q.replicas.to_vec()),
-                            _ => None,
-                        })
-                    });
-                    if let Some(replicas) = placed {
-                        self.started(step, Put { replicas, ..p })?;
-                    }
+            self.durable(step, e, true)?;
+        }
+        Ok(())
+    }
+
+    /// Entry `e` is durable (appended to etcd's log with `to_log`; else its standbys have it):
+    /// its answer goes out.
+    fn durable(&mut self, step: usize, e: Entry, to_log: bool) -> Result<(), Failure> {
+        if let Some(l) = self.leader.as_mut() {
+            l.grants_durable = l.grants_durable.max(e.grants);
+        }
+        // A put's replicas: as the state placed them (taken from the entry's change).
+        let placed = match &e.reply {
+            Some(Reply::Started(p)) => e.changes.iter().rev().find_map(|c| match c {
+                Change::Object { key, rec } if *key == p.key => rec.pending.as_ref().filter(|q| q.id == p.put).map(|q| q.replicas.to_vec()),
+                _ => None,
+            }),
+            _ => None,
+        };
+        if to_log && !e.changes.is_empty() {
+            self.log.push(e.changes);
+        }
+        match e.reply {
+            Some(Reply::Started(p)) => {
+                if let Some(replicas) = placed {
+                    self.started(step, Put { replicas, ..p })?;
                 }
-                Some(Reply::Ended(p)) => self.acked(p),
-                None => {}
             }
+            Some(Reply::Ended(p)) => self.acked(p),
+            None => {}
         }
         Ok(())
     }
@@ -504,7 +546,13 @@ impl Sim {
         let until = self.now + by;
         // The journal is written well within a lease, or its leader fences itself (it can no
         // longer prove its lease): the same to its clients as a crash.
-        if self.pending.front().is_some_and(|e| until > e.at + LEASE / 2) {
+        // (While streaming, the writer sends within the bound; the standbys' lateness is the
+        // stream's to handle.)
+        if self.streaming.is_some() {
+            if self.pending.get(self.streaming.as_ref().map_or(0, standbys::Streaming::sent)).is_some_and(|e| until > e.at + LEASE / 2) {
+                self.stream();
+            }
+        } else if self.pending.front().is_some_and(|e| until > e.at + LEASE / 2) {
             if self.rng.random_bool(0.8) {
                 while !self.pending.is_empty() {
                     self.make_durable(step)?;
@@ -516,7 +564,7 @@ impl Sim {
         // Writes land in time order, each checked against the live objects.
         loop {
             let next = self.writes.iter().map(|w| w.land_at).filter(|&t| t <= until).min();
-            let reads_next = self.reads.iter().map(|r| r.done_at).filter(|&t| t <= until).min();
+            let reads_next = self.reads.iter().map(|r| r.done_at).chain(self.stream_next()).filter(|&t| t <= until).min();
             let t = match (next, reads_next) {
                 (Some(a), Some(b)) => a.min(b),
                 (a, b) => match a.or(b) {
@@ -527,6 +575,7 @@ impl Sim {
             self.now = self.now.max(t);
             self.land(step, t)?;
             self.finish_reads(step, t)?;
+            self.stream_events(step, t)?;
         }
         self.now = until;
         if self.leader.is_none() && self.now >= self.down_until {
@@ -735,13 +784,15 @@ impl Sim {
             return;
         }
         self.note(format!("leader of term {} crashes, {} entries not durable", self.term, self.pending.len()));
+        self.take_over_from_standby();
         self.pending.clear();
         self.down_until = self.now + LEASE;
     }
 
     /// The leader writes a snapshot (everything queued first) and etcd drops the log.
     fn compact(&mut self, step: usize) -> Result<(), Failure> {
-        if self.leader.is_none() {
+        // (While streaming the etcd journal is not written: its snapshot waits for a rebase.)
+        if self.leader.is_none() || self.streaming.is_some() {
             return Ok(());
         }
         while !self.pending.is_empty() {
@@ -790,5 +841,6 @@ pub fn report(f: &Failure) -> String {
 }
 
 pub mod election;
+mod standbys;
 #[cfg(test)]
 mod tests;

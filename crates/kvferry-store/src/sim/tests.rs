@@ -10,7 +10,8 @@ fn seeds() -> Vec<u64> {
 }
 
 /// Every seed holds every invariant (see the module docs), and the runs did what they are
-/// meant to exercise: failovers, early answers, late writes, expiries, snapshots.
+/// meant to exercise: failovers, early answers, late writes, expiries, snapshots, leaders
+/// streaming to in-sync standbys, members leaving the set, takeovers from a standby's mirror.
 #[test]
 fn every_seed_holds_the_invariants() {
     let seeds = seeds();
@@ -44,6 +45,7 @@ fn every_seed_holds_the_invariants() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     if seeds.len() >= 100 {
         assert!(total.failovers > 0 && total.early_answers > 0 && total.late_writes > 0 && total.expiries > 0 && total.snapshots > 0 && total.unmounts > 0, "the runs did not exercise what they claim: {total:?}");
+        assert!(total.streamed_terms > 0 && total.members_dropped > 0 && total.standby_takeovers > 0, "the runs did not exercise the in-sync standbys: {total:?}");
         assert!(total.puts_acked > 10 * seeds.len() as u64 && total.reads_checked > seeds.len() as u64, "too few puts or reads checked: {total:?}");
     }
 }

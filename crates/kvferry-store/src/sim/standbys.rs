@@ -1,0 +1,203 @@
+//! In-sync standbys in the simulation (`--ha-replication standbys`): a leader that streams
+//! its entries to one to three standbys instead of writing etcd, released by their
+//! acknowledgements through the real [`Pipeline`] (the least acknowledgement of the in-sync
+//! set), on a network that delays entries and acknowledgements and standbys that pause. A
+//! member that has not acknowledged the oldest entry within [`ACK_TIMEOUT`] leaves the set;
+//! when the set empties the leader makes the etcd journal whole (the rebase: every entry
+//! streamed, then what is queued). When the leader dies, an in-sync member takes over from
+//! what its mirror received (the etcd journal at the stream's start, then its entries) and
+//! writes that to etcd first, as `Writer::rebase_at_takeover` does.
+//!
+//! The invariants of [`super`] then say what the standbys must: an answer released by the
+//! pipeline survives any failover, because every member that could take over holds it.
+
+use super::*;
+use crate::repl::Pipeline;
+
+/// How long an in-sync standby may take to acknowledge (ms).
+pub(super) const ACK_TIMEOUT: u64 = 100;
+
+/// One standby as the leader's stream reaches it.
+#[derive(Debug, Default)]
+pub(super) struct Standby {
+    /// Entries in flight to it: (arrives at, seq, changes).
+    inbox: VecDeque<(u64, u64, Vec<Change>)>,
+    /// Acknowledgements in flight back: (arrives at, seq).
+    acks: VecDeque<(u64, u64)>,
+    /// Entries its mirror applied, in order, since the stream started.
+    mirror: Vec<Vec<Change>>,
+    /// The last entry the leader knows it acknowledged.
+    acked: u64,
+    /// Stopped (SIGSTOP) until this time: it receives and acknowledges nothing before.
+    paused_until: u64,
+}
+
+/// A leader's stream to its standbys.
+pub(super) struct Streaming {
+    pipe: Pipeline,
+    /// The last entry sent.
+    seq: u64,
+    standbys: Vec<Standby>,
+    /// The in-sync set (indices into `standbys`).
+    members: Vec<usize>,
+    /// Entries of `pending` already sent, from its front.
+    sent: usize,
+    /// Every entry sent, in order (what the etcd journal lacks: the leader's tail).
+    tail: Vec<Vec<Change>>,
+}
+
+impl Streaming {
+    /// Entries of `pending` already sent.
+    pub(super) fn sent(&self) -> usize {
+        self.sent
+    }
+
+    pub(super) fn new(n: usize) -> Streaming {
+        Streaming { pipe: Pipeline::default(), seq: 0, standbys: (0..n).map(|_| Standby::default()).collect(), members: (0..n).collect(), sent: 0, tail: Vec::new() }
+    }
+}
+
+/// Microseconds on the pipeline's clock from the simulation's milliseconds.
+fn us(ms: u64) -> u64 {
+    ms * 1000
+}
+
+impl Sim {
+    /// A delay on the network between the leader and a standby: most are short, a few long
+    /// enough to make the standby late.
+    fn link_delay(&mut self) -> u64 {
+        if self.rng.random_bool(0.95) {
+            self.rng.random_range(0..5)
+        } else {
+            self.rng.random_range(0..3 * ACK_TIMEOUT)
+        }
+    }
+
+    /// The writer streams what is queued and not yet sent, one entry per collection, to every
+    /// standby (in sync or not: a late one is still linked until it leaves the set).
+    pub(super) fn stream(&mut self) {
+        let Some(s) = self.streaming.as_ref() else { return };
+        let (from, to) = (s.sent, self.pending.len());
+        for i in from..to {
+            let (changes, ticket) = (self.pending[i].changes.clone(), self.pending[i].ticket);
+            let delays: Vec<u64> = (0..self.streaming.as_ref().map_or(0, |s| s.standbys.len())).map(|_| self.link_delay()).collect();
+            let now = self.now;
+            let Some(s) = self.streaming.as_mut() else { return };
+            s.seq += 1;
+            s.pipe.push(s.seq, ticket, us(now));
+            for (sb, d) in s.standbys.iter_mut().zip(delays) {
+                // (Ordered per link, as TCP: never before the entry ahead of it.)
+                let at = sb.inbox.back().map_or(now + d, |&(t, _, _)| t.max(now + d));
+                sb.inbox.push_back((at, s.seq, changes.clone()));
+            }
+            s.tail.push(changes);
+            s.sent += 1;
+        }
+    }
+
+    /// When the next event of the stream comes: an entry or an acknowledgement arriving, or
+    /// the oldest entry becoming late.
+    pub(super) fn stream_next(&self) -> Option<u64> {
+        let s = self.streaming.as_ref()?;
+        let arrivals = s.standbys.iter().flat_map(|sb| sb.inbox.front().map(|e| e.0.max(sb.paused_until)).into_iter().chain(sb.acks.front().map(|a| a.0)));
+        let late = s.pipe.late_at(us(ACK_TIMEOUT)).map(|t| t.div_ceil(1000));
+        arrivals.chain(late).min()
+    }
+
+    /// Everything of the stream due at `t`: standbys apply what arrived and acknowledge it,
+    /// acknowledgements reach the leader, the pipeline releases what every member has, late
+    /// members leave the set (and an empty set is rebased into etcd).
+    pub(super) fn stream_events(&mut self, step: usize, t: u64) -> Result<(), Failure> {
+        if self.streaming.is_none() {
+            return Ok(());
+        }
+        let delays: Vec<u64> = (0..8).map(|_| self.link_delay()).collect();
+        let Some(s) = self.streaming.as_mut() else { return Ok(()) };
+        for (i, sb) in s.standbys.iter_mut().enumerate() {
+            while sb.inbox.front().is_some_and(|e| e.0.max(sb.paused_until) <= t) {
+                let Some((_, seq, changes)) = sb.inbox.pop_front() else { break };
+                sb.mirror.push(changes);
+                let at = sb.acks.back().map_or(t + delays[i % 8], |&(a, _)| a.max(t + delays[i % 8]));
+                sb.acks.push_back((at, seq));
+            }
+            while sb.acks.front().is_some_and(|a| a.0 <= t) {
+                if let Some((_, seq)) = sb.acks.pop_front() {
+                    sb.acked = sb.acked.max(seq);
+                }
+            }
+        }
+        self.release(step)?;
+        let Some(s) = self.streaming.as_mut() else { return Ok(()) };
+        if let Some(late) = s.pipe.late(us(t), us(ACK_TIMEOUT)) {
+            let gone: Vec<usize> = s.members.iter().copied().filter(|&m| s.standbys[m].acked < late).collect();
+            s.members.retain(|m| !gone.contains(m));
+            self.counts.members_dropped += gone.len() as u64;
+            self.note(format!("standbys {gone:?} did not acknowledge entry {late} within {ACK_TIMEOUT} ms: they leave the in-sync set"));
+            if self.streaming.as_ref().is_some_and(|s| s.members.is_empty()) {
+                self.rebase(step)?;
+            } else {
+                self.release(step)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The pipeline releases what every in-sync member acknowledged: those entries' answers
+    /// go out.
+    fn release(&mut self, step: usize) -> Result<(), Failure> {
+        let now = self.now;
+        let Some(s) = self.streaming.as_mut() else { return Ok(()) };
+        let min = s.members.iter().map(|&m| s.standbys[m].acked).min();
+        let Some(r) = s.pipe.release(min, us(now)) else { return Ok(()) };
+        while self.pending.front().is_some_and(|e| e.ticket <= r.upto) {
+            let Some(e) = self.pending.pop_front() else { break };
+            if let Some(s) = self.streaming.as_mut() {
+                s.sent = s.sent.saturating_sub(1);
+            }
+            self.durable(step, e, false)?;
+        }
+        Ok(())
+    }
+
+    /// The in-sync set emptied: the entries streamed go to etcd's log (the leader's tail),
+    /// then what is queued, and from now on the journal is etcd's.
+    pub(super) fn rebase(&mut self, step: usize) -> Result<(), Failure> {
+        let Some(s) = self.streaming.take() else { return Ok(()) };
+        self.note(format!("no standby in sync: the {} entries streamed go to etcd's log", s.tail.len()));
+        self.log.extend(s.tail.into_iter().filter(|c| !c.is_empty()));
+        // (The first `sent` are in the tail already.)
+        for i in 0.. {
+            let Some(e) = self.pending.pop_front() else { break };
+            self.durable(step, e, i >= s.sent)?;
+        }
+        Ok(())
+    }
+
+    /// The leader died while streaming: an in-sync member takes over from its mirror, which it
+    /// writes to etcd's log first. (Whatever else is in flight to it is lost with the leader.)
+    pub(super) fn take_over_from_standby(&mut self) {
+        let Some(mut s) = self.streaming.take() else { return };
+        if s.members.is_empty() {
+            return;
+        }
+        let m = s.members[self.rng.random_range(0..s.members.len())];
+        let mirror = std::mem::take(&mut s.standbys[m].mirror);
+        self.counts.standby_takeovers += 1;
+        self.note(format!("standby {m} takes over with {} entries of {} streamed", mirror.len(), s.seq));
+        self.log.extend(mirror.into_iter().filter(|c| !c.is_empty()));
+    }
+
+    /// A standby stops (SIGSTOP) for a while.
+    pub(super) fn pause_standby(&mut self) {
+        let n = self.streaming.as_ref().map_or(0, |s| s.standbys.len());
+        if n == 0 {
+            return;
+        }
+        let i = self.rng.random_range(0..n);
+        let until = self.now + self.rng.random_range(ACK_TIMEOUT / 2..4 * ACK_TIMEOUT);
+        if let Some(s) = self.streaming.as_mut() {
+            s.standbys[i].paused_until = until;
+        }
+        self.note(format!("standby {i} pauses until {until}"));
+    }
+}
