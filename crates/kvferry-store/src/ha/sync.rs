@@ -48,13 +48,14 @@
 use crate::frame;
 use crate::master::journal::{Change, Image, Rebuilt, ReplicaRec, PREBUILT_TERM};
 use crate::master::State;
-use crate::repl::MirrorTail;
+use crate::repl::{Feed, MirrorTail};
+pub use crate::repl::{KeptFrame, ToLeader, ToStandby};
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::io::Read;
 use std::net::TcpStream;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// The largest frame either side accepts (an image is sent in frames of [`IMAGE_PIECE`]
@@ -62,42 +63,6 @@ use std::time::{Duration, Instant};
 pub const MAX_FRAME: usize = 256 << 20;
 /// Changes per `Image` frame.
 pub const IMAGE_PIECE: usize = 4096;
-
-/// Leader → standby.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ToStandby {
-    /// The first frame: the cluster, and the leader's term (its view key's create revision)
-    /// and lease.
-    Hello { cluster_id: String, term: i64, lease: i64, leader: String },
-    /// Part of the state after entry `seq`; the one with `last` ends the image.
-    Image { seq: u64, changes: Vec<Change>, last: bool },
-    /// The changes of entry `seq`, applied after every earlier one.
-    Entry { seq: u64, changes: Vec<Change> },
-    /// Where the leader's etcd journal is, or is about to be, whole: a standby keeps the
-    /// entries after it for a takeover ([`MirrorTail`]). `written`: it is whole up to entry
-    /// `seq` now (sent when the in-sync set becomes non-empty, right after entry `seq`, and
-    /// once a background snapshot's head at `seq` is written: the runs from elsewhere are of
-    /// no use any more). Not `written`: a background snapshot of the state after entry `seq`
-    /// is being written (sent right after entry `seq`): a run starts there, and the current
-    /// one is kept until the snapshot's head is. Sent only to standbys whose registration
-    /// says they take it ([`registration`]'s [`RUNS`]): one of an earlier version would not
-    /// decode it.
-    Base { seq: u64, written: bool },
-    /// To a standby that links while others are in sync (its image is after where the etcd
-    /// journal is whole, `base`): the entries from there up to its image's position, as the
-    /// leader sent them to the others (each the frame of the log's entries `first..=last`),
-    /// in one or more of these frames ([`super::link::run_frames`], each continuing the one before) right
-    /// after its image. Kept for a takeover, not applied (the image holds them): its run
-    /// starts at `base`, as the others' did, once they reach its image. Only to a standby that
-    /// takes [`ToStandby::Base`].
-    Run { base: u64, frames: Vec<KeptFrame> },
-    /// The first frame where the masters hold a cluster key, a plain one: the leader's Noise
-    /// opening message ([`HA_LINK`], dialing [`standby_identity`]), answered by
-    /// [`ToLeader::AuthChallenge`]. Last, so the other variants keep their wire numbers.
-    AuthHello { hello: Vec<u8> },
-    /// Not sent (it kept the number of an earlier exchange's step): refused wherever it comes.
-    AuthProof { mac: Vec<u8> },
-}
 
 /// The Noise protocol of a replication link (`kvferry::auth`): the leader opens it, the
 /// standby answers.
@@ -112,34 +77,6 @@ pub fn standby_identity(cluster_id: &str, member: &str) -> String {
 
 /// The wire number of [`ToStandby::AuthHello`].
 pub(super) const AUTH_HELLO: u8 = 5;
-
-/// One entry's frame in a [`ToStandby::Run`]: the log's entries `first..=last`, the frame as
-/// [`encode_frame`] made it (a byte string to serde, not a sequence of numbers).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KeptFrame {
-    pub first: u64,
-    pub last: u64,
-    pub frame: bytes::Bytes,
-}
-
-impl From<KeptFrame> for (u64, u64, Arc<Vec<u8>>) {
-    /// A received run's frame as the mirror's tail keeps it ([`MirrorTail::joined`]).
-    fn from(k: KeptFrame) -> Self {
-        (k.first, k.last, Arc::new(Vec::from(k.frame)))
-    }
-}
-
-/// Standby → leader.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ToLeader {
-    /// Everything up to entry `seq` is held (a takeover applies it).
-    Ack { seq: u64 },
-    /// The connection is refused (another cluster, an older term, out of order).
-    Refused { why: String },
-    /// To [`ToStandby::AuthHello`], a plain frame: the standby's Noise answer. Last, so the
-    /// other variants keep their wire numbers.
-    AuthChallenge { answer: Vec<u8> },
-}
 
 /// One frame: length, then postcard ([`frame::encode`], at most [`MAX_FRAME`]).
 pub fn encode_frame<T: Serialize>(m: &T) -> Result<Vec<u8>, String> {
@@ -327,34 +264,6 @@ pub fn needed_at_stop(rec: &InSync, me: &str, mirror: Option<i64>, alive: impl F
 
 /// What the connection that feeds a mirror has said: the protocol's state, and the entries
 /// received and acknowledged but not applied yet.
-#[derive(Default)]
-struct Feed {
-    /// The term of the leader it mirrors; connections of older terms are refused.
-    term: i64,
-    /// The connection that feeds it (others are ignored).
-    conn: u64,
-    next_conn: u64,
-    /// The last entry received (decoded, in order) and so acknowledged.
-    seq: u64,
-    /// An image was received whole (and every entry since, in order).
-    complete: bool,
-    /// Taken over (this master leads from it): nothing more is applied.
-    closed: bool,
-    /// This master is stopping: its mirror is kept (for a takeover) but fed no more, so that a
-    /// leader alive drops it from the in-sync set.
-    sealed: bool,
-    /// The socket of the connection that feeds it, shut down by [`Mirror::seal`] (an idle
-    /// leader would otherwise learn only at its next entry that the standby left).
-    sock: Option<TcpStream>,
-    /// Received and acknowledged, with when they arrived, not applied to the image yet: the
-    /// connection's thread applies them once it has acknowledged them, a takeover first
-    /// ([`Mirror::take`]).
-    pending: Vec<(Instant, Vec<Change>)>,
-    /// The entries received since where the leader's etcd journal is whole, as they came
-    /// ([`MirrorTail`]).
-    tail: MirrorTail,
-}
-
 /// The image the received changes are applied to.
 #[derive(Default)]
 struct Applied {
@@ -451,14 +360,18 @@ pub struct Mirror {
     /// [`standby_identity`] of it and the cluster.
     pub(super) member: String,
     feed: Mutex<Feed>,
+    /// The socket of the connection that feeds it, shut down by [`Mirror::seal`] (an idle
+    /// leader would otherwise learn only at its next entry that the standby left). Lock
+    /// order: after `feed`.
+    sock: Mutex<Option<TcpStream>>,
+    /// The feed's clock starts here ([`Feed::pending`]'s times).
+    epoch: Instant,
     /// The leader etcd names, as this standby last read it (its key's create revision and
     /// lease): only that leader may feed the mirror.
     leader: Mutex<Option<(i64, i64)>>,
     pub(super) cluster_id: String,
     /// How long a held-back replica is kept (two read lease TTLs).
     keep_held: Duration,
-    /// The bytes of entries' frames a run keeps for a takeover ([`MirrorTail`]; 0: none).
-    tail_cap: usize,
 }
 
 pub(super) fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -476,11 +389,12 @@ impl Mirror {
             prebuilder: None,
             auth: None,
             member: String::new(),
-            feed: Mutex::new(Feed::default()),
+            feed: Mutex::new(Feed::new(tail_cap)),
+            sock: Mutex::new(None),
+            epoch: Instant::now(),
             leader: Mutex::new(None),
             cluster_id: cluster_id.to_string(),
             keep_held: read_lease * 2,
-            tail_cap,
         }
     }
 
@@ -578,8 +492,9 @@ impl Mirror {
         }
     }
 
-    fn put_all(&self, a: &mut Applied, pending: Vec<(Instant, Vec<Change>)>) {
+    fn put_all(&self, a: &mut Applied, pending: Vec<(u64, Vec<Change>)>) {
         for (at, changes) in pending {
+            let at = self.epoch + Duration::from_micros(at);
             for c in changes {
                 match c {
                     Change::HeldBack { replica } => a.held.push(Reverse((at + self.keep_held, replica))),
@@ -604,13 +519,13 @@ impl Mirror {
             _ => a.image.objects(),
         };
         let (tail_bytes, tail_base) = (f.tail.bytes(), f.tail.newest_base());
-        MirrorStatus { term: f.term, seq: f.seq, complete: f.complete && !f.closed, fed: f.conn != 0 && !f.closed, sealed: f.sealed, pending_changes, objects, tail_bytes, tail_base }
+        MirrorStatus { term: f.term, seq: f.seq, complete: f.leads_from(), fed: f.fed(), sealed: f.sealed, pending_changes, objects, tail_bytes, tail_base }
     }
 
     /// The term of a complete mirror.
     pub fn complete_term(&self) -> Option<i64> {
         let f = locked(&self.feed);
-        (f.complete && !f.closed).then_some(f.term)
+        f.leads_from().then_some(f.term)
     }
 
     /// The mirror of `term` for a takeover (the image, with every change received applied,
@@ -627,39 +542,33 @@ impl Mirror {
         }
         let mut a = locked(&self.applied);
         let mut f = locked(&self.feed);
-        if !f.complete || f.closed || f.term != term {
-            return None;
-        }
-        f.closed = true;
-        f.complete = false;
-        let tail = std::mem::take(&mut f.tail);
+        let (seq, tail) = f.take(term)?;
         if p.built_for(&f) {
             if let Prebuild::Built { state, rebuilt, at, .. } = std::mem::take(&mut *p) {
-                return Some((Taken::Built { state, rebuilt, at }, f.seq, tail));
+                return Some((Taken::Built { state, rebuilt, at }, seq, tail));
             }
         }
         Self::drop_prebuilt(&mut p);
         self.put_all(&mut a, std::mem::take(&mut f.pending));
         let image = Self::image_with_held(&mut a);
-        Some((Taken::Image(image), f.seq, tail))
+        Some((Taken::Image(image), seq, tail))
     }
 
     /// Feeds the mirror no more (this master is stopping) and ends the connection that fed
     /// it; what it holds stays, for [`Mirror::take`].
     pub fn seal(&self) {
         let mut f = locked(&self.feed);
-        f.sealed = true;
-        f.conn = 0;
-        if let Some(sock) = f.sock.take() {
+        f.seal();
+        if let Some(sock) = locked(&self.sock).take() {
             let _ = sock.shutdown(std::net::Shutdown::Both);
         }
     }
 
     /// The socket of connection `conn` (if it still feeds the mirror), for [`Mirror::seal`].
     pub(super) fn attach(&self, conn: u64, sock: &TcpStream) {
-        let mut f = locked(&self.feed);
+        let f = locked(&self.feed);
         if f.conn == conn && !f.sealed {
-            f.sock = sock.try_clone().ok();
+            *locked(&self.sock) = sock.try_clone().ok();
         }
     }
 
@@ -667,9 +576,8 @@ impl Mirror {
     /// copy of the socket is closed.
     pub(super) fn detach(&self, conn: u64) {
         let mut f = locked(&self.feed);
-        if f.conn == conn {
-            f.conn = 0;
-            f.sock = None;
+        if f.detach(conn) {
+            *locked(&self.sock) = None;
         }
     }
 
@@ -681,7 +589,7 @@ impl Mirror {
         let mut a = locked(&self.applied);
         let mut f = locked(&self.feed);
         *a = Applied { image, ..Applied::default() };
-        *f = Feed { term, next_conn: f.next_conn, seq, complete: true, sealed: f.sealed, tail, ..Feed::default() };
+        f.restore(term, seq, tail);
     }
 
     /// This master leads: nothing is mirrored (what was is dropped) until [`Mirror::reopen`].
@@ -690,7 +598,7 @@ impl Mirror {
         let mut a = locked(&self.applied);
         let mut f = locked(&self.feed);
         *a = Applied::default();
-        *f = Feed { term: f.term, next_conn: f.next_conn, closed: true, sealed: f.sealed, ..Feed::default() };
+        f.close();
     }
 
     /// Accepts feeds again (after a campaign lost, or stepping down), of terms from the one it
@@ -698,11 +606,9 @@ impl Mirror {
     pub fn reopen(&self) {
         let mut a = locked(&self.applied);
         let mut f = locked(&self.feed);
-        if !f.closed {
-            return;
+        if f.reopen() {
+            *a = Applied::default();
         }
-        *a = Applied::default();
-        *f = Feed { term: f.term, next_conn: f.next_conn, sealed: f.sealed, ..Feed::default() };
     }
 
     /// The leader key this standby read (its create revision and lease), `None` when absent.
@@ -722,18 +628,8 @@ impl Mirror {
         }
         let mut a = locked(&self.applied);
         let mut f = locked(&self.feed);
-        if f.closed {
-            return Err("this master is taking over or leads".into());
-        }
-        if f.sealed {
-            return Err("this standby is stopping".into());
-        }
-        if term < f.term {
-            return Err(format!("term {term} is older than the term {} this standby follows", f.term));
-        }
-        let conn = f.next_conn + 1;
+        let conn = f.hello(term)?;
         *a = Applied::default();
-        *f = Feed { term, conn, next_conn: conn, ..Feed::default() };
         drop((f, a));
         // (A state built ahead is of the mirror this hello replaces; one being built is
         // dropped when its build ends.)
@@ -751,51 +647,8 @@ impl Mirror {
     /// Takes one frame of connection `conn` (`raw` as it came; checked to be the next one;
     /// its changes pending until [`Mirror::apply_pending`]): the entry to acknowledge, if any.
     pub(super) fn take_frame(&self, conn: u64, frame: ToStandby, raw: Vec<u8>) -> Result<Option<u64>, String> {
-        let mut f = locked(&self.feed);
-        if f.conn != conn || f.closed {
-            return Err("another leader's connection replaced this one".into());
-        }
-        let (ack, changes) = match frame {
-            ToStandby::Hello { .. } => return Err("a second hello on one connection".into()),
-            ToStandby::AuthHello { .. } | ToStandby::AuthProof { .. } => return Err("an authentication step after the hello".into()),
-            ToStandby::Image { seq, changes, last } => {
-                if f.complete {
-                    return Err("an image after the image".into());
-                }
-                if last {
-                    f.seq = seq;
-                    f.complete = true;
-                }
-                (last.then_some(seq), changes)
-            }
-            ToStandby::Entry { seq, changes } => {
-                if !f.complete || seq <= f.seq {
-                    return Err(format!("entry {seq} out of order (mirror at {}, complete: {})", f.seq, f.complete));
-                }
-                let first = f.seq + 1;
-                f.tail.push(first, seq, raw, self.tail_cap);
-                f.seq = seq;
-                (Some(seq), changes)
-            }
-            ToStandby::Base { seq, written } => {
-                if f.complete {
-                    let at = f.seq;
-                    f.tail.base(seq, written, at, self.tail_cap);
-                }
-                (None, Vec::new())
-            }
-            ToStandby::Run { base, frames } => {
-                if f.complete {
-                    let at = f.seq;
-                    f.tail.joined(base, frames, at, self.tail_cap);
-                }
-                (None, Vec::new())
-            }
-        };
-        if !changes.is_empty() {
-            f.pending.push((Instant::now(), changes));
-        }
-        Ok(ack)
+        let now = u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
+        locked(&self.feed).on_frame(conn, frame, raw, now)
     }
 }
 

@@ -1,7 +1,9 @@
 //! Replication's bookkeeping as machines without I/O: the leader's journal [`Queue`]
 //! (tickets, what is durable, the answers waiting, grants), the [`Pipeline`] of entries
-//! streamed to the in-sync standbys and released by their acknowledgements, and the entries
-//! the etcd journal lacks while standbys are in sync ([`Tail`], [`MirrorTail`]).
+//! streamed to the in-sync standbys and released by their acknowledgements, a standby's
+//! [`Feed`] (which connection feeds its mirror, which frame comes next, what it
+//! acknowledges), the link's messages ([`ToStandby`], [`ToLeader`]), and the entries the etcd
+//! journal lacks while standbys are in sync ([`Tail`], [`MirrorTail`]).
 //!
 //! They read no clock (time is microseconds on the driver's monotonic clock, passed in),
 //! take no lock, start no thread and touch no socket or etcd: the HA drivers
@@ -10,10 +12,14 @@
 //! (`crate::sim`) and the unit tests below drive them directly. `crate::boundaries` fails
 //! when a file here names a driver, the clock, a lock or a thread.
 
+mod feed;
+mod msg;
 mod pipeline;
 mod queue;
 mod tail;
 
+pub use feed::Feed;
+pub use msg::{KeptFrame, ToLeader, ToStandby};
 pub use pipeline::{Pipeline, Released};
 pub use queue::{Outcome, Queue, Written};
 pub use tail::{tail_after, MirrorTail, Run, Tail, TailFrame};

@@ -310,3 +310,41 @@ fn release(
         *durable_grant = g;
     }
 }
+
+#[test]
+fn a_feed_takes_an_image_then_entries_in_order_from_its_newest_connection_only() {
+    let entry = |seq: u64| ToStandby::Entry { seq, changes: vec![change(seq)] };
+    let image = |seq: u64, last: bool| ToStandby::Image { seq, changes: vec![change(0)], last };
+    let mut f = Feed::new(0);
+    let c1 = f.hello(5).expect("hello");
+    assert!(f.on_frame(c1, entry(1), Vec::new(), 0).is_err(), "an entry before the image");
+    let mut f = Feed::new(0);
+    let c1 = f.hello(5).expect("hello");
+    assert_eq!(f.on_frame(c1, image(7, false), Vec::new(), 0), Ok(None), "part of an image: nothing to acknowledge");
+    assert!(!f.leads_from());
+    assert_eq!(f.on_frame(c1, image(7, true), Vec::new(), 0), Ok(Some(7)));
+    assert!(f.leads_from() && f.fed());
+    assert!(f.on_frame(c1, image(8, true), Vec::new(), 0).is_err(), "an image after the image");
+    assert_eq!(f.on_frame(c1, entry(8), Vec::new(), 10 * MS), Ok(Some(8)));
+    assert!(f.on_frame(c1, entry(8), Vec::new(), 0).is_err(), "a replayed entry");
+    assert_eq!(f.on_frame(c1, entry(10), Vec::new(), 11 * MS), Ok(Some(10)), "entries need not be consecutive (a leader's pieces)");
+    assert!(f.on_frame(c1, ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 1, leader: "l".into() }, Vec::new(), 0).is_err());
+    assert_eq!(f.pending.iter().map(|(t, c)| (*t, c.len())).collect::<Vec<_>>(), vec![(0, 1), (0, 1), (10 * MS, 1), (11 * MS, 1)]);
+    // An older term is refused; a newer one replaces the connection and starts empty.
+    assert!(f.hello(4).is_err());
+    let c2 = f.hello(6).expect("a newer term");
+    assert!(f.on_frame(c1, entry(11), Vec::new(), 0).is_err(), "the replaced connection");
+    assert!(!f.leads_from() && f.pending.is_empty() && f.seq == 0);
+    assert!(f.take(6).is_none(), "no image yet: nothing to lead from");
+    f.on_frame(c2, image(20, true), Vec::new(), 0).expect("image");
+    assert!(f.take(5).is_none(), "another term's mirror");
+    assert_eq!(f.take(6).map(|(seq, _)| seq), Some(20));
+    assert!(f.on_frame(c2, entry(21), Vec::new(), 0).is_err(), "taken over: nothing more is applied");
+    assert!(f.hello(7).is_err(), "nor does a new leader feed it while it leads");
+    f.restore(6, 21, MirrorTail::default());
+    assert!(f.leads_from() && !f.fed() && f.seq == 21, "a failed takeover hands it back");
+    f.close();
+    assert!(f.reopen() && !f.reopen());
+    f.seal();
+    assert!(f.hello(9).is_err(), "a sealed mirror is fed no more");
+}

@@ -321,8 +321,13 @@ impl Sim {
         if self.rng.random_bool(0.5) {
             let n = self.rng.random_range(1..=3);
             self.note(format!("it streams to {n} in-sync standbys"));
-            self.streaming = Some(standbys::Streaming::new(n));
-            self.counts.streamed_terms += 1;
+            match standbys::Streaming::new(n, self.term) {
+                Ok(s) => {
+                    self.streaming = Some(s);
+                    self.counts.streamed_terms += 1;
+                }
+                Err(e) => self.note(format!("the standbys refused the link: {e}")),
+            }
         }
         // What rebuilding marked (space it holds) is the new leader's first entry.
         self.collect(None);

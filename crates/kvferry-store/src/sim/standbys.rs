@@ -12,7 +12,7 @@
 //! pipeline survives any failover, because every member that could take over holds it.
 
 use super::*;
-use crate::repl::Pipeline;
+use crate::repl::{Feed, Pipeline, ToStandby};
 
 /// How long an in-sync standby may take to acknowledge (ms).
 pub(super) const ACK_TIMEOUT: u64 = 100;
@@ -24,8 +24,11 @@ pub(super) struct Standby {
     inbox: VecDeque<(u64, u64, Vec<Change>)>,
     /// Acknowledgements in flight back: (arrives at, seq).
     acks: VecDeque<(u64, u64)>,
-    /// Entries its mirror applied, in order, since the stream started.
-    mirror: Vec<Vec<Change>>,
+    /// Its mirror's feed, the real machine: what it accepts and acknowledges, and the
+    /// changes received since the stream started (pending: the takeover applies them).
+    feed: Feed,
+    /// The leader's connection.
+    conn: u64,
     /// The last entry the leader knows it acknowledged.
     acked: u64,
     /// Stopped (SIGSTOP) until this time: it receives and acknowledges nothing before.
@@ -52,8 +55,17 @@ impl Streaming {
         self.sent
     }
 
-    pub(super) fn new(n: usize) -> Streaming {
-        Streaming { pipe: Pipeline::default(), seq: 0, standbys: (0..n).map(|_| Standby::default()).collect(), members: (0..n).collect(), sent: 0, tail: Vec::new() }
+    /// The stream of the leader of `term` to `n` standbys, each linked (hello, and an image
+    /// that is the etcd journal as it is: nothing streamed yet) and in sync.
+    pub(super) fn new(n: usize, term: i64) -> Result<Streaming, String> {
+        let mut standbys = Vec::with_capacity(n);
+        for _ in 0..n {
+            let mut sb = Standby::default();
+            sb.conn = sb.feed.hello(term)?;
+            sb.feed.on_frame(sb.conn, ToStandby::Image { seq: 0, changes: Vec::new(), last: true }, Vec::new(), 0)?;
+            standbys.push(sb);
+        }
+        Ok(Streaming { pipe: Pipeline::default(), seq: 0, standbys, members: (0..n).collect(), sent: 0, tail: Vec::new() })
     }
 }
 
@@ -113,18 +125,27 @@ impl Sim {
         }
         let delays: Vec<u64> = (0..8).map(|_| self.link_delay()).collect();
         let Some(s) = self.streaming.as_mut() else { return Ok(()) };
+        let mut refused = None;
         for (i, sb) in s.standbys.iter_mut().enumerate() {
             while sb.inbox.front().is_some_and(|e| e.0.max(sb.paused_until) <= t) {
                 let Some((_, seq, changes)) = sb.inbox.pop_front() else { break };
-                sb.mirror.push(changes);
-                let at = sb.acks.back().map_or(t + delays[i % 8], |&(a, _)| a.max(t + delays[i % 8]));
-                sb.acks.push_back((at, seq));
+                match sb.feed.on_frame(sb.conn, ToStandby::Entry { seq, changes }, Vec::new(), us(t)) {
+                    Ok(Some(ack)) => {
+                        let at = sb.acks.back().map_or(t + delays[i % 8], |&(a, _)| a.max(t + delays[i % 8]));
+                        sb.acks.push_back((at, ack));
+                    }
+                    Ok(None) => refused = Some(format!("standby {i} did not acknowledge entry {seq}")),
+                    Err(e) => refused = Some(format!("standby {i} refused entry {seq}: {e}")),
+                }
             }
             while sb.acks.front().is_some_and(|a| a.0 <= t) {
                 if let Some((_, seq)) = sb.acks.pop_front() {
                     sb.acked = sb.acked.max(seq);
                 }
             }
+        }
+        if let Some(what) = refused {
+            return Err(self.fail(step, what));
         }
         self.release(step)?;
         let Some(s) = self.streaming.as_mut() else { return Ok(()) };
@@ -181,9 +202,14 @@ impl Sim {
             return;
         }
         let m = s.members[self.rng.random_range(0..s.members.len())];
-        let mirror = std::mem::take(&mut s.standbys[m].mirror);
+        let feed = &mut s.standbys[m].feed;
+        let Some((seq, _)) = feed.take(self.term) else {
+            self.note(format!("standby {m} holds no complete mirror of term {}", self.term));
+            return;
+        };
+        let mirror: Vec<Vec<Change>> = std::mem::take(&mut feed.pending).into_iter().map(|(_, c)| c).collect();
         self.counts.standby_takeovers += 1;
-        self.note(format!("standby {m} takes over with {} entries of {} streamed", mirror.len(), s.seq));
+        self.note(format!("standby {m} takes over at entry {seq} of {} streamed", s.seq));
         self.log.extend(mirror.into_iter().filter(|c| !c.is_empty()));
     }
 

@@ -2,6 +2,7 @@
 //! sides, are in `ha::link` and `ha::standby`. Must not need etcd.
 
 use super::*;
+use std::sync::Arc;
 use crate::ha::link::{run_frames, RUN_PIECE};
 use crate::repl::TailFrame;
 
