@@ -247,6 +247,12 @@ impl Link {
         Arc::clone(&self.acked)
     }
 
+    /// What the writer's decisions about the in-sync set need of this link
+    /// ([`crate::repl::members`]).
+    pub fn view(&self) -> crate::repl::members::LinkView {
+        crate::repl::members::LinkView { dead: self.dead(), acked: self.acked(), image_seq: self.image_seq, grants: self.grants }
+    }
+
     pub fn dead(&self) -> bool {
         self.dead.load(Ordering::Acquire)
     }

@@ -13,6 +13,7 @@
 //! when a file here names a driver, the clock, a lock or a thread.
 
 mod feed;
+pub mod members;
 mod msg;
 mod pipeline;
 mod queue;

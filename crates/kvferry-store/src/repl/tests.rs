@@ -348,3 +348,28 @@ fn a_feed_takes_an_image_then_entries_in_order_from_its_newest_connection_only()
     f.seal();
     assert!(f.hello(9).is_err(), "a sealed mirror is fed no more");
 }
+
+#[test]
+fn members_leave_the_set_when_late_or_cut_and_join_only_whole_and_registered() {
+    use members::{failing, grants_allowed, ready, LinkView};
+    let v = |acked: u64| LinkView { dead: false, acked, image_seq: 0, grants: true };
+    let set: Vec<String> = ["a", "b", "c"].map(String::from).to_vec();
+    let links = |m: &str| match m {
+        "a" => Some(v(10)),
+        "b" => Some(v(7)),
+        "c" => Some(LinkView { dead: true, ..v(10) }),
+        _ => None,
+    };
+    assert_eq!(failing(&set, links, None), vec!["c"], "a dead link leaves; nothing late");
+    assert_eq!(failing(&set, links, Some(8)), vec!["b", "c"], "b has not acknowledged the late entry");
+    assert_eq!(failing(&["d".to_string()], links, None), vec!["d"], "a member without a link leaves");
+    assert!(ready(v(10), 10, 3, Some(3)));
+    assert!(!ready(v(9), 10, 3, Some(3)), "behind the last entry");
+    assert!(!ready(LinkView { image_seq: 12, ..v(10) }, 10, 3, Some(3)), "behind its own image");
+    assert!(!ready(v(10), 10, 3, Some(2)), "its registration names another term's mirror");
+    assert!(!ready(LinkView { dead: true, ..v(10) }, 10, 3, Some(3)));
+    assert!(!grants_allowed(&[], [v(1)], |_| Some(v(1))), "no grants without an in-sync member");
+    assert!(grants_allowed(&set[..1], [v(1)], |_| Some(v(1))));
+    assert!(!grants_allowed(&set[..1], [v(1), LinkView { grants: false, ..v(1) }], |_| Some(v(1))), "a linked standby that does not read grants");
+    assert!(!grants_allowed(&set[..1], [v(1)], |_| None), "a member without a link");
+}

@@ -12,6 +12,7 @@
 //! pipeline survives any failover, because every member that could take over holds it.
 
 use super::*;
+use crate::repl::members::{self, LinkView};
 use crate::repl::{Feed, Pipeline, ToStandby};
 
 /// How long an in-sync standby may take to acknowledge (ms).
@@ -150,7 +151,10 @@ impl Sim {
         self.release(step)?;
         let Some(s) = self.streaming.as_mut() else { return Ok(()) };
         if let Some(late) = s.pipe.late(us(t), us(ACK_TIMEOUT)) {
-            let gone: Vec<usize> = s.members.iter().copied().filter(|&m| s.standbys[m].acked < late).collect();
+            // (The writer's rule: `repl::members::failing`, members named by their index.)
+            let names: Vec<String> = s.members.iter().map(usize::to_string).collect();
+            let view = |m: &str| m.parse::<usize>().ok().and_then(|i| s.standbys.get(i)).map(|sb| LinkView { dead: false, acked: sb.acked, image_seq: 0, grants: true });
+            let gone: Vec<usize> = members::failing(&names, view, Some(late)).iter().filter_map(|m| m.parse().ok()).collect();
             s.members.retain(|m| !gone.contains(m));
             self.counts.members_dropped += gone.len() as u64;
             self.note(format!("standbys {gone:?} did not acknowledge entry {late} within {ACK_TIMEOUT} ms: they leave the in-sync set"));

@@ -5,6 +5,7 @@
 //! the rules of what is durable are the machines' ([`crate::repl`]).
 
 use super::snapshot::Frozen;
+use crate::repl::members;
 use super::*;
 
 /// Sends `frame` to every linked standby.
@@ -109,8 +110,7 @@ impl Replicas {
     /// is not empty (the etcd journal alone is read by masters of every version) and every
     /// linked standby reads [`Change::Granted`]; else 0.
     pub(super) fn grant_bytes_now(&self) -> u64 {
-        let all = self.links.iter().all(|l| l.grants) && self.insync.iter().all(|m| self.link(m).is_some_and(|l| l.grants));
-        if !self.insync.is_empty() && all {
+        if members::grants_allowed(&self.insync, self.links.iter().map(Link::view), |m| self.link(m).map(Link::view)) {
             self.grant_bytes
         } else {
             0
@@ -282,7 +282,7 @@ impl Writer<'_> {
     pub(super) fn failing_members(&self) -> (Vec<String>, Option<u64>) {
         let Some(s) = self.sync.as_ref().filter(|s| !s.insync.is_empty()) else { return (Vec::new(), None) };
         let late = s.release.late(self.master.journal.now_us(), s.ack_timeout);
-        (s.insync.iter().filter(|m| s.link(m).is_none_or(|l| l.dead() || late.is_some_and(|seq| l.acked() < seq))).cloned().collect(), late)
+        (members::failing(&s.insync, |m| s.link(m).map(Link::view), late), late)
     }
 
     /// What the writer lends while it sleeps (its links, while standbys are in sync: see
@@ -525,7 +525,7 @@ impl Writer<'_> {
         let ready: Vec<String> = s
             .links
             .iter()
-            .filter(|l| !l.dead() && !s.insync.contains(&l.member) && l.acked() >= seq.max(l.image_seq) && s.mirrors.get(&l.member) == Some(&Some(term)))
+            .filter(|l| !s.insync.contains(&l.member) && members::ready(l.view(), seq, term, s.mirrors.get(&l.member).copied().flatten()))
             .map(|l| l.member.clone())
             .collect();
         if ready.is_empty() {
