@@ -33,7 +33,6 @@ use crate::proto::{PingStatus, ReplicaDesc, ReplicateConfig, Request, Response, 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, VecDeque};
-use std::fmt::Write as _;
 use std::time::Duration;
 
 /// The kinds of step, and how often each comes on average (per mille): each seed draws its
@@ -810,39 +809,6 @@ impl Sim {
         self.note(format!("snapshot of {} changes", self.snapshot.len()));
         Ok(())
     }
-}
-
-/// Runs seed `seed`: its counts, and its trace's digest (the same seed gives the same one).
-pub fn run(seed: u64) -> Result<(Counts, u64), Failure> {
-    let mut sim = Sim::new(seed);
-    for step in 0..STEPS {
-        sim.step(step)?;
-    }
-    let _ = sim.leader.as_ref().map(|l| l.term);
-    Ok((sim.counts, sim.digest))
-}
-
-/// Runs seed `seed` keeping every event: the events, and how the run ended.
-pub fn run_traced(seed: u64) -> (Vec<String>, Result<(), String>) {
-    let mut sim = Sim::new(seed);
-    sim.full = Some(Vec::new());
-    let mut end = Ok(());
-    for step in 0..STEPS {
-        if let Err(f) = sim.step(step) {
-            end = Err(f.what);
-            break;
-        }
-    }
-    (sim.full.take().unwrap_or_default(), end)
-}
-
-/// A failure as the test prints it.
-pub fn report(f: &Failure) -> String {
-    let mut s = String::new();
-    let _ = writeln!(s, "simulation seed {} failed at step {}: {}", f.seed, f.step, f.what);
-    let _ = writeln!(s, "replay it alone: KVFERRY_SIM_SEED={} cargo test -p kvferry-store --lib sim::", f.seed);
-    let _ = writeln!(s, "last events:\n{}", f.trace);
-    s
 }
 
 pub mod election;
