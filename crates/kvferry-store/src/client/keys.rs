@@ -1,0 +1,97 @@
+//! Calls by key that move no bytes: whether keys exist, a value's size, where replicas
+//! live, removals and replica clears, each one round trip to the master. Nothing here
+//! touches the transfer engine.
+
+use super::Client;
+use crate::error::{StoreError, StoreResult};
+use crate::proto::{ReplicaDesc, Request, Response};
+
+impl Client {
+    pub fn is_exist(&self, key: &str) -> StoreResult<bool> {
+        match self.inner.call_one(Request::ExistKey { key: key.to_string() })? {
+            Response::Exists(b) => Ok(b),
+            other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    pub fn batch_is_exist(&self, keys: &[&str]) -> Vec<StoreResult<bool>> {
+        match self.call_batch(keys.iter().map(|k| Request::ExistKey { key: k.to_string() }).collect()) {
+            Ok(v) => v
+                .into_iter()
+                .map(|a| match a {
+                    Response::Exists(b) => Ok(b),
+                    Response::Err(e) => Err(e),
+                    other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+                })
+                .collect(),
+            Err(e) => keys.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+
+    /// Size of `key`'s value.
+    pub fn get_size(&self, key: &str) -> StoreResult<u64> {
+        match self.inner.call_one(Request::GetReplicaList { key: key.to_string() })? {
+            Response::ReplicaList(l) => {
+                self.inner.queue_releases([l.read_id]);
+                Ok(l.size)
+            }
+            other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    pub fn remove(&self, key: &str, force: bool) -> StoreResult<()> {
+        self.inner.call_one(Request::Remove { key: key.to_string(), force }).map(|_| ())
+    }
+
+    pub fn remove_by_regex(&self, pattern: &str, force: bool) -> StoreResult<u64> {
+        match self.inner.call_one(Request::RemoveByRegex { pattern: pattern.to_string(), force })? {
+            Response::Count(n) => Ok(n),
+            other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// Removes several keys in one round trip; per-key results (Mooncake's `batch_remove`).
+    pub fn batch_remove(&self, keys: &[&str], force: bool) -> Vec<StoreResult<()>> {
+        match self.call_batch(keys.iter().map(|k| Request::Remove { key: k.to_string(), force }).collect()) {
+            Ok(v) => v.into_iter().map(|a| a.into_result().map(|_| ())).collect(),
+            Err(e) => keys.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+
+    /// Where the replicas of each key live (Mooncake's `batch_get_replica_desc`); nothing is
+    /// read, so the read granted with the answer is released at once.
+    pub fn batch_get_replica_desc(&self, keys: &[&str]) -> Vec<StoreResult<Vec<ReplicaDesc>>> {
+        match self.replica_lists(keys.iter().copied()) {
+            Ok((v, _)) => v
+                .into_iter()
+                .map(|a| match a {
+                    Response::ReplicaList(l) => {
+                        self.inner.queue_releases([l.read_id]);
+                        Ok(l.replicas)
+                    }
+                    Response::Err(e) => Err(e),
+                    other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+                })
+                .collect(),
+            Err(e) => keys.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+
+    /// Mooncake's `batch_replica_clear`: drops the replicas of `keys` that this client wrote
+    /// and nobody holds a lease on, on the segment named `segment` (everywhere if empty);
+    /// returns the keys cleared (the others are skipped, as Mooncake does).
+    pub fn batch_replica_clear(&self, keys: &[&str], segment: &str) -> StoreResult<Vec<String>> {
+        let req = Request::BatchReplicaClear { client: self.inner.id, keys: keys.iter().map(|k| k.to_string()).collect(), segment: segment.to_string() };
+        match self.inner.call_one(req)? {
+            Response::Keys(k) => Ok(k),
+            other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    pub fn remove_all(&self, force: bool) -> StoreResult<u64> {
+        match self.inner.call_one(Request::RemoveAll { force })? {
+            Response::Count(n) => Ok(n),
+            other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+        }
+    }
+}
