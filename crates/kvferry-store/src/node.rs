@@ -34,7 +34,7 @@ pub struct Master {
     /// The last [`State::summary`] and when it was taken ([`Master::summary_recent`]).
     summary: Mutex<Option<(Instant, Summary)>>,
     /// The cluster key clients must prove before any request (`KVFERRY_AUTH_KEY_FILE`;
-    /// `server.rs` `prove`); `None`: any client, as Mooncake's master.
+    /// `server/auth.rs` `prove`); `None`: any client, as Mooncake's master.
     pub auth: Option<kvferry::auth::ClusterKey>,
     /// The cluster this master serves (`crate::ha::resolve_cluster_id`, with or without HA):
     /// with the cluster key, clients dial it (`crate::proto::master_identity`) and one that

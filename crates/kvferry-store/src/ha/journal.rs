@@ -564,7 +564,7 @@ impl JournalCore {
     }
 
     /// Grants up to this number are in durable journal entries: a put placed in their space
-    /// is answered before its own change is acknowledged (`server.rs`).
+    /// is answered before its own change is acknowledged (`server/handlers.rs`).
     pub fn grants_durable(&self) -> u64 {
         self.grants_durable.load(Ordering::Acquire)
     }

@@ -1,7 +1,7 @@
 //! One request applied to the [`State`] at a given time: its answer and what must hold
 //! before that answer may go out ([`Needs`]).
 //!
-//! Sans-IO: the caller (the RPC driver, `server.rs`, or the deterministic simulator) owns
+//! Sans-IO: the caller (the RPC driver, `server/handlers.rs`, or the deterministic simulator) owns
 //! the lock, the clock and the journal; this only decides. A put that finds the pool full of
 //! objects being read is answered `NoAvailableHandle` here; waiting for those reads to end
 //! and trying again ([`Attempt`]) is the driver's.

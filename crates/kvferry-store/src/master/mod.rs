@@ -414,7 +414,7 @@ pub struct Summary {
 }
 
 /// Which try of a put's start this is: a put that finds space held only by reads in flight
-/// is tried again (`server.rs`) until they end or its wait (`put_wait_for_reads`) is over.
+/// is tried again (`server/handlers.rs`) until they end or its wait (`put_wait_for_reads`) is over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Attempt {
     /// The first: evicts what the put needs, sparing objects written within the wait while

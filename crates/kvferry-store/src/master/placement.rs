@@ -69,7 +69,7 @@ impl State {
     }
 
     /// The grants up to `durable` are in acknowledged journal entries (`ha::journal`'s
-    /// `JournalCore::grants_durable`; set before placing puts, `server.rs`).
+    /// `JournalCore::grants_durable`; set before placing puts, `server/handlers.rs`).
     pub fn set_grants_durable(&mut self, durable: u64) {
         self.grants.durable = durable;
     }
