@@ -407,7 +407,7 @@ impl JournalCore {
         let now = self.now_us();
         let late = {
             let mut q = self.q();
-            if q.m.deferred() == 0 {
+            if !q.m.has_deferred() {
                 return;
             }
             q.m.expire(now, u64::try_from(bound.as_micros()).unwrap_or(u64::MAX))
@@ -424,11 +424,14 @@ impl JournalCore {
 
     /// Starts journaling `term` (the state must already journal).
     pub fn activate(&self, term: i64) {
-        let later = {
+        let (later, stale) = {
             let mut q = self.q();
             q.writer_asleep = false;
-            q.m.activate(term)
+            // (Links an ended term's writer left lent: never this term's to send on. Its writer
+            // ends before a new term starts, taking them back, so normally none.)
+            (q.m.activate(term), q.lent.take())
         };
+        drop(stale);
         answer_all(later, outcome_unknown);
         self.set_stats(|s| *s = JournalStats::default());
         self.early.store(0, Ordering::Relaxed);

@@ -179,6 +179,11 @@ impl<A> Queue<A> {
         }
     }
 
+    /// Whether any deferred answer waits.
+    pub fn has_deferred(&self) -> bool {
+        !self.later.is_empty()
+    }
+
     /// Deferred answers waiting.
     pub fn deferred(&self) -> usize {
         self.later.values().map(Vec::len).sum()

@@ -16,9 +16,9 @@
 //!
 //! What is not simulated yet (ARCHITECTURE.md, code map, `sim/`): the election and the
 //! lease fencing (one leader at a time here, the next one starts a lease TTL after a crash;
-//! `election.rs` checks those alone), standbys that link and join the set during a term (a
-//! leader's set is chosen when it starts), the standbys' run of entries for a rebase and the
-//! background snapshot, message delay and reordering between clients and the master (a
+//! `election.rs` checks those alone), standbys that register during a term (a leader's
+//! standbys are chosen when it starts; one that left the set may link again), the
+//! standbys' run of entries for a rebase and the background snapshot, message delay and reordering between clients and the master (a
 //! request is applied when sent; an answer that waits for the journal is lost with its
 //! leader).
 //!
@@ -205,6 +205,8 @@ pub struct Counts {
     pub streamed_terms: u64,
     pub members_dropped: u64,
     pub standby_takeovers: u64,
+    pub relinks: u64,
+    pub members_joined: u64,
 }
 
 impl std::ops::AddAssign for Counts {
@@ -220,6 +222,8 @@ impl std::ops::AddAssign for Counts {
         self.streamed_terms += o.streamed_terms;
         self.members_dropped += o.members_dropped;
         self.standby_takeovers += o.standby_takeovers;
+        self.relinks += o.relinks;
+        self.members_joined += o.members_joined;
     }
 }
 
@@ -443,7 +447,13 @@ impl Sim {
             8 => self.crash(),
             9 => self.compact(step)?,
             10 => self.upsert_or_revoke(step)?,
-            _ => self.pause_standby(),
+            _ => {
+                if self.rng.random_bool(0.5) {
+                    self.pause_standby();
+                } else {
+                    self.relink_standby();
+                }
+            }
         }
         Ok(())
     }

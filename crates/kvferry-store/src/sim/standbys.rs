@@ -6,7 +6,10 @@
 //! when the set empties the leader makes the etcd journal whole (the rebase: every entry
 //! streamed, then what is queued). When the leader dies, an in-sync member takes over from
 //! what its mirror received (the etcd journal at the stream's start, then its entries) and
-//! writes that to etcd first, as `Writer::rebase_at_takeover` does.
+//! writes that to etcd first, as `Writer::rebase_at_takeover` does. A standby that left the
+//! set may link again (an image of the leader's state, then the entries after it) and join
+//! the set once it holds everything (`repl::members::ready`); taking over, it writes its
+//! image as etcd's snapshot.
 //!
 //! The invariants of [`super`] then say what the standbys must: an answer released by the
 //! pipeline survives any failover, because every member that could take over holds it.
@@ -30,6 +33,11 @@ pub(super) struct Standby {
     feed: Feed,
     /// The leader's connection.
     conn: u64,
+    /// The leader links it (it left the set: its link was dropped with it).
+    linked: bool,
+    /// Linked again during the term: its mirror starts from an image of the leader's state
+    /// after entry `image_seq` (the first pending changes), not from the etcd journal.
+    image: Option<u64>,
     /// The last entry the leader knows it acknowledged.
     acked: u64,
     /// Stopped (SIGSTOP) until this time: it receives and acknowledges nothing before.
@@ -61,7 +69,7 @@ impl Streaming {
     pub(super) fn new(n: usize, term: i64) -> Result<Streaming, String> {
         let mut standbys = Vec::with_capacity(n);
         for _ in 0..n {
-            let mut sb = Standby::default();
+            let mut sb = Standby { linked: true, ..Standby::default() };
             sb.conn = sb.feed.hello(term)?;
             sb.feed.on_frame(sb.conn, ToStandby::Image { seq: 0, changes: Vec::new(), last: true }, Vec::new(), 0)?;
             standbys.push(sb);
@@ -98,7 +106,7 @@ impl Sim {
             let Some(s) = self.streaming.as_mut() else { return };
             s.seq += 1;
             s.pipe.push(s.seq, ticket, us(now));
-            for (sb, d) in s.standbys.iter_mut().zip(delays) {
+            for (sb, d) in s.standbys.iter_mut().zip(delays).filter(|(sb, _)| sb.linked) {
                 // (Ordered per link, as TCP: never before the entry ahead of it.)
                 let at = sb.inbox.back().map_or(now + d, |&(t, _, _)| t.max(now + d));
                 sb.inbox.push_back((at, s.seq, changes.clone()));
@@ -148,6 +156,22 @@ impl Sim {
         if let Some(what) = refused {
             return Err(self.fail(step, what));
         }
+        // Linked standbys that hold everything join the set (the writer's rule).
+        let term = self.term;
+        if let Some(s) = self.streaming.as_mut() {
+            let joining: Vec<usize> = (0..s.standbys.len())
+                .filter(|i| !s.members.contains(i))
+                .filter(|&i| {
+                    let sb = &s.standbys[i];
+                    sb.linked && members::ready(LinkView { dead: false, acked: sb.acked, image_seq: sb.image.unwrap_or(0), grants: true }, s.seq, term, Some(term))
+                })
+                .collect();
+            if !joining.is_empty() {
+                s.members.extend(&joining);
+                self.counts.members_joined += joining.len() as u64;
+                self.note(format!("standbys {joining:?} hold every entry: they join the in-sync set"));
+            }
+        }
         self.release(step)?;
         let Some(s) = self.streaming.as_mut() else { return Ok(()) };
         if let Some(late) = s.pipe.late(us(t), us(ACK_TIMEOUT)) {
@@ -156,6 +180,11 @@ impl Sim {
             let view = |m: &str| m.parse::<usize>().ok().and_then(|i| s.standbys.get(i)).map(|sb| LinkView { dead: false, acked: sb.acked, image_seq: 0, grants: true });
             let gone: Vec<usize> = members::failing(&names, view, Some(late)).iter().filter_map(|m| m.parse().ok()).collect();
             s.members.retain(|m| !gone.contains(m));
+            // (Its link goes with it: what was in flight to it is lost.)
+            for &m in &gone {
+                let sb = &mut s.standbys[m];
+                (sb.linked, sb.inbox, sb.acks) = (false, VecDeque::new(), VecDeque::new());
+            }
             self.counts.members_dropped += gone.len() as u64;
             self.note(format!("standbys {gone:?} did not acknowledge entry {late} within {ACK_TIMEOUT} ms: they leave the in-sync set"));
             if self.streaming.as_ref().is_some_and(|s| s.members.is_empty()) {
@@ -211,10 +240,51 @@ impl Sim {
             self.note(format!("standby {m} holds no complete mirror of term {}", self.term));
             return;
         };
-        let mirror: Vec<Vec<Change>> = std::mem::take(&mut feed.pending).into_iter().map(|(_, c)| c).collect();
+        let mut mirror: Vec<Vec<Change>> = std::mem::take(&mut feed.pending).into_iter().map(|(_, c)| c).collect();
         self.counts.standby_takeovers += 1;
         self.note(format!("standby {m} takes over at entry {seq} of {} streamed", s.seq));
+        if s.standbys[m].image.is_some() {
+            // Its mirror is an image and the entries after it: written to etcd as a snapshot
+            // and a log after it (the takeover's rebase of a whole state).
+            self.snapshot = if mirror.is_empty() { Vec::new() } else { mirror.remove(0) };
+            self.log.clear();
+        }
         self.log.extend(mirror.into_iter().filter(|c| !c.is_empty()));
+    }
+
+    /// A standby that left the set links again: the writer commits what is queued, sends it
+    /// an image of the state after its last entry, then every entry after it; it joins the
+    /// set once it acknowledged everything ([`members::ready`]).
+    pub(super) fn relink_standby(&mut self) {
+        let out: Vec<usize> = match self.streaming.as_ref() {
+            Some(s) => (0..s.standbys.len()).filter(|i| !s.members.contains(i)).collect(),
+            None => return,
+        };
+        if out.is_empty() || self.leader.is_none() {
+            return;
+        }
+        let i = out[self.rng.random_range(0..out.len())];
+        self.stream();
+        let now = self.now;
+        let (term, image) = match self.leader.as_ref() {
+            Some(l) => (l.term, l.st.image(now)),
+            None => return,
+        };
+        let Some(s) = self.streaming.as_mut() else { return };
+        let seq = s.seq;
+        let sb = &mut s.standbys[i];
+        let linked = sb.feed.hello(term).and_then(|conn| {
+            sb.feed.on_frame(conn, ToStandby::Image { seq, changes: image, last: true }, Vec::new(), us(now))?;
+            Ok(conn)
+        });
+        match linked {
+            Ok(conn) => {
+                (sb.conn, sb.linked, sb.image, sb.acked, sb.inbox, sb.acks) = (conn, true, Some(seq), seq, VecDeque::new(), VecDeque::new());
+                self.counts.relinks += 1;
+                self.note(format!("standby {i} links again with an image at entry {seq}"));
+            }
+            Err(e) => self.note(format!("standby {i} refused the link: {e}")),
+        }
     }
 
     /// A standby stops (SIGSTOP) for a while.

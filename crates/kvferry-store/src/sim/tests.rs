@@ -79,7 +79,7 @@ fn every_seed_holds_the_invariants() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     if seeds.len() >= 100 {
         assert!(total.failovers > 0 && total.early_answers > 0 && total.late_writes > 0 && total.expiries > 0 && total.snapshots > 0 && total.unmounts > 0, "the runs did not exercise what they claim: {total:?}");
-        assert!(total.streamed_terms > 0 && total.members_dropped > 0 && total.standby_takeovers > 0, "the runs did not exercise the in-sync standbys: {total:?}");
+        assert!(total.streamed_terms > 0 && total.members_dropped > 0 && total.standby_takeovers > 0 && total.members_joined > 0, "the runs did not exercise the in-sync standbys: {total:?}");
         assert!(total.puts_acked > 10 * seeds.len() as u64 && total.reads_checked > seeds.len() as u64, "too few puts or reads checked: {total:?}");
     }
 }
