@@ -12,7 +12,8 @@
 //!   change was lost with a leader, a zombie, an upsert), nor an acknowledged live object;
 //! - a late write never lands on the bytes of an acknowledged live object;
 //! - an acknowledged put reads back with its own bytes, or its loss is explained (a segment
-//!   of it was dropped); a read in flight within its lease sees the bytes it was given.
+//!   of it was dropped); a read in flight within its lease sees the bytes it was given;
+//! - a put's start delivered twice (as a network may) is never placed or applied again.
 //!
 //! What is not simulated yet (ARCHITECTURE.md, code map, `sim/`): the election and the
 //! lease fencing (one leader at a time here, the next one starts a lease TTL after a crash;
@@ -474,7 +475,21 @@ impl Sim {
         // Most writes land within a few ms; some take up to the release timeout.
         let delay = if self.rng.random_bool(0.85) { self.rng.random_range(0..30) } else { self.rng.random_range(0..RELEASE - 1) };
         let p = Put { client: c, key, put, tag, replicas: Vec::new(), seen: self.dropped.clone(), gens: Vec::new(), removed: false, land_at: self.now + delay };
-        match self.request(&req, Some(Reply::Started(p.clone()))) {
+        let first = self.request(&req, Some(Reply::Started(p.clone())));
+        // The network delivers the request twice now and then: the copy must not place the
+        // put again (its answer, if any, names the same replicas, or refuses).
+        if self.rng.random_bool(0.05) && self.leader.is_some() {
+            let again = self.request(&req, None);
+            self.note(format!("put {put}'s start delivered twice: {:?}", again.as_ref().map(|r| r.as_ref().map(|_| ()).map_err(|e| e.to_string()))));
+            match (&first, &again) {
+                (Some(Ok(Response::Replicas(a))), Some(Ok(Response::Replicas(b)))) if a != b => {
+                    return Err(self.fail(step, format!("put {put} started twice got two placements: {a:?} then {b:?}")));
+                }
+                (_, None) => return Err(self.fail(step, format!("put {put}'s second start was applied again (it waits for the journal)"))),
+                _ => {}
+            }
+        }
+        match first {
             Some(Ok(Response::Replicas(rs))) => {
                 let replicas = rs.iter().filter_map(|d| self.seg_of(d)).collect();
                 self.started(step, Put { replicas, ..p })
