@@ -483,10 +483,15 @@ impl Mirror {
 
     /// Applies every pending change to the image.
     pub fn apply_pending(&self) {
+        self.apply_pending_at(Instant::now());
+    }
+
+    /// [`Mirror::apply_pending`] at `now` (held-back replicas that stopped mattering by then
+    /// are dropped).
+    fn apply_pending_at(&self, now: Instant) {
         let mut a = locked(&self.applied);
         let pending = std::mem::take(&mut locked(&self.feed).pending);
         self.put_all(&mut a, pending);
-        let now = Instant::now();
         while a.held.peek().is_some_and(|Reverse((until, _))| *until < now) {
             a.held.pop();
         }

@@ -40,11 +40,6 @@ impl Pipeline {
         self.pending.is_empty()
     }
 
-    /// Entries in flight.
-    pub fn in_flight(&self) -> usize {
-        self.pending.len()
-    }
-
     /// Forgets every pending entry: the state they carry is in etcd (a rebase), their tickets
     /// made durable by the writer.
     pub fn clear(&mut self) {

@@ -86,10 +86,6 @@ impl<A> Queue<A> {
         self.term != 0 && self.term == term && !self.failed
     }
 
-    pub fn failed(&self) -> bool {
-        self.failed
-    }
-
     /// Every ticket up to this one is durable.
     pub fn written_upto(&self) -> u64 {
         self.written
@@ -152,6 +148,7 @@ impl<A> Queue<A> {
     }
 
     /// Drops what is queued (a test playing the writer).
+    #[cfg(test)]
     pub fn clear_changes(&mut self) {
         self.changes.clear();
     }

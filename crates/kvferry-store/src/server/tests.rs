@@ -462,7 +462,8 @@ fn on_one_cpu_no_connection_polls() {
     let t = Instant::now();
     assert_eq!(one.poll(&s, &mut prefix).expect("poll"), 0, "nothing there, nothing waited for");
     c.write_all(&[1, 2, 3, 4]).expect("send");
-    std::thread::sleep(Duration::from_millis(50));
+    // Until all four bytes are there (a blocking peek waits for them, reading none).
+    while s.peek(&mut [0u8; 4]).expect("peek") < 4 {}
     assert_eq!(one.poll(&s, &mut prefix).expect("poll"), 0, "even what is there is left to the blocking read");
     assert!(t.elapsed() < Duration::from_secs(1), "no poll ran to its bound");
     assert_eq!(one.polling.load(Ordering::Relaxed), 0);

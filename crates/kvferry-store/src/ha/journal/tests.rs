@@ -62,10 +62,11 @@ fn a_deferred_answer_is_answered_exactly_once_when_written_never_across_terms() 
     j.activate(8);
     j.q().m.set_enqueued_for_test(3);
     j.defer((8, 1), answer(7));
-    std::thread::sleep(Duration::from_millis(30));
-    j.defer((8, 2), answer(8));
-    j.expire(Duration::from_millis(20));
+    j.expire(Duration::ZERO);
     assert!(matches!(got(&rx)[..], [(7, Err(StoreError::Rpc(_)))]));
+    j.defer((8, 2), answer(8));
+    j.expire(Duration::from_secs(3600));
+    assert!(got(&rx).is_empty(), "one deferred within its bound stays");
     j.done(2);
     assert_eq!(got(&rx), vec![(8, Ok(()))]);
     // Forgotten (dropped unanswered): refused, never left waiting.
@@ -100,13 +101,14 @@ fn a_request_is_answered_only_once_its_changes_are_written_and_never_across_term
     assert_eq!((batch.len(), upto), (4, 2), "two clients and two segments, both requests' changes");
     // A request already asleep is woken by the write (the wake comes after the queue's
     // lock is released, and is never lost): answered long before its bound.
-    assert_eq!(woken(|| j.wait(t1, Duration::from_secs(10)), || j.done(upto)), Ok(()));
+    assert_eq!(woken(|| j.wait(t1, Duration::from_secs(10)), || j.q().waiting > 0, || j.done(upto)), Ok(()));
     assert_eq!(j.wait(t1, Duration::ZERO), Ok(()));
     assert_eq!(j.wait(t2, Duration::ZERO), Ok(()));
     // A writer already asleep is woken by the next change collected.
     let mut t5 = None;
     let got = woken(
         || j.next(5, Duration::from_secs(10), None).0.map(|(c, u)| (c.len(), u)),
+        || j.q().writer_asleep,
         || {
             m.lock().mount(5, seg(5), 0).expect("mount");
             t5 = j.collect(&m);
@@ -147,7 +149,7 @@ fn a_streamed_entry_is_answered_once_every_in_sync_standby_acknowledged_it_in_or
     assert_eq!(written(), 0, "one standby of two acknowledged: nothing is answered");
     b.store(10, Ordering::Release);
     // The request of ticket 1, asleep, is woken by the acknowledgement that completes it.
-    assert_eq!(woken(|| j.wait((7, 1), Duration::from_secs(10)), || r.acked()), Ok(()));
+    assert_eq!(woken(|| j.wait((7, 1), Duration::from_secs(10)), || j.q().waiting > 0, || r.acked()), Ok(()));
     assert_eq!(written(), 1, "entry 10 is everywhere: its ticket is answered, entry 11's not yet");
     assert_eq!(r.oldest_seq(), Some(11));
     // The slow member leaves the set (etcd said so first): what the rest has is answered.
@@ -181,16 +183,20 @@ fn a_streamed_entry_is_answered_once_every_in_sync_standby_acknowledged_it_in_or
     assert_eq!(written(), 0);
 }
 
-/// Runs `wait` on a thread of its own and `wake` once that thread is (almost surely)
-/// asleep: what `wait` returned, checked to have come from the wake-up and not from the
-/// waits' 10 s bound.
-fn woken<T: Send>(wait: impl FnOnce() -> T + Send, wake: impl FnOnce()) -> T {
+/// Runs `wait` on a thread of its own and `wake` once `asleep` says that thread sleeps in
+/// the queue (it counts itself under the queue's lock before it sleeps): what `wait`
+/// returned, checked to have come from the wake-up and not from the waits' 10 s bound.
+fn woken<T: Send>(wait: impl FnOnce() -> T + Send, asleep: impl Fn() -> bool, wake: impl FnOnce()) -> T {
     std::thread::scope(|sc| {
         let waiter = sc.spawn(|| {
             let t = Instant::now();
             (wait(), t.elapsed())
         });
-        std::thread::sleep(Duration::from_millis(50));
+        let until = Instant::now() + Duration::from_secs(10);
+        while !asleep() {
+            assert!(Instant::now() < until, "the waiting thread never went to sleep");
+            std::thread::yield_now();
+        }
         wake();
         let (got, took) = waiter.join().expect("the waiting thread");
         assert!(took < Duration::from_secs(5), "woken, not timed out: {took:?}");

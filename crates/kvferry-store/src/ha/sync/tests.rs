@@ -422,8 +422,8 @@ fn a_mirror_keeps_held_space_as_long_as_the_leader_held_it() {
     let changes = vec![Change::Mount { client: 7, seg }, Change::HeldBack { replica: (1, 0, 4096) }, Change::HeldUntil { replica: (1, 4096, 4096), left: 0 }, Change::HeldUntil { replica: (1, 8192, 4096), left: 60_000 }];
     assert_eq!(m.apply(c, ToStandby::Image { seq: 1, changes, last: true }).unwrap(), Some(1));
     m.apply_pending();
-    std::thread::sleep(Duration::from_millis(20));
-    m.apply_pending();
+    // (Later than the read lease's two TTLs, 2 ms, after they came: no waiting needed.)
+    m.apply_pending_at(Instant::now() + Duration::from_millis(20));
     let (image, _, _) = m.take_image(5).expect("a complete mirror");
     let (st, _) = image.into_state(6, 0, 1);
     assert_eq!(st.summary().deferred_frees, 1, "only the range held for a minute is still held");
