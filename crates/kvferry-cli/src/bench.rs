@@ -143,7 +143,10 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
     match a.mode {
         Some(Mode::Target) => run_target(&a),
         Some(Mode::Initiator) => {
-            let seg = a.segment.clone().ok_or("--mode initiator needs --segment <host:port> (printed by --mode target)")?;
+            let seg = a
+                .segment
+                .clone()
+                .ok_or("--mode initiator needs --segment <host:port> (printed by --mode target)")?;
             run_initiator(&a, &seg, None)
         }
         None => {
@@ -179,13 +182,29 @@ fn target_mode(asked: &[TransportMode]) -> TransportMode {
 
 fn run_target(a: &BenchArgs) -> Result<(), String> {
     let mode = target_mode(&a.transport);
-    let engine = TransferEngine::new(Config { transport: mode, ..engine_config(a)? }).map_err(|e| e.to_string())?;
-    let buf = Buffer::alloc(a.buffer_size as usize, a.hugepages, a.memory == "kvferry").map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
+    let engine = TransferEngine::new(Config {
+        transport: mode,
+        ..engine_config(a)?
+    })
+    .map_err(|e| e.to_string())?;
+    let buf = Buffer::alloc(a.buffer_size as usize, a.hugepages, a.memory == "kvferry")
+        .map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
     buf.fill(0, buf.len(), 0x5eed);
-    engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| e.to_string())?;
+    engine
+        .register_memory(buf.addr(), buf.len() as u64, "cpu:0")
+        .map_err(|e| e.to_string())?;
     // auth=: the cluster key setting this side runs with (`--auth-ab` checks it is the one it gave).
-    let auth = if engine.config().auth_key_file.is_some() { engine.config().auth_protect.name() } else { "none" };
-    println!("KVFERRY_BENCH_TARGET segment={} addr={} size={} auth={auth}", engine.segment_name(), buf.addr(), buf.len());
+    let auth = if engine.config().auth_key_file.is_some() {
+        engine.config().auth_protect.name()
+    } else {
+        "none"
+    };
+    println!(
+        "KVFERRY_BENCH_TARGET segment={} addr={} size={} auth={auth}",
+        engine.segment_name(),
+        buf.addr(),
+        buf.len()
+    );
     let _ = std::io::stdout().flush();
     if a.exit_on_stdin_eof {
         std::thread::spawn(|| {
@@ -194,7 +213,10 @@ fn run_target(a: &BenchArgs) -> Result<(), String> {
             std::process::exit(0);
         });
     } else {
-        eprintln!("target ready: run `kvferry bench --mode initiator --segment {}` on the other host", engine.segment_name());
+        eprintln!(
+            "target ready: run `kvferry bench --mode initiator --segment {}` on the other host",
+            engine.segment_name()
+        );
     }
     loop {
         for n in engine.wait_notifies(Duration::from_secs(1)) {
@@ -204,14 +226,22 @@ fn run_target(a: &BenchArgs) -> Result<(), String> {
             }
             let reply = match f.get(1..) {
                 Some(["checksum", token, off, len]) => {
-                    let (off, len) = (off.parse::<usize>().unwrap_or(usize::MAX), len.parse::<usize>().unwrap_or(usize::MAX));
+                    let (off, len) = (
+                        off.parse::<usize>().unwrap_or(usize::MAX),
+                        len.parse::<usize>().unwrap_or(usize::MAX),
+                    );
                     if off.checked_add(len).is_some_and(|e| e <= buf.len()) {
-                        format!("{TAG} checksum-result {token} {:016x}", xxhash_rust::xxh3::xxh3_64(buf.slice(off, len)))
+                        format!(
+                            "{TAG} checksum-result {token} {:016x}",
+                            xxhash_rust::xxh3::xxh3_64(buf.slice(off, len))
+                        )
                     } else {
                         format!("{TAG} checksum-result {token} out-of-range")
                     }
                 }
-                Some(["cpu", token]) => format!("{TAG} cpu-result {token} {}", sys::self_cpu().as_secs_f64()),
+                Some(["cpu", token]) => {
+                    format!("{TAG} cpu-result {token} {}", sys::self_cpu().as_secs_f64())
+                }
                 Some(["quit"]) => return Ok(()),
                 _ => continue,
             };
@@ -224,13 +254,31 @@ fn run_target(a: &BenchArgs) -> Result<(), String> {
 
 /// Starts the target child; `env`: variables set (`Some`) or removed (`None`) for it, the
 /// rest inherited. Returns it, its segment name and the line it announced itself with.
-fn spawn_target(a: &BenchArgs, env: &[(&str, Option<std::ffi::OsString>)]) -> Result<(Child, String, String), String> {
+fn spawn_target(
+    a: &BenchArgs,
+    env: &[(&str, Option<std::ffi::OsString>)],
+) -> Result<(Child, String, String), String> {
     let mode = match target_mode(&a.transport) {
         TransportMode::Rdma => "rdma",
         _ => "auto",
     };
     let mut cmd = crate::self_command()?;
-    cmd.args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", &a.local_hostname, "--buffer-size", &a.buffer_size.to_string(), "--transport", mode, "--hugepages", if a.hugepages { "on" } else { "off" }, "--memory", &a.memory]);
+    cmd.args([
+        "bench",
+        "--mode",
+        "target",
+        "--exit-on-stdin-eof",
+        "--local-hostname",
+        &a.local_hostname,
+        "--buffer-size",
+        &a.buffer_size.to_string(),
+        "--transport",
+        mode,
+        "--hugepages",
+        if a.hugepages { "on" } else { "off" },
+        "--memory",
+        &a.memory,
+    ]);
     for (name, v) in env {
         match v {
             Some(v) => cmd.env(name, v),
@@ -244,7 +292,9 @@ fn spawn_target(a: &BenchArgs, env: &[(&str, Option<std::ffi::OsString>)]) -> Re
         .map_err(|e| format!("starting the target process: {e}"))?;
     let out = child.stdout.take().ok_or("no stdout from target")?;
     let mut line = String::new();
-    BufReader::new(out).read_line(&mut line).map_err(|e| format!("reading the target's address: {e}"))?;
+    BufReader::new(out)
+        .read_line(&mut line)
+        .map_err(|e| format!("reading the target's address: {e}"))?;
     let seg = line
         .split_whitespace()
         .find_map(|w| w.strip_prefix("segment="))
@@ -283,7 +333,9 @@ impl Ctl<'_> {
     /// Asks the target something over Notify and waits for the answer.
     fn ask(&self, cmd: &str, args: &str) -> Result<String, String> {
         let token = self.token.fetch_add(1, Ordering::Relaxed).to_string();
-        self.engine.send_notify(&self.target, &format!("{TAG} {cmd} {token} {args}")).map_err(|e| e.to_string())?;
+        self.engine
+            .send_notify(&self.target, &format!("{TAG} {cmd} {token} {args}"))
+            .map_err(|e| e.to_string())?;
         let until = Instant::now() + Duration::from_secs(60);
         while Instant::now() < until {
             for n in self.engine.wait_notifies(Duration::from_millis(500)) {
@@ -297,7 +349,9 @@ impl Ctl<'_> {
     }
 
     fn cpu(&self) -> Result<f64, String> {
-        self.ask("cpu", "")?.parse().map_err(|e| format!("bad cpu answer: {e}"))
+        self.ask("cpu", "")?
+            .parse()
+            .map_err(|e| format!("bad cpu answer: {e}"))
     }
 
     fn checksum(&self, off: usize, len: usize) -> Result<String, String> {
@@ -334,31 +388,76 @@ struct Progress {
 
 /// Every point (each transport asked, op and block size, in that order) against `target`,
 /// one engine made from `base` per transport; each with the transport that carried it.
-fn sweep(a: &BenchArgs, target: &str, buf: &Buffer, base: &Config, progress: &mut Progress) -> Result<(Vec<Point>, Vec<String>), String> {
+fn sweep(
+    a: &BenchArgs,
+    target: &str,
+    buf: &Buffer,
+    base: &Config,
+    progress: &mut Progress,
+) -> Result<(Vec<Point>, Vec<String>), String> {
     let mut points = Vec::new();
     let mut used = Vec::new();
     for &mode in &a.transport {
         // One engine per transport choice, so each starts from a clean state.
-        let engine = TransferEngine::new(Config { transport: mode, ..base.clone() }).map_err(|e| e.to_string())?;
-        engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| e.to_string())?;
+        let engine = TransferEngine::new(Config {
+            transport: mode,
+            ..base.clone()
+        })
+        .map_err(|e| e.to_string())?;
+        engine
+            .register_memory(buf.addr(), buf.len() as u64, "cpu:0")
+            .map_err(|e| e.to_string())?;
         let seg = engine.open_segment(target).map_err(|e| e.to_string())?;
-        let via = engine.segment_transport(seg).map_err(|e| format!("--transport {mode}: {e}"))?;
+        let via = engine
+            .segment_transport(seg)
+            .map_err(|e| format!("--transport {mode}: {e}"))?;
         if let (TransportMode::Auto, Some(why)) = (mode, &via.why_not_shm) {
             eprintln!("\r\x1b[Kauto chose {}: {why}", via.name);
         }
         let desc = engine.segment_descriptor(seg).map_err(|e| e.to_string())?;
-        let rbuf = desc.buffers.iter().max_by_key(|b| b.length).ok_or_else(|| format!("segment {target} has no registered buffer"))?;
+        let rbuf = desc
+            .buffers
+            .iter()
+            .max_by_key(|b| b.length)
+            .ok_or_else(|| format!("segment {target} has no registered buffer"))?;
         let usable = (buf.len() as u64).min(rbuf.length);
-        let ctl = Ctl { engine: &engine, target: target.to_string(), token: AtomicU64::new(1) };
+        let ctl = Ctl {
+            engine: &engine,
+            target: target.to_string(),
+            token: AtomicU64::new(1),
+        };
         for op in &a.ops {
             for &block in &a.blocks {
                 progress.n += 1;
-                eprint!("\r\x1b[K[{}/{}] {}{} {op} {} x {} ...", progress.n, progress.total, progress.label, via.name, human(block), a.batch);
+                eprint!(
+                    "\r\x1b[K[{}/{}] {}{} {op} {} x {} ...",
+                    progress.n,
+                    progress.total,
+                    progress.label,
+                    via.name,
+                    human(block),
+                    a.batch
+                );
                 let _ = std::io::stderr().flush();
                 let before = kvferry::transport::shm::bytes_moved();
-                let p = run_point(a, &engine, &ctl, buf, seg, rbuf.addr, usable, op, block, progress.n as u64)?;
+                let p = run_point(
+                    a,
+                    &engine,
+                    &ctl,
+                    buf,
+                    seg,
+                    rbuf.addr,
+                    usable,
+                    op,
+                    block,
+                    progress.n as u64,
+                )?;
                 points.push(p);
-                used.push(path_label(via.name, before, kvferry::transport::shm::bytes_moved()));
+                used.push(path_label(
+                    via.name,
+                    before,
+                    kvferry::transport::shm::bytes_moved(),
+                ));
             }
         }
     }
@@ -367,11 +466,20 @@ fn sweep(a: &BenchArgs, target: &str, buf: &Buffer, base: &Config, progress: &mu
 
 fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result<(), String> {
     check_args(a)?;
-    let buf = Buffer::alloc(a.buffer_size as usize, a.hugepages, a.memory == "kvferry").map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
+    let buf = Buffer::alloc(a.buffer_size as usize, a.hugepages, a.memory == "kvferry")
+        .map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
     let _ = target_pid;
-    let ceilings = if a.no_ceilings { None } else { Some(measure_ceilings(a.hugepages)) };
+    let ceilings = if a.no_ceilings {
+        None
+    } else {
+        Some(measure_ceilings(a.hugepages))
+    };
     let total = a.transport.len() * a.ops.len() * a.blocks.len();
-    let mut progress = Progress { n: 0, total, label: String::new() };
+    let mut progress = Progress {
+        n: 0,
+        total,
+        label: String::new(),
+    };
     let (points, used) = sweep(a, target, &buf, &engine_config(a)?, &mut progress)?;
     eprintln!("\r\x1b[K");
     let mooncake = run_mooncake(a)?;
@@ -403,17 +511,38 @@ fn run_mooncake(a: &BenchArgs) -> Result<crate::mooncake::SideBySide, String> {
     }
     if a.transport.contains(&TransportMode::Rdma) {
         let devices = engine_config(a)?.rdma_devices.unwrap_or_else(|| {
-            kvferry::rdma::probe().nics.iter().filter(|n| n.ports.iter().any(|p| p.active)).map(|n| n.name.clone()).collect()
+            kvferry::rdma::probe()
+                .nics
+                .iter()
+                .filter(|n| n.ports.iter().any(|p| p.active))
+                .map(|n| n.name.clone())
+                .collect()
         });
         protos.push(crate::mooncake::Proto::Rdma(devices));
     }
-    Ok(crate::mooncake::run_side_by_side(a.mooncake.as_deref(), &protos, &a.local_hostname, a.buffer_size, &a.ops, &a.blocks, a.batch, a.threads, a.duration, Duration::from_secs_f64(a.peer_timeout.max(0.0))))
+    Ok(crate::mooncake::run_side_by_side(
+        a.mooncake.as_deref(),
+        &protos,
+        &a.local_hostname,
+        a.buffer_size,
+        &a.ops,
+        &a.blocks,
+        a.batch,
+        a.threads,
+        a.duration,
+        Duration::from_secs_f64(a.peer_timeout.max(0.0)),
+    ))
 }
 
 /// Whether transparent huge pages can back shared memory (memfd) when advised.
 /// `--json-peers`: the ceilings, kvferry's records (`ours`) and Mooncake's points, one JSON
 /// object a line.
-fn write_peers(path: &std::path::Path, ceilings: Option<&Ceilings>, ours: impl Iterator<Item = serde_json::Value>, mooncake: &crate::mooncake::SideBySide) -> Result<(), String> {
+fn write_peers(
+    path: &std::path::Path,
+    ceilings: Option<&Ceilings>,
+    ours: impl Iterator<Item = serde_json::Value>,
+    mooncake: &crate::mooncake::SideBySide,
+) -> Result<(), String> {
     let mut out = String::new();
     if let Some(c) = ceilings {
         out.push_str(&serde_json::json!({"engine": "ceiling", "memcpy_gbps": c.memcpy_gbps, "socket_gbps": c.socket_gbps}).to_string());
@@ -431,8 +560,11 @@ fn write_peers(path: &std::path::Path, ceilings: Option<&Ceilings>, ours: impl I
 }
 
 fn shmem_thp() -> bool {
-    let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").unwrap_or_default();
-    ["[always]", "[within_size]", "[advise]", "[force]"].iter().any(|m| s.contains(m))
+    let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        .unwrap_or_default();
+    ["[always]", "[within_size]", "[advise]", "[force]"]
+        .iter()
+        .any(|m| s.contains(m))
 }
 
 /// The transport column: for shared memory, which copy path carried the point's bytes
@@ -461,10 +593,19 @@ fn run_point(
     block: u64,
     seed: u64,
 ) -> Result<Point, String> {
-    let opcode = if op == "write" { Opcode::Write } else { Opcode::Read };
+    let opcode = if op == "write" {
+        Opcode::Write
+    } else {
+        Opcode::Read
+    };
     let region = (usable / a.threads as u64) / block * block;
     if region == 0 {
-        return Err(format!("buffer {} too small for {} threads of {} blocks", human(usable), a.threads, human(block)));
+        return Err(format!(
+            "buffer {} too small for {} threads of {} blocks",
+            human(usable),
+            a.threads,
+            human(block)
+        ));
     }
     // Each thread walks its region batch after batch, so data comes from memory, not from
     // a cache that a repeated batch would keep warm (the memcpy ceiling is out of cache too).
@@ -481,7 +622,13 @@ fn run_point(
         let base = k.wrapping_mul(span) % region;
         reqs.extend((0..a.batch as u64).map(|i| {
             let off = t * region + (base + i * block) % region;
-            TransferRequest { opcode, source: buf.addr() + off, target_id: seg, target_offset: remote_base + off, length: block }
+            TransferRequest {
+                opcode,
+                source: buf.addr() + off,
+                target_id: seg,
+                target_offset: remote_base + off,
+                length: block,
+            }
         }));
     };
     let tgt_cpu0 = ctl.cpu()?;
@@ -498,12 +645,20 @@ fn run_point(
                     while lats.is_empty() || start.elapsed() < dur {
                         make_reqs(t, lats.len() as u64, &mut reqs);
                         let t0 = Instant::now();
-                        let b = engine.allocate_batch(reqs.len()).map_err(|e| e.to_string())?;
+                        let b = engine
+                            .allocate_batch(reqs.len())
+                            .map_err(|e| e.to_string())?;
                         engine.submit(b, &reqs).map_err(|e| e.to_string())?;
-                        let st = engine.wait_batch(b, Duration::from_secs(120)).map_err(|e| e.to_string())?;
+                        let st = engine
+                            .wait_batch(b, Duration::from_secs(120))
+                            .map_err(|e| e.to_string())?;
                         lats.push(t0.elapsed().as_secs_f64() * 1e6);
                         if st.status != TaskStatus::Completed {
-                            return Err(format!("{op} batch ended {:?}: {}", st.status, st.reason.unwrap_or_default()));
+                            return Err(format!(
+                                "{op} batch ended {:?}: {}",
+                                st.status,
+                                st.reason.unwrap_or_default()
+                            ));
                         }
                         engine.free_batch(b).map_err(|e| e.to_string())?;
                     }
@@ -511,7 +666,12 @@ fn run_point(
                 })
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("bench thread panicked".into()))).collect()
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("bench thread panicked".into()))
+            })
+            .collect()
     });
     let elapsed = start.elapsed().as_secs_f64();
     let cpu = (sys::self_cpu() - cpu0).as_secs_f64();
@@ -531,22 +691,37 @@ fn run_point(
     let mut verified = true;
     for (t, &len) in covered.iter().enumerate() {
         let off = (t as u64 * region) as usize;
-        let mine = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(buf.slice(off, len as usize)));
+        let mine = format!(
+            "{:016x}",
+            xxhash_rust::xxh3::xxh3_64(buf.slice(off, len as usize))
+        );
         let theirs = ctl.checksum(off, len as usize)?;
         if mine != theirs {
             verified = false;
         }
     }
     // Single-request latency.
-    let one = [TransferRequest { opcode, source: buf.addr(), target_id: seg, target_offset: remote_base, length: block }];
+    let one = [TransferRequest {
+        opcode,
+        source: buf.addr(),
+        target_id: seg,
+        target_offset: remote_base,
+        length: block,
+    }];
     let mut single = Vec::new();
     let t_single = Instant::now();
     while single.len() < 1000 && (single.len() < 5 || t_single.elapsed() < Duration::from_secs(1)) {
         let t0 = Instant::now();
-        let st = engine.transfer_sync(&one, Duration::from_secs(60)).map_err(|e| e.to_string())?;
+        let st = engine
+            .transfer_sync(&one, Duration::from_secs(60))
+            .map_err(|e| e.to_string())?;
         single.push(t0.elapsed().as_secs_f64() * 1e6);
         if st.status != TaskStatus::Completed {
-            return Err(format!("single {op} ended {:?}: {}", st.status, st.reason.unwrap_or_default()));
+            return Err(format!(
+                "single {op} ended {:?}: {}",
+                st.status,
+                st.reason.unwrap_or_default()
+            ));
         }
     }
     Ok(Point {
@@ -576,13 +751,18 @@ pub struct Ceilings {
 fn measure_ceilings(huge: bool) -> Ceilings {
     eprint!("\r\x1b[K[ceilings] memcpy and loopback socket ...");
     let _ = std::io::stderr().flush();
-    Ceilings { memcpy_gbps: memcpy_gbps(huge), socket_gbps: socket_gbps() }
+    Ceilings {
+        memcpy_gbps: memcpy_gbps(huge),
+        socket_gbps: socket_gbps(),
+    }
 }
 
 /// Best of several single-thread copies of 256 MiB.
 fn memcpy_gbps(huge: bool) -> f64 {
     let n = 256 << 20;
-    let (Ok(a), Ok(b)) = (Buffer::alloc(n, huge, false), Buffer::alloc(n, huge, false)) else { return 0.0 };
+    let (Ok(a), Ok(b)) = (Buffer::alloc(n, huge, false), Buffer::alloc(n, huge, false)) else {
+        return 0.0;
+    };
     a.fill(0, n, 1);
     let mut best = 0.0f64;
     for _ in 0..5 {
@@ -596,11 +776,15 @@ fn memcpy_gbps(huge: bool) -> f64 {
 
 /// One plain TCP stream over loopback: a sender thread writes 1 MiB chunks, a receiver reads.
 fn socket_gbps() -> f64 {
-    let Ok(l) = std::net::TcpListener::bind("127.0.0.1:0") else { return 0.0 };
+    let Ok(l) = std::net::TcpListener::bind("127.0.0.1:0") else {
+        return 0.0;
+    };
     let Ok(addr) = l.local_addr() else { return 0.0 };
     let total: usize = 2 << 30;
     let rx = std::thread::spawn(move || -> f64 {
-        let Ok((mut s, _)) = l.accept() else { return 0.0 };
+        let Ok((mut s, _)) = l.accept() else {
+            return 0.0;
+        };
         let mut b = vec![0u8; 1 << 20];
         let mut got = 0;
         let t = Instant::now();
@@ -630,18 +814,47 @@ fn socket_gbps() -> f64 {
 // Report
 // ------------------------------------------------------------------------------------------
 
-fn print_report(a: &BenchArgs, points: &[Point], used: &[String], c: Option<&Ceilings>, mc: &crate::mooncake::SideBySide) {
+fn print_report(
+    a: &BenchArgs,
+    points: &[Point],
+    used: &[String],
+    c: Option<&Ceilings>,
+    mc: &crate::mooncake::SideBySide,
+) {
     print_header(a, c);
     println!(
         "{:<6} {:>8} {:>9} {:>8} {:>11} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8}",
-        "op", "block", "transport", "GB/s", "ops/s", "batch p50", "batch p99", "1-req p50", "init cpu", "tgt cpu", "verified", "/memcpy", "/socket", "/mooncake"
+        "op",
+        "block",
+        "transport",
+        "GB/s",
+        "ops/s",
+        "batch p50",
+        "batch p99",
+        "1-req p50",
+        "init cpu",
+        "tgt cpu",
+        "verified",
+        "/memcpy",
+        "/socket",
+        "/mooncake"
     );
-    println!("{:<6} {:>8} {:>9} {:>8} {:>11} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8}", "", "", "", "", "", "(us)", "(us)", "(us)", "(s/GB)", "(s/GB)", "", "", "", "");
+    println!(
+        "{:<6} {:>8} {:>9} {:>8} {:>11} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8}",
+        "", "", "", "", "", "(us)", "(us)", "(us)", "(s/GB)", "(s/GB)", "", "", "", ""
+    );
     for (p, via) in points.iter().zip(used) {
-        let vs_memcpy = c.map(|c| format!("{:.2}x", p.gbps / c.memcpy_gbps)).unwrap_or_else(|| "-".into());
-        let vs_socket = c.map(|c| format!("{:.2}x", p.gbps / c.socket_gbps)).unwrap_or_else(|| "-".into());
+        let vs_memcpy = c
+            .map(|c| format!("{:.2}x", p.gbps / c.memcpy_gbps))
+            .unwrap_or_else(|| "-".into());
+        let vs_socket = c
+            .map(|c| format!("{:.2}x", p.gbps / c.socket_gbps))
+            .unwrap_or_else(|| "-".into());
         let proto = if via == "rdma" { "rdma" } else { "tcp" };
-        let vs_mc = mc.gbps(proto, &p.op, p.block_bytes).map(|m| format!("{:.2}x", p.gbps / m)).unwrap_or_else(|| "-".into());
+        let vs_mc = mc
+            .gbps(proto, &p.op, p.block_bytes)
+            .map(|m| format!("{:.2}x", p.gbps / m))
+            .unwrap_or_else(|| "-".into());
         println!(
             "{:<6} {:>8} {:>9} {:>8.3} {:>11.0} {:>10.0} {:>10.0} {:>10.1} {:>9.3} {:>9.3} {:>8} {:>8} {:>9} {:>8}",
             p.op,
@@ -682,7 +895,10 @@ fn print_header(a: &BenchArgs, c: Option<&Ceilings>) {
         a.duration
     );
     if let Some(c) = c {
-        println!("ceilings: single-thread memcpy {:.2} GB/s, loopback socket stream {:.2} GB/s", c.memcpy_gbps, c.socket_gbps);
+        println!(
+            "ceilings: single-thread memcpy {:.2} GB/s, loopback socket stream {:.2} GB/s",
+            c.memcpy_gbps, c.socket_gbps
+        );
     }
     println!();
 }

@@ -48,7 +48,11 @@ impl Report {
     fn warn(&mut self, what: &str, detail: impl AsRef<str>, fix: impl AsRef<str>) {
         self.say(format!("  WARN  {what}: {}", detail.as_ref()));
         self.say(format!("        fix: {}", fix.as_ref()));
-        self.problems.push(Problem { check: what.into(), message: detail.as_ref().into(), fix: fix.as_ref().into() });
+        self.problems.push(Problem {
+            check: what.into(),
+            message: detail.as_ref().into(),
+            fix: fix.as_ref().into(),
+        });
     }
     fn no(&self, what: &str, detail: impl AsRef<str>) {
         self.say(format!("  no    {what}: {}", detail.as_ref()));
@@ -69,10 +73,18 @@ struct Transport {
 
 impl Transport {
     fn yes() -> Transport {
-        Transport { available: true, ..Default::default() }
+        Transport {
+            available: true,
+            ..Default::default()
+        }
     }
     fn no(reason: impl Into<String>, fix: Option<&str>) -> Transport {
-        Transport { available: false, reason: Some(reason.into()), fix: fix.map(str::to_string), ..Default::default() }
+        Transport {
+            available: false,
+            reason: Some(reason.into()),
+            fix: fix.map(str::to_string),
+            ..Default::default()
+        }
     }
     fn with(mut self, k: &str, v: serde_json::Value) -> Transport {
         self.extra.insert(k.into(), v);
@@ -98,7 +110,10 @@ pub fn interfaces() -> Vec<(String, IpAddr)> {
                 match i32::from((*i.ifa_addr).sa_family) {
                     libc::AF_INET => {
                         let sa = &*(i.ifa_addr as *const libc::sockaddr_in);
-                        out.push((name, IpAddr::from(u32::from_be(sa.sin_addr.s_addr).to_be_bytes())));
+                        out.push((
+                            name,
+                            IpAddr::from(u32::from_be(sa.sin_addr.s_addr).to_be_bytes()),
+                        ));
                     }
                     libc::AF_INET6 => {
                         let sa = &*(i.ifa_addr as *const libc::sockaddr_in6);
@@ -117,14 +132,22 @@ pub fn interfaces() -> Vec<(String, IpAddr)> {
 fn cap_ipc_lock() -> bool {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("CapEff:")).and_then(|l| u64::from_str_radix(l[7..].trim(), 16).ok()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("CapEff:"))
+                .and_then(|l| u64::from_str_radix(l[7..].trim(), 16).ok())
+        })
         .is_some_and(|caps| caps & (1 << 14) != 0)
 }
 
 fn cap_sys_ptrace() -> bool {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("CapEff:")).and_then(|l| u64::from_str_radix(l[7..].trim(), 16).ok()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("CapEff:"))
+                .and_then(|l| u64::from_str_radix(l[7..].trim(), 16).ok())
+        })
         .is_some_and(|caps| caps & (1 << 19) != 0)
 }
 
@@ -165,7 +188,14 @@ fn shm(r: &mut Report, cfg: &Config) -> Transport {
         Some(n) => r.say(format!("        kernel.yama.ptrace_scope={n}, CAP_SYS_PTRACE held")),
     }
     let info = |t: Transport| {
-        t.with("host_id", host_id.clone().into()).with("ptrace_scope", scope.map(serde_json::Value::from).unwrap_or(serde_json::Value::Null)).with("cap_sys_ptrace", ptrace.into())
+        t.with("host_id", host_id.clone().into())
+            .with(
+                "ptrace_scope",
+                scope
+                    .map(serde_json::Value::from)
+                    .unwrap_or(serde_json::Value::Null),
+            )
+            .with("cap_sys_ptrace", ptrace.into())
     };
     match probe_child(cfg) {
         Ok((t, mapped)) if t.name == "shm" => {
@@ -180,19 +210,33 @@ fn shm(r: &mut Report, cfg: &Config) -> Transport {
         Ok((t, _)) => {
             let why = t.why_not_shm.unwrap_or_default();
             if cfg.transport == TransportMode::Shm {
-                r.warn("shm", format!("not usable, and KVFERRY_TRANSPORT=shm makes requests fail: {why}"), "fix the cause above, or set KVFERRY_TRANSPORT=auto to fall back to TCP");
+                r.warn(
+                    "shm",
+                    format!("not usable, and KVFERRY_TRANSPORT=shm makes requests fail: {why}"),
+                    "fix the cause above, or set KVFERRY_TRANSPORT=auto to fall back to TCP",
+                );
             } else {
-                r.no("shm", format!("not usable here, peers on this host use TCP: {why}"));
+                r.no(
+                    "shm",
+                    format!("not usable here, peers on this host use TCP: {why}"),
+                );
             }
             info(Transport::no(why, Some("see the ptrace scope check; in containers, share the PID namespace and grant CAP_SYS_PTRACE")))
         }
         Err(e) => {
             if cfg.transport == TransportMode::Shm {
-                r.warn("shm", format!("not usable, and KVFERRY_TRANSPORT=shm makes requests fail: {e}"), "fix the cause above, or set KVFERRY_TRANSPORT=auto to fall back to TCP");
+                r.warn(
+                    "shm",
+                    format!("not usable, and KVFERRY_TRANSPORT=shm makes requests fail: {e}"),
+                    "fix the cause above, or set KVFERRY_TRANSPORT=auto to fall back to TCP",
+                );
             } else {
                 r.no("shm", format!("could not be probed: {e}"));
             }
-            info(Transport::no(format!("could not be probed: {e}"), Some("run `kvferry doctor` with KVFERRY_LOG=debug for the probe's own error")))
+            info(Transport::no(
+                format!("could not be probed: {e}"),
+                Some("run `kvferry doctor` with KVFERRY_LOG=debug for the probe's own error"),
+            ))
         }
     }
 }
@@ -203,7 +247,18 @@ fn shm(r: &mut Report, cfg: &Config) -> Transport {
 fn probe_child(cfg: &Config) -> Result<(kvferry::SegmentTransport, Result<(), String>), String> {
     use std::io::BufRead;
     let mut child = crate::self_command()?
-        .args(["bench", "--mode", "target", "--exit-on-stdin-eof", "--local-hostname", "127.0.0.1", "--buffer-size", "4M", "--hugepages", "off"])
+        .args([
+            "bench",
+            "--mode",
+            "target",
+            "--exit-on-stdin-eof",
+            "--local-hostname",
+            "127.0.0.1",
+            "--buffer-size",
+            "4M",
+            "--hugepages",
+            "off",
+        ])
         .env("KVFERRY_TRANSPORT", "auto")
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -211,22 +266,50 @@ fn probe_child(cfg: &Config) -> Result<(kvferry::SegmentTransport, Result<(), St
         .spawn()
         .map_err(|e| format!("starting a probe target: {e}"))?;
     let result = (|| {
-        let out = child.stdout.take().ok_or("no output from the probe target")?;
+        let out = child
+            .stdout
+            .take()
+            .ok_or("no output from the probe target")?;
         let mut line = String::new();
-        std::io::BufReader::new(out).read_line(&mut line).map_err(|e| e.to_string())?;
-        let seg = line.split_whitespace().find_map(|w| w.strip_prefix("segment=")).ok_or("the probe target did not start")?;
-        let e = TransferEngine::new(Config { local_hostname: "127.0.0.1".into(), transport: kvferry::config::TransportMode::Auto, ..cfg.clone() }).map_err(|e| e.to_string())?;
+        std::io::BufReader::new(out)
+            .read_line(&mut line)
+            .map_err(|e| e.to_string())?;
+        let seg = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("segment="))
+            .ok_or("the probe target did not start")?;
+        let e = TransferEngine::new(Config {
+            local_hostname: "127.0.0.1".into(),
+            transport: kvferry::config::TransportMode::Auto,
+            ..cfg.clone()
+        })
+        .map_err(|e| e.to_string())?;
         let id = e.open_segment(seg).map_err(|e| e.to_string())?;
         let t = e.segment_transport(id).map_err(|e| e.to_string())?;
         if t.name != "shm" {
             return Ok((t, Err("not on shared memory".into())));
         }
-        let remote = e.segment_descriptor(id).map_err(|e| e.to_string())?.buffers.first().map(|b| b.addr).ok_or("the probe target has no buffer")?;
+        let remote = e
+            .segment_descriptor(id)
+            .map_err(|e| e.to_string())?
+            .buffers
+            .first()
+            .map(|b| b.addr)
+            .ok_or("the probe target has no buffer")?;
         let local = vec![0x5au8; 4096];
-        e.register_memory(local.as_ptr() as u64, 4096, "cpu:0").map_err(|e| e.to_string())?;
+        e.register_memory(local.as_ptr() as u64, 4096, "cpu:0")
+            .map_err(|e| e.to_string())?;
         let before = kvferry::transport::shm::bytes_moved();
-        let req = kvferry::TransferRequest { opcode: kvferry::Opcode::Write, source: local.as_ptr() as u64, target_id: id, target_offset: remote, length: 4096 };
-        let st = e.transfer_sync(&[req], std::time::Duration::from_secs(5)).map_err(|e| e.to_string())?;
+        let req = kvferry::TransferRequest {
+            opcode: kvferry::Opcode::Write,
+            source: local.as_ptr() as u64,
+            target_id: id,
+            target_offset: remote,
+            length: 4096,
+        };
+        let st = e
+            .transfer_sync(&[req], std::time::Duration::from_secs(5))
+            .map_err(|e| e.to_string())?;
         let after = kvferry::transport::shm::bytes_moved();
         let mapped = match st.status {
             kvferry::TaskStatus::Completed if after.0 > before.0 => Ok(()),
@@ -247,7 +330,9 @@ fn probe_child(cfg: &Config) -> Result<(kvferry::SegmentTransport, Result<(), St
 }
 
 fn read(path: &str) -> Option<String> {
-    std::fs::read_to_string(path).ok().map(|s| s.trim().to_string())
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_string())
 }
 
 /// Counts the CPUs of a sysfs list such as `0-3,8-11`.
@@ -268,25 +353,51 @@ fn cpulist_len(list: &str) -> usize {
 fn host_info(r: &Report) -> serde_json::Value {
     let hostname = read("/proc/sys/kernel/hostname");
     let kernel = read("/proc/sys/kernel/osrelease");
-    let model = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| c.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_string()));
+    let model = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| {
+        c.lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    });
     let online = read("/sys/devices/system/cpu/online").map(|l| cpulist_len(&l));
     let usable = std::thread::available_parallelism().map(|n| n.get()).ok();
     let mut nodes = Vec::new();
     if let Ok(rd) = std::fs::read_dir("/sys/devices/system/node") {
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            let Some(id) = name.strip_prefix("node").and_then(|n| n.parse::<u32>().ok()) else { continue };
-            let cpus = read(&format!("/sys/devices/system/node/{name}/cpulist")).unwrap_or_default();
-            nodes.push(serde_json::json!({"node": id, "cpus": cpus, "cpu_count": cpulist_len(&cpus)}));
+            let Some(id) = name
+                .strip_prefix("node")
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let cpus =
+                read(&format!("/sys/devices/system/node/{name}/cpulist")).unwrap_or_default();
+            nodes.push(
+                serde_json::json!({"node": id, "cpus": cpus, "cpu_count": cpulist_len(&cpus)}),
+            );
         }
     }
     nodes.sort_by_key(|n| n["node"].as_u64());
-    r.say(format!("        host {} (Linux {}), {}", hostname.as_deref().unwrap_or("?"), kernel.as_deref().unwrap_or("?"), model.as_deref().unwrap_or("CPU model unknown")));
+    r.say(format!(
+        "        host {} (Linux {}), {}",
+        hostname.as_deref().unwrap_or("?"),
+        kernel.as_deref().unwrap_or("?"),
+        model.as_deref().unwrap_or("CPU model unknown")
+    ));
     r.say(format!(
         "        CPUs: {} online, {} usable by this process; NUMA nodes: {}",
         online.map(|n| n.to_string()).unwrap_or("?".into()),
         usable.map(|n| n.to_string()).unwrap_or("?".into()),
-        if nodes.is_empty() { "none listed (no /sys/devices/system/node)".to_string() } else { nodes.iter().map(|n| format!("{} (CPUs {})", n["node"], n["cpus"].as_str().unwrap_or(""))).collect::<Vec<_>>().join(", ") }
+        if nodes.is_empty() {
+            "none listed (no /sys/devices/system/node)".to_string()
+        } else {
+            nodes
+                .iter()
+                .map(|n| format!("{} (CPUs {})", n["node"], n["cpus"].as_str().unwrap_or("")))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
     ));
     serde_json::json!({
         "hostname": hostname, "kernel": kernel, "cpu_model": model,
@@ -299,11 +410,19 @@ fn memory_info(r: &mut Report) -> serde_json::Value {
     // `None` in a limit is RLIM_INFINITY; getrlimit(2) cannot fail for a valid resource.
     let lim = rustix::process::getrlimit(rustix::process::Resource::Memlock);
     let bytes = |v: Option<u64>| v.map_or(serde_json::Value::Null, serde_json::Value::from);
-    let fmt = |v: Option<u64>| v.map_or_else(|| "unlimited".to_string(), |v| format!("{} KiB", v / 1024));
+    let fmt =
+        |v: Option<u64>| v.map_or_else(|| "unlimited".to_string(), |v| format!("{} KiB", v / 1024));
     let ipc = cap_ipc_lock();
     let unlimited = lim.current.is_none();
     if unlimited || ipc {
-        r.ok("memlock", format!("limit {} (CAP_IPC_LOCK: {})", fmt(lim.current), if ipc { "yes" } else { "no" }));
+        r.ok(
+            "memlock",
+            format!(
+                "limit {} (CAP_IPC_LOCK: {})",
+                fmt(lim.current),
+                if ipc { "yes" } else { "no" }
+            ),
+        );
     } else {
         r.warn(
             "memlock",
@@ -312,9 +431,25 @@ fn memory_info(r: &mut Report) -> serde_json::Value {
         );
     }
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let field = |k: &str| meminfo.lines().find(|l| l.starts_with(k)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok());
-    let (total, free, size_kib) = (field("HugePages_Total:"), field("HugePages_Free:"), field("Hugepagesize:"));
-    let thp = read("/sys/kernel/mm/transparent_hugepage/enabled").map(|t| t.split_whitespace().find(|w| w.starts_with('[')).unwrap_or("?").trim_matches(|c| c == '[' || c == ']').to_string());
+    let field = |k: &str| {
+        meminfo
+            .lines()
+            .find(|l| l.starts_with(k))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    let (total, free, size_kib) = (
+        field("HugePages_Total:"),
+        field("HugePages_Free:"),
+        field("Hugepagesize:"),
+    );
+    let thp = read("/sys/kernel/mm/transparent_hugepage/enabled").map(|t| {
+        t.split_whitespace()
+            .find(|w| w.starts_with('['))
+            .unwrap_or("?")
+            .trim_matches(|c| c == '[' || c == ']')
+            .to_string()
+    });
     r.say(format!(
         "        huge pages: {} reserved, {} free, {} KiB each",
         total.map(|v| v.to_string()).unwrap_or("?".into()),
@@ -368,7 +503,14 @@ fn rdma(r: &Report, cfg: &Config) -> Transport {
         }
         None => match ports.iter().filter(|pt| pt.problem.is_none()).count() {
             0 => {
-                let why = format!("no port the RDMA transport would use ({})", ports.iter().map(|pt| pt.line()).collect::<Vec<_>>().join("; "));
+                let why = format!(
+                    "no port the RDMA transport would use ({})",
+                    ports
+                        .iter()
+                        .map(|pt| pt.line())
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                );
                 r.no("rdma", &why);
                 Transport::no(why, Some("see each port's problem below"))
             }
@@ -381,7 +523,10 @@ fn rdma(r: &Report, cfg: &Config) -> Transport {
     for pt in &ports {
         r.say(format!("          {}", pt.line()));
     }
-    t.with("libibverbs", p.library.into()).with("devices", devices).with("nics", nics).with("ports", serde_json::to_value(&ports).unwrap_or_default())
+    t.with("libibverbs", p.library.into())
+        .with("devices", devices)
+        .with("nics", nics)
+        .with("ports", serde_json::to_value(&ports).unwrap_or_default())
 }
 
 /// GPU memory: `kvferry::gpu::probe` (libcuda.so.1 loaded at run time), whether the driver
@@ -392,12 +537,24 @@ fn gpu(r: &mut Report, cfg: &Config, rdma_usable: bool) -> Transport {
     let p = kvferry::gpu::probe();
     let gpus = serde_json::to_value(&p.gpus).unwrap_or_default();
     // The driver API's version number: 12040 is CUDA 12.4.
-    let version = p.driver_version.map(|v| format!("{}.{}", v / 1000, v % 1000 / 10));
+    let version = p
+        .driver_version
+        .map(|v| format!("{}.{}", v / 1000, v % 1000 / 10));
     if let Some(v) = &version {
-        r.say(format!("        CUDA driver {v} (libcuda.so.1, loaded at run time)"));
+        r.say(format!(
+            "        CUDA driver {v} (libcuda.so.1, loaded at run time)"
+        ));
     }
     for g in &p.gpus {
-        r.say(format!("        gpu {}: {}, {} GiB, compute capability {}.{}, PCI {}", g.index, g.name, g.memory >> 30, g.compute_capability.0, g.compute_capability.1, g.pci_bus_id));
+        r.say(format!(
+            "        gpu {}: {}, {} GiB, compute capability {}.{}, PCI {}",
+            g.index,
+            g.name,
+            g.memory >> 30,
+            g.compute_capability.0,
+            g.compute_capability.1,
+            g.pci_bus_id
+        ));
     }
     let t = match &p.unavailable {
         Some(why) => {
@@ -435,16 +592,27 @@ fn gpu(r: &mut Report, cfg: &Config, rdma_usable: bool) -> Transport {
                             }
                             Err(e) => r.say(format!("        {m}: refused: {e}")),
                         }
-                        results.insert(serde_json::to_value(m).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(), match res {
-                            Ok(_) => serde_json::json!({"works": true}),
-                            Err(e) => serde_json::json!({"works": false, "error": e}),
-                        });
+                        results.insert(
+                            serde_json::to_value(m)
+                                .ok()
+                                .and_then(|v| v.as_str().map(str::to_string))
+                                .unwrap_or_default(),
+                            match res {
+                                Ok(_) => serde_json::json!({"works": true}),
+                                Err(e) => serde_json::json!({"works": false, "error": e}),
+                            },
+                        );
                     }
                 }
-                Err(e) => r.say(format!("        registering GPU memory on a NIC could not be tried: {e}")),
+                Err(e) => r.say(format!(
+                    "        registering GPU memory on a NIC could not be tried: {e}"
+                )),
             }
             if cfg.gpu_rdma == kvferry::gpu::direct::GpuRdma::Auto {
-                for why in [&rep.dmabuf_unavailable, &rep.peermem_unavailable].into_iter().flatten() {
+                for why in [&rep.dmabuf_unavailable, &rep.peermem_unavailable]
+                    .into_iter()
+                    .flatten()
+                {
                     r.say(format!("        not available: {why}"));
                 }
             }
@@ -456,18 +624,32 @@ fn gpu(r: &mut Report, cfg: &Config, rdma_usable: bool) -> Transport {
             let mut v = serde_json::to_value(&rep).unwrap_or_default();
             if let Some(o) = v.as_object_mut() {
                 o.insert("tried".into(), serde_json::Value::Object(results));
-                o.insert("works".into(), serde_json::to_value(&works).unwrap_or_default());
+                o.insert(
+                    "works".into(),
+                    serde_json::to_value(&works).unwrap_or_default(),
+                );
             }
             v
         }
-        _ => serde_json::json!({"unavailable": if rdma_usable { "GPU memory is not usable here" } else { "RDMA is not usable here" }}),
+        _ => {
+            serde_json::json!({"unavailable": if rdma_usable { "GPU memory is not usable here" } else { "RDMA is not usable here" }})
+        }
     };
-    t.with("libcuda", p.driver_version.is_some().into()).with("driver_version", p.driver_version.into()).with("devices", gpus).with("rdma", direct)
+    t.with("libcuda", p.driver_version.is_some().into())
+        .with("driver_version", p.driver_version.into())
+        .with("devices", gpus)
+        .with("rdma", direct)
 }
 
 pub fn run(a: DoctorArgs) -> Result<(), String> {
-    let mut r = Report { human: !a.json, problems: Vec::new() };
-    r.say(format!("kvferry doctor (kvferry {})", env!("CARGO_PKG_VERSION")));
+    let mut r = Report {
+        human: !a.json,
+        problems: Vec::new(),
+    };
+    r.say(format!(
+        "kvferry doctor (kvferry {})",
+        env!("CARGO_PKG_VERSION")
+    ));
 
     r.say("\nconfiguration (environment):");
     let cfg = match Config::from_env() {
@@ -482,11 +664,18 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
     };
     let mut env = serde_json::Map::new();
     for v in ENV_VARS {
-        let set = std::iter::once(v.name).chain(v.aliases.iter().copied()).find_map(|n| std::env::var(n).ok().map(|val| (n, val)));
+        let set = std::iter::once(v.name)
+            .chain(v.aliases.iter().copied())
+            .find_map(|n| std::env::var(n).ok().map(|val| (n, val)));
         if let Some((n, val)) = &set {
             env.insert((*n).to_string(), val.clone().into());
         }
-        r.say(format!("        {:<34} {}", v.name, set.map(|(n, val)| format!("{n}={val}")).unwrap_or_else(|| format!("(default: {})", v.default))));
+        r.say(format!(
+            "        {:<34} {}",
+            v.name,
+            set.map(|(n, val)| format!("{n}={val}"))
+                .unwrap_or_else(|| format!("(default: {})", v.default))
+        ));
     }
     // The cluster key: read as the store's clients and master will (its keys never shown).
     match kvferry::auth::ClusterKey::from_config(cfg.auth_key_file.as_deref()) {
@@ -512,7 +701,10 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
         r.say(format!("        {name:<10} {ip}"));
     }
     let host = a.local_hostname.clone().unwrap_or_else(|| {
-        ifs.iter().find(|(_, ip)| ip.is_ipv4() && !ip.is_loopback()).map(|(_, ip)| ip.to_string()).unwrap_or_else(|| "127.0.0.1".into())
+        ifs.iter()
+            .find(|(_, ip)| ip.is_ipv4() && !ip.is_loopback())
+            .map(|(_, ip)| ip.to_string())
+            .unwrap_or_else(|| "127.0.0.1".into())
     });
     let pick = "pass an address listed above as --local-hostname (KVFERRY_LOCAL_HOSTNAME / the engine's local_hostname)";
     let resolved = kvferry::resolve_advertised(kvferry::config::split_host_port(&host).0);
@@ -520,23 +712,46 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
     match &resolved {
         Ok(ip) if ifs.iter().any(|(_, i)| i == ip) => {
             if ip.is_loopback() {
-                r.warn("advertised address", format!("{host} is loopback: peers on other hosts cannot reach it"), pick);
+                r.warn(
+                    "advertised address",
+                    format!("{host} is loopback: peers on other hosts cannot reach it"),
+                    pick,
+                );
             } else {
                 advertised_ok = true;
-                r.ok("advertised address", format!("{host} ({ip}) is an address of this host"));
+                r.ok(
+                    "advertised address",
+                    format!("{host} ({ip}) is an address of this host"),
+                );
             }
         }
-        Ok(ip) => r.warn("advertised address", format!("{host} resolves to {ip}, which is not an address of this host"), pick),
+        Ok(ip) => r.warn(
+            "advertised address",
+            format!("{host} resolves to {ip}, which is not an address of this host"),
+            pick,
+        ),
         Err(e) => r.warn("advertised address", e.to_string(), pick),
     }
 
     r.say("\nports:");
     let span = u32::from(cfg.max_port.saturating_sub(cfg.min_port)) + 1;
-    let listeners = match TransferEngine::new(Config { local_hostname: host.clone(), ..cfg.clone() }) {
+    let listeners = match TransferEngine::new(Config {
+        local_hostname: host.clone(),
+        ..cfg.clone()
+    }) {
         Ok(e) => {
             r.ok(
                 "listeners",
-                format!("bound handshake port {} and data port {} in {}-{} ({span} ports) on {}", e.rpc_port(), e.data_port(), cfg.min_port, cfg.max_port, cfg.bind_address.map(|a| a.to_string()).unwrap_or(host.clone())),
+                format!(
+                    "bound handshake port {} and data port {} in {}-{} ({span} ports) on {}",
+                    e.rpc_port(),
+                    e.data_port(),
+                    cfg.min_port,
+                    cfg.max_port,
+                    cfg.bind_address
+                        .map(|a| a.to_string())
+                        .unwrap_or(host.clone())
+                ),
             );
             Ok((e.rpc_port(), e.data_port()))
         }
@@ -562,21 +777,33 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
     let memory = memory_info(&mut r);
 
     r.say("\nmetadata service:");
-    let meta = a.metadata_server.clone().unwrap_or_else(|| cfg.metadata_server.clone());
+    let meta = a
+        .metadata_server
+        .clone()
+        .unwrap_or_else(|| cfg.metadata_server.clone());
     let metadata = check_metadata(&mut r, &meta, &cfg);
 
     r.say("\ntransports:");
     let tcp = match &listeners {
         Ok(_) => {
-            r.ok("tcp", "available (Mooncake TCP protocol v2, v1 for old peers)");
+            r.ok(
+                "tcp",
+                "available (Mooncake TCP protocol v2, v1 for old peers)",
+            );
             Transport::yes()
         }
         Err(e) => {
             r.no("tcp", format!("the engine cannot listen: {e}"));
-            Transport::no(format!("the engine cannot listen: {e}"), Some("see the listeners check"))
+            Transport::no(
+                format!("the engine cannot listen: {e}"),
+                Some("see the listeners check"),
+            )
         }
     };
-    r.ok("local", "transfers to this engine's own segment are a memcpy");
+    r.ok(
+        "local",
+        "transfers to this engine's own segment are a memcpy",
+    );
     let shm = shm(&mut r, &cfg);
     let rdma = rdma(&r, &cfg);
     let gpu = gpu(&mut r, &cfg, rdma.available);
@@ -589,7 +816,11 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
                 let why = t.reason.clone().unwrap_or_default();
                 unmet.push(format!("{name} ({why})"));
                 let fix = t.fix.clone().unwrap_or_else(|| format!("no setting makes {name} work with this kvferry version; drop it from --expect"));
-                r.warn(&format!("expected transport {name}"), format!("--expect {name}, but it cannot work here: {why}"), fix);
+                r.warn(
+                    &format!("expected transport {name}"),
+                    format!("--expect {name}, but it cannot work here: {why}"),
+                    fix,
+                );
             }
         }
     }
@@ -607,15 +838,26 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
             "expect": {"requested": a.expect, "unmet": unmet},
             "ok": unmet.is_empty(),
         });
-        let text = serde_json::to_string_pretty(&doc).map_err(|e| format!("encoding the report as JSON: {e}"))?;
+        let text = serde_json::to_string_pretty(&doc)
+            .map_err(|e| format!("encoding the report as JSON: {e}"))?;
         println!("{text}");
     } else {
-        r.say(format!("\n{}", if r.problems.is_empty() { "no problems found".to_string() } else { format!("{} problem(s), each with its fix above", r.problems.len()) }));
+        r.say(format!(
+            "\n{}",
+            if r.problems.is_empty() {
+                "no problems found".to_string()
+            } else {
+                format!("{} problem(s), each with its fix above", r.problems.len())
+            }
+        ));
     }
     if unmet.is_empty() {
         Ok(())
     } else {
-        Err(format!("doctor: expected transport(s) cannot work here: {}", unmet.join("; ")))
+        Err(format!(
+            "doctor: expected transport(s) cannot work here: {}",
+            unmet.join("; ")
+        ))
     }
 }
 
@@ -623,9 +865,15 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
 fn check_metadata(r: &mut Report, conn: &str, cfg: &Config) -> serde_json::Value {
     use std::time::Instant;
     let fix = "start the metadata service or correct its address (--metadata-server / KVFERRY_METADATA_SERVER / the engine's metadata_server); P2PHANDSHAKE needs none";
-    let store = match kvferry::metadata::connect(conn, &kvferry::metadata::StoreOptions::from_config(cfg)) {
+    let store = match kvferry::metadata::connect(
+        conn,
+        &kvferry::metadata::StoreOptions::from_config(cfg),
+    ) {
         Ok(None) => {
-            r.ok("mode", "P2PHANDSHAKE: no metadata service; segments are named host:rpc_port");
+            r.ok(
+                "mode",
+                "P2PHANDSHAKE: no metadata service; segments are named host:rpc_port",
+            );
             return serde_json::json!({"configured": conn, "mode": "P2PHANDSHAKE", "reachable": null, "writable": null, "error": null});
         }
         Ok(Some(s)) => s,
@@ -641,7 +889,10 @@ fn check_metadata(r: &mut Report, conn: &str, cfg: &Config) -> serde_json::Value
     let get_ms = match store.get(&key) {
         Ok(_) => {
             let ms = t.elapsed().as_secs_f64() * 1e3;
-            r.ok("reachable", format!("{backend} at {location} answered a GET in {ms:.2} ms"));
+            r.ok(
+                "reachable",
+                format!("{backend} at {location} answered a GET in {ms:.2} ms"),
+            );
             ms
         }
         Err(e) => {
@@ -673,7 +924,11 @@ fn check_metadata(r: &mut Report, conn: &str, cfg: &Config) -> serde_json::Value
         }
     };
     if let Err(e) = store.remove(&key) {
-        r.warn("writable", format!("DELETE of the probe key failed: {e}"), wfix);
+        r.warn(
+            "writable",
+            format!("DELETE of the probe key failed: {e}"),
+            wfix,
+        );
     }
     store.close();
     serde_json::json!({"configured": conn, "mode": "service", "backend": backend, "location": location, "reachable": true, "get_ms": get_ms, "writable": writable, "put_ms": put_ms, "error": error})

@@ -22,16 +22,20 @@ mod master_http;
 mod metadata_bench;
 mod metadata_server;
 mod mooncake;
+mod peers;
 mod store_bench;
 mod store_client;
-mod peers;
 mod sys;
 
 use clap::{CommandFactory, FromArgMatches, Subcommand};
 use std::ffi::OsString;
 
 #[derive(clap::Parser)]
-#[command(name = "kvferry", version, about = "KV-cache transfer engine (Mooncake-compatible)")]
+#[command(
+    name = "kvferry",
+    version,
+    about = "KV-cache transfer engine (Mooncake-compatible)"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -44,16 +48,20 @@ enum Cmd {
     /// Check what this host can do: addresses, ports, memlock, transports.
     Doctor(doctor::DoctorArgs),
     /// Run the store's master (metadata only: segments, objects, leases, eviction).
-    #[command(after_help = "mooncake_master's spellings are accepted too: --rpc_port=50051, -rpc_port 50051, --rpc_address, \
---enable_http_metadata_server, every flag with underscores; Mooncake flags kvferry lacks are warned about or refused by name.")]
+    #[command(
+        after_help = "mooncake_master's spellings are accepted too: --rpc_port=50051, -rpc_port 50051, --rpc_address, \
+--enable_http_metadata_server, every flag with underscores; Mooncake flags kvferry lacks are warned about or refused by name."
+    )]
     Master(master::MasterArgs),
     /// Measure the store: a master and two clients on 127.0.0.1, every value checked.
     StoreBench(store_bench::StoreBenchArgs),
     /// Contribute memory to the store (Mooncake's mooncake_client): mount a segment at the
     /// master and serve it until SIGTERM/SIGINT, then unmount.
-    #[command(after_help = "mooncake_client's spellings are accepted too: --master_server_address=127.0.0.1:50051, \
+    #[command(
+        after_help = "mooncake_client's spellings are accepted too: --master_server_address=127.0.0.1:50051, \
 --global_segment_size=\"4 GB\", --metadata_server, --host, --protocol, --port (the dummy-client service), every flag with \
-underscores; Mooncake flags kvferry lacks are warned about or refused by name.")]
+underscores; Mooncake flags kvferry lacks are warned about or refused by name."
+    )]
     StoreClient(store_client::StoreClientArgs),
     /// Serve Mooncake's HTTP metadata contract (GET/PUT/DELETE /metadata?key=, /health).
     MetadataServer(metadata_server::ServerArgs),
@@ -75,7 +83,9 @@ pub(crate) fn self_command() -> Result<std::process::Command, String> {
             Ok(c)
         }
         None => {
-            let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable to start a child copy of kvferry: {e}"))?;
+            let exe = std::env::current_exe().map_err(|e| {
+                format!("cannot find own executable to start a child copy of kvferry: {e}")
+            })?;
             Ok(std::process::Command::new(exe))
         }
     }
@@ -99,7 +109,10 @@ pub fn main_with_args_as(args: Vec<OsString>, self_command: Option<Vec<OsString>
         .unwrap_or_else(|_| "warn".into());
     // try_init: an embedding process (the Python extension) may have installed one already.
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&filter)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
         .with_writer(std::io::stderr)
         .try_init();
     let mut argv = args;
@@ -127,7 +140,9 @@ pub fn main_with_args_as(args: Vec<OsString>, self_command: Option<Vec<OsString>
             }
         }
     }
-    let parsed = Cli::command().try_get_matches_from(argv).and_then(|m| Cli::from_arg_matches(&m).map(|c| (m, c)));
+    let parsed = Cli::command()
+        .try_get_matches_from(argv)
+        .and_then(|m| Cli::from_arg_matches(&m).map(|c| (m, c)));
     let (matches, cli) = match parsed {
         Ok(p) => p,
         Err(e) => {

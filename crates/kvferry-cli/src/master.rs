@@ -1,8 +1,8 @@
 //! `kvferry master`: the store's metadata master.
 
 use kvferry_store::master::{MasterConfig, Strategy};
-use kvferry_store::Master;
 use kvferry_store::server::MasterServer;
+use kvferry_store::Master;
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::sync::Arc;
@@ -181,9 +181,15 @@ impl MasterArgs {
         let strategy = match self.allocation_strategy.as_str() {
             "random" => Strategy::Random,
             "free_ratio_first" => Strategy::FreeRatioFirst,
-            s => return Err(format!("--allocation-strategy {s:?}: use random or free_ratio_first")),
+            s => {
+                return Err(format!(
+                    "--allocation-strategy {s:?}: use random or free_ratio_first"
+                ))
+            }
         };
-        if !(0.0..=1.0).contains(&self.eviction_high_watermark_ratio) || !(0.0..=1.0).contains(&self.eviction_ratio) {
+        if !(0.0..=1.0).contains(&self.eviction_high_watermark_ratio)
+            || !(0.0..=1.0).contains(&self.eviction_ratio)
+        {
             return Err("eviction ratios must be between 0 and 1".into());
         }
         if self.default_kv_lease_ttl == 0 {
@@ -207,9 +213,13 @@ impl MasterArgs {
 /// Applies a JSON config file under the command-line flags.
 fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<MasterArgs, String> {
     let Some(path) = &a.config else { return Ok(a) };
-    let text = std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))?;
-    let obj = v.as_object().ok_or_else(|| format!("{} must hold a JSON object", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| format!("{} is not valid JSON: {e}", path.display()))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| format!("{} must hold a JSON object", path.display()))?;
     // Keys as flags (kvferry's or Mooncake's master.json names), through the same
     // translation as the command line.
     let mut raw: Vec<std::ffi::OsString> = Vec::new();
@@ -220,7 +230,8 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
         };
         raw.push(format!("--{k}={s}").into());
     }
-    let n = crate::master_flags::normalize(&raw, &known_flags()).map_err(|e| format!("{}: {e}", path.display()))?;
+    let n = crate::master_flags::normalize(&raw, &known_flags())
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     for w in &n.warnings {
         eprintln!("{w} [{}]", path.display());
     }
@@ -232,7 +243,9 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
         m: MasterArgs,
     }
     use clap::Parser;
-    let file = Wrap::try_parse_from(&args).map_err(|e| format!("{}: {e}", path.display()))?.m;
+    let file = Wrap::try_parse_from(&args)
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .m;
     // Command-line flags win: rebuild from the file, then overwrite what the CLI set.
     let mut out = file;
     macro_rules! keep_cli {
@@ -243,9 +256,39 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
         )*};
     }
     keep_cli!(
-        host, port, metrics_port, metrics_host, http_auth_all, default_kv_lease_ttl, default_kv_soft_pin_ttl, allow_evict_soft_pinned_objects, eviction_ratio, eviction_high_watermark_ratio, client_ttl,
-        allocation_strategy, put_start_discard_timeout_sec, put_start_release_timeout_sec, put_wait_for_reads_ms, summary_interval, enable_http_metadata_server, http_metadata_server_host,
-        http_metadata_server_port, http_metadata_server_data_dir, enable_metadata_cleanup_on_timeout, enable_ha, ha_backend_connstring, etcd_endpoints, cluster_id, ha_lease_ttl, ha_snapshot_bytes, ha_replication, ha_rebase_tail_bytes, ha_standby_tail_bytes, ha_rebase_base_every, ha_grant_bytes, advertise_address
+        host,
+        port,
+        metrics_port,
+        metrics_host,
+        http_auth_all,
+        default_kv_lease_ttl,
+        default_kv_soft_pin_ttl,
+        allow_evict_soft_pinned_objects,
+        eviction_ratio,
+        eviction_high_watermark_ratio,
+        client_ttl,
+        allocation_strategy,
+        put_start_discard_timeout_sec,
+        put_start_release_timeout_sec,
+        put_wait_for_reads_ms,
+        summary_interval,
+        enable_http_metadata_server,
+        http_metadata_server_host,
+        http_metadata_server_port,
+        http_metadata_server_data_dir,
+        enable_metadata_cleanup_on_timeout,
+        enable_ha,
+        ha_backend_connstring,
+        etcd_endpoints,
+        cluster_id,
+        ha_lease_ttl,
+        ha_snapshot_bytes,
+        ha_replication,
+        ha_rebase_tail_bytes,
+        ha_standby_tail_bytes,
+        ha_rebase_base_every,
+        ha_grant_bytes,
+        advertise_address
     );
     out.config = a.config.clone();
     Ok(out)
@@ -254,7 +297,11 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
 /// The HA settings, `None` without `--enable-ha` (Mooncake's rules: HA needs a connection
 /// string, `--etcd_endpoints` stands in for `--ha_backend_connstring`; either without HA is
 /// only warned about, by [`flag_warnings`]).
-fn ha_config(a: &MasterArgs, rpc_port: u16, env_cluster_id: Option<&str>) -> Result<Option<kvferry_store::ha::HaConfig>, String> {
+fn ha_config(
+    a: &MasterArgs,
+    rpc_port: u16,
+    env_cluster_id: Option<&str>,
+) -> Result<Option<kvferry_store::ha::HaConfig>, String> {
     let conn = ha_connstring(a);
     if !a.enable_ha {
         return Ok(None);
@@ -267,11 +314,16 @@ fn ha_config(a: &MasterArgs, rpc_port: u16, env_cluster_id: Option<&str>) -> Res
     }
     let endpoints = kvferry::metadata::etcd::parse_endpoints(conn);
     if endpoints.is_empty() {
-        return Err(format!("--ha-backend-connstring {conn:?}: no etcd endpoint in it"));
+        return Err(format!(
+            "--ha-backend-connstring {conn:?}: no etcd endpoint in it"
+        ));
     }
     let ttl = Duration::from_millis(a.ha_lease_ttl);
     if ttl < Duration::from_secs(1) {
-        return Err(format!("--ha-lease-ttl {} ms: at least 1 s", a.ha_lease_ttl));
+        return Err(format!(
+            "--ha-lease-ttl {} ms: at least 1 s",
+            a.ha_lease_ttl
+        ));
     }
     let address = match a.advertise_address.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
         Some(s) => {
@@ -282,11 +334,25 @@ fn ha_config(a: &MasterArgs, rpc_port: u16, env_cluster_id: Option<&str>) -> Res
         None if a.host.is_unspecified() => return Err(format!("--enable-ha with --host {}: pass --advertise-address, the address clients reach this master at", a.host)),
         None => SocketAddr::new(a.host, rpc_port).to_string(),
     };
-    Ok(Some(kvferry_store::ha::HaConfig { endpoints, cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env_cluster_id), address, lease_ttl: ttl, snapshot_bytes: a.ha_snapshot_bytes, replication: a.ha_replication.into(), rebase_tail_bytes: a.ha_rebase_tail_bytes, standby_tail_bytes: a.ha_standby_tail_bytes, rebase_base_every: Duration::from_millis(a.ha_rebase_base_every), grant_bytes: a.ha_grant_bytes }))
+    Ok(Some(kvferry_store::ha::HaConfig {
+        endpoints,
+        cluster_id: kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env_cluster_id),
+        address,
+        lease_ttl: ttl,
+        snapshot_bytes: a.ha_snapshot_bytes,
+        replication: a.ha_replication.into(),
+        rebase_tail_bytes: a.ha_rebase_tail_bytes,
+        standby_tail_bytes: a.ha_standby_tail_bytes,
+        rebase_base_every: Duration::from_millis(a.ha_rebase_base_every),
+        grant_bytes: a.ha_grant_bytes,
+    }))
 }
 
 fn ha_connstring(a: &MasterArgs) -> Option<&str> {
-    a.ha_backend_connstring.as_deref().filter(|s| !s.trim().is_empty()).or(a.etcd_endpoints.as_deref().filter(|s| !s.trim().is_empty()))
+    a.ha_backend_connstring
+        .as_deref()
+        .filter(|s| !s.trim().is_empty())
+        .or(a.etcd_endpoints.as_deref().filter(|s| !s.trim().is_empty()))
 }
 
 /// What a combination of flags that works, but not as its user likely expects, is told.
@@ -323,14 +389,22 @@ enum CleanupService {
 /// The metadata service whose entries `--enable-metadata-cleanup-on-timeout` removes
 /// (Mooncake's order: the embedded server, else the cluster's as its clients are configured;
 /// kvferry's own variable first). A service named but not understood is an error.
-fn cleanup_service(embedded: Option<String>, var: &dyn Fn(&str) -> Option<String>) -> Result<CleanupService, String> {
+fn cleanup_service(
+    embedded: Option<String>,
+    var: &dyn Fn(&str) -> Option<String>,
+) -> Result<CleanupService, String> {
     let mut found = embedded.map(|u| (u, "the embedded metadata server".to_string()));
     // As Mooncake, a variable that says P2PHANDSHAKE names no service: the next source is read.
     let mut p2p = None;
     for name in ["KVFERRY_METADATA_SERVER", "MOONCAKE_TE_META_DATA_SERVER"] {
         if found.is_none() {
-            match var(name).map(|v| v.trim().to_string()).filter(|v| !v.is_empty()) {
-                Some(v) if v.eq_ignore_ascii_case("P2PHANDSHAKE") => p2p = p2p.or(Some(format!("${name} is {v}"))),
+            match var(name)
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+            {
+                Some(v) if v.eq_ignore_ascii_case("P2PHANDSHAKE") => {
+                    p2p = p2p.or(Some(format!("${name} is {v}")))
+                }
                 v => found = v.map(|v| (v, format!("${name}"))),
             }
         }
@@ -339,10 +413,17 @@ fn cleanup_service(embedded: Option<String>, var: &dyn Fn(&str) -> Option<String
         if let Some(path) = var("MOONCAKE_CONFIG_PATH").filter(|p| !p.trim().is_empty()) {
             let text = std::fs::read_to_string(&path).map_err(|e| format!("--enable-metadata-cleanup-on-timeout: reading $MOONCAKE_CONFIG_PATH ({path}): {e}"))?;
             let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("--enable-metadata-cleanup-on-timeout: $MOONCAKE_CONFIG_PATH ({path}) is not valid JSON: {e}"))?;
-            found = v.get("metadata_server").and_then(|m| m.as_str()).map(|m| (m.trim().to_string(), format!("metadata_server in {path}")));
+            found = v
+                .get("metadata_server")
+                .and_then(|m| m.as_str())
+                .map(|m| (m.trim().to_string(), format!("metadata_server in {path}")));
         }
     }
-    let no_entries = |what: String| Ok(CleanupService::None(format!("{what}: peers keep no entries in a metadata service")));
+    let no_entries = |what: String| {
+        Ok(CleanupService::None(format!(
+            "{what}: peers keep no entries in a metadata service"
+        )))
+    };
     let Some((conn, from)) = found else {
         return match p2p {
             Some(p2p) => no_entries(p2p),
@@ -352,7 +433,9 @@ fn cleanup_service(embedded: Option<String>, var: &dyn Fn(&str) -> Option<String
     match kvferry::metadata::ConnString::parse(&conn) {
         Ok(kvferry::metadata::ConnString::P2p) => no_entries(format!("{from} is {conn}")),
         Ok(_) => Ok(CleanupService::At { conn, from }),
-        Err(e) => Err(format!("--enable-metadata-cleanup-on-timeout: {from} = {conn:?}: {e}")),
+        Err(e) => Err(format!(
+            "--enable-metadata-cleanup-on-timeout: {from} = {conn:?}: {e}"
+        )),
     }
 }
 
@@ -369,24 +452,35 @@ fn command() -> clap::Command {
 
 /// kvferry's long flag names for `kvferry master` (kebab-case, no dashes).
 pub fn known_flags() -> Vec<String> {
-    command().get_arguments().filter_map(|a| a.get_long().map(str::to_string)).collect()
+    command()
+        .get_arguments()
+        .filter_map(|a| a.get_long().map(str::to_string))
+        .collect()
 }
 
 pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     let a = merge_config_file(a, matches)?;
     let cfg = a.master_config()?;
-    let listener = TcpListener::bind(SocketAddr::new(a.host, a.port)).map_err(|e| format!("cannot bind the master RPC port {}:{}: {e}", a.host, a.port))?;
-    let rpc_port = listener.local_addr().map(|x| x.port()).map_err(|e| e.to_string())?;
+    let listener = TcpListener::bind(SocketAddr::new(a.host, a.port))
+        .map_err(|e| format!("cannot bind the master RPC port {}:{}: {e}", a.host, a.port))?;
+    let rpc_port = listener
+        .local_addr()
+        .map(|x| x.port())
+        .map_err(|e| e.to_string())?;
     for w in flag_warnings(&a) {
         eprintln!("kvferry master: warning: {w}");
     }
     let env = kvferry::Config::from_env().map_err(|e| e.to_string())?;
     let mut master = Master::new(cfg);
-    master.auth = kvferry::auth::ClusterKey::from_config(env.auth_key_file.as_deref()).map_err(|e| e.to_string())?;
+    master.auth = kvferry::auth::ClusterKey::from_config(env.auth_key_file.as_deref())
+        .map_err(|e| e.to_string())?;
     if a.http_auth_all && master.auth.is_none() {
         return Err("--http-auth-all needs the cluster key: set KVFERRY_AUTH_KEY_FILE to the cluster's key file (without a key every HTTP route is open)".into());
     }
-    master.cluster_id = kvferry_store::ha::resolve_cluster_id(a.cluster_id.as_deref(), env.store_cluster_id.as_deref());
+    master.cluster_id = kvferry_store::ha::resolve_cluster_id(
+        a.cluster_id.as_deref(),
+        env.store_cluster_id.as_deref(),
+    );
     let master = Arc::new(master);
     let ha = ha_config(&a, rpc_port, env.store_cluster_id.as_deref())?;
     if let Some(h) = &ha {
@@ -394,19 +488,37 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
         kvferry_store::ha::start(h.clone(), Arc::clone(&master))?;
     }
     let spin = env.spin;
-    let server = MasterServer::start_with_spin(Arc::clone(&master), listener, Duration::from_millis(200), a.summary_interval.saturating_mul(5), spin)
-        .map_err(|e| format!("starting the master: {e}"))?;
+    let server = MasterServer::start_with_spin(
+        Arc::clone(&master),
+        listener,
+        Duration::from_millis(200),
+        a.summary_interval.saturating_mul(5),
+        spin,
+    )
+    .map_err(|e| format!("starting the master: {e}"))?;
     let http_port = if a.metrics_port >= 0 {
         let http_host = a.metrics_host.unwrap_or(a.host);
-        let l = TcpListener::bind(SocketAddr::new(http_host, a.metrics_port as u16)).map_err(|e| format!("cannot bind the HTTP port {http_host}:{}: {e}", a.metrics_port))?;
+        let l =
+            TcpListener::bind(SocketAddr::new(http_host, a.metrics_port as u16)).map_err(|e| {
+                format!(
+                    "cannot bind the HTTP port {http_host}:{}: {e}",
+                    a.metrics_port
+                )
+            })?;
         let port = l.local_addr().map(|x| x.port()).unwrap_or(0);
         let m = Arc::clone(&master);
-        let auth = master.auth.clone().map(|k| crate::master_http::HttpAuth::new(k, a.http_auth_all));
-        std::thread::Builder::new().name("kvf-master-http".into()).spawn(move || {
-            if let Err(e) = crate::master_http::serve(l, m, auth) {
-                eprintln!("kvferry master: HTTP server stopped: {e}");
-            }
-        }).map_err(|e| e.to_string())?;
+        let auth = master
+            .auth
+            .clone()
+            .map(|k| crate::master_http::HttpAuth::new(k, a.http_auth_all));
+        std::thread::Builder::new()
+            .name("kvf-master-http".into())
+            .spawn(move || {
+                if let Err(e) = crate::master_http::serve(l, m, auth) {
+                    eprintln!("kvferry master: HTTP server stopped: {e}");
+                }
+            })
+            .map_err(|e| e.to_string())?;
         Some(port)
     } else {
         None
@@ -416,7 +528,10 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
         let mut port = a.http_metadata_server_port;
         if port == 0 {
             // Find a free port to announce (the server binds it right after).
-            port = TcpListener::bind(SocketAddr::new(host, 0)).and_then(|l| l.local_addr()).map(|x| x.port()).map_err(|e| e.to_string())?;
+            port = TcpListener::bind(SocketAddr::new(host, 0))
+                .and_then(|l| l.local_addr())
+                .map(|x| x.port())
+                .map_err(|e| e.to_string())?;
         }
         let args = crate::metadata_server::ServerArgs {
             host: host.to_string(),
@@ -428,19 +543,31 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
             threads: 1,
             auth: master.auth.clone(),
         };
-        std::thread::Builder::new().name("kvf-master-metadata".into()).spawn(move || {
-            if let Err(e) = crate::metadata_server::run_quiet(args) {
-                eprintln!("kvferry master: metadata server stopped: {e}");
-                std::process::exit(1);
-            }
-        }).map_err(|e| e.to_string())?;
-        let shown = if host.is_ipv6() { format!("[{host}]") } else { host.to_string() };
-        Some((format!("http://{shown}:{port}/metadata"), SocketAddr::new(reachable(host), port)))
+        std::thread::Builder::new()
+            .name("kvf-master-metadata".into())
+            .spawn(move || {
+                if let Err(e) = crate::metadata_server::run_quiet(args) {
+                    eprintln!("kvferry master: metadata server stopped: {e}");
+                    std::process::exit(1);
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        let shown = if host.is_ipv6() {
+            format!("[{host}]")
+        } else {
+            host.to_string()
+        };
+        Some((
+            format!("http://{shown}:{port}/metadata"),
+            SocketAddr::new(reachable(host), port),
+        ))
     } else {
         None
     };
     if a.enable_metadata_cleanup_on_timeout {
-        let embedded = metadata.as_ref().map(|(_, at)| format!("http://{at}/metadata"));
+        let embedded = metadata
+            .as_ref()
+            .map(|(_, at)| format!("http://{at}/metadata"));
         match cleanup_service(embedded, &|k| std::env::var(k).ok())? {
             CleanupService::At { conn, from } => {
                 let opts = kvferry::metadata::StoreOptions::from_config(&env);
@@ -462,22 +589,45 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
         "KVFERRY_MASTER rpc={}:{} http={} metadata={} ha={}",
         a.host,
         server.port(),
-        http_port.map(|p| format!("{}:{p}", a.metrics_host.unwrap_or(a.host))).unwrap_or_else(|| "off".into()),
+        http_port
+            .map(|p| format!("{}:{p}", a.metrics_host.unwrap_or(a.host)))
+            .unwrap_or_else(|| "off".into()),
         metadata.as_deref().unwrap_or("off"),
-        ha.as_ref().map(|h| kvferry_store::ha::master_view_key(&h.cluster_id)).unwrap_or_else(|| "off".into())
+        ha.as_ref()
+            .map(|h| kvferry_store::ha::master_view_key(&h.cluster_id))
+            .unwrap_or_else(|| "off".into())
     );
     let _ = std::io::stdout().flush();
-    eprintln!("kvferry master listening on {}:{} (RPC){}", a.host, server.port(), http_port.map(|p| format!(", {}:{p} (HTTP)", a.metrics_host.unwrap_or(a.host))).unwrap_or_default());
+    eprintln!(
+        "kvferry master listening on {}:{} (RPC){}",
+        a.host,
+        server.port(),
+        http_port
+            .map(|p| format!(", {}:{p} (HTTP)", a.metrics_host.unwrap_or(a.host)))
+            .unwrap_or_default()
+    );
     if master.auth.is_some() {
         eprintln!("kvferry master: clients of cluster {:?} must prove the cluster key (KVFERRY_AUTH_KEY_FILE) before any request; clients without it, or dialing another cluster, are refused", master.cluster_id);
-        let open = if a.http_auth_all { "every HTTP route needs" } else { "the HTTP routes showing the store's contents need" };
-        eprintln!("kvferry master: {open} a request signed with the cluster key (X-Kvferry-Auth){}", if metadata.is_some() { ", and so do the embedded metadata server's writes" } else { "" });
+        let open = if a.http_auth_all {
+            "every HTTP route needs"
+        } else {
+            "the HTTP routes showing the store's contents need"
+        };
+        eprintln!(
+            "kvferry master: {open} a request signed with the cluster key (X-Kvferry-Auth){}",
+            if metadata.is_some() {
+                ", and so do the embedded metadata server's writes"
+            } else {
+                ""
+            }
+        );
     }
     if ha.is_some() {
         // Stopped by SIGTERM/SIGINT, an HA leader first leaves its whole state in etcd and
         // steps down, so stopping every master at once loses nothing.
         use signal_hook::consts::{SIGINT, SIGTERM};
-        let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).map_err(|e| format!("cannot handle SIGTERM/SIGINT: {e}"))?;
+        let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+            .map_err(|e| format!("cannot handle SIGTERM/SIGINT: {e}"))?;
         if let Some(sig) = signals.forever().next() {
             let bound = Duration::from_secs(10);
             if kvferry_store::ha::hand_off(&master, bound) {
@@ -541,19 +691,81 @@ mod tests {
             "--enable_metric_reporting=false",
             "--enable_metadata_cleanup_on_timeout",
         ]);
-        assert_eq!((a.port, a.host.to_string(), a.metrics_port, a.metrics_host.map(|h| h.to_string())), (0, "127.0.0.2".into(), -1, Some("127.0.0.3".into())));
-        assert_eq!((a.default_kv_lease_ttl, a.default_kv_soft_pin_ttl, a.client_ttl), (5000, 120_000, 3));
-        assert_eq!((a.eviction_ratio, a.eviction_high_watermark_ratio, a.allow_evict_soft_pinned_objects), (0.2, 0.8, false));
+        assert_eq!(
+            (
+                a.port,
+                a.host.to_string(),
+                a.metrics_port,
+                a.metrics_host.map(|h| h.to_string())
+            ),
+            (0, "127.0.0.2".into(), -1, Some("127.0.0.3".into()))
+        );
+        assert_eq!(
+            (
+                a.default_kv_lease_ttl,
+                a.default_kv_soft_pin_ttl,
+                a.client_ttl
+            ),
+            (5000, 120_000, 3)
+        );
+        assert_eq!(
+            (
+                a.eviction_ratio,
+                a.eviction_high_watermark_ratio,
+                a.allow_evict_soft_pinned_objects
+            ),
+            (0.2, 0.8, false)
+        );
         assert!(a.enable_http_metadata_server && a.enable_metadata_cleanup_on_timeout);
-        assert_eq!((a.http_metadata_server_port, a.http_metadata_server_host.map(|h| h.to_string())), (0, Some("127.0.0.4".into())));
-        assert_eq!(a.http_metadata_server_data_dir.as_deref(), Some(std::path::Path::new("/tmp/kvf-md")));
-        assert_eq!((a.allocation_strategy.as_str(), a.put_start_discard_timeout_sec, a.put_start_release_timeout_sec, a.put_wait_for_reads_ms), ("free_ratio_first", 5, 6, 7));
-        assert_eq!(a.summary_interval, 0, "--enable_metric_reporting=false turns the summary line off");
+        assert_eq!(
+            (
+                a.http_metadata_server_port,
+                a.http_metadata_server_host.map(|h| h.to_string())
+            ),
+            (0, Some("127.0.0.4".into()))
+        );
+        assert_eq!(
+            a.http_metadata_server_data_dir.as_deref(),
+            Some(std::path::Path::new("/tmp/kvf-md"))
+        );
+        assert_eq!(
+            (
+                a.allocation_strategy.as_str(),
+                a.put_start_discard_timeout_sec,
+                a.put_start_release_timeout_sec,
+                a.put_wait_for_reads_ms
+            ),
+            ("free_ratio_first", 5, 6, 7)
+        );
+        assert_eq!(
+            a.summary_interval, 0,
+            "--enable_metric_reporting=false turns the summary line off"
+        );
         assert!(a.master_config().is_ok());
         // kvferry's own spellings still work, including the space-separated boolean.
-        let b = parse(&["--port", "7", "--allow-evict-soft-pinned-objects", "false", "--enable-http-metadata-server", "--http-auth-all", "--default-kv-lease-ttl", "250"]);
-        assert_eq!((b.port, b.allow_evict_soft_pinned_objects, b.enable_http_metadata_server, b.default_kv_lease_ttl), (7, false, true, 250));
-        assert!(b.http_auth_all && !a.http_auth_all, "a bare --http-auth-all is true; off by default");
+        let b = parse(&[
+            "--port",
+            "7",
+            "--allow-evict-soft-pinned-objects",
+            "false",
+            "--enable-http-metadata-server",
+            "--http-auth-all",
+            "--default-kv-lease-ttl",
+            "250",
+        ]);
+        assert_eq!(
+            (
+                b.port,
+                b.allow_evict_soft_pinned_objects,
+                b.enable_http_metadata_server,
+                b.default_kv_lease_ttl
+            ),
+            (7, false, true, 250)
+        );
+        assert!(
+            b.http_auth_all && !a.http_auth_all,
+            "a bare --http-auth-all is true; off by default"
+        );
     }
 
     /// gflags booleans (`--flag` bare, `--noflag`) must be known as such to the translation,
@@ -561,10 +773,17 @@ mod tests {
     #[test]
     fn every_boolean_flag_is_translated_as_one() {
         let cmd = command();
-        let bools: Vec<String> = cmd.get_arguments().filter(|a| a.get_num_args() == Some((0..=1).into())).filter_map(|a| a.get_long().map(str::to_string)).collect();
+        let bools: Vec<String> = cmd
+            .get_arguments()
+            .filter(|a| a.get_num_args() == Some((0..=1).into()))
+            .filter_map(|a| a.get_long().map(str::to_string))
+            .collect();
         assert!(bools.len() >= 3, "{bools:?}");
         for b in &bools {
-            assert!(crate::master_flags::KV_BOOLS.contains(&b.as_str()), "--{b} is missing from master_flags::KV_BOOLS");
+            assert!(
+                crate::master_flags::KV_BOOLS.contains(&b.as_str()),
+                "--{b} is missing from master_flags::KV_BOOLS"
+            );
         }
     }
 
@@ -573,8 +792,17 @@ mod tests {
         for k in known_flags() {
             let raw = vec![OsString::from(format!("--{}=1", k.replace('-', "_")))];
             let n = crate::master_flags::normalize(&raw, &known_flags()).expect("normalize");
-            let got = n.args.first().and_then(|s| s.to_str()).unwrap_or_default().to_string();
-            assert!(got.starts_with(&format!("--{k}=")), "--{} -> {got}", k.replace('-', "_"));
+            let got = n
+                .args
+                .first()
+                .and_then(|s| s.to_str())
+                .unwrap_or_default()
+                .to_string();
+            assert!(
+                got.starts_with(&format!("--{k}=")),
+                "--{} -> {got}",
+                k.replace('-', "_")
+            );
         }
     }
 
@@ -591,41 +819,103 @@ mod tests {
         }
         use clap::{CommandFactory, FromArgMatches};
         let p = path.to_string_lossy().to_string();
-        let matches = Wrap::command().try_get_matches_from(["master", "--config", p.as_str(), "--eviction-ratio", "0.3"]).expect("matches");
+        let matches = Wrap::command()
+            .try_get_matches_from(["master", "--config", p.as_str(), "--eviction-ratio", "0.3"])
+            .expect("matches");
         let a = Wrap::from_arg_matches(&matches).expect("args").m;
         let m = merge_config_file(a, &matches).expect("merge");
-        assert_eq!((m.port, m.default_kv_lease_ttl, m.client_ttl, m.eviction_ratio), (50123, 2000, 9, 0.3));
+        assert_eq!(
+            (
+                m.port,
+                m.default_kv_lease_ttl,
+                m.client_ttl,
+                m.eviction_ratio
+            ),
+            (50123, 2000, 9, 0.3)
+        );
         std::fs::write(&path, r#"{"enable_snapshot": true}"#).expect("write");
-        let matches = Wrap::command().try_get_matches_from(["master", "--config", p.as_str()]).expect("matches");
+        let matches = Wrap::command()
+            .try_get_matches_from(["master", "--config", p.as_str()])
+            .expect("matches");
         let a = Wrap::from_arg_matches(&matches).expect("args").m;
         let e = merge_config_file(a, &matches).err().unwrap_or_default();
-        assert!(e.contains("--enable_snapshot") && e.contains("master.json"), "{e}");
+        assert!(
+            e.contains("--enable_snapshot") && e.contains("master.json"),
+            "{e}"
+        );
         // Mooncake's HA keys of master.json are kvferry's settings.
         std::fs::write(&path, r#"{"enable_ha": true, "ha_backend_connstring": "etcd://127.0.0.1:2379;127.0.0.1:2380", "cluster_id": "c9"}"#).expect("write");
-        let matches = Wrap::command().try_get_matches_from(["master", "--config", p.as_str()]).expect("matches");
+        let matches = Wrap::command()
+            .try_get_matches_from(["master", "--config", p.as_str()])
+            .expect("matches");
         let a = Wrap::from_arg_matches(&matches).expect("args").m;
         let m = merge_config_file(a, &matches).expect("merge");
         assert!(m.enable_ha);
-        assert_eq!((m.ha_backend_connstring.as_deref(), m.cluster_id.as_deref()), (Some("etcd://127.0.0.1:2379;127.0.0.1:2380"), Some("c9")));
-        let h = ha_config(&m, 50051, Some("from-env")).expect("ha config").expect("ha on");
-        assert_eq!((h.endpoints.as_slice(), h.address.as_str(), h.cluster_id.as_str()), (&["127.0.0.1:2379".to_string(), "127.0.0.1:2380".to_string()][..], "127.0.0.1:50051", "c9"));
+        assert_eq!(
+            (m.ha_backend_connstring.as_deref(), m.cluster_id.as_deref()),
+            (Some("etcd://127.0.0.1:2379;127.0.0.1:2380"), Some("c9"))
+        );
+        let h = ha_config(&m, 50051, Some("from-env"))
+            .expect("ha config")
+            .expect("ha on");
+        assert_eq!(
+            (
+                h.endpoints.as_slice(),
+                h.address.as_str(),
+                h.cluster_id.as_str()
+            ),
+            (
+                &["127.0.0.1:2379".to_string(), "127.0.0.1:2380".to_string()][..],
+                "127.0.0.1:50051",
+                "c9"
+            )
+        );
         let mut n = m.clone();
         n.cluster_id = None;
-        assert_eq!(ha_config(&n, 1, Some("from-env")).expect("ok").expect("on").cluster_id, "from-env", "MC_STORE_CLUSTER_ID when --cluster-id is not given");
-        assert_eq!(ha_config(&n, 1, None).expect("ok").expect("on").cluster_id, "mooncake_cluster", "Mooncake's default");
+        assert_eq!(
+            ha_config(&n, 1, Some("from-env"))
+                .expect("ok")
+                .expect("on")
+                .cluster_id,
+            "from-env",
+            "MC_STORE_CLUSTER_ID when --cluster-id is not given"
+        );
+        assert_eq!(
+            ha_config(&n, 1, None).expect("ok").expect("on").cluster_id,
+            "mooncake_cluster",
+            "Mooncake's default"
+        );
         n.ha_backend_connstring = None;
-        assert!(ha_config(&n, 1, None).unwrap_err().contains("--ha-backend-connstring"));
+        assert!(ha_config(&n, 1, None)
+            .unwrap_err()
+            .contains("--ha-backend-connstring"));
         n.etcd_endpoints = Some("10.0.0.1:2379;10.0.0.2:2379".into());
-        assert_eq!(ha_config(&n, 1, None).expect("ok").expect("on").endpoints.len(), 2, "--etcd_endpoints stands in");
+        assert_eq!(
+            ha_config(&n, 1, None)
+                .expect("ok")
+                .expect("on")
+                .endpoints
+                .len(),
+            2,
+            "--etcd_endpoints stands in"
+        );
         n.ha_backend_connstring = Some("redis://x:1".into());
         assert!(ha_config(&n, 1, None).unwrap_err().contains("only etcd"));
         // Combinations that work but not as meant are said once each.
         assert!(flag_warnings(&m).is_empty(), "{:?}", flag_warnings(&m));
         let mut w = m.clone();
         w.enable_http_metadata_server = true;
-        assert!(matches!(flag_warnings(&w).as_slice(), [one] if one.contains("not replicated") && one.contains("KVFERRY_METADATA_SERVER")), "{:?}", flag_warnings(&w));
+        assert!(
+            matches!(flag_warnings(&w).as_slice(), [one] if one.contains("not replicated") && one.contains("KVFERRY_METADATA_SERVER")),
+            "{:?}",
+            flag_warnings(&w)
+        );
         w.enable_ha = false;
-        assert!(matches!(flag_warnings(&w).as_slice(), [one] if one.contains("--enable-ha is not")), "{:?}", flag_warnings(&w));
+        assert!(
+            matches!(flag_warnings(&w).as_slice(), [one] if one.contains("--enable-ha is not")),
+            "{:?}",
+            flag_warnings(&w)
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -639,38 +929,110 @@ mod tests {
         std::fs::write(&cfg, r#"{"local_hostname": "a", "metadata_server": "redis://127.0.0.1:6379", "protocol": "tcp"}"#).expect("write");
         let cfg_s = cfg.to_string_lossy().to_string();
         let with = |vars: &[(&str, &str)]| {
-            let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            let vars: Vec<(String, String)> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
             move |k: &str| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
         };
         let embedded = Some("http://127.0.0.1:8080/metadata".to_string());
-        let all = with(&[("KVFERRY_METADATA_SERVER", "etcd://127.0.0.1:2379"), ("MOONCAKE_TE_META_DATA_SERVER", "http://10.0.0.1:8080/metadata"), ("MOONCAKE_CONFIG_PATH", &cfg_s)]);
-        let at = |conn: &str, from: &str| Ok(CleanupService::At { conn: conn.into(), from: from.into() });
+        let all = with(&[
+            ("KVFERRY_METADATA_SERVER", "etcd://127.0.0.1:2379"),
+            (
+                "MOONCAKE_TE_META_DATA_SERVER",
+                "http://10.0.0.1:8080/metadata",
+            ),
+            ("MOONCAKE_CONFIG_PATH", &cfg_s),
+        ]);
+        let at = |conn: &str, from: &str| {
+            Ok(CleanupService::At {
+                conn: conn.into(),
+                from: from.into(),
+            })
+        };
         let why = |r: Result<CleanupService, String>| match r {
             Ok(CleanupService::None(why)) => why,
             other => panic!("no service expected, got {other:?}"),
         };
-        assert_eq!(cleanup_service(embedded.clone(), &all), at(&embedded.clone().unwrap_or_default(), "the embedded metadata server"));
-        assert_eq!(cleanup_service(None, &all), at("etcd://127.0.0.1:2379", "$KVFERRY_METADATA_SERVER"));
-        let mc = with(&[("MOONCAKE_TE_META_DATA_SERVER", "http://10.0.0.1:8080/metadata"), ("MOONCAKE_CONFIG_PATH", &cfg_s)]);
-        assert_eq!(cleanup_service(None, &mc), at("http://10.0.0.1:8080/metadata", "$MOONCAKE_TE_META_DATA_SERVER"));
+        assert_eq!(
+            cleanup_service(embedded.clone(), &all),
+            at(
+                &embedded.clone().unwrap_or_default(),
+                "the embedded metadata server"
+            )
+        );
+        assert_eq!(
+            cleanup_service(None, &all),
+            at("etcd://127.0.0.1:2379", "$KVFERRY_METADATA_SERVER")
+        );
+        let mc = with(&[
+            (
+                "MOONCAKE_TE_META_DATA_SERVER",
+                "http://10.0.0.1:8080/metadata",
+            ),
+            ("MOONCAKE_CONFIG_PATH", &cfg_s),
+        ]);
+        assert_eq!(
+            cleanup_service(None, &mc),
+            at(
+                "http://10.0.0.1:8080/metadata",
+                "$MOONCAKE_TE_META_DATA_SERVER"
+            )
+        );
         let file = with(&[("MOONCAKE_CONFIG_PATH", &cfg_s)]);
-        assert_eq!(cleanup_service(None, &file), at("redis://127.0.0.1:6379", &format!("metadata_server in {cfg_s}")));
+        assert_eq!(
+            cleanup_service(None, &file),
+            at(
+                "redis://127.0.0.1:6379",
+                &format!("metadata_server in {cfg_s}")
+            )
+        );
         // No service, or peers that keep none: a reason, and the master starts.
         let w = why(cleanup_service(None, &with(&[])));
-        assert!(w.contains("--enable-http-metadata-server") && w.contains("KVFERRY_METADATA_SERVER"), "{w}");
-        let w = why(cleanup_service(None, &with(&[("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE")])));
-        assert!(w.contains("P2PHANDSHAKE") && w.contains("MOONCAKE_TE_META_DATA_SERVER"), "{w}");
-        let p2p_then_file = with(&[("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE"), ("MOONCAKE_CONFIG_PATH", &cfg_s)]);
-        assert_eq!(cleanup_service(None, &p2p_then_file), at("redis://127.0.0.1:6379", &format!("metadata_server in {cfg_s}")), "P2PHANDSHAKE in a variable: the next source, as Mooncake");
+        assert!(
+            w.contains("--enable-http-metadata-server") && w.contains("KVFERRY_METADATA_SERVER"),
+            "{w}"
+        );
+        let w = why(cleanup_service(
+            None,
+            &with(&[("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE")]),
+        ));
+        assert!(
+            w.contains("P2PHANDSHAKE") && w.contains("MOONCAKE_TE_META_DATA_SERVER"),
+            "{w}"
+        );
+        let p2p_then_file = with(&[
+            ("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE"),
+            ("MOONCAKE_CONFIG_PATH", &cfg_s),
+        ]);
+        assert_eq!(
+            cleanup_service(None, &p2p_then_file),
+            at(
+                "redis://127.0.0.1:6379",
+                &format!("metadata_server in {cfg_s}")
+            ),
+            "P2PHANDSHAKE in a variable: the next source, as Mooncake"
+        );
         std::fs::write(&cfg, r#"{"metadata_server": "P2PHANDSHAKE"}"#).expect("write");
-        assert!(why(cleanup_service(None, &file)).contains(&format!("metadata_server in {cfg_s} is P2PHANDSHAKE")));
+        assert!(why(cleanup_service(None, &file))
+            .contains(&format!("metadata_server in {cfg_s} is P2PHANDSHAKE")));
         // A service named but not understood, or a config file that cannot be read: errors.
-        let e = cleanup_service(None, &with(&[("KVFERRY_METADATA_SERVER", "ftp://x")])).expect_err("bad scheme");
-        assert!(e.contains("KVFERRY_METADATA_SERVER") && e.contains("ftp://x"), "{e}");
-        let e = cleanup_service(None, &with(&[("MOONCAKE_CONFIG_PATH", "/nonexistent/mooncake.json")])).expect_err("no file");
+        let e = cleanup_service(None, &with(&[("KVFERRY_METADATA_SERVER", "ftp://x")]))
+            .expect_err("bad scheme");
+        assert!(
+            e.contains("KVFERRY_METADATA_SERVER") && e.contains("ftp://x"),
+            "{e}"
+        );
+        let e = cleanup_service(
+            None,
+            &with(&[("MOONCAKE_CONFIG_PATH", "/nonexistent/mooncake.json")]),
+        )
+        .expect_err("no file");
         assert!(e.contains("/nonexistent/mooncake.json"), "{e}");
         std::fs::write(&cfg, "{not json").expect("write");
-        assert!(cleanup_service(None, &file).expect_err("bad json").contains("not valid JSON"));
+        assert!(cleanup_service(None, &file)
+            .expect_err("bad json")
+            .contains("not valid JSON"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

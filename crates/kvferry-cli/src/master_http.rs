@@ -40,7 +40,9 @@ fn reply(status: StatusCode, ctype: &str, body: String) -> Response<Full<Bytes>>
 }
 
 fn query_param(uri: &hyper::Uri, name: &str) -> Option<String> {
-    form_urlencoded::parse(uri.query()?.as_bytes()).find(|(k, _)| k == name).map(|(_, v)| v.into_owned())
+    form_urlencoded::parse(uri.query()?.as_bytes())
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.into_owned())
 }
 
 pub fn metrics_text(m: &Master) -> String {
@@ -49,25 +51,65 @@ pub fn metrics_text(m: &Master) -> String {
     let mut gauge = |name: &str, help: &str, v: f64| {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
     };
-    gauge("kvferry_master_keys", "Objects readable in the pool.", s.keys as f64);
-    gauge("kvferry_master_bytes_used", "Bytes allocated to replicas.", s.bytes_used as f64);
-    gauge("kvferry_master_bytes_total", "Bytes contributed by mounted segments.", s.bytes_total as f64);
-    gauge("kvferry_master_clients", "Clients that pinged within their TTL.", s.clients as f64);
-    gauge("kvferry_master_segments", "Mounted segments.", s.segments as f64);
-    gauge("kvferry_master_pending_puts", "Puts started and not yet ended.", s.pending_puts as f64);
+    gauge(
+        "kvferry_master_keys",
+        "Objects readable in the pool.",
+        s.keys as f64,
+    );
+    gauge(
+        "kvferry_master_bytes_used",
+        "Bytes allocated to replicas.",
+        s.bytes_used as f64,
+    );
+    gauge(
+        "kvferry_master_bytes_total",
+        "Bytes contributed by mounted segments.",
+        s.bytes_total as f64,
+    );
+    gauge(
+        "kvferry_master_clients",
+        "Clients that pinged within their TTL.",
+        s.clients as f64,
+    );
+    gauge(
+        "kvferry_master_segments",
+        "Mounted segments.",
+        s.segments as f64,
+    );
+    gauge(
+        "kvferry_master_pending_puts",
+        "Puts started and not yet ended.",
+        s.pending_puts as f64,
+    );
     let _ = writeln!(o, "# HELP kvferry_master_ops_total Operations handled, by kind.\n# TYPE kvferry_master_ops_total counter");
     for (i, op) in OP_NAMES.iter().enumerate() {
-        let _ = writeln!(o, "kvferry_master_ops_total{{op=\"{op}\"}} {}", m.stats.ops[i].load(Ordering::Relaxed));
+        let _ = writeln!(
+            o,
+            "kvferry_master_ops_total{{op=\"{op}\"}} {}",
+            m.stats.ops[i].load(Ordering::Relaxed)
+        );
     }
     let _ = writeln!(o, "# HELP kvferry_master_errors_total Operations that returned an error, by kind.\n# TYPE kvferry_master_errors_total counter");
     for (i, op) in OP_NAMES.iter().enumerate() {
-        let _ = writeln!(o, "kvferry_master_errors_total{{op=\"{op}\"}} {}", m.stats.errors[i].load(Ordering::Relaxed));
+        let _ = writeln!(
+            o,
+            "kvferry_master_errors_total{{op=\"{op}\"}} {}",
+            m.stats.errors[i].load(Ordering::Relaxed)
+        );
     }
     let _ = writeln!(o, "# HELP kvferry_master_evicted_objects_total Objects evicted.\n# TYPE kvferry_master_evicted_objects_total counter\nkvferry_master_evicted_objects_total {}", m.stats.evicted_objects.load(Ordering::Relaxed));
     let c = &m.cleanup.stats;
     let _ = writeln!(o, "# HELP kvferry_master_metadata_cleanup_total Segments of clients that stopped pinging, by what became of their metadata entries (--enable-metadata-cleanup-on-timeout): removed, kept (the engine answers, or the name is mounted again), failed (after every retry).\n# TYPE kvferry_master_metadata_cleanup_total counter");
-    for (outcome, n) in [("removed", &c.removed), ("kept", &c.kept), ("failed", &c.failed)] {
-        let _ = writeln!(o, "kvferry_master_metadata_cleanup_total{{outcome=\"{outcome}\"}} {}", n.load(Ordering::Relaxed));
+    for (outcome, n) in [
+        ("removed", &c.removed),
+        ("kept", &c.kept),
+        ("failed", &c.failed),
+    ] {
+        let _ = writeln!(
+            o,
+            "kvferry_master_metadata_cleanup_total{{outcome=\"{outcome}\"}} {}",
+            n.load(Ordering::Relaxed)
+        );
     }
     let ha = m.gate.status();
     let _ = writeln!(o, "# HELP kvferry_master_ha_enabled Whether this master campaigns for leadership (--enable-ha).\n# TYPE kvferry_master_ha_enabled gauge\nkvferry_master_ha_enabled {}", u8::from(ha.enabled));
@@ -105,7 +147,10 @@ pub struct HttpAuth {
 
 impl HttpAuth {
     pub fn new(key: kvferry::auth::ClusterKey, all: bool) -> HttpAuth {
-        HttpAuth { guard: kvferry::auth_http::Guard::new(key), all }
+        HttpAuth {
+            guard: kvferry::auth_http::Guard::new(key),
+            all,
+        }
     }
 }
 
@@ -115,28 +160,58 @@ const PROBES: [&str; 4] = ["/health", "/metrics", "/role", "/leader"];
 const GUARDED: [&str; 3] = ["/query_key", "/get_all_segments", "/ha_status"];
 
 /// The refusal to answer `req` with, or `None` when it may be served.
-fn refusal(auth: Option<&HttpAuth>, req: &Request<hyper::body::Incoming>) -> Option<Response<Full<Bytes>>> {
+fn refusal(
+    auth: Option<&HttpAuth>,
+    req: &Request<hyper::body::Incoming>,
+) -> Option<Response<Full<Bytes>>> {
     let auth = auth?;
     let path = req.uri().path();
     if !(GUARDED.contains(&path) || (auth.all && PROBES.contains(&path))) {
         return None;
     }
-    let header = req.headers().get(kvferry::auth_http::HEADER).map(|v| v.as_bytes());
+    let header = req
+        .headers()
+        .get(kvferry::auth_http::HEADER)
+        .map(|v| v.as_bytes());
     let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
     // (A GET's body is not read: the signature is of an empty one.)
-    auth.guard.verify(req.method().as_str(), pq, header, b"", kvferry::auth_http::now_ms()).err().map(|why| {
-        let status = StatusCode::from_u16(why.status()).unwrap_or(StatusCode::UNAUTHORIZED);
-        let mut r = reply(status, "text/plain; charset=utf-8", format!("{path} refused: {why}\n"));
-        if status == StatusCode::UNAUTHORIZED {
-            r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static(kvferry::auth_http::HEADER));
-        }
-        r
-    })
+    auth.guard
+        .verify(
+            req.method().as_str(),
+            pq,
+            header,
+            b"",
+            kvferry::auth_http::now_ms(),
+        )
+        .err()
+        .map(|why| {
+            let status = StatusCode::from_u16(why.status()).unwrap_or(StatusCode::UNAUTHORIZED);
+            let mut r = reply(
+                status,
+                "text/plain; charset=utf-8",
+                format!("{path} refused: {why}\n"),
+            );
+            if status == StatusCode::UNAUTHORIZED {
+                r.headers_mut().insert(
+                    hyper::header::WWW_AUTHENTICATE,
+                    hyper::header::HeaderValue::from_static(kvferry::auth_http::HEADER),
+                );
+            }
+            r
+        })
 }
 
-fn route(m: &Master, auth: Option<&HttpAuth>, req: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+fn route(
+    m: &Master,
+    auth: Option<&HttpAuth>,
+    req: &Request<hyper::body::Incoming>,
+) -> Response<Full<Bytes>> {
     if req.method() != hyper::Method::GET {
-        return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "only GET is served here\n".into());
+        return reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "only GET is served here\n".into(),
+        );
     }
     if let Some(refused) = refusal(auth, req) {
         return refused;
@@ -150,7 +225,15 @@ fn route(m: &Master, auth: Option<&HttpAuth>, req: &Request<hyper::body::Incomin
             let body = serde_json::json!({"status": "ok", "role": ha.role, "service_ready": ha.role == Role::Leader, "ha": ha.enabled, "leader_address": leader, "view_version": ha.term, "summary": s});
             reply(StatusCode::OK, "application/json", body.to_string())
         }
-        "/role" => reply(StatusCode::OK, "text/plain; charset=utf-8", if m.gate.role() == Role::Leader { "leader".into() } else { "standby".into() }),
+        "/role" => reply(
+            StatusCode::OK,
+            "text/plain; charset=utf-8",
+            if m.gate.role() == Role::Leader {
+                "leader".into()
+            } else {
+                "standby".into()
+            },
+        ),
         "/leader" => {
             let ha = m.gate.status();
             let body = if ha.enabled && ha.leader.is_empty() {
@@ -162,22 +245,47 @@ fn route(m: &Master, auth: Option<&HttpAuth>, req: &Request<hyper::body::Incomin
             };
             reply(StatusCode::OK, "application/json", body.to_string())
         }
-        "/ha_status" => reply(StatusCode::OK, "application/json", serde_json::to_string(&m.ha_status()).unwrap_or_default()),
+        "/ha_status" => reply(
+            StatusCode::OK,
+            "application/json",
+            serde_json::to_string(&m.ha_status()).unwrap_or_default(),
+        ),
         "/get_all_segments" => {
             // Nothing mounted: an empty body, as Mooncake's master (SGLang's `check_server`
             // waits while the body is empty).
             let segs = m.lock().segments_info();
-            let body = if segs.is_empty() { String::new() } else { serde_json::to_string(&segs).unwrap_or_default() };
+            let body = if segs.is_empty() {
+                String::new()
+            } else {
+                serde_json::to_string(&segs).unwrap_or_default()
+            };
             reply(StatusCode::OK, "application/json", body)
         }
         "/query_key" => match query_param(req.uri(), "key") {
-            None => reply(StatusCode::BAD_REQUEST, "text/plain", "missing ?key=\n".into()),
+            None => reply(
+                StatusCode::BAD_REQUEST,
+                "text/plain",
+                "missing ?key=\n".into(),
+            ),
             Some(k) => match m.lock().key_info(&k, m.now()) {
-                Some(info) => reply(StatusCode::OK, "application/json", serde_json::to_string(&info).unwrap_or_default()),
-                None => reply(StatusCode::NOT_FOUND, "text/plain", format!("key {k:?} not found\n")),
+                Some(info) => reply(
+                    StatusCode::OK,
+                    "application/json",
+                    serde_json::to_string(&info).unwrap_or_default(),
+                ),
+                None => reply(
+                    StatusCode::NOT_FOUND,
+                    "text/plain",
+                    format!("key {k:?} not found\n"),
+                ),
             },
         },
-        _ => reply(StatusCode::NOT_FOUND, "text/plain", "routes: /metrics /health /role /leader /ha_status /query_key?key= /get_all_segments\n".into()),
+        _ => reply(
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            "routes: /metrics /health /role /leader /ha_status /query_key?key= /get_all_segments\n"
+                .into(),
+        ),
     }
 }
 
@@ -195,7 +303,9 @@ pub fn serve(listener: TcpListener, m: Arc<Master>, auth: Option<HttpAuth>) -> s
     let auth = auth.map(Arc::new);
     let places = kvferry::auth::Unproved::new(MAX_CONNS, MAX_CONNS_PER_SOURCE);
     listener.set_nonblocking(true)?;
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         loop {

@@ -11,12 +11,12 @@
 //!    servers and the etcd / Redis given with `--etcd` / `--redis` (`scripts/services`
 //!    starts them), with P2PHANDSHAKE's handshake fetch as the reference.
 
+use crate::peers::Peer;
 use kvferry::metadata::{connect, Directory, Keys, StoreOptions};
 use kvferry::{Config, TransferEngine};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
-use crate::peers::Peer;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -71,7 +71,10 @@ impl Drop for Server {
 }
 
 fn free_port() -> Result<u16, String> {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).map_err(|e| e.to_string())
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| e.to_string())
 }
 
 fn wait_http(port: u16) -> bool {
@@ -87,14 +90,25 @@ fn wait_http(port: u16) -> bool {
 
 /// CPU seconds (user + system) a process has used so far.
 fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };
-    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { return 0.0 };
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return 0.0;
+    };
     let f: Vec<&str> = rest.split_whitespace().collect();
     // After the command: state is field 3; utime and stime are fields 14 and 15.
-    let ticks: f64 = [11, 12].iter().filter_map(|&i| f.get(i).and_then(|v| v.parse::<f64>().ok())).sum();
+    let ticks: f64 = [11, 12]
+        .iter()
+        .filter_map(|&i| f.get(i).and_then(|v| v.parse::<f64>().ok()))
+        .sum();
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    if hz > 0.0 { ticks / hz } else { 0.0 }
+    if hz > 0.0 {
+        ticks / hz
+    } else {
+        0.0
+    }
 }
 
 /// CPU seconds (user + system) this process has used so far (the load client's threads).
@@ -109,16 +123,32 @@ fn own_cpu_seconds() -> f64 {
 }
 
 fn start_kvferry(threads: usize) -> Result<Server, String> {
-    let mut peer = Peer::spawn(crate::self_command()?.args(["metadata-server", "--port", "0", "--threads", &threads.to_string()]).stdout(Stdio::piped()).stderr(Stdio::inherit()))
-        .map_err(|e| format!("starting kvferry metadata-server: {e}"))?;
+    let mut peer = Peer::spawn(
+        crate::self_command()?
+            .args([
+                "metadata-server",
+                "--port",
+                "0",
+                "--threads",
+                &threads.to_string(),
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit()),
+    )
+    .map_err(|e| format!("starting kvferry metadata-server: {e}"))?;
     let mut line = String::new();
     if let Some(out) = peer.child.stdout.take() {
         let _ = BufReader::new(out).read_line(&mut line);
     }
-    let port = line.split_whitespace().find_map(|w| w.strip_prefix("port=")).and_then(|p| p.parse().ok());
+    let port = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("port="))
+        .and_then(|p| p.parse().ok());
     match port {
         Some(port) => Ok(Server { peer, port }),
-        None => Err(format!("kvferry metadata-server did not report its port: {line:?}")), // (killed on drop)
+        None => Err(format!(
+            "kvferry metadata-server did not report its port: {line:?}"
+        )), // (killed on drop)
     }
 }
 
@@ -134,15 +164,29 @@ fn find_mooncake(arg: &Option<String>) -> Option<PathBuf> {
                 }
             }
             let path = std::env::var_os("PATH")?;
-            std::env::split_paths(&path).map(|d| d.join("mooncake_http_metadata_server")).find(|p| p.is_file())
+            std::env::split_paths(&path)
+                .map(|d| d.join("mooncake_http_metadata_server"))
+                .find(|p| p.is_file())
         }
     }
 }
 
 fn start_mooncake(bin: &PathBuf) -> Result<Server, String> {
     let port = free_port()?;
-    let peer = Peer::spawn(Command::new(bin).args(["--host", "127.0.0.1", "--port", &port.to_string(), "--log-level", "WARNING"]).stdout(Stdio::null()).stderr(Stdio::null()))
-        .map_err(|e| format!("starting {}: {e}", bin.display()))?;
+    let peer = Peer::spawn(
+        Command::new(bin)
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--log-level",
+                "WARNING",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    )
+    .map_err(|e| format!("starting {}: {e}", bin.display()))?;
     let s = Server { peer, port };
     if !wait_http(port) {
         return Err(format!("{} did not listen on {port}", bin.display()));
@@ -171,11 +215,22 @@ impl Client {
         let s = TcpStream::connect(("127.0.0.1", port))?;
         s.set_nodelay(true)?;
         s.set_read_timeout(Some(Duration::from_secs(10)))?;
-        Ok(Client { r: BufReader::new(s.try_clone()?), s })
+        Ok(Client {
+            r: BufReader::new(s.try_clone()?),
+            s,
+        })
     }
 
-    fn request(&mut self, method: &str, path: &str, body: &[u8]) -> std::io::Result<(u16, Vec<u8>)> {
-        let head = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n\r\n", body.len());
+    fn request(
+        &mut self,
+        method: &str,
+        path: &str,
+        body: &[u8],
+    ) -> std::io::Result<(u16, Vec<u8>)> {
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
         self.s.write_all(&[head.as_bytes(), body].concat())?;
         self.read_answer()
     }
@@ -187,7 +242,11 @@ impl Client {
     fn read_answer(&mut self) -> std::io::Result<(u16, Vec<u8>)> {
         let mut line = String::new();
         self.r.read_line(&mut line)?;
-        let status: u16 = line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| std::io::Error::other(format!("bad status line {line:?}")))?;
+        let status: u16 = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| std::io::Error::other(format!("bad status line {line:?}")))?;
         let mut len = 0usize;
         loop {
             line.clear();
@@ -209,7 +268,12 @@ impl Client {
 
 fn descriptor(name: &str, buffers: usize) -> Vec<u8> {
     let bufs: Vec<String> = (0..buffers)
-        .map(|i| format!(r#"{{"name":"cpu:0","addr":{},"length":1073741824}}"#, 0x7f00_0000_0000u64 + (i as u64) * (1 << 30)))
+        .map(|i| {
+            format!(
+                r#"{{"name":"cpu:0","addr":{},"length":1073741824}}"#,
+                0x7f00_0000_0000u64 + (i as u64) * (1 << 30)
+            )
+        })
         .collect();
     format!(
         r#"{{"name":"{name}","protocol":"tcp","tcp_data_port":15001,"tcp_data_host":"127.0.0.1","tcp_proto_version":2,"timestamp":"2026-01-01 00:00:00","buffers":[{}]}}"#,
@@ -240,7 +304,15 @@ fn percentile(sorted: &[u32], q: f64) -> f64 {
 /// `conns` keep-alive connections GET `path` in a closed loop for `secs`, `depth` at a time
 /// per connection, driven by `threads` client threads (each polls its share of the
 /// connections); latencies (of each pipelined group) in 0.1 us.
-fn load(port: u16, pid: u32, path: &str, conns: usize, threads: usize, depth: usize, secs: f64) -> Result<Load, String> {
+fn load(
+    port: u16,
+    pid: u32,
+    path: &str,
+    conns: usize,
+    threads: usize,
+    depth: usize,
+    secs: f64,
+) -> Result<Load, String> {
     let warm = Duration::from_millis(300);
     let run = Duration::from_secs_f64(secs);
     let start = Instant::now() + Duration::from_millis(100);
@@ -248,8 +320,20 @@ fn load(port: u16, pid: u32, path: &str, conns: usize, threads: usize, depth: us
     let handles: Vec<_> = (0..threads)
         .map(|t| {
             let n = conns / threads + usize::from(t < conns % threads);
-            let req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").repeat(depth).into_bytes();
-            std::thread::spawn(move || drive(port, n, &req, depth, start, start + warm, start + warm + run))
+            let req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                .repeat(depth)
+                .into_bytes();
+            std::thread::spawn(move || {
+                drive(
+                    port,
+                    n,
+                    &req,
+                    depth,
+                    start,
+                    start + warm,
+                    start + warm + run,
+                )
+            })
         })
         .collect();
     // Server CPU over the measured window only.
@@ -261,15 +345,30 @@ fn load(port: u16, pid: u32, path: &str, conns: usize, threads: usize, depth: us
     let mut total = 0;
     let mut errors = 0;
     for h in handles {
-        let (l, n, e) = h.join().map_err(|_| "a client thread panicked".to_string())??;
+        let (l, n, e) = h
+            .join()
+            .map_err(|_| "a client thread panicked".to_string())??;
         all.extend(l);
         total += n;
         errors += e;
     }
     all.sort_unstable();
     let rps = total as f64 / secs;
-    let per_m = |c: f64| if total > 0 { c / total as f64 * 1e6 } else { 0.0 };
-    Ok(Load { rps, cpu_per_m: per_m(cpu), client_cpu_per_m: per_m(own), p50_us: percentile(&all, 0.5), p99_us: percentile(&all, 0.99), errors })
+    let per_m = |c: f64| {
+        if total > 0 {
+            c / total as f64 * 1e6
+        } else {
+            0.0
+        }
+    };
+    Ok(Load {
+        rps,
+        cpu_per_m: per_m(cpu),
+        client_cpu_per_m: per_m(own),
+        p50_us: percentile(&all, 0.5),
+        p99_us: percentile(&all, 0.99),
+        errors,
+    })
 }
 
 /// One connection of [`drive`].
@@ -284,13 +383,19 @@ struct Conn {
 /// Parses one complete answer at the start of `buf`: (its length, status).
 fn parse_answer(buf: &[u8]) -> Option<Result<(usize, u16), String>> {
     let head_end = buf.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
-    let head = std::str::from_utf8(&buf[..head_end]).map_err(|_| "answer head is not UTF-8".to_string());
+    let head =
+        std::str::from_utf8(&buf[..head_end]).map_err(|_| "answer head is not UTF-8".to_string());
     let head = match head {
         Ok(h) => h,
         Err(e) => return Some(Err(e)),
     };
     let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok());
-    let Some(status) = status else { return Some(Err(format!("bad status line in {:?}", &head[..head.len().min(80)]))) };
+    let Some(status) = status else {
+        return Some(Err(format!(
+            "bad status line in {:?}",
+            &head[..head.len().min(80)]
+        )));
+    };
     let len = head
         .lines()
         .filter_map(|l| l.split_once(':'))
@@ -305,18 +410,39 @@ fn parse_answer(buf: &[u8]) -> Option<Result<(usize, u16), String>> {
 /// connection answers (a thread with one connection just blocks in `read`). Returns the
 /// latencies of the groups started in [measure_from, end), how many GETs they held, and how
 /// many answers were not 200.
-fn drive(port: u16, n: usize, req: &[u8], depth: usize, start: Instant, measure_from: Instant, end: Instant) -> Result<(Vec<u32>, u64, u64), String> {
+fn drive(
+    port: u16,
+    n: usize,
+    req: &[u8],
+    depth: usize,
+    start: Instant,
+    measure_from: Instant,
+    end: Instant,
+) -> Result<(Vec<u32>, u64, u64), String> {
     use std::os::fd::AsRawFd;
     let blocking = n == 1;
     let mut conns = Vec::with_capacity(n);
     for _ in 0..n {
         let s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
         s.set_nodelay(true).map_err(|e| e.to_string())?;
-        s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .map_err(|e| e.to_string())?;
         s.set_nonblocking(!blocking).map_err(|e| e.to_string())?;
-        conns.push(Conn { s, buf: Vec::with_capacity(64 << 10), pending: 0, sent: start });
+        conns.push(Conn {
+            s,
+            buf: Vec::with_capacity(64 << 10),
+            pending: 0,
+            sent: start,
+        });
     }
-    let mut fds: Vec<libc::pollfd> = conns.iter().map(|c| libc::pollfd { fd: c.s.as_raw_fd(), events: libc::POLLIN, revents: if blocking { libc::POLLIN } else { 0 } }).collect();
+    let mut fds: Vec<libc::pollfd> = conns
+        .iter()
+        .map(|c| libc::pollfd {
+            fd: c.s.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: if blocking { libc::POLLIN } else { 0 },
+        })
+        .collect();
     let send = |c: &mut Conn| -> Result<(), String> {
         let mut off = 0;
         while off < req.len() {
@@ -361,7 +487,14 @@ fn drive(port: u16, n: usize, req: &[u8], depth: usize, start: Instant, measure_
             match c.s.read(&mut chunk) {
                 Ok(0) => return Err("the server closed the connection".into()),
                 Ok(k) => c.buf.extend_from_slice(&chunk[..k]),
-                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) => continue,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                    ) =>
+                {
+                    continue
+                }
                 Err(e) => return Err(format!("reading the answer: {e}")),
             }
             while let Some(a) = parse_answer(&c.buf) {
@@ -392,17 +525,30 @@ fn stats(mut v: Vec<u32>) -> (f64, f64) {
 
 /// open_segment's cache-miss path against one backend: rpc_meta + ram reads and decoding.
 fn open_latency(url: &str, n: usize) -> Result<(f64, f64), String> {
-    let cfg = Config { local_hostname: "bench-target".into(), metadata_server: url.into(), advertise_address: Some("127.0.0.1".into()), ..Config::default() };
+    let cfg = Config {
+        local_hostname: "bench-target".into(),
+        metadata_server: url.into(),
+        advertise_address: Some("127.0.0.1".into()),
+        ..Config::default()
+    };
     let target = TransferEngine::new(cfg).map_err(|e| e.to_string())?;
     let mem = vec![0u8; 1 << 20];
-    target.register_memory(mem.as_ptr() as u64, mem.len() as u64, "cpu:0").map_err(|e| e.to_string())?;
-    let store = connect(url, &StoreOptions::default()).map_err(|e| e.to_string())?.ok_or("P2PHANDSHAKE has no store")?;
+    target
+        .register_memory(mem.as_ptr() as u64, mem.len() as u64, "cpu:0")
+        .map_err(|e| e.to_string())?;
+    let store = connect(url, &StoreOptions::default())
+        .map_err(|e| e.to_string())?
+        .ok_or("P2PHANDSHAKE has no store")?;
     let dir = Directory::new(store, Keys::new(None));
     let mut lat = Vec::with_capacity(n);
     for i in 0..n + n / 10 {
         let t = Instant::now();
-        let _meta = dir.fetch_rpc_meta("bench-target").map_err(|e| e.to_string())?;
-        let d = dir.fetch_segment("bench-target").map_err(|e| e.to_string())?;
+        let _meta = dir
+            .fetch_rpc_meta("bench-target")
+            .map_err(|e| e.to_string())?;
+        let d = dir
+            .fetch_segment("bench-target")
+            .map_err(|e| e.to_string())?;
         if d.buffers.is_empty() {
             return Err("the published descriptor lost its buffer".into());
         }
@@ -421,8 +567,17 @@ fn p2p_latency(n: usize) -> Result<(f64, f64), String> {
     let mut lat = Vec::with_capacity(n);
     for i in 0..n + n / 10 {
         let t = Instant::now();
-        let f = kvferry::handshake::request("127.0.0.1", target.rpc_port(), kvferry::wire::handshake::MsgType::Metadata, &body, Duration::from_secs(5), Duration::from_secs(5), 1 << 20, None)
-            .map_err(|e| e.to_string())?;
+        let f = kvferry::handshake::request(
+            "127.0.0.1",
+            target.rpc_port(),
+            kvferry::wire::handshake::MsgType::Metadata,
+            &body,
+            Duration::from_secs(5),
+            Duration::from_secs(5),
+            1 << 20,
+            None,
+        )
+        .map_err(|e| e.to_string())?;
         kvferry::wire::descriptor::SegmentDesc::decode(&f.body).map_err(|e| e.to_string())?;
         if i >= n / 10 {
             lat.push((t.elapsed().as_nanos() / 100).min(u128::from(u32::MAX)) as u32);
@@ -435,7 +590,9 @@ pub fn run(a: MetadataBenchArgs) -> Result<(), String> {
     if a.clients == 0 || a.duration.is_nan() || a.duration <= 0.0 {
         return Err("--clients and --duration must be positive".into());
     }
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
     println!(
         "kvferry metadata-bench: {} connections on {} client threads x {:.1} s of GET per server, descriptor of {} buffers, {cpus} CPUs",
         a.clients,
@@ -446,22 +603,44 @@ pub fn run(a: MetadataBenchArgs) -> Result<(), String> {
     let key = "mooncake/ram/bench-seg";
     let path = format!("/metadata?key={}", kvferry::metadata::url_encode(key));
     let value = descriptor("bench-seg", a.buffers);
-    let mut servers: Vec<(&str, Server)> = vec![("kvferry metadata-server", start_kvferry(a.server_threads)?)];
+    let mut servers: Vec<(&str, Server)> =
+        vec![("kvferry metadata-server", start_kvferry(a.server_threads)?)];
     match find_mooncake(&a.mooncake) {
         Some(bin) => servers.push(("mooncake_http_metadata_server", start_mooncake(&bin)?)),
         None => println!("(Mooncake's mooncake_http_metadata_server not found: set KVFERRY_MOONCAKE_PYTHON or --mooncake PATH)"),
     }
-    println!("\nGET {key} ({} bytes), keep-alive, closed loop, {} in flight per connection:", value.len(), a.pipeline);
-    println!("  {:<32} {:>10} {:>10} {:>10} {:>14} {:>14} {:>7}", "server", "GET/s", "p50 us", "p99 us", "CPU s/M GETs", "client CPU", "errors");
+    println!(
+        "\nGET {key} ({} bytes), keep-alive, closed loop, {} in flight per connection:",
+        value.len(),
+        a.pipeline
+    );
+    println!(
+        "  {:<32} {:>10} {:>10} {:>10} {:>14} {:>14} {:>7}",
+        "server", "GET/s", "p50 us", "p99 us", "CPU s/M GETs", "client CPU", "errors"
+    );
     let mut results = Vec::new();
     for (label, s) in &servers {
         let mut c = Client::connect(s.port).map_err(|e| format!("{label}: {e}"))?;
-        let (st, _) = c.request("PUT", &path, &value).map_err(|e| format!("{label}: PUT: {e}"))?;
+        let (st, _) = c
+            .request("PUT", &path, &value)
+            .map_err(|e| format!("{label}: PUT: {e}"))?;
         if st != 200 {
             return Err(format!("{label}: PUT answered {st}"));
         }
-        let l = load(s.port, s.peer.id(), &path, a.clients, a.client_threads, a.pipeline.max(1), a.duration).map_err(|e| format!("{label}: {e}"))?;
-        println!("  {label:<32} {:>10.0} {:>10.1} {:>10.1} {:>14.1} {:>14.1} {:>7}", l.rps, l.p50_us, l.p99_us, l.cpu_per_m, l.client_cpu_per_m, l.errors);
+        let l = load(
+            s.port,
+            s.peer.id(),
+            &path,
+            a.clients,
+            a.client_threads,
+            a.pipeline.max(1),
+            a.duration,
+        )
+        .map_err(|e| format!("{label}: {e}"))?;
+        println!(
+            "  {label:<32} {:>10.0} {:>10.1} {:>10.1} {:>14.1} {:>14.1} {:>7}",
+            l.rps, l.p50_us, l.p99_us, l.cpu_per_m, l.client_cpu_per_m, l.errors
+        );
         results.push(l);
     }
     if results.len() == 2 {
@@ -474,9 +653,20 @@ pub fn run(a: MetadataBenchArgs) -> Result<(), String> {
         );
     }
 
-    println!("\nopen_segment on a cache miss (rpc_meta + ram reads, descriptor decoded), {} look-ups:", a.opens);
+    println!(
+        "\nopen_segment on a cache miss (rpc_meta + ram reads, descriptor decoded), {} look-ups:",
+        a.opens
+    );
     println!("  {:<40} {:>10} {:>10}", "backend", "p50 us", "p99 us");
-    let mut backends: Vec<(String, String)> = servers.iter().map(|(l, s)| (format!("http ({l})"), format!("http://127.0.0.1:{}/metadata", s.port))).collect();
+    let mut backends: Vec<(String, String)> = servers
+        .iter()
+        .map(|(l, s)| {
+            (
+                format!("http ({l})"),
+                format!("http://127.0.0.1:{}/metadata", s.port),
+            )
+        })
+        .collect();
     if let Some(u) = &a.etcd {
         backends.push(("etcd".into(), u.clone()));
     }
@@ -490,7 +680,10 @@ pub fn run(a: MetadataBenchArgs) -> Result<(), String> {
         }
     }
     match p2p_latency(a.opens) {
-        Ok((p50, p99)) => println!("  {:<40} {p50:>10.1} {p99:>10.1}", "P2PHANDSHAKE (handshake Metadata fetch)"),
+        Ok((p50, p99)) => println!(
+            "  {:<40} {p50:>10.1} {p99:>10.1}",
+            "P2PHANDSHAKE (handshake Metadata fetch)"
+        ),
         Err(e) => println!("  P2PHANDSHAKE failed: {e}"),
     }
     Ok(())

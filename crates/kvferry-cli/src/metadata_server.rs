@@ -129,10 +129,15 @@ fn replay(bytes: &[u8]) -> (HashMap<String, Bytes>, usize) {
         if xxhash_rust::xxh3::xxh3_64(&rest[..body]) != sum {
             break;
         }
-        let Ok(key) = std::str::from_utf8(&rest[9..9 + klen]) else { break };
+        let Ok(key) = std::str::from_utf8(&rest[9..9 + klen]) else {
+            break;
+        };
         match rest[0] {
             OP_PUT => {
-                map.insert(key.to_string(), Bytes::copy_from_slice(&rest[9 + klen..body]));
+                map.insert(
+                    key.to_string(),
+                    Bytes::copy_from_slice(&rest[9 + klen..body]),
+                );
             }
             OP_DELETE => {
                 map.remove(key);
@@ -151,29 +156,54 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 impl Wal {
     /// Opens (creating) the log in `dir`, replays it, and compacts it to one record per key.
     fn open(dir: &Path) -> Result<(Wal, HashMap<String, Bytes>), String> {
-        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create --data-dir {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create --data-dir {}: {e}", dir.display()))?;
         let path = dir.join(LOG_NAME);
         let mut bytes = Vec::new();
         match File::open(&path) {
             Ok(mut f) => {
-                f.read_to_end(&mut bytes).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                f.read_to_end(&mut bytes)
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(format!("cannot open {}: {e}", path.display())),
         }
         let (map, valid) = replay(&bytes);
         if valid < bytes.len() {
-            eprintln!("kvferry metadata-server: {}: dropped {} bytes of a torn or corrupt tail", path.display(), bytes.len() - valid);
+            eprintln!(
+                "kvferry metadata-server: {}: dropped {} bytes of a torn or corrupt tail",
+                path.display(),
+                bytes.len() - valid
+            );
         }
         let (file, len) = Wal::rewrite(dir, &path, &map)?;
-        Ok((Wal { file, path, dir: dir.to_path_buf(), compacted: len, len, broken: None }, map))
+        Ok((
+            Wal {
+                file,
+                path,
+                dir: dir.to_path_buf(),
+                compacted: len,
+                len,
+                broken: None,
+            },
+            map,
+        ))
     }
 
     /// Compacts: writes `map`'s entries to a new file, fsyncs it, renames it over the log
     /// and syncs the directory; the log opened for appending, and its length.
-    fn rewrite<'a>(dir: &Path, path: &Path, map: impl IntoIterator<Item = (&'a String, &'a Bytes)>) -> Result<(File, u64), String> {
+    fn rewrite<'a>(
+        dir: &Path,
+        path: &Path,
+        map: impl IntoIterator<Item = (&'a String, &'a Bytes)>,
+    ) -> Result<(File, u64), String> {
         let tmp = dir.join(format!("{LOG_NAME}.tmp"));
-        let io = |e: std::io::Error| format!("cannot write {}: {e} (check --data-dir permissions and free space)", tmp.display());
+        let io = |e: std::io::Error| {
+            format!(
+                "cannot write {}: {e} (check --data-dir permissions and free space)",
+                tmp.display()
+            )
+        };
         let len = {
             let mut f = File::create(&tmp).map_err(io)?;
             let mut buf = Vec::new();
@@ -184,9 +214,13 @@ impl Wal {
             f.sync_all().map_err(io)?;
             buf.len() as u64
         };
-        std::fs::rename(&tmp, path).map_err(|e| format!("cannot replace {}: {e}", path.display()))?;
+        std::fs::rename(&tmp, path)
+            .map_err(|e| format!("cannot replace {}: {e}", path.display()))?;
         sync_dir(dir).map_err(|e| format!("cannot sync {}: {e}", dir.display()))?;
-        let file = OpenOptions::new().append(true).open(path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        let file = OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
         Ok((file, len))
     }
 
@@ -194,7 +228,13 @@ impl Wal {
     /// twice its last compacted length plus [`COMPACT_FLOOR`]. A failed compaction leaves
     /// the log as it was (the rename is atomic) and is tried again at the next change.
     fn maybe_compact<'a>(&mut self, map: impl IntoIterator<Item = (&'a String, &'a Bytes)>) {
-        if self.broken.is_some() || self.len <= self.compacted.saturating_mul(2).saturating_add(COMPACT_FLOOR) {
+        if self.broken.is_some()
+            || self.len
+                <= self
+                    .compacted
+                    .saturating_mul(2)
+                    .saturating_add(COMPACT_FLOOR)
+        {
             return;
         }
         match Wal::rewrite(&self.dir, &self.path, map) {
@@ -212,7 +252,11 @@ impl Wal {
     /// Appends `rec` with `write` and syncs it. On failure nothing of it stays: the file is
     /// cut back to its whole records (a partial write, or one whose sync failed and was
     /// answered as failed, must not be replayed, nor hide what is appended after it).
-    fn append_with(&mut self, rec: &[u8], write: impl FnOnce(&mut File, &[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
+    fn append_with(
+        &mut self,
+        rec: &[u8],
+        write: impl FnOnce(&mut File, &[u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
         if let Some(why) = &self.broken {
             return Err(std::io::Error::other(format!("the log refuses changes since an earlier write failed and could not be undone ({why}); restart the server once the disk is writable")));
         }
@@ -223,7 +267,11 @@ impl Wal {
                 Ok(())
             }
             Err(e) => {
-                if let Err(cut) = self.file.set_len(self.len).and_then(|_| self.file.sync_data()) {
+                if let Err(cut) = self
+                    .file
+                    .set_len(self.len)
+                    .and_then(|_| self.file.sync_data())
+                {
                     self.broken = Some(format!("{e}, then cutting it back: {cut}"));
                 }
                 Err(e)
@@ -260,7 +308,10 @@ struct State {
 fn reply(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
     let mut r = Response::new(Full::new(body.into()));
     *r.status_mut() = status;
-    r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
     r
 }
 
@@ -270,24 +321,53 @@ fn refused(why: &kvferry::auth_http::Refusal) -> Response<Full<Bytes>> {
     let status = StatusCode::from_u16(why.status()).unwrap_or(StatusCode::UNAUTHORIZED);
     let mut r = reply(status, format!("metadata write refused: {why}"));
     if status == StatusCode::UNAUTHORIZED {
-        r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static(kvferry::auth_http::HEADER));
+        r.headers_mut().insert(
+            hyper::header::WWW_AUTHENTICATE,
+            hyper::header::HeaderValue::from_static(kvferry::auth_http::HEADER),
+        );
     }
     r
 }
 
 /// A write's body, bounded by `--max-body-bytes` and `--request-timeout`; the answer to
 /// send instead when it cannot be had.
-async fn read_body(st: &State, headers: &hyper::HeaderMap, body: Incoming) -> Result<Bytes, Response<Full<Bytes>>> {
-    let too_big = || reply(StatusCode::PAYLOAD_TOO_LARGE, format!("metadata value too large: the limit is {} bytes (--max-body-bytes)", st.max_body));
-    let declared = headers.get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+async fn read_body(
+    st: &State,
+    headers: &hyper::HeaderMap,
+    body: Incoming,
+) -> Result<Bytes, Response<Full<Bytes>>> {
+    let too_big = || {
+        reply(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "metadata value too large: the limit is {} bytes (--max-body-bytes)",
+                st.max_body
+            ),
+        )
+    };
+    let declared = headers
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > st.max_body) {
         return Err(too_big());
     }
     let limit = usize::try_from(st.max_body).unwrap_or(usize::MAX);
     match tokio::time::timeout(st.body_timeout, Limited::new(body, limit).collect()).await {
-        Err(_) => Err(reply(StatusCode::REQUEST_TIMEOUT, "request body not received in time")),
-        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(too_big()),
-        Ok(Err(e)) => Err(reply(StatusCode::BAD_REQUEST, format!("bad request body: {e}"))),
+        Err(_) => Err(reply(
+            StatusCode::REQUEST_TIMEOUT,
+            "request body not received in time",
+        )),
+        Ok(Err(e))
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(too_big())
+        }
+        Ok(Err(e)) => Err(reply(
+            StatusCode::BAD_REQUEST,
+            format!("bad request body: {e}"),
+        )),
         Ok(Ok(b)) => Ok(b.to_bytes()),
     }
 }
@@ -336,22 +416,37 @@ fn etag(rev: u64) -> String {
 
 impl State {
     fn get(&self, key: &str) -> Option<Bytes> {
-        self.map.read().unwrap_or_else(|e| e.into_inner()).get(key).map(|s| s.value.clone())
+        self.map
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .map(|s| s.value.clone())
     }
 
     /// The value with its `ETag`.
     fn get_tagged(&self, key: &str) -> Option<(Bytes, String)> {
-        self.map.read().unwrap_or_else(|e| e.into_inner()).get(key).map(|s| (s.value.clone(), etag(s.rev)))
+        self.map
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .map(|s| (s.value.clone(), etag(s.rev)))
     }
 
     fn rev(&self) -> u64 {
-        self.next_rev.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        self.next_rev
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
     fn compact(&self, w: &mut Option<Wal>) {
         if let Some(wal) = w.as_mut() {
             // (Readers go on meanwhile: only changes wait, on the writer's lock.)
-            wal.maybe_compact(self.map.read().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, s)| (k, &s.value)));
+            wal.maybe_compact(
+                self.map
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .iter()
+                    .map(|(k, s)| (k, &s.value)),
+            );
         }
     }
 
@@ -363,20 +458,32 @@ impl State {
                 return Ok(if old == value {
                     // Written again (the same engine registering anew): a new write, which
                     // an `If-Match` naming the old one must not remove. Nothing to log.
-                    if let Some(s) = self.map.write().unwrap_or_else(|e| e.into_inner()).get_mut(key) {
+                    if let Some(s) = self
+                        .map
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get_mut(key)
+                    {
                         s.rev = self.rev();
                     }
                     reply(StatusCode::OK, "metadata unchanged")
                 } else {
-                    reply(StatusCode::BAD_REQUEST, "Duplicate rpc_meta key not allowed")
+                    reply(
+                        StatusCode::BAD_REQUEST,
+                        "Duplicate rpc_meta key not allowed",
+                    )
                 });
             }
         }
         if let Some(wal) = w.as_mut() {
-            wal.append(&record(OP_PUT, key.as_bytes(), &value)).map_err(|e| format!("writing {}: {e}", wal.path.display()))?;
+            wal.append(&record(OP_PUT, key.as_bytes(), &value))
+                .map_err(|e| format!("writing {}: {e}", wal.path.display()))?;
         }
         let rev = self.rev();
-        self.map.write().unwrap_or_else(|e| e.into_inner()).insert(key.to_string(), Stored { value, rev });
+        self.map
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.to_string(), Stored { value, rev });
         self.compact(&mut w);
         Ok(reply(StatusCode::OK, "metadata updated"))
     }
@@ -392,15 +499,22 @@ impl State {
             return Ok(reply(StatusCode::PRECONDITION_FAILED, "metadata changed since the write If-Match names; GET it again for its current ETag"));
         }
         if let Some(wal) = w.as_mut() {
-            wal.append(&record(OP_DELETE, key.as_bytes(), b"")).map_err(|e| format!("writing {}: {e}", wal.path.display()))?;
+            wal.append(&record(OP_DELETE, key.as_bytes(), b""))
+                .map_err(|e| format!("writing {}: {e}", wal.path.display()))?;
         }
-        self.map.write().unwrap_or_else(|e| e.into_inner()).remove(key);
+        self.map
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
         self.compact(&mut w);
         Ok(reply(StatusCode::OK, "metadata deleted"))
     }
 }
 
-async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<Bytes>>, Infallible> {
+async fn handle(
+    req: Request<Incoming>,
+    st: Arc<State>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     let path = req.uri().path();
     if path == "/health" {
         return Ok(match *req.method() {
@@ -415,7 +529,12 @@ async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<
     // With the cluster key, a write without a well-formed, fresh signature is refused before
     // its body is read; its tag and nonce are checked once the body is.
     let claim = match &st.guard {
-        Some(g) if !matches!(method, Method::GET | Method::HEAD) => match g.precheck(req.headers().get(kvferry::auth_http::HEADER).map(|v| v.as_bytes()), kvferry::auth_http::now_ms()) {
+        Some(g) if !matches!(method, Method::GET | Method::HEAD) => match g.precheck(
+            req.headers()
+                .get(kvferry::auth_http::HEADER)
+                .map(|v| v.as_bytes()),
+            kvferry::auth_http::now_ms(),
+        ) {
             Ok(c) => Some((g, c)),
             Err(why) => return Ok(refused(&why)),
         },
@@ -424,7 +543,11 @@ async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<
     let Some(key) = query_key(req.uri().query()) else {
         return Ok(reply(StatusCode::BAD_REQUEST, "metadata key is required"));
     };
-    let pq = req.uri().path_and_query().map_or("/", |p| p.as_str()).to_string();
+    let pq = req
+        .uri()
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_string();
     let (parts, body) = req.into_parts();
     let body = if method == Method::PUT || claim.is_some() {
         match read_body(&st, &parts.headers, body).await {
@@ -435,7 +558,13 @@ async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<
         Bytes::new()
     };
     if let Some((g, c)) = claim {
-        if let Err(why) = g.check(&c, method.as_str(), &pq, &body, kvferry::auth_http::now_ms()) {
+        if let Err(why) = g.check(
+            &c,
+            method.as_str(),
+            &pq,
+            &body,
+            kvferry::auth_http::now_ms(),
+        ) {
             return Ok(refused(&why));
         }
     }
@@ -454,19 +583,38 @@ async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<
             let st2 = Arc::clone(&st);
             let r = if st.durable {
                 // Durable: the fsync blocks, so off the async workers.
-                tokio::task::spawn_blocking(move || st2.put(&key, body)).await.unwrap_or_else(|e| Err(e.to_string()))
+                tokio::task::spawn_blocking(move || st2.put(&key, body))
+                    .await
+                    .unwrap_or_else(|e| Err(e.to_string()))
             } else {
                 st2.put(&key, body)
             };
-            r.unwrap_or_else(|e| reply(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot store the value: {e}")))
+            r.unwrap_or_else(|e| {
+                reply(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("cannot store the value: {e}"),
+                )
+            })
         }
         Method::DELETE => {
             let st2 = Arc::clone(&st);
             // (Every If-Match line, as one list; one that is not text matches nothing.)
-            let lines: Vec<String> = parts.headers.get_all(hyper::header::IF_MATCH).iter().map(|v| v.to_str().unwrap_or("\"\"").to_string()).collect();
+            let lines: Vec<String> = parts
+                .headers
+                .get_all(hyper::header::IF_MATCH)
+                .iter()
+                .map(|v| v.to_str().unwrap_or("\"\"").to_string())
+                .collect();
             let if_match = (!lines.is_empty()).then(|| lines.join(","));
-            let r = tokio::task::spawn_blocking(move || st2.delete(&key, if_match.as_deref())).await.unwrap_or_else(|e| Err(e.to_string()));
-            r.unwrap_or_else(|e| reply(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot delete the value: {e}")))
+            let r = tokio::task::spawn_blocking(move || st2.delete(&key, if_match.as_deref()))
+                .await
+                .unwrap_or_else(|e| Err(e.to_string()));
+            r.unwrap_or_else(|e| {
+                reply(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("cannot delete the value: {e}"),
+                )
+            })
         }
         _ => reply(StatusCode::METHOD_NOT_ALLOWED, "Method not allowed"),
     })
@@ -476,7 +624,8 @@ async fn handle(req: Request<Incoming>, st: Arc<State>) -> Result<Response<Full<
 /// `Config`).
 pub fn run(mut a: ServerArgs) -> Result<(), String> {
     let env = kvferry::Config::from_env().map_err(|e| e.to_string())?;
-    a.auth = kvferry::auth::ClusterKey::from_config(env.auth_key_file.as_deref()).map_err(|e| e.to_string())?;
+    a.auth = kvferry::auth::ClusterKey::from_config(env.auth_key_file.as_deref())
+        .map_err(|e| e.to_string())?;
     run_inner(a, true)
 }
 
@@ -488,10 +637,17 @@ pub fn run_quiet(a: ServerArgs) -> Result<(), String> {
 
 fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
     if a.max_body_bytes > u64::from(u32::MAX) {
-        return Err(format!("--max-body-bytes {} is over the largest value the log records ({} bytes)", a.max_body_bytes, u32::MAX));
+        return Err(format!(
+            "--max-body-bytes {} is over the largest value the log records ({} bytes)",
+            a.max_body_bytes,
+            u32::MAX
+        ));
     }
     if !(a.request_timeout > 0.0 && a.request_timeout < 1e6) {
-        return Err(format!("--request-timeout {} must be a positive number of seconds", a.request_timeout));
+        return Err(format!(
+            "--request-timeout {} must be a positive number of seconds",
+            a.request_timeout
+        ));
     }
     let (wal, map) = match &a.data_dir {
         Some(d) => {
@@ -502,7 +658,19 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
     };
     let entries = map.len();
     let first_rev = rand::random::<u64>() >> 2;
-    let map = map.into_iter().enumerate().map(|(i, (k, value))| (k, Stored { value, rev: first_rev + i as u64 })).collect();
+    let map = map
+        .into_iter()
+        .enumerate()
+        .map(|(i, (k, value))| {
+            (
+                k,
+                Stored {
+                    value,
+                    rev: first_rev + i as u64,
+                },
+            )
+        })
+        .collect();
     let state = Arc::new(State {
         map: RwLock::new(map),
         next_rev: std::sync::atomic::AtomicU64::new(first_rev + entries as u64),
@@ -512,11 +680,23 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
         body_timeout: Duration::from_secs_f64(a.request_timeout),
         guard: a.auth.clone().map(kvferry::auth_http::Guard::new),
     });
-    let threads = if a.threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2) } else { a.threads };
+    let threads = if a.threads == 0 {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(2)
+    } else {
+        a.threads
+    };
     let host = a.host.trim_start_matches('[').trim_end_matches(']');
-    let ip: std::net::IpAddr = host.parse().map_err(|_| format!("--host {:?} is not an IP address", a.host))?;
+    let ip: std::net::IpAddr = host
+        .parse()
+        .map_err(|_| format!("--host {:?} is not an IP address", a.host))?;
     let addr = SocketAddr::new(ip, a.port);
-    let listener = std::net::TcpListener::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e} (another server on that port? pick another with --port)"))?;
+    let listener = std::net::TcpListener::bind(addr).map_err(|e| {
+        format!(
+            "cannot listen on {addr}: {e} (another server on that port? pick another with --port)"
+        )
+    })?;
     listener.set_nonblocking(true).map_err(|e| e.to_string())?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     let store = match &a.data_dir {
@@ -537,7 +717,10 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
     for _ in 1..threads {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Handoff>();
         let server = Arc::clone(&server);
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| format!("cannot start the server runtime: {e}"))?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("cannot start the server runtime: {e}"))?;
         std::thread::Builder::new()
             .name("kvf-meta-http".into())
             .spawn(move || {
@@ -553,7 +736,10 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
             .map_err(|e| format!("cannot start a server thread: {e}"))?;
         workers.push(tx);
     }
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| format!("cannot start the server runtime: {e}"))?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the server runtime: {e}"))?;
     announce_line(announce, local, &store);
     if a.auth.is_some() {
         let line = "the cluster key (KVFERRY_AUTH_KEY_FILE) is held: writes (PUT, DELETE) need a request signed with it (kvferry's clients holding it sign theirs; stock Mooncake clients cannot), reads stay open";
@@ -571,11 +757,18 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
 }
 
 /// A connection handed to another thread's runtime.
-type Handoff = (std::net::TcpStream, SocketAddr, tokio::sync::OwnedSemaphorePermit);
+type Handoff = (
+    std::net::TcpStream,
+    SocketAddr,
+    tokio::sync::OwnedSemaphorePermit,
+);
 
 fn announce_line(announce: bool, local: SocketAddr, store: &str) {
     if announce {
-        println!("kvferry metadata-server listening on http://{local}/metadata port={} ({store})", local.port());
+        println!(
+            "kvferry metadata-server listening on http://{local}/metadata port={} ({store})",
+            local.port()
+        );
         let _ = std::io::stdout().flush();
     } else {
         tracing::info!("metadata server listening on http://{local}/metadata ({store})");
@@ -592,7 +785,11 @@ struct Server {
 
 /// Accepts connections; connection `i` is served here when `i % (workers + 1) == 0`, else
 /// handed to worker `i % (workers + 1) - 1`.
-async fn accept_loop(listener: tokio::net::TcpListener, server: Arc<Server>, workers: Vec<tokio::sync::mpsc::UnboundedSender<Handoff>>) {
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    server: Arc<Server>,
+    workers: Vec<tokio::sync::mpsc::UnboundedSender<Handoff>>,
+) {
     let mut next = 0usize;
     loop {
         let (stream, peer) = match listener.accept().await {
@@ -605,7 +802,10 @@ async fn accept_loop(listener: tokio::net::TcpListener, server: Arc<Server>, wor
             }
         };
         let Ok(permit) = Arc::clone(&server.slots).try_acquire_owned() else {
-            tracing::warn!("{} connections open (--max-connections); closing one from {peer}", server.max_connections);
+            tracing::warn!(
+                "{} connections open (--max-connections); closing one from {peer}",
+                server.max_connections
+            );
             continue;
         };
         let _ = stream.set_nodelay(true);
@@ -627,7 +827,12 @@ async fn accept_loop(listener: tokio::net::TcpListener, server: Arc<Server>, wor
 }
 
 /// Serves one connection on the current runtime.
-fn serve_connection(server: &Server, stream: tokio::net::TcpStream, peer: SocketAddr, permit: tokio::sync::OwnedSemaphorePermit) {
+fn serve_connection(
+    server: &Server,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
     let st = Arc::clone(&server.state);
     let header_timeout = server.header_timeout;
     tokio::spawn(async move {
@@ -651,7 +856,10 @@ mod tests {
 
     #[test]
     fn keys_are_decoded_like_mooncake() {
-        assert_eq!(query_key(Some("key=mooncake%2Fram%2Fa")).as_deref(), Some("mooncake/ram/a"));
+        assert_eq!(
+            query_key(Some("key=mooncake%2Fram%2Fa")).as_deref(),
+            Some("mooncake/ram/a")
+        );
         assert_eq!(query_key(Some("x=1&key=a+b%20c")).as_deref(), Some("a b c"));
         assert_eq!(query_key(Some("key=%20%20")), None);
         assert_eq!(query_key(Some("key=")), None);
@@ -680,7 +888,11 @@ mod tests {
     /// grow the log without bound: it is compacted while the server runs.
     #[test]
     fn a_log_is_compacted_while_the_server_runs() {
-        let dir = std::env::temp_dir().join(format!("kvf-wal-{}-{}", std::process::id(), rand::random::<u32>()));
+        let dir = std::env::temp_dir().join(format!(
+            "kvf-wal-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
         let (mut w, _) = Wal::open(&dir).unwrap();
         let mut map = HashMap::new();
         for i in 0..40u8 {
@@ -690,11 +902,19 @@ mod tests {
             w.maybe_compact(&map);
             let on_disk = std::fs::metadata(dir.join(LOG_NAME)).unwrap().len();
             assert_eq!(on_disk, w.len);
-            assert!(on_disk <= 3 * (1 << 20) + COMPACT_FLOOR, "the log grew to {on_disk} bytes after {} puts of 1 MiB", i + 1);
+            assert!(
+                on_disk <= 3 * (1 << 20) + COMPACT_FLOOR,
+                "the log grew to {on_disk} bytes after {} puts of 1 MiB",
+                i + 1
+            );
         }
         drop(w);
         let (_, back) = Wal::open(&dir).unwrap();
-        assert_eq!(back.get("desc"), Some(&Bytes::from(vec![39u8; 1 << 20])), "the last put survives compactions and a restart");
+        assert_eq!(
+            back.get("desc"),
+            Some(&Bytes::from(vec![39u8; 1 << 20])),
+            "the last put survives compactions and a restart"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -703,7 +923,11 @@ mod tests {
     /// at the torn record and the compaction dropped everything after it).
     #[test]
     fn a_failed_append_leaves_nothing_and_later_changes_survive_a_restart() {
-        let dir = std::env::temp_dir().join(format!("kvf-wal-{}-{}", std::process::id(), rand::random::<u32>()));
+        let dir = std::env::temp_dir().join(format!(
+            "kvf-wal-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
         let (mut w, _) = Wal::open(&dir).unwrap();
         w.append(&record(OP_PUT, b"a", b"1")).unwrap();
         let torn = record(OP_PUT, b"b", b"2");
@@ -716,8 +940,16 @@ mod tests {
         drop(w);
         let (_, map) = Wal::open(&dir).unwrap();
         assert_eq!(map.get("a"), Some(&Bytes::from_static(b"1")));
-        assert_eq!(map.get("b"), None, "the failed change was answered as failed");
-        assert_eq!(map.get("c"), Some(&Bytes::from_static(b"3")), "acknowledged after the failure, kept");
+        assert_eq!(
+            map.get("b"),
+            None,
+            "the failed change was answered as failed"
+        );
+        assert_eq!(
+            map.get("c"),
+            Some(&Bytes::from_static(b"3")),
+            "acknowledged after the failure, kept"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -37,15 +37,30 @@ impl SideBySide {
 
     /// Mooncake's throughput at a point, over `protocol` (`tcp` or `rdma`).
     pub fn gbps(&self, protocol: &str, op: &str, block: u64) -> Option<f64> {
-        self.points.iter().find(|p| p.protocol == protocol && p.op == op && p.block_bytes == block).map(|p| p.gbps).filter(|g| *g > 0.0)
+        self.points
+            .iter()
+            .find(|p| p.protocol == protocol && p.op == op && p.block_bytes == block)
+            .map(|p| p.gbps)
+            .filter(|g| *g > 0.0)
     }
 
     pub fn print(&self) {
         if !self.points.is_empty() {
             println!("\nMooncake transfer_engine_bench (same machine, same run):");
-            println!("{:<6} {:>8} {:>9} {:>8} {:>9} {:>9}", "op", "block", "transport", "GB/s", "init cpu", "tgt cpu");
+            println!(
+                "{:<6} {:>8} {:>9} {:>8} {:>9} {:>9}",
+                "op", "block", "transport", "GB/s", "init cpu", "tgt cpu"
+            );
             for p in &self.points {
-                println!("{:<6} {:>8} {:>9} {:>8.3} {:>9.3} {:>9.3}", p.op, sys::human(p.block_bytes), p.protocol, p.gbps, p.initiator_cpu_s_per_gb, p.target_cpu_s_per_gb);
+                println!(
+                    "{:<6} {:>8} {:>9} {:>8.3} {:>9.3} {:>9.3}",
+                    p.op,
+                    sys::human(p.block_bytes),
+                    p.protocol,
+                    p.gbps,
+                    p.initiator_cpu_s_per_gb,
+                    p.target_cpu_s_per_gb
+                );
             }
         }
         for n in &self.notes {
@@ -55,7 +70,9 @@ impl SideBySide {
 }
 
 fn find_binary(arg: Option<&str>) -> Result<String, String> {
-    let choice = arg.map(str::to_string).or_else(|| std::env::var("KVFERRY_MOONCAKE_BENCH").ok());
+    let choice = arg
+        .map(str::to_string)
+        .or_else(|| std::env::var("KVFERRY_MOONCAKE_BENCH").ok());
     match choice.as_deref() {
         Some("none") => Err("not run (disabled)".into()),
         Some(p) => Ok(p.to_string()),
@@ -82,7 +99,12 @@ impl Target {
         let mut peer = Peer::spawn(
             Command::new(bin)
                 .envs(proto.env())
-                .args(["--mode=target", "--metadata_server=P2PHANDSHAKE", &format!("--local_server_name={host}"), &format!("--buffer_size={buffer}")])
+                .args([
+                    "--mode=target",
+                    "--metadata_server=P2PHANDSHAKE",
+                    &format!("--local_server_name={host}"),
+                    &format!("--buffer_size={buffer}"),
+                ])
                 .args(proto.args())
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
@@ -96,7 +118,11 @@ impl Target {
             for line in BufReader::new(err).lines().map_while(Result::ok) {
                 if !sent {
                     if let Some(i) = line.find("listening on ") {
-                        let seg = line[i + "listening on ".len()..].split_whitespace().next().unwrap_or("").to_string();
+                        let seg = line[i + "listening on ".len()..]
+                            .split_whitespace()
+                            .next()
+                            .unwrap_or("")
+                            .to_string();
                         let _ = tx.send(seg);
                         sent = true;
                     }
@@ -111,29 +137,41 @@ impl Target {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_point(bin: &str, proto: &Proto, t: &Target, host: &str, buffer: u64, op: &str, block: u64, batch: usize, threads: usize, duration: u64, bound: Duration) -> Result<McPoint, String> {
+fn run_point(
+    bin: &str,
+    proto: &Proto,
+    t: &Target,
+    host: &str,
+    buffer: u64,
+    op: &str,
+    block: u64,
+    batch: usize,
+    threads: usize,
+    duration: u64,
+    bound: Duration,
+) -> Result<McPoint, String> {
     let tgt0 = sys::tree_cpu(t.peer.id());
     let kids0 = sys::children_cpu();
     let mut cmd = Command::new(bin);
-    cmd
-        .envs(proto.env())
-        .args(proto.args())
-        .args([
-            "--mode=initiator",
-            "--metadata_server=P2PHANDSHAKE",
-            &format!("--local_server_name={host}"),
-            &format!("--segment_id={}", t.segment),
-            &format!("--operation={op}"),
-            &format!("--buffer_size={buffer}"),
-            &format!("--threads={threads}"),
-            &format!("--batch_size={batch}"),
-            &format!("--block_size={block}"),
-            &format!("--duration={duration}"),
-        ]);
+    cmd.envs(proto.env()).args(proto.args()).args([
+        "--mode=initiator",
+        "--metadata_server=P2PHANDSHAKE",
+        &format!("--local_server_name={host}"),
+        &format!("--segment_id={}", t.segment),
+        &format!("--operation={op}"),
+        &format!("--buffer_size={buffer}"),
+        &format!("--threads={threads}"),
+        &format!("--batch_size={batch}"),
+        &format!("--block_size={block}"),
+        &format!("--duration={duration}"),
+    ]);
     let bound = Duration::from_secs(duration) + bound;
-    let out = peers::output_within(&mut cmd, bound).map_err(|e| format!("cannot run {bin}: {e}"))?;
+    let out =
+        peers::output_within(&mut cmd, bound).map_err(|e| format!("cannot run {bin}: {e}"))?;
     let init_cpu = (sys::children_cpu() - kids0).as_secs_f64();
-    let tgt_cpu = sys::tree_cpu(t.peer.id()).saturating_sub(tgt0).as_secs_f64();
+    let tgt_cpu = sys::tree_cpu(t.peer.id())
+        .saturating_sub(tgt0)
+        .as_secs_f64();
     let err = String::from_utf8_lossy(&out.stderr);
     let line = err.lines().find(|l| l.contains("Test completed")).ok_or_else(|| {
         let tail: Vec<&str> = err.lines().rev().take(3).collect();
@@ -143,7 +181,15 @@ fn run_point(bin: &str, proto: &Proto, t: &Target, host: &str, buffer: u64, op: 
         }
     })?;
     // "Test completed: duration 3.00, batch count 2194, throughput 0.77 GB/s"
-    let num_after = |key: &str| -> Option<f64> { line.split(key).nth(1)?.trim().split([',', ' ']).next()?.parse().ok() };
+    let num_after = |key: &str| -> Option<f64> {
+        line.split(key)
+            .nth(1)?
+            .trim()
+            .split([',', ' '])
+            .next()?
+            .parse()
+            .ok()
+    };
     let secs = num_after("duration").ok_or("no duration in Mooncake's result")?;
     let batches = num_after("batch count").ok_or("no batch count in Mooncake's result")?;
     // Recompute from counts rather than trusting the rounded throughput.
@@ -186,34 +232,68 @@ impl Proto {
     fn args(&self) -> Vec<String> {
         match self {
             Proto::Tcp => vec!["--protocol=tcp".into()],
-            Proto::Rdma(devices) => vec!["--protocol=rdma".into(), format!("--device_name={}", devices.join(","))],
+            Proto::Rdma(devices) => vec![
+                "--protocol=rdma".into(),
+                format!("--device_name={}", devices.join(",")),
+            ],
         }
     }
 }
 
 /// Runs Mooncake's bench over each of `protos` (a target, then one initiator run per point).
 #[allow(clippy::too_many_arguments)]
-pub fn run_side_by_side(path: Option<&str>, protos: &[Proto], host: &str, buffer: u64, ops: &[String], blocks: &[u64], batch: usize, threads: usize, duration: f64, bound: Duration) -> SideBySide {
+pub fn run_side_by_side(
+    path: Option<&str>,
+    protos: &[Proto],
+    host: &str,
+    buffer: u64,
+    ops: &[String],
+    blocks: &[u64],
+    batch: usize,
+    threads: usize,
+    duration: f64,
+    bound: Duration,
+) -> SideBySide {
     let bin = match find_binary(path) {
         Ok(b) => b,
-        Err(note) => return SideBySide { points: Vec::new(), notes: vec![note] },
+        Err(note) => {
+            return SideBySide {
+                points: Vec::new(),
+                notes: vec![note],
+            }
+        }
     };
     // Mooncake's initiator addresses k * block for k < threads * batch: size both sides for that.
-    let need = blocks.iter().map(|b| b * (threads * batch) as u64).max().unwrap_or(0).max(buffer);
+    let need = blocks
+        .iter()
+        .map(|b| b * (threads * batch) as u64)
+        .max()
+        .unwrap_or(0)
+        .max(buffer);
     let mut out = SideBySide::default();
     for proto in protos {
         let t = match Target::start(&bin, proto, host, need) {
             Ok(t) => t,
             Err(e) => {
-                out.notes.push(format!("{} ({}): {e}", proto.name(), proto.args().join(" ")));
+                out.notes.push(format!(
+                    "{} ({}): {e}",
+                    proto.name(),
+                    proto.args().join(" ")
+                ));
                 continue;
             }
         };
         let secs = duration.ceil().max(1.0) as u64;
         for op in ops {
             for &block in blocks {
-                eprint!("\r\x1b[K[mooncake {}] {op} {} x {batch} ...", proto.name(), sys::human(block));
-                match run_point(&bin, proto, &t, host, need, op, block, batch, threads, secs, bound) {
+                eprint!(
+                    "\r\x1b[K[mooncake {}] {op} {} x {batch} ...",
+                    proto.name(),
+                    sys::human(block)
+                );
+                match run_point(
+                    &bin, proto, &t, host, need, op, block, batch, threads, secs, bound,
+                ) {
                     Ok(p) => out.points.push(p),
                     Err(e) => out.notes.push(e),
                 }

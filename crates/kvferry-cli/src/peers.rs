@@ -24,7 +24,10 @@ struct Groups {
     stopping: bool,
 }
 
-static GROUPS: Mutex<Groups> = Mutex::new(Groups { pids: Vec::new(), stopping: false });
+static GROUPS: Mutex<Groups> = Mutex::new(Groups {
+    pids: Vec::new(),
+    stopping: false,
+});
 static HANDLER: Once = Once::new();
 
 fn groups() -> std::sync::MutexGuard<'static, Groups> {
@@ -85,7 +88,10 @@ impl Peer {
         }
         let child = cmd.process_group(0).spawn()?;
         g.pids.push(child.id() as i32);
-        Ok(Peer { child, stopped: false })
+        Ok(Peer {
+            child,
+            stopped: false,
+        })
     }
 
     pub fn id(&self) -> u32 {
@@ -140,7 +146,11 @@ impl Bounded {
 /// Runs `cmd` (stdin null, stdout and stderr captured) in a process group of its own for at
 /// most `bound`; past it, the group is killed and what it printed so far is returned.
 pub fn output_within(cmd: &mut Command, bound: Duration) -> std::io::Result<Bounded> {
-    let mut p = Peer::spawn(cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()))?;
+    let mut p = Peer::spawn(
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )?;
     let reader = |r: Option<Box<dyn Read + Send>>| {
         std::thread::spawn(move || {
             let mut v = Vec::new();
@@ -150,8 +160,18 @@ pub fn output_within(cmd: &mut Command, bound: Duration) -> std::io::Result<Boun
             v
         })
     };
-    let out = reader(p.child.stdout.take().map(|s| Box::new(s) as Box<dyn Read + Send>));
-    let err = reader(p.child.stderr.take().map(|s| Box::new(s) as Box<dyn Read + Send>));
+    let out = reader(
+        p.child
+            .stdout
+            .take()
+            .map(|s| Box::new(s) as Box<dyn Read + Send>),
+    );
+    let err = reader(
+        p.child
+            .stderr
+            .take()
+            .map(|s| Box::new(s) as Box<dyn Read + Send>),
+    );
     let until = Instant::now() + bound;
     let status = loop {
         match p.child.try_wait() {
@@ -163,7 +183,11 @@ pub fn output_within(cmd: &mut Command, bound: Duration) -> std::io::Result<Boun
     // Also kills what the leader started and left behind (their pipes would keep the readers
     // waiting).
     p.stop(Duration::ZERO);
-    Ok(Bounded { status, stdout: out.join().unwrap_or_default(), stderr: err.join().unwrap_or_default() })
+    Ok(Bounded {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    })
 }
 
 #[cfg(test)]
@@ -174,20 +198,46 @@ mod tests {
     fn a_run_that_overstays_is_killed_with_what_it_started_and_keeps_its_output() {
         let t = Instant::now();
         // The shell starts a grandchild that would keep the pipe open; it dies with the group.
-        let r = output_within(Command::new("sh").args(["-c", "echo started; sleep 30 & echo $! >&2; wait"]), Duration::from_millis(500)).unwrap();
+        let r = output_within(
+            Command::new("sh").args(["-c", "echo started; sleep 30 & echo $! >&2; wait"]),
+            Duration::from_millis(500),
+        )
+        .unwrap();
         assert!(r.timed_out());
-        assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "took {:?}",
+            t.elapsed()
+        );
         assert_eq!(String::from_utf8_lossy(&r.stdout), "started\n");
-        let grandchild: i32 = String::from_utf8_lossy(&r.stderr).trim().parse().expect("the shell printed its child's pid");
+        let grandchild: i32 = String::from_utf8_lossy(&r.stderr)
+            .trim()
+            .parse()
+            .expect("the shell printed its child's pid");
         // Dead: gone, or a zombie waiting for whoever adopted it to reap it.
-        let running = || std::fs::read_to_string(format!("/proc/{grandchild}/stat")).is_ok_and(|st| st.rsplit(") ").next().is_some_and(|f| !f.starts_with('Z')));
-        let alive = (0..100).all(|_| running() && { std::thread::sleep(Duration::from_millis(20)); true });
-        assert!(!alive, "the shell's own child {grandchild} outlived the bound");
+        let running = || {
+            std::fs::read_to_string(format!("/proc/{grandchild}/stat"))
+                .is_ok_and(|st| st.rsplit(") ").next().is_some_and(|f| !f.starts_with('Z')))
+        };
+        let alive = (0..100).all(|_| {
+            running() && {
+                std::thread::sleep(Duration::from_millis(20));
+                true
+            }
+        });
+        assert!(
+            !alive,
+            "the shell's own child {grandchild} outlived the bound"
+        );
     }
 
     #[test]
     fn a_run_within_its_bound_returns_its_status_and_output() {
-        let r = output_within(Command::new("sh").args(["-c", "echo out; exit 3"]), Duration::from_secs(20)).unwrap();
+        let r = output_within(
+            Command::new("sh").args(["-c", "echo out; exit 3"]),
+            Duration::from_secs(20),
+        )
+        .unwrap();
         assert_eq!(r.status.and_then(|s| s.code()), Some(3));
         assert_eq!(r.stdout, b"out\n");
     }

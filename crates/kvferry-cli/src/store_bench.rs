@@ -7,8 +7,8 @@
 use crate::sys::{human, parse_size};
 use kvferry::hostbuf::HostBuffer;
 use kvferry_store::master::MasterConfig;
-use kvferry_store::Master;
 use kvferry_store::proto::{ReplicateConfig, Request, Segment};
+use kvferry_store::Master;
 use kvferry_store::{Client, ClientConfig};
 use serde::Serialize;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -122,7 +122,9 @@ pub struct StoreBenchArgs {
 
 /// `CONNECTIONSxKEYS` of `--ha-points`: two whole numbers from 1 up.
 fn parse_ha_point(s: &str) -> Result<(usize, usize), String> {
-    let bad = || format!("{s:?} is not CONNECTIONSxKEYS (e.g. 4x32: 4 connections, 32 keys per request; both at least 1)");
+    let bad = || {
+        format!("{s:?} is not CONNECTIONSxKEYS (e.g. 4x32: 4 connections, 32 keys per request; both at least 1)")
+    };
     let (c, k) = s.trim().split_once(['x', 'X']).ok_or_else(bad)?;
     match (c.trim().parse::<usize>(), k.trim().parse::<usize>()) {
         (Ok(c @ 1..=4096), Ok(k @ 1..=65536)) => Ok((c, k)),
@@ -157,14 +159,28 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
     }
     if a.malloc_trim == MallocTrim::Off {
         // SAFETY: mallopt only changes this process's allocator thresholds.
-        let ok = unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, KEEP_TRIM as libc::c_int) == 1 && libc::mallopt(libc::M_MMAP_THRESHOLD, KEEP_MMAP as libc::c_int) == 1 };
+        let ok = unsafe {
+            libc::mallopt(libc::M_TRIM_THRESHOLD, KEEP_TRIM as libc::c_int) == 1
+                && libc::mallopt(libc::M_MMAP_THRESHOLD, KEEP_MMAP as libc::c_int) == 1
+        };
         if !ok {
-            return Err("--malloc-trim off: glibc refused the thresholds (mallopt); pass --malloc-trim on".into());
+            return Err(
+                "--malloc-trim off: glibc refused the thresholds (mallopt); pass --malloc-trim on"
+                    .into(),
+            );
         }
     }
     if !a.no_cycle {
-        if let Some(v) = a.cycle_values.iter().find(|&&v| v == 0 || v > a.cycle_segment_size / 4) {
-            return Err(format!("--cycle-values: {} must be non-zero and fit 4 times in --cycle-segment-size ({})", human(*v), human(a.cycle_segment_size)));
+        if let Some(v) = a
+            .cycle_values
+            .iter()
+            .find(|&&v| v == 0 || v > a.cycle_segment_size / 4)
+        {
+            return Err(format!(
+                "--cycle-values: {} must be non-zero and fit 4 times in --cycle-segment-size ({})",
+                human(*v),
+                human(a.cycle_segment_size)
+            ));
         }
     }
     let mut points = {
@@ -182,7 +198,10 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
     let mooncake = run_mooncake(&a);
     print_table(&a, &points, &mooncake);
     if let Some(p) = &a.json {
-        let text: String = points.iter().map(|p| serde_json::to_string(p).expect("serialisable") + "\n").collect();
+        let text: String = points
+            .iter()
+            .map(|p| serde_json::to_string(p).expect("serialisable") + "\n")
+            .collect();
         std::fs::write(p, text).map_err(|e| format!("writing {}: {e}", p.display()))?;
     }
     if points.iter().any(|p| !p.verified) {
@@ -201,10 +220,36 @@ struct Pool {
 
 impl Pool {
     fn start(segment_size: u64) -> Result<Pool, String> {
-        let master = Proc::spawn(crate::self_command()?.args(["master", "--port", "0", "--metrics-port", "-1", "--summary-interval", "0", "--default-kv-lease-ttl", "2000"]), "KVFERRY_MASTER")?;
+        let master = Proc::spawn(
+            crate::self_command()?.args([
+                "master",
+                "--port",
+                "0",
+                "--metrics-port",
+                "-1",
+                "--summary-interval",
+                "0",
+                "--default-kv-lease-ttl",
+                "2000",
+            ]),
+            "KVFERRY_MASTER",
+        )?;
         let addr = master.field("rpc=").ok_or("master printed no address")?;
-        let server = Proc::spawn(crate::self_command()?.args(["store-bench", "--serve-segment", &addr, "--segment-size", &segment_size.to_string()]), "KVFERRY_STORE_SERVER")?;
-        Ok(Pool { _server: server, _master: master, addr })
+        let server = Proc::spawn(
+            crate::self_command()?.args([
+                "store-bench",
+                "--serve-segment",
+                &addr,
+                "--segment-size",
+                &segment_size.to_string(),
+            ]),
+            "KVFERRY_STORE_SERVER",
+        )?;
+        Ok(Pool {
+            _server: server,
+            _master: master,
+            addr,
+        })
     }
 }
 
@@ -215,29 +260,50 @@ impl Pool {
 /// cycles; latency is per cycle.
 fn run_cycles(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, String> {
     let maxv = a.cycle_values.iter().copied().max().unwrap_or(0) as usize;
-    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 0, master_server_addr: master.to_string(), ..ClientConfig::default() })
-        .map_err(|e| e.to_string())?;
+    let c = Client::setup(ClientConfig {
+        global_segment_size: 0,
+        local_buffer_size: 0,
+        master_server_addr: master.to_string(),
+        ..ClientConfig::default()
+    })
+    .map_err(|e| e.to_string())?;
     let src = HostBuffer::new(maxv, true).map_err(|e| e.to_string())?;
     let dst = HostBuffer::new(maxv, true).map_err(|e| e.to_string())?;
-    c.register_buffer(src.addr(), src.len() as u64).map_err(|e| e.to_string())?;
-    c.register_buffer(dst.addr(), dst.len() as u64).map_err(|e| e.to_string())?;
+    c.register_buffer(src.addr(), src.len() as u64)
+        .map_err(|e| e.to_string())?;
+    c.register_buffer(dst.addr(), dst.len() as u64)
+        .map_err(|e| e.to_string())?;
     let cfg = ReplicateConfig::default();
     let mut points = Vec::new();
     for &v in &a.cycle_values {
-        eprint!("\r\x1b[K[cycle] values of {} over a {} segment ...", human(v), human(a.cycle_segment_size));
+        eprint!(
+            "\r\x1b[K[cycle] values of {} over a {} segment ...",
+            human(v),
+            human(a.cycle_segment_size)
+        );
         let _ = std::io::stderr().flush();
         let vlen = v as usize;
         let round = (4 * a.cycle_segment_size / v) as usize;
-        let (mut lat, mut busy, mut n, mut verified) = (Vec::with_capacity(round), Duration::ZERO, 0usize, true);
+        let (mut lat, mut busy, mut n, mut verified) =
+            (Vec::with_capacity(round), Duration::ZERO, 0usize, true);
         let start = Instant::now();
         let cap = (3.0 * a.duration).max(a.duration + 5.0);
-        while n < round || (busy.as_secs_f64() < a.duration && start.elapsed().as_secs_f64() < cap) {
+        while n < round || (busy.as_secs_f64() < a.duration && start.elapsed().as_secs_f64() < cap)
+        {
             let k = format!("cycle-{v}-{n}");
             fill_value(src.slice_mut(0, vlen), &k);
             let t0 = Instant::now();
-            c.put_from(&k, src.addr(), v, &cfg).map_err(|e| format!("cycle {n} ({} put so far): put_from {k}: {e}", human(n as u64 * v)))?;
-            let got = c.get_into(&k, dst.addr(), v).map_err(|e| format!("cycle {n}: get_into {k}: {e}"))?;
-            c.remove(&k, true).map_err(|e| format!("cycle {n}: remove {k}: {e}"))?;
+            c.put_from(&k, src.addr(), v, &cfg).map_err(|e| {
+                format!(
+                    "cycle {n} ({} put so far): put_from {k}: {e}",
+                    human(n as u64 * v)
+                )
+            })?;
+            let got = c
+                .get_into(&k, dst.addr(), v)
+                .map_err(|e| format!("cycle {n}: get_into {k}: {e}"))?;
+            c.remove(&k, true)
+                .map_err(|e| format!("cycle {n}: remove {k}: {e}"))?;
             let dt = t0.elapsed();
             busy += dt;
             lat.push(dt.as_secs_f64() * 1e6);
@@ -259,33 +325,54 @@ fn run_cycles(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
 fn run_multi(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, String> {
     let (layers, part, batch) = (a.multi_layers, a.multi_part as usize, a.batch.max(1));
     let v = (layers * part) as u64;
-    eprint!("\r\x1b[K[multi] {batch} keys x {layers} layers x {} ...", human(part as u64));
+    eprint!(
+        "\r\x1b[K[multi] {batch} keys x {layers} layers x {} ...",
+        human(part as u64)
+    );
     let _ = std::io::stderr().flush();
-    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 0, master_server_addr: master.to_string(), ..ClientConfig::default() })
-        .map_err(|e| e.to_string())?;
+    let c = Client::setup(ClientConfig {
+        global_segment_size: 0,
+        local_buffer_size: 0,
+        master_server_addr: master.to_string(),
+        ..ClientConfig::default()
+    })
+    .map_err(|e| e.to_string())?;
     let src = HostBuffer::new(batch * layers * part, true).map_err(|e| e.to_string())?;
     let dst = HostBuffer::new(batch * layers * part, true).map_err(|e| e.to_string())?;
-    c.register_buffer(src.addr(), src.len() as u64).map_err(|e| e.to_string())?;
-    c.register_buffer(dst.addr(), dst.len() as u64).map_err(|e| e.to_string())?;
+    c.register_buffer(src.addr(), src.len() as u64)
+        .map_err(|e| e.to_string())?;
+    c.register_buffer(dst.addr(), dst.len() as u64)
+        .map_err(|e| e.to_string())?;
     let at = |b: usize, l: usize| (l * batch + b) * part;
-    let parts_of = |buf: &HostBuffer, b: usize| -> Vec<(u64, u64)> { (0..layers).map(|l| (buf.addr() + at(b, l) as u64, part as u64)).collect() };
+    let parts_of = |buf: &HostBuffer, b: usize| -> Vec<(u64, u64)> {
+        (0..layers)
+            .map(|l| (buf.addr() + at(b, l) as u64, part as u64))
+            .collect()
+    };
     let src_parts: Vec<Vec<(u64, u64)>> = (0..batch).map(|b| parts_of(&src, b)).collect();
     let dst_parts: Vec<Vec<(u64, u64)>> = (0..batch).map(|b| parts_of(&dst, b)).collect();
     let cfg = ReplicateConfig::default();
     let rounds_cap = (((a.segment_size / 8) / v.max(1)) as usize / batch).max(1);
     let mut whole = vec![0u8; layers * part];
-    let (mut keys, mut lat, mut busy): (Vec<Vec<String>>, Vec<f64>, Duration) = (Vec::new(), Vec::new(), Duration::ZERO);
+    let (mut keys, mut lat, mut busy): (Vec<Vec<String>>, Vec<f64>, Duration) =
+        (Vec::new(), Vec::new(), Duration::ZERO);
     let start = Instant::now();
-    while keys.len() < rounds_cap && (keys.is_empty() || start.elapsed().as_secs_f64() < a.duration) {
+    while keys.len() < rounds_cap && (keys.is_empty() || start.elapsed().as_secs_f64() < a.duration)
+    {
         let r = keys.len();
         let ks: Vec<String> = (0..batch).map(|b| format!("multi-{r}-{b}")).collect();
         for (b, k) in ks.iter().enumerate() {
             fill_value(&mut whole, k);
             for l in 0..layers {
-                src.slice_mut(at(b, l), part).copy_from_slice(&whole[l * part..(l + 1) * part]);
+                src.slice_mut(at(b, l), part)
+                    .copy_from_slice(&whole[l * part..(l + 1) * part]);
             }
         }
-        let items: Vec<(&str, &[(u64, u64)])> = ks.iter().zip(&src_parts).map(|(k, p)| (k.as_str(), &p[..])).collect();
+        let items: Vec<(&str, &[(u64, u64)])> = ks
+            .iter()
+            .zip(&src_parts)
+            .map(|(k, p)| (k.as_str(), &p[..]))
+            .collect();
         let t0 = Instant::now();
         let res = c.batch_put_from_parts(&items, &cfg, false);
         let dt = t0.elapsed();
@@ -300,7 +387,11 @@ fn run_multi(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, String
     let mut points = vec![point("put_multi", v, batch, nkeys, busy, &mut lat, true)];
     let mut verified = true;
     let (busy, mut lat, read) = read_rounds(a.duration, &keys, |ks| {
-        let items: Vec<(&str, &[(u64, u64)])> = ks.iter().zip(&dst_parts).map(|(k, p)| (k.as_str(), &p[..])).collect();
+        let items: Vec<(&str, &[(u64, u64)])> = ks
+            .iter()
+            .zip(&dst_parts)
+            .map(|(k, p)| (k.as_str(), &p[..]))
+            .collect();
         let t0 = Instant::now();
         let res = c.batch_get_into_parts(&items);
         let dt = t0.elapsed();
@@ -341,7 +432,12 @@ struct Proc {
 
 impl Proc {
     fn spawn(cmd: &mut Command, tag: &str) -> Result<Proc, String> {
-        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().map_err(|e| format!("starting {tag}: {e}"))?;
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("starting {tag}: {e}"))?;
         let out = child.stdout.take().ok_or("no stdout")?;
         let mut line = String::new();
         let _ = BufReader::new(out).read_line(&mut line);
@@ -354,7 +450,10 @@ impl Proc {
     }
 
     fn field(&self, key: &str) -> Option<String> {
-        self.line.split_whitespace().find_map(|w| w.strip_prefix(key)).map(str::to_string)
+        self.line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(key))
+            .map(str::to_string)
     }
 
     fn stop(&mut self) {
@@ -371,8 +470,13 @@ impl Drop for Proc {
 }
 
 fn serve_segment(master: &str, size: u64) -> Result<(), String> {
-    let c = Client::setup(ClientConfig { global_segment_size: size, local_buffer_size: 0, master_server_addr: master.to_string(), ..ClientConfig::default() })
-        .map_err(|e| e.to_string())?;
+    let c = Client::setup(ClientConfig {
+        global_segment_size: size,
+        local_buffer_size: 0,
+        master_server_addr: master.to_string(),
+        ..ClientConfig::default()
+    })
+    .map_err(|e| e.to_string())?;
     println!("KVFERRY_STORE_SERVER segment={}", c.segment_name());
     let _ = std::io::stdout().flush();
     let mut sink = Vec::new();
@@ -415,8 +519,10 @@ fn run_client(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
     .map_err(|e| e.to_string())?;
     let src = HostBuffer::new(maxv * slots, true).map_err(|e| e.to_string())?;
     let dst = HostBuffer::new(maxv * slots, true).map_err(|e| e.to_string())?;
-    c.register_buffer(src.addr(), src.len() as u64).map_err(|e| e.to_string())?;
-    c.register_buffer(dst.addr(), dst.len() as u64).map_err(|e| e.to_string())?;
+    c.register_buffer(src.addr(), src.len() as u64)
+        .map_err(|e| e.to_string())?;
+    c.register_buffer(dst.addr(), dst.len() as u64)
+        .map_err(|e| e.to_string())?;
     let cfg = ReplicateConfig::default();
     let mut points = Vec::new();
     // The first second after setup (the serving segment fresh, nothing mapped yet), to be
@@ -440,15 +546,27 @@ fn run_client(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
             let mut lat = Vec::new();
             let start = Instant::now();
             let mut busy = Duration::ZERO;
-            while keys.len() < rounds_cap && (keys.is_empty() || start.elapsed().as_secs_f64() < a.duration) {
+            while keys.len() < rounds_cap
+                && (keys.is_empty() || start.elapsed().as_secs_f64() < a.duration)
+            {
                 let r = keys.len();
-                let ks: Vec<String> = (0..batch).map(|i| format!("kv-{v}-{batch}-{r}-{i}")).collect();
+                let ks: Vec<String> = (0..batch)
+                    .map(|i| format!("kv-{v}-{batch}-{r}-{i}"))
+                    .collect();
                 for (i, k) in ks.iter().enumerate() {
                     fill_value(src.slice_mut(i * vlen, vlen), k);
                 }
-                let items: Vec<(&str, u64, u64)> = ks.iter().enumerate().map(|(i, k)| (k.as_str(), src.addr() + (i * vlen) as u64, v)).collect();
+                let items: Vec<(&str, u64, u64)> = ks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, k)| (k.as_str(), src.addr() + (i * vlen) as u64, v))
+                    .collect();
                 let t0 = Instant::now();
-                let res = if batch == 1 { vec![c.put_from(items[0].0, items[0].1, v, &cfg)] } else { c.batch_put_from(&items, &cfg) };
+                let res = if batch == 1 {
+                    vec![c.put_from(items[0].0, items[0].1, v, &cfg)]
+                } else {
+                    c.batch_put_from(&items, &cfg)
+                };
                 let dt = t0.elapsed();
                 busy += dt;
                 lat.push(dt.as_secs_f64() * 1e6);
@@ -462,9 +580,17 @@ fn run_client(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
             // get_into: read every key back, check every byte.
             let mut verified = true;
             let (busy, mut lat, read) = read_rounds(a.duration, &keys, |ks| {
-                let items: Vec<(&str, u64, u64)> = ks.iter().enumerate().map(|(i, k)| (k.as_str(), dst.addr() + (i * vlen) as u64, v)).collect();
+                let items: Vec<(&str, u64, u64)> = ks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, k)| (k.as_str(), dst.addr() + (i * vlen) as u64, v))
+                    .collect();
                 let t0 = Instant::now();
-                let res = if batch == 1 { vec![c.get_into(items[0].0, items[0].1, v)] } else { c.batch_get_into(&items) };
+                let res = if batch == 1 {
+                    vec![c.get_into(items[0].0, items[0].1, v)]
+                } else {
+                    c.batch_get_into(&items)
+                };
                 let dt = t0.elapsed();
                 for (i, (k, r)) in ks.iter().zip(res).enumerate() {
                     let got = r.map_err(|e| format!("get_into {k}: {e}"))?;
@@ -482,7 +608,11 @@ fn run_client(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
                 for (val, k) in values.iter_mut().zip(ks) {
                     fill_value(val, k);
                 }
-                let items: Vec<(&str, &[u8])> = ks.iter().zip(&values).map(|(k, val)| (k.as_str(), val.as_slice())).collect();
+                let items: Vec<(&str, &[u8])> = ks
+                    .iter()
+                    .zip(&values)
+                    .map(|(k, val)| (k.as_str(), val.as_slice()))
+                    .collect();
                 let t0 = Instant::now();
                 let res = c.put_batch(&items, &cfg, false);
                 let dt = t0.elapsed();
@@ -520,7 +650,13 @@ fn run_client(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
 /// One second of 1 MiB put_from + get_into (checked) + forced remove, one key at a time,
 /// over fresh keys: run right after setup (`first_1s`) and after the sweep (`steady_1s`),
 /// the two rows show whether the first second after setup runs at the steady rate.
-fn first_or_steady(c: &Client, src: &HostBuffer, dst: &HostBuffer, op: &str, cfg: &ReplicateConfig) -> Result<StorePoint, String> {
+fn first_or_steady(
+    c: &Client,
+    src: &HostBuffer,
+    dst: &HostBuffer,
+    op: &str,
+    cfg: &ReplicateConfig,
+) -> Result<StorePoint, String> {
     const V: usize = 1 << 20;
     if src.len() < V {
         return Ok(point(op, V as u64, 1, 0, Duration::ZERO, &mut [], true));
@@ -531,9 +667,13 @@ fn first_or_steady(c: &Client, src: &HostBuffer, dst: &HostBuffer, op: &str, cfg
         let k = format!("{op}-{n}");
         fill_value(src.slice_mut(0, V), &k);
         let t0 = Instant::now();
-        c.put_from(&k, src.addr(), V as u64, cfg).map_err(|e| format!("{op}: put_from {k}: {e}"))?;
-        let got = c.get_into(&k, dst.addr(), V as u64).map_err(|e| format!("{op}: get_into {k}: {e}"))?;
-        c.remove(&k, true).map_err(|e| format!("{op}: remove {k}: {e}"))?;
+        c.put_from(&k, src.addr(), V as u64, cfg)
+            .map_err(|e| format!("{op}: put_from {k}: {e}"))?;
+        let got = c
+            .get_into(&k, dst.addr(), V as u64)
+            .map_err(|e| format!("{op}: get_into {k}: {e}"))?;
+        c.remove(&k, true)
+            .map_err(|e| format!("{op}: remove {k}: {e}"))?;
         let dt = t0.elapsed();
         busy += dt;
         lat.push(dt.as_secs_f64() * 1e6);
@@ -547,11 +687,18 @@ fn first_or_steady(c: &Client, src: &HostBuffer, dst: &HostBuffer, op: &str, cfg
 /// keys at least once, then cycling through them until `duration` seconds of calls (wall time
 /// capped at max(3 x duration, duration + 5 s)). `one` makes one call, checks it and returns
 /// the call's own duration. Returns (time in calls, per-call µs, keys read).
-fn read_rounds(duration: f64, keys: &[Vec<String>], mut one: impl FnMut(&[String]) -> Result<Duration, String>) -> Result<(Duration, Vec<f64>, usize), String> {
+fn read_rounds(
+    duration: f64,
+    keys: &[Vec<String>],
+    mut one: impl FnMut(&[String]) -> Result<Duration, String>,
+) -> Result<(Duration, Vec<f64>, usize), String> {
     let (mut busy, mut lat, mut n, mut read) = (Duration::ZERO, Vec::new(), 0usize, 0usize);
     let start = Instant::now();
     let cap = (3.0 * duration).max(duration + 5.0);
-    while !keys.is_empty() && (n < keys.len() || (busy.as_secs_f64() < duration && start.elapsed().as_secs_f64() < cap)) {
+    while !keys.is_empty()
+        && (n < keys.len()
+            || (busy.as_secs_f64() < duration && start.elapsed().as_secs_f64() < cap))
+    {
         let ks = &keys[n % keys.len()];
         let dt = one(ks)?;
         busy += dt;
@@ -562,7 +709,15 @@ fn read_rounds(duration: f64, keys: &[Vec<String>], mut one: impl FnMut(&[String
     Ok((busy, lat, read))
 }
 
-fn point(op: &str, v: u64, batch: usize, nkeys: usize, busy: Duration, lat: &mut [f64], verified: bool) -> StorePoint {
+fn point(
+    op: &str,
+    v: u64,
+    batch: usize,
+    nkeys: usize,
+    busy: Duration,
+    lat: &mut [f64],
+    verified: bool,
+) -> StorePoint {
     let nkeys = nkeys as f64;
     let secs = busy.as_secs_f64().max(1e-9);
     StorePoint {
@@ -585,45 +740,104 @@ struct MooncakeStore {
 
 impl MooncakeStore {
     fn find(&self, p: &StorePoint) -> Option<&serde_json::Value> {
-        self.points.iter().find(|m| m["op"] == p.op.as_str() && m["value_bytes"] == p.value_bytes && m["batch"] == p.batch)
+        self.points.iter().find(|m| {
+            m["op"] == p.op.as_str() && m["value_bytes"] == p.value_bytes && m["batch"] == p.batch
+        })
     }
 }
 
 fn run_mooncake(a: &StoreBenchArgs) -> MooncakeStore {
-    let py = a.mooncake_python.clone().or_else(|| std::env::var("KVFERRY_MOONCAKE_PYTHON").ok());
+    let py = a
+        .mooncake_python
+        .clone()
+        .or_else(|| std::env::var("KVFERRY_MOONCAKE_PYTHON").ok());
     let py = match py.as_deref() {
         None => return MooncakeStore { points: Vec::new(), note: Some("not run: pass --mooncake-python PY (a Python with mooncake-transfer-engine-non-cuda) or set KVFERRY_MOONCAKE_PYTHON".into()) },
         Some("none") => return MooncakeStore { points: Vec::new(), note: Some("not run (disabled)".into()) },
         Some(p) => p.to_string(),
     };
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/interop/mooncake_store_bench.py");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/interop/mooncake_store_bench.py");
     if !script.is_file() {
-        return MooncakeStore { points: Vec::new(), note: Some(format!("not run: {} is missing (run from a source checkout)", script.display())) };
+        return MooncakeStore {
+            points: Vec::new(),
+            note: Some(format!(
+                "not run: {} is missing (run from a source checkout)",
+                script.display()
+            )),
+        };
     }
     eprint!("\r\x1b[K[mooncake store] running the same sweep ...");
     let values: Vec<String> = a.values.iter().map(u64::to_string).collect();
-    let cycle: Vec<String> = if a.no_cycle { Vec::new() } else { a.cycle_values.iter().map(u64::to_string).collect() };
+    let cycle: Vec<String> = if a.no_cycle {
+        Vec::new()
+    } else {
+        a.cycle_values.iter().map(u64::to_string).collect()
+    };
     let bound = Duration::from_secs_f64(a.peer_timeout.max(0.0));
     let out = crate::peers::output_within(
         Command::new(&py)
-            .envs(if a.malloc_trim == MallocTrim::Off { vec![("MALLOC_TRIM_THRESHOLD_", KEEP_TRIM.to_string()), ("MALLOC_MMAP_THRESHOLD_", KEEP_MMAP.to_string())] } else { vec![] })
+            .envs(if a.malloc_trim == MallocTrim::Off {
+                vec![
+                    ("MALLOC_TRIM_THRESHOLD_", KEEP_TRIM.to_string()),
+                    ("MALLOC_MMAP_THRESHOLD_", KEEP_MMAP.to_string()),
+                ]
+            } else {
+                vec![]
+            })
             .arg(&script)
-            .args(["--values", &values.join(","), "--batch", &a.batch.to_string(), "--duration", &a.duration.to_string()])
-            .args(["--cycle-values", &cycle.join(","), "--cycle-segment-size", &a.cycle_segment_size.to_string()])
-            .args(["--multi-layers", &a.multi_layers.to_string(), "--multi-part", &a.multi_part.to_string()])
-            .args(["--segment-size", &a.segment_size.to_string(), "--lease-ms", "2000"]),
+            .args([
+                "--values",
+                &values.join(","),
+                "--batch",
+                &a.batch.to_string(),
+                "--duration",
+                &a.duration.to_string(),
+            ])
+            .args([
+                "--cycle-values",
+                &cycle.join(","),
+                "--cycle-segment-size",
+                &a.cycle_segment_size.to_string(),
+            ])
+            .args([
+                "--multi-layers",
+                &a.multi_layers.to_string(),
+                "--multi-part",
+                &a.multi_part.to_string(),
+            ])
+            .args([
+                "--segment-size",
+                &a.segment_size.to_string(),
+                "--lease-ms",
+                "2000",
+            ]),
         bound,
     );
     eprint!("\r\x1b[K");
     match out {
-        Err(e) => MooncakeStore { points: Vec::new(), note: Some(format!("not run: {py}: {e}")) },
+        Err(e) => MooncakeStore {
+            points: Vec::new(),
+            note: Some(format!("not run: {py}: {e}")),
+        },
         Ok(o) => {
-            let points: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout).lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
-            let mut note = points.iter().find_map(|p| p["error"].as_str().map(|e| format!("Mooncake failed: {e}")));
+            let points: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter_map(|l| serde_json::from_str(l).ok())
+                .collect();
+            let mut note = points
+                .iter()
+                .find_map(|p| p["error"].as_str().map(|e| format!("Mooncake failed: {e}")));
             if o.timed_out() {
                 note = Some(format!("Mooncake's sweep did not finish within {bound:?} and was killed (--peer-timeout sets the bound); the points it finished are shown"));
             }
-            MooncakeStore { points: points.into_iter().filter(|p| p.get("gbps").is_some()).collect(), note }
+            MooncakeStore {
+                points: points
+                    .into_iter()
+                    .filter(|p| p.get("gbps").is_some())
+                    .collect(),
+                note,
+            }
         }
     }
 }
@@ -662,7 +876,17 @@ fn print_table(a: &StoreBenchArgs, points: &[StorePoint], mc: &MooncakeStore) {
     println!();
     println!(
         "{:<9} {:>8} {:>6} {:>8} {:>11} {:>10} {:>10} {:>8} {:>9} {:>9} {:>9}",
-        "op", "value", "batch", "GB/s", "keys/s", "p50 (us)", "p99 (us)", "verified", "mc GB/s", "mc p50", "/mc"
+        "op",
+        "value",
+        "batch",
+        "GB/s",
+        "keys/s",
+        "p50 (us)",
+        "p99 (us)",
+        "verified",
+        "mc GB/s",
+        "mc p50",
+        "/mc"
     );
     for p in points {
         let m = mc.find(p);
@@ -677,9 +901,16 @@ fn print_table(a: &StoreBenchArgs, points: &[StorePoint], mc: &MooncakeStore) {
             p.p50_us,
             p.p99_us,
             if p.verified { "yes" } else { "NO" },
-            f("gbps").map(|g| format!("{g:.3}")).unwrap_or_else(|| "-".into()),
-            f("p50_us").map(|g| format!("{g:.1}")).unwrap_or_else(|| "-".into()),
-            f("gbps").filter(|g| *g > 0.0).map(|g| format!("{:.2}x", p.gbps / g)).unwrap_or_else(|| "-".into()),
+            f("gbps")
+                .map(|g| format!("{g:.3}"))
+                .unwrap_or_else(|| "-".into()),
+            f("p50_us")
+                .map(|g| format!("{g:.1}"))
+                .unwrap_or_else(|| "-".into()),
+            f("gbps")
+                .filter(|g| *g > 0.0)
+                .map(|g| format!("{:.2}x", p.gbps / g))
+                .unwrap_or_else(|| "-".into()),
         );
     }
     if let Some(n) = &mc.note {
@@ -690,7 +921,11 @@ fn print_table(a: &StoreBenchArgs, points: &[StorePoint], mc: &MooncakeStore) {
 fn rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/statm")
         .ok()
-        .and_then(|s| s.split_whitespace().nth(1).and_then(|x| x.parse::<u64>().ok()))
+        .and_then(|s| {
+            s.split_whitespace()
+                .nth(1)
+                .and_then(|x| x.parse::<u64>().ok())
+        })
         // SAFETY: sysconf has no preconditions.
         .map(|pages| pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as u64)
         .unwrap_or(0)
@@ -701,15 +936,44 @@ fn master_only(a: &StoreBenchArgs) -> Result<(), String> {
     use std::sync::Arc;
     // 1. Memory per object: the master never touches data, so a huge virtual segment costs nothing.
     let m = Master::new(MasterConfig::default());
-    let seg = Segment { id: 1, name: "seg".into(), te_endpoint: "127.0.0.1:1".into(), base: 1 << 40, size: 1 << 40 };
-    handle(&m, Request::MountSegment { client: 1, segment: seg });
+    let seg = Segment {
+        id: 1,
+        name: "seg".into(),
+        te_endpoint: "127.0.0.1:1".into(),
+        base: 1 << 40,
+        size: 1 << 40,
+    };
+    handle(
+        &m,
+        Request::MountSegment {
+            client: 1,
+            segment: seg,
+        },
+    );
     let before = rss_bytes();
     let cfg = ReplicateConfig::default();
     let t = Instant::now();
     for i in 0..a.objects {
         let key = format!("object-{i:012}");
-        handle(&m, Request::PutStart { client: 1, key: key.clone(), size: 4096, config: cfg.clone(), upsert: false, put: 1 });
-        handle(&m, Request::PutEnd { client: 1, key, put: 1 });
+        handle(
+            &m,
+            Request::PutStart {
+                client: 1,
+                key: key.clone(),
+                size: 4096,
+                config: cfg.clone(),
+                upsert: false,
+                put: 1,
+            },
+        );
+        handle(
+            &m,
+            Request::PutEnd {
+                client: 1,
+                key,
+                put: 1,
+            },
+        );
     }
     let fill = t.elapsed().as_secs_f64();
     let per_obj = (rss_bytes().saturating_sub(before)) as f64 / a.objects as f64;
@@ -717,7 +981,8 @@ fn master_only(a: &StoreBenchArgs) -> Result<(), String> {
     // 2. Throughput over RPC: connections from several threads, 32 ops per request.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let m = Arc::new(m);
-    let server = MasterServer::start(Arc::clone(&m), listener, Duration::from_millis(200), 0).map_err(|e| e.to_string())?;
+    let server = MasterServer::start(Arc::clone(&m), listener, Duration::from_millis(200), 0)
+        .map_err(|e| e.to_string())?;
     let addr = format!("127.0.0.1:{}", server.port());
     for (threads, per_req) in [(4usize, 1usize), (4, 32)] {
         let dur = Duration::from_secs_f64(a.duration.max(0.2));
@@ -727,7 +992,9 @@ fn master_only(a: &StoreBenchArgs) -> Result<(), String> {
                 .map(|t| {
                     let addr = addr.clone();
                     s.spawn(move || -> u64 {
-                        let Ok(mut conn) = std::net::TcpStream::connect(&addr) else { return 0 };
+                        let Ok(mut conn) = std::net::TcpStream::connect(&addr) else {
+                            return 0;
+                        };
                         let _ = conn.set_nodelay(true);
                         let mut n = 0u64;
                         let mut i = t as u64;
@@ -735,11 +1002,19 @@ fn master_only(a: &StoreBenchArgs) -> Result<(), String> {
                             let reqs: Vec<Request> = (0..per_req)
                                 .map(|_| {
                                     i += 1;
-                                    Request::ExistKey { key: format!("object-{:012}", i % a.objects.max(1)) }
+                                    Request::ExistKey {
+                                        key: format!("object-{:012}", i % a.objects.max(1)),
+                                    }
                                 })
                                 .collect();
-                            let req = if per_req == 1 { reqs.into_iter().next().expect("one") } else { Request::Batch(reqs) };
-                            let Ok(frame) = kvferry_store::proto::encode(&req) else { return n };
+                            let req = if per_req == 1 {
+                                reqs.into_iter().next().expect("one")
+                            } else {
+                                Request::Batch(reqs)
+                            };
+                            let Ok(frame) = kvferry_store::proto::encode(&req) else {
+                                return n;
+                            };
                             if conn.write_all(&frame).is_err() {
                                 return n;
                             }

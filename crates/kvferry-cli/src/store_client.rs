@@ -83,7 +83,9 @@ pub fn dummy_answer(request: &[u8], info: &DummyInfo) -> String {
     let line = String::from_utf8_lossy(request);
     let line = line.trim_end_matches(['\r', '\n']);
     let body = if line == DUMMY_HELLO {
-        serde_json::to_string(info).unwrap_or_else(|e| serde_json::json!({ "error": format!("cannot encode the answer: {e}") }).to_string())
+        serde_json::to_string(info).unwrap_or_else(|e| {
+            serde_json::json!({ "error": format!("cannot encode the answer: {e}") }).to_string()
+        })
     } else {
         let shown: String = line.chars().take(40).collect();
         serde_json::json!({ "error": format!("not a kvferry dummy-client request ({shown:?}); send {DUMMY_HELLO:?} (kvferry's setup_dummy does)") }).to_string()
@@ -113,7 +115,11 @@ fn serve_dummy_conn(mut s: std::net::TcpStream, info: &DummyInfo) {
 
 /// Starts the dummy-client service on `addrs` (`port` each); the listeners live as long as
 /// the process. Errors name the port and the flag.
-fn start_dummy_service(addrs: &[std::net::IpAddr], port: u16, info: DummyInfo) -> Result<(), String> {
+fn start_dummy_service(
+    addrs: &[std::net::IpAddr],
+    port: u16,
+    info: DummyInfo,
+) -> Result<(), String> {
     let info = Arc::new(info);
     for ip in addrs {
         let l = std::net::TcpListener::bind((*ip, port)).map_err(|e| {
@@ -135,10 +141,12 @@ fn start_dummy_service(addrs: &[std::net::IpAddr], port: u16, info: DummyInfo) -
                         continue; // dropped: closed unanswered
                     }
                     let (info, live) = (Arc::clone(&info), Arc::clone(&live));
-                    let spawned = std::thread::Builder::new().name("kvf-dummy-conn".into()).spawn(move || {
-                        serve_dummy_conn(conn, &info);
-                        live.fetch_sub(1, Ordering::AcqRel);
-                    });
+                    let spawned = std::thread::Builder::new()
+                        .name("kvf-dummy-conn".into())
+                        .spawn(move || {
+                            serve_dummy_conn(conn, &info);
+                            live.fetch_sub(1, Ordering::AcqRel);
+                        });
                     if spawned.is_err() {
                         std::thread::sleep(Duration::from_millis(50));
                     }
@@ -160,7 +168,12 @@ pub fn known_flags() -> Vec<String> {
     let mut out = Vec::new();
     for a in Wrap::command().get_arguments() {
         out.extend(a.get_long().map(str::to_string));
-        out.extend(a.get_all_aliases().unwrap_or_default().into_iter().map(str::to_string));
+        out.extend(
+            a.get_all_aliases()
+                .unwrap_or_default()
+                .into_iter()
+                .map(str::to_string),
+        );
     }
     out
 }
@@ -180,15 +193,23 @@ fn install_handlers() -> Result<Arc<AtomicUsize>, String> {
 /// by B, K/KB, M/MB, G/GB or T/TB (binary multiples, any case; KiB, MiB, GiB, TiB too).
 fn parse_mooncake_size(v: &str) -> Result<u64, String> {
     let t = v.trim();
-    let end = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let num: f64 = t[..end].parse().map_err(|_| format!("{v:?} is not a size (examples: 4GB, \"512 MB\", 1.5G, 1048576)"))?;
+    let end = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let num: f64 = t[..end]
+        .parse()
+        .map_err(|_| format!("{v:?} is not a size (examples: 4GB, \"512 MB\", 1.5G, 1048576)"))?;
     let mult: f64 = match t[end..].trim().to_ascii_uppercase().as_str() {
         "" | "B" => 1.0,
         "K" | "KB" | "KIB" => 1024.0,
         "M" | "MB" | "MIB" => 1024.0 * 1024.0,
         "G" | "GB" | "GIB" => 1024.0 * 1024.0 * 1024.0,
         "T" | "TB" | "TIB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        u => return Err(format!("{v:?}: unknown unit {u:?} (use B, KB, MB, GB or TB)")),
+        u => {
+            return Err(format!(
+                "{v:?}: unknown unit {u:?} (use B, KB, MB, GB or TB)"
+            ))
+        }
     };
     let bytes = num * mult;
     if !bytes.is_finite() || bytes >= u64::MAX as f64 {
@@ -230,7 +251,12 @@ pub fn run(a: StoreClientArgs) -> Result<(), String> {
         master_server_addr: a.master_server_address.clone(),
         ..ClientConfig::default()
     };
-    let c = Client::setup(cfg).map_err(|e| format!("setting up the store client (master {}): {e}", a.master_server_address))?;
+    let c = Client::setup(cfg).map_err(|e| {
+        format!(
+            "setting up the store client (master {}): {e}",
+            a.master_server_address
+        )
+    })?;
     if a.port != 0 {
         // Dummy clients are on this host: 127.0.0.1, and --host's address when it is another IP.
         let host = host_part(&a.host);
@@ -245,7 +271,11 @@ pub fn run(a: StoreClientArgs) -> Result<(), String> {
             master_server_address: a.master_server_address.clone(),
             metadata_server: a.metadata_server.clone(),
             protocol: a.protocol.clone(),
-            host: if host.is_empty() || host == "0.0.0.0" { "127.0.0.1".into() } else { host.to_string() },
+            host: if host.is_empty() || host == "0.0.0.0" {
+                "127.0.0.1".into()
+            } else {
+                host.to_string()
+            },
             segment: c.segment_name().to_string(),
         };
         if let Err(e) = start_dummy_service(&ips, a.port, info) {
@@ -254,8 +284,18 @@ pub fn run(a: StoreClientArgs) -> Result<(), String> {
         }
         eprintln!("kvferry store-client: dummy clients: setup_dummy(..., server_address=\"127.0.0.1:{}\")", a.port);
     }
-    let dummy = if a.port == 0 { "off".to_string() } else { format!("127.0.0.1:{}", a.port) };
-    println!("KVFERRY_STORE_CLIENT segment={} size={} master={} metadata={} dummy={dummy}", c.segment_name(), global, a.master_server_address, a.metadata_server);
+    let dummy = if a.port == 0 {
+        "off".to_string()
+    } else {
+        format!("127.0.0.1:{}", a.port)
+    };
+    println!(
+        "KVFERRY_STORE_CLIENT segment={} size={} master={} metadata={} dummy={dummy}",
+        c.segment_name(),
+        global,
+        a.master_server_address,
+        a.metadata_server
+    );
     let _ = std::io::stdout().flush();
     eprintln!(
         "kvferry store-client: mounted segment {} ({}) at master {}; serving until SIGTERM or SIGINT",
@@ -268,7 +308,12 @@ pub fn run(a: StoreClientArgs) -> Result<(), String> {
     }
     let sig = stop.load(Ordering::SeqCst);
     let name = c.segment_name().to_string();
-    c.close().map_err(|e| format!("unmounting segment {name} at master {} (signal {sig}): {e}", a.master_server_address))?;
+    c.close().map_err(|e| {
+        format!(
+            "unmounting segment {name} at master {} (signal {sig}): {e}",
+            a.master_server_address
+        )
+    })?;
     drop(c);
     println!("KVFERRY_STORE_CLIENT unmounted segment={name} signal={sig}");
     let _ = std::io::stdout().flush();
@@ -299,10 +344,18 @@ mod tests {
         let back: DummyInfo = serde_json::from_str(ok.trim_end()).unwrap();
         assert_eq!(back, info());
         assert_eq!(dummy_answer(b"KVFERRY-DUMMY 1\r", &info()), ok);
-        for bad in [&b""[..], b"KVFERRY-DUMMY 2", b"\x00\x01coro_rpc", &[0xff; 300]] {
+        for bad in [
+            &b""[..],
+            b"KVFERRY-DUMMY 2",
+            b"\x00\x01coro_rpc",
+            &[0xff; 300],
+        ] {
             let a = dummy_answer(bad, &info());
             let v: serde_json::Value = serde_json::from_str(a.trim_end()).unwrap();
-            assert!(v["error"].as_str().unwrap().contains("KVFERRY-DUMMY 1"), "{a}");
+            assert!(
+                v["error"].as_str().unwrap().contains("KVFERRY-DUMMY 1"),
+                "{a}"
+            );
         }
     }
 

@@ -39,10 +39,20 @@ pub fn tree_cpu(root: u32) -> Duration {
     let mut parent = std::collections::HashMap::new();
     if let Ok(rd) = std::fs::read_dir("/proc") {
         for e in rd.flatten() {
-            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-            let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else { continue };
-            if let Some(ppid) = rest.split_whitespace().nth(1).and_then(|p| p.parse::<u32>().ok()) {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+                continue;
+            };
+            if let Some(ppid) = rest
+                .split_whitespace()
+                .nth(1)
+                .and_then(|p| p.parse::<u32>().ok())
+            {
                 parent.insert(pid, ppid);
             }
         }
@@ -59,7 +69,11 @@ pub fn tree_cpu(root: u32) -> Duration {
         }
         false
     };
-    parent.keys().filter(|&&p| descends(p)).filter_map(|&p| proc_cpu(p)).sum()
+    parent
+        .keys()
+        .filter(|&&p| descends(p))
+        .filter_map(|&p| proc_cpu(p))
+        .sum()
 }
 
 /// A pre-faulted, page-aligned buffer (kvferry's [`HostBuffer`]) with the bench's pattern fill.
@@ -70,7 +84,15 @@ impl Buffer {
     /// so a same-host peer maps it (kvferry's allocator), else plain anonymous memory (as a
     /// tensor or `malloc` gives), which peers reach by cross-memory attach.
     pub fn alloc(len: usize, huge: bool, shareable: bool) -> std::io::Result<Buffer> {
-        HostBuffer::with(len, HostOptions { populate: true, huge_pages: huge, shareable }).map(Buffer)
+        HostBuffer::with(
+            len,
+            HostOptions {
+                populate: true,
+                huge_pages: huge,
+                shareable,
+            },
+        )
+        .map(Buffer)
     }
     pub fn addr(&self) -> u64 {
         self.0.addr()
@@ -104,7 +126,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size (examples: 4096, 64K, 1MiB, 1G)"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (examples: 4096, 64K, 1MiB, 1G)"))?;
     let mult = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
@@ -112,7 +136,8 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "g" | "gb" | "gib" => 1 << 30,
         _ => return Err(format!("{s:?}: unknown unit {unit:?} (use K, M or G)")),
     };
-    n.checked_mul(mult).ok_or_else(|| format!("{s:?} is too large"))
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))
 }
 
 pub fn human(n: u64) -> String {

@@ -11,12 +11,30 @@ fn bench_runs_both_sides_and_verifies_every_point() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("points.jsonl");
     let out = kvferry()
-        .args(["bench", "--buffer-size", "64M", "--blocks", "4K,1M", "--batch", "16", "--duration", "0.2", "--no-ceilings", "--mooncake", "none", "--json"])
+        .args([
+            "bench",
+            "--buffer-size",
+            "64M",
+            "--blocks",
+            "4K,1M",
+            "--batch",
+            "16",
+            "--duration",
+            "0.2",
+            "--no-ceilings",
+            "--mooncake",
+            "none",
+            "--json",
+        ])
         .arg(&json)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for col in ["GB/s", "ops/s", "batch p50", "1-req p50", "verified"] {
         assert!(stdout.contains(col), "table has {col}: {stdout}");
     }
@@ -30,12 +48,36 @@ fn bench_split_across_two_commands() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("points.jsonl");
     let out = kvferry()
-        .args(["bench", "--mode", "initiator", "--segment", &seg, "--buffer-size", "32M", "--blocks", "64K", "--ops", "read", "--batch", "8", "--duration", "0.2", "--no-ceilings", "--mooncake", "none", "--json"])
+        .args([
+            "bench",
+            "--mode",
+            "initiator",
+            "--segment",
+            &seg,
+            "--buffer-size",
+            "32M",
+            "--blocks",
+            "64K",
+            "--ops",
+            "read",
+            "--batch",
+            "8",
+            "--duration",
+            "0.2",
+            "--no-ceilings",
+            "--mooncake",
+            "none",
+            "--json",
+        ])
         .arg(&json)
         .output()
         .unwrap();
     target.kill();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     check_records(&json, 1);
 }
 
@@ -52,126 +94,319 @@ fn bench_auth_ab_measures_the_key_off_and_on() {
         .env("KVFERRY_AUTH_KEY_FILE", dir.path().join("no-such-key"))
         .env("KVFERRY_AUTH_PROTECT", "bogus")
         .env("TMPDIR", &tmp)
-        .args(["bench", "--transport", "tcp", "--buffer-size", "16M", "--blocks", "64K", "--ops", "write", "--batch", "4", "--duration", "0.2", "--no-ceilings", "--mooncake", "none", "--auth-ab", "1", "--json"])
+        .args([
+            "bench",
+            "--transport",
+            "tcp",
+            "--buffer-size",
+            "16M",
+            "--blocks",
+            "64K",
+            "--ops",
+            "write",
+            "--batch",
+            "4",
+            "--duration",
+            "0.2",
+            "--no-ceilings",
+            "--mooncake",
+            "none",
+            "--auth-ab",
+            "1",
+            "--json",
+        ])
         .arg(&json)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 0, "the key file and its folder are removed");
-    assert!(stdout.contains("cluster key A/B") && stdout.contains("connection costs"), "{stdout}");
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_dir(&tmp).unwrap().count(),
+        0,
+        "the key file and its folder are removed"
+    );
+    assert!(
+        stdout.contains("cluster key A/B") && stdout.contains("connection costs"),
+        "{stdout}"
+    );
     // A round row and a median row per setting in both tables; the keyed median rows give ratios.
     for key in ["none", "headers"] {
-        let rows: Vec<&str> = stdout.lines().filter(|l| l.split_whitespace().next() == Some(key)).collect();
-        assert_eq!(rows.len(), 4, "{key}: a round and a median row in each table: {stdout}");
-        assert_eq!(rows.iter().filter(|l| l.split_whitespace().nth(1) == Some("median")).count(), 2, "{stdout}");
+        let rows: Vec<&str> = stdout
+            .lines()
+            .filter(|l| l.split_whitespace().next() == Some(key))
+            .collect();
+        assert_eq!(
+            rows.len(),
+            4,
+            "{key}: a round and a median row in each table: {stdout}"
+        );
+        assert_eq!(
+            rows.iter()
+                .filter(|l| l.split_whitespace().nth(1) == Some("median"))
+                .count(),
+            2,
+            "{stdout}"
+        );
         if key == "headers" {
-            assert!(rows.iter().all(|l| l.split_whitespace().any(|w| w.strip_suffix('x').is_some_and(|n| n.parse::<f64>().is_ok_and(|v| v > 0.0)))), "keyed rows give ratios to no key: {stdout}");
+            assert!(
+                rows.iter().all(|l| l.split_whitespace().any(|w| w
+                    .strip_suffix('x')
+                    .is_some_and(|n| n.parse::<f64>().is_ok_and(|v| v > 0.0)))),
+                "keyed rows give ratios to no key: {stdout}"
+            );
         }
     }
     let text = std::fs::read_to_string(&json).unwrap();
-    let recs: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    let of = |kind: &str| -> Vec<&serde_json::Value> { recs.iter().filter(|r| r["record"] == kind).collect() };
-    let auths = |rs: &[&serde_json::Value]| -> Vec<String> { rs.iter().map(|r| r["auth"].as_str().unwrap().to_string()).collect() };
-    let pos = |r: &serde_json::Value, k: &str| assert!(r[k].as_f64().is_some_and(|v| v > 0.0 && v.is_finite()), "{k} positive in {r}");
+    let recs: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let of = |kind: &str| -> Vec<&serde_json::Value> {
+        recs.iter().filter(|r| r["record"] == kind).collect()
+    };
+    let auths = |rs: &[&serde_json::Value]| -> Vec<String> {
+        rs.iter()
+            .map(|r| r["auth"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let pos = |r: &serde_json::Value, k: &str| {
+        assert!(
+            r[k].as_f64().is_some_and(|v| v > 0.0 && v.is_finite()),
+            "{k} positive in {r}"
+        )
+    };
     assert_eq!(recs.len(), 8, "{text}");
     let points = of("auth_ab_point");
     assert_eq!(auths(&points), ["none", "headers"], "{text}");
     for r in &points {
-        assert_eq!((r["round"].as_u64(), r["op"].as_str(), r["block_bytes"].as_u64(), r["transport"].as_str()), (Some(1), Some("write"), Some(65536), Some("tcp")), "{r}");
+        assert_eq!(
+            (
+                r["round"].as_u64(),
+                r["op"].as_str(),
+                r["block_bytes"].as_u64(),
+                r["transport"].as_str()
+            ),
+            (Some(1), Some("write"), Some(65536), Some("tcp")),
+            "{r}"
+        );
         assert_eq!(r["verified"], true, "{r}");
-        for k in ["gbps", "ops_per_s", "batch_p50_us", "batch_p99_us", "single_p50_us", "initiator_cpu_s_per_gb", "target_cpu_s_per_gb"] {
+        for k in [
+            "gbps",
+            "ops_per_s",
+            "batch_p50_us",
+            "batch_p99_us",
+            "single_p50_us",
+            "initiator_cpu_s_per_gb",
+            "target_cpu_s_per_gb",
+        ] {
             pos(r, k);
         }
     }
     let medians = of("auth_ab_median");
     assert_eq!(auths(&medians), ["none", "headers"], "{text}");
     for (m, p) in medians.iter().zip(&points) {
-        assert_eq!(m["gbps"], p["gbps"], "one round: the median is that round's figure");
+        assert_eq!(
+            m["gbps"], p["gbps"],
+            "one round: the median is that round's figure"
+        );
         assert_eq!(m["verified"], true, "{m}");
         pos(m, "gbps_vs_none");
         pos(m, "cpu_s_per_gb_vs_none");
     }
     assert_eq!(medians[0]["gbps_vs_none"], 1.0);
     let ratio = points[1]["gbps"].as_f64().unwrap() / points[0]["gbps"].as_f64().unwrap();
-    assert!((medians[1]["gbps_vs_none"].as_f64().unwrap() - ratio).abs() < 1e-9, "{text}");
+    assert!(
+        (medians[1]["gbps_vs_none"].as_f64().unwrap() - ratio).abs() < 1e-9,
+        "{text}"
+    );
     let conns = of("auth_ab_conn");
     assert_eq!(auths(&conns), ["none", "headers"], "{text}");
     for c in &conns {
         assert_eq!(c["samples"], 20, "{c}");
         assert!(c["write_samples"].as_u64().unwrap() >= 20, "{c}");
-        for k in ["handshake_p50_us", "handshake_max_us", "first_write_p50_us", "first_write_max_us", "write_p50_us", "write_p99_us"] {
+        for k in [
+            "handshake_p50_us",
+            "handshake_max_us",
+            "first_write_p50_us",
+            "first_write_max_us",
+            "write_p50_us",
+            "write_p99_us",
+        ] {
             pos(c, k);
         }
-        assert!(c["handshake_max_us"].as_f64() >= c["handshake_p50_us"].as_f64() && c["write_p99_us"].as_f64() >= c["write_p50_us"].as_f64(), "{c}");
+        assert!(
+            c["handshake_max_us"].as_f64() >= c["handshake_p50_us"].as_f64()
+                && c["write_p99_us"].as_f64() >= c["write_p50_us"].as_f64(),
+            "{c}"
+        );
     }
     let conn_meds = of("auth_ab_conn_median");
     assert_eq!(auths(&conn_meds), ["none", "headers"], "{text}");
-    for k in ["handshake_vs_none", "first_write_vs_none", "write_p50_vs_none", "write_p99_vs_none"] {
+    for k in [
+        "handshake_vs_none",
+        "first_write_vs_none",
+        "write_p50_vs_none",
+        "write_p99_vs_none",
+    ] {
         assert_eq!(conn_meds[0][k], 1.0, "{k}");
         pos(conn_meds[1], k);
     }
     // Without --auth-ab, --auth-protect is refused; with --mode, --auth-ab is.
-    let out = kvferry().args(["bench", "--auth-protect", "encrypt"]).output().unwrap();
+    let out = kvferry()
+        .args(["bench", "--auth-protect", "encrypt"])
+        .output()
+        .unwrap();
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--auth-ab"));
-    let out = kvferry().args(["bench", "--mode", "initiator", "--segment", "127.0.0.1:1", "--auth-ab", "1"]).output().unwrap();
+    let out = kvferry()
+        .args([
+            "bench",
+            "--mode",
+            "initiator",
+            "--segment",
+            "127.0.0.1:1",
+            "--auth-ab",
+            "1",
+        ])
+        .output()
+        .unwrap();
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--auth-ab"));
 }
 
 #[test]
 fn bench_rejects_bad_arguments_clearly() {
-    let out = kvferry().args(["bench", "--mode", "initiator"]).output().unwrap();
+    let out = kvferry()
+        .args(["bench", "--mode", "initiator"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--segment"));
-    let out = kvferry().args(["bench", "--buffer-size", "lots"]).output().unwrap();
+    let out = kvferry()
+        .args(["bench", "--buffer-size", "lots"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
-    let out = kvferry().args(["bench", "--mode", "initiator", "--segment", "127.0.0.1:1", "--buffer-size", "1M"]).output().unwrap();
+    let out = kvferry()
+        .args([
+            "bench",
+            "--mode",
+            "initiator",
+            "--segment",
+            "127.0.0.1:1",
+            "--buffer-size",
+            "1M",
+        ])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("127.0.0.1:1"), "names the segment");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("127.0.0.1:1"),
+        "names the segment"
+    );
     // A part of the HA bench that does not exist is refused before anything is reached.
-    let out = kvferry().args(["store-bench", "--ha", "127.0.0.1:1", "--ha-parts", "rate,nope"]).output().unwrap();
+    let out = kvferry()
+        .args([
+            "store-bench",
+            "--ha",
+            "127.0.0.1:1",
+            "--ha-parts",
+            "rate,nope",
+        ])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("nope") && err.contains("rate, store, link, snapshot, rebase, takeover, failover"), "names the bad part and the good ones: {err}");
+    assert!(
+        err.contains("nope")
+            && err.contains("rate, store, link, snapshot, rebase, takeover, failover"),
+        "names the bad part and the good ones: {err}"
+    );
     for bad in ["4", "0x32", "4x", "fourx32", "4x32x1"] {
-        let out = kvferry().args(["store-bench", "--ha", "127.0.0.1:1", "--ha-points", &format!("16x128,{bad}")]).output().unwrap();
+        let out = kvferry()
+            .args([
+                "store-bench",
+                "--ha",
+                "127.0.0.1:1",
+                "--ha-points",
+                &format!("16x128,{bad}"),
+            ])
+            .output()
+            .unwrap();
         assert!(!out.status.success(), "--ha-points {bad} is refused");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains(bad) && err.contains("CONNECTIONSxKEYS"), "names the bad point and the form: {err}");
+        assert!(
+            err.contains(bad) && err.contains("CONNECTIONSxKEYS"),
+            "names the bad point and the form: {err}"
+        );
     }
     // A CPU this process may not use is refused before etcd (nothing listens on port 1) is
     // tried.
-    let out = kvferry().args(["store-bench", "--ha", "127.0.0.1:1", "--ha-standby-cpu", "100000"]).output().unwrap();
+    let out = kvferry()
+        .args([
+            "store-bench",
+            "--ha",
+            "127.0.0.1:1",
+            "--ha-standby-cpu",
+            "100000",
+        ])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--ha-standby-cpu 100000") && err.contains("may run on CPU"), "names the CPU and the CPUs allowed: {err}");
+    assert!(
+        err.contains("--ha-standby-cpu 100000") && err.contains("may run on CPU"),
+        "names the CPU and the CPUs allowed: {err}"
+    );
 }
 
 #[test]
 fn doctor_reports_transports() {
-    let out = kvferry().args(["doctor", "--local-hostname", "127.0.0.1"]).output().unwrap();
+    let out = kvferry()
+        .args(["doctor", "--local-hostname", "127.0.0.1"])
+        .output()
+        .unwrap();
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{s}");
-    for want in ["tcp", "rdma", "gpu memory", "memlock", "listeners", "KVFERRY_TRANSFER_TIMEOUT"] {
+    for want in [
+        "tcp",
+        "rdma",
+        "gpu memory",
+        "memlock",
+        "listeners",
+        "KVFERRY_TRANSFER_TIMEOUT",
+    ] {
         assert!(s.contains(want), "doctor mentions {want}: {s}");
     }
-    let out = kvferry().args(["doctor", "--local-hostname", "203.0.113.9"]).env("KVFERRY_LOG", "error").output().unwrap();
+    let out = kvferry()
+        .args(["doctor", "--local-hostname", "203.0.113.9"])
+        .env("KVFERRY_LOG", "error")
+        .output()
+        .unwrap();
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(s.contains("not an address of this host"), "{s}");
-    assert!(s.contains("fix: pass an address listed above"), "each problem comes with its fix: {s}");
+    assert!(
+        s.contains("fix: pass an address listed above"),
+        "each problem comes with its fix: {s}"
+    );
 }
 
 /// `kvferry doctor --json [--expect ...]`: the JSON document, its exit status.
 fn doctor_json(expect: Option<&str>) -> (std::process::ExitStatus, serde_json::Value, String) {
     let mut cmd = kvferry();
-    cmd.args(["doctor", "--json", "--local-hostname", "127.0.0.1"]).env("KVFERRY_LOG", "error").env_remove("KVFERRY_TRANSPORT");
+    cmd.args(["doctor", "--json", "--local-hostname", "127.0.0.1"])
+        .env("KVFERRY_LOG", "error")
+        .env_remove("KVFERRY_TRANSPORT");
     if let Some(e) = expect {
         cmd.args(["--expect", e]);
     }
     let out = cmd.output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("doctor --json printed no JSON ({e}): {stdout}\n{stderr}"));
+    let doc: serde_json::Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("doctor --json printed no JSON ({e}): {stdout}\n{stderr}"));
     (out.status, doc, stderr)
 }
 
@@ -180,43 +415,86 @@ fn doctor_json_has_the_stable_keys() {
     let (status, d, stderr) = doctor_json(None);
     assert!(status.success(), "{stderr}");
     assert_eq!(d["version"], env!("CARGO_PKG_VERSION"));
-    for k in ["version", "environment", "host", "network", "memory", "metadata", "transports", "problems", "expect", "ok"] {
+    for k in [
+        "version",
+        "environment",
+        "host",
+        "network",
+        "memory",
+        "metadata",
+        "transports",
+        "problems",
+        "expect",
+        "ok",
+    ] {
         assert!(d.get(k).is_some(), "key {k} missing: {d}");
     }
-    assert!(d["host"]["cpus_online"].as_u64().is_some_and(|n| n >= 1), "{d}");
+    assert!(
+        d["host"]["cpus_online"].as_u64().is_some_and(|n| n >= 1),
+        "{d}"
+    );
     assert!(d["host"]["numa_nodes"].is_array());
-    assert!(d["memory"]["memlock"]["unlimited"].is_boolean() && d["memory"]["memlock"]["cap_ipc_lock"].is_boolean(), "{d}");
+    assert!(
+        d["memory"]["memlock"]["unlimited"].is_boolean()
+            && d["memory"]["memlock"]["cap_ipc_lock"].is_boolean(),
+        "{d}"
+    );
     assert!(d["memory"]["huge_pages"].get("total").is_some());
     assert_eq!(d["network"]["advertised"], "127.0.0.1");
     assert_eq!(d["network"]["listeners"]["ok"], true, "{d}");
     assert_eq!(d["metadata"]["mode"], "P2PHANDSHAKE");
     // 127.0.0.1 is loopback: a problem, with its fix.
     let problems = d["problems"].as_array().unwrap();
-    let p = problems.iter().find(|p| p["check"] == "advertised address").unwrap_or_else(|| panic!("{d}"));
-    assert!(p["message"].as_str().unwrap().contains("loopback") && !p["fix"].as_str().unwrap().is_empty(), "{p}");
+    let p = problems
+        .iter()
+        .find(|p| p["check"] == "advertised address")
+        .unwrap_or_else(|| panic!("{d}"));
+    assert!(
+        p["message"].as_str().unwrap().contains("loopback")
+            && !p["fix"].as_str().unwrap().is_empty(),
+        "{p}"
+    );
     for p in problems {
-        assert!(p["fix"].as_str().is_some_and(|f| !f.is_empty()), "every problem has a fix: {p}");
+        assert!(
+            p["fix"].as_str().is_some_and(|f| !f.is_empty()),
+            "every problem has a fix: {p}"
+        );
     }
     let t = &d["transports"];
     assert_eq!(t["tcp"]["available"], true, "{t}");
     for name in ["tcp", "shm", "rdma", "gpu"] {
-        let available = t[name]["available"].as_bool().unwrap_or_else(|| panic!("{name}: {t}"));
+        let available = t[name]["available"]
+            .as_bool()
+            .unwrap_or_else(|| panic!("{name}: {t}"));
         // Each missing transport says why; an available one has no reason.
         assert_eq!(t[name]["reason"].is_string(), !available, "{name}: {t}");
     }
     // The libraries are looked for at run time: the report says whether they loaded.
-    assert!(t["rdma"]["libibverbs"].is_boolean() && t["gpu"]["libcuda"].is_boolean(), "{t}");
-    let cuda = std::path::Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so.1").exists() || std::path::Path::new("/usr/lib64/libcuda.so.1").exists();
+    assert!(
+        t["rdma"]["libibverbs"].is_boolean() && t["gpu"]["libcuda"].is_boolean(),
+        "{t}"
+    );
+    let cuda = std::path::Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so.1").exists()
+        || std::path::Path::new("/usr/lib64/libcuda.so.1").exists();
     if !cuda {
         assert_eq!(t["gpu"]["libcuda"], false, "{t}");
-        assert!(t["gpu"]["reason"].as_str().unwrap().contains("libcuda.so.1"), "{t}");
+        assert!(
+            t["gpu"]["reason"]
+                .as_str()
+                .unwrap()
+                .contains("libcuda.so.1"),
+            "{t}"
+        );
     }
 }
 
 #[test]
 fn doctor_expect_fails_naming_what_cannot_work() {
     let (status, d, stderr) = doctor_json(Some("tcp"));
-    assert!(status.success(), "--expect tcp on a host that listens: {stderr}");
+    assert!(
+        status.success(),
+        "--expect tcp on a host that listens: {stderr}"
+    );
     assert_eq!(d["ok"], true);
     assert_eq!(d["expect"]["unmet"], serde_json::json!([]));
 
@@ -229,35 +507,81 @@ fn doctor_expect_fails_naming_what_cannot_work() {
     let unmet = d["expect"]["unmet"].as_array().unwrap();
     assert_eq!(unmet.len(), 1, "{d}");
     assert!(unmet[0].as_str().unwrap().starts_with("gpu ("), "{d}");
-    assert!(stderr.contains("gpu") && stderr.contains("cannot work here"), "{stderr}");
-    let p = d["problems"].as_array().unwrap().iter().find(|p| p["check"] == "expected transport gpu").unwrap_or_else(|| panic!("{d}"));
+    assert!(
+        stderr.contains("gpu") && stderr.contains("cannot work here"),
+        "{stderr}"
+    );
+    let p = d["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["check"] == "expected transport gpu")
+        .unwrap_or_else(|| panic!("{d}"));
     assert!(!p["fix"].as_str().unwrap().is_empty());
 
     // The same on the human screen, and an unknown transport is a usage error.
-    let out = kvferry().args(["doctor", "--local-hostname", "127.0.0.1", "--expect", "gpu"]).env("KVFERRY_LOG", "error").output().unwrap();
+    let out = kvferry()
+        .args(["doctor", "--local-hostname", "127.0.0.1", "--expect", "gpu"])
+        .env("KVFERRY_LOG", "error")
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let screen = String::from_utf8_lossy(&out.stdout);
-    assert!(screen.contains("WARN  expected transport gpu") && screen.contains("fix: "), "{screen}");
-    let out = kvferry().args(["doctor", "--expect", "carrier-pigeon"]).output().unwrap();
+    assert!(
+        screen.contains("WARN  expected transport gpu") && screen.contains("fix: "),
+        "{screen}"
+    );
+    let out = kvferry()
+        .args(["doctor", "--expect", "carrier-pigeon"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("tcp, shm, rdma, gpu"));
 
     // KVFERRY_TRANSPORT=tcp switches shm off: --expect shm then fails, saying so.
-    let out = kvferry().args(["doctor", "--json", "--local-hostname", "127.0.0.1", "--expect", "shm"]).env("KVFERRY_TRANSPORT", "tcp").output().unwrap();
+    let out = kvferry()
+        .args([
+            "doctor",
+            "--json",
+            "--local-hostname",
+            "127.0.0.1",
+            "--expect",
+            "shm",
+        ])
+        .env("KVFERRY_TRANSPORT", "tcp")
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let d: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert!(d["transports"]["shm"]["reason"].as_str().unwrap().contains("KVFERRY_TRANSPORT=tcp"), "{d}");
+    assert!(
+        d["transports"]["shm"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("KVFERRY_TRANSPORT=tcp"),
+        "{d}"
+    );
 }
 
 #[test]
 fn version_and_help_exit_zero() {
     let out = kvferry().arg("--version").output().unwrap();
     assert!(out.status.success());
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), format!("kvferry {}", env!("CARGO_PKG_VERSION")));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("kvferry {}", env!("CARGO_PKG_VERSION"))
+    );
     let out = kvferry().arg("--help").output().unwrap();
     assert!(out.status.success());
     let help = String::from_utf8_lossy(&out.stdout);
-    for sub in ["bench", "doctor", "master", "store-bench", "store-client", "metadata-server", "metadata-bench"] {
+    for sub in [
+        "bench",
+        "doctor",
+        "master",
+        "store-bench",
+        "store-client",
+        "metadata-server",
+        "metadata-bench",
+    ] {
         assert!(help.contains(sub), "{help}");
     }
     let out = kvferry().arg("no-such-command").output().unwrap();
@@ -266,11 +590,20 @@ fn version_and_help_exit_zero() {
 
 #[test]
 fn readme_documents_every_variable() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
     for v in kvferry::config::ENV_VARS {
-        assert!(readme.contains(&format!("`{}`", v.name)), "README's configuration table lacks {}", v.name);
+        assert!(
+            readme.contains(&format!("`{}`", v.name)),
+            "README's configuration table lacks {}",
+            v.name
+        );
         for a in v.aliases.iter().filter(|a| !a.contains("PRC")) {
-            assert!(readme.contains(&format!("`{a}`")), "README lacks the alias {a} of {}", v.name);
+            assert!(
+                readme.contains(&format!("`{a}`")),
+                "README lacks the alias {a} of {}",
+                v.name
+            );
         }
     }
 }
@@ -281,12 +614,23 @@ fn target_process_killed_mid_transfer_fails_requests_within_the_deadline() {
     use std::time::{Duration, Instant};
     let mut target = BenchTarget::start(&["--buffer-size", "256M"]);
     let (seg_name, addr) = (target.segment.clone(), target.addr);
-    let e = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(4), ..Config::default() }).unwrap();
+    let e = TransferEngine::new(Config {
+        transfer_timeout: Duration::from_secs(4),
+        ..Config::default()
+    })
+    .unwrap();
     let src = vec![9u8; 256 << 20];
-    e.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    e.register_memory(src.as_ptr() as u64, src.len() as u64, "*")
+        .unwrap();
     let seg = e.open_segment(&seg_name).unwrap();
     let reqs: Vec<_> = (0..64u64)
-        .map(|i| TransferRequest { opcode: Opcode::Write, source: src.as_ptr() as u64 + (i << 22), target_id: seg, target_offset: addr + (i << 22), length: 4 << 20 })
+        .map(|i| TransferRequest {
+            opcode: Opcode::Write,
+            source: src.as_ptr() as u64 + (i << 22),
+            target_id: seg,
+            target_offset: addr + (i << 22),
+            length: 4 << 20,
+        })
         .collect();
     let b = e.allocate_batch(reqs.len()).unwrap();
     e.submit(b, &reqs).unwrap();
@@ -294,15 +638,30 @@ fn target_process_killed_mid_transfer_fails_requests_within_the_deadline() {
     target.kill(); // SIGKILL, mid-transfer
     let start = Instant::now();
     let st = e.wait_batch(b, Duration::from_secs(20)).unwrap();
-    assert!(start.elapsed() < Duration::from_secs(6), "ended within the deadline, took {:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(6),
+        "ended within the deadline, took {:?}",
+        start.elapsed()
+    );
     let until = Instant::now() + Duration::from_secs(6);
     while e.free_batch(b).is_err() {
-        assert!(Instant::now() < until, "tasks still in flight after the deadline");
+        assert!(
+            Instant::now() < until,
+            "tasks still in flight after the deadline"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert!(matches!(st.status, TaskStatus::Failed | TaskStatus::Timeout | TaskStatus::Completed), "{st:?}");
+    assert!(
+        matches!(
+            st.status,
+            TaskStatus::Failed | TaskStatus::Timeout | TaskStatus::Completed
+        ),
+        "{st:?}"
+    );
     // A new request to the dead peer fails quickly with a reason.
-    let st = e.transfer_sync(&reqs[..1], Duration::from_secs(10)).unwrap();
+    let st = e
+        .transfer_sync(&reqs[..1], Duration::from_secs(10))
+        .unwrap();
     assert_ne!(st.status, TaskStatus::Completed);
     assert!(st.reason.is_some());
 }
@@ -315,24 +674,41 @@ fn doctor_reports_gpu_memory_with_a_driver_and_why_not_without() {
     let run = |name: &str, defines: &[&str]| -> (std::process::ExitStatus, serde_json::Value) {
         let dir = cuda_mock::build(&format!("cli-{name}"), defines);
         let out = kvferry()
-            .args(["doctor", "--json", "--local-hostname", "127.0.0.1", "--expect", "tcp,gpu"])
+            .args([
+                "doctor",
+                "--json",
+                "--local-hostname",
+                "127.0.0.1",
+                "--expect",
+                "tcp,gpu",
+            ])
             .env("KVFERRY_LOG", "error")
             .env("LD_LIBRARY_PATH", &dir)
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        (out.status, serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("no JSON ({e}): {stdout}")))
+        (
+            out.status,
+            serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("no JSON ({e}): {stdout}")),
+        )
     };
     let (status, d) = run("ok", &["COUNT=2"]);
     let g = &d["transports"]["gpu"];
     assert!(status.success(), "{d}");
-    assert_eq!((g["available"].as_bool(), g["driver_version"].as_i64()), (Some(true), Some(12040)), "{d}");
+    assert_eq!(
+        (g["available"].as_bool(), g["driver_version"].as_i64()),
+        (Some(true), Some(12040)),
+        "{d}"
+    );
     assert_eq!(g["devices"].as_array().map(Vec::len), Some(2), "{d}");
     let (status, d) = run("nomem", &["NO_MEM"]);
     let g = &d["transports"]["gpu"];
     assert_eq!(status.code(), Some(1), "{d}");
     assert_eq!(g["available"], false, "{d}");
-    assert!(g["reason"].as_str().is_some_and(|r| r.contains("too old")), "{d}");
+    assert!(
+        g["reason"].as_str().is_some_and(|r| r.contains("too old")),
+        "{d}"
+    );
 }
 
 /// A stand-in for Mooncake's `transfer_engine_bench` whose target starts (and prints its
@@ -353,11 +729,16 @@ fn hanging_mooncake(dir: &std::path::Path) -> (std::path::PathBuf, std::path::Pa
 
 /// Whether `pid` runs (a zombie waiting to be reaped does not).
 fn running(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|st| st.rsplit(") ").next().is_some_and(|f| !f.starts_with('Z')))
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|st| st.rsplit(") ").next().is_some_and(|f| !f.starts_with('Z')))
 }
 
 fn all_gone(pids: &std::path::Path) -> Result<(), Vec<i32>> {
-    let ps: Vec<i32> = std::fs::read_to_string(pids).unwrap_or_default().lines().filter_map(|l| l.trim().parse().ok()).collect();
+    let ps: Vec<i32> = std::fs::read_to_string(pids)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
     assert!(ps.len() >= 2, "the stand-in started (pids {ps:?})");
     let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
     loop {
@@ -367,7 +748,10 @@ fn all_gone(pids: &std::path::Path) -> Result<(), Vec<i32>> {
         }
         if std::time::Instant::now() > until {
             // Ours, by pid: do not leave them to the next test.
-            for p in left.iter().filter_map(|&p| rustix::process::Pid::from_raw(p)) {
+            for p in left
+                .iter()
+                .filter_map(|&p| rustix::process::Pid::from_raw(p))
+            {
                 let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
             }
             return Err(left);
@@ -386,7 +770,25 @@ fn bench_bounds_a_mooncake_run_that_never_finishes() {
     let start = Instant::now();
     let out_file = dir.path().join("out");
     let mut child = kvferry()
-        .args(["bench", "--buffer-size", "16M", "--blocks", "64K", "--ops", "write", "--batch", "4", "--duration", "0.2", "--no-ceilings", "--transport", "tcp", "--peer-timeout", "1", "--mooncake"])
+        .args([
+            "bench",
+            "--buffer-size",
+            "16M",
+            "--blocks",
+            "64K",
+            "--ops",
+            "write",
+            "--batch",
+            "4",
+            "--duration",
+            "0.2",
+            "--no-ceilings",
+            "--transport",
+            "tcp",
+            "--peer-timeout",
+            "1",
+            "--mooncake",
+        ])
         .arg(&bin)
         .stdout(std::fs::File::create(&out_file).unwrap())
         .spawn()
@@ -405,8 +807,15 @@ fn bench_bounds_a_mooncake_run_that_never_finishes() {
     };
     let stdout = std::fs::read_to_string(&out_file).unwrap();
     assert!(status.success(), "{stdout}");
-    assert!(stdout.contains("did not finish within"), "the report names the killed run: {stdout}");
-    assert_eq!(all_gone(&pids), Ok(()), "every process of the stand-in is gone");
+    assert!(
+        stdout.contains("did not finish within"),
+        "the report names the killed run: {stdout}"
+    );
+    assert_eq!(
+        all_gone(&pids),
+        Ok(()),
+        "every process of the stand-in is gone"
+    );
 }
 
 /// A bench stopped by SIGTERM while a Mooncake run is in progress kills the Mooncake processes
@@ -417,7 +826,25 @@ fn a_stopped_bench_leaves_no_mooncake_process_behind() {
     let dir = tempfile::tempdir().unwrap();
     let (bin, pids) = hanging_mooncake(dir.path());
     let mut child = kvferry()
-        .args(["bench", "--buffer-size", "16M", "--blocks", "64K", "--ops", "write", "--batch", "4", "--duration", "0.2", "--no-ceilings", "--transport", "tcp", "--peer-timeout", "600", "--mooncake"])
+        .args([
+            "bench",
+            "--buffer-size",
+            "16M",
+            "--blocks",
+            "64K",
+            "--ops",
+            "write",
+            "--batch",
+            "4",
+            "--duration",
+            "0.2",
+            "--no-ceilings",
+            "--transport",
+            "tcp",
+            "--peer-timeout",
+            "600",
+            "--mooncake",
+        ])
         .arg(&bin)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -425,11 +852,23 @@ fn a_stopped_bench_leaves_no_mooncake_process_behind() {
         .unwrap();
     // Both the stand-in's target and its initiator run (two lines each).
     let until = Instant::now() + Duration::from_secs(60);
-    while std::fs::read_to_string(&pids).unwrap_or_default().lines().count() < 4 {
-        assert!(Instant::now() < until, "the bench did not start the stand-in's initiator within 60 s");
+    while std::fs::read_to_string(&pids)
+        .unwrap_or_default()
+        .lines()
+        .count()
+        < 4
+    {
+        assert!(
+            Instant::now() < until,
+            "the bench did not start the stand-in's initiator within 60 s"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
-    rustix::process::kill_process(rustix::process::Pid::from_child(&child), rustix::process::Signal::TERM).expect("SIGTERM to the bench this test started");
+    rustix::process::kill_process(
+        rustix::process::Pid::from_child(&child),
+        rustix::process::Signal::TERM,
+    )
+    .expect("SIGTERM to the bench this test started");
     let until = Instant::now() + Duration::from_secs(10);
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
@@ -442,5 +881,9 @@ fn a_stopped_bench_leaves_no_mooncake_process_behind() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert_eq!(status.code(), Some(143), "{status:?}");
-    assert_eq!(all_gone(&pids), Ok(()), "every process of the stand-in is gone");
+    assert_eq!(
+        all_gone(&pids),
+        Ok(()),
+        "every process of the stand-in is gone"
+    );
 }

@@ -8,12 +8,22 @@ use std::time::Duration;
 
 fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> (u16, String) {
     let mut s = std::net::TcpStream::connect(addr).expect("connect to the metadata server");
-    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len()).expect("write");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .expect("write");
     s.write_all(body).expect("write body");
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
-    let code = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let code = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
     (code, out)
 }
 
@@ -50,15 +60,31 @@ fn master_started_with_mooncake_flags_serves() {
         .expect("spawn kvferry master");
     let mut line = String::new();
     let stdout = child.stdout.take().expect("stdout");
-    BufReader::new(stdout).read_line(&mut line).expect("read the master's line");
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("read the master's line");
     let result = std::panic::catch_unwind(|| {
         assert!(line.starts_with("KVFERRY_MASTER"), "{line:?}");
-        let field = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap_or_default().to_string();
+        let field = |k: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(k))
+                .unwrap_or_default()
+                .to_string()
+        };
         let rpc = field("rpc=");
-        assert!(rpc.starts_with("127.0.0.1:") && !rpc.ends_with(":0"), "--rpc_port=0 picked a port: {line}");
+        assert!(
+            rpc.starts_with("127.0.0.1:") && !rpc.ends_with(":0"),
+            "--rpc_port=0 picked a port: {line}"
+        );
         let meta = field("metadata=");
-        let meta_addr = meta.trim_start_matches("http://").trim_end_matches("/metadata").to_string();
-        assert!(meta.starts_with("http://127.0.0.1:"), "the embedded metadata server is on: {line}");
+        let meta_addr = meta
+            .trim_start_matches("http://")
+            .trim_end_matches("/metadata")
+            .to_string();
+        assert!(
+            meta.starts_with("http://127.0.0.1:"),
+            "the embedded metadata server is on: {line}"
+        );
 
         let c = Client::setup(ClientConfig {
             global_segment_size: 16 << 20,
@@ -68,7 +94,8 @@ fn master_started_with_mooncake_flags_serves() {
             ..ClientConfig::default()
         })
         .expect("a client mounts on the master");
-        c.put("mooncake-flags", b"served", &ReplicateConfig::default()).expect("put");
+        c.put("mooncake-flags", b"served", &ReplicateConfig::default())
+            .expect("put");
         assert_eq!(c.get("mooncake-flags").expect("get"), b"served");
         let _ = c.close();
 
@@ -76,7 +103,11 @@ fn master_started_with_mooncake_flags_serves() {
         let (code, body) = http(&meta_addr, "GET", "/metadata?key=k", b"");
         assert!(code == 200 && body.ends_with("\r\n\r\nv"), "{body}");
         let metrics = field("http=");
-        assert_eq!(http(&metrics, "GET", "/health", b"").0, 200, "the metrics port serves");
+        assert_eq!(
+            http(&metrics, "GET", "/health", b"").0,
+            200,
+            "the metrics port serves"
+        );
     });
     let _ = child.kill();
     let _ = child.wait();
@@ -89,8 +120,18 @@ fn master_started_with_mooncake_flags_serves() {
         std::panic::resume_unwind(p);
     }
     // (Mooncake's oplog replication is what kvferry's HA does anyway: a warning, not an error.)
-    for name in ["--rpc_thread_num=4", "--memory_allocator=offset", "--enable_oplog=true"] {
-        assert_eq!(err.lines().filter(|l| l.contains("warning") && l.contains(name)).count(), 1, "one warning line for {name}: {err}");
+    for name in [
+        "--rpc_thread_num=4",
+        "--memory_allocator=offset",
+        "--enable_oplog=true",
+    ] {
+        assert_eq!(
+            err.lines()
+                .filter(|l| l.contains("warning") && l.contains(name))
+                .count(),
+            1,
+            "one warning line for {name}: {err}"
+        );
     }
 }
 
@@ -102,7 +143,10 @@ fn master_refuses_mooncake_features_it_lacks_by_name() {
         (&["--ha_backend_type=redis"], "--ha_backend_type"),
         (&["-enable_offload"], "--enable_offload"),
         (&["--rpc_interface", "eth0"], "--rpc_interface"),
-        (&["--dynamic_replication_mode=enforce"], "--dynamic_replication_mode"),
+        (
+            &["--dynamic_replication_mode=enforce"],
+            "--dynamic_replication_mode",
+        ),
         (&["--no_such_mooncake_flag=1"], "--no_such_mooncake_flag"),
     ] {
         let child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
@@ -129,7 +173,10 @@ fn master_refuses_mooncake_features_it_lacks_by_name() {
         };
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?} must be refused");
-        assert!(err.contains(name), "{args:?}: the error names {name}: {err}");
+        assert!(
+            err.contains(name),
+            "{args:?}: the error names {name}: {err}"
+        );
         assert!(out.stdout.is_empty(), "{args:?}: nothing served");
     }
 }

@@ -32,8 +32,14 @@ impl Server {
             .spawn()
             .expect("start kvferry metadata-server");
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let port = line.split_whitespace().find_map(|w| w.strip_prefix("port=")).and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("no port in {line:?}"));
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let port = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("port="))
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no port in {line:?}"));
         Server { child, port }
     }
 
@@ -52,7 +58,14 @@ impl Drop for Server {
 /// One request on a fresh connection: (status, content type, body).
 fn http(port: u16, method: &str, target: &str, body: &[u8]) -> (u16, String, String) {
     let (status, head, body) = http_with(port, method, target, body, &[]);
-    let ctype = head.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("content-type:").map(|v| v.trim().to_string())).unwrap_or_default();
+    let ctype = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-type:")
+                .map(|v| v.trim().to_string())
+        })
+        .unwrap_or_default();
     (status, ctype, body)
 }
 
@@ -60,17 +73,83 @@ fn http(port: u16, method: &str, target: &str, body: &[u8]) -> (u16, String, Str
 fn common_steps() -> Vec<(&'static str, &'static str, &'static str, u16, &'static str)> {
     vec![
         ("GET", "/metadata", "", 400, "metadata key is required"),
-        ("GET", "/metadata?key=%20", "", 400, "metadata key is required"),
-        ("GET", "/metadata?key=mooncake%2Fram%2Fa", "", 404, "metadata not found"),
-        ("PUT", "/metadata?key=mooncake%2Fram%2Fa", r#"{"name":"a"}"#, 200, "metadata updated"),
-        ("GET", "/metadata?key=mooncake/ram/a", "", 200, r#"{"name":"a"}"#),
-        ("PUT", "/metadata?key=mooncake%2Fram%2Fa", r#"{"name":"a2"}"#, 200, "metadata updated"),
-        ("GET", "/metadata?key=mooncake%2Fram%2Fa", "", 200, r#"{"name":"a2"}"#),
-        ("PUT", "/metadata?key=mooncake%2Frpc_meta%2Fa", r#"{"ip_or_host_name":"h","rpc_port":1}"#, 200, "metadata updated"),
-        ("PUT", "/metadata?key=mooncake%2Frpc_meta%2Fa", r#"{"ip_or_host_name":"h","rpc_port":2}"#, 400, "Duplicate rpc_meta key not allowed"),
-        ("DELETE", "/metadata?key=mooncake%2Fram%2Fa", "", 200, "metadata deleted"),
-        ("DELETE", "/metadata?key=mooncake%2Fram%2Fa", "", 404, "metadata not found"),
-        ("GET", "/metadata?key=mooncake%2Fram%2Fa", "", 404, "metadata not found"),
+        (
+            "GET",
+            "/metadata?key=%20",
+            "",
+            400,
+            "metadata key is required",
+        ),
+        (
+            "GET",
+            "/metadata?key=mooncake%2Fram%2Fa",
+            "",
+            404,
+            "metadata not found",
+        ),
+        (
+            "PUT",
+            "/metadata?key=mooncake%2Fram%2Fa",
+            r#"{"name":"a"}"#,
+            200,
+            "metadata updated",
+        ),
+        (
+            "GET",
+            "/metadata?key=mooncake/ram/a",
+            "",
+            200,
+            r#"{"name":"a"}"#,
+        ),
+        (
+            "PUT",
+            "/metadata?key=mooncake%2Fram%2Fa",
+            r#"{"name":"a2"}"#,
+            200,
+            "metadata updated",
+        ),
+        (
+            "GET",
+            "/metadata?key=mooncake%2Fram%2Fa",
+            "",
+            200,
+            r#"{"name":"a2"}"#,
+        ),
+        (
+            "PUT",
+            "/metadata?key=mooncake%2Frpc_meta%2Fa",
+            r#"{"ip_or_host_name":"h","rpc_port":1}"#,
+            200,
+            "metadata updated",
+        ),
+        (
+            "PUT",
+            "/metadata?key=mooncake%2Frpc_meta%2Fa",
+            r#"{"ip_or_host_name":"h","rpc_port":2}"#,
+            400,
+            "Duplicate rpc_meta key not allowed",
+        ),
+        (
+            "DELETE",
+            "/metadata?key=mooncake%2Fram%2Fa",
+            "",
+            200,
+            "metadata deleted",
+        ),
+        (
+            "DELETE",
+            "/metadata?key=mooncake%2Fram%2Fa",
+            "",
+            404,
+            "metadata not found",
+        ),
+        (
+            "GET",
+            "/metadata?key=mooncake%2Fram%2Fa",
+            "",
+            404,
+            "metadata not found",
+        ),
         ("POST", "/metadata?key=x", "", 405, "Method not allowed"),
     ]
 }
@@ -79,7 +158,10 @@ fn check_steps(port: u16, who: &str) {
     for (m, t, b, status, body) in common_steps() {
         let (s, ct, got) = http(port, m, t, b.as_bytes());
         assert_eq!((s, got.as_str()), (status, body), "{who}: {m} {t}");
-        assert!(ct.starts_with("application/json"), "{who}: {m} {t}: content type {ct:?}");
+        assert!(
+            ct.starts_with("application/json"),
+            "{who}: {m} {t}: content type {ct:?}"
+        );
     }
 }
 
@@ -88,7 +170,12 @@ fn contract_matches_mooncake() {
     let s = Server::start(&["--port", "0"]);
     check_steps(s.port, "kvferry");
     // The C++ master's additions: identical rpc_meta is accepted, /health.
-    let (st, _, b) = http(s.port, "PUT", "/metadata?key=mooncake%2Frpc_meta%2Fa", br#"{"ip_or_host_name":"h","rpc_port":1}"#);
+    let (st, _, b) = http(
+        s.port,
+        "PUT",
+        "/metadata?key=mooncake%2Frpc_meta%2Fa",
+        br#"{"ip_or_host_name":"h","rpc_port":1}"#,
+    );
     assert_eq!((st, b.as_str()), (200, "metadata unchanged"));
     assert_eq!(http(s.port, "GET", "/health", b"").0, 200);
     assert_eq!(http(s.port, "GET", "/health", b"").2, "OK");
@@ -122,8 +209,13 @@ fn durable_across_sigkill() {
     put(port, "k7", "changed");
     assert_eq!(http(port, "DELETE", "/metadata?key=k8", b"").0, 200);
     s.kill(); // SIGKILL right after the replies: they were fsync'ed before being sent
-    // A torn record at the end (a crash mid-write) is dropped, not fatal.
-    std::fs::OpenOptions::new().append(true).open(Path::new(&dir).join("metadata.log")).unwrap().write_all(&[1, 200, 0, 0]).unwrap();
+              // A torn record at the end (a crash mid-write) is dropped, not fatal.
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(Path::new(&dir).join("metadata.log"))
+        .unwrap()
+        .write_all(&[1, 200, 0, 0])
+        .unwrap();
     let s2 = Server::start(&["--port", &port.to_string(), "--data-dir", d]);
     assert_eq!(get(s2.port, "k0"), (200, "value-0".into()));
     assert_eq!(get(s2.port, "k49"), (200, "value-49".into()));
@@ -142,11 +234,20 @@ fn durable_across_sigkill() {
 
 /// Keep-alive requests on one connection: (status, body) of each.
 fn keep_alive(c: &mut BufReader<TcpStream>, method: &str, key: &str, body: &str) -> (u16, String) {
-    let head = format!("{method} /metadata?key={key} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len());
-    c.get_mut().write_all(format!("{head}{body}").as_bytes()).unwrap();
+    let head = format!(
+        "{method} /metadata?key={key} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    c.get_mut()
+        .write_all(format!("{head}{body}").as_bytes())
+        .unwrap();
     let mut line = String::new();
     c.read_line(&mut line).unwrap();
-    let status = line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     let mut len = 0;
     loop {
         line.clear();
@@ -172,7 +273,16 @@ fn keep_alive(c: &mut BufReader<TcpStream>, method: &str, key: &str, body: &str)
 fn connections_on_every_thread_share_one_store() {
     let dir = std::env::temp_dir().join(format!("kvferry-meta-threads-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let s = Server::start(&["--port", "0", "--threads", "3", "--max-connections", "9", "--data-dir", dir.to_str().unwrap()]);
+    let s = Server::start(&[
+        "--port",
+        "0",
+        "--threads",
+        "3",
+        "--max-connections",
+        "9",
+        "--data-dir",
+        dir.to_str().unwrap(),
+    ]);
     let port = s.port;
     let barrier = std::sync::Arc::new(std::sync::Barrier::new(9));
     let clients: Vec<_> = (0..9)
@@ -183,13 +293,23 @@ fn connections_on_every_thread_share_one_store() {
                 s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
                 let mut c = BufReader::new(s);
                 for j in 0..20 {
-                    assert_eq!(keep_alive(&mut c, "PUT", &format!("c{i}-{j}"), &format!("v{i}-{j}")).0, 200);
+                    assert_eq!(
+                        keep_alive(&mut c, "PUT", &format!("c{i}-{j}"), &format!("v{i}-{j}")).0,
+                        200
+                    );
                 }
-                assert_eq!(keep_alive(&mut c, "DELETE", &format!("c{i}-0"), ""), (200, "metadata deleted".into()));
+                assert_eq!(
+                    keep_alive(&mut c, "DELETE", &format!("c{i}-0"), ""),
+                    (200, "metadata deleted".into())
+                );
                 barrier.wait();
                 // Every connection reads what the others (on other threads) wrote.
                 for k in 0..9 {
-                    assert_eq!(keep_alive(&mut c, "GET", &format!("c{k}-19"), ""), (200, format!("v{k}-19")), "connection {i} reads c{k}-19");
+                    assert_eq!(
+                        keep_alive(&mut c, "GET", &format!("c{k}-19"), ""),
+                        (200, format!("v{k}-19")),
+                        "connection {i} reads c{k}-19"
+                    );
                     assert_eq!(keep_alive(&mut c, "GET", &format!("c{k}-0"), "").0, 404);
                 }
                 barrier.wait();
@@ -200,11 +320,17 @@ fn connections_on_every_thread_share_one_store() {
     let open: Vec<_> = clients.into_iter().map(|h| h.join().unwrap()).collect();
     // All 9 slots are taken: a tenth connection is closed at once.
     let mut extra = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    extra.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    extra
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
     let _ = extra.write_all(b"GET /metadata?key=c1-1 HTTP/1.1\r\nHost: x\r\n\r\n");
     let mut out = Vec::new();
     let _ = extra.read_to_end(&mut out);
-    assert!(out.is_empty(), "over --max-connections: closed, got {:?}", String::from_utf8_lossy(&out));
+    assert!(
+        out.is_empty(),
+        "over --max-connections: closed, got {:?}",
+        String::from_utf8_lossy(&out)
+    );
     drop(open);
     // Slots come back when connections close.
     let t = Instant::now();
@@ -218,29 +344,46 @@ fn connections_on_every_thread_share_one_store() {
 
 #[test]
 fn garbage_huge_and_slow_clients_do_not_stop_service() {
-    let s = Server::start(&["--port", "0", "--max-body-bytes", "1048576", "--request-timeout", "1"]);
+    let s = Server::start(&[
+        "--port",
+        "0",
+        "--max-body-bytes",
+        "1048576",
+        "--request-timeout",
+        "1",
+    ]);
     let port = s.port;
     put(port, "good", "v");
     // Garbage: an error answer or a closed connection, never a crash.
-    for junk in [&b"\x00\x01\x02garbage\r\n\r\n"[..], b"GET\r\n\r\n", b"PUT /metadata?key=a HTTP/1.1\r\nContent-Length: -5\r\n\r\n", &[0xffu8; 5000][..]] {
+    for junk in [
+        &b"\x00\x01\x02garbage\r\n\r\n"[..],
+        b"GET\r\n\r\n",
+        b"PUT /metadata?key=a HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
+        &[0xffu8; 5000][..],
+    ] {
         let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let _ = c.write_all(junk);
         let mut out = Vec::new();
         let _ = c.read_to_end(&mut out);
         let text = String::from_utf8_lossy(&out);
-        assert!(out.is_empty() || text.starts_with("HTTP/1.1 4"), "garbage answered {text:?}");
+        assert!(
+            out.is_empty() || text.starts_with("HTTP/1.1 4"),
+            "garbage answered {text:?}"
+        );
     }
     // Huge declared body: 413 before reading it.
     let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    c.write_all(b"PUT /metadata?key=big HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n").unwrap();
+    c.write_all(b"PUT /metadata?key=big HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n")
+        .unwrap();
     let mut line = String::new();
     BufReader::new(&c).read_line(&mut line).unwrap();
     assert!(line.starts_with("HTTP/1.1 413"), "{line}");
     // Huge chunked body (no length): cut at the limit.
     let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
     c.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
-    c.write_all(b"PUT /metadata?key=big HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n").unwrap();
+    c.write_all(b"PUT /metadata?key=big HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        .unwrap();
     let chunk = format!("{:x}\r\n{}\r\n", 65536, "a".repeat(65536));
     for _ in 0..40 {
         if c.write_all(chunk.as_bytes()).is_err() {
@@ -256,18 +399,25 @@ fn garbage_huge_and_slow_clients_do_not_stop_service() {
     let slow: Vec<TcpStream> = (0..200)
         .map(|_| {
             let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
-            c.write_all(b"GET /metadata?key=good HTTP/1.1\r\nHo").unwrap();
+            c.write_all(b"GET /metadata?key=good HTTP/1.1\r\nHo")
+                .unwrap();
             c
         })
         .collect();
     let mut body_staller = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    body_staller.write_all(b"PUT /metadata?key=slow HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc").unwrap();
+    body_staller
+        .write_all(b"PUT /metadata?key=slow HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc")
+        .unwrap();
     // ...while others are served promptly.
     let t = Instant::now();
     for _ in 0..50 {
         assert_eq!(get(port, "good"), (200, "v".into()));
     }
-    assert!(t.elapsed() < Duration::from_secs(5), "served others while slow clients stalled: {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "served others while slow clients stalled: {:?}",
+        t.elapsed()
+    );
     // The stalled ones are cut off after --request-timeout.
     std::thread::sleep(Duration::from_millis(2500));
     let mut c = &slow[0];
@@ -275,11 +425,19 @@ fn garbage_huge_and_slow_clients_do_not_stop_service() {
     let mut buf = [0u8; 256];
     let n = c.read(&mut buf).unwrap_or(0);
     let text = String::from_utf8_lossy(&buf[..n]);
-    assert!(n == 0 || text.starts_with("HTTP/1.1 408"), "a stalled client is disconnected: {text:?}");
-    body_staller.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    assert!(
+        n == 0 || text.starts_with("HTTP/1.1 408"),
+        "a stalled client is disconnected: {text:?}"
+    );
+    body_staller
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .unwrap();
     let n = body_staller.read(&mut buf).unwrap_or(0);
     let text = String::from_utf8_lossy(&buf[..n]);
-    assert!(n == 0 || text.starts_with("HTTP/1.1 408"), "a stalled body is cut off: {text:?}");
+    assert!(
+        n == 0 || text.starts_with("HTTP/1.1 408"),
+        "a stalled body is cut off: {text:?}"
+    );
     assert_eq!(get(port, "slow").0, 404);
     assert_eq!(get(port, "good"), (200, "v".into()));
 }
@@ -291,19 +449,42 @@ fn engines_find_each_other_through_it_and_across_its_restart() {
     let _ = std::fs::remove_dir_all(&dir);
     let mut s = Server::start(&["--port", "0", "--data-dir", dir.to_str().unwrap()]);
     let url = format!("http://127.0.0.1:{}/metadata", s.port);
-    let cfg = |name: &str| Config { local_hostname: name.into(), metadata_server: url.clone(), advertise_address: Some("127.0.0.1".into()), ..Config::default() };
+    let cfg = |name: &str| Config {
+        local_hostname: name.into(),
+        metadata_server: url.clone(),
+        advertise_address: Some("127.0.0.1".into()),
+        ..Config::default()
+    };
     let a = TransferEngine::new(cfg("kvf-a")).unwrap();
     let mem = vec![0u8; 1 << 20];
-    a.register_memory(mem.as_ptr() as u64, mem.len() as u64, "cpu:0").unwrap();
+    a.register_memory(mem.as_ptr() as u64, mem.len() as u64, "cpu:0")
+        .unwrap();
     s.kill();
-    let _s2 = Server::start(&["--port", &s.port.to_string(), "--data-dir", dir.to_str().unwrap()]);
+    let _s2 = Server::start(&[
+        "--port",
+        &s.port.to_string(),
+        "--data-dir",
+        dir.to_str().unwrap(),
+    ]);
     // A newcomer after the server restart still finds kvf-a: the server kept it.
     let b = TransferEngine::new(cfg("kvf-b")).unwrap();
     let src: Vec<u8> = (0..mem.len()).map(|i| (i * 7) as u8).collect();
-    b.register_memory(src.as_ptr() as u64, src.len() as u64, "cpu:0").unwrap();
+    b.register_memory(src.as_ptr() as u64, src.len() as u64, "cpu:0")
+        .unwrap();
     let id = b.open_segment("kvf-a").unwrap();
-    let req = TransferRequest { opcode: Opcode::Write, source: src.as_ptr() as u64, target_id: id, target_offset: mem.as_ptr() as u64, length: mem.len() as u64 };
-    assert_eq!(b.transfer_sync(&[req], Duration::from_secs(10)).unwrap().status, TaskStatus::Completed);
+    let req = TransferRequest {
+        opcode: Opcode::Write,
+        source: src.as_ptr() as u64,
+        target_id: id,
+        target_offset: mem.as_ptr() as u64,
+        length: mem.len() as u64,
+    };
+    assert_eq!(
+        b.transfer_sync(&[req], Duration::from_secs(10))
+            .unwrap()
+            .status,
+        TaskStatus::Completed
+    );
     assert!(mem == src);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -319,10 +500,20 @@ fn a_conditional_delete_removes_only_the_write_seen_and_one_engine_takes_a_dead_
     let tag = |key: &str| -> String {
         let mut c = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        write!(c, "GET /metadata?key={key} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").unwrap();
+        write!(
+            c,
+            "GET /metadata?key={key} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
         let mut out = String::new();
         let _ = c.read_to_string(&mut out);
-        out.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("etag:").map(|v| v.trim().to_string())).unwrap_or_else(|| panic!("no ETag in {out:?}"))
+        out.lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("etag:")
+                    .map(|v| v.trim().to_string())
+            })
+            .unwrap_or_else(|| panic!("no ETag in {out:?}"))
     };
     let delete_if = |key: &str, etag: &str| -> (u16, String) {
         let mut c = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
@@ -330,8 +521,17 @@ fn a_conditional_delete_removes_only_the_write_seen_and_one_engine_takes_a_dead_
         write!(c, "DELETE /metadata?key={key} HTTP/1.1\r\nHost: 127.0.0.1\r\nIf-Match: {etag}\r\nConnection: close\r\n\r\n").unwrap();
         let mut out = String::new();
         let _ = c.read_to_string(&mut out);
-        let status = out.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-        (status, out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+        let status = out
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        (
+            status,
+            out.split_once("\r\n\r\n")
+                .map(|(_, b)| b.to_string())
+                .unwrap_or_default(),
+        )
     };
     let key = "mooncake%2Frpc_meta%2Fe";
     put(s.port, key, "v1");
@@ -339,8 +539,19 @@ fn a_conditional_delete_removes_only_the_write_seen_and_one_engine_takes_a_dead_
     put(s.port, key, "v1");
     let second = tag(key);
     assert_ne!(first, second, "an identical rpc_meta PUT is another write");
-    assert_eq!(delete_if(key, &first), (412, "metadata changed since the write If-Match names; GET it again for its current ETag".to_string()));
-    assert_eq!(get(s.port, key), (200, "v1".to_string()), "a refused delete leaves the value");
+    assert_eq!(
+        delete_if(key, &first),
+        (
+            412,
+            "metadata changed since the write If-Match names; GET it again for its current ETag"
+                .to_string()
+        )
+    );
+    assert_eq!(
+        get(s.port, key),
+        (200, "v1".to_string()),
+        "a refused delete leaves the value"
+    );
     assert_eq!(delete_if(key, &second).0, 200);
     assert_eq!(get(s.port, key).0, 404);
     assert_eq!(delete_if(key, &second).0, 404);
@@ -366,23 +577,44 @@ fn key_file(dir: &Path, name: &str, fill: char) -> std::path::PathBuf {
 
 /// One request on a fresh connection with `headers` added: (status, whole head, body).
 /// [`http`] with more headers: (status, the answer's head, body).
-fn http_with(port: u16, method: &str, target: &str, body: &[u8], headers: &[(&str, String)]) -> (u16, String, String) {
+fn http_with(
+    port: u16,
+    method: &str,
+    target: &str,
+    body: &[u8],
+    headers: &[(&str, String)],
+) -> (u16, String, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     let head = format!("{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n", body.len());
     s.write_all(&[head.as_bytes(), body].concat()).unwrap();
     let mut out = Vec::new();
     let _ = s.read_to_end(&mut out);
     let text = String::from_utf8_lossy(&out).to_string();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     (status, head.to_string(), body.to_string())
 }
 
 /// The `X-Kvferry-Auth` header of a request signed with `key` now.
-fn signed(key: &kvferry::auth::ClusterKey, method: &str, target: &str, body: &[u8]) -> (&'static str, String) {
-    (kvferry::auth_http::HEADER, kvferry::auth_http::sign_now(key, method, target, body))
+fn signed(
+    key: &kvferry::auth::ClusterKey,
+    method: &str,
+    target: &str,
+    body: &[u8],
+) -> (&'static str, String) {
+    (
+        kvferry::auth_http::HEADER,
+        kvferry::auth_http::sign_now(key, method, target, body),
+    )
 }
 
 /// A metadata server holding the cluster key takes a write only when it is signed with it
@@ -393,56 +625,169 @@ fn signed(key: &kvferry::auth::ClusterKey, method: &str, target: &str, body: &[u
 fn a_keyed_metadata_server_takes_only_signed_writes_and_leaves_reads_open() {
     use kvferry::metadata::{connect, MetadataStore, StoreOptions};
     let dir = tempfile::tempdir().expect("temporary directory");
-    let (a, b) = (key_file(dir.path(), "a", 'a'), key_file(dir.path(), "b", 'b'));
+    let (a, b) = (
+        key_file(dir.path(), "a", 'a'),
+        key_file(dir.path(), "b", 'b'),
+    );
     let key_a = kvferry::auth::ClusterKey::load(&a).expect("key a");
     let key_b = kvferry::auth::ClusterKey::load(&b).expect("key b");
-    let s = Server::start_env(&["--port", "0"], &[("KVFERRY_AUTH_KEY_FILE", a.to_str().expect("path"))]);
+    let s = Server::start_env(
+        &["--port", "0"],
+        &[("KVFERRY_AUTH_KEY_FILE", a.to_str().expect("path"))],
+    );
     let url = format!("http://127.0.0.1:{}/metadata", s.port);
     let store = |key: Option<&Path>| -> std::sync::Arc<dyn MetadataStore> {
-        connect(&url, &StoreOptions { auth_key_file: key.map(Path::to_path_buf), ..StoreOptions::default() }).expect("connect").expect("not P2P")
+        connect(
+            &url,
+            &StoreOptions {
+                auth_key_file: key.map(Path::to_path_buf),
+                ..StoreOptions::default()
+            },
+        )
+        .expect("connect")
+        .expect("not P2P")
     };
     let (keyed, keyless, other) = (store(Some(&a)), store(None), store(Some(&b)));
     // kvferry's client holding the key: writes and reads.
     keyed.put("mooncake/ram/a", b"v1").expect("a signed PUT");
-    assert_eq!(keyed.get("mooncake/ram/a").expect("GET"), Some(b"v1".to_vec()));
+    assert_eq!(
+        keyed.get("mooncake/ram/a").expect("GET"),
+        Some(b"v1".to_vec())
+    );
     let target = "/metadata?key=mooncake%2Fram%2Fa";
     // Without the header: 401 naming the cause and the fix, nothing changed.
     for (method, body) in [("PUT", &b"v2"[..]), ("DELETE", b""), ("POST", b"v2")] {
         let (st, head, why) = http_with(s.port, method, target, body, &[]);
         assert_eq!(st, 401, "{method} without the key: {why}");
-        assert!(why.contains("KVFERRY_AUTH_KEY_FILE") && why.contains("X-Kvferry-Auth") && why.contains("Mooncake"), "{method}: {why}");
-        assert!(head.to_ascii_lowercase().contains("www-authenticate: x-kvferry-auth"), "{head}");
+        assert!(
+            why.contains("KVFERRY_AUTH_KEY_FILE")
+                && why.contains("X-Kvferry-Auth")
+                && why.contains("Mooncake"),
+            "{method}: {why}"
+        );
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("www-authenticate: x-kvferry-auth"),
+            "{head}"
+        );
     }
-    assert_eq!(get(s.port, "mooncake%2Fram%2Fa"), (200, "v1".into()), "reads are open; the refused writes changed nothing");
+    assert_eq!(
+        get(s.port, "mooncake%2Fram%2Fa"),
+        (200, "v1".into()),
+        "reads are open; the refused writes changed nothing"
+    );
     assert_eq!(http(s.port, "GET", "/health", b"").0, 200);
-    let e = keyless.put("mooncake/ram/a", b"v2").expect_err("a keyless client's PUT").to_string();
-    assert!(e.contains("401") && e.contains("set KVFERRY_AUTH_KEY_FILE"), "{e}");
-    assert!(keyless.remove("mooncake/ram/a").is_err(), "a keyless client's DELETE");
-    let e = other.put("mooncake/ram/a", b"v2").expect_err("another key's PUT").to_string();
+    let e = keyless
+        .put("mooncake/ram/a", b"v2")
+        .expect_err("a keyless client's PUT")
+        .to_string();
+    assert!(
+        e.contains("401") && e.contains("set KVFERRY_AUTH_KEY_FILE"),
+        "{e}"
+    );
+    assert!(
+        keyless.remove("mooncake/ram/a").is_err(),
+        "a keyless client's DELETE"
+    );
+    let e = other
+        .put("mooncake/ram/a", b"v2")
+        .expect_err("another key's PUT")
+        .to_string();
     assert!(e.contains("401") && e.contains("another key"), "{e}");
-    assert_eq!(keyless.get("mooncake/ram/a").expect("a keyless client reads"), Some(b"v1".to_vec()));
+    assert_eq!(
+        keyless
+            .get("mooncake/ram/a")
+            .expect("a keyless client reads"),
+        Some(b"v1".to_vec())
+    );
     // A signed request is taken once: the same header and body again are refused.
     let h = signed(&key_a, "PUT", target, b"v3");
-    assert_eq!(http_with(s.port, "PUT", target, b"v3", std::slice::from_ref(&h)).0, 200);
+    assert_eq!(
+        http_with(s.port, "PUT", target, b"v3", std::slice::from_ref(&h)).0,
+        200
+    );
     let (st, _, why) = http_with(s.port, "PUT", target, b"v3", &[h]);
-    assert!(st == 401 && why.contains("nonce was taken already"), "a replay: {st} {why}");
+    assert!(
+        st == 401 && why.contains("nonce was taken already"),
+        "a replay: {st} {why}"
+    );
     assert_eq!(get(s.port, "mooncake%2Fram%2Fa"), (200, "v3".into()));
     // The header of one request on another: its body, its key, its method altered.
     let h = signed(&key_a, "PUT", target, b"v4");
     let (st, _, why) = http_with(s.port, "PUT", target, b"v5", std::slice::from_ref(&h));
-    assert!(st == 401 && why.contains("altered"), "another body: {st} {why}");
-    assert_eq!(http_with(s.port, "PUT", "/metadata?key=mooncake%2Fram%2Fb", b"v4", std::slice::from_ref(&h)).0, 401, "another key");
-    assert_eq!(http_with(s.port, "DELETE", target, b"", &[h]).0, 401, "another method");
-    assert_eq!(http_with(s.port, "PUT", target, b"v4", &[signed(&key_b, "PUT", target, b"v4")]).0, 401, "signed with another key");
-    let stale = kvferry::auth_http::sign(&key_a, "PUT", target, b"v6", kvferry::auth_http::now_ms() - 60_000, rand::random());
-    let (st, _, why) = http_with(s.port, "PUT", target, b"v6", &[(kvferry::auth_http::HEADER, stale)]);
-    assert!(st == 401 && why.contains("clock"), "a stale timestamp: {st} {why}");
-    let (st, _, why) = http_with(s.port, "PUT", target, b"v6", &[(kvferry::auth_http::HEADER, "v1 garbage".into())]);
+    assert!(
+        st == 401 && why.contains("altered"),
+        "another body: {st} {why}"
+    );
+    assert_eq!(
+        http_with(
+            s.port,
+            "PUT",
+            "/metadata?key=mooncake%2Fram%2Fb",
+            b"v4",
+            std::slice::from_ref(&h)
+        )
+        .0,
+        401,
+        "another key"
+    );
+    assert_eq!(
+        http_with(s.port, "DELETE", target, b"", &[h]).0,
+        401,
+        "another method"
+    );
+    assert_eq!(
+        http_with(
+            s.port,
+            "PUT",
+            target,
+            b"v4",
+            &[signed(&key_b, "PUT", target, b"v4")]
+        )
+        .0,
+        401,
+        "signed with another key"
+    );
+    let stale = kvferry::auth_http::sign(
+        &key_a,
+        "PUT",
+        target,
+        b"v6",
+        kvferry::auth_http::now_ms() - 60_000,
+        rand::random(),
+    );
+    let (st, _, why) = http_with(
+        s.port,
+        "PUT",
+        target,
+        b"v6",
+        &[(kvferry::auth_http::HEADER, stale)],
+    );
+    assert!(
+        st == 401 && why.contains("clock"),
+        "a stale timestamp: {st} {why}"
+    );
+    let (st, _, why) = http_with(
+        s.port,
+        "PUT",
+        target,
+        b"v6",
+        &[(kvferry::auth_http::HEADER, "v1 garbage".into())],
+    );
     assert!(st == 401 && why.contains("malformed"), "{st} {why}");
-    assert_eq!(get(s.port, "mooncake%2Fram%2Fa"), (200, "v3".into()), "none of those changed anything");
+    assert_eq!(
+        get(s.port, "mooncake%2Fram%2Fa"),
+        (200, "v3".into()),
+        "none of those changed anything"
+    );
     // The keyed client's conditional delete (If-Match) and delete, signed.
-    let seen = keyed.get_seen("mooncake/ram/a").expect("GET").expect("there");
-    assert!(keyed.remove_if("mooncake/ram/a", &seen).expect("a signed conditional DELETE"));
+    let seen = keyed
+        .get_seen("mooncake/ram/a")
+        .expect("GET")
+        .expect("there");
+    assert!(keyed
+        .remove_if("mooncake/ram/a", &seen)
+        .expect("a signed conditional DELETE"));
     assert_eq!(get(s.port, "mooncake%2Fram%2Fa").0, 404);
     keyed.put("mooncake/ram/c", b"x").expect("PUT");
     keyed.remove("mooncake/ram/c").expect("a signed DELETE");
@@ -457,23 +802,61 @@ fn engines_holding_the_key_register_through_a_keyed_metadata_server_and_others_a
     use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
     let dir = tempfile::tempdir().expect("temporary directory");
     let a = key_file(dir.path(), "a", 'a');
-    let s = Server::start_env(&["--port", "0"], &[("KVFERRY_AUTH_KEY_FILE", a.to_str().expect("path"))]);
+    let s = Server::start_env(
+        &["--port", "0"],
+        &[("KVFERRY_AUTH_KEY_FILE", a.to_str().expect("path"))],
+    );
     let url = format!("http://127.0.0.1:{}/metadata", s.port);
-    let cfg = |name: &str, key: Option<&Path>| Config { local_hostname: name.into(), metadata_server: url.clone(), advertise_address: Some("127.0.0.1".into()), auth_key_file: key.map(Path::to_path_buf), ..Config::default() };
+    let cfg = |name: &str, key: Option<&Path>| Config {
+        local_hostname: name.into(),
+        metadata_server: url.clone(),
+        advertise_address: Some("127.0.0.1".into()),
+        auth_key_file: key.map(Path::to_path_buf),
+        ..Config::default()
+    };
     let ea = TransferEngine::new(cfg("kvf-keyed-a", Some(&a))).expect("an engine holding the key");
     let mem = vec![0u8; 1 << 16];
-    ea.register_memory(mem.as_ptr() as u64, mem.len() as u64, "cpu:0").expect("register");
-    assert_eq!(get(s.port, "mooncake%2Fram%2Fkvf-keyed-a").0, 200, "its descriptor was published");
+    ea.register_memory(mem.as_ptr() as u64, mem.len() as u64, "cpu:0")
+        .expect("register");
+    assert_eq!(
+        get(s.port, "mooncake%2Fram%2Fkvf-keyed-a").0,
+        200,
+        "its descriptor was published"
+    );
     let eb = TransferEngine::new(cfg("kvf-keyed-b", Some(&a))).expect("an engine holding the key");
     let src: Vec<u8> = (0..mem.len()).map(|i| (i * 13) as u8).collect();
-    eb.register_memory(src.as_ptr() as u64, src.len() as u64, "cpu:0").expect("register");
-    let id = eb.open_segment("kvf-keyed-a").expect("found through the keyed server");
-    let req = TransferRequest { opcode: Opcode::Write, source: src.as_ptr() as u64, target_id: id, target_offset: mem.as_ptr() as u64, length: mem.len() as u64 };
-    assert_eq!(eb.transfer_sync(&[req], Duration::from_secs(10)).expect("transfer").status, TaskStatus::Completed);
+    eb.register_memory(src.as_ptr() as u64, src.len() as u64, "cpu:0")
+        .expect("register");
+    let id = eb
+        .open_segment("kvf-keyed-a")
+        .expect("found through the keyed server");
+    let req = TransferRequest {
+        opcode: Opcode::Write,
+        source: src.as_ptr() as u64,
+        target_id: id,
+        target_offset: mem.as_ptr() as u64,
+        length: mem.len() as u64,
+    };
+    assert_eq!(
+        eb.transfer_sync(&[req], Duration::from_secs(10))
+            .expect("transfer")
+            .status,
+        TaskStatus::Completed
+    );
     assert!(mem == src);
-    let e = TransferEngine::new(cfg("kvf-keyless", None)).map(|_| ()).expect_err("a keyless engine cannot publish itself").to_string();
-    assert!(e.contains("401") && e.contains("KVFERRY_AUTH_KEY_FILE"), "{e}");
-    assert_eq!(get(s.port, "mooncake%2Frpc_meta%2Fkvf-keyless").0, 404, "nothing of it was written");
+    let e = TransferEngine::new(cfg("kvf-keyless", None))
+        .map(|_| ())
+        .expect_err("a keyless engine cannot publish itself")
+        .to_string();
+    assert!(
+        e.contains("401") && e.contains("KVFERRY_AUTH_KEY_FILE"),
+        "{e}"
+    );
+    assert_eq!(
+        get(s.port, "mooncake%2Frpc_meta%2Fkvf-keyless").0,
+        404,
+        "nothing of it was written"
+    );
 }
 
 /// `kvferry master` with its `KVFERRY_AUTH_KEY_FILE`: the HTTP routes that show the store's
@@ -483,61 +866,156 @@ fn engines_holding_the_key_register_through_a_keyed_metadata_server_and_others_a
 fn a_keyed_master_shows_its_state_only_to_signed_requests() {
     use kvferry_store::{Client, ClientConfig, ReplicateConfig};
     let dir = tempfile::tempdir().expect("temporary directory");
-    let (a, b) = (key_file(dir.path(), "a", 'a'), key_file(dir.path(), "b", 'b'));
+    let (a, b) = (
+        key_file(dir.path(), "a", 'a'),
+        key_file(dir.path(), "b", 'b'),
+    );
     let key_a = kvferry::auth::ClusterKey::load(&a).expect("key a");
     let key_b = kvferry::auth::ClusterKey::load(&b).expect("key b");
     let env = [("KVFERRY_AUTH_KEY_FILE", a.to_str().expect("path"))];
-    let m = MasterProc::start(&["--enable-http-metadata-server", "--http-metadata-server-port", "0"], &env);
+    let m = MasterProc::start(
+        &[
+            "--enable-http-metadata-server",
+            "--http-metadata-server-port",
+            "0",
+        ],
+        &env,
+    );
     let http = m.port("http=");
     // A client holding the key puts an object (its placement is what /query_key shows).
-    let engine = kvferry::TransferEngine::new(kvferry::Config { auth_key_file: Some(a.clone()), ..kvferry::Config::default() }).expect("engine");
-    let cfg = ClientConfig { local_hostname: String::new(), global_segment_size: 4 << 20, local_buffer_size: 4 << 20, master_server_addr: m.field("rpc="), ..ClientConfig::default() };
-    let c = Client::with_engine(cfg, std::sync::Arc::new(engine), None).expect("a client holding the key");
-    c.put("secret-key", &[7u8; 4096], &ReplicateConfig::default()).expect("put");
-    for path in ["/query_key?key=secret-key", "/get_all_segments", "/ha_status"] {
+    let engine = kvferry::TransferEngine::new(kvferry::Config {
+        auth_key_file: Some(a.clone()),
+        ..kvferry::Config::default()
+    })
+    .expect("engine");
+    let cfg = ClientConfig {
+        local_hostname: String::new(),
+        global_segment_size: 4 << 20,
+        local_buffer_size: 4 << 20,
+        master_server_addr: m.field("rpc="),
+        ..ClientConfig::default()
+    };
+    let c = Client::with_engine(cfg, std::sync::Arc::new(engine), None)
+        .expect("a client holding the key");
+    c.put("secret-key", &[7u8; 4096], &ReplicateConfig::default())
+        .expect("put");
+    for path in [
+        "/query_key?key=secret-key",
+        "/get_all_segments",
+        "/ha_status",
+    ] {
         let (st, _, why) = http_with(http, "GET", path, b"", &[]);
         assert_eq!(st, 401, "{path} without the key: {why}");
-        assert!(why.contains("KVFERRY_AUTH_KEY_FILE") && !why.contains("127.0.0.1"), "{path}: {why}");
-        assert_eq!(http_with(http, "GET", path, b"", &[signed(&key_b, "GET", path, b"")]).0, 401, "{path} signed with another key");
+        assert!(
+            why.contains("KVFERRY_AUTH_KEY_FILE") && !why.contains("127.0.0.1"),
+            "{path}: {why}"
+        );
+        assert_eq!(
+            http_with(http, "GET", path, b"", &[signed(&key_b, "GET", path, b"")]).0,
+            401,
+            "{path} signed with another key"
+        );
         let h = signed(&key_a, "GET", path, b"");
         let (st, _, body) = http_with(http, "GET", path, b"", std::slice::from_ref(&h));
         assert_eq!(st, 200, "{path} signed: {body}");
         assert!(!body.is_empty(), "{path}");
-        assert_eq!(http_with(http, "GET", path, b"", &[h]).0, 401, "{path} replayed");
+        assert_eq!(
+            http_with(http, "GET", path, b"", &[h]).0,
+            401,
+            "{path} replayed"
+        );
     }
-    let (_, _, placed) = http_with(http, "GET", "/query_key?key=secret-key", b"", &[signed(&key_a, "GET", "/query_key?key=secret-key", b"")]);
-    assert!(placed.contains("127.0.0.1"), "a signed /query_key shows where the object is: {placed}");
+    let (_, _, placed) = http_with(
+        http,
+        "GET",
+        "/query_key?key=secret-key",
+        b"",
+        &[signed(&key_a, "GET", "/query_key?key=secret-key", b"")],
+    );
+    assert!(
+        placed.contains("127.0.0.1"),
+        "a signed /query_key shows where the object is: {placed}"
+    );
     // A signature for one query is not one for another.
     let h = signed(&key_a, "GET", "/query_key?key=other", b"");
-    assert_eq!(http_with(http, "GET", "/query_key?key=secret-key", b"", &[h]).0, 401);
+    assert_eq!(
+        http_with(http, "GET", "/query_key?key=secret-key", b"", &[h]).0,
+        401
+    );
     for path in ["/health", "/metrics", "/role", "/leader"] {
-        assert_eq!(http_with(http, "GET", path, b"", &[]).0, 200, "{path} stays open by default");
+        assert_eq!(
+            http_with(http, "GET", path, b"", &[]).0,
+            200,
+            "{path} stays open by default"
+        );
     }
     // The embedded metadata server: reads open, writes signed.
     let md = m.port("metadata=");
     let target = "/metadata?key=mooncake%2Fram%2Fm";
     assert_eq!(http_with(md, "PUT", target, b"v", &[]).0, 401);
-    assert_eq!(http_with(md, "GET", target, b"", &[]).0, 404, "the refused PUT wrote nothing; reads are open");
-    assert_eq!(http_with(md, "PUT", target, b"v", &[signed(&key_a, "PUT", target, b"v")]).0, 200);
+    assert_eq!(
+        http_with(md, "GET", target, b"", &[]).0,
+        404,
+        "the refused PUT wrote nothing; reads are open"
+    );
+    assert_eq!(
+        http_with(
+            md,
+            "PUT",
+            target,
+            b"v",
+            &[signed(&key_a, "PUT", target, b"v")]
+        )
+        .0,
+        200
+    );
     assert_eq!(http_with(md, "GET", target, b"", &[]).2, "v");
     let _ = c.close();
 
     // --http-auth-all: the probes too.
     let all = MasterProc::start(&["--http-auth-all"], &env);
     let http = all.port("http=");
-    for path in ["/health", "/metrics", "/role", "/leader", "/get_all_segments"] {
-        assert_eq!(http_with(http, "GET", path, b"", &[]).0, 401, "{path} with --http-auth-all");
-        assert_eq!(http_with(http, "GET", path, b"", &[signed(&key_a, "GET", path, b"")]).0, 200, "{path} signed");
+    for path in [
+        "/health",
+        "/metrics",
+        "/role",
+        "/leader",
+        "/get_all_segments",
+    ] {
+        assert_eq!(
+            http_with(http, "GET", path, b"", &[]).0,
+            401,
+            "{path} with --http-auth-all"
+        );
+        assert_eq!(
+            http_with(http, "GET", path, b"", &[signed(&key_a, "GET", path, b"")]).0,
+            200,
+            "{path} signed"
+        );
     }
     // The flag without a key is refused at start, saying why.
     let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0", "--http-auth-all"])
+        .args([
+            "master",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--summary-interval",
+            "0",
+            "--http-auth-all",
+        ])
         .env_remove("KVFERRY_AUTH_KEY_FILE")
         .stdin(Stdio::null())
         .output()
         .expect("run kvferry master");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--http-auth-all needs the cluster key") && err.contains("KVFERRY_AUTH_KEY_FILE"), "{err}");
+    assert!(
+        !out.status.success()
+            && err.contains("--http-auth-all needs the cluster key")
+            && err.contains("KVFERRY_AUTH_KEY_FILE"),
+        "{err}"
+    );
 }
 
 /// A `kvferry` child that announces itself on its first line (`kvferry master`, `kvferry
@@ -550,7 +1028,19 @@ struct MasterProc {
 impl MasterProc {
     /// `kvferry master` with `extra` flags and `env`.
     fn start(extra: &[&str], env: &[(&str, &str)]) -> MasterProc {
-        let args = [&["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0"][..], extra].concat();
+        let args = [
+            &[
+                "master",
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--summary-interval",
+                "0",
+            ][..],
+            extra,
+        ]
+        .concat();
         MasterProc::spawn(&args, env, "KVFERRY_MASTER")
     }
 
@@ -565,21 +1055,30 @@ impl MasterProc {
             .spawn()
             .expect("start kvferry");
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
         let m = MasterProc { child, line };
         assert!(m.line.starts_with(tag), "{tag} expected: {:?}", m.line);
         m
     }
 
     fn field(&self, key: &str) -> String {
-        self.line.split_whitespace().find_map(|w| w.strip_prefix(key)).unwrap_or_else(|| panic!("no {key} in {:?}", self.line)).to_string()
+        self.line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(key))
+            .unwrap_or_else(|| panic!("no {key} in {:?}", self.line))
+            .to_string()
     }
 
     /// The port of an address field (`http=127.0.0.1:9003`, `metadata=http://127.0.0.1:8080/metadata`).
     fn port(&self, key: &str) -> u16 {
         let v = self.field(key);
         let v = v.trim_end_matches("/metadata");
-        v.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("no port in {v:?}"))
+        v.rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no port in {v:?}"))
     }
 }
 
@@ -599,41 +1098,105 @@ fn a_keyed_masters_cleanup_removes_a_killed_clients_entries_from_its_keyed_metad
     let dir = tempfile::tempdir().expect("temporary directory");
     let a = key_file(dir.path(), "a", 'a');
     let env = [("KVFERRY_AUTH_KEY_FILE", a.to_str().expect("path"))];
-    let m = MasterProc::start(&["--enable-http-metadata-server", "--http-metadata-server-port", "0", "--enable-metadata-cleanup-on-timeout", "--client-ttl", "2"], &env);
+    let m = MasterProc::start(
+        &[
+            "--enable-http-metadata-server",
+            "--http-metadata-server-port",
+            "0",
+            "--enable-metadata-cleanup-on-timeout",
+            "--client-ttl",
+            "2",
+        ],
+        &env,
+    );
     let (url, md, http) = (m.field("metadata="), m.port("metadata="), m.port("http="));
     let until = Instant::now() + Duration::from_secs(10);
     while TcpStream::connect(("127.0.0.1", md)).is_err() {
-        assert!(Instant::now() < until, "the embedded metadata server never listened");
+        assert!(
+            Instant::now() < until,
+            "the embedded metadata server never listened"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let mut client = MasterProc::spawn(
-        &["store-client", "--host", "127.0.0.1", "--metadata-server", &url, "--master-server-address", &m.field("rpc="), "--global-segment-size", "16MB", "--port", "0"],
+        &[
+            "store-client",
+            "--host",
+            "127.0.0.1",
+            "--metadata-server",
+            &url,
+            "--master-server-address",
+            &m.field("rpc="),
+            "--global-segment-size",
+            "16MB",
+            "--port",
+            "0",
+        ],
         &env,
         "KVFERRY_STORE_CLIENT",
     );
     let name = client.field("segment=");
-    let entries = || ["ram", "rpc_meta"].map(|k| http_with(md, "GET", &format!("/metadata?key=mooncake/{k}/{name}"), b"", &[]).0);
-    assert_eq!(entries(), [200, 200], "a client holding the key registered through the keyed server");
+    let entries = || {
+        ["ram", "rpc_meta"].map(|k| {
+            http_with(
+                md,
+                "GET",
+                &format!("/metadata?key=mooncake/{k}/{name}"),
+                b"",
+                &[],
+            )
+            .0
+        })
+    };
+    assert_eq!(
+        entries(),
+        [200, 200],
+        "a client holding the key registered through the keyed server"
+    );
     let _ = client.child.kill();
     let _ = client.child.wait();
     let removed = || {
         let (_, _, body) = http_with(http, "GET", "/metrics", b"", &[]);
-        let count = |o: &str| body.lines().find_map(|l| l.strip_prefix(&format!("kvferry_master_metadata_cleanup_total{{outcome=\"{o}\"}} "))).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+        let count = |o: &str| {
+            body.lines()
+                .find_map(|l| {
+                    l.strip_prefix(&format!(
+                        "kvferry_master_metadata_cleanup_total{{outcome=\"{o}\"}} "
+                    ))
+                })
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0)
+        };
         (count("removed"), count("failed"))
     };
     let until = Instant::now() + Duration::from_secs(20);
     while removed() == (0, 0) {
-        assert!(Instant::now() < until, "the killed client was not handled within 20 s (client TTL 2 s)");
+        assert!(
+            Instant::now() < until,
+            "the killed client was not handled within 20 s (client TTL 2 s)"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert_eq!(removed(), (1, 0), "removed, not failed (a refused DELETE counts as failed)");
-    assert_eq!(entries(), [404, 404], "the killed client's entries left the keyed server");
+    assert_eq!(
+        removed(),
+        (1, 0),
+        "removed, not failed (a refused DELETE counts as failed)"
+    );
+    assert_eq!(
+        entries(),
+        [404, 404],
+        "the killed client's entries left the keyed server"
+    );
 }
 
 /// Resident memory of process `pid`, in bytes.
 fn rss_of(pid: u32) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the master's status");
-    s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).expect("VmRSS") * 1024
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmRSS")
+        * 1024
 }
 
 /// The master's HTTP port under a flood from one host (127.0.0.2): 1000 connections, each
@@ -643,7 +1206,13 @@ fn rss_of(pid: u32) -> u64 {
 #[test]
 fn a_flood_against_the_masters_http_port_leaves_its_memory_bounded_and_probes_answered() {
     let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile);
-    let _ = rustix::process::setrlimit(rustix::process::Resource::Nofile, rustix::process::Rlimit { current: nofile.maximum, maximum: nofile.maximum });
+    let _ = rustix::process::setrlimit(
+        rustix::process::Resource::Nofile,
+        rustix::process::Rlimit {
+            current: nofile.maximum,
+            maximum: nofile.maximum,
+        },
+    );
     let m = MasterProc::start(&[], &[]);
     let http = m.port("http=");
     assert_eq!(http_with(http, "GET", "/health", b"", &[]).0, 200);
@@ -651,20 +1220,43 @@ fn a_flood_against_the_masters_http_port_leaves_its_memory_bounded_and_probes_an
     let mut held = Vec::new();
     let head = format!("GET /health HTTP/1.1\r\nX-Pad: {}", "p".repeat(256 << 10));
     for _ in 0..1000 {
-        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
-        sock.bind(&"127.0.0.2:0".parse::<std::net::SocketAddr>().expect("addr").into()).expect("bind 127.0.0.2");
-        if sock.connect(&std::net::SocketAddr::from(([127, 0, 0, 1], http)).into()).is_err() {
+        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+            .expect("socket");
+        sock.bind(
+            &"127.0.0.2:0"
+                .parse::<std::net::SocketAddr>()
+                .expect("addr")
+                .into(),
+        )
+        .expect("bind 127.0.0.2");
+        if sock
+            .connect(&std::net::SocketAddr::from(([127, 0, 0, 1], http)).into())
+            .is_err()
+        {
             continue;
         }
         let mut s: std::net::TcpStream = sock.into();
-        s.set_write_timeout(Some(Duration::from_millis(20))).expect("timeout");
+        s.set_write_timeout(Some(Duration::from_millis(20)))
+            .expect("timeout");
         let _ = std::io::Write::write_all(&mut s, head.as_bytes());
         held.push(s);
     }
     let t = std::time::Instant::now();
-    assert_eq!(http_with(http, "GET", "/health", b"", &[]).0, 200, "a probe from 127.0.0.1 during the flood");
-    assert!(t.elapsed() < Duration::from_secs(2), "answered in {:?}", t.elapsed());
+    assert_eq!(
+        http_with(http, "GET", "/health", b"", &[]).0,
+        200,
+        "a probe from 127.0.0.1 during the flood"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "answered in {:?}",
+        t.elapsed()
+    );
     let after = rss_of(m.child.id());
-    assert!(after < before + (32 << 20), "the master's memory {before} -> {after} with {} connections held", held.len());
+    assert!(
+        after < before + (32 << 20),
+        "the master's memory {before} -> {after} with {} connections held",
+        held.len()
+    );
     drop(held);
 }

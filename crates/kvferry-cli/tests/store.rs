@@ -18,14 +18,27 @@ impl Proc {
         Proc::start_with(args, &[], tag)
     }
     fn start_with(args: &[&str], env: &[(&str, &str)], tag: &str) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry")).args(args).envs(env.iter().copied()).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(args)
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
         assert!(line.starts_with(tag), "{tag} expected, got {line:?}");
         Proc { child, line }
     }
     fn field(&self, key: &str) -> String {
-        self.line.split_whitespace().find_map(|w| w.strip_prefix(key)).unwrap().to_string()
+        self.line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(key))
+            .unwrap()
+            .to_string()
     }
     fn kill(&mut self) {
         let _ = self.child.kill();
@@ -49,7 +62,16 @@ fn master(extra: &[&str]) -> Proc {
 }
 
 fn server(master_addr: &str, size: &str) -> Proc {
-    Proc::start(&["store-bench", "--serve-segment", master_addr, "--segment-size", size], "KVFERRY_STORE_SERVER")
+    Proc::start(
+        &[
+            "store-bench",
+            "--serve-segment",
+            master_addr,
+            "--segment-size",
+            size,
+        ],
+        "KVFERRY_STORE_SERVER",
+    )
 }
 
 fn client(master_addr: &str, segment: u64) -> Client {
@@ -66,7 +88,8 @@ fn client(master_addr: &str, segment: u64) -> Client {
 fn value(key: &str, version: u64, len: usize) -> Vec<u8> {
     // [version][checksum of the rest][pattern]: any torn or mixed value fails the checksum.
     let mut v = vec![0u8; len.max(16)];
-    let seed = xxhash_rust::xxh3::xxh3_64(key.as_bytes()) ^ version.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let seed =
+        xxhash_rust::xxh3::xxh3_64(key.as_bytes()) ^ version.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     for (i, b) in v[16..].iter_mut().enumerate() {
         *b = (seed.rotate_left((i % 64) as u32) as u8) ^ (i as u8);
     }
@@ -77,16 +100,25 @@ fn value(key: &str, version: u64, len: usize) -> Vec<u8> {
 }
 
 fn intact(v: &[u8]) -> bool {
-    v.len() >= 16 && u64::from_le_bytes(v[8..16].try_into().unwrap()) == xxhash_rust::xxh3::xxh3_64(&v[16..])
+    v.len() >= 16
+        && u64::from_le_bytes(v[8..16].try_into().unwrap()) == xxhash_rust::xxh3::xxh3_64(&v[16..])
 }
 
 fn http_get(addr: &str, path: &str) -> (u16, String) {
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
-    let code = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let code = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
     (code, out)
 }
 
@@ -103,26 +135,46 @@ fn store_api_across_processes() {
     let v1 = value("k1", 1, 100_000);
     a.put("k1", &v1, &cfg).unwrap();
     assert_eq!(c.get("k1").unwrap(), v1, "another client reads it");
-    assert!(matches!(a.put("k1", &value("k1", 2, 10), &cfg), Err(StoreError::ObjectAlreadyExists(_))));
-    assert!(matches!(a.get("missing"), Err(StoreError::ObjectNotFound(_))));
+    assert!(matches!(
+        a.put("k1", &value("k1", 2, 10), &cfg),
+        Err(StoreError::ObjectAlreadyExists(_))
+    ));
+    assert!(matches!(
+        a.get("missing"),
+        Err(StoreError::ObjectNotFound(_))
+    ));
     let v2 = value("k1", 2, 5000);
     a.upsert("k1", &v2, &cfg).unwrap();
     assert_eq!(c.get("k1").unwrap(), v2, "upsert replaced it");
     assert_eq!(a.get_size("k1").unwrap(), 5000);
     assert!(a.is_exist("k1").unwrap());
     assert!(!a.is_exist("nope").unwrap());
-    assert_eq!(a.batch_is_exist(&["k1", "nope"]).into_iter().map(Result::unwrap).collect::<Vec<_>>(), vec![true, false]);
+    assert_eq!(
+        a.batch_is_exist(&["k1", "nope"])
+            .into_iter()
+            .map(Result::unwrap)
+            .collect::<Vec<_>>(),
+        vec![true, false]
+    );
     let e = a.put("huge", &vec![0u8; 65 << 20], &cfg);
     assert!(e.is_err(), "a value larger than any segment fails clearly");
     let e = a.put_from("huge", 1 << 40, 100 << 20, &cfg).unwrap_err();
-    assert!(e.to_string().contains("larger than any segment") || e.to_string().contains("register"), "{e}");
-    assert!(matches!(a.put("", b"x", &cfg), Err(StoreError::InvalidKey(_))));
+    assert!(
+        e.to_string().contains("larger than any segment") || e.to_string().contains("register"),
+        "{e}"
+    );
+    assert!(matches!(
+        a.put("", b"x", &cfg),
+        Err(StoreError::InvalidKey(_))
+    ));
 
     // Zero-copy and batched.
     let src = vec![0u8; 8 << 20];
     let dst = vec![0u8; 8 << 20];
-    a.register_buffer(src.as_ptr() as u64, src.len() as u64).unwrap();
-    c.register_buffer(dst.as_ptr() as u64, dst.len() as u64).unwrap();
+    a.register_buffer(src.as_ptr() as u64, src.len() as u64)
+        .unwrap();
+    c.register_buffer(dst.as_ptr() as u64, dst.len() as u64)
+        .unwrap();
     let keys: Vec<String> = (0..8).map(|i| format!("z{i}")).collect();
     let vals: Vec<Vec<u8>> = keys.iter().map(|k| value(k, 1, 1 << 20)).collect();
     // SAFETY (test): src is ours and not in flight.
@@ -130,46 +182,99 @@ fn store_api_across_processes() {
     for (i, v) in vals.iter().enumerate() {
         srcm[i << 20..(i + 1) << 20].copy_from_slice(v);
     }
-    let items: Vec<(&str, u64, u64)> = keys.iter().enumerate().map(|(i, k)| (k.as_str(), src.as_ptr() as u64 + ((i as u64) << 20), 1 << 20)).collect();
+    let items: Vec<(&str, u64, u64)> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            (
+                k.as_str(),
+                src.as_ptr() as u64 + ((i as u64) << 20),
+                1 << 20,
+            )
+        })
+        .collect();
     for r in a.batch_put_from(&items, &cfg) {
         r.unwrap();
     }
-    let gets: Vec<(&str, u64, u64)> = keys.iter().enumerate().map(|(i, k)| (k.as_str(), dst.as_ptr() as u64 + ((i as u64) << 20), 1 << 20)).collect();
+    let gets: Vec<(&str, u64, u64)> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            (
+                k.as_str(),
+                dst.as_ptr() as u64 + ((i as u64) << 20),
+                1 << 20,
+            )
+        })
+        .collect();
     for r in c.batch_get_into(&gets) {
         assert_eq!(r.unwrap(), 1 << 20);
     }
     assert_eq!(dst, src, "every byte read back by the other client");
-    assert!(matches!(c.get_into("z0", dst.as_ptr() as u64, 100), Err(StoreError::BufferOverflow { .. })));
+    assert!(matches!(
+        c.get_into("z0", dst.as_ptr() as u64, 100),
+        Err(StoreError::BufferOverflow { .. })
+    ));
     let gb = a.get_batch(&["z1", "missing", "z2"]);
     assert_eq!(gb[0].as_ref().unwrap(), &vals[1]);
     assert!(matches!(gb[1], Err(StoreError::ObjectNotFound(_))));
     assert_eq!(gb[2].as_ref().unwrap(), &vals[2]);
 
     // Two replicas land on distinct segments; the local one is read locally.
-    c.put("two", &value("two", 1, 4096), &ReplicateConfig { replica_num: 2, ..Default::default() }).unwrap();
+    c.put(
+        "two",
+        &value("two", 1, 4096),
+        &ReplicateConfig {
+            replica_num: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let (_, body) = http_get(&m.field("http="), "/query_key?key=two");
     assert_eq!(body.matches("te_endpoint").count(), 2, "{body}");
 
     // Leases block removal; force does not wait.
-    assert!(matches!(a.remove("z3", false), Err(StoreError::ObjectHasLease(_))), "just read, so leased");
+    assert!(
+        matches!(a.remove("z3", false), Err(StoreError::ObjectHasLease(_))),
+        "just read, so leased"
+    );
     a.remove("z3", true).unwrap();
     assert!(!a.is_exist("z3").unwrap());
     assert_eq!(a.remove_by_regex("^z[4-5]$", true).unwrap(), 2);
-    assert!(a.remove_by_regex("(", true).is_err(), "bad regex is an error");
+    assert!(
+        a.remove_by_regex("(", true).is_err(),
+        "bad regex is an error"
+    );
 
     // HTTP side.
     let http = m.field("http=");
     let (code, metrics) = http_get(&http, "/metrics");
     assert_eq!(code, 200);
-    assert!(metrics.contains("kvferry_master_keys ") && metrics.contains("kvferry_master_ops_total{op=\"put_start\"}"), "{metrics}");
+    assert!(
+        metrics.contains("kvferry_master_keys ")
+            && metrics.contains("kvferry_master_ops_total{op=\"put_start\"}"),
+        "{metrics}"
+    );
     let (code, segs) = http_get(&http, "/get_all_segments");
     assert_eq!(code, 200);
-    assert_eq!(segs.matches("te_endpoint").count(), 2, "two segments mounted: {segs}");
+    assert_eq!(
+        segs.matches("te_endpoint").count(),
+        2,
+        "two segments mounted: {segs}"
+    );
     assert_eq!(http_get(&http, "/health").0, 200);
     assert_eq!(http_get(&http, "/query_key?key=nothing").0, 404);
     // Batch remove and replica descriptors.
     a.put("br1", &value("br1", 1, 4096), &cfg).unwrap();
-    a.put("br2", &value("br2", 1, 4096), &ReplicateConfig { replica_num: 2, ..Default::default() }).unwrap();
+    a.put(
+        "br2",
+        &value("br2", 1, 4096),
+        &ReplicateConfig {
+            replica_num: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let d = a.batch_get_replica_desc(&["br1", "br2", "missing"]);
     assert_eq!(d[0].as_ref().unwrap().len(), 1);
     assert_eq!(d[1].as_ref().unwrap().len(), 2);
@@ -178,11 +283,23 @@ fn store_api_across_processes() {
     let r = a.batch_remove(&["br1", "missing", "br2"], true);
     assert!(r[0].is_ok() && r[2].is_ok(), "{r:?}");
     assert!(matches!(r[1], Err(StoreError::ObjectNotFound(_))));
-    assert_eq!(a.batch_is_exist(&["br1", "br2"]).into_iter().map(Result::unwrap).collect::<Vec<_>>(), vec![false, false]);
+    assert_eq!(
+        a.batch_is_exist(&["br1", "br2"])
+            .into_iter()
+            .map(Result::unwrap)
+            .collect::<Vec<_>>(),
+        vec![false, false]
+    );
     // Mooncake's batch_replica_clear: only the writer's own, unleased objects.
     a.put("rc1", &value("rc1", 1, 4096), &cfg).unwrap();
-    assert!(c.batch_replica_clear(&["rc1"], "").unwrap().is_empty(), "c did not write rc1");
-    assert_eq!(a.batch_replica_clear(&["rc1", "missing"], "").unwrap(), vec!["rc1".to_string()]);
+    assert!(
+        c.batch_replica_clear(&["rc1"], "").unwrap().is_empty(),
+        "c did not write rc1"
+    );
+    assert_eq!(
+        a.batch_replica_clear(&["rc1", "missing"], "").unwrap(),
+        vec!["rc1".to_string()]
+    );
     assert!(!a.is_exist("rc1").unwrap());
     assert!(a.remove_all(true).unwrap() >= 1);
     assert!(!a.is_exist("k1").unwrap());
@@ -199,15 +316,44 @@ fn killed_client_loses_only_its_replicas() {
     let seg1 = s1.field("segment=");
     let seg2 = s2.field("segment=");
     let a = client(&addr, 0);
-    a.put("both", &value("both", 1, 65536), &ReplicateConfig { replica_num: 2, ..Default::default() }).unwrap();
-    a.put("only1", &value("only1", 1, 65536), &ReplicateConfig { preferred_segments: vec![seg1.clone()], ..Default::default() }).unwrap();
+    a.put(
+        "both",
+        &value("both", 1, 65536),
+        &ReplicateConfig {
+            replica_num: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    a.put(
+        "only1",
+        &value("only1", 1, 65536),
+        &ReplicateConfig {
+            preferred_segments: vec![seg1.clone()],
+            ..Default::default()
+        },
+    )
+    .unwrap();
     // Listed first on the client that is about to die, second on the other.
-    a.put("first1", &value("first1", 1, 65536), &ReplicateConfig { replica_num: 2, preferred_segments: vec![seg1.clone()], ..Default::default() }).unwrap();
+    a.put(
+        "first1",
+        &value("first1", 1, 65536),
+        &ReplicateConfig {
+            replica_num: 2,
+            preferred_segments: vec![seg1.clone()],
+            ..Default::default()
+        },
+    )
+    .unwrap();
     s1.kill(); // SIGKILL: no unmount, pings stop
-    // Until the master drops the dead client, its replica is listed: a client that never
-    // opened its segment (it cannot now) reads the other replica instead of failing.
+               // Until the master drops the dead client, its replica is listed: a client that never
+               // opened its segment (it cannot now) reads the other replica instead of failing.
     let b = client(&addr, 0);
-    assert_eq!(b.get("first1").expect("read from the replica that is alive"), value("first1", 1, 65536));
+    assert_eq!(
+        b.get("first1")
+            .expect("read from the replica that is alive"),
+        value("first1", 1, 65536)
+    );
     let t0 = Instant::now();
     loop {
         let asked = Instant::now();
@@ -221,33 +367,67 @@ fn killed_client_loses_only_its_replicas() {
         std::thread::sleep(Duration::from_millis(200));
     }
     let v = a.get("both").unwrap();
-    assert_eq!(v, value("both", 1, 65536), "the surviving replica on {seg2} serves");
+    assert_eq!(
+        v,
+        value("both", 1, 65536),
+        "the surviving replica on {seg2} serves"
+    );
     // New puts go to the survivor.
-    a.put("after", &value("after", 1, 4096), &ReplicateConfig::default()).unwrap();
+    a.put(
+        "after",
+        &value("after", 1, 4096),
+        &ReplicateConfig::default(),
+    )
+    .unwrap();
     assert!(intact(&a.get("after").unwrap()));
 }
 
 #[test]
 fn master_restart_clients_remount_and_keep_working() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
     let mut m = master(&["--port", &port]);
     let addr = m.field("rpc=");
     let _s = server(&addr, "32M");
     let a = client(&addr, 16 << 20);
-    a.put("before", &value("before", 1, 4096), &ReplicateConfig::default()).unwrap();
+    a.put(
+        "before",
+        &value("before", 1, 4096),
+        &ReplicateConfig::default(),
+    )
+    .unwrap();
     m.kill();
     let _m2 = master(&["--port", &port]);
     // Metadata is gone with the old master; clients remount within a few pings.
     let until = Instant::now() + Duration::from_secs(15);
     loop {
-        if a.put("after", &value("after", 1, 4096), &ReplicateConfig { replica_num: 2, ..Default::default() }).is_ok() {
+        if a.put(
+            "after",
+            &value("after", 1, 4096),
+            &ReplicateConfig {
+                replica_num: 2,
+                ..Default::default()
+            },
+        )
+        .is_ok()
+        {
             break;
         }
-        assert!(Instant::now() < until, "clients never remounted after the master restarted");
+        assert!(
+            Instant::now() < until,
+            "clients never remounted after the master restarted"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
     assert!(intact(&a.get("after").unwrap()));
-    assert!(matches!(a.get("before"), Err(StoreError::ObjectNotFound(_))), "no stale metadata");
+    assert!(
+        matches!(a.get("before"), Err(StoreError::ObjectNotFound(_))),
+        "no stale metadata"
+    );
 }
 
 #[test]
@@ -256,9 +436,15 @@ fn expired_lease_fails_the_read_instead_of_returning_it() {
     let addr = m.field("rpc=");
     let _s = server(&addr, "64M");
     let a = client(&addr, 0);
-    a.put("big", &value("big", 1, 32 << 20), &ReplicateConfig::default()).unwrap();
+    a.put(
+        "big",
+        &value("big", 1, 32 << 20),
+        &ReplicateConfig::default(),
+    )
+    .unwrap();
     let dst = vec![0u8; 32 << 20];
-    a.register_buffer(dst.as_ptr() as u64, dst.len() as u64).unwrap();
+    a.register_buffer(dst.as_ptr() as u64, dst.len() as u64)
+        .unwrap();
     match a.get_into("big", dst.as_ptr() as u64, dst.len() as u64) {
         Err(StoreError::LeaseExpired(k)) => assert_eq!(k, "big"),
         other => panic!("a 32 MiB read cannot finish within a 1 ms lease; got {other:?}"),
@@ -289,13 +475,19 @@ impl RawReader {
 fn full_pool_refuses_instead_of_overwriting_objects_being_read() {
     // Watermark 1.0: the background eviction stays out of the way, only the put's own
     // attempt to make room runs.
-    let m = master(&["--eviction-high-watermark-ratio", "1.0", "--put-wait-for-reads-ms", "800"]);
+    let m = master(&[
+        "--eviction-high-watermark-ratio",
+        "1.0",
+        "--put-wait-for-reads-ms",
+        "800",
+    ]);
     let addr = m.field("rpc=");
     let _s = server(&addr, "16M");
     let a = client(&addr, 0);
     let cfg = ReplicateConfig::default();
     for i in 0..4 {
-        a.put(&format!("f{i}"), &value(&format!("f{i}"), 1, 4 << 20), &cfg).unwrap();
+        a.put(&format!("f{i}"), &value(&format!("f{i}"), 1, 4 << 20), &cfg)
+            .unwrap();
     }
     let mut r = RawReader(std::net::TcpStream::connect(&addr).unwrap());
     let ids: Vec<u64> = (0..4).map(|i| r.start_read(&format!("f{i}"))).collect(); // reads in flight
@@ -305,12 +497,22 @@ fn full_pool_refuses_instead_of_overwriting_objects_being_read() {
         other => panic!("expected NO_AVAILABLE_HANDLE with every object being read, got {other:?}"),
     }
     let waited = t.elapsed();
-    assert!(waited >= Duration::from_millis(700) && waited < Duration::from_secs(5), "the put waited a bounded time for the reads: {waited:?}");
+    assert!(
+        waited >= Duration::from_millis(700) && waited < Duration::from_secs(5),
+        "the put waited a bounded time for the reads: {waited:?}"
+    );
     for i in 0..4 {
-        assert_eq!(a.get(&format!("f{i}")).unwrap(), value(&format!("f{i}"), 1, 4 << 20), "objects being read untouched");
+        assert_eq!(
+            a.get(&format!("f{i}")).unwrap(),
+            value(&format!("f{i}"), 1, 4 << 20),
+            "objects being read untouched"
+        );
     }
     // Reads finished (and a's own gets, released with its next request): room is made.
-    assert_eq!(r.call(&proto::Request::ReleaseReads { ids }), proto::Response::Ok);
+    assert_eq!(
+        r.call(&proto::Request::ReleaseReads { ids }),
+        proto::Response::Ok
+    );
     a.put("more", &value("more", 1, 4 << 20), &cfg).unwrap();
     assert_eq!(a.get("more").unwrap(), value("more", 1, 4 << 20));
 }
@@ -319,7 +521,10 @@ fn full_pool_refuses_instead_of_overwriting_objects_being_read() {
 /// both set up, get distinct `host:port` segment names and move data both ways.
 fn two_clients_with_one_bare_hostname(m: &Proc, url: &str) {
     let addr = m.field("rpc=");
-    let hp = url.trim_start_matches("http://").trim_end_matches("/metadata").to_string();
+    let hp = url
+        .trim_start_matches("http://")
+        .trim_end_matches("/metadata")
+        .to_string();
     let until = Instant::now() + Duration::from_secs(10);
     while std::net::TcpStream::connect(&hp).is_err() {
         assert!(Instant::now() < until, "metadata server never listened");
@@ -341,18 +546,32 @@ fn two_clients_with_one_bare_hostname(m: &Proc, url: &str) {
     let (na, nb) = (a.segment_name().to_string(), b.segment_name().to_string());
     assert_ne!(na, nb, "one segment name each");
     for n in [&na, &nb] {
-        let port: u16 = n.strip_prefix("127.0.0.1:").and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("host:port expected, got {n:?}"));
-        assert!((12300..=14300).contains(&port), "Mooncake's auto-port range: {n}");
+        let port: u16 = n
+            .strip_prefix("127.0.0.1:")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("host:port expected, got {n:?}"));
+        assert!(
+            (12300..=14300).contains(&port),
+            "Mooncake's auto-port range: {n}"
+        );
         let (code, body) = http_get(&hp, &format!("/metadata?key=mooncake/rpc_meta/{n}"));
         assert_eq!(code, 200, "{n} registered: {body}");
     }
     let (_, segs) = http_get(&m.field("http="), "/get_all_segments");
     assert!(segs.contains(&na) && segs.contains(&nb), "{segs}");
     // Data moves both ways, each value placed on the other client's segment.
-    let to_b = ReplicateConfig { preferred_segments: vec![nb.clone()], ..Default::default() };
-    let to_a = ReplicateConfig { preferred_segments: vec![na.clone()], ..Default::default() };
-    a.put("from-a", &value("from-a", 1, 300_000), &to_b).unwrap();
-    b.put("from-b", &value("from-b", 1, 300_000), &to_a).unwrap();
+    let to_b = ReplicateConfig {
+        preferred_segments: vec![nb.clone()],
+        ..Default::default()
+    };
+    let to_a = ReplicateConfig {
+        preferred_segments: vec![na.clone()],
+        ..Default::default()
+    };
+    a.put("from-a", &value("from-a", 1, 300_000), &to_b)
+        .unwrap();
+    b.put("from-b", &value("from-b", 1, 300_000), &to_a)
+        .unwrap();
     let (_, q) = http_get(&m.field("http="), "/query_key?key=from-a");
     assert!(q.contains(&nb), "placed on b: {q}");
     for c in [&a, &b] {
@@ -364,15 +583,25 @@ fn two_clients_with_one_bare_hostname(m: &Proc, url: &str) {
 #[test]
 fn two_clients_with_one_bare_hostname_get_distinct_segments() {
     // Mooncake's deployment: the master serves the metadata; every rank passes the host's IP.
-    let m = master(&["--enable-http-metadata-server", "--http-metadata-server-port", "0"]);
+    let m = master(&[
+        "--enable-http-metadata-server",
+        "--http-metadata-server-port",
+        "0",
+    ]);
     two_clients_with_one_bare_hostname(&m, &m.field("metadata="));
 }
 
 #[test]
 fn two_clients_with_one_bare_hostname_and_a_standalone_metadata_server() {
-    let md = Proc::start(&["metadata-server", "--port", "0"], "kvferry metadata-server");
+    let md = Proc::start(
+        &["metadata-server", "--port", "0"],
+        "kvferry metadata-server",
+    );
     let m = master(&[]);
-    two_clients_with_one_bare_hostname(&m, &format!("http://127.0.0.1:{}/metadata", md.field("port=")));
+    two_clients_with_one_bare_hostname(
+        &m,
+        &format!("http://127.0.0.1:{}/metadata", md.field("port=")),
+    );
 }
 
 #[test]
@@ -380,7 +609,10 @@ fn put_get_remove_cycles_reuse_a_small_segment() {
     // The loop: put_from -> get_into -> remove(force) over a segment far smaller than
     // what goes through it. Removed space must come back as soon as the reads end (not after
     // the 10 s lease), and no get right after its put may find the object evicted.
-    let secs: u64 = std::env::var("KVFERRY_TEST_CYCLE_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
+    let secs: u64 = std::env::var("KVFERRY_TEST_CYCLE_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5);
     let m = master(&[]);
     let addr = m.field("rpc=");
     const SEG: u64 = 4 << 20;
@@ -395,12 +627,17 @@ fn put_get_remove_cycles_reuse_a_small_segment() {
                     let (w, r) = (clients[t % 2], clients[(t + 1) % 2]); // written by one, read by the other
                     let src = vec![0u8; 256 << 10];
                     let dst = vec![0u8; 256 << 10];
-                    w.register_buffer(src.as_ptr() as u64, src.len() as u64).unwrap();
-                    r.register_buffer(dst.as_ptr() as u64, dst.len() as u64).unwrap();
+                    w.register_buffer(src.as_ptr() as u64, src.len() as u64)
+                        .unwrap();
+                    r.register_buffer(dst.as_ptr() as u64, dst.len() as u64)
+                        .unwrap();
                     // SAFETY (test): the buffers are this thread's and no transfer is in flight
                     // while they are written or read here.
                     let (srcm, dstm) = unsafe {
-                        (std::slice::from_raw_parts_mut(src.as_ptr() as *mut u8, src.len()), std::slice::from_raw_parts(dst.as_ptr(), dst.len()))
+                        (
+                            std::slice::from_raw_parts_mut(src.as_ptr() as *mut u8, src.len()),
+                            std::slice::from_raw_parts(dst.as_ptr(), dst.len()),
+                        )
                     };
                     let (mut rounds, mut bytes, mut failures) = (0u64, 0u64, Vec::new());
                     let mut i = 0u64;
@@ -410,14 +647,29 @@ fn put_get_remove_cycles_reuse_a_small_segment() {
                         let v = value(&key, i, len);
                         srcm[..len].copy_from_slice(&v);
                         i += 1;
-                        if let Err(e) = w.put_from(&key, src.as_ptr() as u64, len as u64, &ReplicateConfig::default()) {
+                        if let Err(e) = w.put_from(
+                            &key,
+                            src.as_ptr() as u64,
+                            len as u64,
+                            &ReplicateConfig::default(),
+                        ) {
                             failures.push(format!("put_from {key}: {e} ({})", e.code()));
                             continue;
                         }
                         match r.get_into(&key, dst.as_ptr() as u64, dst.len() as u64) {
                             Ok(n) if n == len as u64 && dstm[..len] == v[..] => {}
-                            Ok(n) => failures.push(format!("get_into {key}: {n} bytes, content {}", if dstm[..len] == v[..] { "equal" } else { "WRONG" })),
-                            Err(e) => failures.push(format!("get_into {key} right after its put: {e} ({})", e.code())),
+                            Ok(n) => failures.push(format!(
+                                "get_into {key}: {n} bytes, content {}",
+                                if dstm[..len] == v[..] {
+                                    "equal"
+                                } else {
+                                    "WRONG"
+                                }
+                            )),
+                            Err(e) => failures.push(format!(
+                                "get_into {key} right after its put: {e} ({})",
+                                e.code()
+                            )),
                         }
                         if let Err(e) = w.remove(&key, true) {
                             failures.push(format!("remove {key}: {e} ({})", e.code()));
@@ -434,7 +686,12 @@ fn put_get_remove_cycles_reuse_a_small_segment() {
     let rounds: u64 = results.iter().map(|r| r.0).sum();
     let bytes: u64 = results.iter().map(|r| r.1).sum();
     let failures: Vec<&String> = results.iter().flat_map(|r| &r.2).collect();
-    assert!(failures.is_empty(), "{} failures in {rounds} cycles, first: {:?}", failures.len(), &failures[..failures.len().min(5)]);
+    assert!(
+        failures.is_empty(),
+        "{} failures in {rounds} cycles, first: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
     assert!(bytes >= 8 * SEG, "the cycles moved {bytes} bytes through a {SEG}-byte segment ({rounds} cycles): too few to prove reuse");
     // The last reads are released with the clients' next ping at the latest.
     let until = Instant::now() + Duration::from_secs(5);
@@ -443,7 +700,10 @@ fn put_get_remove_cycles_reuse_a_small_segment() {
         if segs.contains("\"used\":0") {
             break;
         }
-        assert!(Instant::now() < until, "everything was removed, yet space is still held: {segs}");
+        assert!(
+            Instant::now() < until,
+            "everything was removed, yet space is still held: {segs}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -453,10 +713,14 @@ fn concurrent_upserts_and_gets_never_return_torn_values() {
     let m = master(&[]);
     let addr = m.field("rpc=");
     let _s = server(&addr, "64M");
-    let clients: Vec<Client> = (0..3).map(|i| client(&addr, if i == 0 { 16 << 20 } else { 0 })).collect();
+    let clients: Vec<Client> = (0..3)
+        .map(|i| client(&addr, if i == 0 { 16 << 20 } else { 0 }))
+        .collect();
     let keys: Vec<String> = (0..6).map(|i| format!("hot{i}")).collect();
     for k in &keys {
-        clients[0].put(k, &value(k, 0, 64 << 10), &ReplicateConfig::default()).unwrap();
+        clients[0]
+            .put(k, &value(k, 0, 64 << 10), &ReplicateConfig::default())
+            .unwrap();
     }
     let stop = Instant::now() + Duration::from_secs(3);
     let (ok_gets, bad, upserts) = std::thread::scope(|s| {
@@ -470,7 +734,9 @@ fn concurrent_upserts_and_gets_never_return_torn_values() {
                 while Instant::now() < stop {
                     let k = &keys[(ver as usize) % keys.len()];
                     let len = 4096 + (ver as usize % 16) * 4096;
-                    if c.upsert(k, &value(k, ver, len), &ReplicateConfig::default()).is_ok() {
+                    if c.upsert(k, &value(k, ver, len), &ReplicateConfig::default())
+                        .is_ok()
+                    {
                         n += 1;
                     }
                     ver += 1;
@@ -495,7 +761,9 @@ fn concurrent_upserts_and_gets_never_return_torn_values() {
                 (good, torn, 0u64)
             }));
         }
-        hs.into_iter().map(|h| h.join().unwrap()).fold((0, 0, 0), |a, b| (a.0 + b.0, a.1 + b.1, a.2 + b.2))
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .fold((0, 0, 0), |a, b| (a.0 + b.0, a.1 + b.1, a.2 + b.2))
     });
     assert_eq!(bad, 0, "a completed get returned a torn or mixed value");
     assert!(ok_gets > 50, "readers made progress ({ok_gets} good gets)");
@@ -504,15 +772,28 @@ fn concurrent_upserts_and_gets_never_return_torn_values() {
 
 #[test]
 fn master_with_embedded_metadata_server_is_a_whole_control_plane() {
-    let m = master(&["--enable-http-metadata-server", "--http-metadata-server-port", "0"]);
+    let m = master(&[
+        "--enable-http-metadata-server",
+        "--http-metadata-server-port",
+        "0",
+    ]);
     let addr = m.field("rpc=");
     let url = m.field("metadata=");
-    assert!(url.starts_with("http://127.0.0.1:") && url.ends_with("/metadata"), "{url}");
-    let hp = url.trim_start_matches("http://").trim_end_matches("/metadata").to_string();
+    assert!(
+        url.starts_with("http://127.0.0.1:") && url.ends_with("/metadata"),
+        "{url}"
+    );
+    let hp = url
+        .trim_start_matches("http://")
+        .trim_end_matches("/metadata")
+        .to_string();
     // The metadata contract answers (wait for the server thread to listen).
     let until = Instant::now() + Duration::from_secs(10);
     while std::net::TcpStream::connect(&hp).is_err() {
-        assert!(Instant::now() < until, "embedded metadata server never listened");
+        assert!(
+            Instant::now() < until,
+            "embedded metadata server never listened"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(http_get(&hp, "/metadata?key=nothing").0, 404);
@@ -532,23 +813,49 @@ fn master_with_embedded_metadata_server_is_a_whole_control_plane() {
     let b = mk("127.0.0.1:1002", 32 << 20);
     let (code, body) = http_get(&hp, "/metadata?key=mooncake/rpc_meta/127.0.0.1:1002");
     assert_eq!(code, 200, "{body}");
-    a.put("via-central", &value("via-central", 1, 200_000), &ReplicateConfig::default()).unwrap();
-    assert_eq!(b.get("via-central").unwrap(), value("via-central", 1, 200_000));
-    assert_eq!(a.get("via-central").unwrap(), value("via-central", 1, 200_000));
+    a.put(
+        "via-central",
+        &value("via-central", 1, 200_000),
+        &ReplicateConfig::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        b.get("via-central").unwrap(),
+        value("via-central", 1, 200_000)
+    );
+    assert_eq!(
+        a.get("via-central").unwrap(),
+        value("via-central", 1, 200_000)
+    );
 }
 
 #[test]
 fn get_all_segments_is_empty_until_a_segment_is_mounted() {
     let m = master(&[]);
     let http = m.field("http=");
-    let body = |r: (u16, String)| -> (u16, String) { (r.0, r.1.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default()) };
-    assert_eq!(body(http_get(&http, "/get_all_segments")), (200, String::new()), "Mooncake answers an empty body while nothing is mounted");
+    let body = |r: (u16, String)| -> (u16, String) {
+        (
+            r.0,
+            r.1.split_once("\r\n\r\n")
+                .map(|x| x.1.to_string())
+                .unwrap_or_default(),
+        )
+    };
+    assert_eq!(
+        body(http_get(&http, "/get_all_segments")),
+        (200, String::new()),
+        "Mooncake answers an empty body while nothing is mounted"
+    );
     let c = client(&m.field("rpc="), 4 << 20);
     let (code, segs) = body(http_get(&http, "/get_all_segments"));
     assert_eq!(code, 200);
     assert!(segs.contains(c.segment_name()), "{segs}");
     c.close().unwrap();
-    assert_eq!(body(http_get(&http, "/get_all_segments")).1, "", "empty again once unmounted");
+    assert_eq!(
+        body(http_get(&http, "/get_all_segments")).1,
+        "",
+        "empty again once unmounted"
+    );
 }
 
 #[test]
@@ -556,7 +863,12 @@ fn an_idle_readers_finished_read_frees_space_within_milliseconds() {
     // The reader goes idle after its get (no next request to carry the release, pings 10 s
     // apart): its client still releases the read, so a put waiting for that space (up to
     // 5 s here) goes through at once.
-    let m = master(&["--eviction-high-watermark-ratio", "1.0", "--put-wait-for-reads-ms", "5000"]);
+    let m = master(&[
+        "--eviction-high-watermark-ratio",
+        "1.0",
+        "--put-wait-for-reads-ms",
+        "5000",
+    ]);
     let addr = m.field("rpc=");
     let p = client(&addr, 8 << 20);
     let u = Client::setup(ClientConfig {
@@ -567,22 +879,37 @@ fn an_idle_readers_finished_read_frees_space_within_milliseconds() {
         ..ClientConfig::default()
     })
     .unwrap();
-    p.put("a", &value("a", 1, 6 << 20), &ReplicateConfig::default()).unwrap();
+    p.put("a", &value("a", 1, 6 << 20), &ReplicateConfig::default())
+        .unwrap();
     assert_eq!(u.get("a").unwrap(), value("a", 1, 6 << 20));
     p.remove("a", true).unwrap();
     let t = Instant::now();
-    p.put("b", &value("b", 1, 6 << 20), &ReplicateConfig::default()).unwrap();
-    assert!(t.elapsed() < Duration::from_secs(2), "the put waited {:?} for a read that had finished", t.elapsed());
+    p.put("b", &value("b", 1, 6 << 20), &ReplicateConfig::default())
+        .unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "the put waited {:?} for a read that had finished",
+        t.elapsed()
+    );
     assert_eq!(u.get("b").unwrap(), value("b", 1, 6 << 20));
     // A get into a buffer too small for the value fails, and releases the read it was
     // granted all the same (unreleased, it held the space for a whole lease).
     let small = vec![0u8; 4096];
-    u.register_buffer(small.as_ptr() as u64, small.len() as u64).unwrap();
-    assert!(matches!(u.get_into("b", small.as_ptr() as u64, small.len() as u64), Err(StoreError::BufferOverflow { .. })));
+    u.register_buffer(small.as_ptr() as u64, small.len() as u64)
+        .unwrap();
+    assert!(matches!(
+        u.get_into("b", small.as_ptr() as u64, small.len() as u64),
+        Err(StoreError::BufferOverflow { .. })
+    ));
     p.remove("b", true).unwrap();
     let t = Instant::now();
-    p.put("c", &value("c", 1, 6 << 20), &ReplicateConfig::default()).unwrap();
-    assert!(t.elapsed() < Duration::from_secs(2), "the put waited {:?} for the read of a get that failed", t.elapsed());
+    p.put("c", &value("c", 1, 6 << 20), &ReplicateConfig::default())
+        .unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "the put waited {:?} for the read of a get that failed",
+        t.elapsed()
+    );
 }
 
 #[test]
@@ -612,8 +939,18 @@ fn scattered_parts_are_put_and_read_in_place_across_processes() {
         }
         want.push(v);
     }
-    let lists: Vec<Vec<(u64, u64)>> = (0..3).map(|k| (0..LAYERS).map(|l| (base + part(k, l), PART as u64)).collect()).collect();
-    let items: Vec<(&str, &[(u64, u64)])> = keys.iter().zip(&lists).map(|(k, p)| (k.as_str(), &p[..])).collect();
+    let lists: Vec<Vec<(u64, u64)>> = (0..3)
+        .map(|k| {
+            (0..LAYERS)
+                .map(|l| (base + part(k, l), PART as u64))
+                .collect()
+        })
+        .collect();
+    let items: Vec<(&str, &[(u64, u64)])> = keys
+        .iter()
+        .zip(&lists)
+        .map(|(k, p)| (k.as_str(), &p[..]))
+        .collect();
     for r in c.batch_put_from_parts(&items, &ReplicateConfig::default(), false) {
         r.unwrap();
     }
@@ -635,7 +972,11 @@ fn scattered_parts_are_put_and_read_in_place_across_processes() {
         }
         dst_lists.push(l);
     }
-    let items: Vec<(&str, &[(u64, u64)])> = keys.iter().zip(&dst_lists).map(|(k, p)| (k.as_str(), &p[..])).collect();
+    let items: Vec<(&str, &[(u64, u64)])> = keys
+        .iter()
+        .zip(&dst_lists)
+        .map(|(k, p)| (k.as_str(), &p[..]))
+        .collect();
     let got = c.batch_get_into_parts(&items);
     for ((key, v), (r, parts)) in keys.iter().zip(&want).zip(got.into_iter().zip(&dst_lists)) {
         assert_eq!(r.unwrap(), v.len() as u64, "{key}: the value's size");
@@ -645,7 +986,10 @@ fn scattered_parts_are_put_and_read_in_place_across_processes() {
             let take = (n as usize).min(v.len() - back.len());
             back.extend_from_slice(&kvm[off..off + take]);
             if take < n as usize {
-                assert!(kvm[off + take..off + n as usize].iter().all(|&b| b == 0), "{key}: nothing past the value's end");
+                assert!(
+                    kvm[off + take..off + n as usize].iter().all(|&b| b == 0),
+                    "{key}: nothing past the value's end"
+                );
             }
         }
         assert_eq!(&back, v, "{key}");
@@ -653,14 +997,30 @@ fn scattered_parts_are_put_and_read_in_place_across_processes() {
     // Parts smaller than the value: refused, nothing written.
     kvm.fill(0);
     let small = [(base, PART as u64), (base + 2 * PART as u64, PART as u64)];
-    let r = c.batch_get_into_parts(&[(keys[0].as_str(), &small[..])]).pop().unwrap();
-    assert!(matches!(r, Err(kvferry_store::StoreError::BufferOverflow { .. })), "{r:?}");
-    assert!(kvm.iter().all(|&b| b == 0), "a refused read touches nothing");
+    let r = c
+        .batch_get_into_parts(&[(keys[0].as_str(), &small[..])])
+        .pop()
+        .unwrap();
+    assert!(
+        matches!(r, Err(kvferry_store::StoreError::BufferOverflow { .. })),
+        "{r:?}"
+    );
+    assert!(
+        kvm.iter().all(|&b| b == 0),
+        "a refused read touches nothing"
+    );
     // Unregistered parts fail the key, not the process.
     let loose = vec![0u8; PART];
     let bad = [(loose.as_ptr() as u64, PART as u64)];
-    assert!(c.batch_put_from_parts(&[("loose", &bad[..])], &ReplicateConfig::default(), false).pop().unwrap().is_err());
-    assert!(!c.is_exist("loose").unwrap(), "a failed put leaves nothing behind");
+    assert!(c
+        .batch_put_from_parts(&[("loose", &bad[..])], &ReplicateConfig::default(), false)
+        .pop()
+        .unwrap()
+        .is_err());
+    assert!(
+        !c.is_exist("loose").unwrap(),
+        "a failed put leaves nothing behind"
+    );
 }
 
 #[test]
@@ -669,27 +1029,50 @@ fn values_read_into_the_local_buffer_are_used_in_place_and_give_their_space_back
     let rpc = m.field("rpc=");
     let _s = server(&rpc, "64MiB");
     let writer = client(&rpc, 0);
-    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 4 << 20, master_server_addr: rpc.clone(), transfer_timeout: Duration::from_secs(10), ..ClientConfig::default() })
-        .expect("client setup");
+    let c = Client::setup(ClientConfig {
+        global_segment_size: 0,
+        local_buffer_size: 4 << 20,
+        master_server_addr: rpc.clone(),
+        transfer_timeout: Duration::from_secs(10),
+        ..ClientConfig::default()
+    })
+    .expect("client setup");
     let keys: Vec<String> = (0..3).map(|i| format!("gb-{i}")).collect();
     for (i, k) in keys.iter().enumerate() {
-        writer.put(k, &value(k, 1, (1 << 20) + i * 1000), &ReplicateConfig::default()).expect("put");
+        writer
+            .put(
+                k,
+                &value(k, 1, (1 << 20) + i * 1000),
+                &ReplicateConfig::default(),
+            )
+            .expect("put");
     }
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let mut got: Vec<_> = c.get_buffers(&refs).into_iter().map(|r| r.expect("value")).collect();
+    let mut got: Vec<_> = c
+        .get_buffers(&refs)
+        .into_iter()
+        .map(|r| r.expect("value"))
+        .collect();
     for (i, (g, k)) in got.iter().zip(&keys).enumerate() {
         assert_eq!(g.len(), (1 << 20) + i * 1000);
         assert_eq!(g.as_slice(), value(k, 1, g.len()).as_slice(), "{k}");
         assert_eq!(g.to_vec(), g.as_slice(), "the copy is the value");
     }
     // The values hold 3 MiB of the 4 MiB local buffer: a fourth does not fit, and says why.
-    let e = c.get_buffers(&[refs[0]]).pop().expect("one").expect_err("no space left");
+    let e = c
+        .get_buffers(&[refs[0]])
+        .pop()
+        .expect("one")
+        .expect_err("no space left");
     assert!(e.to_string().contains("local_buffer_size"), "{e}");
     // Each is the caller's to change in place, and its space returns when it goes.
     got[0].as_mut_slice()[0] ^= 0xff;
     got.truncate(1);
     let again = c.get_buffers(&refs[1..]);
-    assert!(again.iter().all(|r| r.is_ok()), "space given back by the dropped values");
+    assert!(
+        again.iter().all(|r| r.is_ok()),
+        "space given back by the dropped values"
+    );
     drop(again);
     // A value outlives the client that read it.
     c.close().expect("close");
@@ -717,7 +1100,12 @@ enum StandIn {
 
 /// A stand-in master on 127.0.0.1 that treats puts as `how` says and records what it is sent
 /// (a request it leaves unanswered too).
-fn stand_in_master(how: StandIn) -> (String, std::sync::Arc<std::sync::Mutex<Vec<proto::Request>>>) {
+fn stand_in_master(
+    how: StandIn,
+) -> (
+    String,
+    std::sync::Arc<std::sync::Mutex<Vec<proto::Request>>>,
+) {
     use proto::{Request, Response};
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = l.local_addr().expect("addr").to_string();
@@ -733,23 +1121,44 @@ fn stand_in_master(how: StandIn) -> (String, std::sync::Arc<std::sync::Mutex<Vec
                 if s.read_exact(&mut len).is_err() {
                     return;
                 }
-                let Ok(n) = proto::decode_len(len) else { return };
+                let Ok(n) = proto::decode_len(len) else {
+                    return;
+                };
                 let mut body = vec![0u8; n];
                 if s.read_exact(&mut body).is_err() {
                     return;
                 }
-                let Ok(req) = proto::decode::<Request>(&body) else { return };
-                let first_end = matches!(how, StandIn::EndLostThenOk | StandIn::EndLostThenUnknownPut) && ends.load(std::sync::atomic::Ordering::SeqCst) == 0;
+                let Ok(req) = proto::decode::<Request>(&body) else {
+                    return;
+                };
+                let first_end =
+                    matches!(how, StandIn::EndLostThenOk | StandIn::EndLostThenUnknownPut)
+                        && ends.load(std::sync::atomic::Ordering::SeqCst) == 0;
                 let one = |r: &Request| match r {
-                    Request::MountSegment { .. } | Request::UnmountSegment { .. } | Request::RemountSegments { .. } | Request::ReleaseReads { .. } => Response::Ok,
+                    Request::MountSegment { .. }
+                    | Request::UnmountSegment { .. }
+                    | Request::RemountSegments { .. }
+                    | Request::ReleaseReads { .. } => Response::Ok,
                     Request::Ping { .. } => Response::Ping(proto::PingStatus::Ok),
-                    Request::PutStart { size, .. } if how == StandIn::StartOnDeadPeer => Response::Replicas(vec![proto::ReplicaDesc { te_endpoint: "127.0.0.1:1".into(), addr: 1 << 30, size: *size }]),
+                    Request::PutStart { size, .. } if how == StandIn::StartOnDeadPeer => {
+                        Response::Replicas(vec![proto::ReplicaDesc {
+                            te_endpoint: "127.0.0.1:1".into(),
+                            addr: 1 << 30,
+                            size: *size,
+                        }])
+                    }
                     Request::PutRevoke { .. } if how == StandIn::StartOnDeadPeer => Response::Ok,
                     Request::PutStart { .. } => Response::Replicas(Vec::new()),
-                    Request::PutEnd { key, .. } if how == StandIn::EndLostThenUnknownPut => Response::Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress"))),
+                    Request::PutEnd { key, .. } if how == StandIn::EndLostThenUnknownPut => {
+                        Response::Err(StoreError::InvalidParams(format!(
+                            "no put of {key:?} by this client is in progress"
+                        )))
+                    }
                     Request::PutEnd { .. } => Response::Ok,
                     // The new leader did not get the start: nothing to revoke.
-                    Request::PutRevoke { key, .. } => Response::Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress"))),
+                    Request::PutRevoke { key, .. } => Response::Err(StoreError::InvalidParams(
+                        format!("no put of {key:?} by this client is in progress"),
+                    )),
                     _ => Response::Err(StoreError::Internal("not expected by this test".into())),
                 };
                 let has = |r: &Request, f: fn(&Request) -> bool| match r {
@@ -760,7 +1169,9 @@ fn stand_in_master(how: StandIn) -> (String, std::sync::Arc<std::sync::Mutex<Vec
                 let end = has(&req, |r| matches!(r, Request::PutEnd { .. }));
                 let resp = match (&req, how) {
                     (_, StandIn::StartLost) if start => None,
-                    (_, StandIn::StartUnknown) if start => Some(Response::Err(StoreError::OutcomeUnknown)),
+                    (_, StandIn::StartUnknown) if start => {
+                        Some(Response::Err(StoreError::OutcomeUnknown))
+                    }
                     _ if end && first_end => None,
                     (Request::Batch(v), _) => Some(Response::Batch(v.iter().map(one).collect())),
                     (r, _) => Some(one(r)),
@@ -795,7 +1206,12 @@ fn put_steps(seen: &std::sync::Mutex<Vec<proto::Request>>) -> Vec<Vec<(char, Str
             r => one(r).into_iter().collect(),
         }
     };
-    seen.lock().expect("log").iter().map(keys).filter(|v| !v.is_empty()).collect()
+    seen.lock()
+        .expect("log")
+        .iter()
+        .map(keys)
+        .filter(|v| !v.is_empty())
+        .collect()
 }
 
 fn step(c: char, key: &str) -> (char, String) {
@@ -811,14 +1227,32 @@ fn a_put_whose_start_has_an_unknown_outcome_fails_so_and_is_revoked_not_sent_aga
     // master killed after reading it: it may have applied the start): the same either way.
     for how in [StandIn::StartUnknown, StandIn::StartLost] {
         let (addr, seen) = stand_in_master(how);
-        let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 4 << 20, master_server_addr: addr, ..ClientConfig::default() }).expect("client setup");
+        let c = Client::setup(ClientConfig {
+            global_segment_size: 0,
+            local_buffer_size: 4 << 20,
+            master_server_addr: addr,
+            ..ClientConfig::default()
+        })
+        .expect("client setup");
         let cfg = ReplicateConfig::default();
         let e = c.put("one", b"value", &cfg).expect_err("not stored");
         assert_eq!(e, StoreError::OutcomeUnknown);
         let two = c.put_batch(&[("a", b"x"), ("b", b"y")], &cfg, false);
-        assert!(two.iter().all(|r| *r == Err(StoreError::OutcomeUnknown)), "{two:?}");
+        assert!(
+            two.iter().all(|r| *r == Err(StoreError::OutcomeUnknown)),
+            "{two:?}"
+        );
         let got = put_steps(&seen);
-        assert_eq!(got, vec![vec![step('s', "one")], vec![step('r', "one")], vec![step('s', "a"), step('s', "b")], vec![step('r', "a"), step('r', "b")]], "each start once, then its revoke");
+        assert_eq!(
+            got,
+            vec![
+                vec![step('s', "one")],
+                vec![step('r', "one")],
+                vec![step('s', "a"), step('s', "b")],
+                vec![step('r', "a"), step('r', "b")]
+            ],
+            "each start once, then its revoke"
+        );
         c.close().expect("close");
     }
 }
@@ -829,9 +1263,22 @@ fn a_put_whose_start_has_an_unknown_outcome_fails_so_and_is_revoked_not_sent_aga
 #[test]
 fn a_put_whose_replica_cannot_be_opened_fails_and_is_revoked() {
     let (addr, seen) = stand_in_master(StandIn::StartOnDeadPeer);
-    let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 4 << 20, master_server_addr: addr, ..ClientConfig::default() }).expect("client setup");
-    assert!(c.put("k", b"value", &ReplicateConfig::default()).is_err(), "nothing was written");
-    assert_eq!(put_steps(&seen), vec![vec![step('s', "k")], vec![step('r', "k")]], "the reservation revoked");
+    let c = Client::setup(ClientConfig {
+        global_segment_size: 0,
+        local_buffer_size: 4 << 20,
+        master_server_addr: addr,
+        ..ClientConfig::default()
+    })
+    .expect("client setup");
+    assert!(
+        c.put("k", b"value", &ReplicateConfig::default()).is_err(),
+        "nothing was written"
+    );
+    assert_eq!(
+        put_steps(&seen),
+        vec![vec![step('s', "k")], vec![step('r', "k")]],
+        "the reservation revoked"
+    );
     c.close().expect("close");
 }
 
@@ -841,11 +1288,31 @@ fn a_put_whose_replica_cannot_be_opened_fails_and_is_revoked() {
 /// outcome unknown (the first end may have completed it). Never a third time, never a revoke.
 #[test]
 fn a_put_whose_end_is_lost_sends_it_once_more_and_reports_what_that_says() {
-    for (how, want) in [(StandIn::EndLostThenOk, Ok(())), (StandIn::EndLostThenUnknownPut, Err(StoreError::OutcomeUnknown))] {
+    for (how, want) in [
+        (StandIn::EndLostThenOk, Ok(())),
+        (
+            StandIn::EndLostThenUnknownPut,
+            Err(StoreError::OutcomeUnknown),
+        ),
+    ] {
         let (addr, seen) = stand_in_master(how);
-        let c = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 4 << 20, master_server_addr: addr, ..ClientConfig::default() }).expect("client setup");
+        let c = Client::setup(ClientConfig {
+            global_segment_size: 0,
+            local_buffer_size: 4 << 20,
+            master_server_addr: addr,
+            ..ClientConfig::default()
+        })
+        .expect("client setup");
         assert_eq!(c.put("k", b"value", &ReplicateConfig::default()), want);
-        assert_eq!(put_steps(&seen), vec![vec![step('s', "k")], vec![step('e', "k")], vec![step('e', "k")]], "the end sent twice, the second time to the master found again");
+        assert_eq!(
+            put_steps(&seen),
+            vec![
+                vec![step('s', "k")],
+                vec![step('e', "k")],
+                vec![step('e', "k")]
+            ],
+            "the end sent twice, the second time to the master found again"
+        );
         c.close().expect("close");
     }
 }
@@ -856,22 +1323,53 @@ fn a_put_whose_end_is_lost_sends_it_once_more_and_reports_what_that_says() {
 /// under a killed one's name (the name mounted again, or its new engine answering).
 fn killed_clients_metadata_entries_are_removed_and_live_ones_kept(m: &Proc, url: &str) {
     let (addr, http) = (m.field("rpc="), m.field("http="));
-    let hp = url.trim_start_matches("http://").trim_end_matches("/metadata").to_string();
+    let hp = url
+        .trim_start_matches("http://")
+        .trim_end_matches("/metadata")
+        .to_string();
     let until = Instant::now() + Duration::from_secs(10);
     while std::net::TcpStream::connect(&hp).is_err() {
-        assert!(Instant::now() < until, "embedded metadata server never listened");
+        assert!(
+            Instant::now() < until,
+            "embedded metadata server never listened"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let store_client = |host: &str| {
-        Proc::start(&["store-client", "--host", host, "--metadata-server", url, "--master-server-address", &addr, "--global-segment-size", "16MB", "--port", "0"], "KVFERRY_STORE_CLIENT")
+        Proc::start(
+            &[
+                "store-client",
+                "--host",
+                host,
+                "--metadata-server",
+                url,
+                "--master-server-address",
+                &addr,
+                "--global-segment-size",
+                "16MB",
+                "--port",
+                "0",
+            ],
+            "KVFERRY_STORE_CLIENT",
+        )
     };
-    let entries = |name: &str| ["ram", "rpc_meta"].map(|k| http_get(&hp, &format!("/metadata?key=mooncake/{k}/{name}")).0);
+    let entries = |name: &str| {
+        ["ram", "rpc_meta"].map(|k| http_get(&hp, &format!("/metadata?key=mooncake/{k}/{name}")).0)
+    };
     // A name to restart under: a port free now.
-    let fixed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let fixed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let mut a = store_client("127.0.0.1");
     let b = store_client("127.0.0.1");
     let mut c = store_client(&format!("127.0.0.1:{fixed}"));
-    let (na, nb, nc) = (a.field("segment="), b.field("segment="), c.field("segment="));
+    let (na, nb, nc) = (
+        a.field("segment="),
+        b.field("segment="),
+        c.field("segment="),
+    );
     assert_eq!(nc, format!("127.0.0.1:{fixed}"));
     for n in [&na, &nb, &nc] {
         assert_eq!(entries(n), [200, 200], "{n} registered");
@@ -883,23 +1381,60 @@ fn killed_clients_metadata_entries_are_removed_and_live_ones_kept(m: &Proc, url:
     let outcome = |o: &str| {
         let (_, body) = http_get(&http, "/metrics");
         let line = format!("kvferry_master_metadata_cleanup_total{{outcome=\"{o}\"}} ");
-        body.lines().find_map(|l| l.strip_prefix(line.as_str())).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or_else(|| panic!("no {line} in /metrics"))
+        body.lines()
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {line} in /metrics"))
     };
     let t0 = Instant::now();
     while outcome("removed") + outcome("kept") < 2 {
-        assert!(t0.elapsed() < Duration::from_secs(20), "the two killed clients were not handled within 20 s (TTL 3 s): removed {}, kept {}", outcome("removed"), outcome("kept"));
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the two killed clients were not handled within 20 s (TTL 3 s): removed {}, kept {}",
+            outcome("removed"),
+            outcome("kept")
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
-    eprintln!("metadata cleanup: removed {}, kept {} after {:?}", outcome("removed"), outcome("kept"), t0.elapsed());
-    assert_eq!(entries(&na), [404, 404], "the killed client's descriptor and rpc_meta are gone");
+    eprintln!(
+        "metadata cleanup: removed {}, kept {} after {:?}",
+        outcome("removed"),
+        outcome("kept"),
+        t0.elapsed()
+    );
+    assert_eq!(
+        entries(&na),
+        [404, 404],
+        "the killed client's descriptor and rpc_meta are gone"
+    );
     assert!(outcome("removed") >= 1 && outcome("failed") == 0);
     assert_eq!(entries(&nb), [200, 200], "the live client's entries stay");
-    assert_eq!(entries(&nc), [200, 200], "the restarted client's entries stay");
+    assert_eq!(
+        entries(&nc),
+        [200, 200],
+        "the restarted client's entries stay"
+    );
     // Both survivors still serve: a value placed on each is read back through the other.
-    let probe = Client::setup(ClientConfig { local_hostname: "127.0.0.1".into(), metadata_server: url.to_string(), local_buffer_size: 16 << 20, master_server_addr: addr.clone(), ..ClientConfig::default() }).expect("client setup");
+    let probe = Client::setup(ClientConfig {
+        local_hostname: "127.0.0.1".into(),
+        metadata_server: url.to_string(),
+        local_buffer_size: 16 << 20,
+        master_server_addr: addr.clone(),
+        ..ClientConfig::default()
+    })
+    .expect("client setup");
     for n in [&nb, &nc] {
         let key = format!("on-{n}");
-        probe.put(&key, &value(&key, 1, 100_000), &ReplicateConfig { preferred_segments: vec![n.clone()], ..Default::default() }).unwrap();
+        probe
+            .put(
+                &key,
+                &value(&key, 1, 100_000),
+                &ReplicateConfig {
+                    preferred_segments: vec![n.clone()],
+                    ..Default::default()
+                },
+            )
+            .unwrap();
         assert_eq!(probe.get(&key).unwrap(), value(&key, 1, 100_000));
     }
     drop((b, c2));
@@ -908,7 +1443,13 @@ fn killed_clients_metadata_entries_are_removed_and_live_ones_kept(m: &Proc, url:
 #[test]
 fn a_killed_clients_metadata_entries_leave_the_masters_embedded_service() {
     // Bare gflags booleans before other flags, as a mooncake_master command line has them.
-    let m = master(&["--enable_metadata_cleanup_on_timeout", "--enable_http_metadata_server", "--client-ttl", "3", "--http_metadata_server_port=0"]);
+    let m = master(&[
+        "--enable_metadata_cleanup_on_timeout",
+        "--enable_http_metadata_server",
+        "--client-ttl",
+        "3",
+        "--http_metadata_server_port=0",
+    ]);
     killed_clients_metadata_entries_are_removed_and_live_ones_kept(&m, &m.field("metadata="));
 }
 
@@ -916,10 +1457,24 @@ fn a_killed_clients_metadata_entries_leave_the_masters_embedded_service() {
 /// clients' variable.
 #[test]
 fn a_killed_clients_metadata_entries_leave_a_standalone_service_named_by_mooncakes_variable() {
-    let md = Proc::start(&["metadata-server", "--port", "0"], "kvferry metadata-server");
+    let md = Proc::start(
+        &["metadata-server", "--port", "0"],
+        "kvferry metadata-server",
+    );
     let url = format!("http://127.0.0.1:{}/metadata", md.field("port="));
     let m = Proc::start_with(
-        &["master", "--port", "0", "--metrics-port", "0", "--summary-interval", "0", "--client-ttl", "3", "--enable_metadata_cleanup_on_timeout"],
+        &[
+            "master",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--summary-interval",
+            "0",
+            "--client-ttl",
+            "3",
+            "--enable_metadata_cleanup_on_timeout",
+        ],
         &[("MOONCAKE_TE_META_DATA_SERVER", &url)],
         "KVFERRY_MASTER",
     );
@@ -936,18 +1491,41 @@ fn a_killed_clients_metadata_entries_leave_a_standalone_service_named_by_mooncak
 #[test]
 fn a_write_still_running_across_a_master_restart_keeps_new_puts_out_of_its_segment() {
     use rustix::process::{kill_process, Pid, Signal};
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
     // A read lease of 200 ms: the remount's own hold is over long before the write's.
     let lease = ["--port", port.as_str(), "--default-kv-lease-ttl", "200"];
     let mut m = master(&lease);
     let addr = m.field("rpc=");
     // Over TCP (a same-host copy lands without the target's help, paused or not).
-    let s = Proc::start_with(&["store-bench", "--serve-segment", &addr, "--segment-size", "32M"], &[("KVFERRY_TRANSPORT", "tcp")], "KVFERRY_STORE_SERVER");
+    let s = Proc::start_with(
+        &[
+            "store-bench",
+            "--serve-segment",
+            &addr,
+            "--segment-size",
+            "32M",
+        ],
+        &[("KVFERRY_TRANSPORT", "tcp")],
+        "KVFERRY_STORE_SERVER",
+    );
     let spid = Pid::from_raw(s.child.id() as i32).expect("a pid");
     let timeout = Duration::from_secs(3);
-    let w = Client::setup(ClientConfig { global_segment_size: 0, local_buffer_size: 64 << 20, master_server_addr: addr.clone(), transfer_timeout: timeout, ..ClientConfig::default() }).expect("writer");
+    let w = Client::setup(ClientConfig {
+        global_segment_size: 0,
+        local_buffer_size: 64 << 20,
+        master_server_addr: addr.clone(),
+        transfer_timeout: timeout,
+        ..ClientConfig::default()
+    })
+    .expect("writer");
     // The writer's connection to the serving client is up before it pauses.
-    w.put("warm", &value("warm", 1, 4096), &ReplicateConfig::default()).unwrap();
+    w.put("warm", &value("warm", 1, 4096), &ReplicateConfig::default())
+        .unwrap();
     common::pause(s.child.id());
     struct Cont(Pid);
     impl Drop for Cont {
@@ -957,7 +1535,13 @@ fn a_write_still_running_across_a_master_restart_keeps_new_puts_out_of_its_segme
     }
     let cont = Cont(spid);
     let started = Instant::now();
-    let slow = std::thread::spawn(move || w.put("slow", &value("slow", 1, 8 << 20), &ReplicateConfig::default()));
+    let slow = std::thread::spawn(move || {
+        w.put(
+            "slow",
+            &value("slow", 1, 8 << 20),
+            &ReplicateConfig::default(),
+        )
+    });
     std::thread::sleep(Duration::from_millis(300));
     m.kill();
     let m2 = master(&lease);
@@ -965,20 +1549,39 @@ fn a_write_still_running_across_a_master_restart_keeps_new_puts_out_of_its_segme
     // the write (still running: the target is paused); only then does the target go on
     // (and remount). Read from the new master's counters.
     let http = m2.field("http=");
-    let counter = |text: &str, name: &str| text.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+    let counter = |text: &str, name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
     let until = Instant::now() + Duration::from_secs(10);
     loop {
         let (_, metrics) = http_get(&http, "/metrics");
         if counter(&metrics, "kvferry_master_ops_total{op=\"hold_writes\"}") >= 1 {
-            assert_eq!(counter(&metrics, "kvferry_master_errors_total{op=\"hold_writes\"}"), 0, "{metrics}");
+            assert_eq!(
+                counter(&metrics, "kvferry_master_errors_total{op=\"hold_writes\"}"),
+                0,
+                "{metrics}"
+            );
             break;
         }
-        assert!(Instant::now() < until, "the writer did not report its write within 10 s: {metrics}");
+        assert!(
+            Instant::now() < until,
+            "the writer did not report its write within 10 s: {metrics}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let r = slow.join().expect("the writer's thread");
-    assert!(r.is_err(), "a put into a paused target across a master restart cannot succeed: {r:?}");
-    assert!(started.elapsed() >= timeout, "it failed at its timeout, not before ({:?})", started.elapsed());
+    assert!(
+        r.is_err(),
+        "a put into a paused target across a master restart cannot succeed: {r:?}"
+    );
+    assert!(
+        started.elapsed() >= timeout,
+        "it failed at its timeout, not before ({:?})",
+        started.elapsed()
+    );
     drop(cont);
     // From now on the serving client remounts within a ping; its segment must take nothing
     // new until twice the writer's timeout after the write started.
@@ -1015,19 +1618,53 @@ fn key_file(dir: &std::path::Path, name: &str, text: &str) -> std::path::PathBuf
 /// A store client of master `addr` holding the key in `key` (if any), of store cluster
 /// `cluster` (`KVFERRY_STORE_CLUSTER_ID`; `None`: mooncake_cluster), contributing 4 MiB;
 /// set up within 5 s, served or refused.
-fn keyed_client(addr: &str, key: Option<&std::path::Path>, cluster: Option<&str>) -> Result<Client, StoreError> {
+fn keyed_client(
+    addr: &str,
+    key: Option<&std::path::Path>,
+    cluster: Option<&str>,
+) -> Result<Client, StoreError> {
     use kvferry::{Config, TransferEngine};
-    let engine = TransferEngine::new(Config { auth_key_file: key.map(Into::into), store_cluster_id: cluster.map(Into::into), ..Config::default() }).expect("engine");
-    let cfg = ClientConfig { local_hostname: String::new(), global_segment_size: 4 << 20, local_buffer_size: 4 << 20, master_server_addr: addr.to_string(), ..ClientConfig::default() };
+    let engine = TransferEngine::new(Config {
+        auth_key_file: key.map(Into::into),
+        store_cluster_id: cluster.map(Into::into),
+        ..Config::default()
+    })
+    .expect("engine");
+    let cfg = ClientConfig {
+        local_hostname: String::new(),
+        global_segment_size: 4 << 20,
+        local_buffer_size: 4 << 20,
+        master_server_addr: addr.to_string(),
+        ..ClientConfig::default()
+    };
     let t = Instant::now();
     let c = Client::with_engine(cfg, std::sync::Arc::new(engine), None);
-    assert!(t.elapsed() < Duration::from_secs(5), "answered at once: {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "answered at once: {:?}",
+        t.elapsed()
+    );
     c
 }
 
 /// A keyed master (`KVFERRY_AUTH_KEY_FILE` = `key`) of store cluster `cluster`.
 fn keyed_master(key: &std::path::Path, cluster: &str) -> Proc {
-    Proc::start_with(&["master", "--metrics-port", "0", "--summary-interval", "0", "--port", "0"], &[("KVFERRY_AUTH_KEY_FILE", key.to_str().expect("path")), ("KVFERRY_STORE_CLUSTER_ID", cluster)], "KVFERRY_MASTER")
+    Proc::start_with(
+        &[
+            "master",
+            "--metrics-port",
+            "0",
+            "--summary-interval",
+            "0",
+            "--port",
+            "0",
+        ],
+        &[
+            ("KVFERRY_AUTH_KEY_FILE", key.to_str().expect("path")),
+            ("KVFERRY_STORE_CLUSTER_ID", cluster),
+        ],
+        "KVFERRY_MASTER",
+    )
 }
 
 fn refused(c: Result<Client, StoreError>, what: &str) -> String {
@@ -1049,27 +1686,65 @@ fn refused(c: Result<Client, StoreError>, what: &str) -> String {
 fn a_master_with_a_cluster_key_serves_only_clients_that_prove_it_and_says_why_to_others() {
     let dir = tempfile::tempdir().expect("temporary directory");
     let (a, b) = ("a".repeat(64), "b".repeat(64));
-    let (key_a, key_b, old_then_new) = (key_file(dir.path(), "a", &format!("{a}\n")), key_file(dir.path(), "b", &b), key_file(dir.path(), "ab", &format!("# old first\n{a}\n{b}\n")));
+    let (key_a, key_b, old_then_new) = (
+        key_file(dir.path(), "a", &format!("{a}\n")),
+        key_file(dir.path(), "b", &b),
+        key_file(dir.path(), "ab", &format!("# old first\n{a}\n{b}\n")),
+    );
     let m = keyed_master(&key_a, "kvf-test");
     let addr = m.field("rpc=");
     for key in [&key_a, &old_then_new] {
-        let c = keyed_client(&addr, Some(key), Some("kvf-test")).unwrap_or_else(|e| panic!("a client holding the key ({}): {e}", key.display()));
-        c.put("k", &value("k", 1, 4096), &ReplicateConfig::default()).expect("put");
+        let c = keyed_client(&addr, Some(key), Some("kvf-test"))
+            .unwrap_or_else(|e| panic!("a client holding the key ({}): {e}", key.display()));
+        c.put("k", &value("k", 1, 4096), &ReplicateConfig::default())
+            .expect("put");
         assert_eq!(c.get("k").expect("get"), value("k", 1, 4096));
         let _ = c.close();
     }
-    eprintln!("{}", refused(keyed_client(&addr, None, Some("kvf-test")), "set KVFERRY_AUTH_KEY_FILE on this client"));
-    eprintln!("{}", refused(keyed_client(&addr, Some(&key_b), Some("kvf-test")), "another key"));
-    eprintln!("{}", refused(keyed_client(&addr, Some(&key_a), None), "serves another cluster"));
+    eprintln!(
+        "{}",
+        refused(
+            keyed_client(&addr, None, Some("kvf-test")),
+            "set KVFERRY_AUTH_KEY_FILE on this client"
+        )
+    );
+    eprintln!(
+        "{}",
+        refused(
+            keyed_client(&addr, Some(&key_b), Some("kvf-test")),
+            "another key"
+        )
+    );
+    eprintln!(
+        "{}",
+        refused(
+            keyed_client(&addr, Some(&key_a), None),
+            "serves another cluster"
+        )
+    );
     // A raw connection that sends a request first: the reason, then the connection closes.
     let mut raw = std::net::TcpStream::connect(&addr).expect("connect");
-    raw.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    raw.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
     let mut r = RawReader(raw.try_clone().expect("clone"));
-    assert!(matches!(r.call(&proto::Request::ExistKey { key: "k".into() }), proto::Response::Err(StoreError::Unauthorized(_))));
-    assert_eq!(raw.read(&mut [0u8; 1]).expect("read"), 0, "the master closed the connection");
+    assert!(matches!(
+        r.call(&proto::Request::ExistKey { key: "k".into() }),
+        proto::Response::Err(StoreError::Unauthorized(_))
+    ));
+    assert_eq!(
+        raw.read(&mut [0u8; 1]).expect("read"),
+        0,
+        "the master closed the connection"
+    );
     // A master without a key, to a client holding one.
     let open = master(&[]);
-    eprintln!("{}", refused(keyed_client(&open.field("rpc="), Some(&key_a), None), "has no cluster key"));
+    eprintln!(
+        "{}",
+        refused(
+            keyed_client(&open.field("rpc="), Some(&key_a), None),
+            "has no cluster key"
+        )
+    );
 }
 
 /// Reads one plain frame (length prefix and body) from `s`, as it came.
@@ -1104,10 +1779,13 @@ fn relay(to: String, then: Then) -> String {
         drop(l);
         let mut m = std::net::TcpStream::connect(&to).expect("connect to the master");
         for s in [&c, &m] {
-            s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+            s.set_read_timeout(Some(Duration::from_secs(10)))
+                .expect("timeout");
         }
-        m.write_all(&plain_frame(&mut c)).expect("forward the hello");
-        c.write_all(&plain_frame(&mut m)).expect("forward the answer");
+        m.write_all(&plain_frame(&mut c))
+            .expect("forward the hello");
+        c.write_all(&plain_frame(&mut m))
+            .expect("forward the answer");
         match then {
             Then::Inject(bytes) => m.write_all(&bytes).expect("inject"),
             Then::Alter => {
@@ -1138,29 +1816,75 @@ fn relay(to: String, then: Then) -> String {
 /// client's handshake is refused as meant for another master. The relay that only forwards
 /// is served.
 #[test]
-fn a_keyless_relay_can_neither_inject_nor_alter_a_keyed_clients_requests_nor_redirect_its_handshake() {
+fn a_keyless_relay_can_neither_inject_nor_alter_a_keyed_clients_requests_nor_redirect_its_handshake(
+) {
     let dir = tempfile::tempdir().expect("temporary directory");
     let key = key_file(dir.path(), "k", &"k".repeat(64));
     let m = keyed_master(&key, "kvf-test");
     let (addr, http) = (m.field("rpc="), m.field("http="));
     let c = keyed_client(&addr, Some(&key), Some("kvf-test")).expect("a client holding the key");
-    c.put("victim", &value("victim", 1, 4096), &ReplicateConfig::default()).expect("put");
+    c.put(
+        "victim",
+        &value("victim", 1, 4096),
+        &ReplicateConfig::default(),
+    )
+    .expect("put");
     let segments = common::master_segments_keyed(&http, &key);
-    let remove = proto::Request::Remove { key: "victim".into(), force: true };
-    let inject = proto::encode(&proto::Request::Batch(vec![remove.clone(), remove])).expect("encode");
-    let why = refused(keyed_client(&relay(addr.clone(), Then::Inject(inject)), Some(&key), Some("kvf-test")), "does not open under this connection's session");
+    let remove = proto::Request::Remove {
+        key: "victim".into(),
+        force: true,
+    };
+    let inject =
+        proto::encode(&proto::Request::Batch(vec![remove.clone(), remove])).expect("encode");
+    let why = refused(
+        keyed_client(
+            &relay(addr.clone(), Then::Inject(inject)),
+            Some(&key),
+            Some("kvf-test"),
+        ),
+        "does not open under this connection's session",
+    );
     eprintln!("injected: {why}");
-    assert!(c.is_exist("victim").expect("exist"), "the injected removal was not applied");
-    let why = refused(keyed_client(&relay(addr.clone(), Then::Alter), Some(&key), Some("kvf-test")), "does not open under this connection's session");
+    assert!(
+        c.is_exist("victim").expect("exist"),
+        "the injected removal was not applied"
+    );
+    let why = refused(
+        keyed_client(
+            &relay(addr.clone(), Then::Alter),
+            Some(&key),
+            Some("kvf-test"),
+        ),
+        "does not open under this connection's session",
+    );
     eprintln!("altered: {why}");
-    assert_eq!(common::master_segments_keyed(&http, &key), segments, "the altered mount was not applied");
+    assert_eq!(
+        common::master_segments_keyed(&http, &key),
+        segments,
+        "the altered mount was not applied"
+    );
     assert!(c.is_exist("victim").expect("exist"));
     // To a master of another cluster holding the same key.
     let other = keyed_master(&key, "kvf-other");
-    let why = refused(keyed_client(&relay(other.field("rpc="), Then::Pass), Some(&key), Some("kvf-test")), "serves another cluster");
-    assert!(why.contains("master/kvf-test") && why.contains("master/kvf-other"), "{why}");
+    let why = refused(
+        keyed_client(
+            &relay(other.field("rpc="), Then::Pass),
+            Some(&key),
+            Some("kvf-test"),
+        ),
+        "serves another cluster",
+    );
+    assert!(
+        why.contains("master/kvf-test") && why.contains("master/kvf-other"),
+        "{why}"
+    );
     // Forwarding alone changes nothing.
-    let relayed = keyed_client(&relay(addr.clone(), Then::Pass), Some(&key), Some("kvf-test")).expect("served through a relay that only forwards");
+    let relayed = keyed_client(
+        &relay(addr.clone(), Then::Pass),
+        Some(&key),
+        Some("kvf-test"),
+    )
+    .expect("served through a relay that only forwards");
     assert!(relayed.is_exist("victim").expect("exist"));
     let _ = relayed.close();
     let _ = c.close();
@@ -1180,55 +1904,112 @@ fn a_replayed_handshake_and_request_are_refused_and_nothing_applied() {
     let (addr, http) = (m.field("rpc="), m.field("http="));
     let before = common::master_segments_keyed(&http, &path);
     let mut c = std::net::TcpStream::connect(&addr).expect("connect");
-    c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
-    let (init, hello) = Initiator::new(&key, proto::STORE_RPC, &proto::master_identity("kvf-test")).expect("hello");
+    c.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let (init, hello) =
+        Initiator::new(&key, proto::STORE_RPC, &proto::master_identity("kvf-test")).expect("hello");
     let hello = proto::encode(&proto::Request::AuthHello { hello }).expect("encode");
     c.write_all(&hello).expect("send");
     let answer = match proto::decode(&plain_frame(&mut c)[4..]).expect("decode") {
         proto::Response::AuthChallenge { answer } => answer,
         other => panic!("{other:?}"),
     };
-    let (mut sealer, mut opener) = init.finish(&answer).expect("the master proves the key").split();
+    let (mut sealer, mut opener) = init
+        .finish(&answer)
+        .expect("the master proves the key")
+        .split();
     let mut call = |req: &proto::Request, wire: &mut Vec<u8>| {
         wire.clear();
         sealer.seal_frame(&proto::encode(req).expect("encode")[4..], wire);
         c.write_all(wire).expect("send");
         let mut head = [0u8; FRAME_HEAD_LEN];
         c.read_exact(&mut head).expect("answer");
-        let n = opener.open_frame_head(&head, proto::MAX_FRAME).expect("opens");
+        let n = opener
+            .open_frame_head(&head, proto::MAX_FRAME)
+            .expect("opens");
         let mut sealed = vec![0u8; frame_body_len(n)];
         c.read_exact(&mut sealed).expect("answer");
         let mut body = Vec::new();
         opener.open_frame_body(&sealed, &mut body).expect("opens");
         proto::decode::<proto::Response>(&body).expect("decode")
     };
-    let segment = proto::Segment { id: 77, name: "replayed".into(), te_endpoint: "127.0.0.1:9".into(), base: 1 << 40, size: 1 << 20 };
+    let segment = proto::Segment {
+        id: 77,
+        name: "replayed".into(),
+        te_endpoint: "127.0.0.1:9".into(),
+        base: 1 << 40,
+        size: 1 << 20,
+    };
     let mut first = Vec::new();
-    assert_eq!(call(&proto::Request::MountSegment { client: 77, segment }, &mut first), proto::Response::Ok);
+    assert_eq!(
+        call(
+            &proto::Request::MountSegment {
+                client: 77,
+                segment
+            },
+            &mut first
+        ),
+        proto::Response::Ok
+    );
     assert!(common::master_segments_keyed(&http, &path).contains("replayed"));
-    assert_eq!(call(&proto::Request::UnmountSegment { client: 77, segment: 77 }, &mut Vec::new()), proto::Response::Ok);
+    assert_eq!(
+        call(
+            &proto::Request::UnmountSegment {
+                client: 77,
+                segment: 77
+            },
+            &mut Vec::new()
+        ),
+        proto::Response::Ok
+    );
     assert_eq!(common::master_segments_keyed(&http, &path), before);
     // The replay.
     let mut r = std::net::TcpStream::connect(&addr).expect("connect");
-    r.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    r.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
     r.write_all(&hello).expect("replay the hello");
-    assert!(matches!(proto::decode(&plain_frame(&mut r)[4..]), Ok(proto::Response::AuthChallenge { .. })), "a replayed hello is answered");
+    assert!(
+        matches!(
+            proto::decode(&plain_frame(&mut r)[4..]),
+            Ok(proto::Response::AuthChallenge { .. })
+        ),
+        "a replayed hello is answered"
+    );
     r.write_all(&first).expect("replay the request");
     let mut rest = Vec::new();
     let _ = r.read_to_end(&mut rest);
-    assert!(rest.len() < 1024, "a sealed refusal the replayer cannot open, then the end: {} bytes", rest.len());
-    assert_eq!(common::master_segments_keyed(&http, &path), before, "the replayed mount was not applied");
+    assert!(
+        rest.len() < 1024,
+        "a sealed refusal the replayer cannot open, then the end: {} bytes",
+        rest.len()
+    );
+    assert_eq!(
+        common::master_segments_keyed(&http, &path),
+        before,
+        "the replayed mount was not applied"
+    );
 }
 
 /// `Threads` and `VmRSS` (KiB) of process `pid`, from `/proc/<pid>/status`.
 fn threads_and_rss(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/<pid>/status");
-    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{name} in {status}"));
+    let status =
+        std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/<pid>/status");
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} in {status}"))
+    };
     (field("Threads:"), field("VmRSS:"))
 }
 
 /// A TCP connection to `to` from the local address `from`.
-fn connect_from(from: std::net::IpAddr, to: std::net::SocketAddr) -> std::io::Result<std::net::TcpStream> {
+fn connect_from(
+    from: std::net::IpAddr,
+    to: std::net::SocketAddr,
+) -> std::io::Result<std::net::TcpStream> {
     use rustix::net::{AddressFamily, SocketType};
     let fd = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None)?;
     rustix::net::bind(&fd, &std::net::SocketAddr::new(from, 0))?;
@@ -1246,7 +2027,8 @@ fn connect_from(from: std::net::IpAddr, to: std::net::SocketAddr) -> std::io::Re
 /// and get well within a second. (Before, each connection held a thread for ever and each
 /// frame was read whole before the key was checked.)
 #[test]
-fn a_flood_without_the_key_leaves_a_keyed_masters_threads_and_memory_bounded_while_its_clients_are_served() {
+fn a_flood_without_the_key_leaves_a_keyed_masters_threads_and_memory_bounded_while_its_clients_are_served(
+) {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::Arc;
     let dir = tempfile::tempdir().expect("temporary directory");
@@ -1254,10 +2036,12 @@ fn a_flood_without_the_key_leaves_a_keyed_masters_threads_and_memory_bounded_whi
     let m = keyed_master(&key, "kvf-test");
     let addr: std::net::SocketAddr = m.field("rpc=").parse().expect("address");
     let pid = m.child.id();
-    let c = keyed_client(&addr.to_string(), Some(&key), Some("kvf-test")).expect("a client holding the key");
+    let c = keyed_client(&addr.to_string(), Some(&key), Some("kvf-test"))
+        .expect("a client holding the key");
     for i in 0..20 {
         let k = format!("warm{i}");
-        c.put(&k, &value(&k, 1, 4096), &ReplicateConfig::default()).expect("put");
+        c.put(&k, &value(&k, 1, 4096), &ReplicateConfig::default())
+            .expect("put");
         assert!(intact(&c.get(&k).expect("get")));
     }
     let (threads0, rss0) = threads_and_rss(pid);
@@ -1272,7 +2056,9 @@ fn a_flood_without_the_key_leaves_a_keyed_masters_threads_and_memory_bounded_whi
                 while !stop.load(Ordering::Relaxed) {
                     // (Paced: a connection refused at accept is closed at once.)
                     std::thread::sleep(Duration::from_millis(5));
-                    let Ok(mut s) = connect_from(from, addr) else { continue };
+                    let Ok(mut s) = connect_from(from, addr) else {
+                        continue;
+                    };
                     let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
                     if i % 2 == 0 {
                         let mut f = (proto::MAX_FRAME as u32).to_le_bytes().to_vec();
@@ -1300,15 +2086,22 @@ fn a_flood_without_the_key_leaves_a_keyed_masters_threads_and_memory_bounded_whi
         })
         .collect();
     let t = Instant::now();
-    let idle: Vec<std::net::TcpStream> = (0..1000).filter_map(|_| connect_from(from, addr).ok()).collect();
+    let idle: Vec<std::net::TcpStream> = (0..1000)
+        .filter_map(|_| connect_from(from, addr).ok())
+        .collect();
     assert_eq!(idle.len(), 1000, "every idle connection was made");
     eprintln!("1000 idle connections made in {:?}", t.elapsed());
     let (mut threads, mut rss, mut served, mut slowest) = (0, 0, 0, Duration::ZERO);
     while t.elapsed() < Duration::from_secs(7) {
         let k = format!("during{served}");
         let op = Instant::now();
-        c.put(&k, &value(&k, 1, 4096), &ReplicateConfig::default()).unwrap_or_else(|e| panic!("put during the flood: {e}"));
-        assert_eq!(c.get(&k).unwrap_or_else(|e| panic!("get during the flood: {e}")), value(&k, 1, 4096));
+        c.put(&k, &value(&k, 1, 4096), &ReplicateConfig::default())
+            .unwrap_or_else(|e| panic!("put during the flood: {e}"));
+        assert_eq!(
+            c.get(&k)
+                .unwrap_or_else(|e| panic!("get during the flood: {e}")),
+            value(&k, 1, 4096)
+        );
         slowest = slowest.max(op.elapsed());
         served += 1;
         let (th, r) = threads_and_rss(pid);
@@ -1323,17 +2116,34 @@ fn a_flood_without_the_key_leaves_a_keyed_masters_threads_and_memory_bounded_whi
         "master: {threads0} threads and {rss0} KiB before; at most {threads} threads and {rss} KiB during the flood ({} MB of maximal frames sent); {served} puts and gets served, the slowest pair {slowest:?}",
         sent.load(Ordering::Relaxed) >> 20
     );
-    assert!(threads <= threads0 + 64 + 8, "{threads} threads (from {threads0})");
+    assert!(
+        threads <= threads0 + 64 + 8,
+        "{threads} threads (from {threads0})"
+    );
     assert!(rss <= rss0 + (32 << 10), "{rss} KiB resident (from {rss0})");
-    assert!(served >= 20 && slowest < Duration::from_secs(1), "{served} served, the slowest {slowest:?}");
+    assert!(
+        served >= 20 && slowest < Duration::from_secs(1),
+        "{served} served, the slowest {slowest:?}"
+    );
     // Every idle connection was closed by the master (at accept, or at its proof's deadline,
     // saying so).
     for mut s in idle {
-        s.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
+        s.set_read_timeout(Some(Duration::from_secs(1)))
+            .expect("timeout");
         let mut said = Vec::new();
         match s.read_to_end(&mut said) {
-            Ok(_) => assert!(said.len() < 1024, "{} bytes to an idle connection", said.len()),
-            Err(e) => assert!(!matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut), "an idle connection still open: {e}"),
+            Ok(_) => assert!(
+                said.len() < 1024,
+                "{} bytes to an idle connection",
+                said.len()
+            ),
+            Err(e) => assert!(
+                !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ),
+                "an idle connection still open: {e}"
+            ),
         }
     }
     let _ = c.close();
@@ -1349,27 +2159,53 @@ fn without_a_key_a_frame_of_tiny_requests_does_not_cost_the_master_much_memory()
     let pid = m.child.id();
     let hwm = || -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-        status.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse().ok()).expect("VmHWM")
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .expect("VmHWM")
     };
     let mut r = RawReader(std::net::TcpStream::connect(m.field("rpc=")).expect("connect"));
-    r.0.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
-    assert_eq!(r.call(&proto::Request::ExistKey { key: "k".into() }), proto::Response::Exists(false));
+    r.0.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    assert_eq!(
+        r.call(&proto::Request::ExistKey { key: "k".into() }),
+        proto::Response::Exists(false)
+    );
     let before = hwm();
-    let pings = proto::Request::Batch((0..proto::MAX_BATCH).map(|_| proto::Request::Ping { client: 0 }).collect());
+    let pings = proto::Request::Batch(
+        (0..proto::MAX_BATCH)
+            .map(|_| proto::Request::Ping { client: 0 })
+            .collect(),
+    );
     let frame = proto::encode(&pings).expect("encode");
     assert!(frame.len() < 3 << 20);
     match r.call(&pings) {
-        proto::Response::Err(StoreError::InvalidParams(w)) => assert!(w.contains("split it"), "{w}"),
+        proto::Response::Err(StoreError::InvalidParams(w)) => {
+            assert!(w.contains("split it"), "{w}")
+        }
         other => panic!("a million pings: {:?}", std::mem::discriminant(&other)),
     }
     let grew = hwm().saturating_sub(before);
-    eprintln!("the master's peak resident memory grew by {grew} KiB for a {} byte frame", frame.len());
+    eprintln!(
+        "the master's peak resident memory grew by {grew} KiB for a {} byte frame",
+        frame.len()
+    );
     assert!(grew < 48 << 10, "{grew} KiB");
-    r.0.write_all(&[7, 0, 0, 0, 13, 0xff, 0xff, 0xff, 0xff, 0x0f, 1]).expect("send");
+    r.0.write_all(&[7, 0, 0, 0, 13, 0xff, 0xff, 0xff, 0xff, 0x0f, 1])
+        .expect("send");
     let mut prefix = [0u8; 4];
     r.0.read_exact(&mut prefix).expect("answer");
     let mut body = vec![0u8; proto::decode_len(prefix).expect("len")];
     r.0.read_exact(&mut body).expect("answer");
-    assert!(matches!(proto::decode(&body), Ok(proto::Response::Err(StoreError::Rpc(_)))));
-    assert_eq!(r.call(&proto::Request::ExistKey { key: "k".into() }), proto::Response::Exists(false), "the connection still serves");
+    assert!(matches!(
+        proto::decode(&body),
+        Ok(proto::Response::Err(StoreError::Rpc(_)))
+    ));
+    assert_eq!(
+        r.call(&proto::Request::ExistKey { key: "k".into() }),
+        proto::Response::Exists(false),
+        "the connection still serves"
+    );
 }

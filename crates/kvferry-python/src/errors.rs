@@ -51,13 +51,19 @@ impl Kind {
 /// Builds `kvferry.<Kind>(message, code)`.
 pub fn raise(py: Python<'_>, kind: Kind, message: impl Into<String>, code: i32) -> PyErr {
     let message = message.into();
-    let module = match ERRORS.get_or_try_init(py, || py.import("kvferry._errors").map(Bound::unbind)) {
-        Ok(m) => m.bind(py),
-        Err(e) => {
-            return PyRuntimeError::new_err(format!("{message} (and kvferry._errors could not be imported: {e})"));
-        }
-    };
-    match module.getattr(kind.class_name()).and_then(|cls| cls.call1((message, code))) {
+    let module =
+        match ERRORS.get_or_try_init(py, || py.import("kvferry._errors").map(Bound::unbind)) {
+            Ok(m) => m.bind(py),
+            Err(e) => {
+                return PyRuntimeError::new_err(format!(
+                    "{message} (and kvferry._errors could not be imported: {e})"
+                ));
+            }
+        };
+    match module
+        .getattr(kind.class_name())
+        .and_then(|cls| cls.call1((message, code)))
+    {
         Ok(exc) => PyErr::from_value(exc),
         Err(e) => e,
     }
@@ -67,16 +73,20 @@ pub fn raise(py: Python<'_>, kind: Kind, message: impl Into<String>, code: i32) 
 pub fn kind_of(e: &Error) -> Kind {
     match e {
         Error::Config(_) | Error::Bind { .. } => Kind::Config,
-        Error::InvalidArgument(_) | Error::UnknownBatch(_) | Error::UnknownTask { .. } => Kind::InvalidArgument,
-        Error::Overlap { .. } => Kind::AddressOverlap,
-        Error::NotRegistered { .. } | Error::LocalNotRegistered { .. } | Error::RemoteNotRegistered { .. } => {
-            Kind::AddressNotRegistered
+        Error::InvalidArgument(_) | Error::UnknownBatch(_) | Error::UnknownTask { .. } => {
+            Kind::InvalidArgument
         }
+        Error::Overlap { .. } => Kind::AddressOverlap,
+        Error::NotRegistered { .. }
+        | Error::LocalNotRegistered { .. }
+        | Error::RemoteNotRegistered { .. } => Kind::AddressNotRegistered,
         Error::UnknownSegmentId(_) | Error::SegmentNotFound { .. } => Kind::SegmentNotFound,
         Error::TooManyRequests { .. } => Kind::TooManyRequests,
         Error::BatchBusy { .. } => Kind::BatchBusy,
         Error::NoTransport { .. } => Kind::Transfer,
-        Error::Handshake { .. } | Error::Wire { .. } | Error::Unauthorized { .. } => Kind::PeerUnreachable,
+        Error::Handshake { .. } | Error::Wire { .. } | Error::Unauthorized { .. } => {
+            Kind::PeerUnreachable
+        }
         Error::Shutdown => Kind::Closed,
         // The engine's error enum grows (metadata services, ...): classify newer variants by
         // their Mooncake code; anything else is at least a KvferryError.
@@ -118,15 +128,22 @@ pub fn transfer_failure(py: Python<'_>, segment: &str, st: &TransferStatus) -> P
         TaskStatus::Canceled => "the transfer was canceled".to_string(),
         _ => "the transfer failed (no reason recorded)".to_string(),
     });
-    let msg = format!("transfer with segment {segment:?} {}: {reason}", status_word(st.status));
+    let msg = format!(
+        "transfer with segment {segment:?} {}: {reason}",
+        status_word(st.status)
+    );
     let (kind, code) = match (st.status, st.cause) {
         (TaskStatus::Timeout, _) | (_, Some(FailCause::Timeout)) => (Kind::Timeout, -1),
-        (_, Some(FailCause::LocalNotRegistered | FailCause::RemoteNotRegistered)) => (Kind::AddressNotRegistered, -3),
+        (_, Some(FailCause::LocalNotRegistered | FailCause::RemoteNotRegistered)) => {
+            (Kind::AddressNotRegistered, -3)
+        }
         (_, Some(FailCause::SegmentNotFound)) => (Kind::SegmentNotFound, -200),
         _ => (Kind::Transfer, -1),
     };
     let err = raise(py, kind, msg, code);
-    let _ = err.value(py).setattr("cause", st.cause.map(FailCause::code));
+    let _ = err
+        .value(py)
+        .setattr("cause", st.cause.map(FailCause::code));
     err
 }
 

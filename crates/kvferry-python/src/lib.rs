@@ -28,7 +28,10 @@ mod reg_order;
 mod store;
 
 use errors::{raise, Kind};
-use kvferry::{BatchId, Config, Error, FailCause, Opcode, TaskStatus, TransferEngine, TransferRequest, TransferStatus};
+use kvferry::{
+    BatchId, Config, Error, FailCause, Opcode, TaskStatus, TransferEngine, TransferRequest,
+    TransferStatus,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::collections::HashMap;
@@ -40,7 +43,12 @@ use std::time::{Duration, Instant};
 type StatusTuple = (u8, u64, Option<String>, Option<u8>);
 
 fn status_tuple(s: &TransferStatus) -> StatusTuple {
-    (s.status as u8, s.transferred_bytes, s.reason.clone(), s.cause.map(FailCause::code))
+    (
+        s.status as u8,
+        s.transferred_bytes,
+        s.reason.clone(),
+        s.cause.map(FailCause::code),
+    )
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -50,7 +58,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Seconds (from Python) to a Duration, refusing NaN and negatives.
 fn duration(py: Python<'_>, secs: f64) -> PyResult<Duration> {
     if !secs.is_finite() || secs < 0.0 {
-        return Err(raise(py, Kind::InvalidArgument, format!("timeout must be a finite number of seconds >= 0, not {secs}"), -1));
+        return Err(raise(
+            py,
+            Kind::InvalidArgument,
+            format!("timeout must be a finite number of seconds >= 0, not {secs}"),
+            -1,
+        ));
     }
     // ~31 years: "forever" for our purposes, and far from Duration's overflow.
     Ok(Duration::from_secs_f64(secs.min(1e9)))
@@ -61,14 +74,26 @@ fn byte_len(py: Python<'_>, length: u64) -> PyResult<usize> {
     usize::try_from(length)
         .ok()
         .filter(|&l| l <= isize::MAX as usize)
-        .ok_or_else(|| raise(py, Kind::InvalidArgument, format!("length {length} is too large"), -1))
+        .ok_or_else(|| {
+            raise(
+                py,
+                Kind::InvalidArgument,
+                format!("length {length} is too large"),
+                -1,
+            )
+        })
 }
 
 fn opcode(py: Python<'_>, v: i64) -> PyResult<Opcode> {
     match v {
         0 => Ok(Opcode::Read),
         1 => Ok(Opcode::Write),
-        _ => Err(raise(py, Kind::InvalidArgument, format!("opcode must be 0 (READ) or 1 (WRITE), not {v}"), -1)),
+        _ => Err(raise(
+            py,
+            Kind::InvalidArgument,
+            format!("opcode must be 0 (READ) or 1 (WRITE), not {v}"),
+            -1,
+        )),
     }
 }
 
@@ -89,15 +114,26 @@ fn check_lengths(py: Python<'_>, locals: &[u64], remotes: &[u64], lengths: &[u64
     Ok(())
 }
 
-fn build_requests(op: Opcode, target: u64, locals: &[u64], remotes: &[u64], lengths: &[u64]) -> Vec<TransferRequest> {
+fn build_requests(
+    op: Opcode,
+    target: u64,
+    locals: &[u64],
+    remotes: &[u64],
+    lengths: &[u64],
+) -> Vec<TransferRequest> {
     locals
         .iter()
         .zip(remotes)
         .zip(lengths)
-        .map(|((&source, &target_offset), &length)| TransferRequest { opcode: op, source, target_id: target, target_offset, length })
+        .map(|((&source, &target_offset), &length)| TransferRequest {
+            opcode: op,
+            source,
+            target_id: target,
+            target_offset,
+            length,
+        })
         .collect()
 }
-
 
 /// A kvferry transfer engine, integer addresses only (the low-level core of `kvferry.Engine`
 /// and `kvferry.mooncake.engine.TransferEngine`; use those instead).
@@ -198,7 +234,11 @@ impl Core {
     /// The aggregate status of a batch, terminal only once every task is: the engine may
     /// report FAILED at the first failed task while siblings still move bytes, and callers
     /// release their buffers on a terminal status.
-    fn settled_status(&self, engine: &TransferEngine, batch: BatchId) -> Result<TransferStatus, Error> {
+    fn settled_status(
+        &self,
+        engine: &TransferEngine,
+        batch: BatchId,
+    ) -> Result<TransferStatus, Error> {
         let st = engine.batch_status(batch)?;
         if !st.status.is_terminal() || st.status == TaskStatus::Completed {
             return Ok(st);
@@ -207,9 +247,20 @@ impl Core {
         for task in 0.. {
             match engine.task_status(batch, task) {
                 Ok(t) if !t.status.is_terminal() => {
-                    return Ok(TransferStatus { status: TaskStatus::Waiting, transferred_bytes: bytes, reason: None, cause: None });
+                    return Ok(TransferStatus {
+                        status: TaskStatus::Waiting,
+                        transferred_bytes: bytes,
+                        reason: None,
+                        cause: None,
+                    });
                 }
-                Ok(t) => bytes = bytes.saturating_add(if t.status == TaskStatus::Completed { t.transferred_bytes } else { 0 }),
+                Ok(t) => {
+                    bytes = bytes.saturating_add(if t.status == TaskStatus::Completed {
+                        t.transferred_bytes
+                    } else {
+                        0
+                    })
+                }
                 Err(Error::UnknownTask { .. }) => break,
                 Err(e) => return Err(e),
             }
@@ -238,7 +289,8 @@ impl Core {
         }
         let total = reqs.iter().fold(0u64, |a, r| a.saturating_add(r.length));
         let _ = engine.wait_batch_all(b, timeout)?;
-        let cap = timeout.min(engine.config().transfer_timeout + Duration::from_nanos(total)) + Duration::from_secs(5);
+        let cap = timeout.min(engine.config().transfer_timeout + Duration::from_nanos(total))
+            + Duration::from_secs(5);
         let mut st = self.settled_status(engine, b)?;
         if !st.status.is_terminal() {
             let _ = engine.wait_batch_all(b, cap.saturating_sub(started.elapsed()))?;
@@ -259,14 +311,24 @@ impl Core {
         Ok(TransferStatus {
             status: TaskStatus::Timeout,
             transferred_bytes: st.transferred_bytes,
-            reason: Some(format!("still in flight {:.1} s after submission", started.elapsed().as_secs_f64())),
+            reason: Some(format!(
+                "still in flight {:.1} s after submission",
+                started.elapsed().as_secs_f64()
+            )),
             cause: Some(FailCause::Timeout),
         })
     }
 
     /// What `transfer` and `submit` check first: the opcode, matching list lengths, an open
     /// engine (whose released batches that finished since are freed here).
-    fn prepare(&self, py: Python<'_>, opcode: i64, locals: &[u64], remotes: &[u64], lengths: &[u64]) -> PyResult<(Opcode, Arc<TransferEngine>)> {
+    fn prepare(
+        &self,
+        py: Python<'_>,
+        opcode: i64,
+        locals: &[u64],
+        remotes: &[u64],
+        lengths: &[u64],
+    ) -> PyResult<(Opcode, Arc<TransferEngine>)> {
         let op = self::opcode(py, opcode)?;
         check_lengths(py, locals, remotes, lengths)?;
         let engine = self.engine(py)?;
@@ -291,9 +353,17 @@ impl Core {
         self.unpin_batches(py, &freed);
     }
 
-    fn write_fallback(&self, py: Python<'_>, addr: u64, data: &[u8], why: std::io::Error) -> PyResult<()> {
+    fn write_fallback(
+        &self,
+        py: Python<'_>,
+        addr: u64,
+        data: &[u8],
+        why: std::io::Error,
+    ) -> PyResult<()> {
         // Host memory only: the CPU never touches GPU memory (a device pointer faults).
-        let inside = self.engine(py)?.registered().iter().any(|r| r.gpu.is_none() && addr >= r.addr && addr.saturating_add(data.len() as u64) <= r.end());
+        let inside = self.engine(py)?.registered().iter().any(|r| {
+            r.gpu.is_none() && addr >= r.addr && addr.saturating_add(data.len() as u64) <= r.end()
+        });
         if !inside {
             return Err(raise(
                 py,
@@ -307,9 +377,19 @@ impl Core {
         Ok(())
     }
 
-    fn read_fallback(&self, py: Python<'_>, addr: u64, out: &mut [u8], why: std::io::Error) -> PyResult<()> {
+    fn read_fallback(
+        &self,
+        py: Python<'_>,
+        addr: u64,
+        out: &mut [u8],
+        why: std::io::Error,
+    ) -> PyResult<()> {
         let len = out.len() as u64;
-        let inside = self.engine(py)?.registered().iter().any(|r| r.gpu.is_none() && addr >= r.addr && addr.saturating_add(len) <= r.end());
+        let inside = self
+            .engine(py)?
+            .registered()
+            .iter()
+            .any(|r| r.gpu.is_none() && addr >= r.addr && addr.saturating_add(len) <= r.end());
         if !inside {
             return Err(raise(
                 py,
@@ -332,7 +412,9 @@ impl Core {
         let mut config = Config::from_env().map_err(|e| errors::engine(py, &e))?;
         config.local_hostname = local_hostname;
         config.metadata_server = metadata_server;
-        let engine = py.detach(move || TransferEngine::new(config)).map_err(|e| errors::engine(py, &e))?;
+        let engine = py
+            .detach(move || TransferEngine::new(config))
+            .map_err(|e| errors::engine(py, &e))?;
         Ok(Core {
             engine: RwLock::new(Some(Arc::new(engine))),
             managed: Mutex::default(),
@@ -385,7 +467,10 @@ impl Core {
 
     #[getter]
     fn closed(&self) -> bool {
-        self.engine.read().unwrap_or_else(|e| e.into_inner()).is_none()
+        self.engine
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
     }
 
     /// The id of the process that created this engine (its methods raise in any other).
@@ -398,7 +483,14 @@ impl Core {
     /// is held until range `i` is unregistered (or the engine closed): what keeps its memory
     /// alive and exported.
     #[pyo3(signature = (addrs, lengths, location = "*".to_string(), pins = None))]
-    fn register(&self, py: Python<'_>, addrs: Vec<u64>, lengths: Vec<u64>, location: String, pins: Option<Vec<Option<Py<PyAny>>>>) -> PyResult<()> {
+    fn register(
+        &self,
+        py: Python<'_>,
+        addrs: Vec<u64>,
+        lengths: Vec<u64>,
+        location: String,
+        pins: Option<Vec<Option<Py<PyAny>>>>,
+    ) -> PyResult<()> {
         if addrs.len() != lengths.len() {
             return Err(raise(
                 py,
@@ -408,7 +500,12 @@ impl Core {
             ));
         }
         if pins.as_ref().is_some_and(|p| p.len() != addrs.len()) {
-            return Err(raise(py, Kind::InvalidArgument, "pins must have one entry per address", -1));
+            return Err(raise(
+                py,
+                Kind::InvalidArgument,
+                "pins must have one entry per address",
+                -1,
+            ));
         }
         let engine = self.engine(py)?;
         let ranges: Vec<(u64, u64)> = addrs.iter().copied().zip(lengths).collect();
@@ -421,7 +518,11 @@ impl Core {
                 Err(e) => (Err(e), pins.into_iter().flatten().collect::<Vec<_>>()),
                 Ok(()) => {
                     let mut held = lock(&self.reg_pins);
-                    let replaced = addrs.iter().zip(pins).filter_map(|(a, p)| held.insert(*a, p?)).collect();
+                    let replaced = addrs
+                        .iter()
+                        .zip(pins)
+                        .filter_map(|(a, p)| held.insert(*a, p?))
+                        .collect();
                     (Ok(()), replaced)
                 }
             }
@@ -441,7 +542,13 @@ impl Core {
                 // Unregistering waited for accesses in progress: the memory may go now.
                 Ok(()) => {
                     let mut held = lock(&self.reg_pins);
-                    (Ok(()), addrs.iter().filter_map(|a| held.remove(a)).collect::<Vec<Py<PyAny>>>())
+                    (
+                        Ok(()),
+                        addrs
+                            .iter()
+                            .filter_map(|a| held.remove(a))
+                            .collect::<Vec<Py<PyAny>>>(),
+                    )
                 }
             }
         });
@@ -452,7 +559,11 @@ impl Core {
     /// The pin held for the registered range that contains [addr, addr+length), if any.
     fn pin_of(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<Option<Py<PyAny>>> {
         let engine = self.engine(py)?;
-        let Some(r) = engine.registered().into_iter().find(|r| addr >= r.addr && addr.saturating_add(length) <= r.end()) else {
+        let Some(r) = engine
+            .registered()
+            .into_iter()
+            .find(|r| addr >= r.addr && addr.saturating_add(length) <= r.end())
+        else {
             return Ok(None);
         };
         Ok(lock(&self.reg_pins).get(&r.addr).map(|p| p.clone_ref(py)))
@@ -460,16 +571,23 @@ impl Core {
 
     /// Registered ranges as (addr, length, location), in address order.
     fn registered(&self, py: Python<'_>) -> PyResult<Vec<(u64, u64, String)>> {
-        Ok(self.engine(py)?.registered().into_iter().map(|r| (r.addr, r.len, r.location)).collect())
+        Ok(self
+            .engine(py)?
+            .registered()
+            .into_iter()
+            .map(|r| (r.addr, r.len, r.location))
+            .collect())
     }
 
     /// Maps `length` bytes (rounded up to whole pages) and registers them; returns the address.
     #[pyo3(signature = (length, location = "cpu:0".to_string()))]
     fn allocate_managed(&self, py: Python<'_>, length: u64, location: String) -> PyResult<u64> {
         let engine = self.engine(py)?;
-        let pages = memory::Pages::map(length).map_err(|m| raise(py, Kind::InvalidArgument, m, -1))?;
+        let pages =
+            memory::Pages::map(length).map_err(|m| raise(py, Kind::InvalidArgument, m, -1))?;
         let (addr, len) = (pages.addr, pages.len as u64);
-        py.detach(|| engine.register_memory(addr, len, &location)).map_err(|e| errors::engine(py, &e))?;
+        py.detach(|| engine.register_memory(addr, len, &location))
+            .map_err(|e| errors::engine(py, &e))?;
         lock(&self.managed).insert(addr, pages);
         Ok(addr)
     }
@@ -493,7 +611,10 @@ impl Core {
     /// Addresses and sizes of the buffers from `allocate_managed`.
     fn managed_buffers(&self, py: Python<'_>) -> PyResult<Vec<(u64, u64)>> {
         self.owned(py)?;
-        let mut v: Vec<(u64, u64)> = lock(&self.managed).values().map(|p| (p.addr, p.len as u64)).collect();
+        let mut v: Vec<(u64, u64)> = lock(&self.managed)
+            .values()
+            .map(|p| (p.addr, p.len as u64))
+            .collect();
         v.sort_unstable();
         Ok(v)
     }
@@ -501,16 +622,25 @@ impl Core {
     /// Opens (or looks up) a peer segment; returns its handle.
     fn open_segment(&self, py: Python<'_>, name: String) -> PyResult<u64> {
         let engine = self.engine(py)?;
-        py.detach(|| engine.open_segment(&name)).map_err(|e| errors::engine(py, &e))
+        py.detach(|| engine.open_segment(&name))
+            .map_err(|e| errors::engine(py, &e))
     }
 
     /// The buffers a segment registered, as (addr, length, location).
     fn segment_buffers(&self, py: Python<'_>, name: String) -> PyResult<Vec<(u64, u64, String)>> {
         let engine = self.engine(py)?;
         let desc = py
-            .detach(|| engine.open_segment(&name).and_then(|id| engine.segment_descriptor(id)))
+            .detach(|| {
+                engine
+                    .open_segment(&name)
+                    .and_then(|id| engine.segment_descriptor(id))
+            })
             .map_err(|e| errors::engine(py, &e))?;
-        Ok(desc.buffers.into_iter().map(|b| (b.addr, b.length, b.name)).collect())
+        Ok(desc
+            .buffers
+            .into_iter()
+            .map(|b| (b.addr, b.length, b.name))
+            .collect())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -533,7 +663,10 @@ impl Core {
         let (op, engine) = self.prepare(py, opcode, &locals, &remotes, &lengths)?;
         let timeout = match timeout {
             Some(t) => duration(py, t)?,
-            None => engine.config().transfer_timeout + Duration::from_nanos(lengths.iter().fold(0u64, |a, &n| a.saturating_add(n))),
+            None => {
+                engine.config().transfer_timeout
+                    + Duration::from_nanos(lengths.iter().fold(0u64, |a, &n| a.saturating_add(n)))
+            }
         };
         let mut pins = pins;
         let res = py.detach(|| {
@@ -569,17 +702,18 @@ impl Core {
         pins: Option<Py<PyAny>>,
     ) -> PyResult<u64> {
         let (op, engine) = self.prepare(py, opcode, &locals, &remotes, &lengths)?;
-        let b = py.detach(|| {
-            let id = engine.open_segment(&segment)?;
-            let reqs = build_requests(op, id, &locals, &remotes, &lengths);
-            let b = engine.allocate_batch(reqs.len().max(1))?;
-            if let Err(e) = engine.submit(b, &reqs) {
-                let _ = engine.free_batch(b);
-                return Err(e);
-            }
-            Ok(b)
-        })
-        .map_err(|e| errors::engine(py, &e))?;
+        let b = py
+            .detach(|| {
+                let id = engine.open_segment(&segment)?;
+                let reqs = build_requests(op, id, &locals, &remotes, &lengths);
+                let b = engine.allocate_batch(reqs.len().max(1))?;
+                if let Err(e) = engine.submit(b, &reqs) {
+                    let _ = engine.free_batch(b);
+                    return Err(e);
+                }
+                Ok(b)
+            })
+            .map_err(|e| errors::engine(py, &e))?;
         if let Some(p) = pins {
             lock(&self.batch_pins).insert(b, p);
         }
@@ -591,13 +725,18 @@ impl Core {
     /// first failed task's FAILED (6) / TIMEOUT (5).
     fn batch_status(&self, py: Python<'_>, batch: u64) -> PyResult<StatusTuple> {
         let engine = self.engine(py)?;
-        let st = self.settled_status(&engine, batch).map_err(|e| errors::engine(py, &e))?;
+        let st = self
+            .settled_status(&engine, batch)
+            .map_err(|e| errors::engine(py, &e))?;
         Ok(status_tuple(&st))
     }
 
     /// (status, transferred_bytes, reason) of task `task` of a batch.
     fn task_status(&self, py: Python<'_>, batch: u64, task: usize) -> PyResult<StatusTuple> {
-        let st = self.engine(py)?.task_status(batch, task).map_err(|e| errors::engine(py, &e))?;
+        let st = self
+            .engine(py)?
+            .task_status(batch, task)
+            .map_err(|e| errors::engine(py, &e))?;
         Ok(status_tuple(&st))
     }
 
@@ -607,14 +746,20 @@ impl Core {
         let timeout = duration(py, timeout)?;
         let engine = self.engine(py)?;
         let st = py
-            .detach(|| engine.wait_batch_all(batch, timeout).and_then(|_| self.settled_status(&engine, batch)))
+            .detach(|| {
+                engine
+                    .wait_batch_all(batch, timeout)
+                    .and_then(|_| self.settled_status(&engine, batch))
+            })
             .map_err(|e| errors::engine(py, &e))?;
         Ok(status_tuple(&st))
     }
 
     /// Frees a finished batch (and drops its pins); raises BatchBusy while a task is in flight.
     fn free_batch(&self, py: Python<'_>, batch: u64) -> PyResult<()> {
-        self.engine(py)?.free_batch(batch).map_err(|e| errors::engine(py, &e))?;
+        self.engine(py)?
+            .free_batch(batch)
+            .map_err(|e| errors::engine(py, &e))?;
         self.unpin_batches(py, &[batch]);
         Ok(())
     }
@@ -639,18 +784,36 @@ impl Core {
     /// Sends a notify message to a segment's handshake port. `name` defaults to this
     /// engine's segment name.
     #[pyo3(signature = (segment, msg, name = None))]
-    fn send_notify(&self, py: Python<'_>, segment: String, msg: String, name: Option<String>) -> PyResult<()> {
+    fn send_notify(
+        &self,
+        py: Python<'_>,
+        segment: String,
+        msg: String,
+        name: Option<String>,
+    ) -> PyResult<()> {
         let engine = self.engine(py)?;
         py.detach(|| match &name {
             Some(n) => engine.send_notify_as(&segment, n, &msg),
             None => engine.send_notify(&segment, &msg),
         })
-        .map_err(|e| raise(py, errors::kind_of(&e), e.to_string(), errors::peer_code(&e)))
+        .map_err(|e| {
+            raise(
+                py,
+                errors::kind_of(&e),
+                e.to_string(),
+                errors::peer_code(&e),
+            )
+        })
     }
 
     /// Drains the notifies received so far, as (name, msg).
     fn get_notifies(&self, py: Python<'_>) -> PyResult<Vec<(String, String)>> {
-        Ok(self.engine(py)?.get_notifies().into_iter().map(|n| (n.name, n.msg)).collect())
+        Ok(self
+            .engine(py)?
+            .get_notifies()
+            .into_iter()
+            .map(|n| (n.name, n.msg))
+            .collect())
     }
 
     /// Like get_notifies, but waits up to `timeout` seconds for the first one; returns
@@ -665,7 +828,9 @@ impl Core {
             const SLICE: Duration = Duration::from_millis(200);
             let until = Instant::now().checked_add(timeout);
             loop {
-                let left = until.map_or(Duration::MAX, |u| u.saturating_duration_since(Instant::now()));
+                let left = until.map_or(Duration::MAX, |u| {
+                    u.saturating_duration_since(Instant::now())
+                });
                 let v = engine.wait_notifies(left.min(SLICE));
                 if !v.is_empty() || left <= SLICE || closed.load(Ordering::Acquire) {
                     return v;
@@ -700,14 +865,21 @@ impl Core {
     }
 
     /// Copies `length` bytes from `addr` into a new bytes object (checked like write_memory).
-    fn read_memory<'py>(&self, py: Python<'py>, addr: u64, length: u64) -> PyResult<Bound<'py, PyBytes>> {
+    fn read_memory<'py>(
+        &self,
+        py: Python<'py>,
+        addr: u64,
+        length: u64,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         self.owned(py)?;
         let len = byte_len(py, length)?;
         let mut failure: Option<PyErr> = None;
         let bytes = PyBytes::new_with(py, len, |buf| {
             match memory::read_checked(addr, buf) {
                 Ok(()) => {}
-                Err(memory::CopyError::Fault(m)) => failure = Some(raise(py, Kind::InvalidArgument, m, -1)),
+                Err(memory::CopyError::Fault(m)) => {
+                    failure = Some(raise(py, Kind::InvalidArgument, m, -1))
+                }
                 Err(memory::CopyError::Unsupported(why)) => {
                     if let Err(e) = self.read_fallback(py, addr, buf, why) {
                         failure = Some(e);
@@ -730,7 +902,11 @@ impl Core {
     #[pyo3(signature = (unmap = true))]
     fn close(&self, py: Python<'_>, unmap: bool) -> PyResult<()> {
         self.owned(py)?;
-        let taken = self.engine.write().unwrap_or_else(|e| e.into_inner()).take();
+        let taken = self
+            .engine
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         let Some(engine) = taken else { return Ok(()) };
         // Store clients sharing the engine refuse calls from now on (they hold a clone of the
         // engine until they are closed; their registered buffers are withdrawn below).
@@ -769,7 +945,11 @@ impl Core {
         if unique {
             // No engine thread is left: nothing touches pinned memory any more.
             lock(&self.zombies).clear();
-            let pins: Vec<Py<PyAny>> = lock(&self.batch_pins).drain().map(|(_, p)| p).chain(lock(&self.reg_pins).drain().map(|(_, p)| p)).collect();
+            let pins: Vec<Py<PyAny>> = lock(&self.batch_pins)
+                .drain()
+                .map(|(_, p)| p)
+                .chain(lock(&self.reg_pins).drain().map(|(_, p)| p))
+                .collect();
             drop_pins(py, pins);
             if unmap {
                 lock(&self.managed).clear();
@@ -798,8 +978,18 @@ fn retire(engine: &TransferEngine) {
 
 impl Drop for Core {
     fn drop(&mut self) {
-        let engine = self.engine.get_mut().unwrap_or_else(|e| e.into_inner()).take();
-        let managed: Vec<memory::Pages> = self.managed.get_mut().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, p)| p).collect();
+        let engine = self
+            .engine
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let managed: Vec<memory::Pages> = self
+            .managed
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .map(|(_, p)| p)
+            .collect();
         if std::process::id() != self.pid {
             // A fork() child's copy: the listeners, memfds, control region and metadata entries
             // are the parent's. Unregistering, shutting sockets down or punching holes here
@@ -813,7 +1003,9 @@ impl Drop for Core {
         // Stopping the engine waits for accesses in progress and joins threads: never with
         // the GIL held (other Python threads would stall, and anything the engine's threads
         // wait on that needs the GIL would deadlock).
-        let slow_ms = std::env::var("KVFERRY_TEST_SLOW_DROP_MS").ok().and_then(|v| v.parse::<u64>().ok());
+        let slow_ms = std::env::var("KVFERRY_TEST_SLOW_DROP_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok());
         Python::attach(|py| {
             py.detach(move || {
                 if let Some(engine) = engine {
@@ -872,9 +1064,23 @@ fn read_memory<'py>(py: Python<'py>, addr: u64, length: u64) -> PyResult<Bound<'
 /// TransferTimeout, AddressNotRegistered, SegmentNotFound or TransferError.
 #[pyfunction]
 #[pyo3(signature = (segment, status, transferred_bytes = 0, reason = None, cause = None))]
-fn transfer_error(py: Python<'_>, segment: String, status: u8, transferred_bytes: u64, reason: Option<String>, cause: Option<u8>) -> Py<PyAny> {
-    let st = TransferStatus { status: TaskStatus::from_u8(status), transferred_bytes, reason, cause: cause.map(FailCause::from_code) };
-    errors::transfer_failure(py, &segment, &st).into_value(py).into_any()
+fn transfer_error(
+    py: Python<'_>,
+    segment: String,
+    status: u8,
+    transferred_bytes: u64,
+    reason: Option<String>,
+    cause: Option<u8>,
+) -> Py<PyAny> {
+    let st = TransferStatus {
+        status: TaskStatus::from_u8(status),
+        transferred_bytes,
+        reason,
+        cause: cause.map(FailCause::from_code),
+    };
+    errors::transfer_failure(py, &segment, &st)
+        .into_value(py)
+        .into_any()
 }
 
 /// What this host can move, decided at run time: {"tcp": True, "rdma": ..., "cuda": ..., ...}.
@@ -893,9 +1099,12 @@ fn features(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let gpu_rdma = cuda
         && rdma
         && py.detach(|| {
-            let setting = kvferry::Config::from_env().map(|c| c.gpu_rdma).unwrap_or_default();
+            let setting = kvferry::Config::from_env()
+                .map(|c| c.gpu_rdma)
+                .unwrap_or_default();
             let verbs_dmabuf = kvferry::rdma::verbs::Verbs::load().is_ok_and(|v| v.has_dmabuf());
-            kvferry::gpu::direct::plan(setting, &kvferry::gpu::direct::facts(0, verbs_dmabuf)).is_ok()
+            kvferry::gpu::direct::plan(setting, &kvferry::gpu::direct::facts(0, verbs_dmabuf))
+                .is_ok()
         });
     for (k, v) in [
         ("tcp", true),
@@ -964,12 +1173,18 @@ fn task_status_names() -> Vec<(&'static str, u8)> {
 /// Routes the engine's `tracing` output to stderr when KVFERRY_LOG is set (e.g. `info`,
 /// `kvferry=debug`).
 fn init_logging() {
-    let Ok(filter) = std::env::var("KVFERRY_LOG") else { return };
+    let Ok(filter) = std::env::var("KVFERRY_LOG") else {
+        return;
+    };
     if filter.trim().is_empty() {
         return;
     }
-    let filter = tracing_subscriber::EnvFilter::try_new(filter.trim()).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let filter = tracing_subscriber::EnvFilter::try_new(filter.trim())
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 /// The `kvferry` command in this process: `argv` as `sys.argv` (argv[0] is the program
@@ -985,7 +1200,11 @@ fn init_logging() {
 /// subprocess.
 #[pyfunction]
 #[pyo3(signature = (argv, self_command = None))]
-fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>, self_command: Option<Vec<std::ffi::OsString>>) -> i32 {
+fn cli_main(
+    py: Python<'_>,
+    argv: Vec<std::ffi::OsString>,
+    self_command: Option<Vec<std::ffi::OsString>>,
+) -> i32 {
     py.detach(move || kvferry_cli::main_with_args_as(argv, self_command))
 }
 

@@ -32,7 +32,11 @@ fn classify(err: io::Error, what: &str, addr: u64, len: usize) -> CopyError {
     match err.raw_os_error() {
         Some(libc::EFAULT) => CopyError::Fault(format!(
             "cannot {what} [0x{addr:x}, +{len}): the range is not mapped {} in this process",
-            if what == "write" { "writable" } else { "readable" }
+            if what == "write" {
+                "writable"
+            } else {
+                "readable"
+            }
         )),
         _ => CopyError::Unsupported(err),
     }
@@ -42,15 +46,29 @@ fn classify(err: io::Error, what: &str, addr: u64, len: usize) -> CopyError {
 pub fn write_checked(addr: u64, data: &[u8]) -> Result<(), CopyError> {
     let mut done = 0usize;
     while done < data.len() {
-        let local = libc::iovec { iov_base: data[done..].as_ptr() as *mut libc::c_void, iov_len: data.len() - done };
-        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: data.len() - done };
+        let local = libc::iovec {
+            iov_base: data[done..].as_ptr() as *mut libc::c_void,
+            iov_len: data.len() - done,
+        };
+        let remote = libc::iovec {
+            iov_base: (addr as usize + done) as *mut libc::c_void,
+            iov_len: data.len() - done,
+        };
         // SAFETY: the kernel validates the remote range; the local iovec points into `data`.
         let n = unsafe { libc::process_vm_writev(libc::getpid(), &local, 1, &remote, 1, 0) };
         if n < 0 {
-            return Err(classify(io::Error::last_os_error(), "write", addr, data.len()));
+            return Err(classify(
+                io::Error::last_os_error(),
+                "write",
+                addr,
+                data.len(),
+            ));
         }
         if n == 0 {
-            return Err(CopyError::Fault(format!("cannot write [0x{addr:x}, +{}): nothing was written", data.len())));
+            return Err(CopyError::Fault(format!(
+                "cannot write [0x{addr:x}, +{}): nothing was written",
+                data.len()
+            )));
         }
         done += n as usize;
     }
@@ -62,15 +80,23 @@ pub fn read_checked(addr: u64, out: &mut [u8]) -> Result<(), CopyError> {
     let len = out.len();
     let mut done = 0usize;
     while done < len {
-        let local = libc::iovec { iov_base: out[done..].as_mut_ptr() as *mut libc::c_void, iov_len: len - done };
-        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: len - done };
+        let local = libc::iovec {
+            iov_base: out[done..].as_mut_ptr() as *mut libc::c_void,
+            iov_len: len - done,
+        };
+        let remote = libc::iovec {
+            iov_base: (addr as usize + done) as *mut libc::c_void,
+            iov_len: len - done,
+        };
         // SAFETY: the kernel validates the remote range; the local iovec points into `out`.
         let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
         if n < 0 {
             return Err(classify(io::Error::last_os_error(), "read", addr, len));
         }
         if n == 0 {
-            return Err(CopyError::Fault(format!("cannot read [0x{addr:x}, +{len}): nothing was read")));
+            return Err(CopyError::Fault(format!(
+                "cannot read [0x{addr:x}, +{len}): nothing was read"
+            )));
         }
         done += n as usize;
     }
@@ -101,9 +127,20 @@ impl Pages {
             .map(|v| v / page * page)
             .filter(|&v| v <= isize::MAX as u64)
             .ok_or_else(|| format!("cannot allocate {len} bytes: the size is too large"))?;
-        let buf = HostBuffer::with(rounded as usize, HostOptions { populate: false, huge_pages: false, shareable: true })
-            .map_err(|e| format!("cannot allocate {len} bytes: {e}"))?;
-        Ok(Pages { addr: buf.addr(), len: buf.len(), _buf: buf })
+        let buf = HostBuffer::with(
+            rounded as usize,
+            HostOptions {
+                populate: false,
+                huge_pages: false,
+                shareable: true,
+            },
+        )
+        .map_err(|e| format!("cannot allocate {len} bytes: {e}"))?;
+        Ok(Pages {
+            addr: buf.addr(),
+            len: buf.len(),
+            _buf: buf,
+        })
     }
 }
 
@@ -116,14 +153,20 @@ mod tests {
         let p = Pages::map(10).unwrap();
         assert_eq!(p.len % page_size(), 0);
         assert_eq!(p.addr as usize % page_size(), 0);
-        assert!(kvferry::hostbuf::shareable_region(p.addr, p.len as u64).is_some(), "managed buffers are shareable");
+        assert!(
+            kvferry::hostbuf::shareable_region(p.addr, p.len as u64).is_some(),
+            "managed buffers are shareable"
+        );
         write_checked(p.addr, b"hello").unwrap();
         let mut out = [0u8; 5];
         read_checked(p.addr, &mut out).unwrap();
         assert_eq!(&out, b"hello");
         // Address 8 is never mapped.
         assert!(matches!(write_checked(8, b"x"), Err(CopyError::Fault(_))));
-        assert!(matches!(read_checked(8, &mut out), Err(CopyError::Fault(_))));
+        assert!(matches!(
+            read_checked(8, &mut out),
+            Err(CopyError::Fault(_))
+        ));
         assert!(Pages::map(u64::MAX).is_err());
     }
 }

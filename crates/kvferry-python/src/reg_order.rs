@@ -64,17 +64,26 @@ mod tests {
                 let _c = o.claim(&[0x2000]);
                 tx.send(()).unwrap();
             });
-            rx.recv_timeout(Duration::from_secs(5)).expect("a claim of another address waited for 0x1000");
+            rx.recv_timeout(Duration::from_secs(5))
+                .expect("a claim of another address waited for 0x1000");
             // One that names 0x1000 too waits for it, then gets all of its addresses.
             let (tx, rx) = mpsc::channel();
             s.spawn(move || {
                 let _c = o.claim(&[0x3000, 0x1000]);
                 tx.send(()).unwrap();
             });
-            assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "a claim of 0x1000 did not wait for the one holding it");
-            assert!(order.busy.lock().unwrap().contains(&0x1000) && !order.busy.lock().unwrap().contains(&0x3000), "all or nothing");
+            assert!(
+                rx.recv_timeout(Duration::from_millis(200)).is_err(),
+                "a claim of 0x1000 did not wait for the one holding it"
+            );
+            assert!(
+                order.busy.lock().unwrap().contains(&0x1000)
+                    && !order.busy.lock().unwrap().contains(&0x3000),
+                "all or nothing"
+            );
             drop(held);
-            rx.recv_timeout(Duration::from_secs(5)).expect("the waiting claim went on once 0x1000 was let go");
+            rx.recv_timeout(Duration::from_secs(5))
+                .expect("the waiting claim went on once 0x1000 was let go");
         });
         assert!(order.busy.lock().unwrap().is_empty(), "every claim let go");
     }

@@ -31,21 +31,36 @@ fn class_of(e: &StoreError) -> &'static str {
         StoreError::LeaseExpired(_) => "LeaseExpired",
         StoreError::ReplicaNotReady(_) => "ReplicaNotReady",
         StoreError::NoAvailableHandle { .. } => "NoAvailableHandle",
-        StoreError::InvalidKey(_) | StoreError::InvalidParams(_) | StoreError::BufferOverflow { .. } => "StoreInvalidArgument",
-        StoreError::SegmentNotFound(_) | StoreError::SegmentAlreadyExists(_) | StoreError::UnknownClient(_) => "StoreError",
+        StoreError::InvalidKey(_)
+        | StoreError::InvalidParams(_)
+        | StoreError::BufferOverflow { .. } => "StoreInvalidArgument",
+        StoreError::SegmentNotFound(_)
+        | StoreError::SegmentAlreadyExists(_)
+        | StoreError::UnknownClient(_) => "StoreError",
         StoreError::TransferFailed(_) => "StoreTransferError",
-        StoreError::Rpc(_) | StoreError::NotLeader { .. } | StoreError::MasterFailover(_) | StoreError::OutcomeUnknown => "MasterUnreachable",
+        StoreError::Rpc(_)
+        | StoreError::NotLeader { .. }
+        | StoreError::MasterFailover(_)
+        | StoreError::OutcomeUnknown => "MasterUnreachable",
         StoreError::Internal(_) | StoreError::Unauthorized(_) => "StoreError",
     }
 }
 
 fn raise(py: Python<'_>, e: StoreError) -> PyErr {
     let msg = e.to_string();
-    let module = match STORE_MODULE.get_or_try_init(py, || py.import("kvferry.store").map(Bound::unbind)) {
-        Ok(m) => m.bind(py),
-        Err(err) => return PyRuntimeError::new_err(format!("{msg} (and kvferry.store could not be imported: {err})")),
-    };
-    match module.getattr(class_of(&e)).and_then(|cls| cls.call1((msg, e.code()))) {
+    let module =
+        match STORE_MODULE.get_or_try_init(py, || py.import("kvferry.store").map(Bound::unbind)) {
+            Ok(m) => m.bind(py),
+            Err(err) => {
+                return PyRuntimeError::new_err(format!(
+                    "{msg} (and kvferry.store could not be imported: {err})"
+                ))
+            }
+        };
+    match module
+        .getattr(class_of(&e))
+        .and_then(|cls| cls.call1((msg, e.code())))
+    {
         Ok(exc) => PyErr::from_value(exc),
         Err(err) => err,
     }
@@ -62,7 +77,14 @@ pub struct PyReplicate(u32, u8, Option<u64>, bool, Vec<String>, Option<String>);
 
 impl PyReplicate {
     fn into_config(self) -> ReplicateConfig {
-        let PyReplicate(replica_num, soft_pin, soft_pin_ttl_ms, with_hard_pin, preferred_segments, group_id) = self;
+        let PyReplicate(
+            replica_num,
+            soft_pin,
+            soft_pin_ttl_ms,
+            with_hard_pin,
+            preferred_segments,
+            group_id,
+        ) = self;
         ReplicateConfig {
             replica_num,
             soft_pin: match soft_pin {
@@ -114,7 +136,11 @@ impl StoreCore {
         Ok(())
     }
 
-    fn with<T>(&self, py: Python<'_>, f: impl FnOnce(&Client) -> Result<T, StoreError> + Send) -> PyResult<T>
+    fn with<T>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&Client) -> Result<T, StoreError> + Send,
+    ) -> PyResult<T>
     where
         T: Send,
     {
@@ -130,7 +156,11 @@ impl StoreCore {
     }
 
     /// Like `with`, but hands per-key results back to Python as (value | None, code, message).
-    fn per_key<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&Client) -> Vec<Result<T, StoreError>> + Send) -> PyResult<Vec<(Option<T>, i32, String)>> {
+    fn per_key<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&Client) -> Vec<Result<T, StoreError>> + Send,
+    ) -> PyResult<Vec<(Option<T>, i32, String)>> {
         self.owned(py)?;
         let r = py.detach(|| {
             let g = self.client.read().unwrap_or_else(|e| e.into_inner());
@@ -185,7 +215,13 @@ impl StoreCore {
             None => py.detach(|| Client::setup(cfg)),
         }
         .map_err(|e| raise(py, e))?;
-        Ok(StoreCore { client: RwLock::new(Some(client)), _engine: engine, pins: Mutex::default(), pool: Mutex::default(), pid: std::process::id() })
+        Ok(StoreCore {
+            client: RwLock::new(Some(client)),
+            _engine: engine,
+            pins: Mutex::default(),
+            pool: Mutex::default(),
+            pid: std::process::id(),
+        })
     }
 
     /// Mooncake's `alloc_from_mem_pool`: `size` bytes of zero-filled, page-aligned memory
@@ -193,9 +229,13 @@ impl StoreCore {
     /// its address, valid until this object is garbage-collected.
     fn alloc_from_mem_pool(&self, py: Python<'_>, size: u64) -> PyResult<u64> {
         self.owned(py)?;
-        let pages = crate::memory::Pages::map(size).map_err(|m| raise(py, StoreError::InvalidParams(m)))?;
+        let pages =
+            crate::memory::Pages::map(size).map_err(|m| raise(py, StoreError::InvalidParams(m)))?;
         let addr = pages.addr;
-        self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(pages);
+        self.pool
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(pages);
         Ok(addr)
     }
 
@@ -219,10 +259,21 @@ impl StoreCore {
 
     /// Registers local memory; `pin` (if any) is held until it is unregistered.
     #[pyo3(signature = (addr, size, pin = None))]
-    fn register_buffer(&self, py: Python<'_>, addr: u64, size: u64, pin: Option<Py<PyAny>>) -> PyResult<()> {
+    fn register_buffer(
+        &self,
+        py: Python<'_>,
+        addr: u64,
+        size: u64,
+        pin: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
         self.with(py, |c| c.register_buffer(addr, size))?;
         if let Some(p) = pin {
-            if let Some(old) = self.pins.lock().unwrap_or_else(|e| e.into_inner()).insert(addr, p) {
+            if let Some(old) = self
+                .pins
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(addr, p)
+            {
                 old.drop_ref(py);
             }
         }
@@ -231,7 +282,11 @@ impl StoreCore {
 
     fn unregister_buffer(&self, py: Python<'_>, addr: u64) -> PyResult<()> {
         self.with(py, |c| c.unregister_buffer(addr))?;
-        let pin = self.pins.lock().unwrap_or_else(|e| e.into_inner()).remove(&addr);
+        let pin = self
+            .pins
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&addr);
         if let Some(p) = pin {
             p.drop_ref(py);
         }
@@ -239,40 +294,92 @@ impl StoreCore {
     }
 
     #[pyo3(signature = (key, value, config=None, upsert=false))]
-    fn put(&self, py: Python<'_>, key: String, value: Vec<u8>, config: Option<PyReplicate>, upsert: bool) -> PyResult<()> {
+    fn put(
+        &self,
+        py: Python<'_>,
+        key: String,
+        value: Vec<u8>,
+        config: Option<PyReplicate>,
+        upsert: bool,
+    ) -> PyResult<()> {
         let cfg = self::config(config);
-        self.with(py, move |c| if upsert { c.upsert(&key, &value, &cfg) } else { c.put(&key, &value, &cfg) })
+        self.with(py, move |c| {
+            if upsert {
+                c.upsert(&key, &value, &cfg)
+            } else {
+                c.put(&key, &value, &cfg)
+            }
+        })
     }
 
     #[pyo3(signature = (keys, values, config=None, upsert=false))]
-    fn put_batch(&self, py: Python<'_>, keys: Vec<String>, values: Vec<Vec<u8>>, config: Option<PyReplicate>, upsert: bool) -> PyResult<Vec<(Option<()>, i32, String)>> {
+    fn put_batch(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        values: Vec<Vec<u8>>,
+        config: Option<PyReplicate>,
+        upsert: bool,
+    ) -> PyResult<Vec<(Option<()>, i32, String)>> {
         if keys.len() != values.len() {
-            return Err(raise(py, StoreError::InvalidParams(format!("{} keys but {} values", keys.len(), values.len()))));
+            return Err(raise(
+                py,
+                StoreError::InvalidParams(format!(
+                    "{} keys but {} values",
+                    keys.len(),
+                    values.len()
+                )),
+            ));
         }
         let cfg = self::config(config);
         self.per_key(py, move |c| {
-            let items: Vec<(&str, &[u8])> = keys.iter().map(String::as_str).zip(values.iter().map(Vec::as_slice)).collect();
+            let items: Vec<(&str, &[u8])> = keys
+                .iter()
+                .map(String::as_str)
+                .zip(values.iter().map(Vec::as_slice))
+                .collect();
             c.put_batch(&items, &cfg, upsert)
         })
     }
 
     /// The value as `bytes`, copied once from where it landed in the local buffer.
     fn get<'py>(&self, py: Python<'py>, key: String) -> PyResult<Bound<'py, PyBytes>> {
-        let r = self.with(py, move |c| c.get_buffers(&[key.as_str()]).pop().unwrap_or_else(|| Err(StoreError::Internal("no result".into()))))?;
+        let r = self.with(py, move |c| {
+            c.get_buffers(&[key.as_str()])
+                .pop()
+                .unwrap_or_else(|| Err(StoreError::Internal("no result".into())))
+        })?;
         Ok(PyBytes::new(py, r.as_slice()))
     }
 
     fn get_batch(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<KeyResult>> {
-        let r = self.per_key(py, move |c| c.get_buffers(&keys.iter().map(String::as_str).collect::<Vec<_>>()))?;
-        Ok(r.into_iter().map(|(v, code, msg)| (v.map(|v| PyBytes::new(py, v.as_slice()).unbind()), code, msg)).collect())
+        let r = self.per_key(py, move |c| {
+            c.get_buffers(&keys.iter().map(String::as_str).collect::<Vec<_>>())
+        })?;
+        Ok(r.into_iter()
+            .map(|(v, code, msg)| {
+                (
+                    v.map(|v| PyBytes::new(py, v.as_slice()).unbind()),
+                    code,
+                    msg,
+                )
+            })
+            .collect())
     }
 
     /// Per key: a new instance of `cls` (a `bytearray` subclass, called with no arguments)
     /// holding the value, or None with the error code and message. The value is copied once,
     /// from where it landed in the local buffer straight into the new object's storage
     /// (Mooncake's `batch_get_buffer`; before, it went through a `Vec` and `bytes` too).
-    fn get_buffers(&self, py: Python<'_>, keys: Vec<String>, cls: Bound<'_, PyAny>) -> PyResult<Vec<KeyObject>> {
-        let r = self.per_key(py, move |c| c.get_buffers(&keys.iter().map(String::as_str).collect::<Vec<_>>()))?;
+    fn get_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        cls: Bound<'_, PyAny>,
+    ) -> PyResult<Vec<KeyObject>> {
+        let r = self.per_key(py, move |c| {
+            c.get_buffers(&keys.iter().map(String::as_str).collect::<Vec<_>>())
+        })?;
         let mut out = Vec::with_capacity(r.len());
         for (v, code, msg) in r {
             let Some(v) = v else {
@@ -280,7 +387,9 @@ impl StoreCore {
                 continue;
             };
             let obj = cls.call0()?;
-            let ba = obj.cast::<PyByteArray>().map_err(|_| PyTypeError::new_err("get_buffers: cls() must return a bytearray (subclass)"))?;
+            let ba = obj.cast::<PyByteArray>().map_err(|_| {
+                PyTypeError::new_err("get_buffers: cls() must return a bytearray (subclass)")
+            })?;
             ba.resize(v.len())?;
             // SAFETY: `ba` was created just above and no Python code has run since (we hold
             // the GIL): nothing else can see or resize its storage while we copy into it.
@@ -291,9 +400,23 @@ impl StoreCore {
     }
 
     #[pyo3(signature = (key, addr, size, config=None, upsert=false))]
-    fn put_from(&self, py: Python<'_>, key: String, addr: u64, size: u64, config: Option<PyReplicate>, upsert: bool) -> PyResult<()> {
+    fn put_from(
+        &self,
+        py: Python<'_>,
+        key: String,
+        addr: u64,
+        size: u64,
+        config: Option<PyReplicate>,
+        upsert: bool,
+    ) -> PyResult<()> {
         let cfg = self::config(config);
-        self.with(py, move |c| if upsert { c.upsert_from(&key, addr, size, &cfg) } else { c.put_from(&key, addr, size, &cfg) })
+        self.with(py, move |c| {
+            if upsert {
+                c.upsert_from(&key, addr, size, &cfg)
+            } else {
+                c.put_from(&key, addr, size, &cfg)
+            }
+        })
     }
 
     fn get_into(&self, py: Python<'_>, key: String, addr: u64, size: u64) -> PyResult<u64> {
@@ -301,13 +424,30 @@ impl StoreCore {
     }
 
     #[pyo3(signature = (keys, addrs, sizes, config=None, upsert=false))]
-    fn batch_put_from(&self, py: Python<'_>, keys: Vec<String>, addrs: Vec<u64>, sizes: Vec<u64>, config: Option<PyReplicate>, upsert: bool) -> PyResult<Vec<(Option<()>, i32, String)>> {
+    fn batch_put_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        addrs: Vec<u64>,
+        sizes: Vec<u64>,
+        config: Option<PyReplicate>,
+        upsert: bool,
+    ) -> PyResult<Vec<(Option<()>, i32, String)>> {
         if keys.len() != addrs.len() || keys.len() != sizes.len() {
-            return Err(raise(py, StoreError::InvalidParams("keys, buffers and sizes must have the same length".into())));
+            return Err(raise(
+                py,
+                StoreError::InvalidParams(
+                    "keys, buffers and sizes must have the same length".into(),
+                ),
+            ));
         }
         let cfg = self::config(config);
         self.per_key(py, move |c| {
-            let items: Vec<(&str, u64, u64)> = keys.iter().zip(addrs.iter().zip(&sizes)).map(|(k, (a, s))| (k.as_str(), *a, *s)).collect();
+            let items: Vec<(&str, u64, u64)> = keys
+                .iter()
+                .zip(addrs.iter().zip(&sizes))
+                .map(|(k, (a, s))| (k.as_str(), *a, *s))
+                .collect();
             if upsert {
                 c.batch_upsert_from(&items, &cfg)
             } else {
@@ -316,12 +456,27 @@ impl StoreCore {
         })
     }
 
-    fn batch_get_into(&self, py: Python<'_>, keys: Vec<String>, addrs: Vec<u64>, sizes: Vec<u64>) -> PyResult<Vec<(Option<u64>, i32, String)>> {
+    fn batch_get_into(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        addrs: Vec<u64>,
+        sizes: Vec<u64>,
+    ) -> PyResult<Vec<(Option<u64>, i32, String)>> {
         if keys.len() != addrs.len() || keys.len() != sizes.len() {
-            return Err(raise(py, StoreError::InvalidParams("keys, buffers and sizes must have the same length".into())));
+            return Err(raise(
+                py,
+                StoreError::InvalidParams(
+                    "keys, buffers and sizes must have the same length".into(),
+                ),
+            ));
         }
         self.per_key(py, move |c| {
-            let items: Vec<(&str, u64, u64)> = keys.iter().zip(addrs.iter().zip(&sizes)).map(|(k, (a, s))| (k.as_str(), *a, *s)).collect();
+            let items: Vec<(&str, u64, u64)> = keys
+                .iter()
+                .zip(addrs.iter().zip(&sizes))
+                .map(|(k, (a, s))| (k.as_str(), *a, *s))
+                .collect();
             c.batch_get_into(&items)
         })
     }
@@ -341,35 +496,68 @@ impl StoreCore {
         let parts = zip_parts(py, keys.len(), ptrs, sizes)?;
         let cfg = self::config(config);
         self.per_key(py, move |c| {
-            let items: Vec<(&str, &[(u64, u64)])> = keys.iter().zip(&parts).map(|(k, p)| (k.as_str(), &p[..])).collect();
+            let items: Vec<(&str, &[(u64, u64)])> = keys
+                .iter()
+                .zip(&parts)
+                .map(|(k, p)| (k.as_str(), &p[..]))
+                .collect();
             c.batch_put_from_parts(&items, &cfg, upsert)
         })
     }
 
     /// Per key, its value read across its parts in order, each straight from the replica;
     /// the value's size.
-    fn batch_get_into_parts(&self, py: Python<'_>, keys: Vec<String>, ptrs: Vec<Vec<u64>>, sizes: Vec<Vec<u64>>) -> PyResult<Vec<(Option<u64>, i32, String)>> {
+    fn batch_get_into_parts(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<Vec<u64>>,
+        sizes: Vec<Vec<u64>>,
+    ) -> PyResult<Vec<(Option<u64>, i32, String)>> {
         let parts = zip_parts(py, keys.len(), ptrs, sizes)?;
         self.per_key(py, move |c| {
-            let items: Vec<(&str, &[(u64, u64)])> = keys.iter().zip(&parts).map(|(k, p)| (k.as_str(), &p[..])).collect();
+            let items: Vec<(&str, &[(u64, u64)])> = keys
+                .iter()
+                .zip(&parts)
+                .map(|(k, p)| (k.as_str(), &p[..]))
+                .collect();
             c.batch_get_into_parts(&items)
         })
     }
 
     /// Per list of parts: whether every part lies in memory registered with this store's
     /// engine (then it can move without a copy).
-    fn parts_registered(&self, py: Python<'_>, ptrs: Vec<Vec<u64>>, sizes: Vec<Vec<u64>>) -> PyResult<Vec<bool>> {
+    fn parts_registered(
+        &self,
+        py: Python<'_>,
+        ptrs: Vec<Vec<u64>>,
+        sizes: Vec<Vec<u64>>,
+    ) -> PyResult<Vec<bool>> {
         let n = ptrs.len();
         let parts = zip_parts(py, n, ptrs, sizes)?;
-        self.with(py, move |c| Ok(parts.iter().map(|p| p.iter().all(|&(a, l)| l == 0 || c.engine().is_registered(a, l))).collect()))
+        self.with(py, move |c| {
+            Ok(parts
+                .iter()
+                .map(|p| {
+                    p.iter()
+                        .all(|&(a, l)| l == 0 || c.engine().is_registered(a, l))
+                })
+                .collect())
+        })
     }
 
     fn is_exist(&self, py: Python<'_>, key: String) -> PyResult<bool> {
         self.with(py, move |c| c.is_exist(&key))
     }
 
-    fn batch_is_exist(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<(Option<bool>, i32, String)>> {
-        self.per_key(py, move |c| c.batch_is_exist(&keys.iter().map(String::as_str).collect::<Vec<_>>()))
+    fn batch_is_exist(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+    ) -> PyResult<Vec<(Option<bool>, i32, String)>> {
+        self.per_key(py, move |c| {
+            c.batch_is_exist(&keys.iter().map(String::as_str).collect::<Vec<_>>())
+        })
     }
 
     fn get_size(&self, py: Python<'_>, key: String) -> PyResult<u64> {
@@ -393,17 +581,35 @@ impl StoreCore {
 
     /// Where each key's replicas live (Mooncake's `batch_get_replica_desc`): per key a list of
     /// (transfer-engine segment, address, size), one entry per complete replica.
-    fn batch_get_replica_desc(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<ReplicaDescResult>> {
+    fn batch_get_replica_desc(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+    ) -> PyResult<Vec<ReplicaDescResult>> {
         self.per_key(py, move |c| {
             let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            c.batch_get_replica_desc(&refs).into_iter().map(|r| r.map(|v| v.into_iter().map(|d| (d.te_endpoint, d.addr, d.size)).collect())).collect()
+            c.batch_get_replica_desc(&refs)
+                .into_iter()
+                .map(|r| {
+                    r.map(|v| {
+                        v.into_iter()
+                            .map(|d| (d.te_endpoint, d.addr, d.size))
+                            .collect()
+                    })
+                })
+                .collect()
         })
     }
 
     /// Clears replicas of `keys` written by this client (Mooncake's rules: one segment's
     /// replicas, or every replica when `segment` is empty); returns the keys cleared.
     #[pyo3(signature = (keys, segment=String::new()))]
-    fn batch_replica_clear(&self, py: Python<'_>, keys: Vec<String>, segment: String) -> PyResult<Vec<String>> {
+    fn batch_replica_clear(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        segment: String,
+    ) -> PyResult<Vec<String>> {
         self.with(py, move |c| {
             let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
             c.batch_replica_clear(&refs, &segment)
@@ -413,7 +619,12 @@ impl StoreCore {
     /// Unmounts the segment and stops the client; later calls raise.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         self.owned(py)?;
-        let taken = py.detach(|| self.client.write().unwrap_or_else(|e| e.into_inner()).take());
+        let taken = py.detach(|| {
+            self.client
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+        });
         match taken {
             Some(c) => {
                 // What was registered through this store leaves the engine before it can be
@@ -425,7 +636,13 @@ impl StoreCore {
                     c.close()
                 });
                 // The client has stopped: nothing touches the registered buffers any more.
-                let pins: Vec<Py<PyAny>> = self.pins.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, p)| p).collect();
+                let pins: Vec<Py<PyAny>> = self
+                    .pins
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .drain()
+                    .map(|(_, p)| p)
+                    .collect();
                 for p in pins {
                     p.drop_ref(py);
                 }
@@ -438,7 +655,12 @@ impl StoreCore {
     fn closed(&self, py: Python<'_>) -> bool {
         // (Without the GIL: a close waiting for a long call to end holds the lock's writer
         // side, and every reader waits behind it.)
-        py.detach(|| self.client.read().unwrap_or_else(|e| e.into_inner()).is_none())
+        py.detach(|| {
+            self.client
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_none()
+        })
     }
 }
 
@@ -455,15 +677,31 @@ impl StoreCore {
     /// The addresses registered through this store that it keeps alive (pinned buffers, its
     /// memory pool's pages).
     fn registered(&self) -> Vec<u64> {
-        let mut v: Vec<u64> = self.pins.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
-        v.extend(self.pool.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|p| p.addr));
+        let mut v: Vec<u64> = self
+            .pins
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .copied()
+            .collect();
+        v.extend(
+            self.pool
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .map(|p| p.addr),
+        );
         v
     }
 }
 
 impl Drop for StoreCore {
     fn drop(&mut self) {
-        let client = self.client.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        let client = self
+            .client
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         let Some(client) = client else { return };
         if std::process::id() != self.pid {
             // A fork() child's copy: the client's Drop unmounts nothing there (the segment is
@@ -485,19 +723,41 @@ impl Drop for StoreCore {
 }
 
 /// Pairs per-key pointer and size lists into `(addr, len)` parts, checking the shapes.
-fn zip_parts(py: Python<'_>, n: usize, ptrs: Vec<Vec<u64>>, sizes: Vec<Vec<u64>>) -> PyResult<Vec<Vec<(u64, u64)>>> {
+fn zip_parts(
+    py: Python<'_>,
+    n: usize,
+    ptrs: Vec<Vec<u64>>,
+    sizes: Vec<Vec<u64>>,
+) -> PyResult<Vec<Vec<(u64, u64)>>> {
     if ptrs.len() != n || sizes.len() != n {
-        return Err(raise(py, StoreError::InvalidParams(format!("{n} keys but {} pointer lists and {} size lists: one of each per key", ptrs.len(), sizes.len()))));
+        return Err(raise(
+            py,
+            StoreError::InvalidParams(format!(
+                "{n} keys but {} pointer lists and {} size lists: one of each per key",
+                ptrs.len(),
+                sizes.len()
+            )),
+        ));
     }
     ptrs.into_iter()
         .zip(sizes)
         .enumerate()
         .map(|(i, (p, s))| {
             if p.len() != s.len() {
-                return Err(raise(py, StoreError::InvalidParams(format!("key {i}: {} buffers but {} sizes", p.len(), s.len()))));
+                return Err(raise(
+                    py,
+                    StoreError::InvalidParams(format!(
+                        "key {i}: {} buffers but {} sizes",
+                        p.len(),
+                        s.len()
+                    )),
+                ));
             }
             if p.iter().zip(&s).any(|(&a, &l)| a == 0 && l > 0) {
-                return Err(raise(py, StoreError::InvalidParams(format!("key {i}: a null buffer pointer"))));
+                return Err(raise(
+                    py,
+                    StoreError::InvalidParams(format!("key {i}: a null buffer pointer")),
+                ));
             }
             Ok(p.into_iter().zip(s).collect())
         })

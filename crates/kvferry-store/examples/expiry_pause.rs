@@ -17,21 +17,50 @@ fn main() {
     let clients = clients.max(2);
     let mut st = State::default();
     for c in 1..=clients {
-        let seg = Segment { id: c, name: format!("seg{c}"), te_endpoint: format!("127.0.0.1:{}", 20000 + c), base: c << 40, size: 1 << 36 };
+        let seg = Segment {
+            id: c,
+            name: format!("seg{c}"),
+            te_endpoint: format!("127.0.0.1:{}", 20000 + c),
+            base: c << 40,
+            size: 1 << 36,
+        };
         or_exit(st.mount(c, seg, 0), || "mount".into());
     }
     let (m, s) = (MasterConfig::default(), Stats::default());
     let t = Instant::now();
     for i in 0..objects {
         let c = 1 + i % clients;
-        let cfg = ReplicateConfig { preferred_segments: vec![format!("seg{c}")], ..ReplicateConfig::default() };
+        let cfg = ReplicateConfig {
+            preferred_segments: vec![format!("seg{c}")],
+            ..ReplicateConfig::default()
+        };
         let key = format!("obj-{i:09}");
-        or_exit(st.put_start(&m, &s, PutId { client: c, put: 1 }, &key, 4096, &cfg, false, 0).and_then(|_| st.put_end(PutId { client: c, put: 1 }, &key, 0)), || format!("put {key}"));
+        or_exit(
+            st.put_start(
+                &m,
+                &s,
+                PutId { client: c, put: 1 },
+                &key,
+                4096,
+                &cfg,
+                false,
+                0,
+            )
+            .and_then(|_| st.put_end(PutId { client: c, put: 1 }, &key, 0)),
+            || format!("put {key}"),
+        );
     }
-    println!("{objects} objects on {clients} clients' segments in {:.2} s", t.elapsed().as_secs_f64());
+    println!(
+        "{objects} objects on {clients} clients' segments in {:.2} s",
+        t.elapsed().as_secs_f64()
+    );
     // Every client but the last stops pinging.
     st.ping(clients, 5_000);
     let t = Instant::now();
     let dead = st.expire_clients(10_001, 10_000, 600_000);
-    println!("{} clients expired in one tick: the state lock held {:.1} ms", dead.len(), t.elapsed().as_secs_f64() * 1e3);
+    println!(
+        "{} clients expired in one tick: the state lock held {:.1} ms",
+        dead.len(),
+        t.elapsed().as_secs_f64() * 1e3
+    );
 }

@@ -16,23 +16,67 @@ use common::{counts, longest, or_exit};
 fn main() {
     let [objects] = counts("growth_pause", [("objects", 2_000_000)]);
     let mut st = State::default();
-    let seg = Segment { id: 1, name: "seg1".into(), te_endpoint: "127.0.0.1:20001".into(), base: 1 << 40, size: 1 << 40 };
+    let seg = Segment {
+        id: 1,
+        name: "seg1".into(),
+        te_endpoint: "127.0.0.1:20001".into(),
+        base: 1 << 40,
+        size: 1 << 40,
+    };
     or_exit(st.mount(1, seg, 0), || "mount".into());
-    let (m, s, cfg) = (MasterConfig::default(), Stats::default(), ReplicateConfig::default());
+    let (m, s, cfg) = (
+        MasterConfig::default(),
+        Stats::default(),
+        ReplicateConfig::default(),
+    );
     let key = |i: u64| format!("obj-{i:09}");
     longest("master state, puts", objects, |i| {
         let k = key(i);
-        or_exit(st.put_start(&m, &s, PutId { client: 1, put: 1 }, &k, 4096, &cfg, false, 0).and_then(|_| st.put_end(PutId { client: 1, put: 1 }, &k, 0)), || format!("put {k}"));
+        or_exit(
+            st.put_start(
+                &m,
+                &s,
+                PutId { client: 1, put: 1 },
+                &k,
+                4096,
+                &cfg,
+                false,
+                0,
+            )
+            .and_then(|_| st.put_end(PutId { client: 1, put: 1 }, &k, 0)),
+            || format!("put {k}"),
+        );
     });
     // Churn at a steady size: the oldest object removed, a new one put, as many times. A hash
     // table's removals leave tombstones that use up its room, and then an insert rehashes the
     // table in place, every object moved, with the lock held.
-    longest("master state, churn (a remove and a put each)", objects, |i| {
-        let k = key(objects + i);
-        or_exit(st.remove(&m, &key(i), true, 0).and_then(|_| st.put_start(&m, &s, PutId { client: 1, put: 1 }, &k, 4096, &cfg, false, 0)).and_then(|_| st.put_end(PutId { client: 1, put: 1 }, &k, 0)), || format!("churn {k}"));
-    });
+    longest(
+        "master state, churn (a remove and a put each)",
+        objects,
+        |i| {
+            let k = key(objects + i);
+            or_exit(
+                st.remove(&m, &key(i), true, 0)
+                    .and_then(|_| {
+                        st.put_start(
+                            &m,
+                            &s,
+                            PutId { client: 1, put: 1 },
+                            &k,
+                            4096,
+                            &cfg,
+                            false,
+                            0,
+                        )
+                    })
+                    .and_then(|_| st.put_end(PutId { client: 1, put: 1 }, &k, 0)),
+                || format!("churn {k}"),
+            );
+        },
+    );
     // The same two phases in one hash map of objects about the state's size, for comparison.
-    let mut one_map: std::collections::HashMap<Box<str>, [u64; 20]> = std::collections::HashMap::new();
+    let mut one_map: std::collections::HashMap<Box<str>, [u64; 20]> =
+        std::collections::HashMap::new();
     longest("one hash map, inserts", objects, |i| {
         one_map.insert(key(i).into(), [i; 20]);
     });
@@ -42,7 +86,15 @@ fn main() {
     });
     let mut image = Image::default();
     longest("standby mirror, objects", objects, |i| {
-        let rec = ObjectRec { size: 4096, current: [(1, (1 << 40) + i * 4096, 4096)].into_iter().collect(), pending: None, owner: 1, hard_pin: false, soft_pin_left: 0, group: None };
+        let rec = ObjectRec {
+            size: 4096,
+            current: [(1, (1 << 40) + i * 4096, 4096)].into_iter().collect(),
+            pending: None,
+            owner: 1,
+            hard_pin: false,
+            soft_pin_left: 0,
+            group: None,
+        };
         image.apply(Change::Object { key: key(i), rec });
     });
 }

@@ -16,8 +16,14 @@ use std::path::{Path, PathBuf};
 /// is a path segment (`crate::ha::`, `super::super::ha::`, `ha::Gate` after a grouped
 /// import), not the end of `sha::`; `Master` is not `MasterConfig`.
 const RULES: &[(&str, &str)] = &[
-    ("ha::", "the HA layer replicates the state machine: a driver"),
-    ("server::", "the server puts the master on the network: a driver"),
+    (
+        "ha::",
+        "the HA layer replicates the state machine: a driver",
+    ),
+    (
+        "server::",
+        "the server puts the master on the network: a driver",
+    ),
     ("client::", "the client is a driver of its own"),
     ("cleanup::", "the metadata cleanup is I/O: a driver"),
     ("node::", "crate::node is the master's driver"),
@@ -35,10 +41,22 @@ const RULES: &[(&str, &str)] = &[
     ("std::io", "I/O belongs to the drivers"),
     ("std::env", "the environment belongs to the drivers"),
     ("std::process", "processes belong to the drivers"),
-    ("rand::", "the process's randomness: the state draws from its own generator, seeded by its driver"),
-    ("thread_rng", "the process's randomness: the state draws from its own generator, seeded by its driver"),
-    ("OsRng", "the process's randomness: the state draws from its own generator, seeded by its driver"),
-    ("getrandom", "the process's randomness: the state draws from its own generator, seeded by its driver"),
+    (
+        "rand::",
+        "the process's randomness: the state draws from its own generator, seeded by its driver",
+    ),
+    (
+        "thread_rng",
+        "the process's randomness: the state draws from its own generator, seeded by its driver",
+    ),
+    (
+        "OsRng",
+        "the process's randomness: the state draws from its own generator, seeded by its driver",
+    ),
+    (
+        "getrandom",
+        "the process's randomness: the state draws from its own generator, seeded by its driver",
+    ),
 ];
 
 fn ident(c: char) -> bool {
@@ -61,7 +79,10 @@ fn code_of(src: &str) -> String {
     while i < c.len() {
         let next = c.get(i + 1).copied();
         if c[i] == '/' && next == Some('/') {
-            let end = c[i..].iter().position(|&ch| ch == '\n').map_or(c.len(), |p| i + p);
+            let end = c[i..]
+                .iter()
+                .position(|&ch| ch == '\n')
+                .map_or(c.len(), |p| i + p);
             blank(&mut out, i, end);
             i = end;
         } else if c[i] == '/' && next == Some('*') {
@@ -77,7 +98,10 @@ fn code_of(src: &str) -> String {
             }
             blank(&mut out, i, j);
             i = j;
-        } else if c[i] == 'r' && (next == Some('"') || next == Some('#')) && (i == 0 || !ident(c[i - 1]) || (c[i - 1] == 'b' && (i == 1 || !ident(c[i - 2])))) {
+        } else if c[i] == 'r'
+            && (next == Some('"') || next == Some('#'))
+            && (i == 0 || !ident(c[i - 1]) || (c[i - 1] == 'b' && (i == 1 || !ident(c[i - 2]))))
+        {
             // A raw string: r"…", r#"…"#, br"…".
             let hashes = c[i + 1..].iter().take_while(|&&ch| ch == '#').count();
             if c.get(i + 1 + hashes) != Some(&'"') {
@@ -85,8 +109,12 @@ fn code_of(src: &str) -> String {
                 continue;
             }
             let body = i + 2 + hashes;
-            let close: Vec<char> = std::iter::once('"').chain(std::iter::repeat_n('#', hashes)).collect();
-            let end = (body..c.len()).find(|&j| c[j..].starts_with(&close)).map_or(c.len(), |j| j + close.len());
+            let close: Vec<char> = std::iter::once('"')
+                .chain(std::iter::repeat_n('#', hashes))
+                .collect();
+            let end = (body..c.len())
+                .find(|&j| c[j..].starts_with(&close))
+                .map_or(c.len(), |j| j + close.len());
             blank(&mut out, body, end.saturating_sub(close.len()));
             i = end;
         } else if c[i] == '"' {
@@ -143,7 +171,10 @@ fn without_tests(code: &str) -> (String, Vec<String>) {
             end += 1;
         }
         let item: String = out[body..end].iter().collect();
-        let words: Vec<&str> = item.split(|ch: char| !ident(ch)).filter(|w| !w.is_empty()).collect();
+        let words: Vec<&str> = item
+            .split(|ch: char| !ident(ch))
+            .filter(|w| !w.is_empty())
+            .collect();
         if item.trim_end().ends_with(';') {
             if let Some(name) = words.iter().skip_while(|w| **w != "mod").nth(1) {
                 test_mods.push(name.to_string());
@@ -165,7 +196,10 @@ fn broken(code: &str) -> Vec<(usize, &'static str, &'static str)> {
 }
 
 /// Every rule of `rules` `code` breaks.
-fn broken_by(code: &str, rules: &[(&'static str, &'static str)]) -> Vec<(usize, &'static str, &'static str)> {
+fn broken_by(
+    code: &str,
+    rules: &[(&'static str, &'static str)],
+) -> Vec<(usize, &'static str, &'static str)> {
     let mut found = Vec::new();
     for (n, line) in code.lines().enumerate() {
         let chars: Vec<char> = line.chars().collect();
@@ -174,7 +208,9 @@ fn broken_by(code: &str, rules: &[(&'static str, &'static str)]) -> Vec<(usize, 
             let hit = (0..chars.len()).any(|i| {
                 chars[i..].starts_with(&want)
                     && (i == 0 || !ident(chars[i - 1]) || !ident(want[0]))
-                    && chars.get(i + want.len()).is_none_or(|&after| !ident(after) || !ident(want[want.len() - 1]))
+                    && chars
+                        .get(i + want.len())
+                        .is_none_or(|&after| !ident(after) || !ident(want[want.len() - 1]))
             });
             if hit {
                 found.push((n + 1, needle, why));
@@ -187,7 +223,10 @@ fn broken_by(code: &str, rules: &[(&'static str, &'static str)]) -> Vec<(usize, 
 /// The `.rs` files under `dir`, and of the directories in it, sorted.
 fn sources(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())).map(|e| e.expect("a directory entry").path()).collect();
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.expect("a directory entry").path())
+        .collect();
     entries.sort();
     for p in entries {
         if p.is_dir() {
@@ -214,18 +253,38 @@ fn children_dir(file: &Path) -> PathBuf {
 fn the_state_machine_names_no_driver_clock_lock_thread_io_or_process_randomness() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = sources(&root.join("src/master"));
-    assert!(files.iter().any(|f| f.ends_with("master/mod.rs")), "no src/master/mod.rs among {files:?}");
+    assert!(
+        files.iter().any(|f| f.ends_with("master/mod.rs")),
+        "no src/master/mod.rs among {files:?}"
+    );
     let repl = sources(&root.join("src/repl"));
-    assert!(repl.iter().any(|f| f.ends_with("repl/mod.rs")), "no src/repl/mod.rs among {repl:?}");
+    assert!(
+        repl.iter().any(|f| f.ends_with("repl/mod.rs")),
+        "no src/repl/mod.rs among {repl:?}"
+    );
     files.extend(repl);
     let mut test_files = Vec::new();
     let mut broke = Vec::new();
     for file in &files {
-        let src = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let src =
+            std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
         let (code, test_mods) = without_tests(&code_of(&src));
-        test_files.extend(test_mods.iter().flat_map(|m| [children_dir(file).join(format!("{m}.rs")), children_dir(file).join(m).join("mod.rs")]));
-        let name = file.strip_prefix(root).unwrap_or(file).display().to_string();
-        broke.extend(broken(&code).into_iter().map(|(line, needle, why)| (name.clone(), file.clone(), line, needle, why)));
+        test_files.extend(test_mods.iter().flat_map(|m| {
+            [
+                children_dir(file).join(format!("{m}.rs")),
+                children_dir(file).join(m).join("mod.rs"),
+            ]
+        }));
+        let name = file
+            .strip_prefix(root)
+            .unwrap_or(file)
+            .display()
+            .to_string();
+        broke.extend(
+            broken(&code)
+                .into_iter()
+                .map(|(line, needle, why)| (name.clone(), file.clone(), line, needle, why)),
+        );
     }
     let broke: Vec<String> = broke
         .into_iter()
@@ -244,23 +303,53 @@ fn the_drivers_import_only_what_lies_below_them() {
     const DRIVERS: &[(&str, &str)] = &[
         ("server::", "the RPC server is a driver above this one"),
         ("ha::", "the HA layer is a driver above this one"),
-        ("node::", "crate::node is the master's driver, above this one"),
+        (
+            "node::",
+            "crate::node is the master's driver, above this one",
+        ),
         ("client::", "the client is a driver of its own"),
     ];
     const NOT_THE_SERVER: &[(&str, &str)] = &[("server::", "the HA layer must not borrow from the RPC server: shared socket helpers live in crate::net")];
     let mut sans_io: Vec<(&str, &str)> = DRIVERS.to_vec();
-    sans_io.extend([("std::net", "the frame codec is sans-IO"), ("thread", "the frame codec is sans-IO"), ("Instant", "the frame codec reads no clock")]);
+    sans_io.extend([
+        ("std::net", "the frame codec is sans-IO"),
+        ("thread", "the frame codec is sans-IO"),
+        ("Instant", "the frame codec reads no clock"),
+    ]);
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut checks: Vec<(PathBuf, Vec<(&str, &str)>)> = vec![(root.join("src/frame.rs"), sans_io), (root.join("src/net.rs"), [DRIVERS, &[("master::", "the socket helpers know no state")]].concat())];
-    checks.extend(sources(&root.join("src/ha")).into_iter().map(|f| (f, NOT_THE_SERVER.to_vec())));
+    let mut checks: Vec<(PathBuf, Vec<(&str, &str)>)> = vec![
+        (root.join("src/frame.rs"), sans_io),
+        (
+            root.join("src/net.rs"),
+            [DRIVERS, &[("master::", "the socket helpers know no state")]].concat(),
+        ),
+    ];
+    checks.extend(
+        sources(&root.join("src/ha"))
+            .into_iter()
+            .map(|f| (f, NOT_THE_SERVER.to_vec())),
+    );
     let mut broke = Vec::new();
     for (file, rules) in &checks {
-        let src = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let src =
+            std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
         let (code, _) = without_tests(&code_of(&src));
-        let name = file.strip_prefix(root).unwrap_or(file).display().to_string();
-        broke.extend(broken_by(&code, rules).into_iter().map(|(line, needle, why)| format!("{name}:{line}: names `{needle}`: {why}")));
+        let name = file
+            .strip_prefix(root)
+            .unwrap_or(file)
+            .display()
+            .to_string();
+        broke.extend(
+            broken_by(&code, rules)
+                .into_iter()
+                .map(|(line, needle, why)| format!("{name}:{line}: names `{needle}`: {why}")),
+        );
     }
-    assert!(broke.is_empty(), "a driver imports one above it:\n{}", broke.join("\n"));
+    assert!(
+        broke.is_empty(),
+        "a driver imports one above it:\n{}",
+        broke.join("\n")
+    );
 }
 
 /// The check finds what it must, where it is, and nothing in comments, literals or test code.

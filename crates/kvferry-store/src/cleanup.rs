@@ -73,11 +73,23 @@ impl Cleanup {
     /// Starts the worker that removes the entries of the segments queued from now on.
     pub fn start(&self, keys: Keys, connect: Connect, probe: Probe) -> Result<(), String> {
         let (tx, rx) = std::sync::mpsc::channel();
-        self.queue.set(tx).map_err(|_| "the metadata cleanup is already started".to_string())?;
+        self.queue
+            .set(tx)
+            .map_err(|_| "the metadata cleanup is already started".to_string())?;
         let stats = Arc::clone(&self.stats);
         std::thread::Builder::new()
             .name("kvf-master-mdclean".into())
-            .spawn(move || Worker { keys, connect, probe, store: None, stats, retry_after: RETRY_AFTER }.run(rx))
+            .spawn(move || {
+                Worker {
+                    keys,
+                    connect,
+                    probe,
+                    store: None,
+                    stats,
+                    retry_after: RETRY_AFTER,
+                }
+                .run(rx)
+            })
             .map_err(|e| format!("cannot start the metadata cleanup thread: {e}"))?;
         Ok(())
     }
@@ -99,7 +111,9 @@ impl Cleanup {
 
 /// The probe an engine uses before it takes a name over ([`kvferry::handshake::answers`]).
 pub fn handshake_probe(connect: Duration, max_len: u64) -> Probe {
-    Box::new(move |m: &RpcMeta| kvferry::handshake::answers(&m.ip_or_host_name, m.rpc_port, connect, max_len))
+    Box::new(move |m: &RpcMeta| {
+        kvferry::handshake::answers(&m.ip_or_host_name, m.rpc_port, connect, max_len)
+    })
 }
 
 /// What one segment's cleanup did.
@@ -117,9 +131,18 @@ pub enum Outcome {
 /// Removes segment `name`'s `ram` and `rpc_meta` entries from `store`, unless the engine its
 /// `rpc_meta` names answers `probe` (an entry that does not decode names no engine), and
 /// each only if it still holds what was looked at before the probe.
-pub fn clean(store: &dyn MetadataStore, keys: &Keys, probe: &dyn Fn(&RpcMeta) -> bool, name: &str) -> Outcome {
+pub fn clean(
+    store: &dyn MetadataStore,
+    keys: &Keys,
+    probe: &dyn Fn(&RpcMeta) -> bool,
+    name: &str,
+) -> Outcome {
     let (ram_key, rpc_key) = (keys.ram(name), keys.rpc_meta(name));
-    let look = |key: &String| store.get_seen(key).map_err(|e| Outcome::Failed(format!("reading {key}: {e}")));
+    let look = |key: &String| {
+        store
+            .get_seen(key)
+            .map_err(|e| Outcome::Failed(format!("reading {key}: {e}")))
+    };
     // rpc_meta first, as an engine registers: a restart after this look rewrites it.
     let (rpc, ram) = match look(&rpc_key).and_then(|rpc| Ok((rpc, look(&ram_key)?))) {
         Ok(seen) => seen,
@@ -163,7 +186,11 @@ impl Worker {
         // (name, attempts left, when)
         let mut retry: Vec<(String, u32, Instant)> = Vec::new();
         loop {
-            let wait = retry.iter().map(|r| r.2).min().map(|t| t.saturating_duration_since(Instant::now()));
+            let wait = retry
+                .iter()
+                .map(|r| r.2)
+                .min()
+                .map(|t| t.saturating_duration_since(Instant::now()));
             let got = match wait {
                 Some(w) => rx.recv_timeout(w),
                 None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
@@ -216,7 +243,9 @@ impl Worker {
                     self.store = Some(Arc::clone(&s));
                     s
                 }
-                Err(e) => return Outcome::Failed(format!("cannot reach the metadata service: {e}")),
+                Err(e) => {
+                    return Outcome::Failed(format!("cannot reach the metadata service: {e}"))
+                }
             },
         };
         let out = clean(&*store, &self.keys, &self.probe, name);
@@ -249,7 +278,11 @@ mod tests {
                 self.failed.fetch_add(1, Ordering::Relaxed);
             }
             if self.fail.load(Ordering::Relaxed) {
-                return Err(kvferry::Error::Metadata { backend: "http", location: "mem".into(), reason: "unreachable".into() });
+                return Err(kvferry::Error::Metadata {
+                    backend: "http",
+                    location: "mem".into(),
+                    reason: "unreachable".into(),
+                });
             }
             Ok(())
         }
@@ -282,7 +315,11 @@ mod tests {
     }
 
     fn register(m: &Mem, keys: &Keys, name: &str, port: u16) {
-        m.put(&keys.rpc_meta(name), format!(r#"{{"ip_or_host_name":"127.0.0.1","rpc_port":{port}}}"#).as_bytes()).unwrap();
+        m.put(
+            &keys.rpc_meta(name),
+            format!(r#"{{"ip_or_host_name":"127.0.0.1","rpc_port":{port}}}"#).as_bytes(),
+        )
+        .unwrap();
         m.put(&keys.ram(name), b"{}").unwrap();
     }
 
@@ -302,17 +339,47 @@ mod tests {
             r.rpc_port == 2
         };
         assert_eq!(clean(&m, &keys, &probe, "dead:1"), Outcome::Removed);
-        assert!(!m.has("mooncake/c1/ram/dead:1") && !m.has("mooncake/c1/rpc_meta/dead:1"), "both entries, under the cluster's prefix");
-        assert_eq!(clean(&m, &keys, &probe, "live:2"), Outcome::Alive("127.0.0.1:2".into()));
-        assert!(m.has("mooncake/c1/ram/live:2") && m.has("mooncake/c1/rpc_meta/live:2"), "a live engine keeps both");
-        assert_eq!(clean(&m, &keys, &probe, "garbled:4"), Outcome::Removed, "an rpc_meta that names no engine goes");
-        assert_eq!(clean(&m, &keys, &probe, "norpc:5"), Outcome::Removed, "a descriptor without rpc_meta goes");
+        assert!(
+            !m.has("mooncake/c1/ram/dead:1") && !m.has("mooncake/c1/rpc_meta/dead:1"),
+            "both entries, under the cluster's prefix"
+        );
+        assert_eq!(
+            clean(&m, &keys, &probe, "live:2"),
+            Outcome::Alive("127.0.0.1:2".into())
+        );
+        assert!(
+            m.has("mooncake/c1/ram/live:2") && m.has("mooncake/c1/rpc_meta/live:2"),
+            "a live engine keeps both"
+        );
+        assert_eq!(
+            clean(&m, &keys, &probe, "garbled:4"),
+            Outcome::Removed,
+            "an rpc_meta that names no engine goes"
+        );
+        assert_eq!(
+            clean(&m, &keys, &probe, "norpc:5"),
+            Outcome::Removed,
+            "a descriptor without rpc_meta goes"
+        );
         assert!(!m.has("mooncake/c1/ram/norpc:5"));
-        assert_eq!(clean(&m, &keys, &probe, "never:6"), Outcome::Removed, "nothing there: nothing to do, not an error");
-        assert!(m.has("mooncake/c1/ram/other:3") && m.has("mooncake/c1/rpc_meta/other:3"), "other names untouched");
-        assert_eq!(*probed.lock().unwrap(), vec![1, 2], "only decodable rpc_meta entries are probed");
+        assert_eq!(
+            clean(&m, &keys, &probe, "never:6"),
+            Outcome::Removed,
+            "nothing there: nothing to do, not an error"
+        );
+        assert!(
+            m.has("mooncake/c1/ram/other:3") && m.has("mooncake/c1/rpc_meta/other:3"),
+            "other names untouched"
+        );
+        assert_eq!(
+            *probed.lock().unwrap(),
+            vec![1, 2],
+            "only decodable rpc_meta entries are probed"
+        );
         m.fail.store(true, Ordering::Relaxed);
-        assert!(matches!(clean(&m, &keys, &probe, "other:3"), Outcome::Failed(e) if e.contains("unreachable")));
+        assert!(
+            matches!(clean(&m, &keys, &probe, "other:3"), Outcome::Failed(e) if e.contains("unreachable"))
+        );
     }
 
     /// An engine that restarts under the name while its old entries are probed (here: the
@@ -325,13 +392,23 @@ mod tests {
         let keys = Keys::new(None);
         register(&m, &keys, "phoenix:1", 1);
         let again = |_: &RpcMeta| {
-            m.put(&keys.rpc_meta("phoenix:1"), br#"{"ip_or_host_name":"127.0.0.1","rpc_port":7}"#).unwrap();
+            m.put(
+                &keys.rpc_meta("phoenix:1"),
+                br#"{"ip_or_host_name":"127.0.0.1","rpc_port":7}"#,
+            )
+            .unwrap();
             m.put(&keys.ram("phoenix:1"), b"{\"reborn\":1}").unwrap();
             false
         };
         assert_eq!(clean(&m, &keys, &again, "phoenix:1"), Outcome::Rewritten);
-        assert_eq!(m.get(&keys.rpc_meta("phoenix:1")).unwrap().as_deref(), Some(&br#"{"ip_or_host_name":"127.0.0.1","rpc_port":7}"#[..]));
-        assert_eq!(m.get(&keys.ram("phoenix:1")).unwrap().as_deref(), Some(&b"{\"reborn\":1}"[..]));
+        assert_eq!(
+            m.get(&keys.rpc_meta("phoenix:1")).unwrap().as_deref(),
+            Some(&br#"{"ip_or_host_name":"127.0.0.1","rpc_port":7}"#[..])
+        );
+        assert_eq!(
+            m.get(&keys.ram("phoenix:1")).unwrap().as_deref(),
+            Some(&b"{\"reborn\":1}"[..])
+        );
         // Only the descriptor written again: the old rpc_meta goes, the new descriptor stays.
         register(&m, &keys, "half:2", 2);
         let ram_only = |_: &RpcMeta| {
@@ -340,7 +417,10 @@ mod tests {
         };
         assert_eq!(clean(&m, &keys, &ram_only, "half:2"), Outcome::Rewritten);
         assert!(!m.has("mooncake/rpc_meta/half:2"));
-        assert_eq!(m.get(&keys.ram("half:2")).unwrap().as_deref(), Some(&b"{\"new\":2}"[..]));
+        assert_eq!(
+            m.get(&keys.ram("half:2")).unwrap().as_deref(),
+            Some(&b"{\"new\":2}"[..])
+        );
     }
 
     fn wait_for(what: &str, f: impl Fn() -> bool) {
@@ -360,12 +440,32 @@ mod tests {
         register(&m, &keys, "b:2", 2);
         let c = Cleanup::default();
         c.push(vec!["a:1".into()], 5);
-        assert_eq!(c.stats.kept.load(Ordering::Relaxed), 0, "nothing counted before it starts");
+        assert_eq!(
+            c.stats.kept.load(Ordering::Relaxed),
+            0,
+            "nothing counted before it starts"
+        );
         let mm = Arc::clone(&m);
-        c.start(keys.clone(), Box::new(move || Ok(Arc::clone(&mm) as Arc<dyn MetadataStore>)), Box::new(|r: &RpcMeta| r.rpc_port == 2)).unwrap();
-        assert!(c.start(keys, Box::new(|| Err("no".into())), Box::new(|_: &RpcMeta| false)).is_err(), "started once");
+        c.start(
+            keys.clone(),
+            Box::new(move || Ok(Arc::clone(&mm) as Arc<dyn MetadataStore>)),
+            Box::new(|r: &RpcMeta| r.rpc_port == 2),
+        )
+        .unwrap();
+        assert!(
+            c.start(
+                keys,
+                Box::new(|| Err("no".into())),
+                Box::new(|_: &RpcMeta| false)
+            )
+            .is_err(),
+            "started once"
+        );
         c.push(vec!["a:1".into(), "b:2".into()], 1);
-        wait_for("one removed, two kept", || c.stats.removed.load(Ordering::Relaxed) == 1 && c.stats.kept.load(Ordering::Relaxed) == 2);
+        wait_for("one removed, two kept", || {
+            c.stats.removed.load(Ordering::Relaxed) == 1
+                && c.stats.kept.load(Ordering::Relaxed) == 2
+        });
         assert!(!m.has("mooncake/ram/a:1") && m.has("mooncake/ram/b:2"));
         assert_eq!(c.stats.failed.load(Ordering::Relaxed), 0);
     }
@@ -379,11 +479,21 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let stats = Arc::new(CleanupStats::default());
         let mm = Arc::clone(&m);
-        let w = Worker { keys, connect: Box::new(move || Ok(Arc::clone(&mm) as Arc<dyn MetadataStore>)), probe: Box::new(|_: &RpcMeta| false), store: None, stats: Arc::clone(&stats), retry_after: Duration::from_millis(300) };
+        let w = Worker {
+            keys,
+            connect: Box::new(move || Ok(Arc::clone(&mm) as Arc<dyn MetadataStore>)),
+            probe: Box::new(|_: &RpcMeta| false),
+            store: None,
+            stats: Arc::clone(&stats),
+            retry_after: Duration::from_millis(300),
+        };
         let t = std::thread::spawn(move || w.run(rx));
         tx.send(vec!["a:1".into()]).unwrap();
         wait_for("a first attempt", || m.failed.load(Ordering::Relaxed) > 0);
-        assert!(m.has("mooncake/ram/a:1"), "the service failed: nothing removed yet");
+        assert!(
+            m.has("mooncake/ram/a:1"),
+            "the service failed: nothing removed yet"
+        );
         m.fail.store(false, Ordering::Relaxed);
         wait_for("the retry", || stats.removed.load(Ordering::Relaxed) == 1);
         assert_eq!(stats.failed.load(Ordering::Relaxed), 0, "not given up");
@@ -399,17 +509,34 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let stats = Arc::new(CleanupStats::default());
         let mm = Arc::clone(&m);
-        let w = Worker { keys: Keys::new(None), connect: Box::new(move || Ok(Arc::clone(&mm) as Arc<dyn MetadataStore>)), probe: Box::new(|_: &RpcMeta| false), store: None, stats: Arc::clone(&stats), retry_after: Duration::from_millis(10) };
+        let w = Worker {
+            keys: Keys::new(None),
+            connect: Box::new(move || Ok(Arc::clone(&mm) as Arc<dyn MetadataStore>)),
+            probe: Box::new(|_: &RpcMeta| false),
+            store: None,
+            stats: Arc::clone(&stats),
+            retry_after: Duration::from_millis(10),
+        };
         let t = std::thread::spawn(move || w.run(rx));
         tx.send(vec!["a:1".into()]).unwrap();
         wait_for("giving up", || stats.failed.load(Ordering::Relaxed) == 1);
-        assert_eq!(m.failed.load(Ordering::Relaxed), u64::from(RETRIES) + 1, "one read per attempt, the first and {RETRIES} more");
+        assert_eq!(
+            m.failed.load(Ordering::Relaxed),
+            u64::from(RETRIES) + 1,
+            "one read per attempt, the first and {RETRIES} more"
+        );
         drop(tx);
         t.join().unwrap();
     }
 
     fn seg(id: u64, name: &str) -> crate::proto::Segment {
-        crate::proto::Segment { id, name: name.into(), te_endpoint: name.into(), base: id << 32, size: 1 << 20 }
+        crate::proto::Segment {
+            id,
+            name: name.into(),
+            te_endpoint: name.into(),
+            base: id << 32,
+            size: 1 << 20,
+        }
     }
 
     /// The master's tick hands over the dropped segments' names, except one mounted again by
@@ -422,12 +549,22 @@ mod tests {
             for (name, port) in [("gone:1", 1), ("again:2", 2), ("alive:3", 3)] {
                 register(&m, &keys, name, port);
             }
-            let master = crate::node::Master::new(crate::master::MasterConfig { client_ttl: Duration::ZERO, ..Default::default() });
+            let master = crate::node::Master::new(crate::master::MasterConfig {
+                client_ttl: Duration::ZERO,
+                ..Default::default()
+            });
             if fenced {
                 master.gate.lead_for_test(7, Duration::ZERO);
             }
             let mm = Arc::clone(&m);
-            master.cleanup.start(keys, Box::new(move || Ok(Arc::clone(&mm) as Arc<dyn MetadataStore>)), Box::new(|_: &RpcMeta| false)).unwrap();
+            master
+                .cleanup
+                .start(
+                    keys,
+                    Box::new(move || Ok(Arc::clone(&mm) as Arc<dyn MetadataStore>)),
+                    Box::new(|_: &RpcMeta| false),
+                )
+                .unwrap();
             {
                 let mut st = master.lock();
                 // Clients 1 and 2 last pinged at 0; client 3 pings "later" than any tick.
@@ -441,15 +578,33 @@ mod tests {
             (m, master)
         };
         let (m, master) = run(false);
-        wait_for("the dropped segment's entries removed", || master.cleanup.stats.removed.load(Ordering::Relaxed) == 1);
+        wait_for("the dropped segment's entries removed", || {
+            master.cleanup.stats.removed.load(Ordering::Relaxed) == 1
+        });
         assert!(!m.has("mooncake/ram/gone:1") && !m.has("mooncake/rpc_meta/gone:1"));
-        assert_eq!(master.cleanup.stats.kept.load(Ordering::Relaxed), 1, "again:2 is mounted by client 3 now");
+        assert_eq!(
+            master.cleanup.stats.kept.load(Ordering::Relaxed),
+            1,
+            "again:2 is mounted by client 3 now"
+        );
         assert!(m.has("mooncake/ram/again:2") && m.has("mooncake/rpc_meta/alive:3"));
         let (m, master) = run(true);
-        assert!(!master.lock().mounted_names().contains("gone:1"), "the fenced master's state dropped the client all the same");
+        assert!(
+            !master.lock().mounted_names().contains("gone:1"),
+            "the fenced master's state dropped the client all the same"
+        );
         std::thread::sleep(Duration::from_millis(200));
-        assert!(m.has("mooncake/ram/gone:1") && m.has("mooncake/rpc_meta/gone:1"), "a fenced leader removes nothing");
+        assert!(
+            m.has("mooncake/ram/gone:1") && m.has("mooncake/rpc_meta/gone:1"),
+            "a fenced leader removes nothing"
+        );
         let s = &master.cleanup.stats;
-        assert_eq!((s.removed.load(Ordering::Relaxed), s.kept.load(Ordering::Relaxed)), (0, 0));
+        assert_eq!(
+            (
+                s.removed.load(Ordering::Relaxed),
+                s.kept.load(Ordering::Relaxed)
+            ),
+            (0, 0)
+        );
     }
 }

@@ -16,7 +16,11 @@ pub enum StoreError {
     #[error("object {0:?} is still being written (put not finished)")]
     ReplicaNotReady(String),
     #[error("no space for {size} bytes with {replicas} replica(s): {detail}")]
-    NoAvailableHandle { size: u64, replicas: u32, detail: String },
+    NoAvailableHandle {
+        size: u64,
+        replicas: u32,
+        detail: String,
+    },
     #[error("invalid key {0:?}: keys are 1 to 4096 bytes")]
     InvalidKey(String),
     #[error("invalid parameters: {0}")]

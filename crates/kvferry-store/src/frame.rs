@@ -27,7 +27,11 @@ pub struct TooLarge {
 
 impl std::fmt::Display for TooLarge {
     fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        write!(f, "a frame of {} bytes is over the limit of {}", self.len, self.max)
+        write!(
+            f,
+            "a frame of {} bytes is over the limit of {}",
+            self.len, self.max
+        )
     }
 }
 
@@ -93,7 +97,8 @@ pub fn body_len(prefix: [u8; PREFIX_LEN], max: usize) -> Result<usize, TooLarge>
 /// The body length the frame at the start of `buf` claims, unchecked (`None` before its
 /// prefix is whole).
 pub fn claimed_len(buf: &[u8]) -> Option<usize> {
-    buf.first_chunk::<PREFIX_LEN>().map(|p| u32::from_le_bytes(*p) as usize)
+    buf.first_chunk::<PREFIX_LEN>()
+        .map(|p| u32::from_le_bytes(*p) as usize)
 }
 
 /// Whether `buf` starts with a whole frame, as far as its prefix says (partial input waits for
@@ -106,9 +111,13 @@ pub fn whole(buf: &[u8]) -> bool {
 /// starts there); `None` while `buf` holds only part of it. A prefix over `max` is an error as
 /// soon as its 4 bytes are in.
 pub fn split(buf: &[u8], max: usize) -> Result<Option<(&[u8], usize)>, TooLarge> {
-    let Some(head) = buf.first_chunk::<PREFIX_LEN>() else { return Ok(None) };
+    let Some(head) = buf.first_chunk::<PREFIX_LEN>() else {
+        return Ok(None);
+    };
     let n = body_len(*head, max)?;
-    let Some(end) = PREFIX_LEN.checked_add(n) else { return Err(TooLarge { len: n, max }) };
+    let Some(end) = PREFIX_LEN.checked_add(n) else {
+        return Err(TooLarge { len: n, max });
+    };
     Ok(buf.get(PREFIX_LEN..end).map(|b| (b, end)))
 }
 
@@ -133,11 +142,18 @@ mod tests {
     #[test]
     fn a_frame_round_trips_with_its_wire_bytes() {
         let f = encode(&Msg::Ping { id: 300 }, 64).unwrap();
-        assert_eq!(f, [3, 0, 0, 0, 0, 0xac, 0x02], "the prefix (u32 LE), then the postcard body");
+        assert_eq!(
+            f,
+            [3, 0, 0, 0, 0, 0xac, 0x02],
+            "the prefix (u32 LE), then the postcard body"
+        );
         assert_eq!(body(&f), &[0, 0xac, 0x02]);
         assert_eq!(body_len(f[..4].try_into().unwrap(), 64), Ok(3));
         let (b, took) = split(&f, 64).unwrap().unwrap();
-        assert_eq!((decode_body::<Msg>(b).unwrap(), took), (Msg::Ping { id: 300 }, f.len()));
+        assert_eq!(
+            (decode_body::<Msg>(b).unwrap(), took),
+            (Msg::Ping { id: 300 }, f.len())
+        );
         let name = Msg::Name("kv".into());
         assert_eq!(encode(&name, 64).unwrap(), [4, 0, 0, 0, 1, 2, b'k', b'v']);
         // Two frames back to back: each is taken whole, the next starts where the first ended.
@@ -154,12 +170,19 @@ mod tests {
     fn partial_input_waits() {
         let f = encode(&Msg::Bytes(vec![9; 300]), 1024).unwrap();
         for cut in 0..f.len() {
-            assert_eq!(split(&f[..cut], 1024), Ok(None), "{cut} bytes are not a frame yet");
+            assert_eq!(
+                split(&f[..cut], 1024),
+                Ok(None),
+                "{cut} bytes are not a frame yet"
+            );
             assert!(!whole(&f[..cut]), "{cut} bytes");
             assert_eq!(claimed_len(&f[..cut]), (cut >= 4).then_some(f.len() - 4));
         }
         assert!(whole(&f));
-        assert_eq!(split(&f, 1024).unwrap().map(|(_, took)| took), Some(f.len()));
+        assert_eq!(
+            split(&f, 1024).unwrap().map(|(_, took)| took),
+            Some(f.len())
+        );
         let empty = encode(&(), 0).unwrap();
         assert_eq!(empty, [0, 0, 0, 0]);
         assert!(whole(&empty));
@@ -171,11 +194,25 @@ mod tests {
         let m = Msg::Bytes(vec![1; 100]);
         let n = encode(&m, 1024).unwrap().len() - 4;
         assert!(encode(&m, n).is_ok(), "a body of exactly the limit fits");
-        assert!(matches!(encode(&m, n - 1), Err(EncodeError::TooLarge(TooLarge { len, max })) if len == n && max == n - 1));
-        assert_eq!(encode(&m, n - 1).unwrap_err().to_string(), format!("a frame of {n} bytes is over the limit of {}", n - 1));
+        assert!(
+            matches!(encode(&m, n - 1), Err(EncodeError::TooLarge(TooLarge { len, max })) if len == n && max == n - 1)
+        );
+        assert_eq!(
+            encode(&m, n - 1).unwrap_err().to_string(),
+            format!("a frame of {n} bytes is over the limit of {}", n - 1)
+        );
         assert_eq!(prefix(5, usize::MAX), Ok([5, 0, 0, 0]));
-        assert_eq!(prefix(u32::MAX as usize + 1, usize::MAX), Err(TooLarge { len: u32::MAX as usize + 1, max: u32::MAX as usize }));
-        assert_eq!(body_len(u32::MAX.to_le_bytes(), usize::MAX), Ok(u32::MAX as usize));
+        assert_eq!(
+            prefix(u32::MAX as usize + 1, usize::MAX),
+            Err(TooLarge {
+                len: u32::MAX as usize + 1,
+                max: u32::MAX as usize
+            })
+        );
+        assert_eq!(
+            body_len(u32::MAX.to_le_bytes(), usize::MAX),
+            Ok(u32::MAX as usize)
+        );
     }
 
     /// A prefix claiming 4 GiB (or just over the limit) is refused from its 4 bytes alone:
@@ -185,12 +222,24 @@ mod tests {
         use crate::alloc_count::peak_during;
         let claim = u32::MAX.to_le_bytes();
         let (r, peak) = peak_during(|| split(&claim, 1 << 20));
-        assert_eq!(r, Err(TooLarge { len: u32::MAX as usize, max: 1 << 20 }));
+        assert_eq!(
+            r,
+            Err(TooLarge {
+                len: u32::MAX as usize,
+                max: 1 << 20
+            })
+        );
         assert_eq!(peak, 0, "{peak} bytes allocated for a refused claim");
         let (r, peak) = peak_during(|| body_len(claim, 1 << 20));
         assert!(r.is_err() && peak == 0, "{peak}");
         // Just over: refused with the prefix alone, the body not waited for.
-        assert_eq!(split(&1025u32.to_le_bytes(), 1024), Err(TooLarge { len: 1025, max: 1024 }));
+        assert_eq!(
+            split(&1025u32.to_le_bytes(), 1024),
+            Err(TooLarge {
+                len: 1025,
+                max: 1024
+            })
+        );
         assert_eq!(body_len(1024u32.to_le_bytes(), 1024), Ok(1024));
     }
 

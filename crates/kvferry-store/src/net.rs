@@ -51,8 +51,20 @@ pub(crate) struct Unproved {
 pub(crate) type UnprovedSlot = kvferry::auth::Pass;
 
 impl Unproved {
-    pub(crate) fn new(what: &'static str, total: usize, per_ip: usize, deadline: Duration) -> Arc<Unproved> {
-        Arc::new(Unproved { what, total, per_ip, deadline, places: kvferry::auth::Unproved::new(total, per_ip), refused: Default::default() })
+    pub(crate) fn new(
+        what: &'static str,
+        total: usize,
+        per_ip: usize,
+        deadline: Duration,
+    ) -> Arc<Unproved> {
+        Arc::new(Unproved {
+            what,
+            total,
+            per_ip,
+            deadline,
+            places: kvferry::auth::Unproved::new(total, per_ip),
+            refused: Default::default(),
+        })
     }
 
     /// A place for a connection from `ip`, or `None` (then logged, a line a second at most)
@@ -75,7 +87,11 @@ impl Unproved {
 
     /// A place for a new connection `conn` of a port holding the cluster key (`keyed`);
     /// `Err` when there is none (close it); `Ok(None)` without a key (nothing to prove).
-    pub(crate) fn place(self: &Arc<Self>, keyed: bool, conn: &TcpStream) -> Result<Option<UnprovedSlot>, ()> {
+    pub(crate) fn place(
+        self: &Arc<Self>,
+        keyed: bool,
+        conn: &TcpStream,
+    ) -> Result<Option<UnprovedSlot>, ()> {
         if !keyed {
             return Ok(None);
         }
@@ -96,13 +112,22 @@ pub(crate) fn read_by(mut s: &TcpStream, buf: &mut [u8], deadline: Instant) -> s
     while got < buf.len() {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the cluster key was not proved in time"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the cluster key was not proved in time",
+            ));
         }
         s.set_read_timeout(Some(left))?;
         match s.read(&mut buf[got..]) {
             Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
             Ok(n) => got += n,
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
             Err(e) => return Err(e),
         }
     }
@@ -147,7 +172,11 @@ impl Spin {
     }
 
     pub(crate) fn for_cpus(bound: Duration, cpus: usize) -> Spin {
-        Spin { bound: if cpus < 2 { Duration::ZERO } else { bound }, polling: AtomicUsize::new(0), limit: cpus / 2 }
+        Spin {
+            bound: if cpus < 2 { Duration::ZERO } else { bound },
+            polling: AtomicUsize::new(0),
+            limit: cpus / 2,
+        }
     }
 
     /// The poll of HA replication's two readers on the path of every acknowledged request: a
@@ -163,7 +192,15 @@ impl Spin {
     }
 
     pub(crate) fn for_replication_on(cpus: usize) -> Spin {
-        Spin { bound: if cpus < 4 { Duration::ZERO } else { REPLICATION_POLL }, polling: AtomicUsize::new(0), limit: cpus / 4 }
+        Spin {
+            bound: if cpus < 4 {
+                Duration::ZERO
+            } else {
+                REPLICATION_POLL
+            },
+            polling: AtomicUsize::new(0),
+            limit: cpus / 4,
+        }
     }
 
     /// Polls `s` until it has bytes to read or is closed, within the bound and if fewer than
@@ -171,13 +208,19 @@ impl Spin {
     /// kernel). Reads nothing.
     pub(crate) fn readable(&self, s: &TcpStream) -> bool {
         use rustix::net::{recv, RecvFlags};
-        let Some(_slot) = self.slot() else { return false };
+        let Some(_slot) = self.slot() else {
+            return false;
+        };
         let start = Instant::now();
         let mut byte = [0u8; 1];
         loop {
             match recv(s, &mut byte, RecvFlags::DONTWAIT | RecvFlags::PEEK) {
                 Ok(_) => return true, // (0: closed, which the read then finds)
-                Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) if start.elapsed() < self.bound => std::hint::spin_loop(),
+                Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR)
+                    if start.elapsed() < self.bound =>
+                {
+                    std::hint::spin_loop()
+                }
                 Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => return false,
                 Err(_) => return true, // (the read reports it)
             }
@@ -201,7 +244,9 @@ impl Spin {
     /// poll already: how many arrived.
     pub(crate) fn poll(&self, s: &TcpStream, prefix: &mut [u8; 4]) -> std::io::Result<usize> {
         use rustix::net::{recv, RecvFlags};
-        let Some(_slot) = self.slot() else { return Ok(0) };
+        let Some(_slot) = self.slot() else {
+            return Ok(0);
+        };
         let mut got = 0usize;
         let start = Instant::now();
         loop {
@@ -211,10 +256,11 @@ impl Spin {
             match recv(s, &mut prefix[got..], RecvFlags::DONTWAIT) {
                 Ok((0, _)) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
                 Ok((n, _)) => got += n,
-                Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => std::hint::spin_loop(),
+                Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => {
+                    std::hint::spin_loop()
+                }
                 Err(e) => return Err(e.into()),
             }
         }
     }
 }
-

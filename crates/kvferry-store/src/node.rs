@@ -49,7 +49,18 @@ impl Master {
         // after a restart) must not end a read this one granted.
         let mut state = State::with_reads_after((rand::random::<u64>() >> 1) & !((1u64 << 40) - 1));
         state.seed_placement(rand::random());
-        Master { cfg, start: Instant::now(), state: Mutex::new(state), stats: Stats::default(), gate: crate::ha::Gate::default(), journal: Default::default(), cleanup: Default::default(), summary: Mutex::default(), auth: None, cluster_id: crate::ha::DEFAULT_CLUSTER_ID.to_string() }
+        Master {
+            cfg,
+            start: Instant::now(),
+            state: Mutex::new(state),
+            stats: Stats::default(),
+            gate: crate::ha::Gate::default(),
+            journal: Default::default(),
+            cleanup: Default::default(),
+            summary: Mutex::default(),
+            auth: None,
+            cluster_id: crate::ha::DEFAULT_CLUSTER_ID.to_string(),
+        }
     }
 
     /// The pool's summary as of at most [`SUMMARY_AGE`] ago: taking one walks every object
@@ -112,14 +123,25 @@ impl Master {
     pub fn tick(&self) {
         let now = self.now();
         let mut st = self.lock();
-        let dead = st.expire_clients(now, self.cfg.client_ttl.as_millis() as u64, self.cfg.put_start_release_timeout.as_millis() as u64);
+        let dead = st.expire_clients(
+            now,
+            self.cfg.client_ttl.as_millis() as u64,
+            self.cfg.put_start_release_timeout.as_millis() as u64,
+        );
         let mut dropped = Vec::new();
         for (c, segments) in dead {
             if !segments.is_empty() {
-                tracing::warn!(client = format!("{c:x}"), segments = segments.len(), "client stopped pinging; its segments and replicas are dropped");
+                tracing::warn!(
+                    client = format!("{c:x}"),
+                    segments = segments.len(),
+                    "client stopped pinging; its segments and replicas are dropped"
+                );
             } else {
                 // It unmounted everything (a client closes so): nothing lost, nothing to say.
-                tracing::debug!(client = format!("{c:x}"), "client without segments stopped pinging; forgotten");
+                tracing::debug!(
+                    client = format!("{c:x}"),
+                    "client without segments stopped pinging; forgotten"
+                );
             }
             dropped.extend(segments);
         }
@@ -144,7 +166,13 @@ impl Master {
             let over = used as f64 - total as f64 * self.cfg.eviction_high_watermark;
             let target = (over + total as f64 * self.cfg.eviction_ratio) as u64;
             // Background eviction is never urgent: objects just written are spared.
-            st.evict_aged(target, now, self.cfg.allow_evict_soft_pinned, &self.stats, self.cfg.put_wait_for_reads.as_millis() as u64);
+            st.evict_aged(
+                target,
+                now,
+                self.cfg.allow_evict_soft_pinned,
+                &self.stats,
+                self.cfg.put_wait_for_reads.as_millis() as u64,
+            );
         }
     }
 }
@@ -156,13 +184,29 @@ mod tests {
     use crate::proto::{ReplicateConfig, Segment};
 
     fn seg(id: u64, size: u64) -> Segment {
-        Segment { id, name: format!("seg{id}"), te_endpoint: format!("127.0.0.1:{}", 15000 + id), base: id << 32, size }
+        Segment {
+            id,
+            name: format!("seg{id}"),
+            te_endpoint: format!("127.0.0.1:{}", 15000 + id),
+            base: id << 32,
+            size,
+        }
     }
 
     /// Puts `key` (client 1's put 1) and ends it.
     fn put(st: &mut State, m: &Master, key: &str) {
         let p = PutId { client: 1, put: 1 };
-        st.put_start(&m.cfg, &m.stats, p, key, 4096, &ReplicateConfig::default(), false, 0).unwrap();
+        st.put_start(
+            &m.cfg,
+            &m.stats,
+            p,
+            key,
+            4096,
+            &ReplicateConfig::default(),
+            false,
+            0,
+        )
+        .unwrap();
         st.put_end(p, key, 0).unwrap();
     }
 
@@ -176,7 +220,11 @@ mod tests {
         let first = master.summary_recent();
         assert_eq!(first.keys, 1);
         put(&mut master.lock(), &master, "b");
-        assert_eq!(master.summary_recent(), first, "within a second: the same summary, no second walk");
+        assert_eq!(
+            master.summary_recent(),
+            first,
+            "within a second: the same summary, no second walk"
+        );
         assert_eq!(master.lock().summary().keys, 2);
     }
 
@@ -192,6 +240,9 @@ mod tests {
             st.get_replica_list("k", 1, 1000).unwrap().read_id
         };
         let (a, b) = (first_read(), first_read());
-        assert_ne!(a, b, "a restarted master grants the read ids its predecessor did");
+        assert_ne!(
+            a, b,
+            "a restarted master grants the read ids its predecessor did"
+        );
     }
 }

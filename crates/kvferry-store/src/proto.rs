@@ -42,7 +42,10 @@ pub const STORE_RPC: kvferry::auth::Protocol = kvferry::auth::Protocol("kvferry/
 /// `/` dropped, as in `crate::ha::master_view_key`), so that a handshake made for one
 /// cluster's master is refused by another's.
 pub fn master_identity(cluster_id: &str) -> String {
-    format!("master/{}", cluster_id.strip_suffix('/').unwrap_or(cluster_id))
+    format!(
+        "master/{}",
+        cluster_id.strip_suffix('/').unwrap_or(cluster_id)
+    )
 }
 
 /// The wire number of [`Request::AuthHello`].
@@ -70,7 +73,9 @@ pub(crate) fn bytes_variant(body: &[u8], variant: u8) -> Option<&[u8]> {
     // The length: a postcard varint, at most two bytes here.
     let (len, rest) = match rest {
         [b0, rest @ ..] if b0 & 0x80 == 0 => (*b0 as usize, rest),
-        [b0, b1, rest @ ..] if b1 & 0x80 == 0 && *b1 != 0 => ((b0 & 0x7f) as usize | (*b1 as usize) << 7, rest),
+        [b0, b1, rest @ ..] if b1 & 0x80 == 0 && *b1 != 0 => {
+            ((b0 & 0x7f) as usize | (*b1 as usize) << 7, rest)
+        }
         _ => return None,
     };
     (rest.len() == len).then_some(rest)
@@ -142,7 +147,9 @@ fn de_seq<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result
 /// recurses once per level, and a frame of nested batches overflowed the connection thread's
 /// stack, aborting the master) and more than [`MAX_BATCH`] elements; grows as elements
 /// arrive (nothing reserved by a claimed length), within the decoding's budget ([`room`]).
-fn de_batch<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
+fn de_batch<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Vec<T>, D::Error> {
     use serde::de::Error;
     struct Level;
     impl Drop for Level {
@@ -221,7 +228,14 @@ pub struct ReplicateConfig {
 
 impl Default for ReplicateConfig {
     fn default() -> Self {
-        ReplicateConfig { replica_num: 1, soft_pin: SoftPin::Preserve, soft_pin_ttl_ms: None, with_hard_pin: false, preferred_segments: Vec::new(), group_id: None }
+        ReplicateConfig {
+            replica_num: 1,
+            soft_pin: SoftPin::Preserve,
+            soft_pin_ttl_ms: None,
+            with_hard_pin: false,
+            preferred_segments: Vec::new(),
+            group_id: None,
+        }
     }
 }
 
@@ -256,26 +270,61 @@ pub enum PingStatus {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
-    MountSegment { client: u64, segment: Segment },
+    MountSegment {
+        client: u64,
+        segment: Segment,
+    },
     RemountSegments {
         client: u64,
         #[serde(deserialize_with = "de_seq")]
         segments: Vec<Segment>,
     },
-    UnmountSegment { client: u64, segment: u64 },
-    Ping { client: u64 },
+    UnmountSegment {
+        client: u64,
+        segment: u64,
+    },
+    Ping {
+        client: u64,
+    },
     /// Starts put `put` of `key`: `put` is chosen by the client, distinct among its puts (a
     /// counter), and only a `PutEnd` or `PutRevoke` naming it ends this put, so the late end
     /// of an earlier put of the key (one discarded as a zombie meanwhile) never ends a later
     /// one before its bytes landed, and a start whose answer was lost is revoked exactly.
-    PutStart { client: u64, key: String, size: u64, config: ReplicateConfig, upsert: bool, put: u64 },
-    PutEnd { client: u64, key: String, put: u64 },
-    PutRevoke { client: u64, key: String, put: u64 },
-    GetReplicaList { key: String },
-    ExistKey { key: String },
-    Remove { key: String, force: bool },
-    RemoveAll { force: bool },
-    RemoveByRegex { pattern: String, force: bool },
+    PutStart {
+        client: u64,
+        key: String,
+        size: u64,
+        config: ReplicateConfig,
+        upsert: bool,
+        put: u64,
+    },
+    PutEnd {
+        client: u64,
+        key: String,
+        put: u64,
+    },
+    PutRevoke {
+        client: u64,
+        key: String,
+        put: u64,
+    },
+    GetReplicaList {
+        key: String,
+    },
+    ExistKey {
+        key: String,
+    },
+    Remove {
+        key: String,
+        force: bool,
+    },
+    RemoveAll {
+        force: bool,
+    },
+    RemoveByRegex {
+        pattern: String,
+        force: bool,
+    },
     /// Many operations in one round trip; answered by [`Response::Batch`] in the same order.
     Batch(#[serde(deserialize_with = "de_batch")] Vec<Request>),
     /// The reads named (`ReplicaList::read_id`) finished: their replicas may be reclaimed.
@@ -347,7 +396,9 @@ pub enum Response {
     /// To [`Request::AuthHello`], a plain frame: the master's Noise answer
     /// (`kvferry::auth::ANSWER_LEN` bytes). Last, so the other variants keep their wire
     /// numbers.
-    AuthChallenge { answer: Vec<u8> },
+    AuthChallenge {
+        answer: Vec<u8>,
+    },
 }
 
 impl Response {
@@ -363,13 +414,21 @@ impl Response {
 pub fn encode<T: Serialize>(msg: &T) -> StoreResult<Vec<u8>> {
     frame::encode(msg, MAX_FRAME).map_err(|e| match e {
         frame::EncodeError::Encode(e) => StoreError::Internal(format!("encoding: {e}")),
-        frame::EncodeError::TooLarge(t) => StoreError::InvalidParams(format!("message of {} bytes exceeds the {MAX_FRAME}-byte limit; split the batch", t.len)),
+        frame::EncodeError::TooLarge(t) => StoreError::InvalidParams(format!(
+            "message of {} bytes exceeds the {MAX_FRAME}-byte limit; split the batch",
+            t.len
+        )),
     })
 }
 
 /// Validates a frame length prefix ([`crate::frame::body_len`], at most [`MAX_FRAME`]).
 pub fn decode_len(prefix: [u8; frame::PREFIX_LEN]) -> StoreResult<usize> {
-    frame::body_len(prefix, MAX_FRAME).map_err(|t| StoreError::Rpc(format!("frame of {} bytes exceeds the {MAX_FRAME}-byte limit", t.len)))
+    frame::body_len(prefix, MAX_FRAME).map_err(|t| {
+        StoreError::Rpc(format!(
+            "frame of {} bytes exceeds the {MAX_FRAME}-byte limit",
+            t.len
+        ))
+    })
 }
 
 /// Decodes a frame body (an answer, on a client: its vectors are not bounded but by the
@@ -418,7 +477,14 @@ mod tests {
     #[test]
     fn roundtrip() {
         let r = Request::Batch(vec![
-            Request::PutStart { client: 7, key: "k".into(), size: 10, config: ReplicateConfig::default(), upsert: false, put: 3 },
+            Request::PutStart {
+                client: 7,
+                key: "k".into(),
+                size: 10,
+                config: ReplicateConfig::default(),
+                upsert: false,
+                put: 3,
+            },
             Request::GetReplicaList { key: "k".into() },
         ]);
         let f = encode(&r).unwrap();
@@ -430,24 +496,58 @@ mod tests {
         assert!(decode_len(u32::MAX.to_le_bytes()).is_err());
         // The authentication's messages came last: every earlier variant keeps its number.
         let first = |f: Vec<u8>| f[4];
-        assert_eq!(first(encode(&Request::HoldWrites { client: 0, writes: vec![] }).unwrap()), 15);
-        assert_eq!(first(encode(&Request::AuthHello { hello: vec![1; 16] }).unwrap()), 16);
-        assert_eq!(first(encode(&Request::AuthProof { mac: vec![2; 32] }).unwrap()), 17);
-        assert_eq!(first(encode(&Response::AuthChallenge { answer: vec![] }).unwrap()), 9);
+        assert_eq!(
+            first(
+                encode(&Request::HoldWrites {
+                    client: 0,
+                    writes: vec![]
+                })
+                .unwrap()
+            ),
+            15
+        );
+        assert_eq!(
+            first(encode(&Request::AuthHello { hello: vec![1; 16] }).unwrap()),
+            16
+        );
+        assert_eq!(
+            first(encode(&Request::AuthProof { mac: vec![2; 32] }).unwrap()),
+            17
+        );
+        assert_eq!(
+            first(encode(&Response::AuthChallenge { answer: vec![] }).unwrap()),
+            9
+        );
         let e = Response::Err(StoreError::Unauthorized("why".into()));
-        assert_eq!(encode(&e).unwrap()[4..6], [6, 18], "Err, then the error's number");
+        assert_eq!(
+            encode(&e).unwrap()[4..6],
+            [6, 18],
+            "Err, then the error's number"
+        );
         assert_eq!(decode::<Response>(&encode(&e).unwrap()[4..]).unwrap(), e);
     }
 
     /// The wire bytes, pinned: the length prefix (u32 little-endian), then the postcard body.
     #[test]
     fn frames_keep_their_wire_bytes() {
-        assert_eq!(encode(&Request::Ping { client: 5 }).unwrap(), [2, 0, 0, 0, 3, 5]);
-        assert_eq!(encode(&Request::GetReplicaList { key: "k".into() }).unwrap(), [3, 0, 0, 0, 7, 1, b'k']);
+        assert_eq!(
+            encode(&Request::Ping { client: 5 }).unwrap(),
+            [2, 0, 0, 0, 3, 5]
+        );
+        assert_eq!(
+            encode(&Request::GetReplicaList { key: "k".into() }).unwrap(),
+            [3, 0, 0, 0, 7, 1, b'k']
+        );
         assert_eq!(encode(&Response::Exists(true)).unwrap(), [2, 0, 0, 0, 4, 1]);
-        assert_eq!(encode(&Response::Count(300)).unwrap(), [3, 0, 0, 0, 5, 0xac, 0x02]);
+        assert_eq!(
+            encode(&Response::Count(300)).unwrap(),
+            [3, 0, 0, 0, 5, 0xac, 0x02]
+        );
         assert_eq!(decode_len([3, 0, 0, 0]).unwrap(), 3);
-        assert_eq!(decode::<Response>(&[5, 0xac, 0x02]).unwrap(), Response::Count(300));
+        assert_eq!(
+            decode::<Response>(&[5, 0xac, 0x02]).unwrap(),
+            Response::Count(300)
+        );
     }
 
     /// A frame of a hundred thousand batches nested in each other (200 KB) is refused at the
@@ -461,7 +561,10 @@ mod tests {
         }
         body.extend_from_slice(&[3, 0]); // Ping { client: 0 }
         let e = decode::<Request>(&body).unwrap_err();
-        assert!(matches!(&e, StoreError::InvalidParams(w) if w.contains("nested batches")), "{e}");
+        assert!(
+            matches!(&e, StoreError::InvalidParams(w) if w.contains("nested batches")),
+            "{e}"
+        );
         let mut r = vec![10u8, 1]; // Response::Batch
         for _ in 0..100_000 {
             r.extend_from_slice(&[7, 1]);
@@ -480,7 +583,9 @@ mod tests {
         for _ in 0..=MAX_BATCH {
             big.extend_from_slice(&[3, 0]);
         }
-        assert!(matches!(decode::<Request>(&big), Err(StoreError::InvalidParams(w)) if w.contains("at most")));
+        assert!(
+            matches!(decode::<Request>(&big), Err(StoreError::InvalidParams(w)) if w.contains("at most"))
+        );
     }
 
     /// The handshake's first frame is read without decoding: exactly an `AuthHello` and its
@@ -489,7 +594,10 @@ mod tests {
     fn an_auth_hello_is_read_from_its_frame_alone() {
         for n in [0usize, 1, 48, 127, 128, 300, kvferry::auth::MAX_HELLO_LEN] {
             let hello: Vec<u8> = (0..n).map(|i| i as u8).collect();
-            let f = encode(&Request::AuthHello { hello: hello.clone() }).unwrap();
+            let f = encode(&Request::AuthHello {
+                hello: hello.clone(),
+            })
+            .unwrap();
             assert!(f.len() - 4 <= MAX_AUTH_HELLO_FRAME);
             assert_eq!(auth_hello_of(&f[4..]), Some(&hello[..]), "{n} bytes");
             assert_eq!(auth_hello_of(&f[4..f.len() - 1]), None, "cut short");
@@ -497,9 +605,23 @@ mod tests {
             longer.push(0);
             assert_eq!(auth_hello_of(&longer), None, "a byte more");
         }
-        assert_eq!(encode(&Request::AuthHello { hello: vec![0; kvferry::auth::MAX_HELLO_LEN] }).unwrap().len() - 4, MAX_AUTH_HELLO_FRAME);
-        assert_eq!(auth_hello_of(&encode(&Request::AuthProof { mac: vec![1; 40] }).unwrap()[4..]), None);
-        assert_eq!(auth_hello_of(&encode(&Request::Ping { client: 16 }).unwrap()[4..]), None);
+        assert_eq!(
+            encode(&Request::AuthHello {
+                hello: vec![0; kvferry::auth::MAX_HELLO_LEN]
+            })
+            .unwrap()
+            .len()
+                - 4,
+            MAX_AUTH_HELLO_FRAME
+        );
+        assert_eq!(
+            auth_hello_of(&encode(&Request::AuthProof { mac: vec![1; 40] }).unwrap()[4..]),
+            None
+        );
+        assert_eq!(
+            auth_hello_of(&encode(&Request::Ping { client: 16 }).unwrap()[4..]),
+            None
+        );
         assert_eq!(auth_hello_of(&[]), None);
         assert_eq!(master_identity("c/"), master_identity("c"));
     }
@@ -518,7 +640,10 @@ mod tests {
         assert!(r.is_err());
         assert!(peak < 4096, "a claimed length reserved {peak} bytes");
         let (r, peak) = peak_during(|| decode_request(&[17u8, 0xff, 0xff, 0x03, 1]));
-        assert!(r.is_err() && peak < 4096, "AuthProof claiming 64 KiB: {peak} bytes");
+        assert!(
+            r.is_err() && peak < 4096,
+            "AuthProof claiming 64 KiB: {peak} bytes"
+        );
         // A million pings, two bytes each.
         let mut pings = vec![12u8];
         let mut n = MAX_BATCH;
@@ -531,19 +656,54 @@ mod tests {
             pings.extend_from_slice(&[3, 0]);
         }
         let (r, peak) = peak_during(|| decode_request(&pings));
-        assert!(matches!(&r, Err(StoreError::InvalidParams(w)) if w.contains("split it")), "{r:?}");
-        assert!(peak <= decode_bound(pings.len()) + (1 << 20), "{peak} bytes for a frame of {}", pings.len());
+        assert!(
+            matches!(&r, Err(StoreError::InvalidParams(w)) if w.contains("split it")),
+            "{r:?}"
+        );
+        assert!(
+            peak <= decode_bound(pings.len()) + (1 << 20),
+            "{peak} bytes for a frame of {}",
+            pings.len()
+        );
         assert!(peak < 40 << 20, "{peak}");
         // Real requests: a batch of 20000 puts of 12-byte keys, and one of 8000 pings.
-        let puts = Request::Batch((0..20_000).map(|i| Request::PutStart { client: u64::MAX / 3, key: format!("layer-{i:06}"), size: 4096, config: ReplicateConfig::default(), upsert: false, put: i }).collect());
+        let puts = Request::Batch(
+            (0..20_000)
+                .map(|i| Request::PutStart {
+                    client: u64::MAX / 3,
+                    key: format!("layer-{i:06}"),
+                    size: 4096,
+                    config: ReplicateConfig::default(),
+                    upsert: false,
+                    put: i,
+                })
+                .collect(),
+        );
         assert_eq!(decode_request(&encode(&puts).unwrap()[4..]).unwrap(), puts);
         let few = Request::Batch((0..8000).map(|_| Request::Ping { client: 0 }).collect());
         assert_eq!(decode_request(&encode(&few).unwrap()[4..]).unwrap(), few);
-        let segments = Request::RemountSegments { client: 1, segments: (0..100).map(|i| Segment { id: i, name: format!("s{i}"), te_endpoint: "h:1".into(), base: 0, size: 1 }).collect() };
-        assert_eq!(decode_request(&encode(&segments).unwrap()[4..]).unwrap(), segments);
+        let segments = Request::RemountSegments {
+            client: 1,
+            segments: (0..100)
+                .map(|i| Segment {
+                    id: i,
+                    name: format!("s{i}"),
+                    te_endpoint: "h:1".into(),
+                    base: 0,
+                    size: 1,
+                })
+                .collect(),
+        };
+        assert_eq!(
+            decode_request(&encode(&segments).unwrap()[4..]).unwrap(),
+            segments
+        );
         // (An answer is decoded unbounded, as before: a client reads what its master sent.)
         let answers = Response::Batch(vec![Response::Ok; 100_000]);
-        assert_eq!(decode::<Response>(&encode(&answers).unwrap()[4..]).unwrap(), answers);
+        assert_eq!(
+            decode::<Response>(&encode(&answers).unwrap()[4..]).unwrap(),
+            answers
+        );
     }
 
     proptest! {

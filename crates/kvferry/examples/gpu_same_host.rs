@@ -25,7 +25,9 @@ fn fail(what: String) -> ! {
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 16) as u8).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 16) as u8)
+        .collect()
 }
 
 fn best_gbps(len: usize, passes: u32, mut copy: impl FnMut()) -> f64 {
@@ -54,19 +56,51 @@ fn main() {
 
     // IPC: GPU 0 memory, opened by another process on the last GPU.
     let len = mib << 20;
-    let alloc = |dev: u32| cuda.on_device(dev, |d| d.mem_alloc(len)).unwrap_or_else(|e| fail(format!("cuMemAlloc on GPU {dev}: {e}")));
+    let alloc = |dev: u32| {
+        cuda.on_device(dev, |d| d.mem_alloc(len))
+            .unwrap_or_else(|e| fail(format!("cuMemAlloc on GPU {dev}: {e}")))
+    };
     let (src, dst) = (alloc(0), alloc(last));
-    cuda.htod(0, src, &pattern(len, 1)).unwrap_or_else(|e| fail(format!("fill: {e}")));
-    let local_gbps = best_gbps(len, passes, || cuda.dtod(last, dst, src, len).unwrap_or_else(|e| fail(format!("cuMemcpyDtoD: {e}"))));
+    cuda.htod(0, src, &pattern(len, 1))
+        .unwrap_or_else(|e| fail(format!("fill: {e}")));
+    let local_gbps = best_gbps(len, passes, || {
+        cuda.dtod(last, dst, src, len)
+            .unwrap_or_else(|e| fail(format!("cuMemcpyDtoD: {e}")))
+    });
     let e = ipc::export(src, len as u64).unwrap_or_else(|e| fail(e));
-    let ipc_gbps = second_process("importing", &["--import", &e.encode(), &last.to_string(), &passes.to_string()]);
+    let ipc_gbps = second_process(
+        "importing",
+        &[
+            "--import",
+            &e.encode(),
+            &last.to_string(),
+            &passes.to_string(),
+        ],
+    );
     let mut got = vec![0u8; len];
-    cuda.dtoh(0, &mut got, src).unwrap_or_else(|e| fail(format!("read back: {e}")));
+    cuda.dtoh(0, &mut got, src)
+        .unwrap_or_else(|e| fail(format!("read back: {e}")));
     let ipc_ok = got == pattern(len, 2);
     // The engine's path: src (now pattern 2) registered here, read by another process's engine.
-    let engine = TransferEngine::new(Config { transport: TransportMode::Auto, ..Config::default() }).unwrap_or_else(|e| fail(format!("engine: {e}")));
-    engine.register_memory(src, len as u64, "cuda:0").unwrap_or_else(|e| fail(format!("registering GPU 0 memory: {e}")));
-    let engine_gbps = second_process("reading", &["--engine-read", engine.segment_name(), &src.to_string(), &len.to_string(), &last.to_string(), &passes.to_string()]);
+    let engine = TransferEngine::new(Config {
+        transport: TransportMode::Auto,
+        ..Config::default()
+    })
+    .unwrap_or_else(|e| fail(format!("engine: {e}")));
+    engine
+        .register_memory(src, len as u64, "cuda:0")
+        .unwrap_or_else(|e| fail(format!("registering GPU 0 memory: {e}")));
+    let engine_gbps = second_process(
+        "reading",
+        &[
+            "--engine-read",
+            engine.segment_name(),
+            &src.to_string(),
+            &len.to_string(),
+            &last.to_string(),
+            &passes.to_string(),
+        ],
+    );
     drop(engine);
     let _ = cuda.on_device(0, |d| d.mem_free(src));
     let _ = cuda.on_device(last, |d| d.mem_free(dst));
@@ -90,31 +124,49 @@ fn main() {
 /// errors).
 fn second_process(what: &str, args: &[&str]) -> f64 {
     let exe = std::env::current_exe().unwrap_or_else(|e| fail(format!("this program's path: {e}")));
-    let out = std::process::Command::new(exe).args(args).output().unwrap_or_else(|e| fail(format!("starting the {what} process: {e}")));
+    let out = std::process::Command::new(exe)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| fail(format!("starting the {what} process: {e}")));
     let child = String::from_utf8_lossy(&out.stdout).into_owned();
     if !out.status.success() {
-        fail(format!("the {what} process failed: {child}{}", String::from_utf8_lossy(&out.stderr)));
+        fail(format!(
+            "the {what} process failed: {child}{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
     }
-    child.trim().parse().unwrap_or_else(|_| fail(format!("the {what} process printed {child:?}")))
+    child
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| fail(format!("the {what} process printed {child:?}")))
 }
 
 /// The second process: opens the export on GPU `args[1]`, times device-to-device copies out
 /// of it, checks them, writes `pattern(len, 2)` back; prints the GB/s.
 fn import(cuda: &'static Cuda, args: &[String]) {
-    let e = ipc::Export::decode(args.first().map_or("", String::as_str)).unwrap_or_else(|e| fail(e));
+    let e =
+        ipc::Export::decode(args.first().map_or("", String::as_str)).unwrap_or_else(|e| fail(e));
     let on: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(0);
     let passes: u32 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(3);
     let len = e.len as usize;
     let opened = ipc::open(&e, on).unwrap_or_else(|e| fail(e));
-    let mine = cuda.on_device(on, |d| d.mem_alloc(len)).unwrap_or_else(|e| fail(format!("cuMemAlloc: {e}")));
-    let gbps = best_gbps(len, passes, || cuda.dtod(on, mine, opened.addr(), len).unwrap_or_else(|e| fail(format!("cuMemcpyDtoD from the opened memory: {e}"))));
+    let mine = cuda
+        .on_device(on, |d| d.mem_alloc(len))
+        .unwrap_or_else(|e| fail(format!("cuMemAlloc: {e}")));
+    let gbps = best_gbps(len, passes, || {
+        cuda.dtod(on, mine, opened.addr(), len)
+            .unwrap_or_else(|e| fail(format!("cuMemcpyDtoD from the opened memory: {e}")))
+    });
     let mut got = vec![0u8; len];
-    cuda.dtoh(on, &mut got, mine).unwrap_or_else(|e| fail(format!("read back: {e}")));
+    cuda.dtoh(on, &mut got, mine)
+        .unwrap_or_else(|e| fail(format!("read back: {e}")));
     if got != pattern(len, 1) {
         fail("bytes copied out of the opened memory differ".into());
     }
-    cuda.htod(on, mine, &pattern(len, 2)).unwrap_or_else(|e| fail(format!("fill: {e}")));
-    cuda.dtod(on, opened.addr(), mine, len).unwrap_or_else(|e| fail(format!("cuMemcpyDtoD into the opened memory: {e}")));
+    cuda.htod(on, mine, &pattern(len, 2))
+        .unwrap_or_else(|e| fail(format!("fill: {e}")));
+    cuda.dtod(on, opened.addr(), mine, len)
+        .unwrap_or_else(|e| fail(format!("cuMemcpyDtoD into the opened memory: {e}")));
     drop(opened);
     let _ = cuda.on_device(on, |d| d.mem_free(mine));
     println!("{gbps}");
@@ -125,30 +177,61 @@ fn import(cuda: &'static Cuda, args: &[String]) {
 /// they came through CUDA IPC; prints the best GB/s.
 fn engine_read(cuda: &'static Cuda, args: &[String]) {
     let arg = |i: usize| args.get(i).cloned().unwrap_or_default();
-    let (segment, addr, len, on, passes): (String, u64, usize, u32, u32) =
-        (arg(0), arg(1).parse().unwrap_or(0), arg(2).parse().unwrap_or(0), arg(3).parse().unwrap_or(0), arg(4).parse().unwrap_or(3));
-    let e = TransferEngine::new(Config { transport: TransportMode::Auto, ..Config::default() }).unwrap_or_else(|e| fail(format!("engine: {e}")));
-    let mine = cuda.on_device(on, |d| d.mem_alloc(len)).unwrap_or_else(|e| fail(format!("cuMemAlloc: {e}")));
-    e.register_memory(mine, len as u64, "*").unwrap_or_else(|e| fail(format!("registering GPU {on} memory: {e}")));
-    let seg = e.open_segment(&segment).unwrap_or_else(|e| fail(format!("open_segment {segment}: {e}")));
+    let (segment, addr, len, on, passes): (String, u64, usize, u32, u32) = (
+        arg(0),
+        arg(1).parse().unwrap_or(0),
+        arg(2).parse().unwrap_or(0),
+        arg(3).parse().unwrap_or(0),
+        arg(4).parse().unwrap_or(3),
+    );
+    let e = TransferEngine::new(Config {
+        transport: TransportMode::Auto,
+        ..Config::default()
+    })
+    .unwrap_or_else(|e| fail(format!("engine: {e}")));
+    let mine = cuda
+        .on_device(on, |d| d.mem_alloc(len))
+        .unwrap_or_else(|e| fail(format!("cuMemAlloc: {e}")));
+    e.register_memory(mine, len as u64, "*")
+        .unwrap_or_else(|e| fail(format!("registering GPU {on} memory: {e}")));
+    let seg = e
+        .open_segment(&segment)
+        .unwrap_or_else(|e| fail(format!("open_segment {segment}: {e}")));
     let via = e.segment_transport(seg).map(|t| t.name).unwrap_or("?");
     if via != "shm" {
-        fail(format!("the same-host peer is reached by {via}, not shared memory"));
+        fail(format!(
+            "the same-host peer is reached by {via}, not shared memory"
+        ));
     }
     let before = kvferry::transport::shm::gpu_ipc_bytes();
-    let req = TransferRequest { opcode: Opcode::Read, source: mine, target_id: seg, target_offset: addr, length: len as u64 };
+    let req = TransferRequest {
+        opcode: Opcode::Read,
+        source: mine,
+        target_id: seg,
+        target_offset: addr,
+        length: len as u64,
+    };
     let gbps = best_gbps(len, passes, || {
-        let st = e.transfer_sync(std::slice::from_ref(&req), Duration::from_secs(60)).unwrap_or_else(|e| fail(format!("READ: {e}")));
+        let st = e
+            .transfer_sync(std::slice::from_ref(&req), Duration::from_secs(60))
+            .unwrap_or_else(|e| fail(format!("READ: {e}")));
         if st.status != TaskStatus::Completed {
-            fail(format!("READ of the peer's GPU memory ended {:?}: {:?}", st.status, st.reason));
+            fail(format!(
+                "READ of the peer's GPU memory ended {:?}: {:?}",
+                st.status, st.reason
+            ));
         }
     });
     let moved = kvferry::transport::shm::gpu_ipc_bytes() - before;
     if moved != len as u64 * u64::from(passes.max(1)) {
-        fail(format!("{moved} bytes went through CUDA IPC, not {} (the rest took another path)", len as u64 * u64::from(passes.max(1))));
+        fail(format!(
+            "{moved} bytes went through CUDA IPC, not {} (the rest took another path)",
+            len as u64 * u64::from(passes.max(1))
+        ));
     }
     let mut got = vec![0u8; len];
-    cuda.dtoh(on, &mut got, mine).unwrap_or_else(|e| fail(format!("read back: {e}")));
+    cuda.dtoh(on, &mut got, mine)
+        .unwrap_or_else(|e| fail(format!("read back: {e}")));
     if got != pattern(len, 2) {
         fail("bytes read through the engine's same-host GPU path differ".into());
     }
@@ -175,9 +258,12 @@ fn vmm(cuda: &'static Cuda) -> bool {
         (|| -> Result<bool, String> {
             let lib = libloading::Library::new("libcuda.so.1").map_err(|e| e.to_string())?;
             let get = |name: &[u8]| -> Result<*mut std::ffi::c_void, String> {
-                lib.get::<*mut std::ffi::c_void>(name).map(|s| *s).map_err(|e| format!("{}: {e}", String::from_utf8_lossy(name)))
+                lib.get::<*mut std::ffi::c_void>(name)
+                    .map(|s| *s)
+                    .map_err(|e| format!("{}: {e}", String::from_utf8_lossy(name)))
             };
-            let granularity: Granularity = std::mem::transmute(get(b"cuMemGetAllocationGranularity\0")?);
+            let granularity: Granularity =
+                std::mem::transmute(get(b"cuMemGetAllocationGranularity\0")?);
             let reserve: Reserve = std::mem::transmute(get(b"cuMemAddressReserve\0")?);
             let create: Create = std::mem::transmute(get(b"cuMemCreate\0")?);
             let map: Map = std::mem::transmute(get(b"cuMemMap\0")?);
@@ -185,10 +271,19 @@ fn vmm(cuda: &'static Cuda) -> bool {
             let unmap: Unmap = std::mem::transmute(get(b"cuMemUnmap\0")?);
             let release: Release = std::mem::transmute(get(b"cuMemRelease\0")?);
             let address_free: AddressFree = std::mem::transmute(get(b"cuMemAddressFree\0")?);
-            let call = |what: &str, rc: i32| if rc == 0 { Ok(()) } else { Err(format!("{what} failed with CUDA error {rc}")) };
+            let call = |what: &str, rc: i32| {
+                if rc == 0 {
+                    Ok(())
+                } else {
+                    Err(format!("{what} failed with CUDA error {rc}"))
+                }
+            };
             let prop = [1, 0, 1, 0, 0, 0, 0, 0];
             let mut g = 0usize;
-            call("cuMemGetAllocationGranularity", granularity(&mut g, &prop, 0))?;
+            call(
+                "cuMemGetAllocationGranularity",
+                granularity(&mut g, &prop, 0),
+            )?;
             let (seg, n) = (g.max(2 << 20), 3);
             let mut base = 0u64;
             call("cuMemAddressReserve", reserve(&mut base, seg * n, 0, 0, 0))?;
@@ -219,25 +314,54 @@ fn vmm(cuda: &'static Cuda) -> bool {
 fn vmm_transfer(cuda: &'static Cuda, base: u64, len: usize) -> Result<bool, String> {
     let (off, n) = (4096usize, len - 8192);
     let src = pattern(len, 3);
-    cuda.htod(0, base, &src).map_err(|e| format!("filling VMM memory: {e}"))?;
-    let engine = || TransferEngine::new(Config { transport: TransportMode::Tcp, ..Config::default() }).map_err(|e| e.to_string());
+    cuda.htod(0, base, &src)
+        .map_err(|e| format!("filling VMM memory: {e}"))?;
+    let engine = || {
+        TransferEngine::new(Config {
+            transport: TransportMode::Tcp,
+            ..Config::default()
+        })
+        .map_err(|e| e.to_string())
+    };
     let (a, b) = (engine()?, engine()?);
     let p = base + off as u64;
-    a.register_memory(p, n as u64, "*").map_err(|e| format!("registering VMM memory: {e}"))?;
-    let loc = a.registered().into_iter().find(|r| r.addr == p).map(|r| r.location);
+    a.register_memory(p, n as u64, "*")
+        .map_err(|e| format!("registering VMM memory: {e}"))?;
+    let loc = a
+        .registered()
+        .into_iter()
+        .find(|r| r.addr == p)
+        .map(|r| r.location);
     if loc.as_deref() != Some("cuda:0") {
         return Err(format!("VMM memory registered as {loc:?}, not cuda:0"));
     }
     let host = vec![0u8; n];
-    b.register_memory(host.as_ptr() as u64, n as u64, "*").map_err(|e| e.to_string())?;
-    let seg = a.open_segment(b.segment_name()).map_err(|e| e.to_string())?;
-    let req = |opcode| [TransferRequest { opcode, source: p, target_id: seg, target_offset: host.as_ptr() as u64, length: n as u64 }];
-    let st = a.transfer_sync(&req(Opcode::Write), Duration::from_secs(60)).map_err(|e| e.to_string())?;
+    b.register_memory(host.as_ptr() as u64, n as u64, "*")
+        .map_err(|e| e.to_string())?;
+    let seg = a
+        .open_segment(b.segment_name())
+        .map_err(|e| e.to_string())?;
+    let req = |opcode| {
+        [TransferRequest {
+            opcode,
+            source: p,
+            target_id: seg,
+            target_offset: host.as_ptr() as u64,
+            length: n as u64,
+        }]
+    };
+    let st = a
+        .transfer_sync(&req(Opcode::Write), Duration::from_secs(60))
+        .map_err(|e| e.to_string())?;
     let write_ok = st.status == TaskStatus::Completed && host[..] == src[off..off + n];
-    cuda.htod(0, base, &vec![0u8; len]).map_err(|e| format!("clearing VMM memory: {e}"))?;
-    let st = a.transfer_sync(&req(Opcode::Read), Duration::from_secs(60)).map_err(|e| e.to_string())?;
+    cuda.htod(0, base, &vec![0u8; len])
+        .map_err(|e| format!("clearing VMM memory: {e}"))?;
+    let st = a
+        .transfer_sync(&req(Opcode::Read), Duration::from_secs(60))
+        .map_err(|e| e.to_string())?;
     let mut got = vec![0u8; n];
-    cuda.dtoh(0, &mut got, p).map_err(|e| format!("reading VMM memory: {e}"))?;
+    cuda.dtoh(0, &mut got, p)
+        .map_err(|e| format!("reading VMM memory: {e}"))?;
     let read_ok = st.status == TaskStatus::Completed && got[..] == src[off..off + n];
     let _ = a.unregister_memory(p);
     let _ = b.unregister_memory(host.as_ptr() as u64);

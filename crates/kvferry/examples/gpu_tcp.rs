@@ -26,29 +26,53 @@ fn main() {
     };
     let gpus = kvferry::gpu::probe().gpus.len().max(1) as u32;
     let (ga, gb) = (0u32, gpus - 1);
-    let engine = || TransferEngine::new(Config { transport: TransportMode::Tcp, ..Config::default() }).expect("engine starts");
+    let engine = || {
+        TransferEngine::new(Config {
+            transport: TransportMode::Tcp,
+            ..Config::default()
+        })
+        .expect("engine starts")
+    };
     let (a, b) = (engine(), engine());
     let seg = a.open_segment(b.segment_name()).expect("open segment");
 
-    let pattern: Vec<u8> = (0..len as usize).map(|i| (i as u8).wrapping_mul(31) ^ (i >> 16) as u8).collect();
-    let alloc = |dev: u32| cuda.on_device(dev, |d| d.mem_alloc(len as usize)).expect("cuMemAlloc");
+    let pattern: Vec<u8> = (0..len as usize)
+        .map(|i| (i as u8).wrapping_mul(31) ^ (i >> 16) as u8)
+        .collect();
+    let alloc = |dev: u32| {
+        cuda.on_device(dev, |d| d.mem_alloc(len as usize))
+            .expect("cuMemAlloc")
+    };
     let (da, db) = (alloc(ga), alloc(gb));
     cuda.htod(ga, da, &pattern).expect("fill");
     cuda.htod(gb, db, &vec![0u8; len as usize]).expect("clear");
     let ha = pattern.clone();
     let hb = vec![0u8; len as usize];
-    for (e, p) in [(&a, da), (&b, db), (&a, ha.as_ptr() as u64), (&b, hb.as_ptr() as u64)] {
+    for (e, p) in [
+        (&a, da),
+        (&b, db),
+        (&a, ha.as_ptr() as u64),
+        (&b, hb.as_ptr() as u64),
+    ] {
         e.register_memory(p, len, "*").expect("register");
     }
 
     let run = |op: Opcode, local: u64, remote: u64| -> f64 {
         let reqs: Vec<TransferRequest> = (0..len.div_ceil(REQ))
-            .map(|i| TransferRequest { opcode: op, source: local + i * REQ, target_id: seg, target_offset: remote + i * REQ, length: REQ.min(len - i * REQ) })
+            .map(|i| TransferRequest {
+                opcode: op,
+                source: local + i * REQ,
+                target_id: seg,
+                target_offset: remote + i * REQ,
+                length: REQ.min(len - i * REQ),
+            })
             .collect();
         let mut best = 0f64;
         for _ in 0..passes {
             let t = Instant::now();
-            let st = a.transfer_sync(&reqs, Duration::from_secs(120)).expect("transfer");
+            let st = a
+                .transfer_sync(&reqs, Duration::from_secs(120))
+                .expect("transfer");
             let secs = t.elapsed().as_secs_f64();
             if st.status != TaskStatus::Completed {
                 eprintln!("{op:?} failed: {st:?}");
@@ -81,7 +105,12 @@ fn main() {
     if let Some(dir) = std::env::var_os("OUT") {
         let _ = std::fs::write(std::path::Path::new(&dir).join("gpu-tcp.json"), &text);
     }
-    for (e, p) in [(&a, da), (&b, db), (&a, ha.as_ptr() as u64), (&b, hb.as_ptr() as u64)] {
+    for (e, p) in [
+        (&a, da),
+        (&b, db),
+        (&a, ha.as_ptr() as u64),
+        (&b, hb.as_ptr() as u64),
+    ] {
         let _ = e.unregister_memory(p);
     }
     let _ = cuda.on_device(ga, |d| d.mem_free(da));

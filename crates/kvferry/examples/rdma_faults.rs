@@ -40,7 +40,9 @@ use common::*;
 const SIZE: usize = 16 << 20;
 
 fn main() -> ExitCode {
-    let host = std::env::args().nth(1).unwrap_or_else(|| "10.99.2.1".into());
+    let host = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "10.99.2.1".into());
     if std::env::args().nth(2).as_deref() == Some("serve") {
         return finish("rdma_faults serve", "stopped", serve(&host));
     }
@@ -52,14 +54,20 @@ fn main() -> ExitCode {
 fn serve(host: &str) -> Res<()> {
     let e = TransferEngine::new(config(host)).map_err(|e| e.to_string())?;
     let b = Buf::new(1 << 20)?;
-    e.register_memory(b.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
+    e.register_memory(b.addr(), 1 << 20, "cpu:0")
+        .map_err(|e| e.to_string())?;
     println!("{} {}", e.segment_name(), b.addr());
     std::thread::sleep(Duration::from_secs(600));
     Ok(())
 }
 
 fn config(host: &str) -> Config {
-    Config { local_hostname: host.into(), transport: TransportMode::Rdma, transfer_timeout: Duration::from_secs(10), ..Config::default() }
+    Config {
+        local_hostname: host.into(),
+        transport: TransportMode::Rdma,
+        transfer_timeout: Duration::from_secs(10),
+        ..Config::default()
+    }
 }
 
 /// Two engines with registered 16 MiB buffers, `a` having opened `b`.
@@ -75,15 +83,25 @@ fn pair(cfg: &Config) -> Res<Pair> {
     let a = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
     let b = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
     let (ba, bb) = (Buf::new(SIZE)?, Buf::new(SIZE)?);
-    a.register_memory(ba.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
-    b.register_memory(bb.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
-    let peer = a.open_segment(b.segment_name()).map_err(|e| e.to_string())?;
+    a.register_memory(ba.addr(), SIZE as u64, "cpu:0")
+        .map_err(|e| e.to_string())?;
+    b.register_memory(bb.addr(), SIZE as u64, "cpu:0")
+        .map_err(|e| e.to_string())?;
+    let peer = a
+        .open_segment(b.segment_name())
+        .map_err(|e| e.to_string())?;
     Ok(Pair { a, b, ba, bb, peer })
 }
 
 impl Pair {
     fn req(&self, op: Opcode, off: u64, len: usize) -> TransferRequest {
-        TransferRequest { opcode: op, source: self.ba.addr() + off, target_id: self.peer, target_offset: self.bb.addr() + off, length: len as u64 }
+        TransferRequest {
+            opcode: op,
+            source: self.ba.addr() + off,
+            target_id: self.peer,
+            target_offset: self.bb.addr() + off,
+            length: len as u64,
+        }
     }
 }
 
@@ -93,27 +111,47 @@ fn deadline_fails_only_its_task(cfg: &Config, op: Opcode) -> Res<()> {
     let mut p = pair_with_dead_rxe_lo(cfg)?;
     fill(p.ba.bytes(), 1000);
     fill(p.bb.bytes(), 2000);
-    let (short, long) = (p.req(Opcode::Write, 0, 1 << 20), p.req(op, 1 << 20, 1 << 20));
+    let (short, long) = (
+        p.req(Opcode::Write, 0, 1 << 20),
+        p.req(op, 1 << 20, 1 << 20),
+    );
     let t0 = Instant::now();
     let (t1, t2) = std::thread::scope(|s| {
         let a = &p.a;
-        let h1 = s.spawn(move || a.transfer_sync(&[short], Duration::from_millis(300)).map(|r| (r, t0.elapsed())));
+        let h1 = s.spawn(move || {
+            a.transfer_sync(&[short], Duration::from_millis(300))
+                .map(|r| (r, t0.elapsed()))
+        });
         std::thread::sleep(Duration::from_millis(30));
-        let h2 = s.spawn(move || a.transfer_sync(&[long], Duration::from_secs(30)).map(|r| (r, t0.elapsed())));
+        let h2 = s.spawn(move || {
+            a.transfer_sync(&[long], Duration::from_secs(30))
+                .map(|r| (r, t0.elapsed()))
+        });
         (h1.join(), h2.join())
     });
     let ((t1, e1), (t2, e2)) = match (t1, t2) {
         (Ok(Ok(x)), Ok(Ok(y))) => (x, y),
         _ => return Err("a transfer failed to start, or its thread panicked".into()),
     };
-    println!("rdma_faults: (300 ms WRITE ended {:?} after {e1:?}: {}; 30 s {op:?} {:?} after {e2:?})", t1.status, t1.reason.clone().unwrap_or_default(), t2.status);
+    println!(
+        "rdma_faults: (300 ms WRITE ended {:?} after {e1:?}: {}; 30 s {op:?} {:?} after {e2:?})",
+        t1.status,
+        t1.reason.clone().unwrap_or_default(),
+        t2.status
+    );
     if t2.status != TaskStatus::Completed {
         return Err(format!("a 30 s {op:?} queued on the same QPs as a 300 ms WRITE that expired ended {:?} ({:?}: {})", t2.status, t2.cause, t2.reason.unwrap_or_default()));
     }
-    let (ba, bb) = (p.ba.bytes()[..2 << 20].to_vec(), p.bb.bytes()[..2 << 20].to_vec());
+    let (ba, bb) = (
+        p.ba.bytes()[..2 << 20].to_vec(),
+        p.bb.bytes()[..2 << 20].to_vec(),
+    );
     compare(&format!("the 30 s {op:?}"), &bb[1 << 20..], &ba[1 << 20..])?;
     if t1.status != TaskStatus::Timeout {
-        println!("rdma_faults: inconclusive: the 300 ms WRITE ended {:?}, not TIMEOUT", t1.status);
+        println!(
+            "rdma_faults: inconclusive: the 300 ms WRITE ended {:?}, not TIMEOUT",
+            t1.status
+        );
         return Ok(());
     }
     println!("rdma_faults: a 300 ms WRITE ended TIMEOUT and a 30 s {op:?} queued behind it on the same QPs completed, 1 MiB verified");
@@ -125,8 +163,16 @@ fn deadline_fails_only_its_task(cfg: &Config, op: Opcode) -> Res<()> {
 fn pair_with_dead_rxe_lo(cfg: &Config) -> Res<Pair> {
     let p = pair(cfg)?;
     let desc = p.a.segment_descriptor(p.peer).map_err(|e| e.to_string())?;
-    let lo = desc.devices.iter().find(|d| d.name == "rxe_lo").ok_or("the peer has no rxe_lo")?.gid.clone();
-    let st = p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+    let lo = desc
+        .devices
+        .iter()
+        .find(|d| d.name == "rxe_lo")
+        .ok_or("the peer has no rxe_lo")?
+        .gid
+        .clone();
+    let st =
+        p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20))
+            .map_err(|e| e.to_string())?;
     if st.status != TaskStatus::Completed {
         return Err(format!("the first WRITE: {st:?}"));
     }
@@ -139,7 +185,11 @@ fn pair_with_dead_rxe_lo(cfg: &Config) -> Res<Pair> {
 fn kill_peer_qps(a: &TransferEngine, b: &TransferEngine, nic: &str, gid: &str) -> Res<()> {
     use kvferry::wire::handshake::MsgType;
     use kvferry::wire::rdma::ConnectionMsg;
-    let host = b.segment_name().rsplit_once(':').map_or("127.0.0.1", |(h, _)| h).to_string();
+    let host = b
+        .segment_name()
+        .rsplit_once(':')
+        .map_or("127.0.0.1", |(h, _)| h)
+        .to_string();
     let m = ConnectionMsg {
         local_nic_path: format!("{}@{nic}", a.segment_name()),
         local_gid: gid.into(),
@@ -147,9 +197,19 @@ fn kill_peer_qps(a: &TransferEngine, b: &TransferEngine, nic: &str, gid: &str) -
         qp_num: vec![0x7ff0, 0x7ff1],
         ..Default::default()
     };
-    let f = kvferry::handshake::request(&host, b.rpc_port(), MsgType::Connection, &m.encode(), Duration::from_secs(5), Duration::from_secs(10), 1 << 20, None)
-        .map_err(|e| e.to_string())?;
-    let r = ConnectionMsg::decode(&f.body).map_err(|e| format!("answer {}: {e}", String::from_utf8_lossy(&f.body)))?;
+    let f = kvferry::handshake::request(
+        &host,
+        b.rpc_port(),
+        MsgType::Connection,
+        &m.encode(),
+        Duration::from_secs(5),
+        Duration::from_secs(10),
+        1 << 20,
+        None,
+    )
+    .map_err(|e| e.to_string())?;
+    let r = ConnectionMsg::decode(&f.body)
+        .map_err(|e| format!("answer {}: {e}", String::from_utf8_lossy(&f.body)))?;
     match r.refused() {
         Some(why) => Err(format!("the peer refused the replacing Connection: {why}")),
         None => Ok(()),
@@ -165,12 +225,27 @@ fn failed_completion_retried_on_another_pair(cfg: &Config) -> Res<()> {
         fill(p.ba.bytes(), 7);
         fill(p.bb.bytes(), 8);
         let t = Instant::now();
-        let st = p.a.transfer_sync(&[p.req(op, 0, 4 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
-        println!("rdma_faults: ({op:?} with a dead pair ended {:?} after {:?}: {})", st.status, t.elapsed(), st.reason.clone().unwrap_or_default());
+        let st =
+            p.a.transfer_sync(&[p.req(op, 0, 4 << 20)], Duration::from_secs(20))
+                .map_err(|e| e.to_string())?;
+        println!(
+            "rdma_faults: ({op:?} with a dead pair ended {:?} after {:?}: {})",
+            st.status,
+            t.elapsed(),
+            st.reason.clone().unwrap_or_default()
+        );
         if st.status != TaskStatus::Completed {
-            return Err(format!("a 4 MiB {op:?} with the rxe_lo pair's peer QPs gone ended {:?} ({:?}: {})", st.status, st.cause, st.reason.unwrap_or_default()));
+            return Err(format!(
+                "a 4 MiB {op:?} with the rxe_lo pair's peer QPs gone ended {:?} ({:?}: {})",
+                st.status,
+                st.cause,
+                st.reason.unwrap_or_default()
+            ));
         }
-        let (ba, bb) = (p.ba.bytes()[..4 << 20].to_vec(), p.bb.bytes()[..4 << 20].to_vec());
+        let (ba, bb) = (
+            p.ba.bytes()[..4 << 20].to_vec(),
+            p.bb.bytes()[..4 << 20].to_vec(),
+        );
         compare(&format!("the retried {op:?}"), &bb, &ba)?;
         println!("rdma_faults: a 4 MiB {op:?} whose rxe_lo slices failed (peer QPs gone) was retried on rxe0 and completed, verified ({:.0} ms)", t.elapsed().as_secs_f64() * 1e3);
     }
@@ -178,24 +253,47 @@ fn failed_completion_retried_on_another_pair(cfg: &Config) -> Res<()> {
 }
 
 fn eviction(cfg: &Config) -> Res<()> {
-    let cfg = Config { rdma_max_endpoints: 1, ..cfg.clone() };
+    let cfg = Config {
+        rdma_max_endpoints: 1,
+        ..cfg.clone()
+    };
     let mut p = pair(&cfg)?;
     let mut bc = Buf::new(1 << 20)?;
     let c = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
-    c.register_memory(bc.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
-    let pc = p.a.open_segment(c.segment_name()).map_err(|e| e.to_string())?;
+    c.register_memory(bc.addr(), 1 << 20, "cpu:0")
+        .map_err(|e| e.to_string())?;
+    let pc =
+        p.a.open_segment(c.segment_name())
+            .map_err(|e| e.to_string())?;
     for round in 0..4u64 {
         fill(&mut p.ba.bytes()[..1 << 20], 20 + round);
-        let st = p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        let st =
+            p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20))
+                .map_err(|e| e.to_string())?;
         if st.status != TaskStatus::Completed {
-            return Err(format!("round {round}, WRITE to b with 1 cached endpoint: {st:?}"));
+            return Err(format!(
+                "round {round}, WRITE to b with 1 cached endpoint: {st:?}"
+            ));
         }
-        let (ba, bb) = (p.ba.bytes()[..1 << 20].to_vec(), p.bb.bytes()[..1 << 20].to_vec());
+        let (ba, bb) = (
+            p.ba.bytes()[..1 << 20].to_vec(),
+            p.bb.bytes()[..1 << 20].to_vec(),
+        );
         compare("WRITE to b", &bb, &ba)?;
-        let req = TransferRequest { opcode: Opcode::Write, source: p.ba.addr(), target_id: pc, target_offset: bc.addr(), length: 1 << 20 };
-        let st = p.a.transfer_sync(&[req], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        let req = TransferRequest {
+            opcode: Opcode::Write,
+            source: p.ba.addr(),
+            target_id: pc,
+            target_offset: bc.addr(),
+            length: 1 << 20,
+        };
+        let st =
+            p.a.transfer_sync(&[req], Duration::from_secs(20))
+                .map_err(|e| e.to_string())?;
         if st.status != TaskStatus::Completed {
-            return Err(format!("round {round}, WRITE to c with 1 cached endpoint: {st:?}"));
+            return Err(format!(
+                "round {round}, WRITE to c with 1 cached endpoint: {st:?}"
+            ));
         }
         compare("WRITE to c", bc.bytes(), &ba)?;
     }
@@ -207,23 +305,55 @@ fn eviction(cfg: &Config) -> Res<()> {
 /// `KVFERRY_TRANSPORT=auto` on a host with active NICs: RDMA to a peer that publishes RDMA
 /// devices, TCP to one that does not; it publishes a TCP descriptor.
 fn auto_picks_rdma_when_both_sides_have_it(cfg: &Config) -> Res<()> {
-    let auto = TransferEngine::new(Config { transport: TransportMode::Auto, ..cfg.clone() }).map_err(|e| e.to_string())?;
+    let auto = TransferEngine::new(Config {
+        transport: TransportMode::Auto,
+        ..cfg.clone()
+    })
+    .map_err(|e| e.to_string())?;
     let rdma = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
-    let tcp = TransferEngine::new(Config { transport: TransportMode::Tcp, ..cfg.clone() }).map_err(|e| e.to_string())?;
+    let tcp = TransferEngine::new(Config {
+        transport: TransportMode::Tcp,
+        ..cfg.clone()
+    })
+    .map_err(|e| e.to_string())?;
     let (mut ba, mut bb, mut bc) = (Buf::new(1 << 20)?, Buf::new(1 << 20)?, Buf::new(1 << 20)?);
-    auto.register_memory(ba.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
-    rdma.register_memory(bb.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
-    tcp.register_memory(bc.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
-    let check = |from: &TransferEngine, to: &TransferEngine, src: &mut Buf, dst: &mut Buf, want: &str, seed: u64| -> Res<()> {
-        let id = from.open_segment(to.segment_name()).map_err(|e| e.to_string())?;
+    auto.register_memory(ba.addr(), 1 << 20, "cpu:0")
+        .map_err(|e| e.to_string())?;
+    rdma.register_memory(bb.addr(), 1 << 20, "cpu:0")
+        .map_err(|e| e.to_string())?;
+    tcp.register_memory(bc.addr(), 1 << 20, "cpu:0")
+        .map_err(|e| e.to_string())?;
+    let check = |from: &TransferEngine,
+                 to: &TransferEngine,
+                 src: &mut Buf,
+                 dst: &mut Buf,
+                 want: &str,
+                 seed: u64|
+     -> Res<()> {
+        let id = from
+            .open_segment(to.segment_name())
+            .map_err(|e| e.to_string())?;
         let via = from.segment_transport(id).map_err(|e| e.to_string())?;
         if via.name != want {
-            return Err(format!("auto: requests from {} to {} go by {}, not {want} ({via:?})", from.segment_name(), to.segment_name(), via.name));
+            return Err(format!(
+                "auto: requests from {} to {} go by {}, not {want} ({via:?})",
+                from.segment_name(),
+                to.segment_name(),
+                via.name
+            ));
         }
         fill(src.bytes(), seed);
         dst.bytes().fill(0);
-        let req = TransferRequest { opcode: Opcode::Write, source: src.addr(), target_id: id, target_offset: dst.addr(), length: 1 << 20 };
-        let st = from.transfer_sync(&[req], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        let req = TransferRequest {
+            opcode: Opcode::Write,
+            source: src.addr(),
+            target_id: id,
+            target_offset: dst.addr(),
+            length: 1 << 20,
+        };
+        let st = from
+            .transfer_sync(&[req], Duration::from_secs(20))
+            .map_err(|e| e.to_string())?;
         if st.status != TaskStatus::Completed {
             return Err(format!("auto: a WRITE by {want}: {st:?}"));
         }
@@ -234,10 +364,15 @@ fn auto_picks_rdma_when_both_sides_have_it(cfg: &Config) -> Res<()> {
     check(&auto, &tcp, &mut ba, &mut bc, "tcp", 33)?;
     check(&tcp, &auto, &mut bc, &mut ba, "tcp", 34)?;
     // It publishes a TCP descriptor (Mooncake TCP peers select their transport by it).
-    let id = tcp.open_segment(auto.segment_name()).map_err(|e| e.to_string())?;
+    let id = tcp
+        .open_segment(auto.segment_name())
+        .map_err(|e| e.to_string())?;
     let d = tcp.segment_descriptor(id).map_err(|e| e.to_string())?;
     if d.protocol.contains("rdma") || !d.devices.is_empty() {
-        return Err(format!("auto: the engine publishes {:?} with devices {:?}, not a TCP descriptor", d.protocol, d.devices));
+        return Err(format!(
+            "auto: the engine publishes {:?} with devices {:?}, not a TCP descriptor",
+            d.protocol, d.devices
+        ));
     }
     println!("rdma_faults: KVFERRY_TRANSPORT=auto: RDMA to a peer with RDMA, TCP to and from a peer without, 1 MiB WRITEs verified; it publishes a TCP descriptor");
     Ok(())
@@ -245,35 +380,60 @@ fn auto_picks_rdma_when_both_sides_have_it(cfg: &Config) -> Res<()> {
 
 /// Check 5 (see the module's doc), for a READ and a WRITE in flight.
 fn a_failed_request_does_not_strand_others_on_its_endpoint(cfg: &Config) -> Res<()> {
-    let cfg = Config { rdma_devices: Some(vec!["rxe0".into()]), ..cfg.clone() };
+    let cfg = Config {
+        rdma_devices: Some(vec!["rxe0".into()]),
+        ..cfg.clone()
+    };
     for op in [Opcode::Read, Opcode::Write] {
         // The peer registers `gone` before this engine reads its descriptor, which then
         // lists it; later the peer unregisters it (its key goes).
         let a = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
         let b = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
         let (ba, bb, gone) = (Buf::new(SIZE)?, Buf::new(SIZE)?, Buf::new(1 << 20)?);
-        a.register_memory(ba.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
-        b.register_memory(bb.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
-        b.register_memory(gone.addr(), 1 << 20, "cpu:0").map_err(|e| e.to_string())?;
-        let peer = a.open_segment(b.segment_name()).map_err(|e| e.to_string())?;
+        a.register_memory(ba.addr(), SIZE as u64, "cpu:0")
+            .map_err(|e| e.to_string())?;
+        b.register_memory(bb.addr(), SIZE as u64, "cpu:0")
+            .map_err(|e| e.to_string())?;
+        b.register_memory(gone.addr(), 1 << 20, "cpu:0")
+            .map_err(|e| e.to_string())?;
+        let peer = a
+            .open_segment(b.segment_name())
+            .map_err(|e| e.to_string())?;
         let mut p = Pair { a, b, ba, bb, peer };
-        let first = p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        let first =
+            p.a.transfer_sync(&[p.req(Opcode::Write, 0, 1 << 20)], Duration::from_secs(20))
+                .map_err(|e| e.to_string())?;
         if first.status != TaskStatus::Completed {
             return Err(format!("the first WRITE: {first:?}"));
         }
-        p.b.unregister_memory(gone.addr()).map_err(|e| e.to_string())?;
+        p.b.unregister_memory(gone.addr())
+            .map_err(|e| e.to_string())?;
         fill(p.ba.bytes(), 31);
         fill(p.bb.bytes(), 32);
         let big = p.req(op, 0, SIZE);
-        let bad = TransferRequest { opcode: Opcode::Read, source: p.ba.addr(), target_id: peer, target_offset: gone.addr(), length: 4096 };
+        let bad = TransferRequest {
+            opcode: Opcode::Read,
+            source: p.ba.addr(),
+            target_id: peer,
+            target_offset: gone.addr(),
+            length: 4096,
+        };
         // One submission: the bad READ is posted first, and the 16 MiB request's slices go
         // out on both QPs of the endpoint while its refusal comes back.
         let t0 = Instant::now();
-        let st = p.a.transfer_sync_all(&[bad, big], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        let st =
+            p.a.transfer_sync_all(&[bad, big], Duration::from_secs(20))
+                .map_err(|e| e.to_string())?;
         let eb = t0.elapsed();
         let (rx, rb) = (&st[0], &st[1]);
         println!("rdma_faults: (16 MiB {op:?} ended {:?} after {eb:?}; the READ of an unregistered buffer {:?} {:?}: {})", rb.status, rx.status, rx.cause, rx.reason.clone().unwrap_or_default());
-        if rx.status != TaskStatus::Failed || !rx.reason.as_deref().unwrap_or_default().contains("REM_ACCESS") {
+        if rx.status != TaskStatus::Failed
+            || !rx
+                .reason
+                .as_deref()
+                .unwrap_or_default()
+                .contains("REM_ACCESS")
+        {
             return Err(format!("a READ of a buffer the peer unregistered ended {:?} ({:?}), not FAILED by the peer's NIC (IBV_WC_REM_ACCESS_ERR)", rx.status, rx.reason));
         }
         if rb.status != TaskStatus::Completed {
@@ -290,16 +450,28 @@ fn a_failed_request_does_not_strand_others_on_its_endpoint(cfg: &Config) -> Res<
 fn a_stalled_peer_holds_up_only_its_own_requests(host: &str, cfg: &Config) -> Res<()> {
     use std::io::BufRead;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut child = std::process::Command::new(exe).args([host, "serve"]).stdout(std::process::Stdio::piped()).spawn().map_err(|e| format!("starting the peer process: {e}"))?;
+    let mut child = std::process::Command::new(exe)
+        .args([host, "serve"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("starting the peer process: {e}"))?;
     // (rustix, not a `kill` program the host may lack.)
     use rustix::process::{kill_process, Pid, Signal};
-    let pid = i32::try_from(child.id()).ok().and_then(Pid::from_raw).ok_or("the peer process has no pid")?;
+    let pid = i32::try_from(child.id())
+        .ok()
+        .and_then(Pid::from_raw)
+        .ok_or("the peer process has no pid")?;
     let signal = |sig: Signal| kill_process(pid, sig).is_ok();
     let r = (|| -> Res<()> {
         let mut line = String::new();
         let out = child.stdout.take().ok_or("no stdout")?;
-        std::io::BufReader::new(out).read_line(&mut line).map_err(|e| e.to_string())?;
-        let (name, addr) = line.trim().split_once(' ').ok_or_else(|| format!("the peer process said {line:?}"))?;
+        std::io::BufReader::new(out)
+            .read_line(&mut line)
+            .map_err(|e| e.to_string())?;
+        let (name, addr) = line
+            .trim()
+            .split_once(' ')
+            .ok_or_else(|| format!("the peer process said {line:?}"))?;
         let addr: u64 = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
         let mut p = pair(cfg)?;
         let stalled = p.a.open_segment(name).map_err(|e| e.to_string())?;
@@ -307,28 +479,48 @@ fn a_stalled_peer_holds_up_only_its_own_requests(host: &str, cfg: &Config) -> Re
             return Err("SIGSTOP to the peer process failed".into());
         }
         fill(p.ba.bytes(), 41);
-        let to_stalled = TransferRequest { opcode: Opcode::Write, source: p.ba.addr(), target_id: stalled, target_offset: addr, length: 4096 };
+        let to_stalled = TransferRequest {
+            opcode: Opcode::Write,
+            source: p.ba.addr(),
+            target_id: stalled,
+            target_offset: addr,
+            length: 4096,
+        };
         let live = p.req(Opcode::Write, 1 << 20, 1 << 20);
         let (rs, rl) = std::thread::scope(|s| {
             let a = &p.a;
             let hs = s.spawn(move || a.transfer_sync(&[to_stalled], Duration::from_secs(8)));
             std::thread::sleep(Duration::from_millis(100));
             let t = Instant::now();
-            let hl = s.spawn(move || a.transfer_sync(&[live], Duration::from_secs(20)).map(|r| (r, t.elapsed())));
+            let hl = s.spawn(move || {
+                a.transfer_sync(&[live], Duration::from_secs(20))
+                    .map(|r| (r, t.elapsed()))
+            });
             (hs.join(), hl.join())
         });
         let (rs, (rl, el)) = match (rs, rl) {
             (Ok(Ok(s)), Ok(Ok(l))) => (s, l),
             _ => return Err("a transfer failed to start, or its thread panicked".into()),
         };
-        println!("rdma_faults: (to the stopped peer: {:?}; to the live one: {:?} after {el:?})", rs.status, rl.status);
+        println!(
+            "rdma_faults: (to the stopped peer: {:?}; to the live one: {:?} after {el:?})",
+            rs.status, rl.status
+        );
         if rl.status != TaskStatus::Completed {
-            return Err(format!("a WRITE to a live peer ended {:?} ({:?}: {})", rl.status, rl.cause, rl.reason.unwrap_or_default()));
+            return Err(format!(
+                "a WRITE to a live peer ended {:?} ({:?}: {})",
+                rl.status,
+                rl.cause,
+                rl.reason.unwrap_or_default()
+            ));
         }
         if el > Duration::from_secs(3) {
             return Err(format!("a WRITE to a live peer took {el:?} while another peer's connect stalled: it waited for it"));
         }
-        let (ba, bb) = (p.ba.bytes()[1 << 20..2 << 20].to_vec(), p.bb.bytes()[1 << 20..2 << 20].to_vec());
+        let (ba, bb) = (
+            p.ba.bytes()[1 << 20..2 << 20].to_vec(),
+            p.bb.bytes()[1 << 20..2 << 20].to_vec(),
+        );
         compare("the WRITE to the live peer", &bb, &ba)?;
         if rs.status == TaskStatus::Completed {
             return Err("a WRITE to a stopped peer completed".into());
@@ -345,11 +537,20 @@ fn run(host: &str) -> Res<()> {
     let cfg = config(host);
     deadline_fails_only_its_task(&cfg, Opcode::Write)?;
     deadline_fails_only_its_task(&cfg, Opcode::Read)?;
-    failed_completion_retried_on_another_pair(&Config { rdma_retry_cnt: 6, ..cfg.clone() })?;
+    failed_completion_retried_on_another_pair(&Config {
+        rdma_retry_cnt: 6,
+        ..cfg.clone()
+    })?;
     eviction(&cfg)?;
     auto_picks_rdma_when_both_sides_have_it(&cfg)?;
     a_failed_request_does_not_strand_others_on_its_endpoint(&cfg)?;
     // (One NIC: a stalled connect then waits the handshake's 10 s once, not once per NIC.)
-    a_stalled_peer_holds_up_only_its_own_requests(host, &Config { rdma_devices: Some(vec!["rxe0".into()]), ..cfg.clone() })?;
+    a_stalled_peer_holds_up_only_its_own_requests(
+        host,
+        &Config {
+            rdma_devices: Some(vec!["rxe0".into()]),
+            ..cfg.clone()
+        },
+    )?;
     Ok(())
 }

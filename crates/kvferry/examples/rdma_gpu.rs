@@ -45,23 +45,33 @@ fn main() -> ExitCode {
 }
 
 fn cfg(host: &str, gpu_rdma: GpuRdma) -> Config {
-    Config { local_hostname: host.into(), transport: TransportMode::Rdma, transfer_timeout: Duration::from_secs(20), gpu_rdma, ..Config::default() }
+    Config {
+        local_hostname: host.into(),
+        transport: TransportMode::Rdma,
+        transfer_timeout: Duration::from_secs(20),
+        gpu_rdma,
+        ..Config::default()
+    }
 }
 
 fn cuda() -> Res<&'static kvferry::gpu::Cuda> {
-    kvferry::gpu::cuda().map_err(|why| format!("the mock CUDA driver is not loaded (LD_LIBRARY_PATH?): {why}"))
+    kvferry::gpu::cuda()
+        .map_err(|why| format!("the mock CUDA driver is not loaded (LD_LIBRARY_PATH?): {why}"))
 }
 
 fn refused(host: &str) -> Res<()> {
     let cuda = cuda()?;
-    let p = cuda.on_device(0, |d| d.mem_alloc(SIZE)).map_err(|e| e.to_string())?;
+    let p = cuda
+        .on_device(0, |d| d.mem_alloc(SIZE))
+        .map_err(|e| e.to_string())?;
     let e = TransferEngine::new(cfg(host, GpuRdma::Auto)).map_err(|e| e.to_string())?;
     let err = match e.register_memory(p, SIZE as u64, "cuda:0") {
         Ok(()) => return Err("GPU memory registered on Soft-RoCE with DMA-BUF: rxe imports no dma-buf, so this cannot be".into()),
         Err(err) => err.to_string(),
     };
     println!("rdma_gpu: auto: {err}");
-    if !(err.contains("tried DMA-BUF") && err.contains("ibv_reg_dmabuf_mr") && err.contains("rxe")) {
+    if !(err.contains("tried DMA-BUF") && err.contains("ibv_reg_dmabuf_mr") && err.contains("rxe"))
+    {
         return Err(format!("the auto registration error does not name DMA-BUF, ibv_reg_dmabuf_mr and the NIC: {err}"));
     }
     if !e.registered().is_empty() {
@@ -70,12 +80,18 @@ fn refused(host: &str) -> Res<()> {
     drop(e);
     let e = TransferEngine::new(cfg(host, GpuRdma::PeerMem)).map_err(|e| e.to_string())?;
     let err = match e.register_memory(p, SIZE as u64, "cuda:0") {
-        Ok(()) => return Err("device memory the CPU cannot map registered with plain ibv_reg_mr".into()),
+        Ok(()) => {
+            return Err("device memory the CPU cannot map registered with plain ibv_reg_mr".into())
+        }
         Err(err) => err.to_string(),
     };
     println!("rdma_gpu: peermem: {err}");
-    if !(err.contains("tried nvidia-peermem") && err.contains("nvidia_peermem kernel module is not loaded")) {
-        return Err(format!("the peermem registration error does not name the missing module: {err}"));
+    if !(err.contains("tried nvidia-peermem")
+        && err.contains("nvidia_peermem kernel module is not loaded"))
+    {
+        return Err(format!(
+            "the peermem registration error does not name the missing module: {err}"
+        ));
     }
     println!("rdma_gpu: GPU memory refused by Soft-RoCE with DMA-BUF and without nvidia-peermem, each saying why");
     Ok(())
@@ -87,36 +103,68 @@ fn mock_copies(dev: i32) -> Res<i64> {
     // mock_cuda_copies(int) -> long reads a counter.
     unsafe {
         let lib = libloading::Library::new("libcuda.so.1").map_err(|e| e.to_string())?;
-        let f = lib.get::<unsafe extern "C" fn(i32) -> i64>(b"mock_cuda_copies\0").map_err(|e| format!("not the tests' mock driver: {e}"))?;
+        let f = lib
+            .get::<unsafe extern "C" fn(i32) -> i64>(b"mock_cuda_copies\0")
+            .map_err(|e| format!("not the tests' mock driver: {e}"))?;
         Ok(f(dev))
     }
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 12) as u8).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 12) as u8)
+        .collect()
 }
 
 fn direct(host: &str) -> Res<()> {
     let cuda = cuda()?;
-    let alloc = || cuda.on_device(0, |d| d.mem_alloc(SIZE)).map_err(|e| e.to_string());
+    let alloc = || {
+        cuda.on_device(0, |d| d.mem_alloc(SIZE))
+            .map_err(|e| e.to_string())
+    };
     let (ga, gb) = (alloc()?, alloc()?);
     let a = TransferEngine::new(cfg(host, GpuRdma::PeerMem)).map_err(|e| e.to_string())?;
     let b = TransferEngine::new(cfg(host, GpuRdma::PeerMem)).map_err(|e| e.to_string())?;
-    a.register_memory(ga, SIZE as u64, "cuda:0").map_err(|e| format!("registering GPU memory with KVFERRY_GPU_RDMA=peermem: {e}"))?;
-    b.register_memory(gb, SIZE as u64, "*").map_err(|e| format!("registering GPU memory (*): {e}"))?;
-    let peer = a.open_segment(b.segment_name()).map_err(|e| e.to_string())?;
+    a.register_memory(ga, SIZE as u64, "cuda:0")
+        .map_err(|e| format!("registering GPU memory with KVFERRY_GPU_RDMA=peermem: {e}"))?;
+    b.register_memory(gb, SIZE as u64, "*")
+        .map_err(|e| format!("registering GPU memory (*): {e}"))?;
+    let peer = a
+        .open_segment(b.segment_name())
+        .map_err(|e| e.to_string())?;
     let desc = a.segment_descriptor(peer).map_err(|e| e.to_string())?;
-    let buf = desc.buffers.iter().find(|x| x.addr == gb).ok_or("the peer's descriptor lacks its GPU buffer")?;
+    let buf = desc
+        .buffers
+        .iter()
+        .find(|x| x.addr == gb)
+        .ok_or("the peer's descriptor lacks its GPU buffer")?;
     if buf.name != "cuda:0" || buf.rkey.len() != desc.devices.len() || buf.rkey.is_empty() {
-        return Err(format!("the peer's GPU buffer is published as {:?} with {} rkeys for {} devices", buf.name, buf.rkey.len(), desc.devices.len()));
+        return Err(format!(
+            "the peer's GPU buffer is published as {:?} with {} rkeys for {} devices",
+            buf.name,
+            buf.rkey.len(),
+            desc.devices.len()
+        ));
     }
     let want = pattern(SIZE, 7);
     cuda.htod(0, ga, &want).map_err(|e| e.to_string())?;
-    cuda.htod(0, gb, &vec![0u8; SIZE]).map_err(|e| e.to_string())?;
+    cuda.htod(0, gb, &vec![0u8; SIZE])
+        .map_err(|e| e.to_string())?;
     let before = mock_copies(0)?;
-    let req = |op: Opcode, off: u64, len: u64| TransferRequest { opcode: op, source: ga + off, target_id: peer, target_offset: gb + off, length: len };
+    let req = |op: Opcode, off: u64, len: u64| TransferRequest {
+        opcode: op,
+        source: ga + off,
+        target_id: peer,
+        target_offset: gb + off,
+        length: len,
+    };
     // WRITE GPU -> GPU: a whole buffer and a batch of 64 KiB pieces.
-    let st = a.transfer_sync(&[req(Opcode::Write, 0, SIZE as u64)], Duration::from_secs(60)).map_err(|e| e.to_string())?;
+    let st = a
+        .transfer_sync(
+            &[req(Opcode::Write, 0, SIZE as u64)],
+            Duration::from_secs(60),
+        )
+        .map_err(|e| e.to_string())?;
     if st.status != TaskStatus::Completed {
         return Err(format!("GPU->GPU WRITE of {SIZE} B ended {:?}", st.status));
     }
@@ -129,15 +177,25 @@ fn direct(host: &str) -> Res<()> {
     if copies != 0 {
         return Err(format!("the driver copied GPU memory {copies} times during the WRITE: it was staged, not moved by the NIC"));
     }
-    println!("rdma_gpu: WRITE {SIZE} B GPU->GPU over RDMA verified, 0 driver copies (the NIC moved it)");
+    println!(
+        "rdma_gpu: WRITE {SIZE} B GPU->GPU over RDMA verified, 0 driver copies (the NIC moved it)"
+    );
     // READ GPU <- GPU: new bytes at the peer, read into ours in 64 KiB requests.
     let back = pattern(SIZE, 91);
     cuda.htod(0, gb, &back).map_err(|e| e.to_string())?;
     let before = mock_copies(0)?;
-    let reqs: Vec<TransferRequest> = (0..SIZE as u64 / (64 << 10)).map(|i| req(Opcode::Read, i * (64 << 10), 64 << 10)).collect();
-    let st = a.transfer_sync(&reqs, Duration::from_secs(60)).map_err(|e| e.to_string())?;
+    let reqs: Vec<TransferRequest> = (0..SIZE as u64 / (64 << 10))
+        .map(|i| req(Opcode::Read, i * (64 << 10), 64 << 10))
+        .collect();
+    let st = a
+        .transfer_sync(&reqs, Duration::from_secs(60))
+        .map_err(|e| e.to_string())?;
     if st.status != TaskStatus::Completed {
-        return Err(format!("a batch of {} GPU<-GPU READs of 64 KiB ended {:?}", reqs.len(), st.status));
+        return Err(format!(
+            "a batch of {} GPU<-GPU READs of 64 KiB ended {:?}",
+            reqs.len(),
+            st.status
+        ));
     }
     let copies = mock_copies(0)? - before;
     cuda.dtoh(0, &mut got, ga).map_err(|e| e.to_string())?;
@@ -145,15 +203,25 @@ fn direct(host: &str) -> Res<()> {
         return Err("GPU<-GPU READ over RDMA: the bytes in our GPU memory differ".into());
     }
     if copies != 0 {
-        return Err(format!("the driver copied GPU memory {copies} times during the READs: they were staged"));
+        return Err(format!(
+            "the driver copied GPU memory {copies} times during the READs: they were staged"
+        ));
     }
-    println!("rdma_gpu: a batch of {} READs of 64 KiB GPU<-GPU over RDMA verified, 0 driver copies", reqs.len());
+    println!(
+        "rdma_gpu: a batch of {} READs of 64 KiB GPU<-GPU over RDMA verified, 0 driver copies",
+        reqs.len()
+    );
     // Unregister is still a barrier, and the NICs forget the range: a WRITE to it now fails.
     b.unregister_memory(gb).map_err(|e| e.to_string())?;
-    let st = a.transfer_sync(&[req(Opcode::Write, 0, 4096)], Duration::from_secs(20)).map_err(|e| e.to_string())?;
+    let st = a
+        .transfer_sync(&[req(Opcode::Write, 0, 4096)], Duration::from_secs(20))
+        .map_err(|e| e.to_string())?;
     if st.status == TaskStatus::Completed {
         return Err("a WRITE into GPU memory the peer unregistered completed".into());
     }
-    println!("rdma_gpu: a WRITE into GPU memory the peer unregistered ended {:?}", st.status);
+    println!(
+        "rdma_gpu: a WRITE into GPU memory the peer unregistered ended {:?}",
+        st.status
+    );
     Ok(())
 }

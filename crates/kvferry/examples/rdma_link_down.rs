@@ -22,7 +22,9 @@ const DEADLINE: Duration = Duration::from_secs(15);
 
 fn main() -> ExitCode {
     log();
-    let host = std::env::args().nth(1).unwrap_or_else(|| "10.99.2.1".into());
+    let host = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "10.99.2.1".into());
     let cut_read = match std::env::args().nth(2).as_deref() {
         None | Some("write") => false,
         Some("read") => true,
@@ -39,7 +41,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    finish("rdma_link_down", "all checks passed", run(&host, cut_read, after))
+    finish(
+        "rdma_link_down",
+        "all checks passed",
+        run(&host, cut_read, after),
+    )
 }
 
 /// Takes `va` (rxe0's netdev) down `after` it is called, on a thread: what it did, the port's
@@ -47,23 +53,41 @@ fn main() -> ExitCode {
 fn cut_after(after: Duration) -> std::thread::JoinHandle<(String, String, u64, u64)> {
     std::thread::spawn(move || {
         std::thread::sleep(after);
-        let st = std::process::Command::new("ip").args(["link", "set", "va", "down"]).status();
-        let state = std::fs::read_to_string("/sys/class/infiniband/rxe0/ports/1/state").unwrap_or_default();
-        (st.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()), state.trim().to_string(), sent("rxe0"), sent("rxe_lo"))
+        let st = std::process::Command::new("ip")
+            .args(["link", "set", "va", "down"])
+            .status();
+        let state =
+            std::fs::read_to_string("/sys/class/infiniband/rxe0/ports/1/state").unwrap_or_default();
+        (
+            st.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()),
+            state.trim().to_string(),
+            sent("rxe0"),
+            sent("rxe_lo"),
+        )
     })
 }
 
 fn run(host: &str, cut_read: bool, after: Duration) -> Result<(), String> {
-    let cfg = Config { local_hostname: host.into(), transport: TransportMode::Rdma, transfer_timeout: DEADLINE, ..Config::default() };
+    let cfg = Config {
+        local_hostname: host.into(),
+        transport: TransportMode::Rdma,
+        transfer_timeout: DEADLINE,
+        ..Config::default()
+    };
     let a = TransferEngine::new(cfg.clone()).map_err(|e| e.to_string())?;
     let b = TransferEngine::new(cfg).map_err(|e| e.to_string())?;
     let src = kvferry::hostbuf::HostBuffer::new(SIZE, false).map_err(|e| e.to_string())?;
     let dst = kvferry::hostbuf::HostBuffer::new(SIZE, false).map_err(|e| e.to_string())?;
     let back = kvferry::hostbuf::HostBuffer::new(SIZE, false).map_err(|e| e.to_string())?;
-    a.register_memory(src.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
-    a.register_memory(back.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
-    b.register_memory(dst.addr(), SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
-    let peer = a.open_segment(b.segment_name()).map_err(|e| e.to_string())?;
+    a.register_memory(src.addr(), SIZE as u64, "cpu:0")
+        .map_err(|e| e.to_string())?;
+    a.register_memory(back.addr(), SIZE as u64, "cpu:0")
+        .map_err(|e| e.to_string())?;
+    b.register_memory(dst.addr(), SIZE as u64, "cpu:0")
+        .map_err(|e| e.to_string())?;
+    let peer = a
+        .open_segment(b.segment_name())
+        .map_err(|e| e.to_string())?;
     let (lo0, r0) = (sent("rxe_lo"), sent("rxe0"));
     let mut cut = None;
     for round in 0..12u32 {
@@ -75,9 +99,15 @@ fn run(host: &str, cut_read: bool, after: Duration) -> Result<(), String> {
                 return Err(format!("after the cut rxe0 sent {r_after} packets and rxe_lo {lo_after}: the traffic did not move to rxe_lo"));
             }
             println!("rdma_link_down: rxe0's link down under load: the round it cut and 6 more completed over rxe_lo ({lo_after} packets after it, rxe0 none), none hung");
-            let st = std::process::Command::new("ip").args(["link", "set", "va", "up"]).status().map_err(|e| format!("ip link set va up: {e}"))?;
+            let st = std::process::Command::new("ip")
+                .args(["link", "set", "va", "up"])
+                .status()
+                .map_err(|e| format!("ip link set va up: {e}"))?;
             let until = Instant::now() + Duration::from_secs(10);
-            while !std::fs::read_to_string("/sys/class/infiniband/rxe0/ports/1/state").unwrap_or_default().contains("ACTIVE") {
+            while !std::fs::read_to_string("/sys/class/infiniband/rxe0/ports/1/state")
+                .unwrap_or_default()
+                .contains("ACTIVE")
+            {
                 if Instant::now() > until {
                     return Err(format!("rxe0's port did not become ACTIVE within 10 s of `ip link set va up` ({st})"));
                 }
@@ -90,7 +120,11 @@ fn run(host: &str, cut_read: bool, after: Duration) -> Result<(), String> {
         if round == 3 {
             let (r, lo) = (sent("rxe0"), sent("rxe_lo"));
             if r == r0 || lo == lo0 {
-                return Err(format!("rounds 0-2 were not striped over both NICs (rxe0 sent {} packets, rxe_lo {})", r - r0, lo - lo0));
+                return Err(format!(
+                    "rounds 0-2 were not striped over both NICs (rxe0 sent {} packets, rxe_lo {})",
+                    r - r0,
+                    lo - lo0
+                ));
             }
             let op = if cut_read { "READ" } else { "WRITE" };
             println!("rdma_link_down: rounds 0-2 striped (rxe0 sent {} packets, rxe_lo {}); taking va (rxe0) down {after:?} into round 3's {op}", r - r0, lo - lo0);
@@ -103,8 +137,20 @@ fn run(host: &str, cut_read: bool, after: Duration) -> Result<(), String> {
         // can take longer than 100 ms).
         let mut cutter = None;
         let t = Instant::now();
-        let w = TransferRequest { opcode: Opcode::Write, source: src.addr(), target_id: peer, target_offset: dst.addr(), length: SIZE as u64 };
-        let r = TransferRequest { opcode: Opcode::Read, source: back.addr(), target_id: peer, target_offset: dst.addr(), length: SIZE as u64 };
+        let w = TransferRequest {
+            opcode: Opcode::Write,
+            source: src.addr(),
+            target_id: peer,
+            target_offset: dst.addr(),
+            length: SIZE as u64,
+        };
+        let r = TransferRequest {
+            opcode: Opcode::Read,
+            source: back.addr(),
+            target_id: peer,
+            target_offset: dst.addr(),
+            length: SIZE as u64,
+        };
         if round == 3 && !cut_read {
             cutter = Some(cut_after(after));
         }
@@ -120,12 +166,23 @@ fn run(host: &str, cut_read: bool, after: Duration) -> Result<(), String> {
             cut = Some((r, lo));
         }
         if took > 2 * DEADLINE + Duration::from_secs(5) {
-            return Err(format!("round {round} took {took:?}: a transfer outlived its deadline"));
+            return Err(format!(
+                "round {round} took {took:?}: a transfer outlived its deadline"
+            ));
         }
-        if sw.status != TaskStatus::Completed || sr.status != TaskStatus::Completed || back.slice(0, SIZE) != src.slice(0, SIZE) {
-            return Err(format!("round {round}: WRITE {:?} ({:?}), READ {:?} ({:?}), or the bytes read back differ", sw.status, sw.reason, sr.status, sr.reason));
+        if sw.status != TaskStatus::Completed
+            || sr.status != TaskStatus::Completed
+            || back.slice(0, SIZE) != src.slice(0, SIZE)
+        {
+            return Err(format!(
+                "round {round}: WRITE {:?} ({:?}), READ {:?} ({:?}), or the bytes read back differ",
+                sw.status, sw.reason, sr.status, sr.reason
+            ));
         }
-        println!("rdma_link_down: round {round}: WRITE and READ of 16 MiB verified in {:.1} s", took.as_secs_f64());
+        println!(
+            "rdma_link_down: round {round}: WRITE and READ of 16 MiB verified in {:.1} s",
+            took.as_secs_f64()
+        );
     }
     let (r, lo) = cut.ok_or("no cut")?;
     let (r_back, lo_back) = (sent("rxe0") - r, sent("rxe_lo") - lo);

@@ -9,7 +9,9 @@
 //! with up to 32 work requests outstanding, posted in chains of 8.
 
 use kvferry::rdma::sysfs;
-use kvferry::rdma::verbs::{self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr};
+use kvferry::rdma::verbs::{
+    self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr,
+};
 use kvferry::wire::rdma::{format_gid, parse_gid, ConnectionMsg};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -34,7 +36,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    finish("rdma_loopback", &format!("all checks passed on {dev}"), run(&dev, max))
+    finish(
+        "rdma_loopback",
+        &format!("all checks passed on {dev}"),
+        run(&dev, max),
+    )
 }
 
 /// What a side of the connection knows about its own NIC.
@@ -50,15 +56,33 @@ fn open(dev: &str) -> Res<Local> {
     let ctx = Context::open(verbs, dev).map_err(|e| e.to_string())?;
     let port = ctx.query_port(PORT).map_err(|e| e.to_string())?;
     if !port.active() {
-        return Err(format!("{dev} port {PORT} is not ACTIVE (state {})", port.state));
+        return Err(format!(
+            "{dev} port {PORT} is not ACTIVE (state {})",
+            port.state
+        ));
     }
-    let nic = sysfs::nics().into_iter().find(|n| n.name == dev).ok_or_else(|| format!("{dev} is not in {}", sysfs::ROOT))?;
-    let p = nic.ports.iter().find(|p| p.num == u32::from(PORT)).ok_or_else(|| format!("{dev} has no port {PORT} in sysfs"))?;
-    let forced = std::env::var("MC_GID_INDEX").ok().and_then(|s| s.parse().ok());
-    let idx = sysfs::select_gid(p, forced).ok_or_else(|| format!("{dev} port {PORT}: no usable GID (MC_GID_INDEX={forced:?})"))?;
+    let nic = sysfs::nics()
+        .into_iter()
+        .find(|n| n.name == dev)
+        .ok_or_else(|| format!("{dev} is not in {}", sysfs::ROOT))?;
+    let p = nic
+        .ports
+        .iter()
+        .find(|p| p.num == u32::from(PORT))
+        .ok_or_else(|| format!("{dev} has no port {PORT} in sysfs"))?;
+    let forced = std::env::var("MC_GID_INDEX")
+        .ok()
+        .and_then(|s| s.parse().ok());
+    let idx = sysfs::select_gid(p, forced)
+        .ok_or_else(|| format!("{dev} port {PORT}: no usable GID (MC_GID_INDEX={forced:?})"))?;
     let gid_index = u8::try_from(idx).map_err(|_| format!("GID index {idx} is over 255"))?;
     let gid = ctx.query_gid(PORT, gid_index).map_err(|e| e.to_string())?;
-    Ok(Local { ctx, port, gid_index, gid })
+    Ok(Local {
+        ctx,
+        port,
+        gid_index,
+        gid,
+    })
 }
 
 /// The `Connection` message a side sends for `qp` (what Mooncake's endpoint sends).
@@ -79,8 +103,17 @@ fn hello(l: &Local, me: &str, peer: &str, qp: &Qp) -> Vec<u8> {
 fn accept(l: &Local, qp: &Qp, wire: &[u8], peer_mtu: u32) -> Res<()> {
     let m = ConnectionMsg::decode(wire).map_err(|e| e.to_string())?;
     let gid = parse_gid(&m.local_gid).ok_or("no GID in the peer's message")?;
-    let remote = RemoteQp { qp_num: m.qp_num[0], lid: m.local_lid, gid };
-    let path = Path { port: PORT, sgid_index: l.gid_index, mtu: l.port.active_mtu.min(peer_mtu), retry_cnt: kvferry::rdma::verbs::RETRY_CNT };
+    let remote = RemoteQp {
+        qp_num: m.qp_num[0],
+        lid: m.local_lid,
+        gid,
+    };
+    let path = Path {
+        port: PORT,
+        sgid_index: l.gid_index,
+        mtu: l.port.active_mtu.min(peer_mtu),
+        retry_cnt: kvferry::rdma::verbs::RETRY_CNT,
+    };
     qp.connect(path, &remote).map_err(|e| e.to_string())
 }
 
@@ -88,7 +121,10 @@ fn accept(l: &Local, qp: &Qp, wire: &[u8], peer_mtu: u32) -> Res<()> {
 fn pair(l: &Local, pd: &verbs::Pd, cq: &Cq) -> Res<(Qp, Qp)> {
     let qa = pd.create_qp(cq, DEPTH as u32).map_err(|e| e.to_string())?;
     let qb = pd.create_qp(cq, DEPTH as u32).map_err(|e| e.to_string())?;
-    let (to_b, to_a) = (hello(l, "loopback-a", "loopback-b", &qa), hello(l, "loopback-b", "loopback-a", &qb));
+    let (to_b, to_a) = (
+        hello(l, "loopback-a", "loopback-b", &qa),
+        hello(l, "loopback-b", "loopback-a", &qb),
+    );
     accept(l, &qb, &to_b, l.port.active_mtu)?;
     accept(l, &qa, &to_a, l.port.active_mtu)?;
     Ok((qa, qb))
@@ -97,7 +133,16 @@ fn pair(l: &Local, pd: &verbs::Pd, cq: &Cq) -> Res<(Qp, Qp)> {
 /// Moves `size` bytes between `local` (from offset 0) and the peer's `[raddr, raddr+size)` in
 /// 64 KiB slices, up to [`DEPTH`] outstanding; returns when every slice's completion arrived.
 #[allow(clippy::too_many_arguments)]
-fn transfer(qp: &Qp, cq: &Cq, op: Op, local: &Mr, raddr: u64, rkey: u32, size: usize, deadline: Instant) -> Result<(), VerbsError> {
+fn transfer(
+    qp: &Qp,
+    cq: &Cq,
+    op: Op,
+    local: &Mr,
+    raddr: u64,
+    rkey: u32,
+    size: usize,
+    deadline: Instant,
+) -> Result<(), VerbsError> {
     let slices = size.div_ceil(SLICE);
     let (mut next, mut done, mut outstanding) = (0usize, 0usize, 0usize);
     let mut wcs = [Wc::default(); 32];
@@ -107,7 +152,16 @@ fn transfer(qp: &Qp, cq: &Cq, op: Op, local: &Mr, raddr: u64, rkey: u32, size: u
             let chain: Vec<Wr<'_>> = (next..next + n)
                 .map(|i| {
                     let off = i * SLICE;
-                    Wr { wr_id: i as u64, op, local, offset: off, len: (size - off).min(SLICE) as u32, remote_addr: raddr + off as u64, rkey, signaled: true }
+                    Wr {
+                        wr_id: i as u64,
+                        op,
+                        local,
+                        offset: off,
+                        len: (size - off).min(SLICE) as u32,
+                        remote_addr: raddr + off as u64,
+                        rkey,
+                        signaled: true,
+                    }
                 })
                 .collect();
             if let Err(e) = qp.post(&chain) {
@@ -164,64 +218,164 @@ fn run(dev: &str, max: usize) -> Res<()> {
     let pd = l.ctx.alloc_pd().map_err(|e| e.to_string())?;
     let cq = l.ctx.create_cq(256).map_err(|e| e.to_string())?;
     let (qa, qb) = pair(&l, &pd, &cq)?;
-    println!("rdma_loopback: QP {} <-> QP {} connected (Connection messages exchanged)", qa.qp_num(), qb.qp_num());
+    println!(
+        "rdma_loopback: QP {} <-> QP {} connected (Connection messages exchanged)",
+        qa.qp_num(),
+        qb.qp_num()
+    );
 
     // One extra byte past `max` on the target holds a sentinel that must never change.
     let (mut a, mut b) = (Buf::new(max)?, Buf::new(max + 4096)?);
     // SAFETY: `a` and `b` outlive their MRs (dropped at the end of this function after them,
     // or deregistered explicitly below) and are only touched through `bytes()` between
     // transfers, when no work request is outstanding.
-    let (mra, mrb) = unsafe { (pd.reg_mr(a.addr() as *mut u8, a.len()).map_err(|e| e.to_string())?, pd.reg_mr(b.addr() as *mut u8, b.len()).map_err(|e| e.to_string())?) };
-    println!("rdma_loopback: registered {} + {} bytes (lkey/rkey {:#x}/{:#x}, {:#x}/{:#x})", a.len(), b.len(), mra.lkey(), mra.rkey(), mrb.lkey(), mrb.rkey());
+    let (mra, mrb) = unsafe {
+        (
+            pd.reg_mr(a.addr() as *mut u8, a.len())
+                .map_err(|e| e.to_string())?,
+            pd.reg_mr(b.addr() as *mut u8, b.len())
+                .map_err(|e| e.to_string())?,
+        )
+    };
+    println!(
+        "rdma_loopback: registered {} + {} bytes (lkey/rkey {:#x}/{:#x}, {:#x}/{:#x})",
+        a.len(),
+        b.len(),
+        mra.lkey(),
+        mra.rkey(),
+        mrb.lkey(),
+        mrb.rkey()
+    );
 
-    for size in [4usize << 10, 64 << 10, 1 << 20, 16 << 20].into_iter().filter(|&s| s <= max) {
+    for size in [4usize << 10, 64 << 10, 1 << 20, 16 << 20]
+        .into_iter()
+        .filter(|&s| s <= max)
+    {
         let deadline = Instant::now() + Duration::from_secs(60);
         fill(&mut a.bytes()[..size], size as u64);
         b.bytes()[..size + 1].fill(0);
         b.bytes()[size] = 0xA5;
         let t = Instant::now();
-        transfer(&qa, &cq, Op::Write, &mra, mrb.addr() as u64, mrb.rkey(), size, deadline).map_err(|e| format!("WRITE {size} B: {e}"))?;
+        transfer(
+            &qa,
+            &cq,
+            Op::Write,
+            &mra,
+            mrb.addr() as u64,
+            mrb.rkey(),
+            size,
+            deadline,
+        )
+        .map_err(|e| format!("WRITE {size} B: {e}"))?;
         let took = t.elapsed();
-        compare(&format!("WRITE {size} B"), &b.bytes()[..size], &a.bytes()[..size])?;
+        compare(
+            &format!("WRITE {size} B"),
+            &b.bytes()[..size],
+            &a.bytes()[..size],
+        )?;
         if b.bytes()[size] != 0xA5 {
             return Err(format!("WRITE {size} B wrote past its end"));
         }
-        println!("rdma_loopback: WRITE {size} B verified ({} slices, {:.1} ms, {:.0} MB/s)", size.div_ceil(SLICE), took.as_secs_f64() * 1e3, mbps(size, took));
+        println!(
+            "rdma_loopback: WRITE {size} B verified ({} slices, {:.1} ms, {:.0} MB/s)",
+            size.div_ceil(SLICE),
+            took.as_secs_f64() * 1e3,
+            mbps(size, took)
+        );
 
         fill(&mut b.bytes()[..size], !(size as u64));
         a.bytes()[..size].fill(0);
         let t = Instant::now();
-        transfer(&qa, &cq, Op::Read, &mra, mrb.addr() as u64, mrb.rkey(), size, deadline).map_err(|e| format!("READ {size} B: {e}"))?;
+        transfer(
+            &qa,
+            &cq,
+            Op::Read,
+            &mra,
+            mrb.addr() as u64,
+            mrb.rkey(),
+            size,
+            deadline,
+        )
+        .map_err(|e| format!("READ {size} B: {e}"))?;
         let took = t.elapsed();
-        compare(&format!("READ {size} B"), &a.bytes()[..size], &b.bytes()[..size])?;
-        println!("rdma_loopback: READ {size} B verified ({} slices, {:.1} ms, {:.0} MB/s)", size.div_ceil(SLICE), took.as_secs_f64() * 1e3, mbps(size, took));
+        compare(
+            &format!("READ {size} B"),
+            &a.bytes()[..size],
+            &b.bytes()[..size],
+        )?;
+        println!(
+            "rdma_loopback: READ {size} B verified ({} slices, {:.1} ms, {:.0} MB/s)",
+            size.div_ceil(SLICE),
+            took.as_secs_f64() * 1e3,
+            mbps(size, took)
+        );
     }
 
     // A local range outside its MR is refused before anything is posted.
-    let wr = Wr { wr_id: 0, op: Op::Write, local: &mra, offset: mra.len() - 10, len: 4096, remote_addr: mrb.addr() as u64, rkey: mrb.rkey(), signaled: true };
+    let wr = Wr {
+        wr_id: 0,
+        op: Op::Write,
+        local: &mra,
+        offset: mra.len() - 10,
+        len: 4096,
+        remote_addr: mrb.addr() as u64,
+        rkey: mrb.rkey(),
+        signaled: true,
+    };
     match qa.post(&[wr]) {
-        Err(VerbsError::Invalid { what, .. }) => println!("rdma_loopback: local range outside its MR refused before posting ({what})"),
-        other => return Err(format!("a local range outside its MR was not refused: {:?}", other.err().map(|e| e.to_string()))),
+        Err(VerbsError::Invalid { what, .. }) => {
+            println!("rdma_loopback: local range outside its MR refused before posting ({what})")
+        }
+        other => {
+            return Err(format!(
+                "a local range outside its MR was not refused: {:?}",
+                other.err().map(|e| e.to_string())
+            ))
+        }
     }
 
     // Deregistering with nothing posted works, and reports success.
     let mut c = Buf::new(1 << 20)?;
     // SAFETY: `c` outlives the MR, deregistered at once.
     let mrc = unsafe { pd.reg_mr(c.addr() as *mut u8, c.len()) }.map_err(|e| e.to_string())?;
-    mrc.dereg().map_err(|e| format!("dereg of an idle MR: {e}"))?;
+    mrc.dereg()
+        .map_err(|e| format!("dereg of an idle MR: {e}"))?;
     c.bytes()[0] = 1;
     println!("rdma_loopback: dereg of an MR with nothing posted ok");
 
     // Error cases, each on a fresh pair (a failed request puts its QP in the error state).
     let bad_cases: [(&str, Op, u64, u32); 2] = [
-        ("WRITE with a wrong rkey", Op::Write, mrb.addr() as u64, mrb.rkey() ^ 0x5a5a_0000),
-        ("READ past the end of the remote MR", Op::Read, (mrb.addr() + mrb.len()) as u64, mrb.rkey()),
+        (
+            "WRITE with a wrong rkey",
+            Op::Write,
+            mrb.addr() as u64,
+            mrb.rkey() ^ 0x5a5a_0000,
+        ),
+        (
+            "READ past the end of the remote MR",
+            Op::Read,
+            (mrb.addr() + mrb.len()) as u64,
+            mrb.rkey(),
+        ),
     ];
     for (what, op, raddr, rkey) in bad_cases {
         let (qc, _qd) = pair(&l, &pd, &cq)?;
         let t = Instant::now();
-        match transfer(&qc, &cq, op, &mra, raddr, rkey, 4096, Instant::now() + Duration::from_secs(20)) {
-            Err(VerbsError::Completion(e)) => println!("rdma_loopback: {what} failed as it must: {} in {:.1} ms ({e})", e.name, t.elapsed().as_secs_f64() * 1e3),
+        match transfer(
+            &qc,
+            &cq,
+            op,
+            &mra,
+            raddr,
+            rkey,
+            4096,
+            Instant::now() + Duration::from_secs(20),
+        ) {
+            Err(VerbsError::Completion(e)) => println!(
+                "rdma_loopback: {what} failed as it must: {} in {:.1} ms ({e})",
+                e.name,
+                t.elapsed().as_secs_f64() * 1e3
+            ),
             Err(e) => return Err(format!("{what}: not a named completion error: {e}")),
             Ok(()) => return Err(format!("{what} succeeded")),
         }
@@ -235,20 +389,55 @@ fn run(dev: &str, max: usize) -> Res<()> {
         let (qe, qf) = pair(&l, &pd, &cq2)?;
         drop(qf);
         let t = Instant::now();
-        match transfer(&qe, &cq2, Op::Write, &mra, mrb.addr() as u64, mrb.rkey(), 4096, Instant::now() + Duration::from_secs(5)) {
-            Err(VerbsError::Completion(e)) => println!("rdma_loopback: WRITE to a destroyed QP failed: {} in {:.1} ms", e.name, t.elapsed().as_secs_f64() * 1e3),
+        match transfer(
+            &qe,
+            &cq2,
+            Op::Write,
+            &mra,
+            mrb.addr() as u64,
+            mrb.rkey(),
+            4096,
+            Instant::now() + Duration::from_secs(5),
+        ) {
+            Err(VerbsError::Completion(e)) => println!(
+                "rdma_loopback: WRITE to a destroyed QP failed: {} in {:.1} ms",
+                e.name,
+                t.elapsed().as_secs_f64() * 1e3
+            ),
             Err(e @ VerbsError::Timeout { .. }) if t.elapsed() < Duration::from_secs(6) => {
-                println!("rdma_loopback: WRITE to a destroyed QP ended at its deadline ({:.1} s): {e}", t.elapsed().as_secs_f64())
+                println!(
+                    "rdma_loopback: WRITE to a destroyed QP ended at its deadline ({:.1} s): {e}",
+                    t.elapsed().as_secs_f64()
+                )
             }
-            Err(e) => return Err(format!("WRITE to a destroyed QP: {e} after {:?}", t.elapsed())),
+            Err(e) => {
+                return Err(format!(
+                    "WRITE to a destroyed QP: {e} after {:?}",
+                    t.elapsed()
+                ))
+            }
             Ok(()) => return Err("WRITE to a destroyed QP succeeded".into()),
         }
     }
 
     // The first pair still works after its siblings failed.
     fill(&mut a.bytes()[..4096], 42);
-    transfer(&qa, &cq, Op::Write, &mra, mrb.addr() as u64, mrb.rkey(), 4096, Instant::now() + Duration::from_secs(20)).map_err(|e| format!("WRITE after the error cases: {e}"))?;
-    compare("WRITE after the error cases", &b.bytes()[..4096], &a.bytes()[..4096])?;
+    transfer(
+        &qa,
+        &cq,
+        Op::Write,
+        &mra,
+        mrb.addr() as u64,
+        mrb.rkey(),
+        4096,
+        Instant::now() + Duration::from_secs(20),
+    )
+    .map_err(|e| format!("WRITE after the error cases: {e}"))?;
+    compare(
+        "WRITE after the error cases",
+        &b.bytes()[..4096],
+        &a.bytes()[..4096],
+    )?;
     println!("rdma_loopback: first QP pair still transfers after the error cases");
 
     drop((qa, qb));

@@ -41,11 +41,16 @@ fn main() -> ExitCode {
 }
 
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    (0..len).map(|i| ((i as u64 * 131 + seed * 7 + (i as u64 >> 12)) & 0xff) as u8).collect()
+    (0..len)
+        .map(|i| ((i as u64 * 131 + seed * 7 + (i as u64 >> 12)) & 0xff) as u8)
+        .collect()
 }
 
 fn sha(b: &[u8]) -> String {
-    Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+    Sha256::digest(b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
 }
 
 struct Peer {
@@ -75,20 +80,42 @@ fn line(p: &mut Peer) -> Res<serde_json::Value> {
 
 /// The Mooncake peer's protocol: `KVFERRY_PEER_PROTOCOL`, `rdma` when unset.
 fn peer_protocol() -> String {
-    std::env::var("KVFERRY_PEER_PROTOCOL").ok().filter(|p| !p.is_empty()).unwrap_or_else(|| "rdma".into())
+    std::env::var("KVFERRY_PEER_PROTOCOL")
+        .ok()
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "rdma".into())
 }
 
 fn run(python: &str, script: &str, host: &str, auto: bool) -> Res<()> {
-    let transport = if auto { TransportMode::Auto } else { TransportMode::Rdma };
-    let via = if peer_protocol() == "tcp" { "TCP" } else { "RDMA" };
-    let cfg = Config { local_hostname: host.into(), transport, transfer_timeout: Duration::from_secs(20), ..Config::default() };
+    let transport = if auto {
+        TransportMode::Auto
+    } else {
+        TransportMode::Rdma
+    };
+    let via = if peer_protocol() == "tcp" {
+        "TCP"
+    } else {
+        "RDMA"
+    };
+    let cfg = Config {
+        local_hostname: host.into(),
+        transport,
+        transfer_timeout: Duration::from_secs(20),
+        ..Config::default()
+    };
     let e = TransferEngine::new(cfg).map_err(|e| e.to_string())?;
     let mut buf = vec![0u8; SIZE];
     let la = buf.as_mut_ptr() as u64;
-    e.register_memory(la, SIZE as u64, "cpu:0").map_err(|e| e.to_string())?;
+    e.register_memory(la, SIZE as u64, "cpu:0")
+        .map_err(|e| e.to_string())?;
 
     // 1. Mooncake target.
-    let mut t = peer(python, script, host, &["target", "--size", &SIZE.to_string(), "--seed", "11"])?;
+    let mut t = peer(
+        python,
+        script,
+        host,
+        &["target", "--size", &SIZE.to_string(), "--seed", "11"],
+    )?;
     let hello = line(&mut t)?;
     let seg = hello["segment"].as_str().ok_or("no segment")?.to_string();
     let raddr = hello["addr"].as_u64().ok_or("no addr")?;
@@ -97,23 +124,45 @@ fn run(python: &str, script: &str, host: &str, auto: bool) -> Res<()> {
     let chosen = e.segment_transport(id).map_err(|e| e.to_string())?.name;
     println!("rdma_mooncake: Mooncake target {seg}: protocol {:?}, devices {:?}; kvferry ({transport}) sends by {chosen}", d.protocol, d.devices.iter().map(|x| x.name.as_str()).collect::<Vec<_>>());
     if chosen != via.to_lowercase() {
-        return Err(format!("towards a Mooncake {via} target, kvferry ({transport}) chose {chosen}"));
+        return Err(format!(
+            "towards a Mooncake {via} target, kvferry ({transport}) chose {chosen}"
+        ));
     }
-    let req = |op| TransferRequest { opcode: op, source: la, target_id: id, target_offset: raddr, length: SIZE as u64 };
-    let st = e.transfer_sync(&[req(Opcode::Read)], Duration::from_secs(60)).map_err(|e| e.to_string())?;
+    let req = |op| TransferRequest {
+        opcode: op,
+        source: la,
+        target_id: id,
+        target_offset: raddr,
+        length: SIZE as u64,
+    };
+    let st = e
+        .transfer_sync(&[req(Opcode::Read)], Duration::from_secs(60))
+        .map_err(|e| e.to_string())?;
     if st.status != TaskStatus::Completed || buf != pattern(SIZE, 11) {
-        return Err(format!("kvferry READ from Mooncake: {st:?}, bytes match: {}", buf == pattern(SIZE, 11)));
+        return Err(format!(
+            "kvferry READ from Mooncake: {st:?}, bytes match: {}",
+            buf == pattern(SIZE, 11)
+        ));
     }
     println!("rdma_mooncake: kvferry READ 4 MiB from a Mooncake target over {via} verified");
     buf.copy_from_slice(&pattern(SIZE, 12));
-    let st = e.transfer_sync(&[req(Opcode::Write)], Duration::from_secs(60)).map_err(|e| e.to_string())?;
+    let st = e
+        .transfer_sync(&[req(Opcode::Write)], Duration::from_secs(60))
+        .map_err(|e| e.to_string())?;
     if st.status != TaskStatus::Completed {
         return Err(format!("kvferry WRITE to Mooncake: {st:?}"));
     }
-    writeln!(t.child.stdin.as_mut().ok_or("no stdin")?, "checksum 0 {SIZE}").map_err(|e| e.to_string())?;
+    writeln!(
+        t.child.stdin.as_mut().ok_or("no stdin")?,
+        "checksum 0 {SIZE}"
+    )
+    .map_err(|e| e.to_string())?;
     let sum = line(&mut t)?;
     if sum["sha256"].as_str() != Some(sha(&buf).as_str()) {
-        return Err(format!("kvferry WRITE to Mooncake: its buffer's sha256 is {sum}, ours {}", sha(&buf)));
+        return Err(format!(
+            "kvferry WRITE to Mooncake: its buffer's sha256 is {sum}, ours {}",
+            sha(&buf)
+        ));
     }
     println!("rdma_mooncake: kvferry WRITE 4 MiB to a Mooncake target over {via} verified");
     if let Some(stdin) = t.child.stdin.as_mut() {
@@ -132,18 +181,66 @@ fn run(python: &str, script: &str, host: &str, auto: bool) -> Res<()> {
     buf.fill(0);
     let me = e.segment_name().to_string();
     let addr = la.to_string();
-    let mut w = peer(python, script, host, &["initiator", "--segment", &me, "--remote-addr", &addr, "--size", &SIZE.to_string(), "--op", "write", "--block", "65536", "--batch", "16", "--seed", "13"])?;
+    let mut w = peer(
+        python,
+        script,
+        host,
+        &[
+            "initiator",
+            "--segment",
+            &me,
+            "--remote-addr",
+            &addr,
+            "--size",
+            &SIZE.to_string(),
+            "--op",
+            "write",
+            "--block",
+            "65536",
+            "--batch",
+            "16",
+            "--seed",
+            "13",
+        ],
+    )?;
     let res = line(&mut w)?;
     let _ = w.child.wait();
     if res["ok"] != serde_json::Value::Bool(true) || buf != pattern(SIZE, 13) {
-        return Err(format!("Mooncake WRITE to kvferry: {res}, bytes match: {}", buf == pattern(SIZE, 13)));
+        return Err(format!(
+            "Mooncake WRITE to kvferry: {res}, bytes match: {}",
+            buf == pattern(SIZE, 13)
+        ));
     }
     println!("rdma_mooncake: Mooncake WRITE 4 MiB to a kvferry target over {via} verified");
-    let mut r = peer(python, script, host, &["initiator", "--segment", &me, "--remote-addr", &addr, "--size", &SIZE.to_string(), "--op", "read", "--block", "65536", "--batch", "16"])?;
+    let mut r = peer(
+        python,
+        script,
+        host,
+        &[
+            "initiator",
+            "--segment",
+            &me,
+            "--remote-addr",
+            &addr,
+            "--size",
+            &SIZE.to_string(),
+            "--op",
+            "read",
+            "--block",
+            "65536",
+            "--batch",
+            "16",
+        ],
+    )?;
     let res = line(&mut r)?;
     let _ = r.child.wait();
-    if res["ok"] != serde_json::Value::Bool(true) || res["sha256"].as_str() != Some(sha(&buf).as_str()) {
-        return Err(format!("Mooncake READ from kvferry: {res}, want sha256 {}", sha(&buf)));
+    if res["ok"] != serde_json::Value::Bool(true)
+        || res["sha256"].as_str() != Some(sha(&buf).as_str())
+    {
+        return Err(format!(
+            "Mooncake READ from kvferry: {res}, want sha256 {}",
+            sha(&buf)
+        ));
     }
     println!("rdma_mooncake: Mooncake READ 4 MiB from a kvferry target over {via} verified");
     e.unregister_memory(la).map_err(|e| e.to_string())?;

@@ -23,12 +23,18 @@ const ROUNDS: usize = 16;
 /// Nanoseconds on CPU of this process's threads named `name` (summed).
 fn thread_cpu_ns(name: &str) -> u64 {
     let mut total = 0;
-    let Ok(dir) = std::fs::read_dir("/proc/self/task") else { return 0 };
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
     for t in dir.flatten() {
         let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
         if comm.trim() == name {
             let s = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default();
-            total += s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            total += s
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
         }
     }
     total
@@ -48,32 +54,57 @@ fn calibrate() {
 }
 
 fn main() {
-    let host = std::env::args().nth(1).unwrap_or_else(|| "10.99.2.1".into());
+    let host = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "10.99.2.1".into());
     if host == "calibrate" {
         return calibrate();
     }
-    let cfg = Config { local_hostname: host, transport: TransportMode::Rdma, transfer_timeout: Duration::from_secs(60), ..Config::from_env().expect("configuration") };
+    let cfg = Config {
+        local_hostname: host,
+        transport: TransportMode::Rdma,
+        transfer_timeout: Duration::from_secs(60),
+        ..Config::from_env().expect("configuration")
+    };
     let a = TransferEngine::new(cfg.clone()).expect("engine a (RDMA)");
     let b = TransferEngine::new(cfg).expect("engine b (RDMA)");
     let ba = kvferry::hostbuf::HostBuffer::new(BUF, false).expect("buffer");
     let bb = kvferry::hostbuf::HostBuffer::new(BUF, false).expect("buffer");
-    a.register_memory(ba.addr(), BUF as u64, "cpu:0").expect("register");
-    b.register_memory(bb.addr(), BUF as u64, "cpu:0").expect("register");
+    a.register_memory(ba.addr(), BUF as u64, "cpu:0")
+        .expect("register");
+    b.register_memory(bb.addr(), BUF as u64, "cpu:0")
+        .expect("register");
     let peer = a.open_segment(b.segment_name()).expect("open segment");
     let batch: Vec<TransferRequest> = (0..BUF as u64 / REQ)
-        .map(|i| TransferRequest { opcode: Opcode::Write, source: ba.addr() + i * REQ, target_id: peer, target_offset: bb.addr() + i * REQ, length: REQ })
+        .map(|i| TransferRequest {
+            opcode: Opcode::Write,
+            source: ba.addr() + i * REQ,
+            target_id: peer,
+            target_offset: bb.addr() + i * REQ,
+            length: REQ,
+        })
         .collect();
     // Warm-up: endpoints connected, pages touched.
-    let st = a.transfer_sync(&batch, Duration::from_secs(60)).expect("warm-up");
+    let st = a
+        .transfer_sync(&batch, Duration::from_secs(60))
+        .expect("warm-up");
     assert_eq!(st.status, TaskStatus::Completed, "warm-up batch");
-    let (post0, poll0) = (thread_cpu_ns("kvf-rdma-post"), thread_cpu_ns("kvf-rdma-cq0"));
+    let (post0, poll0) = (
+        thread_cpu_ns("kvf-rdma-post"),
+        thread_cpu_ns("kvf-rdma-cq0"),
+    );
     let t = Instant::now();
     for _ in 0..ROUNDS {
-        let st = a.transfer_sync(&batch, Duration::from_secs(60)).expect("batch");
+        let st = a
+            .transfer_sync(&batch, Duration::from_secs(60))
+            .expect("batch");
         assert_eq!(st.status, TaskStatus::Completed, "batch");
     }
     let secs = t.elapsed().as_secs_f64();
-    let (post, poll) = (thread_cpu_ns("kvf-rdma-post") - post0, thread_cpu_ns("kvf-rdma-cq0") - poll0);
+    let (post, poll) = (
+        thread_cpu_ns("kvf-rdma-post") - post0,
+        thread_cpu_ns("kvf-rdma-cq0") - poll0,
+    );
     let slices = ROUNDS as u64 * BUF as u64 / SLICE;
     println!(
         "rdma_post_cost: {slices} slices of 64 KiB in {secs:.2} s ({:.3} GB/s); posting thread {:.0} ns CPU per slice, completion thread {:.0} ns per slice",

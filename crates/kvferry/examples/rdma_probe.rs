@@ -7,7 +7,13 @@ fn main() {
     println!("{}", serde_json::to_string_pretty(&p).unwrap_or_default());
     for n in &p.nics {
         for port in n.ports.iter().filter(|p| p.active) {
-            println!("{} port {}: rate {:?}, gid index {:?}", n.name, port.num, port.rate, kvferry::rdma::sysfs::select_gid(port, None));
+            println!(
+                "{} port {}: rate {:?}, gid index {:?}",
+                n.name,
+                port.num,
+                port.rate,
+                kvferry::rdma::sysfs::select_gid(port, None)
+            );
         }
     }
     match p.why_not() {

@@ -11,7 +11,14 @@ const TOTAL: usize = 1 << 30;
 fn buffer(len: usize, huge: bool, fill: u8) -> *mut u8 {
     // SAFETY: a fresh anonymous mapping, checked, then advised and filled.
     unsafe {
-        let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
         assert!(p != libc::MAP_FAILED, "mmap failed");
         if huge {
             libc::madvise(p, len, libc::MADV_HUGEPAGE);
@@ -63,7 +70,10 @@ fn main() {
         unsafe { std::ptr::copy_nonoverlapping(a, b, n) };
         best = best.max(n as f64 / t.elapsed().as_secs_f64() / 1e9);
     }
-    println!("pages: {}; single-thread memcpy of 256 MiB: {best:.2} GB/s", if huge { "transparent huge" } else { "4 KiB" });
+    println!(
+        "pages: {}; single-thread memcpy of 256 MiB: {best:.2} GB/s",
+        if huge { "transparent huge" } else { "4 KiB" }
+    );
     for write in [true, false] {
         for blk in [4096usize, 65536, 1 << 20, 16 << 20] {
             for (threads, want) in [(1usize, 1usize), (1, 64), (2, 1), (2, 64)] {
@@ -80,14 +90,26 @@ fn main() {
                                 let (region, base) = (TOTAL / threads, th * (TOTAL / threads));
                                 let (mut bytes, mut off) = (0usize, 0usize);
                                 while t.elapsed().as_secs_f64() < 0.4 {
-                                    let (mut l, mut r) = (Vec::with_capacity(per), Vec::with_capacity(per));
+                                    let (mut l, mut r) =
+                                        (Vec::with_capacity(per), Vec::with_capacity(per));
                                     for _ in 0..per {
                                         let o = base + off % region;
-                                        l.push(libc::iovec { iov_base: (local + o) as *mut libc::c_void, iov_len: blk });
-                                        r.push(libc::iovec { iov_base: (remote as usize + o) as *mut libc::c_void, iov_len: blk });
+                                        l.push(libc::iovec {
+                                            iov_base: (local + o) as *mut libc::c_void,
+                                            iov_len: blk,
+                                        });
+                                        r.push(libc::iovec {
+                                            iov_base: (remote as usize + o) as *mut libc::c_void,
+                                            iov_len: blk,
+                                        });
                                         off += blk;
                                     }
-                                    assert_eq!(cma(pid, write, &l, &r), (blk * per) as isize, "copy failed: {}", std::io::Error::last_os_error());
+                                    assert_eq!(
+                                        cma(pid, write, &l, &r),
+                                        (blk * per) as isize,
+                                        "copy failed: {}",
+                                        std::io::Error::last_os_error()
+                                    );
                                     bytes += blk * per;
                                 }
                                 bytes

@@ -78,7 +78,11 @@ pub enum KeyFileError {
     #[error("KVFERRY_AUTH_KEY_FILE {path}: holds no key; write one per line (e.g. `openssl rand -hex 32`)")]
     Empty { path: PathBuf },
     #[error("KVFERRY_AUTH_KEY_FILE {path}: key {line} is {len} bytes; keys are at least {MIN_KEY_LEN} bytes (e.g. `openssl rand -hex 32`)")]
-    TooShort { path: PathBuf, line: usize, len: usize },
+    TooShort {
+        path: PathBuf,
+        line: usize,
+        len: usize,
+    },
     #[error("KVFERRY_AUTH_KEY_FILE {path}: holds {n} keys; at most {MAX_KEYS} (the one in use first, then the one it replaces)")]
     TooMany { path: PathBuf, n: usize },
     #[error("KVFERRY_AUTH_KEY_FILE {path}: mode {mode:04o} lets others than its owner read it; the key must be the owner's alone: `chmod 600 {path}`")]
@@ -104,7 +108,8 @@ impl std::fmt::Debug for ClusterKey {
 
 fn derive(key: &[u8], label: &str) -> [u8; 32] {
     // HMAC takes a key of any length: this cannot fail.
-    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"));
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key)
+        .unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"));
     m.update(label.as_bytes());
     m.finalize().into_bytes().into()
 }
@@ -113,15 +118,22 @@ impl ClusterKey {
     /// Reads the key file at `path`; refused when others than its owner may read it.
     pub fn load(path: &Path) -> Result<ClusterKey, KeyFileError> {
         use std::os::unix::fs::PermissionsExt;
-        let unreadable = |e: std::io::Error| KeyFileError::Unreadable { path: path.to_path_buf(), why: e.to_string() };
+        let unreadable = |e: std::io::Error| KeyFileError::Unreadable {
+            path: path.to_path_buf(),
+            why: e.to_string(),
+        };
         let file = std::fs::File::open(path).map_err(unreadable)?;
         // (The mode of the file opened, not of whatever the path names by the time it is read.)
         let mode = file.metadata().map_err(unreadable)?.permissions().mode() & 0o7777;
         if mode & 0o077 != 0 {
-            return Err(KeyFileError::Exposed { path: path.to_path_buf(), mode });
+            return Err(KeyFileError::Exposed {
+                path: path.to_path_buf(),
+                mode,
+            });
         }
         let mut text = Vec::new();
-        std::io::Read::read_to_end(&mut std::io::Read::take(&file, 1 << 16), &mut text).map_err(unreadable)?;
+        std::io::Read::read_to_end(&mut std::io::Read::take(&file, 1 << 16), &mut text)
+            .map_err(unreadable)?;
         Self::parse(&text, path)
     }
 
@@ -134,16 +146,31 @@ impl ClusterKey {
                 continue;
             }
             if line.len() < MIN_KEY_LEN {
-                return Err(KeyFileError::TooShort { path: path.to_path_buf(), line: i + 1, len: line.len() });
+                return Err(KeyFileError::TooShort {
+                    path: path.to_path_buf(),
+                    line: i + 1,
+                    len: line.len(),
+                });
             }
             keys.push(line);
         }
         match keys.len() {
-            0 => Err(KeyFileError::Empty { path: path.to_path_buf() }),
-            n if n > MAX_KEYS => Err(KeyFileError::TooMany { path: path.to_path_buf(), n }),
+            0 => Err(KeyFileError::Empty {
+                path: path.to_path_buf(),
+            }),
+            n if n > MAX_KEYS => Err(KeyFileError::TooMany {
+                path: path.to_path_buf(),
+                n,
+            }),
             _ => Ok(ClusterKey {
-                psks: keys.iter().map(|k| derive(k, "kvferry cluster key: Noise psk v1")).collect(),
-                http: keys.iter().map(|k| derive(k, "kvferry cluster key: HTTP v1")).collect(),
+                psks: keys
+                    .iter()
+                    .map(|k| derive(k, "kvferry cluster key: Noise psk v1"))
+                    .collect(),
+                http: keys
+                    .iter()
+                    .map(|k| derive(k, "kvferry cluster key: HTTP v1"))
+                    .collect(),
             }),
         }
     }
@@ -156,16 +183,22 @@ impl ClusterKey {
     /// The tag of an HTTP request's `parts` under the first key (HMAC-SHA256, lengths
     /// first, so no two lists of parts encode alike).
     pub fn http_tag(&self, parts: &[&[u8]]) -> [u8; 32] {
-        Self::tag_with(&self.http[0], parts).finalize().into_bytes().into()
+        Self::tag_with(&self.http[0], parts)
+            .finalize()
+            .into_bytes()
+            .into()
     }
 
     /// Whether `tag` is the tag of `parts` under one of the keys (compared in constant time).
     pub fn http_verify(&self, parts: &[&[u8]], tag: &[u8]) -> bool {
-        self.http.iter().any(|k| Self::tag_with(k, parts).verify_slice(tag).is_ok())
+        self.http
+            .iter()
+            .any(|k| Self::tag_with(k, parts).verify_slice(tag).is_ok())
     }
 
     fn tag_with(key: &[u8; 32], parts: &[&[u8]]) -> Hmac<Sha256> {
-        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"));
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key)
+            .unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"));
         for part in parts {
             m.update(&(part.len() as u64).to_le_bytes());
             m.update(part);
@@ -213,7 +246,9 @@ impl Protect {
     }
 
     pub fn from_code(b: u8) -> Option<Protect> {
-        [Protect::Headers, Protect::Payload, Protect::Encrypt].get(usize::from(b)).copied()
+        [Protect::Headers, Protect::Payload, Protect::Encrypt]
+            .get(usize::from(b))
+            .copied()
     }
 }
 
@@ -245,7 +280,11 @@ pub struct Unproved {
 
 impl Unproved {
     pub fn new(total: usize, per_source: usize) -> Arc<Unproved> {
-        Arc::new(Unproved { total, per_source, counts: std::sync::Mutex::default() })
+        Arc::new(Unproved {
+            total,
+            per_source,
+            counts: std::sync::Mutex::default(),
+        })
     }
 
     /// A place for a new connection from `source`, or `None` when either cap is reached.
@@ -257,7 +296,9 @@ impl Unproved {
         }
         c.0 += 1;
         *c.1.entry(source).or_default() += 1;
-        Some(Pass { of: Some((Arc::clone(self), source)) })
+        Some(Pass {
+            of: Some((Arc::clone(self), source)),
+        })
     }
 
     /// Connections counted now (in total, and from `source`).
@@ -324,10 +365,18 @@ pub enum Refusal {
 }
 
 /// A handshake state for `proto` under `psk`, either side.
-fn handshake(proto: Protocol, psk: &[u8; 32], initiator: bool) -> Result<snow::HandshakeState, snow::Error> {
+fn handshake(
+    proto: Protocol,
+    psk: &[u8; 32],
+    initiator: bool,
+) -> Result<snow::HandshakeState, snow::Error> {
     // (The pattern's name is a constant of this module: parsing it cannot fail.)
-    let params: snow::params::NoiseParams = NOISE.parse().unwrap_or_else(|_| unreachable!("{NOISE} is a valid Noise protocol name"));
-    let b = snow::Builder::new(params).prologue(proto.0.as_bytes())?.psk(0, psk)?;
+    let params: snow::params::NoiseParams = NOISE
+        .parse()
+        .unwrap_or_else(|_| unreachable!("{NOISE} is a valid Noise protocol name"));
+    let b = snow::Builder::new(params)
+        .prologue(proto.0.as_bytes())?
+        .psk(0, psk)?;
     if initiator {
         b.build_initiator()
     } else {
@@ -343,13 +392,19 @@ pub struct Initiator {
 impl Initiator {
     /// Opens a handshake for `proto` towards the endpoint known as `dialed`: this side, and
     /// the opening message to send ([`hello_len`] of `dialed`'s length).
-    pub fn new(key: &ClusterKey, proto: Protocol, dialed: &str) -> Result<(Initiator, Vec<u8>), Refusal> {
+    pub fn new(
+        key: &ClusterKey,
+        proto: Protocol,
+        dialed: &str,
+    ) -> Result<(Initiator, Vec<u8>), Refusal> {
         if dialed.len() > MAX_IDENTITY {
             return Err(Refusal::IdentityTooLong(dialed.len()));
         }
         let mut hs = handshake(proto, &key.psks[0], true).map_err(|_| Refusal::OtherKey)?;
         let mut msg = vec![0u8; hello_len(dialed.len())];
-        let n = hs.write_message(dialed.as_bytes(), &mut msg).map_err(|_| Refusal::OtherKey)?;
+        let n = hs
+            .write_message(dialed.as_bytes(), &mut msg)
+            .map_err(|_| Refusal::OtherKey)?;
         msg.truncate(n);
         Ok((Initiator { hs }, msg))
     }
@@ -360,7 +415,9 @@ impl Initiator {
             return Err(Refusal::AnswerSize(answer.len()));
         }
         let mut payload = [0u8; ANSWER_LEN];
-        self.hs.read_message(answer, &mut payload).map_err(|_| Refusal::OtherKey)?;
+        self.hs
+            .read_message(answer, &mut payload)
+            .map_err(|_| Refusal::OtherKey)?;
         Session::of(self.hs)
     }
 }
@@ -369,20 +426,34 @@ impl Initiator {
 /// (the first names it in a refusal): the session, and the answer to send. Refused, before any
 /// public-key work, when the message is not sealed under a key held here or names another
 /// endpoint.
-pub fn answer(key: &ClusterKey, proto: Protocol, hello: &[u8], here: &[&str]) -> Result<(Session, Vec<u8>), Refusal> {
+pub fn answer(
+    key: &ClusterKey,
+    proto: Protocol,
+    hello: &[u8],
+    here: &[&str],
+) -> Result<(Session, Vec<u8>), Refusal> {
     if hello.len() < hello_len(0) || hello.len() > MAX_HELLO_LEN {
         return Err(Refusal::HelloSize(hello.len()));
     }
     let mut meant = vec![0u8; hello.len()];
     for psk in &key.psks {
-        let Ok(mut hs) = handshake(proto, psk, false) else { continue };
-        let Ok(n) = hs.read_message(hello, &mut meant) else { continue };
+        let Ok(mut hs) = handshake(proto, psk, false) else {
+            continue;
+        };
+        let Ok(n) = hs.read_message(hello, &mut meant) else {
+            continue;
+        };
         let meant = &meant[..n];
         if !here.iter().any(|h| h.as_bytes() == meant) {
-            return Err(Refusal::Misdirected { meant: String::from_utf8_lossy(meant).into_owned(), here: here.first().copied().unwrap_or_default().to_string() });
+            return Err(Refusal::Misdirected {
+                meant: String::from_utf8_lossy(meant).into_owned(),
+                here: here.first().copied().unwrap_or_default().to_string(),
+            });
         }
         let mut msg = [0u8; ANSWER_LEN];
-        let n = hs.write_message(&[], &mut msg).map_err(|_| Refusal::OtherKey)?;
+        let n = hs
+            .write_message(&[], &mut msg)
+            .map_err(|_| Refusal::OtherKey)?;
         return Ok((Session::of(hs)?, msg[..n].to_vec()));
     }
     Err(Refusal::OtherKey)
@@ -396,12 +467,25 @@ pub struct Session {
 
 impl Session {
     fn of(hs: snow::HandshakeState) -> Result<Session, Refusal> {
-        let state = hs.into_stateless_transport_mode().map_err(|_| Refusal::OtherKey)?;
-        Ok(Session { state: Arc::new(state) })
+        let state = hs
+            .into_stateless_transport_mode()
+            .map_err(|_| Refusal::OtherKey)?;
+        Ok(Session {
+            state: Arc::new(state),
+        })
     }
 
     pub fn split(self) -> (Sealer, Opener) {
-        (Sealer { state: Arc::clone(&self.state), n: 0 }, Opener { state: self.state, n: 0 })
+        (
+            Sealer {
+                state: Arc::clone(&self.state),
+                n: 0,
+            },
+            Opener {
+                state: self.state,
+                n: 0,
+            },
+        )
     }
 }
 
@@ -433,10 +517,22 @@ impl Sealer {
     /// Appends `plain` (at most [`MAX_PLAIN`] bytes) sealed as the next message:
     /// `plain.len() + TAG_LEN` bytes.
     pub fn seal(&mut self, plain: &[u8], out: &mut Vec<u8>) {
-        assert!(plain.len() <= MAX_PLAIN, "a Noise message carries at most {MAX_PLAIN} bytes");
+        assert!(
+            plain.len() <= MAX_PLAIN,
+            "a Noise message carries at most {MAX_PLAIN} bytes"
+        );
         let at = out.len();
         out.resize(at + plain.len() + TAG_LEN, 0);
-        let n = self.state.write_message(self.n, plain, &mut out[at..]).unwrap_or_else(|e| unreachable!("sealing {} bytes into {}: {e}", plain.len(), plain.len() + TAG_LEN));
+        let n = self
+            .state
+            .write_message(self.n, plain, &mut out[at..])
+            .unwrap_or_else(|e| {
+                unreachable!(
+                    "sealing {} bytes into {}: {e}",
+                    plain.len(),
+                    plain.len() + TAG_LEN
+                )
+            });
         debug_assert_eq!(n, plain.len() + TAG_LEN);
         self.n += 1;
     }
@@ -444,8 +540,16 @@ impl Sealer {
     /// Seals `plain` as the next message into `out`, which must hold exactly
     /// `plain.len() + TAG_LEN` bytes.
     pub fn seal_to(&mut self, plain: &[u8], out: &mut [u8]) {
-        assert!(plain.len() <= MAX_PLAIN && out.len() == plain.len() + TAG_LEN, "sealing {} bytes into {}", plain.len(), out.len());
-        let n = self.state.write_message(self.n, plain, out).unwrap_or_else(|e| unreachable!("sealing {} bytes: {e}", plain.len()));
+        assert!(
+            plain.len() <= MAX_PLAIN && out.len() == plain.len() + TAG_LEN,
+            "sealing {} bytes into {}",
+            plain.len(),
+            out.len()
+        );
+        let n = self
+            .state
+            .write_message(self.n, plain, out)
+            .unwrap_or_else(|e| unreachable!("sealing {} bytes: {e}", plain.len()));
         debug_assert_eq!(n, out.len());
         self.n += 1;
     }
@@ -453,7 +557,12 @@ impl Sealer {
     /// Appends `body` sealed as a frame: its length sealed ([`FRAME_HEAD_LEN`] bytes), then
     /// the body in messages of at most [`MAX_MSG`] bytes ([`frame_body_len`] in all).
     pub fn seal_frame(&mut self, body: &[u8], out: &mut Vec<u8>) {
-        let len = u32::try_from(body.len()).unwrap_or_else(|_| panic!("a sealed frame of {} bytes; the callers bound theirs far lower", body.len()));
+        let len = u32::try_from(body.len()).unwrap_or_else(|_| {
+            panic!(
+                "a sealed frame of {} bytes; the callers bound theirs far lower",
+                body.len()
+            )
+        });
         out.reserve(FRAME_HEAD_LEN + frame_body_len(body.len()));
         self.seal(&len.to_le_bytes(), out);
         for chunk in body.chunks(MAX_PLAIN) {
@@ -480,14 +589,21 @@ impl Opener {
         if sealed.len() < TAG_LEN || sealed.len() > MAX_MSG {
             return Err(Refusal::Frame);
         }
-        let n = self.state.read_message(self.n, sealed, out).map_err(|_| Refusal::Frame)?;
+        let n = self
+            .state
+            .read_message(self.n, sealed, out)
+            .map_err(|_| Refusal::Frame)?;
         self.n += 1;
         Ok(n)
     }
 
     /// Opens a frame's head ([`FRAME_HEAD_LEN`] bytes): its body's length, if at most `max`
     /// (then [`frame_body_len`] of it sealed bytes follow).
-    pub fn open_frame_head(&mut self, head: &[u8; FRAME_HEAD_LEN], max: usize) -> Result<usize, Refusal> {
+    pub fn open_frame_head(
+        &mut self,
+        head: &[u8; FRAME_HEAD_LEN],
+        max: usize,
+    ) -> Result<usize, Refusal> {
         let mut len = [0u8; FRAME_HEAD_LEN];
         if self.open(head, &mut len)? != 4 {
             return Err(Refusal::Frame);
@@ -513,8 +629,6 @@ impl Opener {
     }
 }
 
-
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -526,7 +640,12 @@ mod tests {
     }
 
     /// A full handshake between `i` (dialing `dialed`) and `r` (known as `here`).
-    fn pair(i: &ClusterKey, r: &ClusterKey, dialed: &str, here: &[&str]) -> Result<(Session, Session), (&'static str, Refusal)> {
+    fn pair(
+        i: &ClusterKey,
+        r: &ClusterKey,
+        dialed: &str,
+        here: &[&str],
+    ) -> Result<(Session, Session), (&'static str, Refusal)> {
         let (init, hello) = Initiator::new(i, P, dialed).map_err(|e| ("initiator", e))?;
         let (rs, ans) = answer(r, P, &hello, here).map_err(|e| ("responder", e))?;
         let is = init.finish(&ans).map_err(|e| ("initiator", e))?;
@@ -541,14 +660,46 @@ mod tests {
         assert_eq!(key(&format!("# the cluster's key\n\n{a}\n")).psks.len(), 1);
         let ws = key(&format!("  {a}  \r\n{b}"));
         assert_eq!(ws.psks.len(), 2);
-        assert_eq!(ws.psks[0], key(&a).psks[0], "whitespace around a key is not part of it");
-        let err = |t: &str| ClusterKey::parse(t.as_bytes(), Path::new("/etc/k")).expect_err("refused");
-        assert_eq!(err("# nothing\n\n"), KeyFileError::Empty { path: "/etc/k".into() });
-        assert_eq!(err(&format!("{a}\nshort\n")), KeyFileError::TooShort { path: "/etc/k".into(), line: 2, len: 5 });
-        assert_eq!(err(&format!("{a}\n{b}\n{a}")), KeyFileError::TooMany { path: "/etc/k".into(), n: 3 });
+        assert_eq!(
+            ws.psks[0],
+            key(&a).psks[0],
+            "whitespace around a key is not part of it"
+        );
+        let err =
+            |t: &str| ClusterKey::parse(t.as_bytes(), Path::new("/etc/k")).expect_err("refused");
+        assert_eq!(
+            err("# nothing\n\n"),
+            KeyFileError::Empty {
+                path: "/etc/k".into()
+            }
+        );
+        assert_eq!(
+            err(&format!("{a}\nshort\n")),
+            KeyFileError::TooShort {
+                path: "/etc/k".into(),
+                line: 2,
+                len: 5
+            }
+        );
+        assert_eq!(
+            err(&format!("{a}\n{b}\n{a}")),
+            KeyFileError::TooMany {
+                path: "/etc/k".into(),
+                n: 3
+            }
+        );
         let missing = ClusterKey::load(Path::new("/nonexistent/kvferry-key")).expect_err("no file");
-        assert!(missing.to_string().contains("KVFERRY_AUTH_KEY_FILE /nonexistent/kvferry-key") && missing.to_string().contains("unset it"), "{missing}");
-        assert!(!format!("{:?}", key(&a)).contains(&a), "Debug never shows the key");
+        assert!(
+            missing
+                .to_string()
+                .contains("KVFERRY_AUTH_KEY_FILE /nonexistent/kvferry-key")
+                && missing.to_string().contains("unset it"),
+            "{missing}"
+        );
+        assert!(
+            !format!("{:?}", key(&a)).contains(&a),
+            "Debug never shows the key"
+        );
         // A file others may read is refused, naming the fix; the owner's alone is taken.
         let dir = std::env::temp_dir().join(format!("kvferry-auth-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -557,7 +708,13 @@ mod tests {
         for mode in [0o644, 0o640, 0o604, 0o660] {
             std::fs::set_permissions(&f, std::fs::Permissions::from_mode(mode)).unwrap();
             let e = ClusterKey::load(&f).expect_err("exposed");
-            assert_eq!(e, KeyFileError::Exposed { path: f.clone(), mode });
+            assert_eq!(
+                e,
+                KeyFileError::Exposed {
+                    path: f.clone(),
+                    mode
+                }
+            );
             assert!(e.to_string().contains("chmod 600"), "{e}");
         }
         for mode in [0o600, 0o400] {
@@ -578,9 +735,12 @@ mod tests {
         let mut wire = Vec::new();
         is.seal_frame(b"a request", &mut wire);
         let mut body = Vec::new();
-        let n = ro.open_frame_head(wire[..FRAME_HEAD_LEN].try_into().unwrap(), 1 << 20).unwrap();
+        let n = ro
+            .open_frame_head(wire[..FRAME_HEAD_LEN].try_into().unwrap(), 1 << 20)
+            .unwrap();
         assert_eq!(wire.len(), FRAME_HEAD_LEN + frame_body_len(n));
-        ro.open_frame_body(&wire[FRAME_HEAD_LEN..], &mut body).unwrap();
+        ro.open_frame_body(&wire[FRAME_HEAD_LEN..], &mut body)
+            .unwrap();
         assert_eq!(body, b"a request");
         wire.clear();
         rs.seal(b"answer", &mut wire);
@@ -588,21 +748,55 @@ mod tests {
         assert_eq!(io.open(&wire, &mut out), Ok(6));
         assert_eq!(&out[..6], b"answer");
 
-        assert_eq!(pair(&a, &b, "seg-1", &["seg-1"]).err(), Some(("responder", Refusal::OtherKey)));
+        assert_eq!(
+            pair(&a, &b, "seg-1", &["seg-1"]).err(),
+            Some(("responder", Refusal::OtherKey))
+        );
         let (_, hello) = Initiator::new(&a, P, "seg-1").unwrap();
-        assert_eq!(answer(&a, Protocol("kvferry/other"), &hello, &["seg-1"]).err(), Some(Refusal::OtherKey), "another protocol's handshake");
+        assert_eq!(
+            answer(&a, Protocol("kvferry/other"), &hello, &["seg-1"]).err(),
+            Some(Refusal::OtherKey),
+            "another protocol's handshake"
+        );
         let e = pair(&a, &a, "seg-1", &["seg-2"]).expect_err("misdirected");
-        assert_eq!(e, ("responder", Refusal::Misdirected { meant: "seg-1".into(), here: "seg-2".into() }));
-        assert!(pair(&a, &a, "alias", &["seg-2", "alias"]).is_ok(), "any of the names an endpoint answers to");
+        assert_eq!(
+            e,
+            (
+                "responder",
+                Refusal::Misdirected {
+                    meant: "seg-1".into(),
+                    here: "seg-2".into()
+                }
+            )
+        );
+        assert!(
+            pair(&a, &a, "alias", &["seg-2", "alias"]).is_ok(),
+            "any of the names an endpoint answers to"
+        );
         // Mid-change: the initiator opens with the old key, the responder accepts both.
-        let (ab, ba) = (key(&format!("{}\n{}", "a".repeat(64), "b".repeat(64))), key(&format!("{}\n{}", "b".repeat(64), "a".repeat(64))));
+        let (ab, ba) = (
+            key(&format!("{}\n{}", "a".repeat(64), "b".repeat(64))),
+            key(&format!("{}\n{}", "b".repeat(64), "a".repeat(64))),
+        );
         assert!(pair(&ab, &ba, "s", &["s"]).is_ok());
         assert!(pair(&ba, &ab, "s", &["s"]).is_ok());
-        assert!(pair(&ab, &b, "s", &["s"]).is_err(), "a host that dropped the old key too early");
+        assert!(
+            pair(&ab, &b, "s", &["s"]).is_err(),
+            "a host that dropped the old key too early"
+        );
         // Sizes.
-        assert_eq!(answer(&a, P, &[0; 10], &["s"]).err(), Some(Refusal::HelloSize(10)));
-        assert_eq!(answer(&a, P, &vec![0; MAX_HELLO_LEN + 1], &["s"]).err(), Some(Refusal::HelloSize(MAX_HELLO_LEN + 1)));
-        assert_eq!(Initiator::new(&a, P, &"x".repeat(MAX_IDENTITY + 1)).err(), Some(Refusal::IdentityTooLong(MAX_IDENTITY + 1)));
+        assert_eq!(
+            answer(&a, P, &[0; 10], &["s"]).err(),
+            Some(Refusal::HelloSize(10))
+        );
+        assert_eq!(
+            answer(&a, P, &vec![0; MAX_HELLO_LEN + 1], &["s"]).err(),
+            Some(Refusal::HelloSize(MAX_HELLO_LEN + 1))
+        );
+        assert_eq!(
+            Initiator::new(&a, P, &"x".repeat(MAX_IDENTITY + 1)).err(),
+            Some(Refusal::IdentityTooLong(MAX_IDENTITY + 1))
+        );
         let (i, _) = Initiator::new(&a, P, "s").unwrap();
         assert_eq!(i.finish(&[0; 5]).err(), Some(Refusal::AnswerSize(5)));
     }
@@ -624,35 +818,70 @@ mod tests {
         let mut f1 = Vec::new();
         is.seal_frame(b"write 4096 bytes at 0x1000", &mut f1);
         let (_, mut r2o) = r2.split();
-        assert_eq!(r2o.open_frame_head(f1[..FRAME_HEAD_LEN].try_into().unwrap(), 1 << 20), Err(Refusal::Frame), "a frame of one connection on another");
+        assert_eq!(
+            r2o.open_frame_head(f1[..FRAME_HEAD_LEN].try_into().unwrap(), 1 << 20),
+            Err(Refusal::Frame),
+            "a frame of one connection on another"
+        );
         let (_, mut r1o) = r1.split();
         let mut f2 = Vec::new();
         is.seal_frame(b"second", &mut f2);
-        assert_eq!(r1o.open_frame_head(f2[..FRAME_HEAD_LEN].try_into().unwrap(), 1 << 20), Err(Refusal::Frame), "reordered: the second frame first");
-        let n = r1o.open_frame_head(f1[..FRAME_HEAD_LEN].try_into().unwrap(), 1 << 20).unwrap();
+        assert_eq!(
+            r1o.open_frame_head(f2[..FRAME_HEAD_LEN].try_into().unwrap(), 1 << 20),
+            Err(Refusal::Frame),
+            "reordered: the second frame first"
+        );
+        let n = r1o
+            .open_frame_head(f1[..FRAME_HEAD_LEN].try_into().unwrap(), 1 << 20)
+            .unwrap();
         let mut body = Vec::new();
-        r1o.open_frame_body(&f1[FRAME_HEAD_LEN..FRAME_HEAD_LEN + frame_body_len(n)], &mut body).unwrap();
+        r1o.open_frame_body(
+            &f1[FRAME_HEAD_LEN..FRAME_HEAD_LEN + frame_body_len(n)],
+            &mut body,
+        )
+        .unwrap();
         assert_eq!(body, b"write 4096 bytes at 0x1000");
-        assert_eq!(r1o.open_frame_head(f1[..FRAME_HEAD_LEN].try_into().unwrap(), 1 << 20), Err(Refusal::Frame), "replayed on its own connection");
+        assert_eq!(
+            r1o.open_frame_head(f1[..FRAME_HEAD_LEN].try_into().unwrap(), 1 << 20),
+            Err(Refusal::Frame),
+            "replayed on its own connection"
+        );
         // (The opener's count is not moved by a refusal: the right frame still opens after.)
         let mut altered = f2.clone();
         altered[FRAME_HEAD_LEN] ^= 1;
-        assert!(r1o.open_frame_head(altered[..FRAME_HEAD_LEN].try_into().unwrap(), 1 << 20).is_ok());
-        assert_eq!(r1o.open_frame_body(&altered[FRAME_HEAD_LEN..], &mut body), Err(Refusal::Frame), "one bit flipped");
+        assert!(r1o
+            .open_frame_head(altered[..FRAME_HEAD_LEN].try_into().unwrap(), 1 << 20)
+            .is_ok());
+        assert_eq!(
+            r1o.open_frame_body(&altered[FRAME_HEAD_LEN..], &mut body),
+            Err(Refusal::Frame),
+            "one bit flipped"
+        );
 
         // Reflection: an initiator's own opening message as its answer, or a responder's
         // answer fed to a responder, completes nothing.
         let (init, hello) = Initiator::new(&k, P, "s").unwrap();
-        assert!(init.finish(&hello[..ANSWER_LEN.min(hello.len())]).is_err(), "its own opening message as the answer");
+        assert!(
+            init.finish(&hello[..ANSWER_LEN.min(hello.len())]).is_err(),
+            "its own opening message as the answer"
+        );
         let (_, ans) = answer(&k, P, &Initiator::new(&k, P, "s").unwrap().1, &["s"]).unwrap();
         assert_eq!(ans.len(), hello_len(0));
-        assert_eq!(answer(&k, P, &ans, &[""]).err(), Some(Refusal::OtherKey), "an answer as an opening message");
+        assert_eq!(
+            answer(&k, P, &ans, &[""]).err(),
+            Some(Refusal::OtherKey),
+            "an answer as an opening message"
+        );
         // A side's own sealed frame sent back to it does not open (each direction has its key).
         let (i, r) = pair(&k, &k, "s", &["s"]).unwrap();
         let ((mut is, mut io), (_, _r)) = (i.split(), r.split());
         let mut f = Vec::new();
         is.seal(b"mine", &mut f);
-        assert_eq!(io.open(&f, &mut [0u8; 64]), Err(Refusal::Frame), "a frame reflected to its sender");
+        assert_eq!(
+            io.open(&f, &mut [0u8; 64]),
+            Err(Refusal::Frame),
+            "a frame reflected to its sender"
+        );
     }
 
     /// A frame longer than one Noise message goes in several; a head claiming more than the
@@ -662,25 +891,42 @@ mod tests {
         let k = key(&"k".repeat(64));
         let (i, r) = pair(&k, &k, "s", &["s"]).unwrap();
         let ((mut is, _), (_, mut ro)) = (i.split(), r.split());
-        for len in [0usize, 1, MAX_PLAIN - 1, MAX_PLAIN, MAX_PLAIN + 1, 3 * MAX_PLAIN + 17] {
+        for len in [
+            0usize,
+            1,
+            MAX_PLAIN - 1,
+            MAX_PLAIN,
+            MAX_PLAIN + 1,
+            3 * MAX_PLAIN + 17,
+        ] {
             let body: Vec<u8> = (0..len).map(|i| i as u8).collect();
             let mut wire = Vec::new();
             is.seal_frame(&body, &mut wire);
             assert_eq!(wire.len(), FRAME_HEAD_LEN + frame_body_len(len));
-            let n = ro.open_frame_head(wire[..FRAME_HEAD_LEN].try_into().unwrap(), 1 << 20).unwrap();
+            let n = ro
+                .open_frame_head(wire[..FRAME_HEAD_LEN].try_into().unwrap(), 1 << 20)
+                .unwrap();
             let mut got = Vec::new();
-            ro.open_frame_body(&wire[FRAME_HEAD_LEN..], &mut got).unwrap();
+            ro.open_frame_body(&wire[FRAME_HEAD_LEN..], &mut got)
+                .unwrap();
             assert_eq!((n, got), (len, body));
         }
         let mut wire = Vec::new();
         is.seal_frame(&[0; 100], &mut wire);
-        assert_eq!(ro.open_frame_head(wire[..FRAME_HEAD_LEN].try_into().unwrap(), 99), Err(Refusal::FrameTooLarge(100, 99)));
+        assert_eq!(
+            ro.open_frame_head(wire[..FRAME_HEAD_LEN].try_into().unwrap(), 99),
+            Err(Refusal::FrameTooLarge(100, 99))
+        );
     }
 
     #[test]
     fn unproved_connections_are_capped_in_total_and_per_source() {
         let u = Unproved::new(3, 2);
-        let (a, b, c) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap(), "10.0.0.3".parse().unwrap());
+        let (a, b, c) = (
+            "10.0.0.1".parse().unwrap(),
+            "10.0.0.2".parse().unwrap(),
+            "10.0.0.3".parse().unwrap(),
+        );
         let a1 = u.admit(a).expect("first from a");
         let mut a2 = u.admit(a).expect("second from a");
         assert!(u.admit(a).is_none(), "a third from one source");
@@ -693,7 +939,10 @@ mod tests {
         let c1 = u.admit(c).expect("a place freed");
         drop((a1, b1, c1));
         assert_eq!(u.counted(a), (0, 0));
-        assert!(u.counts.lock().unwrap().1.is_empty(), "no address is kept once its places are back");
+        assert!(
+            u.counts.lock().unwrap().1.is_empty(),
+            "no address is kept once its places are back"
+        );
     }
 
     #[test]
@@ -704,9 +953,19 @@ mod tests {
         assert!(k.http_verify(&[b"PUT", b"/metadata?key=x", b"body"], &t));
         assert!(!k.http_verify(&[b"PUT", b"/metadata?key=y", b"body"], &t));
         assert!(!k.http_verify(&[b"PUT", b"/metadata?key=x", b"bod"], &t));
-        assert!(!k.http_verify(&[b"PU", b"T/metadata?key=x", b"body"], &t), "parts do not run into each other");
+        assert!(
+            !k.http_verify(&[b"PU", b"T/metadata?key=x", b"body"], &t),
+            "parts do not run into each other"
+        );
         assert!(!key(&b).http_verify(&[b"PUT", b"/metadata?key=x", b"body"], &t));
-        assert!(key(&format!("{b}\n{a}")).http_verify(&[b"PUT", b"/metadata?key=x", b"body"], &t), "the key being replaced is still accepted");
-        assert_ne!(k.http_tag(&[b"x"]), k.psks[0], "HTTP and Noise keys are apart");
+        assert!(
+            key(&format!("{b}\n{a}")).http_verify(&[b"PUT", b"/metadata?key=x", b"body"], &t),
+            "the key being replaced is still accepted"
+        );
+        assert_ne!(
+            k.http_tag(&[b"x"]),
+            k.psks[0],
+            "HTTP and Noise keys are apart"
+        );
     }
 }

@@ -49,7 +49,8 @@ pub const TAG_LEN: usize = 32;
 /// Most digits of a timestamp.
 const MAX_TS_DIGITS: usize = 15;
 /// Longest header value taken.
-pub const MAX_HEADER_LEN: usize = SCHEME.len() + 1 + MAX_TS_DIGITS + 1 + 2 * NONCE_LEN + 1 + 2 * TAG_LEN;
+pub const MAX_HEADER_LEN: usize =
+    SCHEME.len() + 1 + MAX_TS_DIGITS + 1 + 2 * NONCE_LEN + 1 + 2 * TAG_LEN;
 
 /// What a server tells a client without the key, after the cause.
 const FIX: &str = "set KVFERRY_AUTH_KEY_FILE to the cluster's key file where the client runs (kvferry's clients then sign every request); stock Mooncake clients cannot";
@@ -83,12 +84,22 @@ impl Refusal {
 
 /// The time now in milliseconds since the Unix epoch (0 if the clock is before it).
 pub fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 fn hex(bytes: &[u8]) -> String {
     const D: &[u8; 16] = b"0123456789abcdef";
-    bytes.iter().flat_map(|b| [D[usize::from(b >> 4)] as char, D[usize::from(b & 15)] as char]).collect()
+    bytes
+        .iter()
+        .flat_map(|b| {
+            [
+                D[usize::from(b >> 4)] as char,
+                D[usize::from(b & 15)] as char,
+            ]
+        })
+        .collect()
 }
 
 fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
@@ -104,16 +115,41 @@ fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
     Some(out)
 }
 
-fn tag_parts<'a>(method: &'a str, path_and_query: &'a str, ts: &'a str, nonce: &'a str, body_hash: &'a [u8; 32]) -> [&'a [u8]; 5] {
-    [method.as_bytes(), path_and_query.as_bytes(), ts.as_bytes(), nonce.as_bytes(), body_hash]
+fn tag_parts<'a>(
+    method: &'a str,
+    path_and_query: &'a str,
+    ts: &'a str,
+    nonce: &'a str,
+    body_hash: &'a [u8; 32],
+) -> [&'a [u8]; 5] {
+    [
+        method.as_bytes(),
+        path_and_query.as_bytes(),
+        ts.as_bytes(),
+        nonce.as_bytes(),
+        body_hash,
+    ]
 }
 
 /// The [`HEADER`] value for a request: `method` (`GET`, `PUT`...), `path_and_query` as on the
 /// request line (`/metadata?key=mooncake%2Fram%2Fa`), `body` (empty for none), at `now_ms`
 /// with `nonce` (random: a server takes a nonce once within the window).
-pub fn sign(key: &ClusterKey, method: &str, path_and_query: &str, body: &[u8], now_ms: u64, nonce: [u8; NONCE_LEN]) -> String {
+pub fn sign(
+    key: &ClusterKey,
+    method: &str,
+    path_and_query: &str,
+    body: &[u8],
+    now_ms: u64,
+    nonce: [u8; NONCE_LEN],
+) -> String {
     let (ts, nonce) = (now_ms.to_string(), hex(&nonce));
-    let tag = key.http_tag(&tag_parts(method, path_and_query, &ts, &nonce, &Sha256::digest(body).into()));
+    let tag = key.http_tag(&tag_parts(
+        method,
+        path_and_query,
+        &ts,
+        &nonce,
+        &Sha256::digest(body).into(),
+    ));
     format!("{SCHEME} {ts} {nonce} {}", hex(&tag))
 }
 
@@ -143,29 +179,69 @@ impl Claim {
         }
         let text = std::str::from_utf8(header).map_err(|_| Refusal::Malformed("not ASCII"))?;
         let mut words = text.split(' ');
-        let (Some(scheme), Some(ts_text), Some(nonce_text), Some(tag_text), None) = (words.next(), words.next(), words.next(), words.next(), words.next()) else {
-            return Err(Refusal::Malformed("not four words separated by single spaces"));
+        let (Some(scheme), Some(ts_text), Some(nonce_text), Some(tag_text), None) = (
+            words.next(),
+            words.next(),
+            words.next(),
+            words.next(),
+            words.next(),
+        ) else {
+            return Err(Refusal::Malformed(
+                "not four words separated by single spaces",
+            ));
         };
         if scheme != SCHEME {
-            return Err(Refusal::Malformed("an unknown scheme: this server takes v1"));
+            return Err(Refusal::Malformed(
+                "an unknown scheme: this server takes v1",
+            ));
         }
-        if ts_text.is_empty() || ts_text.len() > MAX_TS_DIGITS || !ts_text.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(Refusal::Malformed("the timestamp is not a number of milliseconds"));
+        if ts_text.is_empty()
+            || ts_text.len() > MAX_TS_DIGITS
+            || !ts_text.bytes().all(|b| b.is_ascii_digit())
+        {
+            return Err(Refusal::Malformed(
+                "the timestamp is not a number of milliseconds",
+            ));
         }
-        let ts: u64 = ts_text.parse().map_err(|_| Refusal::Malformed("the timestamp is not a number of milliseconds"))?;
-        let nonce = unhex::<NONCE_LEN>(nonce_text).ok_or(Refusal::Malformed("the nonce is not 32 hex digits"))?;
-        let tag = unhex::<TAG_LEN>(tag_text).ok_or(Refusal::Malformed("the tag is not 64 hex digits"))?;
+        let ts: u64 = ts_text
+            .parse()
+            .map_err(|_| Refusal::Malformed("the timestamp is not a number of milliseconds"))?;
+        let nonce = unhex::<NONCE_LEN>(nonce_text)
+            .ok_or(Refusal::Malformed("the nonce is not 32 hex digits"))?;
+        let tag =
+            unhex::<TAG_LEN>(tag_text).ok_or(Refusal::Malformed("the tag is not 64 hex digits"))?;
         let skew_ms = i128::from(ts) - i128::from(now_ms);
         if skew_ms.unsigned_abs() > u128::from(WINDOW_MS) {
             return Err(Refusal::Skewed { skew_ms });
         }
-        Ok(Claim { ts, ts_text: ts_text.to_string(), nonce, nonce_text: nonce_text.to_string(), tag })
+        Ok(Claim {
+            ts,
+            ts_text: ts_text.to_string(),
+            nonce,
+            nonce_text: nonce_text.to_string(),
+            tag,
+        })
     }
 
     /// Whether the tag is that of this request under one of `key`'s keys.
-    pub fn check_tag(&self, key: &ClusterKey, method: &str, path_and_query: &str, body: &[u8]) -> Result<(), Refusal> {
+    pub fn check_tag(
+        &self,
+        key: &ClusterKey,
+        method: &str,
+        path_and_query: &str,
+        body: &[u8],
+    ) -> Result<(), Refusal> {
         let body_hash: [u8; 32] = Sha256::digest(body).into();
-        if key.http_verify(&tag_parts(method, path_and_query, &self.ts_text, &self.nonce_text, &body_hash), &self.tag) {
+        if key.http_verify(
+            &tag_parts(
+                method,
+                path_and_query,
+                &self.ts_text,
+                &self.nonce_text,
+                &body_hash,
+            ),
+            &self.tag,
+        ) {
             Ok(())
         } else {
             Err(Refusal::OtherKey)
@@ -201,7 +277,12 @@ impl Default for ReplayCache {
 
 impl ReplayCache {
     pub fn new(capacity: usize) -> ReplayCache {
-        ReplayCache { capacity, seen: HashSet::new(), by_expiry: BTreeSet::new(), latest: 0 }
+        ReplayCache {
+            capacity,
+            seen: HashSet::new(),
+            by_expiry: BTreeSet::new(),
+            latest: 0,
+        }
     }
 
     /// Nonces held.
@@ -227,7 +308,9 @@ impl ReplayCache {
         }
         let expiry = claim.ts.saturating_add(WINDOW_MS);
         if expiry < self.latest {
-            return Err(Refusal::Skewed { skew_ms: i128::from(claim.ts) - i128::from(self.latest) });
+            return Err(Refusal::Skewed {
+                skew_ms: i128::from(claim.ts) - i128::from(self.latest),
+            });
         }
         if self.seen.contains(&claim.nonce) {
             return Err(Refusal::Replayed);
@@ -255,7 +338,10 @@ impl Guard {
     }
 
     pub fn with_capacity(key: ClusterKey, capacity: usize) -> Guard {
-        Guard { key, cache: Mutex::new(ReplayCache::new(capacity)) }
+        Guard {
+            key,
+            cache: Mutex::new(ReplayCache::new(capacity)),
+        }
     }
 
     /// What can be checked before the body is read: the header's form and its timestamp.
@@ -265,13 +351,30 @@ impl Guard {
 
     /// The rest, once the body is read: the tag, then the nonce (remembered only once the tag
     /// verified).
-    pub fn check(&self, claim: &Claim, method: &str, path_and_query: &str, body: &[u8], now_ms: u64) -> Result<(), Refusal> {
+    pub fn check(
+        &self,
+        claim: &Claim,
+        method: &str,
+        path_and_query: &str,
+        body: &[u8],
+        now_ms: u64,
+    ) -> Result<(), Refusal> {
         claim.check_tag(&self.key, method, path_and_query, body)?;
-        self.cache.lock().unwrap_or_else(|e| e.into_inner()).admit(claim, now_ms)
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .admit(claim, now_ms)
     }
 
     /// The whole check of one request ([`Guard::precheck`] then [`Guard::check`]).
-    pub fn verify(&self, method: &str, path_and_query: &str, header: Option<&[u8]>, body: &[u8], now_ms: u64) -> Result<(), Refusal> {
+    pub fn verify(
+        &self,
+        method: &str,
+        path_and_query: &str,
+        header: Option<&[u8]>,
+        body: &[u8],
+        now_ms: u64,
+    ) -> Result<(), Refusal> {
         let claim = self.precheck(header, now_ms)?;
         self.check(&claim, method, path_and_query, body, now_ms)
     }
@@ -303,25 +406,62 @@ mod tests {
         let k = key(&"a".repeat(64));
         let g = Guard::new(k.clone());
         let h = sign(&k, "PUT", PQ, b"{\"v\":1}", T, nonce(1));
-        assert!(h.starts_with("v1 1700000000000 01010101010101010101010101010101 "), "{h}");
+        assert!(
+            h.starts_with("v1 1700000000000 01010101010101010101010101010101 "),
+            "{h}"
+        );
         assert_eq!(h.len(), MAX_HEADER_LEN - (MAX_TS_DIGITS - 13));
-        assert_eq!(g.verify("PUT", PQ, Some(h.as_bytes()), b"{\"v\":1}", T + 5), Ok(()));
-        assert_eq!(g.verify("PUT", PQ, Some(h.as_bytes()), b"{\"v\":1}", T + 6), Err(Refusal::Replayed), "the same header and body again");
+        assert_eq!(
+            g.verify("PUT", PQ, Some(h.as_bytes()), b"{\"v\":1}", T + 5),
+            Ok(())
+        );
+        assert_eq!(
+            g.verify("PUT", PQ, Some(h.as_bytes()), b"{\"v\":1}", T + 6),
+            Err(Refusal::Replayed),
+            "the same header and body again"
+        );
         // Anything altered: another method, path, query or body.
         let fresh = |i| sign(&k, "PUT", PQ, b"{\"v\":1}", T, nonce(i));
-        assert_eq!(g.verify("DELETE", PQ, Some(fresh(2).as_bytes()), b"{\"v\":1}", T), Err(Refusal::OtherKey));
-        assert_eq!(g.verify("PUT", "/metadata?key=mooncake%2Fram%2Fb", Some(fresh(3).as_bytes()), b"{\"v\":1}", T), Err(Refusal::OtherKey));
-        assert_eq!(g.verify("PUT", PQ, Some(fresh(4).as_bytes()), b"{\"v\":2}", T), Err(Refusal::OtherKey));
-        assert_eq!(g.verify("PUT", PQ, Some(fresh(5).as_bytes()), b"", T), Err(Refusal::OtherKey));
+        assert_eq!(
+            g.verify("DELETE", PQ, Some(fresh(2).as_bytes()), b"{\"v\":1}", T),
+            Err(Refusal::OtherKey)
+        );
+        assert_eq!(
+            g.verify(
+                "PUT",
+                "/metadata?key=mooncake%2Fram%2Fb",
+                Some(fresh(3).as_bytes()),
+                b"{\"v\":1}",
+                T
+            ),
+            Err(Refusal::OtherKey)
+        );
+        assert_eq!(
+            g.verify("PUT", PQ, Some(fresh(4).as_bytes()), b"{\"v\":2}", T),
+            Err(Refusal::OtherKey)
+        );
+        assert_eq!(
+            g.verify("PUT", PQ, Some(fresh(5).as_bytes()), b"", T),
+            Err(Refusal::OtherKey)
+        );
         // A timestamp or nonce changed in the header breaks the tag.
         let h6 = fresh(6);
         let moved = h6.replacen("1700000000000", "1700000000001", 1);
-        assert_eq!(g.verify("PUT", PQ, Some(moved.as_bytes()), b"{\"v\":1}", T), Err(Refusal::OtherKey));
+        assert_eq!(
+            g.verify("PUT", PQ, Some(moved.as_bytes()), b"{\"v\":1}", T),
+            Err(Refusal::OtherKey)
+        );
         let other_nonce = h6.replacen("0606", "0607", 1);
-        assert_eq!(g.verify("PUT", PQ, Some(other_nonce.as_bytes()), b"{\"v\":1}", T), Err(Refusal::OtherKey));
+        assert_eq!(
+            g.verify("PUT", PQ, Some(other_nonce.as_bytes()), b"{\"v\":1}", T),
+            Err(Refusal::OtherKey)
+        );
         // Refusals of a bad tag are not remembered: the genuine request still goes through.
         assert_eq!(g.remembered(), 1);
-        assert_eq!(g.verify("PUT", PQ, Some(h6.as_bytes()), b"{\"v\":1}", T), Ok(()));
+        assert_eq!(
+            g.verify("PUT", PQ, Some(h6.as_bytes()), b"{\"v\":1}", T),
+            Ok(())
+        );
         assert_eq!(g.remembered(), 2);
     }
 
@@ -330,16 +470,29 @@ mod tests {
         let (a, b) = ("a".repeat(64), "b".repeat(64));
         let g = Guard::new(key(&a));
         let h = sign(&key(&b), "GET", "/query_key?key=x", b"", T, nonce(1));
-        assert_eq!(g.verify("GET", "/query_key?key=x", Some(h.as_bytes()), b"", T), Err(Refusal::OtherKey));
+        assert_eq!(
+            g.verify("GET", "/query_key?key=x", Some(h.as_bytes()), b"", T),
+            Err(Refusal::OtherKey)
+        );
         assert_eq!(g.remembered(), 0);
         // Mid-change: a server holding `new, old` takes requests signed with either; a client
         // holding `old, new` signs with the old one.
         let mid = Guard::new(key(&format!("{b}\n{a}")));
         let by_old = sign(&key(&format!("{a}\n{b}")), "GET", "/x", b"", T, nonce(2));
         let by_new = sign(&key(&b), "GET", "/x", b"", T, nonce(3));
-        assert_eq!(mid.verify("GET", "/x", Some(by_old.as_bytes()), b"", T), Ok(()));
-        assert_eq!(mid.verify("GET", "/x", Some(by_new.as_bytes()), b"", T), Ok(()));
-        assert_eq!(Guard::new(key(&b)).verify("GET", "/x", Some(by_old.as_bytes()), b"", T), Err(Refusal::OtherKey), "a server that dropped the old key too early");
+        assert_eq!(
+            mid.verify("GET", "/x", Some(by_old.as_bytes()), b"", T),
+            Ok(())
+        );
+        assert_eq!(
+            mid.verify("GET", "/x", Some(by_new.as_bytes()), b"", T),
+            Ok(())
+        );
+        assert_eq!(
+            Guard::new(key(&b)).verify("GET", "/x", Some(by_old.as_bytes()), b"", T),
+            Err(Refusal::OtherKey),
+            "a server that dropped the old key too early"
+        );
     }
 
     #[test]
@@ -347,28 +500,81 @@ mod tests {
         let k = key(&"a".repeat(64));
         let g = Guard::new(k.clone());
         let at = |ts: u64, i: u8| sign(&k, "GET", "/x", b"", ts, nonce(i));
-        assert_eq!(g.verify("GET", "/x", Some(at(T - WINDOW_MS, 1).as_bytes()), b"", T), Ok(()), "the window's edge, past");
-        assert_eq!(g.verify("GET", "/x", Some(at(T + WINDOW_MS, 2).as_bytes()), b"", T), Ok(()), "the window's edge, future");
-        let stale = g.verify("GET", "/x", Some(at(T - WINDOW_MS - 1, 3).as_bytes()), b"", T).unwrap_err();
-        assert_eq!(stale, Refusal::Skewed { skew_ms: -(WINDOW_MS as i128) - 1 });
-        assert!(stale.to_string().contains("NTP") && stale.to_string().contains("30000 ms"), "{stale}");
-        assert_eq!(g.verify("GET", "/x", Some(at(T + WINDOW_MS + 1, 4).as_bytes()), b"", T), Err(Refusal::Skewed { skew_ms: WINDOW_MS as i128 + 1 }));
-        assert_eq!(g.verify("GET", "/x", Some(at(0, 5).as_bytes()), b"", T).map_err(|e| e.status()), Err(401));
+        assert_eq!(
+            g.verify("GET", "/x", Some(at(T - WINDOW_MS, 1).as_bytes()), b"", T),
+            Ok(()),
+            "the window's edge, past"
+        );
+        assert_eq!(
+            g.verify("GET", "/x", Some(at(T + WINDOW_MS, 2).as_bytes()), b"", T),
+            Ok(()),
+            "the window's edge, future"
+        );
+        let stale = g
+            .verify(
+                "GET",
+                "/x",
+                Some(at(T - WINDOW_MS - 1, 3).as_bytes()),
+                b"",
+                T,
+            )
+            .unwrap_err();
+        assert_eq!(
+            stale,
+            Refusal::Skewed {
+                skew_ms: -(WINDOW_MS as i128) - 1
+            }
+        );
+        assert!(
+            stale.to_string().contains("NTP") && stale.to_string().contains("30000 ms"),
+            "{stale}"
+        );
+        assert_eq!(
+            g.verify(
+                "GET",
+                "/x",
+                Some(at(T + WINDOW_MS + 1, 4).as_bytes()),
+                b"",
+                T
+            ),
+            Err(Refusal::Skewed {
+                skew_ms: WINDOW_MS as i128 + 1
+            })
+        );
+        assert_eq!(
+            g.verify("GET", "/x", Some(at(0, 5).as_bytes()), b"", T)
+                .map_err(|e| e.status()),
+            Err(401)
+        );
     }
 
     #[test]
     fn a_nonce_is_remembered_until_its_request_leaves_the_window_even_if_the_clock_goes_back() {
         let k = key(&"a".repeat(64));
         let mut c = ReplayCache::new(8);
-        let claim = |ts: u64, i: u8, now: u64| Claim::parse(Some(sign(&k, "GET", "/x", b"", ts, nonce(i)).as_bytes()), now).expect("well formed, in the window");
+        let claim = |ts: u64, i: u8, now: u64| {
+            Claim::parse(
+                Some(sign(&k, "GET", "/x", b"", ts, nonce(i)).as_bytes()),
+                now,
+            )
+            .expect("well formed, in the window")
+        };
         let one = claim(T, 1, T);
         assert_eq!(c.admit(&one, T), Ok(()));
-        assert_eq!(c.admit(&one, T + WINDOW_MS), Err(Refusal::Replayed), "to the window's last ms");
+        assert_eq!(
+            c.admit(&one, T + WINDOW_MS),
+            Err(Refusal::Replayed),
+            "to the window's last ms"
+        );
         // Past the window the nonce is forgotten, and the request is stale.
         let two = claim(T + 2 * WINDOW_MS, 2, T + 2 * WINDOW_MS);
         assert_eq!(c.admit(&two, T + 2 * WINDOW_MS), Ok(()));
         assert_eq!(c.len(), 1, "the first nonce aged out");
-        assert!(Claim::parse(Some(sign(&k, "GET", "/x", b"", T, nonce(1)).as_bytes()), T + WINDOW_MS + 1).is_err());
+        assert!(Claim::parse(
+            Some(sign(&k, "GET", "/x", b"", T, nonce(1)).as_bytes()),
+            T + WINDOW_MS + 1
+        )
+        .is_err());
         // The system clock set back: the cache goes by the latest time it saw, so the first
         // request (whose nonce it forgot) is still refused.
         assert!(matches!(c.admit(&one, T), Err(Refusal::Skewed { .. })));
@@ -379,17 +585,41 @@ mod tests {
         let k = key(&"a".repeat(64));
         let g = Guard::with_capacity(k.clone(), 3);
         for i in 0..3 {
-            assert_eq!(g.verify("GET", "/x", Some(sign(&k, "GET", "/x", b"", T, nonce(i)).as_bytes()), b"", T), Ok(()));
+            assert_eq!(
+                g.verify(
+                    "GET",
+                    "/x",
+                    Some(sign(&k, "GET", "/x", b"", T, nonce(i)).as_bytes()),
+                    b"",
+                    T
+                ),
+                Ok(())
+            );
         }
         let next = sign(&k, "GET", "/x", b"", T, nonce(9));
-        let busy = g.verify("GET", "/x", Some(next.as_bytes()), b"", T).unwrap_err();
+        let busy = g
+            .verify("GET", "/x", Some(next.as_bytes()), b"", T)
+            .unwrap_err();
         assert_eq!((busy.clone(), busy.status()), (Refusal::Busy, 503));
         for i in 0..3 {
-            assert_eq!(g.verify("GET", "/x", Some(sign(&k, "GET", "/x", b"", T, nonce(i)).as_bytes()), b"", T + 1), Err(Refusal::Replayed), "none was forgotten");
+            assert_eq!(
+                g.verify(
+                    "GET",
+                    "/x",
+                    Some(sign(&k, "GET", "/x", b"", T, nonce(i)).as_bytes()),
+                    b"",
+                    T + 1
+                ),
+                Err(Refusal::Replayed),
+                "none was forgotten"
+            );
         }
         // Once the first ones left the window, room again.
         let later = sign(&k, "GET", "/x", b"", T + WINDOW_MS + 1, nonce(9));
-        assert_eq!(g.verify("GET", "/x", Some(later.as_bytes()), b"", T + WINDOW_MS + 1), Ok(()));
+        assert_eq!(
+            g.verify("GET", "/x", Some(later.as_bytes()), b"", T + WINDOW_MS + 1),
+            Ok(())
+        );
         assert_eq!(g.remembered(), 1);
     }
 
@@ -400,7 +630,10 @@ mod tests {
         let parse = |h: &str| Claim::parse(Some(h.as_bytes()), T);
         assert_eq!(Claim::parse(None, T), Err(Refusal::Missing));
         let missing = Refusal::Missing.to_string();
-        assert!(missing.contains("KVFERRY_AUTH_KEY_FILE") && missing.contains("Mooncake"), "{missing}");
+        assert!(
+            missing.contains("KVFERRY_AUTH_KEY_FILE") && missing.contains("Mooncake"),
+            "{missing}"
+        );
         let words: Vec<&str> = good.split(' ').collect();
         let cases = [
             String::new(),
@@ -422,10 +655,21 @@ mod tests {
             assert!(matches!(e, Refusal::Malformed(_)), "{h:?}: {e:?}");
             assert!(e.to_string().contains("v1 <unix ms>"), "{e}");
         }
-        assert!(matches!(Claim::parse(Some(&[0xff, 0xfe]), T), Err(Refusal::Malformed(_))));
+        assert!(matches!(
+            Claim::parse(Some(&[0xff, 0xfe]), T),
+            Err(Refusal::Malformed(_))
+        ));
         // Upper-case hex is the same nonce and tag.
-        let upper = format!("v1 {} {} {}", words[1], words[2].to_uppercase(), words[3].to_uppercase());
-        assert_eq!(parse(&upper).map(|c| c.nonce), parse(&good).map(|c| c.nonce));
+        let upper = format!(
+            "v1 {} {} {}",
+            words[1],
+            words[2].to_uppercase(),
+            words[3].to_uppercase()
+        );
+        assert_eq!(
+            parse(&upper).map(|c| c.nonce),
+            parse(&good).map(|c| c.nonce)
+        );
         assert_eq!(parse(&good).map(|c| c.timestamp_ms()), Ok(T));
     }
 }

@@ -37,7 +37,10 @@ impl TaskStatus {
     }
 
     pub fn is_terminal(self) -> bool {
-        matches!(self, TaskStatus::Completed | TaskStatus::Timeout | TaskStatus::Failed | TaskStatus::Canceled)
+        matches!(
+            self,
+            TaskStatus::Completed | TaskStatus::Timeout | TaskStatus::Failed | TaskStatus::Canceled
+        )
     }
 }
 
@@ -104,7 +107,10 @@ impl FailCause {
 
     /// This cause with its reason text.
     pub fn because(self, reason: impl Into<String>) -> Failure {
-        Failure { cause: self, reason: reason.into() }
+        Failure {
+            cause: self,
+            reason: reason.into(),
+        }
     }
 }
 
@@ -133,8 +139,12 @@ impl From<&crate::Error> for FailCause {
         match e {
             E::LocalNotRegistered { .. } | E::NotRegistered { .. } => FailCause::LocalNotRegistered,
             E::RemoteNotRegistered { .. } => FailCause::RemoteNotRegistered,
-            E::UnknownSegmentId(_) | E::SegmentNotFound { .. } | E::SegmentNotRegistered { .. } => FailCause::SegmentNotFound,
-            E::NoTransport { .. } | E::Handshake { .. } | E::Metadata { .. } => FailCause::PeerUnreachable,
+            E::UnknownSegmentId(_) | E::SegmentNotFound { .. } | E::SegmentNotRegistered { .. } => {
+                FailCause::SegmentNotFound
+            }
+            E::NoTransport { .. } | E::Handshake { .. } | E::Metadata { .. } => {
+                FailCause::PeerUnreachable
+            }
             E::Wire { .. } | E::BadMetadata { .. } => FailCause::Protocol,
             E::Io { .. } => FailCause::PeerLost,
             E::Shutdown => FailCause::ShutDown,
@@ -220,7 +230,12 @@ impl TaskState {
 
     /// Marks the task as handed to the network.
     pub fn set_pending(&self) {
-        let _ = self.status.compare_exchange(TaskStatus::Waiting as u8, TaskStatus::Pending as u8, Ordering::AcqRel, Ordering::Acquire);
+        let _ = self.status.compare_exchange(
+            TaskStatus::Waiting as u8,
+            TaskStatus::Pending as u8,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
     }
 
     /// One piece finished successfully, having moved `bytes`.
@@ -235,7 +250,11 @@ impl TaskState {
             FailKind::Failed => TaskStatus::Failed,
             FailKind::Timeout => TaskStatus::Timeout,
         } as u8;
-        if self.failure.compare_exchange(NO_FAILURE, code, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+        if self
+            .failure
+            .compare_exchange(NO_FAILURE, code, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
             let mut f = reason.into();
             if kind == FailKind::Timeout && f.cause == FailCause::Other {
                 f.cause = FailCause::Timeout;
@@ -250,7 +269,11 @@ impl TaskState {
             return;
         }
         let failure = self.failure.load(Ordering::Acquire);
-        let final_status = if failure == NO_FAILURE { TaskStatus::Completed as u8 } else { failure };
+        let final_status = if failure == NO_FAILURE {
+            TaskStatus::Completed as u8
+        } else {
+            failure
+        };
         self.status.store(final_status, Ordering::Release);
         let left = self.signal.unfinished.fetch_sub(1, Ordering::AcqRel) - 1;
         if left == 0 {
@@ -260,7 +283,11 @@ impl TaskState {
 
     pub fn status(&self) -> TransferStatus {
         let status = TaskStatus::from_u8(self.status.load(Ordering::Acquire));
-        let failure = if status.is_terminal() { self.reason.get() } else { None };
+        let failure = if status.is_terminal() {
+            self.reason.get()
+        } else {
+            None
+        };
         TransferStatus {
             status,
             transferred_bytes: self.transferred.load(Ordering::Acquire),
@@ -279,7 +306,11 @@ pub(crate) struct Batch {
 
 impl Batch {
     pub fn new(capacity: usize) -> Batch {
-        Batch { capacity, tasks: Mutex::new(Vec::with_capacity(capacity)), signal: Arc::new(Signal::default()) }
+        Batch {
+            capacity,
+            tasks: Mutex::new(Vec::with_capacity(capacity)),
+            signal: Arc::new(Signal::default()),
+        }
     }
 
     pub fn unfinished(&self) -> usize {
@@ -316,7 +347,12 @@ impl Batch {
             (None, Some(f)) => return f,
             (None, None) => TaskStatus::Completed,
         };
-        TransferStatus { status, transferred_bytes: bytes, reason: None, cause: None }
+        TransferStatus {
+            status,
+            transferred_bytes: bytes,
+            reason: None,
+            cause: None,
+        }
     }
 
     /// Blocks (without spinning) until every task is terminal or `timeout`.
@@ -329,10 +365,20 @@ impl Batch {
     /// each task by its deadline, so this returns by the latest deadline (a warning is logged
     /// every 5 s past it, which would be a bug).
     pub fn wait_terminal(&self) {
-        let latest = self.tasks.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|t| t.deadline).max();
+        let latest = self
+            .tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|t| t.deadline)
+            .max();
         let mut until = latest.unwrap_or_else(Instant::now) + Duration::from_secs(5);
         while !self.wait_until(Some(until)) {
-            tracing::warn!("a batch has {} task(s) still running {:?} past their deadline", self.unfinished(), until.elapsed());
+            tracing::warn!(
+                "a batch has {} task(s) still running {:?} past their deadline",
+                self.unfinished(),
+                until.elapsed()
+            );
             until = Instant::now() + Duration::from_secs(5);
         }
     }
@@ -349,7 +395,10 @@ impl Batch {
                     if now >= u {
                         return false;
                     }
-                    g = s.cv.wait_timeout(g, u - now).unwrap_or_else(|e| e.into_inner()).0;
+                    g =
+                        s.cv.wait_timeout(g, u - now)
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0;
                 }
             }
         }
@@ -367,7 +416,12 @@ impl Batch {
 
     /// Each task's status, in submission order.
     pub fn statuses(&self) -> Vec<TransferStatus> {
-        self.tasks.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|t| t.status()).collect()
+        self.tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|t| t.status())
+            .collect()
     }
 }
 
@@ -384,7 +438,15 @@ mod tests {
         t.piece_done(30);
         assert_eq!(t.status().status, TaskStatus::Waiting);
         t.piece_done(40);
-        assert_eq!(t.status(), TransferStatus { status: TaskStatus::Completed, transferred_bytes: 100, reason: None, cause: None });
+        assert_eq!(
+            t.status(),
+            TransferStatus {
+                status: TaskStatus::Completed,
+                transferred_bytes: 100,
+                reason: None,
+                cause: None
+            }
+        );
         assert_eq!(sig.unfinished.load(Ordering::Acquire), 0);
 
         let t = TaskState::new(Instant::now(), Arc::clone(&sig));
@@ -410,6 +472,9 @@ mod tests {
         h.join().unwrap();
         assert_eq!(s.status, TaskStatus::Completed);
         assert_eq!(s.transferred_bytes, 5);
-        assert_eq!(b.wait(Duration::from_millis(1)).status, TaskStatus::Completed);
+        assert_eq!(
+            b.wait(Duration::from_millis(1)).status,
+            TaskStatus::Completed
+        );
     }
 }

@@ -186,13 +186,24 @@ impl Default for Config {
 }
 
 fn lookup(get: &dyn Fn(&str) -> Option<String>, var: &str) -> Option<(String, String)> {
-    let v = ENV_VARS.iter().find(|v| v.name == var).expect("known variable");
+    let v = ENV_VARS
+        .iter()
+        .find(|v| v.name == var)
+        .expect("known variable");
     std::iter::once(v.name)
         .chain(v.aliases.iter().copied())
-        .find_map(|n| get(n).filter(|s| !s.trim().is_empty()).map(|s| (n.to_string(), s.trim().to_string())))
+        .find_map(|n| {
+            get(n)
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| (n.to_string(), s.trim().to_string()))
+        })
 }
 
-fn parse<T: std::str::FromStr>(get: &dyn Fn(&str) -> Option<String>, var: &str, what: &str) -> Result<Option<T>> {
+fn parse<T: std::str::FromStr>(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &str,
+    what: &str,
+) -> Result<Option<T>> {
     match lookup(get, var) {
         None => Ok(None),
         Some((name, s)) => s
@@ -205,7 +216,9 @@ fn parse<T: std::str::FromStr>(get: &dyn Fn(&str) -> Option<String>, var: &str, 
 fn seconds(get: &dyn Fn(&str) -> Option<String>, var: &str) -> Result<Option<Duration>> {
     match parse::<f64>(get, var, "a number of seconds")? {
         Some(s) if s > 0.0 && s.is_finite() && s < 1e9 => Ok(Some(Duration::from_secs_f64(s))),
-        Some(s) => Err(Error::Config(format!("{var}={s} must be a positive number of seconds"))),
+        Some(s) => Err(Error::Config(format!(
+            "{var}={s} must be a positive number of seconds"
+        ))),
         None => Ok(None),
     }
 }
@@ -231,7 +244,11 @@ impl Config {
         if let Some(p) = parse(get, "KVFERRY_STORE_CLIENT_MAX_PORT", "a port number")? {
             c.store_client_ports.1 = p;
         }
-        if let Some(n) = parse(get, "KVFERRY_STORE_CLIENT_SETUP_RETRIES", "a number of attempts")? {
+        if let Some(n) = parse(
+            get,
+            "KVFERRY_STORE_CLIENT_SETUP_RETRIES",
+            "a number of attempts",
+        )? {
             c.store_client_setup_retries = n;
         }
         if let Some(a) = parse(get, "KVFERRY_BIND_ADDRESS", "an IP address")? {
@@ -254,7 +271,9 @@ impl Config {
         }
         if let Some(n) = parse::<u64>(get, "KVFERRY_TCP_IDLE_MS", "a number of milliseconds")? {
             if !(10..=3_600_000).contains(&n) {
-                return Err(Error::Config(format!("KVFERRY_TCP_IDLE_MS={n} is out of range; use 10 to 3600000 milliseconds")));
+                return Err(Error::Config(format!(
+                    "KVFERRY_TCP_IDLE_MS={n} is out of range; use 10 to 3600000 milliseconds"
+                )));
             }
             c.tcp_idle = Duration::from_millis(n);
         }
@@ -268,24 +287,36 @@ impl Config {
             c.handshake_connect_timeout = d;
         }
         if let Some((_, v)) = lookup(get, "KVFERRY_RDMA_DEVICES") {
-            c.rdma_devices = Some(v.split(',').map(|d| d.trim().to_string()).filter(|d| !d.is_empty()).collect());
+            c.rdma_devices = Some(
+                v.split(',')
+                    .map(|d| d.trim().to_string())
+                    .filter(|d| !d.is_empty())
+                    .collect(),
+            );
         }
-        if let Some(n) = parse::<usize>(get, "KVFERRY_RDMA_MAX_ENDPOINTS", "a number of endpoints")? {
+        if let Some(n) = parse::<usize>(get, "KVFERRY_RDMA_MAX_ENDPOINTS", "a number of endpoints")?
+        {
             if !(1..=65536).contains(&n) {
-                return Err(Error::Config(format!("KVFERRY_RDMA_MAX_ENDPOINTS={n} is out of range; use 1 to 65536 endpoints")));
+                return Err(Error::Config(format!(
+                    "KVFERRY_RDMA_MAX_ENDPOINTS={n} is out of range; use 1 to 65536 endpoints"
+                )));
             }
             c.rdma_max_endpoints = n;
         }
         if let Some(n) = parse::<u8>(get, "KVFERRY_RDMA_RETRY_CNT", "a retry count (0-7)")? {
             if n > 7 {
-                return Err(Error::Config(format!("KVFERRY_RDMA_RETRY_CNT={n} is out of range; use 0 to 7")));
+                return Err(Error::Config(format!(
+                    "KVFERRY_RDMA_RETRY_CNT={n} is out of range; use 0 to 7"
+                )));
             }
             c.rdma_retry_cnt = n;
         }
         let truth = |name: &str, v: &str| match v.to_ascii_lowercase().as_str() {
             "1" | "true" | "yes" | "on" => Ok(true),
             "0" | "false" | "no" | "off" => Ok(false),
-            _ => Err(Error::Config(format!("{name}={v:?} is not a boolean; use 1 or 0"))),
+            _ => Err(Error::Config(format!(
+                "{name}={v:?} is not a boolean; use 1 or 0"
+            ))),
         };
         let mc_force_tcp = match get("MC_FORCE_TCP").filter(|v| !v.trim().is_empty()) {
             Some(v) => truth("MC_FORCE_TCP", v.trim())?,
@@ -295,7 +326,8 @@ impl Config {
             if v.eq_ignore_ascii_case("force") {
                 c.rdma_forced = true;
             } else {
-                c.auto_rdma = truth(&name, &v).map_err(|_| Error::Config(format!("{name}={v:?} is not 1, 0 or force")))?;
+                c.auto_rdma = truth(&name, &v)
+                    .map_err(|_| Error::Config(format!("{name}={v:?} is not 1, 0 or force")))?;
             }
         } else if mc_force_tcp {
             c.auto_rdma = false;
@@ -306,7 +338,9 @@ impl Config {
             c.rdma_topo = Some(v.into());
         }
         if let Some((name, v)) = lookup(get, "KVFERRY_GPU_RDMA") {
-            c.gpu_rdma = crate::gpu::direct::GpuRdma::parse(&v).ok_or_else(|| Error::Config(format!("{name}={v:?} is not auto, dmabuf or peermem")))?;
+            c.gpu_rdma = crate::gpu::direct::GpuRdma::parse(&v).ok_or_else(|| {
+                Error::Config(format!("{name}={v:?} is not auto, dmabuf or peermem"))
+            })?;
         } else if let Some(v) = get("WITH_NVIDIA_PEERMEM").filter(|v| !v.trim().is_empty()) {
             c.gpu_rdma = crate::gpu::direct::GpuRdma::from_with_nvidia_peermem(&v);
         }
@@ -319,7 +353,11 @@ impl Config {
         if let Some(n) = parse(get, "KVFERRY_SHM_THREADS", "a number of threads")? {
             c.shm_threads = n;
         }
-        if let Some(n) = parse::<u64>(get, "KVFERRY_SHM_BACKGROUND_FILL_MB", "a number of MiB (0: off)")? {
+        if let Some(n) = parse::<u64>(
+            get,
+            "KVFERRY_SHM_BACKGROUND_FILL_MB",
+            "a number of MiB (0: off)",
+        )? {
             c.shm_background_fill = n.checked_mul(1 << 20).ok_or_else(|| Error::Config(format!("KVFERRY_SHM_BACKGROUND_FILL_MB={n} is too large: give at most {} MiB (0 turns the fill off)", u64::MAX >> 20)))?;
         }
         if let Some((_, v)) = lookup(get, "KVFERRY_METADATA_SERVER") {
@@ -336,7 +374,9 @@ impl Config {
         c.metadata_ca_file = lookup(get, "KVFERRY_METADATA_CA_FILE").map(|(_, v)| v.into());
         c.auth_key_file = lookup(get, "KVFERRY_AUTH_KEY_FILE").map(|(_, v)| v.into());
         if let Some((name, v)) = lookup(get, "KVFERRY_AUTH_PROTECT") {
-            c.auth_protect = crate::auth::Protect::parse(&v).ok_or_else(|| Error::Config(format!("{name}={v:?} is not headers, payload or encrypt")))?;
+            c.auth_protect = crate::auth::Protect::parse(&v).ok_or_else(|| {
+                Error::Config(format!("{name}={v:?} is not headers, payload or encrypt"))
+            })?;
         }
         c.advertise_address = lookup(get, "KVFERRY_ADVERTISE_ADDRESS").map(|(_, v)| v);
         c.redis_username = lookup(get, "KVFERRY_REDIS_USERNAME").map(|(_, v)| v);
@@ -369,16 +409,28 @@ impl Config {
             )));
         }
         if !(1..=16).contains(&self.tcp_lanes) {
-            return Err(Error::Config(format!("KVFERRY_TCP_LANES={} must be between 1 and 16", self.tcp_lanes)));
+            return Err(Error::Config(format!(
+                "KVFERRY_TCP_LANES={} must be between 1 and 16",
+                self.tcp_lanes
+            )));
         }
         if self.tcp_split_bytes < 4096 {
-            return Err(Error::Config(format!("KVFERRY_TCP_SPLIT_BYTES={} must be at least 4096", self.tcp_split_bytes)));
+            return Err(Error::Config(format!(
+                "KVFERRY_TCP_SPLIT_BYTES={} must be at least 4096",
+                self.tcp_split_bytes
+            )));
         }
         if self.shm_threads > 64 {
-            return Err(Error::Config(format!("KVFERRY_SHM_THREADS={} must be between 1 and 64", self.shm_threads)));
+            return Err(Error::Config(format!(
+                "KVFERRY_SHM_THREADS={} must be between 1 and 64",
+                self.shm_threads
+            )));
         }
         if !(1..=2).contains(&self.tcp_proto) {
-            return Err(Error::Config(format!("KVFERRY_TCP_PROTO={} must be 1 or 2", self.tcp_proto)));
+            return Err(Error::Config(format!(
+                "KVFERRY_TCP_PROTO={} must be 1 or 2",
+                self.tcp_proto
+            )));
         }
         if !(1..=crate::wire::handshake::MAX_MAX_FRAME).contains(&self.handshake_max_len) {
             return Err(Error::Config(format!(
@@ -388,10 +440,16 @@ impl Config {
         }
         crate::metadata::ConnString::parse(&self.metadata_server)?;
         if self.metadata_lease_ttl < Duration::from_secs(2) {
-            return Err(Error::Config(format!("KVFERRY_METADATA_LEASE_TTL={:?} must be at least 2 seconds", self.metadata_lease_ttl)));
+            return Err(Error::Config(format!(
+                "KVFERRY_METADATA_LEASE_TTL={:?} must be at least 2 seconds",
+                self.metadata_lease_ttl
+            )));
         }
         if self.redis_db.is_some_and(|d| d > 255) {
-            return Err(Error::Config(format!("KVFERRY_REDIS_DB_INDEX={:?} must be between 0 and 255", self.redis_db)));
+            return Err(Error::Config(format!(
+                "KVFERRY_REDIS_DB_INDEX={:?} must be between 0 and 255",
+                self.redis_db
+            )));
         }
         Ok(())
     }
@@ -405,7 +463,9 @@ impl Config {
     /// metadata mode `advertise_address` when set.
     pub fn advertised_host(&self) -> &str {
         match &self.advertise_address {
-            Some(a) if self.central() && !a.is_empty() => a.trim_start_matches('[').trim_end_matches(']'),
+            Some(a) if self.central() && !a.is_empty() => {
+                a.trim_start_matches('[').trim_end_matches(']')
+            }
             _ => split_host_port(&self.local_hostname).0,
         }
     }
@@ -434,14 +494,23 @@ mod tests {
     use std::collections::HashMap;
 
     fn cfg(vars: &[(&str, &str)]) -> Result<Config> {
-        let m: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         Config::from_lookup(&move |k| m.get(k).cloned())
     }
 
     #[test]
     fn defaults_aliases_and_precedence() {
         assert_eq!(cfg(&[]).unwrap(), Config::default());
-        let c = cfg(&[("MC_MIN_RPC_PORT", "20000"), ("MC_MAX_RPC_PORT", "20010"), ("MC_TRANSFER_TIMEOUT", "7"), ("MC_TCP_PROTO", "1")]).unwrap();
+        let c = cfg(&[
+            ("MC_MIN_RPC_PORT", "20000"),
+            ("MC_MAX_RPC_PORT", "20010"),
+            ("MC_TRANSFER_TIMEOUT", "7"),
+            ("MC_TCP_PROTO", "1"),
+        ])
+        .unwrap();
         assert_eq!((c.min_port, c.max_port, c.tcp_proto), (20000, 20010, 1));
         assert_eq!(c.transfer_timeout, Duration::from_secs(7));
         let c = cfg(&[("MC_TCP_LANES_PER_PEER", "3"), ("KVFERRY_TCP_LANES", "5")]).unwrap();
@@ -452,74 +521,210 @@ mod tests {
     fn errors_name_the_variable() {
         let e = cfg(&[("MC_MIN_RPC_PORT", "abc")]).unwrap_err().to_string();
         assert!(e.contains("MC_MIN_RPC_PORT"), "{e}");
-        let e = cfg(&[("KVFERRY_MIN_PORT", "18000")]).unwrap_err().to_string();
+        let e = cfg(&[("KVFERRY_MIN_PORT", "18000")])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("port range"), "{e}");
         assert!(cfg(&[("KVFERRY_TCP_LANES", "0")]).is_err());
         assert!(cfg(&[("KVFERRY_TRANSFER_TIMEOUT", "-1")]).is_err());
         assert!(cfg(&[("KVFERRY_BIND_ADDRESS", "nowhere")]).is_err());
-        let e = cfg(&[("KVFERRY_METADATA_SERVER", "zk://h:1")]).unwrap_err().to_string();
+        let e = cfg(&[("KVFERRY_METADATA_SERVER", "zk://h:1")])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("unknown scheme") && e.contains("etcd://"), "{e}");
         assert!(cfg(&[("KVFERRY_METADATA_LEASE_TTL", "1")]).is_err());
     }
 
     #[test]
     fn metadata_settings() {
-        let c = cfg(&[("KVFERRY_METADATA_SERVER", "etcd://127.0.0.1:2379"), ("MC_METADATA_CLUSTER_ID", "c1"), ("MC_TCP_BIND_ADDRESS", "127.0.0.1"), ("MC_REDIS_DB_INDEX", "3")]).unwrap();
+        let c = cfg(&[
+            ("KVFERRY_METADATA_SERVER", "etcd://127.0.0.1:2379"),
+            ("MC_METADATA_CLUSTER_ID", "c1"),
+            ("MC_TCP_BIND_ADDRESS", "127.0.0.1"),
+            ("MC_REDIS_DB_INDEX", "3"),
+        ])
+        .unwrap();
         assert!(c.central());
         assert_eq!(c.metadata_cluster_id.as_deref(), Some("c1"));
-        let s = Config::from_lookup(&|k| (k == "MC_STORE_CLUSTER_ID").then(|| "store-c".to_string())).unwrap();
-        assert_eq!((s.store_cluster_id.as_deref(), c.store_cluster_id.as_deref()), (Some("store-c"), None));
+        let s =
+            Config::from_lookup(&|k| (k == "MC_STORE_CLUSTER_ID").then(|| "store-c".to_string()))
+                .unwrap();
+        assert_eq!(
+            (s.store_cluster_id.as_deref(), c.store_cluster_id.as_deref()),
+            (Some("store-c"), None)
+        );
         assert_eq!(c.redis_db, Some(3));
-        let c = Config { local_hostname: "prefill-0".into(), ..c };
+        let c = Config {
+            local_hostname: "prefill-0".into(),
+            ..c
+        };
         assert_eq!(c.advertised_host(), "127.0.0.1");
-        let p2p = Config { advertise_address: Some("10.0.0.1".into()), ..Config::default() };
-        assert_eq!(p2p.advertised_host(), "127.0.0.1", "P2P mode names segments by local_hostname");
+        let p2p = Config {
+            advertise_address: Some("10.0.0.1".into()),
+            ..Config::default()
+        };
+        assert_eq!(
+            p2p.advertised_host(),
+            "127.0.0.1",
+            "P2P mode names segments by local_hostname"
+        );
     }
 
     #[test]
     fn background_fill_budget() {
         assert_eq!(cfg(&[]).unwrap().shm_background_fill, 4096 << 20);
-        assert_eq!(cfg(&[("KVFERRY_SHM_BACKGROUND_FILL_MB", "16")]).unwrap().shm_background_fill, 16 << 20);
-        assert_eq!(cfg(&[("KVFERRY_SHM_BACKGROUND_FILL_MB", "0")]).unwrap().shm_background_fill, 0, "0 turns it off");
-        let e = cfg(&[("KVFERRY_SHM_BACKGROUND_FILL_MB", "lots")]).unwrap_err().to_string();
-        assert!(e.contains("KVFERRY_SHM_BACKGROUND_FILL_MB") && e.contains("MiB"), "{e}");
-        let e = cfg(&[("KVFERRY_SHM_BACKGROUND_FILL_MB", &u64::MAX.to_string())]).unwrap_err().to_string();
+        assert_eq!(
+            cfg(&[("KVFERRY_SHM_BACKGROUND_FILL_MB", "16")])
+                .unwrap()
+                .shm_background_fill,
+            16 << 20
+        );
+        assert_eq!(
+            cfg(&[("KVFERRY_SHM_BACKGROUND_FILL_MB", "0")])
+                .unwrap()
+                .shm_background_fill,
+            0,
+            "0 turns it off"
+        );
+        let e = cfg(&[("KVFERRY_SHM_BACKGROUND_FILL_MB", "lots")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("KVFERRY_SHM_BACKGROUND_FILL_MB") && e.contains("MiB"),
+            "{e}"
+        );
+        let e = cfg(&[("KVFERRY_SHM_BACKGROUND_FILL_MB", &u64::MAX.to_string())])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("too large") && e.contains("at most"), "{e}");
     }
 
     #[test]
     fn transport_choice() {
         assert_eq!(cfg(&[]).unwrap().transport, TransportMode::Auto);
-        assert_eq!(cfg(&[("KVFERRY_TRANSPORT", "TCP")]).unwrap().transport, TransportMode::Tcp);
-        assert_eq!(cfg(&[("KVFERRY_TRANSPORT", "shm"), ("KVFERRY_SHM_THREADS", "3")]).unwrap().shm_threads, 3);
-        assert_eq!(cfg(&[("KVFERRY_TRANSPORT", "rdma")]).unwrap().transport, TransportMode::Rdma);
-        assert!(cfg(&[]).unwrap().auto_rdma, "auto uses RDMA where it can by default");
-        assert!(!cfg(&[("MC_FORCE_TCP", "1")]).unwrap().auto_rdma, "Mooncake's MC_FORCE_TCP=1 keeps auto off RDMA");
+        assert_eq!(
+            cfg(&[("KVFERRY_TRANSPORT", "TCP")]).unwrap().transport,
+            TransportMode::Tcp
+        );
+        assert_eq!(
+            cfg(&[("KVFERRY_TRANSPORT", "shm"), ("KVFERRY_SHM_THREADS", "3")])
+                .unwrap()
+                .shm_threads,
+            3
+        );
+        assert_eq!(
+            cfg(&[("KVFERRY_TRANSPORT", "rdma")]).unwrap().transport,
+            TransportMode::Rdma
+        );
+        assert!(
+            cfg(&[]).unwrap().auto_rdma,
+            "auto uses RDMA where it can by default"
+        );
+        assert!(
+            !cfg(&[("MC_FORCE_TCP", "1")]).unwrap().auto_rdma,
+            "Mooncake's MC_FORCE_TCP=1 keeps auto off RDMA"
+        );
         assert!(cfg(&[("MC_FORCE_TCP", "false")]).unwrap().auto_rdma);
-        assert!(cfg(&[("MC_FORCE_HCA", "1")]).unwrap().rdma_forced, "Mooncake's MC_FORCE_HCA: RDMA or an error");
-        assert!(!cfg(&[("MC_FORCE_HCA", "1"), ("MC_FORCE_TCP", "1")]).unwrap().rdma_forced, "MC_FORCE_TCP wins, as in Mooncake");
+        assert!(
+            cfg(&[("MC_FORCE_HCA", "1")]).unwrap().rdma_forced,
+            "Mooncake's MC_FORCE_HCA: RDMA or an error"
+        );
+        assert!(
+            !cfg(&[("MC_FORCE_HCA", "1"), ("MC_FORCE_TCP", "1")])
+                .unwrap()
+                .rdma_forced,
+            "MC_FORCE_TCP wins, as in Mooncake"
+        );
         assert!(cfg(&[("KVFERRY_AUTO_RDMA", "force")]).unwrap().rdma_forced);
-        assert!(cfg(&[("KVFERRY_AUTO_RDMA", "maybe")]).unwrap_err().to_string().contains("1, 0 or force"));
-        assert_eq!(cfg(&[("MC_CUSTOM_TOPO_JSON", "/etc/topo.json")]).unwrap().rdma_topo, Some("/etc/topo.json".into()));
-        assert!(cfg(&[("MC_FORCE_TCP", "1"), ("KVFERRY_AUTO_RDMA", "1")]).unwrap().auto_rdma, "kvferry's own variable wins");
+        assert!(cfg(&[("KVFERRY_AUTO_RDMA", "maybe")])
+            .unwrap_err()
+            .to_string()
+            .contains("1, 0 or force"));
+        assert_eq!(
+            cfg(&[("MC_CUSTOM_TOPO_JSON", "/etc/topo.json")])
+                .unwrap()
+                .rdma_topo,
+            Some("/etc/topo.json".into())
+        );
+        assert!(
+            cfg(&[("MC_FORCE_TCP", "1"), ("KVFERRY_AUTO_RDMA", "1")])
+                .unwrap()
+                .auto_rdma,
+            "kvferry's own variable wins"
+        );
         assert!(!cfg(&[("KVFERRY_AUTO_RDMA", "off")]).unwrap().auto_rdma);
-        assert!(cfg(&[("KVFERRY_AUTO_RDMA", "maybe")]).unwrap_err().to_string().contains("KVFERRY_AUTO_RDMA"));
-        let e = cfg(&[("KVFERRY_TRANSPORT", "verbs")]).unwrap_err().to_string();
-        assert!(e.contains("KVFERRY_TRANSPORT") && e.contains("auto, tcp, shm or rdma"), "{e}");
-        let c = cfg(&[("MC_GID_INDEX", "3"), ("KVFERRY_RDMA_DEVICES", "mlx5_0, mlx5_1")]).unwrap();
-        assert_eq!((c.gid_index, c.rdma_devices), (Some(3), Some(vec!["mlx5_0".to_string(), "mlx5_1".to_string()])));
+        assert!(cfg(&[("KVFERRY_AUTO_RDMA", "maybe")])
+            .unwrap_err()
+            .to_string()
+            .contains("KVFERRY_AUTO_RDMA"));
+        let e = cfg(&[("KVFERRY_TRANSPORT", "verbs")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("KVFERRY_TRANSPORT") && e.contains("auto, tcp, shm or rdma"),
+            "{e}"
+        );
+        let c = cfg(&[
+            ("MC_GID_INDEX", "3"),
+            ("KVFERRY_RDMA_DEVICES", "mlx5_0, mlx5_1"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.gid_index, c.rdma_devices),
+            (
+                Some(3),
+                Some(vec!["mlx5_0".to_string(), "mlx5_1".to_string()])
+            )
+        );
         assert_eq!(Config::default().rdma_max_endpoints, 256);
-        assert_eq!((Config::default().rdma_retry_cnt, cfg(&[("KVFERRY_RDMA_RETRY_CNT", "6")]).unwrap().rdma_retry_cnt), (7, 6));
-        assert!(cfg(&[("KVFERRY_RDMA_RETRY_CNT", "8")]).unwrap_err().to_string().contains("0 to 7"));
+        assert_eq!(
+            (
+                Config::default().rdma_retry_cnt,
+                cfg(&[("KVFERRY_RDMA_RETRY_CNT", "6")])
+                    .unwrap()
+                    .rdma_retry_cnt
+            ),
+            (7, 6)
+        );
+        assert!(cfg(&[("KVFERRY_RDMA_RETRY_CNT", "8")])
+            .unwrap_err()
+            .to_string()
+            .contains("0 to 7"));
         use crate::gpu::direct::GpuRdma;
         assert_eq!(Config::default().gpu_rdma, GpuRdma::Auto);
-        assert_eq!(cfg(&[("WITH_NVIDIA_PEERMEM", "1")]).unwrap().gpu_rdma, GpuRdma::PeerMem, "Mooncake's switch to plain ibv_reg_mr");
-        assert_eq!(cfg(&[("WITH_NVIDIA_PEERMEM", "0")]).unwrap().gpu_rdma, GpuRdma::DmaBuf);
-        assert_eq!(cfg(&[("WITH_NVIDIA_PEERMEM", "1"), ("KVFERRY_GPU_RDMA", "auto")]).unwrap().gpu_rdma, GpuRdma::Auto, "ours wins");
-        assert!(cfg(&[("KVFERRY_GPU_RDMA", "gdr")]).unwrap_err().to_string().contains("auto, dmabuf or peermem"));
-        assert_eq!(cfg(&[("KVFERRY_RDMA_MAX_ENDPOINTS", "4")]).unwrap().rdma_max_endpoints, 4);
-        let e = cfg(&[("KVFERRY_RDMA_MAX_ENDPOINTS", "0")]).unwrap_err().to_string();
-        assert!(e.contains("KVFERRY_RDMA_MAX_ENDPOINTS=0") && e.contains("1 to 65536"), "{e}");
+        assert_eq!(
+            cfg(&[("WITH_NVIDIA_PEERMEM", "1")]).unwrap().gpu_rdma,
+            GpuRdma::PeerMem,
+            "Mooncake's switch to plain ibv_reg_mr"
+        );
+        assert_eq!(
+            cfg(&[("WITH_NVIDIA_PEERMEM", "0")]).unwrap().gpu_rdma,
+            GpuRdma::DmaBuf
+        );
+        assert_eq!(
+            cfg(&[("WITH_NVIDIA_PEERMEM", "1"), ("KVFERRY_GPU_RDMA", "auto")])
+                .unwrap()
+                .gpu_rdma,
+            GpuRdma::Auto,
+            "ours wins"
+        );
+        assert!(cfg(&[("KVFERRY_GPU_RDMA", "gdr")])
+            .unwrap_err()
+            .to_string()
+            .contains("auto, dmabuf or peermem"));
+        assert_eq!(
+            cfg(&[("KVFERRY_RDMA_MAX_ENDPOINTS", "4")])
+                .unwrap()
+                .rdma_max_endpoints,
+            4
+        );
+        let e = cfg(&[("KVFERRY_RDMA_MAX_ENDPOINTS", "0")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("KVFERRY_RDMA_MAX_ENDPOINTS=0") && e.contains("1 to 65536"),
+            "{e}"
+        );
         assert!(cfg(&[("MC_GID_INDEX", "x")]).is_err());
         assert!(cfg(&[("KVFERRY_SHM_THREADS", "65")]).is_err());
     }

@@ -126,7 +126,12 @@ fn bind_in_range(ip: IpAddr, cfg: &Config, what: &'static str) -> Result<TcpList
                 } else {
                     "check permissions and KVFERRY_BIND_ADDRESS".to_string()
                 };
-                return Err(Error::Bind { what, addr: format!("{ip}:{port}"), hint, source: e });
+                return Err(Error::Bind {
+                    what,
+                    addr: format!("{ip}:{port}"),
+                    hint,
+                    source: e,
+                });
             }
         }
     }
@@ -145,7 +150,11 @@ pub fn resolve_advertised(host: &str) -> Result<IpAddr> {
     }
     let addrs: Vec<IpAddr> = (host, 0u16)
         .to_socket_addrs()
-        .map_err(|e| Error::Config(format!("cannot resolve local hostname {host:?}: {e}; pass an IP address of this host")))?
+        .map_err(|e| {
+            Error::Config(format!(
+                "cannot resolve local hostname {host:?}: {e}; pass an IP address of this host"
+            ))
+        })?
         .map(|a| a.ip())
         .collect();
     addrs
@@ -162,19 +171,30 @@ impl TransferEngine {
     pub fn new(config: Config) -> Result<TransferEngine> {
         config.validate()?;
         // Central mode: connect to the metadata service first (an unreachable one fails fast).
-        let directory = match crate::metadata::connect(&config.metadata_server, &StoreOptions::from_config(&config))? {
-            Some(store) => Some(Directory::new(store, Keys::new(config.metadata_cluster_id.as_deref()))),
+        let directory = match crate::metadata::connect(
+            &config.metadata_server,
+            &StoreOptions::from_config(&config),
+        )? {
+            Some(store) => Some(Directory::new(
+                store,
+                Keys::new(config.metadata_cluster_id.as_deref()),
+            )),
             None => None,
         };
         let host = config.advertised_host().to_string();
         if host.is_empty() {
-            return Err(Error::Config("local_hostname is empty; pass this host's IP address".into()));
+            return Err(Error::Config(
+                "local_hostname is empty; pass this host's IP address".into(),
+            ));
         }
         let ip = resolve_advertised(&host)?;
         let bind_ip = config.bind_address.unwrap_or(ip);
         let hs_listener = bind_in_range(bind_ip, &config, "the handshake listener")?;
         let data_listener = bind_in_range(bind_ip, &config, "the TCP data listener")?;
-        let port = hs_listener.local_addr().map_err(|e| Error::io("reading the handshake port", e))?.port();
+        let port = hs_listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the handshake port", e))?
+            .port();
         let name = if directory.is_some() {
             // Central mode: the segment name is local_hostname exactly as given.
             config.local_hostname.trim().to_string()
@@ -185,7 +205,9 @@ impl TransferEngine {
         };
         let memory = Arc::new(MemoryRegistry::new());
         // The cluster key, read once: a file that cannot be used stops the engine here.
-        let auth = crate::auth::ClusterKey::from_config(config.auth_key_file.as_deref()).map_err(|e| Error::Config(e.to_string()))?.map(Arc::new);
+        let auth = crate::auth::ClusterKey::from_config(config.auth_key_file.as_deref())
+            .map_err(|e| Error::Config(e.to_string()))?
+            .map(Arc::new);
         let tcp = TcpTransport::new(
             data_listener,
             Arc::clone(&memory),
@@ -198,14 +220,34 @@ impl TransferEngine {
                 inline_max: config.tcp_split_bytes,
                 spin: config.spin,
                 idle: config.tcp_idle,
-                auth: auth.clone().map(|key| Arc::new(crate::auth::Keyed { key, names: vec![name.clone()] })),
+                auth: auth.clone().map(|key| {
+                    Arc::new(crate::auth::Keyed {
+                        key,
+                        names: vec![name.clone()],
+                    })
+                }),
                 protect: config.auth_protect,
             },
             config.transfer_timeout,
         )
         .map_err(|e| Error::io("starting the TCP data server", e))?;
-        let shm = Arc::new(ShmTransport::new(ShmOptions { name: name.clone(), mode: config.transport, threads: config.shm_threads, background_fill: config.shm_background_fill }));
-        let rdma_opts = |required: bool| RdmaOptions { segment: name.clone(), devices: config.rdma_devices.clone(), gid_index: config.gid_index, max_endpoints: config.rdma_max_endpoints, required, retry_cnt: config.rdma_retry_cnt, gpu_rdma: config.gpu_rdma, topo: config.rdma_topo.clone(), names_are_addresses: directory.is_none() };
+        let shm = Arc::new(ShmTransport::new(ShmOptions {
+            name: name.clone(),
+            mode: config.transport,
+            threads: config.shm_threads,
+            background_fill: config.shm_background_fill,
+        }));
+        let rdma_opts = |required: bool| RdmaOptions {
+            segment: name.clone(),
+            devices: config.rdma_devices.clone(),
+            gid_index: config.gid_index,
+            max_endpoints: config.rdma_max_endpoints,
+            required,
+            retry_cnt: config.rdma_retry_cnt,
+            gpu_rdma: config.gpu_rdma,
+            topo: config.rdma_topo.clone(),
+            names_are_addresses: directory.is_none(),
+        };
         let rdma = match config.transport {
             TransportMode::Rdma => Some(Arc::new(RdmaTransport::new(rdma_opts(true)).map_err(|why| Error::Config(format!("KVFERRY_TRANSPORT=rdma, but {why}")))?)),
             // RDMA when this host has an active NIC (peers without RDMA get TCP); said once.
@@ -240,19 +282,28 @@ impl TransferEngine {
                 .collect(),
             TransportMode::Tcp => vec![Arc::clone(&tcp) as Arc<dyn Transport>],
             TransportMode::Shm => vec![Arc::clone(&shm) as Arc<dyn Transport>],
-            TransportMode::Rdma => rdma.iter().map(|r| Arc::clone(r) as Arc<dyn Transport>).collect(),
+            TransportMode::Rdma => rdma
+                .iter()
+                .map(|r| Arc::clone(r) as Arc<dyn Transport>)
+                .collect(),
         };
         // The handshake server starts before the engine exists (starting its thread can fail,
         // and `new_cyclic` cannot return the error); until the engine is built, and after it
         // is gone, it answers `{}`.
         let engine_slot: Arc<std::sync::OnceLock<Weak<Inner>>> = Arc::default();
         let slot = Arc::clone(&engine_slot);
-        let handler: handshake::Handler = Arc::new(move |f: &Frame| match slot.get().and_then(Weak::upgrade) {
-            Some(inner) => inner.on_handshake(f),
-            None => b"{}".to_vec(),
+        let handler: handshake::Handler =
+            Arc::new(move |f: &Frame| match slot.get().and_then(Weak::upgrade) {
+                Some(inner) => inner.on_handshake(f),
+                None => b"{}".to_vec(),
+            });
+        let keyed = auth.clone().map(|key| handshake::Keyed {
+            key,
+            names: vec![name.clone()],
         });
-        let keyed = auth.clone().map(|key| handshake::Keyed { key, names: vec![name.clone()] });
-        let handshake = HandshakeServer::start(hs_listener, config.handshake_max_len, handler, keyed).map_err(|e| Error::io("starting the handshake server's thread", e))?;
+        let handshake =
+            HandshakeServer::start(hs_listener, config.handshake_max_len, handler, keyed)
+                .map_err(|e| Error::io("starting the handshake server's thread", e))?;
         let inner = Arc::new_cyclic(|weak: &Weak<Inner>| {
             let _ = engine_slot.set(weak.clone());
             let w = weak.clone();
@@ -270,10 +321,18 @@ impl TransferEngine {
                 r.set_connector(Box::new(move |peer: &Peer, body: &[u8]| {
                     let inner = w.upgrade().ok_or("the engine shut down")?;
                     let (h, p) = inner.rpc_addr(&peer.name).map_err(|e| e.to_string())?;
-                    inner.request(&peer.name, &h, p, MsgType::Connection, body).map(|f| f.body).map_err(|e| e.to_string())
+                    inner
+                        .request(&peer.name, &h, p, MsgType::Connection, body)
+                        .map(|f| f.body)
+                        .map_err(|e| e.to_string())
                 }));
             }
-            let local_peer = Arc::new(Peer::new(LOCAL_SEGMENT_ID, name.clone(), host, SegmentDesc::new(name.clone())));
+            let local_peer = Arc::new(Peer::new(
+                LOCAL_SEGMENT_ID,
+                name.clone(),
+                host,
+                SegmentDesc::new(name.clone()),
+            ));
             Inner {
                 name: name.clone(),
                 local: LocalTransport::new(Arc::clone(&memory)),
@@ -284,7 +343,10 @@ impl TransferEngine {
                 tcp,
                 handshake,
                 auth,
-                segments: RwLock::new(Segments { by_name: HashMap::from([(name, LOCAL_SEGMENT_ID)]), by_id: vec![local_peer] }),
+                segments: RwLock::new(Segments {
+                    by_name: HashMap::from([(name, LOCAL_SEGMENT_ID)]),
+                    by_id: vec![local_peer],
+                }),
                 batches: Mutex::default(),
                 next_batch: AtomicU64::new(1),
                 notifies: Mutex::default(),
@@ -301,10 +363,12 @@ impl TransferEngine {
         // A peer's data port refusing connections may mean it restarted under the same name
         // (new ports): re-read its descriptor and retry there (both metadata modes).
         let w = Arc::downgrade(&inner);
-        inner.tcp.set_refused_hook(Arc::new(move |name: &str, refused: SocketAddr, pieces: Vec<Piece>| match w.upgrade() {
-            Some(inner) => inner.on_refused(name, refused, pieces),
-            None => pieces,
-        }));
+        inner.tcp.set_refused_hook(Arc::new(
+            move |name: &str, refused: SocketAddr, pieces: Vec<Piece>| match w.upgrade() {
+                Some(inner) => inner.on_refused(name, refused, pieces),
+                None => pieces,
+            },
+        ));
         let engine = TransferEngine { inner };
         // On error the engine is dropped here, which stops its listeners.
         engine.inner.start_refresher()?;
@@ -380,23 +444,38 @@ impl TransferEngine {
     /// memory; such ranges are published as `cuda:N` and reached only through the driver.
     pub fn register_memory_batch(&self, ranges: &[(u64, u64)], location: &str) -> Result<()> {
         self.inner.check_home()?;
-        let kinds = ranges.iter().map(|&(a, l)| crate::gpu::classify(a, l, location)).collect::<Result<Vec<_>>>()?;
-        let regions = self.inner.memory.register_classified(ranges, location, &kinds)?;
+        let kinds = ranges
+            .iter()
+            .map(|&(a, l)| crate::gpu::classify(a, l, location))
+            .collect::<Result<Vec<_>>>()?;
+        let regions = self
+            .inner
+            .memory
+            .register_classified(ranges, location, &kinds)?;
         for r in &regions {
             let registered = self
                 .inner
                 .tcp
                 .on_register(r)
                 .and_then(|()| self.inner.shm.on_register(r))
-                .and_then(|()| self.inner.rdma.as_ref().map_or(Ok(()), |t| t.on_register(r)));
+                .and_then(|()| {
+                    self.inner
+                        .rdma
+                        .as_ref()
+                        .map_or(Ok(()), |t| t.on_register(r))
+                });
             if let Err(e) = registered {
-                let _ = self.inner.memory.unregister_batch(&regions.iter().map(|r| r.addr).collect::<Vec<_>>());
+                let _ = self
+                    .inner
+                    .memory
+                    .unregister_batch(&regions.iter().map(|r| r.addr).collect::<Vec<_>>());
                 return Err(e);
             }
         }
         // Central mode: peers learn of the new buffers from the service; all or none.
         if let Err(e) = self.inner.publish_descriptor() {
-            let _ = self.unregister_memory_batch(&regions.iter().map(|r| r.addr).collect::<Vec<_>>());
+            let _ =
+                self.unregister_memory_batch(&regions.iter().map(|r| r.addr).collect::<Vec<_>>());
             return Err(e);
         }
         Ok(())
@@ -425,7 +504,9 @@ impl TransferEngine {
         // The memory is withdrawn whatever the service says; a failed update is retried by
         // the metadata keeper.
         if let Err(e) = self.inner.publish_descriptor() {
-            tracing::warn!("unregistered, but updating the published descriptor failed (will retry): {e}");
+            tracing::warn!(
+                "unregistered, but updating the published descriptor failed (will retry): {e}"
+            );
         }
         Ok(())
     }
@@ -444,7 +525,14 @@ impl TransferEngine {
     /// the handshake port.
     pub fn open_segment(&self, name: &str) -> Result<SegmentId> {
         let name = name.trim_start_matches('/');
-        if let Some(&id) = self.inner.segments.read().unwrap_or_else(|e| e.into_inner()).by_name.get(name) {
+        if let Some(&id) = self
+            .inner
+            .segments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_name
+            .get(name)
+        {
             return Ok(id);
         }
         let (host, desc) = match &self.inner.directory {
@@ -455,12 +543,17 @@ impl TransferEngine {
             }
             None => self.inner.fetch_p2p(name)?,
         };
-        let mut segs = self.inner.segments.write().unwrap_or_else(|e| e.into_inner());
+        let mut segs = self
+            .inner
+            .segments
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
         if let Some(&id) = segs.by_name.get(name) {
             return Ok(id);
         }
         let id = segs.by_id.len() as SegmentId;
-        segs.by_id.push(Arc::new(Peer::new(id, name.to_string(), host, desc)));
+        segs.by_id
+            .push(Arc::new(Peer::new(id, name.to_string(), host, desc)));
         segs.by_name.insert(name.to_string(), id);
         Ok(id)
     }
@@ -489,18 +582,23 @@ impl Inner {
 }
 
 impl TransferEngine {
-
     /// Which data path carries requests to a segment (chosen on first use and cached per
     /// peer process), and why not shared memory when it is not used. Fails when no transport
     /// can reach the segment (e.g. `KVFERRY_TRANSPORT=shm` towards a peer on another host).
     pub fn segment_transport(&self, id: SegmentId) -> Result<SegmentTransport> {
         if id == LOCAL_SEGMENT_ID {
-            return Ok(SegmentTransport { name: "local", why_not_shm: None });
+            return Ok(SegmentTransport {
+                name: "local",
+                why_not_shm: None,
+            });
         }
         let peer = self.inner.peer(id)?;
         let why_not_shm = self.inner.shm.reachable(&peer).err();
         match self.inner.pick(&peer) {
-            Ok(t) => Ok(SegmentTransport { name: t.name(), why_not_shm: if t.name() == "shm" { None } else { why_not_shm } }),
+            Ok(t) => Ok(SegmentTransport {
+                name: t.name(),
+                why_not_shm: if t.name() == "shm" { None } else { why_not_shm },
+            }),
             Err(e) => Err(e),
         }
     }
@@ -516,10 +614,16 @@ impl TransferEngine {
     /// Allocates a batch that can hold `capacity` requests.
     pub fn allocate_batch(&self, capacity: usize) -> Result<BatchId> {
         if capacity == 0 {
-            return Err(Error::InvalidArgument("batch capacity must be at least 1".into()));
+            return Err(Error::InvalidArgument(
+                "batch capacity must be at least 1".into(),
+            ));
         }
         let id = self.inner.next_batch.fetch_add(1, Ordering::Relaxed);
-        self.inner.batches.lock().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::new(Batch::new(capacity)));
+        self.inner
+            .batches
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, Arc::new(Batch::new(capacity)));
         Ok(id)
     }
 
@@ -533,15 +637,28 @@ impl TransferEngine {
     /// [`TransferEngine::submit`] with every request's deadline at most `timeout` from now
     /// (each is otherwise the transfer timeout plus 1 ns per byte): what a caller that waits
     /// `timeout` for the batch needs for the requests to end by then, not merely the wait.
-    pub fn submit_within(&self, batch: BatchId, requests: &[TransferRequest], timeout: Duration) -> Result<()> {
-        self.inner.submit(batch, requests, false, Instant::now().checked_add(timeout))
+    pub fn submit_within(
+        &self,
+        batch: BatchId,
+        requests: &[TransferRequest],
+        timeout: Duration,
+    ) -> Result<()> {
+        self.inner
+            .submit(batch, requests, false, Instant::now().checked_add(timeout))
     }
 
     /// Status of one task.
     pub fn task_status(&self, batch: BatchId, task: usize) -> Result<TransferStatus> {
         let b = self.inner.batch(batch)?;
         let tasks = b.tasks.lock().unwrap_or_else(|e| e.into_inner());
-        tasks.get(task).map(|t| t.status()).ok_or(Error::UnknownTask { batch, task, len: tasks.len() })
+        tasks
+            .get(task)
+            .map(|t| t.status())
+            .ok_or(Error::UnknownTask {
+                batch,
+                task,
+                len: tasks.len(),
+            })
     }
 
     /// Aggregate status: terminal only once every task is (COMPLETED when all completed, else
@@ -581,20 +698,33 @@ impl TransferEngine {
     /// plus 1 ns per byte). The call returns only once every request is terminal, so when it
     /// returns no transport touches the caller's memory; a request still running at its
     /// deadline ends as TIMEOUT, one that completed reports COMPLETED.
-    pub fn transfer_sync(&self, requests: &[TransferRequest], timeout: Duration) -> Result<TransferStatus> {
+    pub fn transfer_sync(
+        &self,
+        requests: &[TransferRequest],
+        timeout: Duration,
+    ) -> Result<TransferStatus> {
         self.run_sync(requests, timeout, Batch::status)
     }
 
     /// Like [`TransferEngine::transfer_sync`], returning each request's status (in order)
     /// instead of the batch's.
-    pub fn transfer_sync_all(&self, requests: &[TransferRequest], timeout: Duration) -> Result<Vec<TransferStatus>> {
+    pub fn transfer_sync_all(
+        &self,
+        requests: &[TransferRequest],
+        timeout: Duration,
+    ) -> Result<Vec<TransferStatus>> {
         self.run_sync(requests, timeout, Batch::statuses)
     }
 
     /// One batch, submitted as work the caller waits for (a transport may run it in this
     /// thread: see [`crate::transport::Transport::submit`]), waited for until every request
     /// is terminal, read by `outcome`, freed.
-    fn run_sync<T>(&self, requests: &[TransferRequest], timeout: Duration, outcome: impl FnOnce(&Batch) -> T) -> Result<T> {
+    fn run_sync<T>(
+        &self,
+        requests: &[TransferRequest],
+        timeout: Duration,
+        outcome: impl FnOnce(&Batch) -> T,
+    ) -> Result<T> {
         self.inner.check_home()?;
         let b = self.allocate_batch(requests.len().max(1))?;
         let cap = Instant::now().checked_add(timeout);
@@ -619,30 +749,57 @@ impl TransferEngine {
     /// Sends a notify message carrying `name` as the sender (Mooncake's `TransferNotify(name, msg)`).
     pub fn send_notify_as(&self, segment: &str, name: &str, msg: &str) -> Result<()> {
         let (host, port) = self.inner.rpc_addr(segment)?;
-        let body = serde_json::to_vec(&NotifyMsg { name: name.to_string(), notify_msg: msg.to_string() }).expect("serialisable");
-        let reply = self.inner.request(segment, &host, port, MsgType::Notify, &body)?;
-        let r: NotifyMsg = parse_json("notify reply", &reply.body).map_err(|e| Error::Wire { peer: segment.into(), source: e })?;
+        let body = serde_json::to_vec(&NotifyMsg {
+            name: name.to_string(),
+            notify_msg: msg.to_string(),
+        })
+        .expect("serialisable");
+        let reply = self
+            .inner
+            .request(segment, &host, port, MsgType::Notify, &body)?;
+        let r: NotifyMsg = parse_json("notify reply", &reply.body).map_err(|e| Error::Wire {
+            peer: segment.into(),
+            source: e,
+        })?;
         if r.notify_msg != "success" {
-            return Err(Error::Handshake { peer: segment.into(), reason: format!("notify refused: {}", r.notify_msg) });
+            return Err(Error::Handshake {
+                peer: segment.into(),
+                reason: format!("notify refused: {}", r.notify_msg),
+            });
         }
         Ok(())
     }
 
     /// Drains the notifies received so far.
     pub fn get_notifies(&self) -> Vec<Notify> {
-        std::mem::take(&mut *self.inner.notifies.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(
+            &mut *self
+                .inner
+                .notifies
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        )
     }
 
     /// Like [`TransferEngine::get_notifies`], but blocks up to `timeout` until one arrives.
     pub fn wait_notifies(&self, timeout: Duration) -> Vec<Notify> {
         let until = Instant::now() + timeout;
-        let mut q = self.inner.notifies.lock().unwrap_or_else(|e| e.into_inner());
+        let mut q = self
+            .inner
+            .notifies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         while q.is_empty() {
             let now = Instant::now();
             if now >= until {
                 break;
             }
-            q = self.inner.notify_cv.wait_timeout(q, until - now).unwrap_or_else(|e| e.into_inner()).0;
+            q = self
+                .inner
+                .notify_cv
+                .wait_timeout(q, until - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
         std::mem::take(&mut *q)
     }
@@ -650,10 +807,18 @@ impl TransferEngine {
     /// Checks that a segment's handshake port answers.
     pub fn probe(&self, segment: &str) -> Result<()> {
         let (host, port) = self.inner.rpc_addr(segment)?;
-        let reply = self.inner.request(segment, &host, port, MsgType::Probe, b"{}")?;
-        let r: ProbeReply = parse_json("probe reply", &reply.body).map_err(|e| Error::Wire { peer: segment.into(), source: e })?;
+        let reply = self
+            .inner
+            .request(segment, &host, port, MsgType::Probe, b"{}")?;
+        let r: ProbeReply = parse_json("probe reply", &reply.body).map_err(|e| Error::Wire {
+            peer: segment.into(),
+            source: e,
+        })?;
         if r.status != "success" {
-            return Err(Error::Handshake { peer: segment.into(), reason: format!("probe answered {:?}", r.status) });
+            return Err(Error::Handshake {
+                peer: segment.into(),
+                reason: format!("probe answered {:?}", r.status),
+            });
         }
         Ok(())
     }
@@ -706,7 +871,14 @@ impl Inner {
             .memory
             .snapshot()
             .into_iter()
-            .map(|r| BufferDesc { name: r.location, addr: r.addr, length: r.len, rkey: vec![], lkey: vec![], extra: Default::default() })
+            .map(|r| BufferDesc {
+                name: r.location,
+                addr: r.addr,
+                length: r.len,
+                rkey: vec![],
+                lkey: vec![],
+                extra: Default::default(),
+            })
             .collect();
         self.tcp.describe(&mut d);
         if let Some(t) = &self.rdma {
@@ -722,7 +894,9 @@ impl Inner {
     /// unregister epoch moved).
     fn refresh_peer(&self, peer: &Peer) -> std::result::Result<(), String> {
         let (h, p) = self.rpc_addr(&peer.name).map_err(|e| e.to_string())?;
-        let d = self.fetch_descriptor(&peer.name, &h, p).map_err(|e| e.to_string())?;
+        let d = self
+            .fetch_descriptor(&peer.name, &h, p)
+            .map_err(|e| e.to_string())?;
         peer.set_desc(d);
         Ok(())
     }
@@ -754,7 +928,14 @@ impl Inner {
 
     /// One handshake request to `segment`'s engine at `host:port` (with the cluster key,
     /// bound to `segment`: another engine refuses it).
-    fn request(&self, segment: &str, host: &str, port: u16, kind: MsgType, body: &[u8]) -> Result<Frame> {
+    fn request(
+        &self,
+        segment: &str,
+        host: &str,
+        port: u16,
+        kind: MsgType,
+        body: &[u8],
+    ) -> Result<Frame> {
         handshake::request(
             host,
             port,
@@ -770,10 +951,21 @@ impl Inner {
     /// Central mode: publishes rpc_meta and the descriptor, installs the refresh-on-refused
     /// hook and starts the keeper.
     fn register_central(self: &Arc<Self>, host: &str, port: u16) -> Result<()> {
-        let Some(dir) = &self.directory else { return Ok(()) };
-        let meta = RpcMeta { ip_or_host_name: host.to_string(), rpc_port: port };
-        let (connect, max_len) = (self.config.handshake_connect_timeout.min(Duration::from_secs(1)), self.config.handshake_max_len);
-        let alive = |m: &RpcMeta| handshake::answers(&m.ip_or_host_name, m.rpc_port, connect, max_len);
+        let Some(dir) = &self.directory else {
+            return Ok(());
+        };
+        let meta = RpcMeta {
+            ip_or_host_name: host.to_string(),
+            rpc_port: port,
+        };
+        let (connect, max_len) = (
+            self.config
+                .handshake_connect_timeout
+                .min(Duration::from_secs(1)),
+            self.config.handshake_max_len,
+        );
+        let alive =
+            |m: &RpcMeta| handshake::answers(&m.ip_or_host_name, m.rpc_port, connect, max_len);
         dir.publish_rpc_meta(&self.name, &meta, &alive)?;
         self.publish_descriptor()?;
         dir.start_keeper((self.config.metadata_lease_ttl / 3).max(Duration::from_millis(500)))?;
@@ -808,8 +1000,18 @@ impl Inner {
     /// peer). If it lists other data ports (it restarted under the same name) the rest are
     /// submitted there; otherwise they are handed back to fail as they were going to.
     fn on_refused(&self, name: &str, refused: SocketAddr, pieces: Vec<Piece>) -> Vec<Piece> {
-        let Some(&id) = self.segments.read().unwrap_or_else(|e| e.into_inner()).by_name.get(name) else { return pieces };
-        let Ok(peer) = self.peer(id) else { return pieces };
+        let Some(&id) = self
+            .segments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_name
+            .get(name)
+        else {
+            return pieces;
+        };
+        let Ok(peer) = self.peer(id) else {
+            return pieces;
+        };
         let desc = match self.refresh_descriptor(&peer) {
             Ok(d) => d,
             Err(e) => {
@@ -818,16 +1020,25 @@ impl Inner {
             }
         };
         let moved = matches!(TcpTransport::data_addr(&peer, &desc), Ok(a) if a != refused);
-        let (ok, gone): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| desc.find_buffer(p.remote, p.len).is_some());
+        let (ok, gone): (Vec<Piece>, Vec<Piece>) = pieces
+            .into_iter()
+            .partition(|p| desc.find_buffer(p.remote, p.len).is_some());
         peer.set_desc(desc);
         for p in gone {
-            let e = Error::RemoteNotRegistered { segment: name.to_string(), addr: p.remote, len: p.len };
+            let e = Error::RemoteNotRegistered {
+                segment: name.to_string(),
+                addr: p.remote,
+                len: p.len,
+            };
             p.task.piece_failed(FailKind::Failed, &e);
         }
         if !moved {
             return ok;
         }
-        tracing::info!(segment = name, "peer moved to new ports (restarted?); retrying on its new descriptor");
+        tracing::info!(
+            segment = name,
+            "peer moved to new ports (restarted?); retrying on its new descriptor"
+        );
         if !ok.is_empty() {
             self.tcp.submit(&peer, ok, false);
         }
@@ -841,30 +1052,59 @@ impl Inner {
         }
         match split_host_port(segment) {
             (h, Some(p)) if !h.is_empty() => Ok((h.to_string(), p)),
-            _ => Err(Error::SegmentNotFound { name: segment.into(), reason: "expected \"<host>:<rpc port>\"".into() }),
+            _ => Err(Error::SegmentNotFound {
+                name: segment.into(),
+                reason: "expected \"<host>:<rpc port>\"".into(),
+            }),
         }
     }
 
     fn fetch_descriptor(&self, name: &str, host: &str, port: u16) -> Result<SegmentDesc> {
-        let not_found = |reason: String| Error::SegmentNotFound { name: name.into(), reason };
+        let not_found = |reason: String| Error::SegmentNotFound {
+            name: name.into(),
+            reason,
+        };
         let reply = self
-            .request(name, host, port, MsgType::Metadata, &self.local_descriptor().encode())
+            .request(
+                name,
+                host,
+                port,
+                MsgType::Metadata,
+                &self.local_descriptor().encode(),
+            )
             .map_err(|e| match e {
                 // (Said as it is: the fix is the key, not the segment's name.)
                 e @ Error::Unauthorized { .. } => e,
                 e => not_found(e.to_string()),
             })?;
-        let desc = SegmentDesc::decode(&reply.body).map_err(|e| not_found(format!("its descriptor is invalid: {e}")))?;
-        tracing::debug!(segment = name, buffers = desc.buffers.len(), data_port = desc.tcp_data_port, "fetched descriptor");
+        let desc = SegmentDesc::decode(&reply.body)
+            .map_err(|e| not_found(format!("its descriptor is invalid: {e}")))?;
+        tracing::debug!(
+            segment = name,
+            buffers = desc.buffers.len(),
+            data_port = desc.tcp_data_port,
+            "fetched descriptor"
+        );
         Ok(desc)
     }
 
     fn peer(&self, id: SegmentId) -> Result<Arc<Peer>> {
-        self.segments.read().unwrap_or_else(|e| e.into_inner()).by_id.get(id as usize).cloned().ok_or(Error::UnknownSegmentId(id))
+        self.segments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_id
+            .get(id as usize)
+            .cloned()
+            .ok_or(Error::UnknownSegmentId(id))
     }
 
     fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
-        self.batches.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned().ok_or(Error::UnknownBatch(id))
+        self.batches
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .cloned()
+            .ok_or(Error::UnknownBatch(id))
     }
 
     /// Refuses to act in a `fork()` child's copy of the engine: its transports' threads and
@@ -873,12 +1113,21 @@ impl Inner {
     fn check_home(&self) -> Result<()> {
         let pid = std::process::id();
         if pid != self.pid {
-            return Err(Error::Forked { owner: self.pid, pid });
+            return Err(Error::Forked {
+                owner: self.pid,
+                pid,
+            });
         }
         Ok(())
     }
 
-    fn submit(&self, batch_id: BatchId, requests: &[TransferRequest], inline: bool, cap: Option<Instant>) -> Result<()> {
+    fn submit(
+        &self,
+        batch_id: BatchId,
+        requests: &[TransferRequest],
+        inline: bool,
+        cap: Option<Instant>,
+    ) -> Result<()> {
         self.check_home()?;
         let batch = self.batch(batch_id)?;
         let now = Instant::now();
@@ -890,11 +1139,20 @@ impl Inner {
         let tasks: Vec<Arc<TaskState>> = {
             let mut tasks = batch.tasks.lock().unwrap_or_else(|e| e.into_inner());
             if tasks.len() + requests.len() > batch.capacity {
-                return Err(Error::TooManyRequests { batch: batch_id, capacity: batch.capacity, wanted: requests.len() });
+                return Err(Error::TooManyRequests {
+                    batch: batch_id,
+                    capacity: batch.capacity,
+                    wanted: requests.len(),
+                });
             }
             let new: Vec<Arc<TaskState>> = requests
                 .iter()
-                .map(|r| Arc::new(TaskState::new(deadline(r.length), Arc::clone(&batch.signal))))
+                .map(|r| {
+                    Arc::new(TaskState::new(
+                        deadline(r.length),
+                        Arc::clone(&batch.signal),
+                    ))
+                })
                 .collect();
             tasks.extend(new.iter().cloned());
             new
@@ -908,7 +1166,13 @@ impl Inner {
                 continue;
             }
             let Some(guard) = self.memory.check(req.source, req.length) else {
-                task.piece_failed(FailKind::Failed, Error::LocalNotRegistered { addr: req.source, len: req.length });
+                task.piece_failed(
+                    FailKind::Failed,
+                    Error::LocalNotRegistered {
+                        addr: req.source,
+                        len: req.length,
+                    },
+                );
                 continue;
             };
             let peer = match self.peer(req.target_id) {
@@ -918,10 +1182,21 @@ impl Inner {
                     continue;
                 }
             };
-            let piece = Piece { opcode: req.opcode, local: req.source, remote: req.target_offset, len: req.length, task, guard };
+            let piece = Piece {
+                opcode: req.opcode,
+                local: req.source,
+                remote: req.target_offset,
+                len: req.length,
+                task,
+                guard,
+            };
             // The cached descriptor may be stale (the peer registered more memory, or
             // restarted): such pieces wait for a refresh, off this thread.
-            let known = peer.id == LOCAL_SEGMENT_ID || peer.desc().find_buffer(req.target_offset, req.length).is_some();
+            let known = peer.id == LOCAL_SEGMENT_ID
+                || peer
+                    .desc()
+                    .find_buffer(req.target_offset, req.length)
+                    .is_some();
             let into = if known { &mut groups } else { &mut stale };
             match into.iter_mut().find(|(p, _)| p.id == peer.id) {
                 Some((_, v)) => v.push(piece),
@@ -960,15 +1235,17 @@ impl Inner {
         if slot.is_none() {
             let (tx, rx) = std::sync::mpsc::channel::<RefreshJob>();
             let me = self.me.clone();
-            let spawned = std::thread::Builder::new().name("kvf-refresh".into()).spawn(move || {
-                // Ends when the engine is gone (its sender dropped with it).
-                while let Ok(job) = rx.recv() {
-                    match me.upgrade() {
-                        Some(inner) => inner.refresh_job(job),
-                        None => fail_pieces(job.pieces, &Error::Shutdown),
+            let spawned = std::thread::Builder::new()
+                .name("kvf-refresh".into())
+                .spawn(move || {
+                    // Ends when the engine is gone (its sender dropped with it).
+                    while let Ok(job) = rx.recv() {
+                        match me.upgrade() {
+                            Some(inner) => inner.refresh_job(job),
+                            None => fail_pieces(job.pieces, &Error::Shutdown),
+                        }
                     }
-                }
-            });
+                });
             spawned.map_err(|e| Error::io("starting the descriptor refresh thread", e))?;
             *slot = Some(tx);
         }
@@ -986,10 +1263,20 @@ impl Inner {
         let mut ok = Vec::with_capacity(pieces.len());
         for p in pieces {
             if p.task.deadline() <= now {
-                let why = format!("the descriptor of {} was still being refreshed at the deadline", peer.name);
-                p.task.piece_failed(FailKind::Timeout, crate::batch::FailCause::Timeout.because(why));
+                let why = format!(
+                    "the descriptor of {} was still being refreshed at the deadline",
+                    peer.name
+                );
+                p.task.piece_failed(
+                    FailKind::Timeout,
+                    crate::batch::FailCause::Timeout.because(why),
+                );
             } else if desc.find_buffer(p.remote, p.len).is_none() {
-                let e = Error::RemoteNotRegistered { segment: peer.name.clone(), addr: p.remote, len: p.len };
+                let e = Error::RemoteNotRegistered {
+                    segment: peer.name.clone(),
+                    addr: p.remote,
+                    len: p.len,
+                };
                 p.task.piece_failed(FailKind::Failed, &e);
             } else {
                 ok.push(p);
@@ -1018,9 +1305,16 @@ impl Inner {
         let reason = match (self.config.transport, why.as_slice()) {
             (TransportMode::Shm, [(_, e)]) => format!("KVFERRY_TRANSPORT=shm, but {e}"),
             (_, [(_, e)]) => e.clone(),
-            _ => why.iter().map(|(n, e)| format!("{n}: {e}")).collect::<Vec<_>>().join("; "),
+            _ => why
+                .iter()
+                .map(|(n, e)| format!("{n}: {e}"))
+                .collect::<Vec<_>>()
+                .join("; "),
         };
-        Error::NoTransport { segment: peer.name.clone(), reason }
+        Error::NoTransport {
+            segment: peer.name.clone(),
+            reason,
+        }
     }
 
     /// Hands pieces to the transport that serves `peer`: the local copy for the engine's
@@ -1032,12 +1326,18 @@ impl Inner {
         // (Host memory to a peer without GPU memory, the common case, skips all of it.)
         let local_gpu = pieces.iter().any(|p| p.guard.region().gpu.is_some());
         let pieces = match &self.rdma {
-            Some(t) if peer.id != LOCAL_SEGMENT_ID && (local_gpu || peer.has_gpu()) => t.take_gpu_direct(peer, pieces),
+            Some(t) if peer.id != LOCAL_SEGMENT_ID && (local_gpu || peer.has_gpu()) => {
+                t.take_gpu_direct(peer, pieces)
+            }
             _ => pieces,
         };
         // GPU memory of a same-host peer that it exports through CUDA IPC: opened here and
         // copied by the driver (device to device where both are GPU memory).
-        let pieces = if peer.id != LOCAL_SEGMENT_ID && peer.has_gpu() { self.shm.take_gpu_ipc(peer, pieces, inline) } else { pieces };
+        let pieces = if peer.id != LOCAL_SEGMENT_ID && peer.has_gpu() {
+            self.shm.take_gpu_ipc(peer, pieces, inline)
+        } else {
+            pieces
+        };
         if pieces.is_empty() {
             return;
         }
@@ -1047,10 +1347,12 @@ impl Inner {
         if !staged.is_empty() {
             let me = self.me.clone();
             self.stager.submit(peer, staged, move || {
-                Box::new(move |peer: &Arc<Peer>, sub: Vec<Piece>| match me.upgrade() {
-                    Some(inner) => inner.dispatch(peer, sub, false),
-                    None => fail_pieces(sub, &Error::Shutdown),
-                })
+                Box::new(
+                    move |peer: &Arc<Peer>, sub: Vec<Piece>| match me.upgrade() {
+                        Some(inner) => inner.dispatch(peer, sub, false),
+                        None => fail_pieces(sub, &Error::Shutdown),
+                    },
+                )
             });
             if pieces.is_empty() {
                 return;
@@ -1099,7 +1401,9 @@ fn split_gpu_remote(peer: &Peer, pieces: Vec<Piece>) -> (Vec<Piece>, Vec<Piece>)
     if !desc.buffers.iter().any(gpu) {
         return (pieces, Vec::new());
     }
-    pieces.into_iter().partition(|p| !desc.find_buffer(p.remote, p.len).is_some_and(gpu))
+    pieces
+        .into_iter()
+        .partition(|p| !desc.find_buffer(p.remote, p.len).is_some_and(gpu))
 }
 
 fn fail_pieces(pieces: Vec<Piece>, e: &Error) {
@@ -1109,7 +1413,10 @@ fn fail_pieces(pieces: Vec<Piece>, e: &Error) {
 }
 
 fn timestamp() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     // Civil date from days since the epoch (Howard Hinnant's algorithm), UTC.
     let days = (secs / 86400) as i64;
     let rem = secs % 86400;
@@ -1122,7 +1429,12 @@ fn timestamp() -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 #[cfg(test)]

@@ -16,7 +16,10 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 /// process no longer holds that socket or file. Best effort (a failure leaves `fd` as it was).
 pub(crate) fn detach(fd: BorrowedFd<'_>) {
     use rustix::fs::{Mode, OFlags};
-    let Ok(null) = rustix::fs::open("/dev/null", OFlags::RDWR | OFlags::CLOEXEC, Mode::empty()) else { return };
+    let Ok(null) = rustix::fs::open("/dev/null", OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
+    else {
+        return;
+    };
     // SAFETY: dup3 only replaces what the descriptor number refers to; the number stays
     // open and owned by the same value, so no other owner's descriptor is closed. Callers
     // detach only descriptors of an inherited engine copy that is never used again.
@@ -47,7 +50,10 @@ mod tests {
         let raw = l.as_raw_fd();
         detach(l.as_fd());
         // The listening socket is gone (this was its only descriptor): connecting is refused.
-        assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err(), "the port still accepts");
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+            "the port still accepts"
+        );
         // The number is still open, now on /dev/null, and close-on-exec.
         let link = std::fs::read_link(format!("/proc/self/fd/{raw}")).unwrap();
         assert_eq!(link, std::path::Path::new("/dev/null"));

@@ -31,7 +31,8 @@ fn landed(data: &[u8]) -> usize {
 /// The signed-request header of the HTTP surfaces (`X-Kvferry-Auth`) as a server reads it,
 /// and a request checked against it.
 pub fn http_auth(data: &[u8]) {
-    let key = crate::auth::ClusterKey::parse(&[b'h'; 64], std::path::Path::new("fuzz")).expect("a key");
+    let key =
+        crate::auth::ClusterKey::parse(&[b'h'; 64], std::path::Path::new("fuzz")).expect("a key");
     let split = usize::from(data.first().copied().unwrap_or(0)).min(data.len());
     let (header, body) = data.split_at(split);
     let now = 1_800_000_000_000;
@@ -43,16 +44,22 @@ pub fn http_auth(data: &[u8]) {
 /// The cluster key's handshake and sealed frames as a responder and an opener read them: an
 /// opening message, then what follows as sealed frames of the session it would give.
 pub fn noise(data: &[u8]) {
-    let key = crate::auth::ClusterKey::parse(&[b'n'; 64], std::path::Path::new("fuzz")).expect("a key");
+    let key =
+        crate::auth::ClusterKey::parse(&[b'n'; 64], std::path::Path::new("fuzz")).expect("a key");
     let split = usize::from(data.first().copied().unwrap_or(0)).min(data.len());
     let (hello, rest) = data.split_at(split);
-    if let Ok((session, _)) = crate::auth::answer(&key, crate::auth::Protocol("fuzz"), hello, &["t"]) {
+    if let Ok((session, _)) =
+        crate::auth::answer(&key, crate::auth::Protocol("fuzz"), hello, &["t"])
+    {
         let (_, mut open) = session.split();
         if let Some(head) = rest.first_chunk::<{ crate::auth::FRAME_HEAD_LEN }>() {
             if let Ok(n) = open.open_frame_head(head, 1 << 16) {
                 let mut out = Vec::new();
                 let body = &rest[crate::auth::FRAME_HEAD_LEN..];
-                let _ = open.open_frame_body(&body[..crate::auth::frame_body_len(n).min(body.len())], &mut out);
+                let _ = open.open_frame_body(
+                    &body[..crate::auth::frame_body_len(n).min(body.len())],
+                    &mut out,
+                );
             }
         }
     }
@@ -102,11 +109,23 @@ mod tests {
         write.push(8);
         write.extend_from_slice(&[0x11; 8]);
         for cut in [1u8, 7, 255] {
-            assert_eq!(super::landed(&[&[0, cut][..], &write].concat()), 8, "no key, pieces of {cut}");
+            assert_eq!(
+                super::landed(&[&[0, cut][..], &write].concat()),
+                8,
+                "no key, pieces of {cut}"
+            );
             for protect in [2u8, 3, 4] {
-                assert_eq!(super::landed(&[&[protect, cut][..], &write].concat()), 8, "keyed ({protect}), pieces of {cut}");
+                assert_eq!(
+                    super::landed(&[&[protect, cut][..], &write].concat()),
+                    8,
+                    "keyed ({protect}), pieces of {cut}"
+                );
             }
-            assert_eq!(super::landed(&[&[1, cut][..], &write].concat()), 0, "keyed, no handshake");
+            assert_eq!(
+                super::landed(&[&[1, cut][..], &write].concat()),
+                0,
+                "keyed, no handshake"
+            );
         }
     }
 }

@@ -14,7 +14,9 @@
 pub use crate::auth::Keyed;
 use crate::auth::{ClusterKey, Protocol};
 use crate::error::{Error, Result};
-use crate::wire::handshake::{self, Frame, MsgType, AUTH_CHALLENGE, AUTH_HELLO, AUTH_REFUSED, LEN_PREFIX};
+use crate::wire::handshake::{
+    self, Frame, MsgType, AUTH_CHALLENGE, AUTH_HELLO, AUTH_REFUSED, LEN_PREFIX,
+};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -48,7 +50,12 @@ pub struct HandshakeServer {
 
 impl HandshakeServer {
     /// Serves `listener`; with `auth`, every request must follow the key's exchange.
-    pub fn start(listener: TcpListener, max_len: u64, handler: Handler, auth: Option<Keyed>) -> std::io::Result<HandshakeServer> {
+    pub fn start(
+        listener: TcpListener,
+        max_len: u64,
+        handler: Handler,
+        auth: Option<Keyed>,
+    ) -> std::io::Result<HandshakeServer> {
         let port = listener.local_addr()?.port();
         let listener = Arc::new(listener);
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -94,7 +101,11 @@ impl HandshakeServer {
                 });
             }
         })?;
-        Ok(HandshakeServer { port, listener, shutdown })
+        Ok(HandshakeServer {
+            port,
+            listener,
+            shutdown,
+        })
     }
 
     pub fn port(&self) -> u16 {
@@ -114,19 +125,33 @@ impl HandshakeServer {
     }
 }
 
-fn serve_one(s: &TcpStream, max_len: u64, handler: &Handler, auth: Option<&Keyed>) -> std::io::Result<()> {
+fn serve_one(
+    s: &TcpStream,
+    max_len: u64,
+    handler: &Handler,
+    auth: Option<&Keyed>,
+) -> std::io::Result<()> {
     s.set_read_timeout(Some(TICK))?;
     s.set_write_timeout(Some(TICK))?;
     // One deadline for the request and the reply: a client that reads the reply a little at
     // a time (each write making progress) holds its slot no longer than one that stalls.
     let deadline = Instant::now() + SERVER_IO_TIMEOUT;
-    let read = |max: u64| read_frame(s, max, deadline).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e));
+    let read = |max: u64| {
+        read_frame(s, max, deadline)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+    };
     let refuse = |why: String| -> std::io::Result<()> {
         let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
         tracing::warn!(%peer, "handshake refused: {why}");
         let mut body = vec![AUTH_REFUSED];
         body.extend_from_slice(why.as_bytes());
-        write_until(s, &handshake::encode(MsgType::Auth, &body), deadline, "sending the refusal").map_err(std::io::Error::other)?;
+        write_until(
+            s,
+            &handshake::encode(MsgType::Auth, &body),
+            deadline,
+            "sending the refusal",
+        )
+        .map_err(std::io::Error::other)?;
         let _ = s.shutdown(Shutdown::Both);
         Ok(())
     };
@@ -136,7 +161,13 @@ fn serve_one(s: &TcpStream, max_len: u64, handler: &Handler, auth: Option<&Keyed
             return refuse("the initiator holds a cluster key and this engine none (KVFERRY_AUTH_KEY_FILE is not set here)".into());
         }
         let reply = handler(&frame);
-        write_until(s, &handshake::encode(frame.kind, &reply), deadline, "sending the reply").map_err(std::io::Error::other)?;
+        write_until(
+            s,
+            &handshake::encode(frame.kind, &reply),
+            deadline,
+            "sending the reply",
+        )
+        .map_err(std::io::Error::other)?;
         return finish(s);
     };
     // Before the proof: one frame no larger than the opening message (a peer without the key
@@ -153,14 +184,26 @@ fn serve_one(s: &TcpStream, max_len: u64, handler: &Handler, auth: Option<&Keyed
     };
     let mut body = vec![AUTH_CHALLENGE];
     body.extend_from_slice(&answer);
-    write_until(s, &handshake::encode(MsgType::Auth, &body), deadline, "sending the answer").map_err(std::io::Error::other)?;
+    write_until(
+        s,
+        &handshake::encode(MsgType::Auth, &body),
+        deadline,
+        "sending the answer",
+    )
+    .map_err(std::io::Error::other)?;
     let (mut seal, mut open) = session.split();
     // The request, sealed: the first proof that the initiator holds the session (nothing
     // before it is decoded).
-    let plain = read_sealed(s, &mut open, max_len + LEN_PREFIX as u64 + 1, deadline).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    let plain = read_sealed(s, &mut open, max_len + LEN_PREFIX as u64 + 1, deadline)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
     let frame = match handshake::decode(&plain, max_len) {
         Ok(Some((f, n))) if n == plain.len() && f.kind != MsgType::Auth => f,
-        _ => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "the sealed request is not one whole request frame")),
+        _ => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "the sealed request is not one whole request frame",
+            ))
+        }
     };
     let reply = handler(&frame);
     let mut out = Vec::new();
@@ -179,19 +222,32 @@ fn finish(s: &TcpStream) -> std::io::Result<()> {
 
 /// Reads one sealed frame ([`crate::auth::Sealer::seal_frame`]) of at most `max` bytes by
 /// `deadline`, growing the buffer only as bytes arrive.
-fn read_sealed(s: &TcpStream, open: &mut crate::auth::Opener, max: u64, deadline: Instant) -> Result<Vec<u8>, String> {
+fn read_sealed(
+    s: &TcpStream,
+    open: &mut crate::auth::Opener,
+    max: u64,
+    deadline: Instant,
+) -> Result<Vec<u8>, String> {
     let mut head = [0u8; crate::auth::FRAME_HEAD_LEN];
     read_until(s, &mut head, deadline, "reading a sealed frame")?;
-    let n = open.open_frame_head(&head, usize::try_from(max).unwrap_or(usize::MAX)).map_err(|r| format!("a sealed frame: {r}"))?;
+    let n = open
+        .open_frame_head(&head, usize::try_from(max).unwrap_or(usize::MAX))
+        .map_err(|r| format!("a sealed frame: {r}"))?;
     let want = crate::auth::frame_body_len(n);
     let mut sealed = Vec::new();
     while sealed.len() < want {
         let at = sealed.len();
         sealed.resize(at + (want - at).min(64 << 10), 0);
-        read_until(s, &mut sealed[at..], deadline, "reading a sealed frame's body")?;
+        read_until(
+            s,
+            &mut sealed[at..],
+            deadline,
+            "reading a sealed frame's body",
+        )?;
     }
     let mut plain = Vec::new();
-    open.open_frame_body(&sealed, &mut plain).map_err(|r| format!("a sealed frame: {r}"))?;
+    open.open_frame_body(&sealed, &mut plain)
+        .map_err(|r| format!("a sealed frame: {r}"))?;
     Ok(plain)
 }
 
@@ -201,13 +257,25 @@ fn read_until(s: &TcpStream, buf: &mut [u8], deadline: Instant, what: &str) -> R
     let mut got = 0;
     while got < buf.len() {
         match (&*s).read(&mut buf[got..]) {
-            Ok(0) => return Err(format!("{what}: connection closed after {got} of {} bytes", buf.len())),
+            Ok(0) => {
+                return Err(format!(
+                    "{what}: connection closed after {got} of {} bytes",
+                    buf.len()
+                ))
+            }
             Ok(n) => got += n,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
             Err(e) => return Err(format!("{what}: {e}")),
         }
         if got < buf.len() && Instant::now() >= deadline {
-            return Err(format!("{what}: only {got} of {} bytes before the deadline", buf.len()));
+            return Err(format!(
+                "{what}: only {got} of {} bytes before the deadline",
+                buf.len()
+            ));
         }
     }
     Ok(())
@@ -219,13 +287,25 @@ fn write_until(s: &TcpStream, buf: &[u8], deadline: Instant, what: &str) -> Resu
     let mut sent = 0;
     while sent < buf.len() {
         match (&*s).write(&buf[sent..]) {
-            Ok(0) => return Err(format!("{what}: connection closed after {sent} of {} bytes", buf.len())),
+            Ok(0) => {
+                return Err(format!(
+                    "{what}: connection closed after {sent} of {} bytes",
+                    buf.len()
+                ))
+            }
             Ok(n) => sent += n,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
             Err(e) => return Err(format!("{what}: {e}")),
         }
         if sent < buf.len() && Instant::now() >= deadline {
-            return Err(format!("{what}: only {sent} of {} bytes taken by the peer before the deadline", buf.len()));
+            return Err(format!(
+                "{what}: only {sent} of {} bytes taken by the peer before the deadline",
+                buf.len()
+            ));
         }
     }
     Ok(())
@@ -251,7 +331,19 @@ fn read_frame(s: &TcpStream, max_len: u64, deadline: Instant) -> Result<Frame, S
 /// engine, and a store master before it removes a dropped client's entries. An engine that
 /// refuses the probe for want of the cluster key answered: it is alive.
 pub fn answers(host: &str, port: u16, connect: Duration, max_len: u64) -> bool {
-    matches!(request(host, port, MsgType::Probe, b"{}", connect, Duration::from_secs(2), max_len, None), Ok(_) | Err(Error::Unauthorized { .. }))
+    matches!(
+        request(
+            host,
+            port,
+            MsgType::Probe,
+            b"{}",
+            connect,
+            Duration::from_secs(2),
+            max_len,
+            None
+        ),
+        Ok(_) | Err(Error::Unauthorized { .. })
+    )
 }
 
 /// Sends one request to `host:port` and returns the reply frame; with `auth` (the key, and the
@@ -269,7 +361,10 @@ pub fn request(
     auth: Option<(&ClusterKey, &str)>,
 ) -> Result<Frame> {
     let peer = format!("{host}:{port}");
-    let fail = |reason: String| Error::Handshake { peer: peer.clone(), reason };
+    let fail = |reason: String| Error::Handshake {
+        peer: peer.clone(),
+        reason,
+    };
     let addrs: Vec<_> = (host, port)
         .to_socket_addrs()
         .map_err(|e| fail(format!("cannot resolve {host}: {e}")))?
@@ -285,9 +380,15 @@ pub fn request(
             Err(e) => last = format!("connect to {a}: {e}"),
         }
     }
-    let s = stream.ok_or_else(|| fail(format!("{last} (is the peer running, and is {host} its advertised address?)")))?;
-    s.set_read_timeout(Some(io_timeout.min(TICK))).map_err(|e| fail(e.to_string()))?;
-    s.set_write_timeout(Some(io_timeout.min(TICK))).map_err(|e| fail(e.to_string()))?;
+    let s = stream.ok_or_else(|| {
+        fail(format!(
+            "{last} (is the peer running, and is {host} its advertised address?)"
+        ))
+    })?;
+    s.set_read_timeout(Some(io_timeout.min(TICK)))
+        .map_err(|e| fail(e.to_string()))?;
+    s.set_write_timeout(Some(io_timeout.min(TICK)))
+        .map_err(|e| fail(e.to_string()))?;
     let _ = s.set_nodelay(true);
     let deadline = Instant::now() + io_timeout;
     let refused = |reply: &Frame| Error::Unauthorized {
@@ -304,15 +405,31 @@ pub fn request(
         let _ = s.shutdown(Shutdown::Both);
         return match reply.kind {
             MsgType::Auth => Err(refused(&reply)),
-            k if k != kind => Err(Error::Wire { peer: peer.clone(), source: crate::wire::WireError::UnexpectedType { got: reply.kind as u8, expected: kind as u8 } }),
+            k if k != kind => Err(Error::Wire {
+                peer: peer.clone(),
+                source: crate::wire::WireError::UnexpectedType {
+                    got: reply.kind as u8,
+                    expected: kind as u8,
+                },
+            }),
             _ => Ok(reply),
         };
     };
-    let unauthorized = |r: crate::auth::Refusal| Error::Unauthorized { peer: peer.clone(), reason: r.to_string() };
-    let (init, hello) = crate::auth::Initiator::new(key, PROTOCOL, dialed.trim_start_matches('/')).map_err(unauthorized)?;
+    let unauthorized = |r: crate::auth::Refusal| Error::Unauthorized {
+        peer: peer.clone(),
+        reason: r.to_string(),
+    };
+    let (init, hello) = crate::auth::Initiator::new(key, PROTOCOL, dialed.trim_start_matches('/'))
+        .map_err(unauthorized)?;
     let mut opening = vec![AUTH_HELLO];
     opening.extend_from_slice(&hello);
-    write_until(&s, &handshake::encode(MsgType::Auth, &opening), deadline, "sending the cluster key's opening frame").map_err(fail)?;
+    write_until(
+        &s,
+        &handshake::encode(MsgType::Auth, &opening),
+        deadline,
+        "sending the cluster key's opening frame",
+    )
+    .map_err(fail)?;
     let answer = read_frame(&s, max_len, deadline).map_err(|e| {
         fail(format!("{e} (at the cluster key's handshake: a peer that closes here does not take a cluster key, e.g. a stock Mooncake engine or one without KVFERRY_AUTH_KEY_FILE)"))
     })?;
@@ -330,13 +447,28 @@ pub fn request(
     let mut out = Vec::new();
     seal.seal_frame(&request, &mut out);
     write_until(&s, &out, deadline, "sending request").map_err(fail)?;
-    let plain = read_sealed(&s, &mut open, max_len + LEN_PREFIX as u64 + 1, Instant::now() + io_timeout).map_err(fail)?;
+    let plain = read_sealed(
+        &s,
+        &mut open,
+        max_len + LEN_PREFIX as u64 + 1,
+        Instant::now() + io_timeout,
+    )
+    .map_err(fail)?;
     let _ = s.shutdown(Shutdown::Both);
     match handshake::decode(&plain, max_len) {
         Ok(Some((reply, n))) if n == plain.len() && reply.kind == kind => Ok(reply),
-        Ok(Some((reply, _))) => Err(Error::Wire { peer: peer.clone(), source: crate::wire::WireError::UnexpectedType { got: reply.kind as u8, expected: kind as u8 } }),
+        Ok(Some((reply, _))) => Err(Error::Wire {
+            peer: peer.clone(),
+            source: crate::wire::WireError::UnexpectedType {
+                got: reply.kind as u8,
+                expected: kind as u8,
+            },
+        }),
         Ok(None) => Err(fail("the sealed reply is not a whole frame".into())),
-        Err(e) => Err(Error::Wire { peer: peer.clone(), source: e }),
+        Err(e) => Err(Error::Wire {
+            peer: peer.clone(),
+            source: e,
+        }),
     }
 }
 
@@ -355,7 +487,8 @@ mod tests {
         let stop2 = Arc::clone(&stop);
         let reader = std::thread::spawn(move || {
             let mut c = TcpStream::connect(addr).unwrap();
-            c.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+            c.set_read_timeout(Some(Duration::from_millis(100)))
+                .unwrap();
             let mut buf = [0u8; 4096];
             while !stop2.load(Ordering::Acquire) {
                 if matches!(c.read(&mut buf), Ok(0)) {
@@ -367,12 +500,21 @@ mod tests {
         let (s, _) = l.accept().unwrap();
         s.set_write_timeout(Some(TICK)).unwrap();
         let t = Instant::now();
-        let e = write_until(&s, &vec![7u8; 256 << 20], t + Duration::from_millis(500), "the reply").unwrap_err();
+        let e = write_until(
+            &s,
+            &vec![7u8; 256 << 20],
+            t + Duration::from_millis(500),
+            "the reply",
+        )
+        .unwrap_err();
         let took = t.elapsed();
         stop.store(true, Ordering::Release);
         drop(s);
         reader.join().unwrap();
         assert!(e.contains("before the deadline"), "{e}");
-        assert!(took < Duration::from_millis(500) + TICK * 2, "ended {took:?} after it began");
+        assert!(
+            took < Duration::from_millis(500) + TICK * 2,
+            "ended {took:?} after it began"
+        );
     }
 }

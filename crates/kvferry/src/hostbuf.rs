@@ -51,7 +51,11 @@ pub struct HostOptions {
 
 impl Default for HostOptions {
     fn default() -> Self {
-        HostOptions { populate: true, huge_pages: false, shareable: true }
+        HostOptions {
+            populate: true,
+            huge_pages: false,
+            shareable: true,
+        }
     }
 }
 
@@ -132,8 +136,13 @@ unsafe impl Sync for HostBuffer {}
 
 fn memfd(len: usize, generation: u64) -> io::Result<OwnedFd> {
     use rustix::fs::{MemfdFlags, SealFlags};
-    let fd = rustix::fs::memfd_create(memfd_name(generation), MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
-    let size = header_offset(len as u64).checked_add(HEADER_LEN).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "size too large"))?;
+    let fd = rustix::fs::memfd_create(
+        memfd_name(generation),
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )?;
+    let size = header_offset(len as u64)
+        .checked_add(HEADER_LEN)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "size too large"))?;
     rustix::fs::ftruncate(&fd, size)?;
     rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
     Ok(fd)
@@ -148,16 +157,28 @@ fn dontfork(addr: *mut u8, len: usize) -> bool {
 impl HostBuffer {
     /// A shareable buffer of `len` bytes; `populate` pre-faults the pages.
     pub fn new(len: usize, populate: bool) -> io::Result<HostBuffer> {
-        HostBuffer::with(len, HostOptions { populate, ..HostOptions::default() })
+        HostBuffer::with(
+            len,
+            HostOptions {
+                populate,
+                ..HostOptions::default()
+            },
+        )
     }
 
     /// A buffer allocated as `opts` say.
     pub fn with(len: usize, opts: HostOptions) -> io::Result<HostBuffer> {
         if len == 0 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "a buffer needs at least 1 byte"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a buffer needs at least 1 byte",
+            ));
         }
         if len > isize::MAX as usize - HUGE - PAGE as usize {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{len} bytes is larger than a mapping can be")));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{len} bytes is larger than a mapping can be"),
+            ));
         }
         let generation = rand::random::<u64>() | 1;
         let fd = if opts.shareable {
@@ -174,17 +195,33 @@ impl HostBuffer {
         let huge = opts.huge_pages && len >= HUGE;
         // Reserve with slack so that the buffer can start on a 2 MiB boundary.
         let map_len = if huge { len + HUGE } else { len };
-        let oom = |e: io::Error| io::Error::new(io::ErrorKind::OutOfMemory, format!("cannot map {len} bytes: {e}"));
+        let oom = |e: io::Error| {
+            io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                format!("cannot map {len} bytes: {e}"),
+            )
+        };
         // The memfd's pages replace a reservation that is never touched: no commit charge.
         let reserve = if fd.is_some() { libc::MAP_NORESERVE } else { 0 };
         // SAFETY: a fresh reservation (or the whole mapping), checked for MAP_FAILED.
         let base = unsafe {
-            libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | reserve, -1, 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | reserve,
+                -1,
+                0,
+            )
         };
         if base == libc::MAP_FAILED {
             return Err(oom(io::Error::last_os_error()));
         }
-        let start = if huge { (base as usize).next_multiple_of(HUGE) } else { base as usize };
+        let start = if huge {
+            (base as usize).next_multiple_of(HUGE)
+        } else {
+            base as usize
+        };
         let mut buf = HostBuffer {
             ptr: start as *mut u8,
             len,
@@ -200,7 +237,14 @@ impl HostBuffer {
         if let Some(fd) = fd {
             // SAFETY: replaces part of our own reservation with the memfd mapping.
             let p = unsafe {
-                libc::mmap(start as *mut libc::c_void, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED, fd.as_raw_fd(), 0)
+                libc::mmap(
+                    start as *mut libc::c_void,
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    fd.as_raw_fd(),
+                    0,
+                )
             };
             if p == libc::MAP_FAILED {
                 return Err(oom(io::Error::last_os_error()));
@@ -230,7 +274,8 @@ impl HostBuffer {
             }
             buf.fd = Some(fd);
             // A forked child must not share (and then punch, or keep alive) these pages.
-            buf.dontfork = dontfork(base as *mut u8, map_len) && dontfork(h as *mut u8, HEADER_LEN as usize);
+            buf.dontfork =
+                dontfork(base as *mut u8, map_len) && dontfork(h as *mut u8, HEADER_LEN as usize);
         }
         // SAFETY: advising and touching our own mapping.
         unsafe {
@@ -245,8 +290,19 @@ impl HostBuffer {
             }
         }
         if let Some(fd) = &buf.fd {
-            let r = SharedRegion { addr: start as u64, len: len as u64, fd: fd.as_raw_fd(), populated: opts.populate, ino, generation, pid: buf.pid };
-            SHARED.write().unwrap_or_else(|e| e.into_inner()).insert(r.addr, r);
+            let r = SharedRegion {
+                addr: start as u64,
+                len: len as u64,
+                fd: fd.as_raw_fd(),
+                populated: opts.populate,
+                ino,
+                generation,
+                pid: buf.pid,
+            };
+            SHARED
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(r.addr, r);
         }
         Ok(buf)
     }
@@ -282,7 +338,10 @@ impl HostBuffer {
     /// # Panics
     /// If the range is outside the buffer (a programming error of the caller).
     pub fn slice(&self, off: usize, len: usize) -> &[u8] {
-        assert!(off.checked_add(len).is_some_and(|e| e <= self.len), "range outside the buffer");
+        assert!(
+            off.checked_add(len).is_some_and(|e| e <= self.len),
+            "range outside the buffer"
+        );
         // SAFETY: in bounds of our mapping.
         unsafe { std::slice::from_raw_parts(self.ptr.add(off), len) }
     }
@@ -294,7 +353,10 @@ impl HostBuffer {
     /// If the range is outside the buffer.
     #[allow(clippy::mut_from_ref)]
     pub fn slice_mut(&self, off: usize, len: usize) -> &mut [u8] {
-        assert!(off.checked_add(len).is_some_and(|e| e <= self.len), "range outside the buffer");
+        assert!(
+            off.checked_add(len).is_some_and(|e| e <= self.len),
+            "range outside the buffer"
+        );
         // SAFETY: in bounds; exclusivity is the caller's contract (documented above).
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) }
     }
@@ -316,7 +378,10 @@ impl Drop for HostBuffer {
             return;
         }
         if let Some(fd) = &self.fd {
-            SHARED.write().unwrap_or_else(|e| e.into_inner()).remove(&(self.ptr as u64));
+            SHARED
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&(self.ptr as u64));
             if let Some(h) = self.header {
                 // Peers that still map the memfd see it is dead before its pages go.
                 // SAFETY: our header mapping, accessed atomically; unmapped just after.
@@ -327,7 +392,14 @@ impl Drop for HostBuffer {
             }
             // Return the pages now, even if a peer still maps the memfd.
             // SAFETY: punching a hole in our own memfd (allowed by its seals).
-            unsafe { libc::fallocate(fd.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 0, self.len as libc::off_t) };
+            unsafe {
+                libc::fallocate(
+                    fd.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    0,
+                    self.len as libc::off_t,
+                )
+            };
         }
         // SAFETY: we own the reservation (the memfd mapping lies inside it).
         unsafe { libc::munmap(self.map_base as *mut libc::c_void, self.map_len) };
@@ -347,7 +419,10 @@ mod tests {
         assert_eq!(b.slice(10, 3), b"abc");
         let r = shareable_region(b.addr() + 4096, 4096).unwrap();
         assert_eq!((r.addr, r.len), (b.addr(), 3 << 20));
-        assert!(shareable_region(b.addr() + (3 << 20) - 1, 2).is_none(), "range crossing the end");
+        assert!(
+            shareable_region(b.addr() + (3 << 20) - 1, 2).is_none(),
+            "range crossing the end"
+        );
         // SAFETY: F_GET_SEALS on the fd the table lists.
         let seals = unsafe { libc::fcntl(r.fd, libc::F_GET_SEALS) };
         assert_eq!(seals & libc::F_SEAL_SHRINK, libc::F_SEAL_SHRINK);
@@ -363,17 +438,31 @@ mod tests {
         assert_ne!(r.generation, 0);
         assert_eq!(r.generation, b.generation());
         let link = std::fs::read_link(format!("/proc/self/fd/{}", r.fd)).unwrap();
-        assert!(link.to_string_lossy().starts_with(&format!("/memfd:{}", memfd_name(r.generation))), "{link:?}");
+        assert!(
+            link.to_string_lossy()
+                .starts_with(&format!("/memfd:{}", memfd_name(r.generation))),
+            "{link:?}"
+        );
         // A second handle on the same memfd outlives the buffer, as a peer's would.
-        let other = std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/self/fd/{}", r.fd)).unwrap();
+        let other = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/self/fd/{}", r.fd))
+            .unwrap();
         let st = rustix::fs::fstat(&other).unwrap();
-        assert_eq!((st.st_ino, st.st_size as u64), (r.ino, header_offset(10_000) + HEADER_LEN));
+        assert_eq!(
+            (st.st_ino, st.st_size as u64),
+            (r.ino, header_offset(10_000) + HEADER_LEN)
+        );
         let word = |i: usize| {
             let mut w = [0u8; 8];
             rustix::io::pread(&other, &mut w, header_offset(10_000) + 8 * i as u64).unwrap();
             u64::from_le_bytes(w)
         };
-        assert_eq!((word(HDR_MAGIC), word(HDR_GENERATION), word(HDR_ALIVE)), (HEADER_MAGIC, r.generation, 1));
+        assert_eq!(
+            (word(HDR_MAGIC), word(HDR_GENERATION), word(HDR_ALIVE)),
+            (HEADER_MAGIC, r.generation, 1)
+        );
         b.slice_mut(0, 4).copy_from_slice(b"data");
         let c = HostBuffer::new(10_000, false).unwrap();
         assert_ne!(c.generation(), b.generation(), "generations do not repeat");
@@ -388,10 +477,25 @@ mod tests {
 
     #[test]
     fn private_and_huge_buffers() {
-        let p = HostBuffer::with(8192, HostOptions { shareable: false, ..HostOptions::default() }).unwrap();
+        let p = HostBuffer::with(
+            8192,
+            HostOptions {
+                shareable: false,
+                ..HostOptions::default()
+            },
+        )
+        .unwrap();
         assert!(!p.is_shareable());
         assert!(shareable_region(p.addr(), 1).is_none());
-        let h = HostBuffer::with(4 << 20, HostOptions { huge_pages: true, populate: false, shareable: false }).unwrap();
+        let h = HostBuffer::with(
+            4 << 20,
+            HostOptions {
+                huge_pages: true,
+                populate: false,
+                shareable: false,
+            },
+        )
+        .unwrap();
         assert_eq!(h.addr() % (2 << 20), 0);
         h.slice_mut((4 << 20) - 1, 1)[0] = 7;
         assert!(HostBuffer::new(0, false).is_err());

@@ -52,7 +52,10 @@ pub mod wire;
 
 pub use batch::{FailCause, TaskStatus, TransferStatus};
 pub use config::Config;
-pub use engine::{resolve_advertised, BatchId, Notify, SegmentId, SegmentTransport, TransferEngine, TransferRequest, LOCAL_SEGMENT_ID};
+pub use engine::{
+    resolve_advertised, BatchId, Notify, SegmentId, SegmentTransport, TransferEngine,
+    TransferRequest, LOCAL_SEGMENT_ID,
+};
 pub use error::{Error, Result};
 pub use wire::tcp::Opcode;
 

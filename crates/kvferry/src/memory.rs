@@ -97,16 +97,26 @@ impl MemoryRegistry {
 
     /// Registers several ranges atomically: either all are added or none.
     pub fn register_batch(&self, ranges: &[(u64, u64)], location: &str) -> Result<Vec<Region>> {
-        let kinds: Vec<(String, Option<u32>)> = ranges.iter().map(|_| (location.to_string(), None)).collect();
+        let kinds: Vec<(String, Option<u32>)> = ranges
+            .iter()
+            .map(|_| (location.to_string(), None))
+            .collect();
         self.register_classified(ranges, location, &kinds)
     }
 
     /// [`MemoryRegistry::register_batch`] with each range's published location and GPU as
     /// classified by the driver (`gpu::classify`), in the order of `ranges`.
-    pub fn register_classified(&self, ranges: &[(u64, u64)], location: &str, kinds: &[(String, Option<u32>)]) -> Result<Vec<Region>> {
+    pub fn register_classified(
+        &self,
+        ranges: &[(u64, u64)],
+        location: &str,
+        kinds: &[(String, Option<u32>)],
+    ) -> Result<Vec<Region>> {
         validate_location(location)?;
         if kinds.len() != ranges.len() {
-            return Err(Error::InvalidArgument("one classification per range is needed".into()));
+            return Err(Error::InvalidArgument(
+                "one classification per range is needed".into(),
+            ));
         }
         let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
         // Validate against the map and against each other before inserting anything.
@@ -114,10 +124,14 @@ impl MemoryRegistry {
         sorted.sort_unstable();
         for (i, &(addr, len)) in sorted.iter().enumerate() {
             if len == 0 {
-                return Err(Error::InvalidArgument(format!("cannot register 0x{addr:x} with length 0; pass the buffer's size")));
+                return Err(Error::InvalidArgument(format!(
+                    "cannot register 0x{addr:x} with length 0; pass the buffer's size"
+                )));
             }
             if addr == 0 {
-                return Err(Error::InvalidArgument("cannot register address 0 (a null pointer)".into()));
+                return Err(Error::InvalidArgument(
+                    "cannot register address 0 (a null pointer)".into(),
+                ));
             }
             if len > MAX_REGION_LEN {
                 return Err(Error::InvalidArgument(format!(
@@ -125,32 +139,61 @@ impl MemoryRegistry {
                 )));
             }
             let Some(end) = addr.checked_add(len) else {
-                return Err(Error::InvalidArgument(format!("range 0x{addr:x} + {len} overflows the address space")));
+                return Err(Error::InvalidArgument(format!(
+                    "range 0x{addr:x} + {len} overflows the address space"
+                )));
             };
             if let Some(&(next, next_len)) = sorted.get(i + 1) {
                 if next < end {
-                    return Err(Error::Overlap { addr: next, len: next_len, other_addr: addr, other_len: len });
+                    return Err(Error::Overlap {
+                        addr: next,
+                        len: next_len,
+                        other_addr: addr,
+                        other_len: len,
+                    });
                 }
             }
             if let Some(r) = overlapping(&map, addr, end) {
-                return Err(Error::Overlap { addr, len, other_addr: r.addr, other_len: r.len });
+                return Err(Error::Overlap {
+                    addr,
+                    len,
+                    other_addr: r.addr,
+                    other_len: r.len,
+                });
             }
         }
         let out: Vec<Region> = ranges
             .iter()
             .zip(kinds)
-            .map(|(&(addr, len), (loc, gpu))| Region { addr, len, location: loc.clone(), gpu: *gpu })
+            .map(|(&(addr, len), (loc, gpu))| Region {
+                addr,
+                len,
+                location: loc.clone(),
+                gpu: *gpu,
+            })
             .collect();
         for r in &out {
             let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-            map.insert(r.addr, (seq, Arc::new(Entry { region: r.clone(), revoked: AtomicBool::new(false) })));
+            map.insert(
+                r.addr,
+                (
+                    seq,
+                    Arc::new(Entry {
+                        region: r.clone(),
+                        revoked: AtomicBool::new(false),
+                    }),
+                ),
+            );
         }
         Ok(out)
     }
 
     /// Installs a hook asked at every revocation (see [`RevokeHook`]).
     pub fn on_revoke(&self, hook: RevokeHook) {
-        self.hooks.lock().unwrap_or_else(|e| e.into_inner()).push(hook);
+        self.hooks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(hook);
     }
 
     /// Removes the ranges starting at `addrs` (all or none), then waits until no access is in
@@ -161,7 +204,10 @@ impl MemoryRegistry {
             if let Some(&addr) = addrs.iter().find(|a| !map.contains_key(a)) {
                 return Err(Error::NotRegistered { addr });
             }
-            addrs.iter().filter_map(|a| map.remove(a).map(|(_, r)| r)).collect()
+            addrs
+                .iter()
+                .filter_map(|a| map.remove(a).map(|(_, r)| r))
+                .collect()
         };
         self.revoke(&removed);
         Ok(removed.iter().map(|r| r.region.clone()).collect())
@@ -171,7 +217,10 @@ impl MemoryRegistry {
     pub fn unregister_all(&self) -> Vec<Region> {
         let removed: Vec<Arc<Entry>> = {
             let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
-            std::mem::take(&mut *map).into_values().map(|(_, r)| r).collect()
+            std::mem::take(&mut *map)
+                .into_values()
+                .map(|(_, r)| r)
+                .collect()
         };
         self.revoke(&removed);
         removed.iter().map(|r| r.region.clone()).collect()
@@ -216,7 +265,9 @@ impl MemoryRegistry {
         let end = addr.checked_add(len)?;
         let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
         let (_, (_, r)) = map.range(..=addr).next_back()?;
-        (end <= r.region.end()).then(|| RegionGuard { entry: Arc::clone(r) })
+        (end <= r.region.end()).then(|| RegionGuard {
+            entry: Arc::clone(r),
+        })
     }
 
     /// All registered ranges, in registration order (as Mooncake lists them in a segment
@@ -245,20 +296,42 @@ mod tests {
     #[test]
     fn register_check_unregister() {
         let m = MemoryRegistry::new();
-        m.register_batch(&[(0x1000, 0x1000), (0x3000, 0x100)], "cpu:0").unwrap();
+        m.register_batch(&[(0x1000, 0x1000), (0x3000, 0x100)], "cpu:0")
+            .unwrap();
         assert!(m.check(0x1000, 0x1000).is_some());
         assert!(m.check(0x1fff, 1).is_some());
         assert!(m.check(0x1fff, 2).is_none(), "crosses the end");
         assert!(m.check(0x2000, 1).is_none(), "gap");
         assert!(m.check(0xfff, 2).is_none(), "starts before");
         assert!(m.check(u64::MAX, 1).is_none());
-        assert!(matches!(m.register_batch(&[(0x1800, 0x1000)], "*"), Err(Error::Overlap { .. })));
-        assert!(matches!(m.register_batch(&[(0x2f00, 0x200)], "*"), Err(Error::Overlap { .. })));
-        assert!(matches!(m.register_batch(&[(0x5000, 0)], "*"), Err(Error::InvalidArgument(_))));
-        assert!(matches!(m.register_batch(&[(0x5000, 16), (0x5008, 16)], "*"), Err(Error::Overlap { .. })));
-        assert!(m.check(0x5000, 1).is_none(), "failed batch registered nothing");
-        assert!(m.register_batch(&[(0x5000, 16)], "gpu").is_err(), "bad location");
-        assert!(matches!(m.unregister_batch(&[0x1001]), Err(Error::NotRegistered { .. })));
+        assert!(matches!(
+            m.register_batch(&[(0x1800, 0x1000)], "*"),
+            Err(Error::Overlap { .. })
+        ));
+        assert!(matches!(
+            m.register_batch(&[(0x2f00, 0x200)], "*"),
+            Err(Error::Overlap { .. })
+        ));
+        assert!(matches!(
+            m.register_batch(&[(0x5000, 0)], "*"),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            m.register_batch(&[(0x5000, 16), (0x5008, 16)], "*"),
+            Err(Error::Overlap { .. })
+        ));
+        assert!(
+            m.check(0x5000, 1).is_none(),
+            "failed batch registered nothing"
+        );
+        assert!(
+            m.register_batch(&[(0x5000, 16)], "gpu").is_err(),
+            "bad location"
+        );
+        assert!(matches!(
+            m.unregister_batch(&[0x1001]),
+            Err(Error::NotRegistered { .. })
+        ));
         m.unregister_batch(&[0x1000]).unwrap();
         assert!(m.check(0x1000, 1).is_none());
         assert_eq!(m.snapshot().len(), 1);
@@ -281,12 +354,21 @@ mod tests {
             assert!(seen.elapsed() < Duration::from_secs(5), "never revoked");
             std::thread::yield_now();
         }
-        assert!(m.check(0x1000, 8).is_none(), "a revoked range hands out no new guard");
+        assert!(
+            m.check(0x1000, 8).is_none(),
+            "a revoked range hands out no new guard"
+        );
         std::thread::sleep(Duration::from_millis(300));
-        assert!(!t.is_finished(), "unregister returned while a guard was held");
+        assert!(
+            !t.is_finished(),
+            "unregister returned while a guard was held"
+        );
         drop(g);
         let waited = t.join().unwrap();
-        assert!(waited >= Duration::from_millis(250), "unregister returned while a guard was held");
+        assert!(
+            waited >= Duration::from_millis(250),
+            "unregister returned while a guard was held"
+        );
     }
 
     #[test]
@@ -296,8 +378,11 @@ mod tests {
         let m = Arc::new(MemoryRegistry::new());
         let hooked = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let h = Arc::clone(&hooked);
-        m.on_revoke(Box::new(move |r: &Region| h.store(r.addr, Ordering::SeqCst)));
-        m.register_batch(&[(0x1000, 0x1000), (0x4000, 0x10)], "*").unwrap();
+        m.on_revoke(Box::new(move |r: &Region| {
+            h.store(r.addr, Ordering::SeqCst)
+        }));
+        m.register_batch(&[(0x1000, 0x1000), (0x4000, 0x10)], "*")
+            .unwrap();
         let g = m.check(0x1800, 8).unwrap();
         let holder = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(1500));
@@ -305,7 +390,11 @@ mod tests {
         });
         let start = Instant::now();
         let all = m.unregister_all();
-        assert!(start.elapsed() >= Duration::from_millis(1400), "returned after {:?}", start.elapsed());
+        assert!(
+            start.elapsed() >= Duration::from_millis(1400),
+            "returned after {:?}",
+            start.elapsed()
+        );
         assert_eq!(all.len(), 2);
         assert_ne!(hooked.load(Ordering::SeqCst), 0);
         holder.join().unwrap();
@@ -314,7 +403,9 @@ mod tests {
     #[test]
     fn lengths_beyond_isize_are_refused() {
         let m = MemoryRegistry::new();
-        let e = m.register_batch(&[(0x1000, MAX_REGION_LEN + 1)], "*").unwrap_err();
+        let e = m
+            .register_batch(&[(0x1000, MAX_REGION_LEN + 1)], "*")
+            .unwrap_err();
         assert!(e.to_string().contains("longer than any buffer"), "{e}");
         assert!(m.check(0x1000, 1).is_none());
     }

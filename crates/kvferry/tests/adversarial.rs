@@ -28,17 +28,29 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn engine(timeout: Duration) -> TransferEngine {
-    TransferEngine::new(Config { transfer_timeout: timeout, transport: kvferry::config::TransportMode::Tcp, ..Config::default() })
-        .expect("engine starts")
+    TransferEngine::new(Config {
+        transfer_timeout: timeout,
+        transport: kvferry::config::TransportMode::Tcp,
+        ..Config::default()
+    })
+    .expect("engine starts")
 }
 
 fn req(op: Opcode, src: &[u8], target: u64, remote: u64, len: usize) -> TransferRequest {
-    TransferRequest { opcode: op, source: src.as_ptr() as u64, target_id: target, target_offset: remote, length: len as u64 }
+    TransferRequest {
+        opcode: op,
+        source: src.as_ptr() as u64,
+        target_id: target,
+        target_offset: remote,
+        length: len as u64,
+    }
 }
 
 /// Reads the bytes of `buf` through a volatile pointer (other threads may be writing).
 fn snapshot(buf: &[u8]) -> Vec<u8> {
-    buf.iter().map(|b| unsafe { std::ptr::read_volatile(b) }).collect()
+    buf.iter()
+        .map(|b| unsafe { std::ptr::read_volatile(b) })
+        .collect()
 }
 
 /// Fills `buf` with `v` through its pointer (the engine may hold it; tests own it).
@@ -88,7 +100,10 @@ fn serve(l: TcpListener, stop: Arc<AtomicBool>, f: impl Fn(TcpStream) + Send + S
 
 /// A descriptor: handshake and data port, TCP protocol version, and the buffers listed.
 fn desc_json(hs_port: u16, data_port: u16, version: u32, buffers: &[u64]) -> String {
-    let bufs: Vec<String> = buffers.iter().map(|a| format!(r#"{{"name":"cpu:0","addr":{a},"length":16777216}}"#)).collect();
+    let bufs: Vec<String> = buffers
+        .iter()
+        .map(|a| format!(r#"{{"name":"cpu:0","addr":{a},"length":16777216}}"#))
+        .collect();
     format!(
         r#"{{"name":"127.0.0.1:{hs_port}","protocol":"tcp","tcp_data_port":{data_port},"tcp_proto_version":{version},"buffers":[{}]}}"#,
         bufs.join(",")
@@ -102,7 +117,10 @@ type Describe = dyn Fn(usize, u16, u16) -> String + Send + Sync;
 /// A peer publishing one 16 MiB buffer at `remote` (v2 TCP protocol) whose data
 /// connections run `script`.
 fn fake_peer(remote: u64, script: Arc<Script>) -> FakePeer {
-    fake_peer_with(Arc::new(move |_, hs, data| desc_json(hs, data, 2, &[remote])), script)
+    fake_peer_with(
+        Arc::new(move |_, hs, data| desc_json(hs, data, 2, &[remote])),
+        script,
+    )
 }
 
 /// A fake peer whose descriptor requests are answered by `describe`.
@@ -128,10 +146,15 @@ fn fake_peer_with(describe: Arc<Describe>, script: Arc<Script>) -> FakePeer {
     let (st, acc) = (Arc::clone(&stop), Arc::clone(&accepted));
     serve(data, Arc::clone(&stop), move |s| {
         acc.fetch_add(1, Ordering::SeqCst);
-        s.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
         script(s, &st);
     });
-    FakePeer { name: format!("127.0.0.1:{hs_port}"), stop, accepted }
+    FakePeer {
+        name: format!("127.0.0.1:{hs_port}"),
+        stop,
+        accepted,
+    }
 }
 
 /// Reads one request header (waiting up to 5 s).
@@ -152,7 +175,11 @@ fn read_exactly(s: &mut TcpStream, buf: &mut [u8], stop: &AtomicBool) -> Option<
         match s.read(&mut buf[got..]) {
             Ok(0) => return None,
             Ok(n) => got += n,
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
             Err(_) => return None,
         }
     }
@@ -181,7 +208,11 @@ fn slow_drain(s: &mut TcpStream, chunk: usize, every: Duration, stop: &AtomicBoo
         match s.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => total += n,
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
             Err(_) => break,
         }
         std::thread::sleep(every);
@@ -205,7 +236,13 @@ fn trickling_script() -> Arc<Script> {
             match h.opcode {
                 Opcode::Read => {
                     let _ = s.write_all(&wire::encode_status(Status::Ok));
-                    if trickle(&mut s, &vec![0xEEu8; h.size as usize], Duration::from_millis(20), stop) < h.size as usize {
+                    if trickle(
+                        &mut s,
+                        &vec![0xEEu8; h.size as usize],
+                        Duration::from_millis(20),
+                        stop,
+                    ) < h.size as usize
+                    {
                         return;
                     }
                 }
@@ -228,14 +265,29 @@ fn trickling_script() -> Arc<Script> {
 fn unregister_stops_a_trickling_writer_and_nothing_lands_after() {
     let b = engine(Duration::from_secs(3));
     let buf = vec![0u8; 1 << 20];
-    b.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+    b.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
+        .unwrap();
     let mut s = TcpStream::connect(("127.0.0.1", b.data_port())).unwrap();
-    s.write_all(&DataHeader { size: 1 << 20, addr: buf.as_ptr() as u64, opcode: Opcode::Write, v2: true }.encode()).unwrap();
+    s.write_all(
+        &DataHeader {
+            size: 1 << 20,
+            addr: buf.as_ptr() as u64,
+            opcode: Opcode::Write,
+            v2: true,
+        }
+        .encode(),
+    )
+    .unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let st = Arc::clone(&stop);
-    let writer = std::thread::spawn(move || trickle(&mut s, &[0xAB; 1 << 20], Duration::from_millis(50), &st));
+    let writer = std::thread::spawn(move || {
+        trickle(&mut s, &[0xAB; 1 << 20], Duration::from_millis(50), &st)
+    });
     std::thread::sleep(Duration::from_millis(300));
-    assert!(snapshot(&buf[..4]).contains(&0xAB), "the trickled bytes were landing before unregister");
+    assert!(
+        snapshot(&buf[..4]).contains(&0xAB),
+        "the trickled bytes were landing before unregister"
+    );
     let start = Instant::now();
     b.unregister_memory(buf.as_ptr() as u64).unwrap();
     let took = start.elapsed();
@@ -243,9 +295,18 @@ fn unregister_stops_a_trickling_writer_and_nothing_lands_after() {
     std::thread::sleep(Duration::from_millis(400));
     stop.store(true, Ordering::SeqCst);
     let sent = writer.join().unwrap();
-    assert!(took < Duration::from_millis(1500), "unregister took {took:?}: it waited for the trickle instead of stopping it");
-    assert!(snapshot(&buf).iter().all(|&x| x == 0x11), "bytes landed in the range after unregister returned");
-    assert!(sent < 40, "the writer kept sending after unregister ({sent} bytes): the connection was not shut down");
+    assert!(
+        took < Duration::from_millis(1500),
+        "unregister took {took:?}: it waited for the trickle instead of stopping it"
+    );
+    assert!(
+        snapshot(&buf).iter().all(|&x| x == 0x11),
+        "bytes landed in the range after unregister returned"
+    );
+    assert!(
+        sent < 40,
+        "the writer kept sending after unregister ({sent} bytes): the connection was not shut down"
+    );
 }
 
 /// A raw client asks for a 64 MiB READ and reads it slowly. `unregister` must cut it off:
@@ -254,10 +315,21 @@ fn unregister_stops_a_trickling_writer_and_nothing_lands_after() {
 fn unregister_stops_a_slow_reader_and_nothing_leaks_after() {
     let b = engine(Duration::from_secs(3));
     let buf = vec![0x22u8; 64 << 20];
-    b.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+    b.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
+        .unwrap();
     let mut s = TcpStream::connect(("127.0.0.1", b.data_port())).unwrap();
-    s.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
-    s.write_all(&DataHeader { size: 64 << 20, addr: buf.as_ptr() as u64, opcode: Opcode::Read, v2: true }.encode()).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    s.write_all(
+        &DataHeader {
+            size: 64 << 20,
+            addr: buf.as_ptr() as u64,
+            opcode: Opcode::Read,
+            v2: true,
+        }
+        .encode(),
+    )
+    .unwrap();
     let unregistered = Arc::new(AtomicBool::new(false));
     let u = Arc::clone(&unregistered);
     let reader = std::thread::spawn(move || {
@@ -273,7 +345,11 @@ fn unregister_stops_a_slow_reader_and_nothing_leaks_after() {
                         secret_bytes += chunk[..n].iter().filter(|&&x| x == 0x5A).count();
                     }
                 }
-                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
                 Err(_) => break,
             }
             std::thread::sleep(Duration::from_millis(5));
@@ -288,9 +364,18 @@ fn unregister_stops_a_slow_reader_and_nothing_leaks_after() {
     fill(&buf, 0x5A);
     unregistered.store(true, Ordering::SeqCst);
     let (total, secret) = reader.join().unwrap();
-    assert!(took < Duration::from_millis(1500), "unregister took {took:?}");
-    assert!(total < 64 << 20, "the whole range was sent: the reader was never cut off");
-    assert_eq!(secret, 0, "{secret} bytes written after unregister reached the reader");
+    assert!(
+        took < Duration::from_millis(1500),
+        "unregister took {took:?}"
+    );
+    assert!(
+        total < 64 << 20,
+        "the whole range was sent: the reader was never cut off"
+    );
+    assert_eq!(
+        secret, 0,
+        "{secret} bytes written after unregister reached the reader"
+    );
 }
 
 /// A header trickled one byte at a time (each faster than the server's socket timeout)
@@ -299,8 +384,15 @@ fn unregister_stops_a_slow_reader_and_nothing_leaks_after() {
 fn a_trickled_header_or_body_is_dropped_at_the_deadline() {
     let b = engine(Duration::from_millis(800));
     let buf = vec![0u8; 1 << 20];
-    b.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
-    let hdr = DataHeader { size: 4096, addr: buf.as_ptr() as u64, opcode: Opcode::Write, v2: true }.encode();
+    b.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
+        .unwrap();
+    let hdr = DataHeader {
+        size: 4096,
+        addr: buf.as_ptr() as u64,
+        opcode: Opcode::Write,
+        v2: true,
+    }
+    .encode();
     for what in ["header", "body"] {
         let mut s = TcpStream::connect(("127.0.0.1", b.data_port())).unwrap();
         let stop = AtomicBool::new(false);
@@ -312,9 +404,15 @@ fn a_trickled_header_or_body_is_dropped_at_the_deadline() {
             trickle(&mut s, &[7u8; 4096], Duration::from_millis(50), &stop)
         };
         let took = start.elapsed();
-        assert!(took < Duration::from_secs(3), "{what}: the connection was held {took:?} ({sent} bytes trickled)");
+        assert!(
+            took < Duration::from_secs(3),
+            "{what}: the connection was held {took:?} ({sent} bytes trickled)"
+        );
     }
-    assert!(buf[..4096].iter().all(|&x| x == 0 || x == 7), "only the trickled bytes");
+    assert!(
+        buf[..4096].iter().all(|&x| x == 0 || x == 7),
+        "only the trickled bytes"
+    );
 }
 
 /// Dropping an engine is a barrier too: a trickling writer is cut off and nothing lands
@@ -323,12 +421,24 @@ fn a_trickled_header_or_body_is_dropped_at_the_deadline() {
 fn dropping_the_engine_is_a_barrier() {
     let b = engine(Duration::from_secs(3));
     let buf = vec![0u8; 1 << 20];
-    b.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+    b.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
+        .unwrap();
     let mut s = TcpStream::connect(("127.0.0.1", b.data_port())).unwrap();
-    s.write_all(&DataHeader { size: 1 << 20, addr: buf.as_ptr() as u64, opcode: Opcode::Write, v2: true }.encode()).unwrap();
+    s.write_all(
+        &DataHeader {
+            size: 1 << 20,
+            addr: buf.as_ptr() as u64,
+            opcode: Opcode::Write,
+            v2: true,
+        }
+        .encode(),
+    )
+    .unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let st = Arc::clone(&stop);
-    let writer = std::thread::spawn(move || trickle(&mut s, &[0xCD; 1 << 20], Duration::from_millis(20), &st));
+    let writer = std::thread::spawn(move || {
+        trickle(&mut s, &[0xCD; 1 << 20], Duration::from_millis(20), &st)
+    });
     std::thread::sleep(Duration::from_millis(200));
     let start = Instant::now();
     drop(b);
@@ -338,7 +448,10 @@ fn dropping_the_engine_is_a_barrier() {
     stop.store(true, Ordering::SeqCst);
     writer.join().unwrap();
     assert!(took < Duration::from_millis(1500), "drop took {took:?}");
-    assert!(snapshot(&buf).iter().all(|&x| x == 0x33), "bytes landed after the engine was dropped");
+    assert!(
+        snapshot(&buf).iter().all(|&x| x == 0x33),
+        "bytes landed after the engine was dropped"
+    );
 }
 
 // ------------------------------------------------------------------------------------------
@@ -347,7 +460,11 @@ fn dropping_the_engine_is_a_barrier() {
 
 /// Runs `reqs` either with `transfer_sync` (one request: the in-caller-thread path) or as
 /// a submitted batch (lane threads), returning the batch status and how long it took.
-fn run(a: &TransferEngine, reqs: &[TransferRequest], inline: bool) -> (kvferry::TransferStatus, Duration) {
+fn run(
+    a: &TransferEngine,
+    reqs: &[TransferRequest],
+    inline: bool,
+) -> (kvferry::TransferStatus, Duration) {
     let start = Instant::now();
     let st = if inline {
         a.transfer_sync(reqs, Duration::from_secs(30)).unwrap()
@@ -355,7 +472,8 @@ fn run(a: &TransferEngine, reqs: &[TransferRequest], inline: bool) -> (kvferry::
         let b = a.allocate_batch(reqs.len()).unwrap();
         a.submit(b, reqs).unwrap();
         let st = a.wait_batch(b, Duration::from_secs(30)).unwrap();
-        a.free_batch(b).expect("a terminal batch can be freed: every task ended");
+        a.free_batch(b)
+            .expect("a terminal batch can be freed: every task ended");
         st
     };
     (st, start.elapsed())
@@ -368,20 +486,31 @@ fn run(a: &TransferEngine, reqs: &[TransferRequest], inline: bool) -> (kvferry::
 fn a_trickling_peer_cannot_hold_a_request_past_its_deadline() {
     let a = engine(Duration::from_millis(700));
     let buf = vec![0u8; 8 << 20];
-    a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+    a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
+        .unwrap();
     let peer = fake_peer(REMOTE, trickling_script());
     let seg = a.open_segment(&peer.name).unwrap();
     for (op, len) in [(Opcode::Read, 4096usize), (Opcode::Write, 8 << 20)] {
         for inline in [true, false] {
             fill(&buf, 0);
             let (st, took) = run(&a, &[req(op, &buf, seg, REMOTE, len)], inline);
-            assert_eq!(st.status, TaskStatus::Timeout, "{op:?} inline={inline}: {st:?}");
+            assert_eq!(
+                st.status,
+                TaskStatus::Timeout,
+                "{op:?} inline={inline}: {st:?}"
+            );
             assert_eq!(st.cause, Some(FailCause::Timeout));
             // Deadline: 700 ms + 1 ns/byte (8 ms for 8 MiB), then a tick to notice.
-            assert!(took < Duration::from_millis(1800), "{op:?} inline={inline}: ended after {took:?}");
+            assert!(
+                took < Duration::from_millis(1800),
+                "{op:?} inline={inline}: ended after {took:?}"
+            );
             fill(&buf, 0x44);
             std::thread::sleep(Duration::from_millis(200));
-            assert!(snapshot(&buf[..len]).iter().all(|&x| x == 0x44), "{op:?} inline={inline}: buffer touched after the request ended");
+            assert!(
+                snapshot(&buf[..len]).iter().all(|&x| x == 0x44),
+                "{op:?} inline={inline}: buffer touched after the request ended"
+            );
         }
     }
 }
@@ -391,7 +520,8 @@ fn a_trickling_peer_cannot_hold_a_request_past_its_deadline() {
 fn a_peer_that_stops_mid_body_times_out() {
     let a = engine(Duration::from_millis(600));
     let buf = vec![0u8; 8 << 20];
-    a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+    a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
+        .unwrap();
     let script: Arc<Script> = Arc::new(|mut s: TcpStream, stop: &AtomicBool| {
         if let Some(h) = read_header(&mut s, stop) {
             if h.opcode == Opcode::Read {
@@ -411,8 +541,15 @@ fn a_peer_that_stops_mid_body_times_out() {
     for op in [Opcode::Read, Opcode::Write] {
         for inline in [true, false] {
             let (st, took) = run(&a, &[req(op, &buf, seg, REMOTE, 8 << 20)], inline);
-            assert_eq!(st.status, TaskStatus::Timeout, "{op:?} inline={inline}: {st:?}");
-            assert!(took < Duration::from_millis(1700), "{op:?} inline={inline}: {took:?}");
+            assert_eq!(
+                st.status,
+                TaskStatus::Timeout,
+                "{op:?} inline={inline}: {st:?}"
+            );
+            assert!(
+                took < Duration::from_millis(1700),
+                "{op:?} inline={inline}: {took:?}"
+            );
         }
     }
 }
@@ -424,7 +561,8 @@ fn a_peer_that_stops_mid_body_times_out() {
 fn a_reset_after_a_partial_write_fails_fast_and_writes_are_not_resent() {
     let a = engine(Duration::from_secs(5));
     let buf = vec![0u8; 1 << 20];
-    a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+    a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
+        .unwrap();
     let script: Arc<Script> = Arc::new(|mut s: TcpStream, stop: &AtomicBool| {
         if let Some(h) = read_header(&mut s, stop) {
             if h.opcode == Opcode::Read {
@@ -437,15 +575,35 @@ fn a_reset_after_a_partial_write_fails_fast_and_writes_are_not_resent() {
             reset(s);
         }
     });
-    for (op, inline, conns) in [(Opcode::Read, true, 2), (Opcode::Read, false, 2), (Opcode::Write, true, 1), (Opcode::Write, false, 1)] {
+    for (op, inline, conns) in [
+        (Opcode::Read, true, 2),
+        (Opcode::Read, false, 2),
+        (Opcode::Write, true, 1),
+        (Opcode::Write, false, 1),
+    ] {
         let peer = fake_peer(REMOTE, Arc::clone(&script));
         let seg = a.open_segment(&peer.name).unwrap();
         let (st, took) = run(&a, &[req(op, &buf, seg, REMOTE, 1 << 20)], inline);
-        assert_eq!(st.status, TaskStatus::Failed, "{op:?} inline={inline}: {st:?}");
-        assert_eq!(st.cause, Some(FailCause::PeerLost), "{op:?} inline={inline}: {st:?}");
-        assert!(took < Duration::from_secs(2), "{op:?} inline={inline}: failed only after {took:?}");
+        assert_eq!(
+            st.status,
+            TaskStatus::Failed,
+            "{op:?} inline={inline}: {st:?}"
+        );
+        assert_eq!(
+            st.cause,
+            Some(FailCause::PeerLost),
+            "{op:?} inline={inline}: {st:?}"
+        );
+        assert!(
+            took < Duration::from_secs(2),
+            "{op:?} inline={inline}: failed only after {took:?}"
+        );
         std::thread::sleep(Duration::from_millis(100));
-        assert_eq!(peer.accepted.load(Ordering::SeqCst), conns, "{op:?} inline={inline}: connections used (a WRITE must not be resent)");
+        assert_eq!(
+            peer.accepted.load(Ordering::SeqCst),
+            conns,
+            "{op:?} inline={inline}: connections used (a WRITE must not be resent)"
+        );
     }
 }
 
@@ -455,11 +613,13 @@ fn a_reset_after_a_partial_write_fails_fast_and_writes_are_not_resent() {
 fn unregister_of_local_memory_stops_requests_in_flight() {
     let a = engine(Duration::from_secs(10));
     let buf = vec![0u8; 1 << 20];
-    a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+    a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
+        .unwrap();
     let peer = fake_peer(REMOTE, trickling_script());
     let seg = a.open_segment(&peer.name).unwrap();
     let b = a.allocate_batch(1).unwrap();
-    a.submit(b, &[req(Opcode::Read, &buf, seg, REMOTE, 4096)]).unwrap();
+    a.submit(b, &[req(Opcode::Read, &buf, seg, REMOTE, 4096)])
+        .unwrap();
     std::thread::sleep(Duration::from_millis(300));
     assert!(snapshot(&buf[..4]).contains(&0xEE), "data was trickling in");
     let start = Instant::now();
@@ -468,10 +628,16 @@ fn unregister_of_local_memory_stops_requests_in_flight() {
     fill(&buf, 0x66);
     let st = a.wait_batch(b, Duration::from_secs(5)).unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    assert!(took < Duration::from_millis(1500), "unregister took {took:?}");
+    assert!(
+        took < Duration::from_millis(1500),
+        "unregister took {took:?}"
+    );
     assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
     assert_eq!(st.cause, Some(FailCause::LocalNotRegistered), "{st:?}");
-    assert!(snapshot(&buf[..4096]).iter().all(|&x| x == 0x66), "bytes landed after unregister returned");
+    assert!(
+        snapshot(&buf[..4096]).iter().all(|&x| x == 0x66),
+        "bytes landed after unregister returned"
+    );
 }
 
 /// A v1 (legacy Mooncake) target rejects a request outside its memory only by closing the
@@ -486,19 +652,46 @@ fn a_v1_rejection_is_told_apart_from_a_lost_peer() {
         let _ = read_header(&mut s, stop);
         drop(s); // v1: "rejected" = closed, no answer
     });
-    for (unregistered, cause) in [(true, FailCause::RemoteNotRegistered), (false, FailCause::PeerLost)] {
+    for (unregistered, cause) in [
+        (true, FailCause::RemoteNotRegistered),
+        (false, FailCause::PeerLost),
+    ] {
         for op in [Opcode::Read, Opcode::Write] {
             // The first lookup (open_segment) lists the buffer; later ones do not when the
             // peer "unregistered" it.
-            let describe: Arc<Describe> =
-                Arc::new(move |n, hs, data| desc_json(hs, data, 1, if n == 0 || !unregistered { &[REMOTE] } else { &[] }));
+            let describe: Arc<Describe> = Arc::new(move |n, hs, data| {
+                desc_json(
+                    hs,
+                    data,
+                    1,
+                    if n == 0 || !unregistered {
+                        &[REMOTE]
+                    } else {
+                        &[]
+                    },
+                )
+            });
             let peer = fake_peer_with(describe, Arc::clone(&closes));
             let seg = a.open_segment(&peer.name).unwrap();
             let start = Instant::now();
-            let st = a.transfer_sync(&[req(op, &buf, seg, REMOTE, 4096)], Duration::from_secs(5)).unwrap();
-            assert_eq!(st.status, TaskStatus::Failed, "{op:?} unregistered={unregistered}: {st:?}");
-            assert_eq!(st.cause, Some(cause), "{op:?} unregistered={unregistered}: {st:?}");
-            assert!(start.elapsed() < Duration::from_secs(2), "{op:?}: failed after {:?}", start.elapsed());
+            let st = a
+                .transfer_sync(&[req(op, &buf, seg, REMOTE, 4096)], Duration::from_secs(5))
+                .unwrap();
+            assert_eq!(
+                st.status,
+                TaskStatus::Failed,
+                "{op:?} unregistered={unregistered}: {st:?}"
+            );
+            assert_eq!(
+                st.cause,
+                Some(cause),
+                "{op:?} unregistered={unregistered}: {st:?}"
+            );
+            assert!(
+                start.elapsed() < Duration::from_secs(2),
+                "{op:?}: failed after {:?}",
+                start.elapsed()
+            );
         }
     }
 }
@@ -530,17 +723,46 @@ fn writes_queued_behind_a_rejected_one_go_again_and_land() {
             let _ = s.write_all(&wire::encode_status(Status::Ok));
         }
     });
-    let a = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), transport: kvferry::config::TransportMode::Tcp, tcp_lanes: 1, ..Config::default() }).unwrap();
+    let a = TransferEngine::new(Config {
+        transfer_timeout: Duration::from_secs(5),
+        transport: kvferry::config::TransportMode::Tcp,
+        tcp_lanes: 1,
+        ..Config::default()
+    })
+    .unwrap();
     let buf = vec![0x5Au8; 8192];
-    a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+    a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
+        .unwrap();
     let peer = fake_peer(REMOTE, script);
     let seg = a.open_segment(&peer.name).unwrap();
-    let st = a.transfer_sync_all(&[req(Opcode::Write, &buf, seg, BAD, 4096), req(Opcode::Write, &buf[4096..], seg, GOOD, 4096)], Duration::from_secs(5)).unwrap();
+    let st = a
+        .transfer_sync_all(
+            &[
+                req(Opcode::Write, &buf, seg, BAD, 4096),
+                req(Opcode::Write, &buf[4096..], seg, GOOD, 4096),
+            ],
+            Duration::from_secs(5),
+        )
+        .unwrap();
     assert_eq!(st[0].status, TaskStatus::Failed, "{:?}", st[0]);
-    assert_eq!(st[0].cause, Some(FailCause::RemoteNotRegistered), "{:?}", st[0]);
-    assert_eq!(st[1].status, TaskStatus::Completed, "the WRITE behind the rejected one: {:?}", st[1]);
+    assert_eq!(
+        st[0].cause,
+        Some(FailCause::RemoteNotRegistered),
+        "{:?}",
+        st[0]
+    );
+    assert_eq!(
+        st[1].status,
+        TaskStatus::Completed,
+        "the WRITE behind the rejected one: {:?}",
+        st[1]
+    );
     assert_eq!(*landed.lock().unwrap(), vec![0x5Au8; 4096]);
-    assert_eq!(peer.accepted.load(Ordering::SeqCst), 2, "sent again on a new connection");
+    assert_eq!(
+        peer.accepted.load(Ordering::SeqCst),
+        2,
+        "sent again on a new connection"
+    );
 }
 
 /// `submit` never waits for the network: a request whose remote range the cached
@@ -557,18 +779,30 @@ fn submit_does_not_wait_for_a_slow_descriptor_refresh() {
         if n > 0 {
             std::thread::sleep(Duration::from_millis(1500));
         }
-        desc_json(hs, data, 2, if n == 0 { &[REMOTE] } else { &[REMOTE, LATER] })
+        desc_json(
+            hs,
+            data,
+            2,
+            if n == 0 { &[REMOTE] } else { &[REMOTE, LATER] },
+        )
     });
     let peer = fake_peer_with(describe, prompt_script());
     let seg = a.open_segment(&peer.name).unwrap();
     let b = a.allocate_batch(1).unwrap();
     let start = Instant::now();
-    a.submit(b, &[req(Opcode::Read, &buf, seg, LATER, 4096)]).unwrap();
+    a.submit(b, &[req(Opcode::Read, &buf, seg, LATER, 4096)])
+        .unwrap();
     let took = start.elapsed();
-    assert!(took < Duration::from_millis(300), "submit took {took:?}: it waited for the descriptor");
+    assert!(
+        took < Duration::from_millis(300),
+        "submit took {took:?}: it waited for the descriptor"
+    );
     let st = a.wait_batch(b, Duration::from_secs(10)).unwrap();
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
-    assert!(start.elapsed() >= Duration::from_millis(1400), "completed before the refresh could have answered");
+    assert!(
+        start.elapsed() >= Duration::from_millis(1400),
+        "completed before the refresh could have answered"
+    );
     assert!(snapshot(&buf).iter().all(|&x| x == 0x77));
 }
 
@@ -598,26 +832,49 @@ fn a_lost_peers_descriptor_refresh_does_not_hold_its_lane() {
         }
         answering(s, stop)
     });
-    let a = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(10), transport: kvferry::config::TransportMode::Tcp, tcp_lanes: 1, ..Config::default() }).unwrap();
+    let a = TransferEngine::new(Config {
+        transfer_timeout: Duration::from_secs(10),
+        transport: kvferry::config::TransportMode::Tcp,
+        tcp_lanes: 1,
+        ..Config::default()
+    })
+    .unwrap();
     let buf = vec![0u8; 8192];
-    a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+    a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
+        .unwrap();
     let peer = fake_peer_with(describe, script);
     let seg = a.open_segment(&peer.name).unwrap();
     let lost = a.allocate_batch(1).unwrap();
-    a.submit(lost, &[req(Opcode::Write, &buf[..4096], seg, REMOTE, 4096)]).unwrap();
+    a.submit(lost, &[req(Opcode::Write, &buf[..4096], seg, REMOTE, 4096)])
+        .unwrap();
     let until = Instant::now() + Duration::from_secs(5);
     while !refreshing.load(Ordering::SeqCst) {
-        assert!(Instant::now() < until, "the lost WRITE started no descriptor refresh within 5 s");
+        assert!(
+            Instant::now() < until,
+            "the lost WRITE started no descriptor refresh within 5 s"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     let start = Instant::now();
-    let st = a.transfer_sync(&[req(Opcode::Read, &buf[4096..], seg, REMOTE, 4096)], Duration::from_secs(10)).unwrap();
+    let st = a
+        .transfer_sync(
+            &[req(Opcode::Read, &buf[4096..], seg, REMOTE, 4096)],
+            Duration::from_secs(10),
+        )
+        .unwrap();
     let took = start.elapsed();
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
-    assert!(took < Duration::from_secs(1), "the READ on the lane's next connection took {took:?}: it waited for the refresh (2 s)");
+    assert!(
+        took < Duration::from_secs(1),
+        "the READ on the lane's next connection took {took:?}: it waited for the refresh (2 s)"
+    );
     assert!(snapshot(&buf[4096..]).iter().all(|&x| x == 0x77));
     let st = a.wait_batch(lost, Duration::from_secs(10)).unwrap();
-    assert_eq!((st.status, st.cause), (TaskStatus::Failed, Some(FailCause::PeerLost)), "{st:?}");
+    assert_eq!(
+        (st.status, st.cause),
+        (TaskStatus::Failed, Some(FailCause::PeerLost)),
+        "{st:?}"
+    );
 }
 
 // ------------------------------------------------------------------------------------------
@@ -656,16 +913,29 @@ fn transfer_sync_reports_what_happened_and_returns_only_when_done() {
     let slow = late_peer(Duration::from_millis(700));
     let seg = a.open_segment(&slow.name).unwrap();
     let start = Instant::now();
-    let st = a.transfer_sync(&[req(Opcode::Read, &buf, seg, REMOTE, 4096)], Duration::from_millis(300)).unwrap();
+    let st = a
+        .transfer_sync(
+            &[req(Opcode::Read, &buf, seg, REMOTE, 4096)],
+            Duration::from_millis(300),
+        )
+        .unwrap();
     let took = start.elapsed();
     assert_eq!(st.status, TaskStatus::Timeout, "{st:?}");
     assert!(took < Duration::from_millis(650), "returned after {took:?}");
     std::thread::sleep(Duration::from_millis(700));
-    assert!(snapshot(&buf).iter().all(|&x| x == 0), "a TIMEOUT request's bytes landed after transfer_sync returned");
+    assert!(
+        snapshot(&buf).iter().all(|&x| x == 0),
+        "a TIMEOUT request's bytes landed after transfer_sync returned"
+    );
 
     let quick = late_peer(Duration::from_millis(200));
     let seg = a.open_segment(&quick.name).unwrap();
-    let st = a.transfer_sync(&[req(Opcode::Read, &buf, seg, REMOTE, 4096)], Duration::from_millis(1500)).unwrap();
+    let st = a
+        .transfer_sync(
+            &[req(Opcode::Read, &buf, seg, REMOTE, 4096)],
+            Duration::from_millis(1500),
+        )
+        .unwrap();
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
     assert!(snapshot(&buf).iter().all(|&x| x == 0x77));
 }
@@ -681,8 +951,17 @@ fn a_batch_is_terminal_only_when_every_task_is() {
     let seg = a.open_segment(&slow.name).unwrap();
     let b = a.allocate_batch(2).unwrap();
     // Task 0 is outside the peer's buffers (fails at submit); task 1 answers after 600 ms.
-    a.submit(b, &[req(Opcode::Read, &buf, seg, 0x10, 16), TransferRequest { source: buf.as_ptr() as u64 + 4096, ..req(Opcode::Read, &buf, seg, REMOTE, 4096) }])
-        .unwrap();
+    a.submit(
+        b,
+        &[
+            req(Opcode::Read, &buf, seg, 0x10, 16),
+            TransferRequest {
+                source: buf.as_ptr() as u64 + 4096,
+                ..req(Opcode::Read, &buf, seg, REMOTE, 4096)
+            },
+        ],
+    )
+    .unwrap();
     // (Task 0's range is not in the cached descriptor: it fails once a refresh confirms it.)
     let until = Instant::now() + Duration::from_secs(3);
     while a.task_status(b, 0).unwrap().status != TaskStatus::Failed {
@@ -690,11 +969,20 @@ fn a_batch_is_terminal_only_when_every_task_is() {
         std::thread::sleep(Duration::from_millis(5));
     }
     let early = a.batch_status(b).unwrap();
-    assert!(!early.status.is_terminal(), "batch reported {early:?} while a task was still running");
-    assert!(a.free_batch(b).is_err(), "a batch with a running task cannot be freed");
+    assert!(
+        !early.status.is_terminal(),
+        "batch reported {early:?} while a task was still running"
+    );
+    assert!(
+        a.free_batch(b).is_err(),
+        "a batch with a running task cannot be freed"
+    );
     let start = Instant::now();
     let st = a.wait_batch(b, Duration::from_secs(5)).unwrap();
-    assert!(start.elapsed() >= Duration::from_millis(400), "wait_batch returned at the first failure");
+    assert!(
+        start.elapsed() >= Duration::from_millis(400),
+        "wait_batch returned at the first failure"
+    );
     assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
     assert_eq!(a.task_status(b, 1).unwrap().status, TaskStatus::Completed);
     a.free_batch(b).unwrap();
@@ -707,7 +995,9 @@ fn a_batch_is_terminal_only_when_every_task_is() {
 #[test]
 fn registration_longer_than_isize_max_is_refused() {
     let a = engine(Duration::from_secs(1));
-    let e = a.register_memory(0x1000, (isize::MAX as u64) + 1, "*").unwrap_err();
+    let e = a
+        .register_memory(0x1000, (isize::MAX as u64) + 1, "*")
+        .unwrap_err();
     assert!(matches!(e, kvferry::Error::InvalidArgument(_)), "{e}");
     assert!(a.registered().is_empty());
 }
@@ -725,5 +1015,6 @@ fn a_trickled_handshake_frame_is_dropped() {
     let took = start.elapsed();
     assert!(sent < frame.len(), "the whole trickled frame was accepted");
     assert!(took < Duration::from_secs(8), "held for {took:?}");
-    a.probe(&format!("127.0.0.1:{}", a.rpc_port())).expect("the handshake port still answers");
+    a.probe(&format!("127.0.0.1:{}", a.rpc_port()))
+        .expect("the handshake port still answers");
 }

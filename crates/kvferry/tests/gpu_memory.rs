@@ -22,15 +22,30 @@ fn in_child(name: &str, lib: Option<&Path>) {
 /// [`in_child`] with more environment variables.
 fn in_child_with(name: &str, lib: Option<&Path>, env: &[(&str, &str)]) {
     let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"]).env("KVF_GPU_CHILD", "1").envs(env.iter().copied());
+    c.args([
+        name,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("KVF_GPU_CHILD", "1")
+    .envs(env.iter().copied());
     match lib {
         Some(d) => c.env("LD_LIBRARY_PATH", d),
         None => c.env_remove("LD_LIBRARY_PATH"),
     };
     let out = c.output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(out.status.success(), "child {name} failed:\n{text}");
-    assert!(text.contains("1 passed"), "child {name} did not run:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "child {name} did not run:\n{text}"
+    );
 }
 
 fn child() -> bool {
@@ -41,13 +56,31 @@ fn child() -> bool {
 /// `KVF_TEST_PROTECT`, holding that cluster key and protecting that much.
 fn engine(mode: TransportMode) -> TransferEngine {
     let auth_key_file = std::env::var_os("KVF_TEST_KEY").map(std::path::PathBuf::from);
-    let auth_protect = std::env::var("KVF_TEST_PROTECT").ok().and_then(|p| kvferry::auth::Protect::parse(&p)).unwrap_or_default();
-    TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), transport: mode, auth_key_file, auth_protect, ..Config::default() }).expect("engine starts")
+    let auth_protect = std::env::var("KVF_TEST_PROTECT")
+        .ok()
+        .and_then(|p| kvferry::auth::Protect::parse(&p))
+        .unwrap_or_default();
+    TransferEngine::new(Config {
+        transfer_timeout: Duration::from_secs(5),
+        transport: mode,
+        auth_key_file,
+        auth_protect,
+        ..Config::default()
+    })
+    .expect("engine starts")
 }
 
 /// Bytes that differ between any two 1 MiB chunks (so a chunk landing in another's place shows).
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add((i >> 12) as u8).wrapping_add(((i >> 20) as u8).wrapping_mul(101))).collect()
+    (0..len)
+        .map(|i| {
+            (i as u8)
+                .wrapping_mul(31)
+                .wrapping_add(seed)
+                .wrapping_add((i >> 12) as u8)
+                .wrapping_add(((i >> 20) as u8).wrapping_mul(101))
+        })
+        .collect()
 }
 
 /// `len` bytes of device memory on GPU `dev`, filled with `fill` through the driver.
@@ -144,12 +177,27 @@ fn child_classification() {
     let r1 = regs.iter().find(|r| r.addr == d1 + 512).unwrap();
     assert_eq!((r1.location.as_str(), r1.gpu), ("cuda:1", Some(1)));
     let desc = e.local_descriptor();
-    assert!(desc.buffers.iter().any(|b| b.addr == d0 + 4096 && b.name == "cuda:0"), "{:?}", desc.buffers);
+    assert!(
+        desc.buffers
+            .iter()
+            .any(|b| b.addr == d0 + 4096 && b.name == "cuda:0"),
+        "{:?}",
+        desc.buffers
+    );
     // Past the end of the allocation, or on another GPU than the location says: refused.
-    let err = e.register_memory(d0 + (1 << 20) - 100, 4096, "*").unwrap_err().to_string();
+    let err = e
+        .register_memory(d0 + (1 << 20) - 100, 4096, "*")
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("past the end of its GPU allocation"), "{err}");
-    let err = e.register_memory(d0 + 65536, 4096, "cuda:1").unwrap_err().to_string();
-    assert!(err.contains("memory of GPU 0") && err.contains("cuda:0"), "{err}");
+    let err = e
+        .register_memory(d0 + 65536, 4096, "cuda:1")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("memory of GPU 0") && err.contains("cuda:0"),
+        "{err}"
+    );
     // Host memory stays host memory: plain (unknown to the driver), and pinned.
     let host = vec![0u8; 8192];
     e.register_memory(host.as_ptr() as u64, 8192, "*").unwrap();
@@ -162,7 +210,14 @@ fn child_classification() {
     // cpu:N is taken as given, without asking the driver.
     let h2 = [0u8; 64];
     e.register_memory(h2.as_ptr() as u64, 64, "cpu:0").unwrap();
-    assert_eq!(e.registered().into_iter().find(|r| r.addr == h2.as_ptr() as u64).unwrap().gpu, None);
+    assert_eq!(
+        e.registered()
+            .into_iter()
+            .find(|r| r.addr == h2.as_ptr() as u64)
+            .unwrap()
+            .gpu,
+        None
+    );
     e.unregister_memory(d0 + 4096).unwrap();
     e.unregister_memory(d1 + 512).unwrap();
     e.unregister_memory(pinned as u64).unwrap();
@@ -174,7 +229,10 @@ fn child_classification() {
 fn gpu_memory_moves_over_tcp_and_same_host_paths_every_byte_verified() {
     // A CUDA 12.4 and a CUDA 13.0 driver: the same soname and entry points.
     in_child("child_transfers", Some(&mock_dir()));
-    in_child("child_transfers", Some(&cuda_mock::build("cuda13", &["COUNT=2", "VERSION=13000"])));
+    in_child(
+        "child_transfers",
+        Some(&cuda_mock::build("cuda13", &["COUNT=2", "VERSION=13000"])),
+    );
 }
 
 /// The same transfers between engines holding a cluster key, with the bytes moved
@@ -189,7 +247,14 @@ fn gpu_memory_moves_over_keyed_connections_under_each_protection() {
     std::fs::write(&key, "g".repeat(64)).unwrap();
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
     for protect in ["payload", "encrypt"] {
-        in_child_with("child_transfers", Some(&mock_dir()), &[("KVF_TEST_KEY", key.to_str().unwrap()), ("KVF_TEST_PROTECT", protect)]);
+        in_child_with(
+            "child_transfers",
+            Some(&mock_dir()),
+            &[
+                ("KVF_TEST_KEY", key.to_str().unwrap()),
+                ("KVF_TEST_PROTECT", protect),
+            ],
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -239,44 +304,82 @@ fn child_transfers() {
         if mode == TransportMode::Auto {
             // Host memory of this same-host peer goes over shared memory (staged GPU chunks
             // too); its GPU memory over TCP.
-            assert_eq!(a.segment_transport(seg).unwrap().name, "shm", "{:?}", a.segment_transport(seg));
+            assert_eq!(
+                a.segment_transport(seg).unwrap().name,
+                "shm",
+                "{:?}",
+                a.segment_transport(seg)
+            );
         }
         // (initiator side, target side): GPU→host, host→GPU, GPU→GPU on another device,
         // and the engine's own segment (local copy) GPU↔host.
-        for (la, lb, own) in [(Some(0), None, false), (None, Some(1), false), (Some(0), Some(1), false), (Some(1), None, true), (None, Some(0), true)] {
+        for (la, lb, own) in [
+            (Some(0), None, false),
+            (None, Some(1), false),
+            (Some(0), Some(1), false),
+            (Some(1), None, true),
+            (None, Some(0), true),
+        ] {
             let src = pattern(total, 7);
             let ab = Buf::new(c, la, &src);
             let bb = Buf::new(c, lb, &vec![0u8; total]);
             let back = Buf::new(c, la, &vec![0u8; total]);
-            let (tgt_engine, tgt) = if own { (&a, LOCAL_SEGMENT_ID) } else { (&b, seg) };
+            let (tgt_engine, tgt) = if own {
+                (&a, LOCAL_SEGMENT_ID)
+            } else {
+                (&b, seg)
+            };
             a.register_memory(ab.addr(), total as u64, "*").unwrap();
             a.register_memory(back.addr(), total as u64, "*").unwrap();
-            tgt_engine.register_memory(bb.addr(), total as u64, "*").unwrap();
+            tgt_engine
+                .register_memory(bb.addr(), total as u64, "*")
+                .unwrap();
             let what = format!("{mode:?} initiator {la:?} target {lb:?} own segment {own}");
             let reqs = |op: Opcode, local: u64| -> Vec<TransferRequest> {
                 let mut off = 0u64;
                 sizes
                     .iter()
                     .map(|&s| {
-                        let r = TransferRequest { opcode: op, source: local + off, target_id: tgt, target_offset: bb.addr() + off, length: s as u64 };
+                        let r = TransferRequest {
+                            opcode: op,
+                            source: local + off,
+                            target_id: tgt,
+                            target_offset: bb.addr() + off,
+                            length: s as u64,
+                        };
                         off += s as u64;
                         r
                     })
                     .collect()
             };
-            let st = a.transfer_sync(&reqs(Opcode::Write, ab.addr()), Duration::from_secs(20)).unwrap();
+            let st = a
+                .transfer_sync(&reqs(Opcode::Write, ab.addr()), Duration::from_secs(20))
+                .unwrap();
             assert_eq!(st.status, TaskStatus::Completed, "{what}: WRITE {st:?}");
             assert_eq!(st.transferred_bytes, total as u64);
             assert!(bb.bytes(c, total) == src, "{what}: written bytes differ");
-            let st = a.transfer_sync(&reqs(Opcode::Read, back.addr()), Duration::from_secs(20)).unwrap();
+            let st = a
+                .transfer_sync(&reqs(Opcode::Read, back.addr()), Duration::from_secs(20))
+                .unwrap();
             assert_eq!(st.status, TaskStatus::Completed, "{what}: READ {st:?}");
             assert!(back.bytes(c, total) == src, "{what}: read bytes differ");
             // Many small requests in one batch, pipelined.
             let n = 256u64;
-            let small: Vec<TransferRequest> =
-                (0..n).map(|i| TransferRequest { opcode: Opcode::Read, source: back.addr() + i * 4096, target_id: tgt, target_offset: bb.addr() + i * 4096, length: 4096 }).collect();
+            let small: Vec<TransferRequest> = (0..n)
+                .map(|i| TransferRequest {
+                    opcode: Opcode::Read,
+                    source: back.addr() + i * 4096,
+                    target_id: tgt,
+                    target_offset: bb.addr() + i * 4096,
+                    length: 4096,
+                })
+                .collect();
             let st = a.transfer_sync(&small, Duration::from_secs(20)).unwrap();
-            assert_eq!(st.status, TaskStatus::Completed, "{what}: small READs {st:?}");
+            assert_eq!(
+                st.status,
+                TaskStatus::Completed,
+                "{what}: small READs {st:?}"
+            );
             a.unregister_memory(ab.addr()).unwrap();
             a.unregister_memory(back.addr()).unwrap();
             tgt_engine.unregister_memory(bb.addr()).unwrap();
@@ -290,23 +393,41 @@ fn child_transfers() {
         let gb = gpu_alloc(c, 1, &vec![0u8; part * threads]);
         let gback = gpu_alloc(c, 0, &vec![0u8; part * threads]);
         a.register_memory(ga, (part * threads) as u64, "*").unwrap();
-        a.register_memory(gback, (part * threads) as u64, "cuda:0").unwrap();
-        b.register_memory(gb, (part * threads) as u64, "cuda:1").unwrap();
+        a.register_memory(gback, (part * threads) as u64, "cuda:0")
+            .unwrap();
+        b.register_memory(gb, (part * threads) as u64, "cuda:1")
+            .unwrap();
         std::thread::scope(|s| {
             for t in 0..threads {
                 let a = &a;
                 s.spawn(move || {
                     let off = (t * part) as u64;
                     for (op, local) in [(Opcode::Write, ga), (Opcode::Read, gback)] {
-                        let r = TransferRequest { opcode: op, source: local + off, target_id: seg, target_offset: gb + off, length: part as u64 };
+                        let r = TransferRequest {
+                            opcode: op,
+                            source: local + off,
+                            target_id: seg,
+                            target_offset: gb + off,
+                            length: part as u64,
+                        };
                         let st = a.transfer_sync(&[r], Duration::from_secs(20)).unwrap();
-                        assert_eq!(st.status, TaskStatus::Completed, "{mode:?} thread {t} {op:?}: {st:?}");
+                        assert_eq!(
+                            st.status,
+                            TaskStatus::Completed,
+                            "{mode:?} thread {t} {op:?}: {st:?}"
+                        );
                     }
                 });
             }
         });
-        assert!(gpu_read(c, 1, gb, part * threads) == src, "{mode:?}: concurrent writes differ");
-        assert!(gpu_read(c, 0, gback, part * threads) == src, "{mode:?}: concurrent reads differ");
+        assert!(
+            gpu_read(c, 1, gb, part * threads) == src,
+            "{mode:?}: concurrent writes differ"
+        );
+        assert!(
+            gpu_read(c, 0, gback, part * threads) == src,
+            "{mode:?}: concurrent reads differ"
+        );
         for (e, p) in [(&a, ga), (&a, gback), (&b, gb)] {
             e.unregister_memory(p).unwrap();
         }
@@ -333,21 +454,41 @@ fn child_failures() {
     let gb = gpu_alloc(c, 1, &vec![0u8; len]);
     let host = vec![0u8; len];
     a.register_memory(ga, len as u64, "*").unwrap();
-    a.register_memory(host.as_ptr() as u64, len as u64, "*").unwrap();
+    a.register_memory(host.as_ptr() as u64, len as u64, "*")
+        .unwrap();
     b.register_memory(gb, len as u64, "*").unwrap();
-    let w = |source: u64| vec![TransferRequest { opcode: Opcode::Write, source, target_id: seg, target_offset: gb, length: len as u64 }];
+    let w = |source: u64| {
+        vec![TransferRequest {
+            opcode: Opcode::Write,
+            source,
+            target_id: seg,
+            target_offset: gb,
+            length: len as u64,
+        }]
+    };
     // The context destroyed under the transfer: every copy fails, the task FAILS, naming it.
     knobs.fail_copies(709);
     for source in [ga, host.as_ptr() as u64] {
-        let st = a.transfer_sync(&w(source), Duration::from_secs(10)).unwrap();
+        let st = a
+            .transfer_sync(&w(source), Duration::from_secs(10))
+            .unwrap();
         assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
         if source == ga {
-            assert!(st.reason.as_deref().is_some_and(|r| r.contains("CUDA_ERROR_CONTEXT_IS_DESTROYED")), "{st:?}");
+            assert!(
+                st.reason
+                    .as_deref()
+                    .is_some_and(|r| r.contains("CUDA_ERROR_CONTEXT_IS_DESTROYED")),
+                "{st:?}"
+            );
         }
     }
     knobs.fail_copies(0);
     let st = a.transfer_sync(&w(ga), Duration::from_secs(10)).unwrap();
-    assert_eq!(st.status, TaskStatus::Completed, "copies work again: {st:?}");
+    assert_eq!(
+        st.status,
+        TaskStatus::Completed,
+        "copies work again: {st:?}"
+    );
     assert!(gpu_read(c, 1, gb, len) == src);
     // A GPU buffer freed while still registered: transfers fail, unregister works.
     c.on_device(1, |d| d.mem_free(gb)).unwrap();
@@ -356,7 +497,12 @@ fn child_failures() {
     c.on_device(0, |d| d.mem_free(ga)).unwrap();
     let st = a.transfer_sync(&w(ga), Duration::from_secs(10)).unwrap();
     assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
-    assert!(st.reason.as_deref().is_some_and(|r| r.contains("CUDA_ERROR_INVALID_VALUE")), "{st:?}");
+    assert!(
+        st.reason
+            .as_deref()
+            .is_some_and(|r| r.contains("CUDA_ERROR_INVALID_VALUE")),
+        "{st:?}"
+    );
     b.unregister_memory(gb).unwrap();
     a.unregister_memory(ga).unwrap();
     a.unregister_memory(host.as_ptr() as u64).unwrap();
@@ -365,11 +511,20 @@ fn child_failures() {
 #[test]
 fn without_a_usable_driver_gpu_locations_fail_clearly_and_nothing_is_touched() {
     // A driver that finds no GPU (first in the library path, so this holds on GPU hosts too).
-    in_child("child_no_driver", Some(&cuda_mock::build("nodev", &["INIT_RESULT=100", "COUNT=0"])));
+    in_child(
+        "child_no_driver",
+        Some(&cuda_mock::build("nodev", &["INIT_RESULT=100", "COUNT=0"])),
+    );
     // A driver too old for the memory calls: reported, not a crash.
-    in_child("child_no_driver", Some(&cuda_mock::build("nomem", &["NO_MEM"])));
+    in_child(
+        "child_no_driver",
+        Some(&cuda_mock::build("nomem", &["NO_MEM"])),
+    );
     // No libcuda at all (only where the host has none).
-    if matches!(kvferry::gpu::driver::Driver::load(), Err(kvferry::gpu::driver::CudaError::Missing { .. })) {
+    if matches!(
+        kvferry::gpu::driver::Driver::load(),
+        Err(kvferry::gpu::driver::CudaError::Missing { .. })
+    ) {
         in_child("child_no_driver", None);
     }
 }
@@ -384,20 +539,41 @@ fn child_no_driver() {
     let b = engine(TransportMode::Tcp);
     // Host memory registers as before (location "*": no driver asked).
     let src = pattern(65536, 9);
-    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*")
+        .unwrap();
     assert_eq!(a.registered()[0].gpu, None);
     // The target meant this buffer to be GPU memory: refused, with the cause and the fix.
     let target = vec![0u8; 65536];
-    let err = b.register_memory(target.as_ptr() as u64, 65536, "cuda:0").unwrap_err().to_string();
+    let err = b
+        .register_memory(target.as_ptr() as u64, 65536, "cuda:0")
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("the CUDA driver is not usable here"), "{err}");
-    assert!(err.contains("install the NVIDIA driver") || err.contains("CUDA_VISIBLE_DEVICES") || err.contains("too old"), "{err}");
+    assert!(
+        err.contains("install the NVIDIA driver")
+            || err.contains("CUDA_VISIBLE_DEVICES")
+            || err.contains("too old"),
+        "{err}"
+    );
     // A transfer into it fails as not registered and touches nothing.
     let seg = a.open_segment(b.segment_name()).unwrap();
     let st = a
-        .transfer_sync(&[TransferRequest { opcode: Opcode::Write, source: src.as_ptr() as u64, target_id: seg, target_offset: target.as_ptr() as u64, length: 65536 }], Duration::from_secs(10))
+        .transfer_sync(
+            &[TransferRequest {
+                opcode: Opcode::Write,
+                source: src.as_ptr() as u64,
+                target_id: seg,
+                target_offset: target.as_ptr() as u64,
+                length: 65536,
+            }],
+            Duration::from_secs(10),
+        )
         .unwrap();
     assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
-    assert!(target.iter().all(|&x| x == 0), "the unregistered buffer was touched");
+    assert!(
+        target.iter().all(|&x| x == 0),
+        "the unregistered buffer was touched"
+    );
 }
 
 #[test]
@@ -415,7 +591,11 @@ fn child_unregister_barrier() {
     // The initiator's GPU memory (GPU 0) unregistered mid-WRITE, then the target's (GPU 1).
     // A READ into the initiator's GPU memory too: its host→device copies are queued on a
     // stream and waited for later, and none may run after the unregister returned.
-    for (op, target_side) in [(Opcode::Write, false), (Opcode::Write, true), (Opcode::Read, false)] {
+    for (op, target_side) in [
+        (Opcode::Write, false),
+        (Opcode::Write, true),
+        (Opcode::Read, false),
+    ] {
         let a = engine(TransportMode::Tcp);
         let b = engine(TransportMode::Tcp);
         let seg = a.open_segment(b.segment_name()).unwrap();
@@ -423,24 +603,45 @@ fn child_unregister_barrier() {
         let gb = gpu_alloc(c, 1, &vec![0u8; len]);
         a.register_memory(ga, len as u64, "*").unwrap();
         b.register_memory(gb, len as u64, "*").unwrap();
-        let (dev, e, p) = if target_side { (1, &b, gb) } else { (0, &a, ga) };
+        let (dev, e, p) = if target_side {
+            (1, &b, gb)
+        } else {
+            (0, &a, ga)
+        };
         let before = knobs.copies(dev);
         knobs.copy_delay_us(3000);
         let batch = a.allocate_batch(1).unwrap();
-        a.submit(batch, &[TransferRequest { opcode: op, source: ga, target_id: seg, target_offset: gb, length: len as u64 }]).unwrap();
+        a.submit(
+            batch,
+            &[TransferRequest {
+                opcode: op,
+                source: ga,
+                target_id: seg,
+                target_offset: gb,
+                length: len as u64,
+            }],
+        )
+        .unwrap();
         std::thread::sleep(Duration::from_millis(30));
         let until = std::time::Instant::now() + Duration::from_secs(5);
         while knobs.copies(dev) == before && std::time::Instant::now() < until {
             std::thread::sleep(Duration::from_millis(5));
         }
-        assert!(knobs.copies(dev) > before, "the transfer touched GPU {dev} before the unregister ({op:?})");
+        assert!(
+            knobs.copies(dev) > before,
+            "the transfer touched GPU {dev} before the unregister ({op:?})"
+        );
         e.unregister_memory(p).unwrap();
         let after = knobs.copies(dev);
         let st = a.wait_batch(batch, Duration::from_secs(20)).unwrap();
         std::thread::sleep(Duration::from_millis(200));
         knobs.copy_delay_us(0);
         assert_eq!(knobs.copies(dev), after, "GPU {dev} memory was copied after unregister returned ({op:?}, target side {target_side})");
-        assert_eq!(st.status, TaskStatus::Failed, "{op:?} target side {target_side}: {st:?}");
+        assert_eq!(
+            st.status,
+            TaskStatus::Failed,
+            "{op:?} target side {target_side}: {st:?}"
+        );
         let _ = a.unregister_memory(ga);
         let _ = b.unregister_memory(gb);
     }
@@ -478,37 +679,88 @@ fn child_staging_pipeline() {
         let host_b = src1.clone();
         a.register_memory(g0, len as u64, "*").unwrap();
         a.register_memory(g1, len as u64, "*").unwrap();
-        b.register_memory(host_a.as_ptr() as u64, len as u64, "*").unwrap();
-        b.register_memory(host_b.as_ptr() as u64, len as u64, "*").unwrap();
-        let req = |opcode, source, target_offset| TransferRequest { opcode, source, target_id: seg, target_offset, length: len as u64 };
+        b.register_memory(host_a.as_ptr() as u64, len as u64, "*")
+            .unwrap();
+        b.register_memory(host_b.as_ptr() as u64, len as u64, "*")
+            .unwrap();
+        let req = |opcode, source, target_offset| TransferRequest {
+            opcode,
+            source,
+            target_id: seg,
+            target_offset,
+            length: len as u64,
+        };
 
         // GPU 0 → host: every chunk sent only after its device→host copy was waited for.
         knobs.reset_max_queued();
-        let st = a.transfer_sync(&[req(Opcode::Write, g0, host_a.as_ptr() as u64)], Duration::from_secs(20)).unwrap();
+        let st = a
+            .transfer_sync(
+                &[req(Opcode::Write, g0, host_a.as_ptr() as u64)],
+                Duration::from_secs(20),
+            )
+            .unwrap();
         assert_eq!(st.status, TaskStatus::Completed, "{mode:?} WRITE {st:?}");
-        assert_eq!(knobs.queued(), 0, "{mode:?}: a copy is still queued after the WRITE ended");
-        assert!(host_a == src0, "{mode:?}: a chunk was sent before its device→host copy was waited for");
+        assert_eq!(
+            knobs.queued(),
+            0,
+            "{mode:?}: a copy is still queued after the WRITE ended"
+        );
+        assert!(
+            host_a == src0,
+            "{mode:?}: a chunk was sent before its device→host copy was waited for"
+        );
         // The copies overlap: the next one is queued before the previous one is waited for.
-        assert!(knobs.max_queued() >= 2, "{mode:?}: copies ran one at a time (at most {} queued)", knobs.max_queued());
+        assert!(
+            knobs.max_queued() >= 2,
+            "{mode:?}: copies ran one at a time (at most {} queued)",
+            knobs.max_queued()
+        );
 
         // Host → GPU 1: COMPLETED only once the last host→device copy was waited for.
-        let st = a.transfer_sync(&[req(Opcode::Read, g1, host_b.as_ptr() as u64)], Duration::from_secs(20)).unwrap();
+        let st = a
+            .transfer_sync(
+                &[req(Opcode::Read, g1, host_b.as_ptr() as u64)],
+                Duration::from_secs(20),
+            )
+            .unwrap();
         assert_eq!(st.status, TaskStatus::Completed, "{mode:?} READ {st:?}");
-        assert_eq!(knobs.queued(), 0, "{mode:?}: COMPLETED while a host→device copy was still queued");
-        assert!(gpu_read(c, 1, g1, len) == src1, "{mode:?}: read bytes differ (a bounce buffer reused before its copy ran?)");
+        assert_eq!(
+            knobs.queued(),
+            0,
+            "{mode:?}: COMPLETED while a host→device copy was still queued"
+        );
+        assert!(
+            gpu_read(c, 1, g1, len) == src1,
+            "{mode:?}: read bytes differ (a bounce buffer reused before its copy ran?)"
+        );
 
         // Both directions and both GPUs in one batch: both streams of each GPU busy at once.
         c.htod(1, g1, &vec![0u8; len]).unwrap();
         let g0b = gpu_alloc(c, 0, &vec![0u8; len]);
         a.register_memory(g0b, len as u64, "cuda:0").unwrap();
         let host_c = vec![0u8; len];
-        b.register_memory(host_c.as_ptr() as u64, len as u64, "*").unwrap();
-        let reqs = [req(Opcode::Read, g1, host_b.as_ptr() as u64), req(Opcode::Write, g0, host_c.as_ptr() as u64), req(Opcode::Read, g0b, host_b.as_ptr() as u64)];
+        b.register_memory(host_c.as_ptr() as u64, len as u64, "*")
+            .unwrap();
+        let reqs = [
+            req(Opcode::Read, g1, host_b.as_ptr() as u64),
+            req(Opcode::Write, g0, host_c.as_ptr() as u64),
+            req(Opcode::Read, g0b, host_b.as_ptr() as u64),
+        ];
         let st = a.transfer_sync(&reqs, Duration::from_secs(20)).unwrap();
         assert_eq!(st.status, TaskStatus::Completed, "{mode:?} mixed {st:?}");
-        assert_eq!(knobs.queued(), 0, "{mode:?}: a copy is still queued after the mixed batch ended");
-        assert!(gpu_read(c, 1, g1, len) == src1 && gpu_read(c, 0, g0b, len) == src1, "{mode:?}: mixed batch: read bytes differ");
-        assert!(host_c == src0, "{mode:?}: mixed batch: written bytes differ");
+        assert_eq!(
+            knobs.queued(),
+            0,
+            "{mode:?}: a copy is still queued after the mixed batch ended"
+        );
+        assert!(
+            gpu_read(c, 1, g1, len) == src1 && gpu_read(c, 0, g0b, len) == src1,
+            "{mode:?}: mixed batch: read bytes differ"
+        );
+        assert!(
+            host_c == src0,
+            "{mode:?}: mixed batch: written bytes differ"
+        );
         for p in [g0, g1, g0b] {
             a.unregister_memory(p).unwrap();
         }
@@ -603,48 +855,127 @@ fn child_vmm() {
     let (off, len) = (4096 + 5, 3 * seg - 8192 - 11);
     let a = engine(TransportMode::Tcp);
     let b = engine(TransportMode::Tcp);
-    a.register_memory(base + off as u64, len as u64, "*").unwrap();
-    let r = a.registered().into_iter().find(|r| r.addr == base + off as u64).unwrap();
+    a.register_memory(base + off as u64, len as u64, "*")
+        .unwrap();
+    let r = a
+        .registered()
+        .into_iter()
+        .find(|r| r.addr == base + off as u64)
+        .unwrap();
     assert_eq!((r.location.as_str(), r.gpu), ("cuda:0", Some(0)));
     // Refused: a range running from GPU 0's mappings into GPU 1's, and one running from a
     // mapping into reserved but unmapped addresses.
-    let err = a.register_memory(base + (5 * seg / 2) as u64, seg as u64, "*").unwrap_err().to_string();
+    let err = a
+        .register_memory(base + (5 * seg / 2) as u64, seg as u64, "*")
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("spans memory of GPU 0 and GPU 1"), "{err}");
-    let err = a.register_memory(base + (3 * seg + 4096) as u64, seg as u64, "cuda:1").unwrap_err().to_string();
-    assert!(err.contains("runs past the end of its GPU allocation") && err.contains("pass the tensor's size"), "{err}");
+    let err = a
+        .register_memory(base + (3 * seg + 4096) as u64, seg as u64, "cuda:1")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("runs past the end of its GPU allocation")
+            && err.contains("pass the tensor's size"),
+        "{err}"
+    );
     // VMM memory has no legacy CUDA IPC handle: exporting it says so.
     let err = gpu::ipc::export(base + off as u64, len as u64).unwrap_err();
-    assert!(err.contains("CUDA virtual memory") && err.contains("expandable_segments"), "{err}");
+    assert!(
+        err.contains("CUDA virtual memory") && err.contains("expandable_segments"),
+        "{err}"
+    );
 
     // Initiator side: WRITE out of the VMM range, READ back into it.
     let seg_b = a.open_segment(b.segment_name()).unwrap();
     let host = vec![0u8; len];
-    b.register_memory(host.as_ptr() as u64, len as u64, "*").unwrap();
-    let one = |opcode, source, target_offset| [TransferRequest { opcode, source, target_id: seg_b, target_offset, length: len as u64 }];
-    let st = a.transfer_sync(&one(Opcode::Write, base + off as u64, host.as_ptr() as u64), Duration::from_secs(20)).unwrap();
-    assert_eq!(st.status, TaskStatus::Completed, "WRITE from VMM memory {st:?}");
-    assert!(host[..] == src[off..off + len], "WRITE from VMM memory: bytes differ");
+    b.register_memory(host.as_ptr() as u64, len as u64, "*")
+        .unwrap();
+    let one = |opcode, source, target_offset| {
+        [TransferRequest {
+            opcode,
+            source,
+            target_id: seg_b,
+            target_offset,
+            length: len as u64,
+        }]
+    };
+    let st = a
+        .transfer_sync(
+            &one(Opcode::Write, base + off as u64, host.as_ptr() as u64),
+            Duration::from_secs(20),
+        )
+        .unwrap();
+    assert_eq!(
+        st.status,
+        TaskStatus::Completed,
+        "WRITE from VMM memory {st:?}"
+    );
+    assert!(
+        host[..] == src[off..off + len],
+        "WRITE from VMM memory: bytes differ"
+    );
     c.htod(0, base, &vec![0u8; 3 * seg]).unwrap();
-    let st = a.transfer_sync(&one(Opcode::Read, base + off as u64, host.as_ptr() as u64), Duration::from_secs(20)).unwrap();
-    assert_eq!(st.status, TaskStatus::Completed, "READ into VMM memory {st:?}");
-    assert!(gpu_read(c, 0, base + off as u64, len) == src[off..off + len], "READ into VMM memory: bytes differ");
+    let st = a
+        .transfer_sync(
+            &one(Opcode::Read, base + off as u64, host.as_ptr() as u64),
+            Duration::from_secs(20),
+        )
+        .unwrap();
+    assert_eq!(
+        st.status,
+        TaskStatus::Completed,
+        "READ into VMM memory {st:?}"
+    );
+    assert!(
+        gpu_read(c, 0, base + off as u64, len) == src[off..off + len],
+        "READ into VMM memory: bytes differ"
+    );
 
     // Target side: another VMM range of GPU 0 registered by the peer, written and read.
     let (tbase, ths) = vmm.segments(3 * seg, seg, &[0, 0, 0]);
     c.htod(0, tbase, &vec![0u8; 3 * seg]).unwrap();
-    b.register_memory(tbase + off as u64, len as u64, "*").unwrap();
+    b.register_memory(tbase + off as u64, len as u64, "*")
+        .unwrap();
     let src2 = pattern(len, 32);
-    a.register_memory(src2.as_ptr() as u64, len as u64, "*").unwrap();
-    let st = a.transfer_sync(&one(Opcode::Write, src2.as_ptr() as u64, tbase + off as u64), Duration::from_secs(20)).unwrap();
-    assert_eq!(st.status, TaskStatus::Completed, "WRITE into the peer's VMM memory {st:?}");
-    assert!(gpu_read(c, 0, tbase + off as u64, len) == src2, "WRITE into the peer's VMM memory: bytes differ");
+    a.register_memory(src2.as_ptr() as u64, len as u64, "*")
+        .unwrap();
+    let st = a
+        .transfer_sync(
+            &one(Opcode::Write, src2.as_ptr() as u64, tbase + off as u64),
+            Duration::from_secs(20),
+        )
+        .unwrap();
+    assert_eq!(
+        st.status,
+        TaskStatus::Completed,
+        "WRITE into the peer's VMM memory {st:?}"
+    );
+    assert!(
+        gpu_read(c, 0, tbase + off as u64, len) == src2,
+        "WRITE into the peer's VMM memory: bytes differ"
+    );
     let back = vec![0u8; len];
-    a.register_memory(back.as_ptr() as u64, len as u64, "*").unwrap();
-    let st = a.transfer_sync(&one(Opcode::Read, back.as_ptr() as u64, tbase + off as u64), Duration::from_secs(20)).unwrap();
-    assert_eq!(st.status, TaskStatus::Completed, "READ of the peer's VMM memory {st:?}");
+    a.register_memory(back.as_ptr() as u64, len as u64, "*")
+        .unwrap();
+    let st = a
+        .transfer_sync(
+            &one(Opcode::Read, back.as_ptr() as u64, tbase + off as u64),
+            Duration::from_secs(20),
+        )
+        .unwrap();
+    assert_eq!(
+        st.status,
+        TaskStatus::Completed,
+        "READ of the peer's VMM memory {st:?}"
+    );
     assert!(back == src2, "READ of the peer's VMM memory: bytes differ");
 
-    for p in [base + off as u64, src2.as_ptr() as u64, back.as_ptr() as u64] {
+    for p in [
+        base + off as u64,
+        src2.as_ptr() as u64,
+        back.as_ptr() as u64,
+    ] {
         a.unregister_memory(p).unwrap();
     }
     for p in [host.as_ptr() as u64, tbase + off as u64] {
@@ -678,18 +1009,33 @@ fn child_ipc_export() {
     let err = gpu::ipc::export(host.as_ptr() as u64, 4096).unwrap_err();
     assert!(err.contains("not GPU memory"), "{err}");
     let err = gpu::ipc::export(g + total as u64 - 10, 100).unwrap_err();
-    assert!(err.contains("runs past the end of its GPU allocation"), "{err}");
+    assert!(
+        err.contains("runs past the end of its GPU allocation"),
+        "{err}"
+    );
     let e = gpu::ipc::export(g + IPC_OFF as u64, IPC_LEN as u64).unwrap();
-    assert_eq!((e.ordinal, e.offset, e.len), (0, IPC_OFF as u64, IPC_LEN as u64));
+    assert_eq!(
+        (e.ordinal, e.offset, e.len),
+        (0, IPC_OFF as u64, IPC_LEN as u64)
+    );
     assert_eq!(gpu::ipc::Export::decode(&e.encode()).unwrap(), e);
-    let err = gpu::ipc::open(&e, 0).err().expect("a process cannot open its own handle");
+    let err = gpu::ipc::open(&e, 0)
+        .err()
+        .expect("a process cannot open its own handle");
     assert!(err.contains("another process"), "{err}");
 
     let lib = std::env::var_os("LD_LIBRARY_PATH").expect("the mock's directory");
-    in_child_with("child_ipc_import", Some(Path::new(&lib)), &[("KVF_IPC_EXPORT", &e.encode())]);
+    in_child_with(
+        "child_ipc_import",
+        Some(Path::new(&lib)),
+        &[("KVF_IPC_EXPORT", &e.encode())],
+    );
     let mut want = before.clone();
     want[IPC_OFF..IPC_OFF + IPC_LEN].copy_from_slice(&pattern(IPC_LEN, 42));
-    assert!(gpu_read(c, 0, g, total) == want, "the other process's writes did not land exactly in the exported range");
+    assert!(
+        gpu_read(c, 0, g, total) == want,
+        "the other process's writes did not land exactly in the exported range"
+    );
     c.on_device(0, |d| d.mem_free(g)).unwrap();
 }
 
@@ -705,7 +1051,11 @@ fn child_ipc_import() {
     assert_eq!((opened.len(), opened.on()), (IPC_LEN as u64, 1));
     let mine = gpu_alloc(c, 1, &vec![0u8; IPC_LEN]);
     c.dtod(1, mine, opened.addr(), IPC_LEN).unwrap();
-    assert!(gpu_read(c, 1, mine, IPC_LEN) == pattern(IPC_OFF + IPC_LEN + 8192, 41)[IPC_OFF..IPC_OFF + IPC_LEN], "bytes read through the handle differ");
+    assert!(
+        gpu_read(c, 1, mine, IPC_LEN)
+            == pattern(IPC_OFF + IPC_LEN + 8192, 41)[IPC_OFF..IPC_OFF + IPC_LEN],
+        "bytes read through the handle differ"
+    );
     c.htod(1, mine, &pattern(IPC_LEN, 42)).unwrap();
     c.dtod(1, opened.addr(), mine, IPC_LEN).unwrap();
     drop(opened);
@@ -731,17 +1081,43 @@ fn child_ipc_target() {
     let g = gpu_alloc(c, 0, &pattern(XFER, 51));
     e.register_memory(g, XFER as u64, "cuda:0").unwrap();
     let d = e.local_descriptor();
-    let gpus = d.extra.get("kvferry_shm").and_then(|v| v.get("gpus")).and_then(|v| v.as_array()).cloned().unwrap_or_default();
-    assert_eq!(gpus.len(), 1, "the GPU range is exported in the descriptor: {:?}", d.extra);
+    let gpus = d
+        .extra
+        .get("kvferry_shm")
+        .and_then(|v| v.get("gpus"))
+        .and_then(|v| v.as_array())
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        gpus.len(),
+        1,
+        "the GPU range is exported in the descriptor: {:?}",
+        d.extra
+    );
     let lib = std::env::var_os("LD_LIBRARY_PATH").expect("the mock's directory");
-    in_child_with("child_ipc_initiator", Some(Path::new(&lib)), &[("KVF_TARGET", e.segment_name()), ("KVF_TARGET_GPU", &g.to_string())]);
+    in_child_with(
+        "child_ipc_initiator",
+        Some(Path::new(&lib)),
+        &[
+            ("KVF_TARGET", e.segment_name()),
+            ("KVF_TARGET_GPU", &g.to_string()),
+        ],
+    );
     let mut want = pattern(XFER, 51);
     want[..XFER - 4096].copy_from_slice(&pattern(XFER - 4096, 52));
     want[XFER - 4096..].copy_from_slice(&pattern(4096, 53));
-    assert!(gpu_read(c, 0, g, XFER) == want, "the other process's WRITEs did not land exactly in this GPU memory");
+    assert!(
+        gpu_read(c, 0, g, XFER) == want,
+        "the other process's WRITEs did not land exactly in this GPU memory"
+    );
     // Unregistered, the range leaves the exports.
     e.unregister_memory(g).unwrap();
-    assert!(e.local_descriptor().extra.get("kvferry_shm").and_then(|v| v.get("gpus")).is_none());
+    assert!(e
+        .local_descriptor()
+        .extra
+        .get("kvferry_shm")
+        .and_then(|v| v.get("gpus"))
+        .is_none());
     c.on_device(0, |d| d.mem_free(g)).unwrap();
 }
 
@@ -758,30 +1134,80 @@ fn child_ipc_initiator() {
     let mine = gpu_alloc(c, 1, &vec![0u8; XFER]);
     e.register_memory(mine, XFER as u64, "*").unwrap();
     let mut host = vec![0u8; 8192];
-    e.register_memory(host.as_ptr() as u64, host.len() as u64, "cpu:0").unwrap();
+    e.register_memory(host.as_ptr() as u64, host.len() as u64, "cpu:0")
+        .unwrap();
     let seg = e.open_segment(&target).unwrap();
-    assert_eq!(e.segment_transport(seg).unwrap().name, "shm", "a same-host peer");
+    assert_eq!(
+        e.segment_transport(seg).unwrap().name,
+        "shm",
+        "a same-host peer"
+    );
     let before = kvferry::transport::shm::gpu_ipc_bytes();
-    let req = |op: Opcode, local: u64, remote_off: u64, len: usize| TransferRequest { opcode: op, source: local, target_id: seg, target_offset: tg + remote_off, length: len as u64 };
+    let req = |op: Opcode, local: u64, remote_off: u64, len: usize| TransferRequest {
+        opcode: op,
+        source: local,
+        target_id: seg,
+        target_offset: tg + remote_off,
+        length: len as u64,
+    };
     // GPU <- peer GPU, the whole range.
-    let st = e.transfer_sync(&[req(Opcode::Read, mine, 0, XFER)], Duration::from_secs(10)).unwrap();
+    let st = e
+        .transfer_sync(&[req(Opcode::Read, mine, 0, XFER)], Duration::from_secs(10))
+        .unwrap();
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
-    assert!(gpu_read(c, 1, mine, XFER) == pattern(XFER, 51), "GPU<-GPU READ through CUDA IPC: bytes differ");
+    assert!(
+        gpu_read(c, 1, mine, XFER) == pattern(XFER, 51),
+        "GPU<-GPU READ through CUDA IPC: bytes differ"
+    );
     // Host <- peer GPU, an interior range.
-    let st = e.transfer_sync(&[req(Opcode::Read, host.as_ptr() as u64, 1000, 8192)], Duration::from_secs(10)).unwrap();
+    let st = e
+        .transfer_sync(
+            &[req(Opcode::Read, host.as_ptr() as u64, 1000, 8192)],
+            Duration::from_secs(10),
+        )
+        .unwrap();
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
-    assert!(host[..] == pattern(XFER, 51)[1000..1000 + 8192], "host<-GPU READ through CUDA IPC: bytes differ");
+    assert!(
+        host[..] == pattern(XFER, 51)[1000..1000 + 8192],
+        "host<-GPU READ through CUDA IPC: bytes differ"
+    );
     // GPU -> peer GPU, and host -> peer GPU (its last page), in one batch.
     c.htod(1, mine, &pattern(XFER - 4096, 52)).unwrap();
     // Our own registered Vec, not in any transfer now.
     host[..4096].copy_from_slice(&pattern(4096, 53));
-    let st = e.transfer_sync(&[req(Opcode::Write, mine, 0, XFER - 4096), req(Opcode::Write, host.as_ptr() as u64, (XFER - 4096) as u64, 4096)], Duration::from_secs(10)).unwrap();
+    let st = e
+        .transfer_sync(
+            &[
+                req(Opcode::Write, mine, 0, XFER - 4096),
+                req(
+                    Opcode::Write,
+                    host.as_ptr() as u64,
+                    (XFER - 4096) as u64,
+                    4096,
+                ),
+            ],
+            Duration::from_secs(10),
+        )
+        .unwrap();
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
     let moved = kvferry::transport::shm::gpu_ipc_bytes() - before;
-    assert_eq!(moved, (XFER + 8192 + XFER) as u64, "every byte through CUDA IPC, none over TCP");
+    assert_eq!(
+        moved,
+        (XFER + 8192 + XFER) as u64,
+        "every byte through CUDA IPC, none over TCP"
+    );
     // Outside the exported range: refused, nothing touched.
-    let st = e.transfer_sync(&[req(Opcode::Write, mine, XFER as u64 - 100, 4096)], Duration::from_secs(10)).unwrap();
-    assert_ne!(st.status, TaskStatus::Completed, "a WRITE past the peer's GPU range must fail");
+    let st = e
+        .transfer_sync(
+            &[req(Opcode::Write, mine, XFER as u64 - 100, 4096)],
+            Duration::from_secs(10),
+        )
+        .unwrap();
+    assert_ne!(
+        st.status,
+        TaskStatus::Completed,
+        "a WRITE past the peer's GPU range must fail"
+    );
     e.unregister_memory(mine).unwrap();
     e.unregister_memory(host.as_ptr() as u64).unwrap();
     c.on_device(1, |d| d.mem_free(mine)).unwrap();
@@ -808,7 +1234,13 @@ fn child_ipc_barrier_target() {
     e.register_memory(g, len as u64, "cuda:0").unwrap();
     let lib = std::env::var_os("LD_LIBRARY_PATH").expect("the mock's directory");
     let mut kid = Command::new(std::env::current_exe().unwrap())
-        .args(["child_ipc_barrier_initiator", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "child_ipc_barrier_initiator",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("KVF_GPU_CHILD", "1")
         .env("LD_LIBRARY_PATH", &lib)
         .env("KVF_TARGET", e.segment_name())
@@ -830,7 +1262,10 @@ fn child_ipc_barrier_target() {
             // (The test harness prints the test's name first, on the same line.)
             Some(Ok(l)) if l.contains("KVF_COPYING") => break,
             Some(Ok(l)) => said.push(l),
-            _ => panic!("the initiator ended before copying: {said:?}\n{}", err.join().unwrap_or_default()),
+            _ => panic!(
+                "the initiator ended before copying: {said:?}\n{}",
+                err.join().unwrap_or_default()
+            ),
         }
     }
     // The initiator's copy (800 ms in the mock) is in flight now.
@@ -840,14 +1275,32 @@ fn child_ipc_barrier_target() {
     let waited = t.elapsed();
     let frozen = gpu_read(c, 0, g, len);
     std::thread::sleep(Duration::from_millis(1000));
-    assert!(gpu_read(c, 0, g, len) == frozen, "GPU memory changed after unregister_memory returned");
+    assert!(
+        gpu_read(c, 0, g, len) == frozen,
+        "GPU memory changed after unregister_memory returned"
+    );
     let rest: Vec<String> = lines.map_while(Result::ok).collect();
-    assert!(kid.wait().unwrap().success(), "the initiator failed: {rest:?}\n{}", err.join().unwrap_or_default());
-    let status = rest.iter().find_map(|l| l.split("KVF_STATUS ").nth(1)).expect("the initiator's WRITE status").trim().to_string();
+    assert!(
+        kid.wait().unwrap().success(),
+        "the initiator failed: {rest:?}\n{}",
+        err.join().unwrap_or_default()
+    );
+    let status = rest
+        .iter()
+        .find_map(|l| l.split("KVF_STATUS ").nth(1))
+        .expect("the initiator's WRITE status")
+        .trim()
+        .to_string();
     if status == "Completed" {
-        assert!(frozen == pattern(len, 62), "a WRITE reported COMPLETED did not land before unregister returned");
+        assert!(
+            frozen == pattern(len, 62),
+            "a WRITE reported COMPLETED did not land before unregister returned"
+        );
     }
-    assert!(waited >= Duration::from_millis(300), "unregister returned after {waited:?}, while a copy of 800 ms was in flight ({status})");
+    assert!(
+        waited >= Duration::from_millis(300),
+        "unregister returned after {waited:?}, while a copy of 800 ms was in flight ({status})"
+    );
     c.on_device(0, |d| d.mem_free(g)).unwrap();
 }
 
@@ -863,14 +1316,31 @@ fn child_ipc_barrier_initiator() {
     let len = 1 << 20;
     let mine = gpu_alloc(c, 1, &pattern(len, 62));
     e.register_memory(mine, len as u64, "*").unwrap();
-    let seg = e.open_segment(&std::env::var("KVF_TARGET").unwrap()).unwrap();
+    let seg = e
+        .open_segment(&std::env::var("KVF_TARGET").unwrap())
+        .unwrap();
     let tg: u64 = std::env::var("KVF_TARGET_GPU").unwrap().parse().unwrap();
     let before = kvferry::transport::shm::gpu_ipc_bytes();
     knobs.copy_delay_us(800_000);
     println!("KVF_COPYING");
-    let st = e.transfer_sync(&[TransferRequest { opcode: Opcode::Write, source: mine, target_id: seg, target_offset: tg, length: len as u64 }], Duration::from_secs(10)).unwrap();
+    let st = e
+        .transfer_sync(
+            &[TransferRequest {
+                opcode: Opcode::Write,
+                source: mine,
+                target_id: seg,
+                target_offset: tg,
+                length: len as u64,
+            }],
+            Duration::from_secs(10),
+        )
+        .unwrap();
     knobs.copy_delay_us(0);
     println!("KVF_STATUS {:?}", st.status);
-    assert!(st.status != TaskStatus::Completed || kvferry::transport::shm::gpu_ipc_bytes() - before == len as u64, "a COMPLETED WRITE went through CUDA IPC");
+    assert!(
+        st.status != TaskStatus::Completed
+            || kvferry::transport::shm::gpu_ipc_bytes() - before == len as u64,
+        "a COMPLETED WRITE went through CUDA IPC"
+    );
     e.unregister_memory(mine).unwrap();
 }

@@ -34,15 +34,25 @@ fn engine(idle: Duration) -> TransferEngine {
 }
 
 fn req(op: Opcode, src: &[u8], target: u64, remote: u64, len: usize) -> TransferRequest {
-    TransferRequest { opcode: op, source: src.as_ptr() as u64, target_id: target, target_offset: remote, length: len as u64 }
+    TransferRequest {
+        opcode: op,
+        source: src.as_ptr() as u64,
+        target_id: target,
+        target_offset: remote,
+        length: len as u64,
+    }
 }
 
 fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| d.count())
+        .unwrap_or(0)
 }
 
 fn fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
 }
 
 /// Waits until `f()` is true or `within` passed; returns how long it took, or None.
@@ -62,7 +72,9 @@ fn process_cpu() -> Duration {
     // SAFETY: getrusage fills the struct we pass.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    let tv = |t: libc::timeval| Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64);
+    let tv = |t: libc::timeval| {
+        Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
+    };
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
@@ -74,7 +86,9 @@ fn wait_child(pid: libc::pid_t, doing: &str) -> Option<i32> {
     let pid = Pid::from_raw(pid).expect("a child's pid");
     let mut status = None;
     let exited = settles(Duration::from_secs(10), || {
-        status = waitpid(Some(pid), WaitOptions::NOHANG).expect("waitpid").map(|(_, s)| s);
+        status = waitpid(Some(pid), WaitOptions::NOHANG)
+            .expect("waitpid")
+            .map(|(_, s)| s);
         status.is_some()
     });
     if exited.is_none() {
@@ -87,13 +101,18 @@ fn wait_child(pid: libc::pid_t, doing: &str) -> Option<i32> {
 
 /// Two engines (`b` the target, `a` the initiator) and a 64 KiB buffer registered on each:
 /// `b`'s filled with `dst_byte`, `a`'s with `src_byte`.
-fn registered_pair(dst_byte: u8, src_byte: u8) -> (TransferEngine, TransferEngine, Vec<u8>, Vec<u8>) {
+fn registered_pair(
+    dst_byte: u8,
+    src_byte: u8,
+) -> (TransferEngine, TransferEngine, Vec<u8>, Vec<u8>) {
     let b = engine(Duration::from_secs(5));
     let a = engine(Duration::from_secs(5));
     let dst = vec![dst_byte; 1 << 16];
     let src = vec![src_byte; 1 << 16];
-    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*").unwrap();
-    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*")
+        .unwrap();
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*")
+        .unwrap();
     (b, a, dst, src)
 }
 
@@ -110,26 +129,59 @@ fn a_forked_child_dropping_the_engine_leaves_the_parent_alone() {
         drop(b);
         unsafe { libc::_exit(0) };
     }
-    assert_eq!(wait_child(pid, "dropping its copy of the engine"), Some(0), "the child's drop of its copy did not end cleanly");
-    assert!(dst.iter().all(|&x| x == 0x5C), "the child touched the parent's memory");
+    assert_eq!(
+        wait_child(pid, "dropping its copy of the engine"),
+        Some(0),
+        "the child's drop of its copy did not end cleanly"
+    );
+    assert!(
+        dst.iter().all(|&x| x == 0x5C),
+        "the child touched the parent's memory"
+    );
     let cpu0 = process_cpu();
     std::thread::sleep(Duration::from_millis(500));
     let spent = process_cpu() - cpu0;
-    assert!(spent < Duration::from_millis(200), "the parent burnt {spent:?} of CPU in 500 ms idle: an accept loop spins");
-    let seg = a.open_segment(b.segment_name()).expect("the parent's handshake port still answers");
-    let st = a.transfer_sync(&[req(Opcode::Write, &src, seg, dst.as_ptr() as u64, src.len())], Duration::from_secs(5)).unwrap();
+    assert!(
+        spent < Duration::from_millis(200),
+        "the parent burnt {spent:?} of CPU in 500 ms idle: an accept loop spins"
+    );
+    let seg = a
+        .open_segment(b.segment_name())
+        .expect("the parent's handshake port still answers");
+    let st = a
+        .transfer_sync(
+            &[req(
+                Opcode::Write,
+                &src,
+                seg,
+                dst.as_ptr() as u64,
+                src.len(),
+            )],
+            Duration::from_secs(5),
+        )
+        .unwrap();
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
     // SAFETY: plain reads of a buffer the transfer finished with.
-    assert!(dst.iter().all(|&x| unsafe { std::ptr::read_volatile(&x) } == 0x3A));
+    assert!(dst
+        .iter()
+        .all(|&x| unsafe { std::ptr::read_volatile(&x) } == 0x3A));
 }
 
 /// Inodes of the TCP sockets (IPv4 and IPv6) with local port in `local` or remote port in
 /// `remote`, from /proc/net/tcp*.
 fn tcp_inodes(local: &[u16], remote: &[u16]) -> Vec<u64> {
-    let port = |a: &str| a.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
+    let port = |a: &str| {
+        a.rsplit(':')
+            .next()
+            .and_then(|p| u16::from_str_radix(p, 16).ok())
+    };
     let mut out = Vec::new();
     for f in ["/proc/net/tcp", "/proc/net/tcp6"] {
-        for line in std::fs::read_to_string(f).unwrap_or_default().lines().skip(1) {
+        for line in std::fs::read_to_string(f)
+            .unwrap_or_default()
+            .lines()
+            .skip(1)
+        {
             let w: Vec<&str> = line.split_whitespace().collect();
             if w.len() < 10 {
                 continue;
@@ -148,7 +200,16 @@ fn fds_on(inodes: &[u64]) -> usize {
     std::fs::read_dir("/proc/self/fd")
         .map(|d| {
             d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-                .filter(|l| l.to_str().and_then(|s| s.strip_prefix("socket:[")?.strip_suffix(']')?.parse::<u64>().ok()).is_some_and(|i| inodes.contains(&i)))
+                .filter(|l| {
+                    l.to_str()
+                        .and_then(|s| {
+                            s.strip_prefix("socket:[")?
+                                .strip_suffix(']')?
+                                .parse::<u64>()
+                                .ok()
+                        })
+                        .is_some_and(|i| inodes.contains(&i))
+                })
                 .count()
         })
         .unwrap_or(0)
@@ -163,7 +224,18 @@ fn a_forked_childs_copy_lets_go_of_the_parents_sockets() {
     let _alone = alone();
     let (b, a, dst, src) = registered_pair(0, 0x6B);
     let seg = a.open_segment(b.segment_name()).unwrap();
-    let st = a.transfer_sync(&[req(Opcode::Write, &src, seg, dst.as_ptr() as u64, src.len())], Duration::from_secs(5)).unwrap();
+    let st = a
+        .transfer_sync(
+            &[req(
+                Opcode::Write,
+                &src,
+                seg,
+                dst.as_ptr() as u64,
+                src.len(),
+            )],
+            Duration::from_secs(5),
+        )
+        .unwrap();
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
     // b's listeners and the connection it serves (local ports), a's lane (remote port).
     let ports = [b.data_port(), b.rpc_port(), a.data_port(), a.rpc_port()];
@@ -185,12 +257,30 @@ fn a_forked_childs_copy_lets_go_of_the_parents_sockets() {
     assert_eq!(code, Some(0), "the child still held the parent's sockets after dropping its copies (its line above says how many)");
     // The parent's engines are untouched: the same connection serves another write.
     let src2 = vec![0x2Eu8; 1 << 16];
-    a.register_memory(src2.as_ptr() as u64, src2.len() as u64, "*").unwrap();
-    let st = a.transfer_sync(&[req(Opcode::Write, &src2, seg, dst.as_ptr() as u64, src2.len())], Duration::from_secs(5)).unwrap();
+    a.register_memory(src2.as_ptr() as u64, src2.len() as u64, "*")
+        .unwrap();
+    let st = a
+        .transfer_sync(
+            &[req(
+                Opcode::Write,
+                &src2,
+                seg,
+                dst.as_ptr() as u64,
+                src2.len(),
+            )],
+            Duration::from_secs(5),
+        )
+        .unwrap();
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
     // SAFETY: plain reads of a buffer the transfer finished with.
-    assert!(dst.iter().all(|&x| unsafe { std::ptr::read_volatile(&x) } == 0x2E));
-    assert_eq!(fds_on(&inodes), held, "the parent's descriptors are all still its own");
+    assert!(dst
+        .iter()
+        .all(|&x| unsafe { std::ptr::read_volatile(&x) } == 0x2E));
+    assert_eq!(
+        fds_on(&inodes),
+        held,
+        "the parent's descriptors are all still its own"
+    );
 }
 
 /// When the process runs out of descriptors, the data and handshake listeners back off
@@ -209,7 +299,10 @@ fn accept_loops_back_off_when_descriptors_run_out() {
     // SAFETY: getrlimit/setrlimit on this process's own limit, restored below.
     let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
     assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
-    let low = libc::rlimit { rlim_cur: (fds() + 4) as libc::rlim_t, rlim_max: lim.rlim_max };
+    let low = libc::rlimit {
+        rlim_cur: (fds() + 4) as libc::rlim_t,
+        rlim_max: lim.rlim_max,
+    };
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) }, 0);
     let mut conns = Vec::new();
     for port in [b.data_port(), b.rpc_port()].iter().cycle().take(40) {
@@ -224,9 +317,21 @@ fn accept_loops_back_off_when_descriptors_run_out() {
     let spent = process_cpu() - cpu0;
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
     drop(conns);
-    assert!(spent < Duration::from_millis(200), "{spent:?} of CPU in 500 ms out of descriptors: an accept loop spins");
-    let st = a.transfer_sync(&[req(Opcode::Write, &src, seg, dst.as_ptr() as u64, 4096)], Duration::from_secs(5)).unwrap();
-    assert_eq!(st.status, TaskStatus::Completed, "serves again once descriptors are back: {st:?}");
+    assert!(
+        spent < Duration::from_millis(200),
+        "{spent:?} of CPU in 500 ms out of descriptors: an accept loop spins"
+    );
+    let st = a
+        .transfer_sync(
+            &[req(Opcode::Write, &src, seg, dst.as_ptr() as u64, 4096)],
+            Duration::from_secs(5),
+        )
+        .unwrap();
+    assert_eq!(
+        st.status,
+        TaskStatus::Completed,
+        "serves again once descriptors are back: {st:?}"
+    );
 }
 
 /// 1000 peers come and go (20 alive at a time), each used once by a survivor: the
@@ -245,7 +350,15 @@ fn departed_peers_leave_no_threads_or_descriptors() {
         let dst = vec![0u8; 4096];
         b.register_memory(dst.as_ptr() as u64, 4096, "*").unwrap();
         let seg = a.open_segment(b.segment_name()).unwrap();
-        assert_eq!(a.transfer_sync(&[req(Opcode::Write, &src, seg, dst.as_ptr() as u64, 4096)], Duration::from_secs(5)).unwrap().status, TaskStatus::Completed);
+        assert_eq!(
+            a.transfer_sync(
+                &[req(Opcode::Write, &src, seg, dst.as_ptr() as u64, 4096)],
+                Duration::from_secs(5)
+            )
+            .unwrap()
+            .status,
+            TaskStatus::Completed
+        );
     }
     settles(Duration::from_secs(5), || a.tcp_usage() == (0, 0)).expect("warm-up lanes retire");
     let (t0, f0) = (threads(), fds());
@@ -262,20 +375,33 @@ fn departed_peers_leave_no_threads_or_descriptors() {
             .collect();
         for (b, dst) in &peers {
             let seg = a.open_segment(b.segment_name()).unwrap();
-            let st = a.transfer_sync(&[req(Opcode::Write, &src, seg, dst.as_ptr() as u64, 4096)], Duration::from_secs(5)).unwrap();
+            let st = a
+                .transfer_sync(
+                    &[req(Opcode::Write, &src, seg, dst.as_ptr() as u64, 4096)],
+                    Duration::from_secs(5),
+                )
+                .unwrap();
             assert_eq!(st.status, TaskStatus::Completed, "round {round}: {st:?}");
         }
         peak_threads = peak_threads.max(threads());
         drop(peers);
     }
     let churn = start.elapsed();
-    let settled = settles(idle * 4 + Duration::from_secs(3), || threads() <= t0 && fds() <= f0 && a.tcp_usage() == (0, 0));
+    let settled = settles(idle * 4 + Duration::from_secs(3), || {
+        threads() <= t0 && fds() <= f0 && a.tcp_usage() == (0, 0)
+    });
     eprintln!(
         "1000 peers in {churn:?}; threads {t0} -> peak {peak_threads} -> {}; fds {f0} -> {}; settled after {settled:?} (idle bound {idle:?})",
         threads(),
         fds()
     );
-    assert!(settled.is_some(), "threads {t0} -> {}, fds {f0} -> {}, lanes/conns {:?}", threads(), fds(), a.tcp_usage());
+    assert!(
+        settled.is_some(),
+        "threads {t0} -> {}, fds {f0} -> {}, lanes/conns {:?}",
+        threads(),
+        fds(),
+        a.tcp_usage()
+    );
 }
 
 /// Child processes as peers, half of them SIGKILLed, half exiting by themselves: the
@@ -286,12 +412,18 @@ fn killed_peers_are_released_within_the_idle_bound() {
     let idle = Duration::from_millis(300);
     let a = engine(idle);
     let src = vec![9u8; 1 << 16];
-    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*")
+        .unwrap();
     let (t0, f0) = (threads(), fds());
     let mut children: Vec<(Child, String, u64)> = (0..10).map(|_| spawn_child()).collect();
     for (_, name, addr) in &children {
         let seg = a.open_segment(name).unwrap();
-        let st = a.transfer_sync(&[req(Opcode::Write, &src, seg, *addr, src.len())], Duration::from_secs(5)).unwrap();
+        let st = a
+            .transfer_sync(
+                &[req(Opcode::Write, &src, seg, *addr, src.len())],
+                Duration::from_secs(5),
+            )
+            .unwrap();
         assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
     }
     let during = (threads(), fds());
@@ -307,7 +439,9 @@ fn killed_peers_are_released_within_the_idle_bound() {
         drop(c.stdin.take());
     }
     let died = Instant::now();
-    let settled = settles(idle * 4 + Duration::from_secs(3), || threads() <= t0 && fds() <= f0 && a.tcp_usage() == (0, 0));
+    let settled = settles(idle * 4 + Duration::from_secs(3), || {
+        threads() <= t0 && fds() <= f0 && a.tcp_usage() == (0, 0)
+    });
     eprintln!(
         "10 child peers: threads {t0} -> {} -> {}, fds {f0} -> {} -> {}; released {:?} after the last died (idle bound {idle:?})",
         during.0,
@@ -316,7 +450,13 @@ fn killed_peers_are_released_within_the_idle_bound() {
         fds(),
         settled.map(|_| died.elapsed())
     );
-    assert!(settled.is_some(), "threads {t0} -> {}, fds {f0} -> {}, lanes/conns {:?}", threads(), fds(), a.tcp_usage());
+    assert!(
+        settled.is_some(),
+        "threads {t0} -> {}, fds {f0} -> {}, lanes/conns {:?}",
+        threads(),
+        fds(),
+        a.tcp_usage()
+    );
 }
 
 /// Starts a child peer; returns it with its segment name and buffer address.
@@ -341,7 +481,9 @@ fn spawn_child() -> (Child, String, u64) {
             panic!("child peer did not start");
         }
     }
-    let mut parts = line[line.find("PEER ").unwrap_or(0)..].split_whitespace().skip(1);
+    let mut parts = line[line.find("PEER ").unwrap_or(0)..]
+        .split_whitespace()
+        .skip(1);
     let name = parts.next().unwrap().to_string();
     let addr = parts.next().unwrap().parse().unwrap();
     (c, name, addr)
@@ -355,7 +497,8 @@ fn child_entry() {
     }
     let e = engine(Duration::from_secs(5));
     let buf = vec![0u8; 1 << 16];
-    e.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+    e.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
+        .unwrap();
     println!("PEER {} {}", e.segment_name(), buf.as_ptr() as u64);
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {

@@ -20,24 +20,51 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn engine_with(mode: TransportMode) -> TransferEngine {
-    TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), transport: mode, ..Config::default() }).expect("engine starts")
+    TransferEngine::new(Config {
+        transfer_timeout: Duration::from_secs(5),
+        transport: mode,
+        ..Config::default()
+    })
+    .expect("engine starts")
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add((i >> 12) as u8)).collect()
+    (0..len)
+        .map(|i| {
+            (i as u8)
+                .wrapping_mul(31)
+                .wrapping_add(seed)
+                .wrapping_add((i >> 12) as u8)
+        })
+        .collect()
 }
 
 fn wr(op: Opcode, src: u64, seg: u64, remote: u64, len: u64) -> TransferRequest {
-    TransferRequest { opcode: op, source: src, target_id: seg, target_offset: remote, length: len }
+    TransferRequest {
+        opcode: op,
+        source: src,
+        target_id: seg,
+        target_offset: remote,
+        length: len,
+    }
 }
 
 fn sync(e: &TransferEngine, reqs: &[TransferRequest]) -> kvferry::TransferStatus {
-    e.transfer_sync(reqs, Duration::from_secs(20)).expect("batch runs")
+    e.transfer_sync(reqs, Duration::from_secs(20))
+        .expect("batch runs")
 }
 
 /// Target memory of `len` bytes filled with `fill`: shareable (memfd) when `mapped`.
 fn mem(len: usize, fill: u8, mapped: bool) -> HostBuffer {
-    let b = HostBuffer::with(len, HostOptions { populate: true, huge_pages: false, shareable: mapped }).unwrap();
+    let b = HostBuffer::with(
+        len,
+        HostOptions {
+            populate: true,
+            huge_pages: false,
+            shareable: mapped,
+        },
+    )
+    .unwrap();
     assert_eq!(b.is_shareable(), mapped);
     b.slice_mut(0, len).fill(fill);
     b
@@ -54,9 +81,15 @@ fn bytes(b: &HostBuffer) -> &mut [u8] {
 fn assert_path(mapped: bool, before: (u64, u64)) {
     let now = shm::bytes_moved();
     if mapped {
-        assert!(now.0 > before.0, "no byte was copied through a mapping: {before:?} -> {now:?}");
+        assert!(
+            now.0 > before.0,
+            "no byte was copied through a mapping: {before:?} -> {now:?}"
+        );
     } else {
-        assert!(now.1 > before.1, "no byte was copied by cross-memory attach: {before:?} -> {now:?}");
+        assert!(
+            now.1 > before.1,
+            "no byte was copied by cross-memory attach: {before:?} -> {now:?}"
+        );
     }
 }
 
@@ -85,16 +118,30 @@ fn same_host_peers_use_shm_and_move_bytes(mapped: bool) {
     let src = pattern(size, 3);
     let dst_mem = mem(size + 4096, 0, mapped);
     let dst = bytes(&dst_mem);
-    a.register_memory(src.as_ptr() as u64, size as u64, "cpu:0").unwrap();
-    b.register_memory(dst.as_ptr() as u64, size as u64, "cpu:0").unwrap();
+    a.register_memory(src.as_ptr() as u64, size as u64, "cpu:0")
+        .unwrap();
+    b.register_memory(dst.as_ptr() as u64, size as u64, "cpu:0")
+        .unwrap();
     let seg = a.open_segment(b.segment_name()).unwrap();
     let t = a.segment_transport(seg).unwrap();
     assert_eq!((t.name, t.why_not_shm.as_deref()), ("shm", None));
     assert_eq!(a.segment_transport(0).unwrap().name, "local");
     let desc = a.segment_descriptor(seg).unwrap();
-    assert!(desc.extra.contains_key("kvferry_shm"), "published: {:?}", desc.extra);
-    let maps = desc.extra["kvferry_shm"].get("maps").and_then(|m| m.as_array()).map_or(0, |m| m.len());
-    assert_eq!(maps, usize::from(mapped), "shareable buffers published: {:?}", desc.extra);
+    assert!(
+        desc.extra.contains_key("kvferry_shm"),
+        "published: {:?}",
+        desc.extra
+    );
+    let maps = desc.extra["kvferry_shm"]
+        .get("maps")
+        .and_then(|m| m.as_array())
+        .map_or(0, |m| m.len());
+    assert_eq!(
+        maps,
+        usize::from(mapped),
+        "shareable buffers published: {:?}",
+        desc.extra
+    );
 
     // WRITE a mix of sizes in one batch: tiny, page, 64 KiB, 1 MiB, 16 MiB (split), odd.
     let sizes = [1u64, 4096, 65536, 1 << 20, 16 << 20, 4093, (3 << 20) + 17];
@@ -109,22 +156,41 @@ fn same_host_peers_use_shm_and_move_bytes(mapped: bool) {
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
     assert_eq!(st.transferred_bytes, off);
     assert_eq!(&dst[..off as usize], &src[..off as usize]);
-    assert!(dst[off as usize..].iter().all(|&x| x == 0), "nothing written past the requests");
+    assert!(
+        dst[off as usize..].iter().all(|&x| x == 0),
+        "nothing written past the requests"
+    );
 
     // READ back into another registered buffer, lone requests (the caller's thread) too.
     let back = vec![0u8; off as usize];
-    a.register_memory(back.as_ptr() as u64, off, "cpu:0").unwrap();
+    a.register_memory(back.as_ptr() as u64, off, "cpu:0")
+        .unwrap();
     let st = sync(&a, &[wr(Opcode::Read, back.as_ptr() as u64, seg, d0, off)]);
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
     assert_eq!(back, src[..off as usize]);
     for &s in &[1u64, 4096, 1 << 20] {
-        let st = sync(&a, &[wr(Opcode::Read, back.as_ptr() as u64, seg, d0 + 8192, s)]);
+        let st = sync(
+            &a,
+            &[wr(Opcode::Read, back.as_ptr() as u64, seg, d0 + 8192, s)],
+        );
         assert_eq!(st.status, TaskStatus::Completed);
         assert_eq!(&back[..s as usize], &src[8192..8192 + s as usize]);
     }
     // Many small requests, mixed READ and WRITE, in one batch.
     let reqs: Vec<_> = (0..300u64)
-        .map(|i| if i % 3 == 0 { wr(Opcode::Read, back.as_ptr() as u64 + i * 4096, seg, d0 + i * 4096, 4096) } else { wr(Opcode::Write, s0 + i * 4096, seg, d0 + i * 4096, 4096) })
+        .map(|i| {
+            if i % 3 == 0 {
+                wr(
+                    Opcode::Read,
+                    back.as_ptr() as u64 + i * 4096,
+                    seg,
+                    d0 + i * 4096,
+                    4096,
+                )
+            } else {
+                wr(Opcode::Write, s0 + i * 4096, seg, d0 + i * 4096, 4096)
+            }
+        })
         .collect();
     assert_eq!(sync(&a, &reqs).status, TaskStatus::Completed);
     assert_path(mapped, before);
@@ -141,25 +207,48 @@ fn out_of_range_and_unregistered_addresses_fail_without_touching_memory(mapped: 
     let target_mem = mem(3 << 20, 0xAA, mapped);
     let target = bytes(&target_mem);
     let t0 = target.as_ptr() as u64;
-    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*")
+        .unwrap();
     b.register_memory(t0, 1 << 20, "*").unwrap();
     b.register_memory(t0 + (2 << 20), 1 << 20, "*").unwrap();
     let seg = a.open_segment(b.segment_name()).unwrap();
     assert_eq!(a.segment_transport(seg).unwrap().name, "shm");
     let s0 = src.as_ptr() as u64;
     let cases = [
-        ("crosses the end of a buffer", wr(Opcode::Write, s0, seg, t0 + (1 << 20) - 100, 4096)),
-        ("in the unregistered gap", wr(Opcode::Write, s0, seg, t0 + (1 << 20) + 4096, 4096)),
-        ("spans two buffers and the gap", wr(Opcode::Write, s0, seg, t0, 3 << 20)),
-        ("overflows the address space", wr(Opcode::Write, s0, seg, u64::MAX - 10, 100)),
-        ("READ outside", wr(Opcode::Read, s0, seg, t0 + (1 << 20), 10)),
+        (
+            "crosses the end of a buffer",
+            wr(Opcode::Write, s0, seg, t0 + (1 << 20) - 100, 4096),
+        ),
+        (
+            "in the unregistered gap",
+            wr(Opcode::Write, s0, seg, t0 + (1 << 20) + 4096, 4096),
+        ),
+        (
+            "spans two buffers and the gap",
+            wr(Opcode::Write, s0, seg, t0, 3 << 20),
+        ),
+        (
+            "overflows the address space",
+            wr(Opcode::Write, s0, seg, u64::MAX - 10, 100),
+        ),
+        (
+            "READ outside",
+            wr(Opcode::Read, s0, seg, t0 + (1 << 20), 10),
+        ),
     ];
     for (what, r) in cases {
         let st = sync(&a, &[r]);
         assert_eq!(st.status, TaskStatus::Failed, "{what}: {st:?}");
-        assert!(st.reason.as_deref().unwrap_or("").contains("not inside"), "{what}: {st:?}");
+        assert!(
+            st.reason.as_deref().unwrap_or("").contains("not inside"),
+            "{what}: {st:?}"
+        );
         // (The 3 MiB case is also outside the initiator's 1 MiB source: that is found first.)
-        let want = if r.length > src.len() as u64 { kvferry::FailCause::LocalNotRegistered } else { kvferry::FailCause::RemoteNotRegistered };
+        let want = if r.length > src.len() as u64 {
+            kvferry::FailCause::LocalNotRegistered
+        } else {
+            kvferry::FailCause::RemoteNotRegistered
+        };
         assert_eq!(st.cause, Some(want), "{what}");
     }
     // Memory of this process outside any registered range (e.g. `src` of the initiator,
@@ -168,16 +257,25 @@ fn out_of_range_and_unregistered_addresses_fail_without_touching_memory(mapped: 
     assert_eq!(st.status, TaskStatus::Failed);
     // Local side unregistered.
     let unreg = vec![0u8; 4096];
-    let st = sync(&a, &[wr(Opcode::Write, unreg.as_ptr() as u64, seg, t0, 4096)]);
+    let st = sync(
+        &a,
+        &[wr(Opcode::Write, unreg.as_ptr() as u64, seg, t0, 4096)],
+    );
     assert_eq!(st.status, TaskStatus::Failed);
     assert!(st.reason.unwrap().contains("local range"));
-    assert!(target.iter().all(|&x| x == 0xAA), "no byte of the target changed");
+    assert!(
+        target.iter().all(|&x| x == 0xAA),
+        "no byte of the target changed"
+    );
     assert_eq!(src, pattern(1 << 20, 5), "no byte of the source changed");
     // A good request next to the bad ones still works.
     let st = sync(&a, &[wr(Opcode::Write, s0, seg, t0 + (2 << 20), 1 << 20)]);
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
     assert_eq!(&target[2 << 20..], &src[..]);
-    assert!(target[..2 << 20].iter().all(|&x| x == 0xAA), "only the requested range changed");
+    assert!(
+        target[..2 << 20].iter().all(|&x| x == 0xAA),
+        "only the requested range changed"
+    );
 }
 
 both_paths!(stale_descriptor_after_unregister_is_refreshed_not_trusted);
@@ -187,27 +285,62 @@ fn stale_descriptor_after_unregister_is_refreshed_not_trusted(mapped: bool) {
     let mut src = pattern(1 << 20, 7);
     let (one_mem, two_mem) = (mem(1 << 20, 0x11, mapped), mem(1 << 20, 0x22, mapped));
     let (one, two) = (bytes(&one_mem), bytes(&two_mem));
-    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
-    b.register_memory(one.as_ptr() as u64, one.len() as u64, "*").unwrap();
-    b.register_memory(two.as_ptr() as u64, two.len() as u64, "*").unwrap();
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*")
+        .unwrap();
+    b.register_memory(one.as_ptr() as u64, one.len() as u64, "*")
+        .unwrap();
+    b.register_memory(two.as_ptr() as u64, two.len() as u64, "*")
+        .unwrap();
     let seg = a.open_segment(b.segment_name()).unwrap();
     assert_eq!(a.segment_transport(seg).unwrap().name, "shm");
     // Both buffers in use first (a mapped initiator maps both), then restored.
     let before = shm::bytes_moved();
     for t in [one.as_ptr() as u64, two.as_ptr() as u64] {
-        assert_eq!(sync(&a, &[wr(Opcode::Read, src.as_ptr() as u64, seg, t, 1 << 20)]).status, TaskStatus::Completed);
+        assert_eq!(
+            sync(
+                &a,
+                &[wr(Opcode::Read, src.as_ptr() as u64, seg, t, 1 << 20)]
+            )
+            .status,
+            TaskStatus::Completed
+        );
     }
     assert_path(mapped, before);
     assert!(src.iter().all(|&x| x == 0x22));
     src.copy_from_slice(&pattern(1 << 20, 7));
     b.unregister_memory(one.as_ptr() as u64).unwrap();
     // `a` still has the old descriptor listing `one`.
-    assert!(a.segment_descriptor(seg).unwrap().find_buffer(one.as_ptr() as u64, 4096).is_some());
-    let st = sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, one.as_ptr() as u64, 1 << 20)]);
+    assert!(a
+        .segment_descriptor(seg)
+        .unwrap()
+        .find_buffer(one.as_ptr() as u64, 4096)
+        .is_some());
+    let st = sync(
+        &a,
+        &[wr(
+            Opcode::Write,
+            src.as_ptr() as u64,
+            seg,
+            one.as_ptr() as u64,
+            1 << 20,
+        )],
+    );
     assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
-    assert!(one.iter().all(|&x| x == 0x11), "the withdrawn buffer was not touched");
+    assert!(
+        one.iter().all(|&x| x == 0x11),
+        "the withdrawn buffer was not touched"
+    );
     // The still-registered buffer keeps working after the refresh.
-    let st = sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, two.as_ptr() as u64, 1 << 20)]);
+    let st = sync(
+        &a,
+        &[wr(
+            Opcode::Write,
+            src.as_ptr() as u64,
+            seg,
+            two.as_ptr() as u64,
+            1 << 20,
+        )],
+    );
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
     assert_eq!(&two[..], &src[..]);
 }
@@ -218,14 +351,33 @@ fn a_segment_opened_by_an_alias_of_its_name_still_uses_shm() {
     let b = engine_with(TransportMode::Auto);
     let src = pattern(1 << 20, 4);
     let dst = vec![0u8; 1 << 20];
-    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
-    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*").unwrap();
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*")
+        .unwrap();
+    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*")
+        .unwrap();
     let port = b.segment_name().rsplit(':').next().unwrap();
     let alias = format!("localhost:{port}");
     let seg = a.open_segment(&alias).unwrap();
     let t = a.segment_transport(seg).unwrap();
-    assert_eq!((t.name, t.why_not_shm.as_deref()), ("shm", None), "opened as {alias}");
-    assert_eq!(sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, dst.as_ptr() as u64, 1 << 20)]).status, TaskStatus::Completed);
+    assert_eq!(
+        (t.name, t.why_not_shm.as_deref()),
+        ("shm", None),
+        "opened as {alias}"
+    );
+    assert_eq!(
+        sync(
+            &a,
+            &[wr(
+                Opcode::Write,
+                src.as_ptr() as u64,
+                seg,
+                dst.as_ptr() as u64,
+                1 << 20
+            )]
+        )
+        .status,
+        TaskStatus::Completed
+    );
     assert_eq!(dst, src);
 }
 
@@ -236,19 +388,38 @@ fn transport_setting_forces_or_forbids_shm() {
     let b = engine_with(TransportMode::Auto);
     let src = pattern(1 << 20, 9);
     let dst = vec![0u8; 1 << 20];
-    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
-    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*").unwrap();
-    assert!(a.local_descriptor().extra.get("kvferry_shm").is_none(), "tcp engines offer no shm");
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*")
+        .unwrap();
+    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*")
+        .unwrap();
+    assert!(
+        a.local_descriptor().extra.get("kvferry_shm").is_none(),
+        "tcp engines offer no shm"
+    );
     let seg = a.open_segment(b.segment_name()).unwrap();
     let t = a.segment_transport(seg).unwrap();
     assert_eq!(t.name, "tcp");
     assert!(t.why_not_shm.unwrap().contains("KVFERRY_TRANSPORT=tcp"));
-    assert_eq!(sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, dst.as_ptr() as u64, 1 << 20)]).status, TaskStatus::Completed);
+    assert_eq!(
+        sync(
+            &a,
+            &[wr(
+                Opcode::Write,
+                src.as_ptr() as u64,
+                seg,
+                dst.as_ptr() as u64,
+                1 << 20
+            )]
+        )
+        .status,
+        TaskStatus::Completed
+    );
     assert_eq!(dst, src);
 
     // Target says tcp: it publishes nothing, so an auto initiator uses TCP and says why.
     let c = engine_with(TransportMode::Auto);
-    c.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+    c.register_memory(src.as_ptr() as u64, src.len() as u64, "*")
+        .unwrap();
     let t_seg = c.open_segment(a.segment_name()).unwrap();
     let t = c.segment_transport(t_seg).unwrap();
     assert_eq!(t.name, "tcp");
@@ -261,7 +432,16 @@ fn transport_setting_forces_or_forbids_shm() {
     let d_seg = d.open_segment(a.segment_name()).unwrap();
     let e = d.segment_transport(d_seg).unwrap_err().to_string();
     assert!(e.contains("KVFERRY_TRANSPORT=shm"), "{e}");
-    let st = sync(&d, &[wr(Opcode::Write, buf.as_ptr() as u64, d_seg, src.as_ptr() as u64, 4096)]);
+    let st = sync(
+        &d,
+        &[wr(
+            Opcode::Write,
+            buf.as_ptr() as u64,
+            d_seg,
+            src.as_ptr() as u64,
+            4096,
+        )],
+    );
     assert_eq!(st.status, TaskStatus::Failed);
     assert!(st.reason.unwrap().contains("KVFERRY_TRANSPORT=shm"));
     assert_eq!(src, pattern(1 << 20, 9));
@@ -271,7 +451,19 @@ fn transport_setting_forces_or_forbids_shm() {
 fn forged_peer(desc: kvferry::wire::descriptor::SegmentDesc) -> (HandshakeServer, String) {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let body = desc.encode();
-    let h = HandshakeServer::start(l, 1 << 20, Arc::new(move |f: &Frame| if f.kind == MsgType::Metadata { body.clone() } else { b"{}".to_vec() }), None).unwrap();
+    let h = HandshakeServer::start(
+        l,
+        1 << 20,
+        Arc::new(move |f: &Frame| {
+            if f.kind == MsgType::Metadata {
+                body.clone()
+            } else {
+                b"{}".to_vec()
+            }
+        }),
+        None,
+    )
+    .unwrap();
     let name = format!("127.0.0.1:{}", h.port());
     (h, name)
 }
@@ -280,7 +472,8 @@ fn forged_peer(desc: kvferry::wire::descriptor::SegmentDesc) -> (HandshakeServer
 fn forged_or_foreign_peers_fall_back_to_tcp_with_the_reason() {
     let b = engine_with(TransportMode::Auto);
     let dst = vec![0u8; 1 << 20];
-    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*").unwrap();
+    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*")
+        .unwrap();
     let real = b.local_descriptor();
     let info = real.extra["kvferry_shm"].clone();
     let other_pid = {
@@ -292,19 +485,57 @@ fn forged_or_foreign_peers_fall_back_to_tcp_with_the_reason() {
     };
     type Tamper = Box<dyn Fn(&mut serde_json::Value)>;
     let tamper: Vec<(&str, Tamper, &str)> = vec![
-        ("other host", Box::new(|v| v["host_id"] = "00000000-0000-0000-0000-000000000000/pid:[1]".into()), "another host"),
-        ("same host, other PID namespace", Box::new(|v| {
-            let h = v["host_id"].as_str().unwrap().split('/').next().unwrap().to_string();
-            v["host_id"] = format!("{h}/pid:[4026530000]").into();
-        }), "PID namespace"),
-        ("cookie of another engine", Box::new(|v| v["cookie"] = "00112233445566778899aabbccddeeff".into()), "cookie differs"),
-        ("pid of an exited process", Box::new(move |v| v["pid"] = other_pid.into()), "does not exist"),
-        ("fd that is not a control region", Box::new(|v| v["ctl_fd"] = 0.into()), "fd 0"),
-        ("malformed", Box::new(|v| v["pid"] = "x".into()), "malformed"),
-        ("newer version", Box::new(|v| v["version"] = 99.into()), "version 99"),
+        (
+            "other host",
+            Box::new(|v| v["host_id"] = "00000000-0000-0000-0000-000000000000/pid:[1]".into()),
+            "another host",
+        ),
+        (
+            "same host, other PID namespace",
+            Box::new(|v| {
+                let h = v["host_id"]
+                    .as_str()
+                    .unwrap()
+                    .split('/')
+                    .next()
+                    .unwrap()
+                    .to_string();
+                v["host_id"] = format!("{h}/pid:[4026530000]").into();
+            }),
+            "PID namespace",
+        ),
+        (
+            "cookie of another engine",
+            Box::new(|v| v["cookie"] = "00112233445566778899aabbccddeeff".into()),
+            "cookie differs",
+        ),
+        (
+            "pid of an exited process",
+            Box::new(move |v| v["pid"] = other_pid.into()),
+            "does not exist",
+        ),
+        (
+            "fd that is not a control region",
+            Box::new(|v| v["ctl_fd"] = 0.into()),
+            "fd 0",
+        ),
+        (
+            "malformed",
+            Box::new(|v| v["pid"] = "x".into()),
+            "malformed",
+        ),
+        (
+            "newer version",
+            Box::new(|v| v["version"] = 99.into()),
+            "version 99",
+        ),
         // Everything genuine, but it is another segment's process: a descriptor served under
         // one name must not aim our copies at the memory of the engine behind another.
-        ("another engine's process", Box::new(|_| {}), "serves segment"),
+        (
+            "another engine's process",
+            Box::new(|_| {}),
+            "serves segment",
+        ),
     ];
     for (k, (what, f, want)) in tamper.into_iter().enumerate() {
         let src = pattern(64 << 10, k as u8);
@@ -314,7 +545,8 @@ fn forged_or_foreign_peers_fall_back_to_tcp_with_the_reason() {
         d.extra.insert("kvferry_shm".into(), v);
         let (_server, name) = forged_peer(d);
         let a = engine_with(TransportMode::Auto);
-        a.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+        a.register_memory(src.as_ptr() as u64, src.len() as u64, "*")
+            .unwrap();
         let seg = a.open_segment(&name).unwrap();
         let t = a.segment_transport(seg).unwrap();
         assert_eq!(t.name, "tcp", "{what}");
@@ -322,9 +554,22 @@ fn forged_or_foreign_peers_fall_back_to_tcp_with_the_reason() {
         assert!(why.contains(want), "{what}: {why}");
         // The data still moves, over TCP to the real engine.
         let off = (k as u64) << 16;
-        let st = sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, dst.as_ptr() as u64 + off, src.len() as u64)]);
+        let st = sync(
+            &a,
+            &[wr(
+                Opcode::Write,
+                src.as_ptr() as u64,
+                seg,
+                dst.as_ptr() as u64 + off,
+                src.len() as u64,
+            )],
+        );
         assert_eq!(st.status, TaskStatus::Completed, "{what}: {st:?}");
-        assert_eq!(&dst[off as usize..off as usize + src.len()], &src[..], "{what}");
+        assert_eq!(
+            &dst[off as usize..off as usize + src.len()],
+            &src[..],
+            "{what}"
+        );
     }
 }
 
@@ -341,18 +586,30 @@ fn unregister_while_a_peer_reads_never_hands_out_reused_memory(mapped: bool) {
     let tgt_mem = mem(RACE_BUF, 0x5A, mapped);
     let tgt = bytes(&tgt_mem);
     let local = vec![0u8; RACE_BUF];
-    a.register_memory(local.as_ptr() as u64, RACE_BUF as u64, "*").unwrap();
-    b.register_memory(tgt.as_ptr() as u64, RACE_BUF as u64, "*").unwrap();
+    a.register_memory(local.as_ptr() as u64, RACE_BUF as u64, "*")
+        .unwrap();
+    b.register_memory(tgt.as_ptr() as u64, RACE_BUF as u64, "*")
+        .unwrap();
     let seg = a.open_segment(b.segment_name()).unwrap();
     assert_eq!(a.segment_transport(seg).unwrap().name, "shm");
-    let (l0, t0, lp) = (local.as_ptr() as u64, tgt.as_ptr() as u64, local.as_ptr() as usize);
+    let (l0, t0, lp) = (
+        local.as_ptr() as u64,
+        tgt.as_ptr() as u64,
+        local.as_ptr() as usize,
+    );
     let stop = AtomicBool::new(false);
     let (completed, failed, tainted) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
     std::thread::scope(|s| {
         s.spawn(|| {
             while !stop.load(Ordering::Acquire) {
-                let reqs: Vec<_> = (0..2u64).map(|i| wr(Opcode::Read, l0 + (i << 20), seg, t0 + (i << 20), 1 << 20)).collect();
-                match a.transfer_sync(&reqs, Duration::from_secs(20)).unwrap().status {
+                let reqs: Vec<_> = (0..2u64)
+                    .map(|i| wr(Opcode::Read, l0 + (i << 20), seg, t0 + (i << 20), 1 << 20))
+                    .collect();
+                match a
+                    .transfer_sync(&reqs, Duration::from_secs(20))
+                    .unwrap()
+                    .status
+                {
                     TaskStatus::Completed => completed.fetch_add(1, Ordering::Relaxed),
                     TaskStatus::Failed => failed.fetch_add(1, Ordering::Relaxed),
                     other => panic!("read ended {other:?}"),
@@ -383,9 +640,19 @@ fn unregister_while_a_peer_reads_never_hands_out_reused_memory(mapped: bool) {
         }
         stop.store(true, Ordering::Release);
     });
-    assert!(failed.load(Ordering::Relaxed) >= RACE_ROUNDS as u64, "reads after unregister fail");
-    assert!(completed.load(Ordering::Relaxed) >= 2 * RACE_ROUNDS as u64, "reads after re-register work");
-    assert_eq!(tainted.load(Ordering::Relaxed), 0, "a read copied memory the target had withdrawn and reused");
+    assert!(
+        failed.load(Ordering::Relaxed) >= RACE_ROUNDS as u64,
+        "reads after unregister fail"
+    );
+    assert!(
+        completed.load(Ordering::Relaxed) >= 2 * RACE_ROUNDS as u64,
+        "reads after re-register work"
+    );
+    assert_eq!(
+        tainted.load(Ordering::Relaxed),
+        0,
+        "a read copied memory the target had withdrawn and reused"
+    );
     assert_path(mapped, before);
 }
 
@@ -397,8 +664,10 @@ fn unregister_while_a_peer_writes_leaves_the_range_alone_afterwards(mapped: bool
     let src = vec![0x77u8; RACE_BUF];
     let tgt_mem = mem(RACE_BUF, 0, mapped);
     let tgt = bytes(&tgt_mem);
-    a.register_memory(src.as_ptr() as u64, RACE_BUF as u64, "*").unwrap();
-    b.register_memory(tgt.as_ptr() as u64, RACE_BUF as u64, "*").unwrap();
+    a.register_memory(src.as_ptr() as u64, RACE_BUF as u64, "*")
+        .unwrap();
+    b.register_memory(tgt.as_ptr() as u64, RACE_BUF as u64, "*")
+        .unwrap();
     let seg = a.open_segment(b.segment_name()).unwrap();
     let (s0, t0) = (src.as_ptr() as u64, tgt.as_ptr() as u64);
     let stop = AtomicBool::new(false);
@@ -406,9 +675,14 @@ fn unregister_while_a_peer_writes_leaves_the_range_alone_afterwards(mapped: bool
     std::thread::scope(|s| {
         s.spawn(|| {
             while !stop.load(Ordering::Acquire) {
-                let reqs: Vec<_> = (0..2u64).map(|i| wr(Opcode::Write, s0 + (i << 20), seg, t0 + (i << 20), 1 << 20)).collect();
+                let reqs: Vec<_> = (0..2u64)
+                    .map(|i| wr(Opcode::Write, s0 + (i << 20), seg, t0 + (i << 20), 1 << 20))
+                    .collect();
                 let st = a.transfer_sync(&reqs, Duration::from_secs(20)).unwrap();
-                assert!(matches!(st.status, TaskStatus::Completed | TaskStatus::Failed), "{st:?}");
+                assert!(
+                    matches!(st.status, TaskStatus::Completed | TaskStatus::Failed),
+                    "{st:?}"
+                );
                 done.fetch_add(1, Ordering::Relaxed);
             }
         });
@@ -433,8 +707,15 @@ fn unregister_while_a_peer_writes_leaves_the_range_alone_afterwards(mapped: bool
         }
         stop.store(true, Ordering::Release);
     });
-    assert!(done.load(Ordering::Relaxed) >= 4 * RACE_ROUNDS as u64, "the writer kept going");
-    assert_eq!(late.load(Ordering::Relaxed), 0, "a write landed after unregister returned");
+    assert!(
+        done.load(Ordering::Relaxed) >= 4 * RACE_ROUNDS as u64,
+        "the writer kept going"
+    );
+    assert_eq!(
+        late.load(Ordering::Relaxed),
+        0,
+        "a write landed after unregister returned"
+    );
     assert_path(mapped, before);
 }
 
@@ -446,8 +727,10 @@ fn target_engine_dropped_while_peer_writes_stops_the_writes(mapped: bool) {
     let src = vec![0x33u8; size];
     let tgt_mem = mem(size, 0, mapped);
     let tgt = bytes(&tgt_mem);
-    a.register_memory(src.as_ptr() as u64, size as u64, "*").unwrap();
-    b.register_memory(tgt.as_ptr() as u64, size as u64, "*").unwrap();
+    a.register_memory(src.as_ptr() as u64, size as u64, "*")
+        .unwrap();
+    b.register_memory(tgt.as_ptr() as u64, size as u64, "*")
+        .unwrap();
     let seg = a.open_segment(b.segment_name()).unwrap();
     let (s0, t0) = (src.as_ptr() as u64, tgt.as_ptr() as u64);
     let stop = AtomicBool::new(false);
@@ -456,8 +739,14 @@ fn target_engine_dropped_while_peer_writes_stops_the_writes(mapped: bool) {
     std::thread::scope(|s| {
         s.spawn(|| {
             while !stop.load(Ordering::Acquire) {
-                let reqs: Vec<_> = (0..32u64).map(|i| wr(Opcode::Write, s0 + (i << 20), seg, t0 + (i << 20), 1 << 20)).collect();
-                match a.transfer_sync(&reqs, Duration::from_secs(20)).unwrap().status {
+                let reqs: Vec<_> = (0..32u64)
+                    .map(|i| wr(Opcode::Write, s0 + (i << 20), seg, t0 + (i << 20), 1 << 20))
+                    .collect();
+                match a
+                    .transfer_sync(&reqs, Duration::from_secs(20))
+                    .unwrap()
+                    .status
+                {
                     TaskStatus::Completed => ok.fetch_add(1, Ordering::Relaxed),
                     _ => bad.fetch_add(1, Ordering::Relaxed),
                 };
@@ -478,7 +767,10 @@ fn target_engine_dropped_while_peer_writes_stops_the_writes(mapped: bool) {
         stop.store(true, Ordering::Release);
     });
     assert!(bad.load(Ordering::Relaxed) > 0);
-    assert!(tgt.iter().all(|&x| x == 0x02), "a write landed after the target engine was dropped");
+    assert!(
+        tgt.iter().all(|&x| x == 0x02),
+        "a write landed after the target engine was dropped"
+    );
     let e = a.segment_transport(seg).unwrap_err().to_string();
     assert!(e.contains("is gone"), "{e}");
 }
@@ -493,12 +785,18 @@ const CHILD_VAR: &str = "KVFERRY_SHM_CHILD";
 fn spawn_child(role: &str, args: &[String], uid: Option<u32>) -> (Child, String) {
     let exe = std::env::current_exe().unwrap();
     let mut cmd = Command::new(exe);
-    cmd.args(["child_entry", "--exact", "--nocapture", "--test-threads", "1"])
-        .env(CHILD_VAR, role)
-        .env("KVFERRY_SHM_CHILD_ARGS", args.join(" "))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+    cmd.args([
+        "child_entry",
+        "--exact",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ])
+    .env(CHILD_VAR, role)
+    .env("KVFERRY_SHM_CHILD_ARGS", args.join(" "))
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::inherit());
     if let Some(u) = uid {
         use std::os::unix::process::CommandExt;
         cmd.uid(u).gid(u);
@@ -528,7 +826,9 @@ fn spawn_child(role: &str, args: &[String], uid: Option<u32>) -> (Child, String)
 }
 
 fn field<'a>(line: &'a str, key: &str) -> &'a str {
-    line.split_whitespace().find_map(|w| w.strip_prefix(key).and_then(|v| v.strip_prefix('='))).unwrap_or_else(|| panic!("no {key} in {line:?}"))
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
+        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
 }
 
 fn kill(mut c: Child) {
@@ -539,18 +839,34 @@ fn kill(mut c: Child) {
 /// The child side of the multi-process tests.
 #[test]
 fn child_entry() {
-    let Ok(role) = std::env::var(CHILD_VAR) else { return };
-    let args: Vec<String> = std::env::var("KVFERRY_SHM_CHILD_ARGS").unwrap_or_default().split_whitespace().map(String::from).collect();
+    let Ok(role) = std::env::var(CHILD_VAR) else {
+        return;
+    };
+    let args: Vec<String> = std::env::var("KVFERRY_SHM_CHILD_ARGS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(String::from)
+        .collect();
     match role.as_str() {
         // A target: registers a 256 MiB pattern buffer (a shareable HostBuffer with
         // args[0] = "mapped"), serves until stdin closes.
         "target" => {
             let e = engine_with(TransportMode::Auto);
-            let buf = mem(256 << 20, 0, args.first().map(String::as_str) == Some("mapped"));
+            let buf = mem(
+                256 << 20,
+                0,
+                args.first().map(String::as_str) == Some("mapped"),
+            );
             let buf = bytes(&buf);
             buf.copy_from_slice(&pattern(256 << 20, 42));
-            e.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
-            println!("KVF_CHILD segment={} addr={} len={}", e.segment_name(), buf.as_ptr() as u64, buf.len());
+            e.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
+                .unwrap();
+            println!(
+                "KVF_CHILD segment={} addr={} len={}",
+                e.segment_name(),
+                buf.as_ptr() as u64,
+                buf.len()
+            );
             let mut sink = Vec::new();
             let _ = std::io::stdin().read_to_end(&mut sink);
         }
@@ -558,12 +874,26 @@ fn child_entry() {
         "writer" => {
             let e = engine_with(TransportMode::Shm);
             let src = vec![0xC3u8; 64 << 20];
-            e.register_memory(src.as_ptr() as u64, src.len() as u64, "*").unwrap();
+            e.register_memory(src.as_ptr() as u64, src.len() as u64, "*")
+                .unwrap();
             let seg = e.open_segment(&args[0]).unwrap();
             let addr: u64 = args[1].parse().unwrap();
-            let reqs: Vec<_> = (0..64u64).map(|i| wr(Opcode::Write, src.as_ptr() as u64 + (i << 20), seg, addr + (i << 20), 1 << 20)).collect();
+            let reqs: Vec<_> = (0..64u64)
+                .map(|i| {
+                    wr(
+                        Opcode::Write,
+                        src.as_ptr() as u64 + (i << 20),
+                        seg,
+                        addr + (i << 20),
+                        1 << 20,
+                    )
+                })
+                .collect();
             assert_eq!(sync(&e, &reqs).status, TaskStatus::Completed);
-            println!("KVF_CHILD writing transport={}", e.segment_transport(seg).unwrap().name);
+            println!(
+                "KVF_CHILD writing transport={}",
+                e.segment_transport(seg).unwrap().name
+            );
             loop {
                 let _ = sync(&e, &reqs);
             }
@@ -572,11 +902,15 @@ fn child_entry() {
         "probe" => {
             let e = engine_with(TransportMode::Auto);
             let buf = vec![0u8; 1 << 20];
-            e.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
+            e.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
+                .unwrap();
             let seg = e.open_segment(&args[0]).unwrap();
             let addr: u64 = args[1].parse().unwrap();
             let t = e.segment_transport(seg).unwrap();
-            let st = sync(&e, &[wr(Opcode::Read, buf.as_ptr() as u64, seg, addr, 1 << 20)]);
+            let st = sync(
+                &e,
+                &[wr(Opcode::Read, buf.as_ptr() as u64, seg, addr, 1 << 20)],
+            );
             let ok = st.status == TaskStatus::Completed && buf == pattern(1 << 20, 42);
             let why = t.why_not_shm.unwrap_or_default().replace(' ', "_");
             println!("KVF_CHILD transport={} ok={ok} why={why}", t.name);
@@ -590,21 +924,49 @@ fn child_entry() {
 both_paths!(peer_process_killed_mid_transfer_fails_requests_and_the_survivor_carries_on);
 fn peer_process_killed_mid_transfer_fails_requests_and_the_survivor_carries_on(mapped: bool) {
     let before = shm::bytes_moved();
-    let (child, line) = spawn_child("target", &[if mapped { "mapped" } else { "private" }.to_string()], None);
-    let (seg_name, addr) = (field(&line, "segment").to_string(), field(&line, "addr").parse::<u64>().unwrap());
-    let a = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(4), transport: TransportMode::Auto, ..Config::default() }).unwrap();
+    let (child, line) = spawn_child(
+        "target",
+        &[if mapped { "mapped" } else { "private" }.to_string()],
+        None,
+    );
+    let (seg_name, addr) = (
+        field(&line, "segment").to_string(),
+        field(&line, "addr").parse::<u64>().unwrap(),
+    );
+    let a = TransferEngine::new(Config {
+        transfer_timeout: Duration::from_secs(4),
+        transport: TransportMode::Auto,
+        ..Config::default()
+    })
+    .unwrap();
     let local = vec![0u8; 256 << 20];
-    a.register_memory(local.as_ptr() as u64, local.len() as u64, "*").unwrap();
+    a.register_memory(local.as_ptr() as u64, local.len() as u64, "*")
+        .unwrap();
     let seg = a.open_segment(&seg_name).unwrap();
     assert_eq!(a.segment_transport(seg).unwrap().name, "shm");
     // It works across processes.
-    let st = sync(&a, &[wr(Opcode::Read, local.as_ptr() as u64, seg, addr, 1 << 20)]);
+    let st = sync(
+        &a,
+        &[wr(Opcode::Read, local.as_ptr() as u64, seg, addr, 1 << 20)],
+    );
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
     assert_eq!(&local[..1 << 20], &pattern(1 << 20, 42)[..]);
     assert_path(mapped, before);
     // Keep big READs and WRITEs going, kill the peer in the middle.
     let reqs: Vec<_> = (0..64u64)
-        .map(|i| wr(if i % 2 == 0 { Opcode::Read } else { Opcode::Write }, local.as_ptr() as u64 + (i << 22), seg, addr + (i << 22), 4 << 20))
+        .map(|i| {
+            wr(
+                if i % 2 == 0 {
+                    Opcode::Read
+                } else {
+                    Opcode::Write
+                },
+                local.as_ptr() as u64 + (i << 22),
+                seg,
+                addr + (i << 22),
+                4 << 20,
+            )
+        })
         .collect();
     let b = a.allocate_batch(reqs.len()).unwrap();
     a.submit(b, &reqs).unwrap();
@@ -619,14 +981,20 @@ fn peer_process_killed_mid_transfer_fails_requests_and_the_survivor_carries_on(m
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(start.elapsed() < Duration::from_secs(6));
-    assert!(matches!(st.status, TaskStatus::Completed | TaskStatus::Failed), "{st:?}");
+    assert!(
+        matches!(st.status, TaskStatus::Completed | TaskStatus::Failed),
+        "{st:?}"
+    );
     // Later requests fail quickly with a reason; the engine lives on.
     let t = Instant::now();
     let st = sync(&a, &reqs[..2]);
     assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
     assert!(t.elapsed() < Duration::from_secs(6));
     let why = st.reason.unwrap();
-    assert!(why.contains(&pid.to_string()) || why.contains("connect") || why.contains("refresh"), "{why}");
+    assert!(
+        why.contains(&pid.to_string()) || why.contains("connect") || why.contains("refresh"),
+        "{why}"
+    );
     // The dead peer's memory is not kept alive by a mapping here (no other test maps a
     // 256 MiB kvferry buffer). A worker may still be returning from a failed job: allow it
     // a moment.
@@ -634,34 +1002,74 @@ fn peer_process_killed_mid_transfer_fails_requests_and_the_survivor_carries_on(m
         let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
         maps.lines()
             .filter(|l| l.contains("memfd:kvferry-buffer"))
-            .filter(|l| l.split(['-', ' ']).take(2).map(|x| u64::from_str_radix(x, 16).unwrap_or(0)).collect::<Vec<_>>().windows(2).any(|w| w[1] - w[0] == 256 << 20))
+            .filter(|l| {
+                l.split(['-', ' '])
+                    .take(2)
+                    .map(|x| u64::from_str_radix(x, 16).unwrap_or(0))
+                    .collect::<Vec<_>>()
+                    .windows(2)
+                    .any(|w| w[1] - w[0] == 256 << 20)
+            })
             .count()
     };
     let until = Instant::now() + Duration::from_secs(5);
     while held() > 0 && Instant::now() < until {
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert_eq!(held(), 0, "a mapping of the dead peer's buffer is still held after 5 s");
+    assert_eq!(
+        held(),
+        0,
+        "a mapping of the dead peer's buffer is still held after 5 s"
+    );
     let c = engine_with(TransportMode::Auto);
     let cb = vec![1u8; 4096];
     c.register_memory(cb.as_ptr() as u64, 4096, "*").unwrap();
     let cs = a.open_segment(c.segment_name()).unwrap();
-    assert_eq!(sync(&a, &[wr(Opcode::Write, local.as_ptr() as u64, cs, cb.as_ptr() as u64, 4096)]).status, TaskStatus::Completed);
+    assert_eq!(
+        sync(
+            &a,
+            &[wr(
+                Opcode::Write,
+                local.as_ptr() as u64,
+                cs,
+                cb.as_ptr() as u64,
+                4096
+            )]
+        )
+        .status,
+        TaskStatus::Completed
+    );
 }
 
 both_paths!(initiator_process_killed_mid_write_does_not_block_unregister);
 fn initiator_process_killed_mid_write_does_not_block_unregister(mapped: bool) {
-    let e = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(20), ..Config::default() }).unwrap();
+    let e = TransferEngine::new(Config {
+        transfer_timeout: Duration::from_secs(20),
+        ..Config::default()
+    })
+    .unwrap();
     let tgt_mem = mem(64 << 20, 0, mapped);
     let tgt = bytes(&tgt_mem);
-    e.register_memory(tgt.as_ptr() as u64, tgt.len() as u64, "*").unwrap();
-    let (child, line) = spawn_child("writer", &[e.segment_name().to_string(), (tgt.as_ptr() as u64).to_string()], None);
+    e.register_memory(tgt.as_ptr() as u64, tgt.len() as u64, "*")
+        .unwrap();
+    let (child, line) = spawn_child(
+        "writer",
+        &[
+            e.segment_name().to_string(),
+            (tgt.as_ptr() as u64).to_string(),
+        ],
+        None,
+    );
     assert_eq!(field(&line, "transport"), "shm");
     std::thread::sleep(Duration::from_millis(30));
     kill(child);
     let t = Instant::now();
     e.unregister_memory(tgt.as_ptr() as u64).unwrap();
-    assert!(t.elapsed() < Duration::from_secs(5), "unregister waited {:?} for a dead initiator", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "unregister waited {:?} for a dead initiator",
+        t.elapsed()
+    );
     assert!(tgt.iter().all(|&x| x == 0 || x == 0xC3));
 }
 
@@ -674,8 +1082,16 @@ fn another_user_without_ptrace_rights_falls_back_to_tcp() {
     }
     let e = engine_with(TransportMode::Auto);
     let buf = pattern(1 << 20, 42);
-    e.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*").unwrap();
-    let (child, line) = spawn_child("probe", &[e.segment_name().to_string(), (buf.as_ptr() as u64).to_string()], Some(65534));
+    e.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
+        .unwrap();
+    let (child, line) = spawn_child(
+        "probe",
+        &[
+            e.segment_name().to_string(),
+            (buf.as_ptr() as u64).to_string(),
+        ],
+        Some(65534),
+    );
     kill(child);
     assert_eq!(field(&line, "transport"), "tcp", "{line}");
     assert_eq!(field(&line, "ok"), "true", "{line}");
@@ -712,14 +1128,26 @@ struct MappedPair {
 }
 
 fn mapped_pair(len: usize, src_len: usize, seed: u8) -> MappedPair {
-    let a = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), shm_background_fill: 0, ..Config::default() }).expect("engine starts");
+    let a = TransferEngine::new(Config {
+        transfer_timeout: Duration::from_secs(5),
+        shm_background_fill: 0,
+        ..Config::default()
+    })
+    .expect("engine starts");
     let b = engine_with(TransportMode::Auto);
     let dst = mem(len, 0, true);
     b.register_memory(dst.addr(), len as u64, "cpu:0").unwrap();
     let src = pattern(src_len, seed);
-    a.register_memory(src.as_ptr() as u64, src.len() as u64, "cpu:0").unwrap();
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "cpu:0")
+        .unwrap();
     let seg = a.open_segment(b.segment_name()).unwrap();
-    MappedPair { a, _b: b, dst, src, seg }
+    MappedPair {
+        a,
+        _b: b,
+        dst,
+        src,
+        seg,
+    }
 }
 
 /// A peer's large buffer costs this process page tables and resident pages only for what it
@@ -729,7 +1157,9 @@ fn mapped_pair(len: usize, src_len: usize, seed: u8) -> MappedPair {
 #[test]
 fn a_peers_large_buffer_costs_only_what_is_touched() {
     const LEN: usize = 1 << 30;
-    let MappedPair { a, dst, src, seg, .. } = &mapped_pair(LEN, 1 << 20, 9);
+    let MappedPair {
+        a, dst, src, seg, ..
+    } = &mapped_pair(LEN, 1 << 20, 9);
     let (seg, dst) = (*seg, dst);
     let ino = ino(dst);
     let before = shm::bytes_moved();
@@ -739,15 +1169,38 @@ fn a_peers_large_buffer_costs_only_what_is_touched() {
     // copies run in, and nothing is filled ahead of a "stream" (with the 1 MiB write in chunk
     // 151, after the write into chunk 150 ran first, its next 8 chunks were: 18 956 kB, CI).
     let big = (304 << 20) + 4096;
-    let mut reqs = vec![wr(Opcode::Write, src.as_ptr() as u64, seg, dst.addr() + big, 1 << 20)];
-    reqs.extend((0..100u64).map(|i| wr(Opcode::Write, src.as_ptr() as u64 + i * 4096, seg, dst.addr() + i * (7 << 20), 4096)));
+    let mut reqs = vec![wr(
+        Opcode::Write,
+        src.as_ptr() as u64,
+        seg,
+        dst.addr() + big,
+        1 << 20,
+    )];
+    reqs.extend((0..100u64).map(|i| {
+        wr(
+            Opcode::Write,
+            src.as_ptr() as u64 + i * 4096,
+            seg,
+            dst.addr() + i * (7 << 20),
+            4096,
+        )
+    }));
     assert_eq!(sync(a, &reqs).status, TaskStatus::Completed);
     assert_path(true, before);
-    assert!(bytes(dst)[big as usize..big as usize + (1 << 20)] == src[..], "the 1 MiB write landed");
-    assert!(bytes(dst)[99 * (7 << 20)..99 * (7 << 20) + 4096] == src[99 * 4096..100 * 4096], "the last 4 KiB write landed");
+    assert!(
+        bytes(dst)[big as usize..big as usize + (1 << 20)] == src[..],
+        "the 1 MiB write landed"
+    );
+    assert!(
+        bytes(dst)[99 * (7 << 20)..99 * (7 << 20) + 4096] == src[99 * 4096..100 * 4096],
+        "the last 4 KiB write landed"
+    );
     std::thread::sleep(Duration::from_millis(500)); // a background pre-fault would show now
     let (n, kb) = rss_of_other_mappings(ino, dst.addr());
-    assert!(n >= 1, "the peer's buffer is mapped here (plus its owner's header page)");
+    assert!(
+        n >= 1,
+        "the peer's buffer is mapped here (plus its owner's header page)"
+    );
     // 1 MiB across one or two 2 MiB chunks (at most 4 MiB) + 100 pages (400 KiB).
     assert!(kb <= 5 << 10, "the peer mapping holds {kb} kB resident");
 }
@@ -756,11 +1209,18 @@ fn a_peers_large_buffer_costs_only_what_is_touched() {
 /// registered a 4 KiB pattern (returned) and opened the second's segment (returned), in which
 /// the second registered `first`.
 fn filling_pair(budget: u64, first: &HostBuffer) -> (TransferEngine, TransferEngine, Vec<u8>, u64) {
-    let a = TransferEngine::new(Config { transfer_timeout: Duration::from_secs(5), shm_background_fill: budget, ..Config::default() }).expect("engine starts");
+    let a = TransferEngine::new(Config {
+        transfer_timeout: Duration::from_secs(5),
+        shm_background_fill: budget,
+        ..Config::default()
+    })
+    .expect("engine starts");
     let b = engine_with(TransportMode::Auto);
-    b.register_memory(first.addr(), first.len() as u64, "cpu:0").unwrap();
+    b.register_memory(first.addr(), first.len() as u64, "cpu:0")
+        .unwrap();
     let src = pattern(4096, 7);
-    a.register_memory(src.as_ptr() as u64, 4096, "cpu:0").unwrap();
+    a.register_memory(src.as_ptr() as u64, 4096, "cpu:0")
+        .unwrap();
     let seg = a.open_segment(b.segment_name()).unwrap();
     (a, b, src, seg)
 }
@@ -780,24 +1240,54 @@ fn a_peers_allocated_buffer_is_filled_in_the_background_within_the_budget() {
     let (a, b, src, seg) = filling_pair(BUDGET, &whole);
     let before = shm::bytes_moved();
     let mapped = Instant::now();
-    assert_eq!(sync(&a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, whole.addr() + (5 << 20), 4096)]).status, TaskStatus::Completed);
+    assert_eq!(
+        sync(
+            &a,
+            &[wr(
+                Opcode::Write,
+                src.as_ptr() as u64,
+                seg,
+                whole.addr() + (5 << 20),
+                4096
+            )]
+        )
+        .status,
+        TaskStatus::Completed
+    );
     assert_path(true, before);
     let (kb, took) = resident_when(&whole, BUDGET, mapped, || ());
-    assert!(kb >= BUDGET >> 10, "the budget was filled in the background: {kb} kB resident after {took:?}");
-    assert!(took >= Duration::from_millis(1900), "not before 2 s after the mapping was made: {took:?}");
+    assert!(
+        kb >= BUDGET >> 10,
+        "the budget was filled in the background: {kb} kB resident after {took:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(1900),
+        "not before 2 s after the mapping was made: {took:?}"
+    );
     std::thread::sleep(Duration::from_millis(500));
     let kb = rss_of_other_mappings(ino(&whole), whole.addr()).1;
-    assert!(kb <= (BUDGET >> 10) + (4 << 10), "no more than the budget (plus the chunk written): {kb} kB resident");
+    assert!(
+        kb <= (BUDGET >> 10) + (4 << 10),
+        "no more than the budget (plus the chunk written): {kb} kB resident"
+    );
     // The filled buffer goes (its owner unregisters and frees it); the budget comes back and
     // goes to the next buffer of the peer's.
     b.unregister_memory(whole.addr()).unwrap();
     drop(whole);
-    b.register_memory(second.addr(), LEN as u64, "cpu:0").unwrap();
+    b.register_memory(second.addr(), LEN as u64, "cpu:0")
+        .unwrap();
     let w = wr(Opcode::Write, src.as_ptr() as u64, seg, second.addr(), 4096);
     let (kb, _) = resident_when(&second, BUDGET, Instant::now(), || {
-        assert_eq!(sync(&a, &[w]).status, TaskStatus::Completed, "a write maps the new buffer (and lets the freed one go)");
+        assert_eq!(
+            sync(&a, &[w]).status,
+            TaskStatus::Completed,
+            "a write maps the new buffer (and lets the freed one go)"
+        );
     });
-    assert!(kb >= BUDGET >> 10, "the budget, returned by the freed buffer, fills the new one: {kb} kB resident");
+    assert!(
+        kb >= BUDGET >> 10,
+        "the budget, returned by the freed buffer, fills the new one: {kb} kB resident"
+    );
 }
 
 /// A peer's buffer whose owner did not allocate its pages is never filled in the background:
@@ -808,34 +1298,76 @@ fn a_peers_allocated_buffer_is_filled_in_the_background_within_the_budget() {
 #[test]
 fn a_peers_buffer_its_owner_did_not_allocate_is_never_filled_in_the_background() {
     const LEN: usize = 64 << 20;
-    let lazy = HostBuffer::with(LEN, HostOptions { populate: false, huge_pages: false, shareable: true }).unwrap();
+    let lazy = HostBuffer::with(
+        LEN,
+        HostOptions {
+            populate: false,
+            huge_pages: false,
+            shareable: true,
+        },
+    )
+    .unwrap();
     let marker = mem(LEN, 0, true);
     let (c, d, src, seg) = filling_pair(1 << 30, &lazy);
     let before = shm::bytes_moved();
-    assert_eq!(sync(&c, &[wr(Opcode::Write, src.as_ptr() as u64, seg, lazy.addr() + (5 << 20), 4096)]).status, TaskStatus::Completed);
+    assert_eq!(
+        sync(
+            &c,
+            &[wr(
+                Opcode::Write,
+                src.as_ptr() as u64,
+                seg,
+                lazy.addr() + (5 << 20),
+                4096
+            )]
+        )
+        .status,
+        TaskStatus::Completed
+    );
     assert_path(true, before);
     // Mapped after the lazy buffer: filled after it, were it filled at all.
-    d.register_memory(marker.addr(), LEN as u64, "cpu:0").unwrap();
+    d.register_memory(marker.addr(), LEN as u64, "cpu:0")
+        .unwrap();
     let w = wr(Opcode::Write, src.as_ptr() as u64, seg, marker.addr(), 4096);
     let (kb, took) = resident_when(&marker, LEN as u64, Instant::now(), || {
         assert_eq!(sync(&c, &[w]).status, TaskStatus::Completed);
     });
-    assert!(kb >= (LEN >> 10) as u64, "the buffer mapped after it was filled whole: {kb} kB resident after {took:?}");
+    assert!(
+        kb >= (LEN >> 10) as u64,
+        "the buffer mapped after it was filled whole: {kb} kB resident after {took:?}"
+    );
     let kb = rss_of_other_mappings(ino(&lazy), lazy.addr()).1;
-    assert!(kb <= 2 << 10, "the buffer its owner did not allocate is not filled here: {kb} kB resident");
-    let fd = kvferry::hostbuf::shareable_region(lazy.addr(), LEN as u64).expect("shareable").fd;
-    let allocated = std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap()) * 512;
-    assert!(allocated <= 64 << 10, "and no page of it was allocated for it: {allocated} bytes of its memory file are");
+    assert!(
+        kb <= 2 << 10,
+        "the buffer its owner did not allocate is not filled here: {kb} kB resident"
+    );
+    let fd = kvferry::hostbuf::shareable_region(lazy.addr(), LEN as u64)
+        .expect("shareable")
+        .fd;
+    let allocated = std::os::unix::fs::MetadataExt::blocks(
+        &std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap(),
+    ) * 512;
+    assert!(
+        allocated <= 64 << 10,
+        "and no page of it was allocated for it: {allocated} bytes of its memory file are"
+    );
 }
 
 /// The inode of `m`'s memory file.
 fn ino(m: &HostBuffer) -> u64 {
-    kvferry::hostbuf::shareable_region(m.addr(), m.len() as u64).expect("shareable").ino
+    kvferry::hostbuf::shareable_region(m.addr(), m.len() as u64)
+        .expect("shareable")
+        .ino
 }
 
 /// Waits (up to 60 s from `since`, calling `each` every 50 ms) until `want` bytes of `m` are
 /// resident in this process's other mappings of it; what was resident and when.
-fn resident_when(m: &HostBuffer, want: u64, since: Instant, mut each: impl FnMut()) -> (u64, Duration) {
+fn resident_when(
+    m: &HostBuffer,
+    want: u64,
+    since: Instant,
+    mut each: impl FnMut(),
+) -> (u64, Duration) {
     loop {
         each();
         let kb = rss_of_other_mappings(ino(m), m.addr()).1;
@@ -855,16 +1387,30 @@ fn resident_when(m: &HostBuffer, want: u64, since: Instant, mut each: impl FnMut
 fn a_forward_stream_of_copies_has_the_chunks_ahead_filled_and_no_more() {
     const LEN: usize = 1 << 30;
     const MIB: u64 = 1 << 20;
-    let MappedPair { a, dst, src, seg, .. } = &mapped_pair(LEN, MIB as usize, 3);
+    let MappedPair {
+        a, dst, src, seg, ..
+    } = &mapped_pair(LEN, MIB as usize, 3);
     let seg = *seg;
     let ino = ino(dst);
     let before = shm::bytes_moved();
     for i in 0..8u64 {
-        let st = sync(a, &[wr(Opcode::Write, src.as_ptr() as u64, seg, dst.addr() + i * MIB, MIB)]);
+        let st = sync(
+            a,
+            &[wr(
+                Opcode::Write,
+                src.as_ptr() as u64,
+                seg,
+                dst.addr() + i * MIB,
+                MIB,
+            )],
+        );
         assert_eq!(st.status, TaskStatus::Completed);
     }
     assert_path(true, before);
-    assert!(bytes(dst)[7 * MIB as usize..8 * MIB as usize] == src[..], "the last write landed");
+    assert!(
+        bytes(dst)[7 * MIB as usize..8 * MIB as usize] == src[..],
+        "the last write landed"
+    );
     // Written: chunks 0-3 (8 MiB). Filled ahead: up to 8 chunks past the last one written.
     let t0 = Instant::now();
     let mut kb = 0;
@@ -875,10 +1421,16 @@ fn a_forward_stream_of_copies_has_the_chunks_ahead_filled_and_no_more() {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(kb >= 20 << 10, "the chunks ahead of the stream were filled: {kb} kB resident");
+    assert!(
+        kb >= 20 << 10,
+        "the chunks ahead of the stream were filled: {kb} kB resident"
+    );
     std::thread::sleep(Duration::from_millis(300));
     let kb = rss_of_other_mappings(ino, dst.addr()).1;
-    assert!(kb <= (8 + 2 * 9 + 1) << 10, "no more than 8 chunks past the stream: {kb} kB resident");
+    assert!(
+        kb <= (8 + 2 * 9 + 1) << 10,
+        "no more than 8 chunks past the stream: {kb} kB resident"
+    );
 }
 
 /// `transfer_sync_all` (a batch the caller waits for; same-host copies of up to 1 MiB run in
@@ -887,28 +1439,64 @@ fn a_forward_stream_of_copies_has_the_chunks_ahead_filled_and_no_more() {
 #[test]
 fn transfer_sync_all_reports_each_request_and_returns_with_every_byte_landed() {
     const LEN: usize = 1 << 20;
-    let MappedPair { a, dst, src, seg, .. } = &mapped_pair(LEN, LEN, 5);
+    let MappedPair {
+        a, dst, src, seg, ..
+    } = &mapped_pair(LEN, LEN, 5);
     let seg = *seg;
     let before = shm::bytes_moved();
     // 32 x 4 KiB (128 KiB: more than is copied inline for an asynchronous submission), the
     // 17th aimed past the end of the peer's buffer.
-    let mut reqs: Vec<TransferRequest> = (0..32u64).map(|i| wr(Opcode::Write, src.as_ptr() as u64 + i * 4096, seg, dst.addr() + i * 8192, 4096)).collect();
+    let mut reqs: Vec<TransferRequest> = (0..32u64)
+        .map(|i| {
+            wr(
+                Opcode::Write,
+                src.as_ptr() as u64 + i * 4096,
+                seg,
+                dst.addr() + i * 8192,
+                4096,
+            )
+        })
+        .collect();
     reqs[16].target_offset = dst.addr() + LEN as u64 - 100;
-    let st = a.transfer_sync_all(&reqs, Duration::from_secs(10)).expect("batch runs");
+    let st = a
+        .transfer_sync_all(&reqs, Duration::from_secs(10))
+        .expect("batch runs");
     assert_eq!(st.len(), 32);
     for (i, s) in st.iter().enumerate() {
-        let want = if i == 16 { TaskStatus::Failed } else { TaskStatus::Completed };
+        let want = if i == 16 {
+            TaskStatus::Failed
+        } else {
+            TaskStatus::Completed
+        };
         assert_eq!(s.status, want, "request {i}: {s:?}");
     }
     assert_path(true, before);
     for i in (0..32usize).filter(|&i| i != 16) {
-        assert!(bytes(dst)[i * 8192..i * 8192 + 4096] == src[i * 4096..(i + 1) * 4096], "request {i} landed");
+        assert!(
+            bytes(dst)[i * 8192..i * 8192 + 4096] == src[i * 4096..(i + 1) * 4096],
+            "request {i} landed"
+        );
     }
-    assert!(bytes(dst)[LEN - 100..].iter().all(|&x| x == 0), "the refused request touched nothing");
+    assert!(
+        bytes(dst)[LEN - 100..].iter().all(|&x| x == 0),
+        "the refused request touched nothing"
+    );
     // Reads back the same way, 1 MiB in one request (the largest copied in the caller's thread).
     let back = vec![0u8; LEN];
-    a.register_memory(back.as_ptr() as u64, LEN as u64, "cpu:0").unwrap();
-    let st = a.transfer_sync_all(&[wr(Opcode::Read, back.as_ptr() as u64, seg, dst.addr(), LEN as u64)], Duration::from_secs(10)).unwrap();
+    a.register_memory(back.as_ptr() as u64, LEN as u64, "cpu:0")
+        .unwrap();
+    let st = a
+        .transfer_sync_all(
+            &[wr(
+                Opcode::Read,
+                back.as_ptr() as u64,
+                seg,
+                dst.addr(),
+                LEN as u64,
+            )],
+            Duration::from_secs(10),
+        )
+        .unwrap();
     assert_eq!(st[0].status, TaskStatus::Completed);
     assert!(back[..] == bytes(dst)[..]);
 }

@@ -13,7 +13,10 @@
 //! connection. The report gives every round, the median of the rounds per setting, and the
 //! ratios of each keyed setting to no key; `--json` holds the same as records.
 
-use super::{check_args, human, measure_ceilings, run_mooncake, spawn_target, stop_child, sweep, write_peers, Buffer, Ceilings, Point, Progress, BenchArgs};
+use super::{
+    check_args, human, measure_ceilings, run_mooncake, spawn_target, stop_child, sweep,
+    write_peers, BenchArgs, Buffer, Ceilings, Point, Progress,
+};
 use kvferry::auth::Protect;
 use kvferry::config::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
@@ -51,7 +54,10 @@ impl Setting {
     fn env(self, key: &Path) -> Vec<(&'static str, Option<OsString>)> {
         match self {
             Setting::Off => vec![(KEY_VAR, None), (PROTECT_VAR, None)],
-            Setting::On(p) => vec![(KEY_VAR, Some(key.as_os_str().to_owned())), (PROTECT_VAR, Some(p.name().into()))],
+            Setting::On(p) => vec![
+                (KEY_VAR, Some(key.as_os_str().to_owned())),
+                (PROTECT_VAR, Some(p.name().into())),
+            ],
         }
     }
 }
@@ -78,9 +84,19 @@ struct KeyDir {
 impl KeyDir {
     fn create() -> Result<KeyDir, String> {
         use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-        let dir = std::env::temp_dir().join(format!("kvferry-bench-key-{}-{:016x}", std::process::id(), rand::random::<u64>()));
-        std::fs::DirBuilder::new().mode(0o700).create(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-        let kd = KeyDir { file: dir.join("cluster.key"), dir };
+        let dir = std::env::temp_dir().join(format!(
+            "kvferry-bench-key-{}-{:016x}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        let kd = KeyDir {
+            file: dir.join("cluster.key"),
+            dir,
+        };
         let key: [u8; 32] = rand::random();
         let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
         std::fs::OpenOptions::new()
@@ -238,19 +254,35 @@ pub(super) fn run(a: &BenchArgs, rounds: usize) -> Result<(), String> {
         }
     }
     let key = KeyDir::create()?;
-    let buf = Buffer::alloc(a.buffer_size as usize, a.hugepages, a.memory == "kvferry").map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
-    let ceilings = if a.no_ceilings { None } else { Some(measure_ceilings(a.hugepages)) };
+    let buf = Buffer::alloc(a.buffer_size as usize, a.hugepages, a.memory == "kvferry")
+        .map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
+    let ceilings = if a.no_ceilings {
+        None
+    } else {
+        Some(measure_ceilings(a.hugepages))
+    };
     let per_run = a.transport.len() * a.ops.len() * a.blocks.len();
-    let mut progress = Progress { n: 0, total: rounds * settings.len() * per_run, label: String::new() };
+    let mut progress = Progress {
+        n: 0,
+        total: rounds * settings.len() * per_run,
+        label: String::new(),
+    };
     let mut runs = Vec::new();
     for round in 1..=rounds {
-        let order: Vec<Setting> = if round % 2 == 0 { settings.iter().rev().copied().collect() } else { settings.clone() };
+        let order: Vec<Setting> = if round % 2 == 0 {
+            settings.iter().rev().copied().collect()
+        } else {
+            settings.clone()
+        };
         for s in order {
             let env = s.env(&key.file);
             let (child, seg, line) = spawn_target(a, &env)?;
             let target = Target(Some(child));
             // The target says which setting it runs with: the variables reached it.
-            let held = line.split_whitespace().find_map(|w| w.strip_prefix("auth=")).unwrap_or("?");
+            let held = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("auth="))
+                .unwrap_or("?");
             if held != s.name() {
                 return Err(format!("the target started for key setting {:?} runs with {held:?} (it announced {:?})", s.name(), line.trim()));
             }
@@ -259,12 +291,22 @@ pub(super) fn run(a: &BenchArgs, rounds: usize) -> Result<(), String> {
             let (points, used) = sweep(a, &seg, &buf, &base, &mut progress)?;
             let mut conns = Vec::new();
             for &mode in &a.transport {
-                eprint!("\r\x1b[K[{}/{}] {}connection costs ({mode}) ...", progress.n, progress.total, progress.label);
+                eprint!(
+                    "\r\x1b[K[{}/{}] {}connection costs ({mode}) ...",
+                    progress.n, progress.total, progress.label
+                );
                 let _ = std::io::stderr().flush();
                 conns.push(conn_costs(a, &seg, &base, mode)?);
             }
             drop(target);
-            runs.push(Run { setting: s, round, order: runs.len(), points, used, conns });
+            runs.push(Run {
+                setting: s,
+                round,
+                order: runs.len(),
+                points,
+                used,
+                conns,
+            });
         }
     }
     drop(key);
@@ -285,7 +327,17 @@ pub(super) fn run(a: &BenchArgs, rounds: usize) -> Result<(), String> {
         };
         for r in &runs {
             for (p, t) in r.points.iter().zip(&r.used) {
-                line(serde_json::to_string(&PointRecord { record: "auth_ab_point", auth: r.setting.name(), round: r.round, order: r.order, transport: t, point: p }).expect("serialisable"));
+                line(
+                    serde_json::to_string(&PointRecord {
+                        record: "auth_ab_point",
+                        auth: r.setting.name(),
+                        round: r.round,
+                        order: r.order,
+                        transport: t,
+                        point: p,
+                    })
+                    .expect("serialisable"),
+                );
             }
         }
         for m in &medians {
@@ -293,7 +345,16 @@ pub(super) fn run(a: &BenchArgs, rounds: usize) -> Result<(), String> {
         }
         for r in &runs {
             for c in &r.conns {
-                line(serde_json::to_string(&ConnRecord { record: "auth_ab_conn", auth: r.setting.name(), round: r.round, order: r.order, conn: c }).expect("serialisable"));
+                line(
+                    serde_json::to_string(&ConnRecord {
+                        record: "auth_ab_conn",
+                        auth: r.setting.name(),
+                        round: r.round,
+                        order: r.order,
+                        conn: c,
+                    })
+                    .expect("serialisable"),
+                );
             }
         }
         for m in &conn_meds {
@@ -313,15 +374,33 @@ pub(super) fn run(a: &BenchArgs, rounds: usize) -> Result<(), String> {
 
 /// Handshakes and first writes of fresh engines, then 4 KiB writes on an established
 /// connection, against `target` over `mode`.
-fn conn_costs(a: &BenchArgs, target: &str, base: &Config, mode: TransportMode) -> Result<Conn, String> {
-    let small = Buffer::alloc(64 << 10, false, a.memory == "kvferry").map_err(|e| format!("allocating 64 KiB: {e}"))?;
+fn conn_costs(
+    a: &BenchArgs,
+    target: &str,
+    base: &Config,
+    mode: TransportMode,
+) -> Result<Conn, String> {
+    let small = Buffer::alloc(64 << 10, false, a.memory == "kvferry")
+        .map_err(|e| format!("allocating 64 KiB: {e}"))?;
     small.fill(0, small.len(), 0x4b1d);
     let us = |t: Instant| t.elapsed().as_secs_f64() * 1e6;
     let write = |engine: &TransferEngine, seg: u64, remote: u64| -> Result<(), String> {
-        let req = [TransferRequest { opcode: Opcode::Write, source: small.addr(), target_id: seg, target_offset: remote, length: SMALL }];
-        let st = engine.transfer_sync(&req, Duration::from_secs(60)).map_err(|e| e.to_string())?;
+        let req = [TransferRequest {
+            opcode: Opcode::Write,
+            source: small.addr(),
+            target_id: seg,
+            target_offset: remote,
+            length: SMALL,
+        }];
+        let st = engine
+            .transfer_sync(&req, Duration::from_secs(60))
+            .map_err(|e| e.to_string())?;
         if st.status != TaskStatus::Completed {
-            return Err(format!("4 KiB write ended {:?}: {}", st.status, st.reason.unwrap_or_default()));
+            return Err(format!(
+                "4 KiB write ended {:?}: {}",
+                st.status,
+                st.reason.unwrap_or_default()
+            ));
         }
         Ok(())
     };
@@ -331,14 +410,29 @@ fn conn_costs(a: &BenchArgs, target: &str, base: &Config, mode: TransportMode) -
     for _ in 0..CONN_SAMPLES {
         // The previous engine is gone (its connections closed) before the next starts.
         drop(last.take());
-        let engine = TransferEngine::new(Config { transport: mode, ..base.clone() }).map_err(|e| e.to_string())?;
-        engine.register_memory(small.addr(), small.len() as u64, "cpu:0").map_err(|e| e.to_string())?;
+        let engine = TransferEngine::new(Config {
+            transport: mode,
+            ..base.clone()
+        })
+        .map_err(|e| e.to_string())?;
+        engine
+            .register_memory(small.addr(), small.len() as u64, "cpu:0")
+            .map_err(|e| e.to_string())?;
         let t = Instant::now();
         let seg = engine.open_segment(target).map_err(|e| e.to_string())?;
         hs.push(us(t));
         let desc = engine.segment_descriptor(seg).map_err(|e| e.to_string())?;
-        let remote = desc.buffers.iter().max_by_key(|b| b.length).ok_or_else(|| format!("segment {target} has no registered buffer"))?.addr;
-        via = engine.segment_transport(seg).map_err(|e| format!("--transport {mode}: {e}"))?.name.to_string();
+        let remote = desc
+            .buffers
+            .iter()
+            .max_by_key(|b| b.length)
+            .ok_or_else(|| format!("segment {target} has no registered buffer"))?
+            .addr;
+        via = engine
+            .segment_transport(seg)
+            .map_err(|e| format!("--transport {mode}: {e}"))?
+            .name
+            .to_string();
         let t = Instant::now();
         write(&engine, seg, remote)?;
         first.push(us(t));
@@ -372,7 +466,12 @@ fn conn_costs(a: &BenchArgs, target: &str, base: &Config, mode: TransportMode) -
 }
 
 /// Per point and setting: the median of its rounds, and its ratios to no key's medians.
-fn point_medians(settings: &[Setting], runs: &[Run], c: Option<&Ceilings>, mc: &crate::mooncake::SideBySide) -> Vec<PointMedian> {
+fn point_medians(
+    settings: &[Setting],
+    runs: &[Run],
+    c: Option<&Ceilings>,
+    mc: &crate::mooncake::SideBySide,
+) -> Vec<PointMedian> {
     let mut out: Vec<PointMedian> = Vec::new();
     let n = runs.first().map_or(0, |r| r.points.len());
     for i in 0..n {
@@ -380,7 +479,8 @@ fn point_medians(settings: &[Setting], runs: &[Run], c: Option<&Ceilings>, mc: &
         for &s in settings {
             let mine: Vec<&Run> = runs.iter().filter(|r| r.setting == s).collect();
             let Some(first) = mine.first() else { continue };
-            let col = |f: &dyn Fn(&Point) -> f64| median(mine.iter().map(|r| f(&r.points[i])).collect());
+            let col =
+                |f: &dyn Fn(&Point) -> f64| median(mine.iter().map(|r| f(&r.points[i])).collect());
             let p = &first.points[i];
             let gbps = col(&|p| p.gbps);
             let cpu = col(&|p| p.initiator_cpu_s_per_gb + p.target_cpu_s_per_gb);
@@ -427,8 +527,14 @@ fn conn_medians(settings: &[Setting], runs: &[Run]) -> Vec<ConnMedian> {
         for &s in settings {
             let mine: Vec<&Run> = runs.iter().filter(|r| r.setting == s).collect();
             let Some(first) = mine.first() else { continue };
-            let col = |f: &dyn Fn(&Conn) -> f64| median(mine.iter().map(|r| f(&r.conns[i])).collect());
-            let v = [col(&|c| c.handshake_p50_us), col(&|c| c.first_write_p50_us), col(&|c| c.write_p50_us), col(&|c| c.write_p99_us)];
+            let col =
+                |f: &dyn Fn(&Conn) -> f64| median(mine.iter().map(|r| f(&r.conns[i])).collect());
+            let v = [
+                col(&|c| c.handshake_p50_us),
+                col(&|c| c.first_write_p50_us),
+                col(&|c| c.write_p50_us),
+                col(&|c| c.write_p99_us),
+            ];
             let base = *none.get_or_insert(v);
             out.push(ConnMedian {
                 record: "auth_ab_conn_median",
@@ -477,9 +583,18 @@ fn print_points(a: &BenchArgs, settings: &[Setting], runs: &[Run], medians: &[Po
         sorted.sort_by_key(|r| (r.round, r.order));
         for r in sorted {
             let p = &r.points[i];
-            let none = runs.iter().find(|o| o.round == r.round && o.setting == Setting::Off).map(|o| &o.points[i]);
+            let none = runs
+                .iter()
+                .find(|o| o.round == r.round && o.setting == Setting::Off)
+                .map(|o| &o.points[i]);
             let (vs_gbps, vs_cpu) = match none {
-                Some(b) if r.setting != Setting::Off => (x(ratio(p.gbps, b.gbps)), x(ratio(p.initiator_cpu_s_per_gb + p.target_cpu_s_per_gb, b.initiator_cpu_s_per_gb + b.target_cpu_s_per_gb))),
+                Some(b) if r.setting != Setting::Off => (
+                    x(ratio(p.gbps, b.gbps)),
+                    x(ratio(
+                        p.initiator_cpu_s_per_gb + p.target_cpu_s_per_gb,
+                        b.initiator_cpu_s_per_gb + b.target_cpu_s_per_gb,
+                    )),
+                ),
                 _ => (String::new(), String::new()),
             };
             println!(
@@ -533,17 +648,44 @@ fn print_conns(a: &BenchArgs, runs: &[Run], medians: &[ConnMedian]) {
     );
     println!(
         "{:<8} {:>6} {:>9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8}",
-        "key", "round", "transport", "handshake", "handshake", "1st write", "1st write", "write", "write", "hs", "1st", "write", "write"
+        "key",
+        "round",
+        "transport",
+        "handshake",
+        "handshake",
+        "1st write",
+        "1st write",
+        "write",
+        "write",
+        "hs",
+        "1st",
+        "write",
+        "write"
     );
     println!(
         "{:<8} {:>6} {:>9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8}",
-        "", "", "", "p50 (us)", "max (us)", "p50 (us)", "max (us)", "p50 (us)", "p99 (us)", "vs none", "vs none", "p50 vs", "p99 vs"
+        "",
+        "",
+        "",
+        "p50 (us)",
+        "max (us)",
+        "p50 (us)",
+        "max (us)",
+        "p50 (us)",
+        "p99 (us)",
+        "vs none",
+        "vs none",
+        "p50 vs",
+        "p99 vs"
     );
     let mut sorted: Vec<&Run> = runs.iter().collect();
     sorted.sort_by_key(|r| (r.round, r.order));
     for r in sorted {
         for (i, c) in r.conns.iter().enumerate() {
-            let none = runs.iter().find(|o| o.round == r.round && o.setting == Setting::Off).map(|o| &o.conns[i]);
+            let none = runs
+                .iter()
+                .find(|o| o.round == r.round && o.setting == Setting::Off)
+                .map(|o| &o.conns[i]);
             let vs = |f: fn(&Conn) -> f64| match none {
                 Some(b) if r.setting != Setting::Off => x(ratio(f(c), f(b))),
                 _ => String::new(),

@@ -13,7 +13,10 @@ pub fn counts<const N: usize>(example: &str, args: [(&str, u64); N]) -> [u64; N]
     args.map(|(name, default)| match given.next() {
         None => default,
         Some(a) => a.parse().unwrap_or_else(|_| {
-            eprintln!("{example}: {name} {a:?} is not a whole number; usage: {example} {}", usage.join(" "));
+            eprintln!(
+                "{example}: {name} {a:?} is not a whole number; usage: {example} {}",
+                usage.join(" ")
+            );
             std::process::exit(2)
         }),
     })
@@ -38,13 +41,23 @@ pub fn longest(what: &str, n: u64, mut step: impl FnMut(u64)) {
             (worst, at) = (one.elapsed(), i);
         }
     }
-    println!("{what}: {n} in {:.2} s, the longest {:.1} ms (step {at})", t.elapsed().as_secs_f64(), worst.as_secs_f64() * 1e3);
+    println!(
+        "{what}: {n} in {:.2} s, the longest {:.1} ms (step {at})",
+        t.elapsed().as_secs_f64(),
+        worst.as_secs_f64() * 1e3
+    );
 }
 
 /// A state with `objects` objects of 4 KiB (keys with a long common prefix, as real ones have)
 /// spread over 16 clients' segments, journaling as an HA leader's does when `journaling` (the
 /// changes of the fill taken already), and the master settings it was filled with.
-pub fn filled_state(objects: u64, journaling: bool) -> (kvferry_store::master::State, kvferry_store::master::MasterConfig) {
+pub fn filled_state(
+    objects: u64,
+    journaling: bool,
+) -> (
+    kvferry_store::master::State,
+    kvferry_store::master::MasterConfig,
+) {
     use kvferry_store::master::{MasterConfig, PutId, State, Stats};
     use kvferry_store::proto::{ReplicateConfig, Segment};
     let mut st = State::default();
@@ -53,14 +66,33 @@ pub fn filled_state(objects: u64, journaling: bool) -> (kvferry_store::master::S
     }
     let clients = 16u64;
     for c in 1..=clients {
-        let seg = Segment { id: c, name: format!("seg{c}"), te_endpoint: format!("127.0.0.1:{}", 20000 + c), base: c << 44, size: 1 << 42 };
+        let seg = Segment {
+            id: c,
+            name: format!("seg{c}"),
+            te_endpoint: format!("127.0.0.1:{}", 20000 + c),
+            base: c << 44,
+            size: 1 << 42,
+        };
         or_exit(st.mount(c, seg, 0), || "mount".into());
     }
     let (m, s) = (MasterConfig::default(), Stats::default());
     for i in 0..objects {
         let c = 1 + i % clients;
         let key = format!("prefill-tenant-0042/layer-block-{c}-{i:09}");
-        or_exit(st.put_start(&m, &s, PutId { client: c, put: 1 }, &key, 4096, &ReplicateConfig::default(), false, 0).and_then(|_| st.put_end(PutId { client: c, put: 1 }, &key, 0)), || format!("put {key}"));
+        or_exit(
+            st.put_start(
+                &m,
+                &s,
+                PutId { client: c, put: 1 },
+                &key,
+                4096,
+                &ReplicateConfig::default(),
+                false,
+                0,
+            )
+            .and_then(|_| st.put_end(PutId { client: c, put: 1 }, &key, 0)),
+            || format!("put {key}"),
+        );
     }
     let _ = st.take_changes(0);
     (st, m)

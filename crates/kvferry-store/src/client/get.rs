@@ -9,24 +9,33 @@ use kvferry::{Opcode, TransferRequest};
 use std::time::{Duration, Instant};
 
 impl Client {
-
     fn pick<'a>(&self, list: &'a ReplicaList) -> Vec<&'a ReplicaDesc> {
         // The local replica first (a memcpy), then the others in the master's order.
         let me = self.segment_name();
-        let mut v: Vec<&ReplicaDesc> = list.replicas.iter().filter(|r| r.te_endpoint == me).collect();
+        let mut v: Vec<&ReplicaDesc> = list
+            .replicas
+            .iter()
+            .filter(|r| r.te_endpoint == me)
+            .collect();
         v.extend(list.replicas.iter().filter(|r| r.te_endpoint != me));
         v
     }
 
     /// Reads `key` into `[addr, addr+cap)` (registered memory); returns its size.
     pub fn get_into(&self, key: &str, addr: u64, cap: u64) -> StoreResult<u64> {
-        self.batch_get_into(&[(key, addr, cap)]).pop().unwrap_or_else(|| Err(StoreError::Internal("no result".into())))
+        self.batch_get_into(&[(key, addr, cap)])
+            .pop()
+            .unwrap_or_else(|| Err(StoreError::Internal("no result".into())))
     }
 
     /// Reads many keys with one master round trip and one transfer batch.
     pub fn batch_get_into(&self, items: &[(&str, u64, u64)]) -> Vec<StoreResult<u64>> {
         let parts: Vec<[(u64, u64); 1]> = items.iter().map(|&(_, a, l)| [(a, l)]).collect();
-        let items: Vec<(&str, &[(u64, u64)])> = items.iter().zip(&parts).map(|(&(k, _, _), p)| (k, &p[..])).collect();
+        let items: Vec<(&str, &[(u64, u64)])> = items
+            .iter()
+            .zip(&parts)
+            .map(|(&(k, _, _), p)| (k, &p[..]))
+            .collect();
         self.batch_get_into_parts(&items)
     }
 
@@ -43,15 +52,29 @@ impl Client {
     /// Asks the master for the replica lists of `keys` (each grants a lease and a read to
     /// release) in one round trip; the answers, and when they were asked for (the leases
     /// run from then).
-    pub(super) fn replica_lists<'k>(&self, keys: impl Iterator<Item = &'k str>) -> StoreResult<(Vec<Response>, Instant)> {
+    pub(super) fn replica_lists<'k>(
+        &self,
+        keys: impl Iterator<Item = &'k str>,
+    ) -> StoreResult<(Vec<Response>, Instant)> {
         self.check_open()?;
         let t0 = Instant::now();
-        Ok((self.call_batch(keys.map(|k| Request::GetReplicaList { key: k.to_string() }).collect())?, t0))
+        Ok((
+            self.call_batch(
+                keys.map(|k| Request::GetReplicaList { key: k.to_string() })
+                    .collect(),
+            )?,
+            t0,
+        ))
     }
 
     /// Reads each item's value from the replicas its answer (to `GetReplicaList`, asked at
     /// `t0`) lists; then queues the releases of those reads.
-    fn read_listed(&self, items: &[(&str, &[(u64, u64)])], answers: Vec<Response>, t0: Instant) -> Vec<StoreResult<u64>> {
+    fn read_listed(
+        &self,
+        items: &[(&str, &[(u64, u64)])],
+        answers: Vec<Response>,
+        t0: Instant,
+    ) -> Vec<StoreResult<u64>> {
         let mut results: Vec<StoreResult<u64>> = Vec::with_capacity(items.len());
         let mut lists: Vec<Option<ReplicaList>> = Vec::with_capacity(items.len());
         // Per item, the index (in `pick`'s order) of the replica read first.
@@ -62,7 +85,10 @@ impl Client {
             let cap: u64 = parts.iter().map(|p| p.1).sum();
             match a {
                 Response::ReplicaList(l) if l.size > cap => {
-                    results.push(Err(StoreError::BufferOverflow { need: l.size, have: cap }));
+                    results.push(Err(StoreError::BufferOverflow {
+                        need: l.size,
+                        have: cap,
+                    }));
                     // (Listed, so that the read it was granted is released below: unreleased, it
                     // held the object against eviction and its old space for a whole lease.)
                     lists.push(Some(l));
@@ -126,10 +152,15 @@ impl Client {
                 let (key, parts) = items[i];
                 let mut last: StoreResult<u64> = Err(first_err);
                 if let Some(l) = &lists[i] {
-                    for r in self.pick(l).into_iter().skip(first_used[i].saturating_add(1)) {
+                    for r in self
+                        .pick(l)
+                        .into_iter()
+                        .skip(first_used[i].saturating_add(1))
+                    {
                         let one = self.segment_id(&r.te_endpoint).and_then(|seg| {
                             let again = read_parts(parts, seg, r.addr, l.size);
-                            self.transfer(&again).and_then(|v| v.into_iter().collect::<StoreResult<Vec<()>>>())
+                            self.transfer(&again)
+                                .and_then(|v| v.into_iter().collect::<StoreResult<Vec<()>>>())
                         });
                         last = one.map(|_| l.size);
                         if last.is_ok() {
@@ -152,18 +183,24 @@ impl Client {
             }
         }
         // Every transfer is terminal: the replicas read may be reclaimed.
-        self.inner.queue_releases(lists.iter().flatten().map(|l| l.read_id));
+        self.inner
+            .queue_releases(lists.iter().flatten().map(|l| l.read_id));
         results
     }
 
     /// Returns the value of `key` (`ObjectNotFound` if absent).
     pub fn get(&self, key: &str) -> StoreResult<Vec<u8>> {
-        self.get_batch(&[key]).pop().unwrap_or_else(|| Err(StoreError::Internal("no result".into())))
+        self.get_batch(&[key])
+            .pop()
+            .unwrap_or_else(|| Err(StoreError::Internal("no result".into())))
     }
 
     /// Returns several values; per-key results.
     pub fn get_batch(&self, keys: &[&str]) -> Vec<StoreResult<Vec<u8>>> {
-        self.get_buffers(keys).into_iter().map(|r| r.map(|s| s.to_vec())).collect()
+        self.get_buffers(keys)
+            .into_iter()
+            .map(|r| r.map(|s| s.to_vec()))
+            .collect()
     }
 
     /// Reads several values into the local buffer and hands each out where it landed (no
@@ -200,7 +237,11 @@ impl Client {
                 other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
             });
         }
-        let items: Vec<(&str, &[(u64, u64)])> = idx.iter().zip(&parts).map(|(&i, p)| (keys[i], &p[..])).collect();
+        let items: Vec<(&str, &[(u64, u64)])> = idx
+            .iter()
+            .zip(&parts)
+            .map(|(&i, p)| (keys[i], &p[..]))
+            .collect();
         let rs = self.read_listed(&items, listed, t0);
         let mut results: Vec<Option<StoreResult<u64>>> = (0..keys.len()).map(|_| None).collect();
         for (i, r) in idx.into_iter().zip(rs) {
@@ -231,7 +272,13 @@ fn read_parts(parts: &[(u64, u64)], seg: u64, remote: u64, size: u64) -> Vec<Tra
         if take == 0 {
             continue;
         }
-        out.push(TransferRequest { opcode: Opcode::Read, source: addr, target_id: seg, target_offset: remote + off, length: take });
+        out.push(TransferRequest {
+            opcode: Opcode::Read,
+            source: addr,
+            target_id: seg,
+            target_offset: remote + off,
+            length: take,
+        });
         off += take;
     }
     out

@@ -8,14 +8,20 @@ use crate::proto::{ReplicaDesc, Request, Response};
 
 impl Client {
     pub fn is_exist(&self, key: &str) -> StoreResult<bool> {
-        match self.inner.call_one(Request::ExistKey { key: key.to_string() })? {
+        match self.inner.call_one(Request::ExistKey {
+            key: key.to_string(),
+        })? {
             Response::Exists(b) => Ok(b),
             other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
         }
     }
 
     pub fn batch_is_exist(&self, keys: &[&str]) -> Vec<StoreResult<bool>> {
-        match self.call_batch(keys.iter().map(|k| Request::ExistKey { key: k.to_string() }).collect()) {
+        match self.call_batch(
+            keys.iter()
+                .map(|k| Request::ExistKey { key: k.to_string() })
+                .collect(),
+        ) {
             Ok(v) => v
                 .into_iter()
                 .map(|a| match a {
@@ -30,7 +36,9 @@ impl Client {
 
     /// Size of `key`'s value.
     pub fn get_size(&self, key: &str) -> StoreResult<u64> {
-        match self.inner.call_one(Request::GetReplicaList { key: key.to_string() })? {
+        match self.inner.call_one(Request::GetReplicaList {
+            key: key.to_string(),
+        })? {
             Response::ReplicaList(l) => {
                 self.inner.queue_releases([l.read_id]);
                 Ok(l.size)
@@ -40,11 +48,19 @@ impl Client {
     }
 
     pub fn remove(&self, key: &str, force: bool) -> StoreResult<()> {
-        self.inner.call_one(Request::Remove { key: key.to_string(), force }).map(|_| ())
+        self.inner
+            .call_one(Request::Remove {
+                key: key.to_string(),
+                force,
+            })
+            .map(|_| ())
     }
 
     pub fn remove_by_regex(&self, pattern: &str, force: bool) -> StoreResult<u64> {
-        match self.inner.call_one(Request::RemoveByRegex { pattern: pattern.to_string(), force })? {
+        match self.inner.call_one(Request::RemoveByRegex {
+            pattern: pattern.to_string(),
+            force,
+        })? {
             Response::Count(n) => Ok(n),
             other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
         }
@@ -52,7 +68,14 @@ impl Client {
 
     /// Removes several keys in one round trip; per-key results (Mooncake's `batch_remove`).
     pub fn batch_remove(&self, keys: &[&str], force: bool) -> Vec<StoreResult<()>> {
-        match self.call_batch(keys.iter().map(|k| Request::Remove { key: k.to_string(), force }).collect()) {
+        match self.call_batch(
+            keys.iter()
+                .map(|k| Request::Remove {
+                    key: k.to_string(),
+                    force,
+                })
+                .collect(),
+        ) {
             Ok(v) => v.into_iter().map(|a| a.into_result().map(|_| ())).collect(),
             Err(e) => keys.iter().map(|_| Err(e.clone())).collect(),
         }
@@ -81,7 +104,11 @@ impl Client {
     /// and nobody holds a lease on, on the segment named `segment` (everywhere if empty);
     /// returns the keys cleared (the others are skipped, as Mooncake does).
     pub fn batch_replica_clear(&self, keys: &[&str], segment: &str) -> StoreResult<Vec<String>> {
-        let req = Request::BatchReplicaClear { client: self.inner.id, keys: keys.iter().map(|k| k.to_string()).collect(), segment: segment.to_string() };
+        let req = Request::BatchReplicaClear {
+            client: self.inner.id,
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+            segment: segment.to_string(),
+        };
         match self.inner.call_one(req)? {
             Response::Keys(k) => Ok(k),
             other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),

@@ -143,15 +143,32 @@ impl Inner {
         match &self.segment {
             Some((_, seg)) if !self.unmounted.swap(true, Ordering::AcqRel) => {
                 // No longer remounted at a new leader (a call in flight elsewhere may find one).
-                self.rpc.registration.lock().unwrap_or_else(|e| e.into_inner()).mounted = false;
-                self.rpc.call_within(&Request::UnmountSegment { client: self.id, segment: seg.id }, within, Conn::Pool).and_then(Response::into_result).map(|_| ())
+                self.rpc
+                    .registration
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .mounted = false;
+                self.rpc
+                    .call_within(
+                        &Request::UnmountSegment {
+                            client: self.id,
+                            segment: seg.id,
+                        },
+                        within,
+                        Conn::Pool,
+                    )
+                    .and_then(Response::into_result)
+                    .map(|_| ())
             }
             _ => Ok(()),
         }
     }
 
     fn queue_releases(&self, ids: impl IntoIterator<Item = u64>) {
-        self.releases.lock().unwrap_or_else(|e| e.into_inner()).queue(ids, Instant::now());
+        self.releases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .queue(ids, Instant::now());
     }
 
     /// Sends `reqs` in one round trip, led by the releases of finished reads; the answers to
@@ -170,7 +187,11 @@ impl Inner {
         if n == 0 {
             return Ok((Vec::new(), self.rpc.epoch()));
         }
-        let ids = self.releases.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let ids = self
+            .releases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         let pre = usize::from(!ids.is_empty());
         let mut all = Vec::with_capacity(n + pre);
         if pre == 1 {
@@ -178,13 +199,24 @@ impl Inner {
         }
         all.extend(reqs);
         let answer = if all.len() == 1 {
-            let r = all.pop().ok_or_else(|| StoreError::Internal("empty request list".into()))?;
-            self.rpc.call_within_at(&r, FAILOVER_WAIT, conn).map(|(a, epoch)| (vec![a], epoch))
+            let r = all
+                .pop()
+                .ok_or_else(|| StoreError::Internal("empty request list".into()))?;
+            self.rpc
+                .call_within_at(&r, FAILOVER_WAIT, conn)
+                .map(|(a, epoch)| (vec![a], epoch))
         } else {
-            match self.rpc.call_within_at(&Request::Batch(all), FAILOVER_WAIT, conn) {
-                Ok((Response::Batch(v), epoch)) if v.len() == n + pre => Ok((v.into_iter().skip(pre).collect(), epoch)),
+            match self
+                .rpc
+                .call_within_at(&Request::Batch(all), FAILOVER_WAIT, conn)
+            {
+                Ok((Response::Batch(v), epoch)) if v.len() == n + pre => {
+                    Ok((v.into_iter().skip(pre).collect(), epoch))
+                }
                 Ok((Response::Err(e), _)) => Err(e),
-                Ok((other, _)) => Err(StoreError::Rpc(format!("unexpected answer to a batch: {other:?}"))),
+                Ok((other, _)) => Err(StoreError::Rpc(format!(
+                    "unexpected answer to a batch: {other:?}"
+                ))),
                 Err(e) => Err(e),
             }
         };
@@ -195,23 +227,32 @@ impl Inner {
     }
 
     fn call_one(&self, req: Request) -> StoreResult<Response> {
-        self.call_batch(vec![req])?.pop().ok_or_else(|| StoreError::Rpc("the master sent no answer".into()))?.into_result()
+        self.call_batch(vec![req])?
+            .pop()
+            .ok_or_else(|| StoreError::Rpc("the master sent no answer".into()))?
+            .into_result()
     }
 }
 
 /// Whether an engine failed to start because its segment name is taken (retry another port).
 fn name_taken(e: &kvferry::Error) -> bool {
     match e {
-        kvferry::Error::Metadata { reason, .. } => reason.contains("already registered") || reason.contains("Duplicate"),
+        kvferry::Error::Metadata { reason, .. } => {
+            reason.contains("already registered") || reason.contains("Duplicate")
+        }
         _ => false,
     }
 }
 
 /// Starts the engine. In central mode a `local_hostname` without a port gets a bound port
 /// appended (retrying another one when the name is taken), as Mooncake's client does.
-fn start_engine(cfg: &ClientConfig, mut ecfg: Config) -> StoreResult<(TransferEngine, Option<TcpListener>)> {
+fn start_engine(
+    cfg: &ClientConfig,
+    mut ecfg: Config,
+) -> StoreResult<(TransferEngine, Option<TcpListener>)> {
     let start = |ecfg: Config| TransferEngine::new(ecfg);
-    let failed = |e: kvferry::Error| StoreError::InvalidParams(format!("starting the transfer engine: {e}"));
+    let failed =
+        |e: kvferry::Error| StoreError::InvalidParams(format!("starting the transfer engine: {e}"));
     let host = cfg.local_hostname.trim();
     if !ecfg.central() || host.is_empty() || kvferry::config::split_host_port(host).1.is_some() {
         return start(ecfg).map(|e| (e, None)).map_err(failed);
@@ -231,13 +272,22 @@ fn start_engine(cfg: &ClientConfig, mut ecfg: Config) -> StoreResult<(TransferEn
                 break;
             }
         }
-        let Some((listener, port)) = held else { continue };
-        let name = if bare.contains(':') { format!("[{bare}]:{port}") } else { format!("{bare}:{port}") };
+        let Some((listener, port)) = held else {
+            continue;
+        };
+        let name = if bare.contains(':') {
+            format!("[{bare}]:{port}")
+        } else {
+            format!("{bare}:{port}")
+        };
         ecfg.local_hostname = name;
         match start(ecfg.clone()) {
             Ok(e) => return Ok((e, Some(listener))),
             Err(e) if name_taken(&e) => {
-                tracing::info!("segment name {} is taken; retrying with another port: {e}", ecfg.local_hostname);
+                tracing::info!(
+                    "segment name {} is taken; retrying with another port: {e}",
+                    ecfg.local_hostname
+                );
                 last = e.to_string();
             }
             Err(e) => return Err(failed(e)),
@@ -276,13 +326,19 @@ impl Client {
     /// `engine_closed` is the owner's flag for "the engine was closed": once set, calls fail
     /// with a clear error instead of using it. Closing the client unmounts the segment and
     /// unregisters the client's own buffers from the engine; the engine keeps running.
-    pub fn with_engine(mut cfg: ClientConfig, engine: Arc<TransferEngine>, engine_closed: Option<Arc<AtomicBool>>) -> StoreResult<Client> {
+    pub fn with_engine(
+        mut cfg: ClientConfig,
+        engine: Arc<TransferEngine>,
+        engine_closed: Option<Arc<AtomicBool>>,
+    ) -> StoreResult<Client> {
         check_protocol(&cfg)?;
         let name = engine.segment_name().to_string();
         let asked = cfg.local_hostname.trim();
         let (asked_host, asked_port) = kvferry::config::split_host_port(asked);
         let engine_host = kvferry::config::split_host_port(&name).0;
-        let matches = asked.is_empty() || asked == name || (asked_port.is_none() && asked_host == engine_host);
+        let matches = asked.is_empty()
+            || asked == name
+            || (asked_port.is_none() && asked_host == engine_host);
         if !matches {
             return Err(StoreError::InvalidParams(format!(
                 "local_hostname {asked:?} differs from the shared engine's segment name {name:?}; a store on a shared engine mounts the engine's own segment, so pass the engine's name (or its host, or \"\"), or set the store up without engine= to get a segment of its own"
@@ -294,11 +350,20 @@ impl Client {
         Client::build(cfg, engine, Some(flag), None)
     }
 
-    fn build(cfg: ClientConfig, engine: Arc<TransferEngine>, shared: Option<Arc<AtomicBool>>, port: Option<TcpListener>) -> StoreResult<Client> {
+    fn build(
+        cfg: ClientConfig,
+        engine: Arc<TransferEngine>,
+        shared: Option<Arc<AtomicBool>>,
+        port: Option<TcpListener>,
+    ) -> StoreResult<Client> {
         if shared.as_ref().is_some_and(|f| f.load(Ordering::Acquire)) {
             return Err(engine_closed());
         }
-        let rpc = Rpc::new(&cfg.master_server_addr, Duration::from_secs(30), engine.config())?;
+        let rpc = Rpc::new(
+            &cfg.master_server_addr,
+            Duration::from_secs(30),
+            engine.config(),
+        )?;
         let id: u64 = rand::random::<u64>() | 1;
         let mut segment = None;
         if cfg.global_segment_size > 0 {
@@ -306,17 +371,35 @@ impl Client {
             // allocated here, in setup (~1.1 s per GiB on the 2-vCPU VM): allocating from a
             // background thread instead made the first second after setup run at 57% of the
             // steady rate there (the zeroing competes with the traffic), against 91% now.
-            let opts = kvferry::hostbuf::HostOptions { populate: true, huge_pages: true, shareable: true };
-            let buf = HostBuffer::with(cfg.global_segment_size as usize, opts).map_err(|e| StoreError::InvalidParams(format!("global_segment_size: {e}")))?;
-            engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map_err(|e| StoreError::Internal(e.to_string()))?;
-            let seg = Segment { id: rand::random(), name: engine.segment_name().to_string(), te_endpoint: engine.segment_name().to_string(), base: buf.addr(), size: buf.len() as u64 };
+            let opts = kvferry::hostbuf::HostOptions {
+                populate: true,
+                huge_pages: true,
+                shareable: true,
+            };
+            let buf = HostBuffer::with(cfg.global_segment_size as usize, opts)
+                .map_err(|e| StoreError::InvalidParams(format!("global_segment_size: {e}")))?;
+            engine
+                .register_memory(buf.addr(), buf.len() as u64, "cpu:0")
+                .map_err(|e| StoreError::Internal(e.to_string()))?;
+            let seg = Segment {
+                id: rand::random(),
+                name: engine.segment_name().to_string(),
+                te_endpoint: engine.segment_name().to_string(),
+                base: buf.addr(),
+                size: buf.len() as u64,
+            };
             segment = Some((buf, seg));
         }
         let mut staging = None;
         if cfg.local_buffer_size > 0 {
             let registered = HostBuffer::new(cfg.local_buffer_size as usize, true)
                 .map_err(|e| StoreError::InvalidParams(format!("local_buffer_size: {e}")))
-                .and_then(|buf| engine.register_memory(buf.addr(), buf.len() as u64, "cpu:0").map(|_| buf).map_err(|e| StoreError::Internal(e.to_string())));
+                .and_then(|buf| {
+                    engine
+                        .register_memory(buf.addr(), buf.len() as u64, "cpu:0")
+                        .map(|_| buf)
+                        .map_err(|e| StoreError::Internal(e.to_string()))
+                });
             let buf = match registered {
                 Ok(b) => b,
                 Err(e) => {
@@ -330,18 +413,52 @@ impl Client {
             let space = SegmentSpace::new(buf.addr(), buf.len() as u64);
             staging = Some((buf, Mutex::new(space)));
         }
-        let inner = Arc::new(Inner { engine, shared, rpc, id, next_put: AtomicU64::new(0), segment, unmounted: AtomicBool::new(false), staging, closed: AtomicBool::new(false), cfg, pid: std::process::id(), releases: Mutex::default(), _port: port });
+        let inner = Arc::new(Inner {
+            engine,
+            shared,
+            rpc,
+            id,
+            next_put: AtomicU64::new(0),
+            segment,
+            unmounted: AtomicBool::new(false),
+            staging,
+            closed: AtomicBool::new(false),
+            cfg,
+            pid: std::process::id(),
+            releases: Mutex::default(),
+            _port: port,
+        });
         // Register with the master even without a segment, so pings are recognised.
         match &inner.segment {
-            Some((_, seg)) => inner.rpc.call_ok(&Request::MountSegment { client: id, segment: seg.clone() })?,
-            None => inner.rpc.call_ok(&Request::RemountSegments { client: id, segments: Vec::new() })?,
+            Some((_, seg)) => inner.rpc.call_ok(&Request::MountSegment {
+                client: id,
+                segment: seg.clone(),
+            })?,
+            None => inner.rpc.call_ok(&Request::RemountSegments {
+                client: id,
+                segments: Vec::new(),
+            })?,
         };
-        *inner.rpc.registration.lock().unwrap_or_else(|e| e.into_inner()) = Registration { client: id, segments: inner.segment.iter().map(|(_, s)| s.clone()).collect(), mounted: true };
+        *inner
+            .rpc
+            .registration
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Registration {
+            client: id,
+            segments: inner.segment.iter().map(|(_, s)| s.clone()).collect(),
+            mounted: true,
+        };
         let weak = Arc::downgrade(&inner);
         let every = inner.cfg.ping_interval;
-        std::thread::Builder::new().name("kvf-store-ping".into()).spawn(move || ping_loop(weak, every)).map_err(|e| StoreError::Internal(e.to_string()))?;
+        std::thread::Builder::new()
+            .name("kvf-store-ping".into())
+            .spawn(move || ping_loop(weak, every))
+            .map_err(|e| StoreError::Internal(e.to_string()))?;
         let weak = Arc::downgrade(&inner);
-        std::thread::Builder::new().name("kvf-store-release".into()).spawn(move || release_loop(weak)).map_err(|e| StoreError::Internal(e.to_string()))?;
+        std::thread::Builder::new()
+            .name("kvf-store-release".into())
+            .spawn(move || release_loop(weak))
+            .map_err(|e| StoreError::Internal(e.to_string()))?;
         Ok(Client { inner })
     }
 
@@ -358,11 +475,17 @@ impl Client {
 
     /// Registers a buffer for `put_from` / `get_into`.
     pub fn register_buffer(&self, addr: u64, len: u64) -> StoreResult<()> {
-        self.inner.engine.register_memory(addr, len, "cpu:0").map_err(|e| StoreError::InvalidParams(e.to_string()))
+        self.inner
+            .engine
+            .register_memory(addr, len, "cpu:0")
+            .map_err(|e| StoreError::InvalidParams(e.to_string()))
     }
 
     pub fn unregister_buffer(&self, addr: u64) -> StoreResult<()> {
-        self.inner.engine.unregister_memory(addr).map_err(|e| StoreError::InvalidParams(e.to_string()))
+        self.inner
+            .engine
+            .unregister_memory(addr)
+            .map_err(|e| StoreError::InvalidParams(e.to_string()))
     }
 
     fn check_open(&self) -> StoreResult<()> {
@@ -374,23 +497,43 @@ impl Client {
             // the other's answer (another key's replicas). A child sets up its own client.
             return Err(StoreError::InvalidParams("this client was set up by another process (the parent of a fork); set up a new client in this process".into()));
         }
-        if self.inner.shared.as_ref().is_some_and(|f| f.load(Ordering::Acquire)) {
+        if self
+            .inner
+            .shared
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::Acquire))
+        {
             return Err(engine_closed());
         }
         Ok(())
     }
 
     fn segment_id(&self, endpoint: &str) -> StoreResult<u64> {
-        self.inner.engine.open_segment(endpoint).map_err(|e| StoreError::TransferFailed(e.to_string()))
+        self.inner
+            .engine
+            .open_segment(endpoint)
+            .map_err(|e| StoreError::TransferFailed(e.to_string()))
     }
 
     /// Runs transfer requests as one batch; per-request results.
     fn transfer(&self, reqs: &[TransferRequest]) -> StoreResult<Vec<StoreResult<()>>> {
         // Returns once every request is terminal: the caller's memory may then be reused.
-        let statuses = self.inner.engine.transfer_sync_all(reqs, self.inner.cfg.transfer_timeout).map_err(|x| StoreError::TransferFailed(x.to_string()))?;
+        let statuses = self
+            .inner
+            .engine
+            .transfer_sync_all(reqs, self.inner.cfg.transfer_timeout)
+            .map_err(|x| StoreError::TransferFailed(x.to_string()))?;
         Ok(statuses
             .into_iter()
-            .map(|st| if st.status == TaskStatus::Completed { Ok(()) } else { Err(StoreError::TransferFailed(st.reason.unwrap_or_else(|| format!("{:?}", st.status)))) })
+            .map(|st| {
+                if st.status == TaskStatus::Completed {
+                    Ok(())
+                } else {
+                    Err(StoreError::TransferFailed(
+                        st.reason.unwrap_or_else(|| format!("{:?}", st.status)),
+                    ))
+                }
+            })
             .collect())
     }
 
@@ -404,22 +547,38 @@ impl Client {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        let ids = self.inner.releases.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let ids = self
+            .inner
+            .releases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         // Closing does not wait for a failover (a master that lost the client drops its
         // segment when its TTL ends).
         let wait = Duration::from_secs(2);
         if !ids.is_empty() {
             // Best effort: unreleased reads end with their lease anyway.
-            let _ = self.inner.rpc.call_within(&Request::ReleaseReads { ids }, wait, Conn::Pool);
+            let _ = self
+                .inner
+                .rpc
+                .call_within(&Request::ReleaseReads { ids }, wait, Conn::Pool);
         }
         let unmounted = self.inner.unmount_segment(wait);
         if self.inner.shared.is_some() {
             // The engine outlives this client: withdraw the client's buffers from it (a
             // barrier) before they are freed. Already gone if the engine was closed first.
-            let addrs: Vec<u64> = self.inner.segment.iter().map(|(b, _)| b.addr()).chain(self.inner.staging.iter().map(|(b, _)| b.addr())).collect();
+            let addrs: Vec<u64> = self
+                .inner
+                .segment
+                .iter()
+                .map(|(b, _)| b.addr())
+                .chain(self.inner.staging.iter().map(|(b, _)| b.addr()))
+                .collect();
             for a in addrs {
                 if let Err(e) = self.inner.engine.unregister_memory(a) {
-                    tracing::debug!("unregistering the store's buffer at {a:#x} from the shared engine: {e}");
+                    tracing::debug!(
+                        "unregistering the store's buffer at {a:#x} from the shared engine: {e}"
+                    );
                 }
             }
         }
@@ -429,7 +588,10 @@ impl Client {
 
 fn check_protocol(cfg: &ClientConfig) -> StoreResult<()> {
     if cfg.protocol != "tcp" && cfg.protocol != "rdma" {
-        return Err(StoreError::InvalidParams(format!("protocol {:?} is not supported; use \"tcp\"", cfg.protocol)));
+        return Err(StoreError::InvalidParams(format!(
+            "protocol {:?} is not supported; use \"tcp\"",
+            cfg.protocol
+        )));
     }
     Ok(())
 }
@@ -446,7 +608,12 @@ impl Drop for Inner {
         if self.shared.is_none() || std::process::id() != self.pid {
             return;
         }
-        let addrs: Vec<u64> = self.segment.iter().map(|(b, _)| b.addr()).chain(self.staging.iter().map(|(b, _)| b.addr())).collect();
+        let addrs: Vec<u64> = self
+            .segment
+            .iter()
+            .map(|(b, _)| b.addr())
+            .chain(self.staging.iter().map(|(b, _)| b.addr()))
+            .collect();
         for a in addrs {
             // Already withdrawn by close(), or by the engine's owner closing it: ignored.
             let _ = self.engine.unregister_memory(a);
@@ -494,12 +661,20 @@ fn release_loop(inner: Weak<Inner>) {
         }
         // Releases a request will carry in a moment are left to it (a busy client sends none
         // of its own).
-        let ids = inner.releases.lock().unwrap_or_else(|e| e.into_inner()).overdue(Instant::now());
+        let ids = inner
+            .releases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .overdue(Instant::now());
         if ids.is_empty() {
             continue;
         }
         // Not delivered: the reads end with their lease anyway.
-        if let Err(e) = inner.rpc.call_within(&Request::ReleaseReads { ids }, FAILOVER_WAIT, Conn::Aside) {
+        if let Err(e) =
+            inner
+                .rpc
+                .call_within(&Request::ReleaseReads { ids }, FAILOVER_WAIT, Conn::Aside)
+        {
             tracing::debug!("releasing finished reads: {e}");
         }
     }
@@ -512,23 +687,40 @@ fn ping_loop(inner: Weak<Inner>, every: Duration) {
         if inner.closed.load(Ordering::Acquire) {
             return;
         }
-        if inner.shared.as_ref().is_some_and(|f| f.load(Ordering::Acquire)) {
+        if inner
+            .shared
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::Acquire))
+        {
             // The engine serving the segment was closed by its owner: nothing can read or
             // write the segment any more, so the master stops listing it (and placing
             // values there) now rather than when the store is closed.
             match inner.unmount_segment(Duration::from_secs(2)) {
-                Ok(()) => tracing::info!("the shared transfer engine was closed: segment {} unmounted", inner.engine.segment_name()),
-                Err(e) => tracing::warn!("the shared transfer engine was closed; unmounting its segment failed: {e}"),
+                Ok(()) => tracing::info!(
+                    "the shared transfer engine was closed: segment {} unmounted",
+                    inner.engine.segment_name()
+                ),
+                Err(e) => tracing::warn!(
+                    "the shared transfer engine was closed; unmounting its segment failed: {e}"
+                ),
             }
             return;
         }
         // Also delivers the releases of reads that finished since the last request.
-        match inner.call_batch_on(vec![Request::Ping { client: inner.id }], Conn::Aside).and_then(|mut v| v.pop().ok_or_else(|| StoreError::Rpc("no answer".into()))) {
+        match inner
+            .call_batch_on(vec![Request::Ping { client: inner.id }], Conn::Aside)
+            .and_then(|mut v| v.pop().ok_or_else(|| StoreError::Rpc("no answer".into())))
+        {
             Ok(Response::Ping(PingStatus::Ok)) => {}
-            Ok(Response::Ping(PingStatus::NeedRemount)) if !inner.unmounted.load(Ordering::Acquire) => {
+            Ok(Response::Ping(PingStatus::NeedRemount))
+                if !inner.unmounted.load(Ordering::Acquire) =>
+            {
                 tracing::warn!("the master does not know this client (it restarted?); remounting");
                 let segments = inner.segment.iter().map(|(_, s)| s.clone()).collect();
-                if let Err(e) = inner.rpc.call_ok(&Request::RemountSegments { client: inner.id, segments }) {
+                if let Err(e) = inner.rpc.call_ok(&Request::RemountSegments {
+                    client: inner.id,
+                    segments,
+                }) {
                     tracing::warn!("remount failed: {e}");
                 }
                 inner.rpc.report_writes(inner.id, Conn::Aside);

@@ -25,7 +25,10 @@ pub(super) enum Target {
     Fixed,
     /// Mooncake's `etcd://h1:2379;h2:2379`: the leader's address is the value of
     /// `mooncake-store/<cluster_id>/master_view`.
-    Etcd { etcd: kvferry::metadata::etcd::EtcdClient, key: String },
+    Etcd {
+        etcd: kvferry::metadata::etcd::EtcdClient,
+        key: String,
+    },
 }
 
 /// What a client re-registers when it finds a new leader that does not know it.
@@ -81,8 +84,16 @@ impl Writes {
             .values()
             .filter(|(_, until)| *until > now)
             .flat_map(|(w, until)| {
-                let left_ms = until.saturating_duration_since(now).as_millis().min(u128::from(u64::MAX)) as u64;
-                w.iter().map(move |(te, addr, size)| WriteInFlight { te_endpoint: te.clone(), addr: *addr, size: *size, left_ms: left_ms.max(1) })
+                let left_ms = until
+                    .saturating_duration_since(now)
+                    .as_millis()
+                    .min(u128::from(u64::MAX)) as u64;
+                w.iter().map(move |(te, addr, size)| WriteInFlight {
+                    te_endpoint: te.clone(),
+                    addr: *addr,
+                    size: *size,
+                    left_ms: left_ms.max(1),
+                })
             })
             .collect()
     }
@@ -137,7 +148,11 @@ pub(super) enum Conn {
 /// stopped answering).
 pub(super) fn idempotent(req: &Request) -> bool {
     match req {
-        Request::Ping { .. } | Request::GetReplicaList { .. } | Request::ExistKey { .. } | Request::ReleaseReads { .. } | Request::HoldWrites { .. } => true,
+        Request::Ping { .. }
+        | Request::GetReplicaList { .. }
+        | Request::ExistKey { .. }
+        | Request::ReleaseReads { .. }
+        | Request::HoldWrites { .. } => true,
         Request::Batch(v) => v.iter().all(idempotent),
         _ => false,
     }
@@ -156,7 +171,11 @@ fn lost(e: StoreError) -> StoreError {
 /// it has nothing to send, so anything readable is the end.
 fn closed_by_peer(s: &TcpStream) -> bool {
     let mut b = [0u8; 1];
-    match rustix::net::recv(s, &mut b, rustix::net::RecvFlags::DONTWAIT | rustix::net::RecvFlags::PEEK) {
+    match rustix::net::recv(
+        s,
+        &mut b,
+        rustix::net::RecvFlags::DONTWAIT | rustix::net::RecvFlags::PEEK,
+    ) {
         Ok(_) => true,
         Err(e) => e != rustix::io::Errno::AGAIN,
     }
@@ -168,7 +187,8 @@ const MAX_AUTH_ANSWER: usize = 64 << 10;
 
 /// One request and its answer on `s`, plain frames, outside the pool (the key's handshake).
 fn exchange(s: &mut TcpStream, req: &Request) -> Result<Response, String> {
-    s.write_all(&proto::encode(req).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    s.write_all(&proto::encode(req).map_err(|e| e.to_string())?)
+        .map_err(|e| e.to_string())?;
     let mut prefix = [0u8; crate::frame::PREFIX_LEN];
     s.read_exact(&mut prefix).map_err(|e| e.to_string())?;
     let n = crate::frame::body_len(prefix, MAX_AUTH_ANSWER)
@@ -184,9 +204,17 @@ fn exchange(s: &mut TcpStream, req: &Request) -> Result<Response, String> {
 /// key, or refuses (another key, another cluster, no key), is not talked to. Its errors are
 /// [`StoreError::Unauthorized`] (nothing to retry: a key or cluster id is missing or
 /// differs) or, for the connection itself, [`StoreError::Rpc`].
-fn authenticate(s: &mut TcpStream, key: &kvferry::auth::ClusterKey, identity: &str, addr: &str) -> StoreResult<(kvferry::auth::Sealer, kvferry::auth::Opener)> {
+fn authenticate(
+    s: &mut TcpStream,
+    key: &kvferry::auth::ClusterKey,
+    identity: &str,
+    addr: &str,
+) -> StoreResult<(kvferry::auth::Sealer, kvferry::auth::Opener)> {
     let rpc = |e: String| StoreError::Rpc(format!("master at {addr}: authenticating: {e}"));
-    let (init, hello) = kvferry::auth::Initiator::new(key, proto::STORE_RPC, identity).map_err(|r| StoreError::InvalidParams(format!("the store's cluster id ({identity:?}): {r}")))?;
+    let (init, hello) =
+        kvferry::auth::Initiator::new(key, proto::STORE_RPC, identity).map_err(|r| {
+            StoreError::InvalidParams(format!("the store's cluster id ({identity:?}): {r}"))
+        })?;
     match exchange(s, &Request::AuthHello { hello }).map_err(rpc)? {
         Response::AuthChallenge { answer } => match init.finish(&answer) {
             Ok(session) => Ok(session.split()),
@@ -226,13 +254,33 @@ impl Rpc {
                 return Err(StoreError::InvalidParams(format!("master_server_addr {addr:?}: {scheme}:// is not supported; use host:port or etcd://host:2379[;host:2379...]")))
             }
         };
-        let auth = kvferry::auth::ClusterKey::from_config(ecfg.auth_key_file.as_deref()).map_err(|e| StoreError::InvalidParams(e.to_string()))?;
-        let identity = proto::master_identity(&crate::ha::resolve_cluster_id(None, ecfg.store_cluster_id.as_deref()));
-        Ok(Rpc { target, addr: Mutex::new((first, (String::new(), 0))), epoch: Default::default(), registration: Mutex::default(), writes: Mutex::default(), pool: Mutex::default(), aside: Mutex::default(), timeout, spin, auth, identity })
+        let auth = kvferry::auth::ClusterKey::from_config(ecfg.auth_key_file.as_deref())
+            .map_err(|e| StoreError::InvalidParams(e.to_string()))?;
+        let identity = proto::master_identity(&crate::ha::resolve_cluster_id(
+            None,
+            ecfg.store_cluster_id.as_deref(),
+        ));
+        Ok(Rpc {
+            target,
+            addr: Mutex::new((first, (String::new(), 0))),
+            epoch: Default::default(),
+            registration: Mutex::default(),
+            writes: Mutex::default(),
+            pool: Mutex::default(),
+            aside: Mutex::default(),
+            timeout,
+            spin,
+            auth,
+            identity,
+        })
     }
 
     fn addr(&self) -> String {
-        self.addr.lock().unwrap_or_else(|e| e.into_inner()).0.clone()
+        self.addr
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .clone()
     }
 
     pub(super) fn epoch(&self) -> u64 {
@@ -240,15 +288,24 @@ impl Rpc {
     }
 
     fn connect(&self, addr: &str) -> StoreResult<Chan> {
-        let fail = |e: String| StoreError::Rpc(format!("cannot reach the master at {addr}: {e} (is `kvferry master` running there?)"));
-        let addrs: Vec<_> = addr.to_socket_addrs().map_err(|e| fail(e.to_string()))?.collect();
+        let fail = |e: String| {
+            StoreError::Rpc(format!(
+                "cannot reach the master at {addr}: {e} (is `kvferry master` running there?)"
+            ))
+        };
+        let addrs: Vec<_> = addr
+            .to_socket_addrs()
+            .map_err(|e| fail(e.to_string()))?
+            .collect();
         let mut last = "no address".to_string();
         for a in addrs {
             match TcpStream::connect_timeout(&a, Duration::from_secs(5)) {
                 Ok(mut s) => {
                     let _ = s.set_nodelay(true);
-                    s.set_read_timeout(Some(self.timeout)).map_err(|e| fail(e.to_string()))?;
-                    s.set_write_timeout(Some(self.timeout)).map_err(|e| fail(e.to_string()))?;
+                    s.set_read_timeout(Some(self.timeout))
+                        .map_err(|e| fail(e.to_string()))?;
+                    s.set_write_timeout(Some(self.timeout))
+                        .map_err(|e| fail(e.to_string()))?;
                     let sealed = match &self.auth {
                         Some(key) => Some(authenticate(&mut s, key, &self.identity, addr)?),
                         None => None,
@@ -271,23 +328,30 @@ impl Rpc {
             (cur.0.clone(), self.epoch())
         };
         if addr.is_empty() {
-            return Err(Failure::NotSent(StoreError::Rpc("no master leads the cluster (the etcd key is absent)".into())));
+            return Err(Failure::NotSent(StoreError::Rpc(
+                "no master leads the cluster (the etcd key is absent)".into(),
+            )));
         }
         let mut pooled = match conn {
             Conn::Pool => self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop(),
             Conn::Aside => self.aside.lock().unwrap_or_else(|e| e.into_inner()).take(),
         };
-        if matches!(self.target, Target::Etcd { .. }) && pooled.as_ref().is_some_and(|c| closed_by_peer(&c.s)) {
+        if matches!(self.target, Target::Etcd { .. })
+            && pooled.as_ref().is_some_and(|c| closed_by_peer(&c.s))
+        {
             // The master went away (killed, stepped down): nothing sent, so any request may go
             // to the next one.
             self.drop_connections();
-            return Err(Failure::NotSent(StoreError::Rpc(format!("the connection to the master at {addr} was closed by it"))));
+            return Err(Failure::NotSent(StoreError::Rpc(format!(
+                "the connection to the master at {addr} was closed by it"
+            ))));
         }
         let mut c = match pooled.take() {
             Some(c) => c,
             None => self.connect(&addr).map_err(Failure::NotSent)?,
         };
-        let io = |e: std::io::Error| Failure::Lost(StoreError::Rpc(format!("master at {addr}: {e}")));
+        let io =
+            |e: std::io::Error| Failure::Lost(StoreError::Rpc(format!("master at {addr}: {e}")));
         if let Some((sealer, _)) = &mut c.sealed {
             let mut out = Vec::new();
             sealer.seal_frame(crate::frame::body(&frame), &mut out);
@@ -307,15 +371,21 @@ impl Rpc {
             }
             Some((_, opener)) => {
                 use kvferry::auth::{frame_body_len, FRAME_HEAD_LEN};
-                let garbled = |r: kvferry::auth::Refusal| Failure::Garbled(StoreError::Unauthorized(format!("the answer of the master at {addr}: {r}; something on the path between this client and the master altered the connection, which is closed")));
+                let garbled = |r: kvferry::auth::Refusal| {
+                    Failure::Garbled(StoreError::Unauthorized(format!("the answer of the master at {addr}: {r}; something on the path between this client and the master altered the connection, which is closed")))
+                };
                 let mut head = [0u8; FRAME_HEAD_LEN];
                 let got = poll_read(s, &mut head, self.spin);
                 s.read_exact(&mut head[got..]).map_err(io)?;
-                let n = opener.open_frame_head(&head, proto::MAX_FRAME).map_err(garbled)?;
+                let n = opener
+                    .open_frame_head(&head, proto::MAX_FRAME)
+                    .map_err(garbled)?;
                 let mut sealed = vec![0u8; frame_body_len(n)];
                 s.read_exact(&mut sealed).map_err(io)?;
                 let mut body = Vec::new();
-                opener.open_frame_body(&sealed, &mut body).map_err(garbled)?;
+                opener
+                    .open_frame_body(&sealed, &mut body)
+                    .map_err(garbled)?;
                 body
             }
         };
@@ -343,12 +413,22 @@ impl Rpc {
     }
 
     /// Like [`Rpc::call`], looking for a leader for at most `wait`.
-    pub(super) fn call_within(&self, req: &Request, wait: Duration, conn: Conn) -> StoreResult<Response> {
+    pub(super) fn call_within(
+        &self,
+        req: &Request,
+        wait: Duration,
+        conn: Conn,
+    ) -> StoreResult<Response> {
         self.call_within_at(req, wait, conn).map(|(r, _)| r)
     }
 
     /// [`Rpc::call_within`], with the epoch of the leader that answered.
-    pub(super) fn call_within_at(&self, req: &Request, wait: Duration, conn: Conn) -> StoreResult<(Response, u64)> {
+    pub(super) fn call_within_at(
+        &self,
+        req: &Request,
+        wait: Duration,
+        conn: Conn,
+    ) -> StoreResult<(Response, u64)> {
         let Target::Etcd { .. } = &self.target else {
             return match self.call_once(req, conn) {
                 Ok(r) => Ok(r),
@@ -363,7 +443,9 @@ impl Rpc {
         }
         loop {
             let err = match self.call_once(req, conn) {
-                Ok((Response::Err(StoreError::NotLeader { leader }), _)) => StoreError::NotLeader { leader },
+                Ok((Response::Err(StoreError::NotLeader { leader }), _)) => {
+                    StoreError::NotLeader { leader }
+                }
                 Ok((Response::Err(StoreError::OutcomeUnknown), epoch)) => {
                     // Applied by a master that stopped leading: not sent again (the new leader
                     // may have the change). The next call finds the leader.
@@ -386,7 +468,9 @@ impl Rpc {
                 }
             };
             if Instant::now() >= deadline {
-                return Err(StoreError::Rpc(format!("no leader answered within {wait:?}: {err}")));
+                return Err(StoreError::Rpc(format!(
+                    "no leader answered within {wait:?}: {err}"
+                )));
             }
             tracing::debug!("master: {err}; looking for the leader");
             self.forget_leader();
@@ -401,13 +485,19 @@ impl Rpc {
     /// Drops the connections to the current master so that the next call reads the key.
     fn forget_leader(&self) {
         self.drop_connections();
-        self.addr.lock().unwrap_or_else(|e| e.into_inner()).0.clear();
+        self.addr
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .clear();
     }
 
     /// Reads the leader key until it names a master that answers (or `deadline`); on a new
     /// leader, re-registers this client there if it does not know it.
     fn find_leader(&self, deadline: Instant) -> StoreResult<()> {
-        let Target::Etcd { etcd, key } = &self.target else { return Ok(()) };
+        let Target::Etcd { etcd, key } = &self.target else {
+            return Ok(());
+        };
         let mut last;
         loop {
             match etcd.get_kv(key) {
@@ -423,11 +513,16 @@ impl Rpc {
                                 let found = (addr.clone(), kv.create_revision);
                                 cur.0 = addr.clone();
                                 let known = std::mem::replace(&mut cur.1, found.clone());
-                                (known != found).then(|| self.epoch.fetch_add(1, Ordering::AcqRel) + 1)
+                                (known != found)
+                                    .then(|| self.epoch.fetch_add(1, Ordering::AcqRel) + 1)
                             };
                             self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(s);
                             if let Some(e) = changed {
-                                tracing::info!(term = kv.create_revision, epoch = e, "the store master leader is {addr}");
+                                tracing::info!(
+                                    term = kv.create_revision,
+                                    epoch = e,
+                                    "the store master leader is {addr}"
+                                );
                                 self.reregister();
                             }
                             return Ok(());
@@ -440,7 +535,10 @@ impl Rpc {
                 Err(e) => last = e.to_string(),
             }
             if Instant::now() >= deadline {
-                return Err(StoreError::Rpc(format!("no store master leader found through {} in time: {last}", etcd.location())));
+                return Err(StoreError::Rpc(format!(
+                    "no store master leader found through {} in time: {last}",
+                    etcd.location()
+                )));
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -450,7 +548,11 @@ impl Rpc {
     /// ([`Writes`]), so that it places nothing new there meanwhile. Best effort (a master of
     /// an older version refuses the request: logged).
     pub(super) fn report_writes(&self, client: u64, conn: Conn) {
-        let writes = self.writes.lock().unwrap_or_else(|e| e.into_inner()).report(Instant::now());
+        let writes = self
+            .writes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .report(Instant::now());
         if writes.is_empty() {
             return;
         }
@@ -472,17 +574,29 @@ impl Rpc {
             }
             (r.client, r.segments.clone())
         };
-        match self.call_once(&Request::Ping { client }, Conn::Pool).map(|(r, _)| r) {
+        match self
+            .call_once(&Request::Ping { client }, Conn::Pool)
+            .map(|(r, _)| r)
+        {
             Ok(Response::Ping(PingStatus::NeedRemount)) => {
-                match self.call_once(&Request::RemountSegments { client, segments }, Conn::Pool).map(|(r, _)| r) {
-                    Ok(Response::Ok) => tracing::info!("remounted at the new leader {}", self.addr()),
+                match self
+                    .call_once(&Request::RemountSegments { client, segments }, Conn::Pool)
+                    .map(|(r, _)| r)
+                {
+                    Ok(Response::Ok) => {
+                        tracing::info!("remounted at the new leader {}", self.addr())
+                    }
                     Ok(other) => tracing::warn!("remount at the new leader: {other:?}"),
-                    Err(Failure::NotSent(e) | Failure::Lost(e) | Failure::Garbled(e)) => tracing::warn!("remount at the new leader: {e}"),
+                    Err(Failure::NotSent(e) | Failure::Lost(e) | Failure::Garbled(e)) => {
+                        tracing::warn!("remount at the new leader: {e}")
+                    }
                 }
                 self.report_writes(client, Conn::Pool);
             }
             Ok(_) => {}
-            Err(Failure::NotSent(e) | Failure::Lost(e) | Failure::Garbled(e)) => tracing::debug!("ping of the new leader: {e}"),
+            Err(Failure::NotSent(e) | Failure::Lost(e) | Failure::Garbled(e)) => {
+                tracing::debug!("ping of the new leader: {e}")
+            }
         }
     }
 }

@@ -102,16 +102,34 @@ unsafe fn prefault_fresh(ptr: *mut u8, len: usize) {
     }
     let start = ptr as usize;
     if len >= 4 << 20 {
-        let (a, e) = ((start + HUGE - 1) & !(HUGE - 1), (start + len) & !(HUGE - 1));
+        let (a, e) = (
+            (start + HUGE - 1) & !(HUGE - 1),
+            (start + len) & !(HUGE - 1),
+        );
         if e > a {
             // SAFETY: inside the caller's range (see above); advice only.
-            let _ = unsafe { rustix::mm::madvise(a as *mut std::ffi::c_void, e - a, rustix::mm::Advice::LinuxHugepage) };
+            let _ = unsafe {
+                rustix::mm::madvise(
+                    a as *mut std::ffi::c_void,
+                    e - a,
+                    rustix::mm::Advice::LinuxHugepage,
+                )
+            };
         }
     }
-    let (a, e) = ((start + PAGE - 1) & !(PAGE - 1), (start + len) & !(PAGE - 1));
+    let (a, e) = (
+        (start + PAGE - 1) & !(PAGE - 1),
+        (start + len) & !(PAGE - 1),
+    );
     if e > a {
         // SAFETY: inside the caller's range; populating only faults pages in.
-        let _ = unsafe { rustix::mm::madvise(a as *mut std::ffi::c_void, e - a, rustix::mm::Advice::LinuxPopulateWrite) };
+        let _ = unsafe {
+            rustix::mm::madvise(
+                a as *mut std::ffi::c_void,
+                e - a,
+                rustix::mm::Advice::LinuxPopulateWrite,
+            )
+        };
     }
 }
 
@@ -124,6 +142,11 @@ impl Client {
             "{len} bytes do not fit in the free part of the local buffer ({} bytes); raise local_buffer_size",
             buf.len()
         )))?;
-        Ok(Staged { inner: Arc::clone(&self.inner), addr: block.addr, len, block: Some(block) })
+        Ok(Staged {
+            inner: Arc::clone(&self.inner),
+            addr: block.addr,
+            len,
+            block: Some(block),
+        })
     }
 }

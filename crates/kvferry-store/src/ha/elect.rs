@@ -33,7 +33,12 @@ impl Standby {
         let mirror = self.mirror.complete_term();
         if let Some((lease, at)) = self.reg {
             if self.published != mirror {
-                etcd.put(&key, sync::registration(&self.addr, mirror).as_bytes(), lease).map_err(|e| format!("updating this standby's registration: {e}"))?;
+                etcd.put(
+                    &key,
+                    sync::registration(&self.addr, mirror).as_bytes(),
+                    lease,
+                )
+                .map_err(|e| format!("updating this standby's registration: {e}"))?;
                 self.published = mirror;
             }
             if at.elapsed() < cfg.keepalive_every() {
@@ -49,8 +54,15 @@ impl Standby {
             }
         }
         let ttl = cfg.lease_ttl.as_secs_f64().ceil() as i64;
-        let (lease, _) = etcd.lease_grant(ttl).map_err(|e| format!("registering this standby: {e}"))?;
-        etcd.put(&key, sync::registration(&self.addr, mirror).as_bytes(), lease).map_err(|e| format!("registering this standby: {e}"))?;
+        let (lease, _) = etcd
+            .lease_grant(ttl)
+            .map_err(|e| format!("registering this standby: {e}"))?;
+        etcd.put(
+            &key,
+            sync::registration(&self.addr, mirror).as_bytes(),
+            lease,
+        )
+        .map_err(|e| format!("registering this standby: {e}"))?;
         self.reg = Some((lease, Instant::now()));
         self.published = mirror;
         Ok(())
@@ -85,38 +97,75 @@ enum Source {
 
 /// The standbys registered: member -> (the mirror term its registration names, the
 /// registration's mod revision).
-fn registrations(cfg: &HaConfig, etcd: &EtcdClient) -> Result<HashMap<String, (Option<i64>, i64)>, String> {
+fn registrations(
+    cfg: &HaConfig,
+    etcd: &EtcdClient,
+) -> Result<HashMap<String, (Option<i64>, i64)>, String> {
     let p = sync::standby_prefix(&cfg.cluster_id);
     Ok(etcd
         .range(&p, &format!("{}~", p.trim_end_matches('/')), 64)
         .map_err(|e| e.to_string())?
         .into_iter()
-        .filter_map(|(k, kv)| Some((k.strip_prefix(&p)?.to_string(), (sync::parse_registration(&String::from_utf8_lossy(&kv.value)).mirror, kv.mod_revision))))
+        .filter_map(|(k, kv)| {
+            Some((
+                k.strip_prefix(&p)?.to_string(),
+                (
+                    sync::parse_registration(&String::from_utf8_lossy(&kv.value)).mirror,
+                    kv.mod_revision,
+                ),
+            ))
+        })
         .collect())
 }
 
 /// Whether this stopping master's mirror is what the next leader needs
 /// ([`sync::needed_at_stop`]).
-fn needed_at_stop(cfg: &HaConfig, etcd: &EtcdClient, mirror: &sync::Mirror) -> Result<bool, String> {
-    let Some(term) = mirror.complete_term() else { return Ok(false) };
-    let kv = etcd.get_kv(&sync::insync_key(&cfg.cluster_id)).map_err(|e| e.to_string())?;
+fn needed_at_stop(
+    cfg: &HaConfig,
+    etcd: &EtcdClient,
+    mirror: &sync::Mirror,
+) -> Result<bool, String> {
+    let Some(term) = mirror.complete_term() else {
+        return Ok(false);
+    };
+    let kv = etcd
+        .get_kv(&sync::insync_key(&cfg.cluster_id))
+        .map_err(|e| e.to_string())?;
     let rec = sync::InSync::parse(kv.as_ref().map_or(&[][..], |kv| &kv.value))?;
     if !rec.members.contains(&cfg.address) {
         return Ok(false);
     }
     let registered = registrations(cfg, etcd)?;
-    Ok(sync::needed_at_stop(&rec, &cfg.address, Some(term), |m| registered.get(m).is_some_and(|(t, _)| *t == Some(rec.term))))
+    Ok(sync::needed_at_stop(&rec, &cfg.address, Some(term), |m| {
+        registered.get(m).is_some_and(|(t, _)| *t == Some(rec.term))
+    }))
 }
 
 /// Whether this master may campaign now and from what, by the in-sync record
 /// ([`sync::eligibility`]); the conditions the campaign's transaction must hold under.
-fn eligible(cfg: &HaConfig, etcd: &EtcdClient, mirror: Option<&sync::Mirror>) -> Result<Option<(Plan, Vec<Cond>)>, String> {
+fn eligible(
+    cfg: &HaConfig,
+    etcd: &EtcdClient,
+    mirror: Option<&sync::Mirror>,
+) -> Result<Option<(Plan, Vec<Cond>)>, String> {
     let ikey = sync::insync_key(&cfg.cluster_id);
     let kv = etcd.get_kv(&ikey).map_err(|e| e.to_string())?;
     let rec = sync::InSync::parse(kv.as_ref().map_or(&[][..], |kv| &kv.value))?;
-    let mut conds = vec![Cond::ModRevision(ikey, kv.as_ref().map_or(0, |kv| kv.mod_revision))];
-    let registered = if rec.members.is_empty() { HashMap::new() } else { registrations(cfg, etcd)? };
-    let rule = sync::eligibility(&rec, &cfg.address, mirror.and_then(sync::Mirror::complete_term), |m| registered.get(m).is_some_and(|(t, _)| *t == Some(rec.term)));
+    let mut conds = vec![Cond::ModRevision(
+        ikey,
+        kv.as_ref().map_or(0, |kv| kv.mod_revision),
+    )];
+    let registered = if rec.members.is_empty() {
+        HashMap::new()
+    } else {
+        registrations(cfg, etcd)?
+    };
+    let rule = sync::eligibility(
+        &rec,
+        &cfg.address,
+        mirror.and_then(sync::Mirror::complete_term),
+        |m| registered.get(m).is_some_and(|(t, _)| *t == Some(rec.term)),
+    );
     Ok(match rule {
         sync::Eligibility::Journal => Some((Plan::Journal, conds)),
         sync::Eligibility::Wait => None,
@@ -125,13 +174,24 @@ fn eligible(cfg: &HaConfig, etcd: &EtcdClient, mirror: Option<&sync::Mirror>) ->
             // Every other member's registration as it was read (absent, or without a mirror of
             // the record's term): one that registers or gains that mirror meanwhile fails the
             // campaign.
-            conds.extend(rec.members.iter().filter(|m| **m != cfg.address).map(|m| Cond::ModRevision(sync::standby_key(&cfg.cluster_id, m), registered.get(m).map_or(0, |r| r.1))));
+            conds.extend(rec.members.iter().filter(|m| **m != cfg.address).map(|m| {
+                Cond::ModRevision(
+                    sync::standby_key(&cfg.cluster_id, m),
+                    registered.get(m).map_or(0, |r| r.1),
+                )
+            }));
             Some((Plan::Empty, conds))
         }
     })
 }
 
-pub(super) fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, mut standby: Option<Standby>) {
+pub(super) fn campaign(
+    cfg: &HaConfig,
+    etcd: &EtcdClient,
+    key: &str,
+    master: &Master,
+    mut standby: Option<Standby>,
+) {
     let gate = &master.gate;
     let ttl_secs = cfg.lease_ttl.as_secs_f64().ceil() as i64;
     let mut last_err = String::new();
@@ -158,7 +218,10 @@ pub(super) fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Ma
             // and hands off as a leader that stops does ([`hand_off`]), unless a leader alive
             // drops it from the in-sync set first (its mirror, sealed, acknowledges nothing
             // more).
-            match standby.as_ref().map_or(Ok(false), |sb| needed_at_stop(cfg, etcd, &sb.mirror)) {
+            match standby
+                .as_ref()
+                .map_or(Ok(false), |sb| needed_at_stop(cfg, etcd, &sb.mirror))
+            {
                 Ok(true) => {
                     if let Some(sb) = standby.as_ref().filter(|_| !bequeath) {
                         sb.mirror.seal();
@@ -169,7 +232,9 @@ pub(super) fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Ma
                 Err(e) => {
                     // (Only with a complete mirror.) etcd cannot say: keep trying (the stop's
                     // bound ends it).
-                    report(format!("stopping: whether this standby's mirror is still needed: {e}"));
+                    report(format!(
+                        "stopping: whether this standby's mirror is still needed: {e}"
+                    ));
                     std::thread::sleep(STANDBY_POLL);
                     continue;
                 }
@@ -196,7 +261,10 @@ pub(super) fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Ma
                 gate.set_standby(Some(&kv));
                 let leader = String::from_utf8_lossy(&kv.value).into_owned();
                 if leader != logged_leader {
-                    tracing::info!(term = kv.create_revision, "HA: standby; the leader is {leader}");
+                    tracing::info!(
+                        term = kv.create_revision,
+                        "HA: standby; the leader is {leader}"
+                    );
                     logged_leader = leader;
                 }
                 std::thread::sleep(STANDBY_POLL);
@@ -252,7 +320,10 @@ pub(super) fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Ma
         };
         match etcd.create_when(key, cfg.address.as_bytes(), lease, &conds) {
             Ok(Created::Won(term)) => {
-                let owner = Owner { create_revision: term, lease };
+                let owner = Owner {
+                    create_revision: term,
+                    lease,
+                };
                 // (SeqCst with `hand_off`'s: one of the two sees the other. A stop that came
                 // while this master campaigned gives the key back untouched, unless it won
                 // to lead from its mirror: that may be the only copy, so it takes over and
@@ -274,7 +345,12 @@ pub(super) fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Ma
                 let source = match plan {
                     Plan::Journal => Some(Source::Journal),
                     Plan::Empty => Some(Source::Empty),
-                    Plan::Mirror(rec_term) => standby.as_ref().and_then(|sb| sb.mirror.take(rec_term)).map(|(image, seq, tail)| Source::Mirror(Box::new(image), seq, rec_term, Box::new(tail))),
+                    Plan::Mirror(rec_term) => standby
+                        .as_ref()
+                        .and_then(|sb| sb.mirror.take(rec_term))
+                        .map(|(image, seq, tail)| {
+                            Source::Mirror(Box::new(image), seq, rec_term, Box::new(tail))
+                        }),
                 };
                 if let Some(sb) = standby.as_ref() {
                     sb.mirror.close();
@@ -282,7 +358,9 @@ pub(super) fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Ma
                 // A mirror handed to a takeover that fails is put back (this member may
                 // campaign from it again: etcd may still name it in sync).
                 let mirrored = match &source {
-                    Some(Source::Mirror(_, seq, rec_term, tail)) => Some((*seq, *rec_term, (**tail).clone())),
+                    Some(Source::Mirror(_, seq, rec_term, tail)) => {
+                        Some((*seq, *rec_term, (**tail).clone()))
+                    }
                     _ => None,
                 };
                 // Until the takeover ends, the key's lease and this member's registration are
@@ -293,15 +371,24 @@ pub(super) fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Ma
                 // standby) and its takeover has emptied the in-sync set.
                 let reg = standby.as_ref().and_then(|sb| sb.reg.map(|(l, _)| l));
                 let taken = match source {
-                    None => Err("this member's mirror was no longer complete when it won the key".to_string()),
-                    Some(source) => renewing(cfg, etcd, &[Some(lease), reg], || take_over(cfg, etcd, key, master, owner, sent, seen, source)),
+                    None => Err(
+                        "this member's mirror was no longer complete when it won the key"
+                            .to_string(),
+                    ),
+                    Some(source) => renewing(cfg, etcd, &[Some(lease), reg], || {
+                        take_over(cfg, etcd, key, master, owner, sent, seen, source)
+                    }),
                 };
                 gate.taking_over.store(false, Ordering::SeqCst);
                 // After a takeover that failed, the next campaign waits, longer each time up to
                 // the lease TTL (a journal that cannot be read fails every takeover: without a
                 // pause each master would loop through grant, create, load and delete, adding
                 // etcd revisions as fast as etcd answers).
-                failed_takeovers = if taken.is_ok() { 0 } else { failed_takeovers.saturating_add(1) };
+                failed_takeovers = if taken.is_ok() {
+                    0
+                } else {
+                    failed_takeovers.saturating_add(1)
+                };
                 match taken {
                     Ok(writer) => {
                         if let Some(sb) = standby.as_mut() {
@@ -309,9 +396,14 @@ pub(super) fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Ma
                         }
                         logged_leader = cfg.address.clone();
                         std::thread::scope(|sc| {
-                            let w = std::thread::Builder::new().name("kvf-master-journal".into()).spawn_scoped(sc, move || writer.run());
+                            let w = std::thread::Builder::new()
+                                .name("kvf-master-journal".into())
+                                .spawn_scoped(sc, move || writer.run());
                             if let Err(e) = w {
-                                tracing::error!(term, "HA: cannot start the journal writer: {e}; stepping down");
+                                tracing::error!(
+                                    term,
+                                    "HA: cannot start the journal writer: {e}; stepping down"
+                                );
                                 gate.fence(term);
                             }
                             lead(cfg, etcd, key, master, owner);
@@ -320,8 +412,13 @@ pub(super) fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Ma
                         });
                     }
                     Err(e) => {
-                        tracing::warn!(term, "HA: won the key but cannot take over: {e}; stepping down");
-                        if let (Some(sb), Some((seq, rec_term, tail))) = (standby.as_ref(), mirrored) {
+                        tracing::warn!(
+                            term,
+                            "HA: won the key but cannot take over: {e}; stepping down"
+                        );
+                        if let (Some(sb), Some((seq, rec_term, tail))) =
+                            (standby.as_ref(), mirrored)
+                        {
                             // Nothing was served: the state installed is the mirror.
                             let now = master.now();
                             let st = master.lock();
@@ -353,7 +450,9 @@ pub(super) fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Ma
                 gate.stepped_down.fetch_add(1, Ordering::AcqRel);
                 tracing::warn!(term, "HA: stepped down; metadata reset; standing by");
                 if failed_takeovers > 0 {
-                    std::thread::sleep((STANDBY_POLL * (1u32 << failed_takeovers.min(6))).min(cfg.lease_ttl));
+                    std::thread::sleep(
+                        (STANDBY_POLL * (1u32 << failed_takeovers.min(6))).min(cfg.lease_ttl),
+                    );
                 }
             }
             // (The mirror was not taken: it stays as it is for the next campaign.)
@@ -373,7 +472,12 @@ pub(super) fn campaign(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Ma
 /// Runs `f`, renewing `leases` (the `Some` ones) every keepalive period meanwhile, on a thread
 /// of its own; a renewal that fails is logged and tried again at the next period (`f` checks
 /// the key itself before it serves).
-fn renewing<T>(cfg: &HaConfig, etcd: &EtcdClient, leases: &[Option<i64>], f: impl FnOnce() -> T) -> T {
+fn renewing<T>(
+    cfg: &HaConfig,
+    etcd: &EtcdClient,
+    leases: &[Option<i64>],
+    f: impl FnOnce() -> T,
+) -> T {
     let done = AtomicBool::new(false);
     // Set however `f` ends (a panic too): a keeper left renewing would hold the key forever.
     struct Done<'a>(&'a AtomicBool, Option<std::thread::Thread>);
@@ -386,21 +490,23 @@ fn renewing<T>(cfg: &HaConfig, etcd: &EtcdClient, leases: &[Option<i64>], f: imp
         }
     }
     std::thread::scope(|sc| {
-        let keeper = std::thread::Builder::new().name("kvf-ha-takeover-keepalive".into()).spawn_scoped(sc, || {
-            let mut last = Instant::now();
-            while !done.load(Ordering::Acquire) {
-                std::thread::park_timeout(cfg.keepalive_every().saturating_sub(last.elapsed()));
-                if done.load(Ordering::Acquire) || last.elapsed() < cfg.keepalive_every() {
-                    continue;
-                }
-                last = Instant::now();
-                for lease in leases.iter().flatten() {
-                    if let Err(e) = etcd.lease_keepalive(*lease) {
-                        tracing::warn!("HA: renewing lease {lease:x} during the takeover: {e}");
+        let keeper = std::thread::Builder::new()
+            .name("kvf-ha-takeover-keepalive".into())
+            .spawn_scoped(sc, || {
+                let mut last = Instant::now();
+                while !done.load(Ordering::Acquire) {
+                    std::thread::park_timeout(cfg.keepalive_every().saturating_sub(last.elapsed()));
+                    if done.load(Ordering::Acquire) || last.elapsed() < cfg.keepalive_every() {
+                        continue;
+                    }
+                    last = Instant::now();
+                    for lease in leases.iter().flatten() {
+                        if let Err(e) = etcd.lease_keepalive(*lease) {
+                            tracing::warn!("HA: renewing lease {lease:x} during the takeover: {e}");
+                        }
                     }
                 }
-            }
-        });
+            });
         let _done = Done(&done, keeper.as_ref().ok().map(|k| k.thread().clone()));
         f()
     })
@@ -410,7 +516,16 @@ fn renewing<T>(cfg: &HaConfig, etcd: &EtcdClient, leases: &[Option<i64>], f: imp
 /// of the term, to run. A leader that starts from a mirror or empty first writes its state to
 /// the etcd journal (and empties the in-sync set) before it serves.
 #[allow(clippy::too_many_arguments)]
-fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Master, owner: Owner, won_at: Instant, seen: Option<Owner>, source: Source) -> Result<journal::Writer<'a>, String> {
+fn take_over<'a>(
+    cfg: &HaConfig,
+    etcd: &'a EtcdClient,
+    key: &str,
+    master: &'a Master,
+    owner: Owner,
+    won_at: Instant,
+    seen: Option<Owner>,
+    source: Source,
+) -> Result<journal::Writer<'a>, String> {
     let (term, lease) = (owner.create_revision, owner.lease);
     let lease_ms = master.cfg.lease_ttl.as_millis() as u64;
     // The state is installed before anything else is read from etcd: if the takeover of a
@@ -418,13 +533,34 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     let (taken, from, loaded, mirror_seq, tail) = match source {
         Source::Journal => {
             let loaded = journal::load(etcd, &cfg.cluster_id)?;
-            let from = format!("the journal ({} log entries, {} bytes)", loaded.log_entries, loaded.bytes);
-            (sync::Taken::Image(loaded.image), from, Some((loaded.seq, loaded.head, loaded.last_leader)), 0, None)
+            let from = format!(
+                "the journal ({} log entries, {} bytes)",
+                loaded.log_entries, loaded.bytes
+            );
+            (
+                sync::Taken::Image(loaded.image),
+                from,
+                Some((loaded.seq, loaded.head, loaded.last_leader)),
+                0,
+                None,
+            )
         }
-        Source::Mirror(taken, mirror_seq, _, tail) => (*taken, format!("this standby's mirror (entry {mirror_seq})"), None, mirror_seq, Some(tail)),
+        Source::Mirror(taken, mirror_seq, _, tail) => (
+            *taken,
+            format!("this standby's mirror (entry {mirror_seq})"),
+            None,
+            mirror_seq,
+            Some(tail),
+        ),
         Source::Empty => {
             tracing::error!(term, "HA: the leader and every in-sync standby are gone; what only they held is lost: this leader starts EMPTY (the etcd journal is stale, and is never served)");
-            (sync::Taken::Image(Default::default()), "nothing (every in-sync standby was lost)".to_string(), None, 0, None)
+            (
+                sync::Taken::Image(Default::default()),
+                "nothing (every in-sync standby was lost)".to_string(),
+                None,
+                0,
+                None,
+            )
         }
     };
     let rebase = loaded.is_none();
@@ -433,7 +569,11 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     let (mut st, rebuilt) = match taken {
         sync::Taken::Image(image) => image.into_state(term, master.now(), lease_ms),
         // (Built once the leader's feed ended, while its lease ran out.)
-        sync::Taken::Built { mut state, rebuilt, at } => {
+        sync::Taken::Built {
+            mut state,
+            rebuilt,
+            at,
+        } => {
             state.retarget(term, at, master.now(), lease_ms);
             (*state, rebuilt)
         }
@@ -442,7 +582,9 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     st.journal_on();
     master.install(st);
     master.journal.activate(term);
-    master.journal.set_stats(|s| (s.takeover_rebuild_ms, s.takeover_prebuilt) = (rebuild.as_millis() as u64, prebuilt));
+    master.journal.set_stats(|s| {
+        (s.takeover_rebuild_ms, s.takeover_prebuilt) = (rebuild.as_millis() as u64, prebuilt)
+    });
     // (Where the etcd journal ends, when it is not loaded: a takeover from a mirror writes the
     // entries after it, if the mirror kept them all, else its whole state after the later of
     // the two.)
@@ -450,7 +592,12 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
         Some((seq, head, last)) => (seq, head, last, seq),
         None => {
             let (stored, head) = journal::stored_seq(etcd, &cfg.cluster_id)?;
-            (mirror_seq, head, journal::last_leader(etcd, &cfg.cluster_id)?, stored)
+            (
+                mirror_seq,
+                head,
+                journal::last_leader(etcd, &cfg.cluster_id)?,
+                stored,
+            )
         }
     };
     if !journal::mark_term(etcd, key, &cfg.cluster_id, owner)? {
@@ -459,12 +606,34 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     let sync = match cfg.replication {
         Replication::Etcd => None,
         Replication::Standbys => {
-            let mut r = journal::Replicas::new(&cfg.cluster_id, &cfg.address, owner, cfg.ack_timeout(), (usize::try_from(cfg.rebase_tail_bytes).unwrap_or(usize::MAX), cfg.rebase_base_every), &master.journal);
+            let mut r = journal::Replicas::new(
+                &cfg.cluster_id,
+                &cfg.address,
+                owner,
+                cfg.ack_timeout(),
+                (
+                    usize::try_from(cfg.rebase_tail_bytes).unwrap_or(usize::MAX),
+                    cfg.rebase_base_every,
+                ),
+                &master.journal,
+            );
             r.grant_bytes = cfg.grant_bytes;
             Some(r)
         }
     };
-    let mut writer = journal::Writer { etcd, master, view_key: key.to_string(), prefix: journal::prefix(&cfg.cluster_id), owner, seq, head, snapshot_bytes: cfg.snapshot_bytes, sync, insync_key: sync::insync_key(&cfg.cluster_id), retry_until: Some(Instant::now() + 5 * cfg.lease_ttl) };
+    let mut writer = journal::Writer {
+        etcd,
+        master,
+        view_key: key.to_string(),
+        prefix: journal::prefix(&cfg.cluster_id),
+        owner,
+        seq,
+        head,
+        snapshot_bytes: cfg.snapshot_bytes,
+        sync,
+        insync_key: sync::insync_key(&cfg.cluster_id),
+        retry_until: Some(Instant::now() + 5 * cfg.lease_ttl),
+    };
     let t_write = Instant::now();
     let tail = tail.and_then(|t| t.after(stored, mirror_seq));
     let from_tail = match rebase {
@@ -489,10 +658,20 @@ fn take_over<'a>(cfg: &HaConfig, etcd: &'a EtcdClient, key: &str, master: &'a Ma
     }
     match etcd.get_kv(key) {
         Ok(Some(kv)) if owner.holds(&kv) => {}
-        Ok(other) => return Err(format!("the key {key} is no longer this master's ({other:?})")),
-        Err(e) => return Err(format!("reading the key back after loading the journal: {e}")),
+        Ok(other) => {
+            return Err(format!(
+                "the key {key} is no longer this master's ({other:?})"
+            ))
+        }
+        Err(e) => {
+            return Err(format!(
+                "reading the key back after loading the journal: {e}"
+            ))
+        }
     }
-    master.gate.set_leader(term, &cfg.address, lease, sent, cfg.fence_bound());
+    master
+        .gate
+        .set_leader(term, &cfg.address, lease, sent, cfg.fence_bound());
     // From now on a failed write is retried only while this leader can prove its lease.
     writer.retry_until = None;
     tracing::info!(
@@ -522,14 +701,21 @@ fn lead(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, owner: Ow
     let (term, lease) = (owner.create_revision, owner.lease);
     let gate = &master.gate;
     let bound = cfg.fence_bound().as_millis() as u64;
-    let mut renewals = Renewals::new(term, cfg.keepalive_every().as_millis() as u64, bound, gate.now());
+    let mut renewals = Renewals::new(
+        term,
+        cfg.keepalive_every().as_millis() as u64,
+        bound,
+        gate.now(),
+    );
     loop {
         let sent = Instant::now();
         let now = gate.ms(sent);
         let next = renewals.poll(&mut gate.st(), now);
         match next {
             Next::StepDown => return,
-            Next::Wait(until) => std::thread::sleep(Duration::from_millis(until.saturating_sub(now).max(1))),
+            Next::Wait(until) => {
+                std::thread::sleep(Duration::from_millis(until.saturating_sub(now).max(1)))
+            }
             Next::Renew => {
                 let outcome = match etcd.lease_keepalive(lease) {
                     Ok(Some(_)) => match etcd.get_kv(key) {
@@ -544,7 +730,10 @@ fn lead(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, owner: Ow
                         }
                     },
                     Ok(None) => {
-                        tracing::warn!(term, "HA: etcd no longer knows this master's lease (expired); stepping down");
+                        tracing::warn!(
+                            term,
+                            "HA: etcd no longer knows this master's lease (expired); stepping down"
+                        );
                         Renewal::LeaseLost
                     }
                     Err(e) => {

@@ -34,18 +34,30 @@ impl Default for Fence {
     /// A leader of no term with no bound: what a master without HA has (its gate does not
     /// consult it).
     fn default() -> Self {
-        Fence { role: Role::Leader, term: 0, leader: String::new(), valid_until: None, last_keepalive: None, lease_id: 0 }
+        Fence {
+            role: Role::Leader,
+            term: 0,
+            leader: String::new(),
+            valid_until: None,
+            last_keepalive: None,
+            lease_id: 0,
+        }
     }
 }
 
 impl Fence {
     /// A standby that knows no leader yet.
     pub fn standby() -> Fence {
-        Fence { role: Role::Standby, ..Fence::default() }
+        Fence {
+            role: Role::Standby,
+            ..Fence::default()
+        }
     }
 
     fn not_leader(&self) -> StoreError {
-        StoreError::NotLeader { leader: self.leader.clone() }
+        StoreError::NotLeader {
+            leader: self.leader.clone(),
+        }
     }
 
     /// Whether a request may be applied at `now`; the leader's term if so. A leader past its
@@ -102,7 +114,14 @@ impl Fence {
     /// Leads `term` (its key created with `lease_id`), a renewal sent at `sent` proven:
     /// answers until `sent + bound`.
     pub fn set_leader(&mut self, term: i64, address: &str, lease_id: i64, sent: u64, bound: u64) {
-        *self = Fence { role: Role::Leader, term, leader: address.to_string(), valid_until: Some(sent.saturating_add(bound)), last_keepalive: Some(sent), lease_id };
+        *self = Fence {
+            role: Role::Leader,
+            term,
+            leader: address.to_string(),
+            valid_until: Some(sent.saturating_add(bound)),
+            last_keepalive: Some(sent),
+            lease_id,
+        };
     }
 
     /// A renewal sent at `sent` succeeded and the key is still this leader's: it answers
@@ -182,7 +201,12 @@ impl Renewals {
     /// The renewals of the leader of `term`, starting at `now` (its first renewal is due one
     /// period later: leadership was just proven).
     pub fn new(term: i64, every: u64, bound: u64, now: u64) -> Renewals {
-        Renewals { term, every, bound, next: now.saturating_add(every) }
+        Renewals {
+            term,
+            every,
+            bound,
+            next: now.saturating_add(every),
+        }
     }
 
     /// What the leader does at `now`.
@@ -218,14 +242,27 @@ mod tests {
     #[test]
     fn a_fence_admits_only_a_leader_within_its_bound() {
         let mut f = Fence::standby();
-        assert_eq!(f.admit(0), Err(StoreError::NotLeader { leader: String::new() }));
+        assert_eq!(
+            f.admit(0),
+            Err(StoreError::NotLeader {
+                leader: String::new()
+            })
+        );
         f.set_standby(Some(("10.0.0.1:50051", 7)));
-        assert_eq!(f.admit(0), Err(StoreError::NotLeader { leader: "10.0.0.1:50051".into() }));
+        assert_eq!(
+            f.admit(0),
+            Err(StoreError::NotLeader {
+                leader: "10.0.0.1:50051".into()
+            })
+        );
         f.set_leader(9, "10.0.0.2:50051", 5, 1_000, 80);
         assert!(f.admits(1_079) && !f.admits(1_080));
         assert_eq!(f.admit(1_000), Ok(9));
         assert_eq!(f.confirm(9, 1_050), Ok(()));
-        assert!(f.confirm(8, 1_050).is_err(), "an answer computed under another term is not sent");
+        assert!(
+            f.confirm(8, 1_050).is_err(),
+            "an answer computed under another term is not sent"
+        );
         f.renewed(9, 1_060, 80);
         assert_eq!(f.admit(1_139), Ok(9));
         // Past the bound: refused, and it reads as a standby.
@@ -251,9 +288,16 @@ mod tests {
         assert!(!r.on_renewal(&mut f, 250, Renewal::Ours));
         assert!(f.admits(915) && !f.admits(916));
         assert_eq!(r.poll(&mut f, 500), Next::Renew);
-        assert!(!r.on_renewal(&mut f, 500, Renewal::Failed), "a failed renewal is tried again");
+        assert!(
+            !r.on_renewal(&mut f, 500, Renewal::Failed),
+            "a failed renewal is tried again"
+        );
         assert!(f.admits(915) && !f.admits(916), "and extends nothing");
-        assert_eq!(r.poll(&mut f, 916), Next::StepDown, "past the bound of the last success");
+        assert_eq!(
+            r.poll(&mut f, 916),
+            Next::StepDown,
+            "past the bound of the last success"
+        );
         f.set_leader(4, "a", 2, 1_000, 666);
         let mut r = Renewals::new(4, 250, 666, 1_000);
         assert_eq!(r.poll(&mut f, 1_250), Next::Renew);

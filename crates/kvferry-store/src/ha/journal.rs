@@ -17,17 +17,17 @@
 //! sleeps it lends its links (`Lent`): a request that finds nothing in flight sends its
 //! entry itself, one hop fewer.
 
+use super::link::{image_frames, run_frames, AckSink, Link, IMAGE_ENCODE_HOLD};
+use super::log::{encode_chunks, log_key, prefix_end, snap_dir, tail_log_values};
+pub use super::log::{last_leader, load, mark_term, prefix, stored_seq, Head, Loaded, CHUNK};
+use super::sync::{InSync, ToStandby};
 use crate::error::StoreError;
 use crate::master::journal::{Change, IMAGE_PIECES};
 use crate::master::State;
 use crate::node::Master;
+use crate::repl::{self, Tail, TailFrame};
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::Serialize;
-use super::link::{image_frames, run_frames, AckSink, Link, IMAGE_ENCODE_HOLD};
-use super::sync::{InSync, ToStandby};
-use crate::repl::{self, Tail, TailFrame};
-pub use super::log::{last_leader, load, mark_term, prefix, stored_seq, Head, Loaded, CHUNK};
-use super::log::{encode_chunks, log_key, prefix_end, snap_dir, tail_log_values};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -36,11 +36,9 @@ use std::time::{Duration, Instant};
 /// The bytes of a segment's pool of space granted ahead to puts, by default (`--ha-grant-bytes`).
 pub const GRANT_DEFAULT: u64 = 64 << 20;
 
-
 /// A snapshot is written once the log since the last one is larger than this and than the
 /// last snapshot.
 pub const SNAPSHOT_MIN: u64 = 8 << 20;
-
 
 /// What answers a request whose changes are not yet durable ([`JournalCore::defer`]): called
 /// once with `Ok` when they are, or with the error to answer instead.
@@ -104,7 +102,10 @@ impl Queue {
     /// The writer sleeps with its links lent and nothing is in flight: the next changes go
     /// out on their request's thread ([`JournalCore::collect_held`]).
     fn lends(&self) -> bool {
-        self.lent.as_ref().is_some_and(|l| l.release.all_acknowledged()) && !self.m.busy()
+        self.lent
+            .as_ref()
+            .is_some_and(|l| l.release.all_acknowledged())
+            && !self.m.busy()
     }
 }
 
@@ -264,7 +265,10 @@ impl JournalCore {
 
     /// The in-sync standbys (`--ha-replication standbys`, leaders).
     pub fn insync(&self) -> Vec<String> {
-        self.insync.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.insync
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     fn set_insync(&self, members: &[String]) {
@@ -353,7 +357,10 @@ impl JournalCore {
         lent.seq = seq;
         lent.release.push(seq, qr.m.enqueued(), now);
         send_all(&lent.links, &frame);
-        lent.tail.lock().unwrap_or_else(|e| e.into_inner()).push(seq, &frame);
+        lent.tail
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(seq, &frame);
         self.count_streamed(changes.len(), seq);
         drop(q);
         drop(changes); // (freed outside the lock)
@@ -381,7 +388,10 @@ impl JournalCore {
                 return not_durable(bound);
             }
             q.waiting += 1;
-            q = self.durable[ticket as usize % WAKE_SLOTS].wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
+            q = self.durable[ticket as usize % WAKE_SLOTS]
+                .wait_timeout(q, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
             q.waiting -= 1;
         }
     }
@@ -470,7 +480,10 @@ impl JournalCore {
                 return false;
             }
             q.waiting += 1;
-            q = self.durable[0].wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
+            q = self.durable[0]
+                .wait_timeout(q, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
             q.waiting -= 1;
         }
     }
@@ -484,7 +497,12 @@ impl JournalCore {
     /// The next batch: everything queued, and the ticket it completes; `None` when the term
     /// ended. Waits at most `idle` for work (then returns an empty batch), lending `lend` to
     /// the request threads meanwhile; what was lent comes back, as they left it, either way.
-    fn next(&self, term: i64, idle: Duration, lend: Option<Lent>) -> (Option<(Vec<Change>, u64)>, Option<Lent>) {
+    fn next(
+        &self,
+        term: i64,
+        idle: Duration,
+        lend: Option<Lent>,
+    ) -> (Option<(Vec<Change>, u64)>, Option<Lent>) {
         let mut q = self.q();
         if !q.m.live(term) {
             return (None, lend);
@@ -493,7 +511,11 @@ impl JournalCore {
         if !q.m.has_changes() && !q.m.kicked() {
             q.writer_asleep = true;
             q.lent = lend.take();
-            q = self.work.wait_timeout(q, idle).unwrap_or_else(|e| e.into_inner()).0;
+            q = self
+                .work
+                .wait_timeout(q, idle)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
             q.writer_asleep = false;
             lend = q.lent.take();
             if !q.m.live(term) {
@@ -613,7 +635,11 @@ struct Pipe {
 
 impl Release {
     pub fn new(journal: &Journal, term: i64) -> Release {
-        Release { core: Arc::clone(&journal.core), term, pipe: Mutex::default() }
+        Release {
+            core: Arc::clone(&journal.core),
+            term,
+            pipe: Mutex::default(),
+        }
     }
 
     fn pipe(&self) -> std::sync::MutexGuard<'_, Pipe> {
@@ -647,12 +673,16 @@ impl Release {
 
     /// [`repl::Pipeline::late`] at `now`.
     fn late(&self, now: u64, bound: Duration) -> Option<u64> {
-        self.pipe().m.late(now, u64::try_from(bound.as_micros()).unwrap_or(u64::MAX))
+        self.pipe()
+            .m
+            .late(now, u64::try_from(bound.as_micros()).unwrap_or(u64::MAX))
     }
 
     /// [`repl::Pipeline::late_at`].
     fn late_at(&self, bound: Duration) -> Option<u64> {
-        self.pipe().m.late_at(u64::try_from(bound.as_micros()).unwrap_or(u64::MAX))
+        self.pipe()
+            .m
+            .late_at(u64::try_from(bound.as_micros()).unwrap_or(u64::MAX))
     }
 
     /// The oldest entry in flight.
@@ -731,13 +761,11 @@ fn entry_frame(seq: u64, changes: Vec<Change>) -> (Result<Arc<Vec<u8>>, String>,
     }
 }
 
-
-
 mod snapshot;
 mod writer;
 
-pub use writer::{Replicas, Writer};
 use writer::send_all;
+pub use writer::{Replicas, Writer};
 
 #[cfg(test)]
 mod tests;

@@ -5,9 +5,12 @@
 //! acknowledgements counted here.
 
 use super::standby::{read_frame_in, wire, Incoming};
-use super::sync::{encode_frame, locked, read_frame_max, standby_identity, KeptFrame, ToLeader, ToStandby, HA_LINK, IMAGE_PIECE, MAX_SMALL_FRAME};
-use crate::repl::TailFrame;
+use super::sync::{
+    encode_frame, locked, read_frame_max, standby_identity, KeptFrame, ToLeader, ToStandby,
+    HA_LINK, IMAGE_PIECE, MAX_SMALL_FRAME,
+};
 use crate::master::journal::Change;
+use crate::repl::TailFrame;
 use std::io::Write;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -70,9 +73,19 @@ impl Link {
     /// With the cluster key (`auth`), the sender thread first runs the key's handshake,
     /// dialing the standby's [`standby_identity`] (`member` of `hello`'s cluster), and every
     /// frame after is sealed.
-    pub fn open(member: &str, addr: &str, hello: &ToStandby, auth: Option<kvferry::auth::ClusterKey>, signal: Arc<dyn AckSink>) -> Result<Link, String> {
-        let sa: std::net::SocketAddr = addr.parse().map_err(|e| format!("the standby {member} announced {addr:?}, not an address: {e}"))?;
-        let ToStandby::Hello { cluster_id, .. } = hello else { return Err("a link opens with a hello".into()) };
+    pub fn open(
+        member: &str,
+        addr: &str,
+        hello: &ToStandby,
+        auth: Option<kvferry::auth::ClusterKey>,
+        signal: Arc<dyn AckSink>,
+    ) -> Result<Link, String> {
+        let sa: std::net::SocketAddr = addr
+            .parse()
+            .map_err(|e| format!("the standby {member} announced {addr:?}, not an address: {e}"))?;
+        let ToStandby::Hello { cluster_id, .. } = hello else {
+            return Err("a link opens with a hello".into());
+        };
         let identity = standby_identity(cluster_id, member);
         let hello = encode_frame(hello)?;
         let (tx, rx) = std::sync::mpsc::channel::<Queued>();
@@ -82,7 +95,14 @@ impl Link {
         let sock: Arc<Mutex<Option<TcpStream>>> = Arc::default();
         let sealer: Arc<Mutex<Option<kvferry::auth::Sealer>>> = Arc::default();
         let sealed = auth.is_some();
-        let (dead2, signal2, acked2, queued2, sock2, sealer2) = (Arc::clone(&dead), signal, Arc::clone(&acked), Arc::clone(&queued), Arc::clone(&sock), Arc::clone(&sealer));
+        let (dead2, signal2, acked2, queued2, sock2, sealer2) = (
+            Arc::clone(&dead),
+            signal,
+            Arc::clone(&acked),
+            Arc::clone(&queued),
+            Arc::clone(&sock),
+            Arc::clone(&sealer),
+        );
         let m = member.to_string();
         std::thread::Builder::new()
             .name("kvf-ha-send".into())
@@ -170,7 +190,21 @@ impl Link {
                 signal2.broke();
             })
             .map_err(|e| e.to_string())?;
-        Ok(Link { member: member.to_string(), addr: addr.to_string(), tx: Some(tx), acked, dead, queued, image_seq: 0, image_bytes: 0, sock, sealer, sealed, runs: false, grants: false })
+        Ok(Link {
+            member: member.to_string(),
+            addr: addr.to_string(),
+            tx: Some(tx),
+            acked,
+            dead,
+            queued,
+            image_seq: 0,
+            image_bytes: 0,
+            sock,
+            sealer,
+            sealed,
+            runs: false,
+            grants: false,
+        })
     }
 
     /// The most a link may have queued: its image and 256 MiB more, or twice its image.
@@ -195,12 +229,23 @@ impl Link {
         if self.queued.load(Ordering::Acquire) == 0 {
             let g = self.sock.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(sock) = g.as_ref() {
-                let bytes = if self.sealed { Arc::new(wire(locked(&self.sealer).as_mut(), frame)) } else { Arc::clone(frame) };
-                match rustix::net::send(sock, &bytes, rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL) {
+                let bytes = if self.sealed {
+                    Arc::new(wire(locked(&self.sealer).as_mut(), frame))
+                } else {
+                    Arc::clone(frame)
+                };
+                match rustix::net::send(
+                    sock,
+                    &bytes,
+                    rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
+                ) {
                     Ok(n) if n == bytes.len() => return true,
                     Ok(n) => {
                         drop(g);
-                        return self.enqueue(Queued { bytes: Arc::new(bytes[n..].to_vec()), seal: false });
+                        return self.enqueue(Queued {
+                            bytes: Arc::new(bytes[n..].to_vec()),
+                            seal: false,
+                        });
                     }
                     Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => {
                         drop(g);
@@ -208,14 +253,20 @@ impl Link {
                     }
                     Err(e) => {
                         drop(g);
-                        tracing::warn!("HA replication: sending to the standby {}: {e}", self.member);
+                        tracing::warn!(
+                            "HA replication: sending to the standby {}: {e}",
+                            self.member
+                        );
                         self.cut();
                         return false;
                     }
                 }
             }
         }
-        self.enqueue(Queued { bytes: Arc::clone(frame), seal: self.sealed })
+        self.enqueue(Queued {
+            bytes: Arc::clone(frame),
+            seal: self.sealed,
+        })
     }
 
     fn enqueue(&self, f: Queued) -> bool {
@@ -250,7 +301,12 @@ impl Link {
     /// What the writer's decisions about the in-sync set need of this link
     /// ([`crate::repl::members`]).
     pub fn view(&self) -> crate::repl::members::LinkView {
-        crate::repl::members::LinkView { dead: self.dead(), acked: self.acked(), image_seq: self.image_seq, grants: self.grants }
+        crate::repl::members::LinkView {
+            dead: self.dead(),
+            acked: self.acked(),
+            image_seq: self.image_seq,
+            grants: self.grants,
+        }
     }
 
     pub fn dead(&self) -> bool {
@@ -276,7 +332,12 @@ impl Drop for Link {
 /// two frames whenever `hold` of encoding passed since the last call (a leader commits what
 /// requests queued meanwhile, [`IMAGE_ENCODE_HOLD`]: a million objects take 0.1-0.2 s to
 /// encode); `between` returning false gives the image up (an error).
-pub fn image_frames(seq: u64, changes: Vec<Change>, hold: Duration, between: impl FnMut() -> bool) -> Result<Vec<Arc<Vec<u8>>>, String> {
+pub fn image_frames(
+    seq: u64,
+    changes: Vec<Change>,
+    hold: Duration,
+    between: impl FnMut() -> bool,
+) -> Result<Vec<Arc<Vec<u8>>>, String> {
     let mut it = changes.into_iter().peekable();
     let mut done = false;
     let frames = std::iter::from_fn(|| {
@@ -285,7 +346,11 @@ pub fn image_frames(seq: u64, changes: Vec<Change>, hold: Duration, between: imp
         }
         let changes: Vec<Change> = it.by_ref().take(IMAGE_PIECE).collect();
         done = it.peek().is_none();
-        Some(ToStandby::Image { seq, changes, last: done })
+        Some(ToStandby::Image {
+            seq,
+            changes,
+            last: done,
+        })
     });
     encode_between(frames, hold, between)
 }
@@ -293,7 +358,12 @@ pub fn image_frames(seq: u64, changes: Vec<Change>, hold: Duration, between: imp
 /// The [`ToStandby::Run`] frames of the run from `base` (`frames`, consecutive), each of at
 /// most about [`RUN_PIECE`] bytes (one frame at least), calling `between` as
 /// [`image_frames`] does.
-pub fn run_frames(base: u64, frames: &[TailFrame], hold: Duration, between: impl FnMut() -> bool) -> Result<Vec<Arc<Vec<u8>>>, String> {
+pub fn run_frames(
+    base: u64,
+    frames: &[TailFrame],
+    hold: Duration,
+    between: impl FnMut() -> bool,
+) -> Result<Vec<Arc<Vec<u8>>>, String> {
     let mut rest = frames;
     let pieces = std::iter::from_fn(|| {
         if rest.is_empty() {
@@ -308,7 +378,14 @@ pub fn run_frames(base: u64, frames: &[TailFrame], hold: Duration, between: impl
         }
         let (piece, after) = rest.split_at(n);
         rest = after;
-        let kept = piece.iter().map(|f| KeptFrame { first: f.first, last: f.last, frame: bytes::Bytes::copy_from_slice(&f.frame) }).collect();
+        let kept = piece
+            .iter()
+            .map(|f| KeptFrame {
+                first: f.first,
+                last: f.last,
+                frame: bytes::Bytes::copy_from_slice(&f.frame),
+            })
+            .collect();
         Some(ToStandby::Run { base, frames: kept })
     });
     encode_between(pieces, hold, between)
@@ -316,7 +393,11 @@ pub fn run_frames(base: u64, frames: &[TailFrame], hold: Duration, between: impl
 
 /// Encodes `frames`, calling `between` between two of them whenever `hold` of encoding passed
 /// since the last call; `between` returning false gives up (an error).
-fn encode_between(frames: impl Iterator<Item = ToStandby>, hold: Duration, mut between: impl FnMut() -> bool) -> Result<Vec<Arc<Vec<u8>>>, String> {
+fn encode_between(
+    frames: impl Iterator<Item = ToStandby>,
+    hold: Duration,
+    mut between: impl FnMut() -> bool,
+) -> Result<Vec<Arc<Vec<u8>>>, String> {
     let mut out = Vec::new();
     let mut since = Instant::now();
     let mut frames = frames.peekable();
@@ -342,19 +423,32 @@ pub const IMAGE_ENCODE_HOLD: Duration = Duration::from_millis(5);
 /// The leader's side of the cluster key's handshake on a new link, before its `Hello`: it
 /// dials `identity` ([`standby_identity`]) and links only a standby that answers under the
 /// key; the session's halves.
-fn prove_to_standby(s: &mut TcpStream, key: &kvferry::auth::ClusterKey, identity: &str) -> Result<(kvferry::auth::Sealer, kvferry::auth::Opener), String> {
-    let (init, hello) = kvferry::auth::Initiator::new(key, HA_LINK, identity).map_err(|r| format!("dialing {identity:?}: {r}"))?;
-    s.set_read_timeout(Some(CONNECT_TIMEOUT)).map_err(|e| e.to_string())?;
-    s.write_all(&encode_frame(&ToStandby::AuthHello { hello })?).map_err(|e| format!("authenticating: {e}"))?;
+fn prove_to_standby(
+    s: &mut TcpStream,
+    key: &kvferry::auth::ClusterKey,
+    identity: &str,
+) -> Result<(kvferry::auth::Sealer, kvferry::auth::Opener), String> {
+    let (init, hello) = kvferry::auth::Initiator::new(key, HA_LINK, identity)
+        .map_err(|r| format!("dialing {identity:?}: {r}"))?;
+    s.set_read_timeout(Some(CONNECT_TIMEOUT))
+        .map_err(|e| e.to_string())?;
+    s.write_all(&encode_frame(&ToStandby::AuthHello { hello })?)
+        .map_err(|e| format!("authenticating: {e}"))?;
     let couldnt = "it and this leader could not prove the cluster key to each other";
-    match read_frame_max::<ToLeader>(s, MAX_SMALL_FRAME).map_err(|e| format!("authenticating: {e}"))? {
+    match read_frame_max::<ToLeader>(s, MAX_SMALL_FRAME)
+        .map_err(|e| format!("authenticating: {e}"))?
+    {
         ToLeader::AuthChallenge { answer } => {
-            let session = init.finish(&answer).map_err(|r| format!("{couldnt}: its answer: {r}"))?;
+            let session = init
+                .finish(&answer)
+                .map_err(|r| format!("{couldnt}: its answer: {r}"))?;
             s.set_read_timeout(None).map_err(|e| e.to_string())?;
             Ok(session.split())
         }
         ToLeader::Refused { why } => Err(format!("{couldnt}: it refused the link: {why}")),
-        other => Err(format!("it answered {other:?} to the cluster key's handshake")),
+        other => Err(format!(
+            "it answered {other:?} to the cluster key's handshake"
+        )),
     }
 }
 
@@ -368,7 +462,18 @@ mod tests {
     use std::net::TcpListener;
 
     fn obj(key: &str, size: u64) -> Change {
-        Change::Object { key: key.into(), rec: ObjectRec { size, current: smallvec::smallvec![(1, 4096, size)], pending: None, owner: 7, hard_pin: false, soft_pin_left: 0, group: None } }
+        Change::Object {
+            key: key.into(),
+            rec: ObjectRec {
+                size,
+                current: smallvec::smallvec![(1, 4096, size)],
+                pending: None,
+                owner: 7,
+                hard_pin: false,
+                soft_pin_left: 0,
+                group: None,
+            },
+        }
     }
 
     struct Sink;
@@ -378,7 +483,13 @@ mod tests {
     }
 
     fn cluster_key(c: char) -> Option<kvferry::auth::ClusterKey> {
-        Some(kvferry::auth::ClusterKey::parse(c.to_string().repeat(64).as_bytes(), std::path::Path::new("k")).expect("key"))
+        Some(
+            kvferry::auth::ClusterKey::parse(
+                c.to_string().repeat(64).as_bytes(),
+                std::path::Path::new("k"),
+            )
+            .expect("key"),
+        )
     }
 
     /// A standby of cluster "c", member "s", holding `key`, following the leader of term 5,
@@ -395,10 +506,30 @@ mod tests {
 
     /// Links `member` at `addr` holding `key`, sends an image and an entry (an object each):
     /// the entry acknowledged, whether the link ended, and what the standby mirrors.
-    fn link_to(member: &str, addr: &str, key: Option<kvferry::auth::ClusterKey>, m: &Mirror) -> (u64, bool, usize) {
-        let hello = ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 50, leader: "l".into() };
+    fn link_to(
+        member: &str,
+        addr: &str,
+        key: Option<kvferry::auth::ClusterKey>,
+        m: &Mirror,
+    ) -> (u64, bool, usize) {
+        let hello = ToStandby::Hello {
+            cluster_id: "c".into(),
+            term: 5,
+            lease: 50,
+            leader: "l".into(),
+        };
         let l = Link::open(member, addr, &hello, key, Arc::new(Sink)).expect("link");
-        for f in [ToStandby::Image { seq: 1, changes: vec![obj("a", 1)], last: true }, ToStandby::Entry { seq: 2, changes: vec![obj("b", 1)] }] {
+        for f in [
+            ToStandby::Image {
+                seq: 1,
+                changes: vec![obj("a", 1)],
+                last: true,
+            },
+            ToStandby::Entry {
+                seq: 2,
+                changes: vec![obj("b", 1)],
+            },
+        ] {
             l.send(&Arc::new(encode_frame(&f).expect("frame")));
         }
         let until = Instant::now() + Duration::from_secs(5);
@@ -417,40 +548,104 @@ mod tests {
     fn a_replication_link_needs_the_same_cluster_key_on_both_sides() {
         // (The handshake's frames came last: the others keep their wire numbers.)
         let first = |f: Vec<u8>| f[4];
-        assert_eq!([first(encode_frame(&ToStandby::AuthHello { hello: vec![] }).unwrap()), first(encode_frame(&ToStandby::AuthProof { mac: vec![] }).unwrap())], [AUTH_HELLO, 6]);
-        assert_eq!(first(encode_frame(&ToLeader::AuthChallenge { answer: vec![] }).unwrap()), 2);
-        let longest = encode_frame(&ToStandby::AuthHello { hello: vec![7; kvferry::auth::MAX_HELLO_LEN] }).unwrap();
+        assert_eq!(
+            [
+                first(encode_frame(&ToStandby::AuthHello { hello: vec![] }).unwrap()),
+                first(encode_frame(&ToStandby::AuthProof { mac: vec![] }).unwrap())
+            ],
+            [AUTH_HELLO, 6]
+        );
+        assert_eq!(
+            first(encode_frame(&ToLeader::AuthChallenge { answer: vec![] }).unwrap()),
+            2
+        );
+        let longest = encode_frame(&ToStandby::AuthHello {
+            hello: vec![7; kvferry::auth::MAX_HELLO_LEN],
+        })
+        .unwrap();
         assert_eq!(longest.len() - 4, MAX_AUTH_HELLO_FRAME);
-        assert_eq!(crate::proto::bytes_variant(&longest[4..], AUTH_HELLO), Some(&[7u8; kvferry::auth::MAX_HELLO_LEN][..]));
-        let link = |leader: Option<kvferry::auth::ClusterKey>, standby_key: Option<kvferry::auth::ClusterKey>| {
+        assert_eq!(
+            crate::proto::bytes_variant(&longest[4..], AUTH_HELLO),
+            Some(&[7u8; kvferry::auth::MAX_HELLO_LEN][..])
+        );
+        let link = |leader: Option<kvferry::auth::ClusterKey>,
+                    standby_key: Option<kvferry::auth::ClusterKey>| {
             let (m, addr) = standby(standby_key);
             link_to("s", &addr, leader, &m)
         };
-        assert_eq!(link(cluster_key('a'), cluster_key('a')), (2, false, 2), "the same key: linked, both objects mirrored");
-        assert_eq!(link(None, None), (2, false, 2), "no key on either side, as before");
-        for (leader, standby, what) in [(cluster_key('a'), cluster_key('b')), (cluster_key('a'), None), (None, cluster_key('a'))].into_iter().zip(["another key", "the standby has none", "the leader has none"]).map(|((l, s), w)| (l, s, w)) {
+        assert_eq!(
+            link(cluster_key('a'), cluster_key('a')),
+            (2, false, 2),
+            "the same key: linked, both objects mirrored"
+        );
+        assert_eq!(
+            link(None, None),
+            (2, false, 2),
+            "no key on either side, as before"
+        );
+        for (leader, standby, what) in [
+            (cluster_key('a'), cluster_key('b')),
+            (cluster_key('a'), None),
+            (None, cluster_key('a')),
+        ]
+        .into_iter()
+        .zip(["another key", "the standby has none", "the leader has none"])
+        .map(|((l, s), w)| (l, s, w))
+        {
             let (acked, dead, objects) = link(leader, standby);
-            assert_eq!((acked, dead, objects), (0, true, 0), "{what}: the link ends, nothing is mirrored");
+            assert_eq!(
+                (acked, dead, objects),
+                (0, true, 0),
+                "{what}: the link ends, nothing is mirrored"
+            );
         }
         let (m, addr) = standby(cluster_key('a'));
-        assert_eq!(link_to("t", &addr, cluster_key('a'), &m), (0, true, 0), "a link dialing member t, at member s's address");
+        assert_eq!(
+            link_to("t", &addr, cluster_key('a'), &m),
+            (0, true, 0),
+            "a link dialing member t, at member s's address"
+        );
         let k = cluster_key('a').expect("key");
         let mut c = TcpStream::connect(&addr).expect("connect");
-        c.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-        let (_, hello) = kvferry::auth::Initiator::new(&k, HA_LINK, &standby_identity("c", "t")).expect("hello");
-        c.write_all(&encode_frame(&ToStandby::AuthHello { hello }).expect("frame")).expect("send");
+        c.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let (_, hello) =
+            kvferry::auth::Initiator::new(&k, HA_LINK, &standby_identity("c", "t")).expect("hello");
+        c.write_all(&encode_frame(&ToStandby::AuthHello { hello }).expect("frame"))
+            .expect("send");
         match read_frame::<ToLeader>(&mut c) {
-            Ok(ToLeader::Refused { why }) => assert!(why.contains("meant for \"standby/c/t\"") && why.contains("\"standby/c/s\""), "{why}"),
+            Ok(ToLeader::Refused { why }) => assert!(
+                why.contains("meant for \"standby/c/t\"") && why.contains("\"standby/c/s\""),
+                "{why}"
+            ),
             other => panic!("expected a refusal naming both members: {other:?}"),
         }
         // Sealed frames of every size open in order on the standby.
         let (m, addr) = standby(cluster_key('a'));
-        let hello = ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 50, leader: "l".into() };
+        let hello = ToStandby::Hello {
+            cluster_id: "c".into(),
+            term: 5,
+            lease: 50,
+            leader: "l".into(),
+        };
         let l = Link::open("s", &addr, &hello, cluster_key('a'), Arc::new(Sink)).expect("link");
         let many: Vec<Change> = (0..20_000).map(|i| obj(&format!("k{i:06}"), 1)).collect();
-        l.send(&Arc::new(encode_frame(&ToStandby::Image { seq: 1, changes: many, last: true }).expect("frame")));
+        l.send(&Arc::new(
+            encode_frame(&ToStandby::Image {
+                seq: 1,
+                changes: many,
+                last: true,
+            })
+            .expect("frame"),
+        ));
         for seq in 2..200 {
-            l.send(&Arc::new(encode_frame(&ToStandby::Entry { seq, changes: vec![obj(&format!("e{seq}"), 1)] }).expect("frame")));
+            l.send(&Arc::new(
+                encode_frame(&ToStandby::Entry {
+                    seq,
+                    changes: vec![obj(&format!("e{seq}"), 1)],
+                })
+                .expect("frame"),
+            ));
         }
         let until = Instant::now() + Duration::from_secs(10);
         while l.acked() < 199 && !l.dead() && Instant::now() < until {
@@ -483,21 +678,49 @@ mod tests {
                 let (mut leader, _) = relay.accept().expect("accept");
                 let mut standby = TcpStream::connect(&addr2).expect("connect");
                 for s in [&leader, &standby] {
-                    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+                    s.set_read_timeout(Some(Duration::from_secs(5)))
+                        .expect("timeout");
                 }
-                let (_, hello) = read_frame_raw::<ToStandby>(&mut leader, MAX_SMALL_FRAME).expect("the leader's hello");
+                let (_, hello) = read_frame_raw::<ToStandby>(&mut leader, MAX_SMALL_FRAME)
+                    .expect("the leader's hello");
                 standby.write_all(&hello).expect("forward");
-                let (_, answer) = read_frame_raw::<ToLeader>(&mut standby, MAX_SMALL_FRAME).expect("the answer");
+                let (_, answer) =
+                    read_frame_raw::<ToLeader>(&mut standby, MAX_SMALL_FRAME).expect("the answer");
                 leader.write_all(&answer).expect("forward");
                 // What the leader sends next: its sealed Hello, whose size the relay knows (the
                 // sealed form of the hello the test's leader says).
-                let said = encode_frame(&ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 50, leader: "l".into() }).expect("frame");
-                let mut next = vec![0u8; kvferry::auth::FRAME_HEAD_LEN + kvferry::auth::frame_body_len(said.len() - 4)];
-                leader.read_exact(&mut next).expect("the leader's sealed hello");
+                let said = encode_frame(&ToStandby::Hello {
+                    cluster_id: "c".into(),
+                    term: 5,
+                    lease: 50,
+                    leader: "l".into(),
+                })
+                .expect("frame");
+                let mut next = vec![
+                    0u8;
+                    kvferry::auth::FRAME_HEAD_LEN
+                        + kvferry::auth::frame_body_len(said.len() - 4)
+                ];
+                leader
+                    .read_exact(&mut next)
+                    .expect("the leader's sealed hello");
                 match then {
                     Then::Inject => {
-                        let mut f = encode_frame(&ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 50, leader: "relay".into() }).expect("frame");
-                        f.extend(encode_frame(&ToStandby::Image { seq: 1, changes: vec![obj("injected", 1)], last: true }).expect("frame"));
+                        let mut f = encode_frame(&ToStandby::Hello {
+                            cluster_id: "c".into(),
+                            term: 5,
+                            lease: 50,
+                            leader: "relay".into(),
+                        })
+                        .expect("frame");
+                        f.extend(
+                            encode_frame(&ToStandby::Image {
+                                seq: 1,
+                                changes: vec![obj("injected", 1)],
+                                last: true,
+                            })
+                            .expect("frame"),
+                        );
                         standby.write_all(&f).expect("inject");
                     }
                     Then::Alter => {
@@ -508,9 +731,17 @@ mod tests {
                     Then::Replay => {
                         // A new connection: the hello replayed is answered, the frames are not taken.
                         let mut again = TcpStream::connect(&addr2).expect("connect");
-                        again.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+                        again
+                            .set_read_timeout(Some(Duration::from_secs(5)))
+                            .expect("timeout");
                         again.write_all(&hello).expect("replay");
-                        assert!(matches!(read_frame::<ToLeader>(&mut again), Ok(ToLeader::AuthChallenge { .. })), "a replayed hello gets an answer");
+                        assert!(
+                            matches!(
+                                read_frame::<ToLeader>(&mut again),
+                                Ok(ToLeader::AuthChallenge { .. })
+                            ),
+                            "a replayed hello gets an answer"
+                        );
                         again.write_all(&next).expect("replay");
                         let mut rest = Vec::new();
                         let _ = again.read_to_end(&mut rest);
@@ -522,13 +753,29 @@ mod tests {
                 let mut rest = Vec::new();
                 let _ = standby.read_to_end(&mut rest);
             });
-            let hello = ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 50, leader: "l".into() };
+            let hello = ToStandby::Hello {
+                cluster_id: "c".into(),
+                term: 5,
+                lease: 50,
+                leader: "l".into(),
+            };
             let l = Link::open("s", &at, &hello, cluster_key('a'), Arc::new(Sink)).expect("link");
-            l.send(&Arc::new(encode_frame(&ToStandby::Image { seq: 1, changes: vec![obj("a", 1)], last: true }).expect("frame")));
+            l.send(&Arc::new(
+                encode_frame(&ToStandby::Image {
+                    seq: 1,
+                    changes: vec![obj("a", 1)],
+                    last: true,
+                })
+                .expect("frame"),
+            ));
             t.join().expect("the relay");
             m.apply_pending();
             let st = m.status();
-            assert_eq!((st.objects, st.fed, l.acked()), (0, false, 0), "nothing taken from the relay");
+            assert_eq!(
+                (st.objects, st.fed, l.acked()),
+                (0, false, 0),
+                "nothing taken from the relay"
+            );
         }
     }
 
@@ -536,18 +783,31 @@ mod tests {
     /// between frames once the encoding took `hold`, and can give the image up there.
     #[test]
     fn an_image_is_encoded_in_frames_letting_its_caller_in_between() {
-        let changes: Vec<Change> = (0..3 * IMAGE_PIECE + 5).map(|i| obj(&format!("k{i}"), 1)).collect();
+        let changes: Vec<Change> = (0..3 * IMAGE_PIECE + 5)
+            .map(|i| obj(&format!("k{i}"), 1))
+            .collect();
         let mut calls = 0;
         let frames = image_frames(9, changes.clone(), Duration::ZERO, || {
             calls += 1;
             true
         })
         .expect("frames");
-        assert_eq!((frames.len(), calls), (4, 3), "let in between each two frames");
+        assert_eq!(
+            (frames.len(), calls),
+            (4, 3),
+            "let in between each two frames"
+        );
         let mut back = Vec::new();
         for (i, f) in frames.iter().enumerate() {
             match decode_frame::<ToStandby>(f).expect("decodes") {
-                Some((ToStandby::Image { seq: 9, changes, last }, _)) => {
+                Some((
+                    ToStandby::Image {
+                        seq: 9,
+                        changes,
+                        last,
+                    },
+                    _,
+                )) => {
                     assert_eq!(last, i == 3);
                     back.extend(changes);
                 }
@@ -556,11 +816,13 @@ mod tests {
         }
         assert_eq!(back, changes);
         let mut calls = 0;
-        assert!(image_frames(9, changes.clone(), Duration::from_secs(3600), || {
-            calls += 1;
-            true
-        })
-        .is_ok());
+        assert!(
+            image_frames(9, changes.clone(), Duration::from_secs(3600), || {
+                calls += 1;
+                true
+            })
+            .is_ok()
+        );
         assert_eq!(calls, 0, "not before the hold");
         let mut n = 0;
         let r = image_frames(9, changes, Duration::ZERO, || {

@@ -17,12 +17,12 @@
 //! - `term`: the term of the last leader that loaded the journal (see [`load`]).
 //!
 
+use super::sync::ToStandby;
 use crate::error::StoreError;
 use crate::master::journal::{Change, Image};
 use crate::repl::TailFrame;
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::{Deserialize, Serialize};
-use super::sync::ToStandby;
 
 /// Largest encoded value written to one key (etcd refuses requests over 1.5 MiB by default;
 /// base64 in the JSON gateway adds a third).
@@ -75,11 +75,17 @@ const RANGE_MAGIC: &[u8; 4] = b"KVFn";
 
 /// The last entry a log value under `first`'s key holds, and the stored value of its changes.
 pub(super) fn log_range(first: u64, v: &[u8]) -> Result<(u64, &[u8]), String> {
-    let Some(rest) = v.strip_prefix(RANGE_MAGIC) else { return Ok((first, v)) };
-    let (last, rest) = rest.split_first_chunk::<8>().ok_or("a journal entry's range is cut short")?;
+    let Some(rest) = v.strip_prefix(RANGE_MAGIC) else {
+        return Ok((first, v));
+    };
+    let (last, rest) = rest
+        .split_first_chunk::<8>()
+        .ok_or("a journal entry's range is cut short")?;
     let last = u64::from_le_bytes(*last);
     if last < first {
-        return Err(format!("a journal entry under number {first} claims to end at {last}: it is corrupt"));
+        return Err(format!(
+            "a journal entry under number {first} claims to end at {last}: it is corrupt"
+        ));
     }
     Ok((last, rest))
 }
@@ -106,13 +112,21 @@ fn pack(raw: Vec<u8>) -> Vec<u8> {
 
 /// The postcard bytes of a stored value.
 fn unpack(v: &[u8]) -> Result<std::borrow::Cow<'_, [u8]>, String> {
-    let Some(rest) = v.strip_prefix(LZ4_MAGIC) else { return Ok(std::borrow::Cow::Borrowed(v)) };
-    let (size, block) = rest.split_first_chunk::<4>().ok_or("a compressed journal entry is cut short")?;
+    let Some(rest) = v.strip_prefix(LZ4_MAGIC) else {
+        return Ok(std::borrow::Cow::Borrowed(v));
+    };
+    let (size, block) = rest
+        .split_first_chunk::<4>()
+        .ok_or("a compressed journal entry is cut short")?;
     let size = u32::from_le_bytes(*size) as usize;
     if size > MAX_DECODED {
-        return Err(format!("a compressed journal entry claims {size} bytes (at most {MAX_DECODED}): it is corrupt"));
+        return Err(format!(
+            "a compressed journal entry claims {size} bytes (at most {MAX_DECODED}): it is corrupt"
+        ));
     }
-    let raw = lz4_flex::block::decompress(block, size).map_err(|e| format!("a compressed journal entry does not decompress ({e}): it is corrupt"))?;
+    let raw = lz4_flex::block::decompress(block, size).map_err(|e| {
+        format!("a compressed journal entry does not decompress ({e}): it is corrupt")
+    })?;
     if raw.len() != size {
         return Err(format!("a compressed journal entry decompresses to {} bytes, not the {size} it claims: it is corrupt", raw.len()));
     }
@@ -126,24 +140,31 @@ pub fn encode_chunks(changes: &[Change]) -> Result<Vec<Vec<u8>>, StoreError> {
     let mut start = 0;
     let mut size = 0usize;
     for (i, c) in changes.iter().enumerate() {
-        let n = postcard::experimental::serialized_size(c).map_err(|e| StoreError::Internal(format!("journal: encoding a change: {e}")))?;
+        let n = postcard::experimental::serialized_size(c)
+            .map_err(|e| StoreError::Internal(format!("journal: encoding a change: {e}")))?;
         // (`CHUNK - 16`: room for the vector's length prefix.)
         if i > start && size + n > CHUNK - 16 {
-            out.push(pack(postcard::to_stdvec(&changes[start..i]).map_err(|e| StoreError::Internal(format!("journal: encoding: {e}")))?));
+            out.push(pack(postcard::to_stdvec(&changes[start..i]).map_err(
+                |e| StoreError::Internal(format!("journal: encoding: {e}")),
+            )?));
             start = i;
             size = 0;
         }
         size += n;
     }
     if start < changes.len() {
-        out.push(pack(postcard::to_stdvec(&changes[start..]).map_err(|e| StoreError::Internal(format!("journal: encoding: {e}")))?));
+        out.push(pack(postcard::to_stdvec(&changes[start..]).map_err(
+            |e| StoreError::Internal(format!("journal: encoding: {e}")),
+        )?));
     }
     Ok(out)
 }
 
 /// The changes of one stored value (compressed or bare).
 pub fn decode_chunk(v: &[u8]) -> Result<Vec<Change>, String> {
-    postcard::from_bytes(&unpack(v)?).map_err(|e| format!("a journal entry is not readable ({e}); was it written by another kvferry version?"))
+    postcard::from_bytes(&unpack(v)?).map_err(|e| {
+        format!("a journal entry is not readable ({e}); was it written by another kvferry version?")
+    })
 }
 
 /// What [`load`] found.
@@ -162,19 +183,33 @@ pub struct Loaded {
 pub fn load(etcd: &EtcdClient, cluster_id: &str) -> Result<Loaded, String> {
     let p = prefix(cluster_id);
     // What is stored cannot be read (no leader can start from it): what the operator can do.
-    let corrupt = |e: String| format!("{e}; no master can lead from this journal: restore etcd's data from a backup, or delete the keys under {p} to start this cluster empty (every object it held is then lost)");
+    let corrupt = |e: String| {
+        format!("{e}; no master can lead from this journal: restore etcd's data from a backup, or delete the keys under {p} to start this cluster empty (every object it held is then lost)")
+    };
     let mut image = Image::default();
     let mut bytes = 0u64;
-    let head = match etcd.get_kv(&format!("{p}head")).map_err(|e| e.to_string())? {
-        Some(kv) => Some(postcard::from_bytes::<Head>(&kv.value).map_err(|e| corrupt(format!("the journal head is not readable ({e})")))?),
+    let head = match etcd
+        .get_kv(&format!("{p}head"))
+        .map_err(|e| e.to_string())?
+    {
+        Some(kv) => Some(
+            postcard::from_bytes::<Head>(&kv.value)
+                .map_err(|e| corrupt(format!("the journal head is not readable ({e})")))?,
+        ),
         None => None,
     };
     let after = head.map_or(0, |h| h.seq);
     if let Some(h) = head {
         let dir = snap_dir(&p, h.seq);
-        let chunks = etcd.range(&dir, &prefix_end(&dir), 64).map_err(|e| e.to_string())?;
+        let chunks = etcd
+            .range(&dir, &prefix_end(&dir), 64)
+            .map_err(|e| e.to_string())?;
         if chunks.len() != h.chunks as usize {
-            return Err(corrupt(format!("the journal snapshot {dir} has {} of its {} chunks: etcd lost part of it", chunks.len(), h.chunks)));
+            return Err(corrupt(format!(
+                "the journal snapshot {dir} has {} of its {} chunks: etcd lost part of it",
+                chunks.len(),
+                h.chunks
+            )));
         }
         for (_, kv) in chunks {
             bytes += kv.value.len() as u64;
@@ -183,14 +218,26 @@ pub fn load(etcd: &EtcdClient, cluster_id: &str) -> Result<Loaded, String> {
             }
         }
     }
-    let first = after.checked_add(1).ok_or_else(|| corrupt(format!("the journal's head names entry {after}, the last there can be")))?;
-    let logs = etcd.range(&log_key(&p, first), &prefix_end(&format!("{p}log/")), 256).map_err(|e| e.to_string())?;
+    let first = after.checked_add(1).ok_or_else(|| {
+        corrupt(format!(
+            "the journal's head names entry {after}, the last there can be"
+        ))
+    })?;
+    let logs = etcd
+        .range(&log_key(&p, first), &prefix_end(&format!("{p}log/")), 256)
+        .map_err(|e| e.to_string())?;
     let mut seq = after;
     let log_entries = logs.len();
     for (key, kv) in logs {
-        let n = key.rsplit('/').next().and_then(|h| u64::from_str_radix(h, 16).ok()).ok_or_else(|| corrupt(format!("unexpected journal key {key}")))?;
+        let n = key
+            .rsplit('/')
+            .next()
+            .and_then(|h| u64::from_str_radix(h, 16).ok())
+            .ok_or_else(|| corrupt(format!("unexpected journal key {key}")))?;
         if Some(n) != seq.checked_add(1) {
-            return Err(corrupt(format!("the journal skips from entry {seq} to {n}: etcd lost part of it")));
+            return Err(corrupt(format!(
+                "the journal skips from entry {seq} to {n}: etcd lost part of it"
+            )));
         }
         let (last, value) = log_range(n, &kv.value).map_err(corrupt)?;
         seq = last;
@@ -200,15 +247,27 @@ pub fn load(etcd: &EtcdClient, cluster_id: &str) -> Result<Loaded, String> {
         }
     }
     let last_leader = last_leader(etcd, cluster_id)?;
-    Ok(Loaded { image, seq, last_leader, head, log_entries, bytes })
+    Ok(Loaded {
+        image,
+        seq,
+        last_leader,
+        head,
+        log_entries,
+        bytes,
+    })
 }
 
 /// The leader that last loaded the journal (its `term` marker), if any.
 pub fn last_leader(etcd: &EtcdClient, cluster_id: &str) -> Result<Option<Owner>, String> {
-    Ok(match etcd.get_kv(&format!("{}term", prefix(cluster_id))).map_err(|e| e.to_string())? {
-        Some(kv) => parse_term_marker(&String::from_utf8_lossy(&kv.value)),
-        None => None,
-    })
+    Ok(
+        match etcd
+            .get_kv(&format!("{}term", prefix(cluster_id)))
+            .map_err(|e| e.to_string())?
+        {
+            Some(kv) => parse_term_marker(&String::from_utf8_lossy(&kv.value)),
+            None => None,
+        },
+    )
 }
 
 /// The journal's head and the largest entry number stored (head or log), without decoding
@@ -216,14 +275,24 @@ pub fn last_leader(etcd: &EtcdClient, cluster_id: &str) -> Result<Option<Owner>,
 /// mirror, or empty) continues the numbering.
 pub fn stored_seq(etcd: &EtcdClient, cluster_id: &str) -> Result<(u64, Option<Head>), String> {
     let p = prefix(cluster_id);
-    let head = match etcd.get_kv(&format!("{p}head")).map_err(|e| e.to_string())? {
+    let head = match etcd
+        .get_kv(&format!("{p}head"))
+        .map_err(|e| e.to_string())?
+    {
         Some(kv) => postcard::from_bytes::<Head>(&kv.value).ok(),
         None => None,
     };
     let mut seq = head.map_or(0, |h| h.seq);
     let log = format!("{p}log/");
-    for (key, kv) in etcd.range(&log, &prefix_end(&log), 256).map_err(|e| e.to_string())? {
-        if let Some(n) = key.rsplit('/').next().and_then(|h| u64::from_str_radix(h, 16).ok()) {
+    for (key, kv) in etcd
+        .range(&log, &prefix_end(&log), 256)
+        .map_err(|e| e.to_string())?
+    {
+        if let Some(n) = key
+            .rsplit('/')
+            .next()
+            .and_then(|h| u64::from_str_radix(h, 16).ok())
+        {
             seq = seq.max(log_range(n, &kv.value).map_or(n, |(last, _)| last));
         }
     }
@@ -235,7 +304,11 @@ pub fn stored_seq(etcd: &EtcdClient, cluster_id: &str) -> Result<(u64, Option<He
 /// exactly its `Vec<Change>` (a length, then the elements), taken as it is, not decoded and
 /// encoded again. `None` if the frame is not entry `seq`.
 fn entry_changes(seq: u64, frame: &[u8]) -> Option<(usize, &[u8])> {
-    let head = postcard::to_stdvec(&ToStandby::Entry { seq, changes: Vec::new() }).ok()?;
+    let head = postcard::to_stdvec(&ToStandby::Entry {
+        seq,
+        changes: Vec::new(),
+    })
+    .ok()?;
     // (`head` ends with the empty vector's length, one byte.)
     let prefix = &head[..head.len() - 1];
     let changes = frame.get(4..)?.strip_prefix(prefix)?;
@@ -253,7 +326,10 @@ pub(super) const REBASE_VALUE_MAX: usize = 1 << 20;
 /// ([`RANGE_MAGIC`] when it holds more than one log entry). `None` if a frame is not its
 /// entry, the frames are not consecutive, or one entry alone is over [`REBASE_VALUE_MAX`]
 /// stored.
-pub(super) fn tail_log_values(prefix: &str, frames: &[TailFrame]) -> Option<Vec<(String, Vec<u8>)>> {
+pub(super) fn tail_log_values(
+    prefix: &str,
+    frames: &[TailFrame],
+) -> Option<Vec<(String, Vec<u8>)>> {
     struct Group {
         first: u64,
         last: u64,
@@ -277,15 +353,32 @@ pub(super) fn tail_log_values(prefix: &str, frames: &[TailFrame]) -> Option<Vec<
     };
     let mut out = Vec::new();
     let mut group: Option<Group> = None;
-    for &TailFrame { first, last, ref frame } in frames {
+    for &TailFrame {
+        first,
+        last,
+        ref frame,
+    } in frames
+    {
         let (n, elems) = entry_changes(last, frame)?;
-        if first > last || group.as_ref().is_some_and(|g| g.last.checked_add(1) != Some(first)) {
+        if first > last
+            || group
+                .as_ref()
+                .is_some_and(|g| g.last.checked_add(1) != Some(first))
+        {
             return None;
         }
-        if group.as_ref().is_some_and(|g| g.elems.len() + elems.len() > CHUNK - 16) {
+        if group
+            .as_ref()
+            .is_some_and(|g| g.elems.len() + elems.len() > CHUNK - 16)
+        {
             out.push(finish(group.take()?)?);
         }
-        let g = group.get_or_insert(Group { first, last, count: 0, elems: Vec::new() });
+        let g = group.get_or_insert(Group {
+            first,
+            last,
+            count: 0,
+            elems: Vec::new(),
+        });
         g.last = last;
         g.count += n;
         g.elems.extend_from_slice(elems);
@@ -298,16 +391,31 @@ pub(super) fn tail_log_values(prefix: &str, frames: &[TailFrame]) -> Option<Vec<
 
 /// Writes the `term` marker, `"<term> <lease>"`: this leader (`owner`, its view key's
 /// creation) loaded the journal. Whether the key was still `owner`'s.
-pub fn mark_term(etcd: &EtcdClient, view_key: &str, cluster_id: &str, owner: Owner) -> Result<bool, String> {
+pub fn mark_term(
+    etcd: &EtcdClient,
+    view_key: &str,
+    cluster_id: &str,
+    owner: Owner,
+) -> Result<bool, String> {
     let marker = format!("{} {}", owner.create_revision, owner.lease);
-    etcd.txn_if_owned(view_key, owner, &[(format!("{}term", prefix(cluster_id)), marker.into_bytes())], None).map(|r| r.is_some()).map_err(|e| e.to_string())
+    etcd.txn_if_owned(
+        view_key,
+        owner,
+        &[(format!("{}term", prefix(cluster_id)), marker.into_bytes())],
+        None,
+    )
+    .map(|r| r.is_some())
+    .map_err(|e| e.to_string())
 }
 
 /// The leader a `term` marker names; `None` for anything else (an older build wrote the term
 /// alone, which no longer names one leader: the new leader then waits out a fence bound).
 pub(super) fn parse_term_marker(s: &str) -> Option<Owner> {
     let (term, lease) = s.trim().split_once(' ')?;
-    Some(Owner { create_revision: term.parse().ok()?, lease: lease.parse().ok()? })
+    Some(Owner {
+        create_revision: term.parse().ok()?,
+        lease: lease.parse().ok()?,
+    })
 }
 
 #[cfg(test)]
@@ -316,7 +424,18 @@ mod tests {
     use crate::master::journal::ObjectRec;
 
     fn obj(i: usize) -> Change {
-        Change::Object { key: format!("key-{i:06}"), rec: ObjectRec { size: 4096, current: smallvec::smallvec![(1, 4096 * i as u64, 4096)], pending: None, owner: 7, hard_pin: false, soft_pin_left: 0, group: None } }
+        Change::Object {
+            key: format!("key-{i:06}"),
+            rec: ObjectRec {
+                size: 4096,
+                current: smallvec::smallvec![(1, 4096 * i as u64, 4096)],
+                pending: None,
+                owner: 7,
+                hard_pin: false,
+                soft_pin_left: 0,
+                group: None,
+            },
+        }
     }
 
     #[test]
@@ -325,8 +444,14 @@ mod tests {
         let chunks = encode_chunks(&changes).expect("encode");
         assert!(chunks.len() > 1, "40k changes do not fit one value");
         assert!(chunks.iter().all(|c| c.len() <= CHUNK));
-        assert!(chunks.iter().all(|c| c.starts_with(LZ4_MAGIC)), "similar changes compress");
-        let back: Vec<Change> = chunks.iter().flat_map(|c| decode_chunk(c).expect("decode")).collect();
+        assert!(
+            chunks.iter().all(|c| c.starts_with(LZ4_MAGIC)),
+            "similar changes compress"
+        );
+        let back: Vec<Change> = chunks
+            .iter()
+            .flat_map(|c| decode_chunk(c).expect("decode"))
+            .collect();
         assert_eq!(back, changes);
         assert!(encode_chunks(&[]).expect("empty").is_empty());
         assert!(decode_chunk(b"\xff\xff garbage").is_err());
@@ -337,12 +462,24 @@ mod tests {
     fn bare_values_still_decode_and_incompressible_ones_stay_bare() {
         let changes: Vec<Change> = (0..500).map(obj).collect();
         let bare = postcard::to_stdvec(&changes).expect("encode");
-        assert_eq!(decode_chunk(&bare).expect("an older build's entry"), changes);
+        assert_eq!(
+            decode_chunk(&bare).expect("an older build's entry"),
+            changes
+        );
         let packed = encode_chunks(&changes).expect("encode");
         assert_eq!(packed.len(), 1);
-        assert!(packed[0].len() * 3 < bare.len(), "{} bytes compressed from {}", packed[0].len(), bare.len());
+        assert!(
+            packed[0].len() * 3 < bare.len(),
+            "{} bytes compressed from {}",
+            packed[0].len(),
+            bare.len()
+        );
         let one = vec![Change::Forget { key: "k".into() }];
-        assert_eq!(encode_chunks(&one).expect("encode"), vec![postcard::to_stdvec(&one).expect("encode")], "too small to pay: kept bare");
+        assert_eq!(
+            encode_chunks(&one).expect("encode"),
+            vec![postcard::to_stdvec(&one).expect("encode")],
+            "too small to pay: kept bare"
+        );
         // A bare encoding's first bytes: its length, then the first change's variant (< 6).
         let many: Vec<Change> = (0..(LZ4_MAGIC[0] as usize)).map(obj).collect();
         let b = postcard::to_stdvec(&many).expect("encode");
@@ -354,7 +491,9 @@ mod tests {
     /// allocation.
     #[test]
     fn corrupt_compressed_values_are_refused() {
-        let good = encode_chunks(&(0..500).map(obj).collect::<Vec<_>>()).expect("encode").remove(0);
+        let good = encode_chunks(&(0..500).map(obj).collect::<Vec<_>>())
+            .expect("encode")
+            .remove(0);
         let mut huge = good.clone();
         huge[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(decode_chunk(&huge).is_err_and(|e| e.contains("claims")));

@@ -58,9 +58,9 @@ pub mod sync;
 
 use crate::error::StoreError;
 use crate::node::Master;
-use kvferry::metadata::etcd::{EtcdClient, KeyValue};
 use elect::{campaign, Standby};
 use fence::Fence;
+use kvferry::metadata::etcd::{EtcdClient, KeyValue};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -79,13 +79,22 @@ pub const STANDBY_POLL: Duration = Duration::from_millis(200);
 /// `mooncake_cluster`; its clients read it always. Here an unset flag defers to the variable,
 /// so a master and its clients started with the same environment agree.)
 pub fn resolve_cluster_id(given: Option<&str>, env: Option<&str>) -> String {
-    let pick = |s: Option<&str>| s.map(str::trim).filter(|s| !s.is_empty()).map(str::to_string);
-    pick(given).or_else(|| pick(env)).unwrap_or_else(|| DEFAULT_CLUSTER_ID.to_string())
+    let pick = |s: Option<&str>| {
+        s.map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+    };
+    pick(given)
+        .or_else(|| pick(env))
+        .unwrap_or_else(|| DEFAULT_CLUSTER_ID.to_string())
 }
 
 /// `mooncake-store/<cluster_id>/master_view` (a trailing `/` of the id dropped, as Mooncake).
 pub fn master_view_key(cluster_id: &str) -> String {
-    format!("mooncake-store/{}/master_view", cluster_id.strip_suffix('/').unwrap_or(cluster_id))
+    format!(
+        "mooncake-store/{}/master_view",
+        cluster_id.strip_suffix('/').unwrap_or(cluster_id)
+    )
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -191,7 +200,13 @@ impl Gate {
     /// that term, lease still proven.
     pub fn confirm(&self, term: i64) -> Result<(), StoreError> {
         if !self.enabled() {
-            return if term == 0 { Ok(()) } else { Err(StoreError::NotLeader { leader: String::new() }) };
+            return if term == 0 {
+                Ok(())
+            } else {
+                Err(StoreError::NotLeader {
+                    leader: String::new(),
+                })
+            };
         }
         self.st().confirm(term, self.now())
     }
@@ -219,7 +234,8 @@ impl Gate {
         let enabled = self.enabled();
         let role = self.role();
         let st = self.st().clone();
-        let (cluster_id, key, address, ttl) = self.info.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let (cluster_id, key, address, ttl) =
+            self.info.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let now = self.now();
         let (valid_until, last_keepalive) = st.bounds();
         HaStatus {
@@ -231,8 +247,12 @@ impl Gate {
             leader: st.leader().to_string(),
             address,
             lease_ttl_ms: ttl.as_millis() as u64,
-            last_keepalive_age_ms: last_keepalive.filter(|_| role == Role::Leader).map(|t| now.saturating_sub(t)),
-            fenced_in_ms: valid_until.filter(|_| role == Role::Leader).map(|t| t.saturating_sub(now)),
+            last_keepalive_age_ms: last_keepalive
+                .filter(|_| role == Role::Leader)
+                .map(|t| now.saturating_sub(t)),
+            fenced_in_ms: valid_until
+                .filter(|_| role == Role::Leader)
+                .map(|t| t.saturating_sub(now)),
             lease_id: format!("{:x}", st.lease_id()),
             journal: Default::default(),
             insync: Vec::new(),
@@ -241,13 +261,20 @@ impl Gate {
     }
 
     fn set_standby(&self, view: Option<&KeyValue>) {
-        let leader = view.map(|kv| (String::from_utf8_lossy(&kv.value).into_owned(), kv.create_revision));
-        self.st().set_standby(leader.as_ref().map(|(l, t)| (l.as_str(), *t)));
+        let leader = view.map(|kv| {
+            (
+                String::from_utf8_lossy(&kv.value).into_owned(),
+                kv.create_revision,
+            )
+        });
+        self.st()
+            .set_standby(leader.as_ref().map(|(l, t)| (l.as_str(), *t)));
     }
 
     fn set_leader(&self, term: i64, address: &str, lease_id: i64, sent: Instant, bound: Duration) {
         let sent = self.ms(sent);
-        self.st().set_leader(term, address, lease_id, sent, bound.as_millis() as u64);
+        self.st()
+            .set_leader(term, address, lease_id, sent, bound.as_millis() as u64);
     }
 
     /// A renewal sent at `sent` succeeded (and the key is still ours); the elector's renewals
@@ -343,29 +370,58 @@ impl HaConfig {
 /// master refuses every request until it leads. Fails at once if etcd cannot be reached.
 pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
     if cfg.lease_ttl < Duration::from_secs(1) {
-        return Err(format!("the HA lease TTL must be at least 1 s (etcd counts leases in seconds); got {:?}", cfg.lease_ttl));
+        return Err(format!(
+            "the HA lease TTL must be at least 1 s (etcd counts leases in seconds); got {:?}",
+            cfg.lease_ttl
+        ));
     }
-    let etcd = EtcdClient::connect(&cfg.endpoints, cfg.request_timeout()).map_err(|e| format!("HA: {e}"))?;
+    let etcd = EtcdClient::connect(&cfg.endpoints, cfg.request_timeout())
+        .map_err(|e| format!("HA: {e}"))?;
     let key = master_view_key(&cfg.cluster_id);
     let standby = match cfg.replication {
         Replication::Etcd => None,
         Replication::Standbys => {
             // Leaders reach this master's mirror at its advertised host.
             let ip = replication_ip(&cfg.address)?;
-            let l = std::net::TcpListener::bind((ip, 0)).map_err(|e| format!("HA replication: cannot bind a port on {ip}: {e}"))?;
+            let l = std::net::TcpListener::bind((ip, 0))
+                .map_err(|e| format!("HA replication: cannot bind a port on {ip}: {e}"))?;
             let addr = l.local_addr().map_err(|e| e.to_string())?.to_string();
-            let prebuilder = sync::Prebuilder { clock: master.clock(), lease_ms: master.cfg.lease_ttl.as_millis() as u64 };
-            let mirror = Arc::new(sync::Mirror::new(&cfg.cluster_id, master.cfg.lease_ttl, usize::try_from(cfg.standby_tail_bytes).unwrap_or(usize::MAX)).with_prebuilder(prebuilder).with_auth(master.auth.clone(), &cfg.address));
+            let prebuilder = sync::Prebuilder {
+                clock: master.clock(),
+                lease_ms: master.cfg.lease_ttl.as_millis() as u64,
+            };
+            let mirror = Arc::new(
+                sync::Mirror::new(
+                    &cfg.cluster_id,
+                    master.cfg.lease_ttl,
+                    usize::try_from(cfg.standby_tail_bytes).unwrap_or(usize::MAX),
+                )
+                .with_prebuilder(prebuilder)
+                .with_auth(master.auth.clone(), &cfg.address),
+            );
             let m = Arc::clone(&mirror);
-            std::thread::Builder::new().name("kvf-ha-mirror".into()).spawn(move || standby::serve(l, m)).map_err(|e| e.to_string())?;
+            std::thread::Builder::new()
+                .name("kvf-ha-mirror".into())
+                .spawn(move || standby::serve(l, m))
+                .map_err(|e| e.to_string())?;
             tracing::info!("HA: replication to standbys; this master's mirror is served at {addr}");
             let _ = master.gate.mirror.set(Arc::clone(&mirror));
-            Some(Standby { mirror, addr, reg: None, published: None })
+            Some(Standby {
+                mirror,
+                addr,
+                reg: None,
+                published: None,
+            })
         }
     };
     {
         *master.gate.st() = Fence::standby();
-        *master.gate.info.lock().unwrap_or_else(|e| e.into_inner()) = (cfg.cluster_id.clone(), key.clone(), cfg.address.clone(), cfg.lease_ttl);
+        *master.gate.info.lock().unwrap_or_else(|e| e.into_inner()) = (
+            cfg.cluster_id.clone(),
+            key.clone(),
+            cfg.address.clone(),
+            cfg.lease_ttl,
+        );
     }
     master.gate.enabled.store(true, Ordering::Release);
     std::thread::Builder::new()
@@ -410,7 +466,11 @@ pub fn hand_off(master: &Master, bound: Duration) -> bool {
     let until = Instant::now() + bound;
     // A member holding a complete mirror may be the only copy of what the next leader needs
     // (the leader dead): its elector decides, and either ends or takes over to hand off.
-    let holds_mirror = master.gate.mirror.get().is_some_and(|m| m.complete_term().is_some());
+    let holds_mirror = master
+        .gate
+        .mirror
+        .get()
+        .is_some_and(|m| m.complete_term().is_some());
     loop {
         // A takeover under way ends first (it writes the state to etcd before it leads):
         // stopping now would take the only copy of a mirror with this process.
@@ -428,7 +488,10 @@ pub fn hand_off(master: &Master, bound: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(10));
     }
     let before = master.gate.stepped_down.load(Ordering::Acquire);
-    if !master.journal.hand_off(until.saturating_duration_since(Instant::now())) {
+    if !master
+        .journal
+        .hand_off(until.saturating_duration_since(Instant::now()))
+    {
         return false;
     }
     while master.gate.stepped_down.load(Ordering::Acquire) == before {
@@ -447,20 +510,45 @@ mod tests {
     #[test]
     fn gate_admits_only_a_leader_within_its_bound() {
         let g = Gate::default();
-        assert_eq!(g.admit(), Ok(0), "without HA every request is admitted, term 0");
+        assert_eq!(
+            g.admit(),
+            Ok(0),
+            "without HA every request is admitted, term 0"
+        );
         g.enabled.store(true, Ordering::Release);
         g.set_standby(None);
-        assert_eq!(g.admit(), Err(StoreError::NotLeader { leader: String::new() }));
-        let kv = KeyValue { value: b"10.0.0.1:50051".to_vec(), create_revision: 7, mod_revision: 7, lease: 3 };
+        assert_eq!(
+            g.admit(),
+            Err(StoreError::NotLeader {
+                leader: String::new()
+            })
+        );
+        let kv = KeyValue {
+            value: b"10.0.0.1:50051".to_vec(),
+            create_revision: 7,
+            mod_revision: 7,
+            lease: 3,
+        };
         g.set_standby(Some(&kv));
-        assert_eq!(g.admit(), Err(StoreError::NotLeader { leader: "10.0.0.1:50051".into() }));
-        assert_eq!((g.term(), g.role(), g.leader()), (7, Role::Standby, "10.0.0.1:50051".to_string()));
+        assert_eq!(
+            g.admit(),
+            Err(StoreError::NotLeader {
+                leader: "10.0.0.1:50051".into()
+            })
+        );
+        assert_eq!(
+            (g.term(), g.role(), g.leader()),
+            (7, Role::Standby, "10.0.0.1:50051".to_string())
+        );
 
         let bound = Duration::from_millis(80);
         g.set_leader(9, "10.0.0.2:50051", 5, Instant::now(), bound);
         assert_eq!(g.admit(), Ok(9));
         assert_eq!(g.confirm(9), Ok(()));
-        assert!(g.confirm(8).is_err(), "an answer computed under another term is not sent");
+        assert!(
+            g.confirm(8).is_err(),
+            "an answer computed under another term is not sent"
+        );
         g.renewed(9, Instant::now(), bound);
         assert_eq!(g.status().role, Role::Leader);
         assert!(g.status().fenced_in_ms.is_some_and(|ms| ms <= 80));
@@ -476,20 +564,45 @@ mod tests {
 
     #[test]
     fn a_standby_serves_its_mirror_on_its_advertised_host() {
-        assert_eq!(replication_ip("10.1.2.3:50051"), Ok("10.1.2.3".parse().unwrap()));
+        assert_eq!(
+            replication_ip("10.1.2.3:50051"),
+            Ok("10.1.2.3".parse().unwrap())
+        );
         assert_eq!(replication_ip("[::1]:50051"), Ok("::1".parse().unwrap()));
-        assert!(replication_ip("localhost:50051").is_ok_and(|ip| ip.is_loopback()), "a name is resolved");
-        assert!(replication_ip("no-such-host.invalid:1").unwrap_err().contains("--advertise-address"));
+        assert!(
+            replication_ip("localhost:50051").is_ok_and(|ip| ip.is_loopback()),
+            "a name is resolved"
+        );
+        assert!(replication_ip("no-such-host.invalid:1")
+            .unwrap_err()
+            .contains("--advertise-address"));
     }
 
     #[test]
     fn mooncakes_key_and_cluster_id() {
-        assert_eq!(master_view_key("mooncake_cluster"), "mooncake-store/mooncake_cluster/master_view");
+        assert_eq!(
+            master_view_key("mooncake_cluster"),
+            "mooncake-store/mooncake_cluster/master_view"
+        );
         assert_eq!(master_view_key("c1/"), "mooncake-store/c1/master_view");
         assert_eq!(resolve_cluster_id(Some("flag"), Some("env")), "flag");
         assert_eq!(resolve_cluster_id(None, Some("env")), "env");
         assert_eq!(resolve_cluster_id(Some(" "), None), DEFAULT_CLUSTER_ID);
-        let c = HaConfig { endpoints: vec![], cluster_id: "c".into(), address: "a:1".into(), lease_ttl: Duration::from_secs(5), snapshot_bytes: journal::SNAPSHOT_MIN, replication: Replication::Etcd, rebase_tail_bytes: journal::TAIL_DEFAULT, standby_tail_bytes: 0, rebase_base_every: journal::BASE_EVERY, grant_bytes: journal::GRANT_DEFAULT };
-        assert!(c.fence_bound() < c.lease_ttl && c.keepalive_every() < c.fence_bound() / 2, "at least two renewals fit in the bound");
+        let c = HaConfig {
+            endpoints: vec![],
+            cluster_id: "c".into(),
+            address: "a:1".into(),
+            lease_ttl: Duration::from_secs(5),
+            snapshot_bytes: journal::SNAPSHOT_MIN,
+            replication: Replication::Etcd,
+            rebase_tail_bytes: journal::TAIL_DEFAULT,
+            standby_tail_bytes: 0,
+            rebase_base_every: journal::BASE_EVERY,
+            grant_bytes: journal::GRANT_DEFAULT,
+        };
+        assert!(
+            c.fence_bound() < c.lease_ttl && c.keepalive_every() < c.fence_bound() / 2,
+            "at least two renewals fit in the bound"
+        );
     }
 }

@@ -5,7 +5,10 @@
 //! what the mirror holds: the mirror checks every frame, and nothing is acknowledged that it
 //! did not take.
 
-use super::sync::{decode_frame, encode_frame, read_frame_max, read_frame_raw, standby_identity, Mirror, ToLeader, ToStandby, AUTH_HELLO, HA_LINK, MAX_FRAME, MAX_SMALL_FRAME};
+use super::sync::{
+    decode_frame, encode_frame, read_frame_max, read_frame_raw, standby_identity, Mirror, ToLeader,
+    ToStandby, AUTH_HELLO, HA_LINK, MAX_FRAME, MAX_SMALL_FRAME,
+};
 use crate::frame;
 use serde::Deserialize;
 use std::io::{Read, Write};
@@ -31,7 +34,10 @@ pub const MAX_UNPROVED_LINKS: (usize, usize) = (32, 8);
 /// length of the next frame when its head was opened ahead, by [`whole_in`]).
 pub(crate) enum Incoming {
     Plain,
-    Sealed { opener: kvferry::auth::Opener, next: Option<usize> },
+    Sealed {
+        opener: kvferry::auth::Opener,
+        next: Option<usize>,
+    },
 }
 
 impl Incoming {
@@ -43,23 +49,34 @@ impl Incoming {
 /// [`read_frame_raw`] of a link's next frame, plain or sealed ([`Incoming`]): the frame as
 /// [`encode_frame`] made it (a sealed one opened). A sealed frame that does not open
 /// (injected, replayed, altered on the path) is an error.
-pub(super) fn read_frame_in<T: for<'de> Deserialize<'de>>(r: &mut impl Read, inc: &mut Incoming, max: usize) -> Result<(T, Vec<u8>), String> {
+pub(super) fn read_frame_in<T: for<'de> Deserialize<'de>>(
+    r: &mut impl Read,
+    inc: &mut Incoming,
+    max: usize,
+) -> Result<(T, Vec<u8>), String> {
     use kvferry::auth::{frame_body_len, FRAME_HEAD_LEN, MAX_MSG};
-    let Incoming::Sealed { opener, next } = inc else { return read_frame_raw(r, max) };
+    let Incoming::Sealed { opener, next } = inc else {
+        return read_frame_raw(r, max);
+    };
     let refused = |e: kvferry::auth::Refusal| format!("a replication frame: {e}");
     let n = match next.take() {
         Some(n) => n,
         None => {
             let mut head = [0u8; FRAME_HEAD_LEN];
             r.read_exact(&mut head).map_err(|e| e.to_string())?;
-            opener.open_frame_head(&head, max.min(MAX_FRAME)).map_err(refused)?
+            opener
+                .open_frame_head(&head, max.min(MAX_FRAME))
+                .map_err(refused)?
         }
     };
-    let prefix = frame::prefix(n, max.min(MAX_FRAME)).map_err(|t| refused(kvferry::auth::Refusal::FrameTooLarge(t.len, t.max)))?;
+    let prefix = frame::prefix(n, max.min(MAX_FRAME))
+        .map_err(|t| refused(kvferry::auth::Refusal::FrameTooLarge(t.len, t.max)))?;
     let len = frame_body_len(n);
     // (Grown as the bytes arrive.)
     let mut sealed = Vec::with_capacity(len.min(1 << 20));
-    r.take(len as u64).read_to_end(&mut sealed).map_err(|e| e.to_string())?;
+    r.take(len as u64)
+        .read_to_end(&mut sealed)
+        .map_err(|e| e.to_string())?;
     if sealed.len() != len {
         return Err("a replication frame is cut short".into());
     }
@@ -82,12 +99,18 @@ pub(super) fn read_frame_in<T: for<'de> Deserialize<'de>>(r: &mut impl Read, inc
 fn whole_in(r: &mut std::io::BufReader<TcpStream>, inc: &mut Incoming) -> Result<bool, String> {
     use kvferry::auth::{frame_body_len, FRAME_HEAD_LEN};
     use std::io::BufRead;
-    let Incoming::Sealed { opener, next } = inc else { return Ok(frame::whole(r.buffer())) };
+    let Incoming::Sealed { opener, next } = inc else {
+        return Ok(frame::whole(r.buffer()));
+    };
     let n = match *next {
         Some(n) => n,
         None => {
-            let Some(head) = r.buffer().first_chunk::<FRAME_HEAD_LEN>() else { return Ok(false) };
-            let n = opener.open_frame_head(head, MAX_FRAME).map_err(|e| format!("a replication frame: {e}"))?;
+            let Some(head) = r.buffer().first_chunk::<FRAME_HEAD_LEN>() else {
+                return Ok(false);
+            };
+            let n = opener
+                .open_frame_head(head, MAX_FRAME)
+                .map_err(|e| format!("a replication frame: {e}"))?;
             r.consume(FRAME_HEAD_LEN);
             *next = Some(n);
             n
@@ -114,16 +137,28 @@ pub(super) fn wire(sealer: Option<&mut kvferry::auth::Sealer>, raw: &[u8]) -> Ve
 /// With the cluster key, at most [`MAX_UNPROVED_LINKS`] connections that did not prove it yet
 /// are kept (more are closed at accept), each for at most [`PROOF_DEADLINE`].
 pub fn serve(listener: TcpListener, mirror: Arc<Mirror>) {
-    let unproved = crate::net::Unproved::new("HA replication", MAX_UNPROVED_LINKS.0, MAX_UNPROVED_LINKS.1, PROOF_DEADLINE);
+    let unproved = crate::net::Unproved::new(
+        "HA replication",
+        MAX_UNPROVED_LINKS.0,
+        MAX_UNPROVED_LINKS.1,
+        PROOF_DEADLINE,
+    );
     for conn in listener.incoming() {
-        let Some(s) = crate::net::accepted(conn, "HA replication: accepting a leader's connection") else { continue };
-        let Ok(slot) = unproved.place(mirror.auth.is_some(), &s) else { continue };
+        let Some(s) = crate::net::accepted(conn, "HA replication: accepting a leader's connection")
+        else {
+            continue;
+        };
+        let Ok(slot) = unproved.place(mirror.auth.is_some(), &s) else {
+            continue;
+        };
         let m = Arc::clone(&mirror);
-        let _ = std::thread::Builder::new().name("kvf-ha-standby".into()).spawn(move || {
-            if let Err(e) = follow(s, &m, slot) {
-                tracing::debug!("HA replication: a leader's connection ended: {e}");
-            }
-        });
+        let _ = std::thread::Builder::new()
+            .name("kvf-ha-standby".into())
+            .spawn(move || {
+                if let Err(e) = follow(s, &m, slot) {
+                    tracing::debug!("HA replication: a leader's connection ended: {e}");
+                }
+            });
     }
 }
 
@@ -139,11 +174,21 @@ type Accepted = (ToStandby, Incoming, Option<kvferry::auth::Sealer>);
 /// (only a leader holding it can seal one) and is the `Hello`. The error says why the
 /// connection is refused (sent to the leader as [`ToLeader::Refused`] by the caller, sealed
 /// with the sealer returned when the session exists).
-fn accept_leader(s: &mut TcpStream, key: Option<&kvferry::auth::ClusterKey>, identity: &str, deadline: Instant) -> Result<Accepted, (String, Option<kvferry::auth::Sealer>)> {
+fn accept_leader(
+    s: &mut TcpStream,
+    key: Option<&kvferry::auth::ClusterKey>,
+    identity: &str,
+    deadline: Instant,
+) -> Result<Accepted, (String, Option<kvferry::auth::Sealer>)> {
     use crate::net::read_by;
     use kvferry::auth::FRAME_HEAD_LEN;
     let Some(key) = key else {
-        s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))).map_err(|e| (e.to_string(), None))?;
+        s.set_read_timeout(Some(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1)),
+        ))
+        .map_err(|e| (e.to_string(), None))?;
         return match read_frame_max(s, MAX_SMALL_FRAME).map_err(|e| (e, None))? {
             ToStandby::AuthHello { .. } => Err(("this standby has no cluster key (KVFERRY_AUTH_KEY_FILE is unset where it runs): give it the cluster's key file, or unset it on the leader".into(), None)),
             first => Ok((first, Incoming::Plain, None)),
@@ -156,10 +201,14 @@ fn accept_leader(s: &mut TcpStream, key: Option<&kvferry::auth::ClusterKey>, ide
     let n = frame::body_len(prefix, MAX_AUTH_HELLO_FRAME).map_err(|t| (format!("{needs} (its first frame claims {} bytes; the key's handshake is at most {MAX_AUTH_HELLO_FRAME})", t.len), None))?;
     let mut first = [0u8; MAX_AUTH_HELLO_FRAME];
     read_by(s, &mut first[..n], deadline).map_err(io)?;
-    let Some(hello) = crate::proto::bytes_variant(&first[..n], AUTH_HELLO) else { return Err((needs.into(), None)) };
-    let (session, answer) = kvferry::auth::answer(key, HA_LINK, hello, &[identity]).map_err(|r| (format!("the leader's hello: {r}"), None))?;
+    let Some(hello) = crate::proto::bytes_variant(&first[..n], AUTH_HELLO) else {
+        return Err((needs.into(), None));
+    };
+    let (session, answer) = kvferry::auth::answer(key, HA_LINK, hello, &[identity])
+        .map_err(|r| (format!("the leader's hello: {r}"), None))?;
     s.set_write_timeout(Some(PROOF_DEADLINE)).map_err(io)?;
-    s.write_all(&encode_frame(&ToLeader::AuthChallenge { answer }).map_err(|e| (e, None))?).map_err(io)?;
+    s.write_all(&encode_frame(&ToLeader::AuthChallenge { answer }).map_err(|e| (e, None))?)
+        .map_err(io)?;
     let (sealer, opener) = session.split();
     let mut head = [0u8; FRAME_HEAD_LEN];
     let fail = |why: String, sealer| Err((why, Some(sealer)));
@@ -167,42 +216,80 @@ fn accept_leader(s: &mut TcpStream, key: Option<&kvferry::auth::ClusterKey>, ide
         return fail(e.to_string(), sealer);
     }
     let mut inc = Incoming::Sealed { opener, next: None };
-    let Incoming::Sealed { opener, next } = &mut inc else { unreachable!("just made sealed") };
+    let Incoming::Sealed { opener, next } = &mut inc else {
+        unreachable!("just made sealed")
+    };
     match opener.open_frame_head(&head, MAX_SMALL_FRAME) {
         Ok(n) => *next = Some(n),
-        Err(r) => return fail(format!("the leader's first frame after the handshake: {r}"), sealer),
+        Err(r) => {
+            return fail(
+                format!("the leader's first frame after the handshake: {r}"),
+                sealer,
+            )
+        }
     }
     // (The head opened: the leader holds the session. Its hello is read by the deadline.)
-    if let Err(e) = s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))) {
+    if let Err(e) = s.set_read_timeout(Some(
+        deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1)),
+    )) {
         return fail(e.to_string(), sealer);
     }
     match read_frame_in::<ToStandby>(s, &mut inc, MAX_SMALL_FRAME) {
         Ok((hello, _)) => Ok((hello, inc, Some(sealer))),
-        Err(e) => fail(format!("the leader's first frame after the handshake: {e}"), sealer),
+        Err(e) => fail(
+            format!("the leader's first frame after the handshake: {e}"),
+            sealer,
+        ),
     }
 }
 
-fn follow(mut s: TcpStream, m: &Mirror, unproved: Option<crate::net::UnprovedSlot>) -> Result<(), String> {
+fn follow(
+    mut s: TcpStream,
+    m: &Mirror,
+    unproved: Option<crate::net::UnprovedSlot>,
+) -> Result<(), String> {
     let _ = s.set_nodelay(true);
     // A leader says hello at once; a silent peer is not a leader.
     let deadline = Instant::now() + PROOF_DEADLINE;
-    let (hello, inc, mut sealer) = match accept_leader(&mut s, m.auth.as_ref(), &standby_identity(&m.cluster_id, &m.member), deadline) {
+    let (hello, inc, mut sealer) = match accept_leader(
+        &mut s,
+        m.auth.as_ref(),
+        &standby_identity(&m.cluster_id, &m.member),
+        deadline,
+    ) {
         Ok(a) => a,
         Err((why, mut sealer)) => {
-            let _ = s.write_all(&wire(sealer.as_mut(), &encode_frame(&ToLeader::Refused { why: why.clone() })?));
+            let _ = s.write_all(&wire(
+                sealer.as_mut(),
+                &encode_frame(&ToLeader::Refused { why: why.clone() })?,
+            ));
             return Err(why);
         }
     };
     drop(unproved);
-    let ToStandby::Hello { cluster_id, term, lease, leader } = hello else {
+    let ToStandby::Hello {
+        cluster_id,
+        term,
+        lease,
+        leader,
+    } = hello
+    else {
         let why = "the first frame is not a hello".to_string();
-        let _ = s.write_all(&wire(sealer.as_mut(), &encode_frame(&ToLeader::Refused { why: why.clone() })?));
+        let _ = s.write_all(&wire(
+            sealer.as_mut(),
+            &encode_frame(&ToLeader::Refused { why: why.clone() })?,
+        ));
         return Err(why);
     };
     let conn = match m.hello(&cluster_id, term, lease) {
         Ok(c) => c,
         Err(why) => {
-            let _ = s.write_all(&wire(sealer.as_mut(), &encode_frame(&ToLeader::Refused { why: why.clone() })?));
+            let _ = s.write_all(&wire(
+                sealer.as_mut(),
+                &encode_frame(&ToLeader::Refused { why: why.clone() })?,
+            ));
             return Err(why);
         }
     };
@@ -218,13 +305,20 @@ fn follow(mut s: TcpStream, m: &Mirror, unproved: Option<crate::net::UnprovedSlo
 }
 
 /// Takes the entries of connection `conn` until it ends.
-fn entries(mut s: TcpStream, m: &Mirror, conn: u64, mut inc: Incoming, mut sealer: Option<kvferry::auth::Sealer>) -> Result<(), String> {
+fn entries(
+    mut s: TcpStream,
+    m: &Mirror,
+    conn: u64,
+    mut inc: Incoming,
+    mut sealer: Option<kvferry::auth::Sealer>,
+) -> Result<(), String> {
     // Entries come as the leader writes them; an idle leader sends nothing for a while. A
     // leader whose host died without closing the connection is found by TCP keepalive (idle
     // 10 s, then 3 probes 5 s apart), so this thread and its buffer do not wait forever.
     s.set_read_timeout(None).map_err(|e| e.to_string())?;
     crate::net::keepalive(&s, Duration::from_secs(10));
-    let mut r = std::io::BufReader::with_capacity(1 << 20, s.try_clone().map_err(|e| e.to_string())?);
+    let mut r =
+        std::io::BufReader::with_capacity(1 << 20, s.try_clone().map_err(|e| e.to_string())?);
     let spin = crate::net::Spin::for_replication();
     // The last entry taken and not acknowledged yet.
     let mut unacked = None;
@@ -243,13 +337,20 @@ fn entries(mut s: TcpStream, m: &Mirror, conn: u64, mut inc: Incoming, mut seale
                 unacked = ack.or(unacked);
                 if !whole_in(&mut r, &mut inc)? {
                     if let Some(seq) = unacked.take() {
-                        s.write_all(&wire(sealer.as_mut(), &encode_frame(&ToLeader::Ack { seq })?)).map_err(|e| e.to_string())?;
+                        s.write_all(&wire(
+                            sealer.as_mut(),
+                            &encode_frame(&ToLeader::Ack { seq })?,
+                        ))
+                        .map_err(|e| e.to_string())?;
                     }
                     m.apply_pending();
                 }
             }
             Err(why) => {
-                let _ = s.write_all(&wire(sealer.as_mut(), &encode_frame(&ToLeader::Refused { why: why.clone() })?));
+                let _ = s.write_all(&wire(
+                    sealer.as_mut(),
+                    &encode_frame(&ToLeader::Refused { why: why.clone() })?,
+                ));
                 return Err(why);
             }
         }
@@ -259,11 +360,22 @@ fn entries(mut s: TcpStream, m: &Mirror, conn: u64, mut inc: Incoming, mut seale
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::master::journal::{Change, ObjectRec};
     use crate::ha::sync::read_frame;
+    use crate::master::journal::{Change, ObjectRec};
 
     fn obj(key: &str, size: u64) -> Change {
-        Change::Object { key: key.into(), rec: ObjectRec { size, current: smallvec::smallvec![(1, 4096, size)], pending: None, owner: 7, hard_pin: false, soft_pin_left: 0, group: None } }
+        Change::Object {
+            key: key.into(),
+            rec: ObjectRec {
+                size,
+                current: smallvec::smallvec![(1, 4096, size)],
+                pending: None,
+                owner: 7,
+                hard_pin: false,
+                soft_pin_left: 0,
+                group: None,
+            },
+        }
     }
 
     /// Frames that came together get one acknowledgement, of the last entry among them, even
@@ -278,12 +390,36 @@ mod tests {
         let m2 = Arc::clone(&m);
         std::thread::spawn(move || serve(listener, m2));
         let mut s = TcpStream::connect(addr).expect("connect");
-        s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-        s.write_all(&encode_frame(&ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 50, leader: "l".into() }).expect("frame")).expect("hello");
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        s.write_all(
+            &encode_frame(&ToStandby::Hello {
+                cluster_id: "c".into(),
+                term: 5,
+                lease: 50,
+                leader: "l".into(),
+            })
+            .expect("frame"),
+        )
+        .expect("hello");
         // (The hello is read on its own; what follows comes in one write, one read.)
         std::thread::sleep(Duration::from_millis(100));
         let mut bytes = Vec::new();
-        for f in [ToStandby::Image { seq: 4, changes: vec![obj("a", 1)], last: true }, ToStandby::Entry { seq: 5, changes: vec![obj("b", 1)] }, ToStandby::Base { seq: 5, written: true }] {
+        for f in [
+            ToStandby::Image {
+                seq: 4,
+                changes: vec![obj("a", 1)],
+                last: true,
+            },
+            ToStandby::Entry {
+                seq: 5,
+                changes: vec![obj("b", 1)],
+            },
+            ToStandby::Base {
+                seq: 5,
+                written: true,
+            },
+        ] {
             bytes.extend(encode_frame(&f).expect("frame"));
         }
         s.write_all(&bytes).expect("frames");
@@ -291,7 +427,9 @@ mod tests {
         while acked < 5 {
             match read_frame::<ToLeader>(&mut s) {
                 Ok(ToLeader::Ack { seq }) => acked = seq,
-                other => panic!("expected the acknowledgement of entry 5 (got {acked} so far), got {other:?}"),
+                other => panic!(
+                    "expected the acknowledgement of entry 5 (got {acked} so far), got {other:?}"
+                ),
             }
         }
         assert_eq!(m.status().tail_base, Some(5));

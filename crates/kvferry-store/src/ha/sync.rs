@@ -72,7 +72,10 @@ pub const HA_LINK: kvferry::auth::Protocol = kvferry::auth::Protocol("kvferry/ha
 /// and member id (its RPC address), so that a link made for one standby is refused by any
 /// other (a relay, or a stale address).
 pub fn standby_identity(cluster_id: &str, member: &str) -> String {
-    format!("standby/{}/{member}", cluster_id.strip_suffix('/').unwrap_or(cluster_id))
+    format!(
+        "standby/{}/{member}",
+        cluster_id.strip_suffix('/').unwrap_or(cluster_id)
+    )
 }
 
 /// The wire number of [`ToStandby::AuthHello`].
@@ -82,17 +85,31 @@ pub(super) const AUTH_HELLO: u8 = 5;
 pub fn encode_frame<T: Serialize>(m: &T) -> Result<Vec<u8>, String> {
     frame::encode(m, MAX_FRAME).map_err(|e| match e {
         frame::EncodeError::Encode(e) => format!("encoding a replication frame: {e}"),
-        frame::EncodeError::TooLarge(t) => format!("a replication frame of {} bytes is over the limit of {MAX_FRAME}", t.len),
+        frame::EncodeError::TooLarge(t) => format!(
+            "a replication frame of {} bytes is over the limit of {MAX_FRAME}",
+            t.len
+        ),
     })
 }
 
 /// The first frame in `buf` and the bytes it took; `None` while `buf` holds only part of it
 /// ([`frame::split`]). A length over [`MAX_FRAME`] or a body that does not decode is an error,
 /// never a panic.
-pub fn decode_frame<T: for<'de> Deserialize<'de>>(buf: &[u8]) -> Result<Option<(T, usize)>, String> {
+pub fn decode_frame<T: for<'de> Deserialize<'de>>(
+    buf: &[u8],
+) -> Result<Option<(T, usize)>, String> {
     let not_ours = "the peer is not a kvferry master of this version";
-    let Some((body, took)) = frame::split(buf, MAX_FRAME).map_err(|t| format!("a replication frame claims {} bytes (at most {MAX_FRAME}): {not_ours}", t.len))? else { return Ok(None) };
-    let m = frame::decode_body(body).map_err(|e| format!("a replication frame does not decode ({e}): {not_ours}"))?;
+    let Some((body, took)) = frame::split(buf, MAX_FRAME).map_err(|t| {
+        format!(
+            "a replication frame claims {} bytes (at most {MAX_FRAME}): {not_ours}",
+            t.len
+        )
+    })?
+    else {
+        return Ok(None);
+    };
+    let m = frame::decode_body(body)
+        .map_err(|e| format!("a replication frame does not decode ({e}): {not_ours}"))?;
     Ok(Some((m, took)))
 }
 
@@ -108,19 +125,27 @@ pub const MAX_SMALL_FRAME: usize = 64 << 10;
 /// Reads one frame of at most `max` bytes from a blocking stream. Memory grows with the bytes
 /// that arrive (at most 1 MiB is reserved on the length's word alone), so a peer that claims a
 /// large frame and sends nothing costs nothing.
-pub fn read_frame_max<T: for<'de> Deserialize<'de>>(r: &mut impl Read, max: usize) -> Result<T, String> {
+pub fn read_frame_max<T: for<'de> Deserialize<'de>>(
+    r: &mut impl Read,
+    max: usize,
+) -> Result<T, String> {
     read_frame_raw(r, max).map(|(m, _)| m)
 }
 
 /// [`read_frame_max`], with the frame as it came (length and body, as [`encode_frame`] makes
 /// it): a standby keeps the entries' frames for a takeover ([`Mirror::take`]).
-pub fn read_frame_raw<T: for<'de> Deserialize<'de>>(r: &mut impl Read, max: usize) -> Result<(T, Vec<u8>), String> {
+pub fn read_frame_raw<T: for<'de> Deserialize<'de>>(
+    r: &mut impl Read,
+    max: usize,
+) -> Result<(T, Vec<u8>), String> {
     let mut len = [0u8; frame::PREFIX_LEN];
     r.read_exact(&mut len).map_err(|e| e.to_string())?;
     let n = frame::body_len(len, max.min(MAX_FRAME)).map_err(|t| format!("a replication frame claims {} bytes (at most {} here): the peer is not a kvferry master of this version", t.len, t.max))?;
     let mut body = Vec::with_capacity(frame::PREFIX_LEN + n.min(1 << 20));
     body.extend_from_slice(&len);
-    r.take(n as u64).read_to_end(&mut body).map_err(|e| e.to_string())?;
+    r.take(n as u64)
+        .read_to_end(&mut body)
+        .map_err(|e| e.to_string())?;
     match decode_frame(&body)? {
         Some((m, _)) => Ok((m, body)),
         None => Err("a replication frame is cut short".into()),
@@ -214,7 +239,12 @@ pub fn parse_registration(v: &str) -> Registration<'_> {
     let addr = words.next().unwrap_or("");
     let mirror = words.next().and_then(|t| t.parse().ok());
     let rest: Vec<&str> = words.collect();
-    Registration { addr, mirror, runs: rest.contains(&RUNS), grants: rest.contains(&GRANTS) }
+    Registration {
+        addr,
+        mirror,
+        runs: rest.contains(&RUNS),
+        grants: rest.contains(&GRANTS),
+    }
 }
 
 /// What a master that finds no leader may do, given the in-sync record and its mirror.
@@ -235,7 +265,12 @@ pub enum Eligibility {
 
 /// The rule, pure: `me` this master's id, `mirror` the term of its complete mirror (if any),
 /// `alive` whether a member is registered with a complete mirror of the record's term.
-pub fn eligibility(rec: &InSync, me: &str, mirror: Option<i64>, alive: impl Fn(&str) -> bool) -> Eligibility {
+pub fn eligibility(
+    rec: &InSync,
+    me: &str,
+    mirror: Option<i64>,
+    alive: impl Fn(&str) -> bool,
+) -> Eligibility {
     if rec.members.is_empty() {
         return Eligibility::Journal;
     }
@@ -256,8 +291,15 @@ pub fn eligibility(rec: &InSync, me: &str, mirror: Option<i64>, alive: impl Fn(&
 /// once the leader's key is gone, and hands off like a leader that stops), unless the record
 /// stops naming it first (a leader alive drops it from the set, writing etcd what the set
 /// held). Otherwise it may simply go.
-pub fn needed_at_stop(rec: &InSync, me: &str, mirror: Option<i64>, alive: impl Fn(&str) -> bool) -> bool {
-    rec.members.iter().any(|m| m == me) && mirror == Some(rec.term) && !rec.members.iter().any(|m| m != me && alive(m))
+pub fn needed_at_stop(
+    rec: &InSync,
+    me: &str,
+    mirror: Option<i64>,
+    alive: impl Fn(&str) -> bool,
+) -> bool {
+    rec.members.iter().any(|m| m == me)
+        && mirror == Some(rec.term)
+        && !rec.members.iter().any(|m| m != me && alive(m))
 }
 
 // ---------------------------------------------------------------- standby side
@@ -310,7 +352,13 @@ enum Prebuild {
     /// Built at `at` (the master's clock, ms) for [`PREBUILT_TERM`] from the mirror as it was
     /// with `seq` its last entry, fed by connection number `conn` (a hello since makes
     /// another number, and the mirror another).
-    Built { conn: u64, seq: u64, at: u64, state: Box<State>, rebuilt: Rebuilt },
+    Built {
+        conn: u64,
+        seq: u64,
+        at: u64,
+        state: Box<State>,
+        rebuilt: Rebuilt,
+    },
 }
 
 impl Prebuild {
@@ -334,7 +382,11 @@ pub enum Taken {
     /// The image: the takeover builds the state ([`Image::into_state`]).
     Image(Image),
     /// The state built ahead at `at` (ms), to make the term's ([`State::retarget`]).
-    Built { state: Box<State>, rebuilt: Rebuilt, at: u64 },
+    Built {
+        state: Box<State>,
+        rebuilt: Rebuilt,
+        at: u64,
+    },
 }
 
 /// A standby's copy of the leader's state, fed by [`super::standby::serve`].
@@ -432,20 +484,36 @@ impl Mirror {
             }
             self.put_all(&mut a, std::mem::take(&mut f.pending));
             let image = Self::image_with_held(&mut a);
-            *p = Prebuild::Building { objects: image.objects() };
+            *p = Prebuild::Building {
+                objects: image.objects(),
+            };
             (image, f.next_conn, f.seq)
         };
         let at = pb.clock.elapsed().as_millis() as u64;
         let t = Instant::now();
-        let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| image.into_state(PREBUILT_TERM, at, pb.lease_ms)));
+        let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            image.into_state(PREBUILT_TERM, at, pb.lease_ms)
+        }));
         let mut p = locked(&self.prebuilt);
         let f = locked(&self.feed);
-        debug_assert!(matches!(*p, Prebuild::Building { .. }), "only the build's end replaces its marker");
+        debug_assert!(
+            matches!(*p, Prebuild::Building { .. }),
+            "only the build's end replaces its marker"
+        );
         let stale;
         (*p, stale) = match built {
             Ok((state, rebuilt)) if f.next_conn == conn && f.seq == seq && !f.closed => {
                 tracing::info!(seq, objects = rebuilt.objects, ms = t.elapsed().as_millis() as u64, "HA replication: the leader's feed ended; this standby's state is built ahead for a takeover");
-                (Prebuild::Built { conn, seq, at, state: Box::new(state), rebuilt }, None)
+                (
+                    Prebuild::Built {
+                        conn,
+                        seq,
+                        at,
+                        state: Box::new(state),
+                        rebuilt,
+                    },
+                    None,
+                )
             }
             // (A hello came meanwhile: the mirror is another one.)
             Ok((state, _)) => (Prebuild::None, Some(state)),
@@ -465,7 +533,10 @@ impl Mirror {
         let mut image = std::mem::take(&mut a.image);
         let now = Instant::now();
         for Reverse((until, replica)) in a.held.drain() {
-            image.apply(Change::HeldUntil { replica, left: until.saturating_duration_since(now).as_millis() as u64 });
+            image.apply(Change::HeldUntil {
+                replica,
+                left: until.saturating_duration_since(now).as_millis() as u64,
+            });
         }
         image
     }
@@ -475,7 +546,9 @@ impl Mirror {
     fn drop_prebuilt(p: &mut Prebuild) {
         match std::mem::take(p) {
             Prebuild::Built { state, .. } => {
-                let _ = std::thread::Builder::new().name("kvf-ha-drop".into()).spawn(move || drop(state));
+                let _ = std::thread::Builder::new()
+                    .name("kvf-ha-drop".into())
+                    .spawn(move || drop(state));
             }
             other => *p = other,
         }
@@ -492,7 +565,11 @@ impl Mirror {
         let mut a = locked(&self.applied);
         let pending = std::mem::take(&mut locked(&self.feed).pending);
         self.put_all(&mut a, pending);
-        while a.held.peek().is_some_and(|Reverse((until, _))| *until < now) {
+        while a
+            .held
+            .peek()
+            .is_some_and(|Reverse((until, _))| *until < now)
+        {
             a.held.pop();
         }
     }
@@ -502,10 +579,17 @@ impl Mirror {
             let at = self.epoch + Duration::from_micros(at);
             for c in changes {
                 match c {
-                    Change::HeldBack { replica } => a.held.push(Reverse((at + self.keep_held, replica))),
+                    Change::HeldBack { replica } => {
+                        a.held.push(Reverse((at + self.keep_held, replica)))
+                    }
                     // (At most a day: a real leader holds for its release timeout; a
                     // larger value would overflow the clock.)
-                    Change::HeldUntil { replica, left } => a.held.push(Reverse((at + self.keep_held.max(Duration::from_millis(left.min(86_400_000))), replica))),
+                    Change::HeldUntil { replica, left } => a.held.push(Reverse((
+                        at + self
+                            .keep_held
+                            .max(Duration::from_millis(left.min(86_400_000))),
+                        replica,
+                    ))),
                     c => a.image.apply(c),
                 }
             }
@@ -524,7 +608,17 @@ impl Mirror {
             _ => a.image.objects(),
         };
         let (tail_bytes, tail_base) = (f.tail.bytes(), f.tail.newest_base());
-        MirrorStatus { term: f.term, seq: f.seq, complete: f.leads_from(), fed: f.fed(), sealed: f.sealed, pending_changes, objects, tail_bytes, tail_base }
+        MirrorStatus {
+            term: f.term,
+            seq: f.seq,
+            complete: f.leads_from(),
+            fed: f.fed(),
+            sealed: f.sealed,
+            pending_changes,
+            objects,
+            tail_bytes,
+            tail_base,
+        }
     }
 
     /// The term of a complete mirror.
@@ -543,13 +637,19 @@ impl Mirror {
     pub fn take(&self, term: i64) -> Option<(Taken, u64, MirrorTail)> {
         let mut p = locked(&self.prebuilt);
         while matches!(*p, Prebuild::Building { .. }) {
-            p = self.prebuilt_done.wait(p).unwrap_or_else(|e| e.into_inner());
+            p = self
+                .prebuilt_done
+                .wait(p)
+                .unwrap_or_else(|e| e.into_inner());
         }
         let mut a = locked(&self.applied);
         let mut f = locked(&self.feed);
         let (seq, tail) = f.take(term)?;
         if p.built_for(&f) {
-            if let Prebuild::Built { state, rebuilt, at, .. } = std::mem::take(&mut *p) {
+            if let Prebuild::Built {
+                state, rebuilt, at, ..
+            } = std::mem::take(&mut *p)
+            {
                 return Some((Taken::Built { state, rebuilt, at }, seq, tail));
             }
         }
@@ -593,7 +693,10 @@ impl Mirror {
         Self::drop_prebuilt(&mut locked(&self.prebuilt));
         let mut a = locked(&self.applied);
         let mut f = locked(&self.feed);
-        *a = Applied { image, ..Applied::default() };
+        *a = Applied {
+            image,
+            ..Applied::default()
+        };
         f.restore(term, seq, tail);
     }
 
@@ -625,7 +728,10 @@ impl Mirror {
     /// is of another cluster or an older term. Its connection id.
     pub(super) fn hello(&self, cluster_id: &str, term: i64, lease: i64) -> Result<u64, String> {
         if cluster_id != self.cluster_id {
-            return Err(format!("this standby serves cluster {:?}, not {cluster_id:?}", self.cluster_id));
+            return Err(format!(
+                "this standby serves cluster {:?}, not {cluster_id:?}",
+                self.cluster_id
+            ));
         }
         let named = *locked(&self.leader);
         if named != Some((term, lease)) {
@@ -651,7 +757,12 @@ impl Mirror {
 
     /// Takes one frame of connection `conn` (`raw` as it came; checked to be the next one;
     /// its changes pending until [`Mirror::apply_pending`]): the entry to acknowledge, if any.
-    pub(super) fn take_frame(&self, conn: u64, frame: ToStandby, raw: Vec<u8>) -> Result<Option<u64>, String> {
+    pub(super) fn take_frame(
+        &self,
+        conn: u64,
+        frame: ToStandby,
+        raw: Vec<u8>,
+    ) -> Result<Option<u64>, String> {
         let now = u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
         locked(&self.feed).on_frame(conn, frame, raw, now)
     }

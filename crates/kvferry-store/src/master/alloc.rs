@@ -42,7 +42,11 @@ impl Block {
     /// A block of no space (its segment is gone) that [`SegmentSpace::reserve`] would give
     /// for `addr`, `len` once the segment is back.
     pub fn held(addr: u64, len: u64) -> Block {
-        Block { addr, len, cap: cap_of(len).unwrap_or(len) }
+        Block {
+            addr,
+            len,
+            cap: cap_of(len).unwrap_or(len),
+        }
     }
 
     /// Bytes it takes in its segment (`len` rounded up to the granularity).
@@ -54,7 +58,13 @@ impl Block {
 impl SegmentSpace {
     pub fn new(base: u64, size: u64) -> SegmentSpace {
         let usable = size / ALIGN * ALIGN;
-        let mut s = SegmentSpace { base, size, used: 0, by_addr: BTreeMap::new(), by_size: BTreeSet::new() };
+        let mut s = SegmentSpace {
+            base,
+            size,
+            used: 0,
+            by_addr: BTreeMap::new(),
+            by_size: BTreeSet::new(),
+        };
         if usable > 0 {
             s.insert_free(0, usable);
         }
@@ -99,7 +109,11 @@ impl SegmentSpace {
             self.insert_free(off + cap, flen - cap);
         }
         self.used += cap;
-        Some(Block { addr: self.base + off, len, cap })
+        Some(Block {
+            addr: self.base + off,
+            len,
+            cap,
+        })
     }
 
     /// Takes exactly `[addr, addr + len)` (rounded up to the granularity), as a block that
@@ -131,7 +145,10 @@ impl SegmentSpace {
     /// Takes every free range, as blocks (a segment held whole: see `State::remount`).
     pub fn take_all(&mut self) -> Vec<Block> {
         let ranges: Vec<(u64, u64)> = self.by_addr.iter().map(|(&off, &len)| (off, len)).collect();
-        ranges.into_iter().filter_map(|(off, len)| self.reserve(self.base + off, len)).collect()
+        ranges
+            .into_iter()
+            .filter_map(|(off, len)| self.reserve(self.base + off, len))
+            .collect()
     }
 
     /// Returns a block; neighbouring free ranges merge.
@@ -181,10 +198,19 @@ impl SegmentSpace {
     pub fn free_within(&self, addr: u64, end: u64) -> Vec<(u64, u64)> {
         let (Some(lo), hi) = (addr.checked_sub(self.base), end.saturating_sub(self.base)) else {
             // (Starts before the segment: only the part inside it can be free.)
-            return if end > self.base { self.free_within(self.base, end) } else { Vec::new() };
+            return if end > self.base {
+                self.free_within(self.base, end)
+            } else {
+                Vec::new()
+            };
         };
         let mut out = Vec::new();
-        let first = self.by_addr.range(..=lo).next_back().map(|(&o, _)| o).unwrap_or(lo);
+        let first = self
+            .by_addr
+            .range(..=lo)
+            .next_back()
+            .map(|(&o, _)| o)
+            .unwrap_or(lo);
         for (&off, &len) in self.by_addr.range(first..hi) {
             let (s, e) = (off.max(lo), (off + len).min(hi));
             if s < e {
@@ -197,9 +223,17 @@ impl SegmentSpace {
     /// Takes the free ranges of `pool` (a sub-space over a block this space handed out, whose
     /// own blocks are freed here, not to it) back: the pool's unused part is free here again.
     pub fn give_back(&mut self, pool: &SegmentSpace) {
-        let ranges: Vec<(u64, u64)> = pool.by_addr.iter().map(|(&off, &len)| (pool.base + off, len)).collect();
+        let ranges: Vec<(u64, u64)> = pool
+            .by_addr
+            .iter()
+            .map(|(&off, &len)| (pool.base + off, len))
+            .collect();
         for (addr, len) in ranges {
-            self.free(Block { addr, len, cap: len });
+            self.free(Block {
+                addr,
+                len,
+                cap: len,
+            });
         }
     }
 
@@ -246,14 +280,20 @@ mod reserve_tests {
     #[test]
     fn reserve_takes_exactly_the_free_blocks_named_and_nothing_used() {
         let mut a = SegmentSpace::new(0x10000, 1 << 20);
-        let blocks: Vec<Block> = (0..5).map(|i| a.allocate(1000 * (i + 1)).unwrap()).collect();
+        let blocks: Vec<Block> = (0..5)
+            .map(|i| a.allocate(1000 * (i + 1)).unwrap())
+            .collect();
         // A second space rebuilt from the blocks' (addr, len) ends up identical.
         let mut b = SegmentSpace::new(0x10000, 1 << 20);
         for x in &blocks {
             assert_eq!(b.reserve(x.addr, x.len), Some(*x));
         }
         assert_eq!((b.used(), b.free_ranges()), (a.used(), a.free_ranges()));
-        assert_eq!(b.allocate(4096), a.allocate(4096), "the same next allocation");
+        assert_eq!(
+            b.allocate(4096),
+            a.allocate(4096),
+            "the same next allocation"
+        );
         // Used, overlapping, misaligned or outside: refused, nothing changes.
         let used = b.used();
         assert_eq!(b.reserve(blocks[1].addr, 10), None);
@@ -283,21 +323,40 @@ mod frag_tests {
         let mut pool = SegmentSpace::new(carved.addr, carved.cap());
         let a = pool.allocate(1000).unwrap();
         let b = pool.allocate(4096).unwrap();
-        assert!(a.addr >= carved.addr && b.addr + 4096 <= carved.addr + (64 << 10), "the pool's blocks lie in what was carved");
-        assert_eq!(s.free_within(carved.addr, carved.addr + carved.cap()), vec![], "carved space is not free in the segment's space");
+        assert!(
+            a.addr >= carved.addr && b.addr + 4096 <= carved.addr + (64 << 10),
+            "the pool's blocks lie in what was carved"
+        );
+        assert_eq!(
+            s.free_within(carved.addr, carved.addr + carved.cap()),
+            vec![],
+            "carved space is not free in the segment's space"
+        );
         s.give_back(&pool);
         let free = s.free_within(carved.addr, carved.addr + carved.cap());
         let held: u64 = a.cap() + b.cap();
-        assert_eq!(free.iter().map(|r| r.1).sum::<u64>(), (64 << 10) - held, "the pool's unused part is free again");
-        let overlaps = |&(at, len): &(u64, u64), x: &Block| at < x.addr + x.cap() && x.addr < at + len;
-        assert!(free.iter().all(|r| !overlaps(r, &a) && !overlaps(r, &b)), "not the blocks handed out: {free:?}");
+        assert_eq!(
+            free.iter().map(|r| r.1).sum::<u64>(),
+            (64 << 10) - held,
+            "the pool's unused part is free again"
+        );
+        let overlaps =
+            |&(at, len): &(u64, u64), x: &Block| at < x.addr + x.cap() && x.addr < at + len;
+        assert!(
+            free.iter().all(|r| !overlaps(r, &a) && !overlaps(r, &b)),
+            "not the blocks handed out: {free:?}"
+        );
         // Blocks handed out by the pool are freed to the segment's space.
         s.free(a);
         s.free(b);
         assert_eq!(s.used(), 0);
         assert_eq!(s.free_ranges(), 1);
         assert_eq!(s.free_within(0, u64::MAX), vec![(0x10000, 1 << 20)]);
-        assert_eq!(s.free_within(0x10000 + 100 * 64, 0x10000 + 101 * 64), vec![(0x10000 + 100 * 64, 64)], "clipped to the range asked");
+        assert_eq!(
+            s.free_within(0x10000 + 100 * 64, 0x10000 + 101 * 64),
+            vec![(0x10000 + 100 * 64, 64)],
+            "clipped to the range asked"
+        );
     }
 
     #[test]
@@ -317,13 +376,18 @@ mod frag_tests {
         while s.allocate(16 << 20).is_some() {
             n += 1;
         }
-        assert_eq!(n, 64, "after mixed use and frees, 16 MiB blocks fill the segment");
+        assert_eq!(
+            n, 64,
+            "after mixed use and frees, 16 MiB blocks fill the segment"
+        );
     }
 
     #[test]
     fn millions_of_small_blocks_need_no_reservation() {
         let mut s = SegmentSpace::new(0, 1 << 40);
-        let blocks: Vec<Block> = (0..1_000_000).map(|_| s.allocate(4096).expect("room")).collect();
+        let blocks: Vec<Block> = (0..1_000_000)
+            .map(|_| s.allocate(4096).expect("room"))
+            .collect();
         assert_eq!(s.used(), 4096 * 1_000_000);
         assert_eq!(s.free_ranges(), 1);
         for b in blocks.iter().step_by(2) {
@@ -338,7 +402,11 @@ mod frag_tests {
 
     /// The free ranges and bytes used: what two spaces must agree on.
     fn shape(s: &SegmentSpace) -> (u64, Vec<(u64, u64)>, usize) {
-        (s.used(), s.by_addr.iter().map(|(&o, &l)| (o, l)).collect(), s.by_size.len())
+        (
+            s.used(),
+            s.by_addr.iter().map(|(&o, &l)| (o, l)).collect(),
+            s.by_size.len(),
+        )
     }
 
     proptest::proptest! {
@@ -371,7 +439,9 @@ mod frag_tests {
     #[test]
     fn a_whole_segment_freed_at_once_is_one_range_again_in_few_updates() {
         let mut s = SegmentSpace::new(0, 1 << 30);
-        let mut blocks: Vec<Block> = (0..100_000).map(|i| s.allocate(1000 + (i % 7) * 500).expect("room")).collect();
+        let mut blocks: Vec<Block> = (0..100_000)
+            .map(|i| s.allocate(1000 + (i % 7) * 500).expect("room"))
+            .collect();
         // In no particular order (as a hash map hands objects out).
         blocks.sort_unstable_by_key(|b| b.addr.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         s.free_many(blocks);

@@ -49,7 +49,16 @@ impl State {
     /// removal took out goes to `removed`, for the caller to drop after it lets go of the
     /// state's lock (freeing a million keys is not done under it).
     #[allow(clippy::too_many_arguments)]
-    pub fn apply(&mut self, cfg: &MasterConfig, stats: &Stats, req: &Request, now: u64, attempt: Attempt, grants_durable: u64, removed: &mut Option<Removed>) -> Applied {
+    pub fn apply(
+        &mut self,
+        cfg: &MasterConfig,
+        stats: &Stats,
+        req: &Request,
+        now: u64,
+        attempt: Attempt,
+        grants_durable: u64,
+        removed: &mut Option<Removed>,
+    ) -> Applied {
         let before = self.marks();
         let put = matches!(req, Request::PutStart { .. });
         if put && self.granting() {
@@ -64,7 +73,15 @@ impl State {
         Applied { result, needs }
     }
 
-    fn apply_unmarked(&mut self, cfg: &MasterConfig, stats: &Stats, req: &Request, now: u64, attempt: Attempt, removed: &mut Option<Removed>) -> Result<Response, StoreError> {
+    fn apply_unmarked(
+        &mut self,
+        cfg: &MasterConfig,
+        stats: &Stats,
+        req: &Request,
+        now: u64,
+        attempt: Attempt,
+        removed: &mut Option<Removed>,
+    ) -> Result<Response, StoreError> {
         let lease = cfg.lease_ttl.as_millis() as u64;
         let release = cfg.put_start_release_timeout.as_millis() as u64;
         match req {

@@ -39,7 +39,15 @@ impl DeferredFrees {
     pub(super) fn push(&mut self, replica: Replica, release_at: u64, reads: &[u64]) {
         let id = self.next;
         self.next += 1;
-        self.all.insert(id, Deferred { replica, waiting: reads.len(), by_reads: !reads.is_empty(), release_at });
+        self.all.insert(
+            id,
+            Deferred {
+                replica,
+                waiting: reads.len(),
+                by_reads: !reads.is_empty(),
+                release_at,
+            },
+        );
         self.by_time.push(Reverse((release_at, id)));
         for r in reads {
             self.by_read.entry(*r).or_default().push(id);
@@ -50,9 +58,13 @@ impl DeferredFrees {
     /// Read `read` ended (released by its reader, or its lease ran out): the replicas that
     /// waited for it and for nothing else go to `free`.
     pub(super) fn read_ended(&mut self, read: u64, free: &mut Vec<Replica>) {
-        let Some(ids) = self.by_read.remove(&read) else { return };
+        let Some(ids) = self.by_read.remove(&read) else {
+            return;
+        };
         for id in ids {
-            let Some(d) = self.all.get_mut(&id) else { continue };
+            let Some(d) = self.all.get_mut(&id) else {
+                continue;
+            };
             d.waiting = d.waiting.saturating_sub(1);
             if d.by_reads && d.waiting == 0 {
                 free.extend(self.all.remove(&id).map(|d| d.replica));
@@ -75,7 +87,8 @@ impl DeferredFrees {
     /// segment mounted again); the others are forgotten. Walks every free: a mount is rare.
     pub(super) fn retain_on(&mut self, seg: u64, mut keep: impl FnMut(&Replica) -> bool) {
         let before = self.all.len();
-        self.all.retain(|_, d| d.replica.seg != seg || keep(&d.replica));
+        self.all
+            .retain(|_, d| d.replica.seg != seg || keep(&d.replica));
         if self.all.len() != before {
             self.compact();
         }
@@ -121,7 +134,10 @@ mod tests {
     /// A replica of 64 bytes at `addr` on segment `seg`.
     fn on(seg: u64, addr: u64) -> Replica {
         let mut space = SegmentSpace::new(addr, 64);
-        Replica { seg, block: space.allocate(64).expect("room") }
+        Replica {
+            seg,
+            block: space.allocate(64).expect("room"),
+        }
     }
 
     fn r(addr: u64) -> Replica {
@@ -146,13 +162,21 @@ mod tests {
         d.due(30, &mut free);
         assert_eq!(addrs(std::mem::take(&mut free)), [128], "by time only");
         d.read_ended(2, &mut free);
-        assert_eq!(addrs(std::mem::take(&mut free)), [0, 64], "both waited for read 2 last");
+        assert_eq!(
+            addrs(std::mem::take(&mut free)),
+            [0, 64],
+            "both waited for read 2 last"
+        );
         d.read_ended(2, &mut free);
         d.due(1000, &mut free);
         assert!(free.is_empty() && d.is_empty(), "each freed once");
         d.push(r(192), 10, &[3]);
         d.due(10, &mut free);
-        assert_eq!(addrs(std::mem::take(&mut free)), [192], "its time came before its read ended");
+        assert_eq!(
+            addrs(std::mem::take(&mut free)),
+            [192],
+            "its time came before its read ended"
+        );
         d.read_ended(3, &mut free);
         assert!(free.is_empty());
     }
@@ -167,7 +191,11 @@ mod tests {
         }
         assert_eq!(free.len(), 100_000);
         assert!(d.is_empty());
-        assert!(d.by_time.len() <= 1024 + 1, "{} time entries left for nothing waiting", d.by_time.len());
+        assert!(
+            d.by_time.len() <= 1024 + 1,
+            "{} time entries left for nothing waiting",
+            d.by_time.len()
+        );
         for i in 0..10_000u64 {
             d.push(on(2 + i % 2, i * 64), 5, &[1 << 40 | i]);
         }

@@ -46,7 +46,10 @@ fn de_recs<'de, D: serde::Deserializer<'de>>(d: D) -> Result<ReplicaRecs, D::Err
         fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
             f.write_str("a sequence of replicas")
         }
-        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<ReplicaRecs, A::Error> {
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<ReplicaRecs, A::Error> {
             let mut out = ReplicaRecs::new();
             while let Some(r) = seq.next_element()? {
                 out.push(r);
@@ -87,19 +90,37 @@ pub struct ObjectRec {
 /// One replicated change: an entity's whole durable state, or its removal.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Change {
-    Client { id: u64, live: bool },
-    Mount { client: u64, seg: Segment },
-    Unmount { seg: u64 },
-    Object { key: String, rec: ObjectRec },
-    Forget { key: String },
+    Client {
+        id: u64,
+        live: bool,
+    },
+    Mount {
+        client: u64,
+        seg: Segment,
+    },
+    Unmount {
+        seg: u64,
+    },
+    Object {
+        key: String,
+        rec: ObjectRec,
+    },
+    Forget {
+        key: String,
+    },
     /// A replica no object names any more but a reader may still read: not reused for a
     /// lease TTL after a takeover. (What leaders before [`Change::HeldUntil`] wrote.)
-    HeldBack { replica: ReplicaRec },
+    HeldBack {
+        replica: ReplicaRec,
+    },
     /// Space no object names any more that a reader may still read or a writer still write
     /// (a write in progress whose object or segment went): not reused for `left` ms after
     /// the change was taken, nor for less than a lease TTL after a takeover. Its segment
     /// may be gone: the space is then held in case it is mounted again.
-    HeldUntil { replica: ReplicaRec, left: u64 },
+    HeldUntil {
+        replica: ReplicaRec,
+        left: u64,
+    },
     /// The space of segment `seg` granted ahead to puts by the leader of `term` (its whole
     /// pool, `(address, length)`; empty: none any more): once this change is acknowledged,
     /// a put placed there is answered before its own change is. A new leader holds, for
@@ -108,7 +129,12 @@ pub enum Change {
     /// never reached it writes there and nowhere else. (Masters before this change cannot
     /// read a journal holding one; a leader grants only while every in-sync standby says it
     /// reads them, `ha::sync::GRANTS`.)
-    Granted { seg: u64, term: i64, ranges: Vec<(u64, u64)>, hold: u64 },
+    Granted {
+        seg: u64,
+        term: i64,
+        ranges: Vec<(u64, u64)>,
+        hold: u64,
+    },
 }
 
 /// What a request changed, as marked by the state (only while journaling).
@@ -179,8 +205,17 @@ impl State {
 
     /// A segment's grant as a change: its pool's whole block (none: empty).
     fn granted(&self, id: u64, s: &super::SegState) -> Change {
-        let ranges = s.pool.as_ref().map(|p| vec![(p.space.base(), p.space.size())]).unwrap_or_default();
-        Change::Granted { seg: id, term: self.term, ranges, hold: self.grants.hold }
+        let ranges = s
+            .pool
+            .as_ref()
+            .map(|p| vec![(p.space.base(), p.space.size())])
+            .unwrap_or_default();
+        Change::Granted {
+            seg: id,
+            term: self.term,
+            ranges,
+            hold: self.grants.hold,
+        }
     }
 
     pub(super) fn mark_segment(&mut self, id: u64) {
@@ -208,7 +243,14 @@ impl State {
         ObjectRec {
             size: o.size,
             current: o.current.iter().map(rec).collect(),
-            pending: o.pending.as_ref().map(|p| PendingRec { id: p.id, replicas: p.replicas.iter().map(rec).collect(), size: p.size, client: p.client, soft_pin: p.soft_pin, soft_pin_ttl: p.soft_pin_ttl }),
+            pending: o.pending.as_ref().map(|p| PendingRec {
+                id: p.id,
+                replicas: p.replicas.iter().map(rec).collect(),
+                size: p.size,
+                client: p.client,
+                soft_pin: p.soft_pin,
+                soft_pin_ttl: p.soft_pin_ttl,
+            }),
             owner: o.owner,
             hard_pin: o.hard_pin,
             soft_pin_left: o.soft_pin_until.saturating_sub(now),
@@ -219,30 +261,62 @@ impl State {
     /// The changes marked since the last call, each with the entity's state now; empty when
     /// nothing durable changed (or not journaling).
     pub fn take_changes(&mut self, now: u64) -> Vec<Change> {
-        let Some(d) = self.dirty.as_mut() else { return Vec::new() };
-        if d.clients.is_empty() && d.segments.is_empty() && d.keys.is_empty() && d.bulk.is_empty() && d.held_back.is_empty() && d.grants.is_empty() {
+        let Some(d) = self.dirty.as_mut() else {
+            return Vec::new();
+        };
+        if d.clients.is_empty()
+            && d.segments.is_empty()
+            && d.keys.is_empty()
+            && d.bulk.is_empty()
+            && d.held_back.is_empty()
+            && d.grants.is_empty()
+        {
             return Vec::new();
         }
         let d = std::mem::take(&mut **d);
-        let mut out = Vec::with_capacity(d.clients.len() + d.segments.len() + d.keys.len() + d.bulk.len() + d.held_back.len());
+        let mut out = Vec::with_capacity(
+            d.clients.len() + d.segments.len() + d.keys.len() + d.bulk.len() + d.held_back.len(),
+        );
         for id in d.clients {
-            out.push(Change::Client { id, live: self.clients.contains_key(&id) });
+            out.push(Change::Client {
+                id,
+                live: self.clients.contains_key(&id),
+            });
         }
         for id in d.segments {
             out.push(match self.segments.get(&id) {
-                Some(s) => Change::Mount { client: s.client, seg: s.seg.clone() },
+                Some(s) => Change::Mount {
+                    client: s.client,
+                    seg: s.seg.clone(),
+                },
                 None => Change::Unmount { seg: id },
             });
         }
         for key in d.keys.into_iter().chain(d.bulk) {
             out.push(match self.objects.get(&key) {
-                Some(o) => Change::Object { key: key.into_string(), rec: State::object_rec(o, now) },
-                None => Change::Forget { key: key.into_string() },
+                Some(o) => Change::Object {
+                    key: key.into_string(),
+                    rec: State::object_rec(o, now),
+                },
+                None => Change::Forget {
+                    key: key.into_string(),
+                },
             });
         }
-        out.extend(d.held_back.into_iter().map(|(replica, until)| Change::HeldUntil { replica, left: until.saturating_sub(now) }));
+        out.extend(
+            d.held_back
+                .into_iter()
+                .map(|(replica, until)| Change::HeldUntil {
+                    replica,
+                    left: until.saturating_sub(now),
+                }),
+        );
         // (A segment gone since is an `Unmount`, which ends its grants.)
-        out.extend(d.grants.into_iter().filter_map(|id| Some(self.granted(id, self.segments.get(&id)?))));
+        out.extend(
+            d.grants
+                .into_iter()
+                .filter_map(|id| Some(self.granted(id, self.segments.get(&id)?))),
+        );
         out
     }
 
@@ -263,21 +337,45 @@ impl State {
     /// anyway (whole entities, applied again idempotently), so the image and what follows
     /// it rebuild the leader's state as one taken at once would.
     pub fn image_head(&self, now: u64) -> Vec<Change> {
-        let mut out = Vec::with_capacity(self.clients.len() + self.segments.len() + self.objects.len() + self.deferred.len());
-        out.extend(self.clients.keys().map(|&id| Change::Client { id, live: true }));
+        let mut out = Vec::with_capacity(
+            self.clients.len() + self.segments.len() + self.objects.len() + self.deferred.len(),
+        );
+        out.extend(
+            self.clients
+                .keys()
+                .map(|&id| Change::Client { id, live: true }),
+        );
         for id in &self.seg_order {
             if let Some(s) = self.segments.get(id) {
-                out.push(Change::Mount { client: s.client, seg: s.seg.clone() });
+                out.push(Change::Mount {
+                    client: s.client,
+                    seg: s.seg.clone(),
+                });
             }
         }
-        out.extend(self.deferred.replicas().map(|(r, until)| Change::HeldUntil { replica: rec(r), left: until.saturating_sub(now) }));
-        out.extend(self.seg_order.iter().filter_map(|id| self.segments.get(id).filter(|s| s.pool.is_some()).map(|s| self.granted(*id, s))));
+        out.extend(
+            self.deferred
+                .replicas()
+                .map(|(r, until)| Change::HeldUntil {
+                    replica: rec(r),
+                    left: until.saturating_sub(now),
+                }),
+        );
+        out.extend(self.seg_order.iter().filter_map(|id| {
+            self.segments
+                .get(id)
+                .filter(|s| s.pool.is_some())
+                .map(|s| self.granted(*id, s))
+        }));
         out
     }
 
     /// Piece `i` (`0..IMAGE_PIECES`) of an image's objects, appended to `out`.
     pub fn image_piece(&self, i: usize, now: u64, out: &mut Vec<Change>) {
-        out.extend(self.objects.shard_entries(i).map(|(k, o)| Change::Object { key: k.to_string(), rec: State::object_rec(o, now) }));
+        out.extend(self.objects.shard_entries(i).map(|(k, o)| Change::Object {
+            key: k.to_string(),
+            rec: State::object_rec(o, now),
+        }));
     }
 }
 
@@ -325,7 +423,11 @@ impl Image {
                 self.clients.remove(&id);
             }
             Change::Mount { client, seg } => {
-                if self.segments.insert(seg.id, (client, seg.clone())).is_none() {
+                if self
+                    .segments
+                    .insert(seg.id, (client, seg.clone()))
+                    .is_none()
+                {
                     self.seg_order.push(seg.id);
                 }
             }
@@ -345,7 +447,12 @@ impl Image {
             }
             Change::HeldBack { replica } => self.held_back.push((replica, 0)),
             Change::HeldUntil { replica, left } => self.held_back.push((replica, left)),
-            Change::Granted { seg, term, ranges, hold } => {
+            Change::Granted {
+                seg,
+                term,
+                ranges,
+                hold,
+            } => {
                 if ranges.is_empty() {
                     self.grants.remove(&(seg, term));
                 } else {
@@ -387,7 +494,10 @@ impl Image {
     /// is assumed about what was not replicated); `lease` is the read lease TTL in ms. It
     /// journals ([`State::journal_on`]): the space it holds is its first changes.
     pub fn into_state(self, term: i64, now: u64, lease: u64) -> (State, Rebuilt) {
-        let mut st = State { term, ..State::default() };
+        let mut st = State {
+            term,
+            ..State::default()
+        };
         let mut report = Rebuilt::default();
         // Read ids of this term never collide with an earlier term's.
         st.next_read = (term.max(0) as u64) << 40;
@@ -397,7 +507,16 @@ impl Image {
         for id in &self.seg_order {
             if let Some((client, seg)) = self.segments.get(id) {
                 let space = SegmentSpace::new(seg.base, seg.size);
-                st.segments.insert(*id, SegState { seg: seg.clone(), client: *client, space, writes_until: 0, pool: None });
+                st.segments.insert(
+                    *id,
+                    SegState {
+                        seg: seg.clone(),
+                        client: *client,
+                        space,
+                        writes_until: 0,
+                        pool: None,
+                    },
+                );
                 st.seg_order.push(*id);
                 // A segment's owner is alive until it stops pinging the new leader.
                 st.clients.insert(*client, now);
@@ -411,10 +530,18 @@ impl Image {
         // bytes another object already took (a corrupt journal). Which of two objects naming
         // the same bytes comes first is up to the map's order, so neither keeps them (below).
         let mut contested: Vec<(u64, u64, u64)> = Vec::new();
-        let take = |st: &mut State, list: &[ReplicaRec], report: &mut Rebuilt, contested: &mut Vec<(u64, u64, u64)>| -> Box<[Replica]> {
+        let take = |st: &mut State,
+                    list: &[ReplicaRec],
+                    report: &mut Rebuilt,
+                    contested: &mut Vec<(u64, u64, u64)>|
+         -> Box<[Replica]> {
             let mut out = Vec::with_capacity(list.len());
             for &(seg, addr, len) in list {
-                match st.segments.get_mut(&seg).and_then(|s| s.space.reserve(addr, len)) {
+                match st
+                    .segments
+                    .get_mut(&seg)
+                    .and_then(|s| s.space.reserve(addr, len))
+                {
                     Some(block) => out.push(Replica { seg, block }),
                     None => {
                         report.dropped_replicas += 1;
@@ -431,25 +558,53 @@ impl Image {
         // over the segment, fragmenting its free ranges into as many as there were objects:
         // 2.3 µs per object, most of a takeover of a million objects).
         // (Indices sorted, not the ~180-byte entries themselves.)
-        let mut objects: Vec<Option<(String, ObjectRec)>> = self.objects.into_iter().map(Some).collect();
-        let at = |r: &ObjectRec| r.current.first().or_else(|| r.pending.as_ref().and_then(|p| p.replicas.first())).map_or((0, 0), |&(seg, addr, _)| (seg, addr));
-        let mut order: Vec<((u64, u64), usize)> = objects.iter().enumerate().filter_map(|(i, o)| Some((at(&o.as_ref()?.1), i))).collect();
+        let mut objects: Vec<Option<(String, ObjectRec)>> =
+            self.objects.into_iter().map(Some).collect();
+        let at = |r: &ObjectRec| {
+            r.current
+                .first()
+                .or_else(|| r.pending.as_ref().and_then(|p| p.replicas.first()))
+                .map_or((0, 0), |&(seg, addr, _)| (seg, addr))
+        };
+        let mut order: Vec<((u64, u64), usize)> = objects
+            .iter()
+            .enumerate()
+            .filter_map(|(i, o)| Some((at(&o.as_ref()?.1), i)))
+            .collect();
         order.sort_unstable();
-        for (key, rec) in order.into_iter().filter_map(|(_, i)| objects.get_mut(i).and_then(Option::take)) {
+        for (key, rec) in order
+            .into_iter()
+            .filter_map(|(_, i)| objects.get_mut(i).and_then(Option::take))
+        {
             let current = take(&mut st, &rec.current, &mut report, &mut contested);
             let pending = rec.pending.map(|p| {
                 let replicas = take(&mut st, &p.replicas, &mut report, &mut contested);
-                Box::new(Pending { id: p.id, replicas, size: p.size, client: p.client, started: now, soft_pin: p.soft_pin, soft_pin_ttl: p.soft_pin_ttl })
+                Box::new(Pending {
+                    id: p.id,
+                    replicas,
+                    size: p.size,
+                    client: p.client,
+                    started: now,
+                    soft_pin: p.soft_pin,
+                    soft_pin_ttl: p.soft_pin_ttl,
+                })
             });
             if current.is_empty() && pending.as_ref().is_none_or(|p| p.replicas.is_empty()) {
-                for r in current.iter().chain(pending.iter().flat_map(|p| p.replicas.iter())) {
+                for r in current
+                    .iter()
+                    .chain(pending.iter().flat_map(|p| p.replicas.iter()))
+                {
                     st.free_now(*r);
                 }
                 report.dropped_objects += 1;
                 continue;
             }
             let group: Option<Arc<str>> = rec.group.as_deref().map(Arc::from);
-            let reads = if current.is_empty() { Vec::new() } else { vec![takeover_read] };
+            let reads = if current.is_empty() {
+                Vec::new()
+            } else {
+                vec![takeover_read]
+            };
             st.objects.insert(
                 key.into_boxed_str(),
                 Object {
@@ -461,7 +616,11 @@ impl Image {
                     written: now,
                     owner: rec.owner,
                     last_access: now,
-                    soft_pin_until: if rec.soft_pin_left > 0 { now.saturating_add(rec.soft_pin_left) } else { 0 },
+                    soft_pin_until: if rec.soft_pin_left > 0 {
+                        now.saturating_add(rec.soft_pin_left)
+                    } else {
+                        0
+                    },
                     hard_pin: rec.hard_pin,
                     group,
                     joined: now,
@@ -473,7 +632,11 @@ impl Image {
         }
         for (key, o) in st.objects.iter() {
             if let Some(g) = &o.group {
-                st.groups.entry(Arc::clone(g)).or_default().members.push(key.clone());
+                st.groups
+                    .entry(Arc::clone(g))
+                    .or_default()
+                    .members
+                    .push(key.clone());
             }
         }
         report.objects = st.objects.len();
@@ -492,15 +655,26 @@ impl Image {
         let mut by_seg: BTreeMap<u64, Vec<HeldRange>> = BTreeMap::new();
         for ((seg, addr, len), left) in self.held_back {
             let end = super::alloc::cap_of(len).map_or(u64::MAX, |cap| addr.saturating_add(cap));
-            by_seg.entry(seg).or_default().push((addr, end, now.saturating_add(left.max(lease))));
+            by_seg
+                .entry(seg)
+                .or_default()
+                .push((addr, end, now.saturating_add(left.max(lease))));
         }
         // What a grant named that no replica known here covers: a put answered before its
         // change was acknowledged may write there (for as long as its release timeout).
         // Held after everything else was reserved, so the holds cover exactly that.
         for ((seg, _), (ranges, hold)) in self.grants {
-            let Some(s) = st.segments.get(&seg) else { continue };
-            let free: Vec<(u64, u64)> = ranges.iter().flat_map(|&(addr, len)| s.space.free_within(addr, addr.saturating_add(len))).collect();
-            by_seg.entry(seg).or_default().extend(free.into_iter().map(|(addr, len)| (addr, addr + len, now.saturating_add(hold.max(lease)))));
+            let Some(s) = st.segments.get(&seg) else {
+                continue;
+            };
+            let free: Vec<(u64, u64)> = ranges
+                .iter()
+                .flat_map(|&(addr, len)| s.space.free_within(addr, addr.saturating_add(len)))
+                .collect();
+            by_seg.entry(seg).or_default().extend(
+                free.into_iter()
+                    .map(|(addr, len)| (addr, addr + len, now.saturating_add(hold.max(lease)))),
+            );
         }
         for (seg, ranges) in by_seg {
             for (start, end, until) in held_pieces(ranges) {
@@ -512,7 +686,13 @@ impl Image {
                     }
                     None => {
                         st.orphaned.insert(seg);
-                        st.free_later(Replica { seg, block: super::alloc::Block::held(start, end - start) }, until);
+                        st.free_later(
+                            Replica {
+                                seg,
+                                block: super::alloc::Block::held(start, end - start),
+                            },
+                            until,
+                        );
                     }
                 }
             }

@@ -37,8 +37,8 @@ pub mod shards;
 
 use crate::error::{StoreError, StoreResult};
 use crate::proto::{ReplicaDesc, Segment, SoftPin};
-pub use apply::{Applied, Needs};
 use alloc::{Block, SegmentSpace};
+pub use apply::{Applied, Needs};
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -141,13 +141,16 @@ impl Object {
     /// group's only if it was last read after this object joined it: a member put after the
     /// group's reads was never read, as when each read leased the members there were then.
     fn lease_end(&self, groups: &Groups) -> u64 {
-        let group = self.group_in(groups).filter(|g| g.last_access >= self.joined);
+        let group = self
+            .group_in(groups)
+            .filter(|g| g.last_access >= self.joined);
         self.lease_until.max(group.map_or(0, |g| g.lease_until))
     }
 
     /// When this object or (as reading one member counts for all) its group was last read.
     fn accessed(&self, groups: &Groups) -> u64 {
-        self.last_access.max(self.group_in(groups).map_or(0, |g| g.last_access))
+        self.last_access
+            .max(self.group_in(groups).map_or(0, |g| g.last_access))
     }
 
     /// Its group, if it has one.
@@ -162,8 +165,16 @@ impl Object {
 
     /// Takes out the replicas, readable or being written, that `gone` picks, handing each to
     /// `dropped`; whether any went.
-    fn drop_replicas(&mut self, gone: impl Fn(&Replica) -> bool, mut dropped: impl FnMut(Replica)) -> bool {
-        fn split(list: &mut Box<[Replica]>, gone: &impl Fn(&Replica) -> bool, dropped: &mut impl FnMut(Replica)) -> bool {
+    fn drop_replicas(
+        &mut self,
+        gone: impl Fn(&Replica) -> bool,
+        mut dropped: impl FnMut(Replica),
+    ) -> bool {
+        fn split(
+            list: &mut Box<[Replica]>,
+            gone: &impl Fn(&Replica) -> bool,
+            dropped: &mut impl FnMut(Replica),
+        ) -> bool {
             if !list.iter().any(gone) {
                 return false;
             }
@@ -173,7 +184,10 @@ impl Object {
             true
         }
         let current = split(&mut self.current, &gone, &mut dropped);
-        let pending = self.pending.as_mut().is_some_and(|p| split(&mut p.replicas, &gone, &mut dropped));
+        let pending = self
+            .pending
+            .as_mut()
+            .is_some_and(|p| split(&mut p.replicas, &gone, &mut dropped));
         current || pending
     }
 
@@ -184,7 +198,13 @@ impl Object {
 
     /// Whether eviction may take this object now: stored, not being written or read, older
     /// than `min_age`, not hard-pinned, and (before the last pass) not soft-pinned.
-    fn evictable(&self, reads: &HashMap<u64, u64>, now: u64, min_age: u64, last_pass: bool) -> bool {
+    fn evictable(
+        &self,
+        reads: &HashMap<u64, u64>,
+        now: u64,
+        min_age: u64,
+        last_pass: bool,
+    ) -> bool {
         !self.current.is_empty()
             && self.pending.is_none()
             && !self.being_read(reads, now)
@@ -212,7 +232,11 @@ struct SegState {
 impl SegState {
     /// Bytes objects use (and held space): what a pool has not handed out yet is free.
     fn used(&self) -> u64 {
-        self.space.used() - self.pool.as_ref().map_or(0, |p| p.space.size() - p.space.used())
+        self.space.used()
+            - self
+                .pool
+                .as_ref()
+                .map_or(0, |p| p.space.size() - p.space.used())
     }
 
     /// Allocates `size` bytes: with grants on, from the pool (a new one when it has no room:
@@ -235,7 +259,10 @@ impl SegState {
         if let Some(carved) = self.space.allocate(want) {
             let mut space = SegmentSpace::new(carved.addr, carved.cap());
             if let Some(b) = space.allocate(size) {
-                self.pool = Some(Pool { space, gen: next_grant() });
+                self.pool = Some(Pool {
+                    space,
+                    gen: next_grant(),
+                });
                 return Some((b, false));
             }
             self.space.free(carved);
@@ -296,7 +323,10 @@ struct ReportedWrite {
 /// Whether `r` overlaps one of `ranges` (`(segment, start, end)`, sorted): a binary search,
 /// not a walk, since it is asked of every replica of every object.
 fn overlaps_any(ranges: &[(u64, u64, u64)], r: &Replica) -> bool {
-    let (a, e) = (r.block.addr, r.block.addr.saturating_add(r.block.len.max(1)));
+    let (a, e) = (
+        r.block.addr,
+        r.block.addr.saturating_add(r.block.len.max(1)),
+    );
     // Ranges of this segment starting before `e`: any of them ending after `a`.
     let from = ranges.partition_point(|&(s, _, _)| s < r.seg);
     let to = ranges.partition_point(|&(s, start, _)| (s, start) < (r.seg, e));
@@ -317,8 +347,21 @@ pub struct Stats {
 }
 
 pub const OP_NAMES: [&str; 15] = [
-    "mount", "remount", "unmount", "ping", "put_start", "put_end", "put_revoke", "get_replica_list", "exist_key", "remove", "remove_all", "remove_by_regex", "release_reads",
-    "batch_replica_clear", "hold_writes",
+    "mount",
+    "remount",
+    "unmount",
+    "ping",
+    "put_start",
+    "put_end",
+    "put_revoke",
+    "get_replica_list",
+    "exist_key",
+    "remove",
+    "remove_all",
+    "remove_by_regex",
+    "release_reads",
+    "batch_replica_clear",
+    "hold_writes",
 ];
 
 /// The master's objects by key.
@@ -472,7 +515,10 @@ impl State {
     /// An empty state whose read ids follow `next_read` (its driver picks it so that read
     /// ids of masters restarted at one address differ: `crate::Master::new`).
     pub fn with_reads_after(next_read: u64) -> State {
-        State { next_read, ..State::default() }
+        State {
+            next_read,
+            ..State::default()
+        }
     }
 
     /// Seeds the random placement's generator: its driver seeds it from the process's
@@ -482,7 +528,11 @@ impl State {
     }
 
     fn desc(&self, r: &Replica) -> Option<ReplicaDesc> {
-        self.segments.get(&r.seg).map(|s| ReplicaDesc { te_endpoint: s.seg.te_endpoint.clone(), addr: r.block.addr, size: r.block.len })
+        self.segments.get(&r.seg).map(|s| ReplicaDesc {
+            te_endpoint: s.seg.te_endpoint.clone(),
+            addr: r.block.addr,
+            size: r.block.len,
+        })
     }
 
     fn free_now(&mut self, r: Replica) {
@@ -505,11 +555,20 @@ impl State {
 
     /// [`State::free_after_reads`], leaving a replica that may be freed now to the caller.
     fn free_after_reads_or_back(&mut self, r: Replica, reads: &[u64], now: u64) -> Option<Replica> {
-        let live: Vec<u64> = reads.iter().copied().filter(|id| read_live(&self.reads, *id, now)).collect();
+        let live: Vec<u64> = reads
+            .iter()
+            .copied()
+            .filter(|id| read_live(&self.reads, *id, now))
+            .collect();
         if live.is_empty() {
             return Some(r);
         }
-        let release_at = live.iter().filter_map(|id| self.reads.get(id)).copied().max().unwrap_or(now);
+        let release_at = live
+            .iter()
+            .filter_map(|id| self.reads.get(id))
+            .copied()
+            .max()
+            .unwrap_or(now);
         self.mark_held_back(&r, release_at);
         self.deferred.push(r, release_at, &live);
         None
@@ -523,7 +582,11 @@ impl State {
     /// The reads named finished: their replicas may be reclaimed. (Only the frees waiting
     /// for them are looked at, and those due by time.)
     pub fn release_reads(&mut self, ids: &[u64], now: u64) {
-        let ended: Vec<u64> = ids.iter().copied().filter(|id| self.reads.remove(id).is_some()).collect();
+        let ended: Vec<u64> = ids
+            .iter()
+            .copied()
+            .filter(|id| self.reads.remove(id).is_some())
+            .collect();
         self.reads_ended(&ended, now);
     }
 
@@ -549,12 +612,20 @@ impl State {
 
     pub fn summary(&self) -> Summary {
         Summary {
-            keys: self.objects.values().filter(|o| !o.current.is_empty()).count(),
+            keys: self
+                .objects
+                .values()
+                .filter(|o| !o.current.is_empty())
+                .count(),
             bytes_used: self.used_bytes(),
             bytes_total: self.total_bytes(),
             clients: self.clients.len(),
             segments: self.segments.len(),
-            pending_puts: self.objects.values().filter(|o| o.pending.is_some()).count(),
+            pending_puts: self
+                .objects
+                .values()
+                .filter(|o| o.pending.is_some())
+                .count(),
             deferred_frees: self.deferred.len(),
         }
     }
@@ -563,7 +634,15 @@ impl State {
         let mut v: Vec<SegmentInfo> = self
             .segments
             .values()
-            .map(|s| SegmentInfo { id: s.seg.id, name: s.seg.name.clone(), te_endpoint: s.seg.te_endpoint.clone(), client: format!("{:x}", s.client), base: s.seg.base, size: s.space.size(), used: s.used() })
+            .map(|s| SegmentInfo {
+                id: s.seg.id,
+                name: s.seg.name.clone(),
+                te_endpoint: s.seg.te_endpoint.clone(),
+                client: format!("{:x}", s.client),
+                base: s.seg.base,
+                size: s.space.size(),
+                used: s.used(),
+            })
             .collect();
         v.sort_by_key(|s| s.id);
         v
@@ -577,7 +656,11 @@ impl State {
             replicas: o.current.iter().filter_map(|r| self.desc(r)).collect(),
             complete: !o.current.is_empty(),
             leased_ms: o.lease_end(&self.groups).saturating_sub(now),
-            reads_in_flight: o.reads.iter().filter(|id| read_live(&self.reads, **id, now)).count(),
+            reads_in_flight: o
+                .reads
+                .iter()
+                .filter(|id| read_live(&self.reads, **id, now))
+                .count(),
             soft_pinned: o.soft_pin_until > now,
             hard_pinned: o.hard_pin,
             group: o.group.as_deref().map(str::to_string),

@@ -7,7 +7,10 @@ use crate::proto::ReplicaList;
 
 impl State {
     pub(super) fn touch(&mut self, key: &str, now: u64, lease: u64) -> StoreResult<()> {
-        let o = self.objects.get_mut(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        let o = self
+            .objects
+            .get_mut(key)
+            .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         if o.current.is_empty() {
             return Err(StoreError::ReplicaNotReady(key.to_string()));
         }
@@ -21,22 +24,36 @@ impl State {
         Ok(())
     }
 
-    pub fn get_replica_list(&mut self, key: &str, now: u64, lease: u64) -> StoreResult<ReplicaList> {
+    pub fn get_replica_list(
+        &mut self,
+        key: &str,
+        now: u64,
+        lease: u64,
+    ) -> StoreResult<ReplicaList> {
         check_key(key)?;
         self.touch(key, now, lease)?;
         self.next_read += 1;
         let read_id = self.next_read;
         self.reads.insert(read_id, now + lease);
         let reads = &self.reads;
-        let Some(o) = self.objects.get_mut(key) else { return Err(StoreError::ObjectNotFound(key.to_string())) };
+        let Some(o) = self.objects.get_mut(key) else {
+            return Err(StoreError::ObjectNotFound(key.to_string()));
+        };
         // Finished reads are pruned when the list reaches a power of two, not at every read:
         // n reads of one key in flight at once cost O(n) in all, not O(n²).
         if o.reads.len() >= 8 && o.reads.len().is_power_of_two() {
             o.reads.retain(|id| read_live(reads, *id, now));
         }
         o.reads.push(read_id);
-        let Some(o) = self.objects.get(key) else { return Err(StoreError::ObjectNotFound(key.to_string())) };
-        Ok(ReplicaList { replicas: o.current.iter().filter_map(|r| self.desc(r)).collect(), size: o.size, lease_ttl_ms: lease, read_id })
+        let Some(o) = self.objects.get(key) else {
+            return Err(StoreError::ObjectNotFound(key.to_string()));
+        };
+        Ok(ReplicaList {
+            replicas: o.current.iter().filter_map(|r| self.desc(r)).collect(),
+            size: o.size,
+            lease_ttl_ms: lease,
+            read_id,
+        })
     }
 
     /// Forgets reads whose lease ran out (their readers fail the read themselves); the frees
@@ -62,9 +79,18 @@ impl State {
         }
     }
 
-    pub fn remove(&mut self, m: &MasterConfig, key: &str, force: bool, now: u64) -> StoreResult<()> {
+    pub fn remove(
+        &mut self,
+        m: &MasterConfig,
+        key: &str,
+        force: bool,
+        now: u64,
+    ) -> StoreResult<()> {
         check_key(key)?;
-        let o = self.objects.get(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        let o = self
+            .objects
+            .get(key)
+            .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         if !force {
             if o.leased(&self.groups, now) {
                 return Err(StoreError::ObjectHasLease(key.to_string()));
@@ -73,7 +99,9 @@ impl State {
                 return Err(StoreError::ReplicaNotReady(key.to_string()));
             }
         }
-        let Some(o) = self.forget(key) else { return Err(StoreError::ObjectNotFound(key.to_string())) };
+        let Some(o) = self.forget(key) else {
+            return Err(StoreError::ObjectNotFound(key.to_string()));
+        };
         let mut free = Vec::new();
         self.release_space(m, &o, now, &mut free);
         for r in free {
@@ -85,7 +113,13 @@ impl State {
     /// The space of a removed object: its replicas are freed once no read of them is in
     /// flight, a write in progress keeps its space until its writer can no longer write.
     /// Replicas that may be freed at once are left in `free` for the caller.
-    pub(super) fn release_space(&mut self, m: &MasterConfig, o: &Object, now: u64, free: &mut Vec<Replica>) {
+    pub(super) fn release_space(
+        &mut self,
+        m: &MasterConfig,
+        o: &Object,
+        now: u64,
+        free: &mut Vec<Replica>,
+    ) {
         let release = now + m.put_start_release_timeout.as_millis() as u64;
         for r in o.current.iter() {
             free.extend(self.free_after_reads_or_back(*r, &o.reads, now));
@@ -112,14 +146,26 @@ impl State {
     /// goes when none is left). Keys that are absent, another client's, leased, still being
     /// written (for an empty `segment`) or without a replica there are skipped. Returns the
     /// keys cleared.
-    pub fn batch_replica_clear(&mut self, client: u64, keys: &[String], segment: &str, now: u64) -> Vec<String> {
+    pub fn batch_replica_clear(
+        &mut self,
+        client: u64,
+        keys: &[String],
+        segment: &str,
+        now: u64,
+    ) -> Vec<String> {
         let mut cleared = Vec::new();
         for key in keys {
-            let Some(o) = self.objects.get(key.as_str()) else { continue };
+            let Some(o) = self.objects.get(key.as_str()) else {
+                continue;
+            };
             if o.owner != client || o.leased(&self.groups, now) || o.current.is_empty() {
                 continue;
             }
-            let on_seg = |r: &Replica| self.segments.get(&r.seg).is_some_and(|s| s.seg.name == segment || s.seg.te_endpoint == segment);
+            let on_seg = |r: &Replica| {
+                self.segments
+                    .get(&r.seg)
+                    .is_some_and(|s| s.seg.name == segment || s.seg.te_endpoint == segment)
+            };
             let (dropped, keep): (Vec<Replica>, Vec<Replica>) = if segment.is_empty() {
                 if o.pending.is_some() {
                     continue;
@@ -154,7 +200,13 @@ impl State {
     /// while journaling); their space is freed per segment at once ([`super::alloc::SegmentSpace::free_many`]), their keys are marked without
     /// hashing (`State::mark_keys_owned`) and their groups pruned once at the end. It holds the state's lock for
     /// up to every object of the pool (`RemoveAll`), so each removal must stay cheap.
-    pub fn remove_matching(&mut self, m: &MasterConfig, pred: impl Fn(&str) -> bool, force: bool, now: u64) -> Removed {
+    pub fn remove_matching(
+        &mut self,
+        m: &MasterConfig,
+        pred: impl Fn(&str) -> bool,
+        force: bool,
+        now: u64,
+    ) -> Removed {
         // (`retain`, as `HashMap::extract_if` needs a newer Rust than this crate's minimum:
         // the object moves out, only the key is copied.)
         let journaling = self.journaling();

@@ -6,7 +6,13 @@ use crate::proto::ReplicateConfig;
 use std::sync::atomic::Ordering;
 
 impl State {
-    pub(super) fn place(&mut self, size: u64, cfg: &ReplicateConfig, strategy: Strategy, now: u64) -> Vec<Replica> {
+    pub(super) fn place(
+        &mut self,
+        size: u64,
+        cfg: &ReplicateConfig,
+        strategy: Strategy,
+        now: u64,
+    ) -> Vec<Replica> {
         let want = cfg.replica_num.max(1) as usize;
         let mut order: Vec<u64> = Vec::with_capacity(self.seg_order.len());
         for name in &cfg.preferred_segments {
@@ -26,7 +32,12 @@ impl State {
                 }
                 Strategy::FreeRatioFirst => {
                     let mut v = self.seg_order.clone();
-                    v.sort_by(|a, b| self.segments[b].space.free_ratio().total_cmp(&self.segments[a].space.free_ratio()));
+                    v.sort_by(|a, b| {
+                        self.segments[b]
+                            .space
+                            .free_ratio()
+                            .total_cmp(&self.segments[a].space.free_ratio())
+                    });
                     v
                 }
             };
@@ -110,7 +121,14 @@ impl State {
     }
 
     /// Like [`State::evict`], sparing objects written less than `min_age` ms ago.
-    pub fn evict_aged(&mut self, target: u64, now: u64, allow_soft: bool, stats: &Stats, min_age: u64) -> u64 {
+    pub fn evict_aged(
+        &mut self,
+        target: u64,
+        now: u64,
+        allow_soft: bool,
+        stats: &Stats,
+        min_age: u64,
+    ) -> u64 {
         let mut freed = 0u64;
         for pass in 0..2 {
             if freed >= target || (pass == 1 && !allow_soft) {
@@ -134,7 +152,11 @@ impl State {
                 // list, made evicting a group of n members n² steps under the state's lock.)
                 let victims = match &group {
                     Some(g) => {
-                        let mut v = self.groups.get(g).map(|g| g.members.clone()).unwrap_or_default();
+                        let mut v = self
+                            .groups
+                            .get(g)
+                            .map(|g| g.members.clone())
+                            .unwrap_or_default();
                         if !v.contains(&key) {
                             v.push(key);
                         }
@@ -143,7 +165,10 @@ impl State {
                     None => vec![key],
                 };
                 for v in victims {
-                    let eligible = self.objects.get(&v).is_some_and(|o| o.evictable(&self.reads, now, min_age, pass == 1));
+                    let eligible = self
+                        .objects
+                        .get(&v)
+                        .is_some_and(|o| o.evictable(&self.reads, now, min_age, pass == 1));
                     if !eligible {
                         continue;
                     }

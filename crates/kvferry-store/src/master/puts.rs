@@ -1,7 +1,9 @@
 //! The state machine's puts: a put's start (replica locations, with room made if it must),
 //! its end (the object reads as it wrote) and its revocation.
 
-use super::{check_key, Attempt, MasterConfig, Object, Pending, PutId, State, Stats, MAX_PREFERRED};
+use super::{
+    check_key, Attempt, MasterConfig, Object, Pending, PutId, State, Stats, MAX_PREFERRED,
+};
 use crate::error::{StoreError, StoreResult};
 use crate::proto::{ReplicaDesc, ReplicateConfig, SoftPin};
 use std::sync::Arc;
@@ -9,7 +11,17 @@ use std::sync::Arc;
 impl State {
     /// Starts a put, making room if needed by any eviction allowed (the last attempt).
     #[allow(clippy::too_many_arguments)]
-    pub fn put_start(&mut self, m: &MasterConfig, stats: &Stats, put: PutId, key: &str, size: u64, cfg: &ReplicateConfig, upsert: bool, now: u64) -> StoreResult<Vec<ReplicaDesc>> {
+    pub fn put_start(
+        &mut self,
+        m: &MasterConfig,
+        stats: &Stats,
+        put: PutId,
+        key: &str,
+        size: u64,
+        cfg: &ReplicateConfig,
+        upsert: bool,
+        now: u64,
+    ) -> StoreResult<Vec<ReplicaDesc>> {
         self.put_start_ex(m, stats, put, key, size, cfg, upsert, now, Attempt::Last)
     }
 
@@ -17,15 +29,31 @@ impl State {
     /// objects written within `put_wait_for_reads` are not evicted: the caller retries
     /// (`NoAvailableHandle`) until the reads end or the wait is over.
     #[allow(clippy::too_many_arguments)]
-    pub fn put_start_ex(&mut self, m: &MasterConfig, stats: &Stats, put: PutId, key: &str, size: u64, cfg: &ReplicateConfig, upsert: bool, now: u64, attempt: Attempt) -> StoreResult<Vec<ReplicaDesc>> {
+    pub fn put_start_ex(
+        &mut self,
+        m: &MasterConfig,
+        stats: &Stats,
+        put: PutId,
+        key: &str,
+        size: u64,
+        cfg: &ReplicateConfig,
+        upsert: bool,
+        now: u64,
+        attempt: Attempt,
+    ) -> StoreResult<Vec<ReplicaDesc>> {
         let PutId { client, put } = put;
         self.placed_granted = false;
         check_key(key)?;
         if size == 0 {
-            return Err(StoreError::InvalidParams(format!("value of {key:?} is empty; values must be at least 1 byte")));
+            return Err(StoreError::InvalidParams(format!(
+                "value of {key:?} is empty; values must be at least 1 byte"
+            )));
         }
         if cfg.replica_num == 0 || cfg.replica_num > 64 {
-            return Err(StoreError::InvalidParams(format!("replica_num {} must be 1..=64", cfg.replica_num)));
+            return Err(StoreError::InvalidParams(format!(
+                "replica_num {} must be 1..=64",
+                cfg.replica_num
+            )));
         }
         if cfg.preferred_segments.len() > MAX_PREFERRED {
             return Err(StoreError::InvalidParams(format!("{} preferred segments; at most {MAX_PREFERRED} (each is compared with every segment, under the master's lock)", cfg.preferred_segments.len())));
@@ -36,7 +64,12 @@ impl State {
         let discard = m.put_start_discard_timeout.as_millis() as u64;
         // A put in progress keeps the key until the discard timeout (whether a readable value
         // does is decided below, once a zombie put is discarded).
-        if self.objects.get(key).and_then(|o| o.pending.as_ref()).is_some_and(|p| now.saturating_sub(p.started) < discard) {
+        if self
+            .objects
+            .get(key)
+            .and_then(|o| o.pending.as_ref())
+            .is_some_and(|p| now.saturating_sub(p.started) < discard)
+        {
             return Err(StoreError::ObjectAlreadyExists(key.to_string()));
         }
         // A zombie put (started, never ended, older than the discard timeout) loses its
@@ -44,7 +77,11 @@ impl State {
         let release = now + m.put_start_release_timeout.as_millis() as u64;
         if let Some(zombie) = self.objects.get_mut(key).and_then(|o| o.pending.take()) {
             self.mark_key(key);
-            tracing::warn!(key, client = zombie.client, "discarding a put that never finished");
+            tracing::warn!(
+                key,
+                client = zombie.client,
+                "discarding a put that never finished"
+            );
             for r in zombie.replicas.iter() {
                 self.free_later(*r, release);
             }
@@ -60,12 +97,21 @@ impl State {
         if !upsert && self.objects.get(key).is_some_and(|o| !o.current.is_empty()) {
             return Err(StoreError::ObjectAlreadyExists(key.to_string()));
         }
-        let largest = self.segments.values().map(|s| s.space.size()).max().unwrap_or(0);
+        let largest = self
+            .segments
+            .values()
+            .map(|s| s.space.size())
+            .max()
+            .unwrap_or(0);
         if size > largest {
             return Err(StoreError::NoAvailableHandle {
                 size,
                 replicas: cfg.replica_num,
-                detail: if largest == 0 { "no segment is mounted".into() } else { format!("the value is larger than any segment (largest {largest} bytes)") },
+                detail: if largest == 0 {
+                    "no segment is mounted".into()
+                } else {
+                    format!("the value is larger than any segment (largest {largest} bytes)")
+                },
             });
         }
         let mut replicas = self.place(size, cfg, m.strategy, now);
@@ -86,11 +132,25 @@ impl State {
             // Make room: at least this value, at least the configured ratio. While reads in
             // flight may still free space, objects just written are spared.
             let waiting = attempt != Attempt::Last && self.reads_in_flight(now);
-            let min_age = if waiting { m.put_wait_for_reads.as_millis() as u64 } else { 0 };
+            let min_age = if waiting {
+                m.put_wait_for_reads.as_millis() as u64
+            } else {
+                0
+            };
             let total = self.total_bytes();
-            let target = size.saturating_mul(u64::from(cfg.replica_num)).max((total as f64 * m.eviction_ratio) as u64);
+            let target = size
+                .saturating_mul(u64::from(cfg.replica_num))
+                .max((total as f64 * m.eviction_ratio) as u64);
             let freed = self.evict_aged(target, now, m.allow_evict_soft_pinned, stats, min_age);
-            tracing::debug!(key, size, used = self.used_bytes(), total, freed, deferred = self.deferred.len(), "no free range for a put: evicted");
+            tracing::debug!(
+                key,
+                size,
+                used = self.used_bytes(),
+                total,
+                freed,
+                deferred = self.deferred.len(),
+                "no free range for a put: evicted"
+            );
             replicas = self.place(size, cfg, m.strategy, now);
         }
         if replicas.is_empty() {
@@ -105,15 +165,33 @@ impl State {
             });
         }
         let descs = replicas.iter().filter_map(|r| self.desc(r)).collect();
-        let soft_pin_ttl = cfg.soft_pin_ttl_ms.unwrap_or(m.default_soft_pin_ttl.as_millis() as u64);
-        let pending = Box::new(Pending { id: put, replicas: replicas.into_boxed_slice(), size, client, started: now, soft_pin: cfg.soft_pin, soft_pin_ttl });
+        let soft_pin_ttl = cfg
+            .soft_pin_ttl_ms
+            .unwrap_or(m.default_soft_pin_ttl.as_millis() as u64);
+        let pending = Box::new(Pending {
+            id: put,
+            replicas: replicas.into_boxed_slice(),
+            size,
+            client,
+            started: now,
+            soft_pin: cfg.soft_pin,
+            soft_pin_ttl,
+        });
         self.mark_key(key);
         match self.objects.get_mut(key) {
             Some(o) => o.pending = Some(pending),
             None => {
-                let group: Option<Arc<str>> = cfg.group_id.as_deref().filter(|g| !g.is_empty()).map(Arc::from);
+                let group: Option<Arc<str>> = cfg
+                    .group_id
+                    .as_deref()
+                    .filter(|g| !g.is_empty())
+                    .map(Arc::from);
                 if let Some(g) = &group {
-                    self.groups.entry(Arc::clone(g)).or_default().members.push(key.into());
+                    self.groups
+                        .entry(Arc::clone(g))
+                        .or_default()
+                        .members
+                        .push(key.into());
                 }
                 self.objects.insert(
                     key.into(),
@@ -140,21 +218,29 @@ impl State {
     /// Ends put `put` of `key` (its bytes landed): the object reads as it wrote.
     pub fn put_end(&mut self, put: PutId, key: &str, now: u64) -> StoreResult<()> {
         let PutId { client, put } = put;
-        let o = self.objects.get(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        let o = self
+            .objects
+            .get(key)
+            .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         match &o.pending {
             Some(p) if p.client == client && p.id == put => {}
             Some(p) if p.client == client => return Err(StoreError::InvalidParams(format!("put {put} of {key:?} is not in progress: it was discarded as a zombie and this client is putting the key again (put {}); the earlier put is lost", p.id))),
             _ => return Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress (it was revoked, discarded as a zombie, or never started)"))),
         }
         self.mark_key(key);
-        let o = self.objects.get_mut(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        let o = self
+            .objects
+            .get_mut(key)
+            .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         let p = o.pending.take().expect("checked");
         if p.replicas.is_empty() {
             // Every replica's segment went away during the write.
             if o.current.is_empty() {
                 self.forget(key);
             }
-            return Err(StoreError::TransferFailed(format!("every replica of {key:?} was lost (its segment was unmounted) during the put")));
+            return Err(StoreError::TransferFailed(format!(
+                "every replica of {key:?} was lost (its segment was unmounted) during the put"
+            )));
         }
         let old = std::mem::replace(&mut o.current, p.replicas);
         let old_reads = std::mem::take(&mut o.reads);
@@ -176,13 +262,23 @@ impl State {
     /// Revokes put `put` of `key`: its space is freed, nothing of it becomes readable.
     pub fn put_revoke(&mut self, put: PutId, key: &str) -> StoreResult<()> {
         let PutId { client, put } = put;
-        let o = self.objects.get(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        let o = self
+            .objects
+            .get(key)
+            .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         match &o.pending {
             Some(p) if p.client == client && p.id == put => {}
-            _ => return Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress"))),
+            _ => {
+                return Err(StoreError::InvalidParams(format!(
+                    "no put of {key:?} by this client is in progress"
+                )))
+            }
         }
         self.mark_key(key);
-        let o = self.objects.get_mut(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        let o = self
+            .objects
+            .get_mut(key)
+            .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         let p = o.pending.take().expect("checked");
         let empty = o.current.is_empty();
         for r in p.replicas.iter() {

@@ -12,7 +12,10 @@ use std::sync::Arc;
 impl State {
     pub fn mount(&mut self, client: u64, seg: Segment, now: u64) -> StoreResult<()> {
         if seg.size == 0 || seg.base.checked_add(seg.size).is_none() {
-            return Err(StoreError::InvalidParams(format!("segment {} has an invalid range (base {:#x}, size {})", seg.name, seg.base, seg.size)));
+            return Err(StoreError::InvalidParams(format!(
+                "segment {} has an invalid range (base {:#x}, size {})",
+                seg.name, seg.base, seg.size
+            )));
         }
         if let Some(s) = self.segments.get(&seg.id) {
             if s.client == client && s.seg == seg {
@@ -21,7 +24,10 @@ impl State {
                 }
                 return Ok(()); // idempotent remount
             }
-            return Err(StoreError::SegmentAlreadyExists(format!("{} (id {:x})", seg.name, seg.id)));
+            return Err(StoreError::SegmentAlreadyExists(format!(
+                "{} (id {:x})",
+                seg.name, seg.id
+            )));
         }
         if self.clients.insert(client, now).is_none() {
             self.mark_client(client);
@@ -44,7 +50,16 @@ impl State {
             });
         }
         let writes_until = self.reported_until(&seg, now);
-        self.segments.insert(id, SegState { seg, client, space, writes_until, pool: None });
+        self.segments.insert(
+            id,
+            SegState {
+                seg,
+                client,
+                space,
+                writes_until,
+                pool: None,
+            },
+        );
         Ok(())
     }
 
@@ -53,7 +68,12 @@ impl State {
     pub(super) fn reported_until(&mut self, seg: &Segment, now: u64) -> u64 {
         self.reported_writes.retain(|w| w.until > now);
         let end = seg.base.saturating_add(seg.size);
-        self.reported_writes.iter().filter(|w| *w.te_endpoint == *seg.te_endpoint && w.start < end && w.end > seg.base).map(|w| w.until).max().unwrap_or(0)
+        self.reported_writes
+            .iter()
+            .filter(|w| *w.te_endpoint == *seg.te_endpoint && w.start < end && w.end > seg.base)
+            .map(|w| w.until)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Writes a client still has running (`Request::HoldWrites`), which it reports when this
@@ -67,25 +87,51 @@ impl State {
     /// knows (a put of `client` in progress here, on that very range: the client's pings
     /// stopped long enough for it to be dropped, not its puts) is left to it. Returns the
     /// segments held now.
-    pub fn hold_writes(&mut self, client: u64, writes: &[WriteInFlight], now: u64, release: u64) -> StoreResult<usize> {
+    pub fn hold_writes(
+        &mut self,
+        client: u64,
+        writes: &[WriteInFlight],
+        now: u64,
+        release: u64,
+    ) -> StoreResult<usize> {
         self.reported_writes.retain(|w| w.until > now);
         // The mounted segments by endpoint (one engine may serve several).
         let mut by_endpoint: HashMap<&str, Vec<(u64, u64, u64)>> = HashMap::new();
         for (&id, s) in &self.segments {
-            by_endpoint.entry(&s.seg.te_endpoint).or_default().push((id, s.seg.base, s.seg.base.saturating_add(s.seg.size)));
+            by_endpoint.entry(&s.seg.te_endpoint).or_default().push((
+                id,
+                s.seg.base,
+                s.seg.base.saturating_add(s.seg.size),
+            ));
         }
         // (segment, start, end, until) of the writes into mounted segments; the others kept.
         let mut hits: Vec<(u64, u64, u64, u64)> = Vec::new();
         let mut keep: Vec<ReportedWrite> = Vec::new();
         for w in writes {
-            let (start, end, until) = (w.addr, w.addr.saturating_add(w.size.max(1)), now.saturating_add(w.left_ms.min(release)));
+            let (start, end, until) = (
+                w.addr,
+                w.addr.saturating_add(w.size.max(1)),
+                now.saturating_add(w.left_ms.min(release)),
+            );
             if until <= now {
                 continue;
             }
             let before = hits.len();
-            hits.extend(by_endpoint.get(w.te_endpoint.as_str()).into_iter().flatten().filter(|&&(_, b, e)| start < e && end > b).map(|&(id, _, _)| (id, start, end, until)));
+            hits.extend(
+                by_endpoint
+                    .get(w.te_endpoint.as_str())
+                    .into_iter()
+                    .flatten()
+                    .filter(|&&(_, b, e)| start < e && end > b)
+                    .map(|&(id, _, _)| (id, start, end, until)),
+            );
             if hits.len() == before {
-                keep.push(ReportedWrite { te_endpoint: w.te_endpoint.as_str().into(), start, end, until });
+                keep.push(ReportedWrite {
+                    te_endpoint: w.te_endpoint.as_str().into(),
+                    start,
+                    end,
+                    until,
+                });
             }
         }
         if self.reported_writes.len().saturating_add(keep.len()) > MAX_REPORTED_WRITES {
@@ -102,22 +148,42 @@ impl State {
         // One walk over the objects: every replica overlapping a reported range goes, but
         // the reporter's own write in progress on exactly such a range, which this master
         // placed and knows (`known`: its segment is not held for it either).
-        let span = |r: &Replica| (r.seg, r.block.addr, r.block.addr.saturating_add(r.block.len.max(1)));
-        let exact: HashSet<(u64, u64, u64)> = hits.iter().map(|&(id, a, e, _)| (id, a, e)).collect();
+        let span = |r: &Replica| {
+            (
+                r.seg,
+                r.block.addr,
+                r.block.addr.saturating_add(r.block.len.max(1)),
+            )
+        };
+        let exact: HashSet<(u64, u64, u64)> =
+            hits.iter().map(|&(id, a, e, _)| (id, a, e)).collect();
         let mut ranges: Vec<(u64, u64, u64)> = exact.iter().copied().collect();
         ranges.sort_unstable();
         let (mut known, mut dropped, mut touched) = (HashSet::new(), Vec::new(), Vec::new());
         self.objects.retain(|k, o| {
-            let mine: Vec<(u64, u64, u64)> = o.pending.iter().filter(|p| p.client == client).flat_map(|p| p.replicas.iter().map(span)).filter(|x| exact.contains(x)).collect();
+            let mine: Vec<(u64, u64, u64)> = o
+                .pending
+                .iter()
+                .filter(|p| p.client == client)
+                .flat_map(|p| p.replicas.iter().map(span))
+                .filter(|x| exact.contains(x))
+                .collect();
             known.extend(mine.iter().copied());
-            if o.drop_replicas(|r| overlaps_any(&ranges, r) && !mine.contains(&span(r)), |r| dropped.push(r)) {
+            if o.drop_replicas(
+                |r| overlaps_any(&ranges, r) && !mine.contains(&span(r)),
+                |r| dropped.push(r),
+            ) {
                 touched.push(k.clone());
             }
             true
         });
         let mut held = HashSet::new();
         for &(id, a, e, until) in &hits {
-            if let Some(s) = self.segments.get_mut(&id).filter(|_| !known.contains(&(id, a, e))) {
+            if let Some(s) = self
+                .segments
+                .get_mut(&id)
+                .filter(|_| !known.contains(&(id, a, e)))
+            {
                 s.writes_until = s.writes_until.max(until);
                 held.insert(id);
             }
@@ -143,7 +209,11 @@ impl State {
     pub fn unmount(&mut self, client: u64, seg_id: u64, now: u64, release: u64) -> StoreResult<()> {
         match self.segments.get(&seg_id) {
             None => return Err(StoreError::SegmentNotFound(format!("{seg_id:x}"))),
-            Some(s) if s.client != client => return Err(StoreError::InvalidParams(format!("segment {seg_id:x} belongs to another client"))),
+            Some(s) if s.client != client => {
+                return Err(StoreError::InvalidParams(format!(
+                    "segment {seg_id:x} belongs to another client"
+                )))
+            }
             Some(_) => {}
         }
         self.drop_segments(&[seg_id], now, release);
@@ -198,7 +268,12 @@ impl State {
         self.mark_keys_owned(marks);
         self.prune_groups(grouped);
         // The segments that keep something held: only those are looked for at a mount.
-        self.orphaned.extend(self.deferred.replicas().map(|(r, _)| r.seg).filter(|s| ids.contains(s)));
+        self.orphaned.extend(
+            self.deferred
+                .replicas()
+                .map(|(r, _)| r.seg)
+                .filter(|s| ids.contains(s)),
+        );
         for (r, started) in writing {
             self.orphaned.insert(r.seg);
             self.free_later(r, started.saturating_add(release).max(now));
@@ -222,7 +297,12 @@ impl State {
         }
         self.orphans_pruned = now;
         let segments = &self.segments;
-        let held: HashSet<u64> = self.deferred.replicas().map(|(r, _)| r.seg).filter(|s| !segments.contains_key(s)).collect();
+        let held: HashSet<u64> = self
+            .deferred
+            .replicas()
+            .map(|(r, _)| r.seg)
+            .filter(|s| !segments.contains_key(s))
+            .collect();
         self.orphaned.retain(|s| held.contains(s));
     }
 
@@ -236,7 +316,9 @@ impl State {
         let objects = &self.objects;
         for g in grouped {
             if let Some(group) = self.groups.get_mut(&g) {
-                group.members.retain(|m| objects.get(m).is_some_and(|o| o.group.as_ref() == Some(&g)));
+                group
+                    .members
+                    .retain(|m| objects.get(m).is_some_and(|o| o.group.as_ref() == Some(&g)));
                 if group.members.is_empty() {
                     self.groups.remove(&g);
                 }
@@ -270,14 +352,24 @@ impl State {
     /// earlier master (or this one, before it dropped the segment) let read it may still be
     /// reading (a read is refused by its client once its lease ran out), so nothing new is
     /// placed there until then; the hold is journaled, like any replica held back.
-    pub fn remount(&mut self, client: u64, segments: Vec<Segment>, now: u64, hold: u64) -> StoreResult<()> {
+    pub fn remount(
+        &mut self,
+        client: u64,
+        segments: Vec<Segment>,
+        now: u64,
+        hold: u64,
+    ) -> StoreResult<()> {
         self.register_client(client, now);
         let mut r = Ok(());
         for seg in segments {
             let (id, known) = (seg.id, self.segments.contains_key(&seg.id));
             match self.mount(client, seg, now) {
                 Ok(()) if !known && hold > 0 => {
-                    let blocks = self.segments.get_mut(&id).map(|s| s.space.take_all()).unwrap_or_default();
+                    let blocks = self
+                        .segments
+                        .get_mut(&id)
+                        .map(|s| s.space.take_all())
+                        .unwrap_or_default();
                     if !blocks.is_empty() {
                         tracing::info!(segment = id, hold_ms = hold, "a segment mounted again is held whole for one read lease (readers of the master that forgot it may still read it)");
                     }
@@ -314,7 +406,12 @@ impl State {
     /// `release` is the put start release timeout (see `State::drop_segments`).
     pub fn expire_clients(&mut self, now: u64, ttl: u64, release: u64) -> Vec<(u64, Vec<String>)> {
         // (Ordered: what a state machine returns does not depend on a hash's seed.)
-        let mut dead: std::collections::BTreeMap<u64, Vec<String>> = self.clients.iter().filter(|(_, &t)| now.saturating_sub(t) > ttl).map(|(&c, _)| (c, Vec::new())).collect();
+        let mut dead: std::collections::BTreeMap<u64, Vec<String>> = self
+            .clients
+            .iter()
+            .filter(|(_, &t)| now.saturating_sub(t) > ttl)
+            .map(|(&c, _)| (c, Vec::new()))
+            .collect();
         if dead.is_empty() {
             return Vec::new();
         }
@@ -324,7 +421,11 @@ impl State {
         }
         let mut segs = Vec::new();
         for &id in &self.seg_order {
-            if let Some((names, s)) = self.segments.get(&id).and_then(|s| Some((dead.get_mut(&s.client)?, s))) {
+            if let Some((names, s)) = self
+                .segments
+                .get(&id)
+                .and_then(|s| Some((dead.get_mut(&s.client)?, s)))
+            {
                 names.push(s.seg.name.clone());
                 segs.push(id);
             }
@@ -335,6 +436,9 @@ impl State {
 
     /// The names of the mounted segments (several clients may share one: their engine).
     pub fn mounted_names(&self) -> std::collections::HashSet<&str> {
-        self.segments.values().map(|s| s.seg.name.as_str()).collect()
+        self.segments
+            .values()
+            .map(|s| s.seg.name.as_str())
+            .collect()
     }
 }

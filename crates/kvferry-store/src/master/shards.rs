@@ -28,7 +28,11 @@ pub struct Shards<K, V, S> {
 
 impl<K, V, S: Default> Default for Shards<K, V, S> {
     fn default() -> Self {
-        Shards { tables: Vec::new(), hasher: S::default(), len: 0 }
+        Shards {
+            tables: Vec::new(),
+            hasher: S::default(),
+            len: 0,
+        }
     }
 }
 
@@ -69,7 +73,11 @@ impl<K: Borrow<str>, V, S: BuildHasher> Shards<K, V, S> {
         let h = self.hash(key.borrow());
         let hasher = &self.hasher;
         let t = &mut self.tables[Self::shard(h)];
-        match t.entry(h, |(k, _)| k.borrow() == key.borrow(), |(k, _)| hasher.hash_one(k.borrow())) {
+        match t.entry(
+            h,
+            |(k, _)| k.borrow() == key.borrow(),
+            |(k, _)| hasher.hash_one(k.borrow()),
+        ) {
             Entry::Occupied(mut e) => Some(std::mem::replace(&mut e.get_mut().1, value)),
             Entry::Vacant(e) => {
                 e.insert((key, value));
@@ -81,14 +89,21 @@ impl<K: Borrow<str>, V, S: BuildHasher> Shards<K, V, S> {
 
     pub fn remove(&mut self, key: &str) -> Option<V> {
         let h = self.hash(key);
-        let e = self.tables.get_mut(Self::shard(h))?.find_entry(h, |(k, _)| k.borrow() == key).ok()?;
+        let e = self
+            .tables
+            .get_mut(Self::shard(h))?
+            .find_entry(h, |(k, _)| k.borrow() == key)
+            .ok()?;
         self.len -= 1;
         Some(e.remove().0 .1)
     }
 
     pub fn get_mut(&mut self, key: &str) -> Option<&mut V> {
         let h = self.hash(key);
-        self.tables.get_mut(Self::shard(h))?.find_mut(h, |(k, _)| k.borrow() == key).map(|(_, v)| v)
+        self.tables
+            .get_mut(Self::shard(h))?
+            .find_mut(h, |(k, _)| k.borrow() == key)
+            .map(|(_, v)| v)
     }
 
     /// Keeps the entries for which `keep` returns true (it may change their values), one shard
@@ -103,13 +118,18 @@ impl<K: Borrow<str>, V, S: BuildHasher> Shards<K, V, S> {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
-        self.tables.iter().flat_map(|t| t.iter().map(|(k, v)| (k, v)))
+        self.tables
+            .iter()
+            .flat_map(|t| t.iter().map(|(k, v)| (k, v)))
     }
 
     /// The entries of shard `i` (`0..SHARDS`; none once `i` is past the last): a walk of the
     /// whole map in [`SHARDS`] steps, each of which may be taken under a lock of its own.
     pub fn shard_entries(&self, i: usize) -> impl Iterator<Item = (&K, &V)> {
-        self.tables.get(i).into_iter().flat_map(|t| t.iter().map(|(k, v)| (k, v)))
+        self.tables
+            .get(i)
+            .into_iter()
+            .flat_map(|t| t.iter().map(|(k, v)| (k, v)))
     }
 
     pub fn keys(&self) -> impl Iterator<Item = &K> {
@@ -137,7 +157,13 @@ impl<K: Borrow<str>, V: PartialEq, S: BuildHasher> PartialEq for Shards<K, V, S>
 
 impl<K: std::fmt::Debug, V: std::fmt::Debug, S> std::fmt::Debug for Shards<K, V, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_map().entries(self.tables.iter().flat_map(|t| t.iter().map(|(k, v)| (k, v)))).finish()
+        f.debug_map()
+            .entries(
+                self.tables
+                    .iter()
+                    .flat_map(|t| t.iter().map(|(k, v)| (k, v))),
+            )
+            .finish()
     }
 }
 
@@ -151,18 +177,27 @@ mod tests {
     fn a_sharded_map_is_one_map_in_even_shards() {
         let n = 64_000usize;
         let mut m: Shards<Box<str>, usize, std::hash::RandomState> = Shards::default();
-        assert!(m.is_empty() && m.get("absent").is_none() && m.remove("absent").is_none(), "an empty map has no shards yet");
+        assert!(
+            m.is_empty() && m.get("absent").is_none() && m.remove("absent").is_none(),
+            "an empty map has no shards yet"
+        );
         for i in 0..n {
             assert_eq!(m.insert(format!("key-{i}").into(), i), None);
         }
         assert_eq!(m.insert("key-7".into(), 70), Some(7), "replaced");
-        assert_eq!((m.len(), m.get("key-7").copied(), m.get("key-9").copied()), (n, Some(70), Some(9)));
+        assert_eq!(
+            (m.len(), m.get("key-7").copied(), m.get("key-9").copied()),
+            (n, Some(70), Some(9))
+        );
         assert_eq!(m.remove("key-8"), Some(8));
         assert!(m.remove("key-8").is_none() && m.get("key-8").is_none());
         assert_eq!(m.len(), n - 1);
         let share = n / SHARDS;
         let largest = m.tables.iter().map(HashTable::len).max().unwrap_or(0);
-        assert!(largest < share * 5 / 4, "a shard of {largest}, a share is {share}");
+        assert!(
+            largest < share * 5 / 4,
+            "a shard of {largest}, a share is {share}"
+        );
         if let Some(v) = m.get_mut("key-10") {
             *v = 100;
         }
@@ -175,7 +210,11 @@ mod tests {
             !k.ends_with('3')
         });
         let gone = (0..n).filter(|i| i % 10 == 3).count();
-        assert_eq!((back.len(), back.iter().count()), (n - 1 - gone, n - 1 - gone), "its length follows what was kept");
+        assert_eq!(
+            (back.len(), back.iter().count()),
+            (n - 1 - gone, n - 1 - gone),
+            "its length follows what was kept"
+        );
         assert!(back.get("key-13").is_none() && back.get("key-10").copied() == Some(101));
         assert_eq!(back.values().count(), back.keys().count());
         let copy = m.clone();

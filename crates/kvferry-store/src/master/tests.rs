@@ -12,7 +12,13 @@ mod held;
 const P1: PutId = PutId { client: 1, put: 1 };
 
 fn seg(id: u64, size: u64) -> Segment {
-    Segment { id, name: format!("seg{id}"), te_endpoint: format!("127.0.0.1:{}", 15000 + id), base: id << 32, size }
+    Segment {
+        id,
+        name: format!("seg{id}"),
+        te_endpoint: format!("127.0.0.1:{}", 15000 + id),
+        base: id << 32,
+        size,
+    }
 }
 
 fn setup(segs: &[(u64, u64)]) -> (State, MasterConfig, Stats) {
@@ -23,7 +29,15 @@ fn setup(segs: &[(u64, u64)]) -> (State, MasterConfig, Stats) {
     (st, MasterConfig::default(), Stats::default())
 }
 
-fn put(st: &mut State, m: &MasterConfig, s: &Stats, key: &str, size: u64, cfg: &ReplicateConfig, now: u64) -> StoreResult<Vec<ReplicaDesc>> {
+fn put(
+    st: &mut State,
+    m: &MasterConfig,
+    s: &Stats,
+    key: &str,
+    size: u64,
+    cfg: &ReplicateConfig,
+    now: u64,
+) -> StoreResult<Vec<ReplicaDesc>> {
     let r = st.put_start(m, s, P1, key, size, cfg, false, now)?;
     st.put_end(P1, key, now)?;
     Ok(r)
@@ -34,10 +48,19 @@ fn put(st: &mut State, m: &MasterConfig, s: &Stats, key: &str, size: u64, cfg: &
 #[test]
 fn oversized_requests_are_refused_before_they_cost_the_lock() {
     let (mut st, m, s) = setup(&[(1, 1 << 20)]);
-    let many = ReplicateConfig { preferred_segments: vec!["x".into(); MAX_PREFERRED + 1], ..Default::default() };
-    assert!(matches!(st.put_start(&m, &s, P1, "k", 4096, &many, false, 0), Err(StoreError::InvalidParams(w)) if w.contains("preferred")));
-    let some = ReplicateConfig { preferred_segments: vec!["seg1".into(); MAX_PREFERRED], ..Default::default() };
-    st.put_start(&m, &s, P1, "k", 4096, &some, false, 0).expect("at the limit");
+    let many = ReplicateConfig {
+        preferred_segments: vec!["x".into(); MAX_PREFERRED + 1],
+        ..Default::default()
+    };
+    assert!(
+        matches!(st.put_start(&m, &s, P1, "k", 4096, &many, false, 0), Err(StoreError::InvalidParams(w)) if w.contains("preferred"))
+    );
+    let some = ReplicateConfig {
+        preferred_segments: vec!["seg1".into(); MAX_PREFERRED],
+        ..Default::default()
+    };
+    st.put_start(&m, &s, P1, "k", 4096, &some, false, 0)
+        .expect("at the limit");
 }
 
 #[test]
@@ -46,31 +69,53 @@ fn put_get_exists_remove() {
     let r = put(&mut st, &m, &s, "a", 1000, &ReplicateConfig::default(), 0).unwrap();
     assert_eq!(r.len(), 1);
     assert_eq!(r[0].te_endpoint, "127.0.0.1:15001");
-    assert!(matches!(put(&mut st, &m, &s, "a", 10, &ReplicateConfig::default(), 1), Err(StoreError::ObjectAlreadyExists(_))));
+    assert!(matches!(
+        put(&mut st, &m, &s, "a", 10, &ReplicateConfig::default(), 1),
+        Err(StoreError::ObjectAlreadyExists(_))
+    ));
     let l = st.get_replica_list("a", 2, 100).unwrap();
     assert_eq!((l.size, l.replicas.len()), (1000, 1));
-    assert!(matches!(st.remove(&m, "a", false, 50), Err(StoreError::ObjectHasLease(_))));
+    assert!(matches!(
+        st.remove(&m, "a", false, 50),
+        Err(StoreError::ObjectHasLease(_))
+    ));
     st.remove(&m, "a", false, 200).unwrap();
-    assert!(matches!(st.get_replica_list("a", 201, 100), Err(StoreError::ObjectNotFound(_))));
+    assert!(matches!(
+        st.get_replica_list("a", 201, 100),
+        Err(StoreError::ObjectNotFound(_))
+    ));
     assert!(!st.exist_key("a", 201, 100).unwrap());
     assert_eq!(st.used_bytes(), 0);
-    assert!(matches!(st.get_replica_list("", 0, 1), Err(StoreError::InvalidKey(_))));
+    assert!(matches!(
+        st.get_replica_list("", 0, 1),
+        Err(StoreError::InvalidKey(_))
+    ));
 }
 
 #[test]
 fn replicas_on_distinct_segments_and_preferred() {
     let (mut st, m, s) = setup(&[(1, 1 << 20), (2, 1 << 20), (3, 1 << 20)]);
-    let cfg = ReplicateConfig { replica_num: 3, ..Default::default() };
+    let cfg = ReplicateConfig {
+        replica_num: 3,
+        ..Default::default()
+    };
     let r = put(&mut st, &m, &s, "k", 4096, &cfg, 0).unwrap();
     let mut eps: Vec<_> = r.iter().map(|d| d.te_endpoint.clone()).collect();
     eps.sort();
     eps.dedup();
     assert_eq!(eps.len(), 3, "one replica per segment");
-    let cfg = ReplicateConfig { replica_num: 5, preferred_segments: vec!["seg2".into()], ..Default::default() };
+    let cfg = ReplicateConfig {
+        replica_num: 5,
+        preferred_segments: vec!["seg2".into()],
+        ..Default::default()
+    };
     let r = put(&mut st, &m, &s, "k2", 4096, &cfg, 0).unwrap();
     assert_eq!(r.len(), 3, "best effort: only 3 segments");
     assert_eq!(r[0].te_endpoint, "127.0.0.1:15002", "preferred first");
-    let m2 = MasterConfig { strategy: Strategy::FreeRatioFirst, ..MasterConfig::default() };
+    let m2 = MasterConfig {
+        strategy: Strategy::FreeRatioFirst,
+        ..MasterConfig::default()
+    };
     let r = put(&mut st, &m2, &s, "k3", 4096, &ReplicateConfig::default(), 0).unwrap();
     assert_eq!(r.len(), 1);
 }
@@ -83,7 +128,22 @@ fn the_random_start_is_the_states_own_and_seeded() {
     let firsts = |seed: u64| {
         let (mut st, m, s) = setup(&segs);
         st.seed_placement(seed);
-        (0..64).map(|i| put(&mut st, &m, &s, &format!("k{i}"), 4096, &ReplicateConfig::default(), 0).unwrap()[0].te_endpoint.clone()).collect::<Vec<_>>()
+        (0..64)
+            .map(|i| {
+                put(
+                    &mut st,
+                    &m,
+                    &s,
+                    &format!("k{i}"),
+                    4096,
+                    &ReplicateConfig::default(),
+                    0,
+                )
+                .unwrap()[0]
+                    .te_endpoint
+                    .clone()
+            })
+            .collect::<Vec<_>>()
     };
     let a = firsts(7);
     assert_eq!(a, firsts(7), "the same seed: the same placements");
@@ -97,41 +157,155 @@ fn the_random_start_is_the_states_own_and_seeded() {
 #[test]
 fn too_large_and_full() {
     let (mut st, m, s) = setup(&[(1, 64 << 10)]);
-    let e = put(&mut st, &m, &s, "big", 1 << 20, &ReplicateConfig::default(), 0).unwrap_err();
+    let e = put(
+        &mut st,
+        &m,
+        &s,
+        "big",
+        1 << 20,
+        &ReplicateConfig::default(),
+        0,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("larger than any segment"), "{e}");
     // Fill with leased objects: no eviction possible.
     for i in 0..16 {
-        put(&mut st, &m, &s, &format!("k{i}"), 4096, &ReplicateConfig::default(), 0).unwrap();
+        put(
+            &mut st,
+            &m,
+            &s,
+            &format!("k{i}"),
+            4096,
+            &ReplicateConfig::default(),
+            0,
+        )
+        .unwrap();
         st.get_replica_list(&format!("k{i}"), 0, 1_000_000).unwrap();
     }
-    assert!(matches!(put(&mut st, &m, &s, "x", 4096, &ReplicateConfig::default(), 1), Err(StoreError::NoAvailableHandle { .. })));
+    assert!(matches!(
+        put(&mut st, &m, &s, "x", 4096, &ReplicateConfig::default(), 1),
+        Err(StoreError::NoAvailableHandle { .. })
+    ));
     // After the leases end, the put evicts the least recently used.
     st.get_replica_list("k0", 1_000_001, 10).unwrap(); // k0 now most recently used (and leased)
-    put(&mut st, &m, &s, "x", 4096, &ReplicateConfig::default(), 1_000_002).unwrap();
-    assert!(st.exist_key("k0", 1_000_003, 1).unwrap(), "leased/recent object kept");
-    let left = (1..16).filter(|i| st.exist_key(&format!("k{i}"), 1_000_003, 1).unwrap()).count();
-    assert_eq!(left, 14, "exactly one of the least recently used objects was evicted");
+    put(
+        &mut st,
+        &m,
+        &s,
+        "x",
+        4096,
+        &ReplicateConfig::default(),
+        1_000_002,
+    )
+    .unwrap();
+    assert!(
+        st.exist_key("k0", 1_000_003, 1).unwrap(),
+        "leased/recent object kept"
+    );
+    let left = (1..16)
+        .filter(|i| st.exist_key(&format!("k{i}"), 1_000_003, 1).unwrap())
+        .count();
+    assert_eq!(
+        left, 14,
+        "exactly one of the least recently used objects was evicted"
+    );
     assert!(s.evicted_objects.load(Ordering::Relaxed) >= 1);
 }
 
 #[test]
 fn eviction_skips_pinned_and_in_flight() {
     let (mut st, m, s) = setup(&[(1, 64 << 10)]);
-    put(&mut st, &m, &s, "hard", 16 << 10, &ReplicateConfig { with_hard_pin: true, ..Default::default() }, 0).unwrap();
-    put(&mut st, &m, &s, "soft", 16 << 10, &ReplicateConfig { soft_pin: SoftPin::Enable, soft_pin_ttl_ms: Some(1_000_000), ..Default::default() }, 0).unwrap();
-    st.put_start(&m, &s, P1, "inflight", 16 << 10, &ReplicateConfig::default(), false, 0).unwrap();
-    put(&mut st, &m, &s, "plain", 16 << 10, &ReplicateConfig::default(), 0).unwrap();
+    put(
+        &mut st,
+        &m,
+        &s,
+        "hard",
+        16 << 10,
+        &ReplicateConfig {
+            with_hard_pin: true,
+            ..Default::default()
+        },
+        0,
+    )
+    .unwrap();
+    put(
+        &mut st,
+        &m,
+        &s,
+        "soft",
+        16 << 10,
+        &ReplicateConfig {
+            soft_pin: SoftPin::Enable,
+            soft_pin_ttl_ms: Some(1_000_000),
+            ..Default::default()
+        },
+        0,
+    )
+    .unwrap();
+    st.put_start(
+        &m,
+        &s,
+        P1,
+        "inflight",
+        16 << 10,
+        &ReplicateConfig::default(),
+        false,
+        0,
+    )
+    .unwrap();
+    put(
+        &mut st,
+        &m,
+        &s,
+        "plain",
+        16 << 10,
+        &ReplicateConfig::default(),
+        0,
+    )
+    .unwrap();
     // Needs 16 KiB: the plain object goes, not the others.
-    put(&mut st, &m, &s, "new", 16 << 10, &ReplicateConfig::default(), 10).unwrap();
+    put(
+        &mut st,
+        &m,
+        &s,
+        "new",
+        16 << 10,
+        &ReplicateConfig::default(),
+        10,
+    )
+    .unwrap();
     assert!(!st.exist_key("plain", 11, 0).unwrap());
     assert!(st.exist_key("hard", 11, 0).unwrap());
     assert!(st.exist_key("soft", 11, 0).unwrap());
     st.put_end(P1, "inflight", 12).unwrap();
     // Now only soft-pinned objects are evictable (second pass).
-    put(&mut st, &m, &s, "new2", 16 << 10, &ReplicateConfig::default(), 20).unwrap_or_default();
-    assert!(st.exist_key("hard", 21, 0).unwrap(), "hard pin never evicted");
-    let no_soft = MasterConfig { allow_evict_soft_pinned: false, ..MasterConfig::default() };
-    let r = put(&mut st, &no_soft, &s, "new3", 16 << 10, &ReplicateConfig::default(), 30);
+    put(
+        &mut st,
+        &m,
+        &s,
+        "new2",
+        16 << 10,
+        &ReplicateConfig::default(),
+        20,
+    )
+    .unwrap_or_default();
+    assert!(
+        st.exist_key("hard", 21, 0).unwrap(),
+        "hard pin never evicted"
+    );
+    let no_soft = MasterConfig {
+        allow_evict_soft_pinned: false,
+        ..MasterConfig::default()
+    };
+    let r = put(
+        &mut st,
+        &no_soft,
+        &s,
+        "new3",
+        16 << 10,
+        &ReplicateConfig::default(),
+        30,
+    );
     assert!(r.is_ok() || matches!(r, Err(StoreError::NoAvailableHandle { .. })));
     assert!(st.exist_key("hard", 31, 0).unwrap());
 }
@@ -141,9 +315,15 @@ fn upsert_keeps_old_replicas_until_the_lease_ends() {
     let (mut st, m, s) = setup(&[(1, 1 << 20)]);
     put(&mut st, &m, &s, "k", 4096, &ReplicateConfig::default(), 0).unwrap();
     let old = st.get_replica_list("k", 1, 1000).unwrap();
-    let new = st.put_start(&m, &s, P1, "k", 8192, &ReplicateConfig::default(), true, 2).unwrap();
+    let new = st
+        .put_start(&m, &s, P1, "k", 8192, &ReplicateConfig::default(), true, 2)
+        .unwrap();
     assert_ne!(new[0].addr, old.replicas[0].addr, "upsert writes elsewhere");
-    assert_eq!(st.get_replica_list("k", 3, 10).unwrap().replicas, old.replicas, "readers see the old value meanwhile");
+    assert_eq!(
+        st.get_replica_list("k", 3, 10).unwrap().replicas,
+        old.replicas,
+        "readers see the old value meanwhile"
+    );
     st.put_end(P1, "k", 4).unwrap();
     assert_eq!(st.get_replica_list("k", 5, 10).unwrap().size, 8192);
     let used = st.used_bytes();
@@ -162,13 +342,37 @@ fn a_segment_mounted_again_is_held_whole_for_one_read_lease() {
     let (mut st, m, s) = setup(&[]);
     st.remount(1, vec![seg(1, 1 << 20)], 100, 5_000).unwrap();
     let r = put(&mut st, &m, &s, "k", 4096, &ReplicateConfig::default(), 200);
-    assert!(matches!(r, Err(StoreError::NoAvailableHandle { .. })), "placed in a segment old readers may still read: {r:?}");
+    assert!(
+        matches!(r, Err(StoreError::NoAvailableHandle { .. })),
+        "placed in a segment old readers may still read: {r:?}"
+    );
     assert_eq!(st.used_bytes(), 1 << 20, "held whole");
     st.remount(1, vec![seg(1, 1 << 20)], 300, 5_000).unwrap();
     st.release_deferred(5_099);
-    assert!(put(&mut st, &m, &s, "k", 4096, &ReplicateConfig::default(), 5_099).is_err(), "a remount of a known segment does not restart the hold, nor end it early");
+    assert!(
+        put(
+            &mut st,
+            &m,
+            &s,
+            "k",
+            4096,
+            &ReplicateConfig::default(),
+            5_099
+        )
+        .is_err(),
+        "a remount of a known segment does not restart the hold, nor end it early"
+    );
     st.release_deferred(5_100);
-    put(&mut st, &m, &s, "k", 4096, &ReplicateConfig::default(), 5_100).expect("the lease over, the segment serves");
+    put(
+        &mut st,
+        &m,
+        &s,
+        "k",
+        4096,
+        &ReplicateConfig::default(),
+        5_100,
+    )
+    .expect("the lease over, the segment serves");
     assert_eq!(st.used_bytes(), 4096);
     // A first mount is not held.
     st.mount(2, seg(2, 1 << 20), 5_200).unwrap();
@@ -179,16 +383,47 @@ fn a_segment_mounted_again_is_held_whole_for_one_read_lease() {
 #[test]
 fn dead_client_drops_its_replicas_others_still_serve() {
     let (mut st, m, s) = setup(&[(1, 1 << 20), (2, 1 << 20)]);
-    let r = put(&mut st, &m, &s, "both", 4096, &ReplicateConfig { replica_num: 2, ..Default::default() }, 0).unwrap();
+    let r = put(
+        &mut st,
+        &m,
+        &s,
+        "both",
+        4096,
+        &ReplicateConfig {
+            replica_num: 2,
+            ..Default::default()
+        },
+        0,
+    )
+    .unwrap();
     assert_eq!(r.len(), 2);
-    put(&mut st, &m, &s, "only1", 4096, &ReplicateConfig { preferred_segments: vec!["seg1".into()], ..Default::default() }, 0).unwrap();
+    put(
+        &mut st,
+        &m,
+        &s,
+        "only1",
+        4096,
+        &ReplicateConfig {
+            preferred_segments: vec!["seg1".into()],
+            ..Default::default()
+        },
+        0,
+    )
+    .unwrap();
     st.ping(2, 5000);
     let dead = st.expire_clients(10_001, 10_000, 600_000);
-    assert_eq!(dead, vec![(1, vec!["seg1".to_string()])], "client 1 with its one segment");
+    assert_eq!(
+        dead,
+        vec![(1, vec!["seg1".to_string()])],
+        "client 1 with its one segment"
+    );
     let l = st.get_replica_list("both", 10_002, 1).unwrap();
     assert_eq!(l.replicas.len(), 1);
     assert_eq!(l.replicas[0].te_endpoint, "127.0.0.1:15002");
-    assert!(matches!(st.get_replica_list("only1", 10_002, 1), Err(StoreError::ObjectNotFound(_))));
+    assert!(matches!(
+        st.get_replica_list("only1", 10_002, 1),
+        Err(StoreError::ObjectNotFound(_))
+    ));
     assert_eq!(st.ping(1, 10_003), PingStatus::NeedRemount);
 }
 
@@ -203,13 +438,51 @@ fn clients_dying_together_lose_every_segment_in_one_tick_and_only_those() {
     }
     st.register_client(1, 0);
     let (m, s) = (MasterConfig::default(), Stats::default());
-    let all = ReplicateConfig { replica_num: 4, ..Default::default() };
+    let all = ReplicateConfig {
+        replica_num: 4,
+        ..Default::default()
+    };
     put(&mut st, &m, &s, "everywhere", 4096, &all, 0).unwrap();
-    for (key, on) in [("on1", "seg1"), ("on2", "seg2"), ("on3", "seg3"), ("on4", "seg4")] {
-        put(&mut st, &m, &s, key, 4096, &ReplicateConfig { preferred_segments: vec![on.into()], ..Default::default() }, 0).unwrap();
+    for (key, on) in [
+        ("on1", "seg1"),
+        ("on2", "seg2"),
+        ("on3", "seg3"),
+        ("on4", "seg4"),
+    ] {
+        put(
+            &mut st,
+            &m,
+            &s,
+            key,
+            4096,
+            &ReplicateConfig {
+                preferred_segments: vec![on.into()],
+                ..Default::default()
+            },
+            0,
+        )
+        .unwrap();
     }
-    for (key, on, group) in [("g-a", "seg1", "G"), ("g-b", "seg4", "G"), ("h-a", "seg2", "H"), ("h-b", "seg3", "H")] {
-        put(&mut st, &m, &s, key, 4096, &ReplicateConfig { preferred_segments: vec![on.into()], group_id: Some(group.into()), ..Default::default() }, 0).unwrap();
+    for (key, on, group) in [
+        ("g-a", "seg1", "G"),
+        ("g-b", "seg4", "G"),
+        ("h-a", "seg2", "H"),
+        ("h-b", "seg3", "H"),
+    ] {
+        put(
+            &mut st,
+            &m,
+            &s,
+            key,
+            4096,
+            &ReplicateConfig {
+                preferred_segments: vec![on.into()],
+                group_id: Some(group.into()),
+                ..Default::default()
+            },
+            0,
+        )
+        .unwrap();
     }
     st.ping(30, 5000);
     let mut dead = st.expire_clients(10_001, 10_000, 600_000);
@@ -218,37 +491,96 @@ fn clients_dying_together_lose_every_segment_in_one_tick_and_only_those() {
         names.sort_unstable();
     }
     let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    assert_eq!(dead, vec![(1, vec![]), (10, names(&["seg1", "seg2"])), (20, names(&["seg3"]))], "client 1 (the writer, no segment) never pinged either");
+    assert_eq!(
+        dead,
+        vec![
+            (1, vec![]),
+            (10, names(&["seg1", "seg2"])),
+            (20, names(&["seg3"]))
+        ],
+        "client 1 (the writer, no segment) never pinged either"
+    );
     assert_eq!(st.mounted_names(), ["seg4"].into_iter().collect());
     assert_eq!(st.seg_order, vec![4]);
     let l = st.get_replica_list("everywhere", 10_002, 1).unwrap();
-    assert_eq!(l.replicas.iter().map(|r| r.te_endpoint.as_str()).collect::<Vec<_>>(), ["127.0.0.1:15004"]);
+    assert_eq!(
+        l.replicas
+            .iter()
+            .map(|r| r.te_endpoint.as_str())
+            .collect::<Vec<_>>(),
+        ["127.0.0.1:15004"]
+    );
     for gone in ["on1", "on2", "on3"] {
-        assert!(matches!(st.get_replica_list(gone, 10_002, 1), Err(StoreError::ObjectNotFound(_))), "{gone}");
+        assert!(
+            matches!(
+                st.get_replica_list(gone, 10_002, 1),
+                Err(StoreError::ObjectNotFound(_))
+            ),
+            "{gone}"
+        );
     }
     assert!(st.get_replica_list("on4", 10_002, 1).is_ok());
-    assert_eq!(st.groups.get("G").map(|g| g.members.iter().map(|k| k.to_string()).collect::<Vec<_>>()), Some(vec!["g-b".to_string()]), "a group keeps its surviving members");
+    assert_eq!(
+        st.groups
+            .get("G")
+            .map(|g| g.members.iter().map(|k| k.to_string()).collect::<Vec<_>>()),
+        Some(vec!["g-b".to_string()]),
+        "a group keeps its surviving members"
+    );
     assert!(!st.groups.contains_key("H"), "a group left empty goes");
     st.register_client(1, 10_003);
-    let r = st.put_start(&m, &s, P1, "new", 4096, &ReplicateConfig::default(), false, 10_003).unwrap();
+    let r = st
+        .put_start(
+            &m,
+            &s,
+            P1,
+            "new",
+            4096,
+            &ReplicateConfig::default(),
+            false,
+            10_003,
+        )
+        .unwrap();
     assert_eq!(r[0].te_endpoint, "127.0.0.1:15004");
 }
 
 #[test]
 fn groups_share_leases_and_are_evicted_together() {
     let (mut st, m, s) = setup(&[(1, 64 << 10)]);
-    let g = ReplicateConfig { group_id: Some("req-1".into()), ..Default::default() };
+    let g = ReplicateConfig {
+        group_id: Some("req-1".into()),
+        ..Default::default()
+    };
     put(&mut st, &m, &s, "g1", 16 << 10, &g, 0).unwrap();
     put(&mut st, &m, &s, "g2", 16 << 10, &g, 0).unwrap();
     st.get_replica_list("g1", 10, 100).unwrap();
-    assert!(matches!(st.remove(&m, "g2", false, 20), Err(StoreError::ObjectHasLease(_))), "lease shared by the group");
+    assert!(
+        matches!(
+            st.remove(&m, "g2", false, 20),
+            Err(StoreError::ObjectHasLease(_))
+        ),
+        "lease shared by the group"
+    );
     // A member put after the group's read was never read: the group's lease is not its.
     put(&mut st, &m, &s, "g3", 1 << 10, &g, 15).unwrap();
     assert_eq!(st.key_info("g3", 20).map(|k| k.leased_ms), Some(0));
     st.remove(&m, "g3", false, 20).expect("not leased");
-    put(&mut st, &m, &s, "other", 16 << 10, &ReplicateConfig::default(), 20).unwrap();
+    put(
+        &mut st,
+        &m,
+        &s,
+        "other",
+        16 << 10,
+        &ReplicateConfig::default(),
+        20,
+    )
+    .unwrap();
     let freed = st.evict(1, 1000, true, &s);
-    assert_eq!(freed, 32 << 10, "both members of the group go together (they were least recently used)");
+    assert_eq!(
+        freed,
+        32 << 10,
+        "both members of the group go together (they were least recently used)"
+    );
     assert!(st.exist_key("other", 1001, 0).unwrap());
     assert!(st.groups.is_empty(), "the group left empty goes");
     // A member that is being read stays, and stays in its group.
@@ -261,7 +593,11 @@ fn groups_share_leases_and_are_evicted_together() {
     st.evict(1, 3000, true, &s);
     assert!(st.exist_key("h1", 3001, 0).unwrap(), "read in flight: kept");
     assert!(!st.exist_key("h2", 3001, 0).unwrap());
-    assert_eq!(st.groups.get("req-1").map(|g| g.members.len()), Some(1), "the group keeps its member left");
+    assert_eq!(
+        st.groups.get("req-1").map(|g| g.members.len()),
+        Some(1),
+        "the group keeps its member left"
+    );
     st.release_reads(&[read.read_id], 3002);
 }
 
@@ -271,27 +607,47 @@ fn released_reads_give_space_back_at_once() {
     let cfg = ReplicateConfig::default();
     put(&mut st, &m, &s, "a", 32 << 10, &cfg, 0).unwrap();
     let l = st.get_replica_list("a", 1, 10_000).unwrap();
-    assert!(matches!(st.remove(&m, "a", false, 2), Err(StoreError::ObjectHasLease(_))), "Mooncake's lease still refuses a plain remove");
+    assert!(
+        matches!(
+            st.remove(&m, "a", false, 2),
+            Err(StoreError::ObjectHasLease(_))
+        ),
+        "Mooncake's lease still refuses a plain remove"
+    );
     st.remove(&m, "a", true, 2).unwrap();
-    assert_eq!(st.used_bytes(), 32 << 10, "the read in flight keeps the bytes");
+    assert_eq!(
+        st.used_bytes(),
+        32 << 10,
+        "the read in flight keeps the bytes"
+    );
     // The same space cannot be handed out while the read is in flight...
-    st.put_start(&m, &s, P1, "b", 32 << 10, &cfg, false, 3).unwrap();
-    assert!(matches!(st.put_start(&m, &s, P1, "c", 32 << 10, &cfg, false, 3), Err(StoreError::NoAvailableHandle { .. })));
+    st.put_start(&m, &s, P1, "b", 32 << 10, &cfg, false, 3)
+        .unwrap();
+    assert!(matches!(
+        st.put_start(&m, &s, P1, "c", 32 << 10, &cfg, false, 3),
+        Err(StoreError::NoAvailableHandle { .. })
+    ));
     assert!(st.reads_in_flight(3), "a caller may wait for it");
     // ...and comes back as soon as the reader says it finished, long before the lease ends.
     st.release_reads(&[l.read_id], 4);
     assert!(!st.reads_in_flight(4));
     assert_eq!(st.used_bytes(), 32 << 10, "only b's space is in use");
-    st.put_start(&m, &s, P1, "c", 32 << 10, &cfg, false, 5).unwrap();
+    st.put_start(&m, &s, P1, "c", 32 << 10, &cfg, false, 5)
+        .unwrap();
     // An upsert's old replica follows the same rule.
     st.put_end(P1, "b", 6).unwrap();
     let l = st.get_replica_list("b", 7, 10_000).unwrap();
     st.put_revoke(P1, "c").unwrap();
-    st.put_start(&m, &s, P1, "b", 16 << 10, &cfg, true, 8).unwrap();
+    st.put_start(&m, &s, P1, "b", 16 << 10, &cfg, true, 8)
+        .unwrap();
     st.put_end(P1, "b", 9).unwrap();
     assert_eq!(st.used_bytes(), 48 << 10, "old value kept for its reader");
     st.release_reads(&[l.read_id, 12345], 10);
-    assert_eq!(st.used_bytes(), 16 << 10, "freed on release; unknown ids are ignored");
+    assert_eq!(
+        st.used_bytes(),
+        16 << 10,
+        "freed on release; unknown ids are ignored"
+    );
 }
 
 /// A put that waits for reads evicts what it needs once, not again at every retry (each
@@ -309,14 +665,43 @@ fn a_put_waiting_for_reads_evicts_once_not_at_every_retry() {
         st.get_replica_list(&format!("o{i}"), 1, 60_000).unwrap();
     }
     let p = PutId { client: 1, put: 9 };
-    let e = st.put_start_ex(&m, &s, p, "big", 8 << 10, &cfg, false, 5_000, Attempt::First);
-    assert!(matches!(e, Err(StoreError::NoAvailableHandle { .. })), "{e:?}");
+    let e = st.put_start_ex(
+        &m,
+        &s,
+        p,
+        "big",
+        8 << 10,
+        &cfg,
+        false,
+        5_000,
+        Attempt::First,
+    );
+    assert!(
+        matches!(e, Err(StoreError::NoAvailableHandle { .. })),
+        "{e:?}"
+    );
     let after_first = s.evicted_objects.load(Ordering::Relaxed);
     assert!(after_first >= 1);
     for t in 0..5 {
-        assert!(st.put_start_ex(&m, &s, p, "big", 8 << 10, &cfg, false, 5_001 + t, Attempt::Again).is_err());
+        assert!(st
+            .put_start_ex(
+                &m,
+                &s,
+                p,
+                "big",
+                8 << 10,
+                &cfg,
+                false,
+                5_001 + t,
+                Attempt::Again
+            )
+            .is_err());
     }
-    assert_eq!(s.evicted_objects.load(Ordering::Relaxed), after_first, "the retries evicted more");
+    assert_eq!(
+        s.evicted_objects.load(Ordering::Relaxed),
+        after_first,
+        "the retries evicted more"
+    );
 }
 
 #[test]
@@ -329,17 +714,38 @@ fn eviction_spares_reads_in_flight_not_finished_ones() {
     let l2 = st.get_replica_list("r2", 2, 10_000).unwrap();
     assert_eq!(st.evict(1, 3, true, &s), 0, "both are being read");
     st.release_reads(&[l1.read_id], 4);
-    assert_eq!(st.evict(1, 5, true, &s), 32 << 10, "a finished read does not protect its object");
+    assert_eq!(
+        st.evict(1, 5, true, &s),
+        32 << 10,
+        "a finished read does not protect its object"
+    );
     assert!(!st.exist_key("r1", 6, 0).unwrap() && st.exist_key("r2", 6, 0).unwrap());
     // While a read is in flight, a put that is not on its last try spares objects just
     // written (their writers are about to read them back) and asks the caller to wait.
     put(&mut st, &m, &s, "young", 32 << 10, &cfg, 7).unwrap();
     let e = st.put_start_ex(&m, &s, P1, "next", 32 << 10, &cfg, false, 8, Attempt::First);
-    assert!(matches!(e, Err(StoreError::NoAvailableHandle { .. })), "{e:?}");
-    assert!(st.exist_key("young", 9, 0).unwrap(), "the object just written was not evicted");
+    assert!(
+        matches!(e, Err(StoreError::NoAvailableHandle { .. })),
+        "{e:?}"
+    );
+    assert!(
+        st.exist_key("young", 9, 0).unwrap(),
+        "the object just written was not evicted"
+    );
     // Once the read ended, the older object goes, not the young one.
     st.release_reads(&[l2.read_id], 10);
-    st.put_start_ex(&m, &s, P1, "next", 32 << 10, &cfg, false, 11, Attempt::Again).unwrap();
+    st.put_start_ex(
+        &m,
+        &s,
+        P1,
+        "next",
+        32 << 10,
+        &cfg,
+        false,
+        11,
+        Attempt::Again,
+    )
+    .unwrap();
     assert!(st.exist_key("young", 12, 0).unwrap() && !st.exist_key("r2", 12, 0).unwrap());
     // An abandoned read stops counting when its lease runs out.
     let l = st.get_replica_list("young", 13, 100).unwrap();
@@ -351,18 +757,50 @@ fn eviction_spares_reads_in_flight_not_finished_ones() {
 #[test]
 fn batch_replica_clear_as_mooncake() {
     let (mut st, m, s) = setup(&[(1, 1 << 20), (2, 1 << 20)]);
-    put(&mut st, &m, &s, "k", 4096, &ReplicateConfig { replica_num: 2, ..Default::default() }, 0).unwrap();
+    put(
+        &mut st,
+        &m,
+        &s,
+        "k",
+        4096,
+        &ReplicateConfig {
+            replica_num: 2,
+            ..Default::default()
+        },
+        0,
+    )
+    .unwrap();
     let keys = |v: &[&str]| v.iter().map(|k| k.to_string()).collect::<Vec<_>>();
-    assert!(st.batch_replica_clear(2, &keys(&["k"]), "", 1).is_empty(), "another client's object is skipped");
+    assert!(
+        st.batch_replica_clear(2, &keys(&["k"]), "", 1).is_empty(),
+        "another client's object is skipped"
+    );
     st.get_replica_list("k", 1, 100).unwrap();
-    assert!(st.batch_replica_clear(1, &keys(&["k"]), "seg1", 50).is_empty(), "a leased object is skipped");
-    assert_eq!(st.batch_replica_clear(1, &keys(&["k", "missing", ""]), "seg1", 200), keys(&["k"]));
+    assert!(
+        st.batch_replica_clear(1, &keys(&["k"]), "seg1", 50)
+            .is_empty(),
+        "a leased object is skipped"
+    );
+    assert_eq!(
+        st.batch_replica_clear(1, &keys(&["k", "missing", ""]), "seg1", 200),
+        keys(&["k"])
+    );
     let l = st.get_replica_list("k", 201, 10).unwrap();
     assert_eq!(l.replicas.len(), 1);
-    assert_eq!(l.replicas[0].te_endpoint, "127.0.0.1:15002", "only seg1's replica went");
+    assert_eq!(
+        l.replicas[0].te_endpoint, "127.0.0.1:15002",
+        "only seg1's replica went"
+    );
     assert_eq!(st.used_bytes(), 4096, "its space came back");
-    assert!(st.batch_replica_clear(1, &keys(&["k"]), "seg1", 300).is_empty(), "no replica left there");
-    assert_eq!(st.batch_replica_clear(1, &keys(&["k"]), "", 300), keys(&["k"]));
+    assert!(
+        st.batch_replica_clear(1, &keys(&["k"]), "seg1", 300)
+            .is_empty(),
+        "no replica left there"
+    );
+    assert_eq!(
+        st.batch_replica_clear(1, &keys(&["k"]), "", 300),
+        keys(&["k"])
+    );
     assert!(!st.exist_key("k", 301, 0).unwrap());
     assert_eq!(st.used_bytes(), 0);
 }
@@ -375,9 +813,20 @@ fn remove_all_and_regex_respect_leases() {
     }
     st.get_replica_list("a2", 1, 1000).unwrap();
     let re = regex::Regex::new("^a").unwrap();
-    assert_eq!(st.remove_matching(&m, |k| re.is_match(k), false, 2).count(), 1);
-    assert_eq!(st.remove_matching(&m, |_| true, false, 3).count(), 1, "b1 only; a2 leased");
-    assert_eq!(st.remove_matching(&m, |_| true, true, 4).count(), 1, "force");
+    assert_eq!(
+        st.remove_matching(&m, |k| re.is_match(k), false, 2).count(),
+        1
+    );
+    assert_eq!(
+        st.remove_matching(&m, |_| true, false, 3).count(),
+        1,
+        "b1 only; a2 leased"
+    );
+    assert_eq!(
+        st.remove_matching(&m, |_| true, true, 4).count(),
+        1,
+        "force"
+    );
     assert_eq!(st.summary().keys, 0);
 }
 
@@ -385,36 +834,100 @@ fn remove_all_and_regex_respect_leases() {
 fn remove_all_of_a_full_pool_frees_its_space_prunes_its_groups_and_keeps_what_is_read() {
     let (mut st, m, s) = setup(&[(1, 4 << 20), (2, 4 << 20)]);
     st.journal_on();
-    let cfg = ReplicateConfig { replica_num: 2, ..Default::default() };
-    let grouped = ReplicateConfig { replica_num: 2, group_id: Some("G".into()), ..Default::default() };
+    let cfg = ReplicateConfig {
+        replica_num: 2,
+        ..Default::default()
+    };
+    let grouped = ReplicateConfig {
+        replica_num: 2,
+        group_id: Some("G".into()),
+        ..Default::default()
+    };
     let mut n = 0;
     // Sizes that do not divide the segments evenly: frees must join blocks of any size.
     // (Filled to 80%, below the eviction watermark: nothing is evicted.)
     while st.used_bytes() < (8 << 20) * 4 / 5 {
-        put(&mut st, &m, &s, &format!("k{n}"), 1000 + (n % 5) * 700, if n % 3 == 0 { &grouped } else { &cfg }, 0).expect("room");
+        put(
+            &mut st,
+            &m,
+            &s,
+            &format!("k{n}"),
+            1000 + (n % 5) * 700,
+            if n % 3 == 0 { &grouped } else { &cfg },
+            0,
+        )
+        .expect("room");
         n += 1;
     }
     assert!(n > 1000, "the pool filled ({n} objects)");
-    st.put_start(&m, &s, P1, "writing", 100, &ReplicateConfig::default(), false, 0).expect("room for a write in progress");
+    st.put_start(
+        &m,
+        &s,
+        P1,
+        "writing",
+        100,
+        &ReplicateConfig::default(),
+        false,
+        0,
+    )
+    .expect("room for a write in progress");
     let read = st.get_replica_list("k1", 1, 10_000).expect("k1 is there");
     let _ = st.take_changes(1);
     let held = read.replicas.iter().map(|r| r.size).sum::<u64>();
     let removed = st.remove_matching(&m, |_| true, true, 2);
-    assert_eq!(removed.count(), n + 1, "every object, the one being written too (forced)");
-    assert_eq!(removed.objects.len(), n as usize + 1, "their memory goes back to the caller, to be freed out of the lock");
+    assert_eq!(
+        removed.count(),
+        n + 1,
+        "every object, the one being written too (forced)"
+    );
+    assert_eq!(
+        removed.objects.len(),
+        n as usize + 1,
+        "their memory goes back to the caller, to be freed out of the lock"
+    );
     drop(removed);
     assert_eq!(st.summary().keys, 0);
-    assert!(!st.groups.contains_key("G"), "the group went with its last member");
-    let forgotten = st.take_changes(2).iter().filter(|c| matches!(c, Change::Forget { .. })).count() as u64;
-    assert!(forgotten >= n, "every removal is journaled ({forgotten} of {n})");
+    assert!(
+        !st.groups.contains_key("G"),
+        "the group went with its last member"
+    );
+    let forgotten = st
+        .take_changes(2)
+        .iter()
+        .filter(|c| matches!(c, Change::Forget { .. }))
+        .count() as u64;
+    assert!(
+        forgotten >= n,
+        "every removal is journaled ({forgotten} of {n})"
+    );
     // What a reader may still be reading is kept until its read ends; the rest is free
     // and whole again.
-    assert!(st.used_bytes() >= held && st.deferred.len() == 3, "k1's two replicas and the write's one are held back ({} bytes used)", st.used_bytes());
+    assert!(
+        st.used_bytes() >= held && st.deferred.len() == 3,
+        "k1's two replicas and the write's one are held back ({} bytes used)",
+        st.used_bytes()
+    );
     st.release_reads(&[read.read_id], 3);
     st.release_deferred(10_000_000);
     assert_eq!(st.used_bytes(), 0);
     for id in [1, 2] {
-        assert_eq!(st.segments[&id].space.free_ranges(), 1, "segment {id}'s space is one free range again");
+        assert_eq!(
+            st.segments[&id].space.free_ranges(),
+            1,
+            "segment {id}'s space is one free range again"
+        );
     }
-    assert!(put(&mut st, &m, &s, "big", 4 << 20, &ReplicateConfig::default(), 10_000_001).is_ok(), "a segment-sized object fits");
+    assert!(
+        put(
+            &mut st,
+            &m,
+            &s,
+            "big",
+            4 << 20,
+            &ReplicateConfig::default(),
+            10_000_001
+        )
+        .is_ok(),
+        "a segment-sized object fits"
+    );
 }

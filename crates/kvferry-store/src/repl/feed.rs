@@ -36,7 +36,10 @@ pub struct Feed {
 
 impl Feed {
     pub fn new(tail_cap: usize) -> Feed {
-        Feed { tail_cap, ..Feed::default() }
+        Feed {
+            tail_cap,
+            ..Feed::default()
+        }
     }
 
     /// A connection of `term` said hello (its cluster and its leadership checked by the
@@ -50,23 +53,40 @@ impl Feed {
             return Err("this standby is stopping".into());
         }
         if term < self.term {
-            return Err(format!("term {term} is older than the term {} this standby follows", self.term));
+            return Err(format!(
+                "term {term} is older than the term {} this standby follows",
+                self.term
+            ));
         }
         let conn = self.next_conn + 1;
-        *self = Feed { term, conn, next_conn: conn, tail_cap: self.tail_cap, ..Feed::default() };
+        *self = Feed {
+            term,
+            conn,
+            next_conn: conn,
+            tail_cap: self.tail_cap,
+            ..Feed::default()
+        };
         Ok(conn)
     }
 
     /// One frame of connection `conn` (`raw` as it came), at `now`: checked to be the next
     /// one, its changes pending until the driver applies them. The entry to acknowledge, if
     /// any; an error ends the connection.
-    pub fn on_frame(&mut self, conn: u64, frame: ToStandby, raw: Vec<u8>, now: u64) -> Result<Option<u64>, String> {
+    pub fn on_frame(
+        &mut self,
+        conn: u64,
+        frame: ToStandby,
+        raw: Vec<u8>,
+        now: u64,
+    ) -> Result<Option<u64>, String> {
         if self.conn != conn || self.closed {
             return Err("another leader's connection replaced this one".into());
         }
         let (ack, changes) = match frame {
             ToStandby::Hello { .. } => return Err("a second hello on one connection".into()),
-            ToStandby::AuthHello { .. } | ToStandby::AuthProof { .. } => return Err("an authentication step after the hello".into()),
+            ToStandby::AuthHello { .. } | ToStandby::AuthProof { .. } => {
+                return Err("an authentication step after the hello".into())
+            }
             ToStandby::Image { seq, changes, last } => {
                 if self.complete {
                     return Err("an image after the image".into());
@@ -79,7 +99,10 @@ impl Feed {
             }
             ToStandby::Entry { seq, changes } => {
                 if !self.complete || seq <= self.seq {
-                    return Err(format!("entry {seq} out of order (mirror at {}, complete: {})", self.seq, self.complete));
+                    return Err(format!(
+                        "entry {seq} out of order (mirror at {}, complete: {})",
+                        self.seq, self.complete
+                    ));
                 }
                 let first = self.seq + 1;
                 self.tail.push(first, seq, raw, self.tail_cap);
@@ -145,12 +168,28 @@ impl Feed {
 
     /// A mirror of `term` a failed takeover hands back: complete at `seq`, fed by nobody.
     pub fn restore(&mut self, term: i64, seq: u64, tail: MirrorTail) {
-        *self = Feed { term, next_conn: self.next_conn, seq, complete: true, sealed: self.sealed, tail, tail_cap: self.tail_cap, ..Feed::default() };
+        *self = Feed {
+            term,
+            next_conn: self.next_conn,
+            seq,
+            complete: true,
+            sealed: self.sealed,
+            tail,
+            tail_cap: self.tail_cap,
+            ..Feed::default()
+        };
     }
 
     /// This master leads: nothing is mirrored.
     pub fn close(&mut self) {
-        *self = Feed { term: self.term, next_conn: self.next_conn, closed: true, sealed: self.sealed, tail_cap: self.tail_cap, ..Feed::default() };
+        *self = Feed {
+            term: self.term,
+            next_conn: self.next_conn,
+            closed: true,
+            sealed: self.sealed,
+            tail_cap: self.tail_cap,
+            ..Feed::default()
+        };
     }
 
     /// Accepts feeds again (after leading or a lost campaign), of terms from the one it last
@@ -159,7 +198,13 @@ impl Feed {
         if !self.closed {
             return false;
         }
-        *self = Feed { term: self.term, next_conn: self.next_conn, sealed: self.sealed, tail_cap: self.tail_cap, ..Feed::default() };
+        *self = Feed {
+            term: self.term,
+            next_conn: self.next_conn,
+            sealed: self.sealed,
+            tail_cap: self.tail_cap,
+            ..Feed::default()
+        };
         true
     }
 }

@@ -20,8 +20,16 @@ pub struct LinkView {
 
 /// The members of `insync` that must leave it: no link, a dead one, or one that has not
 /// acknowledged `late` (the oldest entry in flight, past the acknowledgement bound).
-pub fn failing(insync: &[String], link: impl Fn(&str) -> Option<LinkView>, late: Option<u64>) -> Vec<String> {
-    insync.iter().filter(|m| link(m).is_none_or(|l| l.dead || late.is_some_and(|seq| l.acked < seq))).cloned().collect()
+pub fn failing(
+    insync: &[String],
+    link: impl Fn(&str) -> Option<LinkView>,
+    late: Option<u64>,
+) -> Vec<String> {
+    insync
+        .iter()
+        .filter(|m| link(m).is_none_or(|l| l.dead || late.is_some_and(|seq| l.acked < seq)))
+        .cloned()
+        .collect()
 }
 
 /// Whether the standby of `l` may join the set after entry `seq` of `term`: its link is
@@ -35,6 +43,12 @@ pub fn ready(l: LinkView, seq: u64, term: i64, mirror: Option<i64>) -> bool {
 /// Whether puts may be granted space ahead: the set is not empty (the etcd journal alone is
 /// read by masters of every version) and every linked standby, and every member, reads
 /// grants.
-pub fn grants_allowed(insync: &[String], links: impl IntoIterator<Item = LinkView>, member: impl Fn(&str) -> Option<LinkView>) -> bool {
-    !insync.is_empty() && links.into_iter().all(|l| l.grants) && insync.iter().all(|m| member(m).is_some_and(|l| l.grants))
+pub fn grants_allowed(
+    insync: &[String],
+    links: impl IntoIterator<Item = LinkView>,
+    member: impl Fn(&str) -> Option<LinkView>,
+) -> bool {
+    !insync.is_empty()
+        && links.into_iter().all(|l| l.grants)
+        && insync.iter().all(|m| member(m).is_some_and(|l| l.grants))
 }

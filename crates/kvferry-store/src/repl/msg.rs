@@ -12,9 +12,18 @@ use std::sync::Arc;
 pub enum ToStandby {
     /// The first frame: the cluster, and the leader's term (its view key's create revision)
     /// and lease.
-    Hello { cluster_id: String, term: i64, lease: i64, leader: String },
+    Hello {
+        cluster_id: String,
+        term: i64,
+        lease: i64,
+        leader: String,
+    },
     /// Part of the state after entry `seq`; the one with `last` ends the image.
-    Image { seq: u64, changes: Vec<Change>, last: bool },
+    Image {
+        seq: u64,
+        changes: Vec<Change>,
+        last: bool,
+    },
     /// The changes of entry `seq`, applied after every earlier one.
     Entry { seq: u64, changes: Vec<Change> },
     /// Where the leader's etcd journal is, or is about to be, whole: a standby keeps the

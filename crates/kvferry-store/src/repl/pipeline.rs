@@ -53,13 +53,17 @@ impl Pipeline {
     /// sync as long as each piece follows the one before within the bound; one that stops
     /// acknowledging is late one bound after its last progress.
     pub fn oldest(&self) -> Option<(u64, u64)> {
-        self.pending.front().map(|&(seq, _, sent)| (seq, self.progress.map_or(sent, |t| t.max(sent))))
+        self.pending
+            .front()
+            .map(|&(seq, _, sent)| (seq, self.progress.map_or(sent, |t| t.max(sent))))
     }
 
     /// The oldest pending entry if the standbys have had it `bound` µs or more at `now`: a
     /// member that has not acknowledged it is late.
     pub fn late(&self, now: u64, bound: u64) -> Option<u64> {
-        self.oldest().filter(|&(_, since)| now.saturating_sub(since) >= bound).map(|(seq, _)| seq)
+        self.oldest()
+            .filter(|&(_, since)| now.saturating_sub(since) >= bound)
+            .map(|(seq, _)| seq)
     }
 
     /// When, at the latest, the oldest pending entry becomes late ([`Pipeline::late`]).
@@ -71,7 +75,11 @@ impl Pipeline {
     /// `None`: no member, nothing is released) at `now`: the entries up to it go.
     pub fn release(&mut self, min: Option<u64>, now: u64) -> Option<Released> {
         let min = min?;
-        let mut r = Released { upto: 0, entries: 0, waited_us: 0 };
+        let mut r = Released {
+            upto: 0,
+            entries: 0,
+            waited_us: 0,
+        };
         while let Some(&(seq, ticket, sent)) = self.pending.front() {
             if seq > min {
                 break;

@@ -37,7 +37,11 @@ pub struct Written<A> {
 
 impl<A> Default for Written<A> {
     fn default() -> Self {
-        Written { tickets: 0..0, grants: None, ready: Vec::new() }
+        Written {
+            tickets: 0..0,
+            grants: None,
+            ready: Vec::new(),
+        }
     }
 }
 
@@ -74,7 +78,18 @@ impl<A> Default for Queue<A> {
 impl<A> Queue<A> {
     /// The queue of `term` (0: not journaling).
     pub fn new(term: i64) -> Queue<A> {
-        Queue { term, changes: Vec::new(), enqueued: 0, written: 0, failed: false, handoff: false, handed_off: false, kicked: false, later: BTreeMap::new(), grant_marks: VecDeque::new() }
+        Queue {
+            term,
+            changes: Vec::new(),
+            enqueued: 0,
+            written: 0,
+            failed: false,
+            handoff: false,
+            handed_off: false,
+            kicked: false,
+            later: BTreeMap::new(),
+            grant_marks: VecDeque::new(),
+        }
     }
 
     pub fn term(&self) -> i64 {
@@ -224,7 +239,9 @@ impl<A> Queue<A> {
     pub fn expire(&mut self, now: u64, bound: u64) -> Vec<A> {
         let mut late = Vec::new();
         for v in self.later.values_mut() {
-            let (old, keep): (Vec<_>, Vec<_>) = std::mem::take(v).into_iter().partition(|(since, _)| now.saturating_sub(*since) >= bound);
+            let (old, keep): (Vec<_>, Vec<_>) = std::mem::take(v)
+                .into_iter()
+                .partition(|(since, _)| now.saturating_sub(*since) >= bound);
             late.extend(old.into_iter().map(|(_, a)| a));
             *v = keep;
         }
@@ -234,7 +251,11 @@ impl<A> Queue<A> {
 
     /// Every deferred answer, each to be answered [`Outcome::Unknown`].
     fn take_later(&mut self) -> Vec<A> {
-        std::mem::take(&mut self.later).into_values().flatten().map(|(_, a)| a).collect()
+        std::mem::take(&mut self.later)
+            .into_values()
+            .flatten()
+            .map(|(_, a)| a)
+            .collect()
     }
 
     /// Journals `term` from now on, empty; the previous term's deferred answers, each to be

@@ -49,7 +49,11 @@ pub struct Run {
 
 impl Run {
     pub fn at(base: u64) -> Run {
-        Run { base, frames: Vec::new(), bytes: 0 }
+        Run {
+            base,
+            frames: Vec::new(),
+            bytes: 0,
+        }
     }
 
     pub fn last(&self) -> u64 {
@@ -59,11 +63,18 @@ impl Run {
     /// Whether the run is still whole with the frame of the log's entries `first..=last`
     /// added (it must follow the run's last entry and fit `cap`; else nothing is added).
     pub fn push(&mut self, first: u64, last: u64, frame: &Arc<Vec<u8>>, cap: usize) -> bool {
-        if first > last || self.last().checked_add(1) != Some(first) || self.bytes + frame.len() > cap {
+        if first > last
+            || self.last().checked_add(1) != Some(first)
+            || self.bytes + frame.len() > cap
+        {
             return false;
         }
         self.bytes += frame.len();
-        self.frames.push(TailFrame { first, last, frame: Arc::clone(frame) });
+        self.frames.push(TailFrame {
+            first,
+            last,
+            frame: Arc::clone(frame),
+        });
         true
     }
 }
@@ -108,7 +119,13 @@ impl MirrorTail {
     /// run from `base`, continued from the frame before if it is of the same `base`, kept once
     /// it reaches `at`, if its frames are consecutive from `base` and fit the cap. The frames
     /// are `(first, last, frame)`, made only as far as the run takes them.
-    pub fn joined<F: Into<(u64, u64, Arc<Vec<u8>>)>>(&mut self, base: u64, frames: impl IntoIterator<Item = F>, at: u64, cap: usize) {
+    pub fn joined<F: Into<(u64, u64, Arc<Vec<u8>>)>>(
+        &mut self,
+        base: u64,
+        frames: impl IntoIterator<Item = F>,
+        at: u64,
+        cap: usize,
+    ) {
         let mut run = match self.joining.take() {
             Some(r) if r.base == base => *r,
             _ => Run::at(base),
@@ -141,7 +158,10 @@ impl MirrorTail {
         if stored == upto {
             return Some(Vec::new());
         }
-        self.runs.iter().rev().find_map(|r| tail_after(&r.frames, stored, upto))
+        self.runs
+            .iter()
+            .rev()
+            .find_map(|r| tail_after(&r.frames, stored, upto))
     }
 }
 
@@ -155,7 +175,9 @@ pub fn tail_after(frames: &[TailFrame], stored: u64, upto: u64) -> Option<Vec<Ta
     if frames.last().map(|f| f.last) != Some(upto) {
         return None;
     }
-    let from = frames.iter().position(|f| Some(f.first) == stored.checked_add(1))?;
+    let from = frames
+        .iter()
+        .position(|f| Some(f.first) == stored.checked_add(1))?;
     frames.get(from..).map(<[TailFrame]>::to_vec)
 }
 
@@ -198,13 +220,23 @@ impl Tail {
     /// A tail of at most `cap` bytes of frames per run (0: none is kept), refreshed at most
     /// `every`, made at `now`.
     pub fn new(cap: usize, every: Duration, now: u64) -> Tail {
-        Tail { cap, every, cur: None, next: None, want_next: false, started: now, shown: None }
+        Tail {
+            cap,
+            every,
+            cur: None,
+            next: None,
+            want_next: false,
+            started: now,
+            shown: None,
+        }
     }
 
     pub fn push(&mut self, seq: u64, frame: &Arc<Vec<u8>>) {
         let cap = self.cap;
         for r in [&mut self.cur, &mut self.next] {
-            if r.as_mut().is_some_and(|run| !run.push(seq, seq, frame, cap)) {
+            if r.as_mut()
+                .is_some_and(|run| !run.push(seq, seq, frame, cap))
+            {
                 *r = None;
             }
         }
@@ -254,7 +286,10 @@ impl Tail {
     /// Where the current run starts and its frames up to entry `at` (for a standby whose
     /// image is at `at`: `ToStandby::Run`), if it is whole that far.
     pub fn upto(&self, at: u64) -> Option<(u64, Vec<TailFrame>)> {
-        let r = self.cur.as_ref().filter(|r| r.base <= at && r.last() >= at)?;
+        let r = self
+            .cur
+            .as_ref()
+            .filter(|r| r.base <= at && r.last() >= at)?;
         let n = r.frames.partition_point(|f| f.last <= at);
         let frames = r.frames[..n].to_vec();
         (frames.last().map_or(r.base, |f| f.last) == at).then_some((r.base, frames))
@@ -276,7 +311,9 @@ impl Tail {
 
     /// Bytes of the current run's frames, and whether there is one.
     pub fn size(&self) -> (u64, bool) {
-        self.cur.as_ref().map_or((0, false), |r| (r.bytes as u64, true))
+        self.cur
+            .as_ref()
+            .map_or((0, false), |r| (r.bytes as u64, true))
     }
 
     /// [`Tail::size`] for the journal's figures when whether a run is kept changed since they
@@ -284,7 +321,10 @@ impl Tail {
     /// commit: the figures' lock each time would be one more on the request path).
     pub fn size_to_show(&mut self, now: u64) -> Option<(u64, bool)> {
         let (bytes, whole) = self.size();
-        if self.shown.is_some_and(|(t, w)| w == whole && since(now, t) < TAIL_SHOWN_EVERY) {
+        if self
+            .shown
+            .is_some_and(|(t, w)| w == whole && since(now, t) < TAIL_SHOWN_EVERY)
+        {
             return None;
         }
         self.shown = Some((now, whole));

@@ -12,7 +12,9 @@ use std::time::Duration;
 const MS: u64 = 1000;
 
 fn change(i: u64) -> Change {
-    Change::Forget { key: format!("k{i}") }
+    Change::Forget {
+        key: format!("k{i}"),
+    }
 }
 
 #[test]
@@ -24,18 +26,37 @@ fn a_deferred_answer_comes_back_once_durable_unknown_or_timed_out_never_across_t
     assert_eq!(q.outstanding(), Some(2));
     assert_eq!(q.defer(7, 1, 10, 0), None);
     assert_eq!(q.defer(7, 2, 20, 0), None);
-    assert_eq!(q.defer(6, 2, 30, 0), Some((30, Outcome::Unknown)), "another term's ticket: unknown at once");
+    assert_eq!(
+        q.defer(6, 2, 30, 0),
+        Some((30, Outcome::Unknown)),
+        "another term's ticket: unknown at once"
+    );
     let w = q.written(1);
     assert_eq!((w.tickets, w.ready), (1..2, vec![10]));
-    assert_eq!(q.defer(7, 1, 11, 0), Some((11, Outcome::Durable)), "durable already: at once");
-    assert!(q.written(1).ready.is_empty() && q.written(1).tickets.is_empty(), "nothing twice");
-    assert_eq!(q.expire(5 * MS, 10 * MS), Vec::<u32>::new(), "not yet past the bound");
+    assert_eq!(
+        q.defer(7, 1, 11, 0),
+        Some((11, Outcome::Durable)),
+        "durable already: at once"
+    );
+    assert!(
+        q.written(1).ready.is_empty() && q.written(1).tickets.is_empty(),
+        "nothing twice"
+    );
+    assert_eq!(
+        q.expire(5 * MS, 10 * MS),
+        Vec::<u32>::new(),
+        "not yet past the bound"
+    );
     assert_eq!(q.expire(10 * MS, 10 * MS), vec![20]);
     assert_eq!(q.deferred(), 0);
     // A late acknowledgement of an ended term makes nothing of the next one durable.
     assert!(q.enqueue(vec![change(3)], 0));
     assert_eq!(q.defer(7, 3, 40, 0), None);
-    assert_eq!(q.activate(8), vec![40], "the term's deferred answers end unknown");
+    assert_eq!(
+        q.activate(8),
+        vec![40],
+        "the term's deferred answers end unknown"
+    );
     q.set_enqueued_for_test(3);
     assert!(q.written_in(7, 3).tickets.is_empty());
     assert_eq!(q.written_upto(), 0);
@@ -80,19 +101,49 @@ fn a_standby_working_through_a_burst_is_late_only_one_bound_after_its_last_progr
     for seq in 1..=3 {
         p.push(seq, if seq == 3 { 1 } else { 0 }, 100 * MS);
     }
-    assert_eq!(p.oldest(), Some((1, 100 * MS)), "nothing released yet: the clock runs from the send");
-    assert_eq!(p.release(Some(1), 130 * MS), Some(Released { upto: 0, entries: 1, waited_us: 30 * MS }));
-    assert_eq!(p.oldest(), Some((2, 130 * MS)), "entry 2's clock starts when entry 1 was released, not when it was sent");
+    assert_eq!(
+        p.oldest(),
+        Some((1, 100 * MS)),
+        "nothing released yet: the clock runs from the send"
+    );
+    assert_eq!(
+        p.release(Some(1), 130 * MS),
+        Some(Released {
+            upto: 0,
+            entries: 1,
+            waited_us: 30 * MS
+        })
+    );
+    assert_eq!(
+        p.oldest(),
+        Some((2, 130 * MS)),
+        "entry 2's clock starts when entry 1 was released, not when it was sent"
+    );
     assert_eq!(p.late(629 * MS, 500 * MS), None);
     assert_eq!(p.late(630 * MS, 500 * MS), Some(2));
     assert_eq!(p.late_at(500 * MS), Some(630 * MS));
-    assert_eq!(p.release(Some(3), 700 * MS), Some(Released { upto: 1, entries: 2, waited_us: 1200 * MS }));
+    assert_eq!(
+        p.release(Some(3), 700 * MS),
+        Some(Released {
+            upto: 1,
+            entries: 2,
+            waited_us: 1200 * MS
+        })
+    );
     assert_eq!(p.oldest(), None);
     // An entry sent long after the last release: its clock starts at its send.
     p.push(4, 2, 2000 * MS);
     assert_eq!(p.oldest(), Some((4, 2000 * MS)));
-    assert_eq!(p.release(None, 3000 * MS), None, "no member: nothing is released");
-    assert_eq!(p.release(Some(3), 3000 * MS), None, "nothing acknowledged that far");
+    assert_eq!(
+        p.release(None, 3000 * MS),
+        None,
+        "no member: nothing is released"
+    );
+    assert_eq!(
+        p.release(Some(3), 3000 * MS),
+        None,
+        "nothing acknowledged that far"
+    );
 }
 
 #[test]
@@ -106,20 +157,35 @@ fn the_tail_keeps_a_whole_run_from_the_journals_position_or_none() {
         t.push(seq, &f(10));
     }
     assert_eq!(t.size(), (30, true));
-    assert!(!t.refresh_due(5000 * MS), "a whole run needs no background snapshot");
-    assert!(t.take(9).is_none(), "a run that does not reach the last entry is not used");
+    assert!(
+        !t.refresh_due(5000 * MS),
+        "a whole run needs no background snapshot"
+    );
+    assert!(
+        t.take(9).is_none(),
+        "a run that does not reach the last entry is not used"
+    );
     assert_eq!(t.size(), (0, false), "and the tail is empty after a take");
     t.start(5, 0);
     t.push(6, &f(10));
     t.push(8, &f(10));
     assert_eq!(t.size(), (0, false), "a missing entry drops the run");
-    assert!(t.upto(6).is_none(), "and none is sent to a standby that links");
+    assert!(
+        t.upto(6).is_none(),
+        "and none is sent to a standby that links"
+    );
     t.start(5, 10_000 * MS);
     t.push(6, &f(60));
     t.push(7, &f(60));
     assert_eq!(t.size(), (0, false), "over the cap drops the run");
-    assert!(t.refresh_due(11_000 * MS), "then a background snapshot is due");
-    assert!(!t.refresh_due(10_999 * MS), "but not before `every` since the run started");
+    assert!(
+        t.refresh_due(11_000 * MS),
+        "then a background snapshot is due"
+    );
+    assert!(
+        !t.refresh_due(10_999 * MS),
+        "but not before `every` since the run started"
+    );
     // A background snapshot: its image at 7, entries 8 and 9 meanwhile.
     t.start(5, 0);
     t.push(6, &f(10));
@@ -129,17 +195,41 @@ fn the_tail_keeps_a_whole_run_from_the_journals_position_or_none() {
     assert!(t.begin(7, 0));
     t.push(8, &f(10));
     t.push(9, &f(10));
-    assert_eq!(t.size(), (40, true), "the current run goes on until the head is written");
+    assert_eq!(
+        t.size(),
+        (40, true),
+        "the current run goes on until the head is written"
+    );
     // A standby linking now, its image at 8, gets the current run up to there.
-    let lasts = |u: Option<(u64, Vec<TailFrame>)>| u.map(|(b, f)| (b, f.iter().map(|f| f.last).collect::<Vec<_>>()));
+    let lasts = |u: Option<(u64, Vec<TailFrame>)>| {
+        u.map(|(b, f)| (b, f.iter().map(|f| f.last).collect::<Vec<_>>()))
+    };
     assert_eq!(lasts(t.upto(8)), Some((5, vec![6, 7, 8])));
-    assert_eq!(lasts(t.upto(5)), Some((5, vec![])), "an image at the run's start: nothing before it");
+    assert_eq!(
+        lasts(t.upto(5)),
+        Some((5, vec![])),
+        "an image at the run's start: nothing before it"
+    );
     assert_eq!(lasts(t.upto(4)), None, "an image before the run's start");
-    assert_eq!(lasts(t.upto(10)), None, "an image after the run's last entry");
+    assert_eq!(
+        lasts(t.upto(10)),
+        None,
+        "an image after the run's last entry"
+    );
     t.based();
-    assert_eq!(t.size(), (20, true), "then the run from the image's position");
+    assert_eq!(
+        t.size(),
+        (20, true),
+        "then the run from the image's position"
+    );
     let run = t.take(9).expect("whole");
-    assert_eq!((run.base, run.frames.iter().map(|f| f.last).collect::<Vec<_>>()), (7, vec![8, 9]));
+    assert_eq!(
+        (
+            run.base,
+            run.frames.iter().map(|f| f.last).collect::<Vec<_>>()
+        ),
+        (7, vec![8, 9])
+    );
     // Given up: the current run stays.
     t.start(9, 0);
     t.want_next();
@@ -162,7 +252,10 @@ fn the_tail_keeps_a_whole_run_from_the_journals_position_or_none() {
 /// acknowledged, in its own term; the grants watermark never passes a ticket not durable.
 #[test]
 fn the_queue_and_the_pipeline_answer_each_request_once_and_durable_only_when_every_member_has_it() {
-    let seeds: u64 = std::env::var("KVFERRY_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(2000);
+    let seeds: u64 = std::env::var("KVFERRY_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2000);
     for seed in 0..seeds {
         run_pipeline_seed(seed);
     }
@@ -187,9 +280,18 @@ fn run_pipeline_seed(seed: u64) {
     let mut grants_issued = 0u64;
     // The last term's pipeline, its members and its last entry.
     let mut stale: Option<(Pipeline, i64, Vec<u64>, u64)> = None;
-    let mut answer = |id: u64, o: Outcome, pending: &mut BTreeMap<u64, (i64, u64)>, answered: &mut BTreeMap<u64, Outcome>| {
-        assert!(pending.remove(&id).is_some(), "seed {seed}: answer {id} unknown");
-        assert!(answered.insert(id, o).is_none(), "seed {seed}: answer {id} came back twice");
+    let mut answer = |id: u64,
+                      o: Outcome,
+                      pending: &mut BTreeMap<u64, (i64, u64)>,
+                      answered: &mut BTreeMap<u64, Outcome>| {
+        assert!(
+            pending.remove(&id).is_some(),
+            "seed {seed}: answer {id} unknown"
+        );
+        assert!(
+            answered.insert(id, o).is_none(),
+            "seed {seed}: answer {id} came back twice"
+        );
     };
     for step in 0..300 {
         now += rng.random_range(0..20 * MS);
@@ -228,7 +330,19 @@ fn run_pipeline_seed(seed: u64) {
                     for m in smembers.iter_mut() {
                         *m = *sseq;
                     }
-                    release(&mut q, sp, smembers, *sterm, now, &ticket_seq, &mut durable_grant, seed, &mut pending, &mut answered, &mut answer);
+                    release(
+                        &mut q,
+                        sp,
+                        smembers,
+                        *sterm,
+                        now,
+                        &ticket_seq,
+                        &mut durable_grant,
+                        seed,
+                        &mut pending,
+                        &mut answered,
+                        &mut answer,
+                    );
                 }
             }
             // A member acknowledges more (never past what was sent), then the release.
@@ -236,7 +350,19 @@ fn run_pipeline_seed(seed: u64) {
                 if let Some(m) = (!members.is_empty()).then(|| rng.random_range(0..members.len())) {
                     members[m] = rng.random_range(members[m]..=seq);
                 }
-                release(&mut q, &mut p, &members, term, now, &ticket_seq, &mut durable_grant, seed, &mut pending, &mut answered, &mut answer);
+                release(
+                    &mut q,
+                    &mut p,
+                    &members,
+                    term,
+                    now,
+                    &ticket_seq,
+                    &mut durable_grant,
+                    seed,
+                    &mut pending,
+                    &mut answered,
+                    &mut answer,
+                );
             }
             // A late member leaves the set (etcd said so); the rest release what they hold.
             80..=84 => {
@@ -245,7 +371,19 @@ fn run_pipeline_seed(seed: u64) {
                     if late || rng.random_bool(0.3) {
                         let m = rng.random_range(0..members.len());
                         members.remove(m);
-                        release(&mut q, &mut p, &members, term, now, &ticket_seq, &mut durable_grant, seed, &mut pending, &mut answered, &mut answer);
+                        release(
+                            &mut q,
+                            &mut p,
+                            &members,
+                            term,
+                            now,
+                            &ticket_seq,
+                            &mut durable_grant,
+                            seed,
+                            &mut pending,
+                            &mut answered,
+                            &mut answer,
+                        );
                     }
                 }
             }
@@ -269,7 +407,13 @@ fn run_pipeline_seed(seed: u64) {
                 for id in q.activate(term) {
                     answer(id, Outcome::Unknown, &mut pending, &mut answered);
                 }
-                (p, seq, members, durable_grant, grants_issued) = (Pipeline::default(), 0, vec![0; rng.random_range(1..=3)], 0, 0);
+                (p, seq, members, durable_grant, grants_issued) = (
+                    Pipeline::default(),
+                    0,
+                    vec![0; rng.random_range(1..=3)],
+                    0,
+                    0,
+                );
                 ticket_seq.clear();
             }
         }
@@ -277,7 +421,11 @@ fn run_pipeline_seed(seed: u64) {
     for id in q.deactivate() {
         answer(id, Outcome::Unknown, &mut pending, &mut answered);
     }
-    assert_eq!(answered.len() as u64, next_id, "seed {seed}: every answer comes back");
+    assert_eq!(
+        answered.len() as u64,
+        next_id,
+        "seed {seed}: every answer comes back"
+    );
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -294,55 +442,127 @@ fn release(
     answered: &mut BTreeMap<u64, Outcome>,
     answer: &mut impl FnMut(u64, Outcome, &mut BTreeMap<u64, (i64, u64)>, &mut BTreeMap<u64, Outcome>),
 ) {
-    let Some(r) = p.release(members.iter().copied().min(), now) else { return };
+    let Some(r) = p.release(members.iter().copied().min(), now) else {
+        return;
+    };
     let w = q.written_in(term, r.upto);
     let min = members.iter().copied().min().unwrap_or(0);
     for id in w.ready {
-        let (t_term, ticket) = pending.get(&id).copied().unwrap_or_else(|| panic!("seed {seed}: answer {id} unknown"));
-        assert_eq!(t_term, term, "seed {seed}: an answer of term {t_term} made durable in term {term}");
+        let (t_term, ticket) = pending
+            .get(&id)
+            .copied()
+            .unwrap_or_else(|| panic!("seed {seed}: answer {id} unknown"));
+        assert_eq!(
+            t_term, term,
+            "seed {seed}: an answer of term {t_term} made durable in term {term}"
+        );
         // (A batch carries every ticket up to the one it completes.)
-        let s = ticket_seq.range(ticket..).next().map_or(u64::MAX, |(_, &s)| s);
-        assert!(s <= min, "seed {seed}: ticket {ticket} (entry {s}) durable while a member has only {min}");
+        let s = ticket_seq
+            .range(ticket..)
+            .next()
+            .map_or(u64::MAX, |(_, &s)| s);
+        assert!(
+            s <= min,
+            "seed {seed}: ticket {ticket} (entry {s}) durable while a member has only {min}"
+        );
         answer(id, Outcome::Durable, pending, answered);
     }
     if let Some(g) = w.grants {
-        assert!(g >= *durable_grant, "seed {seed}: the grants watermark went back");
+        assert!(
+            g >= *durable_grant,
+            "seed {seed}: the grants watermark went back"
+        );
         *durable_grant = g;
     }
 }
 
 #[test]
 fn a_feed_takes_an_image_then_entries_in_order_from_its_newest_connection_only() {
-    let entry = |seq: u64| ToStandby::Entry { seq, changes: vec![change(seq)] };
-    let image = |seq: u64, last: bool| ToStandby::Image { seq, changes: vec![change(0)], last };
+    let entry = |seq: u64| ToStandby::Entry {
+        seq,
+        changes: vec![change(seq)],
+    };
+    let image = |seq: u64, last: bool| ToStandby::Image {
+        seq,
+        changes: vec![change(0)],
+        last,
+    };
     let mut f = Feed::new(0);
     let c1 = f.hello(5).expect("hello");
-    assert!(f.on_frame(c1, entry(1), Vec::new(), 0).is_err(), "an entry before the image");
+    assert!(
+        f.on_frame(c1, entry(1), Vec::new(), 0).is_err(),
+        "an entry before the image"
+    );
     let mut f = Feed::new(0);
     let c1 = f.hello(5).expect("hello");
-    assert_eq!(f.on_frame(c1, image(7, false), Vec::new(), 0), Ok(None), "part of an image: nothing to acknowledge");
+    assert_eq!(
+        f.on_frame(c1, image(7, false), Vec::new(), 0),
+        Ok(None),
+        "part of an image: nothing to acknowledge"
+    );
     assert!(!f.leads_from());
     assert_eq!(f.on_frame(c1, image(7, true), Vec::new(), 0), Ok(Some(7)));
     assert!(f.leads_from() && f.fed());
-    assert!(f.on_frame(c1, image(8, true), Vec::new(), 0).is_err(), "an image after the image");
+    assert!(
+        f.on_frame(c1, image(8, true), Vec::new(), 0).is_err(),
+        "an image after the image"
+    );
     assert_eq!(f.on_frame(c1, entry(8), Vec::new(), 10 * MS), Ok(Some(8)));
-    assert!(f.on_frame(c1, entry(8), Vec::new(), 0).is_err(), "a replayed entry");
-    assert_eq!(f.on_frame(c1, entry(10), Vec::new(), 11 * MS), Ok(Some(10)), "entries need not be consecutive (a leader's pieces)");
-    assert!(f.on_frame(c1, ToStandby::Hello { cluster_id: "c".into(), term: 5, lease: 1, leader: "l".into() }, Vec::new(), 0).is_err());
-    assert_eq!(f.pending.iter().map(|(t, c)| (*t, c.len())).collect::<Vec<_>>(), vec![(0, 1), (0, 1), (10 * MS, 1), (11 * MS, 1)]);
+    assert!(
+        f.on_frame(c1, entry(8), Vec::new(), 0).is_err(),
+        "a replayed entry"
+    );
+    assert_eq!(
+        f.on_frame(c1, entry(10), Vec::new(), 11 * MS),
+        Ok(Some(10)),
+        "entries need not be consecutive (a leader's pieces)"
+    );
+    assert!(f
+        .on_frame(
+            c1,
+            ToStandby::Hello {
+                cluster_id: "c".into(),
+                term: 5,
+                lease: 1,
+                leader: "l".into()
+            },
+            Vec::new(),
+            0
+        )
+        .is_err());
+    assert_eq!(
+        f.pending
+            .iter()
+            .map(|(t, c)| (*t, c.len()))
+            .collect::<Vec<_>>(),
+        vec![(0, 1), (0, 1), (10 * MS, 1), (11 * MS, 1)]
+    );
     // An older term is refused; a newer one replaces the connection and starts empty.
     assert!(f.hello(4).is_err());
     let c2 = f.hello(6).expect("a newer term");
-    assert!(f.on_frame(c1, entry(11), Vec::new(), 0).is_err(), "the replaced connection");
+    assert!(
+        f.on_frame(c1, entry(11), Vec::new(), 0).is_err(),
+        "the replaced connection"
+    );
     assert!(!f.leads_from() && f.pending.is_empty() && f.seq == 0);
     assert!(f.take(6).is_none(), "no image yet: nothing to lead from");
-    f.on_frame(c2, image(20, true), Vec::new(), 0).expect("image");
+    f.on_frame(c2, image(20, true), Vec::new(), 0)
+        .expect("image");
     assert!(f.take(5).is_none(), "another term's mirror");
     assert_eq!(f.take(6).map(|(seq, _)| seq), Some(20));
-    assert!(f.on_frame(c2, entry(21), Vec::new(), 0).is_err(), "taken over: nothing more is applied");
-    assert!(f.hello(7).is_err(), "nor does a new leader feed it while it leads");
+    assert!(
+        f.on_frame(c2, entry(21), Vec::new(), 0).is_err(),
+        "taken over: nothing more is applied"
+    );
+    assert!(
+        f.hello(7).is_err(),
+        "nor does a new leader feed it while it leads"
+    );
     f.restore(6, 21, MirrorTail::default());
-    assert!(f.leads_from() && !f.fed() && f.seq == 21, "a failed takeover hands it back");
+    assert!(
+        f.leads_from() && !f.fed() && f.seq == 21,
+        "a failed takeover hands it back"
+    );
     f.close();
     assert!(f.reopen() && !f.reopen());
     f.seal();
@@ -352,24 +572,85 @@ fn a_feed_takes_an_image_then_entries_in_order_from_its_newest_connection_only()
 #[test]
 fn members_leave_the_set_when_late_or_cut_and_join_only_whole_and_registered() {
     use members::{failing, grants_allowed, ready, LinkView};
-    let v = |acked: u64| LinkView { dead: false, acked, image_seq: 0, grants: true };
+    let v = |acked: u64| LinkView {
+        dead: false,
+        acked,
+        image_seq: 0,
+        grants: true,
+    };
     let set: Vec<String> = ["a", "b", "c"].map(String::from).to_vec();
     let links = |m: &str| match m {
         "a" => Some(v(10)),
         "b" => Some(v(7)),
-        "c" => Some(LinkView { dead: true, ..v(10) }),
+        "c" => Some(LinkView {
+            dead: true,
+            ..v(10)
+        }),
         _ => None,
     };
-    assert_eq!(failing(&set, links, None), vec!["c"], "a dead link leaves; nothing late");
-    assert_eq!(failing(&set, links, Some(8)), vec!["b", "c"], "b has not acknowledged the late entry");
-    assert_eq!(failing(&["d".to_string()], links, None), vec!["d"], "a member without a link leaves");
+    assert_eq!(
+        failing(&set, links, None),
+        vec!["c"],
+        "a dead link leaves; nothing late"
+    );
+    assert_eq!(
+        failing(&set, links, Some(8)),
+        vec!["b", "c"],
+        "b has not acknowledged the late entry"
+    );
+    assert_eq!(
+        failing(&["d".to_string()], links, None),
+        vec!["d"],
+        "a member without a link leaves"
+    );
     assert!(ready(v(10), 10, 3, Some(3)));
     assert!(!ready(v(9), 10, 3, Some(3)), "behind the last entry");
-    assert!(!ready(LinkView { image_seq: 12, ..v(10) }, 10, 3, Some(3)), "behind its own image");
-    assert!(!ready(v(10), 10, 3, Some(2)), "its registration names another term's mirror");
-    assert!(!ready(LinkView { dead: true, ..v(10) }, 10, 3, Some(3)));
-    assert!(!grants_allowed(&[], [v(1)], |_| Some(v(1))), "no grants without an in-sync member");
+    assert!(
+        !ready(
+            LinkView {
+                image_seq: 12,
+                ..v(10)
+            },
+            10,
+            3,
+            Some(3)
+        ),
+        "behind its own image"
+    );
+    assert!(
+        !ready(v(10), 10, 3, Some(2)),
+        "its registration names another term's mirror"
+    );
+    assert!(!ready(
+        LinkView {
+            dead: true,
+            ..v(10)
+        },
+        10,
+        3,
+        Some(3)
+    ));
+    assert!(
+        !grants_allowed(&[], [v(1)], |_| Some(v(1))),
+        "no grants without an in-sync member"
+    );
     assert!(grants_allowed(&set[..1], [v(1)], |_| Some(v(1))));
-    assert!(!grants_allowed(&set[..1], [v(1), LinkView { grants: false, ..v(1) }], |_| Some(v(1))), "a linked standby that does not read grants");
-    assert!(!grants_allowed(&set[..1], [v(1)], |_| None), "a member without a link");
+    assert!(
+        !grants_allowed(
+            &set[..1],
+            [
+                v(1),
+                LinkView {
+                    grants: false,
+                    ..v(1)
+                }
+            ],
+            |_| Some(v(1))
+        ),
+        "a linked standby that does not read grants"
+    );
+    assert!(
+        !grants_allowed(&set[..1], [v(1)], |_| None),
+        "a member without a link"
+    );
 }

@@ -63,7 +63,13 @@ pub const MAX_UNPROVED_PER_IP: usize = 64;
 /// handshake gets an answer, but nothing more). Returns the session's halves, the first
 /// frame's body in `body`. Anything else is refused with the reason (in a plain frame before
 /// the session, a sealed one after) and ends the connection (an error).
-pub(super) fn prove(key: &kvferry::auth::ClusterKey, identity: &str, s: &TcpStream, deadline: Instant, body: &mut Vec<u8>) -> std::io::Result<(kvferry::auth::Sealer, kvferry::auth::Opener)> {
+pub(super) fn prove(
+    key: &kvferry::auth::ClusterKey,
+    identity: &str,
+    s: &TcpStream,
+    deadline: Instant,
+    body: &mut Vec<u8>,
+) -> std::io::Result<(kvferry::auth::Sealer, kvferry::auth::Opener)> {
     use kvferry::auth::{frame_body_len, Refusal, FRAME_HEAD_LEN};
     let refuse = |why: String, sealer: Option<&mut kvferry::auth::Sealer>| -> std::io::Error {
         let frame = frame_of(&unauthorized(why.clone()));
@@ -79,18 +85,30 @@ pub(super) fn prove(key: &kvferry::auth::ClusterKey, identity: &str, s: &TcpStre
         let _ = w.write_all(&frame);
         std::io::Error::new(std::io::ErrorKind::PermissionDenied, why)
     };
-    let late = |e: std::io::Error, sealer: Option<&mut kvferry::auth::Sealer>| match e.kind() {
+    let late = |e: std::io::Error, sealer: Option<&mut kvferry::auth::Sealer>| {
+        match e.kind() {
         std::io::ErrorKind::TimedOut => refuse(format!("the cluster key was not proved within {PROOF_DEADLINE:?} of connecting (the handshake and the first request)"), sealer),
         _ => e,
+    }
     };
     s.set_write_timeout(Some(PROOF_DEADLINE))?;
     let mut prefix = [0u8; crate::frame::PREFIX_LEN];
     read_by(s, &mut prefix, deadline).map_err(|e| late(e, None))?;
-    let n = crate::frame::body_len(prefix, proto::MAX_AUTH_HELLO_FRAME)
-        .map_err(|t| refuse(format!("{NEEDS_KEY} (its first frame claims {} bytes; the key's handshake is at most {})", t.len, proto::MAX_AUTH_HELLO_FRAME), None))?;
+    let n = crate::frame::body_len(prefix, proto::MAX_AUTH_HELLO_FRAME).map_err(|t| {
+        refuse(
+            format!(
+                "{NEEDS_KEY} (its first frame claims {} bytes; the key's handshake is at most {})",
+                t.len,
+                proto::MAX_AUTH_HELLO_FRAME
+            ),
+            None,
+        )
+    })?;
     let mut first = [0u8; proto::MAX_AUTH_HELLO_FRAME];
     read_by(s, &mut first[..n], deadline).map_err(|e| late(e, None))?;
-    let Some(hello) = proto::auth_hello_of(&first[..n]) else { return Err(refuse(NEEDS_KEY.into(), None)) };
+    let Some(hello) = proto::auth_hello_of(&first[..n]) else {
+        return Err(refuse(NEEDS_KEY.into(), None));
+    };
     let (session, answer) = match kvferry::auth::answer(key, proto::STORE_RPC, hello, &[identity]) {
         Ok(a) => a,
         Err(Refusal::Misdirected { meant, here }) => {
@@ -103,7 +121,9 @@ pub(super) fn prove(key: &kvferry::auth::ClusterKey, identity: &str, s: &TcpStre
     let (mut sealer, mut opener) = session.split();
     let mut head = [0u8; FRAME_HEAD_LEN];
     read_by(s, &mut head, deadline).map_err(|e| late(e, Some(&mut sealer)))?;
-    let why = |r: Refusal| format!("the connection's first frame after the handshake: {r}; nothing of it was applied");
+    let why = |r: Refusal| {
+        format!("the connection's first frame after the handshake: {r}; nothing of it was applied")
+    };
     let n = match opener.open_frame_head(&head, proto::MAX_FRAME) {
         Ok(n) => n,
         Err(r) => return Err(refuse(why(r), Some(&mut sealer))),

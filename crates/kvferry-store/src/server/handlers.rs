@@ -38,7 +38,11 @@ pub fn handle(m: &Master, req: Request) -> Response {
 /// journal's `ticket`), if this master still leads `term` then.
 pub(super) enum Applied {
     Now(Response),
-    Later { ticket: (i64, u64), term: i64, resp: Response },
+    Later {
+        ticket: (i64, u64),
+        term: i64,
+        resp: Response,
+    },
     /// Answered before its changes were even collected: every change it made is a put
     /// placed in space whose grant is durable (`master::State::placed_granted`), which a new
     /// leader holds if the put's own change never reached it. Its changes go to the journal
@@ -76,15 +80,29 @@ pub(super) fn apply(m: &Master, req: Request) -> Applied {
 /// go (between a batch's holds, a put's tries, or applying and collecting), and they may be
 /// durable: a master that no longer leads answers it `OutcomeUnknown`, not `NotLeader` (which
 /// says nothing was applied, so send it again).
-pub(super) fn settle(m: &Master, term: i64, journaled: bool, changed: bool, resp: Response, held: Option<Held<'_>>) -> Applied {
+pub(super) fn settle(
+    m: &Master,
+    term: i64,
+    journaled: bool,
+    changed: bool,
+    resp: Response,
+    held: Option<Held<'_>>,
+) -> Applied {
     if !journaled {
         drop(held);
         return Applied::Now(confirmed(m, term, resp));
     }
-    if let Some(ticket) = m.journal.collect_held(held.unwrap_or_else(|| m.lock()), m.now()) {
+    if let Some(ticket) = m
+        .journal
+        .collect_held(held.unwrap_or_else(|| m.lock()), m.now())
+    {
         return Applied::Later { ticket, term, resp };
     }
-    Applied::Now(if changed { confirmed_durable(m, term, resp) } else { confirmed(m, term, resp) })
+    Applied::Now(if changed {
+        confirmed_durable(m, term, resp)
+    } else {
+        confirmed(m, term, resp)
+    })
 }
 
 /// `resp` if the master still leads `term` with its lease proven, else the refusal.
@@ -118,7 +136,12 @@ pub(super) const JOURNAL_WAIT: Duration = Duration::from_secs(30);
 /// touch leases and reads in flight, which are not replicated).
 pub(super) fn mutates(req: &Request) -> bool {
     match req {
-        Request::GetReplicaList { .. } | Request::ExistKey { .. } | Request::Ping { .. } | Request::ReleaseReads { .. } | Request::AuthHello { .. } | Request::AuthProof { .. } => false,
+        Request::GetReplicaList { .. }
+        | Request::ExistKey { .. }
+        | Request::Ping { .. }
+        | Request::ReleaseReads { .. }
+        | Request::AuthHello { .. }
+        | Request::AuthProof { .. } => false,
         Request::Batch(reqs) => reqs.iter().any(mutates),
         _ => true,
     }
@@ -132,7 +155,13 @@ type Held<'m> = std::sync::MutexGuard<'m, State>;
 /// `changed` is set when it changed durable state ([`State::marks`]).
 /// `ride` is cleared unless every change it made was a put placed in space whose grant is
 /// durable ([`Applied::Early`]).
-pub(super) fn handle_admitted<'m>(m: &'m Master, req: Request, term: i64, changed: &mut bool, ride: &mut bool) -> (Response, Option<Held<'m>>) {
+pub(super) fn handle_admitted<'m>(
+    m: &'m Master,
+    req: Request,
+    term: i64,
+    changed: &mut bool,
+    ride: &mut bool,
+) -> (Response, Option<Held<'m>>) {
     let deadline = Instant::now() + m.cfg.put_wait_for_reads;
     match req {
         Request::Batch(reqs) => {
@@ -150,14 +179,24 @@ fn stale(st: &State, term: i64) -> Result<(), StoreError> {
     if st.term == term {
         Ok(())
     } else {
-        Err(StoreError::NotLeader { leader: String::new() })
+        Err(StoreError::NotLeader {
+            leader: String::new(),
+        })
     }
 }
 
 /// Applies put start `req` under `term`; while the pool is full only of objects being read,
 /// tries again every [`PUT_RETRY`] until `deadline`, letting go of the state's lock between
 /// tries (the reads' ends free space).
-fn put_start(m: &Master, req: &Request, deadline: Instant, term: i64, mut attempt: Attempt, changed: &mut bool, ride: &mut bool) -> Result<Response, StoreError> {
+fn put_start(
+    m: &Master,
+    req: &Request,
+    deadline: Instant,
+    term: i64,
+    mut attempt: Attempt,
+    changed: &mut bool,
+    ride: &mut bool,
+) -> Result<Response, StoreError> {
     loop {
         let last = Instant::now() >= deadline;
         if last {
@@ -168,7 +207,9 @@ fn put_start(m: &Master, req: &Request, deadline: Instant, term: i64, mut attemp
         stale(&st, term)?;
         let r = start_put(&mut st, m, req, now, attempt, changed, ride);
         attempt = Attempt::Again;
-        let retry = !last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(now);
+        let retry = !last
+            && matches!(r, Err(StoreError::NoAvailableHandle { .. }))
+            && st.reads_in_flight(now);
         drop(st);
         if !retry {
             return r;
@@ -181,8 +222,24 @@ fn put_start(m: &Master, req: &Request, deadline: Instant, term: i64, mut attemp
 /// Starts put `req` on the state, whose lock the caller holds ([`State::apply`]): sets
 /// `changed` if it changed durable state, and clears `ride` unless what it changed is a put
 /// placed in space whose grant is durable ([`Needs::Granted`]).
-fn start_put(st: &mut State, m: &Master, req: &Request, now: u64, attempt: Attempt, changed: &mut bool, ride: &mut bool) -> Result<Response, StoreError> {
-    let a = st.apply(&m.cfg, &m.stats, req, now, attempt, m.journal.grants_durable(), &mut None);
+fn start_put(
+    st: &mut State,
+    m: &Master,
+    req: &Request,
+    now: u64,
+    attempt: Attempt,
+    changed: &mut bool,
+    ride: &mut bool,
+) -> Result<Response, StoreError> {
+    let a = st.apply(
+        &m.cfg,
+        &m.stats,
+        req,
+        now,
+        attempt,
+        m.journal.grants_durable(),
+        &mut None,
+    );
     *changed |= a.needs != Needs::Nothing;
     if a.needs == Needs::Journal {
         *ride = false;
@@ -193,7 +250,14 @@ fn start_put(st: &mut State, m: &Master, req: &Request, now: u64, attempt: Attem
 /// Applies `req` (not a put start, not a batch) to the state, whose lock the caller holds, at
 /// `now` ([`State::apply`]); sets `changed` if it changed durable state (see [`settle`]). What
 /// a bulk removal took out goes to `removed`, for the caller to drop after the lock.
-fn apply_locked(st: &mut State, m: &Master, req: &Request, now: u64, changed: &mut bool, removed: &mut Option<crate::master::Removed>) -> Result<Response, StoreError> {
+fn apply_locked(
+    st: &mut State,
+    m: &Master,
+    req: &Request,
+    now: u64,
+    changed: &mut bool,
+    removed: &mut Option<crate::master::Removed>,
+) -> Result<Response, StoreError> {
     let a = st.apply(&m.cfg, &m.stats, req, now, Attempt::Last, 0, removed);
     *changed |= a.needs != Needs::Nothing;
     a.result
@@ -249,8 +313,17 @@ fn counted(m: &Master, op: usize, r: Result<Response, StoreError>) -> Response {
     }
 }
 
-fn handle_one(m: &Master, req: Request, deadline: Instant, term: i64, changed: &mut bool, ride: &mut bool) -> Response {
-    let Some(op) = op_of(&req) else { return misplaced(&req) };
+fn handle_one(
+    m: &Master,
+    req: Request,
+    deadline: Instant,
+    term: i64,
+    changed: &mut bool,
+    ride: &mut bool,
+) -> Response {
+    let Some(op) = op_of(&req) else {
+        return misplaced(&req);
+    };
     debug_assert!(op < OP_NAMES.len());
     m.stats.ops[op].fetch_add(1, Ordering::Relaxed);
     // What a RemoveAll/RemoveByRegex took out: its memory is freed after the state's lock is
@@ -284,7 +357,14 @@ const COUNT_ANSWERS_FROM: usize = 256;
 /// put's cost. A bulk removal, and a put that has to wait for reads to end, are applied on
 /// their own as [`handle_one`] does.
 /// Returns the answers, and the lock if the last of them was applied under it.
-fn handle_batch<'m>(m: &'m Master, reqs: Vec<Request>, deadline: Instant, term: i64, changed: &mut bool, ride: &mut bool) -> (Vec<Response>, Option<Held<'m>>) {
+fn handle_batch<'m>(
+    m: &'m Master,
+    reqs: Vec<Request>,
+    deadline: Instant,
+    term: i64,
+    changed: &mut bool,
+    ride: &mut bool,
+) -> (Vec<Response>, Option<Held<'m>>) {
     let mut out = Vec::with_capacity(reqs.len());
     // The lock held, with the time read when it was taken, whether the puts' wait for reads
     // is over, and how many requests it has been held for.
@@ -296,7 +376,10 @@ fn handle_batch<'m>(m: &'m Master, reqs: Vec<Request>, deadline: Instant, term: 
     let (mut bytes, mut sized) = (0usize, 0usize);
     for req in reqs {
         if counting {
-            bytes += out[sized..].iter().map(|r| postcard::experimental::serialized_size(r).unwrap_or(0)).sum::<usize>();
+            bytes += out[sized..]
+                .iter()
+                .map(|r| postcard::experimental::serialized_size(r).unwrap_or(0))
+                .sum::<usize>();
             sized = out.len();
             if bytes > proto::MAX_FRAME / 2 {
                 out.push(Response::Err(StoreError::InvalidParams(format!("not applied: the batch's answers reached {bytes} bytes, half the frame limit, before this request; send the rest in another batch"))));
@@ -307,7 +390,10 @@ fn handle_batch<'m>(m: &'m Master, reqs: Vec<Request>, deadline: Instant, term: 
             out.push(misplaced(&req));
             continue;
         };
-        if matches!(req, Request::RemoveAll { .. } | Request::RemoveByRegex { .. }) {
+        if matches!(
+            req,
+            Request::RemoveAll { .. } | Request::RemoveByRegex { .. }
+        ) {
             held = None;
             out.push(handle_one(m, req, deadline, term, changed, ride));
             continue;
@@ -332,7 +418,10 @@ fn handle_batch<'m>(m: &'m Master, reqs: Vec<Request>, deadline: Instant, term: 
             req @ Request::PutStart { .. } => {
                 let attempt = if *last { Attempt::Last } else { Attempt::First };
                 let r = start_put(st, m, &req, *now, attempt, changed, ride);
-                if !*last && matches!(r, Err(StoreError::NoAvailableHandle { .. })) && st.reads_in_flight(*now) {
+                if !*last
+                    && matches!(r, Err(StoreError::NoAvailableHandle { .. }))
+                    && st.reads_in_flight(*now)
+                {
                     held = None;
                     *ride = false;
                     std::thread::sleep(PUT_RETRY);

@@ -168,20 +168,34 @@ impl Outbox {
 /// Whether `s` has something to read within `bound` (an error counts: the read reports it).
 fn readable_within(s: &TcpStream, bound: Duration) -> bool {
     let mut fds = [rustix::event::PollFd::new(s, rustix::event::PollFlags::IN)];
-    let timeout = rustix::event::Timespec { tv_sec: bound.as_secs() as i64, tv_nsec: bound.subsec_nanos() as _ };
+    let timeout = rustix::event::Timespec {
+        tv_sec: bound.as_secs() as i64,
+        tv_nsec: bound.subsec_nanos() as _,
+    };
     !matches!(rustix::event::poll(&mut fds, Some(&timeout)), Ok(0))
 }
 
 /// Serves one RPC connection until it ends. With the cluster key, it first proves the key
 /// within [`PROOF_DEADLINE`] ([`prove`]), holding `unproved`'s place meanwhile; every frame
 /// after is sealed.
-fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin, unproved: Option<UnprovedSlot>) -> std::io::Result<()> {
+fn serve_conn(
+    m: &Arc<Master>,
+    s: &TcpStream,
+    spin: &Spin,
+    unproved: Option<UnprovedSlot>,
+) -> std::io::Result<()> {
     let deadline = Instant::now() + PROOF_DEADLINE;
     s.set_nodelay(true)?;
     let mut body = Vec::new();
     let (sealer, mut opener) = match &m.auth {
         Some(key) => {
-            let (sealer, opener) = prove(key, &proto::master_identity(&m.cluster_id), s, deadline, &mut body)?;
+            let (sealer, opener) = prove(
+                key,
+                &proto::master_identity(&m.cluster_id),
+                s,
+                deadline,
+                &mut body,
+            )?;
             (Some(sealer), Some(opener))
         }
         None => (None, None),
@@ -192,7 +206,14 @@ fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin, unproved: Option<Unpr
     // An answer written by this thread waits for a client that stops reading at most this long
     // (deferred answers are sent without blocking, within the same bound: `Outbox::send`).
     s.set_write_timeout(Some(SLOW_ANSWER))?;
-    let out = Arc::new(Outbox { sock: s.try_clone()?, busy: std::sync::Mutex::new(Busy { sealer, ..Busy::default() }), idle: std::sync::Condvar::new() });
+    let out = Arc::new(Outbox {
+        sock: s.try_clone()?,
+        busy: std::sync::Mutex::new(Busy {
+            sealer,
+            ..Busy::default()
+        }),
+        idle: std::sync::Condvar::new(),
+    });
     let mut head = [0u8; kvferry::auth::FRAME_HEAD_LEN];
     let mut sealed = Vec::new();
     let mut deferred = false;
@@ -208,8 +229,14 @@ fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin, unproved: Option<Unpr
         }
         if !have {
             // Not after an answer left for the journal: that client is still waiting for it.
-            let prefix: &mut [u8; 4] = (&mut head[..4]).try_into().unwrap_or_else(|_| unreachable!("a sealed frame's head is longer than 4 bytes"));
-            let got = if deferred || owed.is_some() { 0 } else { spin.poll(s, prefix)? };
+            let prefix: &mut [u8; 4] = (&mut head[..4])
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("a sealed frame's head is longer than 4 bytes"));
+            let got = if deferred || owed.is_some() {
+                0
+            } else {
+                spin.poll(s, prefix)?
+            };
             (&*s).read_exact(&mut prefix[got..])?;
             match &mut opener {
                 None => read_plain(s, *prefix, &mut body)?,
@@ -223,7 +250,10 @@ fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin, unproved: Option<Unpr
         let resp = match req {
             Ok(Gate::Refuse(resp)) => {
                 (&*s).write_all(&out.next(frame_of(&resp)))?;
-                return Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("{resp:?}")));
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("{resp:?}"),
+                ));
             }
             Ok(Gate::Pass(req)) => match (mutates(&req), apply(m, req)) {
                 (_, Applied::Early(resp)) => {
@@ -249,9 +279,11 @@ fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin, unproved: Option<Unpr
                     drop(resp);
                     m.journal.defer(
                         ticket,
-                        Box::new(move |durable| match durable.and_then(|()| confirm_durable(&m2, term)) {
-                            Ok(()) => out2.send(frame),
-                            Err(e) => out2.send(frame_of(&Response::Err(e))),
+                        Box::new(move |durable| {
+                            match durable.and_then(|()| confirm_durable(&m2, term)) {
+                                Ok(()) => out2.send(frame),
+                                Err(e) => out2.send(frame_of(&Response::Err(e))),
+                            }
                         }),
                     );
                     deferred = true;
@@ -267,7 +299,8 @@ fn serve_conn(m: &Arc<Master>, s: &TcpStream, spin: &Spin, unproved: Option<Unpr
 
 /// Reads a plain frame's body (`prefix` its length) into `body`, growing as its bytes arrive.
 fn read_plain(s: &TcpStream, prefix: [u8; 4], body: &mut Vec<u8>) -> std::io::Result<()> {
-    let n = proto::decode_len(prefix).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+    let n = proto::decode_len(prefix)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
     body.clear();
     s.take(n as u64).read_to_end(body)?;
     if body.len() != n {
@@ -280,8 +313,19 @@ fn read_plain(s: &TcpStream, prefix: [u8; 4], body: &mut Vec<u8>) -> std::io::Re
 /// into `body` (`sealed` holds its sealed bytes, growing as they arrive). A frame that does
 /// not open (injected, replayed, altered) or claims more than [`proto::MAX_FRAME`] ends the
 /// connection.
-fn read_sealed(s: &TcpStream, o: &mut kvferry::auth::Opener, head: &mut [u8; kvferry::auth::FRAME_HEAD_LEN], sealed: &mut Vec<u8>, body: &mut Vec<u8>) -> std::io::Result<()> {
-    let denied = |r: kvferry::auth::Refusal| std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("a frame of a connection that proved the cluster key: {r}"));
+fn read_sealed(
+    s: &TcpStream,
+    o: &mut kvferry::auth::Opener,
+    head: &mut [u8; kvferry::auth::FRAME_HEAD_LEN],
+    sealed: &mut Vec<u8>,
+    body: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    let denied = |r: kvferry::auth::Refusal| {
+        std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("a frame of a connection that proved the cluster key: {r}"),
+        )
+    };
     (&*s).read_exact(&mut head[4..])?;
     let n = o.open_frame_head(head, proto::MAX_FRAME).map_err(denied)?;
     let len = kvferry::auth::frame_body_len(n);
@@ -292,7 +336,6 @@ fn read_sealed(s: &TcpStream, o: &mut kvferry::auth::Opener, head: &mut [u8; kvf
     }
     o.open_frame_body(sealed, body).map_err(denied)
 }
-
 
 /// A running master: RPC listener and ticker.
 pub struct MasterServer {
@@ -305,63 +348,109 @@ pub struct MasterServer {
 impl MasterServer {
     /// Serves `listener`; ticks every `tick` (client expiry, deferred frees, eviction) and
     /// logs a summary line every `summary_every` ticks (0: never).
-    pub fn start(master: Arc<Master>, listener: TcpListener, tick: Duration, summary_every: u32) -> std::io::Result<MasterServer> {
-        Self::start_with_spin(master, listener, tick, summary_every, Duration::from_micros(50))
+    pub fn start(
+        master: Arc<Master>,
+        listener: TcpListener,
+        tick: Duration,
+        summary_every: u32,
+    ) -> std::io::Result<MasterServer> {
+        Self::start_with_spin(
+            master,
+            listener,
+            tick,
+            summary_every,
+            Duration::from_micros(50),
+        )
     }
 
     /// Like [`MasterServer::start`], with the bounded poll for a connection's next request
     /// (`Duration::ZERO`: always sleep in the kernel).
-    pub fn start_with_spin(master: Arc<Master>, listener: TcpListener, tick: Duration, summary_every: u32, spin: Duration) -> std::io::Result<MasterServer> {
+    pub fn start_with_spin(
+        master: Arc<Master>,
+        listener: TcpListener,
+        tick: Duration,
+        summary_every: u32,
+        spin: Duration,
+    ) -> std::io::Result<MasterServer> {
         let port = listener.local_addr()?.port();
         let listener = Arc::new(listener);
         let stop = Arc::new(AtomicBool::new(false));
-        let (l, m, st) = (Arc::clone(&listener), Arc::clone(&master), Arc::clone(&stop));
+        let (l, m, st) = (
+            Arc::clone(&listener),
+            Arc::clone(&master),
+            Arc::clone(&stop),
+        );
         let spin = Arc::new(Spin::new(spin));
-        let unproved = Unproved::new("master RPC", MAX_UNPROVED, MAX_UNPROVED_PER_IP, PROOF_DEADLINE);
-        std::thread::Builder::new().name("kvf-master-accept".into()).spawn(move || {
-            for conn in l.incoming() {
-                if st.load(Ordering::Acquire) {
-                    break;
-                }
-                let Some(conn) = accepted(conn, "master: accepting an RPC connection") else { continue };
-                // With the cluster key, a place among the connections not proved yet, or the
-                // connection is closed here (no thread, nothing read).
-                let Ok(slot) = unproved.place(m.auth.is_some(), &conn) else { continue };
-                // A client host that vanished (crashed, cut off) without closing is found by
-                // TCP keepalive, so its thread, descriptor and buffer are not held for ever.
-                keepalive(&conn, Duration::from_secs(30));
-                let (m, spin) = (Arc::clone(&m), Arc::clone(&spin));
-                let _ = std::thread::Builder::new().name("kvf-master-rpc".into()).spawn(move || {
-                    if let Err(e) = serve_conn(&m, &conn, &spin, slot) {
-                        if e.kind() != std::io::ErrorKind::UnexpectedEof {
-                            tracing::debug!("master RPC connection closed: {e}");
-                        }
+        let unproved = Unproved::new(
+            "master RPC",
+            MAX_UNPROVED,
+            MAX_UNPROVED_PER_IP,
+            PROOF_DEADLINE,
+        );
+        std::thread::Builder::new()
+            .name("kvf-master-accept".into())
+            .spawn(move || {
+                for conn in l.incoming() {
+                    if st.load(Ordering::Acquire) {
+                        break;
                     }
-                    let _ = conn.shutdown(Shutdown::Both);
-                });
-            }
-        })?;
-        let (m, st) = (Arc::clone(&master), Arc::clone(&stop));
-        std::thread::Builder::new().name("kvf-master-tick".into()).spawn(move || {
-            let mut n = 0u32;
-            while !st.load(Ordering::Acquire) {
-                std::thread::sleep(tick);
-                m.tick();
-                // Expiries and evictions are journaled too (nobody waits for them).
-                let _ = m.journal.collect(&m);
-                // Answers that waited for the journal too long get its error.
-                m.journal.expire(JOURNAL_WAIT);
-                n += 1;
-                if summary_every > 0 && n % summary_every == 0 {
-                    let s = m.lock().summary();
-                    tracing::info!(
-                        keys = s.keys, used = s.bytes_used, total = s.bytes_total, clients = s.clients, segments = s.segments,
-                        evicted = m.stats.evicted_objects.load(Ordering::Relaxed), "master summary"
-                    );
+                    let Some(conn) = accepted(conn, "master: accepting an RPC connection") else {
+                        continue;
+                    };
+                    // With the cluster key, a place among the connections not proved yet, or the
+                    // connection is closed here (no thread, nothing read).
+                    let Ok(slot) = unproved.place(m.auth.is_some(), &conn) else {
+                        continue;
+                    };
+                    // A client host that vanished (crashed, cut off) without closing is found by
+                    // TCP keepalive, so its thread, descriptor and buffer are not held for ever.
+                    keepalive(&conn, Duration::from_secs(30));
+                    let (m, spin) = (Arc::clone(&m), Arc::clone(&spin));
+                    let _ = std::thread::Builder::new()
+                        .name("kvf-master-rpc".into())
+                        .spawn(move || {
+                            if let Err(e) = serve_conn(&m, &conn, &spin, slot) {
+                                if e.kind() != std::io::ErrorKind::UnexpectedEof {
+                                    tracing::debug!("master RPC connection closed: {e}");
+                                }
+                            }
+                            let _ = conn.shutdown(Shutdown::Both);
+                        });
                 }
-            }
-        })?;
-        Ok(MasterServer { master, listener, stop, port })
+            })?;
+        let (m, st) = (Arc::clone(&master), Arc::clone(&stop));
+        std::thread::Builder::new()
+            .name("kvf-master-tick".into())
+            .spawn(move || {
+                let mut n = 0u32;
+                while !st.load(Ordering::Acquire) {
+                    std::thread::sleep(tick);
+                    m.tick();
+                    // Expiries and evictions are journaled too (nobody waits for them).
+                    let _ = m.journal.collect(&m);
+                    // Answers that waited for the journal too long get its error.
+                    m.journal.expire(JOURNAL_WAIT);
+                    n += 1;
+                    if summary_every > 0 && n % summary_every == 0 {
+                        let s = m.lock().summary();
+                        tracing::info!(
+                            keys = s.keys,
+                            used = s.bytes_used,
+                            total = s.bytes_total,
+                            clients = s.clients,
+                            segments = s.segments,
+                            evicted = m.stats.evicted_objects.load(Ordering::Relaxed),
+                            "master summary"
+                        );
+                    }
+                }
+            })?;
+        Ok(MasterServer {
+            master,
+            listener,
+            stop,
+            port,
+        })
     }
 
     pub fn port(&self) -> u16 {

@@ -2,15 +2,15 @@
 //! reads, connections' polls, and answers that wait for the journal. Test code only: nothing
 //! here is compiled into the server.
 
-use super::*;
 use super::handlers::{handle_admitted, settle, BATCH_HOLD};
+use super::*;
 use crate::error::StoreError;
+use crate::master::MasterConfig;
 use crate::net::read_by;
+use crate::proto::ReplicateConfig;
+use crate::proto::Segment;
 use crate::proto::{PingStatus, Request};
 use std::sync::atomic::AtomicUsize;
-use crate::proto::ReplicateConfig;
-use crate::master::MasterConfig;
-use crate::proto::Segment;
 
 use kvferry::auth::{ClusterKey, Initiator, Opener, Sealer};
 
@@ -26,7 +26,8 @@ fn keyed_master(key: Option<ClusterKey>) -> (Arc<Master>, MasterServer, std::net
     let m = Arc::new(m);
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let server = MasterServer::start(Arc::clone(&m), listener, Duration::from_millis(50), 0).expect("start");
+    let server =
+        MasterServer::start(Arc::clone(&m), listener, Duration::from_millis(50), 0).expect("start");
     (m, server, addr)
 }
 
@@ -38,15 +39,24 @@ fn plain_answer(c: &mut TcpStream) -> Response {
 /// The client's side of the key's handshake, by hand, dialing `identity`: the connection
 /// and its session's halves, or the master's plain answer when it refused. `hello` gets
 /// the opening message's frame as sent.
-fn handshake(addr: std::net::SocketAddr, k: &ClusterKey, identity: &str, hello: &mut Vec<u8>) -> Result<(TcpStream, Sealer, Opener), Response> {
+fn handshake(
+    addr: std::net::SocketAddr,
+    k: &ClusterKey,
+    identity: &str,
+    hello: &mut Vec<u8>,
+) -> Result<(TcpStream, Sealer, Opener), Response> {
     let mut c = TcpStream::connect(addr).expect("connect");
-    c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    c.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
     let (init, h) = Initiator::new(k, proto::STORE_RPC, identity).expect("hello");
     *hello = proto::encode(&Request::AuthHello { hello: h }).expect("encode");
     c.write_all(hello).expect("send");
     match plain_answer(&mut c) {
         Response::AuthChallenge { answer } => {
-            let (s, o) = init.finish(&answer).expect("the master proves the key").split();
+            let (s, o) = init
+                .finish(&answer)
+                .expect("the master proves the key")
+                .split();
             Ok((c, s, o))
         }
         other => Err(other),
@@ -62,11 +72,14 @@ fn sealed_frame(s: &mut Sealer, req: &Request) -> Vec<u8> {
 fn sealed_answer(c: &mut TcpStream, o: &mut Opener) -> std::io::Result<Response> {
     let mut head = [0u8; kvferry::auth::FRAME_HEAD_LEN];
     c.read_exact(&mut head)?;
-    let n = o.open_frame_head(&head, proto::MAX_FRAME).map_err(std::io::Error::other)?;
+    let n = o
+        .open_frame_head(&head, proto::MAX_FRAME)
+        .map_err(std::io::Error::other)?;
     let mut sealed = vec![0u8; kvferry::auth::frame_body_len(n)];
     c.read_exact(&mut sealed)?;
     let mut body = Vec::new();
-    o.open_frame_body(&sealed, &mut body).map_err(std::io::Error::other)?;
+    o.open_frame_body(&sealed, &mut body)
+        .map_err(std::io::Error::other)?;
     proto::decode(&body).map_err(|e| std::io::Error::other(e.to_string()))
 }
 
@@ -96,17 +109,37 @@ fn a_connection_proves_the_cluster_key_before_any_request_or_is_refused_saying_w
     let mut hello = Vec::new();
     for k in [key(&a), key(&format!("{a}\n{b}"))] {
         let (mut c, mut s, mut o) = handshake(addr, &k, &me, &mut hello).expect("served");
-        c.write_all(&sealed_frame(&mut s, &Request::MountSegment { client: 1, segment: seg(m.lock().summary().segments as u64 + 1, 1 << 20) })).expect("send");
+        c.write_all(&sealed_frame(
+            &mut s,
+            &Request::MountSegment {
+                client: 1,
+                segment: seg(m.lock().summary().segments as u64 + 1, 1 << 20),
+            },
+        ))
+        .expect("send");
         assert_eq!(sealed_answer(&mut c, &mut o).expect("answer"), Response::Ok);
         // Pipelined: both answers come, in order, sealed.
         let mut two = sealed_frame(&mut s, &Request::ExistKey { key: "k".into() });
         two.extend(sealed_frame(&mut s, &Request::Ping { client: 1 }));
         c.write_all(&two).expect("send");
-        assert_eq!(sealed_answer(&mut c, &mut o).expect("answer"), Response::Exists(false));
-        assert_eq!(sealed_answer(&mut c, &mut o).expect("answer"), Response::Ping(PingStatus::Ok));
+        assert_eq!(
+            sealed_answer(&mut c, &mut o).expect("answer"),
+            Response::Exists(false)
+        );
+        assert_eq!(
+            sealed_answer(&mut c, &mut o).expect("answer"),
+            Response::Ping(PingStatus::Ok)
+        );
         // The handshake is not run again on a proved connection.
-        c.write_all(&sealed_frame(&mut s, &Request::AuthHello { hello: vec![0; 48] })).expect("send");
-        assert!(matches!(sealed_answer(&mut c, &mut o).expect("answer"), Response::Err(StoreError::InvalidParams(_))));
+        c.write_all(&sealed_frame(
+            &mut s,
+            &Request::AuthHello { hello: vec![0; 48] },
+        ))
+        .expect("send");
+        assert!(matches!(
+            sealed_answer(&mut c, &mut o).expect("answer"),
+            Response::Err(StoreError::InvalidParams(_))
+        ));
         assert!(closed(&mut c));
     }
     assert_eq!(m.lock().summary().segments, 2);
@@ -114,28 +147,61 @@ fn a_connection_proves_the_cluster_key_before_any_request_or_is_refused_saying_w
     let e = handshake(addr, &key(&format!("{b}\n{a}")), &me, &mut hello).expect_err("refused");
     refused_saying(e, "another key");
     let mut raw = TcpStream::connect(addr).expect("connect");
-    raw.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
-    raw.write_all(&proto::encode(&Request::MountSegment { client: 9, segment: seg(9, 1 << 20) }).expect("encode")).expect("send");
-    refused_saying(plain_answer(&mut raw), "set KVFERRY_AUTH_KEY_FILE on this client");
+    raw.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    raw.write_all(
+        &proto::encode(&Request::MountSegment {
+            client: 9,
+            segment: seg(9, 1 << 20),
+        })
+        .expect("encode"),
+    )
+    .expect("send");
+    refused_saying(
+        plain_answer(&mut raw),
+        "set KVFERRY_AUTH_KEY_FILE on this client",
+    );
     assert!(closed(&mut raw));
     // A first frame longer than any handshake: refused on its length, nothing more read.
     let mut big = TcpStream::connect(addr).expect("connect");
-    big.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
-    big.write_all(&(proto::MAX_FRAME as u32).to_le_bytes()).expect("send");
-    refused_saying(plain_answer(&mut big), &format!("claims {} bytes", proto::MAX_FRAME));
+    big.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    big.write_all(&(proto::MAX_FRAME as u32).to_le_bytes())
+        .expect("send");
+    refused_saying(
+        plain_answer(&mut big),
+        &format!("claims {} bytes", proto::MAX_FRAME),
+    );
     // A client of another cluster.
-    let e = handshake(addr, &key(&a), &proto::master_identity("other"), &mut hello).expect_err("refused");
+    let e = handshake(addr, &key(&a), &proto::master_identity("other"), &mut hello)
+        .expect_err("refused");
     eprintln!("{}", refused_saying(e, "serves another cluster"));
-    assert_eq!(m.lock().summary().segments, 2, "nothing of the refused connections applied");
+    assert_eq!(
+        m.lock().summary().segments,
+        2,
+        "nothing of the refused connections applied"
+    );
     // A master without a key.
-    assert!(matches!(gate(false, Request::AuthHello { hello: vec![] }), Gate::Refuse(Response::Err(StoreError::Unauthorized(w))) if w.contains("has no cluster key")));
-    assert_eq!(gate(false, Request::Ping { client: 1 }), Gate::Pass(Request::Ping { client: 1 }));
+    assert!(
+        matches!(gate(false, Request::AuthHello { hello: vec![] }), Gate::Refuse(Response::Err(StoreError::Unauthorized(w))) if w.contains("has no cluster key"))
+    );
+    assert_eq!(
+        gate(false, Request::Ping { client: 1 }),
+        Gate::Pass(Request::Ping { client: 1 })
+    );
     let (_open, _s2, open_addr) = keyed_master(None);
-    assert!(matches!(handshake(open_addr, &key(&a), &me, &mut hello), Err(Response::Err(StoreError::Unauthorized(w))) if w.contains("has no cluster key")));
+    assert!(
+        matches!(handshake(open_addr, &key(&a), &me, &mut hello), Err(Response::Err(StoreError::Unauthorized(w))) if w.contains("has no cluster key"))
+    );
     // The step of an earlier exchange, anywhere.
-    assert!(matches!(gate(true, Request::AuthProof { mac: vec![] }), Gate::Refuse(Response::Err(StoreError::InvalidParams(_)))));
+    assert!(matches!(
+        gate(true, Request::AuthProof { mac: vec![] }),
+        Gate::Refuse(Response::Err(StoreError::InvalidParams(_)))
+    ));
     let j = journaling_leader(5);
-    assert!(matches!(handle(&j, Request::Batch(vec![Request::AuthProof { mac: vec![] }])), Response::Batch(r) if matches!(&r[..], [Response::Err(StoreError::InvalidParams(_))])));
+    assert!(
+        matches!(handle(&j, Request::Batch(vec![Request::AuthProof { mac: vec![] }])), Response::Batch(r) if matches!(&r[..], [Response::Err(StoreError::InvalidParams(_))]))
+    );
 }
 
 /// What a keyless host on the path can do with a keyed client's connection: replay its
@@ -149,33 +215,89 @@ fn a_replayed_handshake_or_an_injected_or_altered_frame_is_refused_and_nothing_a
     let k = key(&"k".repeat(64));
     let (m, _server, addr) = keyed_master(Some(k.clone()));
     let me = proto::master_identity("c");
-    assert_eq!(handle(&m, Request::MountSegment { client: 1, segment: seg(1, 1 << 20) }), Response::Ok);
-    assert!(matches!(handle(&m, put_start("victim", 4096)), Response::Replicas(_)));
-    assert_eq!(handle(&m, Request::PutEnd { client: 1, key: "victim".into(), put: 1 }), Response::Ok);
-    let remove = Request::Remove { key: "victim".into(), force: true };
-    let exists = |m: &Master| handle(m, Request::ExistKey { key: "victim".into() }) == Response::Exists(true);
+    assert_eq!(
+        handle(
+            &m,
+            Request::MountSegment {
+                client: 1,
+                segment: seg(1, 1 << 20)
+            }
+        ),
+        Response::Ok
+    );
+    assert!(matches!(
+        handle(&m, put_start("victim", 4096)),
+        Response::Replicas(_)
+    ));
+    assert_eq!(
+        handle(
+            &m,
+            Request::PutEnd {
+                client: 1,
+                key: "victim".into(),
+                put: 1
+            }
+        ),
+        Response::Ok
+    );
+    let remove = Request::Remove {
+        key: "victim".into(),
+        force: true,
+    };
+    let exists = |m: &Master| {
+        handle(
+            m,
+            Request::ExistKey {
+                key: "victim".into(),
+            },
+        ) == Response::Exists(true)
+    };
     // A real client's connection, captured: its hello and first sealed frame (a mount).
     let mut hello = Vec::new();
     let (mut c, mut s, mut o) = handshake(addr, &k, &me, &mut hello).expect("served");
-    let first = sealed_frame(&mut s, &Request::MountSegment { client: 2, segment: seg(2, 1 << 20) });
+    let first = sealed_frame(
+        &mut s,
+        &Request::MountSegment {
+            client: 2,
+            segment: seg(2, 1 << 20),
+        },
+    );
     c.write_all(&first).expect("send");
     assert_eq!(sealed_answer(&mut c, &mut o).expect("answer"), Response::Ok);
     assert_eq!(m.lock().summary().segments, 2);
     // Replayed on a new connection: answered, but the frame does not open; nothing applied.
     let mut r = TcpStream::connect(addr).expect("connect");
-    r.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    r.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
     r.write_all(&hello).expect("send");
-    assert!(matches!(plain_answer(&mut r), Response::AuthChallenge { .. }), "a replayed hello gets an answer");
+    assert!(
+        matches!(plain_answer(&mut r), Response::AuthChallenge { .. }),
+        "a replayed hello gets an answer"
+    );
     r.write_all(&first).expect("send");
     let mut rest = Vec::new();
     let _ = r.read_to_end(&mut rest);
-    assert!(!rest.is_empty() && rest.len() < 1024, "a sealed refusal the replayer cannot read, then the end: {} bytes", rest.len());
-    assert_eq!(m.lock().summary().segments, 2, "the replayed mount was not applied");
+    assert!(
+        !rest.is_empty() && rest.len() < 1024,
+        "a sealed refusal the replayer cannot read, then the end: {} bytes",
+        rest.len()
+    );
+    assert_eq!(
+        m.lock().summary().segments,
+        2,
+        "the replayed mount was not applied"
+    );
     // A keyless relay injects its own (plain) request after a real handshake.
     let (mut c, _s, mut o) = handshake(addr, &k, &me, &mut hello).expect("served");
     // (Two removals in a batch: longer than a sealed frame's head, read whole as one.)
-    c.write_all(&proto::encode(&Request::Batch(vec![remove.clone(), remove.clone()])).expect("encode")).expect("send");
-    let why = refused_saying(sealed_answer(&mut c, &mut o).expect("the client reads why"), "does not open under this connection's session");
+    c.write_all(
+        &proto::encode(&Request::Batch(vec![remove.clone(), remove.clone()])).expect("encode"),
+    )
+    .expect("send");
+    let why = refused_saying(
+        sealed_answer(&mut c, &mut o).expect("the client reads why"),
+        "does not open under this connection's session",
+    );
     assert!(why.contains("nothing of it was applied"), "{why}");
     assert!(closed(&mut c));
     assert!(exists(&m), "the injected removal was not applied");
@@ -185,13 +307,20 @@ fn a_replayed_handshake_or_an_injected_or_altered_frame_is_refused_and_nothing_a
         let mut f = sealed_frame(&mut s, &remove);
         f[at] ^= 1;
         c.write_all(&f).expect("send");
-        refused_saying(sealed_answer(&mut c, &mut o).expect("the client reads why"), "does not open");
+        refused_saying(
+            sealed_answer(&mut c, &mut o).expect("the client reads why"),
+            "does not open",
+        );
         assert!(exists(&m), "an altered removal was not applied (byte {at})");
     }
     // Or a later frame: the connection ends, nothing applied.
     let (mut c, mut s, mut o) = handshake(addr, &k, &me, &mut hello).expect("served");
-    c.write_all(&sealed_frame(&mut s, &Request::Ping { client: 1 })).expect("send");
-    assert_eq!(sealed_answer(&mut c, &mut o).expect("answer"), Response::Ping(PingStatus::Ok));
+    c.write_all(&sealed_frame(&mut s, &Request::Ping { client: 1 }))
+        .expect("send");
+    assert_eq!(
+        sealed_answer(&mut c, &mut o).expect("answer"),
+        Response::Ping(PingStatus::Ok)
+    );
     let mut f = sealed_frame(&mut s, &remove);
     let last = f.len() - 1;
     f[last] ^= 0x80;
@@ -210,7 +339,11 @@ fn a_replayed_handshake_or_an_injected_or_altered_frame_is_refused_and_nothing_a
 #[test]
 fn connections_not_yet_proved_are_bounded_in_all_and_per_address() {
     let u = Unproved::new("test", 5, 3, PROOF_DEADLINE);
-    let (a, b, c): (std::net::IpAddr, std::net::IpAddr, std::net::IpAddr) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap(), "10.0.0.3".parse().unwrap());
+    let (a, b, c): (std::net::IpAddr, std::net::IpAddr, std::net::IpAddr) = (
+        "10.0.0.1".parse().unwrap(),
+        "10.0.0.2".parse().unwrap(),
+        "10.0.0.3".parse().unwrap(),
+    );
     let from_a: Vec<_> = (0..3).map(|_| u.admit(a).expect("under the cap")).collect();
     assert!(u.admit(a).is_none(), "a fourth from one address");
     let from_b: Vec<_> = (0..2).map(|_| u.admit(b).expect("under the cap")).collect();
@@ -218,11 +351,17 @@ fn connections_not_yet_proved_are_bounded_in_all_and_per_address() {
     assert_eq!(u.held(a), (5, 3));
     drop(from_a);
     assert_eq!(u.held(a), (2, 0));
-    let more: Vec<_> = (0..3).map(|_| u.admit(c).expect("places given back")).collect();
+    let more: Vec<_> = (0..3)
+        .map(|_| u.admit(c).expect("places given back"))
+        .collect();
     assert!(u.admit(a).is_none());
     drop((from_b, more));
     assert_eq!(u.held(b), (0, 0));
-    assert_eq!((u.held(a), u.held(c)), ((0, 0), (0, 0)), "every place is back (and no address kept: kvferry::auth's test)");
+    assert_eq!(
+        (u.held(a), u.held(c)),
+        ((0, 0), (0, 0)),
+        "every place is back (and no address kept: kvferry::auth's test)"
+    );
 }
 
 /// A proof's reads end at its deadline however the bytes trickle in.
@@ -241,23 +380,40 @@ fn a_proof_is_read_by_its_deadline_even_a_byte_at_a_time() {
                 std::thread::sleep(Duration::from_millis(40));
             }
         });
-        let e = read_by(&s, &mut [0u8; 16], Instant::now() + Duration::from_millis(200)).expect_err("not whole in time");
+        let e = read_by(
+            &s,
+            &mut [0u8; 16],
+            Instant::now() + Duration::from_millis(200),
+        )
+        .expect_err("not whole in time");
         assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
-        assert!(t.elapsed() < Duration::from_millis(600), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_millis(600),
+            "{:?}",
+            t.elapsed()
+        );
     });
-    read_by(&s, &mut [0u8; 1], Instant::now() + Duration::from_secs(5)).expect("a byte that is there");
+    read_by(&s, &mut [0u8; 1], Instant::now() + Duration::from_secs(5))
+        .expect("a byte that is there");
 }
 
 fn read_answer(c: &mut TcpStream) -> std::io::Result<Response> {
     let mut len = [0u8; 4];
     c.read_exact(&mut len)?;
-    let mut body = vec![0u8; proto::decode_len(len).map_err(|e| std::io::Error::other(e.to_string()))?];
+    let mut body =
+        vec![0u8; proto::decode_len(len).map_err(|e| std::io::Error::other(e.to_string()))?];
     c.read_exact(&mut body)?;
     proto::decode(&body).map_err(|e| std::io::Error::other(e.to_string()))
 }
 
 fn seg(id: u64, size: u64) -> Segment {
-    Segment { id, name: format!("s{id}"), te_endpoint: format!("127.0.0.1:{id}"), base: id << 32, size }
+    Segment {
+        id,
+        name: format!("s{id}"),
+        te_endpoint: format!("127.0.0.1:{id}"),
+        base: id << 32,
+        size,
+    }
 }
 
 /// A master leading `term`, its state journaling and its journal active (nothing writes
@@ -275,7 +431,14 @@ fn journaling_leader(term: i64) -> Master {
 }
 
 fn put_start(key: &str, size: u64) -> Request {
-    Request::PutStart { client: 1, key: key.into(), size, config: ReplicateConfig::default(), upsert: false, put: 1 }
+    Request::PutStart {
+        client: 1,
+        key: key.into(),
+        size,
+        config: ReplicateConfig::default(),
+        upsert: false,
+        put: 1,
+    }
 }
 
 /// A removal's pattern is compiled with a bounded size under the state's lock: one that
@@ -284,9 +447,27 @@ fn put_start(key: &str, size: u64) -> Request {
 fn a_regex_removal_too_large_to_compile_is_refused() {
     let m = Master::new(MasterConfig::default());
     // (`\w{40}` compiles under regex's own 10 MiB limit, over this one.)
-    let r = handle(&m, Request::RemoveByRegex { pattern: "\\w{40}".into(), force: false });
-    assert!(matches!(&r, Response::Err(StoreError::InvalidParams(w)) if w.contains("bad regex")), "{r:?}");
-    assert_eq!(handle(&m, Request::RemoveByRegex { pattern: "^k".into(), force: false }), Response::Count(0));
+    let r = handle(
+        &m,
+        Request::RemoveByRegex {
+            pattern: "\\w{40}".into(),
+            force: false,
+        },
+    );
+    assert!(
+        matches!(&r, Response::Err(StoreError::InvalidParams(w)) if w.contains("bad regex")),
+        "{r:?}"
+    );
+    assert_eq!(
+        handle(
+            &m,
+            Request::RemoveByRegex {
+                pattern: "^k".into(),
+                force: false
+            }
+        ),
+        Response::Count(0)
+    );
 }
 
 /// A batch whose answers would pass the frame limit stops applying its requests at half
@@ -295,17 +476,62 @@ fn a_regex_removal_too_large_to_compile_is_refused() {
 #[test]
 fn a_batch_stops_applying_before_its_answer_outgrows_a_frame() {
     let m = Master::new(MasterConfig::default());
-    let long = Segment { te_endpoint: format!("127.0.0.1:1/{}", "x".repeat(8000)), ..seg(1, 4 << 20) };
-    assert_eq!(handle(&m, Request::MountSegment { client: 1, segment: long }), Response::Ok);
-    assert!(matches!(handle(&m, put_start("k", 4096)), Response::Replicas(_)));
-    assert_eq!(handle(&m, Request::PutEnd { client: 1, key: "k".into(), put: 1 }), Response::Ok);
+    let long = Segment {
+        te_endpoint: format!("127.0.0.1:1/{}", "x".repeat(8000)),
+        ..seg(1, 4 << 20)
+    };
+    assert_eq!(
+        handle(
+            &m,
+            Request::MountSegment {
+                client: 1,
+                segment: long
+            }
+        ),
+        Response::Ok
+    );
+    assert!(matches!(
+        handle(&m, put_start("k", 4096)),
+        Response::Replicas(_)
+    ));
+    assert_eq!(
+        handle(
+            &m,
+            Request::PutEnd {
+                client: 1,
+                key: "k".into(),
+                put: 1
+            }
+        ),
+        Response::Ok
+    );
     let n = 6000; // 6000 answers of ~8 KB: 48 MB
-    let Response::Batch(a) = handle(&m, Request::Batch((0..n).map(|_| Request::GetReplicaList { key: "k".into() }).collect())) else { panic!("not a batch's answer") };
+    let Response::Batch(a) = handle(
+        &m,
+        Request::Batch(
+            (0..n)
+                .map(|_| Request::GetReplicaList { key: "k".into() })
+                .collect(),
+        ),
+    ) else {
+        panic!("not a batch's answer")
+    };
     assert_eq!(a.len(), n);
-    let served = a.iter().take_while(|r| matches!(r, Response::ReplicaList(_))).count();
-    assert!((3000..5000).contains(&served), "{served} gets served before half a frame (32 MiB) of answers");
-    assert!(a[served..].iter().all(|r| matches!(r, Response::Err(StoreError::InvalidParams(w)) if w.contains("not applied"))));
-    assert!(proto::encode(&Response::Batch(a)).is_ok(), "the answer fits a frame");
+    let served = a
+        .iter()
+        .take_while(|r| matches!(r, Response::ReplicaList(_)))
+        .count();
+    assert!(
+        (3000..5000).contains(&served),
+        "{served} gets served before half a frame (32 MiB) of answers"
+    );
+    assert!(a[served..].iter().all(
+        |r| matches!(r, Response::Err(StoreError::InvalidParams(w)) if w.contains("not applied"))
+    ));
+    assert!(
+        proto::encode(&Response::Batch(a)).is_ok(),
+        "the answer fits a frame"
+    );
 }
 
 /// A batch is answered request by request, in order, across several holds of the lock
@@ -314,34 +540,89 @@ fn a_batch_stops_applying_before_its_answer_outgrows_a_frame() {
 #[test]
 fn a_batch_answers_every_request_in_order_across_holds_of_the_lock() {
     let m = Master::new(MasterConfig::default());
-    assert_eq!(handle(&m, Request::MountSegment { client: 1, segment: seg(1, 4 << 20) }), Response::Ok);
+    assert_eq!(
+        handle(
+            &m,
+            Request::MountSegment {
+                client: 1,
+                segment: seg(1, 4 << 20)
+            }
+        ),
+        Response::Ok
+    );
     let n = 2 * BATCH_HOLD + 22;
     let keys: Vec<String> = (0..n).map(|i| format!("k{i}")).collect();
     let mut starts: Vec<Request> = keys.iter().map(|k| put_start(k, 4096)).collect();
-    starts.insert(BATCH_HOLD + 3, Request::Batch(vec![Request::Ping { client: 1 }]));
-    let Response::Batch(a) = handle(&m, Request::Batch(starts)) else { panic!("not a batch's answer") };
+    starts.insert(
+        BATCH_HOLD + 3,
+        Request::Batch(vec![Request::Ping { client: 1 }]),
+    );
+    let Response::Batch(a) = handle(&m, Request::Batch(starts)) else {
+        panic!("not a batch's answer")
+    };
     assert_eq!(a.len(), n + 1);
     for (i, r) in a.iter().enumerate() {
         if i == BATCH_HOLD + 3 {
-            assert!(matches!(r, Response::Err(StoreError::InvalidParams(_))), "the nested batch: {r:?}");
+            assert!(
+                matches!(r, Response::Err(StoreError::InvalidParams(_))),
+                "the nested batch: {r:?}"
+            );
         } else {
-            assert!(matches!(r, Response::Replicas(v) if v.len() == 1), "put {i}: {r:?}");
+            assert!(
+                matches!(r, Response::Replicas(v) if v.len() == 1),
+                "put {i}: {r:?}"
+            );
         }
     }
-    let mut ends: Vec<Request> = keys.iter().map(|k| Request::PutEnd { client: 1, key: k.clone(), put: 1 }).collect();
-    ends.push(Request::PutEnd { client: 1, key: "never-started".into(), put: 1 });
-    ends.push(Request::RemoveByRegex { pattern: "^k1".into(), force: false });
+    let mut ends: Vec<Request> = keys
+        .iter()
+        .map(|k| Request::PutEnd {
+            client: 1,
+            key: k.clone(),
+            put: 1,
+        })
+        .collect();
+    ends.push(Request::PutEnd {
+        client: 1,
+        key: "never-started".into(),
+        put: 1,
+    });
+    ends.push(Request::RemoveByRegex {
+        pattern: "^k1".into(),
+        force: false,
+    });
     ends.push(Request::ExistKey { key: "k0".into() });
     ends.push(Request::ExistKey { key: "k100".into() });
-    ends.push(Request::RemoveByRegex { pattern: "(".into(), force: false });
-    let Response::Batch(b) = handle(&m, Request::Batch(ends)) else { panic!("not a batch's answer") };
+    ends.push(Request::RemoveByRegex {
+        pattern: "(".into(),
+        force: false,
+    });
+    let Response::Batch(b) = handle(&m, Request::Batch(ends)) else {
+        panic!("not a batch's answer")
+    };
     assert!(b[..n].iter().all(|r| *r == Response::Ok), "{:?}", &b[..n]);
-    assert!(matches!(b[n], Response::Err(_)), "a put that never started: {:?}", b[n]);
+    assert!(
+        matches!(b[n], Response::Err(_)),
+        "a put that never started: {:?}",
+        b[n]
+    );
     // k1, k10-k19 and k100-k149.
     assert_eq!(b[n + 1], Response::Count(1 + 10 + (n as u64 - 100)));
-    assert_eq!(b[n + 2..n + 4], [Response::Exists(true), Response::Exists(false)]);
-    assert!(matches!(b[n + 4], Response::Err(StoreError::InvalidParams(_))), "{:?}", b[n + 4]);
-    let ops = |op: usize| (m.stats.ops[op].load(Ordering::Relaxed), m.stats.errors[op].load(Ordering::Relaxed));
+    assert_eq!(
+        b[n + 2..n + 4],
+        [Response::Exists(true), Response::Exists(false)]
+    );
+    assert!(
+        matches!(b[n + 4], Response::Err(StoreError::InvalidParams(_))),
+        "{:?}",
+        b[n + 4]
+    );
+    let ops = |op: usize| {
+        (
+            m.stats.ops[op].load(Ordering::Relaxed),
+            m.stats.errors[op].load(Ordering::Relaxed),
+        )
+    };
     assert_eq!(ops(4), (n as u64, 0), "PutStart");
     assert_eq!(ops(5), (n as u64 + 1, 1), "PutEnd");
     assert_eq!(ops(11), (2, 1), "RemoveByRegex");
@@ -352,34 +633,99 @@ fn a_batch_answers_every_request_in_order_across_holds_of_the_lock() {
 /// for the read to end and tries again; the requests after it see what it did.
 #[test]
 fn a_put_in_a_batch_waits_for_reads_without_the_lock_and_the_rest_follow_it() {
-    let m = Arc::new(Master::new(MasterConfig { put_wait_for_reads: Duration::from_secs(5), ..MasterConfig::default() }));
-    assert_eq!(handle(&m, Request::MountSegment { client: 1, segment: seg(1, 64 << 10) }), Response::Ok);
+    let m = Arc::new(Master::new(MasterConfig {
+        put_wait_for_reads: Duration::from_secs(5),
+        ..MasterConfig::default()
+    }));
+    assert_eq!(
+        handle(
+            &m,
+            Request::MountSegment {
+                client: 1,
+                segment: seg(1, 64 << 10)
+            }
+        ),
+        Response::Ok
+    );
     for k in ["old", "read"] {
-        assert!(matches!(handle(&m, put_start(k, 32 << 10)), Response::Replicas(_)));
-        assert_eq!(handle(&m, Request::PutEnd { client: 1, key: k.into(), put: 1 }), Response::Ok);
+        assert!(matches!(
+            handle(&m, put_start(k, 32 << 10)),
+            Response::Replicas(_)
+        ));
+        assert_eq!(
+            handle(
+                &m,
+                Request::PutEnd {
+                    client: 1,
+                    key: k.into(),
+                    put: 1
+                }
+            ),
+            Response::Ok
+        );
     }
-    let Response::ReplicaList(l) = handle(&m, Request::GetReplicaList { key: "read".into() }) else { panic!("no replica list") };
+    let Response::ReplicaList(l) = handle(&m, Request::GetReplicaList { key: "read".into() })
+    else {
+        panic!("no replica list")
+    };
     let t = Instant::now();
     let reader = {
         let m = Arc::clone(&m);
         std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(100));
             // Not blocked behind the batch: the put waits without the lock.
-            assert_eq!(handle(&m, Request::ExistKey { key: "old".into() }), Response::Exists(true));
-            assert_eq!(handle(&m, Request::ReleaseReads { ids: vec![l.read_id] }), Response::Ok);
+            assert_eq!(
+                handle(&m, Request::ExistKey { key: "old".into() }),
+                Response::Exists(true)
+            );
+            assert_eq!(
+                handle(
+                    &m,
+                    Request::ReleaseReads {
+                        ids: vec![l.read_id]
+                    }
+                ),
+                Response::Ok
+            );
         })
     };
     let exists = |k: &str| Request::ExistKey { key: k.into() };
-    let batch = vec![exists("read"), put_start("new", 32 << 10), exists("old"), exists("read"), exists("new")];
-    let Response::Batch(a) = handle(&m, Request::Batch(batch)) else { panic!("not a batch's answer") };
+    let batch = vec![
+        exists("read"),
+        put_start("new", 32 << 10),
+        exists("old"),
+        exists("read"),
+        exists("new"),
+    ];
+    let Response::Batch(a) = handle(&m, Request::Batch(batch)) else {
+        panic!("not a batch's answer")
+    };
     reader.join().expect("the reader's checks");
-    assert!(t.elapsed() >= Duration::from_millis(100), "the put did not wait for the read");
-    assert!(t.elapsed() < Duration::from_secs(4), "the put gave up waiting instead of seeing the read end");
+    assert!(
+        t.elapsed() >= Duration::from_millis(100),
+        "the put did not wait for the read"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "the put gave up waiting instead of seeing the read end"
+    );
     assert_eq!(a[0], Response::Exists(true));
     assert!(matches!(a[1], Response::Replicas(_)), "{:?}", a[1]);
-    let left = a[2..4].iter().filter(|r| **r == Response::Exists(true)).count();
-    assert_eq!(left, 1, "one object made room for the put, seen by the requests after it: {:?}", &a[2..4]);
-    assert_eq!(a[4], Response::Exists(false), "the new object is not complete");
+    let left = a[2..4]
+        .iter()
+        .filter(|r| **r == Response::Exists(true))
+        .count();
+    assert_eq!(
+        left,
+        1,
+        "one object made room for the put, seen by the requests after it: {:?}",
+        &a[2..4]
+    );
+    assert_eq!(
+        a[4],
+        Response::Exists(false),
+        "the new object is not complete"
+    );
 }
 
 /// Only `limit` connections poll at once; the others go to sleep in the kernel at once
@@ -389,19 +735,38 @@ fn at_most_the_limit_of_connections_poll_for_their_next_request() {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
     let mut c = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
     let (s, _) = l.accept().expect("accept");
-    let spin = Spin { bound: Duration::from_secs(5), polling: AtomicUsize::new(1), limit: 1 };
+    let spin = Spin {
+        bound: Duration::from_secs(5),
+        polling: AtomicUsize::new(1),
+        limit: 1,
+    };
     c.write_all(&[1, 2, 3, 4]).expect("send");
     let mut prefix = [0u8; 4];
     let t = Instant::now();
-    assert_eq!(spin.poll(&s, &mut prefix).expect("poll"), 0, "over the limit: no poll");
+    assert_eq!(
+        spin.poll(&s, &mut prefix).expect("poll"),
+        0,
+        "over the limit: no poll"
+    );
     assert!(t.elapsed() < Duration::from_secs(1));
-    assert_eq!(spin.polling.load(Ordering::Relaxed), 1, "the count is left as it was");
+    assert_eq!(
+        spin.polling.load(Ordering::Relaxed),
+        1,
+        "the count is left as it was"
+    );
     spin.polling.store(0, Ordering::Relaxed);
     assert_eq!(spin.poll(&s, &mut prefix).expect("poll"), 4);
     assert_eq!(prefix, [1, 2, 3, 4]);
     assert_eq!(spin.polling.load(Ordering::Relaxed), 0);
-    let quick = Spin { bound: Duration::from_millis(20), ..spin };
-    assert_eq!(quick.poll(&s, &mut prefix).expect("poll"), 0, "nothing came within the bound");
+    let quick = Spin {
+        bound: Duration::from_millis(20),
+        ..spin
+    };
+    assert_eq!(
+        quick.poll(&s, &mut prefix).expect("poll"),
+        0,
+        "nothing came within the bound"
+    );
     drop(c);
     let e = quick.poll(&s, &mut prefix).expect_err("the peer closed");
     assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
@@ -416,7 +781,11 @@ fn a_replication_reader_polls_until_its_next_frame_arrives_and_reads_nothing() {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
     let mut c = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
     let (mut s, _) = l.accept().expect("accept");
-    let spin = Spin { bound: Duration::from_secs(5), polling: AtomicUsize::new(0), limit: 1 };
+    let spin = Spin {
+        bound: Duration::from_secs(5),
+        polling: AtomicUsize::new(0),
+        limit: 1,
+    };
     let t = Instant::now();
     std::thread::scope(|sc| {
         sc.spawn(|| {
@@ -425,26 +794,42 @@ fn a_replication_reader_polls_until_its_next_frame_arrives_and_reads_nothing() {
         });
         assert!(spin.readable(&s), "the byte arrived within the bound");
     });
-    assert!(t.elapsed() >= Duration::from_millis(25) && t.elapsed() < Duration::from_secs(4), "polled until it arrived: {:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= Duration::from_millis(25) && t.elapsed() < Duration::from_secs(4),
+        "polled until it arrived: {:?}",
+        t.elapsed()
+    );
     assert_eq!(spin.polling.load(Ordering::Relaxed), 0);
     let mut b = [0u8; 1];
     s.read_exact(&mut b).expect("the byte is still there");
     assert_eq!(b, [7]);
-    let quick = Spin { bound: Duration::from_millis(20), ..spin };
+    let quick = Spin {
+        bound: Duration::from_millis(20),
+        ..spin
+    };
     let t = Instant::now();
     assert!(!quick.readable(&s), "nothing came within the bound");
     assert!(t.elapsed() >= Duration::from_millis(20));
     quick.polling.store(1, Ordering::Relaxed);
     c.write_all(&[8]).expect("send");
     let t = Instant::now();
-    assert!(!quick.readable(&s), "over the limit: no poll, even with a byte there");
+    assert!(
+        !quick.readable(&s),
+        "over the limit: no poll, even with a byte there"
+    );
     assert!(t.elapsed() < Duration::from_millis(20));
     quick.polling.store(0, Ordering::Relaxed);
     s.read_exact(&mut b).expect("read");
     drop(c);
-    assert!(quick.readable(&s), "a closed peer ends the poll (the read finds the end)");
+    assert!(
+        quick.readable(&s),
+        "a closed peer ends the poll (the read finds the end)"
+    );
     assert_eq!(s.read(&mut b).expect("read"), 0);
-    assert!(Spin::for_replication_on(2).bound.is_zero(), "two CPUs: no poll");
+    assert!(
+        Spin::for_replication_on(2).bound.is_zero(),
+        "two CPUs: no poll"
+    );
     assert_eq!(Spin::for_replication_on(16).limit, 4);
 }
 
@@ -460,12 +845,23 @@ fn on_one_cpu_no_connection_polls() {
     let one = Spin::for_cpus(Duration::from_secs(5), 1);
     let mut prefix = [0u8; 4];
     let t = Instant::now();
-    assert_eq!(one.poll(&s, &mut prefix).expect("poll"), 0, "nothing there, nothing waited for");
+    assert_eq!(
+        one.poll(&s, &mut prefix).expect("poll"),
+        0,
+        "nothing there, nothing waited for"
+    );
     c.write_all(&[1, 2, 3, 4]).expect("send");
     // Until all four bytes are there (a blocking peek waits for them, reading none).
     while s.peek(&mut [0u8; 4]).expect("peek") < 4 {}
-    assert_eq!(one.poll(&s, &mut prefix).expect("poll"), 0, "even what is there is left to the blocking read");
-    assert!(t.elapsed() < Duration::from_secs(1), "no poll ran to its bound");
+    assert_eq!(
+        one.poll(&s, &mut prefix).expect("poll"),
+        0,
+        "even what is there is left to the blocking read"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "no poll ran to its bound"
+    );
     assert_eq!(one.polling.load(Ordering::Relaxed), 0);
 }
 
@@ -479,18 +875,56 @@ fn puts_placed_in_a_durable_grant_are_answered_at_once_and_their_changes_ride_wi
     m.lock().set_grant_bytes(1 << 20, 600_000);
     let ticket = |a: Applied| match a {
         Applied::Later { ticket, .. } => ticket,
-        other => panic!("answered before its changes were durable: {:?}", matches!(other, Applied::Early(_))),
+        other => panic!(
+            "answered before its changes were durable: {:?}",
+            matches!(other, Applied::Early(_))
+        ),
     };
-    ticket(apply(&m, Request::MountSegment { client: 1, segment: seg(1, 1 << 30) }));
-    let starts = |from: usize| Request::Batch((from..from + 4).map(|i| Request::PutStart { client: 1, key: format!("k{i}"), size: 4096, config: ReplicateConfig::default(), upsert: false, put: 1 }).collect());
-    let ends = |from: usize| Request::Batch((from..from + 4).map(|i| Request::PutEnd { client: 1, key: format!("k{i}"), put: 1 }).collect());
+    ticket(apply(
+        &m,
+        Request::MountSegment {
+            client: 1,
+            segment: seg(1, 1 << 30),
+        },
+    ));
+    let starts = |from: usize| {
+        Request::Batch(
+            (from..from + 4)
+                .map(|i| Request::PutStart {
+                    client: 1,
+                    key: format!("k{i}"),
+                    size: 4096,
+                    config: ReplicateConfig::default(),
+                    upsert: false,
+                    put: 1,
+                })
+                .collect(),
+        )
+    };
+    let ends = |from: usize| {
+        Request::Batch(
+            (from..from + 4)
+                .map(|i| Request::PutEnd {
+                    client: 1,
+                    key: format!("k{i}"),
+                    put: 1,
+                })
+                .collect(),
+        )
+    };
     // The first puts carve the pool: its grant is not durable yet.
     ticket(apply(&m, starts(0)));
     ticket(apply(&m, ends(0)));
     m.journal.write_queued_for_test();
-    assert!(m.journal.grants_durable() >= crate::master::grants_issued(), "the grant is durable with the entry that holds it");
+    assert!(
+        m.journal.grants_durable() >= crate::master::grants_issued(),
+        "the grant is durable with the entry that holds it"
+    );
     match apply(&m, starts(4)) {
-        Applied::Early(Response::Batch(r)) => assert!(r.iter().all(|r| matches!(r, Response::Replicas(_))), "{r:?}"),
+        Applied::Early(Response::Batch(r)) => assert!(
+            r.iter().all(|r| matches!(r, Response::Replicas(_))),
+            "{r:?}"
+        ),
         _ => panic!("puts in a durable grant wait for their changes"),
     }
     assert_eq!(m.journal.stats().lag, 0, "nothing was collected for them");
@@ -498,21 +932,52 @@ fn puts_placed_in_a_durable_grant_are_answered_at_once_and_their_changes_ride_wi
     let mut taken = Vec::new();
     {
         let mut st = m.lock();
-        assert!(st.take_changes(0).is_empty(), "the ends took the starts' changes along");
+        assert!(
+            st.take_changes(0).is_empty(),
+            "the ends took the starts' changes along"
+        );
     }
     m.journal.drain_for_test(&mut taken);
     use crate::master::journal::Change;
-    let objects: Vec<&str> = taken.iter().filter_map(|c| match c {
-        Change::Object { key, rec } if rec.pending.is_none() && !rec.current.is_empty() => Some(key.as_str()),
-        _ => None,
-    }).collect();
-    assert_eq!(objects.len(), 4, "one change per key, the whole object: {taken:?}");
+    let objects: Vec<&str> = taken
+        .iter()
+        .filter_map(|c| match c {
+            Change::Object { key, rec } if rec.pending.is_none() && !rec.current.is_empty() => {
+                Some(key.as_str())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        objects.len(),
+        4,
+        "one change per key, the whole object: {taken:?}"
+    );
     // A batch that also changes something else waits.
-    let mixed = Request::Batch(vec![Request::PutStart { client: 1, key: "k8".into(), size: 4096, config: ReplicateConfig::default(), upsert: false, put: 1 }, Request::Remove { key: "k0".into(), force: true }]);
+    let mixed = Request::Batch(vec![
+        Request::PutStart {
+            client: 1,
+            key: "k8".into(),
+            size: 4096,
+            config: ReplicateConfig::default(),
+            upsert: false,
+            put: 1,
+        },
+        Request::Remove {
+            key: "k0".into(),
+            force: true,
+        },
+    ]);
     ticket(apply(&m, mixed));
     // Alone, through `handle` (no connection to carry its changes), it is collected at once.
-    assert!(matches!(handle(&m, put_start("k9", 4096)), Response::Replicas(_)));
-    assert!(m.journal.stats().lag > 0 && m.lock().take_changes(0).is_empty(), "collected, not waited for");
+    assert!(matches!(
+        handle(&m, put_start("k9", 4096)),
+        Response::Replicas(_)
+    ));
+    assert!(
+        m.journal.stats().lag > 0 && m.lock().take_changes(0).is_empty(),
+        "collected, not waited for"
+    );
 }
 
 /// Whatever a request changed goes to the journal and its answer waits for it, however it
@@ -525,19 +990,60 @@ fn every_mutation_waits_for_the_journal_alone_batched_or_after_a_bulk_removal() 
     let later = |a: Applied| match a {
         Applied::Later { ticket, term, .. } => {
             assert_eq!(term, 5);
-            assert!(m.lock().take_changes(0).is_empty(), "every change was taken into the journal with the request");
+            assert!(
+                m.lock().take_changes(0).is_empty(),
+                "every change was taken into the journal with the request"
+            );
             ticket
         }
-        Applied::Now(r) | Applied::Early(r) => panic!("answered before its changes were durable: {r:?}"),
+        Applied::Now(r) | Applied::Early(r) => {
+            panic!("answered before its changes were durable: {r:?}")
+        }
     };
-    let t1 = later(apply(&m, Request::MountSegment { client: 1, segment: seg(1, 1 << 20) }));
-    let puts = (0..3).map(|i| Request::PutStart { client: 1, key: format!("k{i}"), size: 4096, config: ReplicateConfig::default(), upsert: false, put: 1 }).collect();
+    let t1 = later(apply(
+        &m,
+        Request::MountSegment {
+            client: 1,
+            segment: seg(1, 1 << 20),
+        },
+    ));
+    let puts = (0..3)
+        .map(|i| Request::PutStart {
+            client: 1,
+            key: format!("k{i}"),
+            size: 4096,
+            config: ReplicateConfig::default(),
+            upsert: false,
+            put: 1,
+        })
+        .collect();
     let t2 = later(apply(&m, Request::Batch(puts)));
-    let ends = (0..3).map(|i| Request::PutEnd { client: 1, key: format!("k{i}"), put: 1 }).collect();
+    let ends = (0..3)
+        .map(|i| Request::PutEnd {
+            client: 1,
+            key: format!("k{i}"),
+            put: 1,
+        })
+        .collect();
     let t3 = later(apply(&m, Request::Batch(ends)));
-    let t4 = later(apply(&m, Request::Batch(vec![Request::ExistKey { key: "k0".into() }, Request::RemoveAll { force: true }])));
-    assert!(t1 < t2 && t2 < t3 && t3 < t4, "each its own ticket, in order: {t1:?} {t2:?} {t3:?} {t4:?}");
-    assert!(matches!(apply(&m, Request::ExistKey { key: "k1".into() }), Applied::Now(Response::Exists(false))), "removed, and a read waits for nothing");
+    let t4 = later(apply(
+        &m,
+        Request::Batch(vec![
+            Request::ExistKey { key: "k0".into() },
+            Request::RemoveAll { force: true },
+        ]),
+    ));
+    assert!(
+        t1 < t2 && t2 < t3 && t3 < t4,
+        "each its own ticket, in order: {t1:?} {t2:?} {t3:?} {t4:?}"
+    );
+    assert!(
+        matches!(
+            apply(&m, Request::ExistKey { key: "k1".into() }),
+            Applied::Now(Response::Exists(false))
+        ),
+        "removed, and a read waits for nothing"
+    );
 }
 
 /// An answer that waits for the journal leaves from whoever makes the change durable, not
@@ -548,47 +1054,107 @@ fn deferred_answers_wait_for_the_journal_and_keep_each_connections_order() {
     let m = Arc::new(journaling_leader(5));
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let server = MasterServer::start(Arc::clone(&m), listener, Duration::from_millis(50), 0).expect("start");
+    let server =
+        MasterServer::start(Arc::clone(&m), listener, Duration::from_millis(50), 0).expect("start");
     let mut c = TcpStream::connect(addr).expect("connect");
-    c.set_read_timeout(Some(Duration::from_millis(300))).expect("timeout");
+    c.set_read_timeout(Some(Duration::from_millis(300)))
+        .expect("timeout");
     let seg = |id| seg(id, 1 << 20);
-    let mut two = proto::encode(&Request::MountSegment { client: 1, segment: seg(1) }).expect("encode");
+    let mut two = proto::encode(&Request::MountSegment {
+        client: 1,
+        segment: seg(1),
+    })
+    .expect("encode");
     two.extend(proto::encode(&Request::ExistKey { key: "k".into() }).expect("encode"));
     c.write_all(&two).expect("send");
     let deferred = |n: usize| {
         let until = Instant::now() + Duration::from_secs(10);
         while m.journal.deferred_for_test() != n {
-            assert!(Instant::now() < until, "the answer was not deferred within 10 s");
+            assert!(
+                Instant::now() < until,
+                "the answer was not deferred within 10 s"
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
     };
     deferred(1);
     let e = read_answer(&mut c).expect_err("nothing is answered before the mount is durable");
-    assert!(matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut), "{e}");
-    assert_eq!(m.journal.deferred_for_test(), 1, "the read waits behind the mount");
+    assert!(
+        matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
+        "{e}"
+    );
+    assert_eq!(
+        m.journal.deferred_for_test(),
+        1,
+        "the read waits behind the mount"
+    );
     m.journal.write_queued_for_test();
-    c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
-    assert_eq!(read_answer(&mut c).expect("the mount's answer"), Response::Ok);
-    assert_eq!(read_answer(&mut c).expect("then the read's"), Response::Exists(false));
+    c.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    assert_eq!(
+        read_answer(&mut c).expect("the mount's answer"),
+        Response::Ok
+    );
+    assert_eq!(
+        read_answer(&mut c).expect("then the read's"),
+        Response::Exists(false)
+    );
     // Applied and made durable, but the leader was fenced in between: it cannot know
     // whether a successor has the change, and says so instead of the success.
-    c.write_all(&proto::encode(&Request::MountSegment { client: 1, segment: seg(4) }).expect("encode")).expect("send");
+    c.write_all(
+        &proto::encode(&Request::MountSegment {
+            client: 1,
+            segment: seg(4),
+        })
+        .expect("encode"),
+    )
+    .expect("send");
     deferred(1);
     m.gate.fence(5);
     m.journal.write_queued_for_test();
-    assert_eq!(read_answer(&mut c).expect("an answer"), Response::Err(StoreError::OutcomeUnknown));
+    assert_eq!(
+        read_answer(&mut c).expect("an answer"),
+        Response::Err(StoreError::OutcomeUnknown)
+    );
     m.gate.lead_for_test(5, Duration::from_secs(60));
     // A mutation still waiting when the term ends is answered that its outcome is unknown
     // (it was applied; the new leader may have it), not left hanging.
-    c.write_all(&proto::encode(&Request::MountSegment { client: 1, segment: seg(2) }).expect("encode")).expect("send");
+    c.write_all(
+        &proto::encode(&Request::MountSegment {
+            client: 1,
+            segment: seg(2),
+        })
+        .expect("encode"),
+    )
+    .expect("send");
     deferred(1);
     m.journal.deactivate();
-    assert_eq!(read_answer(&mut c).expect("an answer"), Response::Err(StoreError::OutcomeUnknown));
+    assert_eq!(
+        read_answer(&mut c).expect("an answer"),
+        Response::Err(StoreError::OutcomeUnknown)
+    );
     // A request of the next term that never got past the gate: nothing applied, NotLeader.
     m.gate.fence(5);
-    c.write_all(&proto::encode(&Request::MountSegment { client: 1, segment: seg(3) }).expect("encode")).expect("send");
-    assert!(matches!(read_answer(&mut c).expect("an answer"), Response::Err(StoreError::NotLeader { .. })));
-    assert_eq!(m.lock().summary().segments, 3, "the second and fourth mounts applied, the third not");
+    c.write_all(
+        &proto::encode(&Request::MountSegment {
+            client: 1,
+            segment: seg(3),
+        })
+        .expect("encode"),
+    )
+    .expect("send");
+    assert!(matches!(
+        read_answer(&mut c).expect("an answer"),
+        Response::Err(StoreError::NotLeader { .. })
+    ));
+    assert_eq!(
+        m.lock().summary().segments,
+        3,
+        "the second and fourth mounts applied, the third not"
+    );
     drop(server);
 }
 
@@ -600,25 +1166,56 @@ fn deferred_answers_wait_for_the_journal_and_keep_each_connections_order() {
 fn a_request_whose_change_another_collected_is_not_answered_as_if_nothing_was_applied() {
     let m = journaling_leader(5);
     let mut changed = false;
-    let (resp, held) = handle_admitted(&m, Request::MountSegment { client: 1, segment: seg(1, 1 << 20) }, 5, &mut changed, &mut true);
+    let (resp, held) = handle_admitted(
+        &m,
+        Request::MountSegment {
+            client: 1,
+            segment: seg(1, 1 << 20),
+        },
+        5,
+        &mut changed,
+        &mut true,
+    );
     assert_eq!(resp, Response::Ok);
-    assert!(held.is_none() && changed, "applied alone: the lock let go, a change marked");
-    assert!(m.journal.collect(&m).is_some(), "another request's collection took the mount");
+    assert!(
+        held.is_none() && changed,
+        "applied alone: the lock let go, a change marked"
+    );
+    assert!(
+        m.journal.collect(&m).is_some(),
+        "another request's collection took the mount"
+    );
     m.journal.write_queued_for_test();
     m.gate.fence(5);
     match settle(&m, 5, true, changed, resp, None) {
-        Applied::Now(r) => assert_eq!(r, Response::Err(StoreError::OutcomeUnknown), "the mount is durable"),
+        Applied::Now(r) => assert_eq!(
+            r,
+            Response::Err(StoreError::OutcomeUnknown),
+            "the mount is durable"
+        ),
         Applied::Later { .. } | Applied::Early(_) => panic!("nothing of it is outstanding"),
     }
     // A mutation that changed nothing (its key is absent) before the fence: NotLeader.
     m.gate.lead_for_test(5, Duration::from_secs(60));
     let mut changed = false;
-    let (resp, held) = handle_admitted(&m, Request::Remove { key: "absent".into(), force: false }, 5, &mut changed, &mut true);
+    let (resp, held) = handle_admitted(
+        &m,
+        Request::Remove {
+            key: "absent".into(),
+            force: false,
+        },
+        5,
+        &mut changed,
+        &mut true,
+    );
     assert!(matches!(resp, Response::Err(StoreError::ObjectNotFound(_))));
     assert!(!changed);
     m.gate.fence(5);
     match settle(&m, 5, true, changed, resp, held) {
-        Applied::Now(r) => assert!(matches!(r, Response::Err(StoreError::NotLeader { .. })), "{r:?}"),
+        Applied::Now(r) => assert!(
+            matches!(r, Response::Err(StoreError::NotLeader { .. })),
+            "{r:?}"
+        ),
         Applied::Later { .. } | Applied::Early(_) => panic!("it changed nothing"),
     }
     assert_eq!(m.lock().summary().segments, 1);

@@ -49,7 +49,10 @@ struct Etcd {
 impl Etcd {
     fn expire(&mut self, now: u64) {
         self.leases.retain(|_, &mut at| at > now);
-        if self.key.is_some_and(|k| !self.leases.contains_key(&k.lease)) {
+        if self
+            .key
+            .is_some_and(|k| !self.leases.contains_key(&k.lease))
+        {
             self.key = None;
             self.rev += 1;
         }
@@ -68,7 +71,11 @@ impl Etcd {
                     return Reply::Lost;
                 }
                 self.rev += 1;
-                let kv = Kv { master: from, create_rev: self.rev, lease };
+                let kv = Kv {
+                    master: from,
+                    create_rev: self.rev,
+                    lease,
+                };
                 self.key = Some(kv);
                 Reply::Won(kv, self.marker)
             }
@@ -84,7 +91,11 @@ impl Etcd {
                 None => Reply::Renewed(Renewal::LeaseLost),
                 Some(at) => {
                     *at = now + TTL;
-                    Reply::Renewed(if self.key == Some(kv) { Renewal::Ours } else { Renewal::KeyLost })
+                    Reply::Renewed(if self.key == Some(kv) {
+                        Renewal::Ours
+                    } else {
+                        Renewal::KeyLost
+                    })
                 }
             },
             Op::Resign(kv) => {
@@ -124,12 +135,23 @@ enum Reply {
 
 #[derive(Debug)]
 enum Phase {
-    Standby { next_poll: u64 },
+    Standby {
+        next_poll: u64,
+    },
     /// A request is out; `sent` is when.
-    Waiting { sent: u64, then: After },
+    Waiting {
+        sent: u64,
+        then: After,
+    },
     /// Won `kv`; serves once `until` passed and a renewal proved the lease.
-    Wait { kv: Kv, until: u64 },
-    Leading { kv: Kv, renewals: Renewals },
+    Wait {
+        kv: Kv,
+        until: u64,
+    },
+    Leading {
+        kv: Kv,
+        renewals: Renewals,
+    },
 }
 
 #[derive(Debug)]
@@ -182,8 +204,30 @@ impl World {
     fn new(seed: u64) -> World {
         let mut rng = StdRng::seed_from_u64(seed);
         let n = rng.random_range(2..=4);
-        let nodes = (0..n).map(|i| Node { fence: Fence::standby(), phase: Phase::Standby { next_poll: i as u64 * 37 }, alive: true, paused_until: 0, cut_until: 0, seen: None, leading_since: None, inbox: Vec::new() }).collect();
-        World { rng, now: 0, etcd: Etcd::default(), nodes, outbox: Vec::new(), history: Vec::new(), trace: Vec::new(), leaderships: 0 }
+        let nodes = (0..n)
+            .map(|i| Node {
+                fence: Fence::standby(),
+                phase: Phase::Standby {
+                    next_poll: i as u64 * 37,
+                },
+                alive: true,
+                paused_until: 0,
+                cut_until: 0,
+                seen: None,
+                leading_since: None,
+                inbox: Vec::new(),
+            })
+            .collect();
+        World {
+            rng,
+            now: 0,
+            etcd: Etcd::default(),
+            nodes,
+            outbox: Vec::new(),
+            history: Vec::new(),
+            trace: Vec::new(),
+            leaderships: 0,
+        }
     }
 
     fn note(&mut self, s: String) {
@@ -206,7 +250,12 @@ impl World {
     /// The admitting interval of `i` ends at `until` (its fence, or its crash).
     fn close(&mut self, i: usize, until: u64) {
         if let Some((from, term)) = self.nodes[i].leading_since.take() {
-            self.history.push(Admitted { master: i, term, from, until: until.max(from) });
+            self.history.push(Admitted {
+                master: i,
+                term,
+                from,
+                until: until.max(from),
+            });
         }
     }
 
@@ -221,22 +270,44 @@ impl World {
             2 => {
                 let i = self.rng.random_range(0..self.nodes.len());
                 if self.nodes[i].alive {
-                    let end = self.nodes[i].fence.bounds().0.unwrap_or(self.now).min(self.now);
+                    let end = self.nodes[i]
+                        .fence
+                        .bounds()
+                        .0
+                        .unwrap_or(self.now)
+                        .min(self.now);
                     self.close(i, end);
                     self.nodes[i].alive = false;
                     self.note(format!("master {i} crashed"));
                 } else {
-                    self.nodes[i] = Node { fence: Fence::standby(), phase: Phase::Standby { next_poll: self.now }, alive: true, paused_until: 0, cut_until: 0, seen: None, leading_since: None, inbox: Vec::new() };
+                    self.nodes[i] = Node {
+                        fence: Fence::standby(),
+                        phase: Phase::Standby {
+                            next_poll: self.now,
+                        },
+                        alive: true,
+                        paused_until: 0,
+                        cut_until: 0,
+                        seen: None,
+                        leading_since: None,
+                        inbox: Vec::new(),
+                    };
                     self.note(format!("master {i} restarted"));
                 }
             }
             3 => {
                 let i = self.rng.random_range(0..self.nodes.len());
                 self.nodes[i].cut_until = self.now + self.rng.random_range(1..2 * TTL);
-                self.note(format!("master {i} cut off from etcd until {}", self.nodes[i].cut_until));
+                self.note(format!(
+                    "master {i} cut off from etcd until {}",
+                    self.nodes[i].cut_until
+                ));
             }
             4 if self.rng.random_bool(0.2) => {
-                self.etcd = Etcd { next_lease: self.etcd.next_lease + 1000, ..Etcd::default() };
+                self.etcd = Etcd {
+                    next_lease: self.etcd.next_lease + 1000,
+                    ..Etcd::default()
+                };
                 self.note("etcd lost its data".into());
             }
             _ => {
@@ -255,7 +326,9 @@ impl World {
         let now = self.now;
         // Requests reach etcd; their answers go back.
         let (due, rest): (Vec<_>, Vec<_>) = match self.outbox.iter().any(|o| o.0 <= now) {
-            true => std::mem::take(&mut self.outbox).into_iter().partition(|o| o.0 <= now),
+            true => std::mem::take(&mut self.outbox)
+                .into_iter()
+                .partition(|o| o.0 <= now),
             false => (Vec::new(), Vec::new()),
         };
         if !due.is_empty() {
@@ -319,20 +392,24 @@ impl World {
                 return;
             }
             (p @ Phase::Waiting { .. }, None) => p,
-            (Phase::Waiting { then, sent }, Some((reply, _))) => return self.answered(i, then, sent, reply),
+            (Phase::Waiting { then, sent }, Some((reply, _))) => {
+                return self.answered(i, then, sent, reply)
+            }
             (Phase::Wait { kv, until }, _) if now >= until => {
                 self.send(i, Op::Renew(kv), After::Prove { kv });
                 return;
             }
             (p @ Phase::Wait { .. }, _) => p,
-            (Phase::Leading { kv, mut renewals }, _) => match renewals.poll(&mut self.nodes[i].fence, now) {
-                Next::Wait(_) => Phase::Leading { kv, renewals },
-                Next::Renew => {
-                    self.send(i, Op::Renew(kv), After::Renew { kv, renewals });
-                    return;
+            (Phase::Leading { kv, mut renewals }, _) => {
+                match renewals.poll(&mut self.nodes[i].fence, now) {
+                    Next::Wait(_) => Phase::Leading { kv, renewals },
+                    Next::Renew => {
+                        self.send(i, Op::Renew(kv), After::Renew { kv, renewals });
+                        return;
+                    }
+                    Next::StepDown => return self.step_down(i, kv),
                 }
-                Next::StepDown => return self.step_down(i, kv),
-            },
+            }
         };
     }
 
@@ -347,36 +424,63 @@ impl World {
 
     fn answered(&mut self, i: usize, then: After, sent: u64, reply: Reply) {
         let now = self.now;
-        let standby = Phase::Standby { next_poll: now + POLL };
+        let standby = Phase::Standby {
+            next_poll: now + POLL,
+        };
         match (then, reply) {
             (After::Poll, Reply::Key(Some(kv))) => {
                 self.nodes[i].seen = Some((kv.create_rev, kv.lease));
-                self.nodes[i].fence.set_standby(Some(("leader", kv.create_rev)));
+                self.nodes[i]
+                    .fence
+                    .set_standby(Some(("leader", kv.create_rev)));
                 self.nodes[i].phase = standby;
             }
             (After::Poll, Reply::Key(None)) => self.send(i, Op::Campaign, After::Campaign),
             (After::Campaign, Reply::Won(kv, marker)) => {
                 // etcd kept its history only if its marker names the leader last seen.
                 let wait = marker.is_none() || marker != self.nodes[i].seen;
-                self.note(format!("master {i} won term {} (waits a fence bound: {wait})", kv.create_rev));
-                self.send(i, Op::MarkTerm(kv), After::Mark { kv, won_at: now, wait });
+                self.note(format!(
+                    "master {i} won term {} (waits a fence bound: {wait})",
+                    kv.create_rev
+                ));
+                self.send(
+                    i,
+                    Op::MarkTerm(kv),
+                    After::Mark {
+                        kv,
+                        won_at: now,
+                        wait,
+                    },
+                );
             }
             (After::Mark { kv, won_at, wait }, Reply::Done(true)) => {
                 let until = if wait { won_at + BOUND } else { now };
                 self.nodes[i].phase = Phase::Wait { kv, until };
             }
             (After::Prove { kv }, Reply::Renewed(Renewal::Ours)) => {
-                self.nodes[i].fence.set_leader(kv.create_rev, "me", kv.lease, sent, BOUND);
+                self.nodes[i]
+                    .fence
+                    .set_leader(kv.create_rev, "me", kv.lease, sent, BOUND);
                 if self.nodes[i].fence.admits(now) {
                     self.nodes[i].leading_since = Some((now, kv.create_rev));
                     self.leaderships += 1;
-                    self.note(format!("master {i} leads term {} until {}", kv.create_rev, sent + BOUND));
+                    self.note(format!(
+                        "master {i} leads term {} until {}",
+                        kv.create_rev,
+                        sent + BOUND
+                    ));
                 }
-                self.nodes[i].phase = Phase::Leading { kv, renewals: Renewals::new(kv.create_rev, EVERY, BOUND, now) };
+                self.nodes[i].phase = Phase::Leading {
+                    kv,
+                    renewals: Renewals::new(kv.create_rev, EVERY, BOUND, now),
+                };
             }
             (After::Mark { kv, .. } | After::Prove { kv }, reply) => {
                 // Lost the key while taking over, or etcd did not answer: it resigns.
-                self.note(format!("master {i} gives up term {} ({reply:?})", kv.create_rev));
+                self.note(format!(
+                    "master {i} gives up term {} ({reply:?})",
+                    kv.create_rev
+                ));
                 self.nodes[i].fence.set_standby(None);
                 self.send(i, Op::Resign(kv), After::Resign);
             }
@@ -403,15 +507,28 @@ impl World {
             .filter_map(|(i, n)| {
                 let (from, term) = n.leading_since?;
                 let until = n.fence.bounds().0.unwrap_or(from);
-                Some(Admitted { master: i, term, from, until })
+                Some(Admitted {
+                    master: i,
+                    term,
+                    from,
+                    until,
+                })
             })
             .collect();
         for a in &live {
             let n = &self.nodes[a.master];
             if n.fence.admits(now) && (n.fence.role() != Role::Leader || n.fence.term() != a.term) {
-                return Err(format!("master {} admits but not as the leader of term {}", a.master, a.term));
+                return Err(format!(
+                    "master {} admits but not as the leader of term {}",
+                    a.master, a.term
+                ));
             }
-            for b in self.history.iter().chain(live.iter()).filter(|b| b.master != a.master) {
+            for b in self
+                .history
+                .iter()
+                .chain(live.iter())
+                .filter(|b| b.master != a.master)
+            {
                 if a.from < b.until && b.from < a.until {
                     return Err(format!("two masters admit at once: {a:?} and {b:?}"));
                 }

@@ -242,13 +242,34 @@ impl Sim {
             client_ttl: Duration::from_millis(CLIENT_TTL),
             put_start_discard_timeout: Duration::from_millis(DISCARD),
             put_start_release_timeout: Duration::from_millis(RELEASE),
-            strategy: if rng.random_bool(0.5) { Strategy::Random } else { Strategy::FreeRatioFirst },
+            strategy: if rng.random_bool(0.5) {
+                Strategy::Random
+            } else {
+                Strategy::FreeRatioFirst
+            },
             eviction_high_watermark: 1.0,
             ..MasterConfig::default()
         };
         let n = rng.random_range(2..=4u64);
-        let clients = (1..=n).map(|id| Client { id, seg: Segment { id: 100 + id, name: format!("seg{id}"), te_endpoint: format!("10.0.0.{id}:1"), base: id << 32, size: SEG_BYTES }, mounted: false, silent_until: 0, remount: false }).collect::<Vec<_>>();
-        let memory = clients.iter().map(|c| (c.seg.id, vec![0u32; (SEG_BYTES / CELL) as usize])).collect();
+        let clients = (1..=n)
+            .map(|id| Client {
+                id,
+                seg: Segment {
+                    id: 100 + id,
+                    name: format!("seg{id}"),
+                    te_endpoint: format!("10.0.0.{id}:1"),
+                    base: id << 32,
+                    size: SEG_BYTES,
+                },
+                mounted: false,
+                silent_until: 0,
+                remount: false,
+            })
+            .collect::<Vec<_>>();
+        let memory = clients
+            .iter()
+            .map(|c| (c.seg.id, vec![0u32; (SEG_BYTES / CELL) as usize]))
+            .collect();
         let mut sim = Sim {
             seed,
             rng,
@@ -281,7 +302,10 @@ impl Sim {
         };
         sim.elect();
         for i in 0..sim.clients.len() {
-            let req = Request::MountSegment { client: sim.clients[i].id, segment: sim.clients[i].seg.clone() };
+            let req = Request::MountSegment {
+                client: sim.clients[i].id,
+                segment: sim.clients[i].seg.clone(),
+            };
             if let Some(Ok(_)) = sim.request(&req, None) {
                 sim.clients[i].mounted = true;
             }
@@ -302,14 +326,20 @@ impl Sim {
         if self.trace.len() == 40 {
             self.trace.pop_front();
         }
-        self.trace.push_back(format!("#{} t={} {s}", self.at_step, self.now));
+        self.trace
+            .push_back(format!("#{} t={} {s}", self.at_step, self.now));
     }
 
     /// A new leader, rebuilt from what etcd's journal holds.
     fn elect(&mut self) {
         self.term += 1;
         let mut image = Image::default();
-        for c in self.snapshot.iter().cloned().chain(self.log.iter().flatten().cloned()) {
+        for c in self
+            .snapshot
+            .iter()
+            .cloned()
+            .chain(self.log.iter().flatten().cloned())
+        {
             image.apply(c);
         }
         let (mut st, rebuilt) = image.into_state(self.term, self.now, LEASE);
@@ -318,8 +348,18 @@ impl Sim {
         // Grants on (in-sync standbys that read them) or off (none in sync), by leader.
         let grants = self.rng.random_bool(0.7);
         st.set_grant_bytes(if grants { SEG_BYTES / 64 } else { 0 }, RELEASE);
-        self.note(format!("leader of term {} from {} snapshot changes and {} log entries: {} objects", self.term, self.snapshot.len(), self.log.len(), rebuilt.objects));
-        self.leader = Some(Leader { st, term: self.term, grants_durable: 0 });
+        self.note(format!(
+            "leader of term {} from {} snapshot changes and {} log entries: {} objects",
+            self.term,
+            self.snapshot.len(),
+            self.log.len(),
+            rebuilt.objects
+        ));
+        self.leader = Some(Leader {
+            st,
+            term: self.term,
+            grants_durable: 0,
+        });
         self.ticket = 0;
         // Half the leaders stream to one to three in-sync standbys.
         if self.rng.random_bool(0.5) {
@@ -339,29 +379,62 @@ impl Sim {
 
     /// The leader's marked changes as the next entry, with the reply that waits for it.
     fn collect(&mut self, reply: Option<Reply>) {
-        let Some(l) = self.leader.as_mut() else { return };
+        let Some(l) = self.leader.as_mut() else {
+            return;
+        };
         let changes = l.st.take_changes(self.now);
         let grants = crate::master::grants_issued();
         if changes.is_empty() && reply.is_none() {
             return;
         }
         self.ticket += 1;
-        self.pending.push_back(Entry { ticket: self.ticket, changes, at: self.now, grants, reply });
+        self.pending.push_back(Entry {
+            ticket: self.ticket,
+            changes,
+            at: self.now,
+            grants,
+            reply,
+        });
     }
 
     /// Applies `req` at the leader: `None` without one. What waits for the journal is
     /// answered later (`reply`); the answer returned here is the one given at once.
-    fn request(&mut self, req: &Request, reply: Option<Reply>) -> Option<Result<Response, StoreError>> {
+    fn request(
+        &mut self,
+        req: &Request,
+        reply: Option<Reply>,
+    ) -> Option<Result<Response, StoreError>> {
         let now = self.now;
         let l = self.leader.as_mut()?;
-        let evicted = self.stats.evicted_objects.load(std::sync::atomic::Ordering::Relaxed);
-        let a = l.st.apply(&self.cfg, &self.stats, req, now, Attempt::Last, l.grants_durable, &mut None);
+        let evicted = self
+            .stats
+            .evicted_objects
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let a = l.st.apply(
+            &self.cfg,
+            &self.stats,
+            req,
+            now,
+            Attempt::Last,
+            l.grants_durable,
+            &mut None,
+        );
         if self.print {
             eprintln!("  {req:?} -> {:?} {:?}", a.needs, a.result);
         }
-        if self.stats.evicted_objects.load(std::sync::atomic::Ordering::Relaxed) != evicted {
+        if self
+            .stats
+            .evicted_objects
+            .load(std::sync::atomic::Ordering::Relaxed)
+            != evicted
+        {
             // Evicted objects are no longer the model's (which ones: those the state lost).
-            let gone: Vec<String> = self.model.keys().filter(|k| l.st.key_info(k, now).is_none_or(|i| !i.complete)).cloned().collect();
+            let gone: Vec<String> = self
+                .model
+                .keys()
+                .filter(|k| l.st.key_info(k, now).is_none_or(|i| !i.complete))
+                .cloned()
+                .collect();
             // (And those whose end is not acknowledged yet.)
             for e in &mut self.pending {
                 if let Some(Reply::Ended(p)) = &mut e.reply {
@@ -388,18 +461,33 @@ impl Sim {
     }
 
     fn fail(&self, step: usize, what: String) -> Failure {
-        Failure { seed: self.seed, step, what, trace: self.trace.iter().map(|s| format!("  {s}\n")).collect() }
+        Failure {
+            seed: self.seed,
+            step,
+            what,
+            trace: self.trace.iter().map(|s| format!("  {s}\n")).collect(),
+        }
     }
 
     /// Space given to a put: no write that may still land there, no live object there.
     fn check_given(&self, step: usize, put: &Put) -> Result<(), Failure> {
         for &r in &put.replicas {
-            if let Some(w) = self.writes.iter().find(|w| w.tag != put.tag && overlaps(r, (w.seg, w.addr, w.len))) {
+            if let Some(w) = self
+                .writes
+                .iter()
+                .find(|w| w.tag != put.tag && overlaps(r, (w.seg, w.addr, w.len)))
+            {
                 return Err(self.fail(step, format!("{} was given {r:x?}, where a write of another put (tag {}) may still land (at t={})", put.key, w.tag, w.land_at)));
             }
             for (k, a) in &self.model {
                 if let Some(x) = a.replicas.iter().find(|&&x| overlaps(r, x)) {
-                    return Err(self.fail(step, format!("{} was given {r:x?}, which live object {k} holds ({x:x?})", put.key)));
+                    return Err(self.fail(
+                        step,
+                        format!(
+                            "{} was given {r:x?}, which live object {k} holds ({x:x?})",
+                            put.key
+                        ),
+                    ));
                 }
             }
         }
@@ -414,7 +502,11 @@ impl Sim {
     }
 
     fn seg_of(&self, d: &ReplicaDesc) -> Option<(u64, u64, u64)> {
-        let c = self.clients.iter().find(|c| c.seg.te_endpoint == d.te_endpoint && d.addr >= c.seg.base && d.addr < c.seg.base + c.seg.size)?;
+        let c = self.clients.iter().find(|c| {
+            c.seg.te_endpoint == d.te_endpoint
+                && d.addr >= c.seg.base
+                && d.addr < c.seg.base + c.seg.size
+        })?;
         Some((c.seg.id, d.addr, d.size))
     }
 
@@ -466,26 +558,73 @@ impl Sim {
         let key = format!("k{}", self.rng.random_range(0..400u32));
         let size = self.rng.random_range(1..=8192u64);
         let replica_num = if self.rng.random_bool(0.8) { 1 } else { 2 };
-        let req = Request::PutStart { client: self.clients[c].id, key: key.clone(), size, config: ReplicateConfig { replica_num, ..ReplicateConfig::default() }, upsert: false, put };
+        let req = Request::PutStart {
+            client: self.clients[c].id,
+            key: key.clone(),
+            size,
+            config: ReplicateConfig {
+                replica_num,
+                ..ReplicateConfig::default()
+            },
+            upsert: false,
+            put,
+        };
         self.put_start(step, c, req, key, put, tag)
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn put_start(&mut self, step: usize, c: usize, req: Request, key: String, put: u64, tag: u32) -> Result<(), Failure> {
+    fn put_start(
+        &mut self,
+        step: usize,
+        c: usize,
+        req: Request,
+        key: String,
+        put: u64,
+        tag: u32,
+    ) -> Result<(), Failure> {
         // Most writes land within a few ms; some take up to the release timeout.
-        let delay = if self.rng.random_bool(0.85) { self.rng.random_range(0..30) } else { self.rng.random_range(0..RELEASE - 1) };
-        let p = Put { client: c, key, put, tag, replicas: Vec::new(), seen: self.dropped.clone(), gens: Vec::new(), removed: false, land_at: self.now + delay };
+        let delay = if self.rng.random_bool(0.85) {
+            self.rng.random_range(0..30)
+        } else {
+            self.rng.random_range(0..RELEASE - 1)
+        };
+        let p = Put {
+            client: c,
+            key,
+            put,
+            tag,
+            replicas: Vec::new(),
+            seen: self.dropped.clone(),
+            gens: Vec::new(),
+            removed: false,
+            land_at: self.now + delay,
+        };
         let first = self.request(&req, Some(Reply::Started(p.clone())));
         // The network delivers the request twice now and then: the copy must not place the
         // put again (its answer, if any, names the same replicas, or refuses).
         if self.rng.random_bool(0.05) && self.leader.is_some() {
             let again = self.request(&req, None);
-            self.note(format!("put {put}'s start delivered twice: {:?}", again.as_ref().map(|r| r.as_ref().map(|_| ()).map_err(|e| e.to_string()))));
+            self.note(format!(
+                "put {put}'s start delivered twice: {:?}",
+                again
+                    .as_ref()
+                    .map(|r| r.as_ref().map(|_| ()).map_err(|e| e.to_string()))
+            ));
             match (&first, &again) {
                 (Some(Ok(Response::Replicas(a))), Some(Ok(Response::Replicas(b)))) if a != b => {
-                    return Err(self.fail(step, format!("put {put} started twice got two placements: {a:?} then {b:?}")));
+                    return Err(self.fail(
+                        step,
+                        format!("put {put} started twice got two placements: {a:?} then {b:?}"),
+                    ));
                 }
-                (_, None) => return Err(self.fail(step, format!("put {put}'s second start was applied again (it waits for the journal)"))),
+                (_, None) => {
+                    return Err(self.fail(
+                        step,
+                        format!(
+                            "put {put}'s second start was applied again (it waits for the journal)"
+                        ),
+                    ))
+                }
                 _ => {}
             }
         }
@@ -501,14 +640,27 @@ impl Sim {
     /// The client got its put's replicas: it writes them.
     fn started(&mut self, step: usize, mut p: Put) -> Result<(), Failure> {
         self.check_given(step, &p)?;
-        p.gens = p.replicas.iter().map(|r| p.seen.get(&r.0).copied().unwrap_or(0)).collect();
+        p.gens = p
+            .replicas
+            .iter()
+            .map(|r| p.seen.get(&r.0).copied().unwrap_or(0))
+            .collect();
         p.land_at = p.land_at.max(self.now);
         if p.land_at > self.now + 100 {
             self.counts.late_writes += 1;
         }
-        self.note(format!("client {} put {} of {} (tag {}) placed at {:x?}, lands at {}", p.client, p.put, p.key, p.tag, p.replicas, p.land_at));
+        self.note(format!(
+            "client {} put {} of {} (tag {}) placed at {:x?}, lands at {}",
+            p.client, p.put, p.key, p.tag, p.replicas, p.land_at
+        ));
         for &(seg, addr, len) in &p.replicas {
-            self.writes.push(Write { tag: p.tag, seg, addr, len, land_at: p.land_at });
+            self.writes.push(Write {
+                tag: p.tag,
+                seg,
+                addr,
+                len,
+                land_at: p.land_at,
+            });
         }
         self.to_end.push(p);
         Ok(())
@@ -523,7 +675,9 @@ impl Sim {
         }
         let n = self.rng.random_range(1..=self.pending.len().max(1));
         for _ in 0..n {
-            let Some(e) = self.pending.pop_front() else { break };
+            let Some(e) = self.pending.pop_front() else {
+                break;
+            };
             self.durable(step, e, true)?;
         }
         Ok(())
@@ -538,7 +692,11 @@ impl Sim {
         // A put's replicas: as the state placed them (taken from the entry's change).
         let placed = match &e.reply {
             Some(Reply::Started(p)) => e.changes.iter().rev().find_map(|c| match c {
-                Change::Object { key, rec } if *key == p.key => rec.pending.as_ref().filter(|q| q.id == p.put).map(|q| q.replicas.to_vec()),
+                Change::Object { key, rec } if *key == p.key => rec
+                    .pending
+                    .as_ref()
+                    .filter(|q| q.id == p.put)
+                    .map(|q| q.replicas.to_vec()),
                 _ => None,
             }),
             _ => None,
@@ -560,15 +718,31 @@ impl Sim {
 
     fn acked(&mut self, p: Put) {
         self.counts.puts_acked += 1;
-        self.note(format!("put {} of {} (tag {}) acknowledged", p.put, p.key, p.tag));
+        self.note(format!(
+            "put {} of {} (tag {}) acknowledged",
+            p.put, p.key, p.tag
+        ));
         // Replicas whose segment the master dropped since they were placed are not the
         // object's any more (that space may be given again once the segment is back).
-        let kept: Vec<(u64, u64, u64)> = p.replicas.iter().zip(&p.gens).filter(|(r, g)| self.dropped.get(&r.0).copied().unwrap_or(0) == **g).map(|(r, _)| *r).collect();
+        let kept: Vec<(u64, u64, u64)> = p
+            .replicas
+            .iter()
+            .zip(&p.gens)
+            .filter(|(r, g)| self.dropped.get(&r.0).copied().unwrap_or(0) == **g)
+            .map(|(r, _)| *r)
+            .collect();
         let may_be_lost = kept.len() != p.replicas.len();
         if p.removed {
             return;
         }
-        self.model.insert(p.key.clone(), Acked { tag: p.tag, replicas: kept, may_be_lost });
+        self.model.insert(
+            p.key.clone(),
+            Acked {
+                tag: p.tag,
+                replicas: kept,
+                may_be_lost,
+            },
+        );
     }
 
     fn advance(&mut self, step: usize, by: u64) -> Result<(), Failure> {
@@ -578,10 +752,18 @@ impl Sim {
         // (While streaming, the writer sends within the bound; the standbys' lateness is the
         // stream's to handle.)
         if self.streaming.is_some() {
-            if self.pending.get(self.streaming.as_ref().map_or(0, standbys::Streaming::sent)).is_some_and(|e| until > e.at + LEASE / 2) {
+            if self
+                .pending
+                .get(self.streaming.as_ref().map_or(0, standbys::Streaming::sent))
+                .is_some_and(|e| until > e.at + LEASE / 2)
+            {
                 self.stream();
             }
-        } else if self.pending.front().is_some_and(|e| until > e.at + LEASE / 2) {
+        } else if self
+            .pending
+            .front()
+            .is_some_and(|e| until > e.at + LEASE / 2)
+        {
             if self.rng.random_bool(0.8) {
                 while !self.pending.is_empty() {
                     self.make_durable(step)?;
@@ -592,8 +774,19 @@ impl Sim {
         }
         // Writes land in time order, each checked against the live objects.
         loop {
-            let next = self.writes.iter().map(|w| w.land_at).filter(|&t| t <= until).min();
-            let reads_next = self.reads.iter().map(|r| r.done_at).chain(self.stream_next()).filter(|&t| t <= until).min();
+            let next = self
+                .writes
+                .iter()
+                .map(|w| w.land_at)
+                .filter(|&t| t <= until)
+                .min();
+            let reads_next = self
+                .reads
+                .iter()
+                .map(|r| r.done_at)
+                .chain(self.stream_next())
+                .filter(|&t| t <= until)
+                .min();
             let t = match (next, reads_next) {
                 (Some(a), Some(b)) => a.min(b),
                 (a, b) => match a.or(b) {
@@ -617,15 +810,37 @@ impl Sim {
     }
 
     fn land(&mut self, step: usize, t: u64) -> Result<(), Failure> {
-        let (due, rest): (Vec<Write>, Vec<Write>) = std::mem::take(&mut self.writes).into_iter().partition(|w| w.land_at <= t);
+        let (due, rest): (Vec<Write>, Vec<Write>) = std::mem::take(&mut self.writes)
+            .into_iter()
+            .partition(|w| w.land_at <= t);
         self.writes = rest;
         for w in due {
             let r = (w.seg, w.addr, w.len);
-            if let Some((k, _)) = self.model.iter().find(|(_, a)| a.tag != w.tag && a.replicas.iter().any(|&x| overlaps(r, x))) {
-                return Err(self.fail(step, format!("a write of tag {} landed on {r:x?}, bytes of live object {k}", w.tag)));
+            if let Some((k, _)) = self
+                .model
+                .iter()
+                .find(|(_, a)| a.tag != w.tag && a.replicas.iter().any(|&x| overlaps(r, x)))
+            {
+                return Err(self.fail(
+                    step,
+                    format!(
+                        "a write of tag {} landed on {r:x?}, bytes of live object {k}",
+                        w.tag
+                    ),
+                ));
             }
-            if let Some(rd) = self.reads.iter().find(|rd| !rd.tags.contains(&w.tag) && rd.replicas.iter().any(|&x| overlaps(r, x))) {
-                return Err(self.fail(step, format!("a write of tag {} landed on {r:x?}, which a read of {} in flight reads", w.tag, rd.key)));
+            if let Some(rd) = self
+                .reads
+                .iter()
+                .find(|rd| !rd.tags.contains(&w.tag) && rd.replicas.iter().any(|&x| overlaps(r, x)))
+            {
+                return Err(self.fail(
+                    step,
+                    format!(
+                        "a write of tag {} landed on {r:x?}, which a read of {} in flight reads",
+                        w.tag, rd.key
+                    ),
+                ));
             }
             if let Some(cells) = self.cells(r) {
                 cells.fill(w.tag);
@@ -635,12 +850,23 @@ impl Sim {
     }
 
     fn finish_reads(&mut self, step: usize, t: u64) -> Result<(), Failure> {
-        let (done, rest): (Vec<Read>, Vec<Read>) = std::mem::take(&mut self.reads).into_iter().partition(|r| r.done_at <= t);
+        let (done, rest): (Vec<Read>, Vec<Read>) = std::mem::take(&mut self.reads)
+            .into_iter()
+            .partition(|r| r.done_at <= t);
         self.reads = rest;
         for rd in done {
             for &r in &rd.replicas {
-                if self.cells(r).is_some_and(|c| c.iter().any(|x| !rd.tags.contains(x))) {
-                    return Err(self.fail(step, format!("a read of {} at {r:x?} found bytes other than its put's (tags {:?})", rd.key, rd.tags)));
+                if self
+                    .cells(r)
+                    .is_some_and(|c| c.iter().any(|x| !rd.tags.contains(x)))
+                {
+                    return Err(self.fail(
+                        step,
+                        format!(
+                            "a read of {} at {r:x?} found bytes other than its put's (tags {:?})",
+                            rd.key, rd.tags
+                        ),
+                    ));
                 }
             }
             self.counts.reads_checked += 1;
@@ -656,17 +882,24 @@ impl Sim {
                 continue;
             }
             let id = self.clients[i].id;
-            if let Some(Ok(Response::Ping(PingStatus::NeedRemount))) = self.request(&Request::Ping { client: id }, None) {
+            if let Some(Ok(Response::Ping(PingStatus::NeedRemount))) =
+                self.request(&Request::Ping { client: id }, None)
+            {
                 self.clients[i].remount = true;
             }
             if self.clients[i].remount && self.clients[i].mounted {
-                let req = Request::RemountSegments { client: id, segments: vec![self.clients[i].seg.clone()] };
+                let req = Request::RemountSegments {
+                    client: id,
+                    segments: vec![self.clients[i].seg.clone()],
+                };
                 if let Some(Ok(_)) = self.request(&req, None) {
                     self.clients[i].remount = false;
                 }
             }
         }
-        let Some(l) = self.leader.as_mut() else { return };
+        let Some(l) = self.leader.as_mut() else {
+            return;
+        };
         let dead = l.st.expire_clients(now, CLIENT_TTL, RELEASE);
         l.st.expire_reads(now);
         l.st.release_deferred(now);
@@ -698,18 +931,27 @@ impl Sim {
     /// Puts whose writes landed send their end (again, after a failover, until answered).
     fn end_puts(&mut self) {
         let now = self.now;
-        let (ready, wait): (Vec<Put>, Vec<Put>) = std::mem::take(&mut self.to_end).into_iter().partition(|p| p.land_at <= now);
+        let (ready, wait): (Vec<Put>, Vec<Put>) = std::mem::take(&mut self.to_end)
+            .into_iter()
+            .partition(|p| p.land_at <= now);
         self.to_end = wait;
         for p in ready {
             if self.leader.is_none() {
                 self.to_end.push(p);
                 continue;
             }
-            let req = Request::PutEnd { client: self.clients[p.client].id, key: p.key.clone(), put: p.put };
+            let req = Request::PutEnd {
+                client: self.clients[p.client].id,
+                key: p.key.clone(),
+                put: p.put,
+            };
             // An error: the put is lost (revoked, discarded, its change lost with a leader).
             match self.request(&req, Some(Reply::Ended(p.clone()))) {
                 Some(Ok(_)) => self.acked(p),
-                Some(Err(e)) => self.note(format!("put {} of {} (tag {}) failed to end: {e}", p.put, p.key, p.tag)),
+                Some(Err(e)) => self.note(format!(
+                    "put {} of {} (tag {}) failed to end: {e}",
+                    p.put, p.key, p.tag
+                )),
                 // Applied, answered once durable: the value it replaces is no longer the
                 // model's (its space may be given again: a read in flight of it is still
                 // checked), and the new one is once acknowledged.
@@ -721,7 +963,9 @@ impl Sim {
     }
 
     fn get(&mut self, step: usize) -> Result<(), Failure> {
-        let Some(key) = self.pick_key() else { return Ok(()) };
+        let Some(key) = self.pick_key() else {
+            return Ok(());
+        };
         let a = self.model[&key].clone();
         match self.request(&Request::GetReplicaList { key: key.clone() }, None) {
             Some(Ok(Response::ReplicaList(list))) => {
@@ -754,7 +998,13 @@ impl Sim {
     fn remove(&mut self) {
         let Some(key) = self.pick_key() else { return };
         let force = self.rng.random_bool(0.5);
-        let r = self.request(&Request::Remove { key: key.clone(), force }, None);
+        let r = self.request(
+            &Request::Remove {
+                key: key.clone(),
+                force,
+            },
+            None,
+        );
         // Applied (answered now or once durable): no longer the model's.
         if matches!(r, None | Some(Ok(_))) && self.leader.is_some() {
             self.note(format!("{key} removed"));
@@ -769,12 +1019,21 @@ impl Sim {
 
     fn upsert_or_revoke(&mut self, step: usize) -> Result<(), Failure> {
         // An upsert of a live key: the old value stays readable until the new one ends.
-        let Some(key) = self.pick_key() else { return Ok(()) };
+        let Some(key) = self.pick_key() else {
+            return Ok(());
+        };
         let c = self.rng.random_range(0..self.clients.len());
         let (tag, put) = (self.next_tag, u64::from(self.next_tag));
         self.next_tag += 1;
         let size = self.rng.random_range(1..=8192u64);
-        let req = Request::PutStart { client: self.clients[c].id, key: key.clone(), size, config: ReplicateConfig::default(), upsert: true, put };
+        let req = Request::PutStart {
+            client: self.clients[c].id,
+            key: key.clone(),
+            size,
+            config: ReplicateConfig::default(),
+            upsert: true,
+            put,
+        };
         self.put_start(step, c, req, key, put, tag)
     }
 
@@ -787,12 +1046,28 @@ impl Sim {
             self.note(format!("client {id} unmounts {}", seg.id));
             // Applied now, answered or not: its objects may be gone.
             if self.leader.is_some() {
-                let _ = self.request(&Request::UnmountSegment { client: id, segment: seg.id }, None);
+                let _ = self.request(
+                    &Request::UnmountSegment {
+                        client: id,
+                        segment: seg.id,
+                    },
+                    None,
+                );
                 self.segment_dropped(seg.id);
                 self.clients[i].mounted = false;
             }
         } else {
-            let req = if self.rng.random_bool(0.5) { Request::MountSegment { client: id, segment: seg } } else { Request::RemountSegments { client: id, segments: vec![seg] } };
+            let req = if self.rng.random_bool(0.5) {
+                Request::MountSegment {
+                    client: id,
+                    segment: seg,
+                }
+            } else {
+                Request::RemountSegments {
+                    client: id,
+                    segments: vec![seg],
+                }
+            };
             self.note(format!("client {id} mounts again"));
             if self.leader.is_some() {
                 let _ = self.request(&req, None);
@@ -803,8 +1078,12 @@ impl Sim {
 
     fn pause_client(&mut self) {
         let i = self.rng.random_range(0..self.clients.len());
-        self.clients[i].silent_until = self.now + self.rng.random_range(CLIENT_TTL / 2..CLIENT_TTL * 2);
-        self.note(format!("client {} pauses until {}", self.clients[i].id, self.clients[i].silent_until));
+        self.clients[i].silent_until =
+            self.now + self.rng.random_range(CLIENT_TTL / 2..CLIENT_TTL * 2);
+        self.note(format!(
+            "client {} pauses until {}",
+            self.clients[i].id, self.clients[i].silent_until
+        ));
     }
 
     /// The leader dies: what its journal had not made durable is lost, answers with it.
@@ -812,7 +1091,11 @@ impl Sim {
         if self.leader.take().is_none() {
             return;
         }
-        self.note(format!("leader of term {} crashes, {} entries not durable", self.term, self.pending.len()));
+        self.note(format!(
+            "leader of term {} crashes, {} entries not durable",
+            self.term,
+            self.pending.len()
+        ));
         self.take_over_from_standby();
         self.pending.clear();
         self.down_until = self.now + LEASE;
@@ -827,7 +1110,9 @@ impl Sim {
         while !self.pending.is_empty() {
             self.make_durable(step)?;
         }
-        let Some(l) = self.leader.as_ref() else { return Ok(()) };
+        let Some(l) = self.leader.as_ref() else {
+            return Ok(());
+        };
         self.snapshot = l.st.image(self.now);
         self.log.clear();
         self.counts.snapshots += 1;

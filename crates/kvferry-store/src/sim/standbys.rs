@@ -69,12 +69,31 @@ impl Streaming {
     pub(super) fn new(n: usize, term: i64) -> Result<Streaming, String> {
         let mut standbys = Vec::with_capacity(n);
         for _ in 0..n {
-            let mut sb = Standby { linked: true, ..Standby::default() };
+            let mut sb = Standby {
+                linked: true,
+                ..Standby::default()
+            };
             sb.conn = sb.feed.hello(term)?;
-            sb.feed.on_frame(sb.conn, ToStandby::Image { seq: 0, changes: Vec::new(), last: true }, Vec::new(), 0)?;
+            sb.feed.on_frame(
+                sb.conn,
+                ToStandby::Image {
+                    seq: 0,
+                    changes: Vec::new(),
+                    last: true,
+                },
+                Vec::new(),
+                0,
+            )?;
             standbys.push(sb);
         }
-        Ok(Streaming { pipe: Pipeline::default(), seq: 0, standbys, members: (0..n).collect(), sent: 0, tail: Vec::new() })
+        Ok(Streaming {
+            pipe: Pipeline::default(),
+            seq: 0,
+            standbys,
+            members: (0..n).collect(),
+            sent: 0,
+            tail: Vec::new(),
+        })
     }
 }
 
@@ -97,16 +116,27 @@ impl Sim {
     /// The writer streams what is queued and not yet sent, one entry per collection, to every
     /// standby (in sync or not: a late one is still linked until it leaves the set).
     pub(super) fn stream(&mut self) {
-        let Some(s) = self.streaming.as_ref() else { return };
+        let Some(s) = self.streaming.as_ref() else {
+            return;
+        };
         let (from, to) = (s.sent, self.pending.len());
         for i in from..to {
             let (changes, ticket) = (self.pending[i].changes.clone(), self.pending[i].ticket);
-            let delays: Vec<u64> = (0..self.streaming.as_ref().map_or(0, |s| s.standbys.len())).map(|_| self.link_delay()).collect();
+            let delays: Vec<u64> = (0..self.streaming.as_ref().map_or(0, |s| s.standbys.len()))
+                .map(|_| self.link_delay())
+                .collect();
             let now = self.now;
-            let Some(s) = self.streaming.as_mut() else { return };
+            let Some(s) = self.streaming.as_mut() else {
+                return;
+            };
             s.seq += 1;
             s.pipe.push(s.seq, ticket, us(now));
-            for (sb, d) in s.standbys.iter_mut().zip(delays).filter(|(sb, _)| sb.linked) {
+            for (sb, d) in s
+                .standbys
+                .iter_mut()
+                .zip(delays)
+                .filter(|(sb, _)| sb.linked)
+            {
                 // (Ordered per link, as TCP: never before the entry ahead of it.)
                 let at = sb.inbox.back().map_or(now + d, |&(t, _, _)| t.max(now + d));
                 sb.inbox.push_back((at, s.seq, changes.clone()));
@@ -120,7 +150,13 @@ impl Sim {
     /// the oldest entry becoming late.
     pub(super) fn stream_next(&self) -> Option<u64> {
         let s = self.streaming.as_ref()?;
-        let arrivals = s.standbys.iter().flat_map(|sb| sb.inbox.front().map(|e| e.0.max(sb.paused_until)).into_iter().chain(sb.acks.front().map(|a| a.0)));
+        let arrivals = s.standbys.iter().flat_map(|sb| {
+            sb.inbox
+                .front()
+                .map(|e| e.0.max(sb.paused_until))
+                .into_iter()
+                .chain(sb.acks.front().map(|a| a.0))
+        });
         let late = s.pipe.late_at(us(ACK_TIMEOUT)).map(|t| t.div_ceil(1000));
         arrivals.chain(late).min()
     }
@@ -133,17 +169,35 @@ impl Sim {
             return Ok(());
         }
         let delays: Vec<u64> = (0..8).map(|_| self.link_delay()).collect();
-        let Some(s) = self.streaming.as_mut() else { return Ok(()) };
+        let Some(s) = self.streaming.as_mut() else {
+            return Ok(());
+        };
         let mut refused = None;
         for (i, sb) in s.standbys.iter_mut().enumerate() {
-            while sb.inbox.front().is_some_and(|e| e.0.max(sb.paused_until) <= t) {
-                let Some((_, seq, changes)) = sb.inbox.pop_front() else { break };
-                match sb.feed.on_frame(sb.conn, ToStandby::Entry { seq, changes }, Vec::new(), us(t)) {
+            while sb
+                .inbox
+                .front()
+                .is_some_and(|e| e.0.max(sb.paused_until) <= t)
+            {
+                let Some((_, seq, changes)) = sb.inbox.pop_front() else {
+                    break;
+                };
+                match sb.feed.on_frame(
+                    sb.conn,
+                    ToStandby::Entry { seq, changes },
+                    Vec::new(),
+                    us(t),
+                ) {
                     Ok(Some(ack)) => {
-                        let at = sb.acks.back().map_or(t + delays[i % 8], |&(a, _)| a.max(t + delays[i % 8]));
+                        let at = sb
+                            .acks
+                            .back()
+                            .map_or(t + delays[i % 8], |&(a, _)| a.max(t + delays[i % 8]));
                         sb.acks.push_back((at, ack));
                     }
-                    Ok(None) => refused = Some(format!("standby {i} did not acknowledge entry {seq}")),
+                    Ok(None) => {
+                        refused = Some(format!("standby {i} did not acknowledge entry {seq}"))
+                    }
                     Err(e) => refused = Some(format!("standby {i} refused entry {seq}: {e}")),
                 }
             }
@@ -163,22 +217,50 @@ impl Sim {
                 .filter(|i| !s.members.contains(i))
                 .filter(|&i| {
                     let sb = &s.standbys[i];
-                    sb.linked && members::ready(LinkView { dead: false, acked: sb.acked, image_seq: sb.image.unwrap_or(0), grants: true }, s.seq, term, Some(term))
+                    sb.linked
+                        && members::ready(
+                            LinkView {
+                                dead: false,
+                                acked: sb.acked,
+                                image_seq: sb.image.unwrap_or(0),
+                                grants: true,
+                            },
+                            s.seq,
+                            term,
+                            Some(term),
+                        )
                 })
                 .collect();
             if !joining.is_empty() {
                 s.members.extend(&joining);
                 self.counts.members_joined += joining.len() as u64;
-                self.note(format!("standbys {joining:?} hold every entry: they join the in-sync set"));
+                self.note(format!(
+                    "standbys {joining:?} hold every entry: they join the in-sync set"
+                ));
             }
         }
         self.release(step)?;
-        let Some(s) = self.streaming.as_mut() else { return Ok(()) };
+        let Some(s) = self.streaming.as_mut() else {
+            return Ok(());
+        };
         if let Some(late) = s.pipe.late(us(t), us(ACK_TIMEOUT)) {
             // (The writer's rule: `repl::members::failing`, members named by their index.)
             let names: Vec<String> = s.members.iter().map(usize::to_string).collect();
-            let view = |m: &str| m.parse::<usize>().ok().and_then(|i| s.standbys.get(i)).map(|sb| LinkView { dead: false, acked: sb.acked, image_seq: 0, grants: true });
-            let gone: Vec<usize> = members::failing(&names, view, Some(late)).iter().filter_map(|m| m.parse().ok()).collect();
+            let view = |m: &str| {
+                m.parse::<usize>()
+                    .ok()
+                    .and_then(|i| s.standbys.get(i))
+                    .map(|sb| LinkView {
+                        dead: false,
+                        acked: sb.acked,
+                        image_seq: 0,
+                        grants: true,
+                    })
+            };
+            let gone: Vec<usize> = members::failing(&names, view, Some(late))
+                .iter()
+                .filter_map(|m| m.parse().ok())
+                .collect();
             s.members.retain(|m| !gone.contains(m));
             // (Its link goes with it: what was in flight to it is lost.)
             for &m in &gone {
@@ -187,7 +269,11 @@ impl Sim {
             }
             self.counts.members_dropped += gone.len() as u64;
             self.note(format!("standbys {gone:?} did not acknowledge entry {late} within {ACK_TIMEOUT} ms: they leave the in-sync set"));
-            if self.streaming.as_ref().is_some_and(|s| s.members.is_empty()) {
+            if self
+                .streaming
+                .as_ref()
+                .is_some_and(|s| s.members.is_empty())
+            {
                 self.rebase(step)?;
             } else {
                 self.release(step)?;
@@ -200,11 +286,17 @@ impl Sim {
     /// go out.
     fn release(&mut self, step: usize) -> Result<(), Failure> {
         let now = self.now;
-        let Some(s) = self.streaming.as_mut() else { return Ok(()) };
+        let Some(s) = self.streaming.as_mut() else {
+            return Ok(());
+        };
         let min = s.members.iter().map(|&m| s.standbys[m].acked).min();
-        let Some(r) = s.pipe.release(min, us(now)) else { return Ok(()) };
+        let Some(r) = s.pipe.release(min, us(now)) else {
+            return Ok(());
+        };
         while self.pending.front().is_some_and(|e| e.ticket <= r.upto) {
-            let Some(e) = self.pending.pop_front() else { break };
+            let Some(e) = self.pending.pop_front() else {
+                break;
+            };
             if let Some(s) = self.streaming.as_mut() {
                 s.sent = s.sent.saturating_sub(1);
             }
@@ -216,12 +308,20 @@ impl Sim {
     /// The in-sync set emptied: the entries streamed go to etcd's log (the leader's tail),
     /// then what is queued, and from now on the journal is etcd's.
     pub(super) fn rebase(&mut self, step: usize) -> Result<(), Failure> {
-        let Some(s) = self.streaming.take() else { return Ok(()) };
-        self.note(format!("no standby in sync: the {} entries streamed go to etcd's log", s.tail.len()));
-        self.log.extend(s.tail.into_iter().filter(|c| !c.is_empty()));
+        let Some(s) = self.streaming.take() else {
+            return Ok(());
+        };
+        self.note(format!(
+            "no standby in sync: the {} entries streamed go to etcd's log",
+            s.tail.len()
+        ));
+        self.log
+            .extend(s.tail.into_iter().filter(|c| !c.is_empty()));
         // (The first `sent` are in the tail already.)
         for i in 0.. {
-            let Some(e) = self.pending.pop_front() else { break };
+            let Some(e) = self.pending.pop_front() else {
+                break;
+            };
             self.durable(step, e, i >= s.sent)?;
         }
         Ok(())
@@ -230,26 +330,42 @@ impl Sim {
     /// The leader died while streaming: an in-sync member takes over from its mirror, which it
     /// writes to etcd's log first. (Whatever else is in flight to it is lost with the leader.)
     pub(super) fn take_over_from_standby(&mut self) {
-        let Some(mut s) = self.streaming.take() else { return };
+        let Some(mut s) = self.streaming.take() else {
+            return;
+        };
         if s.members.is_empty() {
             return;
         }
         let m = s.members[self.rng.random_range(0..s.members.len())];
         let feed = &mut s.standbys[m].feed;
         let Some((seq, _)) = feed.take(self.term) else {
-            self.note(format!("standby {m} holds no complete mirror of term {}", self.term));
+            self.note(format!(
+                "standby {m} holds no complete mirror of term {}",
+                self.term
+            ));
             return;
         };
-        let mut mirror: Vec<Vec<Change>> = std::mem::take(&mut feed.pending).into_iter().map(|(_, c)| c).collect();
+        let mut mirror: Vec<Vec<Change>> = std::mem::take(&mut feed.pending)
+            .into_iter()
+            .map(|(_, c)| c)
+            .collect();
         self.counts.standby_takeovers += 1;
-        self.note(format!("standby {m} takes over at entry {seq} of {} streamed", s.seq));
+        self.note(format!(
+            "standby {m} takes over at entry {seq} of {} streamed",
+            s.seq
+        ));
         if s.standbys[m].image.is_some() {
             // Its mirror is an image and the entries after it: written to etcd as a snapshot
             // and a log after it (the takeover's rebase of a whole state).
-            self.snapshot = if mirror.is_empty() { Vec::new() } else { mirror.remove(0) };
+            self.snapshot = if mirror.is_empty() {
+                Vec::new()
+            } else {
+                mirror.remove(0)
+            };
             self.log.clear();
         }
-        self.log.extend(mirror.into_iter().filter(|c| !c.is_empty()));
+        self.log
+            .extend(mirror.into_iter().filter(|c| !c.is_empty()));
     }
 
     /// A standby that left the set links again: the writer commits what is queued, sends it
@@ -257,7 +373,9 @@ impl Sim {
     /// set once it acknowledged everything ([`members::ready`]).
     pub(super) fn relink_standby(&mut self) {
         let out: Vec<usize> = match self.streaming.as_ref() {
-            Some(s) => (0..s.standbys.len()).filter(|i| !s.members.contains(i)).collect(),
+            Some(s) => (0..s.standbys.len())
+                .filter(|i| !s.members.contains(i))
+                .collect(),
             None => return,
         };
         if out.is_empty() || self.leader.is_none() {
@@ -270,18 +388,32 @@ impl Sim {
             Some(l) => (l.term, l.st.image(now)),
             None => return,
         };
-        let Some(s) = self.streaming.as_mut() else { return };
+        let Some(s) = self.streaming.as_mut() else {
+            return;
+        };
         let seq = s.seq;
         let sb = &mut s.standbys[i];
         let linked = sb.feed.hello(term).and_then(|conn| {
-            sb.feed.on_frame(conn, ToStandby::Image { seq, changes: image, last: true }, Vec::new(), us(now))?;
+            sb.feed.on_frame(
+                conn,
+                ToStandby::Image {
+                    seq,
+                    changes: image,
+                    last: true,
+                },
+                Vec::new(),
+                us(now),
+            )?;
             Ok(conn)
         });
         match linked {
             Ok(conn) => {
-                (sb.conn, sb.linked, sb.image, sb.acked, sb.inbox, sb.acks) = (conn, true, Some(seq), seq, VecDeque::new(), VecDeque::new());
+                (sb.conn, sb.linked, sb.image, sb.acked, sb.inbox, sb.acks) =
+                    (conn, true, Some(seq), seq, VecDeque::new(), VecDeque::new());
                 self.counts.relinks += 1;
-                self.note(format!("standby {i} links again with an image at entry {seq}"));
+                self.note(format!(
+                    "standby {i} links again with an image at entry {seq}"
+                ));
             }
             Err(e) => self.note(format!("standby {i} refused the link: {e}")),
         }

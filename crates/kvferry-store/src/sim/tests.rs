@@ -28,15 +28,27 @@ pub fn run_traced(seed: u64) -> (Vec<String>, Result<(), String>) {
 /// A failure as the test prints it.
 pub fn report(f: &Failure) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "simulation seed {} failed at step {}: {}", f.seed, f.step, f.what);
-    let _ = writeln!(s, "replay it alone: KVFERRY_SIM_SEED={} cargo test -p kvferry-store --lib sim::", f.seed);
+    let _ = writeln!(
+        s,
+        "simulation seed {} failed at step {}: {}",
+        f.seed, f.step, f.what
+    );
+    let _ = writeln!(
+        s,
+        "replay it alone: KVFERRY_SIM_SEED={} cargo test -p kvferry-store --lib sim::",
+        f.seed
+    );
     let _ = writeln!(s, "last events:\n{}", f.trace);
     s
 }
 
 /// The seeds to run: `KVFERRY_SIM_SEED` alone, else `0..KVFERRY_SIM_SEEDS`.
 fn seeds() -> Vec<u64> {
-    let var = |name: &str| std::env::var(name).ok().and_then(|v| v.trim().parse::<u64>().ok());
+    let var = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
     match var("KVFERRY_SIM_SEED") {
         Some(seed) => vec![seed],
         None => (0..var("KVFERRY_SIM_SEEDS").unwrap_or(DEFAULT_SEEDS)).collect(),
@@ -49,7 +61,9 @@ fn seeds() -> Vec<u64> {
 #[test]
 fn every_seed_holds_the_invariants() {
     let seeds = seeds();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(seeds.len().max(1));
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(seeds.len().max(1));
     let started = std::time::Instant::now();
     let results: Vec<Result<Counts, Failure>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
@@ -64,7 +78,10 @@ fn every_seed_holds_the_invariants() {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("a simulation thread panicked")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a simulation thread panicked"))
+            .collect()
     });
     let mut total = Counts::default();
     let mut failures = Vec::new();
@@ -75,12 +92,33 @@ fn every_seed_holds_the_invariants() {
         }
     }
     let secs = started.elapsed().as_secs_f64();
-    eprintln!("simulation: {} seeds in {secs:.1} s ({:.0} seeds/s on {threads} threads): {total:?}", seeds.len(), seeds.len() as f64 / secs);
+    eprintln!(
+        "simulation: {} seeds in {secs:.1} s ({:.0} seeds/s on {threads} threads): {total:?}",
+        seeds.len(),
+        seeds.len() as f64 / secs
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     if seeds.len() >= 100 {
-        assert!(total.failovers > 0 && total.early_answers > 0 && total.late_writes > 0 && total.expiries > 0 && total.snapshots > 0 && total.unmounts > 0, "the runs did not exercise what they claim: {total:?}");
-        assert!(total.streamed_terms > 0 && total.members_dropped > 0 && total.standby_takeovers > 0 && total.members_joined > 0, "the runs did not exercise the in-sync standbys: {total:?}");
-        assert!(total.puts_acked > 10 * seeds.len() as u64 && total.reads_checked > seeds.len() as u64, "too few puts or reads checked: {total:?}");
+        assert!(
+            total.failovers > 0
+                && total.early_answers > 0
+                && total.late_writes > 0
+                && total.expiries > 0
+                && total.snapshots > 0
+                && total.unmounts > 0,
+            "the runs did not exercise what they claim: {total:?}"
+        );
+        assert!(
+            total.streamed_terms > 0
+                && total.members_dropped > 0
+                && total.standby_takeovers > 0
+                && total.members_joined > 0,
+            "the runs did not exercise the in-sync standbys: {total:?}"
+        );
+        assert!(
+            total.puts_acked > 10 * seeds.len() as u64 && total.reads_checked > seeds.len() as u64,
+            "too few puts or reads checked: {total:?}"
+        );
     }
 }
 
@@ -109,23 +147,39 @@ fn no_two_masters_ever_admit_at_once() {
     if seeds.len() > 1 {
         seeds.truncate(seeds.len() / 4);
     }
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(seeds.len().max(1));
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(seeds.len().max(1));
     let started = std::time::Instant::now();
     let runs: Vec<Result<u64, String>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
                 let mine: Vec<u64> = seeds.iter().copied().skip(t).step_by(threads).collect();
-                s.spawn(move || mine.into_iter().map(super::election::run).sum::<Result<u64, String>>())
+                s.spawn(move || {
+                    mine.into_iter()
+                        .map(super::election::run)
+                        .sum::<Result<u64, String>>()
+                })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("an election thread panicked")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("an election thread panicked"))
+            .collect()
     });
     let mut leaderships = 0;
     for r in runs {
         leaderships += r.unwrap_or_else(|e| panic!("{e}"));
     }
-    eprintln!("election: {} seeds in {:.1} s on {threads} threads, {leaderships} leaderships", seeds.len(), started.elapsed().as_secs_f64());
+    eprintln!(
+        "election: {} seeds in {:.1} s on {threads} threads, {leaderships} leaderships",
+        seeds.len(),
+        started.elapsed().as_secs_f64()
+    );
     if seeds.len() >= 100 {
-        assert!(leaderships > 2 * seeds.len() as u64, "too few failovers to mean anything: {leaderships}");
+        assert!(
+            leaderships > 2 * seeds.len() as u64,
+            "too few failovers to mean anything: {leaderships}"
+        );
     }
 }

@@ -14,7 +14,9 @@ pub struct Buf(pub kvferry::hostbuf::HostBuffer);
 
 impl Buf {
     pub fn new(len: usize) -> Res<Buf> {
-        kvferry::hostbuf::HostBuffer::new(len, false).map(Buf).map_err(|e| format!("cannot allocate {len} bytes: {e}"))
+        kvferry::hostbuf::HostBuffer::new(len, false)
+            .map(Buf)
+            .map_err(|e| format!("cannot allocate {len} bytes: {e}"))
     }
     pub fn addr(&self) -> u64 {
         self.0.addr()
@@ -42,17 +44,29 @@ pub fn fill(b: &mut [u8], seed: u64) {
 /// `Err` naming the first byte that differs (or the lengths).
 pub fn compare(what: &str, got: &[u8], want: &[u8]) -> Res<()> {
     if got.len() != want.len() {
-        return Err(format!("{what}: {} bytes, {} expected", got.len(), want.len()));
+        return Err(format!(
+            "{what}: {} bytes, {} expected",
+            got.len(),
+            want.len()
+        ));
     }
     match got.iter().zip(want).position(|(a, b)| a != b) {
         None => Ok(()),
-        Some(at) => Err(format!("{what}: byte {at} differs (got {:#04x}, want {:#04x})", got[at], want[at])),
+        Some(at) => Err(format!(
+            "{what}: byte {at} differs (got {:#04x}, want {:#04x})",
+            got[at], want[at]
+        )),
     }
 }
 
 /// Packets NIC `dev` (port 1) sent so far (its `hw_counters`; 0 when unreadable).
 pub fn sent(dev: &str) -> u64 {
-    std::fs::read_to_string(format!("/sys/class/infiniband/{dev}/ports/1/hw_counters/sent_pkts")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+    std::fs::read_to_string(format!(
+        "/sys/class/infiniband/{dev}/ports/1/hw_counters/sent_pkts"
+    ))
+    .ok()
+    .and_then(|s| s.trim().parse().ok())
+    .unwrap_or(0)
 }
 
 /// Prints `<name>: <ok>` or `<name>: FAILED: <why>` and the exit status for it.
@@ -72,7 +86,11 @@ pub fn finish(name: &str, ok: &str, r: Res<()>) -> ExitCode {
 /// Prints the engine's log on stderr: `RUST_LOG` when set, else its warnings (a NIC pair
 /// paused, a connect that failed), so that a failed run in the VM says what the engine saw.
 pub fn log() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("kvferry=warn"));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("kvferry=warn"));
     // A second call (or another subscriber) is harmless: the first one stays.
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }

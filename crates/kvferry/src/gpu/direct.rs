@@ -107,7 +107,10 @@ pub fn facts(ordinal: u32, verbs_dmabuf: bool) -> Facts {
             }
         }),
     };
-    Facts { dmabuf, peermem: peermem_module() }
+    Facts {
+        dmabuf,
+        peermem: peermem_module(),
+    }
 }
 
 /// The methods to try for GPU memory, in order, under `setting` on a host with `facts`; or
@@ -181,28 +184,60 @@ mod tests {
 
     fn facts(dmabuf: bool, peermem: bool) -> Facts {
         Facts {
-            dmabuf: if dmabuf { Ok(()) } else { Err("GPU 0 reports DMA_BUF_SUPPORTED = 0".into()) },
-            peermem: if peermem { Ok("nvidia_peermem") } else { Err("the nvidia_peermem kernel module is not loaded".into()) },
+            dmabuf: if dmabuf {
+                Ok(())
+            } else {
+                Err("GPU 0 reports DMA_BUF_SUPPORTED = 0".into())
+            },
+            peermem: if peermem {
+                Ok("nvidia_peermem")
+            } else {
+                Err("the nvidia_peermem kernel module is not loaded".into())
+            },
         }
     }
 
     #[test]
     fn auto_prefers_dmabuf_then_peermem_and_says_why_neither() {
-        assert_eq!(plan(GpuRdma::Auto, &facts(true, true)).unwrap(), vec![Method::DmaBuf, Method::PeerMem]);
-        assert_eq!(plan(GpuRdma::Auto, &facts(true, false)).unwrap(), vec![Method::DmaBuf]);
-        assert_eq!(plan(GpuRdma::Auto, &facts(false, true)).unwrap(), vec![Method::PeerMem]);
+        assert_eq!(
+            plan(GpuRdma::Auto, &facts(true, true)).unwrap(),
+            vec![Method::DmaBuf, Method::PeerMem]
+        );
+        assert_eq!(
+            plan(GpuRdma::Auto, &facts(true, false)).unwrap(),
+            vec![Method::DmaBuf]
+        );
+        assert_eq!(
+            plan(GpuRdma::Auto, &facts(false, true)).unwrap(),
+            vec![Method::PeerMem]
+        );
         let e = plan(GpuRdma::Auto, &facts(false, false)).unwrap_err();
-        assert!(e.contains("DMA_BUF_SUPPORTED = 0") && e.contains("nvidia_peermem kernel module is not loaded"), "{e}");
+        assert!(
+            e.contains("DMA_BUF_SUPPORTED = 0")
+                && e.contains("nvidia_peermem kernel module is not loaded"),
+            "{e}"
+        );
     }
 
     #[test]
     fn a_forced_method_is_the_only_one_tried() {
         // WITH_NVIDIA_PEERMEM=1 is tried even where the module is not seen (a kernel with it
         // built in has no /sys/module entry); its registration error then explains.
-        assert_eq!(plan(GpuRdma::PeerMem, &facts(true, false)).unwrap(), vec![Method::PeerMem]);
-        assert_eq!(plan(GpuRdma::DmaBuf, &facts(true, true)).unwrap(), vec![Method::DmaBuf]);
+        assert_eq!(
+            plan(GpuRdma::PeerMem, &facts(true, false)).unwrap(),
+            vec![Method::PeerMem]
+        );
+        assert_eq!(
+            plan(GpuRdma::DmaBuf, &facts(true, true)).unwrap(),
+            vec![Method::DmaBuf]
+        );
         let e = plan(GpuRdma::DmaBuf, &facts(false, true)).unwrap_err();
-        assert!(e.contains("asks for DMA-BUF") && e.contains("DMA_BUF_SUPPORTED = 0") && e.contains("nvidia_peermem is loaded"), "{e}");
+        assert!(
+            e.contains("asks for DMA-BUF")
+                && e.contains("DMA_BUF_SUPPORTED = 0")
+                && e.contains("nvidia_peermem is loaded"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -212,7 +247,11 @@ mod tests {
         assert_eq!(GpuRdma::parse("peermem"), Some(GpuRdma::PeerMem));
         assert_eq!(GpuRdma::parse("gdr"), None);
         for v in ["1", "ON", "true"] {
-            assert_eq!(GpuRdma::from_with_nvidia_peermem(v), GpuRdma::PeerMem, "{v}");
+            assert_eq!(
+                GpuRdma::from_with_nvidia_peermem(v),
+                GpuRdma::PeerMem,
+                "{v}"
+            );
         }
         for v in ["0", "off", "no", ""] {
             assert_eq!(GpuRdma::from_with_nvidia_peermem(v), GpuRdma::DmaBuf, "{v}");
@@ -223,7 +262,9 @@ mod tests {
     fn the_peermem_module_is_found_by_either_name() {
         let dir = std::env::temp_dir().join(format!("kvf-sysmod-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        assert!(peermem_module_in(&dir).unwrap_err().contains("modprobe nvidia_peermem"));
+        assert!(peermem_module_in(&dir)
+            .unwrap_err()
+            .contains("modprobe nvidia_peermem"));
         std::fs::create_dir_all(dir.join("nv_peer_mem")).unwrap();
         assert_eq!(peermem_module_in(&dir).unwrap(), "nv_peer_mem");
         std::fs::create_dir_all(dir.join("nvidia_peermem")).unwrap();

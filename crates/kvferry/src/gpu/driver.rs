@@ -15,9 +15,18 @@ pub enum CudaError {
     #[error("{path} cannot be loaded ({why}): no NVIDIA driver on this host, so GPU memory cannot be registered (CPU memory and every CPU transport work); install the NVIDIA driver (libcuda comes with it, not with the CUDA toolkit) or, in a container, run with the NVIDIA container toolkit (--gpus all)")]
     Missing { path: String, why: String },
     #[error("{path} has no symbol {symbol} ({why}): the NVIDIA driver is too old (CUDA 11.4 or newer needed)")]
-    Symbol { path: String, symbol: &'static str, why: String },
+    Symbol {
+        path: String,
+        symbol: &'static str,
+        why: String,
+    },
     #[error("{call} failed with CUDA error {code} ({name}): {fix}")]
-    Call { call: &'static str, code: i32, name: &'static str, fix: &'static str },
+    Call {
+        call: &'static str,
+        code: i32,
+        name: &'static str,
+        fix: &'static str,
+    },
 }
 
 type CuInit = unsafe extern "C" fn(c_uint) -> c_int;
@@ -50,7 +59,8 @@ type CuIpcGetMemHandle = unsafe extern "C" fn(*mut IpcMemHandle, u64) -> c_int;
 type CuIpcOpenMemHandle = unsafe extern "C" fn(*mut u64, IpcMemHandle, c_uint) -> c_int;
 type CuIpcCloseMemHandle = unsafe extern "C" fn(u64) -> c_int;
 type CuMemcpyDtoD = unsafe extern "C" fn(u64, u64, usize) -> c_int;
-type CuMemGetHandleForAddressRange = unsafe extern "C" fn(*mut c_void, u64, usize, c_int, u64) -> c_int;
+type CuMemGetHandleForAddressRange =
+    unsafe extern "C" fn(*mut c_void, u64, usize, c_int, u64) -> c_int;
 
 /// `CUipcMemHandle`: an opaque 64-byte name for a `cuMemAlloc` allocation that another
 /// process on the same host can open.
@@ -102,7 +112,12 @@ fn check(call: &'static str, code: c_int) -> Result<(), CudaError> {
         return Ok(());
     }
     let (name, fix) = explain(code);
-    Err(CudaError::Call { call, code, name, fix })
+    Err(CudaError::Call {
+        call,
+        code,
+        name,
+        fix,
+    })
 }
 
 /// The loaded driver (initialised) and its entry points (valid while `_lib` lives).
@@ -182,60 +197,135 @@ impl Driver {
     /// Loads and initialises the driver library at `path` (a soname or a file).
     pub fn load_from(path: &str) -> Result<Driver, CudaError> {
         // SAFETY: loading the NVIDIA driver library runs its constructors only.
-        let lib = unsafe { Library::new(path) }.map_err(|e| CudaError::Missing { path: path.into(), why: e.to_string() })?;
-        let sym = |symbol: &'static str, e: libloading::Error| CudaError::Symbol { path: path.into(), symbol, why: e.to_string() };
+        let lib = unsafe { Library::new(path) }.map_err(|e| CudaError::Missing {
+            path: path.into(),
+            why: e.to_string(),
+        })?;
+        let sym = |symbol: &'static str, e: libloading::Error| CudaError::Symbol {
+            path: path.into(),
+            symbol,
+            why: e.to_string(),
+        };
         // SAFETY: the types are the driver API's prototypes (cuda.h) for these symbols; the
         // `_v2` names are the ones cuda.h maps the plain names to since CUDA 3.2.
         unsafe {
-            let init = *lib.get::<CuInit>(b"cuInit\0").map_err(|e| sym("cuInit", e))?;
+            let init = *lib
+                .get::<CuInit>(b"cuInit\0")
+                .map_err(|e| sym("cuInit", e))?;
             check("cuInit", init(0))?;
             let mem = (|| -> Result<MemApi, CudaError> {
                 Ok(MemApi {
-                    primary_ctx_retain: *lib.get(b"cuDevicePrimaryCtxRetain\0").map_err(|e| sym("cuDevicePrimaryCtxRetain", e))?,
-                    ctx_push: *lib.get(b"cuCtxPushCurrent_v2\0").map_err(|e| sym("cuCtxPushCurrent_v2", e))?,
-                    ctx_pop: *lib.get(b"cuCtxPopCurrent_v2\0").map_err(|e| sym("cuCtxPopCurrent_v2", e))?,
-                    pointer_get_attribute: *lib.get(b"cuPointerGetAttribute\0").map_err(|e| sym("cuPointerGetAttribute", e))?,
-                    mem_alloc: *lib.get(b"cuMemAlloc_v2\0").map_err(|e| sym("cuMemAlloc_v2", e))?,
-                    mem_free: *lib.get(b"cuMemFree_v2\0").map_err(|e| sym("cuMemFree_v2", e))?,
-                    dtoh: *lib.get(b"cuMemcpyDtoH_v2\0").map_err(|e| sym("cuMemcpyDtoH_v2", e))?,
-                    htod: *lib.get(b"cuMemcpyHtoD_v2\0").map_err(|e| sym("cuMemcpyHtoD_v2", e))?,
-                    host_alloc: *lib.get(b"cuMemHostAlloc\0").map_err(|e| sym("cuMemHostAlloc", e))?,
-                    free_host: *lib.get(b"cuMemFreeHost\0").map_err(|e| sym("cuMemFreeHost", e))?,
-                    stream_create: *lib.get(b"cuStreamCreate\0").map_err(|e| sym("cuStreamCreate", e))?,
-                    stream_destroy: *lib.get(b"cuStreamDestroy_v2\0").map_err(|e| sym("cuStreamDestroy_v2", e))?,
-                    stream_sync: *lib.get(b"cuStreamSynchronize\0").map_err(|e| sym("cuStreamSynchronize", e))?,
-                    dtoh_async: *lib.get(b"cuMemcpyDtoHAsync_v2\0").map_err(|e| sym("cuMemcpyDtoHAsync_v2", e))?,
-                    htod_async: *lib.get(b"cuMemcpyHtoDAsync_v2\0").map_err(|e| sym("cuMemcpyHtoDAsync_v2", e))?,
-                    event_create: *lib.get(b"cuEventCreate\0").map_err(|e| sym("cuEventCreate", e))?,
-                    event_record: *lib.get(b"cuEventRecord\0").map_err(|e| sym("cuEventRecord", e))?,
-                    event_sync: *lib.get(b"cuEventSynchronize\0").map_err(|e| sym("cuEventSynchronize", e))?,
-                    event_destroy: *lib.get(b"cuEventDestroy_v2\0").map_err(|e| sym("cuEventDestroy_v2", e))?,
+                    primary_ctx_retain: *lib
+                        .get(b"cuDevicePrimaryCtxRetain\0")
+                        .map_err(|e| sym("cuDevicePrimaryCtxRetain", e))?,
+                    ctx_push: *lib
+                        .get(b"cuCtxPushCurrent_v2\0")
+                        .map_err(|e| sym("cuCtxPushCurrent_v2", e))?,
+                    ctx_pop: *lib
+                        .get(b"cuCtxPopCurrent_v2\0")
+                        .map_err(|e| sym("cuCtxPopCurrent_v2", e))?,
+                    pointer_get_attribute: *lib
+                        .get(b"cuPointerGetAttribute\0")
+                        .map_err(|e| sym("cuPointerGetAttribute", e))?,
+                    mem_alloc: *lib
+                        .get(b"cuMemAlloc_v2\0")
+                        .map_err(|e| sym("cuMemAlloc_v2", e))?,
+                    mem_free: *lib
+                        .get(b"cuMemFree_v2\0")
+                        .map_err(|e| sym("cuMemFree_v2", e))?,
+                    dtoh: *lib
+                        .get(b"cuMemcpyDtoH_v2\0")
+                        .map_err(|e| sym("cuMemcpyDtoH_v2", e))?,
+                    htod: *lib
+                        .get(b"cuMemcpyHtoD_v2\0")
+                        .map_err(|e| sym("cuMemcpyHtoD_v2", e))?,
+                    host_alloc: *lib
+                        .get(b"cuMemHostAlloc\0")
+                        .map_err(|e| sym("cuMemHostAlloc", e))?,
+                    free_host: *lib
+                        .get(b"cuMemFreeHost\0")
+                        .map_err(|e| sym("cuMemFreeHost", e))?,
+                    stream_create: *lib
+                        .get(b"cuStreamCreate\0")
+                        .map_err(|e| sym("cuStreamCreate", e))?,
+                    stream_destroy: *lib
+                        .get(b"cuStreamDestroy_v2\0")
+                        .map_err(|e| sym("cuStreamDestroy_v2", e))?,
+                    stream_sync: *lib
+                        .get(b"cuStreamSynchronize\0")
+                        .map_err(|e| sym("cuStreamSynchronize", e))?,
+                    dtoh_async: *lib
+                        .get(b"cuMemcpyDtoHAsync_v2\0")
+                        .map_err(|e| sym("cuMemcpyDtoHAsync_v2", e))?,
+                    htod_async: *lib
+                        .get(b"cuMemcpyHtoDAsync_v2\0")
+                        .map_err(|e| sym("cuMemcpyHtoDAsync_v2", e))?,
+                    event_create: *lib
+                        .get(b"cuEventCreate\0")
+                        .map_err(|e| sym("cuEventCreate", e))?,
+                    event_record: *lib
+                        .get(b"cuEventRecord\0")
+                        .map_err(|e| sym("cuEventRecord", e))?,
+                    event_sync: *lib
+                        .get(b"cuEventSynchronize\0")
+                        .map_err(|e| sym("cuEventSynchronize", e))?,
+                    event_destroy: *lib
+                        .get(b"cuEventDestroy_v2\0")
+                        .map_err(|e| sym("cuEventDestroy_v2", e))?,
                 })
             })();
-            let vmm = match (lib.get::<CuMemRetainAllocationHandle>(b"cuMemRetainAllocationHandle\0"), lib.get::<CuMemRelease>(b"cuMemRelease\0")) {
+            let vmm = match (
+                lib.get::<CuMemRetainAllocationHandle>(b"cuMemRetainAllocationHandle\0"),
+                lib.get::<CuMemRelease>(b"cuMemRelease\0"),
+            ) {
                 (Ok(retain), Ok(release)) => Some((*retain, *release)),
                 _ => None,
             };
             let ipc = (|| -> Result<IpcApi, CudaError> {
                 Ok(IpcApi {
-                    get: *lib.get(b"cuIpcGetMemHandle\0").map_err(|e| sym("cuIpcGetMemHandle", e))?,
-                    open: *lib.get(b"cuIpcOpenMemHandle_v2\0").map_err(|e| sym("cuIpcOpenMemHandle_v2", e))?,
-                    close: *lib.get(b"cuIpcCloseMemHandle\0").map_err(|e| sym("cuIpcCloseMemHandle", e))?,
-                    dtod: *lib.get(b"cuMemcpyDtoD_v2\0").map_err(|e| sym("cuMemcpyDtoD_v2", e))?,
+                    get: *lib
+                        .get(b"cuIpcGetMemHandle\0")
+                        .map_err(|e| sym("cuIpcGetMemHandle", e))?,
+                    open: *lib
+                        .get(b"cuIpcOpenMemHandle_v2\0")
+                        .map_err(|e| sym("cuIpcOpenMemHandle_v2", e))?,
+                    close: *lib
+                        .get(b"cuIpcCloseMemHandle\0")
+                        .map_err(|e| sym("cuIpcCloseMemHandle", e))?,
+                    dtod: *lib
+                        .get(b"cuMemcpyDtoD_v2\0")
+                        .map_err(|e| sym("cuMemcpyDtoD_v2", e))?,
                 })
             })();
-            let dmabuf = lib.get::<CuMemGetHandleForAddressRange>(b"cuMemGetHandleForAddressRange\0").ok().map(|f| *f);
+            let dmabuf = lib
+                .get::<CuMemGetHandleForAddressRange>(b"cuMemGetHandleForAddressRange\0")
+                .ok()
+                .map(|f| *f);
             Ok(Driver {
                 vmm,
                 ipc,
                 dmabuf,
-                driver_get_version: *lib.get(b"cuDriverGetVersion\0").map_err(|e| sym("cuDriverGetVersion", e))?,
-                device_get_count: *lib.get(b"cuDeviceGetCount\0").map_err(|e| sym("cuDeviceGetCount", e))?,
-                device_get: *lib.get(b"cuDeviceGet\0").map_err(|e| sym("cuDeviceGet", e))?,
-                device_get_name: *lib.get(b"cuDeviceGetName\0").map_err(|e| sym("cuDeviceGetName", e))?,
-                device_total_mem: *lib.get(b"cuDeviceTotalMem_v2\0").map_err(|e| sym("cuDeviceTotalMem_v2", e))?,
-                device_get_attribute: *lib.get(b"cuDeviceGetAttribute\0").map_err(|e| sym("cuDeviceGetAttribute", e))?,
-                device_get_pci_bus_id: *lib.get(b"cuDeviceGetPCIBusId\0").map_err(|e| sym("cuDeviceGetPCIBusId", e))?,
+                driver_get_version: *lib
+                    .get(b"cuDriverGetVersion\0")
+                    .map_err(|e| sym("cuDriverGetVersion", e))?,
+                device_get_count: *lib
+                    .get(b"cuDeviceGetCount\0")
+                    .map_err(|e| sym("cuDeviceGetCount", e))?,
+                device_get: *lib
+                    .get(b"cuDeviceGet\0")
+                    .map_err(|e| sym("cuDeviceGet", e))?,
+                device_get_name: *lib
+                    .get(b"cuDeviceGetName\0")
+                    .map_err(|e| sym("cuDeviceGetName", e))?,
+                device_total_mem: *lib
+                    .get(b"cuDeviceTotalMem_v2\0")
+                    .map_err(|e| sym("cuDeviceTotalMem_v2", e))?,
+                device_get_attribute: *lib
+                    .get(b"cuDeviceGetAttribute\0")
+                    .map_err(|e| sym("cuDeviceGetAttribute", e))?,
+                device_get_pci_bus_id: *lib
+                    .get(b"cuDeviceGetPCIBusId\0")
+                    .map_err(|e| sym("cuDeviceGetPCIBusId", e))?,
                 mem,
                 _lib: lib,
             })
@@ -246,7 +336,9 @@ impl Driver {
     pub fn version(&self) -> Result<i32, CudaError> {
         let mut v = 0;
         // SAFETY: a valid out-pointer.
-        check("cuDriverGetVersion", unsafe { (self.driver_get_version)(&mut v) })?;
+        check("cuDriverGetVersion", unsafe {
+            (self.driver_get_version)(&mut v)
+        })?;
         Ok(v)
     }
 
@@ -261,14 +353,26 @@ impl Driver {
                 let mut dev = 0;
                 check("cuDeviceGet", (self.device_get)(&mut dev, i))?;
                 let mut name = [0 as c_char; 256];
-                check("cuDeviceGetName", (self.device_get_name)(name.as_mut_ptr(), name.len() as c_int - 1, dev))?;
+                check(
+                    "cuDeviceGetName",
+                    (self.device_get_name)(name.as_mut_ptr(), name.len() as c_int - 1, dev),
+                )?;
                 let mut bus = [0 as c_char; 64];
-                check("cuDeviceGetPCIBusId", (self.device_get_pci_bus_id)(bus.as_mut_ptr(), bus.len() as c_int - 1, dev))?;
+                check(
+                    "cuDeviceGetPCIBusId",
+                    (self.device_get_pci_bus_id)(bus.as_mut_ptr(), bus.len() as c_int - 1, dev),
+                )?;
                 let mut mem = 0usize;
                 check("cuDeviceTotalMem", (self.device_total_mem)(&mut mem, dev))?;
                 let (mut major, mut minor) = (0, 0);
-                check("cuDeviceGetAttribute", (self.device_get_attribute)(&mut major, ATTR_CC_MAJOR, dev))?;
-                check("cuDeviceGetAttribute", (self.device_get_attribute)(&mut minor, ATTR_CC_MINOR, dev))?;
+                check(
+                    "cuDeviceGetAttribute",
+                    (self.device_get_attribute)(&mut major, ATTR_CC_MAJOR, dev),
+                )?;
+                check(
+                    "cuDeviceGetAttribute",
+                    (self.device_get_attribute)(&mut minor, ATTR_CC_MINOR, dev),
+                )?;
                 out.push(super::Gpu {
                     index: i as u32,
                     name: CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned(),
@@ -292,8 +396,15 @@ unsafe impl Sync for Context {}
 impl Driver {
     fn mem(&self) -> Result<&MemApi, CudaError> {
         self.mem.as_ref().map_err(|e| match e {
-            CudaError::Symbol { path, symbol, why } => CudaError::Symbol { path: path.clone(), symbol, why: why.clone() },
-            other => CudaError::Missing { path: LIBRARY.into(), why: other.to_string() },
+            CudaError::Symbol { path, symbol, why } => CudaError::Symbol {
+                path: path.clone(),
+                symbol,
+                why: why.clone(),
+            },
+            other => CudaError::Missing {
+                path: LIBRARY.into(),
+                why: other.to_string(),
+            },
         })
     }
 
@@ -311,14 +422,21 @@ impl Driver {
         // SAFETY: valid out-pointers.
         unsafe {
             check("cuDeviceGet", (self.device_get)(&mut dev, ordinal as c_int))?;
-            check("cuDevicePrimaryCtxRetain", (m.primary_ctx_retain)(&mut ctx, dev))?;
+            check(
+                "cuDevicePrimaryCtxRetain",
+                (m.primary_ctx_retain)(&mut ctx, dev),
+            )?;
         }
         Ok(Context(ctx))
     }
 
     /// Runs `f` with `ctx` current on this thread, then restores what was current (the
     /// caller's thread may be PyTorch's: its context is left as it was).
-    pub fn with_context<T>(&self, ctx: Context, f: impl FnOnce(&Self) -> Result<T, CudaError>) -> Result<T, CudaError> {
+    pub fn with_context<T>(
+        &self,
+        ctx: Context,
+        f: impl FnOnce(&Self) -> Result<T, CudaError>,
+    ) -> Result<T, CudaError> {
         let m = self.mem()?;
         // SAFETY: a context retained by `primary_context`; push/pop are balanced.
         check("cuCtxPushCurrent", unsafe { (m.ctx_push)(ctx.0) })?;
@@ -353,11 +471,26 @@ impl Driver {
         if get(PA_IS_MANAGED)?.is_some_and(|v| v as u32 != 0) {
             return Ok(Pointer::Host);
         }
-        let missing = |what| CudaError::Call { call: "cuPointerGetAttribute", code: 1, name: "CUDA_ERROR_INVALID_VALUE", fix: what };
-        let ordinal = get(PA_DEVICE_ORDINAL)?.ok_or(missing("the driver gave no device ordinal for device memory"))? as u32;
-        let base = get(PA_RANGE_START_ADDR)?.ok_or(missing("the driver gave no allocation start for device memory"))?;
-        let size = get(PA_RANGE_SIZE)?.ok_or(missing("the driver gave no allocation size for device memory"))?;
-        Ok(Pointer::Device { ordinal, base, size })
+        let missing = |what| CudaError::Call {
+            call: "cuPointerGetAttribute",
+            code: 1,
+            name: "CUDA_ERROR_INVALID_VALUE",
+            fix: what,
+        };
+        let ordinal = get(PA_DEVICE_ORDINAL)?.ok_or(missing(
+            "the driver gave no device ordinal for device memory",
+        ))? as u32;
+        let base = get(PA_RANGE_START_ADDR)?.ok_or(missing(
+            "the driver gave no allocation start for device memory",
+        ))?;
+        let size = get(PA_RANGE_SIZE)?.ok_or(missing(
+            "the driver gave no allocation size for device memory",
+        ))?;
+        Ok(Pointer::Device {
+            ordinal,
+            base,
+            size,
+        })
     }
 
     /// Whether `addr` lies in memory mapped with CUDA's virtual memory management
@@ -366,7 +499,9 @@ impl Driver {
     /// tensor may span several. `false` for `cuMemAlloc` memory, unknown memory, or a driver
     /// without the entry points.
     pub fn is_vmm(&self, addr: u64) -> bool {
-        let Some((retain, release)) = self.vmm else { return false };
+        let Some((retain, release)) = self.vmm else {
+            return false;
+        };
         let mut h = 0u64;
         // SAFETY: a valid out-pointer; the driver only looks the address up (it fails for
         // memory that is not VMM-mapped). A retained handle is released at once.
@@ -381,8 +516,15 @@ impl Driver {
 
     fn ipc(&self) -> Result<&IpcApi, CudaError> {
         self.ipc.as_ref().map_err(|e| match e {
-            CudaError::Symbol { path, symbol, why } => CudaError::Symbol { path: path.clone(), symbol, why: why.clone() },
-            other => CudaError::Missing { path: LIBRARY.into(), why: other.to_string() },
+            CudaError::Symbol { path, symbol, why } => CudaError::Symbol {
+                path: path.clone(),
+                symbol,
+                why: why.clone(),
+            },
+            other => CudaError::Missing {
+                path: LIBRARY.into(),
+                why: other.to_string(),
+            },
         })
     }
 
@@ -399,7 +541,9 @@ impl Driver {
     pub fn ipc_open(&self, h: IpcMemHandle) -> Result<u64, CudaError> {
         let mut p = 0u64;
         // SAFETY: a valid out-pointer; the handle is passed by value as cuda.h declares.
-        check("cuIpcOpenMemHandle", unsafe { (self.ipc()?.open)(&mut p, h, IPC_MEM_LAZY_ENABLE_PEER_ACCESS) })?;
+        check("cuIpcOpenMemHandle", unsafe {
+            (self.ipc()?.open)(&mut p, h, IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+        })?;
         Ok(p)
     }
 
@@ -428,7 +572,9 @@ impl Driver {
     /// is done.
     fn sync_legacy(&self) -> Result<(), CudaError> {
         // SAFETY: the null stream is the current context's legacy default stream.
-        check("cuStreamSynchronize", unsafe { (self.mem()?.stream_sync)(std::ptr::null_mut()) })
+        check("cuStreamSynchronize", unsafe {
+            (self.mem()?.stream_sync)(std::ptr::null_mut())
+        })
     }
 
     /// Whether GPU `ordinal` can export its memory as a dma-buf: the driver has
@@ -451,13 +597,30 @@ impl Driver {
     /// (`cuMemGetHandleForAddressRange`; a context of its GPU current). `base` and `size`
     /// must cover the allocation (as [`Driver::classify`] reports it), rounded out to whole pages.
     pub fn dmabuf_fd(&self, base: u64, size: u64) -> Result<std::os::fd::OwnedFd, CudaError> {
-        let f = self.dmabuf.ok_or_else(|| CudaError::Symbol { path: LIBRARY.into(), symbol: "cuMemGetHandleForAddressRange", why: "not exported: DMA-BUF needs a driver for CUDA 11.7 or newer".into() })?;
+        let f = self.dmabuf.ok_or_else(|| CudaError::Symbol {
+            path: LIBRARY.into(),
+            symbol: "cuMemGetHandleForAddressRange",
+            why: "not exported: DMA-BUF needs a driver for CUDA 11.7 or newer".into(),
+        })?;
         let mut fd: c_int = -1;
         // SAFETY: the handle of type DMA_BUF_FD is an int written through the out-pointer; the
         // driver checks the range.
-        check("cuMemGetHandleForAddressRange", unsafe { f((&mut fd as *mut c_int).cast(), base, size as usize, RANGE_HANDLE_DMA_BUF_FD, 0) })?;
+        check("cuMemGetHandleForAddressRange", unsafe {
+            f(
+                (&mut fd as *mut c_int).cast(),
+                base,
+                size as usize,
+                RANGE_HANDLE_DMA_BUF_FD,
+                0,
+            )
+        })?;
         if fd < 0 {
-            return Err(CudaError::Call { call: "cuMemGetHandleForAddressRange", code: 1, name: "CUDA_ERROR_INVALID_VALUE", fix: "the driver returned no file descriptor" });
+            return Err(CudaError::Call {
+                call: "cuMemGetHandleForAddressRange",
+                code: 1,
+                name: "CUDA_ERROR_INVALID_VALUE",
+                fix: "the driver returned no file descriptor",
+            });
         }
         // SAFETY: a new descriptor the driver just opened for us; we own it from here.
         Ok(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
@@ -467,7 +630,9 @@ impl Driver {
     pub fn mem_alloc(&self, len: usize) -> Result<u64, CudaError> {
         let mut p = 0u64;
         // SAFETY: a valid out-pointer.
-        check("cuMemAlloc", unsafe { (self.mem()?.mem_alloc)(&mut p, len) })?;
+        check("cuMemAlloc", unsafe {
+            (self.mem()?.mem_alloc)(&mut p, len)
+        })?;
         Ok(p)
     }
 
@@ -480,14 +645,18 @@ impl Driver {
     /// Copies `dst.len()` bytes from device address `src` (synchronous; a context current).
     pub fn dtoh(&self, dst: &mut [u8], src: u64) -> Result<(), CudaError> {
         // SAFETY: `dst` is writable host memory of that length; the driver checks `src`.
-        check("cuMemcpyDtoH", unsafe { (self.mem()?.dtoh)(dst.as_mut_ptr().cast(), src, dst.len()) })
+        check("cuMemcpyDtoH", unsafe {
+            (self.mem()?.dtoh)(dst.as_mut_ptr().cast(), src, dst.len())
+        })
     }
 
     /// Copies `src` to device address `dst` and waits until the bytes landed (a context
     /// current).
     pub fn htod(&self, dst: u64, src: &[u8]) -> Result<(), CudaError> {
         // SAFETY: `src` is readable host memory of that length; the driver checks `dst`.
-        check("cuMemcpyHtoD", unsafe { (self.mem()?.htod)(dst, src.as_ptr().cast(), src.len()) })?;
+        check("cuMemcpyHtoD", unsafe {
+            (self.mem()?.htod)(dst, src.as_ptr().cast(), src.len())
+        })?;
         // From pageable memory the call returns once the bytes are staged: "the DMA to final
         // destination may not have completed".
         self.sync_legacy()
@@ -497,7 +666,9 @@ impl Driver {
     pub fn host_alloc(&self, len: usize) -> Result<*mut u8, CudaError> {
         let mut p = std::ptr::null_mut();
         // SAFETY: a valid out-pointer.
-        check("cuMemHostAlloc", unsafe { (self.mem()?.host_alloc)(&mut p, len, MEMHOSTALLOC_PORTABLE) })?;
+        check("cuMemHostAlloc", unsafe {
+            (self.mem()?.host_alloc)(&mut p, len, MEMHOSTALLOC_PORTABLE)
+        })?;
         Ok(p.cast())
     }
 
@@ -527,61 +698,93 @@ impl Driver {
     pub fn stream_create(&self) -> Result<Handle, CudaError> {
         let mut h = std::ptr::null_mut();
         // SAFETY: a valid out-pointer.
-        check("cuStreamCreate", unsafe { (self.mem()?.stream_create)(&mut h, STREAM_NON_BLOCKING) })?;
+        check("cuStreamCreate", unsafe {
+            (self.mem()?.stream_create)(&mut h, STREAM_NON_BLOCKING)
+        })?;
         Ok(Handle(h))
     }
 
     /// Destroys a stream (its work completes first).
     pub fn stream_destroy(&self, s: Handle) -> Result<(), CudaError> {
         // SAFETY: a stream from `stream_create`, not used after.
-        check("cuStreamDestroy", unsafe { (self.mem()?.stream_destroy)(s.0) })
+        check("cuStreamDestroy", unsafe {
+            (self.mem()?.stream_destroy)(s.0)
+        })
     }
 
     /// Waits until everything queued on `s` is done.
     pub fn stream_sync(&self, s: Handle) -> Result<(), CudaError> {
         // SAFETY: a live stream.
-        check("cuStreamSynchronize", unsafe { (self.mem()?.stream_sync)(s.0) })
+        check("cuStreamSynchronize", unsafe {
+            (self.mem()?.stream_sync)(s.0)
+        })
     }
 
     /// Queues a device→host copy on `s`.
     ///
     /// # Safety
     /// `dst` must stay valid and untouched by anyone else until the copy is waited for.
-    pub unsafe fn dtoh_async(&self, dst: *mut u8, src: u64, len: usize, s: Handle) -> Result<(), CudaError> {
-        check("cuMemcpyDtoHAsync", (self.mem()?.dtoh_async)(dst.cast(), src, len, s.0))
+    pub unsafe fn dtoh_async(
+        &self,
+        dst: *mut u8,
+        src: u64,
+        len: usize,
+        s: Handle,
+    ) -> Result<(), CudaError> {
+        check(
+            "cuMemcpyDtoHAsync",
+            (self.mem()?.dtoh_async)(dst.cast(), src, len, s.0),
+        )
     }
 
     /// Queues a host→device copy on `s`.
     ///
     /// # Safety
     /// `src` must stay valid and unchanged until the copy is waited for.
-    pub unsafe fn htod_async(&self, dst: u64, src: *const u8, len: usize, s: Handle) -> Result<(), CudaError> {
-        check("cuMemcpyHtoDAsync", (self.mem()?.htod_async)(dst, src.cast(), len, s.0))
+    pub unsafe fn htod_async(
+        &self,
+        dst: u64,
+        src: *const u8,
+        len: usize,
+        s: Handle,
+    ) -> Result<(), CudaError> {
+        check(
+            "cuMemcpyHtoDAsync",
+            (self.mem()?.htod_async)(dst, src.cast(), len, s.0),
+        )
     }
 
     /// An event of the current context.
     pub fn event_create(&self) -> Result<Handle, CudaError> {
         let mut h = std::ptr::null_mut();
         // SAFETY: a valid out-pointer.
-        check("cuEventCreate", unsafe { (self.mem()?.event_create)(&mut h, EVENT_DISABLE_TIMING) })?;
+        check("cuEventCreate", unsafe {
+            (self.mem()?.event_create)(&mut h, EVENT_DISABLE_TIMING)
+        })?;
         Ok(Handle(h))
     }
 
     /// Marks `e` done once everything queued on `s` so far is.
     pub fn event_record(&self, e: Handle, s: Handle) -> Result<(), CudaError> {
         // SAFETY: live handles of the current context.
-        check("cuEventRecord", unsafe { (self.mem()?.event_record)(e.0, s.0) })
+        check("cuEventRecord", unsafe {
+            (self.mem()?.event_record)(e.0, s.0)
+        })
     }
 
     /// Waits for `e`.
     pub fn event_sync(&self, e: Handle) -> Result<(), CudaError> {
         // SAFETY: a live event.
-        check("cuEventSynchronize", unsafe { (self.mem()?.event_sync)(e.0) })
+        check("cuEventSynchronize", unsafe {
+            (self.mem()?.event_sync)(e.0)
+        })
     }
 
     /// Destroys an event.
     pub fn event_destroy(&self, e: Handle) -> Result<(), CudaError> {
         // SAFETY: an event from `event_create`, not used after.
-        check("cuEventDestroy", unsafe { (self.mem()?.event_destroy)(e.0) })
+        check("cuEventDestroy", unsafe {
+            (self.mem()?.event_destroy)(e.0)
+        })
     }
 }

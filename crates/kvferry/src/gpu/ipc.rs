@@ -34,9 +34,16 @@ impl Export {
 
     /// Parses [`Export::encode`]'s form.
     pub fn decode(s: &str) -> Result<Export, String> {
-        let bad = || format!("not a CUDA IPC export (<128 hex digits>:<gpu>:<offset>:<len>): {s:?}");
+        let bad =
+            || format!("not a CUDA IPC export (<128 hex digits>:<gpu>:<offset>:<len>): {s:?}");
         let mut parts = s.split(':');
-        let (Some(hex), Some(gpu), Some(off), Some(len), None) = (parts.next(), parts.next(), parts.next(), parts.next(), parts.next()) else {
+        let (Some(hex), Some(gpu), Some(off), Some(len), None) = (
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+        ) else {
             return Err(bad());
         };
         if hex.len() != 128 || !hex.is_ascii() {
@@ -57,10 +64,18 @@ impl Export {
 
 /// Exports `[addr, addr+len)` of this process's GPU memory for another process of this host.
 pub fn export(addr: u64, len: u64) -> Result<Export, String> {
-    let cuda = cuda().map_err(|why| format!("cannot export [0x{addr:x}, +{len}) with CUDA IPC: {why}"))?;
+    let cuda =
+        cuda().map_err(|why| format!("cannot export [0x{addr:x}, +{len}) with CUDA IPC: {why}"))?;
     let d = cuda.driver();
-    let what = |e: super::driver::CudaError| format!("cannot export [0x{addr:x}, +{len}) with CUDA IPC: {e}");
-    let Pointer::Device { ordinal, base, size } = d.classify(addr).map_err(what)? else {
+    let what = |e: super::driver::CudaError| {
+        format!("cannot export [0x{addr:x}, +{len}) with CUDA IPC: {e}")
+    };
+    let Pointer::Device {
+        ordinal,
+        base,
+        size,
+    } = d.classify(addr).map_err(what)?
+    else {
         return Err(format!("cannot export [0x{addr:x}, +{len}) with CUDA IPC: it is not GPU memory (host memory is shared through kvferry's shared-memory path instead)"));
     };
     if d.is_vmm(addr) {
@@ -69,11 +84,19 @@ pub fn export(addr: u64, len: u64) -> Result<Export, String> {
              allocate it without expandable segments (PYTORCH_CUDA_ALLOC_CONF) for same-host GPU transfers, or let it go over TCP"
         ));
     }
-    if addr.checked_add(len).is_none_or(|end| end > base.saturating_add(size)) {
+    if addr
+        .checked_add(len)
+        .is_none_or(|end| end > base.saturating_add(size))
+    {
         return Err(format!("cannot export [0x{addr:x}, +{len}) with CUDA IPC: it runs past the end of its GPU allocation [0x{base:x}, +{size})"));
     }
     let handle = cuda.on_device(ordinal, |d| d.ipc_get(base)).map_err(what)?;
-    Ok(Export { handle, ordinal, offset: addr - base, len })
+    Ok(Export {
+        handle,
+        ordinal,
+        offset: addr - base,
+        len,
+    })
 }
 
 /// Another process's GPU memory, opened here; closed when dropped.
@@ -111,7 +134,10 @@ impl Drop for Opened {
         let base = self.base;
         // SAFETY: opened by `open`; every copy of it is synchronous, so none is queued, and
         // nothing uses the address after the value is gone.
-        if let Err(e) = self.cuda.on_device(self.on, |d| unsafe { d.ipc_close(base) }) {
+        if let Err(e) = self
+            .cuda
+            .on_device(self.on, |d| unsafe { d.ipc_close(base) })
+        {
             tracing::warn!("closing GPU memory opened with CUDA IPC at 0x{base:x}: {e}");
         }
     }
@@ -120,7 +146,8 @@ impl Drop for Opened {
 /// Opens `e` (exported by another process of this host) in GPU `on`'s context (peer access to
 /// the exporter's GPU enabled when it is another one).
 pub fn open(e: &Export, on: u32) -> Result<Opened, String> {
-    let cuda = cuda().map_err(|why| format!("cannot open GPU memory of another process (CUDA IPC): {why}"))?;
+    let cuda = cuda()
+        .map_err(|why| format!("cannot open GPU memory of another process (CUDA IPC): {why}"))?;
     let base = cuda.on_device(on, |d| d.ipc_open(e.handle)).map_err(|err| {
         format!(
             "cannot open GPU {} memory of another process (CUDA IPC) on GPU {on}: {err}; a handle opens only in another process of the same host (and container IPC namespace), \
@@ -128,5 +155,11 @@ pub fn open(e: &Export, on: u32) -> Result<Opened, String> {
             e.ordinal
         )
     })?;
-    Ok(Opened { cuda, on, base, offset: e.offset, len: e.len })
+    Ok(Opened {
+        cuda,
+        on,
+        base,
+        offset: e.offset,
+        len: e.len,
+    })
 }

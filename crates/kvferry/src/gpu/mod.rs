@@ -44,7 +44,13 @@ pub fn probe() -> Probe {
 pub fn probe_with(d: Result<driver::Driver, driver::CudaError>) -> Probe {
     let d = match d {
         Ok(d) => d,
-        Err(e) => return Probe { driver_version: None, gpus: Vec::new(), unavailable: Some(e.to_string()) },
+        Err(e) => {
+            return Probe {
+                driver_version: None,
+                gpus: Vec::new(),
+                unavailable: Some(e.to_string()),
+            }
+        }
     };
     let version = d.version().ok();
     match d.devices() {
@@ -80,7 +86,10 @@ pub fn cuda() -> std::result::Result<&'static Cuda, &'static str> {
         if let Some(why) = d.memory_unavailable() {
             return Err(why);
         }
-        Ok(Cuda { driver: d, contexts: Mutex::new(Vec::new()) })
+        Ok(Cuda {
+            driver: d,
+            contexts: Mutex::new(Vec::new()),
+        })
     });
     r.as_ref().map_err(|e| e.as_str())
 }
@@ -104,13 +113,22 @@ impl Cuda {
     }
 
     /// Runs `f` with GPU `ordinal`'s primary context current (the caller's context restored).
-    pub fn on_device<T>(&self, ordinal: u32, f: impl FnOnce(&Driver) -> std::result::Result<T, CudaError>) -> std::result::Result<T, CudaError> {
+    pub fn on_device<T>(
+        &self,
+        ordinal: u32,
+        f: impl FnOnce(&Driver) -> std::result::Result<T, CudaError>,
+    ) -> std::result::Result<T, CudaError> {
         let ctx = self.context(ordinal)?;
         self.driver.with_context(ctx, f)
     }
 
     /// Copies `dst.len()` bytes from device address `src` of GPU `ordinal`.
-    pub fn dtoh(&self, ordinal: u32, dst: &mut [u8], src: u64) -> std::result::Result<(), CudaError> {
+    pub fn dtoh(
+        &self,
+        ordinal: u32,
+        dst: &mut [u8],
+        src: u64,
+    ) -> std::result::Result<(), CudaError> {
         self.on_device(ordinal, |d| d.dtoh(dst, src))
     }
 
@@ -122,7 +140,13 @@ impl Cuda {
     /// Copies `len` bytes from device address `src` to device address `dst` with GPU
     /// `ordinal`'s context current (either may be another GPU's memory, e.g. opened with
     /// [`ipc::open`]).
-    pub fn dtod(&self, ordinal: u32, dst: u64, src: u64, len: usize) -> std::result::Result<(), CudaError> {
+    pub fn dtod(
+        &self,
+        ordinal: u32,
+        dst: u64,
+        src: u64,
+        len: usize,
+    ) -> std::result::Result<(), CudaError> {
         self.on_device(ordinal, |d| d.dtod(dst, src, len))
     }
 }
@@ -142,10 +166,20 @@ impl Bounce {
     /// `len` bytes, pinned if the driver allows it.
     pub fn new(cuda: &Cuda, len: usize) -> Bounce {
         match cuda.driver.host_alloc(len) {
-            Ok(ptr) if !ptr.is_null() => Bounce { ptr, len, pinned: true, heap: Vec::new() },
+            Ok(ptr) if !ptr.is_null() => Bounce {
+                ptr,
+                len,
+                pinned: true,
+                heap: Vec::new(),
+            },
             _ => {
                 let mut heap = vec![0u8; len];
-                Bounce { ptr: heap.as_mut_ptr(), len, pinned: false, heap }
+                Bounce {
+                    ptr: heap.as_mut_ptr(),
+                    len,
+                    pinned: false,
+                    heap,
+                }
             }
         }
     }
@@ -196,7 +230,11 @@ impl Drop for Bounce {
 /// allocations mapped back to back on the same GPU; and, for `cuda:N`, on GPU N.
 pub fn classify(addr: u64, len: u64, location: &str) -> Result<(String, Option<u32>)> {
     let wanted = match location.strip_prefix("cuda:") {
-        Some(n) => Some(n.parse::<u32>().map_err(|_| Error::InvalidArgument(format!("location {location:?}: the GPU index must be a number, e.g. \"cuda:0\"")))?),
+        Some(n) => Some(n.parse::<u32>().map_err(|_| {
+            Error::InvalidArgument(format!(
+                "location {location:?}: the GPU index must be a number, e.g. \"cuda:0\""
+            ))
+        })?),
         None if location == "*" => None,
         None => return Ok((location.to_string(), None)),
     };
@@ -207,11 +245,17 @@ pub fn classify(addr: u64, len: u64, location: &str) -> Result<(String, Option<u
             return Err(Error::InvalidArgument(format!("cannot register [0x{addr:x}, +{len}) as GPU memory ({location}): the CUDA driver is not usable here: {why}")))
         }
     };
-    let bad = |e: CudaError| Error::InvalidArgument(format!("cannot register [0x{addr:x}, +{len}) ({location}): asking the CUDA driver what memory it is failed: {e}"));
+    let bad = |e: CudaError| {
+        Error::InvalidArgument(format!("cannot register [0x{addr:x}, +{len}) ({location}): asking the CUDA driver what memory it is failed: {e}"))
+    };
     match cuda.driver.classify(addr).map_err(bad)? {
         // The driver says host memory: the CPU may touch it, whatever the label says.
         Pointer::Host => Ok((location.to_string(), None)),
-        Pointer::Device { ordinal, base, size } => {
+        Pointer::Device {
+            ordinal,
+            base,
+            size,
+        } => {
             if let Some(n) = wanted {
                 if n != ordinal {
                     return Err(Error::InvalidArgument(format!("cannot register [0x{addr:x}, +{len}) as {location}: it is memory of GPU {ordinal}; pass \"cuda:{ordinal}\" or \"*\"")));
@@ -278,7 +322,15 @@ impl Pipe {
                 Ok((s, [e0, e1]))
             })
             .map_err(|e| format!("creating a CUDA stream on GPU {dev}: {e}"))?;
-        Ok(Pipe { cuda, dev, half, bounce: Bounce::new(cuda, 2 * half), stream, events, pending: [false; 2] })
+        Ok(Pipe {
+            cuda,
+            dev,
+            half,
+            bounce: Bounce::new(cuda, 2 * half),
+            stream,
+            events,
+            pending: [false; 2],
+        })
     }
 
     pub fn dev(&self) -> u32 {
@@ -324,7 +376,11 @@ impl Pipe {
     /// Queues `copy` on the pipe's stream, then half `h`'s event after it. The half is
     /// pending once the copy is queued, even if recording its event then fails: `sync` and
     /// the drop must still wait for it before the half or the request's range is let go.
-    fn queue(&mut self, h: usize, copy: impl FnOnce(&Driver, driver::Handle) -> std::result::Result<(), CudaError>) -> std::result::Result<(), CudaError> {
+    fn queue(
+        &mut self,
+        h: usize,
+        copy: impl FnOnce(&Driver, driver::Handle) -> std::result::Result<(), CudaError>,
+    ) -> std::result::Result<(), CudaError> {
         let (s, e) = (self.stream, self.events[h]);
         let mut queued = false;
         let r = self.cuda.on_device(self.dev, |d| {

@@ -69,10 +69,21 @@ pub(crate) struct Stager {
 
 impl Stager {
     /// Queues GPU-local pieces for `peer`; starts the worker with `make()` at first use.
-    pub(crate) fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, make: impl FnOnce() -> Dispatch) {
+    pub(crate) fn submit(
+        &self,
+        peer: &Arc<Peer>,
+        pieces: Vec<Piece>,
+        make: impl FnOnce() -> Dispatch,
+    ) {
         let cuda = match cuda() {
             Ok(c) => c,
-            Err(why) => return fail_all(pieces, FailKind::Failed, FailCause::Other.because(format!("GPU memory cannot be copied: {why}"))),
+            Err(why) => {
+                return fail_all(
+                    pieces,
+                    FailKind::Failed,
+                    FailCause::Other.because(format!("GPU memory cannot be copied: {why}")),
+                )
+            }
         };
         for p in &pieces {
             p.task.set_pending();
@@ -84,20 +95,31 @@ impl Stager {
             let dispatch: Arc<Dispatch> = Arc::new(make());
             for _ in 0..WORKERS {
                 let (rx, dispatch) = (Arc::clone(&rx), Arc::clone(&dispatch));
-                let spawned = std::thread::Builder::new().name("kvf-gpu-stage".into()).spawn(move || {
-                    let mut w = Worker { cuda, dispatch, spare: Vec::new(), lanes: Vec::new() };
-                    // Ends when the engine (and its sender) is gone.
-                    loop {
-                        let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
-                        let Ok((peer, pieces)) = job else { break };
-                        w.run(&peer, pieces);
-                    }
-                });
+                let spawned = std::thread::Builder::new()
+                    .name("kvf-gpu-stage".into())
+                    .spawn(move || {
+                        let mut w = Worker {
+                            cuda,
+                            dispatch,
+                            spare: Vec::new(),
+                            lanes: Vec::new(),
+                        };
+                        // Ends when the engine (and its sender) is gone.
+                        loop {
+                            let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                            let Ok((peer, pieces)) = job else { break };
+                            w.run(&peer, pieces);
+                        }
+                    });
                 if let Err(e) = spawned {
                     if slot.is_some() {
                         break; // one worker is enough to go on
                     }
-                    return fail_all(pieces, FailKind::Failed, format!("cannot start the GPU staging thread: {e}").into());
+                    return fail_all(
+                        pieces,
+                        FailKind::Failed,
+                        format!("cannot start the GPU staging thread: {e}").into(),
+                    );
                 }
                 if slot.is_none() {
                     *slot = Some(tx.clone());
@@ -105,8 +127,14 @@ impl Stager {
             }
         }
         if let Some(tx) = slot.as_ref() {
-            if let Err(std::sync::mpsc::SendError((_, pieces))) = tx.send((Arc::clone(peer), pieces)) {
-                fail_all(pieces, FailKind::Failed, FailCause::ShutDown.because("engine shut down"));
+            if let Err(std::sync::mpsc::SendError((_, pieces))) =
+                tx.send((Arc::clone(peer), pieces))
+            {
+                fail_all(
+                    pieces,
+                    FailKind::Failed,
+                    FailCause::ShutDown.because("engine shut down"),
+                );
             }
         }
     }
@@ -194,7 +222,11 @@ impl Worker {
     fn run(&mut self, peer: &Arc<Peer>, pieces: Vec<Piece>) {
         let mut tracks: Vec<Track> = pieces
             .into_iter()
-            .map(|p| Track { left: (p.len as usize).div_ceil(CHUNK), piece: Some(p), failed: None })
+            .map(|p| Track {
+                left: (p.len as usize).div_ceil(CHUNK),
+                piece: Some(p),
+                failed: None,
+            })
             .collect();
         let mut flights: VecDeque<Flight> = VecDeque::new();
         for i in 0..tracks.len() {
@@ -214,19 +246,27 @@ impl Worker {
                     tracks[i].left -= chunks - k;
                     break;
                 }
-                let Some(p) = tracks[i].piece.as_ref() else { break };
+                let Some(p) = tracks[i].piece.as_ref() else {
+                    break;
+                };
                 let off = (k * CHUNK) as u64;
                 let n = CHUNK.min((p.len - off) as usize);
                 let dev = p.guard.region().gpu.unwrap_or(0);
                 let (opcode, at) = (p.opcode, p.local + off);
-                let mut bounce = self.spare.pop().unwrap_or_else(|| Bounce::new(self.cuda, CHUNK));
+                let mut bounce = self
+                    .spare
+                    .pop()
+                    .unwrap_or_else(|| Bounce::new(self.cuda, CHUNK));
                 let state = if opcode == Opcode::Write {
                     let dst = bounce.as_mut_slice().as_mut_ptr();
                     match self.queue(dev, Direction::ToHost, dst, at, n) {
                         Ok(e) => State::Copying(e),
                         Err(e) => {
                             self.spare.push(bounce);
-                            tracks[i].fail(FailKind::Failed, format!("copying GPU {dev} memory at 0x{at:x} to host: {e}").into());
+                            tracks[i].fail(
+                                FailKind::Failed,
+                                format!("copying GPU {dev} memory at 0x{at:x} to host: {e}").into(),
+                            );
                             tracks[i].left -= chunks - k;
                             break;
                         }
@@ -234,7 +274,14 @@ impl Worker {
                 } else {
                     State::Sending(self.send(peer, p, off, n, &bounce))
                 };
-                flights.push_back(Flight { track: i, off, n, dev, bounce, state });
+                flights.push_back(Flight {
+                    track: i,
+                    off,
+                    n,
+                    dev,
+                    bounce,
+                    state,
+                });
                 self.pump(&mut tracks, &mut flights, peer, false);
             }
             tracks[i].settle();
@@ -248,8 +295,19 @@ impl Worker {
     fn send(&self, peer: &Arc<Peer>, p: &Piece, off: u64, n: usize, bounce: &Bounce) -> Arc<Batch> {
         let batch = Arc::new(Batch::new(1));
         let task = Arc::new(TaskState::new(p.task.deadline(), Arc::clone(&batch.signal)));
-        batch.tasks.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::clone(&task));
-        let sub = Piece { opcode: p.opcode, local: bounce.addr(), remote: p.remote + off, len: n as u64, task, guard: p.guard.clone() };
+        batch
+            .tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Arc::clone(&task));
+        let sub = Piece {
+            opcode: p.opcode,
+            local: bounce.addr(),
+            remote: p.remote + off,
+            len: n as u64,
+            task,
+            guard: p.guard.clone(),
+        };
         (self.dispatch)(peer, vec![sub]);
         batch
     }
@@ -257,8 +315,20 @@ impl Worker {
     /// Moves flights on without waiting for the network: every queued device→host copy but
     /// the newest (`all`: the newest too) is waited for and its chunk sent, and every
     /// sub-piece that already ended is finished (a READ's host→device copy queued).
-    fn pump(&mut self, tracks: &mut [Track], flights: &mut VecDeque<Flight>, peer: &Arc<Peer>, all: bool) {
-        let newest_copy = if all { None } else { flights.iter().rposition(|f| matches!(f.state, State::Copying(_))) };
+    fn pump(
+        &mut self,
+        tracks: &mut [Track],
+        flights: &mut VecDeque<Flight>,
+        peer: &Arc<Peer>,
+        all: bool,
+    ) {
+        let newest_copy = if all {
+            None
+        } else {
+            flights
+                .iter()
+                .rposition(|f| matches!(f.state, State::Copying(_)))
+        };
         let mut kept = VecDeque::with_capacity(flights.len());
         for (idx, f) in std::mem::take(flights).into_iter().enumerate() {
             let ready = match &f.state {
@@ -289,7 +359,10 @@ impl Worker {
             }
             // The oldest host→device copy (copies end in queue order: the shortest wait),
             // else the oldest chunk.
-            let idx = flights.iter().position(|f| matches!(f.state, State::Landing(_))).unwrap_or(0);
+            let idx = flights
+                .iter()
+                .position(|f| matches!(f.state, State::Landing(_)))
+                .unwrap_or(0);
             let Some(f) = flights.remove(idx) else { return };
             if let Some(f) = self.step(tracks, peer, f) {
                 flights.insert(idx, f);
@@ -304,7 +377,10 @@ impl Worker {
             State::Copying(e) => {
                 if let Err(why) = self.wait(f.dev, Direction::ToHost, e) {
                     let at = t.piece.as_ref().map_or(0, |p| p.local + f.off);
-                    t.fail(FailKind::Failed, format!("copying GPU {} memory at 0x{at:x} to host: {why}", f.dev).into());
+                    t.fail(
+                        FailKind::Failed,
+                        format!("copying GPU {} memory at 0x{at:x} to host: {why}", f.dev).into(),
+                    );
                 }
                 // The bounce buffer holds the chunk now: send it, unless the piece failed.
                 match t.piece.as_ref() {
@@ -326,19 +402,41 @@ impl Worker {
                                 t.fail(kind, why);
                             } else {
                                 let src = f.bounce.as_slice().as_ptr();
-                                match self.queue(f.dev, Direction::ToDevice, src.cast_mut(), at, f.n) {
+                                match self.queue(
+                                    f.dev,
+                                    Direction::ToDevice,
+                                    src.cast_mut(),
+                                    at,
+                                    f.n,
+                                ) {
                                     Ok(e) => {
                                         f.state = State::Landing(e);
                                         return Some(f);
                                     }
-                                    Err(e) => t.fail(FailKind::Failed, format!("copying into GPU {} memory at 0x{at:x}: {e}", f.dev).into()),
+                                    Err(e) => t.fail(
+                                        FailKind::Failed,
+                                        format!(
+                                            "copying into GPU {} memory at 0x{at:x}: {e}",
+                                            f.dev
+                                        )
+                                        .into(),
+                                    ),
                                 }
                             }
                         }
                     }
                     (Some(s), _) => {
-                        let kind = if s.status == TaskStatus::Timeout { FailKind::Timeout } else { FailKind::Failed };
-                        t.fail(kind, s.cause.unwrap_or_default().because(s.reason.unwrap_or_else(|| "a staged chunk failed".into())));
+                        let kind = if s.status == TaskStatus::Timeout {
+                            FailKind::Timeout
+                        } else {
+                            FailKind::Failed
+                        };
+                        t.fail(
+                            kind,
+                            s.cause.unwrap_or_default().because(
+                                s.reason.unwrap_or_else(|| "a staged chunk failed".into()),
+                            ),
+                        );
                     }
                     (None, _) => t.fail(FailKind::Failed, "a staged chunk vanished".into()),
                 }
@@ -347,7 +445,10 @@ impl Worker {
             State::Landing(e) => {
                 if let Err(why) = self.wait(f.dev, Direction::ToDevice, e) {
                     let at = t.piece.as_ref().map_or(0, |p| p.local + f.off);
-                    t.fail(FailKind::Failed, format!("copying into GPU {} memory at 0x{at:x}: {why}", f.dev).into());
+                    t.fail(
+                        FailKind::Failed,
+                        format!("copying into GPU {} memory at 0x{at:x}: {why}", f.dev).into(),
+                    );
                 }
                 self.end(t, f)
             }
@@ -384,7 +485,11 @@ impl Worker {
                         }
                     }
                 })?;
-                Lanes { to_host, to_device, events: Vec::new() }
+                Lanes {
+                    to_host,
+                    to_device,
+                    events: Vec::new(),
+                }
             }
         };
         Ok(slot.insert(lanes))
@@ -392,7 +497,14 @@ impl Worker {
 
     /// Queues a copy of `n` bytes between the host buffer at `host` and device address `at`
     /// on GPU `dev`'s stream for `dir`, and records an event behind it; the event.
-    fn queue(&mut self, dev: u32, dir: Direction, host: *mut u8, at: u64, n: usize) -> Result<Handle, CudaError> {
+    fn queue(
+        &mut self,
+        dev: u32,
+        dir: Direction,
+        host: *mut u8,
+        at: u64,
+        n: usize,
+    ) -> Result<Handle, CudaError> {
         let cuda = self.cuda;
         let lanes = self.lanes(dev)?;
         let stream = dir.stream(lanes);
@@ -479,7 +591,18 @@ impl Direction {
 /// deadline passed.
 fn stop(p: &Piece, now: Instant) -> Option<(FailKind, Failure)> {
     if p.guard.is_revoked() {
-        return Some((FailKind::Failed, FailCause::Other.because(format!("[0x{:x}, +{}) was unregistered during the transfer", p.local, p.len))));
+        return Some((
+            FailKind::Failed,
+            FailCause::Other.because(format!(
+                "[0x{:x}, +{}) was unregistered during the transfer",
+                p.local, p.len
+            )),
+        ));
     }
-    (now >= p.task.deadline()).then(|| (FailKind::Timeout, FailCause::Timeout.because("the deadline passed while staging GPU memory")))
+    (now >= p.task.deadline()).then(|| {
+        (
+            FailKind::Timeout,
+            FailCause::Timeout.because("the deadline passed while staging GPU memory"),
+        )
+    })
 }

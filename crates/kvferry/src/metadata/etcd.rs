@@ -67,7 +67,10 @@ pub struct Owner {
 impl Owner {
     /// The creation `kv` is.
     pub fn of(kv: &KeyValue) -> Owner {
-        Owner { create_revision: kv.create_revision, lease: kv.lease }
+        Owner {
+            create_revision: kv.create_revision,
+            lease: kv.lease,
+        }
     }
 
     /// Whether `kv` is this creation.
@@ -97,8 +100,12 @@ pub enum Cond {
 impl Cond {
     fn compare(&self) -> Value {
         match self {
-            Cond::ModRevision(key, rev) => json!({ "key": B64.encode(key), "result": "EQUAL", "target": "MOD", "mod_revision": rev.to_string() }),
-            Cond::Absent(key) => json!({ "key": B64.encode(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0" }),
+            Cond::ModRevision(key, rev) => {
+                json!({ "key": B64.encode(key), "result": "EQUAL", "target": "MOD", "mod_revision": rev.to_string() })
+            }
+            Cond::Absent(key) => {
+                json!({ "key": B64.encode(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0" })
+            }
         }
     }
 }
@@ -117,19 +124,31 @@ pub enum Created {
 pub fn parse_endpoints(s: &str) -> Vec<String> {
     let s = s.trim();
     let s = s.strip_prefix("etcd://").unwrap_or(s);
-    s.split([';', ',']).map(|e| e.trim().trim_start_matches("http://").trim_end_matches('/').to_string()).filter(|e| !e.is_empty()).collect()
+    s.split([';', ','])
+        .map(|e| {
+            e.trim()
+                .trim_start_matches("http://")
+                .trim_end_matches('/')
+                .to_string()
+        })
+        .filter(|e| !e.is_empty())
+        .collect()
 }
 
 /// An int64 of the gateway's JSON (proto3 maps int64 to a string; accept a number too).
 fn int(v: &Value) -> Option<i64> {
-    v.as_str().and_then(|s| s.parse().ok()).or_else(|| v.as_i64())
+    v.as_str()
+        .and_then(|s| s.parse().ok())
+        .or_else(|| v.as_i64())
 }
 
 impl EtcdClient {
     /// A client of `endpoints` (`host:port`), each call bounded by `timeout` (connecting by
     /// half of it, at most 1.5 s). Nothing is sent yet.
     pub fn new(endpoints: &[String], timeout: Duration) -> EtcdClient {
-        let connect = (timeout / 2).min(Duration::from_millis(1500)).max(Duration::from_millis(10));
+        let connect = (timeout / 2)
+            .min(Duration::from_millis(1500))
+            .max(Duration::from_millis(10));
         let config = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(timeout))
@@ -137,7 +156,12 @@ impl EtcdClient {
             .max_idle_connections_per_host(4)
             .user_agent("kvferry")
             .build();
-        EtcdClient { location: format!("etcd://{}", endpoints.join(",")), endpoints: endpoints.to_vec(), agent: ureq::Agent::new_with_config(config), current: AtomicUsize::new(0) }
+        EtcdClient {
+            location: format!("etcd://{}", endpoints.join(",")),
+            endpoints: endpoints.to_vec(),
+            agent: ureq::Agent::new_with_config(config),
+            current: AtomicUsize::new(0),
+        }
     }
 
     /// Like [`EtcdClient::new`], failing now, with the reason, if no endpoint answers.
@@ -153,7 +177,11 @@ impl EtcdClient {
     }
 
     fn err(&self, reason: String) -> Error {
-        Error::Metadata { backend: Backend::Etcd.name(), location: self.location.clone(), reason }
+        Error::Metadata {
+            backend: Backend::Etcd.name(),
+            location: self.location.clone(),
+            reason,
+        }
     }
 
     /// One gateway call: `body` posted to `path` on the endpoint that answered last, then on
@@ -166,8 +194,14 @@ impl EtcdClient {
         let mut last = String::new();
         for k in 0..n {
             let i = (first + k) % n;
-            let Some(ep) = self.endpoints.get(i) else { break };
-            let resp = self.agent.post(&format!("http://{ep}{path}")).header("content-type", "application/json").send(bytes.as_bytes());
+            let Some(ep) = self.endpoints.get(i) else {
+                break;
+            };
+            let resp = self
+                .agent
+                .post(&format!("http://{ep}{path}"))
+                .header("content-type", "application/json")
+                .send(bytes.as_bytes());
             let resp = match resp {
                 Ok(r) => r,
                 Err(e) => {
@@ -178,33 +212,61 @@ impl EtcdClient {
             self.current.store(i, Ordering::Relaxed);
             let status = resp.status().as_u16();
             let mut buf = Vec::new();
-            resp.into_body().into_reader().take(MAX_ANSWER + 1).read_to_end(&mut buf).map_err(|e| self.err(format!("{what}: reading the answer: {e}")))?;
+            resp.into_body()
+                .into_reader()
+                .take(MAX_ANSWER + 1)
+                .read_to_end(&mut buf)
+                .map_err(|e| self.err(format!("{what}: reading the answer: {e}")))?;
             // A streaming call (lease keepalive) answers one JSON object per line.
             let first_line = buf.split(|&b| b == b'\n').next().unwrap_or(&[]);
             let v: Value = serde_json::from_slice(first_line).map_err(|e| self.err(format!("{what}: the answer is not JSON ({e}): is {ep} an etcd (3.4 or newer) client port?")))?;
             if status != 200 || v.get("error").is_some() {
-                let msg = v.get("message").or_else(|| v.get("error")).and_then(Value::as_str).unwrap_or("unknown error");
+                let msg = v
+                    .get("message")
+                    .or_else(|| v.get("error"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("unknown error");
                 return Err(self.err(format!("{what}: {msg} (HTTP {status})")));
             }
             return Ok(v);
         }
-        Err(self.err(format!("{what}: no endpoint answered ({last}); is etcd running and reachable at this address?")))
+        Err(self.err(format!(
+            "{what}: no endpoint answered ({last}); is etcd running and reachable at this address?"
+        )))
     }
 
     /// Grants a lease of `ttl_secs`; its id and the TTL etcd granted (etcd may raise a TTL
     /// below its minimum).
     pub fn lease_grant(&self, ttl_secs: i64) -> Result<(i64, i64)> {
-        let v = self.call("granting a lease", "/v3/lease/grant", json!({ "TTL": ttl_secs }))?;
-        let id = v.get("ID").and_then(int).ok_or_else(|| self.err(format!("granting a lease: no ID in the answer {v}")))?;
+        let v = self.call(
+            "granting a lease",
+            "/v3/lease/grant",
+            json!({ "TTL": ttl_secs }),
+        )?;
+        let id = v
+            .get("ID")
+            .and_then(int)
+            .ok_or_else(|| self.err(format!("granting a lease: no ID in the answer {v}")))?;
         Ok((id, v.get("TTL").and_then(int).unwrap_or(ttl_secs)))
     }
 
     /// Renews a lease; its remaining TTL, `None` when etcd no longer knows it (expired or
     /// revoked).
     pub fn lease_keepalive(&self, id: i64) -> Result<Option<i64>> {
-        match self.call("renewing the lease", "/v3/lease/keepalive", json!({ "ID": id.to_string() })) {
+        match self.call(
+            "renewing the lease",
+            "/v3/lease/keepalive",
+            json!({ "ID": id.to_string() }),
+        ) {
             // {"result": {"ID": ..., "TTL": ...}}; an expired lease comes back without a TTL.
-            Ok(v) => Ok(Some(v.get("result").unwrap_or(&v).get("TTL").and_then(int).unwrap_or(0)).filter(|t| *t > 0)),
+            Ok(v) => Ok(Some(
+                v.get("result")
+                    .unwrap_or(&v)
+                    .get("TTL")
+                    .and_then(int)
+                    .unwrap_or(0),
+            )
+            .filter(|t| *t > 0)),
             Err(e) if lease_gone(&e) => Ok(None),
             Err(e) => Err(e),
         }
@@ -212,7 +274,11 @@ impl EtcdClient {
 
     /// Revokes a lease (its keys go with it); an unknown lease is not an error.
     pub fn lease_revoke(&self, id: i64) -> Result<()> {
-        match self.call("revoking the lease", "/v3/lease/revoke", json!({ "ID": id.to_string() })) {
+        match self.call(
+            "revoking the lease",
+            "/v3/lease/revoke",
+            json!({ "ID": id.to_string() }),
+        ) {
             Err(e) if !lease_gone(&e) => Err(e),
             _ => Ok(()),
         }
@@ -221,15 +287,30 @@ impl EtcdClient {
     fn decode_kv(&self, key: &str, kv: &Value) -> Result<KeyValue> {
         // Zero values and empty strings are omitted from the JSON.
         let value = kv.get("value").and_then(Value::as_str).unwrap_or("");
-        let value = B64.decode(value).map_err(|e| self.err(format!("GET {key}: the value is not base64 ({e})")))?;
+        let value = B64
+            .decode(value)
+            .map_err(|e| self.err(format!("GET {key}: the value is not base64 ({e})")))?;
         let f = |n: &str| kv.get(n).and_then(int).unwrap_or(0);
-        Ok(KeyValue { value, create_revision: f("create_revision"), mod_revision: f("mod_revision"), lease: f("lease") })
+        Ok(KeyValue {
+            value,
+            create_revision: f("create_revision"),
+            mod_revision: f("mod_revision"),
+            lease: f("lease"),
+        })
     }
 
     /// `key` with its revisions and lease, `None` when absent.
     pub fn get_kv(&self, key: &str) -> Result<Option<KeyValue>> {
-        let v = self.call(&format!("GET {key}"), "/v3/kv/range", json!({ "key": B64.encode(key) }))?;
-        match v.get("kvs").and_then(Value::as_array).and_then(|a| a.first()) {
+        let v = self.call(
+            &format!("GET {key}"),
+            "/v3/kv/range",
+            json!({ "key": B64.encode(key) }),
+        )?;
+        match v
+            .get("kvs")
+            .and_then(Value::as_array)
+            .and_then(|a| a.first())
+        {
             Some(kv) => self.decode_kv(key, kv).map(Some),
             None => Ok(None),
         }
@@ -241,7 +322,8 @@ impl EtcdClient {
         if lease != 0 {
             body["lease"] = json!(lease.to_string());
         }
-        self.call(&format!("PUT {key}"), "/v3/kv/put", body).map(drop)
+        self.call(&format!("PUT {key}"), "/v3/kv/put", body)
+            .map(drop)
     }
 
     /// Creates `key` = `value` under `lease` in one transaction, only if it does not exist
@@ -253,13 +335,21 @@ impl EtcdClient {
     /// [`EtcdClient::create`], and only while every one of `conds` holds too (in the same
     /// transaction). When a condition fails but the key is absent, the answer is
     /// `Created::Lost(None)`.
-    pub fn create_when(&self, key: &str, value: &[u8], lease: i64, conds: &[Cond]) -> Result<Created> {
+    pub fn create_when(
+        &self,
+        key: &str,
+        value: &[u8],
+        lease: i64,
+        conds: &[Cond],
+    ) -> Result<Created> {
         let k = B64.encode(key);
         let mut put = json!({ "key": k, "value": B64.encode(value) });
         if lease != 0 {
             put["lease"] = json!(lease.to_string());
         }
-        let mut compare = vec![json!({ "key": k, "result": "EQUAL", "target": "CREATE", "create_revision": "0" })];
+        let mut compare = vec![
+            json!({ "key": k, "result": "EQUAL", "target": "CREATE", "create_revision": "0" }),
+        ];
         compare.extend(conds.iter().map(Cond::compare));
         let body = json!({
             "compare": compare,
@@ -268,10 +358,21 @@ impl EtcdClient {
         });
         let v = self.call(&format!("CREATE {key}"), "/v3/kv/txn", body)?;
         if v.get("succeeded").and_then(Value::as_bool).unwrap_or(false) {
-            let rev = v.get("header").and_then(|h| h.get("revision")).and_then(int).ok_or_else(|| self.err(format!("CREATE {key}: no revision in the answer {v}")))?;
+            let rev = v
+                .get("header")
+                .and_then(|h| h.get("revision"))
+                .and_then(int)
+                .ok_or_else(|| self.err(format!("CREATE {key}: no revision in the answer {v}")))?;
             return Ok(Created::Won(rev));
         }
-        let kv = v.get("responses").and_then(Value::as_array).and_then(|r| r.first()).and_then(|r| r.get("response_range")).and_then(|r| r.get("kvs")).and_then(Value::as_array).and_then(|a| a.first());
+        let kv = v
+            .get("responses")
+            .and_then(Value::as_array)
+            .and_then(|r| r.first())
+            .and_then(|r| r.get("response_range"))
+            .and_then(|r| r.get("kvs"))
+            .and_then(Value::as_array)
+            .and_then(|a| a.first());
         match kv {
             Some(kv) => self.decode_kv(key, kv).map(|kv| Created::Lost(Some(kv))),
             None => Ok(Created::Lost(None)),
@@ -291,8 +392,19 @@ impl EtcdClient {
     /// One transaction guarded by `guard` still being `owner`'s creation (an HA leader's view
     /// key): `puts` set, then the keys in `[delete.0, delete.1)` removed. `Some(revision)` when
     /// it was applied, `None` when the guard failed (nothing changed).
-    pub fn txn_if_owned(&self, guard: &str, owner: Owner, puts: &[(String, Vec<u8>)], delete: Option<(&str, &str)>) -> Result<Option<i64>> {
-        let mut ops: Vec<Value> = puts.iter().map(|(k, v)| json!({ "request_put": { "key": B64.encode(k), "value": B64.encode(v) } })).collect();
+    pub fn txn_if_owned(
+        &self,
+        guard: &str,
+        owner: Owner,
+        puts: &[(String, Vec<u8>)],
+        delete: Option<(&str, &str)>,
+    ) -> Result<Option<i64>> {
+        let mut ops: Vec<Value> = puts
+            .iter()
+            .map(
+                |(k, v)| json!({ "request_put": { "key": B64.encode(k), "value": B64.encode(v) } }),
+            )
+            .collect();
         if let Some((from, to)) = delete {
             ops.push(json!({ "request_delete_range": { "key": B64.encode(from), "range_end": B64.encode(to) } }));
         }
@@ -305,7 +417,11 @@ impl EtcdClient {
         if !v.get("succeeded").and_then(Value::as_bool).unwrap_or(false) {
             return Ok(None);
         }
-        let rev = v.get("header").and_then(|h| h.get("revision")).and_then(int).ok_or_else(|| self.err(format!("{what}: no revision in the answer {v}")))?;
+        let rev = v
+            .get("header")
+            .and_then(|h| h.get("revision"))
+            .and_then(int)
+            .ok_or_else(|| self.err(format!("{what}: no revision in the answer {v}")))?;
         Ok(Some(rev))
     }
 
@@ -316,10 +432,21 @@ impl EtcdClient {
         loop {
             let what = format!("RANGE {from}..{to}");
             let v = self.call(&what, "/v3/kv/range", json!({ "key": B64.encode(&start), "range_end": B64.encode(to), "limit": page.max(1).to_string() }))?;
-            let kvs = v.get("kvs").and_then(Value::as_array).cloned().unwrap_or_default();
+            let kvs = v
+                .get("kvs")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default();
             for kv in &kvs {
-                let key = kv.get("key").and_then(Value::as_str).map(|k| B64.decode(k)).transpose().map_err(|e| self.err(format!("{what}: a key is not base64 ({e})")))?.unwrap_or_default();
-                let key = String::from_utf8(key).map_err(|e| self.err(format!("{what}: a key is not UTF-8 ({e})")))?;
+                let key = kv
+                    .get("key")
+                    .and_then(Value::as_str)
+                    .map(|k| B64.decode(k))
+                    .transpose()
+                    .map_err(|e| self.err(format!("{what}: a key is not base64 ({e})")))?
+                    .unwrap_or_default();
+                let key = String::from_utf8(key)
+                    .map_err(|e| self.err(format!("{what}: a key is not UTF-8 ({e})")))?;
                 let decoded = self.decode_kv(&key, kv)?;
                 out.push((key, decoded));
             }
@@ -337,7 +464,11 @@ impl EtcdClient {
     /// Compacts etcd's history up to `revision` (old versions of every key are dropped, so
     /// the database does not grow with every rewrite of the same keys).
     pub fn compact(&self, revision: i64) -> Result<()> {
-        match self.call("compacting", "/v3/kv/compaction", json!({ "revision": revision.to_string() })) {
+        match self.call(
+            "compacting",
+            "/v3/kv/compaction",
+            json!({ "revision": revision.to_string() }),
+        ) {
             // Compacted already (by etcd's auto-compaction or another caller): fine.
             Err(e) if e.to_string().contains("compacted") => Ok(()),
             r => r.map(drop),
@@ -346,12 +477,22 @@ impl EtcdClient {
 
     /// Removes every key in `[from, to)`.
     pub fn delete_range(&self, from: &str, to: &str) -> Result<()> {
-        self.call(&format!("DELETE {from}..{to}"), "/v3/kv/deleterange", json!({ "key": B64.encode(from), "range_end": B64.encode(to) })).map(drop)
+        self.call(
+            &format!("DELETE {from}..{to}"),
+            "/v3/kv/deleterange",
+            json!({ "key": B64.encode(from), "range_end": B64.encode(to) }),
+        )
+        .map(drop)
     }
 
     /// Removes `key`; absent is not an error.
     pub fn delete(&self, key: &str) -> Result<()> {
-        self.call(&format!("DELETE {key}"), "/v3/kv/deleterange", json!({ "key": B64.encode(key) })).map(drop)
+        self.call(
+            &format!("DELETE {key}"),
+            "/v3/kv/deleterange",
+            json!({ "key": B64.encode(key) }),
+        )
+        .map(drop)
     }
 
     /// Deletes `key` only if its last write is `mod_revision` (one transaction); whether it
@@ -362,7 +503,11 @@ impl EtcdClient {
             "compare": [Cond::ModRevision(key.to_string(), mod_revision).compare()],
             "success": [{ "request_delete_range": { "key": k } }],
         });
-        let v = self.call(&format!("DELETE {key} (if not written since)"), "/v3/kv/txn", body)?;
+        let v = self.call(
+            &format!("DELETE {key} (if not written since)"),
+            "/v3/kv/txn",
+            body,
+        )?;
         Ok(v.get("succeeded").and_then(Value::as_bool).unwrap_or(false))
     }
 
@@ -381,7 +526,11 @@ impl EtcdClient {
 impl EtcdStore {
     pub fn connect(endpoints: &[String], opts: &StoreOptions) -> Result<EtcdStore> {
         let client = EtcdClient::connect(endpoints, opts.timeout)?;
-        Ok(EtcdStore { client, ttl: opts.lease_ttl.as_secs().max(2) as i64, lease: Mutex::new(None) })
+        Ok(EtcdStore {
+            client,
+            ttl: opts.lease_ttl.as_secs().max(2) as i64,
+            lease: Mutex::new(None),
+        })
     }
 
     fn grant(&self) -> Result<i64> {
@@ -437,7 +586,12 @@ impl MetadataStore for EtcdStore {
     }
 
     fn get_seen(&self, key: &str) -> Result<Option<Seen>> {
-        self.client.get_kv(key).map(|kv| kv.map(|kv| Seen { value: kv.value, revision: Some(kv.mod_revision) }))
+        self.client.get_kv(key).map(|kv| {
+            kv.map(|kv| Seen {
+                value: kv.value,
+                revision: Some(kv.mod_revision),
+            })
+        })
     }
 
     /// One transaction comparing the write (`mod_revision`) when `seen` has it, else the value.
@@ -466,11 +620,16 @@ impl MetadataStore for EtcdStore {
     }
 
     fn keepalive(&self) -> Result<bool> {
-        let Some(id) = *self.lease.lock().unwrap_or_else(|e| e.into_inner()) else { return Ok(false) };
+        let Some(id) = *self.lease.lock().unwrap_or_else(|e| e.into_inner()) else {
+            return Ok(false);
+        };
         if self.client.lease_keepalive(id)?.is_some() {
             return Ok(false);
         }
-        tracing::info!("etcd lease {id:x} is gone ({}); granting a new one", self.client.location());
+        tracing::info!(
+            "etcd lease {id:x} is gone ({}); granting a new one",
+            self.client.location()
+        );
         let new = self.grant()?;
         *self.lease.lock().unwrap_or_else(|e| e.into_inner()) = Some(new);
         Ok(true)

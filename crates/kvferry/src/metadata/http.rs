@@ -41,9 +41,14 @@ impl HttpStore {
     pub fn new(url: &str, opts: &StoreOptions) -> Result<HttpStore> {
         let mut roots = ureq::tls::RootCerts::WebPki;
         if let Some(file) = opts.ca_file.as_deref().filter(|_| is_https(url)) {
-            roots = load_roots(file).map_err(|reason| Error::Metadata { backend: Backend::Http.name(), location: url.to_string(), reason })?;
+            roots = load_roots(file).map_err(|reason| Error::Metadata {
+                backend: Backend::Http.name(),
+                location: url.to_string(),
+                reason,
+            })?;
         }
-        let key = crate::auth::ClusterKey::from_config(opts.auth_key_file.as_deref()).map_err(|e| Error::Config(e.to_string()))?;
+        let key = crate::auth::ClusterKey::from_config(opts.auth_key_file.as_deref())
+            .map_err(|e| Error::Config(e.to_string()))?;
         let config = ureq::Agent::config_builder()
             .tls_config(ureq::tls::TlsConfig::builder().root_certs(roots).build())
             .http_status_as_error(false)
@@ -52,12 +57,24 @@ impl HttpStore {
             .max_idle_connections_per_host(16)
             .user_agent("kvferry")
             .build();
-        let agent = ureq::Agent::with_parts(config, DefaultConnector::default(), CachingResolver::default());
-        Ok(HttpStore { url: url.to_string(), agent, key })
+        let agent = ureq::Agent::with_parts(
+            config,
+            DefaultConnector::default(),
+            CachingResolver::default(),
+        );
+        Ok(HttpStore {
+            url: url.to_string(),
+            agent,
+            key,
+        })
     }
 
     fn err(&self, reason: String) -> Error {
-        Error::Metadata { backend: Backend::Http.name(), location: self.url.clone(), reason }
+        Error::Metadata {
+            backend: Backend::Http.name(),
+            location: self.url.clone(),
+            reason,
+        }
     }
 
     fn target(&self, key: &str) -> String {
@@ -70,16 +87,27 @@ impl HttpStore {
         let key = self.key.as_ref()?;
         // What ureq sends on the request line: the URI's path and query, `/` without one.
         let uri = target.parse::<ureq::http::Uri>().ok();
-        let pq = uri.as_ref().and_then(|u| u.path_and_query()).map_or("/", |p| p.as_str());
+        let pq = uri
+            .as_ref()
+            .and_then(|u| u.path_and_query())
+            .map_or("/", |p| p.as_str());
         Some(crate::auth_http::sign_now(key, method, pq, body))
     }
 
     fn transport_err(&self, what: &str, key: &str, e: ureq::Error) -> Error {
         let hint = match &e {
-            ureq::Error::Timeout(_) => " (timed out: is the metadata server up and reachable from here?)",
-            ureq::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => " (connection refused: is the metadata server running at this address?)",
+            ureq::Error::Timeout(_) => {
+                " (timed out: is the metadata server up and reachable from here?)"
+            }
+            ureq::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => {
+                " (connection refused: is the metadata server running at this address?)"
+            }
             ureq::Error::Rustls(_) | ureq::Error::Tls(_) | ureq::Error::Pem(_) => TLS_HINT,
-            ureq::Error::Io(io) if is_https(&self.url) && io.kind() == std::io::ErrorKind::InvalidData => TLS_HINT,
+            ureq::Error::Io(io)
+                if is_https(&self.url) && io.kind() == std::io::ErrorKind::InvalidData =>
+            {
+                TLS_HINT
+            }
             _ => " (is the metadata server running at this address?)",
         };
         self.err(format!("{what} {key}: {e}{hint}"))
@@ -88,11 +116,16 @@ impl HttpStore {
     /// A PUT's status and answer.
     fn put_answer(&self, key: &str, value: &[u8]) -> Result<(u16, Vec<u8>)> {
         let target = self.target(key);
-        let mut req = self.agent.put(&target).header("Content-Type", "application/json");
+        let mut req = self
+            .agent
+            .put(&target)
+            .header("Content-Type", "application/json");
         if let Some(auth) = self.auth("PUT", &target, value) {
             req = req.header(crate::auth_http::HEADER, auth);
         }
-        let resp = req.send(value).map_err(|e| self.transport_err("PUT", key, e))?;
+        let resp = req
+            .send(value)
+            .map_err(|e| self.transport_err("PUT", key, e))?;
         self.body(key, resp)
     }
 
@@ -106,14 +139,18 @@ impl HttpStore {
             .read_to_end(&mut buf)
             .map_err(|e| self.err(format!("reading the answer for {key}: {e}")))?;
         if buf.len() as u64 > MAX_VALUE {
-            return Err(self.err(format!("the value of {key} is larger than {MAX_VALUE} bytes")));
+            return Err(self.err(format!(
+                "the value of {key} is larger than {MAX_VALUE} bytes"
+            )));
         }
         Ok((status, buf))
     }
 
     fn refusal(&self, what: &str, key: &str, status: u16, body: &[u8]) -> Error {
         // (Long enough for a refusal's cause and fix.)
-        let text = String::from_utf8_lossy(&body[..body.len().min(600)]).trim().to_string();
+        let text = String::from_utf8_lossy(&body[..body.len().min(600)])
+            .trim()
+            .to_string();
         self.err(format!("{what} {key} answered HTTP {status} {text:?}"))
     }
 }
@@ -133,10 +170,28 @@ struct CachingResolver {
 }
 
 impl Resolver for CachingResolver {
-    fn resolve(&self, uri: &ureq::http::Uri, config: &ureq::config::Config, timeout: NextTimeout) -> std::result::Result<ResolvedSocketAddrs, ureq::Error> {
-        let port = uri.port_u16().unwrap_or(if uri.scheme_str().is_some_and(|s| s.eq_ignore_ascii_case("https")) { 443 } else { 80 });
+    fn resolve(
+        &self,
+        uri: &ureq::http::Uri,
+        config: &ureq::config::Config,
+        timeout: NextTimeout,
+    ) -> std::result::Result<ResolvedSocketAddrs, ureq::Error> {
+        let port = uri.port_u16().unwrap_or(
+            if uri
+                .scheme_str()
+                .is_some_and(|s| s.eq_ignore_ascii_case("https"))
+            {
+                443
+            } else {
+                80
+            },
+        );
         let host = uri.host().unwrap_or_default();
-        if let Ok(ip) = host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
+        if let Ok(ip) = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<IpAddr>()
+        {
             let mut addrs = self.empty();
             addrs.push(SocketAddr::new(ip, port));
             return Ok(addrs);
@@ -148,7 +203,8 @@ impl Resolver for CachingResolver {
             }
         }
         let addrs = self.inner.resolve(uri, config, timeout)?;
-        *self.cache.lock().unwrap_or_else(|e| e.into_inner()) = Some((key, Instant::now(), addrs.clone()));
+        *self.cache.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((key, Instant::now(), addrs.clone()));
         Ok(addrs)
     }
 }
@@ -156,11 +212,16 @@ impl Resolver for CachingResolver {
 /// The write an `ETag` names: `kvferry metadata-server` sends a number in quotes; anything
 /// else (a weak validator, another server's tag) names none.
 fn parse_etag(tag: &str) -> Option<i64> {
-    tag.trim().strip_prefix('"')?.strip_suffix('"')?.parse().ok()
+    tag.trim()
+        .strip_prefix('"')?
+        .strip_suffix('"')?
+        .parse()
+        .ok()
 }
 
 fn is_https(url: &str) -> bool {
-    url.get(..8).is_some_and(|s| s.eq_ignore_ascii_case("https://"))
+    url.get(..8)
+        .is_some_and(|s| s.eq_ignore_ascii_case("https://"))
 }
 
 /// The CA certificates of a PEM file; an error names the file and what is wrong with it.
@@ -176,7 +237,9 @@ fn load_roots(file: &Path) -> std::result::Result<ureq::tls::RootCerts, String> 
         }
     }
     if certs.is_empty() {
-        return Err(format!("{what}: holds no PEM certificate (\"-----BEGIN CERTIFICATE-----\")"));
+        return Err(format!(
+            "{what}: holds no PEM certificate (\"-----BEGIN CERTIFICATE-----\")"
+        ));
     }
     Ok(ureq::tls::RootCerts::new_with_certs(&certs))
 }
@@ -204,7 +267,11 @@ impl MetadataStore for HttpStore {
             req = req.header(crate::auth_http::HEADER, auth);
         }
         let resp = req.call().map_err(|e| self.transport_err("GET", key, e))?;
-        let revision = resp.headers().get("etag").and_then(|v| v.to_str().ok()).and_then(parse_etag);
+        let revision = resp
+            .headers()
+            .get("etag")
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_etag);
         match self.body(key, resp)? {
             (200, value) => Ok(Some(Seen { value, revision })),
             (404, _) => Ok(None),
@@ -221,11 +288,16 @@ impl MetadataStore for HttpStore {
             return super::remove_by_look(self, key, seen);
         };
         let target = self.target(key);
-        let mut req = self.agent.delete(&target).header("If-Match", format!("\"{rev}\""));
+        let mut req = self
+            .agent
+            .delete(&target)
+            .header("If-Match", format!("\"{rev}\""));
         if let Some(auth) = self.auth("DELETE", &target, b"") {
             req = req.header(crate::auth_http::HEADER, auth);
         }
-        let resp = req.call().map_err(|e| self.transport_err("DELETE", key, e))?;
+        let resp = req
+            .call()
+            .map_err(|e| self.transport_err("DELETE", key, e))?;
         match self.body(key, resp)? {
             (200, _) => Ok(true),
             (404 | 412, _) => Ok(false),
@@ -246,7 +318,9 @@ impl MetadataStore for HttpStore {
         if let Some(auth) = self.auth("DELETE", &target, b"") {
             req = req.header(crate::auth_http::HEADER, auth);
         }
-        let resp = req.call().map_err(|e| self.transport_err("DELETE", key, e))?;
+        let resp = req
+            .call()
+            .map_err(|e| self.transport_err("DELETE", key, e))?;
         match self.body(key, resp)? {
             (200 | 404, _) => Ok(()),
             (s, b) => Err(self.refusal("DELETE", key, s, &b)),

@@ -67,11 +67,19 @@ pub enum ConnString {
     /// etcd endpoints, each `host:port`.
     Etcd { endpoints: Vec<String> },
     /// `redis://[user:pass@]host:port[/db]`.
-    Redis { host: String, port: u16, username: Option<String>, password: Option<String>, db: Option<u32> },
+    Redis {
+        host: String,
+        port: u16,
+        username: Option<String>,
+        password: Option<String>,
+        db: Option<u32>,
+    },
 }
 
 fn bad(s: &str, why: impl std::fmt::Display) -> Error {
-    Error::Config(format!("metadata server {s:?}: {why}; supported forms: {SUPPORTED}"))
+    Error::Config(format!(
+        "metadata server {s:?}: {why}; supported forms: {SUPPORTED}"
+    ))
 }
 
 fn check_host_port(whole: &str, hp: &str, default_port: Option<u16>) -> Result<(String, u16)> {
@@ -115,7 +123,9 @@ impl ConnString {
                 };
                 let (hp, db) = match hostpart.split_once('/') {
                     Some((hp, db)) => {
-                        let n: u32 = db.parse().map_err(|_| bad(s, format!("database {db:?} is not a number")))?;
+                        let n: u32 = db
+                            .parse()
+                            .map_err(|_| bad(s, format!("database {db:?} is not a number")))?;
                         if n > 255 {
                             return Err(bad(s, format!("database {n} is out of range 0-255")));
                         }
@@ -127,11 +137,19 @@ impl ConnString {
                 let (username, password) = match auth {
                     None => (None, None),
                     Some(a) => match a.split_once(':') {
-                        Some((u, p)) => ((!u.is_empty()).then(|| u.to_string()), Some(p.to_string())),
+                        Some((u, p)) => {
+                            ((!u.is_empty()).then(|| u.to_string()), Some(p.to_string()))
+                        }
                         None => (None, Some(a.to_string())),
                     },
                 };
-                Ok(ConnString::Redis { host, port, username, password, db })
+                Ok(ConnString::Redis {
+                    host,
+                    port,
+                    username,
+                    password,
+                    db,
+                })
             }
             other => Err(bad(s, format!("unknown scheme {other:?}"))),
         }
@@ -140,9 +158,16 @@ impl ConnString {
     fn etcd(whole: &str, list: &str) -> Result<ConnString> {
         let mut endpoints = Vec::new();
         for ep in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-            let ep = ep.strip_prefix("http://").unwrap_or(ep).trim_end_matches('/');
+            let ep = ep
+                .strip_prefix("http://")
+                .unwrap_or(ep)
+                .trim_end_matches('/');
             let (h, p) = check_host_port(whole, ep, None)?;
-            endpoints.push(if h.contains(':') { format!("[{h}]:{p}") } else { format!("{h}:{p}") });
+            endpoints.push(if h.contains(':') {
+                format!("[{h}]:{p}")
+            } else {
+                format!("{h}:{p}")
+            });
         }
         if endpoints.is_empty() {
             return Err(bad(whole, "no etcd endpoint"));
@@ -183,7 +208,15 @@ pub struct StoreOptions {
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        StoreOptions { timeout: Duration::from_secs(3), lease_ttl: Duration::from_secs(10), redis_username: None, redis_password: None, redis_db: None, ca_file: None, auth_key_file: None }
+        StoreOptions {
+            timeout: Duration::from_secs(3),
+            lease_ttl: Duration::from_secs(10),
+            redis_username: None,
+            redis_password: None,
+            redis_db: None,
+            ca_file: None,
+            auth_key_file: None,
+        }
     }
 }
 
@@ -201,7 +234,9 @@ impl StoreOptions {
     }
 
     pub(crate) fn connect_timeout(&self) -> Duration {
-        (self.timeout / 2).min(Duration::from_millis(1500)).max(Duration::from_millis(10))
+        (self.timeout / 2)
+            .min(Duration::from_millis(1500))
+            .max(Duration::from_millis(10))
     }
 }
 
@@ -239,7 +274,10 @@ pub trait MetadataStore: Send + Sync {
     /// As [`MetadataStore::get`], with what tells this write of the value from a later
     /// write of the same value ([`Seen::revision`]: etcd's `mod_revision`; elsewhere none).
     fn get_seen(&self, key: &str) -> Result<Option<Seen>> {
-        Ok(self.get(key)?.map(|value| Seen { value, revision: None }))
+        Ok(self.get(key)?.map(|value| Seen {
+            value,
+            revision: None,
+        }))
     }
     /// Removes `key` only if it still holds what `seen` saw: whether it did. What replacing
     /// a dead engine's entry relies on, so that of engines replacing it at once none removes
@@ -266,7 +304,11 @@ pub trait MetadataStore: Send + Sync {
 
 /// [`MetadataStore::create`] by a look then a put (not atomic: the default, and what a
 /// backend without a create-if-absent does for keys nothing else creates).
-pub(crate) fn create_by_look(store: &(impl MetadataStore + ?Sized), key: &str, value: &[u8]) -> Result<bool> {
+pub(crate) fn create_by_look(
+    store: &(impl MetadataStore + ?Sized),
+    key: &str,
+    value: &[u8],
+) -> Result<bool> {
     match store.get(key)? {
         Some(v) => Ok(v == value),
         None => store.put(key, value).map(|()| true),
@@ -275,7 +317,11 @@ pub(crate) fn create_by_look(store: &(impl MetadataStore + ?Sized), key: &str, v
 
 /// [`MetadataStore::remove_if`] by a look, a compare of the value and a remove (not
 /// atomic: the default, and what HTTP does against a server that names no write).
-pub(crate) fn remove_by_look(store: &(impl MetadataStore + ?Sized), key: &str, seen: &Seen) -> Result<bool> {
+pub(crate) fn remove_by_look(
+    store: &(impl MetadataStore + ?Sized),
+    key: &str,
+    seen: &Seen,
+) -> Result<bool> {
     match store.get(key)? {
         Some(v) if v == seen.value => store.remove(key).map(|()| true),
         _ => Ok(false),
@@ -292,8 +338,16 @@ pub fn connect(conn: &str, opts: &StoreOptions) -> Result<Option<Arc<dyn Metadat
     Ok(match ConnString::parse(conn)? {
         ConnString::P2p => None,
         ConnString::Http { url } => Some(Arc::new(http::HttpStore::new(&url, opts)?)),
-        ConnString::Etcd { endpoints } => Some(Arc::new(etcd::EtcdStore::connect(&endpoints, opts)?)),
-        ConnString::Redis { host, port, username, password, db } => Some(Arc::new(redis::RedisStore::new(
+        ConnString::Etcd { endpoints } => {
+            Some(Arc::new(etcd::EtcdStore::connect(&endpoints, opts)?))
+        }
+        ConnString::Redis {
+            host,
+            port,
+            username,
+            password,
+            db,
+        } => Some(Arc::new(redis::RedisStore::new(
             &host,
             port,
             username.or_else(|| opts.redis_username.clone()),
@@ -319,7 +373,10 @@ pub struct Keys {
 
 impl Keys {
     pub fn new(cluster_id: Option<&str>) -> Keys {
-        let prefix = match cluster_id.map(|c| c.trim().trim_matches('/')).filter(|c| !c.is_empty()) {
+        let prefix = match cluster_id
+            .map(|c| c.trim().trim_matches('/'))
+            .filter(|c| !c.is_empty())
+        {
             Some(id) => format!("mooncake/{id}/"),
             None => "mooncake/".to_string(),
         };
@@ -357,14 +414,26 @@ pub fn encode_rpc_meta(meta: &RpcMeta, write: u64) -> Result<Vec<u8>> {
 
 /// Decodes an `rpc_meta` value; the error names the missing or bad field.
 pub fn decode_rpc_meta(value: &[u8]) -> std::result::Result<RpcMeta, String> {
-    let v: serde_json::Value = serde_json::from_slice(value).map_err(|e| format!("rpc_meta is not JSON: {e}"))?;
-    let host = v.get("ip_or_host_name").and_then(|h| h.as_str()).ok_or("rpc_meta lacks the string field \"ip_or_host_name\"")?;
+    let v: serde_json::Value =
+        serde_json::from_slice(value).map_err(|e| format!("rpc_meta is not JSON: {e}"))?;
+    let host = v
+        .get("ip_or_host_name")
+        .and_then(|h| h.as_str())
+        .ok_or("rpc_meta lacks the string field \"ip_or_host_name\"")?;
     if host.is_empty() {
         return Err("rpc_meta field \"ip_or_host_name\" is empty".into());
     }
-    let port = v.get("rpc_port").and_then(|p| p.as_u64()).ok_or("rpc_meta lacks the integer field \"rpc_port\"")?;
-    let port = u16::try_from(port).ok().filter(|p| *p != 0).ok_or(format!("rpc_meta field \"rpc_port\" = {port} is not a port"))?;
-    Ok(RpcMeta { ip_or_host_name: host.to_string(), rpc_port: port })
+    let port = v
+        .get("rpc_port")
+        .and_then(|p| p.as_u64())
+        .ok_or("rpc_meta lacks the integer field \"rpc_port\"")?;
+    let port = u16::try_from(port).ok().filter(|p| *p != 0).ok_or(format!(
+        "rpc_meta field \"rpc_port\" = {port} is not a port"
+    ))?;
+    Ok(RpcMeta {
+        ip_or_host_name: host.to_string(),
+        rpc_port: port,
+    })
 }
 
 /// One entry an engine owns in the service.
@@ -429,7 +498,13 @@ impl Directory {
         let mut owned = self.owned.lock().unwrap_or_else(|e| e.into_inner());
         let value = value();
         let r = self.store.put(key, &value);
-        owned.entries.insert(key.to_string(), Entry { value, pending: r.is_err() });
+        owned.entries.insert(
+            key.to_string(),
+            Entry {
+                value,
+                pending: r.is_err(),
+            },
+        );
         r
     }
 
@@ -449,10 +524,19 @@ impl Directory {
     /// engine's entry that was seen before the engine restarted at the same address and
     /// wrote it again no longer takes the new one. This engine's own leftover is recognised
     /// by its address, not by its bytes.
-    pub fn publish_rpc_meta(&self, name: &str, meta: &RpcMeta, alive: &dyn Fn(&RpcMeta) -> bool) -> Result<()> {
+    pub fn publish_rpc_meta(
+        &self,
+        name: &str,
+        meta: &RpcMeta,
+        alive: &dyn Fn(&RpcMeta) -> bool,
+    ) -> Result<()> {
         let key = self.keys.rpc_meta(name);
         let value = encode_rpc_meta(meta, rand::random())?;
-        let refused = |why: String| Error::Metadata { backend: self.store.backend().name(), location: self.store.location().to_string(), reason: why };
+        let refused = |why: String| Error::Metadata {
+            backend: self.store.backend().name(),
+            location: self.store.location().to_string(),
+            reason: why,
+        };
         // Each round either creates the entry, finds it live, or removes a dead one (which
         // another engine may then take first: then the next round finds it live).
         for _ in 0..4 {
@@ -478,7 +562,13 @@ impl Directory {
             }
             let mut owned = self.owned.lock().unwrap_or_else(|e| e.into_inner());
             if self.store.create(&key, &value)? {
-                owned.entries.insert(key, Entry { value, pending: false });
+                owned.entries.insert(
+                    key,
+                    Entry {
+                        value,
+                        pending: false,
+                    },
+                );
                 return Ok(());
             }
         }
@@ -509,21 +599,35 @@ impl Directory {
     }
 
     fn not_registered(&self, name: &str, key: String) -> Error {
-        Error::SegmentNotRegistered { name: name.to_string(), backend: self.store.backend().name(), location: self.store.location().to_string(), key }
+        Error::SegmentNotRegistered {
+            name: name.to_string(),
+            backend: self.store.backend().name(),
+            location: self.store.location().to_string(),
+            key,
+        }
     }
 
     /// Where segment `name`'s handshake port is.
     pub fn fetch_rpc_meta(&self, name: &str) -> Result<RpcMeta> {
         let key = self.keys.rpc_meta(name);
-        let v = self.store.get(&key)?.ok_or_else(|| self.not_registered(name, key.clone()))?;
+        let v = self
+            .store
+            .get(&key)?
+            .ok_or_else(|| self.not_registered(name, key.clone()))?;
         decode_rpc_meta(&v).map_err(|reason| Error::BadMetadata { key, reason })
     }
 
     /// Segment `name`'s descriptor, validated.
     pub fn fetch_segment(&self, name: &str) -> Result<SegmentDesc> {
         let key = self.keys.ram(name);
-        let v = self.store.get(&key)?.ok_or_else(|| self.not_registered(name, key.clone()))?;
-        SegmentDesc::decode(&v).map_err(|e| Error::BadMetadata { key, reason: e.to_string() })
+        let v = self
+            .store
+            .get(&key)?
+            .ok_or_else(|| self.not_registered(name, key.clone()))?;
+        SegmentDesc::decode(&v).map_err(|e| Error::BadMetadata {
+            key,
+            reason: e.to_string(),
+        })
     }
 
     /// Puts every owned entry marked pending (rpc_meta first, as at registration).
@@ -531,13 +635,24 @@ impl Directory {
         let mut owned = self.owned.lock().unwrap_or_else(|e| e.into_inner());
         let mut first_err = None;
         let mut done = 0;
-        let mut keys: Vec<String> = owned.entries.iter().filter(|(_, e)| e.pending).map(|(k, _)| k.clone()).collect();
+        let mut keys: Vec<String> = owned
+            .entries
+            .iter()
+            .filter(|(_, e)| e.pending)
+            .map(|(k, _)| k.clone())
+            .collect();
         keys.sort_by_key(|k| !is_rpc_meta(k));
         for k in keys {
-            let Some(e) = owned.entries.get_mut(&k) else { continue };
+            let Some(e) = owned.entries.get_mut(&k) else {
+                continue;
+            };
             // The name only if no other engine took it meanwhile (created, not put: between
             // `maintain`'s look and this put another engine may have registered it).
-            let put = if is_rpc_meta(&k) { self.store.create(&k, &e.value) } else { self.store.put(&k, &e.value).map(|()| true) };
+            let put = if is_rpc_meta(&k) {
+                self.store.create(&k, &e.value)
+            } else {
+                self.store.put(&k, &e.value).map(|()| true)
+            };
             match put {
                 Ok(true) => {
                     e.pending = false;
@@ -567,7 +682,11 @@ impl Directory {
         let lost = self.store.keepalive()?;
         let rpc = {
             let owned = self.owned.lock().unwrap_or_else(|e| e.into_inner());
-            owned.entries.iter().find(|(k, _)| is_rpc_meta(k)).map(|(k, e)| (k.clone(), e.value.clone(), e.pending))
+            owned
+                .entries
+                .iter()
+                .find(|(k, _)| is_rpc_meta(k))
+                .map(|(k, e)| (k.clone(), e.value.clone(), e.pending))
         };
         let mut missing = false;
         if let Some((k, ours, pending)) = rpc {
@@ -576,13 +695,19 @@ impl Directory {
                 // ran out: cut off from the service longer than the TTL): it keeps it. Putting
                 // ours back would point peers at this engine under the other's name.
                 Some(v) if v != ours => {
-                    let other = decode_rpc_meta(&v).map(|m| format!("{}:{}", m.ip_or_host_name, m.rpc_port)).unwrap_or_else(|e| e);
+                    let other = decode_rpc_meta(&v)
+                        .map(|m| format!("{}:{}", m.ip_or_host_name, m.rpc_port))
+                        .unwrap_or_else(|e| e);
                     tracing::error!(
                         "{}: segment name {} is now registered by another engine ({other}) since this engine's entries were lost; this engine withdraws from the service (peers can no longer find it: restart it, or give it another local_hostname)",
                         self.describe(),
                         k
                     );
-                    self.owned.lock().unwrap_or_else(|e| e.into_inner()).entries.clear();
+                    self.owned
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .entries
+                        .clear();
                     return Ok(0);
                 }
                 Some(_) => {}
@@ -590,8 +715,17 @@ impl Directory {
             }
         }
         if lost || missing {
-            tracing::info!("{}: this engine's entries are gone (lease lost: {lost}); publishing them again", self.describe());
-            for e in self.owned.lock().unwrap_or_else(|e| e.into_inner()).entries.values_mut() {
+            tracing::info!(
+                "{}: this engine's entries are gone (lease lost: {lost}); publishing them again",
+                self.describe()
+            );
+            for e in self
+                .owned
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entries
+                .values_mut()
+            {
                 e.pending = true;
             }
         }
@@ -607,14 +741,20 @@ impl Directory {
                 let Some(d) = weak.upgrade() else { return };
                 {
                     let stop = d.stop.lock().unwrap_or_else(|e| e.into_inner());
-                    let (stop, _) = d.stop_cv.wait_timeout_while(stop, period, |s| !*s).unwrap_or_else(|e| e.into_inner());
+                    let (stop, _) = d
+                        .stop_cv
+                        .wait_timeout_while(stop, period, |s| !*s)
+                        .unwrap_or_else(|e| e.into_inner());
                     if *stop {
                         return;
                     }
                 }
                 match d.maintain() {
                     Ok(0) => {}
-                    Ok(n) => tracing::info!("metadata keeper: published {n} entries again in {}", d.describe()),
+                    Ok(n) => tracing::info!(
+                        "metadata keeper: published {n} entries again in {}",
+                        d.describe()
+                    ),
                     Err(e) => tracing::warn!("metadata keeper: {e}"),
                 }
             })
@@ -660,25 +800,75 @@ mod tests {
     #[test]
     fn connection_strings() {
         assert_eq!(ConnString::parse("P2PHANDSHAKE").unwrap(), ConnString::P2p);
-        assert_eq!(ConnString::parse("http://127.0.0.1:8080/metadata").unwrap(), ConnString::Http { url: "http://127.0.0.1:8080/metadata".into() });
-        assert_eq!(ConnString::parse("etcd://h1:2379,h2:2379").unwrap(), ConnString::Etcd { endpoints: vec!["h1:2379".into(), "h2:2379".into()] });
-        assert_eq!(ConnString::parse("10.0.0.1:2379").unwrap(), ConnString::Etcd { endpoints: vec!["10.0.0.1:2379".into()] });
+        assert_eq!(
+            ConnString::parse("http://127.0.0.1:8080/metadata").unwrap(),
+            ConnString::Http {
+                url: "http://127.0.0.1:8080/metadata".into()
+            }
+        );
+        assert_eq!(
+            ConnString::parse("etcd://h1:2379,h2:2379").unwrap(),
+            ConnString::Etcd {
+                endpoints: vec!["h1:2379".into(), "h2:2379".into()]
+            }
+        );
+        assert_eq!(
+            ConnString::parse("10.0.0.1:2379").unwrap(),
+            ConnString::Etcd {
+                endpoints: vec!["10.0.0.1:2379".into()]
+            }
+        );
         assert_eq!(
             ConnString::parse("redis://u:p@h:6380/3").unwrap(),
-            ConnString::Redis { host: "h".into(), port: 6380, username: Some("u".into()), password: Some("p".into()), db: Some(3) }
+            ConnString::Redis {
+                host: "h".into(),
+                port: 6380,
+                username: Some("u".into()),
+                password: Some("p".into()),
+                db: Some(3)
+            }
         );
         assert_eq!(
             ConnString::parse("redis://:secret@h:6379").unwrap(),
-            ConnString::Redis { host: "h".into(), port: 6379, username: None, password: Some("secret".into()), db: None }
+            ConnString::Redis {
+                host: "h".into(),
+                port: 6379,
+                username: None,
+                password: Some("secret".into()),
+                db: None
+            }
         );
-        assert_eq!(ConnString::parse("redis://h:1").unwrap().backend(), Some(Backend::Redis));
+        assert_eq!(
+            ConnString::parse("redis://h:1").unwrap().backend(),
+            Some(Backend::Redis)
+        );
         let e = ConnString::parse("zk://h:2181").unwrap_err().to_string();
-        assert!(e.contains("unknown scheme \"zk\"") && e.contains("etcd://") && e.contains("redis://") && e.contains("http://") && e.contains("P2PHANDSHAKE"), "{e}");
-        assert!(ConnString::parse("redis://h:1/999").unwrap_err().to_string().contains("0-255"));
+        assert!(
+            e.contains("unknown scheme \"zk\"")
+                && e.contains("etcd://")
+                && e.contains("redis://")
+                && e.contains("http://")
+                && e.contains("P2PHANDSHAKE"),
+            "{e}"
+        );
+        assert!(ConnString::parse("redis://h:1/999")
+            .unwrap_err()
+            .to_string()
+            .contains("0-255"));
         assert!(ConnString::parse("nohostport").is_err());
         assert!(ConnString::parse("").is_err());
-        assert_eq!(ConnString::parse("https://h/metadata").unwrap(), ConnString::Http { url: "https://h/metadata".into() });
-        assert_eq!(ConnString::parse("HTTPS://h:8443/metadata").unwrap().backend(), Some(Backend::Http));
+        assert_eq!(
+            ConnString::parse("https://h/metadata").unwrap(),
+            ConnString::Http {
+                url: "https://h/metadata".into()
+            }
+        );
+        assert_eq!(
+            ConnString::parse("HTTPS://h:8443/metadata")
+                .unwrap()
+                .backend(),
+            Some(Backend::Http)
+        );
         assert!(ConnString::parse("https://:8443/metadata").is_err());
     }
 
@@ -695,17 +885,35 @@ mod tests {
 
     #[test]
     fn rpc_meta_fields_are_named() {
-        assert_eq!(decode_rpc_meta(br#"{"ip_or_host_name":"10.0.0.1","rpc_port":15001}"#).unwrap().rpc_port, 15001);
-        assert!(decode_rpc_meta(br#"{"rpc_port":1}"#).unwrap_err().contains("ip_or_host_name"));
-        assert!(decode_rpc_meta(br#"{"ip_or_host_name":"h"}"#).unwrap_err().contains("rpc_port"));
-        assert!(decode_rpc_meta(br#"{"ip_or_host_name":"h","rpc_port":70000}"#).unwrap_err().contains("rpc_port"));
-        assert!(decode_rpc_meta(b"garbage").unwrap_err().contains("not JSON"));
+        assert_eq!(
+            decode_rpc_meta(br#"{"ip_or_host_name":"10.0.0.1","rpc_port":15001}"#)
+                .unwrap()
+                .rpc_port,
+            15001
+        );
+        assert!(decode_rpc_meta(br#"{"rpc_port":1}"#)
+            .unwrap_err()
+            .contains("ip_or_host_name"));
+        assert!(decode_rpc_meta(br#"{"ip_or_host_name":"h"}"#)
+            .unwrap_err()
+            .contains("rpc_port"));
+        assert!(
+            decode_rpc_meta(br#"{"ip_or_host_name":"h","rpc_port":70000}"#)
+                .unwrap_err()
+                .contains("rpc_port")
+        );
+        assert!(decode_rpc_meta(b"garbage")
+            .unwrap_err()
+            .contains("not JSON"));
         // Extra fields and a trailing newline (etcd/redis writers) are fine.
         assert!(decode_rpc_meta(b"{\"ip_or_host_name\":\"h\",\"rpc_port\":2,\"x\":1}\n").is_ok());
     }
 
     #[test]
     fn encoding() {
-        assert_eq!(url_encode("mooncake/ram/a b:1"), "mooncake%2Fram%2Fa%20b%3A1");
+        assert_eq!(
+            url_encode("mooncake/ram/a b:1"),
+            "mooncake%2Fram%2Fa%20b%3A1"
+        );
     }
 }

@@ -8,7 +8,10 @@
 use super::{Backend, MetadataStore, Seen, StoreOptions};
 use crate::error::{Error, Result};
 use redis::io::tcp::TcpSettings;
-use redis::{ConnectionAddr, ConnectionLike, ErrorKind, IntoConnectionInfo, RedisConnectionInfo, RedisError, Value};
+use redis::{
+    ConnectionAddr, ConnectionLike, ErrorKind, IntoConnectionInfo, RedisConnectionInfo, RedisError,
+    Value,
+};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -36,14 +39,27 @@ enum Failure {
 }
 
 impl RedisStore {
-    pub fn new(host: &str, port: u16, username: Option<String>, password: Option<String>, db: Option<u32>, opts: &StoreOptions) -> Result<RedisStore> {
+    pub fn new(
+        host: &str,
+        port: u16,
+        username: Option<String>,
+        password: Option<String>,
+        db: Option<u32>,
+        opts: &StoreOptions,
+    ) -> Result<RedisStore> {
         let location = match db {
             Some(d) => format!("redis://{host}:{port}/{d}"),
             None => format!("redis://{host}:{port}"),
         };
-        let config_err = |e: RedisError| Error::Metadata { backend: Backend::Redis.name(), location: location.clone(), reason: format!("invalid connection settings: {e}") };
+        let config_err = |e: RedisError| Error::Metadata {
+            backend: Backend::Redis.name(),
+            location: location.clone(),
+            reason: format!("invalid connection settings: {e}"),
+        };
         // hiredis sends nothing but the commands (no CLIENT SETINFO, which Redis < 7.2 lacks).
-        let mut redis = RedisConnectionInfo::default().set_skip_set_lib_name().set_db(i64::from(db.unwrap_or(0)));
+        let mut redis = RedisConnectionInfo::default()
+            .set_skip_set_lib_name()
+            .set_db(i64::from(db.unwrap_or(0)));
         if let Some(p) = &password {
             redis = redis.set_password(p);
             if let Some(u) = &username {
@@ -67,13 +83,19 @@ impl RedisStore {
     }
 
     fn err(&self, reason: String) -> Error {
-        Error::Metadata { backend: Backend::Redis.name(), location: self.location.clone(), reason }
+        Error::Metadata {
+            backend: Backend::Redis.name(),
+            location: self.location.clone(),
+            reason,
+        }
     }
 
     /// Connects, authenticates and selects the database, all within the connect timeout; then
     /// bounds every later read and write by the request timeout.
     fn open(&self) -> std::result::Result<redis::Connection, RedisError> {
-        let c = self.client.get_connection_with_timeout(self.connect_timeout)?;
+        let c = self
+            .client
+            .get_connection_with_timeout(self.connect_timeout)?;
         c.set_read_timeout(Some(self.timeout))?;
         c.set_write_timeout(Some(self.timeout))?;
         Ok(c)
@@ -81,7 +103,8 @@ impl RedisStore {
 
     /// An authentication problem (wrong or missing password, user not allowed).
     fn auth_problem(e: &RedisError) -> bool {
-        e.kind() == ErrorKind::AuthenticationFailed || matches!(e.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
+        e.kind() == ErrorKind::AuthenticationFailed
+            || matches!(e.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
     }
 
     fn auth_hint(&self) -> &'static str {
@@ -110,7 +133,12 @@ impl RedisStore {
             Ok(Value::ServerError(e)) => Err(Failure::Server(e.into())),
             Ok(v) => Ok(v),
             Err(e) if e.is_timeout() => Err(Failure::TimedOut(e)),
-            Err(e) if matches!(e.kind(), ErrorKind::Server(_) | ErrorKind::Extension) && c.is_open() => Err(Failure::Server(e)),
+            Err(e)
+                if matches!(e.kind(), ErrorKind::Server(_) | ErrorKind::Extension)
+                    && c.is_open() =>
+            {
+                Err(Failure::Server(e))
+            }
             Err(e) => Err(Failure::Broken(e)),
         }
     }
@@ -130,8 +158,14 @@ impl RedisStore {
             match Self::run(c, cmd) {
                 Ok(v) => return Ok(v),
                 Err(Failure::Server(e)) => {
-                    let hint = if Self::auth_problem(&e) { self.auth_hint() } else { "" };
-                    return Err(self.err(format!("{what}: the server answered an error: {e}{hint}")));
+                    let hint = if Self::auth_problem(&e) {
+                        self.auth_hint()
+                    } else {
+                        ""
+                    };
+                    return Err(
+                        self.err(format!("{what}: the server answered an error: {e}{hint}"))
+                    );
                 }
                 Err(Failure::TimedOut(e)) => {
                     *slot = None;
@@ -144,10 +178,15 @@ impl RedisStore {
             }
         }
         let hint = match &last {
-            Some(e) if e.kind() == ErrorKind::Parse => " (the answer is not Redis protocol: is this address a Redis server?)",
+            Some(e) if e.kind() == ErrorKind::Parse => {
+                " (the answer is not Redis protocol: is this address a Redis server?)"
+            }
             _ => " (the connection broke twice: is redis-server healthy?)",
         };
-        Err(self.err(format!("{what}: {}{hint}", last.map(|e| e.to_string()).unwrap_or_default())))
+        Err(self.err(format!(
+            "{what}: {}{hint}",
+            last.map(|e| e.to_string()).unwrap_or_default()
+        )))
     }
 
     /// `PING`, for `kvferry doctor`.
@@ -169,33 +208,52 @@ impl MetadataStore for RedisStore {
         let what = format!("GET {key}");
         match self.call(&what, redis::cmd("GET").arg(key))? {
             Value::Nil => Ok(None),
-            Value::BulkString(v) if v.len() > MAX_VALUE => Err(self.err(format!("{what}: the value of {} bytes is larger than {MAX_VALUE}", v.len()))),
+            Value::BulkString(v) if v.len() > MAX_VALUE => Err(self.err(format!(
+                "{what}: the value of {} bytes is larger than {MAX_VALUE}",
+                v.len()
+            ))),
             Value::BulkString(v) => Ok(Some(v)),
-            other => Err(self.err(format!("{what}: unexpected reply {other:?} (is {key} a string key?)"))),
+            other => Err(self.err(format!(
+                "{what}: unexpected reply {other:?} (is {key} a string key?)"
+            ))),
         }
     }
 
     fn put(&self, key: &str, value: &[u8]) -> Result<()> {
-        self.call(&format!("SET {key}"), redis::cmd("SET").arg(key).arg(value)).map(|_| ())
+        self.call(&format!("SET {key}"), redis::cmd("SET").arg(key).arg(value))
+            .map(|_| ())
     }
 
     fn remove(&self, key: &str) -> Result<()> {
-        self.call(&format!("DEL {key}"), redis::cmd("DEL").arg(key)).map(|_| ())
+        self.call(&format!("DEL {key}"), redis::cmd("DEL").arg(key))
+            .map(|_| ())
     }
 
     /// A script (Redis runs one at a time): `DEL` only if `GET` gives the value seen (Redis
     /// keeps no revision: an identical value written since is not told apart).
     fn remove_if(&self, key: &str, seen: &Seen) -> Result<bool> {
         const SCRIPT: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
-        match self.call(&format!("DEL {key} (if unchanged)"), redis::cmd("EVAL").arg(SCRIPT).arg(1).arg(key).arg(&seen.value[..]))? {
+        match self.call(
+            &format!("DEL {key} (if unchanged)"),
+            redis::cmd("EVAL")
+                .arg(SCRIPT)
+                .arg(1)
+                .arg(key)
+                .arg(&seen.value[..]),
+        )? {
             Value::Int(n) => Ok(n > 0),
-            other => Err(self.err(format!("DEL {key} (if unchanged): unexpected reply {other:?}"))),
+            other => Err(self.err(format!(
+                "DEL {key} (if unchanged): unexpected reply {other:?}"
+            ))),
         }
     }
 
     /// `SET key value NX` (one command: nothing between the look and the write).
     fn create(&self, key: &str, value: &[u8]) -> Result<bool> {
-        match self.call(&format!("SET {key} NX"), redis::cmd("SET").arg(key).arg(value).arg("NX"))? {
+        match self.call(
+            &format!("SET {key} NX"),
+            redis::cmd("SET").arg(key).arg(value).arg("NX"),
+        )? {
             Value::Nil => Ok(self.get(key)?.is_some_and(|v| v == value)),
             _ => Ok(true),
         }

@@ -21,11 +21,19 @@ use std::ffi::{c_int, c_uint, c_void};
 pub struct ibv_context_ops {
     /// `_compat_query_device` .. `_compat_create_cq` (11 pointers, unused here).
     pub _before_poll_cq: [*mut c_void; 11],
-    pub poll_cq: Option<unsafe extern "C" fn(cq: *mut ibv_cq, num_entries: c_int, wc: *mut ibv_wc) -> c_int>,
-    pub req_notify_cq: Option<unsafe extern "C" fn(cq: *mut ibv_cq, solicited_only: c_int) -> c_int>,
+    pub poll_cq:
+        Option<unsafe extern "C" fn(cq: *mut ibv_cq, num_entries: c_int, wc: *mut ibv_wc) -> c_int>,
+    pub req_notify_cq:
+        Option<unsafe extern "C" fn(cq: *mut ibv_cq, solicited_only: c_int) -> c_int>,
     /// `_compat_cq_event` .. `_compat_destroy_qp` (12 pointers, unused here).
     pub _before_post_send: [*mut c_void; 12],
-    pub post_send: Option<unsafe extern "C" fn(qp: *mut ibv_qp, wr: *mut ibv_send_wr, bad_wr: *mut *mut ibv_send_wr) -> c_int>,
+    pub post_send: Option<
+        unsafe extern "C" fn(
+            qp: *mut ibv_qp,
+            wr: *mut ibv_send_wr,
+            bad_wr: *mut *mut ibv_send_wr,
+        ) -> c_int,
+    >,
     pub post_recv: *mut c_void,
     /// `_compat_create_ah` .. `_compat_async_event` (5 pointers, unused here).
     pub _after: [*mut c_void; 5],
@@ -307,50 +315,165 @@ mod tests {
     fn layouts_match_verbs_h() {
         assert_eq!(offset_of!(ibv_context, ops), 8);
         assert_eq!(size_of::<ibv_context_ops>(), 256);
-        assert_eq!(offset_of!(ibv_context, ops) + offset_of!(ibv_context_ops, poll_cq), 8 + 88);
+        assert_eq!(
+            offset_of!(ibv_context, ops) + offset_of!(ibv_context_ops, poll_cq),
+            8 + 88
+        );
         assert_eq!(offset_of!(ibv_context_ops, req_notify_cq), 96);
         assert_eq!(offset_of!(ibv_context_ops, post_send), 200);
         assert_eq!(offset_of!(ibv_context_ops, post_recv), 208);
-        assert_eq!((offset_of!(ibv_context, cmd_fd), offset_of!(ibv_context, async_fd), offset_of!(ibv_context, num_comp_vectors)), (264, 268, 272));
+        assert_eq!(
+            (
+                offset_of!(ibv_context, cmd_fd),
+                offset_of!(ibv_context, async_fd),
+                offset_of!(ibv_context, num_comp_vectors)
+            ),
+            (264, 268, 272)
+        );
 
-        assert_eq!((offset_of!(ibv_qp, context), offset_of!(ibv_qp, handle), offset_of!(ibv_qp, qp_num), offset_of!(ibv_qp, state), offset_of!(ibv_qp, qp_type)), (0, 48, 52, 56, 60));
-        assert_eq!((offset_of!(ibv_cq, context), offset_of!(ibv_cq, channel), offset_of!(ibv_cq, cqe)), (0, 8, 28));
-        assert_eq!((size_of::<ibv_comp_channel>(), offset_of!(ibv_comp_channel, fd)), (16, 8));
+        assert_eq!(
+            (
+                offset_of!(ibv_qp, context),
+                offset_of!(ibv_qp, handle),
+                offset_of!(ibv_qp, qp_num),
+                offset_of!(ibv_qp, state),
+                offset_of!(ibv_qp, qp_type)
+            ),
+            (0, 48, 52, 56, 60)
+        );
+        assert_eq!(
+            (
+                offset_of!(ibv_cq, context),
+                offset_of!(ibv_cq, channel),
+                offset_of!(ibv_cq, cqe)
+            ),
+            (0, 8, 28)
+        );
+        assert_eq!(
+            (
+                size_of::<ibv_comp_channel>(),
+                offset_of!(ibv_comp_channel, fd)
+            ),
+            (16, 8)
+        );
 
         assert_eq!(size_of::<ibv_mr>(), 48);
-        assert_eq!((offset_of!(ibv_mr, addr), offset_of!(ibv_mr, length), offset_of!(ibv_mr, lkey), offset_of!(ibv_mr, rkey)), (16, 24, 36, 40));
+        assert_eq!(
+            (
+                offset_of!(ibv_mr, addr),
+                offset_of!(ibv_mr, length),
+                offset_of!(ibv_mr, lkey),
+                offset_of!(ibv_mr, rkey)
+            ),
+            (16, 24, 36, 40)
+        );
 
         assert_eq!((size_of::<ibv_sge>(), align_of::<ibv_sge>()), (16, 8));
-        assert_eq!((size_of::<ibv_send_wr>(), align_of::<ibv_send_wr>()), (128, 8));
         assert_eq!(
-            (offset_of!(ibv_send_wr, next), offset_of!(ibv_send_wr, sg_list), offset_of!(ibv_send_wr, num_sge), offset_of!(ibv_send_wr, opcode), offset_of!(ibv_send_wr, send_flags)),
+            (size_of::<ibv_send_wr>(), align_of::<ibv_send_wr>()),
+            (128, 8)
+        );
+        assert_eq!(
+            (
+                offset_of!(ibv_send_wr, next),
+                offset_of!(ibv_send_wr, sg_list),
+                offset_of!(ibv_send_wr, num_sge),
+                offset_of!(ibv_send_wr, opcode),
+                offset_of!(ibv_send_wr, send_flags)
+            ),
             (8, 16, 24, 28, 32)
         );
         // wr.rdma.remote_addr, wr.rdma.rkey, qp_type, bind_mw
-        assert_eq!((offset_of!(ibv_send_wr, remote_addr), offset_of!(ibv_send_wr, rkey), offset_of!(ibv_send_wr, qp_type), offset_of!(ibv_send_wr, _bind_mw_tso)), (40, 48, 72, 80));
+        assert_eq!(
+            (
+                offset_of!(ibv_send_wr, remote_addr),
+                offset_of!(ibv_send_wr, rkey),
+                offset_of!(ibv_send_wr, qp_type),
+                offset_of!(ibv_send_wr, _bind_mw_tso)
+            ),
+            (40, 48, 72, 80)
+        );
 
         assert_eq!(size_of::<ibv_wc>(), 48);
         assert_eq!(
-            (offset_of!(ibv_wc, status), offset_of!(ibv_wc, opcode), offset_of!(ibv_wc, vendor_err), offset_of!(ibv_wc, byte_len), offset_of!(ibv_wc, qp_num)),
+            (
+                offset_of!(ibv_wc, status),
+                offset_of!(ibv_wc, opcode),
+                offset_of!(ibv_wc, vendor_err),
+                offset_of!(ibv_wc, byte_len),
+                offset_of!(ibv_wc, qp_num)
+            ),
             (8, 12, 16, 20, 28)
         );
-        assert_eq!((offset_of!(ibv_wc, wc_flags), offset_of!(ibv_wc, pkey_index), offset_of!(ibv_wc, dlid_path_bits)), (36, 40, 45));
+        assert_eq!(
+            (
+                offset_of!(ibv_wc, wc_flags),
+                offset_of!(ibv_wc, pkey_index),
+                offset_of!(ibv_wc, dlid_path_bits)
+            ),
+            (36, 40, 45)
+        );
 
         assert_eq!((size_of::<ibv_qp_cap>(), align_of::<ibv_qp_cap>()), (20, 4));
         assert_eq!(size_of::<ibv_qp_init_attr>(), 64);
-        assert_eq!((offset_of!(ibv_qp_init_attr, cap), offset_of!(ibv_qp_init_attr, qp_type), offset_of!(ibv_qp_init_attr, sq_sig_all)), (32, 52, 56));
-
-        assert_eq!((size_of::<ibv_global_route>(), align_of::<ibv_global_route>()), (24, 8));
-        assert_eq!((offset_of!(ibv_global_route, flow_label), offset_of!(ibv_global_route, sgid_index), offset_of!(ibv_global_route, traffic_class)), (16, 20, 22));
-        assert_eq!((size_of::<ibv_ah_attr>(), align_of::<ibv_ah_attr>()), (32, 8));
-        assert_eq!((offset_of!(ibv_ah_attr, dlid), offset_of!(ibv_ah_attr, is_global), offset_of!(ibv_ah_attr, port_num)), (24, 29, 30));
-
-        assert_eq!((size_of::<ibv_qp_attr>(), align_of::<ibv_qp_attr>()), (144, 8));
         assert_eq!(
-            (offset_of!(ibv_qp_attr, path_mtu), offset_of!(ibv_qp_attr, dest_qp_num), offset_of!(ibv_qp_attr, qp_access_flags), offset_of!(ibv_qp_attr, cap)),
+            (
+                offset_of!(ibv_qp_init_attr, cap),
+                offset_of!(ibv_qp_init_attr, qp_type),
+                offset_of!(ibv_qp_init_attr, sq_sig_all)
+            ),
+            (32, 52, 56)
+        );
+
+        assert_eq!(
+            (
+                size_of::<ibv_global_route>(),
+                align_of::<ibv_global_route>()
+            ),
+            (24, 8)
+        );
+        assert_eq!(
+            (
+                offset_of!(ibv_global_route, flow_label),
+                offset_of!(ibv_global_route, sgid_index),
+                offset_of!(ibv_global_route, traffic_class)
+            ),
+            (16, 20, 22)
+        );
+        assert_eq!(
+            (size_of::<ibv_ah_attr>(), align_of::<ibv_ah_attr>()),
+            (32, 8)
+        );
+        assert_eq!(
+            (
+                offset_of!(ibv_ah_attr, dlid),
+                offset_of!(ibv_ah_attr, is_global),
+                offset_of!(ibv_ah_attr, port_num)
+            ),
+            (24, 29, 30)
+        );
+
+        assert_eq!(
+            (size_of::<ibv_qp_attr>(), align_of::<ibv_qp_attr>()),
+            (144, 8)
+        );
+        assert_eq!(
+            (
+                offset_of!(ibv_qp_attr, path_mtu),
+                offset_of!(ibv_qp_attr, dest_qp_num),
+                offset_of!(ibv_qp_attr, qp_access_flags),
+                offset_of!(ibv_qp_attr, cap)
+            ),
             (8, 28, 32, 36)
         );
-        assert_eq!((offset_of!(ibv_qp_attr, ah_attr), offset_of!(ibv_qp_attr, alt_ah_attr), offset_of!(ibv_qp_attr, pkey_index)), (56, 88, 120));
+        assert_eq!(
+            (
+                offset_of!(ibv_qp_attr, ah_attr),
+                offset_of!(ibv_qp_attr, alt_ah_attr),
+                offset_of!(ibv_qp_attr, pkey_index)
+            ),
+            (56, 88, 120)
+        );
         assert_eq!(
             (
                 offset_of!(ibv_qp_attr, max_rd_atomic),
@@ -366,28 +489,86 @@ mod tests {
             (126, 127, 128, 129, 130, 131, 132, 134, 136)
         );
 
-        assert_eq!((size_of::<ibv_port_attr>(), align_of::<ibv_port_attr>()), (52, 4));
         assert_eq!(
-            (offset_of!(ibv_port_attr, active_mtu), offset_of!(ibv_port_attr, gid_tbl_len), offset_of!(ibv_port_attr, lid), offset_of!(ibv_port_attr, link_layer)),
+            (size_of::<ibv_port_attr>(), align_of::<ibv_port_attr>()),
+            (52, 4)
+        );
+        assert_eq!(
+            (
+                offset_of!(ibv_port_attr, active_mtu),
+                offset_of!(ibv_port_attr, gid_tbl_len),
+                offset_of!(ibv_port_attr, lid),
+                offset_of!(ibv_port_attr, link_layer)
+            ),
             (8, 12, 34, 46)
         );
-        assert_eq!((offset_of!(ibv_port_attr, flags), offset_of!(ibv_port_attr, port_cap_flags2)), (47, 48));
+        assert_eq!(
+            (
+                offset_of!(ibv_port_attr, flags),
+                offset_of!(ibv_port_attr, port_cap_flags2)
+            ),
+            (47, 48)
+        );
     }
 
     /// The enum values, as the same program printed them.
     #[test]
     fn constants_match_verbs_h() {
-        assert_eq!((IBV_QPT_RC, IBV_WR_RDMA_WRITE, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED), (2, 0, 4, 2));
         assert_eq!(
-            [IBV_QP_STATE, IBV_QP_AV, IBV_QP_PATH_MTU, IBV_QP_TIMEOUT, IBV_QP_RETRY_CNT, IBV_QP_RNR_RETRY, IBV_QP_RQ_PSN, IBV_QP_MAX_QP_RD_ATOMIC],
+            (
+                IBV_QPT_RC,
+                IBV_WR_RDMA_WRITE,
+                IBV_WR_RDMA_READ,
+                IBV_SEND_SIGNALED
+            ),
+            (2, 0, 4, 2)
+        );
+        assert_eq!(
+            [
+                IBV_QP_STATE,
+                IBV_QP_AV,
+                IBV_QP_PATH_MTU,
+                IBV_QP_TIMEOUT,
+                IBV_QP_RETRY_CNT,
+                IBV_QP_RNR_RETRY,
+                IBV_QP_RQ_PSN,
+                IBV_QP_MAX_QP_RD_ATOMIC
+            ],
             [1, 128, 256, 512, 1024, 2048, 4096, 8192]
         );
         assert_eq!(
-            [IBV_QP_MIN_RNR_TIMER, IBV_QP_SQ_PSN, IBV_QP_MAX_DEST_RD_ATOMIC, IBV_QP_DEST_QPN, IBV_QP_PKEY_INDEX, IBV_QP_PORT, IBV_QP_ACCESS_FLAGS],
+            [
+                IBV_QP_MIN_RNR_TIMER,
+                IBV_QP_SQ_PSN,
+                IBV_QP_MAX_DEST_RD_ATOMIC,
+                IBV_QP_DEST_QPN,
+                IBV_QP_PKEY_INDEX,
+                IBV_QP_PORT,
+                IBV_QP_ACCESS_FLAGS
+            ],
             [32768, 65536, 131072, 1048576, 16, 32, 8]
         );
-        assert_eq!((IBV_QPS_INIT, IBV_QPS_RTR, IBV_QPS_RTS, IBV_QPS_ERR), (1, 2, 3, 6));
-        assert_eq!((IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_WRITE, IBV_ACCESS_REMOTE_READ, IBV_PORT_ACTIVE), (1, 2, 4, 4));
-        assert_eq!((IBV_LINK_LAYER_ETHERNET, IBV_LINK_LAYER_INFINIBAND, IBV_WC_RDMA_WRITE, IBV_WC_RDMA_READ), (2, 1, 1, 2));
+        assert_eq!(
+            (IBV_QPS_INIT, IBV_QPS_RTR, IBV_QPS_RTS, IBV_QPS_ERR),
+            (1, 2, 3, 6)
+        );
+        assert_eq!(
+            (
+                IBV_ACCESS_LOCAL_WRITE,
+                IBV_ACCESS_REMOTE_WRITE,
+                IBV_ACCESS_REMOTE_READ,
+                IBV_PORT_ACTIVE
+            ),
+            (1, 2, 4, 4)
+        );
+        assert_eq!(
+            (
+                IBV_LINK_LAYER_ETHERNET,
+                IBV_LINK_LAYER_INFINIBAND,
+                IBV_WC_RDMA_WRITE,
+                IBV_WC_RDMA_READ
+            ),
+            (2, 1, 1, 2)
+        );
     }
 }

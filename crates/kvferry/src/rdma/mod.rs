@@ -27,7 +27,10 @@ pub struct Probe {
 }
 
 /// `{"devices": [...]}` or `{"error": "..."}`.
-fn verbs_json<S: serde::Serializer>(v: &Result<Vec<String>, String>, s: S) -> Result<S::Ok, S::Error> {
+fn verbs_json<S: serde::Serializer>(
+    v: &Result<Vec<String>, String>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
     use serde::ser::SerializeMap;
     let mut m = s.serialize_map(Some(1))?;
     match v {
@@ -40,7 +43,8 @@ fn verbs_json<S: serde::Serializer>(v: &Result<Vec<String>, String>, s: S) -> Re
 impl Probe {
     /// Usable: the library loads and at least one NIC has an active port.
     pub fn usable(&self) -> bool {
-        self.verbs.as_ref().is_ok_and(|d| !d.is_empty()) && self.nics.iter().any(|n| n.ports.iter().any(|p| p.active))
+        self.verbs.as_ref().is_ok_and(|d| !d.is_empty())
+            && self.nics.iter().any(|n| n.ports.iter().any(|p| p.active))
     }
 
     /// Why RDMA cannot be used here, and what to do; `None` when it can.
@@ -86,7 +90,17 @@ impl PortReport {
     /// One line for people: `rxe0 port 1: 4: ACTIVE, Ethernet, 10 Gb/sec, GID 1 ... (RoCE v2,
     /// 10.99.2.1), active MTU 1024`, and the problem if there is one.
     pub fn line(&self) -> String {
-        let mut l = format!("{} port {}: {}, {}", self.device, self.port, self.state, if self.link_layer.is_empty() { "link layer unknown" } else { &self.link_layer });
+        let mut l = format!(
+            "{} port {}: {}, {}",
+            self.device,
+            self.port,
+            self.state,
+            if self.link_layer.is_empty() {
+                "link layer unknown"
+            } else {
+                &self.link_layer
+            }
+        );
         if !self.rate.is_empty() {
             l += &format!(", {}", self.rate);
         }
@@ -94,7 +108,11 @@ impl PortReport {
             l += &format!(", NUMA node {n}");
         }
         if let (Some(i), Some(g)) = (self.gid_index, &self.gid) {
-            let kind = self.gid_type.as_deref().filter(|k| !k.is_empty()).unwrap_or("type unknown");
+            let kind = self
+                .gid_type
+                .as_deref()
+                .filter(|k| !k.is_empty())
+                .unwrap_or("type unknown");
             match self.gid_ipv4 {
                 Some(ip) => l += &format!(", GID {i} {g} ({kind}, {ip})"),
                 None => l += &format!(", GID {i} {g} ({kind})"),
@@ -116,7 +134,8 @@ pub fn port_reports(nics: &[sysfs::Nic], forced_gid: Option<u32>) -> Vec<PortRep
     let mut out = Vec::new();
     for n in nics {
         for p in &n.ports {
-            let chosen = sysfs::select_gid(p, forced_gid).and_then(|i| p.gids.iter().find(|g| g.index == i));
+            let chosen =
+                sysfs::select_gid(p, forced_gid).and_then(|i| p.gids.iter().find(|g| g.index == i));
             let problem = if !p.active {
                 Some("not ACTIVE: check the cable/link (ibv_devinfo, rdma link show)".to_string())
             } else if chosen.is_none() {
@@ -125,7 +144,10 @@ pub fn port_reports(nics: &[sysfs::Nic], forced_gid: Option<u32>) -> Vec<PortRep
                     None => "no usable GID (no RoCE v2 GID and no index 0): give the netdev an IP address, or set MC_GID_INDEX".to_string(),
                 })
             } else if p.num != 1 {
-                Some("the transport uses port 1 of each device (Mooncake's MC_IB_PORT default)".to_string())
+                Some(
+                    "the transport uses port 1 of each device (Mooncake's MC_IB_PORT default)"
+                        .to_string(),
+                )
             } else {
                 None
             };
@@ -164,10 +186,20 @@ pub fn query_mtus(reports: &mut [PortReport]) {
     let mut opened: Vec<(String, Result<verbs::Context, String>)> = Vec::new();
     for r in reports.iter_mut().filter(|r| r.active) {
         if !opened.iter().any(|(n, _)| *n == r.device) {
-            opened.push((r.device.clone(), verbs::Context::open(std::sync::Arc::clone(&v), &r.device).map_err(|e| e.to_string())));
+            opened.push((
+                r.device.clone(),
+                verbs::Context::open(std::sync::Arc::clone(&v), &r.device)
+                    .map_err(|e| e.to_string()),
+            ));
         }
-        let Some((_, ctx)) = opened.iter().find(|(n, _)| *n == r.device) else { continue };
-        let attr = ctx.as_ref().map_err(String::clone).and_then(|c| u8::try_from(r.port).map_err(|_| format!("port {} out of range", r.port)).and_then(|p| c.query_port(p).map_err(|e| e.to_string())));
+        let Some((_, ctx)) = opened.iter().find(|(n, _)| *n == r.device) else {
+            continue;
+        };
+        let attr = ctx.as_ref().map_err(String::clone).and_then(|c| {
+            u8::try_from(r.port)
+                .map_err(|_| format!("port {} out of range", r.port))
+                .and_then(|p| c.query_port(p).map_err(|e| e.to_string()))
+        });
         match attr {
             Ok(a) => r.active_mtu = Some(a.mtu_bytes()),
             Err(e) => {
@@ -181,8 +213,15 @@ pub fn query_mtus(reports: &mut [PortReport]) {
 pub fn probe() -> Probe {
     let lib = verbs::Verbs::load();
     let library = lib.is_ok();
-    let verbs = lib.map_err(|e| e.to_string()).and_then(|v| v.device_names().map_err(|e| format!("ibv_get_device_list failed: {e}")));
-    Probe { library, verbs, nics: sysfs::nics() }
+    let verbs = lib.map_err(|e| e.to_string()).and_then(|v| {
+        v.device_names()
+            .map_err(|e| format!("ibv_get_device_list failed: {e}"))
+    });
+    Probe {
+        library,
+        verbs,
+        nics: sysfs::nics(),
+    }
 }
 
 #[cfg(test)]
@@ -191,18 +230,44 @@ mod tests {
 
     fn nic(active: bool) -> sysfs::Nic {
         let state = if active { "4: ACTIVE" } else { "1: DOWN" };
-        sysfs::Nic { name: "rxe0".into(), numa_node: None, ports: vec![sysfs::Port { num: 1, state: state.into(), active, rate: String::new(), link_layer: "Ethernet".into(), gids: vec![] }] }
+        sysfs::Nic {
+            name: "rxe0".into(),
+            numa_node: None,
+            ports: vec![sysfs::Port {
+                num: 1,
+                state: state.into(),
+                active,
+                rate: String::new(),
+                link_layer: "Ethernet".into(),
+                gids: vec![],
+            }],
+        }
     }
 
     #[test]
     fn port_reports_say_state_gid_chosen_and_why_a_port_is_not_used() {
         use std::net::Ipv4Addr;
-        let gid = |index: u32, kind: &str, ipv4: Option<Ipv4Addr>| sysfs::Gid { index, gid: format!("fe80:0000:0000:0000:0000:0000:0000:000{index}"), kind: kind.into(), ipv4 };
+        let gid = |index: u32, kind: &str, ipv4: Option<Ipv4Addr>| sysfs::Gid {
+            index,
+            gid: format!("fe80:0000:0000:0000:0000:0000:0000:000{index}"),
+            kind: kind.into(),
+            ipv4,
+        };
         let mut up = nic(true);
-        up.ports[0].gids = vec![gid(0, "IB/RoCE v1", None), gid(1, "RoCE v2", Some(Ipv4Addr::new(10, 99, 2, 1)))];
+        up.ports[0].gids = vec![
+            gid(0, "IB/RoCE v1", None),
+            gid(1, "RoCE v2", Some(Ipv4Addr::new(10, 99, 2, 1))),
+        ];
         up.ports[0].rate = "10 Gb/sec (1X QDR)".into();
         let r = port_reports(std::slice::from_ref(&up), None);
-        assert_eq!((r[0].gid_index, r[0].gid_type.as_deref(), r[0].problem.as_deref()), (Some(1), Some("RoCE v2"), None));
+        assert_eq!(
+            (
+                r[0].gid_index,
+                r[0].gid_type.as_deref(),
+                r[0].problem.as_deref()
+            ),
+            (Some(1), Some("RoCE v2"), None)
+        );
         let mut with_mtu = r[0].clone();
         with_mtu.active_mtu = Some(1024);
         assert_eq!(
@@ -212,22 +277,59 @@ mod tests {
         let forced = port_reports(std::slice::from_ref(&up), Some(0));
         assert_eq!(forced[0].gid_index, Some(0), "MC_GID_INDEX honoured");
         let missing = port_reports(std::slice::from_ref(&up), Some(7));
-        assert!(missing[0].gid_index.is_none() && missing[0].problem.as_deref().is_some_and(|p| p.contains("MC_GID_INDEX=7") && p.contains("[0, 1]")), "{missing:?}");
+        assert!(
+            missing[0].gid_index.is_none()
+                && missing[0]
+                    .problem
+                    .as_deref()
+                    .is_some_and(|p| p.contains("MC_GID_INDEX=7") && p.contains("[0, 1]")),
+            "{missing:?}"
+        );
         let down = port_reports(&[nic(false)], None);
-        assert!(down[0].problem.as_deref().is_some_and(|p| p.contains("ACTIVE")) && down[0].line().contains("1: DOWN"));
+        assert!(
+            down[0]
+                .problem
+                .as_deref()
+                .is_some_and(|p| p.contains("ACTIVE"))
+                && down[0].line().contains("1: DOWN")
+        );
         let bare = port_reports(&[nic(true)], None);
-        assert!(bare[0].problem.as_deref().is_some_and(|p| p.contains("no usable GID")), "{bare:?}");
+        assert!(
+            bare[0]
+                .problem
+                .as_deref()
+                .is_some_and(|p| p.contains("no usable GID")),
+            "{bare:?}"
+        );
     }
 
     #[test]
     fn each_missing_piece_is_named_with_its_fix() {
-        let no_lib = Probe { library: false, verbs: Err("libibverbs.so.1 cannot be loaded (...): ... apt install libibverbs1 ...".into()), nics: vec![] };
+        let no_lib = Probe {
+            library: false,
+            verbs: Err(
+                "libibverbs.so.1 cannot be loaded (...): ... apt install libibverbs1 ...".into(),
+            ),
+            nics: vec![],
+        };
         assert!(!no_lib.usable() && no_lib.why_not().unwrap().contains("apt install"));
-        let no_dev = Probe { library: true, verbs: Ok(vec![]), nics: vec![] };
+        let no_dev = Probe {
+            library: true,
+            verbs: Ok(vec![]),
+            nics: vec![],
+        };
         assert!(!no_dev.usable() && no_dev.why_not().unwrap().contains("no RDMA device"));
-        let down = Probe { library: true, verbs: Ok(vec!["rxe0".into()]), nics: vec![nic(false)] };
+        let down = Probe {
+            library: true,
+            verbs: Ok(vec!["rxe0".into()]),
+            nics: vec![nic(false)],
+        };
         assert!(!down.usable() && down.why_not().unwrap().contains("ACTIVE"));
-        let up = Probe { library: true, verbs: Ok(vec!["rxe0".into()]), nics: vec![nic(true)] };
+        let up = Probe {
+            library: true,
+            verbs: Ok(vec!["rxe0".into()]),
+            nics: vec![nic(true)],
+        };
         assert!(up.usable() && up.why_not().is_none());
         // This host: whatever it has, the probe answers and explains an absence.
         let here = probe();

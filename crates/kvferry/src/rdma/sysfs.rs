@@ -44,7 +44,9 @@ pub struct Gid {
 }
 
 fn read(p: &Path) -> Option<String> {
-    std::fs::read_to_string(p).ok().map(|s| s.trim().to_string())
+    std::fs::read_to_string(p)
+        .ok()
+        .map(|s| s.trim().to_string())
 }
 
 /// The NICs under [`ROOT`].
@@ -54,15 +56,23 @@ pub fn nics() -> Vec<Nic> {
 
 /// The NICs under `root` (a directory laid out as `/sys/class/infiniband`), by name.
 pub fn nics_in(root: &Path) -> Vec<Nic> {
-    let Ok(dir) = std::fs::read_dir(root) else { return Vec::new() };
+    let Ok(dir) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
     let mut out: Vec<Nic> = dir
         .flatten()
         .map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
             let dev = root.join(&name);
             // -1 means "no NUMA information".
-            let numa_node = read(&dev.join("device/numa_node")).and_then(|s| s.parse::<i64>().ok()).and_then(|n| u32::try_from(n).ok());
-            Nic { name, numa_node, ports: ports(&dev.join("ports")) }
+            let numa_node = read(&dev.join("device/numa_node"))
+                .and_then(|s| s.parse::<i64>().ok())
+                .and_then(|n| u32::try_from(n).ok());
+            Nic {
+                name,
+                numa_node,
+                ports: ports(&dev.join("ports")),
+            }
         })
         .collect();
     out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -70,7 +80,9 @@ pub fn nics_in(root: &Path) -> Vec<Nic> {
 }
 
 fn ports(dir: &Path) -> Vec<Port> {
-    let Ok(rd) = std::fs::read_dir(dir) else { return Vec::new() };
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
     let mut out: Vec<Port> = rd
         .flatten()
         .filter_map(|e| {
@@ -80,7 +92,14 @@ fn ports(dir: &Path) -> Vec<Port> {
             let active = state.ends_with("ACTIVE");
             let rate = read(&p.join("rate")).unwrap_or_default();
             let link_layer = read(&p.join("link_layer")).unwrap_or_default();
-            Some(Port { num, state, active, rate, link_layer, gids: gids(&p) })
+            Some(Port {
+                num,
+                state,
+                active,
+                rate,
+                link_layer,
+                gids: gids(&p),
+            })
         })
         .collect();
     out.sort_by_key(|p| p.num);
@@ -88,20 +107,37 @@ fn ports(dir: &Path) -> Vec<Port> {
 }
 
 fn gids(port: &Path) -> Vec<Gid> {
-    let Ok(rd) = std::fs::read_dir(port.join("gids")) else { return Vec::new() };
+    let Ok(rd) = std::fs::read_dir(port.join("gids")) else {
+        return Vec::new();
+    };
     let mut out: Vec<Gid> = rd
         .flatten()
         .filter_map(|e| {
             let index: u32 = e.file_name().to_string_lossy().parse().ok()?;
             let gid = read(&e.path())?;
-            let groups: Vec<u16> = gid.split(':').filter_map(|g| u16::from_str_radix(g, 16).ok()).collect();
+            let groups: Vec<u16> = gid
+                .split(':')
+                .filter_map(|g| u16::from_str_radix(g, 16).ok())
+                .collect();
             if groups.len() != 8 || groups.iter().all(|&g| g == 0) {
                 return None; // an empty slot
             }
-            let ipv4 = (groups[..5].iter().all(|&g| g == 0) && groups[5] == 0xffff)
-                .then(|| Ipv4Addr::new((groups[6] >> 8) as u8, groups[6] as u8, (groups[7] >> 8) as u8, groups[7] as u8));
-            let kind = read(&port.join("gid_attrs/types").join(index.to_string())).unwrap_or_default();
-            Some(Gid { index, gid, kind, ipv4 })
+            let ipv4 = (groups[..5].iter().all(|&g| g == 0) && groups[5] == 0xffff).then(|| {
+                Ipv4Addr::new(
+                    (groups[6] >> 8) as u8,
+                    groups[6] as u8,
+                    (groups[7] >> 8) as u8,
+                    groups[7] as u8,
+                )
+            });
+            let kind =
+                read(&port.join("gid_attrs/types").join(index.to_string())).unwrap_or_default();
+            Some(Gid {
+                index,
+                gid,
+                kind,
+                ipv4,
+            })
         })
         .collect();
     out.sort_by_key(|g| g.index);
@@ -144,7 +180,16 @@ mod tests {
         let zero = "0000:0000:0000:0000:0000:0000:0000:0000";
         let ll = "fe80:0000:0000:0000:0250:56ff:fe8a:0001";
         let v4 = "0000:0000:0000:0000:0000:ffff:0a63:0201"; // 10.99.2.1
-        for (i, (g, t)) in [(ll, "IB/RoCE v1"), (ll, "RoCE v2"), (v4, "IB/RoCE v1"), (v4, "RoCE v2"), (zero, "")].iter().enumerate() {
+        for (i, (g, t)) in [
+            (ll, "IB/RoCE v1"),
+            (ll, "RoCE v2"),
+            (v4, "IB/RoCE v1"),
+            (v4, "RoCE v2"),
+            (zero, ""),
+        ]
+        .iter()
+        .enumerate()
+        {
             write(&p.join(format!("gids/{i}")), g);
             write(&p.join(format!("gid_attrs/types/{i}")), t);
         }
@@ -162,17 +207,31 @@ mod tests {
         let _ = std::fs::remove_dir_all(&root);
         fixture(&root);
         let nics = nics_in(&root);
-        assert_eq!(nics.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(), ["mlx5_1", "rxe0"]);
+        assert_eq!(
+            nics.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(),
+            ["mlx5_1", "rxe0"]
+        );
         let (mlx, rxe) = (&nics[0], &nics[1]);
         assert_eq!((mlx.numa_node, rxe.numa_node), (Some(1), None));
         let p = &mlx.ports[0];
-        assert_eq!((p.num, p.active, p.rate.as_str(), p.link_layer.as_str()), (1, true, "100 Gb/sec (4X EDR)", "Ethernet"));
+        assert_eq!(
+            (p.num, p.active, p.rate.as_str(), p.link_layer.as_str()),
+            (1, true, "100 Gb/sec (4X EDR)", "Ethernet")
+        );
         assert_eq!(p.gids.len(), 4, "the empty slot is left out");
         assert_eq!(p.gids[3].ipv4, Some(Ipv4Addr::new(10, 99, 2, 1)));
         assert_eq!(p.gids[0].ipv4, None);
         assert_eq!(select_gid(p, None), Some(3), "RoCE v2, IPv4-mapped");
-        assert_eq!(select_gid(p, Some(1)), Some(1), "MC_GID_INDEX wins when the entry exists");
-        assert_eq!(select_gid(p, Some(9)), None, "a forced index that does not exist is not replaced silently");
+        assert_eq!(
+            select_gid(p, Some(1)),
+            Some(1),
+            "MC_GID_INDEX wins when the entry exists"
+        );
+        assert_eq!(
+            select_gid(p, Some(9)),
+            None,
+            "a forced index that does not exist is not replaced silently"
+        );
         let q = &rxe.ports[0];
         assert!(!q.active);
         assert_eq!(select_gid(q, None), Some(0), "no type information: index 0");

@@ -29,13 +29,28 @@ pub enum VerbsError {
     #[error("{path} cannot be loaded ({why}): RDMA is unavailable on this host; install rdma-core's user-space library and providers (Debian/Ubuntu: apt install libibverbs1 ibverbs-providers; RHEL: dnf install libibverbs) or use the tcp transport")]
     Missing { path: String, why: String },
     #[error("{path} has no symbol {symbol} ({why}): this rdma-core is too old or not libibverbs; install rdma-core >= 28")]
-    Symbol { path: String, symbol: &'static str, why: String },
+    Symbol {
+        path: String,
+        symbol: &'static str,
+        why: String,
+    },
     #[error("no RDMA device named {name:?} (found: {found}): check the name with `ibv_devices` or `rdma link show`, and the device filter")]
     NoDevice { name: String, found: String },
     #[error("{call} on {device} failed: {source}; {fix}")]
-    Call { call: &'static str, device: String, source: io::Error, fix: String },
+    Call {
+        call: &'static str,
+        device: String,
+        source: io::Error,
+        fix: String,
+    },
     #[error("ibv_post_send on {device} failed after posting {posted} of {total} work requests: {source}; {fix}")]
-    Post { device: String, posted: usize, total: usize, source: io::Error, fix: String },
+    Post {
+        device: String,
+        posted: usize,
+        total: usize,
+        source: io::Error,
+        fix: String,
+    },
     #[error("invalid work request on {device}: {what}")]
     Invalid { device: String, what: String },
     #[error("no completion on {device} within {waited:?}: the peer's NIC does not answer (peer gone, or a path that drops packets: check the GID index and MTU on both sides, and that the peer is alive)")]
@@ -193,16 +208,28 @@ impl Verbs {
     pub fn load_from(path: &str) -> Result<Verbs, VerbsError> {
         // SAFETY: loading rdma-core's libibverbs runs its constructors, which only set up
         // its provider table; it is the library this module is written against.
-        let lib = unsafe { Library::new(path) }.map_err(|e| VerbsError::Missing { path: path.into(), why: e.to_string() })?;
+        let lib = unsafe { Library::new(path) }.map_err(|e| VerbsError::Missing {
+            path: path.into(),
+            why: e.to_string(),
+        })?;
         let f = Fns::load(&lib, path)?;
         // SAFETY: the prototype of <infiniband/verbs.h> for ibv_reg_dmabuf_mr.
-        let reg_dmabuf_mr = unsafe { lib.get::<RegDmabufMr>(b"ibv_reg_dmabuf_mr\0") }.ok().map(|f| *f);
-        Ok(Verbs { _lib: lib, f, reg_dmabuf_mr })
+        let reg_dmabuf_mr = unsafe { lib.get::<RegDmabufMr>(b"ibv_reg_dmabuf_mr\0") }
+            .ok()
+            .map(|f| *f);
+        Ok(Verbs {
+            _lib: lib,
+            f,
+            reg_dmabuf_mr,
+        })
     }
 
     /// Calls `each(name, device)` for every device the library lists; the device pointers are
     /// valid only inside `each` (the list is freed after).
-    fn with_devices<T>(&self, mut each: impl FnMut(&str, *mut c_void) -> Option<T>) -> io::Result<Option<T>> {
+    fn with_devices<T>(
+        &self,
+        mut each: impl FnMut(&str, *mut c_void) -> Option<T>,
+    ) -> io::Result<Option<T>> {
         let mut n: c_int = 0;
         // SAFETY: `n` is a valid out-pointer; the list is freed below and its entries are
         // only used before that.
@@ -295,7 +322,12 @@ impl Drop for CtxInner {
 impl CtxInner {
     fn err(&self, call: &'static str, source: io::Error, detail: &str) -> VerbsError {
         let fix = fix(call, &source, detail);
-        VerbsError::Call { call, device: self.name.clone(), source, fix }
+        VerbsError::Call {
+            call,
+            device: self.name.clone(),
+            source,
+            fix,
+        }
     }
 }
 
@@ -349,13 +381,38 @@ impl Context {
             .with_devices(|n, dev| {
                 names.push(n.to_string());
                 // SAFETY: `dev` is a device of the list, valid inside this closure.
-                (n == name).then(|| unsafe { (verbs.f.open_device)(dev) }).map(|ctx| (ctx, (!ctx.is_null()).then_some(()).ok_or_else(last_error)))
+                (n == name)
+                    .then(|| unsafe { (verbs.f.open_device)(dev) })
+                    .map(|ctx| (ctx, (!ctx.is_null()).then_some(()).ok_or_else(last_error)))
             })
-            .map_err(|source| VerbsError::Call { call: "ibv_get_device_list", device: name.into(), fix: fix("ibv_get_device_list", &source, ""), source })?;
+            .map_err(|source| VerbsError::Call {
+                call: "ibv_get_device_list",
+                device: name.into(),
+                fix: fix("ibv_get_device_list", &source, ""),
+                source,
+            })?;
         match opened {
-            None => Err(VerbsError::NoDevice { name: name.into(), found: if names.is_empty() { "none".into() } else { names.join(", ") } }),
-            Some((_, Err(source))) => Err(VerbsError::Call { call: "ibv_open_device", device: name.into(), fix: fix("ibv_open_device", &source, ""), source }),
-            Some((ctx, Ok(()))) => Ok(Context { inner: Arc::new(CtxInner { verbs, ctx, name: name.into() }) }),
+            None => Err(VerbsError::NoDevice {
+                name: name.into(),
+                found: if names.is_empty() {
+                    "none".into()
+                } else {
+                    names.join(", ")
+                },
+            }),
+            Some((_, Err(source))) => Err(VerbsError::Call {
+                call: "ibv_open_device",
+                device: name.into(),
+                fix: fix("ibv_open_device", &source, ""),
+                source,
+            }),
+            Some((ctx, Ok(()))) => Ok(Context {
+                inner: Arc::new(CtxInner {
+                    verbs,
+                    ctx,
+                    name: name.into(),
+                }),
+            }),
         }
     }
 
@@ -370,18 +427,31 @@ impl Context {
         // compat layout the exported symbol writes.
         let rc = unsafe { (self.inner.verbs.f.query_port)(self.inner.ctx, port, &mut a) };
         if rc != 0 {
-            return Err(self.inner.err("ibv_query_port", errno(rc), &format!("port {port}")));
+            return Err(self
+                .inner
+                .err("ibv_query_port", errno(rc), &format!("port {port}")));
         }
-        Ok(PortAttr { state: a.state, active_mtu: a.active_mtu, lid: a.lid, link_layer: a.link_layer })
+        Ok(PortAttr {
+            state: a.state,
+            active_mtu: a.active_mtu,
+            lid: a.lid,
+            link_layer: a.link_layer,
+        })
     }
 
     /// `ibv_query_gid`: the GID at `index` of port `port`, as 16 bytes.
     pub fn query_gid(&self, port: u8, index: u8) -> Result<[u8; 16], VerbsError> {
         let mut g = ibv_gid::default();
         // SAFETY: a live context; `g` is a valid out-pointer.
-        let rc = unsafe { (self.inner.verbs.f.query_gid)(self.inner.ctx, port, c_int::from(index), &mut g) };
+        let rc = unsafe {
+            (self.inner.verbs.f.query_gid)(self.inner.ctx, port, c_int::from(index), &mut g)
+        };
         if rc != 0 {
-            return Err(self.inner.err("ibv_query_gid", errno(rc), &format!("port {port} GID index {index}")));
+            return Err(self.inner.err(
+                "ibv_query_gid",
+                errno(rc),
+                &format!("port {port} GID index {index}"),
+            ));
         }
         Ok(g.raw)
     }
@@ -393,7 +463,12 @@ impl Context {
         if pd.is_null() {
             return Err(self.inner.err("ibv_alloc_pd", last_error(), ""));
         }
-        Ok(Pd { inner: Arc::new(PdInner { ctx: Arc::clone(&self.inner), pd }) })
+        Ok(Pd {
+            inner: Arc::new(PdInner {
+                ctx: Arc::clone(&self.inner),
+                pd,
+            }),
+        })
     }
 
     /// A completion queue of `cqe` entries with its own completion channel, so that
@@ -405,14 +480,26 @@ impl Context {
         if ch.is_null() {
             return Err(self.inner.err("ibv_create_comp_channel", last_error(), ""));
         }
-        let chan = ChanInner { ctx: Arc::clone(&self.inner), ch };
+        let chan = ChanInner {
+            ctx: Arc::clone(&self.inner),
+            ch,
+        };
         let n = c_int::try_from(cqe).unwrap_or(c_int::MAX);
         // SAFETY: a live context and channel; no cq_context; completion vector 0.
         let cq = unsafe { (f.create_cq)(self.inner.ctx, n, std::ptr::null_mut(), ch, 0) };
         if cq.is_null() {
-            return Err(self.inner.err("ibv_create_cq", last_error(), &format!("{cqe} entries")));
+            return Err(self
+                .inner
+                .err("ibv_create_cq", last_error(), &format!("{cqe} entries")));
         }
-        Ok(Cq { inner: Arc::new(CqInner { ctx: Arc::clone(&self.inner), cq, chan, armed: Mutex::new(()) }) })
+        Ok(Cq {
+            inner: Arc::new(CqInner {
+                ctx: Arc::clone(&self.inner),
+                cq,
+                chan,
+                armed: Mutex::new(()),
+            }),
+        })
     }
 }
 
@@ -443,7 +530,8 @@ pub struct Pd {
 
 /// `IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ`: what memory
 /// registered for transfers allows (as Mooncake registers it).
-pub const ACCESS_ALL: c_int = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+pub const ACCESS_ALL: c_int =
+    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
 
 impl Pd {
     /// Registers `[addr, addr+len)` with local write, remote write and remote read access.
@@ -457,32 +545,66 @@ impl Pd {
         // SAFETY: a live PD; the range is the caller's promise.
         let mr = unsafe { (ctx.verbs.f.reg_mr)(self.inner.pd, addr.cast(), len, ACCESS_ALL) };
         if mr.is_null() {
-            return Err(ctx.err("ibv_reg_mr", last_error(), &format!("registering {len} bytes at {addr:p}")));
+            return Err(ctx.err(
+                "ibv_reg_mr",
+                last_error(),
+                &format!("registering {len} bytes at {addr:p}"),
+            ));
         }
         // SAFETY: a valid ibv_mr returned by the library; its keys never change.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
-        Ok(Mr { pd: Arc::clone(&self.inner), mr, addr: addr as usize, len, lkey, rkey })
+        Ok(Mr {
+            pd: Arc::clone(&self.inner),
+            mr,
+            addr: addr as usize,
+            len,
+            lkey,
+            rkey,
+        })
     }
 
     /// Registers `[offset, offset+len)` of the dma-buf `fd` (GPU memory exported by the CUDA
     /// driver), reachable at `iova` (the address work requests use: the GPU memory's own
     /// virtual address), with [`ACCESS_ALL`]. The NIC keeps its own reference to the
     /// dma-buf: `fd` may be closed once this returns.
-    pub fn reg_dmabuf_mr(&self, fd: std::os::fd::BorrowedFd<'_>, offset: u64, len: usize, iova: u64) -> Result<Mr, VerbsError> {
+    pub fn reg_dmabuf_mr(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+    ) -> Result<Mr, VerbsError> {
         let ctx = &self.inner.ctx;
         let Some(f) = ctx.verbs.reg_dmabuf_mr else {
-            return Err(ctx.err("ibv_reg_dmabuf_mr", io::Error::from_raw_os_error(libc::ENOSYS), "libibverbs has no ibv_reg_dmabuf_mr (rdma-core 34 or newer has it)"));
+            return Err(ctx.err(
+                "ibv_reg_dmabuf_mr",
+                io::Error::from_raw_os_error(libc::ENOSYS),
+                "libibverbs has no ibv_reg_dmabuf_mr (rdma-core 34 or newer has it)",
+            ));
         };
         use std::os::fd::AsRawFd;
         // SAFETY: a live PD and an open dma-buf descriptor; the kernel checks the range
         // against the dma-buf and pins it through the exporter (no CPU mapping is made).
         let mr = unsafe { f(self.inner.pd, offset, len, iova, fd.as_raw_fd(), ACCESS_ALL) };
         if mr.is_null() {
-            return Err(ctx.err("ibv_reg_dmabuf_mr", last_error(), &format!("registering {len} bytes of GPU memory (dma-buf offset {offset}) at 0x{iova:x}")));
+            return Err(ctx.err(
+                "ibv_reg_dmabuf_mr",
+                last_error(),
+                &format!(
+                    "registering {len} bytes of GPU memory (dma-buf offset {offset}) at 0x{iova:x}"
+                ),
+            ));
         }
         // SAFETY: a valid ibv_mr returned by the library; its keys never change.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
-        Ok(Mr { pd: Arc::clone(&self.inner), mr, addr: iova as usize, len, lkey, rkey })
+        Ok(Mr {
+            pd: Arc::clone(&self.inner),
+            mr,
+            addr: iova as usize,
+            len,
+            lkey,
+            rkey,
+        })
     }
 
     /// An RC queue pair whose sends and receives complete on `cq`, with room for `max_send_wr`
@@ -495,18 +617,34 @@ impl Pd {
             send_cq: cq.inner.cq,
             recv_cq: cq.inner.cq,
             srq: std::ptr::null_mut(),
-            cap: ibv_qp_cap { max_send_wr, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 },
+            cap: ibv_qp_cap {
+                max_send_wr,
+                max_recv_wr: 1,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
             qp_type: IBV_QPT_RC,
             sq_sig_all: 0,
         };
         // SAFETY: a live PD and CQ (the QP keeps both alive); `init` is a valid attribute block.
         let qp = unsafe { (ctx.verbs.f.create_qp)(self.inner.pd, &mut init) };
         if qp.is_null() {
-            return Err(ctx.err("ibv_create_qp", last_error(), &format!("RC QP with {max_send_wr} send WRs")));
+            return Err(ctx.err(
+                "ibv_create_qp",
+                last_error(),
+                &format!("RC QP with {max_send_wr} send WRs"),
+            ));
         }
         // SAFETY: a valid ibv_qp; its number never changes.
         let qp_num = unsafe { (*qp).qp_num };
-        Ok(Qp { pd: Arc::clone(&self.inner), _cq: Arc::clone(&cq.inner), qp, qp_num, max_send_wr })
+        Ok(Qp {
+            pd: Arc::clone(&self.inner),
+            _cq: Arc::clone(&cq.inner),
+            qp,
+            qp_num,
+            max_send_wr,
+        })
     }
 }
 
@@ -548,7 +686,11 @@ impl Mr {
         // SAFETY: registered in `reg_mr`, deregistered once (Drop sees null).
         let rc = unsafe { (self.pd.ctx.verbs.f.dereg_mr)(mr) };
         if rc != 0 {
-            return Err(self.pd.ctx.err("ibv_dereg_mr", errno(rc), "the memory region could not be deregistered"));
+            return Err(self.pd.ctx.err(
+                "ibv_dereg_mr",
+                errno(rc),
+                "the memory region could not be deregistered",
+            ));
         }
         Ok(())
     }
@@ -578,7 +720,11 @@ impl Drop for ChanInner {
         // after CqInner::drop).
         let rc = unsafe { (self.ctx.verbs.f.destroy_comp_channel)(self.ch) };
         if rc != 0 {
-            tracing::warn!("ibv_destroy_comp_channel on {} failed: {}", self.ctx.name, errno(rc));
+            tracing::warn!(
+                "ibv_destroy_comp_channel on {} failed: {}",
+                self.ctx.name,
+                errno(rc)
+            );
         }
     }
 }
@@ -632,7 +778,15 @@ impl Wc {
             return Ok(());
         }
         let (name, meaning) = wc_status(self.status);
-        Err(WcError { device: device.into(), wr_id: self.wr_id, qp_num: self.qp_num, status: self.status, name, meaning, vendor_err: self.vendor_err })
+        Err(WcError {
+            device: device.into(),
+            wr_id: self.wr_id,
+            qp_num: self.qp_num,
+            status: self.status,
+            name,
+            meaning,
+            vendor_err: self.vendor_err,
+        })
     }
 }
 
@@ -661,16 +815,31 @@ impl Cq {
         // SAFETY: a live CQ whose context's ops table is the provider's; `raw` has room for `n`.
         let rc = unsafe {
             let Some(poll) = (*(*cq).context).ops.poll_cq else {
-                return Err(self.inner.ctx.err("ibv_poll_cq", io::Error::from(io::ErrorKind::Unsupported), "the provider has no poll_cq"));
+                return Err(self.inner.ctx.err(
+                    "ibv_poll_cq",
+                    io::Error::from(io::ErrorKind::Unsupported),
+                    "the provider has no poll_cq",
+                ));
             };
             poll(cq, n as c_int, raw.as_mut_ptr())
         };
         if rc < 0 {
-            return Err(self.inner.ctx.err("ibv_poll_cq", errno(rc), "the completion queue is broken (overrun?)"));
+            return Err(self.inner.ctx.err(
+                "ibv_poll_cq",
+                errno(rc),
+                "the completion queue is broken (overrun?)",
+            ));
         }
         let got = rc as usize;
         for (o, w) in out.iter_mut().zip(&raw[..got]) {
-            *o = Wc { wr_id: w.wr_id, qp_num: w.qp_num, byte_len: w.byte_len, status: w.status, opcode: w.opcode, vendor_err: w.vendor_err };
+            *o = Wc {
+                wr_id: w.wr_id,
+                qp_num: w.qp_num,
+                byte_len: w.byte_len,
+                status: w.status,
+                opcode: w.opcode,
+                vendor_err: w.vendor_err,
+            };
         }
         Ok(got)
     }
@@ -687,7 +856,10 @@ impl Cq {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(VerbsError::Timeout { device: self.inner.ctx.name.clone(), waited: now - start });
+                return Err(VerbsError::Timeout {
+                    device: self.inner.ctx.name.clone(),
+                    waited: now - start,
+                });
             }
             if now < spin_end {
                 std::hint::spin_loop();
@@ -711,7 +883,11 @@ impl Cq {
         // SAFETY: a live CQ; ops table as in `poll`.
         let rc = unsafe {
             let Some(notify) = (*(*cq).context).ops.req_notify_cq else {
-                return Err(self.inner.ctx.err("ibv_req_notify_cq", io::Error::from(io::ErrorKind::Unsupported), "the provider has no req_notify_cq"));
+                return Err(self.inner.ctx.err(
+                    "ibv_req_notify_cq",
+                    io::Error::from(io::ErrorKind::Unsupported),
+                    "the provider has no req_notify_cq",
+                ));
             };
             notify(cq, 0)
         };
@@ -727,7 +903,10 @@ impl Cq {
         // SAFETY: the channel's fd lives as long as the channel, which outlives this call.
         let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw((*self.inner.chan.ch).fd) };
         let left = deadline.saturating_duration_since(Instant::now());
-        let ts = Timespec { tv_sec: left.as_secs() as i64, tv_nsec: i64::from(left.subsec_nanos()) };
+        let ts = Timespec {
+            tv_sec: left.as_secs() as i64,
+            tv_nsec: i64::from(left.subsec_nanos()),
+        };
         let mut fds = [PollFd::new(&fd, PollFlags::IN)];
         match rustix::event::poll(&mut fds, Some(&ts)) {
             Ok(n) => Ok(n > 0),
@@ -817,7 +996,11 @@ impl Drop for Qp {
         // SAFETY: created in `create_qp`, destroyed once; its PD and CQ outlive it (Arcs).
         let rc = unsafe { (self.pd.ctx.verbs.f.destroy_qp)(self.qp) };
         if rc != 0 {
-            tracing::warn!("ibv_destroy_qp on {} failed: {}", self.pd.ctx.name, errno(rc));
+            tracing::warn!(
+                "ibv_destroy_qp on {} failed: {}",
+                self.pd.ctx.name,
+                errno(rc)
+            );
         }
     }
 }
@@ -842,7 +1025,13 @@ impl Qp {
         &self.pd.ctx.name
     }
 
-    fn modify(&self, call: &'static str, attr: &mut ibv_qp_attr, mask: c_int, detail: &str) -> Result<(), VerbsError> {
+    fn modify(
+        &self,
+        call: &'static str,
+        attr: &mut ibv_qp_attr,
+        mask: c_int,
+        detail: &str,
+    ) -> Result<(), VerbsError> {
         // SAFETY: a live QP; `attr` a valid attribute block for `mask`.
         let rc = unsafe { (self.pd.ctx.verbs.f.modify_qp)(self.qp, attr, mask) };
         if rc != 0 {
@@ -853,8 +1042,19 @@ impl Qp {
 
     /// RESET → INIT → RTR → RTS towards `remote` over `path`.
     pub fn connect(&self, path: Path, remote: &RemoteQp) -> Result<(), VerbsError> {
-        let mut a = ibv_qp_attr { qp_state: IBV_QPS_INIT, port_num: path.port, pkey_index: 0, qp_access_flags: ACCESS_ALL as c_uint, ..Default::default() };
-        self.modify("ibv_modify_qp(INIT)", &mut a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS, &format!("QP {} port {}", self.qp_num, path.port))?;
+        let mut a = ibv_qp_attr {
+            qp_state: IBV_QPS_INIT,
+            port_num: path.port,
+            pkey_index: 0,
+            qp_access_flags: ACCESS_ALL as c_uint,
+            ..Default::default()
+        };
+        self.modify(
+            "ibv_modify_qp(INIT)",
+            &mut a,
+            IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS,
+            &format!("QP {} port {}", self.qp_num, path.port),
+        )?;
 
         let mut a = ibv_qp_attr {
             qp_state: IBV_QPS_RTR,
@@ -886,15 +1086,34 @@ impl Qp {
         self.modify(
             "ibv_modify_qp(RTR)",
             &mut a,
-            IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER,
+            IBV_QP_STATE
+                | IBV_QP_AV
+                | IBV_QP_PATH_MTU
+                | IBV_QP_DEST_QPN
+                | IBV_QP_RQ_PSN
+                | IBV_QP_MAX_DEST_RD_ATOMIC
+                | IBV_QP_MIN_RNR_TIMER,
             &detail,
         )?;
 
-        let mut a = ibv_qp_attr { qp_state: IBV_QPS_RTS, timeout: TIMEOUT, retry_cnt: path.retry_cnt.min(7), rnr_retry: RNR_RETRY, sq_psn: 0, max_rd_atomic: MAX_RD_ATOMIC, ..Default::default() };
+        let mut a = ibv_qp_attr {
+            qp_state: IBV_QPS_RTS,
+            timeout: TIMEOUT,
+            retry_cnt: path.retry_cnt.min(7),
+            rnr_retry: RNR_RETRY,
+            sq_psn: 0,
+            max_rd_atomic: MAX_RD_ATOMIC,
+            ..Default::default()
+        };
         self.modify(
             "ibv_modify_qp(RTS)",
             &mut a,
-            IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC,
+            IBV_QP_STATE
+                | IBV_QP_TIMEOUT
+                | IBV_QP_RETRY_CNT
+                | IBV_QP_RNR_RETRY
+                | IBV_QP_SQ_PSN
+                | IBV_QP_MAX_QP_RD_ATOMIC,
             &detail,
         )
     }
@@ -902,8 +1121,16 @@ impl Qp {
     /// Moves the QP to the error state: every outstanding work request completes at once with
     /// `IBV_WC_WR_FLUSH_ERR` (how a deadline ends requests a silent peer would hold).
     pub fn set_error(&self) -> Result<(), VerbsError> {
-        let mut a = ibv_qp_attr { qp_state: IBV_QPS_ERR, ..Default::default() };
-        self.modify("ibv_modify_qp(ERR)", &mut a, IBV_QP_STATE, &format!("QP {}", self.qp_num))
+        let mut a = ibv_qp_attr {
+            qp_state: IBV_QPS_ERR,
+            ..Default::default()
+        };
+        self.modify(
+            "ibv_modify_qp(ERR)",
+            &mut a,
+            IBV_QP_STATE,
+            &format!("QP {}", self.qp_num),
+        )
     }
 
     /// Posts `wrs` as one chain (one doorbell). Each local range is checked against its MR.
@@ -919,13 +1146,23 @@ impl Qp {
             if w.len == 0 || end.is_none_or(|e| e > w.local.len) {
                 return Err(VerbsError::Invalid {
                     device: device.clone(),
-                    what: format!("local range [{}, +{}) outside its memory region of {} bytes (or empty)", w.offset, w.len, w.local.len),
+                    what: format!(
+                        "local range [{}, +{}) outside its memory region of {} bytes (or empty)",
+                        w.offset, w.len, w.local.len
+                    ),
                 });
             }
             if !Arc::ptr_eq(&w.local.pd, &self.pd) {
-                return Err(VerbsError::Invalid { device: device.clone(), what: "the memory region belongs to another protection domain".into() });
+                return Err(VerbsError::Invalid {
+                    device: device.clone(),
+                    what: "the memory region belongs to another protection domain".into(),
+                });
             }
-            sges.push(ibv_sge { addr: (w.local.addr + w.offset) as u64, length: w.len, lkey: w.local.lkey });
+            sges.push(ibv_sge {
+                addr: (w.local.addr + w.offset) as u64,
+                length: w.len,
+                lkey: w.local.lkey,
+            });
         }
         let mut chain: Vec<ibv_send_wr> = wrs
             .iter()
@@ -959,19 +1196,33 @@ impl Qp {
         // SGEs live until the call returns (the provider copies them into the send queue).
         let rc = unsafe {
             let Some(post) = (*(*self.qp).context).ops.post_send else {
-                return Err(self.pd.ctx.err("ibv_post_send", io::Error::from(io::ErrorKind::Unsupported), "the provider has no post_send"));
+                return Err(self.pd.ctx.err(
+                    "ibv_post_send",
+                    io::Error::from(io::ErrorKind::Unsupported),
+                    "the provider has no post_send",
+                ));
             };
             post(self.qp, base, &mut bad)
         };
         if rc != 0 {
-            let posted = if bad.is_null() { 0 } else { (bad as usize - base as usize) / std::mem::size_of::<ibv_send_wr>() };
+            let posted = if bad.is_null() {
+                0
+            } else {
+                (bad as usize - base as usize) / std::mem::size_of::<ibv_send_wr>()
+            };
             let source = errno(rc);
             let fix = match source.raw_os_error() {
                 Some(libc::ENOMEM) => format!("the send queue is full: keep at most {} work requests outstanding on this QP", self.max_send_wr),
                 Some(libc::EINVAL) => "the QP is not in RTS (not connected, or in the error state after a failed request: rebuild it)".into(),
                 _ => "see `dmesg`".into(),
             };
-            return Err(VerbsError::Post { device: device.clone(), posted, total: wrs.len(), source, fix });
+            return Err(VerbsError::Post {
+                device: device.clone(),
+                posted,
+                total: wrs.len(),
+                source,
+                fix,
+            });
         }
         Ok(())
     }
@@ -984,16 +1235,26 @@ mod tests {
     /// devices (none on a plain VM); without it the error says what to install.
     #[test]
     fn loads_where_installed_and_says_what_to_install_where_not() {
-        let installed = ["/usr/lib/x86_64-linux-gnu/libibverbs.so.1", "/usr/lib/aarch64-linux-gnu/libibverbs.so.1", "/usr/lib64/libibverbs.so.1"]
-            .iter()
-            .any(|p| std::path::Path::new(p).exists());
+        let installed = [
+            "/usr/lib/x86_64-linux-gnu/libibverbs.so.1",
+            "/usr/lib/aarch64-linux-gnu/libibverbs.so.1",
+            "/usr/lib64/libibverbs.so.1",
+        ]
+        .iter()
+        .any(|p| std::path::Path::new(p).exists());
         match Verbs::load() {
             Ok(v) => {
-                assert!(installed || std::env::var_os("LD_LIBRARY_PATH").is_some(), "loaded from an unexpected place");
+                assert!(
+                    installed || std::env::var_os("LD_LIBRARY_PATH").is_some(),
+                    "loaded from an unexpected place"
+                );
                 match v.device_names() {
                     Ok(names) => assert!(names.iter().all(|n| !n.is_empty())),
                     Err(e) => {
-                        assert!(!std::path::Path::new(super::super::sysfs::ROOT).exists(), "devices in sysfs but not listed: {e}");
+                        assert!(
+                            !std::path::Path::new(super::super::sysfs::ROOT).exists(),
+                            "devices in sysfs but not listed: {e}"
+                        );
                         assert!(e.to_string().contains("rdma_rxe"), "{e}");
                     }
                 }
@@ -1003,8 +1264,14 @@ mod tests {
                 assert!(e.to_string().contains("apt install libibverbs1"), "{e}");
             }
         }
-        let e = Verbs::load_from("/nonexistent/libibverbs.so.1").err().expect("no such file");
-        assert!(e.to_string().contains("cannot be loaded") && e.to_string().contains("use the tcp transport"), "{e}");
+        let e = Verbs::load_from("/nonexistent/libibverbs.so.1")
+            .err()
+            .expect("no such file");
+        assert!(
+            e.to_string().contains("cannot be loaded")
+                && e.to_string().contains("use the tcp transport"),
+            "{e}"
+        );
         // A library that is not libibverbs.
         if let Err(e) = Verbs::load_from("libc.so.6") {
             assert!(e.to_string().contains("ibv_get_device_list"), "{e}");
@@ -1020,11 +1287,30 @@ mod named_tests {
 
     #[test]
     fn completion_errors_are_named_and_explained() {
-        let wc = Wc { wr_id: 7, qp_num: 17, byte_len: 0, status: 12, opcode: 0, vendor_err: 0x81 };
+        let wc = Wc {
+            wr_id: 7,
+            qp_num: 17,
+            byte_len: 0,
+            status: 12,
+            opcode: 0,
+            vendor_err: 0x81,
+        };
         let e = wc.result("rxe0").unwrap_err().to_string();
-        assert!(e.contains("IBV_WC_RETRY_EXC_ERR") && e.contains("check GID index / MTU") && e.contains("rxe0") && e.contains("QP 17"), "{e}");
-        let e = Wc { status: 10, ..wc }.result("mlx5_0").unwrap_err().to_string();
-        assert!(e.contains("IBV_WC_REM_ACCESS_ERR") && e.contains("rkey"), "{e}");
+        assert!(
+            e.contains("IBV_WC_RETRY_EXC_ERR")
+                && e.contains("check GID index / MTU")
+                && e.contains("rxe0")
+                && e.contains("QP 17"),
+            "{e}"
+        );
+        let e = Wc { status: 10, ..wc }
+            .result("mlx5_0")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("IBV_WC_REM_ACCESS_ERR") && e.contains("rkey"),
+            "{e}"
+        );
         assert!(Wc { status: 0, ..wc }.result("rxe0").is_ok());
         assert_eq!(wc_status(99).0, "IBV_WC_UNKNOWN");
         for s in 1..=23 {
@@ -1034,22 +1320,42 @@ mod named_tests {
 
     #[test]
     fn mtus_convert_both_ways() {
-        assert_eq!((1..=5).map(mtu_bytes).collect::<Vec<_>>(), [256, 512, 1024, 2048, 4096]);
+        assert_eq!(
+            (1..=5).map(mtu_bytes).collect::<Vec<_>>(),
+            [256, 512, 1024, 2048, 4096]
+        );
         assert_eq!((mtu_bytes(0), mtu_bytes(6)), (0, 0));
-        assert_eq!((mtu_enum(1024), mtu_enum(4096), mtu_enum(1500)), (Some(3), Some(5), None));
+        assert_eq!(
+            (mtu_enum(1024), mtu_enum(4096), mtu_enum(1500)),
+            (Some(3), Some(5), None)
+        );
     }
 
     #[test]
     fn failures_name_their_fix() {
-        let memlock = fix("ibv_reg_mr", &io::Error::from_raw_os_error(libc::ENOMEM), "registering 1 bytes");
-        assert!(memlock.contains("ulimit -l") && memlock.contains("CAP_IPC_LOCK"), "{memlock}");
-        let rtr = fix("ibv_modify_qp(RTR)", &io::Error::from_raw_os_error(libc::EINVAL), "QP 1");
+        let memlock = fix(
+            "ibv_reg_mr",
+            &io::Error::from_raw_os_error(libc::ENOMEM),
+            "registering 1 bytes",
+        );
+        assert!(
+            memlock.contains("ulimit -l") && memlock.contains("CAP_IPC_LOCK"),
+            "{memlock}"
+        );
+        let rtr = fix(
+            "ibv_modify_qp(RTR)",
+            &io::Error::from_raw_os_error(libc::EINVAL),
+            "QP 1",
+        );
         assert!(rtr.contains("GID index") && rtr.contains("MTU"), "{rtr}");
         // Opening a device that is not there names what is (on a host without RDMA: why not).
         if let Ok(v) = Verbs::load() {
             match Context::open(Arc::new(v), "no_such_dev0") {
                 Err(VerbsError::NoDevice { name, .. }) => assert_eq!(name, "no_such_dev0"),
-                Err(VerbsError::Call { call, source, .. }) => assert_eq!((call, source.kind()), ("ibv_get_device_list", io::ErrorKind::Unsupported)),
+                Err(VerbsError::Call { call, source, .. }) => assert_eq!(
+                    (call, source.kind()),
+                    ("ibv_get_device_list", io::ErrorKind::Unsupported)
+                ),
                 Err(e) => panic!("unexpected: {e}"),
                 Ok(_) => panic!("opened a device that does not exist"),
             }

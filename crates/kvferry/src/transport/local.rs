@@ -35,7 +35,13 @@ impl Transport for LocalTransport {
     fn submit(&self, _peer: &Arc<Peer>, pieces: Vec<Piece>, _inline: bool) {
         for p in pieces {
             let Some(remote) = self.registry.check(p.remote, p.len) else {
-                p.task.piece_failed(FailKind::Failed, FailCause::RemoteNotRegistered.because(format!("local segment: [0x{:x}, +{}) is not inside registered memory", p.remote, p.len)));
+                p.task.piece_failed(
+                    FailKind::Failed,
+                    FailCause::RemoteNotRegistered.because(format!(
+                        "local segment: [0x{:x}, +{}) is not inside registered memory",
+                        p.remote, p.len
+                    )),
+                );
                 continue;
             };
             if let Some(gpu) = remote.region().gpu {
@@ -54,7 +60,10 @@ impl Transport for LocalTransport {
                 };
                 match r {
                     Ok(()) => p.task.piece_done(p.len),
-                    Err(e) => p.task.piece_failed(FailKind::Failed, format!("local segment, GPU {gpu} memory: {e}")),
+                    Err(e) => p.task.piece_failed(
+                        FailKind::Failed,
+                        format!("local segment, GPU {gpu} memory: {e}"),
+                    ),
                 }
                 continue;
             }

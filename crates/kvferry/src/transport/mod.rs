@@ -55,19 +55,31 @@ impl Piece {
     /// address, and peers may read and write it while it is).
     pub fn host_bytes(&self) -> Option<&[u8]> {
         let r = self.guard.region();
-        let inside = self.local >= r.addr && self.local.checked_add(self.len).is_some_and(|e| e <= r.end());
+        let inside = self.local >= r.addr
+            && self
+                .local
+                .checked_add(self.len)
+                .is_some_and(|e| e <= r.end());
         // SAFETY: see above; the bounds were checked against the guard's region.
-        (r.gpu.is_none() && inside).then(|| unsafe { std::slice::from_raw_parts(self.local as *const u8, self.len as usize) })
+        (r.gpu.is_none() && inside).then(|| unsafe {
+            std::slice::from_raw_parts(self.local as *const u8, self.len as usize)
+        })
     }
 
     /// [`Piece::host_bytes`] to write into (a READ's destination).
     #[allow(clippy::mut_from_ref)]
     pub fn host_bytes_mut(&self) -> Option<&mut [u8]> {
         let r = self.guard.region();
-        let inside = self.local >= r.addr && self.local.checked_add(self.len).is_some_and(|e| e <= r.end());
+        let inside = self.local >= r.addr
+            && self
+                .local
+                .checked_add(self.len)
+                .is_some_and(|e| e <= r.end());
         // SAFETY: as `host_bytes`; the piece is the one writer of its range for its life
         // (concurrent transfers over one range are the caller's to order, as in Mooncake).
-        (r.gpu.is_none() && inside).then(|| unsafe { std::slice::from_raw_parts_mut(self.local as *mut u8, self.len as usize) })
+        (r.gpu.is_none() && inside).then(|| unsafe {
+            std::slice::from_raw_parts_mut(self.local as *mut u8, self.len as usize)
+        })
     }
 }
 
@@ -92,7 +104,13 @@ fn publishes_gpu(d: &SegmentDesc) -> bool {
 impl Peer {
     pub fn new(id: u64, name: String, host: String, desc: SegmentDesc) -> Peer {
         let gpu = std::sync::atomic::AtomicBool::new(publishes_gpu(&desc));
-        Peer { id, name, host, desc: RwLock::new(Arc::new(desc)), gpu }
+        Peer {
+            id,
+            name,
+            host,
+            desc: RwLock::new(Arc::new(desc)),
+            gpu,
+        }
     }
 
     /// Whether the cached descriptor publishes GPU memory.
@@ -107,7 +125,8 @@ impl Peer {
 
     pub fn set_desc(&self, desc: SegmentDesc) {
         let mut d = self.desc.write().unwrap_or_else(|e| e.into_inner());
-        self.gpu.store(publishes_gpu(&desc), std::sync::atomic::Ordering::Release);
+        self.gpu
+            .store(publishes_gpu(&desc), std::sync::atomic::Ordering::Release);
         *d = Arc::new(desc);
     }
 }
@@ -135,7 +154,12 @@ pub trait Transport: Send + Sync {
     /// [`Transport::submit`] if `peer` is reachable, else the pieces back with the reason.
     /// One decision per call: a transport whose `reachable` takes work overrides this so the
     /// hot path decides once, not twice.
-    fn try_submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) -> Result<(), (Vec<Piece>, String)> {
+    fn try_submit(
+        &self,
+        peer: &Arc<Peer>,
+        pieces: Vec<Piece>,
+        inline: bool,
+    ) -> Result<(), (Vec<Piece>, String)> {
         match self.reachable(peer) {
             Ok(()) => {
                 self.submit(peer, pieces, inline);

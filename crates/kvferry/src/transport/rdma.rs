@@ -76,8 +76,10 @@
 
 use crate::batch::{FailCause, FailKind, TaskState};
 use crate::memory::{Region, RegionGuard};
+use crate::rdma::verbs::{
+    self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr,
+};
 use crate::rdma::{sysfs, topo};
-use crate::rdma::verbs::{self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr};
 use crate::transport::{Peer, Piece, Transport};
 use crate::wire::descriptor::{DeviceDesc, Protocols, SegmentDesc};
 use crate::wire::rdma::{format_gid, parse_gid, split_nic_path, ConnectionMsg};
@@ -165,16 +167,29 @@ pub struct RdmaOptions {
 /// Whether `auto` sends a piece to a peer over RDMA (sans-IO): the peer must publish RDMA
 /// devices, the local range must have memory regions on our NICs and the remote buffer keys
 /// for each of the peer's devices. `Err` says why not (the piece then goes over TCP).
-pub fn auto_route(peer: &SegmentDesc, local_has_mrs: bool, remote: u64, len: u64) -> Result<(), String> {
+pub fn auto_route(
+    peer: &SegmentDesc,
+    local_has_mrs: bool,
+    remote: u64,
+    len: u64,
+) -> Result<(), String> {
     if !peer.protocol.contains("rdma") || peer.devices.is_empty() {
-        return Err(format!("the peer publishes no RDMA devices (protocol {:?})", peer.protocol));
+        return Err(format!(
+            "the peer publishes no RDMA devices (protocol {:?})",
+            peer.protocol
+        ));
     }
     if !local_has_mrs {
         return Err("the local range has no RDMA memory region (its registration on the NICs failed: GPU memory without DMA-BUF or nvidia-peermem, or host memory over the memlock limit)".into());
     }
     match peer.find_buffer(remote, len) {
         Some(b) if b.rkey.len() == peer.devices.len() => Ok(()),
-        Some(b) => Err(format!("the peer publishes {} rkeys for its {} devices on buffer 0x{:x}", b.rkey.len(), peer.devices.len(), b.addr)),
+        Some(b) => Err(format!(
+            "the peer publishes {} rkeys for its {} devices on buffer 0x{:x}",
+            b.rkey.len(),
+            peer.devices.len(),
+            b.addr
+        )),
         // The engine re-reads the descriptor before a piece outside it is dispatched.
         None => Err("the remote range is not inside a buffer the peer published".into()),
     }
@@ -317,13 +332,22 @@ impl Ended {
             // itself is wrong (or the keys stale), on any pair.
             Fate::Fail
         } else if self.port_down {
-            Fate::Again { counted: false, avoid: true }
+            Fate::Again {
+                counted: false,
+                avoid: true,
+            }
         } else if self.status == FLUSHED && self.flushed_for_deadline {
-            Fate::Again { counted: false, avoid: false }
+            Fate::Again {
+                counted: false,
+                avoid: false,
+            }
         } else if self.retries >= MAX_RETRIES {
             Fate::Fail
         } else {
-            Fate::Again { counted: true, avoid: true }
+            Fate::Again {
+                counted: true,
+                avoid: true,
+            }
         }
     }
 }
@@ -338,11 +362,25 @@ fn path_failure(status: u32) -> bool {
 /// connects): from `first` in rotation, those neither paused nor `avoid`ed that the topology
 /// prefers (`near`), then the other such ones, then `avoid` (when not paused), then the paused
 /// ones.
-fn pair_order(n: usize, first: usize, avoid: Option<usize>, paused: &[bool], near: &[bool]) -> [Vec<usize>; 3] {
+fn pair_order(
+    n: usize,
+    first: usize,
+    avoid: Option<usize>,
+    paused: &[bool],
+    near: &[bool],
+) -> [Vec<usize>; 3] {
     let rot: Vec<usize> = (0..n).map(|k| (first + k) % n.max(1)).collect();
     let healthy = |i: &usize| !paused[*i] && Some(*i) != avoid;
-    let preferred = rot.iter().copied().filter(|i| healthy(i) && near.get(*i).copied().unwrap_or(true)).collect();
-    let others = rot.iter().copied().filter(|i| healthy(i) && !near.get(*i).copied().unwrap_or(true)).collect();
+    let preferred = rot
+        .iter()
+        .copied()
+        .filter(|i| healthy(i) && near.get(*i).copied().unwrap_or(true))
+        .collect();
+    let others = rot
+        .iter()
+        .copied()
+        .filter(|i| healthy(i) && !near.get(*i).copied().unwrap_or(true))
+        .collect();
     let mut fallback: Vec<usize> = avoid.filter(|&a| a < n && !paused[a]).into_iter().collect();
     fallback.extend(rot.iter().copied().filter(|&i| paused[i]));
     [preferred, others, fallback]
@@ -353,7 +391,11 @@ fn pair_order(n: usize, first: usize, avoid: Option<usize>, paused: &[bool], nea
 /// is never closed, so the cache may exceed `max` while they are busy).
 fn lru_victims<K>(entries: Vec<(K, u64, bool)>, max: usize) -> Vec<K> {
     let excess = entries.len().saturating_sub(max);
-    let mut idle: Vec<(K, u64)> = entries.into_iter().filter(|e| !e.2).map(|(k, t, _)| (k, t)).collect();
+    let mut idle: Vec<(K, u64)> = entries
+        .into_iter()
+        .filter(|e| !e.2)
+        .map(|(k, t, _)| (k, t))
+        .collect();
     idle.sort_by_key(|e| e.1);
     idle.into_iter().take(excess).map(|e| e.0).collect()
 }
@@ -361,12 +403,20 @@ fn lru_victims<K>(entries: Vec<(K, u64, bool)>, max: usize) -> Vec<K> {
 impl PieceState {
     fn slice_end(&self, result: Result<(), (FailKind, FailCause, String)>) {
         if let Err(f) = result {
-            self.failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(f);
+            self.failure
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(f);
         }
         if self.left.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
         }
-        match self.failure.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        match self
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
             None => self.task.piece_done(self.len),
             Some((kind, cause, why)) => self.task.piece_failed(kind, cause.because(why)),
         }
@@ -412,7 +462,11 @@ struct Credits {
 
 impl Credits {
     fn new(max: u32) -> Credits {
-        Credits { used: Mutex::new(0), freed: Condvar::new(), max }
+        Credits {
+            used: Mutex::new(0),
+            freed: Condvar::new(),
+            max,
+        }
     }
 
     fn release(&self, n: u32) {
@@ -429,7 +483,11 @@ impl Credits {
             if now >= deadline {
                 return false;
             }
-            o = self.freed.wait_timeout(o, (deadline - now).min(TICK)).unwrap_or_else(|e| e.into_inner()).0;
+            o = self
+                .freed
+                .wait_timeout(o, (deadline - now).min(TICK))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
         *o += n;
         true
@@ -526,15 +584,28 @@ impl Shared {
     /// (the driver, already loaded for this GPU memory, gives its PCI bus id).
     fn add_gpu_to_topology(&self, ordinal: u32) {
         let key = format!("cuda:{ordinal}");
-        if self.topo_from_file || self.topo.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&key) {
+        if self.topo_from_file
+            || self
+                .topo
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains_key(&key)
+        {
             return;
         }
-        let bus = crate::gpu::cuda().ok().and_then(|c| c.driver().devices().ok()).and_then(|g| g.into_iter().find(|g| g.index == ordinal)).map(|g| g.pci_bus_id);
+        let bus = crate::gpu::cuda()
+            .ok()
+            .and_then(|c| c.driver().devices().ok())
+            .and_then(|g| g.into_iter().find(|g| g.index == ordinal))
+            .map(|g| g.pci_bus_id);
         let Some(bus) = bus else { return };
         let gpu = topo::gpu_place(std::path::Path::new("/sys/bus/pci/devices"), ordinal, &bus);
         let entry = topo::gpu_entry(&self.places, &gpu);
         tracing::debug!("RDMA: {key} (PCI {bus}) prefers {:?}", entry[0]);
-        self.topo.lock().unwrap_or_else(|e| e.into_inner()).insert(key, entry);
+        self.topo
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, entry);
     }
 
     fn nic_pds(&self) -> Vec<(&str, &verbs::Pd)> {
@@ -547,9 +618,13 @@ impl Shared {
     /// why it failed.
     fn register_gpu(&self, region: &Region, ordinal: u32) -> Result<Vec<Mr>, String> {
         use crate::gpu::direct::{self, Method};
-        let what = format!("GPU {ordinal} memory [0x{:x}, +{}) cannot be registered on the RDMA NICs", region.addr, region.len);
+        let what = format!(
+            "GPU {ordinal} memory [0x{:x}, +{}) cannot be registered on the RDMA NICs",
+            region.addr, region.len
+        );
         let facts = direct::facts(ordinal, self.verbs_dmabuf);
-        let mut plan = direct::plan(self.gpu_rdma, &facts).map_err(|why| format!("{what}: {why}"))?;
+        let mut plan =
+            direct::plan(self.gpu_rdma, &facts).map_err(|why| format!("{what}: {why}"))?;
         if self.gpu_method.load(Ordering::Relaxed) == 2 && plan.first() == Some(&Method::DmaBuf) {
             plan.reverse();
         }
@@ -557,7 +632,8 @@ impl Shared {
         for m in plan {
             match reg_gpu(m, &facts, &self.nic_pds(), region.addr, region.len, ordinal) {
                 Ok(v) => {
-                    self.gpu_method.store(if m == Method::DmaBuf { 1 } else { 2 }, Ordering::Relaxed);
+                    self.gpu_method
+                        .store(if m == Method::DmaBuf { 1 } else { 2 }, Ordering::Relaxed);
                     return Ok(v);
                 }
                 Err(e) => tried.push(format!("{m}: {e}")),
@@ -575,7 +651,8 @@ fn reg_plain(pds: &[(&str, &verbs::Pd)], addr: u64, len: u64) -> Result<Vec<Mr>,
         // SAFETY: the engine's contract with the caller of register_memory: the range is
         // memory of this process, valid until unregister_memory returns, and peers may read
         // and write it meanwhile. on_unregister drops these MRs before that returns.
-        let mr = unsafe { pd.reg_mr(addr as *mut u8, len as usize) }.map_err(|e| format!("registering [0x{addr:x}, +{len}) on {name}: {e}"))?;
+        let mr = unsafe { pd.reg_mr(addr as *mut u8, len as usize) }
+            .map_err(|e| format!("registering [0x{addr:x}, +{len}) on {name}: {e}"))?;
         v.push(mr);
     }
     Ok(v)
@@ -585,7 +662,14 @@ fn reg_plain(pds: &[(&str, &verbs::Pd)], addr: u64, len: u64) -> Result<Vec<Mr>,
 /// (the allocation exported once, as whole pages, and registered at the range's offset on
 /// every NIC) or peermem (plain `ibv_reg_mr`; its error then says whether the module is
 /// loaded).
-fn reg_gpu(method: crate::gpu::direct::Method, facts: &crate::gpu::direct::Facts, pds: &[(&str, &verbs::Pd)], addr: u64, len: u64, ordinal: u32) -> Result<Vec<Mr>, String> {
+fn reg_gpu(
+    method: crate::gpu::direct::Method,
+    facts: &crate::gpu::direct::Facts,
+    pds: &[(&str, &verbs::Pd)],
+    addr: u64,
+    len: u64,
+    ordinal: u32,
+) -> Result<Vec<Mr>, String> {
     use crate::gpu::direct::Method;
     if method == Method::PeerMem {
         return reg_plain(pds, addr, len).map_err(|e| match &facts.peermem {
@@ -596,7 +680,9 @@ fn reg_gpu(method: crate::gpu::direct::Method, facts: &crate::gpu::direct::Facts
     let cuda = crate::gpu::cuda().map_err(str::to_string)?;
     let (base, size) = match cuda.driver().classify(addr).map_err(|e| e.to_string())? {
         crate::gpu::driver::Pointer::Device { base, size, .. } => (base, size),
-        crate::gpu::driver::Pointer::Host => return Err("the driver does not report this range as GPU memory".into()),
+        crate::gpu::driver::Pointer::Host => {
+            return Err("the driver does not report this range as GPU memory".into())
+        }
     };
     if addr.saturating_add(len) > base.saturating_add(size) {
         return Err(format!("the range spans several CUDA allocations (VMM mappings) after [0x{base:x}, +{size}); one dma-buf covers one allocation: register each mapping on its own"));
@@ -605,11 +691,16 @@ fn reg_gpu(method: crate::gpu::direct::Method, facts: &crate::gpu::direct::Facts
     let page = 4096u64;
     let start = base & !(page - 1);
     let end = base.saturating_add(size).div_ceil(page) * page;
-    let fd = cuda.on_device(ordinal, |d| d.dmabuf_fd(start, end - start)).map_err(|e| e.to_string())?;
+    let fd = cuda
+        .on_device(ordinal, |d| d.dmabuf_fd(start, end - start))
+        .map_err(|e| e.to_string())?;
     let mut v = Vec::with_capacity(pds.len());
     for (name, pd) in pds {
         use std::os::fd::AsFd;
-        v.push(pd.reg_dmabuf_mr(fd.as_fd(), addr - start, len as usize, addr).map_err(|e| format!("on {name}: {e}"))?);
+        v.push(
+            pd.reg_dmabuf_mr(fd.as_fd(), addr - start, len as usize, addr)
+                .map_err(|e| format!("on {name}: {e}"))?,
+        );
     }
     Ok(v)
 }
@@ -621,7 +712,10 @@ pub type GpuRegTry = (crate::gpu::direct::Method, Result<String, String>);
 /// NIC with each method `setting` allows, and deregisters it: whether each really works on
 /// this host (the facts alone cannot tell whether the NIC's driver imports dma-bufs). `Err`:
 /// why nothing could be tried.
-pub fn try_gpu_registration(ordinal: u32, setting: crate::gpu::direct::GpuRdma) -> Result<Vec<GpuRegTry>, String> {
+pub fn try_gpu_registration(
+    ordinal: u32,
+    setting: crate::gpu::direct::GpuRdma,
+) -> Result<Vec<GpuRegTry>, String> {
     use crate::gpu::direct;
     let probe = crate::rdma::probe();
     if let Some(why) = probe.why_not() {
@@ -630,18 +724,35 @@ pub fn try_gpu_registration(ordinal: u32, setting: crate::gpu::direct::GpuRdma) 
     let verbs = Arc::new(Verbs::load().map_err(|e| e.to_string())?);
     let facts = direct::facts(ordinal, verbs.has_dmabuf());
     let methods = direct::plan(setting, &facts)?;
-    let nic = probe.nics.iter().find(|n| n.ports.iter().any(|p| p.active)).ok_or("no NIC with an active port")?;
+    let nic = probe
+        .nics
+        .iter()
+        .find(|n| n.ports.iter().any(|p| p.active))
+        .ok_or("no NIC with an active port")?;
     let ctx = Context::open(Arc::clone(&verbs), &nic.name).map_err(|e| e.to_string())?;
     let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
     let cuda = crate::gpu::cuda().map_err(str::to_string)?;
     let len = 2usize << 20;
-    let mem = cuda.on_device(ordinal, |d| d.mem_alloc(len)).map_err(|e| format!("allocating 2 MiB on GPU {ordinal}: {e}"))?;
+    let mem = cuda
+        .on_device(ordinal, |d| d.mem_alloc(len))
+        .map_err(|e| format!("allocating 2 MiB on GPU {ordinal}: {e}"))?;
     let out = methods
         .into_iter()
         .map(|m| {
-            let r = reg_gpu(m, &facts, &[(nic.name.as_str(), &pd)], mem, len as u64, ordinal).map(|mrs| {
+            let r = reg_gpu(
+                m,
+                &facts,
+                &[(nic.name.as_str(), &pd)],
+                mem,
+                len as u64,
+                ordinal,
+            )
+            .map(|mrs| {
                 drop(mrs);
-                format!("2 MiB of GPU {ordinal} memory registered on {} and deregistered", nic.name)
+                format!(
+                    "2 MiB of GPU {ordinal} memory registered on {} and deregistered",
+                    nic.name
+                )
             });
             (m, r)
         })
@@ -660,14 +771,24 @@ impl RdmaTransport {
     /// Returns the others (host memory, or GPU memory RDMA cannot reach), untouched.
     pub fn take_gpu_direct(&self, peer: &Arc<Peer>, pieces: Vec<Piece>) -> Vec<Piece> {
         let desc = peer.desc();
-        let remote_gpu = |p: &Piece| desc.find_buffer(p.remote, p.len).is_some_and(|b| b.name.starts_with("cuda:"));
+        let remote_gpu = |p: &Piece| {
+            desc.find_buffer(p.remote, p.len)
+                .is_some_and(|b| b.name.starts_with("cuda:"))
+        };
         let touches_gpu = |p: &Piece| p.guard.region().gpu.is_some() || remote_gpu(p);
         if !pieces.iter().any(touches_gpu) || self.reachable(peer).is_err() {
             return pieces;
         }
-        let (direct, rest): (Vec<Piece>, Vec<Piece>) = pieces
-            .into_iter()
-            .partition(|p| touches_gpu(p) && auto_route(&desc, self.shared.mrs_for(p.local, p.len).is_some(), p.remote, p.len).is_ok());
+        let (direct, rest): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| {
+            touches_gpu(p)
+                && auto_route(
+                    &desc,
+                    self.shared.mrs_for(p.local, p.len).is_some(),
+                    p.remote,
+                    p.len,
+                )
+                .is_ok()
+        });
         if !direct.is_empty() {
             self.submit(peer, direct, false);
         }
@@ -692,12 +813,21 @@ impl RdmaTransport {
                     continue;
                 }
             }
-            let Some(port) = n.ports.iter().find(|p| p.num == u32::from(PORT) && p.active) else {
+            let Some(port) = n
+                .ports
+                .iter()
+                .find(|p| p.num == u32::from(PORT) && p.active)
+            else {
                 skipped.push(format!("{}: port {PORT} not active", n.name));
                 continue;
             };
-            let Some(gid_index) = sysfs::select_gid(port, opts.gid_index).and_then(|i| u8::try_from(i).ok()) else {
-                skipped.push(format!("{}: no usable GID (MC_GID_INDEX={:?})", n.name, opts.gid_index));
+            let Some(gid_index) =
+                sysfs::select_gid(port, opts.gid_index).and_then(|i| u8::try_from(i).ok())
+            else {
+                skipped.push(format!(
+                    "{}: no usable GID (MC_GID_INDEX={:?})",
+                    n.name, opts.gid_index
+                ));
                 continue;
             };
             let opened = (|| -> Result<Nic, VerbsError> {
@@ -706,7 +836,20 @@ impl RdmaTransport {
                 let gid = ctx.query_gid(PORT, gid_index)?;
                 let pd = ctx.alloc_pd()?;
                 let cq = ctx.create_cq(CQ_DEPTH)?;
-                Ok(Nic { name: n.name.clone(), pd, cq, attr, gid_index, gid, inflight: Mutex::default(), credits: Credits::new(CQ_DEPTH), down: AtomicBool::new(false), ups: AtomicU64::new(0), closed: AtomicBool::new(false), ctx })
+                Ok(Nic {
+                    name: n.name.clone(),
+                    pd,
+                    cq,
+                    attr,
+                    gid_index,
+                    gid,
+                    inflight: Mutex::default(),
+                    credits: Credits::new(CQ_DEPTH),
+                    down: AtomicBool::new(false),
+                    ups: AtomicU64::new(0),
+                    closed: AtomicBool::new(false),
+                    ctx,
+                })
             })();
             match opened {
                 Ok(nic) => nics.push(nic),
@@ -716,25 +859,50 @@ impl RdmaTransport {
         if nics.is_empty() {
             let found: Vec<&str> = probe.nics.iter().map(|n| n.name.as_str()).collect();
             return Err(match &opts.devices {
-                Some(only) => format!("no usable RDMA device among KVFERRY_RDMA_DEVICES={} (found: {}; {})", only.join(","), found.join(", "), skipped.join("; ")),
-                None => format!("no usable RDMA device (found: {}; {})", found.join(", "), skipped.join("; ")),
+                Some(only) => format!(
+                    "no usable RDMA device among KVFERRY_RDMA_DEVICES={} (found: {}; {})",
+                    only.join(","),
+                    found.join(", "),
+                    skipped.join("; ")
+                ),
+                None => format!(
+                    "no usable RDMA device (found: {}; {})",
+                    found.join(", "),
+                    skipped.join("; ")
+                ),
             });
         }
         for s in &skipped {
             tracing::warn!("RDMA: not using {s}");
         }
         let names: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
-        let places: Vec<topo::Place> = names.iter().map(|n| topo::nic_place(std::path::Path::new(sysfs::ROOT), n)).collect();
+        let places: Vec<topo::Place> = names
+            .iter()
+            .map(|n| topo::nic_place(std::path::Path::new(sysfs::ROOT), n))
+            .collect();
         let matrix = match &opts.topo {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| format!("KVFERRY_RDMA_TOPO (MC_CUSTOM_TOPO_JSON) {}: {e}", path.display()))?;
-                let (m, unknown) = topo::parse(&text, &names).map_err(|e| format!("KVFERRY_RDMA_TOPO (MC_CUSTOM_TOPO_JSON) {}: {e}", path.display()))?;
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    format!(
+                        "KVFERRY_RDMA_TOPO (MC_CUSTOM_TOPO_JSON) {}: {e}",
+                        path.display()
+                    )
+                })?;
+                let (m, unknown) = topo::parse(&text, &names).map_err(|e| {
+                    format!(
+                        "KVFERRY_RDMA_TOPO (MC_CUSTOM_TOPO_JSON) {}: {e}",
+                        path.display()
+                    )
+                })?;
                 if !unknown.is_empty() {
                     tracing::warn!("RDMA: the NIC priority matrix {} names NICs this engine does not use ({}); they are left out", path.display(), unknown.join(", "));
                 }
                 m
             }
-            None => topo::cpu_entries(&places, &topo::numa_nodes(std::path::Path::new("/sys/devices/system/node"))),
+            None => topo::cpu_entries(
+                &places,
+                &topo::numa_nodes(std::path::Path::new("/sys/devices/system/node")),
+            ),
         };
         let shared = Arc::new_cyclic(|weak: &Weak<Shared>| Shared {
             segment: opts.segment,
@@ -777,12 +945,20 @@ impl RdmaTransport {
 
     /// How the transport reaches a peer's handshake port (set by the engine).
     pub fn set_connector(&self, c: Connector) {
-        *self.shared.connector.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(c));
+        *self
+            .shared
+            .connector
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(c));
     }
 
     /// How the transport re-reads a peer's descriptor (set by the engine).
     pub fn set_refresh(&self, f: crate::transport::shm::Refresh) {
-        *self.shared.refresh.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(f));
+        *self
+            .shared
+            .refresh
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(f));
     }
 
     /// The NICs in use, in device order.
@@ -796,30 +972,72 @@ impl RdmaTransport {
         let s = &self.shared;
         let m = match ConnectionMsg::decode(body) {
             Ok(m) => m,
-            Err(e) => return refusal("x@x", &format!("{}@x", s.segment), format!("kvferry: bad Connection message: {e}")),
+            Err(e) => {
+                return refusal(
+                    "x@x",
+                    &format!("{}@x", s.segment),
+                    format!("kvferry: bad Connection message: {e}"),
+                )
+            }
         };
         let me = m.peer_nic_path.clone();
-        let nic_name = split_nic_path(&m.peer_nic_path).map(|(_, n)| n).unwrap_or_default();
+        let nic_name = split_nic_path(&m.peer_nic_path)
+            .map(|(_, n)| n)
+            .unwrap_or_default();
         let Some(idx) = s.nics.iter().position(|n| n.name == nic_name) else {
             let have: Vec<&str> = s.nics.iter().map(|n| n.name.as_str()).collect();
-            return refusal(&me, &m.local_nic_path, format!("kvferry: no RDMA NIC named {nic_name:?} here (have: {})", have.join(", ")));
+            return refusal(
+                &me,
+                &m.local_nic_path,
+                format!(
+                    "kvferry: no RDMA NIC named {nic_name:?} here (have: {})",
+                    have.join(", ")
+                ),
+            );
         };
         let nic = &s.nics[idx];
         if m.ready_ack == Some(true) {
             // Mooncake's "ready" round (we never ask for it, but answer it): our QPs for that
             // peer reached RTS before we answered its request.
-            let ours: Option<Vec<u32>> = s.passive.lock().unwrap_or_else(|e| e.into_inner()).get(&(m.local_nic_path.clone(), idx)).map(|(_, q)| q.iter().map(Qp::qp_num).collect());
+            let ours: Option<Vec<u32>> = s
+                .passive
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&(m.local_nic_path.clone(), idx))
+                .map(|(_, q)| q.iter().map(Qp::qp_num).collect());
             let Some(qp_num) = ours else {
-                return refusal(&me, &m.local_nic_path, "kvferry: ready ACK for an unknown connection".into());
+                return refusal(
+                    &me,
+                    &m.local_nic_path,
+                    "kvferry: ready ACK for an unknown connection".into(),
+                );
             };
-            let ok = ConnectionMsg { local_nic_path: me, local_lid: nic.attr.lid, local_gid: format_gid(&nic.gid), peer_nic_path: m.local_nic_path, qp_num, ..Default::default() };
+            let ok = ConnectionMsg {
+                local_nic_path: me,
+                local_lid: nic.attr.lid,
+                local_gid: format_gid(&nic.gid),
+                peer_nic_path: m.local_nic_path,
+                qp_num,
+                ..Default::default()
+            };
             return ok.encode();
         }
         let Some(gid) = parse_gid(&m.local_gid) else {
-            return refusal(&me, &m.local_nic_path, "kvferry: the Connection message has no GID".into());
+            return refusal(
+                &me,
+                &m.local_nic_path,
+                "kvferry: the Connection message has no GID".into(),
+            );
         };
         if m.qp_num.len() > MAX_QPS_PER_EP {
-            return refusal(&me, &m.local_nic_path, format!("kvferry: {} QPs per endpoint asked, at most {MAX_QPS_PER_EP}", m.qp_num.len()));
+            return refusal(
+                &me,
+                &m.local_nic_path,
+                format!(
+                    "kvferry: {} QPs per endpoint asked, at most {MAX_QPS_PER_EP}",
+                    m.qp_num.len()
+                ),
+            );
         }
         let mtu = path_mtu(&nic.attr, &m);
         let made = m
@@ -827,7 +1045,19 @@ impl RdmaTransport {
             .iter()
             .map(|&remote| -> Result<Qp, VerbsError> {
                 let qp = nic.pd.create_qp(&nic.cq, MAX_WR)?;
-                qp.connect(Path { port: PORT, sgid_index: nic.gid_index, mtu, retry_cnt: s.retry_cnt }, &RemoteQp { qp_num: remote, lid: m.local_lid, gid })?;
+                qp.connect(
+                    Path {
+                        port: PORT,
+                        sgid_index: nic.gid_index,
+                        mtu,
+                        retry_cnt: s.retry_cnt,
+                    },
+                    &RemoteQp {
+                        qp_num: remote,
+                        lid: m.local_lid,
+                        gid,
+                    },
+                )?;
                 Ok(qp)
             })
             .collect::<Result<Vec<Qp>, VerbsError>>();
@@ -894,7 +1124,11 @@ impl RdmaTransport {
             s.sweep.lock().unwrap_or_else(|e| e.into_inner()).0 = false;
         });
         if spawned.is_err() {
-            self.shared.sweep.lock().unwrap_or_else(|e| e.into_inner()).0 = false;
+            self.shared
+                .sweep
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .0 = false;
         }
     }
 }
@@ -902,22 +1136,43 @@ impl RdmaTransport {
 /// Whether nothing listens at `addr` (a connection is refused). No answer within
 /// [`PASSIVE_PROBE_TIMEOUT`], or any other error, is not a refusal: the peer may be alive.
 fn refuses(addr: std::net::SocketAddr) -> bool {
-    std::net::TcpStream::connect_timeout(&addr, PASSIVE_PROBE_TIMEOUT).is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+    std::net::TcpStream::connect_timeout(&addr, PASSIVE_PROBE_TIMEOUT)
+        .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
 }
 
 /// The peers (segment names) among the NIC paths `paths` (`segment@device`) whose segment name
 /// is an `ip:port` that `refused` says refuses connections: their engine is gone. Names that
 /// are not a socket address are never looked up (no name resolution in a sweep).
-fn departed_peers<'a>(paths: impl Iterator<Item = &'a str>, refused: impl Fn(std::net::SocketAddr) -> bool) -> std::collections::HashSet<String> {
-    let segs: std::collections::BTreeSet<&str> = paths.filter_map(|p| split_nic_path(p).map(|(seg, _)| seg)).collect();
-    segs.into_iter().filter(|seg| seg.parse::<std::net::SocketAddr>().is_ok_and(&refused)).map(str::to_string).collect()
+fn departed_peers<'a>(
+    paths: impl Iterator<Item = &'a str>,
+    refused: impl Fn(std::net::SocketAddr) -> bool,
+) -> std::collections::HashSet<String> {
+    let segs: std::collections::BTreeSet<&str> = paths
+        .filter_map(|p| split_nic_path(p).map(|(seg, _)| seg))
+        .collect();
+    segs.into_iter()
+        .filter(|seg| seg.parse::<std::net::SocketAddr>().is_ok_and(&refused))
+        .map(str::to_string)
+        .collect()
 }
 
 /// A refusal (`reply_msg` set) in the form the message codec accepts.
 fn refusal(me: &str, peer: &str, why: String) -> Vec<u8> {
     tracing::warn!("RDMA: refused a connection from {peer}: {why}");
-    let path = |p: &str| if split_nic_path(p).is_some() { p.to_string() } else { "unknown@unknown".to_string() };
-    ConnectionMsg { local_nic_path: path(me), peer_nic_path: path(peer), reply_msg: why, ..Default::default() }.encode()
+    let path = |p: &str| {
+        if split_nic_path(p).is_some() {
+            p.to_string()
+        } else {
+            "unknown@unknown".to_string()
+        }
+    };
+    ConnectionMsg {
+        local_nic_path: path(me),
+        peer_nic_path: path(peer),
+        reply_msg: why,
+        ..Default::default()
+    }
+    .encode()
 }
 
 /// Our `Connection` message for `qps` on `nic`, to `peer_nic_path`. No `ready_ack` field:
@@ -939,7 +1194,12 @@ fn hello(segment: &str, nic: &Nic, peer_nic_path: &str, qps: &[Qp]) -> Vec<u8> {
 
 /// The path MTU: the smaller of our port's active MTU and the peer's (when it says it).
 fn path_mtu(attr: &PortAttr, m: &ConnectionMsg) -> u32 {
-    let theirs = m.extra.get(MTU_FIELD).and_then(Value::as_u64).and_then(|b| u32::try_from(b).ok()).and_then(verbs::mtu_enum);
+    let theirs = m
+        .extra
+        .get(MTU_FIELD)
+        .and_then(Value::as_u64)
+        .and_then(|b| u32::try_from(b).ok())
+        .and_then(verbs::mtu_enum);
     theirs.map_or(attr.active_mtu, |t| t.min(attr.active_mtu))
 }
 
@@ -953,48 +1213,129 @@ impl Shared {
     }
 
     /// The endpoint to `peer`'s NIC `dev` from local NIC `nic`, connecting it if needed.
-    fn endpoint(&self, peer: &Peer, desc: &SegmentDesc, nic: usize, dev: &DeviceDesc) -> Result<Arc<Endpoint>, String> {
+    fn endpoint(
+        &self,
+        peer: &Peer,
+        desc: &SegmentDesc,
+        nic: usize,
+        dev: &DeviceDesc,
+    ) -> Result<Arc<Endpoint>, String> {
         let key: EpKey = (peer.name.clone(), nic, dev.name.clone());
-        if let Some(ep) = self.endpoints.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-            ep.last_use.store(self.clock.fetch_add(1, Ordering::Relaxed), Ordering::Relaxed);
+        if let Some(ep) = self
+            .endpoints
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+        {
+            ep.last_use.store(
+                self.clock.fetch_add(1, Ordering::Relaxed),
+                Ordering::Relaxed,
+            );
             return Ok(Arc::clone(ep));
         }
-        let connector = self.connector.lock().unwrap_or_else(|e| e.into_inner()).clone().ok_or("the engine gave the RDMA transport no handshake client")?;
+        let connector = self
+            .connector
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or("the engine gave the RDMA transport no handshake client")?;
         let n = &self.nics[nic];
-        let server = desc.rdma_server_name.clone().filter(|s| !s.is_empty()).unwrap_or_else(|| desc.name.clone());
+        let server = desc
+            .rdma_server_name
+            .clone()
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| desc.name.clone());
         let peer_path = format!("{server}@{}", dev.name);
-        let qps = (0..QPS_PER_EP).map(|_| n.pd.create_qp(&n.cq, MAX_WR)).collect::<Result<Vec<Qp>, VerbsError>>().map_err(|e| e.to_string())?;
-        let reply = connector(peer, &hello(&self.segment, n, &peer_path, &qps)).map_err(|e| format!("RDMA handshake with {peer_path} from {} failed: {e}", n.name))?;
+        let qps = (0..QPS_PER_EP)
+            .map(|_| n.pd.create_qp(&n.cq, MAX_WR))
+            .collect::<Result<Vec<Qp>, VerbsError>>()
+            .map_err(|e| e.to_string())?;
+        let reply = connector(peer, &hello(&self.segment, n, &peer_path, &qps)).map_err(|e| {
+            format!(
+                "RDMA handshake with {peer_path} from {} failed: {e}",
+                n.name
+            )
+        })?;
         let r = ConnectionMsg::decode(&reply).map_err(|e| {
             // A refusal need not carry NIC paths (a peer without RDMA answers only `reply_msg`).
-            let refused = serde_json::from_slice::<Value>(&reply).ok().and_then(|v| v.get("reply_msg").and_then(Value::as_str).filter(|r| !r.is_empty()).map(str::to_string));
+            let refused = serde_json::from_slice::<Value>(&reply).ok().and_then(|v| {
+                v.get("reply_msg")
+                    .and_then(Value::as_str)
+                    .filter(|r| !r.is_empty())
+                    .map(str::to_string)
+            });
             match refused {
-                Some(why) => format!("{peer_path} refused the RDMA connection from {}: {why}", n.name),
+                Some(why) => format!(
+                    "{peer_path} refused the RDMA connection from {}: {why}",
+                    n.name
+                ),
                 None => format!("RDMA handshake with {peer_path}: bad answer: {e}"),
             }
         })?;
         if let Some(why) = r.refused() {
-            return Err(format!("{peer_path} refused the RDMA connection from {}: {why}", n.name));
+            return Err(format!(
+                "{peer_path} refused the RDMA connection from {}: {why}",
+                n.name
+            ));
         }
-        let gid = parse_gid(&r.local_gid).or_else(|| parse_gid(&dev.gid)).ok_or_else(|| format!("{peer_path} published no GID"))?;
-        let path = Path { port: PORT, sgid_index: n.gid_index, mtu: path_mtu(&n.attr, &r), retry_cnt: self.retry_cnt };
+        let gid = parse_gid(&r.local_gid)
+            .or_else(|| parse_gid(&dev.gid))
+            .ok_or_else(|| format!("{peer_path} published no GID"))?;
+        let path = Path {
+            port: PORT,
+            sgid_index: n.gid_index,
+            mtu: path_mtu(&n.attr, &r),
+            retry_cnt: self.retry_cnt,
+        };
         if r.qp_num.len() != qps.len() {
-            return Err(format!("{peer_path} answered with {} QPs for our {}", r.qp_num.len(), qps.len()));
+            return Err(format!(
+                "{peer_path} answered with {} QPs for our {}",
+                r.qp_num.len(),
+                qps.len()
+            ));
         }
         for (qp, &remote) in qps.iter().zip(&r.qp_num) {
-            qp.connect(path, &RemoteQp { qp_num: remote, lid: r.local_lid, gid }).map_err(|e| e.to_string())?;
+            qp.connect(
+                path,
+                &RemoteQp {
+                    qp_num: remote,
+                    lid: r.local_lid,
+                    gid,
+                },
+            )
+            .map_err(|e| e.to_string())?;
         }
         tracing::debug!(peer = %peer_path, local = %n.name, remote_qps = ?r.qp_num, "RDMA: connected");
         let last_use = AtomicU64::new(self.clock.fetch_add(1, Ordering::Relaxed));
-        let ep = Arc::new(Endpoint { qps, next_qp: AtomicUsize::new(0), key: key.clone(), credits: Credits::new(MAX_OUTSTANDING), expired: AtomicBool::new(false), broken: AtomicBool::new(false), last_use });
+        let ep = Arc::new(Endpoint {
+            qps,
+            next_qp: AtomicUsize::new(0),
+            key: key.clone(),
+            credits: Credits::new(MAX_OUTSTANDING),
+            expired: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
+            last_use,
+        });
         let evicted: Vec<Arc<Endpoint>> = {
             let mut eps = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
             eps.insert(key, Arc::clone(&ep));
             if eps.len() > self.max_endpoints {
                 // Idle: only the cache holds it (slices in flight and posting threads hold
                 // clones, each taken under this lock, so none can appear meanwhile).
-                let view = eps.iter().map(|(k, e)| (k.clone(), e.last_use.load(Ordering::Relaxed), Arc::strong_count(e) > 1)).collect();
-                lru_victims(view, self.max_endpoints).into_iter().filter_map(|k| eps.remove(&k)).collect()
+                let view = eps
+                    .iter()
+                    .map(|(k, e)| {
+                        (
+                            k.clone(),
+                            e.last_use.load(Ordering::Relaxed),
+                            Arc::strong_count(e) > 1,
+                        )
+                    })
+                    .collect();
+                lru_victims(view, self.max_endpoints)
+                    .into_iter()
+                    .filter_map(|k| eps.remove(&k))
+                    .collect()
             } else {
                 Vec::new()
             }
@@ -1015,16 +1356,32 @@ impl Shared {
 
     fn run(&self, job: Job) {
         let Job { peer, pieces } = job;
-        let stale = self.stale.lock().unwrap_or_else(|e| e.into_inner()).remove(&peer.name);
+        let stale = self
+            .stale
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&peer.name);
         if stale {
-            let refresh = self.refresh.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let refresh = self
+                .refresh
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
             if let Some(Err(e)) = refresh.map(|f| f(&peer)) {
-                tracing::debug!("RDMA: re-reading the descriptor of {} after a refused key: {e}", peer.name);
+                tracing::debug!(
+                    "RDMA: re-reading the descriptor of {} after a refused key: {e}",
+                    peer.name
+                );
             }
         }
         for p in pieces {
             if self.shut.load(Ordering::Acquire) {
-                fail_piece(p, FailKind::Failed, FailCause::ShutDown, "the engine is shut down".into());
+                fail_piece(
+                    p,
+                    FailKind::Failed,
+                    FailCause::ShutDown,
+                    "the engine is shut down".into(),
+                );
                 continue;
             }
             self.run_piece(&peer, p);
@@ -1034,37 +1391,77 @@ impl Shared {
     fn run_piece(&self, peer: &Arc<Peer>, p: Piece) {
         let deadline = p.task.deadline();
         if Instant::now() >= deadline {
-            return fail_piece(p, FailKind::Timeout, FailCause::Timeout, "the deadline passed before the request was posted".into());
+            return fail_piece(
+                p,
+                FailKind::Timeout,
+                FailCause::Timeout,
+                "the deadline passed before the request was posted".into(),
+            );
         }
         if p.guard.is_revoked() {
-            return fail_piece(p, FailKind::Failed, FailCause::LocalNotRegistered, "the local range is being unregistered".into());
+            return fail_piece(
+                p,
+                FailKind::Failed,
+                FailCause::LocalNotRegistered,
+                "the local range is being unregistered".into(),
+            );
         }
         let desc = peer.desc();
         let Some(buf) = desc.find_buffer(p.remote, p.len) else {
-            let why = format!("{}: [0x{:x}, +{}) is not inside a buffer it published", peer.name, p.remote, p.len);
+            let why = format!(
+                "{}: [0x{:x}, +{}) is not inside a buffer it published",
+                peer.name, p.remote, p.len
+            );
             return fail_piece(p, FailKind::Failed, FailCause::RemoteNotRegistered, why);
         };
         let Some((mrs, base)) = self.mrs_for(p.local, p.len) else {
-            return fail_piece(p, FailKind::Failed, FailCause::LocalNotRegistered, "the local range has no RDMA memory region".into());
+            return fail_piece(
+                p,
+                FailKind::Failed,
+                FailCause::LocalNotRegistered,
+                "the local range has no RDMA memory region".into(),
+            );
         };
         let n_nics = self.nics.len();
         // Each local NIC with its peer NIC and the rkey there.
         let mut routes = Vec::with_capacity(n_nics);
         for nic in 0..n_nics {
             let Some((i, dev)) = remote_device(&desc, &self.nics[nic].name, &buf.name) else {
-                return fail_piece(p, FailKind::Failed, FailCause::Protocol, format!("{} publishes no RDMA devices", peer.name));
+                return fail_piece(
+                    p,
+                    FailKind::Failed,
+                    FailCause::Protocol,
+                    format!("{} publishes no RDMA devices", peer.name),
+                );
             };
             let Some(&rkey) = buf.rkey.get(i) else {
-                return fail_piece(p, FailKind::Failed, FailCause::Protocol, format!("{} publishes no rkey for device {} of buffer 0x{:x}", peer.name, dev.name, buf.addr));
+                return fail_piece(
+                    p,
+                    FailKind::Failed,
+                    FailCause::Protocol,
+                    format!(
+                        "{} publishes no rkey for device {} of buffer 0x{:x}",
+                        peer.name, dev.name, buf.addr
+                    ),
+                );
             };
             let Ok(rkey) = u32::try_from(rkey) else {
-                return fail_piece(p, FailKind::Failed, FailCause::Protocol, format!("{}: rkey {rkey} is not 32-bit", peer.name));
+                return fail_piece(
+                    p,
+                    FailKind::Failed,
+                    FailCause::Protocol,
+                    format!("{}: rkey {rkey} is not 32-bit", peer.name),
+                );
             };
             routes.push((dev.clone(), rkey));
         }
         let near = {
             let names: Vec<String> = self.nics.iter().map(|n| n.name.clone()).collect();
-            topo::mask(&self.topo.lock().unwrap_or_else(|e| e.into_inner()), &p.guard.region().location, &names)
+            topo::mask(
+                &self.topo.lock().unwrap_or_else(|e| e.into_inner()),
+                &p.guard.region().location,
+                &names,
+            )
         };
         let slices = p.len.div_ceil(SLICE) as usize;
         let first_nic = self.next_nic.fetch_add(1, Ordering::Relaxed);
@@ -1094,7 +1491,11 @@ impl Shared {
         if usable.is_empty() {
             let why = why_not.join("; ");
             for _ in 0..slices {
-                piece.slice_end(Err((FailKind::Failed, FailCause::PeerUnreachable, why.clone())));
+                piece.slice_end(Err((
+                    FailKind::Failed,
+                    FailCause::PeerUnreachable,
+                    why.clone(),
+                )));
             }
             return;
         }
@@ -1109,14 +1510,32 @@ impl Shared {
     /// Up to `want` connected NIC pairs for `piece` (local NIC index and endpoint), in the
     /// order of [`pair_order`]; a pair that cannot be connected is paused. Also says why the
     /// others could not be used.
-    fn connect_pairs(&self, piece: &PieceState, desc: &SegmentDesc, first: usize, want: usize, avoid: Option<usize>) -> (Vec<(usize, Arc<Endpoint>)>, Vec<String>) {
+    fn connect_pairs(
+        &self,
+        piece: &PieceState,
+        desc: &SegmentDesc,
+        first: usize,
+        want: usize,
+        avoid: Option<usize>,
+    ) -> (Vec<(usize, Arc<Endpoint>)>, Vec<String>) {
         let n = self.nics.len();
-        let key = |nic: usize| -> EpKey { (piece.peer.name.clone(), nic, piece.routes[nic].0.name.clone()) };
+        let key = |nic: usize| -> EpKey {
+            (
+                piece.peer.name.clone(),
+                nic,
+                piece.routes[nic].0.name.clone(),
+            )
+        };
         let paused: Vec<bool> = {
             let p = self.paused.lock().unwrap_or_else(|e| e.into_inner());
             let now = Instant::now();
             // A NIC whose port is down counts as paused: used only when no other connects.
-            (0..n).map(|nic| self.nics[nic].down.load(Ordering::Acquire) || p.get(&key(nic)).is_some_and(|&until| now < until)).collect()
+            (0..n)
+                .map(|nic| {
+                    self.nics[nic].down.load(Ordering::Acquire)
+                        || p.get(&key(nic)).is_some_and(|&until| now < until)
+                })
+                .collect()
         };
         let mut usable: Vec<(usize, Arc<Endpoint>)> = Vec::new();
         let mut why_not: Vec<String> = Vec::new();
@@ -1129,12 +1548,20 @@ impl Shared {
                 let ups = self.nics[nic].ups.load(Ordering::Acquire);
                 match self.endpoint(&piece.peer, desc, nic, dev) {
                     Ok(ep) => {
-                        self.paused.lock().unwrap_or_else(|e| e.into_inner()).remove(&key(nic));
+                        self.paused
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .remove(&key(nic));
                         usable.push((nic, ep));
                     }
                     Err(e) => {
                         if self.pause(&key(nic), ups) {
-                            tracing::warn!("RDMA: not using {} -> {}@{} for {PAUSE:?}: {e}", self.nics[nic].name, piece.peer.name, dev.name);
+                            tracing::warn!(
+                                "RDMA: not using {} -> {}@{} for {PAUSE:?}: {e}",
+                                self.nics[nic].name,
+                                piece.peer.name,
+                                dev.name
+                            );
                         } else {
                             tracing::info!("RDMA: not using {} -> {}@{} (its link went down or came back meanwhile): {e}", self.nics[nic].name, piece.peer.name, dev.name);
                         }
@@ -1151,28 +1578,68 @@ impl Shared {
 
     /// Posts `slices` (index, retries so far) of `piece` on `ep` from local NIC `nic`, in
     /// chains, within the bounds on work requests in flight.
-    fn post_slices(&self, piece: &Arc<PieceState>, nic: usize, ep: &Arc<Endpoint>, slices: &[(u32, u8)], deadline: Instant) {
+    fn post_slices(
+        &self,
+        piece: &Arc<PieceState>,
+        nic: usize,
+        ep: &Arc<Endpoint>,
+        slices: &[(u32, u8)],
+        deadline: Instant,
+    ) {
         let rkey = piece.routes[nic].1;
         let nic_credits = &self.nics[nic].credits;
         let ups = self.nics[nic].ups.load(Ordering::Acquire);
         // A chain whose endpoint was flushed since it was chosen goes to a pair chosen anew
         // (uncounted; after what this peer's posting thread has queued).
-        let again = |chain: &[(u32, u8)]| self.retry_later(chain.iter().map(|&(idx, retries)| Retry { piece: Arc::clone(piece), idx, retries, avoid: None }).collect());
+        let again = |chain: &[(u32, u8)]| {
+            self.retry_later(
+                chain
+                    .iter()
+                    .map(|&(idx, retries)| Retry {
+                        piece: Arc::clone(piece),
+                        idx,
+                        retries,
+                        avoid: None,
+                    })
+                    .collect(),
+            )
+        };
         for chain in slices.chunks(CHAIN) {
             let n = chain.len() as u32;
             // Checked per chain: a connect or a wait for credits before it may have taken
             // until the range was being unregistered (whose barrier waits only for work
             // requests in flight) or past the deadline (past which nothing is posted).
             let stop = if self.shut.load(Ordering::Acquire) {
-                Some((FailKind::Failed, FailCause::ShutDown, "the engine shut down; the rest of the request is not posted".to_string()))
-            } else if let Some(f) = piece.failure.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+                Some((
+                    FailKind::Failed,
+                    FailCause::ShutDown,
+                    "the engine shut down; the rest of the request is not posted".to_string(),
+                ))
+            } else if let Some(f) = piece
+                .failure
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+            {
                 // Another slice failed for good (a refused key, say): the piece has failed,
                 // and posting the rest would only fail it again, breaking another endpoint.
                 Some(f)
             } else if piece.guard.is_revoked() {
-                Some((FailKind::Failed, FailCause::LocalNotRegistered, "the local range is being unregistered; the rest of the request is not posted".to_string()))
+                Some((
+                    FailKind::Failed,
+                    FailCause::LocalNotRegistered,
+                    "the local range is being unregistered; the rest of the request is not posted"
+                        .to_string(),
+                ))
             } else if Instant::now() >= deadline {
-                Some((FailKind::Timeout, FailCause::Timeout, format!("the deadline passed before the rest of the request was posted on {}", self.nics[nic].name)))
+                Some((
+                    FailKind::Timeout,
+                    FailCause::Timeout,
+                    format!(
+                        "the deadline passed before the rest of the request was posted on {}",
+                        self.nics[nic].name
+                    ),
+                ))
             } else {
                 None
             };
@@ -1195,7 +1662,14 @@ impl Shared {
             if !nic_credits.acquire(n, deadline) {
                 ep.credits.release(n);
                 for _ in chain {
-                    piece.slice_end(Err((FailKind::Timeout, FailCause::Timeout, format!("{CQ_DEPTH} work requests already in flight on {} at the deadline", self.nics[nic].name))));
+                    piece.slice_end(Err((
+                        FailKind::Timeout,
+                        FailCause::Timeout,
+                        format!(
+                            "{CQ_DEPTH} work requests already in flight on {} at the deadline",
+                            self.nics[nic].name
+                        ),
+                    )));
                 }
                 continue;
             }
@@ -1206,30 +1680,61 @@ impl Shared {
                 again(chain);
                 continue;
             }
-            let ids: Vec<u64> = chain.iter().map(|_| self.next_wr.fetch_add(1, Ordering::Relaxed)).collect();
+            let ids: Vec<u64> = chain
+                .iter()
+                .map(|_| self.next_wr.fetch_add(1, Ordering::Relaxed))
+                .collect();
             let wrs: Vec<Wr<'_>> = chain
                 .iter()
                 .zip(&ids)
                 .map(|(&(i, _), &wr_id)| {
                     let off = u64::from(i) * SLICE;
                     let len = (piece.len - off).min(SLICE) as u32;
-                    Wr { wr_id, op: piece.op, local: &piece.mrs[nic], offset: piece.base + off as usize, len, remote_addr: piece.remote + off, rkey, signaled: true }
+                    Wr {
+                        wr_id,
+                        op: piece.op,
+                        local: &piece.mrs[nic],
+                        offset: piece.base + off as usize,
+                        len,
+                        remote_addr: piece.remote + off,
+                        rkey,
+                        signaled: true,
+                    }
                 })
                 .collect();
             // Registered before posting: a completion may arrive before post returns.
             {
-                let mut inflight = self.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
+                let mut inflight = self.nics[nic]
+                    .inflight
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
                 if self.nics[nic].closed.load(Ordering::Acquire) {
                     drop(inflight);
                     ep.credits.release(n);
                     nic_credits.release(n);
                     for _ in chain {
-                        piece.slice_end(Err((FailKind::Failed, FailCause::ShutDown, format!("the engine shut down; {} completes nothing more", self.nics[nic].name))));
+                        piece.slice_end(Err((
+                            FailKind::Failed,
+                            FailCause::ShutDown,
+                            format!(
+                                "the engine shut down; {} completes nothing more",
+                                self.nics[nic].name
+                            ),
+                        )));
                     }
                     continue;
                 }
                 for (&(idx, retries), &id) in chain.iter().zip(&ids) {
-                    inflight.insert(id, Slice { piece: Arc::clone(piece), ep: Arc::clone(ep), idx, nic, retries });
+                    inflight.insert(
+                        id,
+                        Slice {
+                            piece: Arc::clone(piece),
+                            ep: Arc::clone(ep),
+                            idx,
+                            nic,
+                            retries,
+                        },
+                    );
                 }
             }
             let qp = &ep.qps[ep.next_qp.fetch_add(1, Ordering::Relaxed) % ep.qps.len()];
@@ -1240,8 +1745,14 @@ impl Shared {
                 };
                 let why = e.to_string();
                 let unposted: Vec<Slice> = {
-                    let mut inflight = self.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
-                    ids[posted..].iter().filter_map(|id| inflight.remove(id)).collect()
+                    let mut inflight = self.nics[nic]
+                        .inflight
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner());
+                    ids[posted..]
+                        .iter()
+                        .filter_map(|id| inflight.remove(id))
+                        .collect()
                 };
                 ep.credits.release((ids.len() - posted) as u32);
                 nic_credits.release((ids.len() - posted) as u32);
@@ -1263,11 +1774,18 @@ impl Shared {
             let peer = r.piece.peer.name.clone();
             if let Err(Work::Retry(r)) = self.posters.send(&peer, Work::Retry(r)) {
                 let (cause, why) = if self.shut.load(Ordering::Acquire) {
-                    (FailCause::ShutDown, "the engine shut down before a failed request could be posted again")
+                    (
+                        FailCause::ShutDown,
+                        "the engine shut down before a failed request could be posted again",
+                    )
                 } else {
-                    (FailCause::Other, "no posting thread could be started to post a failed request again")
+                    (
+                        FailCause::Other,
+                        "no posting thread could be started to post a failed request again",
+                    )
                 };
-                r.piece.slice_end(Err((FailKind::Failed, cause, why.into())));
+                r.piece
+                    .slice_end(Err((FailKind::Failed, cause, why.into())));
             }
         }
     }
@@ -1282,21 +1800,48 @@ impl Shared {
         if nic.down.load(Ordering::Acquire) || nic.ups.load(Ordering::Acquire) != ups {
             return false;
         }
-        self.paused.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), Instant::now() + PAUSE);
+        self.paused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.clone(), Instant::now() + PAUSE);
         true
     }
 
     /// A slice whose work request failed with `status` (`why`): ends it, or hands it to the
     /// posting thread to be posted again ([`Ended::fate`]).
     fn failed(&self, sl: Slice, status: u32, why: &str) {
-        let Slice { piece, ep, idx, nic, retries } = sl;
+        let Slice {
+            piece,
+            ep,
+            idx,
+            nic,
+            retries,
+        } = sl;
         let expired = ep.expired.load(Ordering::Acquire);
         let past = piece.task.deadline() <= Instant::now();
         let flushed_by_us = ep.flushed();
-        let piece_failed = piece.failure.lock().unwrap_or_else(|e| e.into_inner()).is_some();
-        let fate = Ended { status, flushed_for_deadline: flushed_by_us, past_deadline: past, shut: self.shut.load(Ordering::Acquire), revoked: piece.guard.is_revoked(), retries, port_down: self.nics[nic].down.load(Ordering::Acquire), piece_failed }.fate();
+        let piece_failed = piece
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some();
+        let fate = Ended {
+            status,
+            flushed_for_deadline: flushed_by_us,
+            past_deadline: past,
+            shut: self.shut.load(Ordering::Acquire),
+            revoked: piece.guard.is_revoked(),
+            retries,
+            port_down: self.nics[nic].down.load(Ordering::Acquire),
+            piece_failed,
+        }
+        .fate();
         let name = &self.nics[nic].name;
-        let tried = if retries > 0 { format!(" (after {retries} retries on other NIC pairs)") } else { String::new() };
+        let tried = if retries > 0 {
+            format!(" (after {retries} retries on other NIC pairs)")
+        } else {
+            String::new()
+        };
         let end = match fate {
             Fate::Again { counted, avoid } => {
                 self.retry_later(vec![Retry { piece, idx, retries: retries + u8::from(counted), avoid: avoid.then_some(nic) }]);
@@ -1321,13 +1866,34 @@ impl Shared {
         let now = Instant::now();
         for r in retries {
             let end = if self.shut.load(Ordering::Acquire) {
-                Some((FailKind::Failed, FailCause::ShutDown, "the engine shut down before a failed request could be posted again".to_string()))
+                Some((
+                    FailKind::Failed,
+                    FailCause::ShutDown,
+                    "the engine shut down before a failed request could be posted again"
+                        .to_string(),
+                ))
             } else if r.piece.guard.is_revoked() {
-                Some((FailKind::Failed, FailCause::LocalNotRegistered, "the local range is being unregistered; a failed request is not posted again".to_string()))
-            } else if let Some(f) = r.piece.failure.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+                Some((
+                    FailKind::Failed,
+                    FailCause::LocalNotRegistered,
+                    "the local range is being unregistered; a failed request is not posted again"
+                        .to_string(),
+                ))
+            } else if let Some(f) = r
+                .piece
+                .failure
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+            {
                 Some(f)
             } else if r.piece.task.deadline() <= now {
-                Some((FailKind::Timeout, FailCause::Timeout, "the deadline passed before a flushed or failed request could be posted again".to_string()))
+                Some((
+                    FailKind::Timeout,
+                    FailCause::Timeout,
+                    "the deadline passed before a flushed or failed request could be posted again"
+                        .to_string(),
+                ))
             } else {
                 None
             };
@@ -1335,14 +1901,18 @@ impl Shared {
                 r.piece.slice_end(Err(end));
                 continue;
             }
-            match groups.iter_mut().find(|g| Arc::ptr_eq(&g.0, &r.piece) && g.1 == r.avoid) {
+            match groups
+                .iter_mut()
+                .find(|g| Arc::ptr_eq(&g.0, &r.piece) && g.1 == r.avoid)
+            {
                 Some(g) => g.2.push((r.idx, r.retries)),
                 None => groups.push((r.piece, r.avoid, vec![(r.idx, r.retries)])),
             }
         }
         for (piece, avoid, slices) in groups {
             let desc = piece.peer.desc();
-            let first = avoid.map_or_else(|| self.next_nic.fetch_add(1, Ordering::Relaxed), |a| a + 1);
+            let first =
+                avoid.map_or_else(|| self.next_nic.fetch_add(1, Ordering::Relaxed), |a| a + 1);
             let (usable, why_not) = self.connect_pairs(&piece, &desc, first, 1, avoid);
             match usable.first() {
                 Some((nic, ep)) => {
@@ -1352,7 +1922,11 @@ impl Shared {
                 None => {
                     let why = why_not.join("; ");
                     for _ in &slices {
-                        piece.slice_end(Err((FailKind::Failed, FailCause::PeerUnreachable, format!("no NIC pair to post a failed request again: {why}"))));
+                        piece.slice_end(Err((
+                            FailKind::Failed,
+                            FailCause::PeerUnreachable,
+                            format!("no NIC pair to post a failed request again: {why}"),
+                        )));
                     }
                 }
             }
@@ -1361,7 +1935,12 @@ impl Shared {
 
     /// One completion of NIC `nic`.
     fn complete(&self, nic: usize, wc: &Wc) {
-        let Some(s) = self.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner()).remove(&wc.wr_id) else {
+        let Some(s) = self.nics[nic]
+            .inflight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&wc.wr_id)
+        else {
             tracing::debug!("RDMA: completion for unknown work request {}", wc.wr_id);
             return;
         };
@@ -1374,14 +1953,29 @@ impl Shared {
                 self.forget(&s.ep);
                 let ours = s.ep.flushed();
                 // (When it was posted is not known here: only a port down now spares the pair.)
-                if !ours && path_failure(e.status) && self.pause(&s.ep.key, self.nics[nic].ups.load(Ordering::Acquire)) {
-                    tracing::warn!("RDMA: pausing {} -> {}@{} for {PAUSE:?}: {e}", self.nics[nic].name, s.ep.key.0, s.ep.key.2);
+                if !ours
+                    && path_failure(e.status)
+                    && self.pause(&s.ep.key, self.nics[nic].ups.load(Ordering::Acquire))
+                {
+                    tracing::warn!(
+                        "RDMA: pausing {} -> {}@{} for {PAUSE:?}: {e}",
+                        self.nics[nic].name,
+                        s.ep.key.0,
+                        s.ep.key.2
+                    );
                 }
                 if e.status == 10 {
                     // Its keys may be stale (the peer registered again): re-read before the next request.
-                    self.stale.lock().unwrap_or_else(|e| e.into_inner()).insert(s.ep.key.0.clone());
+                    self.stale
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(s.ep.key.0.clone());
                 }
-                let why = if s.ep.expired.load(Ordering::Acquire) { e.name.to_string() } else { e.to_string() };
+                let why = if s.ep.expired.load(Ordering::Acquire) {
+                    e.name.to_string()
+                } else {
+                    e.to_string()
+                };
                 let ep = Arc::clone(&s.ep);
                 self.failed(s, e.status, &why);
                 // Its other QPs go to the error state too, at once: the endpoint is rebuilt on
@@ -1423,7 +2017,10 @@ impl Shared {
                 // before this poller saw it go) failed for the link: it is tried again now,
                 // not when its pause ends.
                 n.ups.fetch_add(1, Ordering::AcqRel);
-                let unpaused = unpause_nic(&mut self.paused.lock().unwrap_or_else(|e| e.into_inner()), nic);
+                let unpaused = unpause_nic(
+                    &mut self.paused.lock().unwrap_or_else(|e| e.into_inner()),
+                    nic,
+                );
                 tracing::info!("RDMA: the port of {} is ACTIVE again ({unpaused} of its NIC pairs paused while it was down are tried again)", n.name);
             }
         }
@@ -1437,10 +2034,16 @@ impl Shared {
     fn expire(&self, nic: usize, all: bool) {
         let now = Instant::now();
         let late: Vec<Arc<Endpoint>> = {
-            let inflight = self.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
+            let inflight = self.nics[nic]
+                .inflight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             let mut v: Vec<Arc<Endpoint>> = Vec::new();
             for s in inflight.values() {
-                if (all || s.piece.task.deadline() <= now) && !s.ep.expired.load(Ordering::Acquire) && !v.iter().any(|e| Arc::ptr_eq(e, &s.ep)) {
+                if (all || s.piece.task.deadline() <= now)
+                    && !s.ep.expired.load(Ordering::Acquire)
+                    && !v.iter().any(|e| Arc::ptr_eq(e, &s.ep))
+                {
                     v.push(Arc::clone(&s.ep));
                 }
             }
@@ -1472,13 +2075,28 @@ fn unpause_nic(paused: &mut HashMap<EpKey, Instant>, nic: usize) -> usize {
 /// position in the peer's `devices` (where its keys are): the peer's NIC of the same name (rail
 /// affinity), else the first of the location's (or `*`'s) preferred NICs in its
 /// `priority_matrix` that it lists, else its first device. By name, never by guessed index.
-fn remote_device<'d>(desc: &'d SegmentDesc, local: &str, location: &str) -> Option<(usize, &'d DeviceDesc)> {
-    let by_name = |name: &str| desc.devices.iter().enumerate().find(|(_, d)| d.name == name);
+fn remote_device<'d>(
+    desc: &'d SegmentDesc,
+    local: &str,
+    location: &str,
+) -> Option<(usize, &'d DeviceDesc)> {
+    let by_name = |name: &str| {
+        desc.devices
+            .iter()
+            .enumerate()
+            .find(|(_, d)| d.name == name)
+    };
     if let Some(hit) = by_name(local) {
         return Some(hit);
     }
-    let prefs = desc.priority_matrix.get(location).or_else(|| desc.priority_matrix.get("*"));
-    let first_pref = prefs.and_then(|v| v.get(0)).and_then(Value::as_array).and_then(|a| a.iter().filter_map(Value::as_str).find_map(by_name));
+    let prefs = desc
+        .priority_matrix
+        .get(location)
+        .or_else(|| desc.priority_matrix.get("*"));
+    let first_pref = prefs
+        .and_then(|v| v.get(0))
+        .and_then(Value::as_array)
+        .and_then(|a| a.iter().filter_map(Value::as_str).find_map(by_name));
     first_pref.or_else(|| desc.devices.iter().enumerate().next())
 }
 
@@ -1510,7 +2128,10 @@ fn poller(w: Weak<Shared>, nic: usize) {
         s.expire(nic, shut || down);
         if shut {
             let since = *shut_since.get_or_insert_with(Instant::now);
-            let mut inflight = s.nics[nic].inflight.lock().unwrap_or_else(|e| e.into_inner());
+            let mut inflight = s.nics[nic]
+                .inflight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             if inflight.is_empty() && s.posters.finished() {
                 s.nics[nic].closed.store(true, Ordering::Release);
                 return;
@@ -1520,7 +2141,11 @@ fn poller(w: Weak<Shared>, nic: usize) {
             if since.elapsed() > Duration::from_secs(10) {
                 s.nics[nic].closed.store(true, Ordering::Release);
                 for (_, sl) in inflight.drain() {
-                    sl.piece.slice_end(Err((FailKind::Failed, FailCause::ShutDown, "the engine shut down; the NIC never completed this request".into())));
+                    sl.piece.slice_end(Err((
+                        FailKind::Failed,
+                        FailCause::ShutDown,
+                        "the engine shut down; the NIC never completed this request".into(),
+                    )));
                 }
                 return;
             }
@@ -1565,7 +2190,10 @@ fn poster(w: Weak<Shared>) -> per_peer::Handler<Work> {
 /// panicked (what was queued behind the work it was doing).
 fn gone(work: Work) {
     let (cause, why) = if std::thread::panicking() {
-        (FailCause::Other, "the peer's posting thread failed (a bug: see the log) before it posted this")
+        (
+            FailCause::Other,
+            "the peer's posting thread failed (a bug: see the log) before it posted this",
+        )
     } else {
         (FailCause::ShutDown, "the engine is shut down")
     };
@@ -1575,7 +2203,9 @@ fn gone(work: Work) {
                 fail_piece(p, FailKind::Failed, cause, why.into());
             }
         }
-        Work::Retry(r) => r.piece.slice_end(Err((FailKind::Failed, cause, why.into()))),
+        Work::Retry(r) => r
+            .piece
+            .slice_end(Err((FailKind::Failed, cause, why.into()))),
     }
 }
 
@@ -1593,7 +2223,16 @@ impl Transport for RdmaTransport {
             return;
         }
         desc.protocol = Protocols::One("rdma".into());
-        desc.devices = s.nics.iter().map(|n| DeviceDesc { name: n.name.clone(), lid: n.attr.lid, gid: format_gid(&n.gid), extra: Map::new() }).collect();
+        desc.devices = s
+            .nics
+            .iter()
+            .map(|n| DeviceDesc {
+                name: n.name.clone(),
+                lid: n.attr.lid,
+                gid: format_gid(&n.gid),
+                extra: Map::new(),
+            })
+            .collect();
         let mrs = s.mrs.lock().unwrap_or_else(|e| e.into_inner());
         // A buffer whose MRs are still being made is not reachable over RDMA yet.
         desc.buffers.retain(|b| mrs.contains_key(&b.addr));
@@ -1606,11 +2245,15 @@ impl Transport for RdmaTransport {
         // The topology's entries, and every NIC preferred for any other location of a
         // published buffer and for `*`.
         let names: Vec<Value> = s.nics.iter().map(|n| json!(n.name)).collect();
-        desc.priority_matrix.extend(topo::to_json(&s.topo.lock().unwrap_or_else(|e| e.into_inner())));
+        desc.priority_matrix.extend(topo::to_json(
+            &s.topo.lock().unwrap_or_else(|e| e.into_inner()),
+        ));
         let mut locations: Vec<String> = desc.buffers.iter().map(|b| b.name.clone()).collect();
         locations.push("*".into());
         for l in locations {
-            desc.priority_matrix.entry(l).or_insert_with(|| json!([names.clone(), []]));
+            desc.priority_matrix
+                .entry(l)
+                .or_insert_with(|| json!([names.clone(), []]));
         }
     }
 
@@ -1618,7 +2261,10 @@ impl Transport for RdmaTransport {
         let s = &self.shared;
         let unkeyed = |why: String| {
             tracing::warn!("RDMA: [0x{:x}, +{}) is not registered on the NICs ({why}); requests from it go over TCP", region.addr, region.len);
-            s.unkeyed.lock().unwrap_or_else(|e| e.into_inner()).insert(region.addr, why);
+            s.unkeyed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(region.addr, why);
         };
         if let Some(ordinal) = region.gpu {
             s.add_gpu_to_topology(ordinal);
@@ -1629,7 +2275,10 @@ impl Transport for RdmaTransport {
         };
         match registered {
             Ok(v) => {
-                s.mrs.lock().unwrap_or_else(|e| e.into_inner()).insert(region.addr, Arc::new(v));
+                s.mrs
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(region.addr, Arc::new(v));
                 Ok(())
             }
             Err(why) if !s.required => {
@@ -1643,8 +2292,17 @@ impl Transport for RdmaTransport {
     fn on_unregister(&self, region: &Region) {
         // The registry waited for every guard, so no work request of ours touches the range;
         // deregistering cuts peers off (their requests fail with a remote access error).
-        self.shared.unkeyed.lock().unwrap_or_else(|e| e.into_inner()).remove(&region.addr);
-        let removed = self.shared.mrs.lock().unwrap_or_else(|e| e.into_inner()).remove(&region.addr);
+        self.shared
+            .unkeyed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&region.addr);
+        let removed = self
+            .shared
+            .mrs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&region.addr);
         if let Some(v) = removed {
             match Arc::try_unwrap(v) {
                 Ok(mrs) => {
@@ -1669,7 +2327,12 @@ impl Transport for RdmaTransport {
         Ok(())
     }
 
-    fn try_submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) -> Result<(), (Vec<Piece>, String)> {
+    fn try_submit(
+        &self,
+        peer: &Arc<Peer>,
+        pieces: Vec<Piece>,
+        inline: bool,
+    ) -> Result<(), (Vec<Piece>, String)> {
         if self.shared.required {
             return match self.reachable(peer) {
                 Ok(()) => {
@@ -1684,7 +2347,12 @@ impl Transport for RdmaTransport {
         let desc = peer.desc();
         let mut why = None;
         let (rdma, rest): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| {
-            let r = auto_route(&desc, self.shared.mrs_for(p.local, p.len).is_some(), p.remote, p.len);
+            let r = auto_route(
+                &desc,
+                self.shared.mrs_for(p.local, p.len).is_some(),
+                p.remote,
+                p.len,
+            );
             if let Err(e) = r {
                 why.get_or_insert(e);
                 return false;
@@ -1692,7 +2360,13 @@ impl Transport for RdmaTransport {
             true
         });
         if let Some(why) = &why {
-            if self.shared.told.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.name.clone()) {
+            if self
+                .shared
+                .told
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(peer.name.clone())
+            {
                 tracing::info!("KVFERRY_TRANSPORT=auto: requests to {} do not go over RDMA ({why}); TCP or shared memory carries them", peer.name);
             }
         }
@@ -1706,13 +2380,24 @@ impl Transport for RdmaTransport {
     }
 
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, _inline: bool) {
-        let job = Job { peer: Arc::clone(peer), pieces };
+        let job = Job {
+            peer: Arc::clone(peer),
+            pieces,
+        };
         match self.shared.posters.send(&peer.name, Work::Job(job)) {
             Ok(()) => {}
             Err(work) if self.shared.shut.load(Ordering::Acquire) => gone(work),
             Err(Work::Job(job)) => {
                 for p in job.pieces {
-                    fail_piece(p, FailKind::Failed, FailCause::Other, format!("no posting thread could be started for {} (out of threads?)", peer.name));
+                    fail_piece(
+                        p,
+                        FailKind::Failed,
+                        FailCause::Other,
+                        format!(
+                            "no posting thread could be started for {} (out of threads?)",
+                            peer.name
+                        ),
+                    );
                 }
             }
             Err(work) => gone(work),
@@ -1736,26 +2421,50 @@ mod tests {
         let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let (live_addr, dead_addr) = (live.local_addr().unwrap(), dead.local_addr().unwrap());
         drop(dead);
-        let paths = [format!("{live_addr}@mlx5_0"), format!("{dead_addr}@mlx5_0"), format!("{dead_addr}@mlx5_1"), "node-7@mlx5_0".to_string(), "garbage".to_string()];
+        let paths = [
+            format!("{live_addr}@mlx5_0"),
+            format!("{dead_addr}@mlx5_0"),
+            format!("{dead_addr}@mlx5_1"),
+            "node-7@mlx5_0".to_string(),
+            "garbage".to_string(),
+        ];
         let gone = departed_peers(paths.iter().map(String::as_str), refuses);
-        assert_eq!(gone, [dead_addr.to_string()].into_iter().collect(), "only the address that refuses; a name is never looked up");
+        assert_eq!(
+            gone,
+            [dead_addr.to_string()].into_iter().collect(),
+            "only the address that refuses; a name is never looked up"
+        );
         // A name that is not an address is not even asked about.
         let asked = std::sync::Mutex::new(Vec::new());
-        departed_peers(["node-7@mlx5_0", "10.0.0.1:15000@mlx5_0"].into_iter(), |a| {
-            asked.lock().unwrap().push(a);
-            false
-        });
-        assert_eq!(*asked.lock().unwrap(), vec!["10.0.0.1:15000".parse::<std::net::SocketAddr>().unwrap()]);
+        departed_peers(
+            ["node-7@mlx5_0", "10.0.0.1:15000@mlx5_0"].into_iter(),
+            |a| {
+                asked.lock().unwrap().push(a);
+                false
+            },
+        );
+        assert_eq!(
+            *asked.lock().unwrap(),
+            vec!["10.0.0.1:15000".parse::<std::net::SocketAddr>().unwrap()]
+        );
     }
 
     #[test]
     fn the_path_mtu_is_the_smaller_of_both_ports() {
-        let attr = PortAttr { state: 4, active_mtu: 5, lid: 0, link_layer: 2 };
+        let attr = PortAttr {
+            state: 4,
+            active_mtu: 5,
+            lid: 0,
+            link_layer: 2,
+        };
         let mut m = ConnectionMsg::default();
         assert_eq!(path_mtu(&attr, &m), 5, "a peer that does not say: ours");
         m.extra.insert(MTU_FIELD.into(), json!(1024));
         assert_eq!(path_mtu(&attr, &m), 3);
-        let small = PortAttr { active_mtu: 2, ..attr };
+        let small = PortAttr {
+            active_mtu: 2,
+            ..attr
+        };
         assert_eq!(path_mtu(&small, &m), 2);
         m.extra.insert(MTU_FIELD.into(), json!(1500));
         assert_eq!(path_mtu(&attr, &m), 5, "not an MTU: ignored");
@@ -1764,20 +2473,48 @@ mod tests {
     #[test]
     fn the_peer_nic_is_chosen_by_name() {
         let mut d = SegmentDesc::new("peer:1");
-        let dev = |n: &str| DeviceDesc { name: n.into(), lid: 0, gid: String::new(), extra: Map::new() };
+        let dev = |n: &str| DeviceDesc {
+            name: n.into(),
+            lid: 0,
+            gid: String::new(),
+            extra: Map::new(),
+        };
         d.devices = vec![dev("mlx5_0"), dev("mlx5_1"), dev("mlx5_2")];
-        d.priority_matrix.insert("cuda:0".into(), json!([["mlx5_2", "mlx5_1"], ["mlx5_0"]]));
-        d.priority_matrix.insert("*".into(), json!([["mlx5_1"], []]));
+        d.priority_matrix
+            .insert("cuda:0".into(), json!([["mlx5_2", "mlx5_1"], ["mlx5_0"]]));
+        d.priority_matrix
+            .insert("*".into(), json!([["mlx5_1"], []]));
         fn pick(d: &SegmentDesc, local: &str, loc: &str) -> Option<(usize, String)> {
             remote_device(d, local, loc).map(|(i, dv)| (i, dv.name.clone()))
         }
-        assert_eq!(pick(&d, "mlx5_1", "cuda:0"), Some((1, "mlx5_1".into())), "same name first (rail affinity)");
-        assert_eq!(pick(&d, "rxe0", "cuda:0"), Some((2, "mlx5_2".into())), "then the location's first preferred, at its index in devices");
-        assert_eq!(pick(&d, "rxe0", "cpu:3"), Some((1, "mlx5_1".into())), "an unknown location falls back to *");
+        assert_eq!(
+            pick(&d, "mlx5_1", "cuda:0"),
+            Some((1, "mlx5_1".into())),
+            "same name first (rail affinity)"
+        );
+        assert_eq!(
+            pick(&d, "rxe0", "cuda:0"),
+            Some((2, "mlx5_2".into())),
+            "then the location's first preferred, at its index in devices"
+        );
+        assert_eq!(
+            pick(&d, "rxe0", "cpu:3"),
+            Some((1, "mlx5_1".into())),
+            "an unknown location falls back to *"
+        );
         d.priority_matrix.clear();
-        assert_eq!(pick(&d, "rxe0", "cpu:0"), Some((0, "mlx5_0".into())), "no matrix: the first device");
-        d.priority_matrix.insert("cpu:0".into(), json!([["mlx5_9"], []]));
-        assert_eq!(pick(&d, "rxe0", "cpu:0"), Some((0, "mlx5_0".into())), "a preferred NIC it does not list is not guessed");
+        assert_eq!(
+            pick(&d, "rxe0", "cpu:0"),
+            Some((0, "mlx5_0".into())),
+            "no matrix: the first device"
+        );
+        d.priority_matrix
+            .insert("cpu:0".into(), json!([["mlx5_9"], []]));
+        assert_eq!(
+            pick(&d, "rxe0", "cpu:0"),
+            Some((0, "mlx5_0".into())),
+            "a preferred NIC it does not list is not guessed"
+        );
         d.devices.clear();
         assert_eq!(pick(&d, "rxe0", "cpu:0"), None);
     }
@@ -1788,50 +2525,187 @@ mod tests {
         let soon = Instant::now() + Duration::from_millis(50);
         assert!(c.acquire(3, soon) && c.acquire(1, soon));
         let t = Instant::now();
-        assert!(!c.acquire(1, soon), "full: waits for the deadline, then says no");
+        assert!(
+            !c.acquire(1, soon),
+            "full: waits for the deadline, then says no"
+        );
         assert!(t.elapsed() >= Duration::from_millis(40) && t.elapsed() < Duration::from_secs(2));
         let c2 = Arc::clone(&c);
         let freer = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(20));
             c2.release(2);
         });
-        assert!(c.acquire(2, Instant::now() + Duration::from_secs(5)), "a release wakes the waiter");
+        assert!(
+            c.acquire(2, Instant::now() + Duration::from_secs(5)),
+            "a release wakes the waiter"
+        );
         freer.join().unwrap();
         assert!(!c.acquire(5, Instant::now()), "more than the bound: never");
     }
 
     #[test]
     fn a_deadline_fails_only_the_late_task_and_flushed_slices_of_others_go_again() {
-        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, past_deadline: true, ..Ended::default() }.fate(), Fate::Timeout, "the late task itself");
-        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, ..Ended::default() }.fate(), Fate::Again { counted: false, avoid: false }, "another task's slice on the flushed QP: posted again");
-        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, retries: MAX_RETRIES, ..Ended::default() }.fate(), Fate::Again { counted: false, avoid: false }, "flushes by others' deadlines use no retry");
-        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, revoked: true, ..Ended::default() }.fate(), Fate::Revoked, "never posted again into a range being unregistered");
-        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, shut: true, ..Ended::default() }.fate(), Fate::ShutDown, "nor during shutdown");
+        assert_eq!(
+            Ended {
+                status: FLUSHED,
+                flushed_for_deadline: true,
+                past_deadline: true,
+                ..Ended::default()
+            }
+            .fate(),
+            Fate::Timeout,
+            "the late task itself"
+        );
+        assert_eq!(
+            Ended {
+                status: FLUSHED,
+                flushed_for_deadline: true,
+                ..Ended::default()
+            }
+            .fate(),
+            Fate::Again {
+                counted: false,
+                avoid: false
+            },
+            "another task's slice on the flushed QP: posted again"
+        );
+        assert_eq!(
+            Ended {
+                status: FLUSHED,
+                flushed_for_deadline: true,
+                retries: MAX_RETRIES,
+                ..Ended::default()
+            }
+            .fate(),
+            Fate::Again {
+                counted: false,
+                avoid: false
+            },
+            "flushes by others' deadlines use no retry"
+        );
+        assert_eq!(
+            Ended {
+                status: FLUSHED,
+                flushed_for_deadline: true,
+                revoked: true,
+                ..Ended::default()
+            }
+            .fate(),
+            Fate::Revoked,
+            "never posted again into a range being unregistered"
+        );
+        assert_eq!(
+            Ended {
+                status: FLUSHED,
+                flushed_for_deadline: true,
+                shut: true,
+                ..Ended::default()
+            }
+            .fate(),
+            Fate::ShutDown,
+            "nor during shutdown"
+        );
     }
 
     #[test]
     fn a_failed_completion_is_retried_on_another_pair_a_bounded_number_of_times() {
         for status in [12, 13, 20, 21, POST_FAILED] {
-            assert_eq!(Ended { status, ..Ended::default() }.fate(), Fate::Again { counted: true, avoid: true }, "status {status}");
-            assert_eq!(Ended { status, retries: MAX_RETRIES - 1, ..Ended::default() }.fate(), Fate::Again { counted: true, avoid: true });
-            assert_eq!(Ended { status, retries: MAX_RETRIES, ..Ended::default() }.fate(), Fate::Fail, "retries spent");
+            assert_eq!(
+                Ended {
+                    status,
+                    ..Ended::default()
+                }
+                .fate(),
+                Fate::Again {
+                    counted: true,
+                    avoid: true
+                },
+                "status {status}"
+            );
+            assert_eq!(
+                Ended {
+                    status,
+                    retries: MAX_RETRIES - 1,
+                    ..Ended::default()
+                }
+                .fate(),
+                Fate::Again {
+                    counted: true,
+                    avoid: true
+                }
+            );
+            assert_eq!(
+                Ended {
+                    status,
+                    retries: MAX_RETRIES,
+                    ..Ended::default()
+                }
+                .fate(),
+                Fate::Fail,
+                "retries spent"
+            );
             assert!(path_failure(status), "the pair is paused after {status}");
         }
         // Flushed because an earlier request on its QP failed: retried too, counted.
-        assert_eq!(Ended { status: FLUSHED, ..Ended::default() }.fate(), Fate::Again { counted: true, avoid: true });
+        assert_eq!(
+            Ended {
+                status: FLUSHED,
+                ..Ended::default()
+            }
+            .fate(),
+            Fate::Again {
+                counted: true,
+                avoid: true
+            }
+        );
         assert!(!path_failure(FLUSHED));
         // The request itself is wrong: another pair would fail it the same way.
         for status in [1, 4, 8, 9, 10] {
-            assert_eq!(Ended { status, ..Ended::default() }.fate(), Fate::Fail, "status {status}");
+            assert_eq!(
+                Ended {
+                    status,
+                    ..Ended::default()
+                }
+                .fate(),
+                Fate::Fail,
+                "status {status}"
+            );
             assert!(!path_failure(status));
         }
-        assert_eq!(Ended { status: 12, past_deadline: true, ..Ended::default() }.fate(), Fate::Timeout, "no retry past the deadline");
-        assert_eq!(Ended { status: 12, revoked: true, ..Ended::default() }.fate(), Fate::Revoked);
+        assert_eq!(
+            Ended {
+                status: 12,
+                past_deadline: true,
+                ..Ended::default()
+            }
+            .fate(),
+            Fate::Timeout,
+            "no retry past the deadline"
+        );
+        assert_eq!(
+            Ended {
+                status: 12,
+                revoked: true,
+                ..Ended::default()
+            }
+            .fate(),
+            Fate::Revoked
+        );
         // A piece that failed for good already is not posted again, however its slice ended
         // (flushed with its endpoint, uncounted, included): each repost of a request with a
         // refused key would otherwise break another endpoint.
         for (status, flushed) in [(FLUSHED, true), (FLUSHED, false), (12, false)] {
-            assert_eq!(Ended { status, flushed_for_deadline: flushed, piece_failed: true, ..Ended::default() }.fate(), Fate::Fail, "status {status}");
+            assert_eq!(
+                Ended {
+                    status,
+                    flushed_for_deadline: flushed,
+                    piece_failed: true,
+                    ..Ended::default()
+                }
+                .fate(),
+                Fate::Fail,
+                "status {status}"
+            );
         }
     }
 
@@ -1843,14 +2717,81 @@ mod tests {
     fn a_slice_on_a_port_that_went_down_goes_again_elsewhere_uncounted() {
         for status in [FLUSHED, 12, 13, POST_FAILED] {
             for retries in [0, MAX_RETRIES] {
-                assert_eq!(Ended { status, flushed_for_deadline: true, retries, port_down: true, ..Ended::default() }.fate(), Fate::Again { counted: false, avoid: true }, "status {status}, {retries} retries, flushed by its poller");
-                assert_eq!(Ended { status, retries, port_down: true, ..Ended::default() }.fate(), Fate::Again { counted: false, avoid: true }, "status {status}, {retries} retries");
+                assert_eq!(
+                    Ended {
+                        status,
+                        flushed_for_deadline: true,
+                        retries,
+                        port_down: true,
+                        ..Ended::default()
+                    }
+                    .fate(),
+                    Fate::Again {
+                        counted: false,
+                        avoid: true
+                    },
+                    "status {status}, {retries} retries, flushed by its poller"
+                );
+                assert_eq!(
+                    Ended {
+                        status,
+                        retries,
+                        port_down: true,
+                        ..Ended::default()
+                    }
+                    .fate(),
+                    Fate::Again {
+                        counted: false,
+                        avoid: true
+                    },
+                    "status {status}, {retries} retries"
+                );
             }
         }
-        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, past_deadline: true, port_down: true, ..Ended::default() }.fate(), Fate::Timeout, "its own deadline passed");
-        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, shut: true, port_down: true, ..Ended::default() }.fate(), Fate::ShutDown);
-        assert_eq!(Ended { status: FLUSHED, flushed_for_deadline: true, revoked: true, port_down: true, ..Ended::default() }.fate(), Fate::Revoked);
-        assert_eq!(Ended { status: 10, port_down: true, ..Ended::default() }.fate(), Fate::Fail, "a wrong request fails on any NIC");
+        assert_eq!(
+            Ended {
+                status: FLUSHED,
+                flushed_for_deadline: true,
+                past_deadline: true,
+                port_down: true,
+                ..Ended::default()
+            }
+            .fate(),
+            Fate::Timeout,
+            "its own deadline passed"
+        );
+        assert_eq!(
+            Ended {
+                status: FLUSHED,
+                flushed_for_deadline: true,
+                shut: true,
+                port_down: true,
+                ..Ended::default()
+            }
+            .fate(),
+            Fate::ShutDown
+        );
+        assert_eq!(
+            Ended {
+                status: FLUSHED,
+                flushed_for_deadline: true,
+                revoked: true,
+                port_down: true,
+                ..Ended::default()
+            }
+            .fate(),
+            Fate::Revoked
+        );
+        assert_eq!(
+            Ended {
+                status: 10,
+                port_down: true,
+                ..Ended::default()
+            }
+            .fate(),
+            Fate::Fail,
+            "a wrong request fails on any NIC"
+        );
     }
 
     #[test]
@@ -1862,7 +2803,10 @@ mod tests {
         paused.insert(("a:1".into(), 1, "rxe0".into()), until);
         assert_eq!(unpause_nic(&mut paused, 0), 2);
         assert_eq!(paused.len(), 1);
-        assert!(paused.contains_key(&("a:1".to_string(), 1, "rxe0".to_string())), "another NIC's pause stays");
+        assert!(
+            paused.contains_key(&("a:1".to_string(), 1, "rxe0".to_string())),
+            "another NIC's pause stays"
+        );
         assert_eq!(unpause_nic(&mut paused, 0), 0);
     }
 
@@ -1870,47 +2814,123 @@ mod tests {
     fn pairs_are_tried_healthy_first_then_the_failed_one_then_paused_ones() {
         let none = [false; 3];
         let all = [true; 3];
-        assert_eq!(pair_order(3, 1, None, &none, &all), [vec![1, 2, 0], vec![], vec![]]);
-        assert_eq!(pair_order(3, 2, Some(1), &none, &all), [vec![2, 0], vec![], vec![1]], "the failed pair only when no other connects");
-        assert_eq!(pair_order(3, 0, Some(1), &[true, false, false], &all), [vec![2], vec![], vec![1, 0]]);
-        assert_eq!(pair_order(1, 5, Some(0), &[false], &[true]), [vec![], vec![], vec![0]], "one NIC: its endpoint is rebuilt");
-        assert_eq!(pair_order(2, 0, Some(0), &[true, false], &[true; 2]), [vec![1], vec![], vec![0]], "a paused failed pair is listed once");
+        assert_eq!(
+            pair_order(3, 1, None, &none, &all),
+            [vec![1, 2, 0], vec![], vec![]]
+        );
+        assert_eq!(
+            pair_order(3, 2, Some(1), &none, &all),
+            [vec![2, 0], vec![], vec![1]],
+            "the failed pair only when no other connects"
+        );
+        assert_eq!(
+            pair_order(3, 0, Some(1), &[true, false, false], &all),
+            [vec![2], vec![], vec![1, 0]]
+        );
+        assert_eq!(
+            pair_order(1, 5, Some(0), &[false], &[true]),
+            [vec![], vec![], vec![0]],
+            "one NIC: its endpoint is rebuilt"
+        );
+        assert_eq!(
+            pair_order(2, 0, Some(0), &[true, false], &[true; 2]),
+            [vec![1], vec![], vec![0]],
+            "a paused failed pair is listed once"
+        );
     }
 
     #[test]
     fn the_nics_near_the_memory_come_first_and_the_far_ones_only_when_none_connects() {
         let none = [false; 4];
         let near = [false, true, false, true];
-        assert_eq!(pair_order(4, 0, None, &none, &near), [vec![1, 3], vec![0, 2], vec![]]);
-        assert_eq!(pair_order(4, 2, Some(3), &none, &near), [vec![1], vec![2, 0], vec![3]], "a retry avoids the failed near NIC");
-        assert_eq!(pair_order(4, 0, None, &[false, true, false, true], &near), [vec![], vec![0, 2], vec![1, 3]], "near NICs paused: the far ones");
+        assert_eq!(
+            pair_order(4, 0, None, &none, &near),
+            [vec![1, 3], vec![0, 2], vec![]]
+        );
+        assert_eq!(
+            pair_order(4, 2, Some(3), &none, &near),
+            [vec![1], vec![2, 0], vec![3]],
+            "a retry avoids the failed near NIC"
+        );
+        assert_eq!(
+            pair_order(4, 0, None, &[false, true, false, true], &near),
+            [vec![], vec![0, 2], vec![1, 3]],
+            "near NICs paused: the far ones"
+        );
     }
 
     #[test]
     fn eviction_closes_the_least_recently_used_idle_endpoints_only() {
         let e = |k: &'static str, t: u64, busy: bool| (k, t, busy);
-        assert!(lru_victims(vec![e("a", 1, false), e("b", 2, false)], 2).is_empty(), "within the bound");
-        assert_eq!(lru_victims(vec![e("a", 5, false), e("b", 2, false), e("c", 9, false)], 2), vec!["b"]);
-        assert_eq!(lru_victims(vec![e("a", 5, false), e("b", 2, true), e("c", 9, false), e("d", 1, false)], 2), vec!["d", "a"], "busy ones are skipped");
-        assert!(lru_victims(vec![e("a", 1, true), e("b", 2, true)], 1).is_empty(), "all busy: over the bound until they are idle");
+        assert!(
+            lru_victims(vec![e("a", 1, false), e("b", 2, false)], 2).is_empty(),
+            "within the bound"
+        );
+        assert_eq!(
+            lru_victims(
+                vec![e("a", 5, false), e("b", 2, false), e("c", 9, false)],
+                2
+            ),
+            vec!["b"]
+        );
+        assert_eq!(
+            lru_victims(
+                vec![
+                    e("a", 5, false),
+                    e("b", 2, true),
+                    e("c", 9, false),
+                    e("d", 1, false)
+                ],
+                2
+            ),
+            vec!["d", "a"],
+            "busy ones are skipped"
+        );
+        assert!(
+            lru_victims(vec![e("a", 1, true), e("b", 2, true)], 1).is_empty(),
+            "all busy: over the bound until they are idle"
+        );
     }
 
     #[test]
     fn auto_sends_over_rdma_only_what_both_sides_can_key() {
-        let dev = |n: &str| DeviceDesc { name: n.into(), lid: 0, gid: "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:05".into(), extra: Map::new() };
+        let dev = |n: &str| DeviceDesc {
+            name: n.into(),
+            lid: 0,
+            gid: "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:05".into(),
+            extra: Map::new(),
+        };
         let mut d = SegmentDesc::new("peer:1");
-        let buf = |rkeys: Vec<u64>| crate::wire::descriptor::BufferDesc { name: "cpu:0".into(), addr: 0x1000, length: 0x1000, lkey: rkeys.clone(), rkey: rkeys, extra: Default::default() };
+        let buf = |rkeys: Vec<u64>| crate::wire::descriptor::BufferDesc {
+            name: "cpu:0".into(),
+            addr: 0x1000,
+            length: 0x1000,
+            lkey: rkeys.clone(),
+            rkey: rkeys,
+            extra: Default::default(),
+        };
         d.buffers = vec![buf(vec![])];
         let e = auto_route(&d, true, 0x1000, 16).unwrap_err();
         assert!(e.contains("no RDMA devices"), "a TCP peer: {e}");
         d.protocol = Protocols::One("rdma".into());
         d.devices = vec![dev("mlx5_0"), dev("mlx5_1")];
         d.buffers = vec![buf(vec![7, 8])];
-        assert_eq!(auto_route(&d, true, 0x1000, 16), Ok(()), "both sides keyed: RDMA");
-        assert!(auto_route(&d, false, 0x1000, 16).unwrap_err().contains("local range has no RDMA memory region"));
+        assert_eq!(
+            auto_route(&d, true, 0x1000, 16),
+            Ok(()),
+            "both sides keyed: RDMA"
+        );
+        assert!(auto_route(&d, false, 0x1000, 16)
+            .unwrap_err()
+            .contains("local range has no RDMA memory region"));
         d.buffers = vec![buf(vec![7])];
-        assert!(auto_route(&d, true, 0x1000, 16).unwrap_err().contains("1 rkeys for its 2 devices"));
-        assert!(auto_route(&d, true, 0x9000, 16).is_err(), "outside its buffers");
+        assert!(auto_route(&d, true, 0x1000, 16)
+            .unwrap_err()
+            .contains("1 rkeys for its 2 devices"));
+        assert!(
+            auto_route(&d, true, 0x9000, 16).is_err(),
+            "outside its buffers"
+        );
     }
 
     #[test]
@@ -1926,7 +2946,19 @@ mod tests {
         if crate::rdma::probe().usable() {
             return;
         }
-        let e = RdmaTransport::new(RdmaOptions { segment: "s:1".into(), devices: None, gid_index: None, max_endpoints: 4, required: true, retry_cnt: 7, gpu_rdma: Default::default(), topo: None, names_are_addresses: true }).err().expect("no RDMA here");
+        let e = RdmaTransport::new(RdmaOptions {
+            segment: "s:1".into(),
+            devices: None,
+            gid_index: None,
+            max_endpoints: 4,
+            required: true,
+            retry_cnt: 7,
+            gpu_rdma: Default::default(),
+            topo: None,
+            names_are_addresses: true,
+        })
+        .err()
+        .expect("no RDMA here");
         assert!(!e.is_empty());
     }
 }

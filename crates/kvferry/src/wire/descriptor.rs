@@ -65,7 +65,9 @@ pub struct BufferDesc {
 impl BufferDesc {
     /// Whether `[addr, addr+len)` lies inside this buffer.
     pub fn contains(&self, addr: u64, len: u64) -> bool {
-        let Some(end) = addr.checked_add(len) else { return false };
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
         addr >= self.addr && end <= self.addr.saturating_add(self.length)
     }
 }
@@ -126,7 +128,10 @@ impl SegmentDesc {
 
     /// The host serving TCP data: `tcp_data_host` when published, else `fallback`.
     pub fn data_host<'a>(&'a self, fallback: &'a str) -> &'a str {
-        self.tcp_data_host.as_deref().filter(|h| !h.is_empty()).unwrap_or(fallback)
+        self.tcp_data_host
+            .as_deref()
+            .filter(|h| !h.is_empty())
+            .unwrap_or(fallback)
     }
 
     /// The buffer holding `[addr, addr+len)`, if any.
@@ -136,8 +141,10 @@ impl SegmentDesc {
 
     /// Decodes and validates a descriptor.
     pub fn decode(json: &[u8]) -> Result<SegmentDesc, WireError> {
-        let desc: SegmentDesc = serde_json::from_slice(json)
-            .map_err(|e| WireError::Json { what: "segment descriptor", reason: e.to_string() })?;
+        let desc: SegmentDesc = serde_json::from_slice(json).map_err(|e| WireError::Json {
+            what: "segment descriptor",
+            reason: e.to_string(),
+        })?;
         desc.validate()?;
         Ok(desc)
     }
@@ -148,11 +155,18 @@ impl SegmentDesc {
 
     /// Checks what a transport relies on; the error names the field.
     pub fn validate(&self) -> Result<(), WireError> {
-        let bad = |field: String, reason: &str| Err(WireError::Descriptor { field, reason: reason.into() });
+        let bad = |field: String, reason: &str| {
+            Err(WireError::Descriptor {
+                field,
+                reason: reason.into(),
+            })
+        };
         if self.name.is_empty() {
             return bad("name".into(), "empty segment name");
         }
-        let keyed = ["rdma", "efa", "cxi", "barex"].iter().any(|p| self.protocol.contains(p));
+        let keyed = ["rdma", "efa", "cxi", "barex"]
+            .iter()
+            .any(|p| self.protocol.contains(p));
         for (i, d) in self.devices.iter().enumerate() {
             if d.name.is_empty() {
                 return bad(format!("devices[{i}].name"), "empty device name");
@@ -163,11 +177,17 @@ impl SegmentDesc {
                 return bad(format!("buffers[{i}]"), "addr + length overflows");
             }
             if keyed && (b.rkey.len() != self.devices.len() || b.lkey.len() != self.devices.len()) {
-                return bad(format!("buffers[{i}].rkey"), "key count differs from the number of devices");
+                return bad(
+                    format!("buffers[{i}].rkey"),
+                    "key count differs from the number of devices",
+                );
             }
         }
         if self.protocol.contains("tcp") && self.tcp_data_port == 0 && !self.buffers.is_empty() {
-            return bad("tcp_data_port".into(), "protocol is tcp but no data port is published");
+            return bad(
+                "tcp_data_port".into(),
+                "protocol is tcp but no data port is published",
+            );
         }
         Ok(())
     }
@@ -209,10 +229,16 @@ mod tests {
         let e = bad.validate().unwrap_err();
         assert!(e.to_string().contains("buffers[0].rkey"), "{e}");
         let e = SegmentDesc::decode(br#"{"name":"x","buffers":[{"addr":1}]}"#).unwrap_err();
-        assert!(e.to_string().contains("length"), "missing field is named: {e}");
+        assert!(
+            e.to_string().contains("length"),
+            "missing field is named: {e}"
+        );
         let e = SegmentDesc::decode(br#"{"protocol":"tcp"}"#).unwrap_err();
         assert!(e.to_string().contains("name"), "{e}");
-        assert!(SegmentDesc::decode(br#"{"name":"a","protocol":["tcp","hip"],"tcp_data_port":5}"#).is_ok());
+        assert!(
+            SegmentDesc::decode(br#"{"name":"a","protocol":["tcp","hip"],"tcp_data_port":5}"#)
+                .is_ok()
+        );
     }
 
     proptest! {

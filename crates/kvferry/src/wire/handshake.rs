@@ -88,9 +88,15 @@ pub fn decode_len(prefix: [u8; LEN_PREFIX], max: u64) -> Result<usize, WireError
 /// Splits a payload (everything after the length prefix) into its type and JSON body.
 pub fn decode_payload(payload: &[u8]) -> Frame {
     match payload.first().copied().and_then(MsgType::from_u8) {
-        Some(kind) => Frame { kind, body: payload[1..].to_vec() },
+        Some(kind) => Frame {
+            kind,
+            body: payload[1..].to_vec(),
+        },
         // Legacy: no type byte, the whole payload is a Connection JSON.
-        None => Frame { kind: MsgType::Connection, body: payload.to_vec() },
+        None => Frame {
+            kind: MsgType::Connection,
+            body: payload.to_vec(),
+        },
     }
 }
 
@@ -104,7 +110,10 @@ pub fn decode(buf: &[u8], max: u64) -> Result<Option<(Frame, usize)>, WireError>
     prefix.copy_from_slice(&buf[..LEN_PREFIX]);
     let len = decode_len(prefix, max)?;
     let Some(end) = LEN_PREFIX.checked_add(len) else {
-        return Err(WireError::FrameLength { len: len as u64, max });
+        return Err(WireError::FrameLength {
+            len: len as u64,
+            max,
+        });
     };
     if buf.len() < end {
         return Ok(None);
@@ -129,8 +138,14 @@ pub struct ProbeReply {
 }
 
 /// Parses a JSON body, naming the message kind in the error.
-pub fn parse_json<T: for<'de> Deserialize<'de>>(what: &'static str, body: &[u8]) -> Result<T, WireError> {
-    serde_json::from_slice(body).map_err(|e| WireError::Json { what, reason: e.to_string() })
+pub fn parse_json<T: for<'de> Deserialize<'de>>(
+    what: &'static str,
+    body: &[u8],
+) -> Result<T, WireError> {
+    serde_json::from_slice(body).map_err(|e| WireError::Json {
+        what,
+        reason: e.to_string(),
+    })
 }
 
 #[cfg(test)]
@@ -144,7 +159,13 @@ mod tests {
         assert_eq!(&f[..8], &3u64.to_le_bytes());
         let (frame, n) = decode(&f, DEFAULT_MAX_FRAME).unwrap().unwrap();
         assert_eq!(n, f.len());
-        assert_eq!(frame, Frame { kind: MsgType::Probe, body: b"{}".to_vec() });
+        assert_eq!(
+            frame,
+            Frame {
+                kind: MsgType::Probe,
+                body: b"{}".to_vec()
+            }
+        );
         // Legacy untyped frame.
         let mut legacy = 2u64.to_le_bytes().to_vec();
         legacy.extend_from_slice(b"{}");
@@ -157,8 +178,15 @@ mod tests {
     fn rejects_zero_and_oversized() {
         assert!(decode(&0u64.to_le_bytes(), 100).is_err());
         assert!(decode(&101u64.to_le_bytes(), 100).is_err());
-        assert!(decode(&u64::MAX.to_le_bytes(), u64::MAX).is_err(), "length overflowing the address space");
-        assert_eq!(decode(&5u64.to_le_bytes(), 100).unwrap(), None, "truncated frame waits for more");
+        assert!(
+            decode(&u64::MAX.to_le_bytes(), u64::MAX).is_err(),
+            "length overflowing the address space"
+        );
+        assert_eq!(
+            decode(&5u64.to_le_bytes(), 100).unwrap(),
+            None,
+            "truncated frame waits for more"
+        );
     }
 
     proptest! {

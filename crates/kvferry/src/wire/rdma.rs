@@ -42,7 +42,10 @@ pub struct ConnectionMsg {
 }
 
 fn bad(field: &str, reason: impl Into<String>) -> WireError {
-    WireError::Descriptor { field: format!("Connection.{field}"), reason: reason.into() }
+    WireError::Descriptor {
+        field: format!("Connection.{field}"),
+        reason: reason.into(),
+    }
 }
 
 /// Splits `"<segment>@<nic>"` at its last `@` (a segment name may hold one, a NIC name not).
@@ -67,12 +70,18 @@ pub fn parse_gid(s: &str) -> Option<[u8; 16]> {
 
 /// Mooncake's wire form of a GID.
 pub fn format_gid(g: &[u8; 16]) -> String {
-    g.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+    g.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 /// Converts sysfs's form (8 groups of 4 hex digits) to the wire form.
 pub fn gid_from_sysfs(s: &str) -> Option<String> {
-    let groups: Vec<u16> = s.split(':').map(|g| u16::from_str_radix(g, 16).ok()).collect::<Option<_>>()?;
+    let groups: Vec<u16> = s
+        .split(':')
+        .map(|g| u16::from_str_radix(g, 16).ok())
+        .collect::<Option<_>>()?;
     if groups.len() != 8 {
         return None;
     }
@@ -86,7 +95,10 @@ pub fn gid_from_sysfs(s: &str) -> Option<String> {
 impl ConnectionMsg {
     /// Decodes and validates a message (the JSON of a `Connection` frame).
     pub fn decode(json: &[u8]) -> Result<ConnectionMsg, WireError> {
-        let m: ConnectionMsg = serde_json::from_slice(json).map_err(|e| WireError::Json { what: "RDMA Connection message", reason: e.to_string() })?;
+        let m: ConnectionMsg = serde_json::from_slice(json).map_err(|e| WireError::Json {
+            what: "RDMA Connection message",
+            reason: e.to_string(),
+        })?;
         m.validate()?;
         Ok(m)
     }
@@ -104,19 +116,28 @@ impl ConnectionMsg {
     /// well-formed GID, and (unless it is a refusal) between 1 and [`MAX_QPS`] non-zero QP
     /// numbers (QP 0 is the special SMI QP, never an RC QP).
     pub fn validate(&self) -> Result<(), WireError> {
-        for (field, p) in [("local_nic_path", &self.local_nic_path), ("peer_nic_path", &self.peer_nic_path)] {
+        for (field, p) in [
+            ("local_nic_path", &self.local_nic_path),
+            ("peer_nic_path", &self.peer_nic_path),
+        ] {
             if split_nic_path(p).is_none() {
                 return Err(bad(field, format!("{p:?} is not \"<segment>@<nic>\"")));
             }
         }
         if !self.local_gid.is_empty() && parse_gid(&self.local_gid).is_none() {
-            return Err(bad("local_gid", format!("{:?} is not 16 colon-separated hex bytes", self.local_gid)));
+            return Err(bad(
+                "local_gid",
+                format!("{:?} is not 16 colon-separated hex bytes", self.local_gid),
+            ));
         }
         if self.refused().is_some() {
             return Ok(());
         }
         if self.qp_num.is_empty() || self.qp_num.len() > MAX_QPS {
-            return Err(bad("qp_num", format!("{} QP numbers (1..={MAX_QPS} expected)", self.qp_num.len())));
+            return Err(bad(
+                "qp_num",
+                format!("{} QP numbers (1..={MAX_QPS} expected)", self.qp_num.len()),
+            ));
         }
         if self.qp_num.contains(&0) {
             return Err(bad("qp_num", "QP number 0 is not a reliable-connection QP"));
@@ -141,44 +162,101 @@ mod tests {
     #[test]
     fn mooncakes_message_decodes_and_round_trips_with_unknown_fields() {
         let m = ConnectionMsg::decode(MOONCAKE.as_bytes()).unwrap();
-        assert_eq!(split_nic_path(&m.local_nic_path), Some(("10.0.0.1:12345", "mlx5_0")));
+        assert_eq!(
+            split_nic_path(&m.local_nic_path),
+            Some(("10.0.0.1:12345", "mlx5_0"))
+        );
         assert_eq!(m.qp_num, [345, 346]);
         assert_eq!(m.ready_ack, Some(true));
-        assert_eq!(parse_gid(&m.local_gid).unwrap()[10..], [0xff, 0xff, 10, 0, 0, 1]);
-        assert!(m.extra.contains_key("efa_addr"), "other builds' fields are kept");
+        assert_eq!(
+            parse_gid(&m.local_gid).unwrap()[10..],
+            [0xff, 0xff, 10, 0, 0, 1]
+        );
+        assert!(
+            m.extra.contains_key("efa_addr"),
+            "other builds' fields are kept"
+        );
         assert_eq!(ConnectionMsg::decode(&m.encode()).unwrap(), m);
-        let no_ack = ConnectionMsg { ready_ack: None, ..m.clone() };
-        assert!(!String::from_utf8(no_ack.encode()).unwrap().contains("ready_ack"), "absent = capability not offered");
+        let no_ack = ConnectionMsg {
+            ready_ack: None,
+            ..m.clone()
+        };
+        assert!(
+            !String::from_utf8(no_ack.encode())
+                .unwrap()
+                .contains("ready_ack"),
+            "absent = capability not offered"
+        );
     }
 
     #[test]
     fn what_would_connect_the_wrong_qps_is_refused() {
         let ok = ConnectionMsg::decode(MOONCAKE.as_bytes()).unwrap();
         let cases = [
-            ConnectionMsg { peer_nic_path: "mlx5_1".into(), ..ok.clone() },
-            ConnectionMsg { local_nic_path: "seg@".into(), ..ok.clone() },
-            ConnectionMsg { local_gid: "fe80::1".into(), ..ok.clone() },
-            ConnectionMsg { qp_num: vec![], ..ok.clone() },
-            ConnectionMsg { qp_num: vec![0], ..ok.clone() },
-            ConnectionMsg { qp_num: vec![1 << 24], ..ok.clone() },
-            ConnectionMsg { qp_num: vec![7; MAX_QPS + 1], ..ok.clone() },
+            ConnectionMsg {
+                peer_nic_path: "mlx5_1".into(),
+                ..ok.clone()
+            },
+            ConnectionMsg {
+                local_nic_path: "seg@".into(),
+                ..ok.clone()
+            },
+            ConnectionMsg {
+                local_gid: "fe80::1".into(),
+                ..ok.clone()
+            },
+            ConnectionMsg {
+                qp_num: vec![],
+                ..ok.clone()
+            },
+            ConnectionMsg {
+                qp_num: vec![0],
+                ..ok.clone()
+            },
+            ConnectionMsg {
+                qp_num: vec![1 << 24],
+                ..ok.clone()
+            },
+            ConnectionMsg {
+                qp_num: vec![7; MAX_QPS + 1],
+                ..ok.clone()
+            },
         ];
         for c in cases {
             assert!(c.validate().is_err(), "{c:?}");
             assert!(ConnectionMsg::decode(&c.encode()).is_err());
         }
-        let refusal = ConnectionMsg { qp_num: vec![], reply_msg: "no such NIC mlx5_9".into(), ..ok };
-        assert_eq!(ConnectionMsg::decode(&refusal.encode()).unwrap().refused(), Some("no such NIC mlx5_9"));
+        let refusal = ConnectionMsg {
+            qp_num: vec![],
+            reply_msg: "no such NIC mlx5_9".into(),
+            ..ok
+        };
+        assert_eq!(
+            ConnectionMsg::decode(&refusal.encode()).unwrap().refused(),
+            Some("no such NIC mlx5_9")
+        );
         assert!(ConnectionMsg::decode(b"[1,2]").is_err() && ConnectionMsg::decode(b"{").is_err());
     }
 
     #[test]
     fn gids_convert_from_sysfs_to_the_wire_form() {
-        assert_eq!(gid_from_sysfs("0000:0000:0000:0000:0000:ffff:0a63:0201").as_deref(), Some("00:00:00:00:00:00:00:00:00:00:ff:ff:0a:63:02:01"));
-        assert_eq!(gid_from_sysfs("fe80:0000:0000:0000:f023:93ff:fecb:f0f0").as_deref(), Some("fe:80:00:00:00:00:00:00:f0:23:93:ff:fe:cb:f0:f0"));
+        assert_eq!(
+            gid_from_sysfs("0000:0000:0000:0000:0000:ffff:0a63:0201").as_deref(),
+            Some("00:00:00:00:00:00:00:00:00:00:ff:ff:0a:63:02:01")
+        );
+        assert_eq!(
+            gid_from_sysfs("fe80:0000:0000:0000:f023:93ff:fecb:f0f0").as_deref(),
+            Some("fe:80:00:00:00:00:00:00:f0:23:93:ff:fe:cb:f0:f0")
+        );
         assert!(gid_from_sysfs("fe80::1").is_none() && gid_from_sysfs("").is_none());
-        assert!(parse_gid("00:00:00:00:00:00:00:00:00:00:ff:ff:0a:63:02").is_none(), "15 bytes");
-        assert!(parse_gid("00:00:00:00:00:00:00:00:00:00:ff:ff:0a:63:02:01:00").is_none(), "17 bytes");
+        assert!(
+            parse_gid("00:00:00:00:00:00:00:00:00:00:ff:ff:0a:63:02").is_none(),
+            "15 bytes"
+        );
+        assert!(
+            parse_gid("00:00:00:00:00:00:00:00:00:00:ff:ff:0a:63:02:01:00").is_none(),
+            "17 bytes"
+        );
         assert!(parse_gid("000:00:00:00:00:00:00:00:00:00:ff:ff:0a:63:02:01").is_none());
     }
 

@@ -78,7 +78,12 @@ impl DataHeader {
         if addr.checked_add(size).is_none() {
             return Err(WireError::RangeOverflow { addr, size });
         }
-        Ok(DataHeader { size, addr, opcode, v2: op & V2_FLAG != 0 })
+        Ok(DataHeader {
+            size,
+            addr,
+            opcode,
+            v2: op & V2_FLAG != 0,
+        })
     }
 }
 
@@ -132,7 +137,8 @@ pub fn auth_hello_protect(h: &[u8; HEADER_LEN]) -> u8 {
 /// (which the caller bounds before reading it).
 pub fn auth_hello_len(h: &[u8]) -> Option<u64> {
     let h = h.get(..HEADER_LEN)?;
-    (h[16] == AUTH_OPCODE && h[8..16] == AUTH_MAGIC.to_le_bytes()).then(|| u64::from_le_bytes(h[0..8].try_into().expect("8 bytes")))
+    (h[16] == AUTH_OPCODE && h[8..16] == AUTH_MAGIC.to_le_bytes())
+        .then(|| u64::from_le_bytes(h[0..8].try_into().expect("8 bytes")))
 }
 
 /// What the target answered the opening frame with, from its first 8 bytes: its Noise answer
@@ -151,14 +157,25 @@ mod tests {
 
     #[test]
     fn known_bytes() {
-        let h = DataHeader { size: 4096, addr: 0x1000, opcode: Opcode::Write, v2: true };
+        let h = DataHeader {
+            size: 4096,
+            addr: 0x1000,
+            opcode: Opcode::Write,
+            v2: true,
+        };
         let b = h.encode();
         assert_eq!(&b[0..8], &[0, 16, 0, 0, 0, 0, 0, 0]);
         assert_eq!(&b[8..16], &[0, 16, 0, 0, 0, 0, 0, 0]);
         assert_eq!(b[16], 0x81);
         assert_eq!(&b[17..], &[0; 7]);
-        assert_eq!(encode_status(Status::Ok), [0, 0, 0, 0, 0x56, 0x54, 0x43, 0x4d]);
-        assert_eq!(decode_status(encode_status(Status::Rejected)), Ok(Status::Rejected));
+        assert_eq!(
+            encode_status(Status::Ok),
+            [0, 0, 0, 0, 0x56, 0x54, 0x43, 0x4d]
+        );
+        assert_eq!(
+            decode_status(encode_status(Status::Rejected)),
+            Ok(Status::Rejected)
+        );
         assert_eq!(decode_status([0; 8]), Err(WireError::StatusMagic(0)));
         let mut bad = encode_status(Status::Ok);
         bad[0] = 7;
@@ -167,13 +184,28 @@ mod tests {
 
     #[test]
     fn padding_ignored_bad_opcode_and_overflow_rejected() {
-        let mut b = DataHeader { size: 1, addr: 2, opcode: Opcode::Read, v2: false }.encode();
+        let mut b = DataHeader {
+            size: 1,
+            addr: 2,
+            opcode: Opcode::Read,
+            v2: false,
+        }
+        .encode();
         b[20] = 0xff;
         assert_eq!(DataHeader::decode(&b).unwrap().opcode, Opcode::Read);
         b[16] = 2;
         assert_eq!(DataHeader::decode(&b), Err(WireError::Opcode(2)));
-        let b = DataHeader { size: 2, addr: u64::MAX, opcode: Opcode::Read, v2: false }.encode();
-        assert!(matches!(DataHeader::decode(&b), Err(WireError::RangeOverflow { .. })));
+        let b = DataHeader {
+            size: 2,
+            addr: u64::MAX,
+            opcode: Opcode::Read,
+            v2: false,
+        }
+        .encode();
+        assert!(matches!(
+            DataHeader::decode(&b),
+            Err(WireError::RangeOverflow { .. })
+        ));
     }
 
     #[test]
@@ -183,16 +215,34 @@ mod tests {
         assert_eq!(auth_hello_len(&hdr), Some(80));
         // A Mooncake target (and a kvferry one that does not look for it) cannot decode it as a
         // request: nothing is read or written for it.
-        assert_eq!(DataHeader::decode(&hdr), Err(WireError::Opcode(AUTH_OPCODE)));
+        assert_eq!(
+            DataHeader::decode(&hdr),
+            Err(WireError::Opcode(AUTH_OPCODE))
+        );
         // Nor is a request an opening frame, whatever its fields.
-        let req = DataHeader { size: 80, addr: AUTH_MAGIC, opcode: Opcode::Write, v2: true }.encode();
+        let req = DataHeader {
+            size: 80,
+            addr: AUTH_MAGIC,
+            opcode: Opcode::Write,
+            v2: true,
+        }
+        .encode();
         assert_eq!(auth_hello_len(&req), None);
         assert_eq!(auth_hello_len(&hdr[..10]), None);
         let first = ANSWER_MAGIC.to_le_bytes();
         assert_eq!(decode_auth_answer(first), Ok(None));
-        assert!(decode_status(first).is_err(), "an answer is not a status frame");
-        assert_eq!(decode_auth_answer(encode_status(Status::Unauthorized)), Ok(Some(Status::Unauthorized)));
-        assert_eq!(decode_status(encode_status(Status::Unauthorized)), Ok(Status::Unauthorized));
+        assert!(
+            decode_status(first).is_err(),
+            "an answer is not a status frame"
+        );
+        assert_eq!(
+            decode_auth_answer(encode_status(Status::Unauthorized)),
+            Ok(Some(Status::Unauthorized))
+        );
+        assert_eq!(
+            decode_status(encode_status(Status::Unauthorized)),
+            Ok(Status::Unauthorized)
+        );
     }
 
     proptest! {

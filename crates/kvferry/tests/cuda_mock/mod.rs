@@ -16,7 +16,8 @@ const SOURCE: &str = include_str!("mock_cuda.c");
 /// `<target>/tmp/kvf-cuda-<name>-<pid>/libcuda.so.1` (Cargo's directory for integration
 /// tests' files: removed with the build, not left in the system's /tmp); that directory.
 pub fn build(name: &str, defines: &[&str]) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("kvf-cuda-{name}-{}", std::process::id()));
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("kvf-cuda-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
     // Tests of one binary run in parallel and may build the same mock at once: each writes
     // its own files and renames the library into place (atomic), so a child process never
@@ -34,8 +35,12 @@ pub fn build(name: &str, defines: &[&str]) -> PathBuf {
         .arg(&src)
         .args(defines.iter().map(|d| format!("-D{d}")))
         .status();
-    assert!(st.is_ok_and(|s| s.success()), "building the mock libcuda needs a C compiler ({cc})");
-    std::fs::rename(&tmp, &out).unwrap_or_else(|e| panic!("moving {} into place: {e}", tmp.display()));
+    assert!(
+        st.is_ok_and(|s| s.success()),
+        "building the mock libcuda needs a C compiler ({cc})"
+    );
+    std::fs::rename(&tmp, &out)
+        .unwrap_or_else(|e| panic!("moving {} into place: {e}", tmp.display()));
     let _ = std::fs::remove_file(&src);
     dir
 }

@@ -20,13 +20,18 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port on 127.0.0.1")
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port on 127.0.0.1")
 }
 
 /// `which`: the path of `name` on PATH.
 pub fn find_binary(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|d| d.join(name)).find(|p| p.is_file())
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
 }
 
 fn missing(what: &str) -> Option<Service> {
@@ -58,7 +63,11 @@ pub struct Service {
 }
 
 fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kvferry-svc-{tag}-{}-{}", std::process::id(), rand_suffix()));
+    let d = std::env::temp_dir().join(format!(
+        "kvferry-svc-{tag}-{}-{}",
+        std::process::id(),
+        rand_suffix()
+    ));
     std::fs::create_dir_all(&d).expect("temp dir");
     d
 }
@@ -72,9 +81,15 @@ fn rand_suffix() -> u64 {
 
 /// One HTTP GET on 127.0.0.1:port; the response text.
 pub fn http_get(port: u16, path: &str) -> Option<String> {
-    let mut s = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(300)).ok()?;
+    let mut s =
+        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(300))
+            .ok()?;
     s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
     let mut out = String::new();
     s.read_to_string(&mut out).ok()?;
     Some(out)
@@ -82,7 +97,9 @@ pub fn http_get(port: u16, path: &str) -> Option<String> {
 
 impl Service {
     pub fn etcd() -> Option<Service> {
-        let Some(bin) = find_binary("etcd") else { return missing("etcd (Debian package etcd-server)") };
+        let Some(bin) = find_binary("etcd") else {
+            return missing("etcd (Debian package etcd-server)");
+        };
         Some(Service::start(Kind::Etcd, bin, temp_dir("etcd")))
     }
 
@@ -93,15 +110,26 @@ impl Service {
     /// redis-server with extra arguments, e.g. `["--requirepass", "pw"]`. `ready` then
     /// accepts the NOAUTH answer too.
     pub fn redis_with(extra: &[&str]) -> Option<Service> {
-        let Some(bin) = find_binary("redis-server") else { return missing("redis-server (Debian package redis-server)") };
-        Some(Service::start_with(Kind::Redis, bin, temp_dir("redis"), extra))
+        let Some(bin) = find_binary("redis-server") else {
+            return missing("redis-server (Debian package redis-server)");
+        };
+        Some(Service::start_with(
+            Kind::Redis,
+            bin,
+            temp_dir("redis"),
+            extra,
+        ))
     }
 
     /// Mooncake's Python HTTP metadata server from the venv of `KVFERRY_MOONCAKE_PYTHON`.
     pub fn mooncake_http() -> Option<Service> {
         let py = mooncake_python()?;
         let bin = Path::new(&py).with_file_name("mooncake_http_metadata_server");
-        assert!(bin.is_file(), "{} is missing: the Mooncake venv lacks its HTTP metadata server", bin.display());
+        assert!(
+            bin.is_file(),
+            "{} is missing: the Mooncake venv lacks its HTTP metadata server",
+            bin.display()
+        );
         Some(Service::start(Kind::MooncakeHttp, bin, temp_dir("mchttp")))
     }
 
@@ -113,7 +141,15 @@ impl Service {
         let mut last = String::new();
         let extra: Vec<String> = extra.iter().map(|a| a.to_string()).collect();
         for _ in 0..5 {
-            let mut s = Service { kind, port: free_port(), peer_port: free_port(), dir: dir.clone(), bin: bin.clone(), extra: extra.clone(), child: None };
+            let mut s = Service {
+                kind,
+                port: free_port(),
+                peer_port: free_port(),
+                dir: dir.clone(),
+                bin: bin.clone(),
+                extra: extra.clone(),
+                child: None,
+            };
             match s.spawn() {
                 Ok(()) => return s,
                 Err(e) => last = e,
@@ -130,25 +166,77 @@ impl Service {
                 let c = format!("http://127.0.0.1:{p}");
                 let pe = format!("http://127.0.0.1:{q}");
                 cmd.arg("--data-dir").arg(self.dir.join("data"));
-                cmd.args(["--listen-client-urls", &c, "--advertise-client-urls", &c, "--listen-peer-urls", &pe, "--initial-advertise-peer-urls", &pe]);
-                cmd.args(["--initial-cluster", &format!("default={pe}"), "--log-level", "error"]);
+                cmd.args([
+                    "--listen-client-urls",
+                    &c,
+                    "--advertise-client-urls",
+                    &c,
+                    "--listen-peer-urls",
+                    &pe,
+                    "--initial-advertise-peer-urls",
+                    &pe,
+                ]);
+                cmd.args([
+                    "--initial-cluster",
+                    &format!("default={pe}"),
+                    "--log-level",
+                    "error",
+                ]);
             }
             Kind::Redis => {
-                cmd.args(["--port", &p.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir"]).arg(&self.dir);
+                cmd.args([
+                    "--port",
+                    &p.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                ])
+                .arg(&self.dir);
                 cmd.args(&self.extra);
             }
             Kind::MooncakeHttp => {
-                cmd.args(["--host", "127.0.0.1", "--port", &p.to_string(), "--log-level", "WARNING"]);
+                cmd.args([
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    &p.to_string(),
+                    "--log-level",
+                    "WARNING",
+                ]);
             }
         }
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("log")).map_err(|e| e.to_string())?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("log"))
+            .map_err(|e| e.to_string())?;
         let log2 = log.try_clone().map_err(|e| e.to_string())?;
-        let mut child = cmd.stdin(Stdio::null()).stdout(log).stderr(log2).process_group(0).spawn().map_err(|e| format!("spawn {}: {e}", self.bin.display()))?;
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2)
+            .process_group(0)
+            .spawn()
+            .map_err(|e| format!("spawn {}: {e}", self.bin.display()))?;
         let until = Instant::now() + Duration::from_secs(20);
         loop {
             if let Ok(Some(st)) = child.try_wait() {
                 let log = std::fs::read_to_string(self.dir.join("log")).unwrap_or_default();
-                return Err(format!("{:?} exited with {st}: {}", self.kind, log.chars().rev().take(2000).collect::<String>().chars().rev().collect::<String>()));
+                return Err(format!(
+                    "{:?} exited with {st}: {}",
+                    self.kind,
+                    log.chars()
+                        .rev()
+                        .take(2000)
+                        .collect::<String>()
+                        .chars()
+                        .rev()
+                        .collect::<String>()
+                ));
             }
             if self.ready() {
                 self.child = Some(child);
@@ -156,7 +244,10 @@ impl Service {
             }
             if Instant::now() > until {
                 kill_group(&mut child);
-                return Err(format!("{:?} did not become ready on port {p} within 20 s", self.kind));
+                return Err(format!(
+                    "{:?} did not become ready on port {p} within 20 s",
+                    self.kind
+                ));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -164,14 +255,22 @@ impl Service {
 
     fn ready(&self) -> bool {
         match self.kind {
-            Kind::Etcd => http_get(self.port, "/health").is_some_and(|r| r.contains("\"health\":\"true\"")),
+            Kind::Etcd => {
+                http_get(self.port, "/health").is_some_and(|r| r.contains("\"health\":\"true\""))
+            }
             Kind::Redis => {
-                let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else { return false };
+                let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else {
+                    return false;
+                };
                 let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
                 let mut b = [0u8; 16];
-                s.write_all(b"PING\r\n").is_ok() && s.read(&mut b).map(|n| b[..n].starts_with(b"+PONG") || b[..n].starts_with(b"-NOAUTH")).unwrap_or(false)
+                s.write_all(b"PING\r\n").is_ok()
+                    && s.read(&mut b)
+                        .map(|n| b[..n].starts_with(b"+PONG") || b[..n].starts_with(b"-NOAUTH"))
+                        .unwrap_or(false)
             }
-            Kind::MooncakeHttp => http_get(self.port, "/metadata?key=probe").is_some_and(|r| r.starts_with("HTTP/1.1 404")),
+            Kind::MooncakeHttp => http_get(self.port, "/metadata?key=probe")
+                .is_some_and(|r| r.starts_with("HTTP/1.1 404")),
         }
     }
 
@@ -205,7 +304,9 @@ impl Service {
         loop {
             match self.spawn() {
                 Ok(()) => return,
-                Err(e) if Instant::now() > until => panic!("restarting {:?} on port {}: {e}", self.kind, self.port),
+                Err(e) if Instant::now() > until => {
+                    panic!("restarting {:?} on port {}: {e}", self.kind, self.port)
+                }
                 Err(_) => std::thread::sleep(Duration::from_millis(200)),
             }
         }

@@ -7,7 +7,9 @@ use kvferry::metadata::{connect, Directory, Keys, MetadataStore, RpcMeta, StoreO
 use std::sync::Arc;
 
 fn raw_store(url: &str) -> Arc<dyn MetadataStore> {
-    connect(url, &StoreOptions::default()).expect("connect").expect("not P2P")
+    connect(url, &StoreOptions::default())
+        .expect("connect")
+        .expect("not P2P")
 }
 
 /// Engines starting under one name at the same instant: exactly one gets it, each of the
@@ -21,7 +23,11 @@ pub fn one_name_raced(url: &str, dead: bool) {
     let keys = Keys::new(None);
     let holder = raw_store(url);
     if dead {
-        let v = serde_json::to_vec(&RpcMeta { ip_or_host_name: "127.0.0.1".into(), rpc_port: DEAD }).unwrap();
+        let v = serde_json::to_vec(&RpcMeta {
+            ip_or_host_name: "127.0.0.1".into(),
+            rpc_port: DEAD,
+        })
+        .unwrap();
         holder.put(&keys.rpc_meta("raced"), &v).unwrap();
     }
     let barrier = Arc::new(std::sync::Barrier::new(N as usize));
@@ -30,21 +36,47 @@ pub fn one_name_raced(url: &str, dead: bool) {
             let (url, keys, barrier) = (url.to_string(), keys.clone(), Arc::clone(&barrier));
             std::thread::spawn(move || {
                 let d = Directory::new(raw_store(&url), keys);
-                let meta = RpcMeta { ip_or_host_name: "127.0.0.1".into(), rpc_port: 3000 + i };
+                let meta = RpcMeta {
+                    ip_or_host_name: "127.0.0.1".into(),
+                    rpc_port: 3000 + i,
+                };
                 barrier.wait();
-                (meta.rpc_port, d.publish_rpc_meta("raced", &meta, &|m| m.rpc_port != DEAD).map_err(|e| e.to_string()), d)
+                (
+                    meta.rpc_port,
+                    d.publish_rpc_meta("raced", &meta, &|m| m.rpc_port != DEAD)
+                        .map_err(|e| e.to_string()),
+                    d,
+                )
             })
         })
         .collect();
-    let results: Vec<_> = threads.into_iter().map(|t| t.join().expect("thread")).collect();
-    let won: Vec<u16> = results.iter().filter(|(_, r, _)| r.is_ok()).map(|(p, _, _)| *p).collect();
-    assert_eq!(won.len(), 1, "{url}: winners {won:?} of {:?}", results.iter().map(|(p, r, _)| (p, r)).collect::<Vec<_>>());
+    let results: Vec<_> = threads
+        .into_iter()
+        .map(|t| t.join().expect("thread"))
+        .collect();
+    let won: Vec<u16> = results
+        .iter()
+        .filter(|(_, r, _)| r.is_ok())
+        .map(|(p, _, _)| *p)
+        .collect();
+    assert_eq!(
+        won.len(),
+        1,
+        "{url}: winners {won:?} of {:?}",
+        results.iter().map(|(p, r, _)| (p, r)).collect::<Vec<_>>()
+    );
     for (port, r, _) in &results {
         if let Err(e) = r {
-            assert!(e.contains("already registered by a live engine") || e.contains("kept changing"), "{url}: engine {port}: {e}");
+            assert!(
+                e.contains("already registered by a live engine") || e.contains("kept changing"),
+                "{url}: engine {port}: {e}"
+            );
         }
     }
-    let stored = raw_store(url).get(&keys.rpc_meta("raced")).expect("get").expect("the winner's entry");
+    let stored = raw_store(url)
+        .get(&keys.rpc_meta("raced"))
+        .expect("get")
+        .expect("the winner's entry");
     let m: RpcMeta = serde_json::from_slice(&stored).expect("rpc_meta");
     assert_eq!(m.rpc_port, won[0], "{url}: the entry is the winner's");
     for (_, _, d) in results {
@@ -77,7 +109,17 @@ pub fn removal_takes_only_the_write_seen(url: &str, tells_rewrites: bool) {
         }
         s.put(&key, b"v1").unwrap();
         let removed = s.remove_if(&key, &seen).unwrap();
-        assert_eq!(removed, !tells_rewrites, "{url}: an identical rewrite ({}) {}", if over { "over it" } else { "after a removal" }, if tells_rewrites { "was removed" } else { "is not told apart here" });
+        assert_eq!(
+            removed,
+            !tells_rewrites,
+            "{url}: an identical rewrite ({}) {}",
+            if over { "over it" } else { "after a removal" },
+            if tells_rewrites {
+                "was removed"
+            } else {
+                "is not told apart here"
+            }
+        );
         if removed {
             s.put(&key, b"v1").unwrap();
         }
@@ -87,12 +129,18 @@ pub fn removal_takes_only_the_write_seen(url: &str, tells_rewrites: bool) {
     s.put(&other, b"v1").unwrap();
     let seen_other = s.get_seen(&other).unwrap().expect("present");
     s.put(&other, b"v2").unwrap();
-    assert!(!s.remove_if(&other, &seen_other).unwrap(), "{url}: a changed value was removed");
+    assert!(
+        !s.remove_if(&other, &seen_other).unwrap(),
+        "{url}: a changed value was removed"
+    );
     assert_eq!(s.get(&other).unwrap().as_deref(), Some(&b"v2"[..]));
     s.remove(&other).unwrap();
     // Unchanged: removed.
     let seen = s.get_seen(&key).unwrap().expect("present");
-    assert!(s.remove_if(&key, &seen).unwrap(), "{url}: the entry seen was not removed");
+    assert!(
+        s.remove_if(&key, &seen).unwrap(),
+        "{url}: the entry seen was not removed"
+    );
     assert_eq!(s.get(&key).unwrap(), None);
     assert!(!s.remove_if(&key, &seen).unwrap(), "{url}: removed twice");
 }

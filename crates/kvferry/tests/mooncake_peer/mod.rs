@@ -43,19 +43,35 @@ pub fn script() -> PathBuf {
 
 /// The peer script's pattern: byte i = (i*131 + seed*7 + (i >> 12)) & 0xff.
 pub fn pattern(len: usize, seed: usize) -> Vec<u8> {
-    (0..len).map(|i| ((i * 131 + seed * 7 + (i >> 12)) & 0xff) as u8).collect()
+    (0..len)
+        .map(|i| ((i * 131 + seed * 7 + (i >> 12)) & 0xff) as u8)
+        .collect()
 }
 
 pub fn sha(b: &[u8]) -> String {
-    Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+    Sha256::digest(b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
 }
 
 /// Runs the script once (`initiator`, `probe`) and returns its last JSON line.
 pub fn run(py: &str, args: &[&str], env: &[(&str, &str)]) -> Value {
-    let out = Command::new(py).arg(script()).args(args).envs(env.iter().copied()).stderr(Stdio::piped()).output().expect("run mooncake_peer.py");
+    let out = Command::new(py)
+        .arg(script())
+        .args(args)
+        .envs(env.iter().copied())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run mooncake_peer.py");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let line = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("mooncake_peer.py {args:?}: bad output {line:?} ({e}); stderr: {}", String::from_utf8_lossy(&out.stderr)))
+    serde_json::from_str(line).unwrap_or_else(|e| {
+        panic!(
+            "mooncake_peer.py {args:?}: bad output {line:?} ({e}); stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
 }
 
 /// A Mooncake target process: a registered buffer filled with `pattern(size, seed)`,
@@ -70,10 +86,22 @@ pub struct MooncakeTarget {
 
 impl MooncakeTarget {
     /// `extra` adds script flags (e.g. `--metadata URL --name NAME`).
-    pub fn start(py: &str, extra: &[&str], env: &[(&str, &str)], size: usize, seed: usize) -> MooncakeTarget {
+    pub fn start(
+        py: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        size: usize,
+        seed: usize,
+    ) -> MooncakeTarget {
         let mut child = Command::new(py)
             .arg(script())
-            .args(["target", "--size", &size.to_string(), "--seed", &seed.to_string()])
+            .args([
+                "target",
+                "--size",
+                &size.to_string(),
+                "--seed",
+                &seed.to_string(),
+            ])
             .args(extra)
             .envs(env.iter().copied())
             .stdin(Stdio::piped())
@@ -84,8 +112,11 @@ impl MooncakeTarget {
         let stdin = child.stdin.take().expect("piped stdin");
         let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
         let mut line = String::new();
-        stdout.read_line(&mut line).expect("read the target's first line");
-        let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("Mooncake target said {line:?}: {e}"));
+        stdout
+            .read_line(&mut line)
+            .expect("read the target's first line");
+        let v: Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("Mooncake target said {line:?}: {e}"));
         MooncakeTarget {
             segment: v["segment"].as_str().expect("segment").to_string(),
             addr: v["addr"].as_u64().expect("addr"),

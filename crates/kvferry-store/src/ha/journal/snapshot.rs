@@ -59,7 +59,8 @@ impl Writer<'_> {
         };
         let term = st.term;
         let mut image = st.image_head(now);
-        let (start, mut held, mut longest, mut holds) = (Instant::now(), Instant::now(), Duration::ZERO, 1);
+        let (start, mut held, mut longest, mut holds) =
+            (Instant::now(), Instant::now(), Duration::ZERO, 1);
         let mut seq = None;
         for piece in 0..IMAGE_PIECES {
             if held.elapsed() >= IMAGE_HOLD {
@@ -84,17 +85,33 @@ impl Writer<'_> {
         }
         drop(st);
         longest = longest.max(held.elapsed());
-        tracing::info!(changes = image.len(), ms = start.elapsed().as_millis() as u64, holds, longest_hold_ms = longest.as_millis() as u64, "HA journal: an image of the state taken");
+        tracing::info!(
+            changes = image.len(),
+            ms = start.elapsed().as_millis() as u64,
+            holds,
+            longest_hold_ms = longest.as_millis() as u64,
+            "HA journal: an image of the state taken"
+        );
         if commit_between && seq.is_none() {
             seq = Some(self.commit_queued(&mut queued, upto, None)?);
         }
-        Some(Frozen { queued, upto, image, seq })
+        Some(Frozen {
+            queued,
+            upto,
+            image,
+            seq,
+        })
     }
 
     /// At a gap of [`Writer::image_in_pieces`]: the first time (`seq` `None`), commits what
     /// was queued before the image (`queued`, completing ticket `upto`) and returns the
     /// image's position; then commits what requests queued since. The image's position.
-    pub(super) fn commit_queued(&mut self, queued: &mut Vec<Change>, upto: u64, seq: Option<u64>) -> Option<u64> {
+    pub(super) fn commit_queued(
+        &mut self,
+        queued: &mut Vec<Change>,
+        upto: u64,
+        seq: Option<u64>,
+    ) -> Option<u64> {
         let at = match seq {
             Some(at) => at,
             None => {
@@ -131,7 +148,12 @@ impl Writer<'_> {
         }
         // (Nothing is committed between the image's pieces: until the snapshot's head is in
         // etcd nothing can be made durable there.)
-        let Frozen { queued, upto, image, .. } = self.image_in_pieces(false)?;
+        let Frozen {
+            queued,
+            upto,
+            image,
+            ..
+        } = self.image_in_pieces(false)?;
         self.seq += 1;
         if !queued.is_empty() {
             self.broadcast(queued)?;
@@ -144,7 +166,14 @@ impl Writer<'_> {
 
     /// The in-sync record, emptied by this leader (the rebase's last write).
     pub(super) fn insync_cleared(&self) -> (String, Vec<u8>) {
-        (self.insync_key.clone(), InSync { term: self.term(), members: Vec::new() }.to_bytes())
+        (
+            self.insync_key.clone(),
+            InSync {
+                term: self.term(),
+                members: Vec::new(),
+            }
+            .to_bytes(),
+        )
     }
 
     /// The rebase begun at `started` emptied the in-sync set in etcd, and everything up to
@@ -171,7 +200,9 @@ impl Writer<'_> {
     /// the writer appends it, and the in-sync set is emptied last. `Some(false)`: the tail is
     /// not whole (the caller writes the whole state).
     pub(super) fn rebase_from_tail(&mut self, started: Instant) -> Option<bool> {
-        let Some(run) = self.sync.as_ref().and_then(|s| s.tail().take(self.seq)) else { return Some(false) };
+        let Some(run) = self.sync.as_ref().and_then(|s| s.tail().take(self.seq)) else {
+            return Some(false);
+        };
         let Some(values) = tail_log_values(&self.prefix, &run.frames) else {
             tracing::info!("HA journal: an entry streamed since the journal's last position does not fit a log value; the rebase writes the whole state");
             return Some(false);
@@ -183,12 +214,23 @@ impl Writer<'_> {
     /// Writes `values`, the log after the etcd journal's last position `base` (`entries`
     /// streamed entries: [`tail_log_values`]), several per transaction, then what requests
     /// queued, as the writer appends it, and empties the in-sync set last.
-    pub(super) fn rebase_with(&mut self, values: Vec<(String, Vec<u8>)>, base: u64, entries: u64, started: Instant) -> Option<()> {
-        let (values_n, bytes) = (values.len() as u64, values.iter().map(|(_, v)| v.len() as u64).sum::<u64>());
+    pub(super) fn rebase_with(
+        &mut self,
+        values: Vec<(String, Vec<u8>)>,
+        base: u64,
+        entries: u64,
+        started: Instant,
+    ) -> Option<()> {
+        let (values_n, bytes) = (
+            values.len() as u64,
+            values.iter().map(|(_, v)| v.len() as u64).sum::<u64>(),
+        );
         let mut batch: Vec<(String, Vec<u8>)> = Vec::new();
         let mut size = 0;
         for (k, v) in values {
-            if !batch.is_empty() && (size + v.len() > REBASE_TXN_BYTES || batch.len() >= REBASE_TXN_KEYS) {
+            if !batch.is_empty()
+                && (size + v.len() > REBASE_TXN_BYTES || batch.len() >= REBASE_TXN_KEYS)
+            {
                 self.txn(&std::mem::take(&mut batch), None)?;
                 size = 0;
             }
@@ -259,7 +301,13 @@ impl Writer<'_> {
     /// While standbys are in sync ([`Writer::refresh_base`]) it is given up, its chunks
     /// deleted, as soon as one of them is late (`Some(false)`): the writer must see to that
     /// first.
-    pub(super) fn write_snapshot(&mut self, image: Vec<Change>, at: u64, also: Option<(String, Vec<u8>)>, commit_between: bool) -> Option<bool> {
+    pub(super) fn write_snapshot(
+        &mut self,
+        image: Vec<Change>,
+        at: u64,
+        also: Option<(String, Vec<u8>)>,
+        commit_between: bool,
+    ) -> Option<bool> {
         let j = &self.master.journal;
         let started = Instant::now();
         let log_before = j.stats().log_bytes;
@@ -295,7 +343,11 @@ impl Writer<'_> {
         if commit_between {
             self.commit_what_is_queued()?;
         }
-        let head = Head { seq: at, chunks: n, bytes };
+        let head = Head {
+            seq: at,
+            chunks: n,
+            bytes,
+        };
         let head_bytes = postcard::to_stdvec(&head).ok()?;
         let log_from = format!("{}log/", self.prefix);
         let log_to = log_key(&self.prefix, at + 1);
@@ -318,7 +370,14 @@ impl Writer<'_> {
             // while the chunks were written.)
             s.log_bytes = s.log_bytes.saturating_sub(log_before);
         });
-        tracing::info!(term = self.term(), seq = at, last = self.seq, bytes, chunks = n, "HA journal: snapshot written, log compacted");
+        tracing::info!(
+            term = self.term(),
+            seq = at,
+            last = self.seq,
+            bytes,
+            chunks = n,
+            "HA journal: snapshot written, log compacted"
+        );
         Some(true)
     }
 
@@ -346,7 +405,12 @@ impl Writer<'_> {
     /// them ([`crate::ha::sync::Mirror::take`]), they go to the log as a leader's rebase writes its
     /// own; else the whole state is written as a snapshot after the later of the two.
     /// Whether it wrote the tail (`Some(true)`) or the whole state.
-    pub fn rebase_at_takeover(&mut self, stored: u64, seq: u64, tail: Option<Vec<TailFrame>>) -> Option<bool> {
+    pub fn rebase_at_takeover(
+        &mut self,
+        stored: u64,
+        seq: u64,
+        tail: Option<Vec<TailFrame>>,
+    ) -> Option<bool> {
         let started = Instant::now();
         if let Some(frames) = tail.filter(|_| seq >= stored) {
             match tail_log_values(&self.prefix, &frames) {

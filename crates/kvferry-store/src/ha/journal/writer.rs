@@ -5,8 +5,8 @@
 //! the rules of what is durable are the machines' ([`crate::repl`]).
 
 use super::snapshot::Frozen;
-use crate::repl::members;
 use super::*;
+use crate::repl::members;
 
 /// Sends `frame` to every linked standby.
 pub(super) fn send_all(links: &[Link], frame: &Arc<Vec<u8>>) {
@@ -88,11 +88,23 @@ pub(super) fn retry_link_after(n: u32) -> Duration {
 impl Replicas {
     /// `tail`: the bytes of entries kept for a rebase (0: none) and the least time between
     /// two background snapshots ([`Tail`]).
-    pub fn new(cluster_id: &str, me: &str, owner: Owner, ack_timeout: Duration, tail: (usize, Duration), journal: &Journal) -> Replicas {
+    pub fn new(
+        cluster_id: &str,
+        me: &str,
+        owner: Owner,
+        ack_timeout: Duration,
+        tail: (usize, Duration),
+        journal: &Journal,
+    ) -> Replicas {
         Replicas {
             standby_prefix: crate::ha::sync::standby_prefix(cluster_id),
             me: me.to_string(),
-            hello: ToStandby::Hello { cluster_id: cluster_id.to_string(), term: owner.create_revision, lease: owner.lease, leader: me.to_string() },
+            hello: ToStandby::Hello {
+                cluster_id: cluster_id.to_string(),
+                term: owner.create_revision,
+                lease: owner.lease,
+                leader: me.to_string(),
+            },
             links: Vec::new(),
             insync: Vec::new(),
             release: Arc::new(Release::new(journal, owner.create_revision)),
@@ -110,7 +122,9 @@ impl Replicas {
     /// is not empty (the etcd journal alone is read by masters of every version) and every
     /// linked standby reads [`Change::Granted`]; else 0.
     pub(super) fn grant_bytes_now(&self) -> u64 {
-        if members::grants_allowed(&self.insync, self.links.iter().map(Link::view), |m| self.link(m).map(Link::view)) {
+        if members::grants_allowed(&self.insync, self.links.iter().map(Link::view), |m| {
+            self.link(m).map(Link::view)
+        }) {
             self.grant_bytes
         } else {
             0
@@ -170,7 +184,14 @@ impl Replicas {
         journal.set_insync(&self.insync);
         // A member without a link acknowledges nothing (it holds every entry back until it
         // leaves the set, `Writer::check_insync`): never answered without it.
-        let counters = self.insync.iter().map(|m| self.link(m).map_or_else(|| Arc::new(AtomicU64::new(0)), Link::ack_counter)).collect();
+        let counters = self
+            .insync
+            .iter()
+            .map(|m| {
+                self.link(m)
+                    .map_or_else(|| Arc::new(AtomicU64::new(0)), Link::ack_counter)
+            })
+            .collect();
         self.release.set_members(counters);
     }
 }
@@ -182,17 +203,29 @@ impl Writer<'_> {
 
     /// One guarded transaction, retried while etcd cannot be reached and this master can still
     /// prove its lease; `None` when it must give up.
-    pub(super) fn txn(&self, puts: &[(String, Vec<u8>)], delete: Option<(&str, &str)>) -> Option<i64> {
+    pub(super) fn txn(
+        &self,
+        puts: &[(String, Vec<u8>)],
+        delete: Option<(&str, &str)>,
+    ) -> Option<i64> {
         loop {
-            match self.etcd.txn_if_owned(&self.view_key, self.owner, puts, delete) {
+            match self
+                .etcd
+                .txn_if_owned(&self.view_key, self.owner, puts, delete)
+            {
                 Ok(Some(rev)) => return Some(rev),
                 Ok(None) => {
                     tracing::warn!(term = self.term(), "HA journal: the view key is no longer this leader's; nothing more is written");
                     return None;
                 }
                 Err(e) => {
-                    if !self.master.gate.still_leader(self.term()) && self.retry_until.is_none_or(|t| Instant::now() >= t) {
-                        tracing::warn!(term = self.term(), "HA journal: {e}; the lease can no longer be proven, giving up");
+                    if !self.master.gate.still_leader(self.term())
+                        && self.retry_until.is_none_or(|t| Instant::now() >= t)
+                    {
+                        tracing::warn!(
+                            term = self.term(),
+                            "HA journal: {e}; the lease can no longer be proven, giving up"
+                        );
                         return None;
                     }
                     tracing::warn!(term = self.term(), "HA journal: {e}; retrying");
@@ -244,7 +277,8 @@ impl Writer<'_> {
             let n = changes.len();
             for (piece, ticket) in pieces(changes, upto, ENTRY_PIECE) {
                 self.seq += 1;
-                s.release.push(self.seq, ticket, self.master.journal.now_us());
+                s.release
+                    .push(self.seq, ticket, self.master.journal.now_us());
                 s.broadcast(self.seq, piece)?;
             }
             self.master.journal.count_streamed(n, self.seq);
@@ -280,9 +314,14 @@ impl Writer<'_> {
     /// The in-sync standbys whose link broke or that did not acknowledge the oldest pending
     /// entry within the bound, and that entry if it is late.
     pub(super) fn failing_members(&self) -> (Vec<String>, Option<u64>) {
-        let Some(s) = self.sync.as_ref().filter(|s| !s.insync.is_empty()) else { return (Vec::new(), None) };
+        let Some(s) = self.sync.as_ref().filter(|s| !s.insync.is_empty()) else {
+            return (Vec::new(), None);
+        };
         let late = s.release.late(self.master.journal.now_us(), s.ack_timeout);
-        (members::failing(&s.insync, |m| s.link(m).map(Link::view), late), late)
+        (
+            members::failing(&s.insync, |m| s.link(m).map(Link::view), late),
+            late,
+        )
     }
 
     /// What the writer lends while it sleeps (its links, while standbys are in sync: see
@@ -291,8 +330,20 @@ impl Writer<'_> {
     pub(super) fn lend(&mut self) -> (Duration, Option<Lent>) {
         let idle = self.idle();
         let seq = self.seq;
-        match self.sync.as_mut().filter(|s| !s.insync.is_empty() && !s.links.is_empty()) {
-            Some(s) => (idle.min(s.ack_timeout), Some(Lent { seq, links: std::mem::take(&mut s.links), release: Arc::clone(&s.release), tail: Arc::clone(&s.tail) })),
+        match self
+            .sync
+            .as_mut()
+            .filter(|s| !s.insync.is_empty() && !s.links.is_empty())
+        {
+            Some(s) => (
+                idle.min(s.ack_timeout),
+                Some(Lent {
+                    seq,
+                    links: std::mem::take(&mut s.links),
+                    release: Arc::clone(&s.release),
+                    tail: Arc::clone(&s.tail),
+                }),
+            ),
             None => (idle, None),
         }
     }
@@ -309,8 +360,15 @@ impl Writer<'_> {
     /// How long the writer may sleep before an in-sync standby may be late.
     pub(super) fn idle(&self) -> Duration {
         let idle = Duration::from_millis(200);
-        match self.sync.as_ref().and_then(|s| s.release.late_at(s.ack_timeout)) {
-            Some(at) => idle.min(Duration::from_micros(at.saturating_sub(self.master.journal.now_us())) + Duration::from_millis(1)),
+        match self
+            .sync
+            .as_ref()
+            .and_then(|s| s.release.late_at(s.ack_timeout))
+        {
+            Some(at) => idle.min(
+                Duration::from_micros(at.saturating_sub(self.master.journal.now_us()))
+                    + Duration::from_millis(1),
+            ),
             None => idle,
         }
     }
@@ -319,11 +377,25 @@ impl Writer<'_> {
     /// of the journal), as the standbys now allow ([`Replicas::grant_bytes_now`]); `off`
     /// stops regardless.
     pub(super) fn update_grants(&self, off: bool) {
-        let bytes = if off { 0 } else { self.sync.as_ref().map_or(0, Replicas::grant_bytes_now) };
-        let hold = u64::try_from(self.master.cfg.put_start_release_timeout.as_millis()).unwrap_or(u64::MAX);
+        let bytes = if off {
+            0
+        } else {
+            self.sync.as_ref().map_or(0, Replicas::grant_bytes_now)
+        };
+        let hold = u64::try_from(self.master.cfg.put_start_release_timeout.as_millis())
+            .unwrap_or(u64::MAX);
         let mut st = self.master.lock();
         if st.term == self.term() && st.granting() != (bytes > 0) {
-            tracing::info!(term = self.term(), bytes, "HA replication: {}", if bytes > 0 { "puts are granted space ahead (answered before their change is acknowledged)" } else { "puts are no longer granted space ahead" });
+            tracing::info!(
+                term = self.term(),
+                bytes,
+                "HA replication: {}",
+                if bytes > 0 {
+                    "puts are granted space ahead (answered before their change is acknowledged)"
+                } else {
+                    "puts are no longer granted space ahead"
+                }
+            );
         }
         if st.term == self.term() {
             st.set_grant_bytes(bytes, hold);
@@ -334,16 +406,26 @@ impl Writer<'_> {
     /// empty the etcd journal is made whole again first ([`Writer::rebase`]).
     pub(super) fn drop_members(&mut self, gone: &[String]) -> Option<()> {
         let term = self.term();
-        let Some(s) = self.sync.as_mut() else { return Some(()) };
+        let Some(s) = self.sync.as_mut() else {
+            return Some(());
+        };
         s.links.retain(|l| !gone.contains(&l.member));
         if !s.insync.iter().any(|m| gone.contains(m)) {
             return Some(());
         }
-        let rest: Vec<String> = s.insync.iter().filter(|m| !gone.contains(m)).cloned().collect();
+        let rest: Vec<String> = s
+            .insync
+            .iter()
+            .filter(|m| !gone.contains(m))
+            .cloned()
+            .collect();
         if rest.is_empty() {
             return self.rebase();
         }
-        let rec = InSync { term, members: rest.clone() };
+        let rec = InSync {
+            term,
+            members: rest.clone(),
+        };
         self.txn(&[(self.insync_key.clone(), rec.to_bytes())], None)?;
         if let Some(s) = self.sync.as_mut() {
             s.set_insync(rest, &self.master.journal);
@@ -351,7 +433,6 @@ impl Writer<'_> {
         self.update_grants(false);
         Some(())
     }
-
 
     /// What requests queued, and the ticket that completes it (`None`: the term ended or the
     /// journal failed).
@@ -375,8 +456,12 @@ impl Writer<'_> {
     /// Standbys that joined or left (their registrations in etcd, read every
     /// [`crate::ha::STANDBY_POLL`]): links opened (each starting with an image) or closed.
     pub(super) fn poll_standbys(&mut self) -> Option<()> {
-        let Some(s) = self.sync.as_mut() else { return Some(()) };
-        if s.last_poll.is_some_and(|t| t.elapsed() < crate::ha::STANDBY_POLL) {
+        let Some(s) = self.sync.as_mut() else {
+            return Some(());
+        };
+        if s.last_poll
+            .is_some_and(|t| t.elapsed() < crate::ha::STANDBY_POLL)
+        {
             return Some(());
         }
         s.last_poll = Some(Instant::now());
@@ -384,20 +469,24 @@ impl Writer<'_> {
         // Member -> (its mirror's address, the mirror term its registration names, whether it
         // takes `Base` frames and reads grants).
         #[allow(clippy::type_complexity)]
-        let regs: HashMap<String, (String, Option<i64>, (bool, bool))> = match self.etcd.range(&p, &prefix_end(&p), 64) {
-            Ok(kvs) => kvs
-                .into_iter()
-                .filter_map(|(k, kv)| {
-                    let v = String::from_utf8(kv.value).ok()?;
-                    let r = crate::ha::sync::parse_registration(&v);
-                    Some((k.strip_prefix(&p)?.to_string(), (r.addr.to_string(), r.mirror, (r.runs, r.grants))))
-                })
-                .collect(),
-            Err(e) => {
-                tracing::debug!("HA replication: reading the standbys' registrations: {e}");
-                return Some(());
-            }
-        };
+        let regs: HashMap<String, (String, Option<i64>, (bool, bool))> =
+            match self.etcd.range(&p, &prefix_end(&p), 64) {
+                Ok(kvs) => kvs
+                    .into_iter()
+                    .filter_map(|(k, kv)| {
+                        let v = String::from_utf8(kv.value).ok()?;
+                        let r = crate::ha::sync::parse_registration(&v);
+                        Some((
+                            k.strip_prefix(&p)?.to_string(),
+                            (r.addr.to_string(), r.mirror, (r.runs, r.grants)),
+                        ))
+                    })
+                    .collect(),
+                Err(e) => {
+                    tracing::debug!("HA replication: reading the standbys' registrations: {e}");
+                    return Some(());
+                }
+            };
         s.mirrors = regs.iter().map(|(m, r)| (m.clone(), r.1)).collect();
         let gone: Vec<String> = s
             .links
@@ -409,16 +498,29 @@ impl Writer<'_> {
         // A standby whose link died is tried again only after a while (it may be unreachable).
         let now = Instant::now();
         for l in s.links.iter().filter(|l| l.dead()) {
-            let n = s.failed.get(&l.member).filter(|f| f.2 == l.addr).map_or(0, |f| f.1);
-            s.failed.insert(l.member.clone(), (now, n + 1, l.addr.clone()));
+            let n = s
+                .failed
+                .get(&l.member)
+                .filter(|f| f.2 == l.addr)
+                .map_or(0, |f| f.1);
+            s.failed
+                .insert(l.member.clone(), (now, n + 1, l.addr.clone()));
         }
         if !gone.is_empty() {
             self.drop_members(&gone)?;
         }
-        let Some(s) = self.sync.as_ref() else { return Some(()) };
+        let Some(s) = self.sync.as_ref() else {
+            return Some(());
+        };
         let new: Vec<(String, String, (bool, bool))> = regs
             .into_iter()
-            .filter(|(m, (addr, _, _))| *m != s.me && s.link(m).is_none() && s.failed.get(m).is_none_or(|(t, n, at)| at != addr || t.elapsed() > retry_link_after(*n)))
+            .filter(|(m, (addr, _, _))| {
+                *m != s.me
+                    && s.link(m).is_none()
+                    && s.failed
+                        .get(m)
+                        .is_none_or(|(t, n, at)| at != addr || t.elapsed() > retry_link_after(*n))
+            })
             .map(|(m, (addr, _, can))| (m, addr, can))
             .collect();
         for (member, addr, (runs, grants)) in new {
@@ -430,7 +532,13 @@ impl Writer<'_> {
     /// Links a standby: hello, an image of the state after the last entry written (what was
     /// queued is committed first), then every entry after it. `runs`: it takes
     /// [`ToStandby::Base`] frames (its registration says so).
-    pub(super) fn open_link(&mut self, member: &str, addr: &str, runs: bool, grants: bool) -> Option<()> {
+    pub(super) fn open_link(
+        &mut self,
+        member: &str,
+        addr: &str,
+        runs: bool,
+        grants: bool,
+    ) -> Option<()> {
         if !grants && self.master.lock().granting() {
             // A standby of an earlier version would not decode a grant: none is made while it
             // is linked, and the pools' return is committed before its image (the entries
@@ -439,14 +547,22 @@ impl Writer<'_> {
             let _ = self.master.journal.collect(self.master);
             self.commit_what_is_queued()?;
         }
-        let Some(s) = self.sync.as_mut() else { return Some(()) };
+        let Some(s) = self.sync.as_mut() else {
+            return Some(());
+        };
         let sink: Arc<dyn AckSink> = s.release.clone();
         let mut link = match Link::open(member, addr, &s.hello, self.master.auth.clone(), sink) {
             Ok(l) => l,
             Err(e) => {
-                let n = s.failed.get(member).filter(|f| f.2 == addr).map_or(0, |f| f.1) + 1;
+                let n = s
+                    .failed
+                    .get(member)
+                    .filter(|f| f.2 == addr)
+                    .map_or(0, |f| f.1)
+                    + 1;
                 tracing::warn!("HA replication: {e}; retried in {:?}", retry_link_after(n));
-                s.failed.insert(member.to_string(), (Instant::now(), n, addr.to_string()));
+                s.failed
+                    .insert(member.to_string(), (Instant::now(), n, addr.to_string()));
                 return Some(());
             }
         };
@@ -481,10 +597,16 @@ impl Writer<'_> {
         };
         let encoded = image_frames(at, image, IMAGE_ENCODE_HOLD, &mut between);
         let run = match (&encoded, run) {
-            (Ok(_), Some((base, frames))) => Some(run_frames(base, &frames, IMAGE_ENCODE_HOLD, &mut between)),
+            (Ok(_), Some((base, frames))) => {
+                Some(run_frames(base, &frames, IMAGE_ENCODE_HOLD, &mut between))
+            }
             _ => None,
         };
-        let catch_up = self.sync.as_mut().and_then(|s| s.catch_up.take()).unwrap_or_default();
+        let catch_up = self
+            .sync
+            .as_mut()
+            .and_then(|s| s.catch_up.take())
+            .unwrap_or_default();
         if ended {
             return None;
         }
@@ -508,7 +630,13 @@ impl Writer<'_> {
                 return Some(());
             }
         }
-        tracing::info!(term = self.term(), seq = self.seq, changes = objects, encode_ms, "HA replication: the standby {member} ({addr}) linked; sending it the state");
+        tracing::info!(
+            term = self.term(),
+            seq = self.seq,
+            changes = objects,
+            encode_ms,
+            "HA replication: the standby {member} ({addr}) linked; sending it the state"
+        );
         if let Some(s) = self.sync.as_mut() {
             s.links.push(link);
         }
@@ -519,13 +647,23 @@ impl Writer<'_> {
     pub(super) fn promote(&mut self) -> Option<()> {
         let term = self.term();
         let seq = self.seq;
-        let Some(s) = self.sync.as_ref() else { return Some(()) };
+        let Some(s) = self.sync.as_ref() else {
+            return Some(());
+        };
         // (A standby whose registration does not name this term's mirror yet waits for it: a
         // member must say so in etcd before anyone relies on it, `sync::eligibility`.)
         let ready: Vec<String> = s
             .links
             .iter()
-            .filter(|l| !s.insync.contains(&l.member) && members::ready(l.view(), seq, term, s.mirrors.get(&l.member).copied().flatten()))
+            .filter(|l| {
+                !s.insync.contains(&l.member)
+                    && members::ready(
+                        l.view(),
+                        seq,
+                        term,
+                        s.mirrors.get(&l.member).copied().flatten(),
+                    )
+            })
             .map(|l| l.member.clone())
             .collect();
         if ready.is_empty() {
@@ -534,7 +672,17 @@ impl Writer<'_> {
         let mut members = s.insync.clone();
         let was_empty = members.is_empty();
         members.extend(ready.iter().cloned());
-        self.txn(&[(self.insync_key.clone(), InSync { term, members: members.clone() }.to_bytes())], None)?;
+        self.txn(
+            &[(
+                self.insync_key.clone(),
+                InSync {
+                    term,
+                    members: members.clone(),
+                }
+                .to_bytes(),
+            )],
+            None,
+        )?;
         tracing::info!(term, seq, "HA replication: {ready:?} in sync; requests are now acknowledged by the in-sync set {members:?} instead of etcd");
         if let Some(s) = self.sync.as_mut() {
             if was_empty {
@@ -556,7 +704,10 @@ impl Writer<'_> {
     pub fn run(mut self) {
         let j = &self.master.journal;
         if self.collect_garbage().is_none() {
-            tracing::warn!(term = self.term(), "HA journal: could not delete stale snapshot chunks");
+            tracing::warn!(
+                term = self.term(),
+                "HA journal: could not delete stale snapshot chunks"
+            );
         }
         loop {
             let (idle, lend) = self.lend();
@@ -585,13 +736,26 @@ impl Writer<'_> {
                 break;
             }
             let st = j.stats();
-            if !self.streaming() && st.log_bytes > self.snapshot_bytes.max(st.snapshot_bytes) && self.snapshot().is_none() {
+            if !self.streaming()
+                && st.log_bytes > self.snapshot_bytes.max(st.snapshot_bytes)
+                && self.snapshot().is_none()
+            {
                 break;
             }
-            if self.streaming() && self.sync.as_ref().is_some_and(|s| s.tail().refresh_due(j.now_us())) && self.refresh_base().is_none() {
+            if self.streaming()
+                && self
+                    .sync
+                    .as_ref()
+                    .is_some_and(|s| s.tail().refresh_due(j.now_us()))
+                && self.refresh_base().is_none()
+            {
                 break;
             }
-            if let Some((bytes, whole)) = self.sync.as_ref().and_then(|s| s.tail().size_to_show(j.now_us())) {
+            if let Some((bytes, whole)) = self
+                .sync
+                .as_ref()
+                .and_then(|s| s.tail().size_to_show(j.now_us()))
+            {
                 j.set_stats(|st| (st.tail_bytes, st.tail_whole) = (bytes, whole));
             }
         }

@@ -2,9 +2,9 @@
 //! sides, are in `ha::link` and `ha::standby`. Must not need etcd.
 
 use super::*;
-use std::sync::Arc;
 use crate::ha::link::{run_frames, RUN_PIECE};
 use crate::repl::TailFrame;
+use std::sync::Arc;
 
 impl Mirror {
     /// [`Mirror::take`] of a mirror that built nothing ahead.
@@ -17,11 +17,31 @@ impl Mirror {
 }
 
 fn seg1() -> Change {
-    Change::Mount { client: 7, seg: crate::proto::Segment { id: 1, name: "s1".into(), te_endpoint: "127.0.0.1:1".into(), base: 0, size: 1 << 20 } }
+    Change::Mount {
+        client: 7,
+        seg: crate::proto::Segment {
+            id: 1,
+            name: "s1".into(),
+            te_endpoint: "127.0.0.1:1".into(),
+            base: 0,
+            size: 1 << 20,
+        },
+    }
 }
 
 fn obj_at(key: &str, addr: u64) -> Change {
-    Change::Object { key: key.into(), rec: ObjectRec { size: 100, current: smallvec::smallvec![(1, addr, 100)], pending: None, owner: 7, hard_pin: false, soft_pin_left: 0, group: None } }
+    Change::Object {
+        key: key.into(),
+        rec: ObjectRec {
+            size: 100,
+            current: smallvec::smallvec![(1, addr, 100)],
+            pending: None,
+            owner: 7,
+            hard_pin: false,
+            soft_pin_left: 0,
+            group: None,
+        },
+    }
 }
 
 /// A mirror whose feed ended builds the master's state ahead (not while fed), and a
@@ -29,21 +49,63 @@ fn obj_at(key: &str, addr: u64) -> Change {
 /// mirror, and the state built from the old one is not used.
 #[test]
 fn a_mirror_whose_feed_ended_builds_the_state_ahead_for_a_takeover() {
-    let m = Mirror::new("c", Duration::from_secs(5), 1 << 20).with_prebuilder(Prebuilder { clock: Instant::now(), lease_ms: 1000 });
+    let m = Mirror::new("c", Duration::from_secs(5), 1 << 20).with_prebuilder(Prebuilder {
+        clock: Instant::now(),
+        lease_ms: 1000,
+    });
     m.set_leader(Some((5, 50)));
     let c = m.hello("c", 5, 50).unwrap();
-    m.apply(c, ToStandby::Image { seq: 3, changes: vec![seg1(), obj_at("a", 0), obj_at("b", 4096)], last: true }).unwrap();
-    m.apply(c, ToStandby::Base { seq: 3, written: true }).unwrap();
-    m.apply(c, ToStandby::Entry { seq: 4, changes: vec![obj_at("c", 8192)] }).unwrap();
+    m.apply(
+        c,
+        ToStandby::Image {
+            seq: 3,
+            changes: vec![seg1(), obj_at("a", 0), obj_at("b", 4096)],
+            last: true,
+        },
+    )
+    .unwrap();
+    m.apply(
+        c,
+        ToStandby::Base {
+            seq: 3,
+            written: true,
+        },
+    )
+    .unwrap();
+    m.apply(
+        c,
+        ToStandby::Entry {
+            seq: 4,
+            changes: vec![obj_at("c", 8192)],
+        },
+    )
+    .unwrap();
     m.prebuild();
-    assert!(matches!(*locked(&m.prebuilt), Prebuild::None), "nothing is built while the leader feeds the mirror");
+    assert!(
+        matches!(*locked(&m.prebuilt), Prebuild::None),
+        "nothing is built while the leader feeds the mirror"
+    );
     m.detach(c);
     m.prebuild();
-    assert!(matches!(*locked(&m.prebuilt), Prebuild::Built { seq: 4, .. }));
-    assert_eq!((m.status().objects, m.complete_term()), (3, Some(5)), "the mirror still says what it holds, and may lead");
+    assert!(matches!(
+        *locked(&m.prebuilt),
+        Prebuild::Built { seq: 4, .. }
+    ));
+    assert_eq!(
+        (m.status().objects, m.complete_term()),
+        (3, Some(5)),
+        "the mirror still says what it holds, and may lead"
+    );
     match m.take(5) {
         Some((Taken::Built { state, rebuilt, .. }, 4, tail)) => {
-            assert_eq!((rebuilt.objects, state.summary().keys, tail.after(3, 4).map(|t| t.len())), (3, 3, Some(1)));
+            assert_eq!(
+                (
+                    rebuilt.objects,
+                    state.summary().keys,
+                    tail.after(3, 4).map(|t| t.len())
+                ),
+                (3, 3, Some(1))
+            );
         }
         _ => panic!("the state built ahead"),
     }
@@ -51,12 +113,26 @@ fn a_mirror_whose_feed_ended_builds_the_state_ahead_for_a_takeover() {
     // state built from the old one.
     m.reopen();
     let c = m.hello("c", 5, 50).unwrap();
-    m.apply(c, ToStandby::Image { seq: 9, changes: vec![seg1(), obj_at("a", 0)], last: true }).unwrap();
+    m.apply(
+        c,
+        ToStandby::Image {
+            seq: 9,
+            changes: vec![seg1(), obj_at("a", 0)],
+            last: true,
+        },
+    )
+    .unwrap();
     m.detach(c);
     m.prebuild();
-    assert!(matches!(*locked(&m.prebuilt), Prebuild::Built { seq: 9, .. }));
+    assert!(matches!(
+        *locked(&m.prebuilt),
+        Prebuild::Built { seq: 9, .. }
+    ));
     m.hello("c", 5, 50).unwrap();
-    assert!(matches!(*locked(&m.prebuilt), Prebuild::None), "a hello drops it");
+    assert!(
+        matches!(*locked(&m.prebuilt), Prebuild::None),
+        "a hello drops it"
+    );
     // A build under way is left to its end (which sees the hello and drops what it built):
     // cleared before it ends, a second build could start and a takeover not wait for it,
     // taking the image-less mirror.
@@ -64,10 +140,21 @@ fn a_mirror_whose_feed_ended_builds_the_state_ahead_for_a_takeover() {
     m.hello("c", 5, 50).unwrap();
     m.close();
     m.reopen();
-    assert!(matches!(*locked(&m.prebuilt), Prebuild::Building { .. }), "only the build's end replaces its marker");
+    assert!(
+        matches!(*locked(&m.prebuilt), Prebuild::Building { .. }),
+        "only the build's end replaces its marker"
+    );
     *locked(&m.prebuilt) = Prebuild::None;
     let c = m.hello("c", 5, 50).unwrap();
-    m.apply(c, ToStandby::Image { seq: 12, changes: vec![seg1(), obj_at("x", 0), obj_at("y", 4096)], last: true }).unwrap();
+    m.apply(
+        c,
+        ToStandby::Image {
+            seq: 12,
+            changes: vec![seg1(), obj_at("x", 0), obj_at("y", 4096)],
+            last: true,
+        },
+    )
+    .unwrap();
     m.apply_pending();
     let (image, seq, _) = m.take_image(5).expect("complete");
     assert_eq!((image.objects(), seq), (2, 12));
@@ -76,45 +163,113 @@ use crate::master::journal::ObjectRec;
 use proptest::prelude::*;
 
 fn obj(key: &str, size: u64) -> Change {
-    Change::Object { key: key.into(), rec: ObjectRec { size, current: smallvec::smallvec![(1, 4096, size)], pending: None, owner: 7, hard_pin: false, soft_pin_left: 0, group: None } }
+    Change::Object {
+        key: key.into(),
+        rec: ObjectRec {
+            size,
+            current: smallvec::smallvec![(1, 4096, size)],
+            pending: None,
+            owner: 7,
+            hard_pin: false,
+            soft_pin_left: 0,
+            group: None,
+        },
+    }
 }
 
 #[test]
 fn frames_round_trip_and_partial_input_waits() {
-    let f = ToStandby::Entry { seq: 9, changes: vec![obj("a", 10), Change::Forget { key: "b".into() }] };
+    let f = ToStandby::Entry {
+        seq: 9,
+        changes: vec![obj("a", 10), Change::Forget { key: "b".into() }],
+    };
     let bytes = encode_frame(&f).unwrap();
     for cut in 0..bytes.len() {
-        assert_eq!(decode_frame::<ToStandby>(&bytes[..cut]).unwrap(), None, "{cut} bytes are not a frame yet");
-        assert!(!frame::whole(&bytes[..cut]), "a standby acknowledges rather than wait for the rest of a frame");
+        assert_eq!(
+            decode_frame::<ToStandby>(&bytes[..cut]).unwrap(),
+            None,
+            "{cut} bytes are not a frame yet"
+        );
+        assert!(
+            !frame::whole(&bytes[..cut]),
+            "a standby acknowledges rather than wait for the rest of a frame"
+        );
     }
-    assert!(frame::whole(&bytes), "another whole frame is read: applied before acknowledging");
+    assert!(
+        frame::whole(&bytes),
+        "another whole frame is read: applied before acknowledging"
+    );
     let mut two = bytes.clone();
     two.extend(encode_frame(&ToLeader::Ack { seq: 3 }).unwrap());
-    assert_eq!(decode_frame::<ToStandby>(&two).unwrap(), Some((f.clone(), bytes.len())));
-    assert_eq!(decode_frame::<ToLeader>(&two[bytes.len()..]).unwrap().map(|x| x.0), Some(ToLeader::Ack { seq: 3 }));
+    assert_eq!(
+        decode_frame::<ToStandby>(&two).unwrap(),
+        Some((f.clone(), bytes.len()))
+    );
+    assert_eq!(
+        decode_frame::<ToLeader>(&two[bytes.len()..])
+            .unwrap()
+            .map(|x| x.0),
+        Some(ToLeader::Ack { seq: 3 })
+    );
     assert_eq!(read_frame::<ToStandby>(&mut &bytes[..]).unwrap(), f);
-    assert!(read_frame::<ToStandby>(&mut &bytes[..bytes.len() - 1]).is_err(), "a frame cut short is an error");
+    assert!(
+        read_frame::<ToStandby>(&mut &bytes[..bytes.len() - 1]).is_err(),
+        "a frame cut short is an error"
+    );
     let huge = ((MAX_FRAME + 1) as u32).to_le_bytes();
-    assert!(decode_frame::<ToStandby>(&huge).unwrap_err().contains("claims"), "an oversized length is refused before any allocation");
+    assert!(
+        decode_frame::<ToStandby>(&huge)
+            .unwrap_err()
+            .contains("claims"),
+        "an oversized length is refused before any allocation"
+    );
     // A hello (read from anyone who connects) or an acknowledgement claiming more than a
     // small frame is refused; a large claim followed by nothing is an error, not a
     // reservation of what it claims.
     let big = ((MAX_SMALL_FRAME + 1) as u32).to_le_bytes();
-    assert!(read_frame_max::<ToStandby>(&mut &big[..], MAX_SMALL_FRAME).unwrap_err().contains("claims"));
+    assert!(read_frame_max::<ToStandby>(&mut &big[..], MAX_SMALL_FRAME)
+        .unwrap_err()
+        .contains("claims"));
     let claim = ((MAX_FRAME - 1) as u32).to_le_bytes();
-    assert!(read_frame::<ToStandby>(&mut &claim[..]).unwrap_err().contains("cut short"));
+    assert!(read_frame::<ToStandby>(&mut &claim[..])
+        .unwrap_err()
+        .contains("cut short"));
 }
 
 /// The link's wire bytes, pinned: the length prefix (u32 little-endian), then the postcard
 /// body.
 #[test]
 fn frames_keep_their_wire_bytes() {
-    let hello = ToStandby::Hello { cluster_id: "c".into(), term: 1, lease: 2, leader: "l".into() };
-    assert_eq!(encode_frame(&hello).unwrap(), [7, 0, 0, 0, 0, 1, b'c', 2, 4, 1, b'l']);
-    assert_eq!(encode_frame(&ToStandby::Base { seq: 9, written: true }).unwrap(), [3, 0, 0, 0, 3, 9, 1]);
-    assert_eq!(encode_frame(&ToLeader::Ack { seq: 300 }).unwrap(), [3, 0, 0, 0, 0, 0xac, 0x02]);
-    assert_eq!(decode_frame::<ToLeader>(&[3, 0, 0, 0, 0, 0xac, 0x02, 9]).unwrap(), Some((ToLeader::Ack { seq: 300 }, 7)));
-    assert_eq!(read_frame::<ToStandby>(&mut &[7, 0, 0, 0, 0, 1, b'c', 2, 4, 1, b'l'][..]).unwrap(), hello);
+    let hello = ToStandby::Hello {
+        cluster_id: "c".into(),
+        term: 1,
+        lease: 2,
+        leader: "l".into(),
+    };
+    assert_eq!(
+        encode_frame(&hello).unwrap(),
+        [7, 0, 0, 0, 0, 1, b'c', 2, 4, 1, b'l']
+    );
+    assert_eq!(
+        encode_frame(&ToStandby::Base {
+            seq: 9,
+            written: true
+        })
+        .unwrap(),
+        [3, 0, 0, 0, 3, 9, 1]
+    );
+    assert_eq!(
+        encode_frame(&ToLeader::Ack { seq: 300 }).unwrap(),
+        [3, 0, 0, 0, 0, 0xac, 0x02]
+    );
+    assert_eq!(
+        decode_frame::<ToLeader>(&[3, 0, 0, 0, 0, 0xac, 0x02, 9]).unwrap(),
+        Some((ToLeader::Ack { seq: 300 }, 7))
+    );
+    assert_eq!(
+        read_frame::<ToStandby>(&mut &[7, 0, 0, 0, 0, 1, b'c', 2, 4, 1, b'l'][..]).unwrap(),
+        hello
+    );
 }
 
 proptest! {
@@ -130,46 +285,189 @@ proptest! {
 fn a_mirror_applies_an_image_then_entries_in_order_from_its_newest_leader_only() {
     let m = Mirror::new("c", Duration::from_secs(5), 1 << 20);
     m.set_leader(Some((5, 50)));
-    assert!(m.hello("other", 5, 50).is_err(), "another cluster's leader is refused");
-    assert!(m.hello("c", 5, 51).is_err(), "a master etcd does not name (another lease) is refused");
-    assert!(m.hello("c", 6, 50).is_err(), "a master etcd does not name (another term) is refused");
+    assert!(
+        m.hello("other", 5, 50).is_err(),
+        "another cluster's leader is refused"
+    );
+    assert!(
+        m.hello("c", 5, 51).is_err(),
+        "a master etcd does not name (another lease) is refused"
+    );
+    assert!(
+        m.hello("c", 6, 50).is_err(),
+        "a master etcd does not name (another term) is refused"
+    );
     let c1 = m.hello("c", 5, 50).unwrap();
-    assert!(m.apply(c1, ToStandby::Entry { seq: 1, changes: vec![] }).is_err(), "an entry before the image is refused");
+    assert!(
+        m.apply(
+            c1,
+            ToStandby::Entry {
+                seq: 1,
+                changes: vec![]
+            }
+        )
+        .is_err(),
+        "an entry before the image is refused"
+    );
     let c1 = m.hello("c", 5, 50).unwrap();
-    assert_eq!(m.apply(c1, ToStandby::Image { seq: 4, changes: vec![obj("a", 1)], last: false }).unwrap(), None);
-    assert_eq!(m.complete_term(), None, "an image in progress is not a mirror to lead from");
-    assert_eq!(m.apply(c1, ToStandby::Image { seq: 4, changes: vec![obj("b", 2)], last: true }).unwrap(), Some(4));
+    assert_eq!(
+        m.apply(
+            c1,
+            ToStandby::Image {
+                seq: 4,
+                changes: vec![obj("a", 1)],
+                last: false
+            }
+        )
+        .unwrap(),
+        None
+    );
+    assert_eq!(
+        m.complete_term(),
+        None,
+        "an image in progress is not a mirror to lead from"
+    );
+    assert_eq!(
+        m.apply(
+            c1,
+            ToStandby::Image {
+                seq: 4,
+                changes: vec![obj("b", 2)],
+                last: true
+            }
+        )
+        .unwrap(),
+        Some(4)
+    );
     assert_eq!(m.complete_term(), Some(5));
-    assert_eq!(m.apply(c1, ToStandby::Base { seq: 4, written: true }).unwrap(), None, "a run's start acknowledges nothing");
-    assert_eq!(m.status().pending_changes, 2, "acknowledged (held) before it is applied");
+    assert_eq!(
+        m.apply(
+            c1,
+            ToStandby::Base {
+                seq: 4,
+                written: true
+            }
+        )
+        .unwrap(),
+        None,
+        "a run's start acknowledges nothing"
+    );
+    assert_eq!(
+        m.status().pending_changes,
+        2,
+        "acknowledged (held) before it is applied"
+    );
     m.apply_pending();
     assert_eq!(m.status().pending_changes, 0);
-    assert!(m.hello("c", 5, 99).is_err(), "a stranger's hello is refused ...");
-    assert_eq!(m.complete_term(), Some(5), "... and leaves the mirror and its feed as they were");
-    assert_eq!(m.apply(c1, ToStandby::Entry { seq: 6, changes: vec![Change::Forget { key: "a".into() }, obj("c", 3), obj("d", 4)] }).unwrap(), Some(6));
-    assert!(m.apply(c1, ToStandby::Entry { seq: 6, changes: vec![] }).is_err(), "an entry again is out of order");
-    assert_eq!(m.status().pending_changes, 3, "the entry's changes are held, not applied: the takeover applies them");
+    assert!(
+        m.hello("c", 5, 99).is_err(),
+        "a stranger's hello is refused ..."
+    );
+    assert_eq!(
+        m.complete_term(),
+        Some(5),
+        "... and leaves the mirror and its feed as they were"
+    );
+    assert_eq!(
+        m.apply(
+            c1,
+            ToStandby::Entry {
+                seq: 6,
+                changes: vec![Change::Forget { key: "a".into() }, obj("c", 3), obj("d", 4)]
+            }
+        )
+        .unwrap(),
+        Some(6)
+    );
+    assert!(
+        m.apply(
+            c1,
+            ToStandby::Entry {
+                seq: 6,
+                changes: vec![]
+            }
+        )
+        .is_err(),
+        "an entry again is out of order"
+    );
+    assert_eq!(
+        m.status().pending_changes,
+        3,
+        "the entry's changes are held, not applied: the takeover applies them"
+    );
     m.set_leader(Some((4, 40)));
-    assert!(m.hello("c", 4, 40).is_err(), "an older term's leader (a deposed one) is refused");
+    assert!(
+        m.hello("c", 4, 40).is_err(),
+        "an older term's leader (a deposed one) is refused"
+    );
     let (image, seq, tail) = m.take_image(5).expect("a complete mirror of term 5");
-    assert_eq!((image.objects(), seq), (3, 6), "b, c and d: the image and the entry applied");
-    assert_eq!(tail.after(4, 6).map(|t| t.iter().map(|f| (f.first, f.last)).collect::<Vec<_>>()), Some(vec![(5, 6)]), "the entry as it came, standing for the log's entries after the run's start");
+    assert_eq!(
+        (image.objects(), seq),
+        (3, 6),
+        "b, c and d: the image and the entry applied"
+    );
+    assert_eq!(
+        tail.after(4, 6)
+            .map(|t| t.iter().map(|f| (f.first, f.last)).collect::<Vec<_>>()),
+        Some(vec![(5, 6)]),
+        "the entry as it came, standing for the log's entries after the run's start"
+    );
     assert!(m.take_image(5).is_none(), "taken once");
     m.set_leader(Some((9, 90)));
-    assert!(m.hello("c", 9, 90).is_err(), "a mirror taken over accepts nothing");
+    assert!(
+        m.hello("c", 9, 90).is_err(),
+        "a mirror taken over accepts nothing"
+    );
     m.reopen();
     assert!(m.hello("c", 4, 40).is_err());
     let c9 = m.hello("c", 9, 90).unwrap();
-    assert!(m.apply(c1, ToStandby::Entry { seq: 7, changes: vec![] }).is_err(), "the replaced connection feeds nothing");
-    assert_eq!(m.apply(c9, ToStandby::Image { seq: 7, changes: vec![], last: true }).unwrap(), Some(7));
-    assert!(m.take_image(5).is_none(), "a mirror of term 9 is not one of term 5");
+    assert!(
+        m.apply(
+            c1,
+            ToStandby::Entry {
+                seq: 7,
+                changes: vec![]
+            }
+        )
+        .is_err(),
+        "the replaced connection feeds nothing"
+    );
+    assert_eq!(
+        m.apply(
+            c9,
+            ToStandby::Image {
+                seq: 7,
+                changes: vec![],
+                last: true
+            }
+        )
+        .unwrap(),
+        Some(7)
+    );
+    assert!(
+        m.take_image(5).is_none(),
+        "a mirror of term 9 is not one of term 5"
+    );
     // A takeover that failed puts its mirror back: complete, of the record's term, fed by
     // nobody until a leader says hello.
     let (image, seq, tail) = m.take_image(9).expect("complete");
     m.restore(9, image, seq, tail);
     assert_eq!(m.complete_term(), Some(9));
-    assert!(m.apply(c9, ToStandby::Entry { seq: 8, changes: vec![] }).is_err(), "the old connection no longer feeds it");
-    assert_eq!(m.take_image(9).map(|(i, s, t)| (i.objects(), s, t.bytes())), Some((0, 7, 0)));
+    assert!(
+        m.apply(
+            c9,
+            ToStandby::Entry {
+                seq: 8,
+                changes: vec![]
+            }
+        )
+        .is_err(),
+        "the old connection no longer feeds it"
+    );
+    assert_eq!(
+        m.take_image(9).map(|(i, s, t)| (i.objects(), s, t.bytes())),
+        Some((0, 7, 0))
+    );
 }
 
 /// A mirror keeps the entries after where the leader says its etcd journal is whole, as
@@ -181,19 +479,46 @@ fn a_mirror_applies_an_image_then_entries_in_order_from_its_newest_leader_only()
 /// new leader's feed starts them again; a failed takeover puts them back.
 #[test]
 fn a_mirror_keeps_the_entries_after_where_the_leaders_journal_is_whole_for_a_takeover() {
-    let entry = |seq: u64| ToStandby::Entry { seq, changes: (0..10).map(|i| obj(&format!("k{seq}-{i}"), 1)).collect() };
+    let entry = |seq: u64| ToStandby::Entry {
+        seq,
+        changes: (0..10).map(|i| obj(&format!("k{seq}-{i}"), 1)).collect(),
+    };
     let base = |seq: u64, written: bool| ToStandby::Base { seq, written };
     // Room for four entries (of two-digit numbers; those of one digit are a byte shorter).
     let cap = 4 * encode_frame(&entry(10)).unwrap().len() + 2;
     let m = Mirror::new("c", Duration::from_secs(5), cap);
     m.set_leader(Some((5, 50)));
     let c = m.hello("c", 5, 50).unwrap();
-    m.apply(c, ToStandby::Image { seq: 4, changes: vec![obj("a", 1)], last: false }).unwrap();
+    m.apply(
+        c,
+        ToStandby::Image {
+            seq: 4,
+            changes: vec![obj("a", 1)],
+            last: false,
+        },
+    )
+    .unwrap();
     m.apply(c, base(4, true)).unwrap();
-    m.apply(c, ToStandby::Image { seq: 4, changes: vec![obj("b", 1)], last: true }).unwrap();
+    m.apply(
+        c,
+        ToStandby::Image {
+            seq: 4,
+            changes: vec![obj("b", 1)],
+            last: true,
+        },
+    )
+    .unwrap();
     assert_eq!(m.apply(c, entry(5)).unwrap(), Some(5));
-    assert_eq!(m.status().tail_bytes, 0, "no run started (one said before the image was whole starts nothing): nothing kept");
-    assert_eq!(m.apply(c, base(5, true)).unwrap(), None, "a run's start acknowledges nothing");
+    assert_eq!(
+        m.status().tail_bytes,
+        0,
+        "no run started (one said before the image was whole starts nothing): nothing kept"
+    );
+    assert_eq!(
+        m.apply(c, base(5, true)).unwrap(),
+        None,
+        "a run's start acknowledges nothing"
+    );
     // Entry 8 stands for log entries 6..=8 (appended to etcd in three values).
     for seq in [8, 9] {
         assert_eq!(m.apply(c, entry(seq)).unwrap(), Some(seq));
@@ -201,17 +526,45 @@ fn a_mirror_keeps_the_entries_after_where_the_leaders_journal_is_whole_for_a_tak
     assert_eq!(m.status().tail_base, Some(5));
     let (image, seq, tail) = m.take_image(5).expect("complete");
     let run = tail.after(5, 9).expect("the run from 5");
-    assert_eq!(run.iter().map(|f| (f.first, f.last)).collect::<Vec<_>>(), [(6, 8), (9, 9)]);
+    assert_eq!(
+        run.iter().map(|f| (f.first, f.last)).collect::<Vec<_>>(),
+        [(6, 8), (9, 9)]
+    );
     for f in &run {
-        assert_eq!(decode_frame::<ToStandby>(&f.frame).unwrap().map(|(e, _)| e), Some(entry(f.last)), "the frame as it was sent");
+        assert_eq!(
+            decode_frame::<ToStandby>(&f.frame).unwrap().map(|(e, _)| e),
+            Some(entry(f.last)),
+            "the frame as it was sent"
+        );
     }
-    let firsts = |v: Option<Vec<TailFrame>>| v.map(|v| v.iter().map(|f| f.first).collect::<Vec<_>>());
+    let firsts =
+        |v: Option<Vec<TailFrame>>| v.map(|v| v.iter().map(|f| f.first).collect::<Vec<_>>());
     assert_eq!(firsts(tail.after(8, 9)), Some(vec![9]));
-    assert_eq!(firsts(tail.after(9, 9)), Some(vec![]), "the journal holds everything: nothing to write");
-    assert_eq!(firsts(tail.after(7, 9)), None, "the journal ends inside a frame");
-    assert_eq!(firsts(tail.after(4, 9)), None, "the journal ends before the run's start (entry 5 was not kept)");
-    assert_eq!(firsts(tail.after(10, 9)), None, "the journal holds more than the mirror");
-    assert_eq!(firsts(tail.after(5, 10)), None, "the frames do not reach the mirror's last entry");
+    assert_eq!(
+        firsts(tail.after(9, 9)),
+        Some(vec![]),
+        "the journal holds everything: nothing to write"
+    );
+    assert_eq!(
+        firsts(tail.after(7, 9)),
+        None,
+        "the journal ends inside a frame"
+    );
+    assert_eq!(
+        firsts(tail.after(4, 9)),
+        None,
+        "the journal ends before the run's start (entry 5 was not kept)"
+    );
+    assert_eq!(
+        firsts(tail.after(10, 9)),
+        None,
+        "the journal holds more than the mirror"
+    );
+    assert_eq!(
+        firsts(tail.after(5, 10)),
+        None,
+        "the frames do not reach the mirror's last entry"
+    );
     m.restore(5, image, seq, tail);
     m.reopen();
     // (Restored: the same mirror, its tail too.)
@@ -221,14 +574,26 @@ fn a_mirror_keeps_the_entries_after_where_the_leaders_journal_is_whole_for_a_tak
 
     // A leader's hello starts the mirror and its tail again.
     let c = m.hello("c", 5, 50).unwrap();
-    m.apply(c, ToStandby::Image { seq: 20, changes: vec![], last: true }).unwrap();
+    m.apply(
+        c,
+        ToStandby::Image {
+            seq: 20,
+            changes: vec![],
+            last: true,
+        },
+    )
+    .unwrap();
     assert_eq!(m.status().tail_bytes, 0, "none from the earlier feed");
     m.apply(c, base(20, true)).unwrap();
     for seq in [21, 22] {
         m.apply(c, entry(seq)).unwrap();
     }
     m.apply(c, base(21, false)).unwrap();
-    assert_eq!(m.status().tail_base, Some(20), "a start that is not right after the last entry starts nothing");
+    assert_eq!(
+        m.status().tail_base,
+        Some(20),
+        "a start that is not right after the last entry starts nothing"
+    );
     // A background snapshot at 22: its run starts, and the current one is kept until its
     // head is written.
     m.apply(c, base(22, false)).unwrap();
@@ -236,11 +601,23 @@ fn a_mirror_keeps_the_entries_after_where_the_leaders_journal_is_whole_for_a_tak
         m.apply(c, entry(seq)).unwrap();
     }
     let (image, seq, tail) = m.take_image(5).expect("complete");
-    assert_eq!((firsts(tail.after(20, 24)), firsts(tail.after(22, 24))), (Some(vec![21, 22, 23, 24]), Some(vec![23, 24])), "either run, whichever the journal ends at");
+    assert_eq!(
+        (firsts(tail.after(20, 24)), firsts(tail.after(22, 24))),
+        (Some(vec![21, 22, 23, 24]), Some(vec![23, 24])),
+        "either run, whichever the journal ends at"
+    );
     m.restore(5, image, seq, tail);
     m.reopen();
     let c = m.hello("c", 5, 50).unwrap();
-    m.apply(c, ToStandby::Image { seq: 22, changes: vec![], last: true }).unwrap();
+    m.apply(
+        c,
+        ToStandby::Image {
+            seq: 22,
+            changes: vec![],
+            last: true,
+        },
+    )
+    .unwrap();
     m.apply(c, base(20, true)).unwrap();
     m.apply(c, base(22, false)).unwrap();
     m.apply(c, base(20, true)).unwrap();
@@ -248,10 +625,21 @@ fn a_mirror_keeps_the_entries_after_where_the_leaders_journal_is_whole_for_a_tak
     m.apply(c, base(22, false)).unwrap();
     m.apply(c, entry(23)).unwrap();
     m.apply(c, base(22, true)).unwrap();
-    assert_eq!(m.take_image(5).map(|(_, _, t)| firsts(t.after(22, 23))), Some(Some(vec![23])));
+    assert_eq!(
+        m.take_image(5).map(|(_, _, t)| firsts(t.after(22, 23))),
+        Some(Some(vec![23]))
+    );
     m.reopen();
     let c = m.hello("c", 5, 50).unwrap();
-    m.apply(c, ToStandby::Image { seq: 30, changes: vec![], last: true }).unwrap();
+    m.apply(
+        c,
+        ToStandby::Image {
+            seq: 30,
+            changes: vec![],
+            last: true,
+        },
+    )
+    .unwrap();
     m.apply(c, base(30, true)).unwrap();
     m.apply(c, entry(31)).unwrap();
     m.apply(c, base(31, false)).unwrap();
@@ -259,13 +647,29 @@ fn a_mirror_keeps_the_entries_after_where_the_leaders_journal_is_whole_for_a_tak
     m.apply(c, base(32, false)).unwrap();
     m.apply(c, entry(33)).unwrap();
     let (image, seq, tail) = m.take_image(5).expect("complete");
-    assert_eq!((firsts(tail.after(30, 33)), firsts(tail.after(31, 33)), firsts(tail.after(32, 33))), (None, Some(vec![32, 33]), Some(vec![33])), "at most two runs: the oldest goes");
+    assert_eq!(
+        (
+            firsts(tail.after(30, 33)),
+            firsts(tail.after(31, 33)),
+            firsts(tail.after(32, 33))
+        ),
+        (None, Some(vec![32, 33]), Some(vec![33])),
+        "at most two runs: the oldest goes"
+    );
     m.restore(5, image, seq, tail);
     m.reopen();
 
     // A run that would pass the cap is dropped, and nothing is kept until the next start.
     let c = m.hello("c", 5, 50).unwrap();
-    m.apply(c, ToStandby::Image { seq: 40, changes: vec![], last: true }).unwrap();
+    m.apply(
+        c,
+        ToStandby::Image {
+            seq: 40,
+            changes: vec![],
+            last: true,
+        },
+    )
+    .unwrap();
     m.apply(c, base(40, true)).unwrap();
     for seq in 41..=44 {
         m.apply(c, entry(seq)).unwrap();
@@ -278,38 +682,118 @@ fn a_mirror_keeps_the_entries_after_where_the_leaders_journal_is_whole_for_a_tak
     m.apply(c, base(46, true)).unwrap();
     m.apply(c, entry(47)).unwrap();
     let (_, _, tail) = m.take_image(5).expect("complete");
-    assert_eq!((firsts(tail.after(40, 47)), firsts(tail.after(46, 47))), (None, Some(vec![47])), "an entry the journal lacks was dropped: the whole state is written instead");
+    assert_eq!(
+        (firsts(tail.after(40, 47)), firsts(tail.after(46, 47))),
+        (None, Some(vec![47])),
+        "an entry the journal lacks was dropped: the whole state is written instead"
+    );
 
     // A standby that links while others are in sync gets, right after its image, the
     // entries from where the journal is whole up to its image, kept and not applied.
     m.reopen();
-    let kept = |first: u64, last: u64| KeptFrame { first, last, frame: bytes::Bytes::from(encode_frame(&entry(last)).unwrap()) };
+    let kept = |first: u64, last: u64| KeptFrame {
+        first,
+        last,
+        frame: bytes::Bytes::from(encode_frame(&entry(last)).unwrap()),
+    };
     let joined = |run: ToStandby| {
         m.reopen();
         let c = m.hello("c", 5, 50).unwrap();
-        m.apply(c, ToStandby::Image { seq: 60, changes: vec![obj("z", 1)], last: true }).unwrap();
+        m.apply(
+            c,
+            ToStandby::Image {
+                seq: 60,
+                changes: vec![obj("z", 1)],
+                last: true,
+            },
+        )
+        .unwrap();
         assert_eq!(m.apply(c, run).unwrap(), None, "a run acknowledges nothing");
         m.apply(c, entry(61)).unwrap();
         m.apply_pending();
-        assert_eq!(m.status().objects, 11, "the run's entries are not applied: the image holds them");
+        assert_eq!(
+            m.status().objects,
+            11,
+            "the run's entries are not applied: the image holds them"
+        );
         m.take_image(5).expect("complete").2
     };
-    let t = joined(ToStandby::Run { base: 57, frames: vec![kept(58, 58), kept(59, 60)] });
+    let t = joined(ToStandby::Run {
+        base: 57,
+        frames: vec![kept(58, 58), kept(59, 60)],
+    });
     assert_eq!(firsts(t.after(57, 61)), Some(vec![58, 59, 61]));
     assert_eq!(firsts(t.after(58, 61)), Some(vec![59, 61]));
-    assert_eq!(t.after(57, 61).expect("whole")[1].frame.as_slice(), &encode_frame(&entry(60)).unwrap()[..], "the frame as the leader sent it");
-    assert_eq!(firsts(joined(ToStandby::Run { base: 60, frames: vec![] }).after(60, 61)), Some(vec![61]), "an image at the run's start");
-    assert_eq!(joined(ToStandby::Run { base: 57, frames: vec![kept(58, 58), kept(59, 59)] }).after(57, 61).map(|t| t.len()), None, "a run that does not end at the image is not kept");
-    assert_eq!(joined(ToStandby::Run { base: 57, frames: vec![kept(58, 58), kept(60, 60)] }).after(57, 61).map(|t| t.len()), None, "nor one with a gap");
-    assert_eq!(joined(ToStandby::Run { base: 50, frames: (51..=60).map(|n| kept(n, n)).collect() }).after(50, 61).map(|t| t.len()), None, "nor one over the cap");
+    assert_eq!(
+        t.after(57, 61).expect("whole")[1].frame.as_slice(),
+        &encode_frame(&entry(60)).unwrap()[..],
+        "the frame as the leader sent it"
+    );
+    assert_eq!(
+        firsts(
+            joined(ToStandby::Run {
+                base: 60,
+                frames: vec![]
+            })
+            .after(60, 61)
+        ),
+        Some(vec![61]),
+        "an image at the run's start"
+    );
+    assert_eq!(
+        joined(ToStandby::Run {
+            base: 57,
+            frames: vec![kept(58, 58), kept(59, 59)]
+        })
+        .after(57, 61)
+        .map(|t| t.len()),
+        None,
+        "a run that does not end at the image is not kept"
+    );
+    assert_eq!(
+        joined(ToStandby::Run {
+            base: 57,
+            frames: vec![kept(58, 58), kept(60, 60)]
+        })
+        .after(57, 61)
+        .map(|t| t.len()),
+        None,
+        "nor one with a gap"
+    );
+    assert_eq!(
+        joined(ToStandby::Run {
+            base: 50,
+            frames: (51..=60).map(|n| kept(n, n)).collect()
+        })
+        .after(50, 61)
+        .map(|t| t.len()),
+        None,
+        "nor one over the cap"
+    );
 
     let none = Mirror::new("c", Duration::from_secs(5), 0);
     none.set_leader(Some((5, 50)));
     let c = none.hello("c", 5, 50).unwrap();
-    none.apply(c, ToStandby::Image { seq: 1, changes: vec![], last: true }).unwrap();
+    none.apply(
+        c,
+        ToStandby::Image {
+            seq: 1,
+            changes: vec![],
+            last: true,
+        },
+    )
+    .unwrap();
     none.apply(c, base(1, true)).unwrap();
     none.apply(c, entry(2)).unwrap();
-    assert_eq!(none.take_image(5).expect("complete").2.after(1, 2).map(|t| t.len()), None, "a cap of 0 keeps none");
+    assert_eq!(
+        none.take_image(5)
+            .expect("complete")
+            .2
+            .after(1, 2)
+            .map(|t| t.len()),
+        None,
+        "a cap of 0 keeps none"
+    );
 }
 
 /// A joining standby's run goes in frames of about [`RUN_PIECE`] bytes, the caller let in
@@ -317,14 +801,24 @@ fn a_mirror_keeps_the_entries_after_where_the_leaders_journal_is_whole_for_a_tak
 /// comes first.
 #[test]
 fn a_run_for_a_joining_standby_goes_in_pieces_and_is_kept_once_whole() {
-    let frames: Vec<TailFrame> = (58..=61).map(|n| TailFrame { first: n, last: n, frame: Arc::new(vec![n as u8; RUN_PIECE / 2 + 1]) }).collect();
+    let frames: Vec<TailFrame> = (58..=61)
+        .map(|n| TailFrame {
+            first: n,
+            last: n,
+            frame: Arc::new(vec![n as u8; RUN_PIECE / 2 + 1]),
+        })
+        .collect();
     let mut calls = 0;
     let pieces = run_frames(57, &frames, Duration::ZERO, || {
         calls += 1;
         true
     })
     .expect("frames");
-    assert_eq!((pieces.len(), calls), (4, 3), "a frame each (two would pass the piece's size), the caller let in between");
+    assert_eq!(
+        (pieces.len(), calls),
+        (4, 3),
+        "a frame each (two would pass the piece's size), the caller let in between"
+    );
     let decoded: Vec<(u64, Vec<KeptFrame>)> = pieces
         .iter()
         .map(|p| match decode_frame::<ToStandby>(p).expect("decodes") {
@@ -335,11 +829,21 @@ fn a_run_for_a_joining_standby_goes_in_pieces_and_is_kept_once_whole() {
     let cap = 64 << 20;
     let mut t = MirrorTail::default();
     for (i, (base, kept)) in decoded.iter().cloned().enumerate() {
-        assert!(t.after(57, 61).is_none(), "not kept before it reaches the image ({i} pieces)");
+        assert!(
+            t.after(57, 61).is_none(),
+            "not kept before it reaches the image ({i} pieces)"
+        );
         t.joined(base, kept, 61, cap);
     }
     let run = t.after(57, 61).expect("kept once whole");
-    assert_eq!(run.iter().map(|f| (f.first, f.frame.len(), f.frame[0])).collect::<Vec<_>>(), (58..=61).map(|n| (n, RUN_PIECE / 2 + 1, n as u8)).collect::<Vec<_>>());
+    assert_eq!(
+        run.iter()
+            .map(|f| (f.first, f.frame.len(), f.frame[0]))
+            .collect::<Vec<_>>(),
+        (58..=61)
+            .map(|n| (n, RUN_PIECE / 2 + 1, n as u8))
+            .collect::<Vec<_>>()
+    );
     let mut t = MirrorTail::default();
     for (base, kept) in decoded.iter().take(2).cloned() {
         t.joined(base, kept, 61, cap);
@@ -347,40 +851,115 @@ fn a_run_for_a_joining_standby_goes_in_pieces_and_is_kept_once_whole() {
     t.push(62, 62, vec![1], cap);
     t.joined(decoded[2].0, decoded[2].1.clone(), 61, cap);
     t.joined(decoded[3].0, decoded[3].1.clone(), 61, cap);
-    assert!(t.after(57, 62).is_none() && t.after(57, 61).is_none(), "an entry came before the run reached the image: not kept");
+    assert!(
+        t.after(57, 62).is_none() && t.after(57, 61).is_none(),
+        "an entry came before the run reached the image: not kept"
+    );
     let mut n = 0;
-    assert!(run_frames(57, &frames, Duration::ZERO, || {
-        n += 1;
-        false
-    })
-    .is_err() && n == 1, "given up when the caller says so");
+    assert!(
+        run_frames(57, &frames, Duration::ZERO, || {
+            n += 1;
+            false
+        })
+        .is_err()
+            && n == 1,
+        "given up when the caller says so"
+    );
 }
 
 #[test]
 fn a_registration_says_where_the_mirror_is_its_term_and_that_it_takes_runs() {
-    assert_eq!(parse_registration(&registration("1.2.3.4:5", Some(7))), Registration { addr: "1.2.3.4:5", mirror: Some(7), runs: true, grants: true });
-    assert_eq!(parse_registration(&registration("1.2.3.4:5", None)), Registration { addr: "1.2.3.4:5", mirror: None, runs: true, grants: true });
-    assert_eq!(parse_registration("1.2.3.4:5 7 runs"), Registration { addr: "1.2.3.4:5", mirror: Some(7), runs: true, grants: false }, "the last version's");
+    assert_eq!(
+        parse_registration(&registration("1.2.3.4:5", Some(7))),
+        Registration {
+            addr: "1.2.3.4:5",
+            mirror: Some(7),
+            runs: true,
+            grants: true
+        }
+    );
+    assert_eq!(
+        parse_registration(&registration("1.2.3.4:5", None)),
+        Registration {
+            addr: "1.2.3.4:5",
+            mirror: None,
+            runs: true,
+            grants: true
+        }
+    );
+    assert_eq!(
+        parse_registration("1.2.3.4:5 7 runs"),
+        Registration {
+            addr: "1.2.3.4:5",
+            mirror: Some(7),
+            runs: true,
+            grants: false
+        },
+        "the last version's"
+    );
     // As an earlier version wrote them, and as it reads these (its first two words).
-    assert_eq!(parse_registration("1.2.3.4:5 7"), Registration { addr: "1.2.3.4:5", mirror: Some(7), runs: false, grants: false });
-    assert_eq!(parse_registration("1.2.3.4:5"), Registration { addr: "1.2.3.4:5", mirror: None, runs: false, grants: false });
+    assert_eq!(
+        parse_registration("1.2.3.4:5 7"),
+        Registration {
+            addr: "1.2.3.4:5",
+            mirror: Some(7),
+            runs: false,
+            grants: false
+        }
+    );
+    assert_eq!(
+        parse_registration("1.2.3.4:5"),
+        Registration {
+            addr: "1.2.3.4:5",
+            mirror: None,
+            runs: false,
+            grants: false
+        }
+    );
     let old = |v: &str| {
         let mut w = v.split_whitespace();
-        (w.next().map(str::to_string), w.next().and_then(|t| t.parse::<i64>().ok()))
+        (
+            w.next().map(str::to_string),
+            w.next().and_then(|t| t.parse::<i64>().ok()),
+        )
     };
-    assert_eq!(old(&registration("a:1", None)), (Some("a:1".to_string()), None));
-    assert_eq!(old(&registration("a:1", Some(3))), (Some("a:1".to_string()), Some(3)));
+    assert_eq!(
+        old(&registration("a:1", None)),
+        (Some("a:1".to_string()), None)
+    );
+    assert_eq!(
+        old(&registration("a:1", Some(3))),
+        (Some("a:1".to_string()), Some(3))
+    );
 }
 
 #[test]
 fn a_stopping_member_is_needed_only_as_the_last_holder_of_its_terms_mirror() {
-    let rec = InSync { term: 7, members: vec!["a:1".into(), "b:1".into()] };
-    assert!(needed_at_stop(&rec, "a:1", Some(7), |_| false), "the only member alive with the record's mirror");
-    assert!(!needed_at_stop(&rec, "a:1", Some(7), |m| m == "b:1"), "another member alive holds it too");
-    assert!(!needed_at_stop(&rec, "a:1", Some(6), |_| false), "a mirror of another term is not what was acknowledged");
+    let rec = InSync {
+        term: 7,
+        members: vec!["a:1".into(), "b:1".into()],
+    };
+    assert!(
+        needed_at_stop(&rec, "a:1", Some(7), |_| false),
+        "the only member alive with the record's mirror"
+    );
+    assert!(
+        !needed_at_stop(&rec, "a:1", Some(7), |m| m == "b:1"),
+        "another member alive holds it too"
+    );
+    assert!(
+        !needed_at_stop(&rec, "a:1", Some(6), |_| false),
+        "a mirror of another term is not what was acknowledged"
+    );
     assert!(!needed_at_stop(&rec, "a:1", None, |_| false));
-    assert!(!needed_at_stop(&rec, "c:1", Some(7), |_| false), "not a member: the leader did not wait for it");
-    assert!(!needed_at_stop(&InSync::default(), "a:1", Some(7), |_| false), "the set is empty: etcd holds everything");
+    assert!(
+        !needed_at_stop(&rec, "c:1", Some(7), |_| false),
+        "not a member: the leader did not wait for it"
+    );
+    assert!(
+        !needed_at_stop(&InSync::default(), "a:1", Some(7), |_| false),
+        "the set is empty: etcd holds everything"
+    );
 }
 
 #[test]
@@ -388,15 +967,65 @@ fn a_sealed_mirror_is_fed_no_more_and_keeps_what_it_holds() {
     let m = Mirror::new("c", Duration::from_secs(5), 1 << 20);
     m.set_leader(Some((5, 50)));
     let c = m.hello("c", 5, 50).unwrap();
-    assert_eq!(m.apply(c, ToStandby::Image { seq: 3, changes: vec![obj("a", 1)], last: true }).unwrap(), Some(3));
+    assert_eq!(
+        m.apply(
+            c,
+            ToStandby::Image {
+                seq: 3,
+                changes: vec![obj("a", 1)],
+                last: true
+            }
+        )
+        .unwrap(),
+        Some(3)
+    );
     m.apply_pending();
-    assert_eq!(m.status(), MirrorStatus { term: 5, seq: 3, complete: true, fed: true, sealed: false, pending_changes: 0, objects: 1, tail_bytes: 0, tail_base: None });
+    assert_eq!(
+        m.status(),
+        MirrorStatus {
+            term: 5,
+            seq: 3,
+            complete: true,
+            fed: true,
+            sealed: false,
+            pending_changes: 0,
+            objects: 1,
+            tail_bytes: 0,
+            tail_base: None
+        }
+    );
     m.seal();
-    assert_eq!(m.status(), MirrorStatus { term: 5, seq: 3, complete: true, fed: false, sealed: true, pending_changes: 0, objects: 1, tail_bytes: 0, tail_base: None });
-    assert!(m.apply(c, ToStandby::Entry { seq: 4, changes: vec![obj("b", 1)] }).is_err(), "its feed ended");
+    assert_eq!(
+        m.status(),
+        MirrorStatus {
+            term: 5,
+            seq: 3,
+            complete: true,
+            fed: false,
+            sealed: true,
+            pending_changes: 0,
+            objects: 1,
+            tail_bytes: 0,
+            tail_base: None
+        }
+    );
+    assert!(
+        m.apply(
+            c,
+            ToStandby::Entry {
+                seq: 4,
+                changes: vec![obj("b", 1)]
+            }
+        )
+        .is_err(),
+        "its feed ended"
+    );
     assert!(m.hello("c", 5, 50).is_err(), "no leader feeds it again");
     assert_eq!(m.complete_term(), Some(5), "still a mirror to lead from");
-    assert_eq!(m.take_image(5).map(|(i, s, _)| (i.objects(), s)), Some((1, 3)));
+    assert_eq!(
+        m.take_image(5).map(|(i, s, _)| (i.objects(), s)),
+        Some((1, 3))
+    );
     m.reopen();
     assert!(m.hello("c", 5, 50).is_err(), "sealed for good");
 
@@ -407,7 +1036,16 @@ fn a_sealed_mirror_is_fed_no_more_and_keeps_what_it_holds() {
     assert!(m.status().fed);
     m.detach(c);
     assert!(!m.status().fed, "its connection ended");
-    assert!(m.apply(c, ToStandby::Image { seq: 1, changes: vec![], last: true }).is_err());
+    assert!(m
+        .apply(
+            c,
+            ToStandby::Image {
+                seq: 1,
+                changes: vec![],
+                last: true
+            }
+        )
+        .is_err());
 }
 
 /// Held-back space is pruned from a mirror once two read leases passed, except what the
@@ -418,32 +1056,94 @@ fn a_mirror_keeps_held_space_as_long_as_the_leader_held_it() {
     let m = Mirror::new("c", Duration::from_millis(1), 1 << 20);
     m.set_leader(Some((5, 50)));
     let c = m.hello("c", 5, 50).unwrap();
-    let seg = crate::proto::Segment { id: 1, name: "s".into(), te_endpoint: "127.0.0.1:1".into(), base: 0, size: 1 << 20 };
-    let changes = vec![Change::Mount { client: 7, seg }, Change::HeldBack { replica: (1, 0, 4096) }, Change::HeldUntil { replica: (1, 4096, 4096), left: 0 }, Change::HeldUntil { replica: (1, 8192, 4096), left: 60_000 }];
-    assert_eq!(m.apply(c, ToStandby::Image { seq: 1, changes, last: true }).unwrap(), Some(1));
+    let seg = crate::proto::Segment {
+        id: 1,
+        name: "s".into(),
+        te_endpoint: "127.0.0.1:1".into(),
+        base: 0,
+        size: 1 << 20,
+    };
+    let changes = vec![
+        Change::Mount { client: 7, seg },
+        Change::HeldBack {
+            replica: (1, 0, 4096),
+        },
+        Change::HeldUntil {
+            replica: (1, 4096, 4096),
+            left: 0,
+        },
+        Change::HeldUntil {
+            replica: (1, 8192, 4096),
+            left: 60_000,
+        },
+    ];
+    assert_eq!(
+        m.apply(
+            c,
+            ToStandby::Image {
+                seq: 1,
+                changes,
+                last: true
+            }
+        )
+        .unwrap(),
+        Some(1)
+    );
     m.apply_pending();
     // (Later than the read lease's two TTLs, 2 ms, after they came: no waiting needed.)
     m.apply_pending_at(Instant::now() + Duration::from_millis(20));
     let (image, _, _) = m.take_image(5).expect("a complete mirror");
     let (st, _) = image.into_state(6, 0, 1);
-    assert_eq!(st.summary().deferred_frees, 1, "only the range held for a minute is still held");
+    assert_eq!(
+        st.summary().deferred_frees,
+        1,
+        "only the range held for a minute is still held"
+    );
     assert_eq!(st.used_bytes(), 4096);
     let mut st = st;
     st.release_deferred(58_000);
-    assert_eq!(st.used_bytes(), 4096, "held for what it had left (about a minute)");
+    assert_eq!(
+        st.used_bytes(),
+        4096,
+        "held for what it had left (about a minute)"
+    );
     st.release_deferred(60_001);
     assert_eq!(st.used_bytes(), 0);
 }
 
 #[test]
 fn only_a_member_with_its_terms_mirror_leads_and_a_dead_set_means_starting_empty() {
-    let rec = InSync { term: 7, members: vec!["a:1".into(), "b:1".into()] };
-    assert_eq!(eligibility(&InSync::default(), "c:1", None, |_| true), Eligibility::Journal);
-    assert_eq!(eligibility(&rec, "a:1", Some(7), |_| true), Eligibility::Mirror);
-    assert_eq!(eligibility(&rec, "a:1", Some(6), |_| true), Eligibility::Wait, "a mirror of another term is not the one acknowledged");
-    assert_eq!(eligibility(&rec, "a:1", None, |_| false), Eligibility::Empty, "the only member left lost its mirror");
-    assert_eq!(eligibility(&rec, "c:1", None, |m| m == "b:1"), Eligibility::Wait, "a member is alive: only it may lead");
-    assert_eq!(eligibility(&rec, "c:1", None, |_| false), Eligibility::Empty);
+    let rec = InSync {
+        term: 7,
+        members: vec!["a:1".into(), "b:1".into()],
+    };
+    assert_eq!(
+        eligibility(&InSync::default(), "c:1", None, |_| true),
+        Eligibility::Journal
+    );
+    assert_eq!(
+        eligibility(&rec, "a:1", Some(7), |_| true),
+        Eligibility::Mirror
+    );
+    assert_eq!(
+        eligibility(&rec, "a:1", Some(6), |_| true),
+        Eligibility::Wait,
+        "a mirror of another term is not the one acknowledged"
+    );
+    assert_eq!(
+        eligibility(&rec, "a:1", None, |_| false),
+        Eligibility::Empty,
+        "the only member left lost its mirror"
+    );
+    assert_eq!(
+        eligibility(&rec, "c:1", None, |m| m == "b:1"),
+        Eligibility::Wait,
+        "a member is alive: only it may lead"
+    );
+    assert_eq!(
+        eligibility(&rec, "c:1", None, |_| false),
+        Eligibility::Empty
+    );
     assert_eq!(InSync::parse(&rec.to_bytes()).unwrap(), rec);
     assert_eq!(InSync::parse(b"").unwrap(), InSync::default());
     assert!(InSync::parse(b"{").is_err());

@@ -20,26 +20,67 @@ fn writes_reported_still_running_keep_new_puts_out_of_their_segments_until_they_
     st.remount(2, vec![seg(2, 1 << 20)], 0, 1_000).unwrap();
     st.release_deferred(1_000);
     // The lease over, a put lands in segment 1 before the writer's report.
-    let one = ReplicateConfig { preferred_segments: vec!["seg1".into()], ..Default::default() };
+    let one = ReplicateConfig {
+        preferred_segments: vec!["seg1".into()],
+        ..Default::default()
+    };
     let early = put(&mut st, &m, &s, "early", 4096, &one, 1_000).unwrap();
     assert_eq!(early[0].te_endpoint, seg(1, 0).te_endpoint);
-    let other = put(&mut st, &m, &s, "other", 4096, &ReplicateConfig { preferred_segments: vec!["seg2".into()], ..Default::default() }, 1_000).unwrap();
+    let other = put(
+        &mut st,
+        &m,
+        &s,
+        "other",
+        4096,
+        &ReplicateConfig {
+            preferred_segments: vec!["seg2".into()],
+            ..Default::default()
+        },
+        1_000,
+    )
+    .unwrap();
     // The writer's report: a write over the start of segment 1 (where "early" went),
     // 5 s left.
-    let w = WriteInFlight { te_endpoint: seg(1, 0).te_endpoint, addr: 1 << 32, size: 64 << 10, left_ms: 5_000 };
-    assert_eq!(st.hold_writes(9, std::slice::from_ref(&w), 1_100, 600_000).unwrap(), 1);
-    assert!(st.objects.get("early").is_none(), "the object placed where the write lands went");
-    assert!(st.objects.get("other").is_some(), "an object elsewhere stays");
+    let w = WriteInFlight {
+        te_endpoint: seg(1, 0).te_endpoint,
+        addr: 1 << 32,
+        size: 64 << 10,
+        left_ms: 5_000,
+    };
+    assert_eq!(
+        st.hold_writes(9, std::slice::from_ref(&w), 1_100, 600_000)
+            .unwrap(),
+        1
+    );
+    assert!(
+        st.objects.get("early").is_none(),
+        "the object placed where the write lands went"
+    );
+    assert!(
+        st.objects.get("other").is_some(),
+        "an object elsewhere stays"
+    );
     assert_eq!(other.len(), 1);
     // Nothing new in segment 1 until 6_100, even preferred; segment 2 serves.
     for i in 0..8 {
         let r = put(&mut st, &m, &s, &format!("k{i}"), 4096, &one, 1_200).unwrap();
-        assert_eq!(r[0].te_endpoint, seg(2, 0).te_endpoint, "placed in the held segment: {r:?}");
+        assert_eq!(
+            r[0].te_endpoint,
+            seg(2, 0).te_endpoint,
+            "placed in the held segment: {r:?}"
+        );
     }
     st.release_deferred(6_100);
     let r = put(&mut st, &m, &s, "late", 4096, &one, 6_100).unwrap();
-    assert_eq!(r[0].te_endpoint, seg(1, 0).te_endpoint, "the write's time over, the segment serves again");
-    assert_ne!(r[0].addr, early[0].addr, "the dropped replica's space is still held");
+    assert_eq!(
+        r[0].te_endpoint,
+        seg(1, 0).te_endpoint,
+        "the write's time over, the segment serves again"
+    );
+    assert_ne!(
+        r[0].addr, early[0].addr,
+        "the dropped replica's space is still held"
+    );
     // The dropped replica's space is held for the release timeout (a reader, or a writer
     // of a write in progress there, may still touch it), then comes back.
     assert_eq!(st.segments[&1].space.used(), 8192);
@@ -48,28 +89,80 @@ fn writes_reported_still_running_keep_new_puts_out_of_their_segments_until_they_
     st.release_deferred(601_100);
     assert_eq!(st.segments[&1].space.used(), 4096);
     // A report about a write whose time is over, or of no length, holds nothing.
-    let done = WriteInFlight { left_ms: 0, ..w.clone() };
+    let done = WriteInFlight {
+        left_ms: 0,
+        ..w.clone()
+    };
     assert_eq!(st.hold_writes(9, &[done], 6_200, 600_000).unwrap(), 0);
     assert!(put(&mut st, &m, &s, "again", 4096, &one, 6_200).is_ok());
     // A time left beyond the release timeout is cut to it.
-    let long = WriteInFlight { left_ms: u64::MAX, ..w };
+    let long = WriteInFlight {
+        left_ms: u64::MAX,
+        ..w
+    };
     st.hold_writes(9, &[long], 7_000, 600_000).unwrap();
     assert_eq!(st.segments[&1].writes_until, 607_000);
     // A write this master knows (the reporter's put in progress here, on that very
     // range: its pings stopped, not its put) is left to it: not dropped, nothing held.
     st.register_client(3, 8_000);
     let mine = PutId { client: 3, put: 1 };
-    let r = st.put_start(&m, &s, mine, "mine", 4096, &ReplicateConfig { preferred_segments: vec!["seg2".into()], ..Default::default() }, false, 8_000).unwrap();
-    let known = WriteInFlight { te_endpoint: r[0].te_endpoint.clone(), addr: r[0].addr, size: r[0].size, left_ms: 5_000 };
-    assert_eq!(st.hold_writes(3, std::slice::from_ref(&known), 8_100, 600_000).unwrap(), 0);
+    let r = st
+        .put_start(
+            &m,
+            &s,
+            mine,
+            "mine",
+            4096,
+            &ReplicateConfig {
+                preferred_segments: vec!["seg2".into()],
+                ..Default::default()
+            },
+            false,
+            8_000,
+        )
+        .unwrap();
+    let known = WriteInFlight {
+        te_endpoint: r[0].te_endpoint.clone(),
+        addr: r[0].addr,
+        size: r[0].size,
+        left_ms: 5_000,
+    };
+    assert_eq!(
+        st.hold_writes(3, std::slice::from_ref(&known), 8_100, 600_000)
+            .unwrap(),
+        0
+    );
     assert_eq!(st.segments[&2].writes_until, 0);
-    st.put_end(mine, "mine", 8_200).expect("the write this master knew completes");
+    st.put_end(mine, "mine", 8_200)
+        .expect("the write this master knew completes");
     // The same range reported by another client is not its write: the put goes.
-    let r = st.put_start(&m, &s, PutId { client: 3, put: 2 }, "theirs", 4096, &ReplicateConfig { preferred_segments: vec!["seg2".into()], ..Default::default() }, false, 8_300).unwrap();
-    let other = WriteInFlight { te_endpoint: r[0].te_endpoint.clone(), addr: r[0].addr, size: r[0].size, left_ms: 5_000 };
+    let r = st
+        .put_start(
+            &m,
+            &s,
+            PutId { client: 3, put: 2 },
+            "theirs",
+            4096,
+            &ReplicateConfig {
+                preferred_segments: vec!["seg2".into()],
+                ..Default::default()
+            },
+            false,
+            8_300,
+        )
+        .unwrap();
+    let other = WriteInFlight {
+        te_endpoint: r[0].te_endpoint.clone(),
+        addr: r[0].addr,
+        size: r[0].size,
+        left_ms: 5_000,
+    };
     let used = st.segments[&2].space.used();
     assert_eq!(st.hold_writes(9, &[other], 8_400, 600_000).unwrap(), 1);
-    assert!(st.objects.get("theirs").is_none(), "a put in the range of another's late write goes");
+    assert!(
+        st.objects.get("theirs").is_none(),
+        "a put in the range of another's late write goes"
+    );
     // Its writer may still be writing: its space stays held until the release timeout.
     st.release_deferred(608_399);
     assert_eq!(st.segments[&2].space.used(), used);
@@ -86,20 +179,50 @@ fn writes_reported_still_running_keep_new_puts_out_of_their_segments_until_they_
 fn a_write_reported_before_its_segment_is_mounted_holds_that_segment_when_it_comes() {
     let (mut st, m, s) = setup(&[]);
     let ep = seg(1, 0).te_endpoint;
-    let w = WriteInFlight { te_endpoint: ep.clone(), addr: (1 << 32) + 4096, size: 8192, left_ms: 3_000 };
-    assert_eq!(st.hold_writes(9, std::slice::from_ref(&w), 100, 600_000).unwrap(), 0, "no segment of it is mounted");
+    let w = WriteInFlight {
+        te_endpoint: ep.clone(),
+        addr: (1 << 32) + 4096,
+        size: 8192,
+        left_ms: 3_000,
+    };
+    assert_eq!(
+        st.hold_writes(9, std::slice::from_ref(&w), 100, 600_000)
+            .unwrap(),
+        0,
+        "no segment of it is mounted"
+    );
     // The same endpoint, another range (a second segment of that engine): not held.
-    st.mount(7, Segment { id: 7, name: "elsewhere".into(), te_endpoint: ep.clone(), base: 9 << 32, size: 1 << 20 }, 200).unwrap();
+    st.mount(
+        7,
+        Segment {
+            id: 7,
+            name: "elsewhere".into(),
+            te_endpoint: ep.clone(),
+            base: 9 << 32,
+            size: 1 << 20,
+        },
+        200,
+    )
+    .unwrap();
     assert_eq!(st.segments[&7].writes_until, 0);
     st.mount(2, seg(2, 1 << 20), 200).unwrap();
     assert_eq!(st.segments[&2].writes_until, 0);
     st.mount(1, seg(1, 1 << 20), 300).unwrap();
-    assert_eq!(st.segments[&1].writes_until, 3_100, "the reported write's time");
-    let one = ReplicateConfig { preferred_segments: vec!["seg1".into()], ..Default::default() };
+    assert_eq!(
+        st.segments[&1].writes_until, 3_100,
+        "the reported write's time"
+    );
+    let one = ReplicateConfig {
+        preferred_segments: vec!["seg1".into()],
+        ..Default::default()
+    };
     // (Segment 7 has the same endpoint and may take it: not where the write lands.)
     for i in 0..8 {
         let r = put(&mut st, &m, &s, &format!("k{i}"), 4096, &one, 400).unwrap();
-        assert!(r[0].addr >> 32 != 1, "placed in segment 1, where a write may still land: {r:?}");
+        assert!(
+            r[0].addr >> 32 != 1,
+            "placed in segment 1, where a write may still land: {r:?}"
+        );
     }
     // Reports past their time are forgotten.
     st.unmount(1, 1, 3_200, 600_000).unwrap();
@@ -107,8 +230,16 @@ fn a_write_reported_before_its_segment_is_mounted_holds_that_segment_when_it_com
     assert_eq!(st.segments[&1].writes_until, 0);
     assert!(st.reported_writes.is_empty());
     // Over the limit: refused, nothing kept.
-    let many = vec![WriteInFlight { te_endpoint: "gone:1".into(), ..w }; MAX_REPORTED_WRITES + 1];
-    assert!(matches!(st.hold_writes(9, &many, 3_300, 600_000), Err(StoreError::InvalidParams(e)) if e.contains("at most")));
+    let many = vec![
+        WriteInFlight {
+            te_endpoint: "gone:1".into(),
+            ..w
+        };
+        MAX_REPORTED_WRITES + 1
+    ];
+    assert!(
+        matches!(st.hold_writes(9, &many, 3_300, 600_000), Err(StoreError::InvalidParams(e)) if e.contains("at most"))
+    );
     assert!(st.reported_writes.is_empty());
 }
 
@@ -124,12 +255,26 @@ fn a_write_in_progress_into_a_dropped_segment_keeps_its_space_after_the_segment_
     st.mount(1, seg(1, 1 << 20), 0).unwrap();
     st.register_client(2, 0);
     let writer = PutId { client: 2, put: 7 };
-    let w = st.put_start(&m, &s, writer, "w", 256 << 10, &ReplicateConfig::default(), false, 1_000).unwrap();
+    let w = st
+        .put_start(
+            &m,
+            &s,
+            writer,
+            "w",
+            256 << 10,
+            &ReplicateConfig::default(),
+            false,
+            1_000,
+        )
+        .unwrap();
     let (wa, we) = (w[0].addr, w[0].addr + w[0].size);
     st.ping(2, 10_000);
     let dead = st.expire_clients(10_001, 10_000, 600_000);
     assert_eq!(dead.len(), 1, "client 1 stopped pinging: {dead:?}");
-    assert!(st.put_end(writer, "w", 10_002).is_err(), "the write's object went with the segment");
+    assert!(
+        st.put_end(writer, "w", 10_002).is_err(),
+        "the write's object went with the segment"
+    );
     assert_eq!(st.deferred.len(), 1, "its space is held, on no segment");
     let mut image = journal::Image::default();
     for c in st.image(10_002) {
@@ -140,24 +285,65 @@ fn a_write_in_progress_into_a_dropped_segment_keeps_its_space_after_the_segment_
         st.remount(1, vec![seg(1, 1 << 20)], 10_100, 5_000).unwrap();
         st.release_deferred(15_100);
         for i in 0..12 {
-            let r = put(&mut st, &m, &s, &format!("k{i}"), 64 << 10, &ReplicateConfig::default(), 15_100).unwrap_or_else(|e| panic!("{name}: the rest of the segment serves: {e}"));
-            assert!(r[0].addr >= we || r[0].addr + r[0].size <= wa, "{name}: k{i} was placed on the bytes a write may still land on");
+            let r = put(
+                &mut st,
+                &m,
+                &s,
+                &format!("k{i}"),
+                64 << 10,
+                &ReplicateConfig::default(),
+                15_100,
+            )
+            .unwrap_or_else(|e| panic!("{name}: the rest of the segment serves: {e}"));
+            assert!(
+                r[0].addr >= we || r[0].addr + r[0].size <= wa,
+                "{name}: k{i} was placed on the bytes a write may still land on"
+            );
         }
-        assert_eq!(st.used_bytes(), 1 << 20, "{name}: the write's space is held until its release timeout");
+        assert_eq!(
+            st.used_bytes(),
+            1 << 20,
+            "{name}: the write's space is held until its release timeout"
+        );
         st.release_deferred(600_999);
         assert_eq!(st.used_bytes(), 1 << 20, "{name}");
         st.release_deferred(601_000);
-        assert_eq!(st.used_bytes(), 12 * (64 << 10), "{name}: given back at the put's start plus the release timeout");
+        assert_eq!(
+            st.used_bytes(),
+            12 * (64 << 10),
+            "{name}: given back at the put's start plus the release timeout"
+        );
         assert!(st.deferred.is_empty(), "{name}");
     }
     // A segment mounted again with another range keeps only what lies in it.
     let (mut st, m, s) = setup(&[(1, 1 << 20)]);
     st.register_client(2, 0);
-    st.put_start(&m, &s, writer, "w", 256 << 10, &ReplicateConfig::default(), false, 0).unwrap();
+    st.put_start(
+        &m,
+        &s,
+        writer,
+        "w",
+        256 << 10,
+        &ReplicateConfig::default(),
+        false,
+        0,
+    )
+    .unwrap();
     st.ping(2, 10_000);
     st.expire_clients(10_001, 10_000, 600_000);
-    st.mount(1, Segment { base: (1 << 32) + (1 << 20), ..seg(1, 1 << 20) }, 10_002).unwrap();
-    assert!(st.deferred.is_empty() && st.used_bytes() == 0, "nothing of the old range to hold");
+    st.mount(
+        1,
+        Segment {
+            base: (1 << 32) + (1 << 20),
+            ..seg(1, 1 << 20)
+        },
+        10_002,
+    )
+    .unwrap();
+    assert!(
+        st.deferred.is_empty() && st.used_bytes() == 0,
+        "nothing of the old range to hold"
+    );
 }
 
 /// A put that replaces a zombie (a put never ended, past the discard timeout) and then
@@ -165,11 +351,33 @@ fn a_write_in_progress_into_a_dropped_segment_keeps_its_space_after_the_segment_
 #[test]
 fn a_failed_put_over_a_zombie_leaves_the_key_free() {
     let (mut st, m, s) = setup(&[(1, 64 << 10)]);
-    st.put_start(&m, &s, P1, "z", 4096, &ReplicateConfig::default(), false, 0).unwrap();
+    st.put_start(&m, &s, P1, "z", 4096, &ReplicateConfig::default(), false, 0)
+        .unwrap();
     let later = m.put_start_discard_timeout.as_millis() as u64 + 1;
-    assert!(matches!(st.put_start(&m, &s, P1, "z", 1 << 20, &ReplicateConfig::default(), false, later), Err(StoreError::NoAvailableHandle { .. })));
+    assert!(matches!(
+        st.put_start(
+            &m,
+            &s,
+            P1,
+            "z",
+            1 << 20,
+            &ReplicateConfig::default(),
+            false,
+            later
+        ),
+        Err(StoreError::NoAvailableHandle { .. })
+    ));
     assert!(st.objects.get("z").is_none(), "no bare object left behind");
-    put(&mut st, &m, &s, "z", 4096, &ReplicateConfig::default(), later + 1).expect("the key is free");
+    put(
+        &mut st,
+        &m,
+        &s,
+        "z",
+        4096,
+        &ReplicateConfig::default(),
+        later + 1,
+    )
+    .expect("the key is free");
     assert!(st.exist_key("z", later + 2, 1).unwrap());
 }
 
@@ -180,12 +388,38 @@ fn a_plain_put_does_not_replace_a_value_whose_upsert_was_abandoned() {
     let (mut st, m, s) = setup(&[(1, 1 << 20)]);
     put(&mut st, &m, &s, "k", 4096, &ReplicateConfig::default(), 0).unwrap();
     let b = PutId { client: 1, put: 2 };
-    st.put_start(&m, &s, b, "k", 4096, &ReplicateConfig::default(), true, 1).unwrap();
+    st.put_start(&m, &s, b, "k", 4096, &ReplicateConfig::default(), true, 1)
+        .unwrap();
     let later = m.put_start_discard_timeout.as_millis() as u64 + 2;
     let c = PutId { client: 1, put: 3 };
-    assert!(matches!(st.put_start(&m, &s, c, "k", 4096, &ReplicateConfig::default(), false, later), Err(StoreError::ObjectAlreadyExists(_))));
-    assert!(st.get_replica_list("k", later, 1).is_ok(), "the first value is still served");
-    st.put_start(&m, &s, c, "k", 4096, &ReplicateConfig::default(), true, later).expect("an upsert replaces it");
+    assert!(matches!(
+        st.put_start(
+            &m,
+            &s,
+            c,
+            "k",
+            4096,
+            &ReplicateConfig::default(),
+            false,
+            later
+        ),
+        Err(StoreError::ObjectAlreadyExists(_))
+    ));
+    assert!(
+        st.get_replica_list("k", later, 1).is_ok(),
+        "the first value is still served"
+    );
+    st.put_start(
+        &m,
+        &s,
+        c,
+        "k",
+        4096,
+        &ReplicateConfig::default(),
+        true,
+        later,
+    )
+    .expect("an upsert replaces it");
 }
 
 /// A range held back briefly (a read's object force-removed, then released early) and
@@ -205,13 +439,35 @@ fn a_new_leader_holds_each_byte_for_the_longest_of_the_holds_the_journal_names()
         }
         st.register_client(2, 0);
         let w1 = PutId { client: 2, put: 1 };
-        let r1 = st.put_start(&m, &s, w1, "k1", first, &ReplicateConfig::default(), false, 0).unwrap();
+        let r1 = st
+            .put_start(
+                &m,
+                &s,
+                w1,
+                "k1",
+                first,
+                &ReplicateConfig::default(),
+                false,
+                0,
+            )
+            .unwrap();
         st.put_end(w1, "k1", 0).unwrap();
         let read = st.get_replica_list("k1", 0, 5_000).unwrap();
         st.remove(&m, "k1", true, 10).unwrap();
         st.release_reads(&[read.read_id], 20);
         let w2 = PutId { client: 2, put: 2 };
-        let r2 = st.put_start(&m, &s, w2, "k2", 4096, &ReplicateConfig::default(), false, 30).unwrap();
+        let r2 = st
+            .put_start(
+                &m,
+                &s,
+                w2,
+                "k2",
+                4096,
+                &ReplicateConfig::default(),
+                false,
+                30,
+            )
+            .unwrap();
         assert_eq!(r2[0].addr, r1[0].addr, "the write reuses the read's range");
         let now = if dropped {
             st.ping(2, 10_000);
@@ -230,11 +486,19 @@ fn a_new_leader_holds_each_byte_for_the_longest_of_the_holds_the_journal_names()
         }
         let what = format!("first hold {first} bytes, segment dropped: {dropped}");
         back.release_deferred(now + 5_100);
-        assert_eq!(back.used_bytes(), 4096, "{what}: the write's 4096 bytes held past one lease");
+        assert_eq!(
+            back.used_bytes(),
+            4096,
+            "{what}: the write's 4096 bytes held past one lease"
+        );
         back.release_deferred(600_000);
         assert_eq!(back.used_bytes(), 4096, "{what}");
         back.release_deferred(now + 600_100);
-        assert_eq!(back.used_bytes(), 0, "{what}: given back at the write's time");
+        assert_eq!(
+            back.used_bytes(),
+            0,
+            "{what}: given back at the write's time"
+        );
     }
 }
 
@@ -243,11 +507,31 @@ fn held_pieces_take_the_latest_time_of_the_ranges_covering_them() {
     use journal::held_pieces as pieces;
     assert_eq!(pieces(vec![]), []);
     assert_eq!(pieces(vec![(0, 64, 5)]), [(0, 64, 5)]);
-    assert_eq!(pieces(vec![(0, 64, 5), (0, 64, 9), (0, 64, 7)]), [(0, 64, 9)], "the same range: the latest");
-    assert_eq!(pieces(vec![(0, 256, 9), (64, 128, 5)]), [(0, 64, 9), (64, 128, 9), (128, 256, 9)], "inside a later one");
-    assert_eq!(pieces(vec![(0, 128, 5), (64, 256, 9)]), [(0, 64, 5), (64, 128, 9), (128, 256, 9)], "overlapping");
-    assert_eq!(pieces(vec![(128, 192, 3), (0, 64, 5)]), [(0, 64, 5), (128, 192, 3)], "a gap is in no piece");
-    assert_eq!(pieces(vec![(0, 64, 5), (64, 128, 3), (64, 64, 9)]), [(0, 64, 5), (64, 128, 3)], "an empty range is none");
+    assert_eq!(
+        pieces(vec![(0, 64, 5), (0, 64, 9), (0, 64, 7)]),
+        [(0, 64, 9)],
+        "the same range: the latest"
+    );
+    assert_eq!(
+        pieces(vec![(0, 256, 9), (64, 128, 5)]),
+        [(0, 64, 9), (64, 128, 9), (128, 256, 9)],
+        "inside a later one"
+    );
+    assert_eq!(
+        pieces(vec![(0, 128, 5), (64, 256, 9)]),
+        [(0, 64, 5), (64, 128, 9), (128, 256, 9)],
+        "overlapping"
+    );
+    assert_eq!(
+        pieces(vec![(128, 192, 3), (0, 64, 5)]),
+        [(0, 64, 5), (128, 192, 3)],
+        "a gap is in no piece"
+    );
+    assert_eq!(
+        pieces(vec![(0, 64, 5), (64, 128, 3), (64, 64, 9)]),
+        [(0, 64, 5), (64, 128, 3)],
+        "an empty range is none"
+    );
 }
 
 /// Dropped segments are looked for at a mount only while something is held on them: a
@@ -257,7 +541,8 @@ fn held_pieces_take_the_latest_time_of_the_ranges_covering_them() {
 #[test]
 fn dropped_segments_are_remembered_only_while_something_is_held_on_them() {
     let (mut st, m, s) = setup(&[(1, 1 << 20)]);
-    st.put_start(&m, &s, P1, "z", 4096, &ReplicateConfig::default(), false, 0).unwrap();
+    st.put_start(&m, &s, P1, "z", 4096, &ReplicateConfig::default(), false, 0)
+        .unwrap();
     st.remove(&m, "z", true, 0).unwrap();
     st.register_client(2, 0);
     for i in 0..1_000u64 {
@@ -265,14 +550,35 @@ fn dropped_segments_are_remembered_only_while_something_is_held_on_them() {
         st.mount(id, seg(id, 1 << 20), i).unwrap();
         if i % 10 == 0 {
             let w = PutId { client: 2, put: i };
-            st.put_start(&m, &s, w, &format!("w{i}"), 4096, &ReplicateConfig { preferred_segments: vec![format!("seg{id}")], ..Default::default() }, false, i).unwrap();
+            st.put_start(
+                &m,
+                &s,
+                w,
+                &format!("w{i}"),
+                4096,
+                &ReplicateConfig {
+                    preferred_segments: vec![format!("seg{id}")],
+                    ..Default::default()
+                },
+                false,
+                i,
+            )
+            .unwrap();
         }
         st.unmount(id, id, i, 10_000).unwrap();
         st.release_deferred(i);
     }
-    assert_eq!(st.orphaned.len(), 100, "only the segments a write was in progress into");
+    assert_eq!(
+        st.orphaned.len(),
+        100,
+        "only the segments a write was in progress into"
+    );
     st.release_deferred(70_000);
-    assert!(st.orphaned.is_empty(), "their holds ran out: {} left", st.orphaned.len());
+    assert!(
+        st.orphaned.is_empty(),
+        "their holds ran out: {} left",
+        st.orphaned.len()
+    );
     assert_eq!(st.deferred.len(), 1, "the long hold goes on");
 }
 
@@ -285,8 +591,15 @@ fn space_is_accounted_exactly_through_drops_remounts_and_takeovers() {
     fn check(st: &State, ctx: &str) {
         let mut want: HashMap<u64, u64> = HashMap::new();
         for o in st.objects.values() {
-            for r in o.current.iter().chain(o.pending.iter().flat_map(|p| p.replicas.iter())) {
-                assert!(st.segments.contains_key(&r.seg), "{ctx}: a replica on a segment that went");
+            for r in o
+                .current
+                .iter()
+                .chain(o.pending.iter().flat_map(|p| p.replicas.iter()))
+            {
+                assert!(
+                    st.segments.contains_key(&r.seg),
+                    "{ctx}: a replica on a segment that went"
+                );
                 *want.entry(r.seg).or_default() += r.block.cap();
             }
         }
@@ -294,16 +607,34 @@ fn space_is_accounted_exactly_through_drops_remounts_and_takeovers() {
             if st.segments.contains_key(&r.seg) {
                 *want.entry(r.seg).or_default() += r.block.cap();
             } else {
-                assert!(st.orphaned.contains(&r.seg), "{ctx}: held on segment {} that went, which a mount would not look for", r.seg);
+                assert!(
+                    st.orphaned.contains(&r.seg),
+                    "{ctx}: held on segment {} that went, which a mount would not look for",
+                    r.seg
+                );
             }
         }
         for (id, s) in &st.segments {
-            assert_eq!(s.space.used(), want.get(id).copied().unwrap_or(0), "{ctx}: segment {id}'s used bytes");
+            assert_eq!(
+                s.space.used(),
+                want.get(id).copied().unwrap_or(0),
+                "{ctx}: segment {id}'s used bytes"
+            );
         }
     }
-    let m = MasterConfig { put_start_discard_timeout: Duration::from_millis(300), put_start_release_timeout: Duration::from_millis(2_000), ..MasterConfig::default() };
+    let m = MasterConfig {
+        put_start_discard_timeout: Duration::from_millis(300),
+        put_start_release_timeout: Duration::from_millis(2_000),
+        ..MasterConfig::default()
+    };
     let s = Stats::default();
-    let segment = |id: u64, shift: u64| Segment { id, name: format!("s{id}"), te_endpoint: format!("e{id}"), base: (id << 32) + shift * 1024, size: 64 << 10 };
+    let segment = |id: u64, shift: u64| Segment {
+        id,
+        name: format!("s{id}"),
+        te_endpoint: format!("e{id}"),
+        base: (id << 32) + shift * 1024,
+        size: 64 << 10,
+    };
     for seed in 0..300u64 {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mut st = State::default();
@@ -338,8 +669,26 @@ fn space_is_accounted_exactly_through_drops_remounts_and_takeovers() {
                     let c = rng.random_range(1..4u64);
                     st.register_client(c, now);
                     puts += 1;
-                    let (k, put) = (format!("k{}", rng.random_range(0..20)), PutId { client: c, put: puts });
-                    let _ = st.put_start(&m, &s, put, &k, rng.random_range(1..8192), &ReplicateConfig { replica_num: rng.random_range(1..3), ..Default::default() }, rng.random_bool(0.3), now);
+                    let (k, put) = (
+                        format!("k{}", rng.random_range(0..20)),
+                        PutId {
+                            client: c,
+                            put: puts,
+                        },
+                    );
+                    let _ = st.put_start(
+                        &m,
+                        &s,
+                        put,
+                        &k,
+                        rng.random_range(1..8192),
+                        &ReplicateConfig {
+                            replica_num: rng.random_range(1..3),
+                            ..Default::default()
+                        },
+                        rng.random_bool(0.3),
+                        now,
+                    );
                     if rng.random_bool(0.6) {
                         let _ = st.put_end(put, &k, now);
                     } else if rng.random_bool(0.3) {
@@ -347,7 +696,9 @@ fn space_is_accounted_exactly_through_drops_remounts_and_takeovers() {
                     }
                 }
                 41..=60 => {
-                    if let Ok(l) = st.get_replica_list(&format!("k{}", rng.random_range(0..20)), now, 300) {
+                    if let Ok(l) =
+                        st.get_replica_list(&format!("k{}", rng.random_range(0..20)), now, 300)
+                    {
                         reads.push(l.read_id);
                     }
                 }
@@ -358,7 +709,12 @@ fn space_is_accounted_exactly_through_drops_remounts_and_takeovers() {
                     }
                 }
                 71..=78 => {
-                    let _ = st.remove(&m, &format!("k{}", rng.random_range(0..20)), rng.random_bool(0.7), now);
+                    let _ = st.remove(
+                        &m,
+                        &format!("k{}", rng.random_range(0..20)),
+                        rng.random_bool(0.7),
+                        now,
+                    );
                 }
                 79..=80 => {
                     st.remove_matching(&m, |k| k.ends_with('3'), true, now);
@@ -368,7 +724,11 @@ fn space_is_accounted_exactly_through_drops_remounts_and_takeovers() {
                 }
                 85..=87 => {
                     let keys: Vec<String> = (0..20).map(|i| format!("k{i}")).collect();
-                    let on = if rng.random_bool(0.5) { String::new() } else { format!("s{}", rng.random_range(1..4)) };
+                    let on = if rng.random_bool(0.5) {
+                        String::new()
+                    } else {
+                        format!("s{}", rng.random_range(1..4))
+                    };
                     st.batch_replica_clear(rng.random_range(1..4u64), &keys, &on, now);
                 }
                 88..=92 => st.expire_reads(now),
@@ -395,15 +755,30 @@ fn space_is_accounted_exactly_through_drops_remounts_and_takeovers() {
 fn a_zombie_writes_space_stays_held_for_its_release_timeout_across_a_takeover() {
     let (mut st, m, s) = setup(&[(1, 1 << 20)]);
     st.journal_on();
-    st.put_start(&m, &s, P1, "z", 4096, &ReplicateConfig::default(), false, 0).unwrap();
+    st.put_start(&m, &s, P1, "z", 4096, &ReplicateConfig::default(), false, 0)
+        .unwrap();
     let later = m.put_start_discard_timeout.as_millis() as u64 + 1;
     let release = later + m.put_start_release_timeout.as_millis() as u64;
-    st.put_start(&m, &s, PutId { client: 1, put: 2 }, "z", 4096, &ReplicateConfig::default(), false, later).unwrap();
+    st.put_start(
+        &m,
+        &s,
+        PutId { client: 1, put: 2 },
+        "z",
+        4096,
+        &ReplicateConfig::default(),
+        false,
+        later,
+    )
+    .unwrap();
     let held = st.take_changes(later).into_iter().filter_map(|c| match c {
         Change::HeldUntil { left, .. } => Some(left),
         _ => None,
     });
-    assert_eq!(held.collect::<Vec<_>>(), [release - later], "journaled with the time it has left");
+    assert_eq!(
+        held.collect::<Vec<_>>(),
+        [release - later],
+        "journaled with the time it has left"
+    );
     let mut image = journal::Image::default();
     for c in st.image(later + 1_000) {
         image.apply(c);
@@ -422,19 +797,57 @@ fn a_zombie_writes_space_stays_held_for_its_release_timeout_across_a_takeover() 
 #[test]
 fn zombie_put_is_replaced_after_the_discard_timeout() {
     let (mut st, m, s) = setup(&[(1, 1 << 20)]);
-    st.put_start(&m, &s, P1, "z", 4096, &ReplicateConfig::default(), false, 0).unwrap();
-    assert!(matches!(st.put_start(&m, &s, P1, "z", 4096, &ReplicateConfig::default(), false, 10), Err(StoreError::ObjectAlreadyExists(_))));
-    assert!(matches!(st.get_replica_list("z", 10, 1), Err(StoreError::ReplicaNotReady(_))));
+    st.put_start(&m, &s, P1, "z", 4096, &ReplicateConfig::default(), false, 0)
+        .unwrap();
+    assert!(matches!(
+        st.put_start(
+            &m,
+            &s,
+            P1,
+            "z",
+            4096,
+            &ReplicateConfig::default(),
+            false,
+            10
+        ),
+        Err(StoreError::ObjectAlreadyExists(_))
+    ));
+    assert!(matches!(
+        st.get_replica_list("z", 10, 1),
+        Err(StoreError::ReplicaNotReady(_))
+    ));
     let later = m.put_start_discard_timeout.as_millis() as u64 + 1;
     let p2 = PutId { client: 1, put: 2 };
-    st.put_start(&m, &s, p2, "z", 4096, &ReplicateConfig::default(), false, later).unwrap();
+    st.put_start(
+        &m,
+        &s,
+        p2,
+        "z",
+        4096,
+        &ReplicateConfig::default(),
+        false,
+        later,
+    )
+    .unwrap();
     assert_eq!(st.deferred.len(), 1, "zombie space released only later");
     // The zombie's writer wakes up and ends (or revokes) its put: the same client and key,
     // but not this put, whose bytes may not have landed yet.
     let late = st.put_end(P1, "z", later + 1).unwrap_err();
-    assert!(matches!(&late, StoreError::InvalidParams(w) if w.contains("discarded as a zombie")), "{late:?}");
-    assert!(matches!(st.get_replica_list("z", later + 1, 1), Err(StoreError::ReplicaNotReady(_))), "the replacing put is still in progress");
-    assert!(st.put_revoke(P1, "z").is_err(), "nor does its revoke touch the replacing put");
+    assert!(
+        matches!(&late, StoreError::InvalidParams(w) if w.contains("discarded as a zombie")),
+        "{late:?}"
+    );
+    assert!(
+        matches!(
+            st.get_replica_list("z", later + 1, 1),
+            Err(StoreError::ReplicaNotReady(_))
+        ),
+        "the replacing put is still in progress"
+    );
+    assert!(
+        st.put_revoke(P1, "z").is_err(),
+        "nor does its revoke touch the replacing put"
+    );
     st.put_end(p2, "z", later + 1).unwrap();
     assert!(st.exist_key("z", later + 2, 1).unwrap());
 }

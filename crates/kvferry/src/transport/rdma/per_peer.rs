@@ -35,7 +35,16 @@ pub(super) struct PerPeer<W: Send + 'static> {
 
 impl<W: Send + 'static> PerPeer<W> {
     pub(super) fn new(idle: Duration, handler: Handler<W>, gone: Gone<W>) -> PerPeer<W> {
-        PerPeer { st: Arc::new(Mutex::new(State { queues: Some(HashMap::new()), next: 0, live: 0 })), idle, handler, gone }
+        PerPeer {
+            st: Arc::new(Mutex::new(State {
+                queues: Some(HashMap::new()),
+                next: 0,
+                live: 0,
+            })),
+            idle,
+            handler,
+            gone,
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State<W>> {
@@ -47,7 +56,9 @@ impl<W: Send + 'static> PerPeer<W> {
     pub(super) fn send(&self, peer: &str, work: W) -> Result<(), W> {
         let mut st = self.lock();
         let State { queues, next, live } = &mut *st;
-        let Some(queues) = queues.as_mut() else { return Err(work) };
+        let Some(queues) = queues.as_mut() else {
+            return Err(work);
+        };
         // (Sent under the lock: a thread that ends removes its queue under it too, after
         // finding it empty, so nothing is sent to a queue whose thread is gone.)
         let work = match queues.get(peer) {
@@ -60,8 +71,16 @@ impl<W: Send + 'static> PerPeer<W> {
         let (tx, rx) = mpsc::channel();
         let id = *next;
         *next += 1;
-        let (st2, handler, gone, idle, name) = (Arc::clone(&self.st), Arc::clone(&self.handler), Arc::clone(&self.gone), self.idle, peer.to_string());
-        let spawned = std::thread::Builder::new().name("kvf-rdma-post".into()).spawn(move || run(&st2, &name, id, &rx, idle, &*handler, &*gone));
+        let (st2, handler, gone, idle, name) = (
+            Arc::clone(&self.st),
+            Arc::clone(&self.handler),
+            Arc::clone(&self.gone),
+            self.idle,
+            peer.to_string(),
+        );
+        let spawned = std::thread::Builder::new()
+            .name("kvf-rdma-post".into())
+            .spawn(move || run(&st2, &name, id, &rx, idle, &*handler, &*gone));
         match spawned {
             Ok(_) => {
                 // (The thread cannot end before it takes this: ending takes the lock held here.)
@@ -114,7 +133,9 @@ impl<W> Drop for Ending<'_, W> {
         let mine = {
             let mut g = lock();
             match g.queues.as_mut() {
-                Some(q) if q.get(self.peer).is_some_and(|(id, _)| *id == self.id) => q.remove(self.peer),
+                Some(q) if q.get(self.peer).is_some_and(|(id, _)| *id == self.id) => {
+                    q.remove(self.peer)
+                }
                 _ => None,
             }
         };
@@ -126,9 +147,23 @@ impl<W> Drop for Ending<'_, W> {
     }
 }
 
-fn run<W>(st: &Mutex<State<W>>, peer: &str, id: u64, rx: &Receiver<W>, idle: Duration, handler: &(dyn Fn(&str, W, &Receiver<W>) + Send + Sync), gone: &(dyn Fn(W) + Send + Sync)) {
+fn run<W>(
+    st: &Mutex<State<W>>,
+    peer: &str,
+    id: u64,
+    rx: &Receiver<W>,
+    idle: Duration,
+    handler: &(dyn Fn(&str, W, &Receiver<W>) + Send + Sync),
+    gone: &(dyn Fn(W) + Send + Sync),
+) {
     let lock = || st.lock().unwrap_or_else(|e| e.into_inner());
-    let _ending = Ending { st, peer, id, rx, gone };
+    let _ending = Ending {
+        st,
+        peer,
+        id,
+        rx,
+        gone,
+    };
     loop {
         match rx.recv_timeout(idle) {
             Ok(work) => {
@@ -173,18 +208,23 @@ mod tests {
         let done: Arc<Mutex<Vec<(String, u32)>>> = Arc::default();
         let started = Arc::new(AtomicUsize::new(0));
         let (d2, s2) = (Arc::clone(&done), Arc::clone(&started));
-        let handler: Handler<Job> = Arc::new(move |peer: &str, (n, gate): Job, _rx: &Receiver<Job>| {
-            s2.fetch_add(1, Ordering::SeqCst);
-            if let Some(g) = gate {
-                let _ = g.recv();
-            }
-            d2.lock().unwrap().push((peer.to_string(), n));
-        });
+        let handler: Handler<Job> =
+            Arc::new(move |peer: &str, (n, gate): Job, _rx: &Receiver<Job>| {
+                s2.fetch_add(1, Ordering::SeqCst);
+                if let Some(g) = gate {
+                    let _ = g.recv();
+                }
+                d2.lock().unwrap().push((peer.to_string(), n));
+            });
         let gone_n = Arc::new(AtomicUsize::new(0));
         let g2 = Arc::clone(&gone_n);
-        let p = PerPeer::new(Duration::from_millis(100), handler, Arc::new(move |_: Job| {
-            g2.fetch_add(1, Ordering::SeqCst);
-        }));
+        let p = PerPeer::new(
+            Duration::from_millis(100),
+            handler,
+            Arc::new(move |_: Job| {
+                g2.fetch_add(1, Ordering::SeqCst);
+            }),
+        );
         // The dead peer's first job stalls (a connect that does not answer).
         let (release, gate) = mpsc::channel();
         p.send("dead", (1, Some(gate))).unwrap();
@@ -192,27 +232,50 @@ mod tests {
         for n in 1..=3 {
             p.send("live", (n, None)).unwrap();
         }
-        wait_for("the live peer's work done while the dead one stalls", || done.lock().unwrap().len() == 3);
-        assert_eq!(*done.lock().unwrap(), [("live".to_string(), 1), ("live".to_string(), 2), ("live".to_string(), 3)]);
+        wait_for(
+            "the live peer's work done while the dead one stalls",
+            || done.lock().unwrap().len() == 3,
+        );
+        assert_eq!(
+            *done.lock().unwrap(),
+            [
+                ("live".to_string(), 1),
+                ("live".to_string(), 2),
+                ("live".to_string(), 3)
+            ]
+        );
         assert_eq!(p.live(), 2);
         release.send(()).unwrap();
-        wait_for("the dead peer's work, in order", || done.lock().unwrap().len() == 5);
-        assert_eq!(done.lock().unwrap()[3..], [("dead".to_string(), 1), ("dead".to_string(), 2)]);
+        wait_for("the dead peer's work, in order", || {
+            done.lock().unwrap().len() == 5
+        });
+        assert_eq!(
+            done.lock().unwrap()[3..],
+            [("dead".to_string(), 1), ("dead".to_string(), 2)]
+        );
         // Idle threads end; new work for a peer starts another.
         wait_for("idle posting threads to end", || p.live() == 0);
         p.send("live", (4, None)).unwrap();
-        wait_for("work after the idle end", || done.lock().unwrap().len() == 6);
+        wait_for("work after the idle end", || {
+            done.lock().unwrap().len() == 6
+        });
         // Closed: queued work goes to `gone`, new work is refused, and every thread ends.
         let (release, gate) = mpsc::channel();
         p.send("slow", (1, Some(gate))).unwrap();
         p.send("slow", (2, None)).unwrap();
-        wait_for("the slow peer's first job to start", || started.load(Ordering::SeqCst) == 7);
+        wait_for("the slow peer's first job to start", || {
+            started.load(Ordering::SeqCst) == 7
+        });
         p.close();
         assert!(p.send("slow", (3, None)).is_err(), "closed");
         assert!(!p.finished(), "a thread still runs");
         release.send(()).unwrap();
         wait_for("every thread to end after close", || p.finished());
-        assert_eq!(gone_n.load(Ordering::SeqCst), 1, "the work queued behind the running one");
+        assert_eq!(
+            gone_n.load(Ordering::SeqCst),
+            1,
+            "the work queued behind the running one"
+        );
     }
 
     /// A handler that panics ends its thread: what was queued behind goes to `gone`, the
@@ -229,16 +292,26 @@ mod tests {
         });
         let gone_n = Arc::new(AtomicUsize::new(0));
         let g2 = Arc::clone(&gone_n);
-        let p = PerPeer::new(Duration::from_secs(10), handler, Arc::new(move |_: u32| {
-            g2.fetch_add(1, Ordering::SeqCst);
-        }));
+        let p = PerPeer::new(
+            Duration::from_secs(10),
+            handler,
+            Arc::new(move |_: u32| {
+                g2.fetch_add(1, Ordering::SeqCst);
+            }),
+        );
         p.send("peer", 1).unwrap();
         p.send("peer", 2).unwrap();
         p.send("peer", 3).unwrap();
         wait_for("the panicked thread to be counted out", || p.live() == 0);
-        assert_eq!((ran.load(Ordering::SeqCst), gone_n.load(Ordering::SeqCst)), (0, 2), "jobs 2 and 3 handed back");
+        assert_eq!(
+            (ran.load(Ordering::SeqCst), gone_n.load(Ordering::SeqCst)),
+            (0, 2),
+            "jobs 2 and 3 handed back"
+        );
         p.send("peer", 4).unwrap();
-        wait_for("a new thread for the peer", || ran.load(Ordering::SeqCst) == 1);
+        wait_for("a new thread for the peer", || {
+            ran.load(Ordering::SeqCst) == 1
+        });
         p.close();
         wait_for("every thread to end after close", || p.finished());
     }

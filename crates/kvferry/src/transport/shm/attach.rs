@@ -2,9 +2,9 @@
 //! and that cross-memory attach works both ways, and claiming a slot in its control region.
 
 use super::ctl::*;
+use super::maps::filler::Budget;
 use super::maps::MapCache;
 use super::sys::*;
-use super::maps::filler::Budget;
 use super::ShmInfo;
 use crate::wire::tcp::Opcode;
 use std::os::fd::OwnedFd;
@@ -60,11 +60,18 @@ impl ShmPeer {
     /// Verifies a peer and claims a slot in its control region.
     /// `background_fill`: the attaching engine's budget for filling this peer's fully
     /// allocated buffers in the background (`None`: no background fill).
-    pub(super) fn attach(info: &ShmInfo, owner: u64, segment: &str, background_fill: Option<Arc<Budget>>) -> Result<ShmPeer, String> {
+    pub(super) fn attach(
+        info: &ShmInfo,
+        owner: u64,
+        segment: &str,
+        background_fill: Option<Arc<Budget>>,
+    ) -> Result<ShmPeer, String> {
         let pid = info.pid;
         let pidfd = pidfd_open(pid).map_err(|e| match e.raw_os_error() {
             Some(libc::ESRCH) => format!("process {pid} does not exist (in this PID namespace)"),
-            Some(libc::ENOSYS) => "the kernel lacks pidfd_open (Linux 5.3 or newer is needed)".to_string(),
+            Some(libc::ENOSYS) => {
+                "the kernel lacks pidfd_open (Linux 5.3 or newer is needed)".to_string()
+            }
             _ => format!("pidfd_open({pid}) failed: {e}"),
         })?;
         let memfd = pidfd_getfd(&pidfd, info.ctl_fd).map_err(|e| match e.raw_os_error() {
@@ -73,7 +80,10 @@ impl ShmPeer {
             _ => format!("cannot take the control region (fd {}) of process {pid}: {e}; its descriptor may be stale", info.ctl_fd),
         })?;
         if !rustix::fs::fstat(&memfd).is_ok_and(|st| st.st_size as u64 >= CTL_LEN as u64) {
-            return Err(format!("fd {} of process {pid} is not a kvferry control region", info.ctl_fd));
+            return Err(format!(
+                "fd {} of process {pid} is not a kvferry control region",
+                info.ctl_fd
+            ));
         }
         // Unsealed, its owner could shrink it while we read it: SIGBUS here.
         match rustix::fs::fcntl_get_seals(&memfd) {
@@ -85,24 +95,35 @@ impl ShmPeer {
                 ))
             }
         }
-        let ctl = CtlMap::map(&memfd).map_err(|e| format!("cannot map the control region of process {pid}: {e}"))?;
+        let ctl = CtlMap::map(&memfd)
+            .map_err(|e| format!("cannot map the control region of process {pid}: {e}"))?;
         drop(memfd);
         let header = ctl.header();
-        if u64::from_le_bytes(header[..8].try_into().unwrap_or_default()) != CTL_MAGIC || ctl.cookie_hex() != info.cookie {
+        if u64::from_le_bytes(header[..8].try_into().unwrap_or_default()) != CTL_MAGIC
+            || ctl.cookie_hex() != info.cookie
+        {
             return Err(format!("process {pid} is not the engine that published this descriptor (cookie differs: the PID was reused or the descriptor is stale)"));
         }
         // The region is written only by its owner: it names the segment that process serves.
         // A descriptor that points at another engine's process (to make us write there) fails.
         let owner_name = ctl.name();
-        if owner_name != segment.trim_start_matches('/') && !same_endpoint(&owner_name, segment.trim_start_matches('/')) {
+        if owner_name != segment.trim_start_matches('/')
+            && !same_endpoint(&owner_name, segment.trim_start_matches('/'))
+        {
             return Err(format!(
                 "process {pid} serves segment {owner_name:?}, not {segment:?} (open the segment by the exact name the peer reports, or its descriptor points at another engine)"
             ));
         }
         // The copy itself must work, both ways: ptrace rules, seccomp, LSMs.
         let mut seen = [0u8; 24];
-        let l = [libc::iovec { iov_base: seen.as_mut_ptr() as *mut libc::c_void, iov_len: seen.len() }];
-        let r = [libc::iovec { iov_base: info.ctl_addr as *mut libc::c_void, iov_len: seen.len() }];
+        let l = [libc::iovec {
+            iov_base: seen.as_mut_ptr() as *mut libc::c_void,
+            iov_len: seen.len(),
+        }];
+        let r = [libc::iovec {
+            iov_base: info.ctl_addr as *mut libc::c_void,
+            iov_len: seen.len(),
+        }];
         match cma(pid, Opcode::Read, &l, &r) {
             Ok(24) if seen == header => {}
             Ok(_) => return Err(format!("process_vm_readv of process {pid} returned other bytes than its control region holds (stale descriptor?)")),
@@ -113,11 +134,21 @@ impl ShmPeer {
         }
         let token: u64 = rand::random::<u64>() | 1;
         let tb = token.to_le_bytes();
-        let l = [libc::iovec { iov_base: tb.as_ptr() as *mut libc::c_void, iov_len: 8 }];
-        let r = [libc::iovec { iov_base: (info.ctl_addr + OFF_PROBE as u64) as *mut libc::c_void, iov_len: 8 }];
+        let l = [libc::iovec {
+            iov_base: tb.as_ptr() as *mut libc::c_void,
+            iov_len: 8,
+        }];
+        let r = [libc::iovec {
+            iov_base: (info.ctl_addr + OFF_PROBE as u64) as *mut libc::c_void,
+            iov_len: 8,
+        }];
         match cma(pid, Opcode::Write, &l, &r) {
             Ok(8) if ctl.word(OFF_PROBE).load(Ordering::SeqCst) == token => {}
-            Ok(_) => return Err(format!("process_vm_writev into process {pid} did not land in its control region")),
+            Ok(_) => {
+                return Err(format!(
+                    "process_vm_writev into process {pid} did not land in its control region"
+                ))
+            }
             Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::EACCES)) => {
                 return Err(not_permitted(pid, "process_vm_writev into", &e))
             }
@@ -126,7 +157,8 @@ impl ShmPeer {
         if exited(&pidfd) {
             return Err(format!("process {pid} exited"));
         }
-        let slot = claim_slot(&ctl, owner).ok_or_else(|| format!("all {N_SLOTS} initiator slots of process {pid} are taken"))?;
+        let slot = claim_slot(&ctl, owner)
+            .ok_or_else(|| format!("all {N_SLOTS} initiator slots of process {pid} are taken"))?;
         Ok(ShmPeer {
             pid,
             pidfd,
@@ -154,7 +186,9 @@ impl ShmPeer {
 /// serves the segment opened by the other.
 pub(super) fn same_endpoint(a: &str, b: &str) -> bool {
     use std::net::ToSocketAddrs;
-    let resolve = |n: &str| -> Vec<std::net::SocketAddr> { n.to_socket_addrs().map(|i| i.collect()).unwrap_or_default() };
+    let resolve = |n: &str| -> Vec<std::net::SocketAddr> {
+        n.to_socket_addrs().map(|i| i.collect()).unwrap_or_default()
+    };
     let (ra, rb) = (resolve(a), resolve(b));
     ra.iter().any(|x| rb.contains(x))
 }
@@ -164,6 +198,11 @@ impl Drop for ShmPeer {
         if foreign(self.home) {
             return; // a forked child: the slot is the parent's, the mapping is not here
         }
-        let _ = self.ctl.owner(self.slot).compare_exchange(self.owner, 0, Ordering::SeqCst, Ordering::SeqCst);
+        let _ = self.ctl.owner(self.slot).compare_exchange(
+            self.owner,
+            0,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
     }
 }

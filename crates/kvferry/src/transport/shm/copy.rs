@@ -72,7 +72,13 @@ pub(super) fn admit(peer: &Peer, pieces: &mut Vec<Piece>) {
     let now = Instant::now();
     pieces.retain(|p| {
         if now >= p.task.deadline() {
-            p.task.piece_failed(FailKind::Timeout, format!("{}: the request waited past its deadline before it could be copied", peer.name));
+            p.task.piece_failed(
+                FailKind::Timeout,
+                format!(
+                    "{}: the request waited past its deadline before it could be copied",
+                    peer.name
+                ),
+            );
             false
         } else {
             p.task.set_pending();
@@ -83,14 +89,20 @@ pub(super) fn admit(peer: &Peer, pieces: &mut Vec<Piece>) {
 
 /// The peer's current descriptor and the epoch it was published at, or why the copies must
 /// fail (the peer exited, restarted or stopped offering shared memory).
-pub(super) fn current(shm: &ShmPeer, peer: &Peer) -> Result<(Arc<crate::wire::descriptor::SegmentDesc>, u64), String> {
+pub(super) fn current(
+    shm: &ShmPeer,
+    peer: &Peer,
+) -> Result<(Arc<crate::wire::descriptor::SegmentDesc>, u64), String> {
     if shm.exited_lately() {
         return Err(format!("{}: process {} exited", peer.name, shm.pid));
     }
     let desc = peer.desc();
     match ShmInfo::cookie_epoch(&desc) {
         Some((c, e)) if c == shm.cookie => Ok((Arc::clone(&desc), e)),
-        _ => Err(format!("{}: the peer restarted or stopped offering shared memory during the transfer", peer.name)),
+        _ => Err(format!(
+            "{}: the peer restarted or stopped offering shared memory during the transfer",
+            peer.name
+        )),
     }
 }
 
@@ -109,7 +121,13 @@ pub(super) enum Entered {
 /// still `desc_epoch` (both sequentially consistent: either the peer's `unregister` sees the
 /// counter and waits, or we see its new epoch and do not copy); on a moved epoch, lowers the
 /// counter and re-reads the descriptor (at most three times per job).
-pub(super) fn enter(shared: &Shared, shm: &ShmPeer, peer: &Arc<Peer>, desc_epoch: u64, refreshed: &mut u32) -> Entered {
+pub(super) fn enter(
+    shared: &Shared,
+    shm: &ShmPeer,
+    peer: &Arc<Peer>,
+    desc_epoch: u64,
+    refreshed: &mut u32,
+) -> Entered {
     let active = shm.ctl.active(shm.slot);
     active.fetch_add(1, Ordering::SeqCst);
     if shm.ctl.epoch().load(Ordering::SeqCst) == desc_epoch {
@@ -127,7 +145,10 @@ pub(super) fn enter(shared: &Shared, shm: &ShmPeer, peer: &Arc<Peer>, desc_epoch
     };
     match r {
         Ok(()) => Entered::Again,
-        Err(e) => Entered::Fail(format!("{}: its registrations changed and its descriptor cannot be re-read: {e}", peer.name)),
+        Err(e) => Entered::Fail(format!(
+            "{}: its registrations changed and its descriptor cannot be re-read: {e}",
+            peer.name
+        )),
     }
 }
 
@@ -138,7 +159,12 @@ pub(super) fn leave(shm: &ShmPeer) {
 
 /// Copies the pieces of one job: check bounds and epoch, copy, check the peer still lives.
 pub(super) fn run_job(shared: &Shared, job: Job) {
-    let Job { shm, peer, mut pieces, gpu } = job;
+    let Job {
+        shm,
+        peer,
+        mut pieces,
+        gpu,
+    } = job;
     if gpu {
         return super::gpu::run(shared, &shm, &peer, pieces);
     }
@@ -154,7 +180,11 @@ pub(super) fn run_job(shared: &Shared, job: Job) {
             if desc.find_buffer(p.remote, p.len).is_some() {
                 true
             } else {
-                let e = crate::Error::RemoteNotRegistered { segment: peer.name.clone(), addr: p.remote, len: p.len };
+                let e = crate::Error::RemoteNotRegistered {
+                    segment: peer.name.clone(),
+                    addr: p.remote,
+                    len: p.len,
+                };
                 p.task.piece_failed(FailKind::Failed, &e);
                 false
             }
@@ -163,11 +193,19 @@ pub(super) fn run_job(shared: &Shared, job: Job) {
             return;
         }
         let maps = shm.maps_for(&desc);
-        let mapped: Vec<Option<(&Arc<PeerMap>, *mut u8)>> = pieces.iter().map(|p| maps.iter().find_map(|m| m.locate(p.remote, p.len).map(|at| (m, at)))).collect();
+        let mapped: Vec<Option<(&Arc<PeerMap>, *mut u8)>> = pieces
+            .iter()
+            .map(|p| {
+                maps.iter()
+                    .find_map(|m| m.locate(p.remote, p.len).map(|at| (m, at)))
+            })
+            .collect();
         match enter(shared, &shm, &peer, desc_epoch, &mut refreshed) {
             Entered::Copy => {}
             Entered::Again => continue,
-            Entered::Fail(why) => return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &why),
+            Entered::Fail(why) => {
+                return fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &why)
+            }
         }
         let (results, by_pid) = copy_all(shm.pid, &pieces, &mapped);
         drop(maps);
@@ -177,10 +215,20 @@ pub(super) fn run_job(shared: &Shared, job: Job) {
         // itself (its memfd, verified by identity, alive before and after the copy): no PID
         // was involved, so the 1 ms-fresh answer suffices there (one system call less per
         // small request).
-        let gone = if by_pid { shm.exited() } else { shm.exited_lately() };
+        let gone = if by_pid {
+            shm.exited()
+        } else {
+            shm.exited_lately()
+        };
         for (p, r) in pieces.into_iter().zip(results) {
             match r {
-                _ if gone => p.task.piece_failed(FailKind::Failed, FailCause::PeerLost.because(format!("{}: process {} exited during the transfer", peer.name, shm.pid))),
+                _ if gone => p.task.piece_failed(
+                    FailKind::Failed,
+                    FailCause::PeerLost.because(format!(
+                        "{}: process {} exited during the transfer",
+                        peer.name, shm.pid
+                    )),
+                ),
                 Ok(()) => {
                     let len = p.len;
                     p.task.piece_done(len);
@@ -207,10 +255,17 @@ pub(super) fn run_job(shared: &Shared, job: Job) {
 /// A mapped copy counts only if the buffer was alive (not freed by its owner) before and
 /// after it; otherwise it is redone by cross-memory attach, which reaches whatever the
 /// address holds now (a new buffer there) or fails: never "done" into an orphaned memfd.
-pub(super) fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<(&Arc<PeerMap>, *mut u8)>]) -> (Vec<io::Result<()>>, bool) {
+pub(super) fn copy_all(
+    pid: i32,
+    pieces: &[Piece],
+    mapped: &[Option<(&Arc<PeerMap>, *mut u8)>],
+) -> (Vec<io::Result<()>>, bool) {
     let mut out: Vec<io::Result<()>> = Vec::with_capacity(pieces.len());
     let mut by_pid = false;
-    let mut mapped: Vec<Option<(&Arc<PeerMap>, *mut u8)>> = mapped.iter().map(|m| m.filter(|(m, _)| m.alive())).collect();
+    let mut mapped: Vec<Option<(&Arc<PeerMap>, *mut u8)>> = mapped
+        .iter()
+        .map(|m| m.filter(|(m, _)| m.alive()))
+        .collect();
     let mut i = 0;
     while i < pieces.len() {
         if let Some((m, at)) = mapped[i] {
@@ -222,8 +277,14 @@ pub(super) fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<(&Arc<PeerMa
             // mappings, so they do not overlap.
             unsafe {
                 match p.opcode {
-                    Opcode::Write => std::ptr::copy_nonoverlapping(p.local as *const u8, at, p.len as usize),
-                    Opcode::Read => std::ptr::copy_nonoverlapping(at as *const u8, p.local as *mut u8, p.len as usize),
+                    Opcode::Write => {
+                        std::ptr::copy_nonoverlapping(p.local as *const u8, at, p.len as usize)
+                    }
+                    Opcode::Read => std::ptr::copy_nonoverlapping(
+                        at as *const u8,
+                        p.local as *mut u8,
+                        p.len as usize,
+                    ),
                 }
             }
             // The copy's stores come before the check (the owner clears `alive` before it
@@ -245,8 +306,20 @@ pub(super) fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<(&Arc<PeerMa
         }
         let run = &pieces[i..j];
         by_pid = true;
-        let local: Vec<libc::iovec> = run.iter().map(|p| libc::iovec { iov_base: p.local as *mut libc::c_void, iov_len: p.len as usize }).collect();
-        let remote: Vec<libc::iovec> = run.iter().map(|p| libc::iovec { iov_base: p.remote as *mut libc::c_void, iov_len: p.len as usize }).collect();
+        let local: Vec<libc::iovec> = run
+            .iter()
+            .map(|p| libc::iovec {
+                iov_base: p.local as *mut libc::c_void,
+                iov_len: p.len as usize,
+            })
+            .collect();
+        let remote: Vec<libc::iovec> = run
+            .iter()
+            .map(|p| libc::iovec {
+                iov_base: p.remote as *mut libc::c_void,
+                iov_len: p.len as usize,
+            })
+            .collect();
         let total: usize = local.iter().map(|v| v.iov_len).sum();
         match cma(pid, op, &local, &remote) {
             Ok(n) if n == total => {
@@ -267,7 +340,10 @@ pub(super) fn copy_all(pid: i32, pieces: &[Piece], mapped: &[Option<(&Arc<PeerMa
                     done = 0;
                     out.push(match cma(pid, op, &local[k..=k], &remote[k..=k]) {
                         Ok(n) if n == len => Ok(()),
-                        Ok(n) => Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("copied {n} of {len} bytes"))),
+                        Ok(n) => Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            format!("copied {n} of {len} bytes"),
+                        )),
                         Err(e) => Err(e),
                     });
                 }

@@ -38,12 +38,24 @@ unsafe impl Sync for CtlMap {}
 impl CtlMap {
     pub(super) fn map(fd: &OwnedFd) -> io::Result<CtlMap> {
         // SAFETY: shared mapping of a memfd at least CTL_LEN long (checked by callers).
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), CTL_LEN, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                CTL_LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
         dontfork(p as *mut u8, CTL_LEN);
-        Ok(CtlMap { ptr: p as *mut u8, home: std::process::id() })
+        Ok(CtlMap {
+            ptr: p as *mut u8,
+            home: std::process::id(),
+        })
     }
 
     pub(super) fn word(&self, off: usize) -> &AtomicU64 {
@@ -57,12 +69,20 @@ impl CtlMap {
         let mut h = [0u8; 24];
         h[..8].copy_from_slice(&self.word(OFF_MAGIC).load(Ordering::Acquire).to_le_bytes());
         h[8..16].copy_from_slice(&self.word(OFF_COOKIE).load(Ordering::Acquire).to_le_bytes());
-        h[16..].copy_from_slice(&self.word(OFF_COOKIE + 8).load(Ordering::Acquire).to_le_bytes());
+        h[16..].copy_from_slice(
+            &self
+                .word(OFF_COOKIE + 8)
+                .load(Ordering::Acquire)
+                .to_le_bytes(),
+        );
         h
     }
 
     pub(super) fn cookie_hex(&self) -> String {
-        self.header()[8..].iter().map(|b| format!("{b:02x}")).collect()
+        self.header()[8..]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
     }
 
     pub(super) fn epoch(&self) -> &AtomicU64 {
@@ -92,7 +112,9 @@ impl CtlMap {
         if !pid_exists(pid) {
             return false;
         }
-        let Some((exited, started)) = proc_stat(pid) else { return true };
+        let Some((exited, started)) = proc_stat(pid) else {
+            return true;
+        };
         let claimed = self.started(slot).load(Ordering::SeqCst);
         !exited && (claimed == 0 || started.is_none_or(|now| now == claimed))
     }
@@ -129,7 +151,9 @@ pub(super) fn owner_pid(owner: u64) -> i32 {
 
 /// Whether process `pid` exists (signal 0 checks existence and permission only).
 fn pid_exists(pid: i32) -> bool {
-    let Some(p) = rustix::process::Pid::from_raw(pid).filter(|_| pid > 0) else { return false };
+    let Some(p) = rustix::process::Pid::from_raw(pid).filter(|_| pid > 0) else {
+        return false;
+    };
     rustix::process::test_kill_process(p) != Err(rustix::io::Errno::SRCH)
 }
 
@@ -157,19 +181,31 @@ pub(super) struct LocalCtl {
 impl LocalCtl {
     pub(super) fn create(name: &str) -> io::Result<LocalCtl> {
         use rustix::fs::{MemfdFlags, SealFlags};
-        let fd = rustix::fs::memfd_create("kvferry-shm-ctl", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        let fd = rustix::fs::memfd_create(
+            "kvferry-shm-ctl",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )?;
         rustix::fs::ftruncate(&fd, CTL_LEN as u64)?;
         // Peers map the region and read it without a system call: its size must never
         // change under them (a truncated mapping raises SIGBUS in the reader).
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
         let map = CtlMap::map(&fd)?;
         let cookie: [u8; 16] = rand::random();
-        map.word(OFF_COOKIE).store(u64::from_le_bytes(cookie[..8].try_into().unwrap_or_default()), Ordering::Release);
-        map.word(OFF_COOKIE + 8).store(u64::from_le_bytes(cookie[8..].try_into().unwrap_or_default()), Ordering::Release);
+        map.word(OFF_COOKIE).store(
+            u64::from_le_bytes(cookie[..8].try_into().unwrap_or_default()),
+            Ordering::Release,
+        );
+        map.word(OFF_COOKIE + 8).store(
+            u64::from_le_bytes(cookie[8..].try_into().unwrap_or_default()),
+            Ordering::Release,
+        );
         let name = &name.as_bytes()[..name.len().min(NAME_MAX)];
         // SAFETY: in bounds; nobody else has the region yet.
-        unsafe { std::ptr::copy_nonoverlapping(name.as_ptr(), map.ptr.add(OFF_NAME + 8), name.len()) };
-        map.word(OFF_NAME).store(name.len() as u64, Ordering::Release);
+        unsafe {
+            std::ptr::copy_nonoverlapping(name.as_ptr(), map.ptr.add(OFF_NAME + 8), name.len())
+        };
+        map.word(OFF_NAME)
+            .store(name.len() as u64, Ordering::Release);
         map.word(OFF_MAGIC).store(CTL_MAGIC, Ordering::Release);
         Ok(LocalCtl { map, fd })
     }
@@ -188,7 +224,12 @@ impl LocalCtl {
                 if owner == 0 || !self.map.owner_alive(s, owner) {
                     // Its owner died mid-copy: the copy cannot continue.
                     self.map.active(s).store(0, Ordering::SeqCst);
-                    let _ = self.map.owner(s).compare_exchange(owner, 0, Ordering::SeqCst, Ordering::SeqCst);
+                    let _ = self.map.owner(s).compare_exchange(
+                        owner,
+                        0,
+                        Ordering::SeqCst,
+                        Ordering::SeqCst,
+                    );
                     continue;
                 }
                 busy = true;
@@ -208,11 +249,20 @@ impl LocalCtl {
 pub(super) fn claim_slot(ctl: &CtlMap, owner: u64) -> Option<usize> {
     for s in 0..N_SLOTS {
         let cur = ctl.owner(s).load(Ordering::SeqCst);
-        let free = cur == 0 || (cur != owner && !ctl.owner_alive(s, cur) && ctl.active(s).load(Ordering::SeqCst) == 0);
-        if free && ctl.owner(s).compare_exchange(cur, owner, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+        let free = cur == 0
+            || (cur != owner
+                && !ctl.owner_alive(s, cur)
+                && ctl.active(s).load(Ordering::SeqCst) == 0);
+        if free
+            && ctl
+                .owner(s)
+                .compare_exchange(cur, owner, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        {
             // Before the owner raises `active` (after this returns): a drain looks at the
             // slot only then, so it never reads the previous owner's start time.
-            ctl.started(s).store(start_time(owner_pid(owner)).unwrap_or(0), Ordering::SeqCst);
+            ctl.started(s)
+                .store(start_time(owner_pid(owner)).unwrap_or(0), Ordering::SeqCst);
             ctl.active(s).store(0, Ordering::SeqCst);
             ctl.word(OFF_HWM).fetch_max(s as u64 + 1, Ordering::SeqCst);
             return Some(s);

@@ -58,23 +58,41 @@ impl Exports {
     }
 
     pub(super) fn on_unregister(&self, r: &Region) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(&r.addr);
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&r.addr);
     }
 
     pub(super) fn list(&self) -> Vec<GpuExport> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect()
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
     }
 }
 
 /// The exports a descriptor publishes (none when it publishes no field or no GPU memory).
 fn exports_of(desc: &SegmentDesc) -> Vec<GpuExport> {
-    desc.extra.get(FIELD).and_then(|v| v.get("gpus")).and_then(|g| serde_json::from_value(g.clone()).ok()).unwrap_or_default()
+    desc.extra
+        .get(FIELD)
+        .and_then(|v| v.get("gpus"))
+        .and_then(|g| serde_json::from_value(g.clone()).ok())
+        .unwrap_or_default()
 }
 
 /// The export covering `[remote, +len)` in `list`.
 fn covering(list: &[GpuExport], remote: u64, len: u64) -> Option<&GpuExport> {
     // (A peer's descriptor: its export may claim a range past the end of the address space.)
-    list.iter().find(|e| remote >= e.addr && remote.checked_add(len).zip(e.addr.checked_add(e.len)).is_some_and(|(end, limit)| end <= limit))
+    list.iter().find(|e| {
+        remote >= e.addr
+            && remote
+                .checked_add(len)
+                .zip(e.addr.checked_add(e.len))
+                .is_some_and(|(end, limit)| end <= limit)
+    })
 }
 
 /// What an initiator opened of one peer: per export string, the mapping here (or why it
@@ -90,7 +108,10 @@ impl Opens {
             return r.clone();
         }
         let r = Export::decode(&e.export).and_then(|x| {
-            let gpus = crate::gpu::cuda().ok().and_then(|c| c.driver().devices().ok()).map_or(0, |d| d.len() as u32);
+            let gpus = crate::gpu::cuda()
+                .ok()
+                .and_then(|c| c.driver().devices().ok())
+                .map_or(0, |d| d.len() as u32);
             let on = near.unwrap_or(if x.ordinal < gpus { x.ordinal } else { 0 });
             ipc::open(&x, on).map(Arc::new)
         });
@@ -103,7 +124,10 @@ impl Opens {
 
     /// Closes what the peer no longer exports (once no copy uses it).
     fn retain(&self, list: &[GpuExport]) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).retain(|k, _| list.iter().any(|e| &e.export == k));
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|k, _| list.iter().any(|e| &e.export == k));
     }
 
     pub(super) fn clear(&self) {
@@ -113,13 +137,20 @@ impl Opens {
 
 /// Splits off the pieces whose remote range lies in GPU memory `peer` exports and that this
 /// process can open: `(taken, rest)`.
-pub(super) fn split(shm: &ShmPeer, desc: &SegmentDesc, pieces: Vec<Piece>) -> (Vec<Piece>, Vec<Piece>) {
+pub(super) fn split(
+    shm: &ShmPeer,
+    desc: &SegmentDesc,
+    pieces: Vec<Piece>,
+) -> (Vec<Piece>, Vec<Piece>) {
     let list = exports_of(desc);
     if list.is_empty() {
         return (Vec::new(), pieces);
     }
     shm.gpu.retain(&list);
-    pieces.into_iter().partition(|p| covering(&list, p.remote, p.len).is_some_and(|e| shm.gpu.open(e, p.guard.region().gpu).is_ok()))
+    pieces.into_iter().partition(|p| {
+        covering(&list, p.remote, p.len)
+            .is_some_and(|e| shm.gpu.open(e, p.guard.region().gpu).is_ok())
+    })
 }
 
 /// Copies pieces into or out of the peer's GPU memory: bounds against the current descriptor,
@@ -128,33 +159,56 @@ pub(super) fn split(shm: &ShmPeer, desc: &SegmentDesc, pieces: Vec<Piece>) -> (V
 pub(super) fn run(shared: &Shared, shm: &ShmPeer, peer: &Arc<Peer>, mut pieces: Vec<Piece>) {
     let cuda = match crate::gpu::cuda() {
         Ok(c) => c,
-        Err(why) => return super::copy::fail_all(pieces, FailKind::Failed, FailCause::Other, &format!("GPU memory cannot be copied: {why}")),
+        Err(why) => {
+            return super::copy::fail_all(
+                pieces,
+                FailKind::Failed,
+                FailCause::Other,
+                &format!("GPU memory cannot be copied: {why}"),
+            )
+        }
     };
     super::copy::admit(peer, &mut pieces);
     let mut refreshed = 0;
     while !pieces.is_empty() {
         let (desc, desc_epoch) = match super::copy::current(shm, peer) {
             Ok(d) => d,
-            Err(why) => return super::copy::fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &why),
+            Err(why) => {
+                return super::copy::fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &why)
+            }
         };
         let list = exports_of(&desc);
         // Bounds: only ranges inside exports of the current descriptor.
         let mut targets = Vec::with_capacity(pieces.len());
-        pieces.retain(|p| match covering(&list, p.remote, p.len).filter(|_| desc.find_buffer(p.remote, p.len).is_some()) {
-            Some(e) => match shm.gpu.open(e, p.guard.region().gpu) {
-                Ok(o) => {
-                    targets.push((o, p.remote - e.addr));
-                    true
-                }
-                Err(why) => {
-                    p.task.piece_failed(FailKind::Failed, FailCause::Other.because(format!("{}: its GPU memory cannot be opened here: {why}", peer.name)));
+        pieces.retain(|p| {
+            match covering(&list, p.remote, p.len)
+                .filter(|_| desc.find_buffer(p.remote, p.len).is_some())
+            {
+                Some(e) => match shm.gpu.open(e, p.guard.region().gpu) {
+                    Ok(o) => {
+                        targets.push((o, p.remote - e.addr));
+                        true
+                    }
+                    Err(why) => {
+                        p.task.piece_failed(
+                            FailKind::Failed,
+                            FailCause::Other.because(format!(
+                                "{}: its GPU memory cannot be opened here: {why}",
+                                peer.name
+                            )),
+                        );
+                        false
+                    }
+                },
+                None => {
+                    let e = crate::Error::RemoteNotRegistered {
+                        segment: peer.name.clone(),
+                        addr: p.remote,
+                        len: p.len,
+                    };
+                    p.task.piece_failed(FailKind::Failed, &e);
                     false
                 }
-            },
-            None => {
-                let e = crate::Error::RemoteNotRegistered { segment: peer.name.clone(), addr: p.remote, len: p.len };
-                p.task.piece_failed(FailKind::Failed, &e);
-                false
             }
         });
         if pieces.is_empty() {
@@ -163,7 +217,9 @@ pub(super) fn run(shared: &Shared, shm: &ShmPeer, peer: &Arc<Peer>, mut pieces: 
         match super::copy::enter(shared, shm, peer, desc_epoch, &mut refreshed) {
             super::copy::Entered::Copy => {}
             super::copy::Entered::Again => continue,
-            super::copy::Entered::Fail(why) => return super::copy::fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &why),
+            super::copy::Entered::Fail(why) => {
+                return super::copy::fail_all(pieces, FailKind::Failed, FailCause::PeerLost, &why)
+            }
         }
         let results: Vec<Result<(), String>> = pieces
             .iter()
@@ -172,13 +228,24 @@ pub(super) fn run(shared: &Shared, shm: &ShmPeer, peer: &Arc<Peer>, mut pieces: 
                 let remote = o.addr() + off;
                 let len = p.len as usize;
                 let on = o.on();
-                let host = "the local range is neither GPU memory nor registered host memory".to_string();
+                let host =
+                    "the local range is neither GPU memory nor registered host memory".to_string();
                 match (p.opcode, p.guard.region().gpu) {
                     // Device to device (unified addressing routes it between GPUs).
-                    (Opcode::Write, Some(_)) => cuda.dtod(on, remote, p.local, len).map_err(|e| e.to_string()),
-                    (Opcode::Read, Some(_)) => cuda.dtod(on, p.local, remote, len).map_err(|e| e.to_string()),
-                    (Opcode::Write, None) => p.host_bytes().ok_or(host).and_then(|src| cuda.htod(on, remote, src).map_err(|e| e.to_string())),
-                    (Opcode::Read, None) => p.host_bytes_mut().ok_or(host).and_then(|dst| cuda.dtoh(on, dst, remote).map_err(|e| e.to_string())),
+                    (Opcode::Write, Some(_)) => cuda
+                        .dtod(on, remote, p.local, len)
+                        .map_err(|e| e.to_string()),
+                    (Opcode::Read, Some(_)) => cuda
+                        .dtod(on, p.local, remote, len)
+                        .map_err(|e| e.to_string()),
+                    (Opcode::Write, None) => p
+                        .host_bytes()
+                        .ok_or(host)
+                        .and_then(|src| cuda.htod(on, remote, src).map_err(|e| e.to_string())),
+                    (Opcode::Read, None) => p
+                        .host_bytes_mut()
+                        .ok_or(host)
+                        .and_then(|dst| cuda.dtoh(on, dst, remote).map_err(|e| e.to_string())),
                 }
             })
             .collect();
@@ -186,13 +253,25 @@ pub(super) fn run(shared: &Shared, shm: &ShmPeer, peer: &Arc<Peer>, mut pieces: 
         let gone = shm.exited();
         for (p, r) in pieces.into_iter().zip(results) {
             match r {
-                _ if gone => p.task.piece_failed(FailKind::Failed, FailCause::PeerLost.because(format!("{}: process {} exited during the transfer", peer.name, shm.pid))),
+                _ if gone => p.task.piece_failed(
+                    FailKind::Failed,
+                    FailCause::PeerLost.because(format!(
+                        "{}: process {} exited during the transfer",
+                        peer.name, shm.pid
+                    )),
+                ),
                 Ok(()) => {
                     GPU_IPC_BYTES.fetch_add(p.len, Ordering::Relaxed);
                     let len = p.len;
                     p.task.piece_done(len);
                 }
-                Err(e) => p.task.piece_failed(FailKind::Failed, FailCause::Other.because(format!("{}: GPU copy through CUDA IPC failed: {e}", peer.name))),
+                Err(e) => p.task.piece_failed(
+                    FailKind::Failed,
+                    FailCause::Other.because(format!(
+                        "{}: GPU copy through CUDA IPC failed: {e}",
+                        peer.name
+                    )),
+                ),
             }
         }
         return;
@@ -207,9 +286,16 @@ mod tests {
     /// overflows (a debug build panicked on `addr + len` past the address space).
     #[test]
     fn covering_a_range_never_overflows_on_a_peers_exports() {
-        let e = |addr: u64, len: u64| GpuExport { addr, len, export: String::new() };
+        let e = |addr: u64, len: u64| GpuExport {
+            addr,
+            len,
+            export: String::new(),
+        };
         let list = [e(u64::MAX - 10, 100), e(0x1000, 0x1000)];
-        assert!(covering(&list, u64::MAX - 5, 1).is_none(), "an export past the end covers nothing");
+        assert!(
+            covering(&list, u64::MAX - 5, 1).is_none(),
+            "an export past the end covers nothing"
+        );
         assert_eq!(covering(&list, 0x1800, 0x800).map(|x| x.addr), Some(0x1000));
         assert!(covering(&list, 0x1800, 0x801).is_none());
         assert!(covering(&list, u64::MAX, 2).is_none());

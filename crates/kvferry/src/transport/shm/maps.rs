@@ -43,7 +43,8 @@ pub(super) const AHEAD: usize = 8;
 
 /// Chunk `c`'s bit in a chunk bitmap: whether it is set (false past the end).
 fn is_set(map: &[AtomicU64], c: usize) -> bool {
-    map.get(c / 64).is_some_and(|w| w.load(Ordering::Relaxed) & (1u64 << (c % 64)) != 0)
+    map.get(c / 64)
+        .is_some_and(|w| w.load(Ordering::Relaxed) & (1u64 << (c % 64)) != 0)
 }
 
 /// Sets chunk `c`'s bit; whether this call set it (false if it was set, or past the end).
@@ -51,7 +52,9 @@ fn is_set(map: &[AtomicU64], c: usize) -> bool {
 /// leaves the cache line shared between the copying threads.
 fn claim(map: &[AtomicU64], c: usize) -> bool {
     let b = 1u64 << (c % 64);
-    map.get(c / 64).is_some_and(|w| w.load(Ordering::Relaxed) & b == 0 && w.fetch_or(b, Ordering::Relaxed) & b == 0)
+    map.get(c / 64).is_some_and(|w| {
+        w.load(Ordering::Relaxed) & b == 0 && w.fetch_or(b, Ordering::Relaxed) & b == 0
+    })
 }
 
 /// Clears chunk `c`'s bit.
@@ -105,13 +108,22 @@ pub(super) mod filler {
     impl Budget {
         /// `None` for a limit of 0 (no background filling).
         pub(in crate::transport::shm) fn new(limit: u64) -> Option<Arc<Budget>> {
-            (limit > 0).then(|| Arc::new(Budget { limit, used: AtomicU64::new(0) }))
+            (limit > 0).then(|| {
+                Arc::new(Budget {
+                    limit,
+                    used: AtomicU64::new(0),
+                })
+            })
         }
 
         /// Takes a chunk's bytes if they fit (the engine's other buffers may take them
         /// between [`Budget::fits`] and this).
         fn take(&self) -> bool {
-            self.used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| (u + CHUNK as u64 <= self.limit).then_some(u + CHUNK as u64)).is_ok()
+            self.used
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+                    (u + CHUNK as u64 <= self.limit).then_some(u + CHUNK as u64)
+                })
+                .is_ok()
         }
 
         fn fits(&self) -> bool {
@@ -137,7 +149,12 @@ pub(super) mod filler {
     /// Never waits for the queue's lock: a `fork()` child whose parent held it at the fork
     /// would wait forever, and anywhere else the job is only help (refused, the copies fill
     /// the chunks themselves).
-    fn send<J: Send + 'static>(q: &Queue<J>, name: &str, run: fn(Receiver<J>), job: J) -> Result<(), J> {
+    fn send<J: Send + 'static>(
+        q: &Queue<J>,
+        name: &str,
+        run: fn(Receiver<J>),
+        job: J,
+    ) -> Result<(), J> {
         let mut q = match q.try_lock() {
             Ok(q) => q,
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
@@ -146,13 +163,18 @@ pub(super) mod filler {
         let me = std::process::id();
         if q.as_ref().is_none_or(|(pid, _)| *pid != me) {
             let (tx, rx) = sync_channel::<J>(256);
-            if let Err(e) = std::thread::Builder::new().name(name.into()).spawn(move || run(rx)) {
+            if let Err(e) = std::thread::Builder::new()
+                .name(name.into())
+                .spawn(move || run(rx))
+            {
                 tracing::debug!("no thread to fill peer mappings off the copies' path ({e})");
                 return Err(job);
             }
             *q = Some((me, tx));
         }
-        let Some((_, tx)) = q.as_ref() else { return Err(job) };
+        let Some((_, tx)) = q.as_ref() else {
+            return Err(job);
+        };
         tx.try_send(job).map_err(|e| match e {
             TrySendError::Full(j) | TrySendError::Disconnected(j) => j,
         })
@@ -167,7 +189,12 @@ pub(super) mod filler {
     /// `budget`. Not queued (the queue is full): it is filled by the copies.
     pub(super) fn background(m: &Arc<PeerMap>, budget: &Arc<Budget>) {
         let chunks = (m.info.len as usize).div_ceil(CHUNK);
-        let _ = send(&BACKGROUND, "kvf-shm-fill", run_background, (Arc::downgrade(m), chunks, Arc::clone(budget)));
+        let _ = send(
+            &BACKGROUND,
+            "kvf-shm-fill",
+            run_background,
+            (Arc::downgrade(m), chunks, Arc::clone(budget)),
+        );
     }
 
     struct Candidate {
@@ -203,7 +230,10 @@ pub(super) mod filler {
         let idle = libc::sched_param { sched_priority: 0 };
         // SAFETY: sets the calling thread's policy (pid 0); `idle` outlives the call.
         if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &idle) } != 0 {
-            tracing::debug!("the background fill runs at normal priority: sched_setscheduler(SCHED_IDLE): {}", std::io::Error::last_os_error());
+            tracing::debug!(
+                "the background fill runs at normal priority: sched_setscheduler(SCHED_IDLE): {}",
+                std::io::Error::last_os_error()
+            );
         }
         let mut list: Vec<Candidate> = Vec::new();
         let mut due = Instant::now();
@@ -222,7 +252,15 @@ pub(super) mod filler {
             };
             match job {
                 Some((map, chunks, budget)) => {
-                    list.push(Candidate { map, chunks, budget, from: Instant::now() + BACKGROUND_AFTER, next: 0, filled: 0, busy: Duration::ZERO });
+                    list.push(Candidate {
+                        map,
+                        chunks,
+                        budget,
+                        from: Instant::now() + BACKGROUND_AFTER,
+                        next: 0,
+                        filled: 0,
+                        busy: Duration::ZERO,
+                    });
                 }
                 None => due = slice(&mut list),
             }
@@ -240,9 +278,19 @@ pub(super) mod filler {
             keep
         });
         let now = Instant::now();
-        let Some(c) = list.iter_mut().find(|c| c.from <= now && c.next < c.chunks && c.budget.fits()) else {
-            let first = list.iter().filter(|c| c.next < c.chunks).map(|c| c.from).min();
-            return first.filter(|&f| f > now).unwrap_or(now + RECHECK).min(now + RECHECK);
+        let Some(c) = list
+            .iter_mut()
+            .find(|c| c.from <= now && c.next < c.chunks && c.budget.fits())
+        else {
+            let first = list
+                .iter()
+                .filter(|c| c.next < c.chunks)
+                .map(|c| c.from)
+                .min();
+            return first
+                .filter(|&f| f > now)
+                .unwrap_or(now + RECHECK)
+                .min(now + RECHECK);
         };
         let Some(m) = c.map.upgrade() else { return now };
         let mut n = 0;
@@ -261,7 +309,11 @@ pub(super) mod filler {
         let took = now.elapsed();
         c.busy += took;
         if c.next >= c.chunks {
-            tracing::debug!(bytes = c.filled, busy_ms = c.busy.as_millis() as u64, "filled a peer's buffer in the background");
+            tracing::debug!(
+                bytes = c.filled,
+                busy_ms = c.busy.as_millis() as u64,
+                "filled a peer's buffer in the background"
+            );
         }
         Instant::now() + took * IDLE_FACTOR
     }
@@ -269,7 +321,9 @@ pub(super) mod filler {
 
 /// The chunk bitmap of a buffer of `len` bytes.
 pub(super) fn chunk_bits(len: u64) -> Box<[AtomicU64]> {
-    (0..(len as usize).div_ceil(CHUNK).div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
+    (0..(len as usize).div_ceil(CHUNK).div_ceil(64))
+        .map(|_| AtomicU64::new(0))
+        .collect()
 }
 
 // SAFETY: a shared mapping owned by this value; bytes are copied in and out only under the
@@ -291,15 +345,26 @@ impl PeerMap {
     pub(super) fn header_word(&self, i: usize) -> &AtomicU64 {
         // SAFETY: the header page lies inside our mapping (checked in `ShmPeer::map`),
         // page-aligned; shared memory accessed only atomically.
-        unsafe { &*(self.ptr.add(crate::hostbuf::header_offset(self.info.len) as usize) as *const AtomicU64).add(i) }
+        unsafe {
+            &*(self
+                .ptr
+                .add(crate::hostbuf::header_offset(self.info.len) as usize)
+                as *const AtomicU64)
+                .add(i)
+        }
     }
 
     /// Whether the buffer is still the live one its owner published: a freed buffer's
     /// header says so before its pages are released (and its memory may be reused at the
     /// same address by a new buffer, which this mapping does not reach).
     pub(super) fn alive(&self) -> bool {
-        self.header_word(crate::hostbuf::HDR_ALIVE).load(Ordering::SeqCst) == 1
-            && self.header_word(crate::hostbuf::HDR_GENERATION).load(Ordering::Relaxed) == self.info.generation
+        self.header_word(crate::hostbuf::HDR_ALIVE)
+            .load(Ordering::SeqCst)
+            == 1
+            && self
+                .header_word(crate::hostbuf::HDR_GENERATION)
+                .load(Ordering::Relaxed)
+                == self.info.generation
     }
 
     /// Before a copy of `len` bytes at `at` (inside our mapping): fills the page tables of
@@ -328,7 +393,9 @@ impl PeerMap {
         if stream && self.info.populated {
             let chunks = (self.info.len as usize).div_ceil(CHUNK);
             // Empty (no allocation) once the stream's chunks are all claimed.
-            let ahead: Vec<usize> = (first..=(last + AHEAD).min(chunks - 1)).filter(|&c| claim(&self.faulted, c)).collect();
+            let ahead: Vec<usize> = (first..=(last + AHEAD).min(chunks - 1))
+                .filter(|&c| claim(&self.faulted, c))
+                .collect();
             if !ahead.is_empty() {
                 if let Err(back) = filler::ahead(Arc::downgrade(self), ahead) {
                     // No helper: those chunks are filled by the copies that reach them.
@@ -357,7 +424,13 @@ impl PeerMap {
         // 512 MiB this way takes 36-43 ms on the 2-vCPU VM against 99-127 ms with
         // POPULATE_WRITE (a fault per page) and 157-187 ms of faults in the copy itself, and the copy after it runs
         // at full speed either way (`examples/shm_populate.rs`).
-        let _ = unsafe { rustix::mm::madvise(self.ptr.add(start).cast(), CHUNK.min(data - start), rustix::mm::Advice::LinuxPopulateRead) };
+        let _ = unsafe {
+            rustix::mm::madvise(
+                self.ptr.add(start).cast(),
+                CHUNK.min(data - start),
+                rustix::mm::Advice::LinuxPopulateRead,
+            )
+        };
     }
 
     /// Where `[remote, remote+len)` of the peer lies in our mapping, if inside it.
@@ -379,21 +452,45 @@ pub(super) struct MapCache {
 /// Checks in `/proc/<pid>/maps` that `[addr, addr+len)` of the peer is the file
 /// `(dev, ino)` mapped shared from its byte 0, so the fd we took is the memory it publishes.
 pub(super) fn verify_mapping(pid: i32, info: &MapInfo, dev: u64, ino: u64) -> Result<(), String> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).map_err(|e| format!("cannot read /proc/{pid}/maps: {e}"))?;
-    let end = info.addr.checked_add(info.len).ok_or("the range overflows")?;
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .map_err(|e| format!("cannot read /proc/{pid}/maps: {e}"))?;
+    let end = info
+        .addr
+        .checked_add(info.len)
+        .ok_or("the range overflows")?;
     let mut cursor = info.addr;
     for line in maps.lines() {
         let mut f = line.split_whitespace();
-        let (Some(range), Some(perms), Some(off), Some(dv), Some(inode)) = (f.next(), f.next(), f.next(), f.next(), f.next()) else { continue };
-        let Some((a, b)) = range.split_once('-') else { continue };
-        let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else { continue };
+        let (Some(range), Some(perms), Some(off), Some(dv), Some(inode)) =
+            (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
+            continue;
+        };
+        let Some((a, b)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else {
+            continue;
+        };
         if b <= cursor || a > cursor {
             continue;
         }
-        let (Ok(off), Ok(inode)) = (u64::from_str_radix(off, 16), inode.parse::<u64>()) else { break };
-        let mm = dv.split_once(':').and_then(|(x, y)| Some((u32::from_str_radix(x, 16).ok()?, u32::from_str_radix(y, 16).ok()?)));
+        let (Ok(off), Ok(inode)) = (u64::from_str_radix(off, 16), inode.parse::<u64>()) else {
+            break;
+        };
+        let mm = dv.split_once(':').and_then(|(x, y)| {
+            Some((
+                u32::from_str_radix(x, 16).ok()?,
+                u32::from_str_radix(y, 16).ok()?,
+            ))
+        });
         let same_dev = mm.is_some_and(|(x, y)| libc::makedev(x, y) == dev);
-        if a < info.addr || !perms.ends_with('s') || inode != ino || !same_dev || off != a - info.addr {
+        if a < info.addr
+            || !perms.ends_with('s')
+            || inode != ino
+            || !same_dev
+            || off != a - info.addr
+        {
             return Err(format!("[0x{:x}, +{}) of process {pid} is not the memory of the file descriptor it published (fd {})", info.addr, info.len, info.fd));
         }
         cursor = b;
@@ -401,7 +498,10 @@ pub(super) fn verify_mapping(pid: i32, info: &MapInfo, dev: u64, ino: u64) -> Re
             return Ok(());
         }
     }
-    Err(format!("[0x{:x}, +{}) is not (wholly) mapped in process {pid}", info.addr, info.len))
+    Err(format!(
+        "[0x{:x}, +{}) is not (wholly) mapped in process {pid}",
+        info.addr, info.len
+    ))
 }
 
 impl ShmPeer {
@@ -409,10 +509,19 @@ impl ShmPeer {
     /// freed. Returns how many mappings were dropped from the cache.
     pub(super) fn release_maps(&self, all: bool) -> usize {
         let mut c = self.maps.lock().unwrap_or_else(|e| e.into_inner());
-        let keep: Vec<Arc<PeerMap>> = if all { Vec::new() } else { c.maps.iter().filter(|m| m.alive()).cloned().collect() };
+        let keep: Vec<Arc<PeerMap>> = if all {
+            Vec::new()
+        } else {
+            c.maps.iter().filter(|m| m.alive()).cloned().collect()
+        };
         let dropped = c.maps.len() - keep.len();
         if dropped > 0 {
-            let dead: Vec<MapInfo> = c.maps.iter().filter(|m| !m.alive()).map(|m| m.info).collect();
+            let dead: Vec<MapInfo> = c
+                .maps
+                .iter()
+                .filter(|m| !m.alive())
+                .map(|m| m.info)
+                .collect();
             for info in dead {
                 c.refused.insert(info, "its owner freed it".into());
             }
@@ -430,11 +539,16 @@ impl ShmPeer {
     /// maps that left the descriptor are released once no copy uses them).
     pub(super) fn maps_for(&self, desc: &Arc<SegmentDesc>) -> Arc<Vec<Arc<PeerMap>>> {
         let mut c = self.maps.lock().unwrap_or_else(|e| e.into_inner());
-        if c.desc.as_ref().is_some_and(|d| Arc::ptr_eq(d, desc)) && c.maps.iter().all(|m| m.alive()) {
+        if c.desc.as_ref().is_some_and(|d| Arc::ptr_eq(d, desc)) && c.maps.iter().all(|m| m.alive())
+        {
             return Arc::clone(&c.maps);
         }
-        let listed: Vec<MapInfo> =
-            desc.extra.get(FIELD).and_then(|v| v.get("maps")).and_then(|m| serde_json::from_value(m.clone()).ok()).unwrap_or_default();
+        let listed: Vec<MapInfo> = desc
+            .extra
+            .get(FIELD)
+            .and_then(|v| v.get("maps"))
+            .and_then(|m| serde_json::from_value(m.clone()).ok())
+            .unwrap_or_default();
         let mut maps = Vec::with_capacity(listed.len());
         // Refusals of buffers the descriptor no longer lists are forgotten: the table stays
         // as small as the peer's buffer list.
@@ -462,7 +576,10 @@ impl ShmPeer {
                     maps.push(m);
                 }
                 Err(r) => {
-                    tracing::debug!(pid = self.pid, "not mapping a peer buffer, copying by cross-memory attach: {r}");
+                    tracing::debug!(
+                        pid = self.pid,
+                        "not mapping a peer buffer, copying by cross-memory attach: {r}"
+                    );
                     c.refused.insert(info, r);
                 }
             }
@@ -477,12 +594,19 @@ impl ShmPeer {
     pub(super) fn map(&self, info: &MapInfo) -> Result<PeerMap, String> {
         let pid = self.pid;
         if info.len == 0 || info.len > isize::MAX as u64 || info.addr % 4096 != 0 {
-            return Err(format!("published buffer [0x{:x}, +{}) is malformed", info.addr, info.len));
+            return Err(format!(
+                "published buffer [0x{:x}, +{}) is malformed",
+                info.addr, info.len
+            ));
         }
         if info.generation == 0 || info.ino == 0 {
-            return Err(format!("published buffer [0x{:x}, +{}) has no identity (an older kvferry)", info.addr, info.len));
+            return Err(format!(
+                "published buffer [0x{:x}, +{}) has no identity (an older kvferry)",
+                info.addr, info.len
+            ));
         }
-        let fd = pidfd_getfd(&self.pidfd, info.fd).map_err(|e| format!("cannot take fd {} of process {pid}: {e}", info.fd))?;
+        let fd = pidfd_getfd(&self.pidfd, info.fd)
+            .map_err(|e| format!("cannot take fd {} of process {pid}: {e}", info.fd))?;
         let stale = |what: &str| {
             format!(
                 "fd {} of process {pid} is not the buffer [0x{:x}, +{}) it published ({what}): it freed that buffer, or the descriptor is stale",
@@ -490,14 +614,21 @@ impl ShmPeer {
             )
         };
         let map_len = crate::hostbuf::header_offset(info.len) + crate::hostbuf::HEADER_LEN;
-        let st = rustix::fs::fstat(&fd).map_err(|e| format!("cannot fstat fd {} of process {pid}: {e}", info.fd))?;
+        let st = rustix::fs::fstat(&fd)
+            .map_err(|e| format!("cannot fstat fd {} of process {pid}: {e}", info.fd))?;
         if (st.st_mode & libc::S_IFMT) != libc::S_IFREG || st.st_size as u64 != map_len {
             return Err(stale("not a memory file of the published size"));
         }
         if st.st_ino != info.ino {
             return Err(stale("another inode"));
         }
-        let name = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).map_err(|e| format!("cannot read the name of fd {} of process {pid}: {e}", info.fd))?;
+        let name =
+            std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).map_err(|e| {
+                format!(
+                    "cannot read the name of fd {} of process {pid}: {e}",
+                    info.fd
+                )
+            })?;
         let want = format!("/memfd:{}", crate::hostbuf::memfd_name(info.generation));
         let name = name.to_string_lossy();
         if name != want && !name.starts_with(&format!("{want} ")) {
@@ -505,20 +636,46 @@ impl ShmPeer {
         }
         match rustix::fs::fcntl_get_seals(&fd) {
             Ok(s) if s.contains(rustix::fs::SealFlags::SHRINK) => {}
-            _ => return Err(format!("fd {} of process {pid} is not sealed against shrinking (mapping it could fault)", info.fd)),
+            _ => return Err(format!(
+                "fd {} of process {pid} is not sealed against shrinking (mapping it could fault)",
+                info.fd
+            )),
         }
         verify_mapping(pid, info, st.st_dev, st.st_ino)?;
         if exited(&self.pidfd) {
             return Err(format!("process {pid} exited"));
         }
         // SAFETY: a shared mapping of a sealed memory file exactly `map_len` long.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), map_len as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
         if p == libc::MAP_FAILED {
-            return Err(format!("cannot map fd {} of process {pid}: {}", info.fd, io::Error::last_os_error()));
+            return Err(format!(
+                "cannot map fd {} of process {pid}: {}",
+                info.fd,
+                io::Error::last_os_error()
+            ));
         }
         dontfork(p as *mut u8, map_len as usize);
-        let m = PeerMap { info: *info, ptr: p as *mut u8, map_len: map_len as usize, home: std::process::id(), faulted: chunk_bits(info.len), touched: chunk_bits(info.len) };
-        if m.header_word(crate::hostbuf::HDR_MAGIC).load(Ordering::Acquire) != crate::hostbuf::HEADER_MAGIC {
+        let m = PeerMap {
+            info: *info,
+            ptr: p as *mut u8,
+            map_len: map_len as usize,
+            home: std::process::id(),
+            faulted: chunk_bits(info.len),
+            touched: chunk_bits(info.len),
+        };
+        if m.header_word(crate::hostbuf::HDR_MAGIC)
+            .load(Ordering::Acquire)
+            != crate::hostbuf::HEADER_MAGIC
+        {
             return Err(stale("no buffer header"));
         }
         if !m.alive() {

@@ -151,7 +151,9 @@ impl std::str::FromStr for TransportMode {
             "tcp" => Ok(TransportMode::Tcp),
             "shm" => Ok(TransportMode::Shm),
             "rdma" => Ok(TransportMode::Rdma),
-            other => Err(format!("{other:?} is not a transport; use auto, tcp, shm or rdma")),
+            other => Err(format!(
+                "{other:?} is not a transport; use auto, tcp, shm or rdma"
+            )),
         }
     }
 }
@@ -218,15 +220,28 @@ static CMA_BYTES: AtomicU64 = AtomicU64::new(0);
 /// Bytes this process has moved to or from same-host peers so far: `(mapped, cma)`.
 /// Benchmarks read the difference over a run to report which path carried it.
 pub fn bytes_moved() -> (u64, u64) {
-    (MAPPED_BYTES.load(Ordering::Relaxed), CMA_BYTES.load(Ordering::Relaxed))
+    (
+        MAPPED_BYTES.load(Ordering::Relaxed),
+        CMA_BYTES.load(Ordering::Relaxed),
+    )
 }
 
 /// The value published under [`FIELD`]: `info` (from [`ShmTransport::offer`]) plus the
 /// shareable buffers that contain the published `buffers`.
-pub fn publish(mut info: ShmInfo, buffers: &[crate::wire::descriptor::BufferDesc]) -> Option<serde_json::Value> {
+pub fn publish(
+    mut info: ShmInfo,
+    buffers: &[crate::wire::descriptor::BufferDesc],
+) -> Option<serde_json::Value> {
     for b in buffers {
         if let Some(r) = crate::hostbuf::shareable_region(b.addr, b.length) {
-            let m = MapInfo { fd: r.fd, addr: r.addr, len: r.len, populated: r.populated, ino: r.ino, generation: r.generation };
+            let m = MapInfo {
+                fd: r.fd,
+                addr: r.addr,
+                len: r.len,
+                populated: r.populated,
+                ino: r.ino,
+                generation: r.generation,
+            };
             if !info.maps.contains(&m) {
                 info.maps.push(m);
             }
@@ -244,9 +259,10 @@ impl ShmInfo {
 
     /// The field of a descriptor: `None` when absent, an error when malformed.
     pub fn of(desc: &SegmentDesc) -> Option<Result<ShmInfo, String>> {
-        desc.extra
-            .get(FIELD)
-            .map(|v| serde_json::from_value::<ShmInfo>(v.clone()).map_err(|e| format!("its {FIELD} field is malformed ({e})")))
+        desc.extra.get(FIELD).map(|v| {
+            serde_json::from_value::<ShmInfo>(v.clone())
+                .map_err(|e| format!("its {FIELD} field is malformed ({e})"))
+        })
     }
 }
 
@@ -256,7 +272,8 @@ impl ShmInfo {
 pub fn host_id() -> Result<String, String> {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map_err(|e| format!("cannot read /proc/sys/kernel/random/boot_id: {e}"))?;
-    let ns = std::fs::read_link("/proc/self/ns/pid").map_err(|e| format!("cannot read /proc/self/ns/pid: {e}"))?;
+    let ns = std::fs::read_link("/proc/self/ns/pid")
+        .map_err(|e| format!("cannot read /proc/self/ns/pid: {e}"))?;
     Ok(format!("{}/{}", boot.trim(), ns.display()))
 }
 
@@ -377,7 +394,10 @@ fn reaper(weak: std::sync::Weak<Shared>) {
         let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(watched.len() + 1);
         fds.push(PollFd::new(wake, PollFlags::IN));
         fds.extend(watched.iter().map(|p| PollFd::new(&p.pidfd, PollFlags::IN)));
-        let tick = rustix::event::Timespec { tv_sec: REAP_INTERVAL.as_secs() as i64, tv_nsec: i64::from(REAP_INTERVAL.subsec_nanos()) };
+        let tick = rustix::event::Timespec {
+            tv_sec: REAP_INTERVAL.as_secs() as i64,
+            tv_nsec: i64::from(REAP_INTERVAL.subsec_nanos()),
+        };
         match rustix::event::poll(&mut fds, Some(&tick)) {
             Ok(_) => {
                 if !fds[0].revents().is_empty() {
@@ -440,14 +460,20 @@ impl ShmTransport {
             (_, Err(e)) => (None, Some(e.clone())),
             (_, Ok(_)) => match LocalCtl::create(&opts.name) {
                 Ok(c) => (Some(c), None),
-                Err(e) => (None, Some(format!("cannot create the control region (memfd): {e}"))),
+                Err(e) => (
+                    None,
+                    Some(format!("cannot create the control region (memfd): {e}")),
+                ),
             },
         };
         if let Some(r) = &local_reason {
             tracing::debug!("not offering shared-memory access to peers: {r}");
         }
         let threads = if opts.threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).min(4)
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2)
+                .min(4)
         } else {
             opts.threads
         };
@@ -467,7 +493,11 @@ impl ShmTransport {
                 refresh: OnceLock::new(),
                 peers: Mutex::default(),
                 reaper: AtomicBool::new(false),
-                wake: rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK).ok(),
+                wake: rustix::event::eventfd(
+                    0,
+                    rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+                )
+                .ok(),
                 shut: AtomicBool::new(false),
             }),
             shut: AtomicBool::new(false),
@@ -523,12 +553,24 @@ impl ShmTransport {
         let mut desc = peer.desc();
         let cookie_of = |d: &SegmentDesc| ShmInfo::cookie_epoch(d).map(|(c, _)| c.to_string());
         // Compared without allocating: this runs for every submission.
-        let same_cookie = |c: &Option<String>, d: &SegmentDesc| c.as_deref() == ShmInfo::cookie_epoch(d).map(|(c, _)| c);
-        let cached = self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).get(&peer.id).cloned();
+        let same_cookie = |c: &Option<String>, d: &SegmentDesc| {
+            c.as_deref() == ShmInfo::cookie_epoch(d).map(|(c, _)| c)
+        };
+        let cached = self
+            .shared
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&peer.id)
+            .cloned();
         if let Some((c, sel)) = cached {
             if same_cookie(&c, &desc) {
                 let gone = match &*sel {
-                    Selection::Yes(p) if !p.exited_lately() && p.ctl.closed().load(Ordering::Acquire) == 0 => return Ok(Arc::clone(p)),
+                    Selection::Yes(p)
+                        if !p.exited_lately() && p.ctl.closed().load(Ordering::Acquire) == 0 =>
+                    {
+                        return Ok(Arc::clone(p))
+                    }
                     Selection::No(r) => return Err(r.clone()),
                     Selection::Yes(p) => {
                         p.release_maps(true);
@@ -545,7 +587,11 @@ impl ShmTransport {
                 if same_cookie(&c, &desc) {
                     // Forget it: its control region and any of its memory mapped here are
                     // released once no copy uses them.
-                    self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.id, (c, Arc::new(Selection::No(gone.clone()))));
+                    self.shared
+                        .peers
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(peer.id, (c, Arc::new(Selection::No(gone.clone()))));
                     return Err(gone);
                 }
             }
@@ -564,7 +610,11 @@ impl ShmTransport {
             }
         };
         let sel = Arc::new(sel);
-        self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.id, (cookie, Arc::clone(&sel)));
+        self.shared
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(peer.id, (cookie, Arc::clone(&sel)));
         match &*sel {
             Selection::Yes(p) => {
                 self.watch();
@@ -584,7 +634,10 @@ impl ShmTransport {
             return;
         }
         let weak = Arc::downgrade(&self.shared);
-        if let Err(e) = std::thread::Builder::new().name("kvf-shm-reaper".into()).spawn(move || reaper(weak)) {
+        if let Err(e) = std::thread::Builder::new()
+            .name("kvf-shm-reaper".into())
+            .spawn(move || reaper(weak))
+        {
             tracing::warn!("cannot start the thread that releases departed same-host peers ({e}); they are released when a request finds them gone");
             self.shared.reaper.store(false, Ordering::Release);
         }
@@ -596,17 +649,37 @@ impl ShmTransport {
         self.shared.reap()
     }
 
-    fn choose(&self, info: Option<Result<ShmInfo, String>>, segment: &str) -> Result<ShmPeer, String> {
-        let info = info.ok_or_else(|| format!("it publishes no {FIELD} field (a Mooncake engine, or KVFERRY_TRANSPORT=tcp there)"))??;
-        let ours = self.host_id.as_ref().map_err(|e| format!("this host's identity is unknown ({e})"))?;
+    fn choose(
+        &self,
+        info: Option<Result<ShmInfo, String>>,
+        segment: &str,
+    ) -> Result<ShmPeer, String> {
+        let info = info.ok_or_else(|| {
+            format!(
+                "it publishes no {FIELD} field (a Mooncake engine, or KVFERRY_TRANSPORT=tcp there)"
+            )
+        })??;
+        let ours = self
+            .host_id
+            .as_ref()
+            .map_err(|e| format!("this host's identity is unknown ({e})"))?;
         if info.version != VERSION {
-            return Err(format!("it speaks {FIELD} version {}, this engine {VERSION}", info.version));
+            return Err(format!(
+                "it speaks {FIELD} version {}, this engine {VERSION}",
+                info.version
+            ));
         }
         if info.host_id != *ours {
-            return Err(format!("it runs on another host or in another PID namespace (host id {} vs ours {ours})", info.host_id));
+            return Err(format!(
+                "it runs on another host or in another PID namespace (host id {} vs ours {ours})",
+                info.host_id
+            ));
         }
         if info.ctl_len != CTL_LEN as u64 {
-            return Err(format!("its control region is {} bytes, expected {CTL_LEN}", info.ctl_len));
+            return Err(format!(
+                "its control region is {} bytes, expected {CTL_LEN}",
+                info.ctl_len
+            ));
         }
         ShmPeer::attach(&info, self.owner, segment, self.background_fill.clone())
     }
@@ -620,15 +693,24 @@ impl ShmTransport {
             return pieces;
         }
         let desc = peer.desc();
-        if !desc.buffers.iter().any(|b| b.name.starts_with("cuda:")) || desc.extra.get(FIELD).and_then(|v| v.get("gpus")).is_none() {
+        if !desc.buffers.iter().any(|b| b.name.starts_with("cuda:"))
+            || desc.extra.get(FIELD).and_then(|v| v.get("gpus")).is_none()
+        {
             return pieces;
         }
-        let Ok(shm) = self.select(peer) else { return pieces };
+        let Ok(shm) = self.select(peer) else {
+            return pieces;
+        };
         let (taken, rest) = gpu::split(&shm, &desc, pieces);
         if taken.is_empty() {
             return rest;
         }
-        let job = Job { shm, peer: Arc::clone(peer), pieces: taken, gpu: true };
+        let job = Job {
+            shm,
+            peer: Arc::clone(peer),
+            pieces: taken,
+            gpu: true,
+        };
         let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
         if inline || q.shutdown || q.workers == 0 && self.threads == 0 {
             drop(q);
@@ -638,7 +720,10 @@ impl ShmTransport {
         q.jobs.push_back(job);
         if q.workers < self.threads {
             let shared = Arc::clone(&self.shared);
-            match std::thread::Builder::new().name("kvf-shm".into()).spawn(move || worker(shared)) {
+            match std::thread::Builder::new()
+                .name("kvf-shm".into())
+                .spawn(move || worker(shared))
+            {
                 Ok(_) => q.workers += 1,
                 Err(e) => tracing::warn!("cannot start a shared-memory worker thread: {e}"),
             }
@@ -660,7 +745,10 @@ impl ShmTransport {
     pub fn submit_to(&self, peer: &Arc<Peer>, shm: Arc<ShmPeer>, pieces: Vec<Piece>, inline: bool) {
         if self.shut.load(Ordering::Acquire) {
             for p in pieces {
-                p.task.piece_failed(FailKind::Failed, FailCause::ShutDown.because("engine shut down"));
+                p.task.piece_failed(
+                    FailKind::Failed,
+                    FailCause::ShutDown.because("engine shut down"),
+                );
             }
             return;
         }
@@ -668,7 +756,15 @@ impl ShmTransport {
         // Small, or one job's worth that the caller waits for anyway: copied here (a hand-off
         // to a worker and back costs two wake-ups).
         if total <= INLINE_BYTES || (inline && total <= CHUNK && pieces.len() <= MAX_IOV) {
-            run_job(&self.shared, Job { shm, peer: Arc::clone(peer), pieces, gpu: false });
+            run_job(
+                &self.shared,
+                Job {
+                    shm,
+                    peer: Arc::clone(peer),
+                    pieces,
+                    gpu: false,
+                },
+            );
             return;
         }
         // Cut large pieces, then gather pieces into jobs of about CHUNK bytes.
@@ -677,7 +773,12 @@ impl ShmTransport {
         let mut cur_bytes = 0u64;
         let push = |p: Piece, jobs: &mut Vec<Job>, cur: &mut Vec<Piece>, cur_bytes: &mut u64| {
             if !cur.is_empty() && (*cur_bytes + p.len > CHUNK || cur.len() >= MAX_IOV) {
-                jobs.push(Job { shm: Arc::clone(&shm), peer: Arc::clone(peer), pieces: std::mem::take(cur), gpu: false });
+                jobs.push(Job {
+                    shm: Arc::clone(&shm),
+                    peer: Arc::clone(peer),
+                    pieces: std::mem::take(cur),
+                    gpu: false,
+                });
                 *cur_bytes = 0;
             }
             *cur_bytes += p.len;
@@ -693,13 +794,25 @@ impl ShmTransport {
             let mut off = 0;
             while off < p.len {
                 let len = CHUNK.min(p.len - off);
-                let part = Piece { opcode: p.opcode, local: p.local + off, remote: p.remote + off, len, task: Arc::clone(&p.task), guard: p.guard.clone() };
+                let part = Piece {
+                    opcode: p.opcode,
+                    local: p.local + off,
+                    remote: p.remote + off,
+                    len,
+                    task: Arc::clone(&p.task),
+                    guard: p.guard.clone(),
+                };
                 push(part, &mut jobs, &mut cur, &mut cur_bytes);
                 off += len;
             }
         }
         if !cur.is_empty() {
-            jobs.push(Job { shm: Arc::clone(&shm), peer: Arc::clone(peer), pieces: cur, gpu: false });
+            jobs.push(Job {
+                shm: Arc::clone(&shm),
+                peer: Arc::clone(peer),
+                pieces: cur,
+                gpu: false,
+            });
         }
         let n = jobs.len();
         let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
@@ -707,7 +820,10 @@ impl ShmTransport {
             drop(q);
             for j in jobs {
                 for p in j.pieces {
-                    p.task.piece_failed(FailKind::Failed, FailCause::ShutDown.because("engine shut down"));
+                    p.task.piece_failed(
+                        FailKind::Failed,
+                        FailCause::ShutDown.because("engine shut down"),
+                    );
                 }
             }
             return;
@@ -715,7 +831,10 @@ impl ShmTransport {
         q.jobs.extend(jobs);
         while q.workers < self.threads {
             let shared = Arc::clone(&self.shared);
-            match std::thread::Builder::new().name("kvf-shm".into()).spawn(move || worker(shared)) {
+            match std::thread::Builder::new()
+                .name("kvf-shm".into())
+                .spawn(move || worker(shared))
+            {
                 Ok(_) => q.workers += 1,
                 Err(e) => {
                     tracing::warn!("cannot start a shared-memory worker thread: {e}");
@@ -785,7 +904,12 @@ impl Transport for ShmTransport {
         self.select(peer).map(|_| ())
     }
 
-    fn try_submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) -> Result<(), (Vec<Piece>, String)> {
+    fn try_submit(
+        &self,
+        peer: &Arc<Peer>,
+        pieces: Vec<Piece>,
+        inline: bool,
+    ) -> Result<(), (Vec<Piece>, String)> {
         match self.select(peer) {
             Ok(shm) => {
                 self.submit_to(peer, shm, pieces, inline);
@@ -825,9 +949,18 @@ impl Transport for ShmTransport {
         };
         self.shared.cv.notify_all();
         for j in jobs {
-            fail_all(j.pieces, FailKind::Failed, FailCause::ShutDown, "engine shut down");
+            fail_all(
+                j.pieces,
+                FailKind::Failed,
+                FailCause::ShutDown,
+                "engine shut down",
+            );
         }
-        self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.shared
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         self.shared.shut.store(true, Ordering::Release);
         self.shared.wake_reaper();
     }
@@ -852,7 +985,10 @@ mod tests {
         assert_eq!("AUTO".parse::<TransportMode>(), Ok(TransportMode::Auto));
         assert_eq!(" shm ".parse::<TransportMode>(), Ok(TransportMode::Shm));
         assert_eq!("RDMA".parse::<TransportMode>(), Ok(TransportMode::Rdma));
-        assert!("verbs".parse::<TransportMode>().unwrap_err().contains("auto, tcp, shm or rdma"));
+        assert!("verbs"
+            .parse::<TransportMode>()
+            .unwrap_err()
+            .contains("auto, tcp, shm or rdma"));
     }
 
     #[test]
@@ -879,7 +1015,9 @@ mod tests {
         assert_eq!(c.map.header()[..8], CTL_MAGIC.to_le_bytes());
         assert_eq!(c.map.cookie_hex().len(), 32);
         // A slot owned by a dead process with a copy "in flight" does not block a drain.
-        c.map.owner(3).store((i32::MAX as u64) << 32 | 1, Ordering::SeqCst);
+        c.map
+            .owner(3)
+            .store((i32::MAX as u64) << 32 | 1, Ordering::SeqCst);
         c.map.active(3).store(1, Ordering::SeqCst);
         c.map.word(OFF_HWM).store(4, Ordering::SeqCst);
         assert!(c.drain(Instant::now() + Duration::from_secs(2)));
@@ -893,9 +1031,19 @@ mod tests {
         assert!(t.elapsed() >= Duration::from_millis(50));
         // The owner died mid-copy and its pid went to another process (here: this one,
         // started at another time than the slot says): the copy cannot continue either.
-        assert_ne!(c.map.started(0).load(Ordering::SeqCst), 0, "the claim recorded when its owner started");
-        c.map.started(0).store(c.map.started(0).load(Ordering::SeqCst) + 1, Ordering::SeqCst);
-        assert!(c.drain(Instant::now() + Duration::from_secs(2)), "a reused pid does not hold a drain");
+        assert_ne!(
+            c.map.started(0).load(Ordering::SeqCst),
+            0,
+            "the claim recorded when its owner started"
+        );
+        c.map.started(0).store(
+            c.map.started(0).load(Ordering::SeqCst) + 1,
+            Ordering::SeqCst,
+        );
+        assert!(
+            c.drain(Instant::now() + Duration::from_secs(2)),
+            "a reused pid does not hold a drain"
+        );
         assert_eq!(c.map.owner(0).load(Ordering::SeqCst), 0);
     }
     /// Waits up to 10 s for a forked child; kills it (by pid) and fails if it hangs.
@@ -941,27 +1089,39 @@ mod tests {
             gpus: Vec::new(),
         };
         let owner = (u64::from(std::process::id()) << 32) | 99;
-        ShmPeer::attach(&info_of(&c.fd, &c.map), owner, name, None).expect("the sealed region is accepted");
+        ShmPeer::attach(&info_of(&c.fd, &c.map), owner, name, None)
+            .expect("the sealed region is accepted");
         // A region that is a valid kvferry control region in every other respect, but
         // unsealed: its owner could truncate it and crash us with SIGBUS. Refused.
-        let fd = rustix::fs::memfd_create("kvferry-shm-ctl", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let fd =
+            rustix::fs::memfd_create("kvferry-shm-ctl", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
         rustix::fs::ftruncate(&fd, CTL_LEN as u64).unwrap();
         let map = CtlMap::map(&fd).unwrap();
         for off in [OFF_COOKIE, OFF_COOKIE + 8] {
             map.word(off).store(rand::random(), Ordering::SeqCst);
         }
         // SAFETY: in bounds of the fresh mapping.
-        unsafe { std::ptr::copy_nonoverlapping(name.as_ptr(), map.ptr.add(OFF_NAME + 8), name.len()) };
-        map.word(OFF_NAME).store(name.len() as u64, Ordering::SeqCst);
+        unsafe {
+            std::ptr::copy_nonoverlapping(name.as_ptr(), map.ptr.add(OFF_NAME + 8), name.len())
+        };
+        map.word(OFF_NAME)
+            .store(name.len() as u64, Ordering::SeqCst);
         map.word(OFF_MAGIC).store(CTL_MAGIC, Ordering::SeqCst);
-        let e = ShmPeer::attach(&info_of(&fd, &map), owner, name, None).err().expect("an unsealed control region is refused");
+        let e = ShmPeer::attach(&info_of(&fd, &map), owner, name, None)
+            .err()
+            .expect("an unsealed control region is refused");
         assert!(e.contains("not sealed"), "{e}");
     }
 
     #[test]
     fn a_forked_child_dropping_the_transport_leaves_the_parents_region_alone() {
         let name = "127.0.0.1:15078";
-        let t = ShmTransport::new(ShmOptions { name: name.into(), mode: TransportMode::Auto, threads: 1, background_fill: 0 });
+        let t = ShmTransport::new(ShmOptions {
+            name: name.into(),
+            mode: TransportMode::Auto,
+            threads: 1,
+            background_fill: 0,
+        });
         let info = t.offer().unwrap();
         let owner = (u64::from(std::process::id()) << 32) | 5;
         let peer = ShmPeer::attach(&info, owner, name, None).unwrap();
@@ -979,16 +1139,35 @@ mod tests {
             unsafe { libc::_exit(0) }
         }
         let status = wait_child(pid);
-        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child crashed: status {status:#x}");
-        assert_eq!(c.map.closed().load(Ordering::SeqCst), 0, "the child marked the parent's region closed");
-        assert_eq!(c.map.epoch().load(Ordering::SeqCst), epoch, "the child moved the parent's epoch");
-        assert_eq!(c.map.owner(slot).load(Ordering::SeqCst), owner, "the child released the parent's slot");
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child crashed: status {status:#x}"
+        );
+        assert_eq!(
+            c.map.closed().load(Ordering::SeqCst),
+            0,
+            "the child marked the parent's region closed"
+        );
+        assert_eq!(
+            c.map.epoch().load(Ordering::SeqCst),
+            epoch,
+            "the child moved the parent's epoch"
+        );
+        assert_eq!(
+            c.map.owner(slot).load(Ordering::SeqCst),
+            owner,
+            "the child released the parent's slot"
+        );
         // The parent's transport still works: a new initiator attaches.
-        ShmPeer::attach(&t.offer().unwrap(), owner + 2, name, None).expect("the parent still serves");
+        ShmPeer::attach(&t.offer().unwrap(), owner + 2, name, None)
+            .expect("the parent still serves");
         drop(peer);
-        assert_eq!(c.map.owner(slot).load(Ordering::SeqCst), 0, "the parent's own drop releases the slot");
+        assert_eq!(
+            c.map.owner(slot).load(Ordering::SeqCst),
+            0,
+            "the parent's own drop releases the slot"
+        );
         t.shutdown();
         assert_eq!(c.map.closed().load(Ordering::SeqCst), 1);
     }
 }
-

@@ -9,7 +9,9 @@ use std::time::Instant;
 
 /// `kernel.yama.ptrace_scope`, if Yama is present.
 pub fn ptrace_scope() -> Option<u32> {
-    std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").ok().and_then(|s| s.trim().parse().ok())
+    std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
 }
 
 /// Explains a refusal by the kernel's ptrace access rules.
@@ -26,19 +28,33 @@ pub(super) fn not_permitted(pid: i32, what: &str, e: &io::Error) -> String {
 }
 
 pub(super) fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
-    let pid = rustix::process::Pid::from_raw(pid).ok_or_else(|| io::Error::from_raw_os_error(libc::ESRCH))?;
-    Ok(rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())?)
+    let pid = rustix::process::Pid::from_raw(pid)
+        .ok_or_else(|| io::Error::from_raw_os_error(libc::ESRCH))?;
+    Ok(rustix::process::pidfd_open(
+        pid,
+        rustix::process::PidfdFlags::empty(),
+    )?)
 }
 
 pub(super) fn pidfd_getfd(pidfd: &OwnedFd, fd: i32) -> io::Result<OwnedFd> {
-    Ok(rustix::process::pidfd_getfd(pidfd, fd, rustix::process::PidfdGetfdFlags::empty())?)
+    Ok(rustix::process::pidfd_getfd(
+        pidfd,
+        fd,
+        rustix::process::PidfdGetfdFlags::empty(),
+    )?)
 }
 
 /// Whether the process behind `pidfd` has exited (the pidfd polls readable then).
 pub(super) fn exited(pidfd: &OwnedFd) -> bool {
     use rustix::event::{PollFd, PollFlags};
     let mut p = [PollFd::new(pidfd, PollFlags::IN)];
-    match rustix::event::poll(&mut p, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 })) {
+    match rustix::event::poll(
+        &mut p,
+        Some(&rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        }),
+    ) {
         Ok(0) => false,
         Ok(_) => !p[0].revents().is_empty(),
         Err(_) => true,
@@ -57,12 +73,20 @@ pub(super) fn foreign(home: u32) -> bool {
 pub(super) fn dontfork(ptr: *mut u8, len: usize) {
     // SAFETY: advising our own mapping; no memory is touched.
     if unsafe { libc::madvise(ptr as *mut libc::c_void, len, libc::MADV_DONTFORK) } != 0 {
-        tracing::debug!("madvise(MADV_DONTFORK) failed: {}", io::Error::last_os_error());
+        tracing::debug!(
+            "madvise(MADV_DONTFORK) failed: {}",
+            io::Error::last_os_error()
+        );
     }
 }
 
 /// One cross-memory copy of matching local and remote iovecs. Returns bytes moved.
-pub(super) fn cma(pid: i32, op: Opcode, local: &[libc::iovec], remote: &[libc::iovec]) -> io::Result<usize> {
+pub(super) fn cma(
+    pid: i32,
+    op: Opcode,
+    local: &[libc::iovec],
+    remote: &[libc::iovec],
+) -> io::Result<usize> {
     if FORCE_DENIED.load(Ordering::Relaxed) {
         return Err(io::Error::from_raw_os_error(libc::EPERM));
     }
@@ -70,8 +94,22 @@ pub(super) fn cma(pid: i32, op: Opcode, local: &[libc::iovec], remote: &[libc::i
     // kernel checks the remote ones against the peer's address space and never faults us.
     let n = unsafe {
         match op {
-            Opcode::Write => libc::process_vm_writev(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0),
-            Opcode::Read => libc::process_vm_readv(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0),
+            Opcode::Write => libc::process_vm_writev(
+                pid,
+                local.as_ptr(),
+                local.len() as _,
+                remote.as_ptr(),
+                remote.len() as _,
+                0,
+            ),
+            Opcode::Read => libc::process_vm_readv(
+                pid,
+                local.as_ptr(),
+                local.len() as _,
+                remote.as_ptr(),
+                remote.len() as _,
+                0,
+            ),
         }
     };
     if n < 0 {

@@ -6,7 +6,9 @@ use super::sockio::*;
 use super::RefusedHook;
 use crate::batch::{FailCause, FailKind, Failure};
 use crate::transport::Piece;
-use crate::wire::tcp::{Opcode, Status, HEADER_LEN, SEALED_HEADER_LEN, SEALED_STATUS_LEN, STATUS_LEN};
+use crate::wire::tcp::{
+    Opcode, Status, HEADER_LEN, SEALED_HEADER_LEN, SEALED_STATUS_LEN, STATUS_LEN,
+};
 use crate::wire::WireError;
 use std::collections::HashMap;
 use std::io::{self, IoSlice};
@@ -35,10 +37,23 @@ pub(super) struct DataConn {
 }
 
 impl DataConn {
-    fn new(s: TcpStream, session: Option<(crate::auth::Sealer, crate::auth::Opener)>, protect: crate::auth::Protect) -> DataConn {
+    fn new(
+        s: TcpStream,
+        session: Option<(crate::auth::Sealer, crate::auth::Opener)>,
+        protect: crate::auth::Protect,
+    ) -> DataConn {
         let (seal, open) = session.map(|(a, b)| (Mutex::new(a), Mutex::new(b))).unzip();
-        let protect = if seal.is_some() { protect } else { crate::auth::Protect::Headers };
-        DataConn { s, seal, open, protect }
+        let protect = if seal.is_some() {
+            protect
+        } else {
+            crate::auth::Protect::Headers
+        };
+        DataConn {
+            s,
+            seal,
+            open,
+            protect,
+        }
     }
 
     /// How a READ answer comes on this connection: `None` when not keyed.
@@ -47,11 +62,15 @@ impl DataConn {
     }
 
     fn sealer(&self) -> Option<std::sync::MutexGuard<'_, crate::auth::Sealer>> {
-        self.seal.as_ref().map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
+        self.seal
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     fn opener(&self) -> Option<std::sync::MutexGuard<'_, crate::auth::Opener>> {
-        self.open.as_ref().map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
+        self.open
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
 
@@ -64,7 +83,13 @@ impl std::ops::Deref for DataConn {
 
 /// What one request of a gathered write sends: its header, its v1 fence, and the local
 /// memory and length of its WRITE body (0: none), by its deadline.
-type Outgoing = ([u8; HEADER_LEN], Option<[u8; HEADER_LEN]>, u64, u64, Instant);
+type Outgoing = (
+    [u8; HEADER_LEN],
+    Option<[u8; HEADER_LEN]>,
+    u64,
+    u64,
+    Instant,
+);
 
 /// A request's body in a gathered write: local memory (address, length) as it is, or the
 /// range of the writer's scratch buffer holding it protected.
@@ -90,9 +115,15 @@ impl QueuedOp for WireOp {
 /// instead of failing on a dead one. The queue says when no byte may be waiting on the
 /// socket ([`LaneQueue::check_closed_by_peer`]); this only peeks.
 fn drop_if_closed_by_peer(st: &mut LaneState, now: Instant) {
-    let Some(c) = st.check_closed_by_peer(now) else { return };
+    let Some(c) = st.check_closed_by_peer(now) else {
+        return;
+    };
     let mut b = [0u8; 1];
-    let closed = match rustix::net::recv(&c.s, &mut b, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT) {
+    let closed = match rustix::net::recv(
+        &c.s,
+        &mut b,
+        rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+    ) {
         // EOF: the peer closed it.
         Ok((0, _)) => true,
         // Bytes nobody asked for: the reader reports that as a protocol error.
@@ -148,7 +179,12 @@ impl Drop for RefreshDone<'_> {
         if !self.1 {
             return;
         }
-        let waiting = self.0.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
+        let waiting = self
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_default();
         for (pieces, why) in waiting {
             for p in pieces {
                 p.task.piece_failed(why.0, why.1.clone());
@@ -159,7 +195,12 @@ impl Drop for RefreshDone<'_> {
 
 /// A lane's refresh thread ([`Lane::refresh_off_lane`]): refreshes what waits in `queue`
 /// until nothing does, then lets the lane start another.
-fn refresh_queued(hook: &RefusedHook, name: &str, target: SocketAddr, queue: &Mutex<Option<Vec<Refresh>>>) {
+fn refresh_queued(
+    hook: &RefusedHook,
+    name: &str,
+    target: SocketAddr,
+    queue: &Mutex<Option<Vec<Refresh>>>,
+) {
     // However this ends (a refresh that panics included), the lane may refresh again and what
     // still waits in its queue ends (pieces a panicking refresh held are lost with it).
     let mut done = RefreshDone(queue, true);
@@ -180,9 +221,15 @@ fn refresh_queued(hook: &RefusedHook, name: &str, target: SocketAddr, queue: &Mu
             // Pieces that waited here past their deadline end now, unrefreshed (the clock
             // read per batch: a refresh before may have taken long).
             let now = Instant::now();
-            let (late, go): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| p.task.deadline() <= now);
+            let (late, go): (Vec<Piece>, Vec<Piece>) =
+                pieces.into_iter().partition(|p| p.task.deadline() <= now);
             for p in late {
-                p.task.piece_failed(FailKind::Timeout, FailCause::Timeout.because(format!("the deadline passed while {name}'s descriptor was being re-read")));
+                p.task.piece_failed(
+                    FailKind::Timeout,
+                    FailCause::Timeout.because(format!(
+                        "the deadline passed while {name}'s descriptor was being re-read"
+                    )),
+                );
             }
             if !go.is_empty() {
                 for p in hook(name, target, go) {
@@ -219,7 +266,10 @@ impl Lane {
     /// Ends `first` and every op waiting to be sent with the same failure (nothing of them was
     /// sent, and a new connection would fare no better).
     fn end_pending(&self, first: Option<WireOp>, kind: FailKind, why: Failure) {
-        let ops: Vec<WireOp> = first.into_iter().chain(self.lock().pending.drain(..)).collect();
+        let ops: Vec<WireOp> = first
+            .into_iter()
+            .chain(self.lock().pending.drain(..))
+            .collect();
         for op in ops {
             self.end_op(op, Err((kind, why.clone())));
         }
@@ -236,12 +286,21 @@ impl Lane {
             };
             let broken = !matches!(why, ConnFailure::Deadline);
             let untouched = matches!(why, ConnFailure::Untouched(_));
-            let Some((conn, ended)) = st.on_conn_failed(gen, |op| self.fate(op, broken, untouched, now, &reason)) else { return };
+            let Some((conn, ended)) =
+                st.on_conn_failed(gen, |op| self.fate(op, broken, untouched, now, &reason))
+            else {
+                return;
+            };
             let _ = conn.shutdown(Shutdown::Both);
             self.wake_writer.notify_all();
             ended
         };
-        self.redirect_or_end(ended.into_iter().map(|(op, (kind, f))| (op, kind, f)).collect());
+        self.redirect_or_end(
+            ended
+                .into_iter()
+                .map(|(op, (kind, f))| (op, kind, f))
+                .collect(),
+        );
     }
 
     /// Ends ops whose connection failed, except those that lost the peer: for them the
@@ -253,7 +312,8 @@ impl Lane {
         let hook = self.refused.get();
         let mut candidates = Vec::new();
         for (op, kind, f) in ops {
-            let lost = matches!(f.cause, FailCause::PeerLost | FailCause::Protocol) && kind == FailKind::Failed;
+            let lost = matches!(f.cause, FailCause::PeerLost | FailCause::Protocol)
+                && kind == FailKind::Failed;
             match hook {
                 Some(_) if lost && op.attempts < 2 => candidates.push((op, f)),
                 _ => self.end_op(op, Err((kind, f))),
@@ -291,8 +351,15 @@ impl Lane {
             }
             *r = Some(vec![(pieces, why)]);
         }
-        let (hook2, name, target, queue) = (Arc::clone(hook), self.peer_name.clone(), self.target, Arc::clone(&self.refreshing));
-        let spawned = std::thread::Builder::new().name("kvferry-tcp-refresh".into()).spawn(move || refresh_queued(&hook2, &name, target, &queue));
+        let (hook2, name, target, queue) = (
+            Arc::clone(hook),
+            self.peer_name.clone(),
+            self.target,
+            Arc::clone(&self.refreshing),
+        );
+        let spawned = std::thread::Builder::new()
+            .name("kvferry-tcp-refresh".into())
+            .spawn(move || refresh_queued(&hook2, &name, target, &queue));
         if let Err(e) = spawned {
             tracing::debug!("no thread for a descriptor refresh ({e}): run on the lane's");
             refresh_queued(hook, &self.peer_name, self.target, &self.refreshing);
@@ -301,9 +368,28 @@ impl Lane {
 
     /// What becomes of an op that was handed to a connection that then failed (the rule
     /// is [`proto::fate`]): `None` to retry it on a new connection, else how it ends.
-    pub(super) fn fate(&self, op: &WireOp, broken: bool, untouched: bool, now: Instant, reason: &str) -> Option<(FailKind, Failure)> {
-        let f = Failed { broken, attempts: op.attempts, revoked: op.piece.guard.is_revoked(), deadline: op.piece.task.deadline(), untouched };
-        match proto::fate(op.piece.opcode, f, now, &format!("{} ({})", self.peer_name, self.target), reason) {
+    pub(super) fn fate(
+        &self,
+        op: &WireOp,
+        broken: bool,
+        untouched: bool,
+        now: Instant,
+        reason: &str,
+    ) -> Option<(FailKind, Failure)> {
+        let f = Failed {
+            broken,
+            attempts: op.attempts,
+            revoked: op.piece.guard.is_revoked(),
+            deadline: op.piece.task.deadline(),
+            untouched,
+        };
+        match proto::fate(
+            op.piece.opcode,
+            f,
+            now,
+            &format!("{} ({})", self.peer_name, self.target),
+            reason,
+        ) {
             Fate::Retry => None,
             Fate::End(kind, failure) => Some((kind, failure)),
         }
@@ -314,9 +400,13 @@ impl Lane {
     /// peer costs nothing after that. Work submitted meanwhile sees `retired` and goes to
     /// new lanes.
     pub(super) fn retire_if_idle(&self) {
-        let Some(home) = self.home.upgrade() else { return };
+        let Some(home) = self.home.upgrade() else {
+            return;
+        };
         let mut peers = home.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(entry) = peers.get(&self.key).cloned() else { return };
+        let Some(entry) = peers.get(&self.key).cloned() else {
+            return;
+        };
         if !entry.lanes.iter().any(|l| std::ptr::eq(&**l, self)) {
             return;
         }
@@ -349,7 +439,10 @@ impl Lane {
         loop {
             let mut st = self.lock();
             while st.writer_waits() {
-                let (g, to) = self.wake_writer.wait_timeout(st, self.idle).unwrap_or_else(|e| e.into_inner());
+                let (g, to) = self
+                    .wake_writer
+                    .wait_timeout(st, self.idle)
+                    .unwrap_or_else(|e| e.into_inner());
                 st = g;
                 if to.timed_out() && st.may_retire(Instant::now(), self.idle) {
                     drop(st);
@@ -364,7 +457,13 @@ impl Lane {
                 let ops = st.drain_all();
                 drop(st);
                 for op in ops {
-                    self.end_op(op, Err((FailKind::Failed, FailCause::ShutDown.because("engine shut down"))));
+                    self.end_op(
+                        op,
+                        Err((
+                            FailKind::Failed,
+                            FailCause::ShutDown.because("engine shut down"),
+                        )),
+                    );
                 }
                 return;
             }
@@ -374,7 +473,16 @@ impl Lane {
             if !expired.is_empty() {
                 drop(st);
                 for op in expired {
-                    self.end_op(op, Err((FailKind::Timeout, FailCause::Timeout.because(format!("not sent to {} before the deadline", self.peer_name)))));
+                    self.end_op(
+                        op,
+                        Err((
+                            FailKind::Timeout,
+                            FailCause::Timeout.because(format!(
+                                "not sent to {} before the deadline",
+                                self.peer_name
+                            )),
+                        )),
+                    );
                 }
                 continue;
             }
@@ -385,7 +493,9 @@ impl Lane {
                 continue;
             }
             // Gather a run of ops into one writev.
-            let Some(send) = st.next_send(now, MAX_OPS_PER_WRITE, MAX_GATHER_BYTES) else { continue };
+            let Some(send) = st.next_send(now, MAX_OPS_PER_WRITE, MAX_GATHER_BYTES) else {
+                continue;
+            };
             let (conn, gen, n) = (send.conn, send.gen, send.n);
             if send.wake_reader {
                 self.wake_reader.notify_one();
@@ -396,7 +506,10 @@ impl Lane {
             for op in st.inflight.range(send.first..send.first + n) {
                 let p = &op.piece;
                 p.task.set_pending();
-                if !guards.iter().any(|g| std::ptr::eq(g.region(), p.guard.region())) {
+                if !guards
+                    .iter()
+                    .any(|g| std::ptr::eq(g.region(), p.guard.region()))
+                {
                     guards.push(p.guard.clone());
                 }
                 let (hdr, fence) = proto::request_frames(p.opcode, p.remote, p.len, self.v2);
@@ -433,7 +546,14 @@ impl Lane {
                         let from = scratch.len();
                         // SAFETY: local ranges were checked against the registry at submit
                         // and the piece's guard (held in `guards`) keeps them registered.
-                        proto::seal_body(p, s, unsafe { std::slice::from_raw_parts(*local as *const u8, *len as usize) }, &mut scratch);
+                        proto::seal_body(
+                            p,
+                            s,
+                            unsafe {
+                                std::slice::from_raw_parts(*local as *const u8, *len as usize)
+                            },
+                            &mut scratch,
+                        );
                         at += (scratch.len() - from) as u64;
                         bodies.push((0, 0, Some((from, scratch.len()))));
                     }
@@ -461,7 +581,9 @@ impl Lane {
                 } else if len > 0 {
                     // SAFETY: local ranges were checked against the registry at submit and
                     // the piece's guard keeps them registered.
-                    iov.push(IoSlice::new(unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) }));
+                    iov.push(IoSlice::new(unsafe {
+                        std::slice::from_raw_parts(addr as *const u8, len as usize)
+                    }));
                     if !self.v2 {
                         iov.push(IoSlice::new(&iov_hdrs[h][..hdr_lens[h]]));
                         h += 1;
@@ -475,8 +597,12 @@ impl Lane {
                 let take = rest.len().min(1000);
                 let (now_part, later) = std::mem::take(&mut rest).split_at_mut(take);
                 let part: u64 = now_part.iter().map(|s| s.len() as u64).sum();
-                let overdue = |written: u64| proto::deadline_at(&ends, before + written).is_some_and(|d| Instant::now() >= d);
-                let r = write_all_vectored(&conn, now_part, |written| overdue(written) || guards.iter().any(|g| g.is_revoked()));
+                let overdue = |written: u64| {
+                    proto::deadline_at(&ends, before + written).is_some_and(|d| Instant::now() >= d)
+                };
+                let r = write_all_vectored(&conn, now_part, |written| {
+                    overdue(written) || guards.iter().any(|g| g.is_revoked())
+                });
                 if r.is_err() || later.is_empty() {
                     break r;
                 }
@@ -485,14 +611,22 @@ impl Lane {
             };
             drop(guards);
             if let Err(e) = result {
-                let why = if e.kind() == io::ErrorKind::TimedOut { ConnFailure::Deadline } else { ConnFailure::Broken(e.to_string()) };
+                let why = if e.kind() == io::ErrorKind::TimedOut {
+                    ConnFailure::Deadline
+                } else {
+                    ConnFailure::Broken(e.to_string())
+                };
                 self.fail_conn(gen, why);
             }
         }
     }
 
     pub(super) fn connect(&self) {
-        let deadline = self.lock().pending.front().map(|op| op.piece.task.deadline());
+        let deadline = self
+            .lock()
+            .pending
+            .front()
+            .map(|op| op.piece.task.deadline());
         let timeout = deadline
             .map(|d| d.saturating_duration_since(Instant::now()))
             .unwrap_or(self.connect_timeout)
@@ -512,8 +646,17 @@ impl Lane {
             match self.authenticate(s, key, until) {
                 Ok(pair) => session = Some(pair),
                 Err(refused) => {
-                    tracing::warn!("TCP data connection to {} at {}: {}", self.peer_name, self.target, refused.reason);
-                    let kind = if refused.cause == FailCause::Timeout { FailKind::Timeout } else { FailKind::Failed };
+                    tracing::warn!(
+                        "TCP data connection to {} at {}: {}",
+                        self.peer_name,
+                        self.target,
+                        refused.reason
+                    );
+                    let kind = if refused.cause == FailCause::Timeout {
+                        FailKind::Timeout
+                    } else {
+                        FailKind::Failed
+                    };
                     self.end_pending(None, kind, refused);
                     return;
                 }
@@ -521,7 +664,8 @@ impl Lane {
         }
         match r {
             Ok(s) => {
-                self.lock().on_connected(Arc::new(DataConn::new(s, session, self.protect)));
+                self.lock()
+                    .on_connected(Arc::new(DataConn::new(s, session, self.protect)));
                 self.wake_reader.notify_all();
             }
             Err(e) => {
@@ -530,15 +674,24 @@ impl Lane {
                     "cannot connect to the TCP data port of {} at {}: {e} (is the peer alive and is its address reachable from here?)",
                     self.peer_name, self.target
                 );
-                let (kind, cause) =
-                    if e.kind() == io::ErrorKind::TimedOut { (FailKind::Timeout, FailCause::Timeout) } else { (FailKind::Failed, FailCause::PeerUnreachable) };
-                if let (io::ErrorKind::ConnectionRefused, Some(hook)) = (e.kind(), self.refused.get()) {
+                let (kind, cause) = if e.kind() == io::ErrorKind::TimedOut {
+                    (FailKind::Timeout, FailCause::Timeout)
+                } else {
+                    (FailKind::Failed, FailCause::PeerUnreachable)
+                };
+                if let (io::ErrorKind::ConnectionRefused, Some(hook)) =
+                    (e.kind(), self.refused.get())
+                {
                     // Maybe the peer restarted with new ports: let the engine refresh and retry once.
-                    let (retry, keep): (Vec<WireOp>, Vec<WireOp>) = ops.into_iter().partition(|op| op.attempts < 2);
-                    let pieces: Vec<Piece> = retry.into_iter().map(|op| {
-                        self.load.fetch_sub(op.piece.len, Ordering::AcqRel);
-                        op.piece
-                    }).collect();
+                    let (retry, keep): (Vec<WireOp>, Vec<WireOp>) =
+                        ops.into_iter().partition(|op| op.attempts < 2);
+                    let pieces: Vec<Piece> = retry
+                        .into_iter()
+                        .map(|op| {
+                            self.load.fetch_sub(op.piece.len, Ordering::AcqRel);
+                            op.piece
+                        })
+                        .collect();
                     ops = keep;
                     if !pieces.is_empty() {
                         self.refresh_off_lane(hook, pieces, (kind, cause.because(reason.clone())));
@@ -554,14 +707,27 @@ impl Lane {
     /// The cluster key's handshake on a new connection, bound to this lane's segment name, by
     /// `until` (`proto::AuthOpen`): the connection's session, or the failure to end the waiting
     /// requests with when the target refuses or cannot answer it.
-    fn authenticate(&self, s: &TcpStream, key: &crate::auth::ClusterKey, until: Instant) -> Result<(crate::auth::Sealer, crate::auth::Opener), Failure> {
+    fn authenticate(
+        &self,
+        s: &TcpStream,
+        key: &crate::auth::ClusterKey,
+        until: Instant,
+    ) -> Result<(crate::auth::Sealer, crate::auth::Opener), Failure> {
         let stop = || Instant::now() >= until;
         let io_failed = |what: &str, e: io::Error| {
-            let cause = if e.kind() == io::ErrorKind::TimedOut { FailCause::Timeout } else { FailCause::PeerUnreachable };
-            cause.because(format!("{} at {}: {what} the cluster key's handshake: {e}", self.peer_name, self.target))
+            let cause = if e.kind() == io::ErrorKind::TimedOut {
+                FailCause::Timeout
+            } else {
+                FailCause::PeerUnreachable
+            };
+            cause.because(format!(
+                "{} at {}: {what} the cluster key's handshake: {e}",
+                self.peer_name, self.target
+            ))
         };
         let open = proto::AuthOpen::new(key, &self.peer_name, self.protect, &self.peer_name)?;
-        write_all_vectored(s, &mut [IoSlice::new(open.hello())], |_| stop()).map_err(|e| io_failed("sending", e))?;
+        write_all_vectored(s, &mut [IoSlice::new(open.hello())], |_| stop())
+            .map_err(|e| io_failed("sending", e))?;
         // (The target sends nothing beyond its answer before the first request: no byte of
         // the connection is read into this buffer ahead of the reader's.)
         let mut rx = RxBuf::new();
@@ -580,8 +746,14 @@ impl Lane {
             )),
             _ => io_failed("receiving the answer to", e),
         })?;
-        open.on_answer(first.try_into().unwrap_or_else(|_| unreachable!("STATUS_LEN bytes taken")), &self.peer_name)?;
-        let rest = take(&mut rx, crate::wire::tcp::AUTH_ANSWER_LEN - STATUS_LEN).map_err(|e| io_failed("receiving the answer to", e))?;
+        open.on_answer(
+            first
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("STATUS_LEN bytes taken")),
+            &self.peer_name,
+        )?;
+        let rest = take(&mut rx, crate::wire::tcp::AUTH_ANSWER_LEN - STATUS_LEN)
+            .map_err(|e| io_failed("receiving the answer to", e))?;
         open.finish(&rest, &self.peer_name)
     }
 
@@ -597,9 +769,19 @@ impl Lane {
                 if st.reader_done() {
                     return;
                 }
-                let Some((conn, gen, front)) = st.reader_front() else { continue };
+                let Some((conn, gen, front)) = st.reader_front() else {
+                    continue;
+                };
                 let p = &front.piece;
-                (conn, gen, p.task.deadline(), p.opcode, p.local, p.len, p.guard.clone())
+                (
+                    conn,
+                    gen,
+                    p.task.deadline(),
+                    p.opcode,
+                    p.local,
+                    p.len,
+                    p.guard.clone(),
+                )
             };
             if gen != my_gen {
                 rx.clear();
@@ -607,7 +789,11 @@ impl Lane {
             }
             let expired = || proto::must_stop(Instant::now(), deadline, guard.is_revoked());
             // Large READ data goes straight into local memory: read only the status first.
-            rx.max_fill = if opcode == Opcode::Read && len as usize >= DIRECT_MIN { STATUS_LEN } else { RX_BUF };
+            rx.max_fill = if opcode == Opcode::Read && len as usize >= DIRECT_MIN {
+                STATUS_LEN
+            } else {
+                RX_BUF
+            };
             let mut ans = Answer::protected(opcode, len, self.v2, conn.answer_protect());
             // The reader alone opens this connection's status frames while it reads them.
             let mut opener = conn.opener();
@@ -618,7 +804,14 @@ impl Lane {
             let mut bad = None;
             while ans.awaiting_status() && bad.is_none() {
                 if let Err(e) = rx.need(&conn, 1, expired) {
-                    self.fail_conn(gen, if e.kind() == io::ErrorKind::TimedOut { ConnFailure::Deadline } else { ConnFailure::Broken(e.to_string()) });
+                    self.fail_conn(
+                        gen,
+                        if e.kind() == io::ErrorKind::TimedOut {
+                            ConnFailure::Deadline
+                        } else {
+                            ConnFailure::Broken(e.to_string())
+                        },
+                    );
                     break;
                 }
                 match ans.handle_bytes(rx.data(), &mut [], opener.as_deref_mut()) {
@@ -641,12 +834,19 @@ impl Lane {
                 continue; // the connection failed (handled above)
             }
             // 2. The op is ours now.
-            let Some(op) = self.pop_front(gen) else { continue };
+            let Some(op) = self.pop_front(gen) else {
+                continue;
+            };
             if ans.status() == Some(Status::Unauthorized) {
                 // A target holding a cluster key, and this engine none: nothing of this
                 // connection's requests was taken, and none will be on another.
                 self.done_reading();
-                self.fail_conn(gen, ConnFailure::Untouched("target refused a connection without the cluster key".into()));
+                self.fail_conn(
+                    gen,
+                    ConnFailure::Untouched(
+                        "target refused a connection without the cluster key".into(),
+                    ),
+                );
                 // (What was sent after it came back to wait for a new connection: it would be
                 // refused the same way.)
                 self.end_pending(Some(op), FailKind::Failed, unauthorized(&self.peer_name));
@@ -658,10 +858,21 @@ impl Lane {
                     "{} rejected [0x{:x}, +{}): not inside memory it has registered",
                     self.peer_name, op.piece.remote, op.piece.len
                 );
-                self.end_op(op, Err((FailKind::Failed, FailCause::RemoteNotRegistered.because(reason))));
+                self.end_op(
+                    op,
+                    Err((
+                        FailKind::Failed,
+                        FailCause::RemoteNotRegistered.because(reason),
+                    )),
+                );
                 // The target closes after a rejection without taking what followed: the others
                 // go again on a new connection (WRITEs too: nothing of them can land late).
-                self.fail_conn(gen, ConnFailure::Untouched("target closed the connection after rejecting a request".into()));
+                self.fail_conn(
+                    gen,
+                    ConnFailure::Untouched(
+                        "target closed the connection after rejecting a request".into(),
+                    ),
+                );
                 continue;
             }
             // 3. Payload: READ data (buffered part, then straight into local memory), or the
@@ -676,12 +887,15 @@ impl Lane {
                 };
                 while !ans.done() {
                     if rx.len() > 0 {
-                        let n = ans.handle_bytes(rx.data(), dst, opener.as_deref_mut()).map_err(invalid_data)?;
+                        let n = ans
+                            .handle_bytes(rx.data(), dst, opener.as_deref_mut())
+                            .map_err(invalid_data)?;
                         rx.consume(n);
                         continue;
                     }
                     let n = read_some(&conn, ans.target(dst).unwrap_or_default())?;
-                    ans.on_received(n, dst, opener.as_deref_mut()).map_err(invalid_data)?;
+                    ans.on_received(n, dst, opener.as_deref_mut())
+                        .map_err(invalid_data)?;
                     if !ans.done() && expired() {
                         return Err(stopped("receiving"));
                     }
@@ -697,12 +911,24 @@ impl Lane {
                     // its connection was already handled, it ends alone.
                     let back = self.lock().put_back(gen, op);
                     if let Err(op) = back {
-                        let fate = self.fate(&op, !timed_out, false, Instant::now(), &e.to_string());
-                        let end = fate.unwrap_or((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} lost: {e}", self.peer_name))));
+                        let fate =
+                            self.fate(&op, !timed_out, false, Instant::now(), &e.to_string());
+                        let end = fate.unwrap_or((
+                            FailKind::Failed,
+                            FailCause::PeerLost
+                                .because(format!("connection to {} lost: {e}", self.peer_name)),
+                        ));
                         self.end_op(op, Err(end));
                         continue;
                     }
-                    self.fail_conn(gen, if timed_out { ConnFailure::Deadline } else { ConnFailure::Broken(e.to_string()) });
+                    self.fail_conn(
+                        gen,
+                        if timed_out {
+                            ConnFailure::Deadline
+                        } else {
+                            ConnFailure::Broken(e.to_string())
+                        },
+                    );
                 }
             }
         }
@@ -742,7 +968,8 @@ impl Lane {
             let (hdr, fence) = proto::request_frames(p.opcode, p.remote, p.len, self.v2);
             // SAFETY: the local range is registered (checked at submit) and the guard keeps
             // it so; a revoked guard stops every loop below between system calls.
-            let local = unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
+            let local =
+                unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
             // This thread owns the connection until `end_inline`: it seals and opens.
             let (mut hbuf, mut fbuf) = ([0u8; SEALED_HEADER_LEN], [0u8; SEALED_HEADER_LEN]);
             // A protected WRITE body, as it goes.
@@ -750,26 +977,54 @@ impl Lane {
             let (hlen, flen) = {
                 let mut seal = conn.sealer();
                 let h = proto::put_header(&hdr, seal.as_deref_mut(), &mut hbuf);
-                if let (Some(s), true) = (seal.as_deref_mut(), p.opcode == Opcode::Write && conn.protect != crate::auth::Protect::Headers) {
+                if let (Some(s), true) = (
+                    seal.as_deref_mut(),
+                    p.opcode == Opcode::Write && conn.protect != crate::auth::Protect::Headers,
+                ) {
                     proto::seal_body(conn.protect, s, local, &mut sealed_body);
                 }
-                (h, fence.map_or(0, |f| proto::put_header(&f, seal.as_deref_mut(), &mut fbuf)))
+                (
+                    h,
+                    fence.map_or(0, |f| proto::put_header(&f, seal.as_deref_mut(), &mut fbuf)),
+                )
             };
-            let body: &[u8] = if sealed_body.is_empty() { local } else { &sealed_body };
+            let body: &[u8] = if sealed_body.is_empty() {
+                local
+            } else {
+                &sealed_body
+            };
             match p.opcode {
-                Opcode::Write => write_all_vectored(&conn, &mut [IoSlice::new(&hbuf[..hlen]), IoSlice::new(body), IoSlice::new(&fbuf[..flen])], |_| expired())?,
-                Opcode::Read => write_all_vectored(&conn, &mut [IoSlice::new(&hbuf[..hlen])], |_| expired())?,
+                Opcode::Write => write_all_vectored(
+                    &conn,
+                    &mut [
+                        IoSlice::new(&hbuf[..hlen]),
+                        IoSlice::new(body),
+                        IoSlice::new(&fbuf[..flen]),
+                    ],
+                    |_| expired(),
+                )?,
+                Opcode::Read => {
+                    write_all_vectored(&conn, &mut [IoSlice::new(&hbuf[..hlen])], |_| expired())?
+                }
             }
             let mut ans = Answer::protected(p.opcode, p.len, self.v2, conn.answer_protect());
             let mut opener = conn.opener();
-            let dst: &mut [u8] = if p.opcode == Opcode::Read { local } else { &mut [] };
+            let dst: &mut [u8] = if p.opcode == Opcode::Read {
+                local
+            } else {
+                &mut []
+            };
             if ans.awaiting_status() && p.len <= SPIN_MAX_BYTES {
-                let got = ans.target(dst).map_or(0, |t| poll_read(&conn, t, self.spin));
-                ans.on_received(got, dst, opener.as_deref_mut()).map_err(invalid_data)?;
+                let got = ans
+                    .target(dst)
+                    .map_or(0, |t| poll_read(&conn, t, self.spin));
+                ans.on_received(got, dst, opener.as_deref_mut())
+                    .map_err(invalid_data)?;
             }
             while !ans.done() {
                 let n = read_some(&conn, ans.target(dst).unwrap_or_default())?;
-                ans.on_received(n, dst, opener.as_deref_mut()).map_err(invalid_data)?;
+                ans.on_received(n, dst, opener.as_deref_mut())
+                    .map_err(invalid_data)?;
                 if !ans.done() && expired() {
                     return Err(stopped("receiving"));
                 }
@@ -781,25 +1036,51 @@ impl Lane {
         let outcome = match result {
             Ok(Status::Ok) => Ok(()),
             Ok(Status::Rejected) => {
-                let reason = format!("{} rejected [0x{:x}, +{}): not inside memory it has registered", self.peer_name, op.piece.remote, op.piece.len);
-                Err((FailKind::Failed, FailCause::RemoteNotRegistered.because(reason)))
+                let reason = format!(
+                    "{} rejected [0x{:x}, +{}): not inside memory it has registered",
+                    self.peer_name, op.piece.remote, op.piece.len
+                );
+                Err((
+                    FailKind::Failed,
+                    FailCause::RemoteNotRegistered.because(reason),
+                ))
             }
             Ok(Status::Unauthorized) => Err((FailKind::Failed, unauthorized(&self.peer_name))),
-            Err(e) if e.kind() == io::ErrorKind::TimedOut => match self.fate(&op, false, false, Instant::now(), &e.to_string()) {
-                Some(f) => Err(f),
-                None => Err((FailKind::Timeout, FailCause::Timeout.because(format!("no answer from {} ({}) before the deadline", self.peer_name, self.target)))),
-            },
-            Err(e) if e.kind() == io::ErrorKind::InvalidData => Err((FailKind::Failed, FailCause::Protocol.because(format!("{}: {e}", self.peer_name)))),
-            Err(e) if op.piece.opcode == Opcode::Write || op.piece.guard.is_revoked() => match self.fate(&op, true, false, Instant::now(), &e.to_string()) {
-                Some(f) => Err(f),
-                None => Err((FailKind::Failed, FailCause::PeerLost.because(format!("connection to {} lost: {e}", self.peer_name)))),
-            },
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                match self.fate(&op, false, false, Instant::now(), &e.to_string()) {
+                    Some(f) => Err(f),
+                    None => Err((
+                        FailKind::Timeout,
+                        FailCause::Timeout.because(format!(
+                            "no answer from {} ({}) before the deadline",
+                            self.peer_name, self.target
+                        )),
+                    )),
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => Err((
+                FailKind::Failed,
+                FailCause::Protocol.because(format!("{}: {e}", self.peer_name)),
+            )),
+            Err(e) if op.piece.opcode == Opcode::Write || op.piece.guard.is_revoked() => {
+                match self.fate(&op, true, false, Instant::now(), &e.to_string()) {
+                    Some(f) => Err(f),
+                    None => Err((
+                        FailKind::Failed,
+                        FailCause::PeerLost
+                            .because(format!("connection to {} lost: {e}", self.peer_name)),
+                    )),
+                }
+            }
             Err(e) => {
                 // Broken connection: hand the READ to the lane threads for one retry.
                 if let Some(c) = st.end_inline(gen, true) {
                     let _ = c.shutdown(Shutdown::Both);
                 }
-                tracing::debug!("inline request to {} failed ({e}); retrying on a new connection", self.peer_name);
+                tracing::debug!(
+                    "inline request to {} failed ({e}); retrying on a new connection",
+                    self.peer_name
+                );
                 st.retry_from_inline(op);
                 self.wake_writer.notify_all();
                 self.wake_reader.notify_all();

@@ -39,12 +39,12 @@ use std::time::{Duration, Instant};
 /// pieces it did not take; those fail with the connect error.
 pub type RefusedHook = Arc<dyn Fn(&str, SocketAddr, Vec<Piece>) -> Vec<Piece> + Send + Sync>;
 
-mod sockio;
 mod lane;
 mod proto;
 mod queue;
 mod serve;
 mod server;
+mod sockio;
 
 pub use server::{TcpServer, MAX_DATA_CONNS};
 pub use sockio::poll_read;
@@ -81,7 +81,6 @@ pub struct TcpOptions {
     pub protect: crate::auth::Protect,
 }
 
-
 /// The TCP transport of one engine: its data server and its lanes to peers.
 pub struct TcpTransport {
     opts: TcpOptions,
@@ -92,9 +91,26 @@ pub struct TcpTransport {
 }
 
 impl TcpTransport {
-    pub fn new(listener: TcpListener, registry: Arc<MemoryRegistry>, opts: TcpOptions, stall: Duration) -> io::Result<Arc<TcpTransport>> {
-        let server = TcpServer::start(listener, registry, stall, opts.spin, opts.auth.clone().map(|k| (k, opts.protect)))?;
-        Ok(Arc::new(TcpTransport { opts, server, peers: Arc::default(), shut: AtomicBool::new(false), refused: Arc::default() }))
+    pub fn new(
+        listener: TcpListener,
+        registry: Arc<MemoryRegistry>,
+        opts: TcpOptions,
+        stall: Duration,
+    ) -> io::Result<Arc<TcpTransport>> {
+        let server = TcpServer::start(
+            listener,
+            registry,
+            stall,
+            opts.spin,
+            opts.auth.clone().map(|k| (k, opts.protect)),
+        )?;
+        Ok(Arc::new(TcpTransport {
+            opts,
+            server,
+            peers: Arc::default(),
+            shut: AtomicBool::new(false),
+            refused: Arc::default(),
+        }))
     }
 
     /// Installs the hook asked when a peer's data port refuses connections (once).
@@ -119,7 +135,10 @@ impl TcpTransport {
     /// Peers with open lanes, and connections the data server is serving (for tests and
     /// `kvferry doctor`: what departed peers still cost).
     pub fn usage(&self) -> (usize, usize) {
-        (self.peers.lock().unwrap_or_else(|e| e.into_inner()).len(), self.server.connections())
+        (
+            self.peers.lock().unwrap_or_else(|e| e.into_inner()).len(),
+            self.server.connections(),
+        )
     }
 
     fn lanes_for(&self, peer: &Peer, desc: &SegmentDesc) -> Result<Arc<PeerLanes>, String> {
@@ -156,11 +175,20 @@ impl TcpTransport {
                 protect: self.opts.protect,
             });
             let (w, r) = (Arc::clone(&lane), Arc::clone(&lane));
-            std::thread::Builder::new().name("kvf-lane-tx".into()).spawn(move || w.writer_loop()).map_err(|e| e.to_string())?;
-            std::thread::Builder::new().name("kvf-lane-rx".into()).spawn(move || r.reader_loop()).map_err(|e| e.to_string())?;
+            std::thread::Builder::new()
+                .name("kvf-lane-tx".into())
+                .spawn(move || w.writer_loop())
+                .map_err(|e| e.to_string())?;
+            std::thread::Builder::new()
+                .name("kvf-lane-rx".into())
+                .spawn(move || r.reader_loop())
+                .map_err(|e| e.to_string())?;
             lanes.push(lane);
         }
-        let p = Arc::new(PeerLanes { lanes, rr: AtomicUsize::new(0) });
+        let p = Arc::new(PeerLanes {
+            lanes,
+            rr: AtomicUsize::new(0),
+        });
         peers.insert((addr, v2), Arc::clone(&p));
         Ok(p)
     }
@@ -201,7 +229,10 @@ impl Transport for TcpTransport {
     fn reachable(&self, peer: &Arc<Peer>) -> Result<(), String> {
         let d = peer.desc();
         if d.tcp_data_port == 0 {
-            return Err(format!("segment {} publishes no TCP data port (protocol {:?})", peer.name, d.protocol));
+            return Err(format!(
+                "segment {} publishes no TCP data port (protocol {:?})",
+                peer.name, d.protocol
+            ));
         }
         Ok(())
     }
@@ -273,7 +304,10 @@ impl TcpTransport {
             if chunks == 1 {
                 let i = lanes.pick();
                 lanes.lanes[i].load.fetch_add(p.len, Ordering::AcqRel);
-                per_lane[i].push(WireOp { piece: p, attempts: 0 });
+                per_lane[i].push(WireOp {
+                    piece: p,
+                    attempts: 0,
+                });
                 continue;
             }
             // Cut into `chunks` pieces of about equal size, 4 KiB aligned.
@@ -286,7 +320,14 @@ impl TcpTransport {
                 let i = lanes.pick();
                 lanes.lanes[i].load.fetch_add(len, Ordering::AcqRel);
                 per_lane[i].push(WireOp {
-                    piece: Piece { opcode: p.opcode, local: p.local + off, remote: p.remote + off, len, task: Arc::clone(&p.task), guard: p.guard.clone() },
+                    piece: Piece {
+                        opcode: p.opcode,
+                        local: p.local + off,
+                        remote: p.remote + off,
+                        len,
+                        task: Arc::clone(&p.task),
+                        guard: p.guard.clone(),
+                    },
                     attempts: 0,
                 });
                 off += len;
@@ -316,9 +357,7 @@ impl TcpTransport {
             self.queue(peer, retired);
         }
     }
-
 }
-
 
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use serve::fuzz_drive;

@@ -15,7 +15,9 @@
 use crate::auth::{ClusterKey, Initiator, Opener, Protect, Protocol, Sealer};
 use crate::batch::{FailCause, FailKind, Failure};
 use crate::memory::{MemoryRegistry, RegionGuard};
-use crate::wire::tcp::{self, DataHeader, Opcode, Status, AUTH_ANSWER_LEN, HEADER_LEN, SEALED_STATUS_LEN, STATUS_LEN};
+use crate::wire::tcp::{
+    self, DataHeader, Opcode, Status, AUTH_ANSWER_LEN, HEADER_LEN, SEALED_STATUS_LEN, STATUS_LEN,
+};
 use crate::wire::WireError;
 use std::time::{Duration, Instant};
 
@@ -105,8 +107,23 @@ pub(super) struct Unseal {
 
 impl Unseal {
     pub(super) fn new(p: Protect, len: u64) -> Unseal {
-        let tail = vec![0u8; if p == Protect::Encrypt { CHUNK + crate::auth::TAG_LEN } else { DIGEST_LEN + crate::auth::TAG_LEN }];
-        Unseal { p, left: len, chunk: 0, placed: 0, tail, tail_have: 0, hash: blake3::Hasher::new() }
+        let tail = vec![
+            0u8;
+            if p == Protect::Encrypt {
+                CHUNK + crate::auth::TAG_LEN
+            } else {
+                DIGEST_LEN + crate::auth::TAG_LEN
+            }
+        ];
+        Unseal {
+            p,
+            left: len,
+            chunk: 0,
+            placed: 0,
+            tail,
+            tail_have: 0,
+            hash: blake3::Hasher::new(),
+        }
     }
 
     /// For the next body of `len` bytes (the buffers kept).
@@ -168,7 +185,11 @@ impl Unseal {
     /// Opens the whole tail: a `Payload` chunk's digest compared with what landed in place, an
     /// `Encrypt` chunk opened into `dest` (at least the chunk's size). The chunk's size: for
     /// `Encrypt`, bytes now in `dest`.
-    pub(super) fn open_tail(&mut self, open: &mut Opener, dest: &mut [u8]) -> Result<usize, WireError> {
+    pub(super) fn open_tail(
+        &mut self,
+        open: &mut Opener,
+        dest: &mut [u8],
+    ) -> Result<usize, WireError> {
         let want = self.tail_want();
         let chunk = self.chunk;
         match self.p {
@@ -186,7 +207,8 @@ impl Unseal {
                     return Err(WireError::Unsealed);
                 }
                 // (`blake3::Hash` compares in constant time.)
-                let sent: [u8; DIGEST_LEN] = digest[..DIGEST_LEN].try_into().expect("a digest's bytes");
+                let sent: [u8; DIGEST_LEN] =
+                    digest[..DIGEST_LEN].try_into().expect("a digest's bytes");
                 if got != sent {
                     return Err(WireError::Unsealed);
                 }
@@ -211,8 +233,14 @@ pub(super) struct AuthOpen {
 
 impl AuthOpen {
     /// Opens a handshake towards `segment` for a connection protecting `protect`.
-    pub(super) fn new(key: &ClusterKey, segment: &str, protect: Protect, peer: &str) -> Result<AuthOpen, Failure> {
-        let (init, msg) = Initiator::new(key, protocol(protect), segment.trim_start_matches('/')).map_err(|r| FailCause::Unauthorized.because(format!("{peer}: {r}")))?;
+    pub(super) fn new(
+        key: &ClusterKey,
+        segment: &str,
+        protect: Protect,
+        peer: &str,
+    ) -> Result<AuthOpen, Failure> {
+        let (init, msg) = Initiator::new(key, protocol(protect), segment.trim_start_matches('/'))
+            .map_err(|r| FailCause::Unauthorized.because(format!("{peer}: {r}")))?;
         let mut hello = tcp::encode_auth_hello(msg.len(), protect.code()).to_vec();
         hello.extend_from_slice(&msg);
         Ok(AuthOpen { init, hello })
@@ -238,7 +266,11 @@ impl AuthOpen {
     /// The rest of the answer (the Noise answer): the connection's session.
     pub(super) fn finish(self, rest: &[u8], peer: &str) -> Result<(Sealer, Opener), Failure> {
         debug_assert_eq!(rest.len(), AUTH_ANSWER_LEN - STATUS_LEN);
-        let session = self.init.finish(rest).map_err(|r| FailCause::Unauthorized.because(format!("{peer}'s data port: its answer to the cluster key's handshake: {r}")))?;
+        let session = self.init.finish(rest).map_err(|r| {
+            FailCause::Unauthorized.because(format!(
+                "{peer}'s data port: its answer to the cluster key's handshake: {r}"
+            ))
+        })?;
         Ok(session.split())
     }
 }
@@ -246,16 +278,38 @@ impl AuthOpen {
 /// The frames of one request: its header, and for a WRITE to a v1 target a 1-byte READ of
 /// the last byte written (the fence: its answer proves the body was consumed into memory).
 /// The WRITE body goes between the two.
-pub(super) fn request_frames(opcode: Opcode, remote: u64, len: u64, v2: bool) -> ([u8; HEADER_LEN], Option<[u8; HEADER_LEN]>) {
-    let hdr = DataHeader { size: len, addr: remote, opcode, v2 }.encode();
-    let fence = (opcode == Opcode::Write && !v2 && len > 0)
-        .then(|| DataHeader { size: 1, addr: remote + len - 1, opcode: Opcode::Read, v2: false }.encode());
+pub(super) fn request_frames(
+    opcode: Opcode,
+    remote: u64,
+    len: u64,
+    v2: bool,
+) -> ([u8; HEADER_LEN], Option<[u8; HEADER_LEN]>) {
+    let hdr = DataHeader {
+        size: len,
+        addr: remote,
+        opcode,
+        v2,
+    }
+    .encode();
+    let fence = (opcode == Opcode::Write && !v2 && len > 0).then(|| {
+        DataHeader {
+            size: 1,
+            addr: remote + len - 1,
+            opcode: Opcode::Read,
+            v2: false,
+        }
+        .encode()
+    });
     (hdr, fence)
 }
 
 /// A request header as it goes on the wire into `out`: sealed under the connection's session
 /// (`seal`: [`tcp::SEALED_HEADER_LEN`] bytes) or as it is ([`HEADER_LEN`]); how many bytes.
-pub(super) fn put_header(hdr: &[u8; HEADER_LEN], seal: Option<&mut Sealer>, out: &mut [u8; tcp::SEALED_HEADER_LEN]) -> usize {
+pub(super) fn put_header(
+    hdr: &[u8; HEADER_LEN],
+    seal: Option<&mut Sealer>,
+    out: &mut [u8; tcp::SEALED_HEADER_LEN],
+) -> usize {
     match seal {
         Some(s) => {
             s.seal_to(hdr, out);
@@ -370,10 +424,29 @@ impl Answer {
     }
 
     /// [`Answer::new`] on a keyed connection protecting `protect` (`None`: not keyed).
-    pub(super) fn protected(opcode: Opcode, len: u64, v2: bool, protect: Option<Protect>) -> Answer {
-        let frame_len = if protect.is_some() { SEALED_STATUS_LEN } else { STATUS_LEN };
-        let unseal = protect.filter(|&p| p != Protect::Headers && opcode == Opcode::Read).map(|p| Unseal::new(p, len));
-        Answer { reply: Reply::new(opcode, len, v2), unseal, frame: [0; SEALED_STATUS_LEN], frame_len, fence: [0], have: 0, status: None }
+    pub(super) fn protected(
+        opcode: Opcode,
+        len: u64,
+        v2: bool,
+        protect: Option<Protect>,
+    ) -> Answer {
+        let frame_len = if protect.is_some() {
+            SEALED_STATUS_LEN
+        } else {
+            STATUS_LEN
+        };
+        let unseal = protect
+            .filter(|&p| p != Protect::Headers && opcode == Opcode::Read)
+            .map(|p| Unseal::new(p, len));
+        Answer {
+            reply: Reply::new(opcode, len, v2),
+            unseal,
+            frame: [0; SEALED_STATUS_LEN],
+            frame_len,
+            fence: [0],
+            have: 0,
+            status: None,
+        }
     }
 
     /// Still waiting for the (v2) status frame: the request is not yet off the connection's
@@ -417,13 +490,22 @@ impl Answer {
     /// `n` bytes landed in [`Answer::target`]; `open` opens a sealed status frame (a keyed
     /// connection's). An unreadable status frame, or one that does not open, is a protocol
     /// error (the connection cannot be followed any further).
-    pub(super) fn on_received(&mut self, n: usize, local: &mut [u8], open: Option<&mut Opener>) -> Result<(), WireError> {
+    pub(super) fn on_received(
+        &mut self,
+        n: usize,
+        local: &mut [u8],
+        open: Option<&mut Opener>,
+    ) -> Result<(), WireError> {
         if let (Expect::Data(len), Some(u)) = (self.reply.expect(), &mut self.unseal) {
             // Protected READ data: into place (hashed) or the tail (opened once whole, an
             // `Encrypt` chunk into place); only chunks that opened count.
             match u.next() {
                 Next::Place(_) => {
-                    u.placed(local.get(self.have..self.have + n).ok_or(WireError::Unsealed)?);
+                    u.placed(
+                        local
+                            .get(self.have..self.have + n)
+                            .ok_or(WireError::Unsealed)?,
+                    );
                     self.have += n;
                     return Ok(());
                 }
@@ -432,7 +514,11 @@ impl Answer {
                     let dest = local.get_mut(self.have..).unwrap_or_default();
                     let k = u.open_tail(open, dest)?;
                     // (`Payload` bytes were counted as they landed, below; `Encrypt` now.)
-                    self.have += if u.protect() == Protect::Encrypt { k } else { 0 };
+                    self.have += if u.protect() == Protect::Encrypt {
+                        k
+                    } else {
+                        0
+                    };
                     if self.have as u64 >= len && u.done() {
                         self.have = 0;
                         self.reply.on_payload();
@@ -448,11 +534,15 @@ impl Answer {
                 self.have = 0;
                 let mut plain = [0u8; SEALED_STATUS_LEN];
                 let frame: [u8; STATUS_LEN] = match open {
-                    Some(o) if self.frame_len == SEALED_STATUS_LEN => match o.open(&self.frame, &mut plain) {
-                        Ok(STATUS_LEN) => plain[..STATUS_LEN].try_into().expect("8 bytes"),
-                        _ => return Err(WireError::Unsealed),
-                    },
-                    Some(_) | None if self.frame_len == SEALED_STATUS_LEN => return Err(WireError::Unsealed),
+                    Some(o) if self.frame_len == SEALED_STATUS_LEN => {
+                        match o.open(&self.frame, &mut plain) {
+                            Ok(STATUS_LEN) => plain[..STATUS_LEN].try_into().expect("8 bytes"),
+                            _ => return Err(WireError::Unsealed),
+                        }
+                    }
+                    Some(_) | None if self.frame_len == SEALED_STATUS_LEN => {
+                        return Err(WireError::Unsealed)
+                    }
                     _ => self.frame[..STATUS_LEN].try_into().expect("8 bytes"),
                 };
                 self.status = Some(self.reply.on_status(frame)?);
@@ -472,8 +562,15 @@ impl Answer {
 
     /// Takes buffered bytes: at most the rest of the current part, so that the caller can
     /// claim the request between the status frame and the data. Returns how many it took.
-    pub(super) fn handle_bytes(&mut self, data: &[u8], local: &mut [u8], open: Option<&mut Opener>) -> Result<usize, WireError> {
-        let Some(dst) = self.target(local) else { return Ok(0) };
+    pub(super) fn handle_bytes(
+        &mut self,
+        data: &[u8],
+        local: &mut [u8],
+        open: Option<&mut Opener>,
+    ) -> Result<usize, WireError> {
+        let Some(dst) = self.target(local) else {
+            return Ok(0);
+        };
         let n = dst.len().min(data.len());
         dst[..n].copy_from_slice(&data[..n]);
         self.on_received(n, local, open)?;
@@ -519,17 +616,31 @@ pub(super) struct Failed {
 /// Unregistered memory and passed deadlines end it.
 pub(super) fn fate(opcode: Opcode, f: Failed, now: Instant, peer: &str, why: &str) -> Fate {
     if f.revoked {
-        let reason = format!("the local memory was unregistered while the request to {peer} was in flight");
-        return Fate::End(FailKind::Failed, FailCause::LocalNotRegistered.because(reason));
+        let reason =
+            format!("the local memory was unregistered while the request to {peer} was in flight");
+        return Fate::End(
+            FailKind::Failed,
+            FailCause::LocalNotRegistered.because(reason),
+        );
     }
     if now >= f.deadline {
-        return Fate::End(FailKind::Timeout, FailCause::Timeout.because(format!("no answer from {peer} before the deadline")));
+        return Fate::End(
+            FailKind::Timeout,
+            FailCause::Timeout.because(format!("no answer from {peer} before the deadline")),
+        );
     }
     if f.attempts == 0 && (f.untouched || (f.broken && opcode == Opcode::Read)) {
         return Fate::Retry;
     }
-    let tail = if opcode == Opcode::Write { "; the WRITE may have partly landed and is not sent again" } else { "" };
-    Fate::End(FailKind::Failed, FailCause::PeerLost.because(format!("connection to {peer} failed: {why}{tail}")))
+    let tail = if opcode == Opcode::Write {
+        "; the WRITE may have partly landed and is not sent again"
+    } else {
+        ""
+    };
+    Fate::End(
+        FailKind::Failed,
+        FailCause::PeerLost.because(format!("connection to {peer} failed: {why}{tail}")),
+    )
 }
 
 /// What the target does with a request header.
@@ -537,16 +648,31 @@ pub(super) enum Admission {
     /// Outside registered memory (or empty): answer REJECTED (v2) and close, touching nothing.
     Reject,
     /// Inside: move the bytes while holding `guard`, all of it by `deadline`.
-    Serve { guard: RegionGuard, deadline: Instant },
+    Serve {
+        guard: RegionGuard,
+        deadline: Instant,
+    },
 }
 
 /// Admits a request: only a non-empty range inside one registered range, which then stays
 /// registered (the guard) until the request is done. The request must be done within `stall`
 /// plus 1 ns per byte (the initiator's own allowance), however the bytes trickle.
-pub(super) fn admit(h: &DataHeader, registry: &MemoryRegistry, stall: Duration, now: Instant) -> Admission {
-    let guard = if h.size > 0 { registry.check(h.addr, h.size) } else { None };
+pub(super) fn admit(
+    h: &DataHeader,
+    registry: &MemoryRegistry,
+    stall: Duration,
+    now: Instant,
+) -> Admission {
+    let guard = if h.size > 0 {
+        registry.check(h.addr, h.size)
+    } else {
+        None
+    };
     match guard {
-        Some(guard) => Admission::Serve { guard, deadline: now + stall + Duration::from_nanos(h.size) },
+        Some(guard) => Admission::Serve {
+            guard,
+            deadline: now + stall + Duration::from_nanos(h.size),
+        },
         None => Admission::Reject,
     }
 }
@@ -603,20 +729,46 @@ mod tests {
     fn replies_in_protocol_order() {
         let ok = tcp::encode_status(Status::Ok);
         let rej = tcp::encode_status(Status::Rejected);
-        assert_eq!(drive(Reply::new(Opcode::Read, 10, true), Some(ok)), [Expect::Status, Expect::Data(10), Expect::Done]);
-        assert_eq!(drive(Reply::new(Opcode::Write, 10, true), Some(ok)), [Expect::Status, Expect::Done]);
-        assert_eq!(drive(Reply::new(Opcode::Read, 10, true), Some(rej)), [Expect::Status, Expect::Done]);
-        assert_eq!(drive(Reply::new(Opcode::Read, 10, false), None), [Expect::Data(10), Expect::Done]);
-        assert_eq!(drive(Reply::new(Opcode::Write, 10, false), None), [Expect::Fence, Expect::Done]);
+        assert_eq!(
+            drive(Reply::new(Opcode::Read, 10, true), Some(ok)),
+            [Expect::Status, Expect::Data(10), Expect::Done]
+        );
+        assert_eq!(
+            drive(Reply::new(Opcode::Write, 10, true), Some(ok)),
+            [Expect::Status, Expect::Done]
+        );
+        assert_eq!(
+            drive(Reply::new(Opcode::Read, 10, true), Some(rej)),
+            [Expect::Status, Expect::Done]
+        );
+        assert_eq!(
+            drive(Reply::new(Opcode::Read, 10, false), None),
+            [Expect::Data(10), Expect::Done]
+        );
+        assert_eq!(
+            drive(Reply::new(Opcode::Write, 10, false), None),
+            [Expect::Fence, Expect::Done]
+        );
         let mut r = Reply::new(Opcode::Read, 10, true);
         assert!(!r.claimed());
-        assert!(r.on_status(*b"garbage!").is_err(), "a bad magic is a protocol error");
-        assert!(Reply::new(Opcode::Write, 1, false).claimed(), "v1: nothing to wait for before the payload");
+        assert!(
+            r.on_status(*b"garbage!").is_err(),
+            "a bad magic is a protocol error"
+        );
+        assert!(
+            Reply::new(Opcode::Write, 1, false).claimed(),
+            "v1: nothing to wait for before the payload"
+        );
     }
 
     /// Feeds `stream` to an answer in chunks of `chunk` bytes, as the reader does; returns
     /// the status and how many bytes were left over (the next answer's).
-    fn feed(mut a: Answer, stream: &[u8], chunk: usize, local: &mut [u8]) -> (Option<Status>, usize, bool) {
+    fn feed(
+        mut a: Answer,
+        stream: &[u8],
+        chunk: usize,
+        local: &mut [u8],
+    ) -> (Option<Status>, usize, bool) {
         let mut pos = 0;
         let mut claimed_before_data = true;
         while !a.done() && pos < stream.len() {
@@ -639,21 +791,46 @@ mod tests {
             stream.extend_from_slice(b"hello");
             stream.extend_from_slice(&ok);
             let mut local = [0u8; 5];
-            let (st, left, claimed) = feed(Answer::new(Opcode::Read, 5, true, false), &stream, chunk, &mut local);
-            assert_eq!((st, left, &local), (Some(Status::Ok), STATUS_LEN, b"hello"), "chunk {chunk}");
-            assert!(claimed, "the status is taken on its own, before any data (chunk {chunk})");
+            let (st, left, claimed) = feed(
+                Answer::new(Opcode::Read, 5, true, false),
+                &stream,
+                chunk,
+                &mut local,
+            );
+            assert_eq!(
+                (st, left, &local),
+                (Some(Status::Ok), STATUS_LEN, b"hello"),
+                "chunk {chunk}"
+            );
+            assert!(
+                claimed,
+                "the status is taken on its own, before any data (chunk {chunk})"
+            );
             // v1 WRITE: the fence byte only.
-            let (st, left, _) = feed(Answer::new(Opcode::Write, 5, false, false), b"xy", chunk, &mut []);
+            let (st, left, _) = feed(
+                Answer::new(Opcode::Write, 5, false, false),
+                b"xy",
+                chunk,
+                &mut [],
+            );
             assert_eq!((st, left), (Some(Status::Ok), 1));
             // v2 REJECTED READ: nothing after the status is data.
             let mut stream = tcp::encode_status(Status::Rejected).to_vec();
             stream.extend_from_slice(b"zz");
             let mut local = [0u8; 5];
-            let (st, left, _) = feed(Answer::new(Opcode::Read, 5, true, false), &stream, chunk, &mut local);
+            let (st, left, _) = feed(
+                Answer::new(Opcode::Read, 5, true, false),
+                &stream,
+                chunk,
+                &mut local,
+            );
             assert_eq!((st, left, local), (Some(Status::Rejected), 2, [0; 5]));
         }
         let mut a = Answer::new(Opcode::Read, 5, true, false);
-        assert!(a.handle_bytes(b"garbage!", &mut [0; 5], None).is_err(), "a bad status frame is a protocol error");
+        assert!(
+            a.handle_bytes(b"garbage!", &mut [0; 5], None).is_err(),
+            "a bad status frame is a protocol error"
+        );
     }
 
     #[test]
@@ -663,7 +840,11 @@ mod tests {
         let frame = tcp::encode_status(Status::Ok);
         a.target(&mut local).unwrap()[..5].copy_from_slice(&frame[..5]);
         a.on_received(5, &mut local, None).unwrap();
-        assert_eq!(a.target(&mut local).map(|t| t.len()), Some(3), "the rest of the status frame");
+        assert_eq!(
+            a.target(&mut local).map(|t| t.len()),
+            Some(3),
+            "the rest of the status frame"
+        );
         a.target(&mut local).unwrap().copy_from_slice(&frame[5..]);
         a.on_received(3, &mut local, None).unwrap();
         assert_eq!(a.status(), Some(Status::Ok));
@@ -680,7 +861,9 @@ mod tests {
     /// replayed) or a plain one is a protocol error, and no data after it lands.
     #[test]
     fn a_keyed_connections_status_frames_open_only_under_its_session() {
-        let key = crate::auth::ClusterKey::parse("k".repeat(64).as_bytes(), std::path::Path::new("k")).unwrap();
+        let key =
+            crate::auth::ClusterKey::parse("k".repeat(64).as_bytes(), std::path::Path::new("k"))
+                .unwrap();
         let (init, hello) = Initiator::new(&key, PROTOCOL, "t").unwrap();
         let (target, ans) = crate::auth::answer(&key, PROTOCOL, &hello, &["t"]).unwrap();
         let (_, mut open) = init.finish(&ans).unwrap().split();
@@ -699,30 +882,67 @@ mod tests {
             let mut pos = 0;
             while !a.done() {
                 let end = (pos + chunk).min(stream.len());
-                pos += a.handle_bytes(&stream[pos..end], &mut local, Some(&mut open)).unwrap();
+                pos += a
+                    .handle_bytes(&stream[pos..end], &mut local, Some(&mut open))
+                    .unwrap();
             }
-            assert_eq!((a.status(), &local), (Some(Status::Ok), b"hello"), "chunk {chunk}");
+            assert_eq!(
+                (a.status(), &local),
+                (Some(Status::Ok), b"hello"),
+                "chunk {chunk}"
+            );
         }
         let replayed = sealed(&mut seal, Status::Ok);
         let mut a = Answer::new(Opcode::Write, 5, true, true);
-        assert_eq!(a.handle_bytes(&replayed, &mut [], Some(&mut open)), Ok(SEALED_STATUS_LEN));
+        assert_eq!(
+            a.handle_bytes(&replayed, &mut [], Some(&mut open)),
+            Ok(SEALED_STATUS_LEN)
+        );
         let mut a = Answer::new(Opcode::Write, 5, true, true);
-        assert_eq!(a.handle_bytes(&replayed, &mut [], Some(&mut open)), Err(WireError::Unsealed), "the same frame again");
+        assert_eq!(
+            a.handle_bytes(&replayed, &mut [], Some(&mut open)),
+            Err(WireError::Unsealed),
+            "the same frame again"
+        );
         let mut altered = sealed(&mut seal, Status::Ok);
         altered[3] ^= 1;
         let mut a = Answer::new(Opcode::Read, 5, true, true);
-        assert_eq!(a.handle_bytes(&altered, &mut [0; 5], Some(&mut open)), Err(WireError::Unsealed), "one bit flipped");
+        assert_eq!(
+            a.handle_bytes(&altered, &mut [0; 5], Some(&mut open)),
+            Err(WireError::Unsealed),
+            "one bit flipped"
+        );
         let mut plain = tcp::encode_status(Status::Ok).to_vec();
         plain.extend_from_slice(&[0; 16]);
         let mut a = Answer::new(Opcode::Write, 5, true, true);
-        assert_eq!(a.handle_bytes(&plain, &mut [], Some(&mut open)), Err(WireError::Unsealed), "a plain status in its place");
+        assert_eq!(
+            a.handle_bytes(&plain, &mut [], Some(&mut open)),
+            Err(WireError::Unsealed),
+            "a plain status in its place"
+        );
     }
 
     #[test]
     fn frames_carry_a_fence_only_for_v1_writes() {
         let (h, f) = request_frames(Opcode::Write, 0x1000, 64, false);
-        assert_eq!(DataHeader::decode(&h).unwrap(), DataHeader { size: 64, addr: 0x1000, opcode: Opcode::Write, v2: false });
-        assert_eq!(DataHeader::decode(&f.unwrap()).unwrap(), DataHeader { size: 1, addr: 0x1000 + 63, opcode: Opcode::Read, v2: false });
+        assert_eq!(
+            DataHeader::decode(&h).unwrap(),
+            DataHeader {
+                size: 64,
+                addr: 0x1000,
+                opcode: Opcode::Write,
+                v2: false
+            }
+        );
+        assert_eq!(
+            DataHeader::decode(&f.unwrap()).unwrap(),
+            DataHeader {
+                size: 1,
+                addr: 0x1000 + 63,
+                opcode: Opcode::Read,
+                v2: false
+            }
+        );
         assert!(request_frames(Opcode::Write, 0x1000, 64, true).1.is_none());
         assert!(request_frames(Opcode::Read, 0x1000, 64, false).1.is_none());
     }
@@ -743,7 +963,10 @@ mod tests {
             }
         }
         assert_eq!(got, 14, "stopped after the read that crossed the deadline");
-        assert!(must_stop(t0, deadline, true), "a revoked range stops at once");
+        assert!(
+            must_stop(t0, deadline, true),
+            "a revoked range stops at once"
+        );
     }
 
     /// A header trickled one byte per 100 ms is overdue once `stall` passed since its first
@@ -762,11 +985,20 @@ mod tests {
             if c.overdue(have, now) {
                 break;
             }
-            assert!(have < HEADER_LEN, "the whole header trickled in before the clock ran out");
+            assert!(
+                have < HEADER_LEN,
+                "the whole header trickled in before the clock ran out"
+            );
             now += Duration::from_millis(100);
         }
-        assert_eq!(have, 10, "overdue at the first byte more than 800 ms after the first");
-        assert!(!c.overdue(HEADER_LEN, now), "a complete header is never overdue");
+        assert_eq!(
+            have, 10,
+            "overdue at the first byte more than 800 ms after the first"
+        );
+        assert!(
+            !c.overdue(HEADER_LEN, now),
+            "a complete header is never overdue"
+        );
     }
 
     #[test]
@@ -775,11 +1007,34 @@ mod tests {
         reg.register_batch(&[(0x10000, 0x1000)], "*").unwrap();
         let now = Instant::now();
         let stall = Duration::from_secs(1);
-        let hdr = |addr, size| DataHeader { size, addr, opcode: Opcode::Write, v2: true };
-        assert!(matches!(admit(&hdr(0x10000, 0), &reg, stall, now), Admission::Reject), "empty");
-        assert!(matches!(admit(&hdr(0x10800, 0x801), &reg, stall, now), Admission::Reject), "crosses the end");
-        assert!(matches!(admit(&hdr(0x1000, 1), &reg, stall, now), Admission::Reject), "outside");
-        assert!(matches!(admit(&hdr(u64::MAX, 2), &reg, stall, now), Admission::Reject), "wraps");
+        let hdr = |addr, size| DataHeader {
+            size,
+            addr,
+            opcode: Opcode::Write,
+            v2: true,
+        };
+        assert!(
+            matches!(admit(&hdr(0x10000, 0), &reg, stall, now), Admission::Reject),
+            "empty"
+        );
+        assert!(
+            matches!(
+                admit(&hdr(0x10800, 0x801), &reg, stall, now),
+                Admission::Reject
+            ),
+            "crosses the end"
+        );
+        assert!(
+            matches!(admit(&hdr(0x1000, 1), &reg, stall, now), Admission::Reject),
+            "outside"
+        );
+        assert!(
+            matches!(
+                admit(&hdr(u64::MAX, 2), &reg, stall, now),
+                Admission::Reject
+            ),
+            "wraps"
+        );
         match admit(&hdr(0x10800, 0x800), &reg, stall, now) {
             Admission::Serve { guard, deadline } => {
                 assert_eq!(guard.region().addr, 0x10000);
@@ -792,33 +1047,115 @@ mod tests {
     #[test]
     fn a_gathered_write_is_bounded_by_the_deadline_of_the_request_going_out() {
         let t0 = Instant::now();
-        let (small, large) = (t0 + Duration::from_millis(500), t0 + Duration::from_millis(1040));
+        let (small, large) = (
+            t0 + Duration::from_millis(500),
+            t0 + Duration::from_millis(1040),
+        );
         let small_bytes = HEADER_LEN as u64 + 4096;
-        let ends = [(small_bytes, small), (small_bytes + HEADER_LEN as u64 + (512 << 20), large)];
+        let ends = [
+            (small_bytes, small),
+            (small_bytes + HEADER_LEN as u64 + (512 << 20), large),
+        ];
         assert_eq!(deadline_at(&ends, 0), Some(small));
         assert_eq!(deadline_at(&ends, small_bytes - 1), Some(small));
-        assert_eq!(deadline_at(&ends, small_bytes), Some(large), "the small one left: the large one's deadline");
+        assert_eq!(
+            deadline_at(&ends, small_bytes),
+            Some(large),
+            "the small one left: the large one's deadline"
+        );
         assert_eq!(deadline_at(&ends, ends[1].0), None);
     }
 
     #[test]
     fn only_reads_are_retried_and_only_once() {
         let now = Instant::now();
-        let f = Failed { broken: true, attempts: 0, revoked: false, deadline: now + Duration::from_secs(1), untouched: false };
+        let f = Failed {
+            broken: true,
+            attempts: 0,
+            revoked: false,
+            deadline: now + Duration::from_secs(1),
+            untouched: false,
+        };
         assert_eq!(fate(Opcode::Read, f, now, "p", "reset"), Fate::Retry);
         // Behind a rejected request, never taken by the target: a WRITE goes again too, once.
-        let untouched = Failed { untouched: true, ..f };
-        assert_eq!(fate(Opcode::Write, untouched, now, "p", "rejected"), Fate::Retry);
-        assert_ne!(fate(Opcode::Write, Failed { attempts: 1, ..untouched }, now, "p", "rejected"), Fate::Retry);
-        assert_ne!(fate(Opcode::Write, untouched, now + Duration::from_secs(2), "p", "rejected"), Fate::Retry);
+        let untouched = Failed {
+            untouched: true,
+            ..f
+        };
+        assert_eq!(
+            fate(Opcode::Write, untouched, now, "p", "rejected"),
+            Fate::Retry
+        );
+        assert_ne!(
+            fate(
+                Opcode::Write,
+                Failed {
+                    attempts: 1,
+                    ..untouched
+                },
+                now,
+                "p",
+                "rejected"
+            ),
+            Fate::Retry
+        );
+        assert_ne!(
+            fate(
+                Opcode::Write,
+                untouched,
+                now + Duration::from_secs(2),
+                "p",
+                "rejected"
+            ),
+            Fate::Retry
+        );
         let end = |fate: Fate| match fate {
             Fate::End(k, f) => (k, f.cause),
             Fate::Retry => panic!("retried"),
         };
-        assert_eq!(end(fate(Opcode::Write, f, now, "p", "reset")), (FailKind::Failed, FailCause::PeerLost));
-        assert_eq!(end(fate(Opcode::Read, Failed { attempts: 1, ..f }, now, "p", "reset")), (FailKind::Failed, FailCause::PeerLost));
-        assert_eq!(end(fate(Opcode::Read, Failed { broken: false, ..f }, now, "p", "stopped")), (FailKind::Failed, FailCause::PeerLost));
-        assert_eq!(end(fate(Opcode::Read, f, now + Duration::from_secs(2), "p", "reset")), (FailKind::Timeout, FailCause::Timeout));
-        assert_eq!(end(fate(Opcode::Read, Failed { revoked: true, ..f }, now, "p", "reset")), (FailKind::Failed, FailCause::LocalNotRegistered));
+        assert_eq!(
+            end(fate(Opcode::Write, f, now, "p", "reset")),
+            (FailKind::Failed, FailCause::PeerLost)
+        );
+        assert_eq!(
+            end(fate(
+                Opcode::Read,
+                Failed { attempts: 1, ..f },
+                now,
+                "p",
+                "reset"
+            )),
+            (FailKind::Failed, FailCause::PeerLost)
+        );
+        assert_eq!(
+            end(fate(
+                Opcode::Read,
+                Failed { broken: false, ..f },
+                now,
+                "p",
+                "stopped"
+            )),
+            (FailKind::Failed, FailCause::PeerLost)
+        );
+        assert_eq!(
+            end(fate(
+                Opcode::Read,
+                f,
+                now + Duration::from_secs(2),
+                "p",
+                "reset"
+            )),
+            (FailKind::Timeout, FailCause::Timeout)
+        );
+        assert_eq!(
+            end(fate(
+                Opcode::Read,
+                Failed { revoked: true, ..f },
+                now,
+                "p",
+                "reset"
+            )),
+            (FailKind::Failed, FailCause::LocalNotRegistered)
+        );
     }
 }

@@ -120,7 +120,9 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
 
     /// The reader has nothing to receive (and should sleep until woken).
     pub(super) fn reader_waits(&self) -> bool {
-        (self.inflight.is_empty() || self.conn.is_none() || self.inline) && !self.shutdown && !self.retired
+        (self.inflight.is_empty() || self.conn.is_none() || self.inline)
+            && !self.shutdown
+            && !self.retired
     }
 
     /// The reader's thread ends.
@@ -130,7 +132,10 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
 
     /// Takes every request off the lane (engine shutdown): they fail.
     pub(super) fn drain_all(&mut self) -> Vec<O> {
-        self.pending.drain(..).chain(self.inflight.drain(..)).collect()
+        self.pending
+            .drain(..)
+            .chain(self.inflight.drain(..))
+            .collect()
     }
 
     /// Takes the pending requests whose deadline passed, wherever they are in the queue (a
@@ -158,7 +163,11 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
     /// has been quiet a while and no byte may be waiting on it (nothing in flight, not
     /// even the payload the reader is still receiving).
     pub(super) fn check_closed_by_peer(&self, now: Instant) -> Option<C> {
-        if !self.inflight.is_empty() || self.reading || self.inline || now.saturating_duration_since(self.last_sent) < STALE_CHECK_AFTER {
+        if !self.inflight.is_empty()
+            || self.reading
+            || self.inline
+            || now.saturating_duration_since(self.last_sent) < STALE_CHECK_AFTER
+        {
             return None;
         }
         self.conn.clone()
@@ -189,7 +198,12 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
     /// Moves a run of pending requests (at most `max_ops`, stopping after the one that
     /// reaches `max_bytes`) to `inflight` and hands them to the connection. `None` without
     /// a connection or pending requests.
-    pub(super) fn next_send(&mut self, now: Instant, max_ops: usize, max_bytes: u64) -> Option<Send<C>> {
+    pub(super) fn next_send(
+        &mut self,
+        now: Instant,
+        max_ops: usize,
+        max_bytes: u64,
+    ) -> Option<Send<C>> {
         let conn = self.conn.clone()?;
         if self.pending.is_empty() {
             return None;
@@ -206,7 +220,13 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
                 break;
             }
         }
-        Some(Send { conn, gen: self.gen, first: self.inflight.len() - n, n, wake_reader })
+        Some(Send {
+            conn,
+            gen: self.gen,
+            first: self.inflight.len() - n,
+            n,
+            wake_reader,
+        })
     }
 
     /// Connection `gen` failed (`broken`: closed or reset; else a deadline passed). `None`
@@ -216,7 +236,11 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
     /// (`None`: send it again — it goes back to the head of `pending`, in its order, with
     /// one more attempt counted — or how it ends, returned with it).
     #[allow(clippy::type_complexity)]
-    pub(super) fn on_conn_failed<E>(&mut self, gen: u64, mut decide: impl FnMut(&O) -> Option<E>) -> Option<(C, Vec<(O, E)>)> {
+    pub(super) fn on_conn_failed<E>(
+        &mut self,
+        gen: u64,
+        mut decide: impl FnMut(&O) -> Option<E>,
+    ) -> Option<(C, Vec<(O, E)>)> {
         if self.gen != gen {
             return None;
         }
@@ -310,7 +334,10 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
 
     /// Whether the lane has been idle for `idle` and may close.
     pub(super) fn may_retire(&self, now: Instant, idle: Duration) -> bool {
-        self.idle() && !self.shutdown && !self.retired && now.saturating_duration_since(self.last_used) >= idle
+        self.idle()
+            && !self.shutdown
+            && !self.retired
+            && now.saturating_duration_since(self.last_used) >= idle
     }
 
     /// Closes the lane as idle: its threads end; new work is refused (and goes to new lanes).
@@ -355,7 +382,13 @@ mod tests {
     }
 
     fn op(id: u32, opcode: Opcode, len: u64, deadline: Instant) -> Op {
-        Op { id, opcode, len, deadline, attempts: 0 }
+        Op {
+            id,
+            opcode,
+            len,
+            deadline,
+            attempts: 0,
+        }
     }
 
     fn ids<'a>(ops: impl IntoIterator<Item = &'a Op>) -> Vec<u32> {
@@ -365,7 +398,13 @@ mod tests {
     /// The lane's decision: the retry rule of the protocol, for a broken connection.
     fn decide(now: Instant, broken: bool) -> impl FnMut(&Op) -> Option<FailKind> {
         move |o: &Op| {
-            let f = Failed { broken, attempts: o.attempts, revoked: false, deadline: o.deadline, untouched: false };
+            let f = Failed {
+                broken,
+                attempts: o.attempts,
+                revoked: false,
+                deadline: o.deadline,
+                untouched: false,
+            };
             match proto::fate(o.opcode, f, now, "peer", "reset") {
                 Fate::Retry => None,
                 Fate::End(kind, _) => Some(kind),
@@ -379,18 +418,32 @@ mod tests {
         let later = t0 + Duration::from_secs(10);
         let mut q: LaneQueue<Op, u32> = LaneQueue::new(t0);
         let gen = q.on_connected(7);
-        let ops = vec![op(1, Opcode::Read, 4096, later), op(2, Opcode::Write, 4096, later), op(3, Opcode::Read, 4096, later)];
+        let ops = vec![
+            op(1, Opcode::Read, 4096, later),
+            op(2, Opcode::Write, 4096, later),
+            op(3, Opcode::Read, 4096, later),
+        ];
         q.enqueue(ops, t0).unwrap();
         let s = q.next_send(t0, 256, 1 << 20).unwrap();
-        assert_eq!((s.conn, s.gen, s.first, s.n, s.wake_reader), (7, gen, 0, 3, true));
-        q.enqueue(vec![op(4, Opcode::Read, 4096, later)], t0).unwrap();
+        assert_eq!(
+            (s.conn, s.gen, s.first, s.n, s.wake_reader),
+            (7, gen, 0, 3, true)
+        );
+        q.enqueue(vec![op(4, Opcode::Read, 4096, later)], t0)
+            .unwrap();
         let (conn, ended) = q.on_conn_failed(gen, decide(t0, true)).unwrap();
         assert_eq!(conn, 7);
         // The WRITE may have partly landed: it is never sent again.
-        assert_eq!(ended.iter().map(|(o, k)| (o.id, *k)).collect::<Vec<_>>(), vec![(2, FailKind::Failed)]);
+        assert_eq!(
+            ended.iter().map(|(o, k)| (o.id, *k)).collect::<Vec<_>>(),
+            vec![(2, FailKind::Failed)]
+        );
         // The READs go first, in their order, one attempt counted, before what was pending.
         assert_eq!(ids(&q.pending), vec![1, 3, 4]);
-        assert_eq!(q.pending.iter().map(|o| o.attempts).collect::<Vec<_>>(), vec![1, 1, 0]);
+        assert_eq!(
+            q.pending.iter().map(|o| o.attempts).collect::<Vec<_>>(),
+            vec![1, 1, 0]
+        );
         assert!(q.inflight.is_empty() && !q.connected());
         // A second failure of the same connection (the other thread saw it too) changes nothing.
         assert!(q.on_conn_failed(gen, decide(t0, true)).is_none());
@@ -407,13 +460,23 @@ mod tests {
         let t0 = Instant::now();
         let mut q: LaneQueue<Op, ()> = LaneQueue::new(t0);
         let gen = q.on_connected(());
-        q.enqueue(vec![op(1, Opcode::Read, 1, t0 + Duration::from_millis(5)), op(2, Opcode::Read, 1, t0 + Duration::from_secs(5))], t0).unwrap();
+        q.enqueue(
+            vec![
+                op(1, Opcode::Read, 1, t0 + Duration::from_millis(5)),
+                op(2, Opcode::Read, 1, t0 + Duration::from_secs(5)),
+            ],
+            t0,
+        )
+        .unwrap();
         q.next_send(t0, 256, 1 << 20).unwrap();
         // The connection is dropped because op 1's deadline passed: op 1 times out; op 2
         // was not broken by the peer either (no retry on a deadline), so it fails.
         let now = t0 + Duration::from_millis(6);
         let (_, ended) = q.on_conn_failed(gen, decide(now, false)).unwrap();
-        assert_eq!(ended.iter().map(|(o, k)| (o.id, *k)).collect::<Vec<_>>(), vec![(1, FailKind::Timeout), (2, FailKind::Failed)]);
+        assert_eq!(
+            ended.iter().map(|(o, k)| (o.id, *k)).collect::<Vec<_>>(),
+            vec![(1, FailKind::Timeout), (2, FailKind::Failed)]
+        );
         assert!(q.pending.is_empty());
     }
 
@@ -424,7 +487,15 @@ mod tests {
         q.on_connected(());
         let soon = t0 + Duration::from_millis(1);
         let later = t0 + Duration::from_secs(1);
-        q.enqueue(vec![op(1, Opcode::Write, 1, soon), op(2, Opcode::Write, 1, soon), op(3, Opcode::Write, 1, later)], t0).unwrap();
+        q.enqueue(
+            vec![
+                op(1, Opcode::Write, 1, soon),
+                op(2, Opcode::Write, 1, soon),
+                op(3, Opcode::Write, 1, later),
+            ],
+            t0,
+        )
+        .unwrap();
         assert!(q.take_expired(t0).is_empty());
         let now = t0 + Duration::from_millis(2);
         assert_eq!(ids(&q.take_expired(now)), vec![1, 2]);
@@ -441,7 +512,16 @@ mod tests {
         let t0 = Instant::now();
         let mut q: LaneQueue<Op, ()> = LaneQueue::new(t0);
         let (soon, later) = (t0 + Duration::from_millis(1), t0 + Duration::from_secs(1));
-        q.enqueue(vec![op(1, Opcode::Write, 1, later), op(2, Opcode::Write, 1, soon), op(3, Opcode::Write, 1, later), op(4, Opcode::Read, 1, soon)], t0).unwrap();
+        q.enqueue(
+            vec![
+                op(1, Opcode::Write, 1, later),
+                op(2, Opcode::Write, 1, soon),
+                op(3, Opcode::Write, 1, later),
+                op(4, Opcode::Read, 1, soon),
+            ],
+            t0,
+        )
+        .unwrap();
         assert!(q.take_expired(t0).is_empty());
         let now = t0 + Duration::from_millis(2);
         assert_eq!(ids(&q.take_expired(now)), vec![2, 4]);
@@ -449,7 +529,11 @@ mod tests {
         assert!(q.take_expired(now).is_empty());
         // On the wire, then its connection fails: back in `pending`, and it expires there.
         q.on_connected(());
-        q.enqueue(vec![op(5, Opcode::Read, 1, t0 + Duration::from_millis(5))], now).unwrap();
+        q.enqueue(
+            vec![op(5, Opcode::Read, 1, t0 + Duration::from_millis(5))],
+            now,
+        )
+        .unwrap();
         let s = q.next_send(now, 256, 1 << 20).unwrap();
         assert_eq!(s.n, 3);
         // Looked at past op 5's deadline while it is on the wire: nothing pending, and the
@@ -466,7 +550,20 @@ mod tests {
         let t0 = Instant::now();
         let mut q: LaneQueue<Op, ()> = LaneQueue::new(t0);
         // No connection: nothing goes out.
-        q.enqueue((0..10).map(|i| op(i, Opcode::Write, 100, t0 + Duration::from_secs(10 - i as u64))).collect(), t0).unwrap();
+        q.enqueue(
+            (0..10)
+                .map(|i| {
+                    op(
+                        i,
+                        Opcode::Write,
+                        100,
+                        t0 + Duration::from_secs(10 - i as u64),
+                    )
+                })
+                .collect(),
+            t0,
+        )
+        .unwrap();
         assert!(q.next_send(t0, 4, 1 << 20).is_none());
         q.on_connected(());
         let s = q.next_send(t0, 4, 1 << 20).unwrap();
@@ -487,14 +584,22 @@ mod tests {
         let mut q: LaneQueue<Op, u32> = LaneQueue::new(t0);
         assert!(q.reader_waits());
         let g1 = q.on_connected(1);
-        q.enqueue(vec![op(1, Opcode::Read, 1, far), op(2, Opcode::Read, 1, far)], t0).unwrap();
+        q.enqueue(
+            vec![op(1, Opcode::Read, 1, far), op(2, Opcode::Read, 1, far)],
+            t0,
+        )
+        .unwrap();
         assert!(q.reader_waits(), "nothing in flight yet");
         q.next_send(t0, 256, 1 << 20).unwrap();
         let (c, g, front) = q.reader_front().unwrap();
         assert_eq!((c, g, front.id), (1, g1, 1));
         let first = q.take_front(g1).unwrap();
         assert!(!q.idle(), "an answer being received keeps the lane busy");
-        assert!(q.check_closed_by_peer(t0 + Duration::from_secs(1)).is_none(), "bytes may be waiting: no peek");
+        assert!(
+            q.check_closed_by_peer(t0 + Duration::from_secs(1))
+                .is_none(),
+            "bytes may be waiting: no peek"
+        );
         // Its receive fails; meanwhile the writer replaced the connection.
         q.on_conn_failed(g1, decide(t0, true)).unwrap();
         let g2 = q.on_connected(2);
@@ -548,19 +653,34 @@ mod tests {
         q.on_connected(1);
         assert!(!q.may_retire(t0 + Duration::from_secs(29), idle));
         assert!(q.may_retire(t0 + idle, idle));
-        q.enqueue(vec![op(1, Opcode::Write, 1, far)], t0 + idle).unwrap();
-        assert!(!q.may_retire(t0 + Duration::from_secs(1000), idle), "work pending");
+        q.enqueue(vec![op(1, Opcode::Write, 1, far)], t0 + idle)
+            .unwrap();
+        assert!(
+            !q.may_retire(t0 + Duration::from_secs(1000), idle),
+            "work pending"
+        );
         q.next_send(t0 + idle, 256, 1 << 20).unwrap();
-        assert!(!q.may_retire(t0 + Duration::from_secs(1000), idle), "work in flight");
+        assert!(
+            !q.may_retire(t0 + Duration::from_secs(1000), idle),
+            "work in flight"
+        );
         let g = q.reader_front().unwrap().1;
         q.take_front(g).unwrap();
-        assert!(!q.may_retire(t0 + Duration::from_secs(1000), idle), "an answer being received");
+        assert!(
+            !q.may_retire(t0 + Duration::from_secs(1000), idle),
+            "an answer being received"
+        );
         q.done_reading();
-        assert!(!q.may_retire(t0 + idle + Duration::from_secs(29), idle), "last used when the work came");
+        assert!(
+            !q.may_retire(t0 + idle + Duration::from_secs(29), idle),
+            "last used when the work came"
+        );
         assert!(q.may_retire(t0 + idle + idle, idle));
         assert_eq!(q.retire(), Some(1));
         assert!(q.writer_done() && q.reader_done() && !q.writer_waits() && !q.reader_waits());
-        let refused = q.enqueue(vec![op(2, Opcode::Write, 1, far)], t0).unwrap_err();
+        let refused = q
+            .enqueue(vec![op(2, Opcode::Write, 1, far)], t0)
+            .unwrap_err();
         assert_eq!(ids(&refused), vec![2]);
     }
 
@@ -570,7 +690,11 @@ mod tests {
         let far = t0 + Duration::from_secs(100);
         let mut q: LaneQueue<Op, u32> = LaneQueue::new(t0);
         q.on_connected(1);
-        q.enqueue(vec![op(1, Opcode::Write, 1, far), op(2, Opcode::Read, 1, far)], t0).unwrap();
+        q.enqueue(
+            vec![op(1, Opcode::Write, 1, far), op(2, Opcode::Read, 1, far)],
+            t0,
+        )
+        .unwrap();
         q.next_send(t0, 1, 1 << 20).unwrap();
         assert_eq!(q.stop(), Some(1));
         assert!(q.is_shutdown() && q.reader_done() && !q.writer_waits());
@@ -582,11 +706,23 @@ mod tests {
     fn a_quiet_connection_is_checked_for_a_peer_close_before_use() {
         let t0 = Instant::now();
         let mut q: LaneQueue<Op, u32> = LaneQueue::new(t0);
-        assert!(q.check_closed_by_peer(t0 + Duration::from_secs(1)).is_none(), "no connection");
+        assert!(
+            q.check_closed_by_peer(t0 + Duration::from_secs(1))
+                .is_none(),
+            "no connection"
+        );
         q.on_connected(5);
-        q.enqueue(vec![op(1, Opcode::Read, 1, t0 + Duration::from_secs(9))], t0).unwrap();
+        q.enqueue(
+            vec![op(1, Opcode::Read, 1, t0 + Duration::from_secs(9))],
+            t0,
+        )
+        .unwrap();
         q.next_send(t0, 256, 1 << 20).unwrap();
-        assert!(q.check_closed_by_peer(t0 + Duration::from_secs(1)).is_none(), "an answer is awaited");
+        assert!(
+            q.check_closed_by_peer(t0 + Duration::from_secs(1))
+                .is_none(),
+            "an answer is awaited"
+        );
         let g = q.reader_front().unwrap().1;
         q.take_front(g).unwrap();
         q.done_reading();

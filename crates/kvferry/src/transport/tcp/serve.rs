@@ -17,8 +17,8 @@
 //! connection closes (which is what lets `unregister` return).
 
 use super::proto::{admit, Admission, HeaderClock};
-use super::sockio::{MAX_OUT, SMALL_READ};
 use super::proto::{protocol, seal_chunk, Next, Unseal, CHUNK};
+use super::sockio::{MAX_OUT, SMALL_READ};
 use crate::auth::{Keyed, Opener, Protect, Sealer};
 use crate::memory::{MemoryRegistry, RegionGuard};
 use crate::wire::tcp::{self, DataHeader, Opcode, Status, HEADER_LEN, SEALED_HEADER_LEN};
@@ -50,7 +50,11 @@ const GPU_CHUNK: usize = 1 << 20;
 enum State {
     /// With a cluster key, before anything else: receiving the initiator's opening frame and
     /// the Noise message it announces (`pre` holds what came of them), until `until`.
-    Hello { keyed: Arc<Keyed>, least: Protect, until: Instant },
+    Hello {
+        keyed: Arc<Keyed>,
+        least: Protect,
+        until: Instant,
+    },
     /// Receiving a header (`have` bytes of it so far).
     Header,
     /// A WRITE body: `got` of `len` bytes landed at `addr`.
@@ -149,7 +153,8 @@ fn pipe(slot: &mut Option<crate::gpu::Pipe>, dev: u32) -> Result<&mut crate::gpu
 /// Copies `dst.len()` bytes of GPU `gpu`'s memory at `src` into `dst`.
 fn gpu_dtoh(gpu: u32, dst: &mut [u8], src: u64) -> Result<(), String> {
     let cuda = crate::gpu::cuda().map_err(|e| e.to_string())?;
-    cuda.dtoh(gpu, dst, src).map_err(|e| format!("copying GPU {gpu} memory at 0x{src:x}: {e}"))
+    cuda.dtoh(gpu, dst, src)
+        .map_err(|e| format!("copying GPU {gpu} memory at 0x{src:x}: {e}"))
 }
 
 /// What to send: `out` first, then `body` (a READ answer straight from registered memory).
@@ -180,9 +185,18 @@ impl ServeConn {
     /// initiator's handshake, and its first sealed request header, must come within `stall` of
     /// `now` (the connection's start) before any request is served.
     /// `least`: what a connection must at least protect (`KVFERRY_AUTH_PROTECT` here).
-    pub(super) fn with_key(stall: Duration, keyed: Arc<Keyed>, least: Protect, now: Instant) -> ServeConn {
+    pub(super) fn with_key(
+        stall: Duration,
+        keyed: Arc<Keyed>,
+        least: Protect,
+        now: Instant,
+    ) -> ServeConn {
         let mut c = ServeConn::new(stall);
-        c.state = State::Hello { keyed, least, until: now + stall };
+        c.state = State::Hello {
+            keyed,
+            least,
+            until: now + stall,
+        };
         c
     }
 
@@ -218,14 +232,21 @@ impl ServeConn {
     /// Consumes bytes the socket delivered; returns how many it took. It stops taking bytes
     /// while a READ answer or a closing status waits to be sent ([`ServeConn::transmit`]) and
     /// once the connection is over; the caller keeps the rest for later.
-    pub(super) fn handle_bytes(&mut self, registry: &MemoryRegistry, mut data: &[u8], now: Instant) -> usize {
+    pub(super) fn handle_bytes(
+        &mut self,
+        registry: &MemoryRegistry,
+        mut data: &[u8],
+        now: Instant,
+    ) -> usize {
         let total = data.len();
         while !data.is_empty() {
             match &mut self.state {
                 State::Hello { until, .. } => {
                     let until = *until;
                     // The header first; then the message it announces (bounded there).
-                    let want = HEADER_LEN + tcp::auth_hello_len(&self.pre).map_or(0, |n| n.min(crate::auth::MAX_HELLO_LEN as u64) as usize);
+                    let want = HEADER_LEN
+                        + tcp::auth_hello_len(&self.pre)
+                            .map_or(0, |n| n.min(crate::auth::MAX_HELLO_LEN as u64) as usize);
                     let n = (want - self.pre.len()).min(data.len());
                     self.pre.extend_from_slice(&data[..n]);
                     data = &data[n..];
@@ -241,7 +262,13 @@ impl ServeConn {
                     self.hdr[self.have..self.have + n].copy_from_slice(&data[..n]);
                     self.have += n;
                     data = &data[n..];
-                    if self.clock.overdue(self.have, now) || self.sealed.as_ref().and_then(|s| s.proof_by).is_some_and(|by| now >= by) {
+                    if self.clock.overdue(self.have, now)
+                        || self
+                            .sealed
+                            .as_ref()
+                            .and_then(|s| s.proof_by)
+                            .is_some_and(|by| now >= by)
+                    {
                         self.close(End::Overdue);
                     } else if self.have == hdr_len {
                         self.have = 0;
@@ -277,22 +304,48 @@ impl ServeConn {
                 c.close(End::Unauthorized(why));
             }
         };
-        let State::Hello { keyed, least, until } = std::mem::replace(&mut self.state, State::Header) else { return };
+        let State::Hello {
+            keyed,
+            least,
+            until,
+        } = std::mem::replace(&mut self.state, State::Header)
+        else {
+            return;
+        };
         let Some(announced) = tcp::auth_hello_len(&self.pre) else {
-            let v2 = self.pre.get(..HEADER_LEN).and_then(|h| DataHeader::decode(h.try_into().ok()?).ok()).is_some_and(|h| h.v2);
+            let v2 = self
+                .pre
+                .get(..HEADER_LEN)
+                .and_then(|h| DataHeader::decode(h.try_into().ok()?).ok())
+                .is_some_and(|h| h.v2);
             return refuse(self, v2, "a request before the cluster key's handshake: the initiator holds no KVFERRY_AUTH_KEY_FILE (or is a stock Mooncake engine)".into());
         };
-        if announced < crate::auth::hello_len(0) as u64 || announced > crate::auth::MAX_HELLO_LEN as u64 {
-            return refuse(self, true, format!("an opening frame announcing {announced} bytes, outside a handshake's {}..={}", crate::auth::hello_len(0), crate::auth::MAX_HELLO_LEN));
+        if announced < crate::auth::hello_len(0) as u64
+            || announced > crate::auth::MAX_HELLO_LEN as u64
+        {
+            return refuse(
+                self,
+                true,
+                format!(
+                    "an opening frame announcing {announced} bytes, outside a handshake's {}..={}",
+                    crate::auth::hello_len(0),
+                    crate::auth::MAX_HELLO_LEN
+                ),
+            );
         }
-        let code = tcp::auth_hello_protect(self.pre[..HEADER_LEN].try_into().expect("a header's bytes"));
+        let code =
+            tcp::auth_hello_protect(self.pre[..HEADER_LEN].try_into().expect("a header's bytes"));
         let asked = match Protect::from_code(code) {
             Some(p) if p >= least => p,
             Some(p) => return refuse(self, true, format!("the initiator asks KVFERRY_AUTH_PROTECT={} and this engine requires at least {}: set it there too", p.name(), least.name())),
             None => return refuse(self, true, format!("the initiator asks for protection {code}, which this engine does not know (a newer kvferry?)")),
         };
         if self.pre.len() < HEADER_LEN + announced as usize {
-            self.state = State::Hello { keyed, least, until };
+            self.state = State::Hello {
+                keyed,
+                least,
+                until,
+            };
             return;
         }
         let hello = std::mem::take(&mut self.pre);
@@ -301,7 +354,12 @@ impl ServeConn {
                 self.out.extend_from_slice(&tcp::ANSWER_MAGIC.to_le_bytes());
                 self.out.extend_from_slice(&answer);
                 let (seal, open) = session.split();
-                self.sealed = Some(Session { seal, open, proof_by: Some(until), protect: asked });
+                self.sealed = Some(Session {
+                    seal,
+                    open,
+                    proof_by: Some(until),
+                    protect: asked,
+                });
                 self.clock = HeaderClock::new(self.stall);
             }
             Err(r) => refuse(self, true, format!("the initiator's opening message: {r}")),
@@ -332,7 +390,11 @@ impl ServeConn {
             Err(e) => return self.close(End::BadHeader(e.to_string())),
         };
         let Admission::Serve { guard, deadline } = admit(&h, registry, self.stall, now) else {
-            tracing::debug!(addr = h.addr, size = h.size, "rejecting TCP request outside registered memory");
+            tracing::debug!(
+                addr = h.addr,
+                size = h.size,
+                "rejecting TCP request outside registered memory"
+            );
             if h.v2 {
                 self.push_status(Status::Rejected);
                 self.state = State::Closing(End::Rejected);
@@ -345,7 +407,17 @@ impl ServeConn {
             Opcode::Write => {
                 self.large_write = h.size >= super::sockio::DIRECT_MIN as u64;
                 let gpu = guard.region().gpu;
-                self.state = State::Body { guard, addr: h.addr, len: h.size, got: 0, deadline, v2: h.v2, gpu, fill: 0, half: 0 };
+                self.state = State::Body {
+                    guard,
+                    addr: h.addr,
+                    len: h.size,
+                    got: 0,
+                    deadline,
+                    v2: h.v2,
+                    gpu,
+                    fill: 0,
+                    half: 0,
+                };
                 match (self.protect(), &mut self.body_in) {
                     (Protect::Headers, _) => {}
                     (_, Some(u)) => u.reset(h.size),
@@ -367,13 +439,27 @@ impl ServeConn {
                     if guard.is_revoked() {
                         return self.close(End::Revoked);
                     }
-                    let src = unsafe { std::slice::from_raw_parts(h.addr as *const u8, h.size as usize) };
+                    let src =
+                        unsafe { std::slice::from_raw_parts(h.addr as *const u8, h.size as usize) };
                     match &mut self.sealed {
-                        Some(s) if s.protect != Protect::Headers => seal_chunk(s.protect, &mut s.seal, src, &mut self.out),
+                        Some(s) if s.protect != Protect::Headers => {
+                            seal_chunk(s.protect, &mut s.seal, src, &mut self.out)
+                        }
                         _ => self.out.extend_from_slice(src),
                     }
                 } else {
-                    self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline, gpu: None, chunk_at: 0, chunk_len: 0, half: 0, next: 0 };
+                    self.state = State::Answer {
+                        guard,
+                        addr: h.addr,
+                        len: h.size,
+                        sent: 0,
+                        deadline,
+                        gpu: None,
+                        chunk_at: 0,
+                        chunk_len: 0,
+                        half: 0,
+                        next: 0,
+                    };
                     self.fill_answer(now);
                 }
             }
@@ -405,7 +491,17 @@ impl ServeConn {
     /// Where the rest of the current WRITE body lands (memory, or the GPU pipe's half);
     /// `None` when no body is expected (or its range was revoked: the connection then closes).
     fn dest(&mut self) -> Option<&mut [u8]> {
-        let State::Body { guard, addr, len, got, gpu, fill, half, .. } = &self.state else {
+        let State::Body {
+            guard,
+            addr,
+            len,
+            got,
+            gpu,
+            fill,
+            half,
+            ..
+        } = &self.state
+        else {
             return None;
         };
         if guard.is_revoked() {
@@ -417,17 +513,25 @@ impl ServeConn {
             // was queued two chunks ago is done), at most to the end of this chunk.
             let want = (GPU_CHUNK - *fill).min((*len - *got) as usize);
             let (fill, half) = (*fill, *half);
-            let ready = pipe(&mut self.pipe, dev).and_then(|p| p.wait(half).map_err(|e| format!("copying into GPU {dev} memory: {e}")));
+            let ready = pipe(&mut self.pipe, dev).and_then(|p| {
+                p.wait(half)
+                    .map_err(|e| format!("copying into GPU {dev} memory: {e}"))
+            });
             if let Err(e) = ready {
                 self.close(End::Device(e));
                 return None;
             }
-            return self.pipe.as_mut().map(|p| &mut p.half_mut(half)[fill..fill + want]);
+            return self
+                .pipe
+                .as_mut()
+                .map(|p| &mut p.half_mut(half)[fill..fill + want]);
         }
         // SAFETY: the range was admitted (inside registered memory) and `guard` keeps it
         // registered while this state lives; it is not revoked (checked above), and the
         // unregister barrier waits for the guard, which goes only with this state.
-        Some(unsafe { std::slice::from_raw_parts_mut((*addr + *got) as *mut u8, (*len - *got) as usize) })
+        Some(unsafe {
+            std::slice::from_raw_parts_mut((*addr + *got) as *mut u8, (*len - *got) as usize)
+        })
     }
 
     /// `n` bytes of the current WRITE body landed (through [`ServeConn::body`]). On a
@@ -435,7 +539,11 @@ impl ServeConn {
     /// a digest that does not match, or a chunk that does not open, ends the connection
     /// without answering the request.
     pub(super) fn on_body(&mut self, n: usize, now: Instant) {
-        let Some(mut u) = self.body_in.take().filter(|_| matches!(self.state, State::Body { .. })) else {
+        let Some(mut u) = self
+            .body_in
+            .take()
+            .filter(|_| matches!(self.state, State::Body { .. }))
+        else {
             return self.landed(n, now);
         };
         if !self.into_tail {
@@ -449,7 +557,11 @@ impl ServeConn {
             self.body_in = Some(u);
             return self.handle_timeout(now);
         }
-        let Some(mut s) = self.sealed.take() else { return self.close(End::Unauthorized("a protected body on a connection without a session".into())) };
+        let Some(mut s) = self.sealed.take() else {
+            return self.close(End::Unauthorized(
+                "a protected body on a connection without a session".into(),
+            ));
+        };
         let opened = match u.protect() {
             Protect::Encrypt => match self.dest() {
                 Some(d) => u.open_tail(&mut s.open, d),
@@ -472,7 +584,17 @@ impl ServeConn {
 
     /// `n` bytes of the current WRITE body are in place (received, or opened there).
     fn landed(&mut self, n: usize, now: Instant) {
-        let State::Body { guard, addr, len, got, gpu, fill, half, .. } = &mut self.state else {
+        let State::Body {
+            guard,
+            addr,
+            len,
+            got,
+            gpu,
+            fill,
+            half,
+            ..
+        } = &mut self.state
+        else {
             return;
         };
         *got += n as u64;
@@ -491,11 +613,15 @@ impl ServeConn {
                 // Queued; the next chunk is received into the other half meanwhile, and the
                 // last one waits for every copy before the status is queued.
                 let r = match self.pipe.as_mut() {
-                    Some(p) => p.htod(h, at, chunk).and_then(|()| if last { p.sync() } else { Ok(()) }),
+                    Some(p) => p
+                        .htod(h, at, chunk)
+                        .and_then(|()| if last { p.sync() } else { Ok(()) }),
                     None => return self.close(End::Device("no staging buffer".into())),
                 };
                 if let Err(e) = r {
-                    return self.close(End::Device(format!("copying into GPU {gpu} memory at 0x{at:x}: {e}")));
+                    return self.close(End::Device(format!(
+                        "copying into GPU {gpu} memory at 0x{at:x}: {e}"
+                    )));
                 }
             }
         }
@@ -516,8 +642,15 @@ impl ServeConn {
     /// What to send now. Empty when nothing is waiting. (A protected answer leaves through
     /// `out`, chunk by chunk: [`ServeConn::fill_answer`].)
     pub(super) fn transmit(&self) -> Transmit<'_> {
-        let body = if self.protect() == Protect::Headers { self.raw_answer() } else { &[] };
-        Transmit { out: &self.out, body }
+        let body = if self.protect() == Protect::Headers {
+            self.raw_answer()
+        } else {
+            &[]
+        };
+        Transmit {
+            out: &self.out,
+            body,
+        }
     }
 
     /// What of a READ answer can be sent as it is now (from memory or the GPU pipe).
@@ -527,12 +660,23 @@ impl ServeConn {
             // connection at the next `handle_timeout`, which the sender calls after every
             // system call, so at most the bytes of one call leave after revocation began
             // and none after the barrier (which waits for this state to go).
-            State::Answer { gpu: Some(_), sent, chunk_at, chunk_len, half, .. } => match &self.pipe {
+            State::Answer {
+                gpu: Some(_),
+                sent,
+                chunk_at,
+                chunk_len,
+                half,
+                ..
+            } => match &self.pipe {
                 // Waited for when it became the current half (`stage_answer`).
                 Some(p) => &p.half(*half)[(*sent - *chunk_at) as usize..*chunk_len],
                 None => &[],
             },
-            State::Answer { addr, len, sent, .. } => unsafe { std::slice::from_raw_parts((*addr + *sent) as *const u8, (*len - *sent) as usize) },
+            State::Answer {
+                addr, len, sent, ..
+            } => unsafe {
+                std::slice::from_raw_parts((*addr + *sent) as *const u8, (*len - *sent) as usize)
+            },
             _ => &[],
         }
     }
@@ -566,7 +710,9 @@ impl ServeConn {
         }
         if let State::Closing(_) = self.state {
             if self.out.is_empty() {
-                let State::Closing(why) = std::mem::replace(&mut self.state, State::Header) else { unreachable!() };
+                let State::Closing(why) = std::mem::replace(&mut self.state, State::Header) else {
+                    unreachable!()
+                };
                 self.state = State::Closed(why);
             }
         }
@@ -575,7 +721,14 @@ impl ServeConn {
     /// `rest` more bytes of the READ answer being sent left (or, protected, went into `out`).
     fn answered(&mut self, rest: u64, now: Instant) {
         match &mut self.state {
-            State::Answer { len, sent, gpu, chunk_at, chunk_len, .. } => {
+            State::Answer {
+                len,
+                sent,
+                gpu,
+                chunk_at,
+                chunk_len,
+                ..
+            } => {
                 *sent += rest;
                 if *sent >= *len {
                     self.state = State::Header;
@@ -588,7 +741,9 @@ impl ServeConn {
                 }
             }
             State::Closing(_) if self.out.is_empty() => {
-                let State::Closing(why) = std::mem::replace(&mut self.state, State::Header) else { unreachable!() };
+                let State::Closing(why) = std::mem::replace(&mut self.state, State::Header) else {
+                    unreachable!()
+                };
                 self.state = State::Closed(why);
             }
             _ => {}
@@ -599,7 +754,12 @@ impl ServeConn {
     /// it serves is overdue or its range was revoked, or a header began more than `stall` ago.
     pub(super) fn handle_timeout(&mut self, now: Instant) {
         match &self.state {
-            State::Body { guard, deadline, .. } | State::Answer { guard, deadline, .. } => {
+            State::Body {
+                guard, deadline, ..
+            }
+            | State::Answer {
+                guard, deadline, ..
+            } => {
                 if guard.is_revoked() {
                     self.close(End::Revoked);
                 } else if now >= *deadline {
@@ -607,7 +767,13 @@ impl ServeConn {
                 }
             }
             State::Header => {
-                if self.clock.overdue(self.have, now) || self.sealed.as_ref().and_then(|s| s.proof_by).is_some_and(|by| now >= by) {
+                if self.clock.overdue(self.have, now)
+                    || self
+                        .sealed
+                        .as_ref()
+                        .and_then(|s| s.proof_by)
+                        .is_some_and(|by| now >= by)
+                {
                     self.close(End::Overdue);
                 }
             }
@@ -626,7 +792,10 @@ impl ServeConn {
         match &self.state {
             State::Body { deadline, .. } | State::Answer { deadline, .. } => Some(*deadline),
             // (An unproved keyed connection may not idle: it holds a place among the unproved.)
-            State::Header => match (self.clock.due(), self.sealed.as_ref().and_then(|s| s.proof_by)) {
+            State::Header => match (
+                self.clock.due(),
+                self.sealed.as_ref().and_then(|s| s.proof_by),
+            ) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             },
@@ -670,7 +839,14 @@ impl ServeConn {
     /// A READ of GPU memory: its answer leaves from the bounce buffer, a chunk at a time,
     /// each copied device→host just before it is sent (the first before the status frame,
     /// so a failed copy is never answered OK).
-    fn on_gpu_read(&mut self, guard: RegionGuard, gpu: u32, h: &DataHeader, deadline: Instant, now: Instant) {
+    fn on_gpu_read(
+        &mut self,
+        guard: RegionGuard,
+        gpu: u32,
+        h: &DataHeader,
+        deadline: Instant,
+        now: Instant,
+    ) {
         if guard.is_revoked() {
             return self.close(End::Revoked);
         }
@@ -683,12 +859,25 @@ impl ServeConn {
                 self.push_status(Status::Ok);
             }
             match &mut self.sealed {
-                Some(s) if s.protect != Protect::Headers => seal_chunk(s.protect, &mut s.seal, &data, &mut self.out),
+                Some(s) if s.protect != Protect::Headers => {
+                    seal_chunk(s.protect, &mut s.seal, &data, &mut self.out)
+                }
                 _ => self.out.extend_from_slice(&data),
             }
             return;
         }
-        self.state = State::Answer { guard, addr: h.addr, len: h.size, sent: 0, deadline, gpu: Some(gpu), chunk_at: 0, chunk_len: 0, half: 1, next: 0 };
+        self.state = State::Answer {
+            guard,
+            addr: h.addr,
+            len: h.size,
+            sent: 0,
+            deadline,
+            gpu: Some(gpu),
+            chunk_at: 0,
+            chunk_len: 0,
+            half: 1,
+            next: 0,
+        };
         self.stage_answer();
         if h.v2 && !matches!(self.state, State::Closed(_)) {
             self.push_status(Status::Ok);
@@ -712,7 +901,10 @@ impl ServeConn {
             return;
         }
         // (The session and `out` are taken out while the answer's bytes are borrowed.)
-        let (Some(mut session), mut out) = (self.sealed.take(), std::mem::take(&mut self.out)) else { return };
+        let (Some(mut session), mut out) = (self.sealed.take(), std::mem::take(&mut self.out))
+        else {
+            return;
+        };
         let raw = self.raw_answer();
         let k = raw.len().min(CHUNK);
         seal_chunk(session.protect, &mut session.seal, &raw[..k], &mut out);
@@ -724,7 +916,19 @@ impl ServeConn {
     /// copy is queued here, later it was queued while the previous chunk was sent; it is
     /// waited for, then the chunk after it is queued into the other half (just sent).
     fn stage_answer(&mut self) {
-        let State::Answer { guard, addr, len, sent, gpu: Some(gpu), chunk_at, chunk_len, half, next, .. } = &mut self.state else {
+        let State::Answer {
+            guard,
+            addr,
+            len,
+            sent,
+            gpu: Some(gpu),
+            chunk_at,
+            chunk_len,
+            half,
+            next,
+            ..
+        } = &mut self.state
+        else {
             return;
         };
         if guard.is_revoked() {
@@ -788,7 +992,9 @@ impl ServeConn {
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) fn fuzz_drive(data: &[u8]) -> usize {
     const PAGE: usize = 4096;
-    let (Some(&mode), Some(&cut)) = (data.first(), data.get(1)) else { return 0 };
+    let (Some(&mode), Some(&cut)) = (data.first(), data.get(1)) else {
+        return 0;
+    };
     let data = &data[2..];
     let mut mem = vec![0x5Au8; PAGE * 3];
     let reg = MemoryRegistry::new();
@@ -796,8 +1002,13 @@ pub(crate) fn fuzz_drive(data: &[u8]) -> usize {
     if reg.register_batch(&[(base, PAGE as u64)], "*").is_err() {
         return 0;
     }
-    let key = Arc::new(crate::auth::ClusterKey::parse(&[b'f'; 64], std::path::Path::new("fuzz")).expect("a key"));
-    let keyed = Arc::new(Keyed { key: Arc::clone(&key), names: vec!["t".into()] });
+    let key = Arc::new(
+        crate::auth::ClusterKey::parse(&[b'f'; 64], std::path::Path::new("fuzz")).expect("a key"),
+    );
+    let keyed = Arc::new(Keyed {
+        key: Arc::clone(&key),
+        names: vec!["t".into()],
+    });
     let t0 = Instant::now();
     let stall = Duration::from_secs(1);
     // Modes 2, 3, 4: after a handshake protecting headers, payload, or everything.
@@ -831,12 +1042,18 @@ pub(crate) fn fuzz_drive(data: &[u8]) -> usize {
     };
     let mut seal = None;
     if mode % 5 >= 2 {
-        let Ok((init, hello)) = crate::auth::Initiator::new(&key, protocol(protect), "t") else { return 0 };
+        let Ok((init, hello)) = crate::auth::Initiator::new(&key, protocol(protect), "t") else {
+            return 0;
+        };
         let mut open = tcp::encode_auth_hello(hello.len(), protect.code()).to_vec();
         open.extend_from_slice(&hello);
         let answer = feed(&mut c, &open, &mut now);
-        let Some(rest) = answer.get(8..) else { return 0 };
-        let Ok(session) = init.finish(rest) else { return 0 };
+        let Some(rest) = answer.get(8..) else {
+            return 0;
+        };
+        let Ok(session) = init.finish(rest) else {
+            return 0;
+        };
         seal = Some(session.split().0);
     }
     if mode % 5 == 1 {
@@ -844,19 +1061,31 @@ pub(crate) fn fuzz_drive(data: &[u8]) -> usize {
     } else {
         let mut rest = data;
         while rest.len() > HEADER_LEN && c.closed().is_none() {
-            let mut hdr: [u8; HEADER_LEN] = rest[..HEADER_LEN].try_into().expect("a header's bytes");
-            let off = u64::from_le_bytes(hdr[8..16].try_into().expect("8 bytes")) % (3 * PAGE as u64);
+            let mut hdr: [u8; HEADER_LEN] =
+                rest[..HEADER_LEN].try_into().expect("a header's bytes");
+            let off =
+                u64::from_le_bytes(hdr[8..16].try_into().expect("8 bytes")) % (3 * PAGE as u64);
             hdr[8..16].copy_from_slice(&(base - PAGE as u64 + off).to_le_bytes());
             let mut wire = Vec::new();
             match &mut seal {
                 Some(s) => s.seal(&hdr, &mut wire),
                 None => wire.extend_from_slice(&hdr),
             }
-            let body = usize::from(rest.get(HEADER_LEN).copied().unwrap_or(0)).min(rest.len() - HEADER_LEN - 1);
+            let body = usize::from(rest.get(HEADER_LEN).copied().unwrap_or(0))
+                .min(rest.len() - HEADER_LEN - 1);
             match &mut seal {
                 // (As a protected initiator sends a body; a body cut short is sent as it is.)
-                Some(s) if protect != Protect::Headers && u64::from_le_bytes(hdr[0..8].try_into().expect("8 bytes")) == body as u64 => {
-                    super::proto::seal_body(protect, s, &rest[HEADER_LEN + 1..HEADER_LEN + 1 + body], &mut wire)
+                Some(s)
+                    if protect != Protect::Headers
+                        && u64::from_le_bytes(hdr[0..8].try_into().expect("8 bytes"))
+                            == body as u64 =>
+                {
+                    super::proto::seal_body(
+                        protect,
+                        s,
+                        &rest[HEADER_LEN + 1..HEADER_LEN + 1 + body],
+                        &mut wire,
+                    )
                 }
                 _ => wire.extend_from_slice(&rest[HEADER_LEN + 1..HEADER_LEN + 1 + body]),
             }
@@ -865,7 +1094,13 @@ pub(crate) fn fuzz_drive(data: &[u8]) -> usize {
         }
     }
     drop(c);
-    assert!(mem[..PAGE].iter().chain(&mem[2 * PAGE..]).all(|&b| b == 0x5A), "bytes outside the registered page were written");
+    assert!(
+        mem[..PAGE]
+            .iter()
+            .chain(&mem[2 * PAGE..])
+            .all(|&b| b == 0x5A),
+        "bytes outside the registered page were written"
+    );
     mem[PAGE..2 * PAGE].iter().filter(|&&b| b != 0x5A).count()
 }
 
@@ -884,7 +1119,8 @@ mod tests {
     fn mem(len: usize) -> Mem {
         let buf: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
         let reg = MemoryRegistry::new();
-        reg.register_batch(&[(buf.as_ptr() as u64, len as u64)], "*").unwrap();
+        reg.register_batch(&[(buf.as_ptr() as u64, len as u64)], "*")
+            .unwrap();
         Mem { buf, reg }
     }
 
@@ -895,7 +1131,14 @@ mod tests {
     }
 
     fn hdr(op: Opcode, addr: u64, size: u64, v2: bool) -> Vec<u8> {
-        DataHeader { size, addr, opcode: op, v2 }.encode().to_vec()
+        DataHeader {
+            size,
+            addr,
+            opcode: op,
+            v2,
+        }
+        .encode()
+        .to_vec()
     }
 
     /// Sends everything the machine has to send; returns it.
@@ -929,7 +1172,10 @@ mod tests {
         for (i, b) in stream.iter().enumerate() {
             assert_eq!(c.handle_bytes(&m.reg, std::slice::from_ref(b), now), 1);
             if i + 1 < stream.len() {
-                assert!(c.transmit().out.is_empty(), "no answer before the last byte landed (byte {i})");
+                assert!(
+                    c.transmit().out.is_empty(),
+                    "no answer before the last byte landed (byte {i})"
+                );
             }
         }
         assert_eq!(&m.buf[100..110], b"0123456789");
@@ -969,13 +1215,27 @@ mod tests {
         let mut c = ServeConn::new(STALL);
         assert_eq!(c.handle_bytes(&m.reg, &stream, t0), stream.len());
         assert_eq!(&m.buf[..4], b"abcd");
-        assert!(c.must_send(), "the first WRITE's status leaves before the thread waits for the second body");
+        assert!(
+            c.must_send(),
+            "the first WRITE's status leaves before the thread waits for the second body"
+        );
         assert_eq!(c.transmit().out, encode_status(Status::Ok));
         // Not sent (the socket was full), and the second body stalls past its deadline.
         c.handle_timeout(t0 + Duration::from_secs(60));
-        assert_eq!(c.closed(), None, "closing, with the first WRITE's status still to send");
-        assert_eq!(c.holding(), 0, "the second request's range is let go at once");
-        assert_eq!(drain(&mut c, t0 + Duration::from_secs(60)), encode_status(Status::Ok));
+        assert_eq!(
+            c.closed(),
+            None,
+            "closing, with the first WRITE's status still to send"
+        );
+        assert_eq!(
+            c.holding(),
+            0,
+            "the second request's range is let go at once"
+        );
+        assert_eq!(
+            drain(&mut c, t0 + Duration::from_secs(60)),
+            encode_status(Status::Ok)
+        );
         assert_eq!(c.closed(), Some(&End::Overdue));
         // With nothing waiting it closes at once, as before.
         let mut c = ServeConn::new(STALL);
@@ -992,17 +1252,28 @@ mod tests {
         let now = Instant::now();
         let mut stream = hdr(Opcode::Read, m.addr(0), 1 << 20, true);
         stream.extend(hdr(Opcode::Read, m.addr(0), 1, true));
-        assert_eq!(c.handle_bytes(&m.reg, &stream, now), HEADER_LEN, "the next header waits");
+        assert_eq!(
+            c.handle_bytes(&m.reg, &stream, now),
+            HEADER_LEN,
+            "the next header waits"
+        );
         assert!(c.must_send());
         assert_eq!(c.holding(), m.addr(0));
         let t = c.transmit();
         assert_eq!(t.out, encode_status(Status::Ok));
         assert_eq!(t.body, &m.buf[..]);
         c.on_sent(STATUS_LEN + 1000, now);
-        assert_eq!(c.transmit().body, &m.buf[1000..], "resumes where the socket stopped");
+        assert_eq!(
+            c.transmit().body,
+            &m.buf[1000..],
+            "resumes where the socket stopped"
+        );
         c.on_sent((1 << 20) - 1000, now);
         assert!(c.idle() && c.holding() == 0);
-        assert_eq!(c.handle_bytes(&m.reg, &stream[HEADER_LEN..], now), HEADER_LEN);
+        assert_eq!(
+            c.handle_bytes(&m.reg, &stream[HEADER_LEN..], now),
+            HEADER_LEN
+        );
     }
 
     #[test]
@@ -1016,7 +1287,10 @@ mod tests {
         assert_eq!(c.handle_bytes(&m.reg, &stream, now), HEADER_LEN);
         assert_eq!(drain(&mut c, now), encode_status(Status::Rejected));
         assert_eq!(c.closed(), Some(&End::Rejected));
-        assert!(m.buf[4000..].iter().enumerate().all(|(i, b)| *b == ((4000 + i) % 251) as u8));
+        assert!(m.buf[4000..]
+            .iter()
+            .enumerate()
+            .all(|(i, b)| *b == ((4000 + i) % 251) as u8));
         // v1: nothing to answer with; closed at once.
         let mut c = ServeConn::new(STALL);
         c.handle_bytes(&m.reg, &hdr(Opcode::Read, 0x10, 8, false), now);
@@ -1036,7 +1310,10 @@ mod tests {
         let mut c = ServeConn::new(STALL);
         let t0 = Instant::now();
         c.handle_bytes(&m.reg, &hdr(Opcode::Write, m.addr(0), 4096, true), t0);
-        assert_eq!(c.poll_timeout(), Some(t0 + STALL + Duration::from_nanos(4096)));
+        assert_eq!(
+            c.poll_timeout(),
+            Some(t0 + STALL + Duration::from_nanos(4096))
+        );
         let mut now = t0;
         let mut fed = 0;
         while c.closed().is_none() {
@@ -1047,7 +1324,11 @@ mod tests {
         }
         assert_eq!(c.closed(), Some(&End::Overdue));
         assert_eq!(fed, 21, "the byte at 1.05 s was the last taken");
-        assert_eq!(c.handle_bytes(&m.reg, &[0xAB; 10], now), 0, "nothing lands after");
+        assert_eq!(
+            c.handle_bytes(&m.reg, &[0xAB; 10], now),
+            0,
+            "nothing lands after"
+        );
         assert_eq!(m.buf[fed], (fed % 251) as u8);
         assert_eq!(c.holding(), 0, "the guard went with the request");
     }
@@ -1058,16 +1339,31 @@ mod tests {
         let mut c = ServeConn::new(STALL);
         let t0 = Instant::now();
         c.handle_timeout(t0 + Duration::from_secs(3600));
-        assert!(c.closed().is_none() && c.poll_timeout().is_none(), "idle for an hour is fine");
+        assert!(
+            c.closed().is_none() && c.poll_timeout().is_none(),
+            "idle for an hour is fine"
+        );
         let h = hdr(Opcode::Write, m.addr(0), 8, true);
         let start = t0 + Duration::from_secs(3600);
         for (i, b) in h[..3].iter().enumerate() {
-            c.handle_bytes(&m.reg, std::slice::from_ref(b), start + Duration::from_millis(300 * i as u64));
+            c.handle_bytes(
+                &m.reg,
+                std::slice::from_ref(b),
+                start + Duration::from_millis(300 * i as u64),
+            );
         }
         assert!(c.closed().is_none());
-        assert_eq!(c.poll_timeout(), Some(start + STALL), "a begun header has a deadline");
+        assert_eq!(
+            c.poll_timeout(),
+            Some(start + STALL),
+            "a begun header has a deadline"
+        );
         c.handle_timeout(start + Duration::from_millis(1100));
-        assert_eq!(c.closed(), Some(&End::Overdue), "3 bytes, then nothing for 0.5 s: overdue 1 s after the first");
+        assert_eq!(
+            c.closed(),
+            Some(&End::Overdue),
+            "3 bytes, then nothing for 0.5 s: overdue 1 s after the first"
+        );
     }
 
     #[test]
@@ -1082,10 +1378,16 @@ mod tests {
             let unregister = s.spawn(|| m.reg.unregister_batch(&[m.addr(0)]).map(drop));
             let t = Instant::now();
             while c.body().is_some() {
-                assert!(t.elapsed() < Duration::from_secs(10), "revocation never seen");
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "revocation never seen"
+                );
                 std::thread::yield_now();
             }
-            unregister.join().expect("unregister thread").expect("unregister");
+            unregister
+                .join()
+                .expect("unregister thread")
+                .expect("unregister");
         });
         assert_eq!(c.closed(), Some(&End::Revoked));
         assert_eq!(c.handle_bytes(&m.reg, &[2; 90], now), 0);
@@ -1094,17 +1396,33 @@ mod tests {
     }
 
     fn key(c: char) -> Arc<crate::auth::ClusterKey> {
-        Arc::new(crate::auth::ClusterKey::parse(c.to_string().repeat(64).as_bytes(), std::path::Path::new("k")).expect("a key"))
+        Arc::new(
+            crate::auth::ClusterKey::parse(
+                c.to_string().repeat(64).as_bytes(),
+                std::path::Path::new("k"),
+            )
+            .expect("a key"),
+        )
     }
 
     /// A target known as "t" holding key `c`.
     fn keyed(c: char) -> Arc<Keyed> {
-        Arc::new(Keyed { key: key(c), names: vec!["t".into()] })
+        Arc::new(Keyed {
+            key: key(c),
+            names: vec!["t".into()],
+        })
     }
 
     /// The initiator's side (`proto::AuthOpen`), dialing `segment`, run against a target's
     /// machine, the bytes fed `chunk` at a time: the session, or how the target refused.
-    fn handshake(c: &mut ServeConn, m: &Mem, initiator: &crate::auth::ClusterKey, segment: &str, chunk: usize, now: Instant) -> Result<(Sealer, Opener), crate::batch::Failure> {
+    fn handshake(
+        c: &mut ServeConn,
+        m: &Mem,
+        initiator: &crate::auth::ClusterKey,
+        segment: &str,
+        chunk: usize,
+        now: Instant,
+    ) -> Result<(Sealer, Opener), crate::batch::Failure> {
         let open = super::super::proto::AuthOpen::new(initiator, segment, Protect::Headers, "t")?;
         for part in open.hello().chunks(chunk) {
             c.handle_bytes(&m.reg, part, now);
@@ -1146,32 +1464,58 @@ mod tests {
             bytes.extend_from_slice(&data);
             c.handle_bytes(&m.reg, &bytes, t0);
             let sent = drain(&mut c, t0);
-            assert_eq!(sent, if v2 { encode_status(Status::Unauthorized).to_vec() } else { vec![] });
-            assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("KVFERRY_AUTH_KEY_FILE")), "{:?}", c.closed());
+            assert_eq!(
+                sent,
+                if v2 {
+                    encode_status(Status::Unauthorized).to_vec()
+                } else {
+                    vec![]
+                }
+            );
+            assert!(
+                matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("KVFERRY_AUTH_KEY_FILE")),
+                "{:?}",
+                c.closed()
+            );
             assert_eq!(&m.buf[..64], &mem(64).buf[..], "nothing written");
         }
         // A READ with no handshake: nothing of the memory leaves.
         let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
         c.handle_bytes(&m.reg, &hdr(Opcode::Read, m.addr(0), 64, true), t0);
-        assert_eq!(drain(&mut c, t0), encode_status(Status::Unauthorized).to_vec());
+        assert_eq!(
+            drain(&mut c, t0),
+            encode_status(Status::Unauthorized).to_vec()
+        );
         // Another key, another segment's name, an opening frame announcing more than a
         // handshake's size: refused at once.
         let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
         let e = handshake(&mut c, &m, &key('b'), "t", 7, t0).expect_err("another key");
         assert_eq!(e.cause, crate::batch::FailCause::Unauthorized);
-        assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("another key")), "{:?}", c.closed());
+        assert!(
+            matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("another key")),
+            "{:?}",
+            c.closed()
+        );
         let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
         handshake(&mut c, &m, &key('a'), "other-segment", 7, t0).expect_err("misdirected");
-        assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("other-segment")), "{:?}", c.closed());
+        assert!(
+            matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("other-segment")),
+            "{:?}",
+            c.closed()
+        );
         let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
         c.handle_bytes(&m.reg, &tcp::encode_auth_hello(1 << 40, 0), t0);
-        assert_eq!(drain(&mut c, t0), encode_status(Status::Unauthorized).to_vec());
+        assert_eq!(
+            drain(&mut c, t0),
+            encode_status(Status::Unauthorized).to_vec()
+        );
         assert!(matches!(c.closed(), Some(End::Unauthorized(_))));
         // The key, a byte at a time: then a sealed WRITE lands and is answered sealed; a plain
         // header, or a sealed one altered or replayed, closes the connection untouched.
         for bad in ["plain", "altered", "replayed"] {
             let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
-            let (mut seal, mut open) = handshake(&mut c, &m, &key('a'), "/t", 1, t0).expect("the same key");
+            let (mut seal, mut open) =
+                handshake(&mut c, &m, &key('a'), "/t", 1, t0).expect("the same key");
             assert!(!c.proved(), "not before a sealed header opened");
             let h = sealed_hdr(&mut seal, Opcode::Write, m.addr(0), 64);
             let mut bytes = h.clone();
@@ -1195,7 +1539,11 @@ mod tests {
             bytes.extend_from_slice(&data);
             c.handle_bytes(&m.reg, &bytes, t0);
             assert!(drain(&mut c, t0).is_empty(), "{bad}: nothing answered");
-            assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("does not open")), "{bad}: {:?}", c.closed());
+            assert!(
+                matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("does not open")),
+                "{bad}: {:?}",
+                c.closed()
+            );
             assert_eq!(&m.buf[..64], &mem(64).buf[..], "{bad}: nothing written");
         }
         // A handshake begun and not finished within `stall` of the connection's start.
@@ -1218,7 +1566,12 @@ mod tests {
 
     /// The initiator's side of a handshake asking for `protect`, against a target requiring at
     /// least `least`: the session, or the target's refusal.
-    fn protected_handshake(c: &mut ServeConn, m: &Mem, protect: Protect, now: Instant) -> Result<(Sealer, Opener), crate::batch::Failure> {
+    fn protected_handshake(
+        c: &mut ServeConn,
+        m: &Mem,
+        protect: Protect,
+        now: Instant,
+    ) -> Result<(Sealer, Opener), crate::batch::Failure> {
         let open = super::super::proto::AuthOpen::new(&key('a'), "t", protect, "t")?;
         c.handle_bytes(&m.reg, open.hello(), now);
         let answer = drain(c, now);
@@ -1240,12 +1593,20 @@ mod tests {
             for cut in [1000usize, 65536, usize::MAX] {
                 let m = mem(len);
                 let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
-                let (mut seal, mut open) = protected_handshake(&mut c, &m, protect, t0).expect("handshake");
+                let (mut seal, mut open) =
+                    protected_handshake(&mut c, &m, protect, t0).expect("handshake");
                 let mut wire = sealed_hdr(&mut seal, Opcode::Write, m.addr(0), len as u64);
                 super::super::proto::seal_body(protect, &mut seal, &data, &mut wire);
-                assert_eq!(wire.len() as u64, SEALED_HEADER_LEN as u64 + super::super::proto::body_wire_len(protect, len as u64));
+                assert_eq!(
+                    wire.len() as u64,
+                    SEALED_HEADER_LEN as u64
+                        + super::super::proto::body_wire_len(protect, len as u64)
+                );
                 if protect == Protect::Encrypt {
-                    assert!(!wire.windows(64).any(|w| w == &data[..64]), "the bytes do not travel in the clear");
+                    assert!(
+                        !wire.windows(64).any(|w| w == &data[..64]),
+                        "the bytes do not travel in the clear"
+                    );
                 }
                 for piece in wire.chunks(cut.min(wire.len())) {
                     let mut piece = piece;
@@ -1262,56 +1623,104 @@ mod tests {
                         }
                     }
                 }
-                assert_eq!(opened(&mut open, &drain(&mut c, t0)), Status::Ok, "{protect:?}, pieces of {cut}");
+                assert_eq!(
+                    opened(&mut open, &drain(&mut c, t0)),
+                    Status::Ok,
+                    "{protect:?}, pieces of {cut}"
+                );
                 assert_eq!(&m.buf[..len], &data[..], "{protect:?}, pieces of {cut}");
             }
             // Altered on the way: the last chunk's first byte, and the first chunk's last byte
             // of tail (digest or tag).
-            for at in [SEALED_HEADER_LEN + 3 * (CHUNK + super::super::proto::chunk_overhead(protect)), SEALED_HEADER_LEN + CHUNK + super::super::proto::chunk_overhead(protect) - 1] {
+            for at in [
+                SEALED_HEADER_LEN + 3 * (CHUNK + super::super::proto::chunk_overhead(protect)),
+                SEALED_HEADER_LEN + CHUNK + super::super::proto::chunk_overhead(protect) - 1,
+            ] {
                 let m = mem(len);
                 let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
-                let (mut seal, _) = protected_handshake(&mut c, &m, protect, t0).expect("handshake");
+                let (mut seal, _) =
+                    protected_handshake(&mut c, &m, protect, t0).expect("handshake");
                 let mut wire = sealed_hdr(&mut seal, Opcode::Write, m.addr(0), len as u64);
                 super::super::proto::seal_body(protect, &mut seal, &data, &mut wire);
                 wire[at] ^= 0x20;
                 c.handle_bytes(&m.reg, &wire, t0);
-                assert!(drain(&mut c, t0).is_empty(), "{protect:?} altered at {at}: not answered");
-                assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("does not open")), "{protect:?}: {:?}", c.closed());
+                assert!(
+                    drain(&mut c, t0).is_empty(),
+                    "{protect:?} altered at {at}: not answered"
+                );
+                assert!(
+                    matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("does not open")),
+                    "{protect:?}: {:?}",
+                    c.closed()
+                );
             }
             // A READ of several chunks, and a small one, read back through the initiator's
             // machine.
             for rlen in [len, 100] {
                 let m = mem(len);
                 let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
-                let (mut seal, mut open) = protected_handshake(&mut c, &m, protect, t0).expect("handshake");
-                c.handle_bytes(&m.reg, &sealed_hdr(&mut seal, Opcode::Read, m.addr(0), rlen as u64), t0);
+                let (mut seal, mut open) =
+                    protected_handshake(&mut c, &m, protect, t0).expect("handshake");
+                c.handle_bytes(
+                    &m.reg,
+                    &sealed_hdr(&mut seal, Opcode::Read, m.addr(0), rlen as u64),
+                    t0,
+                );
                 let wire = drain_all(&mut c, t0);
-                assert_eq!(wire.len() as u64, tcp::SEALED_STATUS_LEN as u64 + super::super::proto::body_wire_len(protect, rlen as u64));
+                assert_eq!(
+                    wire.len() as u64,
+                    tcp::SEALED_STATUS_LEN as u64
+                        + super::super::proto::body_wire_len(protect, rlen as u64)
+                );
                 let mut local = vec![0u8; rlen];
-                let mut a = super::super::proto::Answer::protected(Opcode::Read, rlen as u64, true, Some(protect));
+                let mut a = super::super::proto::Answer::protected(
+                    Opcode::Read,
+                    rlen as u64,
+                    true,
+                    Some(protect),
+                );
                 let mut pos = 0;
                 while !a.done() {
                     let end = (pos + 777).min(wire.len());
-                    pos += a.handle_bytes(&wire[pos..end], &mut local, Some(&mut open)).expect("opens");
+                    pos += a
+                        .handle_bytes(&wire[pos..end], &mut local, Some(&mut open))
+                        .expect("opens");
                 }
                 assert_eq!(pos, wire.len());
                 assert_eq!(&local[..], &m.buf[..rlen], "{protect:?}: the READ back");
                 // Altered: refused by the initiator's machine.
                 let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
-                let (mut seal, mut open) = protected_handshake(&mut c, &m, protect, t0).expect("handshake");
-                c.handle_bytes(&m.reg, &sealed_hdr(&mut seal, Opcode::Read, m.addr(0), rlen as u64), t0);
+                let (mut seal, mut open) =
+                    protected_handshake(&mut c, &m, protect, t0).expect("handshake");
+                c.handle_bytes(
+                    &m.reg,
+                    &sealed_hdr(&mut seal, Opcode::Read, m.addr(0), rlen as u64),
+                    t0,
+                );
                 let mut wire = drain_all(&mut c, t0);
                 let last = wire.len() - 1;
                 wire[last] ^= 1;
-                let mut a = super::super::proto::Answer::protected(Opcode::Read, rlen as u64, true, Some(protect));
-                assert_eq!(a.handle_bytes(&wire[..tcp::SEALED_STATUS_LEN], &mut local, Some(&mut open)), Ok(tcp::SEALED_STATUS_LEN));
+                let mut a = super::super::proto::Answer::protected(
+                    Opcode::Read,
+                    rlen as u64,
+                    true,
+                    Some(protect),
+                );
+                assert_eq!(
+                    a.handle_bytes(&wire[..tcp::SEALED_STATUS_LEN], &mut local, Some(&mut open)),
+                    Ok(tcp::SEALED_STATUS_LEN)
+                );
                 let mut r = Ok(0);
                 let mut pos = tcp::SEALED_STATUS_LEN;
                 while r.is_ok() && pos < wire.len() {
                     r = a.handle_bytes(&wire[pos..], &mut local, Some(&mut open));
                     pos += *r.as_ref().unwrap_or(&0);
                 }
-                assert_eq!(r, Err(crate::wire::WireError::Unsealed), "{protect:?}: an altered READ answer");
+                assert_eq!(
+                    r,
+                    Err(crate::wire::WireError::Unsealed),
+                    "{protect:?}: an altered READ answer"
+                );
                 assert!(!a.done());
             }
         }
@@ -1319,9 +1728,16 @@ mod tests {
         let m = mem(64);
         let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Encrypt, t0);
         assert!(protected_handshake(&mut c, &m, Protect::Payload, t0).is_err());
-        assert!(matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("KVFERRY_AUTH_PROTECT=payload") && why.contains("encrypt")), "{:?}", c.closed());
+        assert!(
+            matches!(c.closed(), Some(End::Unauthorized(why)) if why.contains("KVFERRY_AUTH_PROTECT=payload") && why.contains("encrypt")),
+            "{:?}",
+            c.closed()
+        );
         let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Payload, t0);
-        assert!(protected_handshake(&mut c, &m, Protect::Encrypt, t0).is_ok(), "more than required is served");
+        assert!(
+            protected_handshake(&mut c, &m, Protect::Encrypt, t0).is_ok(),
+            "more than required is served"
+        );
     }
 
     /// A target without a key answers an initiator holding one `Unauthorized` (the initiator

@@ -46,12 +46,18 @@ impl Drop for Holding<'_> {
 
 /// Whether an `accept` error means the listener itself is gone (shut down, closed).
 fn listener_gone(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EBADF | libc::ENOTSOCK))
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EINVAL | libc::EBADF | libc::ENOTSOCK)
+    )
 }
 
 /// Whether an `accept` error means resources ran out (back off instead of spinning).
 fn out_of_resources(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM))
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
 }
 
 /// The data listener of the local segment.
@@ -67,12 +73,25 @@ impl TcpServer {
     /// Serves `listener` until [`TcpServer::shutdown`]. `stall` bounds how long a request may
     /// take (plus 1 ns per byte, as the initiator's deadline) before the connection is
     /// dropped. A revoked range (unregister) shuts down the connections holding it.
-    pub fn start(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration, auth: Option<(Arc<Keyed>, Protect)>) -> io::Result<TcpServer> {
+    pub fn start(
+        listener: TcpListener,
+        registry: Arc<MemoryRegistry>,
+        stall: Duration,
+        spin: Duration,
+        auth: Option<(Arc<Keyed>, Protect)>,
+    ) -> io::Result<TcpServer> {
         Self::start_capped(listener, registry, stall, spin, MAX_DATA_CONNS, auth)
     }
 
     /// [`TcpServer::start`] serving at most `max_conns` connections at once.
-    fn start_capped(listener: TcpListener, registry: Arc<MemoryRegistry>, stall: Duration, spin: Duration, max_conns: usize, auth: Option<(Arc<Keyed>, Protect)>) -> io::Result<TcpServer> {
+    fn start_capped(
+        listener: TcpListener,
+        registry: Arc<MemoryRegistry>,
+        stall: Duration,
+        spin: Duration,
+        max_conns: usize,
+        auth: Option<(Arc<Keyed>, Protect)>,
+    ) -> io::Result<TcpServer> {
         let port = listener.local_addr()?.port();
         let listener = Arc::new(listener);
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -86,7 +105,11 @@ impl TcpServer {
                 }
             }
         }));
-        let (l, sd, cs) = (Arc::clone(&listener), Arc::clone(&shutdown), Arc::clone(&conns));
+        let (l, sd, cs) = (
+            Arc::clone(&listener),
+            Arc::clone(&shutdown),
+            Arc::clone(&conns),
+        );
         let accept = std::thread::Builder::new().name("kvf-tcp-accept".into()).spawn(move || {
             let mut next_id = 0u64;
             let mut warned = Instant::now() - Duration::from_secs(60);
@@ -153,7 +176,13 @@ impl TcpServer {
                 }
             }
         })?;
-        Ok(TcpServer { port, listener, shutdown, conns, accept_thread: Mutex::new(Some(accept)) })
+        Ok(TcpServer {
+            port,
+            listener,
+            shutdown,
+            conns,
+            accept_thread: Mutex::new(Some(accept)),
+        })
     }
 
     pub fn port(&self) -> u16 {
@@ -174,7 +203,12 @@ impl TcpServer {
         for (_, c) in self.conns.lock().unwrap_or_else(|e| e.into_inner()).drain() {
             let _ = c.stream.shutdown(Shutdown::Both);
         }
-        if let Some(t) = self.accept_thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(t) = self
+            .accept_thread
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
             let _ = t.join();
         }
     }
@@ -246,7 +280,9 @@ fn serve_conn(
                 }
                 End::Overdue => Err(stopped("serving a request (deadline passed)")),
                 End::Revoked => Err(stopped("serving a request (memory unregistered)")),
-                End::Device(why) => Err(io::Error::other(format!("serving a request in GPU memory: {why}"))),
+                End::Device(why) => Err(io::Error::other(format!(
+                    "serving a request in GPU memory: {why}"
+                ))),
             };
         }
         if shutdown.load(Ordering::Acquire) {
@@ -259,7 +295,12 @@ fn serve_conn(
         // A WRITE body whose buffered part was taken: the rest straight into place.
         if let Some(dst) = c.body() {
             match (&*s).read(dst) {
-                Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by peer mid-body")),
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "connection closed by peer mid-body",
+                    ))
+                }
                 Ok(n) => c.on_body(n, Instant::now()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted || is_timeout(&e) => {}
                 Err(e) => return Err(e),
@@ -304,7 +345,12 @@ fn send(s: &TcpStream, c: &mut ServeConn, stall: Duration) -> io::Result<()> {
             return Ok(());
         }
         let n = match (&*s).write_vectored(&[IoSlice::new(t.out), IoSlice::new(t.body)]) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed")),
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "connection closed",
+                ))
+            }
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted || is_timeout(&e) => 0,
             Err(e) => return Err(e),
@@ -329,16 +375,31 @@ mod tests {
     fn server(cap: usize) -> (TcpServer, Arc<MemoryRegistry>, Vec<u8>) {
         let buf = vec![7u8; 4096];
         let reg = Arc::new(MemoryRegistry::new());
-        reg.register_batch(&[(buf.as_ptr() as u64, 4096)], "*").unwrap();
+        reg.register_batch(&[(buf.as_ptr() as u64, 4096)], "*")
+            .unwrap();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let s = TcpServer::start_capped(l, Arc::clone(&reg), Duration::from_secs(5), Duration::ZERO, cap, None).unwrap();
+        let s = TcpServer::start_capped(
+            l,
+            Arc::clone(&reg),
+            Duration::from_secs(5),
+            Duration::ZERO,
+            cap,
+            None,
+        )
+        .unwrap();
         (s, reg, buf)
     }
 
     /// A v2 READ of 8 bytes on `c`; true if it was answered.
     fn served(c: &mut TcpStream, addr: u64) -> bool {
         c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let h = DataHeader { size: 8, addr, opcode: Opcode::Read, v2: true }.encode();
+        let h = DataHeader {
+            size: 8,
+            addr,
+            opcode: Opcode::Read,
+            v2: true,
+        }
+        .encode();
         if c.write_all(&h).is_err() {
             return false;
         }
@@ -355,13 +416,18 @@ mod tests {
         let (srv, _reg, buf) = server(4);
         let addr = buf.as_ptr() as u64;
         let target = ("127.0.0.1", srv.port());
-        let mut held: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(target).unwrap()).collect();
+        let mut held: Vec<TcpStream> = (0..4)
+            .map(|_| TcpStream::connect(target).unwrap())
+            .collect();
         for c in &mut held {
             assert!(served(c, addr));
         }
         assert_eq!(srv.connections(), 4);
         let mut extra = TcpStream::connect(target).unwrap();
-        assert!(!served(&mut extra, addr), "the fifth connection is closed, not served");
+        assert!(
+            !served(&mut extra, addr),
+            "the fifth connection is closed, not served"
+        );
         assert_eq!(srv.connections(), 4);
         for c in &mut held {
             assert!(served(c, addr), "the served ones go on");
@@ -382,11 +448,18 @@ mod tests {
         let mut c = TcpStream::connect(("127.0.0.1", srv.port())).unwrap();
         assert!(served(&mut c, buf.as_ptr() as u64));
         let conns = srv.conns.lock().unwrap();
-        let served_side = socket2::SockRef::from(&conns.values().next().expect("one connection").stream);
+        let served_side =
+            socket2::SockRef::from(&conns.values().next().expect("one connection").stream);
         assert!(served_side.keepalive().unwrap());
         assert_eq!(served_side.tcp_keepalive_time().unwrap(), KEEPALIVE_IDLE);
-        assert_eq!(served_side.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
-        assert_eq!(served_side.tcp_keepalive_retries().unwrap(), KEEPALIVE_COUNT);
+        assert_eq!(
+            served_side.tcp_keepalive_interval().unwrap(),
+            KEEPALIVE_INTERVAL
+        );
+        assert_eq!(
+            served_side.tcp_keepalive_retries().unwrap(),
+            KEEPALIVE_COUNT
+        );
         assert_eq!(served_side.tcp_user_timeout().unwrap(), Some(USER_TIMEOUT));
         drop(conns);
         srv.shutdown();

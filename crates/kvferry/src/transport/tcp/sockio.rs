@@ -19,20 +19,29 @@ pub(super) const MAX_OUT: usize = 512 << 10;
 pub(super) const MAX_GATHER_BYTES: u64 = 1 << 20;
 
 pub(super) fn is_timeout(e: &io::Error) -> bool {
-    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
 }
 
 /// The error of an I/O loop whose `stop` check fired: its deadline passed, the memory it
 /// moves was unregistered, or the engine is shutting down.
 pub(super) fn stopped(what: &str) -> io::Error {
-    io::Error::new(io::ErrorKind::TimedOut, format!("stopped while {what}: deadline passed, memory withdrawn or shutting down"))
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        format!("stopped while {what}: deadline passed, memory withdrawn or shutting down"),
+    )
 }
 
 /// One read into `buf`: how many bytes came, 0 when the socket's timeout passed or the call
 /// was interrupted (the caller then asks its `stop` check). The end of the stream is an error.
 pub(super) fn read_some(s: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
     match (&*s).read(buf) {
-        Ok(0) if !buf.is_empty() => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by peer")),
+        Ok(0) if !buf.is_empty() => Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "connection closed by peer",
+        )),
         Ok(n) => Ok(n),
         Err(e) if e.kind() == io::ErrorKind::Interrupted || is_timeout(&e) => Ok(0),
         Err(e) => Err(e),
@@ -41,11 +50,20 @@ pub(super) fn read_some(s: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
 
 /// Sends every byte of `bufs`, asking `stop` after every system call, so a peer that reads
 /// slowly cannot hold the caller past its deadline.
-pub(super) fn write_all_vectored(s: &TcpStream, mut bufs: &mut [IoSlice<'_>], mut stop: impl FnMut(u64) -> bool) -> io::Result<()> {
+pub(super) fn write_all_vectored(
+    s: &TcpStream,
+    mut bufs: &mut [IoSlice<'_>],
+    mut stop: impl FnMut(u64) -> bool,
+) -> io::Result<()> {
     let mut written = 0u64;
     while !bufs.is_empty() {
         match (&*s).write_vectored(bufs) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed")),
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "connection closed",
+                ))
+            }
             Ok(n) => {
                 IoSlice::advance_slices(&mut bufs, n);
                 written += n as u64;
@@ -67,7 +85,10 @@ pub(super) fn write_all_vectored(s: &TcpStream, mut bufs: &mut [IoSlice<'_>], mu
 /// after `USER_TIMEOUT`.
 pub(super) fn keepalive(s: &TcpStream) {
     let sock = socket2::SockRef::from(s);
-    let ka = socket2::TcpKeepalive::new().with_time(KEEPALIVE_IDLE).with_interval(KEEPALIVE_INTERVAL).with_retries(KEEPALIVE_COUNT);
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_COUNT);
     if let Err(e) = sock.set_tcp_keepalive(&ka) {
         tracing::debug!("TCP keepalive not set: {e}");
     }
@@ -115,7 +136,12 @@ pub(super) struct RxBuf {
 
 impl RxBuf {
     pub(super) fn new() -> Self {
-        RxBuf { buf: vec![0u8; RX_BUF].into_boxed_slice(), start: 0, end: 0, max_fill: RX_BUF }
+        RxBuf {
+            buf: vec![0u8; RX_BUF].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            max_fill: RX_BUF,
+        }
     }
     pub(super) fn len(&self) -> usize {
         self.end - self.start
@@ -141,7 +167,10 @@ impl RxBuf {
         }
         let stop = (self.end + self.max_fill).min(self.buf.len());
         match (&*s).read(&mut self.buf[self.end..stop]) {
-            Ok(0) => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by peer")),
+            Ok(0) => Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "connection closed by peer",
+            )),
             Ok(n) => {
                 self.end += n;
                 Ok(n)
@@ -160,7 +189,11 @@ impl RxBuf {
         if stop == self.end {
             return false;
         }
-        match rustix::net::recv(s, &mut self.buf[self.end..stop], rustix::net::RecvFlags::DONTWAIT) {
+        match rustix::net::recv(
+            s,
+            &mut self.buf[self.end..stop],
+            rustix::net::RecvFlags::DONTWAIT,
+        ) {
             Ok((n, _)) if n > 0 => {
                 self.end += n;
                 true
@@ -171,7 +204,12 @@ impl RxBuf {
 
     /// Ensures `n` buffered bytes, asking `stop` after every system call, so a peer that
     /// trickles bytes cannot hold the caller past its deadline.
-    pub(super) fn need(&mut self, s: &TcpStream, n: usize, mut stop: impl FnMut() -> bool) -> io::Result<()> {
+    pub(super) fn need(
+        &mut self,
+        s: &TcpStream,
+        n: usize,
+        mut stop: impl FnMut() -> bool,
+    ) -> io::Result<()> {
         while self.len() < n {
             match self.fill(s) {
                 Ok(_) => {}
