@@ -1,14 +1,15 @@
-//! The election: the elector thread [`super::start`] spawns. It keeps a standby's
-//! registration, campaigns for the leader's key when it is free and the in-sync record lets
-//! this master lead, takes over (from the etcd journal, its mirror, or empty) and renews the
-//! lease while it leads. It answers no request: whether one is admitted is the
-//! [`super::Gate`]'s to say, from the fence this thread keeps.
+//! The elector thread [`super::start`] spawns: the driver of the [`Campaign`] machine. It
+//! carries the machine's requests out against etcd ([`Etcd`] for [`EtcdClient`]), keeps a
+//! standby's registration, loads the state a won key names (from the etcd journal, this
+//! member's mirror, or empty: [`take_over`]), runs the journal writer while the machine
+//! leads, and resets the master when it steps down. Every decision (when to campaign, from
+//! what, when to serve, renew, step down) is the machine's. It answers no request: whether
+//! one is admitted is the [`super::Gate`]'s to say, from the fence the machine keeps.
 
-use super::fence::{Next, Renewal, Renewals};
 use super::{journal, sync, HaConfig, Replication, STANDBY_POLL};
+use crate::elect::{Answer, Campaign, Config, Etcd, Out, Plan, View};
 use crate::node::Master;
-use kvferry::metadata::etcd::{Cond, Created, EtcdClient, Owner};
-use std::collections::HashMap;
+use kvferry::metadata::etcd::{Cond, Created, EtcdClient, KeyValue, Owner};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -75,18 +76,61 @@ impl Standby {
     }
 }
 
-/// Where a campaigning master would take its state from, decided before it campaigns. The
-/// mirror is only checked here, not taken: it is taken once the key is won, so that a campaign
-/// that fails (no lease, a transaction lost or refused) leaves it whole for the next one (a
-/// mirror given up there would leave its member, the only one alive, starting empty).
-enum Plan {
-    Journal,
-    /// This member's complete mirror of the in-sync record's term.
-    Mirror(i64),
-    Empty,
+impl Etcd for EtcdClient {
+    fn get(&self, key: &str) -> Result<Option<KeyValue>, String> {
+        self.get_kv(key).map_err(|e| e.to_string())
+    }
+
+    fn range(&self, prefix: &str) -> Result<Vec<(String, KeyValue)>, String> {
+        EtcdClient::range(
+            self,
+            prefix,
+            &format!("{}~", prefix.trim_end_matches('/')),
+            64,
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    fn lease_grant(&self, ttl_secs: i64) -> Result<i64, String> {
+        EtcdClient::lease_grant(self, ttl_secs)
+            .map(|(id, _)| id)
+            .map_err(|e| e.to_string())
+    }
+
+    fn create_when(
+        &self,
+        key: &str,
+        value: &[u8],
+        lease: i64,
+        conds: &[Cond],
+    ) -> Result<Created, String> {
+        EtcdClient::create_when(self, key, value, lease, conds).map_err(|e| e.to_string())
+    }
+
+    fn lease_keepalive(&self, lease: i64) -> Result<bool, String> {
+        EtcdClient::lease_keepalive(self, lease)
+            .map(|a| a.is_some())
+            .map_err(|e| e.to_string())
+    }
+
+    fn lease_alive(&self, lease: i64) -> Result<bool, String> {
+        EtcdClient::lease_ttl(self, lease)
+            .map(|t| t.is_some())
+            .map_err(|e| e.to_string())
+    }
+
+    fn delete_if_owned(&self, key: &str, owner: Owner) -> Result<(), String> {
+        EtcdClient::delete_if_owned(self, key, owner)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
+    fn lease_revoke(&self, lease: i64) -> Result<(), String> {
+        EtcdClient::lease_revoke(self, lease).map_err(|e| e.to_string())
+    }
 }
 
-/// Where a new leader's state comes from.
+/// Where a new leader's state comes from, once the key is won.
 enum Source {
     Journal,
     /// The mirror, its last entry, the in-sync record's term it is of, and the entries it
@@ -95,94 +139,30 @@ enum Source {
     Empty,
 }
 
-/// The standbys registered: member -> (the mirror term its registration names, the
-/// registration's mod revision).
-fn registrations(
-    cfg: &HaConfig,
-    etcd: &EtcdClient,
-) -> Result<HashMap<String, (Option<i64>, i64)>, String> {
-    let p = sync::standby_prefix(&cfg.cluster_id);
-    Ok(etcd
-        .range(&p, &format!("{}~", p.trim_end_matches('/')), 64)
-        .map_err(|e| e.to_string())?
-        .into_iter()
-        .filter_map(|(k, kv)| {
-            Some((
-                k.strip_prefix(&p)?.to_string(),
-                (
-                    sync::parse_registration(&String::from_utf8_lossy(&kv.value)).mirror,
-                    kv.mod_revision,
-                ),
-            ))
-        })
-        .collect())
+/// A takeover under way: the writer of the term, what to log once it leads, and the mirror
+/// taken (put back if the takeover fails: this member may campaign from it again).
+struct Taking<'a> {
+    writer: Option<journal::Writer<'a>>,
+    summary: String,
+    mirrored: Option<(u64, i64, crate::repl::MirrorTail)>,
 }
 
-/// Whether this stopping master's mirror is what the next leader needs
-/// ([`sync::needed_at_stop`]).
-fn needed_at_stop(
-    cfg: &HaConfig,
-    etcd: &EtcdClient,
-    mirror: &sync::Mirror,
-) -> Result<bool, String> {
-    let Some(term) = mirror.complete_term() else {
-        return Ok(false);
-    };
-    let kv = etcd
-        .get_kv(&sync::insync_key(&cfg.cluster_id))
-        .map_err(|e| e.to_string())?;
-    let rec = sync::InSync::parse(kv.as_ref().map_or(&[][..], |kv| &kv.value))?;
-    if !rec.members.contains(&cfg.address) {
-        return Ok(false);
-    }
-    let registered = registrations(cfg, etcd)?;
-    Ok(sync::needed_at_stop(&rec, &cfg.address, Some(term), |m| {
-        registered.get(m).is_some_and(|(t, _)| *t == Some(rec.term))
-    }))
+/// The elector: the machine and what it drives.
+struct Elector<'a> {
+    cfg: &'a HaConfig,
+    etcd: &'a EtcdClient,
+    key: &'a str,
+    master: &'a Master,
+    standby: Option<Standby>,
+    m: Campaign,
+    taking: Option<Taking<'a>>,
+    last_err: String,
 }
 
-/// Whether this master may campaign now and from what, by the in-sync record
-/// ([`sync::eligibility`]); the conditions the campaign's transaction must hold under.
-fn eligible(
-    cfg: &HaConfig,
-    etcd: &EtcdClient,
-    mirror: Option<&sync::Mirror>,
-) -> Result<Option<(Plan, Vec<Cond>)>, String> {
-    let ikey = sync::insync_key(&cfg.cluster_id);
-    let kv = etcd.get_kv(&ikey).map_err(|e| e.to_string())?;
-    let rec = sync::InSync::parse(kv.as_ref().map_or(&[][..], |kv| &kv.value))?;
-    let mut conds = vec![Cond::ModRevision(
-        ikey,
-        kv.as_ref().map_or(0, |kv| kv.mod_revision),
-    )];
-    let registered = if rec.members.is_empty() {
-        HashMap::new()
-    } else {
-        registrations(cfg, etcd)?
-    };
-    let rule = sync::eligibility(
-        &rec,
-        &cfg.address,
-        mirror.and_then(sync::Mirror::complete_term),
-        |m| registered.get(m).is_some_and(|(t, _)| *t == Some(rec.term)),
-    );
-    Ok(match rule {
-        sync::Eligibility::Journal => Some((Plan::Journal, conds)),
-        sync::Eligibility::Wait => None,
-        sync::Eligibility::Mirror => Some((Plan::Mirror(rec.term), conds)),
-        sync::Eligibility::Empty => {
-            // Every other member's registration as it was read (absent, or without a mirror of
-            // the record's term): one that registers or gains that mirror meanwhile fails the
-            // campaign.
-            conds.extend(rec.members.iter().filter(|m| **m != cfg.address).map(|m| {
-                Cond::ModRevision(
-                    sync::standby_key(&cfg.cluster_id, m),
-                    registered.get(m).map_or(0, |r| r.1),
-                )
-            }));
-            Some((Plan::Empty, conds))
-        }
-    })
+/// What the driver does after one output.
+enum Flow {
+    Go,
+    Exit,
 }
 
 pub(super) fn campaign(
@@ -190,281 +170,272 @@ pub(super) fn campaign(
     etcd: &EtcdClient,
     key: &str,
     master: &Master,
-    mut standby: Option<Standby>,
+    standby: Option<Standby>,
 ) {
-    let gate = &master.gate;
-    let ttl_secs = cfg.lease_ttl.as_secs_f64().ceil() as i64;
-    let mut last_err = String::new();
-    let mut logged_leader = String::new();
-    let mut waiting_logged = false;
-    let mut failed_takeovers = 0u32;
-    // The last leader seen while standing by: its key's creation (see "An etcd that lost its
-    // data").
-    let mut seen: Option<Owner> = None;
-    let mut report = |e: String| {
-        if e != last_err {
-            tracing::warn!("HA: {e}");
-            last_err = e;
-        }
+    let config = Config {
+        me: cfg.address.clone(),
+        key: key.to_string(),
+        insync_key: sync::insync_key(&cfg.cluster_id),
+        standby_prefix: sync::standby_prefix(&cfg.cluster_id),
+        ttl: cfg.lease_ttl.as_millis() as u64,
+        poll: STANDBY_POLL.as_millis() as u64,
+        bound: cfg.fence_bound().as_millis() as u64,
+        every: cfg.keepalive_every().as_millis() as u64,
     };
-    // Stopping, this member holds what the next leader needs: it leads once more, only to
-    // hand its state to etcd.
-    let mut bequeath = false;
+    let mut e = Elector {
+        cfg,
+        etcd,
+        key,
+        master,
+        standby,
+        m: Campaign::new(config, master.gate.now()),
+        taking: None,
+        last_err: String::new(),
+    };
     loop {
-        if gate.stopping.load(Ordering::Acquire) {
-            // Stopping (SIGTERM): never campaign again, even if the key is free now, unless
-            // this member's mirror is the only copy of what the next leader needs (the leader
-            // dead, no other member alive): it then takes over once the leader's key is gone
-            // and hands off as a leader that stops does ([`hand_off`]), unless a leader alive
-            // drops it from the in-sync set first (its mirror, sealed, acknowledges nothing
-            // more).
-            match standby
+        let out = e.poll();
+        if let Flow::Exit = e.handle(out) {
+            return;
+        }
+    }
+}
+
+impl<'a> Elector<'a> {
+    fn view(&self) -> View {
+        View {
+            stopping: self.master.gate.stopping.load(Ordering::SeqCst),
+            mirror: self
+                .standby
                 .as_ref()
-                .map_or(Ok(false), |sb| needed_at_stop(cfg, etcd, &sb.mirror))
-            {
-                Ok(true) => {
-                    if let Some(sb) = standby.as_ref().filter(|_| !bequeath) {
-                        sb.mirror.seal();
-                        tracing::info!("HA: stopping; this in-sync standby's mirror is the only copy of what the next leader needs: it leads once the leader's key is gone, only to hand its state to etcd (unless a leader alive drops it from the in-sync set first)");
-                    }
-                    bequeath = true;
-                }
-                Err(e) => {
-                    // (Only with a complete mirror.) etcd cannot say: keep trying (the stop's
-                    // bound ends it).
-                    report(format!(
-                        "stopping: whether this standby's mirror is still needed: {e}"
-                    ));
-                    std::thread::sleep(STANDBY_POLL);
-                    continue;
-                }
-                Ok(false) => {
-                    if let Some(sb) = standby.as_mut() {
-                        sb.deregister(etcd);
-                    }
-                    gate.set_standby(None);
-                    return;
-                }
-            }
+                .and_then(|sb| sb.mirror.complete_term()),
         }
-        if let Some(sb) = standby.as_mut() {
-            if let Err(e) = sb.register(cfg, etcd) {
-                report(e);
+    }
+
+    fn poll(&mut self) -> Out {
+        let view = self.view();
+        let gate = &self.master.gate;
+        self.m.poll(gate.now(), &view, &mut gate.st())
+    }
+
+    fn handle(&mut self, out: Out) -> Flow {
+        let gate = &self.master.gate;
+        match out {
+            Out::Wait(until) => {
+                let now = gate.now();
+                let ms = until
+                    .saturating_sub(now)
+                    .clamp(1, STANDBY_POLL.as_millis() as u64);
+                std::thread::sleep(Duration::from_millis(ms));
             }
-        }
-        match etcd.get_kv(key) {
-            Ok(Some(kv)) => {
-                seen = Some(Owner::of(&kv));
-                if let Some(sb) = standby.as_ref() {
-                    sb.mirror.set_leader(Some((kv.create_revision, kv.lease)));
+            Out::Etcd(op) => {
+                let answer = self.m.execute(self.etcd, &op);
+                if let Ok(Answer::Created(Created::Won(_))) = &answer {
+                    // (SeqCst with `hand_off`'s: one of the two sees the other. The machine
+                    // reads the stop after this.)
+                    gate.taking_over.store(true, Ordering::SeqCst);
                 }
-                gate.set_standby(Some(&kv));
-                let leader = String::from_utf8_lossy(&kv.value).into_owned();
-                if leader != logged_leader {
-                    tracing::info!(
-                        term = kv.create_revision,
-                        "HA: standby; the leader is {leader}"
-                    );
-                    logged_leader = leader;
-                }
-                std::thread::sleep(STANDBY_POLL);
-                continue;
+                let view = self.view();
+                self.m.on_etcd(gate.now(), answer, &view, &mut gate.st());
             }
-            Ok(None) => {
-                if let Some(sb) = standby.as_ref() {
-                    sb.mirror.set_leader(None);
-                }
-            }
-            Err(e) => {
-                gate.set_standby(None);
-                report(e.to_string());
-                std::thread::sleep(STANDBY_POLL);
-                continue;
-            }
-        }
-        // The key is absent: campaign, if the in-sync set lets this master lead (in either
-        // mode: a master that journals to etcd only must not load a journal that stopped
-        // when standbys took over acknowledging).
-        let (plan, conds) = match eligible(cfg, etcd, standby.as_ref().map(|sb| &*sb.mirror)) {
-            // A stopping member leads only from its mirror.
-            Ok(Some((plan, _))) if bequeath && !matches!(plan, Plan::Mirror(_)) => {
-                std::thread::sleep(STANDBY_POLL);
-                continue;
-            }
-            Ok(Some(x)) => {
-                waiting_logged = false;
-                x
-            }
-            Ok(None) => {
-                if !waiting_logged {
-                    tracing::info!("HA: no leader, and an in-sync standby other than this master is alive: only it may lead; waiting");
-                    waiting_logged = true;
-                }
-                std::thread::sleep(STANDBY_POLL);
-                continue;
-            }
-            Err(e) => {
-                report(e);
-                std::thread::sleep(STANDBY_POLL);
-                continue;
-            }
-        };
-        let sent = Instant::now();
-        let lease = match etcd.lease_grant(ttl_secs) {
-            Ok((id, _)) => id,
-            Err(e) => {
-                report(e.to_string());
-                std::thread::sleep(STANDBY_POLL);
-                continue;
-            }
-        };
-        match etcd.create_when(key, cfg.address.as_bytes(), lease, &conds) {
-            Ok(Created::Won(term)) => {
-                let owner = Owner {
-                    create_revision: term,
-                    lease,
-                };
-                // (SeqCst with `hand_off`'s: one of the two sees the other. A stop that came
-                // while this master campaigned gives the key back untouched, unless it won
-                // to lead from its mirror: that may be the only copy, so it takes over and
-                // hands off as any stopping member that holds it does.)
-                gate.taking_over.store(true, Ordering::SeqCst);
-                if gate.stopping.load(Ordering::SeqCst) && !matches!(plan, Plan::Mirror(_)) {
-                    gate.taking_over.store(false, Ordering::SeqCst);
-                    let _ = etcd.delete_if_owned(key, owner);
-                    let _ = etcd.lease_revoke(lease);
-                    if let Some(sb) = standby.as_mut() {
-                        sb.deregister(etcd);
-                    }
-                    gate.set_standby(None);
-                    return;
-                }
-                // The mirror is taken now that the key is won (nothing is mirrored from here
-                // on); it cannot have changed since it was found complete: no leader is named,
-                // so no hello is accepted.
-                let source = match plan {
-                    Plan::Journal => Some(Source::Journal),
-                    Plan::Empty => Some(Source::Empty),
-                    Plan::Mirror(rec_term) => standby
-                        .as_ref()
-                        .and_then(|sb| sb.mirror.take(rec_term))
-                        .map(|(image, seq, tail)| {
-                            Source::Mirror(Box::new(image), seq, rec_term, Box::new(tail))
-                        }),
-                };
-                if let Some(sb) = standby.as_ref() {
-                    sb.mirror.close();
-                }
-                // A mirror handed to a takeover that fails is put back (this member may
-                // campaign from it again: etcd may still name it in sync).
-                let mirrored = match &source {
-                    Some(Source::Mirror(_, seq, rec_term, tail)) => {
-                        Some((*seq, *rec_term, (**tail).clone()))
-                    }
-                    _ => None,
-                };
-                // Until the takeover ends, the key's lease and this member's registration are
-                // renewed by a thread of their own: a takeover of a large state outlasts the
-                // TTL, and with the key gone another master would campaign, and with this
-                // member's registration gone (while the in-sync record still names it) it would
-                // start empty. The registration goes once this master leads (a leader is not a
-                // standby) and its takeover has emptied the in-sync set.
-                let reg = standby.as_ref().and_then(|sb| sb.reg.map(|(l, _)| l));
-                let taken = match source {
-                    None => Err(
-                        "this member's mirror was no longer complete when it won the key"
-                            .to_string(),
-                    ),
-                    Some(source) => renewing(cfg, etcd, &[Some(lease), reg], || {
-                        take_over(cfg, etcd, key, master, owner, sent, seen, source)
-                    }),
-                };
-                gate.taking_over.store(false, Ordering::SeqCst);
-                // After a takeover that failed, the next campaign waits, longer each time up to
-                // the lease TTL (a journal that cannot be read fails every takeover: without a
-                // pause each master would loop through grant, create, load and delete, adding
-                // etcd revisions as fast as etcd answers).
-                failed_takeovers = if taken.is_ok() {
-                    0
-                } else {
-                    failed_takeovers.saturating_add(1)
-                };
-                match taken {
-                    Ok(writer) => {
-                        if let Some(sb) = standby.as_mut() {
-                            sb.deregister(etcd);
-                        }
-                        logged_leader = cfg.address.clone();
-                        std::thread::scope(|sc| {
-                            let w = std::thread::Builder::new()
-                                .name("kvf-master-journal".into())
-                                .spawn_scoped(sc, move || writer.run());
-                            if let Err(e) = w {
-                                tracing::error!(
-                                    term,
-                                    "HA: cannot start the journal writer: {e}; stepping down"
-                                );
-                                gate.fence(term);
-                            }
-                            lead(cfg, etcd, key, master, owner);
-                            gate.set_standby(None);
-                            master.journal.deactivate();
-                        });
-                    }
-                    Err(e) => {
-                        tracing::warn!(
-                            term,
-                            "HA: won the key but cannot take over: {e}; stepping down"
-                        );
-                        if let (Some(sb), Some((seq, rec_term, tail))) =
-                            (standby.as_ref(), mirrored)
-                        {
-                            // Nothing was served: the state installed is the mirror.
-                            let now = master.now();
-                            let st = master.lock();
-                            if st.term == term {
-                                let mut image = crate::master::journal::Image::default();
-                                for c in st.image(now) {
-                                    image.apply(c);
-                                }
-                                sb.mirror.restore(rec_term, image, seq, tail);
-                            }
+            Out::Register => {
+                if let Some(sb) = self.standby.as_mut() {
+                    if let Err(e) = sb.register(self.cfg, self.etcd) {
+                        if e != self.last_err {
+                            tracing::warn!("HA: {e}");
+                            self.last_err = e;
                         }
                     }
                 }
-                // Stepping down: refuse, forget, let the others take over at once. The key is
-                // deleted only if it is still this creation: after etcd lost its data another
-                // master's key may carry the same revision (but never this lease).
-                gate.set_standby(None);
-                master.journal.deactivate();
-                master.reset(-1);
-                if let Some(sb) = &standby {
-                    sb.mirror.reopen();
+            }
+            Out::Leader(owner) => {
+                if let Some(sb) = &self.standby {
+                    sb.mirror
+                        .set_leader(owner.map(|o| (o.create_revision, o.lease)));
                 }
-                if let Err(e) = etcd.delete_if_owned(key, owner) {
-                    tracing::debug!("HA: deleting the key after stepping down: {e}");
+            }
+            Out::Seal => {
+                if let Some(sb) = &self.standby {
+                    sb.mirror.seal();
                 }
-                if let Err(e) = etcd.lease_revoke(lease) {
-                    tracing::debug!("HA: revoking the lease after stepping down: {e}");
-                }
+            }
+            Out::TakeOver { owner, plan } => return self.take_over(owner, plan),
+            Out::Lead { owner } => return self.lead(owner),
+            Out::StepDown { owner, failed } => self.step_down(owner, failed),
+            Out::SteppedDown { term } => {
                 gate.stepped_down.fetch_add(1, Ordering::AcqRel);
                 tracing::warn!(term, "HA: stepped down; metadata reset; standing by");
-                if failed_takeovers > 0 {
-                    std::thread::sleep(
-                        (STANDBY_POLL * (1u32 << failed_takeovers.min(6))).min(cfg.lease_ttl),
-                    );
+            }
+            Out::Exit => {
+                gate.taking_over.store(false, Ordering::SeqCst);
+                if let Some(sb) = self.standby.as_mut() {
+                    sb.deregister(self.etcd);
+                }
+                return Flow::Exit;
+            }
+            Out::Info(s) => tracing::info!("HA: {s}"),
+            Out::Warn(s) => tracing::warn!("HA: {s}"),
+        }
+        Flow::Go
+    }
+
+    /// Loads the state `plan` names, renewing the key's lease and this member's registration
+    /// on a thread of their own until the takeover ends (a takeover of a large state outlasts
+    /// the TTL, and with the key gone another master would campaign, and with this member's
+    /// registration gone while the in-sync record still names it, it would start empty).
+    fn take_over(&mut self, owner: Owner, plan: Plan) -> Flow {
+        let (cfg, etcd, key, master) = (self.cfg, self.etcd, self.key, self.master);
+        // The mirror is taken now that the key is won (nothing is mirrored from here on); it
+        // cannot have changed since it was found complete: no leader is named, so no hello is
+        // accepted.
+        let source = match plan {
+            Plan::Journal => Some(Source::Journal),
+            Plan::Empty => Some(Source::Empty),
+            Plan::Mirror(rec_term) => self
+                .standby
+                .as_ref()
+                .and_then(|sb| sb.mirror.take(rec_term))
+                .map(|(image, seq, tail)| {
+                    Source::Mirror(Box::new(image), seq, rec_term, Box::new(tail))
+                }),
+        };
+        if let Some(sb) = self.standby.as_ref() {
+            sb.mirror.close();
+        }
+        let mirrored = match &source {
+            Some(Source::Mirror(_, seq, rec_term, tail)) => {
+                Some((*seq, *rec_term, (**tail).clone()))
+            }
+            _ => None,
+        };
+        let reg = self.standby.as_ref().and_then(|sb| sb.reg.map(|(l, _)| l));
+        let settled = renewing(cfg, etcd, &[Some(owner.lease), reg], || {
+            let loaded = match source {
+                None => Err(
+                    "this member's mirror was no longer complete when it won the key".to_string(),
+                ),
+                Some(source) => take_over(cfg, etcd, key, master, owner, source),
+            };
+            let gate = &master.gate;
+            let last = match loaded {
+                Ok((writer, last, summary)) => {
+                    self.taking = Some(Taking {
+                        writer: Some(writer),
+                        summary,
+                        mirrored,
+                    });
+                    Ok(last)
+                }
+                Err(e) => {
+                    self.taking = Some(Taking {
+                        writer: None,
+                        summary: String::new(),
+                        mirrored,
+                    });
+                    Err(e)
+                }
+            };
+            self.m.on_taken(gate.now(), last, &mut gate.st());
+            // The machine waits out the fence bound if it must and proves the lease; the
+            // renewals here go on meanwhile, until it leads or steps down.
+            loop {
+                match self.poll() {
+                    out @ (Out::Lead { .. } | Out::StepDown { .. } | Out::Exit) => return out,
+                    out => {
+                        if let Flow::Exit = self.handle(out) {
+                            return Out::Exit;
+                        }
+                    }
                 }
             }
-            // (The mirror was not taken: it stays as it is for the next campaign.)
-            Ok(Created::Lost(kv)) => {
-                let _ = etcd.lease_revoke(lease);
-                gate.set_standby(kv.as_ref());
+        });
+        self.handle(settled)
+    }
+
+    /// Serves `owner`'s term: the journal writer on a thread of its own, the machine's
+    /// renewals on this one, until the machine steps down.
+    fn lead(&mut self, owner: Owner) -> Flow {
+        let (cfg, etcd, master) = (self.cfg, self.etcd, self.master);
+        let gate = &master.gate;
+        gate.taking_over.store(false, Ordering::SeqCst);
+        let term = owner.create_revision;
+        let (mut writer, summary) = match self.taking.take() {
+            Some(Taking {
+                writer: Some(w),
+                summary,
+                ..
+            }) => (w, summary),
+            // (The machine leads only after a takeover that loaded: refuse, and let its
+            // renewals step down.)
+            _ => {
+                gate.fence(term);
+                return Flow::Go;
             }
-            Err(e) => {
-                let _ = etcd.lease_revoke(lease);
-                report(e.to_string());
-                std::thread::sleep(STANDBY_POLL);
+        };
+        // A leader is not a standby (its takeover emptied the in-sync set).
+        if let Some(sb) = self.standby.as_mut() {
+            sb.deregister(etcd);
+        }
+        // From now on a failed write is retried only while this leader can prove its lease.
+        writer.retry_until = None;
+        tracing::info!(
+            term,
+            "HA: leader at {} (key {}, lease {:x}); {summary}",
+            cfg.address,
+            self.key,
+            owner.lease
+        );
+        let settled = std::thread::scope(|sc| {
+            let w = std::thread::Builder::new()
+                .name("kvf-master-journal".into())
+                .spawn_scoped(sc, move || writer.run());
+            if let Err(e) = w {
+                tracing::error!(
+                    term,
+                    "HA: cannot start the journal writer: {e}; stepping down"
+                );
+                gate.fence(term);
             }
+            let settled = loop {
+                match self.poll() {
+                    out @ (Out::StepDown { .. } | Out::Exit) => break out,
+                    out => {
+                        let _ = self.handle(out);
+                    }
+                }
+            };
+            master.journal.deactivate();
+            settled
+        });
+        self.handle(settled)
+    }
+
+    /// Stops serving `owner`'s term and forgets the state (the machine gives the key and the
+    /// lease back next). After a takeover from this member's mirror that failed, the mirror
+    /// is put back: etcd may still name it in sync, and it may campaign from it again.
+    fn step_down(&mut self, owner: Owner, failed: bool) {
+        let master = self.master;
+        master.gate.taking_over.store(false, Ordering::SeqCst);
+        let taking = self.taking.take();
+        if let (true, Some(sb), Some((seq, rec_term, tail))) = (
+            failed,
+            self.standby.as_ref(),
+            taking.and_then(|t| t.mirrored),
+        ) {
+            // Nothing was served: the state installed is the mirror.
+            let now = master.now();
+            let st = master.lock();
+            if st.term == owner.create_revision {
+                let mut image = crate::master::journal::Image::default();
+                for c in st.image(now) {
+                    image.apply(c);
+                }
+                sb.mirror.restore(rec_term, image, seq, tail);
+            }
+        }
+        master.journal.deactivate();
+        master.reset(-1);
+        if let Some(sb) = &self.standby {
+            sb.mirror.reopen();
         }
     }
 }
@@ -512,21 +483,19 @@ fn renewing<T>(
     })
 }
 
-/// Loads the state `source` names into `master` for `term` and starts serving: the writer
-/// of the term, to run. A leader that starts from a mirror or empty first writes its state to
-/// the etcd journal (and empties the in-sync set) before it serves.
-#[allow(clippy::too_many_arguments)]
+/// Loads the state `source` names into `master` for `owner`'s term and marks the journal:
+/// the writer of the term (to run once the machine leads), the leader the journal named
+/// before (revision and lease), and what to log once it leads. A leader that starts from a
+/// mirror or empty first writes its state to the etcd journal (and empties the in-sync set).
 fn take_over<'a>(
     cfg: &HaConfig,
     etcd: &'a EtcdClient,
     key: &str,
     master: &'a Master,
     owner: Owner,
-    won_at: Instant,
-    seen: Option<Owner>,
     source: Source,
-) -> Result<journal::Writer<'a>, String> {
-    let (term, lease) = (owner.create_revision, owner.lease);
+) -> Result<(journal::Writer<'a>, Option<Owner>, String), String> {
+    let term = owner.create_revision;
     let lease_ms = master.cfg.lease_ttl.as_millis() as u64;
     // The state is installed before anything else is read from etcd: if the takeover of a
     // mirror fails after this, the master's state is that mirror and is put back (`campaign`).
@@ -641,110 +610,23 @@ fn take_over<'a>(
         false => None,
     };
     let written = t_write.elapsed();
-    // etcd kept its history only if the journal names the leader this master saw (its key's
-    // revision and lease); otherwise an old leader may still answer until its fence bound ends.
-    if last_leader.is_none() || last_leader != seen {
-        let wait = (won_at + cfg.fence_bound()).saturating_duration_since(Instant::now());
-        tracing::info!(term, journal_leader = ?last_leader, ?seen, "HA: etcd's history does not show the previous leader; waiting {wait:?} (one fence bound) before serving");
-        std::thread::sleep(wait);
-    }
-    // Renewed, and the key read back as this creation: a wait or a slow load may have let the
-    // lease lapse, or another master remove the key.
-    let sent = Instant::now();
-    match etcd.lease_keepalive(lease) {
-        Ok(Some(_)) => {}
-        Ok(None) => return Err("the lease expired while loading the journal".into()),
-        Err(e) => return Err(format!("renewing the lease after loading the journal: {e}")),
-    }
-    match etcd.get_kv(key) {
-        Ok(Some(kv)) if owner.holds(&kv) => {}
-        Ok(other) => {
-            return Err(format!(
-                "the key {key} is no longer this master's ({other:?})"
-            ))
-        }
-        Err(e) => {
-            return Err(format!(
-                "reading the key back after loading the journal: {e}"
-            ))
-        }
-    }
-    master
-        .gate
-        .set_leader(term, &cfg.address, lease, sent, cfg.fence_bound());
-    // From now on a failed write is retried only while this leader can prove its lease.
-    writer.retry_until = None;
-    tracing::info!(
-        term,
-        objects = rebuilt.objects,
-        segments = rebuilt.segments,
-        dropped_replicas = rebuilt.dropped_replicas,
-        dropped_objects = rebuilt.dropped_objects,
-        rebuild_ms = rebuild.as_millis() as u64,
-        prebuilt,
-        etcd_write_ms = written.as_millis() as u64,
-        etcd_wrote = match from_tail {
-            Some(true) => "the entries after the etcd journal's position",
-            Some(false) => "the whole state",
-            None => "nothing",
-        },
-        etcd_tail_entries = master.journal.stats().rebase_tail_entries,
-        "HA: leader at {} (key {key}, lease {lease:x}); state from {from}",
-        cfg.address
-    );
-    Ok(writer)
-}
-
-/// Keeps the lease alive while the key is ours; returns when leadership cannot be proven.
-/// The decisions are [`Renewals`]'; this moves time and etcd's answers into them.
-fn lead(cfg: &HaConfig, etcd: &EtcdClient, key: &str, master: &Master, owner: Owner) {
-    let (term, lease) = (owner.create_revision, owner.lease);
-    let gate = &master.gate;
-    let bound = cfg.fence_bound().as_millis() as u64;
-    let mut renewals = Renewals::new(
-        term,
-        cfg.keepalive_every().as_millis() as u64,
-        bound,
-        gate.now(),
-    );
-    loop {
-        let sent = Instant::now();
-        let now = gate.ms(sent);
-        let next = renewals.poll(&mut gate.st(), now);
-        match next {
-            Next::StepDown => return,
-            Next::Wait(until) => {
-                std::thread::sleep(Duration::from_millis(until.saturating_sub(now).max(1)))
-            }
-            Next::Renew => {
-                let outcome = match etcd.lease_keepalive(lease) {
-                    Ok(Some(_)) => match etcd.get_kv(key) {
-                        Ok(Some(kv)) if owner.holds(&kv) => Renewal::Ours,
-                        Ok(other) => {
-                            tracing::warn!(term, "HA: the key {key} is no longer this master's ({other:?}); stepping down");
-                            Renewal::KeyLost
-                        }
-                        Err(e) => {
-                            tracing::warn!(term, "HA: reading the key back: {e}");
-                            Renewal::Failed
-                        }
-                    },
-                    Ok(None) => {
-                        tracing::warn!(
-                            term,
-                            "HA: etcd no longer knows this master's lease (expired); stepping down"
-                        );
-                        Renewal::LeaseLost
-                    }
-                    Err(e) => {
-                        tracing::warn!(term, "HA: renewing the lease: {e}");
-                        Renewal::Failed
-                    }
-                };
-                if renewals.on_renewal(&mut gate.st(), gate.ms(sent), outcome) {
-                    return;
-                }
-            }
-        }
-    }
+    Ok((
+        writer,
+        last_leader,
+        format!(
+            "state from {from}: {} objects, {} segments, {} replicas and {} objects dropped; rebuilt in {} ms (prebuilt: {prebuilt}); etcd written in {} ms ({}, {} tail entries)",
+            rebuilt.objects,
+            rebuilt.segments,
+            rebuilt.dropped_replicas,
+            rebuilt.dropped_objects,
+            rebuild.as_millis(),
+            written.as_millis(),
+            match from_tail {
+                Some(true) => "the entries after the etcd journal's position",
+                Some(false) => "the whole state",
+                None => "nothing",
+            },
+            master.journal.stats().rebase_tail_entries,
+        ),
+    ))
 }

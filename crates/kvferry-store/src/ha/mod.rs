@@ -49,7 +49,7 @@
 //! [`Owner`]: kvferry::metadata::etcd::Owner
 
 mod elect;
-pub mod fence;
+pub use crate::elect::fence;
 pub mod journal;
 pub mod link;
 pub mod log;
@@ -60,7 +60,7 @@ use crate::error::StoreError;
 use crate::node::Master;
 use elect::{campaign, Standby};
 use fence::Fence;
-use kvferry::metadata::etcd::{EtcdClient, KeyValue};
+use kvferry::metadata::etcd::EtcdClient;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -97,12 +97,7 @@ pub fn master_view_key(cluster_id: &str) -> String {
     )
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    Leader,
-    Standby,
-}
+pub use crate::elect::fence::Role;
 
 /// What `/ha_status` shows.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -260,17 +255,7 @@ impl Gate {
         }
     }
 
-    fn set_standby(&self, view: Option<&KeyValue>) {
-        let leader = view.map(|kv| {
-            (
-                String::from_utf8_lossy(&kv.value).into_owned(),
-                kv.create_revision,
-            )
-        });
-        self.st()
-            .set_standby(leader.as_ref().map(|(l, t)| (l.as_str(), *t)));
-    }
-
+    #[cfg(test)]
     fn set_leader(&self, term: i64, address: &str, lease_id: i64, sent: Instant, bound: Duration) {
         let sent = self.ms(sent);
         self.st()
@@ -516,20 +501,14 @@ mod tests {
             "without HA every request is admitted, term 0"
         );
         g.enabled.store(true, Ordering::Release);
-        g.set_standby(None);
+        g.st().set_standby(None);
         assert_eq!(
             g.admit(),
             Err(StoreError::NotLeader {
                 leader: String::new()
             })
         );
-        let kv = KeyValue {
-            value: b"10.0.0.1:50051".to_vec(),
-            create_revision: 7,
-            mod_revision: 7,
-            lease: 3,
-        };
-        g.set_standby(Some(&kv));
+        g.st().set_standby(Some(("10.0.0.1:50051", 7)));
         assert_eq!(
             g.admit(),
             Err(StoreError::NotLeader {

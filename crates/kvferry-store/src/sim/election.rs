@@ -1,22 +1,26 @@
 //! Deterministic simulation of the election and its fencing: several masters campaign for
-//! one key in a model of etcd (revisions, leases with their TTL, create-if-absent and guarded
-//! transactions, the journal's term marker, and the loss of all its data), over a network
+//! one key in a model of etcd (revisions, leases with their TTL, create-if-absent guarded
+//! transactions, the journal's term marker, the loss of all its data, and the leader's key
+//! deleted by hand while its lease lives on), over a network
 //! that delays and loses requests and answers, while masters pause (SIGSTOP: nothing of
 //! theirs runs, their fence keeps its bound), crash and restart, and are cut off from etcd.
 //!
-//! The masters run the real [`Fence`] and [`Renewals`]; how they campaign is modelled on
-//! `ha::campaign` and `take_over` (poll the key every [`STANDBY_POLL`], grant a lease and
-//! create the key if it is absent, write the term marker, wait one fence bound when the
-//! marker does not name the leader last seen, renew and read the key back, then lead).
+//! The masters run the real [`Campaign`] with its [`Fence`] and [`Renewals`](crate::elect::fence::Renewals):
+//! every request it asks is carried out by [`Campaign::execute`] against the model when it
+//! arrives there; a takeover's load is one request that reads the journal's term marker and
+//! writes this leader's, as `take_over` does (`crate::ha::elect`).
 //!
 //! Checked after every step: no two masters may ever admit requests during overlapping
 //! times (each master's admitting interval runs from when it became leader to the end of its
 //! fence, or its crash), and a master admits only as the leader of the term it won.
 
-use crate::ha::fence::{Fence, Next, Renewal, Renewals};
-use crate::ha::{Role, STANDBY_POLL};
+use crate::elect::fence::{Fence, Role};
+use crate::elect::{Campaign, Config, Op, Out, View};
+use crate::ha::STANDBY_POLL;
+use kvferry::metadata::etcd::{Cond, Created, KeyValue, Owner};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 
 const TTL: u64 = 5_000;
@@ -26,24 +30,18 @@ const EVERY: u64 = TTL / 4;
 const TIMEOUT: u64 = TTL / 4;
 const POLL: u64 = STANDBY_POLL.as_millis() as u64;
 const STEPS: usize = 1500;
+const KEY: &str = "sim/master_view";
 
-/// The key's value: who created it, at which revision, under which lease.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Kv {
-    master: usize,
-    create_rev: i64,
-    lease: i64,
-}
-
+/// etcd, as far as the election sees it.
 #[derive(Default)]
 struct Etcd {
     rev: i64,
-    key: Option<Kv>,
+    key: Option<KeyValue>,
     /// lease -> when it expires
     leases: BTreeMap<i64, u64>,
     next_lease: i64,
-    /// The last leader that marked the journal (revision, lease).
-    marker: Option<(i64, i64)>,
+    /// The last leader that marked the journal.
+    marker: Option<Owner>,
 }
 
 impl Etcd {
@@ -51,6 +49,7 @@ impl Etcd {
         self.leases.retain(|_, &mut at| at > now);
         if self
             .key
+            .as_ref()
             .is_some_and(|k| !self.leases.contains_key(&k.lease))
         {
             self.key = None;
@@ -58,125 +57,167 @@ impl Etcd {
         }
     }
 
-    fn apply(&mut self, from: usize, op: Op, now: u64) -> Reply {
+    /// A takeover's load: the leader the journal names, and this one's mark, if the key is
+    /// still `owner`'s (the marker is written in a transaction guarded by the key).
+    fn mark(&mut self, owner: Owner, now: u64) -> Result<Option<Owner>, String> {
         self.expire(now);
-        match op {
-            Op::Get => Reply::Key(self.key),
-            Op::Campaign => {
-                self.next_lease += 1;
-                let lease = self.next_lease;
-                self.leases.insert(lease, now + TTL);
-                if self.key.is_some() {
-                    self.leases.remove(&lease);
-                    return Reply::Lost;
-                }
-                self.rev += 1;
-                let kv = Kv {
-                    master: from,
-                    create_rev: self.rev,
-                    lease,
-                };
-                self.key = Some(kv);
-                Reply::Won(kv, self.marker)
-            }
-            Op::MarkTerm(kv) => {
-                if self.key == Some(kv) {
-                    self.marker = Some((kv.create_rev, kv.lease));
-                    Reply::Done(true)
-                } else {
-                    Reply::Done(false)
-                }
-            }
-            Op::Renew(kv) => match self.leases.get_mut(&kv.lease) {
-                None => Reply::Renewed(Renewal::LeaseLost),
-                Some(at) => {
-                    *at = now + TTL;
-                    Reply::Renewed(if self.key == Some(kv) {
-                        Renewal::Ours
-                    } else {
-                        Renewal::KeyLost
-                    })
-                }
-            },
-            Op::Resign(kv) => {
-                if self.key == Some(kv) {
-                    self.key = None;
-                    self.rev += 1;
-                }
-                self.leases.remove(&kv.lease);
-                Reply::Done(true)
-            }
+        match &self.key {
+            Some(kv) if owner.holds(kv) => Ok(self.marker.replace(owner)),
+            _ => Err("the key is no longer this master's".into()),
         }
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Op {
-    Get,
-    /// Grant a lease and create the key under it if it is absent (one step here; two
-    /// requests in `campaign`, which revokes the lease when the transaction loses).
-    Campaign,
-    MarkTerm(Kv),
-    /// Renew the lease and read the key back.
-    Renew(Kv),
-    Resign(Kv),
+/// The model at one time, as the campaign's [`crate::elect::Etcd`].
+struct At<'a> {
+    etcd: RefCell<&'a mut Etcd>,
+    now: u64,
 }
 
-#[derive(Debug, Clone, Copy)]
+impl crate::elect::Etcd for At<'_> {
+    fn get(&self, key: &str) -> Result<Option<KeyValue>, String> {
+        let mut e = self.etcd.borrow_mut();
+        e.expire(self.now);
+        Ok(e.key.clone().filter(|_| key == KEY))
+    }
+
+    fn range(&self, _prefix: &str) -> Result<Vec<(String, KeyValue)>, String> {
+        Ok(Vec::new())
+    }
+
+    fn lease_grant(&self, _ttl_secs: i64) -> Result<i64, String> {
+        let mut e = self.etcd.borrow_mut();
+        e.next_lease += 1;
+        let lease = e.next_lease;
+        e.leases.insert(lease, self.now + TTL);
+        Ok(lease)
+    }
+
+    fn create_when(
+        &self,
+        key: &str,
+        value: &[u8],
+        lease: i64,
+        conds: &[Cond],
+    ) -> Result<Created, String> {
+        let mut e = self.etcd.borrow_mut();
+        e.expire(self.now);
+        if !e.leases.contains_key(&lease) {
+            return Err("etcdserver: requested lease not found".into());
+        }
+        if e.key.is_some() {
+            return Ok(Created::Lost(e.key.clone()));
+        }
+        // (The in-sync record is absent here: its mod revision is 0.)
+        if !conds
+            .iter()
+            .all(|c| matches!(c, Cond::ModRevision(_, 0) | Cond::Absent(_)))
+            || key != KEY
+        {
+            return Ok(Created::Lost(None));
+        }
+        e.rev += 1;
+        e.key = Some(KeyValue {
+            value: value.to_vec(),
+            create_revision: e.rev,
+            mod_revision: e.rev,
+            lease,
+        });
+        Ok(Created::Won(e.rev))
+    }
+
+    fn lease_keepalive(&self, lease: i64) -> Result<bool, String> {
+        let mut e = self.etcd.borrow_mut();
+        e.expire(self.now);
+        Ok(match e.leases.get_mut(&lease) {
+            Some(at) => {
+                *at = self.now + TTL;
+                true
+            }
+            None => false,
+        })
+    }
+
+    fn lease_alive(&self, lease: i64) -> Result<bool, String> {
+        let mut e = self.etcd.borrow_mut();
+        e.expire(self.now);
+        Ok(e.leases.contains_key(&lease))
+    }
+
+    fn delete_if_owned(&self, _key: &str, owner: Owner) -> Result<(), String> {
+        let mut e = self.etcd.borrow_mut();
+        if e.key.as_ref().is_some_and(|kv| owner.holds(kv)) {
+            e.key = None;
+            e.rev += 1;
+        }
+        Ok(())
+    }
+
+    fn lease_revoke(&self, lease: i64) -> Result<(), String> {
+        let mut e = self.etcd.borrow_mut();
+        e.leases.remove(&lease);
+        e.expire(self.now);
+        Ok(())
+    }
+}
+
+/// A request on its way to etcd.
+#[derive(Debug, Clone)]
+enum Req {
+    Op(Op),
+    /// A takeover's load ([`Etcd::mark`]).
+    Mark(Owner),
+}
+
+/// An answer on its way back.
+#[derive(Debug, Clone)]
 enum Reply {
-    Key(Option<Kv>),
-    Lost,
-    Won(Kv, Option<(i64, i64)>),
-    Done(bool),
-    Renewed(Renewal),
-    /// No answer within the timeout.
-    TimedOut,
-}
-
-#[derive(Debug)]
-enum Phase {
-    Standby {
-        next_poll: u64,
-    },
-    /// A request is out; `sent` is when.
-    Waiting {
-        sent: u64,
-        then: After,
-    },
-    /// Won `kv`; serves once `until` passed and a renewal proved the lease.
-    Wait {
-        kv: Kv,
-        until: u64,
-    },
-    Leading {
-        kv: Kv,
-        renewals: Renewals,
-    },
-}
-
-#[derive(Debug)]
-enum After {
-    Poll,
-    Campaign,
-    Mark { kv: Kv, won_at: u64, wait: bool },
-    Prove { kv: Kv },
-    Renew { kv: Kv, renewals: Renewals },
-    Resign,
+    Op(Result<crate::elect::Answer, String>),
+    Mark(Result<Option<Owner>, String>),
 }
 
 struct Node {
+    m: Campaign,
     fence: Fence,
-    phase: Phase,
     alive: bool,
     paused_until: u64,
     /// Cut off from etcd until then (its requests and answers are lost).
     cut_until: u64,
-    /// The leader it saw last while standing by (revision, lease).
-    seen: Option<(i64, i64)>,
     /// Since when it admits, as leader of which term.
     leading_since: Option<(u64, i64)>,
-    /// Answers on their way to it: (arrives at, reply), in order.
-    inbox: Vec<(u64, Reply)>,
+    /// The request out: its number, when it was sent, whether it is a takeover's load.
+    out: Option<(u64, u64, bool)>,
+    sent: u64,
+    /// Answers on their way to it: (arrives at, request number, reply).
+    inbox: Vec<(u64, u64, Reply)>,
+}
+
+impl Node {
+    fn new(i: usize, now: u64) -> Node {
+        Node {
+            m: Campaign::new(
+                Config {
+                    me: format!("m{i}"),
+                    key: KEY.into(),
+                    insync_key: "sim/insync".into(),
+                    standby_prefix: "sim/standby/".into(),
+                    ttl: TTL,
+                    poll: POLL,
+                    bound: BOUND,
+                    every: EVERY,
+                },
+                now,
+            ),
+            fence: Fence::standby(),
+            alive: true,
+            paused_until: 0,
+            cut_until: 0,
+            leading_since: None,
+            out: None,
+            sent: 0,
+            inbox: Vec::new(),
+        }
+    }
 }
 
 /// An interval a master admitted requests in: [from, until) as leader of `term`.
@@ -193,31 +234,22 @@ struct World {
     now: u64,
     etcd: Etcd,
     nodes: Vec<Node>,
-    /// Requests on their way to etcd: (arrives at, from, op, sent).
-    outbox: Vec<(u64, usize, Op)>,
+    /// Requests on their way to etcd: (arrives at, from, request number, request).
+    outbox: Vec<(u64, usize, u64, Req)>,
     history: Vec<Admitted>,
     trace: Vec<String>,
     pub leaderships: u64,
+    /// The most a message takes one way: this seed's network (a LAN's etcd answers in a
+    /// millisecond, a loaded one in a good part of the request timeout).
+    delay: u64,
 }
 
 impl World {
     fn new(seed: u64) -> World {
         let mut rng = StdRng::seed_from_u64(seed);
         let n = rng.random_range(2..=4);
-        let nodes = (0..n)
-            .map(|i| Node {
-                fence: Fence::standby(),
-                phase: Phase::Standby {
-                    next_poll: i as u64 * 37,
-                },
-                alive: true,
-                paused_until: 0,
-                cut_until: 0,
-                seen: None,
-                leading_since: None,
-                inbox: Vec::new(),
-            })
-            .collect();
+        let nodes = (0..n).map(|i| Node::new(i, i as u64 * 37)).collect();
+        let delay = [2, 20, 200, TIMEOUT / 2][rng.random_range(0..4)];
         World {
             rng,
             now: 0,
@@ -227,6 +259,7 @@ impl World {
             history: Vec::new(),
             trace: Vec::new(),
             leaderships: 0,
+            delay,
         }
     }
 
@@ -237,14 +270,17 @@ impl World {
         self.trace.push(format!("t={} {s}", self.now));
     }
 
-    fn send(&mut self, from: usize, op: Op, then: After) {
+    fn send(&mut self, from: usize, req: Req) {
         let now = self.now;
-        self.nodes[from].phase = Phase::Waiting { sent: now, then };
-        if self.nodes[from].cut_until > now || self.rng.random_bool(0.02) {
+        let n = &mut self.nodes[from];
+        n.sent += 1;
+        let id = n.sent;
+        n.out = Some((id, now, matches!(req, Req::Mark(_))));
+        if n.cut_until > now || self.rng.random_bool(0.02) {
             return; // lost: it times out
         }
-        let at = now + self.rng.random_range(0..TIMEOUT / 2);
-        self.outbox.push((at, from, op));
+        let at = now + self.rng.random_range(0..self.delay);
+        self.outbox.push((at, from, id, req));
     }
 
     /// The admitting interval of `i` ends at `until` (its fence, or its crash).
@@ -280,18 +316,7 @@ impl World {
                     self.nodes[i].alive = false;
                     self.note(format!("master {i} crashed"));
                 } else {
-                    self.nodes[i] = Node {
-                        fence: Fence::standby(),
-                        phase: Phase::Standby {
-                            next_poll: self.now,
-                        },
-                        alive: true,
-                        paused_until: 0,
-                        cut_until: 0,
-                        seen: None,
-                        leading_since: None,
-                        inbox: Vec::new(),
-                    };
+                    self.nodes[i] = Node::new(i, self.now);
                     self.note(format!("master {i} restarted"));
                 }
             }
@@ -310,6 +335,12 @@ impl World {
                 };
                 self.note("etcd lost its data".into());
             }
+            // An operator deletes the leader's key (`etcdctl del`): its lease lives on.
+            5 if self.rng.random_bool(0.2) && self.etcd.key.is_some() => {
+                self.etcd.key = None;
+                self.etcd.rev += 1;
+                self.note("the key was deleted by hand".into());
+            }
             _ => {
                 let by = self.rng.random_range(1..120);
                 for _ in 0..by {
@@ -325,20 +356,26 @@ impl World {
         self.now += 1;
         let now = self.now;
         // Requests reach etcd; their answers go back.
-        let (due, rest): (Vec<_>, Vec<_>) = match self.outbox.iter().any(|o| o.0 <= now) {
-            true => std::mem::take(&mut self.outbox)
+        if self.outbox.iter().any(|o| o.0 <= now) {
+            let (due, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.outbox)
                 .into_iter()
-                .partition(|o| o.0 <= now),
-            false => (Vec::new(), Vec::new()),
-        };
-        if !due.is_empty() {
+                .partition(|o| o.0 <= now);
             self.outbox = rest;
-        }
-        for (_, from, op) in due {
-            let reply = self.etcd.apply(from, op, now);
-            if self.nodes[from].cut_until <= now && !self.rng.random_bool(0.02) {
-                let at = now + self.rng.random_range(0..TIMEOUT / 2);
-                self.nodes[from].inbox.push((at, reply));
+            for (_, from, id, req) in due {
+                let reply = match req {
+                    Req::Op(op) => {
+                        let at = At {
+                            etcd: RefCell::new(&mut self.etcd),
+                            now,
+                        };
+                        Reply::Op(self.nodes[from].m.execute(&at, &op))
+                    }
+                    Req::Mark(owner) => Reply::Mark(self.etcd.mark(owner, now)),
+                };
+                if self.nodes[from].cut_until <= now && !self.rng.random_bool(0.02) {
+                    let at = now + self.rng.random_range(0..self.delay);
+                    self.nodes[from].inbox.push((at, id, reply));
+                }
             }
         }
         self.etcd.expire(now);
@@ -354,6 +391,7 @@ impl World {
     /// Master `i` does what is due at `now`.
     fn run(&mut self, i: usize) {
         let now = self.now;
+        let view = View::default();
         // Its fence, looked at as a request would (a leader past its bound turns standby).
         if let Some((_, term)) = self.nodes[i].leading_since {
             if !self.nodes[i].fence.admits(now) {
@@ -363,138 +401,61 @@ impl World {
                 self.note(format!("master {i} fenced in term {term}"));
             }
         }
-        let answer = match &self.nodes[i].phase {
-            Phase::Waiting { sent, .. } => {
-                let sent = *sent;
-                match self.nodes[i].inbox.first() {
-                    Some(&(at, reply)) if at <= now => {
-                        self.nodes[i].inbox.remove(0);
-                        Some((reply, sent))
-                    }
-                    _ if now >= sent + TIMEOUT => {
-                        // (A late answer of this request is dropped with it.)
-                        self.nodes[i].inbox.clear();
-                        Some((Reply::TimedOut, sent))
-                    }
-                    _ => None,
+        // The answer to the request out, or its timeout (an answer to an earlier request,
+        // timed out, is dropped: a connection's late answer never reaches the next request).
+        if let Some((id, sent, load)) = self.nodes[i].out {
+            let n = &mut self.nodes[i];
+            n.inbox.retain(|r| r.1 == id);
+            let reply = match n.inbox.first() {
+                Some(&(at, _, _)) if at <= now => Some(n.inbox.remove(0).2),
+                _ if now >= sent + TIMEOUT => Some(match load {
+                    true => Reply::Mark(Err("timed out".into())),
+                    false => Reply::Op(Err("timed out".into())),
+                }),
+                _ => None,
+            };
+            let Some(reply) = reply else { return };
+            n.out = None;
+            n.inbox.clear();
+            match reply {
+                Reply::Op(a) => n.m.on_etcd(now, a, &view, &mut n.fence),
+                Reply::Mark(r) => n.m.on_taken(now, r, &mut n.fence),
+            }
+        }
+        loop {
+            let n = &mut self.nodes[i];
+            match n.m.poll(now, &view, &mut n.fence) {
+                Out::Wait(_) => return,
+                Out::Etcd(op) => return self.send(i, Req::Op(op)),
+                Out::TakeOver { owner, .. } => {
+                    self.note(format!("master {i} won term {}", owner.create_revision));
+                    return self.send(i, Req::Mark(owner));
                 }
-            }
-            _ => {
-                self.nodes[i].inbox.clear();
-                None
-            }
-        };
-        let phase = std::mem::replace(&mut self.nodes[i].phase, Phase::Standby { next_poll: now });
-        self.nodes[i].phase = match (phase, answer) {
-            (Phase::Standby { next_poll }, _) if now < next_poll => Phase::Standby { next_poll },
-            (Phase::Standby { .. }, _) => {
-                self.send(i, Op::Get, After::Poll);
-                return;
-            }
-            (p @ Phase::Waiting { .. }, None) => p,
-            (Phase::Waiting { then, sent }, Some((reply, _))) => {
-                return self.answered(i, then, sent, reply)
-            }
-            (Phase::Wait { kv, until }, _) if now >= until => {
-                self.send(i, Op::Renew(kv), After::Prove { kv });
-                return;
-            }
-            (p @ Phase::Wait { .. }, _) => p,
-            (Phase::Leading { kv, mut renewals }, _) => {
-                match renewals.poll(&mut self.nodes[i].fence, now) {
-                    Next::Wait(_) => Phase::Leading { kv, renewals },
-                    Next::Renew => {
-                        self.send(i, Op::Renew(kv), After::Renew { kv, renewals });
-                        return;
+                Out::Lead { owner } => {
+                    let term = owner.create_revision;
+                    if self.nodes[i].fence.admits(now) {
+                        self.nodes[i].leading_since = Some((now, term));
+                        self.leaderships += 1;
+                        let until = self.nodes[i].fence.bounds().0.unwrap_or(now);
+                        self.note(format!("master {i} leads term {term} until {until}"));
                     }
-                    Next::StepDown => return self.step_down(i, kv),
                 }
-            }
-        };
-    }
-
-    fn step_down(&mut self, i: usize, kv: Kv) {
-        let now = self.now;
-        let end = self.nodes[i].fence.bounds().0.unwrap_or(now).min(now);
-        self.close(i, end);
-        self.nodes[i].fence.set_standby(None);
-        self.note(format!("master {i} steps down from term {}", kv.create_rev));
-        self.send(i, Op::Resign(kv), After::Resign);
-    }
-
-    fn answered(&mut self, i: usize, then: After, sent: u64, reply: Reply) {
-        let now = self.now;
-        let standby = Phase::Standby {
-            next_poll: now + POLL,
-        };
-        match (then, reply) {
-            (After::Poll, Reply::Key(Some(kv))) => {
-                self.nodes[i].seen = Some((kv.create_rev, kv.lease));
-                self.nodes[i]
-                    .fence
-                    .set_standby(Some(("leader", kv.create_rev)));
-                self.nodes[i].phase = standby;
-            }
-            (After::Poll, Reply::Key(None)) => self.send(i, Op::Campaign, After::Campaign),
-            (After::Campaign, Reply::Won(kv, marker)) => {
-                // etcd kept its history only if its marker names the leader last seen.
-                let wait = marker.is_none() || marker != self.nodes[i].seen;
-                self.note(format!(
-                    "master {i} won term {} (waits a fence bound: {wait})",
-                    kv.create_rev
-                ));
-                self.send(
-                    i,
-                    Op::MarkTerm(kv),
-                    After::Mark {
-                        kv,
-                        won_at: now,
-                        wait,
-                    },
-                );
-            }
-            (After::Mark { kv, won_at, wait }, Reply::Done(true)) => {
-                let until = if wait { won_at + BOUND } else { now };
-                self.nodes[i].phase = Phase::Wait { kv, until };
-            }
-            (After::Prove { kv }, Reply::Renewed(Renewal::Ours)) => {
-                self.nodes[i]
-                    .fence
-                    .set_leader(kv.create_rev, "me", kv.lease, sent, BOUND);
-                if self.nodes[i].fence.admits(now) {
-                    self.nodes[i].leading_since = Some((now, kv.create_rev));
-                    self.leaderships += 1;
+                Out::StepDown { owner, failed } => {
+                    let end = self.nodes[i].fence.bounds().0.unwrap_or(now).min(now);
+                    self.close(i, end);
                     self.note(format!(
-                        "master {i} leads term {} until {}",
-                        kv.create_rev,
-                        sent + BOUND
+                        "master {i} steps down from term {} (takeover failed: {failed})",
+                        owner.create_revision
                     ));
                 }
-                self.nodes[i].phase = Phase::Leading {
-                    kv,
-                    renewals: Renewals::new(kv.create_rev, EVERY, BOUND, now),
-                };
+                Out::Exit => return,
+                Out::Warn(w) => self.note(format!("master {i}: {w}")),
+                Out::Register
+                | Out::Leader(_)
+                | Out::Seal
+                | Out::SteppedDown { .. }
+                | Out::Info(_) => {}
             }
-            (After::Mark { kv, .. } | After::Prove { kv }, reply) => {
-                // Lost the key while taking over, or etcd did not answer: it resigns.
-                self.note(format!(
-                    "master {i} gives up term {} ({reply:?})",
-                    kv.create_rev
-                ));
-                self.nodes[i].fence.set_standby(None);
-                self.send(i, Op::Resign(kv), After::Resign);
-            }
-            (After::Renew { kv, mut renewals }, reply) => {
-                let outcome = match reply {
-                    Reply::Renewed(o) => o,
-                    _ => Renewal::Failed,
-                };
-                if renewals.on_renewal(&mut self.nodes[i].fence, sent, outcome) {
-                    return self.step_down(i, kv);
-                }
-                self.nodes[i].phase = Phase::Leading { kv, renewals };
-            }
-            (After::Resign | After::Poll | After::Campaign, _) => self.nodes[i].phase = standby,
         }
     }
 

@@ -272,6 +272,21 @@ impl EtcdClient {
         }
     }
 
+    /// A lease's remaining TTL without renewing it; `None` when etcd no longer knows it
+    /// (expired or revoked).
+    pub fn lease_ttl(&self, id: i64) -> Result<Option<i64>> {
+        match self.call(
+            "reading a lease's TTL",
+            "/v3/lease/timetolive",
+            json!({ "ID": id.to_string() }),
+        ) {
+            // {"ID": ..., "TTL": ...}: -1 (or absent) for a lease etcd does not know.
+            Ok(v) => Ok(v.get("TTL").and_then(int).filter(|t| *t > 0)),
+            Err(e) if lease_gone(&e) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Revokes a lease (its keys go with it); an unknown lease is not an error.
     pub fn lease_revoke(&self, id: i64) -> Result<()> {
         match self.call(

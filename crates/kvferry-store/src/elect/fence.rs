@@ -1,19 +1,24 @@
 //! The leader's fence and its lease renewals as machines without I/O: time is an argument
-//! (milliseconds on the caller's monotonic clock), etcd's answers are inputs. The [`Gate`]
-//! (`super::Gate`) wraps a [`Fence`] with a lock and the process's clock; the elector's
-//! `lead` loop drives a [`Renewals`] against etcd; the simulator (`crate::sim::election`)
-//! drives both against a model of etcd on a fake clock.
+//! (milliseconds on the caller's monotonic clock), etcd's answers are inputs. The HA layer's gate
+//! (`crate::ha::Gate`) wraps a [`Fence`] with a lock and the process's clock; the
+//! [`Campaign`](super::Campaign) drives a [`Renewals`] while it leads; the simulator
+//! (`crate::sim::election`) drives both against a model of etcd on a fake clock.
 //!
 //! The rule (the module docs of `super` say why it is safe): a leader answers only while
 //! `now < sent + bound` for the last renewal that succeeded, `sent` being when that renewal
 //! was sent (etcd counts the lease's TTL from when it handles it, later) and `bound` two
 //! thirds of the TTL. A leader found past its bound turns standby at once, and nothing but a
 //! new term's leadership makes it a leader again.
-//!
-//! [`Gate`]: super::Gate
 
-use super::Role;
 use crate::error::StoreError;
+
+/// Whether a master leads or stands by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Leader,
+    Standby,
+}
 
 /// Whether this master may answer, and whom it names as the leader.
 #[derive(Debug, Clone, PartialEq, Eq)]
