@@ -10,12 +10,21 @@
 //! arrives there; a takeover's load is one request that reads the journal's term marker and
 //! writes this leader's, as `take_over` does (`crate::ha::elect`).
 //!
+//! Standbys keep registrations naming their mirror's term; a leader makes a standby's mirror
+//! whole, names it in the in-sync record once its registration says so, and drops members;
+//! a member's mirror dies with it; a takeover empties the record (its state is then whole in
+//! the journal).
+//!
 //! Checked after every step: no two masters may ever admit requests during overlapping
 //! times (each master's admitting interval runs from when it became leader to the end of its
-//! fence, or its crash), and a master admits only as the leader of the term it won.
+//! fence, or its crash), and a master admits only as the leader of the term it won. Checked
+//! at every takeover, against what its transaction saw: from the journal only while the
+//! in-sync record names no member; from its mirror only as a member with a mirror of the
+//! record's term; empty only when no other member was registered with that mirror.
 
 use crate::elect::fence::{Fence, Role};
-use crate::elect::{Campaign, Config, Op, Out, View};
+use crate::elect::insync::{parse_registration, registration, InSync};
+use crate::elect::{Campaign, Config, Op, Out, Plan, View};
 use crate::ha::STANDBY_POLL;
 use kvferry::metadata::etcd::{Cond, Created, KeyValue, Owner};
 use rand::rngs::StdRng;
@@ -31,6 +40,8 @@ const TIMEOUT: u64 = TTL / 4;
 const POLL: u64 = STANDBY_POLL.as_millis() as u64;
 const STEPS: usize = 1500;
 const KEY: &str = "sim/master_view";
+const INSYNC: &str = "sim/insync";
+const STANDBY: &str = "sim/standby/";
 
 /// etcd, as far as the election sees it.
 #[derive(Default)]
@@ -42,11 +53,16 @@ struct Etcd {
     next_lease: i64,
     /// The last leader that marked the journal.
     marker: Option<Owner>,
+    /// The in-sync record.
+    insync: Option<KeyValue>,
+    /// The standbys' registrations (member -> value, and when its lease expires).
+    regs: BTreeMap<String, (KeyValue, u64)>,
 }
 
 impl Etcd {
     fn expire(&mut self, now: u64) {
         self.leases.retain(|_, &mut at| at > now);
+        self.regs.retain(|_, r| r.1 > now);
         if self
             .key
             .as_ref()
@@ -58,12 +74,68 @@ impl Etcd {
     }
 
     /// A takeover's load: the leader the journal names, and this one's mark, if the key is
-    /// still `owner`'s (the marker is written in a transaction guarded by the key).
+    /// still `owner`'s (the marker is written in a transaction guarded by the key). The new
+    /// leader's state is then whole in the journal: the in-sync set is emptied.
     fn mark(&mut self, owner: Owner, now: u64) -> Result<Option<Owner>, String> {
         self.expire(now);
         match &self.key {
-            Some(kv) if owner.holds(kv) => Ok(self.marker.replace(owner)),
+            Some(kv) if owner.holds(kv) => {
+                self.set_insync(&InSync {
+                    term: owner.create_revision,
+                    members: Vec::new(),
+                });
+                Ok(self.marker.replace(owner))
+            }
             _ => Err("the key is no longer this master's".into()),
+        }
+    }
+
+    fn set_insync(&mut self, rec: &InSync) {
+        self.rev += 1;
+        let rev = self.rev;
+        self.insync = Some(KeyValue {
+            value: rec.to_bytes(),
+            create_revision: self.insync.as_ref().map_or(rev, |k| k.create_revision),
+            mod_revision: rev,
+            lease: 0,
+        });
+    }
+
+    fn record(&self) -> InSync {
+        self.insync
+            .as_ref()
+            .and_then(|kv| InSync::parse(&kv.value).ok())
+            .unwrap_or_default()
+    }
+
+    /// The mirror term member `m`'s registration names.
+    fn registered(&self, m: &str) -> Option<i64> {
+        let (kv, _) = self.regs.get(m)?;
+        parse_registration(&String::from_utf8_lossy(&kv.value)).mirror
+    }
+
+    /// A standby keeps its registration: written when it changes, its lease renewed.
+    fn register(&mut self, m: &str, mirror: Option<i64>, now: u64) {
+        self.expire(now);
+        let value = registration(m, mirror).into_bytes();
+        match self.regs.get_mut(m) {
+            Some((kv, at)) if kv.value == value => *at = now + TTL,
+            _ => {
+                self.rev += 1;
+                let rev = self.rev;
+                self.regs.insert(
+                    m.to_string(),
+                    (
+                        KeyValue {
+                            value,
+                            create_revision: rev,
+                            mod_revision: rev,
+                            lease: 0,
+                        },
+                        now + TTL,
+                    ),
+                );
+            }
         }
     }
 }
@@ -71,18 +143,34 @@ impl Etcd {
 /// The model at one time, as the campaign's [`crate::elect::Etcd`].
 struct At<'a> {
     etcd: RefCell<&'a mut Etcd>,
+    won: RefCell<&'a mut Won>,
     now: u64,
 }
+
+/// At each successful campaign (by term and lease): the in-sync record and its members
+/// registered with a mirror of its term, as the transaction saw them (kept outside etcd: a
+/// wipe does not undo what a master won).
+type Won = BTreeMap<(i64, i64), (InSync, Vec<String>)>;
 
 impl crate::elect::Etcd for At<'_> {
     fn get(&self, key: &str) -> Result<Option<KeyValue>, String> {
         let mut e = self.etcd.borrow_mut();
         e.expire(self.now);
-        Ok(e.key.clone().filter(|_| key == KEY))
+        Ok(match key {
+            KEY => e.key.clone(),
+            INSYNC => e.insync.clone(),
+            _ => None,
+        })
     }
 
-    fn range(&self, _prefix: &str) -> Result<Vec<(String, KeyValue)>, String> {
-        Ok(Vec::new())
+    fn range(&self, prefix: &str) -> Result<Vec<(String, KeyValue)>, String> {
+        let mut e = self.etcd.borrow_mut();
+        e.expire(self.now);
+        Ok(e.regs
+            .iter()
+            .map(|(m, (kv, _))| (format!("{STANDBY}{m}"), kv.clone()))
+            .filter(|(k, _)| k.starts_with(prefix))
+            .collect())
     }
 
     fn lease_grant(&self, _ttl_secs: i64) -> Result<i64, String> {
@@ -108,14 +196,30 @@ impl crate::elect::Etcd for At<'_> {
         if e.key.is_some() {
             return Ok(Created::Lost(e.key.clone()));
         }
-        // (The in-sync record is absent here: its mod revision is 0.)
-        if !conds
-            .iter()
-            .all(|c| matches!(c, Cond::ModRevision(_, 0) | Cond::Absent(_)))
-            || key != KEY
-        {
+        let mod_rev = |k: &str| match k {
+            INSYNC => e.insync.as_ref().map_or(0, |kv| kv.mod_revision),
+            _ => k
+                .strip_prefix(STANDBY)
+                .and_then(|m| e.regs.get(m))
+                .map_or(0, |r| r.0.mod_revision),
+        };
+        let holds = conds.iter().all(|c| match c {
+            Cond::ModRevision(k, rev) => mod_rev(k) == *rev,
+            Cond::Absent(k) => mod_rev(k) == 0,
+        });
+        if !holds || key != KEY {
             return Ok(Created::Lost(None));
         }
+        // What the campaign's rules were checked against, as the transaction saw it.
+        let rec = e.record();
+        let alive: Vec<String> = rec
+            .members
+            .iter()
+            .filter(|m| e.registered(m) == Some(rec.term))
+            .cloned()
+            .collect();
+        let won = (e.rev + 1, lease);
+        self.won.borrow_mut().insert(won, (rec, alive));
         e.rev += 1;
         e.key = Some(KeyValue {
             value: value.to_vec(),
@@ -190,6 +294,8 @@ struct Node {
     sent: u64,
     /// Answers on their way to it: (arrives at, request number, reply).
     inbox: Vec<(u64, u64, Reply)>,
+    /// The term of its complete mirror (lost when it dies; taken when it leads from it).
+    mirror: Option<i64>,
 }
 
 impl Node {
@@ -216,6 +322,7 @@ impl Node {
             out: None,
             sent: 0,
             inbox: Vec::new(),
+            mirror: None,
         }
     }
 }
@@ -236,9 +343,13 @@ struct World {
     nodes: Vec<Node>,
     /// Requests on their way to etcd: (arrives at, from, request number, request).
     outbox: Vec<(u64, usize, u64, Req)>,
+    won: Won,
     history: Vec<Admitted>,
     trace: Vec<String>,
     pub leaderships: u64,
+    /// Takeovers from a member's mirror, and starting empty.
+    pub from_mirror: u64,
+    pub empty: u64,
     /// The most a message takes one way: this seed's network (a LAN's etcd answers in a
     /// millisecond, a loaded one in a good part of the request timeout).
     delay: u64,
@@ -256,9 +367,12 @@ impl World {
             etcd: Etcd::default(),
             nodes,
             outbox: Vec::new(),
+            won: Won::new(),
             history: Vec::new(),
             trace: Vec::new(),
             leaderships: 0,
+            from_mirror: 0,
+            empty: 0,
             delay,
         }
     }
@@ -335,6 +449,7 @@ impl World {
                 };
                 self.note("etcd lost its data".into());
             }
+            6..=9 => self.replicate(),
             // An operator deletes the leader's key (`etcdctl del`): its lease lives on.
             5 if self.rng.random_bool(0.2) && self.etcd.key.is_some() => {
                 self.etcd.key = None;
@@ -366,6 +481,7 @@ impl World {
                     Req::Op(op) => {
                         let at = At {
                             etcd: RefCell::new(&mut self.etcd),
+                            won: RefCell::new(&mut self.won),
                             now,
                         };
                         Reply::Op(self.nodes[from].m.execute(&at, &op))
@@ -383,15 +499,18 @@ impl World {
             if !self.nodes[i].alive || self.nodes[i].paused_until > now {
                 continue;
             }
-            self.run(i);
+            self.run(i)?;
         }
         self.check()
     }
 
     /// Master `i` does what is due at `now`.
-    fn run(&mut self, i: usize) {
+    fn run(&mut self, i: usize) -> Result<(), String> {
         let now = self.now;
-        let view = View::default();
+        let view = View {
+            stopping: false,
+            mirror: self.nodes[i].mirror,
+        };
         // Its fence, looked at as a request would (a leader past its bound turns standby).
         if let Some((_, term)) = self.nodes[i].leading_since {
             if !self.nodes[i].fence.admits(now) {
@@ -414,7 +533,7 @@ impl World {
                 }),
                 _ => None,
             };
-            let Some(reply) = reply else { return };
+            let Some(reply) = reply else { return Ok(()) };
             n.out = None;
             n.inbox.clear();
             match reply {
@@ -425,11 +544,19 @@ impl World {
         loop {
             let n = &mut self.nodes[i];
             match n.m.poll(now, &view, &mut n.fence) {
-                Out::Wait(_) => return,
-                Out::Etcd(op) => return self.send(i, Req::Op(op)),
-                Out::TakeOver { owner, .. } => {
-                    self.note(format!("master {i} won term {}", owner.create_revision));
-                    return self.send(i, Req::Mark(owner));
+                Out::Wait(_) => return Ok(()),
+                Out::Etcd(op) => {
+                    self.send(i, Req::Op(op));
+                    return Ok(());
+                }
+                Out::TakeOver { owner, plan } => {
+                    self.note(format!(
+                        "master {i} won term {} ({plan:?})",
+                        owner.create_revision
+                    ));
+                    self.took_over(i, owner, plan)?;
+                    self.send(i, Req::Mark(owner));
+                    return Ok(());
                 }
                 Out::Lead { owner } => {
                     let term = owner.create_revision;
@@ -448,14 +575,93 @@ impl World {
                         owner.create_revision
                     ));
                 }
-                Out::Exit => return,
+                Out::Exit => return Ok(()),
                 Out::Warn(w) => self.note(format!("master {i}: {w}")),
-                Out::Register
-                | Out::Leader(_)
-                | Out::Seal
-                | Out::SteppedDown { .. }
-                | Out::Info(_) => {}
+                Out::Register => {
+                    if self.nodes[i].cut_until <= now {
+                        let me = self.nodes[i].m.config().me.clone();
+                        self.etcd.register(&me, self.nodes[i].mirror, now);
+                    }
+                }
+                Out::Leader(_) | Out::Seal | Out::SteppedDown { .. } | Out::Info(_) => {}
             }
+        }
+    }
+
+    /// Master `i` won `owner`'s key and takes over as `plan` says: checked against the in-sync
+    /// record and registrations its transaction saw. From the journal only while the record
+    /// names no member (it is stale otherwise); from its mirror only as a member with a mirror
+    /// of the record's term; empty only when no other member was registered with that mirror.
+    fn took_over(&mut self, i: usize, owner: Owner, plan: Plan) -> Result<(), String> {
+        let me = self.nodes[i].m.config().me.clone();
+        let Some((rec, alive)) = self.won.remove(&(owner.create_revision, owner.lease)) else {
+            return Err(format!(
+                "master {i} took over term {} it never won",
+                owner.create_revision
+            ));
+        };
+        let others: Vec<&String> = alive.iter().filter(|m| **m != me).collect();
+        let ok = match plan {
+            Plan::Journal => rec.members.is_empty(),
+            Plan::Mirror(t) => {
+                self.from_mirror += 1;
+                self.nodes[i].mirror == Some(t) && rec.term == t && rec.members.contains(&me)
+            }
+            Plan::Empty => {
+                self.empty += 1;
+                !rec.members.is_empty() && others.is_empty()
+            }
+        };
+        if !ok {
+            return Err(format!("master {i} ({me}, mirror {:?}) took over as {plan:?} while the in-sync record was {rec:?} and {others:?} were registered with its mirror", self.nodes[i].mirror));
+        }
+        // A leader is not a standby: its mirror is taken, or no longer of use.
+        self.nodes[i].mirror = None;
+        Ok(())
+    }
+
+    /// The leader streams to a standby: its mirror becomes whole for the leader's term, and
+    /// once its registration says so, the leader names it in the in-sync record (in a
+    /// transaction guarded by its key); or it drops a member from the record (late, or its
+    /// link cut).
+    fn replicate(&mut self) {
+        let now = self.now;
+        let Some(l) = (0..self.nodes.len()).find(|&i| {
+            let n = &self.nodes[i];
+            n.alive && n.paused_until <= now && n.leading_since.is_some() && n.fence.admits(now)
+        }) else {
+            return;
+        };
+        let Some(owner) = self.nodes[l].m.leading() else {
+            return;
+        };
+        self.etcd.expire(now);
+        if !self.etcd.key.as_ref().is_some_and(|kv| owner.holds(kv)) {
+            return;
+        }
+        let term = owner.create_revision;
+        let mut rec = self.etcd.record();
+        if rec.term != term {
+            return;
+        }
+        let j = self.rng.random_range(0..self.nodes.len());
+        let m = self.nodes[j].m.config().me.clone();
+        if j == l || !self.nodes[j].alive {
+            return;
+        }
+        if rec.members.contains(&m) {
+            if self.rng.random_bool(0.3) {
+                rec.members.retain(|x| *x != m);
+                self.etcd.set_insync(&rec);
+                self.note(format!("leader {l} drops {m} from the in-sync set"));
+            }
+        } else if self.nodes[j].mirror != Some(term) {
+            self.nodes[j].mirror = Some(term);
+            self.note(format!("{m}'s mirror is whole for term {term}"));
+        } else if self.etcd.registered(&m) == Some(term) {
+            rec.members.push(m.clone());
+            self.etcd.set_insync(&rec);
+            self.note(format!("leader {l} names {m} in sync"));
         }
     }
 
@@ -499,13 +705,14 @@ impl World {
     }
 }
 
-/// Runs election seed `seed`: how many leaderships began.
-pub fn run(seed: u64) -> Result<u64, String> {
+/// Runs election seed `seed`: how many leaderships began, and how many of the takeovers were
+/// from a member's mirror and how many started empty.
+pub fn run(seed: u64) -> Result<[u64; 3], String> {
     let mut w = World::new(seed);
     for _ in 0..STEPS {
         if let Err(e) = w.step() {
             return Err(format!("election seed {seed}: {e}\nreplay it alone: KVFERRY_SIM_SEED={seed} cargo test -p kvferry-store --lib sim::\nlast events:\n  {}", w.trace.join("\n  ")));
         }
     }
-    Ok(w.leaderships)
+    Ok([w.leaderships, w.from_mirror, w.empty])
 }

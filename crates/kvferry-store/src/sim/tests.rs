@@ -151,14 +151,18 @@ fn no_two_masters_ever_admit_at_once() {
         .map_or(1, |n| n.get())
         .min(seeds.len().max(1));
     let started = std::time::Instant::now();
-    let runs: Vec<Result<u64, String>> = std::thread::scope(|s| {
+    let runs: Vec<Result<[u64; 3], String>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
                 let mine: Vec<u64> = seeds.iter().copied().skip(t).step_by(threads).collect();
                 s.spawn(move || {
-                    mine.into_iter()
-                        .map(super::election::run)
-                        .sum::<Result<u64, String>>()
+                    mine.into_iter().map(super::election::run).try_fold(
+                        [0; 3],
+                        |a: [u64; 3], r| -> Result<[u64; 3], String> {
+                            let r = r?;
+                            Ok([a[0] + r[0], a[1] + r[1], a[2] + r[2]])
+                        },
+                    )
                 })
             })
             .collect();
@@ -167,19 +171,20 @@ fn no_two_masters_ever_admit_at_once() {
             .map(|h| h.join().expect("an election thread panicked"))
             .collect()
     });
-    let mut leaderships = 0;
+    let [mut leaderships, mut from_mirror, mut empty] = [0; 3];
     for r in runs {
-        leaderships += r.unwrap_or_else(|e| panic!("{e}"));
+        let [l, m, e] = r.unwrap_or_else(|e| panic!("{e}"));
+        (leaderships, from_mirror, empty) = (leaderships + l, from_mirror + m, empty + e);
     }
     eprintln!(
-        "election: {} seeds in {:.1} s on {threads} threads, {leaderships} leaderships",
+        "election: {} seeds in {:.1} s on {threads} threads, {leaderships} leaderships, {from_mirror} takeovers from a mirror, {empty} starting empty",
         seeds.len(),
         started.elapsed().as_secs_f64()
     );
     if seeds.len() >= 100 {
         assert!(
-            leaderships > 2 * seeds.len() as u64,
-            "too few failovers to mean anything: {leaderships}"
+            leaderships > 2 * seeds.len() as u64 && from_mirror > 0 && empty > 0,
+            "too few failovers of each kind to mean anything: {leaderships}, {from_mirror} from a mirror, {empty} starting empty"
         );
     }
 }
