@@ -1,5 +1,6 @@
 //! `kvferry master`: the store's metadata master.
 
+use crate::master_flags::{parse_timeout_ms, MAX_DURATION_MS};
 use kvferry_store::master::{MasterConfig, Strategy};
 use kvferry_store::server::MasterServer;
 use kvferry_store::Master;
@@ -17,7 +18,7 @@ pub struct MasterArgs {
     #[arg(long, default_value_t = 50051)]
     pub port: u16,
     /// HTTP port for /metrics, /health, /query_key, /get_all_segments (Mooncake: --metrics_port); 0 picks one, -1 disables.
-    #[arg(long, default_value_t = 9003, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 9003, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(..=65535))]
     pub metrics_port: i32,
     /// Address of the HTTP listener (Mooncake: --metrics_host; default: --host).
     #[arg(long)]
@@ -29,38 +30,38 @@ pub struct MasterArgs {
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub http_auth_all: bool,
     /// Read lease granted by get/exist, in milliseconds, or with a unit: 10s, 1m, 500ms
-    /// (Mooncake: --default_kv_lease_ttl).
-    #[arg(long, default_value_t = 10_000, value_parser = crate::master_flags::parse_duration_ms)]
+    /// (Mooncake: --default_kv_lease_ttl). Every duration of the master is at most 365 days.
+    #[arg(long, default_value_t = 10_000, value_parser = parse_timeout_ms)]
     pub default_kv_lease_ttl: u64,
     /// Default soft-pin duration in milliseconds, or with a unit: 30m, 1h
     /// (Mooncake: --default_kv_soft_pin_ttl).
-    #[arg(long, default_value_t = 30 * 60 * 1000, value_parser = crate::master_flags::parse_duration_ms)]
+    #[arg(long, default_value_t = 30 * 60 * 1000, value_parser = parse_timeout_ms)]
     pub default_kv_soft_pin_ttl: u64,
     /// Whether eviction may take soft-pinned objects when nothing else is left.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub allow_evict_soft_pinned_objects: bool,
-    /// Fraction of capacity freed per eviction round.
+    /// Fraction of capacity freed per eviction round (0 to 1).
     #[arg(long, default_value_t = 0.05)]
     pub eviction_ratio: f64,
-    /// Eviction starts above this fraction of capacity in use.
+    /// Eviction starts above this fraction of capacity in use (0 to 1).
     #[arg(long, default_value_t = 0.90)]
     pub eviction_high_watermark_ratio: f64,
     /// Seconds without a ping after which a client's segments are dropped.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = secs())]
     pub client_ttl: u64,
     /// `random` or `free_ratio_first` (Mooncake: --allocation_strategy).
     #[arg(long, default_value = "random")]
     pub allocation_strategy: String,
     /// Seconds after which an unfinished put may be replaced by a new one.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, value_parser = secs())]
     pub put_start_discard_timeout_sec: u64,
     /// Seconds after which the space of a replaced unfinished put is reused.
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 600, value_parser = secs())]
     pub put_start_release_timeout_sec: u64,
     /// Milliseconds a put that finds space held only by reads in flight waits for them to end
     /// (meanwhile objects written within this window are not evicted) before failing with
     /// NO_AVAILABLE_HANDLE.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(..=MAX_DURATION_MS))]
     pub put_wait_for_reads_ms: u64,
     /// Read these settings from a JSON file (keys as the flags, with underscores); flags given
     /// on the command line win.
@@ -111,7 +112,7 @@ pub struct MasterArgs {
     /// TTL of the leader's etcd lease (whole seconds, at least 1 s): a standby takes over
     /// within about this long after the leader died; the leader refuses requests once 2/3 of
     /// it passed without a renewal. Mooncake's is 5 s, fixed.
-    #[arg(long, default_value_t = 5000, value_parser = crate::master_flags::parse_duration_ms)]
+    #[arg(long, default_value_t = 5000, value_parser = parse_timeout_ms)]
     pub ha_lease_ttl: u64,
     /// HA journal: write a snapshot (and drop the log it covers) once the log since the last
     /// snapshot is larger than this and than that snapshot (e.g. 8M, 64M).
@@ -143,7 +144,7 @@ pub struct MasterArgs {
     #[arg(long, default_value = "64M", value_parser = crate::sys::parse_size)]
     pub ha_standby_tail_bytes: u64,
     /// HA with standbys: the least time between two of those background snapshots.
-    #[arg(long, default_value_t = 60_000, value_parser = crate::master_flags::parse_duration_ms)]
+    #[arg(long, default_value_t = 60_000, value_parser = parse_timeout_ms)]
     pub ha_rebase_base_every: u64,
     /// HA with standbys: each segment keeps a pool of up to this many bytes of free space
     /// (at most 1/64 of the segment) that the journal names as granted before any put is
@@ -158,6 +159,11 @@ pub struct MasterArgs {
     /// default: --host and the RPC port). Needed when --host is 0.0.0.0 or ::.
     #[arg(long)]
     pub advertise_address: Option<String>,
+}
+
+/// A flag in whole seconds, at most 365 days ([`MAX_DURATION_MS`]).
+fn secs() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(..=MAX_DURATION_MS / 1000)
 }
 
 /// `--ha-replication`.
@@ -187,10 +193,16 @@ impl MasterArgs {
                 ))
             }
         };
-        if !(0.0..=1.0).contains(&self.eviction_high_watermark_ratio)
-            || !(0.0..=1.0).contains(&self.eviction_ratio)
-        {
-            return Err("eviction ratios must be between 0 and 1".into());
+        for (flag, v) in [
+            ("--eviction-ratio", self.eviction_ratio),
+            (
+                "--eviction-high-watermark-ratio",
+                self.eviction_high_watermark_ratio,
+            ),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(format!("{flag} {v}: must be from 0 to 1"));
+            }
         }
         if self.default_kv_lease_ttl == 0 {
             return Err("--default-kv-lease-ttl must be at least 1 ms".into());
@@ -461,8 +473,12 @@ pub fn known_flags() -> Vec<String> {
 pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     let a = merge_config_file(a, matches)?;
     let cfg = a.master_config()?;
-    let listener = TcpListener::bind(SocketAddr::new(a.host, a.port))
-        .map_err(|e| format!("cannot bind the master RPC port {}:{}: {e}", a.host, a.port))?;
+    let listener = TcpListener::bind(SocketAddr::new(a.host, a.port)).map_err(|e| {
+        format!(
+            "cannot bind the master RPC port {}:{} (--port, --host): {e}",
+            a.host, a.port
+        )
+    })?;
     let rpc_port = listener
         .local_addr()
         .map(|x| x.port())
@@ -501,7 +517,7 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
         let l =
             TcpListener::bind(SocketAddr::new(http_host, a.metrics_port as u16)).map_err(|e| {
                 format!(
-                    "cannot bind the HTTP port {http_host}:{}: {e}",
+                    "cannot bind the HTTP port {http_host}:{} (--metrics-port, --metrics-host): {e}",
                     a.metrics_port
                 )
             })?;

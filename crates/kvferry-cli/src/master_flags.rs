@@ -671,6 +671,22 @@ pub fn parse_duration_ms(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{s:?}: too large"))
 }
 
+/// The longest duration a master flag takes: 365 days (a lease, TTL or timeout of a year
+/// already means never; deadlines the master computes from it in milliseconds stay far from
+/// overflowing).
+pub const MAX_DURATION_MS: u64 = 365 * 24 * 3600 * 1000;
+
+/// [`parse_duration_ms`] of a duration of at most [`MAX_DURATION_MS`].
+pub fn parse_timeout_ms(s: &str) -> Result<u64, String> {
+    let ms = parse_duration_ms(s)?;
+    if ms > MAX_DURATION_MS {
+        return Err(format!(
+            "{s:?}: at most 365 days ({MAX_DURATION_MS} ms, 8760h)"
+        ));
+    }
+    Ok(ms)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -988,6 +1004,10 @@ mod tests {
         assert_eq!(parse_duration_ms(" 2 m "), Ok(120_000));
         assert_eq!(parse_duration_ms("1h"), Ok(3_600_000));
         assert_eq!(parse_duration_ms("7ms"), Ok(7));
+        assert_eq!(parse_timeout_ms("8760h"), Ok(MAX_DURATION_MS));
+        assert!(
+            parse_timeout_ms("8761h").is_err() && parse_timeout_ms("18446744073709551615").is_err()
+        );
         assert!(
             parse_duration_ms("5d").is_err()
                 && parse_duration_ms("s").is_err()
