@@ -61,11 +61,11 @@ pub struct ServerArgs {
     /// Seconds a client may take to send a request's headers, and again its body.
     #[arg(long, default_value_t = 10.0)]
     pub request_timeout: f64,
-    /// Most connections served at once; more are closed at accept.
+    /// Most connections served at once; more are closed at accept (1 to 1048576).
     #[arg(long, default_value_t = 4096)]
     pub max_connections: usize,
     /// Threads serving connections, each with its own single-threaded runtime; connections
-    /// are dealt to them round robin (0: one per CPU).
+    /// are dealt to them round robin (0: one per CPU; at most 1024).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// The cluster key writes must be signed with (not a flag: [`run`] reads
@@ -622,6 +622,12 @@ async fn handle(
 
 /// `kvferry metadata-server`: the cluster key, if any, is `KVFERRY_AUTH_KEY_FILE`'s (kvferry's
 /// `Config`).
+/// The most connections served at once (`--max-connections`): as many as a process may hold
+/// open files by default (`nr_open`), and within what a semaphore counts.
+pub const MAX_CONNECTIONS: usize = 1 << 20;
+/// The most serving threads (`--threads`), each with a runtime of its own.
+pub const MAX_THREADS: usize = 1024;
+
 pub fn run(mut a: ServerArgs) -> Result<(), String> {
     let env = kvferry::Config::from_env().map_err(|e| e.to_string())?;
     a.auth = kvferry::auth::ClusterKey::from_config(env.auth_key_file.as_deref())
@@ -641,6 +647,18 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
             "--max-body-bytes {} is over the largest value the log records ({} bytes)",
             a.max_body_bytes,
             u32::MAX
+        ));
+    }
+    if !(1..=MAX_CONNECTIONS).contains(&a.max_connections) {
+        return Err(format!(
+            "--max-connections {}: from 1 to {MAX_CONNECTIONS}",
+            a.max_connections
+        ));
+    }
+    if a.threads > MAX_THREADS {
+        return Err(format!(
+            "--threads {}: at most {MAX_THREADS} (0: one per CPU)",
+            a.threads
         ));
     }
     if !(a.request_timeout > 0.0 && a.request_timeout < 1e6) {
