@@ -563,7 +563,7 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
             .name("kvf-master-metadata".into())
             .spawn(move || {
                 if let Err(e) = crate::metadata_server::run_quiet(args) {
-                    eprintln!("kvferry master: metadata server stopped: {e}");
+                    eprintln!("kvferry master: the embedded metadata server (--http-metadata-server-host, --http-metadata-server-port) stopped: {e}");
                     std::process::exit(1);
                 }
             })
