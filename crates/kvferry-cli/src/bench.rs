@@ -81,7 +81,12 @@ pub struct BenchArgs {
     /// Back the registered buffers (and the memcpy ceiling's) with transparent huge pages
     /// (`on`/`off`). Cross-memory copies pin every page: from 4 KiB pages they cost about
     /// twice the CPU (see docs/BENCHMARKS.md).
-    #[arg(long, default_value = "on", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
+    #[arg(
+        long,
+        default_value = "on",
+        action = clap::ArgAction::Set,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
     hugepages: bool,
     /// What the registered buffers are (both sides): `kvferry` — allocated by kvferry
     /// (memfd-backed, as managed buffers and store segments are), which a same-host peer maps
@@ -143,7 +148,11 @@ fn parse_protect(s: &str) -> Result<Protect, String> {
 pub fn run(a: BenchArgs) -> Result<(), String> {
     if let Some(rounds) = a.auth_ab {
         if a.mode.is_some() {
-            return Err("--auth-ab restarts the target for each setting: run it without --mode (both sides on this host)".into());
+            return Err(
+                "--auth-ab restarts the target for each setting: run it without --mode (both \
+                sides on this host)"
+                    .into(),
+            );
         }
         return auth_ab::run(&a, rounds);
     }
@@ -500,7 +509,15 @@ fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result
         std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
     if let Some(path) = &a.json_peers {
-        let ours = points.iter().zip(&used).map(|(p, t)| serde_json::json!({"engine": "kvferry", "transport": t, "op": p.op, "block_bytes": p.block_bytes, "gbps": p.gbps}));
+        let ours = points.iter().zip(&used).map(|(p, t)| {
+            serde_json::json!({
+                "engine": "kvferry",
+                "transport": t,
+                "op": p.op,
+                "block_bytes": p.block_bytes,
+                "gbps": p.gbps,
+            })
+        });
         write_peers(path, ceilings.as_ref(), ours, &mooncake)?;
     }
     if points.iter().any(|p| !p.verified) {
@@ -552,7 +569,12 @@ fn write_peers(
 ) -> Result<(), String> {
     let mut out = String::new();
     if let Some(c) = ceilings {
-        out.push_str(&serde_json::json!({"engine": "ceiling", "memcpy_gbps": c.memcpy_gbps, "socket_gbps": c.socket_gbps}).to_string());
+        let ceiling = serde_json::json!({
+            "engine": "ceiling",
+            "memcpy_gbps": c.memcpy_gbps,
+            "socket_gbps": c.socket_gbps,
+        });
+        out.push_str(&ceiling.to_string());
         out.push('\n');
     }
     for v in ours {
@@ -608,7 +630,8 @@ fn run_point(
     let region = (usable / a.threads as u64) / block * block;
     if region == 0 {
         return Err(format!(
-            "--buffer-size: {} (the smaller side's) is too small for --threads {} of --blocks {}: at least one block per thread",
+            "--buffer-size: {} (the smaller side's) is too small for --threads {} of --blocks {}: \
+            at least one block per thread",
             human(usable),
             a.threads,
             human(block)
@@ -887,14 +910,16 @@ fn print_report(
 fn print_header(a: &BenchArgs, c: Option<&Ceilings>) {
     let asked: Vec<String> = a.transport.iter().map(|t| t.to_string()).collect();
     println!(
-        "kvferry bench: --transport {} on {}, {} registered per side ({} memory; pages: {}), batch {}, {} initiator thread(s), {:.1} s per point",
+        "kvferry bench: --transport {} on {}, {} registered per side ({} memory; pages: {}), \
+        batch {}, {} initiator thread(s), {:.1} s per point",
         asked.join(","),
         a.local_hostname,
         human(a.buffer_size),
         a.memory,
         match (a.hugepages, a.memory.as_str()) {
             (false, _) => "4 KiB",
-            (true, "kvferry") if !shmem_thp() => "4 KiB: this host gives shared memory no transparent huge pages",
+            (true, "kvferry") if !shmem_thp() =>
+                "4 KiB: this host gives shared memory no transparent huge pages",
             _ => "huge",
         },
         a.batch,

@@ -17,8 +17,14 @@ pub struct MasterArgs {
     /// RPC port (Mooncake: --rpc_port); 0 picks a free one (printed).
     #[arg(long, default_value_t = 50051)]
     pub port: u16,
-    /// HTTP port for /metrics, /health, /query_key, /get_all_segments (Mooncake: --metrics_port); 0 picks one, -1 disables.
-    #[arg(long, default_value_t = 9003, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(..=65535))]
+    /// HTTP port for /metrics, /health, /query_key, /get_all_segments (Mooncake:
+    /// --metrics_port); 0 picks one, -1 disables.
+    #[arg(
+        long,
+        default_value_t = 9003,
+        allow_negative_numbers = true,
+        value_parser = clap::value_parser!(i32).range(..=65535)
+    )]
     pub metrics_port: i32,
     /// Address of the HTTP listener (Mooncake: --metrics_host; default: --host).
     #[arg(long)]
@@ -27,7 +33,13 @@ pub struct MasterArgs {
     /// request signed with it (`X-Kvferry-Auth`), /health, /metrics, /role and /leader too.
     /// Without this flag those four stay open (probes and scrapers hold no key) and only the
     /// routes showing the store's contents need it (/query_key, /get_all_segments, /ha_status).
-    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(
+        long,
+        default_value_t = false,
+        action = clap::ArgAction::Set,
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
     pub http_auth_all: bool,
     /// Read lease granted by get/exist, in milliseconds, or with a unit: 10s, 1m, 500ms
     /// (Mooncake: --default_kv_lease_ttl). Every duration of the master is at most 365 days.
@@ -72,7 +84,13 @@ pub struct MasterArgs {
     pub summary_interval: u32,
     /// Also serve the transfer engines' HTTP metadata (`http://host:port/metadata`, the
     /// contract of `kvferry metadata-server`), so one process is the whole control plane.
-    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(
+        long,
+        default_value_t = false,
+        action = clap::ArgAction::Set,
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
     pub enable_http_metadata_server: bool,
     /// Address of the embedded metadata server (default: --host).
     #[arg(long)]
@@ -89,12 +107,24 @@ pub struct MasterArgs {
     /// $KVFERRY_METADATA_SERVER, $MOONCAKE_TE_META_DATA_SERVER or the `metadata_server` of
     /// $MOONCAKE_CONFIG_PATH names (http, etcd or redis). Entries whose engine still answers,
     /// or whose name another client mounted since, are kept.
-    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(
+        long,
+        default_value_t = false,
+        action = clap::ArgAction::Set,
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
     pub enable_metadata_cleanup_on_timeout: bool,
     /// High availability: campaign for leadership through etcd (needs --ha-backend-connstring);
     /// standbys refuse requests and take over when the leader's lease ends, with every object
     /// (the leader replicates each change before it answers: --ha-replication).
-    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(
+        long,
+        default_value_t = false,
+        action = clap::ArgAction::Set,
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
     pub enable_ha: bool,
     /// etcd endpoints for HA: `etcd://h1:2379;h2:2379` (the scheme optional, `;` or `,`
     /// between endpoints).
@@ -319,10 +349,17 @@ fn ha_config(
         return Ok(None);
     }
     let Some(conn) = conn else {
-        return Err("--enable-ha needs --ha-backend-connstring etcd://host:2379[;host:2379...] (or --etcd-endpoints)".into());
+        return Err(
+            "--enable-ha needs --ha-backend-connstring etcd://host:2379[;host:2379...] (or \
+            --etcd-endpoints)"
+                .into(),
+        );
     };
     if let Some((scheme, _)) = conn.split_once("://").filter(|(s, _)| *s != "etcd") {
-        return Err(format!("--ha-backend-connstring {conn:?}: only etcd is supported (etcd://host:port;...), not {scheme}://"));
+        return Err(format!(
+            "--ha-backend-connstring {conn:?}: only etcd is supported (etcd://host:port;...), not \
+            {scheme}://"
+        ));
     }
     let endpoints = kvferry::metadata::etcd::parse_endpoints(conn);
     if endpoints.is_empty() {
@@ -337,13 +374,28 @@ fn ha_config(
             a.ha_lease_ttl
         ));
     }
-    let address = match a.advertise_address.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+    let address = match a
+        .advertise_address
+        .as_deref()
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    {
         Some(s) => {
             let (h, p) = kvferry::config::split_host_port(s);
             let p = p.unwrap_or(rpc_port);
-            if h.contains(':') { format!("[{h}]:{p}") } else { format!("{h}:{p}") }
+            if h.contains(':') {
+                format!("[{h}]:{p}")
+            } else {
+                format!("{h}:{p}")
+            }
         }
-        None if a.host.is_unspecified() => return Err(format!("--enable-ha with --host {}: pass --advertise-address, the address clients reach this master at", a.host)),
+        None if a.host.is_unspecified() => {
+            return Err(format!(
+                "--enable-ha with --host {}: pass --advertise-address, the address clients reach \
+                this master at",
+                a.host
+            ))
+        }
         None => SocketAddr::new(a.host, rpc_port).to_string(),
     };
     Ok(Some(kvferry_store::ha::HaConfig {
@@ -374,7 +426,15 @@ fn flag_warnings(a: &MasterArgs) -> Vec<String> {
         w.push("--ha-backend-connstring/--etcd-endpoints is set but --enable-ha is not; it is not used".into());
     }
     if a.enable_ha && a.enable_http_metadata_server {
-        w.push("--enable-http-metadata-server with --enable-ha: each master serves its own transfer-engine metadata, which is not replicated; engines that register with this one lose it (and their peers) when this master stops. Give the clients a metadata service that outlives any master: metadata_server = \"etcd://...\" (the same etcd works; KVFERRY_METADATA_SERVER for this master's cleanup) or a standalone `kvferry metadata-server`".into());
+        w.push(
+            "--enable-http-metadata-server with --enable-ha: each master serves its own \
+            transfer-engine metadata, which is not replicated; engines that register with this \
+            one lose it (and their peers) when this master stops. Give the clients a metadata \
+            service that outlives any master: metadata_server = \"etcd://...\" (the same etcd \
+            works; KVFERRY_METADATA_SERVER for this master's cleanup) or a standalone `kvferry \
+            metadata-server`"
+                .into(),
+        );
     }
     w
 }
@@ -423,8 +483,18 @@ fn cleanup_service(
     }
     if found.is_none() {
         if let Some(path) = var("MOONCAKE_CONFIG_PATH").filter(|p| !p.trim().is_empty()) {
-            let text = std::fs::read_to_string(&path).map_err(|e| format!("--enable-metadata-cleanup-on-timeout: reading $MOONCAKE_CONFIG_PATH ({path}): {e}"))?;
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("--enable-metadata-cleanup-on-timeout: $MOONCAKE_CONFIG_PATH ({path}) is not valid JSON: {e}"))?;
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                format!(
+                    "--enable-metadata-cleanup-on-timeout: reading $MOONCAKE_CONFIG_PATH \
+                    ({path}): {e}"
+                )
+            })?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+                format!(
+                    "--enable-metadata-cleanup-on-timeout: $MOONCAKE_CONFIG_PATH ({path}) is \
+                    not valid JSON: {e}"
+                )
+            })?;
             found = v
                 .get("metadata_server")
                 .and_then(|m| m.as_str())
@@ -439,7 +509,12 @@ fn cleanup_service(
     let Some((conn, from)) = found else {
         return match p2p {
             Some(p2p) => no_entries(p2p),
-            None => Ok(CleanupService::None("no metadata service is known: start the master with --enable-http-metadata-server, or set KVFERRY_METADATA_SERVER (or MOONCAKE_TE_META_DATA_SERVER) to the one the clients use".into())),
+            None => Ok(CleanupService::None(
+                "no metadata service is known: start the master with \
+                --enable-http-metadata-server, or set KVFERRY_METADATA_SERVER (or \
+                MOONCAKE_TE_META_DATA_SERVER) to the one the clients use"
+                    .into(),
+            )),
         };
     };
     match kvferry::metadata::ConnString::parse(&conn) {
@@ -491,7 +566,11 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     master.auth = kvferry::auth::ClusterKey::from_config(env.auth_key_file.as_deref())
         .map_err(|e| e.to_string())?;
     if a.http_auth_all && master.auth.is_none() {
-        return Err("--http-auth-all needs the cluster key: set KVFERRY_AUTH_KEY_FILE to the cluster's key file (without a key every HTTP route is open)".into());
+        return Err(
+            "--http-auth-all needs the cluster key: set KVFERRY_AUTH_KEY_FILE to the cluster's \
+            key file (without a key every HTTP route is open)"
+                .into(),
+        );
     }
     master.cluster_id = kvferry_store::ha::resolve_cluster_id(
         a.cluster_id.as_deref(),
@@ -563,7 +642,10 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
             .name("kvf-master-metadata".into())
             .spawn(move || {
                 if let Err(e) = crate::metadata_server::run_quiet(args) {
-                    eprintln!("kvferry master: the embedded metadata server (--http-metadata-server-host, --http-metadata-server-port) stopped: {e}");
+                    eprintln!(
+                        "kvferry master: the embedded metadata server \
+                        (--http-metadata-server-host, --http-metadata-server-port) stopped: {e}"
+                    );
                     std::process::exit(1);
                 }
             })
@@ -588,16 +670,30 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
             CleanupService::At { conn, from } => {
                 let opts = kvferry::metadata::StoreOptions::from_config(&env);
                 let c = conn.clone();
-                let connect: kvferry_store::cleanup::Connect = Box::new(move || match kvferry::metadata::connect(&c, &opts) {
-                    Ok(Some(s)) => Ok(s),
-                    Ok(None) => Err(format!("{c} is not a metadata service")),
-                    Err(e) => Err(e.to_string()),
-                });
-                let probe = kvferry_store::cleanup::handshake_probe(env.handshake_connect_timeout.min(Duration::from_secs(1)), env.handshake_max_len);
-                master.cleanup.start(kvferry::metadata::Keys::new(env.metadata_cluster_id.as_deref()), connect, probe)?;
-                eprintln!("kvferry master: the metadata entries of clients that stop pinging are removed from {conn} ({from}), unless their engine still answers");
+                let connect: kvferry_store::cleanup::Connect =
+                    Box::new(move || match kvferry::metadata::connect(&c, &opts) {
+                        Ok(Some(s)) => Ok(s),
+                        Ok(None) => Err(format!("{c} is not a metadata service")),
+                        Err(e) => Err(e.to_string()),
+                    });
+                let probe = kvferry_store::cleanup::handshake_probe(
+                    env.handshake_connect_timeout.min(Duration::from_secs(1)),
+                    env.handshake_max_len,
+                );
+                master.cleanup.start(
+                    kvferry::metadata::Keys::new(env.metadata_cluster_id.as_deref()),
+                    connect,
+                    probe,
+                )?;
+                eprintln!(
+                    "kvferry master: the metadata entries of clients that stop pinging are \
+                    removed from {conn} ({from}), unless their engine still answers"
+                );
             }
-            CleanupService::None(why) => eprintln!("kvferry master: warning: --enable-metadata-cleanup-on-timeout is set, but {why}; nothing is removed"),
+            CleanupService::None(why) => eprintln!(
+                "kvferry master: warning: --enable-metadata-cleanup-on-timeout is set, but {why}; \
+                nothing is removed"
+            ),
         }
     }
     let metadata = metadata.map(|(url, _)| url);
@@ -623,7 +719,12 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
             .unwrap_or_default()
     );
     if master.auth.is_some() {
-        eprintln!("kvferry master: clients of cluster {:?} must prove the cluster key (KVFERRY_AUTH_KEY_FILE) before any request; clients without it, or dialing another cluster, are refused", master.cluster_id);
+        eprintln!(
+            "kvferry master: clients of cluster {:?} must prove the cluster key \
+            (KVFERRY_AUTH_KEY_FILE) before any request; clients without it, or dialing another \
+            cluster, are refused",
+            master.cluster_id
+        );
         let open = if a.http_auth_all {
             "every HTTP route needs"
         } else {
@@ -647,9 +748,20 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
         if let Some(sig) = signals.forever().next() {
             let bound = Duration::from_secs(10);
             if kvferry_store::ha::hand_off(&master, bound) {
-                eprintln!("kvferry master: stopping (signal {sig}); the state is in etcd and the leadership handed off");
+                eprintln!(
+                    "kvferry master: stopping (signal {sig}); the state is in etcd and the \
+                    leadership handed off"
+                );
             } else {
-                eprintln!("kvferry master: stopping (signal {sig}); the state could not be handed to etcd within {bound:?} (is etcd reachable? was a takeover of a large state still running? its log line says how long one takes; an in-sync standby holding the only copy first waits for a dead leader's key to expire, one lease TTL): a standby takes over when this master's lease ends, but if every in-sync standby stops too, what only they held is lost; stop the standbys after a new leader serves");
+                eprintln!(
+                    "kvferry master: stopping (signal {sig}); the state could not be handed to \
+                    etcd within {bound:?} (is etcd reachable? was a takeover of a large state \
+                    still running? its log line says how long one takes; an in-sync standby \
+                    holding the only copy first waits for a dead leader's key to expire, one \
+                    lease TTL): a standby takes over when this master's lease ends, but if every \
+                    in-sync standby stops too, what only they held is lost; stop the standbys \
+                    after a new leader serves"
+                );
             }
             std::process::exit(0);
         }
@@ -922,7 +1034,10 @@ mod tests {
         let mut w = m.clone();
         w.enable_http_metadata_server = true;
         assert!(
-            matches!(flag_warnings(&w).as_slice(), [one] if one.contains("not replicated") && one.contains("KVFERRY_METADATA_SERVER")),
+            matches!(
+                flag_warnings(&w).as_slice(),
+                [one] if one.contains("not replicated") && one.contains("KVFERRY_METADATA_SERVER")
+            ),
             "{:?}",
             flag_warnings(&w)
         );

@@ -58,8 +58,12 @@ fn non_empty(v: &str) -> bool {
     !v.trim().is_empty()
 }
 
-const NO_HA: &str = "kvferry's master does not write its metadata to files or object stores; with --enable_ha it replicates every change itself (to in-sync standbys, or to its etcd journal with --ha-replication etcd, which also survives a restart of every master)";
-const OPLOG: &str = "with --enable_ha kvferry's master replicates every change itself (--ha-replication standbys|etcd), so Mooncake's oplog settings do not apply";
+const NO_HA: &str = "kvferry's master does not write its metadata to files or object stores; with \
+                    --enable_ha it replicates every change itself (to in-sync standbys, or to \
+                    its etcd journal with --ha-replication etcd, which also survives a restart \
+                    of every master)";
+const OPLOG: &str = "with --enable_ha kvferry's master replicates every change itself \
+                    (--ha-replication standbys|etcd), so Mooncake's oplog settings do not apply";
 fn not_etcd(v: &str) -> bool {
     !v.trim().eq_ignore_ascii_case("etcd")
 }
@@ -404,7 +408,8 @@ fn not_default(v: &str) -> bool {
     v != "default"
 }
 
-const DUMMY_THREADS: &str = "kvferry's store-client answers dummy clients' set-up from one thread; their requests go through their own transfer engine";
+const DUMMY_THREADS: &str = "kvferry's store-client answers dummy clients' set-up from one \
+                            thread; their requests go through their own transfer engine";
 
 /// `kvferry store-client` / `mooncake_client` (mooncake-store/src/real_client_main.cpp).
 pub const STORE_CLIENT: Spec = Spec {

@@ -602,7 +602,8 @@ pub fn run(a: MetadataBenchArgs) -> Result<(), String> {
         .map(|n| n.get())
         .unwrap_or(0);
     println!(
-        "kvferry metadata-bench: {} connections on {} client threads x {:.1} s of GET per server, descriptor of {} buffers, {cpus} CPUs",
+        "kvferry metadata-bench: {} connections on {} client threads x {:.1} s of GET per server, \
+        descriptor of {} buffers, {cpus} CPUs",
         a.clients,
         a.client_threads.clamp(1, a.clients),
         a.duration,
@@ -615,7 +616,10 @@ pub fn run(a: MetadataBenchArgs) -> Result<(), String> {
         vec![("kvferry metadata-server", start_kvferry(a.server_threads)?)];
     match find_mooncake(&a.mooncake) {
         Some(bin) => servers.push(("mooncake_http_metadata_server", start_mooncake(&bin)?)),
-        None => println!("(Mooncake's mooncake_http_metadata_server not found: set KVFERRY_MOONCAKE_PYTHON or --mooncake PATH)"),
+        None => println!(
+            "(Mooncake's mooncake_http_metadata_server not found: set KVFERRY_MOONCAKE_PYTHON or \
+            --mooncake PATH)"
+        ),
     }
     println!(
         "\nGET {key} ({} bytes), keep-alive, closed loop, {} in flight per connection:",

@@ -88,7 +88,12 @@ pub struct StoreBenchArgs {
     /// etcd journal's last position and without, `takeover`: how long a standby takes to lead
     /// when such a leader is killed, with the entries it received and without, `failover`:
     /// failover time and objects lost).
-    #[arg(long, default_value = "rate,store,link,snapshot,rebase,takeover,failover", value_delimiter = ',', value_parser = ["rate", "store", "link", "snapshot", "rebase", "takeover", "failover"])]
+    #[arg(
+        long,
+        default_value = "rate,store,link,snapshot,rebase,takeover,failover",
+        value_delimiter = ',',
+        value_parser = ["rate", "store", "link", "snapshot", "rebase", "takeover", "failover"]
+    )]
     ha_parts: Vec<String>,
     /// With `--ha`: the objects the `link`, `snapshot`, `rebase` and `takeover` parts'
     /// leaders hold.
@@ -108,7 +113,12 @@ pub struct StoreBenchArgs {
     ha_grant_bytes: u64,
     /// With `--ha`: the throughput points of the `rate` part, as CONNECTIONSxKEYS (keys per
     /// request), e.g. `4x32,16x128` (default: all six).
-    #[arg(long, default_value = "1x1,4x1,4x32,16x32,64x32,16x128", value_delimiter = ',', value_parser = parse_ha_point)]
+    #[arg(
+        long,
+        default_value = "1x1,4x1,4x32,16x32,64x32,16x128",
+        value_delimiter = ',',
+        value_parser = parse_ha_point
+    )]
     ha_points: Vec<(usize, usize)>,
     /// With `--ha`: in the `rate` part, run the standby's mirror on this CPU alone and
     /// everything else of the bench (clients, every master) on the process's other CPUs, as
@@ -833,8 +843,22 @@ fn run_mooncake(a: &StoreBenchArgs) -> MooncakeStore {
         .clone()
         .or_else(|| std::env::var("KVFERRY_MOONCAKE_PYTHON").ok());
     let py = match py.as_deref() {
-        None => return MooncakeStore { points: Vec::new(), note: Some("not run: pass --mooncake-python PY (a Python with mooncake-transfer-engine-non-cuda) or set KVFERRY_MOONCAKE_PYTHON".into()) },
-        Some("none") => return MooncakeStore { points: Vec::new(), note: Some("not run (disabled)".into()) },
+        None => {
+            return MooncakeStore {
+                points: Vec::new(),
+                note: Some(
+                    "not run: pass --mooncake-python PY (a Python with \
+                    mooncake-transfer-engine-non-cuda) or set KVFERRY_MOONCAKE_PYTHON"
+                        .into(),
+                ),
+            }
+        }
+        Some("none") => {
+            return MooncakeStore {
+                points: Vec::new(),
+                note: Some("not run (disabled)".into()),
+            }
+        }
         Some(p) => p.to_string(),
     };
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -910,7 +934,10 @@ fn run_mooncake(a: &StoreBenchArgs) -> MooncakeStore {
                 .iter()
                 .find_map(|p| p["error"].as_str().map(|e| format!("Mooncake failed: {e}")));
             if o.timed_out() {
-                note = Some(format!("Mooncake's sweep did not finish within {bound:?} and was killed (--peer-timeout sets the bound); the points it finished are shown"));
+                note = Some(format!(
+                    "Mooncake's sweep did not finish within {bound:?} and was killed \
+                    (--peer-timeout sets the bound); the points it finished are shown"
+                ));
             }
             MooncakeStore {
                 points: points
@@ -927,28 +954,39 @@ fn print_table(a: &StoreBenchArgs, points: &[StorePoint], mc: &MooncakeStore) {
     let transport = match std::env::var("KVFERRY_TRANSPORT").ok().as_deref() {
         Some("tcp") => "TCP (KVFERRY_TRANSPORT=tcp)".to_string(),
         Some("shm") => "shared memory (KVFERRY_TRANSPORT=shm)".to_string(),
-        _ => "the engine's choice: shared memory between processes on one host, else TCP; KVFERRY_TRANSPORT=tcp forces TCP".to_string(),
+        _ => "the engine's choice: shared memory between processes on one host, else TCP; \
+             KVFERRY_TRANSPORT=tcp forces TCP"
+            .to_string(),
     };
-    println!("kvferry store-bench: master + 2 clients on 127.0.0.1, values move client to client over {transport}; {} serving segment", human(a.segment_size));
+    println!(
+        "kvferry store-bench: master + 2 clients on 127.0.0.1, values move client to client over \
+        {transport}; {} serving segment",
+        human(a.segment_size)
+    );
     println!("latency is per call (a batched call moves {} keys); /mc = kvferry / Mooncake Store in this run", a.batch);
     println!(
         "malloc: {}",
         if a.malloc_trim == MallocTrim::Off {
-            "freed memory kept in both sides' processes (glibc M_TRIM_THRESHOLD 1 GiB, M_MMAP_THRESHOLD 64 MiB; --malloc-trim on: glibc's defaults)"
+            "freed memory kept in both sides' processes (glibc M_TRIM_THRESHOLD 1 GiB, \
+            M_MMAP_THRESHOLD 64 MiB; --malloc-trim on: glibc's defaults)"
         } else {
-            "glibc's defaults in both sides' processes (freed memory may go back to the kernel: fresh values then fault pages in)"
+            "glibc's defaults in both sides' processes (freed memory may go back to the kernel: \
+            fresh values then fault pages in)"
         }
     );
     if !a.no_cycle {
         println!(
-            "cycle = put_from + get_into (checked) + remove(force) of one key, on a pool of its own with a {} segment, at least {}x its size put per point (GB/s: bytes put; latency per cycle)",
+            "cycle = put_from + get_into (checked) + remove(force) of one key, on a pool of its \
+            own with a {} segment, at least {}x its size put per point (GB/s: bytes put; latency \
+            per cycle)",
             human(a.cycle_segment_size),
             4
         );
     }
     if a.multi_layers > 0 {
         println!(
-            "put_multi/get_multi = {} keys per call, each {} regions of {} scattered in a registered KV cache (value = the whole key)",
+            "put_multi/get_multi = {} keys per call, each {} regions of {} scattered in a \
+            registered KV cache (value = the whole key)",
             a.batch,
             a.multi_layers,
             human(a.multi_part)
@@ -1058,7 +1096,13 @@ fn master_only(a: &StoreBenchArgs) -> Result<(), String> {
     }
     let fill = t.elapsed().as_secs_f64();
     let per_obj = (rss_bytes().saturating_sub(before)) as f64 / a.objects as f64;
-    println!("master memory: {} objects (keys of 19 bytes) take {:.0} bytes each (RSS growth); created at {:.0} puts/s in-process", a.objects, per_obj, a.objects as f64 / fill);
+    println!(
+        "master memory: {} objects (keys of 19 bytes) take {:.0} bytes each (RSS growth); created \
+        at {:.0} puts/s in-process",
+        a.objects,
+        per_obj,
+        a.objects as f64 / fill
+    );
     // 2. Throughput over RPC: connections from several threads, 32 ops per request.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let m = Arc::new(m);
@@ -1116,7 +1160,12 @@ fn master_only(a: &StoreBenchArgs) -> Result<(), String> {
             hs.into_iter().map(|h| h.join().unwrap_or(0)).sum()
         });
         let secs = start.elapsed().as_secs_f64();
-        println!("master RPC: {:.0} metadata ops/s ({threads} connections, {per_req} op(s) per request, ExistKey on {} objects)", ops as f64 / secs, a.objects);
+        println!(
+            "master RPC: {:.0} metadata ops/s ({threads} connections, {per_req} op(s) per \
+            request, ExistKey on {} objects)",
+            ops as f64 / secs,
+            a.objects
+        );
     }
     drop(server);
     Ok(())
