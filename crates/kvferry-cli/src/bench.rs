@@ -6,7 +6,8 @@
 //! plain loopback socket stream) and, when available, Mooncake's `transfer_engine_bench`
 //! run in the same invocation so the report can give ratios.
 
-use crate::sys::{self, human, parse_size, Buffer};
+use crate::sys::{self, human, parse_secs, parse_size_nonzero, Buffer};
+use clap::builder::RangedU64ValueParser;
 use kvferry::auth::Protect;
 use kvferry::config::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
@@ -37,22 +38,22 @@ pub struct BenchArgs {
     #[arg(long, default_value = "127.0.0.1")]
     local_hostname: String,
     /// Registered memory on each side.
-    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    #[arg(long, default_value = "1GiB", value_parser = parse_size_nonzero)]
     buffer_size: u64,
     /// Block sizes to sweep.
-    #[arg(long, default_value = "4K,64K,1M,16M", value_delimiter = ',', value_parser = parse_size)]
+    #[arg(long, default_value = "4K,64K,1M,16M", value_delimiter = ',', value_parser = parse_size_nonzero)]
     blocks: Vec<u64>,
-    /// Requests per batch.
-    #[arg(long, default_value_t = 128)]
+    /// Requests per batch (1 to 65536).
+    #[arg(long, default_value_t = 128, value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_BATCH))]
     batch: usize,
     /// Operations to sweep.
     #[arg(long, default_value = "write,read", value_delimiter = ',')]
     ops: Vec<String>,
-    /// Seconds of measurement per point.
-    #[arg(long, default_value_t = 2.0)]
+    /// Seconds of measurement per point (at least one batch each).
+    #[arg(long, default_value_t = 2.0, value_parser = parse_secs)]
     duration: f64,
-    /// Initiator threads, each with its own batches in flight.
-    #[arg(long, default_value_t = 2)]
+    /// Initiator threads, each with its own batches in flight (1 to 1024).
+    #[arg(long, default_value_t = 2, value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS))]
     threads: usize,
     /// Write one JSON record per point to this file (JSON Lines).
     #[arg(long)]
@@ -66,7 +67,7 @@ pub struct BenchArgs {
     mooncake: Option<String>,
     /// Seconds a Mooncake run may take beyond its measurement (setup, connection) before it
     /// is killed with its process group and reported as not finished.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = 60.0, value_parser = parse_secs)]
     peer_timeout: f64,
     /// Write ceilings and Mooncake's points to this file (JSON Lines).
     #[arg(long)]
@@ -80,7 +81,12 @@ pub struct BenchArgs {
     /// Back the registered buffers (and the memcpy ceiling's) with transparent huge pages
     /// (`on`/`off`). Cross-memory copies pin every page: from 4 KiB pages they cost about
     /// twice the CPU (see docs/BENCHMARKS.md).
-    #[arg(long, default_value = "on", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
+    #[arg(
+        long,
+        default_value = "on",
+        action = clap::ArgAction::Set,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
     hugepages: bool,
     /// What the registered buffers are (both sides): `kvferry` — allocated by kvferry
     /// (memfd-backed, as managed buffers and store segments are), which a same-host peer maps
@@ -95,8 +101,8 @@ pub struct BenchArgs {
     /// file made here, removed after). Also measures, the same way, a fresh engine's
     /// `open_segment` (the handshake), its first 4 KiB write (a new data connection) and 4 KiB
     /// writes on an established one. Reports each round, the median per setting and the
-    /// ratios to no key. Both sides on this host only (no `--mode`).
-    #[arg(long, value_name = "ROUNDS")]
+    /// ratios to no key. Both sides on this host only (no `--mode`). 1 to 10000 rounds.
+    #[arg(long, value_name = "ROUNDS", value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_ROUNDS))]
     auth_ab: Option<usize>,
     /// With `--auth-ab`: the KVFERRY_AUTH_PROTECT settings measured against no key
     /// (`headers`, `payload`, `encrypt`).
@@ -124,6 +130,12 @@ pub struct Point {
 }
 
 const TAG: &str = "kvferry-bench";
+/// The most requests in a batch (`--batch`), initiator threads (`--threads`) and `--auth-ab`
+/// rounds: far beyond what a bench needs, and small enough that what is sized from them
+/// (request vectors, threads, the count of points) is never out of range.
+const MAX_BATCH: u64 = 65536;
+const MAX_THREADS: u64 = 1024;
+const MAX_ROUNDS: u64 = 10_000;
 
 fn parse_transport(s: &str) -> Result<TransportMode, String> {
     s.parse()
@@ -136,7 +148,11 @@ fn parse_protect(s: &str) -> Result<Protect, String> {
 pub fn run(a: BenchArgs) -> Result<(), String> {
     if let Some(rounds) = a.auth_ab {
         if a.mode.is_some() {
-            return Err("--auth-ab restarts the target for each setting: run it without --mode (both sides on this host)".into());
+            return Err(
+                "--auth-ab restarts the target for each setting: run it without --mode (both \
+                sides on this host)"
+                    .into(),
+            );
         }
         return auth_ab::run(&a, rounds);
     }
@@ -188,7 +204,7 @@ fn run_target(a: &BenchArgs) -> Result<(), String> {
     })
     .map_err(|e| e.to_string())?;
     let buf = Buffer::alloc(a.buffer_size as usize, a.hugepages, a.memory == "kvferry")
-        .map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
+        .map_err(|e| format!("--buffer-size {}: allocating it: {e}", human(a.buffer_size)))?;
     buf.fill(0, buf.len(), 0x5eed);
     engine
         .register_memory(buf.addr(), buf.len() as u64, "cpu:0")
@@ -467,7 +483,7 @@ fn sweep(
 fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result<(), String> {
     check_args(a)?;
     let buf = Buffer::alloc(a.buffer_size as usize, a.hugepages, a.memory == "kvferry")
-        .map_err(|e| format!("allocating {}: {e}", human(a.buffer_size)))?;
+        .map_err(|e| format!("--buffer-size {}: allocating it: {e}", human(a.buffer_size)))?;
     let _ = target_pid;
     let ceilings = if a.no_ceilings {
         None
@@ -493,7 +509,15 @@ fn run_initiator(a: &BenchArgs, target: &str, target_pid: Option<u32>) -> Result
         std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
     if let Some(path) = &a.json_peers {
-        let ours = points.iter().zip(&used).map(|(p, t)| serde_json::json!({"engine": "kvferry", "transport": t, "op": p.op, "block_bytes": p.block_bytes, "gbps": p.gbps}));
+        let ours = points.iter().zip(&used).map(|(p, t)| {
+            serde_json::json!({
+                "engine": "kvferry",
+                "transport": t,
+                "op": p.op,
+                "block_bytes": p.block_bytes,
+                "gbps": p.gbps,
+            })
+        });
         write_peers(path, ceilings.as_ref(), ours, &mooncake)?;
     }
     if points.iter().any(|p| !p.verified) {
@@ -545,7 +569,12 @@ fn write_peers(
 ) -> Result<(), String> {
     let mut out = String::new();
     if let Some(c) = ceilings {
-        out.push_str(&serde_json::json!({"engine": "ceiling", "memcpy_gbps": c.memcpy_gbps, "socket_gbps": c.socket_gbps}).to_string());
+        let ceiling = serde_json::json!({
+            "engine": "ceiling",
+            "memcpy_gbps": c.memcpy_gbps,
+            "socket_gbps": c.socket_gbps,
+        });
+        out.push_str(&ceiling.to_string());
         out.push('\n');
     }
     for v in ours {
@@ -601,7 +630,8 @@ fn run_point(
     let region = (usable / a.threads as u64) / block * block;
     if region == 0 {
         return Err(format!(
-            "buffer {} too small for {} threads of {} blocks",
+            "--buffer-size: {} (the smaller side's) is too small for --threads {} of --blocks {}: \
+            at least one block per thread",
             human(usable),
             a.threads,
             human(block)
@@ -880,14 +910,16 @@ fn print_report(
 fn print_header(a: &BenchArgs, c: Option<&Ceilings>) {
     let asked: Vec<String> = a.transport.iter().map(|t| t.to_string()).collect();
     println!(
-        "kvferry bench: --transport {} on {}, {} registered per side ({} memory; pages: {}), batch {}, {} initiator thread(s), {:.1} s per point",
+        "kvferry bench: --transport {} on {}, {} registered per side ({} memory; pages: {}), \
+        batch {}, {} initiator thread(s), {:.1} s per point",
         asked.join(","),
         a.local_hostname,
         human(a.buffer_size),
         a.memory,
         match (a.hugepages, a.memory.as_str()) {
             (false, _) => "4 KiB",
-            (true, "kvferry") if !shmem_thp() => "4 KiB: this host gives shared memory no transparent huge pages",
+            (true, "kvferry") if !shmem_thp() =>
+                "4 KiB: this host gives shared memory no transparent huge pages",
             _ => "huge",
         },
         a.batch,

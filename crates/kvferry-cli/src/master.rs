@@ -1,5 +1,6 @@
 //! `kvferry master`: the store's metadata master.
 
+use crate::master_flags::{parse_timeout_ms, MAX_DURATION_MS};
 use kvferry_store::master::{MasterConfig, Strategy};
 use kvferry_store::server::MasterServer;
 use kvferry_store::Master;
@@ -16,8 +17,14 @@ pub struct MasterArgs {
     /// RPC port (Mooncake: --rpc_port); 0 picks a free one (printed).
     #[arg(long, default_value_t = 50051)]
     pub port: u16,
-    /// HTTP port for /metrics, /health, /query_key, /get_all_segments (Mooncake: --metrics_port); 0 picks one, -1 disables.
-    #[arg(long, default_value_t = 9003, allow_negative_numbers = true)]
+    /// HTTP port for /metrics, /health, /query_key, /get_all_segments (Mooncake:
+    /// --metrics_port); 0 picks one, -1 disables.
+    #[arg(
+        long,
+        default_value_t = 9003,
+        allow_negative_numbers = true,
+        value_parser = clap::value_parser!(i32).range(..=65535)
+    )]
     pub metrics_port: i32,
     /// Address of the HTTP listener (Mooncake: --metrics_host; default: --host).
     #[arg(long)]
@@ -26,41 +33,47 @@ pub struct MasterArgs {
     /// request signed with it (`X-Kvferry-Auth`), /health, /metrics, /role and /leader too.
     /// Without this flag those four stay open (probes and scrapers hold no key) and only the
     /// routes showing the store's contents need it (/query_key, /get_all_segments, /ha_status).
-    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(
+        long,
+        default_value_t = false,
+        action = clap::ArgAction::Set,
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
     pub http_auth_all: bool,
     /// Read lease granted by get/exist, in milliseconds, or with a unit: 10s, 1m, 500ms
-    /// (Mooncake: --default_kv_lease_ttl).
-    #[arg(long, default_value_t = 10_000, value_parser = crate::master_flags::parse_duration_ms)]
+    /// (Mooncake: --default_kv_lease_ttl). Every duration of the master is at most 365 days.
+    #[arg(long, default_value_t = 10_000, value_parser = parse_timeout_ms)]
     pub default_kv_lease_ttl: u64,
     /// Default soft-pin duration in milliseconds, or with a unit: 30m, 1h
     /// (Mooncake: --default_kv_soft_pin_ttl).
-    #[arg(long, default_value_t = 30 * 60 * 1000, value_parser = crate::master_flags::parse_duration_ms)]
+    #[arg(long, default_value_t = 30 * 60 * 1000, value_parser = parse_timeout_ms)]
     pub default_kv_soft_pin_ttl: u64,
     /// Whether eviction may take soft-pinned objects when nothing else is left.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub allow_evict_soft_pinned_objects: bool,
-    /// Fraction of capacity freed per eviction round.
+    /// Fraction of capacity freed per eviction round (0 to 1).
     #[arg(long, default_value_t = 0.05)]
     pub eviction_ratio: f64,
-    /// Eviction starts above this fraction of capacity in use.
+    /// Eviction starts above this fraction of capacity in use (0 to 1).
     #[arg(long, default_value_t = 0.90)]
     pub eviction_high_watermark_ratio: f64,
     /// Seconds without a ping after which a client's segments are dropped.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = secs())]
     pub client_ttl: u64,
     /// `random` or `free_ratio_first` (Mooncake: --allocation_strategy).
     #[arg(long, default_value = "random")]
     pub allocation_strategy: String,
     /// Seconds after which an unfinished put may be replaced by a new one.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, value_parser = secs())]
     pub put_start_discard_timeout_sec: u64,
     /// Seconds after which the space of a replaced unfinished put is reused.
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 600, value_parser = secs())]
     pub put_start_release_timeout_sec: u64,
     /// Milliseconds a put that finds space held only by reads in flight waits for them to end
     /// (meanwhile objects written within this window are not evicted) before failing with
     /// NO_AVAILABLE_HANDLE.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(..=MAX_DURATION_MS))]
     pub put_wait_for_reads_ms: u64,
     /// Read these settings from a JSON file (keys as the flags, with underscores); flags given
     /// on the command line win.
@@ -71,7 +84,13 @@ pub struct MasterArgs {
     pub summary_interval: u32,
     /// Also serve the transfer engines' HTTP metadata (`http://host:port/metadata`, the
     /// contract of `kvferry metadata-server`), so one process is the whole control plane.
-    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(
+        long,
+        default_value_t = false,
+        action = clap::ArgAction::Set,
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
     pub enable_http_metadata_server: bool,
     /// Address of the embedded metadata server (default: --host).
     #[arg(long)]
@@ -88,12 +107,24 @@ pub struct MasterArgs {
     /// $KVFERRY_METADATA_SERVER, $MOONCAKE_TE_META_DATA_SERVER or the `metadata_server` of
     /// $MOONCAKE_CONFIG_PATH names (http, etcd or redis). Entries whose engine still answers,
     /// or whose name another client mounted since, are kept.
-    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(
+        long,
+        default_value_t = false,
+        action = clap::ArgAction::Set,
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
     pub enable_metadata_cleanup_on_timeout: bool,
     /// High availability: campaign for leadership through etcd (needs --ha-backend-connstring);
     /// standbys refuse requests and take over when the leader's lease ends, with every object
     /// (the leader replicates each change before it answers: --ha-replication).
-    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(
+        long,
+        default_value_t = false,
+        action = clap::ArgAction::Set,
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
     pub enable_ha: bool,
     /// etcd endpoints for HA: `etcd://h1:2379;h2:2379` (the scheme optional, `;` or `,`
     /// between endpoints).
@@ -111,7 +142,7 @@ pub struct MasterArgs {
     /// TTL of the leader's etcd lease (whole seconds, at least 1 s): a standby takes over
     /// within about this long after the leader died; the leader refuses requests once 2/3 of
     /// it passed without a renewal. Mooncake's is 5 s, fixed.
-    #[arg(long, default_value_t = 5000, value_parser = crate::master_flags::parse_duration_ms)]
+    #[arg(long, default_value_t = 5000, value_parser = parse_timeout_ms)]
     pub ha_lease_ttl: u64,
     /// HA journal: write a snapshot (and drop the log it covers) once the log since the last
     /// snapshot is larger than this and than that snapshot (e.g. 8M, 64M).
@@ -143,7 +174,7 @@ pub struct MasterArgs {
     #[arg(long, default_value = "64M", value_parser = crate::sys::parse_size)]
     pub ha_standby_tail_bytes: u64,
     /// HA with standbys: the least time between two of those background snapshots.
-    #[arg(long, default_value_t = 60_000, value_parser = crate::master_flags::parse_duration_ms)]
+    #[arg(long, default_value_t = 60_000, value_parser = parse_timeout_ms)]
     pub ha_rebase_base_every: u64,
     /// HA with standbys: each segment keeps a pool of up to this many bytes of free space
     /// (at most 1/64 of the segment) that the journal names as granted before any put is
@@ -158,6 +189,11 @@ pub struct MasterArgs {
     /// default: --host and the RPC port). Needed when --host is 0.0.0.0 or ::.
     #[arg(long)]
     pub advertise_address: Option<String>,
+}
+
+/// A flag in whole seconds, at most 365 days ([`MAX_DURATION_MS`]).
+fn secs() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(..=MAX_DURATION_MS / 1000)
 }
 
 /// `--ha-replication`.
@@ -187,10 +223,16 @@ impl MasterArgs {
                 ))
             }
         };
-        if !(0.0..=1.0).contains(&self.eviction_high_watermark_ratio)
-            || !(0.0..=1.0).contains(&self.eviction_ratio)
-        {
-            return Err("eviction ratios must be between 0 and 1".into());
+        for (flag, v) in [
+            ("--eviction-ratio", self.eviction_ratio),
+            (
+                "--eviction-high-watermark-ratio",
+                self.eviction_high_watermark_ratio,
+            ),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(format!("{flag} {v}: must be from 0 to 1"));
+            }
         }
         if self.default_kv_lease_ttl == 0 {
             return Err("--default-kv-lease-ttl must be at least 1 ms".into());
@@ -307,10 +349,17 @@ fn ha_config(
         return Ok(None);
     }
     let Some(conn) = conn else {
-        return Err("--enable-ha needs --ha-backend-connstring etcd://host:2379[;host:2379...] (or --etcd-endpoints)".into());
+        return Err(
+            "--enable-ha needs --ha-backend-connstring etcd://host:2379[;host:2379...] (or \
+            --etcd-endpoints)"
+                .into(),
+        );
     };
     if let Some((scheme, _)) = conn.split_once("://").filter(|(s, _)| *s != "etcd") {
-        return Err(format!("--ha-backend-connstring {conn:?}: only etcd is supported (etcd://host:port;...), not {scheme}://"));
+        return Err(format!(
+            "--ha-backend-connstring {conn:?}: only etcd is supported (etcd://host:port;...), not \
+            {scheme}://"
+        ));
     }
     let endpoints = kvferry::metadata::etcd::parse_endpoints(conn);
     if endpoints.is_empty() {
@@ -325,13 +374,28 @@ fn ha_config(
             a.ha_lease_ttl
         ));
     }
-    let address = match a.advertise_address.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+    let address = match a
+        .advertise_address
+        .as_deref()
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    {
         Some(s) => {
             let (h, p) = kvferry::config::split_host_port(s);
             let p = p.unwrap_or(rpc_port);
-            if h.contains(':') { format!("[{h}]:{p}") } else { format!("{h}:{p}") }
+            if h.contains(':') {
+                format!("[{h}]:{p}")
+            } else {
+                format!("{h}:{p}")
+            }
         }
-        None if a.host.is_unspecified() => return Err(format!("--enable-ha with --host {}: pass --advertise-address, the address clients reach this master at", a.host)),
+        None if a.host.is_unspecified() => {
+            return Err(format!(
+                "--enable-ha with --host {}: pass --advertise-address, the address clients reach \
+                this master at",
+                a.host
+            ))
+        }
         None => SocketAddr::new(a.host, rpc_port).to_string(),
     };
     Ok(Some(kvferry_store::ha::HaConfig {
@@ -362,7 +426,15 @@ fn flag_warnings(a: &MasterArgs) -> Vec<String> {
         w.push("--ha-backend-connstring/--etcd-endpoints is set but --enable-ha is not; it is not used".into());
     }
     if a.enable_ha && a.enable_http_metadata_server {
-        w.push("--enable-http-metadata-server with --enable-ha: each master serves its own transfer-engine metadata, which is not replicated; engines that register with this one lose it (and their peers) when this master stops. Give the clients a metadata service that outlives any master: metadata_server = \"etcd://...\" (the same etcd works; KVFERRY_METADATA_SERVER for this master's cleanup) or a standalone `kvferry metadata-server`".into());
+        w.push(
+            "--enable-http-metadata-server with --enable-ha: each master serves its own \
+            transfer-engine metadata, which is not replicated; engines that register with this \
+            one lose it (and their peers) when this master stops. Give the clients a metadata \
+            service that outlives any master: metadata_server = \"etcd://...\" (the same etcd \
+            works; KVFERRY_METADATA_SERVER for this master's cleanup) or a standalone `kvferry \
+            metadata-server`"
+                .into(),
+        );
     }
     w
 }
@@ -411,8 +483,18 @@ fn cleanup_service(
     }
     if found.is_none() {
         if let Some(path) = var("MOONCAKE_CONFIG_PATH").filter(|p| !p.trim().is_empty()) {
-            let text = std::fs::read_to_string(&path).map_err(|e| format!("--enable-metadata-cleanup-on-timeout: reading $MOONCAKE_CONFIG_PATH ({path}): {e}"))?;
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("--enable-metadata-cleanup-on-timeout: $MOONCAKE_CONFIG_PATH ({path}) is not valid JSON: {e}"))?;
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                format!(
+                    "--enable-metadata-cleanup-on-timeout: reading $MOONCAKE_CONFIG_PATH \
+                    ({path}): {e}"
+                )
+            })?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+                format!(
+                    "--enable-metadata-cleanup-on-timeout: $MOONCAKE_CONFIG_PATH ({path}) is \
+                    not valid JSON: {e}"
+                )
+            })?;
             found = v
                 .get("metadata_server")
                 .and_then(|m| m.as_str())
@@ -427,7 +509,12 @@ fn cleanup_service(
     let Some((conn, from)) = found else {
         return match p2p {
             Some(p2p) => no_entries(p2p),
-            None => Ok(CleanupService::None("no metadata service is known: start the master with --enable-http-metadata-server, or set KVFERRY_METADATA_SERVER (or MOONCAKE_TE_META_DATA_SERVER) to the one the clients use".into())),
+            None => Ok(CleanupService::None(
+                "no metadata service is known: start the master with \
+                --enable-http-metadata-server, or set KVFERRY_METADATA_SERVER (or \
+                MOONCAKE_TE_META_DATA_SERVER) to the one the clients use"
+                    .into(),
+            )),
         };
     };
     match kvferry::metadata::ConnString::parse(&conn) {
@@ -461,8 +548,12 @@ pub fn known_flags() -> Vec<String> {
 pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     let a = merge_config_file(a, matches)?;
     let cfg = a.master_config()?;
-    let listener = TcpListener::bind(SocketAddr::new(a.host, a.port))
-        .map_err(|e| format!("cannot bind the master RPC port {}:{}: {e}", a.host, a.port))?;
+    let listener = TcpListener::bind(SocketAddr::new(a.host, a.port)).map_err(|e| {
+        format!(
+            "cannot bind the master RPC port {}:{} (--port, --host): {e}",
+            a.host, a.port
+        )
+    })?;
     let rpc_port = listener
         .local_addr()
         .map(|x| x.port())
@@ -475,7 +566,11 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     master.auth = kvferry::auth::ClusterKey::from_config(env.auth_key_file.as_deref())
         .map_err(|e| e.to_string())?;
     if a.http_auth_all && master.auth.is_none() {
-        return Err("--http-auth-all needs the cluster key: set KVFERRY_AUTH_KEY_FILE to the cluster's key file (without a key every HTTP route is open)".into());
+        return Err(
+            "--http-auth-all needs the cluster key: set KVFERRY_AUTH_KEY_FILE to the cluster's \
+            key file (without a key every HTTP route is open)"
+                .into(),
+        );
     }
     master.cluster_id = kvferry_store::ha::resolve_cluster_id(
         a.cluster_id.as_deref(),
@@ -501,7 +596,7 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
         let l =
             TcpListener::bind(SocketAddr::new(http_host, a.metrics_port as u16)).map_err(|e| {
                 format!(
-                    "cannot bind the HTTP port {http_host}:{}: {e}",
+                    "cannot bind the HTTP port {http_host}:{} (--metrics-port, --metrics-host): {e}",
                     a.metrics_port
                 )
             })?;
@@ -547,7 +642,10 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
             .name("kvf-master-metadata".into())
             .spawn(move || {
                 if let Err(e) = crate::metadata_server::run_quiet(args) {
-                    eprintln!("kvferry master: metadata server stopped: {e}");
+                    eprintln!(
+                        "kvferry master: the embedded metadata server \
+                        (--http-metadata-server-host, --http-metadata-server-port) stopped: {e}"
+                    );
                     std::process::exit(1);
                 }
             })
@@ -572,16 +670,30 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
             CleanupService::At { conn, from } => {
                 let opts = kvferry::metadata::StoreOptions::from_config(&env);
                 let c = conn.clone();
-                let connect: kvferry_store::cleanup::Connect = Box::new(move || match kvferry::metadata::connect(&c, &opts) {
-                    Ok(Some(s)) => Ok(s),
-                    Ok(None) => Err(format!("{c} is not a metadata service")),
-                    Err(e) => Err(e.to_string()),
-                });
-                let probe = kvferry_store::cleanup::handshake_probe(env.handshake_connect_timeout.min(Duration::from_secs(1)), env.handshake_max_len);
-                master.cleanup.start(kvferry::metadata::Keys::new(env.metadata_cluster_id.as_deref()), connect, probe)?;
-                eprintln!("kvferry master: the metadata entries of clients that stop pinging are removed from {conn} ({from}), unless their engine still answers");
+                let connect: kvferry_store::cleanup::Connect =
+                    Box::new(move || match kvferry::metadata::connect(&c, &opts) {
+                        Ok(Some(s)) => Ok(s),
+                        Ok(None) => Err(format!("{c} is not a metadata service")),
+                        Err(e) => Err(e.to_string()),
+                    });
+                let probe = kvferry_store::cleanup::handshake_probe(
+                    env.handshake_connect_timeout.min(Duration::from_secs(1)),
+                    env.handshake_max_len,
+                );
+                master.cleanup.start(
+                    kvferry::metadata::Keys::new(env.metadata_cluster_id.as_deref()),
+                    connect,
+                    probe,
+                )?;
+                eprintln!(
+                    "kvferry master: the metadata entries of clients that stop pinging are \
+                    removed from {conn} ({from}), unless their engine still answers"
+                );
             }
-            CleanupService::None(why) => eprintln!("kvferry master: warning: --enable-metadata-cleanup-on-timeout is set, but {why}; nothing is removed"),
+            CleanupService::None(why) => eprintln!(
+                "kvferry master: warning: --enable-metadata-cleanup-on-timeout is set, but {why}; \
+                nothing is removed"
+            ),
         }
     }
     let metadata = metadata.map(|(url, _)| url);
@@ -607,7 +719,12 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
             .unwrap_or_default()
     );
     if master.auth.is_some() {
-        eprintln!("kvferry master: clients of cluster {:?} must prove the cluster key (KVFERRY_AUTH_KEY_FILE) before any request; clients without it, or dialing another cluster, are refused", master.cluster_id);
+        eprintln!(
+            "kvferry master: clients of cluster {:?} must prove the cluster key \
+            (KVFERRY_AUTH_KEY_FILE) before any request; clients without it, or dialing another \
+            cluster, are refused",
+            master.cluster_id
+        );
         let open = if a.http_auth_all {
             "every HTTP route needs"
         } else {
@@ -631,9 +748,20 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
         if let Some(sig) = signals.forever().next() {
             let bound = Duration::from_secs(10);
             if kvferry_store::ha::hand_off(&master, bound) {
-                eprintln!("kvferry master: stopping (signal {sig}); the state is in etcd and the leadership handed off");
+                eprintln!(
+                    "kvferry master: stopping (signal {sig}); the state is in etcd and the \
+                    leadership handed off"
+                );
             } else {
-                eprintln!("kvferry master: stopping (signal {sig}); the state could not be handed to etcd within {bound:?} (is etcd reachable? was a takeover of a large state still running? its log line says how long one takes; an in-sync standby holding the only copy first waits for a dead leader's key to expire, one lease TTL): a standby takes over when this master's lease ends, but if every in-sync standby stops too, what only they held is lost; stop the standbys after a new leader serves");
+                eprintln!(
+                    "kvferry master: stopping (signal {sig}); the state could not be handed to \
+                    etcd within {bound:?} (is etcd reachable? was a takeover of a large state \
+                    still running? its log line says how long one takes; an in-sync standby \
+                    holding the only copy first waits for a dead leader's key to expire, one \
+                    lease TTL): a standby takes over when this master's lease ends, but if every \
+                    in-sync standby stops too, what only they held is lost; stop the standbys \
+                    after a new leader serves"
+                );
             }
             std::process::exit(0);
         }
@@ -906,7 +1034,10 @@ mod tests {
         let mut w = m.clone();
         w.enable_http_metadata_server = true;
         assert!(
-            matches!(flag_warnings(&w).as_slice(), [one] if one.contains("not replicated") && one.contains("KVFERRY_METADATA_SERVER")),
+            matches!(
+                flag_warnings(&w).as_slice(),
+                [one] if one.contains("not replicated") && one.contains("KVFERRY_METADATA_SERVER")
+            ),
             "{:?}",
             flag_warnings(&w)
         );

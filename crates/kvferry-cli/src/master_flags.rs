@@ -58,8 +58,12 @@ fn non_empty(v: &str) -> bool {
     !v.trim().is_empty()
 }
 
-const NO_HA: &str = "kvferry's master does not write its metadata to files or object stores; with --enable_ha it replicates every change itself (to in-sync standbys, or to its etcd journal with --ha-replication etcd, which also survives a restart of every master)";
-const OPLOG: &str = "with --enable_ha kvferry's master replicates every change itself (--ha-replication standbys|etcd), so Mooncake's oplog settings do not apply";
+const NO_HA: &str = "kvferry's master does not write its metadata to files or object stores; with \
+                    --enable_ha it replicates every change itself (to in-sync standbys, or to \
+                    its etcd journal with --ha-replication etcd, which also survives a restart \
+                    of every master)";
+const OPLOG: &str = "with --enable_ha kvferry's master replicates every change itself \
+                    (--ha-replication standbys|etcd), so Mooncake's oplog settings do not apply";
 fn not_etcd(v: &str) -> bool {
     !v.trim().eq_ignore_ascii_case("etcd")
 }
@@ -404,7 +408,8 @@ fn not_default(v: &str) -> bool {
     v != "default"
 }
 
-const DUMMY_THREADS: &str = "kvferry's store-client answers dummy clients' set-up from one thread; their requests go through their own transfer engine";
+const DUMMY_THREADS: &str = "kvferry's store-client answers dummy clients' set-up from one \
+                            thread; their requests go through their own transfer engine";
 
 /// `kvferry store-client` / `mooncake_client` (mooncake-store/src/real_client_main.cpp).
 pub const STORE_CLIENT: Spec = Spec {
@@ -669,6 +674,22 @@ pub fn parse_duration_ms(s: &str) -> Result<u64, String> {
     };
     n.checked_mul(mult)
         .ok_or_else(|| format!("{s:?}: too large"))
+}
+
+/// The longest duration a master flag takes: 365 days (a lease, TTL or timeout of a year
+/// already means never; deadlines the master computes from it in milliseconds stay far from
+/// overflowing).
+pub const MAX_DURATION_MS: u64 = 365 * 24 * 3600 * 1000;
+
+/// [`parse_duration_ms`] of a duration of at most [`MAX_DURATION_MS`].
+pub fn parse_timeout_ms(s: &str) -> Result<u64, String> {
+    let ms = parse_duration_ms(s)?;
+    if ms > MAX_DURATION_MS {
+        return Err(format!(
+            "{s:?}: at most 365 days ({MAX_DURATION_MS} ms, 8760h)"
+        ));
+    }
+    Ok(ms)
 }
 
 #[cfg(test)]
@@ -988,6 +1009,10 @@ mod tests {
         assert_eq!(parse_duration_ms(" 2 m "), Ok(120_000));
         assert_eq!(parse_duration_ms("1h"), Ok(3_600_000));
         assert_eq!(parse_duration_ms("7ms"), Ok(7));
+        assert_eq!(parse_timeout_ms("8760h"), Ok(MAX_DURATION_MS));
+        assert!(
+            parse_timeout_ms("8761h").is_err() && parse_timeout_ms("18446744073709551615").is_err()
+        );
         assert!(
             parse_duration_ms("5d").is_err()
                 && parse_duration_ms("s").is_err()

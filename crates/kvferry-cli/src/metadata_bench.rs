@@ -22,18 +22,20 @@ use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug)]
 pub struct MetadataBenchArgs {
-    /// Keep-alive connections loading each server.
-    #[arg(long, default_value_t = 4)]
+    /// Keep-alive connections loading each server (1 to 4096, the connections a
+    /// `kvferry metadata-server` serves by default).
+    #[arg(long, default_value_t = 4, value_parser = range(1, 4096))]
     clients: usize,
     /// Threads driving those connections: each polls its share, a thread with one connection
-    /// blocks on it (the default, as many threads as connections).
-    #[arg(long, default_value_t = 4)]
+    /// blocks on it (the default, as many threads as connections); 1 to 4096.
+    #[arg(long, default_value_t = 4, value_parser = range(1, 4096))]
     client_threads: usize,
     /// Seconds of load per server.
-    #[arg(long, default_value_t = 3.0)]
+    #[arg(long, default_value_t = 3.0, value_parser = crate::sys::parse_secs)]
     duration: f64,
-    /// Buffers in the descriptor that is fetched (its size grows ~80 bytes per buffer).
-    #[arg(long, default_value_t = 16)]
+    /// Buffers in the descriptor that is fetched (its size grows ~80 bytes per buffer); at
+    /// most 100000.
+    #[arg(long, default_value_t = 16, value_parser = range(0, 100_000))]
     buffers: usize,
     /// Mooncake's `mooncake_http_metadata_server` (default: next to $KVFERRY_MOONCAKE_PYTHON,
     /// else on PATH); `none` skips it.
@@ -46,15 +48,21 @@ pub struct MetadataBenchArgs {
     #[arg(long)]
     redis: Option<String>,
     /// GETs each client keeps in flight on its connection (HTTP/1.1 pipelining; 1 = one at a
-    /// time, as Mooncake's libcurl client does).
-    #[arg(long, default_value_t = 1)]
+    /// time, as Mooncake's libcurl client does); at most 1024.
+    #[arg(long, default_value_t = 1, value_parser = range(1, 1024))]
     pipeline: usize,
-    /// Worker threads of `kvferry metadata-server` (Mooncake's Python server runs one event loop).
-    #[arg(long, default_value_t = 0)]
+    /// Worker threads of `kvferry metadata-server` (Mooncake's Python server runs one event
+    /// loop); its --threads: 0 is one per CPU, at most 1024.
+    #[arg(long, default_value_t = 0, value_parser = range(0, crate::metadata_server::MAX_THREADS as u64))]
     server_threads: usize,
-    /// open_segment look-ups per backend.
-    #[arg(long, default_value_t = 2000)]
+    /// open_segment look-ups per backend (1 to 1000000).
+    #[arg(long, default_value_t = 2000, value_parser = range(1, 1_000_000))]
     opens: usize,
+}
+
+/// A count flag from `min` to `max` (clap names the flag and the range when it is not).
+fn range(min: u64, max: u64) -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(min..=max)
 }
 
 /// A server process in a process group of its own (killed with it when dropped, or when this
@@ -594,7 +602,8 @@ pub fn run(a: MetadataBenchArgs) -> Result<(), String> {
         .map(|n| n.get())
         .unwrap_or(0);
     println!(
-        "kvferry metadata-bench: {} connections on {} client threads x {:.1} s of GET per server, descriptor of {} buffers, {cpus} CPUs",
+        "kvferry metadata-bench: {} connections on {} client threads x {:.1} s of GET per server, \
+        descriptor of {} buffers, {cpus} CPUs",
         a.clients,
         a.client_threads.clamp(1, a.clients),
         a.duration,
@@ -607,7 +616,10 @@ pub fn run(a: MetadataBenchArgs) -> Result<(), String> {
         vec![("kvferry metadata-server", start_kvferry(a.server_threads)?)];
     match find_mooncake(&a.mooncake) {
         Some(bin) => servers.push(("mooncake_http_metadata_server", start_mooncake(&bin)?)),
-        None => println!("(Mooncake's mooncake_http_metadata_server not found: set KVFERRY_MOONCAKE_PYTHON or --mooncake PATH)"),
+        None => println!(
+            "(Mooncake's mooncake_http_metadata_server not found: set KVFERRY_MOONCAKE_PYTHON or \
+            --mooncake PATH)"
+        ),
     }
     println!(
         "\nGET {key} ({} bytes), keep-alive, closed loop, {} in flight per connection:",

@@ -8,10 +8,11 @@
 //! - `DELETE /metadata?key=K` → 200 `metadata deleted`, 404 `metadata not found`.
 //! - kvferry's addition, which Mooncake's clients and servers ignore: a GET's answer carries an
 //!   `ETag` naming the write that left the value (a number that grows with every PUT, an
-//!   identical one too, from a random start, so a restarted server does not reuse one), and a DELETE with `If-Match` removes the value
-//!   only if that write is still the one there (412 `metadata changed since the write If-Match names; ...` otherwise). What an
-//!   engine replacing a dead engine's `rpc_meta` entry needs so that it never removes the
-//!   entry another engine just made (`MetadataStore::remove_if`).
+//!   identical one too, from a random start, so a restarted server does not reuse one), and a
+//!   DELETE with `If-Match` removes the value only if that write is still the one there (412
+//!   `metadata changed since the write If-Match names; ...` otherwise). What an engine
+//!   replacing a dead engine's `rpc_meta` entry needs so that it never removes the entry
+//!   another engine just made (`MetadataStore::remove_if`).
 //! - No or empty key → 400 `metadata key is required`; other methods → 405; `GET /health` → `OK`.
 //! - With the cluster key (`KVFERRY_AUTH_KEY_FILE`, read from kvferry's `Config`; `kvferry
 //!   master --enable-http-metadata-server` passes the one it read): every request to
@@ -61,11 +62,11 @@ pub struct ServerArgs {
     /// Seconds a client may take to send a request's headers, and again its body.
     #[arg(long, default_value_t = 10.0)]
     pub request_timeout: f64,
-    /// Most connections served at once; more are closed at accept.
+    /// Most connections served at once; more are closed at accept (1 to 1048576).
     #[arg(long, default_value_t = 4096)]
     pub max_connections: usize,
     /// Threads serving connections, each with its own single-threaded runtime; connections
-    /// are dealt to them round robin (0: one per CPU).
+    /// are dealt to them round robin (0: one per CPU; at most 1024).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// The cluster key writes must be signed with (not a flag: [`run`] reads
@@ -258,7 +259,10 @@ impl Wal {
         write: impl FnOnce(&mut File, &[u8]) -> std::io::Result<()>,
     ) -> std::io::Result<()> {
         if let Some(why) = &self.broken {
-            return Err(std::io::Error::other(format!("the log refuses changes since an earlier write failed and could not be undone ({why}); restart the server once the disk is writable")));
+            return Err(std::io::Error::other(format!(
+                "the log refuses changes since an earlier write failed and could not be undone \
+                ({why}); restart the server once the disk is writable"
+            )));
         }
         let r = write(&mut self.file, rec).and_then(|_| self.file.sync_data());
         match r {
@@ -496,7 +500,11 @@ impl State {
             return Ok(reply(StatusCode::NOT_FOUND, "metadata not found"));
         };
         if if_match.is_some_and(|m| m.trim() != "*" && !m.split(',').any(|t| t.trim() == tag)) {
-            return Ok(reply(StatusCode::PRECONDITION_FAILED, "metadata changed since the write If-Match names; GET it again for its current ETag"));
+            return Ok(reply(
+                StatusCode::PRECONDITION_FAILED,
+                "metadata changed since the write If-Match names; GET it again for its current \
+                ETag",
+            ));
         }
         if let Some(wal) = w.as_mut() {
             wal.append(&record(OP_DELETE, key.as_bytes(), b""))
@@ -622,6 +630,12 @@ async fn handle(
 
 /// `kvferry metadata-server`: the cluster key, if any, is `KVFERRY_AUTH_KEY_FILE`'s (kvferry's
 /// `Config`).
+/// The most connections served at once (`--max-connections`): as many as a process may hold
+/// open files by default (`nr_open`), and within what a semaphore counts.
+pub const MAX_CONNECTIONS: usize = 1 << 20;
+/// The most serving threads (`--threads`), each with a runtime of its own.
+pub const MAX_THREADS: usize = 1024;
+
 pub fn run(mut a: ServerArgs) -> Result<(), String> {
     let env = kvferry::Config::from_env().map_err(|e| e.to_string())?;
     a.auth = kvferry::auth::ClusterKey::from_config(env.auth_key_file.as_deref())
@@ -641,6 +655,18 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
             "--max-body-bytes {} is over the largest value the log records ({} bytes)",
             a.max_body_bytes,
             u32::MAX
+        ));
+    }
+    if !(1..=MAX_CONNECTIONS).contains(&a.max_connections) {
+        return Err(format!(
+            "--max-connections {}: from 1 to {MAX_CONNECTIONS}",
+            a.max_connections
+        ));
+    }
+    if a.threads > MAX_THREADS {
+        return Err(format!(
+            "--threads {}: at most {MAX_THREADS} (0: one per CPU)",
+            a.threads
         ));
     }
     if !(a.request_timeout > 0.0 && a.request_timeout < 1e6) {
@@ -742,7 +768,9 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
         .map_err(|e| format!("cannot start the server runtime: {e}"))?;
     announce_line(announce, local, &store);
     if a.auth.is_some() {
-        let line = "the cluster key (KVFERRY_AUTH_KEY_FILE) is held: writes (PUT, DELETE) need a request signed with it (kvferry's clients holding it sign theirs; stock Mooncake clients cannot), reads stay open";
+        let line = "the cluster key (KVFERRY_AUTH_KEY_FILE) is held: writes (PUT, DELETE) need a \
+                   request signed with it (kvferry's clients holding it sign theirs; stock \
+                   Mooncake clients cannot), reads stay open";
         if announce {
             eprintln!("kvferry metadata-server: {line}");
         } else {

@@ -4,7 +4,8 @@
 //! contributes the only segment, so every put and get moves bytes client to client through
 //! the transfer engine, as in a real pool. `--master-only` measures the master by itself.
 
-use crate::sys::{human, parse_size};
+use crate::sys::{human, parse_secs, parse_size, parse_size_nonzero};
+use clap::builder::RangedU64ValueParser;
 use kvferry::hostbuf::HostBuffer;
 use kvferry_store::master::MasterConfig;
 use kvferry_store::proto::{ReplicateConfig, Request, Segment};
@@ -20,17 +21,17 @@ mod ha;
 
 #[derive(clap::Args)]
 pub struct StoreBenchArgs {
-    /// Value sizes to sweep.
-    #[arg(long, default_value = "4K,64K,1M,16M", value_delimiter = ',', value_parser = parse_size)]
+    /// Value sizes to sweep (each at most --segment-size).
+    #[arg(long, default_value = "4K,64K,1M,16M", value_delimiter = ',', value_parser = parse_size_nonzero)]
     values: Vec<u64>,
-    /// Keys per call for the batched points (1 is always measured too).
-    #[arg(long, default_value_t = 32)]
+    /// Keys per call for the batched points (1 is always measured too); 1 to 65536.
+    #[arg(long, default_value_t = 32, value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_BATCH))]
     batch: usize,
     /// Seconds per point (at least one call).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = parse_secs)]
     duration: f64,
     /// Memory the serving client contributes.
-    #[arg(long, default_value = "3GiB", value_parser = parse_size)]
+    #[arg(long, default_value = "3GiB", value_parser = parse_size_nonzero)]
     segment_size: u64,
     /// Write one JSON record per point (JSON Lines).
     #[arg(long)]
@@ -39,7 +40,7 @@ pub struct StoreBenchArgs {
     #[arg(long)]
     master_only: bool,
     /// Objects created for the memory-per-object figure of --master-only.
-    #[arg(long, default_value_t = 1_000_000)]
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     objects: u64,
     /// Python with the stock Mooncake wheel, to run Mooncake Store side by side
     /// (default: $KVFERRY_MOONCAKE_PYTHON; `none` disables).
@@ -47,7 +48,7 @@ pub struct StoreBenchArgs {
     mooncake_python: Option<String>,
     /// Seconds Mooncake's whole sweep may take before it is killed with its process group
     /// (the points it finished are kept, the rest reported as not finished).
-    #[arg(long, default_value_t = 900.0)]
+    #[arg(long, default_value_t = 900.0, value_parser = parse_secs)]
     peer_timeout: f64,
     /// `off` (the default): both sides' processes keep the memory they free (glibc's
     /// M_TRIM_THRESHOLD 1 GiB, M_MMAP_THRESHOLD 64 MiB, set with mallopt here and through
@@ -59,17 +60,18 @@ pub struct StoreBenchArgs {
     /// Value sizes of the put/get/remove cycle points: each cycle is put_from, get_into
     /// (checked) and a forced remove of one key, against a serving segment of
     /// --cycle-segment-size, for at least one round of 4x the segment's size.
-    #[arg(long, default_value = "64K,1M", value_delimiter = ',', value_parser = parse_size)]
+    #[arg(long, default_value = "64K,1M", value_delimiter = ',', value_parser = parse_size_nonzero)]
     cycle_values: Vec<u64>,
     /// Segment of the cycle points (a pool of its own, 4x smaller than a round's bytes).
-    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    #[arg(long, default_value = "64MiB", value_parser = parse_size_nonzero)]
     cycle_segment_size: u64,
     /// Leave the cycle points out.
     #[arg(long)]
     no_cycle: bool,
     /// Layers of the multi-buffer points (vLLM/SGLang's shape: one value per block made of
-    /// one region per layer, scattered in a registered KV cache); 0 leaves them out.
-    #[arg(long, default_value_t = 8)]
+    /// one region per layer, scattered in a registered KV cache); 0 leaves them out; at most
+    /// 1024.
+    #[arg(long, default_value_t = 8, value_parser = RangedU64ValueParser::<usize>::new().range(0..=MAX_LAYERS))]
     multi_layers: usize,
     /// Bytes of each layer's region in the multi-buffer points.
     #[arg(long, default_value = "64K", value_parser = parse_size)]
@@ -86,7 +88,12 @@ pub struct StoreBenchArgs {
     /// etcd journal's last position and without, `takeover`: how long a standby takes to lead
     /// when such a leader is killed, with the entries it received and without, `failover`:
     /// failover time and objects lost).
-    #[arg(long, default_value = "rate,store,link,snapshot,rebase,takeover,failover", value_delimiter = ',', value_parser = ["rate", "store", "link", "snapshot", "rebase", "takeover", "failover"])]
+    #[arg(
+        long,
+        default_value = "rate,store,link,snapshot,rebase,takeover,failover",
+        value_delimiter = ',',
+        value_parser = ["rate", "store", "link", "snapshot", "rebase", "takeover", "failover"]
+    )]
     ha_parts: Vec<String>,
     /// With `--ha`: the objects the `link`, `snapshot`, `rebase` and `takeover` parts'
     /// leaders hold.
@@ -106,7 +113,12 @@ pub struct StoreBenchArgs {
     ha_grant_bytes: u64,
     /// With `--ha`: the throughput points of the `rate` part, as CONNECTIONSxKEYS (keys per
     /// request), e.g. `4x32,16x128` (default: all six).
-    #[arg(long, default_value = "1x1,4x1,4x32,16x32,64x32,16x128", value_delimiter = ',', value_parser = parse_ha_point)]
+    #[arg(
+        long,
+        default_value = "1x1,4x1,4x32,16x32,64x32,16x128",
+        value_delimiter = ',',
+        value_parser = parse_ha_point
+    )]
     ha_points: Vec<(usize, usize)>,
     /// With `--ha`: in the `rate` part, run the standby's mirror on this CPU alone and
     /// everything else of the bench (clients, every master) on the process's other CPUs, as
@@ -170,6 +182,7 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
             );
         }
     }
+    check_sizes(&a)?;
     if !a.no_cycle {
         if let Some(v) = a
             .cycle_values
@@ -184,7 +197,7 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
         }
     }
     let mut points = {
-        let pool = Pool::start(a.segment_size)?;
+        let pool = Pool::start(a.segment_size, "--segment-size")?;
         let mut p = run_client(&a, &pool.addr)?;
         if a.multi_layers > 0 && a.multi_part > 0 {
             p.extend(run_multi(&a, &pool.addr)?);
@@ -192,7 +205,7 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
         p
     };
     if !a.no_cycle && !a.cycle_values.is_empty() {
-        let pool = Pool::start(a.cycle_segment_size)?;
+        let pool = Pool::start(a.cycle_segment_size, "--cycle-segment-size")?;
         points.extend(run_cycles(&a, &pool.addr)?);
     }
     let mooncake = run_mooncake(&a);
@@ -210,6 +223,55 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// Sizes that cannot work, refused before any process starts, naming their flags.
+fn check_sizes(a: &StoreBenchArgs) -> Result<(), String> {
+    if let Some(&v) = a.values.iter().find(|&&v| v > a.segment_size) {
+        return Err(format!(
+            "--values {}: larger than --segment-size {}, the segment that holds them",
+            human(v),
+            human(a.segment_size)
+        ));
+    }
+    let maxv = a.values.iter().copied().max().unwrap_or(0);
+    if per_call(maxv, a.batch as u64).is_none() {
+        return Err(format!(
+            "--batch {} x --values {}: more memory than this process can map",
+            a.batch,
+            human(maxv)
+        ));
+    }
+    if a.multi_layers > 0 && a.multi_part > 0 {
+        let key = (a.multi_layers as u64)
+            .checked_mul(a.multi_part)
+            .filter(|&k| k <= a.segment_size)
+            .ok_or_else(|| {
+                format!(
+                    "--multi-layers {} x --multi-part {}: a key larger than --segment-size {}",
+                    a.multi_layers,
+                    human(a.multi_part),
+                    human(a.segment_size)
+                )
+            })?;
+        if per_call(key, a.batch as u64).is_none() {
+            return Err(format!(
+                "--batch {} x --multi-layers {} x --multi-part {}: more memory than this process can map",
+                a.batch,
+                a.multi_layers,
+                human(a.multi_part)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The bytes of `n` values of `v` bytes, when that many can be mapped (a quarter of the
+/// address space at most: room for the staging added to it).
+fn per_call(v: u64, n: u64) -> Option<usize> {
+    v.checked_mul(n)
+        .filter(|&b| b <= isize::MAX as u64 / 4)
+        .and_then(|b| usize::try_from(b).ok())
+}
+
 /// A master and a serving client contributing `segment_size` bytes (stopped on drop, the
 /// serving client first).
 struct Pool {
@@ -219,7 +281,9 @@ struct Pool {
 }
 
 impl Pool {
-    fn start(segment_size: u64) -> Result<Pool, String> {
+    /// `what`: where `segment_size` comes from, its flag (named when the serving client
+    /// fails).
+    fn start(segment_size: u64, what: &str) -> Result<Pool, String> {
         let master = Proc::spawn(
             crate::self_command()?.args([
                 "master",
@@ -244,7 +308,13 @@ impl Pool {
                 &segment_size.to_string(),
             ]),
             "KVFERRY_STORE_SERVER",
-        )?;
+        )
+        .map_err(|e| {
+            format!(
+                "{what} {}: the client serving it did not start ({e})",
+                human(segment_size)
+            )
+        })?;
         Ok(Pool {
             _server: server,
             _master: master,
@@ -283,9 +353,14 @@ fn run_cycles(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
         );
         let _ = std::io::stderr().flush();
         let vlen = v as usize;
-        let round = (4 * a.cycle_segment_size / v) as usize;
-        let (mut lat, mut busy, mut n, mut verified) =
-            (Vec::with_capacity(round), Duration::ZERO, 0usize, true);
+        let round = usize::try_from(4 * u128::from(a.cycle_segment_size) / u128::from(v))
+            .unwrap_or(usize::MAX);
+        let (mut lat, mut busy, mut n, mut verified) = (
+            Vec::with_capacity(round.min(1 << 20)),
+            Duration::ZERO,
+            0usize,
+            true,
+        );
         let start = Instant::now();
         let cap = (3.0 * a.duration).max(a.duration + 5.0);
         while n < round || (busy.as_secs_f64() < a.duration && start.elapsed().as_secs_f64() < cap)
@@ -324,7 +399,16 @@ fn run_cycles(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, Strin
 /// shown is a whole key's (layers x part).
 fn run_multi(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, String> {
     let (layers, part, batch) = (a.multi_layers, a.multi_part as usize, a.batch.max(1));
-    let v = (layers * part) as u64;
+    // A key (layers x part) fits the segment, and a call's keys this process: check_sizes.
+    let v = layers as u64 * a.multi_part;
+    let cache =
+        per_call(v, batch as u64).ok_or("--batch x --multi-layers x --multi-part: too large")?;
+    let what = || {
+        format!(
+            "--batch {batch} x --multi-layers {layers} x --multi-part {}",
+            human(a.multi_part)
+        )
+    };
     eprint!(
         "\r\x1b[K[multi] {batch} keys x {layers} layers x {} ...",
         human(part as u64)
@@ -337,8 +421,8 @@ fn run_multi(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, String
         ..ClientConfig::default()
     })
     .map_err(|e| e.to_string())?;
-    let src = HostBuffer::new(batch * layers * part, true).map_err(|e| e.to_string())?;
-    let dst = HostBuffer::new(batch * layers * part, true).map_err(|e| e.to_string())?;
+    let src = HostBuffer::new(cache, true).map_err(|e| format!("{}: {e}", what()))?;
+    let dst = HostBuffer::new(cache, true).map_err(|e| format!("{}: {e}", what()))?;
     c.register_buffer(src.addr(), src.len() as u64)
         .map_err(|e| e.to_string())?;
     c.register_buffer(dst.addr(), dst.len() as u64)
@@ -421,6 +505,10 @@ pub enum MallocTrim {
 
 /// `--malloc-trim off`: glibc's trim and mmap thresholds, in this process and Mooncake's.
 const KEEP_TRIM: u64 = 1 << 30;
+/// The most keys per call (`--batch`) and layers (`--multi-layers`): far beyond a real
+/// engine's, small enough that what is sized from them is never out of range.
+const MAX_BATCH: u64 = 65536;
+const MAX_LAYERS: u64 = 1024;
 const KEEP_MMAP: u64 = 64 << 20;
 
 /// A child process that prints one `TAG k=v ...` line when ready and exits when its stdin
@@ -508,17 +596,20 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 }
 
 fn run_client(a: &StoreBenchArgs, master: &str) -> Result<Vec<StorePoint>, String> {
-    let maxv = a.values.iter().copied().max().unwrap_or(0) as usize;
+    let maxv = a.values.iter().copied().max().unwrap_or(0);
     let slots = a.batch.max(1);
+    // A call's values, twice (put from, get into) and once more staged: checked in check_sizes.
+    let bytes = per_call(maxv, slots as u64).ok_or("--batch x --values: too large")?;
+    let what = || format!("--batch {slots} x --values {}", human(maxv));
     let c = Client::setup(ClientConfig {
         global_segment_size: 0,
-        local_buffer_size: (maxv * slots + (1 << 20)) as u64,
+        local_buffer_size: bytes as u64 + (1 << 20),
         master_server_addr: master.to_string(),
         ..ClientConfig::default()
     })
-    .map_err(|e| e.to_string())?;
-    let src = HostBuffer::new(maxv * slots, true).map_err(|e| e.to_string())?;
-    let dst = HostBuffer::new(maxv * slots, true).map_err(|e| e.to_string())?;
+    .map_err(|e| format!("{}: {e}", what()))?;
+    let src = HostBuffer::new(bytes, true).map_err(|e| format!("{}: {e}", what()))?;
+    let dst = HostBuffer::new(bytes, true).map_err(|e| format!("{}: {e}", what()))?;
     c.register_buffer(src.addr(), src.len() as u64)
         .map_err(|e| e.to_string())?;
     c.register_buffer(dst.addr(), dst.len() as u64)
@@ -752,8 +843,22 @@ fn run_mooncake(a: &StoreBenchArgs) -> MooncakeStore {
         .clone()
         .or_else(|| std::env::var("KVFERRY_MOONCAKE_PYTHON").ok());
     let py = match py.as_deref() {
-        None => return MooncakeStore { points: Vec::new(), note: Some("not run: pass --mooncake-python PY (a Python with mooncake-transfer-engine-non-cuda) or set KVFERRY_MOONCAKE_PYTHON".into()) },
-        Some("none") => return MooncakeStore { points: Vec::new(), note: Some("not run (disabled)".into()) },
+        None => {
+            return MooncakeStore {
+                points: Vec::new(),
+                note: Some(
+                    "not run: pass --mooncake-python PY (a Python with \
+                    mooncake-transfer-engine-non-cuda) or set KVFERRY_MOONCAKE_PYTHON"
+                        .into(),
+                ),
+            }
+        }
+        Some("none") => {
+            return MooncakeStore {
+                points: Vec::new(),
+                note: Some("not run (disabled)".into()),
+            }
+        }
         Some(p) => p.to_string(),
     };
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -829,7 +934,10 @@ fn run_mooncake(a: &StoreBenchArgs) -> MooncakeStore {
                 .iter()
                 .find_map(|p| p["error"].as_str().map(|e| format!("Mooncake failed: {e}")));
             if o.timed_out() {
-                note = Some(format!("Mooncake's sweep did not finish within {bound:?} and was killed (--peer-timeout sets the bound); the points it finished are shown"));
+                note = Some(format!(
+                    "Mooncake's sweep did not finish within {bound:?} and was killed \
+                    (--peer-timeout sets the bound); the points it finished are shown"
+                ));
             }
             MooncakeStore {
                 points: points
@@ -846,28 +954,39 @@ fn print_table(a: &StoreBenchArgs, points: &[StorePoint], mc: &MooncakeStore) {
     let transport = match std::env::var("KVFERRY_TRANSPORT").ok().as_deref() {
         Some("tcp") => "TCP (KVFERRY_TRANSPORT=tcp)".to_string(),
         Some("shm") => "shared memory (KVFERRY_TRANSPORT=shm)".to_string(),
-        _ => "the engine's choice: shared memory between processes on one host, else TCP; KVFERRY_TRANSPORT=tcp forces TCP".to_string(),
+        _ => "the engine's choice: shared memory between processes on one host, else TCP; \
+             KVFERRY_TRANSPORT=tcp forces TCP"
+            .to_string(),
     };
-    println!("kvferry store-bench: master + 2 clients on 127.0.0.1, values move client to client over {transport}; {} serving segment", human(a.segment_size));
+    println!(
+        "kvferry store-bench: master + 2 clients on 127.0.0.1, values move client to client over \
+        {transport}; {} serving segment",
+        human(a.segment_size)
+    );
     println!("latency is per call (a batched call moves {} keys); /mc = kvferry / Mooncake Store in this run", a.batch);
     println!(
         "malloc: {}",
         if a.malloc_trim == MallocTrim::Off {
-            "freed memory kept in both sides' processes (glibc M_TRIM_THRESHOLD 1 GiB, M_MMAP_THRESHOLD 64 MiB; --malloc-trim on: glibc's defaults)"
+            "freed memory kept in both sides' processes (glibc M_TRIM_THRESHOLD 1 GiB, \
+            M_MMAP_THRESHOLD 64 MiB; --malloc-trim on: glibc's defaults)"
         } else {
-            "glibc's defaults in both sides' processes (freed memory may go back to the kernel: fresh values then fault pages in)"
+            "glibc's defaults in both sides' processes (freed memory may go back to the kernel: \
+            fresh values then fault pages in)"
         }
     );
     if !a.no_cycle {
         println!(
-            "cycle = put_from + get_into (checked) + remove(force) of one key, on a pool of its own with a {} segment, at least {}x its size put per point (GB/s: bytes put; latency per cycle)",
+            "cycle = put_from + get_into (checked) + remove(force) of one key, on a pool of its \
+            own with a {} segment, at least {}x its size put per point (GB/s: bytes put; latency \
+            per cycle)",
             human(a.cycle_segment_size),
             4
         );
     }
     if a.multi_layers > 0 {
         println!(
-            "put_multi/get_multi = {} keys per call, each {} regions of {} scattered in a registered KV cache (value = the whole key)",
+            "put_multi/get_multi = {} keys per call, each {} regions of {} scattered in a \
+            registered KV cache (value = the whole key)",
             a.batch,
             a.multi_layers,
             human(a.multi_part)
@@ -977,7 +1096,13 @@ fn master_only(a: &StoreBenchArgs) -> Result<(), String> {
     }
     let fill = t.elapsed().as_secs_f64();
     let per_obj = (rss_bytes().saturating_sub(before)) as f64 / a.objects as f64;
-    println!("master memory: {} objects (keys of 19 bytes) take {:.0} bytes each (RSS growth); created at {:.0} puts/s in-process", a.objects, per_obj, a.objects as f64 / fill);
+    println!(
+        "master memory: {} objects (keys of 19 bytes) take {:.0} bytes each (RSS growth); created \
+        at {:.0} puts/s in-process",
+        a.objects,
+        per_obj,
+        a.objects as f64 / fill
+    );
     // 2. Throughput over RPC: connections from several threads, 32 ops per request.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let m = Arc::new(m);
@@ -1035,7 +1160,12 @@ fn master_only(a: &StoreBenchArgs) -> Result<(), String> {
             hs.into_iter().map(|h| h.join().unwrap_or(0)).sum()
         });
         let secs = start.elapsed().as_secs_f64();
-        println!("master RPC: {:.0} metadata ops/s ({threads} connections, {per_req} op(s) per request, ExistKey on {} objects)", ops as f64 / secs, a.objects);
+        println!(
+            "master RPC: {:.0} metadata ops/s ({threads} connections, {per_req} op(s) per \
+            request, ExistKey on {} objects)",
+            ops as f64 / secs,
+            a.objects
+        );
     }
     drop(server);
     Ok(())

@@ -140,6 +140,31 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{s:?} is too large"))
 }
 
+/// [`parse_size`] of a size that must be at least one byte (a buffer, a block, a value).
+pub fn parse_size_nonzero(s: &str) -> Result<u64, String> {
+    match parse_size(s)? {
+        0 => Err(format!("{s:?}: at least 1 byte")),
+        n => Ok(n),
+    }
+}
+
+/// The most seconds a flag in seconds takes (about 31 years): deadlines computed from it
+/// (`Instant + Duration`) stay far from overflowing.
+pub const MAX_SECS: f64 = 1e9;
+
+/// A flag in seconds (clap names the flag in the error): a finite number from 0 to
+/// [`MAX_SECS`]; not negative, not `inf` nor `NaN`, which no `Duration` holds.
+pub fn parse_secs(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(0.0..=MAX_SECS).contains(&v) {
+        return Err(format!("{s} s is not from 0 to {MAX_SECS:e} s"));
+    }
+    Ok(v)
+}
+
 pub fn human(n: u64) -> String {
     match n {
         n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{} GiB", n >> 30),
@@ -160,6 +185,13 @@ mod tests {
         assert_eq!(parse_size("16mb").unwrap(), 16 << 20);
         assert!(parse_size("x").is_err());
         assert!(parse_size("1T").is_err());
+        assert_eq!(parse_size_nonzero("1").unwrap(), 1);
+        assert!(parse_size_nonzero("0").is_err());
+        assert_eq!(parse_secs("0").unwrap(), 0.0);
+        assert_eq!(parse_secs(" 1.5 ").unwrap(), 1.5);
+        for bad in ["-1", "inf", "NaN", "1e10", "", "abc"] {
+            assert!(parse_secs(bad).is_err(), "{bad}");
+        }
         assert_eq!(human(16 << 20), "16 MiB");
     }
 }

@@ -990,7 +990,7 @@ pub(super) fn run(a: &StoreBenchArgs, etcd_addr: &str) -> Result<(), String> {
             .unwrap_or(false)
     };
     if part("store") {
-        let pool = super::Pool::start(512 << 20)?;
+        let pool = super::Pool::start(512 << 20, "the `store` part's segment")?;
         // An HA pair of `replication` in a cluster of its own, its leader's RPC address (the
         // clients and the serving client use it directly: what is measured is the leader's
         // cost, not finding it), and the pair's serving client.
