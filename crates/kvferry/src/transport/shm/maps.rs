@@ -636,10 +636,12 @@ impl ShmPeer {
         }
         match rustix::fs::fcntl_get_seals(&fd) {
             Ok(s) if s.contains(rustix::fs::SealFlags::SHRINK) => {}
-            _ => return Err(format!(
+            _ => {
+                return Err(format!(
                 "fd {} of process {pid} is not sealed against shrinking (mapping it could fault)",
                 info.fd
-            )),
+            ))
+            }
         }
         verify_mapping(pid, info, st.st_dev, st.st_ino)?;
         if exited(&self.pidfd) {
