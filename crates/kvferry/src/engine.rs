@@ -10,7 +10,7 @@ use crate::transport::local::LocalTransport;
 use crate::transport::rdma::{RdmaOptions, RdmaTransport};
 use crate::transport::shm::{self, ShmOptions, ShmTransport, TransportMode};
 use crate::transport::tcp::{TcpOptions, TcpTransport};
-use crate::transport::{Peer, Piece, Transport};
+use crate::transport::{Peer, PeerDirectory, Piece, Transport};
 use crate::wire::descriptor::{BufferDesc, SegmentDesc};
 use crate::wire::handshake::{parse_json, Frame, MsgType, NotifyMsg, ProbeReply};
 use crate::wire::tcp::Opcode;
@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 /// A segment handle returned by [`TransferEngine::open_segment`].
@@ -85,6 +85,66 @@ struct Inner {
     /// Stages pieces whose local range is GPU memory (its thread starts at first use).
     stager: crate::gpu::stage::Stager,
     me: Weak<Inner>,
+}
+
+/// The engine as its transports and its handshake server see it (a [`PeerDirectory`]),
+/// handed to them at construction and bound to the engine once it is built: before that,
+/// and after it is gone, no peer is found, every request fails and the handshake server
+/// answers `{}`.
+#[derive(Default)]
+struct Link(OnceLock<Weak<Inner>>);
+
+impl Link {
+    fn engine(&self) -> std::result::Result<Arc<Inner>, String> {
+        self.0
+            .get()
+            .and_then(Weak::upgrade)
+            .ok_or_else(|| "the engine shut down".to_string())
+    }
+
+    fn on_handshake(&self, f: &Frame) -> Vec<u8> {
+        match self.engine() {
+            Ok(inner) => inner.on_handshake(f),
+            Err(_) => b"{}".to_vec(),
+        }
+    }
+}
+
+impl PeerDirectory for Link {
+    fn peer_named(&self, name: &str) -> Option<Arc<Peer>> {
+        let inner = self.engine().ok()?;
+        let id = *inner
+            .segments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_name
+            .get(name)?;
+        inner.peer(id).ok()
+    }
+
+    fn refresh(&self, peer: &Peer) -> std::result::Result<(), String> {
+        self.engine()?.refresh_peer(peer)
+    }
+
+    fn lookup(&self, peer: &Peer) -> std::result::Result<SegmentDesc, String> {
+        self.engine()?
+            .refresh_descriptor(peer)
+            .map_err(|e| e.to_string())
+    }
+
+    fn handshake(
+        &self,
+        peer: &Peer,
+        kind: MsgType,
+        body: &[u8],
+    ) -> std::result::Result<Vec<u8>, String> {
+        let inner = self.engine()?;
+        let (h, p) = inner.rpc_addr(&peer.name).map_err(|e| e.to_string())?;
+        inner
+            .request(&peer.name, &h, p, kind, body)
+            .map(|f| f.body)
+            .map_err(|e| e.to_string())
+    }
 }
 
 /// Pieces to a peer whose cached descriptor does not list their remote ranges.
@@ -208,6 +268,9 @@ impl TransferEngine {
         let auth = crate::auth::ClusterKey::from_config(config.auth_key_file.as_deref())
             .map_err(|e| Error::Config(e.to_string()))?
             .map(Arc::new);
+        // The engine's one link for what its transports and handshake server ask of it.
+        let link = Arc::new(Link::default());
+        let dir = || Arc::clone(&link) as Arc<dyn PeerDirectory>;
         let tcp = TcpTransport::new(
             data_listener,
             Arc::clone(&memory),
@@ -229,14 +292,18 @@ impl TransferEngine {
                 protect: config.auth_protect,
             },
             config.transfer_timeout,
+            dir(),
         )
         .map_err(|e| Error::io("starting the TCP data server", e))?;
-        let shm = Arc::new(ShmTransport::new(ShmOptions {
-            name: name.clone(),
-            mode: config.transport,
-            threads: config.shm_threads,
-            background_fill: config.shm_background_fill,
-        }));
+        let shm = Arc::new(ShmTransport::new(
+            ShmOptions {
+                name: name.clone(),
+                mode: config.transport,
+                threads: config.shm_threads,
+                background_fill: config.shm_background_fill,
+            },
+            dir(),
+        ));
         let rdma_opts = |required: bool| RdmaOptions {
             segment: name.clone(),
             devices: config.rdma_devices.clone(),
@@ -249,13 +316,13 @@ impl TransferEngine {
             names_are_addresses: directory.is_none(),
         };
         let rdma = match config.transport {
-            TransportMode::Rdma => Some(Arc::new(RdmaTransport::new(rdma_opts(true)).map_err(|why| Error::Config(format!("KVFERRY_TRANSPORT=rdma, but {why}")))?)),
+            TransportMode::Rdma => Some(Arc::new(RdmaTransport::new(rdma_opts(true), dir()).map_err(|why| Error::Config(format!("KVFERRY_TRANSPORT=rdma, but {why}")))?)),
             // RDMA when this host has an active NIC (peers without RDMA get TCP); said once.
             TransportMode::Auto if !config.auto_rdma => {
                 tracing::info!("KVFERRY_TRANSPORT=auto without RDMA (KVFERRY_AUTO_RDMA=0 or MC_FORCE_TCP=1): TCP and shared memory carry transfers");
                 None
             }
-            TransportMode::Auto if config.rdma_forced => match RdmaTransport::new(rdma_opts(false)) {
+            TransportMode::Auto if config.rdma_forced => match RdmaTransport::new(rdma_opts(false), dir()) {
                 Ok(t) => Some(Arc::new(t)),
                 Err(why) => return Err(Error::Config(format!("KVFERRY_AUTO_RDMA=force (or Mooncake's MC_FORCE_HCA=1) asks for RDMA, but {why}"))),
             },
@@ -264,7 +331,7 @@ impl TransferEngine {
                     tracing::info!("KVFERRY_TRANSPORT=auto: no RDMA ({why}); TCP and shared memory carry transfers");
                     None
                 }
-                None => match RdmaTransport::new(rdma_opts(false)) {
+                None => match RdmaTransport::new(rdma_opts(false), dir()) {
                     Ok(t) => Some(Arc::new(t)),
                     Err(why) => {
                         tracing::warn!("KVFERRY_TRANSPORT=auto: RDMA NICs are present but not usable ({why}); TCP and shared memory carry transfers");
@@ -290,13 +357,8 @@ impl TransferEngine {
         // The handshake server starts before the engine exists (starting its thread can fail,
         // and `new_cyclic` cannot return the error); until the engine is built, and after it
         // is gone, it answers `{}`.
-        let engine_slot: Arc<std::sync::OnceLock<Weak<Inner>>> = Arc::default();
-        let slot = Arc::clone(&engine_slot);
-        let handler: handshake::Handler =
-            Arc::new(move |f: &Frame| match slot.get().and_then(Weak::upgrade) {
-                Some(inner) => inner.on_handshake(f),
-                None => b"{}".to_vec(),
-            });
+        let l = Arc::clone(&link);
+        let handler: handshake::Handler = Arc::new(move |f: &Frame| l.on_handshake(f));
         let keyed = auth.clone().map(|key| handshake::Keyed {
             key,
             names: vec![name.clone()],
@@ -305,28 +367,7 @@ impl TransferEngine {
             HandshakeServer::start(hs_listener, config.handshake_max_len, handler, keyed)
                 .map_err(|e| Error::io("starting the handshake server's thread", e))?;
         let inner = Arc::new_cyclic(|weak: &Weak<Inner>| {
-            let _ = engine_slot.set(weak.clone());
-            let w = weak.clone();
-            shm.set_refresh(Box::new(move |peer: &Arc<Peer>| match w.upgrade() {
-                Some(inner) => inner.refresh_peer(peer),
-                None => Err("the engine shut down".into()),
-            }));
-            if let Some(r) = &rdma {
-                let w = weak.clone();
-                r.set_refresh(Box::new(move |peer: &Arc<Peer>| match w.upgrade() {
-                    Some(inner) => inner.refresh_peer(peer),
-                    None => Err("the engine shut down".into()),
-                }));
-                let w = weak.clone();
-                r.set_connector(Box::new(move |peer: &Peer, body: &[u8]| {
-                    let inner = w.upgrade().ok_or("the engine shut down")?;
-                    let (h, p) = inner.rpc_addr(&peer.name).map_err(|e| e.to_string())?;
-                    inner
-                        .request(&peer.name, &h, p, MsgType::Connection, body)
-                        .map(|f| f.body)
-                        .map_err(|e| e.to_string())
-                }));
-            }
+            let _ = link.0.set(weak.clone());
             let local_peer = Arc::new(Peer::new(
                 LOCAL_SEGMENT_ID,
                 name.clone(),
@@ -360,15 +401,6 @@ impl TransferEngine {
             }
         });
         tracing::info!(segment = %inner.name, data_port = inner.tcp.data_port(), "transfer engine started");
-        // A peer's data port refusing connections may mean it restarted under the same name
-        // (new ports): re-read its descriptor and retry there (both metadata modes).
-        let w = Arc::downgrade(&inner);
-        inner.tcp.set_refused_hook(Arc::new(
-            move |name: &str, refused: SocketAddr, pieces: Vec<Piece>| match w.upgrade() {
-                Some(inner) => inner.on_refused(name, refused, pieces),
-                None => pieces,
-            },
-        ));
         let engine = TransferEngine { inner };
         // On error the engine is dropped here, which stops its listeners.
         engine.inner.start_refresher()?;
@@ -890,8 +922,9 @@ impl Inner {
         d
     }
 
-    /// Re-reads a peer's descriptor (asked by the shared-memory transport when the peer's
-    /// unregister epoch moved).
+    /// Re-reads a peer's descriptor over its handshake port (asked by a transport through the
+    /// [`Link`]: shared memory when the peer's unregister epoch moved, RDMA after a refused
+    /// key).
     fn refresh_peer(&self, peer: &Peer) -> std::result::Result<(), String> {
         let (h, p) = self.rpc_addr(&peer.name).map_err(|e| e.to_string())?;
         let d = self
@@ -991,58 +1024,6 @@ impl Inner {
                 self.fetch_descriptor(&peer.name, &h, p)
             }
         }
-    }
-
-    /// A peer's data port refused a connection, or a connection to it was lost: re-read its
-    /// descriptor (from the metadata service, or its handshake port). Pieces whose remote
-    /// range it no longer lists fail as not registered (a v1 target answers a request outside
-    /// its memory only by closing the connection: this is how that is told apart from a lost
-    /// peer). If it lists other data ports (it restarted under the same name) the rest are
-    /// submitted there; otherwise they are handed back to fail as they were going to.
-    fn on_refused(&self, name: &str, refused: SocketAddr, pieces: Vec<Piece>) -> Vec<Piece> {
-        let Some(&id) = self
-            .segments
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .by_name
-            .get(name)
-        else {
-            return pieces;
-        };
-        let Ok(peer) = self.peer(id) else {
-            return pieces;
-        };
-        let desc = match self.refresh_descriptor(&peer) {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::debug!("{name} refused or lost a connection and its descriptor could not be refreshed: {e}");
-                return pieces;
-            }
-        };
-        let moved = matches!(TcpTransport::data_addr(&peer, &desc), Ok(a) if a != refused);
-        let (ok, gone): (Vec<Piece>, Vec<Piece>) = pieces
-            .into_iter()
-            .partition(|p| desc.find_buffer(p.remote, p.len).is_some());
-        peer.set_desc(desc);
-        for p in gone {
-            let e = Error::RemoteNotRegistered {
-                segment: name.to_string(),
-                addr: p.remote,
-                len: p.len,
-            };
-            p.task.piece_failed(FailKind::Failed, &e);
-        }
-        if !moved {
-            return ok;
-        }
-        tracing::info!(
-            segment = name,
-            "peer moved to new ports (restarted?); retrying on its new descriptor"
-        );
-        if !ok.is_empty() {
-            self.tcp.submit(&peer, ok, false);
-        }
-        Vec::new()
     }
 
     fn rpc_addr(&self, segment: &str) -> Result<(String, u16)> {

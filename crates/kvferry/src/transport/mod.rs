@@ -19,6 +19,9 @@
 //! - [`Transport::on_unregister`] returns only once no peer can reach the range through this
 //!   transport any more (the target-side half of the unregister barrier).
 //!
+//! What a transport asks of the engine (a peer's descriptor re-read, a handshake message sent)
+//! it asks through the [`PeerDirectory`] it was given at construction.
+//!
 //! The engine keeps its transports in order of preference and hands a peer's pieces to the
 //! first whose [`Transport::reachable`] says yes (`engine.rs`, `dispatch`).
 
@@ -30,6 +33,7 @@ pub mod tcp;
 use crate::batch::TaskState;
 use crate::memory::{Region, RegionGuard};
 use crate::wire::descriptor::SegmentDesc;
+use crate::wire::handshake::MsgType;
 use crate::wire::tcp::Opcode;
 use std::sync::{Arc, RwLock};
 
@@ -128,6 +132,41 @@ impl Peer {
         self.gpu
             .store(publishes_gpu(&desc), std::sync::atomic::Ordering::Release);
         *d = Arc::new(desc);
+    }
+}
+
+/// What a transport may ask of the engine that owns it: one interface, handed to each
+/// transport at construction, for every call back up (a peer's descriptor re-read, a
+/// handshake message sent). After the engine is gone every request fails (or finds no peer).
+pub trait PeerDirectory: Send + Sync {
+    /// The open peer segment called `name`.
+    fn peer_named(&self, name: &str) -> Option<Arc<Peer>>;
+    /// Re-reads `peer`'s descriptor from its engine's handshake port and installs it.
+    fn refresh(&self, peer: &Peer) -> Result<(), String>;
+    /// Reads `peer`'s descriptor where segments are published (the metadata service in
+    /// central mode, else the peer's handshake port), without installing it.
+    fn lookup(&self, peer: &Peer) -> Result<SegmentDesc, String>;
+    /// Sends one handshake message to `peer`'s engine; the body of its answer.
+    fn handshake(&self, peer: &Peer, kind: MsgType, body: &[u8]) -> Result<Vec<u8>, String>;
+}
+
+/// A directory without an engine behind it (transports built on their own, in tests).
+#[cfg(test)]
+pub(crate) struct Detached;
+
+#[cfg(test)]
+impl PeerDirectory for Detached {
+    fn peer_named(&self, _name: &str) -> Option<Arc<Peer>> {
+        None
+    }
+    fn refresh(&self, _peer: &Peer) -> Result<(), String> {
+        Err("no engine".into())
+    }
+    fn lookup(&self, _peer: &Peer) -> Result<SegmentDesc, String> {
+        Err("no engine".into())
+    }
+    fn handshake(&self, _peer: &Peer, _kind: MsgType, _body: &[u8]) -> Result<Vec<u8>, String> {
+        Err("no engine".into())
     }
 }
 

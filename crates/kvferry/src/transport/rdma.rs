@@ -80,8 +80,9 @@ use crate::rdma::verbs::{
     self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr,
 };
 use crate::rdma::{sysfs, topo};
-use crate::transport::{Peer, Piece, Transport};
+use crate::transport::{Peer, PeerDirectory, Piece, Transport};
 use crate::wire::descriptor::{DeviceDesc, Protocols, SegmentDesc};
+use crate::wire::handshake::MsgType;
 use crate::wire::rdma::{format_gid, parse_gid, split_nic_path, ConnectionMsg};
 use crate::wire::tcp::Opcode;
 use serde_json::{json, Map, Value};
@@ -194,9 +195,6 @@ pub fn auto_route(
         None => Err("the remote range is not inside a buffer the peer published".into()),
     }
 }
-
-/// Sends a `Connection` message to a peer's handshake port and returns its answer's body.
-pub type Connector = Box<dyn Fn(&Peer, &[u8]) -> Result<Vec<u8>, String> + Send + Sync>;
 
 struct Nic {
     name: String,
@@ -526,9 +524,9 @@ struct Shared {
     sweep: Mutex<(bool, Option<Instant>)>,
     /// [`RdmaOptions::names_are_addresses`].
     names_are_addresses: bool,
-    connector: Mutex<Option<Arc<Connector>>>,
-    /// Re-reads a peer's descriptor (set by the engine).
-    refresh: Mutex<Option<Arc<crate::transport::shm::Refresh>>>,
+    /// The engine: sends `Connection` messages to peers' handshake ports and re-reads their
+    /// descriptors.
+    dir: Arc<dyn PeerDirectory>,
     /// Peers whose keys were refused (`IBV_WC_REM_ACCESS_ERR`): their descriptor is re-read
     /// before their next request is posted (they may have registered again, with new keys).
     stale: Mutex<std::collections::HashSet<String>>,
@@ -799,7 +797,7 @@ impl RdmaTransport {
 impl RdmaTransport {
     /// Opens the NICs; an error says why RDMA cannot be used here (for `KVFERRY_TRANSPORT=rdma`
     /// to report, never a silent fallback).
-    pub fn new(opts: RdmaOptions) -> Result<RdmaTransport, String> {
+    pub fn new(opts: RdmaOptions, dir: Arc<dyn PeerDirectory>) -> Result<RdmaTransport, String> {
         let probe = crate::rdma::probe();
         if let Some(why) = probe.why_not() {
             return Err(why);
@@ -913,8 +911,7 @@ impl RdmaTransport {
             passive: Mutex::default(),
             sweep: Mutex::default(),
             names_are_addresses: opts.names_are_addresses,
-            connector: Mutex::new(None),
-            refresh: Mutex::new(None),
+            dir,
             stale: Mutex::default(),
             next_wr: AtomicU64::new(1),
             next_nic: AtomicUsize::new(0),
@@ -941,24 +938,6 @@ impl RdmaTransport {
                 .map_err(|e| format!("starting the RDMA completion thread: {e}"))?;
         }
         Ok(RdmaTransport { shared })
-    }
-
-    /// How the transport reaches a peer's handshake port (set by the engine).
-    pub fn set_connector(&self, c: Connector) {
-        *self
-            .shared
-            .connector
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(c));
-    }
-
-    /// How the transport re-reads a peer's descriptor (set by the engine).
-    pub fn set_refresh(&self, f: crate::transport::shm::Refresh) {
-        *self
-            .shared
-            .refresh
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(f));
     }
 
     /// The NICs in use, in device order.
@@ -1233,12 +1212,6 @@ impl Shared {
             );
             return Ok(Arc::clone(ep));
         }
-        let connector = self
-            .connector
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .ok_or("the engine gave the RDMA transport no handshake client")?;
         let n = &self.nics[nic];
         let server = desc
             .rdma_server_name
@@ -1250,12 +1223,19 @@ impl Shared {
             .map(|_| n.pd.create_qp(&n.cq, MAX_WR))
             .collect::<Result<Vec<Qp>, VerbsError>>()
             .map_err(|e| e.to_string())?;
-        let reply = connector(peer, &hello(&self.segment, n, &peer_path, &qps)).map_err(|e| {
-            format!(
-                "RDMA handshake with {peer_path} from {} failed: {e}",
-                n.name
+        let reply = self
+            .dir
+            .handshake(
+                peer,
+                MsgType::Connection,
+                &hello(&self.segment, n, &peer_path, &qps),
             )
-        })?;
+            .map_err(|e| {
+                format!(
+                    "RDMA handshake with {peer_path} from {} failed: {e}",
+                    n.name
+                )
+            })?;
         let r = ConnectionMsg::decode(&reply).map_err(|e| {
             // A refusal need not carry NIC paths (a peer without RDMA answers only `reply_msg`).
             let refused = serde_json::from_slice::<Value>(&reply).ok().and_then(|v| {
@@ -1362,12 +1342,7 @@ impl Shared {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&peer.name);
         if stale {
-            let refresh = self
-                .refresh
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone();
-            if let Some(Err(e)) = refresh.map(|f| f(&peer)) {
+            if let Err(e) = self.dir.refresh(&peer) {
                 tracing::debug!(
                     "RDMA: re-reading the descriptor of {} after a refused key: {e}",
                     peer.name
@@ -2946,17 +2921,20 @@ mod tests {
         if crate::rdma::probe().usable() {
             return;
         }
-        let e = RdmaTransport::new(RdmaOptions {
-            segment: "s:1".into(),
-            devices: None,
-            gid_index: None,
-            max_endpoints: 4,
-            required: true,
-            retry_cnt: 7,
-            gpu_rdma: Default::default(),
-            topo: None,
-            names_are_addresses: true,
-        })
+        let e = RdmaTransport::new(
+            RdmaOptions {
+                segment: "s:1".into(),
+                devices: None,
+                gid_index: None,
+                max_endpoints: 4,
+                required: true,
+                retry_cnt: 7,
+                gpu_rdma: Default::default(),
+                topo: None,
+                names_are_addresses: true,
+            },
+            Arc::new(crate::transport::Detached),
+        )
         .err()
         .expect("no RDMA here");
         assert!(!e.is_empty());

@@ -90,14 +90,14 @@
 //! engine shut down (its mappings, control region and pidfd go once no copy holds them) and
 //! unmaps buffers a living peer freed. Per live verified peer: one pidfd, no thread.
 
-use super::{Peer, Piece, Transport};
+use super::{Peer, PeerDirectory, Piece, Transport};
 use crate::batch::{FailCause, FailKind};
 use crate::wire::descriptor::SegmentDesc;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 mod attach;
@@ -281,9 +281,6 @@ pub fn host_id() -> Result<String, String> {
 // The transport
 // ------------------------------------------------------------------------------------------
 
-/// Re-fetches a peer's descriptor (installed by the engine).
-pub type Refresh = Box<dyn Fn(&Arc<Peer>) -> Result<(), String> + Send + Sync>;
-
 pub struct ShmOptions {
     /// This engine's segment name, written into its control region.
     pub name: String,
@@ -309,7 +306,8 @@ type Cached = (Option<String>, Arc<Selection>);
 struct Shared {
     queue: Mutex<Queue>,
     cv: Condvar,
-    refresh: OnceLock<Refresh>,
+    /// The engine: re-reads a peer's descriptor when its epoch moved.
+    dir: Arc<dyn PeerDirectory>,
     /// Per peer id: the cookie the selection was made for, and the selection.
     peers: Mutex<HashMap<u64, Cached>>,
     /// The reaper thread runs (started with the first verified peer).
@@ -452,7 +450,7 @@ impl ShmTransport {
         }
     }
 
-    pub fn new(opts: ShmOptions) -> ShmTransport {
+    pub fn new(opts: ShmOptions, dir: Arc<dyn PeerDirectory>) -> ShmTransport {
         let host_id = host_id();
         let (local, local_reason) = match (opts.mode, &host_id) {
             (TransportMode::Tcp, _) => (None, Some("KVFERRY_TRANSPORT=tcp".to_string())),
@@ -490,7 +488,7 @@ impl ShmTransport {
             shared: Arc::new(Shared {
                 queue: Mutex::default(),
                 cv: Condvar::new(),
-                refresh: OnceLock::new(),
+                dir,
                 peers: Mutex::default(),
                 reaper: AtomicBool::new(false),
                 wake: rustix::event::eventfd(
@@ -504,11 +502,6 @@ impl ShmTransport {
             home: std::process::id(),
             exports: gpu::Exports::default(),
         }
-    }
-
-    /// Installs the descriptor refresh used when a peer's epoch moved.
-    pub fn set_refresh(&self, f: Refresh) {
-        let _ = self.shared.refresh.set(f);
     }
 
     pub fn mode(&self) -> TransportMode {
@@ -580,9 +573,7 @@ impl ShmTransport {
                 };
                 // The engine we verified is gone (process exited or engine dropped): a new
                 // one may serve the segment now.
-                if let Some(f) = self.shared.refresh.get() {
-                    let _ = f(peer);
-                }
+                let _ = self.shared.dir.refresh(peer);
                 desc = peer.desc();
                 if same_cookie(&c, &desc) {
                     // Forget it: its control region and any of its memory mapped here are
@@ -1116,12 +1107,15 @@ mod tests {
     #[test]
     fn a_forked_child_dropping_the_transport_leaves_the_parents_region_alone() {
         let name = "127.0.0.1:15078";
-        let t = ShmTransport::new(ShmOptions {
-            name: name.into(),
-            mode: TransportMode::Auto,
-            threads: 1,
-            background_fill: 0,
-        });
+        let t = ShmTransport::new(
+            ShmOptions {
+                name: name.into(),
+                mode: TransportMode::Auto,
+                threads: 1,
+                background_fill: 0,
+            },
+            Arc::new(crate::transport::Detached),
+        );
         let info = t.offer().unwrap();
         let owner = (u64::from(std::process::id()) << 32) | 5;
         let peer = ShmPeer::attach(&info, owner, name, None).unwrap();
