@@ -61,8 +61,9 @@
 //! ACTIVE ends the pauses of its pairs (a connect made as its link went down fails for that).
 //!
 //! GPU memory is registered on the NICs as [`crate::gpu::direct`] allows (DMA-BUF or
-//! nvidia-peermem, the one that worked kept) and then moved by the NICs unstaged
-//! ([`RdmaTransport::take_gpu_direct`]).
+//! nvidia-peermem, the one that worked kept) and then moved by the NICs unstaged: the router
+//! offers pieces touching GPU memory to RDMA first, and `try_submit` takes those it carries as
+//! they are.
 //!
 //! QPs made for peers that connect to us (passive) are kept until the peer reconnects that
 //! pair, or until it is found gone: once [`PASSIVE_SWEEP_AT`] pairs are held, a connection
@@ -80,7 +81,9 @@ use crate::rdma::verbs::{
     self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr,
 };
 use crate::rdma::{sysfs, topo};
-use crate::transport::{Peer, PeerDirectory, Piece, Transport};
+use crate::transport::{
+    Caps, Kinds, Mem, Needs, Peer, PeerDirectory, Piece, Prelude, Reach, Transport,
+};
 use crate::wire::descriptor::{DeviceDesc, Protocols, SegmentDesc};
 use crate::wire::handshake::MsgType;
 use crate::wire::rdma::{format_gid, parse_gid, split_nic_path, ConnectionMsg};
@@ -759,39 +762,6 @@ pub fn try_gpu_registration(
         tracing::warn!("freeing the 2 MiB doctor registered on GPU {ordinal}: {e}");
     }
     Ok(out)
-}
-
-impl RdmaTransport {
-    /// GPUDirect RDMA: submits the pieces that touch GPU memory (a local range registered as
-    /// GPU memory, or a remote buffer published as `cuda:N`) and that RDMA carries as they
-    /// are — the local range has memory regions on the NICs, the peer publishes RDMA devices
-    /// and keys for the remote buffer — so they are never staged through host memory.
-    /// Returns the others (host memory, or GPU memory RDMA cannot reach), untouched.
-    pub fn take_gpu_direct(&self, peer: &Arc<Peer>, pieces: Vec<Piece>) -> Vec<Piece> {
-        let desc = peer.desc();
-        let remote_gpu = |p: &Piece| {
-            desc.find_buffer(p.remote, p.len)
-                .is_some_and(|b| b.name.starts_with("cuda:"))
-        };
-        let touches_gpu = |p: &Piece| p.guard.region().gpu.is_some() || remote_gpu(p);
-        if !pieces.iter().any(touches_gpu) || self.reachable(peer).is_err() {
-            return pieces;
-        }
-        let (direct, rest): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| {
-            touches_gpu(p)
-                && auto_route(
-                    &desc,
-                    self.shared.mrs_for(p.local, p.len).is_some(),
-                    p.remote,
-                    p.len,
-                )
-                .is_ok()
-        });
-        if !direct.is_empty() {
-            self.submit(peer, direct, false);
-        }
-        rest
-    }
 }
 
 impl RdmaTransport {
@@ -2189,7 +2159,20 @@ impl Transport for RdmaTransport {
         "rdma"
     }
 
-    fn describe(&self, desc: &mut SegmentDesc) {
+    /// Any memory on either side, GPU memory included (GPUDirect RDMA: registered on the
+    /// NICs, never staged), to peers that publish RDMA devices; a piece goes only when its
+    /// local range has memory regions on our NICs and the peer published keys for its remote
+    /// buffer ([`auto_route`]), so staging's bounce buffers never can.
+    fn caps(&self) -> Caps {
+        Caps {
+            kinds: Kinds::ALL,
+            reach: Reach::AnyHost,
+            needs: Needs::RdmaDevices,
+            stageable: false,
+        }
+    }
+
+    fn describe(&self, desc: &mut SegmentDesc, _prelude: Prelude) {
         let s = &self.shared;
         if !s.required {
             // `auto` initiates RDMA but publishes a TCP descriptor: a stock Mooncake engine picks
@@ -2302,13 +2285,25 @@ impl Transport for RdmaTransport {
         Ok(())
     }
 
+    /// Pieces touching GPU memory (on either side) go when RDMA carries them as they are
+    /// (GPUDirect: [`auto_route`]), whatever `KVFERRY_TRANSPORT` says; the others are handed
+    /// back (to be staged, or to go over TCP). Host memory: with `KVFERRY_TRANSPORT=rdma` all
+    /// pieces to a peer that publishes RDMA, or none; with `auto` each piece that can go, the
+    /// rest handed back (TCP or shared memory carries them; why, logged once per peer).
     fn try_submit(
         &self,
         peer: &Arc<Peer>,
         pieces: Vec<Piece>,
         inline: bool,
     ) -> Result<(), (Vec<Piece>, String)> {
-        if self.shared.required {
+        let desc = peer.desc();
+        let touches_gpu = |p: &Piece| {
+            Mem::local_of(p) == Mem::Gpu
+                || (peer.has_gpu()
+                    && crate::transport::remote_mem(&desc, p.remote, p.len) == Mem::Gpu)
+        };
+        let gpu = pieces.iter().any(touches_gpu);
+        if self.shared.required && !gpu {
             return match self.reachable(peer) {
                 Ok(()) => {
                     self.submit(peer, pieces, inline);
@@ -2317,24 +2312,27 @@ impl Transport for RdmaTransport {
                 Err(e) => Err((pieces, e)),
             };
         }
-        // `auto`: each piece over RDMA when it can go, the rest to the next transport (TCP);
-        // why, logged once per peer.
-        let desc = peer.desc();
+        let required = self.shared.required;
+        let mut reach: Option<Result<(), String>> = None;
         let mut why = None;
         let (rdma, rest): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| {
-            let r = auto_route(
-                &desc,
-                self.shared.mrs_for(p.local, p.len).is_some(),
-                p.remote,
-                p.len,
-            );
+            let r = if required && !touches_gpu(p) {
+                reach.get_or_insert_with(|| self.reachable(peer)).clone()
+            } else {
+                auto_route(
+                    &desc,
+                    self.shared.mrs_for(p.local, p.len).is_some(),
+                    p.remote,
+                    p.len,
+                )
+            };
             if let Err(e) = r {
                 why.get_or_insert(e);
                 return false;
             }
             true
         });
-        if let Some(why) = &why {
+        if let (Some(why), false, false) = (&why, gpu, required) {
             if self
                 .shared
                 .told
@@ -2352,6 +2350,10 @@ impl Transport for RdmaTransport {
             Some(why) if !rest.is_empty() => Err((rest, why)),
             _ => Ok(()),
         }
+    }
+
+    fn on_handshake(&self, kind: MsgType, body: &[u8]) -> Option<Vec<u8>> {
+        (kind == MsgType::Connection).then(|| self.on_connection(body))
     }
 
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, _inline: bool) {

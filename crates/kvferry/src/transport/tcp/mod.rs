@@ -23,7 +23,7 @@
 //! bytes therefore cannot hold a request, a thread or a registered range past its deadline.
 //! Nothing spins: threads block in the kernel or on condition variables.
 
-use super::{Peer, PeerDirectory, Piece, Transport};
+use super::{Caps, Kinds, Mem, Needs, Peer, PeerDirectory, Piece, Prelude, Reach, Transport};
 use crate::batch::{FailCause, FailKind, Failure};
 use crate::memory::MemoryRegistry;
 use crate::wire::descriptor::SegmentDesc;
@@ -271,7 +271,18 @@ impl Transport for TcpTransport {
         "tcp"
     }
 
-    fn describe(&self, desc: &mut SegmentDesc) {
+    /// Host memory here to host or GPU memory of any peer that publishes a data port (its
+    /// server stages GPU memory through host buffers).
+    fn caps(&self) -> Caps {
+        Caps {
+            kinds: Kinds::local(Mem::Host),
+            reach: Reach::AnyHost,
+            needs: Needs::TcpDataPort,
+            stageable: true,
+        }
+    }
+
+    fn describe(&self, desc: &mut SegmentDesc, _prelude: Prelude) {
         desc.tcp_data_port = self.server.port();
         desc.tcp_data_host = Some(self.opts.advertised_host.clone());
         desc.tcp_proto_version = Some(2);
@@ -307,13 +318,17 @@ impl Transport for TcpTransport {
             }
         }
     }
+
+    fn release_inherited(&self) {
+        self.release_fds();
+    }
 }
 
 impl TcpTransport {
     /// In a `fork()` child's copy: lets go of the parent's data listener, the connections it
     /// serves and its lanes' connections to peers (each whose lock is free), shutting
     /// nothing down for the parent (see `crate::forked`).
-    pub(crate) fn release_inherited(&self) {
+    fn release_fds(&self) {
         use std::os::fd::AsFd;
         self.server.release_inherited();
         if let Some(peers) = crate::forked::try_lock(&self.peers) {
