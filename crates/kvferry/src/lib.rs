@@ -62,6 +62,9 @@ pub use engine::{
 pub use error::{Error, Result};
 pub use wire::tcp::Opcode;
 
+#[cfg(test)]
+mod boundaries;
+
 /// What the unit tests share.
 #[cfg(test)]
 pub(crate) mod testing {
