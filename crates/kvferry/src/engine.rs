@@ -6,20 +6,17 @@ use crate::error::{Error, Result};
 use crate::handshake::{self, HandshakeServer};
 use crate::memory::{MemoryRegistry, Region};
 use crate::metadata::{Directory, Keys, RpcMeta, StoreOptions};
-use crate::transport::local::LocalTransport;
-use crate::transport::rdma::{RdmaOptions, RdmaTransport};
-use crate::transport::shm::{self, ShmOptions, ShmTransport, TransportMode};
-use crate::transport::tcp::{TcpOptions, TcpTransport};
-use crate::transport::{Peer, Piece, Transport};
+use crate::transport::set::{Build, TransportSet};
+use crate::transport::{Peer, PeerDirectory, Piece, Prelude, RdmaUsage};
 use crate::wire::descriptor::{BufferDesc, SegmentDesc};
 use crate::wire::handshake::{parse_json, Frame, MsgType, NotifyMsg, ProbeReply};
-use crate::wire::tcp::Opcode;
+use crate::Opcode;
 use rand::Rng;
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 /// A segment handle returned by [`TransferEngine::open_segment`].
@@ -56,15 +53,9 @@ struct Inner {
     config: Config,
     name: String,
     memory: Arc<MemoryRegistry>,
-    tcp: Arc<TcpTransport>,
-    /// Same-host peers: mapped shared memory or cross-memory attach.
-    shm: Arc<ShmTransport>,
-    /// One-sided RDMA (`KVFERRY_TRANSPORT=rdma`, or `auto` on a host with an active NIC).
-    rdma: Option<Arc<RdmaTransport>>,
-    /// The transports to peers, in order of preference (by `KVFERRY_TRANSPORT`): a peer's
-    /// pieces go to the first that can reach it.
-    transports: Vec<Arc<dyn Transport>>,
-    local: LocalTransport,
+    /// The transports (through the trait only), their routes in order of preference (by
+    /// `KVFERRY_TRANSPORT`) and what diagnostics report of them.
+    transports: TransportSet,
     handshake: HandshakeServer,
     /// The cluster key (`KVFERRY_AUTH_KEY_FILE`): handshakes and data connections, both
     /// ways, prove it; `None`: Mooncake's protocols as they are.
@@ -82,9 +73,67 @@ struct Inner {
     /// of it, done by a helper thread (started at first use): `submit` itself never waits
     /// for the network.
     refresher: Mutex<Option<std::sync::mpsc::Sender<RefreshJob>>>,
-    /// Stages pieces whose local range is GPU memory (its thread starts at first use).
-    stager: crate::gpu::stage::Stager,
     me: Weak<Inner>,
+}
+
+/// The engine as its transports and its handshake server see it (a [`PeerDirectory`]),
+/// handed to them at construction and bound to the engine once it is built: before that,
+/// and after it is gone, no peer is found, every request fails and the handshake server
+/// answers `{}`.
+#[derive(Default)]
+struct Link(OnceLock<Weak<Inner>>);
+
+impl Link {
+    fn engine(&self) -> std::result::Result<Arc<Inner>, String> {
+        self.0
+            .get()
+            .and_then(Weak::upgrade)
+            .ok_or_else(|| "the engine shut down".to_string())
+    }
+
+    fn on_handshake(&self, f: &Frame) -> Vec<u8> {
+        match self.engine() {
+            Ok(inner) => inner.on_handshake(f),
+            Err(_) => b"{}".to_vec(),
+        }
+    }
+}
+
+impl PeerDirectory for Link {
+    fn peer_named(&self, name: &str) -> Option<Arc<Peer>> {
+        let inner = self.engine().ok()?;
+        let id = *inner
+            .segments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_name
+            .get(name)?;
+        inner.peer(id).ok()
+    }
+
+    fn refresh(&self, peer: &Peer) -> std::result::Result<(), String> {
+        self.engine()?.refresh_peer(peer)
+    }
+
+    fn lookup(&self, peer: &Peer) -> std::result::Result<SegmentDesc, String> {
+        self.engine()?
+            .refresh_descriptor(peer)
+            .map_err(|e| e.to_string())
+    }
+
+    fn handshake(
+        &self,
+        peer: &Peer,
+        kind: MsgType,
+        body: &[u8],
+    ) -> std::result::Result<Vec<u8>, String> {
+        let inner = self.engine()?;
+        let (h, p) = inner.rpc_addr(&peer.name).map_err(|e| e.to_string())?;
+        inner
+            .request(&peer.name, &h, p, kind, body)
+            .map(|f| f.body)
+            .map_err(|e| e.to_string())
+    }
 }
 
 /// Pieces to a peer whose cached descriptor does not list their remote ranges.
@@ -208,95 +257,25 @@ impl TransferEngine {
         let auth = crate::auth::ClusterKey::from_config(config.auth_key_file.as_deref())
             .map_err(|e| Error::Config(e.to_string()))?
             .map(Arc::new);
-        let tcp = TcpTransport::new(
-            data_listener,
-            Arc::clone(&memory),
-            TcpOptions {
-                lanes: config.tcp_lanes,
-                split_bytes: config.tcp_split_bytes,
-                max_proto: config.tcp_proto,
-                connect_timeout: config.handshake_connect_timeout,
-                advertised_host: host.clone(),
-                inline_max: config.tcp_split_bytes,
-                spin: config.spin,
-                idle: config.tcp_idle,
-                auth: auth.clone().map(|key| {
-                    Arc::new(crate::auth::Keyed {
-                        key,
-                        names: vec![name.clone()],
-                    })
-                }),
-                protect: config.auth_protect,
+        // The engine's one link for what its transports and handshake server ask of it.
+        let link = Arc::new(Link::default());
+        let transports = TransportSet::build(
+            Build {
+                config: &config,
+                name: &name,
+                host: &host,
+                data_listener,
+                memory: Arc::clone(&memory),
+                auth: auth.clone(),
+                central: directory.is_some(),
             },
-            config.transfer_timeout,
-        )
-        .map_err(|e| Error::io("starting the TCP data server", e))?;
-        let shm = Arc::new(ShmTransport::new(ShmOptions {
-            name: name.clone(),
-            mode: config.transport,
-            threads: config.shm_threads,
-            background_fill: config.shm_background_fill,
-        }));
-        let rdma_opts = |required: bool| RdmaOptions {
-            segment: name.clone(),
-            devices: config.rdma_devices.clone(),
-            gid_index: config.gid_index,
-            max_endpoints: config.rdma_max_endpoints,
-            required,
-            retry_cnt: config.rdma_retry_cnt,
-            gpu_rdma: config.gpu_rdma,
-            topo: config.rdma_topo.clone(),
-            names_are_addresses: directory.is_none(),
-        };
-        let rdma = match config.transport {
-            TransportMode::Rdma => Some(Arc::new(RdmaTransport::new(rdma_opts(true)).map_err(|why| Error::Config(format!("KVFERRY_TRANSPORT=rdma, but {why}")))?)),
-            // RDMA when this host has an active NIC (peers without RDMA get TCP); said once.
-            TransportMode::Auto if !config.auto_rdma => {
-                tracing::info!("KVFERRY_TRANSPORT=auto without RDMA (KVFERRY_AUTO_RDMA=0 or MC_FORCE_TCP=1): TCP and shared memory carry transfers");
-                None
-            }
-            TransportMode::Auto if config.rdma_forced => match RdmaTransport::new(rdma_opts(false)) {
-                Ok(t) => Some(Arc::new(t)),
-                Err(why) => return Err(Error::Config(format!("KVFERRY_AUTO_RDMA=force (or Mooncake's MC_FORCE_HCA=1) asks for RDMA, but {why}"))),
-            },
-            TransportMode::Auto => match crate::rdma::probe().why_not() {
-                Some(why) => {
-                    tracing::info!("KVFERRY_TRANSPORT=auto: no RDMA ({why}); TCP and shared memory carry transfers");
-                    None
-                }
-                None => match RdmaTransport::new(rdma_opts(false)) {
-                    Ok(t) => Some(Arc::new(t)),
-                    Err(why) => {
-                        tracing::warn!("KVFERRY_TRANSPORT=auto: RDMA NICs are present but not usable ({why}); TCP and shared memory carry transfers");
-                        None
-                    }
-                },
-            },
-            _ => None,
-        };
-        let transports: Vec<Arc<dyn Transport>> = match config.transport {
-            // Same host first (shared memory), then RDMA to peers that publish it, then TCP.
-            TransportMode::Auto => std::iter::once(Arc::clone(&shm) as Arc<dyn Transport>)
-                .chain(rdma.iter().map(|r| Arc::clone(r) as Arc<dyn Transport>))
-                .chain(std::iter::once(Arc::clone(&tcp) as Arc<dyn Transport>))
-                .collect(),
-            TransportMode::Tcp => vec![Arc::clone(&tcp) as Arc<dyn Transport>],
-            TransportMode::Shm => vec![Arc::clone(&shm) as Arc<dyn Transport>],
-            TransportMode::Rdma => rdma
-                .iter()
-                .map(|r| Arc::clone(r) as Arc<dyn Transport>)
-                .collect(),
-        };
+            Arc::clone(&link) as Arc<dyn PeerDirectory>,
+        )?;
         // The handshake server starts before the engine exists (starting its thread can fail,
         // and `new_cyclic` cannot return the error); until the engine is built, and after it
         // is gone, it answers `{}`.
-        let engine_slot: Arc<std::sync::OnceLock<Weak<Inner>>> = Arc::default();
-        let slot = Arc::clone(&engine_slot);
-        let handler: handshake::Handler =
-            Arc::new(move |f: &Frame| match slot.get().and_then(Weak::upgrade) {
-                Some(inner) => inner.on_handshake(f),
-                None => b"{}".to_vec(),
-            });
+        let l = Arc::clone(&link);
+        let handler: handshake::Handler = Arc::new(move |f: &Frame| l.on_handshake(f));
         let keyed = auth.clone().map(|key| handshake::Keyed {
             key,
             names: vec![name.clone()],
@@ -305,28 +284,7 @@ impl TransferEngine {
             HandshakeServer::start(hs_listener, config.handshake_max_len, handler, keyed)
                 .map_err(|e| Error::io("starting the handshake server's thread", e))?;
         let inner = Arc::new_cyclic(|weak: &Weak<Inner>| {
-            let _ = engine_slot.set(weak.clone());
-            let w = weak.clone();
-            shm.set_refresh(Box::new(move |peer: &Arc<Peer>| match w.upgrade() {
-                Some(inner) => inner.refresh_peer(peer),
-                None => Err("the engine shut down".into()),
-            }));
-            if let Some(r) = &rdma {
-                let w = weak.clone();
-                r.set_refresh(Box::new(move |peer: &Arc<Peer>| match w.upgrade() {
-                    Some(inner) => inner.refresh_peer(peer),
-                    None => Err("the engine shut down".into()),
-                }));
-                let w = weak.clone();
-                r.set_connector(Box::new(move |peer: &Peer, body: &[u8]| {
-                    let inner = w.upgrade().ok_or("the engine shut down")?;
-                    let (h, p) = inner.rpc_addr(&peer.name).map_err(|e| e.to_string())?;
-                    inner
-                        .request(&peer.name, &h, p, MsgType::Connection, body)
-                        .map(|f| f.body)
-                        .map_err(|e| e.to_string())
-                }));
-            }
+            let _ = link.0.set(weak.clone());
             let local_peer = Arc::new(Peer::new(
                 LOCAL_SEGMENT_ID,
                 name.clone(),
@@ -335,12 +293,8 @@ impl TransferEngine {
             ));
             Inner {
                 name: name.clone(),
-                local: LocalTransport::new(Arc::clone(&memory)),
-                shm,
-                rdma,
                 transports,
                 memory,
-                tcp,
                 handshake,
                 auth,
                 segments: RwLock::new(Segments {
@@ -355,20 +309,10 @@ impl TransferEngine {
                 config,
                 pid: std::process::id(),
                 refresher: Mutex::new(None),
-                stager: Default::default(),
                 me: weak.clone(),
             }
         });
-        tracing::info!(segment = %inner.name, data_port = inner.tcp.data_port(), "transfer engine started");
-        // A peer's data port refusing connections may mean it restarted under the same name
-        // (new ports): re-read its descriptor and retry there (both metadata modes).
-        let w = Arc::downgrade(&inner);
-        inner.tcp.set_refused_hook(Arc::new(
-            move |name: &str, refused: SocketAddr, pieces: Vec<Piece>| match w.upgrade() {
-                Some(inner) => inner.on_refused(name, refused, pieces),
-                None => pieces,
-            },
-        ));
+        tracing::info!(segment = %inner.name, data_port = inner.transports.diag.data_port(), "transfer engine started");
         let engine = TransferEngine { inner };
         // On error the engine is dropped here, which stops its listeners.
         engine.inner.start_refresher()?;
@@ -394,14 +338,15 @@ impl TransferEngine {
             return;
         }
         self.inner.handshake.release_inherited();
-        self.inner.tcp.release_inherited();
-        self.inner.shm.release_inherited();
+        for t in &self.inner.transports.all {
+            t.release_inherited();
+        }
     }
 
     /// With RDMA: the endpoints (NIC pairs it connected to peers) and passive pairs (peers
     /// connected to it) it holds; `None` without RDMA.
-    pub fn rdma_usage(&self) -> Option<crate::transport::rdma::RdmaUsage> {
-        self.inner.rdma.as_ref().map(|t| t.usage())
+    pub fn rdma_usage(&self) -> Option<RdmaUsage> {
+        self.inner.transports.diag.rdma_usage()
     }
 
     /// This engine's segment name (`host:port` in P2P mode).
@@ -416,13 +361,13 @@ impl TransferEngine {
 
     /// The TCP data port.
     pub fn data_port(&self) -> u16 {
-        self.inner.tcp.data_port()
+        self.inner.transports.diag.data_port()
     }
 
     /// TCP peers this engine holds lanes to, and connections its data server is serving:
     /// what peers cost now (lanes unused for `KVFERRY_TCP_IDLE_MS` are closed).
     pub fn tcp_usage(&self) -> (usize, usize) {
-        self.inner.tcp.usage()
+        self.inner.transports.diag.tcp_usage()
     }
 
     pub fn config(&self) -> &Config {
@@ -455,15 +400,10 @@ impl TransferEngine {
         for r in &regions {
             let registered = self
                 .inner
-                .tcp
-                .on_register(r)
-                .and_then(|()| self.inner.shm.on_register(r))
-                .and_then(|()| {
-                    self.inner
-                        .rdma
-                        .as_ref()
-                        .map_or(Ok(()), |t| t.on_register(r))
-                });
+                .transports
+                .all
+                .iter()
+                .try_for_each(|t| t.on_register(r));
             if let Err(e) = registered {
                 let _ = self
                     .inner
@@ -493,11 +433,9 @@ impl TransferEngine {
         self.inner.check_home()?;
         let removed = self.inner.memory.unregister_batch(addrs)?;
         for r in &removed {
-            // Each waits until no peer can reach the range through it any more.
-            self.inner.tcp.on_unregister(r);
-            self.inner.shm.on_unregister(r);
-            // After the registry waited for our posted work requests: deregister the MRs.
-            if let Some(t) = &self.inner.rdma {
+            // Each waits until no peer can reach the range through it any more (the registry
+            // waited for our own accesses, RDMA's posted work requests included).
+            for t in &self.inner.transports.all {
                 t.on_unregister(r);
             }
         }
@@ -586,21 +524,12 @@ impl TransferEngine {
     /// peer process), and why not shared memory when it is not used. Fails when no transport
     /// can reach the segment (e.g. `KVFERRY_TRANSPORT=shm` towards a peer on another host).
     pub fn segment_transport(&self, id: SegmentId) -> Result<SegmentTransport> {
-        if id == LOCAL_SEGMENT_ID {
-            return Ok(SegmentTransport {
-                name: "local",
-                why_not_shm: None,
-            });
-        }
         let peer = self.inner.peer(id)?;
-        let why_not_shm = self.inner.shm.reachable(&peer).err();
-        match self.inner.pick(&peer) {
-            Ok(t) => Ok(SegmentTransport {
-                name: t.name(),
-                why_not_shm: if t.name() == "shm" { None } else { why_not_shm },
-            }),
-            Err(e) => Err(e),
-        }
+        let t = self.inner.transports.router.pick(&peer)?;
+        Ok(SegmentTransport {
+            name: t.name(),
+            why_not_shm: self.inner.transports.diag.why_not_same_host(&peer, t),
+        })
     }
 
     /// The cached descriptor of an open segment.
@@ -845,16 +774,13 @@ impl Drop for TransferEngine {
             d.withdraw_all();
         }
         self.inner.handshake.shutdown();
-        self.inner.tcp.shutdown();
-        self.inner.shm.shutdown();
-        if let Some(t) = &self.inner.rdma {
+        for t in &self.inner.transports.all {
             t.shutdown();
         }
         // The barrier: revoke every range and wait for whatever still holds one (a server
         // thread mid-request, a lane thread mid-receive, a copy job).
         for r in self.inner.memory.unregister_all() {
-            self.inner.tcp.on_unregister(&r);
-            if let Some(t) = &self.inner.rdma {
+            for t in &self.inner.transports.all {
                 t.on_unregister(&r);
             }
         }
@@ -863,8 +789,13 @@ impl Drop for TransferEngine {
 
 impl Inner {
     fn local_descriptor(&self) -> SegmentDesc {
-        // Before the buffer snapshot: the published epoch is then never newer than the list.
-        let shm = self.shm.offer();
+        // Before the buffer snapshot: what is published then is never newer than the list.
+        let preludes: Vec<Prelude> = self
+            .transports
+            .all
+            .iter()
+            .map(|t| t.before_describe())
+            .collect();
         let mut d = SegmentDesc::new(self.name.clone());
         d.timestamp = timestamp();
         d.buffers = self
@@ -880,18 +811,15 @@ impl Inner {
                 extra: Default::default(),
             })
             .collect();
-        self.tcp.describe(&mut d);
-        if let Some(t) = &self.rdma {
-            t.describe(&mut d);
-        }
-        if let Some(v) = shm.and_then(|info| shm::publish(info, &d.buffers)) {
-            d.extra.insert(shm::FIELD.into(), v);
+        for (t, p) in self.transports.all.iter().zip(preludes) {
+            t.describe(&mut d, p);
         }
         d
     }
 
-    /// Re-reads a peer's descriptor (asked by the shared-memory transport when the peer's
-    /// unregister epoch moved).
+    /// Re-reads a peer's descriptor over its handshake port (asked by a transport through the
+    /// [`Link`]: shared memory when the peer's unregister epoch moved, RDMA after a refused
+    /// key).
     fn refresh_peer(&self, peer: &Peer) -> std::result::Result<(), String> {
         let (h, p) = self.rpc_addr(&peer.name).map_err(|e| e.to_string())?;
         let d = self
@@ -917,12 +845,12 @@ impl Inner {
             MsgType::Probe => br#"{"status":"success"}"#.to_vec(),
             // (The handshake server runs the key's exchange itself and never passes it on.)
             MsgType::Auth => b"{}".to_vec(),
-            MsgType::Connection if self.rdma.is_some() => self.rdma.as_ref().map(|t| t.on_connection(&f.body)).unwrap_or_default(),
-            MsgType::Connection => serde_json::json!({
+            // A transport's own message (RDMA's `Connection`): the transport that answers it.
+            MsgType::Connection => self.transports.all.iter().find_map(|t| t.on_handshake(f.kind, &f.body)).unwrap_or_else(|| serde_json::json!({
                 "reply_msg": "kvferry: this engine has no RDMA transport; use TCP (publish protocol \"tcp\")",
             })
             .to_string()
-            .into_bytes(),
+            .into_bytes()),
         }
     }
 
@@ -991,58 +919,6 @@ impl Inner {
                 self.fetch_descriptor(&peer.name, &h, p)
             }
         }
-    }
-
-    /// A peer's data port refused a connection, or a connection to it was lost: re-read its
-    /// descriptor (from the metadata service, or its handshake port). Pieces whose remote
-    /// range it no longer lists fail as not registered (a v1 target answers a request outside
-    /// its memory only by closing the connection: this is how that is told apart from a lost
-    /// peer). If it lists other data ports (it restarted under the same name) the rest are
-    /// submitted there; otherwise they are handed back to fail as they were going to.
-    fn on_refused(&self, name: &str, refused: SocketAddr, pieces: Vec<Piece>) -> Vec<Piece> {
-        let Some(&id) = self
-            .segments
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .by_name
-            .get(name)
-        else {
-            return pieces;
-        };
-        let Ok(peer) = self.peer(id) else {
-            return pieces;
-        };
-        let desc = match self.refresh_descriptor(&peer) {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::debug!("{name} refused or lost a connection and its descriptor could not be refreshed: {e}");
-                return pieces;
-            }
-        };
-        let moved = matches!(TcpTransport::data_addr(&peer, &desc), Ok(a) if a != refused);
-        let (ok, gone): (Vec<Piece>, Vec<Piece>) = pieces
-            .into_iter()
-            .partition(|p| desc.find_buffer(p.remote, p.len).is_some());
-        peer.set_desc(desc);
-        for p in gone {
-            let e = Error::RemoteNotRegistered {
-                segment: name.to_string(),
-                addr: p.remote,
-                len: p.len,
-            };
-            p.task.piece_failed(FailKind::Failed, &e);
-        }
-        if !moved {
-            return ok;
-        }
-        tracing::info!(
-            segment = name,
-            "peer moved to new ports (restarted?); retrying on its new descriptor"
-        );
-        if !ok.is_empty() {
-            self.tcp.submit(&peer, ok, false);
-        }
-        Vec::new()
     }
 
     fn rpc_addr(&self, segment: &str) -> Result<(String, u16)> {
@@ -1287,123 +1163,11 @@ impl Inner {
         }
     }
 
-    /// The transport that serves `peer`: the first of `transports` that can reach it. The
-    /// error lists why each could not.
-    fn pick(&self, peer: &Arc<Peer>) -> Result<&Arc<dyn Transport>> {
-        let mut why = Vec::new();
-        for t in &self.transports {
-            match t.reachable(peer) {
-                Ok(()) => return Ok(t),
-                Err(e) => why.push((t.name(), e)),
-            }
-        }
-        Err(self.no_transport(peer, why))
-    }
-
-    /// The error for a peer no transport reaches, with each one's reason.
-    fn no_transport(&self, peer: &Peer, why: Vec<(&'static str, String)>) -> Error {
-        let reason = match (self.config.transport, why.as_slice()) {
-            (TransportMode::Shm, [(_, e)]) => format!("KVFERRY_TRANSPORT=shm, but {e}"),
-            (_, [(_, e)]) => e.clone(),
-            _ => why
-                .iter()
-                .map(|(n, e)| format!("{n}: {e}"))
-                .collect::<Vec<_>>()
-                .join("; "),
-        };
-        Error::NoTransport {
-            segment: peer.name.clone(),
-            reason,
-        }
-    }
-
-    /// Hands pieces to the transport that serves `peer`: the local copy for the engine's
-    /// own segment, else the first transport that can reach it (shared memory for same-host
-    /// peers that allow it, TCP for the rest, as `KVFERRY_TRANSPORT` allows).
+    /// Hands pieces to the transports that serve them (`crate::route`: per piece, the first
+    /// in order of preference that declares its memory kinds and this peer, and takes it).
     fn dispatch(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) {
-        // GPU memory that RDMA reaches as it is (registered on the NICs, the peer's keys
-        // published) goes there directly: the NICs read and write it (GPUDirect RDMA).
-        // (Host memory to a peer without GPU memory, the common case, skips all of it.)
-        let local_gpu = pieces.iter().any(|p| p.guard.region().gpu.is_some());
-        let pieces = match &self.rdma {
-            Some(t) if peer.id != LOCAL_SEGMENT_ID && (local_gpu || peer.has_gpu()) => {
-                t.take_gpu_direct(peer, pieces)
-            }
-            _ => pieces,
-        };
-        // GPU memory of a same-host peer that it exports through CUDA IPC: opened here and
-        // copied by the driver (device to device where both are GPU memory).
-        let pieces = if peer.id != LOCAL_SEGMENT_ID && peer.has_gpu() {
-            self.shm.take_gpu_ipc(peer, pieces, inline)
-        } else {
-            pieces
-        };
-        if pieces.is_empty() {
-            return;
-        }
-        // The rest of GPU memory on this side: staged through host bounce buffers
-        // (gpu/stage.rs), whose sub-pieces come back here as host memory.
-        let (pieces, staged) = crate::gpu::stage::split(pieces);
-        if !staged.is_empty() {
-            let me = self.me.clone();
-            self.stager.submit(peer, staged, move || {
-                Box::new(
-                    move |peer: &Arc<Peer>, sub: Vec<Piece>| match me.upgrade() {
-                        Some(inner) => inner.dispatch(peer, sub, false),
-                        None => fail_pieces(sub, &Error::Shutdown),
-                    },
-                )
-            });
-            if pieces.is_empty() {
-                return;
-            }
-        }
-        if peer.id == LOCAL_SEGMENT_ID {
-            return self.local.submit(peer, pieces, inline);
-        }
-        // GPU memory on the peer's side: only its TCP server stages it (shared memory would
-        // touch the peer's device memory from the CPU).
-        let (mut pieces, gpu_remote) = split_gpu_remote(peer, pieces);
-        if !gpu_remote.is_empty() {
-            if self.config.transport != TransportMode::Shm {
-                self.tcp.submit(peer, gpu_remote, inline);
-            } else {
-                let e = Error::NoTransport { segment: peer.name.clone(), reason: "its buffer is GPU memory, which only the TCP transport reaches, and KVFERRY_TRANSPORT=shm excludes TCP".into() };
-                fail_pieces(gpu_remote, &e);
-            }
-            if pieces.is_empty() {
-                return;
-            }
-        }
-        // One decision per transport (try_submit), and no allocation unless one says no.
-        let mut why = Vec::new();
-        for t in &self.transports {
-            match t.try_submit(peer, pieces, inline) {
-                Ok(()) => return,
-                Err((p, e)) => {
-                    pieces = p;
-                    why.push((t.name(), e));
-                }
-            }
-        }
-        fail_pieces(pieces, &self.no_transport(peer, why));
+        self.transports.router.route(peer, pieces, inline);
     }
-}
-
-/// Splits off the pieces whose remote range lies in a buffer the peer published as GPU memory
-/// (`cuda:N`); costs nothing when it publishes none.
-fn split_gpu_remote(peer: &Peer, pieces: Vec<Piece>) -> (Vec<Piece>, Vec<Piece>) {
-    if !peer.has_gpu() {
-        return (pieces, Vec::new());
-    }
-    let desc = peer.desc();
-    let gpu = |b: &BufferDesc| b.name.starts_with("cuda:");
-    if !desc.buffers.iter().any(gpu) {
-        return (pieces, Vec::new());
-    }
-    pieces
-        .into_iter()
-        .partition(|p| !desc.find_buffer(p.remote, p.len).is_some_and(gpu))
 }
 
 fn fail_pieces(pieces: Vec<Piece>, e: &Error) {

@@ -2,9 +2,11 @@
 //!
 //! This crate is the engine library. It owns configuration ([`config`]), the sans-IO wire
 //! codecs ([`wire`]), registered memory ([`memory`]), the [`transport::Transport`] trait
-//! and its implementations (TCP; local memcpy), the handshake port ([`handshake`]) and the
-//! [`TransferEngine`] that ties them together: register memory, open peer segments, submit
-//! batches of one-sided READ/WRITE requests, poll or wait for their status.
+//! and its implementations (TCP, shared memory, RDMA, the local memcpy, GPU staging), the
+//! routing of pieces to them by what each declares (`route`), the handshake port
+//! ([`handshake`]) and the [`TransferEngine`] that ties them together: register memory, open
+//! peer segments, submit batches of one-sided READ/WRITE requests, poll or wait for their
+//! status.
 //!
 //! It is **not** a store (that is `kvferry-store`), not a command-line tool (that is
 //! `kvferry-cli`) and not the Python binding (`kvferry-python`). It never links a
@@ -47,6 +49,7 @@ pub mod hostbuf;
 pub mod memory;
 pub mod metadata;
 pub mod rdma;
+mod route;
 pub mod transport;
 pub mod wire;
 
@@ -58,6 +61,9 @@ pub use engine::{
 };
 pub use error::{Error, Result};
 pub use wire::tcp::Opcode;
+
+#[cfg(test)]
+mod boundaries;
 
 /// What the unit tests share.
 #[cfg(test)]

@@ -1,11 +1,16 @@
 //! The initiator's side of a transfer whose local range is GPU memory: staged through host
 //! bounce buffers with the driver's copies, so every transport moves host memory only.
 //!
-//! A piece whose local address lies in device memory (`is_staged`) is cut into chunks of
-//! [`CHUNK`] bytes. For a WRITE each chunk is copied device→host into a bounce buffer, then
-//! sent as a sub-piece (local = the bounce buffer, the same remote range, the original's
-//! guard and deadline) through the engine's ordinary dispatch; for a READ the sub-piece lands
-//! in the bounce buffer and is copied host→device once its transport reported it landed.
+//! `StagedTransport` is a transport decorator: it wraps a transport that moves host memory
+//! (TCP, shared memory, the local copy) and serves pieces whose local range is GPU memory on
+//! top of it, to the peers and remote memory kinds the wrapped one serves. The router picks it
+//! by its declaration like any transport.
+//!
+//! Such a piece is cut into chunks of [`CHUNK`] bytes. For a WRITE each chunk is copied
+//! device→host into a bounce buffer, then sent as a sub-piece (local = the bounce buffer, the
+//! same remote range, the original's guard and deadline) through the wrapped transport; for a
+//! READ the sub-piece lands in the bounce buffer and is copied host→device once its transport
+//! reported it landed.
 //!
 //! The copies are asynchronous: queued on a stream per GPU and direction, each with an event
 //! recorded behind it. Up to [`WINDOW`] chunks are in flight at once, so a chunk's copy runs
@@ -19,14 +24,16 @@
 //! The piece (and its registration guard) is held until then, so no queued copy touches a
 //! range after `unregister` returned.
 //!
-//! [`WORKERS`] worker threads per engine, started at first use, take jobs (one submission's
-//! pieces for one peer) from one queue; a worker blocks only on sub-pieces, each of which ends
-//! by the original's deadline.
+//! [`WORKERS`] worker threads per engine (one `Stager`, shared by the engine's decorators),
+//! started at first use, take jobs (one submission's pieces for one peer, and the transport
+//! they go through) from one queue; a worker blocks only on sub-pieces, each of which ends by
+//! the original's deadline.
 
 use super::driver::{CudaError, Handle};
 use super::{cuda, Bounce, Cuda};
 use crate::batch::{Batch, FailCause, FailKind, Failure, TaskState, TaskStatus};
-use crate::transport::{Peer, Piece};
+use crate::transport::{Caps, Peer, Piece, Prelude, Transport};
+use crate::wire::descriptor::SegmentDesc;
 use crate::wire::tcp::Opcode;
 use std::collections::VecDeque;
 use std::sync::mpsc::{channel, Sender};
@@ -40,26 +47,62 @@ pub const WINDOW: usize = 4;
 /// Worker threads per engine (so one peer's large job does not hold up another's).
 pub const WORKERS: usize = 2;
 
-/// How sub-pieces are handed to the transports (the engine's dispatch).
-pub(crate) type Dispatch = Box<dyn Fn(&Arc<Peer>, Vec<Piece>) + Send + Sync>;
-
-/// Whether `p`'s local range is GPU memory to stage: inside a device-memory region (a
-/// sub-piece, whose local address is a bounce buffer, is not).
-pub(crate) fn is_staged(p: &Piece) -> bool {
-    let r = p.guard.region();
-    r.gpu.is_some() && p.local >= r.addr && p.local < r.end()
+/// A transport decorator: pieces whose local range is GPU memory, staged through host bounce
+/// buffers and moved by the wrapped transport (see the module's doc).
+pub(crate) struct StagedTransport {
+    inner: Arc<dyn Transport>,
+    stager: Arc<Stager>,
 }
 
-/// Splits `pieces` into (host-local, GPU-local).
-pub(crate) fn split(pieces: Vec<Piece>) -> (Vec<Piece>, Vec<Piece>) {
-    if !pieces.iter().any(is_staged) {
-        return (pieces, Vec::new());
+impl StagedTransport {
+    /// Stages over `inner` (a transport whose [`Caps::stageable`] holds), with the engine's
+    /// staging workers.
+    pub(crate) fn new(inner: Arc<dyn Transport>, stager: Arc<Stager>) -> StagedTransport {
+        StagedTransport { inner, stager }
     }
-    pieces.into_iter().partition(|p| !is_staged(p))
+}
+
+impl Transport for StagedTransport {
+    /// The wrapped transport's name: what carries the bytes, in reasons and diagnostics.
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    /// From GPU memory here, to the memory kinds and peers the wrapped transport serves from
+    /// host memory.
+    fn caps(&self) -> Caps {
+        let c = self.inner.caps();
+        Caps {
+            kinds: c.kinds.staged(),
+            stageable: false,
+            ..c
+        }
+    }
+
+    /// Nothing: the wrapped transport publishes what it needs itself.
+    fn describe(&self, _desc: &mut SegmentDesc, _prelude: Prelude) {}
+
+    fn reachable(&self, peer: &Arc<Peer>) -> Result<(), String> {
+        self.inner.reachable(peer)
+    }
+
+    fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, _inline: bool) {
+        self.stager.submit(peer, pieces, Arc::clone(&self.inner));
+    }
+
+    /// Nothing: the wrapped transport is shut down by its owner; the workers end with the
+    /// last decorator (their queue's sender goes with the [`Stager`]).
+    fn shutdown(&self) {}
+}
+
+/// Where a job's chunks go: the peer, through the wrapped transport.
+struct Dest {
+    peer: Arc<Peer>,
+    via: Arc<dyn Transport>,
 }
 
 /// Pieces for one peer, queued for the worker.
-type Job = (Arc<Peer>, Vec<Piece>);
+type Job = (Dest, Vec<Piece>);
 
 /// The staging worker of one engine.
 #[derive(Default)]
@@ -68,13 +111,9 @@ pub(crate) struct Stager {
 }
 
 impl Stager {
-    /// Queues GPU-local pieces for `peer`; starts the worker with `make()` at first use.
-    pub(crate) fn submit(
-        &self,
-        peer: &Arc<Peer>,
-        pieces: Vec<Piece>,
-        make: impl FnOnce() -> Dispatch,
-    ) {
+    /// Queues GPU-local pieces for `peer`, their chunks to go through `via`; starts the
+    /// workers at first use.
+    fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, via: Arc<dyn Transport>) {
         let cuda = match cuda() {
             Ok(c) => c,
             Err(why) => {
@@ -92,23 +131,21 @@ impl Stager {
         if slot.is_none() {
             let (tx, rx) = channel::<Job>();
             let rx = Arc::new(Mutex::new(rx));
-            let dispatch: Arc<Dispatch> = Arc::new(make());
             for _ in 0..WORKERS {
-                let (rx, dispatch) = (Arc::clone(&rx), Arc::clone(&dispatch));
+                let rx = Arc::clone(&rx);
                 let spawned = std::thread::Builder::new()
                     .name("kvf-gpu-stage".into())
                     .spawn(move || {
                         let mut w = Worker {
                             cuda,
-                            dispatch,
                             spare: Vec::new(),
                             lanes: Vec::new(),
                         };
                         // Ends when the engine (and its sender) is gone.
                         loop {
                             let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
-                            let Ok((peer, pieces)) = job else { break };
-                            w.run(&peer, pieces);
+                            let Ok((to, pieces)) = job else { break };
+                            w.run(&to, pieces);
                         }
                     });
                 if let Err(e) = spawned {
@@ -127,9 +164,11 @@ impl Stager {
             }
         }
         if let Some(tx) = slot.as_ref() {
-            if let Err(std::sync::mpsc::SendError((_, pieces))) =
-                tx.send((Arc::clone(peer), pieces))
-            {
+            let to = Dest {
+                peer: Arc::clone(peer),
+                via,
+            };
+            if let Err(std::sync::mpsc::SendError((_, pieces))) = tx.send((to, pieces)) {
                 fail_all(
                     pieces,
                     FailKind::Failed,
@@ -206,7 +245,6 @@ struct Lanes {
 
 struct Worker {
     cuda: &'static Cuda,
-    dispatch: Arc<Dispatch>,
     spare: Vec<Bounce>,
     /// By device ordinal, created at the device's first chunk.
     lanes: Vec<Option<Lanes>>,
@@ -219,7 +257,7 @@ impl Worker {
     /// sent or copied the other way; a bounce buffer is read (sent) or reused only after the
     /// event recorded behind its copy was waited for, and a piece ends only once all its
     /// chunks did.
-    fn run(&mut self, peer: &Arc<Peer>, pieces: Vec<Piece>) {
+    fn run(&mut self, peer: &Dest, pieces: Vec<Piece>) {
         let mut tracks: Vec<Track> = pieces
             .into_iter()
             .map(|p| Track {
@@ -291,8 +329,9 @@ impl Worker {
         }
     }
 
-    /// Hands chunk `[off, off+n)` of `p` to the transports as a sub-piece on `bounce`.
-    fn send(&self, peer: &Arc<Peer>, p: &Piece, off: u64, n: usize, bounce: &Bounce) -> Arc<Batch> {
+    /// Hands chunk `[off, off+n)` of `p` to the wrapped transport as a sub-piece on `bounce`
+    /// (one it refuses fails, saying why).
+    fn send(&self, to: &Dest, p: &Piece, off: u64, n: usize, bounce: &Bounce) -> Arc<Batch> {
         let batch = Arc::new(Batch::new(1));
         let task = Arc::new(TaskState::new(p.task.deadline(), Arc::clone(&batch.signal)));
         batch
@@ -308,7 +347,15 @@ impl Worker {
             task,
             guard: p.guard.clone(),
         };
-        (self.dispatch)(peer, vec![sub]);
+        if let Err((subs, why)) = to.via.try_submit(&to.peer, vec![sub], false) {
+            let e = crate::Error::NoTransport {
+                segment: to.peer.name.clone(),
+                reason: why,
+            };
+            for s in subs {
+                s.task.piece_failed(FailKind::Failed, &e);
+            }
+        }
         batch
     }
 
@@ -319,7 +366,7 @@ impl Worker {
         &mut self,
         tracks: &mut [Track],
         flights: &mut VecDeque<Flight>,
-        peer: &Arc<Peer>,
+        peer: &Dest,
         all: bool,
     ) {
         let newest_copy = if all {
@@ -350,7 +397,7 @@ impl Worker {
 
     /// Ends at least one flight (blocking as long as needed: sub-pieces end by their
     /// deadline, copies are bounded).
-    fn retire(&mut self, tracks: &mut [Track], flights: &mut VecDeque<Flight>, peer: &Arc<Peer>) {
+    fn retire(&mut self, tracks: &mut [Track], flights: &mut VecDeque<Flight>, peer: &Dest) {
         let before = flights.len();
         while !flights.is_empty() && flights.len() >= before {
             self.pump(tracks, flights, peer, true);
@@ -371,7 +418,7 @@ impl Worker {
     }
 
     /// Advances `f` by one state, waiting for what it waits on; `None` once it ended.
-    fn step(&mut self, tracks: &mut [Track], peer: &Arc<Peer>, mut f: Flight) -> Option<Flight> {
+    fn step(&mut self, tracks: &mut [Track], peer: &Dest, mut f: Flight) -> Option<Flight> {
         let t = &mut tracks[f.track];
         match f.state {
             State::Copying(e) => {

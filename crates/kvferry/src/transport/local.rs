@@ -1,6 +1,6 @@
 //! Transfers to the engine's own segment: a checked memcpy.
 
-use super::{Peer, Piece, Transport};
+use super::{Caps, Kinds, Mem, Needs, Peer, Piece, Prelude, Reach, Transport};
 use crate::batch::{FailCause, FailKind};
 use crate::memory::MemoryRegistry;
 use crate::wire::descriptor::SegmentDesc;
@@ -22,7 +22,18 @@ impl Transport for LocalTransport {
         "local"
     }
 
-    fn describe(&self, _desc: &mut SegmentDesc) {}
+    /// Host memory here to host or GPU memory of the engine's own segment (the driver copies
+    /// into or out of GPU memory there); GPU memory here is staged into host buffers first.
+    fn caps(&self) -> Caps {
+        Caps {
+            kinds: Kinds::local(Mem::Host),
+            reach: Reach::Own,
+            needs: Needs::Nothing,
+            stageable: true,
+        }
+    }
+
+    fn describe(&self, _desc: &mut SegmentDesc, _prelude: Prelude) {}
 
     fn reachable(&self, peer: &Arc<Peer>) -> Result<(), String> {
         if peer.id == 0 {

@@ -8,29 +8,43 @@
 //! driver): the engine asks [`Transport::reachable`] per peer and reports why not.
 //!
 //! Contract:
+//! - [`Transport::caps`] declares what it serves ([`Caps`]: which memory kinds on either
+//!   side, which segments, what a peer must publish), as UCX's transports declare theirs
+//!   (`uct_iface_attr`); the router (`crate::route`) picks by these declarations and never by
+//!   a transport's name or type.
 //! - [`Transport::on_register`] sees every registration before it is published, so RDMA can
 //!   register MRs and publish keys through [`Transport::describe`].
 //! - [`Transport::submit`] never blocks on the network. Each piece ends exactly once through
 //!   its [`TaskState`]: done, failed with a reason, or timed out at the task's deadline (every
 //!   loop checks the deadline after each system call, so no peer can stretch it).
+//! - [`Transport::try_submit`] may refuse pieces (all, or some: RDMA in `auto` takes those it
+//!   carries as they are), handing them back with the reason; the router then offers them to
+//!   the next capable transport.
 //! - A piece ends only when the transport will not touch its local memory again; its
 //!   [`RegionGuard`] goes with it. A revoked guard ([`RegionGuard::is_revoked`]: the range is
 //!   being unregistered) stops the piece between system calls.
 //! - [`Transport::on_unregister`] returns only once no peer can reach the range through this
 //!   transport any more (the target-side half of the unregister barrier).
+//! - What a transport asks of the engine (a peer's descriptor re-read, a handshake message
+//!   sent) it asks through the [`PeerDirectory`] it was given at construction.
 //!
-//! The engine keeps its transports in order of preference and hands a peer's pieces to the
-//! first whose [`Transport::reachable`] says yes (`engine.rs`, `dispatch`).
+//! The engine's transports are assembled in `set.rs` (the only place that names them) and
+//! routed by `crate::route`.
 
 pub mod local;
 pub mod rdma;
+pub(crate) mod set;
 pub mod shm;
 pub mod tcp;
+
+pub use rdma::RdmaUsage;
 
 use crate::batch::TaskState;
 use crate::memory::{Region, RegionGuard};
 use crate::wire::descriptor::SegmentDesc;
+use crate::wire::handshake::MsgType;
 use crate::wire::tcp::Opcode;
+use std::any::Any;
 use std::sync::{Arc, RwLock};
 
 /// A contiguous part of one request.
@@ -101,6 +115,16 @@ fn publishes_gpu(d: &SegmentDesc) -> bool {
     d.buffers.iter().any(|b| b.name.starts_with("cuda:"))
 }
 
+/// The kind of memory `[remote, remote+len)` is in according to a peer's descriptor: GPU
+/// memory when the buffer holding it is published as `cuda:N`, else host memory (also for a
+/// range outside every buffer: the transport that takes it fails it, saying why).
+pub fn remote_mem(desc: &SegmentDesc, remote: u64, len: u64) -> Mem {
+    match desc.find_buffer(remote, len) {
+        Some(b) if b.name.starts_with("cuda:") => Mem::Gpu,
+        _ => Mem::Host,
+    }
+}
+
 impl Peer {
     pub fn new(id: u64, name: String, host: String, desc: SegmentDesc) -> Peer {
         let gpu = std::sync::atomic::AtomicBool::new(publishes_gpu(&desc));
@@ -111,6 +135,11 @@ impl Peer {
             desc: RwLock::new(Arc::new(desc)),
             gpu,
         }
+    }
+
+    /// Whether this is the engine's own segment (id 0).
+    pub fn is_own(&self) -> bool {
+        self.id == 0
     }
 
     /// Whether the cached descriptor publishes GPU memory.
@@ -131,12 +160,217 @@ impl Peer {
     }
 }
 
+/// A kind of memory a piece's range lies in, on either side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mem {
+    /// Host memory: the CPU may touch it.
+    Host,
+    /// GPU device memory: reached only through the CUDA driver's copies (or a NIC it is
+    /// registered on).
+    Gpu,
+}
+
+impl Mem {
+    /// The local side of `p`: the kind of the registered region it lies in.
+    pub fn local_of(p: &Piece) -> Mem {
+        if p.guard.region().gpu.is_some() {
+            Mem::Gpu
+        } else {
+            Mem::Host
+        }
+    }
+
+    fn word(self) -> &'static str {
+        match self {
+            Mem::Host => "host",
+            Mem::Gpu => "GPU",
+        }
+    }
+}
+
+impl std::fmt::Display for Mem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.word())
+    }
+}
+
+/// A set of (local, remote) memory-kind pairs: the pieces a transport moves. A set of pairs,
+/// not one set per side: shared memory moves host to host (cross-memory attach) and anything
+/// to the peer's GPU memory (CUDA IPC), but not GPU to host memory.
+#[derive(Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct Kinds(u8);
+
+impl Kinds {
+    pub const NONE: Kinds = Kinds(0);
+    /// Every pair.
+    pub const ALL: Kinds = Kinds(0b1111);
+    /// Host memory on both sides.
+    pub const HOST: Kinds = Kinds::pair(Mem::Host, Mem::Host);
+    /// Every pair with GPU memory on either side.
+    pub const GPU: Kinds = Kinds(Kinds::ALL.0 & !Kinds::HOST.0);
+
+    const fn bit(local: Mem, remote: Mem) -> u8 {
+        1 << (local as u8 * 2 + remote as u8)
+    }
+
+    /// `local` to `remote` memory.
+    pub const fn pair(local: Mem, remote: Mem) -> Kinds {
+        Kinds(Kinds::bit(local, remote))
+    }
+
+    /// Every pair whose local side is `local`.
+    pub const fn local(local: Mem) -> Kinds {
+        Kinds(Kinds::bit(local, Mem::Host) | Kinds::bit(local, Mem::Gpu))
+    }
+
+    /// Every pair whose remote side is `remote`.
+    pub const fn remote(remote: Mem) -> Kinds {
+        Kinds(Kinds::bit(Mem::Host, remote) | Kinds::bit(Mem::Gpu, remote))
+    }
+
+    pub const fn or(self, other: Kinds) -> Kinds {
+        Kinds(self.0 | other.0)
+    }
+
+    pub const fn and(self, other: Kinds) -> Kinds {
+        Kinds(self.0 & other.0)
+    }
+
+    pub const fn contains(self, local: Mem, remote: Mem) -> bool {
+        self.0 & Kinds::bit(local, remote) != 0
+    }
+
+    pub const fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// What staging GPU memory through host buffers serves on top of a transport that moves
+    /// `self`: from local GPU memory, to every remote kind it moves from host memory.
+    pub const fn staged(self) -> Kinds {
+        let mut k = 0;
+        if self.contains(Mem::Host, Mem::Host) {
+            k |= Kinds::bit(Mem::Gpu, Mem::Host);
+        }
+        if self.contains(Mem::Host, Mem::Gpu) {
+            k |= Kinds::bit(Mem::Gpu, Mem::Gpu);
+        }
+        Kinds(k)
+    }
+
+    /// The pairs, in a fixed order.
+    pub fn pairs(self) -> impl Iterator<Item = (Mem, Mem)> {
+        [
+            (Mem::Host, Mem::Host),
+            (Mem::Host, Mem::Gpu),
+            (Mem::Gpu, Mem::Host),
+            (Mem::Gpu, Mem::Gpu),
+        ]
+        .into_iter()
+        .filter(move |&(l, r)| self.contains(l, r))
+    }
+}
+
+impl std::fmt::Debug for Kinds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let v: Vec<String> = self.pairs().map(|(l, r)| format!("{l}→{r}")).collect();
+        write!(f, "{{{}}}", v.join(", "))
+    }
+}
+
+/// Which segments a transport reaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reach {
+    /// The engine's own segment only.
+    Own,
+    /// Peers on this host only (verified, not assumed from a host name).
+    SameHost,
+    /// Peers on this host or another.
+    AnyHost,
+}
+
+/// What a peer's descriptor must publish for a transport to reach it. Descriptive (for
+/// diagnostics and the reader): [`Transport::reachable`] is what decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Needs {
+    /// Nothing (the engine's own segment).
+    Nothing,
+    /// A TCP data port.
+    TcpDataPort,
+    /// The same-host field (`kvferry_shm`), naming a process this one may attach to.
+    SameHostField,
+    /// RDMA devices, and keys for the buffer a piece reaches.
+    RdmaDevices,
+}
+
+/// What a transport declares it serves: the router (`crate::route`) picks by this, then asks
+/// the transport itself ([`Transport::try_submit`]), which may still refuse a piece.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caps {
+    /// The (local, remote) memory kinds it moves.
+    pub kinds: Kinds,
+    /// Which segments it reaches.
+    pub reach: Reach,
+    /// What such a peer publishes.
+    pub needs: Needs,
+    /// It moves local host memory outside the engine's registrations as well (a staging
+    /// decorator's bounce buffers), so staging may wrap it. RDMA cannot: its NICs reach only
+    /// memory registered on them.
+    pub stageable: bool,
+}
+
+/// What a transport may ask of the engine that owns it: one interface, handed to each
+/// transport at construction, for every call back up (a peer's descriptor re-read, a
+/// handshake message sent). After the engine is gone every request fails (or finds no peer).
+pub trait PeerDirectory: Send + Sync {
+    /// The open peer segment called `name`.
+    fn peer_named(&self, name: &str) -> Option<Arc<Peer>>;
+    /// Re-reads `peer`'s descriptor from its engine's handshake port and installs it.
+    fn refresh(&self, peer: &Peer) -> Result<(), String>;
+    /// Reads `peer`'s descriptor where segments are published (the metadata service in
+    /// central mode, else the peer's handshake port), without installing it.
+    fn lookup(&self, peer: &Peer) -> Result<SegmentDesc, String>;
+    /// Sends one handshake message to `peer`'s engine; the body of its answer.
+    fn handshake(&self, peer: &Peer, kind: MsgType, body: &[u8]) -> Result<Vec<u8>, String>;
+}
+
+/// A directory without an engine behind it (transports built on their own, in tests).
+#[cfg(test)]
+pub(crate) struct Detached;
+
+#[cfg(test)]
+impl PeerDirectory for Detached {
+    fn peer_named(&self, _name: &str) -> Option<Arc<Peer>> {
+        None
+    }
+    fn refresh(&self, _peer: &Peer) -> Result<(), String> {
+        Err("no engine".into())
+    }
+    fn lookup(&self, _peer: &Peer) -> Result<SegmentDesc, String> {
+        Err("no engine".into())
+    }
+    fn handshake(&self, _peer: &Peer, _kind: MsgType, _body: &[u8]) -> Result<Vec<u8>, String> {
+        Err("no engine".into())
+    }
+}
+
+/// What a transport read before the registry's buffer list was ([`Transport::before_describe`]).
+pub type Prelude = Option<Box<dyn Any + Send>>;
+
 /// A data path.
 pub trait Transport: Send + Sync {
     /// The protocol string published in descriptors (`tcp`, `rdma`, …).
     fn name(&self) -> &'static str;
-    /// Adds what this transport publishes about the local segment.
-    fn describe(&self, desc: &mut SegmentDesc);
+    /// What it serves: the router picks by this declaration.
+    fn caps(&self) -> Caps;
+    /// Reads what it publishes that must not be newer than the buffer list (shared memory:
+    /// its unregister epoch); called before the registry's snapshot, the answer handed to
+    /// [`Transport::describe`].
+    fn before_describe(&self) -> Prelude {
+        None
+    }
+    /// Adds what this transport publishes about the local segment (`desc.buffers`: the
+    /// registry's snapshot, taken after [`Transport::before_describe`]).
+    fn describe(&self, desc: &mut SegmentDesc, prelude: Prelude);
     /// Called before a range is published (RDMA registers an MR here).
     fn on_register(&self, _region: &Region) -> crate::Result<()> {
         Ok(())
@@ -151,9 +385,10 @@ pub trait Transport: Send + Sync {
     /// may run them in the caller's thread when that is faster (TCP: a lone small request;
     /// shared memory: up to 1 MiB and 64 pieces; CUDA IPC: any).
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool);
-    /// [`Transport::submit`] if `peer` is reachable, else the pieces back with the reason.
-    /// One decision per call: a transport whose `reachable` takes work overrides this so the
-    /// hot path decides once, not twice.
+    /// [`Transport::submit`] if `peer` is reachable, else the pieces back with the reason (a
+    /// transport may also take some and hand back the rest: the router offers what comes back
+    /// to the next capable transport). One decision per call: a transport whose `reachable`
+    /// takes work overrides this so the hot path decides once, not twice.
     fn try_submit(
         &self,
         peer: &Arc<Peer>,
@@ -170,4 +405,12 @@ pub trait Transport: Send + Sync {
     }
     /// Stops threads and closes connections; queued pieces fail.
     fn shutdown(&self);
+    /// Answers a handshake message meant for this transport (RDMA: a peer's `Connection`);
+    /// `None`: not one of its.
+    fn on_handshake(&self, _kind: MsgType, _body: &[u8]) -> Option<Vec<u8>> {
+        None
+    }
+    /// In a `fork()` child's copy: lets go of what it inherited from the parent (listening
+    /// sockets, connections, shared regions), shutting nothing down for the parent.
+    fn release_inherited(&self) {}
 }

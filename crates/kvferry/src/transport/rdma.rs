@@ -61,8 +61,9 @@
 //! ACTIVE ends the pauses of its pairs (a connect made as its link went down fails for that).
 //!
 //! GPU memory is registered on the NICs as [`crate::gpu::direct`] allows (DMA-BUF or
-//! nvidia-peermem, the one that worked kept) and then moved by the NICs unstaged
-//! ([`RdmaTransport::take_gpu_direct`]).
+//! nvidia-peermem, the one that worked kept) and then moved by the NICs unstaged: the router
+//! offers pieces touching GPU memory to RDMA first, and `try_submit` takes those it carries as
+//! they are.
 //!
 //! QPs made for peers that connect to us (passive) are kept until the peer reconnects that
 //! pair, or until it is found gone: once [`PASSIVE_SWEEP_AT`] pairs are held, a connection
@@ -80,8 +81,11 @@ use crate::rdma::verbs::{
     self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr,
 };
 use crate::rdma::{sysfs, topo};
-use crate::transport::{Peer, Piece, Transport};
+use crate::transport::{
+    Caps, Kinds, Mem, Needs, Peer, PeerDirectory, Piece, Prelude, Reach, Transport,
+};
 use crate::wire::descriptor::{DeviceDesc, Protocols, SegmentDesc};
+use crate::wire::handshake::MsgType;
 use crate::wire::rdma::{format_gid, parse_gid, split_nic_path, ConnectionMsg};
 use crate::wire::tcp::Opcode;
 use serde_json::{json, Map, Value};
@@ -194,9 +198,6 @@ pub fn auto_route(
         None => Err("the remote range is not inside a buffer the peer published".into()),
     }
 }
-
-/// Sends a `Connection` message to a peer's handshake port and returns its answer's body.
-pub type Connector = Box<dyn Fn(&Peer, &[u8]) -> Result<Vec<u8>, String> + Send + Sync>;
 
 struct Nic {
     name: String,
@@ -526,9 +527,9 @@ struct Shared {
     sweep: Mutex<(bool, Option<Instant>)>,
     /// [`RdmaOptions::names_are_addresses`].
     names_are_addresses: bool,
-    connector: Mutex<Option<Arc<Connector>>>,
-    /// Re-reads a peer's descriptor (set by the engine).
-    refresh: Mutex<Option<Arc<crate::transport::shm::Refresh>>>,
+    /// The engine: sends `Connection` messages to peers' handshake ports and re-reads their
+    /// descriptors.
+    dir: Arc<dyn PeerDirectory>,
     /// Peers whose keys were refused (`IBV_WC_REM_ACCESS_ERR`): their descriptor is re-read
     /// before their next request is posted (they may have registered again, with new keys).
     stale: Mutex<std::collections::HashSet<String>>,
@@ -764,42 +765,9 @@ pub fn try_gpu_registration(
 }
 
 impl RdmaTransport {
-    /// GPUDirect RDMA: submits the pieces that touch GPU memory (a local range registered as
-    /// GPU memory, or a remote buffer published as `cuda:N`) and that RDMA carries as they
-    /// are — the local range has memory regions on the NICs, the peer publishes RDMA devices
-    /// and keys for the remote buffer — so they are never staged through host memory.
-    /// Returns the others (host memory, or GPU memory RDMA cannot reach), untouched.
-    pub fn take_gpu_direct(&self, peer: &Arc<Peer>, pieces: Vec<Piece>) -> Vec<Piece> {
-        let desc = peer.desc();
-        let remote_gpu = |p: &Piece| {
-            desc.find_buffer(p.remote, p.len)
-                .is_some_and(|b| b.name.starts_with("cuda:"))
-        };
-        let touches_gpu = |p: &Piece| p.guard.region().gpu.is_some() || remote_gpu(p);
-        if !pieces.iter().any(touches_gpu) || self.reachable(peer).is_err() {
-            return pieces;
-        }
-        let (direct, rest): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| {
-            touches_gpu(p)
-                && auto_route(
-                    &desc,
-                    self.shared.mrs_for(p.local, p.len).is_some(),
-                    p.remote,
-                    p.len,
-                )
-                .is_ok()
-        });
-        if !direct.is_empty() {
-            self.submit(peer, direct, false);
-        }
-        rest
-    }
-}
-
-impl RdmaTransport {
     /// Opens the NICs; an error says why RDMA cannot be used here (for `KVFERRY_TRANSPORT=rdma`
     /// to report, never a silent fallback).
-    pub fn new(opts: RdmaOptions) -> Result<RdmaTransport, String> {
+    pub fn new(opts: RdmaOptions, dir: Arc<dyn PeerDirectory>) -> Result<RdmaTransport, String> {
         let probe = crate::rdma::probe();
         if let Some(why) = probe.why_not() {
             return Err(why);
@@ -913,8 +881,7 @@ impl RdmaTransport {
             passive: Mutex::default(),
             sweep: Mutex::default(),
             names_are_addresses: opts.names_are_addresses,
-            connector: Mutex::new(None),
-            refresh: Mutex::new(None),
+            dir,
             stale: Mutex::default(),
             next_wr: AtomicU64::new(1),
             next_nic: AtomicUsize::new(0),
@@ -941,24 +908,6 @@ impl RdmaTransport {
                 .map_err(|e| format!("starting the RDMA completion thread: {e}"))?;
         }
         Ok(RdmaTransport { shared })
-    }
-
-    /// How the transport reaches a peer's handshake port (set by the engine).
-    pub fn set_connector(&self, c: Connector) {
-        *self
-            .shared
-            .connector
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(c));
-    }
-
-    /// How the transport re-reads a peer's descriptor (set by the engine).
-    pub fn set_refresh(&self, f: crate::transport::shm::Refresh) {
-        *self
-            .shared
-            .refresh
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(f));
     }
 
     /// The NICs in use, in device order.
@@ -1233,12 +1182,6 @@ impl Shared {
             );
             return Ok(Arc::clone(ep));
         }
-        let connector = self
-            .connector
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .ok_or("the engine gave the RDMA transport no handshake client")?;
         let n = &self.nics[nic];
         let server = desc
             .rdma_server_name
@@ -1250,12 +1193,19 @@ impl Shared {
             .map(|_| n.pd.create_qp(&n.cq, MAX_WR))
             .collect::<Result<Vec<Qp>, VerbsError>>()
             .map_err(|e| e.to_string())?;
-        let reply = connector(peer, &hello(&self.segment, n, &peer_path, &qps)).map_err(|e| {
-            format!(
-                "RDMA handshake with {peer_path} from {} failed: {e}",
-                n.name
+        let reply = self
+            .dir
+            .handshake(
+                peer,
+                MsgType::Connection,
+                &hello(&self.segment, n, &peer_path, &qps),
             )
-        })?;
+            .map_err(|e| {
+                format!(
+                    "RDMA handshake with {peer_path} from {} failed: {e}",
+                    n.name
+                )
+            })?;
         let r = ConnectionMsg::decode(&reply).map_err(|e| {
             // A refusal need not carry NIC paths (a peer without RDMA answers only `reply_msg`).
             let refused = serde_json::from_slice::<Value>(&reply).ok().and_then(|v| {
@@ -1362,12 +1312,7 @@ impl Shared {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&peer.name);
         if stale {
-            let refresh = self
-                .refresh
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone();
-            if let Some(Err(e)) = refresh.map(|f| f(&peer)) {
+            if let Err(e) = self.dir.refresh(&peer) {
                 tracing::debug!(
                     "RDMA: re-reading the descriptor of {} after a refused key: {e}",
                     peer.name
@@ -2214,7 +2159,20 @@ impl Transport for RdmaTransport {
         "rdma"
     }
 
-    fn describe(&self, desc: &mut SegmentDesc) {
+    /// Any memory on either side, GPU memory included (GPUDirect RDMA: registered on the
+    /// NICs, never staged), to peers that publish RDMA devices; a piece goes only when its
+    /// local range has memory regions on our NICs and the peer published keys for its remote
+    /// buffer ([`auto_route`]), so staging's bounce buffers never can.
+    fn caps(&self) -> Caps {
+        Caps {
+            kinds: Kinds::ALL,
+            reach: Reach::AnyHost,
+            needs: Needs::RdmaDevices,
+            stageable: false,
+        }
+    }
+
+    fn describe(&self, desc: &mut SegmentDesc, _prelude: Prelude) {
         let s = &self.shared;
         if !s.required {
             // `auto` initiates RDMA but publishes a TCP descriptor: a stock Mooncake engine picks
@@ -2327,13 +2285,25 @@ impl Transport for RdmaTransport {
         Ok(())
     }
 
+    /// Pieces touching GPU memory (on either side) go when RDMA carries them as they are
+    /// (GPUDirect: [`auto_route`]), whatever `KVFERRY_TRANSPORT` says; the others are handed
+    /// back (to be staged, or to go over TCP). Host memory: with `KVFERRY_TRANSPORT=rdma` all
+    /// pieces to a peer that publishes RDMA, or none; with `auto` each piece that can go, the
+    /// rest handed back (TCP or shared memory carries them; why, logged once per peer).
     fn try_submit(
         &self,
         peer: &Arc<Peer>,
         pieces: Vec<Piece>,
         inline: bool,
     ) -> Result<(), (Vec<Piece>, String)> {
-        if self.shared.required {
+        let desc = peer.desc();
+        let touches_gpu = |p: &Piece| {
+            Mem::local_of(p) == Mem::Gpu
+                || (peer.has_gpu()
+                    && crate::transport::remote_mem(&desc, p.remote, p.len) == Mem::Gpu)
+        };
+        let gpu = pieces.iter().any(touches_gpu);
+        if self.shared.required && !gpu {
             return match self.reachable(peer) {
                 Ok(()) => {
                     self.submit(peer, pieces, inline);
@@ -2342,24 +2312,27 @@ impl Transport for RdmaTransport {
                 Err(e) => Err((pieces, e)),
             };
         }
-        // `auto`: each piece over RDMA when it can go, the rest to the next transport (TCP);
-        // why, logged once per peer.
-        let desc = peer.desc();
+        let required = self.shared.required;
+        let mut reach: Option<Result<(), String>> = None;
         let mut why = None;
         let (rdma, rest): (Vec<Piece>, Vec<Piece>) = pieces.into_iter().partition(|p| {
-            let r = auto_route(
-                &desc,
-                self.shared.mrs_for(p.local, p.len).is_some(),
-                p.remote,
-                p.len,
-            );
+            let r = if required && !touches_gpu(p) {
+                reach.get_or_insert_with(|| self.reachable(peer)).clone()
+            } else {
+                auto_route(
+                    &desc,
+                    self.shared.mrs_for(p.local, p.len).is_some(),
+                    p.remote,
+                    p.len,
+                )
+            };
             if let Err(e) = r {
                 why.get_or_insert(e);
                 return false;
             }
             true
         });
-        if let Some(why) = &why {
+        if let (Some(why), false, false) = (&why, gpu, required) {
             if self
                 .shared
                 .told
@@ -2377,6 +2350,10 @@ impl Transport for RdmaTransport {
             Some(why) if !rest.is_empty() => Err((rest, why)),
             _ => Ok(()),
         }
+    }
+
+    fn on_handshake(&self, kind: MsgType, body: &[u8]) -> Option<Vec<u8>> {
+        (kind == MsgType::Connection).then(|| self.on_connection(body))
     }
 
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, _inline: bool) {
@@ -2946,17 +2923,20 @@ mod tests {
         if crate::rdma::probe().usable() {
             return;
         }
-        let e = RdmaTransport::new(RdmaOptions {
-            segment: "s:1".into(),
-            devices: None,
-            gid_index: None,
-            max_endpoints: 4,
-            required: true,
-            retry_cnt: 7,
-            gpu_rdma: Default::default(),
-            topo: None,
-            names_are_addresses: true,
-        })
+        let e = RdmaTransport::new(
+            RdmaOptions {
+                segment: "s:1".into(),
+                devices: None,
+                gid_index: None,
+                max_endpoints: 4,
+                required: true,
+                retry_cnt: 7,
+                gpu_rdma: Default::default(),
+                topo: None,
+                names_are_addresses: true,
+            },
+            Arc::new(crate::transport::Detached),
+        )
         .err()
         .expect("no RDMA here");
         assert!(!e.is_empty());

@@ -138,9 +138,8 @@ pub(super) fn enter(
         return Entered::Fail(format!("{}: the peer engine shut down", peer.name));
     }
     *refreshed += 1;
-    let r = match (*refreshed, shared.refresh.get()) {
-        (1..=3, Some(f)) => f(peer),
-        (1..=3, None) => Err("no way to refresh its descriptor".to_string()),
+    let r = match *refreshed {
+        1..=3 => shared.dir.refresh(peer),
         _ => Err("it keeps unregistering memory".to_string()),
     };
     match r {

@@ -90,14 +90,14 @@
 //! engine shut down (its mappings, control region and pidfd go once no copy holds them) and
 //! unmaps buffers a living peer freed. Per live verified peer: one pidfd, no thread.
 
-use super::{Peer, Piece, Transport};
+use super::{Caps, Kinds, Mem, Needs, Peer, PeerDirectory, Piece, Prelude, Reach, Transport};
 use crate::batch::{FailCause, FailKind};
 use crate::wire::descriptor::SegmentDesc;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 mod attach;
@@ -281,9 +281,6 @@ pub fn host_id() -> Result<String, String> {
 // The transport
 // ------------------------------------------------------------------------------------------
 
-/// Re-fetches a peer's descriptor (installed by the engine).
-pub type Refresh = Box<dyn Fn(&Arc<Peer>) -> Result<(), String> + Send + Sync>;
-
 pub struct ShmOptions {
     /// This engine's segment name, written into its control region.
     pub name: String,
@@ -309,7 +306,8 @@ type Cached = (Option<String>, Arc<Selection>);
 struct Shared {
     queue: Mutex<Queue>,
     cv: Condvar,
-    refresh: OnceLock<Refresh>,
+    /// The engine: re-reads a peer's descriptor when its epoch moved.
+    dir: Arc<dyn PeerDirectory>,
     /// Per peer id: the cookie the selection was made for, and the selection.
     peers: Mutex<HashMap<u64, Cached>>,
     /// The reaper thread runs (started with the first verified peer).
@@ -442,7 +440,7 @@ impl ShmTransport {
     /// wake-up descriptor, touching neither for the parent (see `crate::forked`). Peers'
     /// buffers and pidfds stay held until the child exits: freeing them would need the
     /// peer table's lock, which a thread of the parent may have held at the fork.
-    pub(crate) fn release_inherited(&self) {
+    fn release_fds(&self) {
         use std::os::fd::AsFd;
         if let Some(c) = &self.local {
             crate::forked::detach(c.fd.as_fd());
@@ -452,7 +450,7 @@ impl ShmTransport {
         }
     }
 
-    pub fn new(opts: ShmOptions) -> ShmTransport {
+    pub fn new(opts: ShmOptions, dir: Arc<dyn PeerDirectory>) -> ShmTransport {
         let host_id = host_id();
         let (local, local_reason) = match (opts.mode, &host_id) {
             (TransportMode::Tcp, _) => (None, Some("KVFERRY_TRANSPORT=tcp".to_string())),
@@ -490,7 +488,7 @@ impl ShmTransport {
             shared: Arc::new(Shared {
                 queue: Mutex::default(),
                 cv: Condvar::new(),
-                refresh: OnceLock::new(),
+                dir,
                 peers: Mutex::default(),
                 reaper: AtomicBool::new(false),
                 wake: rustix::event::eventfd(
@@ -504,11 +502,6 @@ impl ShmTransport {
             home: std::process::id(),
             exports: gpu::Exports::default(),
         }
-    }
-
-    /// Installs the descriptor refresh used when a peer's epoch moved.
-    pub fn set_refresh(&self, f: Refresh) {
-        let _ = self.shared.refresh.set(f);
     }
 
     pub fn mode(&self) -> TransportMode {
@@ -580,9 +573,7 @@ impl ShmTransport {
                 };
                 // The engine we verified is gone (process exited or engine dropped): a new
                 // one may serve the segment now.
-                if let Some(f) = self.shared.refresh.get() {
-                    let _ = f(peer);
-                }
+                let _ = self.shared.dir.refresh(peer);
                 desc = peer.desc();
                 if same_cookie(&c, &desc) {
                     // Forget it: its control region and any of its memory mapped here are
@@ -686,24 +677,39 @@ impl ShmTransport {
 
     /// Same-host GPU memory: takes the pieces whose remote range lies in GPU memory a
     /// verified peer exports through CUDA IPC (and that opens here), and copies them with the
-    /// driver; returns the others untouched (then staged over TCP). Costs one field lookup
-    /// when the peer exports no GPU memory.
-    pub fn take_gpu_ipc(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) -> Vec<Piece> {
+    /// driver; hands the others back with the reason (the router stages them over TCP).
+    fn take_gpu_ipc(
+        &self,
+        peer: &Arc<Peer>,
+        pieces: Vec<Piece>,
+        inline: bool,
+    ) -> Result<(), (Vec<Piece>, String)> {
         if self.mode == TransportMode::Tcp || self.mode == TransportMode::Rdma {
-            return pieces;
+            return Err((pieces, format!("KVFERRY_TRANSPORT={}", self.mode)));
         }
         let desc = peer.desc();
         if !desc.buffers.iter().any(|b| b.name.starts_with("cuda:"))
             || desc.extra.get(FIELD).and_then(|v| v.get("gpus")).is_none()
         {
-            return pieces;
+            return Err((
+                pieces,
+                format!("{}: it exports no GPU memory through CUDA IPC", peer.name),
+            ));
         }
-        let Ok(shm) = self.select(peer) else {
-            return pieces;
+        let shm = match self.select(peer) {
+            Ok(s) => s,
+            Err(e) => return Err((pieces, e)),
         };
         let (taken, rest) = gpu::split(&shm, &desc, pieces);
+        let refused = |rest: Vec<Piece>| match rest.first() {
+            None => Ok(()),
+            Some(p) => {
+                let why = format!("{}: its GPU memory at 0x{:x} is not exported through CUDA IPC, or its export does not open here", peer.name, p.remote);
+                Err((rest, why))
+            }
+        };
         if taken.is_empty() {
-            return rest;
+            return refused(rest);
         }
         let job = Job {
             shm,
@@ -715,7 +721,7 @@ impl ShmTransport {
         if inline || q.shutdown || q.workers == 0 && self.threads == 0 {
             drop(q);
             run_job(&self.shared, job);
-            return rest;
+            return refused(rest);
         }
         q.jobs.push_back(job);
         if q.workers < self.threads {
@@ -734,11 +740,11 @@ impl ShmTransport {
             for j in jobs {
                 run_job(&self.shared, j);
             }
-            return rest;
+            return refused(rest);
         }
         drop(q);
         self.shared.cv.notify_one();
-        rest
+        refused(rest)
     }
 
     /// Queues (or, when small, runs here) pieces for a verified peer.
@@ -876,8 +882,31 @@ impl Transport for ShmTransport {
         "shm"
     }
 
-    fn describe(&self, desc: &mut SegmentDesc) {
-        if let Some(v) = self.offer().and_then(|info| publish(info, &desc.buffers)) {
+    /// Host to host memory of a verified same-host peer (cross-memory attach, or its mapped
+    /// buffers), and host or GPU memory to the GPU memory it exports (CUDA IPC). Not GPU to
+    /// host memory: that is staged (the CPU never touches device memory).
+    fn caps(&self) -> Caps {
+        Caps {
+            kinds: Kinds::HOST.or(Kinds::remote(Mem::Gpu)),
+            reach: Reach::SameHost,
+            needs: Needs::SameHostField,
+            stageable: true,
+        }
+    }
+
+    /// The offer ([`ShmTransport::offer`]), read before the buffer list: the published epoch
+    /// is then never newer than the list.
+    fn before_describe(&self) -> Prelude {
+        self.offer()
+            .map(|info| Box::new(info) as Box<dyn std::any::Any + Send>)
+    }
+
+    fn describe(&self, desc: &mut SegmentDesc, prelude: Prelude) {
+        let info = match prelude {
+            Some(p) => p.downcast::<ShmInfo>().ok().map(|b| *b),
+            None => self.offer(),
+        };
+        if let Some(v) = info.and_then(|info| publish(info, &desc.buffers)) {
             desc.extra.insert(FIELD.to_string(), v);
         }
     }
@@ -895,6 +924,10 @@ impl Transport for ShmTransport {
     /// once this returns.
     fn on_unregister(&self, region: &crate::memory::Region) {
         self.exports.on_unregister(region);
+        if self.shut.load(Ordering::Acquire) {
+            // Shut down: peers were cut off (closed, epoch moved, copies drained) then.
+            return;
+        }
         let Some(c) = &self.local else { return };
         c.map.epoch().fetch_add(1, Ordering::SeqCst);
         drain_fully(c, &format!("unregister of 0x{:x}", region.addr));
@@ -904,26 +937,55 @@ impl Transport for ShmTransport {
         self.select(peer).map(|_| ())
     }
 
+    /// Pieces into the peer's GPU memory go by CUDA IPC when it exports that memory and the
+    /// export opens here; the rest by cross-memory attach (or mapped buffers). Whatever
+    /// cannot go is handed back with the reason.
     fn try_submit(
         &self,
         peer: &Arc<Peer>,
         pieces: Vec<Piece>,
         inline: bool,
     ) -> Result<(), (Vec<Piece>, String)> {
-        match self.select(peer) {
-            Ok(shm) => {
-                self.submit_to(peer, shm, pieces, inline);
-                Ok(())
+        // (Costs one atomic load when the peer publishes no GPU memory.)
+        let (pieces, gpu) = if peer.has_gpu() {
+            let desc = peer.desc();
+            pieces
+                .into_iter()
+                .partition(|p| super::remote_mem(&desc, p.remote, p.len) == Mem::Host)
+        } else {
+            (pieces, Vec::new())
+        };
+        let mut back: Vec<Piece> = Vec::new();
+        let mut why = None;
+        if !gpu.is_empty() {
+            if let Err((rest, e)) = self.take_gpu_ipc(peer, gpu, inline) {
+                back = rest;
+                why = Some(e);
             }
-            Err(e) => Err((pieces, e)),
+        }
+        if !pieces.is_empty() {
+            match self.select(peer) {
+                Ok(shm) => self.submit_to(peer, shm, pieces, inline),
+                Err(e) => {
+                    back.extend(pieces);
+                    why = Some(e);
+                }
+            }
+        }
+        match why {
+            Some(e) if !back.is_empty() => Err((back, e)),
+            _ => Ok(()),
         }
     }
 
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) {
-        match self.select(peer) {
-            Ok(shm) => self.submit_to(peer, shm, pieces, inline),
-            Err(r) => fail_all(pieces, FailKind::Failed, FailCause::PeerUnreachable, &r),
+        if let Err((pieces, r)) = self.try_submit(peer, pieces, inline) {
+            fail_all(pieces, FailKind::Failed, FailCause::PeerUnreachable, &r);
         }
+    }
+
+    fn release_inherited(&self) {
+        self.release_fds();
     }
 
     fn shutdown(&self) {
@@ -1116,12 +1178,15 @@ mod tests {
     #[test]
     fn a_forked_child_dropping_the_transport_leaves_the_parents_region_alone() {
         let name = "127.0.0.1:15078";
-        let t = ShmTransport::new(ShmOptions {
-            name: name.into(),
-            mode: TransportMode::Auto,
-            threads: 1,
-            background_fill: 0,
-        });
+        let t = ShmTransport::new(
+            ShmOptions {
+                name: name.into(),
+                mode: TransportMode::Auto,
+                threads: 1,
+                background_fill: 0,
+            },
+            Arc::new(crate::transport::Detached),
+        );
         let info = t.offer().unwrap();
         let owner = (u64::from(std::process::id()) << 32) | 5;
         let peer = ShmPeer::attach(&info, owner, name, None).unwrap();

@@ -304,7 +304,7 @@ impl Lane {
     }
 
     /// Ends ops whose connection failed, except those that lost the peer: for them the
-    /// engine re-reads the peer's descriptor first. If it now lists another data address (the
+    /// transport re-reads the peer's descriptor first (`TcpTransport::on_refused`). If it now lists another data address (the
     /// peer restarted on other ports; whatever answered here, or took the old port over, is
     /// not it) they go there: no byte sent here can land in the new process, so even a WRITE
     /// is safe to send again. Otherwise they end as decided.
@@ -335,7 +335,7 @@ impl Lane {
     }
 
     /// Hands `pieces` (their peer refused or lost a connection; no longer counted in this
-    /// lane's load) to the engine's descriptor refresh, `hook`, on a thread of its own: it may
+    /// lane's load) to the descriptor refresh, `hook`, on a thread of its own: it may
     /// wait for the peer's handshake port or the metadata service up to their timeouts, and
     /// this lane's writer and reader go on meanwhile (a reader that ran it read no answers
     /// for the requests sent on the lane's next connection until it returned). What the

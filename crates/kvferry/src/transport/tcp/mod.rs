@@ -23,7 +23,7 @@
 //! bytes therefore cannot hold a request, a thread or a registered range past its deadline.
 //! Nothing spins: threads block in the kernel or on condition variables.
 
-use super::{Peer, Piece, Transport};
+use super::{Caps, Kinds, Mem, Needs, Peer, PeerDirectory, Piece, Prelude, Reach, Transport};
 use crate::batch::{FailCause, FailKind, Failure};
 use crate::memory::MemoryRegistry;
 use crate::wire::descriptor::SegmentDesc;
@@ -34,10 +34,10 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Asked when a peer's data port refuses a connection (peer name, refused address, the
-/// pieces that were to go there): the engine may re-read the peer's descriptor (a peer
-/// restarted under the same name publishes new ports) and submit them again. Returns the
-/// pieces it did not take; those fail with the connect error.
-pub type RefusedHook = Arc<dyn Fn(&str, SocketAddr, Vec<Piece>) -> Vec<Piece> + Send + Sync>;
+/// pieces that were to go there): [`TcpTransport::on_refused`] re-reads the peer's descriptor
+/// (a peer restarted under the same name publishes new ports) and submits them again. Returns
+/// the pieces it did not take; those fail with the connect error.
+pub(crate) type RefusedHook = Arc<dyn Fn(&str, SocketAddr, Vec<Piece>) -> Vec<Piece> + Send + Sync>;
 
 mod lane;
 mod proto;
@@ -55,7 +55,6 @@ use lane::{Lane, LaneState, PeerLanes, PeerMap, WireOp};
 // Initiator side
 // ------------------------------------------------------------------------------------------
 
-/// Tuning of the initiator side.
 /// Tuning of the initiator side.
 #[derive(Debug, Clone)]
 pub struct TcpOptions {
@@ -88,6 +87,8 @@ pub struct TcpTransport {
     peers: Arc<PeerMap>,
     shut: AtomicBool,
     refused: Arc<OnceLock<RefusedHook>>,
+    /// The engine: where a peer's descriptor is re-read when its data port refuses.
+    dir: Arc<dyn PeerDirectory>,
 }
 
 impl TcpTransport {
@@ -96,6 +97,7 @@ impl TcpTransport {
         registry: Arc<MemoryRegistry>,
         opts: TcpOptions,
         stall: Duration,
+        dir: Arc<dyn PeerDirectory>,
     ) -> io::Result<Arc<TcpTransport>> {
         let server = TcpServer::start(
             listener,
@@ -104,18 +106,67 @@ impl TcpTransport {
             opts.spin,
             opts.auth.clone().map(|k| (k, opts.protect)),
         )?;
-        Ok(Arc::new(TcpTransport {
+        let t = Arc::new(TcpTransport {
             opts,
             server,
             peers: Arc::default(),
             shut: AtomicBool::new(false),
             refused: Arc::default(),
-        }))
+            dir,
+        });
+        // The lanes' hook for a refused or lost connection (weak: lanes live in the transport).
+        let w = Arc::downgrade(&t);
+        let _ = t.refused.set(Arc::new(
+            move |name: &str, refused: SocketAddr, pieces: Vec<Piece>| match w.upgrade() {
+                Some(t) => t.on_refused(name, refused, pieces),
+                None => pieces,
+            },
+        ));
+        Ok(t)
     }
 
-    /// Installs the hook asked when a peer's data port refuses connections (once).
-    pub fn set_refused_hook(&self, hook: RefusedHook) {
-        let _ = self.refused.set(hook);
+    /// A peer's data port refused a connection, or a connection to it was lost: re-reads its
+    /// descriptor where segments are published (the metadata service, or its handshake
+    /// port). Pieces whose remote range it no longer lists fail as not registered (a v1 target
+    /// answers a request outside its memory only by closing the connection: this is how that
+    /// is told apart from a lost peer). If it lists another data address (it restarted under
+    /// the same name) the rest are queued there; otherwise they are handed back to fail as
+    /// they were going to.
+    fn on_refused(&self, name: &str, refused: SocketAddr, pieces: Vec<Piece>) -> Vec<Piece> {
+        let Some(peer) = self.dir.peer_named(name) else {
+            return pieces;
+        };
+        let desc = match self.dir.lookup(&peer) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::debug!("{name} refused or lost a connection and its descriptor could not be refreshed: {e}");
+                return pieces;
+            }
+        };
+        let moved = matches!(TcpTransport::data_addr(&peer, &desc), Ok(a) if a != refused);
+        let (ok, gone): (Vec<Piece>, Vec<Piece>) = pieces
+            .into_iter()
+            .partition(|p| desc.find_buffer(p.remote, p.len).is_some());
+        peer.set_desc(desc);
+        for p in gone {
+            let e = crate::Error::RemoteNotRegistered {
+                segment: name.to_string(),
+                addr: p.remote,
+                len: p.len,
+            };
+            p.task.piece_failed(FailKind::Failed, &e);
+        }
+        if !moved {
+            return ok;
+        }
+        tracing::info!(
+            segment = name,
+            "peer moved to new ports (restarted?); retrying on its new descriptor"
+        );
+        if !ok.is_empty() {
+            self.submit(&peer, ok, false);
+        }
+        Vec::new()
     }
 
     /// The data address of `peer` according to `desc` (what lanes connect to).
@@ -220,7 +271,18 @@ impl Transport for TcpTransport {
         "tcp"
     }
 
-    fn describe(&self, desc: &mut SegmentDesc) {
+    /// Host memory here to host or GPU memory of any peer that publishes a data port (its
+    /// server stages GPU memory through host buffers).
+    fn caps(&self) -> Caps {
+        Caps {
+            kinds: Kinds::local(Mem::Host),
+            reach: Reach::AnyHost,
+            needs: Needs::TcpDataPort,
+            stageable: true,
+        }
+    }
+
+    fn describe(&self, desc: &mut SegmentDesc, _prelude: Prelude) {
         desc.tcp_data_port = self.server.port();
         desc.tcp_data_host = Some(self.opts.advertised_host.clone());
         desc.tcp_proto_version = Some(2);
@@ -256,13 +318,17 @@ impl Transport for TcpTransport {
             }
         }
     }
+
+    fn release_inherited(&self) {
+        self.release_fds();
+    }
 }
 
 impl TcpTransport {
     /// In a `fork()` child's copy: lets go of the parent's data listener, the connections it
     /// serves and its lanes' connections to peers (each whose lock is free), shutting
     /// nothing down for the parent (see `crate::forked`).
-    pub(crate) fn release_inherited(&self) {
+    fn release_fds(&self) {
         use std::os::fd::AsFd;
         self.server.release_inherited();
         if let Some(peers) = crate::forked::try_lock(&self.peers) {
