@@ -218,7 +218,7 @@ enum Phase {
     Done,
 }
 
-/// The campaign of one master ([module docs](self)).
+/// The campaign of one master (the docs of `elect/campaign.rs` say how a round goes).
 #[derive(Debug)]
 pub struct Campaign {
     cfg: Config,
