@@ -187,7 +187,7 @@ impl Node {
     }
 
     /// Runs until it leads, taking over with `last` as the journal's last leader.
-    fn to_lead(&mut self, etcd: &Fake, mut now: u64, last: Option<Owner>) -> (Owner, u64) {
+    fn drive_to_lead(&mut self, etcd: &Fake, mut now: u64, last: Option<Owner>) -> (Owner, u64) {
         for _ in 0..100 {
             match self.run(etcd, now) {
                 Out::TakeOver { .. } => self.m.on_taken(now, Ok(last), &mut self.fence),
@@ -235,7 +235,7 @@ fn a_master_leads_only_after_its_takeover_and_a_proof_of_its_lease_and_follows_a
 fn a_journal_naming_the_leader_last_seen_lets_the_new_leader_serve_without_waiting() {
     let etcd = Fake::new();
     let mut a = Node::new("a:1", 0);
-    let (old, _) = a.to_lead(&etcd, 0, None);
+    let (old, _) = a.drive_to_lead(&etcd, 0, None);
     let mut b = Node::new("b:1", 0);
     assert!(matches!(b.run(&etcd, 0), Out::Wait(_)));
     // The leader's lease ends: b campaigns, and the journal names the leader it saw.
@@ -263,7 +263,7 @@ fn a_journal_naming_the_leader_last_seen_lets_the_new_leader_serve_without_waiti
 fn a_leaders_key_deleted_by_hand_while_its_lease_lives_makes_the_next_leader_wait_its_bound() {
     let etcd = Fake::new();
     let mut a = Node::new("a:1", 0);
-    let (old, _) = a.to_lead(&etcd, 0, None);
+    let (old, _) = a.drive_to_lead(&etcd, 0, None);
     let mut b = Node::new("b:1", 0);
     assert!(matches!(b.run(&etcd, 0), Out::Wait(_)));
     // `etcdctl del` of the key: a's lease lives on, and a answers until its next renewal
@@ -470,7 +470,7 @@ fn a_failed_takeover_steps_down_gives_the_key_back_and_waits_longer_each_time() 
 fn a_leader_renews_and_steps_down_when_it_cannot_prove_its_lease() {
     let etcd = Fake::new();
     let mut a = Node::new("a:1", 0);
-    let (owner, t0) = a.to_lead(&etcd, 0, None);
+    let (owner, t0) = a.drive_to_lead(&etcd, 0, None);
     etcd.log();
     // Renewals every period while etcd answers.
     let (mut t1, mut next) = (t0, t0);
@@ -511,7 +511,7 @@ fn a_leader_renews_and_steps_down_when_it_cannot_prove_its_lease() {
     assert!(etcd.get(KEY).unwrap().is_none());
     // And a leader whose key was taken (etcd lost its data) steps down at its next renewal.
     let mut b = Node::new("b:1", now);
-    let (owner, t) = b.to_lead(&etcd, now, None);
+    let (owner, t) = b.drive_to_lead(&etcd, now, None);
     etcd.0.borrow_mut().kv.clear();
     etcd.put(KEY, b"c:1", 99);
     let mut t = t;
