@@ -259,10 +259,14 @@ class Engine:
     ``metadata_server`` is ``"P2PHANDSHAKE"`` (peers exchange descriptors directly) or a
     metadata service (``http(s)://host:port/metadata``, ``etcd://...``, ``redis://...``); an
     unsupported or unreachable one raises ConfigError/KvferryError naming it. ``protocol`` may
-    be ``"tcp"`` or ``"rdma"``; the path is chosen per peer whatever it says
-    (``KVFERRY_TRANSPORT``, default ``auto``): shared memory to kvferry peers on this host, RDMA
+    be ``"tcp"`` or ``"rdma"``, as in Mooncake's ``initialize``: ``"rdma"`` makes the engine
+    RDMA-only (it publishes an RDMA segment descriptor; ConfigError, saying why, where this
+    host has no usable RDMA NIC); ``"tcp"`` leaves the path as configured
+    (``KVFERRY_TRANSPORT``, default ``auto``: shared memory to kvferry peers on this host, RDMA
     to peers that publish RDMA devices when this host has a usable RDMA port
-    (``kvferry.features()["rdma"]``), TCP otherwise. ``KVFERRY_TRANSPORT=rdma`` forces RDMA.
+    (``kvferry.features()["rdma"]``), TCP otherwise). An explicit ``KVFERRY_TRANSPORT``, or
+    ``MC_FORCE_TCP=1``, wins over ``protocol``. ``device_name``: the RDMA NICs to use,
+    comma-separated (``""``: every NIC with an active port).
 
     Local memory arguments accept an integer address or a writable contiguous buffer;
     remote addresses are integers inside buffers the peer registered
@@ -281,10 +285,8 @@ class Engine:
             if not isinstance(v, str):
                 raise InvalidArgument("%s must be a str, not %s" % (what, type(v).__name__), -1)
         if protocol not in ("tcp", "rdma", ""):
-            raise InvalidArgument("protocol %r is not supported: this version moves data over TCP (use \"tcp\")" % protocol, -1)
-        if protocol == "rdma":
-            log.info("kvferry: protocol 'rdma' requested; the path is chosen per peer (KVFERRY_TRANSPORT, default auto: RDMA to RDMA peers when this host has a usable port, else TCP or shared memory)")
-        self._init(_kvferry.Core(local_hostname, metadata_server))
+            raise InvalidArgument("protocol %r is not supported: use \"tcp\" or \"rdma\"" % protocol, -1)
+        self._init(_kvferry.Core(local_hostname, metadata_server, protocol, device_name))
 
     def _init(self, core: Any) -> None:
         self._core = core

@@ -148,7 +148,7 @@ def test_failures_log_their_reason_once(te, caplog):
         assert len(msgs) == 1 and needle in msgs[0], (needle, msgs)
 
 
-def test_initialize_failures(te, caplog):
+def test_initialize_failures(te, caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="kvferry"):
         assert te.initialize("192.0.2.1", "P2PHANDSHAKE", "tcp", "") == -1
     assert "not an address of this host" in caplog.text
@@ -159,9 +159,102 @@ def test_initialize_failures(te, caplog):
     assert te.get_rpc_port() == -1  # still not initialized
     with pytest.raises(TypeError, match="incompatible function arguments"):
         te.initialize(HOST, None, "tcp", "")
-    # protocol "rdma" (vLLM's and SGLang's default) is accepted; data moves over TCP.
+    # protocol "rdma" (vLLM's and SGLang's default) under MC_FORCE_TCP=1 (as scripts/python-test
+    # runs): TCP, as in Mooncake (without it, RDMA or -1: the test after this one).
+    monkeypatch.setenv("MC_FORCE_TCP", "1")
     assert te.initialize(HOST, "P2PHANDSHAKE", "rdma", "mlx5_0") == 0
     assert te.get_rpc_port() > 0
+
+
+def _published(te) -> dict:
+    """The segment descriptor `te` publishes, asked of its handshake port (Mooncake's
+    Metadata message, type 1)."""
+    import socket
+    import struct
+
+    s = socket.create_connection((HOST, te.get_rpc_port()), timeout=5)
+    s.sendall(struct.pack("<Q", 3) + b"\x01{}")
+    head = b""
+    while len(head) < 8:
+        head += s.recv(8 - len(head))
+    n = struct.unpack("<Q", head)[0]
+    body = b""
+    while len(body) < n:
+        chunk = s.recv(n - len(body))
+        assert chunk, "the handshake port closed"
+        body += chunk
+    s.close()
+    return json.loads(body[1:])
+
+
+@pytest.fixture
+def plain_env(monkeypatch):
+    """No transport or NIC choice in the environment (scripts/python-test sets MC_FORCE_TCP=1)."""
+    for v in ("MC_FORCE_TCP", "KVFERRY_TRANSPORT", "KVFERRY_RDMA_DEVICES", "MC_TE_FILTERS", "KVFERRY_AUTO_RDMA", "MC_FORCE_HCA"):
+        monkeypatch.delenv(v, raising=False)
+    return monkeypatch
+
+
+def test_initialize_protocol_rdma_is_rdma_or_a_clear_failure(te, caplog, plain_env):
+    """Issue 45: protocol="rdma" makes the engine RDMA-only, as a Mooncake RDMA engine: it
+    publishes an RDMA descriptor, or (on a host without a usable RDMA NIC, such as CI's)
+    initialize returns -1 and logs the cause and the fix. device_name names the NICs."""
+    import kvferry
+
+    if kvferry.features()["rdma"]:
+        # (The Soft-RoCE VM checks this against a stock Mooncake RDMA initiator.)
+        assert te.initialize(HOST, "P2PHANDSHAKE", "rdma", "") == 0
+        assert _published(te)["protocol"] == "rdma"
+        return
+    for dev, needle in (("", 'protocol="rdma" asks for RDMA only'), ("mlx5_0, mlx5_1", 'device_name="mlx5_0,mlx5_1"')):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvferry"):
+            assert te.initialize(HOST, "P2PHANDSHAKE", "rdma", dev) == -1
+        msgs = [r.getMessage() for r in caplog.records if r.name == "kvferry"]
+        assert len(msgs) == 1, msgs
+        m = msgs[0]
+        assert needle in m and "this host cannot do it" in m, m
+        assert "Fix:" in m and 'protocol="tcp"' in m and "kvferry doctor" in m, m
+        assert te.get_rpc_port() == -1, "not initialized"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvferry"):
+        assert te.initialize_ext(HOST, "P2PHANDSHAKE", "rdma", "", "p2p") == -1
+    assert "RDMA only" in caplog.text
+    # A NIC priority matrix is not a list of NIC names.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvferry"):
+        assert te.initialize(HOST, "P2PHANDSHAKE", "tcp", '{"cpu:0": [["mlx5_0"], []]}') == -1
+    assert "comma-separated" in caplog.text and "KVFERRY_RDMA_TOPO" in caplog.text
+    # The native API raises the same.
+    with pytest.raises(kvferry.ConfigError, match="RDMA only"):
+        kvferry.Engine(HOST, protocol="rdma")
+
+
+def test_initialize_protocol_tcp_publishes_tcp_and_env_vars_win(te, plain_env):
+    """protocol="tcp" publishes a TCP descriptor (any Mooncake TCP engine reaches it);
+    Mooncake's MC_FORCE_TCP=1 and an explicit KVFERRY_TRANSPORT win over protocol="rdma"."""
+    assert te.initialize(HOST, "P2PHANDSHAKE", "tcp", "mlx5_0") == 0
+    assert _published(te)["protocol"] == "tcp"
+    plain_env.setenv("MC_FORCE_TCP", "1")
+    assert te.initialize(HOST, "P2PHANDSHAKE", "rdma", "mlx5_0") == 0
+    assert _published(te)["protocol"] == "tcp"
+    plain_env.delenv("MC_FORCE_TCP")
+    plain_env.setenv("KVFERRY_TRANSPORT", "tcp")
+    assert te.initialize(HOST, "P2PHANDSHAKE", "rdma", "") == 0
+    assert _published(te)["protocol"] == "tcp"
+
+
+def test_store_setup_protocol_rdma_is_rdma_or_a_clear_failure(plain_env):
+    """The store's setup(..., protocol, rdma_devices, ...) the same way (no master needed: the
+    engine is checked first)."""
+    import kvferry
+    from kvferry.store import Store
+
+    if kvferry.features()["rdma"]:
+        pytest.skip("this host has a usable RDMA port (the failure needs a host without)")
+    with pytest.raises(kvferry.KvferryError, match="RDMA only") as ei:
+        Store(HOST, "P2PHANDSHAKE", 0, 0, "rdma", "mlx5_0", "127.0.0.1:1")
+    assert "Fix:" in str(ei.value) and 'device_name="mlx5_0"' in str(ei.value)
 
 
 def test_reinitialize_replaces_engine(te):

@@ -45,10 +45,12 @@ pub struct StoreClientArgs {
     /// the default, is enough to serve.
     #[arg(long, default_value = "0")]
     pub local_buffer_size: String,
-    /// `tcp` (`rdma` is accepted; data moves over TCP).
+    /// `tcp`, or `rdma`: RDMA only (an RDMA segment descriptor; fails, saying why, on a host
+    /// without a usable RDMA NIC).
     #[arg(long, default_value = "tcp")]
     pub protocol: String,
-    /// Device names (Mooncake: --device_names); unused by the TCP transport.
+    /// Device names (Mooncake: --device_names): the RDMA NICs to use, comma-separated (empty:
+    /// every NIC with an active port).
     #[arg(long, default_value = "")]
     pub device_names: String,
     /// Port of the dummy-client service on 127.0.0.1 (Mooncake's real-client port;

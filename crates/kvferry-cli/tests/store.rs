@@ -430,6 +430,43 @@ fn master_restart_clients_remount_and_keep_working() {
     );
 }
 
+/// Issue 45: a client with a fixed master address keeps its idle connections in a pool; after
+/// the master restarted on the same port they are dead (closed by the old process). The
+/// first call after the restart must not fail on one: an idempotent one (`is_exist`) and one
+/// that must not be sent twice (`remove`) each get the new master's answer, not an RPC error
+/// nor an unknown outcome.
+#[test]
+fn first_call_after_a_master_restart_does_not_fail_on_a_dead_pooled_connection() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let mut m = master(&["--port", &port]);
+    let addr = m.field("rpc=");
+    let a = client(&addr, 0);
+    assert!(!a.is_exist("k").unwrap(), "a call before the restart");
+    for round in 0..2 {
+        m.kill(); // by its pid (Child::kill)
+        m = master(&["--port", &port]);
+        if round == 0 {
+            assert_eq!(
+                a.is_exist("k"),
+                Ok(false),
+                "the first (idempotent) call after the restart"
+            );
+        } else {
+            // Answered by the new master, which knows no such key.
+            let r = a.remove("k", false);
+            assert!(
+                matches!(r, Err(StoreError::ObjectNotFound(_))),
+                "the first (non-idempotent) call after the restart: {r:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn expired_lease_fails_the_read_instead_of_returning_it() {
     let m = master(&["--default-kv-lease-ttl", "1"]);
@@ -1096,6 +1133,9 @@ enum StandIn {
     /// Starts answered with one replica on a peer nobody listens at (a dead client the master
     /// has not dropped yet): the writer cannot open its segment.
     StartOnDeadPeer,
+    /// Keys never exist; the second `ExistKey`'s connection closed unanswered after it was
+    /// read (a master gone between two requests on a pooled connection).
+    SecondExistLost,
 }
 
 /// A stand-in master on 127.0.0.1 that treats puts as `how` says and records what it is sent
@@ -1112,10 +1152,12 @@ fn stand_in_master(
     let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let log = std::sync::Arc::clone(&seen);
     let ends = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let exists = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::spawn(move || {
         for conn in l.incoming() {
             let Ok(mut s) = conn else { return };
             let (log, ends) = (std::sync::Arc::clone(&log), std::sync::Arc::clone(&ends));
+            let exists = std::sync::Arc::clone(&exists);
             std::thread::spawn(move || loop {
                 let mut len = [0u8; 4];
                 if s.read_exact(&mut len).is_err() {
@@ -1134,6 +1176,10 @@ fn stand_in_master(
                 let first_end =
                     matches!(how, StandIn::EndLostThenOk | StandIn::EndLostThenUnknownPut)
                         && ends.load(std::sync::atomic::Ordering::SeqCst) == 0;
+                let exist = matches!(req, Request::ExistKey { .. });
+                let second_exist = how == StandIn::SecondExistLost
+                    && exist
+                    && exists.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 1;
                 let one = |r: &Request| match r {
                     Request::MountSegment { .. }
                     | Request::UnmountSegment { .. }
@@ -1155,6 +1201,7 @@ fn stand_in_master(
                         )))
                     }
                     Request::PutEnd { .. } => Response::Ok,
+                    Request::ExistKey { .. } => Response::Exists(false),
                     // The new leader did not get the start: nothing to revoke.
                     Request::PutRevoke { key, .. } => Response::Err(StoreError::InvalidParams(
                         format!("no put of {key:?} by this client is in progress"),
@@ -1173,6 +1220,7 @@ fn stand_in_master(
                         Some(Response::Err(StoreError::OutcomeUnknown))
                     }
                     _ if end && first_end => None,
+                    _ if second_exist => None,
                     (Request::Batch(v), _) => Some(Response::Batch(v.iter().map(one).collect())),
                     (r, _) => Some(one(r)),
                 };
@@ -1315,6 +1363,36 @@ fn a_put_whose_end_is_lost_sends_it_once_more_and_reports_what_that_says() {
         );
         c.close().expect("close");
     }
+}
+
+/// Issue 45: an idempotent request whose pooled connection closes unanswered after it was
+/// sent (the master gone between two requests) is sent once more, on a new connection, and
+/// answered there; a request that must not be sent twice is not (the tests above: a lost
+/// start is not sent again, a lost end only by the put's own logic).
+#[test]
+fn an_idempotent_request_whose_pooled_connection_closes_unanswered_is_sent_again() {
+    let (addr, seen) = stand_in_master(StandIn::SecondExistLost);
+    let c = Client::setup(ClientConfig {
+        global_segment_size: 0,
+        local_buffer_size: 4 << 20,
+        master_server_addr: addr,
+        ..ClientConfig::default()
+    })
+    .expect("client setup");
+    assert_eq!(c.is_exist("k"), Ok(false));
+    assert_eq!(
+        c.is_exist("k"),
+        Ok(false),
+        "sent again after its pooled connection closed unanswered"
+    );
+    let n = seen
+        .lock()
+        .expect("log")
+        .iter()
+        .filter(|r| matches!(r, proto::Request::ExistKey { .. }))
+        .count();
+    assert_eq!(n, 3, "the lost one once more, nothing else");
+    c.close().expect("close");
 }
 
 /// Mooncake's `--enable_metadata_cleanup_on_timeout` (its spelling): when the master drops a

@@ -138,10 +138,11 @@ fn build_requests(
 /// A kvferry transfer engine, integer addresses only (the low-level core of `kvferry.Engine`
 /// and `kvferry.mooncake.engine.TransferEngine`; use those instead).
 ///
-/// Core(local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE")
+/// Core(local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", protocol="", device_name="")
 ///
 /// Configuration comes from the environment (`KVFERRY_*`, and Mooncake's `MC_*` aliases)
-/// plus the two arguments. Raises `kvferry.ConfigError` when the engine cannot start.
+/// plus the arguments; `protocol` and `device_name` are Mooncake's `initialize` arguments
+/// (`protocol="rdma"`: RDMA only; `device_name`: the NICs to use, comma-separated). Raises `kvferry.ConfigError` when the engine cannot start.
 #[pyclass(frozen, module = "kvferry._kvferry", name = "Core")]
 pub struct Core {
     // Field order matters: the engine is dropped before the managed mappings it may touch.
@@ -407,13 +408,26 @@ impl Core {
 #[pymethods]
 impl Core {
     #[new]
-    #[pyo3(signature = (local_hostname = "127.0.0.1".to_string(), metadata_server = "P2PHANDSHAKE".to_string()))]
-    fn new(py: Python<'_>, local_hostname: String, metadata_server: String) -> PyResult<Self> {
+    #[pyo3(signature = (local_hostname = "127.0.0.1".to_string(), metadata_server = "P2PHANDSHAKE".to_string(), protocol = String::new(), device_name = String::new()))]
+    fn new(
+        py: Python<'_>,
+        local_hostname: String,
+        metadata_server: String,
+        protocol: String,
+        device_name: String,
+    ) -> PyResult<Self> {
         let mut config = Config::from_env().map_err(|e| errors::engine(py, &e))?;
         config.local_hostname = local_hostname;
         config.metadata_server = metadata_server;
+        // Mooncake's initialize(..., protocol, device_name) (see Config::apply_initialize_args).
+        let args = config
+            .apply_initialize_args(&protocol, &device_name, &|k| std::env::var(k).ok())
+            .map_err(|e| errors::engine(py, &e))?;
         let engine = py
-            .detach(move || TransferEngine::new(config))
+            .detach(move || {
+                args.check_rdma(&kvferry::rdma::probe(), config.rdma_devices.as_deref())?;
+                TransferEngine::new(config)
+            })
             .map_err(|e| errors::engine(py, &e))?;
         Ok(Core {
             engine: RwLock::new(Some(Arc::new(engine))),

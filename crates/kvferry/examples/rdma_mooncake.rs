@@ -5,7 +5,11 @@
 //! peer with the protocol `KVFERRY_PEER_PROTOCOL` names (`rdma` by default, or `tcp`): RDMA
 //! must then be chosen towards an RDMA peer and TCP towards a TCP one; a Mooncake TCP
 //! initiator must reach the `auto` engine (it publishes a TCP descriptor; a Mooncake RDMA
-//! initiator is not tried then).
+//! initiator is not tried then). With `initialize`, the kvferry engine is configured as
+//! Mooncake's `initialize(host, "P2PHANDSHAKE", "rdma", device_name)` configures it
+//! (`Config::apply_initialize_args`, as the Python layer does; `device_name` from
+//! `KVFERRY_INIT_DEVICE_NAME`, e.g. `rxe0`): it must publish an RDMA descriptor listing those
+//! NICs only, and both parts below must pass over RDMA (issue 45).
 //!
 //! 1. Mooncake target, kvferry initiator (`KVFERRY_TRANSPORT=rdma`): READ its buffer (pattern
 //!    checked), WRITE ours (its sha256 checked).
@@ -24,11 +28,12 @@ const SIZE: usize = 4 << 20;
 
 fn main() -> ExitCode {
     let a: Vec<String> = std::env::args().collect();
-    if !(4..=5).contains(&a.len()) || a.get(4).is_some_and(|m| m != "auto") {
-        eprintln!("usage: rdma_mooncake <python> <mooncake_peer.py> <host> [auto]");
+    let mode = a.get(4).map(String::as_str);
+    if !(4..=5).contains(&a.len()) || mode.is_some_and(|m| m != "auto" && m != "initialize") {
+        eprintln!("usage: rdma_mooncake <python> <mooncake_peer.py> <host> [auto|initialize]");
         return ExitCode::from(2);
     }
-    match run(&a[1], &a[2], &a[3], a.len() == 5) {
+    match run(&a[1], &a[2], &a[3], mode) {
         Ok(()) => {
             println!("rdma_mooncake: all checks passed");
             ExitCode::SUCCESS
@@ -86,7 +91,8 @@ fn peer_protocol() -> String {
         .unwrap_or_else(|| "rdma".into())
 }
 
-fn run(python: &str, script: &str, host: &str, auto: bool) -> Res<()> {
+fn run(python: &str, script: &str, host: &str, mode: Option<&str>) -> Res<()> {
+    let auto = mode == Some("auto");
     let transport = if auto {
         TransportMode::Auto
     } else {
@@ -97,13 +103,43 @@ fn run(python: &str, script: &str, host: &str, auto: bool) -> Res<()> {
     } else {
         "RDMA"
     };
-    let cfg = Config {
+    let mut cfg = Config {
         local_hostname: host.into(),
         transport,
         transfer_timeout: Duration::from_secs(20),
         ..Config::default()
     };
+    let init_devices = std::env::var("KVFERRY_INIT_DEVICE_NAME").unwrap_or_default();
+    if mode == Some("initialize") {
+        // As TransferEngine.initialize(host, "P2PHANDSHAKE", "rdma", device_name) does.
+        cfg = Config::from_env().map_err(|e| e.to_string())?;
+        cfg.local_hostname = host.into();
+        cfg.transfer_timeout = Duration::from_secs(20);
+        let args = cfg
+            .apply_initialize_args("rdma", &init_devices, &|k| std::env::var(k).ok())
+            .map_err(|e| e.to_string())?;
+        args.check_rdma(&kvferry::rdma::probe(), cfg.rdma_devices.as_deref())
+            .map_err(|e| e.to_string())?;
+    }
     let e = TransferEngine::new(cfg).map_err(|e| e.to_string())?;
+    if mode == Some("initialize") {
+        let d = e.local_descriptor();
+        let devices: Vec<&str> = d.devices.iter().map(|x| x.name.as_str()).collect();
+        let want: Vec<&str> = init_devices
+            .split(',')
+            .map(str::trim)
+            .filter(|x| !x.is_empty())
+            .collect();
+        if d.protocol != kvferry::wire::descriptor::Protocols::One("rdma".into())
+            || (!want.is_empty() && devices != want)
+        {
+            return Err(format!(
+                "initialize(protocol=\"rdma\", device_name={init_devices:?}) published protocol {:?} with devices {devices:?}",
+                d.protocol
+            ));
+        }
+        println!("rdma_mooncake: initialize(protocol=\"rdma\", device_name={init_devices:?}) publishes protocol \"rdma\" with devices {devices:?}");
+    }
     let mut buf = vec![0u8; SIZE];
     let la = buf.as_mut_ptr() as u64;
     e.register_memory(la, SIZE as u64, "cpu:0")

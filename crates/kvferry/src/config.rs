@@ -42,8 +42,8 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_REDIS_USERNAME", aliases: &["MC_REDIS_USERNAME"], default: "(none)", doc: "Redis user for `AUTH` (the `redis://user:pass@` URL form wins)" },
     EnvVar { name: "KVFERRY_REDIS_PASSWORD", aliases: &["MC_REDIS_PASSWORD"], default: "(none)", doc: "Redis password for `AUTH` (the URL form wins)" },
     EnvVar { name: "KVFERRY_REDIS_DB_INDEX", aliases: &["MC_REDIS_DB_INDEX"], default: "0", doc: "Redis database (0-255; the `redis://host:port/db` URL form wins)" },
-    EnvVar { name: "KVFERRY_TRANSPORT", aliases: &[], default: "auto", doc: "data path to peers: `auto` (shared memory to kvferry peers on this host that allow it: their kvferry-allocated memory mapped, other memory by cross-memory attach; TCP otherwise), `tcp` (never shared memory; this engine then also offers none), `shm` (shared memory only; requests to other peers fail with the reason), `rdma` (one-sided RDMA verbs only: the engine does not start without a usable NIC, requests to peers without RDMA fail with the reason). With `auto`, a host with an active RDMA NIC also sends over RDMA to peers that publish RDMA devices (why not, logged once per peer); it still publishes a TCP descriptor, so peers reach it over TCP (a stock Mooncake TCP engine cannot reach one that publishes `rdma`)" },
-    EnvVar { name: "KVFERRY_RDMA_DEVICES", aliases: &["MC_TE_FILTERS"], default: "every device with an active port", doc: "RDMA: comma-separated device names to use (e.g. `mlx5_0,mlx5_1`)" },
+    EnvVar { name: "KVFERRY_TRANSPORT", aliases: &[], default: "auto", doc: "data path to peers: `auto` (shared memory to kvferry peers on this host that allow it: their kvferry-allocated memory mapped, other memory by cross-memory attach; TCP otherwise), `tcp` (never shared memory; this engine then also offers none), `shm` (shared memory only; requests to other peers fail with the reason), `rdma` (one-sided RDMA verbs only: the engine does not start without a usable NIC, requests to peers without RDMA fail with the reason). With `auto`, a host with an active RDMA NIC also sends over RDMA to peers that publish RDMA devices (why not, logged once per peer); it still publishes a TCP descriptor, so peers reach it over TCP (a stock Mooncake TCP engine cannot reach one that publishes `rdma`). Set, it wins over the `protocol` argument of Mooncake's `initialize` (whose `rdma` means `rdma` here)" },
+    EnvVar { name: "KVFERRY_RDMA_DEVICES", aliases: &["MC_TE_FILTERS"], default: "every device with an active port", doc: "RDMA: comma-separated device names to use (e.g. `mlx5_0,mlx5_1`); with a `device_name` given to Mooncake's `initialize` too, the devices both name" },
     EnvVar { name: "KVFERRY_RDMA_MAX_ENDPOINTS", aliases: &[], default: "256", doc: "RDMA: connected endpoints (queue pairs to one peer NIC from one local NIC) this engine keeps; beyond it the least recently used idle one is closed (never one with work requests in flight) and reconnected on next use (1-65536)" },
     EnvVar { name: "KVFERRY_AUTO_RDMA", aliases: &[], default: "1", doc: "with KVFERRY_TRANSPORT=auto: whether RDMA is used at all on a host with a usable port (0/false: never, shared memory and TCP only; `force`: the engine does not start when RDMA cannot be opened, and says why, instead of going on without it). Mooncake's MC_FORCE_TCP=1 (or true/yes) means 0, and its MC_FORCE_HCA=1 means `force`, when this variable is not set (MC_FORCE_TCP wins)" },
     EnvVar { name: "KVFERRY_RDMA_TOPO", aliases: &["MC_CUSTOM_TOPO_JSON"], default: "discovered from sysfs", doc: "RDMA: a JSON file with the NIC priority matrix to use instead of discovery: `{\"cpu:0\": [[\"mlx5_0\"], [\"mlx5_1\"]], \"cuda:0\": [[\"mlx5_1\"], []]}` (location -> [preferred NICs, available NICs]); a piece is striped over its local memory's preferred NICs (else the available ones, else all). Discovery: NICs on a location's NUMA node, and for a GPU the nearest on PCIe" },
@@ -471,6 +471,160 @@ impl Config {
     }
 }
 
+/// What Mooncake's `initialize(local_hostname, metadata_server, protocol, device_name)` (and
+/// its store's `setup(..., protocol, rdma_devices, ...)`) asked of the engine, as
+/// [`Config::apply_initialize_args`] applied it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct InitializeArgs {
+    /// `protocol="rdma"` made the engine RDMA-only ([`TransportMode::Rdma`]).
+    pub rdma_required: bool,
+    /// The NICs `device_name` named (trimmed), when it named any.
+    pub device_names: Option<Vec<String>>,
+    /// The environment variable that filters the NICs too (`KVFERRY_RDMA_DEVICES` or
+    /// `MC_TE_FILTERS`), with its value, when set.
+    pub env_filter: Option<(String, String)>,
+}
+
+/// Splits Mooncake's `device_name` (`"mlx5_0,mlx5_1"`) into NIC names; `None` for every NIC
+/// (empty, or the store's `"auto-discovery"`). A NIC priority matrix (JSON) is refused:
+/// Mooncake's `initialize` takes names there too (and would match none).
+pub fn parse_device_names(device_name: &str) -> Result<Option<Vec<String>>> {
+    let d = device_name.trim();
+    if d.starts_with('{') || d.starts_with('[') || d.ends_with(".json") {
+        return Err(Error::Config(format!(
+            "device_name {d:?} is not a list of NIC names: initialize() takes them comma-separated (e.g. \"mlx5_0,mlx5_1\"), as Mooncake's does; give a NIC priority matrix file with KVFERRY_RDMA_TOPO (Mooncake's MC_CUSTOM_TOPO_JSON)"
+        )));
+    }
+    let names: Vec<String> = d
+        .split(',')
+        .map(|n| n.trim().to_string())
+        .filter(|n| !n.is_empty())
+        .collect();
+    Ok((!names.is_empty() && d != "auto-discovery").then_some(names))
+}
+
+impl Config {
+    /// Applies Mooncake's `initialize(..., protocol, device_name)` to a configuration read
+    /// from the environment that `get` reads (as for [`Config::from_lookup`]):
+    ///
+    /// - `protocol="rdma"`: RDMA only ([`TransportMode::Rdma`]): the engine publishes an RDMA
+    ///   segment descriptor, as a Mooncake RDMA engine does (so Mooncake's RDMA initiators
+    ///   reach it), and does not start without a usable NIC ([`InitializeArgs::check_rdma`]
+    ///   says why, and what to do).
+    /// - `"tcp"`, `""` and anything else: the transport is left as configured (by default
+    ///   `auto`: a TCP descriptor, which every Mooncake engine reaches; shared memory to kvferry
+    ///   peers on this host; RDMA as the initiator towards peers that publish it).
+    /// - An explicit `KVFERRY_TRANSPORT` wins over `protocol`, and so does Mooncake's
+    ///   `MC_FORCE_TCP=1` (TCP whatever else is asked, as in Mooncake); each is logged.
+    /// - `device_name`: the NICs to use ([`parse_device_names`]); with `KVFERRY_RDMA_DEVICES`
+    ///   (`MC_TE_FILTERS`) set too, only the NICs both name, as Mooncake applies
+    ///   `MC_TE_FILTERS` to `device_name`'s list.
+    pub fn apply_initialize_args(
+        &mut self,
+        protocol: &str,
+        device_name: &str,
+        get: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<InitializeArgs> {
+        let mut args = InitializeArgs {
+            env_filter: lookup(get, "KVFERRY_RDMA_DEVICES"),
+            ..InitializeArgs::default()
+        };
+        if let Some(names) = parse_device_names(device_name)? {
+            let allowed = match &self.rdma_devices {
+                Some(env) if args.env_filter.is_some() => {
+                    names.iter().filter(|n| env.contains(n)).cloned().collect()
+                }
+                _ => names.clone(),
+            };
+            if allowed.len() < names.len() {
+                let (var, v) = args.env_filter.as_ref().expect("set");
+                tracing::warn!("device_name {device_name:?}: {var}={v:?} leaves out NICs it names; only {allowed:?} are used");
+            }
+            self.rdma_devices = Some(allowed);
+            args.device_names = Some(names);
+        }
+        let protocol = protocol.trim().to_ascii_lowercase();
+        if protocol != "rdma" {
+            return Ok(args);
+        }
+        if let Some((var, v)) = lookup(get, "KVFERRY_TRANSPORT") {
+            if self.transport != TransportMode::Rdma {
+                tracing::info!("protocol \"rdma\" asked for RDMA only; {var}={v} wins");
+            }
+        } else if get("MC_FORCE_TCP").is_some_and(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "1" | "true" | "yes" | "on"
+            )
+        }) {
+            tracing::info!(
+                "protocol \"rdma\" asked for RDMA only; MC_FORCE_TCP wins (TCP, as in Mooncake)"
+            );
+        } else {
+            self.transport = TransportMode::Rdma;
+            args.rdma_required = true;
+        }
+        Ok(args)
+    }
+}
+
+impl InitializeArgs {
+    /// Where `protocol="rdma"` made the engine RDMA-only: whether this host can do it with
+    /// the NICs allowed (`devices`, as applied), per `probe`; if not, the error says why and
+    /// what to do. (The engine checks the rest when it opens the NICs.)
+    pub fn check_rdma(&self, probe: &crate::rdma::Probe, devices: Option<&[String]>) -> Result<()> {
+        if !self.rdma_required {
+            return Ok(());
+        }
+        let asked = match &self.device_names {
+            Some(d) => format!("protocol=\"rdma\", device_name={:?}", d.join(",")),
+            None => "protocol=\"rdma\"".to_string(),
+        };
+        let fix = "Fix: run it where an RDMA NIC has an ACTIVE port (`kvferry doctor` shows what this host has), or pass protocol=\"tcp\" (or set MC_FORCE_TCP=1) to move data over TCP";
+        let why = match (probe.why_not(), devices) {
+            (Some(why), _) => why,
+            (None, Some(only)) => {
+                let active = |n: &crate::rdma::sysfs::Nic| n.ports.iter().any(|p| p.active);
+                if probe
+                    .nics
+                    .iter()
+                    .any(|n| active(n) && only.contains(&n.name))
+                {
+                    return Ok(());
+                }
+                let found: Vec<String> = probe
+                    .nics
+                    .iter()
+                    .map(|n| {
+                        format!(
+                            "{}{}",
+                            n.name,
+                            if active(n) { "" } else { " (no ACTIVE port)" }
+                        )
+                    })
+                    .collect();
+                let named = match (&self.device_names, &self.env_filter) {
+                    (Some(_), Some((var, v))) => format!(
+                        "device_name with {var}={v:?} allows {only:?}, and none of them has an ACTIVE port"
+                    ),
+                    (None, Some((var, v))) => {
+                        format!("none of the NICs {var}={v:?} names has an ACTIVE port")
+                    }
+                    _ => format!("none of the NICs {only:?} has an ACTIVE port"),
+                };
+                format!(
+                    "{named} (this host has: {}); name NICs of this host in device_name, comma-separated",
+                    if found.is_empty() { "none".to_string() } else { found.join(", ") }
+                )
+            }
+            (None, None) => return Ok(()),
+        };
+        Err(Error::Config(format!(
+            "{asked} asks for RDMA only (the engine publishes an RDMA segment descriptor, as Mooncake's RDMA engine does), and this host cannot do it: {why}. {fix}"
+        )))
+    }
+}
+
 /// Splits `host[:port]`, `[v6]:port` or a bare IPv6 literal.
 pub fn split_host_port(s: &str) -> (&str, Option<u16>) {
     let s = s.trim_start_matches('/');
@@ -727,6 +881,186 @@ mod tests {
         );
         assert!(cfg(&[("MC_GID_INDEX", "x")]).is_err());
         assert!(cfg(&[("KVFERRY_SHM_THREADS", "65")]).is_err());
+    }
+
+    /// Issue 45: Mooncake's `initialize(..., protocol, device_name)` on the configuration.
+    fn init(
+        vars: &[(&str, &str)],
+        protocol: &str,
+        device_name: &str,
+    ) -> Result<(Config, InitializeArgs)> {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let get = move |k: &str| m.get(k).cloned();
+        let mut c = Config::from_lookup(&get)?;
+        let a = c.apply_initialize_args(protocol, device_name, &get)?;
+        Ok((c, a))
+    }
+
+    #[test]
+    fn initialize_protocol_and_device_name_map_onto_the_config() {
+        // protocol "rdma": RDMA only (an RDMA descriptor); "tcp", "" and others: as configured.
+        let (c, a) = init(&[], "rdma", "").unwrap();
+        assert_eq!((c.transport, a.rdma_required), (TransportMode::Rdma, true));
+        assert_eq!(c.rdma_devices, None, "every NIC with an active port");
+        let (c, _) = init(&[], " RDMA ", "").unwrap();
+        assert_eq!(c.transport, TransportMode::Rdma);
+        for p in ["tcp", "", "nvlink"] {
+            let (c, a) = init(&[], p, "").unwrap();
+            assert_eq!(
+                (c.transport, a.rdma_required),
+                (TransportMode::Auto, false),
+                "{p}"
+            );
+            assert!(c.auto_rdma, "{p}");
+        }
+        // An explicit KVFERRY_TRANSPORT wins; so does Mooncake's MC_FORCE_TCP (TCP only).
+        let (c, a) = init(&[("KVFERRY_TRANSPORT", "tcp")], "rdma", "").unwrap();
+        assert_eq!((c.transport, a.rdma_required), (TransportMode::Tcp, false));
+        let (c, _) = init(&[("KVFERRY_TRANSPORT", "rdma")], "tcp", "").unwrap();
+        assert_eq!(c.transport, TransportMode::Rdma);
+        let (c, a) = init(&[("MC_FORCE_TCP", "1")], "rdma", "").unwrap();
+        assert_eq!((c.transport, a.rdma_required), (TransportMode::Auto, false));
+        assert!(!c.auto_rdma, "MC_FORCE_TCP keeps auto off RDMA");
+        let (c, _) = init(&[("MC_FORCE_TCP", "0")], "rdma", "").unwrap();
+        assert_eq!(c.transport, TransportMode::Rdma);
+        let (c, _) = init(
+            &[("MC_FORCE_TCP", "1"), ("KVFERRY_TRANSPORT", "rdma")],
+            "rdma",
+            "",
+        )
+        .unwrap();
+        assert_eq!(
+            c.transport,
+            TransportMode::Rdma,
+            "kvferry's own variable wins"
+        );
+
+        // device_name: NIC names, comma-separated (spaces and empty items dropped).
+        let (c, a) = init(&[], "rdma", "mlx5_0, mlx5_1,").unwrap();
+        let both = vec!["mlx5_0".to_string(), "mlx5_1".to_string()];
+        assert_eq!(c.rdma_devices.as_ref(), Some(&both));
+        assert_eq!(a.device_names.as_ref(), Some(&both));
+        let (c, _) = init(&[], "tcp", "mlx5_1").unwrap();
+        assert_eq!(
+            c.rdma_devices,
+            Some(vec!["mlx5_1".to_string()]),
+            "auto's RDMA (as initiator) uses those NICs only"
+        );
+        for every in ["", " , ", "auto-discovery"] {
+            assert_eq!(
+                init(&[], "rdma", every).unwrap().0.rdma_devices,
+                None,
+                "{every:?}"
+            );
+        }
+        // With MC_TE_FILTERS (KVFERRY_RDMA_DEVICES) too: the NICs both name, as in Mooncake.
+        let (c, a) = init(
+            &[("MC_TE_FILTERS", "mlx5_1,mlx5_2")],
+            "rdma",
+            "mlx5_0,mlx5_1",
+        )
+        .unwrap();
+        assert_eq!(c.rdma_devices, Some(vec!["mlx5_1".to_string()]));
+        assert_eq!(
+            a.env_filter,
+            Some(("MC_TE_FILTERS".to_string(), "mlx5_1,mlx5_2".to_string()))
+        );
+        let (c, _) = init(&[("KVFERRY_RDMA_DEVICES", "mlx5_2")], "rdma", "mlx5_0").unwrap();
+        assert_eq!(
+            c.rdma_devices,
+            Some(Vec::new()),
+            "no NIC left: RDMA cannot open"
+        );
+        let (c, _) = init(&[("KVFERRY_RDMA_DEVICES", "mlx5_2")], "rdma", "").unwrap();
+        assert_eq!(c.rdma_devices, Some(vec!["mlx5_2".to_string()]));
+        // A NIC priority matrix is not a list of names (Mooncake's initialize takes names).
+        for json in [r#"{"cpu:0": [["mlx5_0"], []]}"#, "/etc/topo.json"] {
+            let e = init(&[], "rdma", json).unwrap_err().to_string();
+            assert!(
+                e.contains("device_name")
+                    && e.contains("comma-separated")
+                    && e.contains("KVFERRY_RDMA_TOPO"),
+                "{e}"
+            );
+        }
+    }
+
+    /// `protocol="rdma"` where the host cannot do RDMA: an error naming the cause and the fix
+    /// (a made-up host each time, so this runs anywhere).
+    #[test]
+    fn initialize_rdma_without_usable_nics_says_why_and_what_to_do() {
+        use crate::rdma::{sysfs, Probe};
+        let nic = |name: &str, active: bool| sysfs::Nic {
+            name: name.into(),
+            numa_node: None,
+            ports: vec![sysfs::Port {
+                num: 1,
+                state: if active { "4: ACTIVE" } else { "1: DOWN" }.into(),
+                active,
+                rate: String::new(),
+                link_layer: "Ethernet".into(),
+                gids: Vec::new(),
+            }],
+        };
+        let host = |nics: Vec<sysfs::Nic>| Probe {
+            library: true,
+            verbs: Ok(nics.iter().map(|n| n.name.clone()).collect()),
+            nics,
+        };
+        let check = |vars: &[(&str, &str)], dev: &str, p: &Probe| {
+            let (c, a) = init(vars, "rdma", dev).unwrap();
+            a.check_rdma(p, c.rdma_devices.as_deref())
+        };
+        let fix = |e: &str| {
+            e.contains("protocol=\"rdma\"")
+                && e.contains("RDMA only")
+                && e.contains("Fix:")
+                && e.contains("protocol=\"tcp\"")
+                && e.contains("kvferry doctor")
+        };
+        // No RDMA at all (libibverbs missing, or no device).
+        let none = Probe {
+            library: false,
+            verbs: Err("libibverbs.so.1 cannot be loaded: not found".into()),
+            nics: Vec::new(),
+        };
+        let e = check(&[], "", &none).unwrap_err().to_string();
+        assert!(
+            fix(&e) && e.contains("libibverbs.so.1 cannot be loaded"),
+            "{e}"
+        );
+        let e = check(&[], "", &host(Vec::new())).unwrap_err().to_string();
+        assert!(fix(&e) && e.contains("lists no RDMA device"), "{e}");
+        // NICs, but the port is down, or device_name names others.
+        let down = host(vec![nic("mlx5_0", false)]);
+        let e = check(&[], "", &down).unwrap_err().to_string();
+        assert!(fix(&e) && e.contains("no port is ACTIVE"), "{e}");
+        let two = host(vec![nic("mlx5_0", true), nic("mlx5_1", false)]);
+        let e = check(&[], "mlx5_1,mlx5_9", &two).unwrap_err().to_string();
+        assert!(
+            fix(&e)
+                && e.contains("device_name=\"mlx5_1,mlx5_9\"")
+                && e.contains("this host has: mlx5_0, mlx5_1 (no ACTIVE port)"),
+            "{e}"
+        );
+        let e = check(&[("MC_TE_FILTERS", "mlx5_1")], "mlx5_0", &two)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            fix(&e) && e.contains("MC_TE_FILTERS=\"mlx5_1\" allows []"),
+            "{e}"
+        );
+        // A usable NIC among those allowed: the engine opens it.
+        assert!(check(&[], "", &two).is_ok());
+        assert!(check(&[], "mlx5_0", &two).is_ok());
+        // Not RDMA-only: nothing to check.
+        let (c, a) = init(&[], "tcp", "").unwrap();
+        assert!(a.check_rdma(&none, c.rdma_devices.as_deref()).is_ok());
+        let (c, a) = init(&[("MC_FORCE_TCP", "1")], "rdma", "").unwrap();
+        assert!(a.check_rdma(&none, c.rdma_devices.as_deref()).is_ok());
     }
 
     #[test]

@@ -259,10 +259,17 @@ class TransferEngine:
         """Starts the engine. ``local_hostname`` is ``host`` or ``host:port`` (P2P mode picks
         the RPC port itself, as Mooncake does); ``metadata_server`` must be
         ``"P2PHANDSHAKE"`` (peers exchange descriptors directly) or a metadata service the
-        engine supports (otherwise -1, with the reason logged); ``protocol`` (``"tcp"``, ``"rdma"``, ...) and
-        ``device_name`` are accepted; the path is chosen per peer (shared memory on this host,
-        RDMA to RDMA peers when this host has a usable port unless ``MC_FORCE_TCP=1``, else TCP). Returns 0, or -1 (reason
-        logged). Calling it again replaces the engine, as in Mooncake."""
+        engine supports (otherwise -1, with the reason logged). ``protocol="rdma"``: RDMA
+        only, as a Mooncake RDMA engine: the engine publishes an RDMA segment descriptor
+        (Mooncake's RDMA initiators reach it), and where this host has no usable RDMA NIC
+        initialize returns -1, logging why and what to do. ``"tcp"`` (or anything else): the
+        transport as configured (``KVFERRY_TRANSPORT``, default ``auto``: a TCP descriptor,
+        shared memory to kvferry peers on this host, RDMA towards peers that publish it when
+        this host has a usable port). An explicit ``KVFERRY_TRANSPORT``, or Mooncake's
+        ``MC_FORCE_TCP=1``, wins over ``protocol``. ``device_name``: the RDMA NICs to use,
+        comma-separated (``"mlx5_0,mlx5_1"``; ``""``: every NIC with an active port); with
+        ``MC_TE_FILTERS``/``KVFERRY_RDMA_DEVICES`` set too, the NICs both name. Returns 0,
+        or -1 (reason logged). Calling it again replaces the engine, as in Mooncake."""
         args = (local_hostname, metadata_server, protocol, device_name)
         try:
             host, meta, proto, dev = _s(local_hostname), _s(metadata_server), _s(protocol), _s(device_name)
@@ -285,12 +292,10 @@ class TransferEngine:
         # initialize_ext, and the server string itself (bare host:port = etcd) for initialize.
         if mtype and meta != "P2PHANDSHAKE" and "://" not in meta:
             meta = "%s://%s" % (mtype, meta)
-        if proto not in ("tcp", "rdma", ""):
-            log.info("kvferry: protocol %r requested; the path is chosen per peer (shared memory, RDMA or TCP)", proto)
-        if dev:
-            log.debug("kvferry: device_name %r ignored (KVFERRY_RDMA_DEVICES / MC_TE_FILTERS choose the RDMA NICs)", dev)
+        if proto.strip().lower() not in ("tcp", "rdma", ""):
+            log.info("kvferry: protocol %r requested; the transport is as configured (KVFERRY_TRANSPORT, default auto: shared memory, RDMA or TCP per peer)", proto)
         try:
-            core = _kvferry.Core(host, meta)
+            core = _kvferry.Core(host, meta, proto, dev)
         except KvferryError as e:
             return _fail(method, e.reason)
         with self._init_lock:

@@ -47,8 +47,13 @@ pub struct ClientConfig {
     pub global_segment_size: u64,
     /// Staging memory for the bytes API (`put`, `get`); 0 disables it.
     pub local_buffer_size: u64,
-    /// `tcp` (the transfer engine picks the best transport it has per peer).
+    /// Mooncake's `protocol`: `rdma` makes the client's transfer engine RDMA-only (an RDMA
+    /// segment descriptor; setup fails, saying why, on a host without a usable NIC); `tcp`
+    /// leaves the engine's transport as configured (`auto` by default). See
+    /// [`kvferry::Config::apply_initialize_args`].
     pub protocol: String,
+    /// Mooncake's `rdma_devices`: the NICs to use, comma-separated; empty (or
+    /// `auto-discovery`) for every NIC with an active port.
     pub device_name: String,
     /// `host:port` of the master.
     pub master_server_addr: String,
@@ -312,6 +317,12 @@ impl Client {
         ecfg.local_hostname = cfg.local_hostname.clone();
         ecfg.metadata_server = cfg.metadata_server.clone();
         ecfg.transfer_timeout = cfg.transfer_timeout;
+        let invalid = |e: kvferry::Error| StoreError::InvalidParams(e.to_string());
+        let args = ecfg
+            .apply_initialize_args(&cfg.protocol, &cfg.device_name, &|k| std::env::var(k).ok())
+            .map_err(invalid)?;
+        args.check_rdma(&kvferry::rdma::probe(), ecfg.rdma_devices.as_deref())
+            .map_err(invalid)?;
         let (engine, port) = start_engine(&cfg, ecfg)?;
         Client::build(cfg, Arc::new(engine), None, port)
     }

@@ -227,9 +227,61 @@ fn authenticate(
     }
 }
 
+/// How one exchange on a connection failed ([`Rpc::exchange_on`]).
+enum Broke {
+    /// The request was not wholly written: the master cannot have read it (it reads whole
+    /// frames only, and the connection is not used again). `true`: because the connection
+    /// had ended (closed, reset), not a timeout.
+    Unsent(StoreError, bool),
+    /// Written, then the connection ended (closed or reset) before any byte of the answer.
+    NoAnswer(StoreError),
+    /// Any other failure after the request was written (a timeout, the answer cut short).
+    Lost(StoreError),
+    /// The answer came but does not decode.
+    Garbled(StoreError),
+}
+
+/// Whether an I/O error says the connection ended (closed or reset by the peer).
+fn ended(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind as K;
+    matches!(
+        e.kind(),
+        K::ConnectionReset | K::ConnectionAborted | K::BrokenPipe | K::NotConnected | K::WriteZero
+    )
+}
+
+/// Reads the first `buf.len()` bytes of an answer (its length prefix or sealed head), after
+/// polling for them for `spin`. An error says whether the connection ended (EOF, reset)
+/// before any of them came.
+fn read_head(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    spin: Duration,
+) -> Result<(), (bool, std::io::Error)> {
+    use std::io::ErrorKind as K;
+    let mut got = poll_read(s, buf, spin);
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) => {
+                return Err((
+                    got == 0,
+                    std::io::Error::new(
+                        K::UnexpectedEof,
+                        "the connection was closed before the whole answer came",
+                    ),
+                ))
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == K::Interrupted => {}
+            Err(e) => return Err((got == 0 && ended(&e), e)),
+        }
+    }
+    Ok(())
+}
+
 /// A call's failure: whether the request can have reached the master.
 enum Failure {
-    /// Nothing was sent (no connection): safe to send elsewhere.
+    /// Nothing was sent (no connection), or not the whole request: safe to send elsewhere.
     NotSent(StoreError),
     /// The connection failed after (part of) the request was sent.
     Lost(StoreError),
@@ -320,8 +372,16 @@ impl Rpc {
 
     /// One attempt at the current address; the answer, and the epoch of that address (the
     /// leader that answered).
+    ///
+    /// A connection taken from the pool may have died while idle (the master restarted, or
+    /// stepped down): one found closed before anything is sent on it is dropped, with every
+    /// other idle one, and the request goes on a new connection (behind an `etcd://` address
+    /// the caller looks for the leader first). One that breaks under the request gets it
+    /// once more, on a new connection, only where that cannot apply it twice: the request was
+    /// not wholly written (a master reads whole frames only), or the connection ended before
+    /// any byte of the answer and the request is [`idempotent`].
     fn call_once(&self, req: &Request, conn: Conn) -> Result<(Response, u64), Failure> {
-        let mut frame = proto::encode(req).map_err(Failure::NotSent)?;
+        let frame = proto::encode(req).map_err(Failure::NotSent)?;
         let (addr, epoch) = {
             // (Read together: `find_leader` changes both under this lock.)
             let cur = self.addr.lock().unwrap_or_else(|e| e.into_inner());
@@ -336,52 +396,104 @@ impl Rpc {
             Conn::Pool => self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop(),
             Conn::Aside => self.aside.lock().unwrap_or_else(|e| e.into_inner()).take(),
         };
-        if matches!(self.target, Target::Etcd { .. })
-            && pooled.as_ref().is_some_and(|c| closed_by_peer(&c.s))
-        {
-            // The master went away (killed, stepped down): nothing sent, so any request may go
-            // to the next one.
+        if pooled.as_ref().is_some_and(|c| closed_by_peer(&c.s)) {
+            // The master went away (killed, restarted, stepped down): nothing sent, and the
+            // other idle connections are to the same process.
             self.drop_connections();
-            return Err(Failure::NotSent(StoreError::Rpc(format!(
-                "the connection to the master at {addr} was closed by it"
-            ))));
+            pooled = None;
+            if matches!(self.target, Target::Etcd { .. }) {
+                // Any request may go to the next leader.
+                return Err(Failure::NotSent(StoreError::Rpc(format!(
+                    "the connection to the master at {addr} was closed by it"
+                ))));
+            }
+            tracing::debug!(
+                "the idle connection to the master at {addr} was closed by it (restarted?); connecting again"
+            );
         }
-        let mut c = match pooled.take() {
+        let reused = pooled.is_some();
+        let mut c = match pooled {
             Some(c) => c,
             None => self.connect(&addr).map_err(Failure::NotSent)?,
         };
-        let io =
-            |e: std::io::Error| Failure::Lost(StoreError::Rpc(format!("master at {addr}: {e}")));
-        if let Some((sealer, _)) = &mut c.sealed {
-            let mut out = Vec::new();
-            sealer.seal_frame(crate::frame::body(&frame), &mut out);
-            frame = out;
+        let mut answer = self.exchange_on(&mut c, &frame, &addr);
+        let again = match &answer {
+            Err(Broke::Unsent(e, true)) => Some(e),
+            Err(Broke::NoAnswer(e)) if idempotent(req) => Some(e),
+            _ => None,
+        };
+        if let Some(e) = again.filter(|_| reused) {
+            tracing::debug!(
+                "{e} (an idle connection that had died); sending the request again on a new one"
+            );
+            self.drop_connections();
+            c = self.connect(&addr).map_err(Failure::NotSent)?;
+            answer = self.exchange_on(&mut c, &frame, &addr);
         }
-        c.s.write_all(&frame).map_err(io)?;
+        let resp = answer.map_err(|b| match b {
+            Broke::Unsent(e, _) => Failure::NotSent(e),
+            Broke::NoAnswer(e) | Broke::Lost(e) => Failure::Lost(e),
+            Broke::Garbled(e) => Failure::Garbled(e),
+        })?;
+        if matches!(resp, Response::Err(StoreError::Unauthorized(_))) {
+            // (The master closes a connection it refuses.)
+            return Ok((resp, epoch));
+        }
+        match conn {
+            Conn::Pool => self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(c),
+            Conn::Aside => *self.aside.lock().unwrap_or_else(|e| e.into_inner()) = Some(c),
+        }
+        Ok((resp, epoch))
+    }
+
+    /// Sends the encoded request `frame` on `c` (sealed under its session, if any) and reads
+    /// the answer.
+    fn exchange_on(&self, c: &mut Chan, frame: &[u8], addr: &str) -> Result<Response, Broke> {
+        let fail = |e: std::io::Error| StoreError::Rpc(format!("master at {addr}: {e}"));
+        let lost = |e: std::io::Error| Broke::Lost(fail(e));
+        let head = |(none, e): (bool, std::io::Error)| {
+            if none {
+                Broke::NoAnswer(fail(e))
+            } else {
+                Broke::Lost(fail(e))
+            }
+        };
+        let sealed_frame;
+        let out = match &mut c.sealed {
+            Some((sealer, _)) => {
+                let mut out = Vec::new();
+                sealer.seal_frame(crate::frame::body(frame), &mut out);
+                sealed_frame = out;
+                &sealed_frame[..]
+            }
+            None => frame,
+        };
+        c.s.write_all(out).map_err(|e| {
+            let dead = ended(&e);
+            Broke::Unsent(fail(e), dead)
+        })?;
         let s = &mut c.s;
         let body = match &mut c.sealed {
             None => {
                 let mut prefix = [0u8; 4];
-                let got = poll_read(s, &mut prefix, self.spin);
-                s.read_exact(&mut prefix[got..]).map_err(io)?;
-                let n = proto::decode_len(prefix).map_err(Failure::Garbled)?;
+                read_head(s, &mut prefix, self.spin).map_err(head)?;
+                let n = proto::decode_len(prefix).map_err(Broke::Garbled)?;
                 let mut body = vec![0u8; n];
-                s.read_exact(&mut body).map_err(io)?;
+                s.read_exact(&mut body).map_err(lost)?;
                 body
             }
             Some((_, opener)) => {
                 use kvferry::auth::{frame_body_len, FRAME_HEAD_LEN};
                 let garbled = |r: kvferry::auth::Refusal| {
-                    Failure::Garbled(StoreError::Unauthorized(format!("the answer of the master at {addr}: {r}; something on the path between this client and the master altered the connection, which is closed")))
+                    Broke::Garbled(StoreError::Unauthorized(format!("the answer of the master at {addr}: {r}; something on the path between this client and the master altered the connection, which is closed")))
                 };
-                let mut head = [0u8; FRAME_HEAD_LEN];
-                let got = poll_read(s, &mut head, self.spin);
-                s.read_exact(&mut head[got..]).map_err(io)?;
+                let mut head_bytes = [0u8; FRAME_HEAD_LEN];
+                read_head(s, &mut head_bytes, self.spin).map_err(head)?;
                 let n = opener
-                    .open_frame_head(&head, proto::MAX_FRAME)
+                    .open_frame_head(&head_bytes, proto::MAX_FRAME)
                     .map_err(garbled)?;
                 let mut sealed = vec![0u8; frame_body_len(n)];
-                s.read_exact(&mut sealed).map_err(io)?;
+                s.read_exact(&mut sealed).map_err(lost)?;
                 let mut body = Vec::new();
                 opener
                     .open_frame_body(&sealed, &mut body)
@@ -389,17 +501,7 @@ impl Rpc {
                 body
             }
         };
-        let resp: Response = proto::decode(&body).map_err(Failure::Garbled)?;
-        if matches!(resp, Response::Err(StoreError::Unauthorized(_))) {
-            // (The master closes a connection it refuses.)
-            return Ok((resp, epoch));
-        }
-        let s = c;
-        match conn {
-            Conn::Pool => self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(s),
-            Conn::Aside => *self.aside.lock().unwrap_or_else(|e| e.into_inner()) = Some(s),
-        }
-        Ok((resp, epoch))
+        proto::decode(&body).map_err(Broke::Garbled)
     }
 
     /// Closes every idle connection (the pool's and the background threads').

@@ -170,3 +170,46 @@ fn master_addresses_are_host_port_or_etcd() {
         );
     }
 }
+
+/// Issue 45: `setup(..., protocol="rdma", rdma_devices, ...)` makes the client's engine
+/// RDMA-only, as Mooncake's store installs the protocol asked for: on a host without a usable
+/// RDMA NIC (CI's) setup fails before anything starts, naming the cause and the fix.
+#[test]
+fn setup_with_protocol_rdma_where_rdma_is_unusable_fails_saying_why() {
+    let env = [
+        "MC_FORCE_TCP",
+        "KVFERRY_TRANSPORT",
+        "KVFERRY_RDMA_DEVICES",
+        "MC_TE_FILTERS",
+    ];
+    if kvferry::rdma::probe().usable() || env.iter().any(|v| std::env::var_os(v).is_some()) {
+        eprintln!("NOT RUN: this host has a usable RDMA port, or one of {env:?} is set");
+        return;
+    }
+    let setup = |protocol: &str| {
+        Client::setup(ClientConfig {
+            protocol: protocol.into(),
+            device_name: "mlx5_0,mlx5_1".into(),
+            global_segment_size: 0,
+            local_buffer_size: 0,
+            master_server_addr: "127.0.0.1:1".into(),
+            ..ClientConfig::default()
+        })
+    };
+    match setup("rdma") {
+        Err(StoreError::InvalidParams(e)) => assert!(
+            e.contains("protocol=\"rdma\", device_name=\"mlx5_0,mlx5_1\" asks for RDMA only")
+                && e.contains("Fix:")
+                && e.contains("protocol=\"tcp\""),
+            "{e}"
+        ),
+        Err(e) => panic!("{e:?}"),
+        Ok(_) => panic!("an RDMA-only client started on a host without RDMA"),
+    }
+    // With "tcp" the engine starts (the master, absent here, is what fails).
+    match setup("tcp") {
+        Err(StoreError::Rpc(e)) => assert!(e.contains("127.0.0.1:1"), "{e}"),
+        Err(e) => panic!("{e:?}"),
+        Ok(_) => panic!("no master listens at 127.0.0.1:1"),
+    }
+}
