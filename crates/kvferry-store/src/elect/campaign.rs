@@ -218,7 +218,7 @@ enum Phase {
     Done,
 }
 
-/// The campaign of one master ([module docs](self)).
+/// The campaign of one master ([module docs](crate::elect)).
 #[derive(Debug)]
 pub struct Campaign {
     cfg: Config,
