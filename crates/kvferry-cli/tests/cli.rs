@@ -592,7 +592,7 @@ fn version_and_help_exit_zero() {
 fn readme_documents_every_variable() {
     let readme =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
-    for v in kvferry::config::ENV_VARS {
+    for v in kvferry::ENV_VARS {
         assert!(
             readme.contains(&format!("`{}`", v.name)),
             "README's configuration table lacks {}",

@@ -1094,17 +1094,16 @@ fn transfer_error(
 #[pyfunction]
 fn features(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
-    let cuda = py.detach(|| kvferry::gpu::cuda().is_ok());
-    let rdma = py.detach(|| kvferry::rdma::probe().usable());
+    let cuda = py.detach(|| kvferry::host::gpu::cuda_ready().is_ok());
+    let rdma = py.detach(|| kvferry::host::rdma::probe().usable());
     let gpu_rdma = cuda
         && rdma
         && py.detach(|| {
             let setting = kvferry::Config::from_env()
                 .map(|c| c.gpu_rdma)
                 .unwrap_or_default();
-            let verbs_dmabuf = kvferry::rdma::verbs::Verbs::load().is_ok_and(|v| v.has_dmabuf());
-            kvferry::gpu::direct::plan(setting, &kvferry::gpu::direct::facts(0, verbs_dmabuf))
-                .is_ok()
+            let verbs_dmabuf = kvferry::host::rdma::verbs_dmabuf();
+            kvferry::host::gpu::plan(setting, &kvferry::host::gpu::facts(0, verbs_dmabuf)).is_ok()
         });
     for (k, v) in [
         ("tcp", true),

@@ -12,7 +12,7 @@
 //! 2. kvferry target, Mooncake initiator: it WRITEs (our buffer checked), then READs (its
 //!    sha256 checked).
 
-use kvferry::config::TransportMode;
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use sha2::{Digest, Sha256};
 use std::io::{BufRead, BufReader, Write};
