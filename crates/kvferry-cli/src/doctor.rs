@@ -662,7 +662,7 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
             c
         }
         Err(e) => {
-            r.warn("environment", e.to_string(), "correct or unset the variable named (see the table below and README's configuration section)");
+            r.warn("environment", e.to_string(), "correct or unset the variable named (see the table below and docs/INSTALL.md's configuration section)");
             Config::default()
         }
     };
