@@ -58,9 +58,9 @@ pub mod fuzz;
 mod gpu;
 pub mod handshake;
 pub mod hostbuf;
+mod ibverbs;
 mod memory;
 pub mod metadata;
-mod rdma;
 mod route;
 mod transport;
 mod wire;
@@ -91,7 +91,7 @@ pub mod host {
     }
     /// libibverbs (loaded at run time), the RDMA NICs and their ports, from sysfs.
     pub mod rdma {
-        pub use crate::rdma::{
+        pub use crate::ibverbs::{
             port_reports, probe, query_mtus, verbs_dmabuf, Nic, PortReport, Probe,
         };
     }
@@ -146,10 +146,10 @@ pub mod testing {
     pub mod rdma {
         pub use crate::transport::rdma::PASSIVE_SWEEP_AT;
         pub mod sysfs {
-            pub use crate::rdma::sysfs::{nics, select_gid, ROOT};
+            pub use crate::ibverbs::sysfs::{nics, select_gid, ROOT};
         }
         pub mod verbs {
-            pub use crate::rdma::verbs::{
+            pub use crate::ibverbs::verbs::{
                 Context, Cq, Mr, Op, Path, Pd, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr,
                 RETRY_CNT,
             };

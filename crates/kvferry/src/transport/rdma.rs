@@ -1,12 +1,12 @@
 //! The RDMA transport: one-sided RDMA WRITE/READ over RC queue pairs, on the verbs layer of
-//! [`crate::rdma::verbs`] (libibverbs loaded at run time).
+//! [`crate::ibverbs::verbs`] (libibverbs loaded at run time).
 //!
 //! - **NICs**: every RDMA device with an active port 1 (or those `KVFERRY_RDMA_DEVICES`
 //!   names), in name order; each has a PD, a CQ with its completion channel, and a poller
 //!   thread. The GID index is chosen per NIC from sysfs (`MC_GID_INDEX` honoured).
 //! - **Memory**: every registered range gets one MR per NIC ([`Transport::on_register`]); the
 //!   descriptor publishes `protocol: "rdma"`, `devices` (name, LID, GID) and per-buffer
-//!   `rkey`/`lkey` arrays in device order, plus a `priority_matrix` ([`crate::rdma::topo`]:
+//!   `rkey`/`lkey` arrays in device order, plus a `priority_matrix` ([`crate::ibverbs::topo`]:
 //!   discovered from NUMA nodes and PCIe paths, or `KVFERRY_RDMA_TOPO`'s file), as Mooncake
 //!   does (reference §1.5, §2.3). Buffers whose MRs are not yet made are left out of the
 //!   descriptor (never published without keys).
@@ -76,11 +76,11 @@
 //! from a busy one. Peers named otherwise (no `ip:port`) are kept until they reconnect.
 
 use crate::batch::{FailCause, FailKind, TaskState};
-use crate::memory::{Region, RegionGuard};
-use crate::rdma::verbs::{
+use crate::ibverbs::verbs::{
     self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr,
 };
-use crate::rdma::{sysfs, topo};
+use crate::ibverbs::{sysfs, topo};
+use crate::memory::{Region, RegionGuard};
 use crate::transport::{
     Caps, Kinds, Mem, Needs, Peer, PeerDirectory, Piece, Prelude, Reach, Transport,
 };
@@ -718,7 +718,7 @@ pub fn try_gpu_registration(
     setting: crate::gpu::direct::GpuRdma,
 ) -> Result<Vec<GpuRegTry>, String> {
     use crate::gpu::direct;
-    let probe = crate::rdma::probe();
+    let probe = crate::ibverbs::probe();
     if let Some(why) = probe.why_not() {
         return Err(why);
     }
@@ -771,7 +771,7 @@ impl RdmaTransport {
         opts: RdmaOptions,
         dir: Arc<dyn PeerDirectory>,
     ) -> Result<RdmaTransport, String> {
-        let probe = crate::rdma::probe();
+        let probe = crate::ibverbs::probe();
         if let Some(why) = probe.why_not() {
             return Err(why);
         }
@@ -2918,7 +2918,7 @@ mod tests {
 
     #[test]
     fn without_rdma_the_transport_says_why() {
-        if crate::rdma::probe().usable() {
+        if crate::ibverbs::probe().usable() {
             return;
         }
         let e = RdmaTransport::new(

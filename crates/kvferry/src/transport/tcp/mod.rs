@@ -40,11 +40,11 @@ use std::time::{Duration, Instant};
 pub(crate) type RefusedHook = Arc<dyn Fn(&str, SocketAddr, Vec<Piece>) -> Vec<Piece> + Send + Sync>;
 
 mod lane;
-mod proto;
 mod queue;
-mod serve;
+mod rules;
 mod server;
 mod sockio;
+mod target_conn;
 
 pub(crate) use server::TcpServer;
 
@@ -425,4 +425,4 @@ impl TcpTransport {
 }
 
 #[cfg(any(test, feature = "fuzzing"))]
-pub(crate) use serve::fuzz_drive;
+pub(crate) use target_conn::fuzz_drive;

@@ -1,7 +1,7 @@
 //! Target side: the data listener and one thread per connection.
 
-use super::serve::{End, ServeConn};
 use super::sockio::*;
+use super::target_conn::{End, ServeConn};
 use crate::auth::{Keyed, Protect, Unproved};
 use crate::memory::MemoryRegistry;
 use std::collections::HashMap;
