@@ -9,7 +9,7 @@
 use crate::sys::{self, human, parse_secs, parse_size_nonzero, Buffer};
 use clap::builder::RangedU64ValueParser;
 use kvferry::auth::Protect;
-use kvferry::config::TransportMode;
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use serde::Serialize;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -455,7 +455,7 @@ fn sweep(
                     a.batch
                 );
                 let _ = std::io::stderr().flush();
-                let before = kvferry::transport::shm::bytes_moved();
+                let before = kvferry::host::shm::bytes_moved();
                 let p = run_point(
                     a,
                     &engine,
@@ -472,7 +472,7 @@ fn sweep(
                 used.push(path_label(
                     via.name,
                     before,
-                    kvferry::transport::shm::bytes_moved(),
+                    kvferry::host::shm::bytes_moved(),
                 ));
             }
         }
@@ -535,7 +535,7 @@ fn run_mooncake(a: &BenchArgs) -> Result<crate::mooncake::SideBySide, String> {
     }
     if a.transport.contains(&TransportMode::Rdma) {
         let devices = engine_config(a)?.rdma_devices.unwrap_or_else(|| {
-            kvferry::rdma::probe()
+            kvferry::host::rdma::probe()
                 .nics
                 .iter()
                 .filter(|n| n.ports.iter().any(|p| p.active))

@@ -1,6 +1,6 @@
 //! `kvferry doctor`: what this host can do, and why not.
 
-use kvferry::config::ENV_VARS;
+use kvferry::ENV_VARS;
 use kvferry::{Config, TransferEngine};
 use std::ffi::CStr;
 use std::net::IpAddr;
@@ -153,8 +153,8 @@ fn cap_sys_ptrace() -> bool {
 
 /// The same-host transport: settings that decide it, and a live probe against a child process.
 fn shm(r: &mut Report, cfg: &Config) -> Transport {
-    use kvferry::config::TransportMode;
-    use kvferry::transport::shm;
+    use kvferry::host::shm;
+    use kvferry::TransportMode;
     if cfg.transport == TransportMode::Tcp {
         let why = "disabled by KVFERRY_TRANSPORT=tcp (this engine neither uses nor offers cross-memory attach)";
         r.no("shm", why);
@@ -280,7 +280,7 @@ fn probe_child(cfg: &Config) -> Result<(kvferry::SegmentTransport, Result<(), St
             .ok_or("the probe target did not start")?;
         let e = TransferEngine::new(Config {
             local_hostname: "127.0.0.1".into(),
-            transport: kvferry::config::TransportMode::Auto,
+            transport: kvferry::TransportMode::Auto,
             ..cfg.clone()
         })
         .map_err(|e| e.to_string())?;
@@ -299,7 +299,7 @@ fn probe_child(cfg: &Config) -> Result<(kvferry::SegmentTransport, Result<(), St
         let local = vec![0x5au8; 4096];
         e.register_memory(local.as_ptr() as u64, 4096, "cpu:0")
             .map_err(|e| e.to_string())?;
-        let before = kvferry::transport::shm::bytes_moved();
+        let before = kvferry::host::shm::bytes_moved();
         let req = kvferry::TransferRequest {
             opcode: kvferry::Opcode::Write,
             source: local.as_ptr() as u64,
@@ -310,7 +310,7 @@ fn probe_child(cfg: &Config) -> Result<(kvferry::SegmentTransport, Result<(), St
         let st = e
             .transfer_sync(&[req], std::time::Duration::from_secs(5))
             .map_err(|e| e.to_string())?;
-        let after = kvferry::transport::shm::bytes_moved();
+        let after = kvferry::host::shm::bytes_moved();
         let mapped = match st.status {
             kvferry::TaskStatus::Completed if after.0 > before.0 => Ok(()),
             kvferry::TaskStatus::Completed => Err("the copy went by cross-memory attach; run with RUST_LOG=kvferry=debug for the reason".into()),
@@ -475,19 +475,19 @@ fn memory_info(r: &mut Report) -> serde_json::Value {
     })
 }
 
-/// RDMA: `kvferry::rdma::probe` (libibverbs loaded at run time, NICs and GIDs from sysfs),
+/// RDMA: `kvferry::host::rdma::probe` (libibverbs loaded at run time, NICs and GIDs from sysfs),
 /// then each port: its state, the GID the transport would choose (`MC_GID_INDEX` honoured)
 /// and the active MTU (`ibv_query_port`; no memory registered, no queue pair made).
 fn rdma(r: &Report, cfg: &Config) -> Transport {
-    let p = kvferry::rdma::probe();
+    let p = kvferry::host::rdma::probe();
     let nics = serde_json::to_value(&p.nics).unwrap_or_default();
     let devices = match &p.verbs {
         Ok(d) => serde_json::json!(d),
         Err(_) => serde_json::json!([]),
     };
-    let mut ports = kvferry::rdma::port_reports(&p.nics, cfg.gid_index);
+    let mut ports = kvferry::host::rdma::port_reports(&p.nics, cfg.gid_index);
     if p.library {
-        kvferry::rdma::query_mtus(&mut ports);
+        kvferry::host::rdma::query_mtus(&mut ports);
     }
     let t = match p.why_not() {
         Some(why) => {
@@ -529,12 +529,12 @@ fn rdma(r: &Report, cfg: &Config) -> Transport {
         .with("ports", serde_json::to_value(&ports).unwrap_or_default())
 }
 
-/// GPU memory: `kvferry::gpu::probe` (libcuda.so.1 loaded at run time), whether the driver
-/// has what staging GPU memory needs (`kvferry::gpu::cuda`), and, where RDMA is usable, how
-/// GPU memory would be registered on the NICs (`kvferry::gpu::direct`: DMA-BUF or
+/// GPU memory: `kvferry::host::gpu::probe` (libcuda.so.1 loaded at run time), whether the driver
+/// has what staging GPU memory needs (`kvferry::host::gpu::cuda_ready`), and, where RDMA is usable, how
+/// GPU memory would be registered on the NICs (`kvferry::host::gpu::direct`: DMA-BUF or
 /// nvidia-peermem, and why not).
 fn gpu(r: &mut Report, cfg: &Config, rdma_usable: bool) -> Transport {
-    let p = kvferry::gpu::probe();
+    let p = kvferry::host::gpu::probe();
     let gpus = serde_json::to_value(&p.gpus).unwrap_or_default();
     // The driver API's version number: 12040 is CUDA 12.4.
     let version = p
@@ -561,7 +561,7 @@ fn gpu(r: &mut Report, cfg: &Config, rdma_usable: bool) -> Transport {
             r.no("gpu memory", why);
             Transport::no(why.clone(), Some("install the NVIDIA driver; in a container, run with the NVIDIA container toolkit (--gpus all) so libcuda.so.1 is mounted"))
         }
-        None => match kvferry::gpu::cuda() {
+        None => match kvferry::host::gpu::cuda_ready() {
             Ok(_) => {
                 r.ok("gpu memory", format!("CUDA driver {} with {} GPU(s): GPU buffers register with \"*\" or \"cuda:N\" and move over RDMA where the NICs register them (below), else over TCP and same-host paths, staged through pinned host buffers", version.as_deref().unwrap_or("(version unknown)"), p.gpus.len()));
                 Transport::yes()
@@ -572,14 +572,18 @@ fn gpu(r: &mut Report, cfg: &Config, rdma_usable: bool) -> Transport {
             }
         },
     };
-    let direct = match (&p.unavailable, kvferry::gpu::cuda(), rdma_usable) {
+    let direct = match (
+        &p.unavailable,
+        kvferry::host::gpu::cuda_ready(),
+        rdma_usable,
+    ) {
         (None, Ok(_), true) => {
-            let verbs_dmabuf = kvferry::rdma::verbs::Verbs::load().is_ok_and(|v| v.has_dmabuf());
-            let rep = kvferry::gpu::direct::report(cfg.gpu_rdma, 0, verbs_dmabuf);
+            let verbs_dmabuf = kvferry::host::rdma::verbs_dmabuf();
+            let rep = kvferry::host::gpu::report(cfg.gpu_rdma, 0, verbs_dmabuf);
             let fix = "load nvidia-peermem (modprobe nvidia_peermem), or use the NVIDIA open kernel modules with rdma-core 34+ and a NIC driver that imports dma-bufs (DMA-BUF)";
             // Whether each method really registers GPU memory here: 2 MiB of GPU 0 on the
             // first NIC, registered and deregistered.
-            let tried = kvferry::transport::rdma::try_gpu_registration(0, cfg.gpu_rdma);
+            let tried = kvferry::host::gpu::try_gpu_registration(0, cfg.gpu_rdma);
             let mut works = Vec::new();
             let mut results = serde_json::Map::new();
             match &tried {
@@ -608,7 +612,7 @@ fn gpu(r: &mut Report, cfg: &Config, rdma_usable: bool) -> Transport {
                     "        registering GPU memory on a NIC could not be tried: {e}"
                 )),
             }
-            if cfg.gpu_rdma == kvferry::gpu::direct::GpuRdma::Auto {
+            if cfg.gpu_rdma == kvferry::GpuRdma::Auto {
                 for why in [&rep.dmabuf_unavailable, &rep.peermem_unavailable]
                     .into_iter()
                     .flatten()
@@ -658,7 +662,7 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
             c
         }
         Err(e) => {
-            r.warn("environment", e.to_string(), "correct or unset the variable named (see the table below and README's configuration section)");
+            r.warn("environment", e.to_string(), "correct or unset the variable named (see the table below and docs/INSTALL.md's configuration section)");
             Config::default()
         }
     };
@@ -707,7 +711,7 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
             .unwrap_or_else(|| "127.0.0.1".into())
     });
     let pick = "pass an address listed above as --local-hostname (KVFERRY_LOCAL_HOSTNAME / the engine's local_hostname)";
-    let resolved = kvferry::resolve_advertised(kvferry::config::split_host_port(&host).0);
+    let resolved = kvferry::resolve_advertised(kvferry::split_host_port(&host).0);
     let mut advertised_ok = false;
     match &resolved {
         Ok(ip) if ifs.iter().any(|(_, i)| i == ip) => {

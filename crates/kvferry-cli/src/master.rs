@@ -381,7 +381,7 @@ fn ha_config(
         .filter(|s| !s.is_empty())
     {
         Some(s) => {
-            let (h, p) = kvferry::config::split_host_port(s);
+            let (h, p) = kvferry::split_host_port(s);
             let p = p.unwrap_or(rpc_port);
             if h.contains(':') {
                 format!("[{h}]:{p}")

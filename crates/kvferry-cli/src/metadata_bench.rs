@@ -578,7 +578,7 @@ fn p2p_latency(n: usize) -> Result<(f64, f64), String> {
         let f = kvferry::handshake::request(
             "127.0.0.1",
             target.rpc_port(),
-            kvferry::wire::handshake::MsgType::Metadata,
+            kvferry::handshake::MsgType::Metadata,
             &body,
             Duration::from_secs(5),
             Duration::from_secs(5),
@@ -586,7 +586,7 @@ fn p2p_latency(n: usize) -> Result<(f64, f64), String> {
             None,
         )
         .map_err(|e| e.to_string())?;
-        kvferry::wire::descriptor::SegmentDesc::decode(&f.body).map_err(|e| e.to_string())?;
+        kvferry::SegmentDesc::decode(&f.body).map_err(|e| e.to_string())?;
         if i >= n / 10 {
             lat.push((t.elapsed().as_nanos() / 100).min(u128::from(u32::MAX)) as u32);
         }

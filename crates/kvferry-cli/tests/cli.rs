@@ -588,23 +588,150 @@ fn version_and_help_exit_zero() {
     assert_eq!(out.status.code(), Some(2));
 }
 
+/// docs/INSTALL.md's configuration table has a row for every variable of `kvferry::ENV_VARS`
+/// (the one list, which `kvferry doctor` prints), with its Mooncake aliases.
 #[test]
-fn readme_documents_every_variable() {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
-    for v in kvferry::config::ENV_VARS {
-        assert!(
-            readme.contains(&format!("`{}`", v.name)),
-            "README's configuration table lacks {}",
-            v.name
-        );
+fn install_md_documents_every_variable() {
+    let install = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/INSTALL.md"
+    ))
+    .unwrap();
+    let rows: Vec<&str> = install.lines().filter(|l| l.starts_with("| `")).collect();
+    for v in kvferry::ENV_VARS {
+        let row = rows
+            .iter()
+            .find(|r| r.starts_with(&format!("| `{}` |", v.name)))
+            .unwrap_or_else(|| panic!("docs/INSTALL.md's configuration table lacks {}", v.name));
         for a in v.aliases.iter().filter(|a| !a.contains("PRC")) {
             assert!(
-                readme.contains(&format!("`{a}`")),
-                "README lacks the alias {a} of {}",
+                row.contains(&format!("`{a}`")),
+                "docs/INSTALL.md lacks the alias {a} in the row of {}",
                 v.name
             );
         }
+    }
+}
+
+/// The environment variables a source file reads: `env::var("X")`, `env::var_os("X")`, a
+/// lookup closure's `var("X")`, names iterated for one (`for n in ["X", "Y"]`), and Python's
+/// `os.environ.get("X")`, `os.environ["X"]`, `os.environ.setdefault("X")`, `os.getenv("X")`.
+fn variables_read(src: &str) -> Vec<String> {
+    fn name_at(s: &str) -> Option<String> {
+        let q = s.chars().next().filter(|c| *c == '"' || *c == '\'')?;
+        let n: String = s[1..]
+            .chars()
+            .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+            .collect();
+        let named = n.starts_with(|c: char| c.is_ascii_uppercase());
+        (named && s[1 + n.len()..].starts_with(q)).then_some(n)
+    }
+    let mut out = Vec::new();
+    for pat in [
+        "var(",
+        "var_os(",
+        "environ.get(",
+        "environ[",
+        "environ.setdefault(",
+        "getenv(",
+    ] {
+        for (i, _) in src.match_indices(pat) {
+            // `set_var(`, `env_var(`: not a read.
+            if src[..i].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_') {
+                continue;
+            }
+            if let Some(n) = name_at(src[i + pat.len()..].trim_start()) {
+                out.push(n);
+            }
+        }
+    }
+    for (i, _) in src.match_indices(" in [\"") {
+        let list = &src[i + 5..];
+        let list = &list[..list.find(']').unwrap_or(0)];
+        // Only names shaped like variables (`GB` in a list of units is none).
+        out.extend(
+            list.split(',')
+                .filter_map(|x| name_at(x.trim()))
+                .filter(|n| n.contains('_')),
+        );
+    }
+    out
+}
+
+/// Every environment variable the `kvferry` command and the Python binding read (its Rust
+/// crate and the Python package) is in `kvferry::ENV_VARS`, as a name or an alias, and so in
+/// docs/INSTALL.md's table (above); test-only variables (`KVFERRY_TEST_*`, `KVFERRY_SIM_*`,
+/// `KVFERRY_SKIP_*`) are named in docs/INSTALL.md as test only; and the system's `PATH` is no
+/// configuration.
+#[test]
+fn every_variable_the_cli_and_the_binding_read_is_in_the_table() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    let install = std::fs::read_to_string(format!("{root}/docs/INSTALL.md")).unwrap();
+    let test_only = &install[install
+        .find("Test only (`KVFERRY_TEST_*`, `KVFERRY_SIM_*`, `KVFERRY_SKIP_*`")
+        .expect("docs/INSTALL.md names the test-only variables")..];
+    let mut found = std::collections::BTreeMap::<String, String>::new();
+    let mut dirs: Vec<std::path::PathBuf> = [
+        "crates/kvferry-cli/src",
+        "crates/kvferry-python/src",
+        "python",
+    ]
+    .iter()
+    .map(|d| std::path::Path::new(root).join(d))
+    .collect();
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p
+                .extension()
+                .is_some_and(|x| x == "rs" || x == "py" || x == "pth")
+            {
+                for n in variables_read(&std::fs::read_to_string(&p).unwrap()) {
+                    found.entry(n).or_insert_with(|| p.display().to_string());
+                }
+            }
+        }
+    }
+    // The scan itself: it finds reads of each kind, so it cannot go blind unnoticed.
+    for known in [
+        "KVFERRY_LOG",
+        "KVFERRY_MOONCAKE_BENCH",
+        "MOONCAKE_TE_META_DATA_SERVER",
+        "MOONCAKE_CONFIG_PATH",
+        "KVFERRY_BIN",
+        "KVFERRY_MOONCAKE_SHIM",
+        "KVFERRY_TEST_SLOW_DROP_MS",
+    ] {
+        assert!(
+            found.contains_key(known),
+            "the scan missed {known}: {found:?}"
+        );
+    }
+    let table: Vec<&str> = kvferry::ENV_VARS
+        .iter()
+        .flat_map(|v| std::iter::once(v.name).chain(v.aliases.iter().copied()))
+        .collect();
+    for (n, file) in &found {
+        if n == "PATH" {
+            continue;
+        }
+        if ["KVFERRY_TEST_", "KVFERRY_SIM_", "KVFERRY_SKIP_"]
+            .iter()
+            .any(|p| n.starts_with(p))
+        {
+            assert!(
+                test_only.contains(&format!("`{n}`")),
+                "{file} reads the test-only {n}: name it in docs/INSTALL.md's \"Test only\" paragraph"
+            );
+            continue;
+        }
+        assert!(
+            table.contains(&n.as_str()),
+            "{file} reads {n}, which is not in kvferry::ENV_VARS (crates/kvferry/src/config.rs) \
+            nor in docs/INSTALL.md's configuration table"
+        );
     }
 }
 

@@ -152,7 +152,7 @@ fn doctor_says_why_a_driver_cannot_be_used_and_the_fix() {
 fn doctor_without_a_driver_says_absent_why_and_the_fix() {
     let empty_dir = tempfile::tempdir().unwrap();
     let empty = empty_dir.path().to_path_buf();
-    if kvferry::gpu::driver::Driver::load().is_ok() {
+    if kvferry::host::gpu::probe().driver_version.is_some() {
         // A GPU host: its driver is found whatever LD_LIBRARY_PATH says; it is reported.
         let (_, d, _) = doctor(&empty, None);
         assert_eq!(d["transports"]["gpu"]["libcuda"], true, "{d}");

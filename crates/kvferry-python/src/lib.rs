@@ -425,7 +425,10 @@ impl Core {
             .map_err(|e| errors::engine(py, &e))?;
         let engine = py
             .detach(move || {
-                args.check_rdma(&kvferry::rdma::probe(), config.rdma_devices.as_deref())?;
+                args.check_rdma(
+                    &kvferry::host::rdma::probe(),
+                    config.rdma_devices.as_deref(),
+                )?;
                 TransferEngine::new(config)
             })
             .map_err(|e| errors::engine(py, &e))?;
@@ -1017,16 +1020,13 @@ impl Drop for Core {
         // Stopping the engine waits for accesses in progress and joins threads: never with
         // the GIL held (other Python threads would stall, and anything the engine's threads
         // wait on that needs the GIL would deadlock).
-        let slow_ms = std::env::var("KVFERRY_TEST_SLOW_DROP_MS")
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok());
+        let slow = slow_drop(|k| std::env::var(k).ok());
         Python::attach(|py| {
             py.detach(move || {
                 if let Some(engine) = engine {
                     retire(&engine);
-                    if let Some(ms) = slow_ms {
-                        // Test hook (tests/python/test_hardening.py): a drop that takes a while.
-                        std::thread::sleep(Duration::from_millis(ms.min(10_000)));
+                    if let Some(d) = slow {
+                        std::thread::sleep(d);
                     }
                     drop(engine);
                 }
@@ -1036,6 +1036,23 @@ impl Drop for Core {
         });
         // Pins (Python objects) go after the engine: its threads no longer touch their memory.
     }
+}
+
+/// Test hook (tests/python/test_hardening.py): `KVFERRY_TEST_SLOW_DROP_MS` (read through
+/// `var`) makes dropping an engine take that long, at most 10 s, inside the section that runs
+/// without the GIL. Only in builds with the `test-hooks` feature (the wheel that
+/// scripts/python-test builds with KVFERRY_WHEEL_PROFILE=ci); a release wheel has no such
+/// hook, nor the variable's name.
+#[cfg(feature = "test-hooks")]
+fn slow_drop(var: impl Fn(&str) -> Option<String>) -> Option<Duration> {
+    let ms = var("KVFERRY_TEST_SLOW_DROP_MS")?.parse::<u64>().ok()?;
+    Some(Duration::from_millis(ms.min(10_000)))
+}
+
+/// Without `test-hooks` (every release build): no hook.
+#[cfg(not(feature = "test-hooks"))]
+fn slow_drop(_var: impl Fn(&str) -> Option<String>) -> Option<Duration> {
+    None
 }
 
 /// Copies `data` to `addr` without an engine (kernel-checked; raises on a bad range).
@@ -1108,17 +1125,16 @@ fn transfer_error(
 #[pyfunction]
 fn features(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
-    let cuda = py.detach(|| kvferry::gpu::cuda().is_ok());
-    let rdma = py.detach(|| kvferry::rdma::probe().usable());
+    let cuda = py.detach(|| kvferry::host::gpu::cuda_ready().is_ok());
+    let rdma = py.detach(|| kvferry::host::rdma::probe().usable());
     let gpu_rdma = cuda
         && rdma
         && py.detach(|| {
             let setting = kvferry::Config::from_env()
                 .map(|c| c.gpu_rdma)
                 .unwrap_or_default();
-            let verbs_dmabuf = kvferry::rdma::verbs::Verbs::load().is_ok_and(|v| v.has_dmabuf());
-            kvferry::gpu::direct::plan(setting, &kvferry::gpu::direct::facts(0, verbs_dmabuf))
-                .is_ok()
+            let verbs_dmabuf = kvferry::host::rdma::verbs_dmabuf();
+            kvferry::host::gpu::plan(setting, &kvferry::host::gpu::facts(0, verbs_dmabuf)).is_ok()
         });
     for (k, v) in [
         ("tcp", true),
@@ -1236,4 +1252,47 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slow_drop;
+
+    /// Test hooks stay out of release wheels: the wheel is built with the features of
+    /// pyproject.toml's [tool.maturin] (never `test-hooks`), and a build without it ignores
+    /// the hook's variable. (`cargo test` builds this crate without `test-hooks` too; only
+    /// scripts/python-test's ci wheel has it.)
+    #[test]
+    #[cfg(not(feature = "test-hooks"))]
+    fn release_builds_have_no_test_hook() {
+        assert_eq!(slow_drop(|_| Some("400".into())), None);
+        let pyproject = include_str!("../../../pyproject.toml");
+        let maturin = pyproject
+            .split("[tool.maturin]")
+            .nth(1)
+            .expect("pyproject.toml has [tool.maturin]");
+        let maturin = maturin.split("\n[").next().unwrap_or(maturin);
+        let features = maturin
+            .lines()
+            .find(|l| l.trim_start().starts_with("features"))
+            .expect("[tool.maturin] names the wheel's features");
+        assert!(
+            !features.contains("test-hooks"),
+            "release wheels must not enable test-hooks: {features}"
+        );
+    }
+
+    /// With `test-hooks`, the hook reads its variable (bounded to 10 s).
+    #[test]
+    #[cfg(feature = "test-hooks")]
+    fn the_hook_reads_its_variable() {
+        use std::time::Duration;
+        let var = |v: &'static str| {
+            move |k: &str| (k == "KVFERRY_TEST_SLOW_DROP_MS").then(|| v.to_string())
+        };
+        assert_eq!(slow_drop(var("400")), Some(Duration::from_millis(400)));
+        assert_eq!(slow_drop(var("999999")), Some(Duration::from_secs(10)));
+        assert_eq!(slow_drop(var("x")), None);
+        assert_eq!(slow_drop(|_| None), None);
+    }
 }

@@ -1,7 +1,8 @@
 //! Socket helpers the store's network drivers share: the master's RPC connections
 //! (`crate::server`) and HA replication's links (`crate::ha::sync`). Accept errors backed off,
 //! TCP keepalive, reads bounded by a deadline, the cap on connections that did not prove the
-//! cluster key yet, and the bounded poll for a connection's next frame. Knows no request,
+//! cluster key yet, the bounded poll for a connection's next frame, and the one for a
+//! client's answer ([`poll_read`]). Knows no request,
 //! no state and no journal: it sits below every driver, and imports none of them.
 
 use std::io::Read;
@@ -9,6 +10,26 @@ use std::net::TcpStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// Polls the socket without blocking for at most `budget`, filling `buf` as far as data is
+/// there. A bounded poll: on a machine whose idle cores wake slowly it halves the round trip
+/// of a lone small request, and it never runs longer than `budget`. (The engine's TCP lanes
+/// have the same poll for their own connections.)
+pub(crate) fn poll_read(s: &TcpStream, buf: &mut [u8], budget: Duration) -> usize {
+    if budget.is_zero() {
+        return 0;
+    }
+    let start = Instant::now();
+    let mut got = 0;
+    while got < buf.len() && start.elapsed() < budget {
+        match rustix::net::recv(s, &mut buf[got..], rustix::net::RecvFlags::DONTWAIT) {
+            Ok((0, _)) => break, // EOF: the blocking read reports it
+            Ok((n, _)) => got += n,
+            Err(_) => std::hint::spin_loop(),
+        }
+    }
+    got
+}
 
 /// An accepted connection; on an error (out of descriptors, EMFILE, and the like) `None`
 /// after a short pause, so that an accept loop backs off instead of spinning.

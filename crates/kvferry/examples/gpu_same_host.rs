@@ -3,7 +3,7 @@
 //!  1. VMM: three physical allocations of GPU 0 (`cuMemCreate`, the driver's granularity)
 //!     mapped back to back (`cuMemMap`), as PyTorch's expandable segments make them; a range
 //!     across all three registers as `cuda:0` and goes GPU→TCP→host and back, bytes compared.
-//!  2. CUDA IPC: GPU 0 memory exported (`kvferry::gpu::ipc`), opened by a second process (this
+//!  2. CUDA IPC: GPU 0 memory exported (`kvferry::host::gpu::ipc`), opened by a second process (this
 //!     program again) on the last GPU, copied device to device both ways, bytes compared;
 //!     GB/s beside a plain device-to-device copy between the same GPUs in one process.
 //!  3. The engine's same-host GPU path: GPU 0 memory registered with an engine here, READ into
@@ -14,8 +14,8 @@
 //! Prints one JSON object (and writes `$OUT/gpu-same-host.json` when `OUT` is set); exits 1
 //! when a check fails. Arguments: [MiB, default 256] [passes, default 3].
 
-use kvferry::config::TransportMode;
-use kvferry::gpu::{self, ipc, Cuda};
+use kvferry::testing::gpu::{self, ipc, Cuda};
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::time::{Duration, Instant};
 
@@ -203,7 +203,7 @@ fn engine_read(cuda: &'static Cuda, args: &[String]) {
             "the same-host peer is reached by {via}, not shared memory"
         ));
     }
-    let before = kvferry::transport::shm::gpu_ipc_bytes();
+    let before = kvferry::testing::shm::gpu_ipc_bytes();
     let req = TransferRequest {
         opcode: Opcode::Read,
         source: mine,
@@ -222,7 +222,7 @@ fn engine_read(cuda: &'static Cuda, args: &[String]) {
             ));
         }
     });
-    let moved = kvferry::transport::shm::gpu_ipc_bytes() - before;
+    let moved = kvferry::testing::shm::gpu_ipc_bytes() - before;
     if moved != len as u64 * u64::from(passes.max(1)) {
         fail(format!(
             "{moved} bytes went through CUDA IPC, not {} (the rest took another path)",

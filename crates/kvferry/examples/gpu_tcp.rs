@@ -6,7 +6,7 @@
 //! machine; with the mock driver of the tests (`LD_LIBRARY_PATH=<dir of the mock>`) it runs
 //! anywhere. Arguments: [MiB per pass, default 256] [passes, default 3].
 
-use kvferry::config::TransportMode;
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::time::{Duration, Instant};
 
@@ -17,14 +17,14 @@ fn main() {
     let mib: u64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(256);
     let passes: u32 = args.next().and_then(|a| a.parse().ok()).unwrap_or(3);
     let len = mib << 20;
-    let cuda = match kvferry::gpu::cuda() {
+    let cuda = match kvferry::testing::gpu::cuda() {
         Ok(c) => c,
         Err(why) => {
             eprintln!("GPU memory not usable: {why}");
             std::process::exit(1);
         }
     };
-    let gpus = kvferry::gpu::probe().gpus.len().max(1) as u32;
+    let gpus = kvferry::host::gpu::probe().gpus.len().max(1) as u32;
     let (ga, gb) = (0u32, gpus - 1);
     let engine = || {
         TransferEngine::new(Config {

@@ -5,7 +5,7 @@
 //! every byte verified; then a remote range outside the peer's memory and a WRITE to memory
 //! the peer unregistered, which must both fail. Exits non-zero on any failure.
 
-use kvferry::config::TransportMode;
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -29,8 +29,8 @@ fn main() -> ExitCode {
 /// as many QPs and no `ready_ack` (so Mooncake skips the extra round), a `ready_ack: true`
 /// round is answered, and one for an unknown connection refused.
 fn handshake_as_mooncake_does(b: &TransferEngine, gid: &str) -> Res<()> {
-    use kvferry::wire::handshake::MsgType;
-    use kvferry::wire::rdma::ConnectionMsg;
+    use kvferry::testing::wire::handshake::MsgType;
+    use kvferry::testing::wire::rdma::ConnectionMsg;
     let ask = |m: &ConnectionMsg| -> Res<ConnectionMsg> {
         let host = b
             .segment_name()
@@ -318,7 +318,7 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
     // it, are refused, saying why (a QP is connected only in answer to a handshake, so this is
     // what keeps a peer without the key from RDMA access).
     {
-        use kvferry::wire::handshake::MsgType;
+        use kvferry::testing::wire::handshake::MsgType;
         let key = std::env::temp_dir().join(format!("kvferry-rdma-key-{}", std::process::id()));
         std::fs::write(&key, "r".repeat(64)).map_err(|e| e.to_string())?;
         std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600))
@@ -369,7 +369,7 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
             .rsplit_once(':')
             .map_or("127.0.0.1", |(h, _)| h)
             .to_string();
-        let conn = kvferry::wire::rdma::ConnectionMsg {
+        let conn = kvferry::testing::wire::rdma::ConnectionMsg {
             local_nic_path: "10.99.2.1:1@rxe0".into(),
             local_gid: desc.devices[0].gid.clone(),
             peer_nic_path: format!("{}@rxe0", kb.segment_name()),
@@ -585,7 +585,7 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
     // Departed peers' pairs are released whenever 16 are held (a look at most every 2 s): what
     // stays is under that mark plus the live peers' pairs (`last`: at most 2 of its NICs x 2
     // of ours). Without the looks `b` would hold at least b_before + 40.
-    let limit = kvferry::transport::rdma::PASSIVE_SWEEP_AT + 4;
+    let limit = kvferry::testing::rdma::PASSIVE_SWEEP_AT + 4;
     let t = Instant::now();
     let mut held = b.rdma_usage().map_or(0, |u| u.passive);
     while held > limit && t.elapsed() < Duration::from_secs(10) {

@@ -29,7 +29,7 @@
 //!
 //! Exits non-zero on any failure.
 
-use kvferry::config::TransportMode;
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -183,8 +183,8 @@ fn pair_with_dead_rxe_lo(cfg: &Config) -> Res<Pair> {
 /// Makes `b` replace its QPs for `a`'s endpoint `a@nic -> b@nic` (as when `a` reconnects that
 /// pair), so the QPs `a` holds point to QPs that are gone.
 fn kill_peer_qps(a: &TransferEngine, b: &TransferEngine, nic: &str, gid: &str) -> Res<()> {
-    use kvferry::wire::handshake::MsgType;
-    use kvferry::wire::rdma::ConnectionMsg;
+    use kvferry::testing::wire::handshake::MsgType;
+    use kvferry::testing::wire::rdma::ConnectionMsg;
     let host = b
         .segment_name()
         .rsplit_once(':')

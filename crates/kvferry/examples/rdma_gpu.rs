@@ -14,8 +14,8 @@
 //!
 //! Exits non-zero on any failure.
 
-use kvferry::config::TransportMode;
-use kvferry::gpu::direct::GpuRdma;
+use kvferry::GpuRdma;
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -54,8 +54,8 @@ fn cfg(host: &str, gpu_rdma: GpuRdma) -> Config {
     }
 }
 
-fn cuda() -> Res<&'static kvferry::gpu::Cuda> {
-    kvferry::gpu::cuda()
+fn cuda() -> Res<&'static kvferry::testing::gpu::Cuda> {
+    kvferry::testing::gpu::cuda()
         .map_err(|why| format!("the mock CUDA driver is not loaded (LD_LIBRARY_PATH?): {why}"))
 }
 

@@ -9,7 +9,7 @@
 //! shown on Soft-RoCE: the kernel waits for every process holding an rxe device to close it.)
 //! Exits non-zero on any failure.
 
-use kvferry::config::TransportMode;
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};

@@ -8,11 +8,11 @@
 //! path MTU is the smaller of both ports' active MTU. Transfers are cut into 64 KiB slices
 //! with up to 32 work requests outstanding, posted in chains of 8.
 
-use kvferry::rdma::sysfs;
-use kvferry::rdma::verbs::{
+use kvferry::testing::rdma::sysfs;
+use kvferry::testing::rdma::verbs::{
     self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr,
 };
-use kvferry::wire::rdma::{format_gid, parse_gid, ConnectionMsg};
+use kvferry::testing::wire::rdma::{format_gid, parse_gid, ConnectionMsg};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -112,7 +112,7 @@ fn accept(l: &Local, qp: &Qp, wire: &[u8], peer_mtu: u32) -> Res<()> {
         port: PORT,
         sgid_index: l.gid_index,
         mtu: l.port.active_mtu.min(peer_mtu),
-        retry_cnt: kvferry::rdma::verbs::RETRY_CNT,
+        retry_cnt: kvferry::testing::rdma::verbs::RETRY_CNT,
     };
     qp.connect(path, &remote).map_err(|e| e.to_string())
 }

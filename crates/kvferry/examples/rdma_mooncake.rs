@@ -16,7 +16,7 @@
 //! 2. kvferry target, Mooncake initiator: it WRITEs (our buffer checked), then READs (its
 //!    sha256 checked).
 
-use kvferry::config::TransportMode;
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use sha2::{Digest, Sha256};
 use std::io::{BufRead, BufReader, Write};
@@ -118,7 +118,7 @@ fn run(python: &str, script: &str, host: &str, mode: Option<&str>) -> Res<()> {
         let args = cfg
             .apply_initialize_args("rdma", &init_devices, &|k| std::env::var(k).ok())
             .map_err(|e| e.to_string())?;
-        args.check_rdma(&kvferry::rdma::probe(), cfg.rdma_devices.as_deref())
+        args.check_rdma(&kvferry::host::rdma::probe(), cfg.rdma_devices.as_deref())
             .map_err(|e| e.to_string())?;
     }
     let e = TransferEngine::new(cfg).map_err(|e| e.to_string())?;
@@ -130,7 +130,7 @@ fn run(python: &str, script: &str, host: &str, mode: Option<&str>) -> Res<()> {
             .map(str::trim)
             .filter(|x| !x.is_empty())
             .collect();
-        if d.protocol != kvferry::wire::descriptor::Protocols::One("rdma".into())
+        if d.protocol != kvferry::Protocols::One("rdma".into())
             || (!want.is_empty() && devices != want)
         {
             return Err(format!(

@@ -11,7 +11,7 @@
 //! `rdma_post_cost calibrate` times a fixed CPU-bound loop, so that a run under emulation (the
 //! VM's QEMU without KVM) can be scaled to the host's speed: run it on both and divide.
 
-use kvferry::config::TransportMode;
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::time::{Duration, Instant};
 

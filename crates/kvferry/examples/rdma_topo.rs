@@ -5,7 +5,7 @@
 //! packet counter where it was, while memory registered as `*` (no entry) is striped over
 //! both NICs. Every byte verified. Exits non-zero on any failure.
 
-use kvferry::config::TransportMode;
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::process::ExitCode;
 use std::time::Duration;

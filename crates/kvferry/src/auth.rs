@@ -27,11 +27,15 @@
 //! default, `docs/ARCHITECTURE.md`) or cutting a connection.
 //!
 //! The file holds one or two keys, one per line (blank lines and lines starting with `#` are
-//! skipped), each at least [`MIN_KEY_LEN`] bytes (`openssl rand -hex 32` writes one), readable
+//! skipped), each at least `MIN_KEY_LEN` bytes (`openssl rand -hex 32` writes one), readable
 //! by its owner only (as ssh wants of a private key). The first opens handshakes; every key is
 //! accepted. A key changes in three steps, each on every host before the next: `old` then
 //! `new` in the file (still opening with the old key, accepting both), `new` then `old`
 //! (opening with the new one), then `new` alone.
+
+pub(crate) mod keyed;
+
+pub(crate) use keyed::Keyed;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -45,19 +49,19 @@ use std::sync::Arc;
 /// here, against 1.9 GB/s and 220 ns (and 1.0 GB/s, 1.8 us with `snow`'s default ciphers).
 pub const NOISE: &str = "Noise_NNpsk0_25519_AESGCM_SHA256";
 /// Shortest key accepted, in bytes.
-pub const MIN_KEY_LEN: usize = 32;
+pub(crate) const MIN_KEY_LEN: usize = 32;
 /// Most keys a file may hold (the one in use and the one it replaces).
-pub const MAX_KEYS: usize = 2;
+pub(crate) const MAX_KEYS: usize = 2;
 /// Bytes of an AEAD tag: what sealing adds to each message.
-pub const TAG_LEN: usize = 16;
+pub(crate) const TAG_LEN: usize = 16;
 /// Bytes of an ephemeral public key (X25519).
 const DH_LEN: usize = 32;
 /// Longest identity an initiator may name (a segment name, a cluster, a member).
-pub const MAX_IDENTITY: usize = 512;
+pub(crate) const MAX_IDENTITY: usize = 512;
 /// Longest Noise message; a sealed frame's body goes in messages of at most this size.
 pub const MAX_MSG: usize = 65535;
 /// Most plaintext bytes one message carries.
-pub const MAX_PLAIN: usize = MAX_MSG - TAG_LEN;
+pub(crate) const MAX_PLAIN: usize = MAX_MSG - TAG_LEN;
 /// Most bytes of an opening message ([`Initiator::new`]).
 pub const MAX_HELLO_LEN: usize = DH_LEN + MAX_IDENTITY + TAG_LEN;
 /// Bytes of the answer to it ([`answer`]).
@@ -182,7 +186,7 @@ impl ClusterKey {
 
     /// The tag of an HTTP request's `parts` under the first key (HMAC-SHA256, lengths
     /// first, so no two lists of parts encode alike).
-    pub fn http_tag(&self, parts: &[&[u8]]) -> [u8; 32] {
+    pub(crate) fn http_tag(&self, parts: &[&[u8]]) -> [u8; 32] {
         Self::tag_with(&self.http[0], parts)
             .finalize()
             .into_bytes()
@@ -190,7 +194,7 @@ impl ClusterKey {
     }
 
     /// Whether `tag` is the tag of `parts` under one of the keys (compared in constant time).
-    pub fn http_verify(&self, parts: &[&[u8]], tag: &[u8]) -> bool {
+    pub(crate) fn http_verify(&self, parts: &[&[u8]], tag: &[u8]) -> bool {
         self.http
             .iter()
             .any(|k| Self::tag_with(k, parts).verify_slice(tag).is_ok())
@@ -241,37 +245,21 @@ impl Protect {
     }
 
     /// Its number on the wire.
-    pub fn code(self) -> u8 {
+    pub(crate) fn code(self) -> u8 {
         self as u8
     }
 
-    pub fn from_code(b: u8) -> Option<Protect> {
+    pub(crate) fn from_code(b: u8) -> Option<Protect> {
         [Protect::Headers, Protect::Payload, Protect::Encrypt]
             .get(usize::from(b))
             .copied()
     }
 }
 
-/// What a keyed endpoint answers to: the key, and the names it is dialed by (a handshake made
-/// for another name is refused: [`Refusal::Misdirected`]).
-#[derive(Clone, Debug)]
-pub struct Keyed {
-    pub key: Arc<ClusterKey>,
-    pub names: Vec<String>,
-}
-
-impl Keyed {
-    /// Answers an opening message for `proto` here ([`answer`]).
-    pub fn answer(&self, proto: Protocol, hello: &[u8]) -> Result<(Session, Vec<u8>), Refusal> {
-        let here: Vec<&str> = self.names.iter().map(String::as_str).collect();
-        answer(&self.key, proto, hello, &here)
-    }
-}
-
 /// Connections that have not proved the key yet, counted in total and per source address, so
 /// that a flood from one host (idle connections, slow senders) cannot take every place: a
 /// port admits a new connection only while both counts are under their caps, and a
-/// connection leaves the count when it proves the key ([`Pass::proved`]) or ends.
+/// connection leaves the count when it proves the key (`Pass::proved`) or ends.
 pub struct Unproved {
     total: usize,
     per_source: usize,
@@ -326,7 +314,7 @@ pub struct Pass {
 
 impl Pass {
     /// The connection proved the key: it no longer counts.
-    pub fn proved(&mut self) {
+    pub(crate) fn proved(&mut self) {
         if let Some((u, ip)) = self.of.take() {
             u.leave(ip);
         }
@@ -514,7 +502,7 @@ pub struct Sealer {
 }
 
 impl Sealer {
-    /// Appends `plain` (at most [`MAX_PLAIN`] bytes) sealed as the next message:
+    /// Appends `plain` (at most `MAX_PLAIN` bytes) sealed as the next message:
     /// `plain.len() + TAG_LEN` bytes.
     pub fn seal(&mut self, plain: &[u8], out: &mut Vec<u8>) {
         assert!(
@@ -539,7 +527,7 @@ impl Sealer {
 
     /// Seals `plain` as the next message into `out`, which must hold exactly
     /// `plain.len() + TAG_LEN` bytes.
-    pub fn seal_to(&mut self, plain: &[u8], out: &mut [u8]) {
+    pub(crate) fn seal_to(&mut self, plain: &[u8], out: &mut [u8]) {
         assert!(
             plain.len() <= MAX_PLAIN && out.len() == plain.len() + TAG_LEN,
             "sealing {} bytes into {}",
@@ -583,7 +571,7 @@ pub struct Opener {
 }
 
 impl Opener {
-    /// Opens the next message (`sealed`, [`TAG_LEN`] bytes more than what it carries) into
+    /// Opens the next message (`sealed`, `TAG_LEN` bytes more than what it carries) into
     /// `out`, returning how many bytes it carries.
     pub fn open(&mut self, sealed: &[u8], out: &mut [u8]) -> Result<usize, Refusal> {
         if sealed.len() < TAG_LEN || sealed.len() > MAX_MSG {

@@ -8,19 +8,19 @@
 //! X-Kvferry-Auth: v1 <unix time in ms> <nonce: 32 hex digits> <tag: 64 hex digits>
 //! ```
 //!
-//! The tag is [`ClusterKey::http_tag`] (HMAC-SHA256 under the key derived for HTTP) of the
+//! The tag is `ClusterKey::http_tag` (HMAC-SHA256 under the key derived for HTTP) of the
 //! request's method, its path and query as sent on the request line, the timestamp and the
 //! nonce as written in the header, and the SHA-256 of its body ([`sign`]). A server takes it
 //! ([`Guard::verify`]) when:
 //!
 //! - the header is well formed ([`Refusal::Missing`], [`Refusal::Malformed`] otherwise);
-//! - its timestamp is within [`WINDOW_MS`] (30 s) of the server's clock, before or after
+//! - its timestamp is within `WINDOW_MS` (30 s) of the server's clock, before or after
 //!   ([`Refusal::Skewed`]): hosts' clocks must agree that closely (NTP);
 //! - its tag is that of this request under a key the server holds, either of the two while a
 //!   key changes ([`Refusal::OtherKey`]; compared in constant time);
 //! - its nonce was not taken within the window ([`Refusal::Replayed`]): the server remembers
 //!   each nonce it took until the request's timestamp leaves the window, at most
-//!   [`REPLAY_CAPACITY`] nonces at once (under 7 MiB, [`ReplayCache`]); when that many are held,
+//!   `REPLAY_CAPACITY` nonces at once (under 7 MiB, `ReplayCache`); when that many are held,
 //!   a new request is refused ([`Refusal::Busy`], 503), never taken by forgetting one. Only
 //!   requests whose tag verified are remembered, so a client without the key cannot fill it.
 //!
@@ -37,19 +37,19 @@ use std::sync::Mutex;
 /// The header a signed request carries (header names are case-insensitive).
 pub const HEADER: &str = "X-Kvferry-Auth";
 /// The scheme, the header's first word.
-pub const SCHEME: &str = "v1";
+pub(crate) const SCHEME: &str = "v1";
 /// How far a request's timestamp may be from the server's clock, either way (ms).
-pub const WINDOW_MS: u64 = 30_000;
+pub(crate) const WINDOW_MS: u64 = 30_000;
 /// Most nonces a server remembers at once (each for at most twice [`WINDOW_MS`]).
-pub const REPLAY_CAPACITY: usize = 65_536;
+pub(crate) const REPLAY_CAPACITY: usize = 65_536;
 /// Bytes of a nonce (written as twice as many hex digits).
-pub const NONCE_LEN: usize = 16;
+pub(crate) const NONCE_LEN: usize = 16;
 /// Bytes of a tag (written as twice as many hex digits).
-pub const TAG_LEN: usize = 32;
+pub(crate) const TAG_LEN: usize = 32;
 /// Most digits of a timestamp.
 const MAX_TS_DIGITS: usize = 15;
 /// Longest header value taken.
-pub const MAX_HEADER_LEN: usize =
+pub(crate) const MAX_HEADER_LEN: usize =
     SCHEME.len() + 1 + MAX_TS_DIGITS + 1 + 2 * NONCE_LEN + 1 + 2 * TAG_LEN;
 
 /// What a server tells a client without the key, after the cause.
@@ -224,7 +224,7 @@ impl Claim {
     }
 
     /// Whether the tag is that of this request under one of `key`'s keys.
-    pub fn check_tag(
+    pub(crate) fn check_tag(
         &self,
         key: &ClusterKey,
         method: &str,
@@ -249,7 +249,8 @@ impl Claim {
     }
 
     /// The request's timestamp (ms since the Unix epoch).
-    pub fn timestamp_ms(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn timestamp_ms(&self) -> u64 {
         self.ts
     }
 }
@@ -261,7 +262,7 @@ impl Claim {
 /// The clock it goes by never goes back (the latest time it was given), so a nonce forgotten
 /// is one whose request the window refuses, even after the system clock was set back.
 #[derive(Debug)]
-pub struct ReplayCache {
+pub(crate) struct ReplayCache {
     capacity: usize,
     seen: HashSet<[u8; NONCE_LEN]>,
     /// (the time a nonce may be forgotten, the nonce), earliest first.
@@ -276,7 +277,7 @@ impl Default for ReplayCache {
 }
 
 impl ReplayCache {
-    pub fn new(capacity: usize) -> ReplayCache {
+    pub(crate) fn new(capacity: usize) -> ReplayCache {
         ReplayCache {
             capacity,
             seen: HashSet::new(),
@@ -286,18 +287,15 @@ impl ReplayCache {
     }
 
     /// Nonces held.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.seen.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.seen.is_empty()
     }
 
     /// Takes `claim`'s nonce at `now_ms`, once: refused when it was taken within the window,
     /// when the request is older than the window by this cache's clock, or when the cache is
     /// full of nonces still in their window.
-    pub fn admit(&mut self, claim: &Claim, now_ms: u64) -> Result<(), Refusal> {
+    pub(crate) fn admit(&mut self, claim: &Claim, now_ms: u64) -> Result<(), Refusal> {
         self.latest = self.latest.max(now_ms);
         while let Some(&(expiry, nonce)) = self.by_expiry.first() {
             if expiry >= self.latest {
@@ -337,7 +335,7 @@ impl Guard {
         Guard::with_capacity(key, REPLAY_CAPACITY)
     }
 
-    pub fn with_capacity(key: ClusterKey, capacity: usize) -> Guard {
+    pub(crate) fn with_capacity(key: ClusterKey, capacity: usize) -> Guard {
         Guard {
             key,
             cache: Mutex::new(ReplayCache::new(capacity)),
@@ -380,7 +378,8 @@ impl Guard {
     }
 
     /// Nonces held now.
-    pub fn remembered(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn remembered(&self) -> usize {
         self.cache.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 }

@@ -168,7 +168,7 @@ impl From<crate::Error> for Failure {
 
 /// How a piece of a task ended badly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailKind {
+pub(crate) enum FailKind {
     Failed,
     Timeout,
 }
@@ -189,7 +189,7 @@ impl Signal {
 }
 
 /// Completion state of one task.
-pub struct TaskState {
+pub(crate) struct TaskState {
     status: AtomicU8,
     transferred: AtomicU64,
     /// Pieces not yet finished.
@@ -217,19 +217,19 @@ impl TaskState {
     }
 
     /// The deadline by which the task must end.
-    pub fn deadline(&self) -> Instant {
+    pub(crate) fn deadline(&self) -> Instant {
         self.deadline
     }
 
     /// Declares that the task's single piece is being cut into `n` pieces (n >= 1).
-    pub fn split(&self, n: u32) {
+    pub(crate) fn split(&self, n: u32) {
         if n > 1 {
             self.pieces.fetch_add(n - 1, Ordering::AcqRel);
         }
     }
 
     /// Marks the task as handed to the network.
-    pub fn set_pending(&self) {
+    pub(crate) fn set_pending(&self) {
         let _ = self.status.compare_exchange(
             TaskStatus::Waiting as u8,
             TaskStatus::Pending as u8,
@@ -239,13 +239,13 @@ impl TaskState {
     }
 
     /// One piece finished successfully, having moved `bytes`.
-    pub fn piece_done(&self, bytes: u64) {
+    pub(crate) fn piece_done(&self, bytes: u64) {
         self.transferred.fetch_add(bytes, Ordering::AcqRel);
         self.finish_piece();
     }
 
     /// One piece failed. The first failure's reason is kept.
-    pub fn piece_failed(&self, kind: FailKind, reason: impl Into<Failure>) {
+    pub(crate) fn piece_failed(&self, kind: FailKind, reason: impl Into<Failure>) {
         let code = match kind {
             FailKind::Failed => TaskStatus::Failed,
             FailKind::Timeout => TaskStatus::Timeout,
@@ -281,7 +281,7 @@ impl TaskState {
         }
     }
 
-    pub fn status(&self) -> TransferStatus {
+    pub(crate) fn status(&self) -> TransferStatus {
         let status = TaskStatus::from_u8(self.status.load(Ordering::Acquire));
         let failure = if status.is_terminal() {
             self.reason.get()
@@ -305,7 +305,7 @@ pub(crate) struct Batch {
 }
 
 impl Batch {
-    pub fn new(capacity: usize) -> Batch {
+    pub(crate) fn new(capacity: usize) -> Batch {
         Batch {
             capacity,
             tasks: Mutex::new(Vec::with_capacity(capacity)),
@@ -313,7 +313,7 @@ impl Batch {
         }
     }
 
-    pub fn unfinished(&self) -> usize {
+    pub(crate) fn unfinished(&self) -> usize {
         self.signal.unfinished.load(Ordering::Acquire)
     }
 
@@ -322,7 +322,7 @@ impl Batch {
     /// the batch is PENDING (WAITING before any was handed to the network), even if a
     /// sibling already failed: a caller that sees a terminal batch may reuse every buffer
     /// of it. Bytes are summed over completed tasks.
-    pub fn status(&self) -> TransferStatus {
+    pub(crate) fn status(&self) -> TransferStatus {
         let tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
         let mut bytes = 0;
         let mut running: Option<TaskStatus> = None;
@@ -356,7 +356,7 @@ impl Batch {
     }
 
     /// Blocks (without spinning) until every task is terminal or `timeout`.
-    pub fn wait(&self, timeout: Duration) -> TransferStatus {
+    pub(crate) fn wait(&self, timeout: Duration) -> TransferStatus {
         self.wait_until(Instant::now().checked_add(timeout));
         self.status()
     }
@@ -364,7 +364,7 @@ impl Batch {
     /// Blocks until every task is terminal, however long that takes: every transport ends
     /// each task by its deadline, so this returns by the latest deadline (a warning is logged
     /// every 5 s past it, which would be a bug).
-    pub fn wait_terminal(&self) {
+    pub(crate) fn wait_terminal(&self) {
         let latest = self
             .tasks
             .lock()
@@ -409,13 +409,13 @@ impl Batch {
 impl Batch {
     /// Blocks (without spinning) until every task is terminal or `timeout`; returns each
     /// task's status.
-    pub fn wait_all(&self, timeout: Duration) -> Vec<TransferStatus> {
+    pub(crate) fn wait_all(&self, timeout: Duration) -> Vec<TransferStatus> {
         self.wait_until(Instant::now().checked_add(timeout));
         self.statuses()
     }
 
     /// Each task's status, in submission order.
-    pub fn statuses(&self) -> Vec<TransferStatus> {
+    pub(crate) fn statuses(&self) -> Vec<TransferStatus> {
         self.tasks
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -16,10 +16,8 @@ const RULES: &[(&str, &str)] = &[
         "shm::",
         "the shared-memory transport's module (transport/shm)",
     ),
-    (
-        "rdma::",
-        "the RDMA transport's module (transport/rdma) or its verbs (crate::rdma)",
-    ),
+    ("rdma::", "the RDMA transport's module (transport/rdma)"),
+    ("ibverbs::", "the RDMA transport's verbs layer (ibverbs/)"),
     ("local::", "the own segment's copy (transport/local.rs)"),
     (
         "stage::",

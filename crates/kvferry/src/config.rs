@@ -2,8 +2,11 @@
 //!
 //! kvferry's own variables are `KVFERRY_*`. Where Mooncake has a variable with the same
 //! meaning, its `MC_*` name is honoured as an alias (the `KVFERRY_*` name wins when both are
-//! set). [`ENV_VARS`] lists every variable; the README's configuration table is generated
-//! from the same facts, and `kvferry doctor` prints the values in force.
+//! set). [`ENV_VARS`] lists every variable kvferry reads (the engine's, then those only the
+//! `kvferry` command or the Python package read); docs/INSTALL.md's configuration table
+//! gives the same facts, and `kvferry doctor` prints the values in force. Test-only variables
+//! (`KVFERRY_TEST_*`, `KVFERRY_SIM_*`, `KVFERRY_SKIP_*`) are not in it: docs/INSTALL.md names
+//! them as such.
 
 use crate::error::{Error, Result};
 pub use crate::transport::shm::TransportMode;
@@ -20,7 +23,9 @@ pub struct EnvVar {
     pub doc: &'static str,
 }
 
-/// Every variable [`Config::from_env`] reads.
+/// Every variable kvferry reads: first those [`Config::from_env`] reads (it looks up only
+/// these entries, by name and alias), then those only the `kvferry` command or the Python
+/// package read (their `doc` says which).
 pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_MIN_PORT", aliases: &["MC_MIN_RPC_PORT", "MC_MIN_PRC_PORT"], default: "15000", doc: "lowest port picked at random for the handshake (RPC) and TCP data listeners" },
     EnvVar { name: "KVFERRY_MAX_PORT", aliases: &["MC_MAX_RPC_PORT", "MC_MAX_PRC_PORT"], default: "17000", doc: "highest port picked at random for the listeners" },
@@ -59,6 +64,15 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_AUTH_KEY_FILE", aliases: &[], default: "(none: no authentication, as Mooncake)", doc: "a file holding the cluster's key, readable by its owner only (`chmod 600`; one per line, at least 32 bytes each, e.g. `openssl rand -hex 32`; a second line is the key being replaced, still accepted): engines on their handshake and TCP data ports, store clients and the master, and HA masters on their replication links run a Noise handshake keyed by it (Noise_NNpsk0, the key never sent) bound to the endpoint dialed, and seal every frame after it; the master's state routes and every metadata-server write need a request signed with it. A side without it is refused, saying so. Stock Mooncake peers cannot; leave it unset where they must interoperate (docs/ARCHITECTURE.md, \"Authenticated peers\")" },
     EnvVar { name: "KVFERRY_AUTH_PROTECT", aliases: &[], default: "headers", doc: "with a cluster key, what a TCP data connection protects beyond the handshake: `headers` (every request header and status frame sealed: nothing injected, replayed or redirected; the bytes moved travel as they are), `payload` (those bytes also authenticated: a BLAKE3 digest of each 32 KiB sealed after it), `encrypt` (those bytes sealed too: nothing on the path reads them). An engine refuses connections asking for less than its own setting. Costs: docs/BENCHMARKS.md" },
     EnvVar { name: "KVFERRY_LOG", aliases: &["MC_LOG_LEVEL"], default: "warn", doc: "log filter for the `kvferry` binary (`error`, `warn`, `info`, `debug`, `trace`, or tracing directives)" },
+    // Read by the `kvferry` command only.
+    EnvVar { name: "MOONCAKE_TE_META_DATA_SERVER", aliases: &[], default: "(none)", doc: "`kvferry master --enable-metadata-cleanup-on-timeout`: Mooncake's name for the metadata service whose entries of dropped clients are removed, read after KVFERRY_METADATA_SERVER (an engine reads only KVFERRY_METADATA_SERVER)" },
+    EnvVar { name: "MOONCAKE_CONFIG_PATH", aliases: &[], default: "(none)", doc: "`kvferry master --enable-metadata-cleanup-on-timeout`: Mooncake's JSON client configuration, whose `metadata_server` names the service to clean when neither metadata variable is set" },
+    EnvVar { name: "KVFERRY_MOONCAKE_BENCH", aliases: &[], default: "transfer_engine_bench on PATH", doc: "`kvferry bench`: Mooncake's `transfer_engine_bench`, run side by side when the command line names none (`none`: not run)" },
+    EnvVar { name: "KVFERRY_MOONCAKE_PYTHON", aliases: &[], default: "(none)", doc: "`kvferry store-bench` and `kvferry metadata-bench`: a Python with stock Mooncake installed (its `mooncake_http_metadata_server` beside it), for the side-by-side runs when the command line names none (`none`: not run); the interop tests use it too" },
+    // Read by the Python package only.
+    EnvVar { name: "KVFERRY_MOONCAKE_SHIM", aliases: &[], default: "0", doc: "Python: set (to anything but `0`, `false`, `no` or `off`), `import mooncake.engine` / `mooncake.store` give kvferry's drop-in modules (the wheel's `.pth` file)" },
+    EnvVar { name: "KVFERRY_BIN", aliases: &[], default: "the wheel's own `kvferry` command", doc: "Python: the `kvferry` binary `kvferry.mooncake.http_metadata_server` runs (a build from source)" },
+    EnvVar { name: "MC_HANDSHAKE_PORT", aliases: &[], default: "12001", doc: "Python (`kvferry.mooncake.engine`): the handshake port added to a peer name given without one, as Mooncake's probe does" },
 ];
 
 /// The engine's configuration.
@@ -488,7 +502,7 @@ pub struct InitializeArgs {
 /// Splits Mooncake's `device_name` (`"mlx5_0,mlx5_1"`) into NIC names; `None` for every NIC
 /// (empty, or the store's `"auto-discovery"`). A NIC priority matrix (JSON) is refused:
 /// Mooncake's `initialize` takes names there too (and would match none).
-pub fn parse_device_names(device_name: &str) -> Result<Option<Vec<String>>> {
+pub(crate) fn parse_device_names(device_name: &str) -> Result<Option<Vec<String>>> {
     let d = device_name.trim();
     if d.starts_with('{') || d.starts_with('[') || d.ends_with(".json") {
         return Err(Error::Config(format!(
@@ -516,7 +530,7 @@ impl Config {
     ///   peers on this host; RDMA as the initiator towards peers that publish it).
     /// - An explicit `KVFERRY_TRANSPORT` wins over `protocol`, and so does Mooncake's
     ///   `MC_FORCE_TCP=1` (TCP whatever else is asked, as in Mooncake); each is logged.
-    /// - `device_name`: the NICs to use ([`parse_device_names`]); with `KVFERRY_RDMA_DEVICES`
+    /// - `device_name`: the NICs to use (comma-separated NIC names); with `KVFERRY_RDMA_DEVICES`
     ///   (`MC_TE_FILTERS`) set too, only the NICs both name, as Mooncake applies
     ///   `MC_TE_FILTERS` to `device_name`'s list.
     pub fn apply_initialize_args(
@@ -572,7 +586,11 @@ impl InitializeArgs {
     /// Where `protocol="rdma"` made the engine RDMA-only: whether this host can do it with
     /// the NICs allowed (`devices`, as applied), per `probe`; if not, the error says why and
     /// what to do. (The engine checks the rest when it opens the NICs.)
-    pub fn check_rdma(&self, probe: &crate::rdma::Probe, devices: Option<&[String]>) -> Result<()> {
+    pub fn check_rdma(
+        &self,
+        probe: &crate::ibverbs::Probe,
+        devices: Option<&[String]>,
+    ) -> Result<()> {
         if !self.rdma_required {
             return Ok(());
         }
@@ -584,7 +602,7 @@ impl InitializeArgs {
         let why = match (probe.why_not(), devices) {
             (Some(why), _) => why,
             (None, Some(only)) => {
-                let active = |n: &crate::rdma::sysfs::Nic| n.ports.iter().any(|p| p.active);
+                let active = |n: &crate::ibverbs::sysfs::Nic| n.ports.iter().any(|p| p.active);
                 if probe
                     .nics
                     .iter()
@@ -992,7 +1010,7 @@ mod tests {
     /// (a made-up host each time, so this runs anywhere).
     #[test]
     fn initialize_rdma_without_usable_nics_says_why_and_what_to_do() {
-        use crate::rdma::{sysfs, Probe};
+        use crate::ibverbs::{sysfs, Probe};
         let nic = |name: &str, active: bool| sysfs::Nic {
             name: name.into(),
             numa_node: None,

@@ -276,7 +276,7 @@ impl TransferEngine {
         // is gone, it answers `{}`.
         let l = Arc::clone(&link);
         let handler: handshake::Handler = Arc::new(move |f: &Frame| l.on_handshake(f));
-        let keyed = auth.clone().map(|key| handshake::Keyed {
+        let keyed = auth.clone().map(|key| crate::auth::Keyed {
             key,
             names: vec![name.clone()],
         });

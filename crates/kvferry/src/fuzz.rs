@@ -17,7 +17,7 @@ pub fn handshake_frame(data: &[u8]) {
 }
 
 /// The TCP data port's target side, with and without a key, before and after a handshake
-/// (see `transport::tcp::serve::fuzz_drive`).
+/// (see `transport::tcp::target_conn::fuzz_drive`).
 pub fn tcp_serve(data: &[u8]) {
     crate::transport::tcp::fuzz_drive(data);
 }

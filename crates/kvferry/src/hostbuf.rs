@@ -2,7 +2,7 @@
 //!
 //! A buffer is **shareable** by default: backed by a sealed memfd mapped shared, so that a
 //! same-host peer engine can map the same pages and copy with a plain `memcpy` (no system
-//! call, no page pinning; see [`crate::transport::shm`]). Every live shareable buffer is
+//! call, no page pinning; see `crate::transport::shm`). Every live shareable buffer is
 //! listed in a process-wide table that the engine consults when it publishes its descriptor;
 //! [`shareable_region`] answers whether a registered range lies inside one. Where memfd is
 //! unavailable the buffer is an ordinary anonymous mapping and peers reach it by
@@ -16,11 +16,11 @@
 //! gets the same address and the same fd number back, so neither names a buffer. Each
 //! shareable buffer has a random, non-zero 64-bit **generation**, written into the memfd's
 //! name (`memfd:kvferry-buffer:<generation as 16 hex digits>`) and into a **header page**
-//! stored in the memfd after the data (at [`header_offset`]): a magic, the generation and an
+//! stored in the memfd after the data (at `header_offset`): a magic, the generation and an
 //! `alive` word. A peer that maps the buffer checks the inode, the name and the header
 //! against what the owner published; dropping the buffer clears `alive` (before punching
 //! out the pages), so a peer still holding a mapping of a freed buffer sees that it is dead
-//! and never reports a copy into it as done ([`crate::transport::shm`] redoes such a copy by
+//! and never reports a copy into it as done (`crate::transport::shm` redoes such a copy by
 //! cross-memory attach, which reaches whatever the address holds now, or fails).
 //!
 //! **fork().** The mappings are marked `MADV_DONTFORK`: a child process does not inherit
@@ -92,23 +92,23 @@ const HUGE: usize = 2 << 20;
 const PAGE: u64 = 4096;
 
 /// Size of the header page stored after a shareable buffer's data in its memfd.
-pub const HEADER_LEN: u64 = PAGE;
+pub(crate) const HEADER_LEN: u64 = PAGE;
 /// First word of the header page.
-pub const HEADER_MAGIC: u64 = u64::from_le_bytes(*b"KVFBUF01");
+pub(crate) const HEADER_MAGIC: u64 = u64::from_le_bytes(*b"KVFBUF01");
 /// Word indices in the header page: magic, generation, alive (1 while the buffer lives).
-pub const HDR_MAGIC: usize = 0;
-pub const HDR_GENERATION: usize = 1;
-pub const HDR_ALIVE: usize = 2;
+pub(crate) const HDR_MAGIC: usize = 0;
+pub(crate) const HDR_GENERATION: usize = 1;
+pub(crate) const HDR_ALIVE: usize = 2;
 
 /// Where the header page of a shareable buffer of `len` bytes lies in its memfd (the data
 /// rounded up to whole pages); the memfd is `header_offset(len) + HEADER_LEN` bytes long.
-pub fn header_offset(len: u64) -> u64 {
+pub(crate) fn header_offset(len: u64) -> u64 {
     len.div_ceil(PAGE) * PAGE
 }
 
 /// The memfd name of a buffer of this generation, as `/proc/<pid>/fd/<n>` shows it after
 /// the `/memfd:` prefix.
-pub fn memfd_name(generation: u64) -> String {
+pub(crate) fn memfd_name(generation: u64) -> String {
     format!("kvferry-buffer:{generation:016x}")
 }
 

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 /// Largest length a range may have (Rust slices over it must not exceed `isize::MAX`).
-pub const MAX_REGION_LEN: u64 = isize::MAX as u64;
+pub(crate) const MAX_REGION_LEN: u64 = isize::MAX as u64;
 
 /// One registered range.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,28 +46,28 @@ struct Entry {
 
 /// Proof that `[addr, addr+len)` is registered, held while the range is accessed.
 #[derive(Clone)]
-pub struct RegionGuard {
+pub(crate) struct RegionGuard {
     entry: Arc<Entry>,
 }
 
 impl RegionGuard {
-    pub fn region(&self) -> &Region {
+    pub(crate) fn region(&self) -> &Region {
         &self.entry.region
     }
 
     /// The range is being unregistered: stop touching it and drop the guard.
-    pub fn is_revoked(&self) -> bool {
+    pub(crate) fn is_revoked(&self) -> bool {
         self.entry.revoked.load(Ordering::SeqCst)
     }
 }
 
 /// Asked when a range is revoked, so holders blocked in the kernel are woken (it must not
 /// block; it runs in the unregistering thread).
-pub type RevokeHook = Box<dyn Fn(&Region) + Send + Sync>;
+pub(crate) type RevokeHook = Box<dyn Fn(&Region) + Send + Sync>;
 
 /// The set of registered ranges of one engine.
 #[derive(Default)]
-pub struct MemoryRegistry {
+pub(crate) struct MemoryRegistry {
     /// By start address: (registration sequence number, range).
     regions: RwLock<BTreeMap<u64, (u64, Arc<Entry>)>>,
     next_seq: AtomicU64,
@@ -75,7 +75,7 @@ pub struct MemoryRegistry {
 }
 
 /// Checks a location string: `*`, `cpu:N`, `cuda:N` and Mooncake's other device prefixes.
-pub fn validate_location(location: &str) -> Result<()> {
+pub(crate) fn validate_location(location: &str) -> Result<()> {
     if location == "*" {
         return Ok(());
     }
@@ -91,12 +91,17 @@ pub fn validate_location(location: &str) -> Result<()> {
 }
 
 impl MemoryRegistry {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Registers several ranges atomically: either all are added or none.
-    pub fn register_batch(&self, ranges: &[(u64, u64)], location: &str) -> Result<Vec<Region>> {
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn register_batch(
+        &self,
+        ranges: &[(u64, u64)],
+        location: &str,
+    ) -> Result<Vec<Region>> {
         let kinds: Vec<(String, Option<u32>)> = ranges
             .iter()
             .map(|_| (location.to_string(), None))
@@ -106,7 +111,7 @@ impl MemoryRegistry {
 
     /// [`MemoryRegistry::register_batch`] with each range's published location and GPU as
     /// classified by the driver (`gpu::classify`), in the order of `ranges`.
-    pub fn register_classified(
+    pub(crate) fn register_classified(
         &self,
         ranges: &[(u64, u64)],
         location: &str,
@@ -189,7 +194,7 @@ impl MemoryRegistry {
     }
 
     /// Installs a hook asked at every revocation (see [`RevokeHook`]).
-    pub fn on_revoke(&self, hook: RevokeHook) {
+    pub(crate) fn on_revoke(&self, hook: RevokeHook) {
         self.hooks
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -198,7 +203,7 @@ impl MemoryRegistry {
 
     /// Removes the ranges starting at `addrs` (all or none), then waits until no access is in
     /// progress on any of them (the barrier described in the module docs).
-    pub fn unregister_batch(&self, addrs: &[u64]) -> Result<Vec<Region>> {
+    pub(crate) fn unregister_batch(&self, addrs: &[u64]) -> Result<Vec<Region>> {
         let removed: Vec<Arc<Entry>> = {
             let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
             if let Some(&addr) = addrs.iter().find(|a| !map.contains_key(a)) {
@@ -214,7 +219,7 @@ impl MemoryRegistry {
     }
 
     /// Unregisters everything (engine shutdown) with the same barrier.
-    pub fn unregister_all(&self) -> Vec<Region> {
+    pub(crate) fn unregister_all(&self) -> Vec<Region> {
         let removed: Vec<Arc<Entry>> = {
             let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
             std::mem::take(&mut *map)
@@ -261,7 +266,7 @@ impl MemoryRegistry {
     }
 
     /// Returns a guard if `[addr, addr+len)` lies inside one registered range.
-    pub fn check(&self, addr: u64, len: u64) -> Option<RegionGuard> {
+    pub(crate) fn check(&self, addr: u64, len: u64) -> Option<RegionGuard> {
         let end = addr.checked_add(len)?;
         let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
         let (_, (_, r)) = map.range(..=addr).next_back()?;
@@ -272,7 +277,7 @@ impl MemoryRegistry {
 
     /// All registered ranges, in registration order (as Mooncake lists them in a segment
     /// descriptor: `get_first_buffer_address` is the oldest registered buffer).
-    pub fn snapshot(&self) -> Vec<Region> {
+    pub(crate) fn snapshot(&self) -> Vec<Region> {
         let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
         let mut v: Vec<&(u64, Arc<Entry>)> = map.values().collect();
         v.sort_unstable_by_key(|(seq, _)| *seq);

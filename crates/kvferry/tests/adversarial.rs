@@ -18,8 +18,8 @@
 //!
 //! Every test is bounded in time: fake peers stop on their own, waits have deadlines.
 
-use kvferry::wire::handshake::{self, MsgType};
-use kvferry::wire::tcp::{self as wire, DataHeader, Status, HEADER_LEN};
+use kvferry::testing::wire::handshake::{self, MsgType};
+use kvferry::testing::wire::tcp::{self as wire, DataHeader, Status, HEADER_LEN};
 use kvferry::{Config, FailCause, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 fn engine(timeout: Duration) -> TransferEngine {
     TransferEngine::new(Config {
         transfer_timeout: timeout,
-        transport: kvferry::config::TransportMode::Tcp,
+        transport: kvferry::TransportMode::Tcp,
         ..Config::default()
     })
     .expect("engine starts")
@@ -725,7 +725,7 @@ fn writes_queued_behind_a_rejected_one_go_again_and_land() {
     });
     let a = TransferEngine::new(Config {
         transfer_timeout: Duration::from_secs(5),
-        transport: kvferry::config::TransportMode::Tcp,
+        transport: kvferry::TransportMode::Tcp,
         tcp_lanes: 1,
         ..Config::default()
     })
@@ -834,7 +834,7 @@ fn a_lost_peers_descriptor_refresh_does_not_hold_its_lane() {
     });
     let a = TransferEngine::new(Config {
         transfer_timeout: Duration::from_secs(10),
-        transport: kvferry::config::TransportMode::Tcp,
+        transport: kvferry::TransportMode::Tcp,
         tcp_lanes: 1,
         ..Config::default()
     })

@@ -10,9 +10,9 @@
 mod metadata_services;
 
 use kvferry::auth::{ClusterKey, Initiator, Protocol, Sealer};
-use kvferry::batch::FailCause;
-use kvferry::wire::handshake::{self, MsgType};
-use kvferry::wire::tcp::{self, DataHeader, Status};
+use kvferry::testing::wire::handshake::{self, MsgType};
+use kvferry::testing::wire::tcp::{self, DataHeader, Status};
+use kvferry::FailCause;
 use kvferry::{Config, Error, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -52,7 +52,7 @@ fn key_file(name: &str, lines: &[&str]) -> KeyFile {
 fn engine(key: Option<&KeyFile>) -> TransferEngine {
     TransferEngine::new(Config {
         transfer_timeout: Duration::from_secs(5),
-        transport: kvferry::config::TransportMode::Tcp,
+        transport: kvferry::TransportMode::Tcp,
         auth_key_file: key.map(|k| k.0.clone()),
         ..Config::default()
     })
@@ -68,7 +68,7 @@ fn central(meta: &str, name: &str, key: &KeyFile) -> TransferEngine {
         // (The keeper does not rewrite descriptors during a test: what the attacker wrote stays.)
         metadata_lease_ttl: Duration::from_secs(120),
         transfer_timeout: Duration::from_secs(5),
-        transport: kvferry::config::TransportMode::Tcp,
+        transport: kvferry::TransportMode::Tcp,
         auth_key_file: Some(key.0.clone()),
         ..Config::default()
     })
@@ -637,7 +637,7 @@ fn what_the_path_can_do_to_the_bytes_moved_depends_on_the_protection_asked() {
             advertise_address: Some("127.0.0.1".into()),
             metadata_lease_ttl: Duration::from_secs(120),
             transfer_timeout: Duration::from_secs(5),
-            transport: kvferry::config::TransportMode::Tcp,
+            transport: kvferry::TransportMode::Tcp,
             auth_key_file: Some(k.0.clone()),
             ..Config::default()
         };
@@ -779,18 +779,18 @@ fn a_data_port_that_never_answers_the_handshake_fails_the_requests_by_their_dead
     let desc = format!(
         r#"{{"name":"{name}","protocol":"tcp","tcp_data_port":{data_port},"tcp_proto_version":2,"buffers":[{{"name":"cpu:0","addr":{remote},"length":16777216}}]}}"#
     );
-    let handler: kvferry::handshake::Handler = Arc::new(move |f: &handshake::Frame| {
+    let handler: kvferry::testing::handshake::Handler = Arc::new(move |f: &handshake::Frame| {
         if f.kind == MsgType::Metadata {
             desc.clone().into_bytes()
         } else {
             b"{}".to_vec()
         }
     });
-    let server = kvferry::handshake::HandshakeServer::start(
+    let server = kvferry::testing::handshake::HandshakeServer::start(
         hs,
         1 << 20,
         handler,
-        Some(kvferry::auth::Keyed {
+        Some(kvferry::testing::auth::Keyed {
             key,
             names: vec![name.clone()],
         }),
@@ -798,7 +798,7 @@ fn a_data_port_that_never_answers_the_handshake_fails_the_requests_by_their_dead
     .unwrap();
     let e = TransferEngine::new(Config {
         transfer_timeout: Duration::from_secs(2),
-        transport: kvferry::config::TransportMode::Tcp,
+        transport: kvferry::TransportMode::Tcp,
         auth_key_file: Some(k.0.clone()),
         ..Config::default()
     })

@@ -1,7 +1,7 @@
 //! Two engines in one process on 127.0.0.1: data paths, bad input, faults.
 
-use kvferry::wire::handshake::{self, MsgType};
-use kvferry::wire::tcp::{self, DataHeader, Status};
+use kvferry::testing::wire::handshake::{self, MsgType};
+use kvferry::testing::wire::tcp::{self, DataHeader, Status};
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -11,7 +11,7 @@ fn engine() -> TransferEngine {
     // TCP on purpose: these tests are about the TCP transport (same-host shared memory has tests/shm.rs).
     TransferEngine::new(Config {
         transfer_timeout: Duration::from_secs(5),
-        transport: kvferry::config::TransportMode::Tcp,
+        transport: kvferry::TransportMode::Tcp,
         ..Config::default()
     })
     .expect("engine starts")
@@ -829,10 +829,10 @@ fn many_threads_submit_at_once() {
 #[test]
 fn rdma_mode_starts_only_with_a_usable_nic_and_says_why_not() {
     let cfg = Config {
-        transport: kvferry::config::TransportMode::Rdma,
+        transport: kvferry::TransportMode::Rdma,
         ..Config::default()
     };
-    let probe = kvferry::rdma::probe();
+    let probe = kvferry::host::rdma::probe();
     match (TransferEngine::new(cfg), probe.why_not()) {
         (Err(e), Some(why)) => {
             let e = e.to_string();
@@ -866,7 +866,10 @@ fn forced_rdma_in_auto_mode_starts_only_with_a_usable_nic_and_says_why_not() {
         rdma_forced: true,
         ..Config::default()
     };
-    match (TransferEngine::new(cfg), kvferry::rdma::probe().why_not()) {
+    match (
+        TransferEngine::new(cfg),
+        kvferry::host::rdma::probe().why_not(),
+    ) {
         (Err(e), Some(why)) => {
             let e = e.to_string();
             assert!(

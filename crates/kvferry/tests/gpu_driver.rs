@@ -3,7 +3,7 @@
 
 mod cuda_mock;
 
-use kvferry::gpu::{self, driver::Driver};
+use kvferry::testing::gpu::{self, driver::Driver};
 use std::path::{Path, PathBuf};
 
 /// A mock driver library built with `defines` (`cuda_mock/mock_cuda.c`, probe only: the

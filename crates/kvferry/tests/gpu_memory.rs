@@ -6,8 +6,8 @@
 
 mod cuda_mock;
 
-use kvferry::config::TransportMode;
-use kvferry::gpu::{self, Cuda};
+use kvferry::testing::gpu::{self, Cuda};
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest, LOCAL_SEGMENT_ID};
 use std::path::Path;
 use std::process::Command;
@@ -522,8 +522,8 @@ fn without_a_usable_driver_gpu_locations_fail_clearly_and_nothing_is_touched() {
     );
     // No libcuda at all (only where the host has none).
     if matches!(
-        kvferry::gpu::driver::Driver::load(),
-        Err(kvferry::gpu::driver::CudaError::Missing { .. })
+        kvferry::testing::gpu::driver::Driver::load(),
+        Err(kvferry::testing::gpu::driver::CudaError::Missing { .. })
     ) {
         in_child("child_no_driver", None);
     }
@@ -1142,7 +1142,7 @@ fn child_ipc_initiator() {
         "shm",
         "a same-host peer"
     );
-    let before = kvferry::transport::shm::gpu_ipc_bytes();
+    let before = kvferry::testing::shm::gpu_ipc_bytes();
     let req = |op: Opcode, local: u64, remote_off: u64, len: usize| TransferRequest {
         opcode: op,
         source: local,
@@ -1190,7 +1190,7 @@ fn child_ipc_initiator() {
         )
         .unwrap();
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
-    let moved = kvferry::transport::shm::gpu_ipc_bytes() - before;
+    let moved = kvferry::testing::shm::gpu_ipc_bytes() - before;
     assert_eq!(
         moved,
         (XFER + 8192 + XFER) as u64,
@@ -1320,7 +1320,7 @@ fn child_ipc_barrier_initiator() {
         .open_segment(&std::env::var("KVF_TARGET").unwrap())
         .unwrap();
     let tg: u64 = std::env::var("KVF_TARGET_GPU").unwrap().parse().unwrap();
-    let before = kvferry::transport::shm::gpu_ipc_bytes();
+    let before = kvferry::testing::shm::gpu_ipc_bytes();
     knobs.copy_delay_us(800_000);
     println!("KVF_COPYING");
     let st = e
@@ -1339,7 +1339,7 @@ fn child_ipc_barrier_initiator() {
     println!("KVF_STATUS {:?}", st.status);
     assert!(
         st.status != TaskStatus::Completed
-            || kvferry::transport::shm::gpu_ipc_bytes() - before == len as u64,
+            || kvferry::testing::shm::gpu_ipc_bytes() - before == len as u64,
         "a COMPLETED WRITE went through CUDA IPC"
     );
     e.unregister_memory(mine).unwrap();

@@ -5,7 +5,7 @@
 //! Child processes are this test binary run again (`child_entry`, selected by
 //! `KVFERRY_LIFECYCLE_CHILD`); each is killed by its pid or exits by itself, and is waited for.
 
-use kvferry::config::TransportMode;
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

@@ -7,11 +7,11 @@
 //! `KVFERRY_SHM_CHILD` variable) so that the peer is a real separate process that can be
 //! killed. Every child is killed by its pid and waited for.
 
-use kvferry::config::TransportMode;
-use kvferry::handshake::HandshakeServer;
 use kvferry::hostbuf::{HostBuffer, HostOptions};
-use kvferry::transport::shm;
-use kvferry::wire::handshake::{Frame, MsgType};
+use kvferry::testing::handshake::HandshakeServer;
+use kvferry::testing::shm;
+use kvferry::testing::wire::handshake::{Frame, MsgType};
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
@@ -448,7 +448,7 @@ fn transport_setting_forces_or_forbids_shm() {
 }
 
 /// Serves `desc` (a real engine's descriptor, tampered with) on a handshake port of its own.
-fn forged_peer(desc: kvferry::wire::descriptor::SegmentDesc) -> (HandshakeServer, String) {
+fn forged_peer(desc: kvferry::SegmentDesc) -> (HandshakeServer, String) {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let body = desc.encode();
     let h = HandshakeServer::start(

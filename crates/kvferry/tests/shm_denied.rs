@@ -2,8 +2,8 @@
 //! this process fails with EPERM, as under `kernel.yama.ptrace_scope=1` between siblings).
 //! Its own test binary: the switch is process-wide.
 
-use kvferry::config::TransportMode;
-use kvferry::transport::shm::simulate_cma_denied;
+use kvferry::testing::shm::simulate_cma_denied;
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::time::Duration;
 

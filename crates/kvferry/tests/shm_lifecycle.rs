@@ -9,9 +9,9 @@
 //! answering with `KVF_CHILD` lines on stdout; every child is killed by its pid and waited
 //! for, every wait has a deadline.
 
-use kvferry::config::TransportMode;
 use kvferry::hostbuf::{HostBuffer, HostOptions};
-use kvferry::transport::shm;
+use kvferry::testing::shm;
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};

@@ -18,7 +18,7 @@ use super::{
     write_peers, BenchArgs, Buffer, Ceilings, Point, Progress,
 };
 use kvferry::auth::Protect;
-use kvferry::config::TransportMode;
+use kvferry::TransportMode;
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use serde::Serialize;
 use std::ffi::OsString;

@@ -259,13 +259,13 @@ fn start_engine(
     let failed =
         |e: kvferry::Error| StoreError::InvalidParams(format!("starting the transfer engine: {e}"));
     let host = cfg.local_hostname.trim();
-    if !ecfg.central() || host.is_empty() || kvferry::config::split_host_port(host).1.is_some() {
+    if !ecfg.central() || host.is_empty() || kvferry::split_host_port(host).1.is_some() {
         return start(ecfg).map(|e| (e, None)).map_err(failed);
     }
     ecfg.validate().map_err(failed)?;
     let retries = ecfg.store_client_setup_retries;
     let (lo, hi) = ecfg.store_client_ports;
-    let bare = kvferry::config::split_host_port(host).0;
+    let bare = kvferry::split_host_port(host).0;
     let mut last = String::from("no free port in the range");
     for _ in 0..retries {
         // Hold a free port of the range (Mooncake's AutoPortBinder: any address, random port).
@@ -321,7 +321,7 @@ impl Client {
         let args = ecfg
             .apply_initialize_args(&cfg.protocol, &cfg.device_name, &|k| std::env::var(k).ok())
             .map_err(invalid)?;
-        args.check_rdma(&kvferry::rdma::probe(), ecfg.rdma_devices.as_deref())
+        args.check_rdma(&kvferry::host::rdma::probe(), ecfg.rdma_devices.as_deref())
             .map_err(invalid)?;
         let (engine, port) = start_engine(&cfg, ecfg)?;
         Client::build(cfg, Arc::new(engine), None, port)
@@ -345,8 +345,8 @@ impl Client {
         check_protocol(&cfg)?;
         let name = engine.segment_name().to_string();
         let asked = cfg.local_hostname.trim();
-        let (asked_host, asked_port) = kvferry::config::split_host_port(asked);
-        let engine_host = kvferry::config::split_host_port(&name).0;
+        let (asked_host, asked_port) = kvferry::split_host_port(asked);
+        let engine_host = kvferry::split_host_port(&name).0;
         let matches = asked.is_empty()
             || asked == name
             || (asked_port.is_none() && asked_host == engine_host);

@@ -4,8 +4,8 @@
 //! the callers (`super`) do.
 
 use crate::error::{StoreError, StoreResult};
+use crate::net::poll_read;
 use crate::proto::{self, PingStatus, Request, Response, Segment, WriteInFlight};
-use kvferry::transport::tcp::poll_read;
 use kvferry::Config;
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};

@@ -182,7 +182,7 @@ fn setup_with_protocol_rdma_where_rdma_is_unusable_fails_saying_why() {
         "KVFERRY_RDMA_DEVICES",
         "MC_TE_FILTERS",
     ];
-    if kvferry::rdma::probe().usable() || env.iter().any(|v| std::env::var_os(v).is_some()) {
+    if kvferry::host::rdma::probe().usable() || env.iter().any(|v| std::env::var_os(v).is_some()) {
         eprintln!("NOT RUN: this host has a usable RDMA port, or one of {env:?} is set");
         return;
     }

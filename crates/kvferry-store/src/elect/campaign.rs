@@ -218,7 +218,7 @@ enum Phase {
     Done,
 }
 
-/// The campaign of one master (the docs of `elect/campaign.rs` say how a round goes).
+/// The campaign of one master ([module docs](crate::elect)).
 #[derive(Debug)]
 pub struct Campaign {
     cfg: Config,

@@ -421,7 +421,7 @@ pub fn start(cfg: HaConfig, master: Arc<Master>) -> Result<(), String> {
 
 /// The IP a standby serves its mirror on: its advertised address's host (a name is resolved).
 fn replication_ip(address: &str) -> Result<std::net::IpAddr, String> {
-    let host = kvferry::config::split_host_port(address).0;
+    let host = kvferry::split_host_port(address).0;
     if let Ok(ip) = host.parse() {
         return Ok(ip);
     }

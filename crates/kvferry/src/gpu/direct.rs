@@ -19,6 +19,8 @@
 use serde::Serialize;
 use std::fmt;
 
+pub use crate::transport::rdma::{try_gpu_registration, GpuRegTry};
+
 /// How GPU memory is to be registered with RDMA NICs (`KVFERRY_GPU_RDMA`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GpuRdma {
@@ -44,7 +46,7 @@ impl GpuRdma {
 
     /// Mooncake's `WITH_NVIDIA_PEERMEM`: `1`/`on`/`true` (any case) means peermem, any other
     /// value DMA-BUF.
-    pub fn from_with_nvidia_peermem(v: &str) -> GpuRdma {
+    pub(crate) fn from_with_nvidia_peermem(v: &str) -> GpuRdma {
         match v.trim().to_ascii_lowercase().as_str() {
             "1" | "on" | "true" | "yes" => GpuRdma::PeerMem,
             _ => GpuRdma::DmaBuf,
@@ -79,15 +81,15 @@ pub struct Facts {
 }
 
 /// The kernel modules that let a NIC register GPU memory by its address.
-pub const PEERMEM_MODULES: [&str; 2] = ["nvidia_peermem", "nv_peer_mem"];
+pub(crate) const PEERMEM_MODULES: [&str; 2] = ["nvidia_peermem", "nv_peer_mem"];
 
 /// Which peermem module is loaded here (`/sys/module/<name>`), or why none is.
-pub fn peermem_module() -> Result<&'static str, String> {
+pub(crate) fn peermem_module() -> Result<&'static str, String> {
     peermem_module_in(std::path::Path::new("/sys/module"))
 }
 
 /// [`peermem_module`] against another sysfs module directory (tests).
-pub fn peermem_module_in(sys_module: &std::path::Path) -> Result<&'static str, String> {
+pub(crate) fn peermem_module_in(sys_module: &std::path::Path) -> Result<&'static str, String> {
     PEERMEM_MODULES
         .into_iter()
         .find(|m| sys_module.join(m).exists())

@@ -7,7 +7,7 @@ use libloading::Library;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 
 /// The driver's soname (stable across CUDA 12 and 13 drivers).
-pub const LIBRARY: &str = "libcuda.so.1";
+pub(crate) const LIBRARY: &str = "libcuda.so.1";
 
 /// Why the CUDA driver cannot be used.
 #[derive(Debug, thiserror::Error)]

@@ -8,7 +8,7 @@
 //! [`stage`]); [`ipc`] shares it with other processes of the host; [`direct`] decides how RDMA
 //! NICs register it (GPUDirect RDMA: DMA-BUF or nvidia-peermem).
 
-pub mod driver;
+pub(crate) mod driver;
 
 use serde::Serialize;
 
@@ -60,9 +60,9 @@ pub fn probe_with(d: Result<driver::Driver, driver::CudaError>) -> Probe {
     }
 }
 
-pub mod direct;
-pub mod ipc;
-pub mod stage;
+pub(crate) mod direct;
+pub(crate) mod ipc;
+pub(crate) mod stage;
 
 use crate::error::{Error, Result};
 use driver::{Context, CudaError, Driver, Pointer};
@@ -92,6 +92,12 @@ pub fn cuda() -> std::result::Result<&'static Cuda, &'static str> {
         })
     });
     r.as_ref().map_err(|e| e.as_str())
+}
+
+/// Whether this process's CUDA driver has what staging GPU memory needs, or why not (the
+/// reason names the cause and the fix): what staging checks, without the driver itself.
+pub fn cuda_ready() -> std::result::Result<(), &'static str> {
+    cuda().map(|_| ())
 }
 
 impl Cuda {
@@ -152,7 +158,7 @@ impl Cuda {
 }
 
 /// Host memory to stage GPU bytes in: pinned by the driver when it can, else plain heap.
-pub struct Bounce {
+pub(crate) struct Bounce {
     ptr: *mut u8,
     len: usize,
     pinned: bool,
@@ -164,7 +170,7 @@ unsafe impl Send for Bounce {}
 
 impl Bounce {
     /// `len` bytes, pinned if the driver allows it.
-    pub fn new(cuda: &Cuda, len: usize) -> Bounce {
+    pub(crate) fn new(cuda: &Cuda, len: usize) -> Bounce {
         match cuda.driver.host_alloc(len) {
             Ok(ptr) if !ptr.is_null() => Bounce {
                 ptr,
@@ -184,24 +190,16 @@ impl Bounce {
         }
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn addr(&self) -> u64 {
+    pub(crate) fn addr(&self) -> u64 {
         self.ptr as u64
     }
 
-    pub fn as_slice(&self) -> &[u8] {
+    pub(crate) fn as_slice(&self) -> &[u8] {
         // SAFETY: `len` bytes owned by this value.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: `len` bytes owned by this value, borrowed mutably.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
@@ -228,7 +226,7 @@ impl Drop for Bounce {
 /// fix. Device memory must lie inside one allocation (its base and size come from the driver,
 /// so interior pointers are fine) or, for CUDA virtual memory (`cuMemMap`), inside physical
 /// allocations mapped back to back on the same GPU; and, for `cuda:N`, on GPU N.
-pub fn classify(addr: u64, len: u64, location: &str) -> Result<(String, Option<u32>)> {
+pub(crate) fn classify(addr: u64, len: u64, location: &str) -> Result<(String, Option<u32>)> {
     let wanted = match location.strip_prefix("cuda:") {
         Some(n) => Some(n.parse::<u32>().map_err(|_| {
             Error::InvalidArgument(format!(
@@ -295,7 +293,7 @@ pub fn classify(addr: u64, len: u64, location: &str) -> Result<(String, Option<u
 /// Double-buffered staging on one GPU (the TCP server's, one per connection): a pinned buffer
 /// of two halves, a stream, and one event per half recording the last copy into or out of it.
 /// While one half is copied to or from the GPU, the other is received into or sent from.
-pub struct Pipe {
+pub(crate) struct Pipe {
     cuda: &'static Cuda,
     dev: u32,
     half: usize,
@@ -312,7 +310,7 @@ unsafe impl Send for Pipe {}
 
 impl Pipe {
     /// A pipe of two halves of `half` bytes on GPU `dev`.
-    pub fn new(dev: u32, half: usize) -> std::result::Result<Pipe, String> {
+    pub(crate) fn new(dev: u32, half: usize) -> std::result::Result<Pipe, String> {
         let cuda = cuda().map_err(str::to_string)?;
         let (stream, events) = cuda
             .on_device(dev, |d| {
@@ -333,17 +331,12 @@ impl Pipe {
         })
     }
 
-    pub fn dev(&self) -> u32 {
+    pub(crate) fn dev(&self) -> u32 {
         self.dev
     }
 
-    /// Bytes per half.
-    pub fn half_len(&self) -> usize {
-        self.half
-    }
-
     /// Waits until no copy into or out of half `h` is pending.
-    pub fn wait(&mut self, h: usize) -> std::result::Result<(), CudaError> {
+    pub(crate) fn wait(&mut self, h: usize) -> std::result::Result<(), CudaError> {
         if self.pending[h] {
             let e = self.events[h];
             self.cuda.on_device(self.dev, |d| d.event_sync(e))?;
@@ -353,18 +346,23 @@ impl Pipe {
     }
 
     /// Half `h` (to be touched only after [`Pipe::wait`] for it).
-    pub fn half(&self, h: usize) -> &[u8] {
+    pub(crate) fn half(&self, h: usize) -> &[u8] {
         &self.bounce.as_slice()[h * self.half..(h + 1) * self.half]
     }
 
     /// Half `h`, to receive into (only after [`Pipe::wait`] for it).
-    pub fn half_mut(&mut self, h: usize) -> &mut [u8] {
+    pub(crate) fn half_mut(&mut self, h: usize) -> &mut [u8] {
         let n = self.half;
         &mut self.bounce.as_mut_slice()[h * n..(h + 1) * n]
     }
 
     /// Queues the copy of the first `n` bytes of half `h` to device address `dst`.
-    pub fn htod(&mut self, h: usize, dst: u64, n: usize) -> std::result::Result<(), CudaError> {
+    pub(crate) fn htod(
+        &mut self,
+        h: usize,
+        dst: u64,
+        n: usize,
+    ) -> std::result::Result<(), CudaError> {
         let n = n.min(self.half);
         let src = self.half(h).as_ptr();
         // SAFETY: half `h` is not touched again before `wait(h)` (or `sync`), which every
@@ -393,7 +391,12 @@ impl Pipe {
     }
 
     /// Queues the copy of `n` bytes at device address `src` into half `h`.
-    pub fn dtoh(&mut self, h: usize, src: u64, n: usize) -> std::result::Result<(), CudaError> {
+    pub(crate) fn dtoh(
+        &mut self,
+        h: usize,
+        src: u64,
+        n: usize,
+    ) -> std::result::Result<(), CudaError> {
         let n = n.min(self.half);
         let dst = self.half_mut(h).as_mut_ptr();
         // SAFETY: as in `htod`: half `h` is read only after `wait(h)`.
@@ -401,7 +404,7 @@ impl Pipe {
     }
 
     /// Waits until every queued copy is done.
-    pub fn sync(&mut self) -> std::result::Result<(), CudaError> {
+    pub(crate) fn sync(&mut self) -> std::result::Result<(), CudaError> {
         if self.pending != [false; 2] {
             let s = self.stream;
             let r = self.cuda.on_device(self.dev, |d| d.stream_sync(s));

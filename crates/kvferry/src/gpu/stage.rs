@@ -45,7 +45,7 @@ pub const CHUNK: usize = 4 << 20;
 /// Chunks in flight at once per worker.
 pub const WINDOW: usize = 4;
 /// Worker threads per engine (so one peer's large job does not hold up another's).
-pub const WORKERS: usize = 2;
+pub(crate) const WORKERS: usize = 2;
 
 /// A transport decorator: pieces whose local range is GPU memory, staged through host bounce
 /// buffers and moved by the wrapped transport (see the module's doc).

@@ -23,7 +23,7 @@ use std::time::Duration;
 /// Largest answer accepted (a descriptor of ~100k buffers, base64-encoded).
 const MAX_ANSWER: u64 = 192 << 20;
 
-pub struct EtcdStore {
+pub(crate) struct EtcdStore {
     client: EtcdClient,
     ttl: i64,
     lease: Mutex<Option<i64>>,
@@ -512,7 +512,7 @@ impl EtcdClient {
 
     /// Deletes `key` only if its last write is `mod_revision` (one transaction); whether it
     /// did.
-    pub fn delete_if_revision(&self, key: &str, mod_revision: i64) -> Result<bool> {
+    pub(crate) fn delete_if_revision(&self, key: &str, mod_revision: i64) -> Result<bool> {
         let k = B64.encode(key);
         let body = json!({
             "compare": [Cond::ModRevision(key.to_string(), mod_revision).compare()],
@@ -527,7 +527,7 @@ impl EtcdClient {
     }
 
     /// Deletes `key` only if it holds `value` (one transaction); whether it did.
-    pub fn delete_if_value(&self, key: &str, value: &[u8]) -> Result<bool> {
+    pub(crate) fn delete_if_value(&self, key: &str, value: &[u8]) -> Result<bool> {
         let k = B64.encode(key);
         let body = json!({
             "compare": [{ "key": k, "result": "EQUAL", "target": "VALUE", "value": B64.encode(value) }],
@@ -539,7 +539,7 @@ impl EtcdClient {
 }
 
 impl EtcdStore {
-    pub fn connect(endpoints: &[String], opts: &StoreOptions) -> Result<EtcdStore> {
+    pub(crate) fn connect(endpoints: &[String], opts: &StoreOptions) -> Result<EtcdStore> {
         let client = EtcdClient::connect(endpoints, opts.timeout)?;
         Ok(EtcdStore {
             client,

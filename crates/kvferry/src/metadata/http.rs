@@ -30,7 +30,7 @@ const MAX_VALUE: u64 = 128 << 20;
 
 const TLS_HINT: &str = " (TLS: the server's certificate must be issued for this host name by a CA in KVFERRY_METADATA_CA_FILE, or by a public CA when that is unset; is it an https server?)";
 
-pub struct HttpStore {
+pub(crate) struct HttpStore {
     url: String,
     agent: ureq::Agent,
     /// Signs every request when the cluster key is configured.
@@ -38,7 +38,7 @@ pub struct HttpStore {
 }
 
 impl HttpStore {
-    pub fn new(url: &str, opts: &StoreOptions) -> Result<HttpStore> {
+    pub(crate) fn new(url: &str, opts: &StoreOptions) -> Result<HttpStore> {
         let mut roots = ureq::tls::RootCerts::WebPki;
         if let Some(file) = opts.ca_file.as_deref().filter(|_| is_https(url)) {
             roots = load_roots(file).map_err(|reason| Error::Metadata {

@@ -1,9 +1,9 @@
 //! The metadata service: a shared directory where engines publish their segments so that any
 //! node finds any segment by name (Mooncake's "central" mode, reference §2).
 //!
-//! - [`MetadataStore`] is one backend: [`http::HttpStore`] (Mooncake's HTTP contract, e.g.
-//!   `kvferry metadata-server` or `mooncake_http_metadata_server`), [`etcd::EtcdStore`] (etcd v3,
-//!   entries under a lease so a crashed engine disappears by itself) and [`redis::RedisStore`].
+//! - [`MetadataStore`] is one backend: `http::HttpStore` (Mooncake's HTTP contract, e.g.
+//!   `kvferry metadata-server` or `mooncake_http_metadata_server`), `etcd::EtcdStore` (etcd v3,
+//!   entries under a lease so a crashed engine disappears by itself) and `redis::RedisStore`.
 //!   Every build has all three.
 //! - [`ConnString`] parses the connection string exactly as Mooncake does: `P2PHANDSHAKE`,
 //!   `http://host:port/metadata` (or `https://`, verified against the built-in public roots or
@@ -19,8 +19,8 @@
 //! HTTP request to etcd's JSON gateway in the etcd backend (no async runtime).
 
 pub mod etcd;
-pub mod http;
-pub mod redis;
+pub(crate) mod http;
+pub(crate) mod redis;
 
 use crate::error::{Error, Result};
 use crate::wire::descriptor::SegmentDesc;
@@ -55,7 +55,7 @@ impl std::fmt::Display for Backend {
 }
 
 /// What the connection strings may look like; listed in the error for an unknown one.
-pub const SUPPORTED: &str = "P2PHANDSHAKE, http://host:port/metadata (or https://), etcd://host:2379[,host2:2379...] (or a bare host:port, which means etcd), redis://[user:password@]host:port[/db]";
+pub(crate) const SUPPORTED: &str = "P2PHANDSHAKE, http://host:port/metadata (or https://), etcd://host:2379[,host2:2379...] (or a bare host:port, which means etcd), redis://[user:password@]host:port[/db]";
 
 /// A parsed metadata connection string.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -175,7 +175,8 @@ impl ConnString {
         Ok(ConnString::Etcd { endpoints })
     }
 
-    pub fn backend(&self) -> Option<Backend> {
+    #[cfg(test)]
+    pub(crate) fn backend(&self) -> Option<Backend> {
         match self {
             ConnString::P2p => None,
             ConnString::Http { .. } => Some(Backend::Http),
@@ -285,7 +286,7 @@ pub trait MetadataStore: Send + Sync {
     /// so an identical entry written since (the dead engine restarted at its address) stays;
     /// without one (Redis) the value is, which tells writes apart for the entries kvferry
     /// writes under a dead engine's name: its `rpc_meta` values carry a random number per
-    /// write ([`encode_rpc_meta`]). The default (get, compare, remove) is not atomic;
+    /// write (`encode_rpc_meta`). The default (get, compare, remove) is not atomic;
     /// etcd, Redis and HTTP override it with one that is (HTTP: against `kvferry
     /// metadata-server`, whose `ETag` and `If-Match` compare the write); Mooncake's HTTP
     /// contract has no such operation, so against its servers two engines replacing one dead
@@ -329,7 +330,7 @@ pub(crate) fn remove_by_look(
 }
 
 /// Whether `key` is an `rpc_meta` entry of [`Keys`]' layout (what names an engine).
-pub fn is_rpc_meta(key: &str) -> bool {
+pub(crate) fn is_rpc_meta(key: &str) -> bool {
     key.contains("/rpc_meta/")
 }
 
@@ -403,7 +404,7 @@ impl Keys {
 
 /// An `rpc_meta` value: Mooncake's two fields, and `kvferry_write`, this write's random
 /// number (16 hex digits; ignored by Mooncake and by [`decode_rpc_meta`]).
-pub fn encode_rpc_meta(meta: &RpcMeta, write: u64) -> Result<Vec<u8>> {
+pub(crate) fn encode_rpc_meta(meta: &RpcMeta, write: u64) -> Result<Vec<u8>> {
     serde_json::to_vec(&serde_json::json!({
         "ip_or_host_name": meta.ip_or_host_name,
         "rpc_port": meta.rpc_port,
@@ -474,16 +475,8 @@ impl Directory {
         })
     }
 
-    pub fn store(&self) -> &Arc<dyn MetadataStore> {
-        &self.store
-    }
-
-    pub fn keys(&self) -> &Keys {
-        &self.keys
-    }
-
     /// "etcd (127.0.0.1:2379)" for messages.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         format!("{} ({})", self.store.backend(), self.store.location())
     }
 
@@ -494,7 +487,7 @@ impl Directory {
 
     /// Like [`Directory::publish`], the value computed while holding the publish lock, so
     /// concurrent publishers of one key cannot leave an older value in the service.
-    pub fn publish_with(&self, key: &str, value: impl FnOnce() -> Vec<u8>) -> Result<()> {
+    pub(crate) fn publish_with(&self, key: &str, value: impl FnOnce() -> Vec<u8>) -> Result<()> {
         let mut owned = self.owned.lock().unwrap_or_else(|e| e.into_inner());
         let value = value();
         let r = self.store.put(key, &value);
@@ -576,7 +569,11 @@ impl Directory {
     }
 
     /// Publishes this engine's segment descriptor (`ram/<name>`), computed under the lock.
-    pub fn publish_segment(&self, name: &str, desc: impl FnOnce() -> SegmentDesc) -> Result<()> {
+    pub(crate) fn publish_segment(
+        &self,
+        name: &str,
+        desc: impl FnOnce() -> SegmentDesc,
+    ) -> Result<()> {
         self.publish_with(&self.keys.ram(name), || desc().encode())
     }
 
@@ -733,7 +730,7 @@ impl Directory {
     }
 
     /// Starts the keeper thread: [`Directory::maintain`] every `period`.
-    pub fn start_keeper(self: &Arc<Self>, period: Duration) -> Result<()> {
+    pub(crate) fn start_keeper(self: &Arc<Self>, period: Duration) -> Result<()> {
         let weak = Arc::downgrade(self);
         let h = std::thread::Builder::new()
             .name("kvf-meta-keeper".into())

@@ -18,7 +18,7 @@ use std::time::Duration;
 /// Largest value accepted (a descriptor of ~100k buffers).
 const MAX_VALUE: usize = 128 << 20;
 
-pub struct RedisStore {
+pub(crate) struct RedisStore {
     location: String,
     client: redis::Client,
     /// A password was sent: an authentication failure names where it came from.
@@ -39,7 +39,7 @@ enum Failure {
 }
 
 impl RedisStore {
-    pub fn new(
+    pub(crate) fn new(
         host: &str,
         port: u16,
         username: Option<String>,
@@ -187,11 +187,6 @@ impl RedisStore {
             "{what}: {}{hint}",
             last.map(|e| e.to_string()).unwrap_or_default()
         )))
-    }
-
-    /// `PING`, for `kvferry doctor`.
-    pub fn ping(&self) -> Result<()> {
-        self.call("PING", &redis::cmd("PING")).map(|_| ())
     }
 }
 

@@ -7,12 +7,12 @@ use crate::wire::descriptor::SegmentDesc;
 use crate::wire::tcp::Opcode;
 use std::sync::Arc;
 
-pub struct LocalTransport {
+pub(crate) struct LocalTransport {
     registry: Arc<MemoryRegistry>,
 }
 
 impl LocalTransport {
-    pub fn new(registry: Arc<MemoryRegistry>) -> Self {
+    pub(crate) fn new(registry: Arc<MemoryRegistry>) -> Self {
         LocalTransport { registry }
     }
 }

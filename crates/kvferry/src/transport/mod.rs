@@ -31,13 +31,13 @@
 //! The engine's transports are assembled in `set.rs` (the only place that names them) and
 //! routed by `crate::route`.
 
-pub mod local;
-pub mod rdma;
+pub(crate) mod local;
+pub(crate) mod rdma;
 pub(crate) mod set;
-pub mod shm;
-pub mod tcp;
+pub(crate) mod shm;
+pub(crate) mod tcp;
 
-pub use rdma::RdmaUsage;
+pub(crate) use rdma::RdmaUsage;
 
 use crate::batch::TaskState;
 use crate::memory::{Region, RegionGuard};
@@ -48,7 +48,7 @@ use std::any::Any;
 use std::sync::{Arc, RwLock};
 
 /// A contiguous part of one request.
-pub struct Piece {
+pub(crate) struct Piece {
     pub opcode: Opcode,
     /// Local virtual address (inside registered memory).
     pub local: u64,
@@ -67,7 +67,7 @@ impl Piece {
     /// registered until the piece ends, and registration is the caller's promise that the
     /// memory stays valid meanwhile (the engine's contract: memory is registered by
     /// address, and peers may read and write it while it is).
-    pub fn host_bytes(&self) -> Option<&[u8]> {
+    pub(crate) fn host_bytes(&self) -> Option<&[u8]> {
         let r = self.guard.region();
         let inside = self.local >= r.addr
             && self
@@ -82,7 +82,7 @@ impl Piece {
 
     /// [`Piece::host_bytes`] to write into (a READ's destination).
     #[allow(clippy::mut_from_ref)]
-    pub fn host_bytes_mut(&self) -> Option<&mut [u8]> {
+    pub(crate) fn host_bytes_mut(&self) -> Option<&mut [u8]> {
         let r = self.guard.region();
         let inside = self.local >= r.addr
             && self
@@ -98,7 +98,7 @@ impl Piece {
 }
 
 /// A peer segment as the engine knows it.
-pub struct Peer {
+pub(crate) struct Peer {
     /// The engine's handle for this segment (0 is the engine itself).
     pub id: u64,
     /// The segment name (`host:port` in P2P mode).
@@ -118,7 +118,7 @@ fn publishes_gpu(d: &SegmentDesc) -> bool {
 /// The kind of memory `[remote, remote+len)` is in according to a peer's descriptor: GPU
 /// memory when the buffer holding it is published as `cuda:N`, else host memory (also for a
 /// range outside every buffer: the transport that takes it fails it, saying why).
-pub fn remote_mem(desc: &SegmentDesc, remote: u64, len: u64) -> Mem {
+pub(crate) fn remote_mem(desc: &SegmentDesc, remote: u64, len: u64) -> Mem {
     match desc.find_buffer(remote, len) {
         Some(b) if b.name.starts_with("cuda:") => Mem::Gpu,
         _ => Mem::Host,
@@ -126,7 +126,7 @@ pub fn remote_mem(desc: &SegmentDesc, remote: u64, len: u64) -> Mem {
 }
 
 impl Peer {
-    pub fn new(id: u64, name: String, host: String, desc: SegmentDesc) -> Peer {
+    pub(crate) fn new(id: u64, name: String, host: String, desc: SegmentDesc) -> Peer {
         let gpu = std::sync::atomic::AtomicBool::new(publishes_gpu(&desc));
         Peer {
             id,
@@ -138,21 +138,21 @@ impl Peer {
     }
 
     /// Whether this is the engine's own segment (id 0).
-    pub fn is_own(&self) -> bool {
+    pub(crate) fn is_own(&self) -> bool {
         self.id == 0
     }
 
     /// Whether the cached descriptor publishes GPU memory.
-    pub fn has_gpu(&self) -> bool {
+    pub(crate) fn has_gpu(&self) -> bool {
         self.gpu.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// The cached descriptor.
-    pub fn desc(&self) -> Arc<SegmentDesc> {
+    pub(crate) fn desc(&self) -> Arc<SegmentDesc> {
         Arc::clone(&self.desc.read().unwrap_or_else(|e| e.into_inner()))
     }
 
-    pub fn set_desc(&self, desc: SegmentDesc) {
+    pub(crate) fn set_desc(&self, desc: SegmentDesc) {
         let mut d = self.desc.write().unwrap_or_else(|e| e.into_inner());
         self.gpu
             .store(publishes_gpu(&desc), std::sync::atomic::Ordering::Release);
@@ -162,7 +162,7 @@ impl Peer {
 
 /// A kind of memory a piece's range lies in, on either side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Mem {
+pub(crate) enum Mem {
     /// Host memory: the CPU may touch it.
     Host,
     /// GPU device memory: reached only through the CUDA driver's copies (or a NIC it is
@@ -172,7 +172,7 @@ pub enum Mem {
 
 impl Mem {
     /// The local side of `p`: the kind of the registered region it lies in.
-    pub fn local_of(p: &Piece) -> Mem {
+    pub(crate) fn local_of(p: &Piece) -> Mem {
         if p.guard.region().gpu.is_some() {
             Mem::Gpu
         } else {
@@ -198,55 +198,50 @@ impl std::fmt::Display for Mem {
 /// not one set per side: shared memory moves host to host (cross-memory attach) and anything
 /// to the peer's GPU memory (CUDA IPC), but not GPU to host memory.
 #[derive(Clone, Copy, PartialEq, Eq, Default, Hash)]
-pub struct Kinds(u8);
+pub(crate) struct Kinds(u8);
 
 impl Kinds {
-    pub const NONE: Kinds = Kinds(0);
     /// Every pair.
-    pub const ALL: Kinds = Kinds(0b1111);
+    pub(crate) const ALL: Kinds = Kinds(0b1111);
     /// Host memory on both sides.
-    pub const HOST: Kinds = Kinds::pair(Mem::Host, Mem::Host);
+    pub(crate) const HOST: Kinds = Kinds::pair(Mem::Host, Mem::Host);
     /// Every pair with GPU memory on either side.
-    pub const GPU: Kinds = Kinds(Kinds::ALL.0 & !Kinds::HOST.0);
+    pub(crate) const GPU: Kinds = Kinds(Kinds::ALL.0 & !Kinds::HOST.0);
 
     const fn bit(local: Mem, remote: Mem) -> u8 {
         1 << (local as u8 * 2 + remote as u8)
     }
 
     /// `local` to `remote` memory.
-    pub const fn pair(local: Mem, remote: Mem) -> Kinds {
+    pub(crate) const fn pair(local: Mem, remote: Mem) -> Kinds {
         Kinds(Kinds::bit(local, remote))
     }
 
     /// Every pair whose local side is `local`.
-    pub const fn local(local: Mem) -> Kinds {
+    pub(crate) const fn local(local: Mem) -> Kinds {
         Kinds(Kinds::bit(local, Mem::Host) | Kinds::bit(local, Mem::Gpu))
     }
 
     /// Every pair whose remote side is `remote`.
-    pub const fn remote(remote: Mem) -> Kinds {
+    pub(crate) const fn remote(remote: Mem) -> Kinds {
         Kinds(Kinds::bit(Mem::Host, remote) | Kinds::bit(Mem::Gpu, remote))
     }
 
-    pub const fn or(self, other: Kinds) -> Kinds {
+    pub(crate) const fn or(self, other: Kinds) -> Kinds {
         Kinds(self.0 | other.0)
     }
 
-    pub const fn and(self, other: Kinds) -> Kinds {
+    pub(crate) const fn and(self, other: Kinds) -> Kinds {
         Kinds(self.0 & other.0)
     }
 
-    pub const fn contains(self, local: Mem, remote: Mem) -> bool {
+    pub(crate) const fn contains(self, local: Mem, remote: Mem) -> bool {
         self.0 & Kinds::bit(local, remote) != 0
-    }
-
-    pub const fn is_empty(self) -> bool {
-        self.0 == 0
     }
 
     /// What staging GPU memory through host buffers serves on top of a transport that moves
     /// `self`: from local GPU memory, to every remote kind it moves from host memory.
-    pub const fn staged(self) -> Kinds {
+    pub(crate) const fn staged(self) -> Kinds {
         let mut k = 0;
         if self.contains(Mem::Host, Mem::Host) {
             k |= Kinds::bit(Mem::Gpu, Mem::Host);
@@ -258,7 +253,7 @@ impl Kinds {
     }
 
     /// The pairs, in a fixed order.
-    pub fn pairs(self) -> impl Iterator<Item = (Mem, Mem)> {
+    pub(crate) fn pairs(self) -> impl Iterator<Item = (Mem, Mem)> {
         [
             (Mem::Host, Mem::Host),
             (Mem::Host, Mem::Gpu),
@@ -279,7 +274,7 @@ impl std::fmt::Debug for Kinds {
 
 /// Which segments a transport reaches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reach {
+pub(crate) enum Reach {
     /// The engine's own segment only.
     Own,
     /// Peers on this host only (verified, not assumed from a host name).
@@ -291,7 +286,7 @@ pub enum Reach {
 /// What a peer's descriptor must publish for a transport to reach it. Descriptive (for
 /// diagnostics and the reader): [`Transport::reachable`] is what decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Needs {
+pub(crate) enum Needs {
     /// Nothing (the engine's own segment).
     Nothing,
     /// A TCP data port.
@@ -305,7 +300,7 @@ pub enum Needs {
 /// What a transport declares it serves: the router (`crate::route`) picks by this, then asks
 /// the transport itself ([`Transport::try_submit`]), which may still refuse a piece.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Caps {
+pub(crate) struct Caps {
     /// The (local, remote) memory kinds it moves.
     pub kinds: Kinds,
     /// Which segments it reaches.
@@ -321,7 +316,7 @@ pub struct Caps {
 /// What a transport may ask of the engine that owns it: one interface, handed to each
 /// transport at construction, for every call back up (a peer's descriptor re-read, a
 /// handshake message sent). After the engine is gone every request fails (or finds no peer).
-pub trait PeerDirectory: Send + Sync {
+pub(crate) trait PeerDirectory: Send + Sync {
     /// The open peer segment called `name`.
     fn peer_named(&self, name: &str) -> Option<Arc<Peer>>;
     /// Re-reads `peer`'s descriptor from its engine's handshake port and installs it.
@@ -354,10 +349,10 @@ impl PeerDirectory for Detached {
 }
 
 /// What a transport read before the registry's buffer list was ([`Transport::before_describe`]).
-pub type Prelude = Option<Box<dyn Any + Send>>;
+pub(crate) type Prelude = Option<Box<dyn Any + Send>>;
 
 /// A data path.
-pub trait Transport: Send + Sync {
+pub(crate) trait Transport: Send + Sync {
     /// The protocol string published in descriptors (`tcp`, `rdma`, …).
     fn name(&self) -> &'static str;
     /// What it serves: the router picks by this declaration.

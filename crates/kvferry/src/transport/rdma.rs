@@ -1,12 +1,12 @@
 //! The RDMA transport: one-sided RDMA WRITE/READ over RC queue pairs, on the verbs layer of
-//! [`crate::rdma::verbs`] (libibverbs loaded at run time).
+//! [`crate::ibverbs::verbs`] (libibverbs loaded at run time).
 //!
 //! - **NICs**: every RDMA device with an active port 1 (or those `KVFERRY_RDMA_DEVICES`
 //!   names), in name order; each has a PD, a CQ with its completion channel, and a poller
 //!   thread. The GID index is chosen per NIC from sysfs (`MC_GID_INDEX` honoured).
 //! - **Memory**: every registered range gets one MR per NIC ([`Transport::on_register`]); the
 //!   descriptor publishes `protocol: "rdma"`, `devices` (name, LID, GID) and per-buffer
-//!   `rkey`/`lkey` arrays in device order, plus a `priority_matrix` ([`crate::rdma::topo`]:
+//!   `rkey`/`lkey` arrays in device order, plus a `priority_matrix` ([`crate::ibverbs::topo`]:
 //!   discovered from NUMA nodes and PCIe paths, or `KVFERRY_RDMA_TOPO`'s file), as Mooncake
 //!   does (reference §1.5, §2.3). Buffers whose MRs are not yet made are left out of the
 //!   descriptor (never published without keys).
@@ -76,11 +76,11 @@
 //! from a busy one. Peers named otherwise (no `ip:port`) are kept until they reconnect.
 
 use crate::batch::{FailCause, FailKind, TaskState};
-use crate::memory::{Region, RegionGuard};
-use crate::rdma::verbs::{
+use crate::ibverbs::verbs::{
     self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr,
 };
-use crate::rdma::{sysfs, topo};
+use crate::ibverbs::{sysfs, topo};
+use crate::memory::{Region, RegionGuard};
 use crate::transport::{
     Caps, Kinds, Mem, Needs, Peer, PeerDirectory, Piece, Prelude, Reach, Transport,
 };
@@ -101,17 +101,17 @@ use per_peer::PerPeer;
 const POSTER_IDLE: Duration = Duration::from_secs(5);
 
 /// Size of one work request (Mooncake's `MC_SLICE_SIZE` default).
-pub const SLICE: u64 = 64 << 10;
+pub(crate) const SLICE: u64 = 64 << 10;
 /// Send queue depth of a QP.
 const MAX_WR: u32 = 256;
 /// Work requests in flight per QP (below `MAX_WR`).
-pub const MAX_OUTSTANDING: u32 = 128;
+pub(crate) const MAX_OUTSTANDING: u32 = 128;
 /// Completion queue entries per NIC (Mooncake's `MC_MAX_CQE_PER_CTX` default).
 const CQ_DEPTH: u32 = 4096;
 /// Work requests posted with one doorbell.
 const CHAIN: usize = 16;
 /// How often pollers look at deadlines and at shutdown.
-pub const TICK: Duration = Duration::from_millis(100);
+pub(crate) const TICK: Duration = Duration::from_millis(100);
 /// How long a NIC pair that could not be connected, or whose work request failed on the path
 /// (`path_failure`), is left alone (while others work).
 const PAUSE: Duration = Duration::from_secs(30);
@@ -120,11 +120,11 @@ const PORT: u8 = 1;
 /// RC QPs per endpoint: Mooncake's `MC_NUM_QP_PER_EP` default. Mooncake refuses a peer whose
 /// QP count differs from its own, so the active side sends this many; the passive side makes as
 /// many as the peer sent (at most `MAX_QPS_PER_EP`).
-pub const QPS_PER_EP: usize = 2;
+pub(crate) const QPS_PER_EP: usize = 2;
 const MAX_QPS_PER_EP: usize = 16;
 /// Times one slice is posted again on another NIC pair after its work request failed (a flush
 /// because another task's deadline passed does not count: its own deadline bounds those).
-pub const MAX_RETRIES: u8 = 3;
+pub(crate) const MAX_RETRIES: u8 = 3;
 /// Not a completion status: posting the work request failed (the QP is broken).
 const POST_FAILED: u32 = u32::MAX;
 /// `IBV_WC_WR_FLUSH_ERR`: the work request was not executed, its QP went to the error state.
@@ -135,12 +135,12 @@ const MTU_FIELD: &str = "kvferry_mtu";
 /// Passive pairs (a peer NIC, one of ours) held before departed peers are looked for.
 pub const PASSIVE_SWEEP_AT: usize = 16;
 /// At most one look for departed peers per this long.
-pub const PASSIVE_SWEEP_EVERY: Duration = Duration::from_secs(2);
+pub(crate) const PASSIVE_SWEEP_EVERY: Duration = Duration::from_secs(2);
 /// How long a peer's handshake address may take to answer a look (no answer: kept).
 const PASSIVE_PROBE_TIMEOUT: Duration = Duration::from_millis(300);
 
 /// What the engine tells the transport.
-pub struct RdmaOptions {
+pub(crate) struct RdmaOptions {
     /// This engine's segment name (the `<segment>` of its NIC paths).
     pub segment: String,
     /// Use only these devices (`KVFERRY_RDMA_DEVICES`); `None`: every device with an active port.
@@ -171,7 +171,7 @@ pub struct RdmaOptions {
 /// Whether `auto` sends a piece to a peer over RDMA (sans-IO): the peer must publish RDMA
 /// devices, the local range must have memory regions on our NICs and the remote buffer keys
 /// for each of the peer's devices. `Err` says why not (the piece then goes over TCP).
-pub fn auto_route(
+pub(crate) fn auto_route(
     peer: &SegmentDesc,
     local_has_mrs: bool,
     remote: u64,
@@ -567,7 +567,7 @@ struct Shared {
 }
 
 /// The RDMA transport.
-pub struct RdmaTransport {
+pub(crate) struct RdmaTransport {
     shared: Arc<Shared>,
 }
 
@@ -718,7 +718,7 @@ pub fn try_gpu_registration(
     setting: crate::gpu::direct::GpuRdma,
 ) -> Result<Vec<GpuRegTry>, String> {
     use crate::gpu::direct;
-    let probe = crate::rdma::probe();
+    let probe = crate::ibverbs::probe();
     if let Some(why) = probe.why_not() {
         return Err(why);
     }
@@ -767,8 +767,11 @@ pub fn try_gpu_registration(
 impl RdmaTransport {
     /// Opens the NICs; an error says why RDMA cannot be used here (for `KVFERRY_TRANSPORT=rdma`
     /// to report, never a silent fallback).
-    pub fn new(opts: RdmaOptions, dir: Arc<dyn PeerDirectory>) -> Result<RdmaTransport, String> {
-        let probe = crate::rdma::probe();
+    pub(crate) fn new(
+        opts: RdmaOptions,
+        dir: Arc<dyn PeerDirectory>,
+    ) -> Result<RdmaTransport, String> {
+        let probe = crate::ibverbs::probe();
         if let Some(why) = probe.why_not() {
             return Err(why);
         }
@@ -910,14 +913,9 @@ impl RdmaTransport {
         Ok(RdmaTransport { shared })
     }
 
-    /// The NICs in use, in device order.
-    pub fn devices(&self) -> Vec<String> {
-        self.shared.nics.iter().map(|n| n.name.clone()).collect()
-    }
-
     /// Answers a peer's `Connection` message: makes a QP on the NIC it names, connects it to
     /// the peer's QP and replies with ours; or a refusal saying why.
-    pub fn on_connection(&self, body: &[u8]) -> Vec<u8> {
+    pub(crate) fn on_connection(&self, body: &[u8]) -> Vec<u8> {
         let s = &self.shared;
         let m = match ConnectionMsg::decode(body) {
             Ok(m) => m,
@@ -1029,7 +1027,7 @@ impl RdmaTransport {
     }
 
     /// What the transport holds.
-    pub fn usage(&self) -> RdmaUsage {
+    pub(crate) fn usage(&self) -> RdmaUsage {
         let s = &self.shared;
         RdmaUsage {
             endpoints: s.endpoints.lock().unwrap_or_else(|e| e.into_inner()).len(),
@@ -2920,7 +2918,7 @@ mod tests {
 
     #[test]
     fn without_rdma_the_transport_says_why() {
-        if crate::rdma::probe().usable() {
+        if crate::ibverbs::probe().usable() {
             return;
         }
         let e = RdmaTransport::new(

@@ -55,23 +55,23 @@ pub(crate) struct Diag {
 
 impl Diag {
     /// The TCP data port.
-    pub fn data_port(&self) -> u16 {
+    pub(crate) fn data_port(&self) -> u16 {
         self.tcp.data_port()
     }
 
     /// TCP peers with open lanes, and connections the data server is serving.
-    pub fn tcp_usage(&self) -> (usize, usize) {
+    pub(crate) fn tcp_usage(&self) -> (usize, usize) {
         self.tcp.usage()
     }
 
     /// With RDMA: what it holds.
-    pub fn rdma_usage(&self) -> Option<RdmaUsage> {
+    pub(crate) fn rdma_usage(&self) -> Option<RdmaUsage> {
         self.rdma.as_ref().map(|t| t.usage())
     }
 
     /// Why shared memory does not serve `peer`, when `chosen` (the transport serving it) is
     /// not shared memory; `None` for the engine's own segment.
-    pub fn why_not_same_host(
+    pub(crate) fn why_not_same_host(
         &self,
         peer: &Arc<Peer>,
         chosen: &Arc<dyn Transport>,
@@ -85,7 +85,7 @@ impl Diag {
 
 impl TransportSet {
     /// Builds the transports `b.config` asks for, each handed `dir`.
-    pub fn build(b: Build<'_>, dir: Arc<dyn PeerDirectory>) -> Result<TransportSet> {
+    pub(crate) fn build(b: Build<'_>, dir: Arc<dyn PeerDirectory>) -> Result<TransportSet> {
         let config = b.config;
         let tcp = TcpTransport::new(
             b.data_listener,
@@ -241,7 +241,7 @@ fn rdma(
             )))
             }
         },
-        TransportMode::Auto => match crate::rdma::probe().why_not() {
+        TransportMode::Auto => match crate::ibverbs::probe().why_not() {
             Some(why) => {
                 tracing::info!("KVFERRY_TRANSPORT=auto: no RDMA ({why}); TCP and shared memory carry transfers");
                 None

@@ -10,11 +10,11 @@ use super::WireError;
 use serde::{Deserialize, Serialize};
 
 /// Length of the frame prefix.
-pub const LEN_PREFIX: usize = 8;
+pub(crate) const LEN_PREFIX: usize = 8;
 /// Default upper bound on one frame's payload (Mooncake's `MC_HANDSHAKE_MAX_LENGTH`).
-pub const DEFAULT_MAX_FRAME: u64 = 1 << 20;
+pub(crate) const DEFAULT_MAX_FRAME: u64 = 1 << 20;
 /// The largest bound a user may configure.
-pub const MAX_MAX_FRAME: u64 = 128 << 20;
+pub(crate) const MAX_MAX_FRAME: u64 = 128 << 20;
 
 /// Handshake message types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -29,9 +29,9 @@ pub enum MsgType {
     /// Liveness probe.
     Probe = 3,
     /// kvferry's, only with a cluster key (`crate::auth`): the key's handshake, before the
-    /// request on the same connection. The initiator's frame carries [`AUTH_HELLO`] and its
-    /// opening Noise message; the engine answers [`AUTH_CHALLENGE`] and its Noise answer, or
-    /// refuses with [`AUTH_REFUSED`] and the reason. The request and its reply then go as
+    /// request on the same connection. The initiator's frame carries `AUTH_HELLO` and its
+    /// opening Noise message; the engine answers `AUTH_CHALLENGE` and its Noise answer, or
+    /// refuses with `AUTH_REFUSED` and the reason. The request and its reply then go as
     /// sealed frames (`crate::auth::Sealer::seal_frame` of the whole encoded frame), not as
     /// frames of this framing. `K`: no JSON text starts with it, so no legacy frame is taken
     /// for it.
@@ -39,11 +39,11 @@ pub enum MsgType {
 }
 
 /// First byte of the `Auth` frame opening a keyed handshake; the Noise opening message follows.
-pub const AUTH_HELLO: u8 = b'N';
+pub(crate) const AUTH_HELLO: u8 = b'N';
 /// First byte of an `Auth` answer carrying the engine's Noise answer.
-pub const AUTH_CHALLENGE: u8 = b'C';
+pub(crate) const AUTH_CHALLENGE: u8 = b'C';
 /// First byte of an `Auth` answer refusing the connection; the reason (UTF-8) follows.
-pub const AUTH_REFUSED: u8 = b'R';
+pub(crate) const AUTH_REFUSED: u8 = b'R';
 
 impl MsgType {
     pub fn from_u8(b: u8) -> Option<MsgType> {
@@ -77,7 +77,7 @@ pub fn encode(kind: MsgType, body: &[u8]) -> Vec<u8> {
 }
 
 /// Validates the 8-byte length prefix and returns the payload length to read next.
-pub fn decode_len(prefix: [u8; LEN_PREFIX], max: u64) -> Result<usize, WireError> {
+pub(crate) fn decode_len(prefix: [u8; LEN_PREFIX], max: u64) -> Result<usize, WireError> {
     let len = u64::from_le_bytes(prefix);
     if len == 0 || len > max {
         return Err(WireError::FrameLength { len, max });
@@ -86,7 +86,7 @@ pub fn decode_len(prefix: [u8; LEN_PREFIX], max: u64) -> Result<usize, WireError
 }
 
 /// Splits a payload (everything after the length prefix) into its type and JSON body.
-pub fn decode_payload(payload: &[u8]) -> Frame {
+pub(crate) fn decode_payload(payload: &[u8]) -> Frame {
     match payload.first().copied().and_then(MsgType::from_u8) {
         Some(kind) => Frame {
             kind,
@@ -123,7 +123,7 @@ pub fn decode(buf: &[u8], max: u64) -> Result<Option<(Frame, usize)>, WireError>
 
 /// Body of a `Notify` message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct NotifyMsg {
+pub(crate) struct NotifyMsg {
     #[serde(default)]
     pub name: String,
     #[serde(default)]
@@ -132,13 +132,13 @@ pub struct NotifyMsg {
 
 /// Reply body of a `Probe` message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ProbeReply {
+pub(crate) struct ProbeReply {
     #[serde(default)]
     pub status: String,
 }
 
 /// Parses a JSON body, naming the message kind in the error.
-pub fn parse_json<T: for<'de> Deserialize<'de>>(
+pub(crate) fn parse_json<T: for<'de> Deserialize<'de>>(
     what: &'static str,
     body: &[u8],
 ) -> Result<T, WireError> {

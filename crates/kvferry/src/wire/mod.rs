@@ -10,10 +10,10 @@
 //! - [`tcp`]: the 24-byte TCP data header and the v2 status frame.
 //! - [`rdma`]: the RDMA `Connection` handshake message (NIC paths, LID, GID, QP numbers).
 
-pub mod descriptor;
-pub mod handshake;
-pub mod rdma;
-pub mod tcp;
+pub(crate) mod descriptor;
+pub(crate) mod handshake;
+pub(crate) mod rdma;
+pub(crate) mod tcp;
 
 /// A decoding or validation failure of bytes received from a peer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

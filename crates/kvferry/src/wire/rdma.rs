@@ -3,7 +3,7 @@
 //!
 //! `local_nic_path` / `peer_nic_path` are `"<segment>@<nic>"`; GIDs travel as 16
 //! colon-separated lowercase hex bytes (Mooncake's form, e.g. `00:00:...:ff:ff:0a:00:00:01`),
-//! which [`gid_from_sysfs`] makes from sysfs's 8 groups of 4 hex digits. Decoding keeps unknown
+//! not sysfs's 8 groups of 4 hex digits. Decoding keeps unknown
 //! fields (`efa_addr`, `jetty_num`, ... of other builds) and re-emits them; it is strict where
 //! a wrong value would connect the wrong queue pairs ([`ConnectionMsg::validate`]).
 
@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 /// Most QPs one endpoint may announce (Mooncake uses `MC_NUM_QP_PER_EP`, 2 by default).
-pub const MAX_QPS: usize = 256;
+pub(crate) const MAX_QPS: usize = 256;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct ConnectionMsg {
@@ -49,7 +49,7 @@ fn bad(field: &str, reason: impl Into<String>) -> WireError {
 }
 
 /// Splits `"<segment>@<nic>"` at its last `@` (a segment name may hold one, a NIC name not).
-pub fn split_nic_path(path: &str) -> Option<(&str, &str)> {
+pub(crate) fn split_nic_path(path: &str) -> Option<(&str, &str)> {
     let (seg, nic) = path.rsplit_once('@')?;
     (!seg.is_empty() && !nic.is_empty()).then_some((seg, nic))
 }
@@ -74,22 +74,6 @@ pub fn format_gid(g: &[u8; 16]) -> String {
         .map(|b| format!("{b:02x}"))
         .collect::<Vec<_>>()
         .join(":")
-}
-
-/// Converts sysfs's form (8 groups of 4 hex digits) to the wire form.
-pub fn gid_from_sysfs(s: &str) -> Option<String> {
-    let groups: Vec<u16> = s
-        .split(':')
-        .map(|g| u16::from_str_radix(g, 16).ok())
-        .collect::<Option<_>>()?;
-    if groups.len() != 8 {
-        return None;
-    }
-    let mut b = [0u8; 16];
-    for (i, g) in groups.iter().enumerate() {
-        b[2 * i..2 * i + 2].copy_from_slice(&g.to_be_bytes());
-    }
-    Some(format_gid(&b))
 }
 
 impl ConnectionMsg {
@@ -239,16 +223,7 @@ mod tests {
     }
 
     #[test]
-    fn gids_convert_from_sysfs_to_the_wire_form() {
-        assert_eq!(
-            gid_from_sysfs("0000:0000:0000:0000:0000:ffff:0a63:0201").as_deref(),
-            Some("00:00:00:00:00:00:00:00:00:00:ff:ff:0a:63:02:01")
-        );
-        assert_eq!(
-            gid_from_sysfs("fe80:0000:0000:0000:f023:93ff:fecb:f0f0").as_deref(),
-            Some("fe:80:00:00:00:00:00:00:f0:23:93:ff:fe:cb:f0:f0")
-        );
-        assert!(gid_from_sysfs("fe80::1").is_none() && gid_from_sysfs("").is_none());
+    fn gids_of_other_than_16_bytes_are_refused() {
         assert!(
             parse_gid("00:00:00:00:00:00:00:00:00:00:ff:ff:0a:63:02").is_none(),
             "15 bytes"

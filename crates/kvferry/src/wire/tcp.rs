@@ -22,15 +22,15 @@
 use super::WireError;
 
 pub const HEADER_LEN: usize = 24;
-pub const STATUS_LEN: usize = 8;
-pub const STATUS_MAGIC: u32 = 0x4D43_5456;
-pub const V2_FLAG: u8 = 0x80;
+pub(crate) const STATUS_LEN: usize = 8;
+pub(crate) const STATUS_MAGIC: u32 = 0x4D43_5456;
+pub(crate) const V2_FLAG: u8 = 0x80;
 /// Opcode byte of the cluster key's opening frame.
-pub const AUTH_OPCODE: u8 = 0x4B;
+pub(crate) const AUTH_OPCODE: u8 = 0x4B;
 /// The `addr` field of the opening frame ("KVFNOIS1").
-pub const AUTH_MAGIC: u64 = u64::from_le_bytes(*b"KVFNOIS1");
+pub(crate) const AUTH_MAGIC: u64 = u64::from_le_bytes(*b"KVFNOIS1");
 /// The first 8 bytes of the target's answer ("KVFNOIS2"), where a status frame would be.
-pub const ANSWER_MAGIC: u64 = u64::from_le_bytes(*b"KVFNOIS2");
+pub(crate) const ANSWER_MAGIC: u64 = u64::from_le_bytes(*b"KVFNOIS2");
 /// Bytes of the target's answer: the magic and its Noise answer.
 pub const AUTH_ANSWER_LEN: usize = 8 + crate::auth::ANSWER_LEN;
 /// Bytes of a request header sealed.
@@ -129,13 +129,13 @@ pub fn encode_auth_hello(msg_len: usize, protect: u8) -> [u8; HEADER_LEN] {
 }
 
 /// What an opening frame asks the connection to protect (`crate::auth::Protect`'s code).
-pub fn auth_hello_protect(h: &[u8; HEADER_LEN]) -> u8 {
+pub(crate) fn auth_hello_protect(h: &[u8; HEADER_LEN]) -> u8 {
     h[17]
 }
 
 /// Whether a header is the opening frame's: then the length of the message it announces
 /// (which the caller bounds before reading it).
-pub fn auth_hello_len(h: &[u8]) -> Option<u64> {
+pub(crate) fn auth_hello_len(h: &[u8]) -> Option<u64> {
     let h = h.get(..HEADER_LEN)?;
     (h[16] == AUTH_OPCODE && h[8..16] == AUTH_MAGIC.to_le_bytes())
         .then(|| u64::from_le_bytes(h[0..8].try_into().expect("8 bytes")))

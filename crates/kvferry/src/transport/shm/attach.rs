@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 pub(super) const ALIVE_FOR_NS: u64 = 1_000_000;
 
 /// A verified same-host peer process.
-pub struct ShmPeer {
+pub(crate) struct ShmPeer {
     pub(super) pid: i32,
     pub(super) pidfd: OwnedFd,
     /// When the pidfd last said "alive" ([`now_ns`]).
@@ -37,10 +37,6 @@ pub struct ShmPeer {
 }
 
 impl ShmPeer {
-    pub fn pid(&self) -> i32 {
-        self.pid
-    }
-
     pub(super) fn exited(&self) -> bool {
         let gone = exited(&self.pidfd);
         if !gone {

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Size of the control region.
-pub const CTL_LEN: usize = 64 << 10;
+pub(crate) const CTL_LEN: usize = 64 << 10;
 /// (02: slots record when their owner started.)
 pub(super) const CTL_MAGIC: u64 = u64::from_le_bytes(*b"KVFCTL02");
 pub(super) const OFF_MAGIC: usize = 0;

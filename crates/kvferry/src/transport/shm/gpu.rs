@@ -32,7 +32,7 @@ pub fn gpu_ipc_bytes() -> u64 {
 
 /// A registered GPU range of the publisher and its CUDA IPC export.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GpuExport {
+pub(crate) struct GpuExport {
     /// The range in the publisher's address space.
     pub addr: u64,
     pub len: u64,

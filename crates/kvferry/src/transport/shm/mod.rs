@@ -107,22 +107,26 @@ mod gpu;
 mod maps;
 mod sys;
 
-pub use attach::ShmPeer;
-pub use ctl::CTL_LEN;
-pub use gpu::{gpu_ipc_bytes, GpuExport};
-pub use sys::{ptrace_scope, simulate_cma_denied};
+pub(crate) use attach::ShmPeer;
+pub(crate) use ctl::CTL_LEN;
+#[cfg(feature = "test-hooks")]
+pub use gpu::gpu_ipc_bytes;
+pub(crate) use gpu::GpuExport;
+pub use sys::ptrace_scope;
+#[cfg(feature = "test-hooks")]
+pub use sys::simulate_cma_denied;
 
 use copy::*;
 use ctl::*;
 use sys::*;
 
 /// The descriptor field this transport publishes.
-pub const FIELD: &str = "kvferry_shm";
+pub(crate) const FIELD: &str = "kvferry_shm";
 /// Version of the published field and of the control region layout.
-pub const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 1;
 /// Largest copy done by one system call and one in-flight window; larger requests are cut
 /// into pieces of this size and spread over the worker threads.
-pub const CHUNK: u64 = 1 << 20;
+pub(crate) const CHUNK: u64 = 1 << 20;
 /// Pieces gathered into one system call (one `iovec` pair each).
 const MAX_IOV: usize = 64;
 /// A submission of at most this many bytes is copied in the caller's thread (no hand-off).
@@ -171,7 +175,7 @@ impl std::fmt::Display for TransportMode {
 
 /// What a peer publishes under [`FIELD`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ShmInfo {
+pub(crate) struct ShmInfo {
     pub version: u32,
     pub host_id: String,
     pub pid: i32,
@@ -194,7 +198,7 @@ pub struct ShmInfo {
 
 /// A shareable (memfd-backed) buffer of the publishing process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct MapInfo {
+pub(crate) struct MapInfo {
     /// The memfd's number in the publishing process (taken with `pidfd_getfd`).
     pub fd: i32,
     /// Where the publisher maps the memfd's byte 0, and its length.
@@ -228,7 +232,7 @@ pub fn bytes_moved() -> (u64, u64) {
 
 /// The value published under [`FIELD`]: `info` (from [`ShmTransport::offer`]) plus the
 /// shareable buffers that contain the published `buffers`.
-pub fn publish(
+pub(crate) fn publish(
     mut info: ShmInfo,
     buffers: &[crate::wire::descriptor::BufferDesc],
 ) -> Option<serde_json::Value> {
@@ -258,7 +262,7 @@ impl ShmInfo {
     }
 
     /// The field of a descriptor: `None` when absent, an error when malformed.
-    pub fn of(desc: &SegmentDesc) -> Option<Result<ShmInfo, String>> {
+    pub(crate) fn of(desc: &SegmentDesc) -> Option<Result<ShmInfo, String>> {
         desc.extra.get(FIELD).map(|v| {
             serde_json::from_value::<ShmInfo>(v.clone())
                 .map_err(|e| format!("its {FIELD} field is malformed ({e})"))
@@ -281,7 +285,7 @@ pub fn host_id() -> Result<String, String> {
 // The transport
 // ------------------------------------------------------------------------------------------
 
-pub struct ShmOptions {
+pub(crate) struct ShmOptions {
     /// This engine's segment name, written into its control region.
     pub name: String,
     pub mode: TransportMode,
@@ -417,12 +421,10 @@ fn reaper(weak: std::sync::Weak<Shared>) {
 }
 
 /// The same-host transport of one engine.
-pub struct ShmTransport {
+pub(crate) struct ShmTransport {
     mode: TransportMode,
     threads: usize,
     local: Option<LocalCtl>,
-    /// Why this engine does not offer shared-memory access (when it does not).
-    local_reason: Option<String>,
     host_id: Result<String, String>,
     owner: u64,
     shared: Arc<Shared>,
@@ -450,7 +452,7 @@ impl ShmTransport {
         }
     }
 
-    pub fn new(opts: ShmOptions, dir: Arc<dyn PeerDirectory>) -> ShmTransport {
+    pub(crate) fn new(opts: ShmOptions, dir: Arc<dyn PeerDirectory>) -> ShmTransport {
         let host_id = host_id();
         let (local, local_reason) = match (opts.mode, &host_id) {
             (TransportMode::Tcp, _) => (None, Some("KVFERRY_TRANSPORT=tcp".to_string())),
@@ -482,7 +484,6 @@ impl ShmTransport {
             threads,
             background_fill: maps::filler::Budget::new(opts.background_fill),
             local,
-            local_reason,
             host_id,
             owner,
             shared: Arc::new(Shared {
@@ -504,19 +505,10 @@ impl ShmTransport {
         }
     }
 
-    pub fn mode(&self) -> TransportMode {
-        self.mode
-    }
-
-    /// Why peers cannot reach this engine through shared memory, if they cannot.
-    pub fn local_unavailable(&self) -> Option<&str> {
-        self.local_reason.as_deref()
-    }
-
     /// What this engine publishes under [`FIELD`], without `maps` (see [`publish`]). Read
     /// it *before* snapshotting the registered ranges: the epoch then never claims a newer
     /// state than the buffer list.
-    pub fn offer(&self) -> Option<ShmInfo> {
+    pub(crate) fn offer(&self) -> Option<ShmInfo> {
         let c = self.local.as_ref()?;
         let host_id = self.host_id.as_ref().ok()?;
         let info = ShmInfo {
@@ -536,7 +528,7 @@ impl ShmTransport {
     }
 
     /// Chooses this transport for `peer`, or says why not. Cached per peer and peer cookie.
-    pub fn select(&self, peer: &Arc<Peer>) -> Result<Arc<ShmPeer>, String> {
+    pub(crate) fn select(&self, peer: &Arc<Peer>) -> Result<Arc<ShmPeer>, String> {
         if self.mode == TransportMode::Tcp {
             return Err("KVFERRY_TRANSPORT=tcp".into());
         }
@@ -632,12 +624,6 @@ impl ShmTransport {
             tracing::warn!("cannot start the thread that releases departed same-host peers ({e}); they are released when a request finds them gone");
             self.shared.reaper.store(false, Ordering::Release);
         }
-    }
-
-    /// Releases departed peers now (what the reaper does every [`REAP_INTERVAL`]); returns
-    /// how many were released.
-    pub fn reap(&self) -> usize {
-        self.shared.reap()
     }
 
     fn choose(
@@ -748,7 +734,13 @@ impl ShmTransport {
     }
 
     /// Queues (or, when small, runs here) pieces for a verified peer.
-    pub fn submit_to(&self, peer: &Arc<Peer>, shm: Arc<ShmPeer>, pieces: Vec<Piece>, inline: bool) {
+    pub(crate) fn submit_to(
+        &self,
+        peer: &Arc<Peer>,
+        shm: Arc<ShmPeer>,
+        pieces: Vec<Piece>,
+        inline: bool,
+    ) {
         if self.shut.load(Ordering::Acquire) {
             for p in pieces {
                 p.task.piece_failed(

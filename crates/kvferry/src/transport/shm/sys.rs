@@ -123,7 +123,7 @@ pub(super) static FORCE_DENIED: AtomicBool = AtomicBool::new(false);
 
 /// Test hook: makes every cross-memory call of this process fail with EPERM, as under a
 /// restrictive ptrace policy, so the TCP fallback can be exercised without one.
-#[doc(hidden)]
+#[cfg(feature = "test-hooks")]
 pub fn simulate_cma_denied(on: bool) {
     FORCE_DENIED.store(on, Ordering::Relaxed);
 }

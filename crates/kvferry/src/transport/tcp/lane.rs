@@ -1,7 +1,7 @@
 //! Initiator side: lanes (one connection, a writer and a reader thread each) to one peer.
 
-use super::proto::{self, Answer, Failed, Fate};
 use super::queue::{LaneQueue, QueuedOp};
+use super::rules::{self, Answer, Failed, Fate};
 use super::sockio::*;
 use super::RefusedHook;
 use crate::batch::{FailCause, FailKind, Failure};
@@ -367,7 +367,7 @@ impl Lane {
     }
 
     /// What becomes of an op that was handed to a connection that then failed (the rule
-    /// is [`proto::fate`]): `None` to retry it on a new connection, else how it ends.
+    /// is [`rules::fate`]): `None` to retry it on a new connection, else how it ends.
     pub(super) fn fate(
         &self,
         op: &WireOp,
@@ -383,7 +383,7 @@ impl Lane {
             deadline: op.piece.task.deadline(),
             untouched,
         };
-        match proto::fate(
+        match rules::fate(
             op.piece.opcode,
             f,
             now,
@@ -512,7 +512,7 @@ impl Lane {
                 {
                     guards.push(p.guard.clone());
                 }
-                let (hdr, fence) = proto::request_frames(p.opcode, p.remote, p.len, self.v2);
+                let (hdr, fence) = rules::request_frames(p.opcode, p.remote, p.len, self.v2);
                 let body = if p.opcode == Opcode::Write { p.len } else { 0 };
                 items.push((hdr, fence, p.local, body, p.task.deadline()));
             }
@@ -526,7 +526,7 @@ impl Lane {
             let protect = conn.protect;
             let mut put = |h: &[u8; HEADER_LEN], seal: &mut Option<std::sync::MutexGuard<'_, crate::auth::Sealer>>| {
                 let mut b = [0u8; SEALED_HEADER_LEN];
-                hdr_lens.push(proto::put_header(h, seal.as_deref_mut(), &mut b));
+                hdr_lens.push(rules::put_header(h, seal.as_deref_mut(), &mut b));
                 iov_hdrs.push(b);
                 *hdr_lens.last().expect("just pushed") as u64
             };
@@ -546,7 +546,7 @@ impl Lane {
                         let from = scratch.len();
                         // SAFETY: local ranges were checked against the registry at submit
                         // and the piece's guard (held in `guards`) keeps them registered.
-                        proto::seal_body(
+                        rules::seal_body(
                             p,
                             s,
                             unsafe {
@@ -598,7 +598,7 @@ impl Lane {
                 let (now_part, later) = std::mem::take(&mut rest).split_at_mut(take);
                 let part: u64 = now_part.iter().map(|s| s.len() as u64).sum();
                 let overdue = |written: u64| {
-                    proto::deadline_at(&ends, before + written).is_some_and(|d| Instant::now() >= d)
+                    rules::deadline_at(&ends, before + written).is_some_and(|d| Instant::now() >= d)
                 };
                 let r = write_all_vectored(&conn, now_part, |written| {
                     overdue(written) || guards.iter().any(|g| g.is_revoked())
@@ -705,7 +705,7 @@ impl Lane {
     }
 
     /// The cluster key's handshake on a new connection, bound to this lane's segment name, by
-    /// `until` (`proto::AuthOpen`): the connection's session, or the failure to end the waiting
+    /// `until` (`rules::AuthOpen`): the connection's session, or the failure to end the waiting
     /// requests with when the target refuses or cannot answer it.
     fn authenticate(
         &self,
@@ -725,7 +725,7 @@ impl Lane {
                 self.peer_name, self.target
             ))
         };
-        let open = proto::AuthOpen::new(key, &self.peer_name, self.protect, &self.peer_name)?;
+        let open = rules::AuthOpen::new(key, &self.peer_name, self.protect, &self.peer_name)?;
         write_all_vectored(s, &mut [IoSlice::new(open.hello())], |_| stop())
             .map_err(|e| io_failed("sending", e))?;
         // (The target sends nothing beyond its answer before the first request: no byte of
@@ -787,7 +787,7 @@ impl Lane {
                 rx.clear();
                 my_gen = gen;
             }
-            let expired = || proto::must_stop(Instant::now(), deadline, guard.is_revoked());
+            let expired = || rules::must_stop(Instant::now(), deadline, guard.is_revoked());
             // Large READ data goes straight into local memory: read only the status first.
             rx.max_fill = if opcode == Opcode::Read && len as usize >= DIRECT_MIN {
                 STATUS_LEN
@@ -962,10 +962,10 @@ impl Lane {
         self.load.fetch_add(piece.len, Ordering::AcqRel);
         piece.task.set_pending();
         let deadline = piece.task.deadline();
-        let expired = || proto::must_stop(Instant::now(), deadline, piece.guard.is_revoked());
+        let expired = || rules::must_stop(Instant::now(), deadline, piece.guard.is_revoked());
         let p = &piece;
         let result: io::Result<Status> = (|| {
-            let (hdr, fence) = proto::request_frames(p.opcode, p.remote, p.len, self.v2);
+            let (hdr, fence) = rules::request_frames(p.opcode, p.remote, p.len, self.v2);
             // SAFETY: the local range is registered (checked at submit) and the guard keeps
             // it so; a revoked guard stops every loop below between system calls.
             let local =
@@ -976,16 +976,16 @@ impl Lane {
             let mut sealed_body = Vec::new();
             let (hlen, flen) = {
                 let mut seal = conn.sealer();
-                let h = proto::put_header(&hdr, seal.as_deref_mut(), &mut hbuf);
+                let h = rules::put_header(&hdr, seal.as_deref_mut(), &mut hbuf);
                 if let (Some(s), true) = (
                     seal.as_deref_mut(),
                     p.opcode == Opcode::Write && conn.protect != crate::auth::Protect::Headers,
                 ) {
-                    proto::seal_body(conn.protect, s, local, &mut sealed_body);
+                    rules::seal_body(conn.protect, s, local, &mut sealed_body);
                 }
                 (
                     h,
-                    fence.map_or(0, |f| proto::put_header(&f, seal.as_deref_mut(), &mut fbuf)),
+                    fence.map_or(0, |f| rules::put_header(&f, seal.as_deref_mut(), &mut fbuf)),
                 )
             };
             let body: &[u8] = if sealed_body.is_empty() {

@@ -1,7 +1,7 @@
 //! TCP transport: Mooncake's TCP data protocol (v2 acknowledged framing, v1 for old peers).
 //!
 //! Target side ([`TcpServer`], `server.rs`): one thread per connection (at most
-//! [`MAX_DATA_CONNS`]) reads 24-byte headers, checks `[addr, addr+size)` against the registry
+//! [`server::MAX_DATA_CONNS`]) reads 24-byte headers, checks `[addr, addr+size)` against the registry
 //! before touching memory, reads WRITE bodies straight into the destination and answers with
 //! a status frame only after the last byte landed; READ data goes out straight from
 //! registered memory. Small pipelined requests are parsed from one buffered read and their
@@ -40,14 +40,13 @@ use std::time::{Duration, Instant};
 pub(crate) type RefusedHook = Arc<dyn Fn(&str, SocketAddr, Vec<Piece>) -> Vec<Piece> + Send + Sync>;
 
 mod lane;
-mod proto;
 mod queue;
-mod serve;
+mod rules;
 mod server;
 mod sockio;
+mod target_conn;
 
-pub use server::{TcpServer, MAX_DATA_CONNS};
-pub use sockio::poll_read;
+pub(crate) use server::TcpServer;
 
 use lane::{Lane, LaneState, PeerLanes, PeerMap, WireOp};
 
@@ -57,7 +56,7 @@ use lane::{Lane, LaneState, PeerLanes, PeerMap, WireOp};
 
 /// Tuning of the initiator side.
 #[derive(Debug, Clone)]
-pub struct TcpOptions {
+pub(crate) struct TcpOptions {
     pub lanes: usize,
     pub split_bytes: u64,
     /// Highest protocol version to use (a peer advertising less gets less).
@@ -81,7 +80,7 @@ pub struct TcpOptions {
 }
 
 /// The TCP transport of one engine: its data server and its lanes to peers.
-pub struct TcpTransport {
+pub(crate) struct TcpTransport {
     opts: TcpOptions,
     server: TcpServer,
     peers: Arc<PeerMap>,
@@ -92,7 +91,7 @@ pub struct TcpTransport {
 }
 
 impl TcpTransport {
-    pub fn new(
+    pub(crate) fn new(
         listener: TcpListener,
         registry: Arc<MemoryRegistry>,
         opts: TcpOptions,
@@ -170,7 +169,7 @@ impl TcpTransport {
     }
 
     /// The data address of `peer` according to `desc` (what lanes connect to).
-    pub fn data_addr(peer: &Peer, desc: &SegmentDesc) -> Result<SocketAddr, String> {
+    pub(crate) fn data_addr(peer: &Peer, desc: &SegmentDesc) -> Result<SocketAddr, String> {
         let host = desc.data_host(&peer.host);
         (host, desc.tcp_data_port)
             .to_socket_addrs()
@@ -179,13 +178,13 @@ impl TcpTransport {
             .ok_or_else(|| format!("{host} resolves to no address"))
     }
 
-    pub fn data_port(&self) -> u16 {
+    pub(crate) fn data_port(&self) -> u16 {
         self.server.port()
     }
 
     /// Peers with open lanes, and connections the data server is serving (for tests and
     /// `kvferry doctor`: what departed peers still cost).
-    pub fn usage(&self) -> (usize, usize) {
+    pub(crate) fn usage(&self) -> (usize, usize) {
         (
             self.peers.lock().unwrap_or_else(|e| e.into_inner()).len(),
             self.server.connections(),
@@ -248,7 +247,7 @@ impl TcpTransport {
 impl TcpTransport {
     /// Runs a lone request in the caller's thread when a lane to the peer is connected and
     /// idle (see `Lane::run_inline`); otherwise queues it like [`Transport::submit`].
-    pub fn submit_one(&self, peer: &Arc<Peer>, piece: Piece) {
+    pub(crate) fn submit_one(&self, peer: &Arc<Peer>, piece: Piece) {
         let mut piece = piece;
         if piece.len <= self.opts.inline_max && !self.shut.load(Ordering::Acquire) {
             if let Ok(lanes) = self.lanes_for(peer, &peer.desc()) {
@@ -426,4 +425,4 @@ impl TcpTransport {
 }
 
 #[cfg(any(test, feature = "fuzzing"))]
-pub(crate) use serve::fuzz_drive;
+pub(crate) use target_conn::fuzz_drive;

@@ -5,7 +5,7 @@
 //! No sockets, no clock and no threads here: the lane's writer and reader threads
 //! (`lane.rs`) hold this under their lock, pass in the time, do the system calls and act on
 //! what the methods return. Every rule is therefore unit-tested below with synthetic times
-//! and ops (the retry rule itself is [`super::proto::fate`]). `C` is the connection (an
+//! and ops (the retry rule itself is [`super::rules::fate`]). `C` is the connection (an
 //! `Arc<TcpStream>` in the lane, `()` or a number in tests); `O` a queued request.
 
 use std::collections::VecDeque;
@@ -50,7 +50,7 @@ pub(super) struct LaneQueue<O, C> {
 
 /// A run of pending requests moved to `inflight[first..first + n]`, to go out on `conn` in
 /// one gathered write, which stops at the deadline of the request whose bytes are going out
-/// ([`super::proto::deadline_at`]).
+/// ([`super::rules::deadline_at`]).
 pub(super) struct Send<C> {
     pub(super) conn: C,
     pub(super) gen: u64,
@@ -355,7 +355,7 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::proto::{self, Failed, Fate};
+    use super::super::rules::{self, Failed, Fate};
     use super::*;
     use crate::batch::FailKind;
     use crate::wire::tcp::Opcode;
@@ -405,7 +405,7 @@ mod tests {
                 deadline: o.deadline,
                 untouched: false,
             };
-            match proto::fate(o.opcode, f, now, "peer", "reset") {
+            match rules::fate(o.opcode, f, now, "peer", "reset") {
                 Fate::Retry => None,
                 Fate::End(kind, _) => Some(kind),
             }

@@ -1,7 +1,7 @@
 //! Target side: the data listener and one thread per connection.
 
-use super::serve::{End, ServeConn};
 use super::sockio::*;
+use super::target_conn::{End, ServeConn};
 use crate::auth::{Keyed, Protect, Unproved};
 use crate::memory::MemoryRegistry;
 use std::collections::HashMap;
@@ -16,13 +16,13 @@ use std::time::{Duration, Instant};
 // ------------------------------------------------------------------------------------------
 
 /// Most data connections served at once (one thread each); more are closed at accept.
-pub const MAX_DATA_CONNS: usize = 1024;
+pub(super) const MAX_DATA_CONNS: usize = 1024;
 /// With a cluster key: most connections served at once that have not proved it yet (each
 /// holds a thread for at most `stall` before it must), and most of those from one source
 /// address. A flood without the key holds at most these; proved connections are not
 /// counted.
-pub const MAX_UNPROVED: usize = 128;
-pub const MAX_UNPROVED_PER_SOURCE: usize = 32;
+pub(super) const MAX_UNPROVED: usize = 128;
+pub(super) const MAX_UNPROVED_PER_SOURCE: usize = 32;
 
 /// A served connection: a handle to shut it down, and the start of the registered range
 /// its thread holds a guard on (0: none).
@@ -61,7 +61,7 @@ fn out_of_resources(e: &io::Error) -> bool {
 }
 
 /// The data listener of the local segment.
-pub struct TcpServer {
+pub(crate) struct TcpServer {
     port: u16,
     listener: Arc<TcpListener>,
     shutdown: Arc<AtomicBool>,
@@ -73,7 +73,7 @@ impl TcpServer {
     /// Serves `listener` until [`TcpServer::shutdown`]. `stall` bounds how long a request may
     /// take (plus 1 ns per byte, as the initiator's deadline) before the connection is
     /// dropped. A revoked range (unregister) shuts down the connections holding it.
-    pub fn start(
+    pub(crate) fn start(
         listener: TcpListener,
         registry: Arc<MemoryRegistry>,
         stall: Duration,
@@ -185,18 +185,18 @@ impl TcpServer {
         })
     }
 
-    pub fn port(&self) -> u16 {
+    pub(crate) fn port(&self) -> u16 {
         self.port
     }
 
     /// Connections being served now.
-    pub fn connections(&self) -> usize {
+    pub(crate) fn connections(&self) -> usize {
         self.conns.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// Stops accepting and shuts every connection down (their threads then end; the engine's
     /// unregister barrier waits for any that still hold a range).
-    pub fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         self.shutdown.store(true, Ordering::Release);
         // Shutting down the listening socket makes the blocked accept() return.
         let _ = rustix::net::shutdown(&*self.listener, rustix::net::Shutdown::Both);

@@ -108,7 +108,7 @@ pub(super) const SPIN_MAX_BYTES: u64 = 64 << 10;
 /// Polls the socket without blocking for at most `budget`, filling `buf` as far as data is
 /// there. A bounded poll: on a machine whose idle cores wake slowly it halves the round trip
 /// of a lone small request, and it never runs longer than `budget`.
-pub fn poll_read(s: &TcpStream, buf: &mut [u8], budget: Duration) -> usize {
+pub(super) fn poll_read(s: &TcpStream, buf: &mut [u8], budget: Duration) -> usize {
     if budget.is_zero() {
         return 0;
     }

@@ -18,7 +18,7 @@ use std::ffi::{c_int, c_uint, c_void};
 
 /// `struct ibv_context_ops` (verbs.h): 32 function pointers; only the data-path ones are typed.
 #[repr(C)]
-pub struct ibv_context_ops {
+pub(crate) struct ibv_context_ops {
     /// `_compat_query_device` .. `_compat_create_cq` (11 pointers, unused here).
     pub _before_poll_cq: [*mut c_void; 11],
     pub poll_cq:
@@ -41,7 +41,7 @@ pub struct ibv_context_ops {
 
 /// `struct ibv_context`, prefix (the library allocates it; `mutex` and `abi_compat` follow).
 #[repr(C)]
-pub struct ibv_context {
+pub(crate) struct ibv_context {
     pub device: *mut c_void,
     pub ops: ibv_context_ops,
     pub cmd_fd: c_int,
@@ -51,7 +51,7 @@ pub struct ibv_context {
 
 /// `struct ibv_qp`, prefix (the mutex, condition variable and `events_completed` follow).
 #[repr(C)]
-pub struct ibv_qp {
+pub(crate) struct ibv_qp {
     pub context: *mut ibv_context,
     pub qp_context: *mut c_void,
     pub pd: *mut c_void,
@@ -66,7 +66,7 @@ pub struct ibv_qp {
 
 /// `struct ibv_cq`, prefix (the mutex, condition variable and event counters follow).
 #[repr(C)]
-pub struct ibv_cq {
+pub(crate) struct ibv_cq {
     pub context: *mut ibv_context,
     pub channel: *mut ibv_comp_channel,
     pub cq_context: *mut c_void,
@@ -76,7 +76,7 @@ pub struct ibv_cq {
 
 /// `struct ibv_comp_channel`.
 #[repr(C)]
-pub struct ibv_comp_channel {
+pub(crate) struct ibv_comp_channel {
     pub context: *mut ibv_context,
     pub fd: c_int,
     pub refcnt: c_int,
@@ -84,7 +84,7 @@ pub struct ibv_comp_channel {
 
 /// `struct ibv_mr`.
 #[repr(C)]
-pub struct ibv_mr {
+pub(crate) struct ibv_mr {
     pub context: *mut ibv_context,
     pub pd: *mut c_void,
     pub addr: *mut c_void,
@@ -97,7 +97,7 @@ pub struct ibv_mr {
 /// `struct ibv_sge`.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-pub struct ibv_sge {
+pub(crate) struct ibv_sge {
     pub addr: u64,
     pub length: u32,
     pub lkey: u32,
@@ -107,7 +107,7 @@ pub struct ibv_sge {
 /// whose `rdma` member is `{ u64 remote_addr; u32 rkey; }`; `qp_type` a 4-byte union; the last
 /// anonymous union (`bind_mw` / `tso`) 48 bytes.
 #[repr(C)]
-pub struct ibv_send_wr {
+pub(crate) struct ibv_send_wr {
     pub wr_id: u64,
     pub next: *mut ibv_send_wr,
     pub sg_list: *mut ibv_sge,
@@ -126,7 +126,7 @@ pub struct ibv_send_wr {
 /// `struct ibv_wc`.
 #[repr(C)]
 #[derive(Clone, Copy, Default, Debug)]
-pub struct ibv_wc {
+pub(crate) struct ibv_wc {
     pub wr_id: u64,
     pub status: c_uint,
     pub opcode: c_uint,
@@ -145,7 +145,7 @@ pub struct ibv_wc {
 /// `struct ibv_qp_cap`.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-pub struct ibv_qp_cap {
+pub(crate) struct ibv_qp_cap {
     pub max_send_wr: u32,
     pub max_recv_wr: u32,
     pub max_send_sge: u32,
@@ -155,7 +155,7 @@ pub struct ibv_qp_cap {
 
 /// `struct ibv_qp_init_attr`.
 #[repr(C)]
-pub struct ibv_qp_init_attr {
+pub(crate) struct ibv_qp_init_attr {
     pub qp_context: *mut c_void,
     pub send_cq: *mut ibv_cq,
     pub recv_cq: *mut ibv_cq,
@@ -168,14 +168,14 @@ pub struct ibv_qp_init_attr {
 /// `union ibv_gid`: 16 bytes, 8-aligned in C (its other member is two `__be64`).
 #[repr(C, align(8))]
 #[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
-pub struct ibv_gid {
+pub(crate) struct ibv_gid {
     pub raw: [u8; 16],
 }
 
 /// `struct ibv_global_route`.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-pub struct ibv_global_route {
+pub(crate) struct ibv_global_route {
     pub dgid: ibv_gid,
     pub flow_label: u32,
     pub sgid_index: u8,
@@ -186,7 +186,7 @@ pub struct ibv_global_route {
 /// `struct ibv_ah_attr`.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-pub struct ibv_ah_attr {
+pub(crate) struct ibv_ah_attr {
     pub grh: ibv_global_route,
     pub dlid: u16,
     pub sl: u8,
@@ -199,7 +199,7 @@ pub struct ibv_ah_attr {
 /// `struct ibv_qp_attr`.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-pub struct ibv_qp_attr {
+pub(crate) struct ibv_qp_attr {
     pub qp_state: c_uint,
     pub cur_qp_state: c_uint,
     pub path_mtu: c_uint,
@@ -233,7 +233,7 @@ pub struct ibv_qp_attr {
 /// wrapper does, so `flags` and `port_cap_flags2` read as 0.
 #[repr(C)]
 #[derive(Clone, Copy, Default, Debug)]
-pub struct ibv_port_attr {
+pub(crate) struct ibv_port_attr {
     pub state: c_uint,
     pub max_mtu: c_uint,
     pub active_mtu: c_uint,
@@ -259,46 +259,51 @@ pub struct ibv_port_attr {
 }
 
 // enum ibv_qp_type
-pub const IBV_QPT_RC: c_uint = 2;
+pub(crate) const IBV_QPT_RC: c_uint = 2;
 // enum ibv_qp_state
-pub const IBV_QPS_RESET: c_uint = 0;
-pub const IBV_QPS_INIT: c_uint = 1;
-pub const IBV_QPS_RTR: c_uint = 2;
-pub const IBV_QPS_RTS: c_uint = 3;
-pub const IBV_QPS_ERR: c_uint = 6;
+#[allow(dead_code)] // the enum's first value, for the reader
+pub(crate) const IBV_QPS_RESET: c_uint = 0;
+pub(crate) const IBV_QPS_INIT: c_uint = 1;
+pub(crate) const IBV_QPS_RTR: c_uint = 2;
+pub(crate) const IBV_QPS_RTS: c_uint = 3;
+pub(crate) const IBV_QPS_ERR: c_uint = 6;
 // enum ibv_qp_attr_mask
-pub const IBV_QP_STATE: c_int = 1 << 0;
-pub const IBV_QP_ACCESS_FLAGS: c_int = 1 << 3;
-pub const IBV_QP_PKEY_INDEX: c_int = 1 << 4;
-pub const IBV_QP_PORT: c_int = 1 << 5;
-pub const IBV_QP_AV: c_int = 1 << 7;
-pub const IBV_QP_PATH_MTU: c_int = 1 << 8;
-pub const IBV_QP_TIMEOUT: c_int = 1 << 9;
-pub const IBV_QP_RETRY_CNT: c_int = 1 << 10;
-pub const IBV_QP_RNR_RETRY: c_int = 1 << 11;
-pub const IBV_QP_RQ_PSN: c_int = 1 << 12;
-pub const IBV_QP_MAX_QP_RD_ATOMIC: c_int = 1 << 13;
-pub const IBV_QP_MIN_RNR_TIMER: c_int = 1 << 15;
-pub const IBV_QP_SQ_PSN: c_int = 1 << 16;
-pub const IBV_QP_MAX_DEST_RD_ATOMIC: c_int = 1 << 17;
-pub const IBV_QP_DEST_QPN: c_int = 1 << 20;
+pub(crate) const IBV_QP_STATE: c_int = 1 << 0;
+pub(crate) const IBV_QP_ACCESS_FLAGS: c_int = 1 << 3;
+pub(crate) const IBV_QP_PKEY_INDEX: c_int = 1 << 4;
+pub(crate) const IBV_QP_PORT: c_int = 1 << 5;
+pub(crate) const IBV_QP_AV: c_int = 1 << 7;
+pub(crate) const IBV_QP_PATH_MTU: c_int = 1 << 8;
+pub(crate) const IBV_QP_TIMEOUT: c_int = 1 << 9;
+pub(crate) const IBV_QP_RETRY_CNT: c_int = 1 << 10;
+pub(crate) const IBV_QP_RNR_RETRY: c_int = 1 << 11;
+pub(crate) const IBV_QP_RQ_PSN: c_int = 1 << 12;
+pub(crate) const IBV_QP_MAX_QP_RD_ATOMIC: c_int = 1 << 13;
+pub(crate) const IBV_QP_MIN_RNR_TIMER: c_int = 1 << 15;
+pub(crate) const IBV_QP_SQ_PSN: c_int = 1 << 16;
+pub(crate) const IBV_QP_MAX_DEST_RD_ATOMIC: c_int = 1 << 17;
+pub(crate) const IBV_QP_DEST_QPN: c_int = 1 << 20;
 // enum ibv_access_flags
-pub const IBV_ACCESS_LOCAL_WRITE: c_int = 1;
-pub const IBV_ACCESS_REMOTE_WRITE: c_int = 2;
-pub const IBV_ACCESS_REMOTE_READ: c_int = 4;
+pub(crate) const IBV_ACCESS_LOCAL_WRITE: c_int = 1;
+pub(crate) const IBV_ACCESS_REMOTE_WRITE: c_int = 2;
+pub(crate) const IBV_ACCESS_REMOTE_READ: c_int = 4;
 // enum ibv_wr_opcode
-pub const IBV_WR_RDMA_WRITE: c_uint = 0;
-pub const IBV_WR_RDMA_READ: c_uint = 4;
+pub(crate) const IBV_WR_RDMA_WRITE: c_uint = 0;
+pub(crate) const IBV_WR_RDMA_READ: c_uint = 4;
 // enum ibv_send_flags
-pub const IBV_SEND_SIGNALED: c_uint = 2;
+pub(crate) const IBV_SEND_SIGNALED: c_uint = 2;
 // enum ibv_port_state
-pub const IBV_PORT_ACTIVE: c_uint = 4;
-// IBV_LINK_LAYER_*
-pub const IBV_LINK_LAYER_INFINIBAND: u8 = 1;
-pub const IBV_LINK_LAYER_ETHERNET: u8 = 2;
-// enum ibv_wc_opcode
-pub const IBV_WC_RDMA_WRITE: c_uint = 1;
-pub const IBV_WC_RDMA_READ: c_uint = 2;
+pub(crate) const IBV_PORT_ACTIVE: c_uint = 4;
+// IBV_LINK_LAYER_* (sysfs names the link layer; kept for the reader)
+#[allow(dead_code)]
+pub(crate) const IBV_LINK_LAYER_INFINIBAND: u8 = 1;
+#[allow(dead_code)]
+pub(crate) const IBV_LINK_LAYER_ETHERNET: u8 = 2;
+// enum ibv_wc_opcode (completions are matched by work request id; kept for the reader)
+#[allow(dead_code)]
+pub(crate) const IBV_WC_RDMA_WRITE: c_uint = 1;
+#[allow(dead_code)]
+pub(crate) const IBV_WC_RDMA_READ: c_uint = 2;
 
 #[cfg(test)]
 mod tests {

@@ -7,10 +7,12 @@
 //! [`verbs::Mr`], [`verbs::Cq`], [`verbs::Qp`]; their C layouts in [`ffi`]). [`probe`] never
 //! opens a device, registers memory or creates a queue pair.
 
-pub mod ffi;
-pub mod sysfs;
-pub mod topo;
-pub mod verbs;
+pub(crate) mod ffi;
+pub(crate) mod sysfs;
+pub(crate) mod topo;
+pub(crate) mod verbs;
+
+pub use sysfs::Nic;
 
 use serde::Serialize;
 
@@ -207,6 +209,12 @@ pub fn query_mtus(reports: &mut [PortReport]) {
             }
         }
     }
+}
+
+/// Whether libibverbs loads and registers memory by DMA-BUF (`ibv_reg_dmabuf_mr`, rdma-core
+/// 34+): one of the facts that decide how GPU memory is registered ([`crate::host::gpu::facts`]).
+pub fn verbs_dmabuf() -> bool {
+    verbs::Verbs::load().is_ok_and(|v| v.has_dmabuf())
 }
 
 /// Probes this host: loads the verbs library (once per call) and reads sysfs.

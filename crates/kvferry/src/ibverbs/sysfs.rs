@@ -55,7 +55,7 @@ pub fn nics() -> Vec<Nic> {
 }
 
 /// The NICs under `root` (a directory laid out as `/sys/class/infiniband`), by name.
-pub fn nics_in(root: &Path) -> Vec<Nic> {
+pub(crate) fn nics_in(root: &Path) -> Vec<Nic> {
     let Ok(dir) = std::fs::read_dir(root) else {
         return Vec::new();
     };

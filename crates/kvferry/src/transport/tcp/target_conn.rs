@@ -16,8 +16,8 @@
 //! every [`ServeConn::handle_timeout`], and drops the guard when the request ends or the
 //! connection closes (which is what lets `unregister` return).
 
-use super::proto::{admit, Admission, HeaderClock};
-use super::proto::{protocol, seal_chunk, Next, Unseal, CHUNK};
+use super::rules::{admit, Admission, HeaderClock};
+use super::rules::{protocol, seal_chunk, Next, Unseal, CHUNK};
 use super::sockio::{MAX_OUT, SMALL_READ};
 use crate::auth::{Keyed, Opener, Protect, Sealer};
 use crate::memory::{MemoryRegistry, RegionGuard};
@@ -1080,7 +1080,7 @@ pub(crate) fn fuzz_drive(data: &[u8]) -> usize {
                         && u64::from_le_bytes(hdr[0..8].try_into().expect("8 bytes"))
                             == body as u64 =>
                 {
-                    super::proto::seal_body(
+                    super::rules::seal_body(
                         protect,
                         s,
                         &rest[HEADER_LEN + 1..HEADER_LEN + 1 + body],
@@ -1413,7 +1413,7 @@ mod tests {
         })
     }
 
-    /// The initiator's side (`proto::AuthOpen`), dialing `segment`, run against a target's
+    /// The initiator's side (`rules::AuthOpen`), dialing `segment`, run against a target's
     /// machine, the bytes fed `chunk` at a time: the session, or how the target refused.
     fn handshake(
         c: &mut ServeConn,
@@ -1423,7 +1423,7 @@ mod tests {
         chunk: usize,
         now: Instant,
     ) -> Result<(Sealer, Opener), crate::batch::Failure> {
-        let open = super::super::proto::AuthOpen::new(initiator, segment, Protect::Headers, "t")?;
+        let open = super::super::rules::AuthOpen::new(initiator, segment, Protect::Headers, "t")?;
         for part in open.hello().chunks(chunk) {
             c.handle_bytes(&m.reg, part, now);
         }
@@ -1572,7 +1572,7 @@ mod tests {
         protect: Protect,
         now: Instant,
     ) -> Result<(Sealer, Opener), crate::batch::Failure> {
-        let open = super::super::proto::AuthOpen::new(&key('a'), "t", protect, "t")?;
+        let open = super::super::rules::AuthOpen::new(&key('a'), "t", protect, "t")?;
         c.handle_bytes(&m.reg, open.hello(), now);
         let answer = drain(c, now);
         open.on_answer(answer[..STATUS_LEN].try_into().unwrap(), "t")?;
@@ -1596,11 +1596,11 @@ mod tests {
                 let (mut seal, mut open) =
                     protected_handshake(&mut c, &m, protect, t0).expect("handshake");
                 let mut wire = sealed_hdr(&mut seal, Opcode::Write, m.addr(0), len as u64);
-                super::super::proto::seal_body(protect, &mut seal, &data, &mut wire);
+                super::super::rules::seal_body(protect, &mut seal, &data, &mut wire);
                 assert_eq!(
                     wire.len() as u64,
                     SEALED_HEADER_LEN as u64
-                        + super::super::proto::body_wire_len(protect, len as u64)
+                        + super::super::rules::body_wire_len(protect, len as u64)
                 );
                 if protect == Protect::Encrypt {
                     assert!(
@@ -1633,15 +1633,15 @@ mod tests {
             // Altered on the way: the last chunk's first byte, and the first chunk's last byte
             // of tail (digest or tag).
             for at in [
-                SEALED_HEADER_LEN + 3 * (CHUNK + super::super::proto::chunk_overhead(protect)),
-                SEALED_HEADER_LEN + CHUNK + super::super::proto::chunk_overhead(protect) - 1,
+                SEALED_HEADER_LEN + 3 * (CHUNK + super::super::rules::chunk_overhead(protect)),
+                SEALED_HEADER_LEN + CHUNK + super::super::rules::chunk_overhead(protect) - 1,
             ] {
                 let m = mem(len);
                 let mut c = ServeConn::with_key(STALL, keyed('a'), Protect::Headers, t0);
                 let (mut seal, _) =
                     protected_handshake(&mut c, &m, protect, t0).expect("handshake");
                 let mut wire = sealed_hdr(&mut seal, Opcode::Write, m.addr(0), len as u64);
-                super::super::proto::seal_body(protect, &mut seal, &data, &mut wire);
+                super::super::rules::seal_body(protect, &mut seal, &data, &mut wire);
                 wire[at] ^= 0x20;
                 c.handle_bytes(&m.reg, &wire, t0);
                 assert!(
@@ -1670,10 +1670,10 @@ mod tests {
                 assert_eq!(
                     wire.len() as u64,
                     tcp::SEALED_STATUS_LEN as u64
-                        + super::super::proto::body_wire_len(protect, rlen as u64)
+                        + super::super::rules::body_wire_len(protect, rlen as u64)
                 );
                 let mut local = vec![0u8; rlen];
-                let mut a = super::super::proto::Answer::protected(
+                let mut a = super::super::rules::Answer::protected(
                     Opcode::Read,
                     rlen as u64,
                     true,
@@ -1700,7 +1700,7 @@ mod tests {
                 let mut wire = drain_all(&mut c, t0);
                 let last = wire.len() - 1;
                 wire[last] ^= 1;
-                let mut a = super::super::proto::Answer::protected(
+                let mut a = super::super::rules::Answer::protected(
                     Opcode::Read,
                     rlen as u64,
                     true,

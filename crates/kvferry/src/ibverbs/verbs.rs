@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The soname loaded by default (rdma-core's stable ABI).
-pub const LIBRARY: &str = "libibverbs.so.1";
+pub(crate) const LIBRARY: &str = "libibverbs.so.1";
 
 /// Why a verbs operation failed, with what to do about it.
 #[derive(Debug, thiserror::Error)]
@@ -76,7 +76,7 @@ pub struct WcError {
 }
 
 /// `enum ibv_wc_status`: each status's name and what it means for the caller.
-pub fn wc_status(status: u32) -> (&'static str, &'static str) {
+pub(crate) fn wc_status(status: u32) -> (&'static str, &'static str) {
     match status {
         0 => ("IBV_WC_SUCCESS", "success"),
         1 => ("IBV_WC_LOC_LEN_ERR", "local length error: a scatter/gather entry is longer than the message allows"),
@@ -354,7 +354,7 @@ impl PortAttr {
 }
 
 /// Bytes of an `enum ibv_mtu` value (0 for an unknown one).
-pub fn mtu_bytes(mtu: u32) -> u32 {
+pub(crate) fn mtu_bytes(mtu: u32) -> u32 {
     if (1..=5).contains(&mtu) {
         128 << mtu
     } else {
@@ -363,7 +363,7 @@ pub fn mtu_bytes(mtu: u32) -> u32 {
 }
 
 /// The `enum ibv_mtu` value of a size in bytes (256..4096, a power of two).
-pub fn mtu_enum(bytes: u32) -> Option<u32> {
+pub(crate) fn mtu_enum(bytes: u32) -> Option<u32> {
     (1..=5).find(|&m| mtu_bytes(m) == bytes)
 }
 
@@ -530,7 +530,7 @@ pub struct Pd {
 
 /// `IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ`: what memory
 /// registered for transfers allows (as Mooncake registers it).
-pub const ACCESS_ALL: c_int =
+pub(crate) const ACCESS_ALL: c_int =
     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
 
 impl Pd {
@@ -797,7 +797,7 @@ pub struct Cq {
 }
 
 /// How long [`Cq::wait`] polls before arming the channel and sleeping.
-pub const SPIN: Duration = Duration::from_micros(50);
+pub(crate) const SPIN: Duration = Duration::from_micros(50);
 
 impl Cq {
     pub fn device(&self) -> &str {

@@ -16,11 +16,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// Location → [preferred NIC names, available NIC names].
-pub type Matrix = BTreeMap<String, [Vec<String>; 2]>;
+pub(crate) type Matrix = BTreeMap<String, [Vec<String>; 2]>;
 
 /// Where a device sits: its NUMA node and its resolved PCI sysfs path.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Place {
+pub(crate) struct Place {
     pub name: String,
     pub numa: Option<u32>,
     /// `/sys/devices/pci0000:00/0000:00:01.0/0000:17:00.0`-like, when known.
@@ -37,7 +37,7 @@ fn numa_of(dev: &Path) -> Option<u32> {
 }
 
 /// NIC `name` under `ib_root` (`/sys/class/infiniband`): its `device` link resolved.
-pub fn nic_place(ib_root: &Path, name: &str) -> Place {
+pub(crate) fn nic_place(ib_root: &Path, name: &str) -> Place {
     let dev = ib_root.join(name).join("device");
     Place {
         name: name.to_string(),
@@ -48,7 +48,7 @@ pub fn nic_place(ib_root: &Path, name: &str) -> Place {
 
 /// A GPU by its PCI bus id (as the CUDA driver prints it, `0000:17:00.0`) under `pci_root`
 /// (`/sys/bus/pci/devices`).
-pub fn gpu_place(pci_root: &Path, index: u32, bus_id: &str) -> Place {
+pub(crate) fn gpu_place(pci_root: &Path, index: u32, bus_id: &str) -> Place {
     let dev = pci_root.join(bus_id.to_ascii_lowercase());
     Place {
         name: format!("cuda:{index}"),
@@ -59,7 +59,7 @@ pub fn gpu_place(pci_root: &Path, index: u32, bus_id: &str) -> Place {
 
 /// The NUMA nodes under `root` (`/sys/devices/system/node`: `node0`, `node1`, ...); `[0]` when
 /// none is listed.
-pub fn numa_nodes(root: &Path) -> Vec<u32> {
+pub(crate) fn numa_nodes(root: &Path) -> Vec<u32> {
     let mut v: Vec<u32> = std::fs::read_dir(root)
         .map(|d| {
             d.flatten()
@@ -76,7 +76,7 @@ pub fn numa_nodes(root: &Path) -> Vec<u32> {
 
 /// PCIe distance: path components of `a` and `b` past their common prefix (Mooncake counts
 /// the `/`s that differ). `usize::MAX` when either is unknown.
-pub fn pci_distance(a: Option<&Path>, b: Option<&Path>) -> usize {
+pub(crate) fn pci_distance(a: Option<&Path>, b: Option<&Path>) -> usize {
     let (Some(a), Some(b)) = (a, b) else {
         return usize::MAX;
     };
@@ -87,7 +87,7 @@ pub fn pci_distance(a: Option<&Path>, b: Option<&Path>) -> usize {
 
 /// `cpu:N` for every NUMA node: the NICs on node N preferred, the others available (a NIC
 /// without NUMA information, e.g. a software one, is available everywhere).
-pub fn cpu_entries(nics: &[Place], nodes: &[u32]) -> Matrix {
+pub(crate) fn cpu_entries(nics: &[Place], nodes: &[u32]) -> Matrix {
     nodes
         .iter()
         .map(|&n| {
@@ -106,7 +106,7 @@ pub fn cpu_entries(nics: &[Place], nodes: &[u32]) -> Matrix {
 
 /// The entry of `gpu`: among the NICs on its NUMA node (all, if none is), those at the
 /// shortest PCIe distance preferred; the rest available.
-pub fn gpu_entry(nics: &[Place], gpu: &Place) -> [Vec<String>; 2] {
+pub(crate) fn gpu_entry(nics: &[Place], gpu: &Place) -> [Vec<String>; 2] {
     let local: Vec<&Place> = nics
         .iter()
         .filter(|p| gpu.numa.is_some() && p.numa == gpu.numa)
@@ -137,7 +137,7 @@ pub fn gpu_entry(nics: &[Place], gpu: &Place) -> [Vec<String>; 2] {
 /// A matrix from its JSON form (`{"cpu:0": [["mlx5_0"], ["mlx5_1"]], ...}`), keeping only the
 /// NICs in `ours` (the others are named in the second value, to be logged); a location left
 /// with no NIC is dropped.
-pub fn parse(text: &str, ours: &[String]) -> Result<(Matrix, Vec<String>), String> {
+pub(crate) fn parse(text: &str, ours: &[String]) -> Result<(Matrix, Vec<String>), String> {
     let v: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
     let obj = v
         .as_object()
@@ -169,7 +169,7 @@ pub fn parse(text: &str, ours: &[String]) -> Result<(Matrix, Vec<String>), Strin
 }
 
 /// The matrix as the descriptor publishes it.
-pub fn to_json(m: &Matrix) -> Map<String, Value> {
+pub(crate) fn to_json(m: &Matrix) -> Map<String, Value> {
     m.iter()
         .map(|(k, [p, a])| (k.clone(), json!([p, a])))
         .collect()
@@ -178,7 +178,7 @@ pub fn to_json(m: &Matrix) -> Map<String, Value> {
 /// Which of `ours` (the local NICs, in order) carry memory at `location`: its preferred NICs;
 /// if it names none of ours, its available ones; if none either (or the location is not in
 /// the matrix), all.
-pub fn mask(m: &Matrix, location: &str, ours: &[String]) -> Vec<bool> {
+pub(crate) fn mask(m: &Matrix, location: &str, ours: &[String]) -> Vec<bool> {
     if let Some([pref, avail]) = m.get(location) {
         for tier in [pref, avail] {
             let v: Vec<bool> = ours.iter().map(|n| tier.contains(n)).collect();
