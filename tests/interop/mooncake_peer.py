@@ -56,6 +56,9 @@ import time
 
 HOST = os.environ.get("KVFERRY_PEER_HOST", "127.0.0.1")
 PROTOCOL = os.environ.get("KVFERRY_PEER_PROTOCOL", "tcp")
+# Mooncake's NIC filter (initialize's device_name), as a deployment passes the same one to
+# every engine (SGLang's --disaggregation-ib-device): empty for every NIC.
+DEVICE_NAME = os.environ.get("KVFERRY_PEER_DEVICE_NAME", "")
 _BLOCK = 4096  # the pattern's (i >> 12) term changes every 4096 bytes; 4096 % 256 == 0
 
 # ---------------------------------------------------------------------------------------
@@ -131,7 +134,7 @@ def _new_engine():
     from mooncake.engine import TransferEngine  # import after the env is set
 
     te = TransferEngine()
-    ret = te.initialize(_META["name"], _META["server"], PROTOCOL, "")
+    ret = te.initialize(_META["name"], _META["server"], PROTOCOL, DEVICE_NAME)
     if ret != 0:
         raise SystemExit("mooncake_peer: TransferEngine.initialize failed: %r" % (ret,))
     return te

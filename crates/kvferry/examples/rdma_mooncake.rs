@@ -69,6 +69,12 @@ fn peer(python: &str, script: &str, host: &str, args: &[&str]) -> Res<Peer> {
         .args(args)
         .env("KVFERRY_PEER_PROTOCOL", peer_protocol())
         .env("KVFERRY_PEER_HOST", host)
+        // With `initialize`, the Mooncake side takes the same NIC filter, as a deployment
+        // configures every engine alike.
+        .env(
+            "KVFERRY_PEER_DEVICE_NAME",
+            std::env::var("KVFERRY_INIT_DEVICE_NAME").unwrap_or_default(),
+        )
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
