@@ -481,9 +481,13 @@ fn run(args: &[String]) -> Run {
         .spawn()
         .expect("spawn kvferry");
     let pid = child.id();
+    // Each reader says when it read something and when its pipe closed (the process and
+    // whatever it started are gone): the loop below wakes on those events, not on a timer.
+    let (tx, rx) = std::sync::mpsc::channel::<bool>();
     let pipe = |mut r: Box<dyn Read + Send>| {
         let buf = Arc::new(Mutex::new(Vec::new()));
         let b = Arc::clone(&buf);
+        let tx = tx.clone();
         let t = std::thread::spawn(move || {
             let mut chunk = [0u8; 4096];
             while let Ok(n) = r.read(&mut chunk) {
@@ -493,7 +497,9 @@ fn run(args: &[String]) -> Run {
                 b.lock()
                     .expect("pipe buffer")
                     .extend_from_slice(&chunk[..n]);
+                let _ = tx.send(false);
             }
+            let _ = tx.send(true);
         });
         (buf, t)
     };
@@ -501,21 +507,31 @@ fn run(args: &[String]) -> Run {
     let (err, err_t) = pipe(Box::new(child.stderr.take().expect("stderr")));
     let text =
         |b: &Arc<Mutex<Vec<u8>>>| String::from_utf8_lossy(&b.lock().expect("pipe")).into_owned();
-    let mut ready_at = None;
+    let mut ready_at: Option<Instant> = None;
+    let mut closed = 0;
     let status = loop {
-        if let Some(st) = child.try_wait().expect("try_wait") {
-            break Some(st);
+        if closed == 2 {
+            // Both pipes closed: it exited (or closed them on its way out).
+            break Some(child.wait().expect("wait"));
         }
         let now = Instant::now();
         if ready_at.is_none() && announced(&text(&out), &text(&err)) {
             ready_at = Some(now);
         }
-        if now - started > LIMIT || ready_at.is_some_and(|r| now - r > SETTLE) {
-            kill_group(pid);
-            let _ = child.wait();
-            break None;
+        let until = ready_at.map_or(started + LIMIT, |r| (r + SETTLE).min(started + LIMIT));
+        match rx.recv_timeout(until.saturating_duration_since(now)) {
+            Ok(eof) => closed += usize::from(eof),
+            Err(_) => {
+                // Past its bound (a server that announced itself, or the limit): killed; a
+                // panic meanwhile would have closed its pipes first.
+                if let Some(st) = child.try_wait().expect("try_wait") {
+                    break Some(st);
+                }
+                kill_group(pid);
+                let _ = child.wait();
+                break None;
+            }
         }
-        std::thread::sleep(Duration::from_millis(10));
     };
     // Children it left (it exited first) go with its group; then the pipes close.
     kill_group(pid);
