@@ -104,6 +104,8 @@ pub mod host {
 
 #[cfg(test)]
 mod boundaries;
+#[cfg(any(test, feature = "test-hooks"))]
+mod source_scan;
 
 /// What the tests share: for the unit tests, helpers; for the integration tests and the
 /// examples (`test-hooks`, which this crate's dev-dependency on itself turns on), the
@@ -125,6 +127,10 @@ pub mod testing {
         }
     }
 
+    /// Reading Rust source for the boundary tests (this crate's and the store's).
+    pub mod source_scan {
+        pub use crate::source_scan::{children_dir, rule_hits, sources, strip, without_tests};
+    }
     pub mod auth {
         pub use crate::auth::keyed::Keyed;
     }
