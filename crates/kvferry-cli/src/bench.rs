@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 mod auth_ab;
+mod workload;
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
@@ -108,6 +109,29 @@ pub struct BenchArgs {
     /// (`headers`, `payload`, `encrypt`).
     #[arg(long, default_value = "headers", value_delimiter = ',', value_parser = parse_protect, requires = "auth_ab")]
     auth_protect: Vec<Protect>,
+    /// Model-shaped KV requests instead of the block sweep: presets (`llama3-70b-tp8`,
+    /// `qwen3-8b`, `deepseek-packed`), each request one rank's KV cache for a prompt, its
+    /// blocks scattered on both sides; timed per request, verified, beside the same bytes in
+    /// one descriptor per region and the ceiling. `--transport`, `--duration`, `--json` apply.
+    #[arg(long, value_delimiter = ',', value_name = "PRESETS")]
+    workload: Vec<String>,
+    /// With `--workload`: prompt lengths in tokens (`1K` = 1024).
+    #[arg(long, default_value = "1K,8K", value_delimiter = ',', value_parser = parse_size_nonzero)]
+    tokens: Vec<u64>,
+    /// With `--workload`: concurrent requests (each on a thread of its own), 1 to 1024.
+    #[arg(long, default_value = "1,4", value_delimiter = ',', value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS))]
+    concurrency: Vec<usize>,
+    /// With `--workload`: `push` (write into the target), `pull` (read from it).
+    #[arg(long, default_value = "push,pull", value_delimiter = ',')]
+    directions: Vec<String>,
+    /// With `--workload`: descriptors per call (Mooncake's users post 8192 at a time); 0: a
+    /// request in one call.
+    #[arg(long, default_value_t = 0, value_parser = RangedU64ValueParser::<usize>::new().range(0..=MAX_BATCH))]
+    chunk: usize,
+    /// With `--workload`: the most memory each side's KV pool takes; points that need more
+    /// are skipped and say so.
+    #[arg(long, default_value = "4GiB", value_parser = parse_size_nonzero)]
+    max_memory: u64,
     /// Internal: exit when stdin closes (set when the bench starts its own target).
     #[arg(long, hide = true)]
     exit_on_stdin_eof: bool,
@@ -156,6 +180,15 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
         }
         return auth_ab::run(&a, rounds);
     }
+    if !a.workload.is_empty() && a.mode != Some(Mode::Target) {
+        let seg = match a.mode {
+            Some(Mode::Initiator) => Some(a.segment.as_deref().ok_or(
+                "--mode initiator needs --segment <host:port> (printed by --mode target)",
+            )?),
+            _ => None,
+        };
+        return workload::run(&a, seg);
+    }
     match a.mode {
         Some(Mode::Target) => run_target(&a),
         Some(Mode::Initiator) => {
@@ -166,7 +199,7 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
             run_initiator(&a, &seg, None)
         }
         None => {
-            let (child, seg, _) = spawn_target(&a, &[])?;
+            let (child, seg, _) = spawn_target(&a, a.buffer_size, &[])?;
             let r = run_initiator(&a, &seg, Some(child.id()));
             stop_child(child);
             r
@@ -255,6 +288,10 @@ fn run_target(a: &BenchArgs) -> Result<(), String> {
                         format!("{TAG} checksum-result {token} out-of-range")
                     }
                 }
+                Some(["wl-checksum", token, args @ ..]) => {
+                    let h = workload::target_checksum(&buf, args);
+                    format!("{TAG} wl-checksum-result {token} {h}")
+                }
                 Some(["cpu", token]) => {
                     format!("{TAG} cpu-result {token} {}", sys::self_cpu().as_secs_f64())
                 }
@@ -272,6 +309,7 @@ fn run_target(a: &BenchArgs) -> Result<(), String> {
 /// rest inherited. Returns it, its segment name and the line it announced itself with.
 fn spawn_target(
     a: &BenchArgs,
+    buffer_size: u64,
     env: &[(&str, Option<std::ffi::OsString>)],
 ) -> Result<(Child, String, String), String> {
     let mode = match target_mode(&a.transport) {
@@ -287,7 +325,7 @@ fn spawn_target(
         "--local-hostname",
         &a.local_hostname,
         "--buffer-size",
-        &a.buffer_size.to_string(),
+        &buffer_size.to_string(),
         "--transport",
         mode,
         "--hugepages",

@@ -48,6 +48,8 @@ const NOT_NUMERIC: &[(&str, &[&str])] = &[
             "hugepages",
             "memory",
             "auth-protect",
+            "workload",
+            "directions",
         ],
     ),
     ("doctor", &["local-hostname", "metadata-server", "expect"]),
@@ -255,6 +257,28 @@ fn cases(master_port: u16) -> Vec<Case> {
             ("threads", USIZE),
             ("peer-timeout", Kind::Float),
             ("auth-ab", USIZE),
+        ],
+    );
+    // `--workload`: one 16-token Llama request pushed over TCP, 4 MiB pools.
+    add(
+        "bench",
+        &[
+            "--workload=llama3-70b-tp8",
+            "--tokens=16",
+            "--concurrency=1",
+            "--directions=push",
+            "--duration=0.05",
+            "--no-ceilings",
+            "--transport=tcp",
+            "--hugepages=off",
+            "--max-memory=4M",
+        ],
+        None,
+        &[
+            ("tokens", Kind::Size),
+            ("concurrency", USIZE),
+            ("chunk", USIZE),
+            ("max-memory", Kind::Size),
         ],
     );
     let master = ["--port=0", "--metrics-port=0"];

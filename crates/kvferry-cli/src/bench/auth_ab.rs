@@ -276,7 +276,7 @@ pub(super) fn run(a: &BenchArgs, rounds: usize) -> Result<(), String> {
         };
         for s in order {
             let env = s.env(&key.file);
-            let (child, seg, line) = spawn_target(a, &env)?;
+            let (child, seg, line) = spawn_target(a, a.buffer_size, &env)?;
             let target = Target(Some(child));
             // The target says which setting it runs with: the variables reached it.
             let held = line

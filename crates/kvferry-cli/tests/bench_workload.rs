@@ -1,0 +1,125 @@
+//! `kvferry bench --workload`: model-shaped KV requests end to end, both sides on this host.
+
+mod common;
+
+use common::kvferry;
+
+/// Every preset over TCP and shared memory, push and pull, one and two concurrent requests:
+/// each point verified by the target's hash of its side of each request, with the
+/// descriptors and bytes its model gives, and a point that does not fit the pool skipped
+/// with the reason.
+#[test]
+fn bench_workload_moves_verified_model_shaped_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("points.jsonl");
+    let out = kvferry()
+        .args([
+            "bench",
+            "--workload",
+            "llama3-70b-tp8,qwen3-8b,deepseek-packed",
+            "--tokens",
+            "64,512",
+            "--concurrency",
+            "1,2",
+            "--transport",
+            "tcp,shm",
+            "--duration",
+            "0.05",
+            "--no-ceilings",
+            "--max-memory",
+            "48M",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let recs: Vec<serde_json::Value> = std::fs::read_to_string(&json)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // (preset, tokens) → (descriptors, bytes) of one request.
+    let shape = |preset: &str, tokens: u64| match preset {
+        // 80 layers × K/V × 16-token blocks of 4 KiB.
+        "llama3-70b-tp8" => (160 * tokens / 16, 160 * tokens / 16 * 4096),
+        // 36 layers × K/V × 16-token blocks of 32 KiB.
+        "qwen3-8b" => (72 * tokens / 16, 72 * tokens / 16 * 32768),
+        // 4 groups × 256-token blocks of 256 × 1152 B per layer, 61 layers in all.
+        "deepseek-packed" => (
+            4 * tokens.div_ceil(256),
+            tokens.div_ceil(256) * 256 * 1152 * 61,
+        ),
+        other => panic!("unknown preset {other}"),
+    };
+    for r in &recs {
+        assert_eq!(r["verified"], true, "{r}");
+        let (descs, bytes) = shape(r["preset"].as_str().unwrap(), r["tokens"].as_u64().unwrap());
+        assert_eq!(r["descriptors"].as_u64(), Some(descs), "{r}");
+        assert_eq!(r["request_bytes"].as_u64(), Some(bytes), "{r}");
+        assert!(r["gbps"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["packed_gbps"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["p99_ms"].as_f64() >= r["p50_ms"].as_f64(), "{r}");
+        assert!(r["requests"].as_u64().unwrap() >= r["concurrency"].as_u64().unwrap());
+    }
+    // Qwen3-8B at 512 tokens is 75.5 MB a request: not one fits the 48 MiB pool.
+    assert!(
+        stdout.contains("qwen3-8b") && stdout.contains("skipped: 1 request(s) of 512 tokens"),
+        "{stdout}"
+    );
+    let ran = |preset: &str, transport: &str, dir: &str| {
+        recs.iter()
+            .any(|r| r["preset"] == preset && r["transport"] == transport && r["direction"] == dir)
+    };
+    for preset in ["llama3-70b-tp8", "qwen3-8b", "deepseek-packed"] {
+        for transport in ["tcp", "shm"] {
+            for dir in ["push", "pull"] {
+                assert!(
+                    ran(preset, transport, dir),
+                    "{preset} {transport} {dir}: {stdout}"
+                );
+            }
+        }
+    }
+    // The first point of each transport says what a fresh engine's first request took.
+    assert_eq!(
+        recs.iter()
+            .filter(|r| r["first_ms"].as_f64().unwrap() > 0.0)
+            .count(),
+        2,
+        "{stdout}"
+    );
+}
+
+/// An unknown preset or direction is refused naming what exists, before anything starts.
+#[test]
+fn bench_workload_refuses_an_unknown_preset_or_direction() {
+    let out = kvferry()
+        .args(["bench", "--workload", "gpt-9", "--no-ceilings"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("no such preset") && err.contains("llama3-70b-tp8"),
+        "{err}"
+    );
+    let out = kvferry()
+        .args([
+            "bench",
+            "--workload",
+            "qwen3-8b",
+            "--directions",
+            "sideways",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("push and/or pull"), "{err}");
+}
