@@ -132,6 +132,12 @@ pub struct BenchArgs {
     /// are skipped and say so.
     #[arg(long, default_value = "4GiB", value_parser = parse_size_nonzero)]
     max_memory: u64,
+    /// With `--workload`: stock Mooncake moves the same requests in the same run, as its
+    /// users call it (Python lists in calls of 8192 descriptors from a thread pool, TCP):
+    /// a Python with `mooncake-transfer-engine-non-cuda` (default: $KVFERRY_MOONCAKE_PYTHON;
+    /// `none` disables).
+    #[arg(long, value_name = "PY")]
+    mooncake_python: Option<String>,
     /// Internal: exit when stdin closes (set when the bench starts its own target).
     #[arg(long, hide = true)]
     exit_on_stdin_eof: bool,

@@ -1,6 +1,9 @@
 //! `kvferry bench --workload`: model-shaped KV requests end to end, both sides on this host.
 
 mod common;
+#[path = "../../kvferry/tests/mooncake_peer/mod.rs"]
+#[allow(dead_code)]
+mod mooncake_peer;
 
 use common::kvferry;
 
@@ -28,6 +31,8 @@ fn bench_workload_moves_verified_model_shaped_requests() {
             "--no-ceilings",
             "--max-memory",
             "48M",
+            "--mooncake-python",
+            "none",
             "--json",
         ])
         .arg(&json)
@@ -122,4 +127,72 @@ fn bench_workload_refuses_an_unknown_preset_or_direction() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("push and/or pull"), "{err}");
+}
+
+/// `--mooncake-python`: stock Mooncake moves the very requests kvferry moved (the same
+/// descriptors, two Mooncake engines over TCP, its users' calls), each verified, and the report
+/// sets them side by side.
+#[test]
+fn bench_workload_runs_stock_mooncake_on_the_same_requests() {
+    let Some(py) = mooncake_peer::python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("points.jsonl");
+    let out = kvferry()
+        .args([
+            "bench",
+            "--workload",
+            "llama3-70b-tp8,deepseek-packed",
+            "--tokens",
+            "64,512",
+            "--concurrency",
+            "1,2",
+            "--transport",
+            "tcp",
+            "--duration",
+            "0.05",
+            "--no-ceilings",
+            "--max-memory",
+            "64M",
+            "--mooncake-python",
+            &py,
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let recs: Vec<serde_json::Value> = std::fs::read_to_string(&json)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let (ours, theirs): (Vec<_>, Vec<_>) = recs.iter().partition(|r| r["engine"] == "kvferry");
+    assert!(!ours.is_empty());
+    assert_eq!(
+        ours.len(),
+        theirs.len(),
+        "Mooncake ran every point: {stdout}"
+    );
+    for o in &ours {
+        let m = theirs
+            .iter()
+            .find(|m| {
+                ["preset", "tokens", "concurrency", "direction"]
+                    .iter()
+                    .all(|k| m[*k] == o[*k])
+            })
+            .unwrap_or_else(|| panic!("no Mooncake point for {o}"));
+        assert_eq!(m["verified"], true, "{m}");
+        assert_eq!(m["descriptors"], o["descriptors"], "{m} vs {o}");
+        assert_eq!(m["request_bytes"], o["request_bytes"], "{m} vs {o}");
+        assert!(m["gbps"].as_f64().unwrap() > 0.0, "{m}");
+    }
+    assert!(stdout.contains("kvf/MC"), "{stdout}");
 }

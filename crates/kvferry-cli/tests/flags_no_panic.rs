@@ -50,6 +50,7 @@ const NOT_NUMERIC: &[(&str, &[&str])] = &[
             "auth-protect",
             "workload",
             "directions",
+            "mooncake-python",
         ],
     ),
     ("doctor", &["local-hostname", "metadata-server", "expect"]),
@@ -272,6 +273,7 @@ fn cases(master_port: u16) -> Vec<Case> {
             "--transport=tcp",
             "--hugepages=off",
             "--max-memory=4M",
+            "--mooncake-python=none",
         ],
         None,
         &[

@@ -12,6 +12,7 @@
 
 use crate::sys::Buffer;
 
+mod mooncake;
 mod run;
 
 pub(super) use run::run;

@@ -2,6 +2,7 @@
 //! direction) point, timed per request, verified per request slot, beside the same bytes in
 //! one descriptor per region and the ceilings.
 
+use super::mooncake::{self, Planned};
 use super::{hash, packed_request, preset, request, Desc, Pool, Preset, Side};
 use crate::bench::{
     engine_config, measure_ceilings, pct, spawn_target, stop_child, BenchArgs, Ctl,
@@ -17,6 +18,7 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct WorkloadPoint {
     pub(crate) bench: &'static str,
+    pub(crate) engine: &'static str,
     pub(crate) preset: String,
     pub(crate) tokens: u64,
     pub(crate) concurrency: usize,
@@ -84,14 +86,48 @@ pub(crate) fn run(a: &BenchArgs, segment: Option<&str>) -> Result<(), String> {
     if let Some(c) = child {
         stop_child(c);
     }
-    let points = r?;
+    drop(buf); // Mooncake's two pools take its place
+    let (points, planned) = r?;
+    let py = a
+        .mooncake_python
+        .clone()
+        .or_else(|| std::env::var("KVFERRY_MOONCAKE_PYTHON").ok());
+    let mc = match py.as_deref() {
+        None => mooncake::Outcome {
+            points: Vec::new(),
+            note: Some(
+                "not run: pass --mooncake-python PY (a Python with \
+                 mooncake-transfer-engine-non-cuda) or set KVFERRY_MOONCAKE_PYTHON"
+                    .into(),
+            ),
+        },
+        Some("none") => mooncake::Outcome {
+            points: Vec::new(),
+            note: Some("not run (disabled)".into()),
+        },
+        Some(py) => {
+            // Each point: its duration twice (requests, verification) and setup.
+            let bound = Duration::from_secs_f64(
+                a.peer_timeout.max(0.0) + planned.len() as f64 * (2.0 * a.duration + 20.0),
+            );
+            mooncake::run(py, &planned, bytes, a.duration, a.chunk, bound)
+        }
+    };
+    print_mooncake(&points, &mc);
     if let Some(path) = &a.json {
         let mut out = String::new();
         for p in &points {
             out.push_str(&serde_json::to_string(p).expect("serialisable"));
             out.push('\n');
         }
+        for m in &mc.points {
+            out.push_str(&m.to_string());
+            out.push('\n');
+        }
         std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    }
+    if mc.points.iter().any(|m| m["verified"] != true) {
+        return Err("Mooncake's requests were not all verified (see the table)".into());
     }
     if points.iter().any(|p| !p.verified) {
         return Err("some requests were not verified (see the table)".into());
@@ -101,10 +137,10 @@ pub(crate) fn run(a: &BenchArgs, segment: Option<&str>) -> Result<(), String> {
 
 fn run_points(
     a: &BenchArgs,
-    presets: &[&Preset],
+    presets: &[&'static Preset],
     buf: &Buffer,
     target: &str,
-) -> Result<Vec<WorkloadPoint>, String> {
+) -> Result<(Vec<WorkloadPoint>, Vec<Planned>), String> {
     let ceilings = (!a.no_ceilings).then(|| measure_ceilings(a.hugepages));
     eprint!("\r\x1b[K");
     println!(
@@ -134,6 +170,7 @@ fn run_points(
     );
     let base = engine_config(a)?;
     let mut points = Vec::new();
+    let mut planned = Vec::new();
     let mut seed = 1u64;
     for &mode in &a.transport {
         let engine = TransferEngine::new(Config {
@@ -223,6 +260,7 @@ fn run_points(
                         let request_bytes: u64 = slots[0].iter().map(|d| d.len).sum();
                         let wp = WorkloadPoint {
                             bench: "workload",
+                            engine: "kvferry",
                             preset: p.name.to_string(),
                             tokens,
                             concurrency: c,
@@ -243,12 +281,81 @@ fn run_points(
                         };
                         print_point(&wp);
                         points.push(wp);
+                        if mode == a.transport[0] {
+                            planned.push(Planned {
+                                preset: p,
+                                tokens,
+                                concurrency: c,
+                                direction: dir.clone(),
+                                seed,
+                                pool_blocks: pool.blocks,
+                            });
+                        }
                     }
                 }
             }
         }
     }
-    Ok(points)
+    Ok((points, planned))
+}
+
+/// Mooncake's points beside kvferry's TCP ones.
+fn print_mooncake(points: &[WorkloadPoint], mc: &mooncake::Outcome) {
+    println!("\nStock Mooncake (Python lists, calls of 8192 descriptors on 8 threads, TCP):");
+    if let Some(n) = &mc.note {
+        println!("  {n}");
+    }
+    if mc.points.is_empty() {
+        return;
+    }
+    println!(
+        "{:<16} {:>7} {:>3} {:>4} {:>9} {:>9} {:>8} {:>11} {:>11} {:>8} {:>4}",
+        "preset",
+        "tokens",
+        "C",
+        "dir",
+        "MC GB/s",
+        "MC p50",
+        "kvf tcp",
+        "kvf tcp p50",
+        "kvf/MC",
+        "p50 /",
+        "ok"
+    );
+    for m in &mc.points {
+        let ours = points.iter().find(|p| {
+            p.transport == "tcp"
+                && m["preset"] == p.preset.as_str()
+                && m["tokens"] == p.tokens
+                && m["concurrency"] == p.concurrency
+                && m["direction"] == p.direction.as_str()
+        });
+        let g = m["gbps"].as_f64().unwrap_or(0.0);
+        let p50 = m["p50_ms"].as_f64().unwrap_or(0.0);
+        let (kg, kp, r, rp) = match ours {
+            Some(o) if g > 0.0 && o.p50_ms > 0.0 => (
+                format!("{:.2}", o.gbps),
+                format!("{:.2}", o.p50_ms),
+                format!("{:.1}x", o.gbps / g),
+                format!("{:.1}x", p50 / o.p50_ms),
+            ),
+            _ => ("-".into(), "-".into(), "-".into(), "-".into()),
+        };
+        println!(
+            "{:<16} {:>7} {:>3} {:>4} {:>9.3} {:>9.1} {:>8} {:>11} {:>11} {:>8} {:>4}",
+            m["preset"].as_str().unwrap_or("?"),
+            m["tokens"].to_string(),
+            m["concurrency"].to_string(),
+            m["direction"].as_str().unwrap_or("?"),
+            g,
+            p50,
+            kg,
+            kp,
+            r,
+            rp,
+            if m["verified"] == true { "yes" } else { "NO" }
+        );
+    }
 }
 
 fn print_point(p: &WorkloadPoint) {
