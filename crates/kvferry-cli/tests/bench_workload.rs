@@ -2,7 +2,6 @@
 
 mod common;
 #[path = "../../kvferry/tests/mooncake_peer/mod.rs"]
-#[allow(dead_code)]
 mod mooncake_peer;
 
 use common::kvferry;
