@@ -62,7 +62,7 @@ pub(super) const PRESETS: &[Preset] = &[
     Preset {
         name: "deepseek-packed",
         about: "DeepSeek MLA cache block-packed: 61 layers of a 576-wide latent (BF16) in four \
-                cache groups, 256-token blocks, one descriptor per block and group (about 4.4 MiB)",
+                cache groups, 256-token blocks, one descriptor per block and group (4.2-4.5 MiB)",
         layers: 61,
         token_bytes: 576 * 2,
         block_tokens: 256,
