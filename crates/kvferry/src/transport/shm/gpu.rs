@@ -105,7 +105,10 @@ fn covering(list: &[GpuExport], remote: u64, len: u64) -> Option<&GpuExport> {
 /// [`super::REAP_INTERVAL`], as it unmaps the host buffers a peer freed. An export still
 /// published is opened again by the next transfer that needs it.
 #[derive(Default)]
-pub(crate) struct Opens(Mutex<HashMap<String, (u64, Result<Arc<Opened>, String>)>>);
+pub(crate) struct Opens(Mutex<HashMap<String, (u64, Opening)>>);
+
+/// An export opened here, or why it could not be.
+type Opening = Result<Arc<Opened>, String>;
 
 impl Opens {
     /// `e`, listed in the peer's descriptor of unregister epoch `epoch`, opened here (on the
