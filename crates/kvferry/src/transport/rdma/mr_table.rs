@@ -87,16 +87,27 @@ impl<T> Default for MrTable<T> {
     }
 }
 
-/// A registration being made ([`MrTable::begin`]).
+/// A registration being made ([`MrTable::begin`]). Dropped without [`MrTable::finish`] (the
+/// maker panicked), it settles as a failed one, so an unregister waiting for it goes on.
 #[must_use = "finish it"]
-pub(super) struct Making {
+pub(super) struct Making<'a, T> {
+    table: &'a MrTable<T>,
     addr: u64,
     n: u64,
+    settled: bool,
+}
+
+impl<T> Drop for Making<'_, T> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.table.settle(self.addr, self.n);
+        }
+    }
 }
 
 impl<T> MrTable<T> {
     /// Notes that the range at `addr` is being registered (before its MRs are made).
-    pub(super) fn begin(&self, addr: u64) -> Making {
+    pub(super) fn begin(&self, addr: u64) -> Making<'_, T> {
         let mut g = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         g.0 += 1;
         let n = g.0;
@@ -104,13 +115,23 @@ impl<T> MrTable<T> {
         let old = g.1.insert(addr, Slot::Making(n, false));
         drop(g);
         drop(old);
-        Making { addr, n }
+        Making {
+            table: self,
+            addr,
+            n,
+            settled: false,
+        }
     }
 
     /// Installs what registering made, or drops it (deregistered) if the range was
     /// unregistered meanwhile: `Err(None)` says so (`Err(Some)`: `made`'s own error). Either
     /// way the registration is settled when this returns.
-    pub(super) fn finish<E>(&self, m: Making, made: Result<T, E>) -> Result<(), Option<E>> {
+    pub(super) fn finish<E>(
+        &self,
+        mut m: Making<'_, T>,
+        made: Result<T, E>,
+    ) -> Result<(), Option<E>> {
+        m.settled = true;
         let mut g = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         let withdrawn = match g.1.get(&m.addr) {
             Some(Slot::Making(n, w)) if *n == m.n => *w,
@@ -130,15 +151,20 @@ impl<T> MrTable<T> {
                 drop(g);
                 // Released before the slot goes: `withdraw` waits for the slot.
                 let failed = made.err();
-                let mut g = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-                if matches!(g.1.get(&m.addr), Some(Slot::Making(n, _)) if *n == m.n) {
-                    g.1.remove(&m.addr);
-                }
-                drop(g);
-                self.changed.notify_all();
+                self.settle(m.addr, m.n);
                 Err(failed)
             }
         }
+    }
+
+    /// Ends registration `n` of `addr` that installed nothing.
+    fn settle(&self, addr: u64, n: u64) {
+        let mut g = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        if matches!(g.1.get(&addr), Some(Slot::Making(m, _)) if *m == n) {
+            g.1.remove(&addr);
+        }
+        drop(g);
+        self.changed.notify_all();
     }
 
     /// Removes the range at `addr`; when this returns, what it registered is released: a
@@ -263,6 +289,18 @@ mod tests {
         assert!(t.get(0x1000).is_some());
         t.withdraw(0x1000);
         assert_eq!((t.len(), live.load(Ordering::SeqCst)), (0, 0));
+    }
+
+    #[test]
+    fn a_maker_that_panicked_does_not_hold_up_unregister() {
+        let t = MrTable::<Fake>::default();
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _m = t.begin(0x1000);
+            panic!("the verbs layer panicked");
+        }));
+        assert!(panicked.is_err());
+        t.withdraw(0x1000); // returns: nothing is being made any more
+        assert_eq!(t.len(), 0);
     }
 
     #[test]
