@@ -94,6 +94,80 @@ fn handshake_as_mooncake_does(b: &TransferEngine, gid: &str) -> Res<()> {
     Ok(())
 }
 
+/// A batch whose second range cannot be registered on the NICs (nothing is mapped at 8 KiB:
+/// below `vm.mmap_min_addr`) fails as a whole, and the first range's MRs, made before the
+/// failure, are gone with it (no registration outlives the failed `register_memory_batch`).
+fn failed_batch_leaves_no_mr(b: &TransferEngine) -> Res<()> {
+    let before = b.rdma_usage().ok_or("b has no RDMA transport")?.regions;
+    let ok = Buf::new(4096)?;
+    let r = b.register_memory_batch(&[(ok.addr(), 4096), (8192, 4096)], "cpu:0");
+    let after = b.rdma_usage().ok_or("b has no RDMA transport")?.regions;
+    match r {
+        Err(e) if after == before && !b.is_registered(ok.addr(), 1) => {
+            println!("rdma_engines: a batch with a range the NICs refuse failed ({e}) and left no MR ({after} ranges keyed, as before)");
+            Ok(())
+        }
+        r => Err(format!(
+            "a batch with an unmapped range: {r:?}; ranges keyed {before} before, {after} after"
+        )),
+    }
+}
+
+/// A peer that asks for QPs without limit (the same segment name, a new device name each
+/// time, 16 QPs each) is refused once it holds what a peer with 16 NICs could ask of `b`'s
+/// NICs; the refusal names the cause, and nothing `b` held is evicted for it.
+fn passive_bound_refuses(b: &TransferEngine, gid: &str) -> Res<()> {
+    use kvferry::testing::wire::handshake::MsgType;
+    use kvferry::testing::wire::rdma::ConnectionMsg;
+    let host = b
+        .segment_name()
+        .rsplit_once(':')
+        .map_or("127.0.0.1", |(h, _)| h)
+        .to_string();
+    let before = b.rdma_usage().ok_or("b has no RDMA transport")?;
+    let nics = b.local_descriptor().devices.len();
+    let mut accepted = 0;
+    for i in 0.. {
+        let m = ConnectionMsg {
+            local_nic_path: format!("10.99.2.1:3@fake{i}"),
+            local_gid: gid.into(),
+            peer_nic_path: format!("{}@rxe0", b.segment_name()),
+            qp_num: (0..16).map(|q| 0x1000 + q).collect(),
+            ..Default::default()
+        };
+        let f = kvferry::handshake::request(
+            &host,
+            b.rpc_port(),
+            MsgType::Connection,
+            &m.encode(),
+            Duration::from_secs(5),
+            Duration::from_secs(10),
+            1 << 20,
+            None,
+        )
+        .map_err(|e| e.to_string())?;
+        let r = ConnectionMsg::decode(&f.body).map_err(|e| e.to_string())?;
+        match r.refused() {
+            None => accepted += 1,
+            Some(why) if why.contains("too many RDMA connections from 10.99.2.1:3") => {
+                let after = b.rdma_usage().ok_or("b has no RDMA transport")?;
+                if accepted != 16 * nics || after.passive_qps != before.passive_qps + 256 * nics {
+                    return Err(format!("the per-peer bound: {accepted} connections accepted, {after:?} held ({before:?} before)"));
+                }
+                println!("rdma_engines: a peer asking for QPs without limit was refused after {accepted} connections ({why})");
+                return Ok(());
+            }
+            Some(why) => return Err(format!("connection {i} refused for another cause: {why}")),
+        }
+        if i > 64 * nics {
+            break;
+        }
+    }
+    Err(format!(
+        "{accepted} connections of 16 QPs accepted from one peer: no bound"
+    ))
+}
+
 fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
     let cfg = Config {
         local_hostname: host.into(),
@@ -136,6 +210,8 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
         serde_json::Value::Object(desc.priority_matrix.clone())
     );
     handshake_as_mooncake_does(&b, &desc.devices[0].gid)?;
+    passive_bound_refuses(&b, &desc.devices[0].gid)?;
+    failed_batch_leaves_no_mr(&b)?;
     let via = a.segment_transport(peer).map_err(|e| e.to_string())?;
     if via.name != "rdma" {
         return Err(format!("requests to the peer go by {}, not rdma", via.name));

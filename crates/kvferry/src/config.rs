@@ -49,6 +49,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_REDIS_DB_INDEX", aliases: &["MC_REDIS_DB_INDEX"], default: "0", doc: "Redis database (0-255; the `redis://host:port/db` URL form wins)" },
     EnvVar { name: "KVFERRY_TRANSPORT", aliases: &[], default: "auto", doc: "data path to peers: `auto` (shared memory to kvferry peers on this host that allow it: their kvferry-allocated memory mapped, other memory by cross-memory attach; TCP otherwise), `tcp` (never shared memory; this engine then also offers none), `shm` (shared memory only; requests to other peers fail with the reason), `rdma` (one-sided RDMA verbs only: the engine does not start without a usable NIC, requests to peers without RDMA fail with the reason). With `auto`, a host with an active RDMA NIC also sends over RDMA to peers that publish RDMA devices (why not, logged once per peer); it still publishes a TCP descriptor, so peers reach it over TCP (a stock Mooncake TCP engine cannot reach one that publishes `rdma`). Set, it wins over the `protocol` argument of Mooncake's `initialize` (whose `rdma` means `rdma` here)" },
     EnvVar { name: "KVFERRY_RDMA_DEVICES", aliases: &["MC_TE_FILTERS"], default: "every device with an active port", doc: "RDMA: comma-separated device names to use (e.g. `mlx5_0,mlx5_1`); with a `device_name` given to Mooncake's `initialize` too, the devices both name" },
+    EnvVar { name: "KVFERRY_RDMA_MAX_PASSIVE_QPS", aliases: &[], default: "16384", doc: "RDMA: queue pairs this engine makes for peers that connect to it, all peers together; a connection beyond it is refused (the peer's error says so), never a live pair closed; those of peers found gone are released (1-1048576)" },
     EnvVar { name: "KVFERRY_RDMA_MAX_ENDPOINTS", aliases: &[], default: "256", doc: "RDMA: connected endpoints (queue pairs to one peer NIC from one local NIC) this engine keeps; beyond it the least recently used idle one is closed (never one with work requests in flight) and reconnected on next use (1-65536)" },
     EnvVar { name: "KVFERRY_AUTO_RDMA", aliases: &[], default: "1", doc: "with KVFERRY_TRANSPORT=auto: whether RDMA is used at all on a host with a usable port (0/false: never, shared memory and TCP only; `force`: the engine does not start when RDMA cannot be opened, and says why, instead of going on without it). Mooncake's MC_FORCE_TCP=1 (or true/yes) means 0, and its MC_FORCE_HCA=1 means `force`, when this variable is not set (MC_FORCE_TCP wins)" },
     EnvVar { name: "KVFERRY_RDMA_TOPO", aliases: &["MC_CUSTOM_TOPO_JSON"], default: "discovered from sysfs", doc: "RDMA: a JSON file with the NIC priority matrix to use instead of discovery: `{\"cpu:0\": [[\"mlx5_0\"], [\"mlx5_1\"]], \"cuda:0\": [[\"mlx5_1\"], []]}` (location -> [preferred NICs, available NICs]); a piece is striped over its local memory's preferred NICs (else the available ones, else all). Discovery: NICs on a location's NUMA node, and for a GPU the nearest on PCIe" },
@@ -139,6 +140,9 @@ pub struct Config {
     /// Connected RDMA endpoints kept (`KVFERRY_RDMA_MAX_ENDPOINTS`); the least recently used
     /// idle one beyond it is closed.
     pub rdma_max_endpoints: usize,
+    /// QPs made for peers that connect to this engine, all together
+    /// (`KVFERRY_RDMA_MAX_PASSIVE_QPS`); a connection beyond it is refused.
+    pub rdma_max_passive_qps: usize,
     /// QP transport retries (`KVFERRY_RDMA_RETRY_CNT`, 0-7).
     pub rdma_retry_cnt: u8,
     /// Whether `auto` uses RDMA where a port is usable (`KVFERRY_AUTO_RDMA`; Mooncake's
@@ -190,6 +194,7 @@ impl Default for Config {
             rdma_devices: None,
             gid_index: None,
             rdma_max_endpoints: 256,
+            rdma_max_passive_qps: 16384,
             rdma_retry_cnt: 7,
             auto_rdma: true,
             rdma_forced: false,
@@ -316,6 +321,14 @@ impl Config {
                 )));
             }
             c.rdma_max_endpoints = n;
+        }
+        if let Some(n) = parse::<usize>(get, "KVFERRY_RDMA_MAX_PASSIVE_QPS", "a number of QPs")? {
+            if !(1..=1 << 20).contains(&n) {
+                return Err(Error::Config(format!(
+                    "KVFERRY_RDMA_MAX_PASSIVE_QPS={n} is out of range; use 1 to 1048576 QPs"
+                )));
+            }
+            c.rdma_max_passive_qps = n;
         }
         if let Some(n) = parse::<u8>(get, "KVFERRY_RDMA_RETRY_CNT", "a retry count (0-7)")? {
             if n > 7 {
@@ -890,6 +903,17 @@ mod tests {
                 .rdma_max_endpoints,
             4
         );
+        assert_eq!(Config::default().rdma_max_passive_qps, 16384);
+        assert_eq!(
+            cfg(&[("KVFERRY_RDMA_MAX_PASSIVE_QPS", "8")])
+                .unwrap()
+                .rdma_max_passive_qps,
+            8
+        );
+        assert!(cfg(&[("KVFERRY_RDMA_MAX_PASSIVE_QPS", "0")])
+            .unwrap_err()
+            .to_string()
+            .contains("1 to 1048576"));
         let e = cfg(&[("KVFERRY_RDMA_MAX_ENDPOINTS", "0")])
             .unwrap_err()
             .to_string();

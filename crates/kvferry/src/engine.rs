@@ -134,6 +134,18 @@ impl PeerDirectory for Link {
             .map(|f| f.body)
             .map_err(|e| e.to_string())
     }
+
+    fn published(&self, name: &str) -> crate::transport::Published {
+        use crate::transport::Published;
+        let dir = self.engine().ok().and_then(|e| e.directory.clone());
+        match dir.map(|d| d.fetch_rpc_meta(name)) {
+            Some(Ok(m)) => {
+                Published::Listed(format!("{}:{}", m.ip_or_host_name, m.rpc_port).parse().ok())
+            }
+            Some(Err(Error::SegmentNotRegistered { .. })) => Published::Absent,
+            _ => Published::Unknown,
+        }
+    }
 }
 
 /// Pieces to a peer whose cached descriptor does not list their remote ranges.
@@ -405,10 +417,21 @@ impl TransferEngine {
                 .iter()
                 .try_for_each(|t| t.on_register(r));
             if let Err(e) = registered {
-                let _ = self
+                let addrs: Vec<u64> = regions.iter().map(|r| r.addr).collect();
+                // Every transport lets go of every range of the batch (RDMA's MRs of the
+                // ranges, and of the transports, that did register).
+                for r in self
                     .inner
                     .memory
-                    .unregister_batch(&regions.iter().map(|r| r.addr).collect::<Vec<_>>());
+                    .unregister_batch(&addrs)
+                    .unwrap_or_default()
+                {
+                    self.inner
+                        .transports
+                        .all
+                        .iter()
+                        .for_each(|t| t.on_unregister(&r));
+                }
                 return Err(e);
             }
         }

@@ -107,6 +107,7 @@ struct Knobs {
     queued: unsafe extern "C" fn() -> i64,
     max_queued: unsafe extern "C" fn() -> i64,
     reset_max_queued: unsafe extern "C" fn(),
+    ipc_open: unsafe extern "C" fn() -> i64,
 }
 
 impl Knobs {
@@ -122,6 +123,7 @@ impl Knobs {
                 queued: *lib.get(b"mock_cuda_queued\0").expect("knob"),
                 max_queued: *lib.get(b"mock_cuda_max_queued\0").expect("knob"),
                 reset_max_queued: *lib.get(b"mock_cuda_reset_max_queued\0").expect("knob"),
+                ipc_open: *lib.get(b"mock_cuda_ipc_open\0").expect("knob"),
                 _lib: lib,
             }
         }
@@ -147,6 +149,10 @@ impl Knobs {
     }
     fn reset_max_queued(&self) {
         unsafe { (self.reset_max_queued)() }
+    }
+    /// Other processes' GPU memory opened here through CUDA IPC and not closed yet.
+    fn ipc_open(&self) -> i64 {
+        unsafe { (self.ipc_open)() }
     }
 }
 
@@ -1343,4 +1349,129 @@ fn child_ipc_barrier_initiator() {
         "a COMPLETED WRITE went through CUDA IPC"
     );
     e.unregister_memory(mine).unwrap();
+}
+
+#[test]
+fn a_same_host_peers_gpu_memory_is_closed_soon_after_it_unregisters_it() {
+    in_child("child_ipc_close_target", Some(&mock_dir()));
+}
+
+/// The exporter: its GPU memory read once by another process through CUDA IPC; then it
+/// unregisters it and tells the importer, which must close its handle within the reaper's
+/// bound without any further transfer to this engine.
+#[test]
+#[ignore = "run by a_same_host_peers_gpu_memory_is_closed_soon_after_it_unregisters_it in a child process"]
+fn child_ipc_close_target() {
+    use std::io::{BufRead, Write};
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    let e = engine(TransportMode::Auto);
+    let len = 1 << 20;
+    let g = gpu_alloc(c, 0, &pattern(len, 71));
+    e.register_memory(g, len as u64, "cuda:0").unwrap();
+    let lib = std::env::var_os("LD_LIBRARY_PATH").expect("the mock's directory");
+    let mut kid = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "child_ipc_close_initiator",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("KVF_GPU_CHILD", "1")
+        .env("LD_LIBRARY_PATH", &lib)
+        .env("KVF_TARGET", e.segment_name())
+        .env("KVF_TARGET_GPU", g.to_string())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = kid.stderr.take().unwrap();
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut err, &mut s);
+        s
+    });
+    let mut lines = std::io::BufReader::new(kid.stdout.take().unwrap()).lines();
+    let mut said = Vec::new();
+    loop {
+        match lines.next() {
+            Some(Ok(l)) if l.contains("KVF_OPENED") => break,
+            Some(Ok(l)) => said.push(l),
+            _ => panic!(
+                "the importer ended before opening: {said:?}\n{}",
+                err.join().unwrap_or_default()
+            ),
+        }
+    }
+    e.unregister_memory(g).unwrap();
+    let mut stdin = kid.stdin.take().unwrap();
+    writeln!(stdin, "unregistered").unwrap();
+    drop(stdin);
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert!(
+        kid.wait().unwrap().success(),
+        "the importer failed: {rest:?}\n{}",
+        err.join().unwrap_or_default()
+    );
+    c.on_device(0, |d| d.mem_free(g)).unwrap();
+}
+
+/// The importer: reads the exporter's GPU memory (opening it through CUDA IPC), says so, waits
+/// until the exporter unregistered it, then counts the handles it holds open: none within
+/// [`kvferry::testing::shm::REAP_INTERVAL`] (and the slack a loaded machine needs), with no
+/// transfer to that peer meanwhile. Its engine stays alive throughout.
+#[test]
+#[ignore = "run by child_ipc_close_target in a grandchild process"]
+fn child_ipc_close_initiator() {
+    assert!(child());
+    let c = gpu::cuda().expect("the mock driver loads");
+    let knobs = Knobs::load();
+    let e = engine(TransportMode::Auto);
+    let len = 1 << 20;
+    let mine = gpu_alloc(c, 1, &vec![0u8; len]);
+    e.register_memory(mine, len as u64, "*").unwrap();
+    let seg = e
+        .open_segment(&std::env::var("KVF_TARGET").unwrap())
+        .unwrap();
+    let tg: u64 = std::env::var("KVF_TARGET_GPU").unwrap().parse().unwrap();
+    let before = kvferry::testing::shm::gpu_ipc_bytes();
+    let st = e
+        .transfer_sync(
+            &[TransferRequest {
+                opcode: Opcode::Read,
+                source: mine,
+                target_id: seg,
+                target_offset: tg,
+                length: len as u64,
+            }],
+            Duration::from_secs(10),
+        )
+        .unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+    assert_eq!(
+        kvferry::testing::shm::gpu_ipc_bytes() - before,
+        len as u64,
+        "the READ went through CUDA IPC"
+    );
+    assert_eq!(knobs.ipc_open(), 1, "the peer's memory is open here");
+    println!("KVF_OPENED");
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "unregistered", "the exporter's word");
+    let t = std::time::Instant::now();
+    let bound = kvferry::testing::shm::REAP_INTERVAL + Duration::from_secs(2);
+    while knobs.ipc_open() != 0 {
+        assert!(
+            t.elapsed() < bound,
+            "the peer's unregistered GPU memory is still open here after {:?} ({} handle(s))",
+            t.elapsed(),
+            knobs.ipc_open()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    println!("closed after {:?}", t.elapsed());
+    e.unregister_memory(mine).unwrap();
+    c.on_device(1, |d| d.mem_free(mine)).unwrap();
 }

@@ -326,6 +326,23 @@ pub(crate) trait PeerDirectory: Send + Sync {
     fn lookup(&self, peer: &Peer) -> Result<SegmentDesc, String>;
     /// Sends one handshake message to `peer`'s engine; the body of its answer.
     fn handshake(&self, peer: &Peer, kind: MsgType, body: &[u8]) -> Result<Vec<u8>, String>;
+    /// What the metadata service says of segment `name` now (central mode; without a
+    /// service: `Unknown`). Asked of peers that connected to us, which we may never have opened.
+    fn published(&self, _name: &str) -> Published {
+        Published::Unknown
+    }
+}
+
+/// What the metadata service says of a peer ([`PeerDirectory::published`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Published {
+    /// Its entry is there; the handshake address it names, when that is `ip:port` (a host
+    /// name is not resolved in a sweep).
+    Listed(Option<std::net::SocketAddr>),
+    /// The service answered: no entry for that name.
+    Absent,
+    /// No answer (service unreachable, no metadata service): nothing is concluded.
+    Unknown,
 }
 
 /// A directory without an engine behind it (transports built on their own, in tests).

@@ -65,15 +65,20 @@
 //! offers pieces touching GPU memory to RDMA first, and `try_submit` takes those it carries as
 //! they are.
 //!
-//! QPs made for peers that connect to us (passive) are kept until the peer reconnects that
-//! pair, or until it is found gone: once [`PASSIVE_SWEEP_AT`] pairs are held, a connection
-//! starts a look (at most every [`PASSIVE_SWEEP_EVERY`], on a thread of its own) at each
-//! peer's handshake address (its segment name, `ip:port`, in P2P mode; with a metadata service
-//! a name need not be an address, and no look is made); a peer whose address
-//! refuses connections has no engine there any more, and the QPs made for it before the look
-//! began are destroyed. A live peer is never cut off this way (its port answers), so nothing
-//! is evicted by count: one-sided traffic gives the passive side no way to tell an idle pair
-//! from a busy one. Peers named otherwise (no `ip:port`) are kept until they reconnect.
+//! QPs made for peers that connect to us (passive, `passive.rs`) are bounded: per peer
+//! (segment name) by what a peer with [`passive::PEER_NICS`] NICs can ask, and in all by
+//! `KVFERRY_RDMA_MAX_PASSIVE_QPS`; a connection beyond either is refused (the peer's error
+//! names the bound), never a live pair evicted (one-sided traffic gives the passive side no
+//! way to tell an idle pair from a busy one). They are kept until the peer reconnects that
+//! pair, or until it is found gone: once [`PASSIVE_SWEEP_AT`] pairs are held (or a connection
+//! is refused), a connection starts a look (at most every [`PASSIVE_SWEEP_EVERY`], on a thread
+//! of its own). In P2P mode it probes each peer's handshake address (its segment name,
+//! `ip:port`); with a metadata service it asks the service for each peer's entry and probes
+//! the address it names (or named at an earlier look); an address that refuses connections
+//! has no engine there any more, and an entry absent for [`passive::ABSENT_GRACE`] with no
+//! address ever known is a peer gone. The QPs made for a gone peer before the look began are
+//! destroyed. A live peer is never cut off this way (its port answers, its entry is there).
+//! Names that are no `ip:port` in P2P mode are kept until they reconnect (within the bounds).
 
 use crate::batch::{FailCause, FailKind, TaskState};
 use crate::ibverbs::verbs::{
@@ -82,7 +87,7 @@ use crate::ibverbs::verbs::{
 use crate::ibverbs::{sysfs, topo};
 use crate::memory::{Region, RegionGuard};
 use crate::transport::{
-    Caps, Kinds, Mem, Needs, Peer, PeerDirectory, Piece, Prelude, Reach, Transport,
+    Caps, Kinds, Mem, Needs, Peer, PeerDirectory, Piece, Prelude, Published, Reach, Transport,
 };
 use crate::wire::descriptor::{DeviceDesc, Protocols, SegmentDesc};
 use crate::wire::handshake::MsgType;
@@ -94,7 +99,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+mod mr_table;
+mod passive;
 mod per_peer;
+use mr_table::{Held, MrTable};
+use passive::{Passive, PEER_NICS};
 use per_peer::PerPeer;
 
 /// A peer's posting thread ends after this long without work ([`per_peer`]).
@@ -150,6 +159,8 @@ pub(crate) struct RdmaOptions {
     /// Connected endpoints kept (`KVFERRY_RDMA_MAX_ENDPOINTS`): beyond it the least recently
     /// used idle one is closed.
     pub max_endpoints: usize,
+    /// QPs made for peers that connect to us, all together (`KVFERRY_RDMA_MAX_PASSIVE_QPS`).
+    pub max_passive_qps: usize,
     /// `KVFERRY_TRANSPORT=rdma`: RDMA or nothing (a range that cannot be registered on the NICs
     /// is an error). `false` (`auto`): initiates RDMA where it works, TCP for the rest (see
     /// [`auto_route`]), and publishes a TCP descriptor.
@@ -161,10 +172,9 @@ pub(crate) struct RdmaOptions {
     /// The NIC priority matrix file (`KVFERRY_RDMA_TOPO`, `MC_CUSTOM_TOPO_JSON`); `None`:
     /// discovered from sysfs.
     pub topo: Option<std::path::PathBuf>,
-    /// Segment names are handshake addresses (`ip:port`), as in P2P mode: peers that connect
-    /// to us can then be looked for when they may have gone (see the module's doc). With a
-    /// metadata service a name is whatever the peer was given (`ip:port` of no listener of
-    /// its, possibly), so no look is made.
+    /// Segment names are handshake addresses (`ip:port`), as in P2P mode: a peer that
+    /// connected to us is looked for there. With a metadata service a name is whatever the
+    /// peer was given, so the service is asked instead (see the module's doc).
     pub names_are_addresses: bool,
 }
 
@@ -257,7 +267,7 @@ struct PieceState {
     op: Op,
     /// The local range's MRs (one per NIC) and the range's offset in them. Declared before
     /// the guard, so dropped before it: unregister finds them unshared.
-    mrs: Arc<Vec<Mr>>,
+    mrs: Arc<Held<Vec<Mr>>>,
     base: usize,
     remote: u64,
     /// For each local NIC: the peer's NIC used from it and the rkey there.
@@ -507,22 +517,23 @@ pub struct RdmaUsage {
     pub endpoints: usize,
     /// NIC pairs peers connected to this engine whose QPs it holds.
     pub passive: usize,
+    /// The QPs of those pairs.
+    pub passive_qps: usize,
+    /// Registered ranges with memory regions on the NICs.
+    pub regions: usize,
 }
-
-/// A passive pair: the peer's NIC path (`segment@device`) and our NIC's index.
-type PassiveKey = (String, usize);
 
 struct Shared {
     segment: String,
     nics: Vec<Nic>,
     /// MRs of each registered range (by start address), one per NIC in `nics` order.
-    mrs: Mutex<BTreeMap<u64, Arc<Vec<Mr>>>>,
+    mrs: MrTable<Vec<Mr>>,
     endpoints: Mutex<HashMap<EpKey, Arc<Endpoint>>>,
     /// NIC pairs that could not be connected, and until when they are left alone.
     paused: Mutex<HashMap<EpKey, Instant>>,
     /// QPs made for peers that connected to us, by (their NIC path, our NIC index), with when
-    /// they were made.
-    passive: Mutex<HashMap<PassiveKey, (Instant, Vec<Qp>)>>,
+    /// they were made, and their bounds.
+    passive: Mutex<Passive<Qp>>,
     /// A look for departed peers runs; when the last one started.
     sweep: Mutex<(bool, Option<Instant>)>,
     /// [`RdmaOptions::names_are_addresses`].
@@ -875,13 +886,17 @@ impl RdmaTransport {
                 &topo::numa_nodes(std::path::Path::new("/sys/devices/system/node")),
             ),
         };
+        let nics_len = nics.len();
         let shared = Arc::new_cyclic(|weak: &Weak<Shared>| Shared {
             segment: opts.segment,
             nics,
-            mrs: Mutex::default(),
+            mrs: MrTable::default(),
             endpoints: Mutex::default(),
             paused: Mutex::default(),
-            passive: Mutex::default(),
+            passive: Mutex::new(Passive::new(
+                nics_len.max(1) * PEER_NICS * MAX_QPS_PER_EP,
+                opts.max_passive_qps,
+            )),
             sweep: Mutex::default(),
             names_are_addresses: opts.names_are_addresses,
             dir,
@@ -950,8 +965,8 @@ impl RdmaTransport {
                 .passive
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .get(&(m.local_nic_path.clone(), idx))
-                .map(|(_, q)| q.iter().map(Qp::qp_num).collect());
+                .get(&m.local_nic_path, idx)
+                .map(|q| q.iter().map(Qp::qp_num).collect());
             let Some(qp_num) = ours else {
                 return refusal(
                     &me,
@@ -986,6 +1001,17 @@ impl RdmaTransport {
                 ),
             );
         }
+        // Within the bounds before anything is made (checked again as they are installed).
+        let fits = s.passive.lock().unwrap_or_else(|e| e.into_inner()).admit(
+            &m.local_nic_path,
+            idx,
+            m.qp_num.len(),
+        );
+        if let Err(why) = fits {
+            // Peers that left may free room for a later attempt.
+            self.sweep_passive();
+            return refusal(&me, &m.local_nic_path, why);
+        }
         let mtu = path_mtu(&nic.attr, &m);
         let made = m
             .qp_num
@@ -1013,13 +1039,19 @@ impl RdmaTransport {
             Err(e) => return refusal(&me, &m.local_nic_path, format!("kvferry: {e}")),
         };
         let reply = hello(&s.segment, nic, &m.local_nic_path, &qps);
-        tracing::debug!(peer = %m.local_nic_path, local = %nic.name, qps = qps.len(), "RDMA: accepted a connection");
+        let n = qps.len();
         // A peer reconnecting the same NIC pair replaces its old QPs (it dropped its own).
-        let held = {
+        let (installed, held) = {
             let mut p = s.passive.lock().unwrap_or_else(|e| e.into_inner());
-            p.insert((m.local_nic_path, idx), (Instant::now(), qps));
-            p.len()
+            let r = p.insert(&m.local_nic_path, idx, Instant::now(), qps);
+            (r, p.pairs())
         };
+        // (QPs replaced or refused are destroyed here, outside the lock.)
+        if let Err((_, why)) = installed {
+            self.sweep_passive();
+            return refusal(&me, &m.local_nic_path, why);
+        }
+        tracing::debug!(peer = %m.local_nic_path, local = %nic.name, qps = n, "RDMA: accepted a connection");
         if held >= PASSIVE_SWEEP_AT {
             self.sweep_passive();
         }
@@ -1029,19 +1061,19 @@ impl RdmaTransport {
     /// What the transport holds.
     pub(crate) fn usage(&self) -> RdmaUsage {
         let s = &self.shared;
+        let p = s.passive.lock().unwrap_or_else(|e| e.into_inner());
         RdmaUsage {
             endpoints: s.endpoints.lock().unwrap_or_else(|e| e.into_inner()).len(),
-            passive: s.passive.lock().unwrap_or_else(|e| e.into_inner()).len(),
+            passive: p.pairs(),
+            passive_qps: p.qps(),
+            regions: s.mrs.len(),
         }
     }
 
     /// Starts a look for departed peers (see the module's doc) unless one runs or ran within
-    /// [`PASSIVE_SWEEP_EVERY`], or segment names are not handshake addresses. The thread holds
-    /// the transport only while it reads or edits the table, never while it waits on a peer.
+    /// [`PASSIVE_SWEEP_EVERY`]. The thread holds the transport only while it reads or edits the
+    /// table, never while it waits on a peer or on the metadata service.
     fn sweep_passive(&self) {
-        if !self.shared.names_are_addresses {
-            return;
-        }
         {
             let mut g = self.shared.sweep.lock().unwrap_or_else(|e| e.into_inner());
             if g.0 || g.1.is_some_and(|t| t.elapsed() < PASSIVE_SWEEP_EVERY) {
@@ -1050,26 +1082,9 @@ impl RdmaTransport {
             *g = (true, Some(Instant::now()));
         }
         let weak = Arc::downgrade(&self.shared);
-        let spawned = std::thread::Builder::new().name("kvf-rdma-sweep".into()).spawn(move || {
-            let begun = Instant::now();
-            let paths: Vec<String> = match weak.upgrade() {
-                Some(s) => s.passive.lock().unwrap_or_else(|e| e.into_inner()).keys().map(|(p, _)| p.clone()).collect(),
-                None => return,
-            };
-            let gone = departed_peers(paths.iter().map(String::as_str), refuses);
-            let Some(s) = weak.upgrade() else { return };
-            if !gone.is_empty() {
-                let dropped: Vec<(Instant, Vec<Qp>)> = {
-                    let mut p = s.passive.lock().unwrap_or_else(|e| e.into_inner());
-                    let keys: Vec<PassiveKey> =
-                        p.iter().filter(|((path, _), (made, _))| *made < begun && split_nic_path(path).is_some_and(|(seg, _)| gone.contains(seg))).map(|(k, _)| k.clone()).collect();
-                    keys.iter().filter_map(|k| p.remove(k)).collect()
-                };
-                tracing::info!(peers = gone.len(), pairs = dropped.len(), "RDMA: released the QPs made for peers whose handshake address refuses connections (gone)");
-                drop(dropped); // destroyed outside the lock
-            }
-            s.sweep.lock().unwrap_or_else(|e| e.into_inner()).0 = false;
-        });
+        let spawned = std::thread::Builder::new()
+            .name("kvf-rdma-sweep".into())
+            .spawn(move || sweep(&weak));
         if spawned.is_err() {
             self.shared
                 .sweep
@@ -1080,27 +1095,68 @@ impl RdmaTransport {
     }
 }
 
+/// One look for departed peers (on its own thread): in P2P mode at each peer's name, its
+/// handshake address; with a metadata service at each peer's entry there and the address it
+/// names ([`Passive::judge`]). The QPs of those gone, made before the look began, are
+/// destroyed.
+fn sweep(weak: &Weak<Shared>) {
+    let begun = Instant::now();
+    let Some((peers, by_address, dir)) = weak.upgrade().map(|s| {
+        let peers = s.passive.lock().unwrap_or_else(|e| e.into_inner()).peers();
+        (peers, s.names_are_addresses, Arc::clone(&s.dir))
+    }) else {
+        return;
+    };
+    let gone = if by_address {
+        passive::gone_by_address(peers.iter().map(String::as_str), refuses)
+    } else {
+        // Asked without the table locked; then judged with it (what is learnt is kept).
+        let said: Vec<(String, Published)> = peers
+            .into_iter()
+            .map(|p| {
+                let w = dir.published(&p);
+                (p, w)
+            })
+            .collect();
+        drop(dir);
+        // The addresses to probe (named now, or known from an earlier look), probed without
+        // the table locked.
+        let Some(s) = weak.upgrade() else { return };
+        let addrs: Vec<std::net::SocketAddr> = {
+            let p = s.passive.lock().unwrap_or_else(|e| e.into_inner());
+            said.iter()
+                .filter_map(|(seg, w)| p.to_probe(seg, *w))
+                .collect()
+        };
+        drop(s);
+        let refused: std::collections::HashSet<std::net::SocketAddr> =
+            addrs.into_iter().filter(|a| refuses(*a)).collect();
+        let Some(s) = weak.upgrade() else { return };
+        let now = Instant::now();
+        let mut p = s.passive.lock().unwrap_or_else(|e| e.into_inner());
+        said.into_iter()
+            .filter(|(seg, w)| p.judge(seg, *w, now, |a| refused.contains(&a)))
+            .map(|(seg, _)| seg)
+            .collect()
+    };
+    let Some(s) = weak.upgrade() else { return };
+    if !gone.is_empty() {
+        let dropped = s
+            .passive
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .release(&gone, begun);
+        tracing::info!(peers = gone.len(), pairs = dropped.len(), "RDMA: released the QPs made for peers found gone (their handshake address refuses connections, or their metadata entry is gone)");
+        drop(dropped); // destroyed outside the lock
+    }
+    s.sweep.lock().unwrap_or_else(|e| e.into_inner()).0 = false;
+}
+
 /// Whether nothing listens at `addr` (a connection is refused). No answer within
 /// [`PASSIVE_PROBE_TIMEOUT`], or any other error, is not a refusal: the peer may be alive.
 fn refuses(addr: std::net::SocketAddr) -> bool {
     std::net::TcpStream::connect_timeout(&addr, PASSIVE_PROBE_TIMEOUT)
         .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
-}
-
-/// The peers (segment names) among the NIC paths `paths` (`segment@device`) whose segment name
-/// is an `ip:port` that `refused` says refuses connections: their engine is gone. Names that
-/// are not a socket address are never looked up (no name resolution in a sweep).
-fn departed_peers<'a>(
-    paths: impl Iterator<Item = &'a str>,
-    refused: impl Fn(std::net::SocketAddr) -> bool,
-) -> std::collections::HashSet<String> {
-    let segs: std::collections::BTreeSet<&str> = paths
-        .filter_map(|p| split_nic_path(p).map(|(seg, _)| seg))
-        .collect();
-    segs.into_iter()
-        .filter(|seg| seg.parse::<std::net::SocketAddr>().is_ok_and(&refused))
-        .map(str::to_string)
-        .collect()
 }
 
 /// A refusal (`reply_msg` set) in the form the message codec accepts.
@@ -1151,12 +1207,11 @@ fn path_mtu(attr: &PortAttr, m: &ConnectionMsg) -> u32 {
 }
 
 impl Shared {
-    fn mrs_for(&self, addr: u64, len: u64) -> Option<(Arc<Vec<Mr>>, usize)> {
-        let mrs = self.mrs.lock().unwrap_or_else(|e| e.into_inner());
-        let (&start, v) = mrs.range(..=addr).next_back()?;
+    fn mrs_for(&self, addr: u64, len: u64) -> Option<(Arc<Held<Vec<Mr>>>, usize)> {
+        let (start, v) = self.mrs.containing(addr)?;
         let first = v.first()?;
         let end = addr.checked_add(len)?;
-        (end <= start + first.len() as u64).then(|| (Arc::clone(v), (addr - start) as usize))
+        (end <= start + first.len() as u64).then(|| (Arc::clone(&v), (addr - start) as usize))
     }
 
     /// The endpoint to `peer`'s NIC `dev` from local NIC `nic`, connecting it if needed.
@@ -2189,15 +2244,15 @@ impl Transport for RdmaTransport {
                 extra: Map::new(),
             })
             .collect();
-        let mrs = s.mrs.lock().unwrap_or_else(|e| e.into_inner());
         // A buffer whose MRs are still being made is not reachable over RDMA yet.
-        desc.buffers.retain(|b| mrs.contains_key(&b.addr));
-        for b in &mut desc.buffers {
-            if let Some(v) = mrs.get(&b.addr) {
+        desc.buffers.retain_mut(|b| match s.mrs.get(b.addr) {
+            Some(v) => {
                 b.rkey = v.iter().map(|m| u64::from(m.rkey())).collect();
                 b.lkey = v.iter().map(|m| u64::from(m.lkey())).collect();
+                true
             }
-        }
+            None => false,
+        });
         // The topology's entries, and every NIC preferred for any other location of a
         // published buffer and for `*`.
         let names: Vec<Value> = s.nics.iter().map(|n| json!(n.name)).collect();
@@ -2225,23 +2280,20 @@ impl Transport for RdmaTransport {
         if let Some(ordinal) = region.gpu {
             s.add_gpu_to_topology(ordinal);
         }
+        let making = s.mrs.begin(region.addr);
         let registered = match region.gpu {
             Some(ordinal) => s.register_gpu(region, ordinal),
             None => s.register_host(region),
         };
-        match registered {
-            Ok(v) => {
-                s.mrs
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(region.addr, Arc::new(v));
-                Ok(())
-            }
-            Err(why) if !s.required => {
+        // (Not installed if the range was unregistered meanwhile: then dropped here.)
+        match s.mrs.finish(making, registered) {
+            Ok(()) => Ok(()),
+            Err(None) => Err(crate::Error::Rdma(format!("[0x{:x}, +{}) was unregistered while it was being registered on the NICs; register it again if it is still wanted", region.addr, region.len))),
+            Err(Some(why)) if !s.required => {
                 unkeyed(why);
                 Ok(())
             }
-            Err(why) => Err(crate::Error::Rdma(why)),
+            Err(Some(why)) => Err(crate::Error::Rdma(why)),
         }
     }
 
@@ -2253,26 +2305,10 @@ impl Transport for RdmaTransport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&region.addr);
-        let removed = self
-            .shared
-            .mrs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&region.addr);
-        if let Some(v) = removed {
-            match Arc::try_unwrap(v) {
-                Ok(mrs) => {
-                    for m in mrs {
-                        if let Err(e) = m.dereg() {
-                            tracing::warn!("RDMA: {e}");
-                        }
-                    }
-                }
-                // A posting thread still holds it (it cannot post: the range is revoked); the
-                // MRs go with its reference.
-                Err(v) => drop(v),
-            }
-        }
+        // Its MRs are deregistered when this returns: one still being made is not installed,
+        // and a posting thread that still holds them (it cannot post: the range is revoked)
+        // is waited for (`mr_table`).
+        self.shared.mrs.withdraw(region.addr);
     }
 
     fn reachable(&self, peer: &Arc<Peer>) -> Result<(), String> {
@@ -2403,7 +2439,12 @@ mod tests {
             "node-7@mlx5_0".to_string(),
             "garbage".to_string(),
         ];
-        let gone = departed_peers(paths.iter().map(String::as_str), refuses);
+        let gone = passive::gone_by_address(
+            paths
+                .iter()
+                .filter_map(|p| split_nic_path(p).map(|(s, _)| s)),
+            refuses,
+        );
         assert_eq!(
             gone,
             [dead_addr.to_string()].into_iter().collect(),
@@ -2411,13 +2452,10 @@ mod tests {
         );
         // A name that is not an address is not even asked about.
         let asked = std::sync::Mutex::new(Vec::new());
-        departed_peers(
-            ["node-7@mlx5_0", "10.0.0.1:15000@mlx5_0"].into_iter(),
-            |a| {
-                asked.lock().unwrap().push(a);
-                false
-            },
-        );
+        passive::gone_by_address(["node-7", "10.0.0.1:15000"].into_iter(), |a| {
+            asked.lock().unwrap().push(a);
+            false
+        });
         assert_eq!(
             *asked.lock().unwrap(),
             vec!["10.0.0.1:15000".parse::<std::net::SocketAddr>().unwrap()]
@@ -2927,6 +2965,7 @@ mod tests {
                 devices: None,
                 gid_index: None,
                 max_endpoints: 4,
+                max_passive_qps: 16384,
                 required: true,
                 retry_cnt: 7,
                 gpu_rdma: Default::default(),

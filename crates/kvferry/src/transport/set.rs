@@ -216,6 +216,7 @@ fn rdma(
         devices: config.rdma_devices.clone(),
         gid_index: config.gid_index,
         max_endpoints: config.rdma_max_endpoints,
+        max_passive_qps: config.rdma_max_passive_qps,
         required,
         retry_cnt: config.rdma_retry_cnt,
         gpu_rdma: config.gpu_rdma,

@@ -35,7 +35,9 @@
  * makes every copy take that long when it runs; mock_cuda_copies(dev) counts the copies that
  * touched device `dev`'s memory so far; mock_cuda_queued() is the number of asynchronous
  * copies queued and not yet run, on every stream; mock_cuda_max_queued() the most that were
- * ever queued on one stream at once (reset by mock_cuda_reset_max_queued()). */
+ * ever queued on one stream at once (reset by mock_cuda_reset_max_queued());
+ * mock_cuda_ipc_open() the other processes' memory opened here (cuIpcOpenMemHandle) and not
+ * closed yet. */
 #define _GNU_SOURCE /* memfd_create */
 #include <fcntl.h>
 #include <pthread.h>
@@ -492,6 +494,15 @@ int cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned fl
     pthread_mutex_unlock(&mu);
     *pdptr = base;
     return 0;
+}
+
+/* Knob: memory of other processes opened here and not closed yet (cuIpcOpenMemHandle's). */
+long mock_cuda_ipc_open(void) {
+    long n = 0;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < nallocs; i++) n += allocs[i].live && allocs[i].ipc;
+    pthread_mutex_unlock(&mu);
+    return n;
 }
 
 int cuIpcCloseMemHandle(CUdeviceptr p) {

@@ -95,16 +95,28 @@ fn covering(list: &[GpuExport], remote: u64, len: u64) -> Option<&GpuExport> {
     })
 }
 
-/// What an initiator opened of one peer: per export string, the mapping here (or why it
-/// could not be opened, so it is not tried again for that export).
+/// What an initiator opened of one peer: per export string, the peer's unregister epoch of
+/// the newest descriptor that listed it, and the mapping here (or why it could not be opened,
+/// so it is not tried again for that export).
+///
+/// Kept only while the peer's live epoch (in its control region) is the one noted: an
+/// unregister on the peer moves it, and the reaper then closes what was opened under the
+/// older epoch ([`Opens::close_before`]: `cuIpcCloseMemHandle` once no copy holds it), within
+/// [`super::REAP_INTERVAL`], as it unmaps the host buffers a peer freed. An export still
+/// published is opened again by the next transfer that needs it.
 #[derive(Default)]
-pub(crate) struct Opens(Mutex<HashMap<String, Result<Arc<Opened>, String>>>);
+pub(crate) struct Opens(Mutex<HashMap<String, (u64, Opening)>>);
+
+/// An export opened here, or why it could not be.
+type Opening = Result<Arc<Opened>, String>;
 
 impl Opens {
-    /// `e` opened here (on the local GPU `near`, else the exporter's GPU, else GPU 0).
-    fn open(&self, e: &GpuExport, near: Option<u32>) -> Result<Arc<Opened>, String> {
+    /// `e`, listed in the peer's descriptor of unregister epoch `epoch`, opened here (on the
+    /// local GPU `near`, else the exporter's GPU, else GPU 0).
+    fn open(&self, e: &GpuExport, near: Option<u32>, epoch: u64) -> Result<Arc<Opened>, String> {
         let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(r) = m.get(&e.export) {
+        if let Some((at, r)) = m.get_mut(&e.export) {
+            *at = (*at).max(epoch);
             return r.clone();
         }
         let r = Export::decode(&e.export).and_then(|x| {
@@ -118,7 +130,7 @@ impl Opens {
         if let Err(why) = &r {
             tracing::debug!("a same-host peer's GPU memory cannot be opened here ({why}); it is reached over TCP");
         }
-        m.insert(e.export.clone(), r.clone());
+        m.insert(e.export.clone(), (epoch, r.clone()));
         r
     }
 
@@ -128,6 +140,16 @@ impl Opens {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .retain(|k, _| list.iter().any(|e| &e.export == k));
+    }
+
+    /// Closes (once no copy uses it) what was opened from descriptors older than the peer's
+    /// live unregister epoch `live`: the peer unregistered something since. Returns how many
+    /// entries were dropped.
+    pub(super) fn close_before(&self, live: u64) -> usize {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let before = m.len();
+        m.retain(|_, (at, _)| *at >= live);
+        before - m.len()
     }
 
     pub(super) fn clear(&self) {
@@ -146,10 +168,11 @@ pub(super) fn split(
     if list.is_empty() {
         return (Vec::new(), pieces);
     }
+    let epoch = super::ShmInfo::cookie_epoch(desc).map_or(0, |(_, e)| e);
     shm.gpu.retain(&list);
     pieces.into_iter().partition(|p| {
         covering(&list, p.remote, p.len)
-            .is_some_and(|e| shm.gpu.open(e, p.guard.region().gpu).is_ok())
+            .is_some_and(|e| shm.gpu.open(e, p.guard.region().gpu, epoch).is_ok())
     })
 }
 
@@ -184,7 +207,7 @@ pub(super) fn run(shared: &Shared, shm: &ShmPeer, peer: &Arc<Peer>, mut pieces: 
             match covering(&list, p.remote, p.len)
                 .filter(|_| desc.find_buffer(p.remote, p.len).is_some())
             {
-                Some(e) => match shm.gpu.open(e, p.guard.region().gpu) {
+                Some(e) => match shm.gpu.open(e, p.guard.region().gpu, desc_epoch) {
                     Ok(o) => {
                         targets.push((o, p.remote - e.addr));
                         true

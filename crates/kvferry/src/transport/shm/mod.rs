@@ -324,9 +324,10 @@ struct Shared {
 /// How long after a verified same-host peer departs this engine still holds its resources
 /// (its buffers mapped here, its control region, its pidfd, the selection) at most, plus
 /// the few milliseconds the release takes. A process exit is seen at once (the reaper
-/// sleeps in `poll` on every peer's pidfd); an engine shut down in a living process and
-/// buffers the peer freed are found by a check this often. A peer found gone by a request
-/// earlier is released then.
+/// sleeps in `poll` on every peer's pidfd); an engine shut down in a living process,
+/// buffers the peer freed and GPU memory it unregistered (opened here through CUDA IPC,
+/// closed then: `gpu.rs` `Opens`) are found by a check this often. A peer found gone by a
+/// request earlier is released then.
 pub const REAP_INTERVAL: Duration = Duration::from_millis(500);
 
 impl Shared {
@@ -353,6 +354,8 @@ impl Shared {
         for (id, cookie, p) in live {
             if !p.departed() {
                 p.release_maps(false);
+                // Its GPU memory opened here under an older unregister epoch is closed.
+                p.gpu.close_before(p.ctl.epoch().load(Ordering::SeqCst));
                 continue;
             }
             p.release_maps(true);
