@@ -650,3 +650,68 @@ fn a_campaign_from_a_mirror_that_fails_campaigns_from_it_again_and_leads_from_it
     };
     assert_eq!(led, Out::Lead { owner });
 }
+
+/// An in-sync member stopped (SIGTERM) while its mirror is the only copy of what the set
+/// acknowledged seals it and stays, campaigning for nothing while the leader's key is there;
+/// once the leader alive drops it from the in-sync record (having written etcd what the set
+/// held), it exits without ever campaigning. (The leader dead instead, it leads from the
+/// mirror to hand it to etcd:
+/// `a_stopping_master_exits_unless_its_mirror_is_the_only_copy_then_leads_from_it_alone`.
+/// The store_ha process test
+/// `an_in_sync_standby_stopped_while_the_leader_is_dead_hands_its_mirror_to_etcd_first`
+/// checked both against a real etcd.)
+#[test]
+fn a_stopping_member_whose_leader_lives_waits_sealed_and_exits_once_the_record_drops_it() {
+    let etcd = Fake::new();
+    etcd.put(KEY, b"b:1", 0);
+    etcd.put(
+        INSYNC,
+        &InSync {
+            term: 7,
+            members: vec!["a:1".into()],
+        }
+        .to_bytes(),
+        0,
+    );
+    let mut a = Node::new("a:1", 0);
+    a.view = View {
+        stopping: true,
+        mirror: Some(7),
+    };
+    assert_eq!(a.run(&etcd, 0), Out::Seal, "the only copy: sealed");
+    let mut now = 0;
+    for _ in 0..10 {
+        match a.run(&etcd, now) {
+            Out::Wait(t) => now = t.max(now + 1),
+            other => panic!("the leader alive and the record naming it: {other:?}"),
+        }
+    }
+    assert!(
+        !etcd.log().iter().any(|r| r == "grant" || r == "create"),
+        "no campaign while the leader's key is there"
+    );
+    // The leader drops it from the set.
+    etcd.put(
+        INSYNC,
+        &InSync {
+            term: 7,
+            members: vec![],
+        }
+        .to_bytes(),
+        0,
+    );
+    let mut rounds = 0;
+    loop {
+        match a.run(&etcd, now) {
+            Out::Wait(t) => now = t.max(now + 1),
+            Out::Exit => break,
+            other => panic!("{other:?}"),
+        }
+        rounds += 1;
+        assert!(rounds < 5, "it did not exit once the record dropped it");
+    }
+    assert!(
+        !etcd.log().iter().any(|r| r == "grant" || r == "create"),
+        "it exits without campaigning"
+    );
+}
