@@ -540,3 +540,178 @@ fn a_leader_renews_and_steps_down_when_it_cannot_prove_its_lease() {
         "another's key stays"
     );
 }
+
+/// An in-sync member whose campaign from its mirror fails (its transaction refused because
+/// the in-sync record was rewritten between the read and the transaction; a lease that
+/// cannot be granted; an etcd error on the transaction) is handed no takeover (the driver
+/// takes the mirror only on [`Out::TakeOver`], `crate::ha::elect`), gives back any lease it
+/// was granted, and campaigns again from the same mirror: once a campaign can succeed, it
+/// leads from it, never empty nor from the journal. (The store_ha process test
+/// `an_in_sync_standby_whose_campaign_fails_keeps_its_mirror_and_leads_from_it` checked the
+/// same against a real etcd.)
+#[test]
+fn a_campaign_from_a_mirror_that_fails_campaigns_from_it_again_and_leads_from_it() {
+    let etcd = Fake::new();
+    let rec = InSync {
+        term: 7,
+        members: vec!["a:1".into(), "b:1".into()],
+    };
+    etcd.put(INSYNC, &rec.to_bytes(), 0);
+    let mut a = Node::new("a:1", 0);
+    a.view.mirror = Some(7);
+    let mut now = 0;
+    let mut failed = Vec::new();
+    for how in ["record rewritten", "grant", "create"] {
+        etcd.0.borrow_mut().fail = match how {
+            "record rewritten" => vec![],
+            other => vec![other],
+        };
+        let mut polls = 0;
+        'round: loop {
+            polls += 1;
+            assert!(
+                polls < 100,
+                "{how}: the campaign never reached its transaction"
+            );
+            match a.m.poll(now, &a.view, &mut a.fence) {
+                Out::Etcd(op) => {
+                    let create = matches!(op, Op::Create { .. });
+                    if create && how == "record rewritten" {
+                        // The record written again as it is: its mod revision moves on.
+                        etcd.put(INSYNC, &rec.to_bytes(), 0);
+                    }
+                    let ans = a.m.execute(&etcd, &op);
+                    let end = (create && how != "grant") || (how == "grant" && op == Op::Grant);
+                    if create && how == "record rewritten" {
+                        assert_eq!(ans, Ok(Answer::Created(Created::Lost(None))));
+                    }
+                    a.m.on_etcd(now, ans, &a.view, &mut a.fence);
+                    if end {
+                        break 'round;
+                    }
+                }
+                Out::TakeOver { plan, .. } => {
+                    panic!("{how}: a failed campaign took over ({plan:?})")
+                }
+                Out::Wait(t) => now = t.max(now + 1),
+                _ => {}
+            }
+        }
+        // Whatever follows (the lease given back, a wait), no takeover before the next
+        // round's etcd requests.
+        etcd.0.borrow_mut().fail.clear();
+        loop {
+            match a.m.poll(now, &a.view, &mut a.fence) {
+                Out::Etcd(Op::Revoke(l)) => {
+                    let ans = a.m.execute(&etcd, &Op::Revoke(l));
+                    a.m.on_etcd(now, ans, &a.view, &mut a.fence);
+                }
+                Out::Etcd(op) => {
+                    // The next round has begun: answered, it goes on in the next iteration.
+                    let ans = a.m.execute(&etcd, &op);
+                    a.m.on_etcd(now, ans, &a.view, &mut a.fence);
+                    break;
+                }
+                Out::TakeOver { plan, .. } => {
+                    panic!("{how}: a failed campaign took over ({plan:?})")
+                }
+                Out::Wait(t) => now = t.max(now + 1),
+                _ => {}
+            }
+        }
+        assert!(
+            etcd.0.borrow().leases.is_empty(),
+            "{how}: the failed campaign's lease was given back"
+        );
+        assert!(
+            etcd.get(KEY).unwrap().is_none(),
+            "{how}: nobody holds the key"
+        );
+        failed.push(how);
+    }
+    assert_eq!(failed.len(), 3);
+    // The campaign can succeed now: it takes over from the mirror it kept, and leads.
+    let out = loop {
+        match a.run(&etcd, now) {
+            Out::Wait(t) => now = t.max(now + 1),
+            other => break other,
+        }
+    };
+    let Out::TakeOver { owner, plan } = out else {
+        panic!("{out:?}")
+    };
+    assert_eq!(plan, Plan::Mirror(7), "from the mirror, never empty");
+    a.m.on_taken(now, Ok(None), &mut a.fence);
+    let led = loop {
+        match a.run(&etcd, now) {
+            Out::Wait(t) => now = t.max(now + 1),
+            other => break other,
+        }
+    };
+    assert_eq!(led, Out::Lead { owner });
+}
+
+/// An in-sync member stopped (SIGTERM) while its mirror is the only copy of what the set
+/// acknowledged seals it and stays, campaigning for nothing while the leader's key is there;
+/// once the leader alive drops it from the in-sync record (having written etcd what the set
+/// held), it exits without ever campaigning. (The leader dead instead, it leads from the
+/// mirror to hand it to etcd:
+/// `a_stopping_master_exits_unless_its_mirror_is_the_only_copy_then_leads_from_it_alone`.
+/// The store_ha process test
+/// `an_in_sync_standby_stopped_while_the_leader_is_dead_hands_its_mirror_to_etcd_first`
+/// checked both against a real etcd.)
+#[test]
+fn a_stopping_member_whose_leader_lives_waits_sealed_and_exits_once_the_record_drops_it() {
+    let etcd = Fake::new();
+    etcd.put(KEY, b"b:1", 0);
+    etcd.put(
+        INSYNC,
+        &InSync {
+            term: 7,
+            members: vec!["a:1".into()],
+        }
+        .to_bytes(),
+        0,
+    );
+    let mut a = Node::new("a:1", 0);
+    a.view = View {
+        stopping: true,
+        mirror: Some(7),
+    };
+    assert_eq!(a.run(&etcd, 0), Out::Seal, "the only copy: sealed");
+    let mut now = 0;
+    for _ in 0..10 {
+        match a.run(&etcd, now) {
+            Out::Wait(t) => now = t.max(now + 1),
+            other => panic!("the leader alive and the record naming it: {other:?}"),
+        }
+    }
+    assert!(
+        !etcd.log().iter().any(|r| r == "grant" || r == "create"),
+        "no campaign while the leader's key is there"
+    );
+    // The leader drops it from the set.
+    etcd.put(
+        INSYNC,
+        &InSync {
+            term: 7,
+            members: vec![],
+        }
+        .to_bytes(),
+        0,
+    );
+    let mut rounds = 0;
+    loop {
+        match a.run(&etcd, now) {
+            Out::Wait(t) => now = t.max(now + 1),
+            Out::Exit => break,
+            other => panic!("{other:?}"),
+        }
+        rounds += 1;
+        assert!(rounds < 5, "it did not exit once the record dropped it");
+    }
+    assert!(
+        !etcd.log().iter().any(|r| r == "grant" || r == "create"),
+        "it exits without campaigning"
+    );
+}

@@ -6,6 +6,8 @@ use crate::proto::{PingStatus, ReplicateConfig};
 
 // (`#[cfg(test)]` again: the boundary check takes a module declared so for test code.)
 #[cfg(test)]
+mod failover;
+#[cfg(test)]
 mod held;
 
 /// Client 1's put 1 (most tests start one put of a key at a time).
