@@ -42,25 +42,6 @@ impl Batch {
         self.id
     }
 
-    /// How many requests it can hold.
-    pub fn capacity(&self) -> usize {
-        self.tasks.capacity
-    }
-
-    /// How many requests were submitted into it.
-    pub fn len(&self) -> usize {
-        self.tasks
-            .tasks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .len()
-    }
-
-    /// Whether no request was submitted into it yet.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     fn engine(&self) -> Result<Arc<Inner>> {
         self.engine.upgrade().ok_or(Error::Shutdown)
     }
