@@ -198,14 +198,15 @@ class Batch:
 
     def wait(self, timeout: Optional[float] = None, *, check: bool = True) -> Status:
         """Blocks until every task is terminal (not only until the first failure) or ``timeout``
-        seconds passed (default: until the batch's deadline). With ``check`` (default), raises
-        TransferError/TransferTimeout/AddressNotRegistered unless COMPLETED."""
-        if timeout is None:
-            timeout = max(0.0, self.deadline - time.monotonic())
-        st = _status(self._core.wait_batch(self.id, float(timeout)))
+        seconds passed (default: no limit but the requests' own deadlines, by which each ends:
+        the transfer timeout plus 1 ns per byte). A terminal status is final: nothing of the
+        batch lands in its buffers afterwards. With ``check`` (default), raises
+        TransferError/TransferTimeout/AddressNotRegistered unless COMPLETED (TransferTimeout
+        too when ``timeout`` passed first: the batch is then still in flight)."""
+        st = _status(self._core.wait_batch(self.id, None if timeout is None else float(timeout)))
         if check and not st.ok:
             if not st.done:
-                st = Status(TaskStatus.TIMEOUT, st.transferred_bytes, "not finished after %.3f s" % timeout)
+                st = Status(TaskStatus.TIMEOUT, st.transferred_bytes, "still in flight after %.3f s (its buffers stay in use until it ends)" % timeout)
             raise _kvferry.transfer_error(self.segment, int(st.status), st.transferred_bytes, st.reason, None if st.cause is None else int(st.cause))
         return st
 

@@ -722,10 +722,8 @@ fn run_point(
                         let b = engine
                             .allocate_batch(reqs.len())
                             .map_err(|e| e.to_string())?;
-                        engine.submit(b, &reqs).map_err(|e| e.to_string())?;
-                        let st = engine
-                            .wait_batch(b, Duration::from_secs(120))
-                            .map_err(|e| e.to_string())?;
+                        b.submit(&reqs).map_err(|e| e.to_string())?;
+                        let st = b.wait(Duration::from_secs(120));
                         lats.push(t0.elapsed().as_secs_f64() * 1e6);
                         if st.status != TaskStatus::Completed {
                             return Err(format!(
@@ -734,7 +732,6 @@ fn run_point(
                                 st.reason.unwrap_or_default()
                             ));
                         }
-                        engine.free_batch(b).map_err(|e| e.to_string())?;
                     }
                     Ok(lats)
                 })

@@ -760,24 +760,18 @@ fn target_process_killed_mid_transfer_fails_requests_within_the_deadline() {
         })
         .collect();
     let b = e.allocate_batch(reqs.len()).unwrap();
-    e.submit(b, &reqs).unwrap();
+    b.submit(&reqs).unwrap();
     std::thread::sleep(Duration::from_millis(20));
     target.kill(); // SIGKILL, mid-transfer
     let start = Instant::now();
-    let st = e.wait_batch(b, Duration::from_secs(20)).unwrap();
+    let st = b.wait(Duration::from_secs(20));
     assert!(
         start.elapsed() < Duration::from_secs(6),
         "ended within the deadline, took {:?}",
         start.elapsed()
     );
-    let until = Instant::now() + Duration::from_secs(6);
-    while e.free_batch(b).is_err() {
-        assert!(
-            Instant::now() < until,
-            "tasks still in flight after the deadline"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    b.wait(Duration::from_secs(6));
+    assert!(b.is_done(), "tasks still in flight after the deadline");
     assert!(
         matches!(
             st.status,

@@ -16,8 +16,11 @@
 //! - errors become `kvferry._errors` exceptions carrying the reason and Mooncake's numeric
 //!   code (`.code`); nothing on a user-input path panics or unwraps.
 //! - memory the engine may touch is pinned by Python objects the core holds (`pins`):
-//!   registrations until unregister returned, batches until the engine freed them (every
-//!   task terminal), synchronous calls until every task is terminal;
+//!   registrations until unregister returned, batches until they are freed (every task
+//!   terminal), synchronous calls until every task is terminal;
+//! - a batch is a [`kvferry::Batch`] handle, mapped from its Mooncake-compatible id in one
+//!   table (`batches`); dropping one waits until every task is terminal, so a status reported
+//!   over is over: no byte of it lands afterwards;
 //! - in a process other than the one that created it (a fork() child) every method raises,
 //!   and dropping it only forgets it (see `Drop for Core`); dropping it in its own process
 //!   releases the GIL.
@@ -29,13 +32,13 @@ mod store;
 
 use errors::{raise, Kind};
 use kvferry::{
-    BatchId, Config, Error, FailCause, Opcode, TaskStatus, TransferEngine, TransferRequest,
+    Batch, Config, Error, FailCause, Opcode, TaskStatus, TransferEngine, TransferRequest,
     TransferStatus,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -148,12 +151,13 @@ pub struct Core {
     // Field order matters: the engine is dropped before the managed mappings it may touch.
     engine: RwLock<Option<Arc<TransferEngine>>>,
     managed: Mutex<HashMap<u64, memory::Pages>>,
-    /// Batches released while still in flight: freed by a later call once they end.
-    zombies: Mutex<Vec<BatchId>>,
-    /// What keeps the memory of a batch's local buffers alive and exported (Python buffer
-    /// exports, tensors): held until the engine has freed the batch, which it does only once
-    /// every task is terminal.
-    batch_pins: Mutex<HashMap<BatchId, Py<PyAny>>>,
+    /// The batches submitted and not yet freed, by id ([`Batch::id`], what Python holds), with
+    /// what keeps their local buffers alive and exported (Python buffer exports, tensors):
+    /// the pins go when the batch is freed, which happens only once every task is terminal.
+    batches: Mutex<HashMap<u64, Held>>,
+    /// How many of them Python released while in flight (`Held::released`): while none is,
+    /// calls do not look through the table for ones to free.
+    released: AtomicUsize,
     /// The same for registered ranges (by start address): held until unregister returned.
     reg_pins: Mutex<HashMap<u64, Py<PyAny>>>,
     /// The addresses of a registration or unregistration, claimed (without the GIL) across
@@ -171,6 +175,15 @@ pub struct Core {
     /// up on this engine (`StoreCore(..., engine=core)`), which then refuse every call. Its
     /// reference count, less this one, is the number of such clients still holding it.
     closed_flag: Arc<AtomicBool>,
+}
+
+/// A submitted batch as the core holds it.
+struct Held {
+    /// Shared with a thread waiting on it (without the table's lock).
+    batch: Arc<Batch>,
+    pins: Option<Py<PyAny>>,
+    /// Released by Python while still in flight: freed by whichever call comes once it ended.
+    released: bool,
 }
 
 /// The error every method raises in a process that did not create the engine.
@@ -216,108 +229,52 @@ impl Core {
         };
         // Released batches that have ended since are freed (and their pins dropped) by
         // whichever call comes next.
-        self.sweep(py, &engine);
+        if self.released.load(Ordering::Acquire) > 0 {
+            self.free_done(py, |_, h| h.released);
+        }
         Ok(engine)
     }
 
-    /// Forgets (and drops) the pins of batches the engine has freed.
-    fn unpin_batches(&self, py: Python<'_>, freed: &[BatchId]) {
-        if freed.is_empty() {
-            return;
-        }
-        let pins: Vec<Py<PyAny>> = {
-            let mut m = lock(&self.batch_pins);
-            freed.iter().filter_map(|b| m.remove(b)).collect()
-        };
-        drop_pins(py, pins);
+    /// The batch with id `batch`.
+    fn batch(&self, batch: u64) -> Result<Arc<Batch>, Error> {
+        lock(&self.batches)
+            .get(&batch)
+            .map(|h| Arc::clone(&h.batch))
+            .ok_or(Error::UnknownBatch(batch))
     }
 
-    /// The aggregate status of a batch, terminal only once every task is: the engine may
-    /// report FAILED at the first failed task while siblings still move bytes, and callers
-    /// release their buffers on a terminal status.
-    fn settled_status(
-        &self,
-        engine: &TransferEngine,
-        batch: BatchId,
-    ) -> Result<TransferStatus, Error> {
-        let st = engine.batch_status(batch)?;
-        if !st.status.is_terminal() || st.status == TaskStatus::Completed {
-            return Ok(st);
+    /// Frees the batches `which` picks among those that are done (every task terminal:
+    /// dropping them does not wait) and drops their pins, with the GIL.
+    fn free_done(&self, py: Python<'_>, which: impl Fn(u64, &Held) -> bool) {
+        let freed: Vec<Held> = {
+            let mut m = lock(&self.batches);
+            let ids: Vec<u64> = m
+                .iter()
+                .filter(|(&id, h)| h.batch.is_done() && which(id, h))
+                .map(|(&id, _)| id)
+                .collect();
+            ids.iter().filter_map(|id| m.remove(id)).collect()
+        };
+        let released = freed.iter().filter(|h| h.released).count();
+        if released > 0 {
+            self.released.fetch_sub(released, Ordering::AcqRel);
         }
-        let mut bytes = 0u64;
-        for task in 0.. {
-            match engine.task_status(batch, task) {
-                Ok(t) if !t.status.is_terminal() => {
-                    return Ok(TransferStatus {
-                        status: TaskStatus::Waiting,
-                        transferred_bytes: bytes,
-                        reason: None,
-                        cause: None,
-                    });
-                }
-                Ok(t) => {
-                    bytes = bytes.saturating_add(if t.status == TaskStatus::Completed {
-                        t.transferred_bytes
-                    } else {
-                        0
-                    })
-                }
-                Err(Error::UnknownTask { .. }) => break,
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(st)
+        drop_pins(py, freed.into_iter().filter_map(|h| h.pins));
     }
 
     /// A synchronous transfer of several requests: submit, each request's deadline at most
     /// `timeout` away, then wait until every task is terminal (not only until the first
-    /// failure), so the caller's memory is untouched when this returns. Past `timeout` it
-    /// keeps waiting a grace period for the tasks to end (a transport notices a deadline
-    /// between system calls); a batch still in flight after that is left to `sweep` (with
-    /// `pins`) and reported as TIMEOUT.
+    /// failure; each ends by its deadline), so the caller's memory is untouched when this
+    /// returns.
     fn transfer_all(
         &self,
         engine: &TransferEngine,
         reqs: &[TransferRequest],
         timeout: Duration,
-        pins: &mut Option<Py<PyAny>>,
     ) -> Result<TransferStatus, Error> {
         let b = engine.allocate_batch(reqs.len().max(1))?;
-        let started = Instant::now();
-        if let Err(e) = engine.submit_within(b, reqs, timeout) {
-            let _ = engine.free_batch(b);
-            return Err(e);
-        }
-        let total = reqs.iter().fold(0u64, |a, r| a.saturating_add(r.length));
-        let _ = engine.wait_batch_all(b, timeout)?;
-        let cap = timeout.min(engine.config().transfer_timeout + Duration::from_nanos(total))
-            + Duration::from_secs(5);
-        let mut st = self.settled_status(engine, b)?;
-        if !st.status.is_terminal() {
-            let _ = engine.wait_batch_all(b, cap.saturating_sub(started.elapsed()))?;
-            st = self.settled_status(engine, b)?;
-        }
-        if st.status.is_terminal() {
-            if let Err(e) = engine.free_batch(b) {
-                tracing::error!("kvferry: cannot free a finished synchronous batch: {e}");
-            }
-            return Ok(st);
-        }
-        // Still in flight past every deadline: never hand the memory back while a task may
-        // touch it; a later call frees the batch (and drops the pins) once it has ended.
-        if let Some(p) = pins.take() {
-            lock(&self.batch_pins).insert(b, p);
-        }
-        lock(&self.zombies).push(b);
-        Ok(TransferStatus {
-            status: TaskStatus::Timeout,
-            transferred_bytes: st.transferred_bytes,
-            reason: Some(format!(
-                "still in flight {:.1} s after submission",
-                started.elapsed().as_secs_f64()
-            )),
-            cause: Some(FailCause::Timeout),
-        })
+        b.submit_within(reqs, timeout)?;
+        Ok(b.wait_done())
     }
 
     /// What `transfer` and `submit` check first: the opcode, matching list lengths, an open
@@ -334,24 +291,6 @@ impl Core {
         check_lengths(py, locals, remotes, lengths)?;
         let engine = self.engine(py)?;
         Ok((op, engine))
-    }
-
-    /// Frees released batches that have finished since.
-    fn sweep(&self, py: Python<'_>, engine: &TransferEngine) {
-        let mut freed = Vec::new();
-        {
-            let mut z = lock(&self.zombies);
-            if !z.is_empty() {
-                z.retain(|&b| match engine.free_batch(b) {
-                    Err(Error::BatchBusy { .. }) => true,
-                    _ => {
-                        freed.push(b);
-                        false
-                    }
-                });
-            }
-        }
-        self.unpin_batches(py, &freed);
     }
 
     fn write_fallback(
@@ -435,8 +374,8 @@ impl Core {
         Ok(Core {
             engine: RwLock::new(Some(Arc::new(engine))),
             managed: Mutex::default(),
-            zombies: Mutex::default(),
-            batch_pins: Mutex::default(),
+            batches: Mutex::default(),
+            released: AtomicUsize::new(0),
             reg_pins: Mutex::default(),
             reg_order: reg_order::RegOrder::default(),
             closed_flag: Arc::default(),
@@ -664,7 +603,7 @@ impl Core {
     /// Moves bytes between local `locals[i]` and `remotes[i]` of `segment` and waits up to
     /// `timeout` seconds (None: the engine's transfer timeout plus 1 ns per byte, as
     /// Mooncake's synchronous calls). Returns the bytes moved; raises on FAILED or TIMEOUT.
-    /// `pins` is held until every task is terminal (see `transfer_all`).
+    /// `pins` is held until every task is terminal: the call returns only then.
     #[pyo3(signature = (segment, opcode, locals, remotes, lengths, timeout = None, pins = None))]
     fn transfer(
         &self,
@@ -685,7 +624,6 @@ impl Core {
                     + Duration::from_nanos(lengths.iter().fold(0u64, |a, &n| a.saturating_add(n)))
             }
         };
-        let mut pins = pins;
         let res = py.detach(|| {
             let id = engine.open_segment(&segment)?;
             let reqs = build_requests(op, id, &locals, &remotes, &lengths);
@@ -693,7 +631,7 @@ impl Core {
                 // A lone request has no siblings; the engine may run it in this thread.
                 engine.transfer_sync(&reqs, timeout)
             } else {
-                self.transfer_all(&engine, &reqs, timeout, &mut pins)
+                self.transfer_all(&engine, &reqs, timeout)
             }
         });
         drop_pins(py, pins);
@@ -705,7 +643,7 @@ impl Core {
     }
 
     /// Submits requests in a new batch and returns its id at once. `pins` is held until the
-    /// batch is freed, which the engine allows only once every task is terminal.
+    /// batch is freed, which happens only once every task is terminal.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (segment, opcode, locals, remotes, lengths, pins = None))]
     fn submit(
@@ -724,78 +662,108 @@ impl Core {
                 let id = engine.open_segment(&segment)?;
                 let reqs = build_requests(op, id, &locals, &remotes, &lengths);
                 let b = engine.allocate_batch(reqs.len().max(1))?;
-                if let Err(e) = engine.submit(b, &reqs) {
-                    let _ = engine.free_batch(b);
-                    return Err(e);
-                }
+                // (On an error nothing was submitted: dropping the batch does not wait.)
+                b.submit(&reqs)?;
                 Ok(b)
             })
             .map_err(|e| errors::engine(py, &e))?;
-        if let Some(p) = pins {
-            lock(&self.batch_pins).insert(b, p);
-        }
-        Ok(b)
+        let id = b.id();
+        lock(&self.batches).insert(
+            id,
+            Held {
+                batch: Arc::new(b),
+                pins,
+                released: false,
+            },
+        );
+        Ok(id)
     }
 
-    /// (status, transferred_bytes, reason, cause code) of a batch: WAITING (0) while any task
-    /// is in flight; once every task is terminal, COMPLETED (4) when every task did, else the
-    /// first failed task's FAILED (6) / TIMEOUT (5).
+    /// (status, transferred_bytes, reason, cause code) of a batch: WAITING (0) or PENDING (1)
+    /// while any task is in flight; once every task is terminal, COMPLETED (4) when every
+    /// task did, else the first failed task's FAILED (6) / TIMEOUT (5). A terminal status is
+    /// final: nothing of the batch touches its buffers any more.
     fn batch_status(&self, py: Python<'_>, batch: u64) -> PyResult<StatusTuple> {
-        let engine = self.engine(py)?;
-        let st = self
-            .settled_status(&engine, batch)
-            .map_err(|e| errors::engine(py, &e))?;
-        Ok(status_tuple(&st))
+        self.engine(py)?;
+        let b = self.batch(batch).map_err(|e| errors::engine(py, &e))?;
+        Ok(status_tuple(&b.status()))
     }
 
     /// (status, transferred_bytes, reason) of task `task` of a batch.
     fn task_status(&self, py: Python<'_>, batch: u64, task: usize) -> PyResult<StatusTuple> {
+        self.engine(py)?;
         let st = self
-            .engine(py)?
-            .task_status(batch, task)
+            .batch(batch)
+            .and_then(|b| b.task_status(task))
             .map_err(|e| errors::engine(py, &e))?;
         Ok(status_tuple(&st))
     }
 
-    /// Blocks up to `timeout` seconds until every task of the batch is terminal (not only
-    /// until the first failure); returns the batch status as `batch_status`.
-    fn wait_batch(&self, py: Python<'_>, batch: u64, timeout: f64) -> PyResult<StatusTuple> {
-        let timeout = duration(py, timeout)?;
-        let engine = self.engine(py)?;
-        let st = py
-            .detach(|| {
-                engine
-                    .wait_batch_all(batch, timeout)
-                    .and_then(|_| self.settled_status(&engine, batch))
-            })
-            .map_err(|e| errors::engine(py, &e))?;
+    /// Blocks until every task of the batch is terminal (not only until the first failure),
+    /// or `timeout` seconds passed (None: no limit but the tasks' own deadlines, by which
+    /// each ends); returns the batch status as `batch_status`.
+    #[pyo3(signature = (batch, timeout = None))]
+    fn wait_batch(
+        &self,
+        py: Python<'_>,
+        batch: u64,
+        timeout: Option<f64>,
+    ) -> PyResult<StatusTuple> {
+        let timeout = timeout.map(|t| duration(py, t)).transpose()?;
+        self.engine(py)?;
+        let b = self.batch(batch).map_err(|e| errors::engine(py, &e))?;
+        let st = py.detach(|| match timeout {
+            Some(t) => b.wait(t),
+            None => b.wait_done(),
+        });
         Ok(status_tuple(&st))
     }
 
     /// Frees a finished batch (and drops its pins); raises BatchBusy while a task is in flight.
     fn free_batch(&self, py: Python<'_>, batch: u64) -> PyResult<()> {
-        self.engine(py)?
-            .free_batch(batch)
-            .map_err(|e| errors::engine(py, &e))?;
-        self.unpin_batches(py, &[batch]);
+        self.engine(py)?;
+        let held = {
+            let mut m = lock(&self.batches);
+            let h = m.get(&batch).ok_or(Error::UnknownBatch(batch));
+            match h.map(|h| &h.batch) {
+                Ok(b) if !b.is_done() => Err(Error::BatchBusy {
+                    batch,
+                    pending: b
+                        .task_statuses()
+                        .iter()
+                        .filter(|s| !s.status.is_terminal())
+                        .count(),
+                }),
+                Ok(_) => Ok(m.remove(&batch)),
+                Err(e) => Err(e),
+            }
+        }
+        .map_err(|e| errors::engine(py, &e))?;
+        if held.as_ref().is_some_and(|h| h.released) {
+            self.released.fetch_sub(1, Ordering::AcqRel);
+        }
+        // Done: dropping it does not wait.
+        drop_pins(py, held.and_then(|h| h.pins));
         Ok(())
     }
 
     /// Frees a batch now if it has finished, else as soon as it has (returns False then);
     /// its pins are dropped when it is freed.
     fn release_batch(&self, py: Python<'_>, batch: u64) -> PyResult<bool> {
-        let engine = self.engine(py)?;
-        match engine.free_batch(batch) {
-            Ok(()) => {
-                self.unpin_batches(py, &[batch]);
-                Ok(true)
+        self.engine(py)?;
+        {
+            let mut m = lock(&self.batches);
+            let h = m
+                .get_mut(&batch)
+                .ok_or(Error::UnknownBatch(batch))
+                .map_err(|e| errors::engine(py, &e))?;
+            if !h.released {
+                h.released = true;
+                self.released.fetch_add(1, Ordering::AcqRel);
             }
-            Err(Error::BatchBusy { .. }) => {
-                lock(&self.zombies).push(batch);
-                Ok(false)
-            }
-            Err(e) => Err(errors::engine(py, &e)),
         }
+        self.free_done(py, |id, _| id == batch);
+        Ok(!lock(&self.batches).contains_key(&batch))
     }
 
     /// Sends a notify message to a segment's handshake port. `name` defaults to this
@@ -960,11 +928,16 @@ impl Core {
             (unique, sharing)
         });
         if unique {
-            // No engine thread is left: nothing touches pinned memory any more.
-            lock(&self.zombies).clear();
-            let pins: Vec<Py<PyAny>> = lock(&self.batch_pins)
-                .drain()
-                .map(|(_, p)| p)
+            // No engine thread is left: every task is over (dropping a batch does not wait)
+            // and nothing touches pinned memory any more.
+            let held: Vec<Held> = lock(&self.batches).drain().map(|(_, h)| h).collect();
+            self.released.store(0, Ordering::Release);
+            let (batches, pins): (Vec<Arc<Batch>>, Vec<Option<Py<PyAny>>>) =
+                held.into_iter().map(|h| (h.batch, h.pins)).unzip();
+            py.detach(move || drop(batches));
+            let pins: Vec<Py<PyAny>> = pins
+                .into_iter()
+                .flatten()
                 .chain(lock(&self.reg_pins).drain().map(|(_, p)| p))
                 .collect();
             drop_pins(py, pins);
@@ -1007,6 +980,14 @@ impl Drop for Core {
             .drain()
             .map(|(_, p)| p)
             .collect();
+        // The batches (their pins stay in the table, dropped with it after this).
+        let batches: Vec<Arc<Batch>> = self
+            .batches
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(|h| Arc::clone(&h.batch))
+            .collect();
         if std::process::id() != self.pid {
             // A fork() child's copy: the listeners, memfds, control region and metadata entries
             // are the parent's. Unregistering, shutting sockets down or punching holes here
@@ -1014,6 +995,7 @@ impl Drop for Core {
             // Dropped there, the engine shuts nothing down and the managed buffers only close
             // their descriptors (both check the process that created them).
             drop(engine);
+            drop(batches);
             drop(managed);
             return;
         }
@@ -1029,6 +1011,12 @@ impl Drop for Core {
                         std::thread::sleep(d);
                     }
                     drop(engine);
+                }
+                // Each batch waits until its tasks are over (they are, unless the engine is
+                // still shared: then by their deadlines); the table's own references to them
+                // then drop without waiting.
+                for b in batches {
+                    b.wait_done();
                 }
                 // The managed mappings go last: no engine thread is left to touch them.
                 drop(managed);

@@ -514,14 +514,15 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
     // Unregistering local memory is a barrier: with a 16 MiB READ into it in flight, it returns
     // only once no work request touches the range any more; the task is terminal by then.
     let batch = a.allocate_batch(1).map_err(|e| e.to_string())?;
-    a.submit(batch, &[one(Opcode::Read, SIZE, 0)])
+    batch
+        .submit(&[one(Opcode::Read, SIZE, 0)])
         .map_err(|e| e.to_string())?;
     // Long enough for the posting thread to have posted (a 16 MiB READ takes ~0.5 s here).
     std::thread::sleep(Duration::from_millis(100));
-    let pending = a.batch_status(batch).map_err(|e| e.to_string())?.status;
+    let pending = batch.status().status;
     let t = Instant::now();
     a.unregister_memory(la).map_err(|e| e.to_string())?;
-    let st = a.batch_status(batch).map_err(|e| e.to_string())?;
+    let st = batch.status();
     if !st.status.is_terminal() {
         return Err(format!(
             "unregister_memory returned with a READ into the range still {:?}",
@@ -529,7 +530,7 @@ fn run(host: &str, devices: Option<Vec<String>>) -> Res<()> {
         ));
     }
     println!("rdma_engines: unregister during a 16 MiB READ ({pending:?} when called) returned after {:.1} ms with the task {:?}", t.elapsed().as_secs_f64() * 1e3, st.status);
-    a.free_batch(batch).map_err(|e| e.to_string())?;
+    drop(batch);
     a.register_memory(la, SIZE as u64, "cpu:0")
         .map_err(|e| e.to_string())?;
 

@@ -1,6 +1,6 @@
 //! [`TransferEngine`]: memory registration, segments, batches, notifies.
 
-use crate::batch::{Batch, FailKind, TaskState, TransferStatus};
+use crate::batch::{Batch as Tasks, FailKind, TaskState, TransferStatus};
 use crate::config::{split_host_port, Config};
 use crate::error::{Error, Result};
 use crate::handshake::{self, HandshakeServer};
@@ -19,12 +19,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
+mod handle;
+
+pub use handle::Batch;
+
 /// A segment handle returned by [`TransferEngine::open_segment`].
 pub type SegmentId = u64;
 /// The engine's own segment.
 pub const LOCAL_SEGMENT_ID: SegmentId = 0;
-/// A batch handle returned by [`TransferEngine::allocate_batch`].
-pub type BatchId = u64;
 
 /// One request: move `length` bytes between local `source` and remote `target_offset`
 /// (an absolute virtual address inside a buffer the target registered).
@@ -61,7 +63,7 @@ struct Inner {
     /// ways, prove it; `None`: Mooncake's protocols as they are.
     auth: Option<Arc<crate::auth::ClusterKey>>,
     segments: RwLock<Segments>,
-    batches: Mutex<HashMap<BatchId, Arc<Batch>>>,
+    /// The number the next batch gets ([`Batch::id`]).
     next_batch: AtomicU64,
     notifies: Mutex<Vec<Notify>>,
     notify_cv: std::sync::Condvar,
@@ -313,7 +315,6 @@ impl TransferEngine {
                     by_name: HashMap::from([(name, LOCAL_SEGMENT_ID)]),
                     by_id: vec![local_peer],
                 }),
-                batches: Mutex::default(),
                 next_batch: AtomicU64::new(1),
                 notifies: Mutex::default(),
                 notify_cv: std::sync::Condvar::new(),
@@ -563,85 +564,16 @@ impl TransferEngine {
         Ok((*self.inner.peer(id)?.desc()).clone())
     }
 
-    /// Allocates a batch that can hold `capacity` requests.
-    pub fn allocate_batch(&self, capacity: usize) -> Result<BatchId> {
+    /// Allocates a batch that can hold `capacity` requests. The [`Batch`] is its caller's:
+    /// dropping it waits until every request it submitted is terminal.
+    pub fn allocate_batch(&self, capacity: usize) -> Result<Batch> {
         if capacity == 0 {
             return Err(Error::InvalidArgument(
                 "batch capacity must be at least 1".into(),
             ));
         }
         let id = self.inner.next_batch.fetch_add(1, Ordering::Relaxed);
-        self.inner
-            .batches
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, Arc::new(Batch::new(capacity)));
-        Ok(id)
-    }
-
-    /// Submits requests into a batch. Problems with one request (unregistered range,
-    /// unknown segment) fail that task with a reason; the call itself fails only for an
-    /// unknown batch or exceeded capacity.
-    pub fn submit(&self, batch: BatchId, requests: &[TransferRequest]) -> Result<()> {
-        self.inner.submit(batch, requests, false, None)
-    }
-
-    /// [`TransferEngine::submit`] with every request's deadline at most `timeout` from now
-    /// (each is otherwise the transfer timeout plus 1 ns per byte): what a caller that waits
-    /// `timeout` for the batch needs for the requests to end by then, not merely the wait.
-    pub fn submit_within(
-        &self,
-        batch: BatchId,
-        requests: &[TransferRequest],
-        timeout: Duration,
-    ) -> Result<()> {
-        self.inner
-            .submit(batch, requests, false, Instant::now().checked_add(timeout))
-    }
-
-    /// Status of one task.
-    pub fn task_status(&self, batch: BatchId, task: usize) -> Result<TransferStatus> {
-        let b = self.inner.batch(batch)?;
-        let tasks = b.tasks.lock().unwrap_or_else(|e| e.into_inner());
-        tasks
-            .get(task)
-            .map(|t| t.status())
-            .ok_or(Error::UnknownTask {
-                batch,
-                task,
-                len: tasks.len(),
-            })
-    }
-
-    /// Aggregate status: terminal only once every task is (COMPLETED when all completed, else
-    /// the first failed task's status); PENDING or WAITING while any task runs.
-    pub fn batch_status(&self, batch: BatchId) -> Result<TransferStatus> {
-        Ok(self.inner.batch(batch)?.status())
-    }
-
-    /// Blocks until every task of the batch is terminal or `timeout` passed; returns the
-    /// batch status (terminal only when every task is, see [`TransferEngine::batch_status`]).
-    pub fn wait_batch(&self, batch: BatchId, timeout: Duration) -> Result<TransferStatus> {
-        Ok(self.inner.batch(batch)?.wait(timeout))
-    }
-
-    /// Blocks until every task of the batch is terminal (or `timeout`) and returns each
-    /// task's status, in submission order. Unlike [`TransferEngine::wait_batch`] it does not
-    /// return at the first failure, so afterwards the batch can be freed.
-    pub fn wait_batch_all(&self, batch: BatchId, timeout: Duration) -> Result<Vec<TransferStatus>> {
-        Ok(self.inner.batch(batch)?.wait_all(timeout))
-    }
-
-    /// Frees a batch; refused while any task is still in flight.
-    pub fn free_batch(&self, batch: BatchId) -> Result<()> {
-        let mut batches = self.inner.batches.lock().unwrap_or_else(|e| e.into_inner());
-        let b = batches.get(&batch).ok_or(Error::UnknownBatch(batch))?;
-        let pending = b.unfinished();
-        if pending > 0 {
-            return Err(Error::BatchBusy { batch, pending });
-        }
-        batches.remove(&batch);
-        Ok(())
+        Ok(Batch::new(&self.inner, id, capacity))
     }
 
     /// Convenience: one batch, submit, wait, free. Returns the batch status.
@@ -665,12 +597,12 @@ impl TransferEngine {
         requests: &[TransferRequest],
         timeout: Duration,
     ) -> Result<Vec<TransferStatus>> {
-        self.run_sync(requests, timeout, Batch::statuses)
+        self.run_sync(requests, timeout, Batch::task_statuses)
     }
 
     /// One batch, submitted as work the caller waits for (a transport may run it in this
     /// thread: see [`crate::transport::Transport::submit`]), waited for until every request
-    /// is terminal, read by `outcome`, freed.
+    /// is terminal, read by `outcome`, dropped.
     fn run_sync<T>(
         &self,
         requests: &[TransferRequest],
@@ -678,19 +610,11 @@ impl TransferEngine {
         outcome: impl FnOnce(&Batch) -> T,
     ) -> Result<T> {
         self.inner.check_home()?;
-        let b = self.allocate_batch(requests.len().max(1))?;
+        let batch = self.allocate_batch(requests.len().max(1))?;
         let cap = Instant::now().checked_add(timeout);
-        if let Err(e) = self.inner.submit(b, requests, true, cap) {
-            let _ = self.free_batch(b);
-            return Err(e);
-        }
-        let batch = self.inner.batch(b)?;
-        batch.wait_terminal();
-        let out = outcome(&batch);
-        if let Err(e) = self.free_batch(b) {
-            tracing::error!("a synchronous transfer's batch: {e}");
-        }
-        Ok(out)
+        batch.submit_inline(&self.inner, requests, cap)?;
+        batch.wait_done();
+        Ok(outcome(&batch))
     }
 
     /// Sends a notify message to a segment's handshake port.
@@ -997,15 +921,6 @@ impl Inner {
             .ok_or(Error::UnknownSegmentId(id))
     }
 
-    fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
-        self.batches
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&id)
-            .cloned()
-            .ok_or(Error::UnknownBatch(id))
-    }
-
     /// Refuses to act in a `fork()` child's copy of the engine: its transports' threads and
     /// the shared-memory control region (`MADV_DONTFORK`) do not exist there, so a transfer
     /// would wait forever or touch an unmapped (or, by then, someone else's) address.
@@ -1022,13 +937,13 @@ impl Inner {
 
     fn submit(
         &self,
-        batch_id: BatchId,
+        batch_id: u64,
+        batch: &Tasks,
         requests: &[TransferRequest],
         inline: bool,
         cap: Option<Instant>,
     ) -> Result<()> {
         self.check_home()?;
-        let batch = self.batch(batch_id)?;
         let now = Instant::now();
         // Mooncake's allowance: the transfer timeout plus 1 ns per byte (~1 GB/s floor).
         let deadline = |len: u64| {

@@ -30,6 +30,8 @@ pub enum Error {
     UnknownSegmentId(u64),
     #[error("cannot open segment {name:?}: {reason}")]
     SegmentNotFound { name: String, reason: String },
+    /// A batch id the Python binding does not know (the Rust API hands out [`crate::Batch`]
+    /// handles, not ids).
     #[error("batch {0} does not exist (already freed, or never allocated)")]
     UnknownBatch(u64),
     #[error("batch {batch} holds {capacity} requests; submitting {wanted} more would exceed it (allocate a larger batch)")]
@@ -38,6 +40,7 @@ pub enum Error {
         capacity: usize,
         wanted: usize,
     },
+    /// Freeing a batch (by id, in the Python binding) that still has tasks in flight.
     #[error("batch {batch} still has {pending} task(s) in flight; wait until every task is COMPLETED, FAILED or TIMEOUT before freeing it")]
     BatchBusy { batch: u64, pending: usize },
     #[error("task {task} of batch {batch} does not exist (the batch has {len} tasks)")]

@@ -1,9 +1,9 @@
 //! kvferry: a KV-cache transfer engine, wire-compatible with Mooncake's transfer engine.
 //!
 //! This crate is the engine library. Its API is the [`TransferEngine`] and what it takes
-//! and gives ([`Config`], [`TransferRequest`], [`TransferStatus`], [`SegmentDesc`],
-//! [`Error`]): register memory, open peer segments, submit batches of one-sided READ/WRITE
-//! requests, poll or wait for their status. Inside, it owns configuration, the sans-IO wire
+//! and gives ([`Config`], [`Batch`], [`TransferRequest`], [`TransferStatus`],
+//! [`SegmentDesc`], [`Error`]): register memory, open peer segments, submit batches of
+//! one-sided READ/WRITE requests, poll or wait for their status. Inside, it owns configuration, the sans-IO wire
 //! codecs, registered memory, the transports (TCP, shared memory, RDMA, the local memcpy,
 //! GPU staging), the routing of pieces to them by what each declares, and the handshake
 //! port; none of that is public.
@@ -19,6 +19,8 @@
 //!
 //! Guarantees:
 //! - A request is COMPLETED only once its bytes are in the destination's memory.
+//! - A request reported terminal (COMPLETED, FAILED, TIMEOUT) is over: no byte of it lands in
+//!   local memory after that, and dropping a [`Batch`] waits until each of its requests is.
 //! - A peer can read or write only ranges this engine registered; anything else is refused
 //!   before a byte is touched.
 //! - Bad input from users or the network yields an [`Error`] or a FAILED task naming the
@@ -35,6 +37,10 @@
 //! let remote_addr = engine.segment_descriptor(peer)?.buffers[0].addr;
 //! let req = TransferRequest { opcode: Opcode::Write, source: buf.as_ptr() as u64, target_id: peer, target_offset: remote_addr, length: 4096 };
 //! let status = engine.transfer_sync(&[req], Duration::from_secs(30))?;
+//! // Or asynchronously: the batch is the caller's; dropping it waits until it is over.
+//! let batch = engine.allocate_batch(1)?;
+//! batch.submit(&[req])?;
+//! let status = batch.wait(Duration::from_secs(30));
 //! # Ok::<(), kvferry::Error>(())
 //! ```
 
@@ -68,7 +74,7 @@ mod wire;
 pub use batch::{FailCause, TaskStatus, TransferStatus};
 pub use config::{split_host_port, Config, EnvVar, InitializeArgs, TransportMode, ENV_VARS};
 pub use engine::{
-    resolve_advertised, BatchId, Notify, SegmentId, SegmentTransport, TransferEngine,
+    resolve_advertised, Batch, Notify, SegmentId, SegmentTransport, TransferEngine,
     TransferRequest, LOCAL_SEGMENT_ID,
 };
 pub use error::{Error, Result};

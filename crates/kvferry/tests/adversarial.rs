@@ -470,10 +470,9 @@ fn run(
         a.transfer_sync(reqs, Duration::from_secs(30)).unwrap()
     } else {
         let b = a.allocate_batch(reqs.len()).unwrap();
-        a.submit(b, reqs).unwrap();
-        let st = a.wait_batch(b, Duration::from_secs(30)).unwrap();
-        a.free_batch(b)
-            .expect("a terminal batch can be freed: every task ended");
+        b.submit(reqs).unwrap();
+        let st = b.wait(Duration::from_secs(30));
+        assert!(b.is_done(), "a terminal batch: every task ended");
         st
     };
     (st, start.elapsed())
@@ -618,7 +617,7 @@ fn unregister_of_local_memory_stops_requests_in_flight() {
     let peer = fake_peer(REMOTE, trickling_script());
     let seg = a.open_segment(&peer.name).unwrap();
     let b = a.allocate_batch(1).unwrap();
-    a.submit(b, &[req(Opcode::Read, &buf, seg, REMOTE, 4096)])
+    b.submit(&[req(Opcode::Read, &buf, seg, REMOTE, 4096)])
         .unwrap();
     std::thread::sleep(Duration::from_millis(300));
     assert!(snapshot(&buf[..4]).contains(&0xEE), "data was trickling in");
@@ -626,7 +625,7 @@ fn unregister_of_local_memory_stops_requests_in_flight() {
     a.unregister_memory(buf.as_ptr() as u64).unwrap();
     let took = start.elapsed();
     fill(&buf, 0x66);
-    let st = a.wait_batch(b, Duration::from_secs(5)).unwrap();
+    let st = b.wait(Duration::from_secs(5));
     std::thread::sleep(Duration::from_millis(300));
     assert!(
         took < Duration::from_millis(1500),
@@ -790,14 +789,14 @@ fn submit_does_not_wait_for_a_slow_descriptor_refresh() {
     let seg = a.open_segment(&peer.name).unwrap();
     let b = a.allocate_batch(1).unwrap();
     let start = Instant::now();
-    a.submit(b, &[req(Opcode::Read, &buf, seg, LATER, 4096)])
+    b.submit(&[req(Opcode::Read, &buf, seg, LATER, 4096)])
         .unwrap();
     let took = start.elapsed();
     assert!(
         took < Duration::from_millis(300),
         "submit took {took:?}: it waited for the descriptor"
     );
-    let st = a.wait_batch(b, Duration::from_secs(10)).unwrap();
+    let st = b.wait(Duration::from_secs(10));
     assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
     assert!(
         start.elapsed() >= Duration::from_millis(1400),
@@ -845,7 +844,7 @@ fn a_lost_peers_descriptor_refresh_does_not_hold_its_lane() {
     let peer = fake_peer_with(describe, script);
     let seg = a.open_segment(&peer.name).unwrap();
     let lost = a.allocate_batch(1).unwrap();
-    a.submit(lost, &[req(Opcode::Write, &buf[..4096], seg, REMOTE, 4096)])
+    lost.submit(&[req(Opcode::Write, &buf[..4096], seg, REMOTE, 4096)])
         .unwrap();
     let until = Instant::now() + Duration::from_secs(5);
     while !refreshing.load(Ordering::SeqCst) {
@@ -869,7 +868,7 @@ fn a_lost_peers_descriptor_refresh_does_not_hold_its_lane() {
         "the READ on the lane's next connection took {took:?}: it waited for the refresh (2 s)"
     );
     assert!(snapshot(&buf[4096..]).iter().all(|&x| x == 0x77));
-    let st = a.wait_batch(lost, Duration::from_secs(10)).unwrap();
+    let st = lost.wait(Duration::from_secs(10));
     assert_eq!(
         (st.status, st.cause),
         (TaskStatus::Failed, Some(FailCause::PeerLost)),
@@ -951,41 +950,35 @@ fn a_batch_is_terminal_only_when_every_task_is() {
     let seg = a.open_segment(&slow.name).unwrap();
     let b = a.allocate_batch(2).unwrap();
     // Task 0 is outside the peer's buffers (fails at submit); task 1 answers after 600 ms.
-    a.submit(
-        b,
-        &[
-            req(Opcode::Read, &buf, seg, 0x10, 16),
-            TransferRequest {
-                source: buf.as_ptr() as u64 + 4096,
-                ..req(Opcode::Read, &buf, seg, REMOTE, 4096)
-            },
-        ],
-    )
+    b.submit(&[
+        req(Opcode::Read, &buf, seg, 0x10, 16),
+        TransferRequest {
+            source: buf.as_ptr() as u64 + 4096,
+            ..req(Opcode::Read, &buf, seg, REMOTE, 4096)
+        },
+    ])
     .unwrap();
     // (Task 0's range is not in the cached descriptor: it fails once a refresh confirms it.)
     let until = Instant::now() + Duration::from_secs(3);
-    while a.task_status(b, 0).unwrap().status != TaskStatus::Failed {
+    while b.task_status(0).unwrap().status != TaskStatus::Failed {
         assert!(Instant::now() < until, "task 0 never failed");
         std::thread::sleep(Duration::from_millis(5));
     }
-    let early = a.batch_status(b).unwrap();
+    let early = b.status();
     assert!(
         !early.status.is_terminal(),
         "batch reported {early:?} while a task was still running"
     );
-    assert!(
-        a.free_batch(b).is_err(),
-        "a batch with a running task cannot be freed"
-    );
+    assert!(!b.is_done(), "a batch with a running task is not done");
     let start = Instant::now();
-    let st = a.wait_batch(b, Duration::from_secs(5)).unwrap();
+    let st = b.wait(Duration::from_secs(5));
     assert!(
         start.elapsed() >= Duration::from_millis(400),
         "wait_batch returned at the first failure"
     );
     assert_eq!(st.status, TaskStatus::Failed, "{st:?}");
-    assert_eq!(a.task_status(b, 1).unwrap().status, TaskStatus::Completed);
-    a.free_batch(b).unwrap();
+    assert_eq!(b.task_status(1).unwrap().status, TaskStatus::Completed);
+    assert!(b.is_done());
 }
 
 // ------------------------------------------------------------------------------------------

@@ -184,39 +184,30 @@ fn bad_remote_address_fails_only_that_task() {
     let p = pair(1 << 20);
     let remote = p.bbuf.as_ptr() as u64;
     let b = p.a.allocate_batch(3).unwrap();
-    p.a.submit(
-        b,
-        &[
-            req(Opcode::Write, &p.abuf, p.seg, remote, 4096),
-            req(
-                Opcode::Write,
-                &p.abuf,
-                p.seg,
-                remote + (1 << 20) - 100,
-                4096,
-            ), // crosses the end
-            req(Opcode::Write, &p.abuf[8192..], p.seg, remote + 8192, 4096),
-        ],
-    )
+    b.submit(&[
+        req(Opcode::Write, &p.abuf, p.seg, remote, 4096),
+        req(
+            Opcode::Write,
+            &p.abuf,
+            p.seg,
+            remote + (1 << 20) - 100,
+            4096,
+        ), // crosses the end
+        req(Opcode::Write, &p.abuf[8192..], p.seg, remote + 8192, 4096),
+    ])
     .unwrap();
-    p.a.wait_batch(b, Duration::from_secs(5)).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while p.a.free_batch(b).is_err() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    // Re-query is impossible after free; so check with a fresh batch too.
+    b.wait(Duration::from_secs(5));
+    drop(b);
+    // Check with a fresh batch too.
     let b = p.a.allocate_batch(2).unwrap();
-    p.a.submit(
-        b,
-        &[
-            req(Opcode::Write, &p.abuf, p.seg, remote + (2 << 20), 16),
-            req(Opcode::Write, &p.abuf, p.seg, remote + 4096, 16),
-        ],
-    )
+    b.submit(&[
+        req(Opcode::Write, &p.abuf, p.seg, remote + (2 << 20), 16),
+        req(Opcode::Write, &p.abuf, p.seg, remote + 4096, 16),
+    ])
     .unwrap();
-    p.a.wait_batch(b, Duration::from_secs(5)).unwrap();
-    std::thread::sleep(Duration::from_millis(50));
-    let bad = p.a.task_status(b, 0).unwrap();
+    let st = b.wait(Duration::from_secs(5));
+    assert!(st.status.is_terminal(), "{st:?}");
+    let bad = b.task_status(0).unwrap();
     assert_eq!(bad.status, TaskStatus::Failed);
     assert!(
         bad.reason
@@ -226,7 +217,7 @@ fn bad_remote_address_fails_only_that_task() {
         "{bad:?}"
     );
     assert_eq!(bad.cause, Some(kvferry::FailCause::RemoteNotRegistered));
-    assert_eq!(p.a.task_status(b, 1).unwrap().status, TaskStatus::Completed);
+    assert_eq!(b.task_status(1).unwrap().status, TaskStatus::Completed);
     assert_eq!(&p.bbuf[..4096], &p.abuf[..4096]);
     assert_eq!(&p.bbuf[8192..12288], &p.abuf[8192..12288]);
     assert!(
@@ -321,16 +312,16 @@ fn bad_input_is_refused_with_reasons() {
         .unwrap();
     assert_eq!(st.status, TaskStatus::Failed);
     assert_eq!(st.cause, Some(kvferry::FailCause::SegmentNotFound));
-    // Capacity, unknown batch.
+    // Capacity, unknown task.
     let b = p.a.allocate_batch(1).unwrap();
     let two = [req(Opcode::Write, &p.abuf, p.seg, p.bbuf.as_ptr() as u64, 16); 2];
     assert!(matches!(
-        p.a.submit(b, &two),
+        b.submit(&two),
         Err(kvferry::Error::TooManyRequests { .. })
     ));
     assert!(matches!(
-        p.a.free_batch(12345),
-        Err(kvferry::Error::UnknownBatch(_))
+        b.task_status(0),
+        Err(kvferry::Error::UnknownTask { .. })
     ));
     assert!(p.a.allocate_batch(0).is_err());
     // Registration errors.
@@ -368,8 +359,10 @@ fn silent_peer(remote: u64, hold: Duration) -> (String, std::thread::JoinHandle<
     (format!("127.0.0.1:{hs_port}"), t)
 }
 
+/// Dropping a batch is a barrier: with a request in flight to a peer that never answers, the
+/// drop returns only once the request ended (by its deadline), not at once.
 #[test]
-fn freeing_a_busy_batch_is_refused() {
+fn dropping_a_busy_batch_waits_until_it_is_over() {
     let a = TransferEngine::new(Config {
         transfer_timeout: Duration::from_millis(800),
         ..Config::default()
@@ -380,18 +373,28 @@ fn freeing_a_busy_batch_is_refused() {
     let remote = 0x7000_0000u64;
     let (name, fake) = silent_peer(remote, Duration::from_secs(2));
     let seg = a.open_segment(&name).unwrap();
-    let id = a.allocate_batch(1).unwrap();
-    a.submit(id, &[req(Opcode::Write, &buf, seg, remote, 4096)])
+    let batch = a.allocate_batch(1).unwrap();
+    let submitted = Instant::now();
+    batch
+        .submit(&[req(Opcode::Write, &buf, seg, remote, 4096)])
         .unwrap();
-    match a.free_batch(id) {
-        Err(e @ kvferry::Error::BatchBusy { .. }) => {
-            assert!(e.to_string().contains("in flight"), "{e}")
-        }
-        other => panic!("expected BatchBusy, got {other:?}"),
-    }
-    let st = a.wait_batch(id, Duration::from_secs(5)).unwrap();
+    assert!(!batch.is_done(), "{batch:?}");
+    assert!(!batch.status().status.is_terminal());
+    drop(batch);
+    let took = submitted.elapsed();
+    assert!(
+        took >= Duration::from_millis(800),
+        "the drop returned after {took:?}, before the request's deadline"
+    );
+    assert!(took < Duration::from_secs(2), "the drop took {took:?}");
+    // Once more, waited for first: the status is then TIMEOUT and the drop does not wait.
+    let batch = a.allocate_batch(1).unwrap();
+    batch
+        .submit(&[req(Opcode::Write, &buf, seg, remote, 4096)])
+        .unwrap();
+    let st = batch.wait(Duration::from_secs(5));
     assert_eq!(st.status, TaskStatus::Timeout, "{st:?}");
-    a.free_batch(id).unwrap();
+    assert!(batch.is_done());
     fake.join().unwrap();
 }
 
@@ -474,10 +477,10 @@ fn peer_dropped_mid_transfer_fails_not_hangs() {
         })
         .collect();
     let id = a.allocate_batch(16).unwrap();
-    a.submit(id, &reqs).unwrap();
+    id.submit(&reqs).unwrap();
     drop(b); // the target goes away while data is moving
     let start = Instant::now();
-    let st = a.wait_batch(id, Duration::from_secs(10)).unwrap();
+    let st = id.wait(Duration::from_secs(10));
     assert!(
         start.elapsed() < Duration::from_secs(5),
         "ended within the deadline"
@@ -490,11 +493,7 @@ fn peer_dropped_mid_transfer_fails_not_hangs() {
         ),
         "{st:?}"
     );
-    let until = Instant::now() + Duration::from_secs(5);
-    while a.free_batch(id).is_err() {
-        assert!(Instant::now() < until, "tasks never ended");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    assert!(id.is_done(), "tasks never ended");
 }
 
 #[test]

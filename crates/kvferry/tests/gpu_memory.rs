@@ -617,17 +617,15 @@ fn child_unregister_barrier() {
         let before = knobs.copies(dev);
         knobs.copy_delay_us(3000);
         let batch = a.allocate_batch(1).unwrap();
-        a.submit(
-            batch,
-            &[TransferRequest {
+        batch
+            .submit(&[TransferRequest {
                 opcode: op,
                 source: ga,
                 target_id: seg,
                 target_offset: gb,
                 length: len as u64,
-            }],
-        )
-        .unwrap();
+            }])
+            .unwrap();
         std::thread::sleep(Duration::from_millis(30));
         let until = std::time::Instant::now() + Duration::from_secs(5);
         while knobs.copies(dev) == before && std::time::Instant::now() < until {
@@ -639,7 +637,7 @@ fn child_unregister_barrier() {
         );
         e.unregister_memory(p).unwrap();
         let after = knobs.copies(dev);
-        let st = a.wait_batch(batch, Duration::from_secs(20)).unwrap();
+        let st = batch.wait(Duration::from_secs(20));
         std::thread::sleep(Duration::from_millis(200));
         knobs.copy_delay_us(0);
         assert_eq!(knobs.copies(dev), after, "GPU {dev} memory was copied after unregister returned ({op:?}, target side {target_side})");

@@ -24,8 +24,7 @@ import logging
 import operator
 import os
 import threading
-import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from .. import _kvferry
 from .._engine import Engine as _Engine
@@ -50,7 +49,6 @@ __all__ = [
 log = logging.getLogger("kvferry")
 
 _U64 = 1 << 64
-_NS = 1e-9
 
 _features = _kvferry.features()
 #: Build-feature flags, computed at run time from what kvferry can really move: SUPPORT_CUDA is
@@ -248,7 +246,6 @@ class TransferEngine:
         self._core: Any = None
         self._native: Optional[_Engine] = None
         self._init_lock = threading.Lock()
-        self._deadlines: Dict[int, float] = {}
         # The at-fork handler lets a child release the parent engine's sockets and control
         # region (`_core.release_inherited()`), as for kvferry's own engines.
         _live_engines.add(self)
@@ -300,7 +297,6 @@ class TransferEngine:
             return _fail(method, e.reason)
         with self._init_lock:
             old, old_native, self._core, self._native = self._core, self._native, core, None
-            self._deadlines = {}
         if old is not None:
             log.warning("%s: called again; the previous engine (%s) is closed", method, old)
             try:
@@ -598,7 +594,6 @@ class TransferEngine:
         if core is None:
             return 0
         try:
-            start = time.monotonic()
             bid = core.submit(target, op, locals_, remotes, lengths)
         except KvferryError as e:
             return _fail(method, e.reason, 0)
@@ -607,7 +602,6 @@ class TransferEngine:
                 raise
             self._batch_args(method, args, strict=True)  # raises Mooncake's TypeError
             raise
-        self._deadlines[bid] = start + core.transfer_timeout + sum(lengths) * _NS
         return bid
 
     def batch_transfer_async_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
@@ -650,8 +644,10 @@ class TransferEngine:
         return self._submit("transfer_submit_write", t, [b], [p], [n], 1)
 
     def get_batch_transfer_status(self, batch_ids: List[int]) -> int:
-        """Waits until every listed batch completed (0) or one failed or passed its deadline
-        (-1); every listed batch is freed either way."""
+        """Waits until every listed batch completed (0) or one failed or timed out (-1); every
+        listed batch is freed either way. A batch counts as over only once the engine ended
+        every request of it (each ends by its deadline, the transfer timeout plus 1 ns per
+        byte): nothing lands in its buffers after this returned."""
         try:
             ids = _ul(batch_ids)
         except _Bad:
@@ -663,14 +659,12 @@ class TransferEngine:
             return -1
         ret = 0
         for bid in ids:
-            deadline = self._deadlines.pop(bid, None)
             try:
                 if ret == 0:
-                    if deadline is None:
-                        deadline = time.monotonic() + core.transfer_timeout
-                    st, _, reason, _ = core.wait_batch(bid, max(0.0, deadline - time.monotonic()))
+                    # Until every request is over: the engine ends each by its deadline.
+                    st, _, reason, _ = core.wait_batch(bid)
                     if st != 4:
-                        what = {5: "timed out", 6: "failed", 3: "was canceled"}.get(st, "did not finish before its deadline")
+                        what = {5: "timed out", 6: "failed", 3: "was canceled"}.get(st, "did not finish")
                         ret = _fail("get_batch_transfer_status", "batch %d %s%s" % (bid, what, ": %s" % reason if reason else ""))
                 core.release_batch(bid)
             except KvferryError as e:
@@ -679,7 +673,8 @@ class TransferEngine:
 
     def transfer_check_status(self, batch_id: int) -> int:
         """Non-blocking poll of a batch: 1 completed (freed), 0 in progress, -1 failed
-        (freed), -2 timed out (freed)."""
+        (freed), -2 timed out (freed). In progress until the engine ended every request (each
+        ends by its deadline): nothing lands in its buffers once this said otherwise."""
         try:
             bid = _u(batch_id)
         except _Bad:
@@ -689,18 +684,14 @@ class TransferEngine:
             return -1
         try:
             st, _, reason, _ = core.batch_status(bid)
-            if st in (0, 1, 2):
-                deadline = self._deadlines.get(bid)
-                if deadline is None or time.monotonic() < deadline:
-                    return 0
-                ret = _fail("transfer_check_status", "batch %d did not finish before its deadline" % bid, -2)
-            elif st == 4:
+            if st in (0, 1):
+                return 0
+            if st == 4:
                 ret = 1
             elif st == 5:
                 ret = _fail("transfer_check_status", "batch %d timed out: %s" % (bid, reason), -2)
             else:
                 ret = _fail("transfer_check_status", "batch %d failed: %s" % (bid, reason), -1)
-            self._deadlines.pop(bid, None)
             core.release_batch(bid)
             return ret
         except KvferryError as e:
