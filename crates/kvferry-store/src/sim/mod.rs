@@ -1,5 +1,5 @@
 //! Deterministic simulation of the store's core: the real [`State`] (requests applied with
-//! [`State::apply`]), the real journal changes ([`Change`], [`Image`], [`Image::into_state`]),
+//! [`State::apply`]), the real journal changes ([`Change`], `Image`, `Image::into_state`),
 //! clients whose writes land late, and leaders that crash and are followed by one rebuilt
 //! from what the journal made durable: etcd's log and snapshot, or, for half the leaders,
 //! the mirror of an in-sync standby they streamed to, released through the real
@@ -28,7 +28,7 @@
 //! the last events.
 
 use crate::error::StoreError;
-use crate::master::journal::{Change, Image};
+use crate::master::journal::Change;
 use crate::master::{Attempt, MasterConfig, Needs, State, Stats, Strategy};
 use crate::proto::{PingStatus, ReplicaDesc, ReplicateConfig, Request, Response, Segment};
 use rand::rngs::StdRng;
@@ -163,9 +163,8 @@ struct Sim {
     /// No leader until this time after a crash (the dead one's lease runs out).
     down_until: u64,
     term: i64,
-    /// etcd's journal: a snapshot and the entries after it.
-    snapshot: Vec<Change>,
-    log: Vec<Vec<Change>>,
+    /// etcd's journal, written by the real writer's machine ([`etcd`]).
+    journal: etcd::Journal,
     pending: VecDeque<Entry>,
     /// The last ticket collected in this term.
     ticket: u64,
@@ -208,6 +207,11 @@ pub struct Counts {
     pub standby_takeovers: u64,
     pub relinks: u64,
     pub members_joined: u64,
+    /// Leaders that died between a snapshot's chunks.
+    pub snapshots_cut: u64,
+    /// The most etcd held under the journal's prefix, in percent of the bound of
+    /// [`etcd::bound`] from the images alone (the largest over the runs added).
+    pub etcd_peak_pct: u64,
 }
 
 impl std::ops::AddAssign for Counts {
@@ -225,6 +229,8 @@ impl std::ops::AddAssign for Counts {
         self.standby_takeovers += o.standby_takeovers;
         self.relinks += o.relinks;
         self.members_joined += o.members_joined;
+        self.snapshots_cut += o.snapshots_cut;
+        self.etcd_peak_pct = self.etcd_peak_pct.max(o.etcd_peak_pct);
     }
 }
 
@@ -266,6 +272,7 @@ impl Sim {
                 remount: false,
             })
             .collect::<Vec<_>>();
+        let journal = etcd::Journal::new(&mut rng);
         let memory = clients
             .iter()
             .map(|c| (c.seg.id, vec![0u32; (SEG_BYTES / CELL) as usize]))
@@ -280,8 +287,7 @@ impl Sim {
             leader: None,
             down_until: 0,
             term: 0,
-            snapshot: Vec::new(),
-            log: Vec::new(),
+            journal,
             pending: VecDeque::new(),
             ticket: 0,
             streaming: None,
@@ -300,7 +306,8 @@ impl Sim {
             full: None,
             counts: Counts::default(),
         };
-        sim.elect();
+        // (etcd is empty: nothing to fail to load.)
+        let _ = sim.elect();
         for i in 0..sim.clients.len() {
             let req = Request::MountSegment {
                 client: sim.clients[i].id,
@@ -330,29 +337,26 @@ impl Sim {
             .push_back(format!("#{} t={} {s}", self.at_step, self.now));
     }
 
-    /// A new leader, rebuilt from what etcd's journal holds.
-    fn elect(&mut self) {
+    /// A new leader, rebuilt from what etcd's journal holds (as the real loader reads it),
+    /// whose writer continues it.
+    fn elect(&mut self) -> Result<(), String> {
         self.term += 1;
-        let mut image = Image::default();
-        for c in self
-            .snapshot
-            .iter()
-            .cloned()
-            .chain(self.log.iter().flatten().cloned())
-        {
-            image.apply(c);
-        }
-        let (mut st, rebuilt) = image.into_state(self.term, self.now, LEASE);
+        let loaded = self.journal.load()?;
+        self.journal
+            .start(loaded.seq, loaded.head, loaded.log_bytes);
+        let (mut st, rebuilt) = loaded.image.into_state(self.term, self.now, LEASE);
         st.seed_placement(self.rng.random());
         st.journal_on();
         // Grants on (in-sync standbys that read them) or off (none in sync), by leader.
         let grants = self.rng.random_bool(0.7);
         st.set_grant_bytes(if grants { SEG_BYTES / 64 } else { 0 }, RELEASE);
         self.note(format!(
-            "leader of term {} from {} snapshot changes and {} log entries: {} objects",
+            "leader of term {} from a snapshot of {} bytes and {} log entries ({} bytes) up to entry {}: {} objects",
             self.term,
-            self.snapshot.len(),
-            self.log.len(),
+            loaded.head.map_or(0, |h| h.bytes),
+            loaded.log_entries,
+            loaded.log_bytes,
+            loaded.seq,
             rebuilt.objects
         ));
         self.leader = Some(Leader {
@@ -375,6 +379,7 @@ impl Sim {
         }
         // What rebuilding marked (space it holds) is the new leader's first entry.
         self.collect(None);
+        Ok(())
     }
 
     /// The leader's marked changes as the next entry, with the reply that waits for it.
@@ -548,7 +553,7 @@ impl Sim {
                 }
             }
         }
-        Ok(())
+        self.check_etcd(step)
     }
 
     fn start_put(&mut self, step: usize) -> Result<(), Failure> {
@@ -680,7 +685,7 @@ impl Sim {
             };
             self.durable(step, e, true)?;
         }
-        Ok(())
+        self.check_snapshot(step, false)
     }
 
     /// Entry `e` is durable (appended to etcd's log with `to_log`; else its standbys have it):
@@ -702,7 +707,7 @@ impl Sim {
             _ => None,
         };
         if to_log && !e.changes.is_empty() {
-            self.log.push(e.changes);
+            self.journal.append(&e.changes);
         }
         match e.reply {
             Some(Reply::Started(p)) => {
@@ -801,7 +806,8 @@ impl Sim {
         }
         self.now = until;
         if self.leader.is_none() && self.now >= self.down_until {
-            self.elect();
+            self.elect()
+                .map_err(|e| self.fail(step, format!("no leader can load the journal: {e}")))?;
             self.counts.failovers += 1;
         }
         self.tick();
@@ -1101,27 +1107,15 @@ impl Sim {
         self.down_until = self.now + LEASE;
     }
 
-    /// The leader writes a snapshot (everything queued first) and etcd drops the log.
+    /// The leader writes a snapshot though none is due (everything queued first), as one
+    /// that stops hands its state to etcd.
     fn compact(&mut self, step: usize) -> Result<(), Failure> {
-        // (While streaming the etcd journal is not written: its snapshot waits for a rebase.)
-        if self.leader.is_none() || self.streaming.is_some() {
-            return Ok(());
-        }
-        while !self.pending.is_empty() {
-            self.make_durable(step)?;
-        }
-        let Some(l) = self.leader.as_ref() else {
-            return Ok(());
-        };
-        self.snapshot = l.st.image(self.now);
-        self.log.clear();
-        self.counts.snapshots += 1;
-        self.note(format!("snapshot of {} changes", self.snapshot.len()));
-        Ok(())
+        self.check_snapshot(step, true)
     }
 }
 
 pub mod election;
+mod etcd;
 mod standbys;
 #[cfg(test)]
 mod tests;
