@@ -8,8 +8,8 @@
 
 use super::{journal, sync, HaConfig, Replication, STANDBY_POLL};
 use crate::elect::{Answer, Campaign, Config, Etcd, Out, Plan, View};
-use crate::repl::JournalWriter;
 use crate::node::Master;
+use crate::repl::JournalWriter;
 use kvferry::metadata::etcd::{Cond, Created, EtcdClient, KeyValue, Owner};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -510,7 +510,12 @@ fn take_over<'a>(
             (
                 sync::Taken::Image(loaded.image),
                 from,
-                Some((loaded.seq, loaded.head, loaded.last_leader, loaded.log_bytes)),
+                Some((
+                    loaded.seq,
+                    loaded.head,
+                    loaded.last_leader,
+                    loaded.log_bytes,
+                )),
                 0,
                 None,
             )
@@ -610,7 +615,8 @@ fn take_over<'a>(
         insync_key: sync::insync_key(&cfg.cluster_id),
     };
     writer.log.retry_until(Some(
-        master.journal.now_us() + u64::try_from((5 * cfg.lease_ttl).as_micros()).unwrap_or(u64::MAX),
+        master.journal.now_us()
+            + u64::try_from((5 * cfg.lease_ttl).as_micros()).unwrap_or(u64::MAX),
     ));
     let t_write = Instant::now();
     let tail = tail.and_then(|t| t.after(stored, mirror_seq));

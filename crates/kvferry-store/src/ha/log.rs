@@ -157,7 +157,10 @@ pub trait Read {
 
 impl Read for EtcdClient {
     fn get(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
-        Ok(self.get_kv(key).map_err(|e| e.to_string())?.map(|kv| kv.value))
+        Ok(self
+            .get_kv(key)
+            .map_err(|e| e.to_string())?
+            .map(|kv| kv.value))
     }
 
     fn range(&self, from: &str, to: &str, page: usize) -> Result<Vec<(String, Vec<u8>)>, String> {

@@ -382,3 +382,6 @@ impl JournalWriter {
         self.log_bytes += bytes;
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -739,8 +739,7 @@ impl Writer<'_> {
             if self.poll_standbys().is_none() || self.promote().is_none() {
                 break;
             }
-            if self.log.snapshot_due(self.streaming()) && self.snapshot().is_none()
-            {
+            if self.log.snapshot_due(self.streaming()) && self.snapshot().is_none() {
                 break;
             }
             if self.streaming()
