@@ -1,6 +1,8 @@
 //! The HA leader's journal as it lies in etcd: its keys, how its values are encoded, and
-//! reading it back. Pure layout and codec plus the few etcd reads of a takeover; the writer
-//! ([`super::journal::Writer`]) decides what to write and when.
+//! reading it back. Pure codec plus the few etcd reads of a takeover (over [`Read`], so the
+//! simulator reads its model of etcd with the same code); the keys and what is written when
+//! are the writer's machine's ([`crate::repl::JournalWriter`]), carried out by
+//! [`super::journal::Writer`].
 //!
 //! Keys under `mooncake-store/<cluster_id>/journal/`:
 //! - `log/<seq, 16 hex digits>`: postcard-encoded `Vec<Change>` (at most [`CHUNK`] bytes,
@@ -13,7 +15,8 @@
 //!   the current one ([`Head`]). Written when the log since the last snapshot outgrows the
 //!   snapshot (at least [`super::journal::SNAPSHOT_MIN`] bytes): the log up to `seq` and the older snapshot are
 //!   deleted in the same guarded transaction, and etcd's history compacted, so etcd holds at
-//!   most about two snapshots plus their size of log.
+//!   most about two snapshots plus their size of log (a new term counts the log its
+//!   predecessors left: `crate::sim`'s etcd bound checks it).
 //! - `term`: the term of the last leader that loaded the journal (see [`load`]).
 //!
 

@@ -1,7 +1,9 @@
 //! Deterministic simulation of the store's core: the real [`State`] (requests applied with
 //! [`State::apply`]), the real journal changes ([`Change`], `Image`, `Image::into_state`),
 //! clients whose writes land late, and leaders that crash and are followed by one rebuilt
-//! from what the journal made durable: etcd's log and snapshot, or, for half the leaders,
+//! from what the journal made durable: etcd's log and snapshot (a model of etcd's keys,
+//! written through the real writer's machine, [`crate::repl::JournalWriter`], and read with
+//! the real loader: [`etcd`]), or, for half the leaders,
 //! the mirror of an in-sync standby they streamed to, released through the real
 //! [`crate::repl::Pipeline`] on a network that delays entries and acknowledgements, with
 //! standbys that pause and leave the set ([`standbys`]); all driven by one seeded random source and a fake
@@ -13,7 +15,11 @@
 //! - a late write never lands on the bytes of an acknowledged live object;
 //! - an acknowledged put reads back with its own bytes, or its loss is explained (a segment
 //!   of it was dropped); a read in flight within its lease sees the bytes it was given;
-//! - a put's start delivered twice (as a network may) is never placed or applied again.
+//! - a put's start delivered twice (as a network may) is never placed or applied again;
+//! - etcd holds at most [`etcd::bound`] bytes under the journal's prefix: three times the
+//!   largest image of the state since the current snapshot's, plus the snapshot threshold
+//!   (the journal does not grow without bound with failovers, leaders that die mid-snapshot
+//!   and objects put and removed over and over), and every new leader can load it.
 //!
 //! What is not simulated yet (ARCHITECTURE.md, code map, `sim/`): the election and the
 //! lease fencing (one leader at a time here, the next one starts a lease TTL after a crash;
