@@ -147,7 +147,8 @@ pub struct JournalStats {
     pub changes: u64,
     /// Microseconds spent in those transactions (request sent to answer read).
     pub write_us: u64,
-    /// Bytes of log written since the last snapshot.
+    /// Bytes of log the etcd journal holds after its snapshot (a new term counts what its
+    /// predecessors left).
     pub log_bytes: u64,
     /// Size of the current snapshot.
     pub snapshot_bytes: u64,

@@ -713,6 +713,8 @@ impl Writer<'_> {
                 "HA journal: could not delete stale snapshot chunks"
             );
         }
+        let (log_bytes, snapshot_bytes) = (self.log.log_bytes(), self.log.snapshot_bytes());
+        j.set_stats(|s| (s.log_bytes, s.snapshot_bytes) = (log_bytes, snapshot_bytes));
         loop {
             let (idle, lend) = self.lend();
             let (next, lent) = j.next(self.term(), idle, lend);
