@@ -357,11 +357,11 @@ impl Sim {
         // Its mirror is an image and the entries after it, written to etcd as a snapshot (the
         // takeover's rebase of a whole state), or the entries after where etcd's journal is
         // whole, written to its log.
-        let image = s.standbys[m].image.is_some().then(|| {
-            (!mirror.is_empty())
-                .then(|| mirror.remove(0))
-                .unwrap_or_default()
-        });
+        let image = match s.standbys[m].image {
+            Some(_) if !mirror.is_empty() => Some(mirror.remove(0)),
+            Some(_) => Some(Vec::new()),
+            None => None,
+        };
         let entries: Vec<Vec<Change>> = mirror.into_iter().filter(|c| !c.is_empty()).collect();
         match self.journal.take_over(image, &entries) {
             Ok(()) => self.standby_check_snapshot(),
