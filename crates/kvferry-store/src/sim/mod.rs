@@ -216,7 +216,7 @@ pub struct Counts {
     /// Leaders that died between a snapshot's chunks.
     pub snapshots_cut: u64,
     /// The most etcd held under the journal's prefix, in percent of the bound of
-    /// [`etcd::bound`] from the images alone (the largest over the runs added).
+    /// [`etcd::bound`] (the largest over the runs added).
     pub etcd_peak_pct: u64,
 }
 
