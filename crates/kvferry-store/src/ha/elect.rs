@@ -9,6 +9,7 @@
 use super::{journal, sync, HaConfig, Replication, STANDBY_POLL};
 use crate::elect::{Answer, Campaign, Config, Etcd, Out, Plan, View};
 use crate::node::Master;
+use crate::repl::JournalWriter;
 use kvferry::metadata::etcd::{Cond, Created, EtcdClient, KeyValue, Owner};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -376,7 +377,7 @@ impl<'a> Elector<'a> {
             sb.deregister(etcd);
         }
         // From now on a failed write is retried only while this leader can prove its lease.
-        writer.retry_until = None;
+        writer.log.retry_until(None);
         tracing::info!(
             term,
             "HA: leader at {} (key {}, lease {:x}); {summary}",
@@ -509,7 +510,12 @@ fn take_over<'a>(
             (
                 sync::Taken::Image(loaded.image),
                 from,
-                Some((loaded.seq, loaded.head, loaded.last_leader)),
+                Some((
+                    loaded.seq,
+                    loaded.head,
+                    loaded.last_leader,
+                    loaded.log_bytes,
+                )),
                 0,
                 None,
             )
@@ -557,15 +563,18 @@ fn take_over<'a>(
     // (Where the etcd journal ends, when it is not loaded: a takeover from a mirror writes the
     // entries after it, if the mirror kept them all, else its whole state after the later of
     // the two.)
-    let (seq, head, last_leader, stored) = match loaded {
-        Some((seq, head, last)) => (seq, head, last, seq),
+    // (And how much log it holds after its snapshot: counted towards the next snapshot, or
+    // every short term would add its threshold of log.)
+    let (seq, head, last_leader, stored, log_bytes) = match loaded {
+        Some((seq, head, last, log_bytes)) => (seq, head, last, seq, log_bytes),
         None => {
-            let (stored, head) = journal::stored_seq(etcd, &cfg.cluster_id)?;
+            let stored = journal::stored_seq(etcd, &cfg.cluster_id)?;
             (
                 mirror_seq,
-                head,
+                stored.head,
                 journal::last_leader(etcd, &cfg.cluster_id)?,
-                stored,
+                stored.seq,
+                stored.log_bytes,
             )
         }
     };
@@ -594,15 +603,21 @@ fn take_over<'a>(
         etcd,
         master,
         view_key: key.to_string(),
-        prefix: journal::prefix(&cfg.cluster_id),
         owner,
-        seq,
-        head,
-        snapshot_bytes: cfg.snapshot_bytes,
+        log: JournalWriter::new(
+            journal::prefix(&cfg.cluster_id),
+            seq,
+            head,
+            log_bytes,
+            cfg.snapshot_bytes,
+        ),
         sync,
         insync_key: sync::insync_key(&cfg.cluster_id),
-        retry_until: Some(Instant::now() + 5 * cfg.lease_ttl),
     };
+    writer.log.retry_until(Some(
+        master.journal.now_us()
+            + u64::try_from((5 * cfg.lease_ttl).as_micros()).unwrap_or(u64::MAX),
+    ));
     let t_write = Instant::now();
     let tail = tail.and_then(|t| t.after(stored, mirror_seq));
     let from_tail = match rebase {

@@ -18,14 +18,16 @@
 //! entry itself, one hop fewer.
 
 use super::link::{image_frames, run_frames, AckSink, Link, IMAGE_ENCODE_HOLD};
-use super::log::{encode_chunks, log_key, prefix_end, snap_dir, tail_log_values};
-pub use super::log::{last_leader, load, mark_term, prefix, stored_seq, Head, Loaded, CHUNK};
+use super::log::{encode_chunks, prefix_end, tail_log_values};
+pub use super::log::{
+    last_leader, load, mark_term, prefix, stored_seq, Head, Loaded, Stored, CHUNK,
+};
 use super::sync::{InSync, ToStandby};
 use crate::error::StoreError;
 use crate::master::journal::{Change, IMAGE_PIECES};
 use crate::master::State;
 use crate::node::Master;
-use crate::repl::{self, Tail, TailFrame};
+use crate::repl::{self, JournalWriter, Tail, TailFrame};
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -145,7 +147,8 @@ pub struct JournalStats {
     pub changes: u64,
     /// Microseconds spent in those transactions (request sent to answer read).
     pub write_us: u64,
-    /// Bytes of log written since the last snapshot.
+    /// Bytes of log the etcd journal holds after its snapshot (a new term counts what its
+    /// predecessors left).
     pub log_bytes: u64,
     /// Size of the current snapshot.
     pub snapshot_bytes: u64,

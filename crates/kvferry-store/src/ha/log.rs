@@ -1,6 +1,8 @@
 //! The HA leader's journal as it lies in etcd: its keys, how its values are encoded, and
-//! reading it back. Pure layout and codec plus the few etcd reads of a takeover; the writer
-//! ([`super::journal::Writer`]) decides what to write and when.
+//! reading it back. Pure codec plus the few etcd reads of a takeover (over [`Read`], so the
+//! simulator reads its model of etcd with the same code); the keys and what is written when
+//! are the writer's machine's ([`crate::repl::JournalWriter`]), carried out by
+//! [`super::journal::Writer`].
 //!
 //! Keys under `mooncake-store/<cluster_id>/journal/`:
 //! - `log/<seq, 16 hex digits>`: postcard-encoded `Vec<Change>` (at most [`CHUNK`] bytes,
@@ -13,7 +15,8 @@
 //!   the current one ([`Head`]). Written when the log since the last snapshot outgrows the
 //!   snapshot (at least [`super::journal::SNAPSHOT_MIN`] bytes): the log up to `seq` and the older snapshot are
 //!   deleted in the same guarded transaction, and etcd's history compacted, so etcd holds at
-//!   most about two snapshots plus their size of log.
+//!   most about two snapshots plus their size of log (a new term counts the log its
+//!   predecessors left: `crate::sim`'s etcd bound checks it).
 //! - `term`: the term of the last leader that loaded the journal (see [`load`]).
 //!
 
@@ -22,41 +25,16 @@ use crate::error::StoreError;
 use crate::master::journal::{Change, Image};
 use crate::repl::TailFrame;
 use kvferry::metadata::etcd::{EtcdClient, Owner};
-use serde::{Deserialize, Serialize};
 
 /// Largest encoded value written to one key (etcd refuses requests over 1.5 MiB by default;
 /// base64 in the JSON gateway adds a third).
 pub const CHUNK: usize = 512 << 10;
 
-/// `journal/head`: where the current snapshot is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Head {
-    /// The snapshot holds the state after `log/<seq>` (0: after nothing).
-    pub seq: u64,
-    pub chunks: u32,
-    pub bytes: u64,
-}
+pub use crate::repl::writer::{log_key, prefix_end, snap_dir, Head};
 
 pub fn prefix(cluster_id: &str) -> String {
     let id = cluster_id.strip_suffix('/').unwrap_or(cluster_id);
     format!("mooncake-store/{id}/journal/")
-}
-
-pub(super) fn log_key(p: &str, seq: u64) -> String {
-    format!("{p}log/{seq:016x}")
-}
-
-pub(super) fn snap_dir(p: &str, seq: u64) -> String {
-    format!("{p}snap/{seq:016x}/")
-}
-
-/// The key right after every key starting with `p` (etcd's prefix range end).
-pub(super) fn prefix_end(p: &str) -> String {
-    let mut b = p.as_bytes().to_vec();
-    if let Some(last) = b.last_mut() {
-        *last += 1;
-    }
-    String::from_utf8_lossy(&b).into_owned()
 }
 
 /// A stored value that starts with this is an LZ4 block of the postcard encoding (its size,
@@ -136,6 +114,12 @@ fn unpack(v: &[u8]) -> Result<std::borrow::Cow<'_, [u8]>, String> {
 /// Encodes `changes` into values of at most [`CHUNK`] bytes (one change larger than that gets
 /// a value of its own), each compressed when that pays.
 pub fn encode_chunks(changes: &[Change]) -> Result<Vec<Vec<u8>>, StoreError> {
+    encode_chunks_of(changes, CHUNK)
+}
+
+/// [`encode_chunks`] into values of at most `chunk` bytes (the simulator's are small, so
+/// that its snapshots take several).
+pub fn encode_chunks_of(changes: &[Change], chunk: usize) -> Result<Vec<Vec<u8>>, StoreError> {
     let mut out = Vec::new();
     let mut start = 0;
     let mut size = 0usize;
@@ -143,7 +127,7 @@ pub fn encode_chunks(changes: &[Change]) -> Result<Vec<Vec<u8>>, StoreError> {
         let n = postcard::experimental::serialized_size(c)
             .map_err(|e| StoreError::Internal(format!("journal: encoding a change: {e}")))?;
         // (`CHUNK - 16`: room for the vector's length prefix.)
-        if i > start && size + n > CHUNK - 16 {
+        if i > start && size + n > chunk.saturating_sub(16) {
             out.push(pack(postcard::to_stdvec(&changes[start..i]).map_err(
                 |e| StoreError::Internal(format!("journal: encoding: {e}")),
             )?));
@@ -167,6 +151,30 @@ pub fn decode_chunk(v: &[u8]) -> Result<Vec<Change>, String> {
     })
 }
 
+/// What reading the journal needs of etcd: the real client, or the simulator's model.
+pub trait Read {
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>, String>;
+    /// The keys in `from..to` with their values, in order (read `page` at a time).
+    fn range(&self, from: &str, to: &str, page: usize) -> Result<Vec<(String, Vec<u8>)>, String>;
+}
+
+impl Read for EtcdClient {
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
+        Ok(self
+            .get_kv(key)
+            .map_err(|e| e.to_string())?
+            .map(|kv| kv.value))
+    }
+
+    fn range(&self, from: &str, to: &str, page: usize) -> Result<Vec<(String, Vec<u8>)>, String> {
+        Ok(EtcdClient::range(self, from, to, page)
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|(k, kv)| (k, kv.value))
+            .collect())
+    }
+}
+
 /// What [`load`] found.
 pub struct Loaded {
     pub image: Image,
@@ -176,34 +184,38 @@ pub struct Loaded {
     pub last_leader: Option<Owner>,
     pub head: Option<Head>,
     pub log_entries: usize,
+    /// Bytes read: the snapshot's and the log's.
     pub bytes: u64,
+    /// Bytes of log after the snapshot.
+    pub log_bytes: u64,
 }
 
 /// Reads the journal: the snapshot `head` names, then every log entry after it, in order.
 pub fn load(etcd: &EtcdClient, cluster_id: &str) -> Result<Loaded, String> {
-    let p = prefix(cluster_id);
+    let mut loaded = load_from(etcd, &prefix(cluster_id))?;
+    loaded.last_leader = last_leader(etcd, cluster_id)?;
+    Ok(loaded)
+}
+
+/// [`load`] from what `etcd` holds under the journal's prefix `p` (the last leader not read).
+pub fn load_from(etcd: &impl Read, p: &str) -> Result<Loaded, String> {
     // What is stored cannot be read (no leader can start from it): what the operator can do.
     let corrupt = |e: String| {
         format!("{e}; no master can lead from this journal: restore etcd's data from a backup, or delete the keys under {p} to start this cluster empty (every object it held is then lost)")
     };
     let mut image = Image::default();
     let mut bytes = 0u64;
-    let head = match etcd
-        .get_kv(&format!("{p}head"))
-        .map_err(|e| e.to_string())?
-    {
-        Some(kv) => Some(
-            postcard::from_bytes::<Head>(&kv.value)
+    let head = match etcd.get(&format!("{p}head"))? {
+        Some(v) => Some(
+            postcard::from_bytes::<Head>(&v)
                 .map_err(|e| corrupt(format!("the journal head is not readable ({e})")))?,
         ),
         None => None,
     };
     let after = head.map_or(0, |h| h.seq);
     if let Some(h) = head {
-        let dir = snap_dir(&p, h.seq);
-        let chunks = etcd
-            .range(&dir, &prefix_end(&dir), 64)
-            .map_err(|e| e.to_string())?;
+        let dir = snap_dir(p, h.seq);
+        let chunks = etcd.range(&dir, &prefix_end(&dir), 64)?;
         if chunks.len() != h.chunks as usize {
             return Err(corrupt(format!(
                 "the journal snapshot {dir} has {} of its {} chunks: etcd lost part of it",
@@ -211,9 +223,9 @@ pub fn load(etcd: &EtcdClient, cluster_id: &str) -> Result<Loaded, String> {
                 h.chunks
             )));
         }
-        for (_, kv) in chunks {
-            bytes += kv.value.len() as u64;
-            for c in decode_chunk(&kv.value).map_err(corrupt)? {
+        for (_, v) in chunks {
+            bytes += v.len() as u64;
+            for c in decode_chunk(&v).map_err(corrupt)? {
                 image.apply(c);
             }
         }
@@ -223,12 +235,11 @@ pub fn load(etcd: &EtcdClient, cluster_id: &str) -> Result<Loaded, String> {
             "the journal's head names entry {after}, the last there can be"
         ))
     })?;
-    let logs = etcd
-        .range(&log_key(&p, first), &prefix_end(&format!("{p}log/")), 256)
-        .map_err(|e| e.to_string())?;
+    let logs = etcd.range(&log_key(p, first), &prefix_end(&format!("{p}log/")), 256)?;
     let mut seq = after;
     let log_entries = logs.len();
-    for (key, kv) in logs {
+    let mut log_bytes = 0u64;
+    for (key, v) in logs {
         let n = key
             .rsplit('/')
             .next()
@@ -239,21 +250,21 @@ pub fn load(etcd: &EtcdClient, cluster_id: &str) -> Result<Loaded, String> {
                 "the journal skips from entry {seq} to {n}: etcd lost part of it"
             )));
         }
-        let (last, value) = log_range(n, &kv.value).map_err(corrupt)?;
+        let (last, value) = log_range(n, &v).map_err(corrupt)?;
         seq = last;
-        bytes += kv.value.len() as u64;
+        log_bytes += v.len() as u64;
         for c in decode_chunk(value).map_err(corrupt)? {
             image.apply(c);
         }
     }
-    let last_leader = last_leader(etcd, cluster_id)?;
     Ok(Loaded {
         image,
         seq,
-        last_leader,
+        last_leader: None,
         head,
         log_entries,
-        bytes,
+        bytes: bytes + log_bytes,
+        log_bytes,
     })
 }
 
@@ -270,33 +281,50 @@ pub fn last_leader(etcd: &EtcdClient, cluster_id: &str) -> Result<Option<Owner>,
     )
 }
 
+/// Where the etcd journal ends, without decoding its entries ([`stored_seq`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stored {
+    /// The largest entry number stored (head or log).
+    pub seq: u64,
+    pub head: Option<Head>,
+    /// Bytes of log after the head's snapshot.
+    pub log_bytes: u64,
+}
+
 /// The journal's head and the largest entry number stored (head or log), without decoding
 /// the entries: where a leader that does not load the journal (it starts from a standby's
 /// mirror, or empty) continues the numbering.
-pub fn stored_seq(etcd: &EtcdClient, cluster_id: &str) -> Result<(u64, Option<Head>), String> {
-    let p = prefix(cluster_id);
-    let head = match etcd
-        .get_kv(&format!("{p}head"))
-        .map_err(|e| e.to_string())?
-    {
-        Some(kv) => postcard::from_bytes::<Head>(&kv.value).ok(),
+pub fn stored_seq(etcd: &EtcdClient, cluster_id: &str) -> Result<Stored, String> {
+    stored_from(etcd, &prefix(cluster_id))
+}
+
+/// [`stored_seq`] from what `etcd` holds under the journal's prefix `p`.
+pub fn stored_from(etcd: &impl Read, p: &str) -> Result<Stored, String> {
+    let head = match etcd.get(&format!("{p}head"))? {
+        Some(v) => postcard::from_bytes::<Head>(&v).ok(),
         None => None,
     };
-    let mut seq = head.map_or(0, |h| h.seq);
+    let after = head.map_or(0, |h| h.seq);
+    let mut seq = after;
+    let mut log_bytes = 0;
     let log = format!("{p}log/");
-    for (key, kv) in etcd
-        .range(&log, &prefix_end(&log), 256)
-        .map_err(|e| e.to_string())?
-    {
+    for (key, v) in etcd.range(&log, &prefix_end(&log), 256)? {
         if let Some(n) = key
             .rsplit('/')
             .next()
             .and_then(|h| u64::from_str_radix(h, 16).ok())
         {
-            seq = seq.max(log_range(n, &kv.value).map_or(n, |(last, _)| last));
+            seq = seq.max(log_range(n, &v).map_or(n, |(last, _)| last));
+            if n > after {
+                log_bytes += v.len() as u64;
+            }
         }
     }
-    Ok((seq, head))
+    Ok(Stored {
+        seq,
+        head,
+        log_bytes,
+    })
 }
 
 /// The changes of a streamed entry (`super::journal::entry_frame`'s `frame`, entry `seq`) as postcard

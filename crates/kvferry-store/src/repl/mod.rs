@@ -3,7 +3,8 @@
 //! streamed to the in-sync standbys and released by their acknowledgements, a standby's
 //! [`Feed`] (which connection feeds its mirror, which frame comes next, what it
 //! acknowledges), the link's messages ([`ToStandby`], [`ToLeader`]), and the entries the etcd
-//! journal lacks while standbys are in sync ([`Tail`], [`MirrorTail`]).
+//! journal lacks while standbys are in sync ([`Tail`], [`MirrorTail`]), and the etcd journal's
+//! writer: its keys, positions, sizes, snapshots and compaction ([`JournalWriter`]).
 //!
 //! They read no clock (time is microseconds on the driver's monotonic clock, passed in),
 //! take no lock, start no thread and touch no socket or etcd: the HA drivers
@@ -18,12 +19,14 @@ mod msg;
 mod pipeline;
 mod queue;
 mod tail;
+pub mod writer;
 
 pub use feed::Feed;
 pub use msg::{KeptFrame, ToLeader, ToStandby};
 pub use pipeline::{Pipeline, Released};
 pub use queue::{Outcome, Queue, Written};
 pub use tail::{tail_after, MirrorTail, Run, Tail, TailFrame};
+pub use writer::{Head, JournalWriter, Txn};
 
 #[cfg(test)]
 mod tests;

@@ -1,7 +1,9 @@
 //! Deterministic simulation of the store's core: the real [`State`] (requests applied with
-//! [`State::apply`]), the real journal changes ([`Change`], [`Image`], [`Image::into_state`]),
+//! [`State::apply`]), the real journal changes ([`Change`], `Image`, `Image::into_state`),
 //! clients whose writes land late, and leaders that crash and are followed by one rebuilt
-//! from what the journal made durable: etcd's log and snapshot, or, for half the leaders,
+//! from what the journal made durable: etcd's log and snapshot (a model of etcd's keys,
+//! written through the real writer's machine, [`crate::repl::JournalWriter`], and read with
+//! the real loader: [`etcd`]), or, for half the leaders,
 //! the mirror of an in-sync standby they streamed to, released through the real
 //! [`crate::repl::Pipeline`] on a network that delays entries and acknowledgements, with
 //! standbys that pause and leave the set ([`standbys`]); all driven by one seeded random source and a fake
@@ -13,7 +15,11 @@
 //! - a late write never lands on the bytes of an acknowledged live object;
 //! - an acknowledged put reads back with its own bytes, or its loss is explained (a segment
 //!   of it was dropped); a read in flight within its lease sees the bytes it was given;
-//! - a put's start delivered twice (as a network may) is never placed or applied again.
+//! - a put's start delivered twice (as a network may) is never placed or applied again;
+//! - etcd holds at most [`etcd::bound`] bytes under the journal's prefix: three times the
+//!   largest image of the state since the current snapshot's, plus the snapshot threshold
+//!   (the journal does not grow without bound with failovers, leaders that die mid-snapshot
+//!   and objects put and removed over and over), and every new leader can load it.
 //!
 //! What is not simulated yet (ARCHITECTURE.md, code map, `sim/`): the election and the
 //! lease fencing (one leader at a time here, the next one starts a lease TTL after a crash;
@@ -28,7 +34,7 @@
 //! the last events.
 
 use crate::error::StoreError;
-use crate::master::journal::{Change, Image};
+use crate::master::journal::Change;
 use crate::master::{Attempt, MasterConfig, Needs, State, Stats, Strategy};
 use crate::proto::{PingStatus, ReplicaDesc, ReplicateConfig, Request, Response, Segment};
 use rand::rngs::StdRng;
@@ -163,9 +169,8 @@ struct Sim {
     /// No leader until this time after a crash (the dead one's lease runs out).
     down_until: u64,
     term: i64,
-    /// etcd's journal: a snapshot and the entries after it.
-    snapshot: Vec<Change>,
-    log: Vec<Vec<Change>>,
+    /// etcd's journal, written by the real writer's machine ([`etcd`]).
+    journal: etcd::Journal,
     pending: VecDeque<Entry>,
     /// The last ticket collected in this term.
     ticket: u64,
@@ -208,6 +213,11 @@ pub struct Counts {
     pub standby_takeovers: u64,
     pub relinks: u64,
     pub members_joined: u64,
+    /// Leaders that died between a snapshot's chunks.
+    pub snapshots_cut: u64,
+    /// The most etcd held under the journal's prefix, in percent of the bound of
+    /// [`etcd::bound`] (the largest over the runs added).
+    pub etcd_peak_pct: u64,
 }
 
 impl std::ops::AddAssign for Counts {
@@ -225,6 +235,8 @@ impl std::ops::AddAssign for Counts {
         self.standby_takeovers += o.standby_takeovers;
         self.relinks += o.relinks;
         self.members_joined += o.members_joined;
+        self.snapshots_cut += o.snapshots_cut;
+        self.etcd_peak_pct = self.etcd_peak_pct.max(o.etcd_peak_pct);
     }
 }
 
@@ -266,6 +278,7 @@ impl Sim {
                 remount: false,
             })
             .collect::<Vec<_>>();
+        let journal = etcd::Journal::new(&mut rng);
         let memory = clients
             .iter()
             .map(|c| (c.seg.id, vec![0u32; (SEG_BYTES / CELL) as usize]))
@@ -280,8 +293,7 @@ impl Sim {
             leader: None,
             down_until: 0,
             term: 0,
-            snapshot: Vec::new(),
-            log: Vec::new(),
+            journal,
             pending: VecDeque::new(),
             ticket: 0,
             streaming: None,
@@ -300,7 +312,8 @@ impl Sim {
             full: None,
             counts: Counts::default(),
         };
-        sim.elect();
+        // (etcd is empty: nothing to fail to load.)
+        let _ = sim.elect();
         for i in 0..sim.clients.len() {
             let req = Request::MountSegment {
                 client: sim.clients[i].id,
@@ -330,29 +343,26 @@ impl Sim {
             .push_back(format!("#{} t={} {s}", self.at_step, self.now));
     }
 
-    /// A new leader, rebuilt from what etcd's journal holds.
-    fn elect(&mut self) {
+    /// A new leader, rebuilt from what etcd's journal holds (as the real loader reads it),
+    /// whose writer continues it.
+    fn elect(&mut self) -> Result<(), String> {
         self.term += 1;
-        let mut image = Image::default();
-        for c in self
-            .snapshot
-            .iter()
-            .cloned()
-            .chain(self.log.iter().flatten().cloned())
-        {
-            image.apply(c);
-        }
-        let (mut st, rebuilt) = image.into_state(self.term, self.now, LEASE);
+        let loaded = self.journal.load()?;
+        self.journal
+            .start(loaded.seq, loaded.head, loaded.log_bytes);
+        let (mut st, rebuilt) = loaded.image.into_state(self.term, self.now, LEASE);
         st.seed_placement(self.rng.random());
         st.journal_on();
         // Grants on (in-sync standbys that read them) or off (none in sync), by leader.
         let grants = self.rng.random_bool(0.7);
         st.set_grant_bytes(if grants { SEG_BYTES / 64 } else { 0 }, RELEASE);
         self.note(format!(
-            "leader of term {} from {} snapshot changes and {} log entries: {} objects",
+            "leader of term {} from a snapshot of {} bytes and {} log entries ({} bytes) up to entry {}: {} objects",
             self.term,
-            self.snapshot.len(),
-            self.log.len(),
+            loaded.head.map_or(0, |h| h.bytes),
+            loaded.log_entries,
+            loaded.log_bytes,
+            loaded.seq,
             rebuilt.objects
         ));
         self.leader = Some(Leader {
@@ -375,6 +385,7 @@ impl Sim {
         }
         // What rebuilding marked (space it holds) is the new leader's first entry.
         self.collect(None);
+        Ok(())
     }
 
     /// The leader's marked changes as the next entry, with the reply that waits for it.
@@ -469,47 +480,6 @@ impl Sim {
         }
     }
 
-    /// Space given to a put: no write that may still land there, no live object there.
-    fn check_given(&self, step: usize, put: &Put) -> Result<(), Failure> {
-        for &r in &put.replicas {
-            if let Some(w) = self
-                .writes
-                .iter()
-                .find(|w| w.tag != put.tag && overlaps(r, (w.seg, w.addr, w.len)))
-            {
-                return Err(self.fail(step, format!("{} was given {r:x?}, where a write of another put (tag {}) may still land (at t={})", put.key, w.tag, w.land_at)));
-            }
-            for (k, a) in &self.model {
-                if let Some(x) = a.replicas.iter().find(|&&x| overlaps(r, x)) {
-                    return Err(self.fail(
-                        step,
-                        format!(
-                            "{} was given {r:x?}, which live object {k} holds ({x:x?})",
-                            put.key
-                        ),
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn cells(&mut self, (seg, addr, len): (u64, u64, u64)) -> Option<&mut [u32]> {
-        let base = self.clients.iter().find(|c| c.seg.id == seg)?.seg.base;
-        let from = ((addr - base) / CELL) as usize;
-        let to = from + (len.max(1).div_ceil(CELL)) as usize;
-        self.memory.get_mut(&seg)?.get_mut(from..to)
-    }
-
-    fn seg_of(&self, d: &ReplicaDesc) -> Option<(u64, u64, u64)> {
-        let c = self.clients.iter().find(|c| {
-            c.seg.te_endpoint == d.te_endpoint
-                && d.addr >= c.seg.base
-                && d.addr < c.seg.base + c.seg.size
-        })?;
-        Some((c.seg.id, d.addr, d.size))
-    }
-
     fn step(&mut self, step: usize) -> Result<(), Failure> {
         self.at_step = step;
         let total: u32 = self.weights.iter().sum();
@@ -548,122 +518,7 @@ impl Sim {
                 }
             }
         }
-        Ok(())
-    }
-
-    fn start_put(&mut self, step: usize) -> Result<(), Failure> {
-        let c = self.rng.random_range(0..self.clients.len());
-        let (tag, put) = (self.next_tag, u64::from(self.next_tag));
-        self.next_tag += 1;
-        let key = format!("k{}", self.rng.random_range(0..400u32));
-        let size = self.rng.random_range(1..=8192u64);
-        let replica_num = if self.rng.random_bool(0.8) { 1 } else { 2 };
-        let req = Request::PutStart {
-            client: self.clients[c].id,
-            key: key.clone(),
-            size,
-            config: ReplicateConfig {
-                replica_num,
-                ..ReplicateConfig::default()
-            },
-            upsert: false,
-            put,
-        };
-        self.put_start(step, c, req, key, put, tag)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn put_start(
-        &mut self,
-        step: usize,
-        c: usize,
-        req: Request,
-        key: String,
-        put: u64,
-        tag: u32,
-    ) -> Result<(), Failure> {
-        // Most writes land within a few ms; some take up to the release timeout.
-        let delay = if self.rng.random_bool(0.85) {
-            self.rng.random_range(0..30)
-        } else {
-            self.rng.random_range(0..RELEASE - 1)
-        };
-        let p = Put {
-            client: c,
-            key,
-            put,
-            tag,
-            replicas: Vec::new(),
-            seen: self.dropped.clone(),
-            gens: Vec::new(),
-            removed: false,
-            land_at: self.now + delay,
-        };
-        let first = self.request(&req, Some(Reply::Started(p.clone())));
-        // The network delivers the request twice now and then: the copy must not place the
-        // put again (its answer, if any, names the same replicas, or refuses).
-        if self.rng.random_bool(0.05) && self.leader.is_some() {
-            let again = self.request(&req, None);
-            self.note(format!(
-                "put {put}'s start delivered twice: {:?}",
-                again
-                    .as_ref()
-                    .map(|r| r.as_ref().map(|_| ()).map_err(|e| e.to_string()))
-            ));
-            match (&first, &again) {
-                (Some(Ok(Response::Replicas(a))), Some(Ok(Response::Replicas(b)))) if a != b => {
-                    return Err(self.fail(
-                        step,
-                        format!("put {put} started twice got two placements: {a:?} then {b:?}"),
-                    ));
-                }
-                (_, None) => {
-                    return Err(self.fail(
-                        step,
-                        format!(
-                            "put {put}'s second start was applied again (it waits for the journal)"
-                        ),
-                    ))
-                }
-                _ => {}
-            }
-        }
-        match first {
-            Some(Ok(Response::Replicas(rs))) => {
-                let replicas = rs.iter().filter_map(|d| self.seg_of(d)).collect();
-                self.started(step, Put { replicas, ..p })
-            }
-            _ => Ok(()),
-        }
-    }
-
-    /// The client got its put's replicas: it writes them.
-    fn started(&mut self, step: usize, mut p: Put) -> Result<(), Failure> {
-        self.check_given(step, &p)?;
-        p.gens = p
-            .replicas
-            .iter()
-            .map(|r| p.seen.get(&r.0).copied().unwrap_or(0))
-            .collect();
-        p.land_at = p.land_at.max(self.now);
-        if p.land_at > self.now + 100 {
-            self.counts.late_writes += 1;
-        }
-        self.note(format!(
-            "client {} put {} of {} (tag {}) placed at {:x?}, lands at {}",
-            p.client, p.put, p.key, p.tag, p.replicas, p.land_at
-        ));
-        for &(seg, addr, len) in &p.replicas {
-            self.writes.push(Write {
-                tag: p.tag,
-                seg,
-                addr,
-                len,
-                land_at: p.land_at,
-            });
-        }
-        self.to_end.push(p);
-        Ok(())
+        self.check_etcd(step)
     }
 
     /// The writer: the first entries waiting become durable (etcd's log) and their answers
@@ -680,7 +535,7 @@ impl Sim {
             };
             self.durable(step, e, true)?;
         }
-        Ok(())
+        self.check_snapshot(step, false)
     }
 
     /// Entry `e` is durable (appended to etcd's log with `to_log`; else its standbys have it):
@@ -702,7 +557,7 @@ impl Sim {
             _ => None,
         };
         if to_log && !e.changes.is_empty() {
-            self.log.push(e.changes);
+            self.journal.append(&e.changes);
         }
         match e.reply {
             Some(Reply::Started(p)) => {
@@ -714,35 +569,6 @@ impl Sim {
             None => {}
         }
         Ok(())
-    }
-
-    fn acked(&mut self, p: Put) {
-        self.counts.puts_acked += 1;
-        self.note(format!(
-            "put {} of {} (tag {}) acknowledged",
-            p.put, p.key, p.tag
-        ));
-        // Replicas whose segment the master dropped since they were placed are not the
-        // object's any more (that space may be given again once the segment is back).
-        let kept: Vec<(u64, u64, u64)> = p
-            .replicas
-            .iter()
-            .zip(&p.gens)
-            .filter(|(r, g)| self.dropped.get(&r.0).copied().unwrap_or(0) == **g)
-            .map(|(r, _)| *r)
-            .collect();
-        let may_be_lost = kept.len() != p.replicas.len();
-        if p.removed {
-            return;
-        }
-        self.model.insert(
-            p.key.clone(),
-            Acked {
-                tag: p.tag,
-                replicas: kept,
-                may_be_lost,
-            },
-        );
     }
 
     fn advance(&mut self, step: usize, by: u64) -> Result<(), Failure> {
@@ -801,289 +627,13 @@ impl Sim {
         }
         self.now = until;
         if self.leader.is_none() && self.now >= self.down_until {
-            self.elect();
+            self.elect()
+                .map_err(|e| self.fail(step, format!("no leader can load the journal: {e}")))?;
             self.counts.failovers += 1;
         }
         self.tick();
         self.end_puts();
         Ok(())
-    }
-
-    fn land(&mut self, step: usize, t: u64) -> Result<(), Failure> {
-        let (due, rest): (Vec<Write>, Vec<Write>) = std::mem::take(&mut self.writes)
-            .into_iter()
-            .partition(|w| w.land_at <= t);
-        self.writes = rest;
-        for w in due {
-            let r = (w.seg, w.addr, w.len);
-            if let Some((k, _)) = self
-                .model
-                .iter()
-                .find(|(_, a)| a.tag != w.tag && a.replicas.iter().any(|&x| overlaps(r, x)))
-            {
-                return Err(self.fail(
-                    step,
-                    format!(
-                        "a write of tag {} landed on {r:x?}, bytes of live object {k}",
-                        w.tag
-                    ),
-                ));
-            }
-            if let Some(rd) = self
-                .reads
-                .iter()
-                .find(|rd| !rd.tags.contains(&w.tag) && rd.replicas.iter().any(|&x| overlaps(r, x)))
-            {
-                return Err(self.fail(
-                    step,
-                    format!(
-                        "a write of tag {} landed on {r:x?}, which a read of {} in flight reads",
-                        w.tag, rd.key
-                    ),
-                ));
-            }
-            if let Some(cells) = self.cells(r) {
-                cells.fill(w.tag);
-            }
-        }
-        Ok(())
-    }
-
-    fn finish_reads(&mut self, step: usize, t: u64) -> Result<(), Failure> {
-        let (done, rest): (Vec<Read>, Vec<Read>) = std::mem::take(&mut self.reads)
-            .into_iter()
-            .partition(|r| r.done_at <= t);
-        self.reads = rest;
-        for rd in done {
-            for &r in &rd.replicas {
-                if self
-                    .cells(r)
-                    .is_some_and(|c| c.iter().any(|x| !rd.tags.contains(x)))
-                {
-                    return Err(self.fail(
-                        step,
-                        format!(
-                            "a read of {} at {r:x?} found bytes other than its put's (tags {:?})",
-                            rd.key, rd.tags
-                        ),
-                    ));
-                }
-            }
-            self.counts.reads_checked += 1;
-        }
-        Ok(())
-    }
-
-    /// Pings of the clients that run, and the master's periodic work.
-    fn tick(&mut self) {
-        let now = self.now;
-        for i in 0..self.clients.len() {
-            if self.clients[i].silent_until > now {
-                continue;
-            }
-            let id = self.clients[i].id;
-            if let Some(Ok(Response::Ping(PingStatus::NeedRemount))) =
-                self.request(&Request::Ping { client: id }, None)
-            {
-                self.clients[i].remount = true;
-            }
-            if self.clients[i].remount && self.clients[i].mounted {
-                let req = Request::RemountSegments {
-                    client: id,
-                    segments: vec![self.clients[i].seg.clone()],
-                };
-                if let Some(Ok(_)) = self.request(&req, None) {
-                    self.clients[i].remount = false;
-                }
-            }
-        }
-        let Some(l) = self.leader.as_mut() else {
-            return;
-        };
-        let dead = l.st.expire_clients(now, CLIENT_TTL, RELEASE);
-        l.st.expire_reads(now);
-        l.st.release_deferred(now);
-        for (c, _) in dead {
-            self.counts.expiries += 1;
-            self.note(format!("client {c} expired"));
-            if let Some(seg) = self.clients.iter().find(|x| x.id == c).map(|x| x.seg.id) {
-                self.segment_dropped(seg);
-            }
-        }
-        self.collect(None);
-    }
-
-    /// Objects with a replica on `seg` may be lost (the master dropped the segment).
-    fn segment_dropped(&mut self, seg: u64) {
-        *self.dropped.entry(seg).or_default() += 1;
-        // A read of a dropped segment is its reader's to fail.
-        for rd in &mut self.reads {
-            rd.replicas.retain(|r| r.0 != seg);
-        }
-        for a in self.model.values_mut() {
-            if a.replicas.iter().any(|r| r.0 == seg) {
-                a.may_be_lost = true;
-                a.replicas.retain(|r| r.0 != seg);
-            }
-        }
-    }
-
-    /// Puts whose writes landed send their end (again, after a failover, until answered).
-    fn end_puts(&mut self) {
-        let now = self.now;
-        let (ready, wait): (Vec<Put>, Vec<Put>) = std::mem::take(&mut self.to_end)
-            .into_iter()
-            .partition(|p| p.land_at <= now);
-        self.to_end = wait;
-        for p in ready {
-            if self.leader.is_none() {
-                self.to_end.push(p);
-                continue;
-            }
-            let req = Request::PutEnd {
-                client: self.clients[p.client].id,
-                key: p.key.clone(),
-                put: p.put,
-            };
-            // An error: the put is lost (revoked, discarded, its change lost with a leader).
-            match self.request(&req, Some(Reply::Ended(p.clone()))) {
-                Some(Ok(_)) => self.acked(p),
-                Some(Err(e)) => self.note(format!(
-                    "put {} of {} (tag {}) failed to end: {e}",
-                    p.put, p.key, p.tag
-                )),
-                // Applied, answered once durable: the value it replaces is no longer the
-                // model's (its space may be given again: a read in flight of it is still
-                // checked), and the new one is once acknowledged.
-                None => {
-                    self.model.remove(&p.key);
-                }
-            }
-        }
-    }
-
-    fn get(&mut self, step: usize) -> Result<(), Failure> {
-        let Some(key) = self.pick_key() else {
-            return Ok(());
-        };
-        let a = self.model[&key].clone();
-        match self.request(&Request::GetReplicaList { key: key.clone() }, None) {
-            Some(Ok(Response::ReplicaList(list))) => {
-                let replicas: Vec<_> = list.replicas.iter().filter_map(|d| self.seg_of(d)).collect();
-                let done_at = self.now + self.rng.random_range(0..LEASE);
-                let mut tags = vec![a.tag];
-                tags.extend(self.pending.iter().filter_map(|e| match &e.reply {
-                    Some(Reply::Ended(p)) if p.key == key => Some(p.tag),
-                    _ => None,
-                }));
-                self.reads.push(Read { key, tags, replicas, done_at });
-            }
-            Some(Err(StoreError::ObjectNotFound(_))) if a.may_be_lost => {
-                self.model.remove(&key);
-            }
-            Some(Err(e)) if !a.may_be_lost => return Err(self.fail(step, format!("acknowledged {key} (tag {}, replicas {:x?}) is not readable at the leader of term {}: {e}", a.tag, a.replicas, self.term))),
-            _ => {}
-        }
-        Ok(())
-    }
-
-    fn pick_key(&mut self) -> Option<String> {
-        if self.model.is_empty() {
-            return None;
-        }
-        let i = self.rng.random_range(0..self.model.len());
-        self.model.keys().nth(i).cloned()
-    }
-
-    fn remove(&mut self) {
-        let Some(key) = self.pick_key() else { return };
-        let force = self.rng.random_bool(0.5);
-        let r = self.request(
-            &Request::Remove {
-                key: key.clone(),
-                force,
-            },
-            None,
-        );
-        // Applied (answered now or once durable): no longer the model's.
-        if matches!(r, None | Some(Ok(_))) && self.leader.is_some() {
-            self.note(format!("{key} removed"));
-            self.model.remove(&key);
-            for e in &mut self.pending {
-                if let Some(Reply::Ended(p)) = &mut e.reply {
-                    p.removed |= p.key == key;
-                }
-            }
-        }
-    }
-
-    fn upsert_or_revoke(&mut self, step: usize) -> Result<(), Failure> {
-        // An upsert of a live key: the old value stays readable until the new one ends.
-        let Some(key) = self.pick_key() else {
-            return Ok(());
-        };
-        let c = self.rng.random_range(0..self.clients.len());
-        let (tag, put) = (self.next_tag, u64::from(self.next_tag));
-        self.next_tag += 1;
-        let size = self.rng.random_range(1..=8192u64);
-        let req = Request::PutStart {
-            client: self.clients[c].id,
-            key: key.clone(),
-            size,
-            config: ReplicateConfig::default(),
-            upsert: true,
-            put,
-        };
-        self.put_start(step, c, req, key, put, tag)
-    }
-
-    fn unmount_or_mount(&mut self) {
-        let i = self.rng.random_range(0..self.clients.len());
-        let c = &self.clients[i];
-        let (id, seg) = (c.id, c.seg.clone());
-        if c.mounted {
-            self.counts.unmounts += 1;
-            self.note(format!("client {id} unmounts {}", seg.id));
-            // Applied now, answered or not: its objects may be gone.
-            if self.leader.is_some() {
-                let _ = self.request(
-                    &Request::UnmountSegment {
-                        client: id,
-                        segment: seg.id,
-                    },
-                    None,
-                );
-                self.segment_dropped(seg.id);
-                self.clients[i].mounted = false;
-            }
-        } else {
-            let req = if self.rng.random_bool(0.5) {
-                Request::MountSegment {
-                    client: id,
-                    segment: seg,
-                }
-            } else {
-                Request::RemountSegments {
-                    client: id,
-                    segments: vec![seg],
-                }
-            };
-            self.note(format!("client {id} mounts again"));
-            if self.leader.is_some() {
-                let _ = self.request(&req, None);
-                self.clients[i].mounted = true;
-            }
-        }
-    }
-
-    fn pause_client(&mut self) {
-        let i = self.rng.random_range(0..self.clients.len());
-        self.clients[i].silent_until =
-            self.now + self.rng.random_range(CLIENT_TTL / 2..CLIENT_TTL * 2);
-        self.note(format!(
-            "client {} pauses until {}",
-            self.clients[i].id, self.clients[i].silent_until
-        ));
     }
 
     /// The leader dies: what its journal had not made durable is lost, answers with it.
@@ -1101,27 +651,16 @@ impl Sim {
         self.down_until = self.now + LEASE;
     }
 
-    /// The leader writes a snapshot (everything queued first) and etcd drops the log.
+    /// The leader writes a snapshot though none is due (everything queued first), as one
+    /// that stops hands its state to etcd.
     fn compact(&mut self, step: usize) -> Result<(), Failure> {
-        // (While streaming the etcd journal is not written: its snapshot waits for a rebase.)
-        if self.leader.is_none() || self.streaming.is_some() {
-            return Ok(());
-        }
-        while !self.pending.is_empty() {
-            self.make_durable(step)?;
-        }
-        let Some(l) = self.leader.as_ref() else {
-            return Ok(());
-        };
-        self.snapshot = l.st.image(self.now);
-        self.log.clear();
-        self.counts.snapshots += 1;
-        self.note(format!("snapshot of {} changes", self.snapshot.len()));
-        Ok(())
+        self.check_snapshot(step, true)
     }
 }
 
+mod clients;
 pub mod election;
+mod etcd;
 mod standbys;
 #[cfg(test)]
 mod tests;

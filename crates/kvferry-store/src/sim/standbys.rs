@@ -315,8 +315,8 @@ impl Sim {
             "no standby in sync: the {} entries streamed go to etcd's log",
             s.tail.len()
         ));
-        self.log
-            .extend(s.tail.into_iter().filter(|c| !c.is_empty()));
+        let tail: Vec<Vec<Change>> = s.tail.into_iter().filter(|c| !c.is_empty()).collect();
+        self.journal.rebase_entries(&tail);
         // (The first `sent` are in the tail already.)
         for i in 0.. {
             let Some(e) = self.pending.pop_front() else {
@@ -324,7 +324,7 @@ impl Sim {
             };
             self.durable(step, e, i >= s.sent)?;
         }
-        Ok(())
+        self.check_snapshot(step, false)
     }
 
     /// The leader died while streaming: an in-sync member takes over from its mirror, which it
@@ -354,18 +354,19 @@ impl Sim {
             "standby {m} takes over at entry {seq} of {} streamed",
             s.seq
         ));
-        if s.standbys[m].image.is_some() {
-            // Its mirror is an image and the entries after it: written to etcd as a snapshot
-            // and a log after it (the takeover's rebase of a whole state).
-            self.snapshot = if mirror.is_empty() {
-                Vec::new()
-            } else {
-                mirror.remove(0)
-            };
-            self.log.clear();
+        // Its mirror is an image and the entries after it, written to etcd as a snapshot (the
+        // takeover's rebase of a whole state), or the entries after where etcd's journal is
+        // whole, written to its log.
+        let image = match s.standbys[m].image {
+            Some(_) if !mirror.is_empty() => Some(mirror.remove(0)),
+            Some(_) => Some(Vec::new()),
+            None => None,
+        };
+        let entries: Vec<Vec<Change>> = mirror.into_iter().filter(|c| !c.is_empty()).collect();
+        match self.journal.take_over(image, &entries) {
+            Ok(()) => self.standby_check_snapshot(),
+            Err(e) => self.note(format!("the standby could not read etcd's journal: {e}")),
         }
-        self.log
-            .extend(mirror.into_iter().filter(|c| !c.is_empty()));
     }
 
     /// A standby that left the set links again: the writer commits what is queued, sends it

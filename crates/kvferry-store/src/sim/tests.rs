@@ -56,8 +56,9 @@ fn seeds() -> Vec<u64> {
 }
 
 /// Every seed holds every invariant (see the module docs), and the runs did what they are
-/// meant to exercise: failovers, early answers, late writes, expiries, snapshots, leaders
-/// streaming to in-sync standbys, members leaving the set, takeovers from a standby's mirror.
+/// meant to exercise: failovers, early answers, late writes, expiries, snapshots (leaders
+/// dying mid-snapshot, etcd's journal over half its bound), leaders streaming to in-sync
+/// standbys, members leaving the set, takeovers from a standby's mirror.
 #[test]
 fn every_seed_holds_the_invariants() {
     let seeds = seeds();
@@ -114,6 +115,10 @@ fn every_seed_holds_the_invariants() {
                 && total.standby_takeovers > 0
                 && total.members_joined > 0,
             "the runs did not exercise the in-sync standbys: {total:?}"
+        );
+        assert!(
+            total.snapshots_cut > 0 && total.etcd_peak_pct > 50,
+            "the runs did not exercise the etcd journal's snapshots: {total:?}"
         );
         assert!(
             total.puts_acked > 10 * seeds.len() as u64 && total.reads_checked > seeds.len() as u64,

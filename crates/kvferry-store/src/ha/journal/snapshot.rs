@@ -1,7 +1,8 @@
 //! The writer's images, snapshots and rebases: the state taken in pieces (the lock let go
 //! between them), written to etcd as a snapshot, or the etcd journal made whole again when
 //! the in-sync set empties, from the kept tail or from the whole state. Drives etcd and the
-//! state's lock; what is durable is decided by the queue ([`crate::repl::Queue`]).
+//! state's lock; what is durable is decided by the queue ([`crate::repl::Queue`]), what is
+//! written to etcd and deleted there by the journal's machine ([`JournalWriter`]).
 
 use super::*;
 
@@ -24,12 +25,6 @@ pub(super) struct Frozen {
 /// How many of an image's changes a snapshot encodes at a time ([`Writer::write_snapshot`]):
 /// a few chunks' worth.
 const SNAPSHOT_PART: usize = 16_384;
-
-/// A rebase from the tail writes at most this many bytes of log values per transaction
-/// (etcd refuses requests over 1.5 MiB by default, and base64 in its JSON gateway adds a
-/// third), and at most this many keys (etcd's default limit is 128 operations).
-const REBASE_TXN_BYTES: usize = 1 << 20;
-const REBASE_TXN_KEYS: usize = 64;
 
 impl Writer<'_> {
     /// An image of the state, its objects taken in pieces, starting from the state after
@@ -127,11 +122,12 @@ impl Writer<'_> {
                     if let Some(c) = s.catch_up.as_mut() {
                         c.clear();
                     }
-                    if s.tail().begin(self.seq, self.master.journal.now_us()) {
-                        s.base(self.seq, false);
+                    let seq = self.log.seq();
+                    if s.tail().begin(seq, self.master.journal.now_us()) {
+                        s.base(seq, false);
                     }
                 }
-                self.seq
+                self.log.seq()
             }
         };
         self.commit_what_is_queued()?;
@@ -154,13 +150,13 @@ impl Writer<'_> {
             image,
             ..
         } = self.image_in_pieces(false)?;
-        self.seq += 1;
+        let seq = self.log.next_seq();
         if !queued.is_empty() {
             self.broadcast(queued)?;
         }
-        self.write_snapshot(image, self.seq, Some(self.insync_cleared()), false)?;
+        self.write_snapshot(image, seq, Some(self.insync_cleared()), false)?;
         self.insync_emptied(upto, started, 0);
-        tracing::warn!(term = self.term(), seq = self.seq, "HA replication: no standby is in sync; the state is in the etcd journal again (snapshot) and changes are written there");
+        tracing::warn!(term = self.term(), seq, "HA replication: no standby is in sync; the state is in the etcd journal again (snapshot) and changes are written there");
         Some(())
     }
 
@@ -200,10 +196,11 @@ impl Writer<'_> {
     /// the writer appends it, and the in-sync set is emptied last. `Some(false)`: the tail is
     /// not whole (the caller writes the whole state).
     pub(super) fn rebase_from_tail(&mut self, started: Instant) -> Option<bool> {
-        let Some(run) = self.sync.as_ref().and_then(|s| s.tail().take(self.seq)) else {
+        let seq = self.log.seq();
+        let Some(run) = self.sync.as_ref().and_then(|s| s.tail().take(seq)) else {
             return Some(false);
         };
-        let Some(values) = tail_log_values(&self.prefix, &run.frames) else {
+        let Some(values) = tail_log_values(self.log.prefix(), &run.frames) else {
             tracing::info!("HA journal: an entry streamed since the journal's last position does not fit a log value; the rebase writes the whole state");
             return Some(false);
         };
@@ -225,24 +222,14 @@ impl Writer<'_> {
             values.len() as u64,
             values.iter().map(|(_, v)| v.len() as u64).sum::<u64>(),
         );
-        let mut batch: Vec<(String, Vec<u8>)> = Vec::new();
-        let mut size = 0;
-        for (k, v) in values {
-            if !batch.is_empty()
-                && (size + v.len() > REBASE_TXN_BYTES || batch.len() >= REBASE_TXN_KEYS)
-            {
-                self.txn(&std::mem::take(&mut batch), None)?;
-                size = 0;
-            }
-            size += v.len();
-            batch.push((k, v));
+        for t in JournalWriter::rebase_txns(values) {
+            self.txn(&t)?;
         }
-        if !batch.is_empty() {
-            self.txn(&batch, None)?;
-        }
+        self.log.rebased(bytes);
+        let log_bytes = self.log.log_bytes();
         self.master.journal.set_stats(|s| {
             s.entries += values_n;
-            s.log_bytes += bytes;
+            s.log_bytes = log_bytes;
         });
         // What requests queued and no standby was sent: appended as the writer appends.
         let (queued, upto) = self.take_queued()?;
@@ -250,9 +237,9 @@ impl Writer<'_> {
             self.append(&queued)?;
             self.broadcast(queued)?;
         }
-        self.txn(&[self.insync_cleared()], None)?;
+        self.put(vec![self.insync_cleared()])?;
         self.insync_emptied(upto, started, entries);
-        tracing::warn!(term = self.term(), seq = self.seq, base, entries, values = values_n, bytes, ms = started.elapsed().as_millis() as u64, "HA replication: no standby is in sync; the entries since the etcd journal's last position are in its log now, and changes are written there");
+        tracing::warn!(term = self.term(), seq = self.log.seq(), base, entries, values = values_n, bytes, ms = started.elapsed().as_millis() as u64, "HA replication: no standby is in sync; the entries since the etcd journal's last position are in its log now, and changes are written there");
         Some(())
     }
 
@@ -265,7 +252,7 @@ impl Writer<'_> {
             s.tail().want_next();
         }
         let Frozen { image, seq, .. } = self.image_in_pieces(true)?;
-        let at = seq.unwrap_or(self.seq);
+        let at = seq.unwrap_or(self.log.seq());
         let written = self.write_snapshot(image, at, None, true)?;
         if let Some(s) = self.sync.as_ref() {
             let mut t = s.tail();
@@ -288,7 +275,7 @@ impl Writer<'_> {
     /// image's position, which the snapshot's head names.
     pub(super) fn snapshot(&mut self) -> Option<()> {
         let Frozen { image, seq, .. } = self.image_in_pieces(true)?;
-        let at = seq.unwrap_or(self.seq);
+        let at = seq.unwrap_or(self.log.seq());
         self.write_snapshot(image, at, None, true).map(|_| ())
     }
 
@@ -308,13 +295,16 @@ impl Writer<'_> {
         also: Option<(String, Vec<u8>)>,
         commit_between: bool,
     ) -> Option<bool> {
-        let j = &self.master.journal;
         let started = Instant::now();
-        let log_before = j.stats().log_bytes;
-        let dir = snap_dir(&self.prefix, at);
         // (Chunks a leader that died mid-snapshot left under this number.)
-        self.txn(&[], Some((&dir, &prefix_end(&dir))))?;
-        let (mut bytes, mut n) = (0u64, 0u32);
+        let Some(clear) = self.log.begin_snapshot(at) else {
+            // The head already names the snapshot after `at`: only `also` is left to write.
+            if let Some(kv) = also {
+                self.put(vec![kv])?;
+            }
+            return Some(true);
+        };
+        self.txn(&clear)?;
         // Encoded a part at a time, so that requests committed between chunks do not wait
         // for the whole image's encoding either.
         for part in image.chunks(SNAPSHOT_PART) {
@@ -326,14 +316,16 @@ impl Writer<'_> {
                 }
             };
             for c in chunks {
-                bytes += c.len() as u64;
-                self.txn(&[(format!("{dir}{n:08x}"), c)], None)?;
-                n += 1;
+                let n = c.len() as u64;
+                self.txn(&self.log.chunk(c)?)?;
+                self.log.chunk_written(n);
                 if commit_between {
                     self.commit_what_is_queued()?;
                     if !self.failing_members().0.is_empty() {
                         tracing::info!(term = self.term(), seq = at, "HA journal: an in-sync standby is late; the background snapshot is given up");
-                        self.txn(&[], Some((&dir, &prefix_end(&dir))))?;
+                        if let Some(t) = self.log.abandon_snapshot() {
+                            self.txn(&t)?;
+                        }
                         return Some(false);
                     }
                 }
@@ -343,39 +335,30 @@ impl Writer<'_> {
         if commit_between {
             self.commit_what_is_queued()?;
         }
-        let head = Head {
-            seq: at,
-            chunks: n,
-            bytes,
-        };
-        let head_bytes = postcard::to_stdvec(&head).ok()?;
-        let log_from = format!("{}log/", self.prefix);
-        let log_to = log_key(&self.prefix, at + 1);
-        let mut puts = vec![(format!("{}head", self.prefix), head_bytes)];
-        puts.extend(also);
-        let rev = self.txn(&puts, Some((&log_from, &log_to)))?;
-        if let Some(old) = self.head.filter(|h| h.seq != head.seq) {
-            let d = snap_dir(&self.prefix, old.seq);
-            self.txn(&[], Some((&d, &prefix_end(&d))))?;
+        let rev = self.txn(&self.log.head_txn(also)?)?;
+        let after = self.log.head_written(rev)?;
+        if let Some(t) = after.delete_old {
+            self.txn(&t)?;
         }
-        if let Err(e) = self.etcd.compact(rev) {
+        if let Err(e) = self.etcd.compact(after.compact) {
             tracing::debug!("HA journal: compacting etcd: {e}");
         }
-        self.head = Some(head);
-        j.set_stats(|s| {
+        let (bytes, chunks) = self.log.head().map_or((0, 0), |h| (h.bytes, h.chunks));
+        let log_bytes = self.log.log_bytes();
+        self.master.journal.set_stats(|s| {
             s.snapshots += 1;
             s.snapshot_bytes = bytes;
             s.snapshot_write_ms = started.elapsed().as_millis() as u64;
             // (What was appended after the image's position stays: about what was appended
             // while the chunks were written.)
-            s.log_bytes = s.log_bytes.saturating_sub(log_before);
+            s.log_bytes = log_bytes;
         });
         tracing::info!(
             term = self.term(),
             seq = at,
-            last = self.seq,
+            last = self.log.seq(),
             bytes,
-            chunks = n,
+            chunks,
             "HA journal: snapshot written, log compacted"
         );
         Some(true)
@@ -384,16 +367,8 @@ impl Writer<'_> {
     /// Deletes snapshot chunks that the head does not name (a leader that died between
     /// writing a new head and deleting the old snapshot leaves it behind).
     pub(super) fn collect_garbage(&self) -> Option<()> {
-        let all = format!("{}snap/", self.prefix);
-        match self.head {
-            Some(h) => {
-                let keep = snap_dir(&self.prefix, h.seq);
-                self.txn(&[], Some((&all, &keep)))?;
-                self.txn(&[], Some((&prefix_end(&keep), &prefix_end(&all))))?;
-            }
-            None => {
-                self.txn(&[], Some((&all, &prefix_end(&all))))?;
-            }
+        for t in self.log.garbage() {
+            self.txn(&t)?;
         }
         Some(())
     }
@@ -413,15 +388,15 @@ impl Writer<'_> {
     ) -> Option<bool> {
         let started = Instant::now();
         if let Some(frames) = tail.filter(|_| seq >= stored) {
-            match tail_log_values(&self.prefix, &frames) {
+            match tail_log_values(self.log.prefix(), &frames) {
                 Some(values) => {
-                    self.seq = seq;
+                    self.log.set_seq(seq);
                     return self.rebase_with(values, stored, frames.len() as u64, started).map(|_| true);
                 }
                 None => tracing::info!("HA journal: an entry the mirror received does not fit a log value; the takeover writes the whole state"),
             }
         }
-        self.seq = seq.max(stored);
+        self.log.set_seq(seq.max(stored));
         self.rebase().map(|_| false)
     }
 }

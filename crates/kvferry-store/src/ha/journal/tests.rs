@@ -2,7 +2,7 @@
 
 use super::writer::retry_link_after;
 use super::*;
-use crate::ha::log::{decode_chunk, log_range, REBASE_VALUE_MAX};
+use crate::ha::log::{decode_chunk, log_key, log_range, REBASE_VALUE_MAX};
 use crate::master::journal::Image;
 use crate::master::journal::ObjectRec;
 
@@ -564,14 +564,10 @@ fn a_standby_linking_under_load_gets_its_image_then_every_later_entry_once_in_or
         etcd: &etcd,
         master: &m,
         view_key: "v".into(),
-        prefix: prefix("c"),
         owner,
-        seq: 100,
-        head: None,
-        snapshot_bytes: SNAPSHOT_MIN,
+        log: JournalWriter::new(prefix("c"), 100, None, 0, SNAPSHOT_MIN),
         sync: Some(sync),
         insync_key: "i".into(),
-        retry_until: None,
     };
     // The new standby's side of its link, opened by `open_link`.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -597,7 +593,7 @@ fn a_standby_linking_under_load_gets_its_image_then_every_later_entry_once_in_or
         let added = load.join().expect("load");
         (accept.join().expect("accept"), added)
     });
-    let linked = w.seq;
+    let linked = w.log.seq();
     // What was queued after the link went out: committed as the writer would.
     if let (Some((changes, upto)), _) = j.next(7, Duration::ZERO, None) {
         if !changes.is_empty() {
@@ -623,7 +619,7 @@ fn a_standby_linking_under_load_gets_its_image_then_every_later_entry_once_in_or
         }
     };
     let mut next = at + 1;
-    while next <= w.seq {
+    while next <= w.log.seq() {
         match read_frame::<ToStandby>(&mut sock) {
             Ok(ToStandby::Entry { seq, changes }) => {
                 assert_eq!(

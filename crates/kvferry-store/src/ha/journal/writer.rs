@@ -2,11 +2,15 @@
 //! or streamed to the in-sync standbys and released by their acknowledgements), links and
 //! promotes standbys, and gives up (fencing the leader) when etcd cannot be written while the
 //! lease can be proven. A driver: it moves changes between the queue, etcd and the links;
-//! the rules of what is durable are the machines' ([`crate::repl`]).
+//! the rules of what is durable are the machines' ([`crate::repl`]), and where the etcd
+//! journal lies, which entry comes next, when a snapshot is due and what it deletes, and when
+//! a failed transaction is given up, [`JournalWriter`]'s: this carries its transactions out
+//! and tells it what was written.
 
 use super::snapshot::Frozen;
 use super::*;
 use crate::repl::members;
+use crate::repl::writer::{Answer, Next, Txn};
 
 /// Sends `frame` to every linked standby.
 pub(super) fn send_all(links: &[Link], frame: &Arc<Vec<u8>>) {
@@ -21,23 +25,20 @@ pub struct Writer<'a> {
     pub etcd: &'a EtcdClient,
     pub master: &'a Master,
     pub view_key: String,
-    pub prefix: String,
     /// The leader's view key's creation: its revision is the term, and this writer's
     /// transactions are guarded by it.
     pub owner: Owner,
-    pub seq: u64,
-    pub head: Option<Head>,
-    /// Snapshot once the log since the last snapshot is larger than this and than it.
-    pub snapshot_bytes: u64,
+    /// The etcd journal's bookkeeping, which decides what is written there and when (its
+    /// retry bound is set during a takeover: the key won, its lease renewed by the takeover's
+    /// own thread, the gate not yet the leader's; a transaction that fails is retried until
+    /// then, not given up at once, as one etcd error among a large state's chunks failed the
+    /// whole takeover).
+    pub log: JournalWriter,
     /// Replication to standbys (`--ha-replication standbys`), `None`: etcd only.
     pub sync: Option<Replicas>,
     /// The in-sync record's key ([`crate::ha::sync::insync_key`]): emptied with the head of a
     /// rebase, in either mode.
     pub insync_key: String,
-    /// During a takeover (the key won, its lease renewed by the takeover's own thread, the
-    /// gate not yet the leader's): a transaction that fails is retried until then, not given
-    /// up at once (one etcd error among a large state's chunks failed the whole takeover).
-    pub retry_until: Option<Instant>,
 }
 
 /// The leader's side of replication to standbys ([`crate::ha::sync`]).
@@ -201,38 +202,45 @@ impl Writer<'_> {
         self.owner.create_revision
     }
 
-    /// One guarded transaction, retried while etcd cannot be reached and this master can still
-    /// prove its lease; `None` when it must give up.
-    pub(super) fn txn(
-        &self,
-        puts: &[(String, Vec<u8>)],
-        delete: Option<(&str, &str)>,
-    ) -> Option<i64> {
+    /// One guarded transaction, retried while etcd cannot be reached and the journal's
+    /// machine says so ([`JournalWriter::on_answer`]); `None` when it must give up.
+    pub(super) fn txn(&self, t: &Txn) -> Option<i64> {
+        let delete = t.delete.as_ref().map(|(a, b)| (a.as_str(), b.as_str()));
         loop {
-            match self
+            let (a, err) = match self
                 .etcd
-                .txn_if_owned(&self.view_key, self.owner, puts, delete)
+                .txn_if_owned(&self.view_key, self.owner, &t.puts, delete)
             {
-                Ok(Some(rev)) => return Some(rev),
-                Ok(None) => {
-                    tracing::warn!(term = self.term(), "HA journal: the view key is no longer this leader's; nothing more is written");
-                    return None;
+                Ok(Some(rev)) => (Answer::Written(rev), None),
+                Ok(None) => (Answer::NotOwner, None),
+                Err(e) => (Answer::Failed, Some(e)),
+            };
+            let still = a == Answer::Failed && self.master.gate.still_leader(self.term());
+            match self.log.on_answer(a, self.master.journal.now_us(), still) {
+                Next::Done(rev) => return Some(rev),
+                Next::Retry => {
+                    if let Some(e) = &err {
+                        tracing::warn!(term = self.term(), "HA journal: {e}; retrying");
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
                 }
-                Err(e) => {
-                    if !self.master.gate.still_leader(self.term())
-                        && self.retry_until.is_none_or(|t| Instant::now() >= t)
-                    {
-                        tracing::warn!(
+                Next::GiveUp => {
+                    match err {
+                        None => tracing::warn!(term = self.term(), "HA journal: the view key is no longer this leader's; nothing more is written"),
+                        Some(e) => tracing::warn!(
                             term = self.term(),
                             "HA journal: {e}; the lease can no longer be proven, giving up"
-                        );
-                        return None;
+                        ),
                     }
-                    tracing::warn!(term = self.term(), "HA journal: {e}; retrying");
-                    std::thread::sleep(Duration::from_millis(20));
+                    return None;
                 }
             }
         }
+    }
+
+    /// A guarded transaction of `puts` alone.
+    pub(super) fn put(&self, puts: Vec<(String, Vec<u8>)>) -> Option<i64> {
+        self.txn(&Txn { puts, delete: None })
     }
 
     pub(super) fn append(&mut self, changes: &[Change]) -> Option<()> {
@@ -246,17 +254,17 @@ impl Writer<'_> {
         let mut left = changes.len() as u64;
         for c in chunks {
             let n = c.len() as u64;
-            let key = log_key(&self.prefix, self.seq + 1);
             let t = Instant::now();
-            self.txn(&[(key, c)], None)?;
+            self.txn(&self.log.append(c))?;
             let us = t.elapsed().as_micros() as u64;
-            self.seq += 1;
+            self.log.appended(n);
+            let (seq, log_bytes) = (self.log.seq(), self.log.log_bytes());
             self.master.journal.set_stats(|s| {
                 s.entries += 1;
                 s.changes += std::mem::take(&mut left); // counted with the first chunk
                 s.write_us += us;
-                s.log_bytes += n;
-                s.seq = self.seq;
+                s.log_bytes = log_bytes;
+                s.seq = seq;
             });
         }
         Some(())
@@ -276,12 +284,11 @@ impl Writer<'_> {
             // entries, so that the standbys' acknowledgements show their progress.
             let n = changes.len();
             for (piece, ticket) in pieces(changes, upto, ENTRY_PIECE) {
-                self.seq += 1;
-                s.release
-                    .push(self.seq, ticket, self.master.journal.now_us());
-                s.broadcast(self.seq, piece)?;
+                let seq = self.log.next_seq();
+                s.release.push(seq, ticket, self.master.journal.now_us());
+                s.broadcast(seq, piece)?;
             }
-            self.master.journal.count_streamed(n, self.seq);
+            self.master.journal.count_streamed(n, self.log.seq());
             return Some(());
         }
         self.append(&changes)?;
@@ -290,10 +297,10 @@ impl Writer<'_> {
         Some(())
     }
 
-    /// Sends `changes` as entry `self.seq` to every linked standby ([`Replicas::broadcast`]).
+    /// Sends `changes` as the last entry to every linked standby ([`Replicas::broadcast`]).
     pub(super) fn broadcast(&mut self, changes: Vec<Change>) -> Option<()> {
         match self.sync.as_mut() {
-            Some(s) => s.broadcast(self.seq, changes),
+            Some(s) => s.broadcast(self.log.seq(), changes),
             None => Some(()),
         }
     }
@@ -329,7 +336,7 @@ impl Writer<'_> {
     /// clock, so then at most one acknowledgement bound.
     pub(super) fn lend(&mut self) -> (Duration, Option<Lent>) {
         let idle = self.idle();
-        let seq = self.seq;
+        let seq = self.log.seq();
         match self
             .sync
             .as_mut()
@@ -351,7 +358,7 @@ impl Writer<'_> {
     /// Takes back what [`Writer::lend`] lent, with the entries sent through it.
     pub(super) fn take_back(&mut self, lent: Option<Lent>) {
         let Some(lent) = lent else { return };
-        self.seq = lent.seq;
+        self.log.set_seq(lent.seq);
         if let Some(s) = self.sync.as_mut() {
             s.links = lent.links;
         }
@@ -426,7 +433,7 @@ impl Writer<'_> {
             term,
             members: rest.clone(),
         };
-        self.txn(&[(self.insync_key.clone(), rec.to_bytes())], None)?;
+        self.put(vec![(self.insync_key.clone(), rec.to_bytes())])?;
         if let Some(s) = self.sync.as_mut() {
             s.set_insync(rest, &self.master.journal);
         }
@@ -577,7 +584,7 @@ impl Writer<'_> {
             }
             return None;
         };
-        let at = seq.unwrap_or(self.seq);
+        let at = seq.unwrap_or(self.log.seq());
         // (While standbys are in sync, what was enqueued before went out as entries that only
         // their acknowledgements answer, [`Release`]: answering them here, for the link of
         // another standby, would tell clients their changes are durable before they are.)
@@ -632,7 +639,7 @@ impl Writer<'_> {
         }
         tracing::info!(
             term = self.term(),
-            seq = self.seq,
+            seq = self.log.seq(),
             changes = objects,
             encode_ms,
             "HA replication: the standby {member} ({addr}) linked; sending it the state"
@@ -646,7 +653,7 @@ impl Writer<'_> {
     /// Standbys that acknowledged everything written join the in-sync set (in etcd first).
     pub(super) fn promote(&mut self) -> Option<()> {
         let term = self.term();
-        let seq = self.seq;
+        let seq = self.log.seq();
         let Some(s) = self.sync.as_ref() else {
             return Some(());
         };
@@ -672,17 +679,14 @@ impl Writer<'_> {
         let mut members = s.insync.clone();
         let was_empty = members.is_empty();
         members.extend(ready.iter().cloned());
-        self.txn(
-            &[(
-                self.insync_key.clone(),
-                InSync {
-                    term,
-                    members: members.clone(),
-                }
-                .to_bytes(),
-            )],
-            None,
-        )?;
+        self.put(vec![(
+            self.insync_key.clone(),
+            InSync {
+                term,
+                members: members.clone(),
+            }
+            .to_bytes(),
+        )])?;
         tracing::info!(term, seq, "HA replication: {ready:?} in sync; requests are now acknowledged by the in-sync set {members:?} instead of etcd");
         if let Some(s) = self.sync.as_mut() {
             if was_empty {
@@ -709,6 +713,8 @@ impl Writer<'_> {
                 "HA journal: could not delete stale snapshot chunks"
             );
         }
+        let (log_bytes, snapshot_bytes) = (self.log.log_bytes(), self.log.snapshot_bytes());
+        j.set_stats(|s| (s.log_bytes, s.snapshot_bytes) = (log_bytes, snapshot_bytes));
         loop {
             let (idle, lend) = self.lend();
             let (next, lent) = j.next(self.term(), idle, lend);
@@ -735,11 +741,7 @@ impl Writer<'_> {
             if self.poll_standbys().is_none() || self.promote().is_none() {
                 break;
             }
-            let st = j.stats();
-            if !self.streaming()
-                && st.log_bytes > self.snapshot_bytes.max(st.snapshot_bytes)
-                && self.snapshot().is_none()
-            {
+            if self.log.snapshot_due(self.streaming()) && self.snapshot().is_none() {
                 break;
             }
             if self.streaming()
