@@ -439,6 +439,47 @@ fn check_args(a: &BenchArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// An engine of `mode` made from `base`, `buf` registered, `target` opened.
+struct Connected {
+    engine: TransferEngine,
+    seg: u64,
+    via: kvferry::SegmentTransport,
+    /// The target's largest registered buffer.
+    remote: kvferry::BufferDesc,
+}
+
+fn connect(
+    mode: TransportMode,
+    base: &Config,
+    buf: &Buffer,
+    target: &str,
+) -> Result<Connected, String> {
+    let engine = TransferEngine::new(Config {
+        transport: mode,
+        ..base.clone()
+    })
+    .map_err(|e| e.to_string())?;
+    engine
+        .register_memory(buf.addr(), buf.len() as u64, "cpu:0")
+        .map_err(|e| e.to_string())?;
+    let seg = engine.open_segment(target).map_err(|e| e.to_string())?;
+    let via = engine
+        .segment_transport(seg)
+        .map_err(|e| format!("--transport {mode}: {e}"))?;
+    let desc = engine.segment_descriptor(seg).map_err(|e| e.to_string())?;
+    let remote = desc
+        .buffers
+        .into_iter()
+        .max_by_key(|b| b.length)
+        .ok_or_else(|| format!("segment {target} has no registered buffer"))?;
+    Ok(Connected {
+        engine,
+        seg,
+        via,
+        remote,
+    })
+}
+
 /// Where the progress line stands: points done, points in all, and what to prefix them with.
 struct Progress {
     n: usize,
@@ -459,27 +500,15 @@ fn sweep(
     let mut used = Vec::new();
     for &mode in &a.transport {
         // One engine per transport choice, so each starts from a clean state.
-        let engine = TransferEngine::new(Config {
-            transport: mode,
-            ..base.clone()
-        })
-        .map_err(|e| e.to_string())?;
-        engine
-            .register_memory(buf.addr(), buf.len() as u64, "cpu:0")
-            .map_err(|e| e.to_string())?;
-        let seg = engine.open_segment(target).map_err(|e| e.to_string())?;
-        let via = engine
-            .segment_transport(seg)
-            .map_err(|e| format!("--transport {mode}: {e}"))?;
+        let Connected {
+            engine,
+            seg,
+            via,
+            remote: rbuf,
+        } = connect(mode, base, buf, target)?;
         if let (TransportMode::Auto, Some(why)) = (mode, &via.why_not_shm) {
             eprintln!("\r\x1b[Kauto chose {}: {why}", via.name);
         }
-        let desc = engine.segment_descriptor(seg).map_err(|e| e.to_string())?;
-        let rbuf = desc
-            .buffers
-            .iter()
-            .max_by_key(|b| b.length)
-            .ok_or_else(|| format!("segment {target} has no registered buffer"))?;
         let usable = (buf.len() as u64).min(rbuf.length);
         let ctl = Ctl {
             engine: &engine,

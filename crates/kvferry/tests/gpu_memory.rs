@@ -1217,6 +1217,74 @@ fn child_ipc_initiator() {
     c.on_device(1, |d| d.mem_free(mine)).unwrap();
 }
 
+/// A same-host peer of engine `e`, running the ignored test `test` of this binary in a child
+/// process (the mock's directory on its library path), told `e`'s segment and GPU buffer `g`.
+struct IpcPeer {
+    kid: std::process::Child,
+    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+    err: std::thread::JoinHandle<String>,
+}
+
+impl IpcPeer {
+    fn spawn(test: &str, e: &TransferEngine, g: u64, stdin: bool) -> IpcPeer {
+        use std::io::BufRead;
+        let lib = std::env::var_os("LD_LIBRARY_PATH").expect("the mock's directory");
+        let mut kid = Command::new(std::env::current_exe().unwrap())
+            .args([
+                test,
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("KVF_GPU_CHILD", "1")
+            .env("LD_LIBRARY_PATH", &lib)
+            .env("KVF_TARGET", e.segment_name())
+            .env("KVF_TARGET_GPU", g.to_string())
+            .stdin(if stdin {
+                std::process::Stdio::piped()
+            } else {
+                std::process::Stdio::null()
+            })
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut err = kid.stderr.take().unwrap();
+        let err = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = std::io::Read::read_to_string(&mut err, &mut s);
+            s
+        });
+        let lines = std::io::BufReader::new(kid.stdout.take().unwrap()).lines();
+        IpcPeer { kid, lines, err }
+    }
+
+    /// Waits for a line with `marker` (the test harness prints the test's name first, on the
+    /// same line); fails with `what` if the peer ends first.
+    fn wait_for(&mut self, marker: &str, what: &str) {
+        let mut said = Vec::new();
+        loop {
+            match self.lines.next() {
+                Some(Ok(l)) if l.contains(marker) => return,
+                Some(Ok(l)) => said.push(l),
+                _ => panic!("{what}: {said:?}"),
+            }
+        }
+    }
+
+    /// Reads the rest of its output and checks it succeeded; the lines.
+    fn finish(mut self, who: &str) -> Vec<String> {
+        let rest: Vec<String> = self.lines.by_ref().map_while(Result::ok).collect();
+        assert!(
+            self.kid.wait().unwrap().success(),
+            "{who} failed: {rest:?}\n{}",
+            self.err.join().unwrap_or_default()
+        );
+        rest
+    }
+}
+
 #[test]
 fn unregister_is_a_barrier_for_a_same_host_peer_copying_through_cuda_ipc() {
     in_child("child_ipc_barrier_target", Some(&mock_dir()));
@@ -1229,49 +1297,14 @@ fn unregister_is_a_barrier_for_a_same_host_peer_copying_through_cuda_ipc() {
 #[test]
 #[ignore = "run by unregister_is_a_barrier_for_a_same_host_peer_copying_through_cuda_ipc in a child process"]
 fn child_ipc_barrier_target() {
-    use std::io::BufRead;
     assert!(child());
     let c = gpu::cuda().expect("the mock driver loads");
     let e = engine(TransportMode::Auto);
     let len = 1 << 20;
     let g = gpu_alloc(c, 0, &pattern(len, 61));
     e.register_memory(g, len as u64, "cuda:0").unwrap();
-    let lib = std::env::var_os("LD_LIBRARY_PATH").expect("the mock's directory");
-    let mut kid = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "child_ipc_barrier_initiator",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("KVF_GPU_CHILD", "1")
-        .env("LD_LIBRARY_PATH", &lib)
-        .env("KVF_TARGET", e.segment_name())
-        .env("KVF_TARGET_GPU", g.to_string())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = kid.stderr.take().unwrap();
-    let err = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::Read::read_to_string(&mut err, &mut s);
-        s
-    });
-    let mut lines = std::io::BufReader::new(kid.stdout.take().unwrap()).lines();
-    let mut said = Vec::new();
-    loop {
-        match lines.next() {
-            // (The test harness prints the test's name first, on the same line.)
-            Some(Ok(l)) if l.contains("KVF_COPYING") => break,
-            Some(Ok(l)) => said.push(l),
-            _ => panic!(
-                "the initiator ended before copying: {said:?}\n{}",
-                err.join().unwrap_or_default()
-            ),
-        }
-    }
+    let mut peer = IpcPeer::spawn("child_ipc_barrier_initiator", &e, g, false);
+    peer.wait_for("KVF_COPYING", "the initiator ended before copying");
     // The initiator's copy (800 ms in the mock) is in flight now.
     std::thread::sleep(Duration::from_millis(200));
     let t = std::time::Instant::now();
@@ -1283,12 +1316,7 @@ fn child_ipc_barrier_target() {
         gpu_read(c, 0, g, len) == frozen,
         "GPU memory changed after unregister_memory returned"
     );
-    let rest: Vec<String> = lines.map_while(Result::ok).collect();
-    assert!(
-        kid.wait().unwrap().success(),
-        "the initiator failed: {rest:?}\n{}",
-        err.join().unwrap_or_default()
-    );
+    let rest = peer.finish("the initiator");
     let status = rest
         .iter()
         .find_map(|l| l.split("KVF_STATUS ").nth(1))
@@ -1360,59 +1388,20 @@ fn a_same_host_peers_gpu_memory_is_closed_soon_after_it_unregisters_it() {
 #[test]
 #[ignore = "run by a_same_host_peers_gpu_memory_is_closed_soon_after_it_unregisters_it in a child process"]
 fn child_ipc_close_target() {
-    use std::io::{BufRead, Write};
+    use std::io::Write;
     assert!(child());
     let c = gpu::cuda().expect("the mock driver loads");
     let e = engine(TransportMode::Auto);
     let len = 1 << 20;
     let g = gpu_alloc(c, 0, &pattern(len, 71));
     e.register_memory(g, len as u64, "cuda:0").unwrap();
-    let lib = std::env::var_os("LD_LIBRARY_PATH").expect("the mock's directory");
-    let mut kid = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "child_ipc_close_initiator",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("KVF_GPU_CHILD", "1")
-        .env("LD_LIBRARY_PATH", &lib)
-        .env("KVF_TARGET", e.segment_name())
-        .env("KVF_TARGET_GPU", g.to_string())
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = kid.stderr.take().unwrap();
-    let err = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::Read::read_to_string(&mut err, &mut s);
-        s
-    });
-    let mut lines = std::io::BufReader::new(kid.stdout.take().unwrap()).lines();
-    let mut said = Vec::new();
-    loop {
-        match lines.next() {
-            Some(Ok(l)) if l.contains("KVF_OPENED") => break,
-            Some(Ok(l)) => said.push(l),
-            _ => panic!(
-                "the importer ended before opening: {said:?}\n{}",
-                err.join().unwrap_or_default()
-            ),
-        }
-    }
+    let mut peer = IpcPeer::spawn("child_ipc_close_initiator", &e, g, true);
+    peer.wait_for("KVF_OPENED", "the importer ended before opening");
     e.unregister_memory(g).unwrap();
-    let mut stdin = kid.stdin.take().unwrap();
+    let mut stdin = peer.kid.stdin.take().unwrap();
     writeln!(stdin, "unregistered").unwrap();
     drop(stdin);
-    let rest: Vec<String> = lines.map_while(Result::ok).collect();
-    assert!(
-        kid.wait().unwrap().success(),
-        "the importer failed: {rest:?}\n{}",
-        err.join().unwrap_or_default()
-    );
+    peer.finish("the importer");
     c.on_device(0, |d| d.mem_free(g)).unwrap();
 }
 

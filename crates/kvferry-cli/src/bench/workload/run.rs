@@ -5,7 +5,8 @@
 use super::mooncake::{self, Planned};
 use super::{hash, packed_request, preset, request, Desc, Pool, Preset, Side};
 use crate::bench::{
-    engine_config, measure_ceilings, pct, spawn_target, stop_child, BenchArgs, Ctl,
+    connect, engine_config, measure_ceilings, pct, spawn_target, stop_child, BenchArgs, Connected,
+    Ctl,
 };
 use crate::sys::{self, human, Buffer};
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest, TransportMode};
@@ -173,25 +174,13 @@ fn run_points(
     let mut planned = Vec::new();
     let mut seed = 1u64;
     for &mode in &a.transport {
-        let engine = TransferEngine::new(Config {
-            transport: mode,
-            ..base.clone()
-        })
-        .map_err(|e| e.to_string())?;
-        engine
-            .register_memory(buf.addr(), buf.len() as u64, "cpu:0")
-            .map_err(|e| e.to_string())?;
-        let seg = engine.open_segment(target).map_err(|e| e.to_string())?;
-        let via = engine
-            .segment_transport(seg)
-            .map_err(|e| format!("--transport {mode}: {e}"))?
-            .name;
-        let desc = engine.segment_descriptor(seg).map_err(|e| e.to_string())?;
-        let remote = desc
-            .buffers
-            .iter()
-            .max_by_key(|b| b.length)
-            .ok_or_else(|| format!("segment {target} has no registered buffer"))?;
+        let Connected {
+            engine,
+            seg,
+            via,
+            remote,
+        } = connect(mode, &base, buf, target)?;
+        let via = via.name;
         let bytes = (buf.len() as u64).min(remote.length);
         let ctl = Ctl {
             engine: &engine,
