@@ -38,18 +38,12 @@ fn trickler(hs_delay: Duration) -> Trickler {
         r#"{{"name":"127.0.0.1:{hs_port}","protocol":"tcp","tcp_data_port":{data_port},"tcp_proto_version":2,"buffers":[{{"name":"cpu:0","addr":{REMOTE},"length":16777216}}]}}"#
     );
     // The handshake port: every descriptor request answered after `hs_delay` (a slow peer,
-    // not synchronisation), for 30 s.
+    // not synchronisation). The thread blocks in `accept` and ends with the test process.
     std::thread::spawn(move || {
-        hs.set_nonblocking(true).unwrap();
-        let until = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < until {
-            let Ok((mut s, _)) = hs.accept() else {
-                std::thread::sleep(Duration::from_millis(5));
-                continue;
-            };
+        for s in hs.incoming() {
+            let Ok(mut s) = s else { continue };
             let desc = desc.clone();
             std::thread::spawn(move || {
-                s.set_nonblocking(false).unwrap();
                 s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
                 let mut len = [0u8; 8];
                 if s.read_exact(&mut len).is_err() {
