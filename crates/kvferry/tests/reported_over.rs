@@ -14,6 +14,7 @@ use kvferry::testing::wire::tcp::{self as wire, DataHeader, Status, HEADER_LEN};
 use kvferry::{Batch, Config, FailCause, Opcode, TaskStatus, TransferEngine, TransferRequest};
 use std::io::{Read, Write};
 use std::net::TcpListener;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -87,11 +88,10 @@ fn trickler(hs_delay: Duration) -> Trickler {
     }
 }
 
-fn snapshot(buf: &[u8]) -> Vec<u8> {
-    // SAFETY: reads of a live buffer; the engine may be writing it (volatile, byte-wise).
-    buf.iter()
-        .map(|b| unsafe { std::ptr::read_volatile(b) })
-        .collect()
+/// The buffer's bytes now. It is made of atomics (laid out as bytes), so reading it while the
+/// engine may still be writing it needs no `unsafe`.
+fn snapshot(buf: &[AtomicU8]) -> Vec<u8> {
+    buf.iter().map(|b| b.load(Ordering::Relaxed)).collect()
 }
 
 /// How the test learns that the READ is over.
@@ -115,7 +115,7 @@ fn read_from_trickler(how: Report) {
         ..Config::default()
     })
     .unwrap();
-    let buf = vec![0u8; LEN];
+    let buf: Vec<AtomicU8> = (0..LEN).map(|_| AtomicU8::new(0)).collect();
     a.register_memory(buf.as_ptr() as u64, LEN as u64, "*")
         .unwrap();
     let peer = trickler(Duration::from_millis(300));
