@@ -6,48 +6,52 @@ mod mooncake_peer;
 
 use common::kvferry;
 
+/// Runs `kvferry bench --workload` with `args` (tiny points, no ceilings) and its records in a
+/// `--json` file; fails on a failed run. Its stdout and the records.
+fn workload(args: &[&str]) -> (String, Vec<serde_json::Value>) {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("points.jsonl");
+    let out = kvferry()
+        .args(["bench", "--duration", "0.05", "--no-ceilings"])
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let recs = std::fs::read_to_string(&json)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (stdout, recs)
+}
+
 /// Every preset over TCP and shared memory, push and pull, one and two concurrent requests:
 /// each point verified by the target's hash of its side of each request, with the
 /// descriptors and bytes its model gives, and a point that does not fit the pool skipped
 /// with the reason.
 #[test]
 fn bench_workload_moves_verified_model_shaped_requests() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("points.jsonl");
-    let out = kvferry()
-        .args([
-            "bench",
-            "--workload",
-            "llama3-70b-tp8,qwen3-8b,deepseek-packed",
-            "--tokens",
-            "64,512",
-            "--concurrency",
-            "1,2",
-            "--transport",
-            "tcp,shm",
-            "--duration",
-            "0.05",
-            "--no-ceilings",
-            "--max-memory",
-            "48M",
-            "--mooncake-python",
-            "none",
-            "--json",
-        ])
-        .arg(&json)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let recs: Vec<serde_json::Value> = std::fs::read_to_string(&json)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let (stdout, recs) = workload(&[
+        "--workload",
+        "llama3-70b-tp8,qwen3-8b,deepseek-packed",
+        "--tokens",
+        "64,512",
+        "--concurrency",
+        "1,2",
+        "--transport",
+        "tcp,shm",
+        "--max-memory",
+        "48M",
+        "--mooncake-python",
+        "none",
+    ]);
     // (preset, tokens) → (descriptors, bytes) of one request.
     let shape = |preset: &str, tokens: u64| match preset {
         // 80 layers × K/V × 16-token blocks of 4 KiB.
@@ -136,42 +140,20 @@ fn bench_workload_runs_stock_mooncake_on_the_same_requests() {
     let Some(py) = mooncake_peer::python() else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("points.jsonl");
-    let out = kvferry()
-        .args([
-            "bench",
-            "--workload",
-            "llama3-70b-tp8,deepseek-packed",
-            "--tokens",
-            "64,512",
-            "--concurrency",
-            "1,2",
-            "--transport",
-            "tcp",
-            "--duration",
-            "0.05",
-            "--no-ceilings",
-            "--max-memory",
-            "64M",
-            "--mooncake-python",
-            &py,
-            "--json",
-        ])
-        .arg(&json)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let recs: Vec<serde_json::Value> = std::fs::read_to_string(&json)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let (stdout, recs) = workload(&[
+        "--workload",
+        "llama3-70b-tp8,deepseek-packed",
+        "--tokens",
+        "64,512",
+        "--concurrency",
+        "1,2",
+        "--transport",
+        "tcp",
+        "--max-memory",
+        "64M",
+        "--mooncake-python",
+        &py,
+    ]);
     let (ours, theirs): (Vec<_>, Vec<_>) = recs.iter().partition(|r| r["engine"] == "kvferry");
     assert!(!ours.is_empty());
     assert_eq!(
