@@ -67,8 +67,8 @@ def test_a_connector_freeing_an_aborted_requests_blocks_at_once_is_caught(same_h
 
 
 def test_a_stock_mooncake_decode_side_gets_every_block_from_a_kvferry_prefill_side(mooncake_py):
-    # Only this way round: a stock Mooncake initiator reports a TCP WRITE complete once it is
-    # sent, not once it landed (its protocol has no status frame), so with stock Mooncake as the
-    # prefill side a decode side freeing blocks on "done" sees late bytes land in them; that is
-    # Mooncake's initiator, documented in docs/PYTHON.md.
+    # Only this way round: a stock Mooncake 0.3.13 prefill side's batch_transfer_sync_write can
+    # return 0 while its TCP lanes still hold a descriptor to send (after "queue-full
+    # rejection"), so a decode side freeing blocks on "done" sees late bytes land in them;
+    # that is Mooncake's initiator, documented in docs/PYTHON.md.
     expect_ok(run_pair(sys.executable, True, mooncake_py, False))
