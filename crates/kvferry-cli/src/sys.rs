@@ -94,6 +94,18 @@ impl Buffer {
         )
         .map(Buffer)
     }
+    /// `len` bytes of anonymous memory reserved and not touched (no page is made until used).
+    pub fn reserve(len: usize) -> std::io::Result<Buffer> {
+        HostBuffer::with(
+            len,
+            HostOptions {
+                populate: false,
+                huge_pages: false,
+                shareable: false,
+            },
+        )
+        .map(Buffer)
+    }
     pub fn addr(&self) -> u64 {
         self.0.addr()
     }

@@ -102,6 +102,17 @@ fn bench_workload_moves_verified_model_shaped_requests() {
         2,
         "{stdout}"
     );
+    // ... and what registering a 16 GiB KV cache took in a fresh engine (a figure, not a bound).
+    let reg: Vec<f64> = recs
+        .iter()
+        .filter(|r| r["register_bytes"].as_u64().unwrap() > 0)
+        .map(|r| {
+            assert_eq!(r["register_bytes"].as_u64().unwrap(), 16 << 30, "{r}");
+            r["register_ms"].as_f64().unwrap()
+        })
+        .collect();
+    assert_eq!(reg.len(), 2, "{stdout}");
+    assert!(reg.iter().all(|&ms| ms > 0.0), "{reg:?}");
 }
 
 /// An unknown preset or direction is refused naming what exists, before anything starts.

@@ -43,8 +43,15 @@ pub(crate) struct WorkloadPoint {
     /// A fresh engine's first request of this shape (its `open_segment` included) over a warm
     /// one's median; only on each transport's first point, else 0.
     pub(crate) first_ms: f64,
+    /// A fresh engine's `register_memory` of `register_bytes` of host memory (a KV cache
+    /// reserved but not yet touched), in ms; only on each transport's first point, else 0.
+    pub(crate) register_ms: f64,
+    pub(crate) register_bytes: u64,
     pub(crate) verified: bool,
 }
+
+/// The KV cache whose registration time is reported (issue 46: 16 GiB well under a second).
+const REGISTER_PROBE: u64 = 16 << 30;
 
 /// `--workload`: starts a target sized for the largest point (unless `--mode initiator`),
 /// runs every point, prints the report and writes the records.
@@ -222,20 +229,23 @@ fn run_points(
                             },
                             chunk: a.chunk,
                         };
-                        let first_ms = if first_done {
-                            0.0
+                        let (first_ms, register_ms) = if first_done {
+                            (0.0, 0.0)
                         } else {
                             first_done = true;
-                            first_request(
-                                a,
-                                &base,
-                                mode,
-                                target,
-                                buf,
-                                remote.addr,
-                                &slots[0],
-                                pt.opcode,
-                            )?
+                            (
+                                first_request(
+                                    a,
+                                    &base,
+                                    mode,
+                                    target,
+                                    buf,
+                                    remote.addr,
+                                    &slots[0],
+                                    pt.opcode,
+                                )?,
+                                register_time(&base, mode)?,
+                            )
                         };
                         eprint!("\r\x1b[K[{}] {} {tokens} x{c} {dir} ...", via, p.name);
                         let _ = std::io::stderr().flush();
@@ -266,6 +276,8 @@ fn run_points(
                             descriptors_per_s: r.lat_ms.len() as f64 * descs as f64 / r.secs,
                             cpu_ms_per_request: r.cpu_s * 1e3 / r.lat_ms.len().max(1) as f64,
                             first_ms,
+                            register_ms,
+                            register_bytes: if register_ms > 0.0 { REGISTER_PROBE } else { 0 },
                             verified: r.verified,
                         };
                         print_point(&wp);
@@ -374,6 +386,13 @@ fn print_point(p: &WorkloadPoint) {
         p.cpu_ms_per_request,
         if p.verified { "yes" } else { "NO" }
     );
+    if p.register_ms > 0.0 {
+        println!(
+            "  registering a {} KV cache (reserved, untouched) in a fresh engine: {:.3} ms",
+            human(p.register_bytes),
+            p.register_ms
+        );
+    }
     if p.first_ms > 0.0 {
         println!(
             "  first request to a new peer (fresh engine, open_segment included): {:.2} ms ({} x the warm p50)",
@@ -524,6 +543,36 @@ impl Point<'_> {
             verified,
         })
     }
+}
+
+/// A fresh engine's `register_memory` of a `REGISTER_PROBE`-byte KV cache, in ms: anonymous
+/// memory reserved and not touched (registration must not depend on the pages being there;
+/// what the first access costs is `first_ms`'s). Not over RDMA, where registering pins every
+/// page: 16 GiB would have to be memory this host can spare (0 then).
+fn register_time(base: &Config, mode: TransportMode) -> Result<f64, String> {
+    if mode == TransportMode::Rdma {
+        return Ok(0.0);
+    }
+    let kv = Buffer::reserve(REGISTER_PROBE as usize).map_err(|e| {
+        format!(
+            "reserving {} to time its registration: {e}",
+            human(REGISTER_PROBE)
+        )
+    })?;
+    let engine = TransferEngine::new(Config {
+        transport: mode,
+        ..base.clone()
+    })
+    .map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    engine
+        .register_memory(kv.addr(), REGISTER_PROBE, "cpu:0")
+        .map_err(|e| format!("registering {}: {e}", human(REGISTER_PROBE)))?;
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    engine
+        .unregister_memory(kv.addr())
+        .map_err(|e| e.to_string())?;
+    Ok(ms.max(1e-6))
 }
 
 /// A fresh engine's first request of `d` (its `open_segment` included), in ms.
