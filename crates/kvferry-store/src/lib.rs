@@ -15,6 +15,7 @@
 mod boundaries;
 pub mod cleanup;
 pub mod client;
+pub mod disk;
 pub mod elect;
 pub mod error;
 pub mod frame;
