@@ -110,7 +110,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "headers", value_delimiter = ',', value_parser = parse_protect, requires = "auth_ab")]
     auth_protect: Vec<Protect>,
     /// Model-shaped KV requests instead of the block sweep: presets (`llama3-70b-tp8`,
-    /// `qwen3-8b`, `deepseek-packed`), each request one rank's KV cache for a prompt, its
+    /// `qwen3-8b`, `deepseek-v4`), each request one rank's KV cache for a prompt, its
     /// blocks scattered on both sides; timed per request, verified, beside the same bytes in
     /// one descriptor per region and the ceiling. `--transport`, `--duration`, `--json` apply.
     #[arg(long, value_delimiter = ',', value_name = "PRESETS")]

@@ -40,7 +40,7 @@ fn workload(args: &[&str]) -> (String, Vec<serde_json::Value>) {
 fn bench_workload_moves_verified_model_shaped_requests() {
     let (stdout, recs) = workload(&[
         "--workload",
-        "llama3-70b-tp8,qwen3-8b,deepseek-packed",
+        "llama3-70b-tp8,qwen3-8b,deepseek-v4",
         "--tokens",
         "64,512",
         "--concurrency",
@@ -58,11 +58,15 @@ fn bench_workload_moves_verified_model_shaped_requests() {
         "llama3-70b-tp8" => (160 * tokens / 16, 160 * tokens / 16 * 4096),
         // 36 layers × K/V × 16-token blocks of 32 KiB.
         "qwen3-8b" => (72 * tokens / 16, 72 * tokens / 16 * 32768),
-        // 4 groups × 256-token blocks of 256 × 1152 B per layer, 61 layers in all.
-        "deepseek-packed" => (
-            4 * tokens.div_ceil(256),
-            tokens.div_ceil(256) * 256 * 1152 * 61,
-        ),
+        // CollectiveX's dsv4: three groups of 256-token blocks (1 123 200, 259 200 and
+        // 53 568 B packed) and the 128-token window's 64-token blocks (2 283 840 B).
+        "deepseek-v4" => {
+            let window = tokens.min(128).div_ceil(64);
+            (
+                3 * tokens.div_ceil(256) + window,
+                tokens.div_ceil(256) * (1_123_200 + 259_200 + 53_568) + window * 2_283_840,
+            )
+        }
         other => panic!("unknown preset {other}"),
     };
     for r in &recs {
@@ -84,7 +88,7 @@ fn bench_workload_moves_verified_model_shaped_requests() {
         recs.iter()
             .any(|r| r["preset"] == preset && r["transport"] == transport && r["direction"] == dir)
     };
-    for preset in ["llama3-70b-tp8", "qwen3-8b", "deepseek-packed"] {
+    for preset in ["llama3-70b-tp8", "qwen3-8b", "deepseek-v4"] {
         for transport in ["tcp", "shm"] {
             for dir in ["push", "pull"] {
                 assert!(
@@ -153,7 +157,7 @@ fn bench_workload_runs_stock_mooncake_on_the_same_requests() {
     };
     let (stdout, recs) = workload(&[
         "--workload",
-        "llama3-70b-tp8,deepseek-packed",
+        "llama3-70b-tp8,deepseek-v4",
         "--tokens",
         "64,512",
         "--concurrency",

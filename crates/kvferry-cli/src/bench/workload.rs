@@ -22,8 +22,25 @@ pub(super) use run::run;
 enum Layout {
     /// vLLM's `[layer][K|V][block]`: a region per layer and K/V.
     PerLayerKv,
-    /// A region per cache group; a block holds every layer of its group.
-    Packed { groups: u32 },
+    /// A region per cache group; a block holds every layer of its group, each layer's page
+    /// padded to `align` bytes (vLLM's packed DeepSeek-V4 layout, as CollectiveX models it).
+    Packed {
+        groups: &'static [Group],
+        align: u64,
+    },
+}
+
+/// One cache group of a packed layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Group {
+    layers: u64,
+    /// Tokens one cached state stands for (compressed attention keeps one state per 4 or 128).
+    tokens_per_state: u64,
+    state_bytes: u64,
+    /// The group's own block size in tokens, where it is not the model's.
+    block_tokens: Option<u64>,
+    /// Only the last this many tokens are cached (a sliding window).
+    window_tokens: Option<u64>,
 }
 
 /// A model's KV cache on one rank.
@@ -37,6 +54,41 @@ pub(super) struct Preset {
     block_tokens: u64,
     layout: Layout,
 }
+
+/// DeepSeek-V4's cache groups in vLLM's packed layout, as CollectiveX's `dsv4` preset
+/// transcribes them: 584-byte fp8 states; 30 compressed-sparse layers (a state per 4 tokens)
+/// with their 132-byte indexer states, 31 heavily compressed layers (a state per 128 tokens),
+/// and a 128-token sliding window over all 61 layers in 64-token blocks.
+const DEEPSEEK_V4: &[Group] = &[
+    Group {
+        layers: 30,
+        tokens_per_state: 4,
+        state_bytes: 584,
+        block_tokens: None,
+        window_tokens: None,
+    },
+    Group {
+        layers: 30,
+        tokens_per_state: 4,
+        state_bytes: 132,
+        block_tokens: None,
+        window_tokens: None,
+    },
+    Group {
+        layers: 31,
+        tokens_per_state: 128,
+        state_bytes: 584,
+        block_tokens: None,
+        window_tokens: None,
+    },
+    Group {
+        layers: 61,
+        tokens_per_state: 1,
+        state_bytes: 584,
+        block_tokens: Some(64),
+        window_tokens: Some(128),
+    },
+];
 
 /// The presets (`--workload NAME`); KV bytes per token from the models' configs
 /// (docs/BENCHMARKS.md, "Model-shaped requests").
@@ -60,13 +112,17 @@ pub(super) const PRESETS: &[Preset] = &[
         layout: Layout::PerLayerKv,
     },
     Preset {
-        name: "deepseek-packed",
-        about: "DeepSeek MLA cache block-packed: 61 layers of a 576-wide latent (BF16) in four \
-                cache groups, 256-token blocks, one descriptor per block and group (4.2-4.5 MiB)",
+        name: "deepseek-v4",
+        about: "DeepSeek-V4 block-packed as vLLM lays it out (CollectiveX's dsv4): four cache \
+                groups of fp8 states, 256-token blocks, one descriptor per block and group \
+                (52 KiB to 2.2 MiB)",
         layers: 61,
-        token_bytes: 576 * 2,
+        token_bytes: 0,
         block_tokens: 256,
-        layout: Layout::Packed { groups: 4 },
+        layout: Layout::Packed {
+            groups: DEEPSEEK_V4,
+            align: 576,
+        },
     },
 ];
 
@@ -87,10 +143,27 @@ impl Preset {
             Layout::PerLayerKv => {
                 vec![self.block_tokens * self.token_bytes; 2 * self.layers as usize]
             }
-            Layout::Packed { groups } => (0..groups)
+            Layout::Packed { groups, align } => groups
+                .iter()
                 .map(|g| {
-                    let layers = self.layers / groups + u32::from(g < self.layers % groups);
-                    self.block_tokens * self.token_bytes * u64::from(layers)
+                    let states = g.block_tokens.unwrap_or(self.block_tokens) / g.tokens_per_state;
+                    g.layers * (states * g.state_bytes).div_ceil(align) * align
+                })
+                .collect(),
+        }
+    }
+
+    /// Blocks a request of `tokens` tokens takes in each region.
+    fn region_blocks(&self, tokens: u64) -> Vec<u64> {
+        match self.layout {
+            Layout::PerLayerKv => {
+                vec![tokens.div_ceil(self.block_tokens); 2 * self.layers as usize]
+            }
+            Layout::Packed { groups, .. } => groups
+                .iter()
+                .map(|g| {
+                    let cached = g.window_tokens.map_or(tokens, |w| tokens.min(w));
+                    cached.div_ceil(g.block_tokens.unwrap_or(self.block_tokens))
                 })
                 .collect(),
         }
@@ -101,9 +174,9 @@ impl Preset {
         self.block_bytes().iter().sum()
     }
 
-    /// Blocks a request of `tokens` tokens takes on each side.
+    /// Blocks a request of `tokens` tokens takes on each side, in its most used region.
     pub(super) fn blocks_for(&self, tokens: u64) -> u64 {
-        tokens.div_ceil(self.block_tokens)
+        self.region_blocks(tokens).into_iter().max().unwrap_or(0)
     }
 }
 
@@ -176,14 +249,14 @@ pub(super) fn request(
     slot: u64,
     seed: u64,
 ) -> Option<Vec<Desc>> {
-    let n = p.blocks_for(tokens);
-    if (slot + 1).checked_mul(n)? > pool.blocks {
-        return None;
-    }
-    let mine = slot_blocks(pool, n, slot, seed, Side::Initiator);
-    let theirs = slot_blocks(pool, n, slot, seed, Side::Target);
-    let mut out = Vec::with_capacity(n as usize * pool.base.len());
-    for (base, bb) in pool.base.iter().zip(&pool.block_bytes) {
+    let counts = p.region_blocks(tokens);
+    let mut out = Vec::with_capacity(counts.iter().sum::<u64>() as usize);
+    for ((base, bb), &n) in pool.base.iter().zip(&pool.block_bytes).zip(&counts) {
+        if (slot + 1).checked_mul(n)? > pool.blocks {
+            return None;
+        }
+        let mine = slot_blocks(pool, n, slot, seed, Side::Initiator);
+        let theirs = slot_blocks(pool, n, slot, seed, Side::Target);
         out.extend(mine.iter().zip(&theirs).map(|(m, t)| Desc {
             local: base + m * bb,
             remote: base + t * bb,
@@ -196,24 +269,23 @@ pub(super) fn request(
 /// The same bytes as [`request`] in one descriptor per region (slot `slot`'s blocks taken
 /// contiguously on both sides): the reference the descriptor-bound shape is held to.
 pub(super) fn packed_request(p: &Preset, pool: &Pool, tokens: u64, slot: u64) -> Option<Vec<Desc>> {
-    let n = p.blocks_for(tokens);
-    if (slot + 1).checked_mul(n)? > pool.blocks {
-        return None;
-    }
-    Some(
-        pool.base
-            .iter()
-            .zip(&pool.block_bytes)
-            .map(|(base, bb)| {
-                let at = base + slot * n * bb;
-                Desc {
-                    local: at,
-                    remote: at,
-                    len: n * bb,
-                }
+    let counts = p.region_blocks(tokens);
+    pool.base
+        .iter()
+        .zip(&pool.block_bytes)
+        .zip(&counts)
+        .map(|((base, bb), &n)| {
+            if (slot + 1).checked_mul(n)? > pool.blocks {
+                return None;
+            }
+            let at = base + slot * n * bb;
+            Some(Desc {
+                local: at,
+                remote: at,
+                len: n * bb,
             })
-            .collect(),
-    )
+        })
+        .collect()
 }
 
 /// xxh3 of `buf`'s bytes at `side`'s offsets of `descs`, in order.
@@ -268,6 +340,20 @@ mod tests {
         assert_eq!(d.len(), 81_920);
         assert!(d.iter().all(|d| d.len == 4096));
         assert_eq!(d.iter().map(|d| d.len).sum::<u64>(), 8192 * 327_680 / 8);
+    }
+
+    /// CollectiveX's dsv4 at 8K tokens: 98 descriptors (32 blocks in each of three groups,
+    /// the window's 2), 50 518 656 bytes; pages padded to 576 bytes.
+    #[test]
+    fn a_deepseek_v4_request_of_8k_tokens_is_collectivex_dsv4() {
+        let p = preset("deepseek-v4").unwrap();
+        assert_eq!(p.block_bytes(), vec![1_123_200, 259_200, 53_568, 2_283_840]);
+        assert_eq!(p.region_blocks(8192), vec![32, 32, 32, 2]);
+        assert_eq!(p.region_blocks(100), vec![1, 1, 1, 2]);
+        let pool = Pool::new(p, 40);
+        let d = request(p, &pool, 8192, 0, 7).unwrap();
+        assert_eq!(d.len(), 98);
+        assert_eq!(d.iter().map(|d| d.len).sum::<u64>(), 50_518_656);
     }
 
     /// Slots never share a block on either side, descriptors stay inside the pool, and
