@@ -37,6 +37,9 @@ pub(crate) struct WorkloadPoint {
     /// The ceiling of this transport measured in the same run (memcpy for shared memory,
     /// a loopback socket stream for TCP).
     pub(crate) ceiling_gbps: f64,
+    /// Over shared memory: one thread's memcpy of the same descriptors between two buffers
+    /// of this process (the memory system's cost of the scattered shape, no engine); else 0.
+    pub(crate) scattered_memcpy_gbps: f64,
     pub(crate) descriptors_per_s: f64,
     /// Both processes' CPU time per request.
     pub(crate) cpu_ms_per_request: f64,
@@ -177,6 +180,15 @@ fn run_points(
         "GB/s", "packed", "/pack", "/ceil", "Mdesc/s", "cpu ms", "ok"
     );
     let base = engine_config(a)?;
+    // The destination of the scattered-memcpy reference: a second pool in this process.
+    let mirror = if a.no_ceilings {
+        None
+    } else {
+        Some(
+            Buffer::alloc(buf.len(), a.hugepages, false)
+                .map_err(|e| format!("the memcpy reference's buffer: {e}"))?,
+        )
+    };
     let mut points = Vec::new();
     let mut planned = Vec::new();
     let mut seed = 1u64;
@@ -254,6 +266,12 @@ fn run_points(
                             .map(|s| packed_request(p, &pool, tokens, s).unwrap_or_default())
                             .collect();
                         let packed_gbps = pt.throughput(&packed, a.duration)?;
+                        let scattered_memcpy_gbps = match (&mirror, via) {
+                            (Some(m), "shm" | "local") => {
+                                scattered_memcpy(buf, m, &slots[0], a.duration)
+                            }
+                            _ => 0.0,
+                        };
                         eprint!("\r\x1b[K");
                         let descs = slots[0].len();
                         let request_bytes: u64 = slots[0].iter().map(|d| d.len).sum();
@@ -273,6 +291,7 @@ fn run_points(
                             gbps: r.gbps,
                             packed_gbps,
                             ceiling_gbps: ceiling,
+                            scattered_memcpy_gbps,
                             descriptors_per_s: r.lat_ms.len() as f64 * descs as f64 / r.secs,
                             cpu_ms_per_request: r.cpu_s * 1e3 / r.lat_ms.len().max(1) as f64,
                             first_ms,
@@ -386,6 +405,13 @@ fn print_point(p: &WorkloadPoint) {
         p.cpu_ms_per_request,
         if p.verified { "yes" } else { "NO" }
     );
+    if p.scattered_memcpy_gbps > 0.0 {
+        println!(
+            "  memcpy of the same descriptors, one thread, no engine: {:.2} GB/s (this point at {} of it)",
+            p.scattered_memcpy_gbps,
+            ratio(p.gbps / p.concurrency as f64, p.scattered_memcpy_gbps)
+        );
+    }
     if p.register_ms > 0.0 {
         println!(
             "  registering a {} KV cache (reserved, untouched) in a fresh engine: {:.3} ms",
@@ -543,6 +569,29 @@ impl Point<'_> {
             verified,
         })
     }
+}
+
+/// GB/s of one thread copying `d`'s pieces from `src` (initiator offsets) to `dst` (target
+/// offsets) for `secs` (at least once): what the scattered shape costs the memory system.
+fn scattered_memcpy(src: &Buffer, dst: &Buffer, d: &[Desc], secs: f64) -> f64 {
+    let bytes: u64 = d.iter().map(|d| d.len).sum();
+    let in_range = |off: u64, len: u64| off.checked_add(len).is_some_and(|e| e <= src.len() as u64);
+    if !d
+        .iter()
+        .all(|d| in_range(d.local, d.len) && in_range(d.remote, d.len))
+    {
+        return 0.0;
+    }
+    let start = Instant::now();
+    let mut rounds = 0u64;
+    while rounds == 0 || start.elapsed().as_secs_f64() < secs {
+        for x in d {
+            dst.slice_mut(x.remote as usize, x.len as usize)
+                .copy_from_slice(src.slice(x.local as usize, x.len as usize));
+        }
+        rounds += 1;
+    }
+    (rounds * bytes) as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
 /// A fresh engine's `register_memory` of a `REGISTER_PROBE`-byte KV cache, in ms: anonymous
