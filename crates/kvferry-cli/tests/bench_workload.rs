@@ -76,9 +76,8 @@ fn bench_workload_moves_verified_model_shaped_requests() {
         assert_eq!(r["request_bytes"].as_u64(), Some(bytes), "{r}");
         assert!(r["gbps"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["packed_gbps"].as_f64().unwrap() > 0.0, "{r}");
-        // Over shared memory, memcpy of the same descriptors is measured beside it.
-        let memcpy = r["scattered_memcpy_gbps"].as_f64().unwrap();
-        assert_eq!(memcpy > 0.0, r["transport"] == "shm", "{r}");
+        // A ceiling, so not measured with --no-ceilings (run::tests checks the copy itself).
+        assert_eq!(r["scattered_memcpy_gbps"].as_f64(), Some(0.0), "{r}");
         assert!(r["p99_ms"].as_f64() >= r["p50_ms"].as_f64(), "{r}");
         assert!(r["requests"].as_u64().unwrap() >= r["concurrency"].as_u64().unwrap());
     }

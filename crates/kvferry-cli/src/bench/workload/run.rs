@@ -664,3 +664,34 @@ fn first_request(
     pt.one(&reqs)?;
     Ok(t0.elapsed().as_secs_f64() * 1e3)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The memcpy reference copies each piece from its initiator offset to its target offset,
+    /// and refuses pieces outside the buffers rather than touching them.
+    #[test]
+    fn the_scattered_memcpy_reference_copies_every_piece_where_the_request_would() {
+        let p = super::super::preset("qwen3-8b").unwrap();
+        let pool = Pool::new(p, 8);
+        let len = (p.row_bytes() * 8) as usize;
+        let (src, dst) = (
+            Buffer::alloc(len, false, false).unwrap(),
+            Buffer::alloc(len, false, false).unwrap(),
+        );
+        src.fill(0, len, 3);
+        let d = request(p, &pool, 40, 1, 5).unwrap();
+        assert!(scattered_memcpy(&src, &dst, &d, 0.0) > 0.0);
+        assert_eq!(
+            hash(&src, &d, Side::Initiator),
+            hash(&dst, &d, Side::Target)
+        );
+        let outside = [Desc {
+            local: len as u64 - 1,
+            remote: 0,
+            len: 2,
+        }];
+        assert_eq!(scattered_memcpy(&src, &dst, &outside, 0.0), 0.0);
+    }
+}
