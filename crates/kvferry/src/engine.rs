@@ -20,8 +20,10 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 mod handle;
+mod plan;
 
 pub use handle::Batch;
+pub use plan::PageTable;
 
 /// A segment handle returned by [`TransferEngine::open_segment`].
 pub type SegmentId = u64;

@@ -23,6 +23,7 @@ import enum
 import logging
 import operator
 import os
+import sys
 import threading
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -36,6 +37,8 @@ __all__ = [
     "TransferNotify",
     "TransferOpcode",
     "InnerTransferEngine",
+    "ScatterTransferCompletionStatus",
+    "ScatterTransferTicket",
     "Read",
     "Write",
     "SUPPORT_CUDA",
@@ -96,6 +99,101 @@ class TransferNotify:
 
     def __repr__(self) -> str:
         return "TransferNotify(name=%r, msg=%r)" % (self.name, self.msg)
+
+
+class ScatterTransferCompletionStatus(enum.IntEnum):
+    """How a scatter operation ended: ``COMPLETED``; ``FAILED_DRAINED`` (a fragment failed,
+    and every fragment has ended: nothing of it lands any more); ``COMPLETION_UNKNOWN`` (not
+    known yet: fragments may still be moving)."""
+
+    COMPLETED = 0
+    FAILED_DRAINED = 1
+    COMPLETION_UNKNOWN = 2
+
+    def __str__(self) -> str:
+        return "ScatterTransferCompletionStatus.%s" % self.name
+
+
+class ScatterTransferTicket:
+    """Keeps a scatter operation alive until native DMA is drained: its local ranges may be
+    written (READ) or read (WRITE) until :attr:`drained`. Dropping the ticket early does not
+    cut the operation short: the engine keeps it until every fragment ended."""
+
+    __slots__ = ("_core", "_bid", "_status", "_reason", "__weakref__")
+
+    def __init__(self) -> None:
+        raise TypeError("ScatterTransferTicket objects are returned by submit_scatter_*() and scatter_transfer_sync_*_with_ticket()")
+
+    @classmethod
+    def _of(cls, core: Any, bid: int) -> "ScatterTransferTicket":
+        t = object.__new__(cls)
+        t._core, t._bid, t._status, t._reason = core, bid, ScatterTransferCompletionStatus.COMPLETION_UNKNOWN, None
+        return t
+
+    @classmethod
+    def _failed(cls, reason: str) -> "ScatterTransferTicket":
+        # Nothing was submitted: drained at once.
+        t = cls._of(None, 0)
+        t._status, t._reason = ScatterTransferCompletionStatus.FAILED_DRAINED, reason
+        return t
+
+    def _settle(self, st: int, reason: Optional[str]) -> None:
+        self._status = ScatterTransferCompletionStatus.COMPLETED if st == 4 else ScatterTransferCompletionStatus.FAILED_DRAINED
+        self._reason = reason
+        core, self._core = self._core, None
+        try:
+            core.release_batch(self._bid)
+        except KvferryError:
+            pass
+        if st != 4:
+            log.warning("scatter transfer failed: %s", reason or "status %d" % st)
+
+    def _wait(self, timeout: Optional[float]) -> ScatterTransferCompletionStatus:
+        core = self._core
+        if core is None:
+            return self._status
+        try:
+            st, _, reason, _ = core.wait_batch(self._bid, timeout)
+        except KvferryError as e:  # the engine was closed: its batches ended with it
+            self._core = None
+            self._status, self._reason = ScatterTransferCompletionStatus.FAILED_DRAINED, e.reason
+            return self._status
+        if st in (0, 1):
+            return ScatterTransferCompletionStatus.COMPLETION_UNKNOWN
+        self._settle(st, reason)
+        return self._status
+
+    @property
+    def status(self) -> ScatterTransferCompletionStatus:
+        """COMPLETED or FAILED_DRAINED once every fragment ended, else COMPLETION_UNKNOWN
+        (does not wait)."""
+        return self._wait(0.0)
+
+    @property
+    def drained(self) -> bool:
+        """Whether every fragment has ended (nothing of the operation touches memory any
+        more)."""
+        return self._wait(0.0) != ScatterTransferCompletionStatus.COMPLETION_UNKNOWN
+
+    def drain(self, timeout_ms: int) -> ScatterTransferCompletionStatus:
+        """Waits up to ``timeout_ms`` milliseconds (negative: no limit) for every fragment to
+        end; returns :attr:`status` (COMPLETION_UNKNOWN if still moving at the timeout)."""
+        try:
+            ms = operator.index(timeout_ms)
+        except TypeError:
+            raise TypeError("drain(): timeout_ms must be an int, not %s" % type(timeout_ms).__name__) from None
+        return self._wait(None if ms < 0 else ms / 1000.0)
+
+    def __del__(self) -> None:
+        core = getattr(self, "_core", None)
+        if core is not None:
+            try:
+                core.release_batch(self._bid)  # freed by the engine once every fragment ended
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return "<ScatterTransferTicket %s>" % self._status.name
 
 
 #: What ``get_engine()`` returns: kvferry's native engine sharing this object's engine.
@@ -171,6 +269,51 @@ def _data(v: Any) -> bytes:
     raise _Bad
 
 
+def _seq(v: Any) -> List[Any]:
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
+        raise _Bad
+    try:
+        return list(v)
+    except TypeError:
+        raise _Bad from None
+
+
+# Buffer formats of 8-byte integers (struct codes; numpy int64 is "l", uint64 "L"), and
+# whether they are signed. A leading "@" or "=" is native order; "<" is native here only on
+# little-endian hosts.
+_INT8 = {"q": True, "l": True, "n": True, "Q": False, "L": False, "N": False}
+_NATIVE = ("@", "=", "<") if sys.byteorder == "little" else ("@", "=", ">", "!")
+
+
+def _array(v: Any, name: str, method: str, args: Tuple[Any, ...], rows: int = 0) -> Tuple[bytes, bool]:
+    """An array argument of the 0.3.14 calls as (its bytes, signed): one-dimensional (or,
+    with ``rows``, ``[F, rows]`` and C-contiguous), contiguous, of 8-byte integers. O(1)
+    Python work: the items are read and checked in native code. A non-buffer raises
+    Mooncake's TypeError; a buffer of the wrong shape or type, ValueError naming it."""
+    if isinstance(v, str):
+        raise _incompatible(method, _SIG[method], args)
+    try:
+        mv = memoryview(v)
+    except TypeError:
+        raise _incompatible(method, _SIG[method], args) from None
+    with mv:
+        fmt = mv.format
+        if fmt[:1] in _NATIVE:
+            fmt = fmt[1:]
+        if rows:
+            if mv.ndim != 2 or mv.shape[1] != rows:
+                raise ValueError("%s must be a [F, %d] array (got shape %s)" % (name, rows, tuple(mv.shape)))
+        elif mv.ndim != 1:
+            raise ValueError("%s must be a one-dimensional array (got %d dimensions)" % (name, mv.ndim))
+        if mv.itemsize != 8 or fmt not in _INT8:
+            raise ValueError("%s must hold 8-byte integers (uint64/int64), not format %r" % (name, mv.format))
+        if rows and not mv.c_contiguous:
+            raise ValueError("%s must be C-contiguous" % name)
+        if not mv.contiguous:
+            raise ValueError("%s must be contiguous" % name)
+        return mv.tobytes(), _INT8[fmt]
+
+
 def _incompatible(method: str, signature: str, args: Sequence[Any]) -> TypeError:
     return TypeError(
         "%s(): incompatible function arguments. The following argument types are supported:\n"
@@ -182,7 +325,7 @@ def _incompatible(method: str, signature: str, args: Sequence[Any]) -> TypeError
 _SIG = {
     "initialize": "local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int",
     "initialize_ext": "local_hostname: str, metadata_server: str, protocol: str, device_name: str, metadata_type: str) -> int",
-    "register_memory": "buffer_addr: int, capacity: int, location: str = '*') -> int",
+    "register_memory": "buffer_addr: int, capacity: int, location: str = '*', remote_accessible: bool = True) -> int",
     "unregister_memory": "buffer_addr: int) -> int",
     "batch_register_memory": "buffer_addresses: list[int], capacities: list[int], location: str = '*') -> int",
     "batch_unregister_memory": "buffer_addresses: list[int]) -> int",
@@ -190,17 +333,27 @@ _SIG = {
     "free_managed_buffer": "buffer_addr: int, length: int) -> int",
     "write_bytes_to_buffer": "dest_address: int, src_bytes: bytes, length: int) -> int",
     "read_bytes_from_buffer": "source_address: int, length: int) -> bytes",
-    "transfer_sync_write": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '') -> int",
-    "transfer_sync_read": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '') -> int",
-    "transfer_sync": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, opcode: TransferOpcode, notify: TransferNotify = None, transport_hint: str = '') -> int",
-    "batch_transfer_sync_write": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '') -> int",
-    "batch_transfer_sync_read": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '') -> int",
-    "batch_transfer_sync": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], opcode: TransferOpcode, notify: TransferNotify = None, transport_hint: str = '') -> int",
-    "batch_transfer_async_write": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '') -> int",
-    "batch_transfer_async_read": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '') -> int",
-    "batch_transfer_async": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], opcode: TransferOpcode, transport_hint: str = '') -> int",
+    "transfer_sync_write": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '', nic_hint: str = '') -> int",
+    "transfer_sync_read": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '', nic_hint: str = '') -> int",
+    "transfer_sync": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, opcode: TransferOpcode, notify: TransferNotify = None, transport_hint: str = '', nic_hint: str = '') -> int",
+    "batch_transfer_sync_write": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '', nic_hint: str = '') -> int",
+    "batch_transfer_sync_read": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '', nic_hint: str = '') -> int",
+    "batch_transfer_sync": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], opcode: TransferOpcode, notify: TransferNotify = None, transport_hint: str = '', nic_hint: str = '') -> int",
+    "batch_transfer_async_write": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '', nic_hint: str = '') -> int",
+    "batch_transfer_async_read": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '', nic_hint: str = '') -> int",
+    "batch_transfer_async": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], opcode: TransferOpcode, transport_hint: str = '', nic_hint: str = '') -> int",
     "get_batch_transfer_status": "batch_ids: list[int]) -> int",
-    "transfer_submit_write": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '') -> int",
+    "batch_transfer_sync_write_arrays": "target_hostname: str, buffers: Buffer, peer_buffer_addresses: Buffer, lengths: Buffer, transport_hint: str = '', nic_hint: str = '') -> int",
+    "batch_transfer_sync_read_arrays": "target_hostname: str, buffers: Buffer, peer_buffer_addresses: Buffer, lengths: Buffer, transport_hint: str = '', nic_hint: str = '') -> int",
+    "batch_transfer_async_write_arrays": "target_hostname: str, buffers: Buffer, peer_buffer_addresses: Buffer, lengths: Buffer, transport_hint: str = '', nic_hint: str = '') -> int",
+    "batch_transfer_async_read_arrays": "target_hostname: str, buffers: Buffer, peer_buffer_addresses: Buffer, lengths: Buffer, transport_hint: str = '', nic_hint: str = '') -> int",
+    "batch_transfer_sync_write_pages": "target_hostname: str, src_pages: Buffer, dst_pages: Buffer, fields: Buffer, max_batch_size: int = 0, transport_hint: str = '', nic_hint: str = '') -> int",
+    "batch_transfer_sync_read_pages": "target_hostname: str, src_pages: Buffer, dst_pages: Buffer, fields: Buffer, max_batch_size: int = 0, transport_hint: str = '', nic_hint: str = '') -> int",
+    "submit_scatter_write": "endpoint: str, local_base_addresses: list[int], local_capacities: list[int], remote_base_addresses: list[int], remote_capacities: list[int], local_offsets: list[list[int]], remote_offsets: list[list[int]], lengths: list[list[int]]) -> ScatterTransferTicket",
+    "submit_scatter_read": "endpoint: str, local_base_addresses: list[int], local_capacities: list[int], remote_base_addresses: list[int], remote_capacities: list[int], local_offsets: list[list[int]], remote_offsets: list[list[int]], lengths: list[list[int]]) -> ScatterTransferTicket",
+    "scatter_transfer_sync_write_with_ticket": "endpoint: str, local_base_addresses: list[int], local_capacities: list[int], remote_base_addresses: list[int], remote_capacities: list[int], local_offsets: list[list[int]], remote_offsets: list[list[int]], lengths: list[list[int]]) -> ScatterTransferTicket",
+    "scatter_transfer_sync_read_with_ticket": "endpoint: str, local_base_addresses: list[int], local_capacities: list[int], remote_base_addresses: list[int], remote_capacities: list[int], local_offsets: list[list[int]], remote_offsets: list[list[int]], lengths: list[list[int]]) -> ScatterTransferTicket",
+    "transfer_submit_write": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '', nic_hint: str = '') -> int",
     "transfer_check_status": "batch_id: int) -> int",
     "get_first_buffer_address": "segment_name: str) -> int",
     "get_local_topology": "device_name: str = None) -> str",
@@ -223,6 +376,16 @@ def _with_default_port(name: str) -> str:
     if colons == 1:
         return name
     return "[%s]:%s" % (name, port)  # a bare IPv6 literal
+
+
+_warned: set = set()
+
+
+def _warn_once(msg: str) -> None:
+    key = msg.split(":", 1)[0]
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s", msg)
 
 
 def _fail(method: str, reason: str, ret: Any = -1) -> Any:
@@ -350,13 +513,20 @@ class TransferEngine:
 
     # -- memory --------------------------------------------------------------------------
 
-    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
+    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*", remote_accessible: bool = True) -> int:
         """Registers ``[buffer_addr, buffer_addr + capacity)``. Returns 0, -1 (invalid:
-        zero length, null, bad location), -7 (overlaps a registered range)."""
+        zero length, null, bad location), -7 (overlaps a registered range).
+        ``remote_accessible=False`` (Mooncake: a local-only buffer, not published to peers):
+        kvferry registers it as usual -- peers can reach every range this engine registered
+        -- and logs that once."""
         try:
             a, n, loc = _u(buffer_addr), _u(capacity), _s(location)
+            if not isinstance(remote_accessible, bool):
+                raise _Bad
         except _Bad:
-            raise _incompatible("register_memory", _SIG["register_memory"], (buffer_addr, capacity, location)) from None
+            raise _incompatible("register_memory", _SIG["register_memory"], (buffer_addr, capacity, location, remote_accessible)) from None
+        if not remote_accessible:
+            _warn_once("register_memory(remote_accessible=False): kvferry publishes every registered range to peers; the range at 0x%x is registered and reachable by them" % a)
         core = self._need("register_memory")
         if core is None:
             return -1
@@ -494,10 +664,29 @@ class TransferEngine:
 
     # -- synchronous transfers -----------------------------------------------------------
 
+    def _hints(self, method: str, core: Any, target: str, hints: Tuple[str, str]) -> bool:
+        """Checks ``transport_hint``/``nic_hint`` against how this engine reaches ``target``:
+        True when they can be met (or are empty); else logs why and returns False. An unknown
+        transport name raises ValueError, as Mooncake's."""
+        if not hints[0] and not hints[1]:
+            return True
+        try:
+            _kvferry.check_hints(core, target, hints[0], hints[1])
+            return True
+        except InvalidArgument as e:
+            if e.reason.startswith("Unknown transport_hint"):
+                raise ValueError(e.reason) from None
+            _fail(method, e.reason)
+        except KvferryError as e:
+            _fail(method, e.reason)
+        return False
+
     def _sync(self, method: str, target: str, locals_: List[int], remotes: List[int], lengths: List[int], op: int, notify: Optional[Tuple[str, str]],
-              args: Optional[Tuple[Any, ...]] = None) -> int:
+              args: Optional[Tuple[Any, ...]] = None, hints: Tuple[str, str] = ("", "")) -> int:
         core = self._need(method)
         if core is None:
+            return -1
+        if not self._hints(method, core, target, hints):
             return -1
         try:
             # Timeout: the engine's, plus 1 ns per byte (computed natively).
@@ -516,32 +705,38 @@ class TransferEngine:
                 _fail(method, "the transfer completed but its notify was not delivered: %s" % e.reason, 0)
         return 0
 
-    def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
+    def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "", nic_hint: str = "") -> int:
         """Writes ``length`` bytes from local ``buffer`` to ``peer_buffer_address`` of segment
-        ``target_hostname`` (``"host:rpc_port"``); blocks. Returns 0 or -1."""
-        try:
-            t, b, p, n, _ = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint)
-        except _Bad:
-            raise _incompatible("transfer_sync_write", _SIG["transfer_sync_write"], (target_hostname, buffer, peer_buffer_address, length, transport_hint)) from None
-        return self._sync("transfer_sync_write", t, [b], [p], [n], 1, None)
+        ``target_hostname`` (``"host:rpc_port"``); blocks. Returns 0 or -1.
 
-    def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
+        ``transport_hint`` (every transfer call has it): ``""``/``"unspec"``, or the
+        transport this engine uses for the peer (``"tcp"``, ``"shm"`` on one host, ``"rdma"``);
+        a transport it cannot use for that peer is -1 with the reason logged, an unknown name
+        ValueError. ``nic_hint``: ``""``, or the NIC when the engine uses RDMA through that
+        NIC only (start it with ``device_name=<nic>``); otherwise -1 with the reason."""
+        try:
+            t, b, p, n, th, nh = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint), _s(nic_hint)
+        except _Bad:
+            raise _incompatible("transfer_sync_write", _SIG["transfer_sync_write"], (target_hostname, buffer, peer_buffer_address, length, transport_hint, nic_hint)) from None
+        return self._sync("transfer_sync_write", t, [b], [p], [n], 1, None, hints=(th, nh))
+
+    def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "", nic_hint: str = "") -> int:
         """Reads ``length`` bytes at ``peer_buffer_address`` of ``target_hostname`` into local
         ``buffer``; blocks. Returns 0 or -1."""
         try:
-            t, b, p, n, _ = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint)
+            t, b, p, n, th, nh = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint), _s(nic_hint)
         except _Bad:
-            raise _incompatible("transfer_sync_read", _SIG["transfer_sync_read"], (target_hostname, buffer, peer_buffer_address, length, transport_hint)) from None
-        return self._sync("transfer_sync_read", t, [b], [p], [n], 0, None)
+            raise _incompatible("transfer_sync_read", _SIG["transfer_sync_read"], (target_hostname, buffer, peer_buffer_address, length, transport_hint, nic_hint)) from None
+        return self._sync("transfer_sync_read", t, [b], [p], [n], 0, None, hints=(th, nh))
 
-    def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, opcode: TransferOpcode, notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
+    def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, opcode: TransferOpcode, notify: Optional[TransferNotify] = None, transport_hint: str = "", nic_hint: str = "") -> int:
         """One transfer in direction ``opcode``; after success ``notify`` (if any) is
         delivered to the target. Returns 0 or -1."""
         try:
-            t, b, p, n, op, nt, _ = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _op(opcode), _notify(notify), _s(transport_hint)
+            t, b, p, n, op, nt, th, nh = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _op(opcode), _notify(notify), _s(transport_hint), _s(nic_hint)
         except _Bad:
-            raise _incompatible("transfer_sync", _SIG["transfer_sync"], (target_hostname, buffer, peer_buffer_address, length, opcode, notify, transport_hint)) from None
-        return self._sync("transfer_sync", t, [b], [p], [n], op, nt)
+            raise _incompatible("transfer_sync", _SIG["transfer_sync"], (target_hostname, buffer, peer_buffer_address, length, opcode, notify, transport_hint, nic_hint)) from None
+        return self._sync("transfer_sync", t, [b], [p], [n], op, nt, hints=(th, nh))
 
     def _batch_args(self, method: str, args: Tuple[Any, ...], strict: bool = False) -> Tuple[str, List[int], List[int], List[int]]:
         """Plain lists go to the native call as they are: it checks every item (a non-int or
@@ -555,46 +750,196 @@ class TransferEngine:
         except _Bad:
             raise _incompatible(method, _SIG[method], args) from None
 
-    def batch_transfer_sync_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
-        """Writes ``lengths[i]`` bytes from ``buffers[i]`` to ``peer_buffer_addresses[i]``, all
-        in one batch; blocks. Returns 0 or -1."""
-        m = "batch_transfer_sync_write"
-        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
-        t, b, p, n = self._batch_args(m, args)
-        if not isinstance(transport_hint, str):
-            raise _incompatible(m, _SIG[m], args)
-        return self._sync(m, t, b, p, n, 1, None, args)
+    def _hint_args(self, method: str, args: Tuple[Any, ...], transport_hint: Any, nic_hint: Any) -> Tuple[str, str]:
+        if not isinstance(transport_hint, str) or not isinstance(nic_hint, str):
+            raise _incompatible(method, _SIG[method], args)
+        return transport_hint, nic_hint
 
-    def batch_transfer_sync_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
+    def batch_transfer_sync_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "", nic_hint: str = "") -> int:
+        """Writes ``lengths[i]`` bytes from ``buffers[i]`` to ``peer_buffer_addresses[i]``, all
+        in one batch (adjacent descriptors merged by the engine); blocks. Returns 0 or -1."""
+        m = "batch_transfer_sync_write"
+        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint)
+        t, b, p, n = self._batch_args(m, args)
+        hints = self._hint_args(m, args, transport_hint, nic_hint)
+        return self._sync(m, t, b, p, n, 1, None, args, hints)
+
+    def batch_transfer_sync_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "", nic_hint: str = "") -> int:
         """Reads ``lengths[i]`` bytes at ``peer_buffer_addresses[i]`` into ``buffers[i]``, all
         in one batch; blocks. Returns 0 or -1."""
         m = "batch_transfer_sync_read"
-        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint)
         t, b, p, n = self._batch_args(m, args)
-        if not isinstance(transport_hint, str):
-            raise _incompatible(m, _SIG[m], args)
-        return self._sync(m, t, b, p, n, 0, None, args)
+        hints = self._hint_args(m, args, transport_hint, nic_hint)
+        return self._sync(m, t, b, p, n, 0, None, args, hints)
 
-    def batch_transfer_sync(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode: TransferOpcode, notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
+    def batch_transfer_sync(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode: TransferOpcode, notify: Optional[TransferNotify] = None, transport_hint: str = "", nic_hint: str = "") -> int:
         """One batch in direction ``opcode``, then ``notify`` (if any). Returns 0 or -1."""
         m = "batch_transfer_sync"
-        allargs = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify, transport_hint)
+        allargs = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify, transport_hint, nic_hint)
         t, b, p, n = self._batch_args(m, allargs[:4] + (transport_hint,), strict=True)
         try:
-            op, nt, _ = _op(opcode), _notify(notify), _s(transport_hint)
+            op, nt, th, nh = _op(opcode), _notify(notify), _s(transport_hint), _s(nic_hint)
         except _Bad:
             raise _incompatible(m, _SIG[m], allargs) from None
-        return self._sync(m, t, b, p, n, op, nt)
+        return self._sync(m, t, b, p, n, op, nt, hints=(th, nh))
+
+    # -- descriptor arrays and page tables (Mooncake 0.3.14) ------------------------------
+
+    def _arrays_call(self, method: str, args: Tuple[Any, ...], op: int, submit: bool) -> int:
+        fail = 0 if submit else -1
+        try:
+            t, th, nh = _s(args[0]), _s(args[4]), _s(args[5])
+        except _Bad:
+            raise _incompatible(method, _SIG[method], args) from None
+        arrays = [_array(a, name, method, args) for a, name in zip(args[1:4], ("buffers", "peer_buffer_addresses", "lengths"))]
+        core = self._need(method)
+        if core is None:
+            return fail
+        if not self._hints(method, core, t, (th, nh)):
+            return fail
+        raw = tuple(a[0] for a in arrays)
+        signed = tuple(a[1] for a in arrays)
+        try:
+            if submit:
+                return _kvferry.submit_arrays(core, t, op, raw[0], raw[1], raw[2], signed)
+            _kvferry.transfer_arrays(core, t, op, raw[0], raw[1], raw[2], signed)
+            return 0
+        except KvferryError as e:
+            return _fail(method, e.reason, fail)
+
+    def batch_transfer_sync_write_arrays(self, target_hostname: str, buffers: Any, peer_buffer_addresses: Any, lengths: Any, transport_hint: str = "", nic_hint: str = "") -> int:
+        """:meth:`batch_transfer_sync_write` with the descriptors as contiguous one-dimensional
+        arrays of 8-byte integers (numpy ``uint64``/``int64``, ``array.array('Q')``, any
+        buffer): read in native code, no per-element Python work. An array of another shape
+        or item type raises ValueError; arrays of different lengths, a negative int64 item or
+        a failed transfer is -1 (reason logged)."""
+        m = "batch_transfer_sync_write_arrays"
+        return self._arrays_call(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint), 1, False)
+
+    def batch_transfer_sync_read_arrays(self, target_hostname: str, buffers: Any, peer_buffer_addresses: Any, lengths: Any, transport_hint: str = "", nic_hint: str = "") -> int:
+        """:meth:`batch_transfer_sync_read` with descriptor arrays (see
+        :meth:`batch_transfer_sync_write_arrays`)."""
+        m = "batch_transfer_sync_read_arrays"
+        return self._arrays_call(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint), 0, False)
+
+    def batch_transfer_async_write_arrays(self, target_hostname: str, buffers: Any, peer_buffer_addresses: Any, lengths: Any, transport_hint: str = "", nic_hint: str = "") -> int:
+        """:meth:`batch_transfer_async_write` with descriptor arrays: the batch id, 0 on
+        failure."""
+        m = "batch_transfer_async_write_arrays"
+        return self._arrays_call(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint), 1, True)
+
+    def batch_transfer_async_read_arrays(self, target_hostname: str, buffers: Any, peer_buffer_addresses: Any, lengths: Any, transport_hint: str = "", nic_hint: str = "") -> int:
+        """:meth:`batch_transfer_async_read` with descriptor arrays: the batch id, 0 on
+        failure."""
+        m = "batch_transfer_async_read_arrays"
+        return self._arrays_call(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint), 0, True)
+
+    def _pages_call(self, method: str, args: Tuple[Any, ...], op: int) -> int:
+        try:
+            t, _, th, nh = _s(args[0]), _u(args[4]), _s(args[5]), _s(args[6])
+        except _Bad:
+            raise _incompatible(method, _SIG[method], args) from None
+        src = _array(args[1], "src_pages", method, args)
+        dst = _array(args[2], "dst_pages", method, args)
+        fields = _array(args[3], "fields", method, args, rows=5)
+        core = self._need(method)
+        if core is None:
+            return -1
+        if not self._hints(method, core, t, (th, nh)):
+            return -1
+        try:
+            _kvferry.transfer_pages(core, t, op, src[0], dst[0], fields[0], (src[1], dst[1], fields[1]))
+            return 0
+        except KvferryError as e:
+            return _fail(method, e.reason)
+
+    def batch_transfer_sync_write_pages(self, target_hostname: str, src_pages: Any, dst_pages: Any, fields: Any, max_batch_size: int = 0, transport_hint: str = "", nic_hint: str = "") -> int:
+        """Writes a page table: for each row ``(src_base, src_stride, dst_base, dst_stride,
+        length)`` of ``fields`` (a C-contiguous ``[F, 5]`` array of 8-byte integers) and each
+        ``i``, ``length`` bytes from local ``src_base + src_pages[i] * src_stride`` to remote
+        ``dst_base + dst_pages[i] * dst_stride``: ``F * P`` copies, expanded and merged (where
+        adjacent) inside the engine, one batch; blocks. ``max_batch_size`` is accepted (kvferry
+        needs no cap on a batch's size). Returns 0 or -1 (page lists of different lengths, a
+        row with length 0 or a negative value, an address past 2**64 - 1, a failed transfer;
+        nothing moves when the table is refused). Arrays of the wrong shape or item type raise
+        ValueError."""
+        m = "batch_transfer_sync_write_pages"
+        return self._pages_call(m, (target_hostname, src_pages, dst_pages, fields, max_batch_size, transport_hint, nic_hint), 1)
+
+    def batch_transfer_sync_read_pages(self, target_hostname: str, src_pages: Any, dst_pages: Any, fields: Any, max_batch_size: int = 0, transport_hint: str = "", nic_hint: str = "") -> int:
+        """Reads a page table (see :meth:`batch_transfer_sync_write_pages`; ``src`` is the
+        local side, ``dst`` the remote one, as in Mooncake): remote
+        ``dst_base + dst_pages[i] * dst_stride`` into local ``src_base + src_pages[i] *
+        src_stride``."""
+        m = "batch_transfer_sync_read_pages"
+        return self._pages_call(m, (target_hostname, src_pages, dst_pages, fields, max_batch_size, transport_hint, nic_hint), 0)
+
+    # -- scatter transfers with tickets (Mooncake 0.3.14) ---------------------------------
+
+    def _scatter(self, method: str, args: Tuple[Any, ...], op: int, wait: bool) -> "ScatterTransferTicket":
+        try:
+            t = _s(args[0])
+            flat = [_ul(a) for a in args[1:5]]
+            nested = [[_ul(x) for x in _seq(a)] for a in args[5:8]]
+        except _Bad:
+            raise _incompatible(method, _SIG[method], args) from None
+        core = self._need(method)
+        if core is None:
+            return ScatterTransferTicket._failed(_NOT_INITIALIZED)
+        try:
+            bid = _kvferry.submit_scatter(core, t, op, *flat, *nested)
+        except InvalidArgument as e:
+            raise ValueError(e.reason) from None
+        except KvferryError as e:
+            _fail(method, e.reason)
+            return ScatterTransferTicket._failed(e.reason)
+        ticket = ScatterTransferTicket._of(core, bid)
+        if wait:
+            ticket._wait(None)
+        return ticket
+
+    def submit_scatter_write(self, endpoint: str, local_base_addresses: Sequence[int], local_capacities: Sequence[int], remote_base_addresses: Sequence[int], remote_capacities: Sequence[int],
+                             local_offsets: Sequence[Sequence[int]], remote_offsets: Sequence[Sequence[int]], lengths: Sequence[Sequence[int]]) -> "ScatterTransferTicket":
+        """Starts a scatter WRITE to ``endpoint`` and returns its :class:`ScatterTransferTicket`
+        at once: for each range ``k`` and fragment ``j``, ``lengths[k][j]`` bytes from local
+        ``local_base_addresses[k] + local_offsets[k][j]`` to remote
+        ``remote_base_addresses[k] + remote_offsets[k][j]``, every fragment inside its range's
+        capacities (ValueError naming the range and fragment otherwise, nothing moved)."""
+        m = "submit_scatter_write"
+        return self._scatter(m, (endpoint, local_base_addresses, local_capacities, remote_base_addresses, remote_capacities, local_offsets, remote_offsets, lengths), 1, False)
+
+    def submit_scatter_read(self, endpoint: str, local_base_addresses: Sequence[int], local_capacities: Sequence[int], remote_base_addresses: Sequence[int], remote_capacities: Sequence[int],
+                            local_offsets: Sequence[Sequence[int]], remote_offsets: Sequence[Sequence[int]], lengths: Sequence[Sequence[int]]) -> "ScatterTransferTicket":
+        """Starts a scatter READ (remote fragments into the local ranges); see
+        :meth:`submit_scatter_write`."""
+        m = "submit_scatter_read"
+        return self._scatter(m, (endpoint, local_base_addresses, local_capacities, remote_base_addresses, remote_capacities, local_offsets, remote_offsets, lengths), 0, False)
+
+    def scatter_transfer_sync_write_with_ticket(self, endpoint: str, local_base_addresses: Sequence[int], local_capacities: Sequence[int], remote_base_addresses: Sequence[int], remote_capacities: Sequence[int],
+                                                local_offsets: Sequence[Sequence[int]], remote_offsets: Sequence[Sequence[int]], lengths: Sequence[Sequence[int]]) -> "ScatterTransferTicket":
+        """:meth:`submit_scatter_write`, then waits until every fragment ended; the ticket
+        says COMPLETED or FAILED_DRAINED."""
+        m = "scatter_transfer_sync_write_with_ticket"
+        return self._scatter(m, (endpoint, local_base_addresses, local_capacities, remote_base_addresses, remote_capacities, local_offsets, remote_offsets, lengths), 1, True)
+
+    def scatter_transfer_sync_read_with_ticket(self, endpoint: str, local_base_addresses: Sequence[int], local_capacities: Sequence[int], remote_base_addresses: Sequence[int], remote_capacities: Sequence[int],
+                                               local_offsets: Sequence[Sequence[int]], remote_offsets: Sequence[Sequence[int]], lengths: Sequence[Sequence[int]]) -> "ScatterTransferTicket":
+        """:meth:`submit_scatter_read`, then waits until every fragment ended."""
+        m = "scatter_transfer_sync_read_with_ticket"
+        return self._scatter(m, (endpoint, local_base_addresses, local_capacities, remote_base_addresses, remote_capacities, local_offsets, remote_offsets, lengths), 0, True)
 
     # -- asynchronous transfers ----------------------------------------------------------
 
     def _submit(self, method: str, target: str, locals_: List[int], remotes: List[int], lengths: List[int], op: int,
-                args: Optional[Tuple[Any, ...]] = None) -> int:
+                args: Optional[Tuple[Any, ...]] = None, hints: Tuple[str, str] = ("", "")) -> int:
         core = self._need(method)
         if core is None:
             return 0
+        if not self._hints(method, core, target, hints):
+            return 0
         try:
-            bid = core.submit(target, op, locals_, remotes, lengths)
+            bid = core.submit(target, op, locals_, remotes, lengths, None, True)
         except KvferryError as e:
             return _fail(method, e.reason, 0)
         except (TypeError, OverflowError):
@@ -604,44 +949,42 @@ class TransferEngine:
             raise
         return bid
 
-    def batch_transfer_async_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
+    def batch_transfer_async_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "", nic_hint: str = "") -> int:
         """Submits a WRITE batch and returns its id (0 on failure) at once; complete it with
         :meth:`get_batch_transfer_status` or :meth:`transfer_check_status`."""
         m = "batch_transfer_async_write"
-        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint)
         t, b, p, n = self._batch_args(m, args)
-        if not isinstance(transport_hint, str):
-            raise _incompatible(m, _SIG[m], args)
-        return self._submit(m, t, b, p, n, 1, args)
+        hints = self._hint_args(m, args, transport_hint, nic_hint)
+        return self._submit(m, t, b, p, n, 1, args, hints)
 
-    def batch_transfer_async_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
+    def batch_transfer_async_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "", nic_hint: str = "") -> int:
         """Submits a READ batch and returns its id (0 on failure) at once."""
         m = "batch_transfer_async_read"
-        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint)
         t, b, p, n = self._batch_args(m, args)
-        if not isinstance(transport_hint, str):
-            raise _incompatible(m, _SIG[m], args)
-        return self._submit(m, t, b, p, n, 0, args)
+        hints = self._hint_args(m, args, transport_hint, nic_hint)
+        return self._submit(m, t, b, p, n, 0, args, hints)
 
-    def batch_transfer_async(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode: TransferOpcode, transport_hint: str = "") -> int:
+    def batch_transfer_async(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode: TransferOpcode, transport_hint: str = "", nic_hint: str = "") -> int:
         """Submits a batch in direction ``opcode``; returns its id (0 on failure)."""
         m = "batch_transfer_async"
-        allargs = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint)
+        allargs = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint, nic_hint)
         t, b, p, n = self._batch_args(m, allargs[:4] + (transport_hint,), strict=True)
         try:
-            op, _ = _op(opcode), _s(transport_hint)
+            op, th, nh = _op(opcode), _s(transport_hint), _s(nic_hint)
         except _Bad:
             raise _incompatible(m, _SIG[m], allargs) from None
-        return self._submit(m, t, b, p, n, op)
+        return self._submit(m, t, b, p, n, op, hints=(th, nh))
 
-    def transfer_submit_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
+    def transfer_submit_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "", nic_hint: str = "") -> int:
         """Submits one WRITE and returns its batch id (0 on failure); poll it with
         :meth:`transfer_check_status`."""
         try:
-            t, b, p, n, _ = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint)
+            t, b, p, n, th, nh = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint), _s(nic_hint)
         except _Bad:
-            raise _incompatible("transfer_submit_write", _SIG["transfer_submit_write"], (target_hostname, buffer, peer_buffer_address, length, transport_hint)) from None
-        return self._submit("transfer_submit_write", t, [b], [p], [n], 1)
+            raise _incompatible("transfer_submit_write", _SIG["transfer_submit_write"], (target_hostname, buffer, peer_buffer_address, length, transport_hint, nic_hint)) from None
+        return self._submit("transfer_submit_write", t, [b], [p], [n], 1, hints=(th, nh))
 
     def get_batch_transfer_status(self, batch_ids: List[int]) -> int:
         """Waits until every listed batch completed (0) or one failed or timed out (-1); every
