@@ -123,27 +123,33 @@ def test_merging_never_crosses_a_registration(te_pair):
     (lambda l: np.repeat(l, 2)[::2], "contiguous"),
 ])
 def test_arrays_of_the_wrong_shape_raise_and_move_nothing(bufs, bad, match):
+    """TypeError naming the array, as Mooncake 0.3.14."""
     a, _, seg, src, dst = bufs
     l, r, n, _, _ = _scattered(src, dst, n=16)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(TypeError, match=match):
         a.batch_transfer_sync_write_arrays(seg, bad(l), r, n)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(TypeError, match=match):
         a.batch_transfer_async_read_arrays(seg, l, r, bad(n))
     assert not dst.any()
 
 
-def test_arrays_bad_content_is_minus_one_and_moves_nothing(bufs, caplog):
+def test_arrays_bad_content_raises_and_moves_nothing(bufs):
+    """Arrays of different lengths or a negative int64 item: ValueError, as Mooncake 0.3.14."""
     a, _, seg, src, dst = bufs
     l, r, n, _, _ = _scattered(src, dst, n=16)
-    with caplog.at_level(logging.WARNING, logger="kvferry"):
-        assert a.batch_transfer_sync_write_arrays(seg, l, r, n[:-1]) == -1
-        assert "same number of entries" in caplog.text
-        neg = n.astype(np.int64)
-        neg[3] = -1
-        assert a.batch_transfer_sync_write_arrays(seg, l.astype(np.int64), r.astype(np.int64), neg) == -1
-        assert "lengths[3] is negative" in caplog.text
-        assert a.batch_transfer_async_write_arrays(seg, l, r, n[:-1]) == 0
+    with pytest.raises(ValueError, match="must have the same length"):
+        a.batch_transfer_sync_write_arrays(seg, l, r, n[:-1])
+    neg = n.astype(np.int64)
+    neg[3] = -1
+    with pytest.raises(ValueError, match=r"lengths must not contain negative values \(lengths\[3\] is -1\)"):
+        a.batch_transfer_sync_write_arrays(seg, l.astype(np.int64), r.astype(np.int64), neg)
+    with pytest.raises(ValueError, match="must have the same length"):
+        a.batch_transfer_async_write_arrays(seg, l, r, n[:-1])
+    # bytes is a buffer, of 1-byte items.
+    with pytest.raises(TypeError, match="8-byte integers"):
+        a.batch_transfer_sync_write_arrays(seg, l.tobytes(), r, n)
     assert not dst.any()
+    assert a.batch_transfer_sync_write_arrays(seg, l[:0], r[:0], n[:0]) == 0
     # A list is not a buffer: Mooncake's TypeError.
     with pytest.raises(TypeError, match="incompatible function arguments"):
         a.batch_transfer_sync_write_arrays(seg, l.tolist(), r, n)
@@ -191,31 +197,34 @@ def test_contiguous_pages_move_as_one_request(bufs):
     assert dst[:100 * 4096].tobytes() == src[:100 * 4096].tobytes()
 
 
-def test_bad_page_tables_are_refused_whole(bufs, caplog):
+def test_bad_page_tables_are_refused_whole(bufs):
+    """ValueError (as Mooncake 0.3.14) and nothing moved; an address overflow too (Mooncake
+    wraps it around and moves bytes to the wrapped address)."""
     a, _, seg, src, dst = bufs
     ls, rs = src.ctypes.data, dst.ctypes.data
     good = _fields((ls, 1024, rs, 1024, 1024))
     pages = np.arange(8, dtype=np.uint64)
-    with caplog.at_level(logging.WARNING, logger="kvferry"):
-        # different lengths
-        assert a.batch_transfer_sync_write_pages(seg, pages, pages[:-1], good) == -1
-        assert "same length" in caplog.text
-        # a zero length row
-        assert a.batch_transfer_sync_write_pages(seg, pages, pages, _fields((ls, 1024, rs, 1024, 1024), (ls, 1024, rs, 1024, 0))) == -1
-        assert "positive length" in caplog.text
-        # a negative stride (int64 rows)
-        f = good.astype(np.int64)
-        f[0, 3] = -1024
-        assert a.batch_transfer_sync_write_pages(seg, pages, pages, f) == -1
-        # overflow: the last page's address passes 2**64 - 1 (the first pages are valid)
-        big = pages.copy()
-        big[-1] = (1 << 63)
-        assert a.batch_transfer_sync_write_pages(seg, big, pages, good) == -1
-        assert "overflows" in caplog.text
+    with pytest.raises(ValueError, match="src_pages and dst_pages must have the same length"):
+        a.batch_transfer_sync_write_pages(seg, pages, pages[:-1], good)
+    with pytest.raises(ValueError, match="positive length and non-negative strides"):
+        a.batch_transfer_sync_write_pages(seg, pages, pages, _fields((ls, 1024, rs, 1024, 1024), (ls, 1024, rs, 1024, 0)))
+    f = good.astype(np.int64)
+    f[0, 3] = -1024
+    with pytest.raises(ValueError, match="positive length and non-negative strides"):
+        a.batch_transfer_sync_write_pages(seg, pages.astype(np.int64), pages.astype(np.int64), f)
+    negp = pages.astype(np.int64)
+    negp[2] = -1
+    with pytest.raises(ValueError, match="dst_pages must not contain negative values"):
+        a.batch_transfer_sync_write_pages(seg, pages.astype(np.int64), negp, good.astype(np.int64))
+    # overflow: the last page's address passes 2**64 - 1 (the first pages are valid)
+    big = pages.copy()
+    big[-1] = 1 << 62
+    with pytest.raises(ValueError, match="row 0, page 7.*overflows"):
+        a.batch_transfer_sync_write_pages(seg, big, pages, good)
     assert not dst.any(), "a refused table moved bytes"
-    with pytest.raises(ValueError, match=r"\[F, 5\]"):
+    with pytest.raises(TypeError, match=r"\[rows, 5\]"):
         a.batch_transfer_sync_write_pages(seg, pages, pages, good.reshape(-1))
-    with pytest.raises(ValueError, match="C-contiguous"):
+    with pytest.raises(TypeError, match="C-contiguous"):
         a.batch_transfer_sync_write_pages(seg, pages, pages, np.asfortranarray(np.repeat(good, 2, axis=0)))
     with pytest.raises(TypeError):
         a.batch_transfer_sync_write_pages(seg, pages, pages, good, -1)
@@ -229,7 +238,7 @@ def _scatter_args(src, dst):
             [[0, 1000], [100]], [[10, 5000], [0]], [[500, 3000], [65000]])
 
 
-def test_scatter_with_tickets(bufs):
+def test_scatter_with_tickets(bufs, caplog):
     a, _, seg, src, dst = bufs
     args = _scatter_args(src, dst)
     t = a.scatter_transfer_sync_write_with_ticket(seg, *args)
@@ -243,19 +252,26 @@ def test_scatter_with_tickets(bufs):
     assert t.drain(-1) == mc.ScatterTransferCompletionStatus.COMPLETED and t.drained
     assert src[0:500].tobytes() == dst[4096 + 10:4096 + 510].tobytes()
     assert src[65536 + 100:65536 + 65100].tobytes() == dst[131072:131072 + 65000].tobytes()
-    # A fragment outside its remote range: ValueError, nothing moved.
+    # Bad ranges: a ticket that ended FAILED_DRAINED (as Mooncake), the reason logged, and
+    # nothing moved (Mooncake moves the other fragments of a range with a bad one).
+    failed = mc.ScatterTransferCompletionStatus.FAILED_DRAINED
     bad = list(args)
     bad[5] = [[0, 1000], [1000]]
     dst[:] = 0
-    with pytest.raises(ValueError, match="range 1 fragment 0"):
-        a.submit_scatter_write(seg, *bad)
-    bad = list(args)
-    bad[6] = [[500], [65000]]
-    with pytest.raises(ValueError, match="different sizes at range 0"):
-        a.submit_scatter_write(seg, *bad)
-    with pytest.raises(ValueError, match="range arrays have different sizes"):
-        a.submit_scatter_write(seg, args[0][:1], *args[1:])
+    with caplog.at_level(logging.WARNING, logger="kvferry"):
+        t = a.submit_scatter_write(seg, *bad)
+        assert t.drained and t.status == failed and t.drain(0) == failed
+        assert "range 1 fragment 0" in caplog.text
+        bad = list(args)
+        bad[6] = [[500], [65000]]
+        assert a.submit_scatter_write(seg, *bad).status == failed
+        assert "different sizes at range 0" in caplog.text
+        assert a.scatter_transfer_sync_write_with_ticket(seg, args[0][:1], *args[1:]).status == failed
+        assert "range arrays have different sizes" in caplog.text
     assert not dst.any()
+    # No fragment at all: COMPLETED.
+    assert a.submit_scatter_write(seg, [], [], [], [], [], [], []).drain(1000) == mc.ScatterTransferCompletionStatus.COMPLETED
+    assert [int(v) for v in mc.ScatterTransferCompletionStatus] == [0, -1, -2]
     # A remote range the peer never registered: the ticket ends FAILED_DRAINED.
     failing = list(args)
     failing[2] = [8, 16]
@@ -294,3 +310,109 @@ def test_register_memory_remote_accessible(te_pair):
     assert a.register_memory(buf.ctypes.data, 4096, remote_accessible=True) == 0
     with pytest.raises(TypeError):
         a.register_memory(buf.ctypes.data + 1, 16, "*", "yes")
+
+
+# -- parity with the stock 0.3.14 wheel ----------------------------------------------------
+
+CASES314 = __import__("pathlib").Path(__file__).with_name("compat314_cases.py")
+
+#: Where kvferry deliberately differs from stock 0.3.14 (which ignores both hints in its
+#: non-TENT build, and wraps page addresses around 2**64): case -> (kvferry, stock) results.
+DIVERGENT = {
+    "pages_overflow": ({"raises": "ValueError"}, [0, True]),
+    "scatter_fragment_outside": ("FAILED_DRAINED, nothing moved", "FAILED_DRAINED, the other fragments moved"),
+    "hint_rdma": ([-1, False], [0, True]),
+    "hint_unknown": ({"raises": "ValueError"}, [0, True]),
+    "nic_hint": ([-1, False], [0, True]),
+    "nic_hint_keyword": ([-1, False], [0, True]),
+}
+
+
+def _run314(python, impl):
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ, MC_FORCE_TCP="1", KVFERRY_TRANSPORT="tcp")
+    env.pop("KVFERRY_MOONCAKE_SHIM", None)
+    r = subprocess.run([python, str(CASES314), impl], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_parity_with_stock_0_3_14():
+    """The same calls on kvferry and on the stock 0.3.14 wheel (KVFERRY_MOONCAKE314_PYTHON, an
+    interpreter that imports it): same return values, exception types and bytes moved;
+    Mooncake's message within kvferry's; only DIVERGENT differs, and only as listed."""
+    import os
+    import sys
+
+    stock_py = os.environ.get("KVFERRY_MOONCAKE314_PYTHON")
+    if not stock_py:
+        pytest.skip("KVFERRY_MOONCAKE314_PYTHON is not set (an interpreter with the stock 0.3.14 wheel: scripts/mooncake-venv 0.3.14 DIR)")
+    ours, stock = _run314(sys.executable, "kvferry"), _run314(stock_py, "mooncake")
+    assert sorted(ours) == sorted(stock)
+    bad = []
+    for name in stock:
+        (o, om), (s, sm) = ours[name], stock[name]
+        if name in DIVERGENT:
+            want = DIVERGENT[name][0]
+            if name == "scatter_fragment_outside":
+                ok = "FAILED_DRAINED" in str(o) and not om and "FAILED_DRAINED" in str(s)
+            elif isinstance(want, dict):
+                ok = isinstance(o, dict) and o["raises"] == want["raises"] and not om
+            else:
+                ok = [o, om] == want
+            if not ok:
+                bad.append("%s (divergent): kvferry %r, expected %r" % (name, [o, om], want))
+            continue
+        if isinstance(s, dict):
+            ok = isinstance(o, dict) and o["raises"] == s["raises"] and s["msg"][:60] in o["msg"]
+        else:
+            ok = o == s
+        if not ok or om != sm:
+            bad.append("%s: kvferry %r, stock %r" % (name, [o, om], [s, sm]))
+    assert not bad, "\n".join(bad)
+
+
+def test_on_cuda_calls_wait_for_the_stream_then_move(bufs, monkeypatch):
+    """The *_on_cuda calls (bound where SUPPORT_CUDA holds): the stream is synchronised first,
+    then the bytes move; a failed synchronisation moves nothing; a failed transfer raises.
+    Driven through a stand-in cuStreamSynchronize (the mock driver has none)."""
+    from kvferry.mooncake import _cuda
+
+    a, _, seg, src, dst = bufs
+    calls = []
+
+    def fake_sync(stream):
+        calls.append(stream.value or 0)
+        return 700 if stream.value == 0xBAD else 0
+
+    monkeypatch.setattr(_cuda, "_SYNC", fake_sync)
+
+    class OnCuda(_cuda._OnCuda):
+        pass
+
+    on = OnCuda()
+    on._sync = a._sync
+    ls, rs = src.ctypes.data, dst.ctypes.data
+    assert on.transfer_write_on_cuda(seg, ls, rs, 4096, 0x1234) is None
+    assert calls == [0x1234] and dst[:4096].tobytes() == src[:4096].tobytes()
+    on.batch_transfer_write_on_cuda(seg, [ls + 8192, ls + 16384], [rs + 8192, rs + 16384], [100, 200])
+    assert calls[-1] == 0
+    assert dst[16384:16584].tobytes() == src[16384:16584].tobytes()
+    src[:] = 0
+    on.batch_transfer_read_on_cuda(seg, [ls], [rs], [4096], 7)
+    on.transfer_read_on_cuda(seg, ls + 16384, rs + 16384, 200, stream_ptr=8)
+    assert calls[-2:] == [7, 8]
+    assert src[:4096].tobytes() == dst[:4096].tobytes() and src[16384:16584].tobytes() == dst[16384:16584].tobytes()
+    dst[:] = 0
+    with pytest.raises(RuntimeError, match="CUDA error 700; nothing was moved"):
+        on.transfer_write_on_cuda(seg, ls + 1, rs, 100, 0xBAD)
+    assert not dst.any()
+    with pytest.raises(RuntimeError, match="failed"):
+        on.transfer_write_on_cuda(seg, ls, 4096, 100)
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        on.transfer_write_on_cuda(seg, ls, rs, 100, -1)
+    # The flag says whether the calls are there.
+    assert mc.SUPPORT_CUDA == hasattr(mc.TransferEngine, "transfer_write_on_cuda")

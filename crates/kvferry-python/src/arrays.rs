@@ -33,7 +33,10 @@ fn items(py: Python<'_>, name: &str, raw: &[u8], signed: bool) -> PyResult<Vec<u
             return Err(raise(
                 py,
                 Kind::InvalidArgument,
-                format!("{name}[{i}] is negative ({})", v[i] as i64),
+                format!(
+                    "{name} must not contain negative values ({name}[{i}] is {})",
+                    v[i] as i64
+                ),
                 -1,
             ));
         }
@@ -66,7 +69,19 @@ fn descriptors(
     let l = items(py, "buffers", locals, signed.0)?;
     let r = items(py, "peer_buffer_addresses", remotes, signed.1)?;
     let n = items(py, "lengths", lengths, signed.2)?;
-    crate::check_lengths(py, &l, &r, &n)?;
+    if l.len() != r.len() || l.len() != n.len() {
+        return Err(raise(
+            py,
+            Kind::InvalidArgument,
+            format!(
+                "buffers, peer_buffer_addresses and lengths must have the same length (got {}, {} and {})",
+                l.len(),
+                r.len(),
+                n.len()
+            ),
+            -1,
+        ));
+    }
     Ok((l, r, n))
 }
 
@@ -212,7 +227,7 @@ pub(crate) fn transfer_pages(
             return Err(raise(
                 py,
                 Kind::InvalidArgument,
-                format!("fields rows need a positive length and non-negative strides (row {i} has a negative value)"),
+                format!("fields rows need a positive length and non-negative strides (row {i} has a negative value; bases must not be negative either)"),
                 -1,
             ));
         }
@@ -308,15 +323,13 @@ impl Scatter {
                 });
             }
         }
-        if out.is_empty() {
-            return Err("scatter transfer is empty".into());
-        }
+        // (No fragment at all: an empty batch, which completes at once, as in Mooncake.)
         Ok(out)
     }
 }
 
-/// Checks a scatter operation's ranges (raises InvalidArgument naming the range and fragment)
-/// and submits its fragments as one batch; returns the batch id.
+/// Checks a scatter operation's ranges (raises InvalidArgument naming the range and fragment,
+/// before anything moves) and submits its fragments as one batch; returns the batch id.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn submit_scatter(

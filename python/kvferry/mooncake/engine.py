@@ -20,17 +20,17 @@ module logs and returns the failure value instead.
 from __future__ import annotations
 
 import enum
-import logging
-import operator
 import os
-import sys
 import threading
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 from .. import _kvferry
 from .._engine import Engine as _Engine
 from .._engine import _live_engines
 from .._errors import InvalidArgument, KvferryError
+from ._args import _NOT_INITIALIZED, _SIG, _Bad, _data, _fail, _incompatible, _opt_s, _s, _u, _ul, _warn_once, log
+from . import _cuda
+from ._v314 import ScatterTransferCompletionStatus, ScatterTransferTicket, _Calls314
 
 __all__ = [
     "TransferEngine",
@@ -49,15 +49,14 @@ __all__ = [
     "SUPPORT_MUSA",
 ]
 
-log = logging.getLogger("kvferry")
-
-_U64 = 1 << 64
 
 _features = _kvferry.features()
 #: Build-feature flags, computed at run time from what kvferry can really move: SUPPORT_CUDA is
-#: True where the CUDA driver is usable (GPU memory staged through pinned host buffers); the
-#: others are False in this version.
-SUPPORT_CUDA: bool = bool(_features.get("cuda", False))
+#: True where the CUDA driver is usable (GPU memory staged through pinned host buffers) and has
+#: cuStreamSynchronize, so that the ``*_on_cuda`` calls, bound only then (as in Mooncake), work;
+#: the others are False in this version.
+_cuda._SYNC = _cuda.stream_sync() if _features.get("cuda", False) else None
+SUPPORT_CUDA: bool = _cuda._SYNC is not None
 SUPPORT_EFA: bool = bool(_features.get("efa", False))
 SUPPORT_HIP: bool = bool(_features.get("hip", False))
 SUPPORT_INTRA_NVLINK: bool = bool(_features.get("intra_nvlink", False))
@@ -101,146 +100,11 @@ class TransferNotify:
         return "TransferNotify(name=%r, msg=%r)" % (self.name, self.msg)
 
 
-class ScatterTransferCompletionStatus(enum.IntEnum):
-    """How a scatter operation ended: ``COMPLETED``; ``FAILED_DRAINED`` (a fragment failed,
-    and every fragment has ended: nothing of it lands any more); ``COMPLETION_UNKNOWN`` (not
-    known yet: fragments may still be moving)."""
-
-    COMPLETED = 0
-    FAILED_DRAINED = 1
-    COMPLETION_UNKNOWN = 2
-
-    def __str__(self) -> str:
-        return "ScatterTransferCompletionStatus.%s" % self.name
-
-
-class ScatterTransferTicket:
-    """Keeps a scatter operation alive until native DMA is drained: its local ranges may be
-    written (READ) or read (WRITE) until :attr:`drained`. Dropping the ticket early does not
-    cut the operation short: the engine keeps it until every fragment ended."""
-
-    __slots__ = ("_core", "_bid", "_status", "_reason", "__weakref__")
-
-    def __init__(self) -> None:
-        raise TypeError("ScatterTransferTicket objects are returned by submit_scatter_*() and scatter_transfer_sync_*_with_ticket()")
-
-    @classmethod
-    def _of(cls, core: Any, bid: int) -> "ScatterTransferTicket":
-        t = object.__new__(cls)
-        t._core, t._bid, t._status, t._reason = core, bid, ScatterTransferCompletionStatus.COMPLETION_UNKNOWN, None
-        return t
-
-    @classmethod
-    def _failed(cls, reason: str) -> "ScatterTransferTicket":
-        # Nothing was submitted: drained at once.
-        t = cls._of(None, 0)
-        t._status, t._reason = ScatterTransferCompletionStatus.FAILED_DRAINED, reason
-        return t
-
-    def _settle(self, st: int, reason: Optional[str]) -> None:
-        self._status = ScatterTransferCompletionStatus.COMPLETED if st == 4 else ScatterTransferCompletionStatus.FAILED_DRAINED
-        self._reason = reason
-        core, self._core = self._core, None
-        try:
-            core.release_batch(self._bid)
-        except KvferryError:
-            pass
-        if st != 4:
-            log.warning("scatter transfer failed: %s", reason or "status %d" % st)
-
-    def _wait(self, timeout: Optional[float]) -> ScatterTransferCompletionStatus:
-        core = self._core
-        if core is None:
-            return self._status
-        try:
-            st, _, reason, _ = core.wait_batch(self._bid, timeout)
-        except KvferryError as e:  # the engine was closed: its batches ended with it
-            self._core = None
-            self._status, self._reason = ScatterTransferCompletionStatus.FAILED_DRAINED, e.reason
-            return self._status
-        if st in (0, 1):
-            return ScatterTransferCompletionStatus.COMPLETION_UNKNOWN
-        self._settle(st, reason)
-        return self._status
-
-    @property
-    def status(self) -> ScatterTransferCompletionStatus:
-        """COMPLETED or FAILED_DRAINED once every fragment ended, else COMPLETION_UNKNOWN
-        (does not wait)."""
-        return self._wait(0.0)
-
-    @property
-    def drained(self) -> bool:
-        """Whether every fragment has ended (nothing of the operation touches memory any
-        more)."""
-        return self._wait(0.0) != ScatterTransferCompletionStatus.COMPLETION_UNKNOWN
-
-    def drain(self, timeout_ms: int) -> ScatterTransferCompletionStatus:
-        """Waits up to ``timeout_ms`` milliseconds (negative: no limit) for every fragment to
-        end; returns :attr:`status` (COMPLETION_UNKNOWN if still moving at the timeout)."""
-        try:
-            ms = operator.index(timeout_ms)
-        except TypeError:
-            raise TypeError("drain(): timeout_ms must be an int, not %s" % type(timeout_ms).__name__) from None
-        return self._wait(None if ms < 0 else ms / 1000.0)
-
-    def __del__(self) -> None:
-        core = getattr(self, "_core", None)
-        if core is not None:
-            try:
-                core.release_batch(self._bid)  # freed by the engine once every fragment ended
-            except Exception:
-                pass
-
-    def __repr__(self) -> str:
-        return "<ScatterTransferTicket %s>" % self._status.name
-
-
 #: What ``get_engine()`` returns: kvferry's native engine sharing this object's engine.
 InnerTransferEngine = _Engine
 
 
-# -- argument checking, pybind11 style ------------------------------------------------------
-
-class _Bad(Exception):
-    pass
-
-
-def _u(v: Any) -> int:
-    if isinstance(v, float):
-        raise _Bad
-    try:
-        i = operator.index(v)
-    except TypeError:
-        raise _Bad from None
-    if i < 0 or i >= _U64:
-        raise _Bad
-    return i
-
-
-def _ul(v: Any) -> List[int]:
-    if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
-        raise _Bad
-    try:
-        items = list(v)
-    except TypeError:
-        raise _Bad from None
-    if all(type(x) is int and 0 <= x < _U64 for x in items):
-        return items
-    return [_u(x) for x in items]
-
-
-def _s(v: Any) -> str:
-    if isinstance(v, str):
-        return v
-    if isinstance(v, bytes):
-        return v.decode("utf-8", "surrogateescape")
-    raise _Bad
-
-
-def _opt_s(v: Any) -> Optional[str]:
-    return None if v is None else _s(v)
-
+# -- argument checking, pybind11 style (the rest in ._args) -------------------------------
 
 def _op(v: Any) -> int:
     if isinstance(v, TransferOpcode):
@@ -259,109 +123,6 @@ def _notify(v: Any) -> Optional[Tuple[str, str]]:
     raise _Bad
 
 
-def _data(v: Any) -> bytes:
-    if isinstance(v, bytes):
-        return v
-    if isinstance(v, str):
-        return v.encode("utf-8", "surrogateescape")
-    if isinstance(v, (bytearray, memoryview)):
-        return bytes(v)
-    raise _Bad
-
-
-def _seq(v: Any) -> List[Any]:
-    if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
-        raise _Bad
-    try:
-        return list(v)
-    except TypeError:
-        raise _Bad from None
-
-
-# Buffer formats of 8-byte integers (struct codes; numpy int64 is "l", uint64 "L"), and
-# whether they are signed. A leading "@" or "=" is native order; "<" is native here only on
-# little-endian hosts.
-_INT8 = {"q": True, "l": True, "n": True, "Q": False, "L": False, "N": False}
-_NATIVE = ("@", "=", "<") if sys.byteorder == "little" else ("@", "=", ">", "!")
-
-
-def _array(v: Any, name: str, method: str, args: Tuple[Any, ...], rows: int = 0) -> Tuple[bytes, bool]:
-    """An array argument of the 0.3.14 calls as (its bytes, signed): one-dimensional (or,
-    with ``rows``, ``[F, rows]`` and C-contiguous), contiguous, of 8-byte integers. O(1)
-    Python work: the items are read and checked in native code. A non-buffer raises
-    Mooncake's TypeError; a buffer of the wrong shape or type, ValueError naming it."""
-    if isinstance(v, str):
-        raise _incompatible(method, _SIG[method], args)
-    try:
-        mv = memoryview(v)
-    except TypeError:
-        raise _incompatible(method, _SIG[method], args) from None
-    with mv:
-        fmt = mv.format
-        if fmt[:1] in _NATIVE:
-            fmt = fmt[1:]
-        if rows:
-            if mv.ndim != 2 or mv.shape[1] != rows:
-                raise ValueError("%s must be a [F, %d] array (got shape %s)" % (name, rows, tuple(mv.shape)))
-        elif mv.ndim != 1:
-            raise ValueError("%s must be a one-dimensional array (got %d dimensions)" % (name, mv.ndim))
-        if mv.itemsize != 8 or fmt not in _INT8:
-            raise ValueError("%s must hold 8-byte integers (uint64/int64), not format %r" % (name, mv.format))
-        if rows and not mv.c_contiguous:
-            raise ValueError("%s must be C-contiguous" % name)
-        if not mv.contiguous:
-            raise ValueError("%s must be contiguous" % name)
-        return mv.tobytes(), _INT8[fmt]
-
-
-def _incompatible(method: str, signature: str, args: Sequence[Any]) -> TypeError:
-    return TypeError(
-        "%s(): incompatible function arguments. The following argument types are supported:\n"
-        "    1. (self: kvferry.mooncake.engine.TransferEngine, %s)\n\nInvoked with: %s"
-        % (method, signature, ", ".join(repr(a) for a in args))
-    )
-
-
-_SIG = {
-    "initialize": "local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int",
-    "initialize_ext": "local_hostname: str, metadata_server: str, protocol: str, device_name: str, metadata_type: str) -> int",
-    "register_memory": "buffer_addr: int, capacity: int, location: str = '*', remote_accessible: bool = True) -> int",
-    "unregister_memory": "buffer_addr: int) -> int",
-    "batch_register_memory": "buffer_addresses: list[int], capacities: list[int], location: str = '*') -> int",
-    "batch_unregister_memory": "buffer_addresses: list[int]) -> int",
-    "allocate_managed_buffer": "length: int) -> int",
-    "free_managed_buffer": "buffer_addr: int, length: int) -> int",
-    "write_bytes_to_buffer": "dest_address: int, src_bytes: bytes, length: int) -> int",
-    "read_bytes_from_buffer": "source_address: int, length: int) -> bytes",
-    "transfer_sync_write": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '', nic_hint: str = '') -> int",
-    "transfer_sync_read": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '', nic_hint: str = '') -> int",
-    "transfer_sync": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, opcode: TransferOpcode, notify: TransferNotify = None, transport_hint: str = '', nic_hint: str = '') -> int",
-    "batch_transfer_sync_write": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '', nic_hint: str = '') -> int",
-    "batch_transfer_sync_read": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '', nic_hint: str = '') -> int",
-    "batch_transfer_sync": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], opcode: TransferOpcode, notify: TransferNotify = None, transport_hint: str = '', nic_hint: str = '') -> int",
-    "batch_transfer_async_write": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '', nic_hint: str = '') -> int",
-    "batch_transfer_async_read": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '', nic_hint: str = '') -> int",
-    "batch_transfer_async": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], opcode: TransferOpcode, transport_hint: str = '', nic_hint: str = '') -> int",
-    "get_batch_transfer_status": "batch_ids: list[int]) -> int",
-    "batch_transfer_sync_write_arrays": "target_hostname: str, buffers: Buffer, peer_buffer_addresses: Buffer, lengths: Buffer, transport_hint: str = '', nic_hint: str = '') -> int",
-    "batch_transfer_sync_read_arrays": "target_hostname: str, buffers: Buffer, peer_buffer_addresses: Buffer, lengths: Buffer, transport_hint: str = '', nic_hint: str = '') -> int",
-    "batch_transfer_async_write_arrays": "target_hostname: str, buffers: Buffer, peer_buffer_addresses: Buffer, lengths: Buffer, transport_hint: str = '', nic_hint: str = '') -> int",
-    "batch_transfer_async_read_arrays": "target_hostname: str, buffers: Buffer, peer_buffer_addresses: Buffer, lengths: Buffer, transport_hint: str = '', nic_hint: str = '') -> int",
-    "batch_transfer_sync_write_pages": "target_hostname: str, src_pages: Buffer, dst_pages: Buffer, fields: Buffer, max_batch_size: int = 0, transport_hint: str = '', nic_hint: str = '') -> int",
-    "batch_transfer_sync_read_pages": "target_hostname: str, src_pages: Buffer, dst_pages: Buffer, fields: Buffer, max_batch_size: int = 0, transport_hint: str = '', nic_hint: str = '') -> int",
-    "submit_scatter_write": "endpoint: str, local_base_addresses: list[int], local_capacities: list[int], remote_base_addresses: list[int], remote_capacities: list[int], local_offsets: list[list[int]], remote_offsets: list[list[int]], lengths: list[list[int]]) -> ScatterTransferTicket",
-    "submit_scatter_read": "endpoint: str, local_base_addresses: list[int], local_capacities: list[int], remote_base_addresses: list[int], remote_capacities: list[int], local_offsets: list[list[int]], remote_offsets: list[list[int]], lengths: list[list[int]]) -> ScatterTransferTicket",
-    "scatter_transfer_sync_write_with_ticket": "endpoint: str, local_base_addresses: list[int], local_capacities: list[int], remote_base_addresses: list[int], remote_capacities: list[int], local_offsets: list[list[int]], remote_offsets: list[list[int]], lengths: list[list[int]]) -> ScatterTransferTicket",
-    "scatter_transfer_sync_read_with_ticket": "endpoint: str, local_base_addresses: list[int], local_capacities: list[int], remote_base_addresses: list[int], remote_capacities: list[int], local_offsets: list[list[int]], remote_offsets: list[list[int]], lengths: list[list[int]]) -> ScatterTransferTicket",
-    "transfer_submit_write": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '', nic_hint: str = '') -> int",
-    "transfer_check_status": "batch_id: int) -> int",
-    "get_first_buffer_address": "segment_name: str) -> int",
-    "get_local_topology": "device_name: str = None) -> str",
-    "send_probe": "peer_server_name: str) -> int",
-    "warmup_efa_segment": "segment_name: str) -> int",
-}
-
-
 def _with_default_port(name: str) -> str:
     """A peer name without a port gets Mooncake's default handshake port (MC_HANDSHAKE_PORT,
     12001), as Mooncake's probe does."""
@@ -378,26 +139,7 @@ def _with_default_port(name: str) -> str:
     return "[%s]:%s" % (name, port)  # a bare IPv6 literal
 
 
-_warned: set = set()
-
-
-def _warn_once(msg: str) -> None:
-    key = msg.split(":", 1)[0]
-    if key not in _warned:
-        _warned.add(key)
-        log.warning("%s", msg)
-
-
-def _fail(method: str, reason: str, ret: Any = -1) -> Any:
-    """Logs one failure (once) and returns ``ret``."""
-    log.warning("%s failed: %s", method, reason)
-    return ret
-
-
-_NOT_INITIALIZED = "TransferEngine.initialize() has not been called (or failed)"
-
-
-class TransferEngine:
+class TransferEngine(_Calls314, *((_cuda._OnCuda,) if SUPPORT_CUDA else ())):  # type: ignore[misc]
     """Mooncake's ``TransferEngine`` on kvferry. Create it, then call :meth:`initialize`.
 
     Safe to share between threads; every blocking call releases the GIL.
@@ -783,151 +525,6 @@ class TransferEngine:
         except _Bad:
             raise _incompatible(m, _SIG[m], allargs) from None
         return self._sync(m, t, b, p, n, op, nt, hints=(th, nh))
-
-    # -- descriptor arrays and page tables (Mooncake 0.3.14) ------------------------------
-
-    def _arrays_call(self, method: str, args: Tuple[Any, ...], op: int, submit: bool) -> int:
-        fail = 0 if submit else -1
-        try:
-            t, th, nh = _s(args[0]), _s(args[4]), _s(args[5])
-        except _Bad:
-            raise _incompatible(method, _SIG[method], args) from None
-        arrays = [_array(a, name, method, args) for a, name in zip(args[1:4], ("buffers", "peer_buffer_addresses", "lengths"))]
-        core = self._need(method)
-        if core is None:
-            return fail
-        if not self._hints(method, core, t, (th, nh)):
-            return fail
-        raw = tuple(a[0] for a in arrays)
-        signed = tuple(a[1] for a in arrays)
-        try:
-            if submit:
-                return _kvferry.submit_arrays(core, t, op, raw[0], raw[1], raw[2], signed)
-            _kvferry.transfer_arrays(core, t, op, raw[0], raw[1], raw[2], signed)
-            return 0
-        except KvferryError as e:
-            return _fail(method, e.reason, fail)
-
-    def batch_transfer_sync_write_arrays(self, target_hostname: str, buffers: Any, peer_buffer_addresses: Any, lengths: Any, transport_hint: str = "", nic_hint: str = "") -> int:
-        """:meth:`batch_transfer_sync_write` with the descriptors as contiguous one-dimensional
-        arrays of 8-byte integers (numpy ``uint64``/``int64``, ``array.array('Q')``, any
-        buffer): read in native code, no per-element Python work. An array of another shape
-        or item type raises ValueError; arrays of different lengths, a negative int64 item or
-        a failed transfer is -1 (reason logged)."""
-        m = "batch_transfer_sync_write_arrays"
-        return self._arrays_call(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint), 1, False)
-
-    def batch_transfer_sync_read_arrays(self, target_hostname: str, buffers: Any, peer_buffer_addresses: Any, lengths: Any, transport_hint: str = "", nic_hint: str = "") -> int:
-        """:meth:`batch_transfer_sync_read` with descriptor arrays (see
-        :meth:`batch_transfer_sync_write_arrays`)."""
-        m = "batch_transfer_sync_read_arrays"
-        return self._arrays_call(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint), 0, False)
-
-    def batch_transfer_async_write_arrays(self, target_hostname: str, buffers: Any, peer_buffer_addresses: Any, lengths: Any, transport_hint: str = "", nic_hint: str = "") -> int:
-        """:meth:`batch_transfer_async_write` with descriptor arrays: the batch id, 0 on
-        failure."""
-        m = "batch_transfer_async_write_arrays"
-        return self._arrays_call(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint), 1, True)
-
-    def batch_transfer_async_read_arrays(self, target_hostname: str, buffers: Any, peer_buffer_addresses: Any, lengths: Any, transport_hint: str = "", nic_hint: str = "") -> int:
-        """:meth:`batch_transfer_async_read` with descriptor arrays: the batch id, 0 on
-        failure."""
-        m = "batch_transfer_async_read_arrays"
-        return self._arrays_call(m, (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint), 0, True)
-
-    def _pages_call(self, method: str, args: Tuple[Any, ...], op: int) -> int:
-        try:
-            t, _, th, nh = _s(args[0]), _u(args[4]), _s(args[5]), _s(args[6])
-        except _Bad:
-            raise _incompatible(method, _SIG[method], args) from None
-        src = _array(args[1], "src_pages", method, args)
-        dst = _array(args[2], "dst_pages", method, args)
-        fields = _array(args[3], "fields", method, args, rows=5)
-        core = self._need(method)
-        if core is None:
-            return -1
-        if not self._hints(method, core, t, (th, nh)):
-            return -1
-        try:
-            _kvferry.transfer_pages(core, t, op, src[0], dst[0], fields[0], (src[1], dst[1], fields[1]))
-            return 0
-        except KvferryError as e:
-            return _fail(method, e.reason)
-
-    def batch_transfer_sync_write_pages(self, target_hostname: str, src_pages: Any, dst_pages: Any, fields: Any, max_batch_size: int = 0, transport_hint: str = "", nic_hint: str = "") -> int:
-        """Writes a page table: for each row ``(src_base, src_stride, dst_base, dst_stride,
-        length)`` of ``fields`` (a C-contiguous ``[F, 5]`` array of 8-byte integers) and each
-        ``i``, ``length`` bytes from local ``src_base + src_pages[i] * src_stride`` to remote
-        ``dst_base + dst_pages[i] * dst_stride``: ``F * P`` copies, expanded and merged (where
-        adjacent) inside the engine, one batch; blocks. ``max_batch_size`` is accepted (kvferry
-        needs no cap on a batch's size). Returns 0 or -1 (page lists of different lengths, a
-        row with length 0 or a negative value, an address past 2**64 - 1, a failed transfer;
-        nothing moves when the table is refused). Arrays of the wrong shape or item type raise
-        ValueError."""
-        m = "batch_transfer_sync_write_pages"
-        return self._pages_call(m, (target_hostname, src_pages, dst_pages, fields, max_batch_size, transport_hint, nic_hint), 1)
-
-    def batch_transfer_sync_read_pages(self, target_hostname: str, src_pages: Any, dst_pages: Any, fields: Any, max_batch_size: int = 0, transport_hint: str = "", nic_hint: str = "") -> int:
-        """Reads a page table (see :meth:`batch_transfer_sync_write_pages`; ``src`` is the
-        local side, ``dst`` the remote one, as in Mooncake): remote
-        ``dst_base + dst_pages[i] * dst_stride`` into local ``src_base + src_pages[i] *
-        src_stride``."""
-        m = "batch_transfer_sync_read_pages"
-        return self._pages_call(m, (target_hostname, src_pages, dst_pages, fields, max_batch_size, transport_hint, nic_hint), 0)
-
-    # -- scatter transfers with tickets (Mooncake 0.3.14) ---------------------------------
-
-    def _scatter(self, method: str, args: Tuple[Any, ...], op: int, wait: bool) -> "ScatterTransferTicket":
-        try:
-            t = _s(args[0])
-            flat = [_ul(a) for a in args[1:5]]
-            nested = [[_ul(x) for x in _seq(a)] for a in args[5:8]]
-        except _Bad:
-            raise _incompatible(method, _SIG[method], args) from None
-        core = self._need(method)
-        if core is None:
-            return ScatterTransferTicket._failed(_NOT_INITIALIZED)
-        try:
-            bid = _kvferry.submit_scatter(core, t, op, *flat, *nested)
-        except InvalidArgument as e:
-            raise ValueError(e.reason) from None
-        except KvferryError as e:
-            _fail(method, e.reason)
-            return ScatterTransferTicket._failed(e.reason)
-        ticket = ScatterTransferTicket._of(core, bid)
-        if wait:
-            ticket._wait(None)
-        return ticket
-
-    def submit_scatter_write(self, endpoint: str, local_base_addresses: Sequence[int], local_capacities: Sequence[int], remote_base_addresses: Sequence[int], remote_capacities: Sequence[int],
-                             local_offsets: Sequence[Sequence[int]], remote_offsets: Sequence[Sequence[int]], lengths: Sequence[Sequence[int]]) -> "ScatterTransferTicket":
-        """Starts a scatter WRITE to ``endpoint`` and returns its :class:`ScatterTransferTicket`
-        at once: for each range ``k`` and fragment ``j``, ``lengths[k][j]`` bytes from local
-        ``local_base_addresses[k] + local_offsets[k][j]`` to remote
-        ``remote_base_addresses[k] + remote_offsets[k][j]``, every fragment inside its range's
-        capacities (ValueError naming the range and fragment otherwise, nothing moved)."""
-        m = "submit_scatter_write"
-        return self._scatter(m, (endpoint, local_base_addresses, local_capacities, remote_base_addresses, remote_capacities, local_offsets, remote_offsets, lengths), 1, False)
-
-    def submit_scatter_read(self, endpoint: str, local_base_addresses: Sequence[int], local_capacities: Sequence[int], remote_base_addresses: Sequence[int], remote_capacities: Sequence[int],
-                            local_offsets: Sequence[Sequence[int]], remote_offsets: Sequence[Sequence[int]], lengths: Sequence[Sequence[int]]) -> "ScatterTransferTicket":
-        """Starts a scatter READ (remote fragments into the local ranges); see
-        :meth:`submit_scatter_write`."""
-        m = "submit_scatter_read"
-        return self._scatter(m, (endpoint, local_base_addresses, local_capacities, remote_base_addresses, remote_capacities, local_offsets, remote_offsets, lengths), 0, False)
-
-    def scatter_transfer_sync_write_with_ticket(self, endpoint: str, local_base_addresses: Sequence[int], local_capacities: Sequence[int], remote_base_addresses: Sequence[int], remote_capacities: Sequence[int],
-                                                local_offsets: Sequence[Sequence[int]], remote_offsets: Sequence[Sequence[int]], lengths: Sequence[Sequence[int]]) -> "ScatterTransferTicket":
-        """:meth:`submit_scatter_write`, then waits until every fragment ended; the ticket
-        says COMPLETED or FAILED_DRAINED."""
-        m = "scatter_transfer_sync_write_with_ticket"
-        return self._scatter(m, (endpoint, local_base_addresses, local_capacities, remote_base_addresses, remote_capacities, local_offsets, remote_offsets, lengths), 1, True)
-
-    def scatter_transfer_sync_read_with_ticket(self, endpoint: str, local_base_addresses: Sequence[int], local_capacities: Sequence[int], remote_base_addresses: Sequence[int], remote_capacities: Sequence[int],
-                                               local_offsets: Sequence[Sequence[int]], remote_offsets: Sequence[Sequence[int]], lengths: Sequence[Sequence[int]]) -> "ScatterTransferTicket":
-        """:meth:`submit_scatter_read`, then waits until every fragment ended."""
-        m = "scatter_transfer_sync_read_with_ticket"
-        return self._scatter(m, (endpoint, local_base_addresses, local_capacities, remote_base_addresses, remote_capacities, local_offsets, remote_offsets, lengths), 0, True)
 
     # -- asynchronous transfers ----------------------------------------------------------
 

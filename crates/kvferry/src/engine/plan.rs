@@ -37,7 +37,7 @@ impl PageTable<'_> {
         }
         if let Some(i) = self.fields.iter().position(|r| r[4] == 0) {
             return Err(Error::InvalidArgument(format!(
-                "fields rows need a positive length (row {i} has length 0)"
+                "fields rows need a positive length and non-negative strides (row {i} has length 0)"
             )));
         }
         self.fields
