@@ -980,7 +980,9 @@ impl Inner {
         // last of each is reused while the next request lies inside it (a guard still live
         // proves its range registered, as a fresh check would).
         let mut last_guard: Option<crate::memory::RegionGuard> = None;
-        let mut last_peer: Option<(Arc<Peer>, Arc<SegmentDesc>, Option<(u64, u64)>)> = None;
+        // (The peer, its descriptor, and the bounds of the last buffer a request fell in.)
+        type LastPeer = (Arc<Peer>, Arc<SegmentDesc>, Option<(u64, u64)>);
+        let mut last_peer: Option<LastPeer> = None;
         for (req, task) in requests.iter().zip(tasks) {
             if req.length == 0 {
                 task.piece_done(0);
