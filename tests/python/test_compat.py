@@ -365,6 +365,7 @@ def test_exact_names():
     assert set(me.__all__) == {
         "TransferEngine", "TransferNotify", "TransferOpcode", "InnerTransferEngine", "Read", "Write",
         "SUPPORT_CUDA", "SUPPORT_EFA", "SUPPORT_HIP", "SUPPORT_INTRA_NVLINK", "SUPPORT_MNNVL", "SUPPORT_MUSA",
+        "ScatterTransferTicket", "ScatterTransferCompletionStatus",  # 0.3.14
     }
     from kvferry.mooncake.buffer_pool import BufferPool
 

@@ -25,6 +25,7 @@
 //!   and dropping it only forgets it (see `Drop for Core`); dropping it in its own process
 //!   releases the GIL.
 
+mod arrays;
 mod errors;
 mod memory;
 mod reg_order;
@@ -260,21 +261,6 @@ impl Core {
             self.released.fetch_sub(released, Ordering::AcqRel);
         }
         drop_pins(py, freed.into_iter().filter_map(|h| h.pins));
-    }
-
-    /// A synchronous transfer of several requests: submit, each request's deadline at most
-    /// `timeout` away, then wait until every task is terminal (not only until the first
-    /// failure; each ends by its deadline), so the caller's memory is untouched when this
-    /// returns.
-    fn transfer_all(
-        &self,
-        engine: &TransferEngine,
-        reqs: &[TransferRequest],
-        timeout: Duration,
-    ) -> Result<TransferStatus, Error> {
-        let b = engine.allocate_batch(reqs.len().max(1))?;
-        b.submit_within(reqs, timeout)?;
-        Ok(b.wait_done())
     }
 
     /// What `transfer` and `submit` check first: the opcode, matching list lengths, an open
@@ -627,12 +613,9 @@ impl Core {
         let res = py.detach(|| {
             let id = engine.open_segment(&segment)?;
             let reqs = build_requests(op, id, &locals, &remotes, &lengths);
-            if reqs.len() == 1 {
-                // A lone request has no siblings; the engine may run it in this thread.
-                engine.transfer_sync(&reqs, timeout)
-            } else {
-                self.transfer_all(&engine, &reqs, timeout)
-            }
+            // Adjacent requests merged (only the call's outcome is reported); a lone request
+            // may run in this thread, several go to the transports' threads.
+            engine.transfer_sync_coalesced(&reqs, timeout)
         });
         drop_pins(py, pins);
         match res {
@@ -643,9 +626,11 @@ impl Core {
     }
 
     /// Submits requests in a new batch and returns its id at once. `pins` is held until the
-    /// batch is freed, which happens only once every task is terminal.
+    /// batch is freed, which happens only once every task is terminal. `merge`: adjacent
+    /// requests merged first, the batch then holding one task per merged run (for callers
+    /// that read only the batch's status, as Mooncake's API).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (segment, opcode, locals, remotes, lengths, pins = None))]
+    #[pyo3(signature = (segment, opcode, locals, remotes, lengths, pins = None, merge = false))]
     fn submit(
         &self,
         py: Python<'_>,
@@ -655,6 +640,7 @@ impl Core {
         remotes: Vec<u64>,
         lengths: Vec<u64>,
         pins: Option<Py<PyAny>>,
+        merge: bool,
     ) -> PyResult<u64> {
         let (op, engine) = self.prepare(py, opcode, &locals, &remotes, &lengths)?;
         let b = py
@@ -663,7 +649,11 @@ impl Core {
                 let reqs = build_requests(op, id, &locals, &remotes, &lengths);
                 let b = engine.allocate_batch(reqs.len().max(1))?;
                 // (On an error nothing was submitted: dropping the batch does not wait.)
-                b.submit(&reqs)?;
+                if merge {
+                    b.submit_coalesced(&reqs)?;
+                } else {
+                    b.submit(&reqs)?;
+                }
                 Ok(b)
             })
             .map_err(|e| errors::engine(py, &e))?;
@@ -1238,6 +1228,11 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(write_memory, m)?)?;
     m.add_function(wrap_pyfunction!(read_memory, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::transfer_arrays, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::submit_arrays, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::transfer_pages, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::submit_scatter, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::check_hints, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

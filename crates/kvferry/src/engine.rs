@@ -20,8 +20,10 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 mod handle;
+mod plan;
 
 pub use handle::Batch;
+pub use plan::PageTable;
 
 /// A segment handle returned by [`TransferEngine::open_segment`].
 pub type SegmentId = u64;
@@ -974,27 +976,59 @@ impl Inner {
         // Group pieces per peer so each transport sees one call per peer.
         let mut groups: Vec<(Arc<Peer>, Vec<Piece>)> = Vec::new();
         let mut stale: Vec<(Arc<Peer>, Vec<Piece>)> = Vec::new();
+        // Requests of one batch mostly share a local region, a peer and a remote buffer: the
+        // last of each is reused while the next request lies inside it (a guard still live
+        // proves its range registered, as a fresh check would).
+        let mut last_guard: Option<crate::memory::RegionGuard> = None;
+        // (The peer, its descriptor, and the bounds of the last buffer a request fell in.)
+        type LastPeer = (Arc<Peer>, Arc<SegmentDesc>, Option<(u64, u64)>);
+        let mut last_peer: Option<LastPeer> = None;
         for (req, task) in requests.iter().zip(tasks) {
             if req.length == 0 {
                 task.piece_done(0);
                 continue;
             }
-            let Some(guard) = self.memory.check(req.source, req.length) else {
-                task.piece_failed(
-                    FailKind::Failed,
-                    Error::LocalNotRegistered {
-                        addr: req.source,
-                        len: req.length,
-                    },
-                );
-                continue;
+            let inside_last = last_guard.as_ref().filter(|g| {
+                let r = g.region();
+                !g.is_revoked()
+                    && req.source >= r.addr
+                    && req
+                        .source
+                        .checked_add(req.length)
+                        .is_some_and(|e| e <= r.end())
+            });
+            let guard = match inside_last {
+                Some(g) => g.clone(),
+                None => match self.memory.check(req.source, req.length) {
+                    Some(g) => {
+                        last_guard = Some(g.clone());
+                        g
+                    }
+                    None => {
+                        task.piece_failed(
+                            FailKind::Failed,
+                            Error::LocalNotRegistered {
+                                addr: req.source,
+                                len: req.length,
+                            },
+                        );
+                        continue;
+                    }
+                },
             };
-            let peer = match self.peer(req.target_id) {
-                Ok(p) => p,
-                Err(e) => {
-                    task.piece_failed(FailKind::Failed, &e);
-                    continue;
-                }
+            let cached = last_peer.as_mut().filter(|(p, _, _)| p.id == req.target_id);
+            let (peer, desc, buffer) = match cached {
+                Some(c) => c,
+                None => match self.peer(req.target_id) {
+                    Ok(p) => {
+                        let d = p.desc();
+                        last_peer.insert((p, d, None))
+                    }
+                    Err(e) => {
+                        task.piece_failed(FailKind::Failed, &e);
+                        continue;
+                    }
+                },
             };
             let piece = Piece {
                 opcode: req.opcode,
@@ -1006,15 +1040,22 @@ impl Inner {
             };
             // The cached descriptor may be stale (the peer registered more memory, or
             // restarted): such pieces wait for a refresh, off this thread.
+            let end = req.target_offset.checked_add(req.length);
+            let in_buffer =
+                |b: &(u64, u64)| req.target_offset >= b.0 && end.is_some_and(|e| e <= b.1);
             let known = peer.id == LOCAL_SEGMENT_ID
-                || peer
-                    .desc()
-                    .find_buffer(req.target_offset, req.length)
-                    .is_some();
+                || buffer.as_ref().is_some_and(in_buffer)
+                || match desc.find_buffer(req.target_offset, req.length) {
+                    Some(b) => {
+                        *buffer = Some((b.addr, b.addr.saturating_add(b.length)));
+                        true
+                    }
+                    None => false,
+                };
             let into = if known { &mut groups } else { &mut stale };
-            match into.iter_mut().find(|(p, _)| p.id == peer.id) {
+            match into.iter_mut().rev().find(|(p, _)| p.id == peer.id) {
                 Some((_, v)) => v.push(piece),
-                None => into.push((peer, vec![piece])),
+                None => into.push((Arc::clone(peer), vec![piece])),
             }
         }
         for (peer, pieces) in stale {

@@ -20,22 +20,25 @@ module logs and returns the failure value instead.
 from __future__ import annotations
 
 import enum
-import logging
-import operator
 import os
 import threading
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 from .. import _kvferry
 from .._engine import Engine as _Engine
 from .._engine import _live_engines
 from .._errors import InvalidArgument, KvferryError
+from ._args import _NOT_INITIALIZED, _SIG, _Bad, _data, _fail, _incompatible, _opt_s, _s, _u, _ul, _warn_once, log
+from . import _cuda
+from ._v314 import ScatterTransferCompletionStatus, ScatterTransferTicket, _Calls314
 
 __all__ = [
     "TransferEngine",
     "TransferNotify",
     "TransferOpcode",
     "InnerTransferEngine",
+    "ScatterTransferCompletionStatus",
+    "ScatterTransferTicket",
     "Read",
     "Write",
     "SUPPORT_CUDA",
@@ -46,15 +49,14 @@ __all__ = [
     "SUPPORT_MUSA",
 ]
 
-log = logging.getLogger("kvferry")
-
-_U64 = 1 << 64
 
 _features = _kvferry.features()
 #: Build-feature flags, computed at run time from what kvferry can really move: SUPPORT_CUDA is
-#: True where the CUDA driver is usable (GPU memory staged through pinned host buffers); the
-#: others are False in this version.
-SUPPORT_CUDA: bool = bool(_features.get("cuda", False))
+#: True where the CUDA driver is usable (GPU memory staged through pinned host buffers) and has
+#: cuStreamSynchronize, so that the ``*_on_cuda`` calls, bound only then (as in Mooncake), work;
+#: the others are False in this version.
+_cuda._SYNC = _cuda.stream_sync() if _features.get("cuda", False) else None
+SUPPORT_CUDA: bool = _cuda._SYNC is not None
 SUPPORT_EFA: bool = bool(_features.get("efa", False))
 SUPPORT_HIP: bool = bool(_features.get("hip", False))
 SUPPORT_INTRA_NVLINK: bool = bool(_features.get("intra_nvlink", False))
@@ -102,47 +104,7 @@ class TransferNotify:
 InnerTransferEngine = _Engine
 
 
-# -- argument checking, pybind11 style ------------------------------------------------------
-
-class _Bad(Exception):
-    pass
-
-
-def _u(v: Any) -> int:
-    if isinstance(v, float):
-        raise _Bad
-    try:
-        i = operator.index(v)
-    except TypeError:
-        raise _Bad from None
-    if i < 0 or i >= _U64:
-        raise _Bad
-    return i
-
-
-def _ul(v: Any) -> List[int]:
-    if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
-        raise _Bad
-    try:
-        items = list(v)
-    except TypeError:
-        raise _Bad from None
-    if all(type(x) is int and 0 <= x < _U64 for x in items):
-        return items
-    return [_u(x) for x in items]
-
-
-def _s(v: Any) -> str:
-    if isinstance(v, str):
-        return v
-    if isinstance(v, bytes):
-        return v.decode("utf-8", "surrogateescape")
-    raise _Bad
-
-
-def _opt_s(v: Any) -> Optional[str]:
-    return None if v is None else _s(v)
-
+# -- argument checking, pybind11 style (the rest in ._args) -------------------------------
 
 def _op(v: Any) -> int:
     if isinstance(v, TransferOpcode):
@@ -161,54 +123,6 @@ def _notify(v: Any) -> Optional[Tuple[str, str]]:
     raise _Bad
 
 
-def _data(v: Any) -> bytes:
-    if isinstance(v, bytes):
-        return v
-    if isinstance(v, str):
-        return v.encode("utf-8", "surrogateescape")
-    if isinstance(v, (bytearray, memoryview)):
-        return bytes(v)
-    raise _Bad
-
-
-def _incompatible(method: str, signature: str, args: Sequence[Any]) -> TypeError:
-    return TypeError(
-        "%s(): incompatible function arguments. The following argument types are supported:\n"
-        "    1. (self: kvferry.mooncake.engine.TransferEngine, %s)\n\nInvoked with: %s"
-        % (method, signature, ", ".join(repr(a) for a in args))
-    )
-
-
-_SIG = {
-    "initialize": "local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int",
-    "initialize_ext": "local_hostname: str, metadata_server: str, protocol: str, device_name: str, metadata_type: str) -> int",
-    "register_memory": "buffer_addr: int, capacity: int, location: str = '*') -> int",
-    "unregister_memory": "buffer_addr: int) -> int",
-    "batch_register_memory": "buffer_addresses: list[int], capacities: list[int], location: str = '*') -> int",
-    "batch_unregister_memory": "buffer_addresses: list[int]) -> int",
-    "allocate_managed_buffer": "length: int) -> int",
-    "free_managed_buffer": "buffer_addr: int, length: int) -> int",
-    "write_bytes_to_buffer": "dest_address: int, src_bytes: bytes, length: int) -> int",
-    "read_bytes_from_buffer": "source_address: int, length: int) -> bytes",
-    "transfer_sync_write": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '') -> int",
-    "transfer_sync_read": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '') -> int",
-    "transfer_sync": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, opcode: TransferOpcode, notify: TransferNotify = None, transport_hint: str = '') -> int",
-    "batch_transfer_sync_write": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '') -> int",
-    "batch_transfer_sync_read": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '') -> int",
-    "batch_transfer_sync": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], opcode: TransferOpcode, notify: TransferNotify = None, transport_hint: str = '') -> int",
-    "batch_transfer_async_write": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '') -> int",
-    "batch_transfer_async_read": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], transport_hint: str = '') -> int",
-    "batch_transfer_async": "target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], opcode: TransferOpcode, transport_hint: str = '') -> int",
-    "get_batch_transfer_status": "batch_ids: list[int]) -> int",
-    "transfer_submit_write": "target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = '') -> int",
-    "transfer_check_status": "batch_id: int) -> int",
-    "get_first_buffer_address": "segment_name: str) -> int",
-    "get_local_topology": "device_name: str = None) -> str",
-    "send_probe": "peer_server_name: str) -> int",
-    "warmup_efa_segment": "segment_name: str) -> int",
-}
-
-
 def _with_default_port(name: str) -> str:
     """A peer name without a port gets Mooncake's default handshake port (MC_HANDSHAKE_PORT,
     12001), as Mooncake's probe does."""
@@ -225,16 +139,7 @@ def _with_default_port(name: str) -> str:
     return "[%s]:%s" % (name, port)  # a bare IPv6 literal
 
 
-def _fail(method: str, reason: str, ret: Any = -1) -> Any:
-    """Logs one failure (once) and returns ``ret``."""
-    log.warning("%s failed: %s", method, reason)
-    return ret
-
-
-_NOT_INITIALIZED = "TransferEngine.initialize() has not been called (or failed)"
-
-
-class TransferEngine:
+class TransferEngine(_Calls314, *((_cuda._OnCuda,) if SUPPORT_CUDA else ())):  # type: ignore[misc]
     """Mooncake's ``TransferEngine`` on kvferry. Create it, then call :meth:`initialize`.
 
     Safe to share between threads; every blocking call releases the GIL.
@@ -350,13 +255,20 @@ class TransferEngine:
 
     # -- memory --------------------------------------------------------------------------
 
-    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
+    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*", remote_accessible: bool = True) -> int:
         """Registers ``[buffer_addr, buffer_addr + capacity)``. Returns 0, -1 (invalid:
-        zero length, null, bad location), -7 (overlaps a registered range)."""
+        zero length, null, bad location), -7 (overlaps a registered range).
+        ``remote_accessible=False`` (Mooncake: a local-only buffer, not published to peers):
+        kvferry registers it as usual -- peers can reach every range this engine registered
+        -- and logs that once."""
         try:
             a, n, loc = _u(buffer_addr), _u(capacity), _s(location)
+            if not isinstance(remote_accessible, bool):
+                raise _Bad
         except _Bad:
-            raise _incompatible("register_memory", _SIG["register_memory"], (buffer_addr, capacity, location)) from None
+            raise _incompatible("register_memory", _SIG["register_memory"], (buffer_addr, capacity, location, remote_accessible)) from None
+        if not remote_accessible:
+            _warn_once("register_memory(remote_accessible=False): kvferry publishes every registered range to peers; the range at 0x%x is registered and reachable by them" % a)
         core = self._need("register_memory")
         if core is None:
             return -1
@@ -494,10 +406,29 @@ class TransferEngine:
 
     # -- synchronous transfers -----------------------------------------------------------
 
+    def _hints(self, method: str, core: Any, target: str, hints: Tuple[str, str]) -> bool:
+        """Checks ``transport_hint``/``nic_hint`` against how this engine reaches ``target``:
+        True when they can be met (or are empty); else logs why and returns False. An unknown
+        transport name raises ValueError, as Mooncake's."""
+        if not hints[0] and not hints[1]:
+            return True
+        try:
+            _kvferry.check_hints(core, target, hints[0], hints[1])
+            return True
+        except InvalidArgument as e:
+            if e.reason.startswith("Unknown transport_hint"):
+                raise ValueError(e.reason) from None
+            _fail(method, e.reason)
+        except KvferryError as e:
+            _fail(method, e.reason)
+        return False
+
     def _sync(self, method: str, target: str, locals_: List[int], remotes: List[int], lengths: List[int], op: int, notify: Optional[Tuple[str, str]],
-              args: Optional[Tuple[Any, ...]] = None) -> int:
+              args: Optional[Tuple[Any, ...]] = None, hints: Tuple[str, str] = ("", "")) -> int:
         core = self._need(method)
         if core is None:
+            return -1
+        if not self._hints(method, core, target, hints):
             return -1
         try:
             # Timeout: the engine's, plus 1 ns per byte (computed natively).
@@ -516,32 +447,38 @@ class TransferEngine:
                 _fail(method, "the transfer completed but its notify was not delivered: %s" % e.reason, 0)
         return 0
 
-    def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
+    def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "", nic_hint: str = "") -> int:
         """Writes ``length`` bytes from local ``buffer`` to ``peer_buffer_address`` of segment
-        ``target_hostname`` (``"host:rpc_port"``); blocks. Returns 0 or -1."""
-        try:
-            t, b, p, n, _ = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint)
-        except _Bad:
-            raise _incompatible("transfer_sync_write", _SIG["transfer_sync_write"], (target_hostname, buffer, peer_buffer_address, length, transport_hint)) from None
-        return self._sync("transfer_sync_write", t, [b], [p], [n], 1, None)
+        ``target_hostname`` (``"host:rpc_port"``); blocks. Returns 0 or -1.
 
-    def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
+        ``transport_hint`` (every transfer call has it): ``""``/``"unspec"``, or the
+        transport this engine uses for the peer (``"tcp"``, ``"shm"`` on one host, ``"rdma"``);
+        a transport it cannot use for that peer is -1 with the reason logged, an unknown name
+        ValueError. ``nic_hint``: ``""``, or the NIC when the engine uses RDMA through that
+        NIC only (start it with ``device_name=<nic>``); otherwise -1 with the reason."""
+        try:
+            t, b, p, n, th, nh = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint), _s(nic_hint)
+        except _Bad:
+            raise _incompatible("transfer_sync_write", _SIG["transfer_sync_write"], (target_hostname, buffer, peer_buffer_address, length, transport_hint, nic_hint)) from None
+        return self._sync("transfer_sync_write", t, [b], [p], [n], 1, None, hints=(th, nh))
+
+    def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "", nic_hint: str = "") -> int:
         """Reads ``length`` bytes at ``peer_buffer_address`` of ``target_hostname`` into local
         ``buffer``; blocks. Returns 0 or -1."""
         try:
-            t, b, p, n, _ = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint)
+            t, b, p, n, th, nh = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint), _s(nic_hint)
         except _Bad:
-            raise _incompatible("transfer_sync_read", _SIG["transfer_sync_read"], (target_hostname, buffer, peer_buffer_address, length, transport_hint)) from None
-        return self._sync("transfer_sync_read", t, [b], [p], [n], 0, None)
+            raise _incompatible("transfer_sync_read", _SIG["transfer_sync_read"], (target_hostname, buffer, peer_buffer_address, length, transport_hint, nic_hint)) from None
+        return self._sync("transfer_sync_read", t, [b], [p], [n], 0, None, hints=(th, nh))
 
-    def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, opcode: TransferOpcode, notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
+    def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, opcode: TransferOpcode, notify: Optional[TransferNotify] = None, transport_hint: str = "", nic_hint: str = "") -> int:
         """One transfer in direction ``opcode``; after success ``notify`` (if any) is
         delivered to the target. Returns 0 or -1."""
         try:
-            t, b, p, n, op, nt, _ = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _op(opcode), _notify(notify), _s(transport_hint)
+            t, b, p, n, op, nt, th, nh = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _op(opcode), _notify(notify), _s(transport_hint), _s(nic_hint)
         except _Bad:
-            raise _incompatible("transfer_sync", _SIG["transfer_sync"], (target_hostname, buffer, peer_buffer_address, length, opcode, notify, transport_hint)) from None
-        return self._sync("transfer_sync", t, [b], [p], [n], op, nt)
+            raise _incompatible("transfer_sync", _SIG["transfer_sync"], (target_hostname, buffer, peer_buffer_address, length, opcode, notify, transport_hint, nic_hint)) from None
+        return self._sync("transfer_sync", t, [b], [p], [n], op, nt, hints=(th, nh))
 
     def _batch_args(self, method: str, args: Tuple[Any, ...], strict: bool = False) -> Tuple[str, List[int], List[int], List[int]]:
         """Plain lists go to the native call as they are: it checks every item (a non-int or
@@ -555,46 +492,51 @@ class TransferEngine:
         except _Bad:
             raise _incompatible(method, _SIG[method], args) from None
 
-    def batch_transfer_sync_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
-        """Writes ``lengths[i]`` bytes from ``buffers[i]`` to ``peer_buffer_addresses[i]``, all
-        in one batch; blocks. Returns 0 or -1."""
-        m = "batch_transfer_sync_write"
-        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
-        t, b, p, n = self._batch_args(m, args)
-        if not isinstance(transport_hint, str):
-            raise _incompatible(m, _SIG[m], args)
-        return self._sync(m, t, b, p, n, 1, None, args)
+    def _hint_args(self, method: str, args: Tuple[Any, ...], transport_hint: Any, nic_hint: Any) -> Tuple[str, str]:
+        if not isinstance(transport_hint, str) or not isinstance(nic_hint, str):
+            raise _incompatible(method, _SIG[method], args)
+        return transport_hint, nic_hint
 
-    def batch_transfer_sync_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
+    def batch_transfer_sync_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "", nic_hint: str = "") -> int:
+        """Writes ``lengths[i]`` bytes from ``buffers[i]`` to ``peer_buffer_addresses[i]``, all
+        in one batch (adjacent descriptors merged by the engine); blocks. Returns 0 or -1."""
+        m = "batch_transfer_sync_write"
+        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint)
+        t, b, p, n = self._batch_args(m, args)
+        hints = self._hint_args(m, args, transport_hint, nic_hint)
+        return self._sync(m, t, b, p, n, 1, None, args, hints)
+
+    def batch_transfer_sync_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "", nic_hint: str = "") -> int:
         """Reads ``lengths[i]`` bytes at ``peer_buffer_addresses[i]`` into ``buffers[i]``, all
         in one batch; blocks. Returns 0 or -1."""
         m = "batch_transfer_sync_read"
-        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint)
         t, b, p, n = self._batch_args(m, args)
-        if not isinstance(transport_hint, str):
-            raise _incompatible(m, _SIG[m], args)
-        return self._sync(m, t, b, p, n, 0, None, args)
+        hints = self._hint_args(m, args, transport_hint, nic_hint)
+        return self._sync(m, t, b, p, n, 0, None, args, hints)
 
-    def batch_transfer_sync(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode: TransferOpcode, notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
+    def batch_transfer_sync(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode: TransferOpcode, notify: Optional[TransferNotify] = None, transport_hint: str = "", nic_hint: str = "") -> int:
         """One batch in direction ``opcode``, then ``notify`` (if any). Returns 0 or -1."""
         m = "batch_transfer_sync"
-        allargs = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify, transport_hint)
+        allargs = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify, transport_hint, nic_hint)
         t, b, p, n = self._batch_args(m, allargs[:4] + (transport_hint,), strict=True)
         try:
-            op, nt, _ = _op(opcode), _notify(notify), _s(transport_hint)
+            op, nt, th, nh = _op(opcode), _notify(notify), _s(transport_hint), _s(nic_hint)
         except _Bad:
             raise _incompatible(m, _SIG[m], allargs) from None
-        return self._sync(m, t, b, p, n, op, nt)
+        return self._sync(m, t, b, p, n, op, nt, hints=(th, nh))
 
     # -- asynchronous transfers ----------------------------------------------------------
 
     def _submit(self, method: str, target: str, locals_: List[int], remotes: List[int], lengths: List[int], op: int,
-                args: Optional[Tuple[Any, ...]] = None) -> int:
+                args: Optional[Tuple[Any, ...]] = None, hints: Tuple[str, str] = ("", "")) -> int:
         core = self._need(method)
         if core is None:
             return 0
+        if not self._hints(method, core, target, hints):
+            return 0
         try:
-            bid = core.submit(target, op, locals_, remotes, lengths)
+            bid = core.submit(target, op, locals_, remotes, lengths, None, True)
         except KvferryError as e:
             return _fail(method, e.reason, 0)
         except (TypeError, OverflowError):
@@ -604,44 +546,42 @@ class TransferEngine:
             raise
         return bid
 
-    def batch_transfer_async_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
+    def batch_transfer_async_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "", nic_hint: str = "") -> int:
         """Submits a WRITE batch and returns its id (0 on failure) at once; complete it with
         :meth:`get_batch_transfer_status` or :meth:`transfer_check_status`."""
         m = "batch_transfer_async_write"
-        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint)
         t, b, p, n = self._batch_args(m, args)
-        if not isinstance(transport_hint, str):
-            raise _incompatible(m, _SIG[m], args)
-        return self._submit(m, t, b, p, n, 1, args)
+        hints = self._hint_args(m, args, transport_hint, nic_hint)
+        return self._submit(m, t, b, p, n, 1, args, hints)
 
-    def batch_transfer_async_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
+    def batch_transfer_async_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "", nic_hint: str = "") -> int:
         """Submits a READ batch and returns its id (0 on failure) at once."""
         m = "batch_transfer_async_read"
-        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+        args = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, nic_hint)
         t, b, p, n = self._batch_args(m, args)
-        if not isinstance(transport_hint, str):
-            raise _incompatible(m, _SIG[m], args)
-        return self._submit(m, t, b, p, n, 0, args)
+        hints = self._hint_args(m, args, transport_hint, nic_hint)
+        return self._submit(m, t, b, p, n, 0, args, hints)
 
-    def batch_transfer_async(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode: TransferOpcode, transport_hint: str = "") -> int:
+    def batch_transfer_async(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode: TransferOpcode, transport_hint: str = "", nic_hint: str = "") -> int:
         """Submits a batch in direction ``opcode``; returns its id (0 on failure)."""
         m = "batch_transfer_async"
-        allargs = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint)
+        allargs = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint, nic_hint)
         t, b, p, n = self._batch_args(m, allargs[:4] + (transport_hint,), strict=True)
         try:
-            op, _ = _op(opcode), _s(transport_hint)
+            op, th, nh = _op(opcode), _s(transport_hint), _s(nic_hint)
         except _Bad:
             raise _incompatible(m, _SIG[m], allargs) from None
-        return self._submit(m, t, b, p, n, op)
+        return self._submit(m, t, b, p, n, op, hints=(th, nh))
 
-    def transfer_submit_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
+    def transfer_submit_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = "", nic_hint: str = "") -> int:
         """Submits one WRITE and returns its batch id (0 on failure); poll it with
         :meth:`transfer_check_status`."""
         try:
-            t, b, p, n, _ = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint)
+            t, b, p, n, th, nh = _s(target_hostname), _u(buffer), _u(peer_buffer_address), _u(length), _s(transport_hint), _s(nic_hint)
         except _Bad:
-            raise _incompatible("transfer_submit_write", _SIG["transfer_submit_write"], (target_hostname, buffer, peer_buffer_address, length, transport_hint)) from None
-        return self._submit("transfer_submit_write", t, [b], [p], [n], 1)
+            raise _incompatible("transfer_submit_write", _SIG["transfer_submit_write"], (target_hostname, buffer, peer_buffer_address, length, transport_hint, nic_hint)) from None
+        return self._submit("transfer_submit_write", t, [b], [p], [n], 1, hints=(th, nh))
 
     def get_batch_transfer_status(self, batch_ids: List[int]) -> int:
         """Waits until every listed batch completed (0) or one failed or timed out (-1); every

@@ -42,7 +42,7 @@ impl Batch {
         self.id
     }
 
-    fn engine(&self) -> Result<Arc<Inner>> {
+    pub(super) fn engine(&self) -> Result<Arc<Inner>> {
         self.engine.upgrade().ok_or(Error::Shutdown)
     }
 
@@ -65,6 +65,18 @@ impl Batch {
             false,
             Instant::now().checked_add(timeout),
         )
+    }
+
+    /// [`Batch::submit`] through an engine the caller already holds, run in the caller's
+    /// thread where a transport can if `inline`, every deadline at most `cap`.
+    pub(super) fn submit_with(
+        &self,
+        engine: &Inner,
+        requests: &[TransferRequest],
+        inline: bool,
+        cap: Option<Instant>,
+    ) -> Result<()> {
+        engine.submit(self.id, &self.tasks, requests, inline, cap)
     }
 
     /// Requests run in the caller's thread where a transport can (`transfer_sync`).
