@@ -70,8 +70,19 @@ fn master(token: Option<&str>) -> (Proc, String) {
         .unwrap_or_else(|| panic!("no metadata= in {line:?}"));
     let addr = url
         .trim_start_matches("http://")
-        .trim_end_matches("/metadata");
-    (p, addr.to_string())
+        .trim_end_matches("/metadata")
+        .to_string();
+    // The master announces the embedded server's URL, then its thread binds the port: wait
+    // (bounded) until it accepts connections.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(&addr).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the embedded metadata server at {addr} never listened"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (p, addr)
 }
 
 /// One request with an optional `Authorization` line: (status, body).
