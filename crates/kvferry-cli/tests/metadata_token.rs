@@ -217,3 +217,29 @@ fn without_a_token_requests_are_served_as_before() {
         }
     }
 }
+
+/// `kvferry doctor` lists the token's variable (under the name it was set by) with its length,
+/// never its value; the same for passwords.
+#[test]
+fn doctor_shows_the_token_by_length_only() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .arg("doctor")
+        .env_remove("KVFERRY_METADATA_HTTP_TOKEN")
+        .env("MC_METADATA_HTTP_TOKEN", TOKEN)
+        .env("KVFERRY_REDIS_PASSWORD", "hunter2-password")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kvferry doctor");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(&format!(
+            "MC_METADATA_HTTP_TOKEN=(set, {} bytes, not shown)",
+            TOKEN.len()
+        )) && text.contains("KVFERRY_REDIS_PASSWORD=(set, 16 bytes, not shown)"),
+        "{text}"
+    );
+    assert!(
+        !text.contains(TOKEN) && !text.contains("hunter2"),
+        "a secret is shown: {text}"
+    );
+}
