@@ -1,11 +1,15 @@
 """Shared fixtures of kvferry's Python tests.
 
 The tests import the *installed* ``kvferry`` (scripts/python-test builds the wheel and
-installs it into .venv/py-test). Stock Mooncake runs in a separate interpreter: the first of
-``$KVFERRY_MOONCAKE_PYTHON``, ``.venv/mooncake/bin/python``, ``/tmp/mcvenv/bin/python`` that can
-``import mooncake.engine``. Tests needing it fail, naming what was tried and how to install
-it, when none can. ``KVFERRY_SKIP_MOONCAKE=1`` opts out explicitly: those tests are then
-deselected (counted in pytest's summary), never reported as passed.
+installs it into .venv/py-test). Stock Mooncake runs in a separate interpreter, one per
+release the tests cover (the `mooncake_py` fixture is parametrised over RELEASES): 0.3.13 is
+the first of ``$KVFERRY_MOONCAKE_PYTHON``, ``.venv/mooncake/bin/python``,
+``/tmp/mcvenv/bin/python`` that imports ``mooncake.engine`` of that release; 0.3.14 the first
+of ``$KVFERRY_MOONCAKE314_PYTHON``, ``.venv/mooncake314/bin/python``. Tests needing 0.3.13
+fail, naming what was tried and how to install it, when none can; those needing 0.3.14 are
+skipped, loudly (a banner in pytest's summary), unless $KVFERRY_MOONCAKE314_PYTHON is set
+(scripts/python-test sets it): then they fail too. ``KVFERRY_SKIP_MOONCAKE=1`` opts out
+explicitly: those tests are then deselected (counted in pytest's summary), never reported as passed.
 """
 
 from __future__ import annotations
@@ -47,42 +51,107 @@ def sha256(data: bytes) -> str:
 
 _MC: Dict[str, Any] = {}
 
+# The stock releases the interop and parity tests run against, and where each is found: the
+# first candidate that imports `mooncake.engine` from a wheel of that release. scripts/test
+# (through scripts/python-test and scripts/mooncake-venv) makes both venvs.
+RELEASES = ("0.3.13", "0.3.14")
+_STOCK: Dict[str, Dict[str, Any]] = {
+    "0.3.13": {
+        "env": "KVFERRY_MOONCAKE_PYTHON",
+        "candidates": [str(ROOT / ".venv" / "mooncake" / "bin" / "python"), "/tmp/mcvenv/bin/python"],
+        "package": "mooncake-transfer-engine-non-cuda",
+    },
+    "0.3.14": {
+        "env": "KVFERRY_MOONCAKE314_PYTHON",
+        "candidates": [str(ROOT / ".venv" / "mooncake314" / "bin" / "python")],
+        "package": "mooncake-transfer-engine-cuda13",
+    },
+}
+# Prints the module's file and the version of the Mooncake distribution installed beside it.
+_PROBE = (
+    "import importlib.metadata as md, mooncake.engine as e\n"
+    "def v(d):\n"
+    "    try:\n"
+    "        return md.version(d)\n"
+    "    except md.PackageNotFoundError:\n"
+    "        return None\n"
+    "print(e.__file__, next(filter(None, map(v, %r)), '?'))\n"
+) % (["mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine-cuda13", "mooncake-transfer-engine"],)
 
-def mooncake_python() -> Optional[str]:
-    """An interpreter that can import the stock Mooncake wheel, or None."""
-    if "python" in _MC:
-        return _MC["python"]
-    candidates = [os.environ.get("KVFERRY_MOONCAKE_PYTHON", ""), str(ROOT / ".venv" / "mooncake" / "bin" / "python"), "/tmp/mcvenv/bin/python"]
+
+def mooncake_python(release: str = "0.3.13") -> Optional[str]:
+    """An interpreter that can import the stock Mooncake wheel of `release`, or None."""
+    key = "python-" + release
+    if key in _MC:
+        return _MC[key]
+    spec = _STOCK[release]
+    candidates = [os.environ.get(spec["env"], "")] + spec["candidates"]
     found, tried = None, []
     for c in candidates:
-        if not c or not os.path.exists(c):
+        if not c or not (os.path.isfile(c) and os.access(c, os.X_OK)):
             continue
         env = dict(os.environ, MC_FORCE_TCP="1")
         env.pop("KVFERRY_MOONCAKE_SHIM", None)
-        r = subprocess.run([c, "-c", "import mooncake.engine as e; print(e.__file__)"], capture_output=True, text=True, env=env, timeout=60)
-        tried.append("%s: %s" % (c, "ok" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["rc=%d" % r.returncode])[-1]))
-        if r.returncode == 0 and "kvferry" not in r.stdout:
+        r = subprocess.run([c, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=60)
+        words = r.stdout.split()
+        if r.returncode != 0:
+            why = (r.stderr.strip().splitlines() or ["rc=%d" % r.returncode])[-1]
+        elif "kvferry" in r.stdout:
+            why = "imports kvferry's shim, not stock Mooncake"
+        elif len(words) < 2 or not (words[-1] == release or words[-1].startswith(release + ".")):
+            why = "has Mooncake %s, not %s" % (words[-1] if words else "?", release)
+        else:
             found = c
+            tried.append("%s: ok" % c)
             break
-    _MC["python"] = found
-    _MC["tried"] = tried
+        tried.append("%s: %s" % (c, why))
+    _MC[key] = found
+    _MC["tried-" + release] = tried
     return found
 
 
-_INSTALL = "python3 -m venv .venv/mooncake && .venv/mooncake/bin/pip install mooncake-transfer-engine-non-cuda (scripts/python-test does)"
+_INSTALL = {
+    "0.3.13": "scripts/mooncake-venv 0.3.13 (scripts/python-test does)",
+    "0.3.14": "scripts/mooncake-venv 0.3.14 (scripts/python-test does; it builds stand-ins for CUDA 13's"
+              " libraries, which the only 0.3.14 wheel, mooncake-transfer-engine-cuda13, links)",
+}
 
 
 def _opted_out() -> bool:
     return os.environ.get("KVFERRY_SKIP_MOONCAKE") == "1"
 
 
+def stock_python(release: str) -> str:
+    """The interpreter with stock Mooncake `release`. 0.3.13 missing fails the test; 0.3.14
+    missing skips it, saying so, unless $KVFERRY_MOONCAKE314_PYTHON names an interpreter
+    (scripts/python-test sets it): then it fails too."""
+    py = mooncake_python(release)
+    if py is not None:
+        return py
+    spec = _STOCK[release]
+    msg = "stock Mooncake %s (%s) is not available (tried: %s); make it: %s" % (
+        release, spec["package"], "; ".join(_MC.get("tried-" + release) or ["no candidate interpreter"]), _INSTALL[release])
+    if release == "0.3.13" or os.environ.get(spec["env"]):
+        pytest.fail(msg + ", or set KVFERRY_SKIP_MOONCAKE=1 to leave these tests out")
+    _MC.setdefault("skipped", set()).add(release)
+    pytest.skip("NOT TESTED against " + msg)
+
+
+@pytest.fixture(scope="session", params=RELEASES, ids=["mc" + r for r in RELEASES])
+def mooncake_release(request: Any) -> str:
+    """Which stock Mooncake release a test that takes `mooncake_py` runs against."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
-def mooncake_py() -> str:
-    py = mooncake_python()
-    if py is None:
-        pytest.fail("the stock Mooncake wheel (mooncake-transfer-engine-non-cuda) is not available (tried: %s); install it: %s,"
-                    " or set KVFERRY_SKIP_MOONCAKE=1 to leave these tests out" % (_MC.get("tried") or "no candidate interpreter", _INSTALL))
-    return py
+def mooncake_py(mooncake_release: str) -> str:
+    return stock_python(mooncake_release)
+
+
+def _needs_mooncake(item: Any) -> bool:
+    # The fixture, or a parametrisation that asks for it at run time ("mooncake-<release>").
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return "mooncake_py" in getattr(item, "fixturenames", ()) or any(str(v).startswith("mooncake-") for v in params.values())
 
 
 def pytest_collection_modifyitems(config: Any, items: List[Any]) -> None:
@@ -91,9 +160,7 @@ def pytest_collection_modifyitems(config: Any, items: List[Any]) -> None:
         return
     keep, drop = [], []
     for item in items:
-        # The fixture, or a parametrisation that asks for it at run time (impl="mooncake").
-        needs = "mooncake_py" in getattr(item, "fixturenames", ()) or getattr(getattr(item, "callspec", None), "params", {}).get("impl") == "mooncake"
-        (drop if needs else keep).append(item)
+        (drop if _needs_mooncake(item) else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
@@ -101,10 +168,13 @@ def pytest_collection_modifyitems(config: Any, items: List[Any]) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    tr = terminalreporter
     if _MC.get("deselected"):
-        tr = terminalreporter
         tr.write_sep("!", "INTEROP WITH STOCK MOONCAKE NOT TESTED (KVFERRY_SKIP_MOONCAKE=1)", red=True, bold=True)
-        tr.write_line("%d test(s) needing the stock Mooncake wheel were left out. Install it: %s" % (_MC["deselected"], _INSTALL), red=True)
+        tr.write_line("%d test(s) needing the stock Mooncake wheels were left out. Make them: %s" % (_MC["deselected"], "; ".join(_INSTALL.values())), red=True)
+    for release in sorted(_MC.get("skipped", ())):
+        tr.write_sep("!", "PARITY WITH STOCK MOONCAKE %s NOT TESTED (its venv is missing)" % release, red=True, bold=True)
+        tr.write_line("Make it: %s" % _INSTALL[release], red=True)
 
 
 def peer_env(shim: bool) -> Dict[str, str]:

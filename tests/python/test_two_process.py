@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import HOST, Buf, Peer, pattern_bytes, run_initiator, sha256, wait_for
+from conftest import HOST, RELEASES, Buf, Peer, pattern_bytes, run_initiator, sha256, stock_python, wait_for
 
 SIZE = 1 << 20
 
@@ -103,13 +103,13 @@ def test_probe_dead_process(te_pair, pair, kv):
     assert ei.value.code == -102
 
 
-@pytest.fixture(params=["kvferry", "mooncake"])
+@pytest.fixture(params=["kvferry"] + ["mooncake-" + r for r in RELEASES])
 def any_target(request):
-    """A target process on kvferry (through the shim) or on stock Mooncake."""
+    """A target process on kvferry (through the shim) or on a stock Mooncake release."""
     if request.param == "kvferry":
         p = Peer(sys.executable, SIZE, seed=4, shim=True)
     else:
-        p = Peer(request.getfixturevalue("mooncake_py"), SIZE, seed=4)
+        p = Peer(stock_python(request.param.split("-", 1)[1]), SIZE, seed=4)
     yield p
     p.close()
 

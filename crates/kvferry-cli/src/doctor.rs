@@ -670,7 +670,15 @@ pub fn run(a: DoctorArgs) -> Result<(), String> {
     for v in ENV_VARS {
         let set = std::iter::once(v.name)
             .chain(v.aliases.iter().copied())
-            .find_map(|n| std::env::var(n).ok().map(|val| (n, val)));
+            .find_map(|n| std::env::var(n).ok().map(|val| (n, val)))
+            // Secrets are not shown, only that they are set and how long they are.
+            .map(|(n, val)| {
+                if v.name.ends_with("_TOKEN") || v.name.ends_with("_PASSWORD") {
+                    (n, format!("(set, {} bytes, not shown)", val.trim().len()))
+                } else {
+                    (n, val)
+                }
+            });
         if let Some((n, val)) = &set {
             env.insert((*n).to_string(), val.clone().into());
         }

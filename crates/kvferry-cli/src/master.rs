@@ -637,6 +637,7 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
             max_connections: 4096,
             threads: 1,
             auth: master.auth.clone(),
+            token: env.metadata_http_token.clone(),
         };
         std::thread::Builder::new()
             .name("kvf-master-metadata".into())

@@ -6,7 +6,10 @@
 //! Every flag of Mooncake's `master.cpp` is either translated to a kvferry flag, accepted and
 //! ignored with one warning line naming it (tuning or optional features whose absence does not
 //! change what a client sees), or rejected with an error naming it (it asks for a feature
-//! kvferry does not have: `--enable_snapshot=true`, `--enable_offload=true`, ...). The HA flags
+//! kvferry does not have: `--enable_snapshot=true`, `--enable_offload=true`, ...). The flags of
+//! both Mooncake 0.3.13 and 0.3.14 are taken: those 0.3.14 removed still work as they did
+//! (kvferry stands in for either release, and their names mean nothing else now), with a note
+//! that 0.3.14 dropped them ([`REMOVED_IN_0_3_14`]). The HA flags
 //! (`--enable_ha`, `--ha_backend_connstring`, `--etcd_endpoints`, `--cluster_id`) are kvferry
 //! flags of the same names; `--ha_backend_type` must be `etcd`. Flags neither side
 //! knows are left for clap, which rejects them by name.
@@ -29,6 +32,42 @@ const RENAMES: &[(&str, &str)] = &[
     ("config_path", "config"),
     // The key of Mooncake's master.json (conf/master.json) for --client_ttl.
     ("client_live_ttl_sec", "client-ttl"),
+    // Mooncake 0.3.14's name for --client_ttl (which it keeps as a deprecated alias; when
+    // both are given this one wins: see `normalize_for`).
+    ("client_active_ttl_sec", "client-ttl"),
+];
+
+/// Mooncake flags whose value kvferry's flag takes in another unit: (Mooncake name, kvferry
+/// flag, the conversion; its error names the range).
+type Convert = fn(&str) -> Result<String, String>;
+const CONVERTS: &[(&str, &str, Convert)] = &[
+    // Mooncake 0.3.14: whole seconds, 2 to 60; kvferry's --ha-lease-ttl takes a duration.
+    ("ha_leader_lease_ttl_sec", "ha-lease-ttl", lease_secs),
+];
+
+fn lease_secs(v: &str) -> Result<String, String> {
+    match v.trim().parse::<i64>() {
+        Ok(n @ 2..=60) => Ok(format!("{n}s")),
+        _ => Err("expected whole seconds from 2 to 60 (mooncake_master's range)".into()),
+    }
+}
+
+/// Flags of Mooncake 0.3.13's `mooncake_master` that 0.3.14 removed (its master refuses them
+/// as unknown). kvferry keeps taking them as before, saying so.
+pub(crate) const REMOVED_IN_0_3_14: &[&str] = &[
+    "enable_snapshot",
+    "enable_snapshot_restore",
+    "snapshot_backup_dir",
+    "snapshot_catalog_backend_connstring",
+    "snapshot_catalog_backend_type",
+    "snapshot_catalog_store_connstring",
+    "snapshot_catalog_store_type",
+    "snapshot_child_timeout_seconds",
+    "snapshot_payload_backend_type",
+    "snapshot_payload_store_type",
+    "snapshot_retention_count",
+    "mmap_arena_pool_size",
+    "use_mmap_arena_allocator",
 ];
 
 #[derive(Clone, Copy, PartialEq)]
@@ -71,11 +110,30 @@ const NO_TIERS: &str = "kvferry has no disk, NVMe-oF or CXL tier";
 const NO_TASKS: &str = "kvferry's master has no replica copy/move tasks";
 const NO_EVENTS: &str = "kvferry's master publishes no KV events";
 const THREADS: &str = "kvferry's master serves each RPC connection on its own thread";
+const NO_WEIGHTS: &str = "kvferry's master has no managed weight imports";
+const ONE_TENANT: &str = "kvferry's master has one tenant";
+const ALLOCATOR: &str = "kvferry's master uses its own best-fit allocator";
 
 /// Mooncake's master flags that kvferry does not implement (mooncake-store/src/master.cpp).
 const MOONCAKE_ONLY: &[(&str, Kind, Action)] = &[
     ("max_threads", Kind::Value, Action::Ignore(THREADS)),
     ("rpc_thread_num", Kind::Value, Action::Ignore(THREADS)),
+    // 0.3.14: RPC handlers on worker threads apart from the I/O threads.
+    (
+        "handler_worker_thread_num",
+        Kind::Value,
+        Action::Ignore(THREADS),
+    ),
+    // 0.3.14: how long a client that stopped pinging stays SUSPECTED (its segments neither
+    // read from nor placed on, but kept) before it is dropped.
+    (
+        "client_suspicion_ttl_sec",
+        Kind::Value,
+        Action::Ignore(
+            "kvferry's master has no suspected phase: a client that stops pinging keeps its \
+            segments until --client_active_ttl_sec (--client_ttl) has passed, then is dropped",
+        ),
+    ),
     (
         "rpc_conn_timeout_seconds",
         Kind::Value,
@@ -99,10 +157,16 @@ const MOONCAKE_ONLY: &[(&str, Kind, Action)] = &[
         Kind::Value,
         Action::Ignore("kvferry does not cap request-level soft-pin TTLs"),
     ),
+    ("memory_allocator", Kind::Value, Action::Ignore(ALLOCATOR)),
     (
-        "memory_allocator",
+        "use_mmap_arena_allocator",
+        Kind::Bool,
+        Action::Ignore(ALLOCATOR),
+    ),
+    (
+        "mmap_arena_pool_size",
         Kind::Value,
-        Action::Ignore("kvferry's master uses its own best-fit allocator"),
+        Action::Ignore(ALLOCATOR),
     ),
     (
         "pod_name",
@@ -139,6 +203,22 @@ const MOONCAKE_ONLY: &[(&str, Kind, Action)] = &[
         "batch_oplog_retry_timeout_sec",
         Kind::Value,
         Action::Ignore(OPLOG),
+    ),
+    // 0.3.14: standbys write snapshots of Mooncake's batch oplog.
+    (
+        "enable_oplog_snapshot",
+        Kind::Bool,
+        Action::Ignore(
+            "with --enable_ha kvferry's master writes snapshots of its own journal, always \
+            (when the log since the last one passes --ha-snapshot-bytes)",
+        ),
+    ),
+    (
+        "snapshot_chunk_object_count",
+        Kind::Value,
+        Action::Ignore(
+            "kvferry's journal snapshots are written whole (--ha-snapshot-bytes sets when)",
+        ),
     ),
     (
         "enable_snapshot",
@@ -338,17 +418,34 @@ const MOONCAKE_ONLY: &[(&str, Kind, Action)] = &[
     (
         "enable_multi_tenants",
         Kind::Bool,
-        Action::RejectIf(truthy, "kvferry's master has one tenant"),
+        Action::RejectIf(truthy, ONE_TENANT),
     ),
     (
         "tenant_quota_connector_type",
         Kind::Value,
-        Action::Ignore("kvferry's master has one tenant"),
+        Action::Ignore(ONE_TENANT),
     ),
     (
         "tenant_quota_connector_uri",
         Kind::Value,
-        Action::Ignore("kvferry's master has one tenant"),
+        Action::Ignore(ONE_TENANT),
+    ),
+    // 0.3.14: per-tenant eviction (only with --enable_multi_tenants, refused above).
+    (
+        "tenant_eviction_high_watermark_ratio",
+        Kind::Value,
+        Action::Ignore(ONE_TENANT),
+    ),
+    // 0.3.14: managed weight imports.
+    (
+        "weight_import_idle_timeout_ms",
+        Kind::Value,
+        Action::Ignore(NO_WEIGHTS),
+    ),
+    (
+        "weight_management_oplog_capability_confirmed",
+        Kind::Bool,
+        Action::Ignore(NO_WEIGHTS),
     ),
     (
         "max_total_finished_tasks",
@@ -390,6 +487,13 @@ pub struct Spec {
     renames: &'static [(&'static str, &'static str)],
     /// Mooncake's flags kvferry does not implement.
     only: &'static [(&'static str, Kind, Action)],
+    /// Mooncake flags whose value a kvferry flag takes converted.
+    converts: &'static [(&'static str, &'static str, Convert)],
+    /// Flags of an older Mooncake release that the newest one removed (named in messages).
+    removed: &'static [&'static str],
+    /// (canonical, deprecated alias): given both, Mooncake takes the canonical one's value,
+    /// whatever their order; so does kvferry, dropping the alias with a warning.
+    aliases: &'static [(&'static str, &'static str)],
     /// `--enable_metric_reporting[=false]` becomes `--summary-interval=0` (the master's).
     metric_reporting: bool,
 }
@@ -401,6 +505,9 @@ pub const MASTER: Spec = Spec {
     bools: KV_BOOLS,
     renames: RENAMES,
     only: MOONCAKE_ONLY,
+    converts: CONVERTS,
+    removed: REMOVED_IN_0_3_14,
+    aliases: &[("client_active_ttl_sec", "client_ttl")],
     metric_reporting: true,
 };
 
@@ -417,6 +524,9 @@ pub const STORE_CLIENT: Spec = Spec {
     mooncake: "mooncake_client",
     bools: &[],
     renames: &[],
+    converts: &[],
+    removed: &[],
+    aliases: &[],
     only: &[
         ("threads", Kind::Value, Action::Ignore(DUMMY_THREADS)),
         (
@@ -490,6 +600,16 @@ pub fn normalize_for(
     let is_known = |n: &str| known.iter().any(|k| k == n);
     let mut out = Vec::with_capacity(args.len());
     let mut warnings = Vec::new();
+    // The deprecated aliases whose canonical flag is also given: dropped (Mooncake's rule).
+    let overridden: Vec<(&str, &str)> = spec
+        .aliases
+        .iter()
+        .copied()
+        .filter(|(canonical, _)| {
+            args.iter()
+                .any(|a| flag_name(a).as_deref() == Some(canonical))
+        })
+        .collect();
     let mut i = 0;
     while i < args.len() {
         let raw = &args[i];
@@ -516,6 +636,29 @@ pub fn normalize_for(
             None => (body, None),
         };
         let underscored = name.replace('-', "_");
+        if let Some(&(canonical, alias)) =
+            overridden.iter().find(|(_, alias)| *alias == underscored)
+        {
+            let v = match value {
+                Some(v) => v,
+                None => take_value(args, &mut i, &underscored)?,
+            };
+            warnings.push(format!(
+                "{}: warning: --{alias}={v} is not used: --{canonical} is given too, and \
+                --{alias} is its deprecated alias",
+                spec.tool
+            ));
+            continue;
+        }
+        if let Some(&(_, k, convert)) = spec.converts.iter().find(|(m, _, _)| *m == underscored) {
+            let v = match value {
+                Some(v) => v,
+                None => take_value(args, &mut i, &underscored)?,
+            };
+            let c = convert(&v).map_err(|e| format!("--{underscored}={v}: {e}"))?;
+            out.push(format!("--{k}={c}").into());
+            continue;
+        }
         // The kvferry flag this is, if any.
         let target = spec
             .renames
@@ -596,13 +739,7 @@ pub fn normalize_for(
             let v = match (value, kind) {
                 (Some(v), _) => v,
                 (None, Kind::Bool) => "true".to_string(),
-                (None, Kind::Value) => match args.get(i).and_then(|a| a.to_str()) {
-                    Some(a) => {
-                        i += 1;
-                        a.to_string()
-                    }
-                    None => return Err(format!("--{underscored} needs a value")),
-                },
+                (None, Kind::Value) => take_value(args, &mut i, &underscored)?,
             };
             mooncake_only(
                 spec,
@@ -623,6 +760,25 @@ pub fn normalize_for(
     })
 }
 
+/// The name of a flag argument, with underscores (`--client-ttl=3`, `-client_ttl`:
+/// `client_ttl`).
+fn flag_name(a: &OsString) -> Option<String> {
+    let t = a.to_str()?;
+    let body = t.strip_prefix("--").or_else(|| t.strip_prefix('-'))?;
+    Some(body.split('=').next().unwrap_or(body).replace('-', "_"))
+}
+
+/// The value in the argument after a flag given without `=`.
+fn take_value(args: &[OsString], i: &mut usize, name: &str) -> Result<String, String> {
+    match args.get(*i).and_then(|a| a.to_str()) {
+        Some(a) => {
+            *i += 1;
+            Ok(a.to_string())
+        }
+        None => Err(format!("--{name} needs a value")),
+    }
+}
+
 fn bool_mooncake(spec: &Spec, n: &str) -> bool {
     spec.only
         .iter()
@@ -640,13 +796,18 @@ fn mooncake_only(
         return Err(format!("{flag}: unknown flag"));
     };
     let (tool, mooncake) = (spec.tool, spec.mooncake);
+    let removed = if spec.removed.contains(&name) {
+        "; Mooncake 0.3.14 removed it"
+    } else {
+        ""
+    };
     match action {
         Action::RejectIf(pred, why) if pred(value) => Err(format!(
-            "{flag}={value} (a {mooncake} flag) is not supported: {why}; remove it"
+            "{flag}={value} (a {mooncake} flag) is not supported: {why}{removed}; remove it"
         )),
         Action::RejectIf(_, why) | Action::Ignore(why) => {
             warnings.push(format!(
-                "{tool}: warning: ignoring the {mooncake} flag {flag}={value} ({why})"
+                "{tool}: warning: ignoring the {mooncake} flag {flag}={value} ({why}{removed})"
             ));
             Ok(())
         }
@@ -693,330 +854,4 @@ pub fn parse_timeout_ms(s: &str) -> Result<u64, String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn known() -> Vec<String> {
-        [
-            "host",
-            "port",
-            "metrics-port",
-            "metrics-host",
-            "default-kv-lease-ttl",
-            "eviction-ratio",
-            "config",
-            "client-ttl",
-            "summary-interval",
-            "allow-evict-soft-pinned-objects",
-            "enable-http-metadata-server",
-            "http-metadata-server-port",
-            "enable-ha",
-            "ha-backend-connstring",
-            "etcd-endpoints",
-            "cluster-id",
-            "enable-metadata-cleanup-on-timeout",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-    }
-
-    fn norm(a: &[&str]) -> Result<(Vec<String>, Vec<String>), String> {
-        let args: Vec<OsString> = a.iter().map(OsString::from).collect();
-        normalize(&args, &known()).map(|n| {
-            (
-                n.args
-                    .into_iter()
-                    .map(|s| s.into_string().unwrap_or_default())
-                    .collect(),
-                n.warnings,
-            )
-        })
-    }
-
-    #[test]
-    fn gflags_spellings_become_kvferry_flags() {
-        let (a, w) = norm(&[
-            "--rpc_port=50051",
-            "-rpc_address",
-            "127.0.0.1",
-            "--metrics_port",
-            "-1",
-            "--eviction_ratio=0.2",
-            "--host=::1",
-        ])
-        .unwrap();
-        assert_eq!(
-            a,
-            [
-                "--port=50051",
-                "--host",
-                "127.0.0.1",
-                "--metrics-port",
-                "-1",
-                "--eviction-ratio=0.2",
-                "--host=::1"
-            ]
-        );
-        assert!(w.is_empty());
-        let (a, _) = norm(&[
-            "--rpc_port",
-            "0",
-            "-port=7",
-            "--client_live_ttl_sec=3",
-            "--config_path",
-            "/x.json",
-        ])
-        .unwrap();
-        assert_eq!(
-            a,
-            [
-                "--port",
-                "0",
-                "--port=7",
-                "--client-ttl=3",
-                "--config",
-                "/x.json"
-            ]
-        );
-    }
-
-    #[test]
-    fn booleans_follow_gflags() {
-        let (a, _) = norm(&[
-            "--enable_http_metadata_server",
-            "--http_metadata_server_port",
-            "0",
-        ])
-        .unwrap();
-        assert_eq!(
-            a,
-            [
-                "--enable-http-metadata-server=true",
-                "--http-metadata-server-port",
-                "0"
-            ]
-        );
-        let (a, _) = norm(&[
-            "--noallow_evict_soft_pinned_objects",
-            "--enable-http-metadata-server=1",
-        ])
-        .unwrap();
-        assert_eq!(
-            a,
-            [
-                "--allow-evict-soft-pinned-objects=false",
-                "--enable-http-metadata-server=true"
-            ]
-        );
-        let (a, _) = norm(&["--allow-evict-soft-pinned-objects", "false", "-h"]).unwrap();
-        assert_eq!(a, ["--allow-evict-soft-pinned-objects=false", "-h"]);
-        assert!(norm(&["--enable_http_metadata_server=maybe"])
-            .unwrap_err()
-            .contains("--enable_http_metadata_server"));
-        let (a, w) = norm(&["--enable_metric_reporting=false"]).unwrap();
-        assert_eq!(a, ["--summary-interval=0"]);
-        assert!(w.is_empty());
-        assert!(norm(&["--enable_metric_reporting"]).unwrap().0.is_empty());
-        assert_eq!(
-            norm(&["--noenable_metric_reporting"]).unwrap().0,
-            ["--summary-interval=0"]
-        );
-        let (a, w) = norm(&["--enable_metadata_cleanup_on_timeout", "--client_ttl", "3"]).unwrap();
-        assert_eq!(
-            (a.as_slice(), w.len()),
-            (
-                &[
-                    "--enable-metadata-cleanup-on-timeout=true".to_string(),
-                    "--client-ttl".into(),
-                    "3".into()
-                ][..],
-                0
-            ),
-            "a bare boolean takes no value"
-        );
-        assert_eq!(
-            norm(&["--noenable_metadata_cleanup_on_timeout"]).unwrap().0,
-            ["--enable-metadata-cleanup-on-timeout=false"]
-        );
-    }
-
-    #[test]
-    fn mooncake_ha_flags_are_kvferry_flags() {
-        let (a, w) = norm(&[
-            "--enable_ha",
-            "--ha_backend_connstring",
-            "etcd://127.0.0.1:2379;127.0.0.1:2380",
-            "--cluster_id=c1",
-            "--etcd_endpoints=127.0.0.1:2379",
-        ])
-        .unwrap();
-        assert_eq!(
-            a,
-            [
-                "--enable-ha=true",
-                "--ha-backend-connstring",
-                "etcd://127.0.0.1:2379;127.0.0.1:2380",
-                "--cluster-id=c1",
-                "--etcd-endpoints=127.0.0.1:2379"
-            ]
-        );
-        assert!(w.is_empty());
-        assert_eq!(
-            norm(&["--enable_ha=false"]).unwrap().0,
-            ["--enable-ha=false"]
-        );
-        assert_eq!(norm(&["--noenable_ha"]).unwrap().0, ["--enable-ha=false"]);
-        assert_eq!(
-            norm(&["--enable-ha", "true"]).unwrap().0,
-            ["--enable-ha=true"]
-        );
-    }
-
-    #[test]
-    fn mooncake_only_flags_warn_or_fail_by_name() {
-        let (a, w) = norm(&[
-            "--rpc_thread_num",
-            "8",
-            "--memory_allocator=offset",
-            "--enable_oplog=false",
-            "--noenable_oplog",
-            "--ha_backend_type=etcd",
-            "--port",
-            "1",
-        ])
-        .unwrap();
-        assert_eq!(a, ["--port", "1"]);
-        assert_eq!(w.len(), 5);
-        assert!(
-            w[0].contains("--rpc_thread_num=8")
-                && w[1].contains("--memory_allocator=offset")
-                && w[2].contains("--enable_oplog=false")
-        );
-        // Mooncake's oplog replication is what --enable_ha does anyway: a warning, not an error.
-        let (a, w) = norm(&["--enable_oplog", "--enable_ha"]).unwrap();
-        assert_eq!((a, w.len()), (vec!["--enable-ha=true".to_string()], 1));
-        assert!(
-            w[0].contains("--enable_oplog") && w[0].contains("replicates every change"),
-            "{w:?}"
-        );
-        for bad in [
-            &["--enable_snapshot"][..],
-            &["--enable_snapshot=true"],
-            &["-enable_offload=1"],
-            &["--dynamic_replication_mode", "enforce"],
-            &["--rpc_interface=eth0"],
-            &["--ha_backend_type=redis"],
-        ] {
-            let e = norm(bad).unwrap_err();
-            let name = bad[0]
-                .trim_start_matches('-')
-                .split('=')
-                .next()
-                .unwrap_or_default();
-            assert!(
-                e.contains(name) && e.contains("not supported"),
-                "{bad:?}: {e}"
-            );
-        }
-        assert_eq!(
-            norm(&["--dynamic_replication_mode=off"]).unwrap().1.len(),
-            1
-        );
-        // Unknown everywhere: left for clap, with two dashes.
-        assert_eq!(norm(&["-bogus_flag=1"]).unwrap().0, ["--bogus_flag=1"]);
-    }
-
-    #[test]
-    fn store_client_takes_mooncake_clients_flags() {
-        let known: Vec<String> = [
-            "host",
-            "local-hostname",
-            "metadata-server",
-            "master-server-address",
-            "global-segment-size",
-            "local-buffer-size",
-            "protocol",
-            "device-names",
-            "port",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let n = |a: &[&str]| {
-            let args: Vec<OsString> = a.iter().map(OsString::from).collect();
-            normalize_for(&STORE_CLIENT, &args, &known).map(|n| {
-                (
-                    n.args
-                        .into_iter()
-                        .map(|s| s.into_string().unwrap_or_default())
-                        .collect::<Vec<_>>(),
-                    n.warnings,
-                )
-            })
-        };
-        let (a, w) = n(&[
-            "--master_server_address=127.0.0.1:50051",
-            "-global_segment_size",
-            "4 GB",
-            "--local_hostname=10.0.0.1",
-            "--port=50052",
-            "--threads",
-            "4",
-            "--tenant_id=default",
-        ])
-        .unwrap();
-        assert_eq!(
-            a,
-            [
-                "--master-server-address=127.0.0.1:50051",
-                "--global-segment-size",
-                "4 GB",
-                "--local-hostname=10.0.0.1",
-                "--port=50052"
-            ]
-        );
-        assert_eq!(w.len(), 2);
-        assert!(
-            w.iter()
-                .all(|l| l.starts_with("kvferry store-client: warning:")
-                    && l.contains("mooncake_client flag")),
-            "{w:?}"
-        );
-        // The master's renames and flags do not apply here.
-        assert_eq!(n(&["--rpc_port=1"]).unwrap().0, ["--rpc_port=1"]);
-        assert_eq!(
-            n(&["--enable_metric_reporting=false"]).unwrap().0,
-            ["--enable_metric_reporting=false"]
-        );
-        for bad in [
-            &["--enable_offload"][..],
-            &["--enable_http_server=true"],
-            &["--tenant_id", "team-a"],
-        ] {
-            let e = n(bad).unwrap_err();
-            assert!(
-                e.contains("mooncake_client flag") && e.contains("not supported"),
-                "{bad:?}: {e}"
-            );
-        }
-    }
-
-    #[test]
-    fn durations_take_mooncake_units() {
-        assert_eq!(parse_duration_ms("5000"), Ok(5000));
-        assert_eq!(parse_duration_ms("5s"), Ok(5000));
-        assert_eq!(parse_duration_ms(" 2 m "), Ok(120_000));
-        assert_eq!(parse_duration_ms("1h"), Ok(3_600_000));
-        assert_eq!(parse_duration_ms("7ms"), Ok(7));
-        assert_eq!(parse_timeout_ms("8760h"), Ok(MAX_DURATION_MS));
-        assert!(
-            parse_timeout_ms("8761h").is_err() && parse_timeout_ms("18446744073709551615").is_err()
-        );
-        assert!(
-            parse_duration_ms("5d").is_err()
-                && parse_duration_ms("s").is_err()
-                && parse_duration_ms("-1").is_err()
-        );
-    }
-}
+mod tests;

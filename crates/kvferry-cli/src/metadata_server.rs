@@ -23,6 +23,13 @@
 //!   when it holds the key. Stock Mooncake HTTP clients cannot prove the key, so a keyed server
 //!   refuses their writes (their engines cannot register with it); reads (GET) and `/health`
 //!   stay open to every client, as Mooncake's clients need them.
+//! - With a shared token (`MC_METADATA_HTTP_TOKEN` / `KVFERRY_METADATA_HTTP_TOKEN`, read from
+//!   kvferry's `Config`; the master passes the one it read), as Mooncake 0.3.14's Python
+//!   `mooncake_http_metadata_server`: every request to `/metadata`, whatever its method, must
+//!   carry `Authorization: Bearer <token>` (the scheme in any case; compared in constant
+//!   time); without it, or with another token, it gets 401 `unauthorized` before anything
+//!   else is looked at (its key too). `/health` stays open. Engines of both (kvferry's HTTP
+//!   metadata client, Mooncake 0.3.14's) send the header when the variable is set.
 //!
 //! With `--data-dir` every change is appended to `metadata.log` and fsync'ed before the reply,
 //! so a restarted server answers with what it had (a torn last record is dropped; the log is
@@ -73,6 +80,11 @@ pub struct ServerArgs {
     /// `KVFERRY_AUTH_KEY_FILE` through kvferry's `Config`, the master passes the key it read).
     #[arg(skip)]
     pub auth: Option<kvferry::auth::ClusterKey>,
+    /// The shared token every `/metadata` request must carry (not a flag: [`run`] reads
+    /// `MC_METADATA_HTTP_TOKEN` / `KVFERRY_METADATA_HTTP_TOKEN` through kvferry's `Config`,
+    /// the master passes the one it read).
+    #[arg(skip)]
+    pub token: Option<String>,
 }
 
 const OP_PUT: u8 = 1;
@@ -307,6 +319,26 @@ struct State {
     body_timeout: Duration,
     /// With the cluster key: what checks the writes' signatures.
     guard: Option<kvferry::auth_http::Guard>,
+    /// With a shared token: what every `/metadata` request must present.
+    token: Option<String>,
+}
+
+/// Whether `header` (an `Authorization` value) presents `token` as Mooncake 0.3.14's server
+/// reads it: the scheme `Bearer` in any case, one space, then the token, compared in
+/// constant time.
+fn bearer_ok(header: Option<&hyper::header::HeaderValue>, token: &str) -> bool {
+    let Some(v) = header.and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let (scheme, presented) = v.split_once(' ').unwrap_or((v, ""));
+    scheme.eq_ignore_ascii_case("bearer")
+        && !presented.is_empty()
+        && presented.len() == token.len()
+        && presented
+            .bytes()
+            .zip(token.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
 }
 
 fn reply(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
@@ -533,6 +565,11 @@ async fn handle(
     if path != "/metadata" {
         return Ok(reply(StatusCode::NOT_FOUND, "Not Found"));
     }
+    if let Some(t) = &st.token {
+        if !bearer_ok(req.headers().get(hyper::header::AUTHORIZATION), t) {
+            return Ok(reply(StatusCode::UNAUTHORIZED, "unauthorized"));
+        }
+    }
     let method = req.method().clone();
     // With the cluster key, a write without a well-formed, fresh signature is refused before
     // its body is read; its tag and nonce are checked once the body is.
@@ -640,6 +677,7 @@ pub fn run(mut a: ServerArgs) -> Result<(), String> {
     let env = kvferry::Config::from_env().map_err(|e| e.to_string())?;
     a.auth = kvferry::auth::ClusterKey::from_config(env.auth_key_file.as_deref())
         .map_err(|e| e.to_string())?;
+    a.token = env.metadata_http_token;
     run_inner(a, true)
 }
 
@@ -705,6 +743,7 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
         max_body: a.max_body_bytes,
         body_timeout: Duration::from_secs_f64(a.request_timeout),
         guard: a.auth.clone().map(kvferry::auth_http::Guard::new),
+        token: a.token.clone(),
     });
     let threads = if a.threads == 0 {
         std::thread::available_parallelism()
@@ -767,6 +806,15 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
         .build()
         .map_err(|e| format!("cannot start the server runtime: {e}"))?;
     announce_line(announce, local, &store);
+    if a.token.is_some() {
+        let line = "a token is set (MC_METADATA_HTTP_TOKEN / KVFERRY_METADATA_HTTP_TOKEN): \
+                   requests to /metadata without it get 401";
+        if announce {
+            eprintln!("kvferry metadata-server: {line}");
+        } else {
+            tracing::info!("metadata server: {line}");
+        }
+    }
     if a.auth.is_some() {
         let line = "the cluster key (KVFERRY_AUTH_KEY_FILE) is held: writes (PUT, DELETE) need a \
                    request signed with it (kvferry's clients holding it sign theirs; stock \

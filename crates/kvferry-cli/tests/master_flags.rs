@@ -148,6 +148,11 @@ fn master_refuses_mooncake_features_it_lacks_by_name() {
             "--dynamic_replication_mode",
         ),
         (&["--no_such_mooncake_flag=1"], "--no_such_mooncake_flag"),
+        // Out of mooncake_master 0.3.14's range (2..60), which it refuses too.
+        (
+            &["--ha_leader_lease_ttl_sec=1"],
+            "--ha_leader_lease_ttl_sec",
+        ),
     ] {
         let child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
             .args(["master", "--rpc_port=0", "--metrics_port=-1"])
@@ -178,5 +183,96 @@ fn master_refuses_mooncake_features_it_lacks_by_name() {
             "{args:?}: the error names {name}: {err}"
         );
         assert!(out.stdout.is_empty(), "{args:?}: nothing served");
+    }
+}
+
+/// A launch line of stock `mooncake_master` 0.3.14 (the nine flags it added, and the deprecated
+/// --client_ttl beside its canonical name) starts `kvferry master` with only the binary
+/// changed: a client mounts, puts and gets; one warning line per flag without effect here.
+#[test]
+fn master_takes_a_mooncake_0_3_14_launch_line() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args([
+            "master",
+            "--rpc_port=0",
+            "--rpc_address=127.0.0.1",
+            "--metrics_port=-1",
+            "--client_ttl=3",
+            "--client_active_ttl_sec=7",
+            "--client_suspicion_ttl_sec=20",
+            "--ha_leader_lease_ttl_sec=9",
+            "--handler_worker_thread_num=4",
+            "--enable_oplog_snapshot=false",
+            "--snapshot_chunk_object_count=1000",
+            "--tenant_eviction_high_watermark_ratio=0.8",
+            "--weight_import_idle_timeout_ms=300000",
+            "--weight_management_oplog_capability_confirmed=false",
+            "--enable_http_metadata_server=false",
+            "--enable_metric_reporting=false",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvferry master");
+    let mut line = String::new();
+    let stdout = child.stdout.take().expect("stdout");
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("read the master's line");
+    let result = std::panic::catch_unwind(|| {
+        assert!(line.starts_with("KVFERRY_MASTER"), "{line:?}");
+        let rpc = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("rpc="))
+            .unwrap_or_default()
+            .to_string();
+        let c = Client::setup(ClientConfig {
+            global_segment_size: 16 << 20,
+            local_buffer_size: 16 << 20,
+            master_server_addr: rpc,
+            transfer_timeout: Duration::from_secs(10),
+            ..ClientConfig::default()
+        })
+        .expect("a client mounts on the master");
+        c.put("mc-0.3.14", b"served", &ReplicateConfig::default())
+            .expect("put");
+        assert_eq!(c.get("mc-0.3.14").expect("get"), b"served");
+        let _ = c.close();
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut err);
+    }
+    if let Err(p) = result {
+        eprintln!("master stderr:\n{err}");
+        std::panic::resume_unwind(p);
+    }
+    for name in [
+        "--client_ttl=3 is not used",
+        "--client_suspicion_ttl_sec=20",
+        "--handler_worker_thread_num=4",
+        "--enable_oplog_snapshot=false",
+        "--snapshot_chunk_object_count=1000",
+        "--tenant_eviction_high_watermark_ratio=0.8",
+        "--weight_import_idle_timeout_ms=300000",
+        "--weight_management_oplog_capability_confirmed=false",
+    ] {
+        assert_eq!(
+            err.lines()
+                .filter(|l| l.contains("warning") && l.contains(name))
+                .count(),
+            1,
+            "one warning line for {name}: {err}"
+        );
+    }
+    // Implemented, so not warned about.
+    for name in ["--client_active_ttl_sec", "--ha_leader_lease_ttl_sec"] {
+        assert!(
+            !err.contains(&format!("flag {name}")),
+            "{name} is not ignored: {err}"
+        );
     }
 }

@@ -42,6 +42,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "KVFERRY_METADATA_CLUSTER_ID", aliases: &["MC_METADATA_CLUSTER_ID"], default: "(none)", doc: "namespace in the metadata service: keys become `mooncake/<id>/...` instead of `mooncake/...`" },
     EnvVar { name: "KVFERRY_METADATA_TIMEOUT", aliases: &[], default: "3", doc: "seconds one metadata request may take (connect: half of it, at most 1.5 s)" },
     EnvVar { name: "KVFERRY_METADATA_CA_FILE", aliases: &[], default: "(built-in Mozilla roots)", doc: "`https://` metadata server: PEM file of the CA certificate(s) to trust instead of the built-in public roots (a private CA or a self-signed server certificate; `/etc/ssl/certs/ca-certificates.crt` trusts the system store)" },
+    EnvVar { name: "KVFERRY_METADATA_HTTP_TOKEN", aliases: &["MC_METADATA_HTTP_TOKEN"], default: "(none: no token, as Mooncake)", doc: "a shared token for `http(s)://` metadata servers, as Mooncake 0.3.14's: engines and store clients send `Authorization: Bearer <token>` with every request, and `kvferry metadata-server` and `kvferry master --enable-http-metadata-server` answer requests to `/metadata` without it (or with another) 401 `unauthorized` (`/health` stays open). Set the same value on the server and on every engine, kvferry's and Mooncake's; `kvferry doctor` shows only its length" },
     EnvVar { name: "KVFERRY_METADATA_LEASE_TTL", aliases: &[], default: "10", doc: "seconds an engine's etcd entries outlive it when it stops renewing them (crash); the engine renews and re-checks its entries every third of this" },
     EnvVar { name: "KVFERRY_ADVERTISE_ADDRESS", aliases: &["MC_TCP_BIND_ADDRESS"], default: "the host part of local_hostname", doc: "central metadata mode: the address of this host published in `rpc_meta` and bound by the listeners, when local_hostname is a logical name (e.g. `prefill-0`)" },
     EnvVar { name: "KVFERRY_REDIS_USERNAME", aliases: &["MC_REDIS_USERNAME"], default: "(none)", doc: "Redis user for `AUTH` (the `redis://user:pass@` URL form wins)" },
@@ -93,6 +94,10 @@ pub struct Config {
     pub metadata_lease_ttl: Duration,
     /// `https://` metadata server: PEM file of the CA certificates to trust.
     pub metadata_ca_file: Option<std::path::PathBuf>,
+    /// The shared token of HTTP metadata servers (`KVFERRY_METADATA_HTTP_TOKEN`,
+    /// `MC_METADATA_HTTP_TOKEN`): sent as `Authorization: Bearer <token>`, and required by
+    /// kvferry's servers when they have one. `None` (unset or blank): no token.
+    pub metadata_http_token: Option<String>,
     /// The cluster key file (`KVFERRY_AUTH_KEY_FILE`, [`crate::auth`]); `None`: no
     /// authentication.
     pub auth_key_file: Option<std::path::PathBuf>,
@@ -168,6 +173,7 @@ impl Default for Config {
             metadata_timeout: Duration::from_secs(3),
             metadata_lease_ttl: Duration::from_secs(10),
             metadata_ca_file: None,
+            metadata_http_token: None,
             auth_key_file: None,
             auth_protect: crate::auth::Protect::Headers,
             advertise_address: None,
@@ -399,6 +405,16 @@ impl Config {
             c.metadata_lease_ttl = d;
         }
         c.metadata_ca_file = lookup(get, "KVFERRY_METADATA_CA_FILE").map(|(_, v)| v.into());
+        if let Some((name, v)) = lookup(get, "KVFERRY_METADATA_HTTP_TOKEN") {
+            // It travels in an HTTP header: printable ASCII only (no control characters).
+            if !v.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+                return Err(Error::Config(format!(
+                    "{name} holds a character an HTTP header cannot carry: use printable ASCII \
+                    (e.g. `openssl rand -hex 32`), the same on the metadata server and every engine"
+                )));
+            }
+            c.metadata_http_token = Some(v);
+        }
         c.auth_key_file = lookup(get, "KVFERRY_AUTH_KEY_FILE").map(|(_, v)| v.into());
         if let Some((name, v)) = lookup(get, "KVFERRY_AUTH_PROTECT") {
             c.auth_protect = crate::auth::Protect::parse(&v).ok_or_else(|| {

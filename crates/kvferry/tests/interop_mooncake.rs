@@ -3,12 +3,14 @@
 //! The Mooncake side is `tests/interop/mooncake_peer.py`, run with the Python named by
 //! `KVFERRY_MOONCAKE_PYTHON`, else `.venv/mooncake` (a venv with
 //! `mooncake-transfer-engine-non-cuda`; `scripts/test` creates it). A missing peer is a
-//! failure unless `KVFERRY_SKIP_MOONCAKE=1` (see `mooncake_peer::python`).
+//! failure unless `KVFERRY_SKIP_MOONCAKE=1` (see `mooncake_peer::python`). Each test runs
+//! against Mooncake 0.3.14 too (`KVFERRY_MOONCAKE314_PYTHON`, else `.venv/mooncake314`:
+//! `scripts/mooncake-venv 0.3.14`; NOT RUN, saying so, where neither is there).
 
 mod mooncake_peer;
 
 use kvferry::{Config, Opcode, TaskStatus, TransferEngine, TransferRequest};
-use mooncake_peer::{pattern, python, sha, MooncakeTarget};
+use mooncake_peer::{pattern, python, python_0_3_14, sha, MooncakeTarget};
 use serde_json::Value;
 use std::time::Duration;
 
@@ -63,6 +65,16 @@ fn mooncake_initiator(
 #[test]
 fn mooncake_initiator_to_kvferry_target() {
     let Some(py) = python() else { return };
+    mooncake_initiator_to_kvferry(&py);
+}
+
+#[test]
+fn mooncake_0_3_14_initiator_to_kvferry_target() {
+    let Some(py) = python_0_3_14() else { return };
+    mooncake_initiator_to_kvferry(&py);
+}
+
+fn mooncake_initiator_to_kvferry(py: &str) {
     let size = 16 << 20;
     let e = engine();
     let mem = vec![0u8; size];
@@ -77,7 +89,7 @@ fn mooncake_initiator_to_kvferry_target() {
             (16 << 20, 1, 4),
         ] {
             let r = mooncake_initiator(
-                &py,
+                py,
                 &env,
                 e.segment_name(),
                 addr,
@@ -93,7 +105,7 @@ fn mooncake_initiator_to_kvferry_target() {
                 "{label}: bytes written by Mooncake (block {block}) landed exactly"
             );
             let r = mooncake_initiator(
-                &py,
+                py,
                 &env,
                 e.segment_name(),
                 addr,
@@ -114,7 +126,7 @@ fn mooncake_initiator_to_kvferry_target() {
     // Out-of-range address: Mooncake's call fails, our memory is untouched.
     let before = sha(&mem);
     let r = mooncake_initiator(
-        &py,
+        py,
         &[],
         e.segment_name(),
         addr + size as u64 - 4096,
@@ -127,10 +139,10 @@ fn mooncake_initiator_to_kvferry_target() {
     assert_eq!(r["ok"], false, "{r}");
     assert_eq!(sha(&mem), before);
     // The engine still serves: a good write after the rejection.
-    let r = mooncake_initiator(&py, &[], e.segment_name(), addr, 4096, "write", 4096, 1, 5);
+    let r = mooncake_initiator(py, &[], e.segment_name(), addr, 4096, "write", 4096, 1, 5);
     assert_eq!(r["ok"], true, "{r}");
     // Probe from Mooncake.
-    let r = mooncake_peer::run(&py, &["probe", "--segment", e.segment_name()], &[]);
+    let r = mooncake_peer::run(py, &["probe", "--segment", e.segment_name()], &[]);
     assert_eq!(r["ret"], 0, "Mooncake probe of kvferry: {r}");
 }
 
@@ -166,9 +178,19 @@ fn run(
 #[test]
 fn kvferry_initiator_to_mooncake_target() {
     let Some(py) = python() else { return };
+    kvferry_initiator_to_mooncake(&py);
+}
+
+#[test]
+fn kvferry_initiator_to_mooncake_0_3_14_target() {
+    let Some(py) = python_0_3_14() else { return };
+    kvferry_initiator_to_mooncake(&py);
+}
+
+fn kvferry_initiator_to_mooncake(py: &str) {
     let size = 16 << 20;
     for (env, proto) in [(vec![], 2u32), (vec![], 1u32)] {
-        let mut t = MooncakeTarget::start(&py, &[], &env, size, 3);
+        let mut t = MooncakeTarget::start(py, &[], &env, size, 3);
         let e = TransferEngine::new(Config {
             tcp_proto: proto,
             ..Config::default()

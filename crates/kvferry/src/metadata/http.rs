@@ -14,6 +14,12 @@
 //! ([`crate::auth_http`]): a `kvferry metadata-server` holding the key takes writes only so
 //! signed (its reads are open, and Mooncake's servers ignore the header). A refusal's answer
 //! (401) says why, and is in the error.
+//!
+//! With a shared token (`MC_METADATA_HTTP_TOKEN` / `KVFERRY_METADATA_HTTP_TOKEN`,
+//! [`StoreOptions::http_token`]) every request carries `Authorization: Bearer <token>`, as
+//! Mooncake 0.3.14's engines send it; servers holding a token (its Python
+//! `mooncake_http_metadata_server`, `kvferry metadata-server`, `kvferry master`'s embedded one)
+//! answer 401 without it.
 
 use super::{url_encode, Backend, MetadataStore, Seen, StoreOptions};
 use crate::error::{Error, Result};
@@ -35,6 +41,8 @@ pub(crate) struct HttpStore {
     agent: ureq::Agent,
     /// Signs every request when the cluster key is configured.
     key: Option<crate::auth::ClusterKey>,
+    /// `Bearer <token>`, sent as `Authorization` with every request, when a token is set.
+    bearer: Option<String>,
 }
 
 impl HttpStore {
@@ -66,6 +74,7 @@ impl HttpStore {
             url: url.to_string(),
             agent,
             key,
+            bearer: opts.http_token.as_ref().map(|t| format!("Bearer {t}")),
         })
     }
 
@@ -80,6 +89,14 @@ impl HttpStore {
     fn target(&self, key: &str) -> String {
         let sep = if self.url.contains('?') { '&' } else { '?' };
         format!("{}{sep}key={}", self.url, url_encode(key))
+    }
+
+    /// `req` with the shared token's `Authorization` header, when a token is set.
+    fn with_token<B>(&self, req: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+        match &self.bearer {
+            Some(b) => req.header("Authorization", b.as_str()),
+            None => req,
+        }
     }
 
     /// The `X-Kvferry-Auth` value for `method` on `target` with `body`, when a key is held.
@@ -116,10 +133,11 @@ impl HttpStore {
     /// A PUT's status and answer.
     fn put_answer(&self, key: &str, value: &[u8]) -> Result<(u16, Vec<u8>)> {
         let target = self.target(key);
-        let mut req = self
-            .agent
-            .put(&target)
-            .header("Content-Type", "application/json");
+        let mut req = self.with_token(
+            self.agent
+                .put(&target)
+                .header("Content-Type", "application/json"),
+        );
         if let Some(auth) = self.auth("PUT", &target, value) {
             req = req.header(crate::auth_http::HEADER, auth);
         }
@@ -151,7 +169,18 @@ impl HttpStore {
         let text = String::from_utf8_lossy(&body[..body.len().min(600)])
             .trim()
             .to_string();
-        self.err(format!("{what} {key} answered HTTP {status} {text:?}"))
+        // A token server's refusal ("unauthorized"; kvferry's cluster-key refusals say why).
+        let hint = if status == 401 && !text.contains(crate::auth_http::HEADER) {
+            match self.bearer {
+                None => " (the metadata server requires a token: set MC_METADATA_HTTP_TOKEN, or KVFERRY_METADATA_HTTP_TOKEN, to the server's)",
+                Some(_) => " (the metadata server refused this engine's token: MC_METADATA_HTTP_TOKEN, or KVFERRY_METADATA_HTTP_TOKEN, must be the server's)",
+            }
+        } else {
+            ""
+        };
+        self.err(format!(
+            "{what} {key} answered HTTP {status} {text:?}{hint}"
+        ))
     }
 }
 
@@ -262,7 +291,7 @@ impl MetadataStore for HttpStore {
     /// the value, not atomically).
     fn get_seen(&self, key: &str) -> Result<Option<Seen>> {
         let target = self.target(key);
-        let mut req = self.agent.get(&target);
+        let mut req = self.with_token(self.agent.get(&target));
         if let Some(auth) = self.auth("GET", &target, b"") {
             req = req.header(crate::auth_http::HEADER, auth);
         }
@@ -288,10 +317,11 @@ impl MetadataStore for HttpStore {
             return super::remove_by_look(self, key, seen);
         };
         let target = self.target(key);
-        let mut req = self
-            .agent
-            .delete(&target)
-            .header("If-Match", format!("\"{rev}\""));
+        let mut req = self.with_token(
+            self.agent
+                .delete(&target)
+                .header("If-Match", format!("\"{rev}\"")),
+        );
         if let Some(auth) = self.auth("DELETE", &target, b"") {
             req = req.header(crate::auth_http::HEADER, auth);
         }
@@ -314,7 +344,7 @@ impl MetadataStore for HttpStore {
 
     fn remove(&self, key: &str) -> Result<()> {
         let target = self.target(key);
-        let mut req = self.agent.delete(&target);
+        let mut req = self.with_token(self.agent.delete(&target));
         if let Some(auth) = self.auth("DELETE", &target, b"") {
             req = req.header(crate::auth_http::HEADER, auth);
         }

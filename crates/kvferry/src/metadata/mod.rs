@@ -205,6 +205,10 @@ pub struct StoreOptions {
     /// for its writes; read when the store is opened ([`connect`]), an unusable file an error
     /// there. Other backends do not use it.
     pub auth_key_file: Option<std::path::PathBuf>,
+    /// The shared token of HTTP metadata servers (`MC_METADATA_HTTP_TOKEN`, Mooncake 0.3.14):
+    /// an `http(s)://` store sends `Authorization: Bearer <token>` with every request. Other
+    /// backends do not use it.
+    pub http_token: Option<String>,
 }
 
 impl Default for StoreOptions {
@@ -217,6 +221,7 @@ impl Default for StoreOptions {
             redis_db: None,
             ca_file: None,
             auth_key_file: None,
+            http_token: None,
         }
     }
 }
@@ -231,6 +236,7 @@ impl StoreOptions {
             redis_db: c.redis_db,
             ca_file: c.metadata_ca_file.clone(),
             auth_key_file: c.auth_key_file.clone(),
+            http_token: c.metadata_http_token.clone(),
         }
     }
 

@@ -37,6 +37,37 @@ pub fn python() -> Option<String> {
     )
 }
 
+/// The interpreter with stock Mooncake 0.3.14 (`mooncake-transfer-engine-cuda13` with the
+/// CUDA stand-ins: `scripts/mooncake-venv 0.3.14`): `KVFERRY_MOONCAKE314_PYTHON`, else the
+/// repository's `.venv/mooncake314`. None, after saying NOT RUN and why, when neither is there
+/// and the variable is unset, or with `KVFERRY_SKIP_MOONCAKE=1`; a variable naming no
+/// interpreter panics.
+pub fn python_0_3_14() -> Option<String> {
+    if std::env::var("KVFERRY_SKIP_MOONCAKE").as_deref() == Ok("1") {
+        eprintln!("NOT RUN (KVFERRY_SKIP_MOONCAKE=1): this test needs stock Mooncake 0.3.14");
+        return None;
+    }
+    if let Some(p) = std::env::var("KVFERRY_MOONCAKE314_PYTHON")
+        .ok()
+        .filter(|p| !p.is_empty())
+    {
+        assert!(
+            std::path::Path::new(&p).is_file(),
+            "KVFERRY_MOONCAKE314_PYTHON={p} is not a file: make it with scripts/mooncake-venv 0.3.14"
+        );
+        return Some(p);
+    }
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/mooncake314/bin/python");
+    if venv.is_file() {
+        return Some(venv.to_string_lossy().into_owned());
+    }
+    eprintln!(
+        "NOT RUN: stock Mooncake 0.3.14 is not installed (make it with scripts/mooncake-venv \
+         0.3.14, or set KVFERRY_MOONCAKE314_PYTHON)"
+    );
+    None
+}
+
 pub fn script() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/interop/mooncake_peer.py")
 }
