@@ -165,17 +165,14 @@ def engine_names(env):
 
 
 # The TransferEngine calls Mooncake 0.3.14 added (its engine.pyi), but the *_on_cuda ones
-# (present only where SUPPORT_CUDA is). PENDING for kvferry: the `*_arrays`, `*_pages` and
-# scatter calls come with issue 46's work; until kvferry has them all, test_compat reports
-# this case on kvferry as an expected failure naming what is missing, and passes it once they
-# are there. Stock 0.3.13 has none of them.
+# (present only where SUPPORT_CUDA is). Stock 0.3.13 has none of them.
 ENGINE_0_3_14 = ["batch_transfer_async_read_arrays", "batch_transfer_async_write_arrays",
                  "batch_transfer_sync_read_arrays", "batch_transfer_sync_read_pages",
                  "batch_transfer_sync_write_arrays", "batch_transfer_sync_write_pages",
                  "scatter_transfer_sync_read_with_ticket", "scatter_transfer_sync_write_with_ticket",
                  "submit_scatter_read", "submit_scatter_write"]
-# cases kvferry does not pass yet, by design of the work plan (see each case)
-PENDING_KVFERRY = {"engine_names_0_3_14"}
+# cases kvferry does not pass yet, by design of the work plan (see each case); none today
+PENDING_KVFERRY: set = set()
 
 
 @case(True, stock={"0.3.13": ENGINE_0_3_14})

@@ -341,15 +341,14 @@ def _run314(python, impl):
 
 
 def test_parity_with_stock_0_3_14():
-    """The same calls on kvferry and on the stock 0.3.14 wheel (KVFERRY_MOONCAKE314_PYTHON, an
-    interpreter that imports it): same return values, exception types and bytes moved;
-    Mooncake's message within kvferry's; only DIVERGENT differs, and only as listed."""
-    import os
+    """The same calls on kvferry and on the stock 0.3.14 wheel (conftest's `stock_python`):
+    same return values, exception types and bytes moved; Mooncake's message within kvferry's;
+    only DIVERGENT differs, and only as listed."""
     import sys
 
-    stock_py = os.environ.get("KVFERRY_MOONCAKE314_PYTHON")
-    if not stock_py:
-        pytest.skip("KVFERRY_MOONCAKE314_PYTHON is not set (an interpreter with the stock 0.3.14 wheel: scripts/mooncake-venv 0.3.14 DIR)")
+    from conftest import stock_python
+
+    stock_py = stock_python("0.3.14")  # skips, saying so, only where scripts/python-test did not make it
     ours, stock = _run314(sys.executable, "kvferry"), _run314(stock_py, "mooncake")
     assert sorted(ours) == sorted(stock)
     bad = []
