@@ -68,6 +68,7 @@ mod ibverbs;
 mod memory;
 pub mod metadata;
 mod route;
+mod sys;
 mod transport;
 mod wire;
 
@@ -143,7 +144,7 @@ pub mod testing {
     pub mod gpu {
         pub use crate::gpu::{cuda, probe, probe_with, Cuda};
         pub mod driver {
-            pub use crate::gpu::driver::{CudaError, Driver};
+            pub use crate::sys::cuda::{CudaError, Driver};
         }
         pub mod ipc {
             pub use crate::gpu::ipc::{export, open, Export};
@@ -161,7 +162,7 @@ pub mod testing {
             pub use crate::ibverbs::sysfs::{nics, select_gid, ROOT};
         }
         pub mod verbs {
-            pub use crate::ibverbs::verbs::{
+            pub use crate::sys::ibverbs::verbs::{
                 Context, Cq, Mr, Op, Path, Pd, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr,
                 RETRY_CNT,
             };

@@ -1,5 +1,5 @@
 //! The RDMA transport: one-sided RDMA WRITE/READ over RC queue pairs, on the verbs layer of
-//! [`crate::ibverbs::verbs`] (libibverbs loaded at run time).
+//! [`crate::sys::ibverbs::verbs`] (libibverbs loaded at run time).
 //!
 //! - **NICs**: every RDMA device with an active port 1 (or those `KVFERRY_RDMA_DEVICES`
 //!   names), in name order; each has a PD, a CQ with its completion channel, and a poller
@@ -81,11 +81,11 @@
 //! Names that are no `ip:port` in P2P mode are kept until they reconnect (within the bounds).
 
 use crate::batch::{FailCause, FailKind, TaskState};
-use crate::ibverbs::verbs::{
-    self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr,
-};
 use crate::ibverbs::{sysfs, topo};
 use crate::memory::{Region, RegionGuard};
+use crate::sys::ibverbs::verbs::{
+    self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr,
+};
 use crate::transport::{
     Caps, Kinds, Mem, Needs, Peer, PeerDirectory, Piece, Prelude, Published, Reach, Transport,
 };
@@ -691,8 +691,8 @@ fn reg_gpu(
     }
     let cuda = crate::gpu::cuda().map_err(str::to_string)?;
     let (base, size) = match cuda.driver().classify(addr).map_err(|e| e.to_string())? {
-        crate::gpu::driver::Pointer::Device { base, size, .. } => (base, size),
-        crate::gpu::driver::Pointer::Host => {
+        crate::sys::cuda::Pointer::Device { base, size, .. } => (base, size),
+        crate::sys::cuda::Pointer::Host => {
             return Err("the driver does not report this range as GPU memory".into())
         }
     };
