@@ -93,12 +93,6 @@ impl Mapping {
         self.ptr
     }
 
-    /// The mapping's length in bytes.
-    #[inline]
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
     /// `as_ptr() + off` if `[off, +len)` lies inside the mapping.
     fn range(&self, off: usize, len: usize) -> io::Result<*mut u8> {
         if off.checked_add(len).is_none_or(|end| end > self.len) {
@@ -187,7 +181,6 @@ mod tests {
         rustix::fs::ftruncate(&fd, 2 * page as u64).unwrap();
         rustix::io::pwrite(&fd, b"kv", page as u64).unwrap();
         let m = Mapping::shared(&fd, page, page as u64).unwrap();
-        assert_eq!(m.len(), page);
         // SAFETY: inside the live mapping, read only.
         assert_eq!(unsafe { std::slice::from_raw_parts(m.as_ptr(), 2) }, b"kv");
         m.dontfork().unwrap();

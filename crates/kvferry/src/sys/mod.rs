@@ -9,6 +9,7 @@
 //! - [`proc`]: pidfds, cross-memory attach (`process_vm_readv`/`writev`), the calling
 //!   thread's scheduling policy; for tests, forking and reaping a child.
 //! - [`fd`]: pointing a descriptor number elsewhere (`dup3`).
+//! - [`net`]: what an `accept` error means.
 //! - [`ibverbs`]: `libibverbs.so.1`, loaded at run time, its C layouts and the safe owners of
 //!   its objects.
 //! - [`cuda`]: `libcuda.so.1`, loaded at run time, and its driver-API table.
@@ -25,6 +26,7 @@ pub(crate) mod cuda;
 pub(crate) mod fd;
 pub(crate) mod ibverbs;
 pub(crate) mod mem;
+pub(crate) mod net;
 pub(crate) mod proc;
 
 pub(crate) use rustix::io::Errno;

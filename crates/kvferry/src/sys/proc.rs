@@ -57,6 +57,12 @@ impl IoVec {
             iov_len: len,
         })
     }
+
+    /// The range's length in bytes.
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        self.0.iov_len
+    }
 }
 
 /// Copies `remote` ranges of process `pid` into the `local` ranges of this one, in order
@@ -131,22 +137,26 @@ pub(crate) fn sched_idle() -> io::Result<()> {
     Ok(())
 }
 
-/// Forks this process; the child runs `child` and ends with `_exit(0)` (or `_exit(101)` if
-/// it panicked), running none of the parent's exit handlers. Returns the child's pid.
+/// Forks this process: `Some(child's pid)` in the parent, `None` in the child, which must
+/// end with [`exit_now`].
 ///
-/// The child of a multi-threaded process may only do what is safe after `fork` there: `child`
-/// drops values and makes system calls, and takes no lock another thread may hold.
+/// # Safety
+/// The child of a multi-threaded process may only do what is safe after `fork` there: drop
+/// values and make system calls, taking no lock another thread may hold, then `exit_now`.
 #[cfg(test)]
-pub(crate) fn fork_child(child: impl FnOnce()) -> rustix::process::Pid {
-    // SAFETY: the child runs only `child` (under the rule above) and `_exit`.
+pub(crate) unsafe fn fork() -> Option<rustix::process::Pid> {
+    // SAFETY: the caller keeps the child to what is safe after fork.
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork: {}", io::Error::last_os_error());
-    if pid == 0 {
-        let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(child)).is_ok();
-        // SAFETY: ends the child without running the parent's exit handlers.
-        unsafe { libc::_exit(if ok { 0 } else { 101 }) }
-    }
-    rustix::process::Pid::from_raw(pid).expect("a child's pid is positive")
+    rustix::process::Pid::from_raw(pid)
+}
+
+/// Ends this (forked) process with `code` at once, running none of the exit handlers it
+/// inherited (`_exit`).
+#[cfg(test)]
+pub(crate) fn exit_now(code: i32) -> ! {
+    // SAFETY: `_exit` ends the process; nothing runs after it.
+    unsafe { libc::_exit(code) }
 }
 
 /// Waits up to 10 s for child `pid` to end, and its exit code (`None` if a signal ended it);
@@ -202,10 +212,12 @@ mod tests {
         assert!(!exited(&me));
         assert!(pidfd_open(0).is_err());
         let (rx, tx) = rustix::pipe::pipe().unwrap();
-        let pid = fork_child(|| {
+        // SAFETY: the child reads a pipe and exits.
+        let Some(pid) = (unsafe { fork() }) else {
             let mut b = [0u8; 1];
             let _ = rustix::io::read(&rx, &mut b); // until the parent says go
-        });
+            exit_now(0)
+        };
         let fd = pidfd_open(pid.as_raw_nonzero().get()).unwrap();
         assert!(!exited(&fd), "the child waits for the parent's byte");
         rustix::io::write(&tx, b"g").unwrap();
