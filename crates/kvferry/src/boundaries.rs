@@ -17,7 +17,11 @@ const RULES: &[(&str, &str)] = &[
         "the shared-memory transport's module (transport/shm)",
     ),
     ("rdma::", "the RDMA transport's module (transport/rdma)"),
-    ("ibverbs::", "the RDMA transport's verbs layer (ibverbs/)"),
+    (
+        "ibverbs::",
+        "the RDMA transport's verbs layer (sys/ibverbs/)",
+    ),
+    ("nic::", "the RDMA NICs, their ports and topology (nic/)"),
     ("local::", "the own segment's copy (transport/local.rs)"),
     (
         "stage::",

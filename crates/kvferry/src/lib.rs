@@ -64,9 +64,9 @@ pub mod fuzz;
 mod gpu;
 pub mod handshake;
 pub mod hostbuf;
-mod ibverbs;
 mod memory;
 pub mod metadata;
+mod nic;
 mod route;
 mod sys;
 mod transport;
@@ -98,7 +98,7 @@ pub mod host {
     }
     /// libibverbs (loaded at run time), the RDMA NICs and their ports, from sysfs.
     pub mod rdma {
-        pub use crate::ibverbs::{
+        pub use crate::nic::{
             port_reports, probe, query_mtus, verbs_dmabuf, Nic, PortReport, Probe,
         };
     }
@@ -159,7 +159,7 @@ pub mod testing {
     pub mod rdma {
         pub use crate::transport::rdma::PASSIVE_SWEEP_AT;
         pub mod sysfs {
-            pub use crate::ibverbs::sysfs::{nics, select_gid, ROOT};
+            pub use crate::nic::sysfs::{nics, select_gid, ROOT};
         }
         pub mod verbs {
             pub use crate::sys::ibverbs::verbs::{

@@ -1252,7 +1252,7 @@ mod tests {
                     Ok(names) => assert!(names.iter().all(|n| !n.is_empty())),
                     Err(e) => {
                         assert!(
-                            !std::path::Path::new(crate::ibverbs::sysfs::ROOT).exists(),
+                            !std::path::Path::new(crate::nic::sysfs::ROOT).exists(),
                             "devices in sysfs but not listed: {e}"
                         );
                         assert!(e.to_string().contains("rdma_rxe"), "{e}");

@@ -1,4 +1,4 @@
-//! RDMA on this host, found and driven at run time (no build-time verbs dependency).
+//! The RDMA NICs of this host, found at run time (no build-time verbs dependency).
 //!
 //! This module reads the NICs, their ports, rates and GIDs from sysfs ([`sysfs`]), which needs
 //! no library at all, ranks them by topology ([`topo`]), and asks `libibverbs.so.1` (loaded
