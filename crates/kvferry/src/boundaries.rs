@@ -17,7 +17,11 @@ const RULES: &[(&str, &str)] = &[
         "the shared-memory transport's module (transport/shm)",
     ),
     ("rdma::", "the RDMA transport's module (transport/rdma)"),
-    ("ibverbs::", "the RDMA transport's verbs layer (ibverbs/)"),
+    (
+        "ibverbs::",
+        "the RDMA transport's verbs layer (sys/ibverbs/)",
+    ),
+    ("nic::", "the RDMA NICs, their ports and topology (nic/)"),
     ("local::", "the own segment's copy (transport/local.rs)"),
     (
         "stage::",
@@ -123,4 +127,95 @@ fn h(x: Box<dyn std::any::Any>) { let _ = x.downcast::<u8>(); }
         .map(|(l, n)| (l, n.to_string()))
         .collect();
     assert_eq!(got, want);
+}
+
+/// What only `sys/` may name: the platform's raw calls and foreign functions.
+const PLATFORM: &[(&str, &str)] = &[
+    (
+        "libc::",
+        "a raw platform call or constant: wrap it in sys/ (or use rustix where it has it)",
+    ),
+    (
+        "extern \"",
+        "a foreign function (an `extern \"C\"` declaration or pointer type): declare it in sys/",
+    ),
+    (
+        "libloading",
+        "a library loaded at run time: its loader and symbol table live in sys/",
+    ),
+];
+
+/// Every `PLATFORM` rule the source files of `src/` outside `src/sys/` break, outside
+/// `#[cfg(test)]` (and the files of test modules): "file:line: names `what`: why".
+fn platform_hits(root: &std::path::Path) -> Vec<String> {
+    use crate::source_scan::{children_dir, sources};
+    let src = root.join("src");
+    let mut test_files = Vec::new();
+    let mut broke = Vec::new();
+    for file in sources(&src) {
+        let text =
+            std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let (code, test_mods) = without_tests(&strip(&text, false));
+        test_files.extend(test_mods.iter().flat_map(|m| {
+            [
+                children_dir(&file).join(format!("{m}.rs")),
+                children_dir(&file).join(m).join("mod.rs"),
+            ]
+        }));
+        if file.starts_with(src.join("sys")) {
+            continue;
+        }
+        for (line, needle, why) in rule_hits(&code, PLATFORM) {
+            broke.push((file.clone(), line, needle, why));
+        }
+    }
+    broke
+        .into_iter()
+        .filter(|(file, ..)| !test_files.contains(file))
+        .map(|(file, line, needle, why)| {
+            let name = file.strip_prefix(root).unwrap_or(&file).display();
+            format!("{name}:{line}: names `{needle}`: {why}")
+        })
+        .collect()
+}
+
+#[test]
+fn platform_calls_and_ffi_live_in_sys_only() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    assert!(
+        root.join("src/engine.rs").is_file(),
+        "{} is not the crate's root",
+        root.display()
+    );
+    let broke = platform_hits(root);
+    assert!(
+        broke.is_empty(),
+        "FFI and platform calls live under src/sys/ (small safe wrappers, rustix where it has the call); outside it no `libc::`, `extern \"C\"` or `libloading` in non-test code:\n{}",
+        broke.join("\n")
+    );
+}
+
+/// The platform check finds raw calls and foreign functions in code, and nothing in comments,
+/// literals or test code.
+#[test]
+fn the_platform_check_sees_code_only() {
+    let src = r##"//! libc::mmap in a doc comment.
+use std::io; // libc::EPERM in a comment
+const A: &str = "libc::munmap and extern \"C\" in a string";
+fn f() -> i32 { libc::ESRCH }
+type F = unsafe extern "C" fn(i32) -> i32;
+extern crate alloc;
+fn g() { let _ = libloading::Library::new("x"); }
+fn h() -> i32 { xlibc::E }
+#[cfg(test)]
+mod tests {
+    fn t() -> i32 { libc::EPERM }
+}
+"##;
+    let (code, _) = without_tests(&strip(src, false));
+    let got: Vec<(usize, &str)> = rule_hits(&code, PLATFORM)
+        .into_iter()
+        .map(|(l, n, _)| (l, n))
+        .collect();
+    assert_eq!(got, [(4, "libc::"), (5, "extern \""), (7, "libloading")]);
 }

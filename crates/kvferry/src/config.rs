@@ -615,11 +615,7 @@ impl InitializeArgs {
     /// Where `protocol="rdma"` made the engine RDMA-only: whether this host can do it with
     /// the NICs allowed (`devices`, as applied), per `probe`; if not, the error says why and
     /// what to do. (The engine checks the rest when it opens the NICs.)
-    pub fn check_rdma(
-        &self,
-        probe: &crate::ibverbs::Probe,
-        devices: Option<&[String]>,
-    ) -> Result<()> {
+    pub fn check_rdma(&self, probe: &crate::nic::Probe, devices: Option<&[String]>) -> Result<()> {
         if !self.rdma_required {
             return Ok(());
         }
@@ -631,7 +627,7 @@ impl InitializeArgs {
         let why = match (probe.why_not(), devices) {
             (Some(why), _) => why,
             (None, Some(only)) => {
-                let active = |n: &crate::ibverbs::sysfs::Nic| n.ports.iter().any(|p| p.active);
+                let active = |n: &crate::nic::sysfs::Nic| n.ports.iter().any(|p| p.active);
                 if probe
                     .nics
                     .iter()
@@ -1050,7 +1046,7 @@ mod tests {
     /// (a made-up host each time, so this runs anywhere).
     #[test]
     fn initialize_rdma_without_usable_nics_says_why_and_what_to_do() {
-        use crate::ibverbs::{sysfs, Probe};
+        use crate::nic::{sysfs, Probe};
         let nic = |name: &str, active: bool| sysfs::Nic {
             name: name.into(),
             numa_node: None,

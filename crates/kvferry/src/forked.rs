@@ -10,7 +10,7 @@
 //! than closing it, so the number stays taken by the value that owns it (which the child
 //! never drops: see `TransferEngine::release_inherited`) and cannot be reused under it.
 
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 
 /// Makes `fd` refer to `/dev/null` (close-on-exec) instead of what it referred to: this
 /// process no longer holds that socket or file. Best effort (a failure leaves `fd` as it was).
@@ -20,10 +20,9 @@ pub(crate) fn detach(fd: BorrowedFd<'_>) {
     else {
         return;
     };
-    // SAFETY: dup3 only replaces what the descriptor number refers to; the number stays
-    // open and owned by the same value, so no other owner's descriptor is closed. Callers
-    // detach only descriptors of an inherited engine copy that is never used again.
-    unsafe { libc::dup3(null.as_raw_fd(), fd.as_raw_fd(), libc::O_CLOEXEC) };
+    // The number stays open and owned by the same value. Callers detach only descriptors of
+    // an inherited engine copy that is never used again.
+    let _ = crate::sys::fd::redirect(fd, null.as_fd());
 }
 
 /// The lock if it is free. In a `fork()` child a lock that a thread of the parent held at the
@@ -41,7 +40,7 @@ pub(crate) fn try_lock<T>(m: &std::sync::Mutex<T>) -> Option<std::sync::MutexGua
 mod tests {
     use super::*;
     use std::io::Read;
-    use std::os::fd::AsFd;
+    use std::os::fd::AsRawFd;
 
     #[test]
     fn a_detached_socket_is_released_and_its_number_stays_taken() {

@@ -29,6 +29,7 @@
 //! parent's memfd, no `alive` cleared, no `munmap` of a range that in the child is not this
 //! buffer's, no change to the (child's copy of the) table.
 
+use crate::sys::mem::{page_size, punch_hole, Mapping};
 use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -116,12 +117,12 @@ pub(crate) fn memfd_name(generation: u64) -> String {
 pub struct HostBuffer {
     ptr: *mut u8,
     len: usize,
-    /// The whole reservation to unmap (larger than `len` when aligned for huge pages).
-    map_base: *mut u8,
-    map_len: usize,
+    /// The whole reservation (larger than `len` when aligned for huge pages); the memfd's
+    /// mapping lies inside it.
+    map: Mapping,
     fd: Option<OwnedFd>,
     /// The header page, mapped shared (shareable buffers only).
-    header: Option<*mut AtomicU64>,
+    header: Option<Mapping>,
     generation: u64,
     /// The process that created the buffer: only it may punch, mark or unmap.
     pid: u32,
@@ -146,12 +147,6 @@ fn memfd(len: usize, generation: u64) -> io::Result<OwnedFd> {
     rustix::fs::ftruncate(&fd, size)?;
     rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
     Ok(fd)
-}
-
-/// Marks `[addr, +len)` not to be inherited by child processes; whether that took.
-fn dontfork(addr: *mut u8, len: usize) -> bool {
-    // SAFETY: advising a range of our own mappings; no memory is touched.
-    unsafe { libc::madvise(addr as *mut libc::c_void, len, libc::MADV_DONTFORK) == 0 }
 }
 
 impl HostBuffer {
@@ -202,31 +197,17 @@ impl HostBuffer {
             )
         };
         // The memfd's pages replace a reservation that is never touched: no commit charge.
-        let reserve = if fd.is_some() { libc::MAP_NORESERVE } else { 0 };
-        // SAFETY: a fresh reservation (or the whole mapping), checked for MAP_FAILED.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | reserve,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(oom(io::Error::last_os_error()));
-        }
+        let map = Mapping::anonymous(map_len, fd.is_some()).map_err(oom)?;
+        let base = map.as_ptr() as usize;
         let start = if huge {
-            (base as usize).next_multiple_of(HUGE)
+            base.next_multiple_of(HUGE)
         } else {
-            base as usize
+            base
         };
         let mut buf = HostBuffer {
             ptr: start as *mut u8,
             len,
-            map_base: base as *mut u8,
-            map_len,
+            map,
             fd: None,
             header: None,
             generation,
@@ -235,36 +216,10 @@ impl HostBuffer {
         };
         let mut ino = 0;
         if let Some(fd) = fd {
-            // SAFETY: replaces part of our own reservation with the memfd mapping.
-            let p = unsafe {
-                libc::mmap(
-                    start as *mut libc::c_void,
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED | libc::MAP_FIXED,
-                    fd.as_raw_fd(),
-                    0,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                return Err(oom(io::Error::last_os_error()));
-            }
-            // SAFETY: a new shared mapping of the header page of our own memfd.
-            let h = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    HEADER_LEN as usize,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED,
-                    fd.as_raw_fd(),
-                    header_offset(len as u64) as libc::off_t,
-                )
-            };
-            if h == libc::MAP_FAILED {
-                return Err(oom(io::Error::last_os_error()));
-            }
-            let h = h as *mut AtomicU64;
-            buf.header = Some(h);
+            buf.map.share_at(start - base, len, &fd).map_err(oom)?;
+            let header = Mapping::shared(&fd, HEADER_LEN as usize, header_offset(len as u64))
+                .map_err(oom)?;
+            let h = header.as_ptr() as *mut AtomicU64;
             ino = rustix::fs::fstat(&fd).map_err(io::Error::from)?.st_ino;
             // SAFETY: the header page is mapped, page-aligned, only accessed atomically.
             unsafe {
@@ -272,21 +227,19 @@ impl HostBuffer {
                 (*h.add(HDR_MAGIC)).store(HEADER_MAGIC, Ordering::Release);
                 (*h.add(HDR_ALIVE)).store(1, Ordering::SeqCst);
             }
-            buf.fd = Some(fd);
             // A forked child must not share (and then punch, or keep alive) these pages.
-            buf.dontfork =
-                dontfork(base as *mut u8, map_len) && dontfork(h as *mut u8, HEADER_LEN as usize);
+            buf.dontfork = buf.map.dontfork().is_ok() && header.dontfork().is_ok();
+            buf.header = Some(header);
+            buf.fd = Some(fd);
         }
-        // SAFETY: advising and touching our own mapping.
-        unsafe {
-            if huge {
-                libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
-            }
-            // MADV_POPULATE_WRITE (Linux 5.14); else touch every page.
-            if opts.populate && libc::madvise(start as *mut libc::c_void, len, 23) != 0 {
-                for off in (0..len).step_by(4096) {
-                    std::ptr::write_volatile((start + off) as *mut u8, 0);
-                }
+        if huge {
+            let _ = buf.map.hugepage(start - base, len);
+        }
+        // MADV_POPULATE_WRITE (Linux 5.14); else touch every page.
+        if opts.populate && buf.map.populate_write(start - base, len).is_err() {
+            for off in (0..len).step_by(page_size()) {
+                // SAFETY: inside the buffer, which nothing else refers to yet.
+                unsafe { std::ptr::write_volatile((start + off) as *mut u8, 0) };
             }
         }
         if let Some(fd) = &buf.fd {
@@ -366,13 +319,12 @@ impl Drop for HostBuffer {
     fn drop(&mut self) {
         if std::process::id() != self.pid {
             // The copy of a forked child: only the file descriptor is ours (closed by its
-            // own drop). Without MADV_DONTFORK the child has a mapping of its own to unmap.
-            if !self.dontfork {
-                // SAFETY: the child's own inherited copy of the reservation.
-                unsafe { libc::munmap(self.map_base as *mut libc::c_void, self.map_len) };
-                if let Some(h) = self.header {
-                    // SAFETY: likewise for the header page.
-                    unsafe { libc::munmap(h as *mut libc::c_void, HEADER_LEN as usize) };
+            // own drop). Without MADV_DONTFORK the child has mappings of its own, unmapped
+            // as the fields drop; with it, it has none.
+            if self.dontfork {
+                self.map.disown();
+                if let Some(h) = &mut self.header {
+                    h.disown();
                 }
             }
             return;
@@ -382,27 +334,20 @@ impl Drop for HostBuffer {
                 .write()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&(self.ptr as u64));
-            if let Some(h) = self.header {
+            if let Some(h) = self.header.take() {
                 // Peers that still map the memfd see it is dead before its pages go.
                 // SAFETY: our header mapping, accessed atomically; unmapped just after.
                 unsafe {
-                    (*h.add(HDR_ALIVE)).store(0, Ordering::SeqCst);
-                    libc::munmap(h as *mut libc::c_void, HEADER_LEN as usize);
-                }
+                    (*(h.as_ptr() as *mut AtomicU64).add(HDR_ALIVE)).store(0, Ordering::SeqCst)
+                };
+                drop(h);
             }
-            // Return the pages now, even if a peer still maps the memfd.
-            // SAFETY: punching a hole in our own memfd (allowed by its seals).
-            unsafe {
-                libc::fallocate(
-                    fd.as_raw_fd(),
-                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                    0,
-                    self.len as libc::off_t,
-                )
-            };
+            // Return the pages now, even if a peer still maps the memfd (its seals allow it).
+            if let Err(e) = punch_hole(fd, 0, self.len as u64) {
+                tracing::debug!("returning the pages of a {}-byte buffer: {e}", self.len);
+            }
         }
-        // SAFETY: we own the reservation (the memfd mapping lies inside it).
-        unsafe { libc::munmap(self.map_base as *mut libc::c_void, self.map_len) };
+        // The reservation (the memfd mapping lies inside it) is unmapped as `map` drops.
     }
 }
 
@@ -423,9 +368,10 @@ mod tests {
             shareable_region(b.addr() + (3 << 20) - 1, 2).is_none(),
             "range crossing the end"
         );
-        // SAFETY: F_GET_SEALS on the fd the table lists.
-        let seals = unsafe { libc::fcntl(r.fd, libc::F_GET_SEALS) };
-        assert_eq!(seals & libc::F_SEAL_SHRINK, libc::F_SEAL_SHRINK);
+        // SAFETY: the fd the table lists, open while `b` lives.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(r.fd) };
+        let seals = rustix::fs::fcntl_get_seals(fd).unwrap();
+        assert!(seals.contains(rustix::fs::SealFlags::SHRINK), "{seals:?}");
         let addr = b.addr();
         drop(b);
         assert!(shareable_region(addr, 1).is_none());

@@ -64,10 +64,11 @@ pub mod fuzz;
 mod gpu;
 pub mod handshake;
 pub mod hostbuf;
-mod ibverbs;
 mod memory;
 pub mod metadata;
+mod nic;
 mod route;
+mod sys;
 mod transport;
 mod wire;
 
@@ -97,7 +98,7 @@ pub mod host {
     }
     /// libibverbs (loaded at run time), the RDMA NICs and their ports, from sysfs.
     pub mod rdma {
-        pub use crate::ibverbs::{
+        pub use crate::nic::{
             port_reports, probe, query_mtus, verbs_dmabuf, Nic, PortReport, Probe,
         };
     }
@@ -143,7 +144,7 @@ pub mod testing {
     pub mod gpu {
         pub use crate::gpu::{cuda, probe, probe_with, Cuda};
         pub mod driver {
-            pub use crate::gpu::driver::{CudaError, Driver};
+            pub use crate::sys::cuda::{CudaError, Driver};
         }
         pub mod ipc {
             pub use crate::gpu::ipc::{export, open, Export};
@@ -158,10 +159,10 @@ pub mod testing {
     pub mod rdma {
         pub use crate::transport::rdma::PASSIVE_SWEEP_AT;
         pub mod sysfs {
-            pub use crate::ibverbs::sysfs::{nics, select_gid, ROOT};
+            pub use crate::nic::sysfs::{nics, select_gid, ROOT};
         }
         pub mod verbs {
-            pub use crate::ibverbs::verbs::{
+            pub use crate::sys::ibverbs::verbs::{
                 Context, Cq, Mr, Op, Path, Pd, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr,
                 RETRY_CNT,
             };

@@ -9,8 +9,8 @@
 //! (`cuMemCreate`, PyTorch's expandable segments) has no legacy IPC handle: exporting it is
 //! refused, saying so (such memory then moves over TCP).
 
-use super::driver::{IpcMemHandle, Pointer};
 use super::{cuda, Cuda};
+use crate::sys::cuda::{IpcMemHandle, Pointer};
 
 /// What another process of this host needs to reach `[addr, addr+len)` of this process's GPU
 /// memory.
@@ -67,7 +67,7 @@ pub fn export(addr: u64, len: u64) -> Result<Export, String> {
     let cuda =
         cuda().map_err(|why| format!("cannot export [0x{addr:x}, +{len}) with CUDA IPC: {why}"))?;
     let d = cuda.driver();
-    let what = |e: super::driver::CudaError| {
+    let what = |e: crate::sys::cuda::CudaError| {
         format!("cannot export [0x{addr:x}, +{len}) with CUDA IPC: {e}")
     };
     let Pointer::Device {

@@ -8,8 +8,6 @@
 //! [`stage`]); [`ipc`] shares it with other processes of the host; [`direct`] decides how RDMA
 //! NICs register it (GPUDirect RDMA: DMA-BUF or nvidia-peermem).
 
-pub(crate) mod driver;
-
 use serde::Serialize;
 
 /// One GPU as the driver describes it.
@@ -65,7 +63,7 @@ pub(crate) mod ipc;
 pub(crate) mod stage;
 
 use crate::error::{Error, Result};
-use driver::{Context, CudaError, Driver, Pointer};
+use crate::sys::cuda::{self as driver, Context, CudaError, Driver, Pointer};
 use std::sync::{Mutex, OnceLock};
 
 /// The process's CUDA driver, loaded once at first use (a host without one pays one failed

@@ -29,9 +29,9 @@
 //! they go through) from one queue; a worker blocks only on sub-pieces, each of which ends by
 //! the original's deadline.
 
-use super::driver::{CudaError, Handle};
 use super::{cuda, Bounce, Cuda};
 use crate::batch::{Batch, FailCause, FailKind, Failure, TaskState, TaskStatus};
+use crate::sys::cuda::{CudaError, Handle};
 use crate::transport::{Caps, Peer, Piece, Prelude, Transport};
 use crate::wire::descriptor::SegmentDesc;
 use crate::wire::tcp::Opcode;

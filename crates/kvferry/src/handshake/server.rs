@@ -56,14 +56,14 @@ impl HandshakeServer {
                 let (stream, from) = match l.accept() {
                     Ok(s) => s,
                     Err(_) if sd.load(Ordering::Acquire) => break,
-                    Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EBADF | libc::ENOTSOCK)) => {
+                    Err(e) if crate::sys::net::listener_gone(&e) => {
                         tracing::error!("handshake listener on port {port} stopped accepting ({e}); was it shut down by another process?");
                         break;
                     }
                     Err(e) => {
                         tracing::debug!("handshake listener: accept failed: {e}");
                         // Out of descriptors or memory: back off instead of spinning.
-                        let out = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM));
+                        let out = crate::sys::net::out_of_resources(&e);
                         std::thread::sleep(if out { Duration::from_millis(100) } else { Duration::from_millis(1) });
                         continue;
                     }

@@ -1,12 +1,12 @@
 //! The RDMA transport: one-sided RDMA WRITE/READ over RC queue pairs, on the verbs layer of
-//! [`crate::ibverbs::verbs`] (libibverbs loaded at run time).
+//! [`crate::sys::ibverbs::verbs`] (libibverbs loaded at run time).
 //!
 //! - **NICs**: every RDMA device with an active port 1 (or those `KVFERRY_RDMA_DEVICES`
 //!   names), in name order; each has a PD, a CQ with its completion channel, and a poller
 //!   thread. The GID index is chosen per NIC from sysfs (`MC_GID_INDEX` honoured).
 //! - **Memory**: every registered range gets one MR per NIC ([`Transport::on_register`]); the
 //!   descriptor publishes `protocol: "rdma"`, `devices` (name, LID, GID) and per-buffer
-//!   `rkey`/`lkey` arrays in device order, plus a `priority_matrix` ([`crate::ibverbs::topo`]:
+//!   `rkey`/`lkey` arrays in device order, plus a `priority_matrix` ([`crate::nic::topo`]:
 //!   discovered from NUMA nodes and PCIe paths, or `KVFERRY_RDMA_TOPO`'s file), as Mooncake
 //!   does (reference §1.5, §2.3). Buffers whose MRs are not yet made are left out of the
 //!   descriptor (never published without keys).
@@ -81,11 +81,11 @@
 //! Names that are no `ip:port` in P2P mode are kept until they reconnect (within the bounds).
 
 use crate::batch::{FailCause, FailKind, TaskState};
-use crate::ibverbs::verbs::{
+use crate::memory::{Region, RegionGuard};
+use crate::nic::{sysfs, topo};
+use crate::sys::ibverbs::verbs::{
     self, Context, Cq, Mr, Op, Path, PortAttr, Qp, RemoteQp, Verbs, VerbsError, Wc, Wr,
 };
-use crate::ibverbs::{sysfs, topo};
-use crate::memory::{Region, RegionGuard};
 use crate::transport::{
     Caps, Kinds, Mem, Needs, Peer, PeerDirectory, Piece, Prelude, Published, Reach, Transport,
 };
@@ -691,8 +691,8 @@ fn reg_gpu(
     }
     let cuda = crate::gpu::cuda().map_err(str::to_string)?;
     let (base, size) = match cuda.driver().classify(addr).map_err(|e| e.to_string())? {
-        crate::gpu::driver::Pointer::Device { base, size, .. } => (base, size),
-        crate::gpu::driver::Pointer::Host => {
+        crate::sys::cuda::Pointer::Device { base, size, .. } => (base, size),
+        crate::sys::cuda::Pointer::Host => {
             return Err("the driver does not report this range as GPU memory".into())
         }
     };
@@ -729,7 +729,7 @@ pub fn try_gpu_registration(
     setting: crate::gpu::direct::GpuRdma,
 ) -> Result<Vec<GpuRegTry>, String> {
     use crate::gpu::direct;
-    let probe = crate::ibverbs::probe();
+    let probe = crate::nic::probe();
     if let Some(why) = probe.why_not() {
         return Err(why);
     }
@@ -782,7 +782,7 @@ impl RdmaTransport {
         opts: RdmaOptions,
         dir: Arc<dyn PeerDirectory>,
     ) -> Result<RdmaTransport, String> {
-        let probe = crate::ibverbs::probe();
+        let probe = crate::nic::probe();
         if let Some(why) = probe.why_not() {
             return Err(why);
         }
@@ -2956,7 +2956,7 @@ mod tests {
 
     #[test]
     fn without_rdma_the_transport_says_why() {
-        if crate::ibverbs::probe().usable() {
+        if crate::nic::probe().usable() {
             return;
         }
         let e = RdmaTransport::new(

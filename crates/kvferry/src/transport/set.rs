@@ -242,7 +242,7 @@ fn rdma(
             )))
             }
         },
-        TransportMode::Auto => match crate::ibverbs::probe().why_not() {
+        TransportMode::Auto => match crate::nic::probe().why_not() {
             Some(why) => {
                 tracing::info!("KVFERRY_TRANSPORT=auto: no RDMA ({why}); TCP and shared memory carry transfers");
                 None

@@ -1,10 +1,10 @@
 //! Attaching to a same-host peer: verifying that the published process serves the segment
 //! and that cross-memory attach works both ways, and claiming a slot in its control region.
 
+use super::cma::*;
 use super::ctl::*;
 use super::maps::filler::Budget;
 use super::maps::MapCache;
-use super::sys::*;
 use super::ShmInfo;
 use crate::wire::tcp::Opcode;
 use std::os::fd::OwnedFd;
@@ -63,16 +63,16 @@ impl ShmPeer {
         background_fill: Option<Arc<Budget>>,
     ) -> Result<ShmPeer, String> {
         let pid = info.pid;
-        let pidfd = pidfd_open(pid).map_err(|e| match e.raw_os_error() {
-            Some(libc::ESRCH) => format!("process {pid} does not exist (in this PID namespace)"),
-            Some(libc::ENOSYS) => {
+        let pidfd = pidfd_open(pid).map_err(|e| match errno(&e) {
+            Some(Errno::SRCH) => format!("process {pid} does not exist (in this PID namespace)"),
+            Some(Errno::NOSYS) => {
                 "the kernel lacks pidfd_open (Linux 5.3 or newer is needed)".to_string()
             }
             _ => format!("pidfd_open({pid}) failed: {e}"),
         })?;
-        let memfd = pidfd_getfd(&pidfd, info.ctl_fd).map_err(|e| match e.raw_os_error() {
-            Some(libc::EPERM) | Some(libc::EACCES) => not_permitted(pid, "taking a file descriptor of", &e),
-            Some(libc::ENOSYS) => "the kernel lacks pidfd_getfd (Linux 5.6 or newer is needed)".to_string(),
+        let memfd = pidfd_getfd(&pidfd, info.ctl_fd).map_err(|e| match errno(&e) {
+            Some(Errno::PERM) | Some(Errno::ACCESS) => not_permitted(pid, "taking a file descriptor of", &e),
+            Some(Errno::NOSYS) => "the kernel lacks pidfd_getfd (Linux 5.6 or newer is needed)".to_string(),
             _ => format!("cannot take the control region (fd {}) of process {pid}: {e}; its descriptor may be stale", info.ctl_fd),
         })?;
         if !rustix::fs::fstat(&memfd).is_ok_and(|st| st.st_size as u64 >= CTL_LEN as u64) {
@@ -112,32 +112,20 @@ impl ShmPeer {
         }
         // The copy itself must work, both ways: ptrace rules, seccomp, LSMs.
         let mut seen = [0u8; 24];
-        let l = [libc::iovec {
-            iov_base: seen.as_mut_ptr() as *mut libc::c_void,
-            iov_len: seen.len(),
-        }];
-        let r = [libc::iovec {
-            iov_base: info.ctl_addr as *mut libc::c_void,
-            iov_len: seen.len(),
-        }];
+        let l = [IoVec::new(seen.as_mut_ptr() as u64, seen.len())];
+        let r = [IoVec::new(info.ctl_addr, seen.len())];
         match cma(pid, Opcode::Read, &l, &r) {
             Ok(24) if seen == header => {}
             Ok(_) => return Err(format!("process_vm_readv of process {pid} returned other bytes than its control region holds (stale descriptor?)")),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::EACCES)) => {
+            Err(e) if matches!(errno(&e), Some(Errno::PERM) | Some(Errno::ACCESS)) => {
                 return Err(not_permitted(pid, "process_vm_readv of", &e))
             }
             Err(e) => return Err(format!("process_vm_readv of process {pid} failed: {e}")),
         }
         let token: u64 = rand::random::<u64>() | 1;
         let tb = token.to_le_bytes();
-        let l = [libc::iovec {
-            iov_base: tb.as_ptr() as *mut libc::c_void,
-            iov_len: 8,
-        }];
-        let r = [libc::iovec {
-            iov_base: (info.ctl_addr + OFF_PROBE as u64) as *mut libc::c_void,
-            iov_len: 8,
-        }];
+        let l = [IoVec::new(tb.as_ptr() as u64, 8)];
+        let r = [IoVec::new(info.ctl_addr + OFF_PROBE as u64, 8)];
         match cma(pid, Opcode::Write, &l, &r) {
             Ok(8) if ctl.word(OFF_PROBE).load(Ordering::SeqCst) == token => {}
             Ok(_) => {
@@ -145,7 +133,7 @@ impl ShmPeer {
                     "process_vm_writev into process {pid} did not land in its control region"
                 ))
             }
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::EACCES)) => {
+            Err(e) if matches!(errno(&e), Some(Errno::PERM) | Some(Errno::ACCESS)) => {
                 return Err(not_permitted(pid, "process_vm_writev into", &e))
             }
             Err(e) => return Err(format!("process_vm_writev into process {pid} failed: {e}")),

@@ -2,8 +2,8 @@
 //! and the two copy paths (`memcpy` into a mapped peer buffer, cross-memory attach).
 
 use super::attach::ShmPeer;
+use super::cma::*;
 use super::maps::PeerMap;
-use super::sys::*;
 use super::{Shared, ShmInfo, CMA_BYTES, MAPPED_BYTES, MAX_IOV};
 use crate::batch::{FailCause, FailKind};
 use crate::transport::{Peer, Piece};
@@ -55,13 +55,13 @@ pub(super) fn fail_all(pieces: Vec<Piece>, kind: FailKind, cause: FailCause, rea
 }
 
 pub(super) fn errno_reason(peer: &str, pid: i32, p: &Piece, e: &io::Error) -> String {
-    match e.raw_os_error() {
-        Some(libc::ESRCH) => format!("{peer}: process {pid} exited"),
-        Some(libc::EFAULT) => format!(
+    match errno(e) {
+        Some(Errno::SRCH) => format!("{peer}: process {pid} exited"),
+        Some(Errno::FAULT) => format!(
             "{peer}: [0x{:x}, +{}) is not mapped in process {pid} (it freed or unmapped memory it still has registered?)",
             p.remote, p.len
         ),
-        Some(libc::EPERM) | Some(libc::EACCES) => not_permitted(pid, "access to", e),
+        Some(Errno::PERM) | Some(Errno::ACCESS) => not_permitted(pid, "access to", e),
         _ => format!("{peer}: cross-memory copy of [0x{:x}, +{}) failed: {e}", p.remote, p.len),
     }
 }
@@ -234,9 +234,9 @@ pub(super) fn run_job(shared: &Shared, job: Job) {
                 }
                 Err(e) => {
                     let reason = errno_reason(&peer.name, shm.pid, &p, &e);
-                    let cause = match e.raw_os_error() {
-                        Some(libc::ESRCH) => FailCause::PeerLost,
-                        Some(libc::EFAULT) => FailCause::RemoteNotRegistered,
+                    let cause = match errno(&e) {
+                        Some(Errno::SRCH) => FailCause::PeerLost,
+                        Some(Errno::FAULT) => FailCause::RemoteNotRegistered,
                         _ => FailCause::Other,
                     };
                     p.task.piece_failed(FailKind::Failed, cause.because(reason));
@@ -305,21 +305,15 @@ pub(super) fn copy_all(
         }
         let run = &pieces[i..j];
         by_pid = true;
-        let local: Vec<libc::iovec> = run
+        let local: Vec<IoVec> = run
             .iter()
-            .map(|p| libc::iovec {
-                iov_base: p.local as *mut libc::c_void,
-                iov_len: p.len as usize,
-            })
+            .map(|p| IoVec::new(p.local, p.len as usize))
             .collect();
-        let remote: Vec<libc::iovec> = run
+        let remote: Vec<IoVec> = run
             .iter()
-            .map(|p| libc::iovec {
-                iov_base: p.remote as *mut libc::c_void,
-                iov_len: p.len as usize,
-            })
+            .map(|p| IoVec::new(p.remote, p.len as usize))
             .collect();
-        let total: usize = local.iter().map(|v| v.iov_len).sum();
+        let total: usize = local.iter().map(IoVec::len).sum();
         match cma(pid, op, &local, &remote) {
             Ok(n) if n == total => {
                 CMA_BYTES.fetch_add(n as u64, Ordering::Relaxed);
@@ -330,7 +324,7 @@ pub(super) fn copy_all(
                 // prefix and redo the rest one by one to learn each outcome.
                 let mut done = first.unwrap_or_default();
                 for k in 0..run.len() {
-                    let len = local[k].iov_len;
+                    let len = local[k].len();
                     if done >= len {
                         done -= len;
                         out.push(Ok(()));

@@ -1,9 +1,10 @@
 //! The control region: a sealed 64 KiB memfd per engine, mapped shared by the engine and by
 //! every initiator attached to it (epoch, closed flag, segment name, initiator slots).
 
-use super::sys::*;
+use super::cma::*;
+use crate::sys::mem::Mapping;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -27,6 +28,8 @@ pub(super) const N_SLOTS: usize = (CTL_LEN - SLOT_BASE) / SLOT_SIZE;
 /// A shared mapping of a control region (ours or a peer's).
 pub(super) struct CtlMap {
     pub(super) ptr: *mut u8,
+    /// The mapping `ptr` starts, unmapped as this value drops.
+    map: Mapping,
     /// The process that mapped it.
     pub(super) home: u32,
 }
@@ -37,23 +40,14 @@ unsafe impl Sync for CtlMap {}
 
 impl CtlMap {
     pub(super) fn map(fd: &OwnedFd) -> io::Result<CtlMap> {
-        // SAFETY: shared mapping of a memfd at least CTL_LEN long (checked by callers).
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                CTL_LEN,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
+        // A memfd at least CTL_LEN long (checked by callers).
+        let map = Mapping::shared(fd, CTL_LEN, 0)?;
+        if let Err(e) = map.dontfork() {
+            tracing::debug!("madvise(MADV_DONTFORK) failed: {e}");
         }
-        dontfork(p as *mut u8, CTL_LEN);
         Ok(CtlMap {
-            ptr: p as *mut u8,
+            ptr: map.as_ptr(),
+            map,
             home: std::process::id(),
         })
     }
@@ -137,10 +131,9 @@ impl CtlMap {
 impl Drop for CtlMap {
     fn drop(&mut self) {
         if foreign(self.home) {
-            return; // a forked child does not have the mapping (MADV_DONTFORK)
+            self.map.disown(); // a forked child does not have the mapping (MADV_DONTFORK)
         }
-        // SAFETY: unmapping our own mapping; nothing refers to it any more.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, CTL_LEN) };
+        // Else the mapping is unmapped as `map` drops: nothing refers to it any more.
     }
 }
 

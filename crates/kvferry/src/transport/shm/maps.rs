@@ -1,11 +1,11 @@
 //! A peer's shareable buffers mapped here: identity checks, the per-peer cache, liveness.
 
 use super::attach::ShmPeer;
-use super::sys::*;
+use super::cma::*;
 use super::{MapInfo, FIELD};
+use crate::sys::mem::Mapping;
 use crate::wire::descriptor::SegmentDesc;
 use std::collections::HashMap;
-use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -15,8 +15,9 @@ use std::sync::Arc;
 pub(super) struct PeerMap {
     pub(super) info: MapInfo,
     pub(super) ptr: *mut u8,
-    /// Length of the whole mapping (data rounded up to pages, plus the header page).
-    pub(super) map_len: usize,
+    /// The whole mapping `ptr` starts (data rounded up to pages, plus the header page),
+    /// unmapped as this value drops.
+    map: Mapping,
     /// The process that mapped it.
     pub(super) home: u32,
     /// One bit per [`CHUNK`] of the data: its page tables were filled here, or are being
@@ -227,12 +228,9 @@ pub(super) mod filler {
         // The kernel runs this thread only on a core nothing else wants (SCHED_IDLE): the
         // fill never takes CPU from the copies, the application or its peers. Lowering one's
         // own policy needs no privilege.
-        let idle = libc::sched_param { sched_priority: 0 };
-        // SAFETY: sets the calling thread's policy (pid 0); `idle` outlives the call.
-        if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &idle) } != 0 {
+        if let Err(e) = crate::sys::proc::sched_idle() {
             tracing::debug!(
-                "the background fill runs at normal priority: sched_setscheduler(SCHED_IDLE): {}",
-                std::io::Error::last_os_error()
+                "the background fill runs at normal priority: sched_setscheduler(SCHED_IDLE): {e}"
             );
         }
         let mut list: Vec<Candidate> = Vec::new();
@@ -334,10 +332,9 @@ unsafe impl Sync for PeerMap {}
 impl Drop for PeerMap {
     fn drop(&mut self) {
         if foreign(self.home) {
-            return; // a forked child does not have the mapping (MADV_DONTFORK)
+            self.map.disown(); // a forked child does not have the mapping (MADV_DONTFORK)
         }
-        // SAFETY: our own mapping; no job holds this value any more.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.map_len) };
+        // Else the mapping is unmapped as `map` drops: no job holds this value any more.
     }
 }
 
@@ -414,23 +411,15 @@ impl PeerMap {
         if start >= data {
             return;
         }
-        // SAFETY: a range inside our live mapping of the peer's data (the caller holds
-        // the map); populating only fills page tables of the shared pages. (rustix's
-        // madvise is unsafe too: it cannot know the range is ours.) A failure (older
-        // kernel, memory pressure) only means the pages fault one by one.
+        // Populating only fills page tables of the shared pages. A failure (older kernel,
+        // memory pressure) only means the pages fault one by one.
         //
         // A read fault of a shared mapping maps up to 16 neighbouring pages at once (fault
         // around) and, shared memory keeping no dirty accounting, maps them writable: filling
         // 512 MiB this way takes 36-43 ms on the 2-vCPU VM against 99-127 ms with
         // POPULATE_WRITE (a fault per page) and 157-187 ms of faults in the copy itself, and the copy after it runs
         // at full speed either way (`examples/shm_populate.rs`).
-        let _ = unsafe {
-            rustix::mm::madvise(
-                self.ptr.add(start).cast(),
-                CHUNK.min(data - start),
-                rustix::mm::Advice::LinuxPopulateRead,
-            )
-        };
+        let _ = self.map.populate_read(start, CHUNK.min(data - start));
     }
 
     /// Where `[remote, remote+len)` of the peer lies in our mapping, if inside it.
@@ -484,7 +473,7 @@ pub(super) fn verify_mapping(pid: i32, info: &MapInfo, dev: u64, ino: u64) -> Re
                 u32::from_str_radix(y, 16).ok()?,
             ))
         });
-        let same_dev = mm.is_some_and(|(x, y)| libc::makedev(x, y) == dev);
+        let same_dev = mm.is_some_and(|(x, y)| rustix::fs::makedev(x, y) == dev);
         if a < info.addr
             || !perms.ends_with('s')
             || inode != ino
@@ -616,7 +605,9 @@ impl ShmPeer {
         let map_len = crate::hostbuf::header_offset(info.len) + crate::hostbuf::HEADER_LEN;
         let st = rustix::fs::fstat(&fd)
             .map_err(|e| format!("cannot fstat fd {} of process {pid}: {e}", info.fd))?;
-        if (st.st_mode & libc::S_IFMT) != libc::S_IFREG || st.st_size as u64 != map_len {
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
+            || st.st_size as u64 != map_len
+        {
             return Err(stale("not a memory file of the published size"));
         }
         if st.st_ino != info.ino {
@@ -647,29 +638,16 @@ impl ShmPeer {
         if exited(&self.pidfd) {
             return Err(format!("process {pid} exited"));
         }
-        // SAFETY: a shared mapping of a sealed memory file exactly `map_len` long.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(format!(
-                "cannot map fd {} of process {pid}: {}",
-                info.fd,
-                io::Error::last_os_error()
-            ));
+        // A sealed memory file exactly `map_len` long: it cannot shrink under the mapping.
+        let map = Mapping::shared(&fd, map_len as usize, 0)
+            .map_err(|e| format!("cannot map fd {} of process {pid}: {e}", info.fd))?;
+        if let Err(e) = map.dontfork() {
+            tracing::debug!("madvise(MADV_DONTFORK) failed: {e}");
         }
-        dontfork(p as *mut u8, map_len as usize);
         let m = PeerMap {
             info: *info,
-            ptr: p as *mut u8,
-            map_len: map_len as usize,
+            ptr: map.as_ptr(),
+            map,
             home: std::process::id(),
             faulted: chunk_bits(info.len),
             touched: chunk_bits(info.len),

@@ -101,24 +101,24 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 mod attach;
+mod cma;
 mod copy;
 mod ctl;
 mod gpu;
 mod maps;
-mod sys;
 
 pub(crate) use attach::ShmPeer;
+pub use cma::ptrace_scope;
+#[cfg(feature = "test-hooks")]
+pub use cma::simulate_cma_denied;
 pub(crate) use ctl::CTL_LEN;
 #[cfg(feature = "test-hooks")]
 pub use gpu::gpu_ipc_bytes;
 pub(crate) use gpu::GpuExport;
-pub use sys::ptrace_scope;
-#[cfg(feature = "test-hooks")]
-pub use sys::simulate_cma_denied;
 
+use cma::*;
 use copy::*;
 use ctl::*;
-use sys::*;
 
 /// The descriptor field this transport publishes.
 pub(crate) const FIELD: &str = "kvferry_shm";
@@ -1103,28 +1103,6 @@ mod tests {
         );
         assert_eq!(c.map.owner(0).load(Ordering::SeqCst), 0);
     }
-    /// Waits up to 10 s for a forked child; kills it (by pid) and fails if it hangs.
-    fn wait_child(pid: i32) -> i32 {
-        let until = Instant::now() + Duration::from_secs(10);
-        loop {
-            let mut status = 0;
-            // SAFETY: waiting for our own child.
-            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-            if r == pid {
-                return status;
-            }
-            if Instant::now() > until {
-                // SAFETY: our own child.
-                unsafe {
-                    libc::kill(pid, libc::SIGKILL);
-                    libc::waitpid(pid, &mut status, 0);
-                }
-                panic!("forked child {pid} did not exit within 10 s");
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-
     #[test]
     fn control_region_is_sealed_and_an_unsealed_one_is_refused() {
         let name = "127.0.0.1:15077";
@@ -1188,21 +1166,15 @@ mod tests {
         let slot = peer.slot;
         let c = t.local.as_ref().unwrap();
         let epoch = c.map.epoch().load(Ordering::SeqCst);
-        // SAFETY: the child only drops values (closing descriptors) and calls _exit.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0, "fork failed");
-        if pid == 0 {
+        // SAFETY: the child only drops values (closing descriptors) and exits.
+        let Some(pid) = (unsafe { crate::sys::proc::fork() }) else {
             t.shutdown();
             drop(t);
             drop(peer);
-            // SAFETY: ends the child without running the parent's exit handlers.
-            unsafe { libc::_exit(0) }
-        }
-        let status = wait_child(pid);
-        assert!(
-            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-            "the child crashed: status {status:#x}"
-        );
+            crate::sys::proc::exit_now(0)
+        };
+        let status = crate::sys::proc::wait_child(pid);
+        assert_eq!(status, Some(0), "the child crashed");
         assert_eq!(
             c.map.closed().load(Ordering::SeqCst),
             0,

@@ -4,6 +4,7 @@ use super::sockio::*;
 use super::target_conn::{End, ServeConn};
 use crate::auth::{Keyed, Protect, Unproved};
 use crate::memory::MemoryRegistry;
+use crate::sys::net::{listener_gone, out_of_resources};
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -42,22 +43,6 @@ impl Drop for Holding<'_> {
     fn drop(&mut self) {
         self.0.store(0, Ordering::Release);
     }
-}
-
-/// Whether an `accept` error means the listener itself is gone (shut down, closed).
-fn listener_gone(e: &io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::EINVAL | libc::EBADF | libc::ENOTSOCK)
-    )
-}
-
-/// Whether an `accept` error means resources ran out (back off instead of spinning).
-fn out_of_resources(e: &io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
-    )
 }
 
 /// The data listener of the local segment.

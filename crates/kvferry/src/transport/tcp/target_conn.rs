@@ -955,7 +955,7 @@ impl ServeConn {
             if *next > 0 {
                 p.dtoh(cur ^ 1, *addr + after, *next)?;
             }
-            Ok::<(), crate::gpu::driver::CudaError>(())
+            Ok::<(), crate::sys::cuda::CudaError>(())
         })();
         if let Err(e) = r {
             self.close(End::Device(format!("copying GPU {dev} memory: {e}")));

@@ -343,7 +343,7 @@ impl Driver {
     }
 
     /// Every GPU the driver shows this process.
-    pub fn devices(&self) -> Result<Vec<super::Gpu>, CudaError> {
+    pub fn devices(&self) -> Result<Vec<crate::gpu::Gpu>, CudaError> {
         let mut n = 0;
         // SAFETY: valid out-pointers and buffers of the sizes passed, for every call below.
         unsafe {
@@ -373,7 +373,7 @@ impl Driver {
                     "cuDeviceGetAttribute",
                     (self.device_get_attribute)(&mut minor, ATTR_CC_MINOR, dev),
                 )?;
-                out.push(super::Gpu {
+                out.push(crate::gpu::Gpu {
                     index: i as u32,
                     name: CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned(),
                     memory: mem as u64,

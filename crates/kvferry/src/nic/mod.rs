@@ -1,16 +1,17 @@
-//! RDMA on this host, found and driven at run time (no build-time verbs dependency).
+//! The RDMA NICs of this host, found at run time (no build-time verbs dependency).
 //!
-//! This module loads `libibverbs.so.1` with `dlopen` when asked ([`verbs::Verbs`]), so a host
-//! without rdma-core runs every other transport and is told why RDMA is absent; it reads the
-//! NICs, their ports, rates and GIDs from sysfs ([`sysfs`]), which needs no library at all; and
-//! it owns the verbs objects the RDMA transport is built on ([`verbs::Context`], [`verbs::Pd`],
-//! [`verbs::Mr`], [`verbs::Cq`], [`verbs::Qp`]; their C layouts in [`ffi`]). [`probe`] never
-//! opens a device, registers memory or creates a queue pair.
+//! This module reads the NICs, their ports, rates and GIDs from sysfs ([`sysfs`]), which needs
+//! no library at all, ranks them by topology ([`topo`]), and asks `libibverbs.so.1` (loaded
+//! with `dlopen` when asked, by [`crate::sys::ibverbs::verbs::Verbs`]) what it lists, so a host
+//! without rdma-core runs every other transport and is told why RDMA is absent. The verbs
+//! objects the RDMA transport is built on (`Context`, `Pd`, `Mr`, `Cq`, `Qp`) and their C
+//! layouts live in [`crate::sys::ibverbs`]. [`probe`] never opens a device, registers memory or
+//! creates a queue pair.
 
-pub(crate) mod ffi;
 pub(crate) mod sysfs;
 pub(crate) mod topo;
-pub(crate) mod verbs;
+
+use crate::sys::ibverbs::verbs;
 
 pub use sysfs::Nic;
 
