@@ -313,14 +313,10 @@ mod tests {
         });
         let (s, _) = l.accept().unwrap();
         s.set_write_timeout(Some(TICK)).unwrap();
+        // Made before the clock starts: filling 256 MiB is not the write's time.
+        let reply = vec![7u8; 256 << 20];
         let t = Instant::now();
-        let e = write_until(
-            &s,
-            &vec![7u8; 256 << 20],
-            t + Duration::from_millis(500),
-            "the reply",
-        )
-        .unwrap_err();
+        let e = write_until(&s, &reply, t + Duration::from_millis(500), "the reply").unwrap_err();
         let took = t.elapsed();
         stop.store(true, Ordering::Release);
         drop(s);
