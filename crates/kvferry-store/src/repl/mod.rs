@@ -18,6 +18,7 @@ pub mod members;
 mod msg;
 mod pipeline;
 mod queue;
+pub mod roster;
 mod tail;
 pub mod writer;
 
@@ -25,6 +26,7 @@ pub use feed::Feed;
 pub use msg::{KeptFrame, ToLeader, ToStandby};
 pub use pipeline::{Pipeline, Released};
 pub use queue::{Outcome, Queue, Written};
+pub use roster::Roster;
 pub use tail::{tail_after, MirrorTail, Run, Tail, TailFrame};
 pub use writer::{Head, JournalWriter, Txn};
 
