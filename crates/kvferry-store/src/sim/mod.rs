@@ -24,8 +24,8 @@
 //! What is not simulated yet (ARCHITECTURE.md, code map, `sim/`): the election and the
 //! lease fencing (one leader at a time here, the next one starts a lease TTL after a crash;
 //! `election.rs` checks those alone), standbys that register during a term (a leader's
-//! standbys are chosen when it starts; one that left the set may link again), the
-//! standbys' run of entries for a rebase and the background snapshot, message delay and reordering between clients and the master (a
+//! standbys are chosen when it starts; one that left the set, or whose link broke, is linked
+//! again as the leader's roster decides), the standbys' run of entries for a rebase and the background snapshot, message delay and reordering between clients and the master (a
 //! request is applied when sent; an answer that waits for the journal is lost with its
 //! leader).
 //!
@@ -45,8 +45,8 @@ use std::time::Duration;
 /// The kinds of step, and how often each comes on average (per mille): each seed draws its
 /// own weights around these (swarm testing: some seeds crash often, some unmount often, some
 /// hardly read), so that rare sequences of one kind of event come up in some seed.
-const ACTIONS: usize = 12;
-const WEIGHTS: [u32; ACTIONS] = [300, 200, 150, 20, 120, 50, 20, 10, 15, 10, 105, 10];
+const ACTIONS: usize = 13;
+const WEIGHTS: [u32; ACTIONS] = [300, 200, 150, 20, 120, 50, 20, 10, 15, 10, 105, 10, 5];
 
 /// Seeds the test runs by default.
 pub const DEFAULT_SEEDS: u64 = 5000;
@@ -213,6 +213,11 @@ pub struct Counts {
     pub standby_takeovers: u64,
     pub relinks: u64,
     pub members_joined: u64,
+    /// Links to a standby that failed to connect, and that broke.
+    pub link_failures: u64,
+    pub link_breaks: u64,
+    /// Leaders stopped (SIGTERM) that handed off.
+    pub hand_offs: u64,
     /// Leaders that died between a snapshot's chunks.
     pub snapshots_cut: u64,
     /// The most etcd held under the journal's prefix, in percent of the bound of
@@ -235,6 +240,9 @@ impl std::ops::AddAssign for Counts {
         self.standby_takeovers += o.standby_takeovers;
         self.relinks += o.relinks;
         self.members_joined += o.members_joined;
+        self.link_failures += o.link_failures;
+        self.link_breaks += o.link_breaks;
+        self.hand_offs += o.hand_offs;
         self.snapshots_cut += o.snapshots_cut;
         self.etcd_peak_pct = self.etcd_peak_pct.max(o.etcd_peak_pct);
     }
@@ -510,15 +518,14 @@ impl Sim {
             8 => self.crash(),
             9 => self.compact(step)?,
             10 => self.upsert_or_revoke(step)?,
-            _ => {
-                if self.rng.random_bool(0.5) {
-                    self.pause_standby();
-                } else {
-                    self.relink_standby();
-                }
-            }
+            11 => self.pause_standby(),
+            _ => self.stop(step)?,
         }
-        self.check_etcd(step)
+        self.check_etcd(step)?;
+        match self.streaming.as_ref().map(standbys::Streaming::check) {
+            Some(Err(e)) => Err(self.fail(step, format!("the leader's roster: {e}"))),
+            _ => Ok(()),
+        }
     }
 
     /// The writer: the first entries waiting become durable (etcd's log) and their answers
@@ -598,6 +605,9 @@ impl Sim {
                 self.crash();
             }
         }
+        // (The writer reads the standbys' registrations when due: what that releases is
+        // placed now, its writes landing below.)
+        self.poll_standbys(step)?;
         // Writes land in time order, each checked against the live objects.
         loop {
             let next = self

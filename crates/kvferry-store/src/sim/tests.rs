@@ -113,7 +113,10 @@ fn every_seed_holds_the_invariants() {
             total.streamed_terms > 0
                 && total.members_dropped > 0
                 && total.standby_takeovers > 0
-                && total.members_joined > 0,
+                && total.members_joined > 0
+                && total.link_failures > 0
+                && total.link_breaks > 0
+                && total.hand_offs > 0,
             "the runs did not exercise the in-sync standbys: {total:?}"
         );
         assert!(
