@@ -218,6 +218,11 @@ pub struct Counts {
     pub link_breaks: u64,
     /// Leaders stopped (SIGTERM) that handed off.
     pub hand_offs: u64,
+    /// etcd transactions answered with an error (retried), of them applied all the same
+    /// (the answer lost), and writers that gave up (their leader fenced).
+    pub etcd_errors: u64,
+    pub etcd_lost_answers: u64,
+    pub writer_give_ups: u64,
     /// Leaders that died between a snapshot's chunks.
     pub snapshots_cut: u64,
     /// The most etcd held under the journal's prefix, in percent of the bound of
@@ -243,6 +248,9 @@ impl std::ops::AddAssign for Counts {
         self.link_failures += o.link_failures;
         self.link_breaks += o.link_breaks;
         self.hand_offs += o.hand_offs;
+        self.etcd_errors += o.etcd_errors;
+        self.etcd_lost_answers += o.etcd_lost_answers;
+        self.writer_give_ups += o.writer_give_ups;
         self.snapshots_cut += o.snapshots_cut;
         self.etcd_peak_pct = self.etcd_peak_pct.max(o.etcd_peak_pct);
     }
@@ -358,6 +366,7 @@ impl Sim {
         let loaded = self.journal.load()?;
         self.journal
             .start(loaded.seq, loaded.head, loaded.log_bytes);
+        self.journal.flaky = true;
         let (mut st, rebuilt) = loaded.image.into_state(self.term, self.now, LEASE);
         st.seed_placement(self.rng.random());
         st.journal_on();
@@ -522,6 +531,8 @@ impl Sim {
             _ => self.stop(step)?,
         }
         self.check_etcd(step)?;
+        (self.counts.etcd_errors, self.counts.etcd_lost_answers) =
+            (self.journal.failed, self.journal.lost_answers);
         match self.streaming.as_ref().map(standbys::Streaming::check) {
             Some(Err(e)) => Err(self.fail(step, format!("the leader's roster: {e}"))),
             _ => Ok(()),
@@ -548,6 +559,11 @@ impl Sim {
     /// Entry `e` is durable (appended to etcd's log with `to_log`; else its standbys have it):
     /// its answer goes out.
     fn durable(&mut self, step: usize, e: Entry, to_log: bool) -> Result<(), Failure> {
+        if to_log && !e.changes.is_empty() && !self.journal.append(&e.changes) {
+            // Not written: its answer never goes out.
+            self.writer_gave_up();
+            return Ok(());
+        }
         if let Some(l) = self.leader.as_mut() {
             l.grants_durable = l.grants_durable.max(e.grants);
         }
@@ -563,9 +579,6 @@ impl Sim {
             }),
             _ => None,
         };
-        if to_log && !e.changes.is_empty() {
-            self.journal.append(&e.changes);
-        }
         match e.reply {
             Some(Reply::Started(p)) => {
                 if let Some(replicas) = placed {
@@ -644,6 +657,21 @@ impl Sim {
         self.tick();
         self.end_puts();
         Ok(())
+    }
+
+    /// The writer's machine gave up a transaction etcd failed ([`etcd::Journal::run`]): the
+    /// leader fences itself at once, the same to its clients as a crash (what was not written
+    /// is lost, its answers with it).
+    fn writer_gave_up(&mut self) {
+        if self.leader.is_none() {
+            return;
+        }
+        self.note(format!(
+            "etcd failed a transaction and the writer of term {} gave up: the leader fences itself",
+            self.term
+        ));
+        self.counts.writer_give_ups += 1;
+        self.crash();
     }
 
     /// The leader dies: what its journal had not made durable is lost, answers with it.

@@ -404,8 +404,14 @@ impl Sim {
             "no standby in sync: the {} entries streamed go to etcd's log",
             s.tail.len()
         ));
-        let tail: Vec<Vec<Change>> = s.tail.into_iter().filter(|c| !c.is_empty()).collect();
+        let tail: Vec<Vec<Change>> = s.tail.iter().filter(|c| !c.is_empty()).cloned().collect();
         self.journal.rebase_entries(&tail);
+        if self.journal.gave_up {
+            // (Nothing is answered: the leader fences itself with what it held.)
+            self.streaming = Some(s);
+            self.writer_gave_up();
+            return Ok(());
+        }
         // (The first `sent` are in the tail already.)
         for i in 0.. {
             let Some(e) = self.pending.pop_front() else {
@@ -532,6 +538,9 @@ impl Sim {
             Stop::RebaseThenStep => {
                 self.stream();
                 self.rebase(step)?;
+                if self.leader.is_none() {
+                    return Ok(()); // (the writer gave up: fenced, a crash to its clients)
+                }
             }
             Stop::Step => {
                 // (What is queued is committed first, as the writer's last turn does.)
@@ -540,6 +549,9 @@ impl Sim {
                     self.durable(step, e, true)?;
                 }
                 self.check_snapshot(step, false)?;
+                if self.leader.is_none() {
+                    return Ok(());
+                }
             }
         }
         if !self.pending.is_empty() {
