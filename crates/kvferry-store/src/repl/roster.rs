@@ -392,10 +392,9 @@ impl Roster {
     }
 
     /// Its invariants, `Err` naming the first broken: every link is to a standby other than
-    /// this leader, at most one per member; a failure is never remembered for a member in
-    /// sync; with `last` the last entry written: no member acknowledged past it, and a member
-    /// joined the set only when it held every entry to then (so one whose link is alive
-    /// acknowledged at least its image).
+    /// this leader, at most one per member; with `last` the last entry written, no standby
+    /// acknowledged past it; the in-sync set names each member once, never this leader, and
+    /// never one remembered as failing to link.
     pub fn check(&self, last: u64) -> Result<(), String> {
         for (i, l) in self.links.iter().enumerate() {
             if l.member == self.me {
