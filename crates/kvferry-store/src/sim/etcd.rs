@@ -6,7 +6,10 @@
 //! is due (or forced: a hand-off), the log it covers and the previous snapshot deleted; an
 //! emptied in-sync set writes the entries streamed (a rebase), a standby that takes over its
 //! mirror (the takeover's rebase), each followed by the writer's snapshot check; a leader may
-//! die between a snapshot's chunks, and the next one collects what it left.
+//! die between a snapshot's chunks, and the next one collects what it left. etcd answers
+//! some transactions with an error (before or after applying them) or a failed compare, and
+//! the writer's machine retries or gives up ([`Journal::run`]); a writer that gives up
+//! fences its leader, and nothing it failed to write is answered.
 //!
 //! Checked after every step: etcd holds at most [`bound`] bytes of values under the journal's
 //! prefix, from the size of the state and the snapshot threshold alone.
