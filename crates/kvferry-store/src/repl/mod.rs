@@ -3,8 +3,10 @@
 //! streamed to the in-sync standbys and released by their acknowledgements, a standby's
 //! [`Feed`] (which connection feeds its mirror, which frame comes next, what it
 //! acknowledges), the link's messages ([`ToStandby`], [`ToLeader`]), and the entries the etcd
-//! journal lacks while standbys are in sync ([`Tail`], [`MirrorTail`]), and the etcd journal's
-//! writer: its keys, positions, sizes, snapshots and compaction ([`JournalWriter`]).
+//! journal lacks while standbys are in sync ([`Tail`], [`MirrorTail`]), the etcd journal's
+//! writer: its keys, positions, sizes, snapshots and compaction ([`JournalWriter`]), and the
+//! leader's standbys ([`Roster`]: polls, links to open and drop, retries, who joins and
+//! leaves the in-sync set, what a stopping leader does first, where a rebase writes from).
 //!
 //! They read no clock (time is microseconds on the driver's monotonic clock, passed in),
 //! take no lock, start no thread and touch no socket or etcd: the HA drivers
