@@ -361,16 +361,31 @@ impl DiskTier {
         Ok(Some(out.len()))
     }
 
-    /// Reads `key`'s value; `Ok(None)` if not held.
+    /// Reads `key`'s value; `Ok(None)` if not held. A put replacing the record with a longer
+    /// value between the length read and the file read is met by reading again at the new
+    /// length (a few times at most).
     pub fn get(&self, key: &str) -> Result<Option<Vec<u8>>, DiskError> {
-        let Some(len) = self.len_of(key) else {
+        let Some(mut len) = self.len_of(key) else {
             return Ok(None);
         };
-        let mut v = vec![0u8; len as usize];
-        Ok(self.get_into(key, &mut v)?.map(|n| {
-            v.truncate(n);
-            v
-        }))
+        for _ in 0..8 {
+            let mut v = vec![0u8; len as usize];
+            match self.get_into(key, &mut v) {
+                Ok(got) => {
+                    return Ok(got.map(|n| {
+                        v.truncate(n);
+                        v
+                    }))
+                }
+                Err(DiskError::BufferTooSmall { need, .. }) => len = need,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(DiskError::Io {
+            op: "reading",
+            path: layout::object_path(&self.root, key),
+            err: io::Error::other("the record kept growing while it was read"),
+        })
     }
 
     /// Deletes `key`'s record; whether it was held.
