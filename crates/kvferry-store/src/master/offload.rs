@@ -174,7 +174,7 @@ impl State {
             d.in_flight = d.in_flight.saturating_sub(1);
             d.queue.retain(|q| q.task != task);
         }
-        let current = match self.objects.get_mut(&*t.key) {
+        let current = match self.objects.get_mut(&t.key) {
             Some(o) if o.offloading == Some(Offloading { disk: t.disk, task }) => {
                 o.offloading = None;
                 true
@@ -387,16 +387,5 @@ impl State {
                 self.disk_copy_gone(&k, d.disk);
             }
         }
-    }
-}
-
-impl Offload {
-    /// The disks known (for tests and `/metrics`): disk -> (client, endpoint).
-    #[cfg(test)]
-    pub(super) fn disks(&self) -> HashMap<u64, (u64, String)> {
-        self.disks
-            .iter()
-            .map(|(&k, d)| (k, (d.client, d.endpoint.clone())))
-            .collect()
     }
 }
