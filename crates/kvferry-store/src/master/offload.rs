@@ -206,13 +206,15 @@ impl State {
         stats.evicted_bytes.fetch_add(size, Ordering::Relaxed);
     }
 
-    /// Gives up on the tasks not reported in time: their objects are evicted.
+    /// Gives up on the tasks not reported in time: their objects are evicted. (Tasks are
+    /// numbered in the order they were made, each given the same timeout: the walk stops at
+    /// the first not due, so a tick costs what is due, not every task in flight.)
     pub fn expire_offloads(&mut self, now: u64, stats: &Stats) {
         let due: Vec<u64> = self
             .offload
             .tasks
             .iter()
-            .filter(|(_, t)| t.until <= now)
+            .take_while(|(_, t)| t.until <= now)
             .map(|(&id, _)| id)
             .collect();
         for id in due {
