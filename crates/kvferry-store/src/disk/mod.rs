@@ -1,5 +1,5 @@
 //! The disk tier's local store: objects a client persists on its own disk, one file each
-//! (`layout`), found again after a restart, and never served torn, stale or corrupt.
+//! (`layout.rs`), found again after a restart, and never served torn, stale or corrupt.
 //!
 //! Durability: a record is written to `tmp/`, flushed with `fdatasync`, renamed into
 //! `objects/`, and the directory it entered flushed with `fsync`; only then does

@@ -30,7 +30,7 @@ use crate::node::Master;
 use crate::repl::{self, JournalWriter, Tail, TailFrame};
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::Serialize;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};

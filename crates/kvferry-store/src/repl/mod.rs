@@ -3,8 +3,10 @@
 //! streamed to the in-sync standbys and released by their acknowledgements, a standby's
 //! [`Feed`] (which connection feeds its mirror, which frame comes next, what it
 //! acknowledges), the link's messages ([`ToStandby`], [`ToLeader`]), and the entries the etcd
-//! journal lacks while standbys are in sync ([`Tail`], [`MirrorTail`]), and the etcd journal's
-//! writer: its keys, positions, sizes, snapshots and compaction ([`JournalWriter`]).
+//! journal lacks while standbys are in sync ([`Tail`], [`MirrorTail`]), the etcd journal's
+//! writer: its keys, positions, sizes, snapshots and compaction ([`JournalWriter`]), and the
+//! leader's standbys ([`Roster`]: polls, links to open and drop, retries, who joins and
+//! leaves the in-sync set, what a stopping leader does first, where a rebase writes from).
 //!
 //! They read no clock (time is microseconds on the driver's monotonic clock, passed in),
 //! take no lock, start no thread and touch no socket or etcd: the HA drivers
@@ -18,6 +20,7 @@ pub mod members;
 mod msg;
 mod pipeline;
 mod queue;
+pub mod roster;
 mod tail;
 pub mod writer;
 
@@ -25,6 +28,7 @@ pub use feed::Feed;
 pub use msg::{KeptFrame, ToLeader, ToStandby};
 pub use pipeline::{Pipeline, Released};
 pub use queue::{Outcome, Queue, Written};
+pub use roster::Roster;
 pub use tail::{tail_after, MirrorTail, Run, Tail, TailFrame};
 pub use writer::{Head, JournalWriter, Txn};
 

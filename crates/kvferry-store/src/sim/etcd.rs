@@ -6,14 +6,17 @@
 //! is due (or forced: a hand-off), the log it covers and the previous snapshot deleted; an
 //! emptied in-sync set writes the entries streamed (a rebase), a standby that takes over its
 //! mirror (the takeover's rebase), each followed by the writer's snapshot check; a leader may
-//! die between a snapshot's chunks, and the next one collects what it left.
+//! die between a snapshot's chunks, and the next one collects what it left. etcd answers
+//! some transactions with an error (before or after applying them) or a failed compare, and
+//! the writer's machine retries or gives up ([`Journal::run`]); a writer that gives up
+//! fences its leader, and nothing it failed to write is answered.
 //!
 //! Checked after every step: etcd holds at most [`bound`] bytes of values under the journal's
 //! prefix, from the size of the state and the snapshot threshold alone.
 
 use super::*;
 use crate::ha::log::{encode_chunks_of, load_from, stored_from, Loaded, Read};
-use crate::repl::writer::Txn;
+use crate::repl::writer::{Answer, Next, Txn};
 use crate::repl::JournalWriter;
 
 /// The journal's prefix in the model.
@@ -123,6 +126,21 @@ pub(super) struct Journal {
     pub(super) garbage: bool,
     /// Bytes of log a rebase wrote that no completed check has seen since ([`bound`]).
     pub(super) unchecked: u64,
+    /// etcd answers a leader's transactions with errors at random ([`Journal::run`]): per
+    /// mille, drawn per run (none in a third of the runs); only while a leader's writer runs
+    /// (`flaky`: not during a standby's takeover, whose writer retries until five lease TTLs).
+    fail_permille: u32,
+    pub(super) flaky: bool,
+    /// The writer's machine gave up a transaction ([`JournalWriter::on_answer`]): the leader
+    /// fences itself, nothing more is written.
+    pub(super) gave_up: bool,
+    /// Its own random source (seeded from the run's): etcd's answers.
+    rng: StdRng,
+    /// Transactions answered with an error and retried, of them applied all the same (the
+    /// answer lost), and transactions given up.
+    pub(super) failed: u64,
+    pub(super) lost_answers: u64,
+    pub(super) give_ups: u64,
 }
 
 impl Journal {
@@ -135,13 +153,58 @@ impl Journal {
             images: 0,
             garbage: false,
             unchecked: 0,
+            fail_permille: [0, 10, 50][rng.random_range(0..3usize)],
+            flaky: false,
+            gave_up: false,
+            rng: StdRng::seed_from_u64(rng.random()),
+            failed: 0,
+            lost_answers: 0,
+            give_ups: 0,
         }
     }
 
-    /// Runs a transaction (the model always answers: a leader that cannot write etcd is
-    /// the same to its clients as a crash, which the simulation has).
+    /// Runs a transaction as the writer does (`crate::ha::journal::Writer::txn`): etcd
+    /// answers it written, or (while `flaky`) with an error before applying it, with an
+    /// error after applying it (the answer lost: a timeout), or with the guard's compare
+    /// failing (the leader's key is gone); the writer's machine says whether to retry or give
+    /// up ([`JournalWriter::on_answer`], the lease provable or not). Given up: `None`, and
+    /// nothing more is written (the leader fences itself, which the simulation then makes a
+    /// crash).
     fn run(&mut self, t: &Txn) -> Option<i64> {
-        Some(self.etcd.apply(t))
+        for _ in 0..1000 {
+            if self.gave_up {
+                return None;
+            }
+            let roll = if self.flaky && self.fail_permille > 0 {
+                self.rng.random_range(0..1000)
+            } else {
+                u32::MAX
+            };
+            let a = if roll < self.fail_permille / 2 {
+                self.failed += 1;
+                Answer::Failed
+            } else if roll < self.fail_permille {
+                self.etcd.apply(t);
+                (self.failed, self.lost_answers) = (self.failed + 1, self.lost_answers + 1);
+                Answer::Failed
+            } else if roll < self.fail_permille + self.fail_permille / 10 {
+                Answer::NotOwner
+            } else {
+                Answer::Written(self.etcd.apply(t))
+            };
+            let still = a != Answer::Failed || self.rng.random_bool(0.9);
+            let Some(w) = self.writer.as_ref() else {
+                return Some(self.etcd.apply(t));
+            };
+            match w.on_answer(a, 0, still) {
+                Next::Done(rev) => return Some(rev),
+                Next::Retry => {}
+                Next::GiveUp => break,
+            }
+        }
+        self.gave_up = true;
+        self.give_ups += 1;
+        None
     }
 
     fn encode(&self, changes: &[Change]) -> Vec<Vec<u8>> {
@@ -158,19 +221,22 @@ impl Journal {
         load_from(&self.etcd, PREFIX)
     }
 
-    /// Appends `changes` as the writer commits them (one entry per value).
-    pub(super) fn append(&mut self, changes: &[Change]) {
+    /// Appends `changes` as the writer commits them (one entry per value). False when the
+    /// writer gave up (some of the values may be written: they are durable, unanswered).
+    pub(super) fn append(&mut self, changes: &[Change]) -> bool {
         for v in self.encode(&fixed_order(changes.to_vec())) {
             let n = v.len() as u64;
             let Some(t) = self.writer.as_ref().map(|w| w.append(v)) else {
-                return;
+                return false;
             };
-            if self.run(&t).is_some() {
-                if let Some(w) = self.writer.as_mut() {
-                    w.appended(n);
-                }
+            if self.run(&t).is_none() {
+                return false;
+            }
+            if let Some(w) = self.writer.as_mut() {
+                w.appended(n);
             }
         }
+        true
     }
 
     /// A leader starts the term after entry `seq` of a journal with `head` and `log_bytes`
@@ -179,6 +245,7 @@ impl Journal {
         let w = JournalWriter::new(PREFIX.to_string(), seq, head, log_bytes, self.threshold);
         let garbage = w.garbage();
         self.writer = Some(w);
+        self.gave_up = false;
         for t in &garbage {
             self.run(t);
         }
@@ -208,7 +275,9 @@ impl Journal {
         let Some(clear) = w.begin_snapshot(at) else {
             return false;
         };
-        self.run(&clear);
+        if self.run(&clear).is_none() {
+            return false;
+        }
         for (i, v) in values.into_iter().enumerate() {
             if cut.is_some_and(|c| i >= c) {
                 self.garbage = true;
@@ -218,7 +287,11 @@ impl Journal {
             let Some(t) = self.writer.as_ref().and_then(|w| w.chunk(v)) else {
                 return false;
             };
-            self.run(&t);
+            if self.run(&t).is_none() {
+                // (The writer gave up between chunks: they are left for the next leader.)
+                self.garbage = true;
+                return false;
+            }
             if let Some(w) = self.writer.as_mut() {
                 w.chunk_written(n);
             }
@@ -231,6 +304,7 @@ impl Journal {
             return false;
         };
         let Some(rev) = self.run(&t) else {
+            self.garbage = true;
             return false;
         };
         let Some(after) = self.writer.as_mut().and_then(|w| w.head_written(rev)) else {
@@ -258,7 +332,9 @@ impl Journal {
             }
         }
         for t in JournalWriter::rebase_txns(values) {
-            self.run(&t);
+            if self.run(&t).is_none() {
+                return;
+            }
         }
         if let Some(w) = self.writer.as_mut() {
             w.set_seq(seq);
@@ -275,6 +351,7 @@ impl Journal {
         image: Option<Vec<Change>>,
         entries: &[Vec<Change>],
     ) -> Result<(), String> {
+        self.flaky = false;
         self.start_stored()?;
         match image {
             None => self.rebase_entries(entries),
@@ -364,6 +441,8 @@ impl Sim {
                 image.len(),
                 self.journal.writer.as_ref().map_or(0, JournalWriter::seq)
             ));
+        } else if self.journal.gave_up {
+            self.writer_gave_up();
         } else if cut.is_some() {
             self.counts.snapshots_cut += 1;
             self.note("the leader dies writing a snapshot, before its head".to_string());

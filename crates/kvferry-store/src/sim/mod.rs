@@ -24,8 +24,8 @@
 //! What is not simulated yet (ARCHITECTURE.md, code map, `sim/`): the election and the
 //! lease fencing (one leader at a time here, the next one starts a lease TTL after a crash;
 //! `election.rs` checks those alone), standbys that register during a term (a leader's
-//! standbys are chosen when it starts; one that left the set may link again), the
-//! standbys' run of entries for a rebase and the background snapshot, message delay and reordering between clients and the master (a
+//! standbys are chosen when it starts; one that left the set, or whose link broke, is linked
+//! again as the leader's roster decides), the standbys' run of entries for a rebase and the background snapshot, message delay and reordering between clients and the master (a
 //! request is applied when sent; an answer that waits for the journal is lost with its
 //! leader).
 //!
@@ -45,8 +45,8 @@ use std::time::Duration;
 /// The kinds of step, and how often each comes on average (per mille): each seed draws its
 /// own weights around these (swarm testing: some seeds crash often, some unmount often, some
 /// hardly read), so that rare sequences of one kind of event come up in some seed.
-const ACTIONS: usize = 12;
-const WEIGHTS: [u32; ACTIONS] = [300, 200, 150, 20, 120, 50, 20, 10, 15, 10, 105, 10];
+const ACTIONS: usize = 13;
+const WEIGHTS: [u32; ACTIONS] = [300, 200, 150, 20, 120, 50, 20, 10, 15, 10, 105, 10, 5];
 
 /// Seeds the test runs by default.
 pub const DEFAULT_SEEDS: u64 = 5000;
@@ -213,6 +213,16 @@ pub struct Counts {
     pub standby_takeovers: u64,
     pub relinks: u64,
     pub members_joined: u64,
+    /// Links to a standby that failed to connect, and that broke.
+    pub link_failures: u64,
+    pub link_breaks: u64,
+    /// Leaders stopped (SIGTERM) that handed off.
+    pub hand_offs: u64,
+    /// etcd transactions answered with an error (retried), of them applied all the same
+    /// (the answer lost), and writers that gave up (their leader fenced).
+    pub etcd_errors: u64,
+    pub etcd_lost_answers: u64,
+    pub writer_give_ups: u64,
     /// Leaders that died between a snapshot's chunks.
     pub snapshots_cut: u64,
     /// The most etcd held under the journal's prefix, in percent of the bound of
@@ -235,6 +245,12 @@ impl std::ops::AddAssign for Counts {
         self.standby_takeovers += o.standby_takeovers;
         self.relinks += o.relinks;
         self.members_joined += o.members_joined;
+        self.link_failures += o.link_failures;
+        self.link_breaks += o.link_breaks;
+        self.hand_offs += o.hand_offs;
+        self.etcd_errors += o.etcd_errors;
+        self.etcd_lost_answers += o.etcd_lost_answers;
+        self.writer_give_ups += o.writer_give_ups;
         self.snapshots_cut += o.snapshots_cut;
         self.etcd_peak_pct = self.etcd_peak_pct.max(o.etcd_peak_pct);
     }
@@ -350,6 +366,7 @@ impl Sim {
         let loaded = self.journal.load()?;
         self.journal
             .start(loaded.seq, loaded.head, loaded.log_bytes);
+        self.journal.flaky = true;
         let (mut st, rebuilt) = loaded.image.into_state(self.term, self.now, LEASE);
         st.seed_placement(self.rng.random());
         st.journal_on();
@@ -510,15 +527,16 @@ impl Sim {
             8 => self.crash(),
             9 => self.compact(step)?,
             10 => self.upsert_or_revoke(step)?,
-            _ => {
-                if self.rng.random_bool(0.5) {
-                    self.pause_standby();
-                } else {
-                    self.relink_standby();
-                }
-            }
+            11 => self.pause_standby(),
+            _ => self.stop(step)?,
         }
-        self.check_etcd(step)
+        self.check_etcd(step)?;
+        (self.counts.etcd_errors, self.counts.etcd_lost_answers) =
+            (self.journal.failed, self.journal.lost_answers);
+        match self.streaming.as_ref().map(standbys::Streaming::check) {
+            Some(Err(e)) => Err(self.fail(step, format!("the leader's roster: {e}"))),
+            _ => Ok(()),
+        }
     }
 
     /// The writer: the first entries waiting become durable (etcd's log) and their answers
@@ -541,6 +559,11 @@ impl Sim {
     /// Entry `e` is durable (appended to etcd's log with `to_log`; else its standbys have it):
     /// its answer goes out.
     fn durable(&mut self, step: usize, e: Entry, to_log: bool) -> Result<(), Failure> {
+        if to_log && !e.changes.is_empty() && !self.journal.append(&e.changes) {
+            // Not written: its answer never goes out.
+            self.writer_gave_up();
+            return Ok(());
+        }
         if let Some(l) = self.leader.as_mut() {
             l.grants_durable = l.grants_durable.max(e.grants);
         }
@@ -556,9 +579,6 @@ impl Sim {
             }),
             _ => None,
         };
-        if to_log && !e.changes.is_empty() {
-            self.journal.append(&e.changes);
-        }
         match e.reply {
             Some(Reply::Started(p)) => {
                 if let Some(replicas) = placed {
@@ -598,6 +618,9 @@ impl Sim {
                 self.crash();
             }
         }
+        // (The writer reads the standbys' registrations when due: what that releases is
+        // placed now, its writes landing below.)
+        self.poll_standbys(step)?;
         // Writes land in time order, each checked against the live objects.
         loop {
             let next = self
@@ -634,6 +657,21 @@ impl Sim {
         self.tick();
         self.end_puts();
         Ok(())
+    }
+
+    /// The writer's machine gave up a transaction etcd failed ([`etcd::Journal::run`]): the
+    /// leader fences itself at once, the same to its clients as a crash (what was not written
+    /// is lost, its answers with it).
+    fn writer_gave_up(&mut self) {
+        if self.leader.is_none() {
+            return;
+        }
+        self.note(format!(
+            "etcd failed a transaction and the writer of term {} gave up: the leader fences itself",
+            self.term
+        ));
+        self.counts.writer_give_ups += 1;
+        self.crash();
     }
 
     /// The leader dies: what its journal had not made durable is lost, answers with it.

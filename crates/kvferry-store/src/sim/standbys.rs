@@ -1,25 +1,40 @@
 //! In-sync standbys in the simulation (`--ha-replication standbys`): a leader that streams
 //! its entries to one to three standbys instead of writing etcd, released by their
 //! acknowledgements through the real [`Pipeline`] (the least acknowledgement of the in-sync
-//! set), on a network that delays entries and acknowledgements and standbys that pause. A
-//! member that has not acknowledged the oldest entry within [`ACK_TIMEOUT`] leaves the set;
-//! when the set empties the leader makes the etcd journal whole (the rebase: every entry
-//! streamed, then what is queued). When the leader dies, an in-sync member takes over from
-//! what its mirror received (the etcd journal at the stream's start, then its entries) and
-//! writes that to etcd first, as `Writer::rebase_at_takeover` does. A standby that left the
-//! set may link again (an image of the leader's state, then the entries after it) and join
-//! the set once it holds everything (`repl::members::ready`); taking over, it writes its
-//! image as etcd's snapshot.
+//! set), on a network that delays entries and acknowledgements, standbys that pause and
+//! links that break. Every decision about the standbys is the real writer's machine's,
+//! [`Roster`]: the registrations read every [`POLL`] (links to open, links to drop, a
+//! standby whose link failed tried again less and less often), who joins the set (it
+//! acknowledged everything, its registration names this term's mirror), who leaves it (not
+//! acknowledged the oldest entry within [`ACK_TIMEOUT`], or its link broke); when the set
+//! empties the leader makes the etcd journal whole (the rebase: every entry streamed, then
+//! what is queued). A leader that stops (SIGTERM) does what [`Roster::on_stop`] says before
+//! its key goes and the next leader starts at once from the etcd journal ([`Sim::stop`]).
+//! When the leader dies, an in-sync member takes over from what its mirror received (the
+//! etcd journal at the stream's start, then its entries) and writes that to etcd first, as
+//! `Writer::rebase_at_takeover` does; one linked during the term writes its image as etcd's
+//! snapshot.
 //!
 //! The invariants of [`super`] then say what the standbys must: an answer released by the
-//! pipeline survives any failover, because every member that could take over holds it.
+//! pipeline survives any failover or hand-off, because every member that could take over
+//! holds it; and after every step the roster's own ([`Roster::check`]), with every member
+//! of the set linked or on its way out.
 
 use super::*;
-use crate::repl::members::{self, LinkView};
-use crate::repl::{Feed, Pipeline, ToStandby};
+use crate::repl::roster::{Leave, Registered, Stop};
+use crate::repl::{Feed, Pipeline, Roster, ToStandby};
 
 /// How long an in-sync standby may take to acknowledge (ms).
 pub(super) const ACK_TIMEOUT: u64 = 100;
+/// How often the leader reads the standbys' registrations (ms), as `crate::ha::STANDBY_POLL`.
+pub(super) const POLL: u64 = 200;
+
+/// The leader's member id in the roster (the standbys are named by their index).
+const LEADER: &str = "leader";
+
+fn name(i: usize) -> String {
+    i.to_string()
+}
 
 /// One standby as the leader's stream reaches it.
 #[derive(Debug, Default)]
@@ -33,13 +48,12 @@ pub(super) struct Standby {
     feed: Feed,
     /// The leader's connection.
     conn: u64,
-    /// The leader links it (it left the set: its link was dropped with it).
+    /// The leader links it and the link is alive (it left the set, or its link broke: the
+    /// link was dropped with it).
     linked: bool,
     /// Linked again during the term: its mirror starts from an image of the leader's state
     /// after entry `image_seq` (the first pending changes), not from the etcd journal.
     image: Option<u64>,
-    /// The last entry the leader knows it acknowledged.
-    acked: u64,
     /// Stopped (SIGSTOP) until this time: it receives and acknowledges nothing before.
     paused_until: u64,
 }
@@ -50,8 +64,9 @@ pub(super) struct Streaming {
     /// The last entry sent.
     seq: u64,
     standbys: Vec<Standby>,
-    /// The in-sync set (indices into `standbys`).
-    members: Vec<usize>,
+    /// The writer's machine: links, registrations, retries, the in-sync set (members named
+    /// by their index into `standbys`).
+    roster: Roster,
     /// Entries of `pending` already sent, from its front.
     sent: usize,
     /// Every entry sent, in order (what the etcd journal lacks: the leader's tail).
@@ -68,7 +83,8 @@ impl Streaming {
     /// that is the etcd journal as it is: nothing streamed yet) and in sync.
     pub(super) fn new(n: usize, term: i64) -> Result<Streaming, String> {
         let mut standbys = Vec::with_capacity(n);
-        for _ in 0..n {
+        let mut roster = Roster::new(LEADER, term, us(POLL));
+        for i in 0..n {
             let mut sb = Standby {
                 linked: true,
                 ..Standby::default()
@@ -85,15 +101,68 @@ impl Streaming {
                 0,
             )?;
             standbys.push(sb);
+            roster.linked(&name(i), &name(i), true, true, 0);
         }
-        Ok(Streaming {
+        let mut s = Streaming {
             pipe: Pipeline::default(),
             seq: 0,
             standbys,
-            members: (0..n).collect(),
+            roster,
             sent: 0,
             tail: Vec::new(),
-        })
+        };
+        // (Their registrations name this term's mirror: they join at once.)
+        let polled = s.roster.on_registrations(0, s.registrations(term));
+        if !polled.open.is_empty() || !polled.gone.is_empty() {
+            return Err(format!("the roster would change links it has: {polled:?}"));
+        }
+        match s.roster.joining(0) {
+            Some(j) if j.members.len() == n => s.roster.joined(&j),
+            j => return Err(format!("{n} standbys linked at entry 0, joining: {j:?}")),
+        }
+        Ok(s)
+    }
+
+    /// The standbys' registrations as etcd holds them: each at its address (its index),
+    /// naming the mirror it holds complete.
+    fn registrations(&self, term: i64) -> BTreeMap<String, Registered> {
+        self.standbys
+            .iter()
+            .enumerate()
+            .map(|(i, sb)| {
+                let mirror = (sb.feed.leads_from() && sb.feed.term == term).then_some(term);
+                (
+                    name(i),
+                    Registered {
+                        addr: name(i),
+                        mirror,
+                        runs: true,
+                        grants: true,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// The in-sync members' indices.
+    fn members(&self) -> Vec<usize> {
+        self.roster
+            .insync()
+            .iter()
+            .filter_map(|m| m.parse().ok())
+            .collect()
+    }
+
+    /// The roster's invariants after entry `self.seq`, and the simulation's agreement with
+    /// it: a standby the simulation delivers to is linked in the roster.
+    pub(super) fn check(&self) -> Result<(), String> {
+        self.roster.check(self.seq)?;
+        for (i, sb) in self.standbys.iter().enumerate() {
+            if sb.linked && self.roster.link(&name(i)).is_none() {
+                return Err(format!("standby {i} is fed without a link in the roster"));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -203,7 +272,7 @@ impl Sim {
             }
             while sb.acks.front().is_some_and(|a| a.0 <= t) {
                 if let Some((_, seq)) = sb.acks.pop_front() {
-                    sb.acked = sb.acked.max(seq);
+                    s.roster.observe(&name(i), seq, false);
                 }
             }
         }
@@ -211,72 +280,87 @@ impl Sim {
             return Err(self.fail(step, what));
         }
         // Linked standbys that hold everything join the set (the writer's rule).
-        let term = self.term;
-        if let Some(s) = self.streaming.as_mut() {
-            let joining: Vec<usize> = (0..s.standbys.len())
-                .filter(|i| !s.members.contains(i))
-                .filter(|&i| {
-                    let sb = &s.standbys[i];
-                    sb.linked
-                        && members::ready(
-                            LinkView {
-                                dead: false,
-                                acked: sb.acked,
-                                image_seq: sb.image.unwrap_or(0),
-                                grants: true,
-                            },
-                            s.seq,
-                            term,
-                            Some(term),
-                        )
-                })
-                .collect();
-            if !joining.is_empty() {
-                s.members.extend(&joining);
-                self.counts.members_joined += joining.len() as u64;
-                self.note(format!(
-                    "standbys {joining:?} hold every entry: they join the in-sync set"
-                ));
-            }
-        }
+        self.join();
         self.release(step)?;
         let Some(s) = self.streaming.as_mut() else {
             return Ok(());
         };
         if let Some(late) = s.pipe.late(us(t), us(ACK_TIMEOUT)) {
-            // (The writer's rule: `repl::members::failing`, members named by their index.)
-            let names: Vec<String> = s.members.iter().map(usize::to_string).collect();
-            let view = |m: &str| {
-                m.parse::<usize>()
-                    .ok()
-                    .and_then(|i| s.standbys.get(i))
-                    .map(|sb| LinkView {
-                        dead: false,
-                        acked: sb.acked,
-                        image_seq: 0,
-                        grants: true,
-                    })
-            };
-            let gone: Vec<usize> = members::failing(&names, view, Some(late))
-                .iter()
-                .filter_map(|m| m.parse().ok())
-                .collect();
-            s.members.retain(|m| !gone.contains(m));
-            // (Its link goes with it: what was in flight to it is lost.)
-            for &m in &gone {
-                let sb = &mut s.standbys[m];
+            let gone = s.roster.failing(Some(late));
+            self.note(format!(
+                "standbys {gone:?} did not acknowledge entry {late} within {ACK_TIMEOUT} ms"
+            ));
+            self.leave(step, &gone)?;
+        }
+        Ok(())
+    }
+
+    /// Standbys that hold everything join the set, as the roster decides.
+    fn join(&mut self) {
+        let Some(s) = self.streaming.as_mut() else {
+            return;
+        };
+        if let Some(j) = s.roster.joining(s.seq) {
+            s.roster.joined(&j);
+            self.counts.members_joined += j.ready.len() as u64;
+            self.note(format!(
+                "standbys {:?} hold every entry: they join the in-sync set",
+                j.ready
+            ));
+        }
+    }
+
+    /// `gone` leave: their links go (what was in flight to them is lost), and the set is
+    /// what the roster says (an empty one rebased into etcd).
+    fn leave(&mut self, step: usize, gone: &[String]) -> Result<(), Failure> {
+        let Some(s) = self.streaming.as_mut() else {
+            return Ok(());
+        };
+        let leave = s.roster.leave(gone);
+        for m in gone {
+            if let Some(sb) = m.parse::<usize>().ok().and_then(|i| s.standbys.get_mut(i)) {
                 (sb.linked, sb.inbox, sb.acks) = (false, VecDeque::new(), VecDeque::new());
             }
-            self.counts.members_dropped += gone.len() as u64;
-            self.note(format!("standbys {gone:?} did not acknowledge entry {late} within {ACK_TIMEOUT} ms: they leave the in-sync set"));
-            if self
-                .streaming
-                .as_ref()
-                .is_some_and(|s| s.members.is_empty())
-            {
-                self.rebase(step)?;
-            } else {
-                self.release(step)?;
+        }
+        match leave {
+            Leave::Unchanged => Ok(()),
+            Leave::Rest(rest) => {
+                s.roster.set_insync(rest);
+                self.counts.members_dropped += gone.len() as u64;
+                self.note(format!("standbys {gone:?} leave the in-sync set"));
+                self.release(step)
+            }
+            Leave::Rebase => {
+                self.counts.members_dropped += gone.len() as u64;
+                self.note(format!(
+                    "standbys {gone:?} leave the in-sync set, empty now"
+                ));
+                self.rebase(step)
+            }
+        }
+    }
+
+    /// The writer reads the standbys' registrations when the roster says so: broken links
+    /// and their members go, the standbys not linked are linked (an image of the leader's
+    /// state after its last entry, then the entries after it), some of those links failing
+    /// (tried again as the roster says).
+    pub(super) fn poll_standbys(&mut self, step: usize) -> Result<(), Failure> {
+        let (now, term) = (self.now, self.term);
+        let Some(s) = self.streaming.as_mut() else {
+            return Ok(());
+        };
+        if !s.roster.poll(us(now)) {
+            return Ok(());
+        }
+        let regs = s.registrations(term);
+        let polled = s.roster.on_registrations(us(now), regs);
+        if !polled.gone.is_empty() {
+            self.note(format!("standbys {:?}: their links went", polled.gone));
+            self.leave(step, &polled.gone)?;
+        }
+        for (m, _) in polled.open {
+            if let Ok(i) = m.parse::<usize>() {
+                self.link(i);
             }
         }
         Ok(())
@@ -289,7 +373,12 @@ impl Sim {
         let Some(s) = self.streaming.as_mut() else {
             return Ok(());
         };
-        let min = s.members.iter().map(|&m| s.standbys[m].acked).min();
+        let r = &s.roster;
+        let min = r
+            .insync()
+            .iter()
+            .map(|m| r.link(m).map_or(0, |l| l.acked))
+            .min();
         let Some(r) = s.pipe.release(min, us(now)) else {
             return Ok(());
         };
@@ -315,8 +404,14 @@ impl Sim {
             "no standby in sync: the {} entries streamed go to etcd's log",
             s.tail.len()
         ));
-        let tail: Vec<Vec<Change>> = s.tail.into_iter().filter(|c| !c.is_empty()).collect();
+        let tail: Vec<Vec<Change>> = s.tail.iter().filter(|c| !c.is_empty()).cloned().collect();
         self.journal.rebase_entries(&tail);
+        if self.journal.gave_up {
+            // (Nothing is answered: the leader fences itself with what it held.)
+            self.streaming = Some(s);
+            self.writer_gave_up();
+            return Ok(());
+        }
         // (The first `sent` are in the tail already.)
         for i in 0.. {
             let Some(e) = self.pending.pop_front() else {
@@ -333,10 +428,11 @@ impl Sim {
         let Some(mut s) = self.streaming.take() else {
             return;
         };
-        if s.members.is_empty() {
+        let members = s.members();
+        if members.is_empty() {
             return;
         }
-        let m = s.members[self.rng.random_range(0..s.members.len())];
+        let m = members[self.rng.random_range(0..members.len())];
         let feed = &mut s.standbys[m].feed;
         let Some((seq, _)) = feed.take(self.term) else {
             self.note(format!(
@@ -369,22 +465,24 @@ impl Sim {
         }
     }
 
-    /// A standby that left the set links again: the writer commits what is queued, sends it
-    /// an image of the state after its last entry, then every entry after it; it joins the
-    /// set once it acknowledged everything ([`members::ready`]).
-    pub(super) fn relink_standby(&mut self) {
-        let out: Vec<usize> = match self.streaming.as_ref() {
-            Some(s) => (0..s.standbys.len())
-                .filter(|i| !s.members.contains(i))
-                .collect(),
-            None => return,
-        };
-        if out.is_empty() || self.leader.is_none() {
+    /// The writer links standby `i` (the roster said so): it commits what is queued, sends
+    /// it an image of the state after its last entry, then every entry after it; it joins the
+    /// set once it acknowledged everything ([`Roster::joining`]). One link in five fails to
+    /// connect (tried again as the roster says).
+    fn link(&mut self, i: usize) {
+        let now = self.now;
+        if self.rng.random_bool(0.2) {
+            if let Some(s) = self.streaming.as_mut() {
+                let after = s.roster.link_failed(&name(i), &name(i), us(now));
+                self.counts.link_failures += 1;
+                self.note(format!(
+                    "standby {i} cannot be reached: tried again after {} ms",
+                    after / 1000
+                ));
+            }
             return;
         }
-        let i = out[self.rng.random_range(0..out.len())];
         self.stream();
-        let now = self.now;
         let (term, image) = match self.leader.as_ref() {
             Some(l) => (l.term, l.st.image(now)),
             None => return,
@@ -409,15 +507,67 @@ impl Sim {
         });
         match linked {
             Ok(conn) => {
-                (sb.conn, sb.linked, sb.image, sb.acked, sb.inbox, sb.acks) =
-                    (conn, true, Some(seq), seq, VecDeque::new(), VecDeque::new());
+                (sb.conn, sb.linked, sb.image, sb.inbox, sb.acks) =
+                    (conn, true, Some(seq), VecDeque::new(), VecDeque::new());
+                s.roster.linked(&name(i), &name(i), true, true, seq);
+                // (It acknowledges its image as it takes it.)
+                s.roster.observe(&name(i), seq, false);
                 self.counts.relinks += 1;
-                self.note(format!(
-                    "standby {i} links again with an image at entry {seq}"
-                ));
+                self.note(format!("standby {i} links with an image at entry {seq}"));
             }
             Err(e) => self.note(format!("standby {i} refused the link: {e}")),
         }
+    }
+
+    /// The leader stops (SIGTERM): what the roster says first ([`Roster::on_stop`]: the
+    /// etcd journal made whole while standbys are in sync), every request answered, then it
+    /// steps down and the next leader starts at once, from the etcd journal.
+    pub(super) fn stop(&mut self, step: usize) -> Result<(), Failure> {
+        if self.leader.is_none() {
+            return Ok(());
+        }
+        let stop = self
+            .streaming
+            .as_ref()
+            .map_or(Stop::Step, |s| s.roster.on_stop());
+        self.note(format!(
+            "leader of term {} stops (SIGTERM): {stop:?}",
+            self.term
+        ));
+        match stop {
+            Stop::RebaseThenStep => {
+                self.stream();
+                self.rebase(step)?;
+                if self.leader.is_none() {
+                    return Ok(()); // (the writer gave up: fenced, a crash to its clients)
+                }
+            }
+            Stop::Step => {
+                // (What is queued is committed first, as the writer's last turn does.)
+                self.streaming = None;
+                while let Some(e) = self.pending.pop_front() {
+                    self.durable(step, e, true)?;
+                }
+                self.check_snapshot(step, false)?;
+                if self.leader.is_none() {
+                    return Ok(());
+                }
+            }
+        }
+        if !self.pending.is_empty() {
+            return Err(self.fail(
+                step,
+                format!(
+                    "a stopping leader left {} requests unanswered",
+                    self.pending.len()
+                ),
+            ));
+        }
+        self.leader = None;
+        self.streaming = None;
+        self.down_until = self.now;
+        self.counts.hand_offs += 1;
+        Ok(())
     }
 
     /// A standby stops (SIGSTOP) for a while.
@@ -428,9 +578,21 @@ impl Sim {
         }
         let i = self.rng.random_range(0..n);
         let until = self.now + self.rng.random_range(ACK_TIMEOUT / 2..4 * ACK_TIMEOUT);
+        let breaks = self.rng.random_bool(0.3);
         if let Some(s) = self.streaming.as_mut() {
-            s.standbys[i].paused_until = until;
+            let sb = &mut s.standbys[i];
+            sb.paused_until = until;
+            if breaks && sb.linked {
+                // Its link breaks meanwhile (a write timed out): what was in flight is lost,
+                // and the leader's link says so.
+                (sb.linked, sb.inbox, sb.acks) = (false, VecDeque::new(), VecDeque::new());
+                s.roster.observe(&name(i), 0, true);
+                self.counts.link_breaks += 1;
+            }
         }
-        self.note(format!("standby {i} pauses until {until}"));
+        self.note(format!(
+            "standby {i} pauses until {until}{}",
+            if breaks { ", its link broken" } else { "" }
+        ));
     }
 }

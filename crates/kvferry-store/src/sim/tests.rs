@@ -113,11 +113,18 @@ fn every_seed_holds_the_invariants() {
             total.streamed_terms > 0
                 && total.members_dropped > 0
                 && total.standby_takeovers > 0
-                && total.members_joined > 0,
+                && total.members_joined > 0
+                && total.link_failures > 0
+                && total.link_breaks > 0
+                && total.hand_offs > 0,
             "the runs did not exercise the in-sync standbys: {total:?}"
         );
         assert!(
-            total.snapshots_cut > 0 && total.etcd_peak_pct > 50,
+            total.snapshots_cut > 0
+                && total.etcd_peak_pct > 50
+                && total.etcd_errors > 0
+                && total.etcd_lost_answers > 0
+                && total.writer_give_ups > 0,
             "the runs did not exercise the etcd journal's snapshots: {total:?}"
         );
         assert!(

@@ -409,7 +409,7 @@ fn print_point(p: &WorkloadPoint) {
         println!(
             "  memcpy of the same descriptors, one thread, no engine: {:.2} GB/s (this point at {} of it)",
             p.scattered_memcpy_gbps,
-            ratio(p.gbps / p.concurrency as f64, p.scattered_memcpy_gbps)
+            ratio(p.gbps, p.scattered_memcpy_gbps)
         );
     }
     if p.register_ms > 0.0 {

@@ -5,6 +5,7 @@
 //! written to etcd and deleted there by the journal's machine ([`JournalWriter`]).
 
 use super::*;
+use crate::repl::roster::{RebaseFrom, Roster};
 
 /// The longest a leader holds the state's lock while it takes an image (a standby that
 /// links, a snapshot): past it, the lock is let go between two pieces for [`IMAGE_GAP`].
@@ -176,7 +177,7 @@ impl Writer<'_> {
     /// `upto` is durable there (`tail_entries`: written from the [`Tail`], 0: the whole state).
     pub(super) fn insync_emptied(&mut self, upto: u64, started: Instant, tail_entries: u64) {
         if let Some(s) = self.sync.as_mut() {
-            s.insync.clear();
+            s.roster.emptied();
             s.release.clear();
             s.tail().clear();
         }
@@ -197,15 +198,24 @@ impl Writer<'_> {
     /// not whole (the caller writes the whole state).
     pub(super) fn rebase_from_tail(&mut self, started: Instant) -> Option<bool> {
         let seq = self.log.seq();
-        let Some(run) = self.sync.as_ref().and_then(|s| s.tail().take(seq)) else {
-            return Some(false);
-        };
-        let Some(values) = tail_log_values(self.log.prefix(), &run.frames) else {
-            tracing::info!("HA journal: an entry streamed since the journal's last position does not fit a log value; the rebase writes the whole state");
-            return Some(false);
-        };
-        self.rebase_with(values, run.base, run.frames.len() as u64, started)?;
-        Some(true)
+        let run = self.sync.as_ref().and_then(|s| s.tail().take(seq));
+        let mut values = None;
+        let from = Roster::rebase_from(run.as_ref().map(|r| r.last()), seq, || {
+            values = run
+                .as_ref()
+                .and_then(|r| tail_log_values(self.log.prefix(), &r.frames));
+            if values.is_none() {
+                tracing::info!("HA journal: an entry streamed since the journal's last position does not fit a log value; the rebase writes the whole state");
+            }
+            values.is_some()
+        });
+        match (from, run, values) {
+            (RebaseFrom::Tail, Some(run), Some(values)) => {
+                self.rebase_with(values, run.base, run.frames.len() as u64, started)?;
+                Some(true)
+            }
+            _ => Some(false),
+        }
     }
 
     /// Writes `values`, the log after the etcd journal's last position `base` (`entries`

@@ -1,10 +1,10 @@
 //! The journal's drivers: answers, wake-ups, lending, links under load.
 
-use super::writer::retry_link_after;
 use super::*;
 use crate::ha::log::{decode_chunk, log_key, log_range, REBASE_VALUE_MAX};
 use crate::master::journal::Image;
 use crate::master::journal::ObjectRec;
+use crate::repl::roster::retry_link_after;
 
 fn obj(i: usize) -> Change {
     Change::Object {
@@ -558,7 +558,7 @@ fn a_standby_linking_under_load_gets_its_image_then_every_later_entry_once_in_or
         (link, sock, addr)
     };
     let (member, _member_sock, _) = standby("s1", &sync);
-    sync.links.push(member);
+    sync.add_link(member);
     sync.set_insync(vec!["s1".to_string()], j);
     let mut w = Writer {
         etcd: &etcd,
@@ -745,7 +745,7 @@ fn streamed_entries_frames_are_their_log_values() {
 /// than the first wait nor more than the last.
 #[test]
 fn a_standby_that_cannot_link_is_tried_less_and_less_often() {
-    let s = |n| retry_link_after(n).as_secs();
+    let s = |n| retry_link_after(n) / 1_000_000;
     assert_eq!(
         [s(0), s(1), s(2), s(3), s(6), s(7), s(u32::MAX)],
         [1, 1, 2, 4, 32, 32, 32]

@@ -9,7 +9,7 @@
 
 use super::snapshot::Frozen;
 use super::*;
-use crate::repl::members;
+use crate::repl::roster::{Leave, Polled, Registered, Roster, Stop};
 use crate::repl::writer::{Answer, Next, Txn};
 
 /// Sends `frame` to every linked standby.
@@ -45,25 +45,17 @@ pub struct Writer<'a> {
 pub struct Replicas {
     /// Where standbys register ([`crate::ha::sync::standby_prefix`]).
     pub standby_prefix: String,
-    /// This leader's member id (its RPC address): its own registration is not a standby.
-    pub me: String,
     pub hello: ToStandby,
+    /// The links' sockets (the machine, [`Replicas::roster`], knows them by member).
     pub links: Vec<Link>,
-    /// The in-sync set as etcd holds it now.
-    pub insync: Vec<String>,
+    /// Who is linked, registered, failing to link and in sync, and the decisions about them
+    /// ([`Roster`]): this driver tells it what the links and etcd say, and does what it
+    /// decides (the in-sync set written to etcd first).
+    pub roster: Roster,
     /// Releases the entries the in-sync set acknowledged.
     pub release: Arc<Release>,
     /// How long an in-sync standby may take to acknowledge before it leaves the set.
     pub ack_timeout: Duration,
-    pub(super) last_poll: Option<Instant>,
-    /// Standbys whose links failed: when last, how many times in a row at that replication
-    /// address since they were last in sync (retried after [`retry_link_after`]; a standby
-    /// registered again at another address, as one that restarted, is tried at once), and the
-    /// address.
-    pub(super) failed: HashMap<String, (Instant, u32, String)>,
-    /// The mirror term each registered standby's registration names, as last read: only one
-    /// that names this leader's term is promoted ([`crate::ha::sync::registration`]).
-    pub(super) mirrors: HashMap<String, Option<i64>>,
     /// While a linking standby's image is taken: the entries committed meanwhile, which it
     /// gets after its image ([`Writer::open_link`]).
     pub(super) catch_up: Option<Vec<Arc<Vec<u8>>>>,
@@ -72,18 +64,6 @@ pub struct Replicas {
     /// Bytes of space granted ahead per segment pool while standbys allow it (0: never;
     /// `Replicas::grant_bytes_now`).
     pub grant_bytes: u64,
-}
-
-/// How long after a failed connection a standby is tried again.
-const RETRY_LINK: Duration = Duration::from_secs(1);
-
-/// How long after its `n`th failed link in a row a standby is tried again: [`RETRY_LINK`],
-/// doubling up to 32 times that. Each try encodes an image of the whole state (about 150 ms
-/// of the writer's time at a million objects on the dev VM), so a standby that cannot link
-/// (unreachable, of another cluster, holding another cluster key) must not cost that every
-/// second.
-pub(super) fn retry_link_after(n: u32) -> Duration {
-    RETRY_LINK * (1u32 << n.saturating_sub(1).min(5))
 }
 
 impl Replicas {
@@ -99,7 +79,6 @@ impl Replicas {
     ) -> Replicas {
         Replicas {
             standby_prefix: crate::ha::sync::standby_prefix(cluster_id),
-            me: me.to_string(),
             hello: ToStandby::Hello {
                 cluster_id: cluster_id.to_string(),
                 term: owner.create_revision,
@@ -107,12 +86,13 @@ impl Replicas {
                 leader: me.to_string(),
             },
             links: Vec::new(),
-            insync: Vec::new(),
+            roster: Roster::new(
+                me,
+                owner.create_revision,
+                u64::try_from(crate::ha::STANDBY_POLL.as_micros()).unwrap_or(u64::MAX),
+            ),
             release: Arc::new(Release::new(journal, owner.create_revision)),
             ack_timeout,
-            last_poll: None,
-            failed: HashMap::new(),
-            mirrors: HashMap::new(),
             catch_up: None,
             tail: Arc::new(Mutex::new(Tail::new(tail.0, tail.1, journal.now_us()))),
             grant_bytes: 0,
@@ -123,9 +103,7 @@ impl Replicas {
     /// is not empty (the etcd journal alone is read by masters of every version) and every
     /// linked standby reads [`Change::Granted`]; else 0.
     pub(super) fn grant_bytes_now(&self) -> u64 {
-        if members::grants_allowed(&self.insync, self.links.iter().map(Link::view), |m| {
-            self.link(m).map(Link::view)
-        }) {
+        if self.roster.grants_allowed() {
             self.grant_bytes
         } else {
             0
@@ -138,6 +116,32 @@ impl Replicas {
 
     pub(super) fn link(&self, member: &str) -> Option<&Link> {
         self.links.iter().find(|l| l.member == member)
+    }
+
+    /// Tells the roster what each link says now (acknowledged, broken): before each of its
+    /// decisions.
+    pub(super) fn observe(&mut self) {
+        for l in &self.links {
+            self.roster.observe(&l.member, l.acked(), l.dead());
+        }
+    }
+
+    /// A link opened (its image sent): the roster knows it from now on.
+    pub(super) fn add_link(&mut self, link: Link) {
+        self.roster.linked(
+            &link.member,
+            &link.addr,
+            link.runs,
+            link.grants,
+            link.image_seq,
+        );
+        self.links.push(link);
+    }
+
+    /// Drops the links the roster no longer has.
+    fn keep_roster_links(&mut self) {
+        let r = &self.roster;
+        self.links.retain(|l| r.link(&l.member).is_some());
     }
 
     /// Sends `changes` as entry `seq` to every linked standby, and keeps it for a standby
@@ -171,8 +175,10 @@ impl Replicas {
         match crate::ha::sync::encode_frame(&ToStandby::Base { seq, written }) {
             Ok(f) => {
                 let f = Arc::new(f);
-                for l in self.links.iter().filter(|l| l.runs) {
-                    l.send(&f);
+                for m in self.roster.runs() {
+                    if let Some(l) = self.link(m) {
+                        l.send(&f);
+                    }
                 }
             }
             Err(e) => tracing::warn!("HA replication: {e}"),
@@ -181,12 +187,19 @@ impl Replicas {
 
     /// The in-sync set is `members` (etcd says so already).
     pub(super) fn set_insync(&mut self, members: Vec<String>, journal: &Journal) {
-        self.insync = members;
-        journal.set_insync(&self.insync);
+        self.roster.set_insync(members);
+        self.insync_set(journal);
+    }
+
+    /// The roster's in-sync set is what etcd holds now: the journal's figures and the
+    /// release follow it.
+    pub(super) fn insync_set(&mut self, journal: &Journal) {
+        journal.set_insync(self.roster.insync());
         // A member without a link acknowledges nothing (it holds every entry back until it
         // leaves the set, `Writer::check_insync`): never answered without it.
         let counters = self
-            .insync
+            .roster
+            .insync()
             .iter()
             .map(|m| {
                 self.link(m)
@@ -271,14 +284,14 @@ impl Writer<'_> {
     }
 
     pub(super) fn streaming(&self) -> bool {
-        self.sync.as_ref().is_some_and(|s| !s.insync.is_empty())
+        self.sync.as_ref().is_some_and(|s| s.roster.streaming())
     }
 
     /// Makes `changes` durable, then acknowledges `upto`: appended to etcd while no standby is
     /// in sync, otherwise acknowledged by every in-sync standby; streamed to every linked
     /// standby either way.
     pub(super) fn commit(&mut self, changes: Vec<Change>, upto: u64) -> Option<()> {
-        if let Some(s) = self.sync.as_mut().filter(|s| !s.insync.is_empty()) {
+        if let Some(s) = self.sync.as_mut().filter(|s| s.roster.streaming()) {
             // Answered when every in-sync standby acknowledged it ([`Release`]); the next
             // entry goes out without waiting for this one. A large commit goes as several
             // entries, so that the standbys' acknowledgements show their progress.
@@ -320,15 +333,14 @@ impl Writer<'_> {
 
     /// The in-sync standbys whose link broke or that did not acknowledge the oldest pending
     /// entry within the bound, and that entry if it is late.
-    pub(super) fn failing_members(&self) -> (Vec<String>, Option<u64>) {
-        let Some(s) = self.sync.as_ref().filter(|s| !s.insync.is_empty()) else {
+    pub(super) fn failing_members(&mut self) -> (Vec<String>, Option<u64>) {
+        let now = self.master.journal.now_us();
+        let Some(s) = self.sync.as_mut().filter(|s| s.roster.streaming()) else {
             return (Vec::new(), None);
         };
-        let late = s.release.late(self.master.journal.now_us(), s.ack_timeout);
-        (
-            members::failing(&s.insync, |m| s.link(m).map(Link::view), late),
-            late,
-        )
+        s.observe();
+        let late = s.release.late(now, s.ack_timeout);
+        (s.roster.failing(late), late)
     }
 
     /// What the writer lends while it sleeps (its links, while standbys are in sync: see
@@ -340,7 +352,7 @@ impl Writer<'_> {
         match self
             .sync
             .as_mut()
-            .filter(|s| !s.insync.is_empty() && !s.links.is_empty())
+            .filter(|s| s.roster.streaming() && !s.links.is_empty())
         {
             Some(s) => (
                 idle.min(s.ack_timeout),
@@ -416,19 +428,13 @@ impl Writer<'_> {
         let Some(s) = self.sync.as_mut() else {
             return Some(());
         };
-        s.links.retain(|l| !gone.contains(&l.member));
-        if !s.insync.iter().any(|m| gone.contains(m)) {
-            return Some(());
-        }
-        let rest: Vec<String> = s
-            .insync
-            .iter()
-            .filter(|m| !gone.contains(m))
-            .cloned()
-            .collect();
-        if rest.is_empty() {
-            return self.rebase();
-        }
+        let leave = s.roster.leave(gone);
+        s.keep_roster_links();
+        let rest = match leave {
+            Leave::Unchanged => return Some(()),
+            Leave::Rebase => return self.rebase(),
+            Leave::Rest(rest) => rest,
+        };
         let rec = InSync {
             term,
             members: rest.clone(),
@@ -461,77 +467,46 @@ impl Writer<'_> {
     }
 
     /// Standbys that joined or left (their registrations in etcd, read every
-    /// [`crate::ha::STANDBY_POLL`]): links opened (each starting with an image) or closed.
+    /// [`crate::ha::STANDBY_POLL`]): links opened (each starting with an image) or closed, as
+    /// the roster decides ([`Roster::on_registrations`]).
     pub(super) fn poll_standbys(&mut self) -> Option<()> {
+        let now = self.master.journal.now_us();
         let Some(s) = self.sync.as_mut() else {
             return Some(());
         };
-        if s.last_poll
-            .is_some_and(|t| t.elapsed() < crate::ha::STANDBY_POLL)
-        {
+        if !s.roster.poll(now) {
             return Some(());
         }
-        s.last_poll = Some(Instant::now());
         let p = s.standby_prefix.clone();
-        // Member -> (its mirror's address, the mirror term its registration names, whether it
-        // takes `Base` frames and reads grants).
-        #[allow(clippy::type_complexity)]
-        let regs: HashMap<String, (String, Option<i64>, (bool, bool))> =
-            match self.etcd.range(&p, &prefix_end(&p), 64) {
-                Ok(kvs) => kvs
-                    .into_iter()
-                    .filter_map(|(k, kv)| {
-                        let v = String::from_utf8(kv.value).ok()?;
-                        let r = crate::ha::sync::parse_registration(&v);
-                        Some((
-                            k.strip_prefix(&p)?.to_string(),
-                            (r.addr.to_string(), r.mirror, (r.runs, r.grants)),
-                        ))
-                    })
-                    .collect(),
-                Err(e) => {
-                    tracing::debug!("HA replication: reading the standbys' registrations: {e}");
-                    return Some(());
-                }
-            };
-        s.mirrors = regs.iter().map(|(m, r)| (m.clone(), r.1)).collect();
-        let gone: Vec<String> = s
-            .links
-            .iter()
-            .filter(|l| l.dead() || regs.get(&l.member).map(|r| &r.0) != Some(&l.addr))
-            .map(|l| l.member.clone())
-            .chain(s.insync.iter().filter(|m| s.link(m).is_none()).cloned())
-            .collect();
-        // A standby whose link died is tried again only after a while (it may be unreachable).
-        let now = Instant::now();
-        for l in s.links.iter().filter(|l| l.dead()) {
-            let n = s
-                .failed
-                .get(&l.member)
-                .filter(|f| f.2 == l.addr)
-                .map_or(0, |f| f.1);
-            s.failed
-                .insert(l.member.clone(), (now, n + 1, l.addr.clone()));
-        }
+        let regs: BTreeMap<String, Registered> = match self.etcd.range(&p, &prefix_end(&p), 64) {
+            Ok(kvs) => kvs
+                .into_iter()
+                .filter_map(|(k, kv)| {
+                    let v = String::from_utf8(kv.value).ok()?;
+                    let r = crate::ha::sync::parse_registration(&v);
+                    Some((
+                        k.strip_prefix(&p)?.to_string(),
+                        Registered {
+                            addr: r.addr.to_string(),
+                            mirror: r.mirror,
+                            runs: r.runs,
+                            grants: r.grants,
+                        },
+                    ))
+                })
+                .collect(),
+            Err(e) => {
+                tracing::debug!("HA replication: reading the standbys' registrations: {e}");
+                return Some(());
+            }
+        };
+        s.observe();
+        let Polled { gone, open } = s.roster.on_registrations(now, regs);
         if !gone.is_empty() {
             self.drop_members(&gone)?;
         }
-        let Some(s) = self.sync.as_ref() else {
-            return Some(());
-        };
-        let new: Vec<(String, String, (bool, bool))> = regs
-            .into_iter()
-            .filter(|(m, (addr, _, _))| {
-                *m != s.me
-                    && s.link(m).is_none()
-                    && s.failed
-                        .get(m)
-                        .is_none_or(|(t, n, at)| at != addr || t.elapsed() > retry_link_after(*n))
-            })
-            .map(|(m, (addr, _, can))| (m, addr, can))
-            .collect();
-        for (member, addr, (runs, grants)) in new {
-            self.open_link(&member, &addr, runs, grants)?;
+        for (member, r) in open {
+            self.open_link(&member, &r.addr, r.runs, r.grants)?;
         }
         Some(())
     }
@@ -561,15 +536,13 @@ impl Writer<'_> {
         let mut link = match Link::open(member, addr, &s.hello, self.master.auth.clone(), sink) {
             Ok(l) => l,
             Err(e) => {
-                let n = s
-                    .failed
-                    .get(member)
-                    .filter(|f| f.2 == addr)
-                    .map_or(0, |f| f.1)
-                    + 1;
-                tracing::warn!("HA replication: {e}; retried in {:?}", retry_link_after(n));
-                s.failed
-                    .insert(member.to_string(), (Instant::now(), n, addr.to_string()));
+                let after = s
+                    .roster
+                    .link_failed(member, addr, self.master.journal.now_us());
+                tracing::warn!(
+                    "HA replication: {e}; retried in {:?}",
+                    Duration::from_micros(after)
+                );
                 return Some(());
             }
         };
@@ -593,7 +566,7 @@ impl Writer<'_> {
         // journal is whole up to its image, for its takeover (the others started their runs
         // there when the set filled).
         let run = match self.sync.as_ref() {
-            Some(s) if runs && !s.insync.is_empty() => s.tail().upto(at),
+            Some(s) if runs && s.roster.streaming() => s.tail().upto(at),
             _ => None,
         };
         let started = Instant::now();
@@ -645,60 +618,43 @@ impl Writer<'_> {
             "HA replication: the standby {member} ({addr}) linked; sending it the state"
         );
         if let Some(s) = self.sync.as_mut() {
-            s.links.push(link);
+            s.add_link(link);
         }
         Some(())
     }
 
-    /// Standbys that acknowledged everything written join the in-sync set (in etcd first).
+    /// Standbys that acknowledged everything written join the in-sync set (in etcd first), as
+    /// the roster decides ([`Roster::joining`]).
     pub(super) fn promote(&mut self) -> Option<()> {
         let term = self.term();
         let seq = self.log.seq();
-        let Some(s) = self.sync.as_ref() else {
+        let Some(s) = self.sync.as_mut() else {
             return Some(());
         };
+        s.observe();
         // (A standby whose registration does not name this term's mirror yet waits for it: a
         // member must say so in etcd before anyone relies on it, `sync::eligibility`.)
-        let ready: Vec<String> = s
-            .links
-            .iter()
-            .filter(|l| {
-                !s.insync.contains(&l.member)
-                    && members::ready(
-                        l.view(),
-                        seq,
-                        term,
-                        s.mirrors.get(&l.member).copied().flatten(),
-                    )
-            })
-            .map(|l| l.member.clone())
-            .collect();
-        if ready.is_empty() {
+        let Some(join) = s.roster.joining(seq) else {
             return Some(());
-        }
-        let mut members = s.insync.clone();
-        let was_empty = members.is_empty();
-        members.extend(ready.iter().cloned());
+        };
         self.put(vec![(
             self.insync_key.clone(),
             InSync {
                 term,
-                members: members.clone(),
+                members: join.members.clone(),
             }
             .to_bytes(),
         )])?;
-        tracing::info!(term, seq, "HA replication: {ready:?} in sync; requests are now acknowledged by the in-sync set {members:?} instead of etcd");
+        tracing::info!(term, seq, "HA replication: {:?} in sync; requests are now acknowledged by the in-sync set {:?} instead of etcd", join.ready, join.members);
         if let Some(s) = self.sync.as_mut() {
-            if was_empty {
+            if join.first {
                 // (Everything up to here was appended to etcd: the tail starts after it, the
                 // standbys' too.)
                 s.tail().start(seq, self.master.journal.now_us());
                 s.base(seq, true);
             }
-            for m in &ready {
-                s.failed.remove(m);
-            }
-            s.set_insync(members, &self.master.journal);
+            s.roster.joined(&join);
+            s.insync_set(&self.master.journal);
         }
         self.update_grants(false);
         Some(())
@@ -729,7 +685,11 @@ impl Writer<'_> {
             if j.q().m.hand_off_asked() {
                 // Stopping: the state goes to etcd whole (the in-sync set emptied), nothing
                 // more is acknowledged by standbys, and the leader refuses from now on.
-                if self.streaming() && self.rebase().is_none() {
+                let stop = self
+                    .sync
+                    .as_ref()
+                    .map_or(Stop::Step, |s| s.roster.on_stop());
+                if stop == Stop::RebaseThenStep && self.rebase().is_none() {
                     break;
                 }
                 self.sync = None;
