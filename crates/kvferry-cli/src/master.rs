@@ -76,8 +76,8 @@ pub struct MasterArgs {
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(..=MAX_DURATION_MS))]
     pub put_wait_for_reads_ms: u64,
     /// Offload (Mooncake's SSD offload): what the background eviction takes goes to the disk
-    /// of the client whose segment holds it (a client set up with enable_ssd_offload),
-    /// instead of being dropped, and is read from there.
+    /// of the client whose segment holds it (a client set up with an offload directory),
+    /// instead of being dropped. Reading it back from disk is not there yet.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     pub enable_offload: bool,
     /// The most objects one client's disk has been given to persist and not reported; more
