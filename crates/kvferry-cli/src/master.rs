@@ -75,6 +75,19 @@ pub struct MasterArgs {
     /// NO_AVAILABLE_HANDLE.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(..=MAX_DURATION_MS))]
     pub put_wait_for_reads_ms: u64,
+    /// Offload (Mooncake's SSD offload): what the background eviction takes goes to the disk
+    /// of the client whose segment holds it (a client set up with an offload directory),
+    /// instead of being dropped. Reading it back from disk is not there yet.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub enable_offload: bool,
+    /// The most objects one client's disk has been given to persist and not reported; more
+    /// are evicted as without a disk.
+    #[arg(long, default_value_t = 50_000, value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+    pub offloading_queue_limit: u64,
+    /// Seconds a client has to report an object it was given to persist; past them the
+    /// object is evicted as without a disk.
+    #[arg(long, default_value_t = 30, value_parser = secs())]
+    pub offload_timeout_sec: u64,
     /// Read these settings from a JSON file (keys as the flags, with underscores); flags given
     /// on the command line win.
     #[arg(long)]
@@ -248,6 +261,11 @@ impl MasterArgs {
             put_start_release_timeout: Duration::from_secs(self.put_start_release_timeout_sec),
             strategy,
             put_wait_for_reads: Duration::from_millis(self.put_wait_for_reads_ms),
+            offload_timeout: match self.enable_offload {
+                true => Duration::from_secs(self.offload_timeout_sec.max(1)),
+                false => Duration::ZERO,
+            },
+            offloading_queue_limit: self.offloading_queue_limit as usize,
         })
     }
 }
@@ -313,6 +331,9 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
         put_start_discard_timeout_sec,
         put_start_release_timeout_sec,
         put_wait_for_reads_ms,
+        enable_offload,
+        offloading_queue_limit,
+        offload_timeout_sec,
         summary_interval,
         enable_http_metadata_server,
         http_metadata_server_host,
@@ -792,6 +813,25 @@ mod tests {
             Ok(w) => w.m,
             Err(e) => panic!("{argv:?} -> {args:?}: {e}"),
         }
+    }
+
+    /// Mooncake's SSD-offload line turns offload on in the master's config; without it
+    /// offload is off (a timeout of zero).
+    #[test]
+    fn enable_offload_turns_offload_on() {
+        let a = parse(&[
+            "--enable_offload=true",
+            "--offloading_queue_limit=7",
+            "--offload_timeout_sec=3",
+            "--offload_on_evict",
+        ]);
+        let c = a.master_config().unwrap();
+        assert_eq!(c.offload_timeout, Duration::from_secs(3));
+        assert_eq!(c.offloading_queue_limit, 7);
+        let c = parse(&["--offloading_queue_limit=7"])
+            .master_config()
+            .unwrap();
+        assert_eq!(c.offload_timeout, Duration::ZERO);
     }
 
     #[test]

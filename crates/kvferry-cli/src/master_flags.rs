@@ -6,7 +6,7 @@
 //! Every flag of Mooncake's `master.cpp` is either translated to a kvferry flag, accepted and
 //! ignored with one warning line naming it (tuning or optional features whose absence does not
 //! change what a client sees), or rejected with an error naming it (it asks for a feature
-//! kvferry does not have: `--enable_snapshot=true`, `--enable_offload=true`, ...). The flags of
+//! kvferry does not have: `--enable_snapshot=true`, `--enable_cxl=true`, ...). The flags of
 //! both Mooncake 0.3.13 and 0.3.14 are taken: those 0.3.14 removed still work as they did
 //! (kvferry stands in for either release, and their names mean nothing else now), with a note
 //! that 0.3.14 dropped them ([`REMOVED_IN_0_3_14`]). The HA flags
@@ -22,6 +22,7 @@ pub(crate) const KV_BOOLS: &[&str] = &[
     "enable-http-metadata-server",
     "enable-ha",
     "enable-metadata-cleanup-on-timeout",
+    "enable-offload",
     "http-auth-all",
 ];
 
@@ -107,6 +108,14 @@ fn not_etcd(v: &str) -> bool {
     !v.trim().eq_ignore_ascii_case("etcd")
 }
 const NO_TIERS: &str = "kvferry has no disk, NVMe-oF or CXL tier";
+const ON_EVICT: &str = "with --enable_offload kvferry's master hands what its background \
+                        eviction takes to the disk of the client holding it (Mooncake's \
+                        --offload_on_evict=true), and a put that needs space at once evicts \
+                        as without a disk";
+const NO_PROMOTION: &str = "kvferry's disk tier serves a hit from the disk and does not copy \
+                            it back to memory";
+const DISK_OWN: &str = "each client's disk tier evicts its least recently used records \
+                        itself when its size limit is reached";
 const NO_TASKS: &str = "kvferry's master has no replica copy/move tasks";
 const NO_EVENTS: &str = "kvferry's master publishes no KV events";
 const THREADS: &str = "kvferry's master serves each RPC connection on its own thread";
@@ -281,37 +290,28 @@ const MOONCAKE_ONLY: &[(&str, Kind, Action)] = &[
         Kind::Value,
         Action::Ignore(NO_HA),
     ),
-    (
-        "enable_offload",
-        Kind::Bool,
-        Action::RejectIf(truthy, NO_TIERS),
-    ),
-    ("offload_on_evict", Kind::Bool, Action::Ignore(NO_TIERS)),
-    ("offload_force_evict", Kind::Bool, Action::Ignore(NO_TIERS)),
-    (
-        "offloading_queue_limit",
-        Kind::Value,
-        Action::Ignore(NO_TIERS),
-    ),
-    ("offload_cap_ratio", Kind::Value, Action::Ignore(NO_TIERS)),
-    ("promotion_on_hit", Kind::Bool, Action::Ignore(NO_TIERS)),
+    // (--enable_offload and --offloading_queue_limit are kvferry flags of the same names.)
+    ("offload_on_evict", Kind::Bool, Action::Ignore(ON_EVICT)),
+    ("offload_force_evict", Kind::Bool, Action::Ignore(ON_EVICT)),
+    ("offload_cap_ratio", Kind::Value, Action::Ignore(ON_EVICT)),
+    ("promotion_on_hit", Kind::Bool, Action::Ignore(NO_PROMOTION)),
     (
         "promotion_admission_threshold",
         Kind::Value,
-        Action::Ignore(NO_TIERS),
+        Action::Ignore(NO_PROMOTION),
     ),
     (
         "promotion_queue_limit",
         Kind::Value,
-        Action::Ignore(NO_TIERS),
+        Action::Ignore(NO_PROMOTION),
     ),
     (
         "promotion_max_per_heartbeat",
         Kind::Value,
-        Action::Ignore(NO_TIERS),
+        Action::Ignore(NO_PROMOTION),
     ),
-    ("enable_disk_eviction", Kind::Bool, Action::Ignore(NO_TIERS)),
-    ("quota_bytes", Kind::Value, Action::Ignore(NO_TIERS)),
+    ("enable_disk_eviction", Kind::Bool, Action::Ignore(DISK_OWN)),
+    ("quota_bytes", Kind::Value, Action::Ignore(DISK_OWN)),
     ("nof_eviction_ratio", Kind::Value, Action::Ignore(NO_TIERS)),
     (
         "nof_eviction_high_watermark_ratio",

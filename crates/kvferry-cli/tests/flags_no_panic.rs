@@ -64,6 +64,7 @@ const NOT_NUMERIC: &[(&str, &[&str])] = &[
             "allocation-strategy",
             "config",
             "enable-http-metadata-server",
+            "enable-offload",
             "http-metadata-server-host",
             "http-metadata-server-data-dir",
             "enable-metadata-cleanup-on-timeout",
@@ -303,6 +304,8 @@ fn cases(master_port: u16) -> Vec<Case> {
             ("put-start-release-timeout-sec", U64),
             ("put-wait-for-reads-ms", U64),
             ("summary-interval", U32),
+            ("offloading-queue-limit", U64),
+            ("offload-timeout-sec", U64),
         ],
     );
     add(

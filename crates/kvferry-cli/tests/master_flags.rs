@@ -52,6 +52,10 @@ fn master_started_with_mooncake_flags_serves() {
             "--enable_oplog=true",
             "--enable_ha=false",
             "--enable_metric_reporting=false",
+            // Mooncake's SSD offload line: the master's side works (clients without a disk
+            // tier are served as before).
+            "--enable_offload=true",
+            "--offloading_queue_limit=1000",
         ])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -141,7 +145,7 @@ fn master_refuses_mooncake_features_it_lacks_by_name() {
         (&["--enable_snapshot=true"][..], "--enable_snapshot"),
         (&["--enable_ha=true"], "--ha-backend-connstring"),
         (&["--ha_backend_type=redis"], "--ha_backend_type"),
-        (&["-enable_offload"], "--enable_offload"),
+        (&["-enable_cxl"], "--enable_cxl"),
         (&["--rpc_interface", "eth0"], "--rpc_interface"),
         (
             &["--dynamic_replication_mode=enforce"],

@@ -205,6 +205,9 @@ impl StoreCore {
             master_server_addr,
             ping_interval: Duration::from_secs(1),
             transfer_timeout: Duration::from_secs(60),
+            // (No disk tier from Python yet: setup(enable_ssd_offload=True) is refused until a
+            // get can read a disk copy.)
+            ..ClientConfig::default()
         };
         let client = match &engine {
             // Mooncake's setup(..., engine): the store mounts the engine's own segment.

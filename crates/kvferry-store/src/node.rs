@@ -49,6 +49,10 @@ impl Master {
         // after a restart) must not end a read this one granted.
         let mut state = State::with_reads_after((rand::random::<u64>() >> 1) & !((1u64 << 40) - 1));
         state.seed_placement(rand::random());
+        state.set_offload(
+            cfg.offload_timeout.as_millis() as u64,
+            cfg.offloading_queue_limit,
+        );
         Master {
             cfg,
             start: Instant::now(),
@@ -112,6 +116,10 @@ impl Master {
     /// seeded from the process's randomness (the state machine draws none itself).
     pub fn install(&self, mut st: State) {
         st.seed_placement(rand::random());
+        st.set_offload(
+            self.cfg.offload_timeout.as_millis() as u64,
+            self.cfg.offloading_queue_limit,
+        );
         *self.lock() = st;
     }
 
@@ -159,14 +167,16 @@ impl Master {
             let kept = n - dropped.len();
             self.cleanup.push(dropped, kept);
         }
+        st.expire_offloads(now, &self.stats);
         st.expire_reads(now);
         st.release_deferred(now);
         let (used, total) = (st.used_bytes(), st.total_bytes());
         if total > 0 && used as f64 > total as f64 * self.cfg.eviction_high_watermark {
             let over = used as f64 - total as f64 * self.cfg.eviction_high_watermark;
             let target = (over + total as f64 * self.cfg.eviction_ratio) as u64;
-            // Background eviction is never urgent: objects just written are spared.
-            st.evict_aged(
+            // Background eviction is never urgent: objects just written are spared. With
+            // offload on, what it takes goes to a client's disk if it can.
+            st.evict_background(
                 target,
                 now,
                 self.cfg.allow_evict_soft_pinned,

@@ -261,6 +261,66 @@ pub struct ReplicaList {
     pub read_id: u64,
 }
 
+/// A value's copy on a client's disk (the disk tier), as the master names it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskDesc {
+    /// The owner client's address for disk reads (empty: its client has not reported to
+    /// this master yet; the copy cannot be read until it does).
+    pub endpoint: String,
+    /// The disk's id (chosen by its directory, kept across restarts of its client).
+    pub disk: u64,
+    pub size: u64,
+}
+
+/// What a client with a disk tier reports to the master at each heartbeat
+/// ([`Request::OffloadBeat`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffloadBeat {
+    /// The disk's id (`crate::disk::DiskTier::id`).
+    pub disk: u64,
+    /// Where readers fetch its objects.
+    pub endpoint: String,
+    /// Offload tasks whose object is now durable on the disk.
+    #[serde(deserialize_with = "de_seq")]
+    pub done: Vec<OffloadDone>,
+    /// Offload tasks the client could not carry out (disk full, I/O error, bytes not in its
+    /// segment): the object is evicted from memory as it would have been without a disk.
+    #[serde(deserialize_with = "de_seq")]
+    pub failed: Vec<u64>,
+    /// Keys whose record left the disk (its own eviction, a corrupt or missing record).
+    #[serde(deserialize_with = "de_seq")]
+    pub evicted: Vec<String>,
+    /// Records found on the disk when the client opened it, `(key, length)`, sent in pieces
+    /// after a restart: the master keeps those it still names and says to drop the others.
+    #[serde(deserialize_with = "de_seq")]
+    pub recovered: Vec<(String, u64)>,
+}
+
+/// An offload task carried out ([`OffloadBeat::done`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffloadDone {
+    pub task: u64,
+    pub key: String,
+}
+
+/// An object a client is to persist on its disk: the bytes at `addr` (in one of its own
+/// segments), `size` long.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffloadTask {
+    pub task: u64,
+    pub key: String,
+    pub addr: u64,
+    pub size: u64,
+}
+
+/// The master's answer to an [`OffloadBeat`]: objects to persist, and records to delete
+/// (the master no longer names them), to be deleted first.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffloadOrders {
+    pub tasks: Vec<OffloadTask>,
+    pub drop: Vec<String>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PingStatus {
     Ok,
@@ -368,6 +428,15 @@ pub enum Request {
         #[serde(deserialize_with = "de_seq")]
         mac: Vec<u8>,
     },
+    /// A client with a disk tier reports (Mooncake's `OffloadObjectHeartbeat` and
+    /// `NotifyOffloadSuccess` in one): answered by [`Response::Offload`]. A master without
+    /// offload refuses it. Last, so the other variants keep their wire numbers.
+    /// (Boxed: a request's size in memory bounds how many a frame decodes into,
+    /// [`DECODE_ALLOWANCE`].)
+    OffloadBeat {
+        client: u64,
+        beat: Box<OffloadBeat>,
+    },
 }
 
 /// A write into a segment still running, as a client reports it (`Request::HoldWrites`).
@@ -399,6 +468,21 @@ pub enum Response {
     AuthChallenge {
         answer: Vec<u8>,
     },
+    /// To [`Request::OffloadBeat`]. Last, so the other variants keep their wire numbers.
+    Offload(OffloadOrders),
+    /// To [`Request::GetReplicaList`] when no memory replica is left but a copy on a client's
+    /// disk is (a client that does not know it fails the read with a decoding error).
+    DiskReplica(DiskReplicaList),
+}
+
+/// Answer to a `GetReplicaList` served from a disk: where the copy is, under a read lease.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskReplicaList {
+    pub disk: DiskDesc,
+    pub size: u64,
+    pub lease_ttl_ms: u64,
+    /// As [`ReplicaList::read_id`] (released the same way; holds no memory).
+    pub read_id: u64,
 }
 
 impl Response {
@@ -527,6 +611,59 @@ mod tests {
         assert_eq!(decode::<Response>(&encode(&e).unwrap()[4..]).unwrap(), e);
     }
 
+    /// The disk tier's messages came last (every earlier variant keeps its number), round
+    /// trip, and a beat claiming huge lists reserves nothing for the claim.
+    #[test]
+    fn the_disk_tiers_messages_come_last_and_decode_within_bounds() {
+        let beat = Request::OffloadBeat {
+            client: 3,
+            beat: Box::new(OffloadBeat {
+                disk: 9,
+                endpoint: "h:1".into(),
+                done: vec![OffloadDone {
+                    task: 1,
+                    key: "k".into(),
+                }],
+                failed: vec![2],
+                evicted: vec!["e".into()],
+                recovered: vec![("r".into(), 5)],
+            }),
+        };
+        let f = encode(&beat).unwrap();
+        assert_eq!(f[4], 18);
+        assert_eq!(decode_request(&f[4..]).unwrap(), beat);
+        let orders = Response::Offload(OffloadOrders {
+            tasks: vec![OffloadTask {
+                task: 1,
+                key: "k".into(),
+                addr: 4096,
+                size: 10,
+            }],
+            drop: vec!["d".into()],
+        });
+        let f = encode(&orders).unwrap();
+        assert_eq!(f[4], 10);
+        assert_eq!(decode::<Response>(&f[4..]).unwrap(), orders);
+        let disk = Response::DiskReplica(DiskReplicaList {
+            disk: DiskDesc {
+                endpoint: "h:1".into(),
+                disk: 9,
+                size: 10,
+            },
+            size: 10,
+            lease_ttl_ms: 5,
+            read_id: 6,
+        });
+        let f = encode(&disk).unwrap();
+        assert_eq!(f[4], 11);
+        assert_eq!(decode::<Response>(&f[4..]).unwrap(), disk);
+        // A beat claiming 2^32 - 1 tasks done, and holding one byte.
+        let claim = [18u8, 3, 9, 0, 0xff, 0xff, 0xff, 0xff, 0x0f, 1];
+        let (r, peak) = crate::alloc_count::peak_during(|| decode_request(&claim));
+        assert!(r.is_err());
+        assert!(peak < 4096, "a claimed length reserved {peak} bytes");
+    }
+
     /// The wire bytes, pinned: the length prefix (u32 little-endian), then the postcard body.
     #[test]
     fn frames_keep_their_wire_bytes() {
@@ -565,7 +702,7 @@ mod tests {
             matches!(&e, StoreError::InvalidParams(w) if w.contains("nested batches")),
             "{e}"
         );
-        let mut r = vec![10u8, 1]; // Response::Batch
+        let mut r = vec![7u8, 1]; // Response::Batch
         for _ in 0..100_000 {
             r.extend_from_slice(&[7, 1]);
         }

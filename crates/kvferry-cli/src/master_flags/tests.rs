@@ -15,6 +15,8 @@ fn known() -> Vec<String> {
         "enable-http-metadata-server",
         "http-metadata-server-port",
         "enable-ha",
+        "enable-offload",
+        "offloading-queue-limit",
         "ha-backend-connstring",
         "etcd-endpoints",
         "cluster-id",
@@ -197,6 +199,24 @@ fn mooncake_only_flags_warn_or_fail_by_name() {
             && w[1].contains("--memory_allocator=offset")
             && w[2].contains("--enable_oplog=false")
     );
+    // Mooncake's SSD offload line: --enable_offload and --offloading_queue_limit are kvferry's
+    // flags; offload at eviction is what kvferry does (a warning names the flag).
+    let (a, w) = norm(&[
+        "-enable_offload=1",
+        "--offloading_queue_limit",
+        "100",
+        "--offload_on_evict=true",
+    ])
+    .unwrap();
+    assert_eq!(
+        a,
+        ["--enable-offload=true", "--offloading-queue-limit", "100"],
+        "{w:?}"
+    );
+    assert!(
+        w.len() == 1 && w[0].contains("--offload_on_evict") && w[0].contains("eviction"),
+        "{w:?}"
+    );
     // Mooncake's oplog replication is what --enable_ha does anyway: a warning, not an error.
     let (a, w) = norm(&["--enable_oplog", "--enable_ha"]).unwrap();
     assert_eq!((a, w.len()), (vec!["--enable-ha=true".to_string()], 1));
@@ -207,7 +227,7 @@ fn mooncake_only_flags_warn_or_fail_by_name() {
     for bad in [
         &["--enable_snapshot"][..],
         &["--enable_snapshot=true"],
-        &["-enable_offload=1"],
+        &["-enable_cxl=1"],
         &["--dynamic_replication_mode", "enforce"],
         &["--rpc_interface=eth0"],
         &["--ha_backend_type=redis"],

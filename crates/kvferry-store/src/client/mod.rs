@@ -20,6 +20,7 @@
 
 mod get;
 mod keys;
+mod offload;
 mod put;
 mod rpc;
 mod staged;
@@ -61,6 +62,15 @@ pub struct ClientConfig {
     pub ping_interval: Duration,
     /// Deadline of each transfer.
     pub transfer_timeout: Duration,
+    /// The disk tier's directory (Mooncake's `enable_ssd_offload` with `ssd_offload_path`):
+    /// the master's background eviction hands this client's objects to it instead of
+    /// dropping them (with `--enable_offload` on the master). `None`: no disk tier.
+    pub ssd_offload_path: Option<std::path::PathBuf>,
+    /// The most bytes of records the disk tier holds (its least recently used records are
+    /// evicted past it).
+    pub ssd_offload_capacity: u64,
+    /// How often the disk tier reports to the master and takes its orders.
+    pub offload_interval: Duration,
 }
 
 impl Default for ClientConfig {
@@ -75,6 +85,9 @@ impl Default for ClientConfig {
             master_server_addr: "127.0.0.1:50051".into(),
             ping_interval: Duration::from_secs(1),
             transfer_timeout: Duration::from_secs(60),
+            ssd_offload_path: None,
+            ssd_offload_capacity: 1 << 40,
+            offload_interval: Duration::from_secs(1),
         }
     }
 }
@@ -102,6 +115,8 @@ struct Inner {
     releases: Mutex<Releases>,
     /// Holds the port appended to a bare `local_hostname` (central mode), as Mooncake does.
     _port: Option<TcpListener>,
+    /// The disk tier ([`ClientConfig::ssd_offload_path`]).
+    offload: Option<offload::Offloader>,
 }
 
 /// Reads finished and not yet released at the master: carried by the next request, or sent
@@ -376,6 +391,11 @@ impl Client {
             engine.config(),
         )?;
         let id: u64 = rand::random::<u64>() | 1;
+        // First: a directory another process holds, or none, fails the setup by name.
+        let offload = match &cfg.ssd_offload_path {
+            Some(dir) => Some(offload::Offloader::open(dir, cfg.ssd_offload_capacity)?),
+            None => None,
+        };
         let mut segment = None;
         if cfg.global_segment_size > 0 {
             // Huge pages where the host enables them for shared memory. Every page is
@@ -438,6 +458,7 @@ impl Client {
             pid: std::process::id(),
             releases: Mutex::default(),
             _port: port,
+            offload,
         });
         // Register with the master even without a segment, so pings are recognised.
         match &inner.segment {
@@ -470,7 +491,27 @@ impl Client {
             .name("kvf-store-release".into())
             .spawn(move || release_loop(weak))
             .map_err(|e| StoreError::Internal(e.to_string()))?;
+        if inner.offload.is_some() {
+            let weak = Arc::downgrade(&inner);
+            let every = inner.cfg.offload_interval;
+            std::thread::Builder::new()
+                .name("kvf-store-offload".into())
+                .spawn(move || offload::offload_loop(weak, every))
+                .map_err(|e| StoreError::Internal(e.to_string()))?;
+        }
         Ok(Client { inner })
+    }
+
+    /// One beat of the disk tier now (its thread beats every `offload_interval`): reports
+    /// what it did, carries out the master's orders; the tasks carried out.
+    pub fn offload_beat(&self) -> StoreResult<usize> {
+        self.check_open()?;
+        self.inner.offload_beat()
+    }
+
+    /// The disk tier, if this client has one.
+    pub fn disk_tier(&self) -> Option<&crate::disk::DiskTier> {
+        self.inner.offload.as_ref().map(offload::Offloader::disk)
     }
 
     /// The transfer engine this client uses (register buffers for zero-copy calls with it).

@@ -118,6 +118,7 @@ impl PendingEviction {
 /// One client's disk tier over one directory.
 pub struct DiskTier {
     root: PathBuf,
+    id: u64,
     capacity: u64,
     index: Mutex<Index>,
     tmp_seq: AtomicU64,
@@ -155,12 +156,14 @@ impl DiskTier {
             fs::remove_file(&p).map_err(io_err("deleting", &p))?;
             rec.dropped += 1;
         }
+        let id = disk_id(root)?;
         let mut index = Index::default();
         scan(&root.join("objects"), 0, &mut index, &mut rec)?;
         rec.objects.sort();
         Ok((
             DiskTier {
                 root: root.to_path_buf(),
+                id,
                 capacity,
                 index: Mutex::new(index),
                 tmp_seq: AtomicU64::new(0),
@@ -168,6 +171,12 @@ impl DiskTier {
             },
             rec,
         ))
+    }
+
+    /// The directory's id: chosen at its first open, kept in `.id` across restarts (the
+    /// master names a disk copy by it, whichever client process holds the directory now).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     fn index(&self) -> std::sync::MutexGuard<'_, Index> {
@@ -461,6 +470,30 @@ impl DiskTier {
             }
         }
     }
+}
+
+/// The id in `root/.id` (16 hex digits), or a new one written there durably (through `tmp/`,
+/// as a record is) when it is missing or unreadable.
+fn disk_id(root: &Path) -> Result<u64, DiskError> {
+    let path = root.join(".id");
+    if let Ok(s) = fs::read_to_string(&path) {
+        if let Ok(id) = u64::from_str_radix(s.trim(), 16) {
+            if id != 0 {
+                return Ok(id);
+            }
+        }
+    }
+    let id = rand::random::<u64>() | 1;
+    let tmp = root.join("tmp").join("id");
+    let mut f = File::create(&tmp).map_err(io_err("creating", &tmp))?;
+    f.write_all(format!("{id:016x}\n").as_bytes())
+        .and_then(|_| f.sync_data())
+        .map_err(io_err("writing", &tmp))?;
+    fs::rename(&tmp, &path).map_err(io_err("renaming into", &path))?;
+    File::open(root)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err("flushing", root))?;
+    Ok(id)
 }
 
 fn record_len(key: &str, len: u64) -> u64 {

@@ -43,6 +43,24 @@ fn objects_come_back_whole_after_a_restart_and_usage_counts_each_record_once() {
     assert!(!object_path(d.path(), "a").exists());
 }
 
+/// A directory keeps its id across restarts (the master names disk copies by it); another
+/// directory has another, and a garbled `.id` is replaced by a new one.
+#[test]
+fn a_directorys_id_survives_restarts_and_differs_between_directories() {
+    let (d, e) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let first = open(d.path(), 1 << 20).0.id();
+    assert_eq!(open(d.path(), 1 << 20).0.id(), first);
+    assert_ne!(open(e.path(), 1 << 20).0.id(), first);
+    assert!(std::fs::read_dir(d.path().join("tmp"))
+        .unwrap()
+        .next()
+        .is_none());
+    std::fs::write(d.path().join(".id"), "garbage").unwrap();
+    let new = open(d.path(), 1 << 20).0.id();
+    assert_ne!(new, first);
+    assert_eq!(open(d.path(), 1 << 20).0.id(), new);
+}
+
 #[test]
 fn a_second_owner_of_a_directory_is_refused_and_a_missing_directory_named() {
     let d = tempfile::tempdir().unwrap();

@@ -103,7 +103,8 @@ impl State {
             }
             Request::PutEnd { client, key, put } => self.put_end(PutId { client: *client, put: *put }, key, now).map(|_| Response::Ok),
             Request::PutRevoke { client, key, put } => self.put_revoke(PutId { client: *client, put: *put }, key).map(|_| Response::Ok),
-            Request::GetReplicaList { key } => self.get_replica_list(key, now, lease).map(Response::ReplicaList),
+            Request::GetReplicaList { key } => self.locate(key, now, lease),
+            Request::OffloadBeat { client, beat } => self.offload_beat(*client, beat, now, stats).map(Response::Offload),
             Request::ExistKey { key } => self.exist_key(key, now, lease).map(Response::Exists),
             Request::Remove { key, force } => self.remove(cfg, key, *force, now).map(|_| Response::Ok),
             Request::RemoveAll { force } => Ok(Response::Count(removed.insert(self.remove_matching(cfg, |_| true, *force, now)).count())),

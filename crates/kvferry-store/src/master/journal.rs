@@ -135,6 +135,14 @@ pub enum Change {
         ranges: Vec<(u64, u64)>,
         hold: u64,
     },
+    /// An object's copy on a client's disk (the disk tier): `Some((disk, length))`, or
+    /// `None` (no copy any more). Follows the object's [`Change::Object`] whenever the copy
+    /// changed or exists; a [`Change::Forget`] of the key ends it too. (Masters before this
+    /// change cannot read a journal holding one; a leader writes one only with offload on.)
+    Disk {
+        key: String,
+        copy: Option<(u64, u64)>,
+    },
 }
 
 /// What a request changed, as marked by the state (only while journaling).
@@ -155,6 +163,8 @@ pub(super) struct Dirty {
     held_back: Vec<(ReplicaRec, u64)>,
     /// Segments whose pool of granted space changed.
     grants: BTreeSet<u64>,
+    /// Keys whose disk copy changed (their [`Change::Disk`] follows their object's change).
+    disk: hashbrown::HashSet<Box<str>>,
 }
 
 fn rec(r: &Replica) -> ReplicaRec {
@@ -193,6 +203,15 @@ impl State {
             let before = d.bulk.len();
             d.bulk.extend(keys);
             self.marks += (d.bulk.len() - before) as u64;
+        }
+    }
+
+    /// `key`'s disk copy changed (recorded or gone); its object is marked too.
+    pub(super) fn mark_disk(&mut self, key: &str) {
+        if let Some(d) = &mut self.dirty {
+            d.disk.get_or_insert_with(key, |k| k.into());
+            d.keys.get_or_insert_with(key, |k| k.into());
+            self.marks += 1;
         }
     }
 
@@ -270,6 +289,7 @@ impl State {
             && d.bulk.is_empty()
             && d.held_back.is_empty()
             && d.grants.is_empty()
+            && d.disk.is_empty()
         {
             return Vec::new();
         }
@@ -293,15 +313,28 @@ impl State {
             });
         }
         for key in d.keys.into_iter().chain(d.bulk) {
-            out.push(match self.objects.get(&key) {
-                Some(o) => Change::Object {
+            match self.objects.get(&key) {
+                Some(o) => {
+                    let disk = o.disk.is_some() || d.disk.contains(&key);
+                    let copy = o.disk.map(|c| (c.disk, c.len));
+                    let key = key.into_string();
+                    if disk {
+                        out.push(Change::Object {
+                            key: key.clone(),
+                            rec: State::object_rec(o, now),
+                        });
+                        out.push(Change::Disk { key, copy });
+                    } else {
+                        out.push(Change::Object {
+                            key,
+                            rec: State::object_rec(o, now),
+                        });
+                    }
+                }
+                None => out.push(Change::Forget {
                     key: key.into_string(),
-                    rec: State::object_rec(o, now),
-                },
-                None => Change::Forget {
-                    key: key.into_string(),
-                },
-            });
+                }),
+            }
         }
         out.extend(
             d.held_back
@@ -372,10 +405,18 @@ impl State {
 
     /// Piece `i` (`0..IMAGE_PIECES`) of an image's objects, appended to `out`.
     pub fn image_piece(&self, i: usize, now: u64, out: &mut Vec<Change>) {
-        out.extend(self.objects.shard_entries(i).map(|(k, o)| Change::Object {
-            key: k.to_string(),
-            rec: State::object_rec(o, now),
-        }));
+        for (k, o) in self.objects.shard_entries(i) {
+            out.push(Change::Object {
+                key: k.to_string(),
+                rec: State::object_rec(o, now),
+            });
+            if let Some(c) = o.disk {
+                out.push(Change::Disk {
+                    key: k.to_string(),
+                    copy: Some((c.disk, c.len)),
+                });
+            }
+        }
     }
 }
 
@@ -397,6 +438,8 @@ pub struct Image {
     held_back: Vec<(ReplicaRec, u64)>,
     /// The last grant of each term per segment: (segment, term) -> (ranges, hold in ms).
     grants: BTreeMap<(u64, i64), GrantRec>,
+    /// Objects' copies on disks: key -> (disk, length).
+    disk: HashMap<String, (u64, u64)>,
 }
 
 /// A grant as an image keeps it: its ranges `(address, length)` and how long a new leader
@@ -444,7 +487,16 @@ impl Image {
             }
             Change::Forget { key } => {
                 self.objects.remove(&key);
+                self.disk.remove(&key);
             }
+            Change::Disk { key, copy } => match copy {
+                Some(c) => {
+                    self.disk.insert(key, c);
+                }
+                None => {
+                    self.disk.remove(&key);
+                }
+            },
             Change::HeldBack { replica } => self.held_back.push((replica, 0)),
             Change::HeldUntil { replica, left } => self.held_back.push((replica, left)),
             Change::Granted {
@@ -577,6 +629,10 @@ impl Image {
             .filter_map(|(_, i)| objects.get_mut(i).and_then(Option::take))
         {
             let current = take(&mut st, &rec.current, &mut report, &mut contested);
+            let disk = self
+                .disk
+                .get(&key)
+                .map(|&(disk, len)| super::DiskReplica { disk, len });
             let pending = rec.pending.map(|p| {
                 let replicas = take(&mut st, &p.replicas, &mut report, &mut contested);
                 Box::new(Pending {
@@ -589,7 +645,10 @@ impl Image {
                     soft_pin_ttl: p.soft_pin_ttl,
                 })
             });
-            if current.is_empty() && pending.as_ref().is_none_or(|p| p.replicas.is_empty()) {
+            if current.is_empty()
+                && disk.is_none()
+                && pending.as_ref().is_none_or(|p| p.replicas.is_empty())
+            {
                 for r in current
                     .iter()
                     .chain(pending.iter().flat_map(|p| p.replicas.iter()))
@@ -624,6 +683,8 @@ impl Image {
                     hard_pin: rec.hard_pin,
                     group,
                     joined: now,
+                    disk,
+                    offloading: None,
                 },
             );
         }

@@ -30,6 +30,7 @@ mod apply;
 mod deferred;
 pub mod journal;
 mod objects;
+mod offload;
 mod placement;
 mod puts;
 mod segments;
@@ -68,6 +69,13 @@ pub struct MasterConfig {
     /// How long a put that finds space held only by reads in flight waits for them to end
     /// before evicting objects written within this window or failing with NO_AVAILABLE_HANDLE.
     pub put_wait_for_reads: Duration,
+    /// Offload (the disk tier, `--enable_offload`): how long a client has to report an
+    /// object it was given to persist before the object is evicted as without a disk. Zero:
+    /// offload is off ([`State::set_offload`]).
+    pub offload_timeout: Duration,
+    /// The most objects one disk has been given to persist and not reported
+    /// (`--offloading_queue_limit`); more are evicted as without a disk.
+    pub offloading_queue_limit: usize,
 }
 
 impl Default for MasterConfig {
@@ -83,6 +91,8 @@ impl Default for MasterConfig {
             put_start_release_timeout: Duration::from_secs(600),
             strategy: Strategy::Random,
             put_wait_for_reads: Duration::from_secs(1),
+            offload_timeout: Duration::ZERO,
+            offloading_queue_limit: 50_000,
         }
     }
 }
@@ -128,6 +138,21 @@ struct Object {
     /// When it was made (its first put started): a read of its group leases it only if the
     /// read came after ([`Object::lease_end`]).
     joined: u64,
+    /// A copy of the current value on a client's disk (the disk tier, `crate::disk`):
+    /// recorded once that client reported it persisted ([`State::offload_beat`]), served
+    /// when no memory replica is left. Journaled (`journal::Change::Disk`).
+    disk: Option<DiskReplica>,
+    /// The current value is being persisted by a client (an offload task handed out by a
+    /// background eviction, [`offload`]); not journaled.
+    offloading: Option<offload::Offloading>,
+}
+
+/// An object's copy on a disk tier: which disk (its id, chosen by the directory and kept
+/// across restarts of its client) and the value's length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DiskReplica {
+    disk: u64,
+    len: u64,
 }
 
 impl Object {
@@ -158,9 +183,17 @@ impl Object {
         self.group.as_ref().and_then(|g| groups.get(g))
     }
 
-    /// Whether no replica is left, readable or being written (the object must go).
+    /// Whether no replica is left, readable (in memory or on a disk) or being written (the
+    /// object must go).
     fn bare(&self) -> bool {
-        self.current.is_empty() && self.pending.as_ref().is_none_or(|p| p.replicas.is_empty())
+        self.current.is_empty()
+            && self.disk.is_none()
+            && self.pending.as_ref().is_none_or(|p| p.replicas.is_empty())
+    }
+
+    /// Whether a value is readable: from memory or from a disk.
+    fn readable(&self) -> bool {
+        !self.current.is_empty() || self.disk.is_some()
     }
 
     /// Takes out the replicas, readable or being written, that `gone` picks, handing each to
@@ -346,7 +379,7 @@ pub struct Stats {
     pub evicted_bytes: AtomicU64,
 }
 
-pub const OP_NAMES: [&str; 15] = [
+pub const OP_NAMES: [&str; 16] = [
     "mount",
     "remount",
     "unmount",
@@ -362,6 +395,7 @@ pub const OP_NAMES: [&str; 15] = [
     "release_reads",
     "batch_replica_clear",
     "hold_writes",
+    "offload_beat",
 ];
 
 /// The master's objects by key.
@@ -419,6 +453,9 @@ pub struct State {
     /// The random placement's generator ([`Strategy::Random`]'s start): the state's own,
     /// seeded by its driver ([`State::seed_placement`]), never the process's.
     placement: Splitmix,
+    /// The disk tier's bookkeeping: which client holds which disk, the offload tasks handed
+    /// out and not reported ([`offload::Offload`]).
+    offload: offload::Offload,
 }
 
 /// A small deterministic generator (splitmix64): the state machine draws from it, not from
@@ -496,6 +533,8 @@ pub struct KeyInfo {
     pub key: String,
     pub size: u64,
     pub replicas: Vec<ReplicaDesc>,
+    /// Its copy on a client's disk, if any.
+    pub disk_replica: Option<crate::proto::DiskDesc>,
     pub complete: bool,
     pub leased_ms: u64,
     pub reads_in_flight: usize,
@@ -612,11 +651,7 @@ impl State {
 
     pub fn summary(&self) -> Summary {
         Summary {
-            keys: self
-                .objects
-                .values()
-                .filter(|o| !o.current.is_empty())
-                .count(),
+            keys: self.objects.values().filter(|o| o.readable()).count(),
             bytes_used: self.used_bytes(),
             bytes_total: self.total_bytes(),
             clients: self.clients.len(),
@@ -654,7 +689,8 @@ impl State {
             key: key.to_string(),
             size: o.size,
             replicas: o.current.iter().filter_map(|r| self.desc(r)).collect(),
-            complete: !o.current.is_empty(),
+            disk_replica: o.disk.map(|d| self.disk_desc(&d, o.size)),
+            complete: o.readable(),
             leased_ms: o.lease_end(&self.groups).saturating_sub(now),
             reads_in_flight: o
                 .reads

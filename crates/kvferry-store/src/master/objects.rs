@@ -3,7 +3,7 @@
 
 use super::{check_key, read_live, MasterConfig, Object, Removed, Replica, State};
 use crate::error::{StoreError, StoreResult};
-use crate::proto::ReplicaList;
+use crate::proto::{DiskReplicaList, ReplicaList, Response};
 
 impl State {
     pub(super) fn touch(&mut self, key: &str, now: u64, lease: u64) -> StoreResult<()> {
@@ -11,7 +11,7 @@ impl State {
             .objects
             .get_mut(key)
             .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
-        if o.current.is_empty() {
+        if !o.readable() {
             return Err(StoreError::ReplicaNotReady(key.to_string()));
         }
         o.lease_until = o.lease_until.max(now + lease);
@@ -54,6 +54,31 @@ impl State {
             lease_ttl_ms: lease,
             read_id,
         })
+    }
+
+    /// `GetReplicaList`'s answer: the memory replicas ([`State::get_replica_list`]), or, when
+    /// none is left, the copy on a disk (Mooncake's order: memory first), under a read lease
+    /// as well.
+    pub fn locate(&mut self, key: &str, now: u64, lease: u64) -> StoreResult<Response> {
+        check_key(key)?;
+        let disk = match self.objects.get(key) {
+            Some(o) if o.current.is_empty() => o.disk.map(|d| (d, o.size)),
+            _ => None,
+        };
+        let Some((d, size)) = disk else {
+            return self
+                .get_replica_list(key, now, lease)
+                .map(Response::ReplicaList);
+        };
+        self.touch(key, now, lease)?;
+        self.next_read += 1;
+        let read_id = self.next_read;
+        Ok(Response::DiskReplica(DiskReplicaList {
+            disk: self.disk_desc(&d, size),
+            size,
+            lease_ttl_ms: lease,
+            read_id,
+        }))
     }
 
     /// Forgets reads whose lease ran out (their readers fail the read themselves); the frees
@@ -210,12 +235,13 @@ impl State {
         // (`retain`, as `HashMap::extract_if` needs a newer Rust than this crate's minimum:
         // the object moves out, only the key is copied.)
         let journaling = self.journaling();
-        let (mut gone, mut keys) = (Vec::new(), Vec::new());
+        let (mut gone, mut keys, mut disk_keys) = (Vec::new(), Vec::new(), Vec::new());
         let groups = &self.groups;
         self.objects.retain(|k, o| {
             if !(pred(k) && (force || (!o.leased(groups, now) && o.pending.is_none()))) {
                 return true;
             }
+            disk_keys.push(o.disk.map(|_| k.clone()));
             gone.push(std::mem::take(o));
             if journaling {
                 keys.push(k.clone());
@@ -223,6 +249,11 @@ impl State {
             false
         });
         let (mut grouped, mut free) = (Vec::new(), Vec::with_capacity(gone.len()));
+        for (o, k) in gone.iter().zip(&disk_keys) {
+            if let (Some(d), Some(k)) = (o.disk, k) {
+                self.drop_on_disk(k, d.disk);
+            }
+        }
         for o in &mut gone {
             if let Some(g) = o.group.take() {
                 grouped.push(g);

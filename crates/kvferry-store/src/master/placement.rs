@@ -129,6 +129,34 @@ impl State {
         stats: &Stats,
         min_age: u64,
     ) -> u64 {
+        self.evict_inner(target, now, allow_soft, stats, min_age, false)
+    }
+
+    /// The background (watermark) eviction: like [`State::evict_aged`], but with offload on
+    /// ([`State::set_offload`]) a victim with a replica on the segment of a client with a
+    /// disk is handed to that disk instead of dropped, its bytes counted as freed though they
+    /// come back only once the client reports it persisted (`offload`). A put that needs
+    /// space now evicts with [`State::evict_aged`], which drops.
+    pub fn evict_background(
+        &mut self,
+        target: u64,
+        now: u64,
+        allow_soft: bool,
+        stats: &Stats,
+        min_age: u64,
+    ) -> u64 {
+        self.evict_inner(target, now, allow_soft, stats, min_age, true)
+    }
+
+    fn evict_inner(
+        &mut self,
+        target: u64,
+        now: u64,
+        allow_soft: bool,
+        stats: &Stats,
+        min_age: u64,
+        offload: bool,
+    ) -> u64 {
         let mut freed = 0u64;
         for pass in 0..2 {
             if freed >= target || (pass == 1 && !allow_soft) {
@@ -170,6 +198,25 @@ impl State {
                         .get(&v)
                         .is_some_and(|o| o.evictable(&self.reads, now, min_age, pass == 1));
                     if !eligible {
+                        continue;
+                    }
+                    if offload {
+                        if let Some(bytes) = self.try_offload(&v, now) {
+                            freed += bytes;
+                            continue;
+                        }
+                    }
+                    // An object with a disk copy keeps it: only its memory replicas go.
+                    if let Some(o) = self.objects.get_mut(&v).filter(|o| o.disk.is_some()) {
+                        let gone = std::mem::take(&mut o.current);
+                        let size = o.size;
+                        self.mark_key(&v);
+                        for r in gone.iter() {
+                            freed += r.block.len;
+                            self.free_now(*r);
+                        }
+                        stats.evicted_objects.fetch_add(1, Ordering::Relaxed);
+                        stats.evicted_bytes.fetch_add(size, Ordering::Relaxed);
                         continue;
                     }
                     if let Some(o) = self.objects.remove(&v) {

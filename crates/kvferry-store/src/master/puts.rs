@@ -94,7 +94,7 @@ impl State {
         }
         // A readable value stays unless this put replaces it on purpose (also when a zombie
         // upsert of it was just discarded: first writer wins, as in Mooncake).
-        if !upsert && self.objects.get(key).is_some_and(|o| !o.current.is_empty()) {
+        if !upsert && self.objects.get(key).is_some_and(|o| o.readable()) {
             return Err(StoreError::ObjectAlreadyExists(key.to_string()));
         }
         let largest = self
@@ -208,6 +208,8 @@ impl State {
                         hard_pin: cfg.with_hard_pin,
                         group,
                         joined: now,
+                        disk: None,
+                        offloading: None,
                     },
                 );
             }
@@ -235,7 +237,7 @@ impl State {
         let p = o.pending.take().expect("checked");
         if p.replicas.is_empty() {
             // Every replica's segment went away during the write.
-            if o.current.is_empty() {
+            if !o.readable() {
                 self.forget(key);
             }
             return Err(StoreError::TransferFailed(format!(
@@ -244,6 +246,9 @@ impl State {
         }
         let old = std::mem::replace(&mut o.current, p.replicas);
         let old_reads = std::mem::take(&mut o.reads);
+        // A copy on a disk, or one being made, is of the value replaced: never served again.
+        o.offloading = None;
+        let stale = o.disk.take();
         o.size = p.size;
         o.written = now;
         o.owner = client;
@@ -255,6 +260,10 @@ impl State {
         };
         for r in old.iter() {
             self.free_after_reads(*r, &old_reads, now); // a reader may still be reading it
+        }
+        if let Some(d) = stale {
+            self.mark_disk(key);
+            self.drop_on_disk(key, d.disk);
         }
         Ok(())
     }
@@ -280,7 +289,7 @@ impl State {
             .get_mut(key)
             .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         let p = o.pending.take().expect("checked");
-        let empty = o.current.is_empty();
+        let empty = !o.readable();
         for r in p.replicas.iter() {
             self.free_now(*r);
         }

@@ -329,6 +329,9 @@ impl State {
     pub(super) fn forget(&mut self, key: &str) -> Option<Object> {
         let o = self.objects.remove(key)?;
         self.mark_key(key);
+        if let Some(d) = o.disk {
+            self.drop_on_disk(key, d.disk);
+        }
         if let Some(g) = &o.group {
             self.leave_group(g, key);
         }
@@ -431,6 +434,7 @@ impl State {
             }
         }
         self.drop_segments(&segs, now, release);
+        self.drop_client_disks(&dead.keys().copied().collect::<Vec<_>>());
         dead.into_iter().collect()
     }
 

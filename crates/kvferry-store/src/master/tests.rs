@@ -10,6 +10,8 @@ mod failover;
 #[cfg(test)]
 mod held;
 #[cfg(test)]
+mod offload;
+#[cfg(test)]
 mod reads;
 
 /// Client 1's put 1 (most tests start one put of a key at a time).

@@ -284,6 +284,7 @@ fn op_of(req: &Request) -> Option<usize> {
         Request::ReleaseReads { .. } => 12,
         Request::BatchReplicaClear { .. } => 13,
         Request::HoldWrites { .. } => 14,
+        Request::OffloadBeat { .. } => 15,
         Request::Batch(_) | Request::AuthHello { .. } | Request::AuthProof { .. } => return None,
     })
 }

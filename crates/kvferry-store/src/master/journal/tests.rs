@@ -490,6 +490,7 @@ fn replaying_the_changes_rebuilds_the_durable_state_after_any_operations() {
                     objects: image.objects.clone(),
                     held_back: image.held_back.clone(),
                     grants: image.grants.clone(),
+                    disk: image.disk.clone(),
                 };
                 if name == "log" {
                     log = keep;
@@ -594,6 +595,7 @@ fn a_state_built_ahead_and_retargeted_is_the_one_built_for_its_term_then() {
             objects: image.objects.clone(),
             held_back: image.held_back.clone(),
             grants: image.grants.clone(),
+            disk: image.disk.clone(),
         };
         let (built_at, then) = (now + 10, now + 2_345);
         let (want, want_report) = image.into_state(77, then, lease);
