@@ -5,10 +5,9 @@ installs it into .venv/py-test). Stock Mooncake runs in a separate interpreter, 
 release the tests cover (the `mooncake_py` fixture is parametrised over RELEASES): 0.3.13 is
 the first of ``$KVFERRY_MOONCAKE_PYTHON``, ``.venv/mooncake/bin/python``,
 ``/tmp/mcvenv/bin/python`` that imports ``mooncake.engine`` of that release; 0.3.14 the first
-of ``$KVFERRY_MOONCAKE314_PYTHON``, ``.venv/mooncake314/bin/python``. Tests needing 0.3.13
-fail, naming what was tried and how to install it, when none can; those needing 0.3.14 are
-skipped, loudly (a banner in pytest's summary), unless $KVFERRY_MOONCAKE314_PYTHON is set
-(scripts/python-test sets it): then they fail too. ``KVFERRY_SKIP_MOONCAKE=1`` opts out
+of ``$KVFERRY_MOONCAKE314_PYTHON``, ``.venv/mooncake314/bin/python``. A test needing a
+release that none provides fails, naming what was tried and how to make it
+(scripts/python-test makes both). ``KVFERRY_SKIP_MOONCAKE=1`` opts out
 explicitly: those tests are then deselected (counted in pytest's summary), never reported as passed.
 """
 
@@ -122,19 +121,15 @@ def _opted_out() -> bool:
 
 
 def stock_python(release: str) -> str:
-    """The interpreter with stock Mooncake `release`. 0.3.13 missing fails the test; 0.3.14
-    missing skips it, saying so, unless $KVFERRY_MOONCAKE314_PYTHON names an interpreter
-    (scripts/python-test sets it): then it fails too."""
+    """The interpreter with stock Mooncake `release`; missing, the test fails naming what was
+    tried and how to make it (scripts/python-test makes both releases' venvs).
+    KVFERRY_SKIP_MOONCAKE=1 deselects these tests instead, counted in pytest's summary."""
     py = mooncake_python(release)
     if py is not None:
         return py
     spec = _STOCK[release]
-    msg = "stock Mooncake %s (%s) is not available (tried: %s); make it: %s" % (
-        release, spec["package"], "; ".join(_MC.get("tried-" + release) or ["no candidate interpreter"]), _INSTALL[release])
-    if release == "0.3.13" or os.environ.get(spec["env"]):
-        pytest.fail(msg + ", or set KVFERRY_SKIP_MOONCAKE=1 to leave these tests out")
-    _MC.setdefault("skipped", set()).add(release)
-    pytest.skip("NOT TESTED against " + msg)
+    pytest.fail("stock Mooncake %s (%s) is not available (tried: %s); make it: %s, or set KVFERRY_SKIP_MOONCAKE=1 to leave these tests out" % (
+        release, spec["package"], "; ".join(_MC.get("tried-" + release) or ["no candidate interpreter"]), _INSTALL[release]))
 
 
 @pytest.fixture(scope="session", params=RELEASES, ids=["mc" + r for r in RELEASES])
@@ -172,9 +167,6 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if _MC.get("deselected"):
         tr.write_sep("!", "INTEROP WITH STOCK MOONCAKE NOT TESTED (KVFERRY_SKIP_MOONCAKE=1)", red=True, bold=True)
         tr.write_line("%d test(s) needing the stock Mooncake wheels were left out. Make them: %s" % (_MC["deselected"], "; ".join(_INSTALL.values())), red=True)
-    for release in sorted(_MC.get("skipped", ())):
-        tr.write_sep("!", "PARITY WITH STOCK MOONCAKE %s NOT TESTED (its venv is missing)" % release, red=True, bold=True)
-        tr.write_line("Make it: %s" % _INSTALL[release], red=True)
 
 
 def peer_env(shim: bool) -> Dict[str, str]:

@@ -348,7 +348,7 @@ def test_parity_with_stock_0_3_14():
 
     from conftest import stock_python
 
-    stock_py = stock_python("0.3.14")  # skips, saying so, only where scripts/python-test did not make it
+    stock_py = stock_python("0.3.14")  # fails, saying how to make it, where it is missing
     ours, stock = _run314(sys.executable, "kvferry"), _run314(stock_py, "mooncake")
     assert sorted(ours) == sorted(stock)
     bad = []

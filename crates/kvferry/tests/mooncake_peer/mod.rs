@@ -39,9 +39,8 @@ pub fn python() -> Option<String> {
 
 /// The interpreter with stock Mooncake 0.3.14 (`mooncake-transfer-engine-cuda13` with the
 /// CUDA stand-ins: `scripts/mooncake-venv 0.3.14`): `KVFERRY_MOONCAKE314_PYTHON`, else the
-/// repository's `.venv/mooncake314`. None, after saying NOT RUN and why, when neither is there
-/// and the variable is unset, or with `KVFERRY_SKIP_MOONCAKE=1`; a variable naming no
-/// interpreter panics.
+/// repository's `.venv/mooncake314`. None (after saying NOT RUN) only with
+/// `KVFERRY_SKIP_MOONCAKE=1`; panics, saying how to make it, when it is missing.
 pub fn python_0_3_14() -> Option<String> {
     if std::env::var("KVFERRY_SKIP_MOONCAKE").as_deref() == Ok("1") {
         eprintln!("NOT RUN (KVFERRY_SKIP_MOONCAKE=1): this test needs stock Mooncake 0.3.14");
@@ -61,11 +60,11 @@ pub fn python_0_3_14() -> Option<String> {
     if venv.is_file() {
         return Some(venv.to_string_lossy().into_owned());
     }
-    eprintln!(
-        "NOT RUN: stock Mooncake 0.3.14 is not installed (make it with scripts/mooncake-venv \
-         0.3.14, or set KVFERRY_MOONCAKE314_PYTHON)"
-    );
-    None
+    panic!(
+        "stock Mooncake 0.3.14 is missing: make it with scripts/mooncake-venv 0.3.14 (scripts/test \
+         does), or set KVFERRY_MOONCAKE314_PYTHON, or KVFERRY_SKIP_MOONCAKE=1 to leave the interop \
+         tests out"
+    )
 }
 
 pub fn script() -> PathBuf {
