@@ -163,20 +163,25 @@ pub(crate) fn exit_now(code: i32) -> ! {
 /// a child still running then is killed (by pid), reaped, and the test fails.
 #[cfg(test)]
 pub(crate) fn wait_child(pid: rustix::process::Pid) -> Option<i32> {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
     use rustix::process::{waitpid, Signal, WaitOptions};
-    use std::time::{Duration, Instant};
-    let until = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some((_, status)) = waitpid(Some(pid), WaitOptions::NOHANG).expect("waitpid") {
-            return status.exit_status();
-        }
-        if Instant::now() > until {
-            let _ = rustix::process::kill_process(pid, Signal::KILL);
-            let _ = waitpid(Some(pid), WaitOptions::empty());
-            panic!("forked child {pid:?} did not exit within 10 s");
-        }
-        std::thread::sleep(Duration::from_millis(2));
+    // The child's pidfd becomes readable when it exits: wait on that, not on a clock.
+    let fd = pidfd_open(pid.as_raw_nonzero().get()).expect("pidfd_open of our own child");
+    let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+    let ten_s = Timespec {
+        tv_sec: 10,
+        tv_nsec: 0,
+    };
+    let ready = poll(&mut fds, Some(&ten_s)).expect("poll on the child's pidfd");
+    if ready == 0 {
+        let _ = rustix::process::kill_process(pid, Signal::KILL);
+        let _ = waitpid(Some(pid), WaitOptions::empty());
+        panic!("forked child {pid:?} did not exit within 10 s");
     }
+    let (_, status) = waitpid(Some(pid), WaitOptions::empty())
+        .expect("waitpid")
+        .expect("an exited child has a status");
+    status.exit_status()
 }
 
 #[cfg(test)]
