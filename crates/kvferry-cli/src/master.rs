@@ -641,14 +641,16 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
     };
     let metadata = if a.enable_http_metadata_server {
         let host = a.http_metadata_server_host.unwrap_or(a.host);
-        let mut port = a.http_metadata_server_port;
-        if port == 0 {
-            // Find a free port to announce (the server binds it right after).
-            port = TcpListener::bind(SocketAddr::new(host, 0))
-                .and_then(|l| l.local_addr())
-                .map(|x| x.port())
-                .map_err(|e| e.to_string())?;
-        }
+        // Bound here, before its address is announced: a client that reads the address finds
+        // it listening.
+        let at = SocketAddr::new(host, a.http_metadata_server_port);
+        let bound = TcpListener::bind(at).map_err(|e| {
+            format!(
+                "the embedded metadata server cannot listen on {at}: {e} (another server on \
+                 that port? pick another with --http-metadata-server-port)"
+            )
+        })?;
+        let port = bound.local_addr().map_err(|e| e.to_string())?.port();
         let args = crate::metadata_server::ServerArgs {
             host: host.to_string(),
             port,
@@ -663,7 +665,7 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
         std::thread::Builder::new()
             .name("kvf-master-metadata".into())
             .spawn(move || {
-                if let Err(e) = crate::metadata_server::run_quiet(args) {
+                if let Err(e) = crate::metadata_server::run_quiet(args, bound) {
                     eprintln!(
                         "kvferry master: the embedded metadata server \
                         (--http-metadata-server-host, --http-metadata-server-port) stopped: {e}"

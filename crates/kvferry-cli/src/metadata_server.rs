@@ -678,16 +678,22 @@ pub fn run(mut a: ServerArgs) -> Result<(), String> {
     a.auth = kvferry::auth::ClusterKey::from_config(env.auth_key_file.as_deref())
         .map_err(|e| e.to_string())?;
     a.token = env.metadata_http_token;
-    run_inner(a, true)
+    run_inner(a, true, None)
 }
 
 /// Like [`run`], without the "listening on" line on stdout (for `kvferry master`, which
 /// announces the URL itself), and with the cluster key `a.auth` as given (the master's).
-pub fn run_quiet(a: ServerArgs) -> Result<(), String> {
-    run_inner(a, false)
+/// As [`run`], quietly, on a listener the caller bound (so it may announce the address before
+/// this thread starts: connections wait in the backlog until it serves).
+pub fn run_quiet(a: ServerArgs, listener: std::net::TcpListener) -> Result<(), String> {
+    run_inner(a, false, Some(listener))
 }
 
-fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
+fn run_inner(
+    a: ServerArgs,
+    announce: bool,
+    bound: Option<std::net::TcpListener>,
+) -> Result<(), String> {
     if a.max_body_bytes > u64::from(u32::MAX) {
         return Err(format!(
             "--max-body-bytes {} is over the largest value the log records ({} bytes)",
@@ -757,11 +763,14 @@ fn run_inner(a: ServerArgs, announce: bool) -> Result<(), String> {
         .parse()
         .map_err(|_| format!("--host {:?} is not an IP address", a.host))?;
     let addr = SocketAddr::new(ip, a.port);
-    let listener = std::net::TcpListener::bind(addr).map_err(|e| {
-        format!(
-            "cannot listen on {addr}: {e} (another server on that port? pick another with --port)"
-        )
-    })?;
+    let listener = match bound {
+        Some(l) => l,
+        None => std::net::TcpListener::bind(addr).map_err(|e| {
+            format!(
+                "cannot listen on {addr}: {e} (another server on that port? pick another with --port)"
+            )
+        })?,
+    };
     listener.set_nonblocking(true).map_err(|e| e.to_string())?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     let store = match &a.data_dir {
