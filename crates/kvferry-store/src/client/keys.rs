@@ -43,6 +43,10 @@ impl Client {
                 self.inner.queue_releases([l.read_id]);
                 Ok(l.size)
             }
+            Response::DiskReplica(d) => {
+                self.inner.queue_releases([d.read_id]);
+                Ok(d.size)
+            }
             other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
         }
     }

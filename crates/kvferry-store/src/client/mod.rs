@@ -18,6 +18,7 @@
 //! threads (pings, read releases); `rpc` talks to the master, `put` and `get` move values,
 //! `staged` is the bytes API's local buffer and `keys` the calls that move no bytes.
 
+mod disk_read;
 mod get;
 mod keys;
 mod offload;
@@ -71,6 +72,12 @@ pub struct ClientConfig {
     pub ssd_offload_capacity: u64,
     /// How often the disk tier reports to the master and takes its orders.
     pub offload_interval: Duration,
+    /// The registered buffer a client with a disk tier stages values in for readers (the
+    /// largest value its disk serves; a batch larger than it is served in rounds).
+    pub ssd_offload_staging_size: u64,
+    /// How long a get waits for a disk copy's owner to stage it (a dead or stalled owner fails
+    /// the get after this).
+    pub ssd_read_timeout: Duration,
 }
 
 impl Default for ClientConfig {
@@ -88,6 +95,8 @@ impl Default for ClientConfig {
             ssd_offload_path: None,
             ssd_offload_capacity: 1 << 40,
             offload_interval: Duration::from_secs(1),
+            ssd_offload_staging_size: 64 << 20,
+            ssd_read_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -117,6 +126,8 @@ struct Inner {
     _port: Option<TcpListener>,
     /// The disk tier ([`ClientConfig::ssd_offload_path`]).
     offload: Option<offload::Offloader>,
+    /// Where the disk tier stages values for readers (with `offload`).
+    stager: Option<disk_read::Stager>,
 }
 
 /// Reads finished and not yet released at the master: carried by the next request, or sent
@@ -444,6 +455,32 @@ impl Client {
             let space = SegmentSpace::new(buf.addr(), buf.len() as u64);
             staging = Some((buf, Mutex::new(space)));
         }
+        let mut stager = None;
+        if offload.is_some() {
+            let registered = HostBuffer::new(cfg.ssd_offload_staging_size.max(4096) as usize, true)
+                .map_err(|e| StoreError::InvalidParams(format!("ssd_offload_staging_size: {e}")))
+                .and_then(|buf| {
+                    engine
+                        .register_memory(buf.addr(), buf.len() as u64, "cpu:0")
+                        .map(|_| buf)
+                        .map_err(|e| StoreError::Internal(e.to_string()))
+                });
+            match registered {
+                Ok(b) => stager = Some(disk_read::Stager::new(b)),
+                Err(e) => {
+                    if shared.is_some() {
+                        for a in segment
+                            .iter()
+                            .map(|(b, _)| b.addr())
+                            .chain(staging.iter().map(|(b, _)| b.addr()))
+                        {
+                            let _ = engine.unregister_memory(a);
+                        }
+                    }
+                    return Err(e);
+                }
+            }
+        }
         let inner = Arc::new(Inner {
             engine,
             shared,
@@ -459,7 +496,15 @@ impl Client {
             releases: Mutex::default(),
             _port: port,
             offload,
+            stager,
         });
+        if inner.stager.is_some() {
+            // Readers of this client's disk copies ask it here (`disk_read`).
+            let weak = Arc::downgrade(&inner);
+            inner.engine.serve(Some(Arc::new(move |body: &[u8]| {
+                disk_read::serve(&weak, body)
+            })));
+        }
         // Register with the master even without a segment, so pings are recognised.
         match &inner.segment {
             Some((_, seg)) => inner.rpc.call_ok(&Request::MountSegment {
@@ -625,7 +670,11 @@ impl Client {
                 .iter()
                 .map(|(b, _)| b.addr())
                 .chain(self.inner.staging.iter().map(|(b, _)| b.addr()))
+                .chain(self.inner.stager.iter().map(disk_read::Stager::addr))
                 .collect();
+            if self.inner.stager.is_some() {
+                self.inner.engine.serve(None);
+            }
             for a in addrs {
                 if let Err(e) = self.inner.engine.unregister_memory(a) {
                     tracing::debug!(
@@ -665,6 +714,7 @@ impl Drop for Inner {
             .iter()
             .map(|(b, _)| b.addr())
             .chain(self.staging.iter().map(|(b, _)| b.addr()))
+            .chain(self.stager.iter().map(disk_read::Stager::addr))
             .collect();
         for a in addrs {
             // Already withdrawn by close(), or by the engine's owner closing it: ignored.
