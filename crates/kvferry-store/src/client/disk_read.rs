@@ -112,8 +112,17 @@ impl Staged {
 }
 
 impl Stager {
-    /// A staging buffer of `buf` (registered with the engine by the caller).
-    pub(super) fn new(buf: HostBuffer) -> Stager {
+    /// A staging buffer of `size` bytes, registered with `engine`.
+    pub(super) fn register(engine: &kvferry::TransferEngine, size: u64) -> StoreResult<Stager> {
+        let buf = HostBuffer::new(size.max(4096) as usize, true)
+            .map_err(|e| StoreError::InvalidParams(format!("ssd_offload_staging_size: {e}")))?;
+        engine
+            .register_memory(buf.addr(), buf.len() as u64, "cpu:0")
+            .map_err(|e| StoreError::Internal(e.to_string()))?;
+        Ok(Stager::new(buf))
+    }
+
+    fn new(buf: HostBuffer) -> Stager {
         let space = SegmentSpace::new(buf.addr(), buf.len() as u64);
         Stager {
             buf,
