@@ -234,7 +234,10 @@ impl Inner {
                 continue;
             }
             if disk.len_of(&key) != Some(len) {
-                // Not held, or a record of another length than the master names: absent.
+                // Not held (a record deleted at open, torn or cut short), or one of another
+                // length than the master names: absent, and the master stops naming it at the
+                // next beat (it drops only a copy it names on this disk).
+                off.note_evicted(key);
                 out.push(Staging::Absent);
                 continue;
             }
