@@ -92,16 +92,14 @@ fn wait_for<T>(what: &str, within: Duration, mut f: impl FnMut() -> Option<T>) -
 fn check_all(c: &Client, keys: &[String]) -> usize {
     let mut ok = 0;
     for k in keys {
-        match c.get(k) {
-            Ok(v) => {
-                assert_eq!(
-                    v,
-                    value(k, 256 * KIB),
-                    "{k}: other bytes than it was put with"
-                );
-                ok += 1;
-            }
-            Err(_) => {}
+        // (A failure is allowed: a value in the killed process's memory is gone.)
+        if let Ok(v) = c.get(k) {
+            assert_eq!(
+                v,
+                value(k, 256 * KIB),
+                "{k}: other bytes than it was put with"
+            );
+            ok += 1;
         }
     }
     ok

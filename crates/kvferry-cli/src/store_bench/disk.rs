@@ -291,7 +291,7 @@ pub(super) fn run(a: &StoreBenchArgs, dir: &Path) -> Result<(), String> {
     }
     let turn = PER_TURN as u64 * value;
     let turns = (3 * pool).div_ceil(turn) as usize;
-    let seed = 0x6b76_6665_7272_79;
+    let seed = 0x006b_7666_6572_7279;
     let memory_only = {
         let p = Pool::start(pool, None)?;
         multi_turn(&p, turns, value, seed)?
