@@ -170,7 +170,11 @@ class Store:
     engine starts: the segment is the engine's own (its name, its listeners), and memory
     registered on either serves both. ``local_hostname`` must then be "", the engine's
     segment name or its host. Closing the store leaves the engine running; closing the
-    engine first makes every store call raise until the store is closed."""
+    engine first makes every store call raise until the store is closed.
+
+    With ``ssd_offload_path`` (a directory; "" for ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``)
+    the client has a disk tier: a master run with ``--enable_offload`` keeps what it evicts
+    from this client's segment there, and gets read it back through this client."""
 
     def __init__(
         self,
@@ -182,6 +186,7 @@ class Store:
         device_name: str = "",
         master_server_addr: str = "127.0.0.1:50051",
         engine: Any = None,
+        ssd_offload_path: Optional[str] = None,
     ) -> None:
         self._inherited = False
         self._engine = engine
@@ -194,6 +199,7 @@ class Store:
             str(device_name),
             str(master_server_addr),
             _engine_core(engine),
+            None if ssd_offload_path is None else str(ssd_offload_path),
         )
         _live_engines.add(self)  # marked inherited in a fork() child (see kvferry._engine)
 

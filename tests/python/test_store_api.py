@@ -64,8 +64,6 @@ def test_setup_keyword_arguments_work_or_raise_type_error_naming_them():
     args = (HOST, "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", "127.0.0.1:1")
     with pytest.raises(TypeError, match="bogus_option"):
         s.setup(*args, bogus_option=1)
-    with pytest.raises(TypeError, match="enable_ssd_offload"):
-        s.setup(*args, enable_ssd_offload=True, ssd_offload_path="/tmp/x")
     with pytest.raises(TypeError, match="tenant_id"):
         s.setup(*args, tenant_id="team-a")
     with pytest.raises(TypeError, match="enable_client_http_server"):

@@ -77,7 +77,7 @@ pub struct MasterArgs {
     pub put_wait_for_reads_ms: u64,
     /// Offload (Mooncake's SSD offload): what the background eviction takes goes to the disk
     /// of the client whose segment holds it (a client set up with an offload directory),
-    /// instead of being dropped. Reading it back from disk is not there yet.
+    /// instead of being dropped; a get reads it back through that client.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     pub enable_offload: bool,
     /// The most objects one client's disk has been given to persist and not reported; more

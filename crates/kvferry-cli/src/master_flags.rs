@@ -107,11 +107,12 @@ const OPLOG: &str = "with --enable_ha kvferry's master replicates every change i
 fn not_etcd(v: &str) -> bool {
     !v.trim().eq_ignore_ascii_case("etcd")
 }
-const NO_TIERS: &str = "kvferry has no disk, NVMe-oF or CXL tier";
-const ON_EVICT: &str = "with --enable_offload kvferry's master hands what its background \
-                        eviction takes to the disk of the client holding it (Mooncake's \
-                        --offload_on_evict=true), and a put that needs space at once evicts \
-                        as without a disk";
+const NO_TIERS: &str = "kvferry has no shared-storage, NVMe-oF or CXL tier (its disk tier \
+                        is each client's own: --enable_offload)";
+const ON_EVICT: &str = "with --enable_offload kvferry's master hands what it evicts, in the \
+                        background or for a put that needs space at once, to the disk of the \
+                        client holding it (Mooncake's --offload_on_evict=true); only a put's \
+                        last try drops";
 const NO_PROMOTION: &str = "kvferry's disk tier serves a hit from the disk and does not copy \
                             it back to memory";
 const DISK_OWN: &str = "each client's disk tier evicts its least recently used records \
@@ -522,7 +523,7 @@ const DUMMY_THREADS: &str = "kvferry's store-client answers dummy clients' set-u
 pub const STORE_CLIENT: Spec = Spec {
     tool: "kvferry store-client",
     mooncake: "mooncake_client",
-    bools: &[],
+    bools: &["enable-offload"],
     renames: &[],
     converts: &[],
     removed: &[],
@@ -534,15 +535,14 @@ pub const STORE_CLIENT: Spec = Spec {
             Kind::Value,
             Action::RejectIf(not_default, "kvferry's store has one tenant (pass default)"),
         ),
-        (
-            "enable_offload",
-            Kind::Bool,
-            Action::RejectIf(truthy, NO_TIERS),
-        ),
+        // (--enable_offload is a kvferry flag of the same name.)
         (
             "start_offload_rpc_server",
             Kind::Bool,
-            Action::Ignore(NO_TIERS),
+            Action::Ignore(
+                "kvferry serves disk reads on the transfer engine's handshake port whenever \
+                 --enable_offload is on",
+            ),
         ),
         (
             "enable_http_server",

@@ -17,6 +17,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod disk;
 mod ha;
 
 #[derive(clap::Args)]
@@ -130,6 +131,16 @@ pub struct StoreBenchArgs {
     /// Internal: run as the serving client of a bench.
     #[arg(long, hide = true)]
     serve_segment: Option<String>,
+    /// Measure the disk tier on this directory (on the device to measure): the multi-turn
+    /// shape with and without it, and the device's sequential read beside it.
+    #[arg(long, value_name = "DIR")]
+    disk: Option<PathBuf>,
+    /// With `--disk`: the memory pool (the working set is 3 times it).
+    #[arg(long, default_value = "32MiB", value_parser = parse_size_nonzero)]
+    disk_pool: u64,
+    /// With `--disk`: each value's size.
+    #[arg(long, default_value = "256K", value_parser = parse_size_nonzero)]
+    disk_value: u64,
 }
 
 /// `CONNECTIONSxKEYS` of `--ha-points`: two whole numbers from 1 up.
@@ -165,6 +176,9 @@ pub fn run(a: StoreBenchArgs) -> Result<(), String> {
     }
     if let Some(etcd) = &a.ha {
         return ha::run(&a, etcd);
+    }
+    if let Some(dir) = &a.disk {
+        return disk::run(&a, dir);
     }
     if a.batch == 0 {
         return Err("--batch must be at least 1".into());

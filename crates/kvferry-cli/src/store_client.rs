@@ -57,6 +57,12 @@ pub struct StoreClientArgs {
     /// `setup_dummy(..., server_address="127.0.0.1:<port>")` connects here); 0 turns it off.
     #[arg(long, default_value_t = 50052)]
     pub port: u16,
+    /// A disk tier (Mooncake's --enable_offload): with a master run with --enable_offload,
+    /// what it evicts from this segment is kept on this host's disk, in
+    /// MOONCAKE_OFFLOAD_FILE_STORAGE_PATH (size limit MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES),
+    /// and gets read it back through this process.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub enable_offload: bool,
 }
 
 /// What a dummy client learns from the service: the pool to join and how.
@@ -253,6 +259,11 @@ pub fn run(a: StoreClientArgs) -> Result<(), String> {
         master_server_addr: a.master_server_address.clone(),
         ..ClientConfig::default()
     };
+    let mut cfg = cfg;
+    if a.enable_offload {
+        cfg.enable_ssd_offload("", &|k| std::env::var(k).ok())
+            .map_err(|e| format!("--enable_offload: {e}"))?;
+    }
     let c = Client::setup(cfg).map_err(|e| {
         format!(
             "setting up the store client (master {}): {e}",

@@ -5,7 +5,7 @@
 //! exception class of `kvferry.store` named after the error (`ObjectNotFound`, …), carrying
 //! Mooncake Store's numeric code as `.code`.
 
-use kvferry_store::{Client, ClientConfig, ReplicateConfig, SoftPin, StoreError};
+use kvferry_store::{Client, ClientConfig, Replica, ReplicateConfig, SoftPin, StoreError};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -19,7 +19,7 @@ type KeyResult = (Option<Py<PyBytes>>, i32, String);
 /// Per key: an object holding the value (or None), the error code and message.
 type KeyObject = (Option<Py<PyAny>>, i32, String);
 /// Per key: its replicas as (segment, address, size), or None with the error code and message.
-type ReplicaDescResult = (Option<Vec<(String, u64, u64)>>, i32, String);
+type ReplicaDescResult = (Option<Vec<(String, u64, u64, bool)>>, i32, String);
 
 static STORE_MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
 
@@ -182,7 +182,7 @@ impl StoreCore {
 #[pymethods]
 impl StoreCore {
     #[new]
-    #[pyo3(signature = (local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol, device_name, master_server_addr, engine = None))]
+    #[pyo3(signature = (local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol, device_name, master_server_addr, engine = None, ssd_offload_path = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -194,8 +194,9 @@ impl StoreCore {
         device_name: String,
         master_server_addr: String,
         engine: Option<Py<crate::Core>>,
+        ssd_offload_path: Option<String>,
     ) -> PyResult<Self> {
-        let cfg = ClientConfig {
+        let mut cfg = ClientConfig {
             local_hostname,
             metadata_server,
             global_segment_size,
@@ -205,10 +206,13 @@ impl StoreCore {
             master_server_addr,
             ping_interval: Duration::from_secs(1),
             transfer_timeout: Duration::from_secs(60),
-            // (No disk tier from Python yet: setup(enable_ssd_offload=True) is refused until a
-            // get can read a disk copy.)
             ..ClientConfig::default()
         };
+        if let Some(path) = ssd_offload_path {
+            // Mooncake's enable_ssd_offload=True (its MOONCAKE_OFFLOAD_* variables too).
+            cfg.enable_ssd_offload(&path, &|k| std::env::var(k).ok())
+                .map_err(|e| raise(py, e))?;
+        }
         let client = match &engine {
             // Mooncake's setup(..., engine): the store mounts the engine's own segment.
             Some(core) => {
@@ -583,7 +587,8 @@ impl StoreCore {
     }
 
     /// Where each key's replicas live (Mooncake's `batch_get_replica_desc`): per key a list of
-    /// (transfer-engine segment, address, size), one entry per complete replica.
+    /// (transfer-engine segment, address, size, on a disk), one entry per complete replica; a
+    /// copy on a client's disk (`LOCAL_DISK`) names the owner's engine and address 0.
     fn batch_get_replica_desc(
         &self,
         py: Python<'_>,
@@ -591,12 +596,15 @@ impl StoreCore {
     ) -> PyResult<Vec<ReplicaDescResult>> {
         self.per_key(py, move |c| {
             let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            c.batch_get_replica_desc(&refs)
+            c.batch_get_replicas(&refs)
                 .into_iter()
                 .map(|r| {
                     r.map(|v| {
                         v.into_iter()
-                            .map(|d| (d.te_endpoint, d.addr, d.size))
+                            .map(|d| match d {
+                                Replica::Memory(d) => (d.te_endpoint, d.addr, d.size, false),
+                                Replica::LocalDisk(d) => (d.endpoint, 0, d.size, true),
+                            })
                             .collect()
                     })
                 })

@@ -32,7 +32,7 @@ pub mod server;
 #[cfg(test)]
 mod sim;
 
-pub use client::{Client, ClientConfig, Staged};
+pub use client::{Client, ClientConfig, Replica, Staged};
 pub use error::{StoreError, StoreResult};
 pub use master::{MasterConfig, Strategy};
 pub use node::Master;

@@ -53,6 +53,10 @@ struct Segments {
     by_id: Vec<Arc<Peer>>,
 }
 
+/// A service installed on an engine's handshake port ([`TransferEngine::serve`]): a
+/// request's body in, the reply's body out.
+pub type ServiceFn = Arc<dyn Fn(&[u8]) -> Vec<u8> + Send + Sync>;
+
 struct Inner {
     config: Config,
     name: String,
@@ -69,6 +73,8 @@ struct Inner {
     next_batch: AtomicU64,
     notifies: Mutex<Vec<Notify>>,
     notify_cv: std::sync::Condvar,
+    /// What answers `Service` requests ([`TransferEngine::serve`]); none: they are refused.
+    service: RwLock<Option<ServiceFn>>,
     /// Central metadata mode: the service segments are published in and looked up from.
     directory: Option<Arc<Directory>>,
     /// The process that started the engine: only it may shut the engine down (see Drop).
@@ -320,6 +326,7 @@ impl TransferEngine {
                 next_batch: AtomicU64::new(1),
                 notifies: Mutex::default(),
                 notify_cv: std::sync::Condvar::new(),
+                service: RwLock::new(None),
                 directory,
                 config,
                 pid: std::process::id(),
@@ -682,6 +689,37 @@ impl TransferEngine {
         std::mem::take(&mut *q)
     }
 
+    /// Installs (or with `None` removes) the service that answers [`TransferEngine::call_service`]
+    /// requests from peers on this engine's handshake port (under the cluster key when the
+    /// engine holds one), each on the connection's own thread, within the port's deadline
+    /// (5 s for the request, the answer and the reply together). One service per engine.
+    pub fn serve(&self, service: Option<ServiceFn>) {
+        *self
+            .inner
+            .service
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = service;
+    }
+
+    /// Sends `body` to the service `segment`'s engine installed ([`TransferEngine::serve`]) and
+    /// returns its answer, within `timeout` for the exchange once connected (an engine that
+    /// does not answer in time fails the call). An engine without a service answers an empty
+    /// body.
+    pub fn call_service(&self, segment: &str, body: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+        let (host, port) = self.inner.rpc_addr(segment)?;
+        handshake::request(
+            &host,
+            port,
+            MsgType::Service,
+            body,
+            self.config().handshake_connect_timeout.min(timeout),
+            timeout,
+            self.config().handshake_max_len,
+            self.inner.auth.as_deref().map(|k| (k, segment)),
+        )
+        .map(|f| f.body)
+    }
+
     /// Checks that a segment's handshake port answers.
     pub fn probe(&self, segment: &str) -> Result<()> {
         let (host, port) = self.inner.rpc_addr(segment)?;
@@ -792,6 +830,10 @@ impl Inner {
                 }
             }
             MsgType::Probe => br#"{"status":"success"}"#.to_vec(),
+            MsgType::Service => {
+                let service = self.service.read().unwrap_or_else(|e| e.into_inner()).clone();
+                service.map(|s| s(&f.body)).unwrap_or_default()
+            }
             // (The handshake server runs the key's exchange itself and never passes it on.)
             MsgType::Auth => b"{}".to_vec(),
             // A transport's own message (RDMA's `Connection`): the transport that answers it.

@@ -75,8 +75,8 @@ mod wire;
 pub use batch::{FailCause, TaskStatus, TransferStatus};
 pub use config::{split_host_port, Config, EnvVar, InitializeArgs, TransportMode, ENV_VARS};
 pub use engine::{
-    resolve_advertised, Batch, Notify, PageTable, SegmentId, SegmentTransport, TransferEngine,
-    TransferRequest, LOCAL_SEGMENT_ID,
+    resolve_advertised, Batch, Notify, PageTable, SegmentId, SegmentTransport, ServiceFn,
+    TransferEngine, TransferRequest, LOCAL_SEGMENT_ID,
 };
 pub use error::{Error, Result};
 pub use gpu::direct::GpuRdma;

@@ -119,8 +119,9 @@ class MemoryDescriptor:
 
 
 class DiskDescriptor:
-    """Mooncake's ``DiskDescriptor`` (``file_path``, ``object_size``). kvferry has no disk
-    tier, so no replica it returns has one."""
+    """Mooncake's ``DiskDescriptor`` (``file_path``, ``object_size``): a shared-storage
+    replica's. kvferry's disk tier is local to each client (``LOCAL_DISK`` replicas, which
+    Mooncake gives no descriptor either), so no replica it returns has one."""
 
     __slots__ = ("file_path", "object_size")
 
@@ -131,40 +132,46 @@ class DiskDescriptor:
 
 class ReplicaDescriptor:
     """Mooncake's ``ReplicaDescriptor``, as ``get_replica_desc`` returns it: ``status`` (a
-    ``ReplicaStatus``; kvferry lists complete replicas only), ``is_memory_replica()`` (always
-    True on kvferry), ``is_disk_replica()``/``is_local_disk_replica()`` (False),
-    ``get_memory_descriptor()``; ``get_disk_descriptor()`` raises RuntimeError, as Mooncake's
-    does for a memory replica."""
+    ``ReplicaStatus``; kvferry lists complete replicas only), ``is_memory_replica()``,
+    ``is_disk_replica()`` (False: kvferry has no shared-storage tier),
+    ``is_local_disk_replica()`` (a copy on a client's disk, from ``enable_ssd_offload``),
+    ``get_memory_descriptor()`` (a memory replica's); ``get_disk_descriptor()`` raises
+    RuntimeError, as Mooncake's does for a memory or local-disk replica, and so does
+    ``get_memory_descriptor()`` for a local-disk one."""
 
-    __slots__ = ("_status", "_memory")
+    __slots__ = ("_status", "_memory", "_local_disk")
 
-    def __init__(self, transport_endpoint: str, buffer_address: int, size: int, status: "ReplicaStatus" = None) -> None:  # type: ignore[assignment]
+    def __init__(self, transport_endpoint: str, buffer_address: int, size: int, status: "ReplicaStatus" = None, local_disk: bool = False) -> None:  # type: ignore[assignment]
         d = Descriptor()
         d.transport_endpoint, d.buffer_address, d.size = str(transport_endpoint), int(buffer_address), int(size)
         self._memory = MemoryDescriptor(d)
         self._status = ReplicaStatus.COMPLETE if status is None else ReplicaStatus(status)
+        self._local_disk = bool(local_disk)
 
     @property
     def status(self) -> "ReplicaStatus":
         return self._status
 
     def is_memory_replica(self) -> bool:
-        return True
+        return not self._local_disk
 
     def is_disk_replica(self) -> bool:
         return False
 
     def is_local_disk_replica(self) -> bool:
-        return False
+        return self._local_disk
 
     def get_memory_descriptor(self) -> MemoryDescriptor:
+        if self._local_disk:
+            raise RuntimeError("get_memory_descriptor: this is a local disk replica; check is_memory_replica() first")
         return self._memory
 
     def get_disk_descriptor(self) -> DiskDescriptor:
-        raise RuntimeError("get_disk_descriptor: this is a memory replica (kvferry has no disk tier); check is_disk_replica() first")
+        raise RuntimeError("get_disk_descriptor: this is a %s replica (kvferry has no shared-storage tier); check is_disk_replica() first" % ("local disk" if self._local_disk else "memory"))
 
     def __repr__(self) -> str:
-        return "<ReplicaDescriptor status=%s %r>" % (self._status.name, self._memory.buffer_descriptor)
+        kind = "LOCAL_DISK " if self._local_disk else ""
+        return "<ReplicaDescriptor %sstatus=%s %r>" % (kind, self._status.name, self._memory.buffer_descriptor)
 
 
 def _u64_or_none(name: str, v: Any) -> Optional[int]:
@@ -346,8 +353,13 @@ class MooncakeDistributedStore:
         human-readable: "16MB", "1.5 GB").
 
         Keyword arguments kvferry cannot honour raise TypeError naming the argument:
-        ``enable_ssd_offload=True``, ``tenant_id`` other than "default",
-        ``enable_client_http_server=True``.
+        ``tenant_id`` other than "default", ``enable_client_http_server=True``.
+
+        ``enable_ssd_offload=True`` gives this client a disk tier on ``ssd_offload_path``
+        (empty: ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``; its size limit, staging buffer and
+        beat from the other ``MOONCAKE_OFFLOAD_*`` variables): with a master started with
+        ``--enable_offload``, what eviction takes from this client's segment is kept there
+        and gets read it back through this client.
 
         ``engine`` (an initialized kvferry.mooncake.engine.TransferEngine, or kvferry.Engine)
         is shared as in Mooncake: no second engine starts, the store's segment is the
@@ -359,8 +371,6 @@ class MooncakeDistributedStore:
         until the store is closed."""
         if isinstance(local_hostname, dict):
             return self._setup_dict(local_hostname)
-        if enable_ssd_offload:
-            raise TypeError("setup(enable_ssd_offload=True): kvferry's store has no SSD offload tier; pass False (ssd_offload_path is then unused)")
         if str(tenant_id) != "default":
             raise TypeError("setup(tenant_id=%r): kvferry's store has no tenants (one key space per master); pass 'default' or run one master per tenant" % (tenant_id,))
         if enable_client_http_server:
@@ -370,7 +380,8 @@ class MooncakeDistributedStore:
         if local_hostname is None:
             return _fail(_native.StoreInvalidArgument("local_hostname is required", INVALID_PARAMS))
         try:
-            self._s = _native.Store(str(local_hostname), metadata_server, global_segment_size, local_buffer_size, protocol, rdma_devices or "", master_server_addr, engine)
+            offload = str(ssd_offload_path or "") if _parse_bool(enable_ssd_offload, False) else None
+            self._s = _native.Store(str(local_hostname), metadata_server, global_segment_size, local_buffer_size, protocol, rdma_devices or "", master_server_addr, engine, offload)
             self._local_buffer_size = int(local_buffer_size)
             self._scratch_buf = None
             return 0
@@ -405,8 +416,6 @@ class MooncakeDistributedStore:
             return _fail(_native.StoreInvalidArgument("setup(dict): global_segment_size must be 0 or at least %d bytes" % _MIN_SEGMENT, INVALID_PARAMS))
         if 0 < sizes["local_buffer_size"] < _MIN_SEGMENT or sizes["local_buffer_size"] > _MAX_SEGMENT:
             return _fail(_native.StoreInvalidArgument("setup(dict): local_buffer_size must be 0 or between %d and %d bytes" % (_MIN_SEGMENT, _MAX_SEGMENT), INVALID_PARAMS))
-        if _parse_bool(d.get("enable_ssd_offload", False), False):
-            return _fail(_native.StoreInvalidArgument("setup(dict): enable_ssd_offload: kvferry's store has no SSD offload tier", INVALID_PARAMS))
         if str(d.get("tenant_id", "default")) != "default":
             return _fail(_native.StoreInvalidArgument("setup(dict): tenant_id: kvferry's store has no tenants (one key space per master)", INVALID_PARAMS))
         if _parse_bool(d.get("enable_client_http_server", False), False):
@@ -419,6 +428,8 @@ class MooncakeDistributedStore:
             str(d.get("protocol", "tcp")),
             str(d.get("rdma_devices", d.get("device_name", ""))),
             str(d.get("master_server_addr", d.get("master_server_address", "127.0.0.1:50051"))),
+            enable_ssd_offload=_parse_bool(d.get("enable_ssd_offload", False), False),
+            ssd_offload_path=str(d.get("ssd_offload_path", "") or ""),
         )
 
     def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
@@ -994,7 +1005,7 @@ class MooncakeDistributedStore:
                 else:
                     _log.debug("kvferry store: batch_get_replica_desc: %s not found", k)
                 continue
-            out[k] = [ReplicaDescriptor(ep, addr, size) for ep, addr, size in reps]
+            out[k] = [ReplicaDescriptor(ep, addr, size, local_disk=disk) for ep, addr, size, disk in reps]
         return out
 
     def batch_replica_clear(self, keys: Sequence[str], segment_name: str = "") -> List[str]:

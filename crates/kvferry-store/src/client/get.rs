@@ -4,7 +4,7 @@
 
 use super::{Client, Staged};
 use crate::error::{StoreError, StoreResult};
-use crate::proto::{ReplicaDesc, ReplicaList, Request, Response};
+use crate::proto::{DiskReplicaList, ReplicaDesc, ReplicaList, Request, Response};
 use kvferry::{Opcode, TransferRequest};
 use std::time::{Duration, Instant};
 
@@ -81,6 +81,10 @@ impl Client {
         let mut first_used: Vec<usize> = Vec::with_capacity(items.len());
         let mut reqs = Vec::new();
         let mut owner = Vec::new();
+        // Objects found only on a disk (read through their owner, `disk_read`), and their
+        // leases (index, lease, read id).
+        let mut on_disk = Vec::new();
+        let mut disk_leases: Vec<(usize, u64, u64)> = Vec::new();
         for (i, (a, &(key, parts))) in answers.into_iter().zip(items).enumerate() {
             let cap: u64 = parts.iter().map(|p| p.1).sum();
             match a {
@@ -121,6 +125,25 @@ impl Client {
                     }
                     lists.push(Some(l));
                     first_used.push(used);
+                }
+                Response::DiskReplica(d) => {
+                    disk_leases.push((i, d.lease_ttl_ms, d.read_id));
+                    if d.size > cap {
+                        results.push(Err(StoreError::BufferOverflow {
+                            need: d.size,
+                            have: cap,
+                        }));
+                    } else {
+                        results.push(Ok(d.size));
+                        on_disk.push(super::disk_read::DiskItem {
+                            index: i,
+                            key,
+                            parts,
+                            list: d,
+                        });
+                    }
+                    lists.push(None);
+                    first_used.push(usize::MAX);
                 }
                 Response::Err(e) => {
                     results.push(Err(e));
@@ -171,8 +194,20 @@ impl Client {
                 results[i] = last.map_err(|e| StoreError::TransferFailed(format!("{key}: {e}")));
             }
         }
+        if !on_disk.is_empty() {
+            for (i, r) in self.read_from_disks(on_disk) {
+                results[i] = r;
+            }
+        }
         // A read that outlived its lease may have raced an overwrite: refuse it.
         let elapsed = t0.elapsed();
+        for &(i, ttl, _) in &disk_leases {
+            if results[i].is_ok()
+                && elapsed + Duration::from_millis(1) >= Duration::from_millis(ttl)
+            {
+                results[i] = Err(StoreError::LeaseExpired(items[i].0.to_string()));
+            }
+        }
         for (i, l) in lists.iter().enumerate() {
             if let (Some(l), Ok(_)) = (l, &results[i]) {
                 // (A millisecond early: the master counts whole milliseconds, so its lease may
@@ -183,8 +218,13 @@ impl Client {
             }
         }
         // Every transfer is terminal: the replicas read may be reclaimed.
-        self.inner
-            .queue_releases(lists.iter().flatten().map(|l| l.read_id));
+        self.inner.queue_releases(
+            lists
+                .iter()
+                .flatten()
+                .map(|l| l.read_id)
+                .chain(disk_leases.iter().map(|&(_, _, id)| id)),
+        );
         results
     }
 
@@ -221,18 +261,21 @@ impl Client {
         let mut listed: Vec<Response> = Vec::with_capacity(keys.len());
         for (i, a) in answers.into_iter().enumerate() {
             staged.push(match a {
-                Response::ReplicaList(l) => match self.stage(l.size as usize) {
-                    Ok(s) => {
-                        idx.push(i);
-                        parts.push([(s.addr, s.len as u64)]);
-                        listed.push(Response::ReplicaList(l));
-                        Ok(s)
+                Response::ReplicaList(ReplicaList { size, read_id, .. })
+                | Response::DiskReplica(DiskReplicaList { size, read_id, .. }) => {
+                    match self.stage(size as usize) {
+                        Ok(s) => {
+                            idx.push(i);
+                            parts.push([(s.addr, s.len as u64)]);
+                            listed.push(a);
+                            Ok(s)
+                        }
+                        Err(e) => {
+                            self.inner.queue_releases([read_id]); // nothing will be read
+                            Err(e)
+                        }
                     }
-                    Err(e) => {
-                        self.inner.queue_releases([l.read_id]); // nothing will be read
-                        Err(e)
-                    }
-                },
+                }
                 Response::Err(e) => Err(e),
                 other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
             });
@@ -264,7 +307,12 @@ impl Client {
 
 /// The READs that fill `parts` in order with the first `size` bytes of the replica at
 /// `remote` in segment `seg` (parts past the value's end get nothing).
-fn read_parts(parts: &[(u64, u64)], seg: u64, remote: u64, size: u64) -> Vec<TransferRequest> {
+pub(super) fn read_parts(
+    parts: &[(u64, u64)],
+    seg: u64,
+    remote: u64,
+    size: u64,
+) -> Vec<TransferRequest> {
     let mut off = 0;
     let mut out = Vec::with_capacity(parts.len());
     for &(addr, len) in parts {

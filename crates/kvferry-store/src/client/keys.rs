@@ -4,7 +4,16 @@
 
 use super::Client;
 use crate::error::{StoreError, StoreResult};
-use crate::proto::{ReplicaDesc, Request, Response};
+use crate::proto::{DiskDesc, ReplicaDesc, Request, Response};
+
+/// One copy of a value ([`Client::batch_get_replicas`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Replica {
+    /// In a segment's memory.
+    Memory(ReplicaDesc),
+    /// On a client's disk (Mooncake's `LOCAL_DISK` replica): `endpoint` is the owner's engine.
+    LocalDisk(DiskDesc),
+}
 
 impl Client {
     pub fn is_exist(&self, key: &str) -> StoreResult<bool> {
@@ -42,6 +51,10 @@ impl Client {
             Response::ReplicaList(l) => {
                 self.inner.queue_releases([l.read_id]);
                 Ok(l.size)
+            }
+            Response::DiskReplica(d) => {
+                self.inner.queue_releases([d.read_id]);
+                Ok(d.size)
             }
             other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
         }
@@ -81,16 +94,41 @@ impl Client {
         }
     }
 
-    /// Where the replicas of each key live (Mooncake's `batch_get_replica_desc`); nothing is
-    /// read, so the read granted with the answer is released at once.
+    /// Where the memory replicas of each key live (Mooncake's `batch_get_replica_desc`,
+    /// memory replicas only: a key whose only copy is on a disk has none; see
+    /// [`Client::batch_get_replicas`]).
     pub fn batch_get_replica_desc(&self, keys: &[&str]) -> Vec<StoreResult<Vec<ReplicaDesc>>> {
+        self.batch_get_replicas(keys)
+            .into_iter()
+            .map(|r| {
+                r.map(|v| {
+                    v.into_iter()
+                        .filter_map(|x| match x {
+                            Replica::Memory(d) => Some(d),
+                            Replica::LocalDisk(_) => None,
+                        })
+                        .collect()
+                })
+            })
+            .collect()
+    }
+
+    /// Where each key's copies live, as Mooncake's `batch_get_replica_desc` lists them: its
+    /// memory replicas, or when none is left its copy on a client's disk (`LOCAL_DISK`, named
+    /// by the owner's engine). Nothing is read, so the read granted with the answer is
+    /// released at once.
+    pub fn batch_get_replicas(&self, keys: &[&str]) -> Vec<StoreResult<Vec<Replica>>> {
         match self.replica_lists(keys.iter().copied()) {
             Ok((v, _)) => v
                 .into_iter()
                 .map(|a| match a {
                     Response::ReplicaList(l) => {
                         self.inner.queue_releases([l.read_id]);
-                        Ok(l.replicas)
+                        Ok(l.replicas.into_iter().map(Replica::Memory).collect())
+                    }
+                    Response::DiskReplica(d) => {
+                        self.inner.queue_releases([d.read_id]);
+                        Ok(vec![Replica::LocalDisk(d.disk)])
                     }
                     Response::Err(e) => Err(e),
                     other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),

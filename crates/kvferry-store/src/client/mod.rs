@@ -18,13 +18,17 @@
 //! threads (pings, read releases); `rpc` talks to the master, `put` and `get` move values,
 //! `staged` is the bytes API's local buffer and `keys` the calls that move no bytes.
 
+mod disk_read;
 mod get;
 mod keys;
 mod offload;
+mod offload_config;
 mod put;
 mod rpc;
 mod staged;
+mod start;
 
+pub use keys::Replica;
 pub use staged::Staged;
 
 use crate::error::{StoreError, StoreResult};
@@ -71,6 +75,12 @@ pub struct ClientConfig {
     pub ssd_offload_capacity: u64,
     /// How often the disk tier reports to the master and takes its orders.
     pub offload_interval: Duration,
+    /// The registered buffer a client with a disk tier stages values in for readers (the
+    /// largest value its disk serves; a batch larger than it is served in rounds).
+    pub ssd_offload_staging_size: u64,
+    /// How long a get waits for a disk copy's owner to stage it (a dead or stalled owner fails
+    /// the get after this).
+    pub ssd_read_timeout: Duration,
 }
 
 impl Default for ClientConfig {
@@ -88,6 +98,8 @@ impl Default for ClientConfig {
             ssd_offload_path: None,
             ssd_offload_capacity: 1 << 40,
             offload_interval: Duration::from_secs(1),
+            ssd_offload_staging_size: 64 << 20,
+            ssd_read_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -117,6 +129,8 @@ struct Inner {
     _port: Option<TcpListener>,
     /// The disk tier ([`ClientConfig::ssd_offload_path`]).
     offload: Option<offload::Offloader>,
+    /// Where the disk tier stages values for readers (with `offload`).
+    stager: Option<disk_read::Stager>,
 }
 
 /// Reads finished and not yet released at the master: carried by the next request, or sent
@@ -254,70 +268,6 @@ impl Inner {
     }
 }
 
-/// Whether an engine failed to start because its segment name is taken (retry another port).
-fn name_taken(e: &kvferry::Error) -> bool {
-    match e {
-        kvferry::Error::Metadata { reason, .. } => {
-            reason.contains("already registered") || reason.contains("Duplicate")
-        }
-        _ => false,
-    }
-}
-
-/// Starts the engine. In central mode a `local_hostname` without a port gets a bound port
-/// appended (retrying another one when the name is taken), as Mooncake's client does.
-fn start_engine(
-    cfg: &ClientConfig,
-    mut ecfg: Config,
-) -> StoreResult<(TransferEngine, Option<TcpListener>)> {
-    let start = |ecfg: Config| TransferEngine::new(ecfg);
-    let failed =
-        |e: kvferry::Error| StoreError::InvalidParams(format!("starting the transfer engine: {e}"));
-    let host = cfg.local_hostname.trim();
-    if !ecfg.central() || host.is_empty() || kvferry::split_host_port(host).1.is_some() {
-        return start(ecfg).map(|e| (e, None)).map_err(failed);
-    }
-    ecfg.validate().map_err(failed)?;
-    let retries = ecfg.store_client_setup_retries;
-    let (lo, hi) = ecfg.store_client_ports;
-    let bare = kvferry::split_host_port(host).0;
-    let mut last = String::from("no free port in the range");
-    for _ in 0..retries {
-        // Hold a free port of the range (Mooncake's AutoPortBinder: any address, random port).
-        let mut held = None;
-        for _ in 0..20 {
-            let port = rand::random_range(lo..=hi);
-            if let Ok(l) = TcpListener::bind(("0.0.0.0", port)) {
-                held = Some((l, port));
-                break;
-            }
-        }
-        let Some((listener, port)) = held else {
-            continue;
-        };
-        let name = if bare.contains(':') {
-            format!("[{bare}]:{port}")
-        } else {
-            format!("{bare}:{port}")
-        };
-        ecfg.local_hostname = name;
-        match start(ecfg.clone()) {
-            Ok(e) => return Ok((e, Some(listener))),
-            Err(e) if name_taken(&e) => {
-                tracing::info!(
-                    "segment name {} is taken; retrying with another port: {e}",
-                    ecfg.local_hostname
-                );
-                last = e.to_string();
-            }
-            Err(e) => return Err(failed(e)),
-        }
-    }
-    Err(StoreError::InvalidParams(format!(
-        "local_hostname {host:?}: no free segment name {host}:<port> with a port in {lo}..={hi} after {retries} attempts (last: {last}); widen KVFERRY_STORE_CLIENT_MIN_PORT/KVFERRY_STORE_CLIENT_MAX_PORT (MC_STORE_CLIENT_*) or pass host:port"
-    )))
-}
-
 /// A store client. Cheap to share between threads (`&Client` is enough).
 pub struct Client {
     inner: Arc<Inner>,
@@ -338,7 +288,7 @@ impl Client {
             .map_err(invalid)?;
         args.check_rdma(&kvferry::host::rdma::probe(), ecfg.rdma_devices.as_deref())
             .map_err(invalid)?;
-        let (engine, port) = start_engine(&cfg, ecfg)?;
+        let (engine, port) = start::start_engine(&cfg, ecfg)?;
         Client::build(cfg, Arc::new(engine), None, port)
     }
 
@@ -444,6 +394,24 @@ impl Client {
             let space = SegmentSpace::new(buf.addr(), buf.len() as u64);
             staging = Some((buf, Mutex::new(space)));
         }
+        let stager = match &offload {
+            Some(_) => match disk_read::Stager::register(&engine, cfg.ssd_offload_staging_size) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    if shared.is_some() {
+                        for a in segment
+                            .iter()
+                            .map(|(b, _)| b.addr())
+                            .chain(staging.iter().map(|(b, _)| b.addr()))
+                        {
+                            let _ = engine.unregister_memory(a);
+                        }
+                    }
+                    return Err(e);
+                }
+            },
+            None => None,
+        };
         let inner = Arc::new(Inner {
             engine,
             shared,
@@ -459,7 +427,15 @@ impl Client {
             releases: Mutex::default(),
             _port: port,
             offload,
+            stager,
         });
+        if inner.stager.is_some() {
+            // Readers of this client's disk copies ask it here (`disk_read`).
+            let weak = Arc::downgrade(&inner);
+            inner.engine.serve(Some(Arc::new(move |body: &[u8]| {
+                disk_read::serve(&weak, body)
+            })));
+        }
         // Register with the master even without a segment, so pings are recognised.
         match &inner.segment {
             Some((_, seg)) => inner.rpc.call_ok(&Request::MountSegment {
@@ -625,7 +601,11 @@ impl Client {
                 .iter()
                 .map(|(b, _)| b.addr())
                 .chain(self.inner.staging.iter().map(|(b, _)| b.addr()))
+                .chain(self.inner.stager.iter().map(disk_read::Stager::addr))
                 .collect();
+            if self.inner.stager.is_some() {
+                self.inner.engine.serve(None);
+            }
             for a in addrs {
                 if let Err(e) = self.inner.engine.unregister_memory(a) {
                     tracing::debug!(
@@ -665,6 +645,7 @@ impl Drop for Inner {
             .iter()
             .map(|(b, _)| b.addr())
             .chain(self.staging.iter().map(|(b, _)| b.addr()))
+            .chain(self.stager.iter().map(disk_read::Stager::addr))
             .collect();
         for a in addrs {
             // Already withdrawn by close(), or by the engine's owner closing it: ignored.

@@ -79,6 +79,12 @@ impl Offloader {
         &self.disk
     }
 
+    /// A record that left the disk other than by the master's order (found corrupt): the
+    /// next beat tells the master.
+    pub(super) fn note_evicted(&self, key: String) {
+        self.report().evicted.push(key);
+    }
+
     fn report(&self) -> std::sync::MutexGuard<'_, Report> {
         self.report.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -136,7 +136,7 @@ impl State {
     /// ([`State::set_offload`]) a victim with a replica on the segment of a client with a
     /// disk is handed to that disk instead of dropped, its bytes counted as freed though they
     /// come back only once the client reports it persisted (`offload`). A put that needs
-    /// space now evicts with [`State::evict_aged`], which drops.
+    /// space now evicts this way too until its last try, which drops (`puts`).
     pub fn evict_background(
         &mut self,
         target: u64,

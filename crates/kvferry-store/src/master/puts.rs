@@ -141,7 +141,14 @@ impl State {
             let target = size
                 .saturating_mul(u64::from(cfg.replica_num))
                 .max((total as f64 * m.eviction_ratio) as u64);
-            let freed = self.evict_aged(target, now, m.allow_evict_soft_pinned, stats, min_age);
+            // With offload on, victims go to their client's disk as the background eviction's
+            // do (their space comes back once the client reports them persisted, which the
+            // put waits for as for reads); the last try drops what it must.
+            let freed = if self.offload_enabled() && attempt != Attempt::Last {
+                self.evict_background(target, now, m.allow_evict_soft_pinned, stats, min_age)
+            } else {
+                self.evict_aged(target, now, m.allow_evict_soft_pinned, stats, min_age)
+            };
             tracing::debug!(
                 key,
                 size,

@@ -3,7 +3,7 @@
 //! A frame is `u64 length` (little-endian) followed by `length` payload bytes. The payload is
 //! one type byte (`Connection=0`, `Metadata=1`, `Notify=2`, `Probe=3`) and JSON text. Legacy
 //! peers send no type byte: a payload whose first byte is greater than 3 (and not kvferry's
-//! `Auth`, `K`) is JSON and is treated as a `Connection` message. Each request uses its own connection; the reply carries the same
+//! `Auth`, `K`, or `Service`, `S`) is JSON and is treated as a `Connection` message. Each request uses its own connection; the reply carries the same
 //! type as the request.
 
 use super::WireError;
@@ -36,6 +36,10 @@ pub enum MsgType {
     /// frames of this framing. `K`: no JSON text starts with it, so no legacy frame is taken
     /// for it.
     Auth = 0x4B,
+    /// kvferry's: a request to a service its user installed on the engine
+    /// ([`crate::TransferEngine::serve`], e.g. the store client's disk reads); the bodies are
+    /// the service's own. `S`: no JSON text starts with it either.
+    Service = 0x53,
 }
 
 /// First byte of the `Auth` frame opening a keyed handshake; the Noise opening message follows.
@@ -53,6 +57,7 @@ impl MsgType {
             2 => Some(MsgType::Notify),
             3 => Some(MsgType::Probe),
             0x4B => Some(MsgType::Auth),
+            0x53 => Some(MsgType::Service),
             _ => None,
         }
     }

@@ -423,3 +423,74 @@ fn disk_copies_survive_a_takeover() {
         Ok(Response::DiskReplica(_))
     ));
 }
+
+/// A put that needs space at once, with offload on, hands its victim to the disk as the
+/// background eviction does (kept, readable from memory) and waits for it, instead of
+/// dropping it; its space serves the put once the client reports the copy, and only the
+/// put's last try drops. (Before, the first try dropped "k0".)
+#[test]
+fn a_put_that_needs_space_offloads_instead_of_dropping() {
+    let (mut st, m, s) = offloading();
+    let m = MasterConfig {
+        eviction_ratio: 0.0,
+        ..m
+    };
+    let id = PutId { client: 1, put: 99 };
+    let cfg = ReplicateConfig::default();
+    let first = st.put_start_ex(
+        &m,
+        &s,
+        id,
+        "k4",
+        256 * KIB,
+        &cfg,
+        false,
+        10_000,
+        Attempt::First,
+    );
+    assert!(
+        matches!(first, Err(StoreError::NoAvailableHandle { .. })),
+        "{first:?}"
+    );
+    assert_eq!(st.offloads_in_flight(), 1, "k0 handed to the disk");
+    assert!(st.key_info("k0", 10_000).is_some(), "not dropped");
+    assert!(st.reads_in_flight(10_001), "the put waits for it");
+    let orders = beat(&mut st, &s, 1, OffloadBeat::default(), 10_002);
+    let t = &orders.tasks[0];
+    assert_eq!(t.key, "k0");
+    beat(&mut st, &s, 1, done(t.task, "k0"), 10_003);
+    let again = st.put_start_ex(
+        &m,
+        &s,
+        id,
+        "k4",
+        256 * KIB,
+        &cfg,
+        false,
+        10_004,
+        Attempt::Again,
+    );
+    assert!(again.is_ok(), "{again:?}");
+    assert!(matches!(
+        located(&mut st, "k0", 10_005),
+        Ok(Response::DiskReplica(_))
+    ));
+    // The last try of another put drops (k1 evicted, not offloaded).
+    let id2 = PutId {
+        client: 1,
+        put: 100,
+    };
+    let last = st.put_start_ex(
+        &m,
+        &s,
+        id2,
+        "k5",
+        256 * KIB,
+        &cfg,
+        false,
+        10_006,
+        Attempt::Last,
+    );
+    assert!(last.is_ok(), "{last:?}");
+    assert_eq!(st.offloads_in_flight(), 0);
+}
