@@ -20,7 +20,7 @@ use crate::repl::writer::{Answer, Next, Txn};
 use crate::repl::JournalWriter;
 
 /// The journal's prefix in the model.
-const PREFIX: &str = "mooncake-store/sim/journal/";
+pub(super) const PREFIX: &str = "mooncake-store/sim/journal/";
 
 /// What may lie under the prefix besides the snapshots and the log, and what one step may
 /// append after the writer's last check (bytes).
@@ -317,52 +317,47 @@ impl Journal {
         true
     }
 
-    /// The entries streamed since the etcd journal's last position go to its log after it,
-    /// several values per transaction, as a rebase from the kept tail writes them.
-    pub(super) fn rebase_entries(&mut self, entries: &[Vec<Change>]) {
-        let Some(w) = self.writer.as_ref() else {
-            return;
-        };
-        let (mut seq, mut values, mut bytes) = (w.seq(), Vec::new(), 0u64);
-        for e in entries {
-            for v in self.encode(&fixed_order(e.clone())) {
-                seq += 1;
-                bytes += v.len() as u64;
-                values.push((crate::repl::writer::log_key(PREFIX, seq), v));
-            }
-        }
+    /// `values`, the log after the etcd journal's last position as the real writer makes it
+    /// from the kept tail (`tail_log_values`: consecutive entries sharing a value), go to its
+    /// log, several per transaction, as a rebase from the kept tail writes them (the writer's
+    /// position is already the last entry streamed).
+    pub(super) fn rebase_values(&mut self, values: Vec<(String, Vec<u8>)>) {
+        let bytes: u64 = values.iter().map(|(_, v)| v.len() as u64).sum();
         for t in JournalWriter::rebase_txns(values) {
             if self.run(&t).is_none() {
                 return;
             }
         }
         if let Some(w) = self.writer.as_mut() {
-            w.set_seq(seq);
             w.rebased(bytes);
         }
         self.unchecked += bytes;
     }
 
-    /// A standby takes over: the etcd journal is made whole with its mirror, the entries it
-    /// received after where etcd's journal is whole (`entries`), or, when it linked during
-    /// the term (its mirror starts from an image), its whole state as a snapshot.
+    /// A standby takes over at entry `seq`: the etcd journal is made whole with its mirror as
+    /// [`crate::repl::MirrorTail::takeover`] decided: `values` (the entries it kept after where
+    /// the journal ends, as log values) to its log, or its `whole` state as the snapshot after
+    /// entry `seq` (the later of the journal's and the mirror's last entries).
     pub(super) fn take_over(
         &mut self,
-        image: Option<Vec<Change>>,
-        entries: &[Vec<Change>],
+        whole: Option<Vec<Change>>,
+        values: Vec<(String, Vec<u8>)>,
+        seq: u64,
     ) -> Result<(), String> {
         self.flaky = false;
         self.start_stored()?;
-        match image {
-            None => self.rebase_entries(entries),
-            Some(mut whole) => {
-                whole.extend(entries.iter().flatten().cloned());
-                let whole = fixed_order(whole);
+        match whole {
+            None => {
                 if let Some(w) = self.writer.as_mut() {
-                    let seq = w.seq() + entries.len() as u64 + 1;
                     w.set_seq(seq);
                 }
-                self.snapshot(&whole, None);
+                self.rebase_values(values);
+            }
+            Some(whole) => {
+                if let Some(w) = self.writer.as_mut() {
+                    w.set_seq(seq + 1);
+                }
+                self.snapshot(&fixed_order(whole), None);
             }
         }
         Ok(())
@@ -376,7 +371,7 @@ impl Journal {
 /// as those of different entities rebuild the same state in any order; everything else keeps
 /// its place, which rebuilding depends on (held space after the mount of its segment, the
 /// mount order).
-fn fixed_order(mut changes: Vec<Change>) -> Vec<Change> {
+pub(super) fn fixed_order(mut changes: Vec<Change>) -> Vec<Change> {
     /// The run a change may be ordered in, and its entity there.
     fn entity(c: &Change) -> (u8, String, (u64, u64, u64)) {
         match c {

@@ -37,6 +37,7 @@ use crate::error::StoreError;
 use crate::master::journal::Change;
 use crate::master::{Attempt, MasterConfig, Needs, State, Stats, Strategy};
 use crate::proto::{PingStatus, ReplicaDesc, ReplicateConfig, Request, Response, Segment};
+use crate::repl::JournalWriter;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, VecDeque};
@@ -52,6 +53,13 @@ const WEIGHTS: [u32; ACTIONS] = [300, 200, 150, 20, 120, 50, 20, 10, 15, 10, 105
 pub const DEFAULT_SEEDS: u64 = 5000;
 /// Steps per seed.
 const STEPS: usize = 1000;
+/// Events a seed may take, all its steps together (a step's events: its simulated time's
+/// writes landing, reads finishing, entries and acknowledgements arriving, entries made
+/// durable). The most any of the default seeds takes is about 1 600 (`work_peak` in the
+/// test's figures); a seed that takes more has stopped making progress (an event that comes
+/// again and again at one time, as a set that empties and is never rebased does) and fails
+/// with its number, instead of hanging the run.
+const WORK: u64 = 20 * STEPS as u64;
 /// Bytes per segment (one per client), and the granularity the simulated memory keeps.
 const SEG_BYTES: u64 = 4 << 20;
 const CELL: u64 = 64;
@@ -126,6 +134,8 @@ struct Read {
 enum Reply {
     Started(Put),
     Ended(Put),
+    /// The key's removal.
+    Removed(String),
 }
 
 /// Changes collected, not durable yet.
@@ -176,6 +186,9 @@ struct Sim {
     ticket: u64,
     /// The leader streams to in-sync standbys instead of writing etcd ([`standbys`]).
     streaming: Option<standbys::Streaming>,
+    /// The kept tails' caps in this run (bytes: the leader's, the standbys'; 0 keeps none)
+    /// and how often at most a background snapshot starts a new run (ms).
+    tail_caps: (usize, usize, u64),
     clients: Vec<Client>,
     memory: BTreeMap<u64, Vec<u32>>,
     /// How many times each segment was dropped by the master.
@@ -185,9 +198,14 @@ struct Sim {
     to_end: Vec<Put>,
     reads: Vec<Read>,
     model: BTreeMap<String, Acked>,
+    /// Keys whose removal was acknowledged, not put (started or ended) since: no leader
+    /// after any failover holds them.
+    gone: std::collections::BTreeSet<String>,
     next_tag: u32,
     trace: VecDeque<String>,
     digest: u64,
+    /// Events taken so far ([`WORK`]).
+    work: u64,
     /// The step being run (for the trace).
     at_step: usize,
     /// Every event goes to stderr as well (`KVFERRY_SIM_TRACE=1`).
@@ -228,6 +246,21 @@ pub struct Counts {
     /// The most etcd held under the journal's prefix, in percent of the bound of
     /// [`etcd::bound`] (the largest over the runs added).
     pub etcd_peak_pct: u64,
+    /// The most events one run took ([`WORK`], the largest over the runs added).
+    pub work_peak: u64,
+    /// Rebases (the in-sync set emptied, or a stop) that wrote the leader's kept tail, and
+    /// that wrote the whole state; standbys' takeovers that wrote the entries they kept.
+    pub tail_rebases: u64,
+    pub whole_rebases: u64,
+    pub tail_takeovers: u64,
+    /// Of those, takeovers by a standby that linked while others were in sync, and wrote the
+    /// run it was sent with its image (`ToStandby::Run`).
+    pub joined_tail_takeovers: u64,
+    /// Background snapshots while standbys were in sync (`refresh_base`): written, given up.
+    pub refreshes: u64,
+    pub refreshes_given_up: u64,
+    /// Acknowledged removals checked against a new leader.
+    pub removals_checked: u64,
 }
 
 impl std::ops::AddAssign for Counts {
@@ -253,6 +286,14 @@ impl std::ops::AddAssign for Counts {
         self.writer_give_ups += o.writer_give_ups;
         self.snapshots_cut += o.snapshots_cut;
         self.etcd_peak_pct = self.etcd_peak_pct.max(o.etcd_peak_pct);
+        self.work_peak = self.work_peak.max(o.work_peak);
+        self.tail_rebases += o.tail_rebases;
+        self.whole_rebases += o.whole_rebases;
+        self.tail_takeovers += o.tail_takeovers;
+        self.joined_tail_takeovers += o.joined_tail_takeovers;
+        self.refreshes += o.refreshes;
+        self.refreshes_given_up += o.refreshes_given_up;
+        self.removals_checked += o.removals_checked;
     }
 }
 
@@ -295,6 +336,12 @@ impl Sim {
             })
             .collect::<Vec<_>>();
         let journal = etcd::Journal::new(&mut rng);
+        let caps = [0, 512, 4 << 10, 1 << 20];
+        let tail_caps = (
+            caps[rng.random_range(0..caps.len())],
+            caps[rng.random_range(0..caps.len())],
+            [50, 500, 5_000][rng.random_range(0..3usize)],
+        );
         let memory = clients
             .iter()
             .map(|c| (c.seg.id, vec![0u32; (SEG_BYTES / CELL) as usize]))
@@ -313,6 +360,7 @@ impl Sim {
             pending: VecDeque::new(),
             ticket: 0,
             streaming: None,
+            tail_caps,
             clients,
             memory,
             dropped: BTreeMap::new(),
@@ -320,9 +368,11 @@ impl Sim {
             to_end: Vec::new(),
             reads: Vec::new(),
             model: BTreeMap::new(),
+            gone: Default::default(),
             next_tag: 1,
             trace: VecDeque::new(),
             digest: 0xcbf2_9ce4_8422_2325,
+            work: 0,
             at_step: 0,
             print: std::env::var_os("KVFERRY_SIM_TRACE").is_some(),
             full: None,
@@ -392,7 +442,13 @@ impl Sim {
         if self.rng.random_bool(0.5) {
             let n = self.rng.random_range(1..=3);
             self.note(format!("it streams to {n} in-sync standbys"));
-            match standbys::Streaming::new(n, self.term) {
+            let base = self.journal.writer.as_ref().map_or(0, JournalWriter::seq);
+            let image = self
+                .leader
+                .as_ref()
+                .map(|l| etcd::fixed_order(l.st.image(self.now)))
+                .unwrap_or_default();
+            match standbys::Streaming::new(n, self.term, base, &image, self.tail_caps, self.now) {
                 Ok(s) => {
                     self.streaming = Some(s);
                     self.counts.streamed_terms += 1;
@@ -488,6 +544,24 @@ impl Sim {
         Some(a.result)
     }
 
+    /// One event more of the seed's budget ([`WORK`]): past it, the seed fails (it stopped
+    /// making progress).
+    fn spend(&mut self, step: usize) -> Result<(), Failure> {
+        self.work += 1;
+        self.counts.work_peak = self.work;
+        if self.work > WORK {
+            return Err(self.fail(
+                step,
+                format!(
+                    "no progress: more than {WORK} events in {} steps (at t={} ms; the last events below repeat)",
+                    step + 1,
+                    self.now
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn fail(&self, step: usize, what: String) -> Failure {
         Failure {
             seed: self.seed,
@@ -499,6 +573,7 @@ impl Sim {
 
     fn step(&mut self, step: usize) -> Result<(), Failure> {
         self.at_step = step;
+        self.spend(step)?;
         let total: u32 = self.weights.iter().sum();
         let mut roll = self.rng.random_range(0..total.max(1));
         let mut action = 0;
@@ -544,6 +619,7 @@ impl Sim {
     fn make_durable(&mut self, step: usize) -> Result<(), Failure> {
         if self.streaming.is_some() {
             self.stream();
+            self.refresh_base();
             return Ok(());
         }
         let n = self.rng.random_range(1..=self.pending.len().max(1));
@@ -586,6 +662,11 @@ impl Sim {
                 }
             }
             Some(Reply::Ended(p)) => self.acked(p),
+            Some(Reply::Removed(key)) => {
+                if !self.to_end.iter().any(|p| p.key == key) {
+                    self.gone.insert(key);
+                }
+            }
             None => {}
         }
         Ok(())
@@ -612,6 +693,7 @@ impl Sim {
         {
             if self.rng.random_bool(0.8) {
                 while !self.pending.is_empty() {
+                    self.spend(step)?;
                     self.make_durable(step)?;
                 }
             } else {
@@ -643,6 +725,7 @@ impl Sim {
                     None => break,
                 },
             };
+            self.spend(step)?;
             self.now = self.now.max(t);
             self.land(step, t)?;
             self.finish_reads(step, t)?;
@@ -653,6 +736,7 @@ impl Sim {
             self.elect()
                 .map_err(|e| self.fail(step, format!("no leader can load the journal: {e}")))?;
             self.counts.failovers += 1;
+            self.check_gone(step)?;
         }
         self.tick();
         self.end_puts();
@@ -700,5 +784,6 @@ mod clients;
 pub mod election;
 mod etcd;
 mod standbys;
+mod tail;
 #[cfg(test)]
 mod tests;
