@@ -261,6 +261,9 @@ pub struct Counts {
     pub refreshes_given_up: u64,
     /// Acknowledged removals checked against a new leader.
     pub removals_checked: u64,
+    /// Snapshots whose chunks were written between the writer's commits (entries appended
+    /// after the snapshot's position, kept by its head).
+    pub interleaved_snapshots: u64,
 }
 
 impl std::ops::AddAssign for Counts {
@@ -294,6 +297,7 @@ impl std::ops::AddAssign for Counts {
         self.refreshes += o.refreshes;
         self.refreshes_given_up += o.refreshes_given_up;
         self.removals_checked += o.removals_checked;
+        self.interleaved_snapshots += o.interleaved_snapshots;
     }
 }
 
@@ -629,6 +633,10 @@ impl Sim {
             };
             self.durable(step, e, true)?;
         }
+        if self.journal.writing.is_some() {
+            let n = self.rng.random_range(1..=3);
+            self.snapshot_more(n);
+        }
         self.check_snapshot(step, false)
     }
 
@@ -762,6 +770,10 @@ impl Sim {
     fn crash(&mut self) {
         if self.leader.take().is_none() {
             return;
+        }
+        if self.journal.writing.is_some() {
+            self.journal.snapshot_dropped();
+            self.counts.snapshots_cut += 1;
         }
         self.note(format!(
             "leader of term {} crashes, {} entries not durable",

@@ -558,6 +558,8 @@ impl Sim {
                 ),
             ));
         }
+        // (A snapshot still being written is left for the next leader to collect.)
+        self.journal.snapshot_dropped();
         self.leader = None;
         self.streaming = None;
         self.down_until = self.now;

@@ -162,7 +162,8 @@ fn every_seed_holds_the_invariants() {
                 && total.tail_takeovers > 0
                 && total.joined_tail_takeovers > 0
                 && total.refreshes > 0
-                && total.refreshes_given_up > 0,
+                && total.refreshes_given_up > 0
+                && total.interleaved_snapshots > 0,
             "the runs did not exercise the kept tails: {total:?}"
         );
     }
