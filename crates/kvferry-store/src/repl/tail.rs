@@ -143,19 +143,23 @@ impl MirrorTail {
     }
 
     /// What a standby that takes over at entry `seq` (its state's last) writes to the etcd
-    /// journal, which ends at `stored`, to make it whole before it serves: the entries after
-    /// `stored` up to `seq` from a run that has them, when each fits a log value (`fits`,
-    /// given those frames), else its whole state as a snapshot after the later of the two (a
-    /// journal ahead of the mirror, no run reaching back to `stored`, or an entry too large).
-    /// Decided here, written by the driver (`crate::ha::journal::Writer::rebase_at_takeover`)
-    /// and the simulator alike.
+    /// journal, which ends at `stored`, to make it whole before it serves, `tail` being what
+    /// its mirror kept (`None`: it leads from no mirror, as one that starts empty): the
+    /// entries after `stored` up to `seq` from a run that has them, when each fits a log value
+    /// (`fits`, given those frames), else its whole state as a snapshot after the later of the
+    /// two (no mirror, a journal ahead of the mirror, no run reaching back to `stored`, or an
+    /// entry too large). Decided here, written by the driver
+    /// (`crate::ha::journal::Writer::rebase_at_takeover`) and the simulator alike.
     pub fn takeover(
-        &self,
+        tail: Option<&MirrorTail>,
         stored: u64,
         seq: u64,
         fits: impl FnOnce(&[TailFrame]) -> bool,
     ) -> Takeover {
-        match (seq >= stored).then(|| self.after(stored, seq)).flatten() {
+        let frames = tail
+            .filter(|_| seq >= stored)
+            .and_then(|t| t.after(stored, seq));
+        match frames {
             Some(frames) if fits(&frames) => Takeover::Tail(frames),
             _ => Takeover::Whole {
                 at: seq.max(stored),

@@ -264,41 +264,50 @@ fn a_takeover_writes_the_kept_entries_etcd_lacks_or_else_the_whole_state() {
         Takeover::Tail(f) => Ok(f.iter().map(|f| f.last).collect::<Vec<_>>()),
         Takeover::Whole { at } => Err(at),
     };
-    assert_eq!(lasts(m.takeover(5, 9, |_| true)), Ok(vec![6, 7, 8, 9]));
     assert_eq!(
-        lasts(m.takeover(7, 9, |_| true)),
+        lasts(MirrorTail::takeover(Some(&m), 5, 9, |_| true)),
+        Ok(vec![6, 7, 8, 9])
+    );
+    assert_eq!(
+        lasts(MirrorTail::takeover(Some(&m), 7, 9, |_| true)),
         Ok(vec![8, 9]),
         "the journal went on after the run's start (a rebase the mirror also has)"
     );
     assert_eq!(
-        lasts(m.takeover(9, 9, |f| f.is_empty())),
+        lasts(MirrorTail::takeover(Some(&m), 9, 9, |f| f.is_empty())),
         Ok(vec![]),
         "the journal holds everything: nothing to write"
     );
     assert_eq!(
-        lasts(m.takeover(5, 9, |_| false)),
+        lasts(MirrorTail::takeover(Some(&m), 5, 9, |_| false)),
         Err(9),
         "an entry too large for a log value: the whole state"
     );
     assert_eq!(
-        lasts(m.takeover(3, 9, |_| true)),
+        lasts(MirrorTail::takeover(Some(&m), 3, 9, |_| true)),
         Err(9),
         "the run does not reach back to where the journal ends"
     );
     assert_eq!(
-        lasts(m.takeover(11, 9, |_| true)),
+        lasts(MirrorTail::takeover(Some(&m), 11, 9, |_| true)),
         Err(11),
         "a journal ahead of the mirror: the whole state after the journal's last entry"
     );
+    let none = MirrorTail::default();
     assert_eq!(
-        lasts(MirrorTail::default().takeover(5, 9, |_| true)),
+        lasts(MirrorTail::takeover(Some(&none), 5, 9, |_| true)),
         Err(9),
         "no run kept"
     );
     assert_eq!(
-        lasts(MirrorTail::default().takeover(9, 9, |_| true)),
+        lasts(MirrorTail::takeover(Some(&none), 9, 9, |_| true)),
         Ok(vec![]),
         "no run, but nothing lacking"
+    );
+    assert_eq!(
+        lasts(MirrorTail::takeover(None, 0, 0, |_| true)),
+        Err(0),
+        "no mirror (a leader that starts empty): its whole state, even over an empty journal"
     );
 }
 

@@ -323,9 +323,7 @@ impl Journal {
                 break;
             };
             let len = v.len() as u64;
-            let Some(t) = self.writer.as_ref().and_then(|w| w.chunk(v)) else {
-                return None;
-            };
+            let t = self.writer.as_ref().and_then(|w| w.chunk(v))?;
             if self.run(&t).is_none() {
                 // (The writer gave up between chunks: they are left for the next leader.)
                 self.garbage = true;

@@ -19,15 +19,28 @@
 //! - etcd holds at most [`etcd::bound`] bytes under the journal's prefix: three times the
 //!   largest image of the state since the current snapshot's, plus the snapshot threshold
 //!   (the journal does not grow without bound with failovers, leaders that die mid-snapshot
-//!   and objects put and removed over and over), and every new leader can load it.
+//!   and objects put and removed over and over), and every new leader can load it;
+//! - a key whose removal was acknowledged is absent at every new leader ([`Sim::check_gone`]).
+//!
+//! The entries the etcd journal lacks while standbys are in sync are the real kept tails'
+//! ([`tail`]): rebases and takeovers write the kept run or the whole state as the machines
+//! decide, standbys linked during a term get the run before their image, and background
+//! snapshots start new runs; snapshots are also written with the writer's commits between
+//! their chunks ([`etcd`]).
 //!
 //! What is not simulated yet (ARCHITECTURE.md, code map, `sim/`): the election and the
 //! lease fencing (one leader at a time here, the next one starts a lease TTL after a crash;
-//! `election.rs` checks those alone), standbys that register during a term (a leader's
-//! standbys are chosen when it starts; one that left the set, or whose link broke, is linked
-//! again as the leader's roster decides), the standbys' run of entries for a rebase and the background snapshot, message delay and reordering between clients and the master (a
-//! request is applied when sent; an answer that waits for the journal is lost with its
-//! leader).
+//! `election.rs` checks those alone), lease renewal during a takeover longer than the lease
+//! (kept end to end: `store_ha.rs`
+//! `a_takeover_longer_than_the_lease_ttl_still_leads_with_every_object`), standbys that
+//! register during a term (a leader's standbys are chosen when it starts; one that left the
+//! set, or whose link broke, is linked again as the leader's roster decides), message delay
+//! and reordering between clients and the master (a request is applied when sent; an answer
+//! that waits for the journal is lost with its leader).
+//!
+//! Every seed is bounded: [`WORK`] events at most (a seed that stops making progress fails
+//! with its number), and the test fails a seed that runs longer than a wall-clock bound
+//! (`tests::SEED_WALL`), naming it.
 //!
 //! `KVFERRY_SIM_SEED=<n>` replays seed `n` alone; `KVFERRY_SIM_SEEDS=<n>` sets how many
 //! seeds the test runs (default [`DEFAULT_SEEDS`]). A failure names its seed, the step and
@@ -670,11 +683,11 @@ impl Sim {
                 }
             }
             Some(Reply::Ended(p)) => self.acked(p),
-            Some(Reply::Removed(key)) => {
-                if !self.to_end.iter().any(|p| p.key == key) {
-                    self.gone.insert(key);
-                }
+            // (A put of the key still to end makes it live again.)
+            Some(Reply::Removed(key)) if !self.to_end.iter().any(|p| p.key == key) => {
+                self.gone.insert(key);
             }
+            Some(Reply::Removed(_)) => {}
             None => {}
         }
         Ok(())

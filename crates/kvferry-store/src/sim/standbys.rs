@@ -7,13 +7,12 @@
 //! standby whose link failed tried again less and less often), who joins the set (it
 //! acknowledged everything, its registration names this term's mirror), who leaves it (not
 //! acknowledged the oldest entry within [`ACK_TIMEOUT`], or its link broke); when the set
-//! empties the leader makes the etcd journal whole (the rebase: every entry streamed, then
-//! what is queued). A leader that stops (SIGTERM) does what [`Roster::on_stop`] says before
-//! its key goes and the next leader starts at once from the etcd journal ([`Sim::stop`]).
-//! When the leader dies, an in-sync member takes over from what its mirror received (the
-//! etcd journal at the stream's start, then its entries) and writes that to etcd first, as
-//! `Writer::rebase_at_takeover` does; one linked during the term writes its image as etcd's
-//! snapshot.
+//! empties the leader makes the etcd journal whole (the rebase, from its kept tail or the
+//! whole state: `super::tail`). A leader that stops (SIGTERM) does what [`Roster::on_stop`]
+//! says before its key goes and the next leader starts at once from the etcd journal
+//! ([`Sim::stop`]). When the leader dies, an in-sync member takes over from what its mirror
+//! received (the image it was sent, then its entries) and writes to etcd first what the
+//! etcd journal lacks, as `Writer::rebase_at_takeover` does (`super::tail`).
 //!
 //! The invariants of [`super`] then say what the standbys must: an answer released by the
 //! pipeline survives any failover or hand-off, because every member that could take over

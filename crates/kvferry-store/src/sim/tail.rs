@@ -15,7 +15,7 @@ use super::standbys::{us, ACK_TIMEOUT};
 use super::*;
 use crate::ha::log::{stored_from, tail_log_values};
 use crate::repl::roster::{RebaseFrom, Roster};
-use crate::repl::{Takeover, ToStandby};
+use crate::repl::{MirrorTail, Takeover, ToStandby};
 
 impl Sim {
     /// The in-sync set emptied: the etcd journal is made whole, as the real writer's rebase
@@ -129,7 +129,7 @@ impl Sim {
             }
         };
         let mut values = None;
-        let plan = tail.takeover(stored, seq, |frames| {
+        let plan = MirrorTail::takeover(Some(&tail), stored, seq, |frames| {
             values = tail_log_values(etcd::PREFIX, frames);
             values.is_some()
         });

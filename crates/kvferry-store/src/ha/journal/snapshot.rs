@@ -396,7 +396,7 @@ impl Writer<'_> {
         let started = Instant::now();
         let mut values = None;
         let prefix = self.log.prefix().to_string();
-        let plan = tail.unwrap_or(&MirrorTail::default()).takeover(stored, seq, |frames| {
+        let plan = MirrorTail::takeover(tail, stored, seq, |frames| {
             values = tail_log_values(&prefix, frames);
             if values.is_none() {
                 tracing::info!("HA journal: an entry the mirror received does not fit a log value; the takeover writes the whole state");
