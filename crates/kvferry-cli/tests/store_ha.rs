@@ -1272,362 +1272,34 @@ fn a_keyed_leaders_link_relayed_to_a_standby_of_another_member_is_refused() {
     let _ = c.close();
 }
 
-/// A standby that joins a set already in sync (its image is after where the etcd journal is
-/// whole, when the first standby joined) gets from the leader the entries from there up to
-/// its image (`ToStandby::Run`), so that when it takes over, the first standby and the leader
-/// dead, it writes to etcd the entries etcd lacks, not its whole state; with every object.
-#[test]
-fn a_standby_that_joins_a_set_already_in_sync_takes_over_with_what_etcd_lacks() {
-    let _cpus = beside();
-    let Some(etcd_svc) = Service::etcd() else {
-        return;
-    };
-    let port = etcd_svc.port;
-    let ([m0, m1], l, a) = in_sync_pair(port, None, false);
-    let mut ms = vec![m0, m1];
-    let c = ha_client(port, 32 << 20);
-    // Entries after the set filled, before the second standby links.
-    let mut keys = put_keys(&c, "before-", 100);
-    ms.push(Master::start_with(port, None, false, &[]));
-    let b = 2;
-    wait_insync(
-        &ms[l],
-        &[ms[a].rpc.as_str(), ms[b].rpc.as_str()],
-        Duration::from_secs(10),
-    );
-    let (ma, mb) = (
-        ha_status(&ms[a])["mirror"].clone(),
-        ha_status(&ms[b])["mirror"].clone(),
-    );
-    assert!(
-        ma["tail_base"].is_u64() && mb["tail_base"] == ma["tail_base"],
-        "the joining standby's run starts where the first one's does: {ma} {mb}"
-    );
-    assert_eq!(
-        mb["tail_bytes"], ma["tail_bytes"],
-        "it holds the entries before its image too, as the first one received them: {ma} {mb}"
-    );
-    keys.extend(put_keys(&c, "after-", 100));
-    // The first standby dies (the set keeps the second: nothing is written to etcd), then the
-    // leader: the second takes over.
-    ms[a].kill();
-    wait_insync(&ms[l], &[ms[b].rpc.as_str()], Duration::from_secs(10));
-    keys.extend(put_keys(&c, "alone-", 20));
-    ms[l].kill();
-    wait_leader(&ms[b], 2 * TTL, "the second standby did not lead");
-    for k in &keys {
-        assert_eq!(
-            c.get(k)
-                .unwrap_or_else(|e| panic!("{k} lost in the failover: {e}")),
-            value(k, 4096)
-        );
-    }
-    let st = ha_status(&ms[b]);
-    assert!(
-        st["journal"]["rebase_tail_entries"]
-            .as_u64()
-            .is_some_and(|n| n >= 220),
-        "it wrote every put's entries since the set filled: {st}"
-    );
-    assert_eq!(st["journal"]["snapshots"], 0, "not its whole state: {st}");
-    let _ = c.close();
-}
+// Retired: `a_standby_that_joins_a_set_already_in_sync_takes_over_with_what_etcd_lacks`.
+// Covered by the simulator (`kvferry-store` `sim/standbys.rs`, `sim/tail.rs`): standbys
+// linked while others are in sync get the leader's run up to their image from the real
+// `repl::Tail::upto` (`ToStandby::Run`, kept by the real `MirrorTail::joined`), the first
+// members leave or die, and when the leader dies such a standby takes over writing what
+// `MirrorTail::takeover` decides (the entries it kept after where etcd's journal ends, else its
+// whole state; `joined_tail_takeovers` counts those that wrote the run they were sent), with
+// every acknowledged put readable afterwards, checked after every step; the decision itself
+// by `repl/tests.rs` `a_takeover_writes_the_kept_entries_etcd_lacks_or_else_the_whole_state`.
+// The mutation "the kept run starts one entry late" (`tail_after`) fails 574 of the default
+// 5000 seeds (12, 35, 48, ...: the journal skips an entry). The `/ha_status` mirror fields it also read are shown by the
+// kept tests' `wait_insync`.
 
-/// The in-sync set empties (its standby killed) while clients put: the leader writes to the
-/// etcd journal what it lacks, the entries streamed since it was last whole (`ha::journal::Tail`),
-/// instead of its whole state, the clients go on, and a master started alone after the leader
-/// died loads every object a put returned Ok for, with its bytes. Three ways: the tail from
-/// when the standby joined (killed under load); from a background snapshot written while the
-/// standby was in sync (`--ha-rebase-base-every` short, a small tail that outgrows its cap
-/// under the load, so that snapshots are written again and again); none kept (the whole
-/// state, as before the tail). And two more: the leader killed instead, so that the standby
-/// takes over and writes what etcd lacks from the entries it received (`ha::sync::MirrorTail`)
-/// before it serves, then it dies too: those since the promotion, and those since a
-/// background snapshot (the leader says where its run starts, `ToStandby::Base`; the
-/// standby's run from the promotion outgrew its cap).
-#[test]
-fn a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_object() {
-    let _cpus = beside();
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-    let cases: [(&str, &[&str]); 5] = [
-        ("tail", &["--ha-rebase-base-every", "600s"]),
-        (
-            "refreshed",
-            &[
-                "--ha-rebase-base-every",
-                "200ms",
-                "--ha-rebase-tail-bytes",
-                "64K",
-            ],
-        ),
-        ("whole", &["--ha-rebase-tail-bytes", "0"]),
-        ("takeover", &["--ha-rebase-base-every", "600s"]),
-        (
-            "takeover-refreshed",
-            &[
-                "--ha-rebase-base-every",
-                "200ms",
-                "--ha-rebase-tail-bytes",
-                "64K",
-                "--ha-standby-tail-bytes",
-                "64K",
-            ],
-        ),
-    ];
-    for (case, extra) in cases {
-        let Some(etcd_svc) = Service::etcd() else {
-            return;
-        };
-        let port = etcd_svc.port;
-        let mut ms = [
-            Master::start_with(port, None, false, extra),
-            Master::start_with(port, None, false, extra),
-        ];
-        let l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
-        let s = 1 - l;
-        wait_insync(&ms[l], &[ms[s].rpc.as_str()], Duration::from_secs(5));
-        let (takeover, refreshed) = (case.starts_with("takeover"), case.ends_with("refreshed"));
-        // The master killed, and the one that leads after it.
-        let (victim, lead) = if takeover { (l, s) } else { (s, l) };
-        // Where the standby's run starts: where the leader's etcd journal was whole when the
-        // standby joined the in-sync set.
-        let promoted_base = {
-            let until = Instant::now() + Duration::from_secs(2);
-            loop {
-                let b = ha_status(&ms[s])["mirror"]["tail_base"].as_u64();
-                if b.is_some() || Instant::now() > until {
-                    break b;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        };
-        // (Room for every object: at most 4 × 5000 of 4 KiB, none evicted.)
-        let c = ha_client(port, 128 << 20);
-        let (stop, trickle_stop) = (AtomicBool::new(false), AtomicBool::new(false));
-        // The puts that returned Ok so far, and the loads still running.
-        let (done, running) = (AtomicUsize::new(0), AtomicUsize::new(0));
-        // Puts `tag-0`, `tag-1`, ... (at most 5000, `pause` after each) until `stop` (or
-        // `trickle_stop` for the trickle): the keys a put returned Ok for.
-        let load = |tag: &str, trickle: bool, pause: Duration| {
-            let (c, stop, done, running) = (
-                &c,
-                if trickle { &trickle_stop } else { &stop },
-                &done,
-                &running,
-            );
-            let tag = tag.to_string();
-            running.fetch_add(1, Ordering::AcqRel);
-            move || {
-                let mut ok = Vec::new();
-                for i in 0..5000 {
-                    if stop.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let key = format!("{tag}-{i}");
-                    if c.put(&key, &value(&key, 4096), &ReplicateConfig::default())
-                        .is_ok()
-                    {
-                        ok.push(key);
-                        done.fetch_add(1, Ordering::AcqRel);
-                    }
-                    std::thread::sleep(pause);
-                }
-                running.fetch_sub(1, Ordering::AcqRel);
-                ok
-            }
-        };
-        // Waits until the loads put `n` more objects than `from`, or none runs any more.
-        let progress = |from: usize, n: usize, what: &str| {
-            let until = Instant::now() + Duration::from_secs(20);
-            while done.load(Ordering::Acquire) < from + n && running.load(Ordering::Acquire) > 0 {
-                assert!(
-                    Instant::now() < until,
-                    "{case}: {what}: {} puts of {n} in 20 s",
-                    done.load(Ordering::Acquire) - from
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        };
-        let before = ha_status(&ms[l])["journal"].clone();
-        let (mut kept, killed_at) = std::thread::scope(|sc| {
-            let loads: Vec<_> = (0..4)
-                .map(|t| sc.spawn(load(&format!("{case}{t}"), false, Duration::ZERO)))
-                .collect();
-            // The load runs a while first (2000 puts, acknowledged by the in-sync standby: the
-            // entries a rebase or a takeover writes from the tail), and with a small tail until
-            // the run they made outgrew its cap and a background snapshot followed.
-            progress(0, 2000, "the load before the kill");
-            let until = Instant::now() + Duration::from_secs(20);
-            while refreshed
-                && ha_status(&ms[l])["journal"]["snapshots"].as_u64()
-                    <= before["snapshots"].as_u64()
-            {
-                assert!(Instant::now() < until, "{case}: the load never made the tail outgrow its cap: no background snapshot in 20 s: {}", ha_status(&ms[l])["journal"]);
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            if refreshed {
-                // (The kill when the tail is whole again: after the load, a background
-                // snapshot follows the run the load made outgrow its cap.)
-                stop.store(true, Ordering::Release);
-            }
-            // Taking over from a background snapshot's run: puts keep coming (one every 5 ms,
-            // a run lasts about a second), so that entries go out while a snapshot is written,
-            // between where its run starts and its head (`ToStandby::Base`, not written, then
-            // written); the kill when the leader's run from the last one is whole.
-            let trickle = (case == "takeover-refreshed")
-                .then(|| sc.spawn(load("trickle", true, Duration::from_millis(5))));
-            let stopped = ha_status(&ms[l])["journal"]["snapshots"].as_u64();
-            let quiet: Vec<String> = if refreshed {
-                let mut all: Vec<String> = Vec::new();
-                let until = Instant::now() + Duration::from_secs(10);
-                let since = if trickle.is_some() {
-                    stopped
-                } else {
-                    before["snapshots"].as_u64()
-                };
-                let mut since = since;
-                loop {
-                    let j = ha_status(&ms[l])["journal"].clone();
-                    if j["tail_whole"] == true && j["snapshots"].as_u64() > since {
-                        if trickle.is_none() {
-                            break;
-                        }
-                        // At least 5 entries after that snapshot (what the takeover writes
-                        // from its tail): 8 of the trickle's puts, with no snapshot between
-                        // (else the run starts again, and so does the wait).
-                        since = j["snapshots"].as_u64();
-                        progress(
-                            done.load(Ordering::Acquire),
-                            8,
-                            "the trickle after a background snapshot",
-                        );
-                        if ha_status(&ms[l])["journal"]["snapshots"].as_u64() == since {
-                            break;
-                        }
-                        continue;
-                    }
-                    assert!(
-                        Instant::now() < until,
-                        "{case}: no background snapshot gave the tail a new start: {j}"
-                    );
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                if trickle.is_none() {
-                    all.extend(put_keys(&c, "after-refresh-", 5));
-                }
-                all
-            } else {
-                Vec::new()
-            };
-            let j = ha_status(&ms[l])["journal"].clone();
-            let mirror = ha_status(&ms[s])["mirror"].clone();
-            ms[victim].kill();
-            if takeover {
-                assert!(
-                    promoted_base.is_some(),
-                    "{case}: the standby started a run when it joined the in-sync set"
-                );
-                assert!(
-                    mirror["tail_bytes"].as_u64() > Some(0),
-                    "{case}: the standby kept entries: {mirror}"
-                );
-                if refreshed {
-                    assert!(mirror["tail_base"].as_u64() > promoted_base, "{case}: the standby's run starts at a background snapshot, after {promoted_base:?}: {mirror}");
-                } else {
-                    assert_eq!(
-                        mirror["tail_base"].as_u64(),
-                        promoted_base,
-                        "{case}: {mirror}"
-                    );
-                }
-            }
-            let killed_at = j;
-            let at_kill = done.load(Ordering::Acquire);
-            if takeover {
-                wait_leader(&ms[lead], 2 * TTL, "the in-sync standby did not lead");
-            }
-            // The clients go on after the kill (when a load still runs): 200 more puts, which
-            // the lone master started last must load too.
-            progress(at_kill, 200, "the load after the kill");
-            stop.store(true, Ordering::Release);
-            trickle_stop.store(true, Ordering::Release);
-            let mut kept: Vec<String> = loads
-                .into_iter()
-                .flat_map(|h| h.join().expect("load"))
-                .collect();
-            kept.extend(quiet);
-            kept.extend(
-                trickle
-                    .map(|h| h.join().expect("trickle"))
-                    .unwrap_or_default(),
-            );
-            (kept, killed_at)
-        });
-        kept.extend(put_keys(&c, &format!("{case}-alone-"), 3));
-        let st = wait_insync(&ms[lead], &[], Duration::from_secs(5));
-        let j = &st["journal"];
-        eprintln!("{case}: {} puts kept; the rebase held changing requests {} ms and wrote {} entries from the tail ({} bytes of tail at the kill); journal {j}", kept.len(), j["rebase_ms"], j["rebase_tail_entries"], killed_at["tail_bytes"]);
-        match case {
-            "whole" => {
-                assert_eq!(j["rebase_tail_entries"], 0, "{case}: no tail is kept: {j}");
-                assert!(
-                    j["snapshots"].as_u64() > killed_at["snapshots"].as_u64(),
-                    "{case}: the rebase wrote a snapshot: {j}"
-                );
-            }
-            "takeover" | "takeover-refreshed" => {
-                // (The old leader's journal at the kill says whether the standby was still in
-                // sync then: `insync`.)
-                assert!(j["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 5), "{case}: the takeover wrote the entries it received: {j}; the old leader's journal at the kill: {killed_at}");
-                assert_eq!(j["snapshots"], 0, "{case}: and no snapshot: {j}");
-                assert_eq!(
-                    j["takeover_prebuilt"], true,
-                    "{case}: the state built while the lease ran out: {j}"
-                );
-            }
-            _ => {
-                assert!(j["rebase_tail_entries"].as_u64().is_some_and(|n| n >= 5), "{case}: the rebase wrote the tail: {j}; the leader's journal at the kill: {killed_at}");
-                assert_eq!(
-                    j["snapshots"], killed_at["snapshots"],
-                    "{case}: and no snapshot: {j}"
-                );
-                if refreshed {
-                    assert!(
-                        killed_at["snapshots"].as_u64() > before["snapshots"].as_u64(),
-                        "{case}: the tail started at a background snapshot: {killed_at}"
-                    );
-                } else {
-                    assert_eq!(
-                        killed_at["snapshots"], before["snapshots"],
-                        "{case}: no background snapshot: {killed_at}"
-                    );
-                }
-            }
-        }
-        assert!(kept.len() > 20, "{case}: the load ran: {} puts", kept.len());
-        let metrics = http_get(&ms[lead].http, "/metrics").1;
-        let held = format!(
-            "kvferry_master_ha_rebase_seconds {}\n",
-            j["rebase_ms"].as_u64().unwrap_or(u64::MAX) as f64 / 1000.0
-        );
-        assert!(
-            metrics.contains(&held) && metrics.contains("kvferry_master_ha_tail_whole "),
-            "{case}: /metrics has {held:?}: {metrics}"
-        );
-        // The leader dies too: a master started alone has every object from the journal.
-        ms[lead].kill();
-        ms[victim] = Master::start_with(port, None, false, extra);
-        wait_leader(&ms[victim], 3 * TTL, "a lone master did not lead");
-        for k in &kept {
-            assert_eq!(
-                c.get(k).unwrap_or_else(|e| panic!("{case}: {k} lost: {e}")),
-                value(k, 4096),
-                "{case}: {k}"
-            );
-        }
-        let _ = c.close();
-    }
-}
+// Retired: `a_rebase_under_load_writes_what_etcd_lacks_and_a_lone_master_loads_every_object`.
+// Covered by the simulator (`kvferry-store` `sim/tail.rs`), which drives the real kept tails
+// (`repl::Tail` on the leader with a cap drawn per seed, 0 included; `MirrorTail` on the
+// standbys, fed the real frames) under a stream of puts: the in-sync set empties (members
+// late, cut, paused) or the leader stops, and the rebase writes what `Roster::rebase_from`
+// decides (the kept run through the real `tail_log_values`, else the whole state); background
+// snapshots while standbys are in sync start new runs (`Tail::refresh_due`, `Tail::refreshed`,
+// given up when a member is late, the standbys told with `ToStandby::Base`); the leader dies
+// and a standby takes over from its run from the promotion or from a background snapshot
+// (`MirrorTail::takeover`); every later leader loads etcd's journal alone, and every
+// acknowledged put is readable with its bytes, checked after every step. The mutation "a
+// given-up background snapshot's run is used" (`Tail::refreshed`) fails seeds 476, 851, 2867,
+// 3365, 3568, 3858 and 4573 of the default 5000.
+// The driver's figures (`/metrics` `kvferry_master_ha_rebase_seconds`, `tail_whole`) are not
+// asserted any more.
 
 // Retired: `an_in_sync_standby_whose_campaign_fails_keeps_its_mirror_and_leads_from_it`.
 // Covered by `elect/tests.rs`
@@ -1821,121 +1493,17 @@ fn a_takeover_longer_than_the_lease_ttl_still_leads_with_every_object() {
 // end to end by `a_takeover_longer_than_the_lease_ttl_still_leads_with_every_object` (a
 // standby stopped in the middle of its takeover finishes it and hands off).
 
-/// The journal stays bounded: with a tiny snapshot threshold the leader snapshots again and
-/// again, deleting the log each snapshot covers; a new leader loads snapshot + log and has
-/// every object, removed ones stay removed, across two failovers. Four clients put at once,
-/// so requests are committed while snapshots are taken and written (log entries after a
-/// snapshot's position, which its head must keep).
-#[test]
-fn snapshots_bound_the_journal_and_a_new_leader_loads_them() {
-    let _cpus = beside();
-    let Some(etcd_svc) = Service::etcd() else {
-        return;
-    };
-    let etcd = EtcdClient::connect(
-        &[format!("127.0.0.1:{}", etcd_svc.port)],
-        Duration::from_secs(2),
-    )
-    .expect("etcd");
-    // The etcd journal alone (the default lets an in-sync standby acknowledge instead, and the
-    // journal is then written only while no standby is in sync).
-    let extra = ["--ha-snapshot-bytes", "4096", "--ha-replication", "etcd"];
-    let mut ms = [
-        Master::start_with(etcd_svc.port, None, false, &extra),
-        Master::start_with(etcd_svc.port, None, true, &extra),
-    ];
-    let mut l = one_leader(&[&ms[0], &ms[1]], Duration::from_secs(10));
-    let c = ha_client(etcd_svc.port, 32 << 20);
-    let journal = kvferry_store::ha::journal::prefix("mooncake_cluster");
-    let etcd_bytes = || -> (usize, usize, u64) {
-        let kvs = etcd
-            .range(
-                &journal,
-                &format!("{}~", journal.trim_end_matches('/')),
-                100,
-            )
-            .expect("etcd range");
-        let logs = kvs.iter().filter(|(k, _)| k.contains("/log/")).count();
-        let snaps = kvs.iter().filter(|(k, _)| k.contains("/snap/")).count();
-        (
-            logs,
-            snaps,
-            kvs.iter().map(|(_, kv)| kv.value.len() as u64).sum(),
-        )
-    };
-    let mut live: Vec<String> = Vec::new();
-    for round in 0..2 {
-        let c = &c;
-        std::thread::scope(|sc| {
-            let putters: Vec<_> = (0..4)
-                .map(|t| {
-                    sc.spawn(move || {
-                        (0..75)
-                            .map(|i| {
-                                let key = format!("r{round}-{}", t * 75 + i);
-                                c.put(&key, &value(&key, 1024), &ReplicateConfig::default())
-                                    .expect("put");
-                                key
-                            })
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            for p in putters {
-                live.extend(p.join().expect("putter"));
-            }
-        });
-        // Every third object of this round removed: it must stay removed after the failover.
-        let removed: Vec<String> = live
-            .iter()
-            .filter(|k| k.starts_with(&format!("r{round}-")))
-            .step_by(3)
-            .cloned()
-            .collect();
-        for k in &removed {
-            c.remove(k, true).expect("remove");
-        }
-        live.retain(|k| !removed.contains(k));
-        let st: serde_json::Value =
-            serde_json::from_str(&http_get(&ms[l].http, "/ha_status").1).expect("JSON");
-        let snapshots = st["journal"]["snapshots"].as_u64().unwrap_or(0);
-        assert!(
-            snapshots >= 3,
-            "round {round}: a 4 KiB threshold snapshots again and again: {st}"
-        );
-        let (logs, snaps, bytes) = etcd_bytes();
-        let snap_bytes = st["journal"]["snapshot_bytes"].as_u64().unwrap_or(0);
-        // The log a snapshot covers is deleted: what is left is one snapshot (two while the
-        // next one is being written) and a log of at most the threshold or the snapshot's
-        // size, whichever is larger (plus the entry that crossed it).
-        assert!(bytes <= 2 * snap_bytes + snap_bytes.max(4096) + 4096, "round {round}: the journal is bounded: {logs} log keys, {snaps} snapshot chunks, {bytes} bytes (snapshot {snap_bytes})");
-        // Failover: the standby loads the snapshot and the log after it.
-        let s = 1 - l;
-        ms[l].kill();
-        let until = Instant::now() + 2 * TTL + Duration::from_secs(1);
-        while ms[s].role() != "leader" {
-            assert!(Instant::now() < until, "round {round}: no failover");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        ms[l] = Master::start_with(etcd_svc.port, None, round % 2 == 0, &extra);
-        l = s;
-        for k in &live {
-            assert_eq!(
-                c.get(k)
-                    .unwrap_or_else(|e| panic!("round {round}: {k} lost in the failover: {e}")),
-                value(k, 1024)
-            );
-        }
-        for k in &removed {
-            assert!(
-                matches!(c.get(k), Err(StoreError::ObjectNotFound(_))),
-                "round {round}: {k} was removed before the failover"
-            );
-        }
-        eprintln!("round {round}: {} objects after the failover; journal before it: {logs} log keys, {snaps} snapshot chunks, {bytes} bytes, {snapshots} snapshots", live.len());
-    }
-    let _ = c.close();
-}
+// Retired: `snapshots_bound_the_journal_and_a_new_leader_loads_them`.
+// Covered by the simulator (`kvferry-store` `sim/etcd.rs`): thresholds of 2-64 KiB make
+// leaders snapshot again and again across thousands of failovers per run; etcd's bytes under
+// the journal's prefix are checked against `etcd::bound` after every step; snapshots are
+// written both at once and in the background, their chunks between the writer's commits
+// (entries appended after the snapshot's position, which its head keeps:
+// `interleaved_snapshots`), leaders die between chunks; every new leader loads snapshot and
+// log with the real loader, every acknowledged put reads back, and every key whose removal
+// was acknowledged is absent (`Sim::check_gone`). The mutation "the head deletes the first
+// entry after its position" (`JournalWriter::head_txn`) fails 250 of the default 5000 seeds
+// (30, 42, 53, ...).
 
 /// A network namespace with a veth pair to the test's namespace: `host_ip` and `etcd_ip` on
 /// this side, `ns_ip` inside. Deleted (with the pair) when dropped.

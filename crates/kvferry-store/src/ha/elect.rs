@@ -619,9 +619,8 @@ fn take_over<'a>(
             + u64::try_from((5 * cfg.lease_ttl).as_micros()).unwrap_or(u64::MAX),
     ));
     let t_write = Instant::now();
-    let tail = tail.and_then(|t| t.after(stored, mirror_seq));
     let from_tail = match rebase {
-        true => Some(writer.rebase_at_takeover(stored, seq, tail).ok_or("could not make the etcd journal whole (the HA journal errors logged above say why; it campaigns again once etcd answers)")?),
+        true => Some(writer.rebase_at_takeover(stored, seq, tail.as_deref()).ok_or("could not make the etcd journal whole (the HA journal errors logged above say why; it campaigns again once etcd answers)")?),
         false => None,
     };
     let written = t_write.elapsed();

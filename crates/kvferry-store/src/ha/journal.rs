@@ -27,7 +27,7 @@ use crate::error::StoreError;
 use crate::master::journal::{Change, IMAGE_PIECES};
 use crate::master::State;
 use crate::node::Master;
-use crate::repl::{self, JournalWriter, Tail, TailFrame};
+use crate::repl::{self, JournalWriter, Tail};
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 use serde::Serialize;
 use std::collections::BTreeMap;

@@ -354,7 +354,7 @@ pub(super) const REBASE_VALUE_MAX: usize = 1 << 20;
 /// ([`RANGE_MAGIC`] when it holds more than one log entry). `None` if a frame is not its
 /// entry, the frames are not consecutive, or one entry alone is over [`REBASE_VALUE_MAX`]
 /// stored.
-pub(super) fn tail_log_values(
+pub(crate) fn tail_log_values(
     prefix: &str,
     frames: &[TailFrame],
 ) -> Option<Vec<(String, Vec<u8>)>> {

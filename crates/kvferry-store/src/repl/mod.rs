@@ -29,7 +29,7 @@ pub use msg::{KeptFrame, ToLeader, ToStandby};
 pub use pipeline::{Pipeline, Released};
 pub use queue::{Outcome, Queue, Written};
 pub use roster::Roster;
-pub use tail::{tail_after, MirrorTail, Run, Tail, TailFrame};
+pub use tail::{tail_after, MirrorTail, Run, Tail, TailFrame, Takeover};
 pub use writer::{Head, JournalWriter, Txn};
 
 #[cfg(test)]

@@ -142,6 +142,31 @@ impl MirrorTail {
         }
     }
 
+    /// What a standby that takes over at entry `seq` (its state's last) writes to the etcd
+    /// journal, which ends at `stored`, to make it whole before it serves, `tail` being what
+    /// its mirror kept (`None`: it leads from no mirror, as one that starts empty): the
+    /// entries after `stored` up to `seq` from a run that has them, when each fits a log value
+    /// (`fits`, given those frames), else its whole state as a snapshot after the later of the
+    /// two (no mirror, a journal ahead of the mirror, no run reaching back to `stored`, or an
+    /// entry too large). Decided here, written by the driver
+    /// (`crate::ha::journal::Writer::rebase_at_takeover`) and the simulator alike.
+    pub fn takeover(
+        tail: Option<&MirrorTail>,
+        stored: u64,
+        seq: u64,
+        fits: impl FnOnce(&[TailFrame]) -> bool,
+    ) -> Takeover {
+        let frames = tail
+            .filter(|_| seq >= stored)
+            .and_then(|t| t.after(stored, seq));
+        match frames {
+            Some(frames) if fits(&frames) => Takeover::Tail(frames),
+            _ => Takeover::Whole {
+                at: seq.max(stored),
+            },
+        }
+    }
+
     /// Bytes of frames kept.
     pub fn bytes(&self) -> usize {
         self.runs.iter().map(|r| r.bytes).sum()
@@ -163,6 +188,16 @@ impl MirrorTail {
             .rev()
             .find_map(|r| tail_after(&r.frames, stored, upto))
     }
+}
+
+/// What a standby's takeover writes to the etcd journal ([`MirrorTail::takeover`]).
+#[derive(Debug, Clone)]
+pub enum Takeover {
+    /// These entries (after where the journal ends), to its log as a leader's rebase writes
+    /// its own; the log then continues after the last.
+    Tail(Vec<TailFrame>),
+    /// The whole state, as the snapshot after entry `at`.
+    Whole { at: u64 },
 }
 
 /// The entries after `stored` up to `upto` among `frames` (consecutive, oldest first): `None`
@@ -271,16 +306,21 @@ impl Tail {
         self.want_next = true;
     }
 
-    /// The background snapshot was given up: its run goes.
-    pub fn drop_next(&mut self) {
-        self.next = None;
-    }
-
-    /// The background snapshot's head is written: its run is the current one.
-    pub fn based(&mut self) {
-        if let Some(r) = self.next.take() {
-            self.cur = Some(r);
+    /// The background snapshot begun for a new run (`crate::ha::journal::Writer`'s
+    /// `refresh_base`) ended: its head `written`, or given up (an in-sync standby was late
+    /// meanwhile, and the writer must see to that first). Written, the run from its position
+    /// is the current one, and the standbys that take runs are to be told that the journal is
+    /// whole there (`ToStandby::Base` with `written`: what this returns); given up, that run
+    /// goes, and the current one (if any) stays.
+    pub fn refreshed(&mut self, written: bool) -> bool {
+        if written {
+            if let Some(r) = self.next.take() {
+                self.cur = Some(r);
+            }
+        } else {
+            self.next = None;
         }
+        written
     }
 
     /// Where the current run starts and its frames up to entry `at` (for a standby whose

@@ -216,7 +216,7 @@ fn the_tail_keeps_a_whole_run_from_the_journals_position_or_none() {
         None,
         "an image after the run's last entry"
     );
-    t.based();
+    assert!(t.refreshed(true), "written: the standbys are told");
     assert_eq!(
         t.size(),
         (20, true),
@@ -235,13 +235,80 @@ fn the_tail_keeps_a_whole_run_from_the_journals_position_or_none() {
     t.want_next();
     t.begin(9, 0);
     t.push(10, &f(10));
-    t.drop_next();
+    assert!(
+        !t.refreshed(false),
+        "given up: nothing to tell the standbys"
+    );
     assert_eq!(t.take(10).map(|r| r.base), Some(9));
     let mut none = Tail::new(0, Duration::ZERO, 0);
     none.start(1, 0);
     none.push(2, &f(1));
     assert!(none.take(2).is_none(), "a cap of 0 keeps nothing");
     assert!(!none.refresh_due(u64::MAX));
+}
+
+/// A standby that takes over writes the entries the etcd journal lacks from its kept run
+/// when one reaches back to where the journal ends and every entry fits a log value; else
+/// its whole state, as the snapshot after the later of the journal's and its mirror's last
+/// entry.
+#[test]
+fn a_takeover_writes_the_kept_entries_etcd_lacks_or_else_the_whole_state() {
+    let frame = |n: u8| Arc::new(vec![n; 4]);
+    let mut m = MirrorTail::default();
+    // A run from entry 5 (the journal whole there when the set filled), entries 6..=9.
+    m.base(5, true, 5, 1 << 20);
+    for seq in 6..=9 {
+        m.push(seq, seq, frame(seq as u8).to_vec(), 1 << 20);
+    }
+    let lasts = |t: Takeover| match t {
+        Takeover::Tail(f) => Ok(f.iter().map(|f| f.last).collect::<Vec<_>>()),
+        Takeover::Whole { at } => Err(at),
+    };
+    assert_eq!(
+        lasts(MirrorTail::takeover(Some(&m), 5, 9, |_| true)),
+        Ok(vec![6, 7, 8, 9])
+    );
+    assert_eq!(
+        lasts(MirrorTail::takeover(Some(&m), 7, 9, |_| true)),
+        Ok(vec![8, 9]),
+        "the journal went on after the run's start (a rebase the mirror also has)"
+    );
+    assert_eq!(
+        lasts(MirrorTail::takeover(Some(&m), 9, 9, |f| f.is_empty())),
+        Ok(vec![]),
+        "the journal holds everything: nothing to write"
+    );
+    assert_eq!(
+        lasts(MirrorTail::takeover(Some(&m), 5, 9, |_| false)),
+        Err(9),
+        "an entry too large for a log value: the whole state"
+    );
+    assert_eq!(
+        lasts(MirrorTail::takeover(Some(&m), 3, 9, |_| true)),
+        Err(9),
+        "the run does not reach back to where the journal ends"
+    );
+    assert_eq!(
+        lasts(MirrorTail::takeover(Some(&m), 11, 9, |_| true)),
+        Err(11),
+        "a journal ahead of the mirror: the whole state after the journal's last entry"
+    );
+    let none = MirrorTail::default();
+    assert_eq!(
+        lasts(MirrorTail::takeover(Some(&none), 5, 9, |_| true)),
+        Err(9),
+        "no run kept"
+    );
+    assert_eq!(
+        lasts(MirrorTail::takeover(Some(&none), 9, 9, |_| true)),
+        Ok(vec![]),
+        "no run, but nothing lacking"
+    );
+    assert_eq!(
+        lasts(MirrorTail::takeover(None, 0, 0, |_| true)),
+        Err(0),
+        "no mirror (a leader that starts empty): its whole state, even over an empty journal"
+    );
 }
 
 /// The queue and the pipeline driven together as the journal's drivers drive them: requests

@@ -77,6 +77,7 @@ impl Sim {
         put: u64,
         tag: u32,
     ) -> Result<(), Failure> {
+        self.put_again(&key);
         // Most writes land within a few ms; some take up to the release timeout.
         let delay = if self.rng.random_bool(0.85) {
             self.rng.random_range(0..30)
@@ -326,6 +327,7 @@ impl Sim {
                 key: p.key.clone(),
                 put: p.put,
             };
+            self.put_again(&p.key);
             // An error: the put is lost (revoked, discarded, its change lost with a leader).
             match self.request(&req, Some(Reply::Ended(p.clone()))) {
                 Some(Ok(_)) => self.acked(p),
@@ -384,7 +386,7 @@ impl Sim {
                 key: key.clone(),
                 force,
             },
-            None,
+            Some(Reply::Removed(key.clone())),
         );
         // Applied (answered now or once durable): no longer the model's.
         if matches!(r, None | Some(Ok(_))) && self.leader.is_some() {
@@ -465,5 +467,44 @@ impl Sim {
             "client {} pauses until {}",
             self.clients[i].id, self.clients[i].silent_until
         ));
+    }
+}
+
+impl Sim {
+    /// `key` is put again (a start or an end sent): its removal no longer says it is gone,
+    /// nor will one still waiting for the journal.
+    pub(super) fn put_again(&mut self, key: &str) {
+        self.gone.remove(key);
+        for e in &mut self.pending {
+            if matches!(&e.reply, Some(Reply::Removed(k)) if k == key) {
+                e.reply = None;
+            }
+        }
+    }
+
+    /// A new leader holds none of the keys whose removal was acknowledged (the snapshots and
+    /// logs it loaded, or the mirror a standby wrote to etcd, keep a removal as they keep a
+    /// put: a key removed stays removed across any number of failovers).
+    pub(super) fn check_gone(&mut self, step: usize) -> Result<(), Failure> {
+        let now = self.now;
+        let Some(l) = self.leader.as_ref() else {
+            return Ok(());
+        };
+        let back = self
+            .gone
+            .iter()
+            .find(|k| l.st.key_info(k, now).is_some_and(|i| i.complete))
+            .cloned();
+        self.counts.removals_checked += self.gone.len() as u64;
+        match back {
+            Some(k) => Err(self.fail(
+                step,
+                format!(
+                    "{k}, whose removal was acknowledged, is back at the leader of term {}",
+                    self.term
+                ),
+            )),
+            None => Ok(()),
+        }
     }
 }

@@ -39,6 +39,8 @@ const EVERY: u64 = TTL / 4;
 const TIMEOUT: u64 = TTL / 4;
 const POLL: u64 = STANDBY_POLL.as_millis() as u64;
 const STEPS: usize = 1500;
+/// The most outputs a master's machine may give in one turn without waiting or sending.
+const POLLS_PER_TURN: u32 = 10_000;
 const KEY: &str = "sim/master_view";
 const INSYNC: &str = "sim/insync";
 const STANDBY: &str = "sim/standby/";
@@ -505,6 +507,9 @@ impl World {
     }
 
     /// Master `i` does what is due at `now`.
+    ///
+    /// Its machine is polled until it waits or sends: at most [`POLLS_PER_TURN`] outputs (a
+    /// machine that never waits fails the seed instead of hanging the run).
     fn run(&mut self, i: usize) -> Result<(), String> {
         let now = self.now;
         let view = View {
@@ -541,7 +546,12 @@ impl World {
                 Reply::Mark(r) => n.m.on_taken(now, r, &mut n.fence),
             }
         }
+        let mut turn = 0;
         loop {
+            turn += 1;
+            if turn > POLLS_PER_TURN {
+                return Err(format!("no progress: master {i}'s machine gave more than {POLLS_PER_TURN} outputs at t={now} without waiting for anything"));
+            }
             let n = &mut self.nodes[i];
             match n.m.poll(now, &view, &mut n.fence) {
                 Out::Wait(_) => return Ok(()),

@@ -20,7 +20,7 @@ use crate::repl::writer::{Answer, Next, Txn};
 use crate::repl::JournalWriter;
 
 /// The journal's prefix in the model.
-const PREFIX: &str = "mooncake-store/sim/journal/";
+pub(super) const PREFIX: &str = "mooncake-store/sim/journal/";
 
 /// What may lie under the prefix besides the snapshots and the log, and what one step may
 /// append after the writer's last check (bytes).
@@ -124,6 +124,9 @@ pub(super) struct Journal {
     pub(super) images: u64,
     /// Chunks a leader left before its head: the next leader from the journal collects them.
     pub(super) garbage: bool,
+    /// The snapshot being written, its chunks not written yet and its image's bytes
+    /// ([`Journal::snapshot_begin`]).
+    pub(super) writing: Option<(VecDeque<Vec<u8>>, u64)>,
     /// Bytes of log a rebase wrote that no completed check has seen since ([`bound`]).
     pub(super) unchecked: u64,
     /// etcd answers a leader's transactions with errors at random ([`Journal::run`]): per
@@ -152,6 +155,7 @@ impl Journal {
             chunk: [1 << 10, 4 << 10, 512 << 10][rng.random_range(0..3usize)],
             images: 0,
             garbage: false,
+            writing: None,
             unchecked: 0,
             fail_permille: [0, 10, 50][rng.random_range(0..3usize)],
             flaky: false,
@@ -235,6 +239,11 @@ impl Journal {
             if let Some(w) = self.writer.as_mut() {
                 w.appended(n);
             }
+            if self.writing.is_some() {
+                // (Appended while a snapshot's chunks are written: after its position, kept
+                // by its head, and counted by the writer's next check.)
+                self.unchecked += n;
+            }
         }
         true
     }
@@ -245,6 +254,7 @@ impl Journal {
         let w = JournalWriter::new(PREFIX.to_string(), seq, head, log_bytes, self.threshold);
         let garbage = w.garbage();
         self.writer = Some(w);
+        self.writing = None;
         self.gave_up = false;
         for t in &garbage {
             self.run(t);
@@ -265,7 +275,26 @@ impl Journal {
     /// first), as a snapshot: the whole of it, or only its first `cut` chunks (the leader
     /// dies before the rest and the head). Whether the head was written.
     pub(super) fn snapshot(&mut self, image: &[Change], cut: Option<usize>) -> bool {
-        let values = self.encode(image);
+        if !self.snapshot_begin(image) {
+            return false;
+        }
+        match cut {
+            Some(c) => {
+                let _ = self.snapshot_more(c, false);
+                self.snapshot_dropped();
+                false
+            }
+            None => self.snapshot_more(usize::MAX, true) == Some(true),
+        }
+    }
+
+    /// Begins writing `image` (the state after the writer's last entry) as the snapshot after
+    /// that entry: the chunks a leader that died left under its number are cleared, and its
+    /// chunks are kept to write ([`Journal::snapshot_more`]), entries being appended to the
+    /// log between them as the real writer commits what requests queue meanwhile (the head
+    /// keeps those). Whether it began.
+    pub(super) fn snapshot_begin(&mut self, image: &[Change]) -> bool {
+        let values: VecDeque<Vec<u8>> = self.encode(image).into();
         let bytes: u64 = values.iter().map(|v| v.len() as u64).sum();
         self.images = self.images.max(bytes);
         let Some(w) = self.writer.as_mut() else {
@@ -278,91 +307,98 @@ impl Journal {
         if self.run(&clear).is_none() {
             return false;
         }
-        for (i, v) in values.into_iter().enumerate() {
-            if cut.is_some_and(|c| i >= c) {
-                self.garbage = true;
-                return false;
-            }
-            let n = v.len() as u64;
-            let Some(t) = self.writer.as_ref().and_then(|w| w.chunk(v)) else {
-                return false;
+        self.writing = Some((values, bytes));
+        true
+    }
+
+    /// Writes up to `n` more chunks of the snapshot being written and, once they are all
+    /// written and with `head`, its head (deleting the log it covers, then the previous
+    /// snapshot): `Some(true)` once the head is written, `Some(false)` with chunks or the head
+    /// left, `None` when the writer gave up (its chunks are left for the next leader) or none
+    /// is being written.
+    pub(super) fn snapshot_more(&mut self, n: usize, head: bool) -> Option<bool> {
+        let (mut values, bytes) = self.writing.take()?;
+        for _ in 0..n {
+            let Some(v) = values.pop_front() else {
+                break;
             };
+            let len = v.len() as u64;
+            let t = self.writer.as_ref().and_then(|w| w.chunk(v))?;
             if self.run(&t).is_none() {
                 // (The writer gave up between chunks: they are left for the next leader.)
                 self.garbage = true;
-                return false;
+                return None;
             }
             if let Some(w) = self.writer.as_mut() {
-                w.chunk_written(n);
+                w.chunk_written(len);
             }
         }
-        if cut.is_some() {
-            self.garbage = true;
-            return false;
+        if !values.is_empty() || !head {
+            self.writing = Some((values, bytes));
+            return Some(false);
         }
-        let Some(t) = self.writer.as_ref().and_then(|w| w.head_txn(None)) else {
-            return false;
-        };
+        let t = self.writer.as_ref().and_then(|w| w.head_txn(None))?;
         let Some(rev) = self.run(&t) else {
             self.garbage = true;
-            return false;
+            return None;
         };
-        let Some(after) = self.writer.as_mut().and_then(|w| w.head_written(rev)) else {
-            return false;
-        };
+        let after = self.writer.as_mut().and_then(|w| w.head_written(rev))?;
         if let Some(t) = after.delete_old {
             self.run(&t);
         }
         self.images = bytes;
-        true
+        Some(true)
     }
 
-    /// The entries streamed since the etcd journal's last position go to its log after it,
-    /// several values per transaction, as a rebase from the kept tail writes them.
-    pub(super) fn rebase_entries(&mut self, entries: &[Vec<Change>]) {
-        let Some(w) = self.writer.as_ref() else {
-            return;
-        };
-        let (mut seq, mut values, mut bytes) = (w.seq(), Vec::new(), 0u64);
-        for e in entries {
-            for v in self.encode(&fixed_order(e.clone())) {
-                seq += 1;
-                bytes += v.len() as u64;
-                values.push((crate::repl::writer::log_key(PREFIX, seq), v));
-            }
+    /// The snapshot being written is given up with its leader: its chunks are left for the
+    /// next one to collect.
+    pub(super) fn snapshot_dropped(&mut self) {
+        if self.writing.take().is_some() {
+            self.garbage = true;
         }
+    }
+
+    /// `values`, the log after the etcd journal's last position as the real writer makes it
+    /// from the kept tail (`tail_log_values`: consecutive entries sharing a value), go to its
+    /// log, several per transaction, as a rebase from the kept tail writes them (the writer's
+    /// position is already the last entry streamed).
+    pub(super) fn rebase_values(&mut self, values: Vec<(String, Vec<u8>)>) {
+        let bytes: u64 = values.iter().map(|(_, v)| v.len() as u64).sum();
         for t in JournalWriter::rebase_txns(values) {
             if self.run(&t).is_none() {
                 return;
             }
         }
         if let Some(w) = self.writer.as_mut() {
-            w.set_seq(seq);
             w.rebased(bytes);
         }
         self.unchecked += bytes;
     }
 
-    /// A standby takes over: the etcd journal is made whole with its mirror, the entries it
-    /// received after where etcd's journal is whole (`entries`), or, when it linked during
-    /// the term (its mirror starts from an image), its whole state as a snapshot.
+    /// A standby takes over at entry `seq`: the etcd journal is made whole with its mirror as
+    /// [`crate::repl::MirrorTail::takeover`] decided: `values` (the entries it kept after where
+    /// the journal ends, as log values) to its log, or its `whole` state as the snapshot after
+    /// entry `seq` (the later of the journal's and the mirror's last entries).
     pub(super) fn take_over(
         &mut self,
-        image: Option<Vec<Change>>,
-        entries: &[Vec<Change>],
+        whole: Option<Vec<Change>>,
+        values: Vec<(String, Vec<u8>)>,
+        seq: u64,
     ) -> Result<(), String> {
         self.flaky = false;
         self.start_stored()?;
-        match image {
-            None => self.rebase_entries(entries),
-            Some(mut whole) => {
-                whole.extend(entries.iter().flatten().cloned());
-                let whole = fixed_order(whole);
+        match whole {
+            None => {
                 if let Some(w) = self.writer.as_mut() {
-                    let seq = w.seq() + entries.len() as u64 + 1;
                     w.set_seq(seq);
                 }
-                self.snapshot(&whole, None);
+                self.rebase_values(values);
+            }
+            Some(whole) => {
+                if let Some(w) = self.writer.as_mut() {
+                    w.set_seq(seq + 1);
+                }
+                self.snapshot(&fixed_order(whole), None);
             }
         }
         Ok(())
@@ -376,7 +412,7 @@ impl Journal {
 /// as those of different entities rebuild the same state in any order; everything else keeps
 /// its place, which rebuilding depends on (held space after the mount of its segment, the
 /// mount order).
-fn fixed_order(mut changes: Vec<Change>) -> Vec<Change> {
+pub(super) fn fixed_order(mut changes: Vec<Change>) -> Vec<Change> {
     /// The run a change may be ordered in, and its entity there.
     fn entity(c: &Change) -> (u8, String, (u64, u64, u64)) {
         match c {
@@ -411,6 +447,14 @@ impl Sim {
         if self.leader.is_none() || self.streaming.is_some() {
             return Ok(());
         }
+        if self.journal.writing.is_some() {
+            // (One is being written, its chunks between the writer's commits: a forced one
+            // finishes it first.)
+            if forced {
+                self.snapshot_more(usize::MAX);
+            }
+            return Ok(());
+        }
         let Some(w) = self.journal.writer.as_ref() else {
             return Ok(());
         };
@@ -428,6 +472,22 @@ impl Sim {
         let image = fixed_order(l.st.image(self.now));
         let crash = self.weights[8] > 0 && self.rng.random_bool(0.1);
         let cut = crash.then(|| self.rng.random_range(0..4usize));
+        if cut.is_none() && !forced && self.rng.random_bool(0.5) {
+            // Written in the background: its chunks between the next commits, which append
+            // entries after its position (the head keeps them), as the real writer's.
+            if self.journal.snapshot_begin(&image) {
+                let at = self.journal.writer.as_ref().map_or(0, JournalWriter::seq);
+                self.note(format!(
+                    "snapshot of {} changes at entry {at} begun: its chunks go between the next commits",
+                    image.len()
+                ));
+                let n = self.rng.random_range(0..3);
+                self.snapshot_more(n);
+            } else if self.journal.gave_up {
+                self.writer_gave_up();
+            }
+            return Ok(());
+        }
         if self.journal.snapshot(&image, cut) {
             self.journal.unchecked = 0;
             self.counts.snapshots += 1;
@@ -449,6 +509,28 @@ impl Sim {
             self.crash();
         }
         Ok(())
+    }
+
+    /// The writer's next turn on the snapshot being written in the background: `n` more of
+    /// its chunks, and its head once they are all written.
+    pub(super) fn snapshot_more(&mut self, n: usize) {
+        match self.journal.snapshot_more(n, true) {
+            Some(true) => {
+                self.counts.snapshots += 1;
+                self.counts.interleaved_snapshots += 1;
+                self.note(format!(
+                    "the snapshot's head is written, the log kept after it from entry {}",
+                    self.journal
+                        .writer
+                        .as_ref()
+                        .and_then(|w| w.head())
+                        .map_or(0, |h| h.seq + 1)
+                ));
+            }
+            Some(false) => {}
+            None if self.journal.gave_up => self.writer_gave_up(),
+            None => {}
+        }
     }
 
     /// The writer of a standby that took over checks the rule once its rebase is written:

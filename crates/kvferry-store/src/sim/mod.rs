@@ -19,15 +19,28 @@
 //! - etcd holds at most [`etcd::bound`] bytes under the journal's prefix: three times the
 //!   largest image of the state since the current snapshot's, plus the snapshot threshold
 //!   (the journal does not grow without bound with failovers, leaders that die mid-snapshot
-//!   and objects put and removed over and over), and every new leader can load it.
+//!   and objects put and removed over and over), and every new leader can load it;
+//! - a key whose removal was acknowledged is absent at every new leader ([`Sim::check_gone`]).
+//!
+//! The entries the etcd journal lacks while standbys are in sync are the real kept tails'
+//! ([`tail`]): rebases and takeovers write the kept run or the whole state as the machines
+//! decide, standbys linked during a term get the run before their image, and background
+//! snapshots start new runs; snapshots are also written with the writer's commits between
+//! their chunks ([`etcd`]).
 //!
 //! What is not simulated yet (ARCHITECTURE.md, code map, `sim/`): the election and the
 //! lease fencing (one leader at a time here, the next one starts a lease TTL after a crash;
-//! `election.rs` checks those alone), standbys that register during a term (a leader's
-//! standbys are chosen when it starts; one that left the set, or whose link broke, is linked
-//! again as the leader's roster decides), the standbys' run of entries for a rebase and the background snapshot, message delay and reordering between clients and the master (a
-//! request is applied when sent; an answer that waits for the journal is lost with its
-//! leader).
+//! `election.rs` checks those alone), lease renewal during a takeover longer than the lease
+//! (kept end to end: `store_ha.rs`
+//! `a_takeover_longer_than_the_lease_ttl_still_leads_with_every_object`), standbys that
+//! register during a term (a leader's standbys are chosen when it starts; one that left the
+//! set, or whose link broke, is linked again as the leader's roster decides), message delay
+//! and reordering between clients and the master (a request is applied when sent; an answer
+//! that waits for the journal is lost with its leader).
+//!
+//! Every seed is bounded: [`WORK`] events at most (a seed that stops making progress fails
+//! with its number), and the test fails a seed that runs longer than a wall-clock bound
+//! (`tests::SEED_WALL`), naming it.
 //!
 //! `KVFERRY_SIM_SEED=<n>` replays seed `n` alone; `KVFERRY_SIM_SEEDS=<n>` sets how many
 //! seeds the test runs (default [`DEFAULT_SEEDS`]). A failure names its seed, the step and
@@ -37,6 +50,7 @@ use crate::error::StoreError;
 use crate::master::journal::Change;
 use crate::master::{Attempt, MasterConfig, Needs, State, Stats, Strategy};
 use crate::proto::{PingStatus, ReplicaDesc, ReplicateConfig, Request, Response, Segment};
+use crate::repl::JournalWriter;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, VecDeque};
@@ -52,6 +66,13 @@ const WEIGHTS: [u32; ACTIONS] = [300, 200, 150, 20, 120, 50, 20, 10, 15, 10, 105
 pub const DEFAULT_SEEDS: u64 = 5000;
 /// Steps per seed.
 const STEPS: usize = 1000;
+/// Events a seed may take, all its steps together (a step's events: its simulated time's
+/// writes landing, reads finishing, entries and acknowledgements arriving, entries made
+/// durable). The most any of the default seeds takes is about 1 600 (`work_peak` in the
+/// test's figures); a seed that takes more has stopped making progress (an event that comes
+/// again and again at one time, as a set that empties and is never rebased does) and fails
+/// with its number, instead of hanging the run.
+const WORK: u64 = 20 * STEPS as u64;
 /// Bytes per segment (one per client), and the granularity the simulated memory keeps.
 const SEG_BYTES: u64 = 4 << 20;
 const CELL: u64 = 64;
@@ -126,6 +147,8 @@ struct Read {
 enum Reply {
     Started(Put),
     Ended(Put),
+    /// The key's removal.
+    Removed(String),
 }
 
 /// Changes collected, not durable yet.
@@ -176,6 +199,9 @@ struct Sim {
     ticket: u64,
     /// The leader streams to in-sync standbys instead of writing etcd ([`standbys`]).
     streaming: Option<standbys::Streaming>,
+    /// The kept tails' caps in this run (bytes: the leader's, the standbys'; 0 keeps none)
+    /// and how often at most a background snapshot starts a new run (ms).
+    tail_caps: (usize, usize, u64),
     clients: Vec<Client>,
     memory: BTreeMap<u64, Vec<u32>>,
     /// How many times each segment was dropped by the master.
@@ -185,9 +211,14 @@ struct Sim {
     to_end: Vec<Put>,
     reads: Vec<Read>,
     model: BTreeMap<String, Acked>,
+    /// Keys whose removal was acknowledged, not put (started or ended) since: no leader
+    /// after any failover holds them.
+    gone: std::collections::BTreeSet<String>,
     next_tag: u32,
     trace: VecDeque<String>,
     digest: u64,
+    /// Events taken so far ([`WORK`]).
+    work: u64,
     /// The step being run (for the trace).
     at_step: usize,
     /// Every event goes to stderr as well (`KVFERRY_SIM_TRACE=1`).
@@ -195,65 +226,6 @@ struct Sim {
     /// Every event, kept ([`run_traced`]).
     full: Option<Vec<String>>,
     pub counts: Counts,
-}
-
-/// What one run did (reported, and a check that the runs exercise what they claim).
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Counts {
-    pub puts_acked: u64,
-    pub early_answers: u64,
-    pub failovers: u64,
-    pub late_writes: u64,
-    pub reads_checked: u64,
-    pub unmounts: u64,
-    pub expiries: u64,
-    pub snapshots: u64,
-    pub streamed_terms: u64,
-    pub members_dropped: u64,
-    pub standby_takeovers: u64,
-    pub relinks: u64,
-    pub members_joined: u64,
-    /// Links to a standby that failed to connect, and that broke.
-    pub link_failures: u64,
-    pub link_breaks: u64,
-    /// Leaders stopped (SIGTERM) that handed off.
-    pub hand_offs: u64,
-    /// etcd transactions answered with an error (retried), of them applied all the same
-    /// (the answer lost), and writers that gave up (their leader fenced).
-    pub etcd_errors: u64,
-    pub etcd_lost_answers: u64,
-    pub writer_give_ups: u64,
-    /// Leaders that died between a snapshot's chunks.
-    pub snapshots_cut: u64,
-    /// The most etcd held under the journal's prefix, in percent of the bound of
-    /// [`etcd::bound`] (the largest over the runs added).
-    pub etcd_peak_pct: u64,
-}
-
-impl std::ops::AddAssign for Counts {
-    fn add_assign(&mut self, o: Counts) {
-        self.puts_acked += o.puts_acked;
-        self.early_answers += o.early_answers;
-        self.failovers += o.failovers;
-        self.late_writes += o.late_writes;
-        self.reads_checked += o.reads_checked;
-        self.unmounts += o.unmounts;
-        self.expiries += o.expiries;
-        self.snapshots += o.snapshots;
-        self.streamed_terms += o.streamed_terms;
-        self.members_dropped += o.members_dropped;
-        self.standby_takeovers += o.standby_takeovers;
-        self.relinks += o.relinks;
-        self.members_joined += o.members_joined;
-        self.link_failures += o.link_failures;
-        self.link_breaks += o.link_breaks;
-        self.hand_offs += o.hand_offs;
-        self.etcd_errors += o.etcd_errors;
-        self.etcd_lost_answers += o.etcd_lost_answers;
-        self.writer_give_ups += o.writer_give_ups;
-        self.snapshots_cut += o.snapshots_cut;
-        self.etcd_peak_pct = self.etcd_peak_pct.max(o.etcd_peak_pct);
-    }
 }
 
 fn overlaps(a: (u64, u64, u64), b: (u64, u64, u64)) -> bool {
@@ -295,6 +267,12 @@ impl Sim {
             })
             .collect::<Vec<_>>();
         let journal = etcd::Journal::new(&mut rng);
+        let caps = [0, 512, 4 << 10, 1 << 20];
+        let tail_caps = (
+            caps[rng.random_range(0..caps.len())],
+            caps[rng.random_range(0..caps.len())],
+            [50, 500, 5_000][rng.random_range(0..3usize)],
+        );
         let memory = clients
             .iter()
             .map(|c| (c.seg.id, vec![0u32; (SEG_BYTES / CELL) as usize]))
@@ -313,6 +291,7 @@ impl Sim {
             pending: VecDeque::new(),
             ticket: 0,
             streaming: None,
+            tail_caps,
             clients,
             memory,
             dropped: BTreeMap::new(),
@@ -320,9 +299,11 @@ impl Sim {
             to_end: Vec::new(),
             reads: Vec::new(),
             model: BTreeMap::new(),
+            gone: Default::default(),
             next_tag: 1,
             trace: VecDeque::new(),
             digest: 0xcbf2_9ce4_8422_2325,
+            work: 0,
             at_step: 0,
             print: std::env::var_os("KVFERRY_SIM_TRACE").is_some(),
             full: None,
@@ -392,7 +373,13 @@ impl Sim {
         if self.rng.random_bool(0.5) {
             let n = self.rng.random_range(1..=3);
             self.note(format!("it streams to {n} in-sync standbys"));
-            match standbys::Streaming::new(n, self.term) {
+            let base = self.journal.writer.as_ref().map_or(0, JournalWriter::seq);
+            let image = self
+                .leader
+                .as_ref()
+                .map(|l| etcd::fixed_order(l.st.image(self.now)))
+                .unwrap_or_default();
+            match standbys::Streaming::new(n, self.term, base, &image, self.tail_caps, self.now) {
                 Ok(s) => {
                     self.streaming = Some(s);
                     self.counts.streamed_terms += 1;
@@ -488,6 +475,24 @@ impl Sim {
         Some(a.result)
     }
 
+    /// One event more of the seed's budget ([`WORK`]): past it, the seed fails (it stopped
+    /// making progress).
+    fn spend(&mut self, step: usize) -> Result<(), Failure> {
+        self.work += 1;
+        self.counts.work_peak = self.work;
+        if self.work > WORK {
+            return Err(self.fail(
+                step,
+                format!(
+                    "no progress: more than {WORK} events in {} steps (at t={} ms; the last events below repeat)",
+                    step + 1,
+                    self.now
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn fail(&self, step: usize, what: String) -> Failure {
         Failure {
             seed: self.seed,
@@ -499,6 +504,7 @@ impl Sim {
 
     fn step(&mut self, step: usize) -> Result<(), Failure> {
         self.at_step = step;
+        self.spend(step)?;
         let total: u32 = self.weights.iter().sum();
         let mut roll = self.rng.random_range(0..total.max(1));
         let mut action = 0;
@@ -544,6 +550,7 @@ impl Sim {
     fn make_durable(&mut self, step: usize) -> Result<(), Failure> {
         if self.streaming.is_some() {
             self.stream();
+            self.refresh_base();
             return Ok(());
         }
         let n = self.rng.random_range(1..=self.pending.len().max(1));
@@ -552,6 +559,10 @@ impl Sim {
                 break;
             };
             self.durable(step, e, true)?;
+        }
+        if self.journal.writing.is_some() {
+            let n = self.rng.random_range(1..=3);
+            self.snapshot_more(n);
         }
         self.check_snapshot(step, false)
     }
@@ -586,6 +597,11 @@ impl Sim {
                 }
             }
             Some(Reply::Ended(p)) => self.acked(p),
+            // (A put of the key still to end makes it live again.)
+            Some(Reply::Removed(key)) if !self.to_end.iter().any(|p| p.key == key) => {
+                self.gone.insert(key);
+            }
+            Some(Reply::Removed(_)) => {}
             None => {}
         }
         Ok(())
@@ -612,6 +628,7 @@ impl Sim {
         {
             if self.rng.random_bool(0.8) {
                 while !self.pending.is_empty() {
+                    self.spend(step)?;
                     self.make_durable(step)?;
                 }
             } else {
@@ -643,6 +660,7 @@ impl Sim {
                     None => break,
                 },
             };
+            self.spend(step)?;
             self.now = self.now.max(t);
             self.land(step, t)?;
             self.finish_reads(step, t)?;
@@ -653,6 +671,7 @@ impl Sim {
             self.elect()
                 .map_err(|e| self.fail(step, format!("no leader can load the journal: {e}")))?;
             self.counts.failovers += 1;
+            self.check_gone(step)?;
         }
         self.tick();
         self.end_puts();
@@ -679,6 +698,10 @@ impl Sim {
         if self.leader.take().is_none() {
             return;
         }
+        if self.journal.writing.is_some() {
+            self.journal.snapshot_dropped();
+            self.counts.snapshots_cut += 1;
+        }
         self.note(format!(
             "leader of term {} crashes, {} entries not durable",
             self.term,
@@ -697,8 +720,11 @@ impl Sim {
 }
 
 mod clients;
+mod counts;
+pub use counts::Counts;
 pub mod election;
 mod etcd;
 mod standbys;
+mod tail;
 #[cfg(test)]
 mod tests;

@@ -7,13 +7,12 @@
 //! standby whose link failed tried again less and less often), who joins the set (it
 //! acknowledged everything, its registration names this term's mirror), who leaves it (not
 //! acknowledged the oldest entry within [`ACK_TIMEOUT`], or its link broke); when the set
-//! empties the leader makes the etcd journal whole (the rebase: every entry streamed, then
-//! what is queued). A leader that stops (SIGTERM) does what [`Roster::on_stop`] says before
-//! its key goes and the next leader starts at once from the etcd journal ([`Sim::stop`]).
-//! When the leader dies, an in-sync member takes over from what its mirror received (the
-//! etcd journal at the stream's start, then its entries) and writes that to etcd first, as
-//! `Writer::rebase_at_takeover` does; one linked during the term writes its image as etcd's
-//! snapshot.
+//! empties the leader makes the etcd journal whole (the rebase, from its kept tail or the
+//! whole state: `super::tail`). A leader that stops (SIGTERM) does what [`Roster::on_stop`]
+//! says before its key goes and the next leader starts at once from the etcd journal
+//! ([`Sim::stop`]). When the leader dies, an in-sync member takes over from what its mirror
+//! received (the image it was sent, then its entries) and writes to etcd first what the
+//! etcd journal lacks, as `Writer::rebase_at_takeover` does (`super::tail`).
 //!
 //! The invariants of [`super`] then say what the standbys must: an answer released by the
 //! pipeline survives any failover or hand-off, because every member that could take over
@@ -22,7 +21,8 @@
 
 use super::*;
 use crate::repl::roster::{Leave, Registered, Stop};
-use crate::repl::{Feed, Pipeline, Roster, ToStandby};
+use crate::repl::{Feed, KeptFrame, Pipeline, Roster, Tail, ToStandby};
+use std::sync::Arc;
 
 /// How long an in-sync standby may take to acknowledge (ms).
 pub(super) const ACK_TIMEOUT: u64 = 100;
@@ -39,38 +39,41 @@ fn name(i: usize) -> String {
 /// One standby as the leader's stream reaches it.
 #[derive(Debug, Default)]
 pub(super) struct Standby {
-    /// Entries in flight to it: (arrives at, seq, changes).
-    inbox: VecDeque<(u64, u64, Vec<Change>)>,
+    /// Frames in flight to it, in order: (arrives at, frame, its bytes as sent). Entries, and
+    /// where the etcd journal is whole (`ToStandby::Base`).
+    inbox: VecDeque<(u64, ToStandby, Vec<u8>)>,
     /// Acknowledgements in flight back: (arrives at, seq).
     acks: VecDeque<(u64, u64)>,
     /// Its mirror's feed, the real machine: what it accepts and acknowledges, and the
     /// changes received since the stream started (pending: the takeover applies them).
-    feed: Feed,
+    pub(super) feed: Feed,
     /// The leader's connection.
     conn: u64,
     /// The leader links it and the link is alive (it left the set, or its link broke: the
     /// link was dropped with it).
     linked: bool,
-    /// Linked again during the term: its mirror starts from an image of the leader's state
-    /// after entry `image_seq` (the first pending changes), not from the etcd journal.
-    image: Option<u64>,
     /// Stopped (SIGSTOP) until this time: it receives and acknowledges nothing before.
     paused_until: u64,
+    /// Linked during the term (while others were in sync): its image is after where the
+    /// etcd journal is whole, and the run before it came with it (`ToStandby::Run`).
+    pub(super) relinked: bool,
 }
 
 /// A leader's stream to its standbys.
 pub(super) struct Streaming {
-    pipe: Pipeline,
-    /// The last entry sent.
-    seq: u64,
-    standbys: Vec<Standby>,
+    pub(super) pipe: Pipeline,
+    /// The last entry sent (the etcd journal's numbering: entries streamed take the numbers
+    /// after where it was whole, as the real writer's do).
+    pub(super) seq: u64,
+    pub(super) standbys: Vec<Standby>,
     /// The writer's machine: links, registrations, retries, the in-sync set (members named
     /// by their index into `standbys`).
-    roster: Roster,
+    pub(super) roster: Roster,
     /// Entries of `pending` already sent, from its front.
-    sent: usize,
-    /// Every entry sent, in order (what the etcd journal lacks: the leader's tail).
-    tail: Vec<Vec<Change>>,
+    pub(super) sent: usize,
+    /// The entries the etcd journal lacks, as the real writer keeps them ([`Tail`]: a run
+    /// from where it is whole, dropped past its cap, started again by a background snapshot).
+    pub(super) tail: Tail,
 }
 
 impl Streaming {
@@ -80,47 +83,92 @@ impl Streaming {
     }
 
     /// The stream of the leader of `term` to `n` standbys, each linked (hello, and an image
-    /// that is the etcd journal as it is: nothing streamed yet) and in sync.
-    pub(super) fn new(n: usize, term: i64) -> Result<Streaming, String> {
+    /// of the leader's state, which is the etcd journal as it is, whole up to entry `base`:
+    /// nothing streamed yet) and in sync; the leader's tail (runs of at most `caps.0` bytes)
+    /// and the standbys' (`caps.1`) start at `base`, every `every` ms at most after a run
+    /// outgrew its cap.
+    pub(super) fn new(
+        n: usize,
+        term: i64,
+        base: u64,
+        image: &[Change],
+        (cap, mirror_cap, every): (usize, usize, u64),
+        now: u64,
+    ) -> Result<Streaming, String> {
         let mut standbys = Vec::with_capacity(n);
         let mut roster = Roster::new(LEADER, term, us(POLL));
         for i in 0..n {
             let mut sb = Standby {
                 linked: true,
+                feed: Feed::new(mirror_cap),
                 ..Standby::default()
             };
             sb.conn = sb.feed.hello(term)?;
             sb.feed.on_frame(
                 sb.conn,
                 ToStandby::Image {
-                    seq: 0,
-                    changes: Vec::new(),
+                    seq: base,
+                    changes: image.to_vec(),
                     last: true,
                 },
                 Vec::new(),
-                0,
+                us(now),
             )?;
             standbys.push(sb);
-            roster.linked(&name(i), &name(i), true, true, 0);
+            roster.linked(&name(i), &name(i), true, true, base);
         }
         let mut s = Streaming {
             pipe: Pipeline::default(),
-            seq: 0,
+            seq: base,
             standbys,
             roster,
             sent: 0,
-            tail: Vec::new(),
+            tail: Tail::new(cap, std::time::Duration::from_millis(every), us(now)),
         };
         // (Their registrations name this term's mirror: they join at once.)
-        let polled = s.roster.on_registrations(0, s.registrations(term));
+        let polled = s.roster.on_registrations(us(now), s.registrations(term));
         if !polled.open.is_empty() || !polled.gone.is_empty() {
             return Err(format!("the roster would change links it has: {polled:?}"));
         }
-        match s.roster.joining(0) {
-            Some(j) if j.members.len() == n => s.roster.joined(&j),
-            j => return Err(format!("{n} standbys linked at entry 0, joining: {j:?}")),
+        match s.roster.joining(base) {
+            Some(j) if j.members.len() == n && j.first => {
+                s.roster.joined(&j);
+                // The set is no longer empty: everything up to here is in the etcd journal,
+                // and the tails start here (the standbys told so, as the writer's `promote`).
+                s.tail.start(base, us(now));
+                for sb in &mut s.standbys {
+                    sb.feed.on_frame(
+                        sb.conn,
+                        ToStandby::Base {
+                            seq: base,
+                            written: true,
+                        },
+                        Vec::new(),
+                        us(now),
+                    )?;
+                }
+            }
+            j => {
+                return Err(format!(
+                    "{n} standbys linked at entry {base}, joining: {j:?}"
+                ))
+            }
         }
         Ok(s)
+    }
+
+    /// Sends `m` (`raw` its bytes) to every linked standby, after what is in flight to it
+    /// (ordered per link, as TCP), each after its delay.
+    pub(super) fn send(&mut self, m: &ToStandby, raw: &[u8], delays: &[u64], now: u64) {
+        for (sb, d) in self
+            .standbys
+            .iter_mut()
+            .zip(delays)
+            .filter(|(sb, _)| sb.linked)
+        {
+            let at = sb.inbox.back().map_or(now + d, |&(t, _, _)| t.max(now + d));
+            sb.inbox.push_back((at, m.clone(), raw.to_vec()));
+        }
     }
 
     /// The standbys' registrations as etcd holds them: each at its address (its index),
@@ -145,7 +193,7 @@ impl Streaming {
     }
 
     /// The in-sync members' indices.
-    fn members(&self) -> Vec<usize> {
+    pub(super) fn members(&self) -> Vec<usize> {
         self.roster
             .insync()
             .iter()
@@ -167,14 +215,14 @@ impl Streaming {
 }
 
 /// Microseconds on the pipeline's clock from the simulation's milliseconds.
-fn us(ms: u64) -> u64 {
+pub(super) fn us(ms: u64) -> u64 {
     ms * 1000
 }
 
 impl Sim {
     /// A delay on the network between the leader and a standby: most are short, a few long
     /// enough to make the standby late.
-    fn link_delay(&mut self) -> u64 {
+    pub(super) fn link_delay(&mut self) -> u64 {
         if self.rng.random_bool(0.95) {
             self.rng.random_range(0..5)
         } else {
@@ -198,19 +246,20 @@ impl Sim {
             let Some(s) = self.streaming.as_mut() else {
                 return;
             };
+            // (The entry takes the etcd journal's next number, as the real writer's
+            // `next_seq`: a rebase from the tail writes it there.)
             s.seq += 1;
-            s.pipe.push(s.seq, ticket, us(now));
-            for (sb, d) in s
-                .standbys
-                .iter_mut()
-                .zip(delays)
-                .filter(|(sb, _)| sb.linked)
-            {
-                // (Ordered per link, as TCP: never before the entry ahead of it.)
-                let at = sb.inbox.back().map_or(now + d, |&(t, _, _)| t.max(now + d));
-                sb.inbox.push_back((at, s.seq, changes.clone()));
+            if let Some(w) = self.journal.writer.as_mut() {
+                w.set_seq(s.seq);
             }
-            s.tail.push(changes);
+            s.pipe.push(s.seq, ticket, us(now));
+            let entry = ToStandby::Entry {
+                seq: s.seq,
+                changes,
+            };
+            let frame = Arc::new(crate::ha::sync::encode_frame(&entry).unwrap_or_default());
+            s.send(&entry, &frame, &delays, now);
+            s.tail.push(s.seq, &frame);
             s.sent += 1;
         }
     }
@@ -248,15 +297,15 @@ impl Sim {
                 .front()
                 .is_some_and(|e| e.0.max(sb.paused_until) <= t)
             {
-                let Some((_, seq, changes)) = sb.inbox.pop_front() else {
+                let Some((_, m, raw)) = sb.inbox.pop_front() else {
                     break;
                 };
-                match sb.feed.on_frame(
-                    sb.conn,
-                    ToStandby::Entry { seq, changes },
-                    Vec::new(),
-                    us(t),
-                ) {
+                let (seq, entry) = match &m {
+                    ToStandby::Entry { seq, .. } => (*seq, true),
+                    _ => (0, false),
+                };
+                match sb.feed.on_frame(sb.conn, m, raw, us(t)) {
+                    Ok(None) if !entry => {}
                     Ok(Some(ack)) => {
                         let at = sb
                             .acks
@@ -394,77 +443,6 @@ impl Sim {
         Ok(())
     }
 
-    /// The in-sync set emptied: the entries streamed go to etcd's log (the leader's tail),
-    /// then what is queued, and from now on the journal is etcd's.
-    pub(super) fn rebase(&mut self, step: usize) -> Result<(), Failure> {
-        let Some(s) = self.streaming.take() else {
-            return Ok(());
-        };
-        self.note(format!(
-            "no standby in sync: the {} entries streamed go to etcd's log",
-            s.tail.len()
-        ));
-        let tail: Vec<Vec<Change>> = s.tail.iter().filter(|c| !c.is_empty()).cloned().collect();
-        self.journal.rebase_entries(&tail);
-        if self.journal.gave_up {
-            // (Nothing is answered: the leader fences itself with what it held.)
-            self.streaming = Some(s);
-            self.writer_gave_up();
-            return Ok(());
-        }
-        // (The first `sent` are in the tail already.)
-        for i in 0.. {
-            let Some(e) = self.pending.pop_front() else {
-                break;
-            };
-            self.durable(step, e, i >= s.sent)?;
-        }
-        self.check_snapshot(step, false)
-    }
-
-    /// The leader died while streaming: an in-sync member takes over from its mirror, which it
-    /// writes to etcd's log first. (Whatever else is in flight to it is lost with the leader.)
-    pub(super) fn take_over_from_standby(&mut self) {
-        let Some(mut s) = self.streaming.take() else {
-            return;
-        };
-        let members = s.members();
-        if members.is_empty() {
-            return;
-        }
-        let m = members[self.rng.random_range(0..members.len())];
-        let feed = &mut s.standbys[m].feed;
-        let Some((seq, _)) = feed.take(self.term) else {
-            self.note(format!(
-                "standby {m} holds no complete mirror of term {}",
-                self.term
-            ));
-            return;
-        };
-        let mut mirror: Vec<Vec<Change>> = std::mem::take(&mut feed.pending)
-            .into_iter()
-            .map(|(_, c)| c)
-            .collect();
-        self.counts.standby_takeovers += 1;
-        self.note(format!(
-            "standby {m} takes over at entry {seq} of {} streamed",
-            s.seq
-        ));
-        // Its mirror is an image and the entries after it, written to etcd as a snapshot (the
-        // takeover's rebase of a whole state), or the entries after where etcd's journal is
-        // whole, written to its log.
-        let image = match s.standbys[m].image {
-            Some(_) if !mirror.is_empty() => Some(mirror.remove(0)),
-            Some(_) => Some(Vec::new()),
-            None => None,
-        };
-        let entries: Vec<Vec<Change>> = mirror.into_iter().filter(|c| !c.is_empty()).collect();
-        match self.journal.take_over(image, &entries) {
-            Ok(()) => self.standby_check_snapshot(),
-            Err(e) => self.note(format!("the standby could not read etcd's journal: {e}")),
-        }
-    }
-
     /// The writer links standby `i` (the roster said so): it commits what is queued, sends
     /// it an image of the state after its last entry, then every entry after it; it joins the
     /// set once it acknowledged everything ([`Roster::joining`]). One link in five fails to
@@ -491,6 +469,19 @@ impl Sim {
             return;
         };
         let seq = s.seq;
+        // (Its image is after where the etcd journal is whole: the leader's run up to the
+        // image follows it, so that it keeps what the others keep: `ToStandby::Run`.)
+        let run = s.tail.upto(seq).map(|(base, frames)| ToStandby::Run {
+            base,
+            frames: frames
+                .into_iter()
+                .map(|f| KeptFrame {
+                    first: f.first,
+                    last: f.last,
+                    frame: bytes::Bytes::from(f.frame.to_vec()),
+                })
+                .collect(),
+        });
         let sb = &mut s.standbys[i];
         let linked = sb.feed.hello(term).and_then(|conn| {
             sb.feed.on_frame(
@@ -503,12 +494,15 @@ impl Sim {
                 Vec::new(),
                 us(now),
             )?;
+            if let Some(run) = run {
+                sb.feed.on_frame(conn, run, Vec::new(), us(now))?;
+            }
             Ok(conn)
         });
         match linked {
             Ok(conn) => {
-                (sb.conn, sb.linked, sb.image, sb.inbox, sb.acks) =
-                    (conn, true, Some(seq), VecDeque::new(), VecDeque::new());
+                (sb.conn, sb.linked, sb.relinked, sb.inbox, sb.acks) =
+                    (conn, true, true, VecDeque::new(), VecDeque::new());
                 s.roster.linked(&name(i), &name(i), true, true, seq);
                 // (It acknowledges its image as it takes it.)
                 s.roster.observe(&name(i), seq, false);
@@ -563,6 +557,8 @@ impl Sim {
                 ),
             ));
         }
+        // (A snapshot still being written is left for the next leader to collect.)
+        self.journal.snapshot_dropped();
         self.leader = None;
         self.streaming = None;
         self.down_until = self.now;

@@ -55,10 +55,81 @@ fn seeds() -> Vec<u64> {
     }
 }
 
+/// How long one seed may run on the wall clock before the test fails naming it: a seed that
+/// hangs where the simulation's own budget ([`WORK`], the election's `POLLS_PER_TURN`) does
+/// not look. A seed takes milliseconds; this is for a hang, not for a slow machine.
+const SEED_WALL: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Runs `f` over `seeds` on every CPU: each seed's result, in no particular order. A seed
+/// that runs longer than [`SEED_WALL`] is `Err` naming it and how to replay it, as the last
+/// result (its thread is left running: the test fails, and the test process ends with it).
+pub fn run_seeds<T: Send + 'static>(
+    seeds: &[u64],
+    f: fn(u64) -> Result<T, String>,
+) -> Vec<Result<T, String>> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{mpsc, Arc};
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(seeds.len().max(1));
+    let started = std::time::Instant::now();
+    // Per thread: the seed it runs and since when (ms from `started`; u64::MAX: none).
+    let running: Arc<Vec<(AtomicU64, AtomicU64)>> = Arc::new(
+        (0..threads)
+            .map(|_| (AtomicU64::new(0), AtomicU64::new(u64::MAX)))
+            .collect(),
+    );
+    let (tx, rx) = mpsc::channel();
+    for t in 0..threads {
+        let mine: Vec<u64> = seeds.iter().copied().skip(t).step_by(threads).collect();
+        let (tx, running) = (tx.clone(), Arc::clone(&running));
+        std::thread::spawn(move || {
+            for seed in mine {
+                running[t].0.store(seed, Ordering::Release);
+                running[t]
+                    .1
+                    .store(started.elapsed().as_millis() as u64, Ordering::Release);
+                let r = f(seed);
+                running[t].1.store(u64::MAX, Ordering::Release);
+                if tx.send(r).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    drop(tx);
+    let mut out = Vec::with_capacity(seeds.len());
+    while out.len() < seeds.len() {
+        match rx.recv_timeout(std::time::Duration::from_millis(500)) {
+            Ok(r) => out.push(r),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                out.push(Err("a simulation thread panicked".to_string()));
+                break;
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let now = started.elapsed().as_millis() as u64;
+                let hung = running.iter().find_map(|(seed, since)| {
+                    let since = since.load(Ordering::Acquire);
+                    (since != u64::MAX && now.saturating_sub(since) > SEED_WALL.as_millis() as u64)
+                        .then(|| seed.load(Ordering::Acquire))
+                });
+                if let Some(seed) = hung {
+                    out.push(Err(format!(
+                        "simulation seed {seed} ran for more than {SEED_WALL:?} without ending (hung)\nreplay it alone: KVFERRY_SIM_SEED={seed} cargo test -p kvferry-store --lib sim::"
+                    )));
+                    break;
+                }
+            }
+        }
+    }
+    out
+}
+
 /// Every seed holds every invariant (see the module docs), and the runs did what they are
 /// meant to exercise: failovers, early answers, late writes, expiries, snapshots (leaders
 /// dying mid-snapshot, etcd's journal over half its bound), leaders streaming to in-sync
-/// standbys, members leaving the set, takeovers from a standby's mirror.
+/// standbys, members leaving the set, takeovers from a standby's mirror. A seed that stops
+/// making progress fails with its number ([`WORK`], [`SEED_WALL`]).
 #[test]
 fn every_seed_holds_the_invariants() {
     let seeds = seeds();
@@ -66,30 +137,15 @@ fn every_seed_holds_the_invariants() {
         .map_or(1, |n| n.get())
         .min(seeds.len().max(1));
     let started = std::time::Instant::now();
-    let results: Vec<Result<Counts, Failure>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                let mine: Vec<u64> = seeds.iter().copied().skip(t).step_by(threads).collect();
-                s.spawn(move || {
-                    let mut total = Counts::default();
-                    for seed in mine {
-                        total += run(seed)?.0;
-                    }
-                    Ok(total)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("a simulation thread panicked"))
-            .collect()
+    let results = run_seeds(&seeds, |seed| {
+        run(seed).map(|(c, _)| c).map_err(|f| report(&f))
     });
     let mut total = Counts::default();
     let mut failures = Vec::new();
     for r in results {
         match r {
             Ok(c) => total += c,
-            Err(f) => failures.push(report(&f)),
+            Err(f) => failures.push(f),
         }
     }
     let secs = started.elapsed().as_secs_f64();
@@ -99,6 +155,18 @@ fn every_seed_holds_the_invariants() {
         seeds.len() as f64 / secs
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+    if seeds.len() >= 1000 {
+        assert!(
+            total.tail_rebases > 0
+                && total.whole_rebases > 0
+                && total.tail_takeovers > 0
+                && total.joined_tail_takeovers > 0
+                && total.refreshes > 0
+                && total.refreshes_given_up > 0
+                && total.interleaved_snapshots > 0,
+            "the runs did not exercise the kept tails: {total:?}"
+        );
+    }
     if seeds.len() >= 100 {
         assert!(
             total.failovers > 0
@@ -126,6 +194,10 @@ fn every_seed_holds_the_invariants() {
                 && total.etcd_lost_answers > 0
                 && total.writer_give_ups > 0,
             "the runs did not exercise the etcd journal's snapshots: {total:?}"
+        );
+        assert!(
+            total.removals_checked > 0,
+            "no acknowledged removal was checked after a failover: {total:?}"
         );
         assert!(
             total.puts_acked > 10 * seeds.len() as u64 && total.reads_checked > seeds.len() as u64,
@@ -163,26 +235,7 @@ fn no_two_masters_ever_admit_at_once() {
         .map_or(1, |n| n.get())
         .min(seeds.len().max(1));
     let started = std::time::Instant::now();
-    let runs: Vec<Result<[u64; 3], String>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                let mine: Vec<u64> = seeds.iter().copied().skip(t).step_by(threads).collect();
-                s.spawn(move || {
-                    mine.into_iter().map(super::election::run).try_fold(
-                        [0; 3],
-                        |a: [u64; 3], r| -> Result<[u64; 3], String> {
-                            let r = r?;
-                            Ok([a[0] + r[0], a[1] + r[1], a[2] + r[2]])
-                        },
-                    )
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("an election thread panicked"))
-            .collect()
-    });
+    let runs = run_seeds(&seeds, super::election::run);
     let [mut leaderships, mut from_mirror, mut empty] = [0; 3];
     for r in runs {
         let [l, m, e] = r.unwrap_or_else(|e| panic!("{e}"));

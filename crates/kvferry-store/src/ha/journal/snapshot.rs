@@ -6,6 +6,7 @@
 
 use super::*;
 use crate::repl::roster::{RebaseFrom, Roster};
+use crate::repl::{MirrorTail, Takeover};
 
 /// The longest a leader holds the state's lock while it takes an image (a standby that
 /// links, a snapshot): past it, the lock is let go between two pieces for [`IMAGE_GAP`].
@@ -265,14 +266,9 @@ impl Writer<'_> {
         let at = seq.unwrap_or(self.log.seq());
         let written = self.write_snapshot(image, at, None, true)?;
         if let Some(s) = self.sync.as_ref() {
-            let mut t = s.tail();
-            if written {
-                t.based();
-            } else {
-                t.drop_next();
-            }
-            drop(t);
-            if written {
+            // (The tail's machine decides what becomes of the run, and whether to tell.)
+            let tell = s.tail().refreshed(written);
+            if tell {
                 s.base(at, true);
             }
         }
@@ -386,27 +382,39 @@ impl Writer<'_> {
     /// Makes the etcd journal whole with the state this leader starts from (taken over from
     /// a mirror, or empty), and empties the in-sync set: from then on the journal in etcd is
     /// whole again. The etcd journal ends at entry `stored`; the state is the mirror's at
-    /// entry `seq`. With `tail`, the entries after `stored` up to `seq` as the mirror received
-    /// them ([`crate::ha::sync::Mirror::take`]), they go to the log as a leader's rebase writes its
-    /// own; else the whole state is written as a snapshot after the later of the two.
-    /// Whether it wrote the tail (`Some(true)`) or the whole state.
+    /// entry `seq`, which kept `tail` ([`crate::ha::sync::Mirror::take`]). What is written
+    /// is the tail's machine's decision ([`MirrorTail::takeover`]): the entries after
+    /// `stored` up to `seq` as the mirror received them, to the log as a leader's rebase
+    /// writes its own, or the whole state as a snapshot after the later of the two. Whether
+    /// it wrote the tail (`Some(true)`) or the whole state.
     pub fn rebase_at_takeover(
         &mut self,
         stored: u64,
         seq: u64,
-        tail: Option<Vec<TailFrame>>,
+        tail: Option<&MirrorTail>,
     ) -> Option<bool> {
         let started = Instant::now();
-        if let Some(frames) = tail.filter(|_| seq >= stored) {
-            match tail_log_values(self.log.prefix(), &frames) {
-                Some(values) => {
-                    self.log.set_seq(seq);
-                    return self.rebase_with(values, stored, frames.len() as u64, started).map(|_| true);
-                }
-                None => tracing::info!("HA journal: an entry the mirror received does not fit a log value; the takeover writes the whole state"),
+        let mut values = None;
+        let prefix = self.log.prefix().to_string();
+        let plan = MirrorTail::takeover(tail, stored, seq, |frames| {
+            values = tail_log_values(&prefix, frames);
+            if values.is_none() {
+                tracing::info!("HA journal: an entry the mirror received does not fit a log value; the takeover writes the whole state");
             }
-        }
-        self.log.set_seq(seq.max(stored));
+            values.is_some()
+        });
+        let at = match (plan, values) {
+            (Takeover::Tail(frames), Some(values)) => {
+                self.log.set_seq(seq);
+                return self
+                    .rebase_with(values, stored, frames.len() as u64, started)
+                    .map(|_| true);
+            }
+            // (A tail is planned only with its values made: not reached.)
+            (Takeover::Tail(_), None) => seq.max(stored),
+            (Takeover::Whole { at }, _) => at,
+        };
+        self.log.set_seq(at);
         self.rebase().map(|_| false)
     }
 }

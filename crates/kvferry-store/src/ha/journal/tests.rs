@@ -5,6 +5,7 @@ use crate::ha::log::{decode_chunk, log_key, log_range, REBASE_VALUE_MAX};
 use crate::master::journal::Image;
 use crate::master::journal::ObjectRec;
 use crate::repl::roster::retry_link_after;
+use crate::repl::TailFrame;
 
 fn obj(i: usize) -> Change {
     Change::Object {
