@@ -30,6 +30,12 @@ SERVED: Dict[str, str] = {
     "mooncake.cli": "kvferry.mooncake.cli",
 }
 
+#: Private names a served module re-exports too (Mooncake's ``mooncake.store`` serves its C++
+#: module's tensor (de)serializers under these names).
+PRIVATE_EXPORTS: Dict[str, Tuple[str, ...]] = {
+    name: ("_serialize_tensor", "_tensor_metadata_size", "_deserialize_tensor") for name in ("mooncake.store", "mooncake._store")
+}
+
 #: The served aliases that are packages in the 0.3.14 wheel (their refused children,
 #: e.g. ``mooncake.store.rs``, must reach the finder instead of "... is not a package").
 PACKAGES = frozenset({"mooncake", "mooncake.store"})

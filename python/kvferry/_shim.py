@@ -56,6 +56,8 @@ class _AliasLoader(importlib.abc.Loader):
         names = getattr(real, "__all__", None) or [n for n in vars(real) if not n.startswith("_")]
         for n in names:
             setattr(module, n, getattr(real, n))
+        for n in _modules.PRIVATE_EXPORTS.get(module.__name__, ()):
+            setattr(module, n, getattr(real, n))
         module.__all__ = list(names)  # type: ignore[attr-defined]
         module.__doc__ = real.__doc__
         module.__kvferry_target__ = self.target  # type: ignore[attr-defined]
