@@ -285,3 +285,20 @@ def test_cli_runs_kvferry_master(monkeypatch, tmp_path):
     r = subprocess.run([sys.executable, "-m", "mooncake.cli", "--help"], capture_output=True, text=True, timeout=60, env=peer_env(True))
     assert r.returncode == 0, r.stderr
     assert "rpc_port" in r.stdout + r.stderr
+
+
+def test_docs_list_every_module_with_its_status():
+    """docs/PYTHON.md's module table names each entry of the table the shim uses, with the
+    same verdict (served / refused)."""
+    from conftest import ROOT
+
+    doc = (ROOT / "docs" / "PYTHON.md").read_text()
+    section = doc[doc.index("## Mooncake 0.3.14's Python modules"):doc.index("## Mooncake-compatible store")]
+    rows = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            name = line.split("`")[1]
+            rows[name] = line.split(" | ")[1].split(":")[0]
+    want = {n: "served" for n in registry.SERVED}
+    want.update({n: "refused" for n in list(registry.REFUSED) + list(registry.REFUSED_TREES)})
+    assert rows == want

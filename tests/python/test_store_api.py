@@ -388,7 +388,7 @@ def test_not_provided_names_say_so():
     s = MooncakeDistributedStore()
     assert s.get_replica_desc("k") == [] and s.batch_get_replica_desc(["k"]) == {}, "not set up: empty, as Mooncake's failures"
     with pytest.raises(AttributeError, match="not provided by kvferry"):
-        s.put_tensor  # noqa: B018
+        s.put_tensor_with_parallelism  # noqa: B018  (after 0.3.14)
     with pytest.raises(AttributeError, match="no attribute"):
         s.no_such_method  # noqa: B018
 
