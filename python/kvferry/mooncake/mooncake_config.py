@@ -5,8 +5,9 @@ runs the same inputs through the stock module and this one and compares the resu
 
 ``MooncakeDistributedStore().setup(...)`` takes the fields as Mooncake's does
 (``config.master_server_address`` is ``setup``'s ``master_server_addr``). kvferry's store
-refuses what it cannot honour at ``setup``, not here: ``enable_ssd_offload=True``,
-``tenant_id`` other than ``"default"`` and ``enable_client_http_server=True``.
+refuses what it cannot honour at ``setup``, not here: ``tenant_id`` other than
+``"default"`` and ``enable_client_http_server=True`` (``enable_ssd_offload`` with
+``ssd_offload_path`` gives the client its disk tier).
 """
 
 from __future__ import annotations
