@@ -45,7 +45,8 @@ def test_find_spec_of_a_module_the_shim_does_not_serve_is_none():
     kvferry.install_mooncake_shim()
     try:
         assert importlib.util.find_spec("mooncake.store") is not None
-        assert importlib.util.find_spec("mooncake.structured_object_store") is None
+        # A module of Mooncake 0.3.14's wheel that kvferry refuses: a spec whose loader raises the reason.
+        assert importlib.util.find_spec("mooncake.structured_object_store") is not None
         assert importlib.util.find_spec("mooncake.kvferry_no_such_module") is None
         with pytest.raises(ModuleNotFoundError):
             import mooncake.kvferry_no_such_module  # noqa: F401
@@ -387,7 +388,7 @@ def test_not_provided_names_say_so():
     s = MooncakeDistributedStore()
     assert s.get_replica_desc("k") == [] and s.batch_get_replica_desc(["k"]) == {}, "not set up: empty, as Mooncake's failures"
     with pytest.raises(AttributeError, match="not provided by kvferry"):
-        s.put_tensor  # noqa: B018
+        s.put_tensor_with_parallelism  # noqa: B018  (after 0.3.14)
     with pytest.raises(AttributeError, match="no attribute"):
         s.no_such_method  # noqa: B018
 

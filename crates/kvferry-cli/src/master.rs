@@ -656,6 +656,8 @@ pub fn run(a: MasterArgs, matches: &clap::ArgMatches) -> Result<(), String> {
             port,
             data_dir: a.http_metadata_server_data_dir.clone(),
             max_body_bytes: 64 << 20,
+            max_keys: 0,
+            max_total_bytes: 0,
             request_timeout: 10.0,
             max_connections: 4096,
             threads: 1,

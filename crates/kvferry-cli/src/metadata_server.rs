@@ -14,6 +14,10 @@
 //!   replacing a dead engine's `rpc_meta` entry needs so that it never removes the entry
 //!   another engine just made (`MetadataStore::remove_if`).
 //! - No or empty key → 400 `metadata key is required`; other methods → 405; `GET /health` → `OK`.
+//! - `--max-keys` / `--max-total-bytes` (Mooncake 0.3.14's `MC_METADATA_MAX_KEYS` /
+//!   `MC_METADATA_MAX_TOTAL_BYTES`; 0, the default: no limit): a PUT of a new key past the first,
+//!   or one that would hold more key and value bytes than the second, → 507 `metadata key
+//!   budget exhausted` / `metadata size budget exhausted`, and nothing changes.
 //! - With the cluster key (`KVFERRY_AUTH_KEY_FILE`, read from kvferry's `Config`; `kvferry
 //!   master --enable-http-metadata-server` passes the one it read): every request to
 //!   `/metadata` other than GET and HEAD (PUT, DELETE, POST...) must carry an
@@ -66,6 +70,14 @@ pub struct ServerArgs {
     /// Largest request body accepted (bytes); larger PUTs get 413.
     #[arg(long, default_value_t = 64 << 20)]
     pub max_body_bytes: u64,
+    /// Most keys held (0: no limit); a PUT of a new key past it gets 507 `metadata key
+    /// budget exhausted`, as Mooncake 0.3.14's `MC_METADATA_MAX_KEYS`.
+    #[arg(long, default_value_t = 0)]
+    pub max_keys: u64,
+    /// Most bytes held, keys and values together (0: no limit); a PUT past it gets 507
+    /// `metadata size budget exhausted`, as Mooncake 0.3.14's `MC_METADATA_MAX_TOTAL_BYTES`.
+    #[arg(long, default_value_t = 0)]
+    pub max_total_bytes: u64,
     /// Seconds a client may take to send a request's headers, and again its body.
     #[arg(long, default_value_t = 10.0)]
     pub request_timeout: f64,
@@ -316,6 +328,11 @@ struct State {
     /// (Not read through `writer`'s lock, which a change holds across its fsync.)
     durable: bool,
     max_body: u64,
+    /// `--max-keys` and `--max-total-bytes` (0: no limit).
+    max_keys: u64,
+    max_total: u64,
+    /// Bytes held, keys and values (what `--max-total-bytes` bounds); changed under `writer`.
+    total: std::sync::atomic::AtomicU64,
     body_timeout: Duration,
     /// With the cluster key: what checks the writes' signatures.
     guard: Option<kvferry::auth_http::Guard>,
@@ -446,6 +463,12 @@ fn query_key(query: Option<&str>) -> Option<String> {
 }
 
 /// The `ETag` of write `rev` (a strong validator, quoted as HTTP wants it).
+/// What an entry counts against `--max-total-bytes`: its key's and its value's bytes (as
+/// Mooncake 0.3.14's server counts them).
+fn entry_bytes(key: &str, value: &[u8]) -> u64 {
+    (key.len() + value.len()) as u64
+}
+
 fn etag(rev: u64) -> String {
     format!("\"{rev}\"")
 }
@@ -511,10 +534,37 @@ impl State {
                 });
             }
         }
+        // Mooncake 0.3.14's budgets: a new key past --max-keys, or a total of keys and values
+        // past --max-total-bytes (the old value of the key counted out), is refused.
+        let (held, old) = {
+            let map = self.map.read().unwrap_or_else(|e| e.into_inner());
+            (
+                map.len() as u64,
+                map.get(key).map(|s| entry_bytes(key, &s.value)),
+            )
+        };
+        if old.is_none() && self.max_keys > 0 && held >= self.max_keys {
+            return Ok(reply(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "metadata key budget exhausted",
+            ));
+        }
+        let total = self.total.load(std::sync::atomic::Ordering::Relaxed);
+        let new_total = total
+            .saturating_sub(old.unwrap_or(0))
+            .saturating_add(entry_bytes(key, &value));
+        if self.max_total > 0 && new_total > self.max_total {
+            return Ok(reply(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "metadata size budget exhausted",
+            ));
+        }
         if let Some(wal) = w.as_mut() {
             wal.append(&record(OP_PUT, key.as_bytes(), &value))
                 .map_err(|e| format!("writing {}: {e}", wal.path.display()))?;
         }
+        self.total
+            .store(new_total, std::sync::atomic::Ordering::Relaxed);
         let rev = self.rev();
         self.map
             .write()
@@ -542,10 +592,17 @@ impl State {
             wal.append(&record(OP_DELETE, key.as_bytes(), b""))
                 .map_err(|e| format!("writing {}: {e}", wal.path.display()))?;
         }
-        self.map
+        if let Some(old) = self
+            .map
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(key);
+            .remove(key)
+        {
+            self.total.fetch_sub(
+                entry_bytes(key, &old.value),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
         self.compact(&mut w);
         Ok(reply(StatusCode::OK, "metadata deleted"))
     }
@@ -727,6 +784,7 @@ fn run_inner(
         None => (None, HashMap::new()),
     };
     let entries = map.len();
+    let total: u64 = map.iter().map(|(k, v)| entry_bytes(k, v)).sum();
     let first_rev = rand::random::<u64>() >> 2;
     let map = map
         .into_iter()
@@ -747,6 +805,9 @@ fn run_inner(
         durable: wal.is_some(),
         writer: Mutex::new(wal),
         max_body: a.max_body_bytes,
+        max_keys: a.max_keys,
+        max_total: a.max_total_bytes,
+        total: std::sync::atomic::AtomicU64::new(total),
         body_timeout: Duration::from_secs_f64(a.request_timeout),
         guard: a.auth.clone().map(kvferry::auth_http::Guard::new),
         token: a.token.clone(),

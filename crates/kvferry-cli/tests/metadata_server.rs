@@ -232,6 +232,51 @@ fn durable_across_sigkill() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Mooncake 0.3.14's budgets (`MC_METADATA_MAX_KEYS`, `MC_METADATA_MAX_TOTAL_BYTES`): a new key
+/// past `--max-keys` and a PUT that would hold more than `--max-total-bytes` (keys and values;
+/// the key's old value counted out) get 507 and change nothing; a DELETE frees budget; the
+/// total held is recounted from the log after a restart.
+#[test]
+fn key_and_size_budgets_refuse_with_507_as_mooncake_0_3_14() {
+    let dir = std::env::temp_dir().join(format!("kvferry-meta-budget-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().unwrap();
+    let budget = [
+        "--max-keys",
+        "2",
+        "--max-total-bytes",
+        "40",
+        "--data-dir",
+        d,
+    ];
+    let mut s = Server::start(&[&["--port", "0"][..], &budget[..]].concat());
+    let p = s.port;
+    let full =
+        |p: u16, key: &str, v: &str| http(p, "PUT", &format!("/metadata?key={key}"), v.as_bytes());
+    put(p, "k1", "0123456789"); // 12 bytes held
+    put(p, "k2", "0123456789012345"); // 30
+    let r = full(p, "k3", "x");
+    assert_eq!((r.0, r.2.as_str()), (507, "metadata key budget exhausted"));
+    assert_eq!(get(p, "k3").0, 404, "a refused PUT stores nothing");
+    // Replacing a value counts the old one out: 30 - 12 + 16 = 34 fits, 30 - 12 + 21 = 39 too,
+    // 39 - 23 + 25 = 41 does not.
+    put(p, "k1", "01234567890123");
+    put(p, "k1", "0123456789012345678");
+    let r = full(p, "k2", "01234567890123456789012");
+    assert_eq!((r.0, r.2.as_str()), (507, "metadata size budget exhausted"));
+    assert_eq!(get(p, "k2"), (200, "0123456789012345".into()));
+    s.kill();
+    // After a restart the held bytes are recounted from the log: still full.
+    let s2 = Server::start(&[&["--port", "0"][..], &budget[..]].concat());
+    let r = full(s2.port, "k2", "01234567890123456789012");
+    assert_eq!(r.0, 507, "{}", r.2);
+    assert_eq!(http(s2.port, "DELETE", "/metadata?key=k1", b"").0, 200);
+    put(s2.port, "k3", "01234567890123456789"); // the key and bytes k1 held are free again
+    assert_eq!(full(s2.port, "k4", "x").0, 507);
+    drop(s2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Keep-alive requests on one connection: (status, body) of each.
 fn keep_alive(c: &mut BufReader<TcpStream>, method: &str, key: &str, body: &str) -> (u16, String) {
     let head = format!(

@@ -17,15 +17,22 @@ Command line, as Mooncake's ``mooncake_http_metadata_server``::
 In Python, ``KVBootstrapServer(port, host="0.0.0.0")`` with ``run()``, ``poll()`` and
 ``close()`` as in Mooncake. Differences: ``run()`` returns once the server listens (port 0
 picks a free port; ``server.port`` is then the chosen one) and raises ``RuntimeError`` if it
-cannot start (Mooncake logs the error and ``poll()`` answers ``KVPoll.Failed``); a PUT of an
-existing ``rpc_meta`` key with the same body answers 200 ``metadata unchanged`` (the rule of
-Mooncake's C++ server; its Python server answers 400 to any such PUT).
+cannot start (Mooncake logs the error and ``poll()`` answers ``KVPoll.Failed``).
+
+As Mooncake 0.3.14's: keys are stripped, and a missing, empty or blank key is 400 ``metadata
+key is required``; ``MC_METADATA_HTTP_TOKEN`` makes every request carry ``Authorization:
+Bearer <token>``; ``run()`` refuses a non-loopback host without a token unless
+``MC_METADATA_HTTP_ALLOW_INSECURE=1``; ``MC_METADATA_MAX_BODY_BYTES`` (1 MiB, 413 beyond),
+``MC_METADATA_MAX_KEYS`` (65536) and ``MC_METADATA_MAX_TOTAL_BYTES`` (1 GiB, keys and values;
+507 beyond) bound what it holds. tests/python/test_http_metadata_server.py compares it with the
+stock 0.3.14 server request by request.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import ipaddress
 import logging
 import os
 import shutil
@@ -104,6 +111,58 @@ def kvferry_command() -> List[str]:
     return [find_kvferry_binary()]
 
 
+def _int_env(name: str, default: int) -> int:
+    """A positive integer from the environment (Mooncake 0.3.14's rule: unset or empty is the
+    default, anything else must be an integer >= 1, else ValueError naming the variable)."""
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("%s must be a positive integer, got %r" % (name, raw)) from None
+    if value < 1:
+        raise ValueError("%s must be a positive integer, got %r" % (name, raw))
+    return value
+
+
+def _budget_args() -> List[str]:
+    """Mooncake 0.3.14's limits, from its variables and with its defaults, as the server's flags:
+    MC_METADATA_MAX_BODY_BYTES (1 MiB: 413 beyond), MC_METADATA_MAX_KEYS (65536) and
+    MC_METADATA_MAX_TOTAL_BYTES (1 GiB, keys and values: 507 beyond)."""
+    return [
+        "--max-body-bytes", str(_int_env("MC_METADATA_MAX_BODY_BYTES", 1 << 20)),
+        "--max-keys", str(_int_env("MC_METADATA_MAX_KEYS", 65536)),
+        "--max-total-bytes", str(_int_env("MC_METADATA_MAX_TOTAL_BYTES", 1 << 30)),
+    ]
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_open_bind(host: str, port: int) -> None:
+    """Mooncake 0.3.14's rule: no serving a non-loopback address without a token (anyone who
+    can reach it could read and rewrite the cluster's metadata) unless
+    MC_METADATA_HTTP_ALLOW_INSECURE says so. RuntimeError naming the three ways out."""
+    token = os.environ.get("MC_METADATA_HTTP_TOKEN") or os.environ.get("KVFERRY_METADATA_HTTP_TOKEN")
+    insecure = os.environ.get("MC_METADATA_HTTP_ALLOW_INSECURE", "").lower() in ("1", "true", "yes")
+    if not token and not _is_loopback(host) and not insecure:
+        raise RuntimeError(
+            "HTTP Metadata Server refuses to bind %s:%d without an authentication token: anyone who can reach this "
+            "port could read and rewrite cluster metadata. Set MC_METADATA_HTTP_TOKEN here and on every engine, bind a "
+            "loopback address, or export MC_METADATA_HTTP_ALLOW_INSECURE=1 to keep the legacy open behavior." % (host, port)
+        )
+    if not token and not _is_loopback(host):
+        _log.warning("HTTP Metadata Server is bound to %s with no authentication token (MC_METADATA_HTTP_ALLOW_INSECURE opt-in): "
+                     "anyone who can reach this port can read and rewrite cluster metadata. Set MC_METADATA_HTTP_TOKEN here and on every engine.", host)
+
+
 # Servers started here, stopped at interpreter exit if their owner did not close them.
 _live: "weakref.WeakSet[KVBootstrapServer]" = weakref.WeakSet()
 
@@ -129,6 +188,8 @@ class KVBootstrapServer:
         self.port = port
         self.host = str(host)
         self.thread: Optional[threading.Thread] = None
+        # Read here, as Mooncake reads them in __init__ (ValueError for a bad value).
+        self._budget = _budget_args()
         self._proc: Optional[subprocess.Popen] = None
         self._lock = threading.Lock()
 
@@ -149,7 +210,8 @@ class KVBootstrapServer:
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 return self.thread  # type: ignore[return-value]
-            cmd = kvferry_command() + ["metadata-server", "--host", self.host, "--port", str(self.port)]
+            _check_open_bind(self.host, self.port)
+            cmd = kvferry_command() + ["metadata-server", "--host", self.host, "--port", str(self.port)] + self._budget
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             line = self._first_line(proc)
             if line is None:
@@ -271,10 +333,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     except FileNotFoundError as e:
         print("mooncake_http_metadata_server (kvferry): %s" % e, file=sys.stderr)
         return 1
+    try:
+        budget = _budget_args()
+        _check_open_bind(args.host, args.port)
+    except (RuntimeError, ValueError) as e:
+        print("mooncake_http_metadata_server (kvferry): %s" % e, file=sys.stderr)
+        return 1
     os.environ.setdefault("KVFERRY_LOG", _LEVELS[args.log_level])
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(cmd[0], cmd + ["metadata-server", "--host", args.host, "--port", str(args.port)])
+    os.execv(cmd[0], cmd + ["metadata-server", "--host", args.host, "--port", str(args.port)] + budget)
     return 1  # not reached
 
 

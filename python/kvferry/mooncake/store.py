@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import store as _native
 from .buffer_pool import BufferLease, BufferPool, RegisteredBufferLease, RegisteredBufferPool
+from ._tensor import TensorMethods, deserialize_tensor as _deserialize_tensor, serialize_tensor as _serialize_tensor, tensor_metadata_size as _tensor_metadata_size  # noqa: F401 - Mooncake's private exports
 
 __all__ = [
     "MooncakeDistributedStore",
@@ -321,8 +322,8 @@ def _ptr(p: Any) -> int:
     return p
 
 
-class MooncakeDistributedStore:
-    """Mooncake Store's Python client API."""
+class MooncakeDistributedStore(TensorMethods):
+    """Mooncake Store's Python client API (the torch tensor calls: ``_tensor.py``)."""
 
     def __init__(self) -> None:
         self._s: Optional[_native.Store] = None
@@ -1057,19 +1058,13 @@ def bind_to_numa_node(node: int) -> None:
         _log.warning("kvferry: bind_to_numa_node(%r) skipped: %s", node, e)
 
 
-_TENSOR = "Mooncake's tensor object format (a versioned header with the dtype, shapes and parallel layout) can only be checked against stock Mooncake with torch installed, which this project's CI cannot install; store torch tensors with put_from/get_into on their data_ptr(), or as bytes with put_batch/get_batch"
+_PARALLELISM = "Mooncake's generalised parallelism tensor calls came after 0.3.14 (kvferry serves 0.3.14's *_tensor_with_tp calls); use put_tensor_with_tp/get_tensor_with_tp"
 _NOT_PROVIDED: Dict[str, str] = {
-    **{n: _TENSOR for n in (
-        "put_tensor", "get_tensor", "batch_put_tensor", "batch_get_tensor", "put_tensor_with_tp", "get_tensor_with_tp",
-        "batch_put_tensor_with_tp", "batch_get_tensor_with_tp", "pub_tensor", "batch_pub_tensor", "pub_tensor_with_tp",
-        "batch_pub_tensor_with_tp", "get_tensor_into", "batch_get_tensor_into", "get_tensor_into_cuda", "batch_get_tensor_into_cuda",
-        "put_tensor_from", "batch_put_tensor_from", "put_tensor_with_tp_from", "batch_put_tensor_with_tp_from", "upsert_tensor",
-        "upsert_tensor_from", "batch_upsert_tensor_from", "batch_upsert_tensor", "upsert_pub_tensor", "batch_upsert_pub_tensor",
+    **{n: _PARALLELISM for n in (
         "get_tensor_with_parallelism", "batch_get_tensor_with_parallelism", "get_tensor_with_parallelism_into",
         "batch_get_tensor_with_parallelism_into", "put_tensor_with_parallelism", "batch_put_tensor_with_parallelism",
         "put_tensor_with_parallelism_from", "batch_put_tensor_with_parallelism_from", "upsert_tensor_with_parallelism",
         "upsert_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism",
-        "get_tensor_with_tp_into", "batch_get_tensor_with_tp_into", "save_tensor_to_safetensor", "load_tensor_from_safetensor",
     )},
     **{n: "no storage tiers besides memory (segments are mounted by setup())" for n in (
         "init_all", "mount_segment", "unmount_segment", "allocate_and_mount_segment", "unmount_and_free_segment",
