@@ -16,15 +16,18 @@
 //!
 //! This module holds the client's configuration, its setup and close, and the background
 //! threads (pings, read releases); `rpc` talks to the master, `put` and `get` move values,
-//! `staged` is the bytes API's local buffer and `keys` the calls that move no bytes.
+//! `staged` is the bytes API's local buffer and `keys` the calls that move no bytes;
+//! `session` reserves space to write by ranges and keeps replica lists to read by ranges.
 
 mod get;
 mod keys;
 mod offload;
 mod put;
 mod rpc;
+mod session;
 mod staged;
 
+pub use session::{Range, ReadLease, Reservation};
 pub use staged::Staged;
 
 use crate::error::{StoreError, StoreResult};
