@@ -1,0 +1,26 @@
+"""The ``MooncakeDistributedStore`` names kvferry does not provide, each with the reason its
+AttributeError gives (docs/PYTHON.md's table says the same)."""
+
+from typing import Dict
+
+_TENSOR = "Mooncake's tensor object format (a versioned header with the dtype, shapes and parallel layout) can only be checked against stock Mooncake with torch installed, which this project's CI cannot install; store torch tensors with put_from/get_into on their data_ptr(), or as bytes with put_batch/get_batch"
+_NOT_PROVIDED: Dict[str, str] = {
+    **{n: _TENSOR for n in (
+        "put_tensor", "get_tensor", "batch_put_tensor", "batch_get_tensor", "put_tensor_with_tp", "get_tensor_with_tp",
+        "batch_put_tensor_with_tp", "batch_get_tensor_with_tp", "pub_tensor", "batch_pub_tensor", "pub_tensor_with_tp",
+        "batch_pub_tensor_with_tp", "get_tensor_into", "batch_get_tensor_into", "get_tensor_into_cuda", "batch_get_tensor_into_cuda",
+        "put_tensor_from", "batch_put_tensor_from", "put_tensor_with_tp_from", "batch_put_tensor_with_tp_from", "upsert_tensor",
+        "upsert_tensor_from", "batch_upsert_tensor_from", "batch_upsert_tensor", "upsert_pub_tensor", "batch_upsert_pub_tensor",
+        "get_tensor_with_parallelism", "batch_get_tensor_with_parallelism", "get_tensor_with_parallelism_into",
+        "batch_get_tensor_with_parallelism_into", "put_tensor_with_parallelism", "batch_put_tensor_with_parallelism",
+        "put_tensor_with_parallelism_from", "batch_put_tensor_with_parallelism_from", "upsert_tensor_with_parallelism",
+        "upsert_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism",
+        "get_tensor_with_tp_into", "batch_get_tensor_with_tp_into", "save_tensor_to_safetensor", "load_tensor_from_safetensor",
+    )},
+    **{n: "no storage tiers besides memory (segments are mounted by setup())" for n in (
+        "init_all", "mount_segment", "unmount_segment", "allocate_and_mount_segment", "unmount_and_free_segment",
+        "unmount_local_disk_segment", "get_offload_rpc_read_count",
+    )},
+    **{n: "no replica copy/move tasks in kvferry's master" for n in ("create_copy_task", "create_move_task", "query_task")},
+    "begin_weight_snapshot": "no model-weight snapshots (Mooncake 0.3.14's weight management: revisions and residency kept by the master); store weights as values with put_from/batch_put_from",
+}
