@@ -124,8 +124,23 @@ def ranged_snapshot_no_constructor(_):
 
 
 @case
+def host_mem_allocator(_):
+    a, b = m.MooncakeHostMemAllocator(), m.MooncakeHostMemAllocator()
+    p = a.alloc(4096)
+    ctypes.memset(p, 7, 4096)
+    r = [p % 4096, ctypes.string_at(p + 4092, 4).hex(), b.free(p), a.free(p), a.free(12345)]
+    q = a.alloc(1 << 20)
+    return r + [q % 4096, ctypes.string_at(q, 4).hex(), a.free(q)]
+
+
+@case
+def host_mem_allocator_zero(_):
+    m.MooncakeHostMemAllocator().alloc(0)
+
+
+@case
 def module_names(_):
-    return [n in dir(m) for n in ("ExistOptions", "RangedReadSnapshot")]
+    return [n in dir(m) for n in ("ExistOptions", "RangedReadSnapshot", "MooncakeHostMemAllocator")]
 
 
 # -- against a master ----------------------------------------------------------------------------
@@ -388,7 +403,7 @@ def main():
     try:
         for name in names:
             try:
-                if name.startswith("exist_options") or name.startswith(("replicate_config", "ranged_snapshot", "module_names", "setup_")):
+                if name.startswith("exist_options") or name.startswith(("replicate_config", "ranged_snapshot", "module_names", "setup_", "host_mem")):
                     v = CASES[name](None)
                 else:
                     shared = shared or store()

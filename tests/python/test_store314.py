@@ -185,3 +185,13 @@ def test_setup_dict_names_the_keys_it_refuses_and_warns_once_for_those_without_e
         s.close()
         assert "ipc_socket_path='/tmp/x.sock' has no effect" in caplog.text
         assert "enable_ssd_prefetch" not in caplog.text, "false asks for nothing"
+
+
+def test_module_names_not_served_say_why():
+    import kvferry.mooncake.store as ms
+
+    for n in ("get_alloc_func_addr", "TaskType", "EngramStore"):
+        with pytest.raises(AttributeError, match="not provided by kvferry"):
+            getattr(ms, n)
+    with pytest.raises(AttributeError, match="has no attribute"):
+        ms.no_such_name  # noqa: B018

@@ -16,7 +16,7 @@ from ... import store as _native
 from ..buffer_pool import BufferLease, BufferPool, RegisteredBufferLease, RegisteredBufferPool
 from ._bytes import _Bytes
 from ._common import _fail, _log, _logged, _parse_bool, _parse_size  # noqa: F401 - tests use _parse_size
-from ._missing import _NOT_PROVIDED
+from ._missing import _MODULE_NOT_PROVIDED, _NOT_PROVIDED
 from ._multi import _Multi
 from ._ranges import RangedReadSnapshot, _Ranges
 from ._sessions import _Sessions
@@ -35,6 +35,7 @@ from ._types import (  # noqa: F401 - the module's names, as before the split
     ExistOptions,
     DiskDescriptor,
     MemoryDescriptor,
+    MooncakeHostMemAllocator,
     ObjectDataType,
     ReplicaDescriptor,
     ReplicaStatus,
@@ -55,6 +56,7 @@ __all__ = [
     "BufferHandle",
     "ExistOptions",
     "RangedReadSnapshot",
+    "MooncakeHostMemAllocator",
     "BufferPool",
     "RegisteredBufferPool",
     "BufferLease",
@@ -146,6 +148,12 @@ class MooncakeDistributedStore(_Setup, _Bytes, _Multi, _Ranges, _Sessions):
             if self._embedded is not None:
                 self._embedded.shutdown()
                 self._embedded = None
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULE_NOT_PROVIDED:
+        raise AttributeError("mooncake.store.%s is not provided by kvferry (%s; docs/PYTHON.md lists every Mooncake name)" % (name, _MODULE_NOT_PROVIDED[name]))
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
 
 
 def bind_to_numa_node(node: int) -> None:

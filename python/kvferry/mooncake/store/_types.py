@@ -6,9 +6,13 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import enum
+import errno
+import mmap
 import numbers
 import operator
-from typing import Any, List, Optional
+import os
+import threading
+from typing import Any, Dict, List, Optional
 
 from ... import store as _native
 
@@ -279,3 +283,44 @@ class ExistOptions:
 
     def __repr__(self) -> str:
         return "<ExistOptions prefetch_to_memory=%s>" % self._prefetch
+
+
+class MooncakeHostMemAllocator:
+    """Mooncake's host-memory allocator (``alloc(size)`` -> address, ``free(address)`` -> 0,
+    or -1 for an address it did not hand out or freed already). Like Mooncake's (shared
+    memory through one process-wide helper), each block is its own page-aligned shared
+    mapping of a memfd, zero-filled; any instance frees any block. ``alloc`` of 0 bytes (or a
+    size the kernel refuses) raises RuntimeError, as Mooncake's. To use a block with the
+    store, ``register_buffer`` it."""
+
+    _blocks: Dict[int, Any] = {}
+    _lock = threading.Lock()
+
+    def alloc(self, size: int) -> int:
+        n = operator.index(size)
+        try:
+            if n <= 0:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            fd = os.memfd_create("kvferry-host-mem", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, n)
+                mm = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise RuntimeError("Failed to map shared memory: %s" % (e.strerror or e)) from None
+        anchor = ctypes.c_char.from_buffer(mm)
+        addr = ctypes.addressof(anchor)
+        with self._lock:
+            self._blocks[addr] = (mm, anchor)
+        return addr
+
+    def free(self, ptr: int) -> int:
+        with self._lock:
+            block = self._blocks.pop(operator.index(ptr), None)
+        if block is None:
+            return -1
+        mm, anchor = block
+        del anchor, block  # the mapping's last export: it can close now
+        mm.close()
+        return 0
