@@ -375,6 +375,16 @@ def put_from_with_metadata(s):
 
 
 @case
+def init_all_when_set_up(s):
+    return s.init_all("tcp", "", 16 << 20)
+
+
+@case
+def init_all_keywords(s):
+    return s.init_all(protocol="tcp", device_name="", mount_segment_size=16 << 20)
+
+
+@case
 def put_session_no_space(s):
     """Last: a start that finds no space makes stock Mooncake's master evict (unleased
     objects of the cases before could go)."""

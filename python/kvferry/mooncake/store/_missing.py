@@ -18,7 +18,7 @@ _NOT_PROVIDED: Dict[str, str] = {
         "get_tensor_with_tp_into", "batch_get_tensor_with_tp_into", "save_tensor_to_safetensor", "load_tensor_from_safetensor",
     )},
     **{n: "no storage tiers besides memory (segments are mounted by setup())" for n in (
-        "init_all", "mount_segment", "unmount_segment", "allocate_and_mount_segment", "unmount_and_free_segment",
+        "mount_segment", "unmount_segment", "allocate_and_mount_segment", "unmount_and_free_segment",
         "unmount_local_disk_segment", "get_offload_rpc_read_count",
     )},
     **{n: "no replica copy/move tasks in kvferry's master" for n in ("create_copy_task", "create_move_task", "query_task")},

@@ -173,6 +173,15 @@ class _Setup:
             enable_embedded_master=_parse_bool(d.get("enable_embedded_master", False), False),
         )
 
+    def init_all(self, protocol: str, device_name: str, mount_segment_size: int, /) -> int:
+        """Mooncake's test plumbing: ``setup("localhost:12345", "127.0.0.1:2379",
+        mount_segment_size, 1 GiB, protocol, device_name, "127.0.0.1:50051")`` (its fixed
+        hostname, etcd metadata service and master address). -600 when this store is set up
+        already, as Mooncake's."""
+        if self._s is not None:
+            return _fail(_native.StoreInvalidArgument("init_all: the client is already set up", INVALID_PARAMS))
+        return self.setup("localhost:12345", "127.0.0.1:2379", int(mount_segment_size), 1 << 30, str(protocol), str(device_name), "127.0.0.1:50051")
+
     def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
         """Mooncake's dummy-client mode: join the pool served by the ``kvferry store-client``
         (Mooncake's ``mooncake_client``) whose dummy-client service is at ``server_address``
