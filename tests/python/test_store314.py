@@ -195,3 +195,48 @@ def test_module_names_not_served_say_why():
             getattr(ms, n)
     with pytest.raises(AttributeError, match="has no attribute"):
         ms.no_such_name  # noqa: B018
+
+
+def _kvferry_master(*flags: str):
+    """A `kvferry master` on 127.0.0.1 with `flags`: (process, address)."""
+    here = pathlib.Path(__file__).resolve().parent
+    cands = [os.environ.get("KVFERRY_BIN", ""), os.path.join(os.path.dirname(sys.executable), "kvferry")]
+    cands += [str(here.parent.parent / "target" / p / "kvferry") for p in ("ci", "release", "debug")]
+    exe = next(c for c in cands if c and os.path.isfile(c))
+    p = subprocess.Popen([exe, "master", "--port", "0", "--metrics-port", "-1", "--summary-interval", "0", *flags],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = p.stdout.readline()
+    return p, next(w[4:] for w in line.split() if w.startswith("rpc="))
+
+
+def test_a_get_session_outlives_its_leases():
+    """A get session's lists are asked for again once half their lease is spent, so a read
+    after the first lease ran out still succeeds (without that, the read is refused: its
+    replica may have been reused). The lease's end is observed, not waited for by a sleep:
+    a key leased by the same request becomes removable."""
+    import ctypes
+    import time
+
+    from kvferry.mooncake.store import MooncakeDistributedStore
+
+    p, addr = _kvferry_master("--default_kv_lease_ttl=300ms")
+    s = MooncakeDistributedStore()
+    try:
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", addr) == 0
+        buf = ctypes.create_string_buffer(4096)
+        dst = ctypes.addressof(buf)
+        assert s.register_buffer(dst, 4096) == 0
+        assert s.put("lv", b"lasting value") == 0 and s.put("lv-witness", b"w") == 0
+        assert s.batch_get_session_start(["lv", "lv-witness"]) == [0, 0]
+        assert s.remove("lv-witness") == -706
+        end = time.monotonic() + 10
+        while s.remove("lv-witness") != 0:  # the session's first leases have run out
+            assert time.monotonic() < end, "the lease never ended"
+            time.sleep(0.01)
+        assert s.batch_get_into_multi_buffer_ranges(["lv"], [[dst]], [[7]], [[0]]) == [7]
+        assert buf.raw[:7] == b"lasting"
+        assert s.batch_get_session_end(["lv"]) == 0
+    finally:
+        s.close()
+        p.kill()
+        p.wait(10)
