@@ -24,6 +24,7 @@ mod keys;
 mod offload;
 mod put;
 mod rpc;
+mod segments;
 mod session;
 mod staged;
 
@@ -120,6 +121,9 @@ struct Inner {
     _port: Option<TcpListener>,
     /// The disk tier ([`ClientConfig::ssd_offload_path`]).
     offload: Option<offload::Offloader>,
+    /// Segments mounted after setup (`segments.rs`) and those unmounted since, kept until
+    /// no transfer can touch them any more.
+    more: Mutex<segments::More>,
 }
 
 /// Reads finished and not yet released at the master: carried by the next request, or sent
@@ -462,6 +466,7 @@ impl Client {
             releases: Mutex::default(),
             _port: port,
             offload,
+            more: Mutex::default(),
         });
         // Register with the master even without a segment, so pings are recognised.
         match &inner.segment {
@@ -618,8 +623,12 @@ impl Client {
                 .rpc
                 .call_within(&Request::ReleaseReads { ids }, wait, Conn::Pool);
         }
+        let more = self.unmount_all_more(wait);
         let unmounted = self.inner.unmount_segment(wait);
         if self.inner.shared.is_some() {
+            for a in more {
+                let _ = self.inner.engine.unregister_memory(a);
+            }
             // The engine outlives this client: withdraw the client's buffers from it (a
             // barrier) before they are freed. Already gone if the engine was closed first.
             let addrs: Vec<u64> = self
@@ -771,7 +780,14 @@ fn ping_loop(inner: Weak<Inner>, every: Duration) {
                 if !inner.unmounted.load(Ordering::Acquire) =>
             {
                 tracing::warn!("the master does not know this client (it restarted?); remounting");
-                let segments = inner.segment.iter().map(|(_, s)| s.clone()).collect();
+                // (The setup's segment and those mounted since, as registered.)
+                let segments = inner
+                    .rpc
+                    .registration
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .segments
+                    .clone();
                 if let Err(e) = inner.rpc.call_ok(&Request::RemountSegments {
                     client: inner.id,
                     segments,
