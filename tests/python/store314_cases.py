@@ -385,6 +385,22 @@ def init_all_keywords(s):
 
 
 @case
+def allocate_and_mount_segment(s):
+    n = 18 << 20  # more than the setup's 16 MiB segment: lands in the one mounted here
+    src, _ = cbuf(n, 9)
+    assert s.register_buffer(src, n) == 0
+    r = s.allocate_and_mount_segment(20 << 20)
+    ids = r["segment_ids"]
+    out = [sorted(r), r["ret"], len(ids), r["allocated_size"] >= 20 << 20]
+    out += [s.put_from("seg-big", src, n), s.get_size("seg-big")]
+    out += [s.unmount_and_free_segment(ids), s.is_exist("seg-big"), s.unmount_and_free_segment(ids), s.unmount_and_free_segment(["nope"])]
+    z = s.allocate_and_mount_segment(0)
+    s.unregister_buffer(src)
+    s.remove_all(True)
+    return out + [[z["ret"], z["segment_ids"], z["allocated_size"]]]
+
+
+@case
 def put_session_no_space(s):
     """Last: a start that finds no space makes stock Mooncake's master evict (unleased
     objects of the cases before could go)."""

@@ -1,5 +1,6 @@
 //! Mooncake 0.3.14's put and get sessions and ranged-read snapshots over a [`StoreCore`]:
-//! reservations and kept replica lists by key (`kvferry_store::client::session`).
+//! reservations and kept replica lists by key (`kvferry_store::client::session`); also the
+//! segments a store mounts after setup (`allocate_and_mount_segment`).
 
 use crate::store::{PyReplicate, StoreCore};
 use kvferry_store::client::{Range, ReadLease, Reservation};
@@ -248,6 +249,19 @@ impl StoreSessions {
                     Err(e) => Err(e.clone()),
                 })
                 .collect()
+        })
+    }
+
+    /// Mounts `size` more bytes of the client's memory as a segment: (its id, its size).
+    fn mount_more(&self, py: Python<'_>, size: u64) -> PyResult<(u64, u64)> {
+        self.core.get().with(py, move |c| c.mount_more(size))
+    }
+
+    /// Unmounts a segment `mount_more` mounted; its memory is freed after `grace_s` seconds
+    /// and the longest a transfer may still touch it.
+    fn unmount_more(&self, py: Python<'_>, id: u64, grace_s: u64) -> PyResult<()> {
+        self.core.get().with(py, move |c| {
+            c.unmount_more(id, std::time::Duration::from_secs(grace_s))
         })
     }
 

@@ -77,6 +77,7 @@ class MooncakeDistributedStore(_Setup, _Bytes, _Multi, _Ranges, _Sessions):
     def __init__(self) -> None:
         self._s: Optional[_native.Store] = None
         self._local_buffer_size = 0
+        self._protocol = "tcp"
         # A registered buffer for gathered keys the local buffer cannot stage (see _scratch).
         self._scratch_lock = threading.Lock()
         self._scratch_buf: Optional[bytearray] = None

@@ -17,8 +17,10 @@ _NOT_PROVIDED: Dict[str, str] = {
         "upsert_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism",
         "get_tensor_with_tp_into", "batch_get_tensor_with_tp_into", "save_tensor_to_safetensor", "load_tensor_from_safetensor",
     )},
-    **{n: "no storage tiers besides memory (segments are mounted by setup())" for n in (
-        "mount_segment", "unmount_segment", "allocate_and_mount_segment", "unmount_and_free_segment",
+    **{n: "kvferry mounts only memory it allocates as a segment (allocate_and_mount_segment / unmount_and_free_segment), not a file or device mapping" for n in (
+        "mount_segment", "unmount_segment",
+    )},
+    **{n: "no local-disk segment or offload RPC reads in kvferry's store" for n in (
         "unmount_local_disk_segment", "get_offload_rpc_read_count",
     )},
     **{n: "no replica copy/move tasks in kvferry's master" for n in ("create_copy_task", "create_move_task", "query_task")},

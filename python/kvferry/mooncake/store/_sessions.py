@@ -3,11 +3,13 @@ space for its keys at the master, ``batch_put_from_multi_buffer_ranges`` writes 
 by range (straight into every replica, no copy) and ``batch_put_session_end`` makes them
 readable (or ``..._revoke`` frees the space); a get session asks for the keys' replica lists
 once and ``batch_get_into_multi_buffer_ranges`` reads ranges of them. Also
-``put_from_with_metadata``."""
+``put_from_with_metadata``, and segments mounted after setup (``allocate_and_mount_segment``,
+``unmount_and_free_segment``)."""
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+import operator
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ... import _kvferry
 from ... import store as _native
@@ -21,6 +23,7 @@ class _Sessions:
 
     _store: Any
     _sessions: Any
+    _protocol: str
     batch_put_from_multi_buffers: Any
 
     def _session(self) -> Any:
@@ -163,3 +166,50 @@ class _Sessions:
         if int(metadata_size) > 0:
             ptrs, sizes = [metadata_buffer_ptr, buffer_ptr], [metadata_size, size]
         return int(self.batch_put_from_multi_buffers([key], [ptrs], [sizes], config)[0])
+
+    # segments mounted after setup
+    def allocate_and_mount_segment(self, size: int, protocol: str = "tcp", location: str = "") -> Dict[str, Any]:
+        """Mounts ``size`` more bytes of this process's memory (allocated and registered
+        here, page-aligned, zero-filled) as a segment of its own, served by the store's
+        engine: ``{"ret": 0, "segment_ids": [id], "allocated_size": n}``, or ``ret`` -1
+        (logged) for a size of 0, memory that cannot be had, a ``location`` that is not host
+        memory (``""``, ``"cpu"``, ``"cpu:N"``) or a ``protocol`` other than the store's
+        (each segment is served by the store's one engine). The segment is remounted with the
+        setup's one after a failover or a master restart; close() unmounts it."""
+        out: Dict[str, Any] = {"ret": -1, "segment_ids": [], "allocated_size": 0}
+        try:
+            n = operator.index(size)
+            loc = str(location)
+            if loc and loc != "cpu" and not loc.startswith("cpu:"):
+                raise _native.StoreInvalidArgument("allocate_and_mount_segment: location %r: kvferry mounts host memory only" % loc, INVALID_PARAMS)
+            proto = str(protocol)
+            if proto and proto != self._protocol:
+                raise _native.StoreInvalidArgument("allocate_and_mount_segment: protocol %r: this store's engine serves %r" % (proto, self._protocol), INVALID_PARAMS)
+            sid, got = self._session().mount_more(n)
+        except Exception as e:  # noqa: BLE001 - Mooncake answers ret -1
+            _fail(e)
+            return out
+        out.update(ret=0, segment_ids=[str(sid)], allocated_size=int(got))
+        return out
+
+    def unmount_and_free_segment(self, segment_ids: Sequence[str], grace_period_seconds: int = 0) -> int:
+        """Unmounts segments ``allocate_and_mount_segment`` mounted: their objects' replicas
+        there are dropped at once; their memory is freed once ``grace_period_seconds`` and the
+        longest a transfer may still touch it (twice the transfer timeout) have passed. 0, or
+        -1 (logged) if one of the ids is not such a segment of this store (the others are
+        unmounted)."""
+        ret = 0
+        grace = operator.index(grace_period_seconds)
+        for sid in segment_ids:
+            try:
+                n = int(str(sid))
+            except ValueError:
+                _fail(_native.StoreInvalidArgument("unmount_and_free_segment: %r is not a segment id of this store" % (sid,), INVALID_PARAMS))
+                ret = -1
+                continue
+            try:
+                self._session().unmount_more(n, max(grace, 0))
+            except Exception as e:  # noqa: BLE001
+                _fail(e)
+                ret = -1
+        return ret

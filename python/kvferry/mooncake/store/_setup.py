@@ -36,6 +36,7 @@ class _Setup:
 
     _s: Any
     _local_buffer_size: int
+    _protocol: str
     _scratch_buf: Any
 
     def setup(
@@ -99,6 +100,7 @@ class _Setup:
                 master_server_addr = embedded.address
             self._s = _native.Store(str(local_hostname), metadata_server, global_segment_size, local_buffer_size, protocol, rdma_devices or "", master_server_addr, engine)
             self._local_buffer_size = int(local_buffer_size)
+            self._protocol = str(protocol)
             self._scratch_buf = None
             self._embedded, embedded = embedded, None
             return 0
