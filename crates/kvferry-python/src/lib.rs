@@ -26,10 +26,12 @@
 //!   releases the GIL.
 
 mod arrays;
+mod embedded;
 mod errors;
 mod memory;
 mod reg_order;
 mod store;
+mod store_session;
 
 use errors::{raise, Kind};
 use kvferry::{
@@ -1221,6 +1223,8 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     m.add_class::<Core>()?;
     m.add_class::<store::StoreCore>()?;
+    m.add_class::<embedded::EmbeddedMaster>()?;
+    m.add_class::<store_session::StoreSessions>()?;
     m.add_function(wrap_pyfunction!(features, m)?)?;
     m.add_function(wrap_pyfunction!(task_status_names, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_error, m)?)?;

@@ -76,7 +76,7 @@ fn closed() -> StoreError {
 pub struct PyReplicate(u32, u8, Option<u64>, bool, Vec<String>, Option<String>);
 
 impl PyReplicate {
-    fn into_config(self) -> ReplicateConfig {
+    pub(crate) fn into_config(self) -> ReplicateConfig {
         let PyReplicate(
             replica_num,
             soft_pin,
@@ -136,7 +136,7 @@ impl StoreCore {
         Ok(())
     }
 
-    fn with<T>(
+    pub(crate) fn with<T>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&Client) -> Result<T, StoreError> + Send,
@@ -156,7 +156,7 @@ impl StoreCore {
     }
 
     /// Like `with`, but hands per-key results back to Python as (value | None, code, message).
-    fn per_key<T: Send>(
+    pub(crate) fn per_key<T: Send>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&Client) -> Vec<Result<T, StoreError>> + Send,
@@ -564,6 +564,21 @@ impl StoreCore {
     ) -> PyResult<Vec<(Option<bool>, i32, String)>> {
         self.per_key(py, move |c| {
             c.batch_is_exist(&keys.iter().map(String::as_str).collect::<Vec<_>>())
+        })
+    }
+
+    /// Mooncake 0.3.14's `probe_key`: whether `key` is readable, granting no read lease.
+    fn probe_key(&self, py: Python<'_>, key: String) -> PyResult<bool> {
+        self.with(py, move |c| c.probe_key(&key))
+    }
+
+    fn batch_probe_key(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+    ) -> PyResult<Vec<(Option<bool>, i32, String)>> {
+        self.per_key(py, move |c| {
+            c.batch_probe_key(&keys.iter().map(String::as_str).collect::<Vec<_>>())
         })
     }
 

@@ -437,6 +437,13 @@ pub enum Request {
         client: u64,
         beat: Box<OffloadBeat>,
     },
+    /// Mooncake 0.3.14's `probe_key`: whether `key` is readable now, answered by
+    /// [`Response::Exists`] like `ExistKey`, but granting no read lease and leaving the
+    /// object's access time alone (eviction order unchanged). Last, so the other variants
+    /// keep their wire numbers.
+    ProbeKey {
+        key: String,
+    },
 }
 
 /// A write into a segment still running, as a client reports it (`Request::HoldWrites`).

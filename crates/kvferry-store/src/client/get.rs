@@ -9,7 +9,7 @@ use kvferry::{Opcode, TransferRequest};
 use std::time::{Duration, Instant};
 
 impl Client {
-    fn pick<'a>(&self, list: &'a ReplicaList) -> Vec<&'a ReplicaDesc> {
+    pub(super) fn pick<'a>(&self, list: &'a ReplicaList) -> Vec<&'a ReplicaDesc> {
         // The local replica first (a memcpy), then the others in the master's order.
         let me = self.segment_name();
         let mut v: Vec<&ReplicaDesc> = list

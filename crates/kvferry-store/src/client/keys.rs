@@ -26,11 +26,16 @@ impl Client {
     }
 
     pub fn batch_is_exist(&self, keys: &[&str]) -> Vec<StoreResult<bool>> {
-        match self.call_batch(
+        self.exists_batch(
+            keys,
             keys.iter()
                 .map(|k| Request::ExistKey { key: k.to_string() })
                 .collect(),
-        ) {
+        )
+    }
+
+    fn exists_batch(&self, keys: &[&str], reqs: Vec<Request>) -> Vec<StoreResult<bool>> {
+        match self.call_batch(reqs) {
             Ok(v) => v
                 .into_iter()
                 .map(|a| match a {
@@ -41,6 +46,27 @@ impl Client {
                 .collect(),
             Err(e) => keys.iter().map(|_| Err(e.clone())).collect(),
         }
+    }
+
+    /// Whether `key` is readable now, without a read lease (Mooncake 0.3.14's `probe_key`):
+    /// the object may go (be removed or evicted) before a later get.
+    pub fn probe_key(&self, key: &str) -> StoreResult<bool> {
+        match self.inner.call_one(Request::ProbeKey {
+            key: key.to_string(),
+        })? {
+            Response::Exists(b) => Ok(b),
+            other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// [`Client::probe_key`] for several keys in one round trip.
+    pub fn batch_probe_key(&self, keys: &[&str]) -> Vec<StoreResult<bool>> {
+        self.exists_batch(
+            keys,
+            keys.iter()
+                .map(|k| Request::ProbeKey { key: k.to_string() })
+                .collect(),
+        )
     }
 
     /// Size of `key`'s value.

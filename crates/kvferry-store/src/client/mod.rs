@@ -16,7 +16,8 @@
 //!
 //! This module holds the client's configuration, its setup and close, and the background
 //! threads (pings, read releases); `rpc` talks to the master, `put` and `get` move values,
-//! `staged` is the bytes API's local buffer and `keys` the calls that move no bytes.
+//! `staged` is the bytes API's local buffer and `keys` the calls that move no bytes;
+//! `session` reserves space to write by ranges and keeps replica lists to read by ranges.
 
 mod disk_read;
 mod get;
@@ -25,10 +26,13 @@ mod offload;
 mod offload_config;
 mod put;
 mod rpc;
+mod segments;
+mod session;
 mod staged;
 mod start;
 
 pub use keys::Replica;
+pub use session::{Range, ReadLease, Reservation};
 pub use staged::Staged;
 
 use crate::error::{StoreError, StoreResult};
@@ -131,6 +135,9 @@ struct Inner {
     offload: Option<offload::Offloader>,
     /// Where the disk tier stages values for readers (with `offload`).
     stager: Option<disk_read::Stager>,
+    /// Segments mounted after setup (`segments.rs`) and those unmounted since, kept until
+    /// no transfer can touch them any more.
+    more: Mutex<segments::More>,
 }
 
 /// Reads finished and not yet released at the master: carried by the next request, or sent
@@ -428,6 +435,7 @@ impl Client {
             _port: port,
             offload,
             stager,
+            more: Mutex::default(),
         });
         if inner.stager.is_some() {
             // Readers of this client's disk copies ask it here (`disk_read`).
@@ -591,8 +599,12 @@ impl Client {
                 .rpc
                 .call_within(&Request::ReleaseReads { ids }, wait, Conn::Pool);
         }
+        let more = self.unmount_all_more(wait);
         let unmounted = self.inner.unmount_segment(wait);
         if self.inner.shared.is_some() {
+            for a in more {
+                let _ = self.inner.engine.unregister_memory(a);
+            }
             // The engine outlives this client: withdraw the client's buffers from it (a
             // barrier) before they are freed. Already gone if the engine was closed first.
             let addrs: Vec<u64> = self
@@ -749,7 +761,14 @@ fn ping_loop(inner: Weak<Inner>, every: Duration) {
                 if !inner.unmounted.load(Ordering::Acquire) =>
             {
                 tracing::warn!("the master does not know this client (it restarted?); remounting");
-                let segments = inner.segment.iter().map(|(_, s)| s.clone()).collect();
+                // (The setup's segment and those mounted since, as registered.)
+                let segments = inner
+                    .rpc
+                    .registration
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .segments
+                    .clone();
                 if let Err(e) = inner.rpc.call_ok(&Request::RemountSegments {
                     client: inner.id,
                     segments,

@@ -151,6 +151,7 @@ pub(super) fn idempotent(req: &Request) -> bool {
         Request::Ping { .. }
         | Request::GetReplicaList { .. }
         | Request::ExistKey { .. }
+        | Request::ProbeKey { .. }
         | Request::ReleaseReads { .. }
         | Request::HoldWrites { .. } => true,
         Request::Batch(v) => v.iter().all(idempotent),

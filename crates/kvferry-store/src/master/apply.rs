@@ -106,6 +106,7 @@ impl State {
             Request::GetReplicaList { key } => self.locate(key, now, lease),
             Request::OffloadBeat { client, beat } => self.offload_beat(*client, beat, now, stats).map(Response::Offload),
             Request::ExistKey { key } => self.exist_key(key, now, lease).map(Response::Exists),
+            Request::ProbeKey { key } => self.probe_key(key).map(Response::Exists),
             Request::Remove { key, force } => self.remove(cfg, key, *force, now).map(|_| Response::Ok),
             Request::RemoveAll { force } => Ok(Response::Count(removed.insert(self.remove_matching(cfg, |_| true, *force, now)).count())),
             // (Compiled under the state's lock: bounded, so that no pattern holds it long.)

@@ -379,7 +379,7 @@ pub struct Stats {
     pub evicted_bytes: AtomicU64,
 }
 
-pub const OP_NAMES: [&str; 16] = [
+pub const OP_NAMES: [&str; 17] = [
     "mount",
     "remount",
     "unmount",
@@ -396,6 +396,7 @@ pub const OP_NAMES: [&str; 16] = [
     "batch_replica_clear",
     "hold_writes",
     "offload_beat",
+    "probe_key",
 ];
 
 /// The master's objects by key.

@@ -104,6 +104,13 @@ impl State {
         }
     }
 
+    /// Whether `key` is readable now, touching nothing: no lease, no access time (Mooncake
+    /// 0.3.14's `probe_key`).
+    pub fn probe_key(&self, key: &str) -> StoreResult<bool> {
+        check_key(key)?;
+        Ok(self.objects.get(key).is_some_and(|o| o.readable()))
+    }
+
     pub fn remove(
         &mut self,
         m: &MasterConfig,

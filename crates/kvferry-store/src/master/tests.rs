@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::master::journal::Change;
-use crate::proto::{PingStatus, ReplicateConfig};
+use crate::proto::{PingStatus, ReplicateConfig, Request, Response};
 
 // (`#[cfg(test)]` again: the boundary check takes a module declared so for test code.)
 #[cfg(test)]
@@ -47,6 +47,56 @@ fn put(
     let r = st.put_start(m, s, P1, key, size, cfg, false, now)?;
     st.put_end(P1, key, now)?;
     Ok(r)
+}
+
+/// Mooncake 0.3.14's `probe_key`: a probe answers like `ExistKey` but grants no read lease
+/// (a remove right after succeeds, where one after `ExistKey` is refused) and leaves the
+/// access time that orders eviction alone; a put not ended yet is not readable.
+#[test]
+fn a_probe_grants_no_lease_and_leaves_the_access_time() {
+    let (mut st, m, s) = setup(&[(1, 1 << 20)]);
+    let probe = |st: &mut State, key: &str, now: u64| {
+        let mut removed = None;
+        let req = Request::ProbeKey { key: key.into() };
+        let a = st.apply(&m, &s, &req, now, Attempt::Last, 0, &mut removed);
+        assert_eq!(a.needs, Needs::Nothing, "a probe changes nothing durable");
+        match a.result {
+            Ok(Response::Exists(b)) => b,
+            other => panic!("ProbeKey answered {other:?}"),
+        }
+    };
+    put(&mut st, &m, &s, "a", 100, &ReplicateConfig::default(), 10).unwrap();
+    let before = st.objects.get("a").map(|o| (o.lease_until, o.last_access));
+    assert!(probe(&mut st, "a", 20));
+    assert!(!probe(&mut st, "missing", 20));
+    assert_eq!(
+        st.objects.get("a").map(|o| (o.lease_until, o.last_access)),
+        before
+    );
+    st.remove(&m, "a", false, 21)
+        .expect("no lease after a probe");
+    put(&mut st, &m, &s, "a", 100, &ReplicateConfig::default(), 30).unwrap();
+    assert!(st.exist_key("a", 31, 100).unwrap());
+    assert!(matches!(
+        st.remove(&m, "a", false, 32),
+        Err(StoreError::ObjectHasLease(_))
+    ));
+    st.put_start(
+        &m,
+        &s,
+        P1,
+        "pending",
+        100,
+        &ReplicateConfig::default(),
+        false,
+        40,
+    )
+    .unwrap();
+    assert!(
+        !probe(&mut st, "pending", 41),
+        "a put not ended is not readable"
+    );
+    assert!(matches!(st.probe_key(""), Err(StoreError::InvalidKey(_))));
 }
 
 /// A put naming more preferred segments than the master compares under its lock is

@@ -138,6 +138,7 @@ pub(super) fn mutates(req: &Request) -> bool {
     match req {
         Request::GetReplicaList { .. }
         | Request::ExistKey { .. }
+        | Request::ProbeKey { .. }
         | Request::Ping { .. }
         | Request::ReleaseReads { .. }
         | Request::AuthHello { .. }
@@ -285,6 +286,7 @@ fn op_of(req: &Request) -> Option<usize> {
         Request::BatchReplicaClear { .. } => 13,
         Request::HoldWrites { .. } => 14,
         Request::OffloadBeat { .. } => 15,
+        Request::ProbeKey { .. } => 16,
         Request::Batch(_) | Request::AuthHello { .. } | Request::AuthProof { .. } => return None,
     })
 }
