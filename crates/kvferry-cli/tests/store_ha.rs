@@ -1047,7 +1047,7 @@ fn wait_insync(m: &Master, members: &[&str], within: Duration) -> serde_json::Va
 // Covered by `sim/standbys.rs` and `sim/mod.rs` (puts answered early in durably granted space,
 // leaders lost before the start's change left them, late writes: no space given twice while a
 // write may land, across any number of takeovers; `KVFERRY_SIM_SEED=28` without the fix),
-// `master/journal/tests.rs` `a_new_leader_holds_what_a_grant_named_that_no_replica_it_knows_covers`,
+// `master/changes/tests.rs` `a_new_leader_holds_what_a_grant_named_that_no_replica_it_knows_covers`,
 // and `server/tests.rs` `puts_placed_in_a_durable_grant_are_answered_at_once_and_their_changes_ride_with_the_next`.
 
 /// Masters holding the cluster key (`KVFERRY_AUTH_KEY_FILE`) replicate to each other and fail

@@ -6,7 +6,7 @@
 //!
 //! `cargo run --release -p kvferry-store --example growth_pause [objects]`
 
-use kvferry_store::master::journal::{Change, Image, ObjectRec};
+use kvferry_store::master::changes::{Change, Image, ObjectRec};
 use kvferry_store::master::{MasterConfig, PutId, State, Stats};
 use kvferry_store::proto::{ReplicateConfig, Segment};
 

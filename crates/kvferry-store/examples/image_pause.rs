@@ -8,7 +8,7 @@
 //!
 //! `cargo run --release -p kvferry-store --example image_pause [objects] [rounds]`
 
-use kvferry_store::master::journal::IMAGE_PIECES;
+use kvferry_store::master::changes::IMAGE_PIECES;
 use std::time::Instant;
 
 mod common;

@@ -11,7 +11,7 @@
 //! (`Image::into_state`). Single-threaded, no I/O.
 
 use kvferry_store::ha::sync::{decode_frame, encode_frame, ToStandby};
-use kvferry_store::master::journal::{Change, Image, ObjectRec, PendingRec};
+use kvferry_store::master::changes::{Change, Image, ObjectRec, PendingRec};
 use kvferry_store::proto::Segment;
 use kvferry_store::SoftPin;
 use std::time::Instant;

@@ -426,7 +426,7 @@ impl<'a> Elector<'a> {
             let now = master.now();
             let st = master.lock();
             if st.term == owner.create_revision {
-                let mut image = crate::master::journal::Image::default();
+                let mut image = crate::master::changes::Image::default();
                 for c in st.image(now) {
                     image.apply(c);
                 }

@@ -24,7 +24,7 @@ pub use super::log::{
 };
 use super::sync::{InSync, ToStandby};
 use crate::error::StoreError;
-use crate::master::journal::{Change, IMAGE_PIECES};
+use crate::master::changes::{Change, IMAGE_PIECES};
 use crate::master::State;
 use crate::node::Master;
 use crate::repl::{self, JournalWriter, Tail};

@@ -9,7 +9,7 @@ use super::sync::{
     encode_frame, locked, read_frame_max, standby_identity, KeptFrame, ToLeader, ToStandby,
     HA_LINK, IMAGE_PIECE, MAX_SMALL_FRAME,
 };
-use crate::master::journal::Change;
+use crate::master::changes::Change;
 use crate::repl::TailFrame;
 use std::io::Write;
 use std::net::TcpStream;

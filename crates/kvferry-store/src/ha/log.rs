@@ -22,7 +22,7 @@
 
 use super::sync::ToStandby;
 use crate::error::StoreError;
-use crate::master::journal::{Change, Image};
+use crate::master::changes::{Change, Image};
 use crate::repl::TailFrame;
 use kvferry::metadata::etcd::{EtcdClient, Owner};
 
@@ -449,7 +449,7 @@ pub(super) fn parse_term_marker(s: &str) -> Option<Owner> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::master::journal::ObjectRec;
+    use crate::master::changes::ObjectRec;
 
     fn obj(i: usize) -> Change {
         Change::Object {

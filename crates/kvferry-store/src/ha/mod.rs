@@ -31,7 +31,7 @@
 //! member of the set), from the journal (snapshot plus log: the set is empty), or empty (every
 //! member is gone: the journal is stale and never served), conservatively: every
 //! object counts as being read for one lease TTL, writes in progress stay in progress, every
-//! client as just pinged (`crate::master::journal`). Journal writes are transactions guarded
+//! client as just pinged (`crate::master::changes`). Journal writes are transactions guarded
 //! by the leader's key, so a deposed leader cannot append; a leader that cannot write its
 //! journal while it can prove its lease fences itself.
 //!

@@ -361,7 +361,7 @@ fn entries(
 mod tests {
     use super::*;
     use crate::ha::sync::read_frame;
-    use crate::master::journal::{Change, ObjectRec};
+    use crate::master::changes::{Change, ObjectRec};
 
     fn obj(key: &str, size: u64) -> Change {
         Change::Object {

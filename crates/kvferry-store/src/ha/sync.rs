@@ -46,7 +46,7 @@
 //! (`prove_to_standby`, and the standby's side in `accept_leader`).
 
 use crate::frame;
-use crate::master::journal::{Change, Image, Rebuilt, ReplicaRec, PREBUILT_TERM};
+use crate::master::changes::{Change, Image, Rebuilt, ReplicaRec, PREBUILT_TERM};
 use crate::master::State;
 use crate::repl::{Feed, MirrorTail};
 pub use crate::repl::{KeptFrame, ToLeader, ToStandby};

@@ -23,12 +23,12 @@
 //! `segments` mounts, clients and their expiry; `placement` where replicas go, grants and
 //! eviction; `puts` a put's start, end and revocation; `objects` reads and removals;
 //! `apply` one request applied and what its answer needs ([`State::apply`]);
-//! [`journal`] what an HA leader journals of it and how a state is rebuilt from that.
+//! [`changes`] what an HA leader journals of it and how a state is rebuilt from that.
 
 pub mod alloc;
 mod apply;
+pub mod changes;
 mod deferred;
-pub mod journal;
 mod objects;
 mod offload;
 mod placement;
@@ -140,7 +140,7 @@ struct Object {
     joined: u64,
     /// A copy of the current value on a client's disk (the disk tier, `crate::disk`):
     /// recorded once that client reported it persisted ([`State::offload_beat`]), served
-    /// when no memory replica is left. Journaled (`journal::Change::Disk`).
+    /// when no memory replica is left. Journaled (`changes::Change::Disk`).
     disk: Option<DiskReplica>,
     /// The current value is being persisted by a client (an offload task handed out by a
     /// background eviction, [`offload`]); not journaled.
@@ -304,7 +304,7 @@ impl SegState {
     }
 }
 
-/// Free space of a segment that the HA journal names as granted ([`journal::Change::Granted`])
+/// Free space of a segment that the HA journal names as granted ([`changes::Change::Granted`])
 /// before any put is placed in it: once that entry is acknowledged, a put placed wholly in
 /// granted space may be answered before its own change is (a new leader holds what the last
 /// grant it knows named and no replica it knows covers: a put it never heard of writes
@@ -445,7 +445,7 @@ pub struct State {
     /// term is not applied to it.
     pub term: i64,
     /// What changed since the journal last took it (an HA leader only; `None`: not marked).
-    dirty: Option<Box<journal::Dirty>>,
+    dirty: Option<Box<changes::Dirty>>,
     /// How many changes were marked into `dirty` ([`State::marks`]).
     marks: u64,
     grants: Grants,

@@ -10,7 +10,7 @@
 //!    are freed or reused while the client copies them, for at most the offload timeout.
 //! 2. The client's next beat takes the task, persists the bytes and reports it done. Then the
 //!    object's memory replicas are freed, once no read of them is in flight, and its disk
-//!    replica (disk, length) is recorded and journaled (`journal::Change::Disk`).
+//!    replica (disk, length) is recorded and journaled (`changes::Change::Disk`).
 //! 3. A task reported failed, or not reported within the timeout ([`State::expire_offloads`]),
 //!    ends as the eviction would have without a disk: the object is evicted.
 //!

@@ -1,7 +1,7 @@
 //! The state machine's unit tests (time is an argument: each test drives it).
 
 use super::*;
-use crate::master::journal::Change;
+use crate::master::changes::Change;
 use crate::proto::{PingStatus, ReplicateConfig, Request, Response};
 
 // (`#[cfg(test)]` again: the boundary check takes a module declared so for test code.)

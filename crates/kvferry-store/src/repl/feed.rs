@@ -6,7 +6,7 @@
 //! to, checks the cluster and the leader etcd names before a hello, and owns the socket.
 
 use super::{MirrorTail, ToStandby};
-use crate::master::journal::Change;
+use crate::master::changes::Change;
 
 #[derive(Debug, Default)]
 pub struct Feed {

@@ -3,7 +3,7 @@
 //! `encode_frame`, `crate::ha::link`, `crate::ha::standby`). Their wire numbers are fixed:
 //! new variants go last.
 
-use crate::master::journal::Change;
+use crate::master::changes::Change;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 

@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 
-use crate::master::journal::Change;
+use crate::master::changes::Change;
 
 /// How a deferred answer ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 //! together against a model over many seeds.
 
 use super::*;
-use crate::master::journal::Change;
+use crate::master::changes::Change;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;

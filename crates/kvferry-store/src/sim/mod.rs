@@ -47,7 +47,7 @@
 //! the last events.
 
 use crate::error::StoreError;
-use crate::master::journal::Change;
+use crate::master::changes::Change;
 use crate::master::{Attempt, MasterConfig, Needs, State, Stats, Strategy};
 use crate::proto::{PingStatus, ReplicaDesc, ReplicateConfig, Request, Response, Segment};
 use crate::repl::JournalWriter;

@@ -2,8 +2,8 @@
 
 use super::*;
 use crate::ha::log::{decode_chunk, log_key, log_range, REBASE_VALUE_MAX};
-use crate::master::journal::Image;
-use crate::master::journal::ObjectRec;
+use crate::master::changes::Image;
+use crate::master::changes::ObjectRec;
 use crate::repl::roster::retry_link_after;
 use crate::repl::TailFrame;
 

@@ -1,7 +1,7 @@
 use super::*;
 use crate::ha::standby::{serve, MAX_AUTH_HELLO_FRAME};
 use crate::ha::sync::{decode_frame, read_frame, read_frame_raw, Mirror, AUTH_HELLO};
-use crate::master::journal::ObjectRec;
+use crate::master::changes::ObjectRec;
 use std::io::Read;
 use std::net::TcpListener;
 

@@ -161,7 +161,7 @@ fn a_mirror_whose_feed_ended_builds_the_state_ahead_for_a_takeover() {
     let (image, seq, _) = m.take_image(5).expect("complete");
     assert_eq!((image.objects(), seq), (2, 12));
 }
-use crate::master::journal::ObjectRec;
+use crate::master::changes::ObjectRec;
 use proptest::prelude::*;
 
 fn obj(key: &str, size: u64) -> Change {

@@ -1,6 +1,6 @@
 //! A put whose start one leader applied and whose end or revoke the next leader receives:
 //! the next leader's state is built from the journal's changes, as a takeover builds it
-//! ([`journal::Image::into_state`]). Test code only (`#[cfg(test)]`, declared so for the
+//! ([`changes::Image::into_state`]). Test code only (`#[cfg(test)]`, declared so for the
 //! boundary check).
 
 use super::*;
@@ -8,7 +8,7 @@ use super::*;
 /// The next leader: every change `st` made since its journal was turned on (what its journal
 /// made durable) built into a state of `term` at `now`.
 fn next_leader(st: &mut State, term: i64, now: u64) -> State {
-    let mut image = journal::Image::default();
+    let mut image = changes::Image::default();
     for c in st.take_changes(now) {
         image.apply(c);
     }

@@ -279,7 +279,7 @@ fn a_write_in_progress_into_a_dropped_segment_keeps_its_space_after_the_segment_
         "the write's object went with the segment"
     );
     assert_eq!(st.deferred.len(), 1, "its space is held, on no segment");
-    let mut image = journal::Image::default();
+    let mut image = changes::Image::default();
     for c in st.image(10_002) {
         image.apply(c);
     }
@@ -436,7 +436,7 @@ fn a_new_leader_holds_each_byte_for_the_longest_of_the_holds_the_journal_names()
     for (first, dropped) in [(4096, false), (1024, false), (1024, true), (8192, true)] {
         let (mut st, m, s) = setup(&[(1, 1 << 20)]);
         st.journal_on();
-        let mut image = journal::Image::default();
+        let mut image = changes::Image::default();
         for c in st.image(0) {
             image.apply(c);
         }
@@ -507,7 +507,7 @@ fn a_new_leader_holds_each_byte_for_the_longest_of_the_holds_the_journal_names()
 
 #[test]
 fn held_pieces_take_the_latest_time_of_the_ranges_covering_them() {
-    use journal::held_pieces as pieces;
+    use changes::held_pieces as pieces;
     assert_eq!(pieces(vec![]), []);
     assert_eq!(pieces(vec![(0, 64, 5)]), [(0, 64, 5)]);
     assert_eq!(

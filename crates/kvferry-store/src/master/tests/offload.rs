@@ -356,7 +356,7 @@ fn a_disks_tasks_in_flight_are_bounded() {
 fn disk_copies_survive_a_takeover() {
     let (mut st, _m, s) = offloading();
     st.journal_on();
-    let mut image = journal::Image::default();
+    let mut image = changes::Image::default();
     for c in st.image(0) {
         image.apply(c);
     }
@@ -413,7 +413,7 @@ fn disk_copies_survive_a_takeover() {
         matches!(located(&mut next, "k0", 20_003), Ok(Response::DiskReplica(d)) if d.disk.endpoint == "disk:1")
     );
     // An image taken now holds it too.
-    let mut again = journal::Image::default();
+    let mut again = changes::Image::default();
     for c in next.image(20_004) {
         again.apply(c);
     }

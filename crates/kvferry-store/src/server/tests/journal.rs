@@ -77,7 +77,7 @@ fn puts_placed_in_a_durable_grant_are_answered_at_once_and_their_changes_ride_wi
         );
     }
     m.journal.drain_for_test(&mut taken);
-    use crate::master::journal::Change;
+    use crate::master::changes::Change;
     let objects: Vec<&str> = taken
         .iter()
         .filter_map(|c| match c {

@@ -156,7 +156,7 @@ fn space_is_accounted_exactly_through_drops_remounts_and_takeovers() {
                 88..=92 => st.expire_reads(now),
                 93..=96 => st.release_deferred(now),
                 _ => {
-                    let mut image = journal::Image::default();
+                    let mut image = changes::Image::default();
                     for c in st.image(now) {
                         image.apply(c);
                     }
@@ -201,7 +201,7 @@ fn a_zombie_writes_space_stays_held_for_its_release_timeout_across_a_takeover() 
         [release - later],
         "journaled with the time it has left"
     );
-    let mut image = journal::Image::default();
+    let mut image = changes::Image::default();
     for c in st.image(later + 1_000) {
         image.apply(c);
     }
