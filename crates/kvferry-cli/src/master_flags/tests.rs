@@ -214,7 +214,7 @@ fn mooncake_only_flags_warn_or_fail_by_name() {
         "{w:?}"
     );
     assert!(
-        w.len() == 1 && w[0].contains("--offload_on_evict") && w[0].contains("eviction"),
+        w.len() == 1 && w[0].contains("--offload_on_evict") && w[0].contains("evicts"),
         "{w:?}"
     );
     // Mooncake's oplog replication is what --enable_ha does anyway: a warning, not an error.
@@ -313,9 +313,10 @@ fn store_client_takes_mooncake_clients_flags() {
         n(&["--enable_metric_reporting=false"]).unwrap().0,
         ["--enable_metric_reporting=false"]
     );
+    // Mooncake's offload flag is the store-client's own (its disk tier).
+    assert_eq!(n(&["--enable_offload"]).unwrap().0, ["--enable_offload"]);
     for bad in [
-        &["--enable_offload"][..],
-        &["--enable_http_server=true"],
+        &["--enable_http_server=true"][..],
         &["--tenant_id", "team-a"],
     ] {
         let e = n(bad).unwrap_err();
