@@ -78,7 +78,14 @@ const NOT_NUMERIC: &[(&str, &[&str])] = &[
     ),
     (
         "store-bench",
-        &["json", "mooncake-python", "malloc-trim", "ha", "ha-parts"],
+        &[
+            "json",
+            "mooncake-python",
+            "malloc-trim",
+            "ha",
+            "ha-parts",
+            "disk",
+        ],
     ),
     (
         "store-client",
@@ -88,6 +95,7 @@ const NOT_NUMERIC: &[(&str, &[&str])] = &[
             "master-server-address",
             "protocol",
             "device-names",
+            "enable-offload",
         ],
     ),
     ("metadata-server", &["host", "data-dir"]),
@@ -356,6 +364,9 @@ fn cases(master_port: u16) -> Vec<Case> {
             ("duration", Kind::Float),
             ("segment-size", Kind::Size),
             ("peer-timeout", Kind::Float),
+            // Parsed here, used only with --disk (whose runs are too long to walk).
+            ("disk-pool", Kind::Size),
+            ("disk-value", Kind::Size),
         ],
     );
     add(
@@ -438,6 +449,8 @@ fn cases(master_port: u16) -> Vec<Case> {
         &[
             ("port", U16),
             ("max-body-bytes", U64),
+            ("max-keys", U64),
+            ("max-total-bytes", U64),
             ("request-timeout", Kind::Float),
             ("max-connections", USIZE),
             ("threads", USIZE),
