@@ -787,14 +787,13 @@ def _free_port():
         return so.getsockname()[1]
 
 
-def _master(env):
-    """Starts this implementation's master once per run; its address."""
+def start_master(impl):
+    """Starts a master: `kvferry master` (impl "kvferry") or the stock wheel's
+    `mooncake_master` (anything else); (process, "host:port"). Also used by tensor_cases.py."""
     import socket
     import subprocess
 
-    if "addr" in _MASTER:
-        return _MASTER["addr"]
-    if env.impl == "kvferry":
+    if impl == "kvferry":
         here = os.path.dirname(os.path.abspath(__file__))
         root = os.path.dirname(os.path.dirname(here))
         # $KVFERRY_BIN, else the installed wheel's `kvferry` command, else a source build.
@@ -804,29 +803,34 @@ def _master(env):
         p = subprocess.Popen([exe, "master", "--port", "0", "--metrics-port", "-1", "--summary-interval", "0"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = p.stdout.readline()
-        addr = next(w[4:] for w in line.split() if w.startswith("rpc="))
-    else:
-        import mooncake  # the programs sit in the package (mooncake.store is a package in 0.3.14)
+        return p, next(w[4:] for w in line.split() if w.startswith("rpc="))
+    import mooncake  # the programs sit in the package (mooncake.store is a package in 0.3.14)
 
-        exe = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-        port = _free_port()
-        # Its own metrics port too: the runs for 0.3.13 and 0.3.14 go side by side, and the
-        # default (9003) would make the second master fail to start.
-        p = subprocess.Popen([exe, "--rpc_port=%d" % port, "--rpc_address=%s" % HOST, "--enable_http_metadata_server=false",
-                              "--metrics_port=%d" % _free_port()],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        addr = "%s:%d" % (HOST, port)
-        end = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection((HOST, port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > end or p.poll() is not None:
-                    raise RuntimeError("mooncake_master did not start")
-                time.sleep(0.05)
-    _MASTER.update(addr=addr, proc=p)
-    return addr
+    exe = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    port = _free_port()
+    # Its own metrics port too: runs for 0.3.13 and 0.3.14 go side by side, and the default
+    # (9003) would make the second master fail to start.
+    p = subprocess.Popen([exe, "--rpc_port=%d" % port, "--rpc_address=%s" % HOST, "--enable_http_metadata_server=false",
+                          "--metrics_port=%d" % _free_port()],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # mooncake_master announces nothing a test can read: its listening port is the event.
+    end = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection((HOST, port), timeout=1).close()
+            return p, "%s:%d" % (HOST, port)
+        except OSError:
+            if time.monotonic() > end or p.poll() is not None:
+                raise RuntimeError("mooncake_master did not start")
+            time.sleep(0.05)
+
+
+def _master(env):
+    """Starts this implementation's master once per run; its address."""
+    if "addr" not in _MASTER:
+        p, addr = start_master(env.impl)
+        _MASTER.update(addr=addr, proc=p)
+    return _MASTER["addr"]
 
 
 def stop_master():

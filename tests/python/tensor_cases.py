@@ -14,10 +14,7 @@ import ctypes
 import hashlib
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 import torch  # noqa: E402
@@ -31,35 +28,10 @@ else:
 HOST = "127.0.0.1"
 
 
-def _free_port():
-    with socket.socket() as so:
-        so.bind((HOST, 0))
-        return so.getsockname()[1]
-
-
 def start_master():
-    if IMPL == "kvferry":
-        cands = [os.environ.get("KVFERRY_BIN", ""), os.path.join(os.path.dirname(sys.executable), "kvferry")]
-        exe = next(c for c in cands if c and os.path.isfile(c))
-        p = subprocess.Popen([exe, "master", "--port", "0", "--metrics-port", "-1", "--summary-interval", "0"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = p.stdout.readline()
-        return p, next(w[4:] for w in line.split() if w.startswith("rpc="))
-    import mooncake
+    from compat_cases import start_master as start
 
-    exe = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-    port = _free_port()
-    p = subprocess.Popen([exe, "--rpc_port=%d" % port, "--rpc_address=%s" % HOST, "--enable_http_metadata_server=false"],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    end = time.monotonic() + 20
-    while True:
-        try:
-            socket.create_connection((HOST, port), timeout=1).close()
-            return p, "%s:%d" % (HOST, port)
-        except OSError:
-            if time.monotonic() > end or p.poll() is not None:
-                raise RuntimeError("mooncake_master did not start")
-            time.sleep(0.05)  # polling the master's port with a deadline
+    return start("kvferry" if IMPL == "kvferry" else "mooncake")
 
 
 def sha(b):

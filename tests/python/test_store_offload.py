@@ -7,25 +7,15 @@ read is checked). Waits are polls of a condition with a deadline."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
 from kvferry.mooncake.store import MooncakeDistributedStore
+from conftest import wait_for
 from test_store import start_master, value
 
 HOST = "127.0.0.1"
 KIB = 1024
-
-
-def wait_for(cond, what, within=20.0):
-    until = time.monotonic() + within
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < until, "%s within %.0f s" % (what, within)
-        time.sleep(0.05)
 
 
 @pytest.fixture()
@@ -54,7 +44,8 @@ def test_evicted_values_are_read_back_from_the_owners_disk(offload_master, tmp_p
         descs = reader.batch_get_replica_desc(keys)
         return [k for k in keys if any(d.is_local_disk_replica() for d in descs.get(k, []))]
 
-    disk_keys = wait_for(on_disk, "an evicted value on the owner's disk")
+    disk_keys = wait_for(on_disk, 20, 0.05)
+    assert disk_keys, "no evicted value on the owner's disk within 20 s"
     for k in disk_keys:
         (d,) = reader.get_replica_desc(k)
         assert d.is_local_disk_replica() and not d.is_memory_replica() and not d.is_disk_replica()
