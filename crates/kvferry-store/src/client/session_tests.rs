@@ -36,8 +36,9 @@ fn client(master: &str) -> Client {
 
 /// A registered buffer of `len` bytes, `i * 7 + seed` (mod 251) at byte `i`.
 fn buffer(c: &Client, len: usize, seed: usize) -> (Vec<u8>, u64) {
-    let v: Vec<u8> = (0..len).map(|i| ((i * 7 + seed) % 251) as u8).collect();
-    let addr = v.as_ptr() as u64;
+    let mut v: Vec<u8> = (0..len).map(|i| ((i * 7 + seed) % 251) as u8).collect();
+    // A mutable pointer: the engine writes into it.
+    let addr = v.as_mut_ptr() as u64;
     c.register_buffer(addr, len as u64).unwrap();
     (v, addr)
 }
@@ -120,8 +121,8 @@ fn kept_replica_lists_read_ranges_and_hold_a_lease() {
     ));
     let got = b.read_leased(&[(l, &[r(d, 3, 5), r(d + 10, 4, 50)][..])]);
     assert_eq!(got, vec![Ok(7)]);
-    // SAFETY: the transfer above has ended; `dst` is this test's buffer, read after it.
-    let bytes = unsafe { std::slice::from_raw_parts(dst.as_ptr(), 14) };
+    // The transfer above has ended: `dst` holds what it wrote.
+    let bytes = &dst[..14];
     assert_eq!(
         (&bytes[..3], &bytes[10..14]),
         (&value[5..8], &value[50..54])
