@@ -57,28 +57,26 @@ impl State {
     }
 
     /// `GetReplicaList`'s answer: the memory replicas ([`State::get_replica_list`]), or, when
-    /// none is left, the copy on a disk (Mooncake's order: memory first), under a read lease
-    /// as well.
+    /// none is left, the copy on a disk (Mooncake's order: memory first), under the same read
+    /// lease. The memory path looks the key up no more often than `get_replica_list` alone.
     pub fn locate(&mut self, key: &str, now: u64, lease: u64) -> StoreResult<Response> {
-        check_key(key)?;
-        let disk = match self.objects.get(key) {
-            Some(o) if o.current.is_empty() => o.disk.map(|d| (d, o.size)),
-            _ => None,
-        };
-        let Some((d, size)) = disk else {
-            return self
-                .get_replica_list(key, now, lease)
-                .map(Response::ReplicaList);
-        };
-        self.touch(key, now, lease)?;
-        self.next_read += 1;
-        let read_id = self.next_read;
-        Ok(Response::DiskReplica(DiskReplicaList {
-            disk: self.disk_desc(&d, size),
-            size,
-            lease_ttl_ms: lease,
-            read_id,
-        }))
+        let list = self.get_replica_list(key, now, lease)?;
+        if !list.replicas.is_empty() {
+            return Ok(Response::ReplicaList(list));
+        }
+        match self
+            .objects
+            .get(key)
+            .and_then(|o| o.disk.map(|d| (d, o.size)))
+        {
+            Some((d, size)) => Ok(Response::DiskReplica(DiskReplicaList {
+                disk: self.disk_desc(&d, size),
+                size,
+                lease_ttl_ms: lease,
+                read_id: list.read_id,
+            })),
+            None => Ok(Response::ReplicaList(list)),
+        }
     }
 
     /// Forgets reads whose lease ran out (their readers fail the read themselves); the frees
