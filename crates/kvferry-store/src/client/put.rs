@@ -298,7 +298,7 @@ impl Client {
     /// free for a retry at once instead of after the master's discard timeout (a revoke names
     /// the put, so it touches nothing else; one the leader does not know is an error,
     /// ignored).
-    fn revoke_unknown<'a>(&self, puts: impl Iterator<Item = (&'a str, u64)>) {
+    pub(super) fn revoke_unknown<'a>(&self, puts: impl Iterator<Item = (&'a str, u64)>) {
         let id = self.inner.id;
         let revokes: Vec<Request> = puts
             .map(|(key, put)| Request::PutRevoke {

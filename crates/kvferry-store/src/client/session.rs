@@ -112,7 +112,7 @@ impl Client {
             Ok(a) => a,
             Err(e) => {
                 if e == StoreError::OutcomeUnknown {
-                    self.revoke_puts(items.iter().zip(first..).map(|(&(k, _), p)| (k, p)));
+                    self.revoke_unknown(items.iter().zip(first..).map(|(&(k, _), p)| (k, p)));
                 }
                 return items.iter().map(|_| Err(e.clone())).collect();
             }
@@ -138,7 +138,7 @@ impl Client {
                 other => Err(StoreError::Rpc(format!("unexpected answer {other:?}"))),
             })
             .collect();
-        self.revoke_puts(unknown.into_iter());
+        self.revoke_unknown(unknown.into_iter());
         out
     }
 
@@ -258,24 +258,6 @@ impl Client {
         match self.call_batch(reqs) {
             Ok(a) => a.into_iter().map(|a| a.into_result().map(|_| ())).collect(),
             Err(e) => rs.iter().map(|_| Err(e.clone())).collect(),
-        }
-    }
-
-    fn revoke_puts<'a>(&self, puts: impl Iterator<Item = (&'a str, u64)>) {
-        let id = self.inner.id;
-        let reqs: Vec<Request> = puts
-            .map(|(key, put)| Request::PutRevoke {
-                client: id,
-                key: key.to_string(),
-                put,
-            })
-            .collect();
-        if !reqs.is_empty() {
-            if let Err(e) = self.call_batch(reqs) {
-                tracing::debug!(
-                    "store: revoking reservations whose start may have reached the new leader: {e}"
-                );
-            }
         }
     }
 
