@@ -359,24 +359,11 @@ impl Client {
             // allocated here, in setup (~1.1 s per GiB on the 2-vCPU VM): allocating from a
             // background thread instead made the first second after setup run at 57% of the
             // steady rate there (the zeroing competes with the traffic), against 91% now.
-            let opts = kvferry::hostbuf::HostOptions {
-                populate: true,
-                huge_pages: true,
-                shareable: true,
-            };
-            let buf = HostBuffer::with(cfg.global_segment_size as usize, opts)
-                .map_err(|e| StoreError::InvalidParams(format!("global_segment_size: {e}")))?;
-            engine
-                .register_memory(buf.addr(), buf.len() as u64, "cpu:0")
-                .map_err(|e| StoreError::Internal(e.to_string()))?;
-            let seg = Segment {
-                id: rand::random(),
-                name: engine.segment_name().to_string(),
-                te_endpoint: engine.segment_name().to_string(),
-                base: buf.addr(),
-                size: buf.len() as u64,
-            };
-            segment = Some((buf, seg));
+            segment = Some(new_segment(
+                &engine,
+                cfg.global_segment_size,
+                "global_segment_size",
+            )?);
         }
         let mut staging = None;
         if cfg.local_buffer_size > 0 {
@@ -781,6 +768,34 @@ fn ping_loop(inner: Weak<Inner>, every: Duration) {
             Err(e) => tracing::debug!("ping: {e}"),
         }
     }
+}
+
+/// A segment of `size` bytes of this process's memory: allocated (populated, huge pages where
+/// the host has them, shareable so same-host peers map it), registered with `engine`, and
+/// described under the engine's name with a random id. `what` names the setting in errors.
+fn new_segment(
+    engine: &TransferEngine,
+    size: u64,
+    what: &str,
+) -> StoreResult<(HostBuffer, Segment)> {
+    let opts = kvferry::hostbuf::HostOptions {
+        populate: true,
+        huge_pages: true,
+        shareable: true,
+    };
+    let buf = HostBuffer::with(size as usize, opts)
+        .map_err(|e| StoreError::InvalidParams(format!("{what}: {e}")))?;
+    engine
+        .register_memory(buf.addr(), buf.len() as u64, "cpu:0")
+        .map_err(|e| StoreError::Internal(e.to_string()))?;
+    let seg = Segment {
+        id: rand::random(),
+        name: engine.segment_name().to_string(),
+        te_endpoint: engine.segment_name().to_string(),
+        base: buf.addr(),
+        size: buf.len() as u64,
+    };
+    Ok((buf, seg))
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use super::rpc::Conn;
 use super::Client;
 use crate::error::{StoreError, StoreResult};
 use crate::proto::{Request, Segment};
-use kvferry::hostbuf::{HostBuffer, HostOptions};
+use kvferry::hostbuf::HostBuffer;
 use std::time::{Duration, Instant};
 
 /// The segments mounted after setup, and the memory of those unmounted since.
@@ -27,24 +27,12 @@ impl Client {
         if size == 0 {
             return Err(StoreError::InvalidParams("a segment of 0 bytes".into()));
         }
-        let opts = HostOptions {
-            populate: true,
-            huge_pages: true,
-            shareable: true,
-        };
-        let buf = HostBuffer::with(size as usize, opts)
-            .map_err(|e| StoreError::InvalidParams(format!("a segment of {size} bytes: {e}")))?;
+        let (buf, seg) = super::new_segment(
+            &self.inner.engine,
+            size,
+            &format!("a segment of {size} bytes"),
+        )?;
         let engine = &self.inner.engine;
-        engine
-            .register_memory(buf.addr(), buf.len() as u64, "cpu:0")
-            .map_err(|e| StoreError::Internal(e.to_string()))?;
-        let seg = Segment {
-            id: rand::random(),
-            name: engine.segment_name().to_string(),
-            te_endpoint: engine.segment_name().to_string(),
-            base: buf.addr(),
-            size: buf.len() as u64,
-        };
         let mounted = self.inner.rpc.call_ok(&Request::MountSegment {
             client: self.inner.id,
             segment: seg.clone(),
