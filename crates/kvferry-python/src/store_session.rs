@@ -135,26 +135,7 @@ impl StoreSessions {
         let found = Self::entries(&self.puts, &keys, "put session");
         let rs: Vec<Vec<Range>> = all_ranges.iter().map(|v| ranges(v)).collect();
         self.on(py, move |c| {
-            let mut i = rs.iter();
-            let pairs: Vec<(Arc<Reservation>, &[Range])> = found
-                .iter()
-                .filter_map(|e| {
-                    let r = i.next();
-                    e.as_ref().ok().zip(r).map(|(a, r)| (Arc::clone(a), &r[..]))
-                })
-                .collect();
-            let items: Vec<(&Reservation, &[Range])> =
-                pairs.iter().map(|(a, r)| (&**a, *r)).collect();
-            let mut done = c.write_reserved(&items).into_iter();
-            found
-                .iter()
-                .map(|e| match e {
-                    Ok(_) => done
-                        .next()
-                        .unwrap_or_else(|| Err(StoreError::Internal("no result".into()))),
-                    Err(e) => Err(e.clone()),
-                })
-                .collect()
+            per_found(&found, &rs, |items| c.write_reserved(items))
         })
     }
 
@@ -229,26 +210,7 @@ impl StoreSessions {
         let found = Self::entries(&self.gets, &keys, "get session or snapshot");
         let rs: Vec<Vec<Range>> = all_ranges.iter().map(|v| ranges(v)).collect();
         self.on(py, move |c| {
-            let mut i = rs.iter();
-            let pairs: Vec<(Arc<ReadLease>, &[Range])> = found
-                .iter()
-                .filter_map(|e| {
-                    let r = i.next();
-                    e.as_ref().ok().zip(r).map(|(a, r)| (Arc::clone(a), &r[..]))
-                })
-                .collect();
-            let items: Vec<(&ReadLease, &[Range])> =
-                pairs.iter().map(|(a, r)| (&**a, *r)).collect();
-            let mut done = c.read_leased(&items).into_iter();
-            found
-                .iter()
-                .map(|e| match e {
-                    Ok(_) => done
-                        .next()
-                        .unwrap_or_else(|| Err(StoreError::Internal("no result".into()))),
-                    Err(e) => Err(e.clone()),
-                })
-                .collect()
+            per_found(&found, &rs, |items| c.read_leased(items))
         })
     }
 
@@ -283,4 +245,28 @@ impl StoreSessions {
             Ok(())
         })
     }
+}
+
+/// Calls `f` with the ranges of each key `found` (in order, keys not found left out) and
+/// gives per key its result, or the error that found nothing for it.
+fn per_found<T, R>(
+    found: &[Result<Arc<T>, StoreError>],
+    rs: &[Vec<Range>],
+    f: impl FnOnce(&[(&T, &[Range])]) -> Vec<Result<R, StoreError>>,
+) -> Vec<Result<R, StoreError>> {
+    let items: Vec<(&T, &[Range])> = found
+        .iter()
+        .zip(rs)
+        .filter_map(|(e, r)| e.as_ref().ok().map(|a| (&**a, &r[..])))
+        .collect();
+    let mut done = f(&items).into_iter();
+    found
+        .iter()
+        .map(|e| match e {
+            Ok(_) => done
+                .next()
+                .unwrap_or_else(|| Err(StoreError::Internal("no result".into()))),
+            Err(e) => Err(e.clone()),
+        })
+        .collect()
 }
