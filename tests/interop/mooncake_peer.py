@@ -14,6 +14,10 @@ Subcommands (all on 127.0.0.1, P2PHANDSHAKE metadata, TCP transport):
         checksum OFF LEN      -> {"sha256": "<hex of buffer[OFF:OFF+LEN]>"}
         fill OFF LEN SEED     -> {"ok": true}   (pattern index counted from buffer offset 0)
         notifies              -> {"notifies": [[name, msg], ...]}   (drains get_notifies())
+        initiate SEGMENT ADDR SIZE write|read BLOCK BATCH SEED
+                              -> what ``initiator`` prints, moved by this same engine from a
+                                 buffer of its own (one process serves both roles, so a test
+                                 starts Mooncake once: slow under emulation)
         quit                  -> exit 0
       Bad commands answer {"error": "..."}. Exits 0 when stdin closes.
 
@@ -224,6 +228,12 @@ def cmd_target(args):
                 _emit(out, {"ok": True})
             elif op == "notifies":
                 _emit(out, {"notifies": [[n.name, n.msg] for n in te.get_notifies()]})
+            elif op == "initiate":
+                if words[4] not in ("write", "read"):
+                    raise ValueError("op must be write or read")
+                res = _initiate(te, words[1], int(words[2], 0), int(words[3]), words[4],
+                                int(words[5]), int(words[6]), int(words[7]), False)
+                _emit(out, res)
             else:
                 _emit(out, {"error": "unknown command %r" % op})
         except (IndexError, ValueError) as e:
@@ -243,43 +253,51 @@ def _check_range(buf, off, length):
 
 def cmd_initiator(args):
     out = _claim_stdout()
-    if args.block <= 0 or args.batch <= 0:
+    te = _new_engine()
+    res = _initiate(te, args.segment, args.remote_addr, args.size, args.op, args.block,
+                    args.batch, args.seed, args.stop_on_error)
+    _emit(out, res)
+    return 0 if res["ok"] else 1
+
+
+def _initiate(te, segment, remote_addr, size, op, block, batch, seed, stop_on_error):
+    """write: pattern(seed) from a local buffer into [remote_addr, +size) in blocks of
+    ``block``, ``batch`` requests per call; read: the same range into a zeroed buffer."""
+    if block <= 0 or batch <= 0:
         raise SystemExit("mooncake_peer: --block and --batch must be > 0")
-    buf = Buffer(args.size)
-    if args.op == "write":
-        pattern_fill(buf.mm, 0, buf.size, args.seed)
+    buf = Buffer(size)
+    if op == "write":
+        pattern_fill(buf.mm, 0, buf.size, seed)
     else:
         buf.zero()
-    te = _new_engine()
     _register(te, buf)
 
-    fn = te.batch_transfer_sync_write if args.op == "write" else te.batch_transfer_sync_read
-    offs = list(range(0, buf.size, args.block))
+    fn = te.batch_transfer_sync_write if op == "write" else te.batch_transfer_sync_read
+    offs = list(range(0, buf.size, block))
     last_bad = 0
     calls = 0
     error = None
     t0 = time.perf_counter()
-    for i in range(0, len(offs), args.batch):
-        group = offs[i:i + args.batch]
-        lens = [min(args.block, buf.size - o) for o in group]
+    for i in range(0, len(offs), batch):
+        group = offs[i:i + batch]
+        lens = [min(block, buf.size - o) for o in group]
         try:
-            ret = fn(args.segment, [buf.addr + o for o in group],
-                     [args.remote_addr + o for o in group], lens)
+            ret = fn(segment, [buf.addr + o for o in group],
+                     [remote_addr + o for o in group], lens)
         except Exception as e:  # e.g. RuntimeError on a malformed peer descriptor
             ret, error = -1, "%s: %s" % (type(e).__name__, e)
         calls += 1
         if ret != 0:
             last_bad = ret
-            if args.stop_on_error or error is not None:
+            if stop_on_error or error is not None:
                 break
     secs = time.perf_counter() - t0
     res = {"ok": last_bad == 0, "ret": last_bad, "sha256": buf.sha256(),
            "calls": calls, "secs": round(secs, 6)}
     if error is not None:
         res["error"] = error
-    _emit(out, res)
     te.unregister_memory(buf.addr)
-    return 0 if last_bad == 0 else 1
+    return res
 
 
 def cmd_probe(args):
