@@ -39,6 +39,21 @@ fn reply(status: StatusCode, ctype: &str, body: String) -> Response<Full<Bytes>>
     r
 }
 
+/// The leader's journal figures (`/metrics`): what `JournalStats` holds, as the journal's
+/// writer last set it (a rebase's `rebase_ms`, the kept tail's size and whether it is whole).
+fn journal_metrics(o: &mut String, j: &kvferry_store::ha::journal::JournalStats) {
+    let _ = writeln!(o, "# HELP kvferry_master_ha_journal_lag Collected state changes not yet written to the etcd journal (leader; replication lag).\n# TYPE kvferry_master_ha_journal_lag gauge\nkvferry_master_ha_journal_lag {}", j.lag);
+    let _ = writeln!(o, "# HELP kvferry_master_ha_journal_seq The last entry of this leader's journal (written to etcd or streamed to the in-sync standbys).\n# TYPE kvferry_master_ha_journal_seq gauge\nkvferry_master_ha_journal_seq {}", j.seq);
+    let _ = writeln!(o, "# HELP kvferry_master_ha_journal_entries_total Journal entries written to etcd in this term.\n# TYPE kvferry_master_ha_journal_entries_total counter\nkvferry_master_ha_journal_entries_total {}", j.entries);
+    let _ = writeln!(o, "# HELP kvferry_master_ha_journal_bytes Bytes of the journal in etcd: the current snapshot plus the log after it.\n# TYPE kvferry_master_ha_journal_bytes gauge\nkvferry_master_ha_journal_bytes {}", j.snapshot_bytes + j.log_bytes);
+    let _ = writeln!(o, "# HELP kvferry_master_ha_early_answers_total Puts answered before their start was acknowledged in this term (placed in space granted ahead: --ha-grant-bytes).\n# TYPE kvferry_master_ha_early_answers_total counter\nkvferry_master_ha_early_answers_total {}", j.early_answers);
+    let _ = writeln!(o, "# HELP kvferry_master_ha_insync_standbys Standbys that acknowledge the leader's changes in memory (its in-sync set); 0: the etcd journal acknowledges them.\n# TYPE kvferry_master_ha_insync_standbys gauge\nkvferry_master_ha_insync_standbys {}", j.insync);
+    let _ = writeln!(o, "# HELP kvferry_master_ha_streamed_entries_total Entries acknowledged by the in-sync standbys in this term.\n# TYPE kvferry_master_ha_streamed_entries_total counter\nkvferry_master_ha_streamed_entries_total {}", j.streamed);
+    let _ = writeln!(o, "# HELP kvferry_master_ha_tail_bytes Bytes of the entries the leader keeps for its next rebase (what the etcd journal lacks while standbys are in sync); 0 with kvferry_master_ha_tail_whole 0: none kept, the next rebase writes the whole state.\n# TYPE kvferry_master_ha_tail_bytes gauge\nkvferry_master_ha_tail_bytes {}", j.tail_bytes);
+    let _ = writeln!(o, "# HELP kvferry_master_ha_tail_whole 1 while the kept entries are every one since the etcd journal was last whole.\n# TYPE kvferry_master_ha_tail_whole gauge\nkvferry_master_ha_tail_whole {}", u8::from(j.tail_whole));
+    let _ = writeln!(o, "# HELP kvferry_master_ha_rebase_seconds How long the last rebase (the in-sync set emptied) held changing requests.\n# TYPE kvferry_master_ha_rebase_seconds gauge\nkvferry_master_ha_rebase_seconds {}", j.rebase_ms as f64 / 1000.0);
+}
+
 fn query_param(uri: &hyper::Uri, name: &str) -> Option<String> {
     form_urlencoded::parse(uri.query()?.as_bytes())
         .find(|(k, _)| k == name)
@@ -115,17 +130,7 @@ pub fn metrics_text(m: &Master) -> String {
     let _ = writeln!(o, "# HELP kvferry_master_ha_enabled Whether this master campaigns for leadership (--enable-ha).\n# TYPE kvferry_master_ha_enabled gauge\nkvferry_master_ha_enabled {}", u8::from(ha.enabled));
     let _ = writeln!(o, "# HELP kvferry_master_ha_is_leader 1 while this master leads (answers requests), 0 while it stands by.\n# TYPE kvferry_master_ha_is_leader gauge\nkvferry_master_ha_is_leader {}", u8::from(ha.role == Role::Leader));
     let _ = writeln!(o, "# HELP kvferry_master_ha_term The current leader's term (the etcd create revision of its key; 0 without HA or while unknown).\n# TYPE kvferry_master_ha_term gauge\nkvferry_master_ha_term {}", ha.term);
-    let j = m.journal.stats();
-    let _ = writeln!(o, "# HELP kvferry_master_ha_journal_lag Collected state changes not yet written to the etcd journal (leader; replication lag).\n# TYPE kvferry_master_ha_journal_lag gauge\nkvferry_master_ha_journal_lag {}", j.lag);
-    let _ = writeln!(o, "# HELP kvferry_master_ha_journal_seq The last entry of this leader's journal (written to etcd or streamed to the in-sync standbys).\n# TYPE kvferry_master_ha_journal_seq gauge\nkvferry_master_ha_journal_seq {}", j.seq);
-    let _ = writeln!(o, "# HELP kvferry_master_ha_journal_entries_total Journal entries written to etcd in this term.\n# TYPE kvferry_master_ha_journal_entries_total counter\nkvferry_master_ha_journal_entries_total {}", j.entries);
-    let _ = writeln!(o, "# HELP kvferry_master_ha_journal_bytes Bytes of the journal in etcd: the current snapshot plus the log after it.\n# TYPE kvferry_master_ha_journal_bytes gauge\nkvferry_master_ha_journal_bytes {}", j.snapshot_bytes + j.log_bytes);
-    let _ = writeln!(o, "# HELP kvferry_master_ha_early_answers_total Puts answered before their start was acknowledged in this term (placed in space granted ahead: --ha-grant-bytes).\n# TYPE kvferry_master_ha_early_answers_total counter\nkvferry_master_ha_early_answers_total {}", j.early_answers);
-    let _ = writeln!(o, "# HELP kvferry_master_ha_insync_standbys Standbys that acknowledge the leader's changes in memory (its in-sync set); 0: the etcd journal acknowledges them.\n# TYPE kvferry_master_ha_insync_standbys gauge\nkvferry_master_ha_insync_standbys {}", j.insync);
-    let _ = writeln!(o, "# HELP kvferry_master_ha_streamed_entries_total Entries acknowledged by the in-sync standbys in this term.\n# TYPE kvferry_master_ha_streamed_entries_total counter\nkvferry_master_ha_streamed_entries_total {}", j.streamed);
-    let _ = writeln!(o, "# HELP kvferry_master_ha_tail_bytes Bytes of the entries the leader keeps for its next rebase (what the etcd journal lacks while standbys are in sync); 0 with kvferry_master_ha_tail_whole 0: none kept, the next rebase writes the whole state.\n# TYPE kvferry_master_ha_tail_bytes gauge\nkvferry_master_ha_tail_bytes {}", j.tail_bytes);
-    let _ = writeln!(o, "# HELP kvferry_master_ha_tail_whole 1 while the kept entries are every one since the etcd journal was last whole.\n# TYPE kvferry_master_ha_tail_whole gauge\nkvferry_master_ha_tail_whole {}", u8::from(j.tail_whole));
-    let _ = writeln!(o, "# HELP kvferry_master_ha_rebase_seconds How long the last rebase (the in-sync set emptied) held changing requests.\n# TYPE kvferry_master_ha_rebase_seconds gauge\nkvferry_master_ha_rebase_seconds {}", j.rebase_ms as f64 / 1000.0);
+    journal_metrics(&mut o, &m.journal.stats());
     if let Some(mi) = m.gate.mirror_status() {
         let _ = writeln!(o, "# HELP kvferry_master_ha_mirror_seq The last entry of the leader's journal this standby's mirror holds (acknowledged); the leader's kvferry_master_ha_journal_seq minus this is its lag.\n# TYPE kvferry_master_ha_mirror_seq gauge\nkvferry_master_ha_mirror_seq {}", mi.seq);
         let _ = writeln!(o, "# HELP kvferry_master_ha_mirror_complete 1 while this standby's mirror holds an image and every entry since (it could lead from it).\n# TYPE kvferry_master_ha_mirror_complete gauge\nkvferry_master_ha_mirror_complete {}", u8::from(mi.complete));
@@ -343,6 +348,60 @@ pub fn serve(listener: TcpListener, m: Arc<Master>, auth: Option<HttpAuth>) -> s
 
 #[cfg(test)]
 mod tests {
+    /// The figures a rebase leaves (how long it held changing requests, the kept entries
+    /// none and not whole after it; kept and whole while standbys are in sync) read back from
+    /// `/metrics` as they are in `JournalStats` (what `/ha_status` shows).
+    #[test]
+    fn the_rebase_and_kept_tail_figures_are_the_journals() {
+        use kvferry_store::ha::journal::JournalStats;
+        let line = |o: &str, name: &str| {
+            o.lines()
+                .find_map(|l| l.strip_prefix(&format!("{name} ")).map(str::to_string))
+        };
+        let mut o = String::new();
+        let j = JournalStats {
+            rebase_ms: 1_250,
+            rebase_tail_entries: 12,
+            tail_bytes: 0,
+            tail_whole: false,
+            ..JournalStats::default()
+        };
+        super::journal_metrics(&mut o, &j);
+        assert_eq!(
+            line(&o, "kvferry_master_ha_rebase_seconds").as_deref(),
+            Some("1.25"),
+            "{o}"
+        );
+        assert_eq!(
+            line(&o, "kvferry_master_ha_tail_whole").as_deref(),
+            Some("0")
+        );
+        assert_eq!(
+            line(&o, "kvferry_master_ha_tail_bytes").as_deref(),
+            Some("0")
+        );
+        let mut o = String::new();
+        let j = JournalStats {
+            rebase_ms: 7,
+            tail_bytes: 4_096,
+            tail_whole: true,
+            ..JournalStats::default()
+        };
+        super::journal_metrics(&mut o, &j);
+        assert_eq!(
+            line(&o, "kvferry_master_ha_rebase_seconds").as_deref(),
+            Some("0.007")
+        );
+        assert_eq!(
+            line(&o, "kvferry_master_ha_tail_whole").as_deref(),
+            Some("1")
+        );
+        assert_eq!(
+            line(&o, "kvferry_master_ha_tail_bytes").as_deref(),
+            Some("4096")
+        );
+    }
+
     #[test]
     fn query_decoding() {
         let u: hyper::Uri = "/query_key?key=a%2Fb+c&x=1".parse().unwrap();

@@ -240,6 +240,56 @@ impl Renewals {
     }
 }
 
+/// A won key's renewals while the new leader loads its state ([`Out::TakeOver`] until
+/// [`Out::Lead`] or [`Out::StepDown`]): a takeover of a large state outlasts the lease TTL, and
+/// with the key's lease gone another master would campaign, with the standby's registration
+/// gone (while the in-sync record still names it) a master would start empty. Every `every`
+/// ms from the start, each of `leases` is renewed; one that fails is tried again at the next
+/// period (the campaign proves the key's lease itself before it serves, [`Campaign`]). The
+/// HA layer's elector runs it on a thread of its own beside the load; the simulator
+/// (`crate::sim::election`) on its fake clock, with loads longer than the TTL.
+///
+/// [`Out::TakeOver`]: super::Out::TakeOver
+/// [`Out::Lead`]: super::Out::Lead
+/// [`Out::StepDown`]: super::Out::StepDown
+/// [`Campaign`]: super::Campaign
+#[derive(Debug, Clone)]
+pub struct TakeoverRenewals {
+    leases: Vec<i64>,
+    every: u64,
+    next: u64,
+}
+
+/// What [`TakeoverRenewals::poll`] says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Keep {
+    /// Nothing before this time.
+    Wait(u64),
+    /// Renew these leases now.
+    Renew(Vec<i64>),
+}
+
+impl TakeoverRenewals {
+    /// Renewals of `leases` every `every` ms, the first one period after `now` (the key's
+    /// lease was just granted).
+    pub fn new(leases: &[i64], every: u64, now: u64) -> TakeoverRenewals {
+        TakeoverRenewals {
+            leases: leases.to_vec(),
+            every,
+            next: now.saturating_add(every),
+        }
+    }
+
+    /// What to do at `now`.
+    pub fn poll(&mut self, now: u64) -> Keep {
+        if now < self.next {
+            return Keep::Wait(self.next);
+        }
+        self.next = now.saturating_add(self.every);
+        Keep::Renew(self.leases.clone())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -280,6 +330,18 @@ mod tests {
         f.set_leader(10, "a", 6, 2_000, 80);
         f.fence(10, 2_010);
         assert!(!f.still_leader(10, 2_010));
+    }
+
+    #[test]
+    fn a_takeover_renews_every_lease_it_needs_every_period_until_it_ends() {
+        let mut k = TakeoverRenewals::new(&[7, 9], 1_250, 100);
+        assert_eq!(k.poll(100), Keep::Wait(1_350));
+        assert_eq!(k.poll(1_349), Keep::Wait(1_350));
+        assert_eq!(k.poll(1_350), Keep::Renew(vec![7, 9]));
+        assert_eq!(k.poll(1_351), Keep::Wait(2_600));
+        // Woken late (a loaded machine): the next one period after this one.
+        assert_eq!(k.poll(3_000), Keep::Renew(vec![7, 9]));
+        assert_eq!(k.poll(3_000), Keep::Wait(4_250));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! one is admitted is the [`super::Gate`]'s to say, from the fence the machine keeps.
 
 use super::{journal, sync, HaConfig, Replication, STANDBY_POLL};
+use crate::elect::fence::{Keep, TakeoverRenewals};
 use crate::elect::{Answer, Campaign, Config, Etcd, Out, Plan, View};
 use crate::node::Master;
 use crate::repl::JournalWriter;
@@ -309,7 +310,7 @@ impl<'a> Elector<'a> {
             _ => None,
         };
         let reg = self.standby.as_ref().and_then(|sb| sb.reg.map(|(l, _)| l));
-        let settled = renewing(cfg, etcd, &[Some(owner.lease), reg], || {
+        let settled = renewing(cfg, etcd, &master.gate, &[Some(owner.lease), reg], || {
             let loaded = match source {
                 None => Err(
                     "this member's mirror was no longer complete when it won the key".to_string(),
@@ -441,12 +442,13 @@ impl<'a> Elector<'a> {
     }
 }
 
-/// Runs `f`, renewing `leases` (the `Some` ones) every keepalive period meanwhile, on a thread
-/// of its own; a renewal that fails is logged and tried again at the next period (`f` checks
-/// the key itself before it serves).
+/// Runs `f`, renewing `leases` (the `Some` ones) meanwhile on a thread of its own, when the
+/// [`TakeoverRenewals`] machine says (on `gate`'s clock); a renewal that fails is logged and
+/// tried again at the next period (`f` checks the key itself before it serves).
 fn renewing<T>(
     cfg: &HaConfig,
     etcd: &EtcdClient,
+    gate: &super::Gate,
     leases: &[Option<i64>],
     f: impl FnOnce() -> T,
 ) -> T {
@@ -461,20 +463,26 @@ fn renewing<T>(
             }
         }
     }
+    let leases: Vec<i64> = leases.iter().flatten().copied().collect();
+    let every = cfg.keepalive_every().as_millis() as u64;
     std::thread::scope(|sc| {
         let keeper = std::thread::Builder::new()
             .name("kvf-ha-takeover-keepalive".into())
             .spawn_scoped(sc, || {
-                let mut last = Instant::now();
+                let mut k = TakeoverRenewals::new(&leases, every, gate.now());
                 while !done.load(Ordering::Acquire) {
-                    std::thread::park_timeout(cfg.keepalive_every().saturating_sub(last.elapsed()));
-                    if done.load(Ordering::Acquire) || last.elapsed() < cfg.keepalive_every() {
-                        continue;
-                    }
-                    last = Instant::now();
-                    for lease in leases.iter().flatten() {
-                        if let Err(e) = etcd.lease_keepalive(*lease) {
-                            tracing::warn!("HA: renewing lease {lease:x} during the takeover: {e}");
+                    match k.poll(gate.now()) {
+                        Keep::Wait(until) => std::thread::park_timeout(Duration::from_millis(
+                            until.saturating_sub(gate.now()),
+                        )),
+                        Keep::Renew(leases) => {
+                            for lease in leases {
+                                if let Err(e) = etcd.lease_keepalive(lease) {
+                                    tracing::warn!(
+                                        "HA: renewing lease {lease:x} during the takeover: {e}"
+                                    );
+                                }
+                            }
                         }
                     }
                 }

@@ -247,6 +247,37 @@ fn the_tail_keeps_a_whole_run_from_the_journals_position_or_none() {
     assert!(!none.refresh_due(u64::MAX));
 }
 
+/// The figures of the kept tail (`kvferry_master_ha_tail_bytes`, `_tail_whole`, set from
+/// `Tail::size_to_show` on every writer turn): shown at once when whether a run is kept
+/// changes (a rebase the roster decided took it), else at most every 200 ms.
+#[test]
+fn the_tail_figures_change_at_once_when_a_rebase_takes_the_run_else_at_most_every_200_ms() {
+    use super::roster::{RebaseFrom, Roster};
+    let f = |n: usize| Arc::new(vec![0u8; n]);
+    let mut t = Tail::new(100, Duration::from_secs(1), 0);
+    assert_eq!(t.size_to_show(0), Some((0, false)), "shown once at first");
+    t.start(5, 0);
+    t.push(6, &f(10));
+    assert_eq!(t.size_to_show(MS), Some((10, true)), "a run kept: at once");
+    t.push(7, &f(10));
+    assert_eq!(
+        t.size_to_show(100 * MS),
+        None,
+        "grown, shown at most every 200 ms"
+    );
+    assert_eq!(t.size_to_show(201 * MS), Some((20, true)));
+    // The in-sync set empties: the roster says the rebase writes the kept run.
+    let run = t.take(7);
+    let from = Roster::rebase_from(run.as_ref().map(|r| r.last()), 7, || true);
+    assert_eq!(from, RebaseFrom::Tail);
+    assert_eq!(
+        t.size_to_show(202 * MS),
+        Some((0, false)),
+        "taken by the rebase: none kept, shown at once"
+    );
+    assert_eq!(t.size_to_show(203 * MS), None);
+}
+
 /// A standby that takes over writes the entries the etcd journal lacks from its kept run
 /// when one reaches back to where the journal ends and every entry fits a log value; else
 /// its whole state, as the snapshot after the later of the journal's and its mirror's last

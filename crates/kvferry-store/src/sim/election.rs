@@ -7,8 +7,11 @@
 //!
 //! The masters run the real [`Campaign`] with its [`Fence`] and [`Renewals`](crate::elect::fence::Renewals):
 //! every request it asks is carried out by [`Campaign::execute`] against the model when it
-//! arrives there; a takeover's load is one request that reads the journal's term marker and
-//! writes this leader's, as `take_over` does (`crate::ha::elect`).
+//! arrives there; a takeover's load takes from nothing to three lease TTLs, its key's lease and
+//! registration renewed meanwhile by the real
+//! [`TakeoverRenewals`](crate::elect::fence::TakeoverRenewals), and ends with one request that
+//! reads the journal's term marker and writes this leader's, as `take_over` does
+//! (`crate::ha::elect`). What leaders acknowledged is a count ([`takeover`]).
 //!
 //! Standbys keep registrations naming their mirror's term; a leader makes a standby's mirror
 //! whole, names it in the in-sync record once its registration says so, and drops members;
@@ -17,20 +20,25 @@
 //!
 //! Checked after every step: no two masters may ever admit requests during overlapping
 //! times (each master's admitting interval runs from when it became leader to the end of its
-//! fence, or its crash), and a master admits only as the leader of the term it won. Checked
+//! fence, or its crash), and a master admits only as the leader of the term it won, only while
+//! etcd would count its lease alive; a takeover nothing disturbed ends leading, with every
+//! acknowledged object ([`takeover`]). Checked
 //! at every takeover, against what its transaction saw: from the journal only while the
 //! in-sync record names no member; from its mirror only as a member with a mirror of the
 //! record's term; empty only when no other member was registered with that mirror.
 
 use crate::elect::fence::{Fence, Role};
-use crate::elect::insync::{parse_registration, registration, InSync};
 use crate::elect::{Campaign, Config, Op, Out, Plan, View};
 use crate::ha::STANDBY_POLL;
-use kvferry::metadata::etcd::{Cond, Created, KeyValue, Owner};
+use kvferry::metadata::etcd::Owner;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::cell::RefCell;
-use std::collections::BTreeMap;
+
+mod model;
+mod takeover;
+
+use model::{At, Etcd, Won};
 
 const TTL: u64 = 5_000;
 const BOUND: u64 = TTL * 2 / 3;
@@ -45,234 +53,15 @@ const KEY: &str = "sim/master_view";
 const INSYNC: &str = "sim/insync";
 const STANDBY: &str = "sim/standby/";
 
-/// etcd, as far as the election sees it.
-#[derive(Default)]
-struct Etcd {
-    rev: i64,
-    key: Option<KeyValue>,
-    /// lease -> when it expires
-    leases: BTreeMap<i64, u64>,
-    next_lease: i64,
-    /// The last leader that marked the journal.
-    marker: Option<Owner>,
-    /// The in-sync record.
-    insync: Option<KeyValue>,
-    /// The standbys' registrations (member -> value, and when its lease expires).
-    regs: BTreeMap<String, (KeyValue, u64)>,
-}
-
-impl Etcd {
-    fn expire(&mut self, now: u64) {
-        self.leases.retain(|_, &mut at| at > now);
-        self.regs.retain(|_, r| r.1 > now);
-        if self
-            .key
-            .as_ref()
-            .is_some_and(|k| !self.leases.contains_key(&k.lease))
-        {
-            self.key = None;
-            self.rev += 1;
-        }
-    }
-
-    /// A takeover's load: the leader the journal names, and this one's mark, if the key is
-    /// still `owner`'s (the marker is written in a transaction guarded by the key). The new
-    /// leader's state is then whole in the journal: the in-sync set is emptied.
-    fn mark(&mut self, owner: Owner, now: u64) -> Result<Option<Owner>, String> {
-        self.expire(now);
-        match &self.key {
-            Some(kv) if owner.holds(kv) => {
-                self.set_insync(&InSync {
-                    term: owner.create_revision,
-                    members: Vec::new(),
-                });
-                Ok(self.marker.replace(owner))
-            }
-            _ => Err("the key is no longer this master's".into()),
-        }
-    }
-
-    fn set_insync(&mut self, rec: &InSync) {
-        self.rev += 1;
-        let rev = self.rev;
-        self.insync = Some(KeyValue {
-            value: rec.to_bytes(),
-            create_revision: self.insync.as_ref().map_or(rev, |k| k.create_revision),
-            mod_revision: rev,
-            lease: 0,
-        });
-    }
-
-    fn record(&self) -> InSync {
-        self.insync
-            .as_ref()
-            .and_then(|kv| InSync::parse(&kv.value).ok())
-            .unwrap_or_default()
-    }
-
-    /// The mirror term member `m`'s registration names.
-    fn registered(&self, m: &str) -> Option<i64> {
-        let (kv, _) = self.regs.get(m)?;
-        parse_registration(&String::from_utf8_lossy(&kv.value)).mirror
-    }
-
-    /// A standby keeps its registration: written when it changes, its lease renewed.
-    fn register(&mut self, m: &str, mirror: Option<i64>, now: u64) {
-        self.expire(now);
-        let value = registration(m, mirror).into_bytes();
-        match self.regs.get_mut(m) {
-            Some((kv, at)) if kv.value == value => *at = now + TTL,
-            _ => {
-                self.rev += 1;
-                let rev = self.rev;
-                self.regs.insert(
-                    m.to_string(),
-                    (
-                        KeyValue {
-                            value,
-                            create_revision: rev,
-                            mod_revision: rev,
-                            lease: 0,
-                        },
-                        now + TTL,
-                    ),
-                );
-            }
-        }
-    }
-}
-
-/// The model at one time, as the campaign's [`crate::elect::Etcd`].
-struct At<'a> {
-    etcd: RefCell<&'a mut Etcd>,
-    won: RefCell<&'a mut Won>,
-    now: u64,
-}
-
-/// At each successful campaign (by term and lease): the in-sync record and its members
-/// registered with a mirror of its term, as the transaction saw them (kept outside etcd: a
-/// wipe does not undo what a master won).
-type Won = BTreeMap<(i64, i64), (InSync, Vec<String>)>;
-
-impl crate::elect::Etcd for At<'_> {
-    fn get(&self, key: &str) -> Result<Option<KeyValue>, String> {
-        let mut e = self.etcd.borrow_mut();
-        e.expire(self.now);
-        Ok(match key {
-            KEY => e.key.clone(),
-            INSYNC => e.insync.clone(),
-            _ => None,
-        })
-    }
-
-    fn range(&self, prefix: &str) -> Result<Vec<(String, KeyValue)>, String> {
-        let mut e = self.etcd.borrow_mut();
-        e.expire(self.now);
-        Ok(e.regs
-            .iter()
-            .map(|(m, (kv, _))| (format!("{STANDBY}{m}"), kv.clone()))
-            .filter(|(k, _)| k.starts_with(prefix))
-            .collect())
-    }
-
-    fn lease_grant(&self, _ttl_secs: i64) -> Result<i64, String> {
-        let mut e = self.etcd.borrow_mut();
-        e.next_lease += 1;
-        let lease = e.next_lease;
-        e.leases.insert(lease, self.now + TTL);
-        Ok(lease)
-    }
-
-    fn create_when(
-        &self,
-        key: &str,
-        value: &[u8],
-        lease: i64,
-        conds: &[Cond],
-    ) -> Result<Created, String> {
-        let mut e = self.etcd.borrow_mut();
-        e.expire(self.now);
-        if !e.leases.contains_key(&lease) {
-            return Err("etcdserver: requested lease not found".into());
-        }
-        if e.key.is_some() {
-            return Ok(Created::Lost(e.key.clone()));
-        }
-        let mod_rev = |k: &str| match k {
-            INSYNC => e.insync.as_ref().map_or(0, |kv| kv.mod_revision),
-            _ => k
-                .strip_prefix(STANDBY)
-                .and_then(|m| e.regs.get(m))
-                .map_or(0, |r| r.0.mod_revision),
-        };
-        let holds = conds.iter().all(|c| match c {
-            Cond::ModRevision(k, rev) => mod_rev(k) == *rev,
-            Cond::Absent(k) => mod_rev(k) == 0,
-        });
-        if !holds || key != KEY {
-            return Ok(Created::Lost(None));
-        }
-        // What the campaign's rules were checked against, as the transaction saw it.
-        let rec = e.record();
-        let alive: Vec<String> = rec
-            .members
-            .iter()
-            .filter(|m| e.registered(m) == Some(rec.term))
-            .cloned()
-            .collect();
-        let won = (e.rev + 1, lease);
-        self.won.borrow_mut().insert(won, (rec, alive));
-        e.rev += 1;
-        e.key = Some(KeyValue {
-            value: value.to_vec(),
-            create_revision: e.rev,
-            mod_revision: e.rev,
-            lease,
-        });
-        Ok(Created::Won(e.rev))
-    }
-
-    fn lease_keepalive(&self, lease: i64) -> Result<bool, String> {
-        let mut e = self.etcd.borrow_mut();
-        e.expire(self.now);
-        Ok(match e.leases.get_mut(&lease) {
-            Some(at) => {
-                *at = self.now + TTL;
-                true
-            }
-            None => false,
-        })
-    }
-
-    fn lease_alive(&self, lease: i64) -> Result<bool, String> {
-        let mut e = self.etcd.borrow_mut();
-        e.expire(self.now);
-        Ok(e.leases.contains_key(&lease))
-    }
-
-    fn delete_if_owned(&self, _key: &str, owner: Owner) -> Result<(), String> {
-        let mut e = self.etcd.borrow_mut();
-        if e.key.as_ref().is_some_and(|kv| owner.holds(kv)) {
-            e.key = None;
-            e.rev += 1;
-        }
-        Ok(())
-    }
-
-    fn lease_revoke(&self, lease: i64) -> Result<(), String> {
-        let mut e = self.etcd.borrow_mut();
-        e.leases.remove(&lease);
-        e.expire(self.now);
-        Ok(())
-    }
-}
-
 /// A request on its way to etcd.
 #[derive(Debug, Clone)]
 enum Req {
     Op(Op),
-    /// A takeover's load ([`Etcd::mark`]).
-    Mark(Owner),
+    /// A takeover's load ([`Etcd::mark`]), and what it writes to the journal
+    /// ([`takeover::Load`]).
+    Mark(Owner, takeover::Load),
+    /// A renewal by a takeover's [`crate::elect::fence::TakeoverRenewals`] (no answer awaited).
+    Keep(i64),
 }
 
 /// An answer on its way back.
@@ -298,6 +87,10 @@ struct Node {
     inbox: Vec<(u64, u64, Reply)>,
     /// The term of its complete mirror (lost when it dies; taken when it leads from it).
     mirror: Option<i64>,
+    /// The objects its mirror holds, and its state's (a leader's).
+    mirror_objects: u64,
+    state: u64,
+    taking: Option<takeover::Taking>,
 }
 
 impl Node {
@@ -325,6 +118,9 @@ impl Node {
             sent: 0,
             inbox: Vec::new(),
             mirror: None,
+            mirror_objects: 0,
+            state: 0,
+            taking: None,
         }
     }
 }
@@ -352,6 +148,13 @@ struct World {
     /// Takeovers from a member's mirror, and starting empty.
     pub from_mirror: u64,
     pub empty: u64,
+    /// Objects acknowledged that every later leader must hold (0 again when their loss is
+    /// explained: a start from empty, etcd's data lost).
+    acked: u64,
+    /// Takeovers whose load outlasted the lease TTL and that led; takeovers that failed with
+    /// their key's lease run out (renewals stopped: paused, cut off, lost).
+    pub long_takeovers: u64,
+    pub lapsed_takeovers: u64,
     /// The most a message takes one way: this seed's network (a LAN's etcd answers in a
     /// millisecond, a loaded one in a good part of the request timeout).
     delay: u64,
@@ -375,6 +178,9 @@ impl World {
             leaderships: 0,
             from_mirror: 0,
             empty: 0,
+            acked: 0,
+            long_takeovers: 0,
+            lapsed_takeovers: 0,
             delay,
         }
     }
@@ -391,8 +197,9 @@ impl World {
         let n = &mut self.nodes[from];
         n.sent += 1;
         let id = n.sent;
-        n.out = Some((id, now, matches!(req, Req::Mark(_))));
+        n.out = Some((id, now, matches!(req, Req::Mark(..))));
         if n.cut_until > now || self.rng.random_bool(0.02) {
+            self.disturb(from);
             return; // lost: it times out
         }
         let at = now + self.rng.random_range(0..self.delay);
@@ -417,6 +224,7 @@ impl World {
                 let i = self.rng.random_range(0..self.nodes.len());
                 let d = self.rng.random_range(1..3 * TTL);
                 self.nodes[i].paused_until = self.now + d;
+                self.disturb(i);
                 self.note(format!("master {i} paused for {d} ms"));
             }
             2 => {
@@ -430,6 +238,7 @@ impl World {
                         .min(self.now);
                     self.close(i, end);
                     self.nodes[i].alive = false;
+                    self.nodes[i].taking = None;
                     self.note(format!("master {i} crashed"));
                 } else {
                     self.nodes[i] = Node::new(i, self.now);
@@ -439,6 +248,7 @@ impl World {
             3 => {
                 let i = self.rng.random_range(0..self.nodes.len());
                 self.nodes[i].cut_until = self.now + self.rng.random_range(1..2 * TTL);
+                self.disturb(i);
                 self.note(format!(
                     "master {i} cut off from etcd until {}",
                     self.nodes[i].cut_until
@@ -447,8 +257,11 @@ impl World {
             4 if self.rng.random_bool(0.2) => {
                 self.etcd = Etcd {
                     next_lease: self.etcd.next_lease + 1000,
+                    ledger: std::mem::take(&mut self.etcd.ledger),
                     ..Etcd::default()
                 };
+                self.acked = 0; // the journal is gone: its loss is explained
+                self.disturb_all();
                 self.note("etcd lost its data".into());
             }
             6..=9 => self.replicate(),
@@ -456,6 +269,7 @@ impl World {
             5 if self.rng.random_bool(0.2) && self.etcd.key.is_some() => {
                 self.etcd.key = None;
                 self.etcd.rev += 1;
+                self.disturb_all();
                 self.note("the key was deleted by hand".into());
             }
             _ => {
@@ -480,6 +294,10 @@ impl World {
             self.outbox = rest;
             for (_, from, id, req) in due {
                 let reply = match req {
+                    Req::Keep(lease) => {
+                        self.etcd.keepalive(lease, now);
+                        continue;
+                    }
                     Req::Op(op) => {
                         let at = At {
                             etcd: RefCell::new(&mut self.etcd),
@@ -488,11 +306,19 @@ impl World {
                         };
                         Reply::Op(self.nodes[from].m.execute(&at, &op))
                     }
-                    Req::Mark(owner) => Reply::Mark(self.etcd.mark(owner, now)),
+                    Req::Mark(owner, load) => {
+                        let r = self.etcd.mark(owner, now);
+                        if r.is_ok() {
+                            self.loaded(from, owner, load);
+                        }
+                        Reply::Mark(r)
+                    }
                 };
                 if self.nodes[from].cut_until <= now && !self.rng.random_bool(0.02) {
                     let at = now + self.rng.random_range(0..self.delay);
                     self.nodes[from].inbox.push((at, id, reply));
+                } else {
+                    self.disturb(from);
                 }
             }
         }
@@ -525,6 +351,7 @@ impl World {
                 self.note(format!("master {i} fenced in term {term}"));
             }
         }
+        self.takeover_step(i);
         // The answer to the request out, or its timeout (an answer to an earlier request,
         // timed out, is dropped: a connection's late answer never reaches the next request).
         if let Some((id, sent, load)) = self.nodes[i].out {
@@ -564,8 +391,10 @@ impl World {
                         "master {i} won term {} ({plan:?})",
                         owner.create_revision
                     ));
+                    let n = &self.nodes[i];
+                    let mirror = n.mirror.map(|t| (t, n.mirror_objects));
                     self.took_over(i, owner, plan)?;
-                    self.send(i, Req::Mark(owner));
+                    self.begin_takeover(i, owner, plan, mirror);
                     return Ok(());
                 }
                 Out::Lead { owner } => {
@@ -576,6 +405,7 @@ impl World {
                         let until = self.nodes[i].fence.bounds().0.unwrap_or(now);
                         self.note(format!("master {i} leads term {term} until {until}"));
                     }
+                    self.led(i)?;
                 }
                 Out::StepDown { owner, failed } => {
                     let end = self.nodes[i].fence.bounds().0.unwrap_or(now).min(now);
@@ -584,6 +414,7 @@ impl World {
                         "master {i} steps down from term {} (takeover failed: {failed})",
                         owner.create_revision
                     ));
+                    self.stepped_down(i, failed)?;
                 }
                 Out::Exit => return Ok(()),
                 Out::Warn(w) => self.note(format!("master {i}: {w}")),
@@ -627,6 +458,7 @@ impl World {
         }
         // A leader is not a standby: its mirror is taken, or no longer of use.
         self.nodes[i].mirror = None;
+        self.nodes[i].mirror_objects = 0;
         Ok(())
     }
 
@@ -654,6 +486,7 @@ impl World {
         if rec.term != term {
             return;
         }
+        self.ack(l, term, !rec.members.is_empty());
         let j = self.rng.random_range(0..self.nodes.len());
         let m = self.nodes[j].m.config().me.clone();
         if j == l || !self.nodes[j].alive {
@@ -662,11 +495,16 @@ impl World {
         if rec.members.contains(&m) {
             if self.rng.random_bool(0.3) {
                 rec.members.retain(|x| *x != m);
+                if rec.members.is_empty() {
+                    // The rebase: the journal made whole before the set empties.
+                    self.etcd.objects = self.nodes[l].state;
+                }
                 self.etcd.set_insync(&rec);
                 self.note(format!("leader {l} drops {m} from the in-sync set"));
             }
         } else if self.nodes[j].mirror != Some(term) {
             self.nodes[j].mirror = Some(term);
+            self.nodes[j].mirror_objects = self.nodes[l].state;
             self.note(format!("{m}'s mirror is whole for term {term}"));
         } else if self.etcd.registered(&m) == Some(term) {
             rec.members.push(m.clone());
@@ -676,6 +514,7 @@ impl World {
     }
 
     fn check(&self) -> Result<(), String> {
+        self.check_leases()?;
         let now = self.now;
         let live: Vec<Admitted> = self
             .nodes
@@ -715,14 +554,21 @@ impl World {
     }
 }
 
-/// Runs election seed `seed`: how many leaderships began, and how many of the takeovers were
-/// from a member's mirror and how many started empty.
-pub fn run(seed: u64) -> Result<[u64; 3], String> {
+/// Runs election seed `seed`: how many leaderships began; of the takeovers, how many were
+/// from a member's mirror, started empty, led after a load longer than the lease TTL, and
+/// failed with their lease run out.
+pub fn run(seed: u64) -> Result<[u64; 5], String> {
     let mut w = World::new(seed);
     for _ in 0..STEPS {
         if let Err(e) = w.step() {
             return Err(format!("election seed {seed}: {e}\nreplay it alone: KVFERRY_SIM_SEED={seed} cargo test -p kvferry-store --lib sim::\nlast events:\n  {}", w.trace.join("\n  ")));
         }
     }
-    Ok([w.leaderships, w.from_mirror, w.empty])
+    Ok([
+        w.leaderships,
+        w.from_mirror,
+        w.empty,
+        w.long_takeovers,
+        w.lapsed_takeovers,
+    ])
 }

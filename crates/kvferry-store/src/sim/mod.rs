@@ -30,9 +30,8 @@
 //!
 //! What is not simulated yet (ARCHITECTURE.md, code map, `sim/`): the election and the
 //! lease fencing (one leader at a time here, the next one starts a lease TTL after a crash;
-//! `election.rs` checks those alone), lease renewal during a takeover longer than the lease
-//! (kept end to end: `store_ha.rs`
-//! `a_takeover_longer_than_the_lease_ttl_still_leads_with_every_object`), standbys that
+//! `election.rs` checks those alone, with takeovers longer than the lease and what a leader
+//! acknowledged as a count: `election/takeover.rs`), standbys that
 //! register during a term (a leader's standbys are chosen when it starts; one that left the
 //! set, or whose link broke, is linked again as the leader's roster decides), message delay
 //! and reordering between clients and the master (a request is applied when sent; an answer
