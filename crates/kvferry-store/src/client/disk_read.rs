@@ -7,7 +7,7 @@
 //! the engine's name is what the master lists as the disk copy's endpoint; with the cluster
 //! key the call is authenticated as every handshake is). Each staging request runs on the
 //! handshake connection's own thread (the port serves 256 at most), which takes the staging
-//! space for its records in order and hands their reads to the owner's readers
+//! space for its records in order and reads them together with the owner's readers
 //! (`disk_readers.rs`, a small thread pool): the records of one request, and those of
 //! requests from several readers, are read at once. A reader asks the owners of a batch at
 //! once (a thread each but the first), and reads the batch's objects in memory beside them.
@@ -36,7 +36,8 @@ use kvferry::hostbuf::HostBuffer;
 use kvferry::TransferRequest;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// How long an owner holds staged bytes for a reader that does not release them.
@@ -54,6 +55,9 @@ const LANES: usize = 8;
 
 /// The most objects one staging request names.
 const MAX_ITEMS: usize = 1024;
+
+/// A record a staging request reads: its index, key, value length and staging address.
+type Record = (usize, String, u64, u64);
 
 /// A reader's request to an owner.
 #[derive(Debug, Serialize, Deserialize)]
@@ -273,28 +277,35 @@ impl Inner {
             out.push(staging);
             blocks.push(block);
         }
-        // Then the reads, all at once on the readers (each block is this request's alone
-        // until it is released or expires).
-        let (tx, rx) = std::sync::mpsc::channel();
-        let mut reading = 0;
-        for (i, b) in blocks.iter().enumerate() {
-            let Some(b) = b else { continue };
-            let (me, tx, key, len, addr) = (
+        // Then the reads, at once: this thread and up to `READERS` of the owner's readers
+        // take the records one by one from the list (this thread alone when the readers or
+        // the CPUs are busy: no record waits for a hand-off). Each block is this request's
+        // alone until it is released or expires.
+        let work: Arc<Vec<Record>> = Arc::new(
+            blocks
+                .iter()
+                .enumerate()
+                .filter_map(|(i, b)| Some((i, items[i].0.clone(), items[i].1, b.as_ref()?.addr)))
+                .collect(),
+        );
+        let next = Arc::new(AtomicUsize::new(0));
+        let (tx, rx) = mpsc::channel();
+        for _ in 1..work.len().min(READERS + 1) {
+            let (me, work, next, tx) = (
                 Arc::clone(self),
+                Arc::clone(&work),
+                Arc::clone(&next),
                 tx.clone(),
-                items[i].0.clone(),
-                items[i].1,
-                b.addr,
             );
-            reading += 1;
-            stager.readers.run(move || {
-                let s = me.stage_record(key, len, addr);
-                let _ = tx.send((i, s));
-            });
+            stager
+                .readers
+                .run(move || me.stage_records(&work, &next, &tx));
         }
+        self.stage_records(&work, &next, &tx);
         drop(tx);
-        for _ in 0..reading {
-            // (A job that ended without answering leaves its item unanswered: failed below.)
+        for _ in 0..work.len() {
+            // (A reader that ended without answering leaves its record unanswered: failed
+            // below.)
             let Ok((i, s)) = rx.recv() else { break };
             out[i] = Some(s);
         }
@@ -331,22 +342,37 @@ impl Inner {
         }
     }
 
+    /// Stages the records of `work` not taken yet, one by one (taking each from `next`),
+    /// sending each answer by its index.
+    fn stage_records(
+        &self,
+        work: &[Record],
+        next: &AtomicUsize,
+        tx: &mpsc::Sender<(usize, Staging)>,
+    ) {
+        while let Some((i, key, len, addr)) = work.get(next.fetch_add(1, Ordering::Relaxed)) {
+            if tx.send((*i, self.stage_record(key, *len, *addr))).is_err() {
+                return;
+            }
+        }
+    }
+
     /// Reads `key`'s record (`len` bytes of value, as the master names it) into the staging
-    /// block at `addr`: on a reader thread.
-    fn stage_record(&self, key: String, len: u64, addr: u64) -> Staging {
+    /// block at `addr`.
+    fn stage_record(&self, key: &str, len: u64, addr: u64) -> Staging {
         let (Some(off), Some(stager)) = (&self.offload, &self.stager) else {
             return Staging::Absent;
         };
         let at = (addr - stager.buf.addr()) as usize;
         // (The block is this request's alone until it is released or expires.)
         let dst = stager.buf.slice_mut(at, len as usize);
-        match off.disk().get_into(&key, dst) {
+        match off.disk().get_into(key, dst) {
             Ok(Some(n)) if n as u64 == len => Staging::At { addr },
             Ok(_) | Err(crate::disk::DiskError::BufferTooSmall { .. }) => Staging::Absent,
             Err(e @ crate::disk::DiskError::Corrupt { .. }) => {
                 // Deleted by the tier; the master stops naming it at the next beat.
                 tracing::warn!(key, "{e}");
-                off.note_evicted(key);
+                off.note_evicted(key.to_string());
                 Staging::Absent
             }
             Err(e) => Staging::Failed(StoreError::Internal(format!(

@@ -1,7 +1,7 @@
 //! The owner's readers of disk records (`disk_read.rs`): a small pool of [`READERS`] threads
-//! that run the record reads of staging requests, so that one request's records, and the
-//! records of requests from several readers, are read at once (the device sees a queue
-//! [`READERS`] deep instead of one read at a time).
+//! that read the records of staging requests beside the request's own thread, so that one
+//! request's records, and the records of requests from several readers, are read at once
+//! (the device sees a queue up to [`READERS`] deep instead of one read at a time).
 //!
 //! A thread pool of blocking, buffered reads, not `io_uring` (which this kernel allows): a
 //! record read is an open, a header read, the value's read into the staging buffer and its
