@@ -6,12 +6,16 @@
 //! The owner answers on its engine's handshake port ([`kvferry::TransferEngine::serve`]:
 //! the engine's name is what the master lists as the disk copy's endpoint; with the cluster
 //! key the call is authenticated as every handshake is). Each staging request runs on the
-//! handshake connection's own thread, so requests from several readers read the disk at
-//! once (the port serves 256 at most). Reads are buffered `pread`s of whole records through
-//! the page cache, not `O_DIRECT` and not `io_uring`: a record is one file whose value
-//! follows a header and the key (no alignment for `O_DIRECT` without copying), it is read
-//! whole to check its checksum before a byte of it is handed out, and repeated gets of hot
-//! records (a conversation's earlier turns) are then served from memory.
+//! handshake connection's own thread (the port serves 256 at most), which takes the staging
+//! space for its records in order and reads them together with the owner's readers
+//! (`disk_readers.rs`, a small thread pool): the records of one request, and those of
+//! requests from several readers, are read at once. A reader asks the owners of a batch at
+//! once (a thread each but the first), and reads the batch's objects in memory beside them.
+//! Reads are buffered `pread`s of whole records through the page cache, not `O_DIRECT`: a
+//! record is one file whose value follows a header and the key (no alignment for `O_DIRECT`
+//! without copying), it is read whole to check its checksum before a byte of it is handed
+//! out, and repeated gets of hot records (a conversation's earlier turns) are then served
+//! from memory.
 //!
 //! What a reader gets is never wrong: the owner stages a value only when its record's length
 //! is the length the master named and its checksum holds ([`crate::disk::DiskTier::get_into`]);
@@ -23,6 +27,7 @@
 //! answer within `ClientConfig::ssd_read_timeout` fails the get (the port's own deadline
 //! bounds what it spends on one).
 
+use super::disk_readers::{Readers, READERS};
 use super::{Client, Inner};
 use crate::error::{StoreError, StoreResult};
 use crate::master::alloc::{Block, SegmentSpace};
@@ -31,7 +36,8 @@ use kvferry::hostbuf::HostBuffer;
 use kvferry::TransferRequest;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::sync::{Condvar, Mutex, Weak};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// How long an owner holds staged bytes for a reader that does not release them.
@@ -40,8 +46,18 @@ pub(super) const STAGED_TTL: Duration = Duration::from_secs(10);
 /// How long a staging request waits for space in a staging buffer that others hold.
 const SPACE_WAIT: Duration = Duration::from_secs(2);
 
+/// Bytes of one owner's objects a reader asks for in one staging request, when a batch
+/// holds more (its requests then run at once, within [`LANES`]).
+const PART_BYTES: u64 = 4 << 20;
+
+/// Staging requests of one batch in flight at once.
+const LANES: usize = 8;
+
 /// The most objects one staging request names.
 const MAX_ITEMS: usize = 1024;
+
+/// A record a staging request reads: its index, key, value length and staging address.
+type Record = (usize, String, u64, u64);
 
 /// A reader's request to an owner.
 #[derive(Debug, Serialize, Deserialize)]
@@ -85,6 +101,8 @@ pub(super) struct Stager {
     state: Mutex<Staged>,
     /// Signalled when space is freed.
     freed: Condvar,
+    /// The threads that read records into the buffer.
+    readers: Readers,
 }
 
 struct Staged {
@@ -132,6 +150,7 @@ impl Stager {
                 next: 0,
             }),
             freed: Condvar::new(),
+            readers: Readers::start(READERS),
         }
     }
 
@@ -200,7 +219,7 @@ pub(super) fn serve(inner: &Weak<Inner>, body: &[u8]) -> Vec<u8> {
 }
 
 impl Inner {
-    fn serve_disk(&self, call: DiskCall) -> DiskAnswer {
+    fn serve_disk(self: &Arc<Inner>, call: DiskCall) -> DiskAnswer {
         let (Some(off), Some(stager)) = (&self.offload, &self.stager) else {
             return DiskAnswer::Refused(StoreError::InvalidParams(
                 "this client has no disk tier (enable_ssd_offload)".into(),
@@ -225,74 +244,141 @@ impl Inner {
             DiskCall::Stage { items } => items,
         };
         let disk = off.disk();
-        let mut blocks: Vec<Block> = Vec::new();
-        let mut out = Vec::with_capacity(items.len());
+        // First the space: each item that is held and fits gets its block, in order, until
+        // one does not fit now (it and those after it: `Later`).
+        let mut out: Vec<Option<Staging>> = Vec::with_capacity(items.len());
+        let mut blocks: Vec<Option<Block>> = Vec::with_capacity(items.len());
         let mut later = false;
-        for (key, len) in items {
-            if later {
-                out.push(Staging::Later);
-                continue;
-            }
-            if disk.len_of(&key) != Some(len) {
+        let mut any = false;
+        for (key, len) in &items {
+            let (staging, block) = if later {
+                (Some(Staging::Later), None)
+            } else if disk.len_of(key) != Some(*len) {
                 // Not held (a record deleted at open, torn or cut short), or one of another
                 // length than the master names: absent, and the master stops naming it at the
                 // next beat (it drops only a copy it names on this disk).
-                off.note_evicted(key);
-                out.push(Staging::Absent);
-                continue;
-            }
-            if len > stager.buf.len() as u64 {
-                out.push(Staging::Failed(StoreError::InvalidParams(format!(
+                off.note_evicted(key.clone());
+                (Some(Staging::Absent), None)
+            } else if *len > stager.buf.len() as u64 {
+                let e = StoreError::InvalidParams(format!(
                     "{key:?} is {len} bytes on the disk of {}, whose staging buffer for disk \
                      reads holds {} bytes: raise ssd_offload_staging_size there",
                     self.engine.segment_name(),
                     stager.buf.len()
-                ))));
-                continue;
-            }
-            let Some(block) = stager.allocate(len, blocks.is_empty()) else {
+                ));
+                (Some(Staging::Failed(e)), None)
+            } else if let Some(b) = stager.allocate(*len, !any) {
+                any = true;
+                (None, Some(b))
+            } else {
                 later = true;
-                out.push(Staging::Later);
-                continue;
+                (Some(Staging::Later), None)
             };
-            let at = (block.addr - stager.buf.addr()) as usize;
-            // (The block is this request's alone until it is released or expires.)
-            let dst = stager.buf.slice_mut(at, len as usize);
-            let staged = match disk.get_into(&key, dst) {
-                Ok(Some(n)) if n as u64 == len => Staging::At { addr: block.addr },
-                Ok(_) | Err(crate::disk::DiskError::BufferTooSmall { .. }) => Staging::Absent,
-                Err(e @ crate::disk::DiskError::Corrupt { .. }) => {
-                    // Deleted by the tier; the master stops naming it at the next beat.
-                    tracing::warn!(key, "{e}");
-                    off.note_evicted(key.clone());
-                    Staging::Absent
-                }
-                Err(e) => Staging::Failed(StoreError::Internal(format!(
-                    "reading {key:?} from the disk of {}: {e}",
-                    self.engine.segment_name()
-                ))),
-            };
-            match staged {
-                Staging::At { .. } => blocks.push(block),
-                _ => {
-                    let mut st = stager.state();
-                    st.space.free(block);
-                    stager.freed.notify_all();
-                }
-            }
-            out.push(staged);
+            out.push(staging);
+            blocks.push(block);
         }
+        // Then the reads, at once: this thread and up to `READERS` of the owner's readers
+        // take the records one by one from the list (this thread alone when the readers or
+        // the CPUs are busy: no record waits for a hand-off). Each block is this request's
+        // alone until it is released or expires.
+        let work: Arc<Vec<Record>> = Arc::new(
+            blocks
+                .iter()
+                .enumerate()
+                .filter_map(|(i, b)| Some((i, items[i].0.clone(), items[i].1, b.as_ref()?.addr)))
+                .collect(),
+        );
+        let next = Arc::new(AtomicUsize::new(0));
+        let (tx, rx) = mpsc::channel();
+        for _ in 1..work.len().min(READERS + 1) {
+            let (me, work, next, tx) = (
+                Arc::clone(self),
+                Arc::clone(&work),
+                Arc::clone(&next),
+                tx.clone(),
+            );
+            stager
+                .readers
+                .run(move || me.stage_records(&work, &next, &tx));
+        }
+        self.stage_records(&work, &next, &tx);
+        drop(tx);
+        for _ in 0..work.len() {
+            // (A reader that ended without answering leaves its record unanswered: failed
+            // below.)
+            let Ok((i, s)) = rx.recv() else { break };
+            out[i] = Some(s);
+        }
+        let mut kept = Vec::new();
         let mut st = stager.state();
+        let answers: Vec<Staging> = out
+            .into_iter()
+            .zip(blocks)
+            .map(|(s, b)| {
+                let s = s.unwrap_or_else(|| {
+                    Staging::Failed(StoreError::Internal(
+                        "a disk reader thread ended without reading its record".into(),
+                    ))
+                });
+                match (b, &s) {
+                    (Some(b), Staging::At { .. }) => kept.push(b),
+                    (Some(b), _) => st.space.free(b),
+                    (None, _) => {}
+                }
+                s
+            })
+            .collect();
+        stager.freed.notify_all();
         st.next += 1;
         let batch = st.next;
-        if !blocks.is_empty() {
+        if !kept.is_empty() {
             st.batches
-                .insert(batch, (blocks, Instant::now() + STAGED_TTL));
+                .insert(batch, (kept, Instant::now() + STAGED_TTL));
         }
         DiskAnswer::Staged {
             batch,
             ttl_ms: STAGED_TTL.as_millis() as u64,
-            items: out,
+            items: answers,
+        }
+    }
+
+    /// Stages the records of `work` not taken yet, one by one (taking each from `next`),
+    /// sending each answer by its index.
+    fn stage_records(
+        &self,
+        work: &[Record],
+        next: &AtomicUsize,
+        tx: &mpsc::Sender<(usize, Staging)>,
+    ) {
+        while let Some((i, key, len, addr)) = work.get(next.fetch_add(1, Ordering::Relaxed)) {
+            if tx.send((*i, self.stage_record(key, *len, *addr))).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Reads `key`'s record (`len` bytes of value, as the master names it) into the staging
+    /// block at `addr`.
+    fn stage_record(&self, key: &str, len: u64, addr: u64) -> Staging {
+        let (Some(off), Some(stager)) = (&self.offload, &self.stager) else {
+            return Staging::Absent;
+        };
+        let at = (addr - stager.buf.addr()) as usize;
+        // (The block is this request's alone until it is released or expires.)
+        let dst = stager.buf.slice_mut(at, len as usize);
+        match off.disk().get_into(key, dst) {
+            Ok(Some(n)) if n as u64 == len => Staging::At { addr },
+            Ok(_) | Err(crate::disk::DiskError::BufferTooSmall { .. }) => Staging::Absent,
+            Err(e @ crate::disk::DiskError::Corrupt { .. }) => {
+                // Deleted by the tier; the master stops naming it at the next beat.
+                tracing::warn!(key, "{e}");
+                off.note_evicted(key.to_string());
+                Staging::Absent
+            }
+            Err(e) => Staging::Failed(StoreError::Internal(format!(
+                "reading {key:?} from the disk of {}: {e}",
+                self.engine.segment_name()
+            ))),
         }
     }
 }
@@ -327,8 +413,11 @@ impl Client {
         })
     }
 
-    /// Reads `items` (objects only on disks) into their parts: per owner, in rounds of what
-    /// its staging buffer takes at once. Returns each item's result, by its index.
+    /// Reads `items` (objects only on disks) into their parts. Each owner's are asked for in
+    /// requests of about [`PART_BYTES`] and [`MAX_ITEMS`] at most (the READ of one overlaps
+    /// the disk reads of the others); the requests run [`LANES`] at most at once (a thread
+    /// each but the first), each in rounds of what its owner's staging buffer takes at once.
+    /// Returns each item's result, by its index (an item without one was not read).
     pub(super) fn read_from_disks(
         &self,
         items: Vec<DiskItem<'_>>,
@@ -340,34 +429,86 @@ impl Client {
                 .or_default()
                 .push(it);
         }
+        let mut requests: Vec<(String, Vec<DiskItem<'_>>)> = Vec::new();
+        for (owner, its) in by_owner {
+            let total: u64 = its.iter().map(|it| it.list.size).sum();
+            let parts = total.div_ceil(PART_BYTES).clamp(1, LANES as u64);
+            let per = total.div_ceil(parts);
+            let (mut part, mut bytes) = (Vec::new(), 0);
+            for it in its {
+                bytes += it.list.size;
+                part.push(it);
+                if bytes >= per || part.len() == MAX_ITEMS {
+                    requests.push((owner.clone(), std::mem::take(&mut part)));
+                    bytes = 0;
+                }
+            }
+            if !part.is_empty() {
+                requests.push((owner, part));
+            }
+        }
+        let n = requests.len().min(LANES);
+        let mut lanes: Vec<Vec<(String, Vec<DiskItem<'_>>)>> = (0..n).map(|_| Vec::new()).collect();
+        for (i, r) in requests.into_iter().enumerate() {
+            lanes[i % n].push(r);
+        }
+        self.read_lanes(lanes)
+    }
+
+    /// The requests of the last lane here, one after another; the other lanes (the same way)
+    /// on another thread at once.
+    fn read_lanes(
+        &self,
+        mut lanes: Vec<Vec<(String, Vec<DiskItem<'_>>)>>,
+    ) -> Vec<(usize, StoreResult<u64>)> {
+        let Some(lane) = lanes.pop() else {
+            return Vec::new();
+        };
+        let here = || {
+            lane.into_iter()
+                .flat_map(|(owner, pending)| self.read_from_owner(&owner, pending))
+                .collect::<Vec<_>>()
+        };
+        if lanes.is_empty() {
+            return here();
+        }
+        let (mut results, others) = join(here, || self.read_lanes(lanes));
+        results.extend(others.into_iter().flatten());
+        results
+    }
+
+    /// Reads `pending` (objects only on `owner`'s disk) in rounds.
+    fn read_from_owner(
+        &self,
+        owner: &str,
+        mut pending: Vec<DiskItem<'_>>,
+    ) -> Vec<(usize, StoreResult<u64>)> {
         let mut results = Vec::new();
-        for (owner, mut pending) in by_owner {
-            if owner.is_empty() {
-                for it in pending {
+        if owner.is_empty() {
+            for it in pending {
+                results.push((
+                    it.index,
+                    Err(StoreError::TransferFailed(format!(
+                        "{}: its only copy is on a disk whose client has not reported to this \
+                         master yet; retry in a moment",
+                        it.key
+                    ))),
+                ));
+            }
+            return results;
+        }
+        while !pending.is_empty() {
+            let before = pending.len();
+            pending = self.disk_round(owner, pending, &mut results);
+            if pending.len() == before {
+                for it in pending.drain(..) {
                     results.push((
                         it.index,
                         Err(StoreError::TransferFailed(format!(
-                            "{}: its only copy is on a disk whose client has not reported to this \
-                         master yet; retry in a moment",
+                            "{}: the staging buffer of {owner} stayed full; retry",
                             it.key
                         ))),
                     ));
-                }
-                continue;
-            }
-            while !pending.is_empty() {
-                let before = pending.len();
-                pending = self.disk_round(&owner, pending, &mut results);
-                if pending.len() == before {
-                    for it in pending.drain(..) {
-                        results.push((
-                            it.index,
-                            Err(StoreError::TransferFailed(format!(
-                                "{}: the staging buffer of {owner} stayed full; retry",
-                                it.key
-                            ))),
-                        ));
-                    }
                 }
             }
         }
@@ -415,7 +556,7 @@ impl Client {
             Ok(s) => s,
             Err(e) => {
                 fail_all(items, e, results);
-                let _ = self.disk_call(owner, &DiskCall::Release { batch });
+                self.release_staged(owner, batch);
                 return Vec::new();
             }
         };
@@ -466,13 +607,51 @@ impl Client {
                 };
                 results.push((it.index, r));
             }
-            if let Err(e) = self.disk_call(owner, &DiskCall::Release { batch }) {
+            self.release_staged(owner, batch);
+        }
+        again
+    }
+
+    /// Tells `owner` that `batch` was read, from the client's releases thread (not waiting
+    /// for its answer), or here if that thread cannot take it.
+    fn release_staged(&self, owner: &str, batch: u64) {
+        let call = DiskCall::Release { batch };
+        let Ok(body) = postcard::to_allocvec(&call) else {
+            return; // (Never: the owner takes the space back when its hold ends.)
+        };
+        let timeout = self.inner.cfg.ssd_read_timeout;
+        if !self
+            .inner
+            .disk_releases
+            .send(&self.inner.engine, timeout, owner, body)
+        {
+            if let Err(e) = self.disk_call(owner, &call) {
                 // The owner takes the space back when its hold ends.
                 tracing::debug!("releasing staged disk reads at {owner}: {e}");
             }
         }
-        again
     }
+}
+
+/// Runs `here` in this thread and `there` on another at once, or after `here` in this
+/// thread if no thread starts; a panic in `there` goes on in this thread. (`there`'s result
+/// is always `Some`.)
+pub(super) fn join<A, B: Send>(
+    here: impl FnOnce() -> A,
+    there: impl FnOnce() -> B + Send,
+) -> (A, Option<B>) {
+    let cell = Mutex::new(Some(there));
+    let take = || cell.lock().unwrap_or_else(|e| e.into_inner()).take();
+    std::thread::scope(|s| {
+        let spawned = std::thread::Builder::new()
+            .name("kvf-disk-get".into())
+            .spawn_scoped(s, || take().map(|f| f()));
+        let a = here();
+        let b = spawned
+            .ok()
+            .and_then(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+        (a, b.or_else(|| take().map(|f| f())))
+    })
 }
 
 #[cfg(test)]

@@ -222,3 +222,164 @@ fn a_stalled_or_dead_owner_fails_the_get_within_its_bound() {
     assert!(e.to_string().contains("did not answer"), "{e}");
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
 }
+
+/// One staging request's records are read at once (on the owner's readers) and each lands
+/// in its own block with its own bytes; what is not on the disk is absent; the staging
+/// buffer still bounds what one request stages (the rest: `Later`), and released space is
+/// staged again.
+#[test]
+fn one_request_stages_its_records_at_once_within_the_buffer() {
+    use super::{DiskAnswer, DiskCall, Staging};
+    let (s, addr) = master();
+    let dir = tempfile::tempdir().unwrap();
+    let a = owner(&addr, dir.path(), 1 << 20);
+    let (on_disk, in_memory) = offload_half(&s, &a);
+    let stager = a.inner.stager.as_ref().unwrap();
+    let stage = |keys: &[&str]| {
+        let items = keys
+            .iter()
+            .map(|k| (k.to_string(), (200 * KIB) as u64))
+            .collect();
+        match a.inner.serve_disk(DiskCall::Stage { items }) {
+            DiskAnswer::Staged { batch, items, .. } => (batch, items),
+            other => panic!("{other:?}"),
+        }
+    };
+    let staged_bytes = |at: u64| stager.buf.slice((at - stager.addr()) as usize, 200 * KIB);
+    let (batch, got) = stage(&[on_disk[0], in_memory[0], on_disk[1]]);
+    let (Staging::At { addr: x }, Staging::Absent, Staging::At { addr: y }) =
+        (&got[0], &got[1], &got[2])
+    else {
+        panic!("{got:?}");
+    };
+    assert_ne!(x, y);
+    assert_eq!(staged_bytes(*x), &value(on_disk[0], 200 * KIB)[..]);
+    assert_eq!(staged_bytes(*y), &value(on_disk[1], 200 * KIB)[..]);
+    a.inner.serve_disk(DiskCall::Release { batch });
+
+    // A buffer that holds one value: the first staged, the second later; then it fits.
+    let dir2 = tempfile::tempdir().unwrap();
+    let (s2, addr2) = master();
+    let c = owner(&addr2, dir2.path(), 256 * 1024);
+    let (on_disk, _) = offload_half(&s2, &c);
+    let stager = c.inner.stager.as_ref().unwrap();
+    let items = |keys: &[&str]| DiskCall::Stage {
+        items: keys
+            .iter()
+            .map(|k| (k.to_string(), (200 * KIB) as u64))
+            .collect(),
+    };
+    let DiskAnswer::Staged {
+        batch, items: got, ..
+    } = c.inner.serve_disk(items(&on_disk))
+    else {
+        panic!()
+    };
+    assert!(
+        matches!(&got[..], [Staging::At { .. }, Staging::Later]),
+        "{got:?}"
+    );
+    c.inner.serve_disk(DiskCall::Release { batch });
+    let DiskAnswer::Staged { items: got, .. } = c.inner.serve_disk(items(&on_disk[1..])) else {
+        panic!()
+    };
+    let [Staging::At { addr: at }] = &got[..] else {
+        panic!("{got:?}")
+    };
+    assert_eq!(
+        stager.buf.slice((at - stager.addr()) as usize, 200 * KIB),
+        &value(on_disk[1], 200 * KIB)[..]
+    );
+    drop(s);
+}
+
+/// Readers on several threads get objects from one owner whose staging buffer holds one
+/// value at a time: each gets its value's bytes (the requests wait their turn for the
+/// space, or are staged in rounds), none fails.
+#[test]
+fn concurrent_readers_share_a_bounded_staging_buffer() {
+    let (s, addr) = master();
+    let dir = tempfile::tempdir().unwrap();
+    let a = owner(&addr, dir.path(), 256 * 1024);
+    let (on_disk, _) = offload_half(&s, &a);
+    std::thread::scope(|sc| {
+        for t in 0..4 {
+            let (addr, on_disk) = (&addr, &on_disk);
+            sc.spawn(move || {
+                let b = reader(addr, Duration::from_secs(10));
+                for round in 0..3 {
+                    for k in on_disk {
+                        assert_eq!(
+                            b.get(k).unwrap(),
+                            value(k, 200 * KIB),
+                            "{k}, reader {t}, round {round}"
+                        );
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// A batch over objects on the disks of two owners and in memory returns each value's bytes,
+/// into `get_batch`'s buffers and into registered memory (the owners are read at once, and
+/// the memory part beside them).
+#[test]
+fn a_batch_over_several_owners_returns_each_values_bytes() {
+    let (s, addr) = master();
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let owners = [
+        owner(&addr, d1.path(), 1 << 20),
+        owner(&addr, d2.path(), 1 << 20),
+    ];
+    let keys: Vec<String> = (0..8).map(|i| format!("m{i}")).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    for o in &owners {
+        o.offload_beat().unwrap();
+    }
+    for (i, k) in keys.iter().enumerate() {
+        owners[i % 2]
+            .put(k, &value(k, 200 * KIB), &ReplicateConfig::default())
+            .unwrap();
+    }
+    let m = &s.master;
+    let now = m.now();
+    m.lock()
+        .evict_background(1200 * 1024, now, true, &m.stats, 0);
+    for o in &owners {
+        o.offload_beat().unwrap();
+        o.offload_beat().unwrap();
+    }
+    let held: Vec<usize> = owners
+        .iter()
+        .map(|o| {
+            keys.iter()
+                .filter(|k| o.disk_tier().unwrap().contains(k))
+                .count()
+        })
+        .collect();
+    assert!(
+        held.iter().all(|&n| n > 0),
+        "objects on each disk: {held:?}"
+    );
+    let b = reader(&addr, Duration::from_secs(5));
+    for (k, v) in keys.iter().zip(b.get_batch(&keys)) {
+        assert_eq!(v.unwrap(), value(k, 200 * KIB), "{k}");
+    }
+    let mut buf = vec![0u8; keys.len() * 256 * KIB];
+    let base = buf.as_mut_ptr() as u64;
+    b.register_buffer(base, buf.len() as u64).unwrap();
+    let items: Vec<(&str, u64, u64)> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| (*k, base + (i * 256 * KIB) as u64, (256 * KIB) as u64))
+        .collect();
+    for (k, r) in keys.iter().zip(b.batch_get_into(&items)) {
+        assert_eq!(r.unwrap(), 200 * 1024, "{k}");
+    }
+    b.unregister_buffer(base).unwrap();
+    for (i, k) in keys.iter().enumerate() {
+        let at = i * 256 * KIB;
+        assert_eq!(&buf[at..at + 200 * KIB], &value(k, 200 * KIB)[..], "{k}");
+    }
+}

@@ -134,7 +134,10 @@ impl Client {
                             have: cap,
                         }));
                     } else {
-                        results.push(Ok(d.size));
+                        // (Until its read says otherwise.)
+                        results.push(Err(StoreError::TransferFailed(format!(
+                            "{key}: not read from its disk"
+                        ))));
                         on_disk.push(super::disk_read::DiskItem {
                             index: i,
                             key,
@@ -157,47 +160,59 @@ impl Client {
                 }
             }
         }
-        if !reqs.is_empty() {
-            let statuses = match self.transfer(&reqs) {
-                Ok(s) => s,
-                Err(e) => reqs.iter().map(|_| Err(e.clone())).collect(),
-            };
-            // The first failure of each key; its other replicas are tried, all parts again.
-            let mut failed: Vec<(usize, StoreError)> = Vec::new();
-            for (k, st) in statuses.into_iter().enumerate() {
-                if let Err(e) = st {
-                    if failed.last().is_none_or(|(i, _)| *i != owner[k]) {
-                        failed.push((owner[k], e));
-                    }
-                }
-            }
-            for (i, first_err) in failed {
-                let (key, parts) = items[i];
-                let mut last: StoreResult<u64> = Err(first_err);
-                if let Some(l) = &lists[i] {
-                    for r in self
-                        .pick(l)
-                        .into_iter()
-                        .skip(first_used[i].saturating_add(1))
-                    {
-                        let one = self.segment_id(&r.te_endpoint).and_then(|seg| {
-                            let again = read_parts(parts, seg, r.addr, l.size);
-                            self.transfer(&again)
-                                .and_then(|v| v.into_iter().collect::<StoreResult<Vec<()>>>())
-                        });
-                        last = one.map(|_| l.size);
-                        if last.is_ok() {
-                            break;
+        // The objects in memory and those only on disks are read at once.
+        let memory = |results: &mut Vec<StoreResult<u64>>| {
+            if !reqs.is_empty() {
+                let statuses = match self.transfer(&reqs) {
+                    Ok(s) => s,
+                    Err(e) => reqs.iter().map(|_| Err(e.clone())).collect(),
+                };
+                // The first failure of each key; its other replicas are tried, all parts again.
+                let mut failed: Vec<(usize, StoreError)> = Vec::new();
+                for (k, st) in statuses.into_iter().enumerate() {
+                    if let Err(e) = st {
+                        if failed.last().is_none_or(|(i, _)| *i != owner[k]) {
+                            failed.push((owner[k], e));
                         }
                     }
                 }
-                results[i] = last.map_err(|e| StoreError::TransferFailed(format!("{key}: {e}")));
+                for (i, first_err) in failed {
+                    let (key, parts) = items[i];
+                    let mut last: StoreResult<u64> = Err(first_err);
+                    if let Some(l) = &lists[i] {
+                        for r in self
+                            .pick(l)
+                            .into_iter()
+                            .skip(first_used[i].saturating_add(1))
+                        {
+                            let one = self.segment_id(&r.te_endpoint).and_then(|seg| {
+                                let again = read_parts(parts, seg, r.addr, l.size);
+                                self.transfer(&again)
+                                    .and_then(|v| v.into_iter().collect::<StoreResult<Vec<()>>>())
+                            });
+                            last = one.map(|_| l.size);
+                            if last.is_ok() {
+                                break;
+                            }
+                        }
+                    }
+                    results[i] =
+                        last.map_err(|e| StoreError::TransferFailed(format!("{key}: {e}")));
+                }
             }
-        }
-        if !on_disk.is_empty() {
-            for (i, r) in self.read_from_disks(on_disk) {
-                results[i] = r;
-            }
+        };
+        let from_disks = if on_disk.is_empty() {
+            memory(&mut results);
+            Vec::new()
+        } else if reqs.is_empty() {
+            self.read_from_disks(on_disk)
+        } else {
+            let ((), d) =
+                super::disk_read::join(|| memory(&mut results), || self.read_from_disks(on_disk));
+            d.unwrap_or_default()
+        };
+        for (i, r) in from_disks {
+            results[i] = r;
         }
         // A read that outlived its lease may have raced an overwrite: refuse it.
         let elapsed = t0.elapsed();

@@ -20,6 +20,7 @@
 //! `session` reserves space to write by ranges and keeps replica lists to read by ranges.
 
 mod disk_read;
+mod disk_readers;
 mod get;
 mod keys;
 mod offload;
@@ -135,6 +136,8 @@ struct Inner {
     offload: Option<offload::Offloader>,
     /// Where the disk tier stages values for readers (with `offload`).
     stager: Option<disk_read::Stager>,
+    /// Releases of values read from other clients' staging buffers, being sent.
+    disk_releases: disk_readers::Releases,
     /// Segments mounted after setup (`segments.rs`) and those unmounted since, kept until
     /// no transfer can touch them any more.
     more: Mutex<segments::More>,
@@ -422,6 +425,7 @@ impl Client {
             _port: port,
             offload,
             stager,
+            disk_releases: disk_readers::Releases::default(),
             more: Mutex::default(),
         });
         if inner.stager.is_some() {

@@ -335,12 +335,24 @@ impl DiskTier {
             Err(e) => return Err(io_err("opening", &path)(e)),
         };
         // The file opened is one whole record (renames replace records atomically); it is
-        // checked on its own, whatever the index says now.
+        // checked on its own, whatever the index says now. Read with one request for the
+        // whole file (header and key aside, the value straight into `dst`), so that the
+        // kernel reads it from the device at once instead of ramping its readahead up.
         let meta = f.metadata().map_err(io_err("reading", &path))?;
         let ino = meta.ino();
+        let Some(value_len) = meta.len().checked_sub((HEADER_LEN + key.len()) as u64) else {
+            return Err(self.drop_corrupt(key, &path, ino, "shorter than its header".into()));
+        };
+        if (dst.len() as u64) < value_len {
+            return Err(DiskError::BufferTooSmall {
+                have: dst.len(),
+                need: value_len,
+            });
+        }
         let mut head = vec![0u8; HEADER_LEN + key.len()];
-        if let Err(e) = f.read_exact(&mut head) {
-            return Err(self.drop_corrupt(key, &path, ino, format!("short header: {e}")));
+        let out = &mut dst[..value_len as usize];
+        if let Err(e) = read_both(&mut f, &mut head, out) {
+            return Err(self.drop_corrupt(key, &path, ino, format!("short record: {e}")));
         }
         let h = match Header::decode(&head) {
             Ok(h) => h,
@@ -353,16 +365,6 @@ impl DiskTier {
                 ino,
                 "its header names another key or length".into(),
             ));
-        }
-        if (dst.len() as u64) < h.value_len {
-            return Err(DiskError::BufferTooSmall {
-                have: dst.len(),
-                need: h.value_len,
-            });
-        }
-        let out = &mut dst[..h.value_len as usize];
-        if let Err(e) = f.read_exact(out) {
-            return Err(self.drop_corrupt(key, &path, ino, format!("short value: {e}")));
         }
         if checksum(key.as_bytes(), out) != h.checksum {
             return Err(self.drop_corrupt(key, &path, ino, "checksum mismatch".into()));
@@ -470,6 +472,24 @@ impl DiskTier {
             }
         }
     }
+}
+
+/// Fills `a` then `b` from `f`, with one `readv` when the kernel returns it all (a regular
+/// file does, unless it is shorter).
+fn read_both(f: &mut File, a: &mut [u8], b: &mut [u8]) -> io::Result<()> {
+    let mut done = 0;
+    while done < a.len() + b.len() {
+        let n = if done < a.len() {
+            f.read_vectored(&mut [io::IoSliceMut::new(&mut a[done..]), io::IoSliceMut::new(b)])?
+        } else {
+            f.read(&mut b[done - a.len()..])?
+        };
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        done += n;
+    }
+    Ok(())
 }
 
 /// The id in `root/.id` (16 hex digits), or a new one written there durably (through `tmp/`,
