@@ -493,7 +493,10 @@ impl TransferEngine {
     }
 
     /// Opens (or returns the cached handle of) a peer segment, fetching its descriptor over
-    /// the handshake port.
+    /// the handshake port. A newly opened segment's data path is set up before this returns
+    /// or in the background (TCP: its connections are opened; shared memory: the peer is
+    /// verified and its buffers mapped), so its first request does not pay for that; what
+    /// fails there is reported by the first request.
     pub fn open_segment(&self, name: &str) -> Result<SegmentId> {
         let name = name.trim_start_matches('/');
         if let Some(&id) = self
@@ -523,9 +526,14 @@ impl TransferEngine {
             return Ok(id);
         }
         let id = segs.by_id.len() as SegmentId;
-        segs.by_id
-            .push(Arc::new(Peer::new(id, name.to_string(), host, desc)));
+        let peer = Arc::new(Peer::new(id, name.to_string(), host, desc));
+        segs.by_id.push(Arc::clone(&peer));
         segs.by_name.insert(name.to_string(), id);
+        drop(segs);
+        // The transport that will carry its requests gets ready for them now.
+        if let Ok(t) = self.inner.transports.router.pick(&peer) {
+            t.warm(&peer);
+        }
         Ok(id)
     }
 

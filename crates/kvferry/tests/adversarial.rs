@@ -558,7 +558,15 @@ fn a_peer_that_stops_mid_body_times_out() {
 /// partly landed is never sent again.
 #[test]
 fn a_reset_after_a_partial_write_fails_fast_and_writes_are_not_resent() {
-    let a = engine(Duration::from_secs(5));
+    // One lane: the connection `open_segment` opens is the one the request goes on, so the
+    // peer's count of connections is the request's (plus a READ's one retry).
+    let a = TransferEngine::new(Config {
+        transfer_timeout: Duration::from_secs(5),
+        transport: kvferry::TransportMode::Tcp,
+        tcp_lanes: 1,
+        ..Config::default()
+    })
+    .expect("engine starts");
     let buf = vec![0u8; 1 << 20];
     a.register_memory(buf.as_ptr() as u64, buf.len() as u64, "*")
         .unwrap();

@@ -334,6 +334,63 @@ fn accept_loops_back_off_when_descriptors_run_out() {
     );
 }
 
+/// Opening a segment connects its TCP lanes: the peer serves them before any request is
+/// made, and the first request goes on them (it starts no thread and opens no connection).
+#[test]
+fn opening_a_segment_connects_its_lanes_before_the_first_request() {
+    let _alone = alone();
+    let idle = Duration::from_secs(60);
+    let (a, b) = (engine(idle), engine(idle));
+    let src = vec![5u8; 1 << 20];
+    let dst = vec![0u8; 1 << 20];
+    a.register_memory(src.as_ptr() as u64, src.len() as u64, "*")
+        .unwrap();
+    b.register_memory(dst.as_ptr() as u64, dst.len() as u64, "*")
+        .unwrap();
+    assert_eq!((a.tcp_usage(), b.tcp_usage()), ((0, 0), (0, 0)));
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    let lanes = a.config().tcp_lanes;
+    // (The handshake connection's serving thread may still be ending: threads settle too.)
+    let mut last = usize::MAX;
+    settles(Duration::from_secs(10), || {
+        let (t, was) = (threads(), last);
+        last = t;
+        a.tcp_usage() == (1, 0) && b.tcp_usage() == (0, lanes) && t == was
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "after open_segment: lanes/conns {:?} -> {:?}, expected (1, 0) -> (0, {lanes})",
+            a.tcp_usage(),
+            b.tcp_usage()
+        )
+    });
+    let before = threads();
+    let st = a
+        .transfer_sync(
+            &[req(
+                Opcode::Write,
+                &src,
+                seg,
+                dst.as_ptr() as u64,
+                src.len(),
+            )],
+            Duration::from_secs(5),
+        )
+        .unwrap();
+    assert_eq!(st.status, TaskStatus::Completed, "{st:?}");
+    assert_eq!(dst, src);
+    assert_eq!(
+        (a.tcp_usage(), b.tcp_usage()),
+        ((1, 0), (0, lanes)),
+        "the first request opened connections of its own"
+    );
+    assert!(
+        threads() <= before,
+        "the first request started threads: {before} -> {}",
+        threads()
+    );
+}
+
 /// 1000 peers come and go (20 alive at a time), each used once by a survivor: the
 /// survivor's threads and descriptors come back to where they were within the lane idle
 /// bound, and it holds no lane to any of them.

@@ -392,6 +392,12 @@ pub(crate) trait Transport: Send + Sync {
     /// Whether this transport can move data to `peer` (deciding once and caching the answer
     /// where that takes work); the error says why not.
     fn reachable(&self, peer: &Arc<Peer>) -> Result<(), String>;
+    /// The engine opened `peer`'s segment and this transport will carry its requests: sets
+    /// up now what its first request would otherwise set up on its way (TCP: its lanes
+    /// connect; shared memory: the peer is verified and its buffers are mapped), so that
+    /// request costs what later ones do. Never blocks on the network; what fails here is
+    /// left for the first request to meet and report.
+    fn warm(&self, _peer: &Arc<Peer>) {}
     /// Queues pieces for `peer`. Never blocks on the network. `inline`: the caller waits for
     /// them anyway (a synchronous call whose requests all go to this peer), so the transport
     /// may run them in the caller's thread when that is faster (TCP: a lone small request;

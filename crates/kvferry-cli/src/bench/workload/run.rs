@@ -43,9 +43,12 @@ pub(crate) struct WorkloadPoint {
     pub(crate) descriptors_per_s: f64,
     /// Both processes' CPU time per request.
     pub(crate) cpu_ms_per_request: f64,
-    /// A fresh engine's first request of this shape (its `open_segment` included) over a warm
-    /// one's median; only on each transport's first point, else 0.
+    /// A fresh engine's first request of this shape, its `open_segment` included (which
+    /// opens the data path: TCP connections, shared-memory mappings), in ms; only on each
+    /// transport's first point, else 0.
     pub(crate) first_ms: f64,
+    /// Of `first_ms`, the `open_segment` call (the handshake and what it starts).
+    pub(crate) open_ms: f64,
     /// A fresh engine's `register_memory` of `register_bytes` of host memory (a KV cache
     /// reserved but not yet touched), in ms; only on each transport's first point, else 0.
     pub(crate) register_ms: f64,
@@ -241,8 +244,8 @@ fn run_points(
                             },
                             chunk: a.chunk,
                         };
-                        let (first_ms, register_ms) = if first_done {
-                            (0.0, 0.0)
+                        let ((first_ms, open_ms), register_ms) = if first_done {
+                            ((0.0, 0.0), 0.0)
                         } else {
                             first_done = true;
                             (
@@ -295,6 +298,7 @@ fn run_points(
                             descriptors_per_s: r.lat_ms.len() as f64 * descs as f64 / r.secs,
                             cpu_ms_per_request: r.cpu_s * 1e3 / r.lat_ms.len().max(1) as f64,
                             first_ms,
+                            open_ms,
                             register_ms,
                             register_bytes: if register_ms > 0.0 { REGISTER_PROBE } else { 0 },
                             verified: r.verified,
@@ -421,9 +425,10 @@ fn print_point(p: &WorkloadPoint) {
     }
     if p.first_ms > 0.0 {
         println!(
-            "  first request to a new peer (fresh engine, open_segment included): {:.2} ms ({} x the warm p50)",
+            "  first request to a new peer (fresh engine, open_segment included): {:.2} ms ({} x the warm p50), of which open_segment {:.2} ms",
             p.first_ms,
-            ratio(p.first_ms, p.p50_ms)
+            ratio(p.first_ms, p.p50_ms),
+            p.open_ms
         );
     }
 }
@@ -624,7 +629,9 @@ fn register_time(base: &Config, mode: TransportMode) -> Result<f64, String> {
     Ok(ms.max(1e-6))
 }
 
-/// A fresh engine's first request of `d` (its `open_segment` included), in ms.
+/// A fresh engine's first request of `d`, its `open_segment` included, in ms, and the
+/// `open_segment` alone. The segment is opened right before the request, so what opening
+/// starts in the background (TCP connections) is still counted where the request waits for it.
 #[allow(clippy::too_many_arguments)]
 fn first_request(
     a: &BenchArgs,
@@ -635,7 +642,7 @@ fn first_request(
     remote: u64,
     d: &[Desc],
     opcode: Opcode,
-) -> Result<f64, String> {
+) -> Result<(f64, f64), String> {
     let engine = TransferEngine::new(Config {
         transport: mode,
         ..base.clone()
@@ -646,6 +653,7 @@ fn first_request(
         .map_err(|e| e.to_string())?;
     let t0 = Instant::now();
     let seg = engine.open_segment(target).map_err(|e| e.to_string())?;
+    let open_ms = t0.elapsed().as_secs_f64() * 1e3;
     let reqs = requests(d, opcode, buf.addr(), seg, remote);
     let ctl = Ctl {
         engine: &engine,
@@ -662,7 +670,7 @@ fn first_request(
         chunk: a.chunk,
     };
     pt.one(&reqs)?;
-    Ok(t0.elapsed().as_secs_f64() * 1e3)
+    Ok((t0.elapsed().as_secs_f64() * 1e3, open_ms))
 }
 
 #[cfg(test)]

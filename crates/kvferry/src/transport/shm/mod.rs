@@ -877,6 +877,16 @@ impl Transport for ShmTransport {
         "shm"
     }
 
+    /// The peer is verified (by `pick`, which asked [`ShmTransport::select`]) and its
+    /// shareable buffers are mapped here now, not by its first copy. Their page tables are
+    /// still filled by the copies that touch them first (or in the background, see
+    /// `maps::filler`).
+    fn warm(&self, peer: &Arc<Peer>) {
+        if let Ok(shm) = self.select(peer) {
+            shm.maps_for(&peer.desc());
+        }
+    }
+
     /// Host to host memory of a verified same-host peer (cross-memory attach, or its mapped
     /// buffers), and host or GPU memory to the GPU memory it exports (CUDA IPC). Not GPU to
     /// host memory: that is staged (the CPU never touches device memory).

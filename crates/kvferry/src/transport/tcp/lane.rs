@@ -622,11 +622,11 @@ impl Lane {
     }
 
     pub(super) fn connect(&self) {
-        let deadline = self
-            .lock()
-            .pending
-            .front()
-            .map(|op| op.piece.task.deadline());
+        let deadline = {
+            let mut st = self.lock();
+            st.connecting();
+            st.pending.front().map(|op| op.piece.task.deadline())
+        };
         let timeout = deadline
             .map(|d| d.saturating_duration_since(Instant::now()))
             .unwrap_or(self.connect_timeout)

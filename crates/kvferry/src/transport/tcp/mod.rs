@@ -298,6 +298,28 @@ impl Transport for TcpTransport {
         Ok(())
     }
 
+    /// The peer's lanes are made and their writers connect (each in its own thread), so
+    /// the first request neither starts threads nor waits for a connection (nor, with a
+    /// cluster key, for its handshake) when it comes after them.
+    fn warm(&self, peer: &Arc<Peer>) {
+        if self.shut.load(Ordering::Acquire) {
+            return;
+        }
+        let lanes = match self.lanes_for(peer, &peer.desc()) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::debug!(segment = %peer.name, "not connecting ahead of the first request: {e}");
+                return;
+            }
+        };
+        let now = Instant::now();
+        for l in &lanes.lanes {
+            if l.lock().warm(now) {
+                l.wake_writer.notify_one();
+            }
+        }
+    }
+
     fn submit(&self, peer: &Arc<Peer>, pieces: Vec<Piece>, inline: bool) {
         if inline && pieces.len() == 1 {
             if let Some(p) = pieces.into_iter().next() {

@@ -42,6 +42,9 @@ pub(super) struct LaneQueue<O, C> {
     reading: bool,
     /// Idle too long: the connection is closed, the threads end; new work goes to new lanes.
     retired: bool,
+    /// The segment was just opened: the writer connects before any request asks it to
+    /// ([`LaneQueue::warm`]), so the first request finds the connection made.
+    warm: bool,
     /// When work was last queued (or run inline) on this lane.
     last_used: Instant,
     /// When a request last went out on the connection.
@@ -72,6 +75,7 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
             inline: false,
             reading: false,
             retired: false,
+            warm: false,
             last_used: now,
             last_sent: now,
         }
@@ -110,7 +114,32 @@ impl<O: QueuedOp, C: Clone> LaneQueue<O, C> {
 
     /// The writer has nothing to do (and should sleep until woken).
     pub(super) fn writer_waits(&self) -> bool {
-        (self.pending.is_empty() || self.inline) && !self.shutdown && !self.retired
+        (self.pending.is_empty() && !self.wants_connection() || self.inline)
+            && !self.shutdown
+            && !self.retired
+    }
+
+    /// Asks the writer to connect now, with nothing to send yet (the peer's segment was just
+    /// opened); counts as a use, so the lane stays open for its idle time. Whether the writer
+    /// must be woken: false when connected, or closing.
+    pub(super) fn warm(&mut self, now: Instant) -> bool {
+        if self.retired || self.shutdown || self.conn.is_some() {
+            return false;
+        }
+        self.warm = true;
+        self.last_used = now;
+        true
+    }
+
+    /// A connection was asked for by [`LaneQueue::warm`] and none is made yet.
+    fn wants_connection(&self) -> bool {
+        self.warm && self.conn.is_none()
+    }
+
+    /// The writer starts connecting: the request of [`LaneQueue::warm`] is taken (one
+    /// attempt: a failure is left for the first request to meet and report).
+    pub(super) fn connecting(&mut self) {
+        self.warm = false;
     }
 
     /// The writer's thread ends: retired with nothing left to send.
@@ -410,6 +439,41 @@ mod tests {
                 Fate::End(kind, _) => Some(kind),
             }
         }
+    }
+
+    /// A lane warmed when its segment is opened has its writer connect with nothing queued,
+    /// once: after the attempt (made or failed) the writer sleeps again; a connected or
+    /// closing lane is not woken; the warm-up counts as a use for the idle bound.
+    #[test]
+    fn a_warmed_lane_connects_once_with_nothing_queued() {
+        let t0 = Instant::now();
+        let idle = Duration::from_secs(5);
+        let mut q: LaneQueue<Op, u32> = LaneQueue::new(t0);
+        assert!(q.writer_waits(), "nothing to do before the warm-up");
+        let t1 = t0 + Duration::from_secs(4);
+        assert!(q.warm(t1), "an unconnected lane wakes its writer");
+        assert!(
+            !q.writer_waits() && !q.connected(),
+            "the writer must connect"
+        );
+        assert!(!q.may_retire(t0 + idle, idle), "the warm-up is a use");
+        q.connecting();
+        assert!(
+            q.writer_waits(),
+            "one attempt: a failed one is not repeated"
+        );
+        assert!(q.warm(t1));
+        q.connecting();
+        q.on_connected(7);
+        assert!(q.writer_waits() && q.next_send(t1, 256, 1 << 20).is_none());
+        assert!(!q.warm(t1), "a connected lane is not woken");
+        assert!(q.may_retire(t1 + idle, idle));
+        let mut closing: LaneQueue<Op, u32> = LaneQueue::new(t0);
+        closing.retire();
+        assert!(!closing.warm(t0) && closing.writer_done());
+        let mut stopped: LaneQueue<Op, u32> = LaneQueue::new(t0);
+        stopped.stop();
+        assert!(!stopped.warm(t0));
     }
 
     #[test]
