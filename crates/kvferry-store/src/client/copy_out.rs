@@ -49,9 +49,9 @@ const PIECE: usize = 4 << 20;
 const MAX_THREADS: usize = 8;
 
 /// Copies every `(src, dst)` pair, faulting each destination's pages in first
-/// ([`prefault_fresh`]); a call of [`SPLIT_FROM`] bytes or more is split into pieces of up
-/// to [`PIECE`] bytes that a thread per [`PER_THREAD`] bytes (at most one per CPU and
-/// [`MAX_THREADS`]) copy. When it returns every byte is copied.
+/// (`prefault_fresh`). A call of 64 MiB or more in all is cut into pieces of up to 4 MiB
+/// that a thread per 32 MiB (at most one per CPU, and 8) copy. When it returns every byte
+/// is copied.
 pub fn copy_fresh(copies: Vec<FreshCopy<'_>>) {
     let total: usize = copies.iter().map(|c| c.src.len()).sum();
     let threads = if total >= SPLIT_FROM {
@@ -66,7 +66,7 @@ pub fn copy_fresh(copies: Vec<FreshCopy<'_>>) {
         return;
     }
     // Pieces: each value cut where its destination crosses a multiple of PIECE.
-    let mut pieces: Vec<(&[u8], &mut [MaybeUninit<u8>], bool)> = Vec::new();
+    let mut pieces: Vec<Piece<'_>> = Vec::new();
     for c in copies {
         let populate = c.src.len() >= POPULATE_FROM;
         let (mut src, mut dst) = (c.src, c.dst);
@@ -104,6 +104,9 @@ pub fn copy_fresh(copies: Vec<FreshCopy<'_>>) {
         work();
     });
 }
+
+/// Part of one value's copy: its bytes, where they go, whether to fault that in first.
+type Piece<'a> = (&'a [u8], &'a mut [MaybeUninit<u8>], bool);
 
 /// CPUs this process may run on, asked once.
 fn cpus() -> usize {
