@@ -1117,6 +1117,81 @@ fn values_read_into_the_local_buffer_are_used_in_place_and_give_their_space_back
     writer.close().expect("close");
 }
 
+/// The bytes API's `get_batch` and `get`: a batch mixing sizes (under a page, odd sizes, in
+/// all enough that the call's copy out of the local buffer is split among threads), a missing
+/// key and a value larger than the local buffer: every found value byte for byte,
+/// the others failing each for its own reason, twice (the second time into memory the first
+/// results gave back).
+#[test]
+fn get_batch_returns_every_value_exactly_in_a_batch_mixing_sizes() {
+    let m = master(&[]);
+    let rpc = m.field("rpc=");
+    let _s = server(&rpc, "256MiB");
+    let with_buffer = |local_buffer_size| {
+        Client::setup(ClientConfig {
+            global_segment_size: 0,
+            local_buffer_size,
+            master_server_addr: rpc.clone(),
+            transfer_timeout: Duration::from_secs(10),
+            ..ClientConfig::default()
+        })
+        .expect("client setup")
+    };
+    let writer = with_buffer(128 << 20);
+    let c = with_buffer(72 << 20);
+    // The values found come to more than 64 MiB: the call's copy is split among threads.
+    let sizes = [
+        ("mix-tiny", 100),
+        ("mix-page", 4097),
+        ("mix-mib", (1 << 20) + 5),
+        ("mix-big", (40 << 20) + 4099),
+        ("mix-big2", (24 << 20) + 1),
+        ("mix-huge", 100 << 20),
+    ];
+    for &(k, n) in &sizes {
+        writer
+            .put(k, &value(k, 1, n), &ReplicateConfig::default())
+            .expect("put");
+    }
+    let keys = [
+        "mix-big",
+        "mix-missing",
+        "mix-tiny",
+        "mix-huge",
+        "mix-mib",
+        "mix-big2",
+        "mix-page",
+    ];
+    for round in 0..2 {
+        let got = c.get_batch(&keys);
+        assert_eq!(got.len(), keys.len());
+        for (k, r) in keys.iter().zip(got) {
+            match (*k, r) {
+                ("mix-missing", r) => {
+                    assert!(matches!(r, Err(StoreError::ObjectNotFound(_))), "{r:?}")
+                }
+                ("mix-huge", r) => {
+                    // 100 MiB do not fit in the 72 MiB local buffer: refused, naming the setting.
+                    let e = r.expect_err("larger than the local buffer");
+                    assert!(e.to_string().contains("local_buffer_size"), "{e}");
+                }
+                (k, r) => {
+                    let v = r.unwrap_or_else(|e| panic!("round {round}: {k}: {e}"));
+                    let n = sizes.iter().find(|s| s.0 == k).expect("a size").1;
+                    assert!(v == value(k, 1, n), "round {round}: {k} differs");
+                }
+            }
+        }
+    }
+    assert!(c.get("mix-big").expect("get") == value("mix-big", 1, (40 << 20) + 4099));
+    assert!(matches!(
+        c.get("mix-missing"),
+        Err(StoreError::ObjectNotFound(_))
+    ));
+    c.close().expect("close");
+    writer.close().expect("close");
+}
+
 /// How the stand-in master of [`stand_in_master`] treats the puts it is sent.
 #[derive(Clone, Copy, PartialEq)]
 enum StandIn {

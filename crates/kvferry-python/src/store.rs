@@ -5,12 +5,14 @@
 //! exception class of `kvferry.store` named after the error (`ObjectNotFound`, …), carrying
 //! Mooncake Store's numeric code as `.code`.
 
+use kvferry_store::client::copy_out::{copy_fresh, FreshCopy};
 use kvferry_store::{Client, ClientConfig, Replica, ReplicateConfig, SoftPin, StoreError};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyModule};
 use std::collections::HashMap;
+use std::mem::MaybeUninit;
 use std::sync::{Mutex, RwLock};
 use std::time::Duration;
 
@@ -177,6 +179,60 @@ impl StoreCore {
                 .collect()),
         }
     }
+}
+
+/// Below this many bytes in all, `bytes_of` copies holding the GIL (releasing and taking it
+/// back costs more than such a copy).
+const DETACH_FROM: usize = 256 << 10;
+
+/// New `bytes` objects holding `vals`, each copied once from where it landed in the local
+/// buffer: the objects are made with their storage not yet written (no zeroing pass), then
+/// filled by `copy_fresh` (fresh pages faulted in first, a large call split among threads),
+/// without the GIL for a large call: no Python code can see the objects before this returns.
+fn bytes_of(py: Python<'_>, vals: &[&kvferry_store::Staged]) -> PyResult<Vec<Py<PyBytes>>> {
+    let mut objs = Vec::with_capacity(vals.len());
+    let mut copies = Vec::with_capacity(vals.len());
+    let mut total = 0usize;
+    for v in vals {
+        let len = v.len();
+        if len == 0 {
+            objs.push(PyBytes::new(py, b"").unbind());
+            continue;
+        }
+        let n = pyo3::ffi::Py_ssize_t::try_from(len).map_err(|_| {
+            PyRuntimeError::new_err(format!(
+                "a value of {len} bytes is too large for a bytes object"
+            ))
+        })?;
+        // SAFETY: we hold the GIL; a NULL source asks CPython for a new bytes object of `n`
+        // bytes left for its creator to fill (NULL with the error set on failure, which
+        // from_owned_ptr_or_err turns into the Python error), which is a `bytes`.
+        let obj = unsafe {
+            Bound::from_owned_ptr_or_err(
+                py,
+                pyo3::ffi::PyBytes_FromStringAndSize(std::ptr::null(), n),
+            )?
+            .cast_into_unchecked::<PyBytes>()
+        };
+        // SAFETY: the storage of the object just made (a non-empty one: never a shared
+        // singleton), `len` bytes, which only this function can reach: the object lives in
+        // `objs` until the copies end, and is handed to Python code only after.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(
+                pyo3::ffi::PyBytes_AsString(obj.as_ptr()).cast::<MaybeUninit<u8>>(),
+                len,
+            )
+        };
+        copies.push(FreshCopy::uninit(v.as_slice(), dst));
+        objs.push(obj.unbind());
+        total += len;
+    }
+    if total >= DETACH_FROM {
+        py.detach(move || copy_fresh(copies));
+    } else {
+        copy_fresh(copies);
+    }
+    Ok(objs)
 }
 
 #[pymethods]
@@ -349,28 +405,29 @@ impl StoreCore {
         })
     }
 
-    /// The value as `bytes`, copied once from where it landed in the local buffer.
+    /// The value as `bytes`, copied once from where it landed in the local buffer
+    /// (`bytes_of`).
     fn get<'py>(&self, py: Python<'py>, key: String) -> PyResult<Bound<'py, PyBytes>> {
         let r = self.with(py, move |c| {
             c.get_buffers(&[key.as_str()])
                 .pop()
                 .unwrap_or_else(|| Err(StoreError::Internal("no result".into())))
         })?;
-        Ok(PyBytes::new(py, r.as_slice()))
+        let b = bytes_of(py, &[&r])?.pop();
+        b.map(|b| b.into_bound(py))
+            .ok_or_else(|| PyRuntimeError::new_err("get: no bytes object was made"))
     }
 
+    /// Per key: the value as `bytes` (`bytes_of`), or None with the error code and message.
     fn get_batch(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<KeyResult>> {
         let r = self.per_key(py, move |c| {
             c.get_buffers(&keys.iter().map(String::as_str).collect::<Vec<_>>())
         })?;
+        let found: Vec<&kvferry_store::Staged> =
+            r.iter().filter_map(|(v, _, _)| v.as_ref()).collect();
+        let mut objs = bytes_of(py, &found)?.into_iter();
         Ok(r.into_iter()
-            .map(|(v, code, msg)| {
-                (
-                    v.map(|v| PyBytes::new(py, v.as_slice()).unbind()),
-                    code,
-                    msg,
-                )
-            })
+            .map(|(v, code, msg)| (v.and_then(|_| objs.next()), code, msg))
             .collect())
     }
 
@@ -388,9 +445,12 @@ impl StoreCore {
             c.get_buffers(&keys.iter().map(String::as_str).collect::<Vec<_>>())
         })?;
         let mut out = Vec::with_capacity(r.len());
-        for (v, code, msg) in r {
+        // Every object made first (`cls()` runs Python code), then every value copied at
+        // once, still holding the GIL (`copy_fresh`: a large call split among threads).
+        let mut fill: Vec<(Bound<'_, PyByteArray>, &kvferry_store::Staged)> = Vec::new();
+        for (v, code, msg) in &r {
             let Some(v) = v else {
-                out.push((None, code, msg));
+                out.push((None, *code, msg.clone()));
                 continue;
             };
             let obj = cls.call0()?;
@@ -398,11 +458,20 @@ impl StoreCore {
                 PyTypeError::new_err("get_buffers: cls() must return a bytearray (subclass)")
             })?;
             ba.resize(v.len())?;
-            // SAFETY: `ba` was created just above and no Python code has run since (we hold
-            // the GIL): nothing else can see or resize its storage while we copy into it.
-            v.copy_into_fresh(unsafe { ba.as_bytes_mut() });
+            fill.push((ba.clone(), v));
             out.push((Some(obj.unbind()), 0, String::new()));
         }
+        let copies = fill
+            .iter()
+            .map(|(ba, v)| {
+                // SAFETY: each `ba` was resized above, and no Python code has run since the
+                // last `cls()` (we hold the GIL until the copies end): nothing can resize or
+                // free its storage while we copy into it. (Distinct objects: distinct
+                // storage, borrowed once each.)
+                FreshCopy::new(v.as_slice(), unsafe { ba.as_bytes_mut() })
+            })
+            .collect();
+        copy_fresh(copies);
         Ok(out)
     }
 

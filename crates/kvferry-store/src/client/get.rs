@@ -250,11 +250,25 @@ impl Client {
             .unwrap_or_else(|| Err(StoreError::Internal("no result".into())))
     }
 
-    /// Returns several values; per-key results.
+    /// Returns several values; per-key results. Each value is read into the local buffer,
+    /// then copied into its new `Vec` ([`copy_out`](super::copy_out): fresh pages faulted in
+    /// first, a large call's bytes copied by several threads).
     pub fn get_batch(&self, keys: &[&str]) -> Vec<StoreResult<Vec<u8>>> {
-        self.get_buffers(keys)
+        let staged = self.get_buffers(keys);
+        let srcs: Vec<&[u8]> = staged
+            .iter()
+            .filter_map(|s| s.as_ref().ok().map(Staged::as_slice))
+            .collect();
+        let mut copies = super::copy_out::to_vecs(&srcs).into_iter();
+        staged
             .into_iter()
-            .map(|r| r.map(|s| s.to_vec()))
+            .map(|s| {
+                s.and_then(|_| {
+                    copies
+                        .next()
+                        .ok_or_else(|| StoreError::Internal("no copy for a staged value".into()))
+                })
+            })
             .collect()
     }
 

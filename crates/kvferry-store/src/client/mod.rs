@@ -19,6 +19,7 @@
 //! `staged` is the bytes API's local buffer and `keys` the calls that move no bytes;
 //! `session` reserves space to write by ranges and keeps replica lists to read by ranges.
 
+pub mod copy_out;
 mod disk_read;
 mod disk_readers;
 mod get;

@@ -1,6 +1,6 @@
 //! Values in the client's local buffer ([`Staged`]): what the bytes API stages through and
-//! what `get_buffers` hands out, the space they hold, and faulting in fresh memory for a
-//! copy. Nothing here talks to the master or moves bytes between hosts.
+//! what `get_buffers` hands out, and the space they hold. Nothing here talks to the master or
+//! moves bytes between hosts.
 
 use super::{Client, Inner};
 use crate::error::{StoreError, StoreResult};
@@ -63,73 +63,18 @@ impl Staged {
         self.len == 0
     }
 
-    /// A copy in a new `Vec`, its fresh memory faulted in first (`prefault_fresh`).
+    /// A copy in a new `Vec` (see [`copy_out`](super::copy_out): its fresh pages faulted
+    /// in first, a large value copied by several threads).
     pub fn to_vec(&self) -> Vec<u8> {
-        let src = self.as_slice();
-        let mut v: Vec<u8> = Vec::with_capacity(src.len());
-        // SAFETY: the Vec's spare capacity is its own allocation, not yet initialized.
-        unsafe { prefault_fresh(v.as_mut_ptr(), src.len()) };
-        v.extend_from_slice(src);
-        v
+        super::copy_out::to_vecs(&[self.as_slice()])
+            .pop()
+            .unwrap_or_default()
     }
 
     /// Copies the value into `dst` (its length), faulting `dst`'s pages in first when it is
-    /// fresh memory the caller just allocated (`prefault_fresh`).
+    /// fresh memory the caller just allocated (see [`copy_out`](super::copy_out)).
     pub fn copy_into_fresh(&self, dst: &mut [u8]) {
-        let n = dst.len().min(self.len);
-        // SAFETY: `dst` is borrowed mutably: its pages are ours to fault in.
-        unsafe { prefault_fresh(dst.as_mut_ptr(), dst.len()) };
-        dst[..n].copy_from_slice(&self.as_slice()[..n]);
-    }
-}
-
-/// Faults in `[ptr, ptr + len)`, memory just allocated for a large copy, in one system call
-/// instead of a page fault per 4 KiB page on first write (on a VM each costs more than
-/// copying the page): `MADV_POPULATE_WRITE` for 256 KiB and more, after `MADV_HUGEPAGE` on
-/// its 2 MiB-aligned interior for 4 MiB and more (where the host's transparent huge pages
-/// allow it). Measured here: 32 x 1 MiB into fresh `Vec`s 28 -> 13 ms; 8 x 16 MiB 106 -> 27 ms
-/// (the first huge-page allocation after boot can be slower: the kernel compacts memory).
-/// Failures are ignored: the copy then faults the pages as before.
-///
-/// # Safety
-/// The range must be memory the caller owns and may write (its contents may be changed only
-/// as a first write of zeros would: pages not yet present become zero pages).
-unsafe fn prefault_fresh(ptr: *mut u8, len: usize) {
-    const PAGE: usize = 4096;
-    const HUGE: usize = 2 << 20;
-    if len < 256 << 10 {
-        return;
-    }
-    let start = ptr as usize;
-    if len >= 4 << 20 {
-        let (a, e) = (
-            (start + HUGE - 1) & !(HUGE - 1),
-            (start + len) & !(HUGE - 1),
-        );
-        if e > a {
-            // SAFETY: inside the caller's range (see above); advice only.
-            let _ = unsafe {
-                rustix::mm::madvise(
-                    a as *mut std::ffi::c_void,
-                    e - a,
-                    rustix::mm::Advice::LinuxHugepage,
-                )
-            };
-        }
-    }
-    let (a, e) = (
-        (start + PAGE - 1) & !(PAGE - 1),
-        (start + len) & !(PAGE - 1),
-    );
-    if e > a {
-        // SAFETY: inside the caller's range; populating only faults pages in.
-        let _ = unsafe {
-            rustix::mm::madvise(
-                a as *mut std::ffi::c_void,
-                e - a,
-                rustix::mm::Advice::LinuxPopulateWrite,
-            )
-        };
+        super::copy_out::copy_fresh(vec![super::copy_out::FreshCopy::new(self.as_slice(), dst)]);
     }
 }
 
