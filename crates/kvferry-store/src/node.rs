@@ -168,6 +168,7 @@ impl Master {
             self.cleanup.push(dropped, kept);
         }
         st.expire_offloads(now, &self.stats);
+        st.expire_tasks(now);
         st.expire_reads(now);
         st.release_deferred(now);
         let (used, total) = (st.used_bytes(), st.total_bytes());

@@ -444,6 +444,121 @@ pub enum Request {
     ProbeKey {
         key: String,
     },
+    /// Mooncake 0.3.14's `CreateCopyTask`: a task for the client that owns one of `key`'s
+    /// replicas (picked at random) to copy it to each of `targets` (segment names) that holds
+    /// none. Answered by [`Response::Task`] with the task's id. (The tasks' requests are last,
+    /// so the other variants keep their wire numbers.)
+    CreateCopyTask {
+        key: String,
+        #[serde(deserialize_with = "de_seq")]
+        targets: Vec<String>,
+    },
+    /// Mooncake 0.3.14's `CreateMoveTask`: a task for the client that owns `source` (a segment
+    /// name holding a replica of `key`) to copy it to `target` and then drop the source
+    /// replica. Answered by [`Response::Task`].
+    CreateMoveTask {
+        key: String,
+        source: String,
+        target: String,
+    },
+    /// Mooncake 0.3.14's `QueryTask`: answered by [`Response::TaskInfo`].
+    QueryTask {
+        id: TaskId,
+    },
+    /// The tasks assigned to `client` not handed out yet, at most `max` (they are then
+    /// processing): answered by [`Response::Tasks`].
+    FetchTasks {
+        client: u64,
+        max: u32,
+    },
+    /// Task `id`, assigned to `client`, ended: `ok` (SUCCESS) or not (FAILED), with a message.
+    CompleteTask {
+        client: u64,
+        id: TaskId,
+        ok: bool,
+        message: String,
+    },
+    /// Reserves room for a copy of `key`'s replica on segment `source` in each of `targets`
+    /// that holds no replica of it, and leases the source for the copier's read (Mooncake's
+    /// `CopyStart`/`MoveStart`). `put` names the copy as it names a put (a `PutRevoke` of it
+    /// gives its room back); `remove_source`: a move (its end drops the source replica).
+    /// Answered by [`Response::Copy`].
+    CopyStart {
+        client: u64,
+        key: String,
+        source: String,
+        #[serde(deserialize_with = "de_seq")]
+        targets: Vec<String>,
+        put: u64,
+        remove_source: bool,
+    },
+    /// The copy `put` of `key` landed: its replicas become readable (and a move's source
+    /// replica goes). Answered `Ok`.
+    CopyEnd {
+        client: u64,
+        key: String,
+        put: u64,
+    },
+}
+
+/// A task's id: Mooncake's UUID, two 64-bit halves (Python sees the pair).
+pub type TaskId = (u64, u64);
+
+/// What a task does (Mooncake's `TaskType`, same numbers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TaskKind {
+    Copy = 0,
+    Move = 1,
+}
+
+/// Where a task is (Mooncake's `TaskStatus`, same numbers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TaskStatus {
+    Pending = 0,
+    Processing = 1,
+    Failed = 2,
+    Success = 3,
+}
+
+/// Answer to [`Request::QueryTask`] (Mooncake's `QueryTaskResponse`). Times are ages at the
+/// master's answer (its clock is monotonic); the client turns them into epoch milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskInfo {
+    pub id: TaskId,
+    pub kind: TaskKind,
+    pub status: TaskStatus,
+    pub created_ago_ms: u64,
+    pub updated_ago_ms: u64,
+    pub assigned_client: u64,
+    pub message: String,
+}
+
+/// A task handed to its client ([`Request::FetchTasks`]; Mooncake's `TaskAssignment` with its
+/// payload as fields).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskAssignment {
+    pub id: TaskId,
+    pub kind: TaskKind,
+    pub key: String,
+    /// The segment (name) whose replica is copied.
+    pub source: String,
+    /// The segments (names) to copy to (one for a move).
+    #[serde(deserialize_with = "de_seq")]
+    pub targets: Vec<String>,
+    /// How often the client retries a copy that found no room (Mooncake's
+    /// `max_retry_attempts`).
+    pub max_retry: u32,
+}
+
+/// Answer to [`Request::CopyStart`]: the source replica to read (under read `read_id`,
+/// released as a get's) and the room reserved for each new replica.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyPlan {
+    pub source: ReplicaDesc,
+    #[serde(deserialize_with = "de_seq")]
+    pub targets: Vec<ReplicaDesc>,
+    pub size: u64,
+    pub read_id: u64,
 }
 
 /// A write into a segment still running, as a client reports it (`Request::HoldWrites`).
@@ -480,6 +595,15 @@ pub enum Response {
     /// To [`Request::GetReplicaList`] when no memory replica is left but a copy on a client's
     /// disk is (a client that does not know it fails the read with a decoding error).
     DiskReplica(DiskReplicaList),
+    /// To [`Request::CreateCopyTask`] and [`Request::CreateMoveTask`]. (The tasks' answers
+    /// are last, so the other variants keep their wire numbers.)
+    Task(TaskId),
+    /// To [`Request::QueryTask`].
+    TaskInfo(Box<TaskInfo>),
+    /// To [`Request::FetchTasks`].
+    Tasks(#[serde(deserialize_with = "de_seq")] Vec<TaskAssignment>),
+    /// To [`Request::CopyStart`].
+    Copy(Box<CopyPlan>),
 }
 
 /// Answer to a `GetReplicaList` served from a disk: where the copy is, under a read lease.
