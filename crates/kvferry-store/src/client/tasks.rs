@@ -26,14 +26,15 @@ impl Inner {
     /// Fetches the tasks assigned to this client, runs them one by one and reports each; how
     /// many ran.
     pub(super) fn run_tasks(&self) -> StoreResult<usize> {
-        let tasks = match self.call_batch_on(
-            vec![Request::FetchTasks {
-                client: self.id,
-                max: BATCH,
-            }],
-            Conn::Aside,
-        )?
-        .pop()
+        let tasks = match self
+            .call_batch_on(
+                vec![Request::FetchTasks {
+                    client: self.id,
+                    max: BATCH,
+                }],
+                Conn::Aside,
+            )?
+            .pop()
         {
             Some(Response::Tasks(t)) => t,
             Some(Response::Err(e)) => return Err(e),
@@ -48,7 +49,10 @@ impl Inner {
                 Ok(()) => (true, "Task completed successfully".to_string()),
                 Err(e) => {
                     tracing::warn!(key = t.key, "replica {:?} task failed: {e}", t.kind);
-                    (false, format!("{e} (error {}; max retries: {})", e.code(), t.max_retry))
+                    (
+                        false,
+                        format!("{e} (error {}; max retries: {})", e.code(), t.max_retry),
+                    )
                 }
             };
             let done = Request::CompleteTask {
@@ -254,3 +258,7 @@ impl super::Client {
         self.inner.run_tasks()
     }
 }
+
+#[cfg(test)]
+#[path = "tasks_tests.rs"]
+mod tests;

@@ -44,45 +44,89 @@ impl State {
 
     /// Mooncake's `CreateCopyTask`: a task for the owner of a replica of `key` (picked at
     /// random among its replicas' segments) to copy it to `targets`.
-    pub fn create_copy_task(&mut self, key: &str, targets: &[String], now: u64) -> StoreResult<TaskId> {
+    pub fn create_copy_task(
+        &mut self,
+        key: &str,
+        targets: &[String],
+        now: u64,
+    ) -> StoreResult<TaskId> {
         if targets.is_empty() {
-            return Err(StoreError::InvalidParams(format!("a copy of {key:?} names no target segment")));
+            return Err(StoreError::InvalidParams(format!(
+                "a copy of {key:?} names no target segment"
+            )));
         }
-        let o = self.objects.get(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        let o = self
+            .objects
+            .get(key)
+            .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         if let Some(t) = targets.iter().find(|t| !self.mounted(t)) {
-            return Err(StoreError::InvalidParams(format!("target segment {t:?} is not mounted")));
+            return Err(StoreError::InvalidParams(format!(
+                "target segment {t:?} is not mounted"
+            )));
         }
-        let mut names: Vec<String> = o.current.iter().filter_map(|r| self.seg_name(r)).map(str::to_string).collect();
+        let mut names: Vec<String> = o
+            .current
+            .iter()
+            .filter_map(|r| self.seg_name(r))
+            .map(str::to_string)
+            .collect();
         names.sort_unstable();
         names.dedup();
         if names.is_empty() {
-            return Err(StoreError::Internal(format!("{key:?} has no complete memory replica to copy from")));
+            return Err(StoreError::Internal(format!(
+                "{key:?} has no complete memory replica to copy from"
+            )));
         }
         let source = names.swap_remove(self.tasks.pick(names.len()));
         let client = self
             .owner_of(&source)
             .ok_or_else(|| StoreError::Internal(format!("no client owns segment {source:?}")))?;
-        let work = TaskWork { kind: TaskKind::Copy, key: key.to_string(), source, targets: targets.to_vec() };
+        let work = TaskWork {
+            kind: TaskKind::Copy,
+            key: key.to_string(),
+            source,
+            targets: targets.to_vec(),
+        };
         self.tasks.submit(client, work, now)
     }
 
     /// Mooncake's `CreateMoveTask`: a task for the owner of `source` to copy `key`'s replica
     /// there to `target`, then drop it.
-    pub fn create_move_task(&mut self, key: &str, source: &str, target: &str, now: u64) -> StoreResult<TaskId> {
-        let o = self.objects.get(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+    pub fn create_move_task(
+        &mut self,
+        key: &str,
+        source: &str,
+        target: &str,
+        now: u64,
+    ) -> StoreResult<TaskId> {
+        let o = self
+            .objects
+            .get(key)
+            .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         if source == target {
-            return Err(StoreError::InvalidParams(format!("a move of {key:?} from {source:?} to itself")));
+            return Err(StoreError::InvalidParams(format!(
+                "a move of {key:?} from {source:?} to itself"
+            )));
         }
         if !self.mounted(target) {
-            return Err(StoreError::InvalidParams(format!("target segment {target:?} is not mounted")));
+            return Err(StoreError::InvalidParams(format!(
+                "target segment {target:?} is not mounted"
+            )));
         }
         if !o.current.iter().any(|r| self.seg_name(r) == Some(source)) {
-            return Err(StoreError::InvalidParams(format!("{key:?} has no replica on segment {source:?}")));
+            return Err(StoreError::InvalidParams(format!(
+                "{key:?} has no replica on segment {source:?}"
+            )));
         }
         let client = self
             .owner_of(source)
             .ok_or_else(|| StoreError::Internal(format!("no client owns segment {source:?}")))?;
-        let work = TaskWork { kind: TaskKind::Move, key: key.to_string(), source: source.to_string(), targets: vec![target.to_string()] };
+        let work = TaskWork {
+            kind: TaskKind::Move,
+            key: key.to_string(),
+            source: source.to_string(),
+            targets: vec![target.to_string()],
+        };
         self.tasks.submit(client, work, now)
     }
 
@@ -94,7 +138,14 @@ impl State {
         self.tasks.fetch(client, max as usize, now)
     }
 
-    pub fn complete_task(&mut self, client: u64, id: TaskId, ok: bool, message: &str, now: u64) -> StoreResult<()> {
+    pub fn complete_task(
+        &mut self,
+        client: u64,
+        id: TaskId,
+        ok: bool,
+        message: &str,
+        now: u64,
+    ) -> StoreResult<()> {
         self.tasks.complete(client, id, ok, message, now)
     }
 
@@ -130,7 +181,10 @@ impl State {
         if !self.clients.contains_key(&client) {
             return Err(StoreError::UnknownClient(client));
         }
-        let o = self.objects.get(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        let o = self
+            .objects
+            .get(key)
+            .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         if o.pending.is_some() {
             return Err(StoreError::ObjectHasReplicationTask(key.to_string()));
         }
@@ -143,12 +197,17 @@ impl State {
         let mut wanted: Vec<&String> = Vec::new();
         for t in targets {
             if remove_source && t == source {
-                return Err(StoreError::InvalidParams(format!("a move of {key:?} from {source:?} to itself")));
+                return Err(StoreError::InvalidParams(format!(
+                    "a move of {key:?} from {source:?} to itself"
+                )));
             }
             if !self.mounted(t) {
                 return Err(StoreError::SegmentNotFound(t.clone()));
             }
-            let held = o.current.iter().any(|r| self.seg_name(r) == Some(t.as_str()));
+            let held = o
+                .current
+                .iter()
+                .any(|r| self.seg_name(r) == Some(t.as_str()));
             if !held && !wanted.contains(&t) {
                 wanted.push(t);
             }
@@ -162,7 +221,9 @@ impl State {
                 if s.seg.name != *t || s.writes_until > now {
                     return None;
                 }
-                s.space.allocate(size).map(|block| Replica { seg: id, block })
+                s.space
+                    .allocate(size)
+                    .map(|block| Replica { seg: id, block })
             });
             match got {
                 Some(r) => placed.push(r),
@@ -180,13 +241,18 @@ impl State {
             }
         }
         let plan = CopyPlan {
-            source: self.desc(&src).ok_or_else(|| StoreError::Internal("source segment gone".into()))?,
+            source: self
+                .desc(&src)
+                .ok_or_else(|| StoreError::Internal("source segment gone".into()))?,
             targets: placed.iter().filter_map(|r| self.desc(r)).collect(),
             size,
             read_id,
         };
         self.mark_key(key);
-        let o = self.objects.get_mut(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        let o = self
+            .objects
+            .get_mut(key)
+            .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         o.pending = Some(Box::new(Pending {
             id: put,
             replicas: placed.into_boxed_slice(),
@@ -195,7 +261,10 @@ impl State {
             started: now,
             soft_pin: SoftPin::Preserve,
             soft_pin_ttl: 0,
-            copy: Some(CopyOf { source: src, remove_source }),
+            copy: Some(CopyOf {
+                source: src,
+                remove_source,
+            }),
         }));
         Ok(plan)
     }
@@ -203,13 +272,19 @@ impl State {
     /// Ends copy `put` of `key` (its bytes landed): the new replicas are readable; a move's
     /// source replica goes (freed once the reads of it ended).
     pub fn copy_end(&mut self, client: u64, key: &str, put: u64, now: u64) -> StoreResult<()> {
-        let o = self.objects.get(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        let o = self
+            .objects
+            .get(key)
+            .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         match &o.pending {
             Some(p) if p.client == client && p.id == put && p.copy.is_some() => {}
             _ => return Err(StoreError::ObjectNoReplicationTask(key.to_string())),
         }
         self.mark_key(key);
-        let o = self.objects.get_mut(key).ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        let o = self
+            .objects
+            .get_mut(key)
+            .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         let Some(p) = o.pending.take() else {
             return Err(StoreError::ObjectNoReplicationTask(key.to_string()));
         };

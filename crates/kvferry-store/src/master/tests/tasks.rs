@@ -45,40 +45,87 @@ fn a_copy_task_runs_at_the_source_owner_and_adds_the_replica() {
     let (mut st, m, s) = three();
     let id = st.create_copy_task("k", &["seg2".into()], 10).unwrap();
     let q = st.query_task(id, 15).unwrap();
-    assert_eq!((q.kind, q.status, q.assigned_client), (TaskKind::Copy, TaskStatus::Pending, 1));
+    assert_eq!(
+        (q.kind, q.status, q.assigned_client),
+        (TaskKind::Copy, TaskStatus::Pending, 1)
+    );
     assert_eq!((q.created_ago_ms, q.message.as_str()), (5, ""));
     assert!(st.fetch_tasks(2, 10, 20).is_empty());
     let got = st.fetch_tasks(1, 10, 20);
     assert_eq!(got.len(), 1);
     let t = &got[0];
-    assert_eq!((t.id, t.kind, t.key.as_str(), t.source.as_str()), (id, TaskKind::Copy, "k", "seg1"));
-    assert_eq!((t.targets.clone(), t.max_retry), (vec!["seg2".to_string()], 10));
+    assert_eq!(
+        (t.id, t.kind, t.key.as_str(), t.source.as_str()),
+        (id, TaskKind::Copy, "k", "seg1")
+    );
+    assert_eq!(
+        (t.targets.clone(), t.max_retry),
+        (vec!["seg2".to_string()], 10)
+    );
     assert!(st.fetch_tasks(1, 10, 21).is_empty(), "handed out once");
-    assert_eq!(st.query_task(id, 25).unwrap().status, TaskStatus::Processing);
+    assert_eq!(
+        st.query_task(id, 25).unwrap().status,
+        TaskStatus::Processing
+    );
 
     let used = st.used_bytes();
-    let plan = st.copy_start(1, "k", "seg1", &t.targets, 9, false, 30, 5_000).unwrap();
+    let plan = st
+        .copy_start(1, "k", "seg1", &t.targets, 9, false, 30, 5_000)
+        .unwrap();
     assert_eq!((plan.size, plan.targets.len()), (4096, 1));
     assert_eq!(plan.source.te_endpoint, seg(1, 0).te_endpoint);
     assert_eq!(plan.targets[0].te_endpoint, seg(2, 0).te_endpoint);
     assert_eq!(st.used_bytes(), used + 4096, "room reserved on the target");
     assert_eq!(placed(&st, "k"), ["seg1"], "the copy is not readable yet");
-    assert!(st.get_replica_list("k", 31, 5_000).is_ok(), "the object stays readable");
-    let e = st.copy_start(1, "k", "seg1", &["seg3".into()], 10, false, 31, 5_000).unwrap_err();
+    assert!(
+        st.get_replica_list("k", 31, 5_000).is_ok(),
+        "the object stays readable"
+    );
+    let e = st
+        .copy_start(1, "k", "seg1", &["seg3".into()], 10, false, 31, 5_000)
+        .unwrap_err();
     assert_eq!(e.code(), -708);
-    let e = st.put_start(&m, &s, PutId { client: 3, put: 1 }, "k", 10, &Default::default(), true, 32).unwrap_err();
+    let e = st
+        .put_start(
+            &m,
+            &s,
+            PutId { client: 3, put: 1 },
+            "k",
+            10,
+            &Default::default(),
+            true,
+            32,
+        )
+        .unwrap_err();
     assert_eq!(e.code(), -705, "{e}");
-    assert_eq!(st.put_end(PutId { client: 1, put: 9 }, "k", 33).unwrap_err().code(), -600, "a copy does not end as a put");
+    assert_eq!(
+        st.put_end(PutId { client: 1, put: 9 }, "k", 33)
+            .unwrap_err()
+            .code(),
+        -600,
+        "a copy does not end as a put"
+    );
     assert_eq!(st.copy_end(2, "k", 9, 34).unwrap_err().code(), -709);
     st.copy_end(1, "k", 9, 35).unwrap();
     assert_eq!(placed(&st, "k"), ["seg1", "seg2"]);
 
-    st.complete_task(1, id, true, "Task completed successfully", 40).unwrap();
+    st.complete_task(1, id, true, "Task completed successfully", 40)
+        .unwrap();
     let q = st.query_task(id, 50).unwrap();
-    assert_eq!((q.status, q.updated_ago_ms, q.message.as_str()), (TaskStatus::Success, 10, "Task completed successfully"));
-    assert_eq!(st.complete_task(2, id, false, "x", 51).unwrap_err().code(), -601);
+    assert_eq!(
+        (q.status, q.updated_ago_ms, q.message.as_str()),
+        (TaskStatus::Success, 10, "Task completed successfully")
+    );
+    assert_eq!(
+        st.complete_task(2, id, false, "x", 51).unwrap_err().code(),
+        -601
+    );
     st.complete_task(1, id, false, "late", 52).unwrap();
-    assert_eq!(st.query_task(id, 53).unwrap().status, TaskStatus::Success, "a finished task stays as it ended");
+    assert_eq!(
+        st.query_task(id, 53).unwrap().status,
+        TaskStatus::Success,
+        "a finished task stays as it ended"
+    );
 }
 
 /// A move: its end leaves exactly the target replica, and the source's room comes back once
@@ -89,11 +136,20 @@ fn a_move_leaves_exactly_the_target_replica() {
     let used = st.used_bytes();
     let id = st.create_move_task("k", "seg1", "seg3", 0).unwrap();
     let t = st.fetch_tasks(1, 10, 1).pop().unwrap();
-    assert_eq!((t.kind, t.targets.clone()), (TaskKind::Move, vec!["seg3".to_string()]));
-    let plan = st.copy_start(1, "k", "seg1", &t.targets, 5, true, 2, 5_000).unwrap();
+    assert_eq!(
+        (t.kind, t.targets.clone()),
+        (TaskKind::Move, vec!["seg3".to_string()])
+    );
+    let plan = st
+        .copy_start(1, "k", "seg1", &t.targets, 5, true, 2, 5_000)
+        .unwrap();
     st.copy_end(1, "k", 5, 3).unwrap();
     assert_eq!(placed(&st, "k"), ["seg3"]);
-    assert_eq!(st.used_bytes(), used + 4096, "the source waits for the copier's read");
+    assert_eq!(
+        st.used_bytes(),
+        used + 4096,
+        "the source waits for the copier's read"
+    );
     st.release_reads(&[plan.read_id], 4);
     assert_eq!(st.used_bytes(), used);
     st.complete_task(1, id, true, "", 5).unwrap();
@@ -101,7 +157,9 @@ fn a_move_leaves_exactly_the_target_replica() {
     // A move to a segment already holding a replica reserves nothing and drops the source.
     let (mut st, m, s) = three();
     st.upsert_two(&m, &s);
-    let plan = st.copy_start(1, "k", "seg1", &["seg2".into()], 6, true, 2, 5_000).unwrap();
+    let plan = st
+        .copy_start(1, "k", "seg1", &["seg2".into()], 6, true, 2, 5_000)
+        .unwrap();
     assert!(plan.targets.is_empty());
     st.copy_end(1, "k", 6, 3).unwrap();
     assert_eq!(placed(&st, "k"), ["seg2"]);
@@ -129,12 +187,18 @@ fn a_revoked_or_roomless_copy_leaves_nothing() {
     let (mut st, m, s) = setup(&[(1, 1 << 20), (2, 8192)]);
     put(&mut st, &m, &s, "k", 4096, &on("seg1"), 0).unwrap();
     let used = st.used_bytes();
-    st.copy_start(1, "k", "seg1", &["seg2".into()], 3, false, 1, 5_000).unwrap();
+    st.copy_start(1, "k", "seg1", &["seg2".into()], 3, false, 1, 5_000)
+        .unwrap();
     st.put_revoke(PutId { client: 1, put: 3 }, "k").unwrap();
-    assert_eq!((placed(&st, "k"), st.used_bytes()), (vec!["seg1".to_string()], used));
+    assert_eq!(
+        (placed(&st, "k"), st.used_bytes()),
+        (vec!["seg1".to_string()], used)
+    );
     put(&mut st, &m, &s, "big", 6000, &on("seg2"), 2).unwrap();
     let used = st.used_bytes();
-    let e = st.copy_start(1, "k", "seg1", &["seg2".into()], 4, false, 3, 5_000).unwrap_err();
+    let e = st
+        .copy_start(1, "k", "seg1", &["seg2".into()], 4, false, 3, 5_000)
+        .unwrap_err();
     assert_eq!(e.code(), -200);
     assert_eq!(st.used_bytes(), used);
     assert!(st.objects.get("k").unwrap().pending.is_none());
@@ -147,16 +211,48 @@ fn task_requests_are_refused_with_mooncakes_codes() {
     let code = |r: StoreResult<crate::proto::TaskId>| r.unwrap_err().code();
     assert_eq!(code(st.create_copy_task("k", &[], 0)), -600, "no target");
     assert_eq!(code(st.create_copy_task("nope", &["seg2".into()], 0)), -704);
-    assert_eq!(code(st.create_copy_task("k", &["seg9".into()], 0)), -600, "target not mounted");
+    assert_eq!(
+        code(st.create_copy_task("k", &["seg9".into()], 0)),
+        -600,
+        "target not mounted"
+    );
     assert_eq!(code(st.create_move_task("nope", "seg1", "seg2", 0)), -704);
-    assert_eq!(code(st.create_move_task("k", "seg1", "seg1", 0)), -600, "source is target");
-    assert_eq!(code(st.create_move_task("k", "seg1", "seg9", 0)), -600, "target not mounted");
-    assert_eq!(code(st.create_move_task("k", "seg2", "seg3", 0)), -600, "no replica on source");
+    assert_eq!(
+        code(st.create_move_task("k", "seg1", "seg1", 0)),
+        -600,
+        "source is target"
+    );
+    assert_eq!(
+        code(st.create_move_task("k", "seg1", "seg9", 0)),
+        -600,
+        "target not mounted"
+    );
+    assert_eq!(
+        code(st.create_move_task("k", "seg2", "seg3", 0)),
+        -600,
+        "no replica on source"
+    );
     assert_eq!(st.query_task((1, 2), 0).unwrap_err().code(), -1400);
-    assert_eq!(st.complete_task(1, (1, 2), true, "", 0).unwrap_err().code(), -1400);
-    assert_eq!(st.copy_start(1, "k", "seg2", &["seg3".into()], 1, false, 0, 5_000).unwrap_err().code(), -710);
-    assert_eq!(st.copy_start(1, "k", "seg1", &["seg9".into()], 1, false, 0, 5_000).unwrap_err().code(), -101);
-    st.set_task_limits(TaskLimits { max_pending: 2, ..Default::default() });
+    assert_eq!(
+        st.complete_task(1, (1, 2), true, "", 0).unwrap_err().code(),
+        -1400
+    );
+    assert_eq!(
+        st.copy_start(1, "k", "seg2", &["seg3".into()], 1, false, 0, 5_000)
+            .unwrap_err()
+            .code(),
+        -710
+    );
+    assert_eq!(
+        st.copy_start(1, "k", "seg1", &["seg9".into()], 1, false, 0, 5_000)
+            .unwrap_err()
+            .code(),
+        -101
+    );
+    st.set_task_limits(TaskLimits {
+        max_pending: 2,
+        ..Default::default()
+    });
     st.create_copy_task("k", &["seg2".into()], 0).unwrap();
     st.create_copy_task("k", &["seg3".into()], 0).unwrap();
     assert_eq!(code(st.create_copy_task("k", &["seg2".into()], 0)), -1401);
@@ -169,8 +265,14 @@ fn task_requests_are_refused_with_mooncakes_codes() {
 #[test]
 fn the_task_table_is_bounded() {
     let (mut st, _m, _s) = three();
-    st.set_task_limits(TaskLimits { max_finished: 2, max_processing: 2, ..Default::default() });
-    let ids: Vec<_> = (0..4).map(|i| st.create_copy_task("k", &["seg2".into()], i).unwrap()).collect();
+    st.set_task_limits(TaskLimits {
+        max_finished: 2,
+        max_processing: 2,
+        ..Default::default()
+    });
+    let ids: Vec<_> = (0..4)
+        .map(|i| st.create_copy_task("k", &["seg2".into()], i).unwrap())
+        .collect();
     assert_eq!(st.fetch_tasks(1, 10, 5).len(), 2);
     assert!(st.fetch_tasks(1, 10, 5).is_empty(), "processing limit");
     for id in &ids[..2] {
@@ -181,7 +283,11 @@ fn the_task_table_is_bounded() {
         st.complete_task(1, *id, false, "no", 8).unwrap();
     }
     assert_eq!(st.tasks_kept(), 2);
-    assert_eq!(st.query_task(ids[0], 9).unwrap_err().code(), -1400, "the oldest finished went");
+    assert_eq!(
+        st.query_task(ids[0], 9).unwrap_err().code(),
+        -1400,
+        "the oldest finished went"
+    );
     assert_eq!(st.query_task(ids[3], 9).unwrap().status, TaskStatus::Failed);
 }
 
@@ -191,21 +297,37 @@ fn the_task_table_is_bounded() {
 #[test]
 fn late_tasks_and_a_dropped_clients_tasks_fail() {
     let (mut st, _m, _s) = three();
-    st.set_task_limits(TaskLimits { pending_timeout_ms: 100, processing_timeout_ms: 50, ..Default::default() });
+    st.set_task_limits(TaskLimits {
+        pending_timeout_ms: 100,
+        processing_timeout_ms: 50,
+        ..Default::default()
+    });
     let waiting = st.create_copy_task("k", &["seg2".into()], 0).unwrap();
     st.expire_tasks(100);
-    assert_eq!(st.query_task(waiting, 100).unwrap().status, TaskStatus::Pending);
+    assert_eq!(
+        st.query_task(waiting, 100).unwrap().status,
+        TaskStatus::Pending
+    );
     st.expire_tasks(101);
     let q = st.query_task(waiting, 101).unwrap();
-    assert_eq!((q.status, q.message.as_str()), (TaskStatus::Failed, "pending timeout"));
+    assert_eq!(
+        (q.status, q.message.as_str()),
+        (TaskStatus::Failed, "pending timeout")
+    );
     assert!(st.fetch_tasks(1, 10, 102).is_empty());
     let running = st.create_copy_task("k", &["seg2".into()], 200).unwrap();
     assert_eq!(st.fetch_tasks(1, 10, 220).len(), 1);
     st.expire_tasks(270);
-    assert_eq!(st.query_task(running, 270).unwrap().status, TaskStatus::Processing);
+    assert_eq!(
+        st.query_task(running, 270).unwrap().status,
+        TaskStatus::Processing
+    );
     st.expire_tasks(271);
     let q = st.query_task(running, 271).unwrap();
-    assert_eq!((q.status, q.message.as_str()), (TaskStatus::Failed, "processing timeout"));
+    assert_eq!(
+        (q.status, q.message.as_str()),
+        (TaskStatus::Failed, "processing timeout")
+    );
 
     let (mut st, _m, _s) = three();
     let a = st.create_copy_task("k", &["seg2".into()], 0).unwrap();
@@ -237,7 +359,8 @@ fn the_next_leader_knows_no_task_and_refuses_the_copys_end() {
     put(&mut st, &m, &s, "k", 4096, &on("seg1"), 0).unwrap();
     let id = st.create_copy_task("k", &["seg2".into()], 0).unwrap();
     st.fetch_tasks(1, 10, 0);
-    st.copy_start(1, "k", "seg1", &["seg2".into()], 9, false, 1, 5_000).unwrap();
+    st.copy_start(1, "k", "seg1", &["seg2".into()], 9, false, 1, 5_000)
+        .unwrap();
     let mut image = changes::Image::default();
     for c in st.take_changes(2) {
         image.apply(c);
