@@ -78,9 +78,9 @@ fn copies_and_moves_carry_the_bytes_to_their_targets() {
     let w: Vec<u8> = v.iter().rev().copied().collect();
     a.put("v", &v, &on(&na)).unwrap();
     b.put("w", &w, &on(&nb)).unwrap();
-    assert_eq!(endpoints(&c, "v"), [na.clone()]);
+    assert_eq!(endpoints(&c, "v"), [na.as_str()]);
 
-    let id = c.create_copy_task("v", &[nb.clone()]).unwrap();
+    let id = c.create_copy_task("v", std::slice::from_ref(&nb)).unwrap();
     let q = finished(&c, id);
     assert_eq!(
         (q.status, q.message.as_str()),
@@ -94,14 +94,14 @@ fn copies_and_moves_carry_the_bytes_to_their_targets() {
     assert_eq!(finished(&c, id).status, TaskStatus::Success);
     assert_eq!(
         endpoints(&c, "w"),
-        [nc.clone()],
+        [nc.as_str()],
         "only the target replica is left"
     );
     assert_eq!(a.get("w").unwrap(), w, "the moved replica holds the value");
 
     // The copy's source goes: the value is read from the copy.
     a.close().unwrap();
-    assert_eq!(endpoints(&c, "v"), [nb.clone()]);
+    assert_eq!(endpoints(&c, "v"), [nb.as_str()]);
     assert_eq!(c.get("v").unwrap(), v, "the copied replica holds the value");
 
     // Removed after the task was created, before it ran (its owner `d` runs its tasks only

@@ -99,15 +99,16 @@ impl State {
         target: &str,
         now: u64,
     ) -> StoreResult<TaskId> {
-        let o = self
-            .objects
-            .get(key)
-            .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
+        // (Before the key is looked up, as Mooncake's client refuses it.)
         if source == target {
             return Err(StoreError::InvalidParams(format!(
                 "a move of {key:?} from {source:?} to itself"
             )));
         }
+        let o = self
+            .objects
+            .get(key)
+            .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         if !self.mounted(target) {
             return Err(StoreError::InvalidParams(format!(
                 "target segment {target:?} is not mounted"

@@ -9,7 +9,7 @@
 //! [`TaskLimits::processing_timeout_ms`] since it was handed out, fails ("pending timeout",
 //! "processing timeout"). Unlike Mooncake, whose tasks of a client that went away wait for
 //! those timeouts, a dropped client's tasks fail when the master drops it
-//! ([`Tasks::client_gone`]).
+//! (`Tasks::client_gone`).
 //!
 //! Not journaled: Mooncake's HA op log carries no task either (only its periodic snapshot
 //! does), so a master that takes over knows no task of its predecessor (a query answers

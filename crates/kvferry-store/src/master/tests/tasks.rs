@@ -218,6 +218,11 @@ fn task_requests_are_refused_with_mooncakes_codes() {
     );
     assert_eq!(code(st.create_move_task("nope", "seg1", "seg2", 0)), -704);
     assert_eq!(
+        code(st.create_move_task("nope", "seg1", "seg1", 0)),
+        -600,
+        "source is target, before the key"
+    );
+    assert_eq!(
         code(st.create_move_task("k", "seg1", "seg1", 0)),
         -600,
         "source is target"
