@@ -199,16 +199,23 @@ impl Inner {
     }
 }
 
-/// Fetches and runs this client's tasks every `every` (Mooncake polls every second).
+/// Fetches and runs this client's tasks every `every` (Mooncake polls every second); after a
+/// failed fetch (no master, or an older one that does not know the request) twice as late
+/// each time, up to 30 s, until one succeeds.
 pub(super) fn task_loop(inner: Weak<Inner>, every: Duration) {
+    let mut wait = every;
     loop {
-        std::thread::sleep(every);
+        std::thread::sleep(wait);
         let Some(inner) = inner.upgrade() else { return };
         if inner.closed.load(Ordering::Acquire) {
             return;
         }
-        if let Err(e) = inner.run_tasks() {
-            tracing::debug!("fetching replica tasks: {e}");
+        match inner.run_tasks() {
+            Ok(_) => wait = every,
+            Err(e) => {
+                tracing::debug!("fetching replica tasks: {e}");
+                wait = (wait * 2).min(every.max(Duration::from_secs(30)));
+            }
         }
     }
 }
