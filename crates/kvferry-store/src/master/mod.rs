@@ -78,6 +78,9 @@ pub struct MasterConfig {
     /// The most objects one disk has been given to persist and not reported
     /// (`--offloading_queue_limit`); more are evicted as without a disk.
     pub offloading_queue_limit: usize,
+    /// Replica copy/move tasks: the table's bounds and timeouts (Mooncake's task manager
+    /// flags).
+    pub tasks: tasks::TaskLimits,
 }
 
 impl Default for MasterConfig {
@@ -95,6 +98,7 @@ impl Default for MasterConfig {
             put_wait_for_reads: Duration::from_secs(1),
             offload_timeout: Duration::ZERO,
             offloading_queue_limit: 50_000,
+            tasks: tasks::TaskLimits::default(),
         }
     }
 }
