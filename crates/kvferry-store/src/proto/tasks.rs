@@ -23,7 +23,7 @@ pub enum TaskStatus {
     Success = 3,
 }
 
-/// Answer to [`Request::QueryTask`] (Mooncake's `QueryTaskResponse`). Times are ages at the
+/// Answer to [`Request::QueryTask`](super::Request::QueryTask) (Mooncake's `QueryTaskResponse`). Times are ages at the
 /// master's answer (its clock is monotonic); the client turns them into epoch milliseconds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TaskInfo {
@@ -36,7 +36,7 @@ pub struct TaskInfo {
     pub message: String,
 }
 
-/// A task handed to its client ([`Request::FetchTasks`]; Mooncake's `TaskAssignment` with its
+/// A task handed to its client ([`Request::FetchTasks`](super::Request::FetchTasks); Mooncake's `TaskAssignment` with its
 /// payload as fields).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TaskAssignment {
@@ -53,7 +53,7 @@ pub struct TaskAssignment {
     pub max_retry: u32,
 }
 
-/// Answer to [`Request::CopyStart`]: the source replica to read (under read `read_id`,
+/// Answer to [`Request::CopyStart`](super::Request::CopyStart): the source replica to read (under read `read_id`,
 /// released as a get's) and the room reserved for each new replica.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CopyPlan {
