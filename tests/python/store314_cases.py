@@ -16,6 +16,7 @@ import ctypes
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -398,6 +399,83 @@ def allocate_and_mount_segment(s):
     s.unregister_buffer(src)
     s.remove_all(True)
     return out + [[z["ret"], z["segment_ids"], z["allocated_size"]]]
+
+
+@case
+def module_names_tasks(_):
+    """The task types of the module, their numbers, and an empty QueryTaskResponse."""
+    return [[(n, int(v)) for n, v in m.TaskStatus.__members__.items()], [(n, int(v)) for n, v in m.TaskType.__members__.items()],
+            [m.FAILED == m.TaskStatus.FAILED, m.PROCESSING == m.TaskStatus.PROCESSING, int(m.PENDING), int(m.SUCCESS), int(m.REPLICA_MOVE)],
+            repr(m.QueryTaskResponse())]
+
+
+def _task_end(s, tid):
+    """query_task until the task finished (30 s at most): (response, code)."""
+    deadline = time.time() + 30
+    while True:
+        q, rc = s.query_task(tid)
+        if rc != 0 or int(q.status) in (2, 3) or time.time() > deadline:
+            return q, rc
+        time.sleep(0.05)
+
+
+def _task_shape(s, tid, rc):
+    """What is comparable of a task across implementations (ids and times are not)."""
+    q, qrc = _task_end(s, tid)
+    if q is None:
+        return [rc, qrc]
+    times = 1.7e12 < q.created_at_ms_epoch <= q.last_updated_at_ms_epoch < 4e12
+    return [rc, type(tid).__name__, len(tid), qrc, q.id == tid, int(q.type), int(q.status), q.message, times,
+            type(q.assigned_client).__name__, len(q.assigned_client)]
+
+
+def _eps(s, key):
+    return {r.get_memory_descriptor().buffer_descriptor.transport_endpoint for r in s.get_replica_desc(key)}
+
+
+@case
+def copy_and_move_tasks(s):
+    """A copy to another client's segment adds a replica there; a move of the source to a
+    segment already holding one drops the source; a move to a fresh segment leaves exactly
+    the target replica; the bytes read back (from the one replica left)."""
+    t = store()
+    a, b = s.get_hostname(), t.get_hostname()
+    on_a = cfg(preferred_segment=a)
+    out = [s.put("ct1", b"copied value", on_a), s.put("ct2", b"moved value", on_a)]
+    e0 = _eps(s, "ct1")
+    out.append(_task_shape(s, *s.create_copy_task("ct1", [b])))
+    e1 = _eps(s, "ct1")
+    out += [len(e0), len(e1), e0 < e1]
+    out.append(_task_shape(s, *s.create_move_task("ct1", a, b)))
+    e2 = _eps(s, "ct1")
+    out += [e2 == e1 - e0, s.get("ct1")]
+    f0 = _eps(s, "ct2")
+    out.append(_task_shape(t, *t.create_move_task("ct2", a, b)))
+    f1 = _eps(s, "ct2")
+    out += [len(f1), f1 == e2, f0 == e0, s.get("ct2")]
+    # A copy to the segment that holds the replica: nothing to copy, SUCCESS.
+    out.append(_task_shape(s, *s.create_copy_task("ct2", [b])))
+    out.append(len(_eps(s, "ct2")))
+    out += [s.remove("ct1", True), s.remove("ct2", True)]
+    t.close()
+    return out
+
+
+@case
+def task_refusals(s):
+    a = s.get_hostname()
+    out = [s.put("ct3", b"x", cfg(preferred_segment=a))]
+    out += [list(s.create_copy_task("ct3", [])), list(s.create_copy_task("ct3-nope", [a])),
+            list(s.create_copy_task("ct3", ["127.0.0.1:1"])), list(s.create_move_task("ct3", a, a)),
+            list(s.create_move_task("ct3-nope", a, a)), list(s.create_move_task("ct3", "127.0.0.1:1", a)),
+            list(s.create_move_task("ct3", a, "127.0.0.1:1")), list(s.query_task((1, 2)))]
+    out.append(s.remove("ct3", True))
+    return out
+
+
+@case
+def query_task_not_a_pair(s):
+    return s.query_task(5)
 
 
 @case

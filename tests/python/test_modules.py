@@ -265,9 +265,9 @@ def test_async_store_keeps_the_reason_of_names_not_provided():
 
     s = MooncakeDistributedStoreAsync()
     with pytest.raises(AttributeError, match="not provided by kvferry"):
-        s.create_copy_task  # noqa: B018
-    with pytest.raises(AttributeError, match="async_create_copy_task.*not provided by kvferry"):
-        s.async_create_copy_task  # noqa: B018
+        s.mount_segment  # noqa: B018
+    with pytest.raises(AttributeError, match="async_mount_segment.*not provided by kvferry"):
+        s.async_mount_segment  # noqa: B018
 
 
 # -- cli (mooncake_master) ----------------------------------------------------------------

@@ -94,18 +94,28 @@ def test_parity_with_stock_0_3_14():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("name", ["probe_grants_no_lease", "batch_probe_last_hit_only", "put_session", "get_session", "snapshot_reads", "allocate_and_mount_segment"])
+def _ok(kind):
+    """A task's shape in a case (store314_cases._task_shape) once it succeeded."""
+    return [0, "tuple", 2, 0, True, kind, 3, "Task completed successfully", True, "tuple", 2]
+
+
+@pytest.mark.parametrize("name", ["probe_grants_no_lease", "batch_probe_last_hit_only", "put_session", "get_session", "snapshot_reads", "allocate_and_mount_segment",
+                                  "copy_and_move_tasks"])
 def test_kvferry_cases_hold_their_shape(name):
     """The cases that prove the semantics, checked on kvferry alone (so a missing stock wheel
     does not hide them): probe leases nothing where is_exist does; LastHitOnly leases only
     the last group found; sessions write and read ranges; snapshots read ranges; a segment
-    mounted after setup takes a value too large for the setup's and loses it when unmounted."""
+    mounted after setup takes a value too large for the setup's and loses it when unmounted; a
+    copy task adds a replica on another client's segment, a move leaves only the target's."""
     want = {
         "probe_grants_no_lease": [0, 1, 0, 0, 0, 1, -706],
         "batch_probe_last_hit_only": [[1, 1, 0], 0, -706],
         "put_session": [[0, 0], [0, 0, {"bytes": ""}], [100, 50], [0, 0, -600], [True, True], [-600]],
         "get_session": [0, 0, [0, 0, -704], -706, [50, 10], [True, True, True], [[-600], [-600], [-600]], 0, [[-600], 0]],
         "allocate_and_mount_segment": [["allocated_size", "ret", "segment_ids"], 0, 1, True, 0, 18 << 20, 0, 0, -1, -1, [-1, [], 0]],
+        # Each task: (rc, id shape, query rc, id, type, status, message, times, client shape).
+        "copy_and_move_tasks": [0, 0, _ok(0), 1, 2, True, _ok(1), True, {"bytes": b"copied value".hex()}, _ok(1), 1, True, True,
+                                {"bytes": b"moved value".hex()}, _ok(0), 1, 0, 0],
         "snapshot_reads": ["RangedReadSnapshot", -706, [[[3, 4], [5]]], ["050607", "32333435", "cdefg"], [[[8]], [[1]]], [[[-704]]]],
     }
     assert _kvferry()[name] == want[name]
@@ -186,7 +196,7 @@ def test_setup_dict_names_the_keys_it_refuses_and_warns_once_for_those_without_e
 def test_module_names_not_served_say_why():
     import kvferry.mooncake.store as ms
 
-    for n in ("get_alloc_func_addr", "TaskType", "EngramStore"):
+    for n in ("get_alloc_func_addr", "EngramStore"):
         with pytest.raises(AttributeError, match="not provided by kvferry"):
             getattr(ms, n)
     with pytest.raises(AttributeError, match="has no attribute"):

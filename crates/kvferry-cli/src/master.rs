@@ -88,6 +88,25 @@ pub struct MasterArgs {
     /// object is evicted as without a disk.
     #[arg(long, default_value_t = 30, value_parser = secs())]
     pub offload_timeout_sec: u64,
+    /// Replica copy/move tasks (Mooncake's task manager): the most finished tasks kept for
+    /// `query_task` (the oldest are forgotten).
+    #[arg(long, default_value_t = 10_000)]
+    pub max_total_finished_tasks: u32,
+    /// The most tasks waiting for their client; more are refused (-1401).
+    #[arg(long, default_value_t = 10_000)]
+    pub max_total_pending_tasks: u32,
+    /// The most tasks running at once; the others wait.
+    #[arg(long, default_value_t = 10_000)]
+    pub max_total_processing_tasks: u32,
+    /// Seconds a task may wait for its client before it fails (0: no limit).
+    #[arg(long, default_value_t = 300, value_parser = secs())]
+    pub pending_task_timeout_sec: u64,
+    /// Seconds a task may run at its client before it fails (0: no limit).
+    #[arg(long, default_value_t = 300, value_parser = secs())]
+    pub processing_task_timeout_sec: u64,
+    /// How often a client tries a copy again that found no room.
+    #[arg(long, default_value_t = 10)]
+    pub max_retry_attempts: u32,
     /// Read these settings from a JSON file (keys as the flags, with underscores); flags given
     /// on the command line win.
     #[arg(long)]
@@ -266,6 +285,14 @@ impl MasterArgs {
                 false => Duration::ZERO,
             },
             offloading_queue_limit: self.offloading_queue_limit as usize,
+            tasks: kvferry_store::master::tasks::TaskLimits {
+                max_finished: self.max_total_finished_tasks as usize,
+                max_pending: self.max_total_pending_tasks as usize,
+                max_processing: self.max_total_processing_tasks as usize,
+                pending_timeout_ms: self.pending_task_timeout_sec * 1000,
+                processing_timeout_ms: self.processing_task_timeout_sec * 1000,
+                max_retry: self.max_retry_attempts,
+            },
         })
     }
 }
@@ -334,6 +361,12 @@ fn merge_config_file(a: MasterArgs, matches: &clap::ArgMatches) -> Result<Master
         enable_offload,
         offloading_queue_limit,
         offload_timeout_sec,
+        max_total_finished_tasks,
+        max_total_pending_tasks,
+        max_total_processing_tasks,
+        pending_task_timeout_sec,
+        processing_task_timeout_sec,
+        max_retry_attempts,
         summary_interval,
         enable_http_metadata_server,
         http_metadata_server_host,
@@ -836,6 +869,32 @@ mod tests {
             .master_config()
             .unwrap();
         assert_eq!(c.offload_timeout, Duration::ZERO);
+    }
+
+    /// Mooncake's task manager flags set the task table's bounds and timeouts.
+    #[test]
+    fn task_flags_set_the_task_table() {
+        let c = parse(&[
+            "--max_total_finished_tasks=5",
+            "--max_total_pending_tasks=6",
+            "--max_total_processing_tasks=7",
+            "--pending_task_timeout_sec=8",
+            "--processing_task_timeout_sec=0",
+            "--max_retry_attempts=2",
+        ])
+        .master_config()
+        .unwrap();
+        let want = kvferry_store::master::tasks::TaskLimits {
+            max_finished: 5,
+            max_pending: 6,
+            max_processing: 7,
+            pending_timeout_ms: 8_000,
+            processing_timeout_ms: 0,
+            max_retry: 2,
+        };
+        assert_eq!(c.tasks, want);
+        let d = parse(&[]).master_config().unwrap();
+        assert_eq!(d.tasks, kvferry_store::master::tasks::TaskLimits::default());
     }
 
     #[test]

@@ -117,7 +117,6 @@ const NO_PROMOTION: &str = "kvferry's disk tier serves a hit from the disk and d
                             it back to memory";
 const DISK_OWN: &str = "each client's disk tier evicts its least recently used records \
                         itself when its size limit is reached";
-const NO_TASKS: &str = "kvferry's master has no replica copy/move tasks";
 const NO_EVENTS: &str = "kvferry's master publishes no KV events";
 const THREADS: &str = "kvferry's master serves each RPC connection on its own thread";
 const NO_WEIGHTS: &str = "kvferry's master has no managed weight imports";
@@ -448,32 +447,6 @@ const MOONCAKE_ONLY: &[(&str, Kind, Action)] = &[
         Kind::Bool,
         Action::Ignore(NO_WEIGHTS),
     ),
-    (
-        "max_total_finished_tasks",
-        Kind::Value,
-        Action::Ignore(NO_TASKS),
-    ),
-    (
-        "max_total_pending_tasks",
-        Kind::Value,
-        Action::Ignore(NO_TASKS),
-    ),
-    (
-        "max_total_processing_tasks",
-        Kind::Value,
-        Action::Ignore(NO_TASKS),
-    ),
-    (
-        "pending_task_timeout_sec",
-        Kind::Value,
-        Action::Ignore(NO_TASKS),
-    ),
-    (
-        "processing_task_timeout_sec",
-        Kind::Value,
-        Action::Ignore(NO_TASKS),
-    ),
-    ("max_retry_attempts", Kind::Value, Action::Ignore(NO_TASKS)),
 ];
 
 /// Which Mooncake program's flags a kvferry command takes, and what becomes of each.

@@ -45,6 +45,12 @@ fn class_of(e: &StoreError) -> &'static str {
         | StoreError::MasterFailover(_)
         | StoreError::OutcomeUnknown => "MasterUnreachable",
         StoreError::Internal(_) | StoreError::Unauthorized(_) => "StoreError",
+        StoreError::ObjectHasReplicationTask(_)
+        | StoreError::ObjectNoReplicationTask(_)
+        | StoreError::ReplicaNotFound(_)
+        | StoreError::TaskNotFound(_)
+        | StoreError::TaskPendingLimitExceeded(_)
+        | StoreError::IllegalClient(_) => "StoreError",
     }
 }
 
@@ -668,6 +674,54 @@ impl StoreCore {
     #[pyo3(signature = (force=false))]
     fn remove_all(&self, py: Python<'_>, force: bool) -> PyResult<u64> {
         self.with(py, move |c| c.remove_all(force))
+    }
+
+    /// Mooncake's `create_copy_task`: the task's id, a pair of 64-bit halves.
+    fn create_copy_task(
+        &self,
+        py: Python<'_>,
+        key: String,
+        targets: Vec<String>,
+    ) -> PyResult<(u64, u64)> {
+        self.with(py, move |c| c.create_copy_task(&key, &targets))
+    }
+
+    /// Mooncake's `create_move_task`: the task's id.
+    fn create_move_task(
+        &self,
+        py: Python<'_>,
+        key: String,
+        source: String,
+        target: String,
+    ) -> PyResult<(u64, u64)> {
+        self.with(py, move |c| c.create_move_task(&key, &source, &target))
+    }
+
+    /// Mooncake's `query_task`: (id, type 0 copy / 1 move, status 0 PENDING / 1 PROCESSING /
+    /// 2 FAILED / 3 SUCCESS, created and last updated in ms since the epoch, assigned client
+    /// as a pair, message).
+    #[allow(clippy::type_complexity)]
+    fn query_task(
+        &self,
+        py: Python<'_>,
+        id: (u64, u64),
+    ) -> PyResult<((u64, u64), u8, u8, i64, i64, (u64, u64), String)> {
+        self.with(py, move |c| {
+            let q = c.query_task(id)?;
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as i64);
+            let ago = |ms: u64| now.saturating_sub(ms as i64);
+            Ok((
+                q.id,
+                q.kind as u8,
+                q.status as u8,
+                ago(q.created_ago_ms),
+                ago(q.updated_ago_ms),
+                (0, q.assigned_client),
+                q.message,
+            ))
+        })
     }
 
     /// Where each key's replicas live (Mooncake's `batch_get_replica_desc`): per key a list of

@@ -61,6 +61,27 @@ pub enum StoreError {
     /// set. Nothing was applied. Last, so the other variants keep their wire numbers.
     #[error("not authenticated: {0}")]
     Unauthorized(String),
+    /// A put or a replica copy/move of the object is in progress (Mooncake's
+    /// `OBJECT_HAS_REPLICATION_TASK`). Last, so the other variants keep their wire numbers.
+    #[error("object {0:?} is being written or copied (a put, copy or move is in progress); retry once it ended")]
+    ObjectHasReplicationTask(String),
+    /// No copy or move of the object by this client is in progress (Mooncake's
+    /// `OBJECT_NO_REPLICATION_TASK`).
+    #[error("no copy or move of {0:?} by this client is in progress (it was revoked, discarded, or the master failed over)")]
+    ObjectNoReplicationTask(String),
+    /// The object has no complete replica on the segment named (Mooncake's `REPLICA_NOT_FOUND`).
+    #[error("no replica of {0}")]
+    ReplicaNotFound(String),
+    /// No task of this id is known (Mooncake's `TASK_NOT_FOUND`): never created, or finished
+    /// long enough ago to have been pruned, or created before the master restarted.
+    #[error("task {0} not found (finished tasks are kept for the last 10000 only, and not across a master restart or failover)")]
+    TaskNotFound(String),
+    /// Too many tasks wait for their client (Mooncake's `TASK_PENDING_LIMIT_EXCEEDED`).
+    #[error("{0} tasks are already pending (the master's limit); retry once some have run")]
+    TaskPendingLimitExceeded(u64),
+    /// The client is not the one the task was assigned to (Mooncake's `ILLEGAL_CLIENT`).
+    #[error("illegal client: {0}")]
+    IllegalClient(String),
 }
 
 impl StoreError {
@@ -87,6 +108,12 @@ impl StoreError {
             StoreError::OutcomeUnknown => -900,
             // (Mooncake has no such error: kvferry's own number, next to NotLeader's.)
             StoreError::Unauthorized(_) => -1012,
+            StoreError::ObjectHasReplicationTask(_) => -708,
+            StoreError::ObjectNoReplicationTask(_) => -709,
+            StoreError::ReplicaNotFound(_) => -710,
+            StoreError::TaskNotFound(_) => -1400,
+            StoreError::TaskPendingLimitExceeded(_) => -1401,
+            StoreError::IllegalClient(_) => -601,
         }
     }
 }

@@ -53,6 +53,7 @@ impl Master {
             cfg.offload_timeout.as_millis() as u64,
             cfg.offloading_queue_limit,
         );
+        state.set_task_limits(cfg.tasks);
         Master {
             cfg,
             start: Instant::now(),
@@ -120,6 +121,7 @@ impl Master {
             self.cfg.offload_timeout.as_millis() as u64,
             self.cfg.offloading_queue_limit,
         );
+        st.set_task_limits(self.cfg.tasks);
         *self.lock() = st;
     }
 
@@ -168,6 +170,7 @@ impl Master {
             self.cleanup.push(dropped, kept);
         }
         st.expire_offloads(now, &self.stats);
+        st.expire_tasks(now);
         st.expire_reads(now);
         st.release_deferred(now);
         let (used, total) = (st.used_bytes(), st.total_bytes());

@@ -18,6 +18,9 @@ use crate::error::{StoreError, StoreResult};
 use crate::frame;
 use serde::{Deserialize, Serialize};
 
+mod tasks;
+pub use tasks::{CopyPlan, TaskAssignment, TaskId, TaskInfo, TaskKind, TaskStatus};
+
 /// Largest frame accepted (a batch of many keys fits easily).
 pub const MAX_FRAME: usize = 64 << 20;
 
@@ -444,6 +447,61 @@ pub enum Request {
     ProbeKey {
         key: String,
     },
+    /// Mooncake 0.3.14's `CreateCopyTask`: a task for the client that owns one of `key`'s
+    /// replicas (picked at random) to copy it to each of `targets` (segment names) that holds
+    /// none. Answered by [`Response::Task`] with the task's id. (The tasks' requests are last,
+    /// so the other variants keep their wire numbers.)
+    CreateCopyTask {
+        key: String,
+        #[serde(deserialize_with = "de_seq")]
+        targets: Vec<String>,
+    },
+    /// Mooncake 0.3.14's `CreateMoveTask`: a task for the client that owns `source` (a segment
+    /// name holding a replica of `key`) to copy it to `target` and then drop the source
+    /// replica. Answered by [`Response::Task`].
+    CreateMoveTask {
+        key: String,
+        source: String,
+        target: String,
+    },
+    /// Mooncake 0.3.14's `QueryTask`: answered by [`Response::TaskInfo`].
+    QueryTask {
+        id: TaskId,
+    },
+    /// The tasks assigned to `client` not handed out yet, at most `max` (they are then
+    /// processing): answered by [`Response::Tasks`].
+    FetchTasks {
+        client: u64,
+        max: u32,
+    },
+    /// Task `id`, assigned to `client`, ended: `ok` (SUCCESS) or not (FAILED), with a message.
+    CompleteTask {
+        client: u64,
+        id: TaskId,
+        ok: bool,
+        message: String,
+    },
+    /// Reserves room for a copy of `key`'s replica on segment `source` in each of `targets`
+    /// that holds no replica of it, and leases the source for the copier's read (Mooncake's
+    /// `CopyStart`/`MoveStart`). `put` names the copy as it names a put (a `PutRevoke` of it
+    /// gives its room back); `remove_source`: a move (its end drops the source replica).
+    /// Answered by [`Response::Copy`].
+    CopyStart {
+        client: u64,
+        key: String,
+        source: String,
+        #[serde(deserialize_with = "de_seq")]
+        targets: Vec<String>,
+        put: u64,
+        remove_source: bool,
+    },
+    /// The copy `put` of `key` landed: its replicas become readable (and a move's source
+    /// replica goes). Answered `Ok`.
+    CopyEnd {
+        client: u64,
+        key: String,
+        put: u64,
+    },
 }
 
 /// A write into a segment still running, as a client reports it (`Request::HoldWrites`).
@@ -480,6 +538,15 @@ pub enum Response {
     /// To [`Request::GetReplicaList`] when no memory replica is left but a copy on a client's
     /// disk is (a client that does not know it fails the read with a decoding error).
     DiskReplica(DiskReplicaList),
+    /// To [`Request::CreateCopyTask`] and [`Request::CreateMoveTask`]. (The tasks' answers
+    /// are last, so the other variants keep their wire numbers.)
+    Task(TaskId),
+    /// To [`Request::QueryTask`].
+    TaskInfo(Box<TaskInfo>),
+    /// To [`Request::FetchTasks`].
+    Tasks(#[serde(deserialize_with = "de_seq")] Vec<TaskAssignment>),
+    /// To [`Request::CopyStart`].
+    Copy(Box<CopyPlan>),
 }
 
 /// Answer to a `GetReplicaList` served from a disk: where the copy is, under a read lease.

@@ -15,7 +15,7 @@
 //! engine registered is retried with another port (`KVFERRY_STORE_CLIENT_SETUP_RETRIES`, 20; the `MC_STORE_CLIENT_*` names are aliases).
 //!
 //! This module holds the client's configuration, its setup and close, and the background
-//! threads (pings, read releases); `rpc` talks to the master, `put` and `get` move values,
+//! threads (pings, read releases, replica tasks: `tasks`); `rpc` talks to the master, `put` and `get` move values,
 //! `staged` is the bytes API's local buffer and `keys` the calls that move no bytes;
 //! `session` reserves space to write by ranges and keeps replica lists to read by ranges.
 
@@ -32,6 +32,7 @@ mod segments;
 mod session;
 mod staged;
 mod start;
+mod tasks;
 
 pub use keys::Replica;
 pub use session::{Range, ReadLease, Reservation};
@@ -466,6 +467,11 @@ impl Client {
         std::thread::Builder::new()
             .name("kvf-store-release".into())
             .spawn(move || release_loop(weak))
+            .map_err(|e| StoreError::Internal(e.to_string()))?;
+        let weak = Arc::downgrade(&inner);
+        std::thread::Builder::new()
+            .name("kvf-store-tasks".into())
+            .spawn(move || tasks::task_loop(weak, every))
             .map_err(|e| StoreError::Internal(e.to_string()))?;
         if inner.offload.is_some() {
             let weak = Arc::downgrade(&inner);

@@ -152,6 +152,7 @@ pub(super) fn idempotent(req: &Request) -> bool {
         | Request::GetReplicaList { .. }
         | Request::ExistKey { .. }
         | Request::ProbeKey { .. }
+        | Request::QueryTask { .. }
         | Request::ReleaseReads { .. }
         | Request::HoldWrites { .. } => true,
         Request::Batch(v) => v.iter().all(idempotent),

@@ -114,6 +114,13 @@ impl State {
                 Ok(re) => Ok(Response::Count(removed.insert(self.remove_matching(cfg, |k| re.is_match(k), *force, now)).count())),
                 Err(e) => Err(StoreError::InvalidParams(format!("bad regex {pattern:?}: {e}"))),
             },
+            Request::CreateCopyTask { key, targets } => self.create_copy_task(key, targets, now).map(Response::Task),
+            Request::CreateMoveTask { key, source, target } => self.create_move_task(key, source, target, now).map(Response::Task),
+            Request::QueryTask { id } => self.query_task(*id, now).map(|i| Response::TaskInfo(Box::new(i))),
+            Request::FetchTasks { client, max } => Ok(Response::Tasks(self.fetch_tasks(*client, *max, now))),
+            Request::CompleteTask { client, id, ok, message } => self.complete_task(*client, *id, *ok, message, now).map(|_| Response::Ok),
+            Request::CopyStart { client, key, source, targets, put, remove_source } => self.copy_start(*client, key, source, targets, *put, *remove_source, now, lease).map(|p| Response::Copy(Box::new(p))),
+            Request::CopyEnd { client, key, put } => self.copy_end(*client, key, *put, now).map(|_| Response::Ok),
             Request::Batch(_) => Err(StoreError::InvalidParams("nested batches are not allowed".into())),
             Request::AuthHello { .. } | Request::AuthProof { .. } => Err(StoreError::InvalidParams("the cluster key's handshake opens a connection (AuthHello, alone, as its first frame); not in a batch nor after".into())),
         }

@@ -643,6 +643,7 @@ impl Image {
                     started: now,
                     soft_pin: p.soft_pin,
                     soft_pin_ttl: p.soft_pin_ttl,
+                    copy: None,
                 })
             });
             if current.is_empty()

@@ -28,6 +28,7 @@
 pub mod alloc;
 mod apply;
 pub mod changes;
+mod copy;
 mod deferred;
 mod objects;
 mod offload;
@@ -35,6 +36,7 @@ mod placement;
 mod puts;
 mod segments;
 pub mod shards;
+pub mod tasks;
 
 use crate::error::{StoreError, StoreResult};
 use crate::proto::{ReplicaDesc, Segment, SoftPin};
@@ -76,6 +78,9 @@ pub struct MasterConfig {
     /// The most objects one disk has been given to persist and not reported
     /// (`--offloading_queue_limit`); more are evicted as without a disk.
     pub offloading_queue_limit: usize,
+    /// Replica copy/move tasks: the table's bounds and timeouts (Mooncake's task manager
+    /// flags).
+    pub tasks: tasks::TaskLimits,
 }
 
 impl Default for MasterConfig {
@@ -93,6 +98,7 @@ impl Default for MasterConfig {
             put_wait_for_reads: Duration::from_secs(1),
             offload_timeout: Duration::ZERO,
             offloading_queue_limit: 50_000,
+            tasks: tasks::TaskLimits::default(),
         }
     }
 }
@@ -114,6 +120,8 @@ struct Pending {
     started: u64,
     soft_pin: SoftPin,
     soft_pin_ttl: u64,
+    /// Set when this write is a replica copy or move (`copy.rs`), not a put; not journaled.
+    copy: Option<copy::CopyOf>,
 }
 
 /// (`Default` only as what a bulk removal leaves in the map's slot it empties: an object is
@@ -379,7 +387,7 @@ pub struct Stats {
     pub evicted_bytes: AtomicU64,
 }
 
-pub const OP_NAMES: [&str; 17] = [
+pub const OP_NAMES: [&str; 24] = [
     "mount",
     "remount",
     "unmount",
@@ -397,6 +405,13 @@ pub const OP_NAMES: [&str; 17] = [
     "hold_writes",
     "offload_beat",
     "probe_key",
+    "create_copy_task",
+    "create_move_task",
+    "query_task",
+    "fetch_tasks",
+    "complete_task",
+    "copy_start",
+    "copy_end",
 ];
 
 /// The master's objects by key.
@@ -457,6 +472,8 @@ pub struct State {
     /// The disk tier's bookkeeping: which client holds which disk, the offload tasks handed
     /// out and not reported ([`offload::Offload`]).
     offload: offload::Offload,
+    /// Replica copy and move tasks (`tasks.rs`); not journaled.
+    tasks: tasks::Tasks,
 }
 
 /// A small deterministic generator (splitmix64): the state machine draws from it, not from
@@ -565,6 +582,7 @@ impl State {
     /// randomness (`crate::Master::install`); a test, with what it wants to see again.
     pub fn seed_placement(&mut self, seed: u64) {
         self.placement = Splitmix(seed);
+        self.tasks.seed(seed);
     }
 
     fn desc(&self, r: &Replica) -> Option<ReplicaDesc> {

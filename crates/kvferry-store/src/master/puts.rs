@@ -183,6 +183,7 @@ impl State {
             started: now,
             soft_pin: cfg.soft_pin,
             soft_pin_ttl,
+            copy: None,
         });
         self.mark_key(key);
         match self.objects.get_mut(key) {
@@ -232,6 +233,7 @@ impl State {
             .get(key)
             .ok_or_else(|| StoreError::ObjectNotFound(key.to_string()))?;
         match &o.pending {
+            Some(p) if p.copy.is_some() => return Err(StoreError::InvalidParams(format!("{put} of {key:?} is a replica copy, not a put: a copy ends with CopyEnd"))),
             Some(p) if p.client == client && p.id == put => {}
             Some(p) if p.client == client => return Err(StoreError::InvalidParams(format!("put {put} of {key:?} is not in progress: it was discarded as a zombie and this client is putting the key again (put {}); the earlier put is lost", p.id))),
             _ => return Err(StoreError::InvalidParams(format!("no put of {key:?} by this client is in progress (it was revoked, discarded as a zombie, or never started)"))),

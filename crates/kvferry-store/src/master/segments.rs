@@ -421,6 +421,7 @@ impl State {
         for &c in dead.keys() {
             self.clients.remove(&c);
             self.mark_client(c);
+            self.tasks.client_gone(c, now);
         }
         let mut segs = Vec::new();
         for &id in &self.seg_order {

@@ -13,6 +13,8 @@ mod held;
 mod offload;
 #[cfg(test)]
 mod reads;
+#[cfg(test)]
+mod tasks;
 
 /// Client 1's put 1 (most tests start one put of a key at a time).
 const P1: PutId = PutId { client: 1, put: 1 };

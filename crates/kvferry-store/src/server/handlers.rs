@@ -139,6 +139,7 @@ pub(super) fn mutates(req: &Request) -> bool {
         Request::GetReplicaList { .. }
         | Request::ExistKey { .. }
         | Request::ProbeKey { .. }
+        | Request::QueryTask { .. }
         | Request::Ping { .. }
         | Request::ReleaseReads { .. }
         | Request::AuthHello { .. }
@@ -287,6 +288,13 @@ fn op_of(req: &Request) -> Option<usize> {
         Request::HoldWrites { .. } => 14,
         Request::OffloadBeat { .. } => 15,
         Request::ProbeKey { .. } => 16,
+        Request::CreateCopyTask { .. } => 17,
+        Request::CreateMoveTask { .. } => 18,
+        Request::QueryTask { .. } => 19,
+        Request::FetchTasks { .. } => 20,
+        Request::CompleteTask { .. } => 21,
+        Request::CopyStart { .. } => 22,
+        Request::CopyEnd { .. } => 23,
         Request::Batch(_) | Request::AuthHello { .. } | Request::AuthProof { .. } => return None,
     })
 }

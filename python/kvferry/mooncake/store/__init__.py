@@ -20,6 +20,7 @@ from ._missing import _MODULE_NOT_PROVIDED, _NOT_PROVIDED
 from ._multi import _Multi
 from ._ranges import RangedReadSnapshot, _Ranges
 from ._sessions import _Sessions
+from ._tasks import QueryTaskResponse, TaskStatus, TaskType, _Tasks
 from ._setup import _Setup
 from .._tensor import TensorMethods, deserialize_tensor as _deserialize_tensor, serialize_tensor as _serialize_tensor, tensor_metadata_size as _tensor_metadata_size  # noqa: F401 - Mooncake's private exports
 from ._types import (  # noqa: F401 - the module's names, as before the split
@@ -63,16 +64,22 @@ __all__ = [
     "BufferLease",
     "RegisteredBufferLease",
     "bind_to_numa_node",
+    "TaskType",
+    "TaskStatus",
+    "QueryTaskResponse",
 ]
 
 
 # Mooncake exports these enums' values at module level too (export_values()).
 globals().update({m.name: m for m in ObjectDataType})
 globals().update({m.name: m for m in ReplicaStatus})
-__all__ += [m.name for m in ObjectDataType] + [m.name for m in ReplicaStatus]
+# (Last, as in Mooncake's module: its PROCESSING and FAILED are TaskStatus's.)
+globals().update({m.name: m for m in TaskType})
+globals().update({m.name: m for m in TaskStatus})
+__all__ += sorted({m.name for e in (ObjectDataType, ReplicaStatus, TaskType, TaskStatus) for m in e})
 
 
-class MooncakeDistributedStore(_Setup, _Bytes, _Multi, _Ranges, _Sessions, TensorMethods):
+class MooncakeDistributedStore(_Setup, _Bytes, _Multi, _Ranges, _Sessions, _Tasks, TensorMethods):
     """Mooncake Store's Python client API."""
 
     def __init__(self) -> None:

@@ -17,15 +17,12 @@ _NOT_PROVIDED: Dict[str, str] = {
     **{n: "no local-disk segment or offload RPC reads in kvferry's store" for n in (
         "unmount_local_disk_segment", "get_offload_rpc_read_count",
     )},
-    **{n: "no replica copy/move tasks in kvferry's master" for n in ("create_copy_task", "create_move_task", "query_task")},
     "begin_weight_snapshot": "no model-weight snapshots (Mooncake 0.3.14's weight management: revisions and residency kept by the master); store weights as values with put_from/batch_put_from",
 }
 
-_TASKS = "no replica copy/move tasks in kvferry's master (create_copy_task and friends are not provided either)"
 #: Module-level names of Mooncake 0.3.14's ``mooncake.store`` that kvferry does not provide.
 _MODULE_NOT_PROVIDED: Dict[str, str] = {
     **{n: "Mooncake returns the address of its C hugepage allocator function for native code to call; kvferry's allocator is not a C function: use MooncakeHostMemAllocator or MooncakeDistributedStore.alloc_from_mem_pool" for n in ("get_alloc_func_addr", "get_free_func_addr")},
-    **{n: _TASKS for n in ("TaskType", "TaskStatus", "QueryTaskResponse", "PENDING", "SUCCESS", "REPLICA_COPY", "REPLICA_MOVE")},
     **{n: "a lease's buffer is a plain memoryview" for n in ("BufferLeaseView", "RegisteredBufferLeaseView")},
     "EngramStore": "no Engram tier",
     "MooncakeDistributedNoFRegister": "no NVMe-oF tier",
