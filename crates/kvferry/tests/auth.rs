@@ -408,19 +408,24 @@ fn tampering_relay(
             };
             let (mut a2, mut b2) = (a.try_clone().unwrap(), b.try_clone().unwrap());
             let (inject, seen) = (inject.clone(), Arc::clone(&seen2));
-            // Target → initiator: as it comes; once the answer passed, the injection goes.
+            // Target → initiator: as it comes; once the answer passed, the injection goes. The
+            // signal is sent before the answer is passed on: the initiator's next bytes (its
+            // request) can only be read after that, so they always find the injection due.
             let (tx, rx) = std::sync::mpsc::channel::<()>();
             std::thread::spawn(move || {
                 let mut b = b;
                 let mut buf = [0u8; 65536];
                 let mut passed = 0;
                 while let Ok(n) = b.read(&mut buf) {
-                    if n == 0 || a2.write_all(&buf[..n]).is_err() {
+                    if n == 0 {
                         break;
                     }
                     passed += n;
                     if passed >= answer_len {
                         let _ = tx.send(());
+                    }
+                    if a2.write_all(&buf[..n]).is_err() {
+                        break;
                     }
                 }
                 let _ = a2.shutdown(std::net::Shutdown::Both);
