@@ -410,7 +410,9 @@ def module_names_tasks(_):
 
 
 def _task_end(s, tid):
-    """query_task until the task finished (30 s at most): (response, code)."""
+    """query_task until the task finished (30 s at most): (response, code). A task runs in
+    its owner's background thread (stock polls every second) and nothing announces its end
+    but query_task itself, so it is asked again."""
     deadline = time.time() + 30
     while True:
         q, rc = s.query_task(tid)
