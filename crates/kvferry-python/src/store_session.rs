@@ -51,16 +51,7 @@ impl StoreSessions {
         f: impl FnOnce(&[&T]) -> Vec<Result<R, StoreError>>,
     ) -> Vec<Result<R, StoreError>> {
         let ok: Vec<&T> = found.iter().flatten().map(|a| &**a).collect();
-        let mut done = f(&ok).into_iter();
-        found
-            .iter()
-            .map(|e| match e {
-                Ok(_) => done
-                    .next()
-                    .unwrap_or_else(|| Err(StoreError::Internal("no result".into()))),
-                Err(e) => Err(e.clone()),
-            })
-            .collect()
+        spread_back(&found, f(&ok))
     }
 
     fn on<T: Send>(
@@ -259,7 +250,16 @@ fn per_found<T, R>(
         .zip(rs)
         .filter_map(|(e, r)| e.as_ref().ok().map(|a| (&**a, &r[..])))
         .collect();
-    let mut done = f(&items).into_iter();
+    spread_back(found, f(&items))
+}
+
+/// Per key of `found`, the next of `done` (the results of the keys found, in order) or the
+/// error that found nothing for it.
+fn spread_back<T, R>(
+    found: &[Result<Arc<T>, StoreError>],
+    done: Vec<Result<R, StoreError>>,
+) -> Vec<Result<R, StoreError>> {
+    let mut done = done.into_iter();
     found
         .iter()
         .map(|e| match e {
