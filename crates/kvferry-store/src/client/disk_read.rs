@@ -505,8 +505,10 @@ impl Client {
                     results.push((
                         it.index,
                         Err(StoreError::TransferFailed(format!(
-                            "{}: the staging buffer of {owner} stayed full; retry",
-                            it.key
+                            "{}: the staging buffer of {owner} stayed full for {:?} (other \
+                             readers' values held it): retry, or give that client a larger \
+                             ssd_offload_staging_size",
+                            it.key, SPACE_WAIT
                         ))),
                     ));
                 }

@@ -317,7 +317,7 @@ fn concurrent_readers_share_a_bounded_staging_buffer() {
                         let got = loop {
                             match b.get(k) {
                                 Err(StoreError::TransferFailed(e))
-                                    if e.contains("stayed full; retry")
+                                    if e.contains("stayed full for")
                                         && Instant::now() < deadline => {}
                                 r => break r.unwrap(),
                             }
